@@ -1,0 +1,5 @@
+import sys
+
+from gptkit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,174 @@
+"""Analytic accounting: parameter counts, FLOPs per token, MFU, memory and cost estimates.
+
+Nothing here allocates weights: a 175B config answers as fast as a tiny one.
+
+FLOPs convention (one multiply-add = 2 FLOPs; matmuls only, as in Kaplan et al. and PaLM):
+
+    N_matmul   = parameters that take part in a matmul per token: the q/k/v/o and MLP weight
+                 matrices of every layer plus the LM head (even when it is tied to the token
+                 embedding, the output projection is still a d_model x vocab matmul). Token and
+                 position embeddings are lookups (no FLOPs); norms and biases are elementwise.
+    forward    = 2 * N_matmul + attention,  attention = 4 * n_layers * T * d_attn   (dense)
+    training   = 3 * forward = 6 * N_matmul + 12 * n_layers * T * d_attn          (dense)
+    causal     = the attention term halved (each query sees on average ~T/2 keys)
+
+The literature's headline figure C = 6 * N * D (N = all parameters) is reported beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from gptkit.model.config import ModelConfig
+
+# Dense peak TFLOP/s by accelerator and compute dtype (vendor datasheets, no sparsity).
+ACCELERATORS: dict[str, dict[str, float]] = {
+    "a100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+    "h100": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},
+    "h200": {"bf16": 989.0, "fp16": 989.0, "tf32": 494.0, "fp32": 67.0, "fp8": 1979.0},
+    "b200": {"bf16": 2250.0, "fp16": 2250.0, "tf32": 1100.0, "fp32": 80.0, "fp8": 4500.0},
+    "v100": {"fp16": 125.0, "fp32": 15.7},
+    "a10g": {"bf16": 70.0, "fp16": 70.0, "tf32": 35.0, "fp32": 31.2},
+    "l4": {"bf16": 121.0, "fp16": 121.0, "tf32": 60.0, "fp32": 30.3},
+    "l40s": {"bf16": 362.0, "fp16": 362.0, "tf32": 183.0, "fp32": 91.6},
+    "t4": {"fp16": 65.0, "fp32": 8.1},
+    "rtx3090": {"bf16": 71.0, "fp16": 71.0, "tf32": 35.6, "fp32": 35.6},
+    "rtx4090": {"bf16": 165.0, "fp16": 165.0, "tf32": 82.6, "fp32": 82.6},
+    "mi250x": {"bf16": 383.0, "fp16": 383.0, "fp32": 47.9},
+    "mi300x": {"bf16": 1307.0, "fp16": 1307.0, "tf32": 654.0, "fp32": 163.4, "fp8": 2615.0},
+}
+
+# bytes per element for the dtypes we talk about
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+
+# Lightning precision string -> (compute dtype, weight bytes, grad bytes, optimizer-state bytes per param)
+#   mixed precision keeps fp32 master weights and fp32 grads; AdamW keeps two fp32 moments.
+#   "true" half precision keeps everything (weights, grads, moments) in that dtype.
+PRECISIONS = {
+    "32-true": ("fp32", 4, 4, 8),
+    "bf16-mixed": ("bf16", 4, 4, 8),
+    "16-mixed": ("fp16", 4, 4, 8),
+    "bf16-true": ("bf16", 2, 2, 4),
+}
+
+
+def peak_flops(gpu: str, dtype: str) -> float:
+    """Dense peak FLOP/s of `gpu` for `dtype`; KeyError names what exists."""
+    table = ACCELERATORS[gpu.lower()]
+    return table[dtype] * 1e12
+
+
+@dataclass
+class ParamCounts:
+    tok_emb: int
+    pos_emb: int
+    attn_q: int  # all layers
+    attn_k: int
+    attn_v: int
+    attn_o: int
+    mlp: int
+    norms: int  # the two per-layer norms, all layers
+    final_norm: int
+    lm_head: int  # 0 when tied to tok_emb
+    per_layer: int
+    n_layers: int
+
+    @property
+    def attention(self) -> int:
+        return self.attn_q + self.attn_k + self.attn_v + self.attn_o
+
+    @property
+    def total(self) -> int:
+        return (self.tok_emb + self.pos_emb + self.attention + self.mlp + self.norms
+                + self.final_norm + self.lm_head)
+
+    @property
+    def non_embedding(self) -> int:
+        """All parameters but the token and position embeddings (Kaplan et al.'s N)."""
+        return self.total - self.tok_emb - self.pos_emb
+
+
+def count_params(cfg: ModelConfig) -> ParamCounts:
+    d, L, b = cfg.d_model, cfg.n_layers, int(cfg.bias)
+    q = d * cfg.d_attn + b * cfg.d_attn
+    k = d * cfg.d_kv + b * cfg.d_kv
+    v = d * cfg.d_kv + b * cfg.d_kv
+    o = cfg.d_attn * d + b * d
+    if cfg.mlp == "gelu":
+        mlp = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
+    else:
+        mlp = 3 * d * cfg.d_ff + b * (2 * cfg.d_ff + d)
+    norm = d * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
+    per_layer = q + k + v + o + mlp + 2 * norm
+    return ParamCounts(
+        tok_emb=cfg.vocab_size * d,
+        pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
+        attn_q=L * q, attn_k=L * k, attn_v=L * v, attn_o=L * o,
+        mlp=L * mlp, norms=L * 2 * norm, final_norm=norm,
+        lm_head=0 if cfg.tie_embeddings else d * cfg.vocab_size,
+        per_layer=per_layer, n_layers=L,
+    )
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights that take part in a matmul for every token (see the module docstring)."""
+    d = cfg.d_model
+    per_layer = d * cfg.d_attn + 2 * d * cfg.d_kv + cfg.d_attn * d + (2 if cfg.mlp == "gelu" else 3) * d * cfg.d_ff
+    return cfg.n_layers * per_layer + d * cfg.vocab_size
+
+
+@dataclass
+class Flops:
+    n_matmul: int
+    seq_len: int
+    forward_dense: float  # per token
+    forward_causal: float
+    train_dense: float
+    train_causal: float
+    attention_forward_dense: float  # the attention-score part of forward_dense
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
+    T = seq_len or cfg.max_seq_len
+    n = matmul_params(cfg)
+    attn = 4.0 * cfg.n_layers * T * cfg.d_attn  # QK^T and AV, 2*T*d_attn FLOPs each per token per layer
+    fwd_dense = 2.0 * n + attn
+    fwd_causal = 2.0 * n + attn / 2
+    return Flops(n, T, fwd_dense, fwd_causal, 3 * fwd_dense, 3 * fwd_causal, attn)
+
+
+def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
+    """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim elements per token."""
+    return 2 * cfg.n_layers * cfg.d_kv * DTYPE_BYTES[dtype]
+
+
+def training_memory(cfg: ModelConfig, precision: str = "bf16-mixed", n_shards: int = 1,
+                    micro_batch: int = 1, seq_len: int | None = None, checkpointing: bool = False) -> dict[str, float]:
+    """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3),
+    plus an activation estimate.
+
+    Activations follow Korthikanti et al. (2022) for a layer with flash attention (no T x T
+    scores kept): ~34 * T * B * d_model bytes per layer in 16-bit, twice that in fp32; with
+    activation checkpointing only the block inputs (2 * T * B * d_model bytes per layer) stay.
+    It is an estimate: MLP widths and GQA move it by tens of percent.
+    """
+    _, wb, gb, ob = PRECISIONS[precision]
+    n = count_params(cfg).total
+    T = seq_len or cfg.max_seq_len
+    act_unit = 2 if precision != "32-true" else 4
+    per_layer = (2 if checkpointing else 34) * T * micro_batch * cfg.d_model * act_unit / 2
+    logits = T * micro_batch * cfg.vocab_size * 4  # fp32 logits for the loss
+    out = {
+        "weights": n * wb / n_shards,
+        "gradients": n * gb / n_shards,
+        "optimizer": n * ob / n_shards,
+        "activations": cfg.n_layers * per_layer + logits,
+    }
+    if precision.endswith("-mixed"):  # a half-precision working copy of the weights during compute
+        out["weights"] += n * 2 / n_shards
+    out["total"] = sum(out.values())
+    return out
+
+
+def mfu(tokens_per_s: float, flops_per_token_train: float, peak: float) -> float:
+    return tokens_per_s * flops_per_token_train / peak

@@ -1,0 +1,29 @@
+"""Benchmarks print a table (and write JSON with out=...); numbers in the README come from these.
+
+Examples:
+  gptkit bench attention            (GPU: Triton vs SDPA flash vs eager, TFLOP/s)
+  gptkit bench data                 (tokenizer MB/s, batch cost vs a training step)
+  gptkit bench train                (Lightning loop vs a bare PyTorch loop)
+  gptkit bench sample               (KV-cache decode tokens/s vs transformers generate())
+"""
+
+from __future__ import annotations
+
+VERB = "bench"
+HELP = "speed and memory benchmarks: gptkit bench attention|data|train|sample [key=value ...]"
+CONFIG = "bench"
+HYDRA_APP = False
+POSITIONAL = "bench"  # `gptkit bench data` means `gptkit bench bench=data`
+
+
+def run(cfg) -> int:
+    import importlib
+
+    from gptkit.errors import ConfigError
+
+    what = cfg.bench.name
+    try:
+        mod = importlib.import_module(f"gptkit.bench.{what}")
+    except ModuleNotFoundError as exc:
+        raise ConfigError(f"no benchmark named {what!r}") from exc
+    return int(mod.run(cfg.bench) or 0)

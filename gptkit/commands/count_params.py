@@ -1,0 +1,180 @@
+"""Analytic: never allocates weights, so `model=llama3-70b` answers as fast as a tiny model.
+
+Examples:
+  gptkit count-params model=llama2-7b
+  gptkit count-params model=gpt2 tokens=300e9 gpu=h100 mfu=0.45
+  gptkit count-params model=llama3-8b precision=bf16-mixed n_gpus=8 format=json
+"""
+
+from __future__ import annotations
+
+VERB = "count-params"
+HELP = "parameters by component, FLOPs per token, and compute/memory estimates for a planned run"
+CONFIG = "count_params"
+HYDRA_APP = False
+
+
+def report(cfg) -> dict:
+    """Everything count-params knows, as plain data (the json output)."""
+    from gptkit import accounting as acc
+    from gptkit.config import model_config
+    from gptkit.errors import ConfigError
+
+    m = model_config(cfg.model)
+    pc = acc.count_params(m)
+    fl = acc.flops_per_token(m, cfg.seq_len)
+    if cfg.dtype not in acc.DTYPE_BYTES:
+        raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(acc.DTYPE_BYTES)}")
+    if cfg.precision not in acc.PRECISIONS:
+        raise ConfigError(f"precision={cfg.precision!r} is not one of {', '.join(acc.PRECISIONS)}")
+    if cfg.kv_dtype not in acc.DTYPE_BYTES:
+        raise ConfigError(f"kv_dtype={cfg.kv_dtype!r} is not one of {', '.join(acc.DTYPE_BYTES)}")
+    if not 0 < float(cfg.mfu) <= 1:
+        raise ConfigError(f"mfu={cfg.mfu} must be in (0, 1]")
+    if cfg.peak_tflops is not None:
+        peak = float(cfg.peak_tflops) * 1e12
+    else:
+        gpu = str(cfg.gpu).lower()
+        if gpu not in acc.ACCELERATORS:
+            raise ConfigError(f"unknown gpu={cfg.gpu!r}; known: {', '.join(acc.ACCELERATORS)} (or set peak_tflops=)")
+        if cfg.dtype not in acc.ACCELERATORS[gpu]:
+            raise ConfigError(f"gpu={gpu} has no {cfg.dtype} peak in the table; pick dtype= one of "
+                              f"{', '.join(acc.ACCELERATORS[gpu])} or set peak_tflops=")
+        peak = acc.peak_flops(gpu, cfg.dtype)
+    tokens = float(cfg.tokens) if cfg.tokens is not None else 20.0 * pc.total
+    if tokens <= 0:
+        raise ConfigError(f"tokens={cfg.tokens} must be positive")
+    n_gpus = int(cfg.n_gpus)
+    if n_gpus < 1:
+        raise ConfigError(f"n_gpus={cfg.n_gpus} must be >= 1")
+    train_6nd = 6.0 * pc.total * tokens
+    train_exact = fl.train_causal * tokens
+    hours = lambda flops: flops / (peak * float(cfg.mfu)) / 3600.0  # noqa: E731
+    kv_tok = acc.kv_cache_bytes_per_token(m, cfg.kv_dtype)
+    mem = acc.training_memory(m, cfg.precision, n_gpus, int(cfg.micro_batch), cfg.seq_len, bool(cfg.checkpointing))
+    return {
+        "model": m.to_dict(),
+        "params": {
+            "tok_emb": pc.tok_emb, "pos_emb": pc.pos_emb,
+            "attn_q": pc.attn_q, "attn_k": pc.attn_k, "attn_v": pc.attn_v, "attn_o": pc.attn_o,
+            "mlp": pc.mlp, "norms": pc.norms, "final_norm": pc.final_norm, "lm_head": pc.lm_head,
+            "per_layer": pc.per_layer, "total": pc.total, "non_embedding": pc.non_embedding,
+        },
+        "flops_per_token": {
+            "seq_len": fl.seq_len, "n_matmul": fl.n_matmul,
+            "forward_dense": fl.forward_dense, "forward_causal": fl.forward_causal,
+            "train_dense": fl.train_dense, "train_causal": fl.train_causal,
+            "attention_forward_dense": fl.attention_forward_dense,
+            "six_n": 6.0 * pc.total,
+        },
+        "plan": {
+            "tokens": tokens, "tokens_is_compute_optimal": cfg.tokens is None,
+            "compute_optimal_tokens": 20.0 * pc.total,
+            "train_flops_6nd": train_6nd, "train_flops_exact": train_exact,
+            "peak_flops_per_gpu": peak, "mfu": float(cfg.mfu),
+            "gpu_hours_6nd": hours(train_6nd), "gpu_hours_exact": hours(train_exact),
+            "kv_cache_bytes_per_token": kv_tok,
+            "kv_cache_bytes_full_context": kv_tok * fl.seq_len,
+            "memory_per_gpu": mem, "precision": cfg.precision, "n_gpus": n_gpus,
+        },
+    }
+
+
+def run(cfg) -> int:
+    import json
+
+    r = report(cfg)
+    if cfg.format == "json":
+        print(json.dumps(r, indent=2))
+        return 0
+    if cfg.format != "table":
+        from gptkit.errors import ConfigError
+
+        raise ConfigError(f"format={cfg.format!r} must be table or json")
+    _print_tables(r, cfg)
+    return 0
+
+
+def _si(x: float, unit: str = "") -> str:
+    for scale, s in ((1e24, "Y"), (1e21, "Z"), (1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.3g} {s}{unit}"
+    return f"{x:.3g} {unit}".strip()
+
+
+def _bytes(x: float) -> str:
+    for scale, s in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if x >= scale:
+            return f"{x / scale:.2f} {s}"
+    return f"{x:.0f} B"
+
+
+def _print_tables(r: dict, cfg) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console()
+    m, p, f, plan = r["model"], r["params"], r["flops_per_token"], r["plan"]
+    L = m["n_layers"]
+    total = p["total"]
+    t = Table(title=f"{m['name']}: parameters ({m['position']} positions, {m['mlp']}, {m['norm']}, "
+                    f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads, "
+                    f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings)")
+    t.add_column("component")
+    t.add_column("parameters", justify="right")
+    t.add_column("share", justify="right")
+    rows = [
+        ("token embedding", p["tok_emb"]),
+        ("position embedding", p["pos_emb"]),
+        (f"attention q ({L} layers)", p["attn_q"]),
+        (f"attention k ({L} layers)", p["attn_k"]),
+        (f"attention v ({L} layers)", p["attn_v"]),
+        (f"attention out ({L} layers)", p["attn_o"]),
+        (f"mlp ({L} layers)", p["mlp"]),
+        (f"norms ({L} layers)", p["norms"]),
+        ("final norm", p["final_norm"]),
+        ("lm head" + (" (tied: counted in the token embedding)" if m["tie_embeddings"] else ""), p["lm_head"]),
+    ]
+    for name, n in rows:
+        t.add_row(name, f"{n:,}", f"{100 * n / total:.2f}%")
+    t.add_section()
+    t.add_row("per layer", f"{p['per_layer']:,}", "")
+    t.add_row("non-embedding", f"{p['non_embedding']:,}", f"{100 * p['non_embedding'] / total:.2f}%")
+    t.add_row("[bold]total", f"[bold]{total:,}", "100.00%")
+    con.print(t)
+
+    ft = Table(title=f"FLOPs per token at context {f['seq_len']} (multiply-add = 2 FLOPs; matmuls only)")
+    ft.add_column("")
+    ft.add_column("dense attention", justify="right")
+    ft.add_column("causal attention", justify="right")
+    ft.add_row("forward (2N + 4·L·T·d_attn)", _si(f["forward_dense"], "FLOP"), _si(f["forward_causal"], "FLOP"))
+    ft.add_row("training (6N + 12·L·T·d_attn)", _si(f["train_dense"], "FLOP"), _si(f["train_causal"], "FLOP"))
+    ft.add_row("  of which attention scores", _si(3 * f["attention_forward_dense"], "FLOP"),
+               _si(1.5 * f["attention_forward_dense"], "FLOP"))
+    ft.add_row("6N with N = all parameters (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
+    con.print(ft)
+    con.print(f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices plus the LM head "
+              f"(a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.")
+
+    et = Table(title="planned run")
+    et.add_column("")
+    et.add_column("value", justify="right")
+    d = plan["tokens"]
+    et.add_row("training tokens D" + (" (compute-optimal: 20 per parameter)" if plan["tokens_is_compute_optimal"] else ""),
+               _si(d))
+    et.add_row("compute-optimal tokens (~20 x params)", _si(plan["compute_optimal_tokens"]))
+    et.add_row("training FLOPs, 6·N·D", f"{plan['train_flops_6nd']:.3e}")
+    et.add_row("training FLOPs, exact per-token x D (causal)", f"{plan['train_flops_exact']:.3e}")
+    gpu = "custom peak" if cfg.peak_tflops is not None else f"{cfg.gpu} {cfg.dtype}"
+    et.add_row(f"GPU-hours at {plan['peak_flops_per_gpu'] / 1e12:g} TFLOP/s ({gpu}), MFU {plan['mfu']:.0%}",
+               f"{plan['gpu_hours_6nd']:,.0f} (6ND) / {plan['gpu_hours_exact']:,.0f} (exact)")
+    et.add_row(f"KV cache per token ({cfg.kv_dtype})", _bytes(plan["kv_cache_bytes_per_token"]))
+    et.add_row(f"KV cache at full context ({f['seq_len']} tokens, batch 1)", _bytes(plan["kv_cache_bytes_full_context"]))
+    mem = plan["memory_per_gpu"]
+    shard = f", sharded over {plan['n_gpus']} GPUs" if plan["n_gpus"] > 1 else ""
+    et.add_section()
+    for k in ("weights", "gradients", "optimizer"):
+        et.add_row(f"training memory per GPU: {k} ({plan['precision']}{shard})", _bytes(mem[k]))
+    et.add_row(f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})", _bytes(mem["activations"]))
+    et.add_row("[bold]training memory per GPU: total", f"[bold]{_bytes(mem['total'])}")
+    con.print(et)

@@ -1,0 +1,13 @@
+"""The one exception type for errors a user can cause.
+
+A `GptkitError` message says what was wrong and what to do about it, on one line. The CLI prints
+it without a traceback and exits with status 2 (set GPTKIT_DEBUG=1 to see the traceback).
+"""
+
+
+class GptkitError(Exception):
+    """A user-caused error: a bad config, path, data file, checkpoint or prompt."""
+
+
+class ConfigError(GptkitError):
+    """An invalid configuration value or combination."""

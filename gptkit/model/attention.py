@@ -1,0 +1,113 @@
+"""Attention behind one dispatch seam.
+
+Every backend has the same signature:
+
+    fn(q, k, v, *, causal, mask, dropout_p, scale, return_probs) -> (out, probs or None)
+
+    q:    [B, n_heads,    T_q, head_dim]
+    k, v: [B, n_kv_heads, T_k, head_dim]   (n_kv_heads divides n_heads: GQA/MQA)
+    mask: None, or a bool tensor broadcastable to [B, n_heads, T_q, T_k] (True = may attend);
+          when given it replaces `causal`
+    out:  [B, n_heads, T_q, head_dim]
+
+`eager` is the readable reference (explicit fp32 softmax; can return the probabilities),
+`sdpa` is torch's fused kernel, `triton` is our own FlashAttention-2 kernel in kernels/.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
+
+
+def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False):
+    B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    if Hkv != H:  # GQA: each group of H // Hkv query heads reads the same K/V head
+        k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
+        v = v.repeat_interleave(H // Hkv, dim=1)
+    scale = D**-0.5 if scale is None else scale
+    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, Tq, Tk]
+    if mask is None and causal:
+        # query i sits at absolute position (Tk - Tq + i): bottom-right aligned, so it also
+        # holds when a KV cache makes Tk > Tq.
+        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))  # a bool mask has no dtype to get wrong
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 softmax
+    if dropout_p > 0.0:
+        probs_d = F.dropout(probs, p=dropout_p)
+    else:
+        probs_d = probs
+    out = probs_d @ v  # [B, H, Tq, D]
+    return out, (probs if return_probs else None)
+
+
+def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False):
+    if return_probs:
+        raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
+    Tq, Tk = q.shape[2], k.shape[2]
+    if mask is None and causal and Tq != Tk:
+        if Tq == 1:  # one new token attends to the whole cache
+            causal = False
+        else:  # SDPA's is_causal is top-left aligned; a cached prefix needs bottom-right
+            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    out = F.scaled_dot_product_attention(
+        q, k, v,
+        attn_mask=mask,
+        dropout_p=dropout_p,
+        is_causal=causal and mask is None,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],  # no K/V copy per query head where torch allows
+    )
+    return out, None
+
+
+_triton_state: dict[str, object] = {}
+
+
+def triton_available() -> bool:
+    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False):
+    """Our FlashAttention-2 kernel; cases it does not cover go to sdpa.
+
+    Falls back to sdpa (with one warning per process) when no CUDA device is present and
+    TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
+    """
+    if not triton_available():
+        if not _triton_state.get("warned"):
+            warnings.warn(
+                "model.attention=triton needs a CUDA GPU (or TRITON_INTERPRET=1); falling back to sdpa",
+                stacklevel=2,
+            )
+            _triton_state["warned"] = True
+        return sdpa_attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
+                              return_probs=return_probs)
+    if mask is not None or dropout_p > 0.0 or return_probs or q.shape[2] != k.shape[2]:
+        return sdpa_attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
+                              return_probs=return_probs)
+    from gptkit_kernels import flash_attention
+
+    return flash_attention(q, k, v, causal=causal, scale=scale), None
+
+
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {
+    "eager": eager_attention,
+    "sdpa": sdpa_attention,
+    "triton": triton_attention,
+}
+
+
+def get_attention(name: str) -> AttentionFn:
+    try:
+        return ATTENTION_BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}") from None

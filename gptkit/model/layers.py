@@ -1,0 +1,97 @@
+"""Norms, MLPs and rotary position embeddings: the small parts a block is made of."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias, reduced in fp32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float, bias: bool) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else self.bias.float()
+        y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)
+        return y.to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm as in the Llama reference: the mean square is taken in fp32, then cast back."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def make_norm(kind: str, dim: int, eps: float, bias: bool) -> nn.Module:
+    return LayerNorm(dim, eps, bias) if kind == "layernorm" else RMSNorm(dim, eps)
+
+
+class GeluMLP(nn.Module):
+    """GPT-2 MLP: d_model -> d_ff -> GELU (tanh approximation, as GPT-2) -> d_model."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
+        super().__init__()
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class SwiGLUMLP(nn.Module):
+    """Llama MLP: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the "rotate half" layout (the Hugging Face Llama layout).
+
+    cos/sin tables are computed in fp32 for every position up to max_seq_len and kept as
+    non-persistent buffers (they are a function of the config, not learned state).
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.theta = head_dim, theta
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        t = torch.arange(max_seq_len, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)  # [max_seq_len, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, head_dim]
+        self.register_buffer("cos", emb.cos().float(), persistent=False)
+        self.register_buffer("sin", emb.sin().float(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1."""
+        T = q.shape[-2]
+        cos = self.cos[start : start + T]  # [T, D]
+        sin = self.sin[start : start + T]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)

@@ -1,0 +1,38 @@
+"""Test environment: offline hubs, offline wandb, the Triton interpreter, a private cache.
+
+TRITON_INTERPRET must be set before the kernel module is imported, so it is set here, first.
+"""
+
+import os
+import tempfile
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+os.environ["WANDB_MODE"] = "offline"
+os.environ["WANDB_SILENT"] = "true"
+os.environ.setdefault("GPTKIT_CACHE", tempfile.mkdtemp(prefix="gptkit-test-cache-"))
+
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def run_cli(*args, env=None, cwd=None, timeout=300):
+    """Run `python -m gptkit ...` as a subprocess (the way a user runs it); return CompletedProcess."""
+    import subprocess
+
+    e = dict(os.environ)
+    e.pop("GPTKIT_VERB", None)
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "gptkit", *args], capture_output=True, text=True,
+                          env=e, cwd=cwd, timeout=timeout)
+
+
+@pytest.fixture
+def cli():
+    return run_cli
