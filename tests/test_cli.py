@@ -1,0 +1,73 @@
+"""The CLI as a user meets it: verbs, help, count-params, one-line errors."""
+
+import json
+import time
+
+import pytest
+
+
+def test_help_lists_verbs(cli):
+    r = cli("--help")
+    assert r.returncode == 0
+    assert "count-params" in r.stdout and "usage: gptkit <verb>" in r.stdout
+
+
+def test_verb_help_shows_config_and_presets(cli):
+    r = cli("count-params", "--help")
+    assert r.returncode == 0
+    assert "llama2-7b" in r.stdout and "n_layers:" in r.stdout
+
+
+def test_count_params_llama2_7b_fast_and_exact(cli):
+    t0 = time.perf_counter()
+    r = cli("count-params", "model=llama2-7b")
+    assert r.returncode == 0, r.stderr
+    assert "6,738,415,616" in r.stdout
+    assert time.perf_counter() - t0 < 10  # analytic; includes interpreter start-up
+
+
+def test_count_params_json(cli):
+    r = cli("count-params", "model=gpt2", "format=json", "tokens=1e9", "gpu=h100")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["params"]["total"] == 124_439_808
+    assert d["plan"]["tokens"] == 1e9
+    assert d["plan"]["peak_flops_per_gpu"] == 989e12
+
+
+def test_override_a_field(cli):
+    r = cli("count-params", "model=gpt2", "model.n_layers=2", "format=json")
+    d = json.loads(r.stdout)
+    assert d["model"]["n_layers"] == 2 and d["params"]["total"] < 124_439_808
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["model=nope"], "model/nope"),
+        (["model.n_heads=5"], "not divisible by model.n_heads=5"),
+        (["model=llama-tiny", "model.n_kv_heads=3"], "n_kv_heads"),
+        (["model.n_layers=0"], "positive integer"),
+        (["model.position=alibi"], "model.position"),
+        (["model=llama-tiny", "model.d_model=120", "model.n_heads=8"], "even head_dim"),
+        (["no_such_key=1"], "no_such_key"),
+        (["model.n_layers"], "n_layers"),
+        (["gpu=tpu9"], "unknown gpu"),
+    ],
+)
+def test_bad_input_is_one_line(cli, args, needle):
+    r = cli("count-params", *args)
+    assert r.returncode == 2
+    assert needle in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unknown_verb(cli):
+    r = cli("frobnicate")
+    assert r.returncode == 2 and "unknown verb" in r.stderr
+
+
+def test_debug_shows_traceback(cli):
+    r = cli("count-params", "model.n_heads=5", env={"GPTKIT_DEBUG": "1"})
+    assert r.returncode != 0 and "Traceback" in r.stderr

@@ -1,0 +1,125 @@
+"""The model: shapes for every variant, causality, eager == sdpa, init, tying."""
+
+import math
+
+import pytest
+import torch
+
+from gptkit.model import GPT, KVCache, ModelConfig
+
+VARIANTS = {
+    "gpt2": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
+    "llama-mha": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False),
+    "llama-gqa": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2),
+    "mqa-learned": dict(position="learned", mlp="gelu", norm="rmsnorm", bias=False, n_kv_heads=1),
+    "rope-gelu-ln-bias-untied": dict(position="rope", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False),
+}
+
+
+def tiny(variant: str, **kw) -> ModelConfig:
+    base = dict(vocab_size=97, max_seq_len=32, n_layers=2, n_heads=4, d_model=32, **VARIANTS[variant])
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_forward_shapes_and_loss(variant):
+    torch.manual_seed(0)
+    cfg = tiny(variant)
+    model = GPT(cfg)
+    idx = torch.randint(0, cfg.vocab_size, (3, 20))  # [B, T]
+    out = model(idx, idx)
+    assert out.logits.shape == (3, 20, cfg.vocab_size)
+    assert out.loss.dtype == torch.float32 and out.loss.ndim == 0
+    # at init the loss is close to uniform over the vocabulary
+    assert abs(out.loss.item() - math.log(cfg.vocab_size)) < 0.5
+    out.loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert model(idx, logits_to_keep=1).logits.shape == (3, 1, cfg.vocab_size)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_causality(variant):
+    torch.manual_seed(0)
+    cfg = tiny(variant)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 24))
+    changed = idx.clone()
+    changed[:, 12:] = torch.randint(0, cfg.vocab_size, (2, 12))
+    a, b = model(idx).logits, model(changed).logits
+    assert torch.equal(a[:, :12], b[:, :12])  # positions <= 11 never see the future
+    assert not torch.allclose(a[:, 12:], b[:, 12:])
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama-mha", "llama-gqa", "mqa-learned"])
+def test_eager_matches_sdpa(variant):
+    torch.manual_seed(0)
+    cfg = tiny(variant, attention="eager")
+    eager = GPT(cfg).eval()
+    sdpa = GPT(tiny(variant, attention="sdpa")).eval()
+    sdpa.load_state_dict(eager.state_dict())
+    idx = torch.randint(0, cfg.vocab_size, (2, 32))
+    torch.testing.assert_close(eager(idx).logits, sdpa(idx).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "llama-gqa"])
+def test_kv_cache_prefill_then_decode_matches_full_forward(variant):
+    torch.manual_seed(0)
+    cfg = tiny(variant)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, 20))
+    full = model(idx).logits
+    cache = KVCache(cfg, batch_size=2)
+    parts = [model(idx[:, :13], cache=cache).logits]
+    parts += [model(idx[:, t : t + 1], cache=cache).logits for t in range(13, 20)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full, atol=1e-5, rtol=1e-5)
+    assert cache.k[0].shape == (2, cfg.n_kv_heads, cfg.max_seq_len, cfg.head_dim)
+
+
+def test_eager_returns_attention_probabilities():
+    cfg = tiny("llama-gqa")
+    model = GPT(cfg).eval()
+    out = model(torch.randint(0, 97, (1, 10)), return_attention=True)
+    assert len(out.attentions) == cfg.n_layers
+    p = out.attentions[0]  # [B, n_heads, T, T]
+    assert p.shape == (1, cfg.n_heads, 10, 10)
+    torch.testing.assert_close(p.sum(-1), torch.ones(1, cfg.n_heads, 10))
+    assert torch.all(p.triu(1) == 0)
+
+
+def test_init_and_tying():
+    torch.manual_seed(0)
+    cfg = tiny("gpt2", n_layers=8, d_model=256, n_heads=4)
+    model = GPT(cfg)
+    assert model.lm_head.weight is model.tok_emb.weight
+    resid = model.blocks[0].attn.o_proj.weight.std().item()
+    other = model.blocks[0].attn.qkv_proj.weight.std().item()
+    assert abs(other - 0.02) < 0.002
+    assert abs(resid - 0.02 / math.sqrt(2 * 8)) < 0.001
+    assert torch.all(model.blocks[0].attn.qkv_proj.bias == 0)
+    assert torch.all(model.blocks[0].attn_norm.weight == 1)
+    untied = GPT(tiny("llama-mha"))
+    assert untied.lm_head.weight is not untied.tok_emb.weight
+
+
+def test_gqa_projection_sizes():
+    cfg = tiny("llama-gqa")  # 4 heads, 2 kv heads, head_dim 8
+    attn = GPT(cfg).blocks[0].attn
+    assert attn.qkv_proj.weight.shape == (cfg.d_model + 2 * 2 * 8, cfg.d_model)
+
+
+def test_half_precision_forward_keeps_fp32_reductions():
+    torch.manual_seed(0)
+    cfg = tiny("llama-gqa")
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 97, (2, 16))
+    ref = model(idx).logits
+    half = model.to(torch.bfloat16)(idx).logits
+    assert half.dtype == torch.bfloat16
+    assert (half.float() - ref).abs().max() < 0.1
+
+
+def test_sequence_longer_than_context_is_refused():
+    cfg = tiny("gpt2")
+    with pytest.raises(ValueError, match="max_seq_len"):
+        GPT(cfg)(torch.zeros(1, cfg.max_seq_len + 1, dtype=torch.long))
