@@ -16,10 +16,12 @@ file can never run code. Everything a user keeps is written to a temporary name 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from gptkit.errors import GptkitError
 
@@ -32,10 +34,23 @@ STATE_PREFIX = "model."  # LightningModule attribute holding the GPT
 
 
 # ---- atomic writes -------------------------------------------------------------------------------
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _temp_beside(path: Path) -> tuple[int, str]:
+    """A temporary file in path's folder (so the final rename is atomic), with normal permissions."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.chmod(tmp, 0o666 & ~_umask())
+    return fd, tmp
+
+
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
@@ -56,7 +71,7 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = _temp_beside(path)
     os.close(fd)
     try:
         torch.save(obj, tmp)
@@ -165,6 +180,12 @@ def load_tokenizer(run_dir: Path):
 
 def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None) -> Run:
     """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to)."""
+    run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention)
+    return Run(run_dir, ckpt_path, cfg, model_cfg, model, load_tokenizer(run_dir))
+
+
+def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):
+    """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval mode."""
     import torch
 
     from gptkit.model import GPT, ModelConfig
@@ -199,7 +220,7 @@ def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None, at
     if dtype:
         model = model.to(dtype=_torch_dtype(dtype))
     model.eval()
-    return Run(run_dir, ckpt_path, cfg, model_cfg, model, load_tokenizer(run_dir))
+    return run_dir, ckpt_path, cfg, model_cfg, model
 
 
 def _torch_dtype(name: str):
@@ -234,3 +255,63 @@ def write_run_folder(run_dir: Path | str, config: dict[str, Any], model, tokeniz
     state = {STATE_PREFIX + k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     atomic_torch_save({"state_dict": state, "global_step": 0}, run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT)
     return run_dir
+
+
+def resolve_device(device: str) -> str:
+    """`auto` -> cuda when a GPU is present, else cpu; a GPU asked for but absent is a GptkitError."""
+    import torch
+
+    device = str(device)
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise GptkitError(f"device={device} but no CUDA GPU is visible; use device=cpu (or auto)")
+    if device != "cpu" and not device.startswith(("cuda", "mps")):
+        raise GptkitError(f"device={device!r} is not one of auto, cpu, cuda, cuda:<n>")
+    return device
+
+
+def load_for_inference(path: Path | str, device: str = "auto", dtype: str = "fp32",
+                       attention: str | None = None) -> Run:
+    """load_run for sample/eval/attention: device `auto` allowed; in bf16/fp16 the RoPE cos/sin
+    tables stay fp32 (Module.to(dtype) would round them to bf16, which shifts every position)."""
+    dev = resolve_device(device)
+    torch_dtype = _torch_dtype(str(dtype))
+    run = load_run(path, dev, None, attention)
+    run.model.to(dtype=torch_dtype)
+    if run.model.rope is not None:
+        run.model.rope.float()
+    return run
+
+
+def check_out_dir(out: Path | str, force: bool = False) -> Path:
+    """`out` as a Path if a command may write a folder there: new, empty, or force=True."""
+    out = Path(out)
+    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
+        raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to replace it")
+    return out
+
+
+@contextmanager
+def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
+    """Write a whole folder atomically: yields a temporary folder next to `out`, renamed to `out` when
+    the block succeeds and removed when it fails, so `out` is never left half-written. A non-empty
+    `out` is refused unless force=True (then it is replaced, only after the new folder is complete)."""
+    out = check_out_dir(out, force)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
+    try:
+        yield tmp
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
+            os.replace(out, old / out.name)
+            os.replace(tmp, out)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -1,0 +1,80 @@
+"""Write a run as a Hugging Face `transformers` folder: config.json, model.safetensors (sharded
+above max_shard_size), tokenizer.json + tokenizer_config.json + special_tokens_map.json, and
+generation_config.json. It loads with AutoModelForCausalLM / AutoTokenizer and no custom code.
+
+RoPE + SwiGLU + RMSNorm models become Llama; learned positions + GELU + LayerNorm (with biases)
+become GPT-2. Any other combination is refused, naming the variant that does not map.
+
+Examples:
+  gptkit export run=runs/llama-tiny-20250101-120000 out=hf/llama-tiny
+  gptkit export run=runs/my-run out=hf/my-run dtype=bf16 max_shard_size=2GB force=true
+"""
+
+from __future__ import annotations
+
+VERB = "export"
+HELP = "write a run as a transformers folder (Llama or GPT-2) that AutoModelForCausalLM loads"
+CONFIG = "export"
+HYDRA_APP = False
+
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def run(cfg) -> int:
+    import json
+    import sys
+    from pathlib import Path
+
+    from gptkit import hf
+    from gptkit.errors import ConfigError
+    from gptkit.model import ModelConfig
+    from gptkit.runs import (TOKENIZER_FILE, check_out_dir, find_checkpoint, load_model, load_tokenizer,
+                             read_config, run_dir_of, staged_dir)
+
+    if not cfg.run:
+        raise ConfigError("export needs run=<run folder or checkpoint>")
+    if not cfg.out:
+        raise ConfigError("export needs out=<folder to write the transformers model into>")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    max_shard = hf.parse_size(cfg.max_shard_size)
+    out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))  # fail before the slow part
+    ckpt = find_checkpoint(cfg.run)
+    arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))  # refuse before loading
+
+    import torch
+
+    run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
+
+    tokenizer = load_tokenizer(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
+    eos = (run_cfg.get("tokenizer") or {}).get("eos_token")  # what training appended after each document
+    special = hf.special_tokens(tokenizer, eos) if tokenizer is not None else {}
+    ids = {role: special[role][1] if role in special else None for role in ("bos_token", "eos_token", "pad_token")}
+
+    dtype = getattr(torch, DTYPES[cfg.dtype])
+    state = hf.to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
+    config = hf.hf_config(model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], DTYPES[cfg.dtype])
+    with staged_dir(out, force=bool(cfg.force)) as tmp:
+        weights = hf.save_weights(state, tmp, max_shard)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        gen = hf.generation_config(ids["bos_token"], ids["eos_token"], ids["pad_token"])
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if tokenizer is not None:
+            for name, text in hf.tokenizer_files(tokenizer, model_cfg.max_seq_len, special).items():
+                (tmp / name).write_text(text)
+
+    n_params = sum(v.numel() for v in state.values())
+    print(f"exported {ckpt} as {hf.ARCHITECTURES[arch]} ({n_params:,} parameters, {cfg.dtype}) to {out}: "
+          f"config.json, {', '.join(weights)}, generation_config.json"
+          + (", tokenizer.json, tokenizer_config.json, special_tokens_map.json" if tokenizer is not None else ""))
+    if tokenizer is None:
+        print(f"warning: {Path(run_dir) / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
+              f"(AutoTokenizer will not load it); copy the run's tokenizer.json there and export again",
+              file=sys.stderr)
+    elif "eos_token" not in special:
+        print("note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
+              file=sys.stderr)
+    if arch == hf.LLAMA and model_cfg.dropout > 0:
+        print(f"note: Llama has attention dropout only, so model.dropout={model_cfg.dropout} applies there and not "
+              f"to the residual stream when fine-tuning in transformers (inference is unaffected)", file=sys.stderr)
+    return 0

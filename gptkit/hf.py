@@ -1,0 +1,413 @@
+"""Hugging Face `transformers` interop: the mapping between a gptkit GPT and Llama / GPT-2.
+
+    gptkit variant                               transformers architecture
+    rope + swiglu + rmsnorm (any n_kv_heads)  -> LlamaForCausalLM  (bias -> attention_bias + mlp_bias)
+    learned + gelu + layernorm + bias, MHA    -> GPT2LMHeadModel   (Conv1D weights are [in, out]: transposed)
+
+Any other combination is refused with a GptkitError that names the variant that does not map:
+never a silently different model. RoPE is in the rotate-half layout on both sides and GELU is the
+tanh approximation (GPT-2's gelu_new) on both sides, so no permutation or activation change is needed.
+
+Two levels:
+  - plain data (no `transformers` needed): hf_config(), to_hf_state_dict(), model_config_from_hf(),
+    from_hf_state_dict(), and the folder I/O used by `gptkit export` / `gptkit import`;
+  - in memory: to_transformers(model) and from_transformers(hf_model) (need `transformers`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from gptkit.errors import GptkitError
+from gptkit.model.config import ModelConfig
+
+LLAMA, GPT2 = "llama", "gpt2"
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation gptkit uses
+
+
+# ---- which architecture ------------------------------------------------------------------------
+def architecture(cfg: ModelConfig) -> str:
+    """"llama" or "gpt2" for a mappable config; GptkitError naming the first variant that does not map."""
+    if cfg.position == "rope":
+        need = {"mlp": "swiglu", "norm": "rmsnorm"}
+        target = "Llama (the transformers architecture for RoPE models)"
+    else:
+        need = {"mlp": "gelu", "norm": "layernorm", "bias": True, "n_kv_heads": cfg.n_heads,
+                "head_dim": cfg.d_model // cfg.n_heads}
+        target = "GPT-2 (the transformers architecture for learned-position models)"
+    for name, want in need.items():
+        have = getattr(cfg, name)
+        if have != want:
+            raise GptkitError(f"model.{name}={have} with position={cfg.position} has no faithful transformers "
+                              f"architecture: {target} needs {name}={want}; refusing rather than produce a "
+                              f"different model")
+    return LLAMA if cfg.position == "rope" else GPT2
+
+
+# ---- config ------------------------------------------------------------------------------------
+def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None,
+              pad_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
+    """The config.json of the transformers model equal to `cfg`."""
+    arch = architecture(cfg)
+    common = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
+              "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
+              "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
+              "dtype": dtype, "use_cache": True}
+    if arch == LLAMA:
+        return common | {
+            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
+            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
+            "rope_theta": cfg.rope_theta,  # read by transformers < 5; 5.x reads rope_parameters
+            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        }
+    return common | {
+        "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_positions": cfg.max_seq_len,
+        "n_inner": cfg.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
+        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+    }
+
+
+def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
+    """The gptkit ModelConfig equal to a transformers config.json (Llama or GPT-2), or a GptkitError."""
+    mtype = d.get("model_type")
+    if mtype not in (LLAMA, GPT2):
+        arch = ", ".join(d.get("architectures") or []) or "no architectures field"
+        raise GptkitError(f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama (model_type "
+                          f"llama) and GPT-2 (model_type gpt2) models")
+
+    def refuse(field: str, value: Any, want: str) -> GptkitError:
+        return GptkitError(f"{mtype} config has {field}={value!r}, which gptkit cannot represent ({want})")
+
+    if mtype == LLAMA:
+        if d.get("hidden_act", "silu") != "silu":
+            raise refuse("hidden_act", d["hidden_act"], "Llama MLPs in gptkit are SwiGLU: hidden_act=silu")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise refuse("rope_type", rope_type, "only plain RoPE, no scaling")
+        attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
+        if attn_bias != mlp_bias:
+            raise refuse("attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}", "one bias flag for all linears")
+        n_heads = d["num_attention_heads"]
+        return ModelConfig(
+            vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"], n_layers=d["num_hidden_layers"],
+            n_heads=n_heads, n_kv_heads=d.get("num_key_value_heads") or n_heads, d_model=d["hidden_size"],
+            d_ff=d["intermediate_size"], head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            position="rope", rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            mlp="swiglu", norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", 1e-6)), bias=attn_bias,
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+            dropout=float(d.get("attention_dropout", 0.0)), init_std=float(d.get("initializer_range", 0.02)),
+            name=name,
+        )
+    act = d.get("activation_function", "gelu_new")
+    if act not in GPT2_GELUS:
+        raise refuse("activation_function", act, f"gptkit's GELU is the tanh approximation: {' or '.join(GPT2_GELUS)}")
+    for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
+                        ("add_cross_attention", False)):
+        if bool(d.get(field, want)) != want:
+            raise refuse(field, d[field], f"needs {field}={want}")
+    n_embd = d.get("n_embd", 768)
+    return ModelConfig(
+        vocab_size=d.get("vocab_size", 50257), max_seq_len=d.get("n_positions", 1024), n_layers=d.get("n_layer", 12),
+        n_heads=d.get("n_head", 12), d_model=n_embd, d_ff=d.get("n_inner") or 4 * n_embd, position="learned",
+        mlp="gelu", norm="layernorm", norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), bias=True,
+        tie_embeddings=bool(d.get("tie_word_embeddings", True)), dropout=float(d.get("resid_pdrop", 0.1)),
+        init_std=float(d.get("initializer_range", 0.02)), name=name,
+    )
+
+
+# ---- weights -----------------------------------------------------------------------------------
+def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """gptkit GPT state dict -> transformers state dict (new tensors; lm_head left out when tied)."""
+    arch = architecture(cfg)
+    out: dict[str, Any] = {}
+    splits = [cfg.d_attn, cfg.d_kv, cfg.d_kv]
+    if arch == LLAMA:
+        out["model.embed_tokens.weight"] = state["tok_emb.weight"]
+        for i in range(cfg.n_layers):
+            g, h = f"blocks.{i}.", f"model.layers.{i}."
+            for part in ("weight", "bias") if cfg.bias else ("weight",):
+                q, k, v = state[g + f"attn.qkv_proj.{part}"].split(splits, dim=0)
+                out[h + f"self_attn.q_proj.{part}"] = q
+                out[h + f"self_attn.k_proj.{part}"] = k
+                out[h + f"self_attn.v_proj.{part}"] = v
+                out[h + f"self_attn.o_proj.{part}"] = state[g + f"attn.o_proj.{part}"]
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    out[h + f"mlp.{proj}.{part}"] = state[g + f"mlp.{proj}.{part}"]
+            out[h + "input_layernorm.weight"] = state[g + "attn_norm.weight"]
+            out[h + "post_attention_layernorm.weight"] = state[g + "mlp_norm.weight"]
+        out["model.norm.weight"] = state["final_norm.weight"]
+    else:
+        t = "transformer."
+        out[t + "wte.weight"] = state["tok_emb.weight"]
+        out[t + "wpe.weight"] = state["pos_emb.weight"]
+        for i in range(cfg.n_layers):
+            g, h = f"blocks.{i}.", f"{t}h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                out[h + theirs + ".weight"] = state[g + ours + ".weight"]
+                out[h + theirs + ".bias"] = state[g + ours + ".bias"]
+            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
+                                 ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
+                out[h + theirs + ".weight"] = state[g + ours + ".weight"].t()  # Conv1D: [in, out]
+                out[h + theirs + ".bias"] = state[g + ours + ".bias"]
+        out[t + "ln_f.weight"] = state["final_norm.weight"]
+        out[t + "ln_f.bias"] = state["final_norm.bias"]
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = state["lm_head.weight"]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+_IGNORED = re.compile(r"(?:^|\.)(?:rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")  # old non-learned buffers
+
+
+def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig, source: str = "the checkpoint") -> dict[str, Any]:
+    """transformers state dict -> gptkit GPT state dict; GptkitError when a tensor is missing,
+    unexpected, or has a shape the config contradicts."""
+    import torch
+
+    from gptkit.model import GPT
+
+    arch = architecture(cfg)
+    hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
+    if arch == GPT2:  # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
+        hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in hf.items()}
+    if cfg.tie_embeddings:
+        hf.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        expected = to_hf_state_dict(GPT(cfg).state_dict(), cfg)
+    missing, unexpected = sorted(set(expected) - set(hf)), sorted(set(hf) - set(expected))
+    if missing or unexpected:
+        raise GptkitError(f"{source} does not match its config.json: missing {missing[:3]}, unexpected "
+                          f"{unexpected[:3]}")
+    for k, v in expected.items():
+        if tuple(hf[k].shape) != tuple(v.shape):
+            raise GptkitError(f"{source} contradicts its config.json: {k} has shape {tuple(hf[k].shape)}, "
+                              f"the config needs {tuple(v.shape)}")
+    state: dict[str, Any] = {}
+    if arch == LLAMA:
+        state["tok_emb.weight"] = hf["model.embed_tokens.weight"]
+        for i in range(cfg.n_layers):
+            g, h = f"blocks.{i}.", f"model.layers.{i}."
+            for part in ("weight", "bias") if cfg.bias else ("weight",):
+                state[g + f"attn.qkv_proj.{part}"] = torch.cat(
+                    [hf[h + f"self_attn.{p}_proj.{part}"] for p in "qkv"], dim=0)  # [d_attn + 2 * d_kv, ...]
+                state[g + f"attn.o_proj.{part}"] = hf[h + f"self_attn.o_proj.{part}"]
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    state[g + f"mlp.{proj}.{part}"] = hf[h + f"mlp.{proj}.{part}"]
+            state[g + "attn_norm.weight"] = hf[h + "input_layernorm.weight"]
+            state[g + "mlp_norm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        state["final_norm.weight"] = hf["model.norm.weight"]
+    else:
+        t = "transformer."
+        state["tok_emb.weight"] = hf[t + "wte.weight"]
+        state["pos_emb.weight"] = hf[t + "wpe.weight"]
+        for i in range(cfg.n_layers):
+            g, h = f"blocks.{i}.", f"{t}h.{i}."
+            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
+                state[g + ours + ".weight"] = hf[h + theirs + ".weight"]
+                state[g + ours + ".bias"] = hf[h + theirs + ".bias"]
+            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
+                                 ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
+                state[g + ours + ".weight"] = hf[h + theirs + ".weight"].t()  # Conv1D [in, out] -> Linear [out, in]
+                state[g + ours + ".bias"] = hf[h + theirs + ".bias"]
+        state["final_norm.weight"] = hf[t + "ln_f.weight"]
+        state["final_norm.bias"] = hf[t + "ln_f.bias"]
+    state["lm_head.weight"] = state["tok_emb.weight"] if cfg.tie_embeddings else hf["lm_head.weight"]
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+def build_gpt(cfg: ModelConfig, state: dict[str, Any]):
+    """A GPT (fp32, eval mode) holding exactly `state` (tensors are copied, upcast to fp32 when lower)."""
+    import torch
+
+    from gptkit.model import GPT
+
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(state, strict=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.tok_emb.weight
+    if model.rope is not None:  # non-persistent buffers were left empty by to_empty(): recompute
+        from gptkit.model.layers import RotaryEmbedding
+
+        model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+    return model.float().eval()
+
+
+# ---- in memory: transformers objects -----------------------------------------------------------
+def to_transformers(model):
+    """The LlamaForCausalLM / GPT2LMHeadModel (fp32, eval mode, CPU) with exactly `model`'s weights."""
+    import torch
+    import transformers
+
+    cfg = model.cfg
+    d = hf_config(cfg)
+    arch = d.pop("model_type")
+    config_cls = transformers.LlamaConfig if arch == LLAMA else transformers.GPT2Config
+    config = config_cls(**{k: v for k, v in d.items() if k not in ("architectures", "dtype")})
+    model_cls = getattr(transformers, ARCHITECTURES[arch])
+    with torch.device("cpu"):
+        hf_model = model_cls(config)
+    state = to_hf_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()}, cfg)
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight" if arch == LLAMA else "transformer.wte.weight"]
+    hf_model.load_state_dict(state, strict=True)
+    return hf_model.float().eval()
+
+
+def from_transformers(hf_model, name: str = "imported"):
+    """The gptkit GPT (fp32, eval mode) with exactly `hf_model`'s weights."""
+    cfg = model_config_from_hf(hf_model.config.to_dict(), name=name)
+    return build_gpt(cfg, from_hf_state_dict(hf_model.state_dict(), cfg, source=type(hf_model).__name__))
+
+
+# ---- folders: safetensors shards and tokenizer files -------------------------------------------
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB' / '500MB' / '20KB' / 1000 -> bytes (decimal units, as transformers' max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise GptkitError(f"max_shard_size={size!r} is not a size; write e.g. 5GB, 500MB or 20KB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def save_weights(state: dict[str, Any], out_dir: Path, max_shard_size: int) -> list[str]:
+    """Write `state` as model.safetensors, or as numbered shards plus an index when larger than
+    max_shard_size. Returns the file names written."""
+    from safetensors.torch import save_file
+
+    umask = os.umask(0)
+    os.umask(umask)
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    names = ([SAFE_SINGLE] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        os.chmod(out_dir / name, 0o666 & ~umask)  # safetensors writes owner-only files
+    if len(shards) == 1:
+        return names
+    weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2))
+    return names + [SAFE_INDEX]
+
+
+def load_weights(hf_dir: Path) -> dict[str, Any]:
+    """All tensors of a transformers folder: safetensors (single or sharded), else pytorch_model.bin
+    loaded with weights_only=True (a pickle that would run code is refused)."""
+    import torch
+    from safetensors.torch import load_file
+
+    def safe(f: Path) -> dict[str, Any]:
+        try:
+            return load_file(str(f))
+        except Exception as exc:
+            raise GptkitError(f"{f} is not a readable safetensors file ({str(exc)[:160]})") from exc
+
+    def pickle(f: Path) -> dict[str, Any]:
+        try:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise GptkitError(f"{f} could not be loaded safely (weights_only=True: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:160]}); convert it to safetensors") from exc
+        if not isinstance(obj, dict):
+            raise GptkitError(f"{f} does not hold a state dict")
+        return obj
+
+    for single, index, load in ((SAFE_SINGLE, SAFE_INDEX, safe), (BIN_SINGLE, BIN_INDEX, pickle)):
+        if (hf_dir / single).is_file():
+            return load(hf_dir / single)
+        if (hf_dir / index).is_file():
+            try:
+                files = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError) as exc:
+                raise GptkitError(f"{hf_dir / index} is not a valid weight index ({exc})") from exc
+            state: dict[str, Any] = {}
+            for name in files:
+                if not (hf_dir / name).is_file():
+                    raise GptkitError(f"{hf_dir / index} names {name}, which is missing from {hf_dir}")
+                state.update(load(hf_dir / name))
+            return state
+    raise GptkitError(f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})")
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    f = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise GptkitError(f"{hf_dir} is not a folder; pass hf=<a local transformers model folder>")
+    if not f.is_file():
+        raise GptkitError(f"{hf_dir} is not a transformers model folder (no config.json in it)")
+    try:
+        d = json.loads(f.read_text())
+    except ValueError as exc:
+        raise GptkitError(f"{f} is not valid JSON ({exc})") from exc
+    if not isinstance(d, dict):
+        raise GptkitError(f"{f} is not a transformers config (not a JSON object)")
+    return d
+
+
+# Special tokens by role, in order of preference, as the common tokenizers spell them.
+SPECIAL_ROLES = {
+    "bos_token": ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>", "<|endoftext|>"),
+    "eos_token": ("<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|endoftext|>"),
+    "unk_token": ("<unk>", "<|unk|>", "[UNK]"),
+    "pad_token": ("<pad>", "<|pad|>", "[PAD]"),
+}
+
+
+def special_tokens(tokenizer, eos_token: str | None = None) -> dict[str, tuple[str, int]]:
+    """{role: (token, id)} for the special tokens of a `tokenizers.Tokenizer` that have a known role
+    (`eos_token`: the run's own end-of-text token, which wins over the usual spellings)."""
+    found = {}
+    for role, names in SPECIAL_ROLES.items():
+        for name in ((eos_token,) if role == "eos_token" and eos_token else ()) + names:
+            tid = tokenizer.token_to_id(name)
+            if tid is not None:
+                found[role] = (name, tid)
+                break
+    return found
+
+
+def tokenizer_files(tokenizer, max_seq_len: int, special: dict[str, tuple[str, int]]) -> dict[str, str]:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for AutoTokenizer
+    (`special`: {role: (token, id)}, as special_tokens() finds them)."""
+    special = {role: tok for role, (tok, _) in special.items()}
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_len,
+              "clean_up_tokenization_spaces": False, **special}
+    return {"tokenizer.json": tokenizer.to_str(),
+            "tokenizer_config.json": json.dumps(config, indent=2),
+            "special_tokens_map.json": json.dumps(special, indent=2)}
+
+
+def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
+    d: dict[str, Any] = {"_from_model_config": True}
+    d.update({k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("pad_token_id", pad_id))
+              if v is not None})
+    return d
