@@ -1,0 +1,46 @@
+"""Tokenize a corpus into token shards (train.bin, val.bin), manifest.json and tokenizer.json.
+
+The result is cached by (corpus content, tokenizer): running it again is a no-op that says so.
+`gptkit train` does this itself when the shards are missing.
+
+Examples:
+  gptkit prepare                                   (pydoc docs, byte tokenizer: offline)
+  gptkit prepare data=stdlib tokenizer=bpe tokenizer.vocab_size=4096
+  gptkit prepare data=files data.paths=[input.txt] tokenizer=char
+  gptkit prepare data=files data.paths=input.txt           (one path may be a plain string)
+  gptkit prepare data=files "data.paths=['data/*.jsonl']" data.val_paths=[val.jsonl] data.text_field=content
+                                                   (globs inside a list need quotes: Hydra's grammar)
+  gptkit prepare data=hub data.name=Salesforce/wikitext data.config=wikitext-2-raw-v1 data.val_split=validation
+"""
+
+from __future__ import annotations
+
+VERB = "prepare"
+HELP = "tokenize a corpus into cached token shards + manifest + tokenizer.json"
+CONFIG = "prepare"
+HYDRA_APP = False
+
+
+def run(cfg) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gptkit.data import prepare
+    from gptkit.data.sampler import check_window
+
+    p = prepare(cfg.data, cfg.tokenizer, cache_dir=cfg.cache_dir, progress=bool(cfg.progress), force=bool(cfg.force))
+    m = p.manifest
+    if cfg.seq_len is not None:
+        for split in ("train", "val"):
+            check_window(m["splits"][split]["tokens"], int(cfg.seq_len), split)
+    t = Table(title=f"prepared data: {p.dir}")
+    t.add_column("")
+    t.add_column("value")
+    t.add_row("source", m["source"]["description"])
+    t.add_row("tokenizer", f"{m['tokenizer']['kind']}, vocab {p.vocab_size:,}, eos id {p.eos_id}")
+    t.add_row("dtype", m["dtype"])
+    for split in ("train", "val"):
+        t.add_row(f"{split} tokens", f"{m['splits'][split]['tokens']:,}")
+    t.add_row("tokenizer.json", str(p.tokenizer_path))
+    Console().print(t)
+    return 0

@@ -1,0 +1,68 @@
+"""The Lightning DataModule over prepared token shards.
+
+train: an endless IterableDataset of sampler batches starting at micro-step
+       trainer.global_step * trainer.accumulate_grad_batches (Lightning restores global_step before it
+       asks for the dataloader, so a resumed run continues exactly), for trainer.global_rank of
+       trainer.world_size. Without a trainer: step 0, rank 0 of 1.
+val:   a fixed, deterministic map-style set of windows, the same for every run on the same data.
+"""
+
+from __future__ import annotations
+
+import lightning as L
+import numpy as np
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+from gptkit.data.prepared import PreparedData
+from gptkit.data.sampler import WindowSampler, check_window, val_starts, windows
+
+
+class TrainBatches(IterableDataset):
+    """Yields sampler.batch(step, rank, world_size) for step = start, start + 1, ... forever."""
+
+    def __init__(self, sampler: WindowSampler, start_step: int, rank: int, world_size: int) -> None:
+        self.sampler, self.start_step, self.rank, self.world_size = sampler, start_step, rank, world_size
+
+    def __iter__(self):
+        step = self.start_step
+        while True:
+            yield self.sampler.batch(step, self.rank, self.world_size)  # x, y: [batch_size, seq_len]
+            step += 1
+
+
+class ValWindows(Dataset):
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None) -> None:
+        self.tokens, self.seq_len = tokens, seq_len
+        self.starts = val_starts(len(tokens), seq_len, n_windows)  # [n_windows]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int):
+        x, y = windows(self.tokens, self.starts[i:i + 1], self.seq_len)  # [1, seq_len] each
+        return x[0], y[0]
+
+
+class TokenDataModule(L.LightningDataModule):
+    def __init__(self, prepared: PreparedData, batch_size: int = 12, seq_len: int = 128, seed: int = 1337,
+                 val_windows: int | None = 200) -> None:
+        super().__init__()
+        self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
+        self.seed, self.val_windows = int(seed), val_windows
+        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed)
+        check_window(len(prepared.val_tokens()), self.seq_len, "val")
+
+    def _position(self) -> tuple[int, int, int]:
+        """(micro-step to start at, rank, world size) from the attached trainer, if any."""
+        trainer = getattr(self, "trainer", None)
+        if trainer is None:
+            return 0, 0, 1
+        return trainer.global_step * trainer.accumulate_grad_batches, trainer.global_rank, trainer.world_size
+
+    def train_dataloader(self) -> DataLoader:
+        step, rank, world = self._position()
+        return DataLoader(TrainBatches(self.sampler, step, rank, world), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> DataLoader:
+        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)

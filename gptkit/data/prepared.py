@@ -1,0 +1,116 @@
+"""A prepared corpus: one folder of token shards, its manifest and its tokenizer.
+
+    <cache>/<data kind>-<tokenizer kind>-<key>/
+      train.bin       contiguous token ids (uint16 when the vocab fits, else uint32)
+      val.bin         the same for validation
+      tokenizer.json  the exact tokenizer that wrote the shards
+      manifest.json   source and its content hash, tokenizer hash and vocab size, dtype, EOS id,
+                      token counts, gptkit version, and a checksum of the manifest itself
+
+Loading checks everything a later run relies on: the manifest's checksum (a hand edit or a
+truncated write is an error), the shard sizes against the token counts, the tokenizer's hash.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from gptkit.errors import GptkitError
+
+MANIFEST = "manifest.json"
+TOKENIZER = "tokenizer.json"
+SHARDS = {"train": "train.bin", "val": "val.bin"}
+FORMAT = "gptkit-token-shards"
+FORMAT_VERSION = 1
+DTYPES = {"uint16": 2, "uint32": 4}
+
+
+def manifest_checksum(manifest: dict[str, Any]) -> str:
+    body = {k: v for k, v in manifest.items() if k != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+@dataclass
+class PreparedData:
+    dir: Path
+    manifest: dict[str, Any]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.dir / TOKENIZER
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.manifest["tokenizer"]["eos_id"]
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    def _tokens(self, split: str):
+        import numpy as np
+
+        n = int(self.manifest["splits"][split]["tokens"])
+        return np.memmap(self.dir / SHARDS[split], dtype=self.dtype, mode="r", shape=(n,))  # [n]
+
+    def train_tokens(self):
+        return self._tokens("train")
+
+    def val_tokens(self):
+        return self._tokens("val")
+
+    def tokenizer(self):
+        from gptkit.tokenizer import load_tokenizer_file
+
+        return load_tokenizer_file(self.tokenizer_path)
+
+
+def load_prepared(folder: Path | str) -> PreparedData:
+    """Open a prepared folder, checking the manifest, the shards and the tokenizer against each other."""
+    from gptkit.tokenizer import file_sha256
+
+    d = Path(folder)
+    fix = f"delete {d} and run `gptkit prepare` again"
+    mf = d / MANIFEST
+    if not mf.is_file():
+        raise GptkitError(f"{d} has no {MANIFEST}; it is not a prepared corpus (gptkit prepare writes one)")
+    try:
+        m = json.loads(mf.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise GptkitError(f"{mf} is corrupted (not valid JSON: {exc}); {fix}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT:
+        raise GptkitError(f"{mf} is not a gptkit token-shard manifest; {fix}")
+    if m.get("checksum") != manifest_checksum(m):
+        raise GptkitError(f"{mf} was edited or corrupted (its checksum does not match its content); {fix}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise GptkitError(f"{mf} has format version {m.get('format_version')}, this gptkit reads "
+                          f"{FORMAT_VERSION}; {fix}")
+    itemsize = DTYPES.get(m["dtype"])
+    if itemsize is None:
+        raise GptkitError(f"{mf} names an unknown dtype {m['dtype']!r}; {fix}")
+    for split, name in SHARDS.items():
+        f = d / name
+        want = int(m["splits"][split]["tokens"]) * itemsize
+        if not f.is_file() or f.stat().st_size != want:
+            have = f.stat().st_size if f.is_file() else "no file"
+            raise GptkitError(f"{f} does not match its manifest ({have} bytes, expected {want}); {fix}")
+    tf = d / TOKENIZER
+    if not tf.is_file() or file_sha256(tf) != m["tokenizer"]["sha256"]:
+        raise GptkitError(f"{tf} is missing or is not the tokenizer that wrote these shards "
+                          f"(its hash differs from the manifest's); {fix}")
+    return PreparedData(dir=d, manifest=m)
+
+
+def check_vocab(prepared: PreparedData, model_vocab_size: int) -> None:
+    """The model's embedding must have a row for every token id the shards can hold."""
+    if prepared.vocab_size > int(model_vocab_size):
+        raise GptkitError(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={model_vocab_size}; "
+                          f"set model.vocab_size>={prepared.vocab_size} (or let train take it from the tokenizer)")

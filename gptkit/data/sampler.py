@@ -1,0 +1,66 @@
+"""Stateless sampling of training windows, and the fixed validation windows.
+
+The batch of micro-step `step` is a pure function of (seed, step, rank, world_size): step draws a
+global batch of batch_size * world_size distinct window starts from a generator seeded with
+(seed, step), and rank r takes the slice [r * batch_size, (r + 1) * batch_size). So
+
+  - resuming at step s gives exactly the batches an uninterrupted run sees (no iterator state),
+  - ranks never share a window within a step,
+  - world 2 x batch 6 sees the same windows as world 1 x batch 12.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gptkit.errors import GptkitError
+
+
+def check_window(n_tokens: int, seq_len: int, split: str) -> None:
+    if n_tokens < seq_len + 1:
+        raise GptkitError(f"the {split} split has {n_tokens} tokens, shorter than one window of seq_len+1="
+                          f"{seq_len + 1}; give a longer corpus or a smaller model.max_seq_len")
+
+
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int):
+    """(x, y) int64 tensors [len(starts), seq_len] from windows of seq_len + 1 tokens at `starts`."""
+    import torch
+
+    idx = starts[:, None] + np.arange(seq_len + 1)  # [B, seq_len + 1]
+    w = torch.from_numpy(tokens[idx].astype(np.int64))  # [B, seq_len + 1]
+    return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x, y: [B, seq_len]
+
+
+class WindowSampler:
+    """Random training windows of seq_len + 1 tokens; batch(step, rank, world_size) is pure."""
+
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
+        check_window(len(tokens), seq_len, "train")
+        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, int(batch_size), int(seq_len), int(seed)
+        self.n_starts = len(tokens) - seq_len  # window starts 0 .. n - seq_len - 1
+
+    def starts(self, step: int, world_size: int = 1) -> np.ndarray:
+        """The global batch's window starts for micro-step `step`: [batch_size * world_size], distinct."""
+        n = self.batch_size * world_size
+        if n > self.n_starts:
+            raise GptkitError(f"the train split has only {self.n_starts} distinct windows of {self.seq_len + 1} "
+                              f"tokens, fewer than a global batch of {n}; give more text or a smaller batch")
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
+        return rng.choice(self.n_starts, size=n, replace=False)  # [batch_size * world_size]
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in [0, {world_size})")
+        mine = self.starts(step, world_size)[rank * self.batch_size:(rank + 1) * self.batch_size]  # [batch_size]
+        return windows(self.tokens, mine, self.seq_len)
+
+
+def val_starts(n_tokens: int, seq_len: int, n_windows: int | None) -> np.ndarray:
+    """Fixed validation windows: `n_windows` evenly spaced starts, or (None) every non-overlapping window."""
+    check_window(n_tokens, seq_len, "val")
+    last = n_tokens - seq_len - 1  # the last valid start
+    if n_windows is None:
+        return np.arange(0, last + 1, seq_len + 1)  # [n_tokens // (seq_len + 1)]
+    if n_windows < 1:
+        raise GptkitError(f"val_windows={n_windows} must be >= 1 (or null for every window)")
+    return np.unique(np.linspace(0, last, int(n_windows)).round().astype(np.int64))  # [<= n_windows]

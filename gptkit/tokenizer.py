@@ -1,0 +1,189 @@
+"""Tokenizers, all of them HF `tokenizers` objects, built from the `tokenizer` config group.
+
+    kind: char   one id per character of the corpus, in code point order (then the special tokens)
+    kind: byte   256 ids, id == byte value (then the special tokens); lossless for any text
+    kind: bpe    byte-level BPE trained on the corpus (vocab_size, min_frequency, special_tokens)
+    kind: file   any tokenizer.json from disk (path)
+
+`eos_token`, when set, is appended after every document of the corpus. Whatever tokenizer is used
+is saved as tokenizer.json next to the token shards, so sampling and export use exactly it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping
+
+from gptkit.errors import GptkitError
+
+KINDS = ("char", "byte", "bpe", "file")
+# Built-in kinds whose encoding of a text equals the concatenated encodings of its pieces when the
+# text is cut at a newline between two non-space characters (see gptkit.data.prepare.split_long).
+SPLITTABLE_KINDS = ("char", "byte", "bpe")
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map from the 256 byte values to printable characters (the byte-level alphabet)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = printable[:]
+    extra = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+def _as_dict(cfg: Any) -> dict[str, Any]:
+    from omegaconf import DictConfig, OmegaConf
+
+    if isinstance(cfg, DictConfig):
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    return dict(cfg)
+
+
+# Defaults of each kind (the same as conf/tokenizer/<kind>.yaml): settings given as a partial dict
+# from Python mean the same tokenizer, and the same cache key, as the composed YAML.
+DEFAULTS: dict[str, dict[str, Any]] = {
+    "char": {"special_tokens": [], "eos_token": None, "unk_token": None},
+    "byte": {"special_tokens": [], "eos_token": None},
+    "bpe": {"vocab_size": 4096, "min_frequency": 2, "special_tokens": ["<|endoftext|>"], "eos_token": "<|endoftext|>"},
+    "file": {"path": None, "eos_token": None},
+}
+
+
+def tokenizer_settings(cfg: Any) -> dict[str, Any]:
+    """The tokenizer config as a complete plain dict with its kind checked (what the cache key and
+    manifest hold)."""
+    d = _as_dict(cfg)
+    kind = d.get("kind")
+    if kind not in KINDS:
+        raise GptkitError(f"unknown tokenizer kind {kind!r}; use tokenizer=char|byte|bpe|file "
+                          f"(or set tokenizer.kind to one of {', '.join(KINDS)})")
+    d = {"kind": kind, **DEFAULTS[kind], **d}
+    if kind == "file":
+        if not d["path"]:
+            raise GptkitError("tokenizer=file needs tokenizer.path=/path/to/tokenizer.json")
+        d["path"] = str(Path(str(d["path"])).expanduser().resolve())
+        if not Path(d["path"]).is_file():
+            raise GptkitError(f"tokenizer file {d['path']} does not exist; set tokenizer.path to a tokenizer.json")
+    else:
+        d["special_tokens"] = list(d["special_tokens"] or [])
+        if d["eos_token"] is not None and d["eos_token"] not in d["special_tokens"]:
+            d["special_tokens"].append(d["eos_token"])
+    return d
+
+
+def file_sha256(path: Path | str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def tokenizer_sha256(tok) -> str:
+    """Hash of the tokenizer's tokenizer.json text: equal hashes, identical encodings."""
+    return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
+
+
+def load_tokenizer_file(path: Path | str):
+    from tokenizers import Tokenizer
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise GptkitError(f"tokenizer file {p} does not exist; set tokenizer.path to a tokenizer.json")
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as exc:  # the Rust side raises plain Exceptions with long messages
+        raise GptkitError(f"{p} is not a valid tokenizer.json ({str(exc).splitlines()[0][:160]})") from exc
+
+
+def char_tokenizer(chars: Iterable[str], special_tokens: list[str], unk_token: str | None = None):
+    """One id per character, in code point order; special tokens (and unk) after them."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {c: i for i, c in enumerate(sorted(set(chars)))}
+    for t in [*special_tokens, *([unk_token] if unk_token else [])]:
+        vocab.setdefault(t, len(vocab))
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=unk_token))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every code point
+    tok.decoder = decoders.Fuse()
+    if special_tokens:
+        tok.add_special_tokens(special_tokens)
+    return tok
+
+
+def byte_tokenizer(special_tokens: list[str]):
+    """256 ids, id == byte value: a byte-level BPE without merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = bytes_to_unicode()
+    tok = Tokenizer(models.BPE(vocab={alphabet[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    if special_tokens:
+        tok.add_special_tokens(special_tokens)
+    return tok
+
+
+def train_bpe(texts: Callable[[], Iterable[str]], vocab_size: int, special_tokens: list[str],
+              min_frequency: int = 2, progress: bool = True, length: int | None = None):
+    """Byte-level BPE (GPT-2 style pre-tokenization) trained on the texts."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    if vocab_size < 256 + len(special_tokens):
+        raise GptkitError(f"tokenizer.vocab_size={vocab_size} is too small: byte-level BPE needs at least "
+                          f"256 + {len(special_tokens)} special tokens")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=progress,
+                                  special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts(), trainer=trainer, length=length)
+    return tok
+
+
+def build_tokenizer(cfg: Any, texts: Callable[[], Iterable[str]] | None = None, progress: bool = True):
+    """The configured tokenizer. `texts()` yields the corpus (needed by char and bpe)."""
+    s = tokenizer_settings(cfg)
+    kind, special = s["kind"], s.get("special_tokens", [])
+    if kind == "file":
+        tok = load_tokenizer_file(s["path"])
+    elif kind == "byte":
+        tok = byte_tokenizer(special)
+    elif kind == "char":
+        if texts is None:
+            raise GptkitError("tokenizer=char is built from a corpus; none was given")
+        seen: set[str] = set()
+        for t in texts():
+            seen.update(t)
+        if not seen:
+            raise GptkitError("tokenizer=char found no characters in the corpus")
+        tok = char_tokenizer(seen, special, s["unk_token"])
+    else:
+        if texts is None:
+            raise GptkitError("tokenizer=bpe is trained on a corpus; none was given")
+        tok = train_bpe(texts, int(s["vocab_size"]), special, int(s["min_frequency"]), progress)
+    eos = s["eos_token"]
+    if eos is not None and tok.token_to_id(eos) is None:
+        raise GptkitError(f"tokenizer.eos_token={eos!r} is not in the tokenizer's vocabulary; "
+                          f"set it to one of its special tokens or null")
+    return tok
+
+
+def eos_id(tok, cfg: Mapping[str, Any]) -> int | None:
+    eos = cfg.get("eos_token")
+    return None if eos is None else tok.token_to_id(eos)
+
+
+def encode_text(tok, text: str) -> list[int]:
+    """Encode one text; a character the tokenizer cannot represent is a one-line GptkitError."""
+    try:
+        return tok.encode(text, add_special_tokens=False).ids
+    except Exception as exc:
+        raise GptkitError(f"the tokenizer cannot encode this text ({str(exc).splitlines()[0][:160]}); "
+                          f"a char tokenizer knows only its corpus's characters") from exc

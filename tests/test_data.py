@@ -1,0 +1,230 @@
+"""prepare(): each corpus kind from local files, shards and manifest, the cache, dtype choice, checks."""
+
+import json
+
+import numpy as np
+import pytest
+
+from gptkit.data import check_tokenizer, check_vocab, load_prepared, prepare
+from gptkit.errors import GptkitError
+
+BYTE = {"kind": "byte"}
+BYTE_EOS = {"kind": "byte", "eos_token": "<|endoftext|>"}
+DOC_A = "Alpha document, first of two.\n" * 30
+DOC_B = "Beta document: second of two.\n" * 30
+
+
+def prep(tmp_path, data, tok=BYTE, **kw):
+    return prepare(data, tok, cache_dir=tmp_path / "cache", progress=False, **kw)
+
+
+def all_tokens(p):
+    return np.concatenate([p.train_tokens(), p.val_tokens()])
+
+
+def test_txt_files_and_globs_in_order_with_eos_between_documents(tmp_path):
+    (tmp_path / "a.txt").write_text(DOC_A)
+    (tmp_path / "b.txt").write_text(DOC_B)
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "*.txt")]}, BYTE_EOS)
+    assert p.eos_id == 256 and p.vocab_size == 257
+    expected = list(DOC_A.encode()) + [256] + list(DOC_B.encode()) + [256]
+    assert all_tokens(p).tolist() == expected
+    n_val = round(len(expected) * 0.1)
+    assert len(p.val_tokens()) == n_val  # the validation split is the tail
+    assert p.val_tokens().tolist() == expected[-n_val:]
+    assert p.train_tokens().dtype == np.uint16
+    assert p.manifest["splits"]["train"]["tokens"] == len(expected) - n_val
+    assert p.manifest["validation"] == {"how": "fraction", "fraction": 0.1, "documents": 2}
+    assert p.tokenizer().encode("Alpha").ids == list(b"Alpha")
+    with pytest.raises(ValueError):  # shards are read-only memory maps
+        p.train_tokens()[0] = 1
+
+
+def test_several_paths_keep_their_order_and_val_files(tmp_path):
+    (tmp_path / "a.txt").write_text(DOC_A)
+    (tmp_path / "b.txt").write_text(DOC_B)
+    (tmp_path / "v.txt").write_text("held out\n")
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "b.txt"), str(tmp_path / "a.txt")],
+                        "val_paths": [str(tmp_path / "v.txt")]})
+    assert bytes(p.train_tokens().astype(np.uint8)) == (DOC_B + DOC_A).encode()
+    assert bytes(p.val_tokens().astype(np.uint8)) == b"held out\n"
+    assert p.manifest["validation"]["how"] == "files"
+
+
+def test_jsonl_json_and_parquet_records_are_documents(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"content": t, "n": i})
+                                                for i, t in enumerate(["one", "", "two"])) + "\n")
+    (tmp_path / "b.json").write_text(json.dumps([{"content": "three"}, {"content": "four"}]))
+    pq.write_table(pa.table({"content": ["five", "six"]}), tmp_path / "c.parquet")
+    files = [str(tmp_path / f) for f in ("a.jsonl", "b.json", "c.parquet")]
+    p = prep(tmp_path, {"kind": "files", "paths": files, "text_field": "content", "val_fraction": 0.2}, BYTE_EOS)
+    ids = all_tokens(p).tolist()
+    docs = bytes(i if i < 256 else ord("|") for i in ids).decode()
+    assert docs == "one|two|three|four|five|six|"  # empty records are skipped
+    assert p.manifest["validation"]["documents"] == 6
+
+
+def test_pydoc_is_the_offline_default_corpus(tmp_path):
+    from pydoc_data.topics import topics
+
+    p = prep(tmp_path, {"kind": "pydoc"})
+    n = len(all_tokens(p))
+    assert n > 300_000  # ~0.5 MB of English
+    assert bytes(p.train_tokens()[:200].astype(np.uint8)).decode() in topics[sorted(topics)[0]]
+    assert "pydoc_data" in p.manifest["source"]["description"]
+
+
+def test_cache_hit_and_invalidation(tmp_path, capsys):
+    src = tmp_path / "a.txt"
+    src.write_text(DOC_A)
+    data = {"kind": "files", "paths": [str(src)]}
+    p1 = prep(tmp_path, data)
+    mtime = (p1.dir / "train.bin").stat().st_mtime_ns
+    capsys.readouterr()
+    p2 = prep(tmp_path, data)
+    assert "cache hit" in capsys.readouterr().err
+    assert p2.dir == p1.dir and (p2.dir / "train.bin").stat().st_mtime_ns == mtime  # not rewritten
+    src.write_text(DOC_A + "changed\n")  # a changed source file
+    p3 = prep(tmp_path, data)
+    assert "prepared" in capsys.readouterr().err
+    assert p3.dir != p1.dir and len(all_tokens(p3)) == len(DOC_A) + 8
+    p4 = prep(tmp_path, data, BYTE_EOS)  # a changed tokenizer
+    assert p4.dir not in (p1.dir, p3.dir) and p4.eos_id == 256
+    p5 = prep(tmp_path, data, force=True)
+    assert p5.dir == p3.dir and (p5.dir / "train.bin").stat().st_mtime_ns != mtime
+    leftovers = [d.name for d in (tmp_path / "cache").iterdir() if d.name.startswith(".")]
+    assert leftovers == []
+
+
+def test_file_tokenizer_change_invalidates_cache(tmp_path):
+    from gptkit.tokenizer import build_tokenizer
+
+    (tmp_path / "a.txt").write_text(DOC_A)
+    tok_file = tmp_path / "tok.json"
+    build_tokenizer(BYTE).save(str(tok_file))
+    data = {"kind": "files", "paths": [str(tmp_path / "a.txt")]}
+    p1 = prep(tmp_path, data, {"kind": "file", "path": str(tok_file)})
+    build_tokenizer(BYTE_EOS).save(str(tok_file))
+    p2 = prep(tmp_path, data, {"kind": "file", "path": str(tok_file)})
+    assert p1.dir != p2.dir and p2.vocab_size == 257
+
+
+def big_vocab_tokenizer(path, n=70_000):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(n)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def test_uint32_is_chosen_when_the_vocab_does_not_fit_uint16(tmp_path):
+    tok = {"kind": "file", "path": str(big_vocab_tokenizer(tmp_path / "big.json"))}
+    (tmp_path / "a.txt").write_text(" ".join(f"w{i}" for i in (1, 65_535, 65_536, 69_999) * 10))
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "a.txt")]}, tok)
+    assert p.dtype == "uint32" and p.train_tokens().dtype == np.uint32 and p.vocab_size == 70_000
+    assert all_tokens(p).tolist()[:4] == [1, 65_535, 65_536, 69_999]
+    with pytest.raises(GptkitError, match="more than uint16 can hold"):
+        prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "a.txt")], "dtype": "uint16"}, tok)
+
+
+def test_manifest_checks(tmp_path):
+    (tmp_path / "a.txt").write_text(DOC_A)
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "a.txt")]})
+    assert load_prepared(p.dir).manifest == p.manifest
+    m = p.manifest
+    assert m["dtype"] == "uint16" and m["tokenizer"]["vocab_size"] == 256 and m["tokenizer"]["eos_id"] is None
+    assert len(m["source"]["sha256"]) == 64 and len(m["tokenizer"]["sha256"]) == 64
+    assert m["gptkit_version"] and m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"] == len(DOC_A)
+
+    check_vocab(p, 256)
+    with pytest.raises(GptkitError, match="model.vocab_size=255"):
+        check_vocab(p, 255)
+    check_tokenizer(p, BYTE)
+    with pytest.raises(GptkitError, match="written with tokenizer byte"):
+        check_tokenizer(p, {"kind": "char"})
+    with pytest.raises(GptkitError, match="written with tokenizer byte"):
+        check_tokenizer(p, BYTE_EOS)
+
+    edited = dict(m, dtype="uint32")
+    (p.dir / "manifest.json").write_text(json.dumps(edited))
+    with pytest.raises(GptkitError, match="edited or corrupted"):
+        load_prepared(p.dir)
+    (p.dir / "manifest.json").write_text(json.dumps(m))
+    (p.dir / "tokenizer.json").write_text((p.dir / "tokenizer.json").read_text().replace('"Ā"', '"X"', 1))
+    with pytest.raises(GptkitError, match="not the tokenizer that wrote these shards"):
+        load_prepared(p.dir)
+
+
+def test_prepared_folder_is_reused_only_with_its_tokenizer(tmp_path):
+    (tmp_path / "a.txt").write_text(DOC_A)
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "a.txt")]})
+    again = prep(tmp_path, {"kind": "prepared", "dir": str(p.dir)})
+    assert again.dir == p.dir
+    with pytest.raises(GptkitError, match="not the configured char"):
+        prep(tmp_path, {"kind": "prepared", "dir": str(p.dir)}, {"kind": "char"})
+
+
+def test_replacement_policy_for_undecodable_bytes(tmp_path):
+    (tmp_path / "bad.txt").write_bytes(b"good text \xff\xfe more text\n")
+    data = {"kind": "files", "paths": [str(tmp_path / "bad.txt")], "val_fraction": 0.2}
+    with pytest.raises(GptkitError, match=r"bad.txt: byte 10 .* not valid UTF-8"):
+        prep(tmp_path, data)
+    p = prep(tmp_path, dict(data, encoding_errors="replace"))
+    text = p.tokenizer().decode(all_tokens(p).tolist())
+    assert text == "good text \ufffd\ufffd more text\n"
+
+
+def test_undecodable_json_names_file_and_offset(tmp_path):
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(GptkitError, match=r"a.jsonl: byte 30 .* not valid UTF-8"):
+        prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "a.jsonl")]})
+
+
+def test_byte_shards_equal_the_saved_tokenizers_encoding(tmp_path):
+    """prepare() takes byte ids from the UTF-8 text directly; they must be what tokenizer.json encodes,
+    including a literal special token inside the text."""
+    docs = [UNICODE_DOC, "a literal <|endoftext|> inside a document\n", DOC_A]
+    for i, d in enumerate(docs):
+        (tmp_path / f"{i}.txt").write_text(d)
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / f"{i}.txt") for i in range(3)]}, BYTE_EOS)
+    tok = p.tokenizer()
+    expected = [i for d in docs for i in tok.encode(d).ids + [p.eos_id]]
+    assert all_tokens(p).tolist() == expected
+    assert expected.count(p.eos_id) == 4  # three documents, one literal special token
+
+
+UNICODE_DOC = "naïve café — 日本語 🙂\n" * 5
+
+
+def test_stdlib_corpus_is_the_standard_library_sources():
+    from gptkit.data.sources import open_corpus, stdlib_files
+
+    every, no_tests = stdlib_files(True), stdlib_files(False)
+    assert len(every) > 500 and len(no_tests) < len(every)
+    assert any(f.name == "json" or f.parent.name == "json" for f in every)
+    assert not any("site-packages" in f.parts for f in every)
+    corpus = open_corpus({"kind": "stdlib", "include_tests": False, "encoding_errors": "replace"})
+    assert corpus.n_bytes > 5_000_000 and "standard library" in corpus.description
+    assert "def " in next(corpus.train_docs())
+
+
+def test_code_defaults_match_the_yaml_presets():
+    """A partial dict from Python and the composed YAML must give the same settings (and cache key)."""
+    from omegaconf import OmegaConf
+
+    from gptkit.config import conf_dir
+    from gptkit.data.build import DEFAULTS as DATA_DEFAULTS
+    from gptkit.tokenizer import DEFAULTS as TOKENIZER_DEFAULTS
+
+    for group, defaults in (("data", DATA_DEFAULTS), ("tokenizer", TOKENIZER_DEFAULTS)):
+        for preset in (conf_dir() / group).glob("*.yaml"):
+            y = OmegaConf.to_container(OmegaConf.load(preset))
+            kind = y.pop("kind")
+            assert set(y) == set(defaults[kind]), preset
+            for k, v in y.items():
+                assert v == "???" or v == defaults[kind][k], (preset, k)

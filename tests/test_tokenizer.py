@@ -1,0 +1,108 @@
+"""Tokenizers: each kind round-trips text, ids are what the kind promises, errors are one line."""
+
+import pytest
+from conftest import SHAKESPEARE
+
+from gptkit.data.build import split_long
+from gptkit.errors import GptkitError
+from gptkit.tokenizer import build_tokenizer, encode_text, tokenizer_sha256
+
+TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\tAll: Speak, speak! 3.14 café\n"
+UNICODE = "naïve café — 日本語 🙂\x00\n"
+
+
+def corpus():
+    return lambda: iter([TEXT, "Second doc: more words, more merges. " * 20])
+
+
+def test_byte_ids_are_the_utf8_bytes_and_round_trip():
+    tok = build_tokenizer({"kind": "byte"})
+    assert tok.get_vocab_size() == 256
+    ids = tok.encode(UNICODE).ids
+    assert ids == list(UNICODE.encode("utf-8"))
+    assert tok.decode(ids) == UNICODE
+
+
+def test_byte_special_tokens_come_after_the_bytes():
+    tok = build_tokenizer({"kind": "byte", "eos_token": "<|endoftext|>"})
+    assert tok.get_vocab_size() == 257
+    assert tok.token_to_id("<|endoftext|>") == 256
+
+
+def test_char_vocab_is_the_corpus_characters_in_code_point_order():
+    tok = build_tokenizer({"kind": "char"}, texts=lambda: iter(["cab", "a\nb"]))
+    assert tok.get_vocab() == {"\n": 0, "a": 1, "b": 2, "c": 3}
+    ids = tok.encode("abc\n").ids
+    assert ids == [1, 2, 3, 0]
+    assert tok.decode(ids) == "abc\n"
+
+
+def test_char_round_trips_unicode_and_rejects_unknown_characters():
+    tok = build_tokenizer({"kind": "char"}, texts=lambda: iter([UNICODE, TEXT]))
+    assert tok.decode(tok.encode(UNICODE + TEXT).ids) == UNICODE + TEXT
+    assert len(tok.encode(UNICODE).ids) == len(UNICODE)  # one id per code point
+    with pytest.raises(GptkitError, match="cannot encode"):
+        encode_text(tok, "Z")
+    unk = build_tokenizer({"kind": "char", "unk_token": "<|unk|>"}, texts=lambda: iter(["ab"]))
+    assert encode_text(unk, "aZ") == [0, unk.token_to_id("<|unk|>")]
+
+
+def test_bpe_trains_to_the_vocab_size_with_special_tokens_and_round_trips():
+    cfg = {"kind": "bpe", "vocab_size": 300, "min_frequency": 1, "special_tokens": ["<|endoftext|>"],
+           "eos_token": "<|endoftext|>"}
+    tok = build_tokenizer(cfg, texts=corpus(), progress=False)
+    assert 256 < tok.get_vocab_size() <= 300
+    assert tok.token_to_id("<|endoftext|>") is not None
+    for text in (TEXT, UNICODE):
+        ids = tok.encode(text).ids
+        assert tok.decode(ids) == text
+    assert len(tok.encode(TEXT).ids) < len(TEXT.encode())  # it learned merges
+    # the same corpus and settings give the same tokenizer
+    assert tokenizer_sha256(build_tokenizer(cfg, texts=corpus(), progress=False)) == tokenizer_sha256(tok)
+
+
+def test_file_tokenizer_loads_any_tokenizer_json(tmp_path):
+    bpe = build_tokenizer({"kind": "bpe", "vocab_size": 280, "min_frequency": 1}, texts=corpus(), progress=False)
+    path = tmp_path / "tok.json"
+    bpe.save(str(path))
+    tok = build_tokenizer({"kind": "file", "path": str(path)})
+    assert tok.encode(TEXT).ids == bpe.encode(TEXT).ids
+    assert tok.decode(tok.encode(TEXT).ids) == TEXT
+
+
+def test_file_tokenizer_errors(tmp_path):
+    with pytest.raises(GptkitError, match="nope.json does not exist"):
+        build_tokenizer({"kind": "file", "path": str(tmp_path / "nope.json")})
+    with pytest.raises(GptkitError, match="needs tokenizer.path"):
+        build_tokenizer({"kind": "file"})
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(GptkitError, match="not a valid tokenizer.json"):
+        build_tokenizer({"kind": "file", "path": str(bad)})
+    with pytest.raises(GptkitError, match="eos_token"):
+        build_tokenizer({"kind": "file", "path": str(_byte_file(tmp_path)), "eos_token": "<|missing|>"})
+
+
+def _byte_file(tmp_path):
+    p = tmp_path / "byte.json"
+    build_tokenizer({"kind": "byte"}).save(str(p))
+    return p
+
+
+def test_unknown_kind_is_an_error():
+    with pytest.raises(GptkitError, match="unknown tokenizer kind 'wordpiece'"):
+        build_tokenizer({"kind": "wordpiece"})
+
+
+@pytest.mark.parametrize("kind", ["char", "byte", "bpe"])
+def test_cutting_long_documents_changes_no_token(kind):
+    """prepare() cuts long documents for parallel encoding; the tokens must be those of the whole text."""
+    lines = SHAKESPEARE.read_text()[:60_000].splitlines()
+    # every other line ends in a space: " \n" is then a frequent pair, and a cut between the two breaks it
+    text = "\n".join(line + " " * (i % 2) for i, line in enumerate(lines)) + "  trailing  \n\n  spaces \n"
+    pieces = split_long(text, size=2_000)
+    assert len(pieces) > 10 and "".join(pieces) == text
+    tok = build_tokenizer({"kind": kind, "vocab_size": 400, "min_frequency": 1}, texts=lambda: iter([text]),
+                          progress=False)
+    joined = [i for enc in tok.encode_batch(pieces) for i in enc.ids]
+    assert joined == tok.encode(text).ids
