@@ -16,6 +16,17 @@ HYDRA_APP = False
 POSITIONAL = "bench"  # `gptkit bench data` means `gptkit bench bench=data`
 
 
+def prepare_args(args: list[str]) -> list[str]:
+    """Options belong to the chosen benchmark: `out=x.json` means `bench.out=x.json`."""
+    out = []
+    for a in args:
+        key = a.split("=", 1)[0]
+        if "=" in a and not a.startswith(("-", "+", "~", "hydra")) and key != "bench" and not key.startswith("bench."):
+            a = f"bench.{a}"
+        out.append(a)
+    return out
+
+
 def run(cfg) -> int:
     import importlib
 

@@ -72,8 +72,11 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
 _triton_state: dict[str, object] = {}
 
 
-def triton_available() -> bool:
-    return torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+def triton_available(device: torch.device | None = None) -> bool:
+    """The kernels run on CUDA tensors, or on any tensor under the interpreter (TRITON_INTERPRET=1)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return True
+    return torch.cuda.is_available() and (device is None or device.type == "cuda")
 
 
 def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False):
@@ -82,10 +85,10 @@ def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=No
     Falls back to sdpa (with one warning per process) when no CUDA device is present and
     TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
     """
-    if not triton_available():
+    if not triton_available(q.device):
         if not _triton_state.get("warned"):
             warnings.warn(
-                "model.attention=triton needs a CUDA GPU (or TRITON_INTERPRET=1); falling back to sdpa",
+                "model.attention=triton needs CUDA tensors (or TRITON_INTERPRET=1); falling back to sdpa",
                 stacklevel=2,
             )
             _triton_state["warned"] = True

@@ -1,0 +1,253 @@
+"""`gptkit bench attention`: our Triton FlashAttention-2 against PyTorch SDPA's flash backend and eager.
+
+For every T in bench.seq_lens (batch = bench.tokens // T), head dim, causal or not, and GQA ratio:
+  1. check: our output and dQ/dK/dV against SDPA's (max |diff| / max |sdpa| <= bench.check_tol);
+  2. time forward, backward and forward+backward with triton.testing.do_bench (median, after warm-up).
+TFLOP/s use the usual convention: forward 4*B*H*T^2*D (halved when causal), backward 2.5x forward.
+Eager attention may run out of memory at large T: that cell reads "oom". Needs a CUDA GPU.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import asdict, dataclass, field
+
+MODES = ("fwd", "bwd", "fwd+bwd")
+BACKENDS = ("triton", "sdpa-flash", "eager")
+DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+DEVICE = "cuda"
+
+
+@dataclass
+class Case:
+    T: int
+    batch: int
+    head_dim: int
+    n_heads: int
+    n_kv_heads: int
+    causal: bool
+
+    def fwd_flops(self) -> float:
+        flops = 4.0 * self.batch * self.n_heads * self.T**2 * self.head_dim
+        return flops / 2 if self.causal else flops
+
+    def flops(self, mode: str) -> float:
+        return self.fwd_flops() * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[mode]
+
+
+@dataclass
+class Result:
+    case: Case
+    backend: str
+    ms: dict[str, float | None] = field(default_factory=dict)  # mode -> median ms; None: see note
+    note: str = ""
+    max_rel_err: float | None = None  # triton only: the check against SDPA
+
+    def tflops(self, mode: str) -> float | None:
+        ms = self.ms.get(mode)
+        return None if ms is None else self.case.flops(mode) / (ms * 1e-3) / 1e12
+
+    def to_dict(self) -> dict:
+        d = {**asdict(self.case), "backend": self.backend, "note": self.note, "max_rel_err": self.max_rel_err}
+        for mode in MODES:
+            d[f"{mode}_ms"] = self.ms.get(mode)
+            d[f"{mode}_tflops"] = self.tflops(mode)
+        return d
+
+
+def _cases(cfg) -> list[Case]:
+    from gptkit.errors import ConfigError
+
+    cases = []
+    for T in cfg.seq_lens:
+        if T <= 0 or cfg.tokens % T:
+            raise ConfigError(f"bench.tokens={cfg.tokens} must be a positive multiple of every T; got T={T}")
+        for head_dim in cfg.head_dims:
+            if cfg.d_model % head_dim:
+                raise ConfigError(f"bench.d_model={cfg.d_model} must be a multiple of head_dim={head_dim}")
+            n_heads = cfg.d_model // head_dim
+            for group in cfg.gqa:
+                if group <= 0 or n_heads % group:
+                    raise ConfigError(f"bench.gqa={group} must divide the {n_heads} heads of head_dim={head_dim}")
+                for causal in cfg.causal:
+                    cases.append(Case(T, cfg.tokens // T, head_dim, n_heads, n_heads // group, bool(causal)))
+    return cases
+
+
+def _attention(backend: str, causal: bool):
+    """(q, k, v) -> out for one backend. sdpa-flash must be called inside sdpa_kernel(FLASH_ATTENTION)."""
+    import torch.nn.functional as F
+
+    from gptkit.model.attention import eager_attention
+    from gptkit_kernels import flash_attention
+
+    if backend == "triton":
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
+    if backend == "sdpa-flash":
+        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                              enable_gqa=k.shape[1] != q.shape[1])
+    return lambda q, k, v: eager_attention(q, k, v, causal=causal)[0]
+
+
+def _inputs(case: Case, dtype, n_kv_heads: int | None = None):
+    import torch
+
+    n_kv = case.n_kv_heads if n_kv_heads is None else n_kv_heads
+    q = torch.randn(case.batch, case.n_heads, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, H, T, D]
+    k = torch.randn(case.batch, n_kv, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, Hkv, T, D]
+    v = torch.randn(case.batch, n_kv, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, Hkv, T, D]
+    return [x.requires_grad_() for x in (q, k, v)]
+
+
+def _grads(fn, q, k, v, dout):
+    import torch
+
+    out = fn(q, k, v)
+    return (out, *torch.autograd.grad(out, (q, k, v), dout))
+
+
+def _sdpa_reference(q, k, v, dout, causal):
+    """SDPA flash output and grads; K/V repeated per query head (autograd sums their grads back)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    group = q.shape[1] // k.shape[1]
+
+    def fn(q, k, v):
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, H, T, D]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return _grads(fn, q, k, v, dout)
+
+
+def _max_rel_err(got, want) -> float:
+    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+               for a, b in zip(got, want))
+
+
+def _measure(case: Case, backend: str, dtype, cfg) -> Result:
+    """Check (triton) and time one backend on one case; out of memory gives None timings."""
+    import contextlib
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    result = Result(case, backend)
+    flash_only = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if backend == "sdpa-flash" else contextlib.nullcontext()
+    try:
+        with flash_only:
+            _check_and_time(result, dtype, cfg)
+    except torch.cuda.OutOfMemoryError:
+        result.ms, result.note = {mode: None for mode in MODES}, "oom"
+    except RuntimeError as exc:  # e.g. SDPA's flash backend refusing this GPU or shape; ours must not
+        if backend == "triton":
+            raise
+        result.ms, result.note = {mode: None for mode in MODES}, f"unavailable: {str(exc).splitlines()[0][:60]}"
+    finally:
+        gc.collect()  # free this case's tensors before the next one
+        torch.cuda.empty_cache()
+    return result
+
+
+def _check_and_time(result: Result, dtype, cfg) -> None:
+    import torch
+    from triton.testing import do_bench
+
+    case, backend = result.case, result.backend
+    fn = _attention(backend, case.causal)
+    q, k, v = _inputs(case, dtype)
+    dout = torch.randn_like(q)  # [B, H, T, D]
+    if backend == "sdpa-flash" and case.n_kv_heads != case.n_heads:
+        try:
+            fn(q, k, v)
+        except RuntimeError:  # this torch's flash backend has no native GQA: give it full K/V heads
+            q, k, v = _inputs(case, dtype, n_kv_heads=case.n_heads)
+            result.note = "K/V heads repeated"
+    if backend == "triton":
+        want = _sdpa_reference(q, k, v, dout, case.causal)
+        result.max_rel_err = _max_rel_err(_grads(fn, q, k, v, dout), want)
+        del want
+    out = fn(q, k, v)
+    timed = {
+        "fwd": lambda: fn(q, k, v),
+        "bwd": lambda: torch.autograd.grad(out, (q, k, v), dout, retain_graph=True),
+        "fwd+bwd": lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), dout),
+    }
+    for mode in MODES:
+        result.ms[mode] = do_bench(timed[mode], warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+
+
+def run(cfg) -> int:
+    import torch
+
+    from gptkit.errors import ConfigError, GptkitError
+    from gptkit_kernels import interpreting
+
+    if not torch.cuda.is_available():
+        raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU machine")
+    if interpreting():
+        raise GptkitError("TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU kernels")
+    if cfg.dtype not in DTYPES:
+        raise ConfigError(f"bench.dtype={cfg.dtype!r} must be one of {', '.join(DTYPES)}")
+    unknown = sorted(set(cfg.backends) - set(BACKENDS))
+    if unknown:
+        raise ConfigError(f"unknown bench.backends {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
+    dtype = getattr(torch, DTYPES[cfg.dtype])
+    cases = _cases(cfg)
+
+    from rich.console import Console
+
+    con = Console()
+    con.print(f"{torch.cuda.get_device_name()}: {len(cases)} configurations x {len(cfg.backends)} backends, "
+              f"{cfg.dtype}, B*T = {cfg.tokens}")
+    results: list[Result] = []
+    for case in cases:
+        con.print(f"[dim]T={case.T} B={case.batch} head_dim={case.head_dim} heads={case.n_heads}/{case.n_kv_heads} "
+                  f"{'causal' if case.causal else 'full'}")
+        results += [_measure(case, backend, dtype, cfg) for backend in cfg.backends]
+
+    failed = [r for r in results if r.max_rel_err is not None and not r.max_rel_err <= cfg.check_tol]
+    _print_table(con, results, cfg)
+    if cfg.out:
+        import json
+
+        from gptkit.runs import atomic_write_text
+
+        atomic_write_text(cfg.out, json.dumps([r.to_dict() for r in results], indent=2))
+        con.print(f"wrote {cfg.out}")
+    if failed:
+        con.print(f"[red]{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})")
+        return 1
+    return 0
+
+
+def _print_table(con, results: list[Result], cfg) -> None:
+    from rich.table import Table
+
+    def cell(r: Result, mode: str) -> str:
+        x = r.tflops(mode)
+        return f"{x:.1f}" if x is not None else ("oom" if r.note == "oom" else "n/a")
+
+    t = Table(title=f"attention TFLOP/s ({cfg.dtype}; fwd 4*B*H*T^2*D, halved when causal; bwd 2.5x fwd)")
+    for name in ("T", "B", "head_dim", "heads/kv", "causal", "backend", "fwd", "bwd", "fwd+bwd",
+                 "fwd+bwd vs sdpa", "check vs sdpa"):
+        t.add_column(name, justify="left" if name in ("causal", "backend") else "right")
+    previous = None
+    for r in results:
+        c = r.case
+        if previous is not None and c != previous:
+            t.add_section()
+        previous = c
+        sdpa = next((s for s in results if s.case == c and s.backend == "sdpa-flash"), None)
+        ratio = ""
+        if r.backend != "sdpa-flash" and sdpa is not None and None not in (r.tflops("fwd+bwd"), sdpa.tflops("fwd+bwd")):
+            ratio = f"{r.tflops('fwd+bwd') / sdpa.tflops('fwd+bwd'):.2f}x"
+        check = ""
+        if r.max_rel_err is not None:
+            ok = r.max_rel_err <= cfg.check_tol
+            check = f"{'[green]ok' if ok else '[red]FAIL'} {r.max_rel_err:.1e}"
+        backend = r.backend + (f" ({r.note})" if r.note and r.note != "oom" else "")
+        t.add_row(str(c.T), str(c.batch), str(c.head_dim), f"{c.n_heads}/{c.n_kv_heads}",
+                  "yes" if c.causal else "no", backend, *(cell(r, m) for m in MODES), ratio, check)
+    con.print(t)

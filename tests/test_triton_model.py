@@ -1,0 +1,140 @@
+"""model.attention=triton end to end: a training step matches sdpa; no GPU means a warned fallback.
+
+On a CPU the kernels run in the Triton interpreter (TRITON_INTERPRET=1, set by conftest).
+Budget: ~30 s on 2 cores.
+"""
+
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptkit.model import GPT, ModelConfig
+from gptkit_kernels import interpreting
+
+REPO = Path(__file__).resolve().parent.parent
+
+DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+
+
+@pytest.mark.parametrize("variant", [
+    dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2),  # llama-style GQA
+    dict(position="learned", mlp="gelu", norm="layernorm", n_heads=2),  # gpt2-style MHA
+])
+def test_training_step_matches_sdpa(variant):
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=96, max_seq_len=32, n_layers=2, d_model=64, attention="sdpa", **variant)
+    sdpa_model = GPT(cfg).to(DEVICE)
+    triton_model = GPT(dataclasses.replace(cfg, attention="triton")).to(DEVICE)
+    triton_model.load_state_dict(sdpa_model.state_dict())  # same weights, other attention backend
+    idx = torch.randint(0, cfg.vocab_size, (2, 27), device=DEVICE)  # [B, T]: T not a multiple of a tile
+    targets = torch.randint(0, cfg.vocab_size, (2, 27), device=DEVICE)
+
+    losses, grads = {}, {}
+    for name, model in (("sdpa", sdpa_model), ("triton", triton_model)):
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)  # linear in the gradients: differences stay small
+        first = model(idx, targets).loss
+        first.backward()
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        second = model(idx, targets).loss  # after one optimizer step
+        losses[name] = (first.item(), second.item())
+
+    assert losses["triton"] == pytest.approx(losses["sdpa"], rel=1e-5)
+    assert losses["sdpa"][1] < losses["sdpa"][0]  # the step did something worth comparing
+    for name, g_sdpa in grads["sdpa"].items():
+        torch.testing.assert_close(grads["triton"][name], g_sdpa, rtol=1e-4, atol=1e-6,
+                                   msg=lambda m: f"{name}.grad: {m}")
+
+def test_model_built_with_attention_triton_runs_the_kernel(monkeypatch):
+    """The config field reaches the kernel (not a silent sdpa fallback)."""
+    import gptkit_kernels
+
+    calls = []
+    real = gptkit_kernels.flash_attention
+    monkeypatch.setattr(gptkit_kernels, "flash_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=2, d_model=32, attention="triton")
+    GPT(cfg).to(DEVICE)(torch.randint(0, 64, (1, 16), device=DEVICE))
+    assert len(calls) == cfg.n_layers
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
+def test_no_gpu_and_no_interpreter_falls_back_to_sdpa_with_one_warning():
+    script = textwrap.dedent("""
+        import dataclasses
+        import warnings
+        import torch
+        from gptkit.model import GPT, ModelConfig
+
+        torch.manual_seed(0)
+        cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=2, d_model=32, attention="triton")
+        model = GPT(cfg)
+        idx = torch.randint(0, 64, (2, 16))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = model(idx, idx).loss
+            model(idx, idx).loss.backward()
+        sdpa_model = GPT(dataclasses.replace(cfg, attention="sdpa"))
+        sdpa_model.load_state_dict(model.state_dict())
+        ref = sdpa_model(idx, idx).loss
+        print("WARNINGS", [str(w.message) for w in caught])
+        print("MATCH", torch.equal(out, ref))
+    """)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    warnings_line = next(line for line in r.stdout.splitlines() if line.startswith("WARNINGS"))
+    assert warnings_line.count("falling back to sdpa") == 1, warnings_line  # once, for 4 attention calls
+    assert "MATCH True" in r.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="refusal is for machines without CUDA")
+def test_bench_attention_refuses_without_cuda(cli):
+    r = cli("bench", "attention")
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and "CUDA" in lines[0], r.stderr
+
+
+def test_bench_attention_pipeline_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
+    """The GPU benchmark's check, timing, oom and table code, run on the CPU with a stand-in timer."""
+    import time
+
+    import triton.testing
+    from omegaconf import OmegaConf
+    from rich.console import Console
+
+    import gptkit.model.attention
+    from gptkit.bench import attention as bench
+
+    def oom(*args, **kwargs):
+        raise torch.cuda.OutOfMemoryError("simulated")
+
+    def wall_ms(fn, warmup, rep, return_mode):
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+
+    monkeypatch.setattr(bench, "DEVICE", DEVICE)
+    monkeypatch.setattr(triton.testing, "do_bench", wall_ms)
+    monkeypatch.setattr(gptkit.model.attention, "eager_attention", oom)
+    cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "bench" / "attention.yaml"),  # the shipped options
+                          dict(tokens=64, seq_lens=[32], head_dims=[32], d_model=64, gqa=[2], causal=[True],
+                               warmup_ms=1, rep_ms=1, check_tol=1e-4))
+    (case,) = bench._cases(cfg)
+    assert (case.batch, case.n_heads, case.n_kv_heads) == (2, 2, 1)
+    results = [bench._measure(case, backend, torch.float32, cfg) for backend in cfg.backends]
+    triton_r, sdpa_r, eager_r = results
+
+    assert triton_r.max_rel_err < 1e-4  # the check ran against SDPA and agrees
+    assert all(triton_r.tflops(m) > 0 and sdpa_r.tflops(m) > 0 for m in bench.MODES)
+    assert eager_r.ms == {m: None for m in bench.MODES}
+    assert case.flops("fwd+bwd") == 3.5 * 4 * 2 * 2 * 32**2 * 32 / 2
+    bench._print_table(Console(width=200), results, cfg)
+    table = capsys.readouterr().out
+    assert "oom" in table and "ok " in table and "FAIL" not in table
