@@ -96,16 +96,22 @@ def _show_help(mod: ModuleType, overrides: list[str]) -> None:
 
 
 def _guarded(fn, *args):
-    """Run fn; a user error becomes one line on stderr and exit status 2."""
+    """Run fn; a user error becomes one line on stderr and exit status 2, anything else one line
+    and exit status 1 (GPTKIT_DEBUG=1 re-raises, to show the traceback)."""
     from gptkit.errors import GptkitError
 
     try:
         return fn(*args)
-    except GptkitError as exc:
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
         if os.environ.get("GPTKIT_DEBUG") == "1":
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(2)
+        if isinstance(exc, GptkitError) or _is_config_error(exc):
+            print(f"error: {_one_line(exc)}", file=sys.stderr)
+            sys.exit(2)
+        print(f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)", file=sys.stderr)
+        sys.exit(1)
 
 
 def _plain_overrides(args: list[str]) -> bool:
@@ -127,7 +133,9 @@ def _run_hydra_app(mod: ModuleType, args: list[str]) -> None:
 
     @hydra.main(config_path=str(conf_dir()), config_name=mod.CONFIG, version_base=None)
     def app(cfg):
-        return _guarded(mod.run, cfg)
+        rc = _guarded(mod.run, cfg)
+        if rc:
+            sys.exit(rc)
 
     app()
 
@@ -151,6 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         positional = getattr(mod, "POSITIONAL", None)
         if positional and args and "=" not in args[0] and not args[0].startswith("-"):
             args[0] = f"{positional}={args[0]}"  # `gptkit bench data` -> bench=data
+        if hasattr(mod, "prepare_args"):
+            args = _guarded(mod.prepare_args, args)
         if "--help" in args or "-h" in args:
             _show_help(mod, [a for a in args if a not in ("--help", "-h")])
             return 0

@@ -31,6 +31,7 @@ MANIFEST_FILE = "manifest.json"
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 STATE_PREFIX = "model."  # LightningModule attribute holding the GPT
+SHARDED_INDEX = ".metadata"  # marks a sharded (torch.distributed.checkpoint) checkpoint folder
 
 
 # ---- atomic writes -------------------------------------------------------------------------------
@@ -89,10 +90,10 @@ def find_checkpoint(path: Path | str) -> Path:
     p = Path(path).expanduser()
     if not p.exists():
         raise GptkitError(f"{p} does not exist; pass a run folder (runs/<name>) or a checkpoint file")
-    if p.is_file():
+    if p.is_file() or (p / SHARDED_INDEX).is_file():  # a file, or a sharded (FSDP) checkpoint folder
         return p
     ckdir = p / CHECKPOINT_DIR
-    if (ckdir / LAST_CHECKPOINT).is_file():
+    if (ckdir / LAST_CHECKPOINT).exists():
         return ckdir / LAST_CHECKPOINT
     found = sorted(ckdir.glob("*.ckpt"), key=lambda f: f.stat().st_mtime) if ckdir.is_dir() else []
     if found:
@@ -114,6 +115,10 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
     import torch
 
     path = Path(path)
+    if path.is_dir():  # a sharded (FSDP) checkpoint folder: consolidated in memory
+        from gptkit.training.distributed import read_sharded_checkpoint
+
+        return read_sharded_checkpoint(path)
     if path.suffix == ".safetensors":
         return {"state_dict": {STATE_PREFIX + k: v for k, v in _load_safetensors(path).items()}}
     try:
@@ -191,7 +196,7 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     from gptkit.model import GPT, ModelConfig
 
     ckpt_path = find_checkpoint(path)
-    run_dir = run_dir_of(ckpt_path) if Path(path).is_file() else Path(path)
+    run_dir = run_dir_of(ckpt_path) if ckpt_path == Path(path).expanduser() else Path(path)  # a checkpoint given
     cfg = read_config(run_dir)
     mdict = dict(cfg["model"])
     if attention:

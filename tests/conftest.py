@@ -7,6 +7,9 @@ import os
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# pytest -n 2 runs two workers on two cores: one thread each (and in their subprocesses) avoids
+# oversubscription, which makes small CPU kernels several times slower.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"

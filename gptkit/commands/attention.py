@@ -1,0 +1,47 @@
+"""Draw the attention probabilities of every layer and head for a text, as one PNG grid
+(rows: layers, columns: heads; each cell query (y) vs key (x), token labels where they fit),
+written into the run folder. Uses the eager backend's fp32 softmax.
+
+Examples:
+  gptkit attention run=runs/shakespeare text="ROMEO: But soft, what light"
+  gptkit attention run=runs/shakespeare text="To be, or not to be" out=tobe.png
+"""
+
+from __future__ import annotations
+
+VERB = "attention"
+HELP = "write a PNG grid of attention maps (layers x heads) for a text into the run folder"
+CONFIG = "attention"
+HYDRA_APP = False
+
+
+def prepare_args(args: list[str]) -> list[str]:
+    from gptkit.commands.sample import prepare_args as sample_prepare
+
+    return sample_prepare(args)
+
+
+def run(cfg) -> int:
+    import json
+
+    from gptkit.attention_maps import attention_probs, write_for_run
+    from gptkit.errors import ConfigError
+    from gptkit.generate import encode_prompt, special_token_ids
+    from gptkit.runs import load_for_inference
+
+    if cfg.format not in ("text", "json"):
+        raise ConfigError(f"format={cfg.format!r} must be text or json")
+    r = load_for_inference(cfg.run, cfg.device, "fp32", "eager")
+    bos_id, _ = special_token_ids(r.tokenizer, r.config)
+    ids = encode_prompt(r.tokenizer, str(cfg.text), bos_id)
+    path = write_for_run(r, ids, cfg.out)
+    if cfg.format == "json":
+        probs = attention_probs(r.model, ids)
+        # mean entropy of each head's query rows, in bits: 0 = every query attends to one key
+        entropy = [[float(-(p * (p.clamp_min(1e-12)).log2()).sum(-1).mean()) for p in layer] for layer in probs]
+        print(json.dumps({"path": str(path), "tokens": len(ids), "layers": len(probs),
+                          "heads": int(probs[0].shape[0]),
+                          "mean_entropy_bits": entropy}, indent=2))
+    else:
+        print(path)
+    return 0

@@ -1,0 +1,37 @@
+"""Reads every rank's shard of an FSDP checkpoint in one process (no GPUs, no process group) and
+writes a single file: the same format as a single-device checkpoint, optimizer state included, so
+it resumes (any strategy, any world size), samples, evaluates and exports anywhere.
+`sample`, `eval`, `export` and `train resume=` also read a sharded folder directly.
+
+Examples:
+  gptkit consolidate runs/my-fsdp-run                     (-> checkpoints/last.consolidated.ckpt)
+  gptkit consolidate runs/my-fsdp-run/checkpoints/step-001000.ckpt out=/tmp/step1000.ckpt
+"""
+
+from __future__ import annotations
+
+VERB = "consolidate"
+HELP = "merge a sharded (FSDP) checkpoint folder into one checkpoint file"
+CONFIG = "consolidate"
+HYDRA_APP = False
+POSITIONAL = "run"
+
+
+def run(cfg) -> int:
+    import sys
+    from pathlib import Path
+
+    from gptkit.errors import GptkitError
+    from gptkit.runs import find_checkpoint
+    from gptkit.training.distributed import consolidate, is_sharded_checkpoint
+
+    ckpt = find_checkpoint(str(cfg.run))
+    if not is_sharded_checkpoint(ckpt):
+        raise GptkitError(f"{ckpt} is already a single-file checkpoint; there is nothing to consolidate")
+    out = Path(str(cfg.out)) if cfg.out else ckpt.with_name(ckpt.stem + ".consolidated.ckpt")
+    if out.exists() and not cfg.force:
+        raise GptkitError(f"{out} already exists; pass force=true to replace it or choose another out=")
+    written = consolidate(ckpt, out)
+    print(f"consolidated {ckpt} -> {written} ({written.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
+    print(written)
+    return 0

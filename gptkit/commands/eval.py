@@ -1,0 +1,177 @@
+"""Loss (nats/token), perplexity, bits per byte and bits per character of a run on a corpus, over
+every window of the split (not a sample). Every token after the first is scored exactly once: with
+stride=seq_len (the default) the windows do not overlap; with a smaller stride each window scores
+only its last `stride` targets, which then see at least seq_len - stride tokens of context.
+
+Bits per byte = total NLL / ln 2 / UTF-8 bytes of the scored text (per character: / characters),
+comparable across tokenizers.
+
+Examples:
+  gptkit eval run=runs/shakespeare                       (the run's own val split)
+  gptkit eval run=runs/shakespeare data=files 'data.paths=[held_out.txt]'   (a whole held-out file)
+  gptkit eval run=runs/shakespeare stride=64 format=json
+"""
+
+from __future__ import annotations
+
+VERB = "eval"
+HELP = "loss, perplexity and bits per byte/char of a run on its val split or a held-out corpus (--json)"
+CONFIG = "eval"
+HYDRA_APP = False
+
+
+def prepare_args(args: list[str]) -> list[str]:
+    return ["format=json" if a == "--json" else a for a in args]
+
+
+def corpus_tokens(cfg, r):
+    """(tokens [N] numpy, description): the split of the held-out corpus or of the run's own data."""
+    import numpy as np
+
+    from gptkit.data import prepare
+    from gptkit.errors import GptkitError
+    from gptkit.runs import TOKENIZER_FILE
+
+    run_tok = r.config.get("tokenizer") or {}
+    if cfg.get("data") is None:
+        if "data" not in r.config or "tokenizer" not in r.config:
+            raise GptkitError(f"{r.dir}/config.yaml has no data/tokenizer sections to find its val split; "
+                              f"pass a corpus: data=files 'data.paths=[held_out.txt]'")
+        p = prepare(r.config["data"], run_tok, progress=False)
+        if p.tokenizer().to_str() != r.tokenizer.to_str():
+            raise GptkitError(f"the run's data ({p.dir}) was tokenized with another tokenizer than "
+                              f"{r.dir / TOKENIZER_FILE}; evaluate on data=... instead")
+        split = cfg.split or "val"
+    else:  # a held-out corpus, tokenized with exactly the run's tokenizer.json
+        tok_cfg = {"kind": "file", "path": str(r.dir / TOKENIZER_FILE), "eos_token": run_tok.get("eos_token")}
+        p = prepare(cfg.data, tok_cfg, progress=False)
+        split = cfg.split or "all"
+    if split == "all":
+        tokens = np.concatenate([p.train_tokens(), p.val_tokens()])  # the tail split: train then val
+    elif split in ("train", "val"):
+        tokens = p.train_tokens() if split == "train" else p.val_tokens()
+    else:
+        raise GptkitError(f"split={split!r} is not one of val, train, all")
+    return tokens, f"{p.manifest['source']['description'] or p.dir.name} ({split})"
+
+
+def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_windows=None, progress=None) -> dict:
+    """Sum of the NLL over every scored target; each target tokens[1:] is scored exactly once."""
+    import math
+    import time
+
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    N = len(tokens)
+    # window s feeds tokens[s : s+seq_len] and predicts tokens[s+1 : s+seq_len+1]; a window starts only
+    # while the previous one has not reached the last token
+    starts = [s for s in range(0, N - 1, stride) if s == 0 or s - stride + seq_len < N - 1]
+    if max_windows:
+        starts = starts[: int(max_windows)]
+    device = model.tok_emb.weight.device
+    nll, scored = 0.0, 0
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        for b in range(0, len(starts), batch_size):
+            chunk = starts[b : b + batch_size]
+            x = torch.zeros(len(chunk), seq_len, dtype=torch.long)  # [B, seq_len]
+            y = torch.full((len(chunk), seq_len), -100, dtype=torch.long)  # [B, seq_len], -100: not scored
+            for i, s in enumerate(chunk):
+                n = min(seq_len, N - 1 - s)
+                x[i, :n] = torch.from_numpy(np.asarray(tokens[s : s + n], dtype=np.int64))
+                target = torch.from_numpy(np.asarray(tokens[s + 1 : s + n + 1], dtype=np.int64))
+                first = 0 if s == 0 else seq_len - stride  # targets before it were scored by the previous window
+                y[i, first:n] = target[first:]
+            logits = model(x.to(device)).logits  # [B, seq_len, V]
+            nll += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), ignore_index=-100,
+                                   reduction="sum").item()
+            scored += int((y != -100).sum())
+            if progress is not None:
+                progress(len(chunk))
+    seconds = time.perf_counter() - t0
+    loss = nll / scored
+    return {"tokens_scored": scored, "windows": len(starts), "seq_len": seq_len, "stride": stride, "nll_sum": nll,
+            "loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
+            "seconds": seconds, "tokens_per_s": scored / seconds if seconds else 0.0,
+            "last_target": (starts[-1] + min(seq_len, N - 1 - starts[-1])) if starts else 0}
+
+
+def scored_text_size(tokenizer, tokens, last_target: int) -> tuple[int, int]:
+    """(UTF-8 bytes, characters) of the text of the scored targets tokens[1 : last_target + 1]."""
+    import numpy as np
+
+    n_bytes = n_chars = 0
+    step = 1 << 20  # decode in pieces: bounded memory on a big corpus
+    for a in range(1, last_target + 1, step):
+        text = tokenizer.decode(np.asarray(tokens[a : min(a + step, last_target + 1)]).tolist())
+        n_bytes += len(text.encode("utf-8"))
+        n_chars += len(text)
+    return n_bytes, n_chars
+
+
+def run(cfg) -> int:
+    import json
+    import math
+
+    from gptkit.errors import ConfigError, GptkitError
+    from gptkit.runs import load_for_inference
+
+    if cfg.format not in ("table", "json"):
+        raise ConfigError(f"format={cfg.format!r} must be table or json")
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
+    max_len = r.model_cfg.max_seq_len
+    seq_len = int(cfg.seq_len or max_len)
+    if not 1 <= seq_len <= max_len:
+        raise ConfigError(f"seq_len={seq_len} must be in [1, model.max_seq_len={max_len}]")
+    stride = int(cfg.stride or seq_len)
+    if not 1 <= stride <= seq_len:
+        raise ConfigError(f"stride={stride} must be in [1, seq_len={seq_len}]")
+    if int(cfg.batch_size) < 1:
+        raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+    tokens, source = corpus_tokens(cfg, r)
+    if len(tokens) < 2:
+        raise GptkitError(f"{source} has {len(tokens)} token(s); evaluation needs at least 2")
+    if int(tokens.max()) >= r.model_cfg.vocab_size:
+        raise GptkitError(f"{source} holds token id {int(tokens.max())} but model.vocab_size="
+                          f"{r.model_cfg.vocab_size}; evaluate with the run's own tokenizer")
+    n_windows = len([s for s in range(0, len(tokens) - 1, stride) if s == 0 or s - stride + seq_len < len(tokens) - 1])
+    if cfg.max_windows:
+        n_windows = min(n_windows, int(cfg.max_windows))
+    bs = int(cfg.batch_size)
+    if cfg.progress:
+        from rich.console import Console
+        from rich.progress import Progress
+
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task(f"eval {source}", total=n_windows)
+            res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows, lambda n: bar.advance(task, n))
+    else:
+        res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows)
+    n_bytes, n_chars = scored_text_size(r.tokenizer, tokens, res.pop("last_target"))
+    bits = res["nll_sum"] / math.log(2)
+    res.update({"run": str(r.dir), "checkpoint": str(r.checkpoint), "data": source, "corpus_tokens": len(tokens),
+                "bytes": n_bytes, "chars": n_chars, "bits_per_byte": bits / max(n_bytes, 1),
+                "bits_per_char": bits / max(n_chars, 1), "dtype": str(cfg.dtype)})
+    if cfg.format == "json":
+        print(json.dumps(res, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{r.dir.name} on {source}")
+    t.add_column("")
+    t.add_column("value", justify="right")
+    t.add_row("loss (nats/token)", f"{res['loss']:.4f}")
+    t.add_row("perplexity", f"{res['perplexity']:.3f}")
+    t.add_row("bits per token", f"{res['bits_per_token']:.4f}")
+    t.add_row("bits per byte", f"{res['bits_per_byte']:.4f}")
+    t.add_row("bits per character", f"{res['bits_per_char']:.4f}")
+    t.add_section()
+    t.add_row("tokens scored", f"{res['tokens_scored']:,} of {len(tokens):,}")
+    t.add_row("bytes / characters scored", f"{n_bytes:,} / {n_chars:,}")
+    t.add_row("windows (seq_len, stride)", f"{res['windows']:,} ({seq_len}, {stride})")
+    t.add_row("time", f"{res['seconds']:.2f} s ({res['tokens_per_s']:,.0f} tokens/s)")
+    Console().print(t)
+    return 0

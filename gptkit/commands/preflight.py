@@ -1,0 +1,157 @@
+"""Takes the same overrides as `gptkit train`, starts the same processes (or joins the ones torchrun or
+SLURM started) and checks, in seconds rather than an hour into the job: the world size and ranks,
+the backend, one all-reduce across every rank, and each device's memory against the count-params
+estimate of training memory for this model, precision, strategy and batch. No data, no training.
+
+Examples:
+  gptkit preflight trainer=ddp trainer.devices=8 model=gpt2
+  gptkit preflight trainer=fsdp trainer.devices=8 model=llama3-8b trainer.batch_size=2
+  torchrun --nnodes=2 --nproc-per-node=8 ... -m gptkit preflight trainer=fsdp trainer.devices=8 trainer.num_nodes=2
+Exit status 0 when every check passes, 2 (with one line saying which) when one fails.
+"""
+
+from __future__ import annotations
+
+VERB = "preflight"
+HELP = "check a distributed set-up before a long job: ranks, backend, an all-reduce, memory vs estimate"
+CONFIG = "preflight"
+HYDRA_APP = False
+
+
+def _device_memory(device: str, per_node: int) -> tuple[float, float]:
+    """(total, free) bytes available to one process: its GPU, or this node's RAM shared by its processes."""
+    import os
+
+    import torch
+
+    if device.startswith("cuda"):
+        free, total = torch.cuda.mem_get_info(torch.device(device))
+        return float(total), float(free)
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = os.sysconf("SC_PHYS_PAGES") * page / per_node
+    free = os.sysconf("SC_AVPHYS_PAGES") * page / per_node
+    return float(total), float(free)
+
+
+def _probe(fabric, per_node: int) -> dict:
+    import socket
+
+    from gptkit.training.distributed import probe_collective
+
+    device = str(fabric.device)
+    result = probe_collective(device) if fabric.world_size > 1 else {"sum": 0.0, "expected": 0.0, "seconds": 0.0,
+                                                                      "backend": "none (one process)"}
+    total, free = _device_memory(device, per_node)
+    return {"rank": fabric.global_rank, "host": socket.gethostname(), "device": device,
+            "device_name": _device_name(device), "mem_total": total, "mem_free": free, **result}
+
+
+def _device_name(device: str) -> str:
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    return platform.processor() or platform.machine()
+
+
+def run(cfg) -> int:
+    import logging
+    import warnings
+
+    from lightning.fabric import Fabric
+    from omegaconf import OmegaConf
+
+    from gptkit import accounting as acc
+    from gptkit.config import model_config
+    from gptkit.errors import ConfigError, GptkitError
+    from gptkit.training.distributed import check_distributed, devices_per_node
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
+        logging.getLogger(name).setLevel(logging.WARNING)  # our table says it all
+    warnings.filterwarnings("ignore", message=r".*GLOO_SOCKET_IFNAME.*")
+    t = cfg.trainer
+    check_distributed(t)  # one-line errors before any process starts
+    if t.precision not in acc.PRECISIONS:
+        raise ConfigError(f"trainer.precision={t.precision!r} is not one of {', '.join(acc.PRECISIONS)}")
+    model = model_config(cfg.model)
+    per_node = devices_per_node(t)
+    world = per_node * int(t.num_nodes)
+    shards = world if t.strategy == "fsdp" else 1
+    estimate = acc.training_memory(model, t.precision, shards, int(t.batch_size), model.max_seq_len,
+                                   bool(t.activation_checkpointing))
+
+    # the probe runs over the same backend as training (nccl on GPUs, gloo on CPU) in a plain DDP group
+    fabric = Fabric(accelerator=t.accelerator, devices=per_node, num_nodes=int(t.num_nodes),
+                    strategy="ddp" if world > 1 else "auto")
+    fabric.launch()
+    rows = [_probe(fabric, per_node)]
+    if world > 1:
+        import torch.distributed as dist
+
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, rows[0])
+        rows = gathered
+    if fabric.global_rank != 0:
+        return 0
+    problems = _report(cfg, rows, world, per_node, estimate, model)
+    if problems:
+        raise GptkitError("preflight failed: " + "; ".join(problems))
+    return 0
+
+
+def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, model) -> list[str]:
+    from rich.console import Console
+    from rich.table import Table
+
+    from gptkit.commands.count_params import _bytes
+
+    t = cfg.trainer
+    margin = float(cfg.memory_margin)
+    problems = []
+    con = Console()
+    ranks = sorted(r["rank"] for r in rows)
+    if ranks != list(range(world)):
+        problems.append(f"ranks {ranks} answered, expected 0..{world - 1}")
+    bad_sum = [r for r in rows if abs(r["sum"] - r["expected"]) > 1e-6]
+    if bad_sum:
+        problems.append(f"the all-reduce gave {bad_sum[0]['sum']} on rank {bad_sum[0]['rank']}, "
+                        f"expected {bad_sum[0]['expected']}")
+    need = estimate["total"]
+    short = [r for r in rows if need > margin * r["mem_total"]]
+    if short:
+        r = short[0]
+        problems.append(f"training needs ~{_bytes(need)} per device (count-params estimate) but rank {r['rank']} has "
+                        f"{_bytes(r['mem_total'])}; use trainer=fsdp, more devices, a smaller trainer.batch_size, "
+                        f"trainer.activation_checkpointing=true or trainer.precision=bf16-true")
+
+    summary = Table(title=f"gptkit preflight: {model.name}, strategy {t.strategy}, precision {t.precision}")
+    summary.add_column("check")
+    summary.add_column("value")
+    summary.add_column("", justify="center")
+    ok = lambda good: "[green]ok[/]" if good else "[red]FAIL[/]"  # noqa: E731
+    hosts = sorted({r["host"] for r in rows})
+    summary.add_row("world size", f"{world} = {per_node} devices x {int(t.num_nodes)} nodes "
+                                  f"({len(hosts)} host(s): {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''})",
+                    ok(len(rows) == world and ranks == list(range(world))))
+    summary.add_row("backend", rows[0]["backend"], "")
+    slowest = max(r["seconds"] for r in rows)
+    summary.add_row("all-reduce of the ranks", f"sum {rows[0]['sum']:g} (expected {rows[0]['expected']:g}), "
+                                               f"slowest rank {slowest * 1e3:.1f} ms", ok(not bad_sum))
+    summary.add_row("training memory per device (estimate)",
+                    f"{_bytes(need)}: weights {_bytes(estimate['weights'])}, grads {_bytes(estimate['gradients'])}, "
+                    f"optimizer {_bytes(estimate['optimizer'])}, activations {_bytes(estimate['activations'])} "
+                    f"(batch {int(t.batch_size)} x {model.max_seq_len})", "")
+    smallest = min(r["mem_total"] for r in rows)
+    summary.add_row("smallest device memory", f"{_bytes(smallest)} (limit {margin:.0%}: {_bytes(margin * smallest)})",
+                    ok(not short))
+    con.print(summary)
+    devices = Table(title="ranks")
+    for c in ("rank", "host", "device", "name", "memory", "free"):
+        devices.add_column(c)
+    for r in sorted(rows, key=lambda r: r["rank"]):
+        devices.add_row(str(r["rank"]), r["host"], r["device"], r["device_name"], _bytes(r["mem_total"]),
+                        _bytes(r["mem_free"]))
+    con.print(devices)
+    return problems

@@ -1,0 +1,132 @@
+"""Generate text from a trained run: one prefill pass over the prompt, then one token per step
+through a KV cache. Beyond model.max_seq_len the window slides (overflow=slide, the default: the
+cache is rebuilt from the last slide_keep tokens at positions 0..slide_keep-1) or generation stops
+(overflow=stop). Statistics go to stderr, the text to stdout.
+
+Examples:
+  gptkit sample run=runs/shakespeare prompt="ROMEO:" max_new_tokens=300
+  gptkit sample run=runs/shakespeare prompt_file=prompt.txt greedy=true
+  gptkit sample run=runs/shakespeare prompt="To be" num_samples=4 top_k=50 top_p=0.9 seed=1
+  gptkit sample run=runs/shakespeare prompt="KING" 'stop=["\\n\\n"]' --json
+  gptkit sample run=runs/llama/checkpoints/step-001000.ckpt device=cuda dtype=bf16 prompt="Once"
+"""
+
+from __future__ import annotations
+
+VERB = "sample"
+HELP = "generate text from a trained run (KV cache; greedy/temperature/top-k/top-p; --json)"
+CONFIG = "sample"
+HYDRA_APP = False
+
+
+def prepare_args(args: list[str]) -> list[str]:
+    """`--json` -> format=json; prompt=/text= values quoted so that Hydra takes them verbatim
+    (commas, quotes, brackets, `=`, `${...}`), unless the user quoted them already."""
+    import re
+
+    out = []
+    for a in args:
+        if a == "--json":
+            a = "format=json"
+        key, eq, value = a.partition("=")
+        if eq and key in ("prompt", "text") and not (len(value) > 1 and value[0] in "'\"" and value[-1] == value[0]):
+            value = value.replace("${", "\\${")  # no OmegaConf interpolation
+            # backslashes before a quote (or before the closing quote) are doubled, quotes escaped
+            value = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value)
+            a = f"{key}='{value}'"
+        out.append(a)
+    return out
+
+
+def options(cfg, max_seq_len: int, eos_id):
+    from gptkit.errors import ConfigError
+    from gptkit.generate import SampleOptions
+
+    stop = cfg.stop
+    stop = [stop] if isinstance(stop, str) else [str(s) for s in (stop or ())]
+    stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)  # the escapes \n and \t
+    try:
+        opts = SampleOptions(
+            max_new_tokens=int(cfg.max_new_tokens), temperature=0.0 if cfg.greedy else float(cfg.temperature),
+            top_k=None if cfg.top_k in (None, 0) else int(cfg.top_k), top_p=float(cfg.top_p),
+            seed=None if cfg.seed is None else int(cfg.seed), num_samples=int(cfg.num_samples),
+            eos_id=eos_id if cfg.eos else None, stop=stop, overflow=str(cfg.overflow),
+            slide_keep=None if cfg.slide_keep is None else int(cfg.slide_keep))
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"a sampling value is not a number ({exc})") from exc
+    opts.validate(max_seq_len)
+    return opts
+
+
+def read_prompt(cfg) -> str:
+    from pathlib import Path
+
+    from gptkit.errors import GptkitError
+
+    if cfg.prompt_file is None:
+        return str(cfg.prompt)
+    p = Path(str(cfg.prompt_file)).expanduser()
+    if not p.is_file():
+        raise GptkitError(f"prompt_file={p} does not exist")
+    return p.read_text(encoding="utf-8")
+
+
+def run(cfg) -> int:
+    import json
+    import sys
+
+    from gptkit.errors import ConfigError
+    from gptkit.generate import encode_prompt, generate, special_token_ids
+    from gptkit.runs import load_for_inference
+
+    if cfg.format not in ("text", "json"):
+        raise ConfigError(f"format={cfg.format!r} must be text or json")
+    prompt = read_prompt(cfg)
+    if cfg.threads:
+        import torch
+
+        torch.set_num_threads(int(cfg.threads))
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
+    bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
+    opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
+    ids = encode_prompt(r.tokenizer, prompt, bos_id)
+    decode = r.tokenizer.decode
+    streaming = cfg.format == "text" and cfg.stream and opts.num_samples == 1
+
+    def write(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    if streaming:
+        write(prompt)
+    g = generate(r.model, ids, opts, decode=decode, on_text=write if streaming else None)
+    steps_tokens = g.decode_steps * opts.num_samples
+    tok_s = steps_tokens / g.decode_s if g.decode_s > 0 else 0.0
+    if cfg.format == "json":
+        print(json.dumps({
+            "run": str(r.dir), "checkpoint": str(r.checkpoint), "prompt": prompt, "prompt_tokens": g.prompt_tokens,
+            "samples": [{"text": t, "tokens": toks, "stop_reason": why}
+                        for t, toks, why in zip(g.texts, g.tokens, g.stop_reasons)],
+            "settings": {**opts.__dict__, "stop": list(opts.stop), "device": str(r.model.tok_emb.weight.device),
+                         "dtype": str(cfg.dtype)},
+            "timing": {"prefill_s": g.prefill_s, "decode_s": g.decode_s, "decode_steps": g.decode_steps,
+                       "decode_tokens_per_s": tok_s, "slides": g.slides},
+            "notes": g.notes,
+        }, indent=2, ensure_ascii=False))
+    else:
+        if streaming:
+            write("\n")
+        else:
+            for i, text in enumerate(g.texts):
+                print(f"--- sample {i + 1}/{len(g.texts)} ({g.stop_reasons[i]}) ---")
+                print(prompt + text)
+        for note in g.notes:
+            print(f"note: {note}", file=sys.stderr)
+        print(f"[{g.prompt_tokens} prompt tokens, {sum(map(len, g.tokens))} new, prefill {g.prefill_s * 1e3:.1f} ms, "
+              f"decode {tok_s:,.0f} tokens/s, stop: {', '.join(sorted(set(g.stop_reasons)))}]", file=sys.stderr)
+    if cfg.attention_map:
+        from gptkit.attention_maps import write_for_run
+
+        path = write_for_run(r, ids, out=None)
+        print(f"attention map: {path}", file=sys.stderr)
+    return 0

@@ -1,0 +1,65 @@
+"""Trains with Lightning; every run writes one folder, runs/<name>/ (config.yaml, tokenizer.json,
+manifest.json, checkpoints/, metrics.csv, loss.png).
+
+Examples:
+  gptkit train                                        (gpt2-tiny on the built-in corpus, CPU-sized)
+  gptkit train model=llama-tiny trainer.max_steps=500 name=my-run
+  gptkit train experiment=shakespeare-char            (the reference recipe)
+  gptkit train resume=runs/my-run trainer.max_steps=1000
+  gptkit train -m optim.lr=1e-3,3e-3                  (one folder per job)
+  gptkit train logger=[csv,tensorboard,wandb] trainer.precision=bf16-mixed
+Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exactly.
+"""
+
+from __future__ import annotations
+
+VERB = "train"
+HELP = "train a model with Lightning; one run folder per run under runs/ (resume=, -m multirun)"
+CONFIG = "train"
+HYDRA_APP = True
+
+EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+
+
+def prepare_args(args: list[str]) -> list[str]:
+    """Before Hydra creates the run folder: resume into the run's own folder, and check that
+    the runs folder is writable (one-line errors instead of Hydra's tracebacks)."""
+    import os
+    from pathlib import Path
+
+    from gptkit.errors import GptkitError
+    from gptkit.runs import find_checkpoint, run_dir_of
+
+    kv = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
+    if kv.get("resume") not in (None, "", "null"):
+        ckpt = find_checkpoint(kv["resume"])
+        run_dir = run_dir_of(ckpt) if ckpt.suffix == ".ckpt" else ckpt.parent
+        run_dir = run_dir.resolve()
+        if "name" not in kv:
+            args = args + [f"name={run_dir.name}"]
+        if "runs_dir" not in kv:
+            args = args + [f"runs_dir={run_dir.parent}"]
+        args = args + ["hydra.output_subdir=null"]  # keep the original run's .hydra/ untouched
+        kv["runs_dir"] = str(run_dir.parent)
+    runs_dir = Path(kv.get("runs_dir", "runs"))
+    probe = runs_dir
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK) or (probe.exists() and not probe.is_dir()):
+        raise GptkitError(f"cannot write the runs folder {runs_dir} ({probe} is not a writable folder); "
+                          f"pass runs_dir=<a writable folder>")
+    return args
+
+
+def run(cfg) -> int:
+    import sys
+
+    from gptkit.training.run import train
+
+    result = train(cfg)
+    if result.stopped_by:
+        if result.is_global_zero:
+            print(f"{result.stopped_by}: saved {result.last_checkpoint} at step {result.step}; "
+                  f"continue with: gptkit train resume={result.run_dir}", file=sys.stderr)
+        return EXIT_CODES.get(result.stopped_by, 1)
+    return 0

@@ -1,0 +1,24 @@
+"""Checkpoint I/O for Lightning: atomic writes (temp file + rename) and safe loads (weights_only)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from lightning.pytorch.plugins.io import CheckpointIO
+
+from gptkit.runs import atomic_torch_save, load_checkpoint
+
+
+class SafeAtomicCheckpointIO(CheckpointIO):
+    def save_checkpoint(self, checkpoint: dict[str, Any], path, storage_options: Optional[Any] = None) -> None:
+        if Path(path).is_dir():  # a sharded checkpoint of an FSDP run that now continues with another strategy
+            shutil.rmtree(path)
+        atomic_torch_save(checkpoint, path)  # a kill during the save leaves the previous file intact
+
+    def load_checkpoint(self, path, map_location: Optional[Any] = None, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        return load_checkpoint(path)  # torch.load(weights_only=True): a checkpoint cannot run code
+
+    def remove_checkpoint(self, path) -> None:
+        Path(path).unlink(missing_ok=True)

@@ -1,0 +1,425 @@
+"""Multi-device training: world size, up-front checks, the Lightning strategy, FSDP2 sharding, and
+reading/consolidating sharded (torch.distributed.checkpoint) checkpoints.
+
+    trainer.strategy   what runs                                                checkpoints
+    auto               one process (CPU, or one GPU)                            one file
+    ddp                DDPStrategy: one process per device, grads all-reduced   one file (rank 0)
+    fsdp               FSDP2 via ModelParallelStrategy, fully_shard per block   a folder of shards (or one file)
+
+Everything here checks what it can before any process is started, so a bad set-up is a one-line
+error instead of a hang. torch and lightning are imported inside functions: gptkit.runs imports
+the checkpoint readers below without paying for Lightning.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.runs import SHARDED_INDEX as SHARDED_METADATA  # the torch.distributed.checkpoint index file
+
+STRATEGIES = ("auto", "ddp", "fsdp")
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+EXTRA_STATE = "meta.pt"  # Lightning's non-tensor state (step, loops, callbacks) beside the shards
+LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
+
+
+# ---- world size and checks -------------------------------------------------------------------------
+def _accelerator(t: Any) -> str:
+    """'cuda' or 'cpu': what trainer.accelerator resolves to on this machine."""
+    import torch
+
+    acc = str(t.accelerator)
+    if acc in ("gpu", "cuda"):
+        return "cuda"
+    if acc == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if acc == "cpu":
+        return "cpu"
+    raise ConfigError(f"trainer.accelerator={acc!r} is not one of auto, cpu, gpu")
+
+
+def devices_per_node(t: Any) -> int:
+    """Processes per node that trainer.devices asks for (auto: every visible GPU; 1 on CPU)."""
+    import torch
+
+    d = t.devices
+    if isinstance(d, int) and not isinstance(d, bool) and d >= 1:
+        return d
+    if d in ("auto", -1, "-1"):
+        return torch.cuda.device_count() if _accelerator(t) == "cuda" else 1
+    if isinstance(d, str) and d.isdigit() and int(d) >= 1:
+        return int(d)
+    if not isinstance(d, (str, int)) and len(d) >= 1:  # a list of device indices
+        return len(d)
+    raise ConfigError(f"trainer.devices={d!r} must be a number >= 1, a list of GPU indices, or auto")
+
+
+def world_size(t: Any) -> int:
+    """Processes in the whole job: devices per node x nodes."""
+    return devices_per_node(t) * int(t.num_nodes)
+
+
+def launcher_env() -> dict[str, str]:
+    """The environment variables that show an external launcher (torchrun, SLURM, MPI, LSF) started us."""
+    return {k: os.environ[k] for k in LAUNCHER_ENV + ("WORLD_SIZE",) if k in os.environ}
+
+
+def check_distributed(t: Any) -> None:
+    """One-line errors, before data is prepared or a process is started, for set-ups that would
+    otherwise fail late or hang: unknown strategy, more devices than exist, FSDP where it cannot
+    run, several nodes without a launcher, a launcher whose world size disagrees with the config."""
+    import torch
+
+    strategy = str(t.strategy)
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"trainer.strategy={strategy!r} is not one of {', '.join(STRATEGIES)} "
+                          f"(or pick a preset: trainer=ddp, trainer=fsdp)")
+    acc = _accelerator(t)
+    per_node = devices_per_node(t)
+    if acc == "cuda":
+        have = torch.cuda.device_count()
+        if have == 0:
+            raise GptkitError(f"trainer.accelerator={t.accelerator} but no CUDA GPU is visible; "
+                              f"use trainer.accelerator=cpu (or auto)")
+        if per_node > have:
+            raise GptkitError(f"trainer.devices={t.devices} but this machine has {have} CUDA GPU(s); "
+                              f"pass trainer.devices={have} or fewer")
+    else:
+        cores = os.cpu_count() or 1
+        if per_node > cores:
+            raise GptkitError(f"trainer.devices={t.devices} CPU processes but this machine has {cores} cores; "
+                              f"pass trainer.devices={cores} or fewer")
+    if strategy == "fsdp":
+        _check_fsdp(t, acc)
+    if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
+        raise GptkitError("this torch build has no torch.distributed; use trainer=default (one device)")
+    nodes = int(t.num_nodes)
+    world = per_node * nodes
+    env = launcher_env()
+    if nodes > 1 and not (env.keys() - {"WORLD_SIZE"}):
+        raise GptkitError(f"trainer.num_nodes={nodes} needs a launcher that starts the processes on every node "
+                          f"(torchrun --nnodes={nodes} ..., or sbatch + srun); see the README's multi-node recipes")
+    if "WORLD_SIZE" in env and "TORCHELASTIC_RUN_ID" in env and int(env["WORLD_SIZE"]) != world:
+        raise GptkitError(f"torchrun started {env['WORLD_SIZE']} processes but trainer.devices x trainer.num_nodes "
+                          f"= {per_node} x {nodes} = {world}; pass trainer.devices=<nproc-per-node> "
+                          f"trainer.num_nodes=<nnodes>")
+    if "SLURM_NTASKS" in env and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive") \
+            and int(env["SLURM_NTASKS"]) != world:
+        raise GptkitError(f"SLURM runs {env['SLURM_NTASKS']} tasks but trainer.devices x trainer.num_nodes = "
+                          f"{per_node} x {nodes} = {world}; set --ntasks-per-node=<devices> and --nodes=<num_nodes>")
+
+
+def check_run_name(overrides: list[str]) -> None:
+    """Processes started by torchrun or srun each compose the config: the default run name holds a
+    timestamp, which ranks starting a second apart would resolve differently."""
+    external = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 \
+        or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    if external and not any(o.startswith(("name=", "resume=")) for o in overrides):
+        raise GptkitError("under torchrun/srun every rank must name the same run folder: pass name=<run name> "
+                          "(the default name holds a timestamp)")
+
+
+def _check_fsdp(t: Any, acc: str) -> None:
+    import torch
+
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401 - FSDP2, torch >= 2.6
+    except ImportError as exc:
+        raise GptkitError(f"trainer.strategy=fsdp needs FSDP2 (torch >= 2.6, found {torch.__version__}); "
+                          f"upgrade torch or use trainer=ddp") from exc
+    backend_ok = torch.distributed.is_nccl_available() if acc == "cuda" else torch.distributed.is_gloo_available()
+    if not backend_ok:
+        backend = "nccl" if acc == "cuda" else "gloo"
+        raise GptkitError(f"trainer.strategy=fsdp on {acc} needs the {backend} backend, which this torch build "
+                          f"lacks; use trainer=ddp or another torch build")
+    if t.precision not in FSDP_PRECISIONS:
+        raise ConfigError(f"trainer.strategy=fsdp supports trainer.precision {', '.join(FSDP_PRECISIONS)}, "
+                          f"not {t.precision} (fp16 would need a sharded grad scaler); use bf16-mixed")
+    opts = fsdp_options(t)
+    for key in ("param_dtype", "reduce_dtype"):
+        if opts[key] not in ("auto", "fp32", "bf16"):
+            raise ConfigError(f"trainer.fsdp.{key}={opts[key]!r} must be auto, fp32 or bf16")
+
+
+def fsdp_options(t: Any) -> dict[str, Any]:
+    defaults = {"param_dtype": "auto", "reduce_dtype": "fp32", "reshard_after_forward": True,
+                "sharded_checkpoint": True}
+    given = t.get("fsdp") or {}
+    return {k: given.get(k, v) for k, v in defaults.items()}
+
+
+# ---- the Lightning strategy ----------------------------------------------------------------------------
+def build_strategy(t: Any):
+    """trainer.strategy -> what L.Trainer(strategy=...) takes."""
+    from datetime import timedelta
+
+    strategy = str(t.strategy)
+    timeout = timedelta(seconds=float(t.get("process_group_timeout_s") or 1800))
+    if strategy == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy(timeout=timeout, gradient_as_bucket_view=True)
+    if strategy == "fsdp":
+        return _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout)
+    return strategy
+
+
+@functools.cache
+def _fsdp2_strategy_class():
+    """Defined on first use so that importing this module does not import Lightning."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    class _FSDP2Strategy(ModelParallelStrategy):
+        """ModelParallelStrategy with all devices on the data-parallel axis; carries the FSDP2 options
+        that LitGPT.configure_model applies through `parallelize`."""
+
+        def __init__(self, options: dict[str, Any], precision: str, world: int, timeout) -> None:
+            super().__init__(data_parallel_size=world, tensor_parallel_size=1,
+                             save_distributed_checkpoint=bool(options["sharded_checkpoint"]), timeout=timeout)
+            self.fsdp_options = options
+            self.fsdp_precision = precision
+
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+            """A sharded checkpoint is written to a temporary folder beside the target and renamed by
+            rank 0 once every rank has written its shard: a kill during the save keeps the old one."""
+            if not self._save_distributed_checkpoint:
+                return super().save_checkpoint(checkpoint, filepath, storage_options)
+            path = Path(self.broadcast(str(filepath)))
+            tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+            if self.global_rank == 0:
+                _remove(tmp)
+            self.barrier()
+            super().save_checkpoint(checkpoint, tmp, storage_options)
+            self.barrier()
+            if self.global_rank == 0:
+                _remove(old)
+                if path.exists():
+                    os.replace(path, old)
+                os.replace(tmp, path)
+                _remove(old)
+            self.barrier()
+
+        def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
+            """Like ModelParallelStrategy's, but the shard index and non-tensor values are read without
+            unpickling code (see _SafeUnpickler); any world size reads any other's shards."""
+            path = Path(self.broadcast(str(checkpoint_path)))
+            if not is_sharded_checkpoint(path):
+                return super().load_checkpoint(path, weights_only=True)
+            return _load_sharded_into(self.lightning_module, self.optimizers, path)
+
+    return _FSDP2Strategy
+
+
+def _remove(path: Path) -> None:
+    import shutil
+
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
+    """Load a sharded checkpoint into a sharded module and its optimizers (collective: every rank
+    calls it); returns the non-tensor state (step, loops, callbacks, schedulers)."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+
+    model_state = {"state_dict": get_model_state_dict(module)}
+    dcp.load(model_state, storage_reader=_safe_reader(path), planner=_safe_planner(distributed=True))
+    module.load_state_dict(model_state["state_dict"], strict=True)
+    for i, optimizer in enumerate(optimizers):
+        key = f"optimizer_{i}"
+        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
+        dcp.load(optim_state, storage_reader=_safe_reader(path), planner=_safe_planner(distributed=True))
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
+                                 options=StateDictOptions(cpu_offload=True))
+    return torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
+
+
+def parallelize(model, strategy) -> bool:
+    """Shard `model` (the GPT) with FSDP2 when `strategy` is the fsdp strategy: one fully_shard unit per
+    transformer block, then the root (embeddings, final norm, head: tied weights stay in one unit).
+    Returns True when it sharded. Idempotent."""
+    options = getattr(strategy, "fsdp_options", None)
+    if options is None or getattr(model, "_gptkit_sharded", False):
+        return False
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    param = options["param_dtype"]
+    if param == "auto":
+        param = "bf16" if strategy.fsdp_precision.startswith("bf16") else "fp32"
+    policy = MixedPrecisionPolicy(param_dtype=dtypes[param], reduce_dtype=dtypes[options["reduce_dtype"]])
+    mesh = strategy.device_mesh["data_parallel"]
+    reshard = bool(options["reshard_after_forward"])
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+    model._gptkit_sharded = True
+    return True
+
+
+# ---- failing fast -----------------------------------------------------------------------------------------
+def fail_fast_callback():
+    """A callback that, when this process fails, kills the ranks Lightning started, so that they do not
+    wait in a collective until the timeout. (A failing child is caught by Lightning's own observer,
+    which kills the whole job; torchrun and `srun --kill-on-bad-exit=1` do the same.)"""
+    import signal
+
+    from lightning.pytorch.callbacks import Callback
+
+    class FailFast(Callback):
+        def on_exception(self, trainer, pl_module, exception) -> None:
+            launcher = trainer.strategy.launcher
+            if isinstance(exception, KeyboardInterrupt) or launcher is None:
+                return
+            procs = getattr(launcher, "procs", [])
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+
+    return FailFast()
+
+
+# ---- sharded checkpoints ------------------------------------------------------------------------------------
+def is_sharded_checkpoint(path: Path | str) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / SHARDED_METADATA).is_file()
+
+
+class _SafeUnpickler(pickle.Unpickler):
+    """Unpickles a torch.distributed.checkpoint index: its own dataclasses, torch sizes and dtypes,
+    nothing that can run code."""
+
+    ALLOWED_PREFIXES = ("torch.distributed.checkpoint.",)
+    ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+
+    def find_class(self, module: str, name: str):
+        import torch
+
+        if module.startswith(self.ALLOWED_PREFIXES) or (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
+                                                                         torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+
+
+def _safe_reader(path: Path):
+    """A FileSystemReader whose index is read with _SafeUnpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            with open(Path(self.path) / SHARDED_METADATA, "rb") as f:
+                metadata = _SafeUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(str(path))
+
+
+def _safe_planner(distributed: bool):
+    """A load planner that reads non-tensor values with torch.load(weights_only=True): into the given
+    (sharded) state when `distributed`, else into an empty dict that takes everything (consolidation)."""
+    import torch
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+    from torch.distributed.checkpoint._nested_dict import set_element
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+
+    class SafePlanner(DefaultLoadPlanner if distributed else _EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+            obj = torch.load(value, weights_only=True)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafePlanner()
+
+
+def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str, Any]:
+    """A sharded checkpoint folder as one Lightning checkpoint dict, in this process (no process group):
+    {"state_dict": {"model.<name>": full tensor}, "optimizer_states": [torch-style, keyed by parameter
+    index], "global_step": ..., ...}. weights=False reads only the small non-tensor state."""
+    import torch
+
+    path = Path(path)
+    if not is_sharded_checkpoint(path):
+        raise GptkitError(f"{path} is not a sharded checkpoint folder (no {SHARDED_METADATA} in it)")
+    try:
+        extra = torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise GptkitError(f"{path / EXTRA_STATE} is not readable ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:160]})") from exc
+    if not weights:
+        return extra
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    state: dict[str, Any] = {}
+    try:
+        _load_state_dict(state, storage_reader=_safe_reader(path), planner=_safe_planner(distributed=False),
+                         no_dist=True)
+    except Exception as exc:
+        raise GptkitError(f"{path} is not a readable sharded checkpoint ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from exc
+    if "state_dict" not in state:
+        raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
+    out = dict(extra)
+    out["state_dict"] = state.pop("state_dict")
+    optimizers = sorted(k for k in state if k.startswith("optimizer_"))
+    out["optimizer_states"] = [_by_param_index(state[k]) for k in optimizers]
+    return out
+
+
+def _by_param_index(osd: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.checkpoint keys optimizer state by parameter name; torch.optim (and a
+    single-device or DDP resume) keys it by the parameter's index across the param groups."""
+    names = [n for g in osd["param_groups"] for n in g["params"]]
+    index = {n: i for i, n in enumerate(names)}
+    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in osd["param_groups"]]
+    return {"state": {index[n]: s for n, s in osd.get("state", {}).items()}, "param_groups": groups}
+
+
+def consolidate(path: Path | str, out: Path | str | None = None) -> Path:
+    """Write a sharded checkpoint folder as one file (atomically); default: <folder>.consolidated.ckpt
+    beside it. The file resumes, samples, evaluates and exports like any single-device checkpoint."""
+    from gptkit.runs import atomic_torch_save
+
+    path = Path(path)
+    target = Path(out) if out else path.with_name(path.stem + ".consolidated.ckpt")
+    atomic_torch_save(read_sharded_checkpoint(path), target)
+    return target
+
+
+# ---- preflight --------------------------------------------------------------------------------------------------
+def probe_collective(device: str) -> dict[str, Any]:
+    """Inside an initialised process group: one all-reduce of each rank's rank number, timed."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    x = torch.tensor([float(dist.get_rank())], device=device)  # [1]
+    t0 = time.perf_counter()
+    dist.all_reduce(x)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    world = dist.get_world_size()
+    return {"sum": float(x.item()), "expected": world * (world - 1) / 2, "seconds": dt,
+            "backend": dist.get_backend()}

@@ -1,0 +1,214 @@
+"""One training run, end to end: config -> data -> model -> Lightning fit -> run folder."""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+import math
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.runs import (CHECKPOINT_DIR, CONFIG_FILE, LAST_CHECKPOINT, MANIFEST_FILE, TOKENIZER_FILE,
+                         atomic_write_text, find_checkpoint, load_checkpoint, read_config, run_dir_of)
+
+
+@dataclass
+class TrainResult:
+    run_dir: Path
+    step: int
+    last_checkpoint: Path
+    stopped_by: Optional[str]  # "SIGINT" / "SIGTERM" when a signal stopped the run
+    val_loss: Optional[float]
+    tokens_per_s: Optional[float]
+    is_global_zero: bool = True
+
+
+def _run_dir() -> Path:
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir)
+
+
+def _explicit_overrides() -> list[str]:
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task)
+
+
+def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optional[int]]:
+    """For resume=..., continue with the run's saved config; command-line overrides other than
+    the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
+    if cfg.resume in (None, ""):
+        return cfg, None, None
+    ckpt = find_checkpoint(cfg.resume)
+    if ckpt.suffix != ".ckpt":
+        raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
+    if ckpt.is_dir():  # sharded (FSDP): read only the small non-tensor state here
+        from gptkit.training.distributed import read_sharded_checkpoint
+
+        state = read_sharded_checkpoint(ckpt, weights=False)
+    else:
+        state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
+    saved = OmegaConf.create(read_config(run_dir_of(ckpt)))
+    overrides = [o for o in _explicit_overrides() if not o.startswith(("resume=", "name=", "runs_dir=", "hydra."))]
+    model_overrides = [o for o in overrides if o.startswith(("model=", "model.", "+model", "~model"))]
+    if model_overrides:
+        requested = OmegaConf.to_container(cfg.model, resolve=True)
+        kept = OmegaConf.to_container(saved.model, resolve=True)
+        diff = sorted(k for k in requested if k != "vocab_size" and requested.get(k) != kept.get(k))
+        if diff:
+            raise GptkitError(f"resume={cfg.resume} belongs to a different model ({', '.join(diff)} differ); "
+                              f"drop the model overrides or start a new run")
+    merged = saved
+    if "trainer" in merged and "stop_at_step" in merged.trainer:
+        merged.trainer.stop_at_step = None  # an early stop belongs to the invocation that asked for it
+    for o in overrides:  # a preset chosen again on resume (trainer=ddp, optim=..., logger=[...])
+        group = o.split("=", 1)[0].lstrip("+~")
+        if "=" not in o or "." in group or group == "model":
+            continue
+        if group in ("data", "tokenizer"):
+            raise GptkitError(f"resume={cfg.resume} cannot change {group}= (the run's batches come from its own "
+                              f"data); start a new run instead")
+        if group in cfg and group in ("trainer", "optim", "logger"):
+            merged[group] = cfg[group]
+    dotlist = [o for o in overrides if "=" in o and "." in o.split("=", 1)[0] and not o.startswith("model")]
+    if dotlist:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+    merged.resume = str(ckpt)
+    return merged, ckpt, int(state.get("global_step", 0))
+
+
+def train(cfg: DictConfig) -> TrainResult:
+    import lightning as L
+    import torch
+
+    from gptkit import accounting as acc
+    from gptkit.data import TokenDataModule, check_vocab, prepare
+    from gptkit.model import ModelConfig
+    from gptkit.training.callbacks import detect_peak_flops
+    from gptkit.training.distributed import check_run_name, world_size
+    from gptkit.training.module import LitGPT
+    from gptkit.training.plots import plot_loss
+    from gptkit.training.optim import SCHEDULES
+    from gptkit.training.trainer import build_loggers, build_trainer, check_trainer_config
+
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+    check_run_name(_explicit_overrides())  # torchrun/srun ranks must agree on the run folder
+    run_dir = _run_dir()
+    cfg, resume_ckpt, resume_step = resolve_resume(cfg)
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    if resume_ckpt is None and ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
+        raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
+                          f"or choose another name=")
+
+    check_trainer_config(cfg.trainer)
+    if cfg.optim.schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r} is not one of {', '.join(SCHEDULES)}")
+
+    model_dict = OmegaConf.to_container(cfg.model, resolve=True)
+    ModelConfig.from_dict(model_dict)  # a bad model config fails before any data is prepared
+
+    # data first: the tokenizer decides the vocabulary size
+    prepared = prepare(cfg.data, cfg.tokenizer)
+    if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None:
+        multiple = int(cfg.get("vocab_multiple", 1))
+        model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
+    model_cfg = ModelConfig.from_dict(model_dict)
+    check_vocab(prepared, model_cfg.vocab_size)
+    cfg.model = OmegaConf.create(model_cfg.to_dict())
+
+    t = cfg.trainer
+    seq_len = model_cfg.max_seq_len
+    world = world_size(t)  # devices per node x nodes (devices=auto: every visible GPU)
+    tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
+    if t.max_tokens is not None:
+        max_steps = math.ceil(float(t.max_tokens) / tokens_per_step)
+    else:
+        max_steps = int(t.max_steps)
+    if max_steps < 1:
+        raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1")
+
+    # the run folder: resolved config, tokenizer, manifest (written atomically)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
+    shutil.copyfile(prepared.tokenizer_path, run_dir / f".{TOKENIZER_FILE}.tmp")
+    (run_dir / f".{TOKENIZER_FILE}.tmp").replace(run_dir / TOKENIZER_FILE)
+    atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
+
+    L.seed_everything(int(cfg.seed), workers=True, verbose=False)
+    if t.deterministic:
+        torch.use_deterministic_algorithms(True)
+    flops = acc.flops_per_token(model_cfg, seq_len)
+    peak = detect_peak_flops(t.precision, t.peak_tflops)
+    module = LitGPT(model_cfg, cfg.optim, max_steps, compile=bool(t.compile),
+                    activation_checkpointing=bool(t.activation_checkpointing))
+    datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
+                                 val_windows=t.val_windows)
+    loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
+    trainer, stopper, throughput = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
+                                                  peak, loggers)
+    if trainer.world_size != world:
+        raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for {world} "
+                          f"(trainer.devices x trainer.num_nodes); make them agree")
+    _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir, resume_ckpt)
+
+    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
+                weights_only=True)
+
+    last = ckpt_dir / LAST_CHECKPOINT
+    if stopper.signal_name is None:
+        if trainer.global_step % int(t.val_every):
+            trainer.validate(module, datamodule=datamodule, verbose=False)
+    val = trainer.callback_metrics.get("val/loss")
+    if trainer.is_global_zero:
+        for lg in loggers:
+            lg.finalize("success")
+        if (run_dir / "metrics.csv").is_file():
+            plot_loss(run_dir)
+        _summary(run_dir, trainer.global_step, val, throughput.last)
+    return TrainResult(run_dir, trainer.global_step, last, stopper.signal_name,
+                       float(val) if val is not None else None, throughput.last.get("perf/tokens_per_s"),
+                       trainer.is_global_zero)
+
+
+def _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops_per_token, run_dir, resume) -> None:
+    if not trainer.is_global_zero:
+        return
+    from rich.console import Console
+
+    from gptkit import accounting as acc
+
+    n = acc.count_params(model_cfg).total
+    per_device = tokens_per_step // (model_cfg.max_seq_len * trainer.accumulate_grad_batches * trainer.world_size)
+    Console(stderr=True).print(
+        f"[bold]gptkit train[/] -> {run_dir}\n"
+        f"  model {model_cfg.name}: {n:,} parameters, vocab {model_cfg.vocab_size}, context {model_cfg.max_seq_len}\n"
+        f"  data: {prepared.manifest.get('source', {}).get('description', prepared.dir)}"
+        f" ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
+        f"  global batch: {tokens_per_step:,} tokens/step = {per_device} sequences x {model_cfg.max_seq_len} tokens"
+        f" x {trainer.accumulate_grad_batches} accumulation x {trainer.num_devices} devices x {trainer.num_nodes} nodes"
+        f" ({type(trainer.strategy).__name__}); "
+        f"{max_steps} steps = {tokens_per_step * max_steps:,} tokens, "
+        f"{flops_per_token * tokens_per_step * max_steps:.3g} FLOPs"
+        + (f"\n  resuming from {resume}" if resume else "")
+    )
+
+
+def _summary(run_dir: Path, step: int, val: Any, perf: dict[str, float]) -> None:
+    from rich.console import Console
+
+    parts = [f"step {step}"]
+    if val is not None:
+        parts.append(f"val loss {float(val):.4f} (ppl {math.exp(min(float(val), 50)):.2f})")
+    if perf.get("perf/tokens_per_s"):
+        parts.append(f"{perf['perf/tokens_per_s']:,.0f} tokens/s, {perf['perf/flops_per_s'] / 1e9:.2f} GFLOP/s")
+    if perf.get("perf/mfu"):
+        parts.append(f"MFU {perf['perf/mfu']:.1%}")
+    Console(stderr=True).print(f"[bold green]done[/]: {', '.join(parts)} -> {run_dir}")

@@ -1,0 +1,178 @@
+"""Build the Lightning Trainer (and its loggers and callbacks) from the `trainer` and `logger` groups."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.runs import CHECKPOINT_DIR, LAST_CHECKPOINT, atomic_write_text
+from gptkit.training.callbacks import StopAndSave, ThroughputMonitor
+from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
+from gptkit.training.distributed import build_strategy, check_distributed, fail_fast_callback, world_size
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
+
+
+def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
+    loggers = []
+    for kind, opts in (logger_cfg or {}).items():
+        if kind == "csv":
+            loggers.append(_resumable_csv_logger(run_dir, resume_step))
+        elif kind == "tensorboard":
+            from lightning.pytorch.loggers import TensorBoardLogger
+
+            loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="",
+                                             default_hp_metric=False))
+        elif kind == "wandb":
+            loggers.append(_wandb_logger(opts, run_dir, run_name))
+        else:
+            raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
+    return loggers
+
+
+def _kept(row: dict, resume_step: int | None) -> bool:
+    """On resume at step s, training rows from step s on are redone; validation at step s is not."""
+    if resume_step is None or not row.get("step"):
+        return True
+    step = int(float(row["step"]))
+    is_val_only = bool(row.get("val/loss")) and not row.get("train/loss")
+    return step < resume_step or (step == resume_step and is_val_only)
+
+
+def _resumable_csv_logger(run_dir: Path, resume_step: int | None):
+    """Lightning's CSVLogger deletes an existing metrics.csv; a resumed run must keep its history.
+    On resume, rows logged after the checkpoint's step (work that is being redone) are dropped."""
+    import csv
+
+    from lightning.pytorch.loggers import CSVLogger
+    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
+
+    class _KeepingWriter(ExperimentWriter):
+        def _check_log_dir_exists(self) -> None:
+            if not self._fs.isfile(self.metrics_file_path):
+                return
+            with open(self.metrics_file_path, newline="") as f:
+                reader = csv.DictReader(f)
+                self.metrics_keys = list(reader.fieldnames or [])
+                rows = [r for r in reader if _kept(r, resume_step)]
+            buf = io.StringIO()
+            writer = csv.DictWriter(buf, fieldnames=self.metrics_keys)
+            writer.writeheader()
+            writer.writerows(rows)
+            atomic_write_text(self.metrics_file_path, buf.getvalue())
+
+    class _KeepingCSVLogger(CSVLogger):
+        @property
+        def experiment(self):
+            if self._experiment is None:
+                self._experiment = _KeepingWriter(log_dir=self.log_dir)
+            return self._experiment
+
+    return _KeepingCSVLogger(save_dir=str(run_dir), name="", version="")
+
+
+def _wandb_logger(opts: Any, run_dir: Path, run_name: str):
+    mode = os.environ.get("WANDB_MODE") or opts.get("mode", "offline")
+    if mode not in ("offline", "online", "disabled"):
+        raise ConfigError(f"logger.wandb.mode={mode!r} must be offline, online or disabled")
+    if mode == "online" and not _wandb_has_key():
+        raise GptkitError("logger.wandb.mode=online needs a W&B API key (set WANDB_API_KEY or run `wandb login`); "
+                          "or use logger.wandb.mode=offline and `wandb sync` later")
+    from lightning.pytorch.loggers import WandbLogger
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    return WandbLogger(project=opts.get("project", "gptkit"), entity=opts.get("entity"), name=run_name,
+                       save_dir=str(run_dir), mode=mode, settings=_wandb_settings())
+
+
+def _wandb_has_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = Path.home() / ".netrc"
+    return netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore")
+
+
+def _wandb_settings():
+    import wandb
+
+    return wandb.Settings(init_timeout=30, x_disable_stats=True)
+
+
+class _StepCheckpoint(ModelCheckpoint):
+    """Periodic checkpoints named by the optimizer step. The LightningModule logs a "step" metric
+    (the loggers' x-axis), which would otherwise take the place of the global step in file names."""
+
+    def _monitor_candidates(self, trainer: L.Trainer) -> dict:
+        import torch
+
+        candidates = super()._monitor_candidates(trainer)
+        candidates["step"] = torch.tensor(trainer.global_step)
+        return candidates
+
+
+def check_trainer_config(t: Any) -> None:
+    """Fail in one line, before any data is prepared, on trainer values Lightning would reject late."""
+    if t.precision not in PRECISIONS:
+        raise ConfigError(f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every", "num_nodes"):
+        if not isinstance(t[key], int) or int(t[key]) < 1:
+            raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
+    if t.max_tokens is None and (not isinstance(t.max_steps, int) or t.max_steps < 1):
+        raise ConfigError(f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)")
+    if t.val_windows is not None and int(t.val_windows) < 1:
+        raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
+    if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
+        raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
+    check_distributed(t)  # devices, strategy, launcher: one line now rather than a hang later
+
+
+def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_step: int, max_steps: int,
+                  peak_flops: float | None, loggers: list) -> tuple[L.Trainer, StopAndSave, ThroughputMonitor]:
+    t = cfg.trainer
+    check_trainer_config(t)
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    stopper = StopAndSave(str(ckpt_dir / LAST_CHECKPOINT), t.get("stop_at_step"))
+    throughput = ThroughputMonitor(flops_per_token, tokens_per_step, peak_flops, int(t.log_every))
+    callbacks = [
+        throughput,
+        stopper,
+        _StepCheckpoint(dirpath=str(ckpt_dir), filename="step-{step:06d}", every_n_train_steps=int(t.checkpoint_every),
+                        save_top_k=-1, save_last=True, save_on_train_epoch_end=False, auto_insert_metric_name=False,
+                        enable_version_counter=False),
+    ]
+    if loggers:
+        callbacks.append(LearningRateMonitor(logging_interval="step"))
+    if t.progress:
+        callbacks.append(RichProgressBar(leave=True))
+    if world_size(t) > 1:
+        callbacks.append(fail_fast_callback())
+    trainer = L.Trainer(
+        accelerator=t.accelerator,
+        devices=t.devices,
+        num_nodes=t.num_nodes,
+        strategy=build_strategy(t),
+        precision=t.precision,
+        max_steps=max_steps,
+        max_epochs=-1,
+        accumulate_grad_batches=int(t.accumulate_grad_batches),
+        gradient_clip_val=t.gradient_clip_val,
+        val_check_interval=int(t.val_every) * int(t.accumulate_grad_batches),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        log_every_n_steps=int(t.log_every),
+        logger=loggers or False,
+        callbacks=callbacks,
+        enable_progress_bar=bool(t.progress),
+        enable_model_summary=False,
+        deterministic=bool(t.deterministic),
+        default_root_dir=str(run_dir),
+        plugins=[SafeAtomicCheckpointIO()],
+        use_distributed_sampler=True,
+    )
+    return trainer, stopper, throughput

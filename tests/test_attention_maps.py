@@ -1,0 +1,51 @@
+"""Attention maps: the eager probabilities as a layers x heads PNG grid written into the run folder."""
+
+import io
+import json
+
+import pytest
+import torch
+from test_sample_cli import make_run, run_main
+
+from gptkit.attention_maps import attention_probs, render_grid, token_labels
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("attn"), max_seq_len=32)
+
+
+def test_probabilities_are_causal_rows_that_sum_to_one(run):
+    _, model, tok = run
+    ids = tok.encode("First Citizen:\nBefore we").ids
+    probs = attention_probs(model, ids)
+    assert len(probs) == 2 and tuple(probs[0].shape) == (4, len(ids), len(ids))  # per layer [n_heads, T, T]
+    for p in probs:
+        torch.testing.assert_close(p.sum(-1), torch.ones(4, len(ids)))
+        assert p.triu(1).abs().max() == 0  # no query looks at a later key
+    assert token_labels(tok, ids)[5:9] == ["␣", "C", "i", "t"] and token_labels(tok, ids)[14] == "⏎"
+
+
+def test_png_grid_has_one_cell_per_layer_and_head(run):
+    from PIL import Image
+
+    _, model, tok = run
+    ids = tok.encode("To be, or not").ids
+    png = render_grid(attention_probs(model, ids), token_labels(tok, ids), "test")
+    img = Image.open(io.BytesIO(png))
+    assert img.format == "PNG" and img.width > img.height  # 4 heads wide, 2 layers high
+    one_layer = render_grid(attention_probs(model, ids)[:1], token_labels(tok, ids), "test")
+    assert Image.open(io.BytesIO(one_layer)).height < img.height
+
+
+def test_attention_verb_writes_into_the_run_folder(run, capsys):
+    d, _, _ = run
+    code, out, err = run_main(capsys, "attention", f"run={d}", "text=ROMEO: O, she doth", "--json")
+    assert code == 0, err
+    res = json.loads(out)
+    assert res["path"] == str(d / "attention" / "attention-ROMEO-O-she-doth.png")
+    assert (d / "attention" / "attention-ROMEO-O-she-doth.png").stat().st_size > 10_000
+    assert res["layers"] == 2 and res["heads"] == 4 and len(res["mean_entropy_bits"]) == 2
+
+    code, _, err = run_main(capsys, "attention", f"run={d}", "text=" + "a" * 40)
+    assert code == 2 and "40 tokens, more than model.max_seq_len=32" in err and err.count("\n") == 1

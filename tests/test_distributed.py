@@ -1,0 +1,202 @@
+"""Multi-process training on CPU (gloo), through the CLI as a user runs it: DDP and FSDP2 follow the
+single-process loss trajectory, resume crosses world sizes and strategies, sharded checkpoints
+consolidate and load in one process, and bad set-ups fail in one line instead of hanging.
+
+Every multi-process run is its own session (process group) and is killed as a group on timeout, so
+no rank outlives its test.
+"""
+
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, SHAKESPEARE, run_cli
+
+STEPS = 6
+TOL = 1e-5  # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "shakespeare-40k.txt"
+    p.write_text(SHAKESPEARE.read_text()[:40_000])
+    return p
+
+
+def args(corpus: Path, runs: Path, name: str, world: int, *extra: str) -> list[str]:
+    """The same global batch (4 sequences) whatever the world size: per-device batch = 4 / world."""
+    return [
+        "model=gpt2-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
+        "model.dropout=0.0", "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
+        f"trainer.batch_size={4 // world}", f"trainer.max_steps={STEPS}", "trainer.val_every=4",
+        "trainer.val_windows=4", "trainer.checkpoint_every=2", "trainer.log_every=1", "trainer.progress=false",
+        "trainer.accelerator=cpu", "optim.warmup_steps=2", f"runs_dir={runs}", f"name={name}", *extra,
+    ]
+
+
+def run_group(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """Run a command in its own session; on timeout (or any error) kill the whole group, children included."""
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind, if any
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def train(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    r = run_group("-m", "gptkit", "train", *argv, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    with open(run_dir / "metrics.csv", newline="") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def assert_same_trajectory(got: dict[int, float], want: dict[int, float]) -> None:
+    assert sorted(got) == sorted(want) == list(range(STEPS)), (sorted(got), sorted(want))
+    for step in want:
+        assert abs(got[step] - want[step]) < TOL, (step, got[step], want[step])
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    """One process, global batch 4, STEPS steps (checkpoints at steps 2, 4 and 6)."""
+    runs = tmp_path_factory.mktemp("ref")
+    train(*args(corpus, runs, "single", 1))
+    return runs / "single"
+
+
+def test_ddp_matches_one_process_and_resumes_across_world_sizes(corpus, reference, tmp_path):
+    want = losses(reference)
+    assert len(set(want.values())) == STEPS  # the loss moves: equal trajectories are not a coincidence
+    # 2 processes for 3 steps, then 1 process continues: 2 -> 1
+    train(*args(corpus, tmp_path, "two-then-one", 2, "trainer=ddp", "trainer.devices=2", "trainer.stop_at_step=3"))
+    assert torch.load(tmp_path / "two-then-one/checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
+    train("resume=" + str(tmp_path / "two-then-one"), "trainer.strategy=auto", "trainer.devices=1",
+          "trainer.batch_size=4")
+    assert_same_trajectory(losses(tmp_path / "two-then-one"), want)
+    # 1 -> 2: the single run's step-2 checkpoint continued by 2 processes
+    shutil.copytree(reference, tmp_path / "one-then-two")
+    for later in ("last", "step-000004", "step-000006"):
+        (tmp_path / f"one-then-two/checkpoints/{later}.ckpt").unlink()
+    train("resume=" + str(tmp_path / "one-then-two/checkpoints/step-000002.ckpt"), "trainer.strategy=ddp",
+          "trainer.devices=2", "trainer.batch_size=2")
+    assert_same_trajectory(losses(tmp_path / "one-then-two"), want)
+
+
+def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, reference, tmp_path):
+    from gptkit.runs import load_model, model_state_dict
+
+    run = tmp_path / "fsdp"
+    train(*args(corpus, tmp_path, "fsdp", 2, "trainer=fsdp", "trainer.devices=2", "trainer.precision=32-true",
+                "trainer.stop_at_step=3"))
+    sharded = run / "checkpoints/step-000002.ckpt"
+    assert (sharded / ".metadata").is_file() and len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
+    # the 2-rank shards continue in one process (FSDP over a world of 1: the shards are re-split on load)
+    train("resume=" + str(run), "trainer.devices=1", "trainer.batch_size=4")
+    assert_same_trajectory(losses(run), losses(reference))
+    # consolidate the step-2 shards into one file; it holds the weights the single process had at step 2
+    r = run_cli("consolidate", f"run={sharded}", timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    merged_file = run / "checkpoints/step-000002.consolidated.ckpt"
+    merged = torch.load(merged_file, weights_only=True)
+    want = torch.load(reference / "checkpoints/step-000002.ckpt", weights_only=True)
+    assert merged["global_step"] == 2 and merged["state_dict"].keys() == want["state_dict"].keys()
+    for k, v in want["state_dict"].items():
+        torch.testing.assert_close(merged["state_dict"][k], v, atol=TOL, rtol=0)
+    got_opt, want_opt = merged["optimizer_states"][0], want["optimizer_states"][0]  # keyed by parameter index
+    assert [g["params"] for g in got_opt["param_groups"]] == [g["params"] for g in want_opt["param_groups"]]
+    for i, state in want_opt["state"].items():
+        for k, v in state.items():
+            torch.testing.assert_close(got_opt["state"][i][k], v, atol=TOL, rtol=0)
+    # sample/eval/export (runs.load_model) read the sharded folder itself, and the consolidated file
+    _, _, _, _, model = load_model(sharded)
+    sd = model.state_dict()
+    for k, v in model_state_dict(want).items():
+        torch.testing.assert_close(sd[k], v, atol=TOL, rtol=0)
+    _, _, _, _, model = load_model(merged_file)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+
+
+def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):
+    script = tmp_path / "fail_on_rank_1.py"
+    script.write_text(
+        "import sys\n"
+        "from gptkit.errors import GptkitError\n"
+        "from gptkit.training.module import LitGPT\n"
+        "step = LitGPT.training_step\n"
+        "def failing(self, batch, i):\n"
+        "    if self.global_rank == 1 and self.global_step == 2:\n"
+        "        raise GptkitError('rank 1 broke on purpose')\n"
+        "    return step(self, batch, i)\n"
+        "LitGPT.training_step = failing\n"
+        "from gptkit.cli import main\n"
+        "sys.exit(main())\n"
+    )
+    r = run_group(str(script), "train", *args(corpus, tmp_path, "fails", 2, "trainer=ddp", "trainer.devices=2"),
+                  timeout=90)
+    assert r.returncode != 0
+    assert "rank 1 broke on purpose" in r.stderr
+    assert not (tmp_path / "fails/checkpoints/step-000006.ckpt").exists()
+
+
+def test_several_nodes_without_a_launcher_fail_in_one_line_before_any_process_starts(corpus, tmp_path):
+    r = run_group("-m", "gptkit", "train", *args(corpus, tmp_path, "bad", 1), "trainer=ddp", "trainer.devices=2",
+                  "trainer.num_nodes=2", timeout=60)
+    assert r.returncode == 2, r.stderr[-2000:]
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: trainer.num_nodes=2 needs a launcher"), r.stderr
+    assert not (tmp_path / "bad" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4096"], "4096 CPU processes but this machine has"),
+    (["trainer=ddp", "trainer.accelerator=gpu", "trainer.devices=8"], "no CUDA GPU is visible"),
+    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=16-mixed"], "use bf16-mixed"),
+    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp.param_dtype=fp8"], "must be auto, fp32 or bf16"),
+    (["trainer.strategy=deepspeed"], "not one of auto, ddp, fsdp"),
+])
+def test_bad_distributed_setups_are_refused(overrides, message):
+    """The same checks `train` and `preflight` run first (the CLI turns them into one line, as above)."""
+    from gptkit.cli import compose
+    from gptkit.errors import GptkitError
+    from gptkit.training.distributed import check_distributed
+
+    if "CUDA" in message and torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(GptkitError, match=message):
+        check_distributed(compose("train", overrides).trainer)
+
+
+def test_presets_resolve_their_world_size():
+    from gptkit.cli import compose
+    from gptkit.training.distributed import check_distributed, world_size
+
+    for preset in ("default", "ddp", "fsdp"):
+        t = compose("train", [f"trainer={preset}", "trainer.accelerator=cpu", "trainer.devices=2"]).trainer
+        check_distributed(t)
+        assert world_size(t) == 2 and t.strategy == {"default": "auto"}.get(preset, preset)
+
+
+def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory():
+    r = run_group("-m", "gptkit", "preflight", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
+                  "model=llama3-70b", timeout=90)
+    assert "gloo" in r.stdout and "sum 1 (expected 1)" in r.stdout, r.stdout + r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 2 and last.startswith("error: preflight failed: training needs"), r.stderr

@@ -1,0 +1,156 @@
+"""Generation with the KV cache: exact against recomputing the full sequence, and the sampling rules."""
+
+import pytest
+import torch
+
+from gptkit.generate import SampleOptions, TextStream, generate, sample_next
+from gptkit.model import GPT, KVCache, ModelConfig
+
+VARIANTS = {
+    "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
+    "learned-gqa": dict(position="learned", n_kv_heads=2, mlp="gelu", norm="layernorm"),
+    "rope-mha": dict(position="rope", n_kv_heads=None, mlp="swiglu", norm="rmsnorm", bias=False),
+    "rope-gqa": dict(position="rope", n_kv_heads=1, mlp="swiglu", norm="rmsnorm", bias=False),
+}
+
+
+def tiny_gpt(variant: str, max_seq_len: int = 32, attention: str = "sdpa", seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    # init_std 0.3: logits far apart, so greedy choices are never near-ties between the two paths
+    cfg = ModelConfig(vocab_size=61, max_seq_len=max_seq_len, n_layers=2, n_heads=4, d_model=32,
+                      attention=attention, init_std=0.3, tie_embeddings=False, **VARIANTS[variant])
+    return GPT(cfg).eval()
+
+
+PROMPT = [3, 14, 15, 9, 2, 6]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_cached_logits_match_full_forward(variant, attention):
+    model = tiny_gpt(variant, attention=attention)
+    seq = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(1))  # [B, T]
+    with torch.no_grad():
+        full = model(seq).logits  # [B, T, V]
+        cache = KVCache(model.cfg, batch_size=2)
+        got = [model(seq[:, :7], cache=cache, logits_to_keep=1).logits[:, -1]]  # prefill
+        for t in range(7, 24):
+            assert cache.length == t
+            got.append(model(seq[:, t : t + 1], cache=cache, logits_to_keep=1).logits[:, -1])
+    cached = torch.stack(got, dim=1)  # [B, 18, V]
+    torch.testing.assert_close(cached, full[:, 6:], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_with_cache_equals_recompute(variant):
+    model = tiny_gpt(variant)
+    opts = SampleOptions(max_new_tokens=20, temperature=0)
+    cached = generate(model, PROMPT, opts)
+    recomputed = generate(model, PROMPT, opts, use_cache=False)
+    assert cached.tokens == recomputed.tokens
+    assert len(cached.tokens[0]) == 20 and cached.decode_steps == 19
+    assert len(set(cached.tokens[0])) > 3  # a real sequence, not one token repeated
+
+
+@pytest.mark.parametrize("variant", ["learned-gqa", "rope-gqa"])
+@pytest.mark.parametrize("keep", [None, 16])
+def test_sliding_window_beyond_context_equals_recompute(variant, keep):
+    model = tiny_gpt(variant, max_seq_len=16)
+    opts = SampleOptions(max_new_tokens=40, temperature=0, overflow="slide", slide_keep=keep)
+    cached = generate(model, PROMPT, opts)
+    recomputed = generate(model, PROMPT, opts, use_cache=False)
+    assert len(cached.tokens[0]) == 40 and cached.slides > 0
+    assert cached.tokens == recomputed.tokens
+    # keep=max_seq_len slides one token at a time: each step sees the last 16 tokens at positions 0..15
+    if keep == 16:
+        seq = PROMPT + cached.tokens[0]
+        with torch.no_grad():
+            for n in (16, 30, len(seq) - 1):
+                window = torch.tensor([seq[n - 16 : n]])  # [1, 16]
+                assert model(window).logits[0, -1].argmax().item() == seq[n]
+
+
+def test_overflow_stop_ends_at_the_context():
+    model = tiny_gpt("rope-mha", max_seq_len=16)
+    g = generate(model, PROMPT, SampleOptions(max_new_tokens=40, temperature=0, overflow="stop"))
+    assert g.stop_reasons == ["context"]
+    assert len(PROMPT) + len(g.tokens[0]) == 17  # the last token is predicted from 16, never fed back
+    assert "max_seq_len=16" in g.notes[0]
+
+
+def test_decoding_projects_only_the_last_position():
+    model = tiny_gpt("rope-gqa")
+    rows, head = [], model.lm_head
+    model.register_forward_hook(lambda m, inp, out: rows.append(tuple(out.logits.shape)))
+    generate(model, PROMPT, SampleOptions(max_new_tokens=5, temperature=0, num_samples=3))
+    assert rows == [(3, 1, 61)] * 5  # prefill and every decode step: logits [B, 1, vocab_size]
+    assert model.lm_head is head  # the CPU decoding head is swapped back afterwards
+
+
+def test_cache_is_sized_by_kv_heads():
+    cfg = tiny_gpt("rope-gqa").cfg
+    cache = KVCache(cfg, batch_size=2)
+    assert tuple(cache.k[0].shape) == (2, 1, 32, 8)  # [B, n_kv_heads, max_len, head_dim]
+    mha = KVCache(tiny_gpt("rope-mha").cfg, batch_size=2)
+    assert mha.nbytes == 4 * cache.nbytes
+
+
+def test_seed_reproducible_and_batch_of_samples():
+    model = tiny_gpt("learned-mha")
+    opts = dict(max_new_tokens=12, temperature=1.0, num_samples=4)
+    a = generate(model, PROMPT, SampleOptions(seed=7, **opts))
+    b = generate(model, PROMPT, SampleOptions(seed=7, **opts))
+    c = generate(model, PROMPT, SampleOptions(seed=8, **opts))
+    assert a.tokens == b.tokens and a.tokens != c.tokens
+    assert len(a.tokens) == 4 and len({tuple(t) for t in a.tokens}) > 1  # samples differ within a batch
+    greedy = generate(model, PROMPT, SampleOptions(max_new_tokens=12, temperature=0)).tokens[0]
+    top1 = generate(model, PROMPT, SampleOptions(max_new_tokens=12, temperature=1.0, top_k=1, seed=3))
+    assert top1.tokens[0] == greedy
+
+
+def test_top_k_and_top_p_restrict_the_choice():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)  # [2000, 4]
+    g = torch.Generator().manual_seed(0)
+    assert set(sample_next(logits, 1.0, 2, 1.0, g).tolist()) == {0, 1}
+    assert set(sample_next(logits, 1.0, None, 0.45, g).tolist()) == {0}  # 0.5 alone reaches 0.45
+    assert set(sample_next(logits, 1.0, None, 0.7, g).tolist()) == {0, 1}
+    assert set(sample_next(logits, 1.0, None, 1.0, g).tolist()) == {0, 1, 2, 3}
+    assert sample_next(logits[:1], 0, None, 1.0, None).tolist() == [0]
+    # a low temperature sharpens: nearly always the top token
+    assert (sample_next(logits, 0.05, None, 1.0, g) == 0).float().mean() > 0.99
+
+
+def test_eos_and_stop_string_end_a_sample():
+    model = tiny_gpt("rope-gqa")
+    greedy = generate(model, PROMPT, SampleOptions(max_new_tokens=20, temperature=0)).tokens[0]
+    eos = greedy[5]
+    g = generate(model, PROMPT, SampleOptions(max_new_tokens=20, temperature=0, eos_id=eos))
+    assert g.tokens[0] == greedy[: greedy.index(eos)] and g.stop_reasons == ["eos"]
+
+    decode = lambda ids: "".join(chr(97 + i % 26) for i in ids)  # noqa: E731 - one char per token
+    stop = decode(greedy[3:5])
+    streamed = []
+    g = generate(model, PROMPT, SampleOptions(max_new_tokens=20, temperature=0, stop=(stop,)),
+                 decode=decode, on_text=streamed.append)
+    full = decode(greedy)
+    assert g.texts[0] == full[: full.index(stop)] and g.stop_reasons == ["stop"]
+    assert "".join(streamed) == g.texts[0]
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+    pieces = ["ab", "c", "\ufffd", "é", "X", "Y", "Z"]  # "é" completes the character "\ufffd" stood for
+    texts = {1: "ab", 2: "abc", 3: "abc\ufffd", 4: "abcé", 5: "abcéX", 6: "abcéXY", 7: "abcéXYQ"}
+    s = TextStream(lambda ids: texts[len(ids)], stop=("XYZ",))
+    out = [s.push(i) for i in range(len(pieces))]
+    assert out == ["ab", "c", "", "é", "", "", "XYQ"]
+    assert s.text == "abcéXYQ" and not s.stopped
+
+
+def test_bad_sampling_values_are_rejected():
+    from gptkit.errors import ConfigError
+
+    model = tiny_gpt("learned-mha")
+    for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0), dict(top_k=-2),
+                dict(max_new_tokens=0), dict(num_samples=0), dict(overflow="wrap"), dict(slide_keep=33)):
+        with pytest.raises(ConfigError):
+            generate(model, PROMPT, SampleOptions(**bad))

@@ -1,0 +1,126 @@
+"""`gptkit sample` as a user runs it: output, --json, and one-line errors for bad input.
+
+Two cases run as a subprocess (the real entry point); the rest call gptkit.cli.main in process,
+the same code path without paying for a new interpreter and torch import each time.
+"""
+
+import json
+
+import pytest
+import torch
+from conftest import SHAKESPEARE
+
+from gptkit.generate import SampleOptions, encode_prompt, generate
+from gptkit.model import GPT, ModelConfig
+from gptkit.runs import CHECKPOINT_DIR, write_run_folder
+from gptkit.tokenizer import build_tokenizer
+
+EOS = "<|endoftext|>"
+
+
+def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max_seq_len=64):
+    """A run folder: a char tokenizer of the first n_chars of tinyshakespeare and a random tiny GPT.
+
+    Its config.yaml holds data/tokenizer sections pointing at that text, as `train` writes them."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(SHAKESPEARE.read_text()[:n_chars])
+    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": EOS if eos else None, "unk_token": None}
+    tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
+    torch.manual_seed(seed)
+    extra = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2) if position == "rope" else {}
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=max_seq_len, n_layers=2, n_heads=4,
+                      d_model=32, position=position, init_std=0.3, **extra)
+    model = GPT(cfg).eval()
+    config = {"data": {"kind": "files", "paths": [str(corpus)], "val_fraction": 0.1}, "tokenizer": tok_cfg}
+    return write_run_folder(tmp_path / "run", config, model, tok), model, tok
+
+
+def run_main(capsys, *args):
+    """gptkit.cli.main(args) in process -> (exit code, stdout, stderr)."""
+    from gptkit.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("sample"))
+
+
+def test_greedy_text_streams_what_the_library_generates(run_dir, cli):
+    d, model, tok = run_dir
+    prompt = "ROMEO: O, she doth teach"  # a comma: passed verbatim, not a Hydra sweep
+    ids = encode_prompt(tok, prompt, None)
+    want = generate(model, ids, SampleOptions(max_new_tokens=30, temperature=0, eos_id=tok.token_to_id(EOS)),
+                    decode=tok.decode)
+    r = cli("sample", f"run={d}", f"prompt={prompt}", "greedy=true", "max_new_tokens=30", "device=cpu")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == prompt + want.texts[0] + "\n"  # streamed text, then a newline
+    assert "decode" in r.stderr and "tokens/s" in r.stderr
+
+
+def test_json_batch_of_samples_is_reproducible(run_dir, capsys):
+    d, model, tok = run_dir
+    prompt = "ROMEO: O, she doth teach"
+    ids = encode_prompt(tok, prompt, None)
+    code, stdout, stderr = run_main(capsys, "sample", f"run={d}", f"prompt={prompt}", "max_new_tokens=12",
+                                    "num_samples=3", "seed=5", "temperature=1.0", "top_k=20", "top_p=0.9", "--json")
+    assert code == 0, stderr
+    out = json.loads(stdout)
+    assert out["prompt"] == prompt and out["prompt_tokens"] == len(ids)
+    assert len(out["samples"]) == 3
+    want = generate(model, ids, SampleOptions(max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=5,
+                                              num_samples=3, eos_id=tok.token_to_id(EOS)), decode=tok.decode)
+    assert [s["tokens"] for s in out["samples"]] == want.tokens  # same seed, same draws
+    assert [s["text"] for s in out["samples"]] == want.texts
+
+
+def test_empty_prompt_starts_from_bos_and_stop_string(run_dir, capsys):
+    d, model, tok = run_dir  # <|endoftext|> serves as BOS, as in GPT-2
+    code, stdout, stderr = run_main(capsys, "sample", f"run={d}", "prompt=", "greedy=true", "max_new_tokens=40",
+                                    "stop=e", "--json")
+    assert code == 0, stderr
+    s = json.loads(stdout)["samples"][0]
+    full = generate(model, [tok.token_to_id(EOS)], SampleOptions(max_new_tokens=40, temperature=0),
+                    decode=tok.decode).texts[0]
+    assert "e" in full  # otherwise the stop string is never reached
+    assert s["stop_reason"] == "stop" and s["text"] == full[: full.index("e")]
+
+
+def test_unknown_characters_are_named(run_dir, cli):
+    r = cli("sample", f"run={run_dir[0]}", "prompt=Caf\u00e9 \u20ac")
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.count("\n") == 1 and "'é' (U+00E9), '€' (U+20AC)" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["top_p=0"], "top_p=0.0 must be in (0, 1]"),
+    (["top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+    (["temperature=-0.5"], "temperature=-0.5 must be >= 0"),
+    (["top_k=-1"], "top_k=-1 must be a non-negative integer"),
+    (["overflow=wrap"], "overflow='wrap' is not one of slide, stop"),
+])
+def test_nonsense_sampling_values_are_one_line(run_dir, capsys, args, message):
+    code, _, err = run_main(capsys, "sample", f"run={run_dir[0]}", "prompt=hi", "device=cpu", *args)
+    assert code == 2 and err.count("\n") == 1 and message in err, err
+
+
+def test_bad_run_folders_are_one_line(tmp_path, capsys):
+    d, _, _ = make_run(tmp_path, eos=False, position="learned")
+    code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=")
+    assert code == 2 and "prompt is empty and the tokenizer has no BOS" in err and err.count("\n") == 1
+
+    cfg = (d / "config.yaml").read_text()
+    (d / "config.yaml").write_text(cfg.replace("d_model: 32", "d_model: 64"))
+    code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi")
+    assert code == 2 and "does not match its config" in err and "shape" in err and err.count("\n") == 1
+
+    for f in (d / CHECKPOINT_DIR).iterdir():
+        f.unlink()
+    code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi")
+    assert code == 2 and "no checkpoint in" in err and err.count("\n") == 1
