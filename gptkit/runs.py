@@ -218,10 +218,6 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     model.load_state_dict(state, strict=True)
     if model_cfg.tie_embeddings:
         model.lm_head.weight = model.tok_emb.weight
-    if model.rope is not None:  # non-persistent buffers are not in the checkpoint: recompute
-        from gptkit.model.layers import RotaryEmbedding
-
-        model.rope = RotaryEmbedding(model_cfg.head_dim, model_cfg.max_seq_len, model_cfg.rope_theta).to(device)
     if dtype:
         model = model.to(dtype=_torch_dtype(dtype))
     model.eval()
@@ -278,14 +274,12 @@ def resolve_device(device: str) -> str:
 
 def load_for_inference(path: Path | str, device: str = "auto", dtype: str = "fp32",
                        attention: str | None = None) -> Run:
-    """load_run for sample/eval/attention: device `auto` allowed; in bf16/fp16 the RoPE cos/sin
-    tables stay fp32 (Module.to(dtype) would round them to bf16, which shifts every position)."""
+    """load_run for sample/eval/attention, with device `auto` allowed (RotaryEmbedding keeps its
+    cos/sin tables in fp32 whatever dtype the model is cast to)."""
     dev = resolve_device(device)
     torch_dtype = _torch_dtype(str(dtype))
     run = load_run(path, dev, None, attention)
     run.model.to(dtype=torch_dtype)
-    if run.model.rope is not None:
-        run.model.rope.float()
     return run
 
 

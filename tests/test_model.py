@@ -123,3 +123,15 @@ def test_sequence_longer_than_context_is_refused():
     cfg = tiny("gpt2")
     with pytest.raises(ValueError, match="max_seq_len"):
         GPT(cfg)(torch.zeros(1, cfg.max_seq_len + 1, dtype=torch.long))
+
+
+def test_rope_tables_stay_fp32_when_the_model_is_cast():
+    cfg = tiny("llama-gqa")
+    model = GPT(cfg)
+    ref = model.rope.cos.clone()
+    model.to(torch.bfloat16)
+    assert model.rope.cos.dtype == torch.float32 and torch.equal(model.rope.cos, ref)
+    with torch.device("meta"):
+        lazy = GPT(cfg)
+    lazy = lazy.to_empty(device="cpu")  # as load_run does: the tables are rebuilt, not left uninitialised
+    assert torch.equal(lazy.rope.cos, ref)

@@ -74,13 +74,25 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
-        self.head_dim, self.theta = head_dim, theta
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        t = torch.arange(max_seq_len, dtype=torch.float64)
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        cos, sin = self._tables(None)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
+        t = torch.arange(self.max_seq_len, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)  # [max_seq_len, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, head_dim]
-        self.register_buffer("cos", emb.cos().float(), persistent=False)
-        self.register_buffer("sin", emb.sin().float(), persistent=False)
+        return emb.cos().float().to(device), emb.sin().float().to(device)
+
+    def _apply(self, fn, recurse=True):
+        """`model.to(torch.bfloat16)` would round the tables to bf16 and shift every position;
+        they stay fp32 (recomputed on the new device when a cast or `to_empty` touched them)."""
+        super()._apply(fn, recurse)
+        if self.cos.dtype != torch.float32 or (not self.cos.is_meta and self.cos[0, 0].item() != 1.0):
+            self.cos, self.sin = self._tables(self.cos.device)
+        return self
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1."""
