@@ -95,23 +95,29 @@ def _show_help(mod: ModuleType, overrides: list[str]) -> None:
     print(OmegaConf.to_yaml(cfg))
 
 
-def _guarded(fn, *args):
-    """Run fn; a user error becomes one line on stderr and exit status 2, anything else one line
-    and exit status 1 (GPTKIT_DEBUG=1 re-raises, to show the traceback)."""
+def _report(exc: Exception) -> int:
+    """Print an error as one line; 2 for what the user can fix, 1 for anything else."""
     from gptkit.errors import GptkitError
 
+    if os.environ.get("GPTKIT_DEBUG") == "1":
+        raise exc
+    if isinstance(exc, BrokenPipeError):  # `gptkit ... | head`: the reader left; nothing to report
+        return 0
+    if isinstance(exc, GptkitError) or _is_config_error(exc):
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    print(f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)", file=sys.stderr)
+    return 1
+
+
+def _guarded(fn, *args):
+    """Run fn; an error becomes one line on stderr and the exit status of _report."""
     try:
         return fn(*args)
     except (KeyboardInterrupt, SystemExit):
         raise
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
-        if os.environ.get("GPTKIT_DEBUG") == "1":
-            raise
-        if isinstance(exc, GptkitError) or _is_config_error(exc):
-            print(f"error: {_one_line(exc)}", file=sys.stderr)
-            sys.exit(2)
-        print(f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(_report(exc))
 
 
 def _plain_overrides(args: list[str]) -> bool:
@@ -159,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         positional = getattr(mod, "POSITIONAL", None)
         if positional and args and "=" not in args[0] and not args[0].startswith("-"):
             args[0] = f"{positional}={args[0]}"  # `gptkit bench data` -> bench=data
+        args = ["format=json" if a == "--json" else a for a in args]  # --json: machine-readable output
         if hasattr(mod, "prepare_args"):
             args = _guarded(mod.prepare_args, args)
         if "--help" in args or "-h" in args:
@@ -178,15 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit:
         raise
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
-        if os.environ.get("GPTKIT_DEBUG") == "1":
-            raise
-        from gptkit.errors import GptkitError
-
-        if isinstance(exc, GptkitError) or _is_config_error(exc):
-            print(f"error: {_one_line(exc)}", file=sys.stderr)
-            return 2
-        print(f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)", file=sys.stderr)
-        return 1
+        return _report(exc)
 
 
 def _is_config_error(exc: BaseException) -> bool:

@@ -61,6 +61,9 @@ def test_run_folder_is_complete(corpus, tmp_path):
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"]["vocab_size"] == len(set(corpus.read_text()))  # vocab taken from the tokenizer
+    (run / "loss.png").unlink()
+    r = run_cli("plot", f"run={run}")  # the plot on demand
+    assert r.returncode == 0 and (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_resume_is_bit_identical(corpus, tmp_path):
