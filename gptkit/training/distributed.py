@@ -308,7 +308,16 @@ class _SafeUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         import torch
 
-        if module.startswith(self.ALLOWED_PREFIXES) or (module, name) in self.ALLOWED:
+        if module.startswith(self.ALLOWED_PREFIXES):
+            import dataclasses
+            import enum
+
+            found = super().find_class(module, name)
+            # data only: the index's dataclasses and enums; a function (callable by REDUCE) is refused
+            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
+                return found
+            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
+        if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
                                                                          torch.memory_format)):
