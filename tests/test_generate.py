@@ -154,3 +154,20 @@ def test_bad_sampling_values_are_rejected():
                 dict(max_new_tokens=0), dict(num_samples=0), dict(overflow="wrap"), dict(slide_keep=33)):
         with pytest.raises(ConfigError):
             generate(model, PROMPT, SampleOptions(**bad))
+
+
+@pytest.mark.parametrize("variant", ["learned-mha", "rope-gqa"])
+def test_generate_matches_the_plain_model_and_restores_its_layers(variant):
+    """generate() decodes with transposed copies of the Linear weights on CPU; the tokens must be
+    those of the plain model's argmax, and the model's own modules must come back."""
+    model = tiny_gpt(variant)
+    before = {n: type(m) for n, m in model.named_modules()}
+    out = generate(model, PROMPT, SampleOptions(max_new_tokens=12, temperature=0)).tokens[0]
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(12):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert out == ids[len(PROMPT):]
+    assert {n: type(m) for n, m in model.named_modules()} == before
+    if model.cfg.tie_embeddings:
+        assert model.lm_head.weight is model.tok_emb.weight
