@@ -85,9 +85,24 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
 
 
 # ---- finding and reading -------------------------------------------------------------------------
+LATEST = "latest"  # run=latest: the most recently written run folder under ./runs
+
+
+def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
+    """`latest` means the run folder under runs_dir whose config.yaml was written last (multirun
+    job folders included); any other path is returned as it is."""
+    if str(path) != LATEST:
+        return Path(path).expanduser()
+    configs = list(Path(runs_dir).glob(f"*/{CONFIG_FILE}")) + list(Path(runs_dir).glob(f"*/*/{CONFIG_FILE}"))
+    if not configs:
+        raise GptkitError(f"run=latest found no run folder under {runs_dir}/; train first or pass run=<folder>")
+    return max(configs, key=lambda f: f.stat().st_mtime).parent
+
+
 def find_checkpoint(path: Path | str) -> Path:
-    """A checkpoint file from a run folder (checkpoints/last.ckpt, else the newest) or a file path."""
-    p = Path(path).expanduser()
+    """A checkpoint file from a run folder (checkpoints/last.ckpt, else the newest) or a file path;
+    `latest` is the newest run folder under ./runs."""
+    p = resolve_latest(path)
     if not p.exists():
         raise GptkitError(f"{p} does not exist; pass a run folder (runs/<name>) or a checkpoint file")
     if p.is_file() or (p / SHARDED_INDEX).is_file():  # a file, or a sharded (FSDP) checkpoint folder
@@ -195,8 +210,9 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
 
     from gptkit.model import GPT, ModelConfig
 
+    path = resolve_latest(path)
     ckpt_path = find_checkpoint(path)
-    run_dir = run_dir_of(ckpt_path) if ckpt_path == Path(path).expanduser() else Path(path)  # a checkpoint given
+    run_dir = run_dir_of(ckpt_path) if ckpt_path == path else path  # a checkpoint given
     cfg = read_config(run_dir)
     mdict = dict(cfg["model"])
     if attention:

@@ -41,9 +41,9 @@ def losses(run_dir: Path, key: str = "train/loss") -> dict[int, str]:
 
 
 def test_run_folder_is_complete(corpus, tmp_path):
-    r = train(corpus, tmp_path, "full")
+    r = train(corpus, tmp_path / "runs", "full")
     assert r.returncode == 0, r.stderr[-3000:]
-    run = tmp_path / "full"
+    run = tmp_path / "runs" / "full"
     for f in ("config.yaml", "tokenizer.json", "manifest.json", "metrics.csv", "loss.png",
               "checkpoints/last.ckpt", "checkpoints/step-000006.ckpt", "checkpoints/step-000012.ckpt"):
         assert (run / f).is_file(), f
@@ -64,6 +64,11 @@ def test_run_folder_is_complete(corpus, tmp_path):
     (run / "loss.png").unlink()
     r = run_cli("plot", f"run={run}")  # the plot on demand
     assert r.returncode == 0 and (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    r = run_cli("sample", "run=latest", "prompt=the", "max_new_tokens=5", "--json", cwd=tmp_path)  # ./runs/full
+    assert r.returncode == 0, r.stderr[-2000:]
+    import json
+
+    assert json.loads(r.stdout)["run"] == "runs/full"
 
 
 def test_resume_is_bit_identical(corpus, tmp_path):
