@@ -95,15 +95,17 @@ class ThroughputMonitor(Callback):
 class StopAndSave(Callback):
     """Writes checkpoints/last.ckpt at the end of the step that ends this invocation: the last step
     (max_steps), trainer.stop_at_step, or the step during which SIGINT (Ctrl-C) or SIGTERM (preemption)
-    arrived - the step is finished first, then saved, then the run stops. A second Ctrl-C interrupts at once.
+    arrived - the step is finished first, then saved, then the run stops (with several ranks, at the next
+    multiple of sync_every steps, so that all ranks stop together). A second Ctrl-C interrupts at once.
 
     The save happens inside the training loop (as Lightning's own checkpoints do), so a resumed run
     continues Lightning's step counters exactly.
     """
 
-    def __init__(self, last_ckpt_path: str, stop_at_step: int | None = None) -> None:
+    def __init__(self, last_ckpt_path: str, stop_at_step: int | None = None, sync_every: int = 10) -> None:
         self.last_ckpt_path = last_ckpt_path
         self.stop_at_step = stop_at_step
+        self.sync_every = max(1, sync_every)  # with several ranks: agree on a signal every N steps
         self.signal_name: str | None = None
         self._previous: dict[int, Any] = {}
 
@@ -130,9 +132,14 @@ class StopAndSave(Callback):
         if not optimizer_stepped(trainer, batch_idx):
             return
         stop = self.signal_name is not None
-        if trainer.world_size > 1:  # every rank stops at the same step, whichever rank got the signal
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-            self.signal_name = self.signal_name or ("SIGTERM" if stop else None)
+        if trainer.world_size > 1:
+            # every rank stops at the same step, whichever rank got the signal; the vote is a collective
+            # with a host sync, so it is taken every sync_every steps rather than every step
+            if trainer.global_step % self.sync_every and trainer.global_step < trainer.max_steps:
+                stop = False
+            else:
+                stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+                self.signal_name = self.signal_name or ("SIGTERM" if stop else None)
         early = self.stop_at_step is not None and trainer.global_step >= self.stop_at_step
         if stop or early or trainer.global_step >= trainer.max_steps:
             trainer.save_checkpoint(self.last_ckpt_path, weights_only=False)

@@ -137,7 +137,7 @@ def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_st
     t = cfg.trainer
     check_trainer_config(t)
     ckpt_dir = run_dir / CHECKPOINT_DIR
-    stopper = StopAndSave(str(ckpt_dir / LAST_CHECKPOINT), t.get("stop_at_step"))
+    stopper = StopAndSave(str(ckpt_dir / LAST_CHECKPOINT), t.get("stop_at_step"), sync_every=int(t.log_every))
     throughput = ThroughputMonitor(flops_per_token, tokens_per_step, peak_flops, int(t.log_every))
     callbacks = [
         throughput,
