@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import lightning as L
@@ -86,6 +85,3 @@ class LitGPT(L.LightningModule):
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))

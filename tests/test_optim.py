@@ -1,0 +1,47 @@
+"""Optimizer parameter groups and learning-rate schedules."""
+
+import math
+
+import pytest
+import torch
+
+from gptkit.model import GPT, ModelConfig
+from gptkit.training.optim import lr_factor, param_groups
+
+
+def test_weight_decay_only_on_matrices_and_tied_weights_once():
+    model = GPT(ModelConfig(vocab_size=50, max_seq_len=16, n_layers=2, n_heads=2, d_model=16))  # tied, biases
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decayed and all(n.endswith("proj.weight") for n in decayed)  # q/k/v/o and MLP matrices
+    kept = {names[id(p)] for p in no_decay["params"]}
+    assert "tok_emb.weight" in kept and "pos_emb.weight" in kept  # embeddings (and the tied head) undecayed
+    assert any(n.endswith(".bias") for n in kept) and any("norm" in n for n in kept)
+    n_grouped = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
+    assert n_grouped == model.num_parameters()  # every parameter once, the tied head not twice
+    with_emb, _ = param_groups(model, 0.1, decay_embeddings=True)
+    assert any(p is model.tok_emb.weight for p in with_emb["params"])
+
+
+KW = dict(max_steps=1000, warmup_steps=100, lr=1e-3, min_lr=1e-4)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear", "wsd", "constant"])
+def test_warmup_is_linear_to_the_peak(schedule):
+    assert lr_factor(0, schedule=schedule, **KW) == pytest.approx(1 / 100)
+    assert lr_factor(99, schedule=schedule, **KW) == pytest.approx(1.0)
+
+
+def test_cosine_linear_and_wsd_shapes():
+    f = lambda step, s: lr_factor(step, schedule=s, **KW)  # noqa: E731
+    assert f(100, "cosine") == pytest.approx(1.0)
+    assert f(550, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: halfway between peak and floor
+    assert f(1000, "cosine") == pytest.approx(0.1) and f(5000, "cosine") == pytest.approx(0.1)
+    assert f(550, "linear") == pytest.approx(1 - 0.9 * 0.5)
+    assert f(799, "wsd") == 1.0  # stable until the last 20% of steps
+    assert f(900, "wsd") == pytest.approx(1 - 0.9 * 0.5) and f(1000, "wsd") == pytest.approx(0.1)
+    assert f(700, "constant") == 1.0
+    steps = [f(s, "cosine") for s in range(100, 1001)]
+    assert all(a >= b for a, b in zip(steps, steps[1:]))  # monotone after warm-up
+    assert math.isclose(min(steps), 0.1)
