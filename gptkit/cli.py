@@ -86,6 +86,7 @@ def _show_help(mod: ModuleType, overrides: list[str]) -> None:
     if mod.__doc__:
         print(mod.__doc__.strip() + "\n")
     groups = [g for g in cfg if (conf_dir() / str(g)).is_dir()]
+    groups += [g for g in _optional_groups(mod.CONFIG) if g not in groups]  # e.g. experiment (default: none)
     if groups:
         print("config groups (choose with group=name):")
         for g in groups:
@@ -93,6 +94,24 @@ def _show_help(mod: ModuleType, overrides: list[str]) -> None:
         print()
     print("config (override any field with key=value):\n")
     print(OmegaConf.to_yaml(cfg))
+
+
+def _optional_groups(config_name: str) -> list[str]:
+    """Groups the verb's defaults list leaves unchosen (`optional <group>: null` or `<group>: null`):
+    absent from the composed config until chosen, but worth listing in --help."""
+    import yaml
+
+    from gptkit.config import conf_dir
+
+    defaults = yaml.safe_load((conf_dir() / f"{config_name}.yaml").read_text()).get("defaults") or []
+    found = []
+    for entry in defaults:
+        if isinstance(entry, dict):
+            for key, value in entry.items():
+                name = str(key).removeprefix("optional ").strip()
+                if value is None and (conf_dir() / name).is_dir():
+                    found.append(name)
+    return found
 
 
 def _report(exc: Exception) -> int:

@@ -71,3 +71,8 @@ def test_unknown_verb(cli):
 def test_debug_shows_traceback(cli):
     r = cli("count-params", "model.n_heads=5", env={"GPTKIT_DEBUG": "1"})
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+def test_verb_help_lists_groups_that_are_unchosen_by_default(cli):
+    assert "experiment: shakespeare-char" in cli("train", "--help").stdout
+    assert "data: files, hub" in cli("eval", "--help").stdout
