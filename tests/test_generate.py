@@ -157,17 +157,50 @@ def test_bad_sampling_values_are_rejected():
 
 
 @pytest.mark.parametrize("variant", ["learned-mha", "rope-gqa"])
-def test_generate_matches_the_plain_model_and_restores_its_layers(variant):
-    """generate() decodes with transposed copies of the Linear weights on CPU; the tokens must be
-    those of the plain model's argmax, and the model's own modules must come back."""
+@pytest.mark.parametrize("batch", [1, 3])
+def test_generate_matches_the_plain_model_and_restores_its_layers(variant, batch):
+    """generate() decodes with its own copies of the Linear weights on CPU (W^T for one row, oneDNN-packed
+    for several); the tokens must be those of the plain model's argmax, and the model's own modules must
+    come back."""
     model = tiny_gpt(variant)
     before = {n: type(m) for n, m in model.named_modules()}
-    out = generate(model, PROMPT, SampleOptions(max_new_tokens=12, temperature=0)).tokens[0]
+    out = generate(model, PROMPT, SampleOptions(max_new_tokens=12, temperature=0, num_samples=batch)).tokens
     ids = list(PROMPT)
     with torch.no_grad():
         for _ in range(12):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert out == ids[len(PROMPT):]
+    assert out == [ids[len(PROMPT):]] * batch
     assert {n: type(m) for n, m in model.named_modules()} == before
     if model.cfg.tie_embeddings:
         assert model.lm_head.weight is model.tok_emb.weight
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("bias", [True, False])
+def testdecoding_layout_computes_the_same_linear_maps(batch, bias):
+    """Inside the decoding layout every Linear is swapped for a copy (oneDNN-packed for batch > 1 where
+    torch has oneDNN; else W^T, or the layer itself when it narrows); each must compute the layer's own
+    map for any number of rows (the prefill feeds B * T0 rows to weights packed for B) and leading shape."""
+    from gptkit.generate import decoding_layout, _onednn_usable
+
+    model = tiny_gpt("learned-mha" if bias else "rope-gqa")
+    layers = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in layers.values():
+            if m.bias is not None:  # the init zeroes biases; make them count
+                m.bias.copy_(torch.randn(m.bias.shape, generator=g))
+    inputs = {n: [torch.randn(*shape, m.in_features, generator=g) for shape in ((1,), (batch, 1), (batch, 7), (37,))]
+              for n, m in layers.items()}
+    with torch.no_grad():
+        want = {n: [layers[n](x) for x in xs] for n, xs in inputs.items()}
+        with decoding_layout(model, batch):
+            swapped = dict(model.named_modules())
+            for n, xs in inputs.items():
+                expect = ("_PackedLinear" if batch > 1 and _onednn_usable(layers[n].weight)
+                          else "Linear" if layers[n].out_features < layers[n].in_features else "_TransposedLinear")
+                assert type(swapped[n]).__name__ == expect
+                for x, w in zip(xs, want[n]):
+                    torch.testing.assert_close(swapped[n](x), w, rtol=1e-5, atol=1e-5)
+    if batch > 1:
+        assert _onednn_usable(model.lm_head.weight) == torch.backends.mkldnn.is_available()

@@ -124,3 +124,30 @@ def test_bad_run_folders_are_one_line(tmp_path, capsys):
         f.unlink()
     code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi")
     assert code == 2 and "no checkpoint in" in err and err.count("\n") == 1
+
+
+def test_bench_sample_agrees_with_transformers(tmp_path, cli):
+    """`gptkit bench sample` on two small models, batch 1 (W^T layout) and 3 (oneDNN-packed): both sides
+    decode the same greedy tokens, the rates are positive, and the context sweep is written."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "bench.json"
+    r = cli("bench", "sample", "~bench.models",
+            "+bench.models={g:{preset:gpt2-tiny,max_seq_len:64},l:{preset:llama-tiny,vocab_size:500}}",
+            "batch_sizes=[1,3]", "new_tokens=6", "repeats=1", "context_model=g", "context_lens=[8]",
+            "context_steps=2", f"out={out}")
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert [(row["model"], row["batch"]) for row in res["decode"]] == [("g", 1), ("g", 3), ("l", 1), ("l", 3)]
+    for row in res["decode"]:
+        assert row["same_tokens"] == 1.0, row
+        assert row["gptkit_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
+    assert [c["context"] for c in res["context"]] == [8] and res["context"][0]["cache_ms"] > 0
+
+
+@pytest.mark.parametrize("override, message", [
+    ("bench.models.gpt2-15m=null", "must be a mapping with a preset"),
+    ("bench.models.gpt2-15m.preset=nope", "unknown model preset 'nope'"),
+])
+def test_bench_sample_bad_model_is_one_line(capsys, override, message):
+    code, _, err = run_main(capsys, "bench", "sample", "~bench.models.llama-tiny", override, "hf=false")
+    assert code == 2 and message in err and err.count("\n") == 1, err

@@ -6,7 +6,8 @@
    (time(new_tokens) - time(1 new token)): the prefill cancels out, the same measure for both.
    The greedy tokens of both sides are compared (they should agree: same weights, same math).
 2. Per-token decode time against the context length: one step through the cache (attention over
-   the cached keys) vs a no-cache loop that re-runs the whole prefix every step.
+   the cached keys) vs a no-cache loop that re-runs the whole prefix every step (both with the
+   weight layout generate() decodes with).
 """
 
 from __future__ import annotations
@@ -23,8 +24,17 @@ def build_model(spec: dict):
     from gptkit.config import conf_dir
     from gptkit.model import GPT, ModelConfig
 
+    from gptkit.errors import ConfigError
+
+    if not isinstance(spec, dict) or "preset" not in spec:
+        raise ConfigError(f"a bench model must be a mapping with a preset (a conf/model name), got {spec!r}; "
+                          f"drop a model with ~bench.models.<name>")
     spec = dict(spec)
-    d = yaml.safe_load((conf_dir() / "model" / f"{spec.pop('preset')}.yaml").read_text())
+    path = conf_dir() / "model" / f"{spec.pop('preset')}.yaml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
+        raise ConfigError(f"unknown model preset {path.stem!r}; known: {known}")
+    d = yaml.safe_load(path.read_text())
     d.update(spec)
     torch.manual_seed(0)
     return GPT(ModelConfig.from_dict(d)).eval()
@@ -77,11 +87,12 @@ def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.pe
     """Mean ms of one decode step at `context` tokens of context (batch 1)."""
     import torch
 
+    from gptkit.generate import decoding_layout
     from gptkit.model import KVCache
 
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, model.cfg.vocab_size, (1, context + steps), generator=g)  # [1, context + steps]
-    with torch.inference_mode():
+    with torch.inference_mode(), decoding_layout(model, 1):  # the weights as generate() lays them out
         def run():
             if use_cache:
                 cache = KVCache(model.cfg, 1, max_len=context + steps)
