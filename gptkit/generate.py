@@ -204,8 +204,10 @@ def decoding_layout(model, batch: int = 1):
     def decoding_copy(linear: torch.nn.Linear) -> torch.nn.Module:
         if batch > 1 and _onednn_usable(linear.weight):
             try:
-                return _PackedLinear(linear, batch)
-            except RuntimeError:  # a torch build whose oneDNN cannot pack this weight
+                packed = _PackedLinear(linear, batch)
+                packed(linear.weight.new_zeros(batch, linear.in_features))  # fails here, not mid-generation
+                return packed
+            except RuntimeError:  # a torch build whose oneDNN cannot pack or run this layer
                 pass
         if batch == 1 and linear.out_features < linear.in_features:
             return linear  # a narrowing layer (MLP down-projection): MKL is faster on W itself

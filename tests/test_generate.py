@@ -204,3 +204,24 @@ def testdecoding_layout_computes_the_same_linear_maps(batch, bias):
                     torch.testing.assert_close(swapped[n](x), w, rtol=1e-5, atol=1e-5)
     if batch > 1:
         assert _onednn_usable(model.lm_head.weight) == torch.backends.mkldnn.is_available()
+
+
+def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
+    """A torch build whose oneDNN cannot run a packed layer: the layout falls back to W^T before
+    generating, and the tokens are still the plain model's."""
+    import gptkit.generate as gen
+
+    def broken(self, x):
+        raise RuntimeError("oneDNN: unsupported")
+
+    monkeypatch.setattr(gen._PackedLinear, "forward", broken)
+    model = tiny_gpt("rope-gqa")
+    with gen.decoding_layout(model, 4):
+        kinds = {type(m).__name__ for m in model.modules()}
+    assert "_PackedLinear" not in kinds and "_TransposedLinear" in kinds
+    out = generate(model, PROMPT, SampleOptions(max_new_tokens=6, temperature=0, num_samples=2)).tokens
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(6):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert out == [ids[len(PROMPT):]] * 2
