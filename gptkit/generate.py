@@ -177,7 +177,7 @@ class _PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
 
 
-TRANSPOSED_LAYOUT_MAX_BYTES = 1 << 30  # above this, a second copy of the weights is not worth the memory
+DECODING_LAYOUT_MAX_BYTES = 1 << 30  # above this, a second copy of the weights is not worth the memory
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
@@ -194,10 +194,10 @@ def decoding_layout(model, batch: int = 1):
     (cold weights, one row: 1536 -> 384 in 200-250 us on W vs 270-325 us on W^T; the other way round
     for widening layers, 384 -> 1536 in 165-180 vs 310-340 us; gpt2-15M decode step 5.5 -> 4.9 ms).
     The copies cost one more set of matmul weights, so this is done only while those weights take
-    less than TRANSPOSED_LAYOUT_MAX_BYTES."""
+    less than DECODING_LAYOUT_MAX_BYTES."""
     linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    if model.lm_head.weight.device.type != "cpu" or linear_bytes > TRANSPOSED_LAYOUT_MAX_BYTES:
+    if model.lm_head.weight.device.type != "cpu" or linear_bytes > DECODING_LAYOUT_MAX_BYTES:
         yield
         return
 

@@ -22,9 +22,8 @@ def build_model(spec: dict):
     import yaml
 
     from gptkit.config import conf_dir
-    from gptkit.model import GPT, ModelConfig
-
     from gptkit.errors import ConfigError
+    from gptkit.model import GPT, ModelConfig
 
     if not isinstance(spec, dict) or "preset" not in spec:
         raise ConfigError(f"a bench model must be a mapping with a preset (a conf/model name), got {spec!r}; "
