@@ -125,43 +125,53 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
 
 
 # ---- weights -----------------------------------------------------------------------------------
-def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """gptkit GPT state dict -> transformers state dict (new tensors; lm_head left out when tied)."""
-    arch = architecture(cfg)
-    out: dict[str, Any] = {}
-    splits = [cfg.d_attn, cfg.d_kv, cfg.d_kv]
-    if arch == LLAMA:
-        out["model.embed_tokens.weight"] = state["tok_emb.weight"]
+COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"  # how one of our tensors becomes theirs
+
+
+def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
+    """Every tensor of a gptkit GPT state dict and its transformers counterpart, as
+    (ours, theirs, how): COPY (the same tensor), TRANSPOSE (GPT-2's Conv1D stores [in, out]) or SPLIT
+    (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order). lm_head appears only
+    when it is not tied to the embedding. Both directions of the mapping read this one table."""
+    rows: list[tuple[str, str | tuple[str, ...], str]] = []
+    if architecture(cfg) == LLAMA:
+        rows.append(("tok_emb.weight", "model.embed_tokens.weight", COPY))
         for i in range(cfg.n_layers):
             g, h = f"blocks.{i}.", f"model.layers.{i}."
             for part in ("weight", "bias") if cfg.bias else ("weight",):
-                q, k, v = state[g + f"attn.qkv_proj.{part}"].split(splits, dim=0)
-                out[h + f"self_attn.q_proj.{part}"] = q
-                out[h + f"self_attn.k_proj.{part}"] = k
-                out[h + f"self_attn.v_proj.{part}"] = v
-                out[h + f"self_attn.o_proj.{part}"] = state[g + f"attn.o_proj.{part}"]
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    out[h + f"mlp.{proj}.{part}"] = state[g + f"mlp.{proj}.{part}"]
-            out[h + "input_layernorm.weight"] = state[g + "attn_norm.weight"]
-            out[h + "post_attention_layernorm.weight"] = state[g + "mlp_norm.weight"]
-        out["model.norm.weight"] = state["final_norm.weight"]
+                rows.append((g + f"attn.qkv_proj.{part}",
+                             tuple(h + f"self_attn.{p}_proj.{part}" for p in "qkv"), SPLIT))
+                rows.append((g + f"attn.o_proj.{part}", h + f"self_attn.o_proj.{part}", COPY))
+                rows += [(g + f"mlp.{proj}.{part}", h + f"mlp.{proj}.{part}", COPY)
+                         for proj in ("gate_proj", "up_proj", "down_proj")]
+            rows.append((g + "attn_norm.weight", h + "input_layernorm.weight", COPY))
+            rows.append((g + "mlp_norm.weight", h + "post_attention_layernorm.weight", COPY))
+        rows.append(("final_norm.weight", "model.norm.weight", COPY))
     else:
         t = "transformer."
-        out[t + "wte.weight"] = state["tok_emb.weight"]
-        out[t + "wpe.weight"] = state["pos_emb.weight"]
+        rows += [("tok_emb.weight", t + "wte.weight", COPY), ("pos_emb.weight", t + "wpe.weight", COPY)]
         for i in range(cfg.n_layers):
             g, h = f"blocks.{i}.", f"{t}h.{i}."
             for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                out[h + theirs + ".weight"] = state[g + ours + ".weight"]
-                out[h + theirs + ".bias"] = state[g + ours + ".bias"]
+                rows += [(g + f"{ours}.{part}", h + f"{theirs}.{part}", COPY) for part in ("weight", "bias")]
             for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
                                  ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
-                out[h + theirs + ".weight"] = state[g + ours + ".weight"].t()  # Conv1D: [in, out]
-                out[h + theirs + ".bias"] = state[g + ours + ".bias"]
-        out[t + "ln_f.weight"] = state["final_norm.weight"]
-        out[t + "ln_f.bias"] = state["final_norm.bias"]
+                rows.append((g + f"{ours}.weight", h + f"{theirs}.weight", TRANSPOSE))
+                rows.append((g + f"{ours}.bias", h + f"{theirs}.bias", COPY))
+        rows += [("final_norm.weight", t + "ln_f.weight", COPY), ("final_norm.bias", t + "ln_f.bias", COPY)]
     if not cfg.tie_embeddings:
-        out["lm_head.weight"] = state["lm_head.weight"]
+        rows.append(("lm_head.weight", "lm_head.weight", COPY))
+    return rows
+
+
+def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """gptkit GPT state dict -> transformers state dict (new tensors; lm_head left out when tied)."""
+    out: dict[str, Any] = {}
+    for ours, theirs, how in name_map(cfg):
+        if how == SPLIT:
+            out.update(zip(theirs, state[ours].split([cfg.d_attn, cfg.d_kv, cfg.d_kv], dim=0)))
+        else:
+            out[theirs] = state[ours].t() if how == TRANSPOSE else state[ours]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
@@ -175,9 +185,8 @@ def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig, source: str =
 
     from gptkit.model import GPT
 
-    arch = architecture(cfg)
     hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
-    if arch == GPT2:  # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
+    if architecture(cfg) == GPT2:  # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
         hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in hf.items()}
     if cfg.tie_embeddings:
         hf.pop("lm_head.weight", None)
@@ -192,35 +201,13 @@ def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig, source: str =
             raise GptkitError(f"{source} contradicts its config.json: {k} has shape {tuple(hf[k].shape)}, "
                               f"the config needs {tuple(v.shape)}")
     state: dict[str, Any] = {}
-    if arch == LLAMA:
-        state["tok_emb.weight"] = hf["model.embed_tokens.weight"]
-        for i in range(cfg.n_layers):
-            g, h = f"blocks.{i}.", f"model.layers.{i}."
-            for part in ("weight", "bias") if cfg.bias else ("weight",):
-                state[g + f"attn.qkv_proj.{part}"] = torch.cat(
-                    [hf[h + f"self_attn.{p}_proj.{part}"] for p in "qkv"], dim=0)  # [d_attn + 2 * d_kv, ...]
-                state[g + f"attn.o_proj.{part}"] = hf[h + f"self_attn.o_proj.{part}"]
-                for proj in ("gate_proj", "up_proj", "down_proj"):
-                    state[g + f"mlp.{proj}.{part}"] = hf[h + f"mlp.{proj}.{part}"]
-            state[g + "attn_norm.weight"] = hf[h + "input_layernorm.weight"]
-            state[g + "mlp_norm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        state["final_norm.weight"] = hf["model.norm.weight"]
-    else:
-        t = "transformer."
-        state["tok_emb.weight"] = hf[t + "wte.weight"]
-        state["pos_emb.weight"] = hf[t + "wpe.weight"]
-        for i in range(cfg.n_layers):
-            g, h = f"blocks.{i}.", f"{t}h.{i}."
-            for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
-                state[g + ours + ".weight"] = hf[h + theirs + ".weight"]
-                state[g + ours + ".bias"] = hf[h + theirs + ".bias"]
-            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
-                                 ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
-                state[g + ours + ".weight"] = hf[h + theirs + ".weight"].t()  # Conv1D [in, out] -> Linear [out, in]
-                state[g + ours + ".bias"] = hf[h + theirs + ".bias"]
-        state["final_norm.weight"] = hf[t + "ln_f.weight"]
-        state["final_norm.bias"] = hf[t + "ln_f.bias"]
-    state["lm_head.weight"] = state["tok_emb.weight"] if cfg.tie_embeddings else hf["lm_head.weight"]
+    for ours, theirs, how in name_map(cfg):
+        if how == SPLIT:
+            state[ours] = torch.cat([hf[k] for k in theirs], dim=0)  # [d_attn + 2 * d_kv, ...]
+        else:
+            state[ours] = hf[theirs].t() if how == TRANSPOSE else hf[theirs]
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
     return {k: v.contiguous() for k, v in state.items()}
 
 
