@@ -93,7 +93,9 @@ def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
     job folders included); any other path is returned as it is."""
     if str(path) != LATEST:
         return Path(path).expanduser()
-    configs = list(Path(runs_dir).glob(f"*/{CONFIG_FILE}")) + list(Path(runs_dir).glob(f"*/*/{CONFIG_FILE}"))
+    root = Path(runs_dir)
+    configs = [f for pattern in (f"*/{CONFIG_FILE}", f"*/*/{CONFIG_FILE}") for f in root.glob(pattern)
+               if not any(part.startswith(".") for part in f.relative_to(root).parts)]  # not Hydra's .hydra/
     if not configs:
         raise GptkitError(f"run=latest found no run folder under {runs_dir}/; train first or pass run=<folder>")
     return max(configs, key=lambda f: f.stat().st_mtime).parent

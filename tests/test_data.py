@@ -99,7 +99,7 @@ def test_cache_hit_and_invalidation(tmp_path, capsys):
     assert leftovers == []
 
 
-def test_file_tokenizer_change_invalidates_cache(tmp_path):
+def test_file_tokenizer_cache_follows_its_content(tmp_path):
     from gptkit.tokenizer import build_tokenizer
 
     (tmp_path / "a.txt").write_text(DOC_A)
@@ -107,6 +107,10 @@ def test_file_tokenizer_change_invalidates_cache(tmp_path):
     build_tokenizer(BYTE).save(str(tok_file))
     data = {"kind": "files", "paths": [str(tmp_path / "a.txt")]}
     p1 = prep(tmp_path, data, {"kind": "file", "path": str(tok_file)})
+    copy = tmp_path / "elsewhere" / "tokenizer.json"  # the same file at another path: the same tokens
+    copy.parent.mkdir()
+    copy.write_bytes(tok_file.read_bytes())
+    assert prep(tmp_path, data, {"kind": "file", "path": str(copy)}).dir == p1.dir
     build_tokenizer(BYTE_EOS).save(str(tok_file))
     p2 = prep(tmp_path, data, {"kind": "file", "path": str(tok_file)})
     assert p1.dir != p2.dir and p2.vocab_size == 257

@@ -205,7 +205,9 @@ def _say(msg: str) -> None:
 
 
 def _key(data: dict[str, Any], content: str, tok: dict[str, Any]) -> str:
-    extra = {"tokenizer_file": file_sha256(tok["path"])} if tok["kind"] == "file" else {}
+    extra = {}
+    if tok["kind"] == "file":  # the file's content decides the tokens, not where it lies
+        tok, extra = {**tok, "path": None}, {"tokenizer_file": file_sha256(tok["path"])}
     body = {"format_version": FORMAT_VERSION, "data": data, "content": content, "tokenizer": tok, **extra}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
