@@ -190,3 +190,71 @@ def test_failed_runs_never_touch_existing_checkpoints(corpus, tmp_path):
     assert r.returncode == 2 and "not a readable gptkit checkpoint" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert _digest(ckdir) == before
+
+
+def _source_run(corpus: Path, folder: Path) -> Path:
+    """A run folder as `gptkit import` writes it (config, tokenizer.json, checkpoints/last.ckpt): a random
+    Llama-style model (RoPE, GQA, SwiGLU, RMSNorm) over a char tokenizer of the corpus."""
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import build_tokenizer
+
+    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
+    tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
+    torch.manual_seed(3)
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=2, n_heads=2, n_kv_heads=1,
+                            d_model=32, position="rope", mlp="swiglu", norm="rmsnorm", bias=False, name="src"))
+    return write_run_folder(folder, {"tokenizer": tok_cfg}, model, tok)
+
+
+def test_init_from_starts_a_new_run_from_the_source_weights(corpus, tmp_path):
+    import yaml
+
+    src = _source_run(corpus, tmp_path / "src")
+    r = run_cli("train", f"init_from={src}", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
+                "trainer.max_steps=1", "trainer.val_windows=4", "trainer.progress=false", "optim.lr=1e-12",
+                "optim.min_lr=0", "optim.warmup_steps=0", "model.dropout=0.1", f"runs_dir={tmp_path}", "name=ft")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "weights from" in r.stderr
+    ft = tmp_path / "ft"
+    before = torch.load(src / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    after = torch.load(ft / "checkpoints/last.ckpt", weights_only=True)
+    assert after["global_step"] == 1  # a new run: its own step count
+    for k, v in before.items():  # one step at lr 1e-12 away from the source, not a fresh init (~0.02 apart)
+        torch.testing.assert_close(after["state_dict"][k], v, rtol=0, atol=1e-9)
+    src_cfg, ft_cfg = (yaml.safe_load((d / "config.yaml").read_text()) for d in (src, ft))
+    assert ft_cfg["model"] == {**src_cfg["model"], "dropout": 0.1}
+    assert ft_cfg["init_from"] == str(src / "checkpoints" / "last.ckpt")
+    assert ft_cfg["tokenizer"]["kind"] == "file" and ft_cfg["tokenizer"]["path"] == str((ft / "tokenizer.json").resolve())
+    assert (ft / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["model.n_layers=3"], "fixes model.n_layers=2"),
+    (["model=llama-tiny"], "brings its own model"),
+    (["resume=SRC"], "not both"),
+])
+def test_init_from_bad_input_one_line(corpus, tmp_path, extra, needle):
+    src = _source_run(corpus, tmp_path / "src")
+    extra = [e.replace("SRC", str(src)) for e in extra]
+    r = run_cli("train", f"init_from={src}", "data=files", f"data.paths=[{corpus}]", f"runs_dir={tmp_path}",
+                "name=ft", *extra)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert not (tmp_path / "ft" / "checkpoints").exists()
+
+
+def test_latest_is_the_newest_run_folder_never_hydras(tmp_path):
+    """run=latest / init_from=latest: the newest config.yaml of a run (or multirun job) folder; Hydra's own
+    .hydra/config.yaml, written when a new run starts, is not a run."""
+    from gptkit.errors import GptkitError
+    from gptkit.runs import resolve_latest
+
+    with pytest.raises(GptkitError, match="found no run folder"):
+        resolve_latest("latest", tmp_path)
+    for i, rel in enumerate(["old", "sweep/0", "new", "starting/.hydra"]):
+        (tmp_path / rel).mkdir(parents=True)
+        (tmp_path / rel / "config.yaml").write_text("model: {}\n")
+        os.utime(tmp_path / rel / "config.yaml", (1000 + i, 1000 + i))
+    assert resolve_latest("latest", tmp_path) == tmp_path / "new"
+    assert resolve_latest("runs/x", tmp_path) == Path("runs/x")

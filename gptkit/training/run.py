@@ -6,7 +6,6 @@ import json
 import logging
 import warnings
 import math
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -15,7 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.runs import (CHECKPOINT_DIR, CONFIG_FILE, LAST_CHECKPOINT, MANIFEST_FILE, TOKENIZER_FILE,
-                         atomic_write_text, find_checkpoint, load_checkpoint, read_config, run_dir_of)
+                         atomic_write_bytes, atomic_write_text, find_checkpoint, load_checkpoint, read_config,
+                         run_dir_of)
 
 
 @dataclass
@@ -84,6 +84,58 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
     return merged, ckpt, int(state.get("global_step", 0))
 
 
+# model settings that may differ from an init_from= run's: they change no tensor shape
+INIT_FROM_FREE_MODEL_KEYS = ("name", "dropout", "attention")
+
+
+def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optional[Path]]:
+    """For init_from=<run folder | checkpoint | latest>: a new run (fresh optimizer, schedule and step
+    count) whose model starts from that run's weights. The model config is the source's (model.dropout
+    and model.attention may be overridden; anything else that differs is an error) and so is the
+    tokenizer: its tokenizer.json is copied into the new run folder, which the run's config then names
+    (resume= keeps working if the source goes away), unless the command line chooses a tokenizer itself."""
+    if cfg.get("init_from") in (None, ""):
+        return cfg, None
+    from gptkit.runs import resolve_latest
+
+    overrides = _explicit_overrides()
+    ckpt = find_checkpoint(resolve_latest(str(cfg.init_from), cfg.runs_dir))
+    src_dir = run_dir_of(ckpt)
+    src = read_config(src_dir)
+    src_model = dict(src["model"])
+    asked = OmegaConf.to_container(cfg.model, resolve=True)
+    model_overrides = [o.split("=", 1)[0].lstrip("+~") for o in overrides if o.lstrip("+~").startswith("model")]
+    if "model" in model_overrides:
+        raise GptkitError(f"init_from={cfg.init_from} brings its own model ({src_model.get('name')}); drop model=")
+    for key in (k.split(".", 1)[1] for k in model_overrides if "." in k):
+        if key not in INIT_FROM_FREE_MODEL_KEYS and asked.get(key) != src_model.get(key):
+            raise GptkitError(f"init_from={cfg.init_from} fixes model.{key}={src_model.get(key)!r} (its weights' "
+                              f"shape); only model.{', model.'.join(INIT_FROM_FREE_MODEL_KEYS)} may change")
+        if key in INIT_FROM_FREE_MODEL_KEYS:
+            src_model[key] = asked.get(key)
+    cfg.model = OmegaConf.create(src_model)
+    if not any(o.lstrip("+~").startswith("tokenizer") for o in overrides):
+        tok_file = src_dir / TOKENIZER_FILE
+        if not tok_file.is_file():
+            raise GptkitError(f"init_from={cfg.init_from}: {src_dir} has no {TOKENIZER_FILE}; choose the tokenizer "
+                              f"its vocabulary was built with (tokenizer=file tokenizer.path=...)")
+        own = run_dir / TOKENIZER_FILE
+        run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(own, tok_file.read_bytes())  # each rank its own temp file, then one rename
+        eos = (src.get("tokenizer") or {}).get("eos_token")
+        cfg.tokenizer = OmegaConf.create({"kind": "file", "path": str(own.resolve()), "eos_token": eos})
+    cfg.init_from = str(ckpt)
+    return cfg, ckpt
+
+
+def _load_init_weights(module, ckpt: Path) -> None:
+    """Copy the weights of an init_from= checkpoint into the new run's model (shapes checked by load_model)."""
+    from gptkit.runs import load_model
+
+    *_, source = load_model(ckpt, attention=module.model.cfg.attention)
+    module.model.load_state_dict(source.state_dict(), strict=True)
+
+
 def train(cfg: DictConfig) -> TrainResult:
     import lightning as L
     import torch
@@ -102,11 +154,17 @@ def train(cfg: DictConfig) -> TrainResult:
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     check_run_name(_explicit_overrides())  # torchrun/srun ranks must agree on the run folder
     run_dir = _run_dir()
+    given = {o.split("=", 1)[0] for o in _explicit_overrides() if o.split("=", 1)[-1] not in ("", "null")}
+    if {"resume", "init_from"} <= given:
+        raise GptkitError("give resume= (continue a run) or init_from= (start a new run from its weights), not both")
     cfg, resume_ckpt, resume_step = resolve_resume(cfg)
     ckpt_dir = run_dir / CHECKPOINT_DIR
     if resume_ckpt is None and ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
         raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
                           f"or choose another name=")
+    init_ckpt = None
+    if resume_ckpt is None:  # a resumed run's weights come from its own checkpoint
+        cfg, init_ckpt = resolve_init_from(cfg, run_dir)
 
     check_trainer_config(cfg.trainer)
     if cfg.optim.schedule not in SCHEDULES:
@@ -117,7 +175,7 @@ def train(cfg: DictConfig) -> TrainResult:
 
     # data first: the tokenizer decides the vocabulary size
     prepared = prepare(cfg.data, cfg.tokenizer)
-    if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None:
+    if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None and init_ckpt is None:
         multiple = int(cfg.get("vocab_multiple", 1))
         model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
     model_cfg = ModelConfig.from_dict(model_dict)
@@ -138,8 +196,7 @@ def train(cfg: DictConfig) -> TrainResult:
     # the run folder: resolved config, tokenizer, manifest (written atomically)
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
-    shutil.copyfile(prepared.tokenizer_path, run_dir / f".{TOKENIZER_FILE}.tmp")
-    (run_dir / f".{TOKENIZER_FILE}.tmp").replace(run_dir / TOKENIZER_FILE)
+    atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
     atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -149,6 +206,8 @@ def train(cfg: DictConfig) -> TrainResult:
     peak = detect_peak_flops(t.precision, t.peak_tflops)
     module = LitGPT(model_cfg, cfg.optim, max_steps, compile=bool(t.compile),
                     activation_checkpointing=bool(t.activation_checkpointing))
+    if init_ckpt is not None:
+        _load_init_weights(module, init_ckpt)
     datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
                                  val_windows=t.val_windows)
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
@@ -157,7 +216,8 @@ def train(cfg: DictConfig) -> TrainResult:
     if trainer.world_size != world:
         raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for {world} "
                           f"(trainer.devices x trainer.num_nodes); make them agree")
-    _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir, resume_ckpt)
+    _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir, resume_ckpt,
+              init_ckpt)
 
     trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
                 weights_only=True)
@@ -178,7 +238,8 @@ def train(cfg: DictConfig) -> TrainResult:
                        trainer.is_global_zero)
 
 
-def _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops_per_token, run_dir, resume) -> None:
+def _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops_per_token, run_dir, resume,
+              init_from=None) -> None:
     if not trainer.is_global_zero:
         return
     from rich.console import Console
@@ -198,6 +259,7 @@ def _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops_pe
         f"{max_steps} steps = {tokens_per_step * max_steps:,} tokens, "
         f"{flops_per_token * tokens_per_step * max_steps:.3g} FLOPs"
         + (f"\n  resuming from {resume}" if resume else "")
+        + (f"\n  weights from {init_from} (new optimizer and schedule)" if init_from else "")
     )
 
 
