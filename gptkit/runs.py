@@ -168,6 +168,9 @@ def read_config(run_dir: Path) -> dict[str, Any]:
 
     f = Path(run_dir) / CONFIG_FILE
     if not f.is_file():
+        if (Path(run_dir) / "config.json").is_file():
+            raise GptkitError(f"{run_dir} is a transformers folder, not a run folder; make it one first: "
+                              f"gptkit import hf={run_dir} out=runs/<name>")
         raise GptkitError(f"{f} is missing; a run folder needs the {CONFIG_FILE} that `gptkit train` writes")
     try:
         cfg = yaml.safe_load(f.read_text())

@@ -258,3 +258,14 @@ def test_latest_is_the_newest_run_folder_never_hydras(tmp_path):
         os.utime(tmp_path / rel / "config.yaml", (1000 + i, 1000 + i))
     assert resolve_latest("latest", tmp_path) == tmp_path / "new"
     assert resolve_latest("runs/x", tmp_path) == Path("runs/x")
+
+
+def test_a_transformers_folder_is_pointed_to_import(tmp_path):
+    """run=/init_from= given a transformers folder (config.json, model.safetensors): say to import it."""
+    from gptkit.errors import GptkitError
+    from gptkit.runs import find_checkpoint, read_config, run_dir_of
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(GptkitError, match=f"gptkit import hf={tmp_path} out=runs/<name>"):
+        read_config(run_dir_of(find_checkpoint(tmp_path)))
