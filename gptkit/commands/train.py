@@ -15,7 +15,7 @@ Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exa
 from __future__ import annotations
 
 VERB = "train"
-HELP = "train a model with Lightning; one run folder per run under runs/ (resume=, -m multirun)"
+HELP = "train a model with Lightning; one run folder per run under runs/ (resume=, init_from=, -m multirun)"
 CONFIG = "train"
 HYDRA_APP = True
 
