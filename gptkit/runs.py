@@ -139,7 +139,7 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
     if path.suffix == ".safetensors":
         return {"state_dict": {STATE_PREFIX + k: v for k, v in _load_safetensors(path).items()}}
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors read on use
     except Exception as exc:  # truncated, not a zip, pickled code, ...
         raise GptkitError(f"{path} is not a readable gptkit checkpoint ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:160]})") from exc
