@@ -209,6 +209,27 @@ def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None, at
     return Run(run_dir, ckpt_path, cfg, model_cfg, model, load_tokenizer(run_dir))
 
 
+def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
+    """The GPT state dict of a checkpoint (tensors memory-mapped), checked against model_cfg: the same
+    names and shapes, else a one-line GptkitError."""
+    import torch
+
+    from gptkit.model import GPT
+
+    state = model_state_dict(load_checkpoint(ckpt_path))
+    with torch.device("meta"):
+        expected = GPT(model_cfg).state_dict()
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise GptkitError(f"{ckpt_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    for k, v in expected.items():
+        if tuple(v.shape) != tuple(state[k].shape):
+            raise GptkitError(f"{ckpt_path} does not match its config: {k} has shape {tuple(state[k].shape)}, "
+                              f"the config needs {tuple(v.shape)}")
+    return state
+
+
 def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):
     """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval mode."""
     import torch
@@ -223,18 +244,9 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     if attention:
         mdict["attention"] = attention
     model_cfg = ModelConfig.from_dict(mdict)
-    state = model_state_dict(load_checkpoint(ckpt_path))
+    state = checked_model_state(ckpt_path, model_cfg)
     with torch.device("meta"):
         model = GPT(model_cfg)
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise GptkitError(f"{ckpt_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    for k, v in expected.items():
-        if tuple(v.shape) != tuple(state[k].shape):
-            raise GptkitError(f"{ckpt_path} does not match its config: {k} has shape {tuple(state[k].shape)}, "
-                              f"the config needs {tuple(v.shape)}")
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
     if model_cfg.tie_embeddings:

@@ -129,11 +129,12 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optio
 
 
 def _load_init_weights(module, ckpt: Path) -> None:
-    """Copy the weights of an init_from= checkpoint into the new run's model (shapes checked by load_model)."""
-    from gptkit.runs import load_model
+    """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
+    run's model, with no second model in memory."""
+    from gptkit.runs import checked_model_state
 
-    *_, source = load_model(ckpt, attention=module.model.cfg.attention)
-    module.model.load_state_dict(source.state_dict(), strict=True)
+    state = checked_model_state(ckpt, module.model.cfg)
+    module.model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
 
 
 def train(cfg: DictConfig) -> TrainResult:
