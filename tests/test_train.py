@@ -225,7 +225,8 @@ def test_init_from_starts_a_new_run_from_the_source_weights(corpus, tmp_path):
     src_cfg, ft_cfg = (yaml.safe_load((d / "config.yaml").read_text()) for d in (src, ft))
     assert ft_cfg["model"] == {**src_cfg["model"], "dropout": 0.1}
     assert ft_cfg["init_from"] == str(src / "checkpoints" / "last.ckpt")
-    assert ft_cfg["tokenizer"]["kind"] == "file" and ft_cfg["tokenizer"]["path"] == str((ft / "tokenizer.json").resolve())
+    assert ft_cfg["tokenizer"]["kind"] == "file"
+    assert ft_cfg["tokenizer"]["path"] == str((ft / "tokenizer.json").resolve())
     assert (ft / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
