@@ -97,7 +97,7 @@ def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
     configs = [f for pattern in (f"*/{CONFIG_FILE}", f"*/*/{CONFIG_FILE}") for f in root.glob(pattern)
                if not any(part.startswith(".") for part in f.relative_to(root).parts)]  # not Hydra's .hydra/
     if not configs:
-        raise GptkitError(f"run=latest found no run folder under {runs_dir}/; train first or pass run=<folder>")
+        raise GptkitError(f"`latest` found no run folder under {runs_dir}/; train first or give a run folder")
     return max(configs, key=lambda f: f.stat().st_mtime).parent
 
 

@@ -177,7 +177,7 @@ def test_generate_matches_the_plain_model_and_restores_its_layers(variant, batch
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("bias", [True, False])
-def testdecoding_layout_computes_the_same_linear_maps(batch, bias):
+def test_decoding_layout_computes_the_same_linear_maps(batch, bias):
     """Inside the decoding layout every Linear is swapped for a copy (oneDNN-packed for batch > 1 where
     torch has oneDNN; else W^T, or the layer itself when it narrows); each must compute the layer's own
     map for any number of rows (the prefill feeds B * T0 rows to weights packed for B) and leading shape."""

@@ -21,7 +21,7 @@ def build_model(spec: dict):
     import torch
     import yaml
 
-    from gptkit.config import conf_dir
+    from gptkit.config import conf_dir, presets
     from gptkit.errors import ConfigError
     from gptkit.model import GPT, ModelConfig
 
@@ -31,8 +31,7 @@ def build_model(spec: dict):
     spec = dict(spec)
     path = conf_dir() / "model" / f"{spec.pop('preset')}.yaml"
     if not path.is_file():
-        known = ", ".join(sorted(p.stem for p in path.parent.glob("*.yaml")))
-        raise ConfigError(f"unknown model preset {path.stem!r}; known: {known}")
+        raise ConfigError(f"unknown model preset {path.stem!r}; known: {', '.join(presets('model'))}")
     d = yaml.safe_load(path.read_text())
     d.update(spec)
     torch.manual_seed(0)

@@ -14,8 +14,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.runs import (CHECKPOINT_DIR, CONFIG_FILE, LAST_CHECKPOINT, MANIFEST_FILE, TOKENIZER_FILE,
-                         atomic_write_bytes, atomic_write_text, find_checkpoint, load_checkpoint, read_config,
-                         run_dir_of)
+                         atomic_write_bytes, atomic_write_text, checked_model_state, find_checkpoint,
+                         load_checkpoint, read_config, resolve_latest, run_dir_of)
 
 
 @dataclass
@@ -96,8 +96,6 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optio
     (resume= keeps working if the source goes away), unless the command line chooses a tokenizer itself."""
     if cfg.get("init_from") in (None, ""):
         return cfg, None
-    from gptkit.runs import resolve_latest
-
     overrides = _explicit_overrides()
     ckpt = find_checkpoint(resolve_latest(str(cfg.init_from), cfg.runs_dir))
     src_dir = run_dir_of(ckpt)
@@ -131,8 +129,6 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optio
 def _load_init_weights(module, ckpt: Path) -> None:
     """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
     run's model, with no second model in memory."""
-    from gptkit.runs import checked_model_state
-
     state = checked_model_state(ckpt, module.model.cfg)
     module.model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
 
