@@ -22,7 +22,14 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
-SHAKESPEARE = REPO.parent / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def shakespeare(n_chars: int | None = None, start: int = 0) -> str:
+    """Text of the built-in corpus (data=shakespeare): what the product ships, nothing from outside the repo."""
+    from gptkit.data.sources import shakespeare_text
+
+    text = shakespeare_text()
+    return text[start:] if n_chars is None else text[start:start + n_chars]
 
 
 def run_cli(*args, env=None, cwd=None, timeout=300):

@@ -77,6 +77,15 @@ def test_pydoc_is_the_offline_default_corpus(tmp_path):
     assert "pydoc_data" in p.manifest["source"]["description"]
 
 
+def test_shakespeare_is_built_in(tmp_path):
+    """data=shakespeare (the reference recipe's corpus) ships inside gptkit: nanoGPT's char-level split."""
+    p = prep(tmp_path, {"kind": "shakespeare"}, {"kind": "char"})
+    assert p.vocab_size == 65
+    assert len(p.train_tokens()) + len(p.val_tokens()) == 1_115_394
+    assert len(p.val_tokens()) == 111_539  # the last 10%
+    assert p.tokenizer().decode(p.train_tokens()[:14].tolist()) == "First Citizen:"
+
+
 def test_cache_hit_and_invalidation(tmp_path, capsys):
     src = tmp_path / "a.txt"
     src.write_text(DOC_A)

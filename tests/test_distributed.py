@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, SHAKESPEARE, run_cli
+from conftest import REPO, run_cli, shakespeare
 
 STEPS = 6
 TOL = 1e-5  # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
@@ -25,7 +25,7 @@ TOL = 1e-5  # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("corpus") / "shakespeare-40k.txt"
-    p.write_text(SHAKESPEARE.read_text()[:40_000])
+    p.write_text(shakespeare(40_000))
     return p
 
 

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import SHAKESPEARE
+from conftest import shakespeare
 from test_sample_cli import make_run, run_main
 
 from gptkit.data import prepare
@@ -52,7 +52,7 @@ def test_own_val_split_matches_a_direct_loop(tmp_path, capsys):
 def test_held_out_file_and_bad_values(tmp_path, capsys):
     d, model, tok = make_run(tmp_path, max_seq_len=32)
     known = set(tok.get_vocab())
-    held = "".join(c for c in SHAKESPEARE.read_text()[30_000:33_000] if c in known)
+    held = "".join(c for c in shakespeare(3_000, start=30_000) if c in known)
     (tmp_path / "held.txt").write_text(held)
     code, out, err = run_main(capsys, "eval", f"run={d}", "data=files", f"data.paths=[{tmp_path / 'held.txt'}]",
                               "format=json")

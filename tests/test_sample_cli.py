@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import SHAKESPEARE
+from conftest import shakespeare
 
 from gptkit.generate import SampleOptions, encode_prompt, generate
 from gptkit.model import GPT, ModelConfig
@@ -23,7 +23,7 @@ def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max
 
     Its config.yaml holds data/tokenizer sections pointing at that text, as `train` writes them."""
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text(SHAKESPEARE.read_text()[:n_chars])
+    corpus.write_text(shakespeare(n_chars))
     tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": EOS if eos else None, "unk_token": None}
     tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
     torch.manual_seed(seed)

@@ -1,7 +1,7 @@
 """Tokenizers: each kind round-trips text, ids are what the kind promises, errors are one line."""
 
 import pytest
-from conftest import SHAKESPEARE
+from conftest import shakespeare
 
 from gptkit.data.build import split_long
 from gptkit.errors import GptkitError
@@ -97,7 +97,7 @@ def test_unknown_kind_is_an_error():
 @pytest.mark.parametrize("kind", ["char", "byte", "bpe"])
 def test_cutting_long_documents_changes_no_token(kind):
     """prepare() cuts long documents for parallel encoding; the tokens must be those of the whole text."""
-    lines = SHAKESPEARE.read_text()[:60_000].splitlines()
+    lines = shakespeare(60_000).splitlines()
     # every other line ends in a space: " \n" is then a frequent pair, and a cut between the two breaks it
     text = "\n".join(line + " " * (i % 2) for i, line in enumerate(lines)) + "  trailing  \n\n  spaces \n"
     pieces = split_long(text, size=2_000)

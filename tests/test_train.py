@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import SHAKESPEARE, run_cli
+from conftest import run_cli, shakespeare
 
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> Path:
     p = tmp_path_factory.mktemp("corpus") / "shakespeare-60k.txt"
-    p.write_text(SHAKESPEARE.read_text()[:60_000])
+    p.write_text(shakespeare(60_000))
     return p
 
 

@@ -113,11 +113,13 @@ def run(cfg) -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
-    path = Path(cfg.data_path)
-    if not path.is_file():
-        raise GptkitError(f"bench.data_path={path} does not exist; point it at a text file")
-    prepared = prepare(OmegaConf.create({"kind": "files", "paths": [str(path)]}),
-                       OmegaConf.create({"kind": "char"}), progress=False)
+    data = {"kind": "shakespeare"}
+    if cfg.data_path is not None:
+        path = Path(cfg.data_path)
+        if not path.is_file():
+            raise GptkitError(f"bench.data_path={path} does not exist; point it at a text file")
+        data = {"kind": "files", "paths": [str(path)]}
+    prepared = prepare(OmegaConf.create(data), OmegaConf.create({"kind": "char"}), progress=False)
     model_cfg = _model_cfg(cfg, prepared.vocab_size)
     sampler = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len,
                               seed=1337, val_windows=1).sampler

@@ -6,6 +6,7 @@ The result is cached by (corpus content, tokenizer): running it again is a no-op
 Examples:
   gptkit prepare                                   (pydoc docs, byte tokenizer: offline)
   gptkit prepare data=stdlib tokenizer=bpe tokenizer.vocab_size=4096
+  gptkit prepare data=shakespeare tokenizer=char     (tiny Shakespeare, built in)
   gptkit prepare data=files data.paths=[input.txt] tokenizer=char
   gptkit prepare data=files data.paths=input.txt           (one path may be a plain string)
   gptkit prepare data=files "data.paths=['data/*.jsonl']" data.val_paths=[val.jsonl] data.text_field=content

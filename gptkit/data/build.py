@@ -47,6 +47,7 @@ def cache_root(cache_dir: str | Path | None) -> Path:
 # Python mean the same corpus, and the same cache key, as the composed YAML.
 DEFAULTS: dict[str, dict[str, Any]] = {
     "pydoc": {"val_fraction": 0.1, "dtype": "auto"},
+    "shakespeare": {"val_fraction": 0.1, "dtype": "auto"},
     "stdlib": {"include_tests": True, "encoding_errors": "replace", "val_fraction": 0.05, "dtype": "auto"},
     "files": {"paths": None, "val_paths": None, "val_fraction": 0.1, "format": "auto", "text_field": "text",
               "encoding_errors": "strict", "dtype": "auto"},
@@ -62,7 +63,7 @@ def data_settings(cfg: Any) -> dict[str, Any]:
 
     d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     if d.get("kind") not in KINDS:
-        raise GptkitError(f"unknown data kind {d.get('kind')!r}; use data=pydoc|stdlib|files|hub|prepared")
+        raise GptkitError(f"unknown data kind {d.get('kind')!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared")
     return {"kind": d["kind"], **DEFAULTS[d["kind"]], **d}
 
 

@@ -2,6 +2,8 @@
 
     data=pydoc    the interpreter's bundled reference documentation (pydoc_data, ~0.5 MB of English);
                   ships with every CPython, so it works offline with no download (the default)
+    data=shakespeare  tiny Shakespeare (1.1 MB, public domain), shipped inside gptkit: one document,
+                  the corpus of the reference recipe (experiment=shakespeare-char)
     data=stdlib   the standard library's own .py sources (~30 MB of code), also offline
     data=files    local .txt (one document per file), .json/.jsonl (one document per record's
                   text field) and .parquet files; globs; validation by fraction or by val_paths
@@ -28,7 +30,7 @@ from urllib.parse import urlparse
 
 from gptkit.errors import GptkitError
 
-KINDS = ("pydoc", "stdlib", "files", "hub", "prepared")
+KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared")
 FORMATS = ("auto", "text", "json", "parquet")
 Docs = Callable[[], Iterator[str]]  # a callable that starts a fresh pass over the documents
 
@@ -55,13 +57,15 @@ def open_corpus(s: dict[str, Any]) -> Corpus:
     kind = s["kind"]
     if kind == "pydoc":
         return _pydoc()
+    if kind == "shakespeare":
+        return _shakespeare()
     if kind == "stdlib":
         return _stdlib(s)
     if kind == "files":
         return _files(s)
     if kind == "hub":
         return _hub(s)
-    raise GptkitError(f"unknown data kind {kind!r}; use data=pydoc|stdlib|files|hub|prepared")
+    raise GptkitError(f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared")
 
 
 def _digest(parts: Iterator[bytes]) -> str:
@@ -90,6 +94,27 @@ def _pydoc() -> Corpus:
     return Corpus(description=f"pydoc_data topics of Python {sys.version.split()[0]} ({len(topics)} documents)",
                   train_docs=docs, val_docs=None, sha256=lambda: _digest(d.encode() for d in docs()),
                   n_bytes=sum(len(t) for t in topics.values()))
+
+
+SHAKESPEARE = Path(__file__).resolve().parent / "corpora" / "tinyshakespeare.txt.gz"
+
+
+def shakespeare_text() -> str:
+    """Tiny Shakespeare (Karpathy's char-rnn corpus: 1,115,394 characters of the plays, public domain),
+    shipped gzipped inside gptkit so that the reference recipe runs offline from any clone or wheel."""
+    import gzip
+
+    if not SHAKESPEARE.is_file():
+        raise GptkitError(f"the built-in corpus {SHAKESPEARE} is missing; reinstall gptkit")
+    return gzip.decompress(SHAKESPEARE.read_bytes()).decode("utf-8")
+
+
+def _shakespeare() -> Corpus:
+    def docs() -> Iterator[str]:
+        yield shakespeare_text()  # one document, as char-rnn and nanoGPT treat it
+
+    return Corpus(description="tiny Shakespeare (built in, 1.1 MB)", train_docs=docs, val_docs=None,
+                  sha256=lambda: _digest(d.encode() for d in docs()), n_bytes=1_115_394)
 
 
 def stdlib_files(include_tests: bool = True) -> list[Path]:
