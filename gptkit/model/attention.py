@@ -1,4 +1,4 @@
-"""Attention behind one dispatch seam.
+"""Causal self-attention: the module, and the attention functions behind one dispatch seam.
 
 Every backend has the same signature:
 
@@ -22,6 +22,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+
+from gptkit.model.config import ModelConfig
+from gptkit.model.kv_cache import KVCache
+from gptkit.model.layers import RotaryEmbedding
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -114,3 +119,33 @@ def get_attention(name: str) -> AttentionFn:
         return ATTENTION_BACKENDS[name]
     except KeyError:
         raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}") from None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        # one fused projection for q, k and v: [d_model] -> [d_attn + 2 * d_kv]
+        self.qkv_proj = nn.Linear(cfg.d_model, cfg.d_attn + 2 * cfg.d_kv, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.d_attn, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+        self.attend = get_attention(cfg.attention)
+
+    def forward(self, x, rope: Optional[RotaryEmbedding], cache: Optional[KVCache], return_probs: bool):
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
+                                          self.n_kv_heads * self.head_dim], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, head_dim]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        start = cache.length if cache is not None else 0
+        if rope is not None:
+            q, k = rope(q, k, start)  # rotate before caching: the cache holds rotated keys
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)  # [B, n_kv_heads, start + T, head_dim]
+        attend = eager_attention if return_probs else self.attend
+        y, probs = attend(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0,
+                          return_probs=return_probs)  # y: [B, n_heads, T, head_dim]
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
+        return F.dropout(self.o_proj(y), self.dropout, self.training), probs

@@ -15,9 +15,8 @@ from typing import NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
-from gptkit.model.attention import eager_attention, get_attention
+from gptkit.model.attention import CausalSelfAttention
 from gptkit.model.config import ModelConfig
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import GeluMLP, RotaryEmbedding, SwiGLUMLP, make_norm
@@ -27,36 +26,6 @@ class GPTOutput(NamedTuple):
     logits: torch.Tensor  # [B, T_kept, vocab_size]
     loss: Optional[torch.Tensor]  # scalar fp32 mean cross-entropy, when targets are given
     attentions: Optional[list[torch.Tensor]]  # per layer [B, n_heads, T, T], when asked for
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.layer = layer
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        # one fused projection for q, k and v: [d_model] -> [d_attn + 2 * d_kv]
-        self.qkv_proj = nn.Linear(cfg.d_model, cfg.d_attn + 2 * cfg.d_kv, bias=cfg.bias)
-        self.o_proj = nn.Linear(cfg.d_attn, cfg.d_model, bias=cfg.bias)
-        self.dropout = cfg.dropout
-        self.attend = get_attention(cfg.attention)
-
-    def forward(self, x, rope: Optional[RotaryEmbedding], cache: Optional[KVCache], return_probs: bool):
-        B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
-                                          self.n_kv_heads * self.head_dim], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, head_dim]
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
-        start = cache.length if cache is not None else 0
-        if rope is not None:
-            q, k = rope(q, k, start)  # rotate before caching: the cache holds rotated keys
-        if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # [B, n_kv_heads, start + T, head_dim]
-        attend = eager_attention if return_probs else self.attend
-        y, probs = attend(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0,
-                          return_probs=return_probs)  # y: [B, n_heads, T, head_dim]
-        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
-        return F.dropout(self.o_proj(y), self.dropout, self.training), probs
 
 
 class Block(nn.Module):
@@ -89,7 +58,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        self.activation_checkpointing = False  # recompute each block in backward (set by training)
         self.reset_parameters()
 
     @torch.no_grad()
@@ -128,10 +96,7 @@ class GPT(nn.Module):
         x = self.drop(x)
         attentions = [] if return_attention else None
         for block in self.blocks:
-            if self.activation_checkpointing and self.training and cache is None:
-                x, probs = checkpoint(block, x, self.rope, None, False, use_reentrant=False)
-            else:
-                x, probs = block(x, self.rope, cache, return_attention)
+            x, probs = block(x, self.rope, cache, return_attention)
             if attentions is not None:
                 attentions.append(probs)
         if cache is not None:

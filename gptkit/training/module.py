@@ -16,12 +16,33 @@ class NonFiniteLossError(GptkitError):
     """The training loss became NaN or inf."""
 
 
+def apply_activation_checkpointing(model: GPT) -> None:
+    """Recompute each transformer block in the backward pass instead of keeping its activations.
+
+    A training decision, so it is applied here and not inside the model: each block's forward is wrapped
+    (as an instance attribute, so parameter names and checkpoints stay as they are) in
+    torch.utils.checkpoint whenever the block trains with gradients; evaluation and decoding are untouched.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    def recomputed(block, forward):
+        def run(*args, **kwargs):
+            if block.training and torch.is_grad_enabled():
+                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+            return forward(*args, **kwargs)
+        return run
+
+    for block in model.blocks:
+        block.forward = recomputed(block, block.forward)
+
+
 class LitGPT(L.LightningModule):
     def __init__(self, model_cfg: ModelConfig, optim_cfg: Any, max_steps: int,
                  compile: bool = False, activation_checkpointing: bool = False) -> None:
         super().__init__()
         self.model = GPT(model_cfg)
-        self.model.activation_checkpointing = activation_checkpointing
+        if activation_checkpointing:
+            apply_activation_checkpointing(self.model)
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
         self.compile_model = compile
