@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gptkit.model.config import ModelConfig
+from gptkit.precision import DTYPE_BYTES, precision
 
 # Dense peak TFLOP/s by accelerator and compute dtype (vendor datasheets, no sparsity).
 ACCELERATORS: dict[str, dict[str, float]] = {
@@ -37,20 +38,6 @@ ACCELERATORS: dict[str, dict[str, float]] = {
     "mi250x": {"bf16": 383.0, "fp16": 383.0, "fp32": 47.9},
     "mi300x": {"bf16": 1307.0, "fp16": 1307.0, "tf32": 654.0, "fp32": 163.4, "fp8": 2615.0},
 }
-
-# bytes per element for the dtypes we talk about
-DTYPE_BYTES = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
-
-# Lightning precision string -> (compute dtype, weight bytes, grad bytes, optimizer-state bytes per param)
-#   mixed precision keeps fp32 master weights and fp32 grads; AdamW keeps two fp32 moments.
-#   "true" half precision keeps everything (weights, grads, moments) in that dtype.
-PRECISIONS = {
-    "32-true": ("fp32", 4, 4, 8),
-    "bf16-mixed": ("bf16", 4, 4, 8),
-    "16-mixed": ("fp16", 4, 4, 8),
-    "bf16-true": ("bf16", 2, 2, 4),
-}
-
 
 def peak_flops(gpu: str, dtype: str) -> float:
     """Dense peak FLOP/s of `gpu` for `dtype`; KeyError names what exists."""
@@ -142,7 +129,7 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
     return 2 * cfg.n_layers * cfg.d_kv * DTYPE_BYTES[dtype]
 
 
-def training_memory(cfg: ModelConfig, precision: str = "bf16-mixed", n_shards: int = 1,
+def training_memory(cfg: ModelConfig, precision_name: str = "bf16-mixed", n_shards: int = 1,
                     micro_batch: int = 1, seq_len: int | None = None, checkpointing: bool = False) -> dict[str, float]:
     """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3),
     plus an activation estimate.
@@ -152,23 +139,33 @@ def training_memory(cfg: ModelConfig, precision: str = "bf16-mixed", n_shards: i
     activation checkpointing only the block inputs (2 * T * B * d_model bytes per layer) stay.
     It is an estimate: MLP widths and GQA move it by tens of percent.
     """
-    _, wb, gb, ob = PRECISIONS[precision]
+    p = precision(precision_name, "precision")
     n = count_params(cfg).total
     T = seq_len or cfg.max_seq_len
-    act_unit = 2 if precision != "32-true" else 4
+    act_unit = 4 if p.compute == "fp32" else 2
     per_layer = (2 if checkpointing else 34) * T * micro_batch * cfg.d_model * act_unit / 2
     logits = T * micro_batch * cfg.vocab_size * 4  # fp32 logits for the loss
     out = {
-        "weights": n * wb / n_shards,
-        "gradients": n * gb / n_shards,
-        "optimizer": n * ob / n_shards,
+        "weights": n * p.weight_bytes / n_shards,
+        "gradients": n * p.grad_bytes / n_shards,
+        "optimizer": n * p.optimizer_bytes / n_shards,
         "activations": cfg.n_layers * per_layer + logits,
     }
-    if precision.endswith("-mixed"):  # a half-precision working copy of the weights during compute
+    if p.mixed:  # a half-precision working copy of the weights during compute
         out["weights"] += n * 2 / n_shards
     out["total"] = sum(out.values())
     return out
 
 
 def mfu(tokens_per_s: float, flops_per_token_train: float, peak: float) -> float:
+    """Model FLOPs utilization of one device: its tokens/s x training FLOPs per token (the count-params
+    convention: 6N + the attention term) / its peak FLOP/s."""
     return tokens_per_s * flops_per_token_train / peak
+
+
+def human_bytes(x: float) -> str:
+    """1536 -> '1.50 KiB' (binary units, as memory is sized)."""
+    for scale, s in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if x >= scale:
+            return f"{x / scale:.2f} {s}"
+    return f"{x:.0f} B"

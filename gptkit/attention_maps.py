@@ -86,9 +86,15 @@ def default_path(run_dir: Path, text: str) -> Path:
     return Path(run_dir) / ATTENTION_DIR / f"attention-{slug}.png"
 
 
-def write_for_run(run, ids: Sequence[int], out: Optional[str | Path] = None) -> Path:
-    """Write the PNG for `ids` under the loaded run (runs.Run); return its path."""
-    from gptkit.runs import atomic_write_bytes
+def mean_entropy_bits(probs) -> list[list[float]]:
+    """Per layer and head, the mean entropy of the query rows in bits: 0 = every query attends to one key."""
+    return [[float(-(p * p.clamp_min(1e-12).log2()).sum(-1).mean()) for p in layer] for layer in probs]
+
+
+def write_for_run(run, ids: Sequence[int], out: Optional[str | Path] = None):
+    """Write the PNG for `ids` under the loaded run (runs.Run); return (its path, the probabilities:
+    per layer [n_heads, T, T])."""
+    from gptkit.fsio import atomic_write_bytes
 
     text = run.tokenizer.decode(list(ids))
     probs = attention_probs(run.model, ids)
@@ -96,4 +102,4 @@ def write_for_run(run, ids: Sequence[int], out: Optional[str | Path] = None) -> 
     path = Path(out) if out else default_path(run.dir, text)
     title = f"{run.dir.name}: attention, {len(probs)} layers x {probs[0].shape[0]} heads, {len(ids)} tokens"
     atomic_write_bytes(path, render_grid(probs, labels, title))
-    return path
+    return path, probs

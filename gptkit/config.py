@@ -31,3 +31,20 @@ def model_config(cfg: DictConfig | dict[str, Any]) -> ModelConfig:
 
 def presets(group: str) -> list[str]:
     return sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
+
+
+def verbatim(args: list[str], keys: tuple[str, ...]) -> list[str]:
+    """Quote the values of `keys` (a prompt, a text) so that Hydra takes them literally: commas, quotes,
+    brackets, `=` and `${...}` included, unless the user quoted them already."""
+    import re
+
+    out = []
+    for a in args:
+        key, eq, value = a.partition("=")
+        if eq and key in keys and not (len(value) > 1 and value[0] in "'\"" and value[-1] == value[0]):
+            value = value.replace("${", "\\${")  # no OmegaConf interpolation
+            # backslashes before a quote (or before the closing quote) are doubled, quotes escaped
+            value = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value)
+            a = f"{key}='{value}'"
+        out.append(a)
+    return out

@@ -1,4 +1,5 @@
-"""The one exception type for errors a user can cause.
+"""Errors a user can cause: GptkitError and its subclasses (ConfigError for a bad config value;
+training's NonFiniteLossError).
 
 A `GptkitError` message says what was wrong and what to do about it, on one line. The CLI prints
 it without a traceback and exits with status 2 (set GPTKIT_DEBUG=1 to see the traceback).

@@ -24,6 +24,7 @@ import torch
 
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.model.kv_cache import KVCache
+from gptkit.tokenizer import describe_characters, special_tokens, unknown_characters
 
 OVERFLOW_POLICIES = ("slide", "stop")
 
@@ -349,8 +350,6 @@ def _finish_checks(nxt, i, eos_id, finished, streams, reasons, lengths, on_text)
 # ---- prompts and special tokens ------------------------------------------------------------------
 def special_token_ids(tokenizer, run_config: dict) -> tuple[Optional[int], Optional[int]]:
     """(bos_id, eos_id) of a run's tokenizer: the run's tokenizer.eos_token first, then the usual names."""
-    from gptkit.hf import special_tokens
-
     found = {role: tid for role, (_, tid) in special_tokens(tokenizer).items()}
     eos_name = (run_config.get("tokenizer") or {}).get("eos_token")
     eos = tokenizer.token_to_id(eos_name) if eos_name else None
@@ -366,16 +365,9 @@ def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int]) -> list[int]:
                               "give prompt=\"...\" (at least one character)")
         return [bos_id]
 
-    def round_trips(text: str) -> bool:
-        try:
-            return tokenizer.decode(tokenizer.encode(text, add_special_tokens=False).ids) == text
-        except Exception:  # noqa: BLE001 - e.g. a WordLevel vocabulary without an unknown token
-            return False
-
-    if not round_trips(prompt):
-        unknown = [c for c in dict.fromkeys(prompt) if not round_trips(c)]
-        if unknown:
-            names = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in unknown)
-            raise GptkitError(f"the prompt has {len(unknown)} character(s) the tokenizer has never seen: {names}; "
-                              f"remove or replace them (a char tokenizer knows only its training corpus)")
+    unknown = unknown_characters(tokenizer, prompt)
+    if unknown:
+        raise GptkitError(f"the prompt has {len(unknown)} character(s) the tokenizer has never seen: "
+                          f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows only "
+                          f"its training corpus)")
     return tokenizer.encode(prompt, add_special_tokens=False).ids

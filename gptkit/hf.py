@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from gptkit.errors import GptkitError
+from gptkit.fsio import FILE_MODE
 from gptkit.model.config import ModelConfig
 
 LLAMA, GPT2 = "llama", "gpt2"
@@ -211,25 +212,6 @@ def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig, source: str =
     return {k: v.contiguous() for k, v in state.items()}
 
 
-def build_gpt(cfg: ModelConfig, state: dict[str, Any]):
-    """A GPT (fp32, eval mode) holding exactly `state` (tensors are copied, upcast to fp32 when lower)."""
-    import torch
-
-    from gptkit.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(cfg)
-    model = model.to_empty(device="cpu")
-    model.load_state_dict(state, strict=True)
-    if cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
-    if model.rope is not None:  # non-persistent buffers were left empty by to_empty(): recompute
-        from gptkit.model.layers import RotaryEmbedding
-
-        model.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
-    return model.float().eval()
-
-
 # ---- in memory: transformers objects -----------------------------------------------------------
 def to_transformers(model):
     """The LlamaForCausalLM / GPT2LMHeadModel (fp32, eval mode, CPU) with exactly `model`'s weights."""
@@ -253,8 +235,10 @@ def to_transformers(model):
 
 def from_transformers(hf_model, name: str = "imported"):
     """The gptkit GPT (fp32, eval mode) with exactly `hf_model`'s weights."""
+    from gptkit.model import GPT
+
     cfg = model_config_from_hf(hf_model.config.to_dict(), name=name)
-    return build_gpt(cfg, from_hf_state_dict(hf_model.state_dict(), cfg, source=type(hf_model).__name__))
+    return GPT.from_state(cfg, from_hf_state_dict(hf_model.state_dict(), cfg, source=type(hf_model).__name__))
 
 
 # ---- folders: safetensors shards and tokenizer files -------------------------------------------
@@ -281,8 +265,6 @@ def save_weights(state: dict[str, Any], out_dir: Path, max_shard_size: int) -> l
     max_shard_size. Returns the file names written."""
     from safetensors.torch import save_file
 
-    umask = os.umask(0)
-    os.umask(umask)
     shards: list[dict[str, Any]] = [{}]
     size = 0
     for k, v in state.items():
@@ -296,7 +278,7 @@ def save_weights(state: dict[str, Any], out_dir: Path, max_shard_size: int) -> l
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     for name, shard in zip(names, shards):
         save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        os.chmod(out_dir / name, 0o666 & ~umask)  # safetensors writes owner-only files
+        os.chmod(out_dir / name, FILE_MODE)  # safetensors writes owner-only files
     if len(shards) == 1:
         return names
     weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
@@ -360,31 +342,9 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return d
 
 
-# Special tokens by role, in order of preference, as the common tokenizers spell them.
-SPECIAL_ROLES = {
-    "bos_token": ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>", "<|endoftext|>"),
-    "eos_token": ("<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|endoftext|>"),
-    "unk_token": ("<unk>", "<|unk|>", "[UNK]"),
-    "pad_token": ("<pad>", "<|pad|>", "[PAD]"),
-}
-
-
-def special_tokens(tokenizer, eos_token: str | None = None) -> dict[str, tuple[str, int]]:
-    """{role: (token, id)} for the special tokens of a `tokenizers.Tokenizer` that have a known role
-    (`eos_token`: the run's own end-of-text token, which wins over the usual spellings)."""
-    found = {}
-    for role, names in SPECIAL_ROLES.items():
-        for name in ((eos_token,) if role == "eos_token" and eos_token else ()) + names:
-            tid = tokenizer.token_to_id(name)
-            if tid is not None:
-                found[role] = (name, tid)
-                break
-    return found
-
-
 def tokenizer_files(tokenizer, max_seq_len: int, special: dict[str, tuple[str, int]]) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for AutoTokenizer
-    (`special`: {role: (token, id)}, as special_tokens() finds them)."""
+    (`special`: {role: (token, id)}, as gptkit.tokenizer.special_tokens() finds them)."""
     special = {role: tok for role, (tok, _) in special.items()}
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_len,
               "clean_up_tokenization_spaces": False, **special}

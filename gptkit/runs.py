@@ -4,87 +4,37 @@
       config.yaml          the resolved config of the run (the `model` section builds the model)
       tokenizer.json       the exact tokenizer used for training (HF `tokenizers` format)
       manifest.json        the data manifest (when trained by gptkit)
-      checkpoints/
-        last.ckpt          the newest checkpoint (a Lightning checkpoint: {"state_dict": {"model.<name>": tensor}, ...})
-        step-000500.ckpt   periodic checkpoints
+      checkpoints/         last.ckpt and periodic step-NNNNNN.ckpt (see gptkit.checkpoints)
       metrics.csv, loss.png, ...
 
-Checkpoints are loaded with `torch.load(..., weights_only=True)` (or from safetensors): a checkpoint
-file can never run code. Everything a user keeps is written to a temporary name and renamed.
+`run=latest` means the run folder under ./runs whose config.yaml was written last.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
+from gptkit.checkpoints import (
+    CHECKPOINT_DIR,
+    LAST_CHECKPOINT,
+    STATE_PREFIX,
+    atomic_torch_save,
+    checked_model_state,
+    find_checkpoint,
+    run_dir_of,
+)
 from gptkit.errors import GptkitError
+from gptkit.fsio import atomic_write_text
+from gptkit.precision import torch_dtype
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
-CHECKPOINT_DIR = "checkpoints"
-LAST_CHECKPOINT = "last.ckpt"
-STATE_PREFIX = "model."  # LightningModule attribute holding the GPT
-SHARDED_INDEX = ".metadata"  # marks a sharded (torch.distributed.checkpoint) checkpoint folder
 
 
-# ---- atomic writes -------------------------------------------------------------------------------
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _temp_beside(path: Path) -> tuple[int, str]:
-    """A temporary file in path's folder (so the final rename is atomic), with normal permissions."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.chmod(tmp, 0o666 & ~_umask())
-    return fd, tmp
-
-
-def atomic_write_bytes(path: Path | str, data: bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: Path | str, text: str) -> None:
-    atomic_write_bytes(path, text.encode("utf-8"))
-
-
-def atomic_torch_save(obj: Any, path: Path | str) -> None:
-    import torch
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _temp_beside(path)
-    os.close(fd)
-    try:
-        torch.save(obj, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-# ---- finding and reading -------------------------------------------------------------------------
+# ---- finding and reading run folders ---------------------------------------------------------------
 LATEST = "latest"  # run=latest: the most recently written run folder under ./runs
 
 
@@ -101,66 +51,10 @@ def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
     return max(configs, key=lambda f: f.stat().st_mtime).parent
 
 
-def find_checkpoint(path: Path | str) -> Path:
-    """A checkpoint file from a run folder (checkpoints/last.ckpt, else the newest) or a file path;
-    `latest` is the newest run folder under ./runs."""
-    p = resolve_latest(path)
-    if not p.exists():
-        raise GptkitError(f"{p} does not exist; pass a run folder (runs/<name>) or a checkpoint file")
-    if p.is_file() or (p / SHARDED_INDEX).is_file():  # a file, or a sharded (FSDP) checkpoint folder
-        return p
-    ckdir = p / CHECKPOINT_DIR
-    if (ckdir / LAST_CHECKPOINT).exists():
-        return ckdir / LAST_CHECKPOINT
-    found = sorted(ckdir.glob("*.ckpt"), key=lambda f: f.stat().st_mtime) if ckdir.is_dir() else []
-    if found:
-        return found[-1]
-    if (p / "model.safetensors").is_file():
-        return p / "model.safetensors"
-    raise GptkitError(f"no checkpoint in {p} (looked for {CHECKPOINT_DIR}/*.ckpt and model.safetensors); "
-                      f"train first or pass a checkpoint file")
-
-
-def run_dir_of(checkpoint: Path) -> Path:
-    """The run folder a checkpoint belongs to."""
-    checkpoint = Path(checkpoint)
-    return checkpoint.parent.parent if checkpoint.parent.name == CHECKPOINT_DIR else checkpoint.parent
-
-
-def load_checkpoint(path: Path | str) -> dict[str, Any]:
-    """The whole checkpoint dict, loaded safely. One-line GptkitError if it is not a checkpoint."""
-    import torch
-
-    path = Path(path)
-    if path.is_dir():  # a sharded (FSDP) checkpoint folder: consolidated in memory
-        from gptkit.training.distributed import read_sharded_checkpoint
-
-        return read_sharded_checkpoint(path)
-    if path.suffix == ".safetensors":
-        return {"state_dict": {STATE_PREFIX + k: v for k, v in _load_safetensors(path).items()}}
-    try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors read on use
-    except Exception as exc:  # truncated, not a zip, pickled code, ...
-        raise GptkitError(f"{path} is not a readable gptkit checkpoint ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160]})") from exc
-    if not isinstance(obj, dict) or "state_dict" not in obj:
-        raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
-    return obj
-
-
-def _load_safetensors(path: Path) -> dict[str, Any]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(path))
-    except Exception as exc:
-        raise GptkitError(f"{path} is not a readable safetensors file ({exc})") from exc
-
-
-def model_state_dict(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """The GPT's own state dict (the `model.` prefix of the LightningModule removed)."""
-    sd = checkpoint["state_dict"]
-    return {k[len(STATE_PREFIX):]: v for k, v in sd.items() if k.startswith(STATE_PREFIX)}
+def find_run_checkpoint(path: Path | str, runs_dir: Path | str = "runs") -> Path:
+    """The checkpoint a `run=` / `resume=` / `init_from=` value names: a run folder, a checkpoint file or
+    sharded folder, or `latest`."""
+    return find_checkpoint(resolve_latest(path, runs_dir))
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:
@@ -209,31 +103,9 @@ def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None, at
     return Run(run_dir, ckpt_path, cfg, model_cfg, model, load_tokenizer(run_dir))
 
 
-def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
-    """The GPT state dict of a checkpoint (tensors memory-mapped), checked against model_cfg: the same
-    names and shapes, else a one-line GptkitError."""
-    import torch
-
-    from gptkit.model import GPT
-
-    state = model_state_dict(load_checkpoint(ckpt_path))
-    with torch.device("meta"):
-        expected = GPT(model_cfg).state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise GptkitError(f"{ckpt_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
-    for k, v in expected.items():
-        if tuple(v.shape) != tuple(state[k].shape):
-            raise GptkitError(f"{ckpt_path} does not match its config: {k} has shape {tuple(state[k].shape)}, "
-                              f"the config needs {tuple(v.shape)}")
-    return state
-
-
 def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):
-    """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval mode."""
-    import torch
-
+    """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval
+    mode. The checkpoint's tensors are memory-mapped and copied once, into the model on `device`."""
     from gptkit.model import GPT, ModelConfig
 
     path = resolve_latest(path)
@@ -244,27 +116,10 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     if attention:
         mdict["attention"] = attention
     model_cfg = ModelConfig.from_dict(mdict)
-    state = checked_model_state(ckpt_path, model_cfg)
-    with torch.device("meta"):
-        model = GPT(model_cfg)
-    model = model.to_empty(device=device)
-    model.load_state_dict(state, strict=True)
-    if model_cfg.tie_embeddings:
-        model.lm_head.weight = model.tok_emb.weight
+    model = GPT.from_state(model_cfg, checked_model_state(ckpt_path, model_cfg), device)
     if dtype:
-        model = model.to(dtype=_torch_dtype(dtype))
-    model.eval()
+        model = model.to(dtype=torch_dtype(dtype))
     return run_dir, ckpt_path, cfg, model_cfg, model
-
-
-def _torch_dtype(name: str):
-    import torch
-
-    table = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-             "fp16": torch.float16, "float16": torch.float16}
-    if name not in table:
-        raise GptkitError(f"dtype={name!r} is not one of fp32, bf16, fp16")
-    return table[name]
 
 
 def write_run_folder(run_dir: Path | str, config: dict[str, Any], model, tokenizer=None,
@@ -309,41 +164,6 @@ def load_for_inference(path: Path | str, device: str = "auto", dtype: str = "fp3
                        attention: str | None = None) -> Run:
     """load_run for sample/eval/attention, with device `auto` allowed (RotaryEmbedding keeps its
     cos/sin tables in fp32 whatever dtype the model is cast to)."""
-    dev = resolve_device(device)
-    torch_dtype = _torch_dtype(str(dtype))
-    run = load_run(path, dev, None, attention)
-    run.model.to(dtype=torch_dtype)
-    return run
+    return load_run(path, resolve_device(device), str(dtype), attention)
 
 
-def check_out_dir(out: Path | str, force: bool = False) -> Path:
-    """`out` as a Path if a command may write a folder there: new, empty, or force=True."""
-    out = Path(out)
-    if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to replace it")
-    return out
-
-
-@contextmanager
-def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
-    """Write a whole folder atomically: yields a temporary folder next to `out`, renamed to `out` when
-    the block succeeds and removed when it fails, so `out` is never left half-written. A non-empty
-    `out` is refused unless force=True (then it is replaced, only after the new folder is complete)."""
-    out = check_out_dir(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private; the result is an ordinary folder
-    try:
-        yield tmp
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old / out.name)
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise

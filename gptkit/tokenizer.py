@@ -19,7 +19,7 @@ from gptkit.errors import GptkitError
 
 KINDS = ("char", "byte", "bpe", "file")
 # Built-in kinds whose encoding of a text equals the concatenated encodings of its pieces when the
-# text is cut at a newline between two non-space characters (see gptkit.data.prepare.split_long).
+# text is cut at a newline between two non-space characters (see gptkit.data.build.split_long).
 SPLITTABLE_KINDS = ("char", "byte", "bpe")
 
 
@@ -180,10 +180,44 @@ def eos_id(tok, cfg: Mapping[str, Any]) -> int | None:
     return None if eos is None else tok.token_to_id(eos)
 
 
-def encode_text(tok, text: str) -> list[int]:
-    """Encode one text; a character the tokenizer cannot represent is a one-line GptkitError."""
-    try:
-        return tok.encode(text, add_special_tokens=False).ids
-    except Exception as exc:
-        raise GptkitError(f"the tokenizer cannot encode this text ({str(exc).splitlines()[0][:160]}); "
-                          f"a char tokenizer knows only its corpus's characters") from exc
+def unknown_characters(tok, text: str) -> list[str]:
+    """The distinct characters of `text` that `tok` cannot represent (it raises, drops them, or maps them
+    to an unknown token), in order of first appearance: what a char tokenizer never saw in its corpus."""
+
+    def round_trips(t: str) -> bool:
+        try:
+            return tok.decode(tok.encode(t, add_special_tokens=False).ids) == t
+        except Exception:  # noqa: BLE001 - e.g. a WordLevel vocabulary without an unknown token
+            return False
+
+    if round_trips(text):
+        return []
+    return [c for c in dict.fromkeys(text) if not round_trips(c)]
+
+
+def describe_characters(chars: list[str], limit: int = 10) -> str:
+    """"'é' (U+00E9), '€' (U+20AC)": characters named unambiguously, at most `limit` of them."""
+    names = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars[:limit])
+    return names + (f" and {len(chars) - limit} more" if len(chars) > limit else "")
+
+
+# Special tokens by role, in order of preference, as the common tokenizers spell them.
+SPECIAL_ROLES = {
+    "bos_token": ("<|begin_of_text|>", "<s>", "<bos>", "<|bos|>", "<|startoftext|>", "<|endoftext|>"),
+    "eos_token": ("<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "<|endoftext|>"),
+    "unk_token": ("<unk>", "<|unk|>", "[UNK]"),
+    "pad_token": ("<pad>", "<|pad|>", "[PAD]"),
+}
+
+
+def special_tokens(tokenizer, eos_token: str | None = None) -> dict[str, tuple[str, int]]:
+    """{role: (token, id)} for the special tokens of a `tokenizers.Tokenizer` that have a known role
+    (`eos_token`: the run's own end-of-text token, which wins over the usual spellings)."""
+    found = {}
+    for role, names in SPECIAL_ROLES.items():
+        for name in ((eos_token,) if role == "eos_token" and eos_token else ()) + names:
+            tid = tokenizer.token_to_id(name)
+            if tid is not None:
+                found[role] = (name, tid)
+                break
+    return found

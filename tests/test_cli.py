@@ -76,3 +76,34 @@ def test_debug_shows_traceback(cli):
 def test_verb_help_lists_groups_that_are_unchosen_by_default(cli):
     assert "experiment: shakespeare-char" in cli("train", "--help").stdout
     assert "data: files, hub" in cli("eval", "--help").stdout
+
+
+def test_the_verb_table_is_the_commands_folder():
+    """cli.VERBS is the whole wiring: every command module has a verb, every verb a module with run()
+    and a config in conf/."""
+    import pkgutil
+
+    import gptkit.commands
+    from gptkit.cli import VERBS, command
+    from gptkit.config import conf_dir
+
+    modules = {m.name for m in pkgutil.iter_modules(gptkit.commands.__path__) if not m.name.startswith("_")}
+    assert modules == {v.module for v in VERBS.values()}
+    for verb, v in VERBS.items():
+        assert callable(command(verb).run), verb
+        assert (conf_dir() / f"{v.config}.yaml").is_file(), verb
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sample", "--run", "runs/x"], "options are key=value, not --run: did you mean run=runs/x?"),
+    (["train", "--max_steps", "10"], "did you mean trainer.max_steps=10?"),
+    (["eval", "--stride=8"], "did you mean stride=8?"),
+])
+def test_flags_are_one_line_naming_the_key_value_spelling(capsys, args, message):
+    from gptkit.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

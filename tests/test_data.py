@@ -241,3 +241,15 @@ def test_code_defaults_match_the_yaml_presets():
             assert set(y) == set(defaults[kind]), preset
             for k, v in y.items():
                 assert v == "???" or v == defaults[kind][k], (preset, k)
+
+
+def test_a_tokenizer_that_cannot_encode_the_corpus_names_the_characters(tmp_path):
+    """Fine-tuning a char model on text with new characters: the error names them, not WordLevel's [UNK]."""
+    from gptkit.tokenizer import build_tokenizer
+
+    tok_file = tmp_path / "char.json"
+    tok_file.write_text(build_tokenizer({"kind": "char"}, texts=lambda: iter(["abc \n"])).to_str())
+    (tmp_path / "new.txt").write_text("abc cab\nab€ Zz\n")
+    with pytest.raises(GptkitError, match=r"3 character\(s\) it has never seen: '€' \(U\+20AC\), 'Z' \(U\+005A\), "
+                                          r"'z' \(U\+007A\)"):
+        prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "new.txt")]}, {"kind": "file", "path": str(tok_file)})

@@ -101,7 +101,8 @@ def test_ddp_matches_one_process_and_resumes_across_world_sizes(corpus, referenc
 
 
 def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, reference, tmp_path):
-    from gptkit.runs import load_model, model_state_dict
+    from gptkit.checkpoints import model_state_dict
+    from gptkit.runs import load_model
 
     run = tmp_path / "fsdp"
     train(*args(corpus, tmp_path, "fsdp", 2, "trainer=fsdp", "trainer.devices=2", "trainer.precision=32-true",

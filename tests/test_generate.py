@@ -181,7 +181,7 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias):
     """Inside the decoding layout every Linear is swapped for a copy (oneDNN-packed for batch > 1 where
     torch has oneDNN; else W^T, or the layer itself when it narrows); each must compute the layer's own
     map for any number of rows (the prefill feeds B * T0 rows to weights packed for B) and leading shape."""
-    from gptkit.generate import decoding_layout, _onednn_usable
+    from gptkit.generate import _onednn_usable, decoding_layout
 
     model = tiny_gpt("learned-mha" if bias else "rope-gqa")
     layers = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}

@@ -237,7 +237,7 @@ def test_hub_style_gpt2_keys_without_prefix_and_with_mask_buffers():
     cfg = hf.model_config_from_hf(hf_model.config.to_dict())
     hub = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
     hub.update({f"h.{i}.attn.bias": torch.ones(1, 1, 48, 48) for i in range(2)})
-    model = hf.build_gpt(cfg, hf.from_hf_state_dict(hub, cfg))
+    model = GPT.from_state(cfg, hf.from_hf_state_dict(hub, cfg))
     idx = torch.randint(0, 40, (1, 48))
     with torch.no_grad():
         assert (model(idx).logits - hf_model(idx).logits).abs().max().item() <= 1e-4

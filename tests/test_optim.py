@@ -3,7 +3,6 @@
 import math
 
 import pytest
-import torch
 
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.optim import lr_factor, param_groups

@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import shakespeare
 
+from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.generate import SampleOptions, encode_prompt, generate
 from gptkit.model import GPT, ModelConfig
-from gptkit.runs import CHECKPOINT_DIR, write_run_folder
+from gptkit.runs import write_run_folder
 from gptkit.tokenizer import build_tokenizer
 
 EOS = "<|endoftext|>"

@@ -5,7 +5,7 @@ from conftest import shakespeare
 
 from gptkit.data.build import split_long
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import build_tokenizer, encode_text, tokenizer_sha256
+from gptkit.tokenizer import build_tokenizer, describe_characters, tokenizer_sha256, unknown_characters
 
 TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\tAll: Speak, speak! 3.14 café\n"
 UNICODE = "naïve café — 日本語 🙂\x00\n"
@@ -41,10 +41,11 @@ def test_char_round_trips_unicode_and_rejects_unknown_characters():
     tok = build_tokenizer({"kind": "char"}, texts=lambda: iter([UNICODE, TEXT]))
     assert tok.decode(tok.encode(UNICODE + TEXT).ids) == UNICODE + TEXT
     assert len(tok.encode(UNICODE).ids) == len(UNICODE)  # one id per code point
-    with pytest.raises(GptkitError, match="cannot encode"):
-        encode_text(tok, "Z")
+    assert unknown_characters(tok, "ZaZ\u20ac") == ["Z", "\u20ac"]
+    assert describe_characters(["Z", "\u20ac"]) == "'Z' (U+005A), '\u20ac' (U+20AC)"
     unk = build_tokenizer({"kind": "char", "unk_token": "<|unk|>"}, texts=lambda: iter(["ab"]))
-    assert encode_text(unk, "aZ") == [0, unk.token_to_id("<|unk|>")]
+    assert unk.encode("aZ").ids == [0, unk.token_to_id("<|unk|>")]
+    assert unknown_characters(unk, "aZ") == ["Z"]  # mapped to <|unk|>: it does not round-trip
 
 
 def test_bpe_trains_to_the_vocab_size_with_special_tokens_and_round_trips():

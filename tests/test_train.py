@@ -49,6 +49,8 @@ def test_run_folder_is_complete(corpus, tmp_path):
         assert (run / f).is_file(), f
     ck = torch.load(run / "checkpoints/last.ckpt", weights_only=True)  # loads safely
     assert ck["global_step"] == 12
+    # one writer: at a periodic step last.ckpt is that file (a hard link), not a second save
+    assert (run / "checkpoints/last.ckpt").samefile(run / "checkpoints/step-000012.ckpt")
     train_loss = losses(run)
     assert len(train_loss) == 12
     val = losses(run, "val/loss")
@@ -62,7 +64,7 @@ def test_run_folder_is_complete(corpus, tmp_path):
     cfg = yaml.safe_load((run / "config.yaml").read_text())
     assert cfg["model"]["vocab_size"] == len(set(corpus.read_text()))  # vocab taken from the tokenizer
     (run / "loss.png").unlink()
-    r = run_cli("plot", f"run={run}")  # the plot on demand
+    r = run_cli("plot", "run=latest", cwd=tmp_path)  # the plot on demand, of ./runs/full
     assert r.returncode == 0 and (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
     r = run_cli("sample", "run=latest", "prompt=the", "max_new_tokens=5", "--json", cwd=tmp_path)  # ./runs/full
     assert r.returncode == 0, r.stderr[-2000:]
@@ -182,7 +184,7 @@ def test_failed_runs_never_touch_existing_checkpoints(corpus, tmp_path):
     assert r.returncode == 2 and "already holds checkpoints" in r.stderr
     # resume with a different model: refused
     r = run_cli("train", f"resume={tmp_path / 'keep'}", "model.n_layers=3")
-    assert r.returncode == 2 and "different model" in r.stderr
+    assert r.returncode == 2 and "fixes model.n_layers=2" in r.stderr
     # a truncated checkpoint: refused with one line
     bad = tmp_path / "truncated.ckpt"
     bad.write_bytes((ckdir / "last.ckpt").read_bytes()[:1000])
@@ -263,10 +265,18 @@ def test_latest_is_the_newest_run_folder_never_hydras(tmp_path):
 
 def test_a_transformers_folder_is_pointed_to_import(tmp_path):
     """run=/init_from= given a transformers folder (config.json, model.safetensors): say to import it."""
+    from gptkit.checkpoints import find_checkpoint, run_dir_of
     from gptkit.errors import GptkitError
-    from gptkit.runs import find_checkpoint, read_config, run_dir_of
+    from gptkit.runs import read_config
 
     (tmp_path / "config.json").write_text("{}")
     (tmp_path / "model.safetensors").write_bytes(b"")
     with pytest.raises(GptkitError, match=f"gptkit import hf={tmp_path} out=runs/<name>"):
         read_config(run_dir_of(find_checkpoint(tmp_path)))
+
+
+def test_a_logger_can_be_switched_off(tmp_path):
+    from gptkit.training.trainer import build_loggers
+
+    assert build_loggers({"csv": {"enabled": False}}, tmp_path, "x") == []
+    assert len(build_loggers({"csv": {"enabled": True}}, tmp_path, "x")) == 1

@@ -212,7 +212,7 @@ def run(cfg) -> int:
     if cfg.out:
         import json
 
-        from gptkit.runs import atomic_write_text
+        from gptkit.fsio import atomic_write_text
 
         atomic_write_text(cfg.out, json.dumps([r.to_dict() for r in results], indent=2))
         con.print(f"wrote {cfg.out}")

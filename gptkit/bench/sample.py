@@ -177,7 +177,7 @@ def run(cfg) -> int:
         ct.add_row(str(ctx), f"{cached:.2f}", f"{full:.2f}", f"{full / cached:.1f}x")
     con.print(ct)
     if cfg.out:
-        from gptkit.runs import atomic_write_text
+        from gptkit.fsio import atomic_write_text
 
         atomic_write_text(Path(str(cfg.out)), json.dumps(results, indent=2))
         con.print(f"results: {cfg.out}")

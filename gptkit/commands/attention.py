@@ -9,22 +9,11 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "attention"
-HELP = "write a PNG grid of attention maps (layers x heads) for a text into the run folder"
-CONFIG = "attention"
-HYDRA_APP = False
-
-
-def prepare_args(args: list[str]) -> list[str]:
-    from gptkit.commands.sample import prepare_args as sample_prepare
-
-    return sample_prepare(args)
-
 
 def run(cfg) -> int:
     import json
 
-    from gptkit.attention_maps import attention_probs, write_for_run
+    from gptkit.attention_maps import mean_entropy_bits, write_for_run
     from gptkit.errors import ConfigError
     from gptkit.generate import encode_prompt, special_token_ids
     from gptkit.runs import load_for_inference
@@ -34,14 +23,11 @@ def run(cfg) -> int:
     r = load_for_inference(cfg.run, cfg.device, "fp32", "eager")
     bos_id, _ = special_token_ids(r.tokenizer, r.config)
     ids = encode_prompt(r.tokenizer, str(cfg.text), bos_id)
-    path = write_for_run(r, ids, cfg.out)
+    path, probs = write_for_run(r, ids, cfg.out)
     if cfg.format == "json":
-        probs = attention_probs(r.model, ids)
-        # mean entropy of each head's query rows, in bits: 0 = every query attends to one key
-        entropy = [[float(-(p * (p.clamp_min(1e-12)).log2()).sum(-1).mean()) for p in layer] for layer in probs]
         print(json.dumps({"path": str(path), "tokens": len(ids), "layers": len(probs),
                           "heads": int(probs[0].shape[0]),
-                          "mean_entropy_bits": entropy}, indent=2))
+                          "mean_entropy_bits": mean_entropy_bits(probs)}, indent=2))
     else:
         print(path)
     return 0

@@ -9,12 +9,6 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "bench"
-HELP = "speed and memory benchmarks: gptkit bench attention|data|train|sample [key=value ...]"
-CONFIG = "bench"
-HYDRA_APP = False
-POSITIONAL = "bench"  # `gptkit bench data` means `gptkit bench bench=data`
-
 
 def prepare_args(args: list[str]) -> list[str]:
     """Options belong to the chosen benchmark: `out=x.json` means `bench.out=x.json`."""

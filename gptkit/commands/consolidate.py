@@ -10,22 +10,16 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "consolidate"
-HELP = "merge a sharded (FSDP) checkpoint folder into one checkpoint file"
-CONFIG = "consolidate"
-HYDRA_APP = False
-POSITIONAL = "run"
-
 
 def run(cfg) -> int:
     import sys
     from pathlib import Path
 
+    from gptkit.checkpoints import consolidate, is_sharded_checkpoint
     from gptkit.errors import GptkitError
-    from gptkit.runs import find_checkpoint
-    from gptkit.training.distributed import consolidate, is_sharded_checkpoint
+    from gptkit.runs import find_run_checkpoint
 
-    ckpt = find_checkpoint(str(cfg.run))
+    ckpt = find_run_checkpoint(str(cfg.run))
     if not is_sharded_checkpoint(ckpt):
         raise GptkitError(f"{ckpt} is already a single-file checkpoint; there is nothing to consolidate")
     out = Path(str(cfg.out)) if cfg.out else ckpt.with_name(ckpt.stem + ".consolidated.ckpt")

@@ -8,27 +8,21 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "count-params"
-HELP = "parameters by component, FLOPs per token, and compute/memory estimates for a planned run"
-CONFIG = "count_params"
-HYDRA_APP = False
-
 
 def report(cfg) -> dict:
     """Everything count-params knows, as plain data (the json output)."""
     from gptkit import accounting as acc
     from gptkit.config import model_config
     from gptkit.errors import ConfigError
+    from gptkit.precision import DTYPE_BYTES, precision
 
     m = model_config(cfg.model)
     pc = acc.count_params(m)
     fl = acc.flops_per_token(m, cfg.seq_len)
-    if cfg.dtype not in acc.DTYPE_BYTES:
-        raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(acc.DTYPE_BYTES)}")
-    if cfg.precision not in acc.PRECISIONS:
-        raise ConfigError(f"precision={cfg.precision!r} is not one of {', '.join(acc.PRECISIONS)}")
-    if cfg.kv_dtype not in acc.DTYPE_BYTES:
-        raise ConfigError(f"kv_dtype={cfg.kv_dtype!r} is not one of {', '.join(acc.DTYPE_BYTES)}")
+    for key in ("dtype", "kv_dtype"):
+        if cfg[key] not in DTYPE_BYTES:
+            raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(DTYPE_BYTES)}")
+    precision(cfg.precision, "precision")
     if not 0 < float(cfg.mfu) <= 1:
         raise ConfigError(f"mfu={cfg.mfu} must be in (0, 1]")
     if cfg.peak_tflops is not None:
@@ -102,16 +96,11 @@ def _si(x: float, unit: str = "") -> str:
     return f"{x:.3g} {unit}".strip()
 
 
-def _bytes(x: float) -> str:
-    for scale, s in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if x >= scale:
-            return f"{x / scale:.2f} {s}"
-    return f"{x:.0f} B"
-
-
 def _print_tables(r: dict, cfg) -> None:
     from rich.console import Console
     from rich.table import Table
+
+    from gptkit.accounting import human_bytes
 
     con = Console()
     m, p, f, plan = r["model"], r["params"], r["flops_per_token"], r["plan"]
@@ -168,13 +157,13 @@ def _print_tables(r: dict, cfg) -> None:
     gpu = "custom peak" if cfg.peak_tflops is not None else f"{cfg.gpu} {cfg.dtype}"
     et.add_row(f"GPU-hours at {plan['peak_flops_per_gpu'] / 1e12:g} TFLOP/s ({gpu}), MFU {plan['mfu']:.0%}",
                f"{plan['gpu_hours_6nd']:,.0f} (6ND) / {plan['gpu_hours_exact']:,.0f} (exact)")
-    et.add_row(f"KV cache per token ({cfg.kv_dtype})", _bytes(plan["kv_cache_bytes_per_token"]))
-    et.add_row(f"KV cache at full context ({f['seq_len']} tokens, batch 1)", _bytes(plan["kv_cache_bytes_full_context"]))
+    et.add_row(f"KV cache per token ({cfg.kv_dtype})", human_bytes(plan["kv_cache_bytes_per_token"]))
+    et.add_row(f"KV cache at full context ({f['seq_len']} tokens, batch 1)", human_bytes(plan["kv_cache_bytes_full_context"]))
     mem = plan["memory_per_gpu"]
     shard = f", sharded over {plan['n_gpus']} GPUs" if plan["n_gpus"] > 1 else ""
     et.add_section()
     for k in ("weights", "gradients", "optimizer"):
-        et.add_row(f"training memory per GPU: {k} ({plan['precision']}{shard})", _bytes(mem[k]))
-    et.add_row(f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})", _bytes(mem["activations"]))
-    et.add_row("[bold]training memory per GPU: total", f"[bold]{_bytes(mem['total'])}")
+        et.add_row(f"training memory per GPU: {k} ({plan['precision']}{shard})", human_bytes(mem[k]))
+    et.add_row(f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})", human_bytes(mem["activations"]))
+    et.add_row("[bold]training memory per GPU: total", f"[bold]{human_bytes(mem['total'])}")
     con.print(et)

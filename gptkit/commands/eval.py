@@ -14,15 +14,6 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "eval"
-HELP = "loss, perplexity and bits per byte/char of a run on its val split or a held-out corpus (--json)"
-CONFIG = "eval"
-HYDRA_APP = False
-
-
-def prepare_args(args: list[str]) -> list[str]:
-    return ["format=json" if a == "--json" else a for a in args]
-
 
 def corpus_tokens(cfg, r):
     """(tokens [N] numpy, description): the split of the held-out corpus or of the run's own data."""
@@ -55,67 +46,12 @@ def corpus_tokens(cfg, r):
     return tokens, f"{p.manifest['source']['description'] or p.dir.name} ({split})"
 
 
-def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_windows=None, progress=None) -> dict:
-    """Sum of the NLL over every scored target; each target tokens[1:] is scored exactly once."""
-    import math
-    import time
-
-    import numpy as np
-    import torch
-    import torch.nn.functional as F
-
-    N = len(tokens)
-    # window s feeds tokens[s : s+seq_len] and predicts tokens[s+1 : s+seq_len+1]; a window starts only
-    # while the previous one has not reached the last token
-    starts = [s for s in range(0, N - 1, stride) if s == 0 or s - stride + seq_len < N - 1]
-    if max_windows:
-        starts = starts[: int(max_windows)]
-    device = model.tok_emb.weight.device
-    nll, scored = 0.0, 0
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for b in range(0, len(starts), batch_size):
-            chunk = starts[b : b + batch_size]
-            x = torch.zeros(len(chunk), seq_len, dtype=torch.long)  # [B, seq_len]
-            y = torch.full((len(chunk), seq_len), -100, dtype=torch.long)  # [B, seq_len], -100: not scored
-            for i, s in enumerate(chunk):
-                n = min(seq_len, N - 1 - s)
-                x[i, :n] = torch.from_numpy(np.asarray(tokens[s : s + n], dtype=np.int64))
-                target = torch.from_numpy(np.asarray(tokens[s + 1 : s + n + 1], dtype=np.int64))
-                first = 0 if s == 0 else seq_len - stride  # targets before it were scored by the previous window
-                y[i, first:n] = target[first:]
-            logits = model(x.to(device)).logits  # [B, seq_len, V]
-            nll += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), ignore_index=-100,
-                                   reduction="sum").item()
-            scored += int((y != -100).sum())
-            if progress is not None:
-                progress(len(chunk))
-    seconds = time.perf_counter() - t0
-    loss = nll / scored
-    return {"tokens_scored": scored, "windows": len(starts), "seq_len": seq_len, "stride": stride, "nll_sum": nll,
-            "loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
-            "seconds": seconds, "tokens_per_s": scored / seconds if seconds else 0.0,
-            "last_target": (starts[-1] + min(seq_len, N - 1 - starts[-1])) if starts else 0}
-
-
-def scored_text_size(tokenizer, tokens, last_target: int) -> tuple[int, int]:
-    """(UTF-8 bytes, characters) of the text of the scored targets tokens[1 : last_target + 1]."""
-    import numpy as np
-
-    n_bytes = n_chars = 0
-    step = 1 << 20  # decode in pieces: bounded memory on a big corpus
-    for a in range(1, last_target + 1, step):
-        text = tokenizer.decode(np.asarray(tokens[a : min(a + step, last_target + 1)]).tolist())
-        n_bytes += len(text.encode("utf-8"))
-        n_chars += len(text)
-    return n_bytes, n_chars
-
-
 def run(cfg) -> int:
     import json
     import math
 
     from gptkit.errors import ConfigError, GptkitError
+    from gptkit.evaluation import evaluate, scored_text_size, window_starts
     from gptkit.runs import load_for_inference
 
     if cfg.format not in ("table", "json"):
@@ -136,9 +72,7 @@ def run(cfg) -> int:
     if int(tokens.max()) >= r.model_cfg.vocab_size:
         raise GptkitError(f"{source} holds token id {int(tokens.max())} but model.vocab_size="
                           f"{r.model_cfg.vocab_size}; evaluate with the run's own tokenizer")
-    n_windows = len([s for s in range(0, len(tokens) - 1, stride) if s == 0 or s - stride + seq_len < len(tokens) - 1])
-    if cfg.max_windows:
-        n_windows = min(n_windows, int(cfg.max_windows))
+    n_windows = len(window_starts(len(tokens), seq_len, stride, cfg.max_windows))
     bs = int(cfg.batch_size)
     if cfg.progress:
         from rich.console import Console

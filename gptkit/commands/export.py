@@ -12,13 +12,6 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "export"
-HELP = "write a run as a transformers folder (Llama or GPT-2) that AutoModelForCausalLM loads"
-CONFIG = "export"
-HYDRA_APP = False
-
-DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-
 
 def run(cfg) -> int:
     import json
@@ -26,34 +19,34 @@ def run(cfg) -> int:
     from pathlib import Path
 
     from gptkit import hf
+    from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
+    from gptkit.fsio import check_out_dir, staged_dir
     from gptkit.model import ModelConfig
-    from gptkit.runs import (TOKENIZER_FILE, check_out_dir, find_checkpoint, load_model, load_tokenizer,
-                             read_config, run_dir_of, staged_dir)
+    from gptkit.precision import torch_dtype
+    from gptkit.runs import TOKENIZER_FILE, find_run_checkpoint, load_model, load_tokenizer, read_config
+    from gptkit.tokenizer import special_tokens
 
     if not cfg.run:
         raise ConfigError("export needs run=<run folder or checkpoint>")
     if not cfg.out:
         raise ConfigError("export needs out=<folder to write the transformers model into>")
-    if cfg.dtype not in DTYPES:
-        raise ConfigError(f"dtype={cfg.dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = torch_dtype(cfg.dtype)
     max_shard = hf.parse_size(cfg.max_shard_size)
     out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))  # fail before the slow part
-    ckpt = find_checkpoint(cfg.run)
+    ckpt = find_run_checkpoint(cfg.run)
     arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))  # refuse before loading
-
-    import torch
 
     run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
 
     tokenizer = load_tokenizer(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
     eos = (run_cfg.get("tokenizer") or {}).get("eos_token")  # what training appended after each document
-    special = hf.special_tokens(tokenizer, eos) if tokenizer is not None else {}
+    special = special_tokens(tokenizer, eos) if tokenizer is not None else {}
     ids = {role: special[role][1] if role in special else None for role in ("bos_token", "eos_token", "pad_token")}
 
-    dtype = getattr(torch, DTYPES[cfg.dtype])
     state = hf.to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
-    config = hf.hf_config(model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], DTYPES[cfg.dtype])
+    config = hf.hf_config(model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"],
+                          str(dtype).removeprefix("torch."))
     with staged_dir(out, force=bool(cfg.force)) as tmp:
         weights = hf.save_weights(state, tmp, max_shard)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))

@@ -12,11 +12,6 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "import"
-HELP = "read a local transformers Llama or GPT-2 folder into a gptkit run folder"
-CONFIG = "import"
-HYDRA_APP = False
-
 
 def run(cfg) -> int:
     import json
@@ -25,7 +20,9 @@ def run(cfg) -> int:
 
     from gptkit import hf
     from gptkit.errors import ConfigError
-    from gptkit.runs import check_out_dir, load_tokenizer, staged_dir, write_run_folder
+    from gptkit.fsio import check_out_dir, staged_dir
+    from gptkit.model import GPT
+    from gptkit.runs import load_tokenizer, write_run_folder
 
     if not cfg.hf:
         raise ConfigError("import needs hf=<local transformers model folder>")
@@ -37,7 +34,7 @@ def run(cfg) -> int:
     model_cfg = hf.model_config_from_hf(hf_cfg, name=cfg.name or hf_dir.resolve().name)
     source = hf.load_weights(hf_dir)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
-    model = hf.build_gpt(model_cfg, hf.from_hf_state_dict(source, model_cfg, source=str(hf_dir)))
+    model = GPT.from_state(model_cfg, hf.from_hf_state_dict(source, model_cfg, source=str(hf_dir)))
     tokenizer = load_tokenizer(hf_dir) if (hf_dir / "tokenizer.json").is_file() else None
     with staged_dir(out, force=bool(cfg.force)) as tmp:
         write_run_folder(tmp, {}, model, tokenizer)

@@ -12,11 +12,6 @@ Exit status 0 when every check passes, 2 (with one line saying which) when one f
 
 from __future__ import annotations
 
-VERB = "preflight"
-HELP = "check a distributed set-up before a long job: ranks, backend, an all-reduce, memory vs estimate"
-CONFIG = "preflight"
-HYDRA_APP = False
-
 
 def _device_memory(device: str, per_node: int) -> tuple[float, float]:
     """(total, free) bytes available to one process: its GPU, or this node's RAM shared by its processes."""
@@ -61,20 +56,18 @@ def run(cfg) -> int:
     import warnings
 
     from lightning.fabric import Fabric
-    from omegaconf import OmegaConf
 
     from gptkit import accounting as acc
     from gptkit.config import model_config
-    from gptkit.errors import ConfigError, GptkitError
-    from gptkit.training.distributed import check_distributed, devices_per_node
+    from gptkit.errors import GptkitError
+    from gptkit.training.distributed import devices_per_node
+    from gptkit.training.trainer import check_trainer_config
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
         logging.getLogger(name).setLevel(logging.WARNING)  # our table says it all
     warnings.filterwarnings("ignore", message=r".*GLOO_SOCKET_IFNAME.*")
     t = cfg.trainer
-    check_distributed(t)  # one-line errors before any process starts
-    if t.precision not in acc.PRECISIONS:
-        raise ConfigError(f"trainer.precision={t.precision!r} is not one of {', '.join(acc.PRECISIONS)}")
+    check_trainer_config(t)  # the same one-line errors as `train`, before any process starts
     model = model_config(cfg.model)
     per_node = devices_per_node(t)
     world = per_node * int(t.num_nodes)
@@ -105,7 +98,7 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     from rich.console import Console
     from rich.table import Table
 
-    from gptkit.commands.count_params import _bytes
+    from gptkit.accounting import human_bytes
 
     t = cfg.trainer
     margin = float(cfg.memory_margin)
@@ -122,8 +115,8 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     short = [r for r in rows if need > margin * r["mem_total"]]
     if short:
         r = short[0]
-        problems.append(f"training needs ~{_bytes(need)} per device (count-params estimate) but rank {r['rank']} has "
-                        f"{_bytes(r['mem_total'])}; use trainer=fsdp, more devices, a smaller trainer.batch_size, "
+        problems.append(f"training needs ~{human_bytes(need)} per device (count-params estimate) but rank {r['rank']} has "
+                        f"{human_bytes(r['mem_total'])}; use trainer=fsdp, more devices, a smaller trainer.batch_size, "
                         f"trainer.activation_checkpointing=true or trainer.precision=bf16-true")
 
     summary = Table(title=f"gptkit preflight: {model.name}, strategy {t.strategy}, precision {t.precision}")
@@ -140,18 +133,18 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     summary.add_row("all-reduce of the ranks", f"sum {rows[0]['sum']:g} (expected {rows[0]['expected']:g}), "
                                                f"slowest rank {slowest * 1e3:.1f} ms", ok(not bad_sum))
     summary.add_row("training memory per device (estimate)",
-                    f"{_bytes(need)}: weights {_bytes(estimate['weights'])}, grads {_bytes(estimate['gradients'])}, "
-                    f"optimizer {_bytes(estimate['optimizer'])}, activations {_bytes(estimate['activations'])} "
+                    f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads {human_bytes(estimate['gradients'])}, "
+                    f"optimizer {human_bytes(estimate['optimizer'])}, activations {human_bytes(estimate['activations'])} "
                     f"(batch {int(t.batch_size)} x {model.max_seq_len})", "")
     smallest = min(r["mem_total"] for r in rows)
-    summary.add_row("smallest device memory", f"{_bytes(smallest)} (limit {margin:.0%}: {_bytes(margin * smallest)})",
+    summary.add_row("smallest device memory", f"{human_bytes(smallest)} (limit {margin:.0%}: {human_bytes(margin * smallest)})",
                     ok(not short))
     con.print(summary)
     devices = Table(title="ranks")
     for c in ("rank", "host", "device", "name", "memory", "free"):
         devices.add_column(c)
     for r in sorted(rows, key=lambda r: r["rank"]):
-        devices.add_row(str(r["rank"]), r["host"], r["device"], r["device_name"], _bytes(r["mem_total"]),
-                        _bytes(r["mem_free"]))
+        devices.add_row(str(r["rank"]), r["host"], r["device"], r["device_name"], human_bytes(r["mem_total"]),
+                        human_bytes(r["mem_free"]))
     con.print(devices)
     return problems

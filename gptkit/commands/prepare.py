@@ -16,18 +16,13 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "prepare"
-HELP = "tokenize a corpus into cached token shards + manifest + tokenizer.json"
-CONFIG = "prepare"
-HYDRA_APP = False
-
 
 def run(cfg) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from gptkit.data import prepare
-    from gptkit.data.sampler import check_window
+    from gptkit.data.windows import check_window
 
     p = prepare(cfg.data, cfg.tokenizer, cache_dir=cfg.cache_dir, progress=bool(cfg.progress), force=bool(cfg.force))
     m = p.manifest

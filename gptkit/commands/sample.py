@@ -13,30 +13,6 @@ Examples:
 
 from __future__ import annotations
 
-VERB = "sample"
-HELP = "generate text from a trained run (KV cache; greedy/temperature/top-k/top-p; --json)"
-CONFIG = "sample"
-HYDRA_APP = False
-
-
-def prepare_args(args: list[str]) -> list[str]:
-    """`--json` -> format=json; prompt=/text= values quoted so that Hydra takes them verbatim
-    (commas, quotes, brackets, `=`, `${...}`), unless the user quoted them already."""
-    import re
-
-    out = []
-    for a in args:
-        if a == "--json":
-            a = "format=json"
-        key, eq, value = a.partition("=")
-        if eq and key in ("prompt", "text") and not (len(value) > 1 and value[0] in "'\"" and value[-1] == value[0]):
-            value = value.replace("${", "\\${")  # no OmegaConf interpolation
-            # backslashes before a quote (or before the closing quote) are doubled, quotes escaped
-            value = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value)
-            a = f"{key}='{value}'"
-        out.append(a)
-    return out
-
 
 def options(cfg, max_seq_len: int, eos_id):
     from gptkit.errors import ConfigError
@@ -127,6 +103,6 @@ def run(cfg) -> int:
     if cfg.attention_map:
         from gptkit.attention_maps import write_for_run
 
-        path = write_for_run(r, ids, out=None)
+        path, _ = write_for_run(r, ids, out=None)
         print(f"attention map: {path}", file=sys.stderr)
     return 0

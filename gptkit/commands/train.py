@@ -14,11 +14,6 @@ Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exa
 
 from __future__ import annotations
 
-VERB = "train"
-HELP = "train a model with Lightning; one run folder per run under runs/ (resume=, init_from=, -m multirun)"
-CONFIG = "train"
-HYDRA_APP = True
-
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
@@ -28,12 +23,13 @@ def prepare_args(args: list[str]) -> list[str]:
     import os
     from pathlib import Path
 
+    from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
-    from gptkit.runs import find_checkpoint, run_dir_of
+    from gptkit.runs import find_run_checkpoint
 
     kv = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
     if kv.get("resume") not in (None, "", "null"):
-        ckpt = find_checkpoint(kv["resume"])
+        ckpt = find_run_checkpoint(kv["resume"], kv.get("runs_dir", "runs"))
         run_dir = run_dir_of(ckpt) if ckpt.suffix == ".ckpt" else ckpt.parent
         run_dir = run_dir.resolve()
         if "name" not in kv:
@@ -55,7 +51,7 @@ def prepare_args(args: list[str]) -> list[str]:
 def run(cfg) -> int:
     import sys
 
-    from gptkit.training.run import train
+    from gptkit.training.fit import train
 
     result = train(cfg)
     if result.stopped_by:

@@ -12,7 +12,7 @@ from gptkit.data.prepared import PreparedData, check_vocab, load_prepared
 
 _LAZY = {
     "TokenDataModule": "gptkit.data.datamodule",
-    "WindowSampler": "gptkit.data.sampler",
+    "WindowSampler": "gptkit.data.windows",
 }
 
 __all__ = ["prepare", "PreparedData", "check_vocab", "check_tokenizer", "load_prepared", *_LAZY]

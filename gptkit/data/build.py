@@ -25,11 +25,29 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from gptkit.data.prepared import (DTYPES, FORMAT, FORMAT_VERSION, MANIFEST, SHARDS, TOKENIZER, PreparedData,
-                                  load_prepared, manifest_checksum)
+from gptkit.data.prepared import (
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARDS,
+    TOKENIZER,
+    PreparedData,
+    load_prepared,
+    manifest_checksum,
+)
 from gptkit.data.sources import KINDS, Corpus, open_corpus
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import (SPLITTABLE_KINDS, build_tokenizer, eos_id, file_sha256, tokenizer_settings)
+from gptkit.fsio import DIR_MODE
+from gptkit.tokenizer import (
+    SPLITTABLE_KINDS,
+    build_tokenizer,
+    describe_characters,
+    eos_id,
+    file_sha256,
+    tokenizer_settings,
+    unknown_characters,
+)
 
 BATCH_CHARS = 1 << 20  # text handed to one encode_batch call (its Encodings cost ~100 B per token)
 PIECE_CHARS = 64 << 10  # long documents are cut into pieces of about this size
@@ -140,9 +158,12 @@ def batch_encoder(tok, kind: str, special_tokens: list[str]) -> Callable[[list[s
     def hf(texts: list[str]) -> list[list[int]]:
         try:
             return [e.ids for e in encode(texts, add_special_tokens=False)]
-        except Exception as exc:  # e.g. a character a file tokenizer cannot represent
-            raise GptkitError(f"the tokenizer cannot encode the corpus ({str(exc).splitlines()[0][:160]}); "
-                              f"use a tokenizer that covers its characters (byte or bpe)") from exc
+        except Exception as exc:  # e.g. a character a file (or fine-tuned char) tokenizer cannot represent
+            unknown = unknown_characters(tok, "".join(texts))
+            what = (f"{len(unknown)} character(s) it has never seen: {describe_characters(unknown)}" if unknown
+                    else str(exc).splitlines()[0][:160])
+            raise GptkitError(f"the tokenizer cannot encode the corpus: {what}; use a tokenizer that covers "
+                              f"its characters (byte or bpe), or remove them from the text") from exc
 
     def utf8(texts: list[str]) -> list[Any]:
         return [hf([t])[0] if any(s in t for s in special_tokens) else np.frombuffer(t.encode(), np.uint8)
@@ -241,7 +262,7 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
         manifest = _build(tmp, corpus, content, data, tok_s, key, progress)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private
+        os.chmod(tmp, DIR_MODE)  # mkdtemp makes it private
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished the same folder first: keep theirs

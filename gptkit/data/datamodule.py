@@ -14,7 +14,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from gptkit.data.prepared import PreparedData
-from gptkit.data.sampler import WindowSampler, check_window, val_starts, windows
+from gptkit.data.windows import WindowSampler, check_window, val_starts, windows
 
 
 class TrainBatches(IterableDataset):

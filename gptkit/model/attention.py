@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptkit.model.config import ModelConfig
+from gptkit.model.config import ATTENTIONS, ModelConfig
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import RotaryEmbedding
 
@@ -107,11 +107,8 @@ def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=No
     return flash_attention(q, k, v, causal=causal, scale=scale), None
 
 
-ATTENTION_BACKENDS: dict[str, AttentionFn] = {
-    "eager": eager_attention,
-    "sdpa": sdpa_attention,
-    "triton": triton_attention,
-}
+# model.attention=<name> runs <name>_attention: the names are model/config.py's ATTENTIONS (one list)
+ATTENTION_BACKENDS: dict[str, AttentionFn] = {name: globals()[f"{name}_attention"] for name in ATTENTIONS}
 
 
 def get_attention(name: str) -> AttentionFn:

@@ -113,6 +113,19 @@ class GPT(nn.Module):
                                    ignore_index=-100)  # loss in fp32
         return GPTOutput(logits, loss, attentions)
 
+    @classmethod
+    def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> "GPT":
+        """A GPT (fp32, eval mode, on `device`) holding exactly `state`: built on the meta device, so no
+        random init is computed and no second model is made; the tensors are copied in (a bf16/fp16
+        state is widened to fp32 without rounding). Names and shapes must match (strict)."""
+        with torch.device("meta"):
+            model = cls(cfg)
+        model = model.to_empty(device=device)  # RoPE tables are recomputed by RotaryEmbedding._apply
+        model.load_state_dict(state, strict=True)
+        if cfg.tie_embeddings:
+            model.lm_head.weight = model.tok_emb.weight
+        return model.eval()
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
         if non_embedding:

@@ -80,17 +80,19 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64) / self.head_dim))
-        t = torch.arange(self.max_seq_len, dtype=torch.float64)
+        f64 = dict(dtype=torch.float64, device=device)
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, **f64) / self.head_dim))
+        t = torch.arange(self.max_seq_len, **f64)
         freqs = torch.outer(t, inv_freq)  # [max_seq_len, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, head_dim]
-        return emb.cos().float().to(device), emb.sin().float().to(device)
+        return emb.cos().float(), emb.sin().float()
 
     def _apply(self, fn, recurse=True):
-        """`model.to(torch.bfloat16)` would round the tables to bf16 and shift every position;
-        they stay fp32 (recomputed on the new device when a cast or `to_empty` touched them)."""
+        """`model.to(torch.bfloat16)` would round the tables to bf16 and shift every position, and
+        `to_empty` leaves them uninitialized: after any cast or move they are recomputed in fp32 on the
+        new device (a function of the config, cheap next to the weights)."""
         super()._apply(fn, recurse)
-        if self.cos.dtype != torch.float32 or (not self.cos.is_meta and self.cos[0, 0].item() != 1.0):
+        if not self.cos.is_meta:
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 

@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from lightning.pytorch.plugins.io import CheckpointIO
 
-from gptkit.runs import atomic_torch_save, load_checkpoint
+from gptkit.checkpoints import atomic_torch_save, load_checkpoint
 
 
 class SafeAtomicCheckpointIO(CheckpointIO):

@@ -1,5 +1,5 @@
-"""Multi-device training: world size, up-front checks, the Lightning strategy, FSDP2 sharding, and
-reading/consolidating sharded (torch.distributed.checkpoint) checkpoints.
+"""Multi-device training: world size, up-front checks, the Lightning strategy and FSDP2 sharding.
+(Reading and consolidating sharded checkpoints is gptkit.checkpoints'.)
 
     trainer.strategy   what runs                                                checkpoints
     auto               one process (CPU, or one GPU)                            one file
@@ -7,25 +7,22 @@ reading/consolidating sharded (torch.distributed.checkpoint) checkpoints.
     fsdp               FSDP2 via ModelParallelStrategy, fully_shard per block   a folder of shards (or one file)
 
 Everything here checks what it can before any process is started, so a bad set-up is a one-line
-error instead of a hang. torch and lightning are imported inside functions: gptkit.runs imports
-the checkpoint readers below without paying for Lightning.
+error instead of a hang. torch and lightning are imported inside functions, so that the checks cost
+no Lightning import.
 """
 
 from __future__ import annotations
 
 import functools
-import io
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
+from gptkit.checkpoints import EXTRA_STATE, is_sharded_checkpoint, remove_checkpoint, safe_planner, safe_reader
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.runs import SHARDED_INDEX as SHARDED_METADATA  # the torch.distributed.checkpoint index file
+from gptkit.precision import PRECISIONS, precision, torch_dtype
 
 STRATEGIES = ("auto", "ddp", "fsdp")
-FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-EXTRA_STATE = "meta.pt"  # Lightning's non-tensor state (step, loops, callbacks) beside the shards
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
 
 
@@ -138,8 +135,9 @@ def _check_fsdp(t: Any, acc: str) -> None:
         backend = "nccl" if acc == "cuda" else "gloo"
         raise GptkitError(f"trainer.strategy=fsdp on {acc} needs the {backend} backend, which this torch build "
                           f"lacks; use trainer=ddp or another torch build")
-    if t.precision not in FSDP_PRECISIONS:
-        raise ConfigError(f"trainer.strategy=fsdp supports trainer.precision {', '.join(FSDP_PRECISIONS)}, "
+    if not precision(t.precision).fsdp:
+        supported = ", ".join(p.name for p in PRECISIONS.values() if p.fsdp)
+        raise ConfigError(f"trainer.strategy=fsdp supports trainer.precision {supported}, "
                           f"not {t.precision} (fp16 would need a sharded grad scaler); use bf16-mixed")
     opts = fsdp_options(t)
     for key in ("param_dtype", "reduce_dtype"):
@@ -179,11 +177,11 @@ def _fsdp2_strategy_class():
         """ModelParallelStrategy with all devices on the data-parallel axis; carries the FSDP2 options
         that LitGPT.configure_model applies through `parallelize`."""
 
-        def __init__(self, options: dict[str, Any], precision: str, world: int, timeout) -> None:
+        def __init__(self, options: dict[str, Any], precision_name: str, world: int, timeout) -> None:
             super().__init__(data_parallel_size=world, tensor_parallel_size=1,
                              save_distributed_checkpoint=bool(options["sharded_checkpoint"]), timeout=timeout)
             self.fsdp_options = options
-            self.fsdp_precision = precision
+            self.fsdp_precision = precision_name
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
             """A sharded checkpoint is written to a temporary folder beside the target and renamed by
@@ -193,16 +191,16 @@ def _fsdp2_strategy_class():
             path = Path(self.broadcast(str(filepath)))
             tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
             if self.global_rank == 0:
-                _remove(tmp)
+                remove_checkpoint(tmp)
             self.barrier()
             super().save_checkpoint(checkpoint, tmp, storage_options)
             self.barrier()
             if self.global_rank == 0:
-                _remove(old)
+                remove_checkpoint(old)
                 if path.exists():
                     os.replace(path, old)
                 os.replace(tmp, path)
-                _remove(old)
+                remove_checkpoint(old)
             self.barrier()
 
         def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
@@ -216,30 +214,25 @@ def _fsdp2_strategy_class():
     return _FSDP2Strategy
 
 
-def _remove(path: Path) -> None:
-    import shutil
-
-    if path.is_dir():
-        shutil.rmtree(path)
-    elif path.exists():
-        path.unlink()
-
-
 def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
     """Load a sharded checkpoint into a sharded module and its optimizers (collective: every rank
     calls it); returns the non-tensor state (step, loops, callbacks, schedulers)."""
     import torch
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict, set_optimizer_state_dict)
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
 
     model_state = {"state_dict": get_model_state_dict(module)}
-    dcp.load(model_state, storage_reader=_safe_reader(path), planner=_safe_planner(distributed=True))
+    dcp.load(model_state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
     module.load_state_dict(model_state["state_dict"], strict=True)
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
-        dcp.load(optim_state, storage_reader=_safe_reader(path), planner=_safe_planner(distributed=True))
+        dcp.load(optim_state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
@@ -252,14 +245,13 @@ def parallelize(model, strategy) -> bool:
     options = getattr(strategy, "fsdp_options", None)
     if options is None or getattr(model, "_gptkit_sharded", False):
         return False
-    import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     param = options["param_dtype"]
     if param == "auto":
-        param = "bf16" if strategy.fsdp_precision.startswith("bf16") else "fp32"
-    policy = MixedPrecisionPolicy(param_dtype=dtypes[param], reduce_dtype=dtypes[options["reduce_dtype"]])
+        param = precision(strategy.fsdp_precision).compute  # bf16 for bf16-mixed and bf16-true, else fp32
+    policy = MixedPrecisionPolicy(param_dtype=torch_dtype(param, "trainer.fsdp.param_dtype"),
+                                  reduce_dtype=torch_dtype(options["reduce_dtype"], "trainer.fsdp.reduce_dtype"))
     mesh = strategy.device_mesh["data_parallel"]
     reshard = bool(options["reshard_after_forward"])
     for block in model.blocks:
@@ -289,130 +281,6 @@ def fail_fast_callback():
                     proc.send_signal(signal.SIGKILL)
 
     return FailFast()
-
-
-# ---- sharded checkpoints ------------------------------------------------------------------------------------
-def is_sharded_checkpoint(path: Path | str) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / SHARDED_METADATA).is_file()
-
-
-class _SafeUnpickler(pickle.Unpickler):
-    """Unpickles a torch.distributed.checkpoint index: its own dataclasses, torch sizes and dtypes,
-    nothing that can run code."""
-
-    ALLOWED_PREFIXES = ("torch.distributed.checkpoint.",)
-    ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
-
-    def find_class(self, module: str, name: str):
-        import torch
-
-        if module.startswith(self.ALLOWED_PREFIXES):
-            import dataclasses
-            import enum
-
-            found = super().find_class(module, name)
-            # data only: the index's dataclasses and enums; a function (callable by REDUCE) is refused
-            if isinstance(found, type) and (dataclasses.is_dataclass(found) or issubclass(found, enum.Enum)):
-                return found
-            raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
-        if (module, name) in self.ALLOWED:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                         torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
-
-
-def _safe_reader(path: Path):
-    """A FileSystemReader whose index is read with _SafeUnpickler."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            with open(Path(self.path) / SHARDED_METADATA, "rb") as f:
-                metadata = _SafeUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(str(path))
-
-
-def _safe_planner(distributed: bool):
-    """A load planner that reads non-tensor values with torch.load(weights_only=True): into the given
-    (sharded) state when `distributed`, else into an empty dict that takes everything (consolidation)."""
-    import torch
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-    from torch.distributed.checkpoint._nested_dict import set_element
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
-
-    class SafePlanner(DefaultLoadPlanner if distributed else _EmptyStateDictLoadPlanner):
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
-            obj = torch.load(value, weights_only=True)
-            if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-            else:
-                self.state_dict[read_item.dest_index.fqn] = obj
-
-    return SafePlanner()
-
-
-def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str, Any]:
-    """A sharded checkpoint folder as one Lightning checkpoint dict, in this process (no process group):
-    {"state_dict": {"model.<name>": full tensor}, "optimizer_states": [torch-style, keyed by parameter
-    index], "global_step": ..., ...}. weights=False reads only the small non-tensor state."""
-    import torch
-
-    path = Path(path)
-    if not is_sharded_checkpoint(path):
-        raise GptkitError(f"{path} is not a sharded checkpoint folder (no {SHARDED_METADATA} in it)")
-    try:
-        extra = torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        raise GptkitError(f"{path / EXTRA_STATE} is not readable ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160]})") from exc
-    if not weights:
-        return extra
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    state: dict[str, Any] = {}
-    try:
-        _load_state_dict(state, storage_reader=_safe_reader(path), planner=_safe_planner(distributed=False),
-                         no_dist=True)
-    except Exception as exc:
-        raise GptkitError(f"{path} is not a readable sharded checkpoint ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from exc
-    if "state_dict" not in state:
-        raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
-    out = dict(extra)
-    out["state_dict"] = state.pop("state_dict")
-    optimizers = sorted(k for k in state if k.startswith("optimizer_"))
-    out["optimizer_states"] = [_by_param_index(state[k]) for k in optimizers]
-    return out
-
-
-def _by_param_index(osd: dict[str, Any]) -> dict[str, Any]:
-    """torch.distributed.checkpoint keys optimizer state by parameter name; torch.optim (and a
-    single-device or DDP resume) keys it by the parameter's index across the param groups."""
-    names = [n for g in osd["param_groups"] for n in g["params"]]
-    index = {n: i for i, n in enumerate(names)}
-    groups = [dict(g, params=[index[n] for n in g["params"]]) for g in osd["param_groups"]]
-    return {"state": {index[n]: s for n, s in osd.get("state", {}).items()}, "param_groups": groups}
-
-
-def consolidate(path: Path | str, out: Path | str | None = None) -> Path:
-    """Write a sharded checkpoint folder as one file (atomically); default: <folder>.consolidated.ckpt
-    beside it. The file resumes, samples, evaluates and exports like any single-device checkpoint."""
-    from gptkit.runs import atomic_torch_save
-
-    path = Path(path)
-    target = Path(out) if out else path.with_name(path.stem + ".consolidated.ckpt")
-    atomic_torch_save(read_sharded_checkpoint(path), target)
-    return target
 
 
 # ---- preflight --------------------------------------------------------------------------------------------------

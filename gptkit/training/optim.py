@@ -35,11 +35,22 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
     ]
 
 
-def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
+def check_optim_config(cfg: Any) -> None:
+    """One-line errors for the `optim` group, before any data is prepared or anything is written."""
     if cfg.name != "adamw":
         raise ConfigError(f"optim.name={cfg.name!r} is not supported; use optim=adamw")
     if not float(cfg.lr) > 0:
         raise ConfigError(f"optim.lr={cfg.lr} must be > 0")
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
+        raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}]")
+    if int(cfg.warmup_steps) < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
+
+
+def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
+    """AdamW over param_groups (cfg as check_optim_config accepts it)."""
     groups = param_groups(model, float(cfg.weight_decay), bool(cfg.decay_embeddings), bool(cfg.decay_norms_and_biases))
     on_cuda = next(model.parameters()).is_cuda
     fused = on_cuda if cfg.fused == "auto" else bool(cfg.fused)
@@ -77,12 +88,6 @@ def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    if cfg.schedule not in SCHEDULES:
-        raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
-        raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}]")
-    if int(cfg.warmup_steps) < 0:
-        raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
     kw = dict(schedule=cfg.schedule, max_steps=max_steps, warmup_steps=int(cfg.warmup_steps), lr=float(cfg.lr),
               min_lr=float(cfg.min_lr), decay_fraction=float(cfg.decay_fraction))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, **kw))

@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 
 from gptkit.errors import GptkitError
-from gptkit.runs import atomic_write_bytes
+from gptkit.fsio import atomic_write_bytes
 
 
 def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:

@@ -8,20 +8,22 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint, RichProgressBar
+from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
 
+from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.runs import CHECKPOINT_DIR, LAST_CHECKPOINT, atomic_write_text
-from gptkit.training.callbacks import StopAndSave, ThroughputMonitor
+from gptkit.fsio import atomic_write_text
+from gptkit.precision import precision
+from gptkit.training.callbacks import RunCheckpoints, ThroughputMonitor
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
 from gptkit.training.distributed import build_strategy, check_distributed, fail_fast_callback, world_size
-
-PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "16-true")
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
     loggers = []
     for kind, opts in (logger_cfg or {}).items():
+        if not (opts or {}).get("enabled", True):  # logger.<kind>.enabled=false switches one off
+            continue
         if kind == "csv":
             loggers.append(_resumable_csv_logger(run_dir, resume_step))
         elif kind == "tensorboard":
@@ -104,22 +106,9 @@ def _wandb_settings():
     return wandb.Settings(init_timeout=30, x_disable_stats=True)
 
 
-class _StepCheckpoint(ModelCheckpoint):
-    """Periodic checkpoints named by the optimizer step. The LightningModule logs a "step" metric
-    (the loggers' x-axis), which would otherwise take the place of the global step in file names."""
-
-    def _monitor_candidates(self, trainer: L.Trainer) -> dict:
-        import torch
-
-        candidates = super()._monitor_candidates(trainer)
-        candidates["step"] = torch.tensor(trainer.global_step)
-        return candidates
-
-
 def check_trainer_config(t: Any) -> None:
     """Fail in one line, before any data is prepared, on trainer values Lightning would reject late."""
-    if t.precision not in PRECISIONS:
-        raise ConfigError(f"trainer.precision={t.precision!r} is not one of {', '.join(PRECISIONS)}")
+    precision(t.precision)
     for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every", "num_nodes"):
         if not isinstance(t[key], int) or int(t[key]) < 1:
             raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
@@ -133,18 +122,14 @@ def check_trainer_config(t: Any) -> None:
 
 
 def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_step: int, max_steps: int,
-                  peak_flops: float | None, loggers: list) -> tuple[L.Trainer, StopAndSave, ThroughputMonitor]:
-    t = cfg.trainer
-    check_trainer_config(t)
-    ckpt_dir = run_dir / CHECKPOINT_DIR
-    stopper = StopAndSave(str(ckpt_dir / LAST_CHECKPOINT), t.get("stop_at_step"), sync_every=int(t.log_every))
+                  peak_flops: float | None, loggers: list) -> tuple[L.Trainer, RunCheckpoints, ThroughputMonitor]:
+    t = cfg.trainer  # checked by check_trainer_config before any data was prepared
+    checkpoints = RunCheckpoints(str(run_dir / CHECKPOINT_DIR), int(t.checkpoint_every), t.get("stop_at_step"),
+                                 sync_every=int(t.log_every))
     throughput = ThroughputMonitor(flops_per_token, tokens_per_step, peak_flops, int(t.log_every))
     callbacks = [
         throughput,
-        stopper,
-        _StepCheckpoint(dirpath=str(ckpt_dir), filename="step-{step:06d}", every_n_train_steps=int(t.checkpoint_every),
-                        save_top_k=-1, save_last=True, save_on_train_epoch_end=False, auto_insert_metric_name=False,
-                        enable_version_counter=False),
+        checkpoints,
     ]
     if loggers:
         callbacks.append(LearningRateMonitor(logging_interval="step"))
@@ -172,7 +157,8 @@ def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_st
         enable_model_summary=False,
         deterministic=bool(t.deterministic),
         default_root_dir=str(run_dir),
+        enable_checkpointing=False,  # RunCheckpoints writes them (Lightning would add a ModelCheckpoint)
         plugins=[SafeAtomicCheckpointIO()],
         use_distributed_sampler=True,
     )
-    return trainer, stopper, throughput
+    return trainer, checkpoints, throughput

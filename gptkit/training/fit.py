@@ -4,18 +4,25 @@ from __future__ import annotations
 
 import json
 import logging
-import warnings
 import math
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from gptkit.checkpoints import (
+    CHECKPOINT_DIR,
+    LAST_CHECKPOINT,
+    checked_model_state,
+    load_checkpoint,
+    read_sharded_checkpoint,
+    run_dir_of,
+)
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.runs import (CHECKPOINT_DIR, CONFIG_FILE, LAST_CHECKPOINT, MANIFEST_FILE, TOKENIZER_FILE,
-                         atomic_write_bytes, atomic_write_text, checked_model_state, find_checkpoint,
-                         load_checkpoint, read_config, resolve_latest, run_dir_of)
+from gptkit.fsio import atomic_write_bytes, atomic_write_text
+from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, find_run_checkpoint, read_config
 
 
 @dataclass
@@ -46,25 +53,16 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
     the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
     if cfg.resume in (None, ""):
         return cfg, None, None
-    ckpt = find_checkpoint(cfg.resume)
+    ckpt = find_run_checkpoint(cfg.resume, cfg.runs_dir)
     if ckpt.suffix != ".ckpt":
         raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
     if ckpt.is_dir():  # sharded (FSDP): read only the small non-tensor state here
-        from gptkit.training.distributed import read_sharded_checkpoint
-
         state = read_sharded_checkpoint(ckpt, weights=False)
     else:
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
     saved = OmegaConf.create(read_config(run_dir_of(ckpt)))
     overrides = [o for o in _explicit_overrides() if not o.startswith(("resume=", "name=", "runs_dir=", "hydra."))]
-    model_overrides = [o for o in overrides if o.startswith(("model=", "model.", "+model", "~model"))]
-    if model_overrides:
-        requested = OmegaConf.to_container(cfg.model, resolve=True)
-        kept = OmegaConf.to_container(saved.model, resolve=True)
-        diff = sorted(k for k in requested if k != "vocab_size" and requested.get(k) != kept.get(k))
-        if diff:
-            raise GptkitError(f"resume={cfg.resume} belongs to a different model ({', '.join(diff)} differ); "
-                              f"drop the model overrides or start a new run")
+    saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     merged = saved
     if "trainer" in merged and "stop_at_step" in merged.trainer:
         merged.trainer.stop_at_step = None  # an early stop belongs to the invocation that asked for it
@@ -77,41 +75,49 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
                               f"data); start a new run instead")
         if group in cfg and group in ("trainer", "optim", "logger"):
             merged[group] = cfg[group]
-    dotlist = [o for o in overrides if "=" in o and "." in o.split("=", 1)[0] and not o.startswith("model")]
+    dotlist = [o for o in overrides if "=" in o and "." in o.split("=", 1)[0] and not o.lstrip("+~").startswith("model")]
     if dotlist:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
     merged.resume = str(ckpt)
     return merged, ckpt, int(state.get("global_step", 0))
 
 
-# model settings that may differ from an init_from= run's: they change no tensor shape
-INIT_FROM_FREE_MODEL_KEYS = ("name", "dropout", "attention")
+# Model settings that change no tensor shape: they may differ from those of the run that resume= continues
+# or init_from= starts from. Every other model setting is fixed by the weights.
+FREE_MODEL_KEYS = ("name", "dropout", "attention")
+
+
+def model_from_source(source: str, saved_model: Any, asked_model: Any, overrides: list[str]) -> dict[str, Any]:
+    """The model config of a run whose weights come from `source` (resume= or init_from=): the source's own,
+    with the command line's model.<FREE_MODEL_KEYS> overrides applied. model= or any other model.<key> that
+    differs from the source's is a one-line error."""
+    saved = OmegaConf.to_container(saved_model, resolve=True) if isinstance(saved_model, DictConfig) else dict(saved_model)
+    asked = OmegaConf.to_container(asked_model, resolve=True)
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if o.lstrip("+~").startswith("model")]
+    if "model" in keys:
+        raise GptkitError(f"{source} brings its own model ({saved.get('name')}); drop model=")
+    for key in (k.split(".", 1)[1] for k in keys if "." in k):
+        if key in FREE_MODEL_KEYS:
+            saved[key] = asked.get(key)
+        elif asked.get(key) != saved.get(key):
+            raise GptkitError(f"{source} fixes model.{key}={saved.get(key)!r} (its weights' shape); only "
+                              f"model.{', model.'.join(FREE_MODEL_KEYS)} may change")
+    return saved
 
 
 def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optional[Path]]:
     """For init_from=<run folder | checkpoint | latest>: a new run (fresh optimizer, schedule and step
-    count) whose model starts from that run's weights. The model config is the source's (model.dropout
-    and model.attention may be overridden; anything else that differs is an error) and so is the
+    count) whose model starts from that run's weights. The model config is the source's (see
+    model_from_source) and so is the
     tokenizer: its tokenizer.json is copied into the new run folder, which the run's config then names
     (resume= keeps working if the source goes away), unless the command line chooses a tokenizer itself."""
     if cfg.get("init_from") in (None, ""):
         return cfg, None
     overrides = _explicit_overrides()
-    ckpt = find_checkpoint(resolve_latest(str(cfg.init_from), cfg.runs_dir))
+    ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
     src_dir = run_dir_of(ckpt)
     src = read_config(src_dir)
-    src_model = dict(src["model"])
-    asked = OmegaConf.to_container(cfg.model, resolve=True)
-    model_overrides = [o.split("=", 1)[0].lstrip("+~") for o in overrides if o.lstrip("+~").startswith("model")]
-    if "model" in model_overrides:
-        raise GptkitError(f"init_from={cfg.init_from} brings its own model ({src_model.get('name')}); drop model=")
-    for key in (k.split(".", 1)[1] for k in model_overrides if "." in k):
-        if key not in INIT_FROM_FREE_MODEL_KEYS and asked.get(key) != src_model.get(key):
-            raise GptkitError(f"init_from={cfg.init_from} fixes model.{key}={src_model.get(key)!r} (its weights' "
-                              f"shape); only model.{', model.'.join(INIT_FROM_FREE_MODEL_KEYS)} may change")
-        if key in INIT_FROM_FREE_MODEL_KEYS:
-            src_model[key] = asked.get(key)
-    cfg.model = OmegaConf.create(src_model)
+    cfg.model = OmegaConf.create(model_from_source(f"init_from={cfg.init_from}", src["model"], cfg.model, overrides))
     if not any(o.lstrip("+~").startswith("tokenizer") for o in overrides):
         tok_file = src_dir / TOKENIZER_FILE
         if not tok_file.is_file():
@@ -143,8 +149,8 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit.training.callbacks import detect_peak_flops
     from gptkit.training.distributed import check_run_name, world_size
     from gptkit.training.module import LitGPT
+    from gptkit.training.optim import check_optim_config
     from gptkit.training.plots import plot_loss
-    from gptkit.training.optim import SCHEDULES
     from gptkit.training.trainer import build_loggers, build_trainer, check_trainer_config
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
@@ -164,8 +170,7 @@ def train(cfg: DictConfig) -> TrainResult:
         cfg, init_ckpt = resolve_init_from(cfg, run_dir)
 
     check_trainer_config(cfg.trainer)
-    if cfg.optim.schedule not in SCHEDULES:
-        raise ConfigError(f"optim.schedule={cfg.optim.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    check_optim_config(cfg.optim)
 
     model_dict = OmegaConf.to_container(cfg.model, resolve=True)
     ModelConfig.from_dict(model_dict)  # a bad model config fails before any data is prepared
@@ -208,7 +213,7 @@ def train(cfg: DictConfig) -> TrainResult:
     datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
                                  val_windows=t.val_windows)
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
-    trainer, stopper, throughput = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
+    trainer, checkpoints, throughput = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
                                                   peak, loggers)
     if trainer.world_size != world:
         raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for {world} "
@@ -220,7 +225,7 @@ def train(cfg: DictConfig) -> TrainResult:
                 weights_only=True)
 
     last = ckpt_dir / LAST_CHECKPOINT
-    if stopper.signal_name is None:
+    if checkpoints.signal_name is None:
         if trainer.global_step % int(t.val_every):
             trainer.validate(module, datamodule=datamodule, verbose=False)
     val = trainer.callback_metrics.get("val/loss")
@@ -230,7 +235,7 @@ def train(cfg: DictConfig) -> TrainResult:
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
         _summary(run_dir, trainer.global_step, val, throughput.last)
-    return TrainResult(run_dir, trainer.global_step, last, stopper.signal_name,
+    return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
                        float(val) if val is not None else None, throughput.last.get("perf/tokens_per_s"),
                        trainer.is_global_zero)
 
