@@ -17,6 +17,8 @@ import sys
 from dataclasses import dataclass
 from types import ModuleType
 
+from gptkit.config import compose
+
 VERB_ENV = "GPTKIT_VERB"
 
 
@@ -94,16 +96,6 @@ def _one_line(exc: BaseException) -> str:
     if options:
         out[-1] += " " + ", ".join(options)
     return "; ".join(out) if out else type(exc).__name__
-
-
-def compose(config_name: str, overrides: list[str]):
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    from gptkit.config import conf_dir
-
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name=config_name):
-        return hydra_compose(config_name=config_name, overrides=overrides)
 
 
 def _show_help(verb: str, overrides: list[str]) -> None:

@@ -23,6 +23,15 @@ def conf_dir() -> Path:
     raise ConfigError("cannot find gptkit's conf/ folder; reinstall gptkit (pip install -e .)")
 
 
+def compose(config_name: str, overrides: list[str]):
+    """conf/<config_name>.yaml with `overrides`, composed by Hydra (no run folder, no logging set-up)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name=config_name):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
 def model_config(cfg: DictConfig | dict[str, Any]) -> ModelConfig:
     """The `model` group of a composed config as a validated ModelConfig."""
     d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)

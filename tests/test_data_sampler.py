@@ -71,7 +71,7 @@ def test_ranks_never_overlap_and_world_size_splits_the_global_batch(prepared):
 
 def trainer(global_step, accumulate=1, rank=0, world=1):
     return SimpleNamespace(global_step=global_step, accumulate_grad_batches=accumulate, global_rank=rank,
-                           world_size=world)
+                           world_size=world, strategy=SimpleNamespace(root_device=torch.device("cpu")))
 
 
 def take(loader, n):

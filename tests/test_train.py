@@ -56,8 +56,11 @@ def test_run_folder_is_complete(corpus, tmp_path):
     val = losses(run, "val/loss")
     assert sorted(val) and float(val[max(val)]) < float(train_loss[min(train_loss)])  # it learned something
     header = (run / "metrics.csv").read_text().splitlines()[0]
-    for k in ("perf/tokens_per_s", "perf/flops_per_s", "perf/tokens", "perf/flops", "val/ppl", "lr-AdamW"):
+    for k in ("perf/tokens_per_s", "perf/flops_per_s", "perf/tokens", "perf/flops", "val/ppl", "train/lr"):
         assert k in header, k
+    with open(run / "metrics.csv", newline="") as f:  # one row per logged step: loss, lr and speed together
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert len(rows) == 12 and all(r["train/lr"] and r["perf/tokens_per_s"] for r in rows)
     assert "perf/mfu" not in header  # CPU: no peak known, no MFU
     import yaml
 
@@ -131,6 +134,13 @@ def test_multirun_gives_one_folder_per_job(corpus, tmp_path):
 
     lrs = {yaml.safe_load((tmp_path / "sweep" / j / "config.yaml").read_text())["optim"]["lr"] for j in ("0", "1")}
     assert lrs == {1e-3, 3e-3}
+    assert "job 0: " in r.stderr and "optim.lr=0.003" in r.stderr  # each job says what it runs
+    with open(tmp_path / "sweep" / "summary.csv", newline="") as f:  # and the sweep ends with a table
+        summary = list(csv.DictReader(f))
+    assert [row["job"] for row in summary] == ["0", "1"]
+    assert summary[0]["overrides"] == "optim.lr=0.001"  # what the jobs differ in
+    assert float(summary[1]["final_val_loss"]) > 0
+    assert float(summary[0]["tokens_per_s"]) > 0
 
 
 def test_loggers_csv_tensorboard_wandb_offline(corpus, tmp_path):

@@ -1,29 +1,38 @@
-"""gptkit bench train: Lightning's overhead over a bare PyTorch loop, same model, same batches.
+"""gptkit bench train: `gptkit train`'s loop against a plain PyTorch loop, same model, same batches, same
+device and precision, eager and compiled.
 
-Both loops do exactly the same work per optimizer step: the stateless sampler's batch, forward,
-fp32 loss, backward, gradient clipping at 1.0, AdamW with gptkit's parameter groups, the
-cosine LR schedule. The Lightning loop is gptkit's own LitGPT + Trainer (logging every 10 steps, as in
-`gptkit train`), without checkpoints or a progress bar. Steps after `warmup` are timed; the loops
-alternate `repeats` times and the median is reported.
+The plain loop is a good one, not a straw man: the stateless sampler's batch from pinned memory copied
+with non_blocking, forward under autocast (mixed precision) or in the model's dtype ("true" precision),
+fp32 loss, backward (through torch's GradScaler for 16-mixed), gradient clipping at bench.clip, AdamW with
+gptkit's parameter groups and the same fused/foreach choice, the cosine schedule, and the loss read only
+every bench.log_every steps. The gptkit loop is the trainer `gptkit train` builds (trainer factory,
+LitGPT, StepMetrics, RunCheckpoints with no checkpoint due, no logger, no progress display).
+
+Steps after bench.warmup are timed (compilation happens in the warm-up, whose time is reported as the
+first-steps time); the two loops alternate bench.repeats times and the median is reported, one row as
+soon as each setting is measured. MFU uses the count-params FLOPs (6N + attention) and the device's
+peak for the precision (trainer.peak_tflops overrides it).
 """
 
 from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import yaml
 
 
-def _model_cfg(cfg, vocab_size: int):
+def _model_cfg(cfg, vocab_size: int | None):
     from gptkit.config import conf_dir
     from gptkit.model import ModelConfig
 
     d = yaml.safe_load((conf_dir() / "model" / f"{cfg.model}.yaml").read_text())
-    d.update(dict(cfg.model_overrides))
-    d["vocab_size"] = vocab_size
+    d.update(dict(cfg.model_overrides or {}))
+    if vocab_size is not None:
+        d["vocab_size"] = vocab_size
     return ModelConfig.from_dict(d)
 
 
@@ -37,66 +46,123 @@ def _optim_cfg():
     return o
 
 
-def bare_loop(model_cfg, sampler, steps: int, warmup: int, compile: bool) -> float:
-    """Seconds per optimizer step of a plain PyTorch loop."""
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None) -> tuple[float, float]:
+    """(seconds per timed optimizer step, seconds of the warm-up steps) of a plain PyTorch loop."""
     import torch
 
     from gptkit.model import GPT
+    from gptkit.precision import precision, torch_dtype
+    from gptkit.training.module import apply_compile
     from gptkit.training.optim import build_optimizer, build_scheduler
 
+    steps, warmup, log_every = int(cfg.steps), int(cfg.warmup), int(cfg.log_every)
+    p = precision(cfg.precision, "bench.precision")
     torch.manual_seed(0)
-    model = GPT(model_cfg)
-    if compile:
-        model.compile()
+    model = GPT(model_cfg).to(device)
+    if not p.mixed and p.compute != "fp32":
+        model = model.to(torch_dtype(p.compute))
+    if compile_mode:
+        apply_compile(model, compile_mode, str(cfg.compile_backend))
     opt_cfg = _optim_cfg()
     opt = build_optimizer(model, opt_cfg)
     sched = build_scheduler(opt, opt_cfg, warmup + steps)
+    scaler = torch.amp.GradScaler(device) if p.name == "16-mixed" else None
+    autocast = torch.autocast(device, dtype=torch_dtype(p.compute)) if p.mixed else None
     model.train()
-    t0 = None
+    pin = device == "cuda"
+    t0 = t_start = time.perf_counter()
     for step in range(warmup + steps):
         if step == warmup:
+            _sync(device)
             t0 = time.perf_counter()
+            warm = t0 - t_start
         x, y = sampler.batch(step)
-        loss = model(x, y).loss
-        if not torch.isfinite(loss):
-            raise RuntimeError("non-finite loss")
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        if pin:
+            x, y = x.pin_memory(), y.pin_memory()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if autocast is not None:
+            with autocast:
+                loss = model(x, y).loss
+        else:
+            loss = model(x, y).loss
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
+        if cfg.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), float(cfg.clip))
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-    return (time.perf_counter() - t0) / steps
+        if (step + 1) % log_every == 0 and not torch.isfinite(loss):  # what a training loop reads
+            raise RuntimeError(f"non-finite loss at step {step}")
+    _sync(device)
+    return (time.perf_counter() - t0) / steps, warm
 
 
-def lightning_loop(model_cfg, prepared, batch_size: int, steps: int, warmup: int, compile: bool) -> float:
-    """Seconds per optimizer step of gptkit's LightningModule under a Lightning Trainer."""
-    import lightning as L
+def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None) -> tuple[float, float]:
+    """(seconds per timed optimizer step, seconds of the warm-up steps) of the trainer `gptkit train` builds."""
+    import tempfile
+
     import torch
     from lightning.pytorch.callbacks import Callback
+    from omegaconf import OmegaConf
 
+    from gptkit.config import compose
     from gptkit.data import TokenDataModule
     from gptkit.training.module import LitGPT
+    from gptkit.training.trainer import build_trainer, check_trainer_config
+
+    steps, warmup = int(cfg.steps), int(cfg.warmup)
 
     class Clock(Callback):
-        t0 = t1 = None
+        t_start = t0 = t1 = None
+
+        def on_train_start(self, trainer, pl_module):
+            self.t_start = time.perf_counter()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == warmup and self.t0 is None:
+                _sync(device)
                 self.t0 = time.perf_counter()
 
         def on_train_end(self, trainer, pl_module):
+            _sync(device)
             self.t1 = time.perf_counter()
 
+    run_cfg = compose("train", [f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
+                                f"trainer.precision={cfg.precision}", f"trainer.batch_size={cfg.batch_size}",
+                                f"trainer.gradient_clip_val={cfg.clip or 'null'}", f"trainer.log_every={cfg.log_every}",
+                                "trainer.progress=off", "trainer.val_every=1000000", "trainer.checkpoint_every=1000000",
+                                f"trainer.compile={compile_mode or 'false'}",
+                                f"trainer.compile_backend={cfg.compile_backend}", "logger=[]"])
+    run_cfg = OmegaConf.create(OmegaConf.to_container(run_cfg, resolve=True))
+    run_cfg.optim = _optim_cfg()
+    check_trainer_config(run_cfg.trainer)
     torch.manual_seed(0)
-    module = LitGPT(model_cfg, _optim_cfg(), warmup + steps, compile=compile)
-    dm = TokenDataModule(prepared, batch_size=batch_size, seq_len=model_cfg.max_seq_len, seed=1337, val_windows=1)
-    clock = Clock()
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=warmup + steps, max_epochs=-1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        limit_val_batches=0, num_sanity_val_steps=0, gradient_clip_val=1.0,
-                        callbacks=[clock], log_every_n_steps=10)
-    trainer.fit(module, datamodule=dm)
-    return (clock.t1 - clock.t0) / steps
+    module = LitGPT(model_cfg, run_cfg.optim, warmup + steps, compile=compile_mode,
+                    compile_backend=str(cfg.compile_backend))
+    dm = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len, seed=1337,
+                         val_windows=1)
+    tokens_per_step = int(cfg.batch_size) * model_cfg.max_seq_len
+    with tempfile.TemporaryDirectory(prefix="gptkit-bench-") as run_dir:
+        trainer, _, _ = build_trainer(run_cfg, Path(run_dir), 1.0, tokens_per_step, warmup + steps, None, [])
+        clock = Clock()
+        trainer.callbacks.append(clock)
+        trainer.fit(module, datamodule=dm)
+    return (clock.t1 - clock.t0) / steps, clock.t0 - clock.t_start
 
 
 def run(cfg) -> int:
@@ -108,11 +174,18 @@ def run(cfg) -> int:
     from rich.console import Console
     from rich.table import Table
 
+    from gptkit import accounting as acc
     from gptkit.data import TokenDataModule, prepare
-    from gptkit.errors import GptkitError
+    from gptkit.errors import ConfigError, GptkitError
+    from gptkit.runs import resolve_device
+    from gptkit.training.metrics import detect_peak_flops
+    from gptkit.training.module import compile_mode
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
+    device = resolve_device(str(cfg.device))
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"bench.device={cfg.device} must be auto, cpu or cuda")
     data = {"kind": "shakespeare"}
     if cfg.data_path is not None:
         path = Path(cfg.data_path)
@@ -120,30 +193,57 @@ def run(cfg) -> int:
             raise GptkitError(f"bench.data_path={path} does not exist; point it at a text file")
         data = {"kind": "files", "paths": [str(path)]}
     prepared = prepare(OmegaConf.create(data), OmegaConf.create({"kind": "char"}), progress=False)
-    model_cfg = _model_cfg(cfg, prepared.vocab_size)
+    model_cfg = _model_cfg(cfg, None if cfg.model_overrides and "vocab_size" in cfg.model_overrides
+                           else prepared.vocab_size)
+    if model_cfg.vocab_size < prepared.vocab_size:
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} < the corpus's {prepared.vocab_size} tokens")
     sampler = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len,
                               seed=1337, val_windows=1).sampler
-    con = Console()
+    flops = acc.flops_per_token(model_cfg).train_causal
+    peak = detect_peak_flops(str(cfg.precision), cfg.peak_tflops) if device == "cuda" else None
+    tokens_per_step = int(cfg.batch_size) * model_cfg.max_seq_len
+    where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    con.print(f"{model_cfg.name}: {acc.count_params(model_cfg).total:,} parameters, {where}, {cfg.precision}, "
+              f"batch {cfg.batch_size} x {model_cfg.max_seq_len} tokens, clip {cfg.clip}, {cfg.steps} timed steps "
+              f"after {cfg.warmup}, median of {cfg.repeats}; MFU: count-params FLOPs (6N + attention) / peak")
     rows = []
-    for compile in cfg.compile:
-        bare, lit = [], []
-        for r in range(int(cfg.repeats)):
-            bare.append(bare_loop(model_cfg, sampler, int(cfg.steps), int(cfg.warmup), bool(compile)))
-            lit.append(lightning_loop(model_cfg, prepared, int(cfg.batch_size), int(cfg.steps), int(cfg.warmup),
-                                      bool(compile)))
-            con.print(f"compile={compile} repeat {r + 1}: bare {bare[-1] * 1e3:.2f} ms/step, "
-                      f"lightning {lit[-1] * 1e3:.2f} ms/step")
-        b, lt = statistics.median(bare), statistics.median(lit)
-        rows.append({"compile": bool(compile), "bare_ms": b * 1e3, "lightning_ms": lt * 1e3,
-                     "overhead_pct": 100 * (lt / b - 1), "bare_all_ms": [x * 1e3 for x in bare],
-                     "lightning_all_ms": [x * 1e3 for x in lit]})
-    t = Table(title=f"{model_cfg.name}-shaped model (1 process, {torch.get_num_threads()} threads), "
-                    f"batch {cfg.batch_size} x {model_cfg.max_seq_len}, {cfg.steps} timed steps, median of {cfg.repeats}")
-    for col in ("torch.compile", "bare PyTorch ms/step", "gptkit Lightning ms/step", "overhead"):
+    for setting in cfg.compile:
+        mode = compile_mode(setting)
+        bare, ours, bare_warm, ours_warm = [], [], [], []
+        for _ in range(int(cfg.repeats)):
+            s, w = bare_loop(model_cfg, sampler, cfg, device, mode)
+            bare.append(s)
+            bare_warm.append(w)
+            s, w = gptkit_loop(model_cfg, prepared, cfg, device, mode)
+            ours.append(s)
+            ours_warm.append(w)
+        b, g = statistics.median(bare), statistics.median(ours)
+        row = {"compile": mode or "off", "bare_ms": b * 1e3, "gptkit_ms": g * 1e3,
+               "bare_tokens_per_s": tokens_per_step / b, "gptkit_tokens_per_s": tokens_per_step / g,
+               "speed_vs_bare": b / g, "first_steps_s": max(bare_warm[0], ours_warm[0]),  # the first loop compiles
+               "bare_all_ms": [x * 1e3 for x in bare], "gptkit_all_ms": [x * 1e3 for x in ours]}
+        if peak:
+            row["gptkit_mfu"] = acc.mfu(row["gptkit_tokens_per_s"], flops, peak)
+            row["bare_mfu"] = acc.mfu(row["bare_tokens_per_s"], flops, peak)
+        rows.append(row)
+        mfu = f", MFU {row['gptkit_mfu']:.1%} vs {row['bare_mfu']:.1%}" if peak else ""
+        con.print(f"compile={row['compile']}: gptkit {row['gptkit_ms']:.2f} ms/step ({row['gptkit_tokens_per_s']:,.0f} "
+                  f"tokens/s), plain PyTorch {row['bare_ms']:.2f} ms/step ({row['bare_tokens_per_s']:,.0f} tokens/s): "
+                  f"{row['speed_vs_bare']:.3f}x{mfu}; first {cfg.warmup} steps (with compilation) "
+                  f"{row['first_steps_s']:.1f} s", highlight=False)
+    t = Table(title=f"gptkit train vs a plain PyTorch loop ({where}, {cfg.precision})")
+    for col in ("torch.compile", "plain ms/step", "gptkit ms/step", "gptkit tokens/s", "speed vs plain",
+                "first steps (s)") + (("MFU",) if peak else ()):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(str(r["compile"]), f"{r['bare_ms']:.2f}", f"{r['lightning_ms']:.2f}", f"{r['overhead_pct']:+.1f}%")
+        t.add_row(r["compile"], f"{r['bare_ms']:.2f}", f"{r['gptkit_ms']:.2f}", f"{r['gptkit_tokens_per_s']:,.0f}",
+                  f"{r['speed_vs_bare']:.3f}x", f"{r['first_steps_s']:.1f}",
+                  *((f"{r['gptkit_mfu']:.1%}",) if peak else ()))
     con.print(t)
     if cfg.out:
-        Path(cfg.out).write_text(json.dumps(rows, indent=2))
+        from gptkit.fsio import atomic_write_text
+
+        atomic_write_text(cfg.out, json.dumps({"device": where, "precision": str(cfg.precision),
+                                               "model": model_cfg.to_dict(), "rows": rows}, indent=2))
     return 0

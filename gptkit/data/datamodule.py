@@ -59,10 +59,17 @@ class TokenDataModule(L.LightningDataModule):
             return 0, 0, 1
         return trainer.global_step * trainer.accumulate_grad_batches, trainer.global_rank, trainer.world_size
 
+    def _pin(self) -> bool:
+        """Pinned host memory on a GPU: Lightning then copies each batch with non_blocking=True, so the copy
+        overlaps the running step instead of waiting for it."""
+        trainer = getattr(self, "trainer", None)
+        return trainer is not None and trainer.strategy.root_device.type == "cuda"
+
     def train_dataloader(self) -> DataLoader:
         step, rank, world = self._position()
-        return DataLoader(TrainBatches(self.sampler, step, rank, world), batch_size=None, num_workers=0)
+        return DataLoader(TrainBatches(self.sampler, step, rank, world), batch_size=None, num_workers=0,
+                          pin_memory=self._pin())
 
     def val_dataloader(self) -> DataLoader:
         ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())

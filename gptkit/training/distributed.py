@@ -27,7 +27,7 @@ LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "
 
 
 # ---- world size and checks -------------------------------------------------------------------------
-def _accelerator(t: Any) -> str:
+def accelerator_type(t: Any) -> str:
     """'cuda' or 'cpu': what trainer.accelerator resolves to on this machine."""
     import torch
 
@@ -49,7 +49,7 @@ def devices_per_node(t: Any) -> int:
     if isinstance(d, int) and not isinstance(d, bool) and d >= 1:
         return d
     if d in ("auto", -1, "-1"):
-        return torch.cuda.device_count() if _accelerator(t) == "cuda" else 1
+        return torch.cuda.device_count() if accelerator_type(t) == "cuda" else 1
     if isinstance(d, str) and d.isdigit() and int(d) >= 1:
         return int(d)
     if not isinstance(d, (str, int)) and len(d) >= 1:  # a list of device indices
@@ -77,7 +77,7 @@ def check_distributed(t: Any) -> None:
     if strategy not in STRATEGIES:
         raise ConfigError(f"trainer.strategy={strategy!r} is not one of {', '.join(STRATEGIES)} "
                           f"(or pick a preset: trainer=ddp, trainer=fsdp)")
-    acc = _accelerator(t)
+    acc = accelerator_type(t)
     per_node = devices_per_node(t)
     if acc == "cuda":
         have = torch.cuda.device_count()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,11 +49,11 @@ def _explicit_overrides() -> list[str]:
     return list(HydraConfig.get().overrides.task)
 
 
-def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optional[int]]:
+def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optional[int], Optional[DictConfig]]:
     """For resume=..., continue with the run's saved config; command-line overrides other than
     the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
     if cfg.resume in (None, ""):
-        return cfg, None, None
+        return cfg, None, None, None
     ckpt = find_run_checkpoint(cfg.resume, cfg.runs_dir)
     if ckpt.suffix != ".ckpt":
         raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
@@ -63,6 +64,7 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
     saved = OmegaConf.create(read_config(run_dir_of(ckpt)))
     overrides = [o for o in _explicit_overrides() if not o.startswith(("resume=", "name=", "runs_dir=", "hydra."))]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
+    saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
     merged = saved
     if "trainer" in merged and "stop_at_step" in merged.trainer:
         merged.trainer.stop_at_step = None  # an early stop belongs to the invocation that asked for it
@@ -79,7 +81,7 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
     if dotlist:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
     merged.resume = str(ckpt)
-    return merged, ckpt, int(state.get("global_step", 0))
+    return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
 
 
 # Model settings that change no tensor shape: they may differ from those of the run that resume= continues
@@ -140,14 +142,15 @@ def _load_init_weights(module, ckpt: Path) -> None:
 
 
 def train(cfg: DictConfig) -> TrainResult:
+    started = time.perf_counter()
     import lightning as L
     import torch
 
     from gptkit import accounting as acc
     from gptkit.data import TokenDataModule, check_vocab, prepare
     from gptkit.model import ModelConfig
-    from gptkit.training.callbacks import detect_peak_flops
     from gptkit.training.distributed import check_run_name, world_size
+    from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import check_optim_config
     from gptkit.training.plots import plot_loss
@@ -160,7 +163,7 @@ def train(cfg: DictConfig) -> TrainResult:
     given = {o.split("=", 1)[0] for o in _explicit_overrides() if o.split("=", 1)[-1] not in ("", "null")}
     if {"resume", "init_from"} <= given:
         raise GptkitError("give resume= (continue a run) or init_from= (start a new run from its weights), not both")
-    cfg, resume_ckpt, resume_step = resolve_resume(cfg)
+    cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg)
     ckpt_dir = run_dir / CHECKPOINT_DIR
     if resume_ckpt is None and ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
         raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
@@ -194,6 +197,11 @@ def train(cfg: DictConfig) -> TrainResult:
         max_steps = int(t.max_steps)
     if max_steps < 1:
         raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1")
+    replan = None
+    if saved_trainer is not None:
+        saved_steps = (math.ceil(float(saved_trainer.max_tokens) / tokens_per_step) if saved_trainer.max_tokens
+                       is not None else int(saved_trainer.max_steps))
+        replan = schedule_note(saved_steps, max_steps, int(resume_step), cfg.optim)
 
     # the run folder: resolved config, tokenizer, manifest (written atomically)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -206,23 +214,27 @@ def train(cfg: DictConfig) -> TrainResult:
         torch.use_deterministic_algorithms(True)
     flops = acc.flops_per_token(model_cfg, seq_len)
     peak = detect_peak_flops(t.precision, t.peak_tflops)
-    module = LitGPT(model_cfg, cfg.optim, max_steps, compile=bool(t.compile),
-                    activation_checkpointing=bool(t.activation_checkpointing))
+    module = LitGPT(model_cfg, cfg.optim, max_steps, compile=t.compile,
+                    activation_checkpointing=bool(t.activation_checkpointing),
+                    compile_backend=str(t.get("compile_backend") or "inductor"))
     if init_ckpt is not None:
         _load_init_weights(module, init_ckpt)
     datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
                                  val_windows=t.val_windows)
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
-    trainer, checkpoints, throughput = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
+    trainer, checkpoints, metrics = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
                                                   peak, loggers)
     if trainer.world_size != world:
         raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for {world} "
                           f"(trainer.devices x trainer.num_nodes); make them agree")
-    _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir, resume_ckpt,
-              init_ckpt)
+    _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir,
+              resume_ckpt, init_ckpt, replan)
 
-    trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
-                weights_only=True)
+    try:
+        trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
+                    weights_only=True)
+    except torch.OutOfMemoryError as exc:
+        raise out_of_memory(cfg, model_cfg, world) from exc
 
     last = ckpt_dir / LAST_CHECKPOINT
     if checkpoints.signal_name is None:
@@ -234,45 +246,111 @@ def train(cfg: DictConfig) -> TrainResult:
             lg.finalize("success")
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
-        _summary(run_dir, trainer.global_step, val, throughput.last)
+        _summary(run_dir, trainer.global_step, val, metrics, flops.train_causal, peak, trainer.world_size,
+                 time.perf_counter() - started)
     return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
-                       float(val) if val is not None else None, throughput.last.get("perf/tokens_per_s"),
+                       float(val) if val is not None else None, metrics.average_tokens_per_s,
                        trainer.is_global_zero)
 
 
-def _announce(trainer, model_cfg, prepared, tokens_per_step, max_steps, flops_per_token, run_dir, resume,
-              init_from=None) -> None:
+def out_of_memory(cfg: DictConfig, model_cfg, world: int) -> GptkitError:
+    """A CUDA out-of-memory error as one line: the count-params estimate and what to change."""
+    from gptkit import accounting as acc
+
+    t = cfg.trainer
+    shards = world if t.strategy == "fsdp" else 1
+    mem = acc.training_memory(model_cfg, t.precision, shards, int(t.batch_size), model_cfg.max_seq_len,
+                              bool(t.activation_checkpointing))
+    return GptkitError(
+        f"out of GPU memory: count-params estimates {acc.human_bytes(mem['total'])} per device (weights "
+        f"{acc.human_bytes(mem['weights'])}, optimizer {acc.human_bytes(mem['optimizer'])}, activations "
+        f"{acc.human_bytes(mem['activations'])} at trainer.batch_size={t.batch_size}); lower trainer.batch_size "
+        f"(and raise trainer.accumulate_grad_batches to keep the batch), set trainer.activation_checkpointing=true, "
+        f"or shard with trainer=fsdp")
+
+
+def schedule_note(saved_max_steps: int | None, max_steps: int, step: int, optim: Any) -> str | None:
+    """On resume: one line when the schedule is re-planned (another max_steps), with the lr before and after."""
+    from gptkit.training.optim import lr_factor
+
+    if saved_max_steps is None or saved_max_steps == max_steps:
+        return None
+    kw = dict(schedule=optim.schedule, warmup_steps=int(optim.warmup_steps), lr=float(optim.lr),
+              min_lr=float(optim.min_lr), decay_fraction=float(optim.decay_fraction))
+    before = float(optim.lr) * lr_factor(step, max_steps=saved_max_steps, **kw)
+    after = float(optim.lr) * lr_factor(step, max_steps=max_steps, **kw)
+    return (f"the {optim.schedule} schedule is re-planned for {max_steps} steps instead of {saved_max_steps}: "
+            f"lr at step {step} {before:.3g} -> {after:.3g}")
+
+
+def _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops_per_token, run_dir, resume,
+              init_from=None, replan: str | None = None) -> None:
     if not trainer.is_global_zero:
         return
     from rich.console import Console
+    from rich.markup import escape
 
     from gptkit import accounting as acc
+    from gptkit.training.distributed import accelerator_type
+    from gptkit.training.module import compile_mode
+    from gptkit.training.optim import adamw_implementation
 
+    t = cfg.trainer
     n = acc.count_params(model_cfg).total
     per_device = tokens_per_step // (model_cfg.max_seq_len * trainer.accumulate_grad_batches * trainer.world_size)
-    Console(stderr=True).print(
-        f"[bold]gptkit train[/] -> {run_dir}\n"
-        f"  model {model_cfg.name}: {n:,} parameters, vocab {model_cfg.vocab_size}, context {model_cfg.max_seq_len}\n"
-        f"  data: {prepared.manifest.get('source', {}).get('description', prepared.dir)}"
+    clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
+    compiled = f", torch.compile={compile_mode(t.compile)}" if compile_mode(t.compile) else ""
+    job = _multirun_job()
+    Console(stderr=True, highlight=False, soft_wrap=True).print(
+        (f"[bold]{escape(job)}[/]\n" if job else "")
+        + f"[bold]gptkit train[/] -> {escape(str(run_dir))}\n"
+        f"  model {model_cfg.name}: {n:,} parameters, vocab {model_cfg.vocab_size}, context {model_cfg.max_seq_len}, "
+        f"attention {model_cfg.attention}{compiled}\n"
+        f"  data: {escape(str(prepared.manifest.get('source', {}).get('description', prepared.dir)))}"
         f" ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
         f"  global batch: {tokens_per_step:,} tokens/step = {per_device} sequences x {model_cfg.max_seq_len} tokens"
         f" x {trainer.accumulate_grad_batches} accumulation x {trainer.num_devices} devices x {trainer.num_nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
         f"{max_steps} steps = {tokens_per_step * max_steps:,} tokens, "
-        f"{flops_per_token * tokens_per_step * max_steps:.3g} FLOPs"
-        + (f"\n  resuming from {resume}" if resume else "")
-        + (f"\n  weights from {init_from} (new optimizer and schedule)" if init_from else "")
+        f"{flops_per_token * tokens_per_step * max_steps:.3g} FLOPs (6N + attention, as count-params)\n"
+        f"  precision {t.precision}, AdamW ({adamw_implementation(cfg.optim.fused, accelerator_type(t))}), {clip}"
+        + (f"\n  resuming from {escape(str(resume))}" if resume else "")
+        + (f"\n  note: {replan}" if replan else "")
+        + (f"\n  weights from {escape(str(init_from))} (new optimizer and schedule)" if init_from else "")
     )
 
 
-def _summary(run_dir: Path, step: int, val: Any, perf: dict[str, float]) -> None:
+def _multirun_job() -> str | None:
+    """'job 1: optim.lr=3e-3' when this run is one job of a multirun (-m), else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    if hc.mode != RunMode.MULTIRUN:
+        return None
+    return f"job {hc.job.num}: {' '.join(hc.overrides.task) or '(no overrides)'}"
+
+
+def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float, peak: float | None,
+             world: int, wall_s: float) -> None:
+    """The run's result: final val loss, and this invocation's average throughput over all its training
+    steps (not the last window) and total wall time."""
     from rich.console import Console
+    from rich.markup import escape
+
+    from gptkit import accounting as acc
+    from gptkit.training.progress import clock
 
     parts = [f"step {step}"]
     if val is not None:
         parts.append(f"val loss {float(val):.4f} (ppl {math.exp(min(float(val), 50)):.2f})")
-    if perf.get("perf/tokens_per_s"):
-        parts.append(f"{perf['perf/tokens_per_s']:,.0f} tokens/s, {perf['perf/flops_per_s'] / 1e9:.2f} GFLOP/s")
-    if perf.get("perf/mfu"):
-        parts.append(f"MFU {perf['perf/mfu']:.1%}")
-    Console(stderr=True).print(f"[bold green]done[/]: {', '.join(parts)} -> {run_dir}")
+    tps = metrics.average_tokens_per_s
+    if tps:
+        fps = tps * flops_per_token
+        rate = f"{fps / 1e12:.1f} TFLOP/s" if fps >= 1e12 else f"{fps / 1e9:.2f} GFLOP/s"
+        mfu = f", MFU {acc.mfu(tps / world, flops_per_token, peak):.1%}" if peak else ""
+        parts.append(f"{tps:,.0f} tokens/s on average over {metrics.steps_done:,} step"
+                     f"{'s' if metrics.steps_done != 1 else ''} ({rate}{mfu})")
+    parts.append(f"{clock(wall_s)} wall time")
+    Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold green]done[/]: {', '.join(parts)} -> "
+                                                                f"{escape(str(run_dir))}")

@@ -7,13 +7,35 @@ from typing import Any
 import lightning as L
 import torch
 
-from gptkit.errors import GptkitError
+from gptkit.errors import ConfigError
 from gptkit.model import GPT, ModelConfig
+from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler
 
+COMPILE_MODES = ("blocks", "model")
 
-class NonFiniteLossError(GptkitError):
-    """The training loss became NaN or inf."""
+
+def compile_mode(value) -> str | None:
+    """trainer.compile as None (off), "blocks" (each transformer block: regional, the default for true) or
+    "model" (the whole forward, loss included)."""
+    if value in (False, None, "false", "off"):
+        return None
+    if value is True or value == "true":
+        return "blocks"
+    if value not in COMPILE_MODES:
+        raise ConfigError(f"trainer.compile={value!r} is not one of true, false, {', '.join(COMPILE_MODES)}")
+    return value
+
+
+def apply_compile(model: GPT, mode: str, backend: str = "inductor") -> None:
+    """torch.compile in place (parameter names and checkpoints unchanged). "blocks" compiles each block:
+    the blocks share one compiled graph (torch inlines nn modules, so their weights are inputs), which
+    keeps compile time near that of one block; "model" compiles the whole forward and its loss."""
+    if mode == "model":
+        model.compile(backend=backend)
+    else:
+        for block in model.blocks:
+            block.compile(backend=backend)
 
 
 def apply_activation_checkpointing(model: GPT) -> None:
@@ -38,36 +60,31 @@ def apply_activation_checkpointing(model: GPT) -> None:
 
 class LitGPT(L.LightningModule):
     def __init__(self, model_cfg: ModelConfig, optim_cfg: Any, max_steps: int,
-                 compile: bool = False, activation_checkpointing: bool = False) -> None:
+                 compile: str | None = None, activation_checkpointing: bool = False,
+                 compile_backend: str = "inductor") -> None:
         super().__init__()
         self.model = GPT(model_cfg)
         if activation_checkpointing:
             apply_activation_checkpointing(self.model)
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
-        self.compile_model = compile
+        self.compile_mode = compile_mode(compile)
+        self.compile_backend = compile_backend
+        self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
         self._val_losses: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
         from gptkit.training.distributed import parallelize
 
         parallelize(self.model, self.trainer.strategy)  # FSDP2 shards per block under trainer=fsdp; else no-op
-        if self.compile_model and not getattr(self, "_compiled", False):
-            self.model.compile()  # compiles forward in place; state_dict keys stay unchanged
+        if self.compile_mode and not getattr(self, "_compiled", False):
+            apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True
 
     def training_step(self, batch, batch_idx):
         x, y = batch  # [B, T] inputs and [B, T] next-token targets
         loss = self.model(x, y).loss
-        if not torch.isfinite(loss):
-            raise NonFiniteLossError(
-                f"training loss became {loss.item()} at step {self.global_step}; the run stopped and kept its "
-                f"last good checkpoint; lower optim.lr, raise warmup, or check the data"
-            )
-        self.log("train/loss", loss, prog_bar=True, on_step=True, on_epoch=False, sync_dist=True)  # global mean
-        # loggers' x-axis = optimizer steps completed before this batch (Lightning's own counter
-        # drifts by one across some resumes)
-        self.log("step", float(self.global_step), on_step=True, on_epoch=False)
+        self.loss_window.add(loss, self.global_step)  # on the device: no host sync (StepMetrics reads it)
         return loss
 
     def validation_step(self, batch, batch_idx):

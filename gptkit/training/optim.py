@@ -47,15 +47,33 @@ def check_optim_config(cfg: Any) -> None:
         raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}]")
     if int(cfg.warmup_steps) < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
+    adamw_implementation(cfg.fused, "cpu")
+
+
+FUSED_DEVICES = ("cuda", "cpu")  # where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
+
+
+def adamw_implementation(fused: Any, device_type: str) -> str:
+    """"fused" (one kernel for every parameter update) or "foreach" (torch's default) for optim.fused
+    (auto | true | false) on `device_type`. Clipping works with both: gptkit's mixed-precision plugin
+    unscales before clipping (training/trainer.py)."""
+    if fused == "auto":
+        return "fused" if device_type in FUSED_DEVICES else "foreach"
+    if fused is True:
+        if device_type not in FUSED_DEVICES:
+            raise ConfigError(f"optim.fused=true needs a CUDA GPU or the CPU, not {device_type}; use optim.fused=auto")
+        return "fused"
+    if fused is False:
+        return "foreach"
+    raise ConfigError(f"optim.fused={fused!r} must be auto, true or false")
 
 
 def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
     """AdamW over param_groups (cfg as check_optim_config accepts it)."""
     groups = param_groups(model, float(cfg.weight_decay), bool(cfg.decay_embeddings), bool(cfg.decay_norms_and_biases))
-    on_cuda = next(model.parameters()).is_cuda
-    fused = on_cuda if cfg.fused == "auto" else bool(cfg.fused)
+    impl = adamw_implementation(cfg.fused, next(model.parameters()).device.type)
     return torch.optim.AdamW(groups, lr=float(cfg.lr), betas=tuple(float(b) for b in cfg.betas),
-                             eps=float(cfg.eps), fused=fused or None)
+                             eps=float(cfg.eps), fused=impl == "fused", foreach=impl == "foreach" or None)
 
 
 def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr: float, min_lr: float,

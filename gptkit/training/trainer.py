@@ -8,15 +8,24 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_text
 from gptkit.precision import precision
-from gptkit.training.callbacks import RunCheckpoints, ThroughputMonitor
+from gptkit.training.callbacks import RunCheckpoints
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
-from gptkit.training.distributed import build_strategy, check_distributed, fail_fast_callback, world_size
+from gptkit.training.distributed import (
+    accelerator_type,
+    build_strategy,
+    check_distributed,
+    fail_fast_callback,
+    world_size,
+)
+from gptkit.training.metrics import StepMetrics
+from gptkit.training.module import compile_mode
+from gptkit.training.progress import ProgressReporter, progress_mode
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
@@ -106,9 +115,50 @@ def _wandb_settings():
     return wandb.Settings(init_timeout=30, x_disable_stats=True)
 
 
+class ClippingMixedPrecision(MixedPrecision):
+    """Lightning's mixed precision, with gradient clipping for optimizers that take the loss scale into their
+    own step (fused AdamW), which Lightning refuses ("does not allow for gradient clipping because it performs
+    unscaling of gradients internally").
+
+    16-mixed: the gradients are unscaled before clipping for every optimizer; torch's GradScaler then sees
+    them unscaled and steps a fused optimizer with no scale (and skips the step on inf/NaN, as always).
+    bf16-mixed has no scaler, so there is nothing to unscale and clipping is plain clipping.
+    """
+
+    def optimizer_step(self, optimizer, model, closure, **kwargs):
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        skip = closure_result is None and model.automatic_optimization  # backward skipped by the step
+        if not skip:
+            self.scaler.unscale_(optimizer)  # on the device: no host sync
+        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+        if skip:
+            return closure_result
+        out = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return out
+
+    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
+        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
+        Precision.clip_gradients(self, optimizer, clip_val, **kwargs)  # the gradients are unscaled: just clip
+
+
+def precision_plugin(t: Any):
+    """The precision plugin for trainer.precision: ClippingMixedPrecision for the mixed precisions (on CUDA
+    and on the CPU alike: 16-mixed keeps fp16 and its GradScaler on the CPU, where Lightning would silently
+    switch to bf16), else None (Lightning's own plugin for the "true" precisions)."""
+    p = precision(t.precision)
+    if not p.mixed:
+        return None
+    return ClippingMixedPrecision(p.name, accelerator_type(t))
+
+
 def check_trainer_config(t: Any) -> None:
     """Fail in one line, before any data is prepared, on trainer values Lightning would reject late."""
-    precision(t.precision)
+    import torch
+
+    p = precision(t.precision)
     for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every", "num_nodes"):
         if not isinstance(t[key], int) or int(t[key]) < 1:
             raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
@@ -118,31 +168,48 @@ def check_trainer_config(t: Any) -> None:
         raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
+    progress_mode(t.progress)
     check_distributed(t)  # devices, strategy, launcher: one line now rather than a hang later
+    device = accelerator_type(t)
+    if device == "cuda" and p.compute == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ConfigError(f"trainer.precision={p.name}: this GPU ({torch.cuda.get_device_name()}) has no bf16; "
+                          f"use trainer.precision=16-mixed (or 32-true)")
+    if compile_mode(t.compile):
+        check_compile(device, str(t.get("compile_backend") or "inductor"))
+
+
+def check_compile(device: str, backend: str) -> None:
+    """trainer.compile=true where torch cannot compile is one line, before any data is prepared."""
+    import shutil
+
+    import torch
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError(f"trainer.compile=true: torch.compile does not support this Python/platform "
+                          f"(torch {torch.__version__}); use trainer.compile=false")
+    if backend == "inductor" and device == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+        raise ConfigError("trainer.compile=true on the CPU needs a C++ compiler for torch's inductor backend "
+                          "(install g++), or use trainer.compile=false")
 
 
 def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_step: int, max_steps: int,
-                  peak_flops: float | None, loggers: list) -> tuple[L.Trainer, RunCheckpoints, ThroughputMonitor]:
+                  peak_flops: float | None, loggers: list) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
     t = cfg.trainer  # checked by check_trainer_config before any data was prepared
     checkpoints = RunCheckpoints(str(run_dir / CHECKPOINT_DIR), int(t.checkpoint_every), t.get("stop_at_step"),
                                  sync_every=int(t.log_every))
-    throughput = ThroughputMonitor(flops_per_token, tokens_per_step, peak_flops, int(t.log_every))
-    callbacks = [
-        throughput,
-        checkpoints,
-    ]
-    if loggers:
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
-    if t.progress:
-        callbacks.append(RichProgressBar(leave=True))
+    reporter = ProgressReporter(t.progress)
+    metrics = StepMetrics(flops_per_token, tokens_per_step, peak_flops, int(t.log_every),
+                          reporter if reporter.mode != "off" else None)
+    callbacks = [metrics, checkpoints]
     if world_size(t) > 1:
         callbacks.append(fail_fast_callback())
+    plugin = precision_plugin(t)
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
         num_nodes=t.num_nodes,
         strategy=build_strategy(t),
-        precision=t.precision,
+        precision=None if plugin else t.precision,
         max_steps=max_steps,
         max_epochs=-1,
         accumulate_grad_batches=int(t.accumulate_grad_batches),
@@ -153,12 +220,12 @@ def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_st
         log_every_n_steps=int(t.log_every),
         logger=loggers or False,
         callbacks=callbacks,
-        enable_progress_bar=bool(t.progress),
+        enable_progress_bar=False,  # ProgressReporter: on stderr, and it never reads a device tensor
         enable_model_summary=False,
         deterministic=bool(t.deterministic),
         default_root_dir=str(run_dir),
         enable_checkpointing=False,  # RunCheckpoints writes them (Lightning would add a ModelCheckpoint)
-        plugins=[SafeAtomicCheckpointIO()],
+        plugins=[SafeAtomicCheckpointIO()] + ([plugin] if plugin else []),
         use_distributed_sampler=True,
     )
-    return trainer, checkpoints, throughput
+    return trainer, checkpoints, metrics

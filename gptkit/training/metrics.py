@@ -1,0 +1,191 @@
+"""What training measures, read only at log steps: the hot path has no host sync.
+
+Between two log steps nothing is read from the device: LossWindow keeps the running sum of the train
+losses and the first step whose loss was not finite as device tensors. Every trainer.log_every optimizer
+steps (and at the last one) StepMetrics synchronizes once and writes one row for that step to every
+logger: train/loss (the mean over the window, across ranks), train/lr, tokens/s, achieved FLOP/s, MFU,
+cumulative tokens and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints asks
+LossWindow before every save, so a checkpoint never holds what a NaN step produced.
+
+FLOPs per token are the analytic training FLOPs of `gptkit count-params` (6N + the causal attention
+term, gptkit.accounting); MFU is per device: global FLOP/s / (world_size * the device's peak).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from gptkit import accounting as acc
+from gptkit.errors import GptkitError
+from gptkit.precision import precision
+
+
+class NonFiniteLossError(GptkitError):
+    """The training loss became NaN or inf."""
+
+
+def detect_peak_flops(precision_name: str, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device for the active precision, from the accelerator table.
+
+    None on CPU (and on unknown GPUs) unless the user gives trainer.peak_tflops.
+    """
+    if override_tflops is not None:
+        return float(override_tflops) * 1e12
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name().lower().replace(" ", "").replace("-", "")
+    dtype = precision(precision_name).compute
+    if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        dtype = "tf32"
+    for key, table in acc.ACCELERATORS.items():
+        if key in name and dtype in table:
+            return table[dtype] * 1e12
+    return None
+
+
+class LossWindow:
+    """The train losses since the last log step, and the first non-finite one, kept on the device."""
+
+    def __init__(self) -> None:
+        self.sum: torch.Tensor | None = None  # fp32 scalar
+        self.count = 0  # losses added (micro-batches)
+        self.first_bad: torch.Tensor | None = None  # int64 scalar: the step of the first non-finite loss, or -1
+
+    def add(self, loss: torch.Tensor, step: int) -> None:
+        """Record the loss of a micro-batch of optimizer step `step` (no host sync)."""
+        loss = loss.detach().float()
+        if self.sum is None:
+            self.sum = torch.zeros((), device=loss.device)
+            self.first_bad = torch.full((), -1, dtype=torch.long, device=loss.device)
+        self.sum += loss
+        self.count += 1
+        bad = ~torch.isfinite(loss) & (self.first_bad < 0)
+        self.first_bad = torch.where(bad, step, self.first_bad)
+
+    def check_finite(self, strategy) -> None:
+        """Raise NonFiniteLossError on every rank if any rank saw a non-finite loss (a host sync)."""
+        if self.first_bad is None:
+            return
+        bad = int(strategy.reduce(self.first_bad.clone(), reduce_op="max"))
+        if bad >= 0:
+            raise NonFiniteLossError(
+                f"training loss became non-finite at step {bad}; the run stopped and kept its last good "
+                f"checkpoint; lower optim.lr, raise optim.warmup_steps, or check the data")
+
+    def read(self, strategy) -> float | None:
+        """The mean loss of the window over all ranks (a host sync), then start a new window."""
+        self.check_finite(strategy)
+        if self.sum is None or self.count == 0:
+            return None
+        mean = strategy.reduce(self.sum / self.count, reduce_op="mean")
+        self.sum.zero_()
+        self.count = 0
+        return float(mean)
+
+
+def optimizer_stepped(trainer, batch_idx: int) -> bool:
+    return (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+
+
+class StepMetrics(Callback):
+    """Every log_every optimizer steps (and at the last): one row of metrics to every logger and to the
+    progress reporter. Timing excludes validation; the run's totals give the final average."""
+
+    def __init__(self, flops_per_token: float, tokens_per_step: int, peak_flops: float | None, log_every: int,
+                 reporter=None) -> None:
+        self.flops_per_token = flops_per_token
+        self.tokens_per_step = tokens_per_step
+        self.peak = peak_flops
+        self.log_every = max(1, log_every)
+        self.reporter = reporter
+        self._t0: float | None = None
+        self._steps = 0  # optimizer steps in the current timing window
+        self.train_seconds = 0.0  # this invocation's training time, validation excluded
+        self.steps_done = 0  # optimizer steps this invocation
+        self.last: dict[str, float] = {}
+
+    def _sync(self, trainer) -> None:
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self._restart(trainer)
+        if self.reporter is not None:
+            self.reporter.start(trainer.global_step, trainer.max_steps)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        self._pause(trainer)
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        if self.reporter is not None and trainer.is_global_zero:
+            val = trainer.callback_metrics.get("val/loss")
+            if val is not None:
+                self.reporter.validation(trainer.global_step, float(val))
+        self._restart(trainer)
+
+    def _pause(self, trainer) -> None:
+        self._sync(trainer)
+        if self._t0 is not None:
+            self.train_seconds += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def _restart(self, trainer) -> None:
+        self._sync(trainer)
+        self._t0 = time.perf_counter()
+        self._steps = 0
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if not optimizer_stepped(trainer, batch_idx):
+            return
+        self._steps += 1
+        self.steps_done += 1
+        step = trainer.global_step
+        if self.reporter is not None:
+            self.reporter.advance(step)
+        if step % self.log_every and step != trainer.max_steps:
+            return
+        loss = pl_module.loss_window.read(trainer.strategy)  # the one host sync of this window
+        self._sync(trainer)
+        now = time.perf_counter()
+        dt = now - self._t0
+        self.train_seconds += dt
+        self._t0 = now
+        tokens_per_s = self._steps * self.tokens_per_step / dt if dt > 0 else 0.0
+        self._steps = 0
+        metrics = {"train/lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
+                   "perf/tokens_per_s": tokens_per_s,
+                   "perf/flops_per_s": tokens_per_s * self.flops_per_token,
+                   "perf/tokens": float(step * self.tokens_per_step),
+                   "perf/flops": float(step * self.tokens_per_step * self.flops_per_token)}
+        if loss is not None:
+            metrics["train/loss"] = loss
+        if self.peak:
+            metrics["perf/mfu"] = acc.mfu(tokens_per_s / trainer.world_size, self.flops_per_token, self.peak)
+        self.last = metrics
+        for logger in trainer.loggers:  # x-axis: the optimizer steps completed before this step's batch
+            logger.log_metrics(metrics, step=step - 1)
+        if self.reporter is not None and trainer.is_global_zero:
+            self.reporter.log(step, metrics)
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self._pause(trainer)
+        if self.reporter is not None:
+            self.reporter.close()
+
+    def on_exception(self, trainer, pl_module, exception) -> None:
+        if self.reporter is not None:
+            self.reporter.close()
+
+    @property
+    def average_tokens_per_s(self) -> float | None:
+        """This invocation's tokens per second over its whole training time (validation excluded)."""
+        if not self.train_seconds:
+            return None
+        return self.steps_done * self.tokens_per_step / self.train_seconds
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}

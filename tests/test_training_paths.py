@@ -1,0 +1,190 @@
+"""The code paths a GPU run takes, taken on the CPU: every precision x clipping x fused AdamW x compile,
+correct clipping with a fused optimizer, and a hot path with no host sync between log steps.
+
+Each case is a real Lightning fit of a tiny model built by gptkit's own trainer factory (in-process, a few
+steps), so a combination that Lightning or torch refuses fails here, not on the first GPU run.
+"""
+
+import itertools
+import logging
+import warnings
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.overrides import TorchFunctionMode
+
+from gptkit.config import compose
+from gptkit.data import TokenDataModule, prepare
+from gptkit.model import ModelConfig
+from gptkit.precision import PRECISIONS
+from gptkit.training.module import LitGPT
+from gptkit.training.trainer import ClippingMixedPrecision, build_trainer, check_trainer_config
+
+TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")  # the issue's matrix; 16-true below
+SEQ, BATCH = 16, 2
+
+
+@pytest.fixture(scope="module")
+def prepared():
+    return prepare({"kind": "shakespeare"}, {"kind": "byte"}, progress=False)
+
+
+@pytest.fixture(scope="module")
+def base_cfg():
+    return compose("train", ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", f"model.max_seq_len={SEQ}",
+                             "model.vocab_size=256", f"trainer.batch_size={BATCH}", "trainer.progress=off",
+                             "trainer.val_every=1000", "trainer.checkpoint_every=1000"])
+
+
+def fit(prepared, base_cfg, tmp_path, steps=3, seed=0, **trainer_opts):
+    """A short fit through build_trainer; returns (module, trainer). optim.fused=... via fused=."""
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    cfg = OmegaConf.create(OmegaConf.to_container(base_cfg, resolve=True))
+    cfg.optim.fused = trainer_opts.pop("fused", "auto")
+    cfg.optim.warmup_steps = 0
+    for k, v in trainer_opts.items():
+        cfg.trainer[k] = v
+    check_trainer_config(cfg.trainer)
+    torch.manual_seed(seed)
+    module = LitGPT(ModelConfig.from_dict(OmegaConf.to_container(cfg.model)), cfg.optim, steps,
+                    compile=cfg.trainer.compile, compile_backend=cfg.trainer.compile_backend)
+    dm = TokenDataModule(prepared, batch_size=BATCH, seq_len=SEQ, seed=1, val_windows=2)
+    trainer, _, metrics = build_trainer(cfg, tmp_path, 1.0, BATCH * SEQ, steps, None, [])
+    trainer.fit(module, datamodule=dm)
+    assert trainer.global_step == steps
+    return module, trainer, metrics
+
+
+# compile: aot_eager traces and differentiates the graph as inductor does, without generating code
+MATRIX = list(itertools.product(TRAINING_PRECISIONS, (1.0, None), ("auto", True, False), (False, True)))
+
+
+@pytest.mark.parametrize("precision, clip, fused, compile", MATRIX,
+                         ids=[f"{p}-clip{c}-fused{f}-compile{k}" for p, c, f, k in MATRIX])
+def test_every_combination_trains(prepared, base_cfg, tmp_path, precision, clip, fused, compile):
+    module, trainer, metrics = fit(prepared, base_cfg, tmp_path, precision=precision, gradient_clip_val=clip,
+                                   fused=fused, compile=compile, compile_backend="aot_eager", log_every=3)
+    assert torch.isfinite(torch.tensor(metrics.last["train/loss"]))
+    opt = trainer.optimizers[0]
+    assert opt.defaults["fused"] == (fused in ("auto", True))  # auto picks fused on the CPU too, as on CUDA
+    if PRECISIONS[precision].mixed:  # our plugin, with fp16 kept on the CPU (Lightning would switch to bf16)
+        assert isinstance(trainer.precision_plugin, ClippingMixedPrecision)
+        assert trainer.precision_plugin.precision == precision
+        assert (trainer.precision_plugin.scaler is not None) == (precision == "16-mixed")
+
+
+@pytest.mark.parametrize("precision", TRAINING_PRECISIONS)
+def test_inductor_compile_trains(prepared, base_cfg, tmp_path, precision):
+    _, _, metrics = fit(prepared, base_cfg, tmp_path, precision=precision, compile=True, log_every=3)
+    assert torch.isfinite(torch.tensor(metrics.last["train/loss"]))
+
+
+def test_sixteen_true_trains(prepared, base_cfg, tmp_path):
+    _, _, metrics = fit(prepared, base_cfg, tmp_path, precision="16-true", log_every=3)
+    assert torch.isfinite(torch.tensor(metrics.last["train/loss"]))
+
+
+@pytest.mark.parametrize("precision, tol", [("32-true", 1e-5), ("bf16-mixed", 1e-4), ("16-mixed", 1e-4)])
+def test_clipping_with_the_fused_optimizer_is_the_same_clipping(prepared, base_cfg, tmp_path, precision, tol):
+    """Fused AdamW takes the loss scale into its own step: clipping must act on the unscaled gradients, as
+    with foreach. A tiny clip value makes every step clip."""
+    weights = {}
+    for fused in (True, False):
+        module, _, _ = fit(prepared, base_cfg, tmp_path / str(fused), steps=2, precision=precision,
+                           gradient_clip_val=1e-3, fused=fused, log_every=2)
+        weights[fused] = {k: v.detach().float().clone() for k, v in module.model.state_dict().items()}
+    for k in weights[True]:
+        torch.testing.assert_close(weights[True][k], weights[False][k], rtol=tol, atol=tol, msg=k)
+
+
+class SyncCounter(TorchFunctionMode):
+    """Records each tensor-to-host read (what would make the host wait for the GPU) and the step it ran in."""
+
+    SYNCS = {"item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__", "__format__"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trainer = None
+        self.steps: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in self.SYNCS and self.trainer is not None:
+            self.steps.append(self.trainer.global_step)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
+def test_no_host_sync_between_log_steps(prepared, base_cfg, tmp_path, precision):
+    """Between log steps (here 4, 8 and the last, 10) nothing reads a tensor: no NaN check, no loss, no
+    progress display, no GradScaler .item(). Steps 1-3, 5-7 and 9 must have no sync at all."""
+    counter = SyncCounter()
+    original = LitGPT.on_train_start
+
+    def start_counting(module):
+        counter.trainer = module.trainer
+        original(module)
+
+    LitGPT.on_train_start = start_counting
+    try:
+        with counter:
+            fit(prepared, base_cfg, tmp_path, steps=10, precision=precision, gradient_clip_val=1.0, log_every=4,
+                progress="lines")
+    finally:
+        LitGPT.on_train_start = original
+    assert counter.steps, "the counter saw nothing: it does not observe the run"
+    assert set(counter.steps) <= {0, 4, 8, 10}, sorted(set(counter.steps))
+
+
+def test_a_nan_stops_at_the_next_log_step_and_no_checkpoint_holds_it(prepared, base_cfg, tmp_path):
+    from gptkit.training.metrics import NonFiniteLossError
+
+    original = LitGPT.training_step
+
+    def poisoned(module, batch, batch_idx):  # LitGPT.training_step with a NaN loss at step 5
+        x, y = batch
+        loss = module.model(x, y).loss
+        if module.global_step == 5:
+            loss = loss * float("nan")
+        module.loss_window.add(loss, module.global_step)
+        return loss
+
+    LitGPT.training_step = poisoned
+    try:
+        with pytest.raises(NonFiniteLossError, match="non-finite at step 5"):
+            fit(prepared, base_cfg, tmp_path, steps=12, log_every=4, checkpoint_every=6)
+    finally:
+        LitGPT.training_step = original
+    assert not (tmp_path / "checkpoints" / "step-000006.ckpt").exists()  # checked before the save at step 6
+
+
+def test_batches_are_pinned_for_a_gpu(prepared):
+    """On CUDA the batches come from pinned memory, so Lightning's non_blocking copy overlaps the step."""
+    from types import SimpleNamespace
+
+    dm = TokenDataModule(prepared, batch_size=BATCH, seq_len=SEQ, seed=1, val_windows=2)
+    for device, pinned in (("cuda", True), ("cpu", False)):
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), global_step=0,
+                                     accumulate_grad_batches=1, global_rank=0, world_size=1)
+        assert dm.train_dataloader().pin_memory is pinned
+        assert dm.val_dataloader().pin_memory is pinned
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-true"])
+def test_bench_train_compares_the_two_loops(tmp_path, precision):
+    """`gptkit bench train` runs both loops (the GPU path's GradScaler / dtype branches included) and
+    writes a row per compile setting."""
+    import json
+
+    from gptkit.cli import main
+
+    out = tmp_path / "train.json"
+    rc = main(["bench", "train", "device=cpu", f"precision={precision}", "steps=3", "warmup=1", "repeats=1",
+               "log_every=2", "compile=[false]", "model_overrides={max_seq_len: 16, n_layers: 1, n_heads: 2, "
+               "d_model: 32}", "batch_size=2", f"out={out}"])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    assert d["precision"] == precision and [r["compile"] for r in d["rows"]] == ["off"]
+    assert d["rows"][0]["gptkit_ms"] > 0 and d["rows"][0]["bare_ms"] > 0
+
