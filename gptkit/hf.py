@@ -8,9 +8,12 @@ Any other combination is refused with a GptkitError that names the variant that 
 never a silently different model. RoPE is in the rotate-half layout on both sides and GELU is the
 tanh approximation (GPT-2's gelu_new) on both sides, so no permutation or activation change is needed.
 
-Two levels:
+Three levels:
   - plain data (no `transformers` needed): hf_config(), to_hf_state_dict(), model_config_from_hf(),
     from_hf_state_dict(), and the folder I/O used by `gptkit export` / `gptkit import`;
+  - sources: locate() turns `hf=<folder | owner/name[@revision]>` into a local folder (a Hub model is fetched
+    into the Hugging Face cache by `huggingface_hub`), import_folder() turns that folder into a gptkit run
+    folder, import_cached() does both for `train init_from=hf:...` and reuses the result;
   - in memory: to_transformers(model) and from_transformers(hf_model) (need `transformers`).
 """
 
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -330,7 +334,8 @@ def load_weights(hf_dir: Path) -> dict[str, Any]:
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     f = hf_dir / "config.json"
     if not hf_dir.is_dir():
-        raise GptkitError(f"{hf_dir} is not a folder; pass hf=<a local transformers model folder>")
+        raise GptkitError(f"{hf_dir} is not a folder; pass a local transformers model folder or a Hugging Face "
+                          f"Hub model id (owner/name[@revision])")
     if not f.is_file():
         raise GptkitError(f"{hf_dir} is not a transformers model folder (no config.json in it)")
     try:
@@ -358,3 +363,167 @@ def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None
     d.update({k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("pad_token_id", pad_id))
               if v is not None})
     return d
+
+
+# ---- sources: a local folder or a Hugging Face Hub model ---------------------------------------
+IMPORTED_FILE = "imported_from.json"  # in an imported run folder: where its weights came from
+HUB_FIRST = ["config.json", "tokenizer.json"]  # fetched first: an unsupported model fails before its weights
+HUB_WEIGHTS = [SAFE_SINGLE, "model-*-of-*.safetensors", SAFE_INDEX]
+HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]  # only for a model without safetensors
+HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?(?:@[\w./-]+)?")  # owner/name[@revision] (or a legacy name)
+LOCAL_IMPORT = "gptkit import hf=/path/to/folder out=runs/<name>"
+
+
+@dataclass
+class Source:
+    """A transformers folder on this machine, and where it came from."""
+
+    dir: Path
+    name: str  # the default model (and folder) name: the folder's or the repository's
+    spec: str  # what names exactly these files again: the resolved folder, or owner/name@commit
+    note: str | None = None  # worth one line on stderr (e.g. an unreachable hub left only the cache)
+
+
+def locate(spec: str, local_alternative: str = LOCAL_IMPORT) -> Source:
+    """`hf=<spec>` as a transformers folder on this machine: a local folder (it wins whenever it exists, even one
+    named like owner/name), else a Hugging Face Hub model id, owner/name[@revision], fetched into the Hugging Face
+    cache. `local_alternative` is the command that uses a local folder instead, for the message that the hub
+    cannot be used."""
+    path = Path(spec).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(spec):
+        return Source(path, path.resolve().name, str(path.resolve()))
+    repo_id, _, revision = spec.partition("@")
+    return _fetch(repo_id, revision or None, local_alternative)
+
+
+def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source:
+    """What import reads of a Hub model (config.json and tokenizer.json first, then the safetensors weights, and
+    pytorch_model.bin only when there are none), downloaded into the Hugging Face cache by huggingface_hub with its
+    progress bars. Offline (HF_HUB_OFFLINE=1) or with the hub unreachable (a connect with a short timeout, no
+    retries), only the cache is read: a model already there works, any other fails at once with one line."""
+    import logging
+
+    from huggingface_hub import constants, errors, snapshot_download
+
+    from gptkit import hub
+
+    unreachable = None
+    if not hub.offline():
+        try:
+            hub.check_hub_reachable(hub.TIMEOUT_S)
+        except GptkitError as exc:
+            unreachable = str(exc)
+    if unreachable:
+        not_cached = (f"{repo_id} is not a local folder, nor in the Hugging Face cache, and {unreachable}; without "
+                      f"network (HF_HUB_OFFLINE=1) only models in that cache and local folders work: "
+                      f"{local_alternative}")
+    else:
+        not_cached = (f"{repo_id} is not a local folder, nor (completely) in the Hugging Face cache "
+                      f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
+                      f"HF_HUB_OFFLINE to download it, or use a local transformers folder: {local_alternative}")
+    local_only = unreachable is not None or hub.offline()
+
+    def get(patterns: list[str], rev: str | None) -> Path:
+        try:
+            return Path(snapshot_download(repo_id, revision=rev, allow_patterns=patterns, local_files_only=local_only))
+        except errors.GatedRepoError:
+            raise GptkitError(f"{repo_id} is a gated model: accept its conditions on its Hub page and log in "
+                              f"(`hf auth login` or HF_TOKEN), then try again") from None
+        except errors.RepositoryNotFoundError:
+            raise GptkitError(f"{repo_id} is neither a local folder nor a model on the Hugging Face Hub (check the "
+                              f"name; a private model needs `hf auth login` or HF_TOKEN)") from None
+        except errors.RevisionNotFoundError:
+            raise GptkitError(f"{repo_id} has no revision {rev!r} on the Hugging Face Hub; give a branch, tag or "
+                              f"commit it has: {repo_id}@<revision>") from None
+        except errors.LocalEntryNotFoundError:  # offline and not (completely) in the cache
+            raise GptkitError(not_cached) from None
+        except errors.HFValidationError as exc:
+            raise GptkitError(f"{repo_id} is neither a local folder nor a valid Hub model id (owner/name): "
+                              f"{str(exc).splitlines()[0][:160]}") from None
+        except Exception as exc:  # the network or the hub failed part-way
+            raise GptkitError(f"cannot download {repo_id} from the Hugging Face Hub ({type(exc).__name__}: "
+                              f"{(str(exc).splitlines() or [''])[0][:160]}); try again, or use a local folder: "
+                              f"{local_alternative}") from None
+
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    hub_log.setLevel(logging.ERROR)  # e.g. "No files matched" for a model without safetensors: we handle it
+    try:
+        folder = get(HUB_FIRST, revision)
+        commit = folder.name  # a snapshot folder is named by its commit: the later calls fetch exactly this one
+        if not (folder / "config.json").is_file():
+            raise GptkitError(f"{repo_id} has no config.json: it is not a transformers model (gptkit imports Llama "
+                              f"and GPT-2 models)")
+        model_config_from_hf(read_hf_config(folder))  # an unsupported model fails before its weights download
+        folder = get(HUB_WEIGHTS, commit)
+        if not any((folder / f).is_file() for f in (SAFE_SINGLE, SAFE_INDEX)):
+            folder = get(HUB_PICKLES, commit)  # read with weights_only=True: a pickle that would run code is refused
+    finally:
+        hub_log.setLevel(level)
+    note = f"{unreachable}; using {repo_id}@{commit} from the Hugging Face cache" if unreachable else None
+    return Source(folder, repo_id.rsplit("/", 1)[-1], f"{repo_id}@{commit}", note)
+
+
+def fingerprint(folder: Path) -> list[list[Any]]:
+    """[name, size, mtime_ns] of the files import reads from `folder`: an import of it is current while this holds."""
+    from fnmatch import fnmatch
+
+    patterns = HUB_FIRST + HUB_WEIGHTS + HUB_PICKLES
+    if not folder.is_dir():
+        return []
+    files = sorted(f for f in folder.iterdir() if f.is_file() and any(fnmatch(f.name, p) for p in patterns))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+@dataclass
+class Imported:
+    out: Path
+    model_type: str | None
+    n_params: int
+    dtypes: list[str]  # of the source tensors (the run folder holds fp32)
+    has_tokenizer: bool
+
+
+def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
+    """Write the transformers folder src.dir as the gptkit run folder `out`: config.yaml, tokenizer.json (when the
+    folder has one), checkpoints/last.ckpt (fp32; lower-precision sources widened exactly) and imported_from.json.
+    `out` is written whole or not at all; a non-empty `out` needs force=True."""
+    from gptkit.fsio import staged_dir
+    from gptkit.model import GPT
+    from gptkit.runs import TOKENIZER_FILE, load_tokenizer, write_run_folder
+
+    hf_cfg = read_hf_config(src.dir)
+    model_cfg = model_config_from_hf(hf_cfg, name=name or src.name)
+    source = load_weights(src.dir)
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
+    model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
+    tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
+    with staged_dir(out, force=force) as tmp:
+        write_run_folder(tmp, {}, model, tokenizer)
+        provenance = {"source": src.spec, "architectures": hf_cfg.get("architectures"),
+                      "model_type": hf_cfg.get("model_type"), "dtypes": dtypes, "files": fingerprint(src.dir)}
+        (tmp / IMPORTED_FILE).write_text(json.dumps(provenance, indent=2))
+    return Imported(out, hf_cfg.get("model_type"), model.num_parameters(), dtypes, tokenizer is not None)
+
+
+def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tuple[Path, Source, bool]:
+    """For `train init_from=hf:<spec>`: the run folder <runs_dir>/<name>-imported holding `spec`, imported now or
+    reused (True) when it already holds these very files (the same hub commit, or the same local folder
+    unchanged). Processes started together (torchrun ranks) import once: the others wait and reuse it."""
+    from filelock import FileLock
+
+    src = locate(spec, local_alternative)
+    out = Path(runs_dir) / f"{src.name}-imported"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        try:
+            held = json.loads((out / IMPORTED_FILE).read_text())
+        except (OSError, ValueError):
+            held = None
+        if isinstance(held, dict) and held.get("source") == src.spec and held.get("files") == fingerprint(src.dir):
+            return out, src, True
+        if not isinstance(held, dict) and out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise GptkitError(f"{out} exists and is not an import by gptkit; move it away, or import into a folder "
+                              f"of your choice (gptkit import hf={spec} out=<folder>) and pass init_from=<folder>")
+        import_folder(src, out, force=True)
+    return out, src, False

@@ -1,12 +1,18 @@
-"""Read a local Hugging Face `transformers` folder (Llama or GPT-2) into a gptkit run folder
-(config.yaml, tokenizer.json, checkpoints/last.ckpt) that sample, eval and export accept.
+"""Read a Hugging Face `transformers` model (Llama or GPT-2) into a gptkit run folder (config.yaml,
+tokenizer.json, checkpoints/last.ckpt) that sample, eval, export and `train init_from=` accept.
+
+hf= is a local folder (it wins whenever it exists) or a Hugging Face Hub model id, owner/name[@revision]:
+then config.json and tokenizer.json, and then the safetensors weights, are downloaded into the Hugging Face
+cache (HF_HOME), with progress bars. Offline (HF_HUB_OFFLINE=1, or the hub unreachable) a model already in
+that cache still imports; any other fails at once.
 
 Weights are read from model.safetensors (single or sharded); pytorch_model.bin only with
 torch.load(weights_only=True), so a pickle that would run code is refused. The weights are
 kept exactly (stored in fp32; a bf16/fp16 source is widened without rounding).
 
 Examples:
-  gptkit import hf=/models/TinyLlama-1.1B out=runs/tinyllama
+  gptkit import hf=openai-community/gpt2 out=runs/gpt2
+  gptkit import hf=TinyLlama/TinyLlama-1.1B-Chat-v1.0@main out=runs/tinyllama
   gptkit import hf=/models/gpt2 out=runs/gpt2 force=true
 """
 
@@ -14,38 +20,28 @@ from __future__ import annotations
 
 
 def run(cfg) -> int:
-    import json
     import sys
     from pathlib import Path
 
     from gptkit import hf
     from gptkit.errors import ConfigError
-    from gptkit.fsio import check_out_dir, staged_dir
-    from gptkit.model import GPT
-    from gptkit.runs import load_tokenizer, write_run_folder
+    from gptkit.fsio import check_out_dir
 
     if not cfg.hf:
-        raise ConfigError("import needs hf=<local transformers model folder>")
+        raise ConfigError("import needs hf=<local transformers model folder or Hub model id owner/name>")
     if not cfg.out:
         raise ConfigError("import needs out=<run folder to write>")
-    hf_dir = Path(cfg.hf).expanduser()
     out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))  # fail before the slow part
-    hf_cfg = hf.read_hf_config(hf_dir)
-    model_cfg = hf.model_config_from_hf(hf_cfg, name=cfg.name or hf_dir.resolve().name)
-    source = hf.load_weights(hf_dir)
-    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
-    model = GPT.from_state(model_cfg, hf.from_hf_state_dict(source, model_cfg, source=str(hf_dir)))
-    tokenizer = load_tokenizer(hf_dir) if (hf_dir / "tokenizer.json").is_file() else None
-    with staged_dir(out, force=bool(cfg.force)) as tmp:
-        write_run_folder(tmp, {}, model, tokenizer)
-        provenance = {"source": str(hf_dir.resolve()), "architectures": hf_cfg.get("architectures"),
-                      "model_type": hf_cfg.get("model_type"), "dtypes": dtypes}
-        (tmp / "imported_from.json").write_text(json.dumps(provenance, indent=2))
+    src = hf.locate(str(cfg.hf))
+    if src.note:
+        print(f"note: {src.note}", file=sys.stderr)
+    done = hf.import_folder(src, out, force=bool(cfg.force), name=cfg.name)
 
-    print(f"imported {hf_dir} ({hf_cfg.get('model_type')}, {model.num_parameters():,} parameters, "
-          f"{'/'.join(dtypes)} -> fp32) into {out}")
-    if tokenizer is None:
-        print(f"warning: {hf_dir} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
-              f"refuse it; save the fast tokenizer there (AutoTokenizer.from_pretrained(...).save_pretrained) "
-              f"and import again", file=sys.stderr)
+    shown = cfg.hf if src.spec == str(src.dir.resolve()) else src.spec  # a Hub model: owner/name@commit
+    print(f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> fp32) "
+          f"into {out}")
+    if not done.has_tokenizer:
+        print(f"warning: {shown} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
+              f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) writes "
+              f"it)", file=sys.stderr)
     return 0

@@ -20,15 +20,14 @@ import codecs
 import glob
 import hashlib
 import os
-import socket
 import sys
 import sysconfig
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
-from urllib.parse import urlparse
 
 from gptkit.errors import GptkitError
+from gptkit.hub import check_hub_reachable, offline
 
 KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared")
 FORMATS = ("auto", "text", "json", "parquet")
@@ -276,27 +275,11 @@ def _files(s: dict[str, Any]) -> Corpus:
 
 
 # ---- Hugging Face Hub ------------------------------------------------------------------------------
+LOCAL_FILES = "without network use local files: data=files data.paths=[corpus.txt]"
+
+
 def _offline() -> bool:
-    flags = (os.environ.get(v, "").lower() for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"))
-    return any(f in ("1", "true", "yes", "on") for f in flags)
-
-
-def check_hub_reachable(timeout: float) -> None:
-    """A TCP connect to the hub endpoint with a short timeout: no network fails in seconds, not minutes."""
-    from urllib.request import getproxies
-
-    endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-    u = urlparse(endpoint)
-    proxy = getproxies().get(u.scheme)
-    if proxy:  # behind a proxy the proxy is what must answer
-        endpoint = f"{endpoint} via proxy {proxy}"
-        u = urlparse(proxy if "://" in proxy else f"http://{proxy}")
-    port = u.port or (443 if u.scheme == "https" else 80)
-    try:
-        socket.create_connection((u.hostname, port), timeout=timeout).close()
-    except OSError as exc:
-        raise GptkitError(f"the Hugging Face Hub ({endpoint}) is unreachable ({exc.__class__.__name__}: {exc}); "
-                          f"without network use local files: data=files data.paths=[corpus.txt]") from None
+    return offline("HF_DATASETS_OFFLINE")
 
 
 def _hub(s: dict[str, Any]) -> Corpus:
@@ -305,7 +288,7 @@ def _hub(s: dict[str, Any]) -> Corpus:
         raise GptkitError("data=hub needs data.name=<dataset>, e.g. data.name=Salesforce/wikitext "
                           "data.config=wikitext-2-raw-v1")
     if not _offline():
-        check_hub_reachable(float(s["timeout_s"]))
+        check_hub_reachable(float(s["timeout_s"]), LOCAL_FILES)
     import datasets
 
     def load(split: str):
@@ -316,8 +299,7 @@ def _hub(s: dict[str, Any]) -> Corpus:
             hint = ("the hub is unreachable (offline mode) and the dataset is not in the local cache; "
                     if _offline() else "")
             raise GptkitError(f"cannot load hub dataset {name!r} (config {config!r}, split {split!r}): {hint}"
-                              f"{type(exc).__name__}: {msg}; without network use local files: "
-                              f"data=files data.paths=[corpus.txt]") from None
+                              f"{type(exc).__name__}: {msg}; {LOCAL_FILES}") from None
 
     text_field = s["text_field"]
     train = load(s["split"])

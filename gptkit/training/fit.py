@@ -112,11 +112,18 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optio
     count) whose model starts from that run's weights. The model config is the source's (see
     model_from_source) and so is the
     tokenizer: its tokenizer.json is copied into the new run folder, which the run's config then names
-    (resume= keeps working if the source goes away), unless the command line chooses a tokenizer itself."""
+    (resume= keeps working if the source goes away), unless the command line chooses a tokenizer itself.
+
+    init_from=hf:<Hub model id or transformers folder> first imports it (as `gptkit import` does) into the run
+    folder <runs_dir>/<name>-imported, reused by later runs while it holds the same files; the new run's
+    config records the exact source (hf:owner/name@commit or hf:<folder>)."""
     if cfg.get("init_from") in (None, ""):
         return cfg, None
     overrides = _explicit_overrides()
-    ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
+    source, pinned = str(cfg.init_from), None
+    if source.startswith(HF_PREFIX):
+        source, pinned = _import_init_source(source[len(HF_PREFIX):], Path(cfg.runs_dir))
+    ckpt = find_run_checkpoint(source, cfg.runs_dir)
     src_dir = run_dir_of(ckpt)
     src = read_config(src_dir)
     cfg.model = OmegaConf.create(model_from_source(f"init_from={cfg.init_from}", src["model"], cfg.model, overrides))
@@ -130,8 +137,28 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optio
         atomic_write_bytes(own, tok_file.read_bytes())  # each rank its own temp file, then one rename
         eos = (src.get("tokenizer") or {}).get("eos_token")
         cfg.tokenizer = OmegaConf.create({"kind": "file", "path": str(own.resolve()), "eos_token": eos})
-    cfg.init_from = str(ckpt)
+    cfg.init_from = pinned or str(ckpt)
     return cfg, ckpt
+
+
+HF_PREFIX = "hf:"  # init_from=hf:<owner/name[@revision] or transformers folder>
+
+
+def _import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
+    """init_from=hf:<spec> -> (the imported run folder, hf:<the exact source>), saying which on one line."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from gptkit import hf
+
+    folder, src, reused = hf.import_cached(spec, runs_dir, f"gptkit train init_from={HF_PREFIX}/path/to/folder")
+    if rank_zero_only.rank == 0:
+        import sys
+
+        if src.note:
+            print(f"note: {src.note}", file=sys.stderr)
+        print(f"init_from={HF_PREFIX}{spec}: {'reusing' if reused else 'imported'} {src.spec} "
+              f"{'from' if reused else 'into'} {folder} (kept for later runs)", file=sys.stderr)
+    return str(folder), HF_PREFIX + src.spec
 
 
 def _load_init_weights(module, ckpt: Path) -> None:
