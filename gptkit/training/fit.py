@@ -181,7 +181,7 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import check_optim_config
     from gptkit.training.plots import plot_loss
-    from gptkit.training.trainer import build_loggers, build_trainer, check_trainer_config
+    from gptkit.training.trainer import build_loggers, build_trainer, check_loggers, check_trainer_config
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
@@ -201,6 +201,7 @@ def train(cfg: DictConfig) -> TrainResult:
 
     check_trainer_config(cfg.trainer)
     check_optim_config(cfg.optim)
+    check_loggers(cfg.logger)
 
     model_dict = OmegaConf.to_container(cfg.model, resolve=True)
     ModelConfig.from_dict(model_dict)  # a bad model config fails before any data is prepared

@@ -27,6 +27,22 @@ from gptkit.training.metrics import StepMetrics
 from gptkit.training.module import compile_mode
 from gptkit.training.progress import ProgressReporter, progress_mode
 
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
+                   "wandb": ("wandb", "pip install wandb")}
+
+
+def check_loggers(logger_cfg: Any) -> None:
+    """One line, before any data is prepared or any file written, for a logger whose package is missing."""
+    import importlib.util
+
+    for kind, opts in (logger_cfg or {}).items():
+        if kind not in ("csv", *LOGGER_PACKAGES):
+            raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
+        if kind in LOGGER_PACKAGES and (opts or {}).get("enabled", True):
+            package, install = LOGGER_PACKAGES[kind]
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"logger={kind} needs the {package} package, which is not installed: {install}")
+
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
     loggers = []
