@@ -46,6 +46,9 @@ def _optim_cfg():
     return o
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (1 thread)
+
+
 def _sync(device: str) -> None:
     import torch
 
@@ -53,7 +56,8 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None) -> tuple[float, float]:
+def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None,
+              clock=time.perf_counter) -> tuple[float, float]:
     """(seconds per timed optimizer step, seconds of the warm-up steps) of a plain PyTorch loop."""
     import torch
 
@@ -77,11 +81,11 @@ def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None) ->
     autocast = torch.autocast(device, dtype=torch_dtype(p.compute)) if p.mixed else None
     model.train()
     pin = device == "cuda"
-    t0 = t_start = time.perf_counter()
+    t0 = t_start = clock()
     for step in range(warmup + steps):
         if step == warmup:
             _sync(device)
-            t0 = time.perf_counter()
+            t0 = clock()
             warm = t0 - t_start
         x, y = sampler.batch(step)
         if pin:
@@ -109,10 +113,11 @@ def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None) ->
         if (step + 1) % log_every == 0 and not torch.isfinite(loss):  # what a training loop reads
             raise RuntimeError(f"non-finite loss at step {step}")
     _sync(device)
-    return (time.perf_counter() - t0) / steps, warm
+    return (clock() - t0) / steps, warm
 
 
-def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None) -> tuple[float, float]:
+def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
+                clock=time.perf_counter) -> tuple[float, float]:
     """(seconds per timed optimizer step, seconds of the warm-up steps) of the trainer `gptkit train` builds."""
     import tempfile
 
@@ -131,16 +136,16 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None)
         t_start = t0 = t1 = None
 
         def on_train_start(self, trainer, pl_module):
-            self.t_start = time.perf_counter()
+            self.t_start = clock()
 
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if trainer.global_step == warmup and self.t0 is None:
                 _sync(device)
-                self.t0 = time.perf_counter()
+                self.t0 = clock()
 
         def on_train_end(self, trainer, pl_module):
             _sync(device)
-            self.t1 = time.perf_counter()
+            self.t1 = clock()
 
     run_cfg = compose("train", [f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
                                 f"trainer.precision={cfg.precision}", f"trainer.batch_size={cfg.batch_size}",
@@ -159,10 +164,10 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None)
     tokens_per_step = int(cfg.batch_size) * model_cfg.max_seq_len
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-") as run_dir:
         trainer, _, _ = build_trainer(run_cfg, Path(run_dir), 1.0, tokens_per_step, warmup + steps, None, [])
-        clock = Clock()
-        trainer.callbacks.append(clock)
+        timer = Clock()
+        trainer.callbacks.append(timer)
         trainer.fit(module, datamodule=dm)
-    return (clock.t1 - clock.t0) / steps, clock.t0 - clock.t_start
+    return (timer.t1 - timer.t0) / steps, timer.t0 - timer.t_start
 
 
 def run(cfg) -> int:
@@ -184,6 +189,9 @@ def run(cfg) -> int:
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     device = resolve_device(str(cfg.device))
+    if cfg.clock not in CLOCKS or (cfg.clock == "cpu" and device == "cuda"):
+        raise ConfigError(f"bench.clock={cfg.clock} must be wall, or cpu on the CPU")
+    clock = CLOCKS[cfg.clock]
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"bench.device={cfg.device} must be auto, cpu or cuda")
     data = {"kind": "shakespeare"}
@@ -212,10 +220,10 @@ def run(cfg) -> int:
         mode = compile_mode(setting)
         bare, ours, bare_warm, ours_warm = [], [], [], []
         for _ in range(int(cfg.repeats)):
-            s, w = bare_loop(model_cfg, sampler, cfg, device, mode)
+            s, w = bare_loop(model_cfg, sampler, cfg, device, mode, clock)
             bare.append(s)
             bare_warm.append(w)
-            s, w = gptkit_loop(model_cfg, prepared, cfg, device, mode)
+            s, w = gptkit_loop(model_cfg, prepared, cfg, device, mode, clock)
             ours.append(s)
             ours_warm.append(w)
         b, g = statistics.median(bare), statistics.median(ours)
