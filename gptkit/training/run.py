@@ -85,7 +85,7 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
 
 
 # model settings that may differ from an init_from= run's: they change no tensor shape
-INIT_FROM_FREE_MODEL_KEYS = ("name", "dropout", "attention")
+INIT_FROM_FREE_MODEL_KEYS = ("name", "dropout", "attention", "kernels", "position_reset")
 
 
 def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optional[Path]]:
@@ -206,7 +206,7 @@ def train(cfg: DictConfig) -> TrainResult:
     if init_ckpt is not None:
         _load_init_weights(module, init_ckpt)
     datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
-                                 val_windows=t.val_windows)
+                                 val_windows=t.val_windows, pack=cfg.data.get("pack", "stream"))
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
     trainer, stopper, throughput = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
                                                   peak, loggers)
