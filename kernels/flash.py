@@ -554,8 +554,8 @@ _INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 _PREPROCESS_BLOCK_M = 64
 _AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC"]
 _KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-_TUNED = {(impl, kind): autotuned(_KERNELS[kind], _SPACES[impl][kind], _AUTOTUNE_KEY)
-          for impl in _SPACES for kind in _KERNELS}
+_TUNED = {(impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind], _AUTOTUNE_KEY)
+          for impl in IMPLS for kind in _KERNELS}  # one tuner per implementation: their timings differ
 
 
 def _launch(kind: str, impl: str, grid, block_d: int, *args, **meta) -> None:
@@ -566,7 +566,7 @@ def _launch(kind: str, impl: str, grid, block_d: int, *args, **meta) -> None:
         blocks = {"BLOCK_M": m, "BLOCK_N": n}
         _KERNELS[kind][grid(blocks)](*args, **meta, **blocks)
     elif tuning():
-        _TUNED[("tma" if impl != "fa2" else "fa2", kind)][grid](*args, **meta)
+        _TUNED[(impl, kind)][grid](*args, **meta)
     else:
         m, n, warps, stages = pinned(_PINNED[kind], block_d)
         blocks = {"BLOCK_M": m, "BLOCK_N": n}

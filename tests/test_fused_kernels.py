@@ -173,7 +173,7 @@ def test_model_with_every_fused_kernel_matches_eager(variant, monkeypatch):
         real = getattr(seam, name)
         monkeypatch.setattr(seam, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=96, max_seq_len=32, n_layers=2, d_model=64, **variant)
+    cfg = ModelConfig(vocab_size=96, max_seq_len=32, n_layers=1, d_model=64, **variant)
     eager = GPT(cfg).to(DEVICE)
     fused = GPT(dataclasses.replace(cfg, kernels=["norm", "swiglu", "rope", "loss"])).to(DEVICE)
     fused.load_state_dict(eager.state_dict())
@@ -183,7 +183,7 @@ def test_model_with_every_fused_kernel_matches_eager(variant, monkeypatch):
     out_e, out_f = eager(idx, targets), fused(idx, targets)
     assert out_f.logits is None  # the fused loss never makes the logits
     norm = "rms_norm" if variant["norm"] == "rmsnorm" else "layer_norm"
-    want = {norm: 2 * 2 + 1, "linear_cross_entropy": 1, **({"swiglu": 2, "rope": 2} if variant["mlp"] == "swiglu" else {})}
+    want = {norm: 2 + 1, "linear_cross_entropy": 1, **({"swiglu": 1, "rope": 1} if variant["mlp"] == "swiglu" else {})}
     assert {n: calls.count(n) for n in set(calls)} == want
     torch.testing.assert_close(out_f.loss, out_e.loss, rtol=1e-5, atol=1e-6)
     out_e.loss.backward()
@@ -204,19 +204,26 @@ def test_kernel_names_are_checked():
     assert ModelConfig(kernels=["loss", "loss"]).kernels == ["loss"]
 
 
-def test_bench_kernels_streams_rows_on_cpu(cli, tmp_path):
+def test_bench_kernels_streams_rows_on_cpu(tmp_path, capsys):
     """`gptkit bench kernels` runs its CPU part (loss memory, document tiles) and says what needs a GPU."""
     import json
+
+    from omegaconf import OmegaConf
+
+    from gptkit.bench import kernels as bench
+    from gptkit.config import conf_dir
 
     if torch.cuda.is_available():
         pytest.skip("the GPU part is long; .ci/gpu-check runs it")
     out = tmp_path / "k.json"
-    r = cli("bench", "kernels", "loss_shapes=[{tokens: 512, vocab: 1000, d_model: 16, dtype: fp32, fake: false}]",
-            "doc_T=1024", "doc_windows=2", f"out={out}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    lines = r.stdout.strip().splitlines()
+    cfg = OmegaConf.merge(OmegaConf.load(conf_dir() / "bench" / "kernels.yaml"),  # the shipped options
+                          dict(loss_shapes=[dict(tokens=512, vocab=1000, d_model=16, dtype="fp32", fake=False,
+                                                 chunk_size=64)], doc_T=1024, doc_windows=2, out=str(out)))
+    assert bench.run(cfg) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     assert any("what=loss-memory" in x for x in lines) and sum("what=doc-tiles" in x for x in lines) == 2
     assert any("needs a CUDA GPU" in x for x in lines)
     rows = json.loads(out.read_text())["rows"]
+    assert rows[0]["peak_ratio"] > 2  # 8 chunks of 64 tokens
     doc = [x for x in rows if x["what"] == "doc-tiles"]
     assert doc[0]["fraction"] < doc[1]["fraction"] < 1  # shorter documents: fewer tiles

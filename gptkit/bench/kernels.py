@@ -12,7 +12,8 @@ Rows print as each measurement finishes (bench.out, JSON, is rewritten after eve
   doc-tiles    (any machine) the (query tile, key tile) products the attention forward computes per head
                for documents of mean length bench.doc_lens packed into T = bench.doc_T windows, against
                plain causal attention (flash.forward_tiles: the kernel's own schedule; the tests hold it
-               equal to the interpreter's count). On a GPU also the time of forward+backward.
+               equal to the interpreter's count). On a GPU also the ms of forward+backward: ours (fa2,
+               tma) causal and document-masked, and SDPA with the model's dense document mask.
   kernel       (GPU) ms of forward+backward and peak memory, fused against eager: rmsnorm, layernorm,
                swiglu, rope, loss at bench.rows tokens.
   model        (GPU) training tokens/s of bench.model (the Llama 3.2 1B shape) with model.kernels=[] and
@@ -28,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DEVICE = "cuda"  # of the GPU rows (a dry run on the CPU changes it)
 
 
 class PeakMemory(TorchDispatchMode):
@@ -66,21 +68,22 @@ class PeakMemory(TorchDispatchMode):
         self.largest = max(self.largest, n)
 
 
-def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+              chunk_size: int | None = None) -> None:
     """Forward and backward of lm_head + cross-entropy: eager (as GPT.forward) or chunked (model.kernels: loss)."""
     import torch.nn.functional as F
 
     if fused:
         from gptkit_kernels.linear_ce import linear_cross_entropy
 
-        loss = linear_cross_entropy(x, weight, targets)
+        loss = linear_cross_entropy(x, weight, targets, chunk_size=chunk_size)
     else:
         loss = F.cross_entropy(F.linear(x, weight).float(), targets, ignore_index=-100)
     loss.backward()
 
 
 def loss_memory(tokens: int, vocab: int, d_model: int, dtype: torch.dtype, fused: bool, fake: bool = True,
-                device: str = "cpu") -> PeakMemory:
+                device: str = "cpu", chunk_size: int | None = None) -> PeakMemory:
     """PeakMemory of one loss_step (inputs made before it; their gradients count)."""
     import contextlib
 
@@ -91,7 +94,7 @@ def loss_memory(tokens: int, vocab: int, d_model: int, dtype: torch.dtype, fused
         w = torch.randn(vocab, d_model, dtype=dtype, device=device, requires_grad=True)  # [V, d]
         t = torch.randint(0, vocab, (tokens,), device=device)  # [N]
         with PeakMemory() as pm:
-            loss_step(fused, x, w, t)
+            loss_step(fused, x, w, t, chunk_size)
     return pm
 
 
@@ -146,13 +149,18 @@ def _loss_rows(emit, shape) -> None:
 
     tokens, vocab, d, dtype, fake = (int(shape.tokens), int(shape.vocab), int(shape.d_model), DTYPES[shape.dtype],
                                      bool(shape.fake))
+    chunk = shape.get("chunk_size")
     row = {"what": "loss-memory", "tokens": tokens, "vocab": vocab, "d_model": d, "dtype": shape.dtype,
-           "tensors": "fake" if fake else "real", "chunk_rows": chunk_rows(tokens, vocab)}
+           "tensors": "fake" if fake else "real", "chunk_rows": chunk_rows(tokens, vocab, chunk)}
     for name, fused in (("eager", False), ("fused", True)):
-        start = time.perf_counter()
-        pm = loss_memory(tokens, vocab, d, dtype, fused, fake)
-        if not fake:
-            row[f"{name}_s"] = time.perf_counter() - start
+        pm = loss_memory(tokens, vocab, d, dtype, fused, fake, chunk_size=chunk)
+        if not fake:  # the median of 3 timed runs after this warm-up
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                loss_memory(tokens, vocab, d, dtype, fused, fake, chunk_size=chunk)
+                times.append(time.perf_counter() - start)
+            row[f"{name}_s"] = sorted(times)[1]
         row[f"{name}_peak_MB"] = pm.peak / 2**20
         row[f"{name}_largest_MB"] = pm.largest / 2**20
     row["peak_ratio"] = row["eager_peak_MB"] / row["fused_peak_MB"]
@@ -179,20 +187,31 @@ def _doc_rows(emit, cfg, gpu: bool) -> None:
 
 
 def _doc_times(cfg, ids) -> dict:
+    """GPU ms of attention forward+backward on these windows: ours (fa2, tma) plain causal and document-masked,
+    and SDPA with the dense document mask (the model's sdpa fallback)."""
     from triton.testing import do_bench
 
+    from gptkit.model.attention import sdpa_attention
     from gptkit.model.documents import Documents
     from gptkit_kernels import flash_attention
 
     n, T = ids.shape
     H, D = int(cfg.doc_heads), int(cfg.doc_head_dim)
-    q, k, v = (torch.randn(n, H, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    docs = Documents(ids.cuda())
+    q, k, v = (torch.randn(n, H, T, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    docs = Documents(ids.to(DEVICE))
+    bounds = (docs.start, docs.end)
+    runs = {f"{impl}_{name}": (lambda impl=impl, kw=kw: flash_attention(q, k, v, causal=True, impl=impl, **kw))
+            for impl in ("fa2", "tma") for name, kw in (("causal", {}), ("docs", {"doc_bounds": bounds}))}
+    runs["sdpa_dense_mask_docs"] = lambda: sdpa_attention(q, k, v, causal=True, docs=docs)[0]
     out = {}
-    for name, kw in (("causal", {}), ("docs", {"doc_bounds": (docs.start, docs.end)})):
-        def step(kw=kw):
-            torch.autograd.grad(flash_attention(q, k, v, causal=True, **kw), (q, k, v), torch.ones_like(q))
-        out[f"triton_{name}_fwd_bwd_ms"] = do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+    for name, fn in runs.items():
+        def step(fn=fn):
+            torch.autograd.grad(fn(), (q, k, v), torch.ones_like(q))
+        try:
+            out[f"{name}_fwd_bwd_ms"] = do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+        except torch.cuda.OutOfMemoryError:
+            out[f"{name}_fwd_bwd_ms"] = "oom"
+        torch.cuda.empty_cache()
     return out
 
 
@@ -211,14 +230,14 @@ def _kernel_rows(emit, cfg) -> None:
     dt = DTYPES[cfg.dtype]
 
     def t(*shape, grad=True):
-        return torch.randn(*shape, device="cuda", dtype=dt, requires_grad=grad)
+        return torch.randn(*shape, device=DEVICE, dtype=dt, requires_grad=grad)
 
     x, w, b = t(N, d), t(d), t(d)
     g, u = t(N, f), t(N, f)
-    rot = RotaryEmbedding(D, 8192, 10000.0).cuda()
+    rot = RotaryEmbedding(D, 8192, 10000.0).to(DEVICE)
     T = 2048
     q, k = t(N // T, H, T, D), t(N // T, Hkv, T, D)
-    wv, tg = t(V, d), torch.randint(0, V, (N,), device="cuda")
+    wv, tg = t(V, d), torch.randint(0, V, (N,), device=DEVICE)
     cases = {
         "rmsnorm": ((x, w), lambda x, w: w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
                                                                          + 1e-5)).to(x.dtype),
@@ -235,6 +254,8 @@ def _kernel_rows(emit, cfg) -> None:
         row = {"what": "kernel", "kernel": name, "rows": N, "dtype": cfg.dtype}
         for impl, fn in (("eager", eager), ("fused", fused)):
             def step(fn=fn):
+                for p in inputs:
+                    p.grad = None
                 out = fn(*inputs)
                 outs = out if isinstance(out, tuple) else (out,)
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
@@ -246,8 +267,6 @@ def _kernel_rows(emit, cfg) -> None:
             torch.cuda.synchronize()
             row[f"{impl}_peak_MB"] = (torch.cuda.max_memory_allocated() - base) / 2**20
             row[f"{impl}_ms"] = do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
-            for p in inputs:
-                p.grad = None
         row["speedup"] = row["eager_ms"] / row["fused_ms"]
         emit(row)
 
@@ -265,13 +284,13 @@ def _model_rows(emit, cfg) -> None:
     for kernels in ([], ["norm", "swiglu", "rope", "loss"]):
         mc = ModelConfig.from_dict({**base, "kernels": kernels})
         torch.manual_seed(0)
-        model = GPT(mc).cuda()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        idx = torch.randint(0, mc.vocab_size, (B, T), device="cuda")
+        model = GPT(mc).to(DEVICE)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=DEVICE == "cuda")
+        idx = torch.randint(0, mc.vocab_size, (B, T), device=DEVICE)
         torch.cuda.reset_peak_memory_stats()
 
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(DEVICE, dtype=torch.bfloat16):
                 loss = model(idx, idx).loss
             loss.backward()
             opt.step()
@@ -288,5 +307,5 @@ def _model_rows(emit, cfg) -> None:
         emit({"what": "model", "model": f"{cfg.model} {dict(cfg.model_overrides)}", "attention": mc.attention,
               "kernels": kernels or "[] (eager)", "batch": f"{B}x{T}", "tokens_per_s": B * T / sec,
               "peak_GB": torch.cuda.max_memory_allocated() / 2**30})
-        del model, opt
+        model = opt = None  # free this model before the next one
         torch.cuda.empty_cache()
