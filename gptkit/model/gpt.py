@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gptkit.model.attention import CausalSelfAttention
 from gptkit.model import fused
+from gptkit.model.attention import CausalSelfAttention
 from gptkit.model.config import ModelConfig
 from gptkit.model.documents import Documents
 from gptkit.model.kv_cache import KVCache
