@@ -1,16 +1,20 @@
-"""FlashAttention-2 in Triton: forward, backward, GQA/MQA, causal or not.
+"""FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking.
 
-    flash_attention(q, k, v, causal=True, scale=None) -> out
+    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, impl=None) -> out
     q:   [B, H,    T, D]
     k/v: [B, H_kv, T, D]     H_kv divides H; query head h reads K/V head h // (H // H_kv)
-    out: [B, H,    T, D]     differentiable with respect to q, k and v
+    doc_bounds: None, or (start, end), int32 [B, T] each: token t of row b belongs to the document
+                [start[b, t], end[b, t]); attention never crosses a document boundary
+    out: [B, H, T, D]        differentiable with respect to q, k and v
 
 Forward (one program per tile of BLOCK_M queries of one head): the query tile stays on-chip
 while K/V tiles stream past it; an online softmax keeps a fp32 running max `m` and sum `l`
 (in base 2: exp(x) = exp2(x * log2(e)), folded into the scale), and the output is rescaled
 as the max grows. The log-sum-exp of each row (natural log, fp32, [B, H, T]) is saved for
-the backward pass. Causal attention visits only the key tiles at or left of the diagonal and
-applies the mask only on the tiles that straddle it (and on the ragged tile at the end).
+the backward pass. Each query tile visits only the key tiles some of its rows can see: with
+causal masking the tiles at or left of the diagonal, with documents only those of the
+documents its rows belong to (so the cost falls with the document length). Masks are applied
+only on the tiles that need one: a tile every row sees entirely runs unmasked.
 
 Backward, without the T x T matrix:
   1. preprocess: delta = rowsum(dO * O)                                   [B, H, T] fp32
@@ -20,11 +24,19 @@ Backward, without the T x T matrix:
      so the dK/dV of a shared head are summed in registers: no atomics, no K/V copies.
   3. dQ: one program per tile of queries: dQ += dS K * scale over the key tiles.
 
+Two implementations of the same kernels (one source, a constexpr switch):
+  "fa2"  pointer loads with masks; any CUDA GPU Triton supports (Ampere and newer). The default.
+  "tma"  Hopper (sm_90+): K/V/Q/dO tiles through on-device TMA tensor descriptors (4-d, zero
+         padding past the sequence end instead of masks), tile shapes for wgmma, its own tuning
+         space; "tma-ws" also asks Triton to warp-specialize the unmasked inner loop of the forward.
+         Selected with impl= or GPTKIT_FLASH_IMPL; it has run only in the interpreter so far.
+
 Any T (ragged tails are masked), head dims 16..256 (padded to a power of two on-chip),
 fp32 / fp16 / bf16 inputs with fp32 accumulation (fp32 inputs use IEEE dots, not TF32).
 
-Block sizes are autotuned per head dim on a GPU; under the Triton interpreter
-(TRITON_INTERPRET=1, CPU) one small configuration is pinned so the tests stay fast.
+Block sizes are autotuned on a GPU (results cached on disk where Triton supports it);
+GPTKIT_KERNELS_AUTOTUNE=0 pins one small configuration per kernel instead (the tests do), and
+under the Triton interpreter (TRITON_INTERPRET=1, CPU) tiny blocks are pinned.
 """
 
 from __future__ import annotations
@@ -35,7 +47,10 @@ import torch
 import triton
 import triton.language as tl
 
+from gptkit_kernels._tuning import autotuned, pinned, tuning
+
 LOG2E = 1.4426950408889634  # log2(e)
+IMPLS = ("fa2", "tma", "tma-ws")
 
 
 def interpreting() -> bool:
@@ -46,102 +61,196 @@ def interpreting() -> bool:
 # ---- tile helpers ---------------------------------------------------------------------------
 
 @triton.jit
-def _load_tile(ptrs, rows, T, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """Load a [rows, BLOCK_D] tile: zeros past the sequence end (if CHECK_ROWS) and past HEAD_DIM."""
-    if CHECK_ROWS:
-        if BLOCK_D != HEAD_DIM:
-            x = tl.load(ptrs, mask=(rows[:, None] < T) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-        else:
-            x = tl.load(ptrs, mask=rows[:, None] < T, other=0.0)
+def _load_rows(desc, base, stride_t, b, h, start, T, offs_r, offs_d, HEAD_DIM: tl.constexpr,
+               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows start..start+BLOCK_R of one head: a [BLOCK_R, BLOCK_D] tile, zeros past T (if CHECK_ROWS)
+    and past HEAD_DIM. USE_TMA: through the 4-d descriptor `desc` at (b, h); else from pointer `base`
+    (already at b, h). (One function, not two: each nested call costs the interpreter ~0.2 ms.)"""
+    if USE_TMA:
+        x = desc.load([b, h, start, 0]).reshape([BLOCK_R, BLOCK_D])
     else:
-        if BLOCK_D != HEAD_DIM:
-            x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+        rows = start + offs_r
+        ptrs = base + rows[:, None] * stride_t + offs_d[None, :]
+        if CHECK_ROWS:
+            if BLOCK_D != HEAD_DIM:
+                x = tl.load(ptrs, mask=(rows[:, None] < T) & (offs_d[None, :] < HEAD_DIM), other=0.0)
+            else:
+                x = tl.load(ptrs, mask=rows[:, None] < T, other=0.0)
         else:
-            x = tl.load(ptrs)
+            if BLOCK_D != HEAD_DIM:
+                x = tl.load(ptrs, mask=offs_d[None, :] < HEAD_DIM, other=0.0)
+            else:
+                x = tl.load(ptrs)
     return x
 
 
 @triton.jit
-def _store_tile(ptrs, x, rows, T, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    if BLOCK_D != HEAD_DIM:
-        tl.store(ptrs, x, mask=(rows[:, None] < T) & (offs_d[None, :] < HEAD_DIM))
+def _store_rows(desc, base, stride_t, b, h, start, x, T, offs_r, offs_d, HEAD_DIM: tl.constexpr,
+                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
+    if USE_TMA:  # the descriptor clips rows past T and columns past HEAD_DIM
+        desc.store([b, h, start, 0], x.reshape([1, 1, BLOCK_R, BLOCK_D]))
     else:
-        tl.store(ptrs, x, mask=rows[:, None] < T)
+        rows = start + offs_r
+        ptrs = base + rows[:, None] * stride_t + offs_d[None, :]
+        if BLOCK_D != HEAD_DIM:
+            tl.store(ptrs, x, mask=(rows[:, None] < T) & (offs_d[None, :] < HEAD_DIM))
+        else:
+            tl.store(ptrs, x, mask=rows[:, None] < T)
+
+
+@triton.jit
+def _descriptor(X, B, H, T, sb, sh, st, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A TMA descriptor over X viewed as [B, H, T, HEAD_DIM] (last dim dense), tiles of [1, 1, BLOCK_R, BLOCK_D]."""
+    return tl.make_tensor_descriptor(X, shape=[B, H, T, HEAD_DIM], strides=[sb, sh, st, 1],
+                                     block_shape=[1, 1, BLOCK_R, BLOCK_D])
+
+
+@triton.jit
+def _keep(rows, cols, ds_rows, de_rows, T, CAUSAL: tl.constexpr, DOC: tl.constexpr):
+    """[len(rows), len(cols)] True where query `rows` may see key `cols` (keys past T never)."""
+    keep = cols[None, :] < T
+    if CAUSAL:
+        keep = keep & (rows[:, None] >= cols[None, :])
+    if DOC:
+        keep = keep & (ds_rows[:, None] <= cols[None, :])
+        if not CAUSAL:
+            keep = keep & (cols[None, :] < de_rows[:, None])
+    return keep
+
+
+@triton.jit
+def _query_tile_ranges(DS, DE, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, DOC: tl.constexpr):
+    """Key ranges for the query tile at m0: [lo, mid_lo) masked, [mid_lo, mid_hi) seen whole by every
+    row (no mask), [mid_hi, hi) masked. Keys outside [lo, hi) are seen by no row of the tile."""
+    last = tl.minimum(m0 + BLOCK_M, T) - 1  # the tile's last valid query
+    if CAUSAL:
+        hi = last + 1
+        mid_hi = ((m0 + 1) // BLOCK_N) * BLOCK_N  # key tiles that end at or before the first query
+    else:
+        hi = T
+        mid_hi = (T // BLOCK_N) * BLOCK_N
+    if DOC:  # rows see only their own document: start[first row] is the smallest start, start[last] the largest
+        lo = (tl.load(DS + m0) // BLOCK_N) * BLOCK_N
+        mid_lo = tl.minimum(tl.maximum(tl.cdiv(tl.load(DS + last), BLOCK_N) * BLOCK_N, lo), hi)
+        if not CAUSAL:
+            hi = tl.load(DE + last)
+            mid_hi = tl.minimum(mid_hi, (tl.load(DE + m0) // BLOCK_N) * BLOCK_N)
+        mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    else:
+        lo = 0
+        mid_lo = 0
+    return lo, mid_lo, mid_hi, hi
 
 
 # ---- forward --------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, skt, svt, rows, offs_n, offs_d, T, lo, hi, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows, de_rows, offs_n, offs_d,
+              T, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+              PRECISION: tl.constexpr):
+    """Fold the key tile at start_n into the running (acc, l_i, m_i) of one query tile."""
+    k = _load_rows(k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
+                   MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    if MASKED:
+        qk = tl.where(_keep(rows, start_n + offs_n, ds_rows, de_rows, T, CAUSAL, DOC), qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
+    if DOC and MASKED:  # a row may not have reached its document yet: keep -inf - -inf from making NaN
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:  # without documents every row has seen at least one key by now, so m_new is finite
+        m_use = m_new
+    p = tl.exp2(qk - m_use[:, None])  # [BLOCK_M, BLOCK_N]
+    alpha = tl.exp2(m_i - m_use)  # [BLOCK_M] rescales what was accumulated so far
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = _load_rows(v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
+                   MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+    return acc, l_i, m_new
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
+               T, lo, hi, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+               CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+               WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
     """Fold the key tiles [lo, hi) into the running (acc, l_i, m_i) of one query tile."""
-    for start_n in range(lo, hi, BLOCK_N):
-        start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n  # [BLOCK_N] key positions
-        k = _load_tile(K + cols[:, None] * skt + offs_d[None, :], cols, T, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
-        if MASKED:
-            keep = cols[None, :] < T
-            if CAUSAL:
-                keep = keep & (rows[:, None] >= cols[None, :])
-            qk = tl.where(keep, qk, float("-inf"))
-        # every row has seen at least one unmasked key by now, so m_new is finite
-        m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
-        p = tl.exp2(qk - m_new[:, None])  # [BLOCK_M, BLOCK_N]
-        alpha = tl.exp2(m_i - m_new)  # [BLOCK_M] rescales what was accumulated so far
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V + cols[:, None] * svt + offs_d[None, :], cols, T, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
-        m_i = m_new
+    if WARP_SPECIALIZE:
+        for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows,
+                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                                      DOC, MASKED, USE_TMA, PRECISION)
+    else:
+        for start_n in range(lo, hi, BLOCK_N):
+            start_n = tl.multiple_of(start_n, BLOCK_N)
+            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows,
+                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                                      DOC, MASKED, USE_TMA, PRECISION)
     return acc, l_i, m_i
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
+def _fwd_kernel(Q, K, V, O, LSE, DS, DE,
                 sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-                H, T, qk_scale,
+                B, H, T, qk_scale,
                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr,
+                USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first: better balance across the GPU
         pid_m = tl.cdiv(T, BLOCK_M) - 1 - pid_m
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    Q += b * sqb + h * sqh
-    K += b * skb + (h // GROUP) * skh
-    V += b * svb + (h // GROUP) * svh
-    O += b * sob + h * soh
-    LSE += (b * H + h) * T
-
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] query positions
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(Q + rows[:, None] * sqt + offs_d[None, :], rows, T, offs_d,
-                   HEAD_DIM, BLOCK_D, True)  # [BLOCK_M, BLOCK_D], stays on-chip
+    if USE_TMA:
+        q_src = _descriptor(Q, B, H, T, sqb, sqh, sqt, HEAD_DIM, BLOCK_M, BLOCK_D)
+        k_src = _descriptor(K, B, H // GROUP, T, skb, skh, skt, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_src = _descriptor(V, B, H // GROUP, T, svb, svh, svt, HEAD_DIM, BLOCK_N, BLOCK_D)
+        o_dst = _descriptor(O, B, H, T, sob, soh, sot, HEAD_DIM, BLOCK_M, BLOCK_D)
+    else:
+        q_src = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        o_dst = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    LSE += (b.to(tl.int64) * H + h) * T
+    if DOC:
+        DS += b.to(tl.int64) * T
+        DE += b.to(tl.int64) * T
+        ds_rows = tl.load(DS + rows, mask=rows < T, other=0)  # [BLOCK_M] where each row's document starts
+        if CAUSAL:
+            de_rows = ds_rows  # unused
+        else:
+            de_rows = tl.load(DE + rows, mask=rows < T, other=T)
+    else:
+        ds_rows = rows  # unused
+        de_rows = rows
+    q = _load_rows(q_src, q_src, sqt, b, h, m0, T, tl.arange(0, BLOCK_M), offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
+                   True, USE_TMA)  # [BLOCK_M, BLOCK_D], stays on-chip
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # unnormalised output
 
-    if CAUSAL:
-        # key tiles that end at or before this tile's first query are fully visible
-        full_end = ((m0 + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(m0 + BLOCK_M, T)  # keys past the last query are never visited
-    else:
-        full_end = (T // BLOCK_N) * BLOCK_N
-        hi = T
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, skt, svt, rows, offs_n, offs_d, T, 0, full_end,
-                               qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, skt, svt, rows, offs_n, offs_d, T, full_end, hi,
-                               qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, PRECISION)
+    lo, mid_lo, mid_hi, hi = _query_tile_ranges(DS, DE, m0, T, BLOCK_M, BLOCK_N, CAUSAL, DOC)
+    if DOC:
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
+                                   offs_n, offs_d, T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                                   DOC, True, USE_TMA, False, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
+                               offs_n, offs_d, T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                               DOC, False, USE_TMA, WARP_SPECIALIZE, PRECISION)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
+                               offs_n, offs_d, T, mid_hi, hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
+                               DOC, True, USE_TMA, False, PRECISION)
 
     out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
-    _store_tile(O + rows[:, None] * sot + offs_d[None, :], out.to(O.dtype.element_ty), rows, T, offs_d,
-                HEAD_DIM, BLOCK_D)
+    _store_rows(o_dst, o_dst, sot, b, h, m0, out.to(O.dtype.element_ty), T, tl.arange(0, BLOCK_M), offs_d,
+                HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
     tl.store(LSE + rows, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=rows < T)  # natural log
 
 
@@ -153,26 +262,29 @@ def _bwd_preprocess(O, DO, DELTA, sob, soh, sot, sdb, sdh, sdt, H, T,
     """delta[b, h, t] = sum_d dO * O, in fp32."""
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    m0 = tl.program_id(0) * BLOCK_M
+    rows = m0 + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(O + b * sob + h * soh + rows[:, None] * sot + offs_d[None, :], rows, T, offs_d,
-                   HEAD_DIM, BLOCK_D, True)  # [BLOCK_M, BLOCK_D]
-    do = _load_tile(DO + b * sdb + h * sdh + rows[:, None] * sdt + offs_d[None, :], rows, T, offs_d,
-                    HEAD_DIM, BLOCK_D, True)  # [BLOCK_M, BLOCK_D]
+    o = _load_rows(O, O + b * sob + h * soh, sot, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
+                   True, False)  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(DO, DO + b * sdb + h * sdh, sdt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
+                    True, False)  # [BLOCK_M, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(DELTA + (b * H + h) * T + rows, delta, mask=rows < T)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, T, start_m, cols, offs_m, offs_d, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr,
+def _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h, T, start_m, cols, offs_m, offs_d,
+               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
                PRECISION: tl.constexpr):
-    """Add one query tile (of the query head at Q, DO, LSE, DELTA) to a tile of dK, dV."""
+    """Add one query tile (of query head h, whose LSE/DELTA rows start at LSE/DELTA) to a tile of dK, dV."""
     rows = start_m + offs_m  # [BLOCK_M] query positions
-    q = _load_tile(Q + rows[:, None] * sqt + offs_d[None, :], rows, T, offs_d,
-                   HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_M, BLOCK_D]
-    do = _load_tile(DO + rows[:, None] * sdt + offs_d[None, :], rows, T, offs_d,
-                    HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_M, BLOCK_D]
+    q = _load_rows(q_src, q_src, sqt, b, h, start_m, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
+                   MASKED, USE_TMA)  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(do_src, do_src, sdt, b, h, start_m, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
+                    MASKED, USE_TMA)  # [BLOCK_M, BLOCK_D]
     if MASKED:  # lse = +inf past the end makes those probabilities exactly 0
         lse = tl.load(LSE + rows, mask=rows < T, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=rows < T, other=0.0)
@@ -182,7 +294,15 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, T, start_m, cols, offs
     qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M], log2 units
     p_t = tl.exp2(qk_t - lse[None, :] * 1.4426950408889634)  # [BLOCK_N, BLOCK_M] = P^T
     if MASKED:
-        if CAUSAL:
+        if DOC:
+            ds_rows = tl.load(DS + rows, mask=rows < T, other=T)
+            if CAUSAL:
+                de_rows = ds_rows  # unused
+            else:
+                de_rows = tl.load(DE + rows, mask=rows < T, other=0)
+            keep_t = tl.trans(_keep(rows, cols, ds_rows, de_rows, T, CAUSAL, DOC))  # [BLOCK_N, BLOCK_M]
+            p_t = tl.where(keep_t, p_t, 0.0)
+        elif CAUSAL:
             p_t = tl.where(rows[None, :] >= cols[:, None], p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M] = (dO V^T)^T
@@ -192,94 +312,126 @@ def _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, T, start_m, cols, offs
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sdh, sdt, T, cols, offs_m, offs_d, lo, hi, qk_scale,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
-    """Add the query tiles [lo, hi) of the GROUP query heads that share this K/V head to dK, dV.
+def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols, offs_m,
+                offs_d, lo, hi, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr,
+                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+    """Add the query tiles [lo, hi) of the GROUP query heads h0.. that share this K/V head to dK, dV.
     GQA walks (head, tile) pairs in one flat loop: nested loops spill registers on Hopper."""
     if GROUP == 1:
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, sqt, sdt, T, start_m, cols, offs_m, offs_d,
-                                qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, MASKED, PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h0, T, start_m, cols,
+                                offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC, MASKED,
+                                USE_TMA, PRECISION)
     else:
         n_tiles = tl.cdiv(hi - lo, BLOCK_M)
         for i in range(0, GROUP * n_tiles):
             g = i // n_tiles  # the query head within the group
             start_m = tl.multiple_of(lo + (i - g * n_tiles) * BLOCK_M, BLOCK_M)
-            dk, dv = _dkdv_tile(dk, dv, k, v, Q + g * sqh, DO + g * sdh, LSE + g * T, DELTA + g * T, sqt, sdt, T,
-                                start_m, cols, offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_D, CAUSAL, MASKED,
-                                PRECISION)
+            if USE_TMA:
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE + g * T, DELTA + g * T, DS, DE, sqt, sdt,
+                                    b, h0 + g, T, start_m, cols, offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_M,
+                                    BLOCK_D, CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
+            else:
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_src + g * sqh, do_src + g * sdh, LSE + g * T, DELTA + g * T,
+                                    DS, DE, sqt, sdt, b, h0 + g, T, start_m, cols, offs_m, offs_d, qk_scale,
+                                    HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, DE,
                      sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
                      sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                     H, T, qk_scale, scale,
+                     B, H, T, qk_scale, scale,
                      GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr,
+                     USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
     n0 = tl.program_id(0) * BLOCK_N
-    hk = tl.program_id(1).to(tl.int64)  # the K/V head
-    b = tl.program_id(2).to(tl.int64)
+    hk = tl.program_id(1)  # the K/V head
+    b = tl.program_id(2)
+    Hkv = H // GROUP
+    h0 = hk * GROUP  # the first of the query heads that share this K/V head
     cols = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k = _load_tile(K + b * skb + hk * skh + cols[:, None] * skt + offs_d[None, :], cols, T, offs_d,
-                   HEAD_DIM, BLOCK_D, True)  # [BLOCK_N, BLOCK_D]
-    v = _load_tile(V + b * svb + hk * svh + cols[:, None] * svt + offs_d[None, :], cols, T, offs_d,
-                   HEAD_DIM, BLOCK_D, True)  # [BLOCK_N, BLOCK_D]
+    if USE_TMA:
+        k_src = _descriptor(K, B, Hkv, T, skb, skh, skt, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_src = _descriptor(V, B, Hkv, T, svb, svh, svt, HEAD_DIM, BLOCK_N, BLOCK_D)
+        q_src = _descriptor(Q, B, H, T, sqb, sqh, sqt, HEAD_DIM, BLOCK_M, BLOCK_D)
+        do_src = _descriptor(DO, B, H, T, sdb, sdh, sdt, HEAD_DIM, BLOCK_M, BLOCK_D)
+        dk_dst = _descriptor(DK, B, Hkv, T, sdkb, sdkh, sdkt, HEAD_DIM, BLOCK_N, BLOCK_D)
+        dv_dst = _descriptor(DV, B, Hkv, T, sdvb, sdvh, sdvt, HEAD_DIM, BLOCK_N, BLOCK_D)
+    else:
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        q_src = Q + b.to(tl.int64) * sqb + h0.to(tl.int64) * sqh
+        do_src = DO + b.to(tl.int64) * sdb + h0.to(tl.int64) * sdh
+        dk_dst = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh
+        dv_dst = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh
+    k = _load_rows(k_src, k_src, skt, b, hk, n0, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, True,
+                   USE_TMA)  # [BLOCK_N, BLOCK_D]
+    v = _load_rows(v_src, v_src, svt, b, hk, n0, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, True,
+                   USE_TMA)  # [BLOCK_N, BLOCK_D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
-    full_end = (T // BLOCK_M) * BLOCK_M  # query tiles before this one have no ragged rows
+    # query ranges: [lo, mid_lo) masked, [mid_lo, mid_hi) sees the whole key tile, [mid_hi, hi) masked
+    last = tl.minimum(n0 + BLOCK_N, T) - 1  # the tile's last valid key
+    mid_hi = (T // BLOCK_M) * BLOCK_M  # query tiles before this one have no ragged rows
+    hi = T
     if CAUSAL:
         lo = (n0 // BLOCK_M) * BLOCK_M  # earlier queries cannot see these keys
-        # query tiles that start past this key tile's last key see all of it: no mask
-        diag_end = tl.maximum(lo, tl.minimum(tl.cdiv(n0 + BLOCK_N, BLOCK_M) * BLOCK_M, full_end))
+        mid_lo = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M  # tiles whose first query is past the last key
     else:
         lo = 0
-        diag_end = 0
-    tail_start = tl.maximum(diag_end, full_end)
-    h0 = hk * GROUP  # the first of the query heads that share this K/V head
-    Q += b * sqb + h0 * sqh
-    DO += b * sdb + h0 * sdh
-    LSE += (b * H + h0) * T
-    DELTA += (b * H + h0) * T
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sdh, sdt, T, cols, offs_m, offs_d,
-                         lo, diag_end, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, True, PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sdh, sdt, T, cols, offs_m, offs_d,
-                         diag_end, full_end, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, False, PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, sqh, sqt, sdh, sdt, T, cols, offs_m, offs_d,
-                         tail_start, T, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, True, PRECISION)
+        mid_lo = 0
+    if DOC:
+        DS += b.to(tl.int64) * T
+        DE += b.to(tl.int64) * T
+        hi = tl.load(DE + last)  # later queries are in later documents
+        mid_hi = tl.minimum(mid_hi, (tl.load(DE + n0) // BLOCK_M) * BLOCK_M)  # rows in the first key's document
+        if not CAUSAL:
+            lo = (tl.load(DS + n0) // BLOCK_M) * BLOCK_M
+            mid_lo = tl.cdiv(tl.load(DS + last), BLOCK_M) * BLOCK_M
+    mid_lo = tl.minimum(tl.maximum(mid_lo, lo), hi)
+    mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
+    LSE += (b.to(tl.int64) * H + h0) * T
+    DELTA += (b.to(tl.int64) * H + h0) * T
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
+                         offs_m, offs_d, lo, mid_lo, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
+                         True, USE_TMA, PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
+                         offs_m, offs_d, mid_lo, mid_hi, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
+                         False, USE_TMA, PRECISION)
+    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
+                         offs_m, offs_d, mid_hi, hi, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
+                         True, USE_TMA, PRECISION)
 
-    _store_tile(DK + b * sdkb + hk * sdkh + cols[:, None] * sdkt + offs_d[None, :],
-                (dk * scale).to(DK.dtype.element_ty), cols, T, offs_d, HEAD_DIM, BLOCK_D)
-    _store_tile(DV + b * sdvb + hk * sdvh + cols[:, None] * sdvt + offs_d[None, :],
-                dv.to(DV.dtype.element_ty), cols, T, offs_d, HEAD_DIM, BLOCK_D)
+    _store_rows(dk_dst, dk_dst, sdkt, b, hk, n0, (dk * scale).to(DK.dtype.element_ty), T, offs_n, offs_d,
+                HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    _store_rows(dv_dst, dv_dst, sdvt, b, hk, n0, dv.to(DV.dtype.element_ty), T, offs_n, offs_d,
+                HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, offs_n, offs_d, T, lo, hi, qk_scale,
-              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+def _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d, T,
+              lo, hi, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+              CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
+              PRECISION: tl.constexpr):
     """Add the contributions of key tiles [lo, hi) to a tile of dQ."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        cols = start_n + offs_n  # [BLOCK_N] key positions
-        k = _load_tile(K + cols[:, None] * skt + offs_d[None, :], cols, T, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
-        v = _load_tile(V + cols[:, None] * svt + offs_d[None, :], cols, T, offs_d,
-                       HEAD_DIM, BLOCK_D, MASKED)  # [BLOCK_N, BLOCK_D]
+        k = _load_rows(k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
+                       MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+        v = _load_rows(v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
+                       MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         p = tl.exp2(qk - lse[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            keep = cols[None, :] < T
-            if CAUSAL:
-                keep = keep & (rows[:, None] >= cols[None, :])
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(_keep(rows, start_n + offs_n, ds_rows, de_rows, T, CAUSAL, DOC), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
@@ -287,99 +439,204 @@ def _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, offs_n, offs_d, T, lo
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, DE,
                    sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
-                   H, T, qk_scale, scale,
+                   B, H, T, qk_scale, scale,
                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   CAUSAL: tl.constexpr, PRECISION: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr,
+                   USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
     pid_m = tl.program_id(0)
     if CAUSAL:  # the longest rows first
         pid_m = tl.cdiv(T, BLOCK_M) - 1 - pid_m
-    h = tl.program_id(1).to(tl.int64)
-    b = tl.program_id(2).to(tl.int64)
-    K += b * skb + (h // GROUP) * skh
-    V += b * svb + (h // GROUP) * svh
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    hk = h // GROUP
     m0 = pid_m * BLOCK_M
     rows = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] query positions
+    offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = _load_tile(Q + b * sqb + h * sqh + rows[:, None] * sqt + offs_d[None, :], rows, T, offs_d,
-                   HEAD_DIM, BLOCK_D, True)  # [BLOCK_M, BLOCK_D]
-    do = _load_tile(DO + b * sdb + h * sdh + rows[:, None] * sdt + offs_d[None, :], rows, T, offs_d,
-                    HEAD_DIM, BLOCK_D, True)  # [BLOCK_M, BLOCK_D]
-    lse = tl.load(LSE + (b * H + h) * T + rows, mask=rows < T, other=0.0) * 1.4426950408889634  # log2 units
-    delta = tl.load(DELTA + (b * H + h) * T + rows, mask=rows < T, other=0.0)
+    if USE_TMA:
+        q_src = _descriptor(Q, B, H, T, sqb, sqh, sqt, HEAD_DIM, BLOCK_M, BLOCK_D)
+        do_src = _descriptor(DO, B, H, T, sdb, sdh, sdt, HEAD_DIM, BLOCK_M, BLOCK_D)
+        k_src = _descriptor(K, B, H // GROUP, T, skb, skh, skt, HEAD_DIM, BLOCK_N, BLOCK_D)
+        v_src = _descriptor(V, B, H // GROUP, T, svb, svh, svt, HEAD_DIM, BLOCK_N, BLOCK_D)
+        dq_dst = _descriptor(DQ, B, H, T, sdqb, sdqh, sdqt, HEAD_DIM, BLOCK_M, BLOCK_D)
+    else:
+        q_src = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+        do_src = DO + b.to(tl.int64) * sdb + h.to(tl.int64) * sdh
+        k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
+        v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
+        dq_dst = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
+    q = _load_rows(q_src, q_src, sqt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True,
+                   USE_TMA)  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(do_src, do_src, sdt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True,
+                    USE_TMA)  # [BLOCK_M, BLOCK_D]
+    bh = (b.to(tl.int64) * H + h) * T
+    lse = tl.load(LSE + bh + rows, mask=rows < T, other=0.0) * 1.4426950408889634  # log2 units
+    delta = tl.load(DELTA + bh + rows, mask=rows < T, other=0.0)
+    if DOC:
+        DS += b.to(tl.int64) * T
+        DE += b.to(tl.int64) * T
+        ds_rows = tl.load(DS + rows, mask=rows < T, other=0)
+        if CAUSAL:
+            de_rows = ds_rows  # unused
+        else:
+            de_rows = tl.load(DE + rows, mask=rows < T, other=T)
+    else:
+        ds_rows = rows  # unused
+        de_rows = rows
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    if CAUSAL:
-        full_end = ((m0 + 1) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(m0 + BLOCK_M, T)
-    else:
-        full_end = (T // BLOCK_N) * BLOCK_N
-        hi = T
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, offs_n, offs_d, T, 0, full_end, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, False, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, K, V, skt, svt, rows, offs_n, offs_d, T, full_end, hi, qk_scale,
-                   HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, True, PRECISION)
-    _store_tile(DQ + b * sdqb + h * sdqh + rows[:, None] * sdqt + offs_d[None, :],
-                (dq * scale).to(DQ.dtype.element_ty), rows, T, offs_d, HEAD_DIM, BLOCK_D)
+    lo, mid_lo, mid_hi, hi = _query_tile_ranges(DS, DE, m0, T, BLOCK_M, BLOCK_N, CAUSAL, DOC)
+    if DOC:
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
+                       T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True, USE_TMA, PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
+                   T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, False, USE_TMA, PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
+                   T, mid_hi, hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True, USE_TMA, PRECISION)
+    _store_rows(dq_dst, dq_dst, sdqt, b, h, m0, (dq * scale).to(DQ.dtype.element_ty), T, offs_m, offs_d,
+                HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
 
 
 # ---- launch configurations ------------------------------------------------------------------
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim, for Ampere/Hopper. BLOCK_M tiles
-# queries and BLOCK_N tiles keys in every kernel. Chosen so that the bf16 kernels compiled for sm_90
-# use no (or, for dK/dV at head dim 128-256, little) local memory for spilled registers.
-_FWD_SPACE = {
-    64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 4)],
-    128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3)],
-    256: [(32, 32, 4, 2), (64, 16, 4, 2), (64, 32, 8, 2)],
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per padded head dim. BLOCK_M tiles queries and BLOCK_N
+# tiles keys in every kernel. FA2 rows: chosen so that the bf16 kernels compiled for sm_90 use no
+# (or, for dK/dV at head dim 128-256, little) local memory for spilled registers. TMA rows (Hopper):
+# 128-row query tiles for two warpgroups of wgmma, deeper pipelines; not yet measured on a GPU.
+_SPACES = {
+    "fa2": {
+        "fwd": {
+            64: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 32, 4, 3), (64, 64, 4, 4)],
+            128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3)],
+            256: [(32, 32, 4, 2), (64, 16, 4, 2), (64, 32, 8, 2)],
+        },
+        "dkdv": {  # key tiles stay on-chip with their dK/dV
+            64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+            128: [(32, 64, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
+            256: [(32, 32, 8, 2), (16, 32, 4, 2)],
+        },
+        "dq": {  # query tiles stay on-chip with their dQ
+            64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2)],
+            128: [(64, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
+            256: [(32, 32, 8, 2), (32, 16, 4, 2)],
+        },
+    },
+    "tma": {
+        "fwd": {
+            64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+            128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 8, 4), (64, 64, 4, 3)],
+            256: [(64, 32, 4, 2), (32, 32, 4, 2)],
+        },
+        "dkdv": {
+            64: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 2)],
+            128: [(64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 8, 3), (32, 64, 4, 2)],
+            256: [(32, 32, 8, 2), (16, 32, 4, 2)],
+        },
+        "dq": {
+            64: [(128, 64, 8, 3), (128, 128, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2)],
+            128: [(128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)],
+            256: [(32, 32, 8, 2), (32, 16, 4, 2)],
+        },
+    },
 }
-_DKDV_SPACE = {  # key tiles stay on-chip with their dK/dV
-    64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-    128: [(32, 64, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
-    256: [(32, 32, 8, 2), (16, 32, 4, 2)],
-}
-_DQ_SPACE = {  # query tiles stay on-chip with their dQ
-    64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2)],
-    128: [(64, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
-    256: [(32, 32, 8, 2), (32, 16, 4, 2)],
+# GPTKIT_KERNELS_AUTOTUNE=0 on a GPU: one small configuration per kernel that compiles for fp32 too
+# (shared memory) on Ampere and Hopper; the tests use it so that they never autotune.
+_PINNED = {
+    "fwd": {128: (64, 32, 4, 2), 256: (32, 16, 4, 2)},
+    "dkdv": {128: (32, 64, 4, 2), 256: (16, 32, 4, 2)},
+    "dq": {128: (64, 32, 4, 2), 256: (32, 16, 4, 2)},
 }
 # Under the interpreter: one small configuration, with BLOCK_M != BLOCK_N so that tiles cross the
 # diagonal in both directions and short sequences still span several tiles.
 _INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 _PREPROCESS_BLOCK_M = 64
-_AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL"]
+_AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC"]
+_KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
+_TUNED = {(impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind], _AUTOTUNE_KEY)
+          for impl in IMPLS for kind in _KERNELS}  # one tuner per implementation: their timings differ
 
 
-def _autotuned(kernel, space):
-    """Wrap `kernel` in triton.autotune over the union of `space`, pruned to the head dim's row."""
-    union = sorted({c for row in space.values() for c in row})
-    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in union]
-
-    def prune(configs, named_args, **kwargs):
-        block_d = {**named_args, **kwargs}["BLOCK_D"]
-        row = next(space[d] for d in sorted(space) if block_d <= d)
-        return [c for c in configs
-                if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in row]
-
-    return triton.autotune(configs, key=_AUTOTUNE_KEY, prune_configs_by={"early_config_prune": prune})(kernel)
-
-
-if interpreting():
-    _fwd, _dkdv, _dq = _fwd_kernel, _bwd_dkdv_kernel, _bwd_dq_kernel
-else:
-    _fwd = _autotuned(_fwd_kernel, _FWD_SPACE)
-    _dkdv = _autotuned(_bwd_dkdv_kernel, _DKDV_SPACE)
-    _dq = _autotuned(_bwd_dq_kernel, _DQ_SPACE)
+def _launch(kind: str, impl: str, grid, block_d: int, *args, **meta) -> None:
+    """Launch kernel `kind` (fwd|dkdv|dq): autotuned, or with pinned blocks (interpreter, or
+    GPTKIT_KERNELS_AUTOTUNE=0). `grid` maps the block sizes {BLOCK_M, BLOCK_N} to a launch grid."""
+    if interpreting():
+        m, n = _INTERPRET_BLOCKS[kind]
+        blocks = {"BLOCK_M": m, "BLOCK_N": n}
+        _KERNELS[kind][grid(blocks)](*args, **meta, **blocks)
+    elif tuning():
+        _TUNED[(impl, kind)][grid](*args, **meta)
+    else:
+        m, n, warps, stages = pinned(_PINNED[kind], block_d)
+        blocks = {"BLOCK_M": m, "BLOCK_N": n}
+        _KERNELS[kind][grid(blocks)](*args, **meta, **blocks, num_warps=warps, num_stages=stages)
 
 
-def _blocks(kind: str) -> dict:
-    """Pinned block sizes under the interpreter; on a GPU the autotuner chooses them."""
+def forward_tiles(T: int, block_m: int, block_n: int, causal: bool = True,
+                  doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+    """How many (query tile, key tile) products the forward kernel computes per head, summed over the
+    batch rows of doc_bounds (one row without): the same ranges as _query_tile_ranges, in Python.
+    Its cost model: time is about proportional to this count (tests hold it equal to the kernel's)."""
+    rows = [(None, None)] if doc_bounds is None else list(zip(doc_bounds[0].tolist(), doc_bounds[1].tolist()))
+    cdiv = triton.cdiv
+    total = 0
+    for ds, de in rows:
+        for m0 in range(0, T, block_m):
+            last = min(m0 + block_m, T) - 1
+            hi, mid_hi = (last + 1, (m0 + 1) // block_n * block_n) if causal else (T, T // block_n * block_n)
+            lo = mid_lo = 0
+            if ds is not None:
+                lo = ds[m0] // block_n * block_n
+                mid_lo = min(max(cdiv(ds[last], block_n) * block_n, lo), hi)
+                if not causal:
+                    hi = de[last]
+                    mid_hi = min(mid_hi, de[m0] // block_n * block_n)
+                mid_hi = min(max(mid_hi, mid_lo), hi)
+            total += sum(max(0, cdiv(b - a, block_n)) for a, b in ((lo, mid_lo), (mid_lo, mid_hi), (mid_hi, hi)))
+    return total
+
+
+# ---- implementation choice ------------------------------------------------------------------
+
+def tma_supported(*tensors: torch.Tensor) -> bool:
+    """Whether the TMA implementation can take these tensors: this Triton has on-device tensor
+    descriptors, the device is Hopper or newer (or the interpreter runs), and every tensor has a
+    dense last dim, 16-byte aligned base and strides."""
+    if not hasattr(tl, "make_tensor_descriptor"):
+        return False
     if not interpreting():
-        return {}
-    m, n = _INTERPRET_BLOCKS[kind]
-    return {"BLOCK_M": m, "BLOCK_N": n}
+        if not tensors[0].is_cuda or torch.cuda.get_device_capability(tensors[0].device)[0] < 9:
+            return False
+    for x in tensors:
+        size = x.element_size()
+        if x.stride(-1) != 1 or x.data_ptr() % 16 or any(s * size % 16 for s in x.stride()[:-1]):
+            return False
+    return True
+
+
+def _choose_impl(impl: str | None, tensors) -> str:
+    impl = impl or os.environ.get("GPTKIT_FLASH_IMPL") or "fa2"
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
+    if impl != "fa2" and not tma_supported(*tensors):
+        return "fa2"  # the TMA kernels need Hopper and aligned tensors; the FA2 kernels take anything
+    return impl
+
+
+def _ensure_allocator() -> None:
+    """On-device tensor descriptors need a little global scratch memory from triton.set_allocator.
+    Set a torch one unless the caller set their own (per thread: backward runs on another one)."""
+    if interpreting():
+        return
+    try:
+        from triton.runtime import _allocation
+
+        if _allocation._allocator.get() is not _allocation._NULL_ALLOCATOR:
+            return
+    except (ImportError, AttributeError):
+        pass
+    triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int]:
@@ -394,7 +651,7 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 
 class FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float):
+    def forward(ctx, q, k, v, causal: bool, scale: float, ds, de, impl: str):
         B, H, T, D = q.shape
         group = H // k.shape[1]
         block_d = max(16, triton.next_power_of_2(D))
@@ -402,54 +659,63 @@ class FlashAttention(torch.autograd.Function):
         o = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
         lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # [B, H, T], natural log
         precision = "ieee" if q.dtype == torch.float32 else "tf32"
-
-        def grid(meta):
-            return triton.cdiv(T, meta["BLOCK_M"]), H, B
-
-        _fwd[grid](q, k, v, o, lse, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                   H, T, scale * LOG2E, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d,
-                   CAUSAL=causal, PRECISION=precision, **_blocks("fwd"))
-        ctx.save_for_backward(q, k, v, o, lse)
+        use_tma = impl != "fa2"
+        if use_tma:
+            _ensure_allocator()
+        _launch("fwd", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), block_d,
+                q, k, v, o, lse, ds, de, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+                B, H, T, scale * LOG2E, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
+                DOC=ds is not None, USE_TMA=use_tma, WARP_SPECIALIZE=impl == "tma-ws", PRECISION=precision)
+        ctx.save_for_backward(q, k, v, o, lse, ds, de)
         ctx.causal, ctx.scale, ctx.group, ctx.block_d, ctx.precision = causal, scale, group, block_d, precision
+        ctx.impl = impl
         return o
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, ds, de = ctx.saved_tensors
         B, H, T, D = q.shape
         Hkv = k.shape[1]
         do = _last_dim_dense(do)  # [B, H, T, D]
+        impl = ctx.impl if ctx.impl == "fa2" or tma_supported(do) else "fa2"
+        if impl != "fa2":
+            _ensure_allocator()
         delta = torch.empty_like(lse)  # [B, H, T] fp32
-        dq = torch.empty_like(q)  # [B, H, T, D]
-        dk = torch.empty_like(k)  # [B, Hkv, T, D]
-        dv = torch.empty_like(v)  # [B, Hkv, T, D]
-        common = dict(GROUP=ctx.group, HEAD_DIM=D, BLOCK_D=ctx.block_d, CAUSAL=ctx.causal,
-                      PRECISION=ctx.precision)
+        dq = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D], the layout the model merges for free
+        dk = k.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+        dv = v.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+        common = dict(GROUP=ctx.group, HEAD_DIM=D, BLOCK_D=ctx.block_d, CAUSAL=ctx.causal, DOC=ds is not None,
+                      USE_TMA=impl != "fa2", PRECISION=ctx.precision)
         qk_scale = ctx.scale * LOG2E
 
         _bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK_M), H, B)](
             o, do, delta, *_strides(o), *_strides(do), H, T,
             HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=_PREPROCESS_BLOCK_M)
-        _dkdv[lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), Hkv, B)](
-            q, k, v, do, lse, delta, dk, dv,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-            H, T, qk_scale, ctx.scale, **common, **_blocks("dkdv"))
-        _dq[lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B)](
-            q, k, v, do, lse, delta, dq,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-            H, T, qk_scale, ctx.scale, **common, **_blocks("dq"))
-        return dq, dk, dv, None, None
+        _launch("dkdv", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), Hkv, B), ctx.block_d,
+                q, k, v, do, lse, delta, dk, dv, ds, de,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+                B, H, T, qk_scale, ctx.scale, **common)
+        _launch("dq", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), ctx.block_d,
+                q, k, v, do, lse, delta, dq, ds, de,
+                *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+                B, H, T, qk_scale, ctx.scale, **common)
+        return dq, dk, dv, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    scale: float | None = None) -> torch.Tensor:
-    """Exact softmax(q k^T * scale [+ causal mask]) v, computed tile by tile.
+                    scale: float | None = None, doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+                    impl: str | None = None) -> torch.Tensor:
+    """Exact softmax(q k^T * scale [+ causal mask] [+ document mask]) v, computed tile by tile.
 
-    q [B, H, T, D], k/v [B, H_kv, T, D] with H_kv dividing H (GQA/MQA, no K/V copies); fp32, fp16
+    q [B, H, T, D], k/v [B, H_kv, T, D] with H_kv divides H (GQA/MQA, no K/V copies); fp32, fp16
     or bf16 (all three alike); 16 <= D <= 256; scale defaults to D ** -0.5. Causal means query i
-    sees keys 0..i. Tensors must be on a CUDA device, or on the CPU under TRITON_INTERPRET=1.
-    Returns [B, H, T, D] in q's dtype; differentiable (once) with respect to q, k and v.
+    sees keys 0..i. doc_bounds=(start, end), integer [B, T] each, packs documents into a row:
+    position t belongs to the document [start[b, t], end[b, t]) (start <= t < end; documents are
+    contiguous runs), and query i sees only keys of its own document. Fully masked tiles are
+    skipped. impl: "fa2" (default), "tma" or "tma-ws" (Hopper; falls back to fa2 where it cannot
+    run); None reads GPTKIT_FLASH_IMPL. Tensors must be on a CUDA device, or on the CPU under
+    TRITON_INTERPRET=1. Returns [B, H, T, D] in q's dtype; differentiable (once) in q, k and v.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(f"flash_attention expects 4-d [B, heads, T, head_dim] tensors, got "
@@ -466,8 +732,17 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         raise ValueError(f"q, k, v must share one dtype among fp32, fp16, bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
     if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"flash_attention needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+    ds = de = None
+    if doc_bounds is not None:
+        ds, de = doc_bounds
+        if ds.shape != (B, T) or de.shape != (B, T) or ds.is_floating_point() or de.is_floating_point():
+            raise ValueError(f"doc_bounds must be two integer [B, T] = [{B}, {T}] tensors, got "
+                             f"{tuple(ds.shape)} {ds.dtype}, {tuple(de.shape)} {de.dtype}")
+        ds = ds.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
+        de = de.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
     scale = D**-0.5 if scale is None else float(scale)
     if B * H * T == 0:
         return q.new_empty(B, H, T, D)
     q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
-    return FlashAttention.apply(q, k, v, bool(causal), scale)
+    impl = _choose_impl(impl, (q, k, v))
+    return FlashAttention.apply(q, k, v, bool(causal), scale, ds, de, impl)

@@ -42,7 +42,7 @@ def test_resume_and_init_from_share_one_model_policy():
     asked = OmegaConf.create({"name": "b", "n_layers": 4, "dropout": 0.1, "attention": "eager"})
     got = model_from_source("resume=x", saved, asked, ["model.dropout=0.1", "model.attention=eager", "optim.lr=1"])
     assert got == {"name": "a", "n_layers": 2, "dropout": 0.1, "attention": "eager"}
-    assert set(FREE_MODEL_KEYS) == {"name", "dropout", "attention"}
+    assert set(FREE_MODEL_KEYS) == {"name", "dropout", "attention", "kernels", "position_reset"}
     with pytest.raises(GptkitError, match="init_from=x fixes model.n_layers=2"):
         model_from_source("init_from=x", saved, asked, ["model.n_layers=4"])
     with pytest.raises(GptkitError, match="brings its own model"):

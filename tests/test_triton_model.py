@@ -64,7 +64,7 @@ def test_model_built_with_attention_triton_runs_the_kernel(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the fallback is for machines without CUDA")
-def test_no_gpu_and_no_interpreter_falls_back_to_sdpa_with_one_warning():
+def test_no_gpu_and_no_interpreter_falls_back_with_one_warning():
     script = textwrap.dedent("""
         import dataclasses
         import warnings
@@ -84,6 +84,16 @@ def test_no_gpu_and_no_interpreter_falls_back_to_sdpa_with_one_warning():
         ref = sdpa_model(idx, idx).loss
         print("WARNINGS", [str(w.message) for w in caught])
         print("MATCH", torch.equal(out, ref))
+        llama = dict(position="rope", mlp="swiglu", norm="rmsnorm")
+        fused = GPT(dataclasses.replace(cfg, attention="sdpa", kernels=["norm", "swiglu", "rope", "loss"], **llama))
+        eager = GPT(dataclasses.replace(cfg, attention="sdpa", **llama))
+        eager.load_state_dict(fused.state_dict())
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fused_loss = fused(idx, idx).loss
+            fused_loss.backward()
+        print("KERNEL_WARNINGS", [str(w.message) for w in caught])
+        print("KERNEL_MATCH", torch.allclose(fused_loss, eager(idx, idx).loss, rtol=1e-6))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
@@ -91,6 +101,9 @@ def test_no_gpu_and_no_interpreter_falls_back_to_sdpa_with_one_warning():
     warnings_line = next(line for line in r.stdout.splitlines() if line.startswith("WARNINGS"))
     assert warnings_line.count("falling back to sdpa") == 1, warnings_line  # once, for 4 attention calls
     assert "MATCH True" in r.stdout
+    kernel_line = next(line for line in r.stdout.splitlines() if line.startswith("KERNEL_WARNINGS"))
+    assert kernel_line.count("using the eager torch versions") == 1, kernel_line  # once, for every fused layer
+    assert "KERNEL_MATCH True" in r.stdout  # (the fused loss is pure torch: it runs here too)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusal is for machines without CUDA")
@@ -101,13 +114,14 @@ def test_bench_attention_refuses_without_cuda(cli):
     assert len(lines) == 1 and lines[0].startswith("error:") and "CUDA" in lines[0], r.stderr
 
 
-def test_bench_attention_pipeline_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
-    """The GPU benchmark's check, timing, oom and table code, run on the CPU with a stand-in timer."""
+def test_bench_attention_pipeline_dry_run(monkeypatch, tmp_path, capsys):
+    """The GPU benchmark's check, timing, oom, streaming and JSON code with a stand-in timer: fp32 on the
+    CPU (interpreter); fp16 on a GPU, where SDPA's flash backend refuses fp32."""
+    import json
     import time
 
     import triton.testing
     from omegaconf import OmegaConf
-    from rich.console import Console
 
     import gptkit.model.attention
     from gptkit.bench import attention as bench
@@ -120,21 +134,28 @@ def test_bench_attention_pipeline_dry_run_on_cpu(monkeypatch, tmp_path, capsys):
         fn()
         return (time.perf_counter() - start) * 1e3
 
+    dtype, tol = (torch.float16, 2e-2) if DEVICE == "cuda" else (torch.float32, 1e-4)
     monkeypatch.setattr(bench, "DEVICE", DEVICE)
     monkeypatch.setattr(triton.testing, "do_bench", wall_ms)
     monkeypatch.setattr(gptkit.model.attention, "eager_attention", oom)
     cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "bench" / "attention.yaml"),  # the shipped options
                           dict(tokens=64, seq_lens=[32], head_dims=[32], d_model=64, gqa=[2], causal=[True],
-                               warmup_ms=1, rep_ms=1, check_tol=1e-4))
+                               warmup_ms=1, rep_ms=1, check_tol=tol, backends=["sdpa-flash", "triton", "eager"],
+                               out=str(tmp_path / "attn.json")))
     (case,) = bench._cases(cfg)
     assert (case.batch, case.n_heads, case.n_kv_heads) == (2, 2, 1)
-    results = [bench._measure(case, backend, torch.float32, cfg) for backend in cfg.backends]
-    triton_r, sdpa_r, eager_r = results
+    results = []
+    for backend in cfg.backends:
+        results.append(bench._measure(case, backend, dtype, cfg))
+        print(bench.row(results[-1], results, cfg.check_tol))
+        bench._write(cfg.out, bench.environment(), results)
+    sdpa_r, triton_r, eager_r = results
 
-    assert triton_r.max_rel_err < 1e-4  # the check ran against SDPA and agrees
+    assert triton_r.max_rel_err < tol  # the check ran against SDPA and agrees
     assert all(triton_r.tflops(m) > 0 and sdpa_r.tflops(m) > 0 for m in bench.MODES)
     assert eager_r.ms == {m: None for m in bench.MODES}
     assert case.flops("fwd+bwd") == 3.5 * 4 * 2 * 2 * 32**2 * 32 / 2
-    bench._print_table(Console(width=200), results, cfg)
-    table = capsys.readouterr().out
-    assert "oom" in table and "ok " in table and "FAIL" not in table
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 3 and "oom" in lines[2] and " ok " in lines[1] and lines[1].split()[-3].endswith("x")
+    saved = json.loads((tmp_path / "attn.json").read_text())
+    assert {"date", "gpu", "torch", "triton"} <= set(saved) and len(saved["results"]) == 3

@@ -1,10 +1,15 @@
-"""`gptkit bench attention`: our Triton FlashAttention-2 against PyTorch SDPA's flash backend and eager.
+"""`gptkit bench attention`: our Triton FlashAttention against PyTorch SDPA's flash and cuDNN backends.
 
-For every T in bench.seq_lens (batch = bench.tokens // T), head dim, causal or not, and GQA ratio:
-  1. check: our output and dQ/dK/dV against SDPA's (max |diff| / max |sdpa| <= bench.check_tol);
+For every T in bench.seq_lens (batch = bench.tokens // T), head dim, causal or not, and GQA ratio,
+and every backend in bench.backends (SDPA's first, so that ours can be compared with the fastest):
+  1. check (ours): output and dQ/dK/dV against SDPA flash (max |diff| / max |sdpa| <= bench.check_tol);
   2. time forward, backward and forward+backward with triton.testing.do_bench (median, after warm-up).
+Backends: triton (our FA2 kernels, the default implementation), triton-tma (the Hopper TMA kernels),
+triton-tma-ws (the same, warp-specialized forward), sdpa-flash, sdpa-cudnn, eager.
 TFLOP/s use the usual convention: forward 4*B*H*T^2*D (halved when causal), backward 2.5x forward.
-Eager attention may run out of memory at large T: that cell reads "oom". Needs a CUDA GPU.
+Each row prints as soon as it is measured (and bench.out is rewritten), so a run cut short keeps
+what it measured. Our kernels' autotuning results are cached on disk by Triton (>= 3.4) across
+runs. Eager attention may run out of memory at large T: that cell reads "oom". Needs a CUDA GPU.
 """
 
 from __future__ import annotations
@@ -13,7 +18,9 @@ import gc
 from dataclasses import asdict, dataclass, field
 
 MODES = ("fwd", "bwd", "fwd+bwd")
-BACKENDS = ("triton", "sdpa-flash", "eager")
+BACKENDS = ("triton", "triton-tma", "triton-tma-ws", "sdpa-flash", "sdpa-cudnn", "eager")
+OURS = {"triton": "fa2", "triton-tma": "tma", "triton-tma-ws": "tma-ws"}  # backend -> flash_attention impl
+SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}  # backend -> SDPBackend member
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 DEVICE = "cuda"
 
@@ -41,7 +48,7 @@ class Result:
     backend: str
     ms: dict[str, float | None] = field(default_factory=dict)  # mode -> median ms; None: see note
     note: str = ""
-    max_rel_err: float | None = None  # triton only: the check against SDPA
+    max_rel_err: float | None = None  # ours only: the check against SDPA flash
 
     def tflops(self, mode: str) -> float | None:
         ms = self.ms.get(mode)
@@ -75,15 +82,15 @@ def _cases(cfg) -> list[Case]:
 
 
 def _attention(backend: str, causal: bool):
-    """(q, k, v) -> out for one backend. sdpa-flash must be called inside sdpa_kernel(FLASH_ATTENTION)."""
+    """(q, k, v) -> out for one backend. sdpa-* must be called inside their sdpa_kernel(...)."""
     import torch.nn.functional as F
 
     from gptkit.model.attention import eager_attention
     from gptkit_kernels import flash_attention
 
-    if backend == "triton":
-        return lambda q, k, v: flash_attention(q, k, v, causal=causal)
-    if backend == "sdpa-flash":
+    if backend in OURS:
+        return lambda q, k, v: flash_attention(q, k, v, causal=causal, impl=OURS[backend])
+    if backend in SDPA:
         return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
                                                               enable_gqa=k.shape[1] != q.shape[1])
     return lambda q, k, v: eager_attention(q, k, v, causal=causal)[0]
@@ -134,14 +141,14 @@ def _measure(case: Case, backend: str, dtype, cfg) -> Result:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     result = Result(case, backend)
-    flash_only = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if backend == "sdpa-flash" else contextlib.nullcontext()
+    only = sdpa_kernel(getattr(SDPBackend, SDPA[backend])) if backend in SDPA else contextlib.nullcontext()
     try:
-        with flash_only:
+        with only:
             _check_and_time(result, dtype, cfg)
     except torch.cuda.OutOfMemoryError:
         result.ms, result.note = {mode: None for mode in MODES}, "oom"
-    except RuntimeError as exc:  # e.g. SDPA's flash backend refusing this GPU or shape; ours must not
-        if backend == "triton":
+    except (RuntimeError, AttributeError) as exc:  # e.g. an SDPA backend refusing this GPU or shape; ours must not
+        if backend in OURS:
             raise
         result.ms, result.note = {mode: None for mode in MODES}, f"unavailable: {str(exc).splitlines()[0][:60]}"
     finally:
@@ -158,13 +165,13 @@ def _check_and_time(result: Result, dtype, cfg) -> None:
     fn = _attention(backend, case.causal)
     q, k, v = _inputs(case, dtype)
     dout = torch.randn_like(q)  # [B, H, T, D]
-    if backend == "sdpa-flash" and case.n_kv_heads != case.n_heads:
+    if backend in SDPA and case.n_kv_heads != case.n_heads:
         try:
             fn(q, k, v)
-        except RuntimeError:  # this torch's flash backend has no native GQA: give it full K/V heads
+        except RuntimeError:  # this torch's backend has no native GQA: give it full K/V heads
             q, k, v = _inputs(case, dtype, n_kv_heads=case.n_heads)
             result.note = "K/V heads repeated"
-    if backend == "triton":
+    if backend in OURS:
         want = _sdpa_reference(q, k, v, dout, case.causal)
         result.max_rel_err = _max_rel_err(_grads(fn, q, k, v, dout), want)
         del want
@@ -176,6 +183,18 @@ def _check_and_time(result: Result, dtype, cfg) -> None:
     }
     for mode in MODES:
         result.ms[mode] = do_bench(timed[mode], warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+
+
+def environment() -> dict:
+    """What a README table of these numbers must name: date, GPU, torch, Triton."""
+    import datetime
+
+    import torch
+    import triton
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+    return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
+            "triton": triton.__version__}
 
 
 def run(cfg) -> int:
@@ -195,59 +214,63 @@ def run(cfg) -> int:
         raise ConfigError(f"unknown bench.backends {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
     dtype = getattr(torch, DTYPES[cfg.dtype])
     cases = _cases(cfg)
+    backends = sorted(cfg.backends, key=lambda b: (b not in SDPA, BACKENDS.index(b)))  # SDPA first: the baseline
 
-    from rich.console import Console
-
-    con = Console()
-    con.print(f"{torch.cuda.get_device_name()}: {len(cases)} configurations x {len(cfg.backends)} backends, "
-              f"{cfg.dtype}, B*T = {cfg.tokens}")
+    env = environment()
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: {len(cases)} configurations "
+          f"x {len(backends)} backends, {cfg.dtype}, B*T = {cfg.tokens}; TFLOP/s (fwd 4*B*H*T^2*D, halved when "
+          f"causal; bwd 2.5x fwd)", flush=True)
+    print(header(), flush=True)
     results: list[Result] = []
     for case in cases:
-        con.print(f"[dim]T={case.T} B={case.batch} head_dim={case.head_dim} heads={case.n_heads}/{case.n_kv_heads} "
-                  f"{'causal' if case.causal else 'full'}")
-        results += [_measure(case, backend, dtype, cfg) for backend in cfg.backends]
-
+        for backend in backends:
+            r = _measure(case, backend, dtype, cfg)
+            results.append(r)
+            print(row(r, results, cfg.check_tol), flush=True)
+            if cfg.out:
+                _write(cfg.out, env, results)
     failed = [r for r in results if r.max_rel_err is not None and not r.max_rel_err <= cfg.check_tol]
-    _print_table(con, results, cfg)
     if cfg.out:
-        import json
-
-        from gptkit.fsio import atomic_write_text
-
-        atomic_write_text(cfg.out, json.dumps([r.to_dict() for r in results], indent=2))
-        con.print(f"wrote {cfg.out}")
+        print(f"wrote {cfg.out}", flush=True)
     if failed:
-        con.print(f"[red]{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})")
+        print(f"{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})", flush=True)
         return 1
     return 0
 
 
-def _print_table(con, results: list[Result], cfg) -> None:
-    from rich.table import Table
+def _write(path, env: dict, results: list[Result]) -> None:
+    import json
 
-    def cell(r: Result, mode: str) -> str:
+    from gptkit.fsio import atomic_write_text
+
+    atomic_write_text(path, json.dumps({**env, "results": [r.to_dict() for r in results]}, indent=2))
+
+
+_COLUMNS = (("T", 6), ("B", 4), ("hd", 4), ("heads", 6), ("causal", 6), ("backend", 26), ("fwd", 7), ("bwd", 7),
+            ("fwd+bwd", 8), ("vs best sdpa", 12), ("check vs sdpa", 13))
+
+
+def header() -> str:
+    return "  ".join(f"{name:>{w}}" if name != "backend" else f"{name:<{w}}" for name, w in _COLUMNS)
+
+
+def row(r: Result, results: list[Result], check_tol: float) -> str:
+    """One printed line: TFLOP/s per mode, fwd+bwd speed against the fastest SDPA backend measured for the
+    same configuration so far, and the check (ours)."""
+    c = r.case
+
+    def cell(mode: str) -> str:
         x = r.tflops(mode)
         return f"{x:.1f}" if x is not None else ("oom" if r.note == "oom" else "n/a")
 
-    t = Table(title=f"attention TFLOP/s ({cfg.dtype}; fwd 4*B*H*T^2*D, halved when causal; bwd 2.5x fwd)")
-    for name in ("T", "B", "head_dim", "heads/kv", "causal", "backend", "fwd", "bwd", "fwd+bwd",
-                 "fwd+bwd vs sdpa", "check vs sdpa"):
-        t.add_column(name, justify="left" if name in ("causal", "backend") else "right")
-    previous = None
-    for r in results:
-        c = r.case
-        if previous is not None and c != previous:
-            t.add_section()
-        previous = c
-        sdpa = next((s for s in results if s.case == c and s.backend == "sdpa-flash"), None)
-        ratio = ""
-        if r.backend != "sdpa-flash" and sdpa is not None and None not in (r.tflops("fwd+bwd"), sdpa.tflops("fwd+bwd")):
-            ratio = f"{r.tflops('fwd+bwd') / sdpa.tflops('fwd+bwd'):.2f}x"
-        check = ""
-        if r.max_rel_err is not None:
-            ok = r.max_rel_err <= cfg.check_tol
-            check = f"{'[green]ok' if ok else '[red]FAIL'} {r.max_rel_err:.1e}"
-        backend = r.backend + (f" ({r.note})" if r.note and r.note != "oom" else "")
-        t.add_row(str(c.T), str(c.batch), str(c.head_dim), f"{c.n_heads}/{c.n_kv_heads}",
-                  "yes" if c.causal else "no", backend, *(cell(r, m) for m in MODES), ratio, check)
-    con.print(t)
+    sdpa = [s.tflops("fwd+bwd") for s in results if s.case == c and s.backend in SDPA and s.tflops("fwd+bwd")]
+    ratio = ""
+    if r.backend not in SDPA and sdpa and r.tflops("fwd+bwd") is not None:
+        ratio = f"{r.tflops('fwd+bwd') / max(sdpa):.2f}x"
+    check = ""
+    if r.max_rel_err is not None:
+        check = f"{'ok' if r.max_rel_err <= check_tol else 'FAIL'} {r.max_rel_err:.1e}"
+    backend = r.backend + (f" ({r.note})" if r.note and r.note != "oom" else "")
+    cells = (c.T, c.batch, c.head_dim, f"{c.n_heads}/{c.n_kv_heads}", "yes" if c.causal else "no", backend[:26],
+             cell("fwd"), cell("bwd"), cell("fwd+bwd"), ratio, check)
+    return "  ".join(f"{v!s:>{w}}" if name != "backend" else f"{v!s:<{w}}" for (name, w), v in zip(_COLUMNS, cells))

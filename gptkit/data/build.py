@@ -75,11 +75,22 @@ DEFAULTS: dict[str, dict[str, Any]] = {
 }
 
 
+WINDOW_KEYS = ("pack",)  # data options of how windows are drawn from the shards: they change no token
+
+
 def data_settings(cfg: Any) -> dict[str, Any]:
-    """The data config as a complete plain dict with its kind checked."""
+    """The data config as a complete plain dict with its kind checked, without WINDOW_KEYS (the
+    options of how windows are drawn from the shards are no part of the cache key)."""
     from omegaconf import DictConfig, OmegaConf
 
+    from gptkit.data.windows import PACKS
+
     d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    pack = d.pop("pack", "stream")
+    for k in WINDOW_KEYS:
+        d.pop(k, None)
+    if pack not in PACKS:
+        raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
     if d.get("kind") not in KINDS:
         raise GptkitError(f"unknown data kind {d.get('kind')!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared")
     return {"kind": d["kind"], **DEFAULTS[d["kind"]], **d}

@@ -5,6 +5,7 @@ train: an endless IterableDataset of sampler batches starting at micro-step
        asks for the dataloader, so a resumed run continues exactly), for trainer.global_rank of
        trainer.world_size. Without a trainer: step 0, rank 0 of 1.
 val:   a fixed, deterministic map-style set of windows, the same for every run on the same data.
+pack="documents": every batch is (x, y, doc_ids) instead of (x, y) (see gptkit.data.windows).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from gptkit.data.prepared import PreparedData
-from gptkit.data.windows import WindowSampler, check_window, val_starts, windows
+from gptkit.data.windows import WindowSampler, check_pack, check_window, val_starts, windows
 
 
 class TrainBatches(IterableDataset):
@@ -26,30 +27,31 @@ class TrainBatches(IterableDataset):
     def __iter__(self):
         step = self.start_step
         while True:
-            yield self.sampler.batch(step, self.rank, self.world_size)  # x, y: [batch_size, seq_len]
+            yield self.sampler.batch(step, self.rank, self.world_size)  # x, y (, doc_ids): [batch_size, seq_len]
             step += 1
 
 
 class ValWindows(Dataset):
-    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None) -> None:
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, eos_id: int | None = None) -> None:
+        self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
         self.starts = val_starts(len(tokens), seq_len, n_windows)  # [n_windows]
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int):
-        x, y = windows(self.tokens, self.starts[i:i + 1], self.seq_len)  # [1, seq_len] each
-        return x[0], y[0]
+        return tuple(t[0] for t in windows(self.tokens, self.starts[i:i + 1], self.seq_len, self.eos_id))
 
 
 class TokenDataModule(L.LightningDataModule):
     def __init__(self, prepared: PreparedData, batch_size: int = 12, seq_len: int = 128, seed: int = 1337,
-                 val_windows: int | None = 200) -> None:
+                 val_windows: int | None = 200, pack: str = "stream") -> None:
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
-        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed)
+        check_pack(pack, prepared.eos_id)
+        self.eos_id = prepared.eos_id if pack == "documents" else None
+        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed, self.eos_id)
         check_window(len(prepared.val_tokens()), self.seq_len, "val")
 
     def _position(self) -> tuple[int, int, int]:
@@ -71,5 +73,5 @@ class TokenDataModule(L.LightningDataModule):
                           pin_memory=self._pin())
 
     def val_dataloader(self) -> DataLoader:
-        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows)
+        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows, self.eos_id)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())

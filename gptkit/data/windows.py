@@ -7,6 +7,11 @@ global batch of batch_size * world_size distinct window starts from a generator 
   - resuming at step s gives exactly the batches an uninterrupted run sees (no iterator state),
   - ranks never share a window within a step,
   - world 2 x batch 6 sees the same windows as world 1 x batch 12.
+
+data.pack (PACKS) says what a window's documents may see. stream: windows are cut from the token
+stream and attention crosses document boundaries. documents: the same windows, plus doc_ids [B, T]
+(the number of EOS tokens before each position: an EOS ends its own document), so that the model
+attends only inside each document (and, with model.position_reset, restarts positions there).
 """
 
 from __future__ import annotations
@@ -22,21 +27,44 @@ def check_window(n_tokens: int, seq_len: int, split: str) -> None:
                           f"{seq_len + 1}; give a longer corpus or a smaller model.max_seq_len")
 
 
-def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int):
-    """(x, y) int64 tensors [len(starts), seq_len] from windows of seq_len + 1 tokens at `starts`."""
+PACKS = ("stream", "documents")
+
+
+def check_pack(pack: str, eos_id: int | None) -> None:
+    if pack not in PACKS:
+        raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
+    if pack == "documents" and eos_id is None:
+        raise GptkitError("data.pack=documents needs an EOS token between documents and these shards have none; "
+                          "prepare them with a tokenizer that has one (tokenizer.eos_token) or use data.pack=stream")
+
+
+def doc_ids(x, eos_id: int):
+    """[B, T] int32: the number of EOS tokens before each position of x [B, T] (an EOS ends its document)."""
+    import torch
+
+    eos = (x == eos_id).to(torch.int32)  # [B, T]
+    return eos.cumsum(1, dtype=torch.int32) - eos
+
+
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, eos_id: int | None = None):
+    """(x, y) int64 tensors [len(starts), seq_len] from windows of seq_len + 1 tokens at `starts`;
+    (x, y, doc_ids) when an EOS id is given (data.pack=documents)."""
     import torch
 
     idx = starts[:, None] + np.arange(seq_len + 1)  # [B, seq_len + 1]
     w = torch.from_numpy(tokens[idx].astype(np.int64))  # [B, seq_len + 1]
-    return w[:, :-1].contiguous(), w[:, 1:].contiguous()  # x, y: [B, seq_len]
+    x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # [B, seq_len] each
+    return (x, y) if eos_id is None else (x, y, doc_ids(x, eos_id))
 
 
 class WindowSampler:
     """Random training windows of seq_len + 1 tokens; batch(step, rank, world_size) is pure."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int) -> None:
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
+                 eos_id: int | None = None) -> None:
         check_window(len(tokens), seq_len, "train")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, int(batch_size), int(seq_len), int(seed)
+        self.eos_id = eos_id  # given: batches carry doc_ids (data.pack=documents)
         self.n_starts = len(tokens) - seq_len  # window starts 0 .. n - seq_len - 1
 
     def starts(self, step: int, world_size: int = 1) -> np.ndarray:
@@ -52,7 +80,7 @@ class WindowSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         mine = self.starts(step, world_size)[rank * self.batch_size:(rank + 1) * self.batch_size]  # [batch_size]
-        return windows(self.tokens, mine, self.seq_len)
+        return windows(self.tokens, mine, self.seq_len, self.eos_id)
 
 
 def val_starts(n_tokens: int, seq_len: int, n_windows: int | None) -> np.ndarray:

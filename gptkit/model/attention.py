@@ -2,20 +2,23 @@
 
 Every backend has the same signature:
 
-    fn(q, k, v, *, causal, mask, dropout_p, scale, return_probs) -> (out, probs or None)
+    fn(q, k, v, *, causal, mask, dropout_p, scale, return_probs, docs) -> (out, probs or None)
 
     q:    [B, n_heads,    T_q, head_dim]
     k, v: [B, n_kv_heads, T_k, head_dim]   (n_kv_heads divides n_heads: GQA/MQA)
     mask: None, or a bool tensor broadcastable to [B, n_heads, T_q, T_k] (True = may attend);
           when given it replaces `causal`
+    docs: None, or the packed documents of the batch (gptkit.model.documents.Documents): causal
+          attention inside each document only
     out:  [B, n_heads, T_q, head_dim]
 
 `eager` is the readable reference (explicit fp32 softmax; can return the probabilities),
-`sdpa` is torch's fused kernel, `triton` is our own FlashAttention-2 kernel in kernels/.
+`sdpa` is torch's fused kernel, `triton` is our own FlashAttention kernel in kernels/.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from typing import Callable, Optional
@@ -25,14 +28,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptkit.model.config import ATTENTIONS, ModelConfig
+from gptkit.model.documents import Documents
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import RotaryEmbedding
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
-def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False):
+def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
     B, H, Tq, D = q.shape
+    if docs is not None:
+        mask = docs.mask()  # [B, 1, T, T]: causal, inside each document
     Hkv, Tk = k.shape[1], k.shape[2]
     if Hkv != H:  # GQA: each group of H // Hkv query heads reads the same K/V head
         k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
@@ -54,9 +60,16 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
     return out, (probs if return_probs else None)
 
 
-def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False):
+def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
     if return_probs:
         raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
+    if docs is not None:
+        if not _warned.get("sdpa-docs"):
+            warnings.warn("model.attention=sdpa with packed documents builds a dense [B, 1, T, T] mask every step "
+                          "(B*T*T bytes) and runs SDPA's masked (not flash) kernels over every tile; "
+                          "model.attention=triton skips the masked tiles instead", stacklevel=2)
+            _warned["sdpa-docs"] = True
+        mask = docs.mask()  # [B, 1, T, T]
     Tq, Tk = q.shape[2], k.shape[2]
     if mask is None and causal and Tq != Tk:
         if Tq == 1:  # one new token attends to the whole cache
@@ -74,37 +87,41 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
     return out, None
 
 
-_triton_state: dict[str, object] = {}
+_warned: dict[str, bool] = {}
 
 
 def triton_available(device: torch.device | None = None) -> bool:
-    """The kernels run on CUDA tensors, or on any tensor under the interpreter (TRITON_INTERPRET=1)."""
+    """Our kernels run when triton is installed, on CUDA tensors, or on any tensor under the
+    interpreter (TRITON_INTERPRET=1)."""
+    if importlib.util.find_spec("triton") is None:
+        return False
     if os.environ.get("TRITON_INTERPRET") == "1":
         return True
     return torch.cuda.is_available() and (device is None or device.type == "cuda")
 
 
-def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False):
-    """Our FlashAttention-2 kernel; cases it does not cover go to sdpa.
+def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+    """Our FlashAttention kernels (documents included); cases they do not cover go to sdpa.
 
-    Falls back to sdpa (with one warning per process) when no CUDA device is present and
-    TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
+    Falls back to sdpa (with one warning per process) when triton is missing or no CUDA device is
+    present and TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
     """
     if not triton_available(q.device):
-        if not _triton_state.get("warned"):
+        if not _warned.get("triton"):
             warnings.warn(
-                "model.attention=triton needs CUDA tensors (or TRITON_INTERPRET=1); falling back to sdpa",
+                "model.attention=triton needs triton and CUDA tensors (or TRITON_INTERPRET=1); falling back to sdpa",
                 stacklevel=2,
             )
-            _triton_state["warned"] = True
+            _warned["triton"] = True
         return sdpa_attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
-                              return_probs=return_probs)
+                              return_probs=return_probs, docs=docs)
     if mask is not None or dropout_p > 0.0 or return_probs or q.shape[2] != k.shape[2]:
         return sdpa_attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
-                              return_probs=return_probs)
+                              return_probs=return_probs, docs=docs)
     from gptkit_kernels import flash_attention
 
-    return flash_attention(q, k, v, causal=causal, scale=scale), None
+    bounds = None if docs is None else (docs.start, docs.end)
+    return flash_attention(q, k, v, causal=causal, scale=scale, doc_bounds=bounds), None
 
 
 # model.attention=<name> runs <name>_attention: the names are model/config.py's ATTENTIONS (one list)
@@ -129,7 +146,8 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.attend = get_attention(cfg.attention)
 
-    def forward(self, x, rope: Optional[RotaryEmbedding], cache: Optional[KVCache], return_probs: bool):
+    def forward(self, x, rope: Optional[RotaryEmbedding], cache: Optional[KVCache], return_probs: bool,
+                docs: Optional[Documents] = None, positions: Optional[torch.Tensor] = None):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
                                           self.n_kv_heads * self.head_dim], dim=-1)
@@ -138,11 +156,11 @@ class CausalSelfAttention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         start = cache.length if cache is not None else 0
         if rope is not None:
-            q, k = rope(q, k, start)  # rotate before caching: the cache holds rotated keys
+            q, k = rope(q, k, start, positions)  # rotate before caching: the cache holds rotated keys
         if cache is not None:
             k, v = cache.update(self.layer, k, v)  # [B, n_kv_heads, start + T, head_dim]
         attend = eager_attention if return_probs else self.attend
         y, probs = attend(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0,
-                          return_probs=return_probs)  # y: [B, n_heads, T, head_dim]
+                          return_probs=return_probs, docs=docs)  # y: [B, n_heads, T, head_dim]
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
         return F.dropout(self.o_proj(y), self.dropout, self.training), probs

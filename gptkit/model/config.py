@@ -15,6 +15,7 @@ POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 ATTENTIONS = ("eager", "sdpa", "triton")
+KERNELS = ("norm", "swiglu", "rope", "loss")  # fused kernels model.kernels may switch on (gptkit/model/fused.py)
 
 
 @dataclass
@@ -36,6 +37,8 @@ class ModelConfig:
     tie_embeddings: bool = True
     dropout: float = 0.0
     attention: str = "sdpa"  # eager | sdpa | triton
+    kernels: list[str] = field(default_factory=list)  # fused kernels to use, any of KERNELS; [] = eager torch
+    position_reset: bool = False  # with packed documents (data.pack=documents): positions restart per document
     init_std: float = 0.02
     name: str = field(default="custom", compare=False)
 
@@ -73,6 +76,12 @@ class ModelConfig:
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"model.{name}={v!r} is not one of {', '.join(allowed)}")
+        if not isinstance(self.kernels, (list, tuple)) or any(k not in KERNELS for k in self.kernels):
+            raise ConfigError(f"model.kernels={self.kernels!r} must be a list of {', '.join(KERNELS)} "
+                              f"(e.g. model.kernels=[norm,loss]; [] for none)")
+        self.kernels = list(dict.fromkeys(self.kernels))
+        if not isinstance(self.position_reset, bool):
+            raise ConfigError(f"model.position_reset={self.position_reset!r} must be true or false")
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "

@@ -16,14 +16,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gptkit.model import fused
 from gptkit.model.attention import CausalSelfAttention
 from gptkit.model.config import ModelConfig
+from gptkit.model.documents import Documents
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import GeluMLP, RotaryEmbedding, SwiGLUMLP, make_norm
 
 
 class GPTOutput(NamedTuple):
-    logits: torch.Tensor  # [B, T_kept, vocab_size]
+    logits: Optional[torch.Tensor]  # [B, T_kept, vocab_size]; None with the fused loss (model.kernels: loss)
     loss: Optional[torch.Tensor]  # scalar fp32 mean cross-entropy, when targets are given
     attentions: Optional[list[torch.Tensor]]  # per layer [B, n_heads, T, T], when asked for
 
@@ -31,15 +33,18 @@ class GPTOutput(NamedTuple):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
+        fused_norm = "norm" in cfg.kernels
+        self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, fused_norm)
         self.attn = CausalSelfAttention(cfg, layer)
-        self.mlp_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)  # the MLP's pre-norm
-        mlp_cls = GeluMLP if cfg.mlp == "gelu" else SwiGLUMLP
-        self.mlp = mlp_cls(cfg.d_model, cfg.d_ff, cfg.bias)
+        self.mlp_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, fused_norm)  # the MLP's pre-norm
+        if cfg.mlp == "gelu":
+            self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, cfg.bias)
+        else:
+            self.mlp = SwiGLUMLP(cfg.d_model, cfg.d_ff, cfg.bias, "swiglu" in cfg.kernels)
         self.dropout = cfg.dropout
 
-    def forward(self, x, rope=None, cache=None, return_probs=False):
-        a, probs = self.attn(self.attn_norm(x), rope, cache, return_probs)
+    def forward(self, x, rope=None, cache=None, return_probs=False, docs=None, positions=None):
+        a, probs = self.attn(self.attn_norm(x), rope, cache, return_probs, docs, positions)
         x = x + a
         x = x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
         return x, probs
@@ -51,10 +56,11 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta) if cfg.position == "rope" else None
+        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, "rope" in cfg.kernels)
+                     if cfg.position == "rope" else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias)
+        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, "norm" in cfg.kernels)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -80,6 +86,7 @@ class GPT(nn.Module):
         idx: torch.Tensor,  # [B, T] token ids
         targets: Optional[torch.Tensor] = None,  # [B, T], already shifted; -100 = ignore
         *,
+        doc_ids: Optional[torch.Tensor] = None,  # [B, T]: packed documents (equal ids in a run form one)
         cache: Optional[KVCache] = None,
         logits_to_keep: int = 0,  # 0: every position; k: only the last k (decoding needs 1)
         return_attention: bool = False,
@@ -90,18 +97,30 @@ class GPT(nn.Module):
             raise ValueError(
                 f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
+        docs = positions = None
+        if doc_ids is not None:  # attention stays inside each document; positions may restart with each
+            if cache is not None or doc_ids.shape != idx.shape:
+                raise ValueError(f"doc_ids must be [B, T] = {list(idx.shape)} and cannot be used with a KV cache")
+            docs = Documents(doc_ids)
+            positions = docs.positions if self.cfg.position_reset else None  # [B, T]
         x = self.tok_emb(idx)  # [B, T, d_model]
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))  # [T, d_model] broadcast
+            if positions is None:
+                x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))  # [T, d_model] broadcast
+            else:
+                x = x + self.pos_emb(positions)  # [B, T, d_model]
         x = self.drop(x)
         attentions = [] if return_attention else None
         for block in self.blocks:
-            x, probs = block(x, self.rope, cache, return_attention)
+            x, probs = block(x, self.rope, cache, return_attention, docs, positions)
             if attentions is not None:
                 attentions.append(probs)
         if cache is not None:
             cache.advance(T)
         x = self.final_norm(x)
+        if targets is not None and not logits_to_keep and "loss" in self.cfg.kernels:
+            # lm_head and cross-entropy chunk by chunk: the [B*T, vocab_size] logits never exist
+            return GPTOutput(None, fused.linear_cross_entropy(x, self.lm_head.weight, targets), attentions)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # [B, k, d_model]: project only what is needed
         logits = self.lm_head(x)  # [B, T_kept, vocab_size]

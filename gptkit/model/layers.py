@@ -6,17 +6,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gptkit.model import fused
+
 
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias, reduced in fp32 whatever the input dtype."""
 
-    def __init__(self, dim: int, eps: float, bias: bool) -> None:
+    def __init__(self, dim: int, eps: float, bias: bool, fused: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and fused.usable(x, "norm"):
+            return fused.layer_norm(x, self.weight, self.bias, self.eps)
         bias = None if self.bias is None else self.bias.float()
         y = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), bias, self.eps)
         return y.to(x.dtype)
@@ -25,19 +29,21 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """RMSNorm as in the Llama reference: the mean square is taken in fp32, then cast back."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, fused: bool = False) -> None:
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused and fused.usable(x, "norm"):
+            return fused.rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
 
-def make_norm(kind: str, dim: int, eps: float, bias: bool) -> nn.Module:
-    return LayerNorm(dim, eps, bias) if kind == "layernorm" else RMSNorm(dim, eps)
+def make_norm(kind: str, dim: int, eps: float, bias: bool, fused: bool = False) -> nn.Module:
+    return LayerNorm(dim, eps, bias, fused) if kind == "layernorm" else RMSNorm(dim, eps, fused)
 
 
 class GeluMLP(nn.Module):
@@ -55,14 +61,18 @@ class GeluMLP(nn.Module):
 class SwiGLUMLP(nn.Module):
     """Llama MLP: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
+    def __init__(self, d_model: int, d_ff: int, bias: bool, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused
         self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, d_ff] each
+        if self.fused and fused.usable(gate, "swiglu"):
+            return self.down_proj(fused.swiglu(gate, up))
+        return self.down_proj(F.silu(gate) * up)
 
 
 class RotaryEmbedding(nn.Module):
@@ -72,9 +82,9 @@ class RotaryEmbedding(nn.Module):
     non-persistent buffers (they are a function of the config, not learned state).
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, fused: bool = False) -> None:
         super().__init__()
-        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self.head_dim, self.max_seq_len, self.theta, self.fused = head_dim, max_seq_len, theta, fused
         cos, sin = self._tables(None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
@@ -96,11 +106,19 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1,
+        or for `positions` [B, T] (e.g. restarting at every packed document)."""
+        if self.fused and fused.usable(q, "rope"):
+            return fused.rope(q, k, self.cos, self.sin, positions, start)
         T = q.shape[-2]
-        cos = self.cos[start : start + T]  # [T, D]
-        sin = self.sin[start : start + T]
+        if positions is None:
+            cos = self.cos[start : start + T]  # [T, D]
+            sin = self.sin[start : start + T]
+        else:
+            cos = self.cos[positions][:, None]  # [B, 1, T, D]
+            sin = self.sin[positions][:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -86,7 +86,7 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
 
 # Model settings that change no tensor shape: they may differ from those of the run that resume= continues
 # or init_from= starts from. Every other model setting is fixed by the weights.
-FREE_MODEL_KEYS = ("name", "dropout", "attention")
+FREE_MODEL_KEYS = ("name", "dropout", "attention", "kernels", "position_reset")
 
 
 def model_from_source(source: str, saved_model: Any, asked_model: Any, overrides: list[str]) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def train(cfg: DictConfig) -> TrainResult:
     if init_ckpt is not None:
         _load_init_weights(module, init_ckpt)
     datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
-                                 val_windows=t.val_windows)
+                                 val_windows=t.val_windows, pack=cfg.data.get("pack", "stream"))
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
     trainer, checkpoints, metrics = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
                                                   peak, loggers)

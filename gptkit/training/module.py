@@ -82,14 +82,14 @@ class LitGPT(L.LightningModule):
             self._compiled = True
 
     def training_step(self, batch, batch_idx):
-        x, y = batch  # [B, T] inputs and [B, T] next-token targets
-        loss = self.model(x, y).loss
+        x, y, *docs = batch  # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
+        loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
         self.loss_window.add(loss, self.global_step)  # on the device: no host sync (StepMetrics reads it)
         return loss
 
     def validation_step(self, batch, batch_idx):
-        x, y = batch
-        self._val_losses.append(self.model(x, y).loss.detach())
+        x, y, *docs = batch
+        self._val_losses.append(self.model(x, y, doc_ids=docs[0] if docs else None).loss.detach())
 
     def on_validation_epoch_end(self) -> None:
         if not self._val_losses:

@@ -1,0 +1,111 @@
+"""Linear layer + cross-entropy without the [tokens, vocab] logits (pure torch; no triton needed).
+
+    linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk_size=None) -> loss
+    x: [N, d] hidden states, weight: [V, d] (the lm_head, possibly tied to the embedding),
+    targets: [N] int, ignore_index marks positions without a target.
+    loss: fp32 scalar = mean over the non-ignored targets of logsumexp(logits) - logits[target],
+          logits = x @ weight^T (as F.cross_entropy(F.linear(x, weight).float(), targets) computes it)
+
+The tokens are processed in chunks of `chunk_size` rows (default: about 2^26 logits per chunk,
+e.g. 523 tokens at a 128k vocabulary): for each chunk the forward pass computes its logits in
+fp32, their log-sum-exp and loss, and at once the gradient of the mean loss with respect to those
+logits, (softmax - onehot) / n_valid, which it turns into the chunk's dx rows and adds to dweight
+(fp32). Only one chunk of logits exists at a time, in the forward and in the backward pass; the
+backward pass only scales the saved dx and dweight by the incoming gradient. Without gradients
+(evaluation) only the loss is computed. Under autocast the matmuls run in the autocast dtype, as
+an nn.Linear would.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_LOGITS = 1 << 26  # logits per chunk (256 MB in fp32) when no chunk_size is given
+
+
+def chunk_rows(n_tokens: int, vocab_size: int, chunk_size: int | None = None) -> int:
+    """Rows per chunk: chunk_size, or as many as keep a chunk of fp32 logits near CHUNK_LOGITS."""
+    if chunk_size is not None:
+        return max(1, int(chunk_size))
+    n_chunks = -(-n_tokens * vocab_size // CHUNK_LOGITS)  # ceil
+    return max(1, -(-n_tokens // max(n_chunks, 1)))
+
+
+def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, grad_w: bool):
+    """(mean loss, dx, dweight): the gradients of the mean loss (None where not wanted), chunk by chunk."""
+    N = x.shape[0]
+    acc = torch.promote_types(x.dtype, torch.float32)  # logits, loss and dweight: fp32 (fp64 stays fp64)
+    valid_all = targets != ignore_index  # [N]
+    n_valid = valid_all.sum()
+    scale = 1.0 / n_valid.clamp_min(1).to(acc)  # d mean / d loss_i (a tensor: no host sync)
+    dx = torch.empty_like(x) if grad_x else None  # [N, d]
+    dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if grad_w else None  # [V, d]
+    total = torch.zeros((), device=x.device, dtype=acc)
+    for s in range(0, N, rows):
+        xc = x[s:s + rows]  # [C, d]
+        valid = valid_all[s:s + rows]  # [C]
+        tc = torch.where(valid, targets[s:s + rows], 0)  # [C], an index in range for ignored rows
+        logits = (xc @ weight.t()).to(acc)  # [C, V] fp32: the one chunk of logits alive
+        lse = torch.logsumexp(logits, dim=-1)  # [C]
+        picked = logits.gather(1, tc[:, None])[:, 0]  # [C]
+        total += torch.where(valid, lse - picked, 0.0).sum()
+        if grad_x or grad_w:  # logits become d mean_loss / d logits, in place
+            logits.sub_(lse[:, None]).exp_()  # softmax
+            logits.scatter_add_(1, tc[:, None], torch.full_like(picked[:, None], -1.0))
+            logits.mul_((valid.to(acc) * scale)[:, None])  # ignored rows: 0; the mean: 1 / n_valid
+            g = logits if x.dtype == acc else logits.to(x.dtype)  # [C, V]
+            del logits
+            if grad_x:
+                torch.mm(g, weight, out=dx[s:s + rows])  # [C, d]
+            if grad_w:
+                if g.dtype == dw.dtype:
+                    dw.addmm_(g.t(), xc)  # [V, d]
+                else:
+                    dw.add_(g.t() @ xc)  # accumulated in fp32
+            del g
+    return total / n_valid.to(acc), dx, dw
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, targets, ignore_index: int, rows: int):
+        loss, dx, dw = _chunked(x, weight, targets, ignore_index, rows,
+                                ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        ctx.save_for_backward(dx, dw)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        dx, dw = ctx.saved_tensors
+        dx = None if dx is None else dx * grad_loss.to(dx.dtype)
+        dw = None if dw is None else (dw * grad_loss).to(ctx.weight_dtype)
+        return dx, dw, None, None, None
+
+
+def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                         ignore_index: int = -100, chunk_size: int | None = None) -> torch.Tensor:
+    """Mean cross-entropy of logits x @ weight^T against targets, chunked over the tokens.
+
+    x [..., d] (flattened to [N, d]), weight [V, d], targets [...] matching x's leading dims.
+    Returns the fp32 mean over targets != ignore_index (NaN when there are none, as F.cross_entropy).
+    """
+    d = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight must be [vocab, {d}], got {tuple(weight.shape)}")
+    if targets.shape != x.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must match x's leading dims {tuple(x.shape[:-1])}")
+    x2 = x.reshape(-1, d)  # [N, d]
+    t2 = targets.reshape(-1)  # [N]
+    device = x.device.type
+    if torch.is_autocast_enabled(device):  # the matmuls in the autocast dtype, as F.linear would run them
+        dtype = torch.get_autocast_dtype(device)
+        x2, w2 = x2.to(dtype), weight.to(dtype)
+    else:
+        w2 = weight.to(x2.dtype)
+    rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (x2.requires_grad or w2.requires_grad):
+            return LinearCrossEntropy.apply(x2, w2, t2, int(ignore_index), rows)
+        return _chunked(x2, w2, t2, int(ignore_index), rows, False, False)[0]

@@ -1,0 +1,163 @@
+"""Packed documents (data.pack=documents): attention never crosses a document boundary, in every backend,
+and with model.position_reset a packed window computes what each document computes on its own.
+The triton backend runs in the interpreter here. Budget: ~25 s on 2 cores.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from test_kernels import DEVICE, reference
+
+from gptkit.data import TokenDataModule, prepare
+from gptkit.data.windows import doc_ids
+from gptkit.errors import GptkitError
+from gptkit.model import GPT, ModelConfig
+from gptkit.model.attention import ATTENTION_BACKENDS
+from gptkit.model.documents import Documents, document_bounds
+
+LENGTHS = [[5, 1, 12, 6], [24]]  # two windows of T = 24: a one-token document, a window of one document
+
+
+def packed_ids(lengths_per_row):
+    return torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])  # [B, T]
+
+
+def test_document_bounds_and_positions():
+    start, end = document_bounds(torch.tensor([[0, 0, 1, 2, 2, 2], [3, 3, 3, 3, 3, 3]]))
+    assert start.tolist() == [[0, 0, 2, 3, 3, 3], [0] * 6]
+    assert end.tolist() == [[2, 2, 3, 6, 6, 6], [6] * 6]
+    assert Documents(torch.tensor([[0, 0, 1, 2, 2, 2]])).positions.tolist() == [[0, 1, 0, 0, 1, 2]]
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
+def test_every_backend_attends_only_inside_documents(backend):
+    """Outputs and gradients equal attention run on each document alone (float64 reference)."""
+    B, H, Hkv, T, D = 2, 4, 2, 24, 16
+    docs = Documents(packed_ids(LENGTHS).to(DEVICE))
+    q = torch.randn(B, H, T, D, device=DEVICE, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, device=DEVICE, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, device=DEVICE, requires_grad=True)
+    dout = torch.randn(B, H, T, D, device=DEVICE)
+    out, _ = ATTENTION_BACKENDS[backend](q, k, v, causal=True, docs=docs)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    for b, row in enumerate(LENGTHS):
+        s = 0
+        for n in row:
+            piece = [x[b:b + 1, :, s:s + n].detach().double().requires_grad_() for x in (q, k, v)]
+            ref = reference(*piece, True, D**-0.5)
+            ref_grads = torch.autograd.grad(ref, piece, dout[b:b + 1, :, s:s + n].double())
+            for got, want in zip((out, *grads), (ref, *ref_grads)):
+                torch.testing.assert_close(got[b:b + 1, :, s:s + n].double(), want, rtol=1e-5, atol=1e-5)
+            s += n
+
+
+@pytest.mark.parametrize("backend, variant", [
+    ("triton", dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2,
+                    kernels=["rope", "norm"])),
+    ("eager", dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2)),
+    ("sdpa", dict(position="learned", mlp="gelu", norm="layernorm", n_heads=2)),
+])
+def test_packed_window_with_position_reset_computes_each_document_alone(backend, variant):
+    """model.position_reset: the logits of a packed window, and the gradients of any function of them, are
+    those of each document run by itself (RoPE or learned positions restart at every document)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, max_seq_len=32, n_layers=1, d_model=64, attention=backend,
+                      position_reset=True, **variant)
+    model = GPT(cfg).to(DEVICE)
+    lengths = LENGTHS[0]
+    idx = torch.randint(0, 64, (1, sum(lengths)), device=DEVICE)
+    weights = torch.randn(1, sum(lengths), 64, device=DEVICE)  # a random function of the logits
+    packed = model(idx, doc_ids=packed_ids([lengths]).to(DEVICE)).logits  # [1, T, V]
+    packed_grads = torch.autograd.grad((packed * weights).sum(), list(model.parameters()))
+    alone, s = [], 0
+    for n in lengths:
+        alone.append(model(idx[:, s:s + n]).logits)
+        s += n
+    alone = torch.cat(alone, dim=1)  # [1, T, V]
+    alone_grads = torch.autograd.grad((alone * weights).sum(), list(model.parameters()))
+    torch.testing.assert_close(packed, alone, rtol=1e-5, atol=1e-5)
+    for (name, _), gp, ga in zip(model.named_parameters(), packed_grads, alone_grads):
+        torch.testing.assert_close(gp, ga, rtol=1e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+def test_without_position_reset_later_documents_keep_absolute_positions():
+    """Learned positions make the difference visible (RoPE scores depend only on position differences, so
+    inside a document mask a shift changes nothing but rounding)."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, max_seq_len=32, n_layers=1, n_heads=2, d_model=32, position="learned")
+    model = GPT(cfg)
+    idx = torch.randint(0, 64, (1, 12))
+    ids = packed_ids([[4, 8]])
+    packed = model(idx, doc_ids=ids).logits
+    second_alone = model(idx[:, 4:]).logits
+    assert not torch.allclose(packed[:, 4:], second_alone, atol=1e-4)  # shifted positions
+    reset = GPT(dataclasses.replace(cfg, position_reset=True))
+    reset.load_state_dict(model.state_dict())
+    torch.testing.assert_close(reset(idx, doc_ids=ids).logits[:, 4:], second_alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed[:, :4], model(idx[:, :4]).logits, rtol=1e-5, atol=1e-5)  # the first doc
+
+
+# ---- data.pack ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def docs_prepared(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("docs")
+    rng = np.random.default_rng(0)
+    paths = []
+    for i in range(40):  # 40 documents of 20..200 characters: the EOS token follows each
+        p = tmp / f"d{i:02d}.txt"
+        p.write_text("".join(chr(c) for c in rng.integers(97, 123, size=int(rng.integers(20, 200)))))
+        paths.append(str(p))
+    return prepare({"kind": "files", "paths": paths}, {"kind": "char", "eos_token": "<eos>"},
+                   cache_dir=tmp / "cache", progress=False)
+
+
+def test_pack_documents_gives_doc_ids_from_eos_positions(docs_prepared):
+    eos = docs_prepared.eos_id
+    dm = TokenDataModule(docs_prepared, batch_size=4, seq_len=64, seed=1, pack="documents")
+    x, y, ids = next(iter(dm.train_dataloader()))
+    assert ids.shape == x.shape and ids.dtype == torch.int32
+    for row_x, row_ids in zip(x, ids):  # a new document starts right after each EOS
+        for t in range(1, x.shape[1]):
+            assert row_ids[t] - row_ids[t - 1] == int(row_x[t - 1] == eos)
+    assert (ids[:, 0] == 0).all()
+    stream = TokenDataModule(docs_prepared, batch_size=4, seq_len=64, seed=1)
+    sx, sy = next(iter(stream.train_dataloader()))  # the same windows either way
+    assert torch.equal(sx, x) and torch.equal(sy, y)
+    vx, vy, vids = next(iter(dm.val_dataloader()))
+    assert torch.equal(vids, doc_ids(vx, eos))
+
+
+def test_pack_is_not_part_of_the_cache_key_and_is_checked(docs_prepared, tmp_path):
+    data = {"kind": "files", "paths": [str(tmp_path / "a.txt")]}
+    (tmp_path / "a.txt").write_text("hello world, " * 50)
+    a = prepare({**data, "pack": "documents"}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False)
+    b = prepare(data, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False)
+    assert a.dir == b.dir
+    with pytest.raises(GptkitError, match="data.pack"):
+        prepare({**data, "pack": "docs"}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False)
+    with pytest.raises(GptkitError, match="needs an EOS token"):  # the byte tokenizer has none
+        TokenDataModule(b, batch_size=2, seq_len=16, seed=0, pack="documents")
+
+
+def test_train_cli_with_packed_documents_and_fused_kernels(tmp_path):
+    """The options reach the run (training and validation batches carry doc_ids): data.pack=documents,
+    model.position_reset, model.kernels. (The Triton paths are checked in-process above: cheaper.)"""
+    from conftest import run_cli, shakespeare
+
+    paths = []
+    for i in range(6):
+        p = tmp_path / f"doc{i}.txt"
+        p.write_text(shakespeare(3000, start=3000 * i))
+        paths.append(str(p))
+    r = run_cli("train", "model=llama-tiny", "model.n_layers=1", "model.d_model=64", "model.n_heads=4",
+                "model.n_kv_heads=2", "model.d_ff=128", "model.max_seq_len=32", "model.attention=eager",
+                "model.position_reset=true", "model.kernels=[loss]", "tokenizer=char",
+                "tokenizer.eos_token='<eos>'", "data=files", f"data.paths=[{','.join(paths)}]", "data.pack=documents",
+                "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_every=2", "trainer.val_windows=2",
+                "trainer.checkpoint_every=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}", "name=packed")
+    assert r.returncode == 0, r.stderr[-2000:]
+    cfg = (tmp_path / "runs" / "packed" / "config.yaml").read_text()
+    assert "pack: documents" in cfg and "position_reset: true" in cfg
