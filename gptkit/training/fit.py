@@ -75,13 +75,27 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
         if group in ("data", "tokenizer"):
             raise GptkitError(f"resume={cfg.resume} cannot change {group}= (the run's batches come from its own "
                               f"data); start a new run instead")
-        if group in cfg and group in ("trainer", "optim", "logger"):
+        if group == "logger" and group in cfg:  # the loggers of this invocation
             merged[group] = cfg[group]
+        elif group in ("trainer", "optim"):  # the preset's own settings over the run's (trainer=ddp: the strategy,
+            merged[group] = OmegaConf.merge(merged[group], preset_settings(group, o.split("=", 1)[1]))  # not 600 steps)
     dotlist = [o for o in overrides if "=" in o and "." in o.split("=", 1)[0] and not o.lstrip("+~").startswith("model")]
     if dotlist:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
     merged.resume = str(ckpt)
     return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
+
+
+def preset_settings(group: str, name: str) -> DictConfig:
+    """The keys conf/<group>/<name>.yaml sets itself (not those it inherits through its defaults list)."""
+    from gptkit.config import conf_dir
+
+    path = conf_dir() / group / f"{name}.yaml"
+    if not path.is_file():
+        raise GptkitError(f"{group}={name} is not a preset; known: {', '.join(p.stem for p in path.parent.glob('*.yaml'))}")
+    own = OmegaConf.load(path)
+    own.pop("defaults", None)
+    return own
 
 
 # Model settings that change no tensor shape: they may differ from those of the run that resume= continues
