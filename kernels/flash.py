@@ -42,6 +42,7 @@ under the Triton interpreter (TRITON_INTERPRET=1, CPU) tiny blocks are pinned.
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import torch
 import triton
@@ -649,58 +650,102 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 
 # ---- autograd -------------------------------------------------------------------------------
 
-class FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal: bool, scale: float, ds, de, impl: str):
-        B, H, T, D = q.shape
-        group = H // k.shape[1]
-        block_d = max(16, triton.next_power_of_2(D))
-        # O lives in a [B, T, H, D] buffer so that the model's transpose-and-merge of heads is free
-        o = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-        lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # [B, H, T], natural log
-        precision = "ieee" if q.dtype == torch.float32 else "tf32"
-        use_tma = impl != "fa2"
-        if use_tma:
-            _ensure_allocator()
-        _launch("fwd", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), block_d,
-                q, k, v, o, lse, ds, de, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-                B, H, T, scale * LOG2E, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
-                DOC=ds is not None, USE_TMA=use_tma, WARP_SPECIALIZE=impl == "tma-ws", PRECISION=precision)
-        ctx.save_for_backward(q, k, v, o, lse, ds, de)
-        ctx.causal, ctx.scale, ctx.group, ctx.block_d, ctx.precision = causal, scale, group, block_d, precision
-        ctx.impl = impl
-        return o
+def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32)."""
+    B, H, T, D = q.shape
+    group = H // k.shape[1]
+    block_d = max(16, triton.next_power_of_2(D))
+    # O lives in a [B, T, H, D] buffer so that the model's transpose-and-merge of heads is free
+    o = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+    lse = torch.empty(B, H, T, device=q.device, dtype=torch.float32)  # [B, H, T], natural log
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    use_tma = impl != "fa2"
+    if use_tma:
+        _ensure_allocator()
+    _launch("fwd", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), block_d,
+            q, k, v, o, lse, ds, de, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
+            B, H, T, scale * LOG2E, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
+            DOC=ds is not None, USE_TMA=use_tma, WARP_SPECIALIZE=impl == "tma-ws", PRECISION=precision)
+    return o, lse
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse, ds, de = ctx.saved_tensors
-        B, H, T, D = q.shape
-        Hkv = k.shape[1]
-        do = _last_dim_dense(do)  # [B, H, T, D]
-        impl = ctx.impl if ctx.impl == "fa2" or tma_supported(do) else "fa2"
-        if impl != "fa2":
-            _ensure_allocator()
-        delta = torch.empty_like(lse)  # [B, H, T] fp32
-        dq = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D], the layout the model merges for free
-        dk = k.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-        dv = v.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-        common = dict(GROUP=ctx.group, HEAD_DIM=D, BLOCK_D=ctx.block_d, CAUSAL=ctx.causal, DOC=ds is not None,
-                      USE_TMA=impl != "fa2", PRECISION=ctx.precision)
-        qk_scale = ctx.scale * LOG2E
 
-        _bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK_M), H, B)](
-            o, do, delta, *_strides(o), *_strides(do), H, T,
-            HEAD_DIM=D, BLOCK_D=ctx.block_d, BLOCK_M=_PREPROCESS_BLOCK_M)
-        _launch("dkdv", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), Hkv, B), ctx.block_d,
-                q, k, v, do, lse, delta, dk, dv, ds, de,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-                B, H, T, qk_scale, ctx.scale, **common)
-        _launch("dq", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), ctx.block_d,
-                q, k, v, do, lse, delta, dq, ds, de,
-                *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-                B, H, T, qk_scale, ctx.scale, **common)
-        return dq, dk, dv, None, None, None, None, None
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str):
+    """(dQ, dK, dV) from dO, recomputing the probabilities from the log-sum-exp."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    block_d = max(16, triton.next_power_of_2(D))
+    do = _last_dim_dense(do)  # [B, H, T, D]
+    impl = impl if impl == "fa2" or tma_supported(do) else "fa2"
+    if impl != "fa2":
+        _ensure_allocator()
+    delta = torch.empty_like(lse)  # [B, H, T] fp32
+    dq = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D], the layout the model merges for free
+    dk = k.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+    dv = v.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+    common = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, DOC=ds is not None,
+                  USE_TMA=impl != "fa2", PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    qk_scale = scale * LOG2E
+
+    _bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK_M), H, B)](
+        o, do, delta, *_strides(o), *_strides(do), H, T,
+        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_PREPROCESS_BLOCK_M)
+    _launch("dkdv", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), Hkv, B), block_d,
+            q, k, v, do, lse, delta, dk, dv, ds, de,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
+            B, H, T, qk_scale, scale, **common)
+    _launch("dq", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), block_d,
+            q, k, v, do, lse, delta, dq, ds, de,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
+            B, H, T, qk_scale, scale, **common)
+    return dq, dk, dv
+
+
+# ---- autograd, as torch custom ops ------------------------------------------------------------
+# Forward and backward are torch.library custom ops: torch.compile treats them as opaque calls (it
+# neither traces into the Triton launch code nor breaks the graph around it), and autograd connects
+# them. The fake implementations give torch.compile the outputs' shapes and layouts.
+
+@torch.library.custom_op("gptkit::flash_attention_fwd", mutates_args=())
+def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+               ds: Optional[torch.Tensor], de: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, causal, scale, ds, de, impl)
+
+
+@_flash_fwd.register_fake
+def _(q, k, v, causal, scale, ds, de, impl):
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
+
+
+@torch.library.custom_op("gptkit::flash_attention_bwd", mutates_args=())
+def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               lse: torch.Tensor, causal: bool, scale: float, ds: Optional[torch.Tensor], de: Optional[torch.Tensor],
+               impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(do, q, k, v, o, lse, causal, scale, ds, de, impl)
+
+
+@_flash_bwd.register_fake
+def _(do, q, k, v, o, lse, causal, scale, ds, de, impl):
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    return (q.new_empty(B, T, H, D).transpose(1, 2), k.new_empty(B, T, Hkv, D).transpose(1, 2),
+            v.new_empty(B, T, Hkv, D).transpose(1, 2))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, ds, de, impl = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, ds, de)
+    ctx.causal, ctx.scale, ctx.impl = causal, scale, impl
+
+
+def _flash_backward(ctx, do, dlse):
+    q, k, v, o, lse, ds, de = ctx.saved_tensors
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ds, de, ctx.impl)
+    return dq, dk, dv, None, None, None, None, None
+
+
+_flash_fwd.register_autograd(_flash_backward, setup_context=_setup_context)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
@@ -745,4 +790,4 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
         return q.new_empty(B, H, T, D)
     q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
     impl = _choose_impl(impl, (q, k, v))
-    return FlashAttention.apply(q, k, v, bool(causal), scale, ds, de, impl)
+    return _flash_fwd(q, k, v, bool(causal), scale, ds, de, impl)[0]

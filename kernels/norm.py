@@ -14,6 +14,8 @@ keeping it. Backward: each program walks a slice of rows, writes dx per row and 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -100,58 +102,88 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
-class _Norm(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias, eps: float, rms: bool):
-        D = x.shape[-1]
-        x2 = _rows(x)  # [N, D]
-        N = x2.shape[0]
-        out_dtype = torch.promote_types(weight.dtype, x.dtype) if rms else x.dtype
-        y = torch.empty(N, D, device=x.device, dtype=out_dtype)  # [N, D]
-        rstd = torch.empty(N, device=x.device, dtype=torch.float32)  # [N]
-        mean = None if rms else torch.empty(N, device=x.device, dtype=torch.float32)  # [N]
-        block_d = triton.next_power_of_2(D)
-        if N:
-            _norm_fwd[(N,)](x2, y, weight, bias, mean, rstd, x2.stride(0), y.stride(0), D, eps,
-                            RMS=rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=_warps(block_d))
-        ctx.save_for_backward(x2, weight, bias, mean, rstd)
-        ctx.rms, ctx.shape = rms, x.shape
-        return y.view(*x.shape[:-1], D)
+# forward and backward as torch custom ops: opaque to torch.compile (no tracing into the launch), joined by
+# autograd; see flash.py. A custom op returns tensors only: LayerNorm's bias and RMSNorm's mean are
+# empty [0] tensors where absent.
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        x2, weight, bias, mean, rstd = ctx.saved_tensors
-        N, D = x2.shape
-        dy2 = _rows(dy)  # [N, D]
-        dx = torch.empty_like(x2)  # [N, D]
-        if interpreting() or not x2.is_cuda:
-            programs = min(N, 4)
-        else:
-            programs = min(N, 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count)
-        programs = max(programs, 1)
-        per = triton.cdiv(max(N, 1), programs)
-        dw = torch.empty(programs, D, device=x2.device, dtype=torch.float32)  # [programs, D] partial sums
-        db = None if bias is None else torch.empty(programs, D, device=x2.device, dtype=torch.float32)
-        block_d = triton.next_power_of_2(D)
-        if N:
-            _norm_bwd[(programs,)](x2, dy2, dx, weight, mean, rstd, dw, db, x2.stride(0), dy2.stride(0),
-                                   dx.stride(0), N, D, per, RMS=ctx.rms, HAS_BIAS=bias is not None,
-                                   BLOCK_D=block_d, num_warps=_warps(block_d))
-        else:
-            dw.zero_()
-            if db is not None:
-                db.zero_()
-        dweight = dw.sum(0).to(weight.dtype)
-        dbias = None if bias is None else db.sum(0).to(bias.dtype)
-        return dx.view(ctx.shape), dweight, dbias, None, None
+@torch.library.custom_op("gptkit::norm_fwd", mutates_args=())
+def _norm_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+             rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y [..., D], mean [N] fp32 (empty for RMSNorm), rstd [N] fp32)."""
+    D = x.shape[-1]
+    x2 = _rows(x)  # [N, D]
+    N = x2.shape[0]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype) if rms else x.dtype
+    y = torch.empty(*x.shape, device=x.device, dtype=out_dtype)  # [..., D]
+    rstd = torch.empty(N, device=x.device, dtype=torch.float32)  # [N]
+    mean = torch.empty(0 if rms else N, device=x.device, dtype=torch.float32)  # [N] (LayerNorm) or [0]
+    block_d = triton.next_power_of_2(D)
+    if N:
+        _norm_fwd[(N,)](x2, y, weight, bias, None if rms else mean, rstd, x2.stride(0), D, D, eps,
+                        RMS=rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=_warps(block_d))
+    return y, mean, rstd
+
+
+@_norm_op.register_fake
+def _(x, weight, bias, eps, rms):
+    N = x.numel() // x.shape[-1]
+    out_dtype = torch.promote_types(weight.dtype, x.dtype) if rms else x.dtype
+    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(0 if rms else N, dtype=torch.float32),
+            x.new_empty(N, dtype=torch.float32))
+
+
+@torch.library.custom_op("gptkit::norm_bwd", mutates_args=())
+def _norm_grad_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                  mean: torch.Tensor, rstd: torch.Tensor, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dweight, dbias (empty [0] without a bias))."""
+    x2 = _rows(x)  # [N, D]
+    N, D = x2.shape
+    dy2 = _rows(dy)  # [N, D]
+    dx = torch.empty_like(x2)  # [N, D]
+    if interpreting() or not x2.is_cuda:
+        programs = min(N, 4)
+    else:
+        programs = min(N, 4 * torch.cuda.get_device_properties(x2.device).multi_processor_count)
+    programs = max(programs, 1)
+    per = triton.cdiv(max(N, 1), programs)
+    dw = torch.zeros(programs, D, device=x2.device, dtype=torch.float32)  # [programs, D] partial sums
+    db = None if bias is None else torch.zeros(programs, D, device=x2.device, dtype=torch.float32)
+    block_d = triton.next_power_of_2(D)
+    if N:
+        _norm_bwd[(programs,)](x2, dy2, dx, weight, None if rms else mean, rstd, dw, db, x2.stride(0),
+                               dy2.stride(0), dx.stride(0), N, D, per, RMS=rms, HAS_BIAS=bias is not None,
+                               BLOCK_D=block_d, num_warps=_warps(block_d))
+    dbias = x.new_empty(0) if bias is None else db.sum(0).to(bias.dtype)
+    return dx.view(x.shape), dw.sum(0).to(weight.dtype), dbias
+
+
+@_norm_grad_op.register_fake
+def _(dy, x, weight, bias, mean, rstd, rms):
+    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
+            x.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+
+
+def _norm_setup(ctx, inputs, output):
+    x, weight, bias, eps, rms = inputs
+    _, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.rms = rms
+
+
+def _norm_backward(ctx, dy, dmean, drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dweight, dbias = _norm_grad_op(dy, x, weight, bias, mean, rstd, ctx.rms)
+    return dx, dweight, None if bias is None else dbias, None, None
+
+
+_norm_op.register_autograd(_norm_backward, setup_context=_norm_setup)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim with fp32 statistics; differentiable in x and weight."""
-    return _Norm.apply(x, weight, None, float(eps), True)
+    return _norm_op(x, weight, None, float(eps), True)[0]
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
     """LayerNorm over the last dim with fp32 statistics, output in x's dtype; differentiable in x, weight, bias."""
-    return _Norm.apply(x, weight, bias, float(eps), False)
+    return _norm_op(x, weight, bias, float(eps), False)[0]

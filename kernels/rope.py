@@ -14,6 +14,8 @@ and k. The backward pass is the inverse rotation (sin negated) of the output gra
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -71,19 +73,34 @@ def _dense_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-class _Rope(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, positions, start: int):
-        ctx.save_for_backward(cos, sin, positions)
-        ctx.start = start
-        return _rotate(_dense_last(q), _dense_last(k), cos, sin, positions, start, 1.0)
+# one torch custom op for both directions (the backward is the inverse rotation, sign -1): opaque to
+# torch.compile, joined by autograd; see flash.py
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dq, dk):
-        cos, sin, positions = ctx.saved_tensors
-        dq, dk = _rotate(_dense_last(dq), _dense_last(dk), cos, sin, positions, ctx.start, -1.0)
-        return dq, dk, None, None, None, None
+@torch.library.custom_op("gptkit::rope", mutates_args=())
+def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             positions: Optional[torch.Tensor], start: int, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return _rotate(_dense_last(q), _dense_last(k), cos, sin, positions, start, sign)
+
+
+@_rope_op.register_fake
+def _(q, k, cos, sin, positions, start, sign):
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D).transpose(1, 2), k.new_empty(B, T, k.shape[1], D).transpose(1, 2)
+
+
+def _rope_setup(ctx, inputs, output):
+    q, k, cos, sin, positions, start, sign = inputs
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.start, ctx.sign = start, sign
+
+
+def _rope_backward(ctx, dq, dk):
+    cos, sin, positions = ctx.saved_tensors
+    dq, dk = _rope_op(dq, dk, cos, sin, positions, ctx.start, -ctx.sign)
+    return dq, dk, None, None, None, None, None
+
+
+_rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -100,4 +117,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         if positions.shape != (B, T):
             raise ValueError(f"positions must be [B, T] = [{B}, {T}], got {tuple(positions.shape)}")
         positions = positions.contiguous()
-    return _Rope.apply(q, k, cos, sin, positions, int(start))
+    return _rope_op(q, k, cos, sin, positions, int(start), 1.0)

@@ -38,27 +38,50 @@ def _swiglu_bwd(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
     tl.store(DU + offs, (dy * g * s).to(DU.dtype.element_ty), mask=inside)
 
 
-class _SwiGLU(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, gate, up):
-        gate, up = gate.contiguous(), up.contiguous()
-        y = torch.empty_like(gate)
-        n = gate.numel()
-        if n:
-            _swiglu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK)
-        ctx.save_for_backward(gate, up)
-        return y
+# forward and backward as torch custom ops: opaque to torch.compile (no tracing into the launch), joined by
+# autograd; see flash.py
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dy):
-        gate, up = ctx.saved_tensors
-        dy = dy.contiguous()
-        dg, du = torch.empty_like(gate), torch.empty_like(up)
-        n = gate.numel()
-        if n:
-            _swiglu_bwd[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, n, BLOCK=BLOCK)
-        return dg, du
+@torch.library.custom_op("gptkit::swiglu_fwd", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate.contiguous(), up.contiguous()
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _swiglu_fwd[(triton.cdiv(n, BLOCK),)](gate, up, y, n, BLOCK=BLOCK)
+    return y
+
+
+@_swiglu_op.register_fake
+def _(gate, up):
+    return torch.empty_like(gate, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("gptkit::swiglu_bwd", mutates_args=())
+def _swiglu_grad_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    gate, up, dy = gate.contiguous(), up.contiguous(), dy.contiguous()
+    dg, du = torch.empty_like(gate), torch.empty_like(up)
+    n = gate.numel()
+    if n:
+        _swiglu_bwd[(triton.cdiv(n, BLOCK),)](gate, up, dy, dg, du, n, BLOCK=BLOCK)
+    return dg, du
+
+
+@_swiglu_grad_op.register_fake
+def _(gate, up, dy):
+    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
+            torch.empty_like(up, memory_format=torch.contiguous_format))
+
+
+def _swiglu_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _swiglu_backward(ctx, dy):
+    gate, up = ctx.saved_tensors
+    return _swiglu_grad_op(gate, up, dy)
+
+
+_swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -66,4 +89,4 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if gate.shape != up.shape or gate.dtype != up.dtype:
         raise ValueError(f"gate and up must share shape and dtype, got {tuple(gate.shape)} {gate.dtype}, "
                          f"{tuple(up.shape)} {up.dtype}")
-    return _SwiGLU.apply(gate, up)
+    return _swiglu_op(gate, up)
