@@ -188,3 +188,13 @@ def test_bench_train_compares_the_two_loops(tmp_path, precision):
     assert d["precision"] == precision and [r["compile"] for r in d["rows"]] == ["off"]
     assert d["rows"][0]["gptkit_ms"] > 0 and d["rows"][0]["bare_ms"] > 0
 
+
+
+def test_out_of_memory_names_the_estimate_and_the_fixes(base_cfg):
+    from gptkit.training.fit import out_of_memory
+
+    cfg = OmegaConf.create(OmegaConf.to_container(base_cfg, resolve=True))
+    err = str(out_of_memory(cfg, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)), world=1))
+    assert err.startswith("out of GPU memory: count-params estimates ") and "\n" not in err
+    for fix in ("trainer.batch_size", "trainer.activation_checkpointing=true", "trainer=fsdp"):
+        assert fix in err
