@@ -3,6 +3,16 @@
     prompt ids [T0] -> repeat to [B, T0] -> prefill (cache filled, logits of the last position only)
       -> loop: sample next [B] -> append -> decode one step [B, 1] through the cache -> logits [B, V]
 
+Two ways to run that loop (`decode`):
+  eager   a growing KVCache; on CPU the Linear weights are laid out for the batch (gptkit.decoding_layout);
+          EOS and stop strings are checked after every token.
+  static  a preallocated StaticKVCache written at a position tensor, so the one-token step has fixed
+  graph   shapes: it can be compiled (torch.compile) and, on CUDA, captured once as a CUDA graph and
+          replayed (`graph`). Sampling stays on the device; EOS and stop strings are checked every
+          `check_every` tokens without stalling the device (gptkit.static_decode).
+  auto    graph on CUDA, eager elsewhere.
+Greedy tokens are the same either way (tests/test_generate.py checks it, sliding windows included).
+
 Beyond the context (model.max_seq_len), `overflow` says what happens:
   slide  the window slides: the cache is rebuilt by one prefill over the last `slide_keep` tokens,
          which the model sees at positions 0..slide_keep-1, and decoding continues through the cache.
@@ -16,16 +26,17 @@ the cached path must match token for token, and the no-cache baseline of `gptkit
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 
+from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.model.kv_cache import KVCache
 
 OVERFLOW_POLICIES = ("slide", "stop")
+DECODE_MODES = ("auto", "eager", "static", "graph")
 
 
 @dataclass
@@ -40,6 +51,9 @@ class SampleOptions:
     stop: tuple[str, ...] = ()
     overflow: str = "slide"
     slide_keep: Optional[int] = None  # None: 3/4 of max_seq_len
+    decode: str = "auto"  # auto | eager | static | graph (module docstring)
+    compile: Optional[bool] = None  # torch.compile the static step; None: on CUDA only
+    check_every: int = 16  # static/graph: tokens between two looks at EOS and stop strings
 
     def validate(self, max_seq_len: int) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -58,9 +72,19 @@ class SampleOptions:
             raise ConfigError(f"slide_keep={self.slide_keep} must be in [1, model.max_seq_len={max_seq_len}]")
         if any(not s for s in self.stop):
             raise ConfigError("stop strings must not be empty")
+        if self.decode not in DECODE_MODES:
+            raise ConfigError(f"decode={self.decode!r} is not one of {', '.join(DECODE_MODES)}")
+        if not isinstance(self.check_every, int) or self.check_every < 1:
+            raise ConfigError(f"check_every={self.check_every} must be a positive integer")
 
     def keep(self, max_seq_len: int) -> int:
         return self.slide_keep if self.slide_keep else max(1, max_seq_len * 3 // 4)
+
+    def decode_mode(self, device: torch.device) -> str:
+        """The loop `decode` resolves to on `device` (auto: graph on CUDA, eager elsewhere)."""
+        if self.decode == "auto":
+            return "graph" if device.type == "cuda" else "eager"
+        return self.decode
 
 
 @dataclass
@@ -69,18 +93,45 @@ class Generation:
     texts: Optional[list[str]]  # per sample: the new text, when a decode function was given
     stop_reasons: list[str]  # per sample: eos | stop | length | context
     prompt_tokens: int
-    prefill_s: float  # the first forward pass (the prompt), seconds
+    prefill_s: float  # the first forward pass (the prompt) and the first token, seconds
     decode_s: float  # every later step, seconds
     decode_steps: int  # forward passes after the prefill (each emits one token per sample)
     slides: int = 0  # times the window slid (each one re-prefills slide_keep tokens)
     notes: list[str] = field(default_factory=list)
+    decode: str = "eager"  # the loop that ran: eager | static | graph
+    setup_s: float = 0.0  # static/graph: building the step (compile, CUDA graph capture), before the prefill
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits.argmax(-1) for logits [B, V] -> [B]: the same index (the first maximum; NaN counts as one).
+
+    On CPU torch's argmax is not vectorised but amax is, so for large vocabularies this finds the block of
+    128 holding the maximum first, then the maximum within it (8 x 32000 fp32, one thread: 450 -> 95 us).
+    """
+    B, V = logits.shape
+    block = 128
+    n = V // block
+    if logits.device.type != "cpu" or n < 8:
+        return logits.argmax(-1)
+    blocks = logits[:, : n * block].reshape(B, n, block)  # [B, n, block]
+    best = blocks.amax(-1).argmax(-1)  # [B]: the first block holding the maximum
+    rows = torch.arange(B, device=logits.device)
+    idx = best * block + blocks[rows, best].argmax(-1)  # [B]
+    if n * block < V:  # the last V % 128 entries
+        tail = logits[:, n * block :].argmax(-1) + n * block  # [B]
+        head_max, tail_max = logits[rows, idx], logits[rows, tail]
+        later = (tail_max > head_max) | (tail_max.isnan() & ~head_max.isnan())
+        idx = torch.where(later, tail, idx)
+    return idx
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
                 generator: Optional[torch.Generator]) -> torch.Tensor:
-    """One token per row of logits [B, V]: greedy when temperature is 0, else sampled; -> [B]."""
+    """One token per row of logits [B, V]: greedy when temperature is 0, else sampled; -> [B].
+
+    Never waits for the device, so it runs inside a CUDA graph."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     logits = logits.float() / temperature  # [B, V]
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
@@ -92,7 +143,10 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], 
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)  # [B, V]
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i: torch.multinomial(probs, 1) computes
+    # exactly this (the same draws from the same generator), but first checks the probabilities on the host
+    noise = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
+    return argmax(probs / noise)
 
 
 class TextStream:
@@ -138,94 +192,6 @@ class TextStream:
         return piece
 
 
-class _TransposedLinear(torch.nn.Module):
-    """A Linear layer as x @ W^T with W^T stored contiguous [in_features, out_features] (MKL addmm).
-
-    On CPU, for the one row per step that batch-1 decoding feeds a layer, this layout runs 2-3x faster
-    than F.linear on the [out_features, in_features] weight (measured for the 32000x128 and 12000x384 LM
-    heads in fp32); it is also the layout of GPT-2's Conv1D in transformers.
-    """
-
-    def __init__(self, linear: torch.nn.Linear) -> None:
-        super().__init__()
-        self.weight_t = linear.weight.detach().t().contiguous()  # [in_features, out_features]
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.bias is None:
-            return x @ self.weight_t  # [..., out_features]
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight_t).view(*x.shape[:-1], -1)
-
-
-class _PackedLinear(torch.nn.Module):
-    """A Linear layer through oneDNN (torch's mkldnn backend) with its weight reordered once into the
-    blocked layout oneDNN picks for `rows` input rows: the op torch.compile's CPU freezing pass emits.
-
-    Measured on a decode step's worth of distinct fp32 weights (a 6-layer d=384 model with a 12000-token
-    head, one thread): for the 2-16 rows per step of batched decoding this is ~2x faster than MKL on
-    either weight layout (8 rows: 5.2 vs 10.0 ms). At one row MKL on W^T is as fast or faster (4.5 vs
-    6.0 ms on one thread; on two threads the order depends on the model's sizes), hence
-    _TransposedLinear there. Results are fp32 (max |diff| vs F.linear ~1e-6, MKL's own rounding size).
-    """
-
-    def __init__(self, linear: torch.nn.Linear, rows: int) -> None:
-        super().__init__()
-        self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
-
-
-DECODING_LAYOUT_MAX_BYTES = 1 << 30  # above this, a second copy of the weights is not worth the memory
-
-
-def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
-
-
-@contextmanager
-def decoding_layout(model, batch: int = 1):
-    """On CPU, swap every Linear layer for a copy laid out for decoding `batch` rows per step, for the
-    duration of a generation (the model's own modules come back afterwards): oneDNN with prepacked
-    weights for fp32 batches of 2 or more rows; for one row (and other dtypes) MKL on W^T, except for
-    narrowing layers (out < in features), where MKL's matrix-vector product is faster on W itself
-    (cold weights, one row: 1536 -> 384 in 200-250 us on W vs 270-325 us on W^T; the other way round
-    for widening layers, 384 -> 1536 in 165-180 vs 310-340 us; gpt2-15M decode step 5.5 -> 4.9 ms).
-    The copies cost one more set of matmul weights, so this is done only while those weights take
-    less than DECODING_LAYOUT_MAX_BYTES."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
-    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    if model.lm_head.weight.device.type != "cpu" or linear_bytes > DECODING_LAYOUT_MAX_BYTES:
-        yield
-        return
-
-    def decoding_copy(linear: torch.nn.Linear) -> torch.nn.Module:
-        if batch > 1 and _onednn_usable(linear.weight):
-            try:
-                packed = _PackedLinear(linear, batch)
-                packed(linear.weight.new_zeros(batch, linear.in_features))  # fails here, not mid-generation
-                return packed
-            except RuntimeError:  # a torch build whose oneDNN cannot pack or run this layer
-                pass
-        if batch == 1 and linear.out_features < linear.in_features:
-            return linear  # a narrowing layer (MLP down-projection): MKL is faster on W itself
-        return _TransposedLinear(linear)
-
-    swapped = []
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
-                swapped.append((parent, name, child))
-                setattr(parent, name, decoding_copy(child))
-    try:
-        yield
-    finally:
-        for parent, name, child in swapped:
-            setattr(parent, name, child)
-
-
 @torch.inference_mode()
 def generate(model, prompt_ids: list[int], opts: SampleOptions, *,
              decode: Optional[Callable[[list[int]], str]] = None,
@@ -237,37 +203,48 @@ def generate(model, prompt_ids: list[int], opts: SampleOptions, *,
     streamed text of sample 0 as it becomes final (meant for num_samples == 1).
     """
     opts.validate(model.cfg.max_seq_len)
+    if opts.stop and decode is None:
+        raise ValueError("stop strings need a decode function")
+    if not prompt_ids:
+        raise GptkitError("the prompt has no tokens; give a prompt (or use a tokenizer with a BOS token)")
+    mode = opts.decode_mode(model.tok_emb.weight.device)
+    if mode != "eager" and use_cache:
+        from gptkit.static_decode import generate_static
+
+        return generate_static(model, prompt_ids, opts, decode, on_text, mode)
     with decoding_layout(model, opts.num_samples):
         return _generate(model, prompt_ids, opts, decode, on_text, use_cache)
+
+
+def window_plan(opts: SampleOptions, T0: int, max_len: int) -> tuple[int, list[str]]:
+    """(the first prompt token the model sees, notes) for a prompt of T0 tokens."""
+    if T0 <= max_len:
+        return 0, []
+    if opts.overflow == "stop":
+        raise GptkitError(f"the prompt has {T0} tokens, more than model.max_seq_len={max_len}; "
+                          f"shorten it or use overflow=slide")
+    keep = opts.keep(max_len)
+    return T0 - keep, [f"the prompt has {T0} tokens > model.max_seq_len={max_len}: the model sees its last {keep}"]
+
+
+def context_note(max_len: int) -> str:
+    return f"stopped at model.max_seq_len={max_len} tokens (overflow=stop); overflow=slide continues with a sliding window"
 
 
 def _generate(model, prompt_ids, opts, decode, on_text, use_cache) -> Generation:
     cfg = model.cfg
     max_len = cfg.max_seq_len
-    if opts.stop and decode is None:
-        raise ValueError("stop strings need a decode function")
-    if not prompt_ids:
-        raise GptkitError("the prompt has no tokens; give a prompt (or use a tokenizer with a BOS token)")
     device = model.tok_emb.weight.device
     B, T0, N = opts.num_samples, len(prompt_ids), opts.max_new_tokens
     keep = opts.keep(max_len)
-    notes: list[str] = []
-    if T0 > max_len:
-        if opts.overflow == "stop":
-            raise GptkitError(f"the prompt has {T0} tokens, more than model.max_seq_len={max_len}; "
-                              f"shorten it or use overflow=slide")
-        notes.append(f"the prompt has {T0} tokens > model.max_seq_len={max_len}: the model sees its last {keep}")
+    start, notes = window_plan(opts, T0, max_len)  # start: the first token of the window the model sees
     generator = None
     if opts.seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(opts.seed))
 
     tokens = torch.empty(B, T0 + N, dtype=torch.long, device=device)  # [B, T0 + N] prompt and output
     tokens[:, :T0] = torch.tensor(prompt_ids, dtype=torch.long, device=device)
-    streams = [TextStream(decode, opts.stop) for _ in range(B)] if decode is not None else None
-    finished = [False] * B
-    reasons = ["length"] * B
-    lengths = [N] * B  # new tokens kept per sample
-    start = 0 if T0 <= max_len else T0 - keep  # first token of the window the model sees
+    checks = FinishChecks(B, N, opts.eos_id, decode, opts.stop, on_text)
     cache = None
     if use_cache:  # [B, n_kv_heads, cache_len, head_dim] per layer: no longer than the window can get
         cache_len = min(max_len, T0 - start + N)
@@ -291,19 +268,14 @@ def _generate(model, prompt_ids, opts, decode, on_text, use_cache) -> Generation
         nxt = sample_next(logits, opts.temperature, opts.top_k, opts.top_p, generator)  # [B]
         tokens[:, n] = nxt
         n += 1
-        if opts.eos_id is not None or streams is not None:
-            done_now = _finish_checks(nxt, i, opts.eos_id, finished, streams, reasons, lengths, on_text)
-            if done_now:
-                break
+        if checks.active and checks.push(nxt.tolist(), i):
+            break
         if i == N - 1:
             break
         if n - start > max_len:  # the newest token does not fit in the window
             if opts.overflow == "stop":
-                for b in range(B):
-                    if not finished[b]:
-                        reasons[b], lengths[b] = "context", i + 1
-                notes.append(f"stopped at model.max_seq_len={max_len} tokens (overflow=stop); "
-                             f"overflow=slide continues with a sliding window")
+                checks.stop_at_context(i + 1)
+                notes.append(context_note(max_len))
                 break
             start = n - keep
             slides += 1
@@ -316,34 +288,54 @@ def _generate(model, prompt_ids, opts, decode, on_text, use_cache) -> Generation
     if device.type == "cuda":
         torch.cuda.synchronize()
     decode_s = time.perf_counter() - t1
-
-    out = tokens[:, T0:].tolist()
-    new = [out[b][: lengths[b]] for b in range(B)]
-    texts = None
-    if streams is not None:
-        piece = streams[0].finish()  # what was held back (a possible stop-string start)
-        if on_text is not None and piece:
-            on_text(piece)
-        texts = [s.text for s in streams]
+    new, texts, reasons = checks.result(tokens[:, T0:].tolist())
     return Generation(new, texts, reasons, T0, prefill_s, decode_s, steps, slides, notes)
 
 
-def _finish_checks(nxt, i, eos_id, finished, streams, reasons, lengths, on_text) -> bool:
-    """Mark samples that hit EOS or a stop string at step i; stream sample 0. True when all are done."""
-    ids = nxt.tolist()
-    for b, tok in enumerate(ids):
-        if finished[b]:
-            continue
-        if eos_id is not None and tok == eos_id:
-            finished[b], reasons[b], lengths[b] = True, "eos", i
-            continue
-        if streams is not None:
-            piece = streams[b].push(tok)
-            if b == 0 and on_text is not None and piece:
-                on_text(piece)
-            if streams[b].stopped:
-                finished[b], reasons[b], lengths[b] = True, "stop", i + 1
-    return all(finished)
+class FinishChecks:
+    """EOS and stop strings, sample by sample, and the text of sample 0 streamed to on_text."""
+
+    def __init__(self, batch: int, max_new_tokens: int, eos_id: Optional[int],
+                 decode: Optional[Callable[[list[int]], str]], stop: tuple[str, ...],
+                 on_text: Optional[Callable[[str], None]]) -> None:
+        self.eos_id, self.on_text = eos_id, on_text
+        self.streams = [TextStream(decode, stop) for _ in range(batch)] if decode is not None else None
+        self.finished = [False] * batch
+        self.reasons = ["length"] * batch
+        self.lengths = [max_new_tokens] * batch  # new tokens kept per sample
+        self.active = eos_id is not None or self.streams is not None  # anything to check at all
+
+    def push(self, ids: list[int], i: int) -> bool:
+        """The i-th new token of every sample; True when every sample has finished."""
+        for b, tok in enumerate(ids):
+            if self.finished[b]:
+                continue
+            if self.eos_id is not None and tok == self.eos_id:
+                self.finished[b], self.reasons[b], self.lengths[b] = True, "eos", i
+                continue
+            if self.streams is not None:
+                piece = self.streams[b].push(tok)
+                if b == 0 and self.on_text is not None and piece:
+                    self.on_text(piece)
+                if self.streams[b].stopped:
+                    self.finished[b], self.reasons[b], self.lengths[b] = True, "stop", i + 1
+        return all(self.finished)
+
+    def stop_at_context(self, n_tokens: int) -> None:
+        for b in range(len(self.finished)):
+            if not self.finished[b]:
+                self.reasons[b], self.lengths[b] = "context", n_tokens
+
+    def result(self, out: list[list[int]]) -> tuple[list[list[int]], Optional[list[str]], list[str]]:
+        """(new tokens cut per sample, texts, stop reasons) from every sample's generated ids."""
+        new = [out[b][: self.lengths[b]] for b in range(len(out))]
+        texts = None
+        if self.streams is not None:
+            piece = self.streams[0].finish()  # what was held back (a possible stop-string start)
+            if self.on_text is not None and piece:
+                self.on_text(piece)
+            texts = [s.text for s in self.streams]
+        return new, texts, self.reasons
 
 
 # ---- prompts and special tokens ------------------------------------------------------------------

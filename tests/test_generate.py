@@ -177,12 +177,15 @@ def test_generate_matches_the_plain_model_and_restores_its_layers(variant, batch
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("bias", [True, False])
-def test_decoding_layout_computes_the_same_linear_maps(batch, bias):
-    """Inside the decoding layout every Linear is swapped for a copy (oneDNN-packed for batch > 1 where
-    torch has oneDNN; else W^T, or the layer itself when it narrows); each must compute the layer's own
-    map for any number of rows (the prefill feeds B * T0 rows to weights packed for B) and leading shape."""
-    from gptkit.generate import decoding_layout, _onednn_usable
+@pytest.mark.parametrize("pack_min_bytes", [0, 5000])
+def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_bytes, monkeypatch):
+    """Inside the decoding layout every Linear is swapped for a copy (oneDNN-packed for batch > 1 where torch
+    has oneDNN and the weight is large enough; else W^T, or the layer itself when it narrows at batch 1); each
+    must compute the layer's own map for any number of rows (the prefill feeds B * T0 rows to weights packed
+    for B) and leading shape."""
+    import gptkit.decoding_layout as layout
 
+    monkeypatch.setattr(layout, "PACK_MIN_BYTES", pack_min_bytes)  # 5000: the 32x32 o_proj (4096 bytes) stays unpacked
     model = tiny_gpt("learned-mha" if bias else "rope-gqa")
     layers = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     g = torch.Generator().manual_seed(0)
@@ -192,31 +195,39 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias):
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     inputs = {n: [torch.randn(*shape, m.in_features, generator=g) for shape in ((1,), (batch, 1), (batch, 7), (37,))]
               for n, m in layers.items()}
+    kinds = set()
     with torch.no_grad():
         want = {n: [layers[n](x) for x in xs] for n, xs in inputs.items()}
-        with decoding_layout(model, batch):
+        with layout.decoding_layout(model, batch):
             swapped = dict(model.named_modules())
             for n, xs in inputs.items():
-                expect = ("_PackedLinear" if batch > 1 and _onednn_usable(layers[n].weight)
-                          else "Linear" if layers[n].out_features < layers[n].in_features else "_TransposedLinear")
+                m = layers[n]
+                packs = batch > 1 and m.weight.numel() * 4 >= pack_min_bytes and layout._onednn_usable(m.weight)
+                expect = ("_PackedLinear" if packs
+                          else "Linear" if batch == 1 and m.out_features < m.in_features else "_TransposedLinear")
                 assert type(swapped[n]).__name__ == expect
+                kinds.add(expect)
                 for x, w in zip(xs, want[n]):
                     torch.testing.assert_close(swapped[n](x), w, rtol=1e-5, atol=1e-5)
     if batch > 1:
-        assert _onednn_usable(model.lm_head.weight) == torch.backends.mkldnn.is_available()
+        assert layout._onednn_usable(model.lm_head.weight) == torch.backends.mkldnn.is_available()
+        if torch.backends.mkldnn.is_available():  # the small layers stay on W^T unless the threshold is 0
+            assert ("_TransposedLinear" in kinds) == (pack_min_bytes > 0)
+            assert "_PackedLinear" in kinds  # the 32 x 61 head (7.8 kB) is packed either way
 
 
 def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
     """A torch build whose oneDNN cannot run a packed layer: the layout falls back to W^T before
     generating, and the tokens are still the plain model's."""
-    import gptkit.generate as gen
+    import gptkit.decoding_layout as layout
 
     def broken(self, x):
         raise RuntimeError("oneDNN: unsupported")
 
-    monkeypatch.setattr(gen._PackedLinear, "forward", broken)
+    monkeypatch.setattr(layout, "PACK_MIN_BYTES", 0)
+    monkeypatch.setattr(layout._PackedLinear, "forward", broken)
     model = tiny_gpt("rope-gqa")
-    with gen.decoding_layout(model, 4):
+    with layout.decoding_layout(model, 4):
         kinds = {type(m).__name__ for m in model.modules()}
     assert "_PackedLinear" not in kinds and "_TransposedLinear" in kinds
     out = generate(model, PROMPT, SampleOptions(max_new_tokens=6, temperature=0, num_samples=2)).tokens

@@ -94,11 +94,15 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1."""
-        T = q.shape[-2]
-        cos = self.cos[start : start + T]  # [T, D]
-        sin = self.sin[start : start + T]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1, or for the
+        positions in `start` when it is a [T] tensor (decoding with fixed shapes)."""
+        if isinstance(start, torch.Tensor):
+            cos, sin = self.cos[start], self.sin[start]  # [T, D]
+        else:
+            T = q.shape[-2]
+            cos = self.cos[start : start + T]  # [T, D]
+            sin = self.sin[start : start + T]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
