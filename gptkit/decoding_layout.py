@@ -39,9 +39,10 @@ class _TransposedLinear(torch.nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [N, in_features]: mm directly, without matmul's reshaping logic
         if self.bias is None:
-            return x @ self.weight_t  # [..., out_features]
-        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight_t).view(*x.shape[:-1], -1)
+            return torch.mm(rows, self.weight_t).view(*x.shape[:-1], -1)  # [..., out_features]
+        return torch.addmm(self.bias, rows, self.weight_t).view(*x.shape[:-1], -1)
 
 
 class _PackedLinear(torch.nn.Module):
