@@ -59,7 +59,8 @@ class StaticDecoder:
     def __init__(self, model, batch: int, cache_len: int, temperature: float, top_k: Optional[int],
                  top_p: float, check_every: int, *, graph: bool, compile_backend: Optional[str]) -> None:
         device, dtype = model.tok_emb.weight.device, model.tok_emb.weight.dtype
-        self.model, self.device, self.K = model, device, check_every
+        self._model = weakref.ref(model)  # the model keys the cache of decoders (decoder_for): no strong reference
+        self.device, self.K = device, check_every
         self.sampling = (temperature, top_k, top_p)
         self.cache = StaticKVCache(model.cfg, batch, cache_len, device=device, dtype=dtype)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1] the token fed next
@@ -91,6 +92,10 @@ class StaticDecoder:
                         torch.cuda.synchronize(device)
                     self.graph = None
                     self.notes.append(f"CUDA graph capture failed ({_one_line(exc)}); decoding without a graph")
+
+    @property
+    def model(self):
+        return self._model()
 
     # ---- the device program -------------------------------------------------------------------
     def _emit(self, logits: torch.Tensor) -> None:
@@ -209,12 +214,12 @@ def generate_static(model, prompt_ids: list[int], opts: SampleOptions, decode, o
         compile_backend = "inductor" if use else None
     # tokens to produce: overflow=stop ends when the next token would not fit (start is 0 then)
     limit = N if opts.overflow == "slide" else min(N, max_len - T0 + 1)
-    dec, setup_s = (None, 0.0)
-    if limit > 1:  # one token needs no step
+    if limit > 1:
         dec, setup_s = decoder_for(model, B, static_cache_len(T0, start, N, max_len), opts, mode, compile_backend)
-    else:
+    else:  # one token is the prefill's: no step to compile or capture, and nothing worth keeping
         dec = StaticDecoder(model, B, min(max_len, T0 - start + 1), float(opts.temperature), opts.top_k or None,
                             float(opts.top_p), K, graph=False, compile_backend=None)
+        setup_s = 0.0
     notes += dec.notes
     dec.start(opts.seed)
     checks = FinishChecks(B, N, opts.eos_id, decode, opts.stop, on_text)

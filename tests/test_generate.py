@@ -460,3 +460,18 @@ def test_cuda_graph_bf16_runs():
     model = static_gpt("rope-gqa2", max_seq_len=64).cuda().to(torch.bfloat16)
     g = generate(model, PROMPT, SampleOptions(max_new_tokens=50, temperature=0, num_samples=8, decode="graph"))
     assert g.notes == [] and g.decode == "graph" and len(g.tokens[0]) == 50
+
+
+def test_a_dropped_model_frees_its_decoder():
+    import gc
+    import weakref
+
+    import gptkit.static_decode as sd
+
+    model = static_gpt("learned-mha")
+    generate(model, PROMPT, SampleOptions(max_new_tokens=5, temperature=0, decode="static"))
+    assert model in sd._decoders
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None

@@ -7,7 +7,7 @@ next token, and attends over the filled prefix.
 
 StaticKVCache: the same tensors, for decoding with fixed shapes (a compiled step, a CUDA graph). The caller
 sets `cache.input_pos`, a [T] tensor holding the positions of the T tokens it feeds; they are written in
-place there (index_copy_), and attention reads the whole cache under `cache.mask`, which hides every slot
+place there (index_put_), and attention reads the whole cache under `cache.mask`, which hides every slot
 after a token's own position. No shape and no Python number changes from one step to the next.
 """
 
@@ -78,8 +78,8 @@ class StaticKVCache(KVCache):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, T, head_dim] at input_pos of `layer`; return the whole cache of that
         layer, [B, n_kv_heads, max_len, head_dim] (read under `mask`)."""
-        self.k[layer].index_copy_(2, self.input_pos, k)
-        self.v[layer].index_copy_(2, self.input_pos, v)
+        self.k[layer][:, :, self.input_pos] = k  # index_put_: in place, also once compiled
+        self.v[layer][:, :, self.input_pos] = v
         return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:
