@@ -39,6 +39,15 @@ ACCELERATORS: dict[str, dict[str, float]] = {
     "mi300x": {"bf16": 1307.0, "fp16": 1307.0, "tf32": 654.0, "fp32": 163.4, "fp8": 2615.0},
 }
 
+# Peak memory bandwidth in GB/s (vendor datasheets; A100: the 80 GB SXM part): the ceiling of decoding,
+# which reads every weight once per step.
+MEMORY_BANDWIDTH_GBS: dict[str, float] = {
+    "a100": 2039.0, "h100": 3350.0, "h200": 4800.0, "b200": 8000.0, "v100": 900.0, "a10g": 600.0,
+    "l4": 300.0, "l40s": 864.0, "t4": 320.0, "rtx3090": 936.0, "rtx4090": 1008.0, "mi250x": 3277.0,
+    "mi300x": 5300.0,
+}
+
+
 def peak_flops(gpu: str, dtype: str) -> float:
     """Dense peak FLOP/s of `gpu` for `dtype`; KeyError names what exists."""
     table = ACCELERATORS[gpu.lower()]
@@ -127,6 +136,24 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
     """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim elements per token."""
     return 2 * cfg.n_layers * cfg.d_kv * DTYPE_BYTES[dtype]
+
+
+def decode_bytes_per_step(cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16") -> int:
+    """Bytes one decoding step must read: every weight but the embedding tables (a lookup reads only the
+    batch's rows; a tied table is read whole, as the LM head), plus the K/V of `context` cached tokens per
+    sample. The HBM roofline of decoding is batch * bandwidth / this, in tokens/s."""
+    c = count_params(cfg)
+    weights = c.total - c.pos_emb - (0 if cfg.tie_embeddings else c.tok_emb)
+    return weights * DTYPE_BYTES[dtype] + batch * context * kv_cache_bytes_per_token(cfg, dtype)
+
+
+def memory_bandwidth(gpu_name: str) -> float | None:
+    """Peak bytes/s of the GPU whose name (torch.cuda.get_device_name) contains a MEMORY_BANDWIDTH_GBS key."""
+    name = gpu_name.lower().replace(" ", "").replace("-", "")
+    for key, gbs in MEMORY_BANDWIDTH_GBS.items():
+        if key in name:
+            return gbs * 1e9
+    return None
 
 
 def training_memory(cfg: ModelConfig, precision_name: str = "bf16-mixed", n_shards: int = 1,

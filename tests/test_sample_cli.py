@@ -11,9 +11,10 @@ import torch
 from conftest import shakespeare
 
 from gptkit.checkpoints import CHECKPOINT_DIR
-from gptkit.generate import SampleOptions, encode_prompt, generate
+from gptkit.generate import encode_prompt, generate
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
+from gptkit.sampling import SampleOptions
 from gptkit.tokenizer import build_tokenizer
 
 EOS = "<|endoftext|>"
@@ -128,20 +129,21 @@ def test_bad_run_folders_are_one_line(tmp_path, capsys):
 
 
 def test_bench_sample_agrees_with_transformers(tmp_path, cli):
-    """`gptkit bench sample` on two small models, batch 1 (W^T layout) and 3 (oneDNN-packed): both sides
-    decode the same greedy tokens, the rates are positive, and the context sweep is written."""
+    """`gptkit bench sample` on two small models, batch 1 and 3: both sides decode the same greedy tokens, the
+    rates (median and min-max of the repeats) are positive, and the context sweep is written."""
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
     r = cli("bench", "sample", "~bench.models",
             "+bench.models={g:{preset:gpt2-tiny,max_seq_len:64},l:{preset:llama-tiny,vocab_size:500}}",
-            "batch_sizes=[1,3]", "new_tokens=6", "repeats=1", "context_model=g", "context_lens=[8]",
+            "batch_sizes=[1,3]", "new_tokens=6", "repeats=2", "context_model=g", "context_lens=[8]",
             "context_steps=2", f"out={out}")
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert [(row["model"], row["batch"]) for row in res["decode"]] == [("g", 1), ("g", 3), ("l", 1), ("l", 3)]
     for row in res["decode"]:
         assert row["same_tokens"] == 1.0, row
-        assert row["gptkit_tokens_per_s"] > 0 and row["transformers_tokens_per_s"] > 0
+        assert 0 < row["gptkit_min"] <= row["gptkit_tokens_per_s"] <= row["gptkit_max"]
+        assert 0 < row["transformers_min"] <= row["transformers_tokens_per_s"] <= row["transformers_max"]
     assert [c["context"] for c in res["context"]] == [8] and res["context"][0]["cache_ms"] > 0
 
 
@@ -152,3 +154,60 @@ def test_bench_sample_agrees_with_transformers(tmp_path, cli):
 def test_bench_sample_bad_model_is_one_line(capsys, override, message):
     code, _, err = run_main(capsys, "bench", "sample", "~bench.models.llama-tiny", override, "hf=false")
     assert code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
+    """The GPU comparison (`bench.device=cuda`) run on the CPU with tiny models: every side runs (decode=graph
+    falls back to the static path with its note; the compiled side traces with aot_eager instead of building
+    C++), rows stream as they finish, fp32 greedy tokens agree across all sides, and the roofline is computed."""
+    pytest.importorskip("transformers")
+    from omegaconf import OmegaConf
+
+    import gptkit.static_decode as sd
+    from gptkit.accounting import decode_bytes_per_step
+    from gptkit.bench import decode as bench
+    from gptkit.config import conf_dir
+
+    compiled = sd.compiled_forward
+    monkeypatch.setattr(sd, "compiled_forward", lambda backend: compiled("aot_eager"))
+    cfg = OmegaConf.load(conf_dir() / "bench" / "sample.yaml")  # the shipped options
+    assert list(cfg.cuda.sides) == list(bench.SIDES)  # every side, by default
+    cfg.cuda.models = {"g": {"preset": "gpt2-tiny", "max_seq_len": 64, "vocab_size": 300},
+                       "l": {"preset": "llama-tiny", "vocab_size": 500}}
+    cfg.cuda.update(batch_sizes=[1, 2], new_tokens=6, repeats=1, dtype="fp32", hbm_gbps=10)
+    res = bench.run_cuda(cfg, torch.device("cpu"))
+    out = capsys.readouterr().out
+    rows = res["decode"]
+    assert [(r["model"], r["batch"], r["side"]) for r in rows] == [
+        (m, b, s) for m in ("g", "l") for b in (1, 2) for s in bench.SIDES]
+    assert all(r["same_tokens"] == 1.0 and r["same_tokens_as"] == "gptkit-eager" for r in rows)
+    assert all(r["first_token_ms"] > 0 for r in rows)
+    r = rows[0]
+    model = bench.build_model({"preset": "gpt2-tiny", "max_seq_len": 64, "vocab_size": 300})
+    assert r["roofline_tokens_per_s"] == pytest.approx(10e9 / decode_bytes_per_step(model.cfg, 1, 16 + 3, "fp32"))
+    assert "g batch 1 gptkit-eager:" in out and "of the HBM roofline" in out
+    assert out.count("note: decode=graph needs a CUDA device") == 8  # gptkit-graph and -compiled, 4 cases
+    assert "vs transformers-static" in out
+
+
+def test_bench_sample_refuses_cuda_without_a_gpu(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, _, err = run_main(capsys, "bench", "sample", "device=cuda")
+    assert code == 2 and "bench.device=cuda needs a CUDA GPU" in err and err.count("\n") == 1, err
+
+
+def test_sample_decode_static_prints_what_eager_prints(run_dir, capsys):
+    d, model, tok = run_dir
+    outs = []
+    for mode in ("eager", "static"):
+        code, stdout, stderr = run_main(capsys, "sample", f"run={d}", "prompt=ROMEO:", "greedy=true",
+                                        "max_new_tokens=40", "device=cpu", f"decode={mode}", "check_every=7")
+        assert code == 0, stderr
+        assert f"({mode})" in stderr
+        outs.append(stdout)
+    assert outs[0] == outs[1]
+    code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi", "decode=fast")
+    assert code == 2 and "decode='fast' is not one of auto, eager, static, graph" in err and err.count("\n") == 1
+    code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi", "compile=sometimes")
+    assert code == 2 and "compile='sometimes' must be auto, true or false" in err and err.count("\n") == 1

@@ -4,7 +4,7 @@ Examples:
   gptkit bench attention            (GPU: Triton vs SDPA flash vs eager, TFLOP/s)
   gptkit bench data                 (tokenizer MB/s, batch cost vs a training step)
   gptkit bench train                (Lightning loop vs a bare PyTorch loop)
-  gptkit bench sample               (KV-cache decode tokens/s vs transformers generate())
+  gptkit bench sample               (decode tokens/s vs transformers generate(); bench.device=cuda on a GPU)
 """
 
 from __future__ import annotations

@@ -1,7 +1,8 @@
 """Generate text from a trained run: one prefill pass over the prompt, then one token per step
 through a KV cache. Beyond model.max_seq_len the window slides (overflow=slide, the default: the
 cache is rebuilt from the last slide_keep tokens at positions 0..slide_keep-1) or generation stops
-(overflow=stop). Statistics go to stderr, the text to stdout.
+(overflow=stop). Statistics go to stderr, the text to stdout. On CUDA the one-token step runs with a
+static cache, compiled and captured as a CUDA graph (decode=auto; decode=eager: the plain loop).
 
 Examples:
   gptkit sample run=runs/shakespeare prompt="ROMEO:" max_new_tokens=300
@@ -13,11 +14,20 @@ Examples:
 
 from __future__ import annotations
 
+STOP_REASONS = {"eos": "the end-of-text token", "stop": "a stop string", "length": "max_new_tokens",
+                "context": "the full context (overflow=stop)"}
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
+
 
 def options(cfg, max_seq_len: int, eos_id):
     from gptkit.errors import ConfigError
-    from gptkit.generate import SampleOptions
+    from gptkit.sampling import SampleOptions
 
+    if cfg.compile not in (None, "auto", True, False):
+        raise ConfigError(f"compile={cfg.compile!r} must be auto, true or false")
     stop = cfg.stop
     stop = [stop] if isinstance(stop, str) else [str(s) for s in (stop or ())]
     stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)  # the escapes \n and \t
@@ -27,7 +37,8 @@ def options(cfg, max_seq_len: int, eos_id):
             top_k=None if cfg.top_k in (None, 0) else int(cfg.top_k), top_p=float(cfg.top_p),
             seed=None if cfg.seed is None else int(cfg.seed), num_samples=int(cfg.num_samples),
             eos_id=eos_id if cfg.eos else None, stop=stop, overflow=str(cfg.overflow),
-            slide_keep=None if cfg.slide_keep is None else int(cfg.slide_keep))
+            slide_keep=None if cfg.slide_keep is None else int(cfg.slide_keep), decode=str(cfg.decode),
+            compile=None if cfg.compile in (None, "auto") else cfg.compile, check_every=int(cfg.check_every))
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"a sampling value is not a number ({exc})") from exc
     opts.validate(max_seq_len)
@@ -86,7 +97,7 @@ def run(cfg) -> int:
             "settings": {**opts.__dict__, "stop": list(opts.stop), "device": str(r.model.tok_emb.weight.device),
                          "dtype": str(cfg.dtype)},
             "timing": {"prefill_s": g.prefill_s, "decode_s": g.decode_s, "decode_steps": g.decode_steps,
-                       "decode_tokens_per_s": tok_s, "slides": g.slides},
+                       "decode_tokens_per_s": tok_s, "slides": g.slides, "decode": g.decode, "setup_s": g.setup_s},
             "notes": g.notes,
         }, indent=2, ensure_ascii=False))
     else:
@@ -98,8 +109,11 @@ def run(cfg) -> int:
                 print(prompt + text)
         for note in g.notes:
             print(f"note: {note}", file=sys.stderr)
-        print(f"[{g.prompt_tokens} prompt tokens, {sum(map(len, g.tokens))} new, prefill {g.prefill_s * 1e3:.1f} ms, "
-              f"decode {tok_s:,.0f} tokens/s, stop: {', '.join(sorted(set(g.stop_reasons)))}]", file=sys.stderr)
+        setup = f"setup {g.setup_s:.1f} s, " if g.setup_s >= 0.05 else ""  # compile and CUDA graph capture
+        ended = ", ".join(STOP_REASONS.get(r, r) for r in sorted(set(g.stop_reasons)))
+        print(f"[{plural(g.prompt_tokens, 'prompt token')}, {sum(map(len, g.tokens))} new, {setup}prefill "
+              f"{g.prefill_s * 1e3:.1f} ms, decode {tok_s:,.0f} tokens/s ({g.decode}), ended by {ended}]",
+              file=sys.stderr)
     if cfg.attention_map:
         from gptkit.attention_maps import write_for_run
 

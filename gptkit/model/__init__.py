@@ -11,6 +11,7 @@ _EXPORTS = {
     "GPTOutput": "gptkit.model.gpt",
     "ModelConfig": "gptkit.model.config",
     "KVCache": "gptkit.model.kv_cache",
+    "StaticKVCache": "gptkit.model.kv_cache",
     "ATTENTION_BACKENDS": "gptkit.model.attention",
     "get_attention": "gptkit.model.attention",
 }

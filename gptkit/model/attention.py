@@ -154,13 +154,15 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, head_dim]
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
-        start = cache.length if cache is not None else 0
+        start = cache.position if cache is not None else 0  # an int, or [T] positions (a StaticKVCache)
         if rope is not None:
             q, k = rope(q, k, start, positions)  # rotate before caching: the cache holds rotated keys
+        mask = None
         if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # [B, n_kv_heads, start + T, head_dim]
+            k, v = cache.update(self.layer, k, v)  # [B, n_kv_heads, start + T (static: max_len), head_dim]
+            mask = cache.mask  # None: causal over the prefix; static: [T, max_len] from the positions
         attend = eager_attention if return_probs else self.attend
-        y, probs = attend(q, k, v, causal=True, dropout_p=self.dropout if self.training else 0.0,
+        y, probs = attend(q, k, v, causal=True, mask=mask, dropout_p=self.dropout if self.training else 0.0,
                           return_probs=return_probs, docs=docs)  # y: [B, n_heads, T, head_dim]
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
         return F.dropout(self.o_proj(y), self.dropout, self.training), probs

@@ -92,8 +92,8 @@ class GPT(nn.Module):
         return_attention: bool = False,
     ) -> GPTOutput:
         B, T = idx.shape
-        start = cache.length if cache is not None else 0
-        if start + T > self.cfg.max_seq_len:
+        start = cache.position if cache is not None else 0  # an int, or [T] positions (a StaticKVCache)
+        if isinstance(start, int) and start + T > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
@@ -105,10 +105,11 @@ class GPT(nn.Module):
             positions = docs.positions if self.cfg.position_reset else None  # [B, T]
         x = self.tok_emb(idx)  # [B, T, d_model]
         if self.pos_emb is not None:
-            if positions is None:
-                x = x + self.pos_emb(torch.arange(start, start + T, device=idx.device))  # [T, d_model] broadcast
-            else:
+            if positions is not None:
                 x = x + self.pos_emb(positions)  # [B, T, d_model]
+            else:
+                pos = torch.arange(start, start + T, device=idx.device) if isinstance(start, int) else start  # [T]
+                x = x + self.pos_emb(pos)  # [T, d_model] broadcast
         x = self.drop(x)
         attentions = [] if return_attention else None
         for block in self.blocks:

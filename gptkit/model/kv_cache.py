@@ -1,11 +1,19 @@
-"""A preallocated key/value cache for generation.
+"""Key/value caches for generation.
 
-One K and one V tensor per layer, each [B, n_kv_heads, max_len, head_dim]: GQA shrinks the cache
-by n_heads / n_kv_heads. Keys are stored after RoPE, so a cached key never needs re-rotating;
-the model reads `cache.length` as the absolute position of the next token.
+KVCache: one K and one V tensor per layer, each [B, n_kv_heads, max_len, head_dim], filled front to back:
+GQA shrinks the cache by n_heads / n_kv_heads. Keys are stored after RoPE, so a cached key never needs
+re-rotating; the model reads `cache.position` (= `cache.length`, an int) as the absolute position of the
+next token, and attends over the filled prefix.
+
+StaticKVCache: the same tensors, for decoding with fixed shapes (a compiled step, a CUDA graph). The caller
+sets `cache.input_pos`, a [T] tensor holding the positions of the T tokens it feeds; they are written in
+place there (index_put_), and attention reads the whole cache under `cache.mask`, which hides every slot
+after a token's own position. No shape and no Python number changes from one step to the next.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 
@@ -13,6 +21,8 @@ from gptkit.model.config import ModelConfig
 
 
 class KVCache:
+    mask = None  # attention over the filled prefix is causal as it stands
+
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None,
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
         self.max_len = max_len or cfg.max_seq_len
@@ -22,6 +32,11 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.length = 0  # tokens already cached (= absolute position of the next token)
+
+    @property
+    def position(self) -> int:
+        """The absolute position of the first token of the next forward pass."""
+        return self.length
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, T, head_dim] at positions length..length+T-1 of `layer`;
@@ -42,3 +57,33 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class StaticKVCache(KVCache):
+    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None,
+                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__(cfg, batch_size, max_len, device, dtype)
+        self.slots = torch.arange(self.max_len, device=device)  # [max_len]
+        self.input_pos: Optional[torch.Tensor] = None  # [T] long: positions of the tokens being fed (caller sets)
+
+    @property
+    def position(self) -> torch.Tensor:
+        return self.input_pos
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[T, max_len] bool: the token at input_pos[t] may attend to the slots up to its own position."""
+        return self.slots <= self.input_pos[:, None]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [B, n_kv_heads, T, head_dim] at input_pos of `layer`; return the whole cache of that
+        layer, [B, n_kv_heads, max_len, head_dim] (read under `mask`)."""
+        self.k[layer][:, :, self.input_pos] = k  # index_put_: in place, also once compiled
+        self.v[layer][:, :, self.input_pos] = v
+        return self.k[layer], self.v[layer]
+
+    def advance(self, n: int) -> None:
+        pass  # positions live in input_pos, which the caller moves
+
+    def reset(self) -> None:
+        pass

@@ -106,19 +106,22 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start: int,
+    def forward(self, q: torch.Tensor, k: torch.Tensor, start,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1,
-        or for `positions` [B, T] (e.g. restarting at every packed document)."""
-        if self.fused and fused.usable(q, "rope"):
+        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1, for the
+        positions in `start` when it is a [T] tensor (decoding with fixed shapes), or for `positions` [B, T]
+        (e.g. restarting at every packed document)."""
+        if self.fused and isinstance(start, int) and fused.usable(q, "rope"):
             return fused.rope(q, k, self.cos, self.sin, positions, start)
-        T = q.shape[-2]
-        if positions is None:
-            cos = self.cos[start : start + T]  # [T, D]
-            sin = self.sin[start : start + T]
-        else:
+        if positions is not None:
             cos = self.cos[positions][:, None]  # [B, 1, T, D]
             sin = self.sin[positions][:, None]
+        elif isinstance(start, torch.Tensor):
+            cos, sin = self.cos[start], self.sin[start]  # [T, D]
+        else:
+            T = q.shape[-2]
+            cos = self.cos[start : start + T]  # [T, D]
+            sin = self.sin[start : start + T]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -1,0 +1,370 @@
+"""`gptkit bench sample`: decode speed of gptkit's generation loop against transformers generate() on the
+same weights (random init, loaded into LlamaForCausalLM / GPT2LMHeadModel through gptkit.hf.to_transformers).
+
+Decode tokens/s = batch * (new_tokens - 1) / (time(new_tokens) - time(1 new token)): the prefill cancels
+out, the same measure for every side. Each repeat times both runs; tables show the median over the repeats
+and their min-max. First-token latency is time(1 new token): the prompt's prefill and the first sample.
+Greedy tokens are compared between the sides (same weights, same math: they should agree in fp32).
+
+bench.device=cpu (the default): gptkit (decode=auto: the eager loop with the CPU decoding layout) vs
+  transformers, for bench.models x bench.batch_sizes; then ms per decode step against the context length,
+  with the KV cache vs a no-cache loop that re-runs the whole prefix.
+bench.device=cuda: bench.cuda.models in bench.cuda.dtype x bench.cuda.batch_sizes, each side in
+  bench.cuda.sides (SIDES below), rows printed as they finish; the HBM roofline is batch * bandwidth /
+  gptkit.accounting.decode_bytes_per_step (the weights, and the K/V at the mean context of the timed steps).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+SIDES = {  # bench.cuda.sides: name -> what runs
+    "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
+    "gptkit-graph": "gptkit, decode=graph compile=false (static cache, the step captured as a CUDA graph)",
+    "gptkit-compiled": "gptkit, decode=graph compile=true (the step compiled by torch.compile, then captured)",
+    "transformers": "transformers generate(), its defaults (dynamic cache)",
+    "transformers-static": 'transformers generate(cache_implementation="static"), which it compiles itself on CUDA',
+}
+
+
+def build_model(spec: dict):
+    import torch
+    import yaml
+
+    from gptkit.config import conf_dir, presets
+    from gptkit.errors import ConfigError
+    from gptkit.model import GPT, ModelConfig
+
+    if not isinstance(spec, dict) or "preset" not in spec:
+        raise ConfigError(f"a bench model must be a mapping with a preset (a conf/model name), got {spec!r}; "
+                          f"drop a model with ~bench.models.<name>")
+    spec = dict(spec)
+    path = conf_dir() / "model" / f"{spec.pop('preset')}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"unknown model preset {path.stem!r}; known: {', '.join(presets('model'))}")
+    d = yaml.safe_load(path.read_text())
+    d.update(spec)
+    torch.manual_seed(0)
+    return GPT(ModelConfig.from_dict(d)).eval()
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds
+
+
+@dataclass
+class Rate:
+    median: float  # decode tokens/s over the repeats
+    low: float
+    high: float
+    first_token_s: float  # median time(1 new token)
+
+    def text(self) -> str:
+        return f"{self.median:,.0f} ({self.low:,.0f}-{self.high:,.0f})"
+
+
+def measure(generate_n: Callable[[int], object], batch: int, new_tokens: int, repeats: int,
+            clock=time.perf_counter, sync: Callable[[], None] = lambda: None) -> Rate:
+    """Decode tokens/s of generate_n: one warm-up of each length, then `repeats` timed pairs."""
+    def timed(n: int) -> float:
+        t0 = clock()
+        generate_n(n)
+        sync()
+        return clock() - t0
+
+    timed(new_tokens), timed(1)  # warm-up: compiles, captures, fills caches
+    rates, firsts = [], []
+    for _ in range(repeats):
+        full, one = timed(new_tokens), timed(1)
+        if full > one:  # else the clock could not tell them apart (too few tokens for its resolution)
+            rates.append(batch * (new_tokens - 1) / (full - one))
+        firsts.append(one)
+    if not rates:
+        rates = [float("nan")]
+    return Rate(statistics.median(rates), min(rates), max(rates), statistics.median(firsts))
+
+
+def ours(model, prompt, batch: int, **options):
+    """n -> the greedy new tokens per sample, from gptkit's generate()."""
+    from gptkit.generate import generate
+    from gptkit.sampling import SampleOptions
+
+    def run(n: int):
+        g = generate(model, prompt, SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options))
+        run.notes = g.notes  # e.g. a fallback from decode=graph
+        return g.tokens
+
+    run.notes = []
+    return run
+
+
+def hf_generate(hf_model, prompt, batch: int, static: bool = False):
+    """n -> the greedy new tokens per sample, from transformers' generate()."""
+    import torch
+
+    device = next(hf_model.parameters()).device
+    ids = torch.tensor([prompt] * batch, device=device)  # [B, T0]
+    mask = torch.ones_like(ids)
+    extra = {"cache_implementation": "static"} if static else {}
+
+    def run(n: int):
+        with torch.inference_mode():
+            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True, **extra)
+        return out[:, len(prompt):].tolist()
+
+    return run
+
+
+def same_tokens(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of positions where two batches of token lists agree."""
+    total = sum(len(x) for x in a)
+    return sum(p == q for x, y in zip(a, b) for p, q in zip(x, y)) / max(total, 1)
+
+
+def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.perf_counter) -> float:
+    """Mean ms of one decode step at `context` tokens of context (batch 1)."""
+    import torch
+
+    from gptkit.decoding_layout import decoding_layout
+    from gptkit.model import KVCache
+
+    g = torch.Generator().manual_seed(0)
+    seq = torch.randint(0, model.cfg.vocab_size, (1, context + steps), generator=g)  # [1, context + steps]
+    with torch.inference_mode(), decoding_layout(model, 1):  # the weights as generate() lays them out
+        def run():
+            if use_cache:
+                cache = KVCache(model.cfg, 1, max_len=context + steps)
+                model(seq[:, :context], cache=cache, logits_to_keep=1)
+                t0 = clock()
+                for t in range(context, context + steps):
+                    model(seq[:, t : t + 1], cache=cache, logits_to_keep=1)
+            else:
+                t0 = clock()
+                for t in range(context, context + steps):
+                    model(seq[:, : t + 1], logits_to_keep=1)
+            return clock() - t0
+
+        run()
+        return min(run() for _ in range(2)) / steps * 1e3
+
+
+def _console():
+    import sys
+
+    from rich.console import Console
+
+    return Console(width=None if sys.stdout.isatty() else 200)  # logs: whole rows, not wrapped cells
+
+
+def _need_transformers():
+    from gptkit.errors import ConfigError
+
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError("the transformers side needs transformers (pip install gptkit[test]); "
+                          "or set bench.hf=false (CPU) / drop it from bench.cuda.sides") from exc
+    from gptkit.hf import to_transformers
+
+    return to_transformers
+
+
+def _prompt(model, n: int) -> list[int]:
+    import torch
+
+    return torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def run(cfg) -> int:
+    import torch
+
+    from gptkit.errors import ConfigError
+
+    if cfg.clock not in CLOCKS:
+        raise ConfigError(f"bench.clock={cfg.clock!r} is not one of {', '.join(CLOCKS)}")
+    if cfg.threads:
+        torch.set_num_threads(int(cfg.threads))
+    device = str(cfg.device)
+    if device == "cpu":
+        results = run_cpu(cfg)
+    elif device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError("bench.device=cuda needs a CUDA GPU (torch sees none); use bench.device=cpu")
+        results = run_cuda(cfg, torch.device(device))
+    else:
+        raise ConfigError(f"bench.device={device!r} must be cpu or cuda (cuda:<n>)")
+    if cfg.out:
+        from gptkit.fsio import atomic_write_text
+
+        atomic_write_text(Path(str(cfg.out)), json.dumps(results, indent=2))
+        print(f"results: {cfg.out}")
+    return 0
+
+
+# ---- CPU -----------------------------------------------------------------------------------------
+def run_cpu(cfg) -> dict:
+    import torch
+    from omegaconf import OmegaConf
+    from rich.table import Table
+
+    from gptkit.errors import ConfigError
+
+    clock = CLOCKS[cfg.clock]
+    specs = OmegaConf.to_container(cfg.models, resolve=True)
+    con = _console()
+    results: dict = {"device": "cpu", "threads": torch.get_num_threads(), "clock": str(cfg.clock),
+                     "repeats": int(cfg.repeats), "decode": [], "context": []}
+    to_transformers = _need_transformers() if cfg.hf else None
+    new_tokens, repeats = int(cfg.new_tokens), int(cfg.repeats)
+    t = Table(title=f"decode tokens/s, greedy, prompt {cfg.prompt_tokens} + {new_tokens} new tokens, CPU, "
+                    f"{torch.get_num_threads()} threads, {cfg.clock} clock: median of {repeats} (min-max)")
+    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens"):
+        t.add_column(col, justify="left" if col == "model" else "right")
+    models = {}
+    for name, spec in specs.items():
+        model = build_model(spec)
+        models[name] = model
+        hf_model = to_transformers(model) if to_transformers else None
+        prompt = _prompt(model, int(cfg.prompt_tokens))
+        for batch in cfg.batch_sizes:
+            fn = ours(model, prompt, int(batch))
+            mine = measure(fn, batch, new_tokens, repeats, clock)
+            row = {"model": name, "params": model.num_parameters(), "batch": batch,
+                   "gptkit_tokens_per_s": mine.median, "gptkit_min": mine.low, "gptkit_max": mine.high}
+            cells = ["-", "-", "-"]
+            if hf_model is not None:
+                hf_fn = hf_generate(hf_model, prompt, batch)
+                theirs = measure(hf_fn, batch, new_tokens, repeats, clock)
+                row.update(transformers_tokens_per_s=theirs.median, transformers_min=theirs.low,
+                           transformers_max=theirs.high, speed_up=mine.median / theirs.median,
+                           same_tokens=same_tokens(fn(new_tokens), hf_fn(new_tokens)))
+                cells = [theirs.text(), f"{row['speed_up']:.2f}x", f"{row['same_tokens']:.0%}"]
+            results["decode"].append(row)
+            t.add_row(name, f"{row['params'] / 1e6:.1f}M", str(batch), mine.text(), *cells)
+    con.print(t)
+
+    model = models[cfg.context_model] if cfg.context_model in models else build_model(specs[cfg.context_model])
+    ct = Table(title=f"{cfg.context_model}: ms per decode step (batch 1) against the context length")
+    for col in ("context", "with KV cache", "no cache (whole prefix)", "ratio"):
+        ct.add_column(col, justify="right")
+    for ctx in cfg.context_lens:
+        if ctx + int(cfg.context_steps) > model.cfg.max_seq_len:
+            raise ConfigError(f"context {ctx} + {cfg.context_steps} steps exceeds max_seq_len={model.cfg.max_seq_len}")
+        cached = per_token_ms(model, int(ctx), int(cfg.context_steps), True, clock)
+        full = per_token_ms(model, int(ctx), int(cfg.context_steps), False, clock)
+        results["context"].append({"context": ctx, "cache_ms": cached, "no_cache_ms": full})
+        ct.add_row(str(ctx), f"{cached:.2f}", f"{full:.2f}", f"{full / cached:.1f}x")
+    con.print(ct)
+    return results
+
+
+# ---- CUDA ----------------------------------------------------------------------------------------
+DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _side(name: str, model, hf_model, prompt, batch: int):
+    if name == "gptkit-eager":
+        return ours(model, prompt, batch, decode="eager")
+    if name == "gptkit-graph":
+        return ours(model, prompt, batch, decode="graph", compile=False)
+    if name == "gptkit-compiled":
+        return ours(model, prompt, batch, decode="graph", compile=True)
+    return hf_generate(hf_model, prompt, batch, static=name == "transformers-static")
+
+
+def run_cuda(cfg, device) -> dict:
+    """The GPU comparison (module docstring). `device` may be the CPU for a dry run of the pipeline."""
+    import torch
+    from omegaconf import OmegaConf
+    from rich.table import Table
+
+    from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
+    from gptkit.errors import ConfigError
+
+    c = cfg.cuda
+    sides = list(c.sides)
+    for s in sides:
+        if s not in SIDES:
+            raise ConfigError(f"bench.cuda.sides: {s!r} is not one of {', '.join(SIDES)}")
+    if str(c.dtype) not in DTYPES:
+        raise ConfigError(f"bench.cuda.dtype={c.dtype!r} is not one of {', '.join(DTYPES)}")
+    dtype = getattr(torch, DTYPES[str(c.dtype)])
+    con = _console()
+    to_transformers = None
+    if any(s.startswith("transformers") for s in sides):
+        try:
+            to_transformers = _need_transformers()
+        except ConfigError:  # a GPU machine without transformers still measures gptkit's sides
+            sides = [s for s in sides if not s.startswith("transformers")]
+            con.print("note: transformers is not installed here: its sides are skipped")
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    bandwidth = float(c.hbm_gbps) * 1e9 if c.hbm_gbps else memory_bandwidth(gpu)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    new_tokens, repeats, prompt_tokens = int(c.new_tokens), int(c.repeats), int(c.prompt_tokens)
+    con.print(f"{gpu}: {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, median of {repeats} "
+              f"(min-max); HBM {'%.0f GB/s' % (bandwidth / 1e9) if bandwidth else 'unknown (set bench.cuda.hbm_gbps)'}")
+    for s in sides:
+        con.print(f"  {s}: {SIDES[s]}")
+    results: dict = {"device": gpu, "dtype": str(c.dtype), "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
+                     "repeats": repeats, "hbm_bytes_per_s": bandwidth, "decode": []}
+    for name, spec in OmegaConf.to_container(c.models, resolve=True).items():
+        model = build_model(spec)
+        hf_model = to_transformers(model).to(device=device, dtype=dtype) if to_transformers else None
+        model.to(device=device, dtype=dtype)
+        prompt = _prompt(model, prompt_tokens)
+        for batch in c.batch_sizes:
+            batch = int(batch)
+            step_bytes = decode_bytes_per_step(model.cfg, batch, prompt_tokens + new_tokens // 2,
+                                               str(c.dtype))
+            roofline = batch * bandwidth / step_bytes if bandwidth else None
+            reference = None  # the first side's tokens
+            for side in sides:
+                fn = _side(side, model, hf_model, prompt, batch)
+                try:
+                    rate = measure(fn, batch, new_tokens, repeats, sync=sync)
+                except torch.cuda.OutOfMemoryError:
+                    con.print(f"{name} batch {batch} {side}: out of memory")
+                    torch.cuda.empty_cache()
+                    continue
+                tokens = fn(new_tokens)
+                reference = reference or (side, tokens)
+                row = {"model": name, "params": model.num_parameters(), "batch": batch, "side": side,
+                       **{f"tokens_per_s_{k}": v for k, v in asdict(rate).items() if k != "first_token_s"},
+                       "first_token_ms": rate.first_token_s * 1e3,
+                       "roofline_tokens_per_s": roofline,
+                       "roofline_fraction": rate.median / roofline if roofline else None,
+                       "same_tokens_as": reference[0], "same_tokens": same_tokens(reference[1], tokens)}
+                results["decode"].append(row)
+                con.print(f"{name} batch {batch} {side}: {rate.text()} tokens/s, first token "
+                          f"{row['first_token_ms']:.1f} ms"
+                          + (f", {row['roofline_fraction']:.1%} of the HBM roofline ({roofline:,.0f})" if roofline else "")
+                          + f", {row['same_tokens']:.0%} same tokens as {reference[0]}")
+                for note in getattr(fn, "notes", []):
+                    con.print(f"  note: {note}")
+        del model, hf_model
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    t = Table(title=f"{gpu}: decode tokens/s, {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, "
+                    f"median of {repeats} (min-max)")
+    for col in ("model", "batch", "side", "tokens/s", "first token ms", "HBM roofline", "vs transformers",
+                "vs transformers-static", "same tokens"):
+        t.add_column(col, justify="left" if col in ("model", "side") else "right")
+    rows = results["decode"]
+    for row in rows:
+        def vs(other: str) -> str:
+            base = [r for r in rows if (r["model"], r["batch"], r["side"]) == (row["model"], row["batch"], other)]
+            return f"{row['tokens_per_s_median'] / base[0]['tokens_per_s_median']:.2f}x" if base else "-"
+
+        t.add_row(row["model"], str(row["batch"]), row["side"],
+                  f"{row['tokens_per_s_median']:,.0f} ({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})",
+                  f"{row['first_token_ms']:.1f}",
+                  f"{row['roofline_fraction']:.1%}" if row["roofline_fraction"] is not None else "-",
+                  vs("transformers"), vs("transformers-static"), f"{row['same_tokens']:.0%}")
+    con.print(t)
+    return results
