@@ -115,11 +115,11 @@ def run(cfg) -> int:
     from rich.table import Table
 
     from gptkit.errors import ConfigError
+    from gptkit.threads import set_threads
 
     if str(cfg.device) != "cpu":
         raise ConfigError("bench sample measures CPU decoding; set bench.device=cpu")
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    set_threads(cfg.threads, "bench.threads")
     if cfg.clock not in CLOCKS:
         raise ConfigError(f"bench.clock={cfg.clock!r} is not one of {', '.join(CLOCKS)}")
     clock = CLOCKS[cfg.clock]

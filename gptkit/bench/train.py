@@ -110,7 +110,9 @@ def run(cfg) -> int:
 
     from gptkit.data import TokenDataModule, prepare
     from gptkit.errors import GptkitError
+    from gptkit.threads import set_threads
 
+    set_threads(cfg.get("threads"), "bench.threads")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     data = {"kind": "shakespeare"}

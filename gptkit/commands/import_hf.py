@@ -44,6 +44,7 @@ def run(cfg) -> int:
 
     print(f"imported {hf_dir} ({hf_cfg.get('model_type')}, {model.num_parameters():,} parameters, "
           f"{'/'.join(dtypes)} -> fp32) into {out}")
+    print(f"  attention heads: {hf.heads_confirmed(hf_cfg, model_cfg)}")
     if tokenizer is None:
         print(f"warning: {hf_dir} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
               f"refuse it; save the fast tokenizer there (AutoTokenizer.from_pretrained(...).save_pretrained) "
