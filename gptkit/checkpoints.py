@@ -94,14 +94,41 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
         return read_sharded_checkpoint(path)
     if path.suffix == ".safetensors":
         return {"state_dict": {STATE_PREFIX + k: v for k, v in _load_safetensors(path).items()}}
+    import zipfile
+
+    if path.is_file() and path.stat().st_size == 0:
+        raise GptkitError(f"{path} is empty (0 bytes), not a checkpoint (an interrupted copy?); use another one")
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # tensors read on use
+        # torch.save's zip archive is memory-mapped (tensors read on use); an older torch's format is not
+        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
     except Exception as exc:  # truncated, not a zip, pickled code, ...
-        raise GptkitError(f"{path} is not a readable gptkit checkpoint ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160]})") from exc
+        raise unreadable_checkpoint(path, exc) from exc
     if not isinstance(obj, dict) or "state_dict" not in obj:
         raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
     return obj
+
+
+def unreadable_checkpoint(path: Path, exc: Exception) -> GptkitError:
+    """One complete line for a file torch.load(weights_only=True) refused."""
+    return GptkitError(f"{path} {load_refusal(path, exc)}; use a checkpoint you trust")
+
+
+def load_refusal(path: Path, exc: Exception) -> str:
+    """Why torch.load(weights_only=True) refused `path`, as one complete phrase: the code it would run,
+    another kind of file, or torch's own first sentence."""
+    import pickle
+    import re
+    import zipfile
+
+    text = str(exc)
+    code = re.search(r"GLOBAL ([\w.]+)", text)
+    if code:
+        return (f"would run code when loaded ({code.group(1)}), which weights_only=True refuses: a checkpoint holds "
+                f"only tensors and plain data")
+    if isinstance(exc, (pickle.UnpicklingError, EOFError)) or not zipfile.is_zipfile(path):
+        return "is not a torch checkpoint (not the zip archive torch.save writes: truncated, or another kind of file)"
+    first = re.split(r"(?<=[.!?])\s", " ".join(text.split()), maxsplit=1)[0] if text.strip() else ""
+    return f"is not a readable checkpoint ({type(exc).__name__}{': ' + first if first else ''})"
 
 
 def _load_safetensors(path: Path) -> dict[str, Any]:
@@ -222,8 +249,7 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     try:
         extra = torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise GptkitError(f"{path / EXTRA_STATE} is not readable ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160]})") from exc
+        raise unreadable_checkpoint(path / EXTRA_STATE, exc) from exc
     if not weights:
         return extra
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict

@@ -5,6 +5,10 @@ run(cfg), and prepare_args(args) when it rewrites its arguments first), its prim
 and its one-line help. Command modules keep heavy imports inside run(), so `gptkit --help` stays fast.
 tests/test_cli.py checks that VERBS and gptkit/commands/ agree.
 
+Before a verb runs (and before Hydra makes `train`'s run folder) every key=value is checked against the
+verb's config by gptkit.options: an unknown key, a value of the wrong type, a sweep without -m or a
+required value left unset is one line and exit status 2.
+
 The verb is also stored in the environment (GPTKIT_VERB): Lightning relaunches DDP children
 with this process's sys.argv, from which the verb has been removed.
 """
@@ -16,8 +20,6 @@ import os
 import sys
 from dataclasses import dataclass
 from types import ModuleType
-
-from gptkit.config import compose
 
 VERB_ENV = "GPTKIT_VERB"
 
@@ -59,6 +61,7 @@ VERBS: dict[str, Verb] = {
 
 # Hydra's own flags, for the verb that runs as a Hydra app
 HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--resolve", "--info", "-i", "--package", "-p")
+HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--info", "-i", "--package", "-p")  # followed by a value: --cfg job
 
 
 def command(verb: str) -> ModuleType:
@@ -96,6 +99,13 @@ def _one_line(exc: BaseException) -> str:
     if options:
         out[-1] += " " + ", ".join(options)
     return "; ".join(out) if out else type(exc).__name__
+
+
+def compose(config_name: str, overrides: list[str]):
+    """gptkit.config.compose, imported on use so that `gptkit --help` imports no OmegaConf."""
+    from gptkit.config import compose as compose_config
+
+    return compose_config(config_name, overrides)
 
 
 def _show_help(verb: str, overrides: list[str]) -> None:
@@ -163,16 +173,6 @@ def _guarded(fn, *args):
         sys.exit(_report(exc))
 
 
-def _plain_overrides(args: list[str]) -> bool:
-    """True when args are only key=value overrides that the compose API accepts."""
-    for a in args:
-        if a.startswith("-") or a.startswith("hydra.") or a.startswith("hydra/") or a.startswith("+hydra"):
-            return False
-        if "=" in a and ("," in a.split("=", 1)[1] and not a.split("=", 1)[1].startswith(("[", "'", '"'))):
-            return False  # a sweep: only valid with -m
-    return True
-
-
 def _run_hydra_app(verb: str, args: list[str]) -> None:
     import hydra
 
@@ -206,26 +206,55 @@ def _check_flags(verb: str, args: list[str]) -> None:
 
 
 def _spelling(verb: str, name: str) -> str:
-    """The config key a flag name most likely means: the key itself, or the one key ending in .name."""
+    """The config key a flag name most likely means (gptkit.options.suggest over the verb's keys)."""
     from omegaconf import OmegaConf
+
+    from gptkit.options import flat_keys, suggest
 
     name = name.replace("-", "_")
     try:
-        keys = _flat_keys(OmegaConf.to_container(compose(VERBS[verb].config, []), resolve=False))
+        keys = flat_keys(OmegaConf.to_container(compose(VERBS[verb].config, []), resolve=False))
     except Exception:  # noqa: BLE001 - a suggestion is best effort
         return name
-    if name in keys:
-        return name
-    ends = [k for k in keys if k.endswith("." + name)]
-    return ends[0] if len(ends) == 1 else name
+    return suggest(name, keys) or name
 
 
-def _flat_keys(d, prefix: str = "") -> list[str]:
-    out = []
-    for k, v in (d.items() if isinstance(d, dict) else ()):
-        out.append(prefix + str(k))
-        out += _flat_keys(v, f"{prefix}{k}.")
-    return out
+def _skip_transformers_in_torchmetrics() -> None:
+    """Lightning imports torchmetrics, whose BERTScore module imports `transformers` at import time when it is
+    installed: about 1 s of start-up for a metric gptkit never uses. torchmetrics has no switch for it, so
+    its own availability flag is set to false as its flags module loads (this process only; transformers
+    itself stays importable). A no-op when torchmetrics or transformers is already imported."""
+    import importlib.abc
+    import importlib.machinery
+
+    flags = "torchmetrics.utilities.imports"
+    if "torchmetrics" in sys.modules or "transformers" in sys.modules or any(
+            getattr(f, "unflags", None) == flags for f in sys.meta_path):
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        unflags = flags
+
+        def find_spec(self, name, path, target=None):
+            if name != flags:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.machinery.PathFinder.find_spec(name, path)
+            if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+                return spec
+            exec_module = spec.loader.exec_module
+
+            def exec_and_unflag(module):
+                exec_module(module)
+                flag = getattr(module, "_TRANSFORMERS_GREATER_EQUAL_4_4", None)
+                if flag is not None and hasattr(flag, "requirement"):  # a lightning_utilities RequirementCache
+                    flag.available = False
+                    flag.message = "transformers is not imported for torchmetrics by the gptkit CLI"
+
+            spec.loader.exec_module = exec_and_unflag
+            return spec
+
+    sys.meta_path.insert(0, Finder())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -257,14 +286,12 @@ def main(argv: list[str] | None = None) -> int:
         mod = command(verb)
         if hasattr(mod, "prepare_args"):
             args = _guarded(mod.prepare_args, args)
-        if not v.hydra_app or _plain_overrides(args):
-            cfg = compose(v.config, args)  # composition errors surface here, as one line
+        cfg = _guarded(_checked_config, verb, args)
+        _skip_transformers_in_torchmetrics()
         if v.hydra_app:
             _run_hydra_app(verb, args)
-        else:
-            rc = _guarded(mod.run, cfg)
-            return int(rc or 0)
-        return 0
+            return 0
+        return int(_guarded(mod.run, cfg) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
@@ -272,6 +299,18 @@ def main(argv: list[str] | None = None) -> int:
         raise
     except Exception as exc:  # noqa: BLE001 - the CLI's last line of defence
         return _report(exc)
+
+
+def _checked_config(verb: str, args: list[str]):
+    """The verb's composed config, after every option was checked (gptkit.options.check_options): unknown
+    keys, wrong types, sweeps without -m and unset required values are one line each, before the verb or
+    Hydra's run folder exist. For `train -m` over several presets the config is None (Hydra checks each job)."""
+    from gptkit.options import check_options, parse_options
+
+    multirun = VERBS[verb].hydra_app and any(a in ("-m", "--multirun") for a in args)
+    options = [a for i, a in enumerate(args)  # the value of a Hydra flag (--cfg job) is not an option
+               if not (i and args[i - 1] in HYDRA_VALUE_FLAGS and "=" not in a and not a.startswith("-"))]
+    return check_options(VERBS[verb].config, parse_options(options, sweeps=multirun))
 
 
 def _is_config_error(exc: BaseException) -> bool:

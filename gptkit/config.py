@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,15 +23,6 @@ def conf_dir() -> Path:
     if here.is_dir():
         return here
     raise ConfigError("cannot find gptkit's conf/ folder; reinstall gptkit (pip install -e .)")
-
-
-def compose(config_name: str, overrides: list[str]):
-    """conf/<config_name>.yaml with `overrides`, composed by Hydra (no run folder, no logging set-up)."""
-    from hydra import compose as hydra_compose
-    from hydra import initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name=config_name):
-        return hydra_compose(config_name=config_name, overrides=overrides)
 
 
 def model_config(cfg: DictConfig | dict[str, Any]) -> ModelConfig:
@@ -57,3 +50,42 @@ def verbatim(args: list[str], keys: tuple[str, ...]) -> list[str]:
             a = f"{key}='{value}'"
         out.append(a)
     return out
+
+
+def compose(config_name: str, overrides: list[str]) -> DictConfig:
+    """The verb's config `config_name` (conf/<config_name>.yaml) with Hydra overrides applied."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None, job_name=config_name):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+# ---- numbers given as options ----------------------------------------------------------------------
+SI = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}  # B: billion, as token counts are written
+_COUNT = re.compile(r"([0-9][0-9_]*\.?[0-9_]*|\.[0-9]+)(e[+-]?[0-9]+)?\s*([kmbgtp])?", re.IGNORECASE)
+
+
+def count(value: Any, option: str) -> float:
+    """A positive count such as a number of tokens: 300000, 1.5e12, or with an SI suffix 300B, 2T, 20M, 4k
+    (K, M, B or G, T, P; B = G = 1e9). Anything else is a ConfigError naming the option."""
+    x = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        x = float(value)
+    elif isinstance(value, str) and (m := _COUNT.fullmatch(value.strip())):
+        x = float(m.group(1).replace("_", "") + (m.group(2) or "")) * SI.get((m.group(3) or "").lower(), 1.0)
+    if x is None or not math.isfinite(x) or x <= 0:
+        raise ConfigError(f"{option}={value} is not a positive count; write e.g. {option}=300B, 2T or 1.5e12")
+    return x
+
+
+def number(value: Any, option: str, kind: type = float, minimum: float | None = None) -> Any:
+    """`value` as an int or a finite float (`kind`), at least `minimum`; else a ConfigError naming the option."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and kind is int and not float(value).is_integer():
+        ok = False
+    if not ok:
+        raise ConfigError(f"{option}={value} is not {'an integer' if kind is int else 'a number'}")
+    if minimum is not None and value < minimum:
+        raise ConfigError(f"{option}={value} must be >= {minimum}")
+    return kind(value)

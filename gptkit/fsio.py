@@ -59,6 +59,9 @@ def check_out_dir(out: Path | str, force: bool = False) -> Path:
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
         raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to replace it")
+    above = next((p for p in out.parents if p.exists()), Path("."))
+    if not above.is_dir():
+        raise GptkitError(f"out={out}: {above} is a file, so no folder can be made in it; choose another out=")
     return out
 
 

@@ -101,6 +101,11 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
         attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
         if attn_bias != mlp_bias:
             raise refuse("attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}", "one bias flag for all linears")
+        missing = [k for k in ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads",
+                               "hidden_size", "intermediate_size") if not isinstance(d.get(k), int)]
+        if missing:
+            raise GptkitError(f"{mtype} config.json has no {missing[0]} (an integer), which gptkit does not guess; "
+                              f"add it to config.json")
         n_heads = d["num_attention_heads"]
         return ModelConfig(
             vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"], n_layers=d["num_hidden_layers"],
@@ -127,6 +132,19 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
         tie_embeddings=bool(d.get("tie_word_embeddings", True)), dropout=float(d.get("resid_pdrop", 0.1)),
         init_std=float(d.get("initializer_range", 0.02)), name=name,
     )
+
+
+def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
+    """What the weights' shapes confirm about the attention heads of a config.json, and what rests on
+    config.json alone: a wrong head count with the same tensor shapes loads, and computes another model."""
+    heads = f"n_heads={cfg.n_heads}" + (f", n_kv_heads={cfg.n_kv_heads}" if cfg.n_kv_heads != cfg.n_heads else "")
+    if cfg.position == "rope" and d.get("head_dim"):
+        return f"{heads}, head_dim={cfg.head_dim}: confirmed by the q/k/v weight shapes (config.json sets head_dim)"
+    if cfg.position == "rope" and cfg.n_kv_heads != cfg.n_heads:
+        return (f"{heads} from config.json; the weight shapes confirm only their ratio "
+                f"({cfg.n_heads // cfg.n_kv_heads}:1) and n_heads x head_dim = {cfg.d_attn}")
+    return (f"{heads} from config.json; the weight shapes cannot confirm it (any head count that divides "
+            f"{cfg.d_attn} fits them)")
 
 
 # ---- weights -----------------------------------------------------------------------------------
@@ -308,8 +326,10 @@ def load_weights(hf_dir: Path) -> dict[str, Any]:
         try:
             obj = torch.load(f, map_location="cpu", weights_only=True)
         except Exception as exc:
-            raise GptkitError(f"{f} could not be loaded safely (weights_only=True: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0][:160]}); convert it to safetensors") from exc
+            from gptkit.checkpoints import load_refusal
+
+            raise GptkitError(f"{f} could not be loaded safely: it {load_refusal(f, exc)}; convert it to "
+                              f"safetensors") from exc
         if not isinstance(obj, dict):
             raise GptkitError(f"{f} does not hold a state dict")
         return obj
@@ -482,6 +502,7 @@ class Imported:
     n_params: int
     dtypes: list[str]  # of the source tensors (the run folder holds fp32)
     has_tokenizer: bool
+    heads: str  # what the weight shapes confirm about the attention heads (heads_confirmed)
 
 
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
@@ -503,7 +524,8 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
         provenance = {"source": src.spec, "architectures": hf_cfg.get("architectures"),
                       "model_type": hf_cfg.get("model_type"), "dtypes": dtypes, "files": fingerprint(src.dir)}
         (tmp / IMPORTED_FILE).write_text(json.dumps(provenance, indent=2))
-    return Imported(out, hf_cfg.get("model_type"), model.num_parameters(), dtypes, tokenizer is not None)
+    return Imported(out, hf_cfg.get("model_type"), model.num_parameters(), dtypes, tokenizer is not None,
+                    heads_confirmed(hf_cfg, model_cfg))
 
 
 def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tuple[Path, Source, bool]:

@@ -66,9 +66,7 @@ def tokenizer_settings(cfg: Any) -> dict[str, Any]:
     if kind == "file":
         if not d["path"]:
             raise GptkitError("tokenizer=file needs tokenizer.path=/path/to/tokenizer.json")
-        d["path"] = str(Path(str(d["path"])).expanduser().resolve())
-        if not Path(d["path"]).is_file():
-            raise GptkitError(f"tokenizer file {d['path']} does not exist; set tokenizer.path to a tokenizer.json")
+        d["path"] = str(checked_file(Path(str(d["path"])).expanduser().resolve()))
     else:
         d["special_tokens"] = list(d["special_tokens"] or [])
         if d["eos_token"] is not None and d["eos_token"] not in d["special_tokens"]:
@@ -89,12 +87,20 @@ def tokenizer_sha256(tok) -> str:
     return hashlib.sha256(tok.to_str().encode("utf-8")).hexdigest()
 
 
+def checked_file(p: Path) -> Path:
+    """`p` if it is a file; else a GptkitError that says whether it is missing or a folder."""
+    if p.is_dir():
+        inside = " (the tokenizer.json in it?)" if (p / "tokenizer.json").is_file() else ""
+        raise GptkitError(f"tokenizer file {p} is a folder; set tokenizer.path to a tokenizer.json file{inside}")
+    if not p.is_file():
+        raise GptkitError(f"tokenizer file {p} does not exist; set tokenizer.path to a tokenizer.json")
+    return p
+
+
 def load_tokenizer_file(path: Path | str):
     from tokenizers import Tokenizer
 
-    p = Path(path).expanduser()
-    if not p.is_file():
-        raise GptkitError(f"tokenizer file {p} does not exist; set tokenizer.path to a tokenizer.json")
+    p = checked_file(Path(path).expanduser())
     try:
         return Tokenizer.from_file(str(p))
     except Exception as exc:  # the Rust side raises plain Exceptions with long messages

@@ -199,7 +199,7 @@ def test_failed_runs_never_touch_existing_checkpoints(corpus, tmp_path):
     bad = tmp_path / "truncated.ckpt"
     bad.write_bytes((ckdir / "last.ckpt").read_bytes()[:1000])
     r = run_cli("train", f"resume={bad}")
-    assert r.returncode == 2 and "not a readable gptkit checkpoint" in r.stderr
+    assert r.returncode == 2 and "is not a torch checkpoint" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
     assert _digest(ckdir) == before
 

@@ -84,10 +84,10 @@ def run(cfg) -> int:
     from gptkit.data import TokenDataModule, prepare
     from gptkit.data.build import data_settings, split_long
     from gptkit.data.sources import open_corpus
+    from gptkit.threads import set_threads
     from gptkit.tokenizer import build_tokenizer
 
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    set_threads(cfg.threads, "bench.threads")
     with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
         data_cfg = compose(config_name=f"data/{cfg.corpus}").data
     corpus = open_corpus(data_settings(data_cfg))

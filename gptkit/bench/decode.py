@@ -184,11 +184,11 @@ def run(cfg) -> int:
     import torch
 
     from gptkit.errors import ConfigError
+    from gptkit.threads import set_threads
 
     if cfg.clock not in CLOCKS:
         raise ConfigError(f"bench.clock={cfg.clock!r} is not one of {', '.join(CLOCKS)}")
-    if cfg.threads:
-        torch.set_num_threads(int(cfg.threads))
+    set_threads(cfg.threads, "bench.threads")
     device = str(cfg.device)
     if device == "cpu":
         results = run_cpu(cfg)

@@ -151,7 +151,7 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
                                 f"trainer.precision={cfg.precision}", f"trainer.batch_size={cfg.batch_size}",
                                 f"trainer.gradient_clip_val={cfg.clip or 'null'}", f"trainer.log_every={cfg.log_every}",
                                 "trainer.progress=off", "trainer.val_every=1000000", "trainer.checkpoint_every=1000000",
-                                f"trainer.compile={compile_mode or 'false'}",
+                                f"trainer.compile={compile_mode or 'none'}",
                                 f"trainer.compile_backend={cfg.compile_backend}", "logger=[]"])
     run_cfg = OmegaConf.create(OmegaConf.to_container(run_cfg, resolve=True))
     run_cfg.optim = _optim_cfg()
@@ -183,9 +183,11 @@ def run(cfg) -> int:
     from gptkit.data import TokenDataModule, prepare
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.runs import resolve_device
+    from gptkit.threads import set_threads
     from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import compile_mode
 
+    set_threads(cfg.get("threads"), "bench.threads")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     device = resolve_device(str(cfg.device))

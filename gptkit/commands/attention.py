@@ -20,6 +20,8 @@ def run(cfg) -> int:
 
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"format={cfg.format!r} must be text or json")
+    if str(cfg.text) == "":
+        raise ConfigError('attention needs a text to look at: text="..." (at least one character)')
     r = load_for_inference(cfg.run, cfg.device, "fp32", "eager")
     bos_id, _ = special_token_ids(r.tokenizer, r.config)
     ids = encode_prompt(r.tokenizer, str(cfg.text), bos_id)

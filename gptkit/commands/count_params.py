@@ -2,7 +2,7 @@
 
 Examples:
   gptkit count-params model=llama2-7b
-  gptkit count-params model=gpt2 tokens=300e9 gpu=h100 mfu=0.45
+  gptkit count-params model=gpt2 tokens=300B gpu=h100 mfu=0.45      (tokens: 300e9, 300B, 2T, 1.5e12 ...)
   gptkit count-params model=llama3-8b precision=bf16-mixed n_gpus=8 format=json
 """
 
@@ -12,13 +12,14 @@ from __future__ import annotations
 def report(cfg) -> dict:
     """Everything count-params knows, as plain data (the json output)."""
     from gptkit import accounting as acc
-    from gptkit.config import model_config
+    from gptkit.config import count, model_config, number
     from gptkit.errors import ConfigError
     from gptkit.precision import DTYPE_BYTES, precision
 
     m = model_config(cfg.model)
     pc = acc.count_params(m)
-    fl = acc.flops_per_token(m, cfg.seq_len)
+    seq_len = None if cfg.seq_len is None else number(cfg.seq_len, "seq_len", int, 1)
+    fl = acc.flops_per_token(m, seq_len)
     for key in ("dtype", "kv_dtype"):
         if cfg[key] not in DTYPE_BYTES:
             raise ConfigError(f"{key}={cfg[key]!r} is not one of {', '.join(DTYPE_BYTES)}")
@@ -26,7 +27,7 @@ def report(cfg) -> dict:
     if not 0 < float(cfg.mfu) <= 1:
         raise ConfigError(f"mfu={cfg.mfu} must be in (0, 1]")
     if cfg.peak_tflops is not None:
-        peak = float(cfg.peak_tflops) * 1e12
+        peak = number(cfg.peak_tflops, "peak_tflops") * 1e12
     else:
         gpu = str(cfg.gpu).lower()
         if gpu not in acc.ACCELERATORS:
@@ -35,9 +36,7 @@ def report(cfg) -> dict:
             raise ConfigError(f"gpu={gpu} has no {cfg.dtype} peak in the table; pick dtype= one of "
                               f"{', '.join(acc.ACCELERATORS[gpu])} or set peak_tflops=")
         peak = acc.peak_flops(gpu, cfg.dtype)
-    tokens = float(cfg.tokens) if cfg.tokens is not None else 20.0 * pc.total
-    if tokens <= 0:
-        raise ConfigError(f"tokens={cfg.tokens} must be positive")
+    tokens = count(cfg.tokens, "tokens") if cfg.tokens is not None else 20.0 * pc.total
     n_gpus = int(cfg.n_gpus)
     if n_gpus < 1:
         raise ConfigError(f"n_gpus={cfg.n_gpus} must be >= 1")
@@ -45,7 +44,7 @@ def report(cfg) -> dict:
     train_exact = fl.train_causal * tokens
     hours = lambda flops: flops / (peak * float(cfg.mfu)) / 3600.0  # noqa: E731
     kv_tok = acc.kv_cache_bytes_per_token(m, cfg.kv_dtype)
-    mem = acc.training_memory(m, cfg.precision, n_gpus, int(cfg.micro_batch), cfg.seq_len, bool(cfg.checkpointing))
+    mem = acc.training_memory(m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing))
     return {
         "model": m.to_dict(),
         "params": {

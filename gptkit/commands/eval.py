@@ -52,10 +52,12 @@ def run(cfg) -> int:
 
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.evaluation import evaluate, scored_text_size, window_starts
-    from gptkit.runs import load_for_inference
+    from gptkit.runs import load_for_inference, resolve_device
+    from gptkit.threads import set_threads
 
     if cfg.format not in ("table", "json"):
         raise ConfigError(f"format={cfg.format!r} must be table or json")
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
     max_len = r.model_cfg.max_seq_len
     seq_len = int(cfg.seq_len or max_len)

@@ -40,6 +40,7 @@ def run(cfg) -> int:
     shown = cfg.hf if src.spec == str(src.dir.resolve()) else src.spec  # a Hub model: owner/name@commit
     print(f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> fp32) "
           f"into {out}")
+    print(f"  attention heads: {done.heads}")
     if not done.has_tokenizer:
         print(f"warning: {shown} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
               f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) writes "

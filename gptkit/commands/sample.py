@@ -53,9 +53,16 @@ def read_prompt(cfg) -> str:
     if cfg.prompt_file is None:
         return str(cfg.prompt)
     p = Path(str(cfg.prompt_file)).expanduser()
+    if p.is_dir():
+        raise GptkitError(f"prompt_file={p} is a folder; give a text file")
     if not p.is_file():
         raise GptkitError(f"prompt_file={p} does not exist")
-    return p.read_text(encoding="utf-8")
+    data = p.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise GptkitError(f"prompt_file={p}: byte {exc.start} ({data[exc.start:exc.start + 1]!r}) is not valid UTF-8; "
+                          f"save the prompt as UTF-8 text") from None
 
 
 def run(cfg) -> int:
@@ -64,15 +71,13 @@ def run(cfg) -> int:
 
     from gptkit.errors import ConfigError
     from gptkit.generate import encode_prompt, generate, special_token_ids
-    from gptkit.runs import load_for_inference
+    from gptkit.runs import load_for_inference, resolve_device
+    from gptkit.threads import set_threads
 
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"format={cfg.format!r} must be text or json")
     prompt = read_prompt(cfg)
-    if cfg.threads:
-        import torch
-
-        torch.set_num_threads(int(cfg.threads))
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)

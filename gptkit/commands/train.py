@@ -20,7 +20,6 @@ EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 def prepare_args(args: list[str]) -> list[str]:
     """Before Hydra creates the run folder: resume into the run's own folder, and check that
     the runs folder is writable (one-line errors instead of Hydra's tracebacks)."""
-    import os
     from pathlib import Path
 
     from gptkit.checkpoints import run_dir_of
@@ -38,14 +37,29 @@ def prepare_args(args: list[str]) -> list[str]:
             args = args + [f"runs_dir={run_dir.parent}"]
         args = args + ["hydra.output_subdir=null"]  # keep the original run's .hydra/ untouched
         kv["runs_dir"] = str(run_dir.parent)
-    runs_dir = Path(kv.get("runs_dir", "runs"))
+    runs_dir = Path(kv.get("runs_dir", "runs")).expanduser()
     probe = runs_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
-    if not os.access(probe, os.W_OK) or (probe.exists() and not probe.is_dir()):
+    if not _can_create_in(probe):
         raise GptkitError(f"cannot write the runs folder {runs_dir} ({probe} is not a writable folder); "
                           f"pass runs_dir=<a writable folder>")
     return args
+
+
+def _can_create_in(folder) -> bool:
+    """Whether a folder can be made in `folder`: tried (and removed), since permission bits do not tell
+    for root or for filesystems such as /proc."""
+    import os
+    import tempfile
+
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
+        return False
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gptkit-probe-", dir=folder))
+    except OSError:
+        return False
+    return True
 
 
 def run(cfg) -> int:

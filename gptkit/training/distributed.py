@@ -41,6 +41,11 @@ def accelerator_type(t: Any) -> str:
     raise ConfigError(f"trainer.accelerator={acc!r} is not one of auto, cpu, gpu")
 
 
+def on_cpu(t: Any) -> bool:
+    """Whether training runs on CPU (trainer.accelerator=cpu, or auto without a GPU)."""
+    return accelerator_type(t) == "cpu"
+
+
 def devices_per_node(t: Any) -> int:
     """Processes per node that trainer.devices asks for (auto: every visible GPU; 1 on CPU)."""
     import torch
@@ -48,7 +53,9 @@ def devices_per_node(t: Any) -> int:
     d = t.devices
     if isinstance(d, int) and not isinstance(d, bool) and d >= 1:
         return d
-    if d in ("auto", -1, "-1"):
+    if d in (-1, "-1"):  # Lightning's "all devices", which it refuses on CPU: one spelling here
+        raise ConfigError("trainer.devices=-1: write trainer.devices=auto (every visible GPU; 1 on CPU)")
+    if d == "auto":
         return torch.cuda.device_count() if accelerator_type(t) == "cuda" else 1
     if isinstance(d, str) and d.isdigit() and int(d) >= 1:
         return int(d)

@@ -21,6 +21,7 @@ from gptkit.checkpoints import (
     read_sharded_checkpoint,
     run_dir_of,
 )
+from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
 from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, find_run_checkpoint, read_config
@@ -190,7 +191,8 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit import accounting as acc
     from gptkit.data import TokenDataModule, check_vocab, prepare
     from gptkit.model import ModelConfig
-    from gptkit.training.distributed import check_run_name, world_size
+    from gptkit.threads import set_threads
+    from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu, world_size
     from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import check_optim_config
@@ -216,6 +218,8 @@ def train(cfg: DictConfig) -> TrainResult:
     check_trainer_config(cfg.trainer)
     check_optim_config(cfg.optim)
     check_loggers(cfg.logger)
+    cpu = on_cpu(cfg.trainer)  # CPU threads: one warning now if the machine's load would oversubscribe them
+    set_threads(cfg.trainer.get("threads"), "trainer.threads", devices_per_node(cfg.trainer) if cpu else 1, warn=cpu)
 
     model_dict = OmegaConf.to_container(cfg.model, resolve=True)
     ModelConfig.from_dict(model_dict)  # a bad model config fails before any data is prepared
@@ -234,7 +238,7 @@ def train(cfg: DictConfig) -> TrainResult:
     world = world_size(t)  # devices per node x nodes (devices=auto: every visible GPU)
     tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
     if t.max_tokens is not None:
-        max_steps = math.ceil(float(t.max_tokens) / tokens_per_step)
+        max_steps = math.ceil(count(t.max_tokens, "trainer.max_tokens") / tokens_per_step)
     else:
         max_steps = int(t.max_steps)
     if max_steps < 1:

@@ -16,14 +16,14 @@ COMPILE_MODES = ("blocks", "model")
 
 
 def compile_mode(value) -> str | None:
-    """trainer.compile as None (off), "blocks" (each transformer block: regional, the default for true) or
-    "model" (the whole forward, loss included)."""
-    if value in (False, None, "false", "off"):
+    """trainer.compile as None (none/false), "blocks" (true: each transformer block, regional) or "model" (the
+    whole forward, loss included)."""
+    if value in (False, None, "false", "none"):
         return None
     if value is True or value == "true":
         return "blocks"
     if value not in COMPILE_MODES:
-        raise ConfigError(f"trainer.compile={value!r} is not one of true, false, {', '.join(COMPILE_MODES)}")
+        raise ConfigError(f"trainer.compile={value!r} is not one of none, {', '.join(COMPILE_MODES)} (or false/true)")
     return value
 
 

@@ -11,9 +11,11 @@ import lightning as L
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
+from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_text
 from gptkit.precision import precision
+from gptkit.threads import check_threads
 from gptkit.training.callbacks import RunCheckpoints
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
 from gptkit.training.distributed import (
@@ -180,6 +182,9 @@ def check_trainer_config(t: Any) -> None:
             raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
     if t.max_tokens is None and (not isinstance(t.max_steps, int) or t.max_steps < 1):
         raise ConfigError(f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)")
+    if t.max_tokens is not None:
+        count(t.max_tokens, "trainer.max_tokens")
+    check_threads(t.get("threads"), "trainer.threads")
     if t.val_windows is not None and int(t.val_windows) < 1:
         raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:

@@ -1,0 +1,325 @@
+"""Checking the command line against the verb's config, before anything runs.
+
+Hydra accepts `+key=value` for any key, so a typo (`+trainer.max_step=3`) or a key of a preset that is not
+chosen (`+data.paths=x` without data=files) is added to the config and silently ignored; its own messages
+for a missing key or a sweep without -m span several lines. Here every key=value is read with Hydra's
+grammar and checked against the verb's config as the YAML defines it (conf/<verb>.yaml and the presets of
+its groups): the key must exist (free-form maps excepted), a value must have the key's type (true/false
+or a number), a required value (???) must be given. Each problem is one ConfigError line that names the
+fix: the close key, or the preset that has the key.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from gptkit.config import compose, conf_dir, presets
+from gptkit.errors import ConfigError
+
+# Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
+FREE_FORM = ("bench.models", "bench.model_overrides")
+_PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
+
+
+@dataclass
+class Option:
+    """One key=value of the command line, as Hydra's override grammar reads it."""
+
+    arg: str  # as given
+    key: str  # a dotted key, or a group name for a preset choice (model=llama-tiny)
+    kind: str  # "key" | "group" | "hydra"
+    op: str  # CHANGE (key=v), ADD (+key=v), FORCE_ADD (++key=v), DEL (~key)
+    value: Any  # the parsed value; a sweep's choices as a list (None for a range sweep)
+    sweep: bool
+    first: str  # the arg with a sweep replaced by its first choice
+
+    @property
+    def raw(self) -> str:
+        return self.arg.split("=", 1)[1] if "=" in self.arg else "..."
+
+    @property
+    def free_form(self) -> bool:
+        return any(self.key == f or self.key.startswith(f + ".") for f in FREE_FORM)
+
+
+def parse_options(args: list[str], sweeps: bool = False) -> list[Option]:
+    """The key=value args (flags such as -m are skipped) as Options. A value Hydra cannot read, or a sweep
+    (a,b) where `sweeps` is False, is a one-line ConfigError."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+
+    parser = OverridesParser.create()
+    out = []
+    for a in args:
+        if a.startswith("-"):
+            continue
+        try:
+            o = parser.parse_override(a)
+        except HydraException:
+            raise ConfigError(_unreadable(a)) from None
+        key = o.key_or_group
+        if key == "hydra" or key.startswith(("hydra.", "hydra/")):
+            kind = "hydra"
+        elif o.package is not None or "/" in key or ("." not in key and (conf_dir() / key).is_dir()):
+            kind = "group"
+        else:
+            kind = "key"
+        value, first, sweep = o.value(), a, o.is_sweep_override()
+        if sweep:
+            if not sweeps:
+                raise ConfigError(_no_sweep(a, key))
+            value = list(value.list) if isinstance(value, ChoiceSweep) else None  # a range or glob: unchecked
+            if value:
+                first = f"{_PREFIX[o.type.name]}{o.get_key_element()}={next(o.sweep_string_iterator())}"
+        out.append(Option(a, key, kind, o.type.name, value, sweep, first))
+    return out
+
+
+def _unreadable(arg: str) -> str:
+    key, eq, value = arg.partition("=")
+    if not eq:
+        return f"{arg} has no value: write {arg}=<value> (options are key=value)"
+    if not arg.isascii():
+        return (f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: \"{key}='{value}'\"")
+    return f"cannot read {arg} as key=value; quote a value that has spaces or special characters: \"{key}='{value}'\""
+
+
+def _no_sweep(arg: str, key: str) -> str:
+    value = arg.split("=", 1)[1]
+    return (f"{arg}: a comma separates the values of a sweep, which only `gptkit train -m` runs; "
+            f"write a list as {key}=[{value}] or quote text: \"{key}='{value}'\"")
+
+
+def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
+    """Compose the verb's config with the options (a sweep at its first value) and check, in one-line
+    ConfigErrors, what Hydra would accept silently or report in several lines: a key no code reads (with
+    `+` or without; the suggestion names the close key, or the preset of a group that has it), a value
+    of the wrong type (not a number, not true/false), a required value (???) left unset. Returns the
+    composed config, or None for a sweep over presets or a range (train -m model=a,b: Hydra checks
+    each job)."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if any(o.sweep and (o.kind == "group" or o.value is None) for o in options):
+        return None  # a sweep over presets, or a range(...): Hydra composes and checks each job
+    groups = [o.first for o in options if o.kind == "group"]
+    checked = [o for o in options if o.kind == "key" and not o.free_form]
+    if any(o.op in ("ADD", "FORCE_ADD") for o in checked):  # Hydra would add a key no code reads
+        schema = compose(config_name, groups)
+        for o in checked:
+            _check_key(config_name, o, schema, options)
+    try:
+        cfg = compose(config_name, [o.first for o in options if o.kind != "hydra"])
+    except (HydraException, OmegaConfBaseException):
+        schema = compose(config_name, groups)  # a bad preset choice raises here, as Hydra says it
+        for o in checked:
+            _check_key(config_name, o, schema, options)
+        raise
+    for o in checked:
+        _check_type(config_name, o)
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(_required(config_name, missing[0], options))
+    return cfg
+
+
+def _has(cfg: DictConfig, key: str) -> bool:
+    node: Any = OmegaConf.to_container(cfg, resolve=False)
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _check_key(config_name: str, o: Option, schema: DictConfig, options: list[Option]) -> None:
+    exists = _has(schema, o.key)
+    deleted = any(d.op == "DEL" and d.key == o.key for d in options)  # ~key +key=...: replaced
+    if exists and o.op == "ADD" and not deleted:
+        raise ConfigError(f"{o.key} is an option already: write {o.key}={o.raw} (without the +)")
+    if not exists:
+        raise ConfigError(_unknown(config_name, o, schema, options))
+
+
+def _unknown(config_name: str, o: Option, schema: DictConfig, options: list[Option]) -> str:
+    """One line for a key the verb's config does not have: the preset that has it, or the closest key."""
+    group = o.key.split(".")[0]
+    in_group = "." in o.key and group in _groups(config_name, options)
+    preset_keys = _group_keys(group) if in_group else {}
+    owners = [p for p, keys in preset_keys.items() if o.key in keys]
+    if owners:
+        return (f"{o.key} {_needs(config_name, group, owners, options)}: "
+                f"{_fix(config_name, group, owners, options)} {o.key}={o.raw}")
+    known = flat_keys(OmegaConf.to_container(schema, resolve=False))
+    near = suggest(o.key, known + sorted(set().union(*preset_keys.values())))
+    hint = ""
+    if near:
+        owners = [p for p, keys in preset_keys.items() if near in keys] if near not in known else []
+        hint = f": did you mean {near}" + (f" (with {_fix(config_name, group, owners, options)})" if owners else "") + "?"
+    return f"unknown option {o.key}{hint} (`gptkit {config_name.replace('_', '-')} --help` lists the options)"
+
+
+def _needs(config_name: str, group: str, owners: list[str], options: list[Option]) -> str:
+    now = _choice(config_name, group, options)
+    if isinstance(now, list):
+        return f"needs the {owners[0]} {group}"
+    now = f"{group} is {now} now" if now != "none" else f"no {group} is chosen"
+    return f"needs {' or '.join(f'{group}={p}' for p in owners)} ({now})"
+
+
+def _fix(config_name: str, group: str, owners: list[str], options: list[Option]) -> str:
+    now = _choice(config_name, group, options)
+    if isinstance(now, list):
+        return f"{group}=[{','.join([*now, owners[0]])}]"
+    return f"{group}={owners[0]}"
+
+
+def _required(config_name: str, key: str, options: list[Option]) -> str:
+    group = key.split(".")[0]
+    if "." in key and group in _groups(config_name, options):
+        return f"{key} is required with {group}={_choice(config_name, group, options)}: add {key}=<value>"
+    return f"{key} is required: add {key}=<value>"
+
+
+def suggest(name: str, keys: list[str]) -> str | None:
+    """The key a misspelt or shortened option most likely means: the key itself, the one key ending in
+    .name, or the closest key (whole, or by its last part)."""
+    import difflib
+
+    if name in keys:
+        return name
+    ends = [k for k in keys if k.endswith("." + name)]
+    if len(ends) == 1:
+        return ends[0]
+    close = difflib.get_close_matches(name, keys, n=1, cutoff=0.8)
+    if close:
+        return close[0]
+    leaf = name.rsplit(".", 1)[-1]
+    by_leaf: dict[str, list[str]] = {}
+    for k in keys:
+        by_leaf.setdefault(k.rsplit(".", 1)[-1], []).append(k)
+    close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.75)
+    if close:
+        same_group = [k for k in by_leaf[close[0]] if k.split(".")[0] == name.split(".")[0]]
+        return (same_group or by_leaf[close[0]])[0]
+    return None
+
+
+def flat_keys(d: Any, prefix: str = "") -> list[str]:
+    out = []
+    for k, v in (d.items() if isinstance(d, dict) else ()):
+        out.append(prefix + str(k))
+        out += flat_keys(v, f"{prefix}{k}.")
+    return out
+
+
+def _flat_values(d: Any, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in (d.items() if isinstance(d, dict) else ()):
+        out[prefix + str(k)] = v
+        out.update(_flat_values(v, f"{prefix}{k}."))
+    return out
+
+
+# ---- what the YAML says: the presets of each group, the verb's own keys ------------------------------
+def _yaml(path: Path) -> tuple[str | None, dict[str, Any]]:
+    """(the `# @package` of a YAML file or None, its content)."""
+    import yaml
+
+    text = path.read_text()
+    package = None
+    for line in text.splitlines():
+        if line.startswith("# @package"):
+            package = line.split("@package", 1)[1].strip()
+            break
+    return package, yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader)) or {}
+
+
+@functools.cache
+def _group_values(group: str) -> dict[str, dict[str, Any]]:
+    """preset -> {dotted key: default} for every preset of a group (its `defaults` from the same group
+    included; `# @package _global_` presets, which set other groups' keys, left out)."""
+    out: dict[str, dict[str, Any]] = {}
+    for preset in presets(group):
+        package, d = _yaml(conf_dir() / group / f"{preset}.yaml")
+        if package == "_global_":
+            continue
+        root = group if package in (None, "_group_") else package
+        values: dict[str, Any] = {}
+        for base in d.pop("defaults", None) or []:
+            if isinstance(base, str) and base != "_self_" and (conf_dir() / group / f"{base}.yaml").is_file():
+                values.update(_flat_values(_yaml(conf_dir() / group / f"{base}.yaml")[1], root + "."))
+        values.update(_flat_values(d, root + "."))
+        out[preset] = values
+    return out
+
+
+def _group_keys(group: str) -> dict[str, set[str]]:
+    return {p: set(v) for p, v in _group_values(group).items()}
+
+
+@functools.cache
+def _verb_values(config_name: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """({dotted key: default} of the verb's own YAML (and the configs its defaults list names, as preflight
+    names train), {group: its default choice})."""
+    _, d = _yaml(conf_dir() / f"{config_name}.yaml")
+    values: dict[str, Any] = {}
+    choices: dict[str, Any] = {}
+    for entry in d.pop("defaults", None) or []:
+        if isinstance(entry, str) and entry != "_self_":
+            base_values, base_choices = _verb_values(entry)
+            values.update(base_values)
+            choices.update(base_choices)
+        elif isinstance(entry, dict):
+            for k, v in entry.items():
+                if not str(k).startswith("override "):
+                    choices[str(k).removeprefix("optional ").strip()] = v
+    d.pop("hydra", None)
+    values.update(_flat_values(d))
+    return values, choices
+
+
+def _groups(config_name: str, options: list[Option]) -> set[str]:
+    """The config groups of the verb: those its defaults list names and those the options choose."""
+    return set(_verb_values(config_name)[1]) | {o.key for o in options if o.kind == "group"}
+
+
+def _choice(config_name: str, group: str, options: list[Option]) -> Any:
+    for o in options:
+        if o.kind == "group" and o.key == group:
+            return o.value
+    return _verb_values(config_name)[1].get(group) or "none"
+
+
+def _check_type(config_name: str, o: Option) -> None:
+    """A value of the type the key has in the YAML (wherever it is set: the verb's config or any preset of
+    its group): true/false, or a number (an int default may take a float: 5 seconds may be 2.5; the verb
+    checks what must be whole). null and ${...} are always accepted."""
+    if o.op == "DEL" or (o.sweep and o.value is None):
+        return
+    group = o.key.split(".")[0]
+    seen = [_verb_values(config_name)[0].get(o.key)]
+    if "." in o.key and (conf_dir() / group).is_dir():
+        seen += [v.get(o.key) for v in _group_values(group).values()]
+    types = {type(v) for v in seen if v is not None}
+    if not types or not (types == {bool} or types <= {int, float}):
+        return
+    default = next(v for v in seen if v is not None)
+    for v in o.value if o.sweep else [o.value]:
+        if v is None or (isinstance(v, str) and "${" in v):
+            continue
+        if types == {bool} and not isinstance(v, bool):
+            raise ConfigError(f"{o.key}={_raw(o, v)} must be true or false")
+        if types != {bool} and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+            raise ConfigError(f"{o.key}={_raw(o, v)} is not a number (the default is {o.key}={default})")
+
+
+def _raw(o: Option, v: Any) -> str:
+    return str(v) if o.sweep else o.raw

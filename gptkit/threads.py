@@ -1,0 +1,71 @@
+"""CPU threads for torch, one helper for train, sample, eval and bench.
+
+torch's default is one intra-op thread per core this process may run on (under DDP on CPU, Lightning
+divides the cores among the processes of a node). On a machine that other jobs keep busy those
+threads fight for cores: each torch op waits for its slowest thread, and a small model's step can take
+several times longer than with fewer threads, for the same result. So the thread count is an option
+(trainer.threads, threads=, bench.threads=), and start-up prints one warning, with the fix, when the
+load already on the machine means the chosen threads would oversubscribe its cores.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from gptkit.errors import ConfigError
+
+
+def cores() -> int:
+    """Cores this process may run on (its CPU affinity, which containers and taskset narrow)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def check_threads(threads, option: str) -> int | None:
+    """The option's value: None (torch's default) or an integer >= 1; else a one-line ConfigError."""
+    if threads is None:
+        return None
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+        raise ConfigError(f"{option}={threads} must be an integer >= 1 (or null for torch's default: one per core)")
+    return threads
+
+
+def set_threads(threads, option: str, processes: int = 1, warn: bool = True) -> int:
+    """Give torch `threads` intra-op threads in this process (None: keep its default, or under several CPU
+    processes per node the share Lightning would give each), and return the count. When `warn`, print one
+    warning (from the node's first process) if these threads and the machine's other load exceed its cores.
+    An explicit count is also exported as OMP_NUM_THREADS, so that processes started from this one keep it."""
+    import torch
+
+    threads = check_threads(threads, option)
+    if threads is None and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
+        threads = max(1, cores() // processes)  # what Lightning's launcher sets for DDP on CPU
+    if threads is not None:
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    n = torch.get_num_threads()
+    message = oversubscribed(n, processes, option)
+    if warn and message and os.environ.get("LOCAL_RANK", "0") == "0":
+        print(f"warning: {message}", file=sys.stderr)
+    return n
+
+
+def oversubscribed(threads: int, processes: int, option: str, load: float | None = None,
+                   n_cores: int | None = None) -> str | None:
+    """The warning for `threads` per process x `processes` on this machine (its 1-minute load average is
+    the other work), or None when they fit. The fix names the largest count that fits, at least 1."""
+    n_cores = n_cores or cores()
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):
+            return None
+    fits = max(1, int((n_cores - load) / processes + 0.5))
+    if threads <= fits:
+        return None
+    per = f"{threads} torch threads" + (f" x {processes} processes" if processes > 1 else "")
+    return (f"{per} on {n_cores} cores that other work already loads ({load:.1f}): the threads will wait for "
+            f"each other and steps can be several times slower; set {option}={fits} (or OMP_NUM_THREADS={fits})")
