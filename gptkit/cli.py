@@ -1,7 +1,8 @@
 """`gptkit <verb> [hydra overrides...]`: pick the verb, compose its config, run it.
 
 VERBS below is the whole wiring: each verb names its module in gptkit/commands/ (which defines
-run(cfg), and prepare_args(args) when it rewrites its arguments first), its primary config in conf/,
+run(cfg), prepare_args(args) when it rewrites its arguments first, and check(cfg) when a Hydra app
+validates its composed config before Hydra creates the run folder), its primary config in conf/,
 and its one-line help. Command modules keep heavy imports inside run(), so `gptkit --help` stays fast.
 tests/test_cli.py checks that VERBS and gptkit/commands/ agree.
 
@@ -267,6 +268,8 @@ def main(argv: list[str] | None = None) -> int:
             args = _guarded(mod.prepare_args, args)
         if not v.hydra_app or _plain_overrides(args):
             cfg = compose(v.config, args)  # composition errors surface here, as one line
+            if v.hydra_app and hasattr(mod, "check"):
+                _guarded(mod.check, cfg)  # before Hydra makes the run folder
         if v.hydra_app:
             _run_hydra_app(verb, args)
         else:

@@ -31,15 +31,15 @@ class TrainBatches(IterableDataset):
 
 
 class ValWindows(Dataset):
-    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None) -> None:
-        self.tokens, self.seq_len = tokens, seq_len
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, vocab_size: int | None = None) -> None:
+        self.tokens, self.seq_len, self.vocab_size = tokens, seq_len, vocab_size
         self.starts = val_starts(len(tokens), seq_len, n_windows)  # [n_windows]
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int):
-        x, y = windows(self.tokens, self.starts[i:i + 1], self.seq_len)  # [1, seq_len] each
+        x, y = windows(self.tokens, self.starts[i:i + 1], self.seq_len, self.vocab_size)  # [1, seq_len] each
         return x[0], y[0]
 
 
@@ -49,7 +49,8 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
-        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed)
+        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed,
+                                     prepared.vocab_size)
         check_window(len(prepared.val_tokens()), self.seq_len, "val")
 
     def _position(self) -> tuple[int, int, int]:
@@ -64,5 +65,5 @@ class TokenDataModule(L.LightningDataModule):
         return DataLoader(TrainBatches(self.sampler, step, rank, world), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows)
+        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows, self.prepared.vocab_size)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)

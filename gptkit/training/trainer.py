@@ -2,21 +2,21 @@
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import LearningRateMonitor, RichProgressBar
+from lightning.pytorch.callbacks import RichProgressBar
 
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.fsio import atomic_write_text
 from gptkit.precision import precision
-from gptkit.training.callbacks import RunCheckpoints, ThroughputMonitor
+from gptkit.training.callbacks import ThroughputMonitor
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
+from gptkit.training.checkpointing import RunCheckpoints
 from gptkit.training.distributed import build_strategy, check_distributed, fail_fast_callback, world_size
+from gptkit.training.metrics import LearningRates, MetricsCSV
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
@@ -24,59 +24,24 @@ def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: in
     for kind, opts in (logger_cfg or {}).items():
         if not (opts or {}).get("enabled", True):  # logger.<kind>.enabled=false switches one off
             continue
-        if kind == "csv":
-            loggers.append(_resumable_csv_logger(run_dir, resume_step))
-        elif kind == "tensorboard":
-            from lightning.pytorch.loggers import TensorBoardLogger
-
-            loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="",
-                                             default_hp_metric=False))
-        elif kind == "wandb":
-            loggers.append(_wandb_logger(opts, run_dir, run_name))
-        else:
-            raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
+        try:
+            loggers.append(_logger(kind, opts, run_dir, run_name, resume_step))
+        except ModuleNotFoundError as exc:  # logger=[tensorboard] or [wandb] without the package
+            raise GptkitError(f"logger={kind} needs the {kind} package, which is not installed: pip install {kind} "
+                              f"(or leave {kind} out of logger=)") from exc
     return loggers
 
 
-def _kept(row: dict, resume_step: int | None) -> bool:
-    """On resume at step s, training rows from step s on are redone; validation at step s is not."""
-    if resume_step is None or not row.get("step"):
-        return True
-    step = int(float(row["step"]))
-    is_val_only = bool(row.get("val/loss")) and not row.get("train/loss")
-    return step < resume_step or (step == resume_step and is_val_only)
+def _logger(kind: str, opts: Any, run_dir: Path, run_name: str, resume_step: int | None):
+    if kind == "csv":
+        return MetricsCSV(run_dir, resume_step)  # a resume keeps the rows its checkpoint covers
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
 
-
-def _resumable_csv_logger(run_dir: Path, resume_step: int | None):
-    """Lightning's CSVLogger deletes an existing metrics.csv; a resumed run must keep its history.
-    On resume, rows logged after the checkpoint's step (work that is being redone) are dropped."""
-    import csv
-
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-
-    class _KeepingWriter(ExperimentWriter):
-        def _check_log_dir_exists(self) -> None:
-            if not self._fs.isfile(self.metrics_file_path):
-                return
-            with open(self.metrics_file_path, newline="") as f:
-                reader = csv.DictReader(f)
-                self.metrics_keys = list(reader.fieldnames or [])
-                rows = [r for r in reader if _kept(r, resume_step)]
-            buf = io.StringIO()
-            writer = csv.DictWriter(buf, fieldnames=self.metrics_keys)
-            writer.writeheader()
-            writer.writerows(rows)
-            atomic_write_text(self.metrics_file_path, buf.getvalue())
-
-    class _KeepingCSVLogger(CSVLogger):
-        @property
-        def experiment(self):
-            if self._experiment is None:
-                self._experiment = _KeepingWriter(log_dir=self.log_dir)
-            return self._experiment
-
-    return _KeepingCSVLogger(save_dir=str(run_dir), name="", version="")
+        return TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+    if kind == "wandb":
+        return _wandb_logger(opts, run_dir, run_name)
+    raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
 
 
 def _wandb_logger(opts: Any, run_dir: Path, run_name: str):
@@ -116,6 +81,9 @@ def check_trainer_config(t: Any) -> None:
         raise ConfigError(f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)")
     if t.val_windows is not None and int(t.val_windows) < 1:
         raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
+    keep = t.get("keep_checkpoints", 3)
+    if keep is not None and (not isinstance(keep, int) or keep < 0):
+        raise ConfigError(f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every one)")
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
     check_distributed(t)  # devices, strategy, launcher: one line now rather than a hang later
@@ -124,15 +92,16 @@ def check_trainer_config(t: Any) -> None:
 def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_step: int, max_steps: int,
                   peak_flops: float | None, loggers: list) -> tuple[L.Trainer, RunCheckpoints, ThroughputMonitor]:
     t = cfg.trainer  # checked by check_trainer_config before any data was prepared
+    metrics = next((lg for lg in loggers if isinstance(lg, MetricsCSV)), None)
     checkpoints = RunCheckpoints(str(run_dir / CHECKPOINT_DIR), int(t.checkpoint_every), t.get("stop_at_step"),
-                                 sync_every=int(t.log_every))
+                                 sync_every=int(t.log_every), keep=t.get("keep_checkpoints", 3), metrics=metrics)
     throughput = ThroughputMonitor(flops_per_token, tokens_per_step, peak_flops, int(t.log_every))
     callbacks = [
         throughput,
         checkpoints,
     ]
     if loggers:
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
+        callbacks.append(LearningRates())  # on the loss's row
     if t.progress:
         callbacks.append(RichProgressBar(leave=True))
     if world_size(t) > 1:
