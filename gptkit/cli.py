@@ -16,6 +16,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 VERB_ENV = "GPTKIT_VERB"
@@ -155,6 +156,10 @@ def _report(exc: Exception) -> int:
         raise exc
     if isinstance(exc, BrokenPipeError):  # `gptkit ... | head`: the reader left; nothing to report
         return 0
+    from gptkit.fsio import disk_full_error, is_disk_full
+
+    if is_disk_full(exc) and not isinstance(exc, GptkitError):  # a write no one anticipated: still one line
+        exc = disk_full_error(getattr(exc, "filename", None) or Path.cwd(), None, exc)
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -335,3 +335,50 @@ def test_export_refuses_an_out_that_is_contains_or_lies_inside_the_run(tmp_path,
         code, _, err = run_main(capsys, "export", f"run={d}", f"out={out}", "force=true")
         assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+# ---- metrics.csv and the disk estimate, in process -------------------------------------------------
+def test_metrics_csv_keeps_exactly_the_rows_a_checkpoint_covers(tmp_path):
+    from gptkit.training.metrics import MetricsCSV, read_rows
+
+    m = MetricsCSV(tmp_path)
+    for step in range(5):
+        if step == 4:
+            m.log_metrics({"val/loss": 9.0}, step)  # the validation after 4 steps ...
+            m.sync()  # ... is on disk before the checkpoint of step 4 is published
+        m.log_metrics({"train/loss": float(step), "lr-AdamW": 0.1}, step)
+        m.save()
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("5,5.0,0.1")  # a row cut short by a kill
+    resumed = MetricsCSV(tmp_path, resume_step=4)
+    resumed.log_metrics({"train/loss": 4.5, "lr-AdamW": 0.1}, 4)
+    resumed.finalize("success")
+    columns, rows = read_rows(tmp_path / "metrics.csv")
+    assert list(rows) == [0, 1, 2, 3, 4]  # one row per step: the checkpoint's four, then step 4 redone
+    assert rows[4] == {"val/loss": "9.0", "train/loss": "4.5", "lr-AdamW": "0.1"}
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[0] == "step,train/loss,lr-AdamW,val/loss"
+
+
+def test_an_older_metrics_csv_with_the_learning_rate_on_its_own_rows_is_merged_on_resume(tmp_path):
+    from gptkit.training.metrics import MetricsCSV, read_rows
+
+    (tmp_path / "metrics.csv").write_text("lr-AdamW,step,train/loss\n0.1,0,\n,0,4.0\n0.2,1,\n,1,3.9\n0.3,2,\n")
+    MetricsCSV(tmp_path, resume_step=2).finalize("success")
+    assert read_rows(tmp_path / "metrics.csv")[1] == {0: {"lr-AdamW": "0.1", "train/loss": "4.0"},
+                                                      1: {"lr-AdamW": "0.2", "train/loss": "3.9"}}
+
+
+def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_it(tmp_path, monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    from gptkit.model import ModelConfig
+    from gptkit.training import fit
+
+    t = OmegaConf.create({"precision": "32-true", "checkpoint_every": 100, "keep_checkpoints": 3})
+    cfg = ModelConfig(vocab_size=50304, max_seq_len=1024, n_layers=12, n_heads=12, d_model=768)  # gpt2: 124M
+    monkeypatch.setattr("gptkit.fsio.free_bytes", lambda path: 2 << 30)
+    fit._check_disk(tmp_path, cfg, t, max_steps=1000, start_step=0)
+    err = capsys.readouterr().err
+    assert "checkpoints: ~1.39 GiB each, up to 5 at once" in err  # 3 kept + the one being written + last.ckpt
+    assert "warning" in err and "lacks the space" in err
+

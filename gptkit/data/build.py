@@ -249,6 +249,8 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     content = corpus.sha256()
     key = _key(data, content, tok_s)
     root = cache_root(cache_dir)
+    if root.is_dir():
+        remove_stale_builds(root)  # folders of builds that were killed
     final = root / f"{data['kind']}-{tok_s['kind']}-{key[:16]}"
     if final.exists() and force:
         shutil.rmtree(final)
@@ -260,7 +262,6 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
         _say(f"cache hit: {final} ({_counts(prepared.manifest)})")
         return prepared
     root.mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     lock = lock_file(tmp / BUILD_LOCK)  # held while building: a build folder without a holder is stale
     try:

@@ -308,7 +308,7 @@ def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -
     need, free = each * at_once, free_bytes(ckpt_dir)
     line = (f"  checkpoints: ~{human_bytes(each)} each, up to {at_once} at once (trainer.keep_checkpoints={keep}) "
             f"= ~{human_bytes(need)}; {human_bytes(free)} free")
-    console = Console(stderr=True, highlight=False)
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
     console.print(line)
     if need > free:
         console.print(f"[bold yellow]warning[/]: {ckpt_dir} lacks the space for the run's checkpoints "
