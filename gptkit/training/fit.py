@@ -20,6 +20,7 @@ from gptkit.checkpoints import (
     load_checkpoint,
     read_sharded_checkpoint,
     run_dir_of,
+    verify_checkpoint,
 )
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
@@ -160,8 +161,8 @@ def check_config(cfg: DictConfig) -> None:
     resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
     check_trainer_config(cfg.trainer)
     check_optim_config(cfg.optim)
-    if init_from:
-        find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)  # it exists and holds a checkpoint
+    if init_from:  # it exists and holds an intact checkpoint (checked once per process)
+        verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
     elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
         ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
 
