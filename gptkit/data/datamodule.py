@@ -31,7 +31,8 @@ class TrainBatches(IterableDataset):
 
 
 class ValWindows(Dataset):
-    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, vocab_size: int | None = None) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, *,
+                 vocab_size: int | None = None) -> None:
         self.tokens, self.seq_len, self.vocab_size = tokens, seq_len, vocab_size
         self.starts = val_starts(len(tokens), seq_len, n_windows)  # [n_windows]
 
@@ -39,7 +40,7 @@ class ValWindows(Dataset):
         return len(self.starts)
 
     def __getitem__(self, i: int):
-        x, y = windows(self.tokens, self.starts[i:i + 1], self.seq_len, self.vocab_size)  # [1, seq_len] each
+        x, y = windows(self.tokens, self.starts[i:i + 1], self.seq_len, vocab_size=self.vocab_size)  # [1, seq_len] each
         return x[0], y[0]
 
 
@@ -50,7 +51,7 @@ class TokenDataModule(L.LightningDataModule):
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
         self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed,
-                                     prepared.vocab_size)
+                                     vocab_size=prepared.vocab_size)
         check_window(len(prepared.val_tokens()), self.seq_len, "val")
 
     def _position(self) -> tuple[int, int, int]:
@@ -65,5 +66,5 @@ class TokenDataModule(L.LightningDataModule):
         return DataLoader(TrainBatches(self.sampler, step, rank, world), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> DataLoader:
-        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows, self.prepared.vocab_size)
+        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows, vocab_size=self.prepared.vocab_size)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0)

@@ -22,7 +22,7 @@ def check_window(n_tokens: int, seq_len: int, split: str) -> None:
                           f"{seq_len + 1}; give a longer corpus or a smaller model.max_seq_len")
 
 
-def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, vocab_size: int | None = None):
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, *, vocab_size: int | None = None):
     """(x, y) int64 tensors [len(starts), seq_len] from windows of seq_len + 1 tokens at `starts`; a token
     id >= vocab_size (a corrupted shard) is a one-line GptkitError naming the shard."""
     import torch
@@ -40,7 +40,7 @@ def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, vocab_size: in
 class WindowSampler:
     """Random training windows of seq_len + 1 tokens; batch(step, rank, world_size) is pure."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
+    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int, *,
                  vocab_size: int | None = None) -> None:
         check_window(len(tokens), seq_len, "train")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, int(batch_size), int(seq_len), int(seed)
@@ -60,7 +60,7 @@ class WindowSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         mine = self.starts(step, world_size)[rank * self.batch_size:(rank + 1) * self.batch_size]  # [batch_size]
-        return windows(self.tokens, mine, self.seq_len, self.vocab_size)
+        return windows(self.tokens, mine, self.seq_len, vocab_size=self.vocab_size)
 
 
 def val_starts(n_tokens: int, seq_len: int, n_windows: int | None) -> np.ndarray:

@@ -12,11 +12,10 @@ from lightning.pytorch.callbacks import RichProgressBar
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.precision import precision
-from gptkit.training.callbacks import ThroughputMonitor
+from gptkit.training.callbacks import RunCheckpoints, ThroughputMonitor
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
-from gptkit.training.checkpointing import RunCheckpoints
 from gptkit.training.distributed import build_strategy, check_distributed, fail_fast_callback, world_size
-from gptkit.training.metrics import LearningRates, MetricsCSV
+from gptkit.training.metrics_csv import LearningRates, MetricsCSV
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:

@@ -1,4 +1,4 @@
-"""metrics.csv: one row per logged step, exact across crashes and resumes.
+"""metrics.csv (the CSV logger): one row per logged step, exact across crashes and resumes.
 
     step,train/loss,lr-AdamW/pg1,lr-AdamW/pg2,perf/tokens_per_s,...,val/loss,val/ppl
 
@@ -78,6 +78,7 @@ class MetricsCSV(Logger):
         if step < self._floor:
             return  # a step whose row is final on disk: not something gptkit's loop logs
         self._rows.setdefault(step, {}).update(values)
+        self._write(complete_only=True)  # whoever logs (Lightning, or a callback directly), rows reach the file
 
     @rank_zero_only
     def save(self) -> None:
