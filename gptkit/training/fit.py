@@ -322,11 +322,11 @@ def _interrupted(run_dir: Path, last: Path, rank_zero: bool) -> None:
 
     if rank_zero:
         try:
-            at = f"holds step {checkpoint_step(last)}" if last.exists() else "does not exist yet"
-        except GptkitError:
-            at = "is unreadable"
-        print(f"interrupted by a second Ctrl-C: stopped at once without saving this step; {last} {at}; "
-              f"continue with: gptkit train resume={run_dir}", file=sys.stderr)
+            saved = (f"{last} holds step {checkpoint_step(last)}; continue with: gptkit train resume={run_dir}"
+                     if last.exists() else "no checkpoint was saved yet: run the same command again to start over")
+        except GptkitError as exc:
+            saved = str(exc)
+        print(f"interrupted by a second Ctrl-C: stopped at once without saving this step; {saved}", file=sys.stderr)
     raise SystemExit(130)
 
 

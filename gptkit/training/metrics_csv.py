@@ -161,11 +161,9 @@ class MetricsCSV(Logger):
 
     def _encode(self, rows: list[tuple[int, dict[str, Any]]], start: int) -> tuple[bytes, int]:
         """The rows as CSV bytes, and the offset (from `start`) at which the last row begins."""
-        out, last = b"", start
-        for step, row in rows:
-            last = start + len(out)
-            out += self._line(step, row)
-        return out, last
+        lines = [self._line(step, row) for step, row in rows]
+        data = b"".join(lines)
+        return data, start + len(data) - (len(lines[-1]) if lines else 0)
 
     def _append(self, rows: list[tuple[int, dict[str, Any]]], keep_last: bool) -> None:
         if self._size == 0:
