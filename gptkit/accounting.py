@@ -190,9 +190,8 @@ def mfu(tokens_per_s: float, flops_per_token_train: float, peak: float) -> float
     return tokens_per_s * flops_per_token_train / peak
 
 
-def human_bytes(x: float) -> str:
-    """1536 -> '1.50 KiB' (binary units, as memory is sized)."""
-    for scale, s in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
-        if x >= scale:
-            return f"{x / scale:.2f} {s}"
-    return f"{x:.0f} B"
+def checkpoint_bytes(cfg: ModelConfig, precision_name: str = "32-true") -> float:
+    """Bytes of one training checkpoint: the kept weights and AdamW's two moments (as training_memory
+    counts them, unsharded); the step counters and RNG state beside them are negligible."""
+    p = precision(precision_name, "trainer.precision")
+    return count_params(cfg).total * (p.weight_bytes + p.optimizer_bytes)

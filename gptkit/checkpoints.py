@@ -1,36 +1,62 @@
-"""Checkpoint files: finding, loading (safely), checking against a config, and writing them atomically,
-single-file or sharded (FSDP2, torch.distributed.checkpoint folders).
+"""Checkpoint files: finding, verifying, loading (safely), checking against a config, and writing them
+atomically, single-file or sharded (FSDP2, torch.distributed.checkpoint folders).
 
     <run>/checkpoints/last.ckpt          a Lightning checkpoint: {"state_dict": {"model.<name>": tensor}, ...}
     <run>/checkpoints/step-000500.ckpt   periodic checkpoints
     <run>/checkpoints/last.ckpt/         a sharded checkpoint: .metadata (the index), one file per rank,
-                                         meta.pt (Lightning's non-tensor state: step, loops, callbacks)
+                                         meta.pt (Lightning's non-tensor state: step, loops, callbacks),
+                                         checksums.json (the CRC-32 of every other file, written last)
 
 Checkpoints are loaded with `torch.load(..., weights_only=True)` or from safetensors, and a sharded
-index is unpickled by an allow-list: a checkpoint file can never run code. Nothing here knows about
-Lightning's strategies or the verbs; `gptkit.runs` (run folders) and `gptkit.training` build on it.
+index is unpickled by an allow-list: a checkpoint file can never run code. Before a checkpoint is
+loaded its content is checked against the checksums written with it (once per process): a
+single-file checkpoint is a zip archive whose every record carries the CRC-32 torch.save computed
+(so checkpoints of every gptkit version are checked), a sharded folder has checksums.json. A
+mismatch is a one-line GptkitError naming the file. Nothing here knows about Lightning's
+strategies or the verbs; `gptkit.runs` (run folders) and `gptkit.training` build on it.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import pickle
+import shutil
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
 from gptkit.errors import GptkitError
-from gptkit.fsio import temp_file_beside
+from gptkit.faults import fault_point
+from gptkit.fsio import CHUNK, atomic_write_text, crc32_of, disk_full_error, file_crc32, is_disk_full, temp_file_beside
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
 STATE_PREFIX = "model."  # LightningModule attribute holding the GPT
 SHARDED_INDEX = ".metadata"  # marks a sharded (torch.distributed.checkpoint) checkpoint folder
 EXTRA_STATE = "meta.pt"  # Lightning's non-tensor state (step, loops, callbacks) beside the shards
+CHECKSUMS = "checksums.json"  # a sharded folder's {"crc32": {file: crc}}, written after every shard
+STALE_SUFFIXES = (".tmp", ".pending", ".old")  # .<name>.<...> leftovers of a write that was killed
 
 
 # ---- writing -------------------------------------------------------------------------------------
+def _tensor_bytes(obj: Any) -> int:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in obj)
+    return 0
+
+
 def atomic_torch_save(obj: Any, path: Path | str) -> None:
+    """torch.save to a temporary file beside `path`, fsync, rename. A full disk is a one-line GptkitError
+    naming the file and the space it needs; `path` is left as it was either way."""
     import torch
 
     path = Path(path)
@@ -41,21 +67,188 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
         torch.save(obj, tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        fault_point("ckpt-tmp")
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full_error(path, _tensor_bytes(obj), exc) from exc
         raise
-
 
 
 def remove_checkpoint(path: Path) -> None:
     """Delete a checkpoint file or sharded checkpoint folder (nothing if absent)."""
-    import shutil
-
-    if path.is_dir():
+    if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
-    elif path.exists():
+    elif path.exists() or path.is_symlink():
         path.unlink()
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_checkpoint(src: Path, dst: Path) -> None:
+    """Rename the complete checkpoint `src` (file or sharded folder) to `dst`, replacing what is there.
+    A file replaces a file atomically; a folder (or a change between file and folder) is swapped through
+    .<dst>.old, so a kill leaves either the old or the new checkpoint at `dst` plus a leftover that the
+    next run removes (remove_stale)."""
+    src, dst = Path(src), Path(dst)
+    if (dst.is_dir() and not dst.is_symlink()) or (src.is_dir() and dst.exists()):
+        old = dst.with_name(f".{dst.name}.old")
+        remove_checkpoint(old)
+        os.replace(dst, old)
+        os.replace(src, dst)
+        remove_checkpoint(old)
+    else:
+        os.replace(src, dst)
+    _fsync_dir(dst.parent)
+
+
+def link_checkpoint(src: Path, dst: Path) -> None:
+    """Make `dst` the same checkpoint as `src` without writing it again: a hard link (a folder of hard
+    links for a sharded checkpoint), or a copy where the filesystem has no hard links; then swapped in
+    with replace_checkpoint."""
+    src, dst = Path(src), Path(dst)
+    tmp = dst.with_name(f".{dst.name}.link.tmp")
+    remove_checkpoint(tmp)
+    try:
+        if src.is_dir():
+            shutil.copytree(src, tmp, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(src, tmp)
+        replace_checkpoint(tmp, dst)
+    except BaseException as exc:
+        remove_checkpoint(tmp)
+        if is_disk_full(exc):
+            raise disk_full_error(dst, _size(src), exc) from exc
+        raise
+
+
+def _link_or_copy(src: str | Path, dst: str | Path) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # no hard links here (or across filesystems): a real copy
+        shutil.copyfile(src, dst)
+        with open(dst, "rb+") as f:
+            os.fsync(f.fileno())
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+def remove_stale(folder: Path | str) -> list[Path]:
+    """Remove the leftovers of writes that were killed (.<name>.<...>.tmp/.pending/.old files and folders)
+    from a checkpoint folder; only its owner (the process holding the run's lock) may call this."""
+    folder = Path(folder)
+    gone = [p for p in folder.glob(".*") if p.name.endswith(STALE_SUFFIXES)] if folder.is_dir() else []
+    for p in gone:
+        remove_checkpoint(p)
+    return gone
+
+
+# ---- verifying -----------------------------------------------------------------------------------
+_verified: set[tuple] = set()
+
+
+def _corrupted(path: Path, what: str) -> GptkitError:
+    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it); do not use it: "
+                       f"take an earlier checkpoint of the run (checkpoints/step-*.ckpt) or train again")
+
+
+def _identity(path: Path) -> tuple:
+    """What makes a file version: its inode, size and mtime (every file's, for a sharded folder)."""
+    files = sorted(path.iterdir()) if path.is_dir() else [path]
+    return str(path.resolve()), tuple((f.name, (st := f.stat()).st_ino, st.st_size, st.st_mtime_ns) for f in files)
+
+
+def verify_checkpoint(path: Path | str, part: tuple[int, int] = (0, 1), only: str | None = None) -> None:
+    """Check a checkpoint's bytes against the checksums written with it; a one-line GptkitError naming the
+    file when they differ. Each file version is checked once per process. For a sharded folder,
+    part=(rank, world) checks only this rank's share of its files (every rank checks a share), only=<name>
+    only that file."""
+    path = Path(path)
+    if not path.exists() or path.suffix == ".safetensors":
+        return
+    if path.is_dir() and not (path / CHECKSUMS).is_file():
+        if is_sharded_checkpoint(path):
+            print(f"note: {path} has no {CHECKSUMS} (written by an older gptkit); loaded without a check",
+                  file=sys.stderr)
+        return
+    ident = _identity(path)
+    if (*ident, part, only) in _verified or (*ident, (0, 1), None) in _verified:
+        return
+    if path.is_dir():
+        _verify_folder(path, part, only)
+    else:
+        _verify_zip(path)
+    _verified.add((*ident, part, only))
+
+
+def _verify_zip(path: Path) -> None:
+    """Every record of a torch.save zip archive against the CRC-32 in its central directory."""
+    import zipfile
+
+    buf = memoryview(bytearray(CHUNK))
+    with open(path, "rb") as f:
+        try:
+            records = zipfile.ZipFile(f).infolist()
+        except (zipfile.BadZipFile, OSError, ValueError):
+            return  # not a zip archive at all: torch.load says what it is
+        for r in records:
+            if r.CRC == 0 and r.file_size:  # saved with torch's compute_crc32 off: nothing to check against
+                continue
+            f.seek(r.header_offset)
+            head = f.read(30)
+            record = r.filename.split("/", 1)[-1]  # torch names the archive's folder after the file
+            if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                raise _corrupted(path, f"the header of record {record}")
+            n_name, n_extra = struct.unpack("<HH", head[26:30])
+            if f.read(n_name) != r.filename.encode():
+                raise _corrupted(path, f"the header of record {record}")
+            f.seek(n_extra, 1)
+            if r.compress_type != zipfile.ZIP_STORED:  # torch stores records; zipfile checks others itself
+                try:
+                    with zipfile.ZipFile(path).open(r) as z:
+                        while z.read(CHUNK):
+                            pass
+                except zipfile.BadZipFile:
+                    raise _corrupted(path, f"record {record}") from None
+                continue
+            if crc32_of(f, r.compress_size, buf) != r.CRC:
+                raise _corrupted(path, f"record {record}")
+
+
+def _verify_folder(path: Path, part: tuple[int, int], only: str | None) -> None:
+    rank, world = part
+    try:
+        sums = json.loads((path / CHECKSUMS).read_text())["crc32"]
+    except (ValueError, KeyError, TypeError):
+        raise _corrupted(path, CHECKSUMS) from None
+    for i, (name, crc) in enumerate(sorted(sums.items())):
+        if i % world != rank or only not in (None, name):
+            continue
+        f = path / name
+        if not f.is_file() or file_crc32(f) != crc:
+            raise _corrupted(path, name)
+
+
+def write_checksums(folder: Path | str, crcs: dict[str, str] | None = None) -> None:
+    """checksums.json of a sharded folder, written after every other file: `crcs` as the writers computed
+    them (each rank its own shards), completed with the CRC-32 of any file they did not cover."""
+    folder = Path(folder)
+    crcs = dict(crcs or {})
+    for f in sorted(folder.iterdir()):
+        if f.is_file() and f.name != CHECKSUMS and f.name not in crcs:
+            crcs[f.name] = file_crc32(f)
+    atomic_write_text(folder / CHECKSUMS, json.dumps({"crc32": crcs}, indent=1, sort_keys=True))
 
 
 # ---- finding and reading -------------------------------------------------------------------------
@@ -98,6 +291,7 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
 
     if path.is_file() and path.stat().st_size == 0:
         raise GptkitError(f"{path} is empty (0 bytes), not a checkpoint (an interrupted copy?); use another one")
+    verify_checkpoint(path)
     try:
         # torch.save's zip archive is memory-mapped (tensors read on use); an older torch's format is not
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
@@ -131,7 +325,14 @@ def load_refusal(path: Path, exc: Exception) -> str:
     return f"is not a readable checkpoint ({type(exc).__name__}{': ' + first if first else ''})"
 
 
-def _load_safetensors(path: Path) -> dict[str, Any]:
+def checkpoint_step(path: Path | str) -> int:
+    """The global step a checkpoint (file or sharded folder) was saved at, without reading its tensors."""
+    path = Path(path)
+    state = read_sharded_checkpoint(path, weights=False) if path.is_dir() else load_checkpoint(path)
+    return int(state.get("global_step", 0))
+
+
+def _load_safetensors(path: Path) -> dict[str, Any]:  # written by transformers or `import`: no checksum
     from safetensors.torch import load_file
 
     try:
@@ -246,6 +447,7 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     path = Path(path)
     if not is_sharded_checkpoint(path):
         raise GptkitError(f"{path} is not a sharded checkpoint folder (no {SHARDED_INDEX} in it)")
+    verify_checkpoint(path, only=None if weights else EXTRA_STATE)
     try:
         extra = torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
     except Exception as exc:

@@ -1,7 +1,8 @@
 """`gptkit <verb> [hydra overrides...]`: pick the verb, compose its config, run it.
 
 VERBS below is the whole wiring: each verb names its module in gptkit/commands/ (which defines
-run(cfg), and prepare_args(args) when it rewrites its arguments first), its primary config in conf/,
+run(cfg), prepare_args(args) when it rewrites its arguments first, and check(cfg) when a Hydra app
+validates its composed config before Hydra creates the run folder), its primary config in conf/,
 and its one-line help. Command modules keep heavy imports inside run(), so `gptkit --help` stays fast.
 tests/test_cli.py checks that VERBS and gptkit/commands/ agree.
 
@@ -19,6 +20,7 @@ import importlib
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 VERB_ENV = "GPTKIT_VERB"
@@ -156,6 +158,10 @@ def _report(exc: Exception) -> int:
         raise exc
     if isinstance(exc, BrokenPipeError):  # `gptkit ... | head`: the reader left; nothing to report
         return 0
+    from gptkit.fsio import disk_full_error, is_disk_full
+
+    if is_disk_full(exc) and not isinstance(exc, GptkitError):  # a write no one anticipated: still one line
+        exc = disk_full_error(getattr(exc, "filename", None) or Path.cwd(), None, exc)
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -288,6 +294,8 @@ def main(argv: list[str] | None = None) -> int:
             args = _guarded(mod.prepare_args, args)
         cfg = _guarded(_checked_config, verb, args)
         _skip_transformers_in_torchmetrics()
+        if v.hydra_app and cfg is not None and hasattr(mod, "check"):  # before Hydra makes the run folder
+            _guarded(mod.check, cfg, _is_multirun(verb, args))
         if v.hydra_app:
             _run_hydra_app(verb, args)
             return 0
@@ -301,13 +309,17 @@ def main(argv: list[str] | None = None) -> int:
         return _report(exc)
 
 
+def _is_multirun(verb: str, args: list[str]) -> bool:
+    return VERBS[verb].hydra_app and any(a in ("-m", "--multirun") for a in args)
+
+
 def _checked_config(verb: str, args: list[str]):
     """The verb's composed config, after every option was checked (gptkit.options.check_options): unknown
     keys, wrong types, sweeps without -m and unset required values are one line each, before the verb or
     Hydra's run folder exist. For `train -m` over several presets the config is None (Hydra checks each job)."""
     from gptkit.options import check_options, parse_options
 
-    multirun = VERBS[verb].hydra_app and any(a in ("-m", "--multirun") for a in args)
+    multirun = _is_multirun(verb, args)
     options = [a for i, a in enumerate(args)  # the value of a Hydra flag (--cfg job) is not an option
                if not (i and args[i - 1] in HYDRA_VALUE_FLAGS and "=" not in a and not a.startswith("-"))]
     return check_options(VERBS[verb].config, parse_options(options, sweeps=multirun))

@@ -2,14 +2,17 @@
 
 A file is written to a temporary name in its own folder, flushed to disk and renamed over the target
 (rename is atomic within a filesystem); a folder is built under a temporary name and renamed when
-complete. Files get the permissions the process's umask gives an ordinary file.
+complete. Files get the permissions the process's umask gives an ordinary file. A write that fails
+because the disk is full becomes one line naming the file and the space it needs (disk_full_error).
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import tempfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -45,13 +48,88 @@ def atomic_write_bytes(path: Path | str, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise disk_full_error(path, len(data), exc) from exc
         raise
 
 
 def atomic_write_text(path: Path | str, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+# ---- locks -----------------------------------------------------------------------------------------
+def lock_file(path: Path | str, create: bool = True) -> int | None:
+    """An exclusive fcntl lock on `path`: the open descriptor (keep it open to keep the lock; the OS releases
+    it when the process ends, kill -9 included), or None when another process holds it. With create=False
+    a missing file is FileNotFoundError."""
+    import fcntl
+
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), FILE_MODE)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+# ---- checksums -------------------------------------------------------------------------------------
+CHUNK = 8 << 20  # bytes read at a time while checking a file: memory stays flat, whatever its size
+
+
+def crc32_of(f, n: int, buf: memoryview) -> int | None:
+    """CRC-32 of the next n bytes of the open file f; None when the file ends first."""
+    crc = 0
+    while n:
+        k = f.readinto(buf[:min(n, len(buf))])
+        if not k:
+            return None
+        crc = zlib.crc32(buf[:k], crc)
+        n -= k
+    return crc
+
+
+def file_crc32(path: Path | str) -> str:
+    """The CRC-32 of a whole file as 8 hex digits."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        return f"{crc32_of(f, size, memoryview(bytearray(max(1, min(CHUNK, size))))) or 0:08x}"
+
+
+# ---- a full disk ------------------------------------------------------------------------------------
+def human_bytes(x: float) -> str:
+    """1536 -> '1.50 KiB' (binary units, as memory and disks are sized)."""
+    for scale, s in ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if x >= scale:
+            return f"{x / scale:.2f} {s}"
+    return f"{x:.0f} B"
+
+
+def free_bytes(path: Path | str) -> int:
+    """Free space on the filesystem that holds `path` (or would hold it: its nearest existing parent)."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def is_disk_full(exc: BaseException) -> bool:
+    """An error that means the disk (or the user's quota) is full: ENOSPC/EDQUOT, torch's zip writer
+    ("unexpected pos", "file write failed") or numpy's short write ("N requested and M written")."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    return ("inline_container" in text and ("unexpected pos" in text or "write failed" in text)) or \
+        ("requested and" in text and "written" in text) or "No space left on device" in text
+
+
+def disk_full_error(what: Path | str, needed: float | None, exc: BaseException) -> GptkitError:
+    """One line for a write that ran out of space: what was being written, the space it needs, the space free."""
+    need = f"it needs about {human_bytes(needed)}, " if needed else ""
+    return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is free; "
+                       f"free some space (old runs, checkpoints or the data cache) and run the command again")
 
 
 def check_out_dir(out: Path | str, force: bool = False) -> Path:

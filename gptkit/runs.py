@@ -6,12 +6,17 @@
       manifest.json        the data manifest (when trained by gptkit)
       checkpoints/         last.ckpt and periodic step-NNNNNN.ckpt (see gptkit.checkpoints)
       metrics.csv, loss.png, ...
+      .lock                held (fcntl) by the one process that trains into the folder; holds its PID
 
-`run=latest` means the run folder under ./runs whose config.yaml was written last.
+`run=latest` means the run folder under ./runs whose config.yaml was written last. A run folder is a
+direct child of runs_dir (a multirun job's: of runs_dir/<name>), never runs_dir itself or outside it.
 """
 
 from __future__ import annotations
 
+import atexit
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,13 +30,101 @@ from gptkit.checkpoints import (
     find_checkpoint,
     run_dir_of,
 )
-from gptkit.errors import GptkitError
-from gptkit.fsio import atomic_write_text
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.fsio import atomic_write_text, lock_file
 from gptkit.precision import torch_dtype
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".lock"
+HYDRA_DIR = ".hydra"  # Hydra's copy of the composed config, written when the run starts
+
+
+# ---- where a run folder may be, and who writes it ----------------------------------------------------
+def check_run_location(runs_dir: Any, name: Any) -> None:
+    """runs_dir= and name= as given: the run folder is runs_dir/name, a new folder inside runs_dir. One-line
+    ConfigError for an empty runs_dir or a name that is empty, absolute, `.`/`..` or has a path separator."""
+    if runs_dir is not None and str(runs_dir).strip() in ("", "null", "None"):
+        raise ConfigError("runs_dir= is empty; give the folder that holds the run folders (default: runs)")
+    if name is None:
+        return
+    n = str(name)
+    if n.strip() in ("", ".", "..", "null", "None") or n.startswith(("/", "~")) or "/" in n or "\\" in n \
+            or ".." in Path(n).parts:
+        raise ConfigError(f"name={n!r} is not a run name: give a plain folder name (no '/', '..' or absolute path); "
+                          f"the run folder is <runs_dir>/<name>")
+
+
+def check_run_dir(run_dir: Path | str, runs_dir: Path | str, job: bool = False) -> None:
+    """The run folder Hydra made must be a child of runs_dir (a multirun job's: a grandchild)."""
+    run_dir, root = Path(run_dir).resolve(), Path(runs_dir).resolve()
+    parent = run_dir.parent.parent if job else run_dir.parent
+    if parent != root:
+        raise ConfigError(f"the run folder {run_dir} is not a folder of runs_dir={runs_dir}; give a plain name= "
+                          f"(the run folder is <runs_dir>/<name>)")
+
+
+def is_run_folder(path: Path | str) -> bool:
+    p = Path(path)
+    return (p / CONFIG_FILE).is_file() or (p / CHECKPOINT_DIR).is_dir()
+
+
+def check_not_source(out: Path | str, source: Path | str) -> None:
+    """A command that writes a folder (export out=) never touches the run it reads or any other run: out must
+    not be, contain or lie inside the source run folder, and must not be a run folder (force or not)."""
+    o, src = Path(out).expanduser().resolve(), Path(source).resolve()
+    if o == src or src in o.parents or o in src.parents:
+        raise ConfigError(f"out={out} is, contains or lies inside the run folder {src} being read; "
+                          f"choose a folder outside it")
+    if is_run_folder(o):
+        raise ConfigError(f"out={out} is a run folder; it is never replaced (force=true or not): choose another out=")
+
+
+def is_rank_zero() -> bool:
+    """True unless a launcher (Lightning, torchrun, SLURM, MPI) started this process as another rank."""
+    return all(int(os.environ.get(k) or 0) == 0
+               for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
+
+
+def unused(run_dir: Path | str) -> bool:
+    """Nothing of a run in the folder (absent, or only Hydra's .hydra/ and a lock file): a start that failed."""
+    p = Path(run_dir)
+    return not p.exists() or (p.is_dir() and {f.name for f in p.iterdir()} <= {HYDRA_DIR, LOCK_FILE})
+
+
+_claimed: dict[Path, int] = {}
+
+
+def claim_run_dir(run_dir: Path | str, remove_if_unused: bool) -> None:
+    """Make this process the one writer of run_dir (created if needed): an exclusive fcntl lock on its .lock
+    file, held until the process ends (the OS releases it then, kill -9 included, so no lock goes stale).
+    Another holder is a one-line GptkitError naming its PID. With remove_if_unused (this invocation made the
+    folder), the folder is removed at exit if no run began in it (no config.yaml): a start-up failure leaves
+    nothing behind. Idempotent."""
+    run_dir = Path(run_dir).resolve()
+    if run_dir in _claimed:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    fd = lock_file(run_dir / LOCK_FILE)
+    if fd is None:
+        try:
+            pid = (run_dir / LOCK_FILE).read_text().strip() or "unknown"
+        except OSError:
+            pid = "unknown"
+        raise GptkitError(f"{run_dir} is being written by another gptkit process (PID {pid}); wait for it to end or "
+                          f"stop it, or choose another name=")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    _claimed[run_dir] = fd
+    if remove_if_unused:
+        atexit.register(_remove_if_no_run, run_dir)
+
+
+def _remove_if_no_run(run_dir: Path) -> None:
+    ckdir = run_dir / CHECKPOINT_DIR
+    if not (run_dir / CONFIG_FILE).exists() and not (ckdir.is_dir() and any(ckdir.iterdir())):
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 # ---- finding and reading run folders ---------------------------------------------------------------

@@ -99,7 +99,7 @@ def _print_tables(r: dict, cfg) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from gptkit.accounting import human_bytes
+    from gptkit.fsio import human_bytes
 
     con = Console()
     m, p, f, plan = r["model"], r["params"], r["flops_per_token"], r["plan"]

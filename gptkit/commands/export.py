@@ -24,7 +24,14 @@ def run(cfg) -> int:
     from gptkit.fsio import check_out_dir, staged_dir
     from gptkit.model import ModelConfig
     from gptkit.precision import torch_dtype
-    from gptkit.runs import TOKENIZER_FILE, find_run_checkpoint, load_model, load_tokenizer, read_config
+    from gptkit.runs import (
+        TOKENIZER_FILE,
+        check_not_source,
+        find_run_checkpoint,
+        load_model,
+        load_tokenizer,
+        read_config,
+    )
     from gptkit.tokenizer import special_tokens
 
     if not cfg.run:
@@ -33,8 +40,10 @@ def run(cfg) -> int:
         raise ConfigError("export needs out=<folder to write the transformers model into>")
     dtype = torch_dtype(cfg.dtype)
     max_shard = hf.parse_size(cfg.max_shard_size)
-    out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))  # fail before the slow part
     ckpt = find_run_checkpoint(cfg.run)
+    out = Path(cfg.out).expanduser()
+    check_not_source(out, run_dir_of(ckpt))
+    out = check_out_dir(out, bool(cfg.force))  # fail before the slow part
     arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))  # refuse before loading
 
     run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)

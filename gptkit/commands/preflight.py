@@ -98,7 +98,7 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     from rich.console import Console
     from rich.table import Table
 
-    from gptkit.accounting import human_bytes
+    from gptkit.fsio import human_bytes
 
     t = cfg.trainer
     margin = float(cfg.memory_margin)

@@ -18,25 +18,31 @@ EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
 
 
 def prepare_args(args: list[str]) -> list[str]:
-    """Before Hydra creates the run folder: resume into the run's own folder, and check that
-    the runs folder is writable (one-line errors instead of Hydra's tracebacks)."""
+    """Before Hydra creates the run folder: refuse a run folder outside runs_dir, resume into the run's own
+    folder, and check that the runs folder is writable (one-line errors instead of Hydra's tracebacks)."""
+    import sys
     from pathlib import Path
 
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
-    from gptkit.runs import find_run_checkpoint
+    from gptkit.runs import check_run_location, find_run_checkpoint
+    from gptkit.training.fit import check_resume_or_init
 
     kv = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
+    check_resume_or_init(kv.get("resume"), kv.get("init_from"))
+    name = kv.get("name")
+    check_run_location(kv.get("runs_dir", "runs"), None if name and "${" in name else name)
     if kv.get("resume") not in (None, "", "null"):
         ckpt = find_run_checkpoint(kv["resume"], kv.get("runs_dir", "runs"))
-        run_dir = run_dir_of(ckpt) if ckpt.suffix == ".ckpt" else ckpt.parent
-        run_dir = run_dir.resolve()
-        if "name" not in kv:
-            args = args + [f"name={run_dir.name}"]
-        if "runs_dir" not in kv:
-            args = args + [f"runs_dir={run_dir.parent}"]
-        args = args + ["hydra.output_subdir=null"]  # keep the original run's .hydra/ untouched
-        kv["runs_dir"] = str(run_dir.parent)
+        run_dir = (run_dir_of(ckpt) if ckpt.suffix == ".ckpt" else ckpt.parent).resolve()
+        asked = (Path(kv.get("runs_dir", run_dir.parent)).resolve() / kv.get("name", run_dir.name))
+        if asked != run_dir and ("name" in kv or "runs_dir" in kv):
+            print(f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run from "
+                  f"its weights elsewhere: init_from={kv['resume']})", file=sys.stderr)
+        args = [a for a in args if not a.startswith(("name=", "runs_dir=", "hydra.output_subdir="))]
+        args += [f"name={run_dir.name}", f"runs_dir={run_dir.parent}",
+                 "hydra.output_subdir=null"]  # keep the original run's .hydra/ untouched
+        kv["name"], kv["runs_dir"] = run_dir.name, str(run_dir.parent)
     runs_dir = Path(kv.get("runs_dir", "runs")).expanduser()
     probe = runs_dir
     while not probe.exists() and probe != probe.parent:
@@ -60,6 +66,26 @@ def _can_create_in(folder) -> bool:
     except OSError:
         return False
     return True
+
+
+def check(cfg, multirun: bool = False) -> None:
+    """The composed config, before Hydra creates the run folder: trainer, optimizer, schedule, model and
+    init_from settings fail here in one line, before any data is prepared or any file is written. Then, for
+    a single run with an explicit name=, this process takes the run folder's lock, so that a second writer
+    is refused before it writes anything (Hydra's .hydra/ included). (A multirun's name= is the sweep folder,
+    which holds no run: each job locks its own folder, as resumes do, in `train`.)"""
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    from gptkit.runs import check_run_location, claim_run_dir, is_rank_zero, unused
+    from gptkit.training.fit import check_config
+
+    check_config(cfg)
+    if not multirun and not OmegaConf.is_interpolation(cfg, "name") and is_rank_zero():  # the default name holds the time
+        check_run_location(cfg.runs_dir, cfg.name)
+        run_dir = Path(cfg.runs_dir) / str(cfg.name)
+        claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
 
 
 def run(cfg) -> int:

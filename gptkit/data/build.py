@@ -38,7 +38,8 @@ from gptkit.data.prepared import (
 )
 from gptkit.data.sources import KINDS, Corpus, open_corpus
 from gptkit.errors import GptkitError
-from gptkit.fsio import DIR_MODE
+from gptkit.faults import fault_point
+from gptkit.fsio import DIR_MODE, disk_full_error, file_crc32, is_disk_full, lock_file
 from gptkit.tokenizer import (
     SPLITTABLE_KINDS,
     build_tokenizer,
@@ -259,6 +260,8 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     content = corpus.sha256()
     key = _key(data, content, tok_s)
     root = cache_root(cache_dir)
+    if root.is_dir():
+        remove_stale_builds(root)  # folders of builds that were killed
     final = root / f"{data['kind']}-{tok_s['kind']}-{key[:16]}"
     if final.exists() and force:
         shutil.rmtree(final)
@@ -271,21 +274,54 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
         return prepared
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
+    lock = lock_file(tmp / BUILD_LOCK)  # held while building: a build folder without a holder is stale
     try:
         manifest = _build(tmp, corpus, content, data, tok_s, key, progress)
+        fault_point("prepare-shards")
         os.chmod(tmp, DIR_MODE)  # mkdtemp makes it private
+        (tmp / BUILD_LOCK).unlink()
         try:
             os.rename(tmp, final)
         except OSError:  # another process finished the same folder first: keep theirs
             if not (final / MANIFEST).is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc):  # an estimate: at most 4 bytes per token, at most one token per byte of text
+            raise disk_full_error(final, 4 * corpus.n_bytes if corpus.n_bytes else None, exc) from exc
         raise
+    finally:
+        os.close(lock)
     prepared = load_prepared(final)
     _say(f"prepared {final} ({_counts(manifest)})")
     return prepared
+
+
+BUILD_LOCK = ".building"  # in a build folder: locked (fcntl) by the process that builds it
+STALE_AFTER_S = 3600  # a build folder without a lock file (a kill right after mkdtemp) is stale after this
+
+
+def remove_stale_builds(root: Path) -> list[Path]:
+    """Remove build folders (.<name>.<random>.tmp) whose builder died: their lock file is not held by
+    anyone (the OS releases it when the process dies, kill -9 included)."""
+    gone = []
+    for tmp in root.glob(".*.tmp"):
+        if not tmp.is_dir():
+            continue
+        try:
+            fd = lock_file(tmp / BUILD_LOCK, create=False)
+        except FileNotFoundError:  # between mkdtemp and the lock, or renamed a moment ago
+            fd = None if time.time() - tmp.stat().st_mtime < STALE_AFTER_S else -1
+        except OSError:
+            continue
+        if fd is None:  # a live build
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)
+        gone.append(tmp)
+    return gone
 
 
 def _counts(m: dict[str, Any]) -> str:
@@ -328,6 +364,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         bar.close()
     for split, name in SHARDS.items():
         splits[split]["file"] = name
+        splits[split]["crc32"] = file_crc32(tmp / name)  # checked whenever the folder is loaded
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,

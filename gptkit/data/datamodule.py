@@ -32,15 +32,17 @@ class TrainBatches(IterableDataset):
 
 
 class ValWindows(Dataset):
-    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, eos_id: int | None = None) -> None:
-        self.tokens, self.seq_len, self.eos_id = tokens, seq_len, eos_id
+    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, eos_id: int | None = None, *,
+                 vocab_size: int | None = None) -> None:
+        self.tokens, self.seq_len, self.eos_id, self.vocab_size = tokens, seq_len, eos_id, vocab_size
         self.starts = val_starts(len(tokens), seq_len, n_windows)  # [n_windows]
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def __getitem__(self, i: int):
-        return tuple(t[0] for t in windows(self.tokens, self.starts[i:i + 1], self.seq_len, self.eos_id))
+        return tuple(t[0] for t in windows(self.tokens, self.starts[i:i + 1], self.seq_len, self.eos_id,
+                                           vocab_size=self.vocab_size))
 
 
 class TokenDataModule(L.LightningDataModule):
@@ -51,7 +53,8 @@ class TokenDataModule(L.LightningDataModule):
         self.seed, self.val_windows = int(seed), val_windows
         check_pack(pack, prepared.eos_id)
         self.eos_id = prepared.eos_id if pack == "documents" else None
-        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed, self.eos_id)
+        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed, self.eos_id,
+                                     vocab_size=prepared.vocab_size)
         check_window(len(prepared.val_tokens()), self.seq_len, "val")
 
     def _position(self) -> tuple[int, int, int]:
@@ -73,5 +76,6 @@ class TokenDataModule(L.LightningDataModule):
                           pin_memory=self._pin())
 
     def val_dataloader(self) -> DataLoader:
-        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows, self.eos_id)
+        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows, self.eos_id,
+                        vocab_size=self.prepared.vocab_size)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())

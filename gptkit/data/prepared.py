@@ -5,27 +5,34 @@
       val.bin         the same for validation
       tokenizer.json  the exact tokenizer that wrote the shards
       manifest.json   source and its content hash, tokenizer hash and vocab size, dtype, EOS id,
-                      token counts, gptkit version, and a checksum of the manifest itself
+                      token counts and the CRC-32 of each shard, gptkit version, and a checksum of
+                      the manifest itself
 
 Loading checks everything a later run relies on: the manifest's checksum (a hand edit or a
-truncated write is an error), the shard sizes against the token counts, the tokenizer's hash.
+truncated write is an error), the shard sizes against the token counts, the tokenizer's hash; and
+it starts checking the shards' bytes against their CRC-32 in a background thread (zlib releases
+the GIL), which the first read of the tokens waits for. Each shard is checked once per process.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import sys
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from gptkit.errors import GptkitError
+from gptkit.fsio import file_crc32
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 SHARDS = {"train": "train.bin", "val": "val.bin"}
 FORMAT = "gptkit-token-shards"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: each split has the CRC-32 of its shard ("crc32"); 1 (read, unchecked) had none
+READABLE_VERSIONS = (1, 2)
 DTYPES = {"uint16": 2, "uint32": 4}
 
 
@@ -34,10 +41,44 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
+_checked: set[tuple] = set()  # shards found intact by this process: (path, inode, size, mtime)
+
+
+def _shard_identity(f: Path) -> tuple:
+    st = f.stat()
+    return str(f.resolve()), st.st_ino, st.st_size, st.st_mtime_ns
+
+
 @dataclass
 class PreparedData:
     dir: Path
     manifest: dict[str, Any]
+    _check: threading.Thread | None = field(default=None, repr=False, compare=False)
+    _problem: list[GptkitError] = field(default_factory=list, repr=False, compare=False)
+
+    def start_check(self) -> None:
+        """Check the shards' bytes against the manifest's CRC-32 in a background thread (see wait_checked)."""
+        todo = [(self.dir / SHARDS[s], sp["crc32"]) for s, sp in self.manifest["splits"].items() if "crc32" in sp]
+        todo = [(f, crc) for f, crc in todo if _shard_identity(f) not in _checked]
+        if todo and self._check is None:
+            self._check = threading.Thread(target=self._run_check, args=(todo,), daemon=True, name="shard-check")
+            self._check.start()
+
+    def _run_check(self, todo: list[tuple[Path, str]]) -> None:
+        for f, crc in todo:
+            if file_crc32(f) != crc:
+                self._problem.append(GptkitError(
+                    f"{f} is corrupted (its CRC-32 does not match {self.dir / MANIFEST}); it cannot be trained on: "
+                    f"delete {self.dir} and run `gptkit prepare` (or train) again"))
+                return
+            _checked.add(_shard_identity(f))
+
+    def wait_checked(self) -> None:
+        """Wait for the shard check started by load_prepared; a corrupted shard is a one-line GptkitError."""
+        if self._check is not None:
+            self._check.join()
+        if self._problem:
+            raise self._problem[0]
 
     @property
     def tokenizer_path(self) -> Path:
@@ -58,6 +99,7 @@ class PreparedData:
     def _tokens(self, split: str):
         import numpy as np
 
+        self.wait_checked()
         n = int(self.manifest["splits"][split]["tokens"])
         return np.memmap(self.dir / SHARDS[split], dtype=self.dtype, mode="r", shape=(n,))  # [n]
 
@@ -90,9 +132,12 @@ def load_prepared(folder: Path | str) -> PreparedData:
         raise GptkitError(f"{mf} is not a gptkit token-shard manifest; {fix}")
     if m.get("checksum") != manifest_checksum(m):
         raise GptkitError(f"{mf} was edited or corrupted (its checksum does not match its content); {fix}")
-    if m.get("format_version") != FORMAT_VERSION:
+    if m.get("format_version") not in READABLE_VERSIONS:
         raise GptkitError(f"{mf} has format version {m.get('format_version')}, this gptkit reads "
-                          f"{FORMAT_VERSION}; {fix}")
+                          f"{', '.join(map(str, READABLE_VERSIONS))}; {fix}")
+    if m["format_version"] < 2:
+        print(f"note: {d} was prepared by an older gptkit and has no shard checksums, so corruption would go "
+              f"unnoticed; prepare it again to add them", file=sys.stderr)
     itemsize = DTYPES.get(m["dtype"])
     if itemsize is None:
         raise GptkitError(f"{mf} names an unknown dtype {m['dtype']!r}; {fix}")
@@ -106,7 +151,9 @@ def load_prepared(folder: Path | str) -> PreparedData:
     if not tf.is_file() or file_sha256(tf) != m["tokenizer"]["sha256"]:
         raise GptkitError(f"{tf} is missing or is not the tokenizer that wrote these shards "
                           f"(its hash differs from the manifest's); {fix}")
-    return PreparedData(dir=d, manifest=m)
+    prepared = PreparedData(dir=d, manifest=m)
+    prepared.start_check()
+    return prepared
 
 
 def check_vocab(prepared: PreparedData, model_vocab_size: int) -> None:

@@ -46,13 +46,20 @@ def doc_ids(x, eos_id: int):
     return eos.cumsum(1, dtype=torch.int32) - eos
 
 
-def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, eos_id: int | None = None):
+def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, eos_id: int | None = None, *,
+            vocab_size: int | None = None):
     """(x, y) int64 tensors [len(starts), seq_len] from windows of seq_len + 1 tokens at `starts`;
-    (x, y, doc_ids) when an EOS id is given (data.pack=documents)."""
+    (x, y, doc_ids) when an EOS id is given (data.pack=documents). A token id >= vocab_size (a corrupted
+    shard) is a one-line GptkitError naming the shard."""
     import torch
 
     idx = starts[:, None] + np.arange(seq_len + 1)  # [B, seq_len + 1]
-    w = torch.from_numpy(tokens[idx].astype(np.int64))  # [B, seq_len + 1]
+    ids = tokens[idx]  # [B, seq_len + 1]
+    if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
+        raise GptkitError(f"{getattr(tokens, 'filename', None) or 'the token shard'} holds token id {int(ids.max())}, "
+                          f"outside the tokenizer's {vocab_size} ids: it is corrupted; delete its folder and "
+                          f"prepare the data again")
+    w = torch.from_numpy(ids.astype(np.int64))  # [B, seq_len + 1]
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # [B, seq_len] each
     return (x, y) if eos_id is None else (x, y, doc_ids(x, eos_id))
 
@@ -61,10 +68,11 @@ class WindowSampler:
     """Random training windows of seq_len + 1 tokens; batch(step, rank, world_size) is pure."""
 
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 eos_id: int | None = None) -> None:
+                 eos_id: int | None = None, *, vocab_size: int | None = None) -> None:
         check_window(len(tokens), seq_len, "train")
         self.tokens, self.batch_size, self.seq_len, self.seed = tokens, int(batch_size), int(seq_len), int(seed)
         self.eos_id = eos_id  # given: batches carry doc_ids (data.pack=documents)
+        self.vocab_size = vocab_size  # token ids must be below it (checked per batch)
         self.n_starts = len(tokens) - seq_len  # window starts 0 .. n - seq_len - 1
 
     def starts(self, step: int, world_size: int = 1) -> np.ndarray:
@@ -80,7 +88,7 @@ class WindowSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         mine = self.starts(step, world_size)[rank * self.batch_size:(rank + 1) * self.batch_size]  # [batch_size]
-        return windows(self.tokens, mine, self.seq_len, self.eos_id)
+        return windows(self.tokens, mine, self.seq_len, self.eos_id, vocab_size=self.vocab_size)
 
 
 def val_starts(n_tokens: int, seq_len: int, n_windows: int | None) -> np.ndarray:

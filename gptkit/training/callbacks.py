@@ -2,45 +2,69 @@
 
 from __future__ import annotations
 
-import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from gptkit.checkpoints import LAST_CHECKPOINT
+from gptkit.checkpoints import LAST_CHECKPOINT, link_checkpoint, remove_checkpoint, replace_checkpoint
+from gptkit.faults import fault_point
 from gptkit.training.metrics import optimizer_stepped
+
+PERIODIC = re.compile(r"step-(\d+)\.ckpt")
+
+
+def periodic_checkpoints(ckpt_dir: Path) -> list[Path]:
+    """The periodic checkpoints (files or sharded folders) of a checkpoint folder, oldest step first."""
+    found = [(int(m.group(1)), p) for p in Path(ckpt_dir).glob("step-*.ckpt") if (m := PERIODIC.fullmatch(p.name))]
+    return [p for _, p in sorted(found)]
 
 
 class RunCheckpoints(Callback):
-    """The one writer of a run's checkpoints, and the graceful stop.
-
-    Every `every` optimizer steps it writes checkpoints/step-NNNNNN.ckpt and points last.ckpt at it
-    (a hard link: no second write); at the step that ends this invocation it writes last.ckpt. That
-    step is the last one (max_steps), trainer.stop_at_step, or the step during which SIGINT (Ctrl-C)
-    or SIGTERM (preemption) arrived: the step is finished first, then saved, then the run stops (with
-    several ranks, at the next multiple of sync_every steps, so that all ranks stop together). A second
-    Ctrl-C interrupts at once.
+    """Every `every` optimizer steps: checkpoints/step-NNNNNN.ckpt, with last.ckpt a hard link to it (no
+    second write); at the step that ends this invocation: last.ckpt. That step is the last one
+    (max_steps), trainer.stop_at_step, or the step during which SIGINT (Ctrl-C) or SIGTERM (preemption)
+    arrived: the step is finished first, then saved, then the run stops (with several ranks, at the next
+    multiple of sync_every steps, so that all ranks stop together). A second Ctrl-C interrupts at once
+    (`interrupted` is then True). keep: periodic checkpoints kept (None: all).
 
     The saves happen inside the training loop (as Lightning's own ModelCheckpoint does), so a resumed
     run continues Lightning's step counters exactly.
+
+    A checkpoint is written in two phases. At the end of an optimizer step it is saved completely under a
+    hidden name (checkpoints/.step-NNNNNN.ckpt.pending, fsynced; or a sharded folder); it is published
+    (renamed to step-NNNNNN.ckpt, last.ckpt pointed at it) at the start of the next step, once the
+    metrics of every step it covers and the validation that followed it are on disk (MetricsCSV.sync);
+    fit publishes the final one after the final validation. So a kill at any moment leaves last.ckpt and
+    metrics.csv in agreement: a resume continues exactly, with exactly the rows before its step. After a
+    publication, periodic checkpoints beyond the newest `keep` are removed (the newer one is complete
+    first); last.ckpt stays.
     """
 
-    def __init__(self, ckpt_dir: str, every: int, stop_at_step: int | None = None, sync_every: int = 10) -> None:
+    def __init__(self, ckpt_dir: str, every: int, stop_at_step: int | None = None, sync_every: int = 10,
+                 keep: int | None = 3, metrics: Any = None) -> None:
         self.dir = Path(ckpt_dir)
         self.every = max(1, every)
         self.stop_at_step = stop_at_step
         self.sync_every = max(1, sync_every)  # with several ranks: agree on a signal every N steps
+        self.keep = keep
+        self.metrics = metrics  # MetricsCSV (or None): synced before a checkpoint is published
         self.signal_name: str | None = None
+        self.interrupted = False
+        self._pending: tuple[Path, Path] | None = None  # (written, where it is published)
         self._previous: dict[int, Any] = {}
 
     @property
     def last(self) -> Path:
         return self.dir / LAST_CHECKPOINT
 
+    # ---- signals ----
     def _handler(self, signum, frame) -> None:
         if self.signal_name is not None and signum == signal.SIGINT:
+            self.interrupted = True
             raise KeyboardInterrupt
         self.signal_name = signal.Signals(signum).name
 
@@ -69,44 +93,63 @@ class RunCheckpoints(Callback):
             self.signal_name = self.signal_name or ("SIGTERM" if stop else None)
         return stop
 
+    # ---- saving ----
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.publish(trainer)  # the previous step's rows and validation are logged by now
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if not optimizer_stepped(trainer, batch_idx):
             return
         step = trainer.global_step
+        fault_point("step")
         stop = self._stop_requested(trainer)
         early = self.stop_at_step is not None and step >= self.stop_at_step
-        final = stop or early or step >= trainer.max_steps
-        if step % self.every == 0 or final:
+        if step % self.every == 0 or stop or early or step >= trainer.max_steps:
             pl_module.loss_window.check_finite(trainer.strategy)  # never save what a NaN step produced
-        if step % self.every == 0:
-            periodic = self.dir / f"step-{step:06d}.ckpt"
-            trainer.save_checkpoint(periodic, weights_only=False)
-            if not self._link_last(trainer, periodic):
-                trainer.save_checkpoint(self.last, weights_only=False)
-        elif final:
-            trainer.save_checkpoint(self.last, weights_only=False)
+            self.publish(trainer)
+            target = self.dir / f"step-{step:06d}.ckpt" if step % self.every == 0 else self.last
+            written = target.with_name(f".{target.name}.pending")
+            trainer.save_checkpoint(written, weights_only=False)
+            self._pending = (written, target)
+            fault_point("ckpt-pending")
         if stop or early:
             trainer.should_stop = True
 
-    def _link_last(self, trainer, periodic: Path) -> bool:
-        """last.ckpt as a hard link to the periodic file just written (atomically replacing the old one).
-        False when that cannot be done (a sharded folder, or a filesystem without hard links)."""
-        ok = True
-        if trainer.is_global_zero:
-            ok = periodic.is_file()
-            if ok:
-                tmp = self.dir / f".{LAST_CHECKPOINT}.link.tmp"
-                try:
-                    tmp.unlink(missing_ok=True)
-                    os.link(periodic, tmp)
-                    os.replace(tmp, self.last)
-                except OSError:
-                    tmp.unlink(missing_ok=True)
-                    ok = False
-        return trainer.strategy.broadcast(ok)
+    def publish(self, trainer: L.Trainer) -> Path | None:
+        """Publish the checkpoint written last, once the metrics it covers are on disk (rank 0 renames;
+        the other ranks only forget it). Returns where it went."""
+        if self._pending is None:
+            return None
+        written, target = self._pending
+        self._pending = None
+        if not trainer.is_global_zero:
+            return target
+        if self.metrics is not None:
+            self.metrics.sync()
+        replace_checkpoint(written, target)
+        if target != self.last:
+            fault_point("ckpt-published")
+            link_checkpoint(target, self.last)
+        fault_point("last-replaced")
+        self._retain()
+        return target
+
+    def _retain(self) -> None:
+        if self.keep is None:
+            return
+        old = periodic_checkpoints(self.dir)
+        for path in old[:max(0, len(old) - self.keep)]:
+            remove_checkpoint(path)
+
+    def discard(self, trainer: L.Trainer) -> None:
+        """Drop a checkpoint that will not be published (the run failed before its rows were written)."""
+        if self._pending is not None and trainer.is_global_zero:
+            remove_checkpoint(self._pending[0])
+        self._pending = None
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._restore()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self._restore()
+        self.discard(trainer)

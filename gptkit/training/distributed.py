@@ -18,7 +18,16 @@ import os
 from pathlib import Path
 from typing import Any
 
-from gptkit.checkpoints import EXTRA_STATE, is_sharded_checkpoint, remove_checkpoint, safe_planner, safe_reader
+from gptkit.checkpoints import (
+    EXTRA_STATE,
+    is_sharded_checkpoint,
+    remove_checkpoint,
+    replace_checkpoint,
+    safe_planner,
+    safe_reader,
+    verify_checkpoint,
+    write_checksums,
+)
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.precision import PRECISIONS, precision, torch_dtype
 
@@ -191,23 +200,27 @@ def _fsdp2_strategy_class():
             self.fsdp_precision = precision_name
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
-            """A sharded checkpoint is written to a temporary folder beside the target and renamed by
-            rank 0 once every rank has written its shard: a kill during the save keeps the old one."""
+            """A sharded checkpoint is written to a temporary folder beside the target; every rank computes
+            the CRC-32 of the shards it wrote, rank 0 writes them all to checksums.json and renames the
+            folder once every rank is done: a kill during the save keeps the old one."""
             if not self._save_distributed_checkpoint:
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
+            import torch.distributed as dist
+
+            from gptkit.fsio import file_crc32
+
             path = Path(self.broadcast(str(filepath)))
-            tmp, old = path.with_name(f".{path.name}.tmp"), path.with_name(f".{path.name}.old")
+            tmp = path.with_name(f".{path.name}.tmp")
             if self.global_rank == 0:
                 remove_checkpoint(tmp)
             self.barrier()
             super().save_checkpoint(checkpoint, tmp, storage_options)
-            self.barrier()
+            mine = {f.name: file_crc32(f) for f in tmp.glob(f"__{self.global_rank}_*.distcp")}
+            every: list[Any] = [None] * self.world_size
+            dist.all_gather_object(every, mine)  # also the barrier: every shard is written
             if self.global_rank == 0:
-                remove_checkpoint(old)
-                if path.exists():
-                    os.replace(path, old)
-                os.replace(tmp, path)
-                remove_checkpoint(old)
+                write_checksums(tmp, {k: v for part in every for k, v in part.items()})
+                replace_checkpoint(tmp, path)
             self.barrier()
 
         def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
@@ -233,6 +246,7 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
         set_optimizer_state_dict,
     )
 
+    _verify_together(path)
     model_state = {"state_dict": get_model_state_dict(module)}
     dcp.load(model_state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
     module.load_state_dict(model_state["state_dict"], strict=True)
@@ -243,6 +257,24 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
+
+
+def _verify_together(path: Path) -> None:
+    """Every rank checks its share of a sharded checkpoint's files; any mismatch fails every rank with the
+    same one-line error (no rank is left waiting in a collective)."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        verify_checkpoint(path, (rank, world))
+        problem = None
+    except GptkitError as exc:
+        problem = str(exc)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, problem)
+    first = next((p for p in every if p), None)
+    if first:
+        raise GptkitError(first)
 
 
 def parallelize(model, strategy) -> bool:

@@ -17,9 +17,11 @@ from gptkit.checkpoints import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
     checked_model_state,
+    checkpoint_step,
     load_checkpoint,
     read_sharded_checkpoint,
     run_dir_of,
+    verify_checkpoint,
 )
 from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
@@ -183,6 +185,33 @@ def _load_init_weights(module, ckpt: Path) -> None:
     module.model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
 
 
+def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
+    """(resume given, init_from given); both is a one-line error."""
+    given = tuple(v not in (None, "", "null") for v in (resume, init_from))
+    if all(given):
+        raise GptkitError("give resume= (continue a run) or init_from= (start a new run from its weights), not both")
+    return given
+
+
+def check_config(cfg: DictConfig) -> None:
+    """The settings that can be checked without data: one-line errors before any data is prepared and,
+    from the CLI (commands/train.check), before Hydra creates the run folder."""
+    from gptkit.model import ModelConfig
+    from gptkit.runs import check_run_location
+    from gptkit.training.optim import check_optim_config
+    from gptkit.training.trainer import check_loggers, check_trainer_config
+
+    check_run_location(cfg.get("runs_dir"), None)
+    resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
+    check_trainer_config(cfg.trainer)
+    check_optim_config(cfg.optim)
+    check_loggers(cfg.logger)
+    if init_from and not str(cfg.init_from).startswith(HF_PREFIX):  # hf: is imported (and checked) at the start
+        verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
+    elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
+        ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+
+
 def train(cfg: DictConfig) -> TrainResult:
     started = time.perf_counter()
     import lightning as L
@@ -191,22 +220,24 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit import accounting as acc
     from gptkit.data import TokenDataModule, check_vocab, prepare
     from gptkit.model import ModelConfig
+    from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
     from gptkit.threads import set_threads
     from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu, world_size
     from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import LitGPT
-    from gptkit.training.optim import check_optim_config
     from gptkit.training.plots import plot_loss
-    from gptkit.training.trainer import build_loggers, build_trainer, check_loggers, check_trainer_config
+    from gptkit.training.trainer import build_loggers, build_trainer
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
     check_run_name(_explicit_overrides())  # torchrun/srun ranks must agree on the run folder
     run_dir = _run_dir()
-    given = {o.split("=", 1)[0] for o in _explicit_overrides() if o.split("=", 1)[-1] not in ("", "null")}
-    if {"resume", "init_from"} <= given:
-        raise GptkitError("give resume= (continue a run) or init_from= (start a new run from its weights), not both")
+    rank_zero = is_rank_zero()
+    if rank_zero:  # one writer per run folder; a start that fails removes the folder it made (runs.py)
+        claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
+    check_run_dir(run_dir, cfg.runs_dir, job=_is_multirun_job())
     cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg)
+    check_config(cfg)
     ckpt_dir = run_dir / CHECKPOINT_DIR
     if resume_ckpt is None and ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
         raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
@@ -214,10 +245,6 @@ def train(cfg: DictConfig) -> TrainResult:
     init_ckpt = None
     if resume_ckpt is None:  # a resumed run's weights come from its own checkpoint
         cfg, init_ckpt = resolve_init_from(cfg, run_dir)
-
-    check_trainer_config(cfg.trainer)
-    check_optim_config(cfg.optim)
-    check_loggers(cfg.logger)
     cpu = on_cpu(cfg.trainer)  # CPU threads: one warning now if the machine's load would oversubscribe them
     set_threads(cfg.trainer.get("threads"), "trainer.threads", devices_per_node(cfg.trainer) if cpu else 1, warn=cpu)
 
@@ -225,7 +252,7 @@ def train(cfg: DictConfig) -> TrainResult:
     ModelConfig.from_dict(model_dict)  # a bad model config fails before any data is prepared
 
     # data first: the tokenizer decides the vocabulary size
-    prepared = prepare(cfg.data, cfg.tokenizer)
+    prepared = prepare(cfg.data, cfg.tokenizer)  # its shards are checked in the background meanwhile
     if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None and init_ckpt is None:
         multiple = int(cfg.get("vocab_multiple", 1))
         model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
@@ -249,12 +276,6 @@ def train(cfg: DictConfig) -> TrainResult:
                        is not None else int(saved_trainer.max_steps))
         replan = schedule_note(saved_steps, max_steps, int(resume_step), cfg.optim)
 
-    # the run folder: resolved config, tokenizer, manifest (written atomically)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
-    atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
-    atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
-
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
@@ -273,19 +294,34 @@ def train(cfg: DictConfig) -> TrainResult:
     if trainer.world_size != world:
         raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for {world} "
                           f"(trainer.devices x trainer.num_nodes); make them agree")
+    prepared.wait_checked()  # a corrupted shard is never trained on
+
+    # start-up succeeded: the run folder gets its files (written atomically; leftovers of killed writes go)
+    if rank_zero:
+        _remove_leftovers(run_dir)
+        atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
+        atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
+        atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
     _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir,
               resume_ckpt, init_ckpt, replan)
+    if trainer.is_global_zero:
+        _check_disk(ckpt_dir, model_cfg, t, max_steps, resume_step or 0)
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
                     weights_only=True)
     except torch.OutOfMemoryError as exc:
         raise out_of_memory(cfg, model_cfg, world) from exc
+    except SystemExit:
+        if checkpoints.interrupted:  # a second Ctrl-C: Lightning stops at once and exits 1; say so, exit 130
+            _interrupted(run_dir, ckpt_dir / LAST_CHECKPOINT, trainer.is_global_zero)
+        raise
 
     last = ckpt_dir / LAST_CHECKPOINT
     if checkpoints.signal_name is None:
         if trainer.global_step % int(t.val_every):
             trainer.validate(module, datamodule=datamodule, verbose=False)
+    checkpoints.publish(trainer)  # the final checkpoint, once the rows it covers (final validation too) are on disk
     val = trainer.callback_metrics.get("val/loss")
     if trainer.is_global_zero:
         for lg in loggers:
@@ -299,18 +335,73 @@ def train(cfg: DictConfig) -> TrainResult:
                        trainer.is_global_zero)
 
 
+def _is_multirun_job() -> bool:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    return HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _remove_leftovers(run_dir: Path) -> None:
+    """Temporary files of writes that a kill interrupted (this process holds the run's lock: they are no
+    one else's): checkpoints/.*.tmp|.pending|.old and the run folder's own .<file>.*.tmp."""
+    from gptkit.checkpoints import remove_stale
+
+    remove_stale(run_dir / CHECKPOINT_DIR)
+    for name in (CONFIG_FILE, TOKENIZER_FILE, MANIFEST_FILE, "metrics.csv", "loss.png"):
+        for tmp in run_dir.glob(f".{name}.*.tmp"):
+            tmp.unlink(missing_ok=True)
+
+
+def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -> None:
+    """Say how much disk the run's checkpoints need (the count-params estimate) and warn when the
+    filesystem has less free."""
+    from rich.console import Console
+
+    from gptkit import accounting as acc
+    from gptkit.fsio import free_bytes, human_bytes
+
+    each = acc.checkpoint_bytes(model_cfg, str(t.precision))
+    periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
+    keep = t.get("keep_checkpoints", 3)
+    at_once = (periodic if keep is None else min(int(keep), periodic)) + 2  # + the one being written + last.ckpt
+    need, free = each * at_once, free_bytes(ckpt_dir)
+    line = (f"  checkpoints: ~{human_bytes(each)} each, up to {at_once} at once (trainer.keep_checkpoints={keep}) "
+            f"= ~{human_bytes(need)}; {human_bytes(free)} free")
+    console = Console(stderr=True, highlight=False, soft_wrap=True)
+    console.print(line)
+    if need > free:
+        console.print(f"[bold yellow]warning[/]: {ckpt_dir} lacks the space for the run's checkpoints "
+                      f"({human_bytes(need)} needed, {human_bytes(free)} free); free some or lower "
+                      f"trainer.keep_checkpoints")
+
+
+def _interrupted(run_dir: Path, last: Path, rank_zero: bool) -> None:
+    import sys
+
+    if rank_zero:
+        try:
+            saved = (f"{last} holds step {checkpoint_step(last)}; continue with: gptkit train resume={run_dir}"
+                     if last.exists() else "no checkpoint was saved yet: run the same command again to start over")
+        except GptkitError as exc:
+            saved = str(exc)
+        print(f"interrupted by a second Ctrl-C: stopped at once without saving this step; {saved}", file=sys.stderr)
+    raise SystemExit(130)
+
+
 def out_of_memory(cfg: DictConfig, model_cfg, world: int) -> GptkitError:
     """A CUDA out-of-memory error as one line: the count-params estimate and what to change."""
     from gptkit import accounting as acc
+    from gptkit.fsio import human_bytes
 
     t = cfg.trainer
     shards = world if t.strategy == "fsdp" else 1
     mem = acc.training_memory(model_cfg, t.precision, shards, int(t.batch_size), model_cfg.max_seq_len,
                               bool(t.activation_checkpointing))
     return GptkitError(
-        f"out of GPU memory: count-params estimates {acc.human_bytes(mem['total'])} per device (weights "
-        f"{acc.human_bytes(mem['weights'])}, optimizer {acc.human_bytes(mem['optimizer'])}, activations "
-        f"{acc.human_bytes(mem['activations'])} at trainer.batch_size={t.batch_size}); lower trainer.batch_size "
+        f"out of GPU memory: count-params estimates {human_bytes(mem['total'])} per device (weights "
+        f"{human_bytes(mem['weights'])}, optimizer {human_bytes(mem['optimizer'])}, activations "
+        f"{human_bytes(mem['activations'])} at trainer.batch_size={t.batch_size}); lower trainer.batch_size "
         f"(and raise trainer.accumulate_grad_batches to keep the batch), set trainer.activation_checkpointing=true, "
         f"or shard with trainer=fsdp")
 

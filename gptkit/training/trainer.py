@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 from pathlib import Path
 from typing import Any
@@ -13,7 +12,6 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.fsio import atomic_write_text
 from gptkit.precision import precision
 from gptkit.threads import check_threads
 from gptkit.training.callbacks import RunCheckpoints
@@ -26,6 +24,7 @@ from gptkit.training.distributed import (
     world_size,
 )
 from gptkit.training.metrics import StepMetrics
+from gptkit.training.metrics_csv import MetricsCSV
 from gptkit.training.module import compile_mode
 from gptkit.training.progress import ProgressReporter, progress_mode
 
@@ -35,15 +34,18 @@ LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboa
 
 def check_loggers(logger_cfg: Any) -> None:
     """One line, before any data is prepared or any file written, for a logger whose package is missing."""
-    import importlib.util
+    import importlib
 
     for kind, opts in (logger_cfg or {}).items():
         if kind not in ("csv", *LOGGER_PACKAGES):
             raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
         if kind in LOGGER_PACKAGES and (opts or {}).get("enabled", True):
             package, install = LOGGER_PACKAGES[kind]
-            if importlib.util.find_spec(package) is None:
-                raise ConfigError(f"logger={kind} needs the {package} package, which is not installed: {install}")
+            try:  # an import, not find_spec: a broken install fails here too, not after the data is prepared
+                importlib.import_module(package)
+            except ImportError as e:
+                raise ConfigError(f"logger={kind} needs the {package} package, which cannot be imported "
+                                  f"({e}): {install}") from None
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
@@ -51,59 +53,20 @@ def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: in
     for kind, opts in (logger_cfg or {}).items():
         if not (opts or {}).get("enabled", True):  # logger.<kind>.enabled=false switches one off
             continue
-        if kind == "csv":
-            loggers.append(_resumable_csv_logger(run_dir, resume_step))
-        elif kind == "tensorboard":
-            from lightning.pytorch.loggers import TensorBoardLogger
-
-            loggers.append(TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="",
-                                             default_hp_metric=False))
-        elif kind == "wandb":
-            loggers.append(_wandb_logger(opts, run_dir, run_name))
-        else:
-            raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
+        loggers.append(_logger(kind, opts, run_dir, run_name, resume_step))  # packages: check_loggers
     return loggers
 
 
-def _kept(row: dict, resume_step: int | None) -> bool:
-    """On resume at step s, training rows from step s on are redone; validation at step s is not."""
-    if resume_step is None or not row.get("step"):
-        return True
-    step = int(float(row["step"]))
-    is_val_only = bool(row.get("val/loss")) and not row.get("train/loss")
-    return step < resume_step or (step == resume_step and is_val_only)
+def _logger(kind: str, opts: Any, run_dir: Path, run_name: str, resume_step: int | None):
+    if kind == "csv":
+        return MetricsCSV(run_dir, resume_step)  # a resume keeps the rows its checkpoint covers
+    if kind == "tensorboard":
+        from lightning.pytorch.loggers import TensorBoardLogger
 
-
-def _resumable_csv_logger(run_dir: Path, resume_step: int | None):
-    """Lightning's CSVLogger deletes an existing metrics.csv; a resumed run must keep its history.
-    On resume, rows logged after the checkpoint's step (work that is being redone) are dropped."""
-    import csv
-
-    from lightning.pytorch.loggers import CSVLogger
-    from lightning.pytorch.loggers.csv_logs import ExperimentWriter
-
-    class _KeepingWriter(ExperimentWriter):
-        def _check_log_dir_exists(self) -> None:
-            if not self._fs.isfile(self.metrics_file_path):
-                return
-            with open(self.metrics_file_path, newline="") as f:
-                reader = csv.DictReader(f)
-                self.metrics_keys = list(reader.fieldnames or [])
-                rows = [r for r in reader if _kept(r, resume_step)]
-            buf = io.StringIO()
-            writer = csv.DictWriter(buf, fieldnames=self.metrics_keys)
-            writer.writeheader()
-            writer.writerows(rows)
-            atomic_write_text(self.metrics_file_path, buf.getvalue())
-
-    class _KeepingCSVLogger(CSVLogger):
-        @property
-        def experiment(self):
-            if self._experiment is None:
-                self._experiment = _KeepingWriter(log_dir=self.log_dir)
-            return self._experiment
-
-    return _KeepingCSVLogger(save_dir=str(run_dir), name="", version="")
+        return TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+    if kind == "wandb":
+        return _wandb_logger(opts, run_dir, run_name)
+    raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
 
 
 def _wandb_logger(opts: Any, run_dir: Path, run_name: str):
@@ -187,6 +150,9 @@ def check_trainer_config(t: Any) -> None:
     check_threads(t.get("threads"), "trainer.threads")
     if t.val_windows is not None and int(t.val_windows) < 1:
         raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
+    keep = t.get("keep_checkpoints", 3)
+    if keep is not None and (not isinstance(keep, int) or keep < 0):
+        raise ConfigError(f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every one)")
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
     progress_mode(t.progress)
@@ -216,8 +182,9 @@ def check_compile(device: str, backend: str) -> None:
 def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_step: int, max_steps: int,
                   peak_flops: float | None, loggers: list) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
     t = cfg.trainer  # checked by check_trainer_config before any data was prepared
+    csv = next((lg for lg in loggers if isinstance(lg, MetricsCSV)), None)  # rows on disk before a checkpoint
     checkpoints = RunCheckpoints(str(run_dir / CHECKPOINT_DIR), int(t.checkpoint_every), t.get("stop_at_step"),
-                                 sync_every=int(t.log_every))
+                                 sync_every=int(t.log_every), keep=t.get("keep_checkpoints", 3), metrics=csv)
     reporter = ProgressReporter(t.progress)
     metrics = StepMetrics(flops_per_token, tokens_per_step, peak_flops, int(t.log_every),
                           reporter if reporter.mode != "off" else None)

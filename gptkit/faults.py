@@ -1,0 +1,34 @@
+"""Fault injection for the crash tests: GPTKIT_FAULT=<point>[@<n>] makes this process kill itself with
+SIGKILL (as `kill -9` would) the n-th time (default: the first) it passes the named write point.
+Nothing happens unless the variable is set; tests/test_faults.py and .ci/faults use it.
+
+Points (where the writers call fault_point):
+  step             RunCheckpoints, after each optimizer step (before that step's checkpoint, if any)
+  ckpt-tmp         atomic_torch_save: the temporary file written, not yet renamed
+  ckpt-pending     RunCheckpoints: a complete checkpoint waiting to be published (its rows not yet synced)
+  ckpt-published   RunCheckpoints: step-N.ckpt renamed into place, last.ckpt still the previous one
+  last-replaced    RunCheckpoints: last.ckpt replaced, older checkpoints not yet removed
+  metrics-rewrite  MetricsCSV: the rewritten metrics.csv in its temporary file, not yet renamed
+  metrics-append   MetricsCSV: rows appended to metrics.csv (not yet fsynced)
+  prepare-shards   prepare(): token shards written in the temporary build folder, not yet renamed
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "GPTKIT_FAULT"
+_passes: dict[str, int] = {}
+
+
+def fault_point(name: str) -> None:
+    spec = os.environ.get(ENV)
+    if not spec:
+        return
+    point, _, nth = spec.partition("@")
+    if point != name:
+        return
+    _passes[name] = _passes.get(name, 0) + 1
+    if _passes[name] == int(nth or 1):
+        os.kill(os.getpid(), signal.SIGKILL)

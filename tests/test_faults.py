@@ -1,0 +1,392 @@
+"""Fault injection: kill -9 at each write point, concurrent writers, corrupted files, a full disk, bad
+run folders, start-up failures. The fast deterministic cases; `.ci/faults` runs the longer random loop.
+
+A kill is injected with GPTKIT_FAULT=<point>@<n> (gptkit/faults.py): the process SIGKILLs itself the
+n-th time it passes that write point, exactly as `kill -9` at that moment would.
+"""
+
+import csv
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import run_cli, shakespeare
+from test_sample_cli import make_run, run_main
+
+from gptkit.errors import GptkitError
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "shakespeare-30k.txt"
+    p.write_text(shakespeare(30_000))
+    return p
+
+
+def tiny(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
+        "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
+        f"trainer.max_steps={STEPS}", "trainer.val_every=3", "trainer.val_windows=4", "trainer.checkpoint_every=3",
+        "trainer.keep_checkpoints=2", "trainer.log_every=1", "trainer.progress=false", "optim.warmup_steps=2",
+        f"runs_dir={runs}", f"name={name}", *extra,
+    ]
+
+
+def rows(run: Path) -> list[dict]:
+    """metrics.csv's rows without the timings (perf/*), which differ from run to run."""
+    with open(run / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def leftovers(run: Path) -> list[str]:
+    return sorted(p.name for p in [*run.glob(".*.tmp"), *(run / "checkpoints").glob(".*")])
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("ref")
+    r = run_cli("train", *tiny(corpus, runs, "ref"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return runs / "ref"
+
+
+def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference):
+    got = rows(reference)
+    assert [int(r["step"]) for r in got] == list(range(STEPS + 1))  # one row per step; 12: the final validation
+    lr = next(k for k in got[0] if "lr" in k)
+    assert all(r["train/loss"] and r[lr] for r in got[:-1])  # loss and learning rate on the same row
+    assert [int(r["step"]) for r in got if r["val/loss"]] == [3, 6, 9, 12]  # validation on the row of its step
+    ckdir = reference / "checkpoints"
+    assert sorted(p.name for p in ckdir.iterdir()) == ["last.ckpt", "step-000009.ckpt", "step-000012.ckpt"]
+
+
+@pytest.mark.parametrize("point", [
+    "ckpt-tmp@2",        # during the write of step 6's checkpoint
+    "ckpt-pending@2",    # step 6's checkpoint complete, not yet published (its rows not yet synced)
+    "ckpt-published@2",  # step-000006.ckpt in place, last.ckpt still step 3
+    "last-replaced@2",   # right after last.ckpt was replaced by step 6
+    "metrics-rewrite@3",  # during the rewrite of metrics.csv's last row (step 3, written before its checkpoint)
+])
+def test_kill_at_a_write_point_then_resume_loses_and_repeats_nothing(corpus, reference, tmp_path, point):
+    r = run_cli("train", *tiny(corpus, tmp_path, "k"), env={"GPTKIT_FAULT": point})
+    assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
+    assert (tmp_path / "k/checkpoints/last.ckpt").is_file()  # step 3's
+    other = tmp_path / "elsewhere"
+    r = run_cli("train", f"resume={tmp_path / 'k'}", f"runs_dir={other}")  # continues in its own folder
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "continues" in r.stderr and not other.exists()
+    assert rows(tmp_path / "k") == rows(reference)  # every step exactly once, the same values
+    last = torch.load(tmp_path / "k/checkpoints/last.ckpt", weights_only=True)
+    want = torch.load(reference / "checkpoints/last.ckpt", weights_only=True)
+    assert last["global_step"] == STEPS
+    assert all(torch.equal(v, want["state_dict"][k]) for k, v in last["state_dict"].items())
+    assert leftovers(tmp_path / "k") == []  # the killed write's temporary files were removed
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_clean_when_run_again(corpus, reference, tmp_path):
+    r = run_cli("train", *tiny(corpus, tmp_path, "again"), env={"GPTKIT_FAULT": "metrics-rewrite@2"})
+    assert r.returncode == -signal.SIGKILL  # while the first validation's columns were added, before step 3's
+    assert rows(tmp_path / "again") and not (tmp_path / "again/checkpoints/last.ckpt").exists()  # checkpoint
+    r = run_cli("train", *tiny(corpus, tmp_path, "again"))  # the same command again: no checkpoint to resume
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert rows(tmp_path / "again") == rows(reference)  # no duplicated rows
+
+
+def test_one_writer_per_run_folder_and_kill_9_leaves_no_stale_lock(corpus, tmp_path):
+    args = tiny(corpus, tmp_path, "same", "trainer.max_steps=100000", "trainer.val_every=100000")
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    first = subprocess.Popen([sys.executable, "-m", "gptkit", "train", *args], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = tmp_path / "same" / "metrics.csv"
+        deadline = time.time() + 120
+        while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) > 2):
+            time.sleep(0.2)
+        second = run_cli("train", *tiny(corpus, tmp_path, "same", "seed=7"))
+        assert second.returncode == 2
+        assert second.stderr.strip().splitlines() == [second.stderr.strip()]
+        assert f"PID {first.pid}" in second.stderr
+        first.kill()  # kill -9: the OS releases the lock
+        first.wait(timeout=60)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    from gptkit.checkpoints import checkpoint_step
+
+    step = checkpoint_step(tmp_path / "same/checkpoints/last.ckpt")
+    r = run_cli("train", f"resume={tmp_path / 'same'}", f"trainer.max_steps={step + 2}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    steps = [int(r["step"]) for r in rows(tmp_path / "same")]
+    assert steps == list(range(step + 3))  # one writer's rows, each step once (step + 2: the final validation)
+
+
+def test_a_second_ctrl_c_stops_at_once_with_one_line_and_130(corpus, tmp_path):
+    """Two Ctrl-C's during step 3, the second after the first was handled (a real terminal's two presses
+    can coalesce into one when they arrive within one long torch op, so the test sends them from inside)."""
+    script = tmp_path / "ctrl_c_twice.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from gptkit.training.callbacks import RunCheckpoints\n"
+        "end = RunCheckpoints.on_train_batch_end\n"
+        "def twice(self, trainer, *args):\n"
+        "    if trainer.global_step == 3:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)  # finish the step, save, stop ...\n"
+        "        os.kill(os.getpid(), signal.SIGINT)  # ... no: stop now\n"
+        "    return end(self, trainer, *args)\n"
+        "RunCheckpoints.on_train_batch_end = twice\n"
+        "from gptkit.cli import main\n"
+        "sys.exit(main())\n")
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    r = subprocess.run([sys.executable, str(script), "train", *tiny(corpus, tmp_path, "int")], env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("interrupted by a second Ctrl-C") and "holds step" not in last, r.stderr[-2000:]
+    assert "no checkpoint was saved yet" in last and "Traceback" not in r.stderr  # before step 3 was saved
+
+
+# ---- corruption is detected, not used -------------------------------------------------------------
+def test_every_flipped_byte_of_a_checkpoint_is_refused_or_harmless(tmp_path):
+    from gptkit.checkpoints import atomic_torch_save, load_checkpoint
+
+    good = tmp_path / "good.ckpt"
+    state = {"state_dict": {"model.w": torch.randn(64, 32), "model.b": torch.randn(32)}, "global_step": 7}
+    atomic_torch_save(state, good)
+    data = good.read_bytes()
+    rng = np.random.default_rng(0)
+    refused = 0
+    for i, pos in enumerate(sorted(rng.choice(len(data), size=300, replace=False))):
+        bad = tmp_path / f"flip{i}.ckpt"
+        flipped = bytearray(data)
+        flipped[pos] ^= 1 << int(rng.integers(8))
+        bad.write_bytes(bytes(flipped))
+        try:
+            got = load_checkpoint(bad)
+        except GptkitError:
+            refused += 1
+            continue
+        # accepted: then the flip was in bytes nothing reads (zip padding), and the content is intact
+        assert got["global_step"] == 7 and all(torch.equal(got["state_dict"][k], v)
+                                               for k, v in state["state_dict"].items()), pos
+    assert refused > 250  # the tensors and the pickle are most of the file
+
+
+def test_a_bit_flipped_last_ckpt_is_refused_by_sample_with_one_line(tmp_path, capsys):
+    d, _, _ = make_run(tmp_path)
+    last = d / "checkpoints" / "last.ckpt"
+    data = bytearray(last.read_bytes())
+    data[len(data) // 2] ^= 0x04
+    last.write_bytes(bytes(data))
+    code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=the", "max_new_tokens=2")
+    assert code == 2 and "is corrupted" in err and str(last) in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_zeroed_shard_and_out_of_range_ids_are_refused(tmp_path):
+    from gptkit.data import load_prepared, prepare
+    from gptkit.data.windows import windows
+
+    text = tmp_path / "t.txt"
+    text.write_text(shakespeare(5_000))
+    p = prepare({"kind": "files", "paths": [str(text)]}, {"kind": "char"}, cache_dir=tmp_path / "c", progress=False)
+    shard = p.dir / "train.bin"
+    shard.write_bytes(bytes(shard.stat().st_size))  # zeroed at the same size
+    again = load_prepared(p.dir)
+    with pytest.raises(GptkitError, match=f"{shard} is corrupted"):
+        again.train_tokens()
+    ids = np.memmap(tmp_path / "ids.bin", dtype=np.uint16, mode="w+", shape=(100,))
+    ids[50] = 999
+    with pytest.raises(GptkitError, match="ids.bin holds token id 999, outside the tokenizer's 60 ids"):
+        windows(ids, np.array([40]), 16, vocab_size=60)
+
+
+def test_a_sharded_folder_is_checked_against_its_checksums(tmp_path):
+    from gptkit.checkpoints import verify_checkpoint, write_checksums
+
+    folder = tmp_path / "last.ckpt"
+    folder.mkdir()
+    for name, data in ((".metadata", b"index"), ("__0_0.distcp", b"a" * 100), ("__1_0.distcp", b"b" * 100)):
+        (folder / name).write_bytes(data)
+    write_checksums(folder)
+    verify_checkpoint(folder)
+    (folder / "__1_0.distcp").write_bytes(b"b" * 99 + b"c")
+    with pytest.raises(GptkitError, match="__1_0.distcp does not match"):
+        verify_checkpoint(folder)
+
+
+# ---- a full disk ----------------------------------------------------------------------------------
+def test_a_full_disk_during_a_checkpoint_save_is_one_line_and_keeps_the_previous_one(tmp_path, monkeypatch):
+    from gptkit.checkpoints import atomic_torch_save
+
+    path = tmp_path / "last.ckpt"
+    atomic_torch_save({"state_dict": {"model.w": torch.zeros(4)}}, path)
+    before = path.read_bytes()
+
+    def full(obj, f, *a, **k):
+        Path(f).write_bytes(b"PK partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(GptkitError) as err:
+        atomic_torch_save({"state_dict": {"model.w": torch.zeros(1024, 1024)}}, path)
+    msg = str(err.value)
+    assert "no space left" in msg and str(path) in msg and "4.00 MiB" in msg and "\n" not in msg
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
+
+
+def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_cache_as_it_was(tmp_path, monkeypatch):
+    from gptkit.data import prepare
+
+    text = tmp_path / "t.txt"
+    text.write_text(shakespeare(5_000))
+    cache = tmp_path / "cache"
+    prepare({"kind": "files", "paths": [str(text)]}, {"kind": "char"}, cache_dir=cache, progress=False)
+    before = sorted(p.name for p in cache.iterdir())
+
+    def full(encode, docs, out, *a, **k):  # numpy's ndarray.tofile on a full disk
+        out.write_bytes(b"\0" * 63124)
+        raise OSError("65574 requested and 63124 written")
+
+    monkeypatch.setattr("gptkit.data.build.write_tokens", full)
+    with pytest.raises(GptkitError) as err:
+        prepare({"kind": "files", "paths": [str(text)]}, {"kind": "byte"}, cache_dir=cache, progress=False)
+    msg = str(err.value)
+    assert "no space left" in msg and str(cache) in msg and "needs about" in msg
+    assert sorted(p.name for p in cache.iterdir()) == before  # no .tmp build folder left, the old one intact
+
+
+def test_a_dead_builds_folder_is_removed_a_live_ones_is_not(tmp_path):
+    from gptkit.data.build import BUILD_LOCK, remove_stale_builds
+    from gptkit.fsio import lock_file
+
+    dead, live = tmp_path / ".files-x.abc.tmp", tmp_path / ".files-y.def.tmp"
+    for d in (dead, live):
+        d.mkdir()
+        (d / BUILD_LOCK).touch()
+    fd = lock_file(live / BUILD_LOCK)  # a builder that is still running
+    try:
+        assert remove_stale_builds(tmp_path) == [dead]
+        assert live.is_dir() and not dead.exists()
+    finally:
+        os.close(fd)
+
+
+# ---- run folders stay inside runs_dir; failed starts leave nothing --------------------------------
+@pytest.mark.parametrize("args, needle", [
+    (["name=../victim"], "not a run name"),
+    (["name=../../tmp/evil"], "not a run name"),
+    (["name=.."], "not a run name"),
+    (["name="], "not a run name"),
+    (["name=/abs"], "not a run name"),
+    (["runs_dir="], "runs_dir= is empty"),
+    (["name=ok", "optim.lr=-1"], "optim.lr=-1"),
+    (["name=ok", "optim.schedule=nope"], "optim.schedule"),
+    (["name=ok", "init_from=/nonexistent"], "does not exist"),
+])
+def test_bad_run_folder_and_settings_are_refused_before_anything_is_written(tmp_path, capsys, monkeypatch,
+                                                                           args, needle):
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    (tmp_path / "victim").mkdir()
+    given = {a.split("=")[0] for a in args}
+    code, _, err = run_main(capsys, "train", *args, *([] if "runs_dir" in given else [f"runs_dir={runs}"]))
+    assert code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+    assert list(runs.iterdir()) == [] and list((tmp_path / "victim").iterdir()) == []
+
+
+def test_a_start_up_failure_leaves_no_run_folder(corpus, tmp_path):
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import build_tokenizer
+
+    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
+    tok = build_tokenizer(tok_cfg, texts=lambda: ["abc\n"])  # a tokenizer that cannot encode Shakespeare
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=1, n_heads=2, d_model=32))
+    write_run_folder(tmp_path / "runs" / "abc", {"tokenizer": tok_cfg}, model, tok)
+    r = run_cli("train", f"init_from={tmp_path / 'runs' / 'abc'}", "data=files", f"data.paths=[{corpus}]",
+                f"runs_dir={tmp_path / 'runs'}", "name=ft")
+    assert r.returncode == 2 and "cannot encode" in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["abc"]
+    r = run_cli("train", *tiny(corpus, tmp_path / "runs", "nolog", "logger=[wandb]"),
+                env={"PYTHONPATH": str(_no_package(tmp_path, "wandb"))})
+    assert r.returncode == 2 and "pip install wandb" in r.stderr, r.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["abc"]
+
+
+def _no_package(tmp_path: Path, name: str) -> Path:
+    """A folder for PYTHONPATH in which importing `name` fails as if it were not installed."""
+    stub = tmp_path / "stub"
+    (stub / name).mkdir(parents=True)
+    (stub / name / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+    return stub
+
+
+# ---- export never destroys its source -------------------------------------------------------------
+def test_export_refuses_an_out_that_is_contains_or_lies_inside_the_run(tmp_path, capsys):
+    d, _, _ = make_run(tmp_path)
+    (tmp_path / "other").mkdir()
+    other, _, _ = make_run(tmp_path / "other")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (d, d.parent, d / "hf", other):
+        code, _, err = run_main(capsys, "export", f"run={d}", f"out={out}", "force=true")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+# ---- metrics.csv and the disk estimate, in process -------------------------------------------------
+def test_metrics_csv_keeps_exactly_the_rows_a_checkpoint_covers(tmp_path):
+    from gptkit.training.metrics_csv import MetricsCSV, read_rows
+
+    m = MetricsCSV(tmp_path)
+    for step in range(5):
+        if step == 4:
+            m.log_metrics({"val/loss": 9.0}, step)  # the validation after 4 steps ...
+            m.sync()  # ... is on disk before the checkpoint of step 4 is published
+        m.log_metrics({"train/loss": float(step), "lr-AdamW": 0.1}, step)
+        m.save()
+    with open(tmp_path / "metrics.csv", "a") as f:
+        f.write("5,5.0,0.1")  # a row cut short by a kill
+    resumed = MetricsCSV(tmp_path, resume_step=4)
+    resumed.log_metrics({"train/loss": 4.5, "lr-AdamW": 0.1}, 4)
+    resumed.finalize("success")
+    columns, rows = read_rows(tmp_path / "metrics.csv")
+    assert list(rows) == [0, 1, 2, 3, 4]  # one row per step: the checkpoint's four, then step 4 redone
+    assert rows[4] == {"val/loss": "9.0", "train/loss": "4.5", "lr-AdamW": "0.1"}
+    assert (tmp_path / "metrics.csv").read_text().splitlines()[0] == "step,train/loss,lr-AdamW,val/loss"
+
+
+def test_an_older_metrics_csv_with_the_learning_rate_on_its_own_rows_is_merged_on_resume(tmp_path):
+    from gptkit.training.metrics_csv import MetricsCSV, read_rows
+
+    (tmp_path / "metrics.csv").write_text("lr-AdamW,step,train/loss\n0.1,0,\n,0,4.0\n0.2,1,\n,1,3.9\n0.3,2,\n")
+    MetricsCSV(tmp_path, resume_step=2).finalize("success")
+    assert read_rows(tmp_path / "metrics.csv")[1] == {0: {"lr-AdamW": "0.1", "train/loss": "4.0"},
+                                                      1: {"lr-AdamW": "0.2", "train/loss": "3.9"}}
+
+
+def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_it(tmp_path, monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    from gptkit.model import ModelConfig
+    from gptkit.training import fit
+
+    t = OmegaConf.create({"precision": "32-true", "checkpoint_every": 100, "keep_checkpoints": 3})
+    cfg = ModelConfig(vocab_size=50304, max_seq_len=1024, n_layers=12, n_heads=12, d_model=768)  # gpt2: 124M
+    monkeypatch.setattr("gptkit.fsio.free_bytes", lambda path: 2 << 30)
+    fit._check_disk(tmp_path, cfg, t, max_steps=1000, start_step=0)
+    err = capsys.readouterr().err
+    assert "checkpoints: ~1.39 GiB each, up to 5 at once" in err  # 3 kept + the one being written + last.ckpt
+    assert "warning" in err and "lacks the space" in err
+
