@@ -11,14 +11,18 @@ def window_starts(n_tokens: int, seq_len: int, stride: int, max_windows: int | N
     return starts[: int(max_windows)] if max_windows else starts
 
 
-def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_windows=None, progress=None) -> dict:
-    """Sum of the NLL over every scored target; each target tokens[1:] is scored exactly once."""
+def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_windows=None, progress=None,
+             eos_id: int | None = None) -> dict:
+    """Sum of the NLL over every scored target; each target tokens[1:] is scored exactly once. With eos_id
+    (a run trained with data.pack=documents) attention stays inside each document of a window, as in training."""
     import math
     import time
 
     import numpy as np
     import torch
     import torch.nn.functional as F
+
+    from gptkit.data.windows import doc_ids
 
     N = len(tokens)
     starts = window_starts(N, seq_len, stride, max_windows)
@@ -36,7 +40,8 @@ def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_wind
                 target = torch.from_numpy(np.asarray(tokens[s + 1 : s + n + 1], dtype=np.int64))
                 first = 0 if s == 0 else seq_len - stride  # targets before it were scored by the previous window
                 y[i, first:n] = target[first:]
-            logits = model(x.to(device)).logits  # [B, seq_len, V]
+            docs = None if eos_id is None else doc_ids(x, eos_id).to(device)  # [B, seq_len]
+            logits = model(x.to(device), doc_ids=docs).logits  # [B, seq_len, V]
             nll += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), ignore_index=-100,
                                    reduction="sum").item()
             scored += int((y != -100).sum())
@@ -45,7 +50,7 @@ def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_wind
     seconds = time.perf_counter() - t0
     loss = nll / scored
     return {"tokens_scored": scored, "windows": len(starts), "seq_len": seq_len, "stride": stride, "nll_sum": nll,
-            "loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
+            "loss": loss, "documents": eos_id is not None, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
             "seconds": seconds, "tokens_per_s": scored / seconds if seconds else 0.0,
             "last_target": (starts[-1] + min(seq_len, N - 1 - starts[-1])) if starts else 0}
 

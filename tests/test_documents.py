@@ -161,3 +161,10 @@ def test_train_cli_with_packed_documents_and_fused_kernels(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = (tmp_path / "runs" / "packed" / "config.yaml").read_text()
     assert "pack: documents" in cfg and "position_reset: true" in cfg
+    import json  # eval follows the run's data.pack unless told otherwise
+
+    runs = [run_cli("eval", f"run={tmp_path / 'runs' / 'packed'}", "progress=false", "format=json", "split=all", *pack)
+            for pack in ((), ("pack=stream",))]
+    assert all(e.returncode == 0 for e in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
+    packed, stream = (json.loads(e.stdout) for e in runs)
+    assert packed["documents"] and not stream["documents"] and packed["loss"] != stream["loss"]

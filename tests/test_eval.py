@@ -66,3 +66,31 @@ def test_held_out_file_and_bad_values(tmp_path, capsys):
 
     code, _, err = run_main(capsys, "eval", f"run={d}", "seq_len=64")
     assert code == 2 and err.count("\n") == 1 and "seq_len=64 must be in [1, model.max_seq_len=32]" in err
+
+
+def test_packed_documents_are_evaluated_as_they_were_trained():
+    """With eos_id (a data.pack=documents run), each window attends only inside its documents and RoPE
+    positions restart at each one: the loss of a direct loop over the same windows with doc_ids, and not the
+    stream loss."""
+    from gptkit.data.windows import doc_ids
+    from gptkit.evaluation import evaluate
+    from gptkit.model import GPT, ModelConfig
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=20, n_layers=1, n_heads=2, n_kv_heads=1, d_model=16, d_ff=32, max_seq_len=16,
+                      position="rope", mlp="swiglu", norm="rmsnorm", position_reset=True)
+    model = GPT(cfg).eval()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(1, 20, size=3 * 16 + 1)
+    tokens[[3, 9, 20, 21, 40]] = 0  # EOS = 0: documents of 1..12 tokens, some across window edges
+    nll = 0.0
+    with torch.no_grad():
+        for s in (0, 16, 32):
+            x = torch.tensor(tokens[s : s + 16][None].astype(np.int64))  # [1, 16]
+            y = torch.tensor(tokens[s + 1 : s + 17][None].astype(np.int64))  # [1, 16]
+            nll += F.cross_entropy(model(x, doc_ids=doc_ids(x, 0)).logits[0], y[0], reduction="sum").item()
+    packed = evaluate(model, tokens, 16, 16, batch_size=2, eos_id=0)
+    stream = evaluate(model, tokens, 16, 16, batch_size=2)
+    assert packed["documents"] and not stream["documents"]
+    assert packed["tokens_scored"] == 48 and math.isclose(packed["nll_sum"], nll, rel_tol=1e-5)
+    assert abs(stream["nll_sum"] - nll) > 1e-3  # the masking changes the numbers: the test can tell

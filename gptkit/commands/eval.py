@@ -10,13 +10,16 @@ Examples:
   gptkit eval run=runs/shakespeare                       (the run's own val split)
   gptkit eval run=runs/shakespeare data=files 'data.paths=[held_out.txt]'   (a whole held-out file)
   gptkit eval run=runs/shakespeare stride=64 format=json
+A run trained with data.pack=documents is evaluated the same way (attention stays inside each document of a
+window, positions restart with model.position_reset); pack=stream|documents chooses.
 """
 
 from __future__ import annotations
 
 
 def corpus_tokens(cfg, r):
-    """(tokens [N] numpy, description): the split of the held-out corpus or of the run's own data."""
+    """(tokens [N] numpy, description, EOS id or None): the split of the held-out corpus or of the run's own
+    data."""
     import numpy as np
 
     from gptkit.data import prepare
@@ -43,7 +46,23 @@ def corpus_tokens(cfg, r):
         tokens = p.train_tokens() if split == "train" else p.val_tokens()
     else:
         raise GptkitError(f"split={split!r} is not one of val, train, all")
-    return tokens, f"{p.manifest['source']['description'] or p.dir.name} ({split})"
+    return tokens, f"{p.manifest['source']['description'] or p.dir.name} ({split})", p.eos_id
+
+
+def pack_eos_id(cfg, r, eos_id: int | None, source: str) -> int | None:
+    """The EOS id that separates documents when the windows are evaluated as packed documents (pack=, by
+    default the run's own data.pack), else None."""
+    from gptkit.errors import ConfigError
+
+    pack = cfg.pack or (r.config.get("data") or {}).get("pack") or "stream"
+    if pack not in ("stream", "documents"):
+        raise ConfigError(f"pack={pack!r} must be stream or documents")
+    if pack == "stream":
+        return None
+    if eos_id is None:
+        raise ConfigError(f"pack=documents needs an EOS token between documents and {source} has none; "
+                          f"use pack=stream")
+    return eos_id
 
 
 def run(cfg) -> int:
@@ -68,7 +87,8 @@ def run(cfg) -> int:
         raise ConfigError(f"stride={stride} must be in [1, seq_len={seq_len}]")
     if int(cfg.batch_size) < 1:
         raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
-    tokens, source = corpus_tokens(cfg, r)
+    tokens, source, eos_id = corpus_tokens(cfg, r)
+    eos_id = pack_eos_id(cfg, r, eos_id, source)
     if len(tokens) < 2:
         raise GptkitError(f"{source} has {len(tokens)} token(s); evaluation needs at least 2")
     if int(tokens.max()) >= r.model_cfg.vocab_size:
@@ -82,9 +102,10 @@ def run(cfg) -> int:
 
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"eval {source}", total=n_windows)
-            res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows, lambda n: bar.advance(task, n))
+            res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows, lambda n: bar.advance(task, n),
+                           eos_id=eos_id)
     else:
-        res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows)
+        res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows, eos_id=eos_id)
     n_bytes, n_chars = scored_text_size(r.tokenizer, tokens, res.pop("last_target"))
     bits = res["nll_sum"] / math.log(2)
     res.update({"run": str(r.dir), "checkpoint": str(r.checkpoint), "data": source, "corpus_tokens": len(tokens),
@@ -107,7 +128,8 @@ def run(cfg) -> int:
     t.add_section()
     t.add_row("tokens scored", f"{res['tokens_scored']:,} of {len(tokens):,}")
     t.add_row("bytes / characters scored", f"{n_bytes:,} / {n_chars:,}")
-    t.add_row("windows (seq_len, stride)", f"{res['windows']:,} ({seq_len}, {stride})")
+    t.add_row("windows (seq_len, stride)", f"{res['windows']:,} ({seq_len}, {stride})"
+              + (", attention within documents" if res["documents"] else ""))
     t.add_row("time", f"{res['seconds']:.2f} s ({res['tokens_per_s']:,.0f} tokens/s)")
     Console().print(t)
     return 0
