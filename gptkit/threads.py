@@ -55,9 +55,12 @@ def set_threads(threads, option: str, processes: int = 1, warn: bool = True) -> 
 
 def oversubscribed(threads: int, processes: int, option: str, load: float | None = None,
                    n_cores: int | None = None) -> str | None:
-    """The warning for `threads` per process x `processes` on this machine (its 1-minute load average is
-    the other work), or None when they fit. The fix names the largest count that fits, at least 1."""
+    """The warning for `threads` per process x `processes` on this machine, or None when they fit. The other
+    work is `load`, else the 1-minute load average, confirmed (when it says the threads do not fit) by what is
+    busy now (busy_now: the average lags a minute behind work that has ended). The fix names the largest count
+    that fits, at least 1."""
     n_cores = n_cores or cores()
+    measured = load is not None
     if load is None:
         try:
             load = os.getloadavg()[0]
@@ -66,6 +69,34 @@ def oversubscribed(threads: int, processes: int, option: str, load: float | None
     fits = max(1, int((n_cores - load) / processes + 0.5))
     if threads <= fits:
         return None
+    if not measured:  # the 1-minute average still counts work that just ended (a `train` before `sample`)
+        now = busy_now()
+        if now is not None and now < load:
+            load = now
+            fits = max(1, int((n_cores - load) / processes + 0.5))
+            if threads <= fits:
+                return None
     per = f"{threads} torch threads" + (f" x {processes} processes" if processes > 1 else "")
     return (f"{per} on {n_cores} cores that other work already loads ({load:.1f}): the threads will wait for "
             f"each other and steps can be several times slower; set {option}={fits} (or OMP_NUM_THREADS={fits})")
+
+
+def busy_now(seconds: float = 0.2) -> float | None:
+    """Cores busy with other work right now: the machine's busy CPU time over `seconds` (/proc/stat) minus
+    this process's own, per second of wall time; None where /proc/stat cannot be read."""
+    import time
+
+    def busy_and_total() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            ticks = [int(v) for v in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal
+        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+
+    try:
+        b0, _ = busy_and_total()
+        own0, t0 = time.process_time(), time.perf_counter()
+        time.sleep(seconds)
+        b1, _ = busy_and_total()
+        own, wall = time.process_time() - own0, time.perf_counter() - t0
+        return max(0.0, ((b1 - b0) / os.sysconf("SC_CLK_TCK") - own) / wall)
+    except (OSError, ValueError, IndexError):
+        return None

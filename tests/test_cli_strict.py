@@ -212,6 +212,21 @@ def test_oversubscription_warning_names_the_fix():
     assert "x 4 processes" in oversubscribed(2, 4, "trainer.threads", load=0.0, n_cores=4)  # DDP on CPU
 
 
+def test_a_load_average_left_by_work_that_has_ended_gives_no_warning(monkeypatch):
+    """The 1-minute average lags: right after a `gptkit train`, `gptkit sample` must not warn because of it."""
+    import gptkit.threads
+    from gptkit.threads import busy_now, oversubscribed
+
+    monkeypatch.setattr(gptkit.threads, "cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.3, 1.0, 1.0))
+    monkeypatch.setattr(gptkit.threads, "busy_now", lambda: 0.1)  # the machine is quiet now
+    assert oversubscribed(2, 1, "threads") is None
+    monkeypatch.setattr(gptkit.threads, "busy_now", lambda: 1.2)  # still busy: the warning, with the load now
+    assert "already loads (1.2)" in oversubscribed(2, 1, "threads")
+    now = busy_now(0.05)  # the real measurement: a number of cores, not counting this process
+    assert now is None or 0.0 <= now <= os.cpu_count() + 0.5
+
+
 @pytest.fixture
 def busy_machine(monkeypatch):
     """Two cores, one of them busy with other work; torch's threads restored afterwards."""
@@ -219,6 +234,7 @@ def busy_machine(monkeypatch):
 
     monkeypatch.setattr(gptkit.threads, "cores", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(gptkit.threads, "busy_now", lambda: 1.0)
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     threads = torch.get_num_threads()
     yield
@@ -245,7 +261,7 @@ def test_train_threads_warns_once_on_a_busy_machine(tmp_path):
             "trainer.max_steps=1", "trainer.val_windows=2", "trainer.progress=false", "trainer.accelerator=cpu",
             f"runs_dir={tmp_path}", "name=t", "trainer.threads=2"]
     code = ("import os, sys, torch\nimport gptkit.threads\nos.getloadavg = lambda: (1.0, 1.0, 1.0)\n"
-            "gptkit.threads.cores = lambda: 2\nfrom gptkit.cli import main\n"
+            "gptkit.threads.cores = lambda: 2\ngptkit.threads.busy_now = lambda: 1.0\nfrom gptkit.cli import main\n"
             f"rc = main({args!r})\nprint('threads', torch.get_num_threads(), rc)")
     env = {k: v for k, v in os.environ.items() if k != "GPTKIT_VERB"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
