@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.optim import lr_factor, param_groups
@@ -44,3 +45,28 @@ def test_cosine_linear_and_wsd_shapes():
     steps = [f(s, "cosine") for s in range(100, 1001)]
     assert all(a >= b for a, b in zip(steps, steps[1:]))  # monotone after warm-up
     assert math.isclose(min(steps), 0.1)
+
+
+def test_min_lr_defaults_to_a_tenth_of_lr_so_a_small_lr_alone_is_valid():
+    """optim.lr=3e-5 alone (the README's fine-tuning line) must not trip over an absolute min_lr default."""
+    from omegaconf import OmegaConf
+
+    from gptkit.config import compose
+    from gptkit.errors import ConfigError
+    from gptkit.training.optim import build_scheduler, check_optim_config, min_lr
+
+    cfg = compose("train", ["optim.lr=3e-5", "optim.warmup_steps=0"]).optim
+    check_optim_config(cfg)
+    assert cfg.min_lr is None and min_lr(cfg) == pytest.approx(3e-6)
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=3e-5)
+    sched = build_scheduler(opt, cfg, max_steps=10)
+    for _ in range(10):
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-6)  # decayed to lr / 10
+    explicit = OmegaConf.merge(cfg, {"min_lr": 0})
+    check_optim_config(explicit)
+    assert min_lr(explicit) == 0.0
+    for bad, match in ((1e-3, r"must be in \[0, optim.lr=3e-05\]"), ("abc", "is not a number")):
+        with pytest.raises(ConfigError, match=match):
+            check_optim_config(OmegaConf.merge(cfg, {"min_lr": bad}))

@@ -408,12 +408,12 @@ def out_of_memory(cfg: DictConfig, model_cfg, world: int) -> GptkitError:
 
 def schedule_note(saved_max_steps: int | None, max_steps: int, step: int, optim: Any) -> str | None:
     """On resume: one line when the schedule is re-planned (another max_steps), with the lr before and after."""
-    from gptkit.training.optim import lr_factor
+    from gptkit.training.optim import lr_factor, min_lr
 
     if saved_max_steps is None or saved_max_steps == max_steps:
         return None
     kw = dict(schedule=optim.schedule, warmup_steps=int(optim.warmup_steps), lr=float(optim.lr),
-              min_lr=float(optim.min_lr), decay_fraction=float(optim.decay_fraction))
+              min_lr=min_lr(optim), decay_fraction=float(optim.decay_fraction))
     before = float(optim.lr) * lr_factor(step, max_steps=saved_max_steps, **kw)
     after = float(optim.lr) * lr_factor(step, max_steps=max_steps, **kw)
     return (f"the {optim.schedule} schedule is re-planned for {max_steps} steps instead of {saved_max_steps}: "

@@ -43,11 +43,20 @@ def check_optim_config(cfg: Any) -> None:
         raise ConfigError(f"optim.lr={cfg.lr} must be > 0")
     if cfg.schedule not in SCHEDULES:
         raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
-        raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}]")
+    if cfg.get("min_lr") is not None:
+        if isinstance(cfg.min_lr, bool) or not isinstance(cfg.min_lr, (int, float)):
+            raise ConfigError(f"optim.min_lr={cfg.min_lr} is not a number (null: optim.lr / 10)")
+        if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
+            raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}] (or null: optim.lr / 10)")
     if int(cfg.warmup_steps) < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
     adamw_implementation(cfg.fused, "cpu")
+
+
+def min_lr(cfg: Any) -> float:
+    """The lr the schedule decays to: optim.min_lr, or optim.lr / 10 when it is null (the default, so that
+    optim.lr=3e-5 alone gives a schedule to 3e-6)."""
+    return float(cfg.lr) / 10 if cfg.get("min_lr") is None else float(cfg.min_lr)
 
 
 FUSED_DEVICES = ("cuda", "cpu")  # where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
@@ -107,5 +116,5 @@ def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     kw = dict(schedule=cfg.schedule, max_steps=max_steps, warmup_steps=int(cfg.warmup_steps), lr=float(cfg.lr),
-              min_lr=float(cfg.min_lr), decay_fraction=float(cfg.decay_fraction))
+              min_lr=min_lr(cfg), decay_fraction=float(cfg.decay_fraction))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, **kw))
