@@ -302,3 +302,24 @@ def test_a_missing_logger_package_is_one_line_before_any_work(tmp_path, monkeypa
     with pytest.raises(ConfigError, match=r"logger=tensorboard needs the tensorboard package.*gptkit\[tensorboard\]"):
         check_loggers({"csv": {}, "tensorboard": {"enabled": True}})
     check_loggers({"csv": {}, "tensorboard": {"enabled": False}})  # switched off: not needed
+
+
+def test_trainer_seq_len_trains_and_fine_tunes_on_windows_shorter_than_the_context(corpus, tmp_path):
+    """trainer.seq_len: windows of 8 tokens for a model whose context is 32 (start-up says so; FLOPs and the
+    token count follow), which lets init_from fine-tune on a text shorter than the model's context."""
+    src = _source_run(corpus, tmp_path / "src")  # model.max_seq_len=32
+    short = tmp_path / "short.txt"
+    short.write_text(shakespeare(30, start=100_000))  # 30 characters: not one window of 33
+    base = ["train", f"init_from={src}", "data=files", f"data.paths=[{short}]", "data.val_fraction=0.3",
+            "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_windows=2", "trainer.progress=false",
+            f"runs_dir={tmp_path}"]
+    r = run_cli(*base, "name=ft-ctx")
+    assert r.returncode == 2 and "shorter than one window" in r.stderr, r.stderr[-2000:]
+    r = run_cli(*base, "trainer.seq_len=8", "name=ft")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "16 tokens/step = 2 sequences x 8 tokens" in r.stderr, r.stderr[-2000:]
+    r = run_cli(*base, "trainer.seq_len=33", "name=ft-long")
+    assert r.returncode == 2 and "trainer.seq_len=33 must be in [1, model.max_seq_len=32]" in r.stderr
+    r = run_cli("train", *tiny_args(corpus, tmp_path, "new", "trainer.seq_len=64"))  # a new model: before any work
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
+    assert not (tmp_path / "new").exists()

@@ -61,6 +61,7 @@ def run(cfg) -> int:
     from gptkit.config import model_config
     from gptkit.errors import GptkitError
     from gptkit.training.distributed import devices_per_node
+    from gptkit.training.fit import train_seq_len
     from gptkit.training.trainer import check_trainer_config
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
@@ -72,8 +73,10 @@ def run(cfg) -> int:
     per_node = devices_per_node(t)
     world = per_node * int(t.num_nodes)
     shards = world if t.strategy == "fsdp" else 1
-    estimate = acc.training_memory(model, t.precision, shards, int(t.batch_size), model.max_seq_len,
+    seq_len = train_seq_len(t, model)
+    estimate = acc.training_memory(model, t.precision, shards, int(t.batch_size), seq_len,
                                    bool(t.activation_checkpointing))
+    estimate["seq_len"] = seq_len
 
     # the probe runs over the same backend as training (nccl on GPUs, gloo on CPU) in a plain DDP group
     fabric = Fabric(accelerator=t.accelerator, devices=per_node, num_nodes=int(t.num_nodes),
@@ -135,7 +138,7 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     summary.add_row("training memory per device (estimate)",
                     f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads {human_bytes(estimate['gradients'])}, "
                     f"optimizer {human_bytes(estimate['optimizer'])}, activations {human_bytes(estimate['activations'])} "
-                    f"(batch {int(t.batch_size)} x {model.max_seq_len})", "")
+                    f"(batch {int(t.batch_size)} x {estimate['seq_len']})", "")
     smallest = min(r["mem_total"] for r in rows)
     summary.add_row("smallest device memory", f"{human_bytes(smallest)} (limit {margin:.0%}: {human_bytes(margin * smallest)})",
                     ok(not short))

@@ -209,7 +209,18 @@ def check_config(cfg: DictConfig) -> None:
     if init_from and not str(cfg.init_from).startswith(HF_PREFIX):  # hf: is imported (and checked) at the start
         verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
     elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
-        ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        train_seq_len(cfg.trainer, model_cfg)
+
+
+def train_seq_len(t: DictConfig, model_cfg) -> int:
+    """The training window: trainer.seq_len (at most the model's context), or model.max_seq_len when null."""
+    seq_len = t.get("seq_len")
+    if seq_len is None:
+        return model_cfg.max_seq_len
+    if not 1 <= int(seq_len) <= model_cfg.max_seq_len:
+        raise ConfigError(f"trainer.seq_len={seq_len} must be in [1, model.max_seq_len={model_cfg.max_seq_len}]")
+    return int(seq_len)
 
 
 def train(cfg: DictConfig) -> TrainResult:
@@ -261,7 +272,7 @@ def train(cfg: DictConfig) -> TrainResult:
     cfg.model = OmegaConf.create(model_cfg.to_dict())
 
     t = cfg.trainer
-    seq_len = model_cfg.max_seq_len
+    seq_len = train_seq_len(t, model_cfg)
     world = world_size(t)  # devices per node x nodes (devices=auto: every visible GPU)
     tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
     if t.max_tokens is not None:
@@ -396,7 +407,7 @@ def out_of_memory(cfg: DictConfig, model_cfg, world: int) -> GptkitError:
 
     t = cfg.trainer
     shards = world if t.strategy == "fsdp" else 1
-    mem = acc.training_memory(model_cfg, t.precision, shards, int(t.batch_size), model_cfg.max_seq_len,
+    mem = acc.training_memory(model_cfg, t.precision, shards, int(t.batch_size), train_seq_len(t, model_cfg),
                               bool(t.activation_checkpointing))
     return GptkitError(
         f"out of GPU memory: count-params estimates {human_bytes(mem['total'])} per device (weights "
@@ -434,7 +445,8 @@ def _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flo
 
     t = cfg.trainer
     n = acc.count_params(model_cfg).total
-    per_device = tokens_per_step // (model_cfg.max_seq_len * trainer.accumulate_grad_batches * trainer.world_size)
+    seq_len = train_seq_len(t, model_cfg)
+    per_device = tokens_per_step // (seq_len * trainer.accumulate_grad_batches * trainer.world_size)
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
     compiled = f", torch.compile={compile_mode(t.compile)}" if compile_mode(t.compile) else ""
     job = _multirun_job()
@@ -445,7 +457,7 @@ def _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flo
         f"attention {model_cfg.attention}{compiled}\n"
         f"  data: {escape(str(prepared.manifest.get('source', {}).get('description', prepared.dir)))}"
         f" ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
-        f"  global batch: {tokens_per_step:,} tokens/step = {per_device} sequences x {model_cfg.max_seq_len} tokens"
+        f"  global batch: {tokens_per_step:,} tokens/step = {per_device} sequences x {seq_len} tokens"
         f" x {trainer.accumulate_grad_batches} accumulation x {trainer.num_devices} devices x {trainer.num_nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
         f"{max_steps} steps = {tokens_per_step * max_steps:,} tokens, "

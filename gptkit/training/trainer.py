@@ -147,6 +147,9 @@ def check_trainer_config(t: Any) -> None:
         raise ConfigError(f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)")
     if t.max_tokens is not None:
         count(t.max_tokens, "trainer.max_tokens")
+    seq_len = t.get("seq_len")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ConfigError(f"trainer.seq_len={seq_len} must be an integer >= 1 (or null for model.max_seq_len)")
     check_threads(t.get("threads"), "trainer.threads")
     if t.val_windows is not None and int(t.val_windows) < 1:
         raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
