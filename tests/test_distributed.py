@@ -105,8 +105,11 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
     from gptkit.runs import load_model
 
     run = tmp_path / "fsdp"
-    train(*args(corpus, tmp_path, "fsdp", 2, "trainer=fsdp", "trainer.devices=2", "trainer.precision=32-true",
-                "trainer.stop_at_step=3"))
+    r = train(*args(corpus, tmp_path, "fsdp", 2, "trainer=fsdp", "trainer.devices=2", "trainer.precision=32-true",
+                    "trainer.stop_at_step=3"))
+    # rank 1 built its model on the meta device and got rank 0's weights: the trajectory below could not match
+    # the single process's otherwise
+    assert "the other 1 rank(s) start on the meta device" in r.stderr, r.stderr[-2000:]
     sharded = run / "checkpoints/step-000002.ckpt"
     assert (sharded / ".metadata").is_file() and len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
     # the 2-rank shards continue in one process (FSDP over a world of 1: the shards are re-split on load)

@@ -277,6 +277,18 @@ def _verify_together(path: Path) -> None:
         raise GptkitError(first)
 
 
+def broadcast_weights(model, full_state: dict | None, device) -> None:
+    """After fully_shard: every rank's shards take rank 0's weights (full_state on rank 0, None elsewhere).
+    A rank whose model was built on the meta device first allocates its shards on `device` (RoPE tables are
+    recomputed then). Collective: every rank calls it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
+        model.to_empty(device=device)
+    set_model_state_dict(model, full_state or {},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+
+
 def parallelize(model, strategy) -> bool:
     """Shard `model` (the GPT) with FSDP2 when `strategy` is the fsdp strategy: one fully_shard unit per
     transformer block, then the root (embeddings, final norm, head: tied weights stay in one unit).

@@ -294,8 +294,9 @@ def train(cfg: DictConfig) -> TrainResult:
     peak = detect_peak_flops(t.precision, t.peak_tflops)
     module = LitGPT(model_cfg, cfg.optim, max_steps, compile=t.compile,
                     activation_checkpointing=bool(t.activation_checkpointing),
-                    compile_backend=str(t.get("compile_backend") or "inductor"))
-    if init_ckpt is not None:
+                    compile_backend=str(t.get("compile_backend") or "inductor"),
+                    weights_from_rank0=t.strategy == "fsdp" and world > 1)
+    if init_ckpt is not None and not module.built_on_meta:  # FSDP: rank 0's weights reach the other ranks
         _load_init_weights(module, init_ckpt)
     datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
                                  val_windows=t.val_windows, pack=cfg.data.get("pack", "stream"))
@@ -466,6 +467,8 @@ def _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flo
         + (f"\n  resuming from {escape(str(resume))}" if resume else "")
         + (f"\n  note: {replan}" if replan else "")
         + (f"\n  weights from {escape(str(init_from))} (new optimizer and schedule)" if init_from else "")
+        + (f"\n  FSDP: rank 0 builds the weights; the other {trainer.world_size - 1} rank(s) start on the meta device "
+           f"and receive their shards" if t.strategy == "fsdp" and trainer.world_size > 1 else "")
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import lightning as L
@@ -9,6 +10,7 @@ import torch
 
 from gptkit.errors import ConfigError
 from gptkit.model import GPT, ModelConfig
+from gptkit.runs import is_rank_zero
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler
 
@@ -61,9 +63,16 @@ def apply_activation_checkpointing(model: GPT) -> None:
 class LitGPT(L.LightningModule):
     def __init__(self, model_cfg: ModelConfig, optim_cfg: Any, max_steps: int,
                  compile: str | None = None, activation_checkpointing: bool = False,
-                 compile_backend: str = "inductor") -> None:
+                 compile_backend: str = "inductor", weights_from_rank0: bool = False) -> None:
+        """weights_from_rank0 (FSDP over several processes): only global rank 0 builds and initializes the
+        full model on the host; the other ranks build it on the meta device (no memory) and receive their
+        shards of rank 0's weights once it is sharded (configure_model). A 7B model then takes ~28 GB of host
+        memory in one process of the job instead of in every one."""
         super().__init__()
-        self.model = GPT(model_cfg)
+        self.weights_from_rank0 = weights_from_rank0
+        self.built_on_meta = weights_from_rank0 and not is_rank_zero()
+        with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
+            self.model = GPT(model_cfg)
         if activation_checkpointing:
             apply_activation_checkpointing(self.model)
         self.optim_cfg = optim_cfg
@@ -74,9 +83,14 @@ class LitGPT(L.LightningModule):
         self._val_losses: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
-        from gptkit.training.distributed import parallelize
+        from gptkit.training.distributed import broadcast_weights, parallelize
 
-        parallelize(self.model, self.trainer.strategy)  # FSDP2 shards per block under trainer=fsdp; else no-op
+        strategy = self.trainer.strategy
+        full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None  # references
+        if parallelize(self.model, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
+            broadcast_weights(self.model, full, strategy.root_device)
+            self.built_on_meta = False
+        del full
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True
