@@ -318,6 +318,8 @@ def test_trainer_seq_len_trains_and_fine_tunes_on_windows_shorter_than_the_conte
     r = run_cli(*base, "trainer.seq_len=8", "name=ft")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "16 tokens/step = 2 sequences x 8 tokens" in r.stderr, r.stderr[-2000:]
+    e = run_cli("eval", f"run={tmp_path / 'ft'}", "progress=false", "format=json")  # eval's windows follow
+    assert e.returncode == 0 and '"seq_len": 8' in e.stdout, e.stderr[-2000:]
     r = run_cli(*base, "trainer.seq_len=33", "name=ft-long")
     assert r.returncode == 2 and "trainer.seq_len=33 must be in [1, model.max_seq_len=32]" in r.stderr
     r = run_cli("train", *tiny_args(corpus, tmp_path, "new", "trainer.seq_len=64"))  # a new model: before any work

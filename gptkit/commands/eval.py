@@ -79,7 +79,8 @@ def run(cfg) -> int:
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
     max_len = r.model_cfg.max_seq_len
-    seq_len = int(cfg.seq_len or max_len)
+    trained = (r.config.get("trainer") or {}).get("seq_len")  # the windows the run trained and validated on
+    seq_len = int(cfg.seq_len or trained or max_len)
     if not 1 <= seq_len <= max_len:
         raise ConfigError(f"seq_len={seq_len} must be in [1, model.max_seq_len={max_len}]")
     stride = int(cfg.stride or seq_len)
