@@ -144,7 +144,26 @@ def test_bench_sample_agrees_with_transformers(tmp_path, cli):
         assert row["same_tokens"] == 1.0, row
         assert 0 < row["gptkit_min"] <= row["gptkit_tokens_per_s"] <= row["gptkit_max"]
         assert 0 < row["transformers_min"] <= row["transformers_tokens_per_s"] <= row["transformers_max"]
+        assert row["read_roofline_tokens_per_s"] > 0 and row["gptkit_of_roofline"] > 0
     assert [c["context"] for c in res["context"]] == [8] and res["context"][0]["cache_ms"] > 0
+    assert "read roofline" in r.stdout
+
+
+def test_read_roofline_is_the_batch_over_the_time_to_read_a_step(monkeypatch):
+    """It reads decode_bytes_per_step bytes (the weights once, the K/V at the context) per timing."""
+    import torch
+
+    from gptkit.accounting import decode_bytes_per_step
+    from gptkit.bench.decode import read_roofline
+    from gptkit.model import GPT, ModelConfig
+
+    model = GPT(ModelConfig(vocab_size=100, max_seq_len=32, n_layers=1, n_heads=2, d_model=16))
+    sizes = []
+    real_ones = torch.ones
+    monkeypatch.setattr(torch, "ones", lambda n, **kw: sizes.append(n) or real_ones(n, **kw))
+    ticks = iter(range(0, 1000))  # the clock advances 1 s per call: every read takes 1 s
+    assert read_roofline(model, 4, 20, 3, clock=lambda: next(ticks)) == 4.0
+    assert sizes == [decode_bytes_per_step(model.cfg, 4, 20, "fp32") // 4]
 
 
 @pytest.mark.parametrize("override, message", [

@@ -7,8 +7,9 @@ and their min-max. First-token latency is time(1 new token): the prompt's prefil
 Greedy tokens are compared between the sides (same weights, same math: they should agree in fp32).
 
 bench.device=cpu (the default): gptkit (decode=auto: the eager loop with the CPU decoding layout) vs
-  transformers, for bench.models x bench.batch_sizes; then ms per decode step against the context length,
-  with the KV cache vs a no-cache loop that re-runs the whole prefix.
+  transformers, for bench.models x bench.batch_sizes, and the read roofline (read_roofline: what reading a
+  step's bytes once costs this process here); then ms per decode step against the context length, with the
+  KV cache vs a no-cache loop that re-runs the whole prefix.
 bench.device=cuda: bench.cuda.models in bench.cuda.dtype x bench.cuda.batch_sizes, each side in
   bench.cuda.sides (SIDES below), rows printed as they finish; the HBM roofline is batch * bandwidth /
   gptkit.accounting.decode_bytes_per_step (the weights, and the K/V at the mean context of the timed steps).
@@ -126,6 +127,26 @@ def same_tokens(a: list[list[int]], b: list[list[int]]) -> float:
     return sum(p == q for x, y in zip(a, b) for p, q in zip(x, y)) / max(total, 1)
 
 
+def read_roofline(model, batch: int, context: int, repeats: int, clock=time.perf_counter) -> float:
+    """Tokens/s if a decode step cost only reading its bytes (gptkit.accounting.decode_bytes_per_step: the
+    weights once, the K/V at `context`) at the speed this process reads that many bytes here: a sum over a
+    buffer of that size, timed like the steps (the median of `repeats` after one warm-up). On one CPU core a
+    decode step of a small fp32 model is this read; no fp32 decoder gets past it."""
+    import torch
+
+    from gptkit.accounting import decode_bytes_per_step
+
+    n_bytes = decode_bytes_per_step(model.cfg, batch, context, "fp32")
+    buf = torch.ones(max(1, n_bytes // 4), dtype=torch.float32)  # touched: the pages exist before the timing
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        buf.sum()
+        times.append(clock() - t0)
+    return batch / max(statistics.median(times), 1e-9)
+
+
 def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.perf_counter) -> float:
     """Mean ms of one decode step at `context` tokens of context (batch 1)."""
     import torch
@@ -223,7 +244,7 @@ def run_cpu(cfg) -> dict:
     new_tokens, repeats = int(cfg.new_tokens), int(cfg.repeats)
     t = Table(title=f"decode tokens/s, greedy, prompt {cfg.prompt_tokens} + {new_tokens} new tokens, CPU, "
                     f"{torch.get_num_threads()} threads, {cfg.clock} clock: median of {repeats} (min-max)")
-    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens"):
+    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens", "read roofline"):
         t.add_column(col, justify="left" if col == "model" else "right")
     models = {}
     for name, spec in specs.items():
@@ -244,9 +265,14 @@ def run_cpu(cfg) -> dict:
                            transformers_max=theirs.high, speed_up=mine.median / theirs.median,
                            same_tokens=same_tokens(fn(new_tokens), hf_fn(new_tokens)))
                 cells = [theirs.text(), f"{row['speed_up']:.2f}x", f"{row['same_tokens']:.0%}"]
+            roof = read_roofline(model, int(batch), int(cfg.prompt_tokens) + new_tokens // 2, max(repeats, 3), clock)
+            row.update(read_roofline_tokens_per_s=roof, gptkit_of_roofline=mine.median / roof)
             results["decode"].append(row)
-            t.add_row(name, f"{row['params'] / 1e6:.1f}M", str(batch), mine.text(), *cells)
+            t.add_row(name, f"{row['params'] / 1e6:.1f}M", str(batch), mine.text(), *cells,
+                      f"{roof:,.0f} (gptkit {mine.median / roof:.0%})")
     con.print(t)
+    con.print("read roofline: tokens/s if a step only read its weights and K/V once, at the speed this process "
+              "reads that many bytes here (a sum over a buffer of that size)", style="dim")
 
     model = models[cfg.context_model] if cfg.context_model in models else build_model(specs[cfg.context_model])
     ct = Table(title=f"{cfg.context_model}: ms per decode step (batch 1) against the context length")
