@@ -50,9 +50,10 @@ def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_wind
     seconds = time.perf_counter() - t0
     loss = nll / scored
     return {"tokens_scored": scored, "windows": len(starts), "seq_len": seq_len, "stride": stride, "nll_sum": nll,
-            "loss": loss, "documents": eos_id is not None, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
+            "loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
             "seconds": seconds, "tokens_per_s": scored / seconds if seconds else 0.0,
-            "last_target": (starts[-1] + min(seq_len, N - 1 - starts[-1])) if starts else 0}
+            "last_target": (starts[-1] + min(seq_len, N - 1 - starts[-1])) if starts else 0,
+            "documents": eos_id is not None}
 
 
 def scored_text_size(tokenizer, tokens, last_target: int) -> tuple[int, int]:

@@ -86,16 +86,16 @@ def busy_now(seconds: float = 0.2) -> float | None:
     this process's own, per second of wall time; None where /proc/stat cannot be read."""
     import time
 
-    def busy_and_total() -> tuple[int, int]:
+    def busy_ticks() -> int:
         with open("/proc/stat") as f:
             ticks = [int(v) for v in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal
-        return sum(ticks) - ticks[3] - ticks[4], sum(ticks)
+        return sum(ticks) - ticks[3] - ticks[4]
 
     try:
-        b0, _ = busy_and_total()
+        b0 = busy_ticks()
         own0, t0 = time.process_time(), time.perf_counter()
         time.sleep(seconds)
-        b1, _ = busy_and_total()
+        b1 = busy_ticks()
         own, wall = time.process_time() - own0, time.perf_counter() - t0
         return max(0.0, ((b1 - b0) / os.sysconf("SC_CLK_TCK") - own) / wall)
     except (OSError, ValueError, IndexError):
