@@ -49,3 +49,16 @@ def run_cli(*args, env=None, cwd=None, timeout=300):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def run_main(capsys, *args) -> tuple[int, str, str]:
+    """gptkit.cli.main(args) in process -> (exit code, stdout, stderr) of that call alone."""
+    from gptkit.cli import main
+
+    capsys.readouterr()  # what earlier calls printed is not this call's
+    try:
+        code = main(list(args))
+    except SystemExit as exc:  # an error: main prints one line and exits
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err

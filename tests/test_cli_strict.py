@@ -14,22 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_main
 from test_hf_cli import one_line_error
 from test_sample_cli import make_run
 
 from gptkit.cli import VERBS
-
-
-def run_main(capsys, *args):
-    """gptkit.cli.main(args) in process -> (exit code, stdout, stderr)."""
-    from gptkit.cli import main
-
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def one_line(capsys, *args) -> str:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import shakespeare
+from conftest import run_main, shakespeare
 from test_hf import char_tokenizer, random_gpt
 from test_hf_cli import one_line_error
 
@@ -87,17 +87,6 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setattr("gptkit.hub.check_hub_reachable", lambda timeout, instead="": None)
     monkeypatch.delenv("GPTKIT_VERB", raising=False)  # main() sets it; restored afterwards
     return fake, model
-
-
-def run_main(capsys, *args) -> tuple[int, str, str]:
-    """gptkit.cli.main(args) in process -> (exit code, stdout, stderr)."""
-    capsys.readouterr()
-    try:
-        code = gptkit_main(list(args))
-    except SystemExit as exc:  # an error: main prints one line and exits
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_same_weights(run_dir: Path, model) -> None:

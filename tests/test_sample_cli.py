@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import shakespeare
+from conftest import run_main, shakespeare
 
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.generate import encode_prompt, generate
@@ -35,18 +35,6 @@ def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max
     model = GPT(cfg).eval()
     config = {"data": {"kind": "files", "paths": [str(corpus)], "val_fraction": 0.1}, "tokenizer": tok_cfg}
     return write_run_folder(tmp_path / "run", config, model, tok), model, tok
-
-
-def run_main(capsys, *args):
-    """gptkit.cli.main(args) in process -> (exit code, stdout, stderr)."""
-    from gptkit.cli import main
-
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 @pytest.fixture(scope="module")
