@@ -66,6 +66,8 @@ def test_held_out_file_and_bad_values(tmp_path, capsys):
 
     code, _, err = run_main(capsys, "eval", f"run={d}", "seq_len=64")
     assert code == 2 and err.count("\n") == 1 and "seq_len=64 must be in [1, model.max_seq_len=32]" in err
+    code, _, err = run_main(capsys, "eval", f"run={d}", "pack=docs")
+    assert code == 2 and err.count("\n") == 1 and "pack='docs' must be stream or documents" in err
 
 
 def test_packed_documents_are_evaluated_as_they_were_trained():

@@ -54,10 +54,7 @@ def pack_eos_id(cfg, r, eos_id: int | None, source: str) -> int | None:
     default the run's own data.pack), else None."""
     from gptkit.errors import ConfigError
 
-    pack = cfg.pack or (r.config.get("data") or {}).get("pack") or "stream"
-    if pack not in ("stream", "documents"):
-        raise ConfigError(f"pack={pack!r} must be stream or documents")
-    if pack == "stream":
+    if (cfg.pack or (r.config.get("data") or {}).get("pack") or "stream") == "stream":
         return None
     if eos_id is None:
         raise ConfigError(f"pack=documents needs an EOS token between documents and {source} has none; "
@@ -88,6 +85,8 @@ def run(cfg) -> int:
         raise ConfigError(f"stride={stride} must be in [1, seq_len={seq_len}]")
     if int(cfg.batch_size) < 1:
         raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+    if cfg.pack not in (None, "stream", "documents"):
+        raise ConfigError(f"pack={cfg.pack!r} must be stream or documents (or null: the run's data.pack)")
     tokens, source, eos_id = corpus_tokens(cfg, r)
     eos_id = pack_eos_id(cfg, r, eos_id, source)
     if len(tokens) < 2:
