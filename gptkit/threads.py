@@ -60,25 +60,23 @@ def oversubscribed(threads: int, processes: int, option: str, load: float | None
     busy now (busy_now: the average lags a minute behind work that has ended). The fix names the largest count
     that fits, at least 1."""
     n_cores = n_cores or cores()
-    measured = load is not None
+
+    def fits(load: float) -> int:
+        return max(1, int((n_cores - load) / processes + 0.5))
+
     if load is None:
         try:
             load = os.getloadavg()[0]
         except (AttributeError, OSError):
             return None
-    fits = max(1, int((n_cores - load) / processes + 0.5))
-    if threads <= fits:
+        if threads > fits(load):  # the 1-minute average still counts work that just ended (`train`, then `sample`)
+            now = busy_now()
+            load = load if now is None else min(load, now)
+    if threads <= fits(load):
         return None
-    if not measured:  # the 1-minute average still counts work that just ended (a `train` before `sample`)
-        now = busy_now()
-        if now is not None and now < load:
-            load = now
-            fits = max(1, int((n_cores - load) / processes + 0.5))
-            if threads <= fits:
-                return None
     per = f"{threads} torch threads" + (f" x {processes} processes" if processes > 1 else "")
     return (f"{per} on {n_cores} cores that other work already loads ({load:.1f}): the threads will wait for "
-            f"each other and steps can be several times slower; set {option}={fits} (or OMP_NUM_THREADS={fits})")
+            f"each other and steps can be several times slower; set {option}={fits(load)} (or OMP_NUM_THREADS={fits(load)})")
 
 
 def busy_now(seconds: float = 0.2) -> float | None:
