@@ -63,10 +63,16 @@ def atomic_write_text(path: Path | str, text: str) -> None:
 def lock_file(path: Path | str, create: bool = True) -> int | None:
     """An exclusive fcntl lock on `path`: the open descriptor (keep it open to keep the lock; the OS releases
     it when the process ends, kill -9 included), or None when another process holds it. With create=False
-    a missing file is FileNotFoundError."""
+    a missing file is FileNotFoundError. A symbolic link at `path` is never followed (its target would be
+    truncated): GptkitError."""
     import fcntl
 
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), FILE_MODE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), FILE_MODE)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise GptkitError(f"{path} is a symbolic link; a lock file is never followed: remove it") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -29,6 +29,7 @@ from typing import Any
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE
 from gptkit.model.config import ModelConfig
+from gptkit.runs import IMPORTED_FILE
 
 LLAMA, GPT2 = "llama", "gpt2"
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
@@ -386,7 +387,6 @@ def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None
 
 
 # ---- sources: a local folder or a Hugging Face Hub model ---------------------------------------
-IMPORTED_FILE = "imported_from.json"  # in an imported run folder: where its weights came from
 HUB_FIRST = ["config.json", "tokenizer.json"]  # fetched first: an unsupported model fails before its weights
 HUB_WEIGHTS = [SAFE_SINGLE, "model-*-of-*.safetensors", SAFE_INDEX]
 HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]  # only for a model without safetensors
@@ -508,10 +508,13 @@ class Imported:
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
     """Write the transformers folder src.dir as the gptkit run folder `out`: config.yaml, tokenizer.json (when the
     folder has one), checkpoints/last.ckpt (fp32; lower-precision sources widened exactly) and imported_from.json.
-    `out` is written whole or not at all; a non-empty `out` needs force=True."""
+    `out` is written whole or not at all; a non-empty `out` needs force=True, and is never the source, around
+    it, a run with training in it or a run another process holds (runs.check_import_out)."""
     from gptkit.fsio import staged_dir
     from gptkit.model import GPT
-    from gptkit.runs import TOKENIZER_FILE, load_tokenizer, write_run_folder
+    from gptkit.runs import TOKENIZER_FILE, check_import_out, load_tokenizer, write_run_folder
+
+    check_import_out(out, src.dir, force)
 
     hf_cfg = read_hf_config(src.dir)
     model_cfg = model_config_from_hf(hf_cfg, name=name or src.name)

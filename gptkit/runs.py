@@ -6,6 +6,7 @@
       manifest.json        the data manifest (when trained by gptkit)
       checkpoints/         last.ckpt and periodic step-NNNNNN.ckpt (see gptkit.checkpoints)
       metrics.csv, loss.png, ...
+      imported_from.json   (an imported run: where its weights came from; it has no training state)
       .lock                held (fcntl) by the one process that trains into the folder; holds its PID
 
 `run=latest` means the run folder under ./runs whose config.yaml was written last. A run folder is a
@@ -37,6 +38,8 @@ from gptkit.precision import torch_dtype
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
+METRICS_FILE = "metrics.csv"
+IMPORTED_FILE = "imported_from.json"
 LOCK_FILE = ".lock"
 HYDRA_DIR = ".hydra"  # Hydra's copy of the composed config, written when the run starts
 
@@ -81,6 +84,25 @@ def check_not_source(out: Path | str, source: Path | str) -> None:
         raise ConfigError(f"out={out} is a run folder; it is never replaced (force=true or not): choose another out=")
 
 
+def check_import_out(out: Path | str, source: Path | str | None, force: bool) -> None:
+    """`import out=` never destroys what it reads or a run: out must not be, contain or lie inside the source
+    folder (when known), and a run folder is replaced only when it is an earlier import (no training in it), with
+    force=true, and while no process holds its lock (the lock is then held by this process until it ends)."""
+    o = Path(out).expanduser().resolve()
+    src = Path(source).resolve() if source is not None else None
+    if src is not None and (o == src or src in o.parents or o in src.parents):
+        raise ConfigError(f"out={out} is, contains or lies inside the folder {src} being imported; "
+                          f"choose a folder outside it")
+    if not o.is_dir():
+        return
+    imported = (o / IMPORTED_FILE).is_file() and not (o / METRICS_FILE).exists()
+    if is_run_folder(o) and not imported:
+        raise ConfigError(f"out={out} is a run folder with training in it; import never replaces it (force=true or "
+                          f"not): choose another out=")
+    if force and (is_run_folder(o) or (o / LOCK_FILE).exists()):
+        claim_run_dir(o, remove_if_unused=False, instead="out=")  # a live process's lock: one line, its PID
+
+
 def is_rank_zero() -> bool:
     """True unless a launcher (Lightning, torchrun, SLURM, MPI) started this process as another rank."""
     return all(int(os.environ.get(k) or 0) == 0
@@ -96,7 +118,7 @@ def unused(run_dir: Path | str) -> bool:
 _claimed: dict[Path, int] = {}
 
 
-def claim_run_dir(run_dir: Path | str, remove_if_unused: bool) -> None:
+def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "name=") -> None:
     """Make this process the one writer of run_dir (created if needed): an exclusive fcntl lock on its .lock
     file, held until the process ends (the OS releases it then, kill -9 included, so no lock goes stale).
     Another holder is a one-line GptkitError naming its PID. With remove_if_unused (this invocation made the
@@ -113,7 +135,7 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool) -> None:
         except OSError:
             pid = "unknown"
         raise GptkitError(f"{run_dir} is being written by another gptkit process (PID {pid}); wait for it to end or "
-                          f"stop it, or choose another name=")
+                          f"stop it, or choose another {instead}")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _claimed[run_dir] = fd

@@ -390,3 +390,47 @@ def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_i
     assert "checkpoints: ~1.39 GiB each, up to 5 at once" in err  # 3 kept + the one being written + last.ckpt
     assert "warning" in err and "lacks the space" in err
 
+
+
+# ---- import never destroys its source or a run -----------------------------------------------------
+def test_import_force_never_replaces_its_source_a_trained_run_or_a_locked_one(tmp_path, capsys):
+    from test_hf import hf_llama
+
+    from gptkit.runs import LOCK_FILE
+
+    src = tmp_path / "parent" / "hf"
+    hf_llama(tie=False, bias=False).save_pretrained(src)
+    (tmp_path / "runs").mkdir()
+    trained, _, _ = make_run(tmp_path / "runs")
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for out in (src, src.parent, src / "inside", trained):  # the source, around it, in it, a trained run
+        code, _, err = run_main(capsys, "import", f"hf={src}", f"out={out}", "force=true")
+        assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+    # an earlier import is replaced with force=true, unless a live process holds its lock
+    imported = tmp_path / "runs" / "imported"
+    assert run_main(capsys, "import", f"hf={src}", f"out={imported}")[0] == 0
+    held = subprocess.Popen([sys.executable, "-c", "import time\nfrom gptkit.runs import claim_run_dir\n"
+                             f"claim_run_dir({str(imported)!r}, False); print('held', flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert held.stdout.readline().strip() == "held"
+        code, _, err = run_main(capsys, "import", f"hf={src}", f"out={imported}", "force=true")
+        assert code == 2 and f"PID {held.pid}" in err and "out=" in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        held.kill()
+        held.wait()
+    assert run_main(capsys, "import", f"hf={src}", f"out={imported}", "force=true")[0] == 0
+    assert (imported / "imported_from.json").is_file() and not (imported / LOCK_FILE).exists()
+
+
+def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched(tmp_path):
+    from gptkit.fsio import lock_file
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    (tmp_path / ".lock").symlink_to(victim)
+    with pytest.raises(GptkitError, match="symbolic link"):
+        lock_file(tmp_path / ".lock")
+    assert victim.read_text() == "keep me"

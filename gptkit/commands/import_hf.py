@@ -26,12 +26,14 @@ def run(cfg) -> int:
     from gptkit import hf
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir
+    from gptkit.runs import check_import_out
 
     if not cfg.hf:
         raise ConfigError("import needs hf=<local transformers model folder or Hub model id owner/name>")
     if not cfg.out:
         raise ConfigError("import needs out=<run folder to write>")
-    out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))  # fail before the slow part
+    out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))  # fail before the slow part (a download)
+    check_import_out(out, None, bool(cfg.force))  # never a run with training in it, nor one held by a process
     src = hf.locate(str(cfg.hf))
     if src.note:
         print(f"note: {src.note}", file=sys.stderr)

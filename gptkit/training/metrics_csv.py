@@ -29,8 +29,8 @@ from lightning.pytorch.utilities import rank_zero_only
 
 from gptkit.faults import fault_point
 from gptkit.fsio import temp_file_beside
+from gptkit.runs import METRICS_FILE
 
-METRICS_FILE = "metrics.csv"
 VAL_PREFIX = "val/"  # validation values: logged at step N before the checkpoint of step N is published
 
 
