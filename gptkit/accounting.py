@@ -12,6 +12,14 @@ FLOPs convention (one multiply-add = 2 FLOPs; matmuls only, as in Kaplan et al. 
     training   = 3 * forward = 6 * N_matmul + 12 * n_layers * T * d_attn          (dense)
     causal     = the attention term halved (each query sees on average ~T/2 keys)
 
+MFU follows the published convention: `perf/mfu`, the logged FLOP/s and `count-params`' GPU-hours use
+the dense training count (6N + 12·L·T·d_attn per token, N with the LM head), as the PaLM paper
+(appendix B), nanoGPT's `estimate_mfu` and torchtitan's `get_num_flop_per_token` do: causal masking is
+not discounted, so a figure here compares with theirs. Their N also holds the norms and biases (a
+few elementwise FLOPs each, not 6): 0.085% more FLOPs for GPT-2 124M, 0.003% for Llama-2-7B
+(tests/test_accounting.py pins both). `perf/mfu_causal` uses the causal count: the work a
+kernel that skips the masked half does, lower than `perf/mfu` by 12·L·T·d_attn / 2 per token.
+
 The literature's headline figure C = 6 * N * D (N = all parameters) is reported beside it.
 """
 
@@ -119,8 +127,8 @@ class Flops:
     seq_len: int
     forward_dense: float  # per token
     forward_causal: float
-    train_dense: float
-    train_causal: float
+    train_dense: float  # 6N + 12·L·T·d_attn: the MFU convention of PaLM, nanoGPT, torchtitan (perf/mfu)
+    train_causal: float  # the attention term halved (perf/mfu_causal)
     attention_forward_dense: float  # the attention-score part of forward_dense
 
 
@@ -185,8 +193,8 @@ def training_memory(cfg: ModelConfig, precision_name: str = "bf16-mixed", n_shar
 
 
 def mfu(tokens_per_s: float, flops_per_token_train: float, peak: float) -> float:
-    """Model FLOPs utilization of one device: its tokens/s x training FLOPs per token (the count-params
-    convention: 6N + the attention term) / its peak FLOP/s."""
+    """Model FLOPs utilization of one device: its tokens/s x training FLOPs per token / its peak FLOP/s.
+    Pass Flops.train_dense for the published convention (perf/mfu), Flops.train_causal for perf/mfu_causal."""
     return tokens_per_s * flops_per_token_train / peak
 
 

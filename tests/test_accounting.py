@@ -90,3 +90,70 @@ def test_training_memory_mixed_precision_bytes_per_param():
     assert mem["weights"] + mem["gradients"] + mem["optimizer"] == 18 * n
     sharded = acc.training_memory(cfg, "bf16-mixed", n_shards=8)
     assert sharded["optimizer"] == mem["optimizer"] / 8
+
+
+# ---- MFU by the published convention ---------------------------------------------------------------------
+# The two formulas below are written as their projects publish them, with their own N:
+#   nanoGPT model.py, GPT.estimate_mfu: N = get_num_params() (non_embedding=True: all parameters but the
+#     position embedding; the tied token embedding is the LM head), flops_per_token = 6*N + 12*L*H*Q*T with
+#     Q = n_embd // n_head and T = block_size, and MFU = flops_per_token * T * fwdbwd_per_iter / dt / 312e12.
+#   torchtitan get_num_flop_per_token(num_params, model_config, seq_len) = 6*num_params + 12*l*h*q*t with
+#     num_params = get_num_params(model, exclude_embedding=True): all parameters but tok_embeddings
+#     ("we follow the convention and do not account for sparsity in causal attention").
+def nanogpt_estimate_mfu(cfg: ModelConfig, fwdbwd_per_iter: int, dt: float) -> float:
+    N = acc.count_params(cfg).total - acc.count_params(cfg).pos_emb
+    L, H, Q, T = cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads, cfg.max_seq_len
+    flops_per_token = 6 * N + 12 * L * H * Q * T
+    flops_per_fwdbwd = flops_per_token * T
+    flops_per_iter = flops_per_fwdbwd * fwdbwd_per_iter
+    flops_achieved = flops_per_iter * (1.0 / dt)
+    flops_promised = 312e12  # A100 bf16
+    return flops_achieved / flops_promised
+
+
+def torchtitan_flop_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    num_params = acc.count_params(cfg).total - acc.count_params(cfg).tok_emb  # exclude_embedding=True
+    l, h, q, t = cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads, seq_len  # noqa: E741
+    return 6 * num_params + 12 * l * h * q * t
+
+
+def elementwise_params(cfg: ModelConfig) -> int:
+    """Norm weights and biases: in nanoGPT's and torchtitan's N, not in gptkit's matmul N."""
+    c = acc.count_params(cfg)
+    return c.total - c.tok_emb - c.pos_emb - acc.matmul_params(cfg) + (c.tok_emb if cfg.tie_embeddings else 0)
+
+
+def test_mfu_equals_nanogpt_estimate_mfu_on_gpt2_124m():
+    cfg = preset("gpt2")
+    f = acc.flops_per_token(cfg)
+    per_layer = 2 * 2 * 768 + 3 * 768 + 768 + 3072 + 768  # 2 LayerNorms (weight, bias); q/k/v, o, MLP biases
+    assert elementwise_params(cfg) == 12 * per_layer + 2 * 768 == 121_344
+    B, dt = 16, 0.25  # one iteration: 16 sequences of 1024 tokens in 0.25 s
+    tokens_per_s = B * cfg.max_seq_len / dt
+    ours = acc.mfu(tokens_per_s, f.train_dense, acc.peak_flops("a100", "bf16"))
+    theirs = nanogpt_estimate_mfu(cfg, B, dt)
+    # the same count but for the elementwise parameters nanoGPT multiplies by 6: -0.085%
+    nano_per_token = 6 * (acc.count_params(cfg).total - acc.count_params(cfg).pos_emb) + 12 * 12 * 768 * 1024
+    assert f.train_dense == nano_per_token - 6 * elementwise_params(cfg)
+    assert ours / theirs == pytest.approx(f.train_dense / nano_per_token, rel=1e-12)
+    assert ours / theirs - 1 == pytest.approx(-0.000851, abs=5e-6)
+    # perf/mfu_causal: the attention term halved, nothing else
+    causal = acc.mfu(tokens_per_s, f.train_causal, acc.peak_flops("a100", "bf16"))
+    assert f.train_dense - f.train_causal == 6 * 12 * 1024 * 768
+    assert causal / ours == pytest.approx(f.train_causal / f.train_dense, rel=1e-12)
+    assert causal < ours
+
+
+def test_mfu_equals_torchtitan_get_num_flop_per_token_on_llama2_7b():
+    cfg = preset("llama2-7b")
+    T = 4096
+    f = acc.flops_per_token(cfg, T)
+    theirs = torchtitan_flop_per_token(cfg, T)
+    assert theirs == 46_086_512_640
+    assert elementwise_params(cfg) == (2 * 32 + 1) * 4096  # RMSNorm weights, no biases
+    assert f.train_dense == theirs - 6 * elementwise_params(cfg)  # -0.0035%
+    assert f.train_dense / theirs - 1 == pytest.approx(-0.0000347, abs=1e-7)
+    assert f.train_dense - f.train_causal == 6 * 32 * T * 4096
+    peak = acc.peak_flops("h100", "bf16")
+    tokens_per_s = 3000.0
+    assert acc.mfu(tokens_per_s, f.train_dense, peak) == pytest.approx(tokens_per_s * theirs / peak, rel=5e-5)

@@ -10,8 +10,8 @@ LitGPT, StepMetrics, RunCheckpoints with no checkpoint due, no logger, no progre
 
 Steps after bench.warmup are timed (compilation happens in the warm-up, whose time is reported as the
 first-steps time); the two loops alternate bench.repeats times and the median is reported, one row as
-soon as each setting is measured. MFU uses the count-params FLOPs (6N + attention) and the device's
-peak for the precision (trainer.peak_tflops overrides it).
+soon as each setting is measured. MFU uses the count-params FLOPs (6N + 12·L·T·d_attn, full attention, the
+published convention) and the device's peak for the precision (trainer.peak_tflops overrides it).
 """
 
 from __future__ import annotations
@@ -209,14 +209,15 @@ def run(cfg) -> int:
         raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} < the corpus's {prepared.vocab_size} tokens")
     sampler = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len,
                               seed=1337, val_windows=1).sampler
-    flops = acc.flops_per_token(model_cfg).train_causal
+    flops = acc.flops_per_token(model_cfg).train_dense  # the MFU convention
     peak = detect_peak_flops(str(cfg.precision), cfg.peak_tflops) if device == "cuda" else None
     tokens_per_step = int(cfg.batch_size) * model_cfg.max_seq_len
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     con = Console(width=None if sys.stdout.isatty() else 160)
     con.print(f"{model_cfg.name}: {acc.count_params(model_cfg).total:,} parameters, {where}, {cfg.precision}, "
               f"batch {cfg.batch_size} x {model_cfg.max_seq_len} tokens, clip {cfg.clip}, {cfg.steps} timed steps "
-              f"after {cfg.warmup}, median of {cfg.repeats}; MFU: count-params FLOPs (6N + attention) / peak")
+              f"after {cfg.warmup}, median of {cfg.repeats}; MFU: count-params FLOPs "
+              f"(6N + 12·L·T·d_attn) / peak")
     rows = []
     for setting in cfg.compile:
         mode = compile_mode(setting)

@@ -41,7 +41,8 @@ def report(cfg) -> dict:
     if n_gpus < 1:
         raise ConfigError(f"n_gpus={cfg.n_gpus} must be >= 1")
     train_6nd = 6.0 * pc.total * tokens
-    train_exact = fl.train_causal * tokens
+    train_full = fl.train_dense * tokens  # the MFU convention (perf/mfu): full attention
+    train_causal = fl.train_causal * tokens  # perf/mfu_causal
     hours = lambda flops: flops / (peak * float(cfg.mfu)) / 3600.0  # noqa: E731
     kv_tok = acc.kv_cache_bytes_per_token(m, cfg.kv_dtype)
     mem = acc.training_memory(m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing))
@@ -59,13 +60,17 @@ def report(cfg) -> dict:
             "train_dense": fl.train_dense, "train_causal": fl.train_causal,
             "attention_forward_dense": fl.attention_forward_dense,
             "six_n": 6.0 * pc.total,
+            "mfu_convention": "train_dense (perf/mfu, logged FLOP/s: 6N + 12·L·T·d_attn, full attention, as "
+                              "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
         },
         "plan": {
             "tokens": tokens, "tokens_is_compute_optimal": cfg.tokens is None,
             "compute_optimal_tokens": 20.0 * pc.total,
-            "train_flops_6nd": train_6nd, "train_flops_exact": train_exact,
+            "train_flops_6nd": train_6nd, "train_flops_full_attention": train_full,
+            "train_flops_causal": train_causal,
             "peak_flops_per_gpu": peak, "mfu": float(cfg.mfu),
-            "gpu_hours_6nd": hours(train_6nd), "gpu_hours_exact": hours(train_exact),
+            "gpu_hours_6nd": hours(train_6nd), "gpu_hours_full_attention": hours(train_full),
+            "gpu_hours_causal": hours(train_causal),
             "kv_cache_bytes_per_token": kv_tok,
             "kv_cache_bytes_full_context": kv_tok * fl.seq_len,
             "memory_per_gpu": mem, "precision": cfg.precision, "n_gpus": n_gpus,
@@ -133,8 +138,8 @@ def _print_tables(r: dict, cfg) -> None:
 
     ft = Table(title=f"FLOPs per token at context {f['seq_len']} (multiply-add = 2 FLOPs; matmuls only)")
     ft.add_column("")
-    ft.add_column("dense attention", justify="right")
-    ft.add_column("causal attention", justify="right")
+    ft.add_column("full attention (perf/mfu)", justify="right")
+    ft.add_column("causal (perf/mfu_causal)", justify="right")
     ft.add_row("forward (2N + 4·L·T·d_attn)", _si(f["forward_dense"], "FLOP"), _si(f["forward_causal"], "FLOP"))
     ft.add_row("training (6N + 12·L·T·d_attn)", _si(f["train_dense"], "FLOP"), _si(f["train_causal"], "FLOP"))
     ft.add_row("  of which attention scores", _si(3 * f["attention_forward_dense"], "FLOP"),
@@ -142,7 +147,10 @@ def _print_tables(r: dict, cfg) -> None:
     ft.add_row("6N with N = all parameters (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
     con.print(ft)
     con.print(f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices plus the LM head "
-              f"(a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.")
+              f"(a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.\n"
+              f"MFU convention: perf/mfu, the logged FLOP/s and the GPU-hours below count full attention "
+              f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "
+              f"perf/mfu_causal halves the attention term.")
 
     et = Table(title="planned run")
     et.add_column("")
@@ -152,10 +160,13 @@ def _print_tables(r: dict, cfg) -> None:
                _si(d))
     et.add_row("compute-optimal tokens (~20 x params)", _si(plan["compute_optimal_tokens"]))
     et.add_row("training FLOPs, 6·N·D", f"{plan['train_flops_6nd']:.3e}")
-    et.add_row("training FLOPs, exact per-token x D (causal)", f"{plan['train_flops_exact']:.3e}")
+    et.add_row("training FLOPs, per-token x D (full attention: the MFU convention)",
+               f"{plan['train_flops_full_attention']:.3e}")
+    et.add_row("training FLOPs, per-token x D (causal)", f"{plan['train_flops_causal']:.3e}")
     gpu = "custom peak" if cfg.peak_tflops is not None else f"{cfg.gpu} {cfg.dtype}"
     et.add_row(f"GPU-hours at {plan['peak_flops_per_gpu'] / 1e12:g} TFLOP/s ({gpu}), MFU {plan['mfu']:.0%}",
-               f"{plan['gpu_hours_6nd']:,.0f} (6ND) / {plan['gpu_hours_exact']:,.0f} (exact)")
+               f"{plan['gpu_hours_6nd']:,.0f} (6ND) / {plan['gpu_hours_full_attention']:,.0f} "
+               f"(full attention)")
     et.add_row(f"KV cache per token ({cfg.kv_dtype})", human_bytes(plan["kv_cache_bytes_per_token"]))
     et.add_row(f"KV cache at full context ({f['seq_len']} tokens, batch 1)", human_bytes(plan["kv_cache_bytes_full_context"]))
     mem = plan["memory_per_gpu"]

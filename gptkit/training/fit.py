@@ -65,6 +65,7 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
     else:
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
     saved = OmegaConf.create(read_config(run_dir_of(ckpt)))
+    saved_optimizer = str(saved.optim.name)
     overrides = [o for o in _explicit_overrides() if not o.startswith(("resume=", "name=", "runs_dir=", "hydra."))]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
@@ -85,6 +86,10 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
     dotlist = [o for o in overrides if "=" in o and "." in o.split("=", 1)[0] and not o.lstrip("+~").startswith("model")]
     if dotlist:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+    if str(merged.optim.name) != saved_optimizer:  # the checkpoint's optimizer state would not fit
+        raise GptkitError(f"resume={cfg.resume} continues a run trained with optim={saved_optimizer}; "
+                          f"for optim={merged.optim.name} start a new run from its weights: "
+                          f"init_from={cfg.resume}")
     merged.resume = str(ckpt)
     return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
 
@@ -233,9 +238,16 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
     from gptkit.threads import set_threads
-    from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu, world_size
+    from gptkit.training.distributed import (
+        accelerator_type,
+        check_run_name,
+        devices_per_node,
+        on_cpu,
+        world_size,
+    )
     from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import LitGPT
+    from gptkit.training.optim import describe_optimizer
     from gptkit.training.plots import plot_loss
     from gptkit.training.trainer import build_loggers, build_trainer
 
@@ -301,8 +313,8 @@ def train(cfg: DictConfig) -> TrainResult:
     datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
                                  val_windows=t.val_windows, pack=cfg.data.get("pack", "stream"))
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
-    trainer, checkpoints, metrics = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
-                                                  peak, loggers)
+    trainer, checkpoints, metrics = build_trainer(cfg, run_dir, flops.train_dense, tokens_per_step, max_steps,
+                                                  peak, loggers, flops.train_causal)
     if trainer.world_size != world:
         raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for {world} "
                           f"(trainer.devices x trainer.num_nodes); make them agree")
@@ -314,8 +326,9 @@ def train(cfg: DictConfig) -> TrainResult:
         atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
         atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
-    _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir,
-              resume_ckpt, init_ckpt, replan)
+    optimizer = describe_optimizer(cfg.optim, module.model, accelerator_type(t))
+    _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops.train_dense, run_dir,
+              resume_ckpt, init_ckpt, replan, optimizer)
     if trainer.is_global_zero:
         _check_disk(ckpt_dir, model_cfg, t, max_steps, resume_step or 0)
 
@@ -340,7 +353,7 @@ def train(cfg: DictConfig) -> TrainResult:
             lg.finalize("success")
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
-        _summary(run_dir, trainer.global_step, val, metrics, flops.train_causal, peak, trainer.world_size,
+        _summary(run_dir, trainer.global_step, val, metrics, flops.train_dense, peak, trainer.world_size,
                  time.perf_counter() - started)
     return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
                        float(val) if val is not None else None, metrics.average_tokens_per_s,
@@ -433,16 +446,14 @@ def schedule_note(saved_max_steps: int | None, max_steps: int, step: int, optim:
 
 
 def _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops_per_token, run_dir, resume,
-              init_from=None, replan: str | None = None) -> None:
+              init_from=None, replan: str | None = None, optimizer: str = "AdamW") -> None:
     if not trainer.is_global_zero:
         return
     from rich.console import Console
     from rich.markup import escape
 
     from gptkit import accounting as acc
-    from gptkit.training.distributed import accelerator_type
     from gptkit.training.module import compile_mode
-    from gptkit.training.optim import adamw_implementation
 
     t = cfg.trainer
     n = acc.count_params(model_cfg).total
@@ -462,8 +473,8 @@ def _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flo
         f" x {trainer.accumulate_grad_batches} accumulation x {trainer.num_devices} devices x {trainer.num_nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
         f"{max_steps} steps = {tokens_per_step * max_steps:,} tokens, "
-        f"{flops_per_token * tokens_per_step * max_steps:.3g} FLOPs (6N + attention, as count-params)\n"
-        f"  precision {t.precision}, AdamW ({adamw_implementation(cfg.optim.fused, accelerator_type(t))}), {clip}"
+        f"{flops_per_token * tokens_per_step * max_steps:.3g} FLOPs (6N + 12·L·T·d_attn, as count-params)\n"
+        f"  precision {t.precision}, {escape(optimizer)}, {clip}"
         + (f"\n  resuming from {escape(str(resume))}" if resume else "")
         + (f"\n  note: {replan}" if replan else "")
         + (f"\n  weights from {escape(str(init_from))} (new optimizer and schedule)" if init_from else "")

@@ -7,8 +7,10 @@ logger: train/loss (the mean over the window, across ranks), train/lr, tokens/s,
 cumulative tokens and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints asks
 LossWindow before every save, so a checkpoint never holds what a NaN step produced.
 
-FLOPs per token are the analytic training FLOPs of `gptkit count-params` (6N + the causal attention
-term, gptkit.accounting); MFU is per device: global FLOP/s / (world_size * the device's peak).
+FLOPs per token are the analytic training FLOPs of `gptkit count-params` by the published convention
+(6N + 12·L·T·d_attn, full attention, as PaLM, nanoGPT and torchtitan count: gptkit.accounting); MFU is
+per device: global FLOP/s / (world_size * the device's peak). perf/mfu_causal counts the attention term
+halved (the work of a kernel that skips the masked half).
 """
 
 from __future__ import annotations
@@ -96,8 +98,9 @@ class StepMetrics(Callback):
     progress reporter. Timing excludes validation; the run's totals give the final average."""
 
     def __init__(self, flops_per_token: float, tokens_per_step: int, peak_flops: float | None, log_every: int,
-                 reporter=None) -> None:
-        self.flops_per_token = flops_per_token
+                 reporter=None, causal_flops_per_token: float | None = None) -> None:
+        self.flops_per_token = flops_per_token  # the full-attention convention: perf/flops_per_s, perf/mfu
+        self.causal_flops_per_token = causal_flops_per_token  # perf/mfu_causal
         self.tokens_per_step = tokens_per_step
         self.peak = peak_flops
         self.log_every = max(1, log_every)
@@ -165,6 +168,9 @@ class StepMetrics(Callback):
             metrics["train/loss"] = loss
         if self.peak:
             metrics["perf/mfu"] = acc.mfu(tokens_per_s / trainer.world_size, self.flops_per_token, self.peak)
+            if self.causal_flops_per_token is not None:
+                per_device = tokens_per_s / trainer.world_size
+                metrics["perf/mfu_causal"] = acc.mfu(per_device, self.causal_flops_per_token, self.peak)
         self.last = metrics
         for logger in trainer.loggers:  # x-axis: the optimizer steps completed before this step's batch
             logger.log_metrics(metrics, step=step - 1)

@@ -12,7 +12,7 @@ from gptkit.errors import ConfigError
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import is_rank_zero
 from gptkit.training.metrics import LossWindow
-from gptkit.training.optim import build_optimizer, build_scheduler
+from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 
 COMPILE_MODES = ("blocks", "model")
 
@@ -75,6 +75,8 @@ class LitGPT(L.LightningModule):
             self.model = GPT(model_cfg)
         if activation_checkpointing:
             apply_activation_checkpointing(self.model)
+        if optim_cfg.name == "muon":  # before the run folder gets its files
+            check_muon_split(self.model)
         self.optim_cfg = optim_cfg
         self.max_steps = max_steps
         self.compile_mode = compile_mode(compile)

@@ -183,14 +183,15 @@ def check_compile(device: str, backend: str) -> None:
 
 
 def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_step: int, max_steps: int,
-                  peak_flops: float | None, loggers: list) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
+                  peak_flops: float | None, loggers: list, causal_flops_per_token: float | None = None,
+                  ) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
     t = cfg.trainer  # checked by check_trainer_config before any data was prepared
     csv = next((lg for lg in loggers if isinstance(lg, MetricsCSV)), None)  # rows on disk before a checkpoint
     checkpoints = RunCheckpoints(str(run_dir / CHECKPOINT_DIR), int(t.checkpoint_every), t.get("stop_at_step"),
                                  sync_every=int(t.log_every), keep=t.get("keep_checkpoints", 3), metrics=csv)
     reporter = ProgressReporter(t.progress)
     metrics = StepMetrics(flops_per_token, tokens_per_step, peak_flops, int(t.log_every),
-                          reporter if reporter.mode != "off" else None)
+                          reporter if reporter.mode != "off" else None, causal_flops_per_token)
     callbacks = [metrics, checkpoints]
     if world_size(t) > 1:
         callbacks.append(fail_fast_callback())
