@@ -234,7 +234,7 @@ def prepared():
     return prepare({"kind": "shakespeare"}, {"kind": "byte"}, progress=False)
 
 
-def fit(prepared, tmp_path, steps=3, batch=BATCH, **trainer):
+def fit(prepared, tmp_path, steps=3, batch=BATCH, peak=None, **trainer):
     from gptkit.data import TokenDataModule
     from gptkit.training.module import LitGPT
     from gptkit.training.trainer import build_trainer, check_trainer_config
@@ -274,7 +274,7 @@ def fit(prepared, tmp_path, steps=3, batch=BATCH, **trainer):
         compile_backend=cfg.trainer.compile_backend,
     )
     dm = TokenDataModule(prepared, batch_size=batch, seq_len=SEQ, seed=1, val_windows=2)
-    tr, _, metrics = build_trainer(cfg, tmp_path, 1.0, BATCH * SEQ, steps, None, [])
+    tr, _, metrics = build_trainer(cfg, tmp_path, 1.0, BATCH * SEQ, steps, peak, [], 0.75)
     tr.fit(module, datamodule=dm)
     assert tr.global_step == steps and isinstance(tr.optimizers[0], MuonWithAdamW)
     return module, metrics
@@ -289,8 +289,14 @@ def test_every_precision_trains_with_clipping_and_compile(prepared, tmp_path, pr
         gradient_clip_val=0.5,
         compile=precision == "32-true",
         compile_backend="aot_eager",
+        peak=1e9,
     )
     assert torch.isfinite(torch.tensor(metrics.last["train/loss"]))
+    # perf/mfu by the full-attention count (1.0 FLOP per token here), perf/mfu_causal by the causal (0.75)
+    last = metrics.last
+    assert last["perf/mfu"] == pytest.approx(last["perf/tokens_per_s"] * 1.0 / 1e9)
+    assert last["perf/mfu_causal"] == pytest.approx(0.75 * last["perf/mfu"])
+    assert last["perf/flops_per_s"] == pytest.approx(last["perf/tokens_per_s"])
 
 
 def test_gradient_accumulation_steps_once_on_the_mean_gradient(prepared, tmp_path):
