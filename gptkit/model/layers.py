@@ -106,22 +106,23 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1, for the
-        positions in `start` when it is a [T] tensor (decoding with fixed shapes), or for `positions` [B, T]
-        (e.g. restarting at every packed document)."""
-        if self.fused and isinstance(start, int) and fused.usable(q, "rope"):
-            return fused.rope(q, k, self.cos, self.sin, positions, start)
-        if positions is not None:
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for their positions: an int p (positions p..p+T-1),
+        a [T] tensor (decoding with fixed shapes) or a [B, T] tensor (e.g. restarting at every packed
+        document)."""
+        one_row = isinstance(positions, torch.Tensor) and positions.dim() == 1
+        if self.fused and not one_row and fused.usable(q, "rope"):
+            return fused.rope(q, k, self.cos, self.sin, positions)
+        if isinstance(positions, int):
+            T = q.shape[-2]
+            cos = self.cos[positions : positions + T]  # [T, D]
+            sin = self.sin[positions : positions + T]
+        elif one_row:
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+        else:
             cos = self.cos[positions][:, None]  # [B, 1, T, D]
             sin = self.sin[positions][:, None]
-        elif isinstance(start, torch.Tensor):
-            cos, sin = self.cos[start], self.sin[start]  # [T, D]
-        else:
-            T = q.shape[-2]
-            cos = self.cos[start : start + T]  # [T, D]
-            sin = self.sin[start : start + T]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
