@@ -36,6 +36,7 @@ AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+    """The readable reference: q @ k^T, the mask, an fp32 softmax, @ v; can return the probabilities."""
     B, H, Tq, D = q.shape
     if docs is not None:
         mask = docs.mask()  # [B, 1, T, T]: causal, inside each document
@@ -61,6 +62,7 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
 
 
 def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+    """torch's scaled_dot_product_attention (GQA without K/V copies); a packed batch takes a dense mask."""
     if return_probs:
         raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
     if docs is not None:
@@ -110,6 +112,7 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {name: globals()[f"{name}_attention
 
 
 def get_attention(name: str) -> AttentionFn:
+    """The attention function of model.attention=<name>."""
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:

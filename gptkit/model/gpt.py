@@ -33,14 +33,15 @@ class GPTOutput(NamedTuple):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        fused_norm = "norm" in cfg.kernels
-        self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, fused_norm)
+        norm = dict(dim=cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias, fused="norm" in cfg.kernels)
+        self.attn_norm = make_norm(cfg.norm, **norm)
         self.attn = CausalSelfAttention(cfg, layer)
-        self.mlp_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, fused_norm)  # the MLP's pre-norm
+        # the MLP's pre-norm
+        self.mlp_norm = make_norm(cfg.norm, **norm)
         if cfg.mlp == "gelu":
             self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, cfg.bias)
         else:
-            self.mlp = SwiGLUMLP(cfg.d_model, cfg.d_ff, cfg.bias, "swiglu" in cfg.kernels)
+            self.mlp = SwiGLUMLP(cfg.d_model, cfg.d_ff, bias=cfg.bias, fused="swiglu" in cfg.kernels)
         self.dropout = cfg.dropout
 
     def forward(self, x, *, rope=None, cache=None, positions=0, docs=None, return_probs=False):
@@ -58,11 +59,13 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
-        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, "rope" in cfg.kernels)
+        self.rope = (RotaryEmbedding(cfg.head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta,
+                                     fused="rope" in cfg.kernels)
                      if cfg.position == "rope" else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, "norm" in cfg.kernels)
+        self.final_norm = make_norm(cfg.norm, dim=cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias,
+                                    fused="norm" in cfg.kernels)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -93,6 +96,7 @@ class GPT(nn.Module):
         logits_to_keep: int = 0,  # 0: every position; k: only the last k (decoding needs 1)
         return_attention: bool = False,
     ) -> GPTOutput:
+        """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions); see the argument comments."""
         B, T = idx.shape
         # The positions of the T tokens, one notion through the whole model: an int p (positions p..p+T-1:
         # training, or a KV cache holding p tokens), a [T] tensor (a StaticKVCache: fixed shapes) or a
@@ -154,6 +158,7 @@ class GPT(nn.Module):
         return model.eval()
 
     def num_parameters(self, non_embedding: bool = False) -> int:
+        """Parameters of the model (tied embeddings counted once)."""
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
         if non_embedding:
             n -= self.tok_emb.weight.numel()

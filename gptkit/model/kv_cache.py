@@ -49,13 +49,16 @@ class KVCache:
         return self.k[layer][:, :, : start + T], self.v[layer][:, :, : start + T]
 
     def advance(self, n: int) -> None:
+        """Count n more cached tokens (after a forward pass that wrote them)."""
         self.length += n
 
     def reset(self) -> None:
+        """Empty the cache (the tensors are kept and overwritten)."""
         self.length = 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by the K and V tensors of every layer."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
@@ -89,7 +92,9 @@ class StaticKVCache(KVCache):
         return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:
+        """Nothing to count: the caller moves `positions`."""
         pass  # the caller moves `positions`
 
     def reset(self) -> None:
+        """Nothing to reset: `mask` hides every slot after a token's own position."""
         pass

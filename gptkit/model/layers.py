@@ -19,6 +19,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm of x [..., d_model] with fp32 statistics (the fused kernel where enabled)."""
         if self.fused and fused.usable(x, "norm"):
             return fused.layer_norm(x, self.weight, self.bias, self.eps)
         bias = None if self.bias is None else self.bias.float()
@@ -35,6 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x [..., d_model] with fp32 statistics (the fused kernel where enabled)."""
         if self.fused and fused.usable(x, "norm"):
             return fused.rms_norm(x, self.weight, self.eps)
         h = x.float()
@@ -43,6 +45,7 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(kind: str, dim: int, eps: float, bias: bool, fused: bool = False) -> nn.Module:
+    """The norm of model.norm (layernorm | rmsnorm) over `dim` features."""
     return LayerNorm(dim, eps, bias, fused) if kind == "layernorm" else RMSNorm(dim, eps, fused)
 
 
@@ -55,6 +58,7 @@ class GeluMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> down(gelu(up(x))) [B, T, d_model]."""
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
@@ -69,6 +73,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> down(silu(gate(x)) * up(x)) [B, T, d_model]."""
         gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, d_ff] each
         if self.fused and fused.usable(gate, "swiglu"):
             return self.down_proj(fused.swiglu(gate, up))
