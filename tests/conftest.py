@@ -140,3 +140,20 @@ def poisoned_allocations():
         yield
     finally:
         mp.undo()
+
+
+def reference(q, k, v, causal, scale, dtype=None):
+    """Eager attention in float64 (or in `dtype` with an fp32 softmax, as a plain torch user gets it):
+    softmax(q k^T * scale) v, K/V repeated per query head."""
+    import torch
+
+    dtype = torch.float64 if dtype is None else dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [B, H, T, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, T, T]
+    if causal:
+        T = q.shape[2]
+        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32 if dtype != torch.float64 else dtype).to(dtype) @ v

@@ -11,27 +11,13 @@ element the kernels fail to write cannot pass. Budget: ~80 s on 2 cores (interpr
 
 import pytest
 import torch
-from conftest import kernel_device, poisoned_allocations
+from conftest import kernel_device, poisoned_allocations, reference
 
 from gptkit_kernels import flash_attention
 from gptkit_kernels.flash import forward_tiles
 
 DEVICE = kernel_device()
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-
-
-def reference(q, k, v, causal, scale, dtype=torch.float64):
-    """Eager attention in float64 (or in `dtype` with an fp32 softmax, as a plain torch user gets it):
-    softmax(q k^T * scale) v, K/V repeated per query head."""
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # [B, H, T, D]
-    v = v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, T, T]
-    if causal:
-        T = q.shape[2]
-        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32 if dtype != torch.float64 else dtype).to(dtype) @ v
 
 
 def check(T, head_dim, group, causal, dtype, *, B=2, n_kv_heads=1, scale=None, impl="fa2"):

@@ -45,6 +45,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.checkpoint import checkpoint as recompute
 
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
@@ -72,12 +73,11 @@ def apply_activation_checkpointing(model: GPT) -> None:
     (as an instance attribute, so parameter names and checkpoints stay as they are) in
     torch.utils.checkpoint whenever the block trains with gradients; evaluation and decoding are untouched.
     """
-    from torch.utils.checkpoint import checkpoint
 
     def recomputed(block, forward):
         def run(*args, **kwargs):
             if block.training and torch.is_grad_enabled():
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+                return recompute(forward, *args, use_reentrant=False, **kwargs)
             return forward(*args, **kwargs)
         return run
 

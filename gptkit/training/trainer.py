@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
@@ -33,8 +36,6 @@ LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboa
 
 def check_loggers(logger_cfg: Any) -> None:
     """One line, before any data is prepared or any file written, for a logger whose package is missing."""
-    import importlib
-
     for kind, opts in (logger_cfg or {}).items():
         if kind not in ("csv", *LOGGER_PACKAGES):
             raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
@@ -138,8 +139,6 @@ def precision_plugin(plan: RunPlan):
 
 def check_trainer_config(t: Any) -> None:
     """Fail in one line, before any data is prepared, on trainer values Lightning would reject late."""
-    import torch
-
     p = precision(t.precision)
     for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every", "num_nodes"):
         if not isinstance(t[key], int) or int(t[key]) < 1:
@@ -171,10 +170,6 @@ def check_trainer_config(t: Any) -> None:
 
 def check_compile(device: str, backend: str) -> None:
     """trainer.compile=true where torch cannot compile is one line, before any data is prepared."""
-    import shutil
-
-    import torch
-
     if not torch._dynamo.is_dynamo_supported():
         raise ConfigError(f"trainer.compile=true: torch.compile does not support this Python/platform "
                           f"(torch {torch.__version__}); use trainer.compile=false")
