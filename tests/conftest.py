@@ -81,7 +81,8 @@ def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(shakespeare(n_chars))
-    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": SAMPLE_EOS if eos else None, "unk_token": None}
+    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": SAMPLE_EOS if eos else None,
+               "unk_token": None}
     tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
     torch.manual_seed(seed)
     extra = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2) if position == "rope" else {}
@@ -155,5 +156,7 @@ def reference(q, k, v, causal, scale, dtype=None):
     scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, T, T]
     if causal:
         T = q.shape[2]
-        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32 if dtype != torch.float64 else dtype).to(dtype) @ v
+        causal_mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal_mask, float("-inf"))
+    softmax_dtype = torch.float32 if dtype != torch.float64 else dtype
+    return torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype) @ v

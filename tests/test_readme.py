@@ -9,8 +9,8 @@ from conftest import REPO, run_main
 
 # appended to the tour's `gptkit train` line: the same recipe, a model and a run small enough for a test
 TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.max_steps=4",
-        "trainer.val_every=2", "trainer.val_windows=2", "trainer.checkpoint_every=2", "trainer.log_every=2", "trainer.progress=off",
-        "trainer.threads=1"]
+        "trainer.val_every=2", "trainer.val_windows=2", "trainer.checkpoint_every=2", "trainer.log_every=2",
+        "trainer.progress=off", "trainer.threads=1"]
 
 
 def readme_tour() -> list[list[str]]:

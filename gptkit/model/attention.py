@@ -131,7 +131,8 @@ class CausalSelfAttention(nn.Module):
         self.attend = get_attention(cfg.attention)
 
     def forward(self, x, *, rope: Optional[RotaryEmbedding] = None, cache: Optional[KVCache] = None,
-                positions: int | torch.Tensor = 0, docs: Optional[Documents] = None, return_probs: bool = False):
+                positions: int | torch.Tensor = 0, docs: Optional[Documents] = None,
+                return_probs: bool = False):
         """x [B, T, d_model] at `positions` (see GPT.forward) -> ([B, T, d_model], probs or None)."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
