@@ -3,6 +3,7 @@ steps, schedules, clips, scales and checkpoints; the same arithmetic as the two 
 bad settings are one line."""
 
 import copy
+import dataclasses
 import logging
 import warnings
 
@@ -237,6 +238,7 @@ def prepared():
 def fit(prepared, tmp_path, steps=3, batch=BATCH, peak=None, **trainer):
     from gptkit.data import TokenDataModule
     from gptkit.training.module import LitGPT
+    from gptkit.training.plan import make_plan
     from gptkit.training.trainer import build_trainer, check_trainer_config
 
     logging.getLogger("lightning").setLevel(logging.ERROR)
@@ -265,16 +267,14 @@ def fit(prepared, tmp_path, steps=3, batch=BATCH, peak=None, **trainer):
     for k, v in trainer.items():
         cfg.trainer[k] = v
     check_trainer_config(cfg.trainer)
+    cfg.trainer.max_steps = steps
     torch.manual_seed(0)
-    module = LitGPT(
-        ModelConfig.from_dict(OmegaConf.to_container(cfg.model)),
-        cfg.optim,
-        steps,
-        compile=cfg.trainer.compile,
-        compile_backend=cfg.trainer.compile_backend,
-    )
+    plan = make_plan(cfg, tmp_path, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)))
+    # 1.0 training FLOPs per token by the full-attention count, 0.75 by the causal one
+    plan = dataclasses.replace(plan, flops_per_token=1.0, causal_flops_per_token=0.75, peak_flops=peak)
+    module = LitGPT(plan)
     dm = TokenDataModule(prepared, batch_size=batch, seq_len=SEQ, seed=1, val_windows=2)
-    tr, _, metrics = build_trainer(cfg, tmp_path, 1.0, BATCH * SEQ, steps, peak, [], 0.75)
+    tr, _, metrics = build_trainer(plan, [])
     tr.fit(module, datamodule=dm)
     assert tr.global_step == steps and isinstance(tr.optimizers[0], MuonWithAdamW)
     return module, metrics
