@@ -409,7 +409,11 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
     import muon_distributed as w
     from conftest import REPO
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
     ranks = [
         subprocess.Popen(
             [
