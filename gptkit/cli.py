@@ -42,7 +42,7 @@ VERBS: dict[str, Verb] = {
     "sample": Verb("sample", "sample", "generate text from a trained run (KV cache; greedy/temperature/top-k/"
                    "top-p; --json)", verbatim=("prompt",)),
     "eval": Verb("eval", "eval", "loss, perplexity and bits per byte/char of a run on its val split or a "
-                 "held-out corpus (--json)"),
+                 "held-out corpus; lm-eval task accuracy with tasks=... (--json)"),
     "attention": Verb("attention", "attention", "write a PNG grid of attention maps (layers x heads) for a text "
                       "into the run folder", verbatim=("text",)),
     "count-params": Verb("count_params", "count_params", "parameters by component, FLOPs per token, and "

@@ -178,3 +178,48 @@ def _unknown(T, name: str) -> str:
     with pytest.raises(ConfigError) as exc:
         T.check_names([name], TaskManager(include_defaults=False, include_path=str(EVALS)))
     return str(exc.value)
+
+
+def test_task_evals_during_training_log_what_gptkit_eval_gives(tmp_path, capsys):
+    """trainer.eval_tasks: the fixed subset is scored at every eval_every step and after the last; the metric
+    logged for the final weights is what `gptkit eval tasks=... limit=` reports on the final checkpoint."""
+    import csv
+
+    from conftest import run_cli, shakespeare
+    from test_train import tiny_args
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(shakespeare(30_000))
+    task = EVALS / "tiny_mc.yaml"
+    r = run_cli("train", *tiny_args(corpus, tmp_path / "runs", "tasks", f"trainer.eval_tasks=[{task}]",
+                                    "trainer.eval_every=6", "trainer.eval_limit=4", "model.max_seq_len=64"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "task evals: 2 x 1 task(s)" in r.stderr and "% of" in r.stderr
+    with open(tmp_path / "runs" / "tasks" / "metrics.csv", newline="") as f:
+        rows = {int(row["step"]): row for row in csv.DictReader(f)}
+    logged = {s: float(row["eval/tiny_mc/acc"]) for s, row in rows.items() if row.get("eval/tiny_mc/acc")}
+    assert sorted(logged) == [6, 12] and all(v in (0, 0.25, 0.5, 0.75, 1) for v in logged.values())
+    code, out, err = run_main(capsys, "eval", f"run={tmp_path / 'runs' / 'tasks'}", f"tasks={task}",
+                              "limit=4", "progress=false", "--json")
+    assert code == 0, err
+    acc = next(row for row in json.loads(out)["rows"] if row["metric"] == "acc")
+    assert acc["value"] == logged[12]
+
+
+def test_ranks_score_their_shares_and_the_total_is_the_whole(run_and_export):
+    """Under DDP each rank scores examples rank, rank + world, ...; merged, their values give the metrics of
+    one process scoring all of them."""
+    from gptkit.runs import load_run
+
+    d, _, _, _ = run_and_export
+    r = load_run(d)
+    lm = GptkitLM(r.model, r.tokenizer, r.config)
+    specs = T.find_tasks([str(EVALS / "tiny_mc.yaml"), str(EVALS / "tiny_gen.yaml")])
+    manager = T.task_manager(specs)
+    for name, task in T.leaf_tasks(T.load_tasks(specs, manager)).items():
+        whole = T.TaskSubset(name, task, limit=5).score(lm)
+        shares = [T.TaskSubset(name, task, limit=5, rank=k, world_size=2) for k in range(2)]
+        assert [len(s.docs) for s in shares] == [3, 2]
+        merged = T.merge_shares([s.score(lm) for s in shares])
+        sub = shares[0]
+        assert sub.aggregate(merged) == pytest.approx(sub.aggregate(whole)) and sub.aggregate(whole)

@@ -341,3 +341,66 @@ def write_results(results: dict, rows: list[dict], run, stats, out: Any, *, limi
         atomic_write_text(path, json.dumps({**common, **one(task)}, indent=2, default=str) + "\n")
         written.append(path)
     return written
+
+
+# ---- a fixed subset, scored again and again (trainer.eval_tasks) ----------------------------------------
+class TaskSubset:
+    """The first `limit` examples of a task (this rank's share of them: examples rank, rank + world_size,
+    ...), with its requests (few-shot contexts included) built once, so every scoring sees the same prompts.
+
+    score(lm) runs the requests as lm-eval's evaluator does (by request type, then the task's filters and
+    process_results) and returns the per-example metric values; aggregate() turns values gathered from every
+    rank into the task's metrics."""
+
+    def __init__(self, name: str, task, limit: int | None, rank: int = 0, world_size: int = 1) -> None:
+        self.name, self.task = name, task
+        task.build_all_requests(limit=limit, rank=rank, world_size=world_size)
+        self.docs = list(task.doc_iterator(rank=rank, limit=limit, world_size=world_size))
+        self.instances = list(task.instances)
+        self.requests = len(self.instances)
+
+    def score(self, lm) -> dict[str, list]:
+        """'metric,filter' -> one value per example of this share."""
+        from collections import defaultdict
+
+        by_type = defaultdict(list)
+        for inst in self.instances:
+            inst.resps = []
+            by_type[inst.request_type].append(inst)
+        for reqtype, reqs in by_type.items():
+            cloned = [r for r in reqs for _ in range(r.repeats)]
+            for x, r in zip(getattr(lm, reqtype)(cloned), cloned):
+                r.resps.append(x)
+        self.task._instances = self.instances  # apply_filters works on the task's instances: make them ours
+        self.task.apply_filters()
+        by_doc = defaultdict(list)
+        for inst in self.instances:
+            by_doc[inst.doc_id].append(inst)
+        raw: dict[str, list] = defaultdict(list)
+        for filter_key in (self.instances[0].filtered_resps if self.instances else {}):
+            for doc_id, doc in self.docs:
+                insts = sorted(by_doc[doc_id], key=lambda i: i.idx)
+                metrics = self.task.process_results(doc, [i.filtered_resps[filter_key] for i in insts])
+                for metric, value in metrics.items():
+                    raw[f"{metric},{filter_key}"].append(value)
+        return dict(raw)
+
+    def aggregate(self, raw: dict[str, list]) -> dict[str, float]:
+        """'<task>/<metric>' (filter added unless `none`) -> the task's aggregation over every value."""
+        agg = self.task.aggregation()
+        out = {}
+        for key, values in raw.items():
+            metric, filter_key = key.split(",", 1)
+            if metric in agg and values:
+                name = metric if filter_key == "none" else f"{metric}_{filter_key}"
+                out[f"{self.name}/{name}"] = float(agg[metric](values))
+        return out
+
+
+def merge_shares(shares: list[dict[str, list]]) -> dict[str, list]:
+    """The per-example values of every rank's share, as one."""
+    out: dict[str, list] = {}
+    for share in shares:
+        for key, values in share.items():
+            out.setdefault(key, []).extend(values)
+    return out

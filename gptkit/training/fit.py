@@ -237,6 +237,7 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import LitGPT
     from gptkit.training.plots import plot_loss
+    from gptkit.training.task_evals import TaskEvals, print_summary
     from gptkit.training.trainer import build_loggers, build_trainer
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
@@ -342,6 +343,8 @@ def train(cfg: DictConfig) -> TrainResult:
             plot_loss(run_dir)
         _summary(run_dir, trainer.global_step, val, metrics, flops.train_causal, peak, trainer.world_size,
                  time.perf_counter() - started)
+        print_summary(next((c for c in trainer.callbacks if isinstance(c, TaskEvals)), None),
+                      time.perf_counter() - started)
     return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
                        float(val) if val is not None else None, metrics.average_tokens_per_s,
                        trainer.is_global_zero)

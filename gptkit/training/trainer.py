@@ -27,6 +27,7 @@ from gptkit.training.metrics import StepMetrics
 from gptkit.training.metrics_csv import MetricsCSV
 from gptkit.training.module import compile_mode
 from gptkit.training.progress import ProgressReporter, progress_mode
+from gptkit.training.task_evals import check_task_evals, task_evals_callback
 
 LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
                    "wandb": ("wandb", "pip install wandb")}
@@ -159,6 +160,7 @@ def check_trainer_config(t: Any) -> None:
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
     progress_mode(t.progress)
+    check_task_evals(t)  # trainer.eval_tasks: lm-eval importable, local task files there
     check_distributed(t)  # devices, strategy, launcher: one line now rather than a hang later
     device = accelerator_type(t)
     if device == "cuda" and p.compute == "bf16" and not torch.cuda.is_bf16_supported():
@@ -192,6 +194,9 @@ def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_st
     metrics = StepMetrics(flops_per_token, tokens_per_step, peak_flops, int(t.log_every),
                           reporter if reporter.mode != "off" else None)
     callbacks = [metrics, checkpoints]
+    task_evals = task_evals_callback(cfg, clock=metrics)  # trainer.eval_tasks
+    if task_evals is not None:
+        callbacks.insert(1, task_evals)  # scores step N before step N's checkpoint is written
     if world_size(t) > 1:
         callbacks.append(fail_fast_callback())
     plugin = precision_plugin(t)
