@@ -155,6 +155,11 @@ def test_bad_input_is_one_line(run_and_export, capsys, tmp_path, monkeypatch):
     assert "belongs to the corpus evaluation" in fails(f"tasks={EVALS}", "stride=8")
     assert "scoring='lm_eval' must be one of gptkit, lm-eval" in fails("scoring=lm_eval")
 
+    unknown = tmp_path / "q_task.yaml"  # 'Q' is not in the char tokenizer's corpus
+    unknown.write_text((EVALS / "tiny_mc.yaml").read_text().replace("Ask:", "Q:")
+                       .replace("task: tiny_mc", "task: q_mc").replace("tiny_mc", str(EVALS / "tiny_mc")))
+    assert "1 character(s) the run's tokenizer cannot encode: 'Q'" in fails(f"tasks={unknown}")
+
     hub = tmp_path / "hub_task.yaml"  # a task whose data set lives on the Hub, with the Hub unreachable
     text = (EVALS / "tiny_mc.yaml").read_text()
     hub.write_text(text.replace("dataset_path: json", "dataset_path: nobody/none").replace("tiny_mc", "hub"))

@@ -195,7 +195,6 @@ def run_corpus(cfg) -> int:
 def run_tasks(cfg) -> int:
     """tasks=...: lm-eval tasks through gptkit's LM adapter; a table, and the results as JSON files."""
     import json
-    import os
     import sys
     import time
 
@@ -204,8 +203,6 @@ def run_tasks(cfg) -> int:
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
-    if not cfg.progress:
-        os.environ.setdefault("TQDM_DISABLE", "1")  # read by tqdm when lm-eval imports it
     T.require_lm_eval()  # before anything is loaded: one line naming the install
     given = [k for k in (*CORPUS_ONLY, "data") if cfg.get(k) is not None]
     if cfg.scoring != "gptkit":
@@ -217,7 +214,7 @@ def run_tasks(cfg) -> int:
     T.check_out(cfg.out)
     entries = T.parse_tasks(cfg.tasks)
     specs = T.find_tasks(entries)  # local YAMLs are read (and their errors said) before the model loads
-    T.quiet_lm_eval(verbose=False)
+    T.quiet_lm_eval(progress=bool(cfg.progress))
     from gptkit.evaluation.lm_eval_adapter import GptkitLM
 
     manager = T.task_manager(specs)
@@ -227,6 +224,7 @@ def run_tasks(cfg) -> int:
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
     lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=int(cfg.batch_size))
+    T.check_tokenizer(T.leaf_tasks(task_dict), lm)
     t0 = time.perf_counter()
     results = T.run_tasks(lm, task_dict, manager, num_fewshot=cfg.num_fewshot, limit=limit)
     seconds = time.perf_counter() - t0

@@ -35,6 +35,7 @@ from gptkit.errors import GptkitError
 from gptkit.generate import generate, special_token_ids
 from gptkit.model.kv_cache import KVCache
 from gptkit.sampling import SampleOptions
+from gptkit.tokenizer import describe_characters, unknown_characters
 
 DEFAULT_MAX_GEN_TOKS = 256  # as lm-eval's hf backend
 
@@ -64,6 +65,8 @@ class GptkitLM(TemplateLM):
         self.batch_size = int(batch_size)
         self.seed = seed
         self.stats = AdapterStats()
+        unk = getattr(tokenizer.model, "unk_token", None)
+        self._unk_id = tokenizer.token_to_id(unk) if unk else None  # text mapped to it is text lost
         self._device = model.tok_emb.weight.device
 
     # ---- what lm-eval asks of a model -----------------------------------------------------------------
@@ -96,8 +99,22 @@ class GptkitLM(TemplateLM):
         own tokenizers), except for a string that already starts with the prefix token (as lm-eval)."""
         if add_special_tokens is None:
             add_special_tokens = not self._starts_with_prefix(string)
-        ids = self.tokenizer_.encode(string, add_special_tokens=add_special_tokens).ids
+        ids = self._encode(string, add_special_tokens)
         return ids[-left_truncate_len:] if left_truncate_len else ids
+
+    def _encode(self, string: str, add_special_tokens: bool) -> list[int]:
+        """The ids of string; text the tokenizer cannot represent (a char tokenizer meets a character its
+        corpus never had) is a one-line GptkitError naming the characters."""
+        try:
+            ids = self.tokenizer_.encode(string, add_special_tokens=add_special_tokens).ids
+        except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception for a missing [UNK]
+            ids = None
+        if ids is None or (self._unk_id is not None and self._unk_id in ids):
+            unknown = unknown_characters(self.tokenizer_, string)
+            raise GptkitError(f"the task's text has {len(unknown)} character(s) the run's tokenizer cannot "
+                              f"encode: {describe_characters(unknown)}; this run cannot be scored on this "
+                              f"task (a char tokenizer knows only its training corpus)")
+        return ids
 
     def _starts_with_prefix(self, string: str) -> bool:
         prefix = self.bos_id if self.bos_id is not None else self.eos_id
@@ -129,6 +146,10 @@ class GptkitLM(TemplateLM):
             c = min(len(cont), len(inp))
             groups[tuple(inp[: len(inp) - c])].append((i, inp[len(inp) - c:], list(cont)[-c:]))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
+        alone = sorted(((p, *groups.pop(p)[0]) for p in [p for p, g in groups.items() if len(g) == 1]),
+                       key=lambda item: -len(item[0]) - len(item[2]))  # longest first
+        for a in range(0, len(alone), self.batch_size):
+            self._score_whole(alone[a : a + self.batch_size], out)
         prefixes = sorted(groups, key=lambda p: (-len(p), p))  # longest first; equal lengths side by side
         b = 0
         while b < len(prefixes):
@@ -142,6 +163,25 @@ class GptkitLM(TemplateLM):
             self._score_prefixes(batch, groups, out)
         self.stats.seconds += time.perf_counter() - t0
         return out
+
+    @torch.inference_mode()
+    def _score_whole(self, items, out) -> None:
+        """Requests that share their prefix with no other (each (prefix, index, tail, continuation)): whole
+        inputs, right-padded, in one forward pass; only the continuation positions are log-softmaxed."""
+        lengths = [len(p) + len(tail) for p, _, tail, _ in items]
+        x = torch.zeros(len(items), max(lengths), dtype=torch.long)  # [R, L] right-padded: never read
+        for r, (p, _, tail, _) in enumerate(items):
+            x[r, : lengths[r]] = torch.tensor(list(p) + list(tail))
+        logits = self.model(x.to(self._device)).logits  # [R, L, V]
+        self.stats.forward_tokens += sum(lengths)
+        for r, (_, i, tail, cont) in enumerate(items):
+            out[i] = self._score(logits[r, lengths[r] - len(tail) : lengths[r]], cont)
+
+    def _score(self, logits: torch.Tensor, cont: list[int]) -> tuple[float, bool]:
+        """(sum of log p(cont), greedy) from the logits [c, V] that predict cont."""
+        lp = F.log_softmax(logits.float(), dim=-1)  # [c, V]
+        target = torch.tensor(cont, device=lp.device)  # [c]
+        return lp.gather(-1, target[:, None]).sum().item(), bool((lp.argmax(-1) == target).all())
 
     @torch.inference_mode()
     def _score_prefixes(self, prefixes, groups, out) -> None:
@@ -164,13 +204,8 @@ class GptkitLM(TemplateLM):
             tail_cache = self._expand(cache, [g for g, _ in chunk], P + T) if P else None
             logits = self.model(x.to(self._device), cache=tail_cache).logits  # [R, T, V]
             self.stats.forward_tokens += sum(len(tail) for _, (_, tail, _) in chunk)
-            logp = F.log_softmax(logits.float(), dim=-1)  # [R, T, V]
             for r, (_, (i, tail, cont)) in enumerate(chunk):
-                lp = logp[r, : len(tail)]  # [c, V]
-                target = torch.tensor(cont, device=lp.device)  # [c]
-                ll = lp.gather(-1, target[:, None]).sum().item()
-                greedy = bool((lp.argmax(-1) == target).all())
-                out[i] = (ll, greedy)
+                out[i] = self._score(logits[r, : len(tail)], cont)
 
     def _expand(self, cache: KVCache, rows: list[int], max_len: int) -> KVCache:
         """A cache of len(rows) rows, row r holding cache row rows[r]'s prefix, room for max_len tokens."""
@@ -243,7 +278,7 @@ class GptkitLM(TemplateLM):
         bos = None
         if self.bos_id is not None:
             bos = self.tokenizer_.decode([self.bos_id], skip_special_tokens=False)
-        ids = self.tokenizer_.encode(context, add_special_tokens=not (bos and context.startswith(bos))).ids
+        ids = self._encode(context, add_special_tokens=not (bos and context.startswith(bos)))
         if not ids:
             ids = [self.prefix_token_id]
         return ids

@@ -47,16 +47,30 @@ def parse_tasks(value: Any) -> list[str]:
     return out
 
 
-def quiet_lm_eval(verbose: bool = False) -> None:
-    """lm-eval and datasets log every step at INFO/WARNING; keep errors only (progress bars off too)."""
-    level = logging.INFO if verbose else logging.ERROR
-    for name in ("lm_eval", "lm-eval", "datasets", "fsspec"):
-        logging.getLogger(name).setLevel(level)
-    if not verbose:
-        import datasets
+def quiet_lm_eval(progress: bool = False) -> None:
+    """lm-eval and datasets log every step at INFO/WARNING: keep errors only. Without progress, their
+    progress bars are off too (lm-eval's task module draws one per task as it builds the prompts).
 
+    simple_evaluate also records the git commit of the current folder (`git describe`, which prints
+    "fatal: not a git repository" outside one) and torch's environment report (a dozen subprocesses, seconds
+    on a busy machine): neither describes a gptkit run, whose results files name the run, the checkpoint and
+    the lm-eval version instead, so both are switched off."""
+    import functools
+
+    import datasets
+    import lm_eval.api.task
+    import lm_eval.evaluator
+    from tqdm import tqdm
+
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
+    lm_eval.evaluator.add_env_info = lambda storage: None
+
+    for name in ("lm_eval", "lm-eval", "datasets", "fsspec"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    datasets.logging.set_verbosity_error()
+    if not progress:
         datasets.disable_progress_bars()
-        datasets.logging.set_verbosity_error()
+        lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)
 
 
 # ---- finding the tasks --------------------------------------------------------------------------------
@@ -221,6 +235,15 @@ def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
                 else ""
             raise ConfigError(f"num_fewshot={num_fewshot} but task {name} has {len(pool)} few-shot example(s)"
                               f"{same}; use num_fewshot<={max(0, len(pool) - (need - num_fewshot))}")
+
+
+def check_tokenizer(tasks: dict[str, Any], lm) -> None:
+    """A task that needs a special token the run's tokenizer lacks is one line before any scoring."""
+    for name, task in tasks.items():
+        if task.config.output_type == "loglikelihood_rolling" and lm.bos_id is None and lm.eos_id is None:
+            raise GptkitError(f"task {name} scores whole texts (loglikelihood_rolling), which start with a "
+                              f"BOS or end-of-text token, and the run's tokenizer has neither; train with "
+                              f"tokenizer.eos_token set to score it")
 
 
 def _eval_split(task) -> str | None:

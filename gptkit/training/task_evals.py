@@ -58,6 +58,7 @@ class TaskEvals(Callback):
         self.batch_size, self.eos_token, self.clock = batch_size, eos_token, clock
         self.subsets: list = []
         self.seconds = 0.0  # spent scoring, this invocation
+        self.model_seconds = 0.0  # of which in the model (the rest: lm-eval's filters and metrics)
         self.runs = 0
         self._last_step = -1
         self.last: dict[str, float] = {}
@@ -102,6 +103,7 @@ class TaskEvals(Callback):
             lm = GptkitLM(model, trainer.datamodule.prepared.tokenizer(),
                           {"tokenizer": {"eos_token": self.eos_token}}, batch_size=self.batch_size)
             shares = {s.name: s.score(lm) for s in self.subsets}
+            self.model_seconds += lm.stats.seconds
         finally:
             model.train(was_training)
         if trainer.world_size > 1:
@@ -127,7 +129,7 @@ class TaskEvals(Callback):
         """One line: what the task evals cost."""
         share = self.seconds / wall_s if wall_s else 0.0
         return (f"task evals: {self.runs} x {len(self.subsets)} task(s), {self.seconds:.1f} s "
-                f"({share:.1%} of {wall_s:.1f} s wall time)")
+                f"({share:.1%} of {wall_s:.1f} s wall time; {self.model_seconds:.1f} s in the model)")
 
     def state_dict(self) -> dict[str, Any]:
         return {}
