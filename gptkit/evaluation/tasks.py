@@ -219,22 +219,23 @@ def leaf_tasks(task_dict: dict) -> dict[str, Any]:
 
 
 def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
-    """num_fewshot larger than a task's pool of examples is one line (lm-eval would fail deep inside)."""
-    if num_fewshot is None:
-        return
-    if not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool) or num_fewshot < 0:
+    """num_fewshot (or a task's own, when null) larger than the task's pool of examples is one line (lm-eval
+    would fail deep inside)."""
+    if num_fewshot is not None and (not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool)
+                                    or num_fewshot < 0):
         raise ConfigError(f"num_fewshot={num_fewshot} must be an integer >= 0 (or null: each task's own)")
     for name, task in tasks.items():
-        if num_fewshot == 0:
-            return
+        n = num_fewshot if num_fewshot is not None else int(task.config.num_fewshot or 0)
+        if n == 0:
+            continue
         pool = list(task.fewshot_docs() or [])
         split = _fewshot_split(task)
-        need = num_fewshot + (1 if split is not None and split == _eval_split(task) else 0)
+        need = n + (1 if split is not None and split == _eval_split(task) else 0)
         if len(pool) < need:
-            same = " (drawn from the evaluated split, so one fewer than its size)" if need > num_fewshot \
-                else ""
-            raise ConfigError(f"num_fewshot={num_fewshot} but task {name} has {len(pool)} few-shot example(s)"
-                              f"{same}; use num_fewshot<={max(0, len(pool) - (need - num_fewshot))}")
+            same = " (drawn from the evaluated split, so one fewer than its size)" if need > n else ""
+            given = f"num_fewshot={n}" if num_fewshot is not None else f"its num_fewshot: {n}"
+            raise ConfigError(f"{given} but task {name} has {len(pool)} few-shot example(s){same}; use "
+                              f"num_fewshot<={max(0, len(pool) - (need - n))}")
 
 
 def check_tokenizer(tasks: dict[str, Any], lm) -> None:
