@@ -36,7 +36,7 @@ def evaluate_local(lm, **kw):
     T.quiet_lm_eval()
     specs = T.find_tasks([str(EVALS)])
     manager = T.task_manager(specs)
-    return T.run_tasks(lm, T.load_tasks(specs, manager), manager, bootstrap_iters=0, log_samples=True, **kw)
+    return T.run_tasks(lm, specs, manager, bootstrap_iters=0, log_samples=True, **kw)
 
 
 def test_same_numbers_as_lm_evals_hf_backend_on_the_exported_model(run_and_export):

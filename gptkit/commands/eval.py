@@ -226,7 +226,7 @@ def run_tasks(cfg) -> int:
     lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=int(cfg.batch_size))
     T.check_tokenizer(T.leaf_tasks(task_dict), lm)
     t0 = time.perf_counter()
-    results = T.run_tasks(lm, task_dict, manager, num_fewshot=cfg.num_fewshot, limit=limit)
+    results = T.run_tasks(lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=limit)
     seconds = time.perf_counter() - t0
     rows = T.result_rows(results)
     written = T.write_results(results, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds)

@@ -225,7 +225,8 @@ def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
                                     or num_fewshot < 0):
         raise ConfigError(f"num_fewshot={num_fewshot} must be an integer >= 0 (or null: each task's own)")
     for name, task in tasks.items():
-        n = num_fewshot if num_fewshot is not None else int(task.config.num_fewshot or 0)
+        own = task.config.num_fewshot
+        n = num_fewshot if num_fewshot is not None and own != 0 else int(own or 0)  # lm-eval keeps an own 0
         if n == 0:
             continue
         pool = list(task.fewshot_docs() or [])
@@ -264,14 +265,15 @@ def _fewshot_split(task) -> str | None:
 
 
 # ---- running them ---------------------------------------------------------------------------------------
-def run_tasks(lm, task_dict: dict, manager, *, num_fewshot: int | None = None,
+def run_tasks(lm, specs: TaskSpecs, manager, *, num_fewshot: int | None = None,
               limit: int | float | None = None, bootstrap_iters: int = 100000, seed: int = 1234,
               log_samples: bool = False) -> dict:
-    """lm-eval's simple_evaluate on the loaded tasks with the given LM (manager: the TaskManager they came
-    from; without one lm-eval would index its whole registry again); lm-eval's results dict."""
+    """lm-eval's simple_evaluate on the tasks as given (registry names, local configs) with the given LM
+    (manager: the TaskManager that found them; without one lm-eval would index its whole registry again);
+    lm-eval's results dict. load_tasks() before it has said any error in one line."""
     from lm_eval import simple_evaluate
 
-    tasks = list(leaf_tasks(task_dict).values())
+    tasks = [*specs.names, *specs.local]  # as given: a group (mmlu) is then aggregated over its tasks
     return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
                            log_samples=log_samples, bootstrap_iters=bootstrap_iters, task_manager=manager,
                            random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
