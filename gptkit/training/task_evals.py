@@ -75,6 +75,19 @@ class TaskEvals(Callback):
         loaded = T.leaf_tasks(T.load_tasks(specs, manager))
         self.subsets = [T.TaskSubset(name, task, self.limit, trainer.global_rank, trainer.world_size)
                         for name, task in loaded.items()]
+        lm = self._lm(trainer, pl_module)  # what the tokenizer cannot serve fails now, not at step eval_every
+        T.check_tokenizer(loaded, lm)
+        for s in self.subsets:
+            for inst in s.instances:
+                for text in inst.args:
+                    if isinstance(text, str):
+                        lm.tok_encode(text)
+
+    def _lm(self, trainer, pl_module):
+        from gptkit.evaluation.lm_eval_adapter import GptkitLM
+
+        return GptkitLM(pl_module.model, trainer.datamodule.prepared.tokenizer(),
+                        {"tokenizer": {"eos_token": self.eos_token}}, batch_size=self.batch_size)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if optimizer_stepped(trainer, batch_idx) and (
@@ -90,7 +103,6 @@ class TaskEvals(Callback):
         if step == self._last_step or not self.subsets:
             return {}
         self._last_step = step
-        from gptkit.evaluation.lm_eval_adapter import GptkitLM
         from gptkit.evaluation.tasks import merge_shares
 
         if self.clock is not None:
@@ -100,8 +112,7 @@ class TaskEvals(Callback):
         was_training = model.training
         model.eval()
         try:
-            lm = GptkitLM(model, trainer.datamodule.prepared.tokenizer(),
-                          {"tokenizer": {"eos_token": self.eos_token}}, batch_size=self.batch_size)
+            lm = self._lm(trainer, pl_module)
             shares = {s.name: s.score(lm) for s in self.subsets}
             self.model_seconds += lm.stats.seconds
         finally:
