@@ -17,6 +17,7 @@ from typing import Any
 from lightning.pytorch.callbacks import Callback
 
 from gptkit.errors import ConfigError
+from gptkit.evaluation import tasks as T
 from gptkit.training.metrics import optimizer_stepped
 
 
@@ -26,8 +27,6 @@ def check_task_evals(t: Any) -> None:
     tasks = t.get("eval_tasks")
     if not tasks:
         return
-    from gptkit.evaluation import tasks as T
-
     T.require_lm_eval()
     T.find_tasks(T.parse_tasks(list(tasks) if not isinstance(tasks, str) else tasks))  # local YAMLs exist
     for key in ("eval_every", "eval_limit"):
@@ -66,8 +65,6 @@ class TaskEvals(Callback):
     def setup(self, trainer, pl_module, stage: str) -> None:
         if stage != "fit" or self.subsets:
             return
-        from gptkit.evaluation import tasks as T
-
         T.quiet_lm_eval()
         specs = T.find_tasks(T.parse_tasks(self.tasks))
         manager = T.task_manager(specs)
@@ -84,7 +81,7 @@ class TaskEvals(Callback):
                         lm.tok_encode(text)
 
     def _lm(self, trainer, pl_module):
-        from gptkit.evaluation.lm_eval_adapter import GptkitLM
+        from gptkit.evaluation.lm_eval_adapter import GptkitLM  # imports lm-eval, an optional dependency
 
         return GptkitLM(pl_module.model, trainer.datamodule.prepared.tokenizer(),
                         {"tokenizer": {"eos_token": self.eos_token}}, batch_size=self.batch_size)
@@ -94,17 +91,12 @@ class TaskEvals(Callback):
                 trainer.global_step % self.every == 0 or trainer.global_step >= trainer.max_steps):
             self.evaluate(trainer, pl_module)
 
-    def on_train_end(self, trainer, pl_module) -> None:
-        self.evaluate(trainer, pl_module)  # the weights of an early stop too (a no-op if just scored)
-
     def evaluate(self, trainer, pl_module) -> dict[str, float]:
         """Score every subset on the current weights; rank 0 logs (and returns) the metrics."""
         step = trainer.global_step
         if step == self._last_step or not self.subsets:
             return {}
         self._last_step = step
-        from gptkit.evaluation.tasks import merge_shares
-
         if self.clock is not None:
             self.clock.pause(trainer)
         t0 = time.perf_counter()
@@ -122,7 +114,7 @@ class TaskEvals(Callback):
 
             gathered: list = [None] * trainer.world_size
             dist.all_gather_object(gathered, shares)
-            shares = {s.name: merge_shares([g[s.name] for g in gathered]) for s in self.subsets}
+            shares = {s.name: T.merge_shares([g[s.name] for g in gathered]) for s in self.subsets}
         metrics: dict[str, float] = {}
         for s in self.subsets:
             metrics.update({f"eval/{k}": v for k, v in s.aggregate(shares[s.name]).items()})
