@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_sample_cli import make_run, run_main
+from conftest import make_run, run_cli, run_main, shakespeare
 
 from gptkit.cli import main
 
@@ -190,14 +190,15 @@ def test_task_evals_during_training_log_what_gptkit_eval_gives(tmp_path, capsys)
     logged for the final weights is what `gptkit eval tasks=... limit=` reports on the final checkpoint."""
     import csv
 
-    from conftest import run_cli, shakespeare
-    from test_train import tiny_args
-
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(shakespeare(30_000))
     task = EVALS / "tiny_mc.yaml"
-    r = run_cli("train", *tiny_args(corpus, tmp_path / "runs", "tasks", f"trainer.eval_tasks=[{task}]",
-                                    "trainer.eval_every=6", "trainer.eval_limit=4", "model.max_seq_len=64"))
+    r = run_cli("train", "model=gpt2-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
+                "model.max_seq_len=64", "tokenizer=char", "data=files", f"data.paths=[{corpus}]",
+                "trainer.batch_size=4", "trainer.max_steps=12", "trainer.val_every=6",
+                "trainer.val_windows=8", "trainer.checkpoint_every=12", "trainer.progress=false",
+                f"runs_dir={tmp_path / 'runs'}", "name=tasks", f"trainer.eval_tasks=[{task}]",
+                "trainer.eval_every=6", "trainer.eval_limit=4")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "task evals: 2 x 1 task(s)" in r.stderr and "% of" in r.stderr
     with open(tmp_path / "runs" / "tasks" / "metrics.csv", newline="") as f:

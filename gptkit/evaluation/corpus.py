@@ -62,7 +62,8 @@ def lm_eval_documents(tokens, eos_id: int | None, prefix_id: int) -> list[np.nda
 def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_windows=None, progress=None,
              eos_id: int | None = None) -> dict:
     """Sum of the NLL over every scored target; each target tokens[1:] is scored exactly once. With eos_id
-    (a run trained with data.pack=documents) attention stays inside each document of a window, as in training."""
+    (a run trained with data.pack=documents) attention stays inside each document of a window, as in
+    training."""
     res = evaluate_sequences(model, [tokens], seq_len, stride, batch_size, max_windows, progress, eos_id)
     res["last_target"] = res.pop("last_targets")[0]
     return res
