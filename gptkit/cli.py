@@ -48,10 +48,10 @@ VERBS: dict[str, Verb] = {
     "count-params": Verb("count_params", "count_params", "parameters by component, FLOPs per token, and "
                          "compute/memory estimates for a planned run"),
     "prepare": Verb("prepare", "prepare", "tokenize a corpus into cached token shards + manifest + tokenizer.json"),
-    "export": Verb("export", "export", "write a run as a transformers folder (Llama or GPT-2) that "
-                   "AutoModelForCausalLM loads"),
-    "import": Verb("import_hf", "import", "read a transformers Llama or GPT-2 model (local folder or Hub id) into "
-                   "a gptkit run folder"),
+    "export": Verb("export", "export", "write a run as a transformers folder (Llama, Qwen2/3, OLMo-2 "
+                   "or GPT-2) that AutoModelForCausalLM loads"),
+    "import": Verb("import_hf", "import", "read a transformers Llama, Qwen2/3, OLMo-2 or GPT-2 model (local "
+                   "folder or Hub id) into a gptkit run folder"),
     "plot": Verb("plot", "plot", "draw <run>/loss.png (train and val loss) from the run's metrics.csv"),
     "preflight": Verb("preflight", "preflight", "check a distributed set-up before a long job: ranks, backend, "
                       "an all-reduce, memory vs estimate"),
