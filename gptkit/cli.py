@@ -41,6 +41,8 @@ VERBS: dict[str, Verb] = {
                   "(resume=, init_from=, -m multirun)", hydra_app=True),
     "sample": Verb("sample", "sample", "generate text from a trained run (KV cache; greedy/temperature/top-k/"
                    "top-p; --json)", verbatim=("prompt",)),
+    "chat": Verb("chat", "chat", "talk with a run turn by turn in its chat template (streaming; KV cache "
+                 "kept across turns; /reset, /exit; stdin lines without a terminal)", verbatim=("system",)),
     "eval": Verb("eval", "eval", "loss, perplexity and bits per byte/char of a run on its val split or a "
                  "held-out corpus (--json)"),
     "attention": Verb("attention", "attention", "write a PNG grid of attention maps (layers x heads) for a text "

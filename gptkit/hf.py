@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptkit.data.chat import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE
 from gptkit.model.config import ModelConfig
@@ -461,7 +462,8 @@ def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None
 
 
 # ---- sources: a local folder or a Hugging Face Hub model ---------------------------------------
-HUB_FIRST = ["config.json", "tokenizer.json"]  # fetched first: an unsupported model fails before its weights
+HUB_FIRST = ["config.json", "tokenizer.json",  # fetched first: an unsupported model fails before its weights
+             "tokenizer_config.json", "chat_template.jinja"]  # the chat template (gptkit chat, data=chat)
 HUB_WEIGHTS = [SAFE_SINGLE, "model-*-of-*.safetensors", SAFE_INDEX]
 HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]  # only for a model without safetensors
 HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?(?:@[\w./-]+)?")  # owner/name[@revision] (or a legacy name)
@@ -577,6 +579,7 @@ class Imported:
     dtypes: list[str]  # of the source tensors (the run folder holds fp32)
     has_tokenizer: bool
     heads: str  # what the weight shapes confirm about the attention heads (heads_confirmed)
+    has_chat_template: bool = False  # tokenizer_config.json's chat_template, kept as chat.json
 
 
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
@@ -596,13 +599,16 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
     model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
     tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
+    template = template_in_folder(src.dir) if tokenizer is not None else None  # tokenizer_config.json's
     with staged_dir(out, force=force) as tmp:
         write_run_folder(tmp, {}, model, tokenizer)
+        if template is not None:
+            (tmp / CHAT_FILE).write_text(template.to_json())
         provenance = {"source": src.spec, "architectures": hf_cfg.get("architectures"),
                       "model_type": hf_cfg.get("model_type"), "dtypes": dtypes, "files": fingerprint(src.dir)}
         (tmp / IMPORTED_FILE).write_text(json.dumps(provenance, indent=2))
     return Imported(out, hf_cfg.get("model_type"), model.num_parameters(), dtypes, tokenizer is not None,
-                    heads_confirmed(hf_cfg, model_cfg))
+                    heads_confirmed(hf_cfg, model_cfg), template is not None)
 
 
 def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tuple[Path, Source, bool]:

@@ -43,6 +43,9 @@ def run(cfg) -> int:
     print(f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> fp32) "
           f"into {out}")
     print(f"  attention heads: {done.heads}")
+    if done.has_chat_template:
+        print(f"  chat template: kept in {out / 'chat.json'} (gptkit chat run={out}; data=chat "
+              f"data.template=auto)")
     if not done.has_tokenizer:
         print(f"warning: {shown} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
               f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) writes "
