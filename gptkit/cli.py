@@ -59,8 +59,8 @@ VERBS: dict[str, Verb] = {
                       "an all-reduce, memory vs estimate"),
     "consolidate": Verb("consolidate", "consolidate", "merge a sharded (FSDP) checkpoint folder into one "
                         "checkpoint file", positional="run"),
-    "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench attention|data|train|sample "
-                  "[key=value ...]", positional="bench"),
+    "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench "
+                  "attention|data|train|sample|sft [key=value ...]", positional="bench"),
 }
 
 # Hydra's own flags, for the verb that runs as a Hydra app

@@ -225,3 +225,15 @@ def test_parquet_and_json_files_and_prompt_response_records(tmp_path):
                     "<|im_start|>assistant\nr<|im_end|>\n")
     again = chat.prepare_chat(settings, {"kind": "byte"}, cache_dir=tmp_path / "c")
     assert again.dir == data.dir  # cached
+
+
+def test_generated_string_tasks_have_disjoint_held_out_prompts_and_exact_answers():
+    from gptkit.data.tasks import string_tasks
+
+    train, held = string_tasks(300, 50, seed=3)
+    assert len(train) == 300 and len(held) == 50
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held}
+    for r in train + held:
+        op, word = r["prompt"].split()
+        assert r["response"] == (word.upper() if op == "upper" else word[::-1])
+    assert string_tasks(300, 50, seed=3) == (train, held)  # reproducible
