@@ -30,7 +30,16 @@ from typing import Any
 
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
-from gptkit.fsio import CHUNK, atomic_write_text, crc32_of, disk_full_error, file_crc32, is_disk_full, temp_file_beside
+from gptkit.fsio import (
+    CHUNK,
+    atomic_write_text,
+    confined,
+    crc32_of,
+    disk_full_error,
+    file_crc32,
+    is_disk_full,
+    temp_file_beside,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
@@ -409,8 +418,15 @@ def safe_reader(path: Path):
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            with open(Path(self.path) / SHARDED_INDEX, "rb") as f:
-                metadata = _SafeUnpickler(f).load()
+            index = Path(self.path) / SHARDED_INDEX
+            try:
+                with open(index, "rb") as f:
+                    metadata = _SafeUnpickler(f).load()
+            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+                raise GptkitError(f"{index} is not a readable checkpoint index ({str(exc)[:160]}); "
+                                  f"use a checkpoint you trust") from None
+            for info in (getattr(metadata, "storage_data", None) or {}).values():  # each shard a file inside
+                confined(self.path, getattr(info, "relative_path", ""), index, links=True)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -457,12 +473,14 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    safe_reader(path).read_metadata()  # a bad index is one line here, not a traceback logged by torch
     try:
         _load_state_dict(state, storage_reader=safe_reader(path), planner=safe_planner(distributed=False),
                          no_dist=True)
-    except Exception as exc:
-        raise GptkitError(f"{path} is not a readable sharded checkpoint ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from exc
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise sharded_refusal(path, exc) from None
     if "state_dict" not in state:
         raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
     out = dict(extra)
@@ -470,6 +488,24 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     optimizers = sorted(k for k in state if k.startswith("optimizer_"))
     out["optimizer_states"] = [_by_param_index(state[k]) for k in optimizers]
     return out
+
+
+def sharded_refusal(path: Path, exc: BaseException) -> GptkitError:
+    """One line for a sharded folder torch.distributed.checkpoint could not read: the first rank's own error
+    (a CheckpointException wraps each rank's), a GptkitError as it is."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) and first else first  # (exception, its stack summary)
+    if isinstance(exc, GptkitError):
+        return exc
+    text = " ".join(str(exc).split())
+    if "PytorchStreamReader" in text or "zip archive" in text or isinstance(exc, (EOFError, pickle.UnpicklingError)):
+        why = "a shard is truncated or not what torch.save writes"
+    else:
+        why = f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+    return GptkitError(f"{path} is not a readable sharded checkpoint ({why}); use another checkpoint of the run "
+                       f"(checkpoints/step-*.ckpt) or train again")
 
 
 def _by_param_index(osd: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import tempfile
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from gptkit.errors import GptkitError
 
@@ -79,6 +79,39 @@ def lock_file(path: Path | str, create: bool = True) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+# ---- what a file names stays in its folder -----------------------------------------------------------
+def confined(folder: Path | str, name: Any, named_by: Path | str, links: bool = False) -> Path:
+    """`folder/name` for a file name that an index or checkpoint (`named_by`) gives, if it stays inside
+    `folder`: an empty or absolute name, or a `..` that climbs out, is a one-line GptkitError naming
+    `named_by`. links=True also refuses a symbolic link that leaves the folder (not for a Hugging Face cache
+    snapshot, whose files are links to ../../blobs)."""
+    root = Path(folder).absolute()
+    text = str(name)
+    target = Path(os.path.normpath(root / text))
+    inside = target != root and root in target.parents
+    if links and inside:
+        real, real_root = target.resolve(), root.resolve()
+        inside = real != real_root and real_root in real.parents
+    if not text or Path(text).is_absolute() or not inside:
+        raise GptkitError(f"{named_by} names the file {text!r}, which lies outside {root}; the files of a "
+                          f"checkpoint or model folder stay inside it: use a checkpoint or folder you trust")
+    return target
+
+
+def links_leaving(folder: Path | str) -> list[tuple[Path, Path]]:
+    """(link, target) for every symbolic link under `folder` (not followed) whose target is not inside it."""
+    root = Path(folder).resolve()
+    found = []
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(top) / name
+            if p.is_symlink():
+                target = p.resolve()
+                if target != root and root not in target.parents:
+                    found.append((p, target))
+    return found
 
 
 # ---- checksums -------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ from gptkit.checkpoints import (
     run_dir_of,
 )
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.fsio import atomic_write_text, lock_file
+from gptkit.fsio import atomic_write_text, links_leaving, lock_file
 from gptkit.precision import torch_dtype
 
 CONFIG_FILE = "config.yaml"
@@ -127,6 +127,7 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "n
     run_dir = Path(run_dir).resolve()
     if run_dir in _claimed:
         return
+    check_links(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = lock_file(run_dir / LOCK_FILE)
     if fd is None:
@@ -141,6 +142,16 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "n
     _claimed[run_dir] = fd
     if remove_if_unused:
         atexit.register(_remove_if_no_run, run_dir)
+
+
+def check_links(run_dir: Path | str) -> None:
+    """A run folder whose files are symbolic links that leave it is refused (one line): gptkit would read
+    or write the link's target through it."""
+    found = links_leaving(run_dir) if Path(run_dir).is_dir() else []
+    if found:
+        link, target = found[0]
+        raise GptkitError(f"{link} is a symbolic link to {target}, outside the run folder {Path(run_dir).resolve()}; "
+                          f"a run folder's files stay inside it: replace the link with a copy of the file")
 
 
 def _remove_if_no_run(run_dir: Path) -> None:
@@ -226,6 +237,8 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     path = resolve_latest(path)
     ckpt_path = find_checkpoint(path)
     run_dir = run_dir_of(ckpt_path) if ckpt_path == path else path  # a checkpoint given
+    if is_run_folder(run_dir):
+        check_links(run_dir)
     cfg = read_config(run_dir)
     mdict = dict(cfg["model"])
     if attention:

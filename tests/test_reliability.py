@@ -1,0 +1,117 @@
+"""Issue 25's second reliability pass: what a checkpoint, index or run folder names stays inside it, a broken
+sharded checkpoint is one line, a run's saved config is validated data, and the CLI's refusals are one line.
+(The cases that need a kill or a full training run are in tests/test_faults.py and .ci/faults.)"""
+
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_main
+from test_sample_cli import make_run
+
+from gptkit.errors import GptkitError
+
+
+def one_line(err: str) -> bool:
+    """One error line (notes aside), no traceback."""
+    lines = [line for line in err.strip().splitlines() if not line.startswith("note: ")]
+    return len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+
+
+def sharded_run(tmp_path: Path) -> Path:
+    """A run folder whose last.ckpt is a sharded (torch.distributed.checkpoint) folder without checksums.json,
+    as an older gptkit wrote it: a .metadata index, one shard, meta.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    d, _, _ = make_run(tmp_path)
+    last = d / "checkpoints" / "last.ckpt"
+    state = torch.load(last, weights_only=True)
+    last.unlink()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ...: save in a single process"
+        dcp.save({"state_dict": state["state_dict"]}, checkpoint_id=str(last))
+    torch.save({"global_step": 3}, last / "meta.pt")
+    return d
+
+
+# ---- item 3: a sharded index or an HF index never names a file outside its folder ---------------------
+def test_a_sharded_index_naming_a_file_outside_its_folder_is_refused_by_every_reader(tmp_path, capsys):
+    from gptkit.checkpoints import safe_reader
+
+    d = sharded_run(tmp_path)
+    last = d / "checkpoints" / "last.ckpt"
+    metadata = safe_reader(last).read_metadata()
+    shard = next(last.glob("*.distcp"))
+    outside = tmp_path / "outside" / "secret.bin"
+    outside.parent.mkdir()
+    outside.write_bytes(shard.read_bytes())  # a readable shard: only the confinement refuses it
+    for info in metadata.storage_data.values():
+        info.relative_path = os.path.relpath(outside, last)
+    (last / ".metadata").write_bytes(pickle.dumps(metadata))
+    for verb, *args in (("consolidate", f"run={last}"), ("sample", f"run={d}", "max_new_tokens=2"),
+                        ("eval", f"run={d}")):
+        code, _, err = run_main(capsys, verb, *args)
+        assert code == 2 and "lies outside" in err and "secret.bin" in err and one_line(err), (verb, err)
+    link = last / "linked.distcp"  # a name inside the folder that is a link leaving it
+    link.symlink_to(outside)
+    for info in metadata.storage_data.values():
+        info.relative_path = link.name
+    (last / ".metadata").write_bytes(pickle.dumps(metadata))
+    code, _, err = run_main(capsys, "consolidate", f"run={last}")
+    assert code == 2 and "lies outside" in err and one_line(err), err
+    assert not list(last.parent.glob("*consolidated*"))
+
+
+def test_an_hf_index_naming_a_file_outside_its_folder_is_not_imported(tmp_path, capsys):
+    from test_hf import hf_llama
+
+    src, other = tmp_path / "src", tmp_path / "other"
+    hf_llama(tie=False, bias=False).save_pretrained(other)
+    src.mkdir()
+    (src / "config.json").write_text((other / "config.json").read_text())
+    from safetensors import safe_open
+
+    with safe_open(str(other / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    index = {"metadata": {}, "weight_map": {k: "../other/model.safetensors" for k in keys}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    code, _, err = run_main(capsys, "import", f"hf={src}", f"out={tmp_path / 'runs' / 'x'}")
+    assert code == 2 and "lies outside" in err and "../other/model.safetensors" in err and one_line(err), err
+    assert not (tmp_path / "runs").exists()
+
+
+# ---- item 4: a broken sharded checkpoint is one line --------------------------------------------------
+def test_a_pickled_payload_in_the_index_or_a_truncated_shard_is_one_line(tmp_path, capsys):
+    d = sharded_run(tmp_path)
+    last = d / "checkpoints" / "last.ckpt"
+    index = (last / ".metadata").read_bytes()
+    (last / ".metadata").write_bytes(pickle.dumps(os.system))  # would call os.system if unpickled freely
+    code, _, err = run_main(capsys, "consolidate", f"run={last}")
+    assert code == 2 and "not a readable checkpoint index" in err and one_line(err), err
+    (last / ".metadata").write_bytes(index)
+    shard = next(last.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    code, _, err = run_main(capsys, "consolidate", f"run={last}")
+    assert code == 2 and "truncated" in err and one_line(err), err
+    with pytest.raises(GptkitError, match="not a readable sharded checkpoint"):
+        from gptkit.checkpoints import read_sharded_checkpoint
+
+        read_sharded_checkpoint(last)
+
+
+# ---- item 2: a run folder's files are never links that leave it -------------------------------------------
+def test_a_run_folder_with_a_link_leaving_it_is_refused_and_the_target_untouched(tmp_path, capsys):
+    d, _, _ = make_run(tmp_path)
+    victim = tmp_path / "victim.json"
+    victim.write_text("keep me")
+    (d / "tokenizer.json").unlink()
+    (d / "tokenizer.json").symlink_to(victim)
+    code, _, err = run_main(capsys, "sample", f"run={d}", "max_new_tokens=2")
+    assert code == 2 and "symbolic link" in err and str(victim) in err and one_line(err), err
+    code, _, err = run_main(capsys, "train", f"resume={d}")
+    assert code == 2 and "symbolic link" in err and one_line(err), err
+    assert victim.read_text() == "keep me"
