@@ -369,10 +369,12 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise GptkitError(f"{ckpt_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise GptkitError(f"{ckpt_path} does not match its config ({run_dir_of(ckpt_path) / 'config.yaml'}): "
+                          f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     for k, v in expected.items():
         if tuple(v.shape) != tuple(state[k].shape):
-            raise GptkitError(f"{ckpt_path} does not match its config: {k} has shape {tuple(state[k].shape)}, "
+            raise GptkitError(f"{ckpt_path} does not match its config ({run_dir_of(ckpt_path) / 'config.yaml'}): "
+                              f"{k} has shape {tuple(state[k].shape)}, "
                               f"the config needs {tuple(v.shape)}")
     return state
 

@@ -198,7 +198,60 @@ def read_config(run_dir: Path) -> dict[str, Any]:
         raise GptkitError(f"{f} is not valid YAML ({str(exc).splitlines()[0]})") from exc
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
         raise GptkitError(f"{f} has no `model` section")
+    _no_interpolation(cfg, f)
     return cfg
+
+
+def _no_interpolation(node: Any, where: Path, key: str = "") -> None:
+    """A run's saved config is data: a `${...}` in it (which OmegaConf would resolve, ${oc.env:...} included)
+    is refused, naming the key."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _no_interpolation(v, where, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _no_interpolation(v, where, f"{key}[{i}]")
+    elif isinstance(node, str) and "${" in node:
+        raise ConfigError(f"{where}: {key}: {node!r} is an interpolation; a run's saved config is data and is "
+                          f"never resolved: write the value itself")
+
+
+def saved_run_config(ckpt: Path | str, source: str):
+    """The saved config of the run a resume= checkpoint belongs to, as an OmegaConf config, after the checks a
+    command line gets (gptkit.options.check_saved_config: keys, types, no interpolation; keys it lacks take their
+    defaults, said once), a model config that builds, weights of the shapes it names, and training state to
+    continue (an imported model has none: init_from=). One-line errors name <run>/config.yaml."""
+    import dataclasses
+    import sys
+
+    from omegaconf import OmegaConf
+
+    from gptkit.model import ModelConfig
+    from gptkit.options import check_saved_config
+
+    ckpt = Path(ckpt)
+    run_dir = run_dir_of(ckpt)
+    where = run_dir / CONFIG_FILE
+    raw = read_config(run_dir)
+    if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
+        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training state to "
+                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+    missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
+    if missing:
+        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to continue; "
+                          f"start a new run from its weights: gptkit train init_from={run_dir}")
+    fields = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig))
+    cfg, filled = check_saved_config("train", raw, str(where), fields)
+    try:
+        model_cfg = ModelConfig.from_dict(cfg["model"])
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if not ckpt.is_dir():  # a single file (mmap): its shapes against the config; a sharded folder when loaded
+        checked_model_state(ckpt, model_cfg)
+    if filled and is_rank_zero():
+        print(f"note: {where} has no {', '.join(filled)} (an older gptkit's run, or an edited file): "
+              f"{'their defaults are' if len(filled) > 1 else 'its default is'} used", file=sys.stderr)
+    return OmegaConf.create(cfg)
 
 
 @dataclass
@@ -243,7 +296,10 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     mdict = dict(cfg["model"])
     if attention:
         mdict["attention"] = attention
-    model_cfg = ModelConfig.from_dict(mdict)
+    try:
+        model_cfg = ModelConfig.from_dict(mdict)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{run_dir / CONFIG_FILE}: {exc}") from None
     model = GPT.from_state(model_cfg, checked_model_state(ckpt_path, model_cfg), device)
     if dtype:
         model = model.to(dtype=torch_dtype(dtype))

@@ -115,3 +115,84 @@ def test_a_run_folder_with_a_link_leaving_it_is_refused_and_the_target_untouched
     code, _, err = run_main(capsys, "train", f"resume={d}")
     assert code == 2 and "symbolic link" in err and one_line(err), err
     assert victim.read_text() == "keep me"
+
+
+# ---- items 10, 11, 16: a run's saved config.yaml is validated data ----------------------------------------
+def trained_looking_run(tmp_path: Path) -> Path:
+    """make_run's folder with the trainer/optim/... sections a `train` run's config.yaml has."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from gptkit.config import compose
+
+    d, _, _ = make_run(tmp_path)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    full = OmegaConf.to_container(compose("train", []), resolve=False)
+    full.update(model=cfg["model"], tokenizer=cfg["tokenizer"], data=cfg["data"], name="run", runs_dir=str(tmp_path))
+    (d / "config.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
+    return d
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (("optim", "lr", "abc"), "optim.lr=abc is not a number"),
+    (("seed", None, "hello"), "seed=hello is not a number"),
+    (("trainer", "max_tokenz", None), "unknown key trainer.max_tokenz (did you mean trainer.max_tokens?)"),
+    (("model", "n_heads", 8), "does not match its config"),
+    (("model", "name", "${oc.env:SECRET_TOKEN}"), "is an interpolation"),
+])
+def test_a_hand_edited_config_yaml_is_refused_on_resume_naming_the_file(tmp_path, capsys, monkeypatch, edit, needle):
+    import yaml
+
+    monkeypatch.setenv("SECRET_TOKEN", "hunter2")
+    d = trained_looking_run(tmp_path)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    section, key, value = edit
+    if key is None:
+        cfg[section] = value
+    else:
+        cfg[section][key] = value
+    if key == "max_tokenz":
+        del cfg["trainer"]["max_tokens"]
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+    before = (d / "config.yaml").read_text()
+    code, _, err = run_main(capsys, "train", f"resume={d}")
+    assert code == 2 and needle in err and one_line(err), err
+    assert f"{d / 'config.yaml'}" in err or "config.yaml)" in err, err
+    assert "hunter2" not in err and (d / "config.yaml").read_text() == before  # nothing resolved, nothing written
+    assert not (d / "metrics.csv").exists()
+
+
+def test_sample_names_the_config_yaml_of_a_broken_model_section(tmp_path, capsys):
+    import yaml
+
+    d, _, _ = make_run(tmp_path)
+    cfg = yaml.safe_load((d / "config.yaml").read_text())
+    cfg["model"]["n_layerz"] = 2
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    code, _, err = run_main(capsys, "sample", f"run={d}", "max_new_tokens=2")
+    assert code == 2 and f"{d / 'config.yaml'}: unknown model field(s) n_layerz" in err and one_line(err), err
+
+
+def test_resume_of_an_imported_run_says_to_use_init_from(tmp_path, capsys):
+    from test_hf import hf_llama
+
+    src = tmp_path / "hf"
+    hf_llama(tie=False, bias=False).save_pretrained(src)
+    out = tmp_path / "runs" / "imported"
+    assert run_main(capsys, "import", f"hf={src}", f"out={out}")[0] == 0
+    code, _, err = run_main(capsys, "train", f"resume={out}")
+    assert code == 2 and "no training state" in err and f"init_from={out}" in err and one_line(err), err
+
+
+# ---- items 14, 17: a preset that does not exist, in any group, is one line before anything is written ------
+@pytest.mark.parametrize("args, needle", [
+    (["experiment=shakespeare"], "experiment=shakespeare is not a preset: did you mean experiment=shakespeare-char?"),
+    (["logger=[csv,tensorbord]"], "logger=tensorbord is not a preset: did you mean logger=tensorboard?"),
+    (["-m", "model=gpt2-tiny,llama_tiny"], "model=llama_tiny is not a preset: did you mean model=llama-tiny?"),
+    (["tokenizer=chars"], "(tokenizer presets: bpe, byte, char, file)"),
+])
+def test_a_missing_preset_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(capsys, "train", *args, f"runs_dir={tmp_path / 'runs'}")
+    assert code == 2 and needle in err and one_line(err), err
+    assert list(tmp_path.iterdir()) == []  # no run folder, no multirun.yaml

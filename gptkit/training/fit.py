@@ -26,7 +26,14 @@ from gptkit.checkpoints import (
 from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
-from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, find_run_checkpoint, read_config
+from gptkit.runs import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    find_run_checkpoint,
+    read_config,
+    saved_run_config,
+)
 
 
 @dataclass
@@ -64,7 +71,7 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
         state = read_sharded_checkpoint(ckpt, weights=False)
     else:
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
-    saved = OmegaConf.create(read_config(run_dir_of(ckpt)))
+    saved = saved_run_config(ckpt, f"resume={cfg.resume}")  # checked as a command line is; data, never resolved
     overrides = [o for o in _explicit_overrides() if not o.startswith(("resume=", "name=", "runs_dir=", "hydra."))]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
