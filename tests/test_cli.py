@@ -44,7 +44,7 @@ def test_override_a_field(cli):
 @pytest.mark.parametrize(
     "args, needle",
     [
-        (["model=nope"], "model/nope"),
+        (["model=nope"], "model=nope is not a preset"),
         (["model.n_heads=5"], "not divisible by model.n_heads=5"),
         (["model=llama-tiny", "model.n_kv_heads=3"], "n_kv_heads"),
         (["model.n_layers=0"], "positive integer"),

@@ -196,3 +196,44 @@ def test_a_missing_preset_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys
     code, _, err = run_main(capsys, "train", *args, f"runs_dir={tmp_path / 'runs'}")
     assert code == 2 and needle in err and one_line(err), err
     assert list(tmp_path.iterdir()) == []  # no run folder, no multirun.yaml
+
+
+# ---- item 5: Ctrl-C during the final validation saves, stops, exits 130; resume finishes the validation ------
+def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import run_cli, shakespeare
+
+    from gptkit.checkpoints import checkpoint_step
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(shakespeare(20_000))
+    script = tmp_path / "ctrl_c_in_final_validation.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "from gptkit.training.module import LitGPT\n"
+        "step = LitGPT.validation_step\n"
+        "def send(self, *args, **kw):\n"
+        "    if self.trainer.global_step == 5:  # only the final validation (max_steps=5, val_every=2)\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return step(self, *args, **kw)\n"
+        "LitGPT.validation_step = send\n"
+        "from gptkit.cli import main\n"
+        "sys.exit(main())\n")
+    args = ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
+            "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4", "trainer.max_steps=5",
+            "trainer.val_every=2", "trainer.val_windows=4", "trainer.checkpoint_every=2", "trainer.progress=false",
+            "trainer.log_every=1", f"runs_dir={tmp_path}", "name=r"]
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    r = subprocess.run([sys.executable, str(script), "train", *args], env=env, capture_output=True, text=True,
+                       timeout=300)
+    run = tmp_path / "r"
+    assert r.returncode == 130, r.stderr[-2000:]
+    assert f"SIGINT: saved {run / 'checkpoints' / 'last.ckpt'} at step 5" in r.stderr and "Traceback" not in r.stderr
+    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 5  # the finished last step is kept
+    r = run_cli("train", f"resume={run}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = (run / "metrics.csv").read_text().splitlines()
+    assert rows[-1].startswith("5,") and [row.split(",")[0] for row in rows[1:]] == ["0", "1", "2", "3", "4", "5"]

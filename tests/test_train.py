@@ -163,7 +163,7 @@ def test_wandb_online_without_key_fails_fast(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["optim=sgd"], "optim/sgd"),
+    (["optim=sgd"], "optim=sgd is not a preset (optim presets: adamw"),
     (["trainer.precision=fp8"], "trainer.precision"),
     (["resume=/nonexistent/run"], "does not exist"),
 ])

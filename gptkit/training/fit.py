@@ -244,6 +244,7 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import LitGPT
     from gptkit.training.plots import plot_loss
+    from gptkit.training.stopping import final_validation
     from gptkit.training.trainer import build_loggers, build_trainer
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
@@ -338,8 +339,8 @@ def train(cfg: DictConfig) -> TrainResult:
 
     last = ckpt_dir / LAST_CHECKPOINT
     if checkpoints.signal_name is None:
-        if trainer.global_step % int(t.val_every):
-            trainer.validate(module, datamodule=datamodule, verbose=False)
+        if trainer.global_step % int(t.val_every):  # Ctrl-C/SIGTERM here: saved, stopped, 130/143
+            final_validation(trainer, module, datamodule, checkpoints)
     checkpoints.publish(trainer)  # the final checkpoint, once the rows it covers (final validation too) are on disk
     val = trainer.callback_metrics.get("val/loss")
     if trainer.is_global_zero:
