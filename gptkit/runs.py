@@ -164,9 +164,11 @@ def _remove_if_no_run(run_dir: Path) -> None:
 LATEST = "latest"  # run=latest: the most recently written run folder under ./runs
 
 
-def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
-    """`latest` means the run folder under runs_dir whose config.yaml was written last (multirun
-    job folders included); any other path is returned as it is."""
+def resolve_latest(path: Path | str, runs_dir: Path | str = "runs", need: str = "checkpoint") -> Path:
+    """`latest` means the newest run folder under runs_dir (by its config.yaml; multirun job folders included)
+    that is usable for the verb (`need`, see usable_for): a failed start, a sweep's folder or an import is
+    skipped where it has nothing for the verb, with a note naming the newer folders skipped. Any other path is
+    returned as it is."""
     if str(path) != LATEST:
         return Path(path).expanduser()
     root = Path(runs_dir)
@@ -174,13 +176,41 @@ def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
                if not any(part.startswith(".") for part in f.relative_to(root).parts)]  # not Hydra's .hydra/
     if not configs:
         raise GptkitError(f"`latest` found no run folder under {runs_dir}/; train first or give a run folder")
-    return max(configs, key=lambda f: f.stat().st_mtime).parent
+    newest = [f.parent for f in sorted(configs, key=lambda f: f.stat().st_mtime, reverse=True)]
+    found = next((i for i, d in enumerate(newest) if usable_for(d, need)), None)
+    if found is None:
+        raise GptkitError(f"`latest` found no run folder under {runs_dir}/ with {NEEDS[need]} (newest: {newest[0]}); "
+                          f"train first or give a run folder")
+    if found and is_rank_zero():
+        import sys
+
+        print(f"note: latest is {newest[found]}; newer folders without {NEEDS[need]} skipped: "
+              f"{', '.join(str(d) for d in newest[:found][:3])}{' ...' if found > 3 else ''}", file=sys.stderr)
+    return newest[found]
 
 
-def find_run_checkpoint(path: Path | str, runs_dir: Path | str = "runs") -> Path:
+NEEDS = {"checkpoint": "a checkpoint", "training": "training to resume (a .ckpt, not an import)",
+         "metrics": "a metrics.csv", "sharded": "a sharded checkpoint"}
+
+
+def usable_for(run_dir: Path, need: str = "checkpoint") -> bool:
+    """Whether a run folder has what a verb needs: a checkpoint (sample, eval, export, init_from), training to
+    resume (a .ckpt of a run that is not an import), a metrics.csv (plot) or a sharded checkpoint (consolidate)."""
+    if need == "metrics":
+        return (run_dir / METRICS_FILE).is_file()
+    try:
+        ckpt = find_checkpoint(run_dir)
+    except GptkitError:
+        return False
+    if need == "training":
+        return ckpt.suffix == ".ckpt" and ((run_dir / METRICS_FILE).exists() or not (run_dir / IMPORTED_FILE).exists())
+    return ckpt.is_dir() if need == "sharded" else True
+
+
+def find_run_checkpoint(path: Path | str, runs_dir: Path | str = "runs", need: str = "checkpoint") -> Path:
     """The checkpoint a `run=` / `resume=` / `init_from=` value names: a run folder, a checkpoint file or
-    sharded folder, or `latest`."""
-    return find_checkpoint(resolve_latest(path, runs_dir))
+    sharded folder, or `latest` (the newest run folder usable for `need`, see resolve_latest)."""
+    return find_checkpoint(resolve_latest(path, runs_dir, need))
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:
@@ -279,7 +309,17 @@ def load_tokenizer(run_dir: Path):
 def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None) -> Run:
     """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to)."""
     run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention)
-    return Run(run_dir, ckpt_path, cfg, model_cfg, model, load_tokenizer(run_dir))
+    tokenizer = load_tokenizer(run_dir)
+    check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
+    return Run(run_dir, ckpt_path, cfg, model_cfg, model, tokenizer)
+
+
+def check_tokenizer_fits(run_dir: Path, tokenizer_size: int, vocab_size: int) -> None:
+    """The run's tokenizer must give only ids the model has (the model's vocabulary may be larger: padded)."""
+    if tokenizer_size > vocab_size:
+        raise GptkitError(f"{Path(run_dir) / TOKENIZER_FILE} has {tokenizer_size:,} tokens but the model has "
+                          f"{vocab_size:,} (model.vocab_size in {Path(run_dir) / CONFIG_FILE}): it is not the "
+                          f"tokenizer the run was trained with; put that one back")
 
 
 def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):

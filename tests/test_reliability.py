@@ -237,3 +237,36 @@ def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tm
     assert r.returncode == 0, r.stderr[-2000:]
     rows = (run / "metrics.csv").read_text().splitlines()
     assert rows[-1].startswith("5,") and [row.split(",")[0] for row in rows[1:]] == ["0", "1", "2", "3", "4", "5"]
+
+
+# ---- item 8: the run's tokenizer must fit the model -------------------------------------------------------
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_one_line(tmp_path, capsys):
+    from gptkit.tokenizer import build_tokenizer
+
+    d, model, _ = make_run(tmp_path)
+    big = build_tokenizer({"kind": "byte"}, texts=lambda: ["x"])  # 256+ ids against make_run's ~65
+    (d / "tokenizer.json").write_text(big.to_str())
+    for verb, *args in (("sample", "max_new_tokens=2"), ("eval",), ("export", f"out={tmp_path / 'hf'}")):
+        code, _, err = run_main(capsys, verb, f"run={d}", *args)
+        assert code == 2 and f"but the model has {model.cfg.vocab_size}" in err and one_line(err), (verb, err)
+    assert not (tmp_path / "hf").exists()
+
+
+# ---- item 16: run=latest is the newest run usable for the verb ----------------------------------------------
+def test_latest_skips_folders_the_verb_cannot_use(tmp_path, capsys, monkeypatch):
+    import time
+
+    from gptkit.runs import resolve_latest
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()
+    good, _, _ = make_run(tmp_path / "runs")
+    time.sleep(0.02)
+    failed = tmp_path / "runs" / "failed"
+    failed.mkdir()
+    (failed / "config.yaml").write_text((good / "config.yaml").read_text())  # a start that failed: no checkpoint
+    assert resolve_latest("latest").resolve() == good.resolve()
+    assert "newer folders without a checkpoint skipped" in capsys.readouterr().err
+    (good / "imported_from.json").write_text("{}")  # an import: nothing to resume
+    with pytest.raises(GptkitError, match="with training to resume"):
+        resolve_latest("latest", need="training")

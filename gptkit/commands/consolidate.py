@@ -19,7 +19,7 @@ def run(cfg) -> int:
     from gptkit.errors import GptkitError
     from gptkit.runs import find_run_checkpoint
 
-    ckpt = find_run_checkpoint(str(cfg.run))
+    ckpt = find_run_checkpoint(str(cfg.run), need="sharded")
     if not is_sharded_checkpoint(ckpt):
         raise GptkitError(f"{ckpt} is already a single-file checkpoint; there is nothing to consolidate")
     out = Path(str(cfg.out)) if cfg.out else ckpt.with_name(ckpt.stem + ".consolidated.ckpt")
