@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,10 +159,16 @@ def _report(exc: Exception) -> int:
         raise exc
     if isinstance(exc, BrokenPipeError):  # `gptkit ... | head`: the reader left; nothing to report
         return 0
-    from gptkit.fsio import disk_full_error, is_disk_full
+    from gptkit.fsio import disk_full_error, human_bytes, is_disk_full
+    from gptkit.training.memory import available_memory, is_cpu_out_of_memory
 
     if is_disk_full(exc) and not isinstance(exc, GptkitError):  # a write no one anticipated: still one line
         exc = disk_full_error(getattr(exc, "filename", None) or Path.cwd(), None, exc)
+    if is_cpu_out_of_memory(exc):  # outside training (sample, eval, export of a model too large for the host)
+        asked = re.search(r"allocate (\d+) bytes", str(exc))
+        exc = GptkitError(f"out of memory on the CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
+                          f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or batch, "
+                          f"or a machine with more memory (count-params shows a model's memory)")
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2

@@ -17,8 +17,9 @@ from gptkit.errors import GptkitError
 
 
 def one_line(err: str) -> bool:
-    """One error line (notes aside), no traceback."""
-    lines = [line for line in err.strip().splitlines() if not line.startswith("note: ")]
+    """One error line (notes and the data preparation's lines aside, as .ci/faults counts), no traceback."""
+    lines = [line for line in err.strip().splitlines() if line.strip()
+             and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared"))]
     return len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
 
 
@@ -270,3 +271,31 @@ def test_latest_skips_folders_the_verb_cannot_use(tmp_path, capsys, monkeypatch)
     (good / "imported_from.json").write_text("{}")  # an import: nothing to resume
     with pytest.raises(GptkitError, match="with training to resume"):
         resolve_latest("latest", need="training")
+
+
+# ---- items 19, 12: the host's memory, before the model is built; an allocation failure is one line ---------
+def test_a_run_too_large_for_the_host_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("gptkit.training.memory.available_memory", lambda: 1 << 30)
+    runs = tmp_path / "runs"
+    code, _, err = run_main(capsys, "train", "model=gpt2-tiny", "model.n_layers=1", "model.d_model=32",
+                            "model.n_heads=2", "model.max_seq_len=32", "tokenizer=char", "trainer.batch_size=100000",
+                            "trainer.accelerator=cpu", f"runs_dir={runs}", "name=big")
+    assert code == 2 and "not enough memory for this run on the CPU" in err and "1.00 GiB is available" in err, err
+    assert "activations" in err and "trainer.batch_size=100000" in err and one_line(err), err
+    from gptkit.runs import unused
+
+    assert unused(runs / "big")  # nothing written but the lock (the folder goes when the process exits)
+
+
+def test_the_cpu_allocators_failure_is_one_line(capsys, monkeypatch):
+    from gptkit import cli
+
+    try:
+        torch.empty(10**14, dtype=torch.uint8)  # 100 TB: refused by the allocator at once
+    except RuntimeError as exc:
+        error = exc
+    else:
+        pytest.skip("this machine allocated 100 TB")
+    assert cli._report(error) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of memory on the CPU allocating 90.95 TiB") and one_line(err), err

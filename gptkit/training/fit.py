@@ -241,6 +241,7 @@ def train(cfg: DictConfig) -> TrainResult:
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
     from gptkit.threads import set_threads
     from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu, world_size
+    from gptkit.training.memory import check_host_memory, cpu_out_of_memory, is_cpu_out_of_memory
     from gptkit.training.metrics import detect_peak_flops
     from gptkit.training.module import LitGPT
     from gptkit.training.plots import plot_loss
@@ -277,6 +278,8 @@ def train(cfg: DictConfig) -> TrainResult:
         model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
     model_cfg = ModelConfig.from_dict(model_dict)
     check_vocab(prepared, model_cfg.vocab_size)
+    if cpu:  # the count-params estimate against the host's memory, before the model is built
+        check_host_memory(cfg, model_cfg, devices_per_node(cfg.trainer))
     cfg.model = OmegaConf.create(model_cfg.to_dict())
 
     t = cfg.trainer
@@ -332,6 +335,8 @@ def train(cfg: DictConfig) -> TrainResult:
                     weights_only=True)
     except torch.OutOfMemoryError as exc:
         raise out_of_memory(cfg, model_cfg, world) from exc
+    except RuntimeError as exc:  # the CPU allocator's failure: one line with the same estimate
+        raise (cpu_out_of_memory(cfg, model_cfg) if is_cpu_out_of_memory(exc) else exc) from exc
     except SystemExit:
         if checkpoints.interrupted:  # a second Ctrl-C: Lightning stops at once and exits 1; say so, exit 130
             _interrupted(run_dir, ckpt_dir / LAST_CHECKPOINT, trainer.is_global_zero)
