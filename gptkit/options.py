@@ -130,6 +130,10 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(_required(config_name, missing[0], options))
+    if config_name == "train" and cfg.get("resume") not in (None, "", "null"):  # the run's saved config as well
+        from gptkit.runs import find_run_checkpoint
+
+        check_saved_run(find_run_checkpoint(str(cfg.resume), str(cfg.runs_dir), need="training"), f"resume={cfg.resume}")
     return cfg
 
 
@@ -345,15 +349,10 @@ def _raw(o: Option, v: Any) -> str:
 
 
 # ---- a run's saved config, checked as the command line is -------------------------------------------
-FILLED_SECTIONS = ("trainer", "optim")  # a key missing there takes the default preset's value (said once)
-
-
-def check_saved_config(config_name: str, saved: dict[str, Any], where: str,
-                       extra_keys: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
+def check_saved_config(config_name: str, saved: dict[str, Any], where: str, extra_keys: tuple[str, ...] = ()) -> None:
     """A run's saved config (plain data read from `where`, e.g. runs/x/config.yaml) checked against the verb's
     config as a command line is: every key one that the verb's YAML or a preset of its groups has (a renamed key:
-    the close one named), every value of its key's type (runs.read_config refuses an interpolation).
-    Returns (the config with the keys of `FILLED_SECTIONS` it lacks set to their defaults, those keys). Each
+    the close one named), every value of its key's type (runs.read_config refuses an interpolation). Each
     problem is a one-line ConfigError that names `where`."""
     own, choices = _verb_values(config_name)
     known = set(own) | set(extra_keys)
@@ -362,28 +361,46 @@ def check_saved_config(config_name: str, saved: dict[str, Any], where: str,
             for keys in _group_keys(group).values():
                 known |= keys
     known |= {k.rsplit(".", i)[0] for k in list(known) for i in range(1, k.count(".") + 1)}  # their sections
-    values = _flat_values(saved)
-    for key, value in values.items():
-        leaf = not isinstance(value, dict) or not value
-        if leaf and key not in known and not any(key == f or key.startswith(f + ".") for f in FREE_FORM):
+    for key, value in _flat_values(saved).items():
+        if isinstance(value, dict) and value:
+            continue
+        if key not in known and not any(key == f or key.startswith(f + ".") for f in FREE_FORM):
             near = suggest(key, sorted(k for k in known if k.split(".")[0] == key.split(".")[0]) or sorted(known))
             raise ConfigError(f"{where}: unknown key {key}" + (f" (did you mean {near}?)" if near else "")
                               + "; fix or remove it")
-        if leaf:
-            o = Option(f"{key}={value}", key, "key", "CHANGE", value, False, f"{key}={value}")
-            try:
-                _check_type(config_name, o)
-            except ConfigError as exc:
-                raise ConfigError(f"{where}: {exc}") from None
-    out = OmegaConf.to_container(OmegaConf.create(saved), resolve=False)
-    filled = []
-    for group in FILLED_SECTIONS:
-        if group not in out:
-            continue
-        defaults = _group_values(group).get(str(choices.get(group)), {})
-        for key, value in defaults.items():
-            if key not in values and not isinstance(value, dict):
-                OmegaConf.update(node := OmegaConf.create(out), key, value, force_add=True)
-                out = OmegaConf.to_container(node, resolve=False)
-                filled.append(key)
-    return out, filled
+        try:
+            _check_type(config_name, Option(f"{key}={value}", key, "key", "CHANGE", value, False, f"{key}={value}"))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+
+
+def check_saved_run(ckpt: Path | str, source: str) -> None:
+    """Before `train resume=` starts: the run has training to continue (an imported model has none: init_from=),
+    its config.yaml passes check_saved_config, its model section builds, and a single-file checkpoint's weights
+    have the shapes it names. One-line errors name <run>/config.yaml."""
+    import dataclasses
+
+    from gptkit.checkpoints import checked_model_state, run_dir_of
+    from gptkit.errors import GptkitError
+    from gptkit.model import ModelConfig
+    from gptkit.runs import CONFIG_FILE, IMPORTED_FILE, METRICS_FILE, check_links, read_config
+
+    ckpt = Path(ckpt)
+    run_dir = run_dir_of(ckpt)
+    where = run_dir / CONFIG_FILE
+    check_links(run_dir)
+    raw = read_config(run_dir)
+    if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
+        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training state to "
+                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+    missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
+    if missing:
+        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to continue; "
+                          f"start a new run from its weights: gptkit train init_from={run_dir}")
+    check_saved_config("train", raw, str(where), tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)))
+    try:
+        model_cfg = ModelConfig.from_dict(raw["model"])
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if ckpt.suffix == ".ckpt" and ckpt.is_file():  # its shapes (mmap); a sharded folder is checked when loaded
+        checked_model_state(ckpt, model_cfg)

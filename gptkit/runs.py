@@ -246,42 +246,30 @@ def _no_interpolation(node: Any, where: Path, key: str = "") -> None:
                           f"never resolved: write the value itself")
 
 
-def saved_run_config(ckpt: Path | str, source: str):
-    """The saved config of the run a resume= checkpoint belongs to, as an OmegaConf config, after the checks a
-    command line gets (gptkit.options.check_saved_config: keys, types, no interpolation; keys it lacks take their
-    defaults, said once), a model config that builds, weights of the shapes it names, and training state to
-    continue (an imported model has none: init_from=). One-line errors name <run>/config.yaml."""
-    import dataclasses
+def saved_run_config(ckpt: Path | str, composed: Any):
+    """The saved config of the run a resume= checkpoint belongs to, as an OmegaConf config: data (read_config
+    refuses an interpolation), with the trainer/optim keys it lacks (an older gptkit's run, or an edited file)
+    taken from `composed` (this invocation's config: the defaults and the command line), said once. The
+    command line checks the file itself first (gptkit.options.check_saved_run)."""
     import sys
 
     from omegaconf import OmegaConf
 
-    from gptkit.model import ModelConfig
-    from gptkit.options import check_saved_config
-
-    ckpt = Path(ckpt)
-    run_dir = run_dir_of(ckpt)
-    where = run_dir / CONFIG_FILE
-    raw = read_config(run_dir)
-    if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
-        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training state to "
-                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
-    missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
-    if missing:
-        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to continue; "
-                          f"start a new run from its weights: gptkit train init_from={run_dir}")
-    fields = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig))
-    cfg, filled = check_saved_config("train", raw, str(where), fields)
-    try:
-        model_cfg = ModelConfig.from_dict(cfg["model"])
-    except (ConfigError, TypeError, ValueError) as exc:
-        raise ConfigError(f"{where}: {exc}") from None
-    if not ckpt.is_dir():  # a single file (mmap): its shapes against the config; a sharded folder when loaded
-        checked_model_state(ckpt, model_cfg)
+    run_dir = run_dir_of(Path(ckpt))
+    saved = OmegaConf.create(read_config(run_dir))
+    filled = []
+    for section in ("trainer", "optim"):
+        if section not in saved or section not in composed:
+            continue
+        defaults = OmegaConf.to_container(composed[section], resolve=False)
+        for key, value in defaults.items():
+            if key not in saved[section]:
+                saved[section][key] = value
+                filled.append(f"{section}.{key}")
     if filled and is_rank_zero():
-        print(f"note: {where} has no {', '.join(filled)} (an older gptkit's run, or an edited file): "
+        print(f"note: {run_dir / CONFIG_FILE} has no {', '.join(filled)} (an older gptkit's run, or an edited file): "
               f"{'their defaults are' if len(filled) > 1 else 'its default is'} used", file=sys.stderr)
-    return OmegaConf.create(cfg)
+    return saved
 
 
 @dataclass

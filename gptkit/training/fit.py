@@ -71,7 +71,7 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
         state = read_sharded_checkpoint(ckpt, weights=False)
     else:
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
-    saved = saved_run_config(ckpt, f"resume={cfg.resume}")  # checked as a command line is; data, never resolved
+    saved = saved_run_config(ckpt, cfg)  # data, never resolved (the CLI checked it as a command line)
     overrides = [o for o in _explicit_overrides() if not o.startswith(("resume=", "name=", "runs_dir=", "hydra."))]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
