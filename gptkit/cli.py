@@ -21,7 +21,6 @@ import os
 import re
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from types import ModuleType
 
 VERB_ENV = "GPTKIT_VERB"
@@ -163,7 +162,7 @@ def _report(exc: Exception) -> int:
     from gptkit.training.memory import available_memory, is_cpu_out_of_memory
 
     if is_disk_full(exc) and not isinstance(exc, GptkitError):  # a write no one anticipated: still one line
-        exc = disk_full_error(getattr(exc, "filename", None) or Path.cwd(), None, exc)
+        exc = disk_full_error(getattr(exc, "filename", None), None, exc)
     if is_cpu_out_of_memory(exc):  # outside training (sample, eval, export of a model too large for the host)
         asked = re.search(r"allocate (\d+) bytes", str(exc))
         exc = GptkitError(f"out of memory on the CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"

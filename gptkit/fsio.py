@@ -164,8 +164,13 @@ def is_disk_full(exc: BaseException) -> bool:
         ("requested and" in text and "written" in text) or "No space left on device" in text
 
 
-def disk_full_error(what: Path | str, needed: float | None, exc: BaseException) -> GptkitError:
-    """One line for a write that ran out of space: what was being written, the space it needs, the space free."""
+def disk_full_error(what: Path | str | None, needed: float | None, exc: BaseException) -> GptkitError:
+    """One line for a write that ran out of space: what was being written, the space it needs, the space free.
+    `what` None: an error that names no file (the free space is then the current folder's disk's)."""
+    if what is None:
+        return GptkitError(f"no space left on the disk (the failed write names no file: {' '.join(str(exc).split())[:120]})"
+                           f"; {human_bytes(free_bytes(Path.cwd()))} is free on the disk of {Path.cwd()}; free some "
+                           f"space (old runs, checkpoints or the data cache) and run the command again")
     need = f"it needs about {human_bytes(needed)}, " if needed else ""
     return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is free; "
                        f"free some space (old runs, checkpoints or the data cache) and run the command again")
@@ -200,6 +205,14 @@ def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
             shutil.rmtree(old)
         else:
             os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
+        failed = _newest_file(tmp) if is_disk_full(exc) and not isinstance(exc, GptkitError) else None
         shutil.rmtree(tmp, ignore_errors=True)
+        if failed is not None:  # the file being written when the disk filled, by the name it was to have
+            raise disk_full_error(out / failed.relative_to(tmp), None, exc) from exc
         raise
+
+
+def _newest_file(folder: Path) -> Path | None:
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return max(files, key=lambda f: f.stat().st_mtime_ns) if files else folder

@@ -299,3 +299,34 @@ def test_the_cpu_allocators_failure_is_one_line(capsys, monkeypatch):
     assert cli._report(error) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: out of memory on the CPU allocating 90.95 TiB") and one_line(err), err
+
+
+# ---- item 6: a full disk names the file that failed ---------------------------------------------------------
+def test_a_full_disk_names_metrics_csv_the_exported_file_or_says_no_file_is_named(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from gptkit import cli
+    from gptkit.fsio import staged_dir
+    from gptkit.training.metrics_csv import MetricsCSV
+
+    full = OSError(errno.ENOSPC, "No space left on device")
+
+    def no_space(*args, **kwargs):
+        raise full
+
+    m = MetricsCSV(tmp_path)
+    m.log_metrics({"train/loss": 1.0}, 0)
+    monkeypatch.setattr(MetricsCSV, "_append", no_space)
+    monkeypatch.setattr(MetricsCSV, "_rewrite", no_space)
+    with pytest.raises(GptkitError, match=f"no space left on the disk writing {tmp_path / 'metrics.csv'}: .* is free"):
+        m.finalize("success")
+    out = tmp_path / "hf"
+    with pytest.raises(GptkitError, match=f"writing {out / 'model.safetensors'}: "):
+        with staged_dir(out) as tmp:
+            (tmp / "config.json").write_text("{}")
+            (tmp / "model.safetensors").write_bytes(b"half")
+            raise full
+    assert list(tmp_path.iterdir()) == []  # nothing half-made
+    assert cli._report(OSError(errno.ENOSPC, "No space left on device")) == 2
+    err = capsys.readouterr().err
+    assert "the failed write names no file" in err and one_line(err), err

@@ -28,7 +28,7 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
 from gptkit.faults import fault_point
-from gptkit.fsio import temp_file_beside
+from gptkit.fsio import disk_full_error, is_disk_full, temp_file_beside
 from gptkit.runs import METRICS_FILE
 
 VAL_PREFIX = "val/"  # validation values: logged at step N before the checkpoint of step N is published
@@ -127,7 +127,16 @@ class MetricsCSV(Logger):
         return buf.getvalue().encode()
 
     def _write(self, complete_only: bool, fsync: bool = False) -> None:
-        """Put rows on disk: with complete_only, all but the newest (which may still grow)."""
+        """Put rows on disk: with complete_only, all but the newest (which may still grow). A full disk is one
+        line naming metrics.csv."""
+        try:
+            self._write_rows(complete_only, fsync)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise disk_full_error(self.path, None, exc) from exc
+            raise
+
+    def _write_rows(self, complete_only: bool, fsync: bool) -> None:
         self._start()
         newest = max(self._rows, default=None)
         if self._tail is not None and self._tail[0] != newest and self._rows.get(self._tail[0]) == self._tail[1]:
