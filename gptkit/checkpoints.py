@@ -38,7 +38,7 @@ from gptkit.fsio import (
     disk_full_error,
     file_crc32,
     is_disk_full,
-    temp_file_beside,
+    locked_temp,
 )
 
 CHECKPOINT_DIR = "checkpoints"
@@ -70,8 +70,7 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_file_beside(path)
-    os.close(fd)
+    lock, tmp = locked_temp(path)  # locked while written: remove_dead_temps leaves it alone
     try:
         torch.save(obj, tmp)
         with open(tmp, "rb+") as f:
@@ -83,6 +82,8 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
         if is_disk_full(exc):
             raise disk_full_error(path, _tensor_bytes(obj), exc) from exc
         raise
+    finally:
+        os.close(lock)
 
 
 def remove_checkpoint(path: Path) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from gptkit.errors import GptkitError
+from gptkit.faults import fault_point
 
 
 def _read_umask() -> int:
@@ -36,6 +37,59 @@ def temp_file_beside(path: Path) -> tuple[int, str]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.chmod(tmp, FILE_MODE)  # mkstemp makes it private
     return fd, tmp
+
+
+def locked_temp(path: Path, folder: bool = False) -> tuple[int, Path]:
+    """A temporary file (or folder) `.<name>.<random>.tmp` beside `path`, and an open descriptor holding an
+    exclusive fcntl lock on it for as long as it stays open (the OS drops it when the process ends, kill -9
+    included): remove_dead_temps tells a live writer's temporary from a killed one's by it. It is made as
+    `.new`, locked, then renamed to `.tmp`, so no cleaner ever sees an unlocked `.tmp` of a live writer."""
+    import fcntl
+
+    if folder:
+        new = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
+        os.chmod(new, DIR_MODE)  # mkdtemp makes it private; the result is an ordinary folder
+        fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
+    else:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent)
+        new = Path(name)
+        os.chmod(new, FILE_MODE)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    tmp = new.with_name(new.name[:-len(".new")] + ".tmp")
+    os.replace(new, tmp)
+    return fd, tmp
+
+
+def remove_dead_temps(path: Path | str) -> list[Path]:
+    """Remove the `.<name>.*.tmp` files and folders that writers of `path` killed before they finished left
+    beside it (those made by locked_temp whose lock no live process holds); a note says what was freed."""
+    import fcntl
+    import glob
+    import sys
+
+    path = Path(path)
+    gone, freed = [], 0
+    for p in sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp")) if path.parent.is_dir() else []:
+        try:
+            fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0) | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live writer's
+        try:
+            files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+            freed += sum(f.stat().st_size for f in files)
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            gone.append(p)
+        finally:
+            os.close(fd)
+    if gone:
+        print(f"note: removed {len(gone)} temporary {'copy' if len(gone) == 1 else 'copies'} of {path} that an "
+              f"interrupted earlier run left ({human_bytes(freed)})", file=sys.stderr)
+    return gone
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
@@ -194,10 +248,11 @@ def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
     `out` is refused unless force=True (then it is replaced, only after the new folder is complete)."""
     out = check_out_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    os.chmod(tmp, DIR_MODE)  # mkdtemp makes it private; the result is an ordinary folder
+    remove_dead_temps(out)  # what a killed earlier write of `out` left
+    lock, tmp = locked_temp(out, folder=True)
     try:
         yield tmp
+        fault_point("staged")
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             os.replace(out, old / out.name)
@@ -211,6 +266,8 @@ def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
         if failed is not None:  # the file being written when the disk filled, by the name it was to have
             raise disk_full_error(out / failed.relative_to(tmp), None, exc) from exc
         raise
+    finally:
+        os.close(lock)
 
 
 def _newest_file(folder: Path) -> Path | None:

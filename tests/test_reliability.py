@@ -330,3 +330,31 @@ def test_a_full_disk_names_metrics_csv_the_exported_file_or_says_no_file_is_name
     assert cli._report(OSError(errno.ENOSPC, "No space left on device")) == 2
     err = capsys.readouterr().err
     assert "the failed write names no file" in err and one_line(err), err
+
+
+# ---- item 7: the next export/import/consolidate of an out removes what a killed one left, never a live one's ---
+def test_leftover_temporaries_of_a_killed_export_are_removed_by_the_next_export_and_a_live_ones_kept(
+        tmp_path, capsys):
+    from gptkit.fsio import locked_temp
+
+    d, _, _ = make_run(tmp_path)
+    out = tmp_path / "hf"
+    fd, dead = locked_temp(out, folder=True)
+    (dead / "model.safetensors").write_bytes(b"\0" * 100_000)
+    os.close(fd)  # its writer is gone (kill -9 drops the lock the same way)
+    live_fd, live = locked_temp(out, folder=True)  # another export of the same out, still writing
+    other_fd, other = locked_temp(tmp_path / "hf2", folder=True)
+    os.close(other_fd)  # a dead temporary of another out: not this export's to remove
+    try:
+        code, _, err = run_main(capsys, "export", f"run={d}", f"out={out}")
+        assert code == 0, err
+        assert not dead.exists() and live.is_dir() and other.is_dir() and (out / "config.json").is_file()
+        assert "removed 1 temporary copy" in err and "97.66 KiB" in err, err
+    finally:
+        os.close(live_fd)
+    ckpt = tmp_path / "single.ckpt"
+    fd, dead = locked_temp(ckpt)
+    os.close(fd)
+    from gptkit.fsio import remove_dead_temps
+
+    assert remove_dead_temps(ckpt) == [dead] and not dead.exists()
