@@ -358,3 +358,30 @@ def test_leftover_temporaries_of_a_killed_export_are_removed_by_the_next_export_
     from gptkit.fsio import remove_dead_temps
 
     assert remove_dead_temps(ckpt) == [dead] and not dead.exists()
+
+
+# ---- item 15: threads not set on a loaded machine: the count that fits, said once -----------------------------
+def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explicit_count_is_kept(
+        monkeypatch, capsys):
+    import gptkit.threads
+    from gptkit.threads import set_threads
+
+    monkeypatch.setattr(gptkit.threads, "cores", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
+    monkeypatch.setattr(gptkit.threads, "busy_now", lambda: 1.0)  # one of the two cores busy with other work
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)  # torch's default on two cores
+        assert set_threads(None, "trainer.threads") == 1 and torch.get_num_threads() == 1
+        err = capsys.readouterr().err
+        assert err == ("note: 1 torch thread instead of 2: other work loads 1.0 of the 2 cores "
+                       "(set trainer.threads=2 to use 2 anyway)\n"), err
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        assert set_threads(2, "trainer.threads") == 2 and torch.get_num_threads() == 2  # the user's count: kept
+        assert capsys.readouterr().err.startswith("warning: 2 torch threads on 2 cores")
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        assert set_threads(None, "threads", warn=False) == 2  # not on the CPU: untouched
+    finally:
+        torch.set_num_threads(before)
