@@ -385,3 +385,16 @@ def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explic
         assert set_threads(None, "threads", warn=False) == 2  # not on the CPU: untouched
     finally:
         torch.set_num_threads(before)
+
+
+# ---- item 9: a metrics.csv cut short before a resume is said, once -------------------------------------------
+def test_a_truncated_metrics_csv_names_the_missing_steps_on_resume(tmp_path, capsys):
+    from gptkit.training.metrics_csv import MetricsCSV, missing_tail
+
+    lines = ["step,train/loss"] + [f"{s},{4 - s / 10}" for s in range(6)]  # rows 0-5 left of 0-11
+    (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
+    MetricsCSV(tmp_path, resume_step=12).finalize("success")
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and "has no rows for steps 6-11" in err, err
+    assert missing_tail([9, 19, 29, 39], 40) is None and missing_tail([9, 19], 40) == (20, 39)  # log_every=10
+    assert missing_tail(list(range(12)), 12) is None

@@ -110,6 +110,9 @@ class MetricsCSV(Logger):
         if n > 0 and not kept:
             print(f"note: {self.path} holds no rows before step {n} (lost or removed before this resume); "
                   f"it continues from step {n}", file=sys.stderr)
+        elif (gap := missing_tail(sorted(kept), n)) is not None:
+            print(f"note: {self.path} has no rows for steps {gap[0]}-{gap[1]} (the file was cut short before this "
+                  f"resume); they stay missing, it continues from step {n}", file=sys.stderr)
         self._columns = columns or ["step"]
         self._rewrite(b"", [*kept.items(), *([(n, at_n)] if at_n else [])], keep_last=bool(at_n))
         if at_n:
@@ -240,3 +243,16 @@ class LearningRates(Callback):
                 name = f"lr-{type(opt).__name__}" + (f"/pg{i + 1}" if len(groups) > 1 else "")
                 lr = torch.tensor(float(g["lr"]), dtype=torch.float64)  # exact: self.log would round to float32
                 pl_module.log(name, lr, on_step=True, on_epoch=False)
+
+
+def missing_tail(steps: list[int], resume_step: int) -> tuple[int, int] | None:
+    """(first, last) step of the rows missing at the end of a metrics.csv that a resume at `resume_step` keeps
+    (`steps`, sorted), judged by the file's own spacing (its most common gap: 1, or trainer.log_every); None
+    when the rows reach the resume step."""
+    if not steps:
+        return None
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    stride = max(set(gaps), key=gaps.count) if gaps else 1
+    if resume_step - steps[-1] <= stride:
+        return None
+    return steps[-1] + 1, resume_step - 1
