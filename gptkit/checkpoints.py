@@ -169,8 +169,29 @@ _verified: set[tuple] = set()
 
 
 def _corrupted(path: Path, what: str) -> GptkitError:
-    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it); do not use it: "
-                       f"take an earlier checkpoint of the run (checkpoints/step-*.ckpt) or train again")
+    """The one line for a checkpoint whose bytes differ from their checksum. last.ckpt is a hard link to the newest
+    step-N.ckpt, so the advice names only the run's other checkpoints that are not the same (broken) file."""
+    same, others = _checkpoint_copies(path)
+    alias = f" ({', '.join(p.name for p in same)}: the same file, corrupted too)" if same else ""
+    advice = (f"take an earlier checkpoint of the run ({', '.join(str(p) for p in others[-2:][::-1])})" if others
+              else "the run has no other checkpoint: train again")
+    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it){alias}; do not "
+                       f"use it: {advice}")
+
+
+def _checkpoint_copies(path: Path) -> tuple[list[Path], list[Path]]:
+    """(the checkpoints beside `path` that are hard links to it, the other ones, oldest first)."""
+    try:
+        me = path.stat()
+    except OSError:
+        return [], []
+    same, others = [], []
+    for p in sorted(path.parent.glob("*.ckpt")) if path.parent.name == CHECKPOINT_DIR else []:
+        if p.name == path.name:
+            continue
+        st = p.stat()
+        (same if (st.st_ino, st.st_dev) == (me.st_ino, me.st_dev) else others).append(p)
+    return same, sorted(others, key=lambda p: p.name == LAST_CHECKPOINT)  # last.ckpt the newest
 
 
 def _identity(path: Path) -> tuple:

@@ -398,3 +398,24 @@ def test_a_truncated_metrics_csv_names_the_missing_steps_on_resume(tmp_path, cap
     assert err.count("note:") == 1 and "has no rows for steps 6-11" in err, err
     assert missing_tail([9, 19, 29, 39], 40) is None and missing_tail([9, 19], 40) == (20, 39)  # log_every=10
     assert missing_tail(list(range(12)), 12) is None
+
+
+# ---- item 13: bit rot in last.ckpt names only the checkpoints that are not the same file --------------------------
+def test_a_corrupted_last_ckpt_advises_only_checkpoints_that_are_other_files(tmp_path, capsys):
+    from gptkit.checkpoints import atomic_torch_save, link_checkpoint
+
+    ckdir = tmp_path / "run" / "checkpoints"
+    for step in (3, 6):
+        atomic_torch_save({"state_dict": {"model.w": torch.full((64,), float(step))}, "global_step": step},
+                          ckdir / f"step-{step:06d}.ckpt")
+    link_checkpoint(ckdir / "step-000006.ckpt", ckdir / "last.ckpt")  # as training publishes it
+    data = bytearray((ckdir / "last.ckpt").read_bytes())
+    data[len(data) // 2] ^= 0x04
+    (ckdir / "last.ckpt").write_bytes(bytes(data))  # in place: the hard-linked step-000006.ckpt rots with it
+    from gptkit.checkpoints import load_checkpoint
+
+    with pytest.raises(GptkitError) as err:
+        load_checkpoint(ckdir / "last.ckpt")
+    msg = str(err.value)
+    assert "(step-000006.ckpt: the same file, corrupted too)" in msg, msg
+    assert msg.endswith(f"take an earlier checkpoint of the run ({ckdir / 'step-000003.ckpt'})"), msg
