@@ -419,3 +419,16 @@ def test_a_corrupted_last_ckpt_advises_only_checkpoints_that_are_other_files(tmp
     msg = str(err.value)
     assert "(step-000006.ckpt: the same file, corrupted too)" in msg, msg
     assert msg.endswith(f"take an earlier checkpoint of the run ({ckdir / 'step-000003.ckpt'})"), msg
+
+
+# ---- item 18: the kernel benchmarks without Triton run what can run ----------------------------------------------
+def test_bench_kernels_without_triton_runs_the_pure_torch_rows_and_names_the_install(monkeypatch, capsys):
+    from omegaconf import OmegaConf
+
+    from gptkit.bench import kernels
+
+    monkeypatch.setattr("gptkit.bench.attention.triton_version", lambda: None)
+    assert kernels.run(OmegaConf.create({"out": None, "loss_shapes": []})) == 0
+    out = capsys.readouterr().out
+    assert "triton not installed" in out.splitlines()[0]
+    assert 'what=doc-tiles, kernel, model  note=not measured: Triton is not installed (pip install -e ".[triton]")' in out
