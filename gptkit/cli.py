@@ -21,6 +21,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from types import ModuleType
 
 VERB_ENV = "GPTKIT_VERB"
@@ -208,6 +209,9 @@ def _check_flags(verb: str, args: list[str]) -> None:
     from gptkit.errors import ConfigError
 
     allowed = ("--help", "-h") + (HYDRA_FLAGS if VERBS[verb].hydra_app else ())
+    for a in args:  # `gptkit sample runs/x`: a bare path where the verb reads run=
+        if "=" not in a and not a.startswith("-") and ("/" in a or Path(a).exists()) and _has_run_option(verb):
+            raise ConfigError(f"{a}: options are key=value: did you mean run={a}?")
     for i, a in enumerate(args):
         if not a.startswith("-") or a.split("=", 1)[0] in allowed:
             continue
@@ -215,6 +219,14 @@ def _check_flags(verb: str, args: list[str]) -> None:
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
             value = args[i + 1]
         raise ConfigError(f"options are key=value, not {a}: did you mean {_spelling(verb, name)}={value or '...'}?")
+
+
+def _has_run_option(verb: str) -> bool:
+    import yaml
+
+    from gptkit.config import conf_dir
+
+    return "run" in (yaml.safe_load((conf_dir() / f"{VERBS[verb].config}.yaml").read_text()) or {})
 
 
 def _spelling(verb: str, name: str) -> str:
@@ -275,12 +287,21 @@ def main(argv: list[str] | None = None) -> int:
         if not args or args[0] in ("-h", "--help", "help"):
             print(_usage())
             return 0 if args else 2
+        if args[0] in ("--version", "-V", "version"):
+            from gptkit import __version__
+
+            print(f"gptkit {__version__}")
+            return 0
         if args[0] in VERBS:
             verb = args.pop(0)
         elif os.environ.get(VERB_ENV) in VERBS:  # a Lightning/torchrun child relaunched without the verb
             verb = os.environ[VERB_ENV]
         else:
-            print(f"error: unknown verb {args[0]!r}; verbs: {', '.join(VERBS)} (gptkit --help)", file=sys.stderr)
+            import difflib
+
+            near = difflib.get_close_matches(args[0], list(VERBS), n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}? " if near else ""
+            print(f"error: unknown verb {args[0]!r}; {hint}verbs: {', '.join(VERBS)} (gptkit --help)", file=sys.stderr)
             return 2
         os.environ[VERB_ENV] = verb
         v = VERBS[verb]

@@ -432,3 +432,14 @@ def test_bench_kernels_without_triton_runs_the_pure_torch_rows_and_names_the_ins
     out = capsys.readouterr().out
     assert "triton not installed" in out.splitlines()[0]
     assert 'what=doc-tiles, kernel, model  note=not measured: Triton is not installed (pip install -e ".[triton]")' in out
+
+
+# ---- item 20: small ones ------------------------------------------------------------------------------------------
+def test_version_verb_did_you_mean_and_a_bare_run_path(tmp_path, capsys):
+    from gptkit import __version__
+
+    assert run_main(capsys, "--version")[:2] == (0, f"gptkit {__version__}\n")
+    code, _, err = run_main(capsys, "smaple")
+    assert code == 2 and "did you mean sample?" in err and one_line(err), err
+    code, _, err = run_main(capsys, "sample", "runs/x")
+    assert code == 2 and "did you mean run=runs/x?" in err and one_line(err), err
