@@ -169,14 +169,15 @@ _verified: set[tuple] = set()
 
 
 def _corrupted(path: Path, what: str) -> GptkitError:
-    """The one line for a checkpoint whose bytes differ from their checksum. last.ckpt is a hard link to the newest
-    step-N.ckpt, so the advice names only the run's other checkpoints that are not the same (broken) file."""
+    """The one line for a checkpoint whose bytes differ from their checksum. last.ckpt is a hard link to the
+    newest step-N.ckpt, so the advice names only the run's other checkpoints that are not the same file."""
     same, others = _checkpoint_copies(path)
     alias = f" ({', '.join(p.name for p in same)}: the same file, corrupted too)" if same else ""
-    advice = (f"take an earlier checkpoint of the run ({', '.join(str(p) for p in others[-2:][::-1])})" if others
+    newest = ", ".join(str(p) for p in others[-2:][::-1])
+    advice = (f"take an earlier checkpoint of the run ({newest})" if others
               else "the run has no other checkpoint: train again")
-    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it){alias}; do not "
-                       f"use it: {advice}")
+    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it){alias}; do "
+                       f"not use it: {advice}")
 
 
 def _checkpoint_copies(path: Path) -> tuple[list[Path], list[Path]]:
@@ -395,7 +396,8 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
                           f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     for k, v in expected.items():
         if tuple(v.shape) != tuple(state[k].shape):
-            raise GptkitError(f"{ckpt_path} does not match its config ({run_dir_of(ckpt_path) / 'config.yaml'}): "
+            raise GptkitError(f"{ckpt_path} does not match its config "
+                              f"({run_dir_of(ckpt_path) / 'config.yaml'}): "
                               f"{k} has shape {tuple(state[k].shape)}, "
                               f"the config needs {tuple(v.shape)}")
     return state
@@ -405,6 +407,9 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
 def is_sharded_checkpoint(path: Path | str) -> bool:
     p = Path(path)
     return p.is_dir() and (p / SHARDED_INDEX).is_file()
+
+
+UNREADABLE_INDEX = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError)
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -446,7 +451,7 @@ def safe_reader(path: Path):
             try:
                 with open(index, "rb") as f:
                     metadata = _SafeUnpickler(f).load()
-            except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError) as exc:
+            except UNREADABLE_INDEX as exc:
                 raise GptkitError(f"{index} is not a readable checkpoint index ({str(exc)[:160]}); "
                                   f"use a checkpoint you trust") from None
             for info in (getattr(metadata, "storage_data", None) or {}).values():  # each shard a file inside
@@ -524,12 +529,13 @@ def sharded_refusal(path: Path, exc: BaseException) -> GptkitError:
     if isinstance(exc, GptkitError):
         return exc
     text = " ".join(str(exc).split())
-    if "PytorchStreamReader" in text or "zip archive" in text or isinstance(exc, (EOFError, pickle.UnpicklingError)):
+    cut = isinstance(exc, (EOFError, pickle.UnpicklingError))
+    if cut or "PytorchStreamReader" in text or "zip archive" in text:
         why = "a shard is truncated or not what torch.save writes"
     else:
         why = f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
-    return GptkitError(f"{path} is not a readable sharded checkpoint ({why}); use another checkpoint of the run "
-                       f"(checkpoints/step-*.ckpt) or train again")
+    return GptkitError(f"{path} is not a readable sharded checkpoint ({why}); use another checkpoint of the "
+                       f"run (checkpoints/step-*.ckpt) or train again")
 
 
 def _by_param_index(osd: dict[str, Any]) -> dict[str, Any]:

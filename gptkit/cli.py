@@ -166,9 +166,10 @@ def _report(exc: Exception) -> int:
         exc = disk_full_error(getattr(exc, "filename", None), None, exc)
     if is_cpu_out_of_memory(exc):  # outside training (sample, eval, export of a model too large for the host)
         asked = re.search(r"allocate (\d+) bytes", str(exc))
-        exc = GptkitError(f"out of memory on the CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
-                          f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or batch, "
-                          f"or a machine with more memory (count-params shows a model's memory)")
+        exc = GptkitError("out of memory on the "
+                          f"CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
+                          f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or "
+                          f"batch, or a machine with more memory (count-params shows a model's memory)")
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -210,7 +211,8 @@ def _check_flags(verb: str, args: list[str]) -> None:
 
     allowed = ("--help", "-h") + (HYDRA_FLAGS if VERBS[verb].hydra_app else ())
     for a in args:  # `gptkit sample runs/x`: a bare path where the verb reads run=
-        if "=" not in a and not a.startswith("-") and ("/" in a or Path(a).exists()) and _has_run_option(verb):
+        bare = "=" not in a and not a.startswith("-")
+        if bare and ("/" in a or Path(a).exists()) and _has_run_option(verb):
             raise ConfigError(f"{a}: options are key=value: did you mean run={a}?")
     for i, a in enumerate(args):
         if not a.startswith("-") or a.split("=", 1)[0] in allowed:
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
 
             near = difflib.get_close_matches(args[0], list(VERBS), n=1, cutoff=0.6)
             hint = f"did you mean {near[0]}? " if near else ""
-            print(f"error: unknown verb {args[0]!r}; {hint}verbs: {', '.join(VERBS)} (gptkit --help)", file=sys.stderr)
+            print(f"error: unknown verb {args[0]!r}; {hint}verbs: {', '.join(VERBS)} (gptkit --help)",
+                  file=sys.stderr)
             return 2
         os.environ[VERB_ENV] = verb
         v = VERBS[verb]

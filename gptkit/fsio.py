@@ -87,8 +87,8 @@ def remove_dead_temps(path: Path | str) -> list[Path]:
         finally:
             os.close(fd)
     if gone:
-        print(f"note: removed {len(gone)} temporary {'copy' if len(gone) == 1 else 'copies'} of {path} that an "
-              f"interrupted earlier run left ({human_bytes(freed)})", file=sys.stderr)
+        print(f"note: removed {len(gone)} temporary {'copy' if len(gone) == 1 else 'copies'} of {path} that "
+              f"an interrupted earlier run left ({human_bytes(freed)})", file=sys.stderr)
     return gone
 
 
@@ -222,8 +222,10 @@ def disk_full_error(what: Path | str | None, needed: float | None, exc: BaseExce
     """One line for a write that ran out of space: what was being written, the space it needs, the space free.
     `what` None: an error that names no file (the free space is then the current folder's disk's)."""
     if what is None:
-        return GptkitError(f"no space left on the disk (the failed write names no file: {' '.join(str(exc).split())[:120]})"
-                           f"; {human_bytes(free_bytes(Path.cwd()))} is free on the disk of {Path.cwd()}; free some "
+        return GptkitError("no space left on the disk (the failed write names no file: "
+                           f"{' '.join(str(exc).split())[:120]})"
+                           f"; {human_bytes(free_bytes(Path.cwd()))} is free on the disk of {Path.cwd()}; "
+                           "free some "
                            f"space (old runs, checkpoints or the data cache) and run the command again")
     need = f"it needs about {human_bytes(needed)}, " if needed else ""
     return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is free; "

@@ -130,10 +130,11 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(_required(config_name, missing[0], options))
-    if config_name == "train" and cfg.get("resume") not in (None, "", "null"):  # the run's saved config as well
+    if config_name == "train" and cfg.get("resume") not in (None, "", "null"):  # the run's saved config too
         from gptkit.runs import find_run_checkpoint
 
-        check_saved_run(find_run_checkpoint(str(cfg.resume), str(cfg.runs_dir), need="training"), f"resume={cfg.resume}")
+        ckpt = find_run_checkpoint(str(cfg.resume), str(cfg.runs_dir), need="training")
+        check_saved_run(ckpt, f"resume={cfg.resume}")
     return cfg
 
 
@@ -149,8 +150,8 @@ def _check_preset(o: Option) -> None:
     for name in o.value if isinstance(o.value, list) else [o.value]:
         if isinstance(name, str) and name not in known:
             near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
-            raise ConfigError(f"{group}={name} is not a preset" + (f": did you mean {group}={near[0]}?" if near else "")
-                              + f" ({group} presets: {', '.join(known)})")
+            hint = f": did you mean {group}={near[0]}?" if near else ""
+            raise ConfigError(f"{group}={name} is not a preset{hint} ({group} presets: {', '.join(known)})")
 
 
 def _has(cfg: DictConfig, key: str) -> bool:
@@ -349,11 +350,12 @@ def _raw(o: Option, v: Any) -> str:
 
 
 # ---- a run's saved config, checked as the command line is -------------------------------------------
-def check_saved_config(config_name: str, saved: dict[str, Any], where: str, extra_keys: tuple[str, ...] = ()) -> None:
-    """A run's saved config (plain data read from `where`, e.g. runs/x/config.yaml) checked against the verb's
-    config as a command line is: every key one that the verb's YAML or a preset of its groups has (a renamed key:
-    the close one named), every value of its key's type (runs.read_config refuses an interpolation). Each
-    problem is a one-line ConfigError that names `where`."""
+def check_saved_config(config_name: str, saved: dict[str, Any], where: str,
+                       extra_keys: tuple[str, ...] = ()) -> None:
+    """A run's saved config (plain data read from `where`, e.g. runs/x/config.yaml) checked against the
+    verb's config as a command line is: every key one that the verb's YAML or a preset of its groups has (a
+    renamed key: the close one named), every value of its key's type (runs.read_config refuses an
+    interpolation). Each problem is a one-line ConfigError that names `where`."""
     own, choices = _verb_values(config_name)
     known = set(own) | set(extra_keys)
     for group in choices:
@@ -365,19 +367,21 @@ def check_saved_config(config_name: str, saved: dict[str, Any], where: str, extr
         if isinstance(value, dict) and value:
             continue
         if key not in known and not any(key == f or key.startswith(f + ".") for f in FREE_FORM):
-            near = suggest(key, sorted(k for k in known if k.split(".")[0] == key.split(".")[0]) or sorted(known))
+            same_section = sorted(k for k in known if k.split(".")[0] == key.split(".")[0])
+            near = suggest(key, same_section or sorted(known))
             raise ConfigError(f"{where}: unknown key {key}" + (f" (did you mean {near}?)" if near else "")
                               + "; fix or remove it")
         try:
-            _check_type(config_name, Option(f"{key}={value}", key, "key", "CHANGE", value, False, f"{key}={value}"))
+            arg = f"{key}={value}"
+            _check_type(config_name, Option(arg, key, "key", "CHANGE", value, False, arg))
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
 
 
 def check_saved_run(ckpt: Path | str, source: str) -> None:
-    """Before `train resume=` starts: the run has training to continue (an imported model has none: init_from=),
-    its config.yaml passes check_saved_config, its model section builds, and a single-file checkpoint's weights
-    have the shapes it names. One-line errors name <run>/config.yaml."""
+    """Before `train resume=` starts: the run has training to continue (an imported model has none:
+    init_from=), its config.yaml passes check_saved_config, its model section builds, and a single-file
+    checkpoint's weights have the shapes it names. One-line errors name <run>/config.yaml."""
     import dataclasses
 
     from gptkit.checkpoints import checked_model_state, run_dir_of
@@ -391,16 +395,18 @@ def check_saved_run(ckpt: Path | str, source: str) -> None:
     check_links(run_dir)
     raw = read_config(run_dir)
     if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
-        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training state to "
+        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training "
+                          "state to "
                           f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
     missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
     if missing:
-        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to continue; "
-                          f"start a new run from its weights: gptkit train init_from={run_dir}")
-    check_saved_config("train", raw, str(where), tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig)))
+        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to "
+                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+    fields = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig))
+    check_saved_config("train", raw, str(where), fields)
     try:
         model_cfg = ModelConfig.from_dict(raw["model"])
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if ckpt.suffix == ".ckpt" and ckpt.is_file():  # its shapes (mmap); a sharded folder is checked when loaded
+    if ckpt.suffix == ".ckpt" and ckpt.is_file():  # its shapes (mmap); a sharded folder's when loaded
         checked_model_state(ckpt, model_cfg)

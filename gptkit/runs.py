@@ -150,7 +150,8 @@ def check_links(run_dir: Path | str) -> None:
     found = links_leaving(run_dir) if Path(run_dir).is_dir() else []
     if found:
         link, target = found[0]
-        raise GptkitError(f"{link} is a symbolic link to {target}, outside the run folder {Path(run_dir).resolve()}; "
+        raise GptkitError(f"{link} is a symbolic link to {target}, outside the run folder "
+                          f"{Path(run_dir).resolve()}; "
                           f"a run folder's files stay inside it: replace the link with a copy of the file")
 
 
@@ -179,13 +180,15 @@ def resolve_latest(path: Path | str, runs_dir: Path | str = "runs", need: str = 
     newest = [f.parent for f in sorted(configs, key=lambda f: f.stat().st_mtime, reverse=True)]
     found = next((i for i, d in enumerate(newest) if usable_for(d, need)), None)
     if found is None:
-        raise GptkitError(f"`latest` found no run folder under {runs_dir}/ with {NEEDS[need]} (newest: {newest[0]}); "
+        raise GptkitError(f"`latest` found no run folder under {runs_dir}/ with {NEEDS[need]} (newest: "
+                          f"{newest[0]}); "
                           f"train first or give a run folder")
     if found and is_rank_zero():
         import sys
 
         print(f"note: latest is {newest[found]}; newer folders without {NEEDS[need]} skipped: "
-              f"{', '.join(str(d) for d in newest[:found][:3])}{' ...' if found > 3 else ''}", file=sys.stderr)
+              f"{', '.join(str(d) for d in newest[:found][:3])}{' ...' if found > 3 else ''}",
+              file=sys.stderr)
     return newest[found]
 
 
@@ -194,8 +197,9 @@ NEEDS = {"checkpoint": "a checkpoint", "training": "training to resume (a .ckpt,
 
 
 def usable_for(run_dir: Path, need: str = "checkpoint") -> bool:
-    """Whether a run folder has what a verb needs: a checkpoint (sample, eval, export, init_from), training to
-    resume (a .ckpt of a run that is not an import), a metrics.csv (plot) or a sharded checkpoint (consolidate)."""
+    """Whether a run folder has what a verb needs: a checkpoint (sample, eval, export, init_from), training
+    to resume (a .ckpt of a run that is not an import), a metrics.csv (plot) or a sharded checkpoint
+    (consolidate)."""
     if need == "metrics":
         return (run_dir / METRICS_FILE).is_file()
     try:
@@ -203,7 +207,8 @@ def usable_for(run_dir: Path, need: str = "checkpoint") -> bool:
     except GptkitError:
         return False
     if need == "training":
-        return ckpt.suffix == ".ckpt" and ((run_dir / METRICS_FILE).exists() or not (run_dir / IMPORTED_FILE).exists())
+        trained = (run_dir / METRICS_FILE).exists() or not (run_dir / IMPORTED_FILE).exists()
+        return ckpt.suffix == ".ckpt" and trained
     return ckpt.is_dir() if need == "sharded" else True
 
 
@@ -242,8 +247,8 @@ def _no_interpolation(node: Any, where: Path, key: str = "") -> None:
         for i, v in enumerate(node):
             _no_interpolation(v, where, f"{key}[{i}]")
     elif isinstance(node, str) and "${" in node:
-        raise ConfigError(f"{where}: {key}: {node!r} is an interpolation; a run's saved config is data and is "
-                          f"never resolved: write the value itself")
+        raise ConfigError(f"{where}: {key}: {node!r} is an interpolation; a run's saved config is data and "
+                          f"is never resolved: write the value itself")
 
 
 def saved_run_config(ckpt: Path | str, composed: Any):
@@ -267,7 +272,8 @@ def saved_run_config(ckpt: Path | str, composed: Any):
                 saved[section][key] = value
                 filled.append(f"{section}.{key}")
     if filled and is_rank_zero():
-        print(f"note: {run_dir / CONFIG_FILE} has no {', '.join(filled)} (an older gptkit's run, or an edited file): "
+        print(f"note: {run_dir / CONFIG_FILE} has no {', '.join(filled)} (an older gptkit's run, or an "
+              "edited file): "
               f"{'their defaults are' if len(filled) > 1 else 'its default is'} used", file=sys.stderr)
     return saved
 
@@ -306,8 +312,8 @@ def check_tokenizer_fits(run_dir: Path, tokenizer_size: int, vocab_size: int) ->
     """The run's tokenizer must give only ids the model has (the model's vocabulary may be larger: padded)."""
     if tokenizer_size > vocab_size:
         raise GptkitError(f"{Path(run_dir) / TOKENIZER_FILE} has {tokenizer_size:,} tokens but the model has "
-                          f"{vocab_size:,} (model.vocab_size in {Path(run_dir) / CONFIG_FILE}): it is not the "
-                          f"tokenizer the run was trained with; put that one back")
+                          f"{vocab_size:,} (model.vocab_size in {Path(run_dir) / CONFIG_FILE}): it is not "
+                          f"the tokenizer the run was trained with; put that one back")
 
 
 def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):

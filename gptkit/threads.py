@@ -56,7 +56,8 @@ def set_threads(threads, option: str, processes: int = 1, warn: bool = True) -> 
             os.environ["OMP_NUM_THREADS"] = str(fit)
             if first:
                 print(f"note: {fit} torch thread{'s' if fit > 1 else ''} instead of {n}: other work loads "
-                      f"{load:.1f} of the {cores()} cores (set {option}={n} to use {n} anyway)", file=sys.stderr)
+                      f"{load:.1f} of the {cores()} cores (set {option}={n} to use {n} anyway)",
+                      file=sys.stderr)
             return fit
         return n
     message = oversubscribed(n, processes, option)
@@ -71,15 +72,15 @@ def _fits(load: float, n_cores: int, processes: int) -> int:
 
 
 def fitting(threads: int, processes: int = 1, n_cores: int | None = None) -> tuple[float, int] | None:
-    """(the other work's load, the largest thread count per process that fits beside it, at most `threads`), or
-    None where the load cannot be read. The load is the 1-minute average, confirmed (when it says the threads do
-    not fit) by what is busy now (busy_now: the average lags a minute behind work that has ended)."""
+    """(the other work's load, the largest thread count per process that fits beside it, at most
+    `threads`), or None where the load cannot be read. The load is the 1-minute average, confirmed (when it
+    says the threads do not fit) by what is busy now (busy_now: the average lags behind work that ended)."""
     n_cores = n_cores or cores()
     try:
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-    if threads > _fits(load, n_cores, processes):  # still counting work that just ended (`train`, then `sample`)?
+    if threads > _fits(load, n_cores, processes):  # counting work that just ended (`train`, then `sample`)?
         now = busy_now()
         load = load if now is None else min(load, now)
     return load, min(threads, _fits(load, n_cores, processes))
@@ -100,7 +101,8 @@ def oversubscribed(threads: int, processes: int, option: str, load: float | None
         return None
     per = f"{threads} torch threads" + (f" x {processes} processes" if processes > 1 else "")
     return (f"{per} on {n_cores} cores that other work already loads ({load:.1f}): the threads will wait for "
-            f"each other and steps can be several times slower; set {option}={fit} (or OMP_NUM_THREADS={fit})")
+            f"each other and steps can be several times slower; set {option}={fit} "
+            f"(or OMP_NUM_THREADS={fit})")
 
 
 def busy_now(seconds: float = 0.2) -> float | None:

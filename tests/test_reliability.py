@@ -18,8 +18,11 @@ from gptkit.errors import GptkitError
 
 def one_line(err: str) -> bool:
     """One error line (notes and the data preparation's lines aside, as .ci/faults counts), no traceback."""
-    lines = [line for line in err.strip().splitlines() if line.strip()
-             and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared"))]
+    lines = [
+        line
+        for line in err.strip().splitlines()
+        if line.strip() and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared"))
+    ]
     return len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
 
 
@@ -39,7 +42,7 @@ def sharded_run(tmp_path: Path) -> Path:
     return d
 
 
-# ---- item 3: a sharded index or an HF index never names a file outside its folder ---------------------
+# ---- item 3: a sharded index or an HF index never names a file outside its folder ----
 def test_a_sharded_index_naming_a_file_outside_its_folder_is_refused_by_every_reader(tmp_path, capsys):
     from gptkit.checkpoints import safe_reader
 
@@ -53,8 +56,11 @@ def test_a_sharded_index_naming_a_file_outside_its_folder_is_refused_by_every_re
     for info in metadata.storage_data.values():
         info.relative_path = os.path.relpath(outside, last)
     (last / ".metadata").write_bytes(pickle.dumps(metadata))
-    for verb, *args in (("consolidate", f"run={last}"), ("sample", f"run={d}", "max_new_tokens=2"),
-                        ("eval", f"run={d}")):
+    for verb, *args in (
+        ("consolidate", f"run={last}"),
+        ("sample", f"run={d}", "max_new_tokens=2"),
+        ("eval", f"run={d}"),
+    ):
         code, _, err = run_main(capsys, verb, *args)
         assert code == 2 and "lies outside" in err and "secret.bin" in err and one_line(err), (verb, err)
     link = last / "linked.distcp"  # a name inside the folder that is a link leaving it
@@ -85,7 +91,7 @@ def test_an_hf_index_naming_a_file_outside_its_folder_is_not_imported(tmp_path, 
     assert not (tmp_path / "runs").exists()
 
 
-# ---- item 4: a broken sharded checkpoint is one line --------------------------------------------------
+# ---- item 4: a broken sharded checkpoint is one line ----
 def test_a_pickled_payload_in_the_index_or_a_truncated_shard_is_one_line(tmp_path, capsys):
     d = sharded_run(tmp_path)
     last = d / "checkpoints" / "last.ckpt"
@@ -104,7 +110,7 @@ def test_a_pickled_payload_in_the_index_or_a_truncated_shard_is_one_line(tmp_pat
         read_sharded_checkpoint(last)
 
 
-# ---- item 2: a run folder's files are never links that leave it -------------------------------------------
+# ---- item 2: a run folder's files are never links that leave it ----
 def test_a_run_folder_with_a_link_leaving_it_is_refused_and_the_target_untouched(tmp_path, capsys):
     d, _, _ = make_run(tmp_path)
     victim = tmp_path / "victim.json"
@@ -118,7 +124,7 @@ def test_a_run_folder_with_a_link_leaving_it_is_refused_and_the_target_untouched
     assert victim.read_text() == "keep me"
 
 
-# ---- items 10, 11, 16: a run's saved config.yaml is validated data ----------------------------------------
+# ---- items 10, 11, 16: a run's saved config.yaml is validated data ----
 def trained_looking_run(tmp_path: Path) -> Path:
     """make_run's folder with the trainer/optim/... sections a `train` run's config.yaml has."""
     import yaml
@@ -129,19 +135,29 @@ def trained_looking_run(tmp_path: Path) -> Path:
     d, _, _ = make_run(tmp_path)
     cfg = yaml.safe_load((d / "config.yaml").read_text())
     full = OmegaConf.to_container(compose("train", []), resolve=False)
-    full.update(model=cfg["model"], tokenizer=cfg["tokenizer"], data=cfg["data"], name="run", runs_dir=str(tmp_path))
+    full.update(
+        model=cfg["model"], tokenizer=cfg["tokenizer"], data=cfg["data"], name="run", runs_dir=str(tmp_path)
+    )
     (d / "config.yaml").write_text(yaml.safe_dump(full, sort_keys=False))
     return d
 
 
-@pytest.mark.parametrize("edit, needle", [
-    (("optim", "lr", "abc"), "optim.lr=abc is not a number"),
-    (("seed", None, "hello"), "seed=hello is not a number"),
-    (("trainer", "max_tokenz", None), "unknown key trainer.max_tokenz (did you mean trainer.max_tokens?)"),
-    (("model", "n_heads", 8), "does not match its config"),
-    (("model", "name", "${oc.env:SECRET_TOKEN}"), "is an interpolation"),
-])
-def test_a_hand_edited_config_yaml_is_refused_on_resume_naming_the_file(tmp_path, capsys, monkeypatch, edit, needle):
+@pytest.mark.parametrize(
+    "edit, needle",
+    [
+        (("optim", "lr", "abc"), "optim.lr=abc is not a number"),
+        (("seed", None, "hello"), "seed=hello is not a number"),
+        (
+            ("trainer", "max_tokenz", None),
+            "unknown key trainer.max_tokenz (did you mean trainer.max_tokens?)",
+        ),
+        (("model", "n_heads", 8), "does not match its config"),
+        (("model", "name", "${oc.env:SECRET_TOKEN}"), "is an interpolation"),
+    ],
+)
+def test_a_hand_edited_config_yaml_is_refused_on_resume_naming_the_file(
+    tmp_path, capsys, monkeypatch, edit, needle
+):
     import yaml
 
     monkeypatch.setenv("SECRET_TOKEN", "hunter2")
@@ -159,7 +175,9 @@ def test_a_hand_edited_config_yaml_is_refused_on_resume_naming_the_file(tmp_path
     code, _, err = run_main(capsys, "train", f"resume={d}")
     assert code == 2 and needle in err and one_line(err), err
     assert f"{d / 'config.yaml'}" in err or "config.yaml)" in err, err
-    assert "hunter2" not in err and (d / "config.yaml").read_text() == before  # nothing resolved, nothing written
+    assert (
+        "hunter2" not in err and (d / "config.yaml").read_text() == before
+    )  # nothing resolved, nothing written
     assert not (d / "metrics.csv").exists()
 
 
@@ -185,13 +203,22 @@ def test_resume_of_an_imported_run_says_to_use_init_from(tmp_path, capsys):
     assert code == 2 and "no training state" in err and f"init_from={out}" in err and one_line(err), err
 
 
-# ---- items 14, 17: a preset that does not exist, in any group, is one line before anything is written ------
-@pytest.mark.parametrize("args, needle", [
-    (["experiment=shakespeare"], "experiment=shakespeare is not a preset: did you mean experiment=shakespeare-char?"),
-    (["logger=[csv,tensorbord]"], "logger=tensorbord is not a preset: did you mean logger=tensorboard?"),
-    (["-m", "model=gpt2-tiny,llama_tiny"], "model=llama_tiny is not a preset: did you mean model=llama-tiny?"),
-    (["tokenizer=chars"], "(tokenizer presets: bpe, byte, char, file)"),
-])
+# ---- items 14, 17: a preset that does not exist, in any group, is one line before anything is written ----
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (
+            ["experiment=shakespeare"],
+            "experiment=shakespeare is not a preset: did you mean experiment=shakespeare-char?",
+        ),
+        (["logger=[csv,tensorbord]"], "logger=tensorbord is not a preset: did you mean logger=tensorboard?"),
+        (
+            ["-m", "model=gpt2-tiny,llama_tiny"],
+            "model=llama_tiny is not a preset: did you mean model=llama-tiny?",
+        ),
+        (["tokenizer=chars"], "(tokenizer presets: bpe, byte, char, file)"),
+    ],
+)
 def test_a_missing_preset_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys, monkeypatch, args, needle):
     monkeypatch.chdir(tmp_path)
     code, _, err = run_main(capsys, "train", *args, f"runs_dir={tmp_path / 'runs'}")
@@ -199,7 +226,7 @@ def test_a_missing_preset_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys
     assert list(tmp_path.iterdir()) == []  # no run folder, no multirun.yaml
 
 
-# ---- item 5: Ctrl-C during the final validation saves, stops, exits 130; resume finishes the validation ------
+# ---- item 5: Ctrl-C during the final validation saves, stops, exits 130; resume finishes the validation ----
 def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tmp_path):
     import subprocess
     import sys
@@ -221,26 +248,53 @@ def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tm
         "    return step(self, *args, **kw)\n"
         "LitGPT.validation_step = send\n"
         "from gptkit.cli import main\n"
-        "sys.exit(main())\n")
-    args = ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
-            "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4", "trainer.max_steps=5",
-            "trainer.val_every=2", "trainer.val_windows=4", "trainer.checkpoint_every=2", "trainer.progress=false",
-            "trainer.log_every=1", f"runs_dir={tmp_path}", "name=r"]
+        "sys.exit(main())\n"
+    )
+    args = [
+        "model=gpt2-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "trainer.batch_size=4",
+        "trainer.max_steps=5",
+        "trainer.val_every=2",
+        "trainer.val_windows=4",
+        "trainer.checkpoint_every=2",
+        "trainer.progress=false",
+        "trainer.log_every=1",
+        f"runs_dir={tmp_path}",
+        "name=r",
+    ]
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
-    r = subprocess.run([sys.executable, str(script), "train", *args], env=env, capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), "train", *args], env=env, capture_output=True, text=True, timeout=300
+    )
     run = tmp_path / "r"
     assert r.returncode == 130, r.stderr[-2000:]
-    assert f"SIGINT: saved {run / 'checkpoints' / 'last.ckpt'} at step 5" in r.stderr and "Traceback" not in r.stderr
+    assert (
+        f"SIGINT: saved {run / 'checkpoints' / 'last.ckpt'} at step 5" in r.stderr
+        and "Traceback" not in r.stderr
+    )
     assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 5  # the finished last step is kept
     r = run_cli("train", f"resume={run}")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = (run / "metrics.csv").read_text().splitlines()
-    assert rows[-1].startswith("5,") and [row.split(",")[0] for row in rows[1:]] == ["0", "1", "2", "3", "4", "5"]
+    assert rows[-1].startswith("5,") and [row.split(",")[0] for row in rows[1:]] == [
+        "0",
+        "1",
+        "2",
+        "3",
+        "4",
+        "5",
+    ]
 
 
-# ---- item 8: the run's tokenizer must fit the model -------------------------------------------------------
+# ---- item 8: the run's tokenizer must fit the model ----
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_one_line(tmp_path, capsys):
     from gptkit.tokenizer import build_tokenizer
 
@@ -253,7 +307,7 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_one_line(tmp_path, caps
     assert not (tmp_path / "hf").exists()
 
 
-# ---- item 16: run=latest is the newest run usable for the verb ----------------------------------------------
+# ---- item 16: run=latest is the newest run usable for the verb ----
 def test_latest_skips_folders_the_verb_cannot_use(tmp_path, capsys, monkeypatch):
     import time
 
@@ -265,7 +319,9 @@ def test_latest_skips_folders_the_verb_cannot_use(tmp_path, capsys, monkeypatch)
     time.sleep(0.02)
     failed = tmp_path / "runs" / "failed"
     failed.mkdir()
-    (failed / "config.yaml").write_text((good / "config.yaml").read_text())  # a start that failed: no checkpoint
+    (failed / "config.yaml").write_text(
+        (good / "config.yaml").read_text()
+    )  # a start that failed: no checkpoint
     assert resolve_latest("latest").resolve() == good.resolve()
     assert "newer folders without a checkpoint skipped" in capsys.readouterr().err
     (good / "imported_from.json").write_text("{}")  # an import: nothing to resume
@@ -273,14 +329,27 @@ def test_latest_skips_folders_the_verb_cannot_use(tmp_path, capsys, monkeypatch)
         resolve_latest("latest", need="training")
 
 
-# ---- items 19, 12: the host's memory, before the model is built; an allocation failure is one line ---------
+# ---- items 19, 12: the host's memory, before the model is built; an allocation failure is one line ----
 def test_a_run_too_large_for_the_host_is_refused_before_the_model_is_built(tmp_path, capsys, monkeypatch):
     monkeypatch.setattr("gptkit.training.memory.available_memory", lambda: 1 << 30)
     runs = tmp_path / "runs"
-    code, _, err = run_main(capsys, "train", "model=gpt2-tiny", "model.n_layers=1", "model.d_model=32",
-                            "model.n_heads=2", "model.max_seq_len=32", "tokenizer=char", "trainer.batch_size=100000",
-                            "trainer.accelerator=cpu", f"runs_dir={runs}", "name=big")
-    assert code == 2 and "not enough memory for this run on the CPU" in err and "1.00 GiB is available" in err, err
+    code, _, err = run_main(
+        capsys,
+        "train",
+        "model=gpt2-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "trainer.batch_size=100000",
+        "trainer.accelerator=cpu",
+        f"runs_dir={runs}",
+        "name=big",
+    )
+    assert (
+        code == 2 and "not enough memory for this run on the CPU" in err and "1.00 GiB is available" in err
+    ), err
     assert "activations" in err and "trainer.batch_size=100000" in err and one_line(err), err
     from gptkit.runs import unused
 
@@ -301,8 +370,10 @@ def test_the_cpu_allocators_failure_is_one_line(capsys, monkeypatch):
     assert err.startswith("error: out of memory on the CPU allocating 90.95 TiB") and one_line(err), err
 
 
-# ---- item 6: a full disk names the file that failed ---------------------------------------------------------
-def test_a_full_disk_names_metrics_csv_the_exported_file_or_says_no_file_is_named(tmp_path, monkeypatch, capsys):
+# ---- item 6: a full disk names the file that failed ----
+def test_a_full_disk_names_metrics_csv_the_exported_file_or_says_no_file_is_named(
+    tmp_path, monkeypatch, capsys
+):
     import errno
 
     from gptkit import cli
@@ -318,7 +389,9 @@ def test_a_full_disk_names_metrics_csv_the_exported_file_or_says_no_file_is_name
     m.log_metrics({"train/loss": 1.0}, 0)
     monkeypatch.setattr(MetricsCSV, "_append", no_space)
     monkeypatch.setattr(MetricsCSV, "_rewrite", no_space)
-    with pytest.raises(GptkitError, match=f"no space left on the disk writing {tmp_path / 'metrics.csv'}: .* is free"):
+    with pytest.raises(
+        GptkitError, match=f"no space left on the disk writing {tmp_path / 'metrics.csv'}: .* is free"
+    ):
         m.finalize("success")
     out = tmp_path / "hf"
     with pytest.raises(GptkitError, match=f"writing {out / 'model.safetensors'}: "):
@@ -332,9 +405,10 @@ def test_a_full_disk_names_metrics_csv_the_exported_file_or_says_no_file_is_name
     assert "the failed write names no file" in err and one_line(err), err
 
 
-# ---- item 7: the next export/import/consolidate of an out removes what a killed one left, never a live one's ---
+# ---- item 7: the next export/import/consolidate removes a killed one's leftovers, never a live one's ----
 def test_leftover_temporaries_of_a_killed_export_are_removed_by_the_next_export_and_a_live_ones_kept(
-        tmp_path, capsys):
+    tmp_path, capsys
+):
     from gptkit.fsio import locked_temp
 
     d, _, _ = make_run(tmp_path)
@@ -360,9 +434,10 @@ def test_leftover_temporaries_of_a_killed_export_are_removed_by_the_next_export_
     assert remove_dead_temps(ckpt) == [dead] and not dead.exists()
 
 
-# ---- item 15: threads not set on a loaded machine: the count that fits, said once -----------------------------
+# ---- item 15: threads not set on a loaded machine: the count that fits, said once ----
 def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explicit_count_is_kept(
-        monkeypatch, capsys):
+    monkeypatch, capsys
+):
     import gptkit.threads
     from gptkit.threads import set_threads
 
@@ -375,10 +450,14 @@ def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explic
         torch.set_num_threads(2)  # torch's default on two cores
         assert set_threads(None, "trainer.threads") == 1 and torch.get_num_threads() == 1
         err = capsys.readouterr().err
-        assert err == ("note: 1 torch thread instead of 2: other work loads 1.0 of the 2 cores "
-                       "(set trainer.threads=2 to use 2 anyway)\n"), err
+        assert err == (
+            "note: 1 torch thread instead of 2: other work loads 1.0 of the 2 cores "
+            "(set trainer.threads=2 to use 2 anyway)\n"
+        ), err
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-        assert set_threads(2, "trainer.threads") == 2 and torch.get_num_threads() == 2  # the user's count: kept
+        assert (
+            set_threads(2, "trainer.threads") == 2 and torch.get_num_threads() == 2
+        )  # the user's count: kept
         assert capsys.readouterr().err.startswith("warning: 2 torch threads on 2 cores")
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(2)
@@ -387,7 +466,7 @@ def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explic
         torch.set_num_threads(before)
 
 
-# ---- item 9: a metrics.csv cut short before a resume is said, once -------------------------------------------
+# ---- item 9: a metrics.csv cut short before a resume is said, once ----
 def test_a_truncated_metrics_csv_names_the_missing_steps_on_resume(tmp_path, capsys):
     from gptkit.training.metrics_csv import MetricsCSV, missing_tail
 
@@ -400,14 +479,16 @@ def test_a_truncated_metrics_csv_names_the_missing_steps_on_resume(tmp_path, cap
     assert missing_tail(list(range(12)), 12) is None
 
 
-# ---- item 13: bit rot in last.ckpt names only the checkpoints that are not the same file --------------------------
+# ---- item 13: bit rot in last.ckpt names only the checkpoints that are not the same file ----
 def test_a_corrupted_last_ckpt_advises_only_checkpoints_that_are_other_files(tmp_path, capsys):
     from gptkit.checkpoints import atomic_torch_save, link_checkpoint
 
     ckdir = tmp_path / "run" / "checkpoints"
     for step in (3, 6):
-        atomic_torch_save({"state_dict": {"model.w": torch.full((64,), float(step))}, "global_step": step},
-                          ckdir / f"step-{step:06d}.ckpt")
+        atomic_torch_save(
+            {"state_dict": {"model.w": torch.full((64,), float(step))}, "global_step": step},
+            ckdir / f"step-{step:06d}.ckpt",
+        )
     link_checkpoint(ckdir / "step-000006.ckpt", ckdir / "last.ckpt")  # as training publishes it
     data = bytearray((ckdir / "last.ckpt").read_bytes())
     data[len(data) // 2] ^= 0x04
@@ -421,7 +502,7 @@ def test_a_corrupted_last_ckpt_advises_only_checkpoints_that_are_other_files(tmp
     assert msg.endswith(f"take an earlier checkpoint of the run ({ckdir / 'step-000003.ckpt'})"), msg
 
 
-# ---- item 18: the kernel benchmarks without Triton run what can run ----------------------------------------------
+# ---- item 18: the kernel benchmarks without Triton run what can run ----
 def test_bench_kernels_without_triton_runs_the_pure_torch_rows_and_names_the_install(monkeypatch, capsys):
     from omegaconf import OmegaConf
 
@@ -431,10 +512,13 @@ def test_bench_kernels_without_triton_runs_the_pure_torch_rows_and_names_the_ins
     assert kernels.run(OmegaConf.create({"out": None, "loss_shapes": []})) == 0
     out = capsys.readouterr().out
     assert "triton not installed" in out.splitlines()[0]
-    assert 'what=doc-tiles, kernel, model  note=not measured: Triton is not installed (pip install -e ".[triton]")' in out
+    assert (
+        "what=doc-tiles, kernel, model  note=not measured: Triton is not installed (pip install -e "
+        '".[triton]")'
+    ) in out
 
 
-# ---- item 20: small ones ------------------------------------------------------------------------------------------
+# ---- item 20: small ones ----
 def test_version_verb_did_you_mean_and_a_bare_run_path(tmp_path, capsys):
     from gptkit import __version__
 

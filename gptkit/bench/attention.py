@@ -215,7 +215,7 @@ def run(cfg) -> int:
 
     if not torch.cuda.is_available():
         raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU machine")
-    if triton_version() is None:  # SDPA and eager still run; do_bench comes from triton, so nothing times here
+    if triton_version() is None:  # every backend is timed with triton's do_bench
         raise GptkitError(f"gptkit bench attention times every backend with triton.testing: {TRITON_MISSING}")
     from gptkit_kernels import interpreting
 

@@ -264,7 +264,7 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    safe_reader(path).read_metadata()  # a bad index is one line on every rank, not a traceback logged by torch
+    safe_reader(path).read_metadata()  # a bad index: one line on every rank, not torch's logged traceback
     try:
         dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
     except CheckpointException as exc:

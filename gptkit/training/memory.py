@@ -1,5 +1,5 @@
-"""Host memory for a run on the CPU: checked against the count-params estimate before the model is built, and
-an allocation that fails anyway is one line with that estimate (the GPU path's out_of_memory says the same)."""
+"""Host memory for a run on the CPU: checked against the count-params estimate before the model is built,
+and an allocation that fails anyway is one line with that estimate (as the GPU path's out_of_memory)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,12 @@ def available_memory() -> int | None:
     (container) limit left; None where neither can be read."""
     found = []
     try:
-        info = {k: int(v.split()[0]) * 1024 for k, v in
-                (line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)}
+        info = {
+            k: int(v.split()[0]) * 1024
+            for k, v in (
+                line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line
+            )
+        }
         if "MemAvailable" in info:
             found.append(info["MemAvailable"] + info.get("SwapFree", 0))
     except (OSError, ValueError):
@@ -31,28 +35,38 @@ def available_memory() -> int | None:
 
 
 def estimate(cfg: Any, model_cfg: Any, shards: int = 1) -> dict[str, float]:
-    """The count-params training memory estimate for this run's model, precision and batch (bytes per process)."""
+    """The count-params training memory estimate of this run's model, precision and batch, per process."""
     from gptkit import accounting as acc
     from gptkit.training.fit import train_seq_len
 
     t = cfg.trainer
-    return acc.training_memory(model_cfg, str(t.precision), shards, int(t.batch_size), train_seq_len(t, model_cfg),
-                               bool(t.activation_checkpointing))
+    return acc.training_memory(
+        model_cfg,
+        str(t.precision),
+        shards,
+        int(t.batch_size),
+        train_seq_len(t, model_cfg),
+        bool(t.activation_checkpointing),
+    )
 
 
 def _breakdown(mem: dict[str, float], cfg: Any) -> str:
-    return (f"weights {human_bytes(mem['weights'])}, gradients {human_bytes(mem['gradients'])}, optimizer "
-            f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])} at "
-            f"trainer.batch_size={cfg.trainer.batch_size}")
+    return (
+        f"weights {human_bytes(mem['weights'])}, gradients {human_bytes(mem['gradients'])}, optimizer "
+        f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])} at "
+        f"trainer.batch_size={cfg.trainer.batch_size}"
+    )
 
 
-ADVICE = ("lower trainer.batch_size (raise trainer.accumulate_grad_batches to keep the batch), set "
-          "trainer.activation_checkpointing=true, or choose a smaller model")
+ADVICE = (
+    "lower trainer.batch_size (raise trainer.accumulate_grad_batches to keep the batch), set "
+    "trainer.activation_checkpointing=true, or choose a smaller model"
+)
 
 
 def check_host_memory(cfg: Any, model_cfg: Any, processes: int = 1) -> None:
-    """On the CPU, before the model is built: a run whose estimate (x the processes on this machine) exceeds the
-    memory available is a one-line GptkitError instead of the allocator's error minutes later."""
+    """On the CPU, before the model is built: a run whose estimate (x the processes on this machine) exceeds
+    the memory available is a one-line GptkitError instead of the allocator's error minutes later."""
     available = available_memory()
     if available is None:
         return
@@ -60,8 +74,11 @@ def check_host_memory(cfg: Any, model_cfg: Any, processes: int = 1) -> None:
     need = mem["total"] * processes
     if need > available:
         each = f" ({processes} processes x {human_bytes(mem['total'])})" if processes > 1 else ""
-        raise GptkitError(f"not enough memory for this run on the CPU: count-params estimates {human_bytes(need)}"
-                          f"{each} ({_breakdown(mem, cfg)}), {human_bytes(available)} is available; {ADVICE}")
+        raise GptkitError(
+            "not enough memory for this run on the CPU: count-params estimates "
+            f"{human_bytes(need)}"
+            f"{each} ({_breakdown(mem, cfg)}), {human_bytes(available)} is available; {ADVICE}"
+        )
 
 
 def is_cpu_out_of_memory(exc: BaseException) -> bool:
@@ -73,8 +90,9 @@ def cpu_out_of_memory(cfg: Any, model_cfg: Any) -> GptkitError:
     """A failed host allocation during training as one line, with the estimate and what to change."""
     mem = estimate(cfg, model_cfg)
     free = available_memory()
-    return GptkitError(f"out of memory on the CPU: count-params estimates {human_bytes(mem['total'])} per process "
-                       f"({_breakdown(mem, cfg)})" + (f", {human_bytes(free)} is available now" if free else "")
-                       + f"; {ADVICE}")
-
-
+    return GptkitError(
+        f"out of memory on the CPU: count-params estimates {human_bytes(mem['total'])} per "
+        f"process ({_breakdown(mem, cfg)})"
+        + (f", {human_bytes(free)} is available now" if free else "")
+        + f"; {ADVICE}"
+    )

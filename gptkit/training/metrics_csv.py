@@ -111,8 +111,8 @@ class MetricsCSV(Logger):
             print(f"note: {self.path} holds no rows before step {n} (lost or removed before this resume); "
                   f"it continues from step {n}", file=sys.stderr)
         elif (gap := missing_tail(sorted(kept), n)) is not None:
-            print(f"note: {self.path} has no rows for steps {gap[0]}-{gap[1]} (the file was cut short before this "
-                  f"resume); they stay missing, it continues from step {n}", file=sys.stderr)
+            print(f"note: {self.path} has no rows for steps {gap[0]}-{gap[1]} (the file was cut short before "
+                  f"this resume); they stay missing, it continues from step {n}", file=sys.stderr)
         self._columns = columns or ["step"]
         self._rewrite(b"", [*kept.items(), *([(n, at_n)] if at_n else [])], keep_last=bool(at_n))
         if at_n:
