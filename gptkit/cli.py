@@ -210,8 +210,9 @@ def _check_flags(verb: str, args: list[str]) -> None:
     from gptkit.errors import ConfigError
 
     allowed = ("--help", "-h") + (HYDRA_FLAGS if VERBS[verb].hydra_app else ())
-    for a in args:  # `gptkit sample runs/x`: a bare path where the verb reads run=
-        bare = "=" not in a and not a.startswith("-")
+    for i, a in enumerate(args):  # `gptkit sample runs/x`: a bare path where the verb reads run=
+        flag_value = i and args[i - 1].startswith("-") and "=" not in args[i - 1]  # --run runs/x: below
+        bare = "=" not in a and not a.startswith("-") and not flag_value
         if bare and ("/" in a or Path(a).exists()) and _has_run_option(verb):
             raise ConfigError(f"{a}: options are key=value: did you mean run={a}?")
     for i, a in enumerate(args):
