@@ -384,12 +384,14 @@ def check_saved_run(ckpt: Path | str, source: str) -> None:
     checkpoint's weights have the shapes it names. One-line errors name <run>/config.yaml."""
     import dataclasses
 
-    from gptkit.checkpoints import checked_model_state, run_dir_of
+    from gptkit.checkpoints import checked_model_state, load_checkpoint, run_dir_of
     from gptkit.errors import GptkitError
     from gptkit.model import ModelConfig
     from gptkit.runs import CONFIG_FILE, IMPORTED_FILE, METRICS_FILE, check_links, read_config
 
     ckpt = Path(ckpt)
+    if ckpt.is_file():
+        load_checkpoint(ckpt)  # a truncated or foreign file: one line before its folder is looked at
     run_dir = run_dir_of(ckpt)
     where = run_dir / CONFIG_FILE
     check_links(run_dir)
