@@ -251,6 +251,41 @@ def _no_interpolation(node: Any, where: Path, key: str = "") -> None:
                           f"is never resolved: write the value itself")
 
 
+def check_saved_run(ckpt: Path | str, source: str) -> None:
+    """Before `train resume=` starts: the run has training to continue (an imported model has none:
+    init_from=), its config.yaml passes check_saved_config, its model section builds, and a single-file
+    checkpoint's weights have the shapes it names. One-line errors name <run>/config.yaml."""
+    import dataclasses
+
+    from gptkit.checkpoints import load_checkpoint
+    from gptkit.model import ModelConfig
+    from gptkit.options import check_saved_config
+
+    ckpt = Path(ckpt)
+    if ckpt.is_file():
+        load_checkpoint(ckpt)  # a truncated or foreign file: one line before its folder is looked at
+    run_dir = run_dir_of(ckpt)
+    where = run_dir / CONFIG_FILE
+    check_links(run_dir)
+    raw = read_config(run_dir)
+    if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
+        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training "
+                          "state to "
+                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+    missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
+    if missing:
+        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to "
+                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+    fields = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig))
+    check_saved_config("train", raw, str(where), fields)
+    try:
+        model_cfg = ModelConfig.from_dict(raw["model"])
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if ckpt.suffix == ".ckpt" and ckpt.is_file():  # its shapes (mmap); a sharded folder's when loaded
+        checked_model_state(ckpt, model_cfg)
+
+
 def saved_run_config(ckpt: Path | str, composed: Any):
     """The saved config of the run a resume= checkpoint belongs to, as an OmegaConf config: data (read_config
     refuses an interpolation), with the trainer/optim keys it lacks (an older gptkit's run, or an edited file)

@@ -332,7 +332,7 @@ def _counts(m: dict[str, Any]) -> str:
 
 def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any], key: str,
            progress: bool) -> dict[str, Any]:
-    import gptkit
+    from gptkit.version import __version__
 
     t0 = time.time()
     tok = build_tokenizer(tok_s, texts=corpus.all_docs, progress=progress)
@@ -368,7 +368,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "gptkit_version": gptkit.__version__,
+        "gptkit_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.time() - t0, 3),
         "cache_key": key,

@@ -34,27 +34,19 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
-def estimate(cfg: Any, model_cfg: Any, shards: int = 1) -> dict[str, float]:
-    """The count-params training memory estimate of this run's model, precision and batch, per process."""
+def estimate(plan: Any) -> dict[str, float]:
+    """The count-params training memory estimate of a run plan (training/plan.py), per process."""
     from gptkit import accounting as acc
-    from gptkit.training.fit import train_seq_len
 
-    t = cfg.trainer
-    return acc.training_memory(
-        model_cfg,
-        str(t.precision),
-        shards,
-        int(t.batch_size),
-        train_seq_len(t, model_cfg),
-        bool(t.activation_checkpointing),
-    )
+    return acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
+                               bool(plan.trainer.activation_checkpointing))
 
 
-def _breakdown(mem: dict[str, float], cfg: Any) -> str:
+def _breakdown(mem: dict[str, float], plan: Any) -> str:
     return (
         f"weights {human_bytes(mem['weights'])}, gradients {human_bytes(mem['gradients'])}, optimizer "
         f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])} at "
-        f"trainer.batch_size={cfg.trainer.batch_size}"
+        f"trainer.batch_size={plan.batch_size}"
     )
 
 
@@ -64,20 +56,21 @@ ADVICE = (
 )
 
 
-def check_host_memory(cfg: Any, model_cfg: Any, processes: int = 1) -> None:
+def check_host_memory(plan: Any) -> None:
     """On the CPU, before the model is built: a run whose estimate (x the processes on this machine) exceeds
     the memory available is a one-line GptkitError instead of the allocator's error minutes later."""
     available = available_memory()
     if available is None:
         return
-    mem = estimate(cfg, model_cfg)
+    mem = estimate(plan)
+    processes = plan.devices  # every process of this machine holds its own replica (or shard)
     need = mem["total"] * processes
     if need > available:
         each = f" ({processes} processes x {human_bytes(mem['total'])})" if processes > 1 else ""
         raise GptkitError(
             "not enough memory for this run on the CPU: count-params estimates "
             f"{human_bytes(need)}"
-            f"{each} ({_breakdown(mem, cfg)}), {human_bytes(available)} is available; {ADVICE}"
+            f"{each} ({_breakdown(mem, plan)}), {human_bytes(available)} is available; {ADVICE}"
         )
 
 
@@ -86,13 +79,13 @@ def is_cpu_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
 
 
-def cpu_out_of_memory(cfg: Any, model_cfg: Any) -> GptkitError:
+def cpu_out_of_memory(plan: Any) -> GptkitError:
     """A failed host allocation during training as one line, with the estimate and what to change."""
-    mem = estimate(cfg, model_cfg)
+    mem = estimate(plan)
     free = available_memory()
     return GptkitError(
         f"out of memory on the CPU: count-params estimates {human_bytes(mem['total'])} per "
-        f"process ({_breakdown(mem, cfg)})"
+        f"process ({_breakdown(mem, plan)})"
         + (f", {human_bytes(free)} is available now" if free else "")
         + f"; {ADVICE}"
     )
