@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_main
-from test_sample_cli import make_run
+from conftest import make_run, run_main
 
 from gptkit.errors import GptkitError
 
