@@ -11,6 +11,7 @@ Points (where the writers call fault_point):
   metrics-rewrite  MetricsCSV: the rewritten metrics.csv in its temporary file, not yet renamed
   metrics-append   MetricsCSV: rows appended to metrics.csv (not yet fsynced)
   prepare-shards   prepare(): token shards written in the temporary build folder, not yet renamed
+  staged           staged_dir (export, import): the folder complete under its temporary name, not yet renamed
 """
 
 from __future__ import annotations
