@@ -23,7 +23,7 @@ from gptkit.config import compose, conf_dir, presets
 from gptkit.errors import ConfigError
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
-FREE_FORM = ("bench.models", "bench.model_overrides")
+FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
 _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
 
 

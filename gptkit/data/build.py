@@ -96,6 +96,7 @@ DEFAULTS: dict[str, dict[str, Any]] = {
     "hub": {"name": None, "config": None, "split": "train", "val_split": None, "val_fraction": 0.1,
             "text_field": "text", "revision": None, "timeout_s": 5, "dtype": "auto"},
     "prepared": {"dir": None},
+    "mix": {"sources": None, "max_epochs": 4},
 }
 
 
@@ -214,11 +215,11 @@ def _say(msg: str) -> None:
 # ---- the tokenizer ----------------------------------------------------------------------------------
 def cutter_for(tok, tok_s: dict[str, Any]) -> Cutter:
     """How documents may be cut for this tokenizer (see gptkit.data.tokenize)."""
-    from gptkit.data.tokenize import tiktoken_tables
+    from gptkit.data.tokenize import char_like, tiktoken_tables
 
     kind = tok_s["kind"]
     specials = [t.content for t in tok.get_added_tokens_decoder().values()]
-    if kind in ("char", "byte"):
+    if kind in ("char", "byte") or (kind == "file" and char_like(tok.to_str())):
         return Cutter("any", specials)
     if kind == "bpe" or tiktoken_tables(tok.to_str()) is not None:  # GPT-2 style byte-level BPE
         return Cutter("gpt2", specials)
@@ -402,6 +403,8 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     tok_s = tokenizer_settings(tokenizer_cfg)
     if data["kind"] == "prepared":
         return use_prepared(data, tok_s)
+    if data["kind"] == "mix":
+        raise GptkitError("data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by source")
     frac = float(data["val_fraction"])
     if not 0.0 < frac < 1.0:
         raise GptkitError(f"data.val_fraction={frac} must be between 0 and 1 (exclusive)")
@@ -518,12 +521,11 @@ def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
             ok = ok and _resume_shard(tmp / _shard_file(split), sp)
         if not ok:
             _say(f"note: the interrupted build in {tmp} does not match its record; building it again")
-    if ok:
-        return load_tokenizer_file(tmp / TOKENIZER), Journal(tmp, state)
-    for p in tmp.iterdir():  # leftovers of a build that cannot be continued
-        if p.name != BUILD_LOCK:
+    keep = {BUILD_LOCK, PROGRESS, TOKENIZER, "all.bin", *SHARDS.values()} if ok else {BUILD_LOCK}
+    for p in tmp.iterdir():  # leftovers of the killed build (half-written temporary files), or all of it
+        if p.name not in keep:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
-    return None
+    return (load_tokenizer_file(tmp / TOKENIZER), Journal(tmp, state)) if ok else None
 
 
 def _shard_file(split: str) -> str:
@@ -564,8 +566,8 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
     engine, why = choose_engine(tok.to_str(), tok_s["kind"], check)
     spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype)
     n_workers = workers or max(1, min(cores(), (corpus.n_bytes or 1 << 40) // (4 * BATCH_CHARS)))
-    if engine == "utf8":
-        n_workers = 1  # the ids are the bytes: sending text to a worker would cost more than encoding it
+    if engine in ("utf8", "chars"):
+        n_workers = 1  # ids from the bytes or a table: sending text to a worker costs more than encoding it
     _say(f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
          f"(data.workers)")
 
@@ -573,6 +575,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         return batches(cutter.pieces(parts, eos, what))
 
     bar = _Progress(progress, corpus.n_bytes, "tokenizing")
+    t_tok = time.perf_counter()
     try:
         with Tokenizing(spec, n_workers) as tokenizing:
             if corpus.val_parts is None:
@@ -595,6 +598,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
                 val = {"how": "files"}
     finally:
         bar.close()
+    t_tok = time.perf_counter() - t_tok
     if cutter.forced:
         _say(f"note: {cutter.forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters that the "
              f"tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only there")
@@ -616,6 +620,8 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         "splits": splits,
         "validation": val,
         "encoder": engine,
+        "workers": n_workers,
+        "tokenize_seconds": round(t_tok, 3),  # reading, cutting, encoding and writing the shards
         "python": sys.version.split()[0],
     }
     manifest["checksum"] = manifest_checksum(manifest)

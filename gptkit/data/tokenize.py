@@ -23,6 +23,8 @@ import json
 import multiprocessing
 import os
 import re
+import threading
+import time
 import unicodedata
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -331,6 +333,15 @@ def _init_worker(spec: EncoderSpec) -> None:
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
     _worker["encode"], _worker["spec"] = build_encoder(spec), spec
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+
+
+def _exit_with_parent(parent: int) -> None:
+    """A worker whose prepare was killed (kill -9 included) exits within a second: it would otherwise wait
+    for work forever, holding the killed command's output pipes open."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _work(batch: list[tuple[str, bool]]):
@@ -389,13 +400,21 @@ class Tokenizing:
             yield flight.popleft().result()
 
 
+def char_like(tokenizer_json: str) -> bool:
+    """A tokenizer.json of tokenizer=char (one id per code point): e.g. the shared tokenizer of a mixture."""
+    d = json.loads(tokenizer_json)
+    pre = d.get("pre_tokenizer") or {}
+    return ((d.get("model") or {}).get("type") == "WordLevel" and pre.get("type") == "Split"
+            and pre.get("pattern") == {"Regex": "[\\s\\S]"} and not d.get("normalizer"))
+
+
 def choose_engine(tokenizer_json: str, kind: str, check: Callable[[], Iterator[str]] | None = None,
                   ) -> tuple[str, str]:
     """(engine, why) for a tokenizer: byte -> utf8, char -> chars; byte-level BPE -> tiktoken when it gives
     HF's ids on TRICKY and on the texts of `check()` (a sample of the corpus), else hf."""
     if kind == "byte":
         return "utf8", "ids are the UTF-8 bytes"
-    if kind == "char":
+    if kind == "char" or (kind == "file" and char_like(tokenizer_json)):
         return "chars", "a code point lookup table"
     try:
         import tiktoken  # noqa: F401
