@@ -260,3 +260,69 @@ def test_data_workers_must_be_a_positive_integer(tmp_path):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ---- data.bos ---------------------------------------------------------------------------------------
+def test_bos_auto_uses_a_tokenizer_s_own_bos_before_every_document(tmp_path):
+    import torch
+
+    from gptkit.data.windows import doc_ids
+
+    for i, t in enumerate(["first doc\n", "second\n", "third one\n"]):
+        (tmp_path / f"{i}.txt").write_text(t)
+    data = {"kind": "files", "paths": [str(tmp_path / f"{i}.txt") for i in range(3)], "val_fraction": 0.2}
+    tok = {"kind": "byte", "special_tokens": ["<s>"], "eos_token": "</s>"}
+    p = prep(tmp_path, data, tok)  # bos: auto, and this tokenizer has a BOS of its own
+    bos, eos = p.bos_id, p.eos_id
+    assert bos == 256 and eos == 257 and p.manifest["tokenizer"]["bos_id"] == 256
+    want = [i for t in ["first doc\n", "second\n", "third one\n"] for i in [bos, *t.encode(), eos]]
+    assert all_ids(p) == want
+    d = doc_ids(torch.tensor([want]), eos)[0].tolist()  # data.pack=documents: a BOS starts its document
+    assert [d[i] for i, t in enumerate(want) if t == bos] == [0, 1, 2]
+    assert prep(tmp_path, {**data, "bos": False}, tok).bos_id is None
+    plain = prep(tmp_path, data, {"kind": "bpe", "vocab_size": 300})  # GPT-2 style: <|endoftext|> is no BOS
+    assert plain.bos_id is None
+    with pytest.raises(GptkitError, match="data.bos=true but the tokenizer has no BOS token"):
+        prep(tmp_path, {**data, "bos": True}, {"kind": "byte"})
+    with pytest.raises(GptkitError, match="data.bos='yes' must be auto, true or false"):
+        prep(tmp_path, {**data, "bos": "yes"}, {"kind": "byte"})
+
+
+# ---- data=tokens ------------------------------------------------------------------------------------
+def llmc_shard(path, ids, magic=20240520, version=1, count=None):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [magic, version, len(ids) if count is None else count]
+    path.write_bytes(header.tobytes() + np.asarray(ids, dtype="<u2").tobytes())
+    return path
+
+
+def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
+    from gptkit.tokenizer import build_tokenizer
+
+    tok_file = tmp_path / "tok.json"
+    build_tokenizer({"kind": "byte", "special_tokens": [EOS], "eos_token": EOS}).save(str(tok_file))
+    tok = {"kind": "file", "path": str(tok_file), "eos_token": EOS}
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, 257, 3000, dtype=np.uint16), rng.integers(0, 257, 500, dtype=np.uint16)
+    train.tofile(tmp_path / "train.bin")
+    llmc_shard(tmp_path / "val.bin", val)
+    data = {"kind": "tokens", "paths": [str(tmp_path / "train.bin")], "val_paths": [str(tmp_path / "val.bin")],
+            "vocab_size": 320}
+    p = prep(tmp_path, data, tok)
+    assert p.vocab_size == 320 and p.eos_id == 256 and p.manifest["source"]["formats"] == ["raw", "llmc"]
+    assert p.train_tokens().tolist() == train.tolist() and p.val_tokens().tolist() == val.tolist()
+    assert prep(tmp_path, data, tok).dir == p.dir  # found again by content
+
+    bad = {"big id": (lambda: np.array([1, 2, 400], np.uint16).tofile(tmp_path / "x.bin"),
+                      r"x.bin: token 2 is id 400, not below data.vocab_size=320"),
+           "odd size": (lambda: (tmp_path / "x.bin").write_bytes(b"\1\2\3"), r"x.bin: 3 bytes is not a multiple of 2"),
+           "magic": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], magic=7), r"x.bin: bad magic 7"),
+           "version": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], version=2), r"llm.c shard version 2"),
+           "count": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], count=5), r"header says 5 tokens")}
+    for what, (make, needle) in bad.items():
+        make()
+        fmt = "llmc" if what == "magic" else "auto"
+        with pytest.raises(GptkitError, match=needle):
+            prep(tmp_path, {**data, "paths": [str(tmp_path / "x.bin")], "format": fmt}, tok)
+    with pytest.raises(GptkitError, match="give the tokenizer that made them"):
+        prep(tmp_path, data, {"kind": "char"})

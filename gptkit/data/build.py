@@ -41,10 +41,12 @@ from gptkit.data.prepared import (
     SHARDS,
     TOKENIZER,
     PreparedData,
+    copy_tail,
     load_prepared,
     manifest_checksum,
 )
 from gptkit.data.sources import KINDS, Corpus, Part, open_corpus
+from gptkit.data.tokenfiles import prepare_tokens
 from gptkit.data.tokenize import (
     BATCH_CHARS,
     Cutter,
@@ -88,15 +90,18 @@ def cache_root(cache_dir: str | Path | None) -> Path:
 # Defaults of each kind (the same as conf/data/<kind>.yaml): settings given as a partial dict from
 # Python mean the same corpus, and the same cache key, as the composed YAML.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "pydoc": {"val_fraction": 0.1, "dtype": "auto"},
-    "shakespeare": {"val_fraction": 0.1, "dtype": "auto"},
-    "stdlib": {"include_tests": True, "encoding_errors": "replace", "val_fraction": 0.05, "dtype": "auto"},
+    "pydoc": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
+    "shakespeare": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
+    "stdlib": {"include_tests": True, "encoding_errors": "replace", "val_fraction": 0.05, "dtype": "auto",
+               "bos": "auto"},
     "files": {"paths": None, "val_paths": None, "val_fraction": 0.1, "format": "auto", "text_field": "text",
-              "encoding_errors": "strict", "dtype": "auto"},
+              "encoding_errors": "strict", "dtype": "auto", "bos": "auto"},
     "hub": {"name": None, "config": None, "split": "train", "val_split": None, "val_fraction": 0.1,
-            "text_field": "text", "revision": None, "timeout_s": 5, "dtype": "auto"},
+            "text_field": "text", "revision": None, "timeout_s": 5, "dtype": "auto", "bos": "auto"},
     "prepared": {"dir": None},
     "mix": {"sources": None, "max_epochs": 4},
+    "tokens": {"paths": None, "val_paths": None, "val_fraction": 0.1, "vocab_size": None, "format": "auto",
+               "dtype": "auto"},
 }
 
 
@@ -119,7 +124,7 @@ def data_settings(cfg: Any) -> dict[str, Any]:
         raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
     if d.get("kind") not in KINDS:
         raise GptkitError(f"unknown data kind {d.get('kind')!r}; "
-                          f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix")
+                          f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
     return {"kind": d["kind"], **DEFAULTS[d["kind"]], **d}
 
 
@@ -280,8 +285,25 @@ def _train_tokenizer(corpus: Corpus, tok_s: dict[str, Any], progress: bool):
     return build_tokenizer(tok_s, progress=progress)
 
 
-def choose_dtype_for(tok, data: dict[str, Any]) -> str:
-    return choose_dtype(tok.get_vocab_size(with_added_tokens=True), data["dtype"])
+BOS = ("auto", True, False)
+
+
+def bos_id(tok, bos: Any, eos: int | None) -> int | None:
+    """data.bos: the id put before every document, or None. auto: the tokenizer's own BOS token when it has
+    one of its own (e.g. Llama's <s> or <|begin_of_text|>; not GPT-2's <|endoftext|>, which is its EOS);
+    true: that token, which must exist; false: none."""
+    from gptkit.tokenizer import special_tokens
+
+    if bos not in BOS:
+        raise GptkitError(f"data.bos={bos!r} must be auto, true or false")
+    if bos is False:
+        return None
+    found = special_tokens(tok).get("bos_token")
+    own = found if found is not None and found[1] != eos and found[0] != "<|endoftext|>" else None
+    if own is None and bos is True:
+        raise GptkitError("data.bos=true but the tokenizer has no BOS token of its own; add one, e.g. "
+                          "tokenizer.special_tokens=[<|bos|>], or set data.bos=auto")
+    return None if own is None else own[1]
 
 
 # ---- writing shards ---------------------------------------------------------------------------------
@@ -311,7 +333,7 @@ def _resume_shard(path: Path, sp: dict[str, Any]) -> bool:
     return crc == sp["crc32"]
 
 
-def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool]]], out: Path, journal: Journal,
+def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bool]]], out: Path, journal: Journal,
                  split: str, progress: _Progress) -> tuple[int, int]:
     """Tokenize the batches into `out` (appended raw ids), committing every SHARD_TOKENS tokens and skipping
     the batches a killed build already committed. Returns (tokens, documents) of the split."""
@@ -320,9 +342,9 @@ def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool]]],
         return sp["tokens"], sp["documents"]
     skip = sp["batches"]
 
-    def todo() -> Iterator[list[tuple[str, bool]]]:
+    def todo() -> Iterator[list[tuple[str, bool, bool]]]:
         for i, b in enumerate(work):
-            n_bytes = sum(len(t.encode()) for t, _ in b)
+            n_bytes = sum(len(t[0].encode()) for t in b)
             if i < skip:  # already in the shard
                 progress.advance(n_bytes)
                 continue
@@ -362,20 +384,13 @@ def _split_tail(all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: st
                 journal: Journal) -> tuple[int, int]:
     """Move the last `fraction` of the tokens of all_bin into val_bin; the rest becomes train_bin. Each step
     is recorded, so that a build killed in between finishes it."""
-    import numpy as np
-
     n_val = int(round(n * fraction))
     if n_val < 1 or n - n_val < 1:
         raise GptkitError(f"the corpus has only {n} tokens: too short to split off data.val_fraction={fraction}; "
                           f"give more text")
     itemsize = DTYPES[dtype]
     if not journal.state.get("val_written"):
-        tokens = np.memmap(all_bin, dtype=dtype, mode="r", shape=(n,))  # [n]
-        with open(val_bin, "wb") as f:
-            tokens[n - n_val:].tofile(f)
-            f.flush()
-            os.fsync(f.fileno())
-        del tokens
+        copy_tail(all_bin, val_bin, (n - n_val) * itemsize)
         journal.state["val_written"] = True
         journal.save()
         fault_point("prepare-shard")
@@ -405,6 +420,11 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
         return use_prepared(data, tok_s)
     if data["kind"] == "mix":
         raise GptkitError("data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by source")
+    if data["kind"] == "tokens":
+        tok = build_tokenizer(tok_s) if tok_s["kind"] in ("byte", "file") else None
+        prepared = prepare_tokens(data, tok_s, cache_root(cache_dir), tok, _key)
+        _say(f"token files: {prepared.dir} ({_counts(prepared.manifest)})")
+        return prepared
     frac = float(data["val_fraction"])
     if not 0.0 < frac < 1.0:
         raise GptkitError(f"data.val_fraction={frac} must be between 0 and 1 (exclusive)")
@@ -421,14 +441,20 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
         return _cache_hit(final, key)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.partial"
-    tmp.mkdir(mode=DIR_MODE, exist_ok=True)
-    lock = lock_file(tmp / BUILD_LOCK)  # held while building: the OS drops it when the builder dies
-    if lock is None:
-        _say(f"another prepare is building {final.name}; waiting for it")
-        lock = _wait_lock(tmp / BUILD_LOCK)
-        if final.exists():
+    said = False
+    while True:
+        tmp.mkdir(mode=DIR_MODE, exist_ok=True)
+        lock = lock_file(tmp / BUILD_LOCK)  # held while building: the OS drops it when the builder dies
+        if lock is not None and final.exists():  # another process finished it meanwhile
             os.close(lock)
+            shutil.rmtree(tmp, ignore_errors=True)
             return _cache_hit(final, key)
+        if lock is not None:
+            break
+        if not said:
+            _say(f"another prepare is building {final.name}; waiting for it")
+            said = True
+        _wait_unlocked(tmp / BUILD_LOCK)
     keep = False
     try:
         manifest = _build(tmp, corpus, content, data, tok_s, key, progress, workers)
@@ -463,12 +489,18 @@ def _cache_hit(final: Path, key: str) -> PreparedData:
     return prepared
 
 
-def _wait_lock(path: Path) -> int:
+def _wait_unlocked(path: Path) -> None:
+    """Block until the builder holding the lock at `path` is done (or the lock file is gone)."""
     import fcntl
 
-    fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    fcntl.flock(fd, fcntl.LOCK_EX)
-    return fd
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
 
 
 BUILD_LOCK = ".building"  # in a build folder: locked (fcntl) by the process that builds it
@@ -551,6 +583,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = choose_dtype(vocab, data["dtype"])
     eos = eos_id(tok, tok_s)
+    bos = bos_id(tok, data["bos"], eos)
     cutter = cutter_for(tok, tok_s)
     specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
     def check() -> Iterator[str]:  # about 1 MB of the corpus, on which tiktoken must give HF's ids
@@ -564,14 +597,14 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
             if n >= 1 << 20:
                 return
     engine, why = choose_engine(tok.to_str(), tok_s["kind"], check)
-    spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype)
+    spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype, bos)
     n_workers = workers or max(1, min(cores(), (corpus.n_bytes or 1 << 40) // (4 * BATCH_CHARS)))
     if engine in ("utf8", "chars"):
         n_workers = 1  # ids from the bytes or a table: sending text to a worker costs more than encoding it
     _say(f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
          f"(data.workers)")
 
-    def work(parts: Iterator[Part], what: str) -> Iterator[list[tuple[str, bool]]]:
+    def work(parts: Iterator[Part], what: str) -> Iterator[list[tuple[str, bool, bool]]]:
         return batches(cutter.pieces(parts, eos, what))
 
     bar = _Progress(progress, corpus.n_bytes, "tokenizing")
@@ -615,7 +648,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         "source": {"kind": data["kind"], "description": corpus.description, "sha256": content,
                    "files": corpus.files, "settings": data},
         "tokenizer": {"kind": tok_s["kind"], "settings": tok_s, "sha256": file_sha256(tmp / TOKENIZER),
-                      "vocab_size": vocab, "eos_id": eos, "eos_token": tok_s["eos_token"]},
+                      "vocab_size": vocab, "eos_id": eos, "eos_token": tok_s["eos_token"], "bos_id": bos},
         "dtype": dtype,
         "splits": splits,
         "validation": val,

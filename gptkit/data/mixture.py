@@ -36,7 +36,7 @@ from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_text
 from gptkit.tokenizer import build_tokenizer, tokenizer_settings
 
-SOURCE_KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared")
+SOURCE_KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "tokens")
 EXAMPLE = "data.sources={web: {kind: files, paths: [web.jsonl], weight: 0.7}, code: {kind: stdlib, weight: 0.3}}"
 
 

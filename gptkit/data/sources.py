@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator
 from gptkit.errors import GptkitError
 from gptkit.hub import check_hub_reachable, offline
 
-KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "mix")
+KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "mix", "tokens")
 FORMATS = ("auto", "text", "json", "parquet")
 Part = tuple[str, bool]  # a bounded piece of a document's text, and whether it is the document's last piece
 Parts = Callable[[], Iterator[Part]]  # a callable that starts a fresh pass over the corpus, piece by piece
@@ -98,7 +98,7 @@ def open_corpus(s: dict[str, Any]) -> Corpus:
         return _files(s)
     if kind == "hub":
         return _hub(s)
-    raise GptkitError(f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix")
+    raise GptkitError(f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
 
 
 def _digest(parts: Iterator[bytes]) -> str:

@@ -165,15 +165,16 @@ class Cutter:
             yield buf, True
 
 
-def batches(pieces: Iterator[tuple[str, bool]], chars: int | None = None) -> Iterator[list[tuple[str, bool]]]:
+def batches(pieces: Iterator[tuple[str, bool]], chars: int | None = None) -> Iterator[list[tuple[str, bool, bool]]]:
     """Pieces grouped into encoding tasks of about `chars` (BATCH_CHARS) characters (deterministic: the same
     corpus gives the same batches, which is what resuming a build counts)."""
     chars = chars or BATCH_CHARS
-    batch: list[tuple[str, bool]] = []
-    n = 0
-    for p in pieces:
-        batch.append(p)
-        n += len(p[0])
+    batch: list[tuple[str, bool, bool]] = []  # (text, ends a document, starts a document)
+    n, fresh = 0, True
+    for text, ends in pieces:
+        batch.append((text, ends, fresh))
+        fresh = ends
+        n += len(text)
         if n >= chars:
             yield batch
             batch, n = [], 0
@@ -194,6 +195,7 @@ class EncoderSpec:
     specials: tuple[str, ...]
     eos: int | None
     dtype: str
+    bos: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
 
 
@@ -311,18 +313,22 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
     raise ValueError(f"unknown engine {spec.engine!r}")
 
 
-def encode_batch(encode: Callable[[list[str]], list[Any]], batch: list[tuple[str, bool]], eos: int | None,
-                 dtype: str):
-    """One batch of pieces -> (its ids as one array, documents it ends)."""
+def encode_batch(encode: Callable[[list[str]], list[Any]], batch: list[tuple[str, bool, bool]], eos: int | None,
+                 dtype: str, bos: int | None = None):
+    """One batch of pieces -> (its ids as one array, documents it ends): a BOS before each document's first
+    piece and an EOS after its last, when given."""
     import numpy as np
 
     out = []
     eos_arr = np.asarray([eos], dtype=dtype) if eos is not None else None
-    for ids, (_, ends) in zip(encode([t for t, _ in batch]), batch):
+    bos_arr = np.asarray([bos], dtype=dtype) if bos is not None else None
+    for ids, (_, ends, starts) in zip(encode([b[0] for b in batch]), batch):
+        if starts and bos_arr is not None:
+            out.append(bos_arr)
         out.append(np.asarray(ids, dtype=dtype))
         if ends and eos_arr is not None:
             out.append(eos_arr)
-    docs = sum(e for _, e in batch)
+    docs = sum(b[1] for b in batch)
     return (np.concatenate(out) if out else np.zeros(0, dtype=dtype)), docs
 
 
@@ -344,9 +350,9 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _work(batch: list[tuple[str, bool]]):
+def _work(batch: list[tuple[str, bool, bool]]):
     spec = _worker["spec"]
-    return encode_batch(_worker["encode"], batch, spec.eos, spec.dtype)
+    return encode_batch(_worker["encode"], batch, spec.eos, spec.dtype, spec.bos)
 
 
 def usable_cores() -> int:
@@ -384,12 +390,12 @@ class Tokenizing:
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = self._env
 
-    def map(self, work: Iterator[list[tuple[str, bool]]]) -> Iterator[tuple[Any, int]]:
+    def map(self, work: Iterator[list[tuple[str, bool, bool]]]) -> Iterator[tuple[Any, int]]:
         """(ids array, documents ended) per batch, in order; at most 2 x workers batches in flight."""
         if self.pool is None:
             assert self.encode is not None
             for b in work:
-                yield encode_batch(self.encode, b, self.spec.eos, self.spec.dtype)
+                yield encode_batch(self.encode, b, self.spec.eos, self.spec.dtype, self.spec.bos)
             return
         flight: deque[Future] = deque()
         for b in work:
