@@ -50,8 +50,8 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
 DEFAULTS: dict[str, dict[str, Any]] = {
     "char": {"special_tokens": [], "eos_token": None, "unk_token": None},
     "byte": {"special_tokens": [], "eos_token": None},
-    "bpe": {"vocab_size": 4096, "min_frequency": 2, "special_tokens": ["<|endoftext|>"], "eos_token": "<|endoftext|>",
-            "train_chars": 50_000_000},
+    "bpe": {"vocab_size": 4096, "min_frequency": 2, "special_tokens": ["<|endoftext|>"],
+            "eos_token": "<|endoftext|>", "train_chars": 50_000_000},
     "file": {"path": None, "eos_token": None},
 }
 

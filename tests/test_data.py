@@ -239,7 +239,7 @@ def test_code_defaults_match_the_yaml_presets():
         for preset in (conf_dir() / group).glob("*.yaml"):
             y = OmegaConf.to_container(OmegaConf.load(preset))
             kind = y.pop("kind")
-            for k in (*WINDOW_KEYS, *BUILD_KEYS):  # how windows are drawn and shards built: no part of the key
+            for k in (*WINDOW_KEYS, *BUILD_KEYS):  # how windows are drawn, shards built: not in the key
                 y.pop(k, None)
             assert set(y) == set(defaults[kind]), preset
             for k, v in y.items():

@@ -19,8 +19,11 @@ def texts(tmp_path):
 
 
 def mix(paths, weights, **kw):
-    return {"kind": "mix", "sources": {n: {"kind": "files", "paths": [str(paths[n])], "weight": w}
-                                       for n, w in weights.items()}, **kw}
+    return {
+        "kind": "mix",
+        "sources": {n: {"kind": "files", "paths": [str(paths[n])], "weight": w} for n, w in weights.items()},
+        **kw,
+    }
 
 
 def test_sources_are_cached_on_their_own_and_windows_follow_the_shares(tmp_path, texts, capsys):
@@ -52,8 +55,12 @@ def test_sources_are_cached_on_their_own_and_windows_follow_the_shares(tmp_path,
 
 
 def test_a_bpe_mixture_shares_one_tokenizer_trained_on_every_source(tmp_path, texts):
-    m = prepare(mix(texts, {"a": 1, "b": 1}), {"kind": "bpe", "vocab_size": 300}, cache_dir=tmp_path / "c",
-                progress=False)
+    m = prepare(
+        mix(texts, {"a": 1, "b": 1}),
+        {"kind": "bpe", "vocab_size": 300},
+        cache_dir=tmp_path / "c",
+        progress=False,
+    )
     assert m.parts[0].manifest["tokenizer"]["sha256"] == m.parts[1].manifest["tokenizer"]["sha256"]
     tok = m.tokenizer()
     for p, name in zip(m.parts, "ab"):
@@ -62,8 +69,9 @@ def test_a_bpe_mixture_shares_one_tokenizer_trained_on_every_source(tmp_path, te
 
 
 def test_start_up_shares_epochs_and_the_max_epochs_warning(tmp_path, texts):
-    m = prepare(mix(texts, {"a": 1, "b": 3}, max_epochs=2), {"kind": "byte"}, cache_dir=tmp_path / "c",
-                progress=False)
+    m = prepare(
+        mix(texts, {"a": 1, "b": 3}, max_epochs=2), {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False
+    )
     lines = m.describe(budget_tokens=20_000)
     assert lines[0].startswith("  a: 10,801 train tokens, share 25.0%, 0.46 epochs")
     assert "  b: 3,601 train tokens, share 75.0%, 4.17 epochs" in lines[1]
@@ -71,23 +79,28 @@ def test_start_up_shares_epochs_and_the_max_epochs_warning(tmp_path, texts):
     assert "'b' would be repeated 4.2 times, more than data.max_epochs=2" in warning
 
 
-@pytest.mark.parametrize("sources, needle", [
-    ({"a": {"kind": "files", "weight": 0}}, r"data.sources.a.weight=0 must be > 0"),
-    ({"a": {"kind": "files", "weight": -1}}, r"weight=-1 must be > 0"),
-    ({"a": {"kind": "files", "weight": "lots"}}, r"weight='lots' is not a number"),
-    ({"a": {"kind": "files", "weight": True}}, r"weight=True is not a number"),
-    ({"a": {"kind": "files"}}, r"data.sources.a has no weight"),
-    ({"a": {"kind": "files", "weight": 1, "pathz": ["x"]}}, r"unknown key 'pathz'; did you mean paths\?"),
-    ({"a": {"kind": "mix", "weight": 1, "sources": {}}}, r"data.sources.a is itself a mix"),
-    ({"a": {"kind": "nope", "weight": 1}}, r"data.sources.a.kind='nope'"),
-    ({}, r"data=mix needs named sources"),
-])
+@pytest.mark.parametrize(
+    "sources, needle",
+    [
+        ({"a": {"kind": "files", "weight": 0}}, r"data.sources.a.weight=0 must be > 0"),
+        ({"a": {"kind": "files", "weight": -1}}, r"weight=-1 must be > 0"),
+        ({"a": {"kind": "files", "weight": "lots"}}, r"weight='lots' is not a number"),
+        ({"a": {"kind": "files", "weight": True}}, r"weight=True is not a number"),
+        ({"a": {"kind": "files"}}, r"data.sources.a has no weight"),
+        ({"a": {"kind": "files", "weight": 1, "pathz": ["x"]}}, r"unknown key 'pathz'; did you mean paths\?"),
+        ({"a": {"kind": "mix", "weight": 1, "sources": {}}}, r"data.sources.a is itself a mix"),
+        ({"a": {"kind": "nope", "weight": 1}}, r"data.sources.a.kind='nope'"),
+        ({}, r"data=mix needs named sources"),
+    ],
+)
 def test_bad_mixtures_are_one_line(tmp_path, texts, sources, needle):
     for s in sources.values():
         if s.get("kind") == "files" and "paths" not in s and "pathz" not in s:
             s["paths"] = [str(texts["a"])]
     with pytest.raises(GptkitError, match=needle):
-        prepare({"kind": "mix", "sources": sources}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False)
+        prepare(
+            {"kind": "mix", "sources": sources}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False
+        )
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
 
@@ -104,18 +117,34 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
 
     from conftest import run_main
 
-    common = ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
-              "tokenizer=char", "data=mix", f"data.sources={{a: {{kind: files, paths: [{texts['a']}], weight: 0.7}}, "
-              f"b: {{kind: files, paths: [{texts['b']}], weight: 0.3}}}}", "trainer.batch_size=4",
-              "trainer.max_steps=8", "trainer.val_every=4", "trainer.val_windows=4", "trainer.checkpoint_every=4",
-              "trainer.log_every=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}"]
+    common = [
+        "model=gpt2-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "data=mix",
+        f"data.sources={{a: {{kind: files, paths: [{texts['a']}], weight: 0.7}}, "
+        f"b: {{kind: files, paths: [{texts['b']}], weight: 0.3}}}}",
+        "trainer.batch_size=4",
+        "trainer.max_steps=8",
+        "trainer.val_every=4",
+        "trainer.val_windows=4",
+        "trainer.checkpoint_every=4",
+        "trainer.log_every=2",
+        "trainer.progress=false",
+        f"runs_dir={tmp_path / 'runs'}",
+    ]
     monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
     code, _, err = run_main(capsys, "train", *common, "name=full")
     assert code == 0, err
     assert "data mixture (2 sources):" in err and "share 70.0%" in err
     code, _, err = run_main(capsys, "train", *common, "name=cut", "trainer.stop_at_step=4")
     assert code == 0, err
-    code, _, err = run_main(capsys, "train", f"resume={tmp_path / 'runs' / 'cut'}", "trainer.stop_at_step=null")
+    code, _, err = run_main(
+        capsys, "train", f"resume={tmp_path / 'runs' / 'cut'}", "trainer.stop_at_step=null"
+    )
     assert code == 0, err
 
     def rows(name):
@@ -125,5 +154,7 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
     full = rows("full")
     assert rows("cut") == full
     last = [r for r in full if r["data/tokens_a"]][-1]  # a training row (of the step that ends at 8)
-    assert int(last["step"]) == 7 and float(last["data/tokens_a"]) + float(last["data/tokens_b"]) == 8 * 4 * 32
+    assert (
+        int(last["step"]) == 7 and float(last["data/tokens_a"]) + float(last["data/tokens_b"]) == 8 * 4 * 32
+    )
     assert 0 < float(last["data/tokens_b"]) < float(last["data/tokens_a"])

@@ -29,8 +29,9 @@ def run(cache, data, tok, fault=None):
     env = {k: v for k, v in os.environ.items() if k != "GPTKIT_FAULT"}
     if fault:
         env["GPTKIT_FAULT"] = fault
-    return subprocess.run([sys.executable, "-c", script(cache, data, tok)], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-c", script(cache, data, tok)], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.fixture
@@ -49,9 +50,13 @@ def files(d):
     return {p.name: p.read_bytes() for p in d.iterdir() if p.name != "manifest.json"}
 
 
-@pytest.mark.parametrize("faults, workers", [(("prepare-shard@3", "prepare-batch@2"), 2),
-                                             (("prepare-batch@17", "prepare-shards"), 1)])
-def test_a_killed_prepare_continues_from_its_last_complete_shard_bit_identically(tmp_path, corpus, faults, workers):
+@pytest.mark.parametrize(
+    "faults, workers",
+    [(("prepare-shard@3", "prepare-batch@2"), 2), (("prepare-batch@17", "prepare-shards"), 1)],
+)
+def test_a_killed_prepare_continues_from_its_last_complete_shard_bit_identically(
+    tmp_path, corpus, faults, workers
+):
     """With 2 workers the killed prepare's worker processes must also go: run() waits for the end of the
     output pipes they hold (its timeout would fail the test)."""
     tok = {"kind": "char", "eos_token": "<|endoftext|>"}

@@ -32,8 +32,20 @@ def awkward_text() -> str:
     text = "\n".join(line + " " * (i % 3) for i, line in enumerate(lines))
     long_line = " ".join(w for line in lines[:2000] for w in line.split())[:12_000]
     cjk = ("日本語のテキスト" * 120 + "。" + "漢字" * 200 + "、") * 8  # letter runs shorter than HARD_CHARS
-    return (text[:10_000] + "\n" + long_line + "\n" + cjk + "\n" + f"x{EOS}y " * 300 + "-=" * 600 + "\n"
-            + "   \n\n\t" * 200 + text[10_000:] + "  trailing  \n\n  spaces ")
+    return (
+        text[:10_000]
+        + "\n"
+        + long_line
+        + "\n"
+        + cjk
+        + "\n"
+        + f"x{EOS}y " * 300
+        + "-=" * 600
+        + "\n"
+        + "   \n\n\t" * 200
+        + text[10_000:]
+        + "  trailing  \n\n  spaces "
+    )
 
 
 @pytest.fixture
@@ -51,8 +63,9 @@ def metaspace_tokenizer(path, text):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.train_from_iterator([text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", EOS],
-                                                        show_progress=False))
+    tok.train_from_iterator(
+        [text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", EOS], show_progress=False)
+    )
     tok.save(str(path))
     return path
 
@@ -64,10 +77,16 @@ def test_a_file_read_in_bounded_pieces_gives_the_ids_of_the_whole_text(tmp_path,
     text = awkward_text()
     f = tmp_path / "doc.txt"
     f.write_text(text)
-    tok = {"char": {"kind": "char", "eos_token": EOS}, "byte": {"kind": "byte", "eos_token": EOS},
-           "bpe": {"kind": "bpe", "vocab_size": 400, "min_frequency": 1},
-           "file": {"kind": "file", "eos_token": EOS,
-                    "path": str(metaspace_tokenizer(tmp_path / "meta.json", text))}}[kind]
+    tok = {
+        "char": {"kind": "char", "eos_token": EOS},
+        "byte": {"kind": "byte", "eos_token": EOS},
+        "bpe": {"kind": "bpe", "vocab_size": 400, "min_frequency": 1},
+        "file": {
+            "kind": "file",
+            "eos_token": EOS,
+            "path": str(metaspace_tokenizer(tmp_path / "meta.json", text)),
+        },
+    }[kind]
     cuts = []
     real = Cutter.cut
     Cutter.cut = lambda self, *a: cuts.append(real(self, *a)) or cuts[-1]
@@ -110,15 +129,29 @@ def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_
     from gptkit.data.tokenize import TRICKY, EncoderSpec, build_encoder, choose_engine, hf_encoder
     from gptkit.tokenizer import build_tokenizer
 
-    corpus = [shakespeare(40_000), TRICKY * 3, "I'm   you've\t\tthey'LL  \n\n  ２０２６年  e\u0301\u0301 🙂🙂 ''s"]
-    tok = build_tokenizer({"kind": "bpe", "vocab_size": 700, "min_frequency": 1}, texts=lambda: iter(corpus),
-                          progress=False)
+    corpus = [
+        shakespeare(40_000),
+        TRICKY * 3,
+        "I'm   you've\t\tthey'LL  \n\n  ２０２６年  e\u0301\u0301 🙂🙂 ''s",
+    ]
+    tok = build_tokenizer(
+        {"kind": "bpe", "vocab_size": 700, "min_frequency": 1}, texts=lambda: iter(corpus), progress=False
+    )
     js = tok.to_str()
     assert choose_engine(js, "bpe")[0] == "tiktoken"
     fast = build_encoder(EncoderSpec(js, "tiktoken", (EOS,), None, "uint32"))
     hf = hf_encoder(Tokenizer.from_str(js))
-    tricky = [TRICKY, corpus[2], f"a{EOS}b {EOS}{EOS}\n", " \u00a0\u2003 x \r\n\r\n y", "\x1c\x1d\x1e\x1f\x85 z",
-              "123456789 1.5e10 x1y2z3", "'''' 's 'S 'd't", "ǅungla Ⅻ ⅷ ¼ ½ 𝔘𝔫𝔦", shakespeare(5_000, start=90_000)]
+    tricky = [
+        TRICKY,
+        corpus[2],
+        f"a{EOS}b {EOS}{EOS}\n",
+        " \u00a0\u2003 x \r\n\r\n y",
+        "\x1c\x1d\x1e\x1f\x85 z",
+        "123456789 1.5e10 x1y2z3",
+        "'''' 's 'S 'd't",
+        "ǅungla Ⅻ ⅷ ¼ ½ 𝔘𝔫𝔦",
+        shakespeare(5_000, start=90_000),
+    ]
     for t in tricky:
         assert fast([t])[0].tolist() == hf([t])[0], repr(t[:40])
 
@@ -142,14 +175,19 @@ def test_fifos_and_devices_are_refused_before_anything_is_read(tmp_path, what):
     with pytest.raises(GptkitError, match=needle):
         prep(tmp_path, {"kind": "files", "paths": [str(path)]}, {"kind": "byte"})
     with pytest.raises(GptkitError, match=needle):
-        prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "*")] if what == "fifo" else ["/dev/zer?"]},
-             {"kind": "byte"})
+        prep(
+            tmp_path,
+            {"kind": "files", "paths": [str(tmp_path / "*")] if what == "fifo" else ["/dev/zer?"]},
+            {"kind": "byte"},
+        )
 
 
 def test_jsonl_streams_line_by_line_and_names_a_bad_line(tmp_path):
     f = tmp_path / "a.jsonl"
-    f.write_text("".join(json.dumps({"text": f"record {i} " * 5, "id": i}) + "\n" for i in range(50))
-                 + '{"text": "broken\n')
+    f.write_text(
+        "".join(json.dumps({"text": f"record {i} " * 5, "id": i}) + "\n" for i in range(50))
+        + '{"text": "broken\n'
+    )
     with pytest.raises(GptkitError, match=r"a.jsonl: the line at byte \d+ is not valid JSON"):
         prep(tmp_path, {"kind": "files", "paths": [str(f)]}, {"kind": "byte"})
     f.write_text("".join(json.dumps({"body": "x"}) + "\n" for _ in range(3)))
@@ -165,7 +203,9 @@ def write_parquet(folder, n_files=3, rows=40):
     texts = []
     for i in range(n_files):
         t = [f"file {i} row {r}: " + shakespeare(200, start=1000 * (i * rows + r)) for r in range(rows)]
-        pq.write_table(pa.table({"text": t, "n": list(range(rows))}), folder / f"part-{i}.parquet", row_group_size=7)
+        pq.write_table(
+            pa.table({"text": t, "n": list(range(rows))}), folder / f"part-{i}.parquet", row_group_size=7
+        )
         texts += t
     return texts
 
@@ -185,8 +225,11 @@ def test_hub_streams_through_datasets_streaming_loader(tmp_path, monkeypatch):
         return real("parquet", data_files={"train": files}, split="train", streaming=streaming)
 
     monkeypatch.setattr(datasets, "load_dataset", fake)
-    p = prep(tmp_path, {"kind": "hub", "name": "someone/corpus", "workers": 1},
-             {"kind": "bpe", "vocab_size": 300, "train_chars": 3_000})
+    p = prep(
+        tmp_path,
+        {"kind": "hub", "name": "someone/corpus", "workers": 1},
+        {"kind": "bpe", "vocab_size": 300, "train_chars": 3_000},
+    )
     assert calls and all(c[3] is True for c in calls)  # streamed, always
     assert "streamed" in p.manifest["source"]["description"]
     tok = p.tokenizer()
@@ -225,14 +268,25 @@ def test_bpe_trains_on_a_bounded_evenly_spread_sample(tmp_path, capsys):
     head, tail = "alpha beta gamma\n" * 3_000, "omega psi chi\n" * 3_000
     f = tmp_path / "big.txt"
     f.write_text(head + shakespeare(200_000) + tail)
-    corpus = open_corpus({"kind": "files", "paths": [str(f)], "val_paths": None, "format": "auto",
-                          "text_field": "text", "encoding_errors": "strict"})
+    corpus = open_corpus(
+        {
+            "kind": "files",
+            "paths": [str(f)],
+            "val_paths": None,
+            "format": "auto",
+            "text_field": "text",
+            "encoding_errors": "strict",
+        }
+    )
     texts, what = training_sample(corpus, 60_000)
     sample = "".join(texts())
     assert 0.8 * 60_000 <= len(sample) <= 60_000 and "evenly spaced" in what
     assert "alpha beta" in sample and "omega psi" in sample  # from both ends of the file
-    p = prep(tmp_path, {"kind": "files", "paths": [str(f)]}, {"kind": "bpe", "vocab_size": 300,
-                                                              "train_chars": 60_000})
+    p = prep(
+        tmp_path,
+        {"kind": "files", "paths": [str(f)]},
+        {"kind": "bpe", "vocab_size": 300, "train_chars": 60_000},
+    )
     err = capsys.readouterr().err
     assert "training byte-level BPE 300 on a sample of 60.0 kchars" in err and "train_chars=60,000" in err
     assert p.tokenizer().decode(all_ids(p)).startswith("alpha beta")
@@ -306,19 +360,30 @@ def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
     train, val = rng.integers(0, 257, 3000, dtype=np.uint16), rng.integers(0, 257, 500, dtype=np.uint16)
     train.tofile(tmp_path / "train.bin")
     llmc_shard(tmp_path / "val.bin", val)
-    data = {"kind": "tokens", "paths": [str(tmp_path / "train.bin")], "val_paths": [str(tmp_path / "val.bin")],
-            "vocab_size": 320}
+    data = {
+        "kind": "tokens",
+        "paths": [str(tmp_path / "train.bin")],
+        "val_paths": [str(tmp_path / "val.bin")],
+        "vocab_size": 320,
+    }
     p = prep(tmp_path, data, tok)
     assert p.vocab_size == 320 and p.eos_id == 256 and p.manifest["source"]["formats"] == ["raw", "llmc"]
     assert p.train_tokens().tolist() == train.tolist() and p.val_tokens().tolist() == val.tolist()
     assert prep(tmp_path, data, tok).dir == p.dir  # found again by content
 
-    bad = {"big id": (lambda: np.array([1, 2, 400], np.uint16).tofile(tmp_path / "x.bin"),
-                      r"x.bin: token 2 is id 400, not below data.vocab_size=320"),
-           "odd size": (lambda: (tmp_path / "x.bin").write_bytes(b"\1\2\3"), r"x.bin: 3 bytes is not a multiple of 2"),
-           "magic": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], magic=7), r"x.bin: bad magic 7"),
-           "version": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], version=2), r"llm.c shard version 2"),
-           "count": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], count=5), r"header says 5 tokens")}
+    bad = {
+        "big id": (
+            lambda: np.array([1, 2, 400], np.uint16).tofile(tmp_path / "x.bin"),
+            r"x.bin: token 2 is id 400, not below data.vocab_size=320",
+        ),
+        "odd size": (
+            lambda: (tmp_path / "x.bin").write_bytes(b"\1\2\3"),
+            r"x.bin: 3 bytes is not a multiple of 2",
+        ),
+        "magic": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], magic=7), r"x.bin: bad magic 7"),
+        "version": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], version=2), r"llm.c shard version 2"),
+        "count": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], count=5), r"header says 5 tokens"),
+    }
     for what, (make, needle) in bad.items():
         make()
         fmt = "llmc" if what == "magic" else "auto"

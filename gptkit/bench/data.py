@@ -91,7 +91,7 @@ def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tup
 
 
 def make_corpus(path: Path, size_mb: float) -> Path:
-    """A text file of about size_mb MB: the standard library's .py sources, concatenated as often as needed."""
+    """A text file of about size_mb MB: the standard library's .py sources, as often as needed."""
     from gptkit.data.sources import stdlib_files
 
     want = int(size_mb * 1e6)
@@ -166,7 +166,8 @@ def run(cfg) -> int:
                "python_stdlib": sysconfig.get_paths()["stdlib"], "tokenizers": {}}
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-data-") as tmp:
         tmp = Path(tmp)
-        path = Path(cfg.file).expanduser() if cfg.file else make_corpus(tmp / "corpus.txt", float(cfg.size_mb))
+        path = (Path(cfg.file).expanduser() if cfg.file
+                else make_corpus(tmp / "corpus.txt", float(cfg.size_mb)))
         size = path.stat().st_size
         mb = size / 1e6
         r["file"], r["file_mb"] = str(path), round(mb, 1)
@@ -190,8 +191,8 @@ def run(cfg) -> int:
                 from gptkit.data.build import training_sample
                 from gptkit.data.sources import open_corpus
 
-                corpus = open_corpus({"kind": "files", "paths": [str(path)], "val_paths": None, "format": "auto",
-                                      "text_field": "text", "encoding_errors": "strict"})
+                corpus = open_corpus({"kind": "files", "paths": [str(path)], "val_paths": None,
+                                      "format": "auto", "text_field": "text", "encoding_errors": "strict"})
                 with peak_rss() as train:
                     if kind == "bpe":
                         texts, _ = training_sample(corpus, int(cfg.train_chars))
@@ -238,7 +239,8 @@ def run(cfg) -> int:
                                              "minutes": round(40e3 / rate / 60, 1)}
 
         if byte_prepared is not None:
-            dm = TokenDataModule(byte_prepared, batch_size=int(cfg.batch_size), seq_len=int(cfg.seq_len), seed=0)
+            dm = TokenDataModule(byte_prepared, batch_size=int(cfg.batch_size), seq_len=int(cfg.seq_len),
+                                 seed=0)
             dm.sampler.batch(0)
             t0 = time.perf_counter()
             for s in range(int(cfg.batches)):
@@ -247,7 +249,8 @@ def run(cfg) -> int:
             con.print(f"{cfg.model} training steps ...")
             step_s, n_params = step_time(str(cfg.model), byte_prepared.vocab_size, batch, int(cfg.steps))
             r.update({"batch_ms": round(batch_s * 1e3, 4), "step_ms": round(step_s * 1e3, 2),
-                      "batch_share_of_step": batch_s / step_s, "model": str(cfg.model), "model_params": n_params,
+                      "batch_share_of_step": batch_s / step_s, "model": str(cfg.model),
+                      "model_params": n_params,
                       "torch_threads": torch.get_num_threads(), "batch": f"{cfg.batch_size} x {cfg.seq_len}"})
     r["load_avg_end"] = loadavg()
 
@@ -256,22 +259,26 @@ def run(cfg) -> int:
         t.add_column(c, justify="right" if c == "value" else "left")
     for name, row in r["tokenizers"].items():
         if "build_tokenizer_s" in row:
-            t.add_row(name, "build the tokenizer", f"{row['build_tokenizer_s']} s, peak +{row['build_tokenizer_peak_rss_added_mb']:.0f} MB")
+            t.add_row(name, "build the tokenizer", f"{row['build_tokenizer_s']} s, "
+                      f"peak +{row['build_tokenizer_peak_rss_added_mb']:.0f} MB")
         for e, v in row["encoders"].items():
             t.add_row(name, f"encoder {e} alone (1 process, 1 thread)",
                       f"{v['mb_per_s']} MB/s" + ("" if v["same_ids"] else " (ids differ from HF: not used)"))
         for w, v in row["prepare"].items():
             t.add_row(name, f"prepare, {v['workers']} worker(s), {v['encoder']}",
                       f"{v['mb_per_s']} MB/s, {v['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-                      f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest), peak +{v['peak_rss_added_mb']:.0f} MB "
-                      f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), load {v['load_avg_before']}")
+                      f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest), "
+                      f"peak +{v['peak_rss_added_mb']:.0f} MB "
+                      f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
+                      f"load {v['load_avg_before']}")
     if "projection_40gb_16_cores" in r:
         pr = r["projection_40gb_16_cores"]
         t.add_row(pr["tokenizer"], "[bold]projected: 40 GB on 16 cores",
                   f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s at {pr['efficiency']:.2f} efficiency)")
     if "batch_ms" in r:
         t.add_row("byte", f"one training batch ({r['batch']}, memory-mapped)", f"{r['batch_ms']:.3f} ms")
-        t.add_row("", f"one {r['model']} step (fp32, AdamW, {r['torch_threads']} threads)", f"{r['step_ms']:.1f} ms")
+        t.add_row("", f"one {r['model']} step (fp32, AdamW, {r['torch_threads']} threads)",
+                  f"{r['step_ms']:.1f} ms")
         t.add_row("", "[bold]batch cost / step (target < 1%)", f"[bold]{100 * r['batch_share_of_step']:.3f}%")
     t.caption = (f"{r['cpus']} CPUs ({r['usable_cores']} usable); load average (1, 5, 15 min) at the start "
                  f"{r['load_avg_start']}, at the end {r['load_avg_end']}")

@@ -42,7 +42,8 @@ def run(cfg) -> int:
     t.add_column("value")
     t.add_row("source", m["source"]["description"])
     for name, src in m.get("sources", {}).items():  # data=mix
-        t.add_row(f"  {name} ({100 * src['share']:.0f}%)", f"{src['splits']['train']['tokens']:,} train tokens, {src['dir']}")
+        t.add_row(f"  {name} ({100 * src['share']:.0f}%)",
+                  f"{src['splits']['train']['tokens']:,} train tokens, {src['dir']}")
     t.add_row("tokenizer", f"{m['tokenizer']['kind']}, vocab {p.vocab_size:,}, eos id {p.eos_id}")
     t.add_row("dtype", m["dtype"])
     for split in ("train", "val"):

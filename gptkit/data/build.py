@@ -333,8 +333,8 @@ def _resume_shard(path: Path, sp: dict[str, Any]) -> bool:
     return crc == sp["crc32"]
 
 
-def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bool]]], out: Path, journal: Journal,
-                 split: str, progress: _Progress) -> tuple[int, int]:
+def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bool]]], out: Path,
+                 journal: Journal, split: str, progress: _Progress) -> tuple[int, int]:
     """Tokenize the batches into `out` (appended raw ids), committing every SHARD_TOKENS tokens and skipping
     the batches a killed build already committed. Returns (tokens, documents) of the split."""
     sp = journal.split(split)
@@ -419,7 +419,8 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     if data["kind"] == "prepared":
         return use_prepared(data, tok_s)
     if data["kind"] == "mix":
-        raise GptkitError("data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by source")
+        raise GptkitError("data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by "
+                          "source")
     if data["kind"] == "tokens":
         tok = build_tokenizer(tok_s) if tok_s["kind"] in ("byte", "file") else None
         prepared = prepare_tokens(data, tok_s, cache_root(cache_dir), tok, _key)
@@ -441,6 +442,7 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
         return _cache_hit(final, key)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.partial"
+    _note_other_partials(root, tmp)
     said = False
     while True:
         tmp.mkdir(mode=DIR_MODE, exist_ok=True)
@@ -478,6 +480,23 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     prepared = load_prepared(final)
     _say(f"prepared {final} ({_counts(manifest)})")
     return prepared
+
+
+def _note_other_partials(root: Path, mine: Path) -> None:
+    """One note per interrupted build of other data (kept: the same prepare continues it)."""
+    for p in sorted(root.glob(".*.partial")):
+        if p == mine or not p.is_dir():
+            continue
+        try:
+            fd = lock_file(p / BUILD_LOCK, create=False)
+        except OSError:
+            continue
+        if fd is None:  # being built right now
+            continue
+        os.close(fd)
+        size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        _say(f"note: {p} is an interrupted build of other data ({human(size)}); the prepare that started it "
+             f"continues it, or delete it")
 
 
 def _cache_hit(final: Path, key: str) -> PreparedData:
@@ -612,12 +631,12 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
     try:
         with Tokenizing(spec, n_workers) as tokenizing:
             if corpus.val_parts is None:
-                n, docs = write_tokens(tokenizing, work(corpus.train_parts(), corpus.description), tmp / "all.bin",
-                                       journal, "all", bar)
+                n, docs = write_tokens(tokenizing, work(corpus.train_parts(), corpus.description),
+                                       tmp / "all.bin", journal, "all", bar)
                 if n == 0:
                     raise GptkitError(f"{corpus.description} holds no text; give a corpus with some text")
-                n_train, n_val = _split_tail(tmp / "all.bin", tmp / SHARDS["train"], tmp / SHARDS["val"], n, dtype,
-                                             float(data["val_fraction"]), journal)
+                n_train, n_val = _split_tail(tmp / "all.bin", tmp / SHARDS["train"], tmp / SHARDS["val"], n,
+                                             dtype, float(data["val_fraction"]), journal)
                 splits = {"train": {"tokens": n_train}, "val": {"tokens": n_val}}
                 val = {"how": "fraction", "fraction": float(data["val_fraction"]), "documents": docs}
             else:
@@ -633,8 +652,9 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         bar.close()
     t_tok = time.perf_counter() - t_tok
     if cutter.forced:
-        _say(f"note: {cutter.forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters that the "
-             f"tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only there")
+        _say(f"note: {cutter.forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
+             f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
+             f"there")
     for split, name in SHARDS.items():
         splits[split]["file"] = name
         splits[split]["crc32"] = file_crc32(tmp / name)  # checked whenever the folder is loaded

@@ -58,8 +58,9 @@ class TokenDataModule(L.LightningDataModule):
         self.eos_id = prepared.eos_id if pack == "documents" else None
         self.parts = prepared.parts if isinstance(prepared, MixedData) else [prepared]
         if isinstance(prepared, MixedData):
-            self.sampler = MixtureSampler([p.train_tokens() for p in self.parts], prepared.shares, self.batch_size,
-                                          self.seq_len, self.seed, self.eos_id, vocab_size=prepared.vocab_size)
+            self.sampler = MixtureSampler([p.train_tokens() for p in self.parts], prepared.shares,
+                                          self.batch_size, self.seq_len, self.seed, self.eos_id,
+                                          vocab_size=prepared.vocab_size)
         else:
             self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed,
                                          self.eos_id, vocab_size=prepared.vocab_size)
@@ -69,14 +70,15 @@ class TokenDataModule(L.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         trainer = getattr(self, "trainer", None)
-        if isinstance(self.prepared, MixedData) and stage == "fit" and (trainer is None or trainer.is_global_zero):
+        rank_zero = trainer is None or trainer.is_global_zero
+        if isinstance(self.prepared, MixedData) and stage == "fit" and rank_zero:
             budget = None if trainer is None else (trainer.max_steps * trainer.accumulate_grad_batches
                                                    * trainer.world_size * self.batch_size * self.seq_len)
             announce(self.prepared, budget)
 
     def source_tokens(self, step: int) -> dict[str, float]:
-        """data/tokens_<source>: train tokens drawn from each source of a mixture in the first `step` optimizer
-        steps, all ranks (empty for one source)."""
+        """data/tokens_<source>: train tokens drawn from each source of a mixture in the first `step`
+        optimizer steps, all ranks (empty for one source)."""
         if not isinstance(self.prepared, MixedData):
             return {}
         trainer = getattr(self, "trainer", None)
@@ -104,6 +106,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def val_dataloader(self) -> DataLoader:
         each = None if self.val_windows is None else max(1, int(self.val_windows) // len(self.parts))
-        ds = ConcatDataset([ValWindows(p.val_tokens(), self.seq_len, each if len(self.parts) > 1 else self.val_windows,
-                                       self.eos_id, vocab_size=self.prepared.vocab_size) for p in self.parts])
+        n = each if len(self.parts) > 1 else self.val_windows
+        ds = ConcatDataset([ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id,
+                                       vocab_size=self.prepared.vocab_size) for p in self.parts])
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())

@@ -37,7 +37,9 @@ from gptkit.fsio import atomic_write_text
 from gptkit.tokenizer import build_tokenizer, tokenizer_settings
 
 SOURCE_KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "tokens")
-EXAMPLE = "data.sources={web: {kind: files, paths: [web.jsonl], weight: 0.7}, code: {kind: stdlib, weight: 0.3}}"
+EXAMPLE = (
+    "data.sources={web: {kind: files, paths: [web.jsonl], weight: 0.7}, code: {kind: stdlib, weight: 0.3}}"
+)
 
 
 def _plain(cfg: Any) -> dict[str, Any]:
@@ -55,7 +57,9 @@ def mix_sources(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], float]]:
     for name, s in sources.items():
         where = f"data.sources.{name}"
         if not isinstance(s, dict):
-            raise GptkitError(f"{where} must be a data config with a weight, e.g. {{kind: stdlib, weight: 0.3}}")
+            raise GptkitError(
+                f"{where} must be a data config with a weight, e.g. {{kind: stdlib, weight: 0.3}}"
+            )
         kind = s.get("kind")
         if kind == "mix":
             raise GptkitError(f"{where} is itself a mix; list its sources in data.sources instead")
@@ -72,7 +76,11 @@ def mix_sources(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], float]]:
         for k in s:
             if k not in allowed:
                 close = difflib.get_close_matches(k, sorted(allowed), n=1)
-                hint = f"; did you mean {close[0]}?" if close else f"; a {kind} source has {', '.join(sorted(allowed))}"
+                hint = (
+                    f"; did you mean {close[0]}?"
+                    if close
+                    else f"; a {kind} source has {', '.join(sorted(allowed))}"
+                )
                 raise GptkitError(f"{where} has an unknown key {k!r}{hint}")
         for k in (*build.WINDOW_KEYS, *build.BUILD_KEYS):
             if k in s and k in d and s[k] != d[k]:
@@ -135,15 +143,22 @@ class MixedData:
                 epochs = budget_tokens * share / n
                 line += f", {epochs:.2f} epochs of it in this run's {budget_tokens:,} tokens"
                 if epochs > self.max_epochs:
-                    warnings.append(f"warning: data source {name!r} would be repeated {epochs:.1f} times, more than "
-                                    f"data.max_epochs={self.max_epochs:g}: give it more text, a lower weight, or "
-                                    f"fewer steps")
+                    warnings.append(
+                        f"warning: data source {name!r} would be repeated {epochs:.1f} times, more than "
+                        f"data.max_epochs={self.max_epochs:g}: give it more text, a lower weight, or "
+                        f"fewer steps"
+                    )
             lines.append(line)
         return lines + warnings
 
 
-def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None, progress: bool = True,
-            force: bool = False):
+def prepare(
+    data_cfg: Any,
+    tokenizer_cfg: Any,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    force: bool = False,
+):
     """Token shards for (corpus, tokenizer), cached (gptkit.data.build.prepare); for data=mix a MixedData of
     every source's shards."""
     d = _plain(data_cfg)
@@ -151,13 +166,17 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
         return build.prepare(data_cfg, tokenizer_cfg, cache_dir, progress, force)
     for k in d:
         if k not in ("kind", *build.DEFAULTS["mix"], *build.WINDOW_KEYS, *build.BUILD_KEYS):
-            raise GptkitError(f"data=mix has no key {k!r}: the sources' own settings go in data.sources.<name>")
+            raise GptkitError(
+                f"data=mix has no key {k!r}: the sources' own settings go in data.sources.<name>"
+            )
     sources = mix_sources(d)
     max_epochs = d.get("max_epochs", build.DEFAULTS["mix"]["max_epochs"])
     if isinstance(max_epochs, bool) or not isinstance(max_epochs, numbers.Real) or max_epochs <= 0:
         raise GptkitError(f"data.max_epochs={max_epochs!r} must be a number > 0")
     tok_s = tokenizer_settings(tokenizer_cfg)
-    shared = _shared_tokenizer(sources, tok_s, cache_dir, progress) if tok_s["kind"] in ("char", "bpe") else tok_s
+    shared = (
+        _shared_tokenizer(sources, tok_s, cache_dir, progress) if tok_s["kind"] in ("char", "bpe") else tok_s
+    )
     parts = []
     for name, (settings, _) in sources.items():
         build._say(f"data source {name!r}:")
@@ -169,49 +188,82 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     first = parts[0].manifest
     mixed.manifest = {
         "format": "gptkit-mixture",
-        "source": {"kind": "mix", "description": "mixture of " + ", ".join(
-            f"{n} ({100 * s:.0f}%)" for n, s in zip(names, shares))},
-        "tokenizer": first["tokenizer"], "dtype": first["dtype"],
-        "splits": {s: {"tokens": sum(int(p.manifest["splits"][s]["tokens"]) for p in parts)} for s in ("train", "val")},
-        "sources": {n: {"weight": w, "share": s, "dir": str(p.dir), "checksum": p.manifest["checksum"],
-                        "description": p.manifest["source"]["description"], "splits": p.manifest["splits"]}
-                    for n, w, s, p in zip(names, weights, shares, parts)},
+        "source": {
+            "kind": "mix",
+            "description": "mixture of " + ", ".join(f"{n} ({100 * s:.0f}%)" for n, s in zip(names, shares)),
+        },
+        "tokenizer": first["tokenizer"],
+        "dtype": first["dtype"],
+        "splits": {
+            s: {"tokens": sum(int(p.manifest["splits"][s]["tokens"]) for p in parts)}
+            for s in ("train", "val")
+        },
+        "sources": {
+            n: {
+                "weight": w,
+                "share": s,
+                "dir": str(p.dir),
+                "checksum": p.manifest["checksum"],
+                "description": p.manifest["source"]["description"],
+                "splits": p.manifest["splits"],
+            }
+            for n, w, s, p in zip(names, weights, shares, parts)
+        },
     }
     for p in parts[1:]:
         if p.manifest["tokenizer"]["sha256"] != first["tokenizer"]["sha256"]:
-            raise GptkitError(f"the sources of data=mix were written by different tokenizers ({parts[0].dir} and "
-                              f"{p.dir}); prepare them with one tokenizer")
+            raise GptkitError(
+                f"the sources of data=mix were written by different tokenizers ({parts[0].dir} and "
+                f"{p.dir}); prepare them with one tokenizer"
+            )
     return mixed
 
 
-def _shared_tokenizer(sources: dict[str, tuple[dict[str, Any], float]], tok_s: dict[str, Any],
-                      cache_dir: str | Path | None, progress: bool) -> dict[str, Any]:
+def _shared_tokenizer(
+    sources: dict[str, tuple[dict[str, Any], float]],
+    tok_s: dict[str, Any],
+    cache_dir: str | Path | None,
+    progress: bool,
+) -> dict[str, Any]:
     """A char or bpe tokenizer built once from all sources, cached by their content: the settings of a
     tokenizer=file that names it."""
     corpora = {}
     for name, (settings, _) in sources.items():
         if settings["kind"] == "prepared":
-            raise GptkitError(f"data.sources.{name} is a prepared folder, which has its tokenizer already: with "
-                              f"it use that tokenizer (tokenizer=file tokenizer.path=<folder>/tokenizer.json)")
+            raise GptkitError(
+                f"data.sources.{name} is a prepared folder, which has its tokenizer already: with "
+                f"it use that tokenizer (tokenizer=file tokenizer.path=<folder>/tokenizer.json)"
+            )
         corpora[name] = open_corpus(settings)
-    body = {"tokenizer": tok_s, "sources": {n: [sources[n][0], sources[n][1], c.sha256()] for n, c in corpora.items()}}
+    body = {
+        "tokenizer": tok_s,
+        "sources": {n: [sources[n][0], sources[n][1], c.sha256()] for n, c in corpora.items()},
+    }
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     path = build.cache_root(cache_dir) / "tokenizers" / f"mix-{tok_s['kind']}-{key[:16]}.json"
     if not path.is_file():
         total = sum(w for _, w in sources.values())
         if tok_s["kind"] == "bpe":
             chars = int(tok_s["train_chars"])
-            samples = [(build.training_sample(c, max(1, int(chars * sources[n][1] / total))), n)
-                       for n, c in corpora.items()]
+            samples = [
+                (build.training_sample(c, max(1, int(chars * sources[n][1] / total))), n)
+                for n, c in corpora.items()
+            ]
             for (_, what), n in samples:
                 build._say(f"  {n}: {what}")
-            build._say(f"training byte-level BPE {tok_s['vocab_size']} on all sources of the mixture "
-                       f"(tokenizer.train_chars={chars:,}, by weight)")
-            tok = build_tokenizer(tok_s, texts=lambda: (t for (texts, _), _ in samples for t in texts()),
-                                  progress=progress)
+            build._say(
+                f"training byte-level BPE {tok_s['vocab_size']} on all sources of the mixture "
+                f"(tokenizer.train_chars={chars:,}, by weight)"
+            )
+            tok = build_tokenizer(
+                tok_s, texts=lambda: (t for (texts, _), _ in samples for t in texts()), progress=progress
+            )
         else:
-            tok = build_tokenizer(tok_s, texts=lambda: (t for c in corpora.values() for t, _ in c.all_parts()),
-                                  progress=progress)
+            tok = build_tokenizer(
+                tok_s,
+                texts=lambda: (t for c in corpora.values() for t, _ in c.all_parts()),
+                progress=progress,
+            )
         atomic_write_text(path, tok.to_str())
     return {"kind": "file", "path": str(path), "eos_token": tok_s["eos_token"]}
 
@@ -219,8 +271,17 @@ def _shared_tokenizer(sources: dict[str, tuple[dict[str, Any], float]], tok_s: d
 class MixtureSampler:
     """Training windows from several sources by their shares; batch(step, rank, world_size) is pure."""
 
-    def __init__(self, tokens: list[np.ndarray], shares: list[float], batch_size: int, seq_len: int, seed: int,
-                 eos_id: int | None = None, *, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokens: list[np.ndarray],
+        shares: list[float],
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        eos_id: int | None = None,
+        *,
+        vocab_size: int | None = None,
+    ) -> None:
         for t in tokens:
             check_window(len(t), seq_len, "train")
         self.tokens, self.shares = tokens, np.asarray(shares, dtype=np.float64)
@@ -236,7 +297,7 @@ class MixtureSampler:
         return self._rng(step).choice(len(self.tokens), size=self.batch_size * world_size, p=self.shares)
 
     def starts(self, step: int, world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
-        """(sources, starts) of the global batch: [batch_size * world_size] each; starts distinct per source."""
+        """(sources, starts) of the global batch: [batch_size * world_size] each; distinct per source."""
         rng = self._rng(step)
         n = self.batch_size * world_size
         src = rng.choice(len(self.tokens), size=n, p=self.shares)  # [n]
@@ -244,8 +305,10 @@ class MixtureSampler:
         for s in range(len(self.tokens)):
             idx = np.flatnonzero(src == s)
             if len(idx) > self.n_starts[s]:
-                raise GptkitError(f"a data source has only {self.n_starts[s]} distinct windows, fewer than the "
-                                  f"{len(idx)} a batch draws from it; give it more text or use a smaller batch")
+                raise GptkitError(
+                    f"a data source has only {self.n_starts[s]} distinct windows, fewer than the "
+                    f"{len(idx)} a batch draws from it; give it more text or use a smaller batch"
+                )
             starts[idx] = rng.choice(self.n_starts[s], size=len(idx), replace=False)
         return src, starts
 

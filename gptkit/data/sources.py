@@ -98,7 +98,8 @@ def open_corpus(s: dict[str, Any]) -> Corpus:
         return _files(s)
     if kind == "hub":
         return _hub(s)
-    raise GptkitError(f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
+    raise GptkitError(f"unknown data kind {kind!r}; "
+                      f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
 
 
 def _digest(parts: Iterator[bytes]) -> str:
@@ -309,7 +310,8 @@ def _jsonl_texts(f: Path, text_field: str, errors: str, start: int = 0, limit: i
                 raise GptkitError(f"{f}: the line at byte {at} is not valid JSON ({exc.msg}); fix the file "
                                   f"or set data.format") from None
             if not isinstance(record, dict):
-                raise GptkitError(f"{f}: the line at byte {at} is not a JSON object; each line must be a record")
+                raise GptkitError(f"{f}: the line at byte {at} is not a JSON object; each line must be a "
+                                  f"record")
             seen += 1
             t = record.get(text_field)
             if text_field in record:

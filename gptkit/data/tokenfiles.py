@@ -55,22 +55,30 @@ def _layout(f: Path, fmt: str, dtype: str) -> tuple[str, int, str, int]:
         fmt = "llmc" if magic == LLMC_MAGIC else "raw"
     if fmt == "llmc":
         if magic != LLMC_MAGIC or len(head) < LLMC_HEADER:
-            raise GptkitError(f"{f}: bad magic {magic} (an llm.c shard starts with {LLMC_MAGIC}); "
-                              f"set data.format=raw for a raw token file")
+            raise GptkitError(
+                f"{f}: bad magic {magic} (an llm.c shard starts with {LLMC_MAGIC}); "
+                f"set data.format=raw for a raw token file"
+            )
         header = np.frombuffer(head, "<i4")
         if int(header[1]) != 1:
-            raise GptkitError(f"{f}: llm.c shard version {int(header[1])}; gptkit reads version 1 (uint16 tokens)")
+            raise GptkitError(
+                f"{f}: llm.c shard version {int(header[1])}; gptkit reads version 1 (uint16 tokens)"
+            )
         n = int(header[2])
         if size != LLMC_HEADER + 2 * n:
-            raise GptkitError(f"{f}: its header says {n:,} tokens ({LLMC_HEADER + 2 * n:,} bytes) but the file has "
-                              f"{size:,} bytes: it is truncated or not an llm.c shard")
+            raise GptkitError(
+                f"{f}: its header says {n:,} tokens ({LLMC_HEADER + 2 * n:,} bytes) but the file has "
+                f"{size:,} bytes: it is truncated or not an llm.c shard"
+            )
         return fmt, LLMC_HEADER, "uint16", n
     dtype = "uint16" if dtype == "auto" else dtype
     if dtype not in DTYPES:
         raise GptkitError(f"data.dtype={dtype!r} must be auto, uint16 or uint32")
     if size % DTYPES[dtype]:
-        raise GptkitError(f"{f}: {size:,} bytes is not a multiple of {DTYPES[dtype]} ({dtype}); set data.dtype to "
-                          f"the file's dtype")
+        raise GptkitError(
+            f"{f}: {size:,} bytes is not a multiple of {DTYPES[dtype]} ({dtype}); set data.dtype to "
+            f"the file's dtype"
+        )
     if size == 0:
         raise GptkitError(f"{f} is empty; give token files with tokens")
     return fmt, 0, dtype, size // DTYPES[dtype]
@@ -88,12 +96,14 @@ def _copy(files: list[Path], layouts: list, out: Path, dtype: str, vocab: int | 
         for f, lay in zip(files, layouts):
             t = _tokens(f, lay)
             for i in range(0, len(t), CHUNK):
-                part = t[i:i + CHUNK]  # [<= CHUNK]
+                part = t[i : i + CHUNK]  # [<= CHUNK]
                 m = int(part.max())
                 if vocab is not None and m >= vocab:
                     at = i + int(np.argmax(part >= vocab))
-                    raise GptkitError(f"{f}: token {at:,} is id {int(part[at - i])}, not below data.vocab_size="
-                                      f"{vocab}; give the vocab_size the tokens were made with")
+                    raise GptkitError(
+                        f"{f}: token {at:,} is id {int(part[at - i])}, not below data.vocab_size="
+                        f"{vocab}; give the vocab_size the tokens were made with"
+                    )
                 top = max(top, m)
                 part.astype(dtype).tofile(fh)
             n += len(t)
@@ -109,8 +119,10 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
     from gptkit.tokenizer import eos_id, file_sha256
 
     if tok_s["kind"] not in ("file", "byte"):
-        raise GptkitError("data=tokens trains on ids made elsewhere: give the tokenizer that made them "
-                          "(tokenizer=file tokenizer.path=.../tokenizer.json), or tokenizer=byte for byte ids")
+        raise GptkitError(
+            "data=tokens trains on ids made elsewhere: give the tokenizer that made them "
+            "(tokenizer=file tokenizer.path=.../tokenizer.json), or tokenizer=byte for byte ids"
+        )
     fmt = data["format"]
     if fmt not in FORMATS:
         raise GptkitError(f"data.format={fmt!r} is not one of {', '.join(FORMATS)} for data=tokens")
@@ -148,7 +160,9 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
             frac = float(data["val_fraction"])
             n_val = int(round(n * frac))
             if not 0 < n_val < n:
-                raise GptkitError(f"the token files hold {n} tokens: too few to split off data.val_fraction={frac}")
+                raise GptkitError(
+                    f"the token files hold {n} tokens: too few to split off data.val_fraction={frac}"
+                )
             copy_tail(tmp / "all.bin", tmp / SHARDS["val"], (n - n_val) * DTYPES[dtype])
             os.truncate(tmp / "all.bin", (n - n_val) * DTYPES[dtype])
             os.replace(tmp / "all.bin", tmp / SHARDS["train"])
@@ -160,16 +174,34 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
         for split, name in SHARDS.items():
             splits[split].update(file=name, crc32=file_crc32(tmp / name))
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "gptkit_version": gptkit.__version__,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cache_key": key,
-            "source": {"kind": "tokens", "description": "token files: " + ", ".join(map(str, files[:3]))
-                       + (f" and {len(files) - 3} more" if len(files) > 3 else ""), "sha256": content,
-                       "files": [str(f) for f in files + val_files], "settings": data,
-                       "formats": [lay[0] for lay in layouts + val_layouts]},
-            "tokenizer": {"kind": tok_s["kind"], "settings": tok_s, "sha256": file_sha256(tmp / TOKENIZER),
-                          "vocab_size": vocab, "eos_id": eos_id(tok, tok_s), "eos_token": tok_s.get("eos_token"),
-                          "bos_id": None},
-            "dtype": dtype, "splits": splits, "validation": validation, "python": sys.version.split()[0],
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "gptkit_version": gptkit.__version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "cache_key": key,
+            "source": {
+                "kind": "tokens",
+                "description": "token files: "
+                + ", ".join(map(str, files[:3]))
+                + (f" and {len(files) - 3} more" if len(files) > 3 else ""),
+                "sha256": content,
+                "files": [str(f) for f in files + val_files],
+                "settings": data,
+                "formats": [lay[0] for lay in layouts + val_layouts],
+            },
+            "tokenizer": {
+                "kind": tok_s["kind"],
+                "settings": tok_s,
+                "sha256": file_sha256(tmp / TOKENIZER),
+                "vocab_size": vocab,
+                "eos_id": eos_id(tok, tok_s),
+                "eos_token": tok_s.get("eos_token"),
+                "bos_id": None,
+            },
+            "dtype": dtype,
+            "splits": splits,
+            "validation": validation,
+            "python": sys.version.split()[0],
         }
         manifest["checksum"] = manifest_checksum(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
@@ -179,4 +211,3 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
         shutil.rmtree(tmp, ignore_errors=True)
         os.close(lock)
     return load_prepared(final)
-

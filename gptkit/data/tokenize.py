@@ -42,12 +42,16 @@ VERIFY_CHARS = 1024  # tokenizer=file: text either side of a cut that is encoded
 _NL = re.compile(r"\n(?=\S)")  # a newline before a non-space (a look-behind for the one before would make
 #                                  the search 10x slower: that character is checked in Python)
 # places where the class of character changes (letter, digit, other non-space, space): cut candidates
-_CHANGE = re.compile(r"(?<=[^\W\d_])(?=[^\w\s]|\d|[ \n\t])|(?<=\d)(?=[^\w\s]|[^\W\d_]|[ \n\t])"
-                     r"|(?<=[^\w\s])(?=\w|[ \n\t])")
+_CHANGE = re.compile(
+    r"(?<=[^\W\d_])(?=[^\w\s]|\d|[ \n\t])|(?<=\d)(?=[^\w\s]|[^\W\d_]|[ \n\t])"
+    r"|(?<=[^\w\s])(?=\w|[ \n\t])"
+)
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-TRICKY = ("naïve café — 日本語 🙂 \x00\t\r\n  \n\n   x  y\u00a0z\u2003w \u3000。 I'm you're it's we've 'S 'LL "
-          "3.14159 1,000,000 ２０２６ x²+y½ ß ﬁ Ǆ İstanbul ÅΩ ﷺ \U0001F469\u200d\U0001F4BB\ufe0f e\u0301 "
-          "<|endoftext|> < |endoftext| > <<>> ---- ==== .... ,,,, ;;\n\tdef f(x):\n\t\treturn x**2  # 🙂\n")
+TRICKY = (
+    "naïve café — 日本語 🙂 \x00\t\r\n  \n\n   x  y\u00a0z\u2003w \u3000。 I'm you're it's we've 'S 'LL "
+    "3.14159 1,000,000 ２０２６ x²+y½ ß ﬁ Ǆ İstanbul ÅΩ ﷺ \U0001f469\u200d\U0001f4bb\ufe0f e\u0301 "
+    "<|endoftext|> < |endoftext| > <<>> ---- ==== .... ,,,, ;;\n\tdef f(x):\n\t\treturn x**2  # 🙂\n"
+)
 
 
 def split_long(text: str, size: int = PIECE_CHARS) -> list[str]:
@@ -61,7 +65,7 @@ def split_long(text: str, size: int = PIECE_CHARS) -> list[str]:
             m = _NL.search(text, m.start() + 1)
         if m is None:
             break
-        pieces.append(text[start:m.start()])
+        pieces.append(text[start : m.start()])
         start = m.start()
     pieces.append(text[start:])
     return pieces
@@ -73,7 +77,11 @@ def _cls(c: str) -> str | None:
     if c in " \n\t":
         return "s"
     if c.isascii():
-        return "p" if c.isprintable() and not c.isalnum() else ("L" if c.isalpha() else "N" if c.isdigit() else None)
+        return (
+            "p"
+            if c.isprintable() and not c.isalnum()
+            else ("L" if c.isalpha() else "N" if c.isdigit() else None)
+        )
     cat = unicodedata.category(c)[0]
     return cat if cat in "LN" else "p" if cat in "PS" else None  # punctuation and symbols are never spaces
 
@@ -112,7 +120,7 @@ class Cutter:
             return False
         if self.mode != "verify":
             return True
-        a, b = text[max(0, c - VERIFY_CHARS):c], text[c:c + VERIFY_CHARS]
+        a, b = text[max(0, c - VERIFY_CHARS) : c], text[c : c + VERIFY_CHARS]
         return self.encode(a + b) == self.encode(a) + self.encode(b)
 
     def cut(self, text: str, lo: int, hi: int, complete: bool) -> int | None:
@@ -135,8 +143,12 @@ class Cutter:
             self.forced += 1
         return c
 
-    def pieces(self, parts: Iterator[tuple[str, bool]], eos: int | None, what: str = "a document",
-               ) -> Iterator[tuple[str, bool]]:
+    def pieces(
+        self,
+        parts: Iterator[tuple[str, bool]],
+        eos: int | None,
+        what: str = "a document",
+    ) -> Iterator[tuple[str, bool]]:
         """(piece, ends a document) from (part, ends a document). Without an EOS token a document that does
         not end with a newline gets one (the separator)."""
         buf = ""
@@ -150,9 +162,11 @@ class Cutter:
                 if c is None:
                     search += HARD_CHARS
                     if search - start > MAX_UNCUT:
-                        raise GptkitError(f"{what} has {MAX_UNCUT:,} characters in a row where the tokenizer "
-                                          f"cannot be cut without changing its tokens; split the document "
-                                          f"(e.g. at paragraphs) or use tokenizer=bpe or byte")
+                        raise GptkitError(
+                            f"{what} has {MAX_UNCUT:,} characters in a row where the tokenizer "
+                            f"cannot be cut without changing its tokens; split the document "
+                            f"(e.g. at paragraphs) or use tokenizer=bpe or byte"
+                        )
                     continue
                 yield buf[start:c], False
                 start, search = c, c + PIECE_CHARS
@@ -165,7 +179,9 @@ class Cutter:
             yield buf, True
 
 
-def batches(pieces: Iterator[tuple[str, bool]], chars: int | None = None) -> Iterator[list[tuple[str, bool, bool]]]:
+def batches(
+    pieces: Iterator[tuple[str, bool]], chars: int | None = None
+) -> Iterator[list[tuple[str, bool, bool]]]:
     """Pieces grouped into encoding tasks of about `chars` (BATCH_CHARS) characters (deterministic: the same
     corpus gives the same batches, which is what resuming a build counts)."""
     chars = chars or BATCH_CHARS
@@ -208,10 +224,15 @@ def hf_encoder(tok) -> Callable[[list[str]], list[list[int]]]:
             return [e.ids for e in encode(texts, add_special_tokens=False)]
         except Exception as exc:  # e.g. a character a file (or fine-tuned char) tokenizer cannot represent
             unknown = unknown_characters(tok, "".join(texts))
-            what = (f"{len(unknown)} character(s) it has never seen: {describe_characters(unknown)}" if unknown
-                    else str(exc).splitlines()[0][:160])
-            raise GptkitError(f"the tokenizer cannot encode the corpus: {what}; use a tokenizer that covers "
-                              f"its characters (byte or bpe), or remove them from the text") from exc
+            what = (
+                f"{len(unknown)} character(s) it has never seen: {describe_characters(unknown)}"
+                if unknown
+                else str(exc).splitlines()[0][:160]
+            )
+            raise GptkitError(
+                f"the tokenizer cannot encode the corpus: {what}; use a tokenizer that covers "
+                f"its characters (byte or bpe), or remove them from the text"
+            ) from exc
 
     return run
 
@@ -223,10 +244,18 @@ def tiktoken_tables(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, in
     m, pre = d.get("model") or {}, d.get("pre_tokenizer") or {}
     if pre.get("type") == "Sequence" and len(pre.get("pretokenizers", [])) == 1:
         pre = pre["pretokenizers"][0]
-    if (m.get("type") != "BPE" or d.get("normalizer") or pre.get("type") != "ByteLevel"
-            or not pre.get("use_regex", True) or pre.get("add_prefix_space") or m.get("dropout")
-            or m.get("continuing_subword_prefix") or m.get("end_of_word_suffix") or m.get("byte_fallback")
-            or m.get("ignore_merges")):
+    if (
+        m.get("type") != "BPE"
+        or d.get("normalizer")
+        or pre.get("type") != "ByteLevel"
+        or not pre.get("use_regex", True)
+        or pre.get("add_prefix_space")
+        or m.get("dropout")
+        or m.get("continuing_subword_prefix")
+        or m.get("end_of_word_suffix")
+        or m.get("byte_fallback")
+        or m.get("ignore_merges")
+    ):
         return None
     vocab: dict[str, int] = m["vocab"]
     char_byte = {c: b for b, c in bytes_to_unicode().items()}
@@ -248,8 +277,13 @@ def tiktoken_tables(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, in
             rank_to_id.append(vocab[s])
     specials: dict[str, int] = {}
     for t in d.get("added_tokens", []):
-        if not t.get("special") or t.get("normalized") or t.get("lstrip") or t.get("rstrip") \
-                or t.get("single_word"):
+        if (
+            not t.get("special")
+            or t.get("normalized")
+            or t.get("lstrip")
+            or t.get("rstrip")
+            or t.get("single_word")
+        ):
             return None
         specials[t["content"]] = len(rank_to_id)
         rank_to_id.append(t["id"])
@@ -264,8 +298,9 @@ def _tiktoken(spec_json: str, extra: dict[str, Any]):
     if tables is None:
         raise ValueError("not a byte-level BPE")
     ranks, specials, rank_to_id = tables
-    enc = tiktoken.Encoding(name="gptkit-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks,
-                            special_tokens=specials)
+    enc = tiktoken.Encoding(
+        name="gptkit-bpe", pat_str=GPT2_PATTERN, mergeable_ranks=ranks, special_tokens=specials
+    )
     lut = np.asarray(rank_to_id, dtype=np.uint32)  # [n ranks]
 
     def run(texts: list[str]) -> list[Any]:
@@ -292,8 +327,10 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
         fast = _tiktoken(spec.tokenizer_json, spec.extra)
         return fast  # tiktoken matches special tokens itself, as HF does
     if spec.engine == "utf8":
+
         def utf8(texts: list[str]) -> list[Any]:
             return [np.frombuffer(t.encode(), np.uint8) if plain(t) else hf([t])[0] for t in texts]
+
         return utf8
     if spec.engine == "chars":
         vocab = tok.get_vocab(with_added_tokens=False)
@@ -309,12 +346,18 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
                 ids = lut[cps] if plain(t) and (not len(cps) or int(cps.max()) < len(lut)) else None
                 out.append(ids if ids is not None and (not len(ids) or int(ids.min()) >= 0) else hf([t])[0])
             return out
+
         return chars
     raise ValueError(f"unknown engine {spec.engine!r}")
 
 
-def encode_batch(encode: Callable[[list[str]], list[Any]], batch: list[tuple[str, bool, bool]], eos: int | None,
-                 dtype: str, bos: int | None = None):
+def encode_batch(
+    encode: Callable[[list[str]], list[Any]],
+    batch: list[tuple[str, bool, bool]],
+    eos: int | None,
+    dtype: str,
+    bos: int | None = None,
+):
     """One batch of pieces -> (its ids as one array, documents it ends): a BOS before each document's first
     piece and an EOS after its last, when given."""
     import numpy as np
@@ -374,8 +417,12 @@ class Tokenizing:
 
     def __enter__(self) -> Tokenizing:
         if self.workers > 1:
-            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"),
-                                            initializer=_init_worker, initargs=(self.spec,))
+            self.pool = ProcessPoolExecutor(
+                self.workers,
+                mp_context=multiprocessing.get_context("spawn"),
+                initializer=_init_worker,
+                initargs=(self.spec,),
+            )
         else:
             self._env = os.environ.get("TOKENIZERS_PARALLELISM")
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process, one thread: what workers=1 means
@@ -410,12 +457,19 @@ def char_like(tokenizer_json: str) -> bool:
     """A tokenizer.json of tokenizer=char (one id per code point): e.g. the shared tokenizer of a mixture."""
     d = json.loads(tokenizer_json)
     pre = d.get("pre_tokenizer") or {}
-    return ((d.get("model") or {}).get("type") == "WordLevel" and pre.get("type") == "Split"
-            and pre.get("pattern") == {"Regex": "[\\s\\S]"} and not d.get("normalizer"))
+    return (
+        (d.get("model") or {}).get("type") == "WordLevel"
+        and pre.get("type") == "Split"
+        and pre.get("pattern") == {"Regex": "[\\s\\S]"}
+        and not d.get("normalizer")
+    )
 
 
-def choose_engine(tokenizer_json: str, kind: str, check: Callable[[], Iterator[str]] | None = None,
-                  ) -> tuple[str, str]:
+def choose_engine(
+    tokenizer_json: str,
+    kind: str,
+    check: Callable[[], Iterator[str]] | None = None,
+) -> tuple[str, str]:
     """(engine, why) for a tokenizer: byte -> utf8, char -> chars; byte-level BPE -> tiktoken when it gives
     HF's ids on TRICKY and on the texts of `check()` (a sample of the corpus), else hf."""
     if kind == "byte":
