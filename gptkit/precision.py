@@ -39,8 +39,11 @@ PRECISIONS: dict[str, Precision] = {p.name: p for p in (
 )}
 
 
-def precision(name: str, option: str = "trainer.precision") -> Precision:
-    """The Precision named `name`; a one-line ConfigError naming `option` otherwise."""
+def precision(name: "str | Precision", option: str = "trainer.precision") -> Precision:
+    """The Precision named `name` (a Precision is returned as it is: a run plan's, already resolved);
+    a one-line ConfigError naming `option` otherwise."""
+    if isinstance(name, Precision):
+        return name
     try:
         return PRECISIONS[str(name)]
     except KeyError:

@@ -34,7 +34,7 @@ WARMUP_STEPS = 3  # eager runs of the step before capture (compiles it, initiali
 
 
 def _forward_one(model, tok: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
-    """Logits [B, V] of the one token tok [B, 1] at cache.input_pos: the part that torch.compile traces."""
+    """Logits [B, V] of the one token tok [B, 1] at cache.positions: the part that torch.compile traces."""
     return model(tok, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
@@ -105,7 +105,7 @@ class StaticDecoder:
         self.count.add_(1)
 
     def _step(self) -> None:
-        self.cache.input_pos = self.pos
+        self.cache.positions = self.pos
         self._emit(self.forward(self.model, self.tok, self.cache))
         self.pos.add_(1)
 
@@ -119,7 +119,7 @@ class StaticDecoder:
     def prefill(self, window: torch.Tensor) -> None:
         """Fill the cache from window [B, W] at positions 0..W-1 and emit the token that follows."""
         W = window.shape[1]
-        self.cache.input_pos = torch.arange(W, device=self.device)  # [W]
+        self.cache.positions = torch.arange(W, device=self.device)  # [W]
         self._emit(self.model(window, cache=self.cache, logits_to_keep=1).logits[:, -1])
         self.pos.fill_(W)
 

@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before the kernel module is imported, so it is set here, first.
 """
 
+import contextlib
 import os
 import tempfile
 
@@ -62,3 +63,100 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+# ---- helpers several test files share (a test file imports them from here, never from another test file)
+SAMPLE_EOS = "<|endoftext|>"  # the end-of-text token of make_run's tokenizer
+
+
+def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max_seq_len=64):
+    """A run folder: a char tokenizer of the first n_chars of tinyshakespeare and a random tiny GPT.
+
+    Its config.yaml holds data/tokenizer sections pointing at that text, as `train` writes them."""
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import build_tokenizer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(shakespeare(n_chars))
+    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": SAMPLE_EOS if eos else None,
+               "unk_token": None}
+    tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
+    torch.manual_seed(seed)
+    extra = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2) if position == "rope" else {}
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=max_seq_len, n_layers=2, n_heads=4,
+                      d_model=32, position=position, init_std=0.3, **extra)
+    model = GPT(cfg).eval()
+    config = {"data": {"kind": "files", "paths": [str(corpus)], "val_fraction": 0.1}, "tokenizer": tok_cfg}
+    return write_run_folder(tmp_path / "run", config, model, tok), model, tok
+
+
+def one_line_error(r, *needles):
+    """A finished CLI process that failed with exit status 2 and one `error: ...` line holding the needles."""
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def big_vocab_tokenizer(path, n=70_000):
+    """A word-level tokenizer.json of n entries (w0, w1, ...): a vocabulary beyond uint16."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(n)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
+def kernel_device() -> str:
+    """Where the kernel tests run: CUDA when compiled kernels can run, else the CPU (the interpreter)."""
+    import torch
+
+    from gptkit_kernels import interpreting
+
+    return "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+
+
+@contextlib.contextmanager
+def poisoned_allocations():
+    """Every torch.empty / empty_like / Tensor.new_empty made inside is NaN-filled (floats)."""
+    import torch
+
+    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
+
+    def poison(t):
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
+    mp.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
+    mp.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
+    try:
+        yield
+    finally:
+        mp.undo()
+
+
+def reference(q, k, v, causal, scale, dtype=None):
+    """Eager attention in float64 (or in `dtype` with an fp32 softmax, as a plain torch user gets it):
+    softmax(q k^T * scale) v, K/V repeated per query head."""
+    import torch
+
+    dtype = torch.float64 if dtype is None else dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)  # [B, H, T, D]
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, T, T]
+    if causal:
+        T = q.shape[2]
+        causal_mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal_mask, float("-inf"))
+    softmax_dtype = torch.float32 if dtype != torch.float64 else dtype
+    return torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype) @ v

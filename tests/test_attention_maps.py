@@ -5,7 +5,7 @@ import json
 
 import pytest
 import torch
-from test_sample_cli import make_run, run_main
+from conftest import make_run, run_main
 
 from gptkit.attention_maps import attention_probs, render_grid, token_labels
 

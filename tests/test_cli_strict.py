@@ -14,9 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_main
-from test_hf_cli import one_line_error
-from test_sample_cli import make_run
+from conftest import make_run, one_line_error, run_main
 
 from gptkit.cli import VERBS
 

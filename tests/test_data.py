@@ -4,6 +4,7 @@ import json
 
 import numpy as np
 import pytest
+from conftest import big_vocab_tokenizer
 
 from gptkit.data import check_tokenizer, check_vocab, load_prepared, prepare
 from gptkit.errors import GptkitError
@@ -123,16 +124,6 @@ def test_file_tokenizer_cache_follows_its_content(tmp_path):
     build_tokenizer(BYTE_EOS).save(str(tok_file))
     p2 = prep(tmp_path, data, {"kind": "file", "path": str(tok_file)})
     assert p1.dir != p2.dir and p2.vocab_size == 257
-
-
-def big_vocab_tokenizer(path, n=70_000):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {f"w{i}": i for i in range(n)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path))
-    return path
 
 
 def test_uint32_is_chosen_when_the_vocab_does_not_fit_uint16(tmp_path):

@@ -73,7 +73,7 @@ def test_unknown_tokenizer_kind(cli, tmp_path):
 
 
 def test_vocab_too_large_for_the_chosen_dtype(cli, tmp_path):
-    from test_data import big_vocab_tokenizer
+    from conftest import big_vocab_tokenizer
 
     tok = big_vocab_tokenizer(tmp_path / "big.json")
     f = tmp_path / "a.txt"

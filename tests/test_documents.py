@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
-from test_kernels import DEVICE, reference
+from conftest import kernel_device, reference
 
 from gptkit.data import TokenDataModule, prepare
 from gptkit.data.windows import doc_ids
@@ -16,6 +16,8 @@ from gptkit.errors import GptkitError
 from gptkit.model import GPT, ModelConfig
 from gptkit.model.attention import ATTENTION_BACKENDS
 from gptkit.model.documents import Documents, document_bounds
+
+DEVICE = kernel_device()
 
 LENGTHS = [[5, 1, 12, 6], [24]]  # two windows of T = 24: a one-token document, a window of one document
 

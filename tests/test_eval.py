@@ -6,8 +6,7 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from conftest import shakespeare
-from test_sample_cli import make_run, run_main
+from conftest import make_run, run_main, shakespeare
 
 from gptkit.data import prepare
 

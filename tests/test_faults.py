@@ -16,8 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import run_cli, shakespeare
-from test_sample_cli import make_run, run_main
+from conftest import make_run, run_cli, run_main, shakespeare
 
 from gptkit.errors import GptkitError
 
@@ -136,7 +135,7 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_and_130(corpus, tmp_path):
     script = tmp_path / "ctrl_c_twice.py"
     script.write_text(
         "import os, signal, sys\n"
-        "from gptkit.training.callbacks import RunCheckpoints\n"
+        "from gptkit.training.run_checkpoints import RunCheckpoints\n"
         "end = RunCheckpoints.on_train_batch_end\n"
         "def twice(self, trainer, *args):\n"
         "    if trainer.global_step == 3:\n"

@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from test_kernels import DEVICE, poisoned_allocations
+from conftest import kernel_device, poisoned_allocations
 
 from gptkit.bench.kernels import PeakMemory, loss_memory
 from gptkit.model import GPT, ModelConfig
@@ -19,6 +19,8 @@ from gptkit_kernels.linear_ce import chunk_rows, linear_cross_entropy
 from gptkit_kernels.norm import layer_norm, rms_norm
 from gptkit_kernels.rope import rope
 from gptkit_kernels.swiglu import swiglu
+
+DEVICE = kernel_device()
 
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
 

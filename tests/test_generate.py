@@ -264,13 +264,13 @@ def test_static_cache_writes_at_the_position_tensor_and_masks_the_rest():
     from gptkit.model import StaticKVCache
 
     cache = StaticKVCache(cfg, batch_size=2, max_len=8)
-    cache.input_pos = torch.tensor([5])  # [T=1]
+    cache.positions = torch.tensor([5])  # [T=1]
     k = torch.ones(2, 1, 1, 8)  # [B, n_kv_heads, T, head_dim]
     full_k, _ = cache.update(0, k, 2 * k)
     assert tuple(full_k.shape) == (2, 1, 8, 8)  # the whole cache, every step the same shape
     assert full_k[:, :, 5].eq(1).all() and full_k[:, :, :5].eq(0).all() and full_k[:, :, 6:].eq(0).all()
     assert cache.mask.tolist() == [[True] * 6 + [False] * 2]  # [T, max_len]: slots up to the position
-    cache.input_pos = torch.arange(3)
+    cache.positions = torch.arange(3)
     assert cache.mask.tolist() == [[j <= i for j in range(8)] for i in range(3)]
 
 
@@ -285,12 +285,12 @@ def test_static_cache_logits_match_full_forward(variant):
     with torch.no_grad():
         full = model(seq).logits  # [B, T, V]
         cache = StaticKVCache(model.cfg, batch_size=2)
-        cache.input_pos = torch.arange(12)
+        cache.positions = torch.arange(12)
         model(seq[:, :12] * 0 + 7, cache=cache)  # an earlier window: every slot 0..11 now holds stale K/V
-        cache.input_pos = torch.arange(7)
+        cache.positions = torch.arange(7)
         got = [model(seq[:, :7], cache=cache, logits_to_keep=1).logits[:, -1]]
         pos = torch.zeros(1, dtype=torch.long)
-        cache.input_pos = pos
+        cache.positions = pos
         for t in range(7, 20):
             pos.fill_(t)
             got.append(model(seq[:, t : t + 1], cache=cache, logits_to_keep=1).logits[:, -1])

@@ -4,19 +4,11 @@ and `out` never half-written (nor left with temporary folders next to it)."""
 import json
 
 import torch
+from conftest import one_line_error
 from test_hf import char_tokenizer, random_gpt
 
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
-
-
-def one_line_error(r, *needles):
-    assert r.returncode == 2, r.stderr
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
 
 
 def only(parent, *names):

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import run_main, shakespeare
+from conftest import one_line_error, run_main, shakespeare
 from test_hf import char_tokenizer, random_gpt
-from test_hf_cli import one_line_error
 
 from gptkit import hf
 from gptkit.cli import main as gptkit_main

@@ -9,48 +9,15 @@ Inputs are random on every run; every buffer the wrapper allocates is filled wit
 element the kernels fail to write cannot pass. Budget: ~80 s on 2 cores (interpreter).
 """
 
-from contextlib import contextmanager
-
 import pytest
 import torch
+from conftest import kernel_device, poisoned_allocations, reference
 
-from gptkit_kernels import flash_attention, interpreting
+from gptkit_kernels import flash_attention
 from gptkit_kernels.flash import forward_tiles
 
-DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
+DEVICE = kernel_device()
 TOL = {torch.float32: 1e-5, torch.float16: 1e-2, torch.bfloat16: 3e-2}
-
-
-@contextmanager
-def poisoned_allocations():
-    """Every torch.empty / empty_like / Tensor.new_empty made inside is NaN-filled (floats)."""
-    real_empty, real_empty_like, real_new_empty = torch.empty, torch.empty_like, torch.Tensor.new_empty
-
-    def poison(t):
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    mp = pytest.MonkeyPatch()
-    mp.setattr(torch, "empty", lambda *a, **kw: poison(real_empty(*a, **kw)))
-    mp.setattr(torch, "empty_like", lambda *a, **kw: poison(real_empty_like(*a, **kw)))
-    mp.setattr(torch.Tensor, "new_empty", lambda self, *a, **kw: poison(real_new_empty(self, *a, **kw)))
-    try:
-        yield
-    finally:
-        mp.undo()
-
-
-def reference(q, k, v, causal, scale, dtype=torch.float64):
-    """Eager attention in float64 (or in `dtype` with an fp32 softmax, as a plain torch user gets it):
-    softmax(q k^T * scale) v, K/V repeated per query head."""
-    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    group = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(group, dim=1)  # [B, H, T, D]
-    v = v.repeat_interleave(group, dim=1)
-    scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, T, T]
-    if causal:
-        T = q.shape[2]
-        scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    return torch.softmax(scores, dim=-1, dtype=torch.float32 if dtype != torch.float64 else dtype).to(dtype) @ v
 
 
 def check(T, head_dim, group, causal, dtype, *, B=2, n_kv_heads=1, scale=None, impl="fa2"):

@@ -8,33 +8,13 @@ import json
 
 import pytest
 import torch
-from conftest import run_main, shakespeare
+from conftest import SAMPLE_EOS as EOS
+from conftest import make_run, run_main
 
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.generate import encode_prompt, generate
 from gptkit.model import GPT, ModelConfig
-from gptkit.runs import write_run_folder
 from gptkit.sampling import SampleOptions
-from gptkit.tokenizer import build_tokenizer
-
-EOS = "<|endoftext|>"
-
-
-def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max_seq_len=64):
-    """A run folder: a char tokenizer of the first n_chars of tinyshakespeare and a random tiny GPT.
-
-    Its config.yaml holds data/tokenizer sections pointing at that text, as `train` writes them."""
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare(n_chars))
-    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": EOS if eos else None, "unk_token": None}
-    tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
-    torch.manual_seed(seed)
-    extra = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2) if position == "rope" else {}
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=max_seq_len, n_layers=2, n_heads=4,
-                      d_model=32, position=position, init_std=0.3, **extra)
-    model = GPT(cfg).eval()
-    config = {"data": {"kind": "files", "paths": [str(corpus)], "val_fraction": 0.1}, "tokenizer": tok_cfg}
-    return write_run_folder(tmp_path / "run", config, model, tok), model, tok
 
 
 @pytest.fixture(scope="module")
@@ -143,7 +123,6 @@ def test_read_roofline_is_the_batch_over_the_time_to_read_a_step(monkeypatch):
 
     from gptkit.accounting import decode_bytes_per_step
     from gptkit.bench.decode import read_roofline
-    from gptkit.model import GPT, ModelConfig
 
     model = GPT(ModelConfig(vocab_size=100, max_seq_len=32, n_layers=1, n_heads=2, d_model=16))
     sizes = []

@@ -36,17 +36,19 @@ def test_the_attention_backends_are_the_configs_names():
 
 
 def test_resume_and_init_from_share_one_model_policy():
+    from gptkit.options import parse_options
     from gptkit.training.fit import FREE_MODEL_KEYS, model_from_source
 
     saved = {"name": "a", "n_layers": 2, "dropout": 0.0, "attention": "sdpa"}
     asked = OmegaConf.create({"name": "b", "n_layers": 4, "dropout": 0.1, "attention": "eager"})
-    got = model_from_source("resume=x", saved, asked, ["model.dropout=0.1", "model.attention=eager", "optim.lr=1"])
+    got = model_from_source("resume=x", saved, asked,
+                            parse_options(["model.dropout=0.1", "model.attention=eager", "optim.lr=1"]))
     assert got == {"name": "a", "n_layers": 2, "dropout": 0.1, "attention": "eager"}
     assert set(FREE_MODEL_KEYS) == {"name", "dropout", "attention", "kernels", "position_reset"}
     with pytest.raises(GptkitError, match="init_from=x fixes model.n_layers=2"):
-        model_from_source("init_from=x", saved, asked, ["model.n_layers=4"])
+        model_from_source("init_from=x", saved, asked, parse_options(["model.n_layers=4"]))
     with pytest.raises(GptkitError, match="brings its own model"):
-        model_from_source("resume=x", saved, asked, ["model=llama-tiny"])
+        model_from_source("resume=x", saved, asked, parse_options(["model=llama-tiny"]))
 
 
 @pytest.mark.parametrize("n, seq_len, stride, expected", [
@@ -59,3 +61,39 @@ def test_eval_windows_come_from_one_function(n, seq_len, stride, expected):
 
     assert window_starts(n, seq_len, stride) == expected
     assert window_starts(n, seq_len, stride, max_windows=1) == expected[:1]
+
+
+def test_no_module_imports_itself_around_a_loop():
+    """No circle of imports anywhere in gptkit, inside a folder too, counting the imports inside functions
+    (grimp reads every import statement): the strongly connected parts of the import graph are single
+    modules."""
+    import grimp
+
+    graph = grimp.build_graph("gptkit", cache_dir=None)
+    modules = sorted(graph.modules)
+    edges = {m: sorted(set(graph.find_modules_directly_imported_by(m)) & set(modules)) for m in modules}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = []
+            while not part or part[-1] != v:
+                part.append(stack.pop())
+            if len(part) > 1:
+                circles.append(sorted(part))
+
+    for m in modules:
+        if m not in index:
+            visit(m)
+    assert circles == []

@@ -19,6 +19,7 @@ from gptkit.data import TokenDataModule, prepare
 from gptkit.model import ModelConfig
 from gptkit.precision import PRECISIONS
 from gptkit.training.module import LitGPT
+from gptkit.training.plan import make_plan
 from gptkit.training.trainer import ClippingMixedPrecision, build_trainer, check_trainer_config
 
 TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")  # the matrix; 16-true below
@@ -46,12 +47,14 @@ def fit(prepared, base_cfg, tmp_path, steps=3, seed=0, **trainer_opts):
     cfg.optim.warmup_steps = 0
     for k, v in trainer_opts.items():
         cfg.trainer[k] = v
+    cfg.trainer.max_steps = steps
     check_trainer_config(cfg.trainer)
     torch.manual_seed(seed)
-    module = LitGPT(ModelConfig.from_dict(OmegaConf.to_container(cfg.model)), cfg.optim, steps,
-                    compile=cfg.trainer.compile, compile_backend=cfg.trainer.compile_backend)
+    plan = make_plan(cfg, tmp_path, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)))
+    assert (plan.seq_len, plan.tokens_per_step, plan.max_steps) == (SEQ, BATCH * SEQ, steps)
+    module = LitGPT(plan)
     dm = TokenDataModule(prepared, batch_size=BATCH, seq_len=SEQ, seed=1, val_windows=2)
-    trainer, _, metrics = build_trainer(cfg, tmp_path, 1.0, BATCH * SEQ, steps, None, [])
+    trainer, _, metrics = build_trainer(plan, [])
     trainer.fit(module, datamodule=dm)
     assert trainer.global_step == steps
     return module, trainer, metrics
@@ -194,7 +197,7 @@ def test_out_of_memory_names_the_estimate_and_the_fixes(base_cfg):
     from gptkit.training.fit import out_of_memory
 
     cfg = OmegaConf.create(OmegaConf.to_container(base_cfg, resolve=True))
-    err = str(out_of_memory(cfg, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)), world=1))
+    err = str(out_of_memory(make_plan(cfg, None, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)))))
     assert err.startswith("out of GPU memory: count-params estimates ") and "\n" not in err
     for fix in ("trainer.batch_size", "trainer.activation_checkpointing=true", "trainer=fsdp"):
         assert fix in err

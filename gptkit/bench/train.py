@@ -128,6 +128,7 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
     from gptkit.config import compose
     from gptkit.data import TokenDataModule
     from gptkit.training.module import LitGPT
+    from gptkit.training.plan import make_plan
     from gptkit.training.trainer import build_trainer, check_trainer_config
 
     steps, warmup = int(cfg.steps), int(cfg.warmup)
@@ -155,15 +156,15 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
                                 f"trainer.compile_backend={cfg.compile_backend}", "logger=[]"])
     run_cfg = OmegaConf.create(OmegaConf.to_container(run_cfg, resolve=True))
     run_cfg.optim = _optim_cfg()
+    run_cfg.trainer.max_steps = warmup + steps
     check_trainer_config(run_cfg.trainer)
     torch.manual_seed(0)
-    module = LitGPT(model_cfg, run_cfg.optim, warmup + steps, compile=compile_mode,
-                    compile_backend=str(cfg.compile_backend))
-    dm = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len, seed=1337,
-                         val_windows=1)
-    tokens_per_step = int(cfg.batch_size) * model_cfg.max_seq_len
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-") as run_dir:
-        trainer, _, _ = build_trainer(run_cfg, Path(run_dir), 1.0, tokens_per_step, warmup + steps, None, [])
+        plan = make_plan(run_cfg, Path(run_dir), model_cfg)  # the plan `gptkit train` would make
+        module = LitGPT(plan)
+        dm = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len, seed=1337,
+                             val_windows=1)
+        trainer, _, _ = build_trainer(plan, [])
         timer = Clock()
         trainer.callbacks.append(timer)
         trainer.fit(module, datamodule=dm)
@@ -185,7 +186,7 @@ def run(cfg) -> int:
     from gptkit.runs import resolve_device
     from gptkit.threads import set_threads
     from gptkit.training.metrics import detect_peak_flops
-    from gptkit.training.module import compile_mode
+    from gptkit.training.plan import compile_mode
 
     set_threads(cfg.get("threads"), "bench.threads")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)

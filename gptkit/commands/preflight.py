@@ -60,8 +60,7 @@ def run(cfg) -> int:
     from gptkit import accounting as acc
     from gptkit.config import model_config
     from gptkit.errors import GptkitError
-    from gptkit.training.distributed import devices_per_node
-    from gptkit.training.fit import train_seq_len
+    from gptkit.training.plan import make_plan
     from gptkit.training.trainer import check_trainer_config
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
@@ -70,13 +69,11 @@ def run(cfg) -> int:
     t = cfg.trainer
     check_trainer_config(t)  # the same one-line errors as `train`, before any process starts
     model = model_config(cfg.model)
-    per_node = devices_per_node(t)
-    world = per_node * int(t.num_nodes)
-    shards = world if t.strategy == "fsdp" else 1
-    seq_len = train_seq_len(t, model)
-    estimate = acc.training_memory(model, t.precision, shards, int(t.batch_size), seq_len,
+    plan = make_plan(cfg, None, model)  # the plan `train` would make, without data: the same world and window
+    per_node, world = plan.devices, plan.world_size
+    estimate = acc.training_memory(model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
                                    bool(t.activation_checkpointing))
-    estimate["seq_len"] = seq_len
+    estimate["seq_len"] = plan.seq_len
 
     # the probe runs over the same backend as training (nccl on GPUs, gloo on CPU) in a plain DDP group
     fabric = Fabric(accelerator=t.accelerator, devices=per_node, num_nodes=int(t.num_nodes),

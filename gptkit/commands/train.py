@@ -15,6 +15,7 @@ Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exa
 from __future__ import annotations
 
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
+_checked = False  # check() ran check_config on this process's config, before Hydra
 
 
 def prepare_args(args: list[str]) -> list[str]:
@@ -25,10 +26,14 @@ def prepare_args(args: list[str]) -> list[str]:
 
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
+    from gptkit.options import parse_options
     from gptkit.runs import check_run_location, find_run_checkpoint
     from gptkit.training.fit import check_resume_or_init
 
-    kv = dict(a.split("=", 1) for a in args if "=" in a and not a.startswith("-"))
+    # the few keys read here, from the options parsed as the rest of gptkit parses them
+    options = parse_options([a for a in args if "=" in a], sweeps=True)
+    kv = {o.key: None if o.value is None else str(o.value) for o in options
+          if o.kind == "key" and not o.sweep and o.key in ("resume", "init_from", "name", "runs_dir")}
     check_resume_or_init(kv.get("resume"), kv.get("init_from"))
     name = kv.get("name")
     check_run_location(kv.get("runs_dir", "runs"), None if name and "${" in name else name)
@@ -81,7 +86,9 @@ def check(cfg, multirun: bool = False) -> None:
     from gptkit.runs import check_run_location, claim_run_dir, is_rank_zero, unused
     from gptkit.training.fit import check_config
 
+    global _checked
     check_config(cfg)
+    _checked = not multirun  # a multirun's jobs each have their own values: train() checks each
     if not multirun and not OmegaConf.is_interpolation(cfg, "name") and is_rank_zero():  # the default name holds the time
         check_run_location(cfg.runs_dir, cfg.name)
         run_dir = Path(cfg.runs_dir) / str(cfg.name)
@@ -89,11 +96,12 @@ def check(cfg, multirun: bool = False) -> None:
 
 
 def run(cfg) -> int:
+    """Train (Hydra runs this with its composed config); the exit status says how the run ended."""
     import sys
 
     from gptkit.training.fit import train
 
-    result = train(cfg)
+    result = train(cfg, checked=_checked)
     if result.stopped_by:
         if result.is_global_zero:
             print(f"{result.stopped_by}: saved {result.last_checkpoint} at step {result.step}; "

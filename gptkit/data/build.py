@@ -585,7 +585,7 @@ def _shard_file(split: str) -> str:
 
 def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any], key: str,
            progress: bool, workers: int | None) -> dict[str, Any]:
-    import gptkit
+    from gptkit.version import __version__
 
     t0 = time.time()
     resumed = _open_build(tmp, key)
@@ -661,7 +661,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "gptkit_version": gptkit.__version__,
+        "gptkit_version": __version__,
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.time() - t0, 3),
         "cache_key": key,

@@ -168,7 +168,7 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
             os.replace(tmp / "all.bin", tmp / SHARDS["train"])
             n_train, validation = n - n_val, {"how": "fraction", "fraction": frac}
         (tmp / TOKENIZER).write_text(tok.to_str(), encoding="utf-8")
-        import gptkit
+        from gptkit.version import __version__
 
         splits = {"train": {"tokens": n_train}, "val": {"tokens": n_val}}
         for split, name in SHARDS.items():
@@ -176,7 +176,7 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
         manifest = {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "gptkit_version": gptkit.__version__,
+            "gptkit_version": __version__,
             "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "cache_key": key,
             "source": {

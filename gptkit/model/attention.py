@@ -18,10 +18,7 @@ Every backend has the same signature:
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import warnings
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +26,17 @@ from torch import nn
 
 from gptkit.model.config import ATTENTIONS, ModelConfig
 from gptkit.model.documents import Documents
+from gptkit.model.fused import triton_available, warn_once
 from gptkit.model.kv_cache import KVCache
-from gptkit.model.layers import RotaryEmbedding
+
+if TYPE_CHECKING:  # an annotation only: attention never calls into layers.py
+    from gptkit.model.layers import RotaryEmbedding
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+    """The readable reference: q @ k^T, the mask, an fp32 softmax, @ v; can return the probabilities."""
     B, H, Tq, D = q.shape
     if docs is not None:
         mask = docs.mask()  # [B, 1, T, T]: causal, inside each document
@@ -61,14 +62,13 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
 
 
 def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+    """torch's scaled_dot_product_attention (GQA without K/V copies); a packed batch takes a dense mask."""
     if return_probs:
         raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
     if docs is not None:
-        if not _warned.get("sdpa-docs"):
-            warnings.warn("model.attention=sdpa with packed documents builds a dense [B, 1, T, T] mask every step "
-                          "(B*T*T bytes) and runs SDPA's masked (not flash) kernels over every tile; "
-                          "model.attention=triton skips the masked tiles instead", stacklevel=2)
-            _warned["sdpa-docs"] = True
+        warn_once("sdpa-docs", "model.attention=sdpa with packed documents builds a dense [B, 1, T, T] mask "
+                  "every step (B*T*T bytes) and runs SDPA's masked (not flash) kernels over every tile; "
+                  "model.attention=triton skips the masked tiles instead")
         mask = docs.mask()  # [B, 1, T, T]
     Tq, Tk = q.shape[2], k.shape[2]
     if mask is None and causal and Tq != Tk:
@@ -87,19 +87,6 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
     return out, None
 
 
-_warned: dict[str, bool] = {}
-
-
-def triton_available(device: torch.device | None = None) -> bool:
-    """Our kernels run when triton is installed, on CUDA tensors, or on any tensor under the
-    interpreter (TRITON_INTERPRET=1)."""
-    if importlib.util.find_spec("triton") is None:
-        return False
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return True
-    return torch.cuda.is_available() and (device is None or device.type == "cuda")
-
-
 def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
     """Our FlashAttention kernels (documents included); cases they do not cover go to sdpa.
 
@@ -107,12 +94,8 @@ def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=No
     present and TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
     """
     if not triton_available(q.device):
-        if not _warned.get("triton"):
-            warnings.warn(
-                "model.attention=triton needs triton and CUDA tensors (or TRITON_INTERPRET=1); falling back to sdpa",
-                stacklevel=2,
-            )
-            _warned["triton"] = True
+        warn_once("triton", "model.attention=triton needs triton and CUDA tensors (or TRITON_INTERPRET=1); "
+                  "falling back to sdpa")
         return sdpa_attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
                               return_probs=return_probs, docs=docs)
     if mask is not None or dropout_p > 0.0 or return_probs or q.shape[2] != k.shape[2]:
@@ -129,6 +112,7 @@ ATTENTION_BACKENDS: dict[str, AttentionFn] = {name: globals()[f"{name}_attention
 
 
 def get_attention(name: str) -> AttentionFn:
+    """The attention function of model.attention=<name>."""
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
@@ -146,20 +130,22 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.attend = get_attention(cfg.attention)
 
-    def forward(self, x, rope: Optional[RotaryEmbedding], cache: Optional[KVCache], return_probs: bool,
-                docs: Optional[Documents] = None, positions: Optional[torch.Tensor] = None):
+    def forward(self, x, *, rope: Optional[RotaryEmbedding] = None, cache: Optional[KVCache] = None,
+                positions: int | torch.Tensor = 0, docs: Optional[Documents] = None,
+                return_probs: bool = False):
+        """x [B, T, d_model] at `positions` (see GPT.forward) -> ([B, T, d_model], probs or None)."""
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
                                           self.n_kv_heads * self.head_dim], dim=-1)
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, head_dim]
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
-        start = cache.position if cache is not None else 0  # an int, or [T] positions (a StaticKVCache)
         if rope is not None:
-            q, k = rope(q, k, start, positions)  # rotate before caching: the cache holds rotated keys
+            q, k = rope(q, k, positions)  # rotate before caching: the cache holds rotated keys
         mask = None
         if cache is not None:
-            k, v = cache.update(self.layer, k, v)  # [B, n_kv_heads, start + T (static: max_len), head_dim]
+            # [B, n_kv_heads, cached + T (static: max_len), head_dim]
+            k, v = cache.update(self.layer, k, v)
             mask = cache.mask  # None: causal over the prefix; static: [T, max_len] from the positions
         attend = eager_attention if return_probs else self.attend
         y, probs = attend(q, k, v, causal=True, mask=mask, dropout_p=self.dropout if self.training else 0.0,

@@ -106,6 +106,7 @@ class ModelConfig:
     # ---- conversion ------------------------------------------------------------------------
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        """A ModelConfig from the `model` group (unknown keys are an error), validated."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
@@ -115,6 +116,7 @@ class ModelConfig:
         return cls(**{k: v for k, v in d.items()})
 
     def to_dict(self) -> dict[str, Any]:
+        """The config as the plain dict a run folder's config.yaml holds."""
         return dataclasses.asdict(self)
 
 

@@ -33,18 +33,21 @@ class GPTOutput(NamedTuple):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        fused_norm = "norm" in cfg.kernels
-        self.attn_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, fused_norm)
+        norm = dict(dim=cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias, fused="norm" in cfg.kernels)
+        self.attn_norm = make_norm(cfg.norm, **norm)
         self.attn = CausalSelfAttention(cfg, layer)
-        self.mlp_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, fused_norm)  # the MLP's pre-norm
+        # the MLP's pre-norm
+        self.mlp_norm = make_norm(cfg.norm, **norm)
         if cfg.mlp == "gelu":
             self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, cfg.bias)
         else:
-            self.mlp = SwiGLUMLP(cfg.d_model, cfg.d_ff, cfg.bias, "swiglu" in cfg.kernels)
+            self.mlp = SwiGLUMLP(cfg.d_model, cfg.d_ff, bias=cfg.bias, fused="swiglu" in cfg.kernels)
         self.dropout = cfg.dropout
 
-    def forward(self, x, rope=None, cache=None, return_probs=False, docs=None, positions=None):
-        a, probs = self.attn(self.attn_norm(x), rope, cache, return_probs, docs, positions)
+    def forward(self, x, *, rope=None, cache=None, positions=0, docs=None, return_probs=False):
+        """x [B, T, d_model] -> (x + attention + MLP, the attention probabilities or None)."""
+        a, probs = self.attn(self.attn_norm(x), rope=rope, cache=cache, positions=positions, docs=docs,
+                             return_probs=return_probs)
         x = x + a
         x = x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
         return x, probs
@@ -56,11 +59,13 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
-        self.rope = (RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, "rope" in cfg.kernels)
+        self.rope = (RotaryEmbedding(cfg.head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta,
+                                     fused="rope" in cfg.kernels)
                      if cfg.position == "rope" else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.final_norm = make_norm(cfg.norm, cfg.d_model, cfg.norm_eps, cfg.bias, "norm" in cfg.kernels)
+        self.final_norm = make_norm(cfg.norm, dim=cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias,
+                                    fused="norm" in cfg.kernels)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -91,29 +96,35 @@ class GPT(nn.Module):
         logits_to_keep: int = 0,  # 0: every position; k: only the last k (decoding needs 1)
         return_attention: bool = False,
     ) -> GPTOutput:
+        """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions); see the argument comments."""
         B, T = idx.shape
-        start = cache.position if cache is not None else 0  # an int, or [T] positions (a StaticKVCache)
-        if isinstance(start, int) and start + T > self.cfg.max_seq_len:
+        # The positions of the T tokens, one notion through the whole model: an int p (positions p..p+T-1:
+        # training, or a KV cache holding p tokens), a [T] tensor (a StaticKVCache: fixed shapes) or a
+        # [B, T] tensor (positions restarting at every packed document, model.position_reset).
+        positions = cache.positions if cache is not None else 0
+        if isinstance(positions, int) and positions + T > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence of {start + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
+                f"sequence of {positions + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
-        docs = positions = None
+        docs = None
         if doc_ids is not None:  # attention stays inside each document; positions may restart with each
             if cache is not None or doc_ids.shape != idx.shape:
                 raise ValueError(f"doc_ids must be [B, T] = {list(idx.shape)} and cannot be used with a KV cache")
             docs = Documents(doc_ids)
-            positions = docs.positions if self.cfg.position_reset else None  # [B, T]
+            if self.cfg.position_reset:
+                positions = docs.positions  # [B, T]
         x = self.tok_emb(idx)  # [B, T, d_model]
         if self.pos_emb is not None:
-            if positions is not None:
-                x = x + self.pos_emb(positions)  # [B, T, d_model]
+            if isinstance(positions, int):
+                positions_t = torch.arange(positions, positions + T, device=idx.device)  # [T]
             else:
-                pos = torch.arange(start, start + T, device=idx.device) if isinstance(start, int) else start  # [T]
-                x = x + self.pos_emb(pos)  # [T, d_model] broadcast
+                positions_t = positions  # [T] or [B, T]
+            x = x + self.pos_emb(positions_t)  # [B, T, d_model] ([T, d_model] broadcast)
         x = self.drop(x)
         attentions = [] if return_attention else None
         for block in self.blocks:
-            x, probs = block(x, self.rope, cache, return_attention, docs, positions)
+            x, probs = block(x, rope=self.rope, cache=cache, positions=positions, docs=docs,
+                             return_probs=return_attention)
             if attentions is not None:
                 attentions.append(probs)
         if cache is not None:
@@ -147,6 +158,7 @@ class GPT(nn.Module):
         return model.eval()
 
     def num_parameters(self, non_embedding: bool = False) -> int:
+        """Parameters of the model (tied embeddings counted once)."""
         n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
         if non_embedding:
             n -= self.tok_emb.weight.numel()

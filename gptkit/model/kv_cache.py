@@ -2,11 +2,11 @@
 
 KVCache: one K and one V tensor per layer, each [B, n_kv_heads, max_len, head_dim], filled front to back:
 GQA shrinks the cache by n_heads / n_kv_heads. Keys are stored after RoPE, so a cached key never needs
-re-rotating; the model reads `cache.position` (= `cache.length`, an int) as the absolute position of the
-next token, and attends over the filled prefix.
+re-rotating; the model reads `cache.positions` (= `cache.length`, an int: the first of the positions the
+next forward pass feeds, as GPT.forward names positions) and attends over the filled prefix.
 
 StaticKVCache: the same tensors, for decoding with fixed shapes (a compiled step, a CUDA graph). The caller
-sets `cache.input_pos`, a [T] tensor holding the positions of the T tokens it feeds; they are written in
+sets `cache.positions`, a [T] tensor holding the positions of the T tokens it feeds; they are written in
 place there (index_put_), and attention reads the whole cache under `cache.mask`, which hides every slot
 after a token's own position. No shape and no Python number changes from one step to the next.
 """
@@ -34,7 +34,7 @@ class KVCache:
         self.length = 0  # tokens already cached (= absolute position of the next token)
 
     @property
-    def position(self) -> int:
+    def positions(self) -> int:
         """The absolute position of the first token of the next forward pass."""
         return self.length
 
@@ -49,13 +49,16 @@ class KVCache:
         return self.k[layer][:, :, : start + T], self.v[layer][:, :, : start + T]
 
     def advance(self, n: int) -> None:
+        """Count n more cached tokens (after a forward pass that wrote them)."""
         self.length += n
 
     def reset(self) -> None:
+        """Empty the cache (the tensors are kept and overwritten)."""
         self.length = 0
 
     @property
     def nbytes(self) -> int:
+        """Bytes held by the K and V tensors of every layer."""
         return sum(t.numel() * t.element_size() for t in self.k + self.v)
 
 
@@ -64,26 +67,34 @@ class StaticKVCache(KVCache):
                  device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
         super().__init__(cfg, batch_size, max_len, device, dtype)
         self.slots = torch.arange(self.max_len, device=device)  # [max_len]
-        self.input_pos: Optional[torch.Tensor] = None  # [T] long: positions of the tokens being fed (caller sets)
+        # [T] long: the positions of the tokens being fed (the caller sets them)
+        self._positions: Optional[torch.Tensor] = None
 
     @property
-    def position(self) -> torch.Tensor:
-        return self.input_pos
+    def positions(self) -> torch.Tensor:
+        """[T]: the positions of the tokens of the next forward pass (set by the caller)."""
+        return self._positions
+
+    @positions.setter
+    def positions(self, value: torch.Tensor) -> None:
+        self._positions = value
 
     @property
     def mask(self) -> torch.Tensor:
-        """[T, max_len] bool: the token at input_pos[t] may attend to the slots up to its own position."""
-        return self.slots <= self.input_pos[:, None]
+        """[T, max_len] bool: the token at positions[t] may attend to the slots up to its own position."""
+        return self.slots <= self._positions[:, None]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, n_kv_heads, T, head_dim] at input_pos of `layer`; return the whole cache of that
+        """Write k, v [B, n_kv_heads, T, head_dim] at `positions` of `layer`; return the whole cache of that
         layer, [B, n_kv_heads, max_len, head_dim] (read under `mask`)."""
-        self.k[layer][:, :, self.input_pos] = k  # index_put_: in place, also once compiled
-        self.v[layer][:, :, self.input_pos] = v
+        self.k[layer][:, :, self._positions] = k  # index_put_: in place, also once compiled
+        self.v[layer][:, :, self._positions] = v
         return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:
-        pass  # positions live in input_pos, which the caller moves
+        """Nothing to count: the caller moves `positions`."""
+        pass  # the caller moves `positions`
 
     def reset(self) -> None:
+        """Nothing to reset: `mask` hides every slot after a token's own position."""
         pass

@@ -19,6 +19,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """LayerNorm of x [..., d_model] with fp32 statistics (the fused kernel where enabled)."""
         if self.fused and fused.usable(x, "norm"):
             return fused.layer_norm(x, self.weight, self.bias, self.eps)
         bias = None if self.bias is None else self.bias.float()
@@ -35,6 +36,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x [..., d_model] with fp32 statistics (the fused kernel where enabled)."""
         if self.fused and fused.usable(x, "norm"):
             return fused.rms_norm(x, self.weight, self.eps)
         h = x.float()
@@ -43,6 +45,7 @@ class RMSNorm(nn.Module):
 
 
 def make_norm(kind: str, dim: int, eps: float, bias: bool, fused: bool = False) -> nn.Module:
+    """The norm of model.norm (layernorm | rmsnorm) over `dim` features."""
     return LayerNorm(dim, eps, bias, fused) if kind == "layernorm" else RMSNorm(dim, eps, fused)
 
 
@@ -55,6 +58,7 @@ class GeluMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> down(gelu(up(x))) [B, T, d_model]."""
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
@@ -69,6 +73,7 @@ class SwiGLUMLP(nn.Module):
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, d_model] -> down(silu(gate(x)) * up(x)) [B, T, d_model]."""
         gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, d_ff] each
         if self.fused and fused.usable(gate, "swiglu"):
             return self.down_proj(fused.swiglu(gate, up))
@@ -106,22 +111,23 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, start,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for absolute positions start..start+T-1, for the
-        positions in `start` when it is a [T] tensor (decoding with fixed shapes), or for `positions` [B, T]
-        (e.g. restarting at every packed document)."""
-        if self.fused and isinstance(start, int) and fused.usable(q, "rope"):
-            return fused.rope(q, k, self.cos, self.sin, positions, start)
-        if positions is not None:
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for their positions: an int p (positions p..p+T-1),
+        a [T] tensor (decoding with fixed shapes) or a [B, T] tensor (e.g. restarting at every packed
+        document)."""
+        one_row = isinstance(positions, torch.Tensor) and positions.dim() == 1
+        if self.fused and not one_row and fused.usable(q, "rope"):
+            return fused.rope(q, k, self.cos, self.sin, positions)
+        if isinstance(positions, int):
+            T = q.shape[-2]
+            cos = self.cos[positions : positions + T]  # [T, D]
+            sin = self.sin[positions : positions + T]
+        elif one_row:
+            cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+        else:
             cos = self.cos[positions][:, None]  # [B, 1, T, D]
             sin = self.sin[positions][:, None]
-        elif isinstance(start, torch.Tensor):
-            cos, sin = self.cos[start], self.sin[start]  # [T, D]
-        else:
-            T = q.shape[-2]
-            cos = self.cos[start : start + T]  # [T, D]
-            sin = self.sin[start : start + T]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -128,12 +128,13 @@ def check_distributed(t: Any) -> None:
                           f"{per_node} x {nodes} = {world}; set --ntasks-per-node=<devices> and --nodes=<num_nodes>")
 
 
-def check_run_name(overrides: list[str]) -> None:
+def check_run_name(given: set[str]) -> None:
     """Processes started by torchrun or srun each compose the config: the default run name holds a
-    timestamp, which ranks starting a second apart would resolve differently."""
+    timestamp, which ranks starting a second apart would resolve differently. `given`: the keys the
+    command line sets."""
     external = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 \
         or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
-    if external and not any(o.startswith(("name=", "resume=")) for o in overrides):
+    if external and not given & {"name", "resume"}:
         raise GptkitError("under torchrun/srun every rank must name the same run folder: pass name=<run name> "
                           "(the default name holds a timestamp)")
 
@@ -162,6 +163,7 @@ def _check_fsdp(t: Any, acc: str) -> None:
 
 
 def fsdp_options(t: Any) -> dict[str, Any]:
+    """The trainer.fsdp settings as keyword arguments of gptkit's FSDP2 strategy."""
     defaults = {"param_dtype": "auto", "reduce_dtype": "fp32", "reshard_after_forward": True,
                 "sharded_checkpoint": True}
     given = t.get("fsdp") or {}

@@ -1,4 +1,11 @@
-"""One training run, end to end: config -> data -> model -> Lightning fit -> run folder."""
+"""One training run, end to end: config -> run plan -> data -> model -> Lightning fit -> run folder.
+
+train(cfg) reads in this order: where it was started from (Hydra's run folder and command line, or a
+Python caller's: `invocation`), resume= and init_from= (resolve_resume, resolve_init_from), the checks
+that need no data (check_config), the data (the tokenizer fixes the vocabulary), then the run plan
+(gptkit/training/plan.py), which everything after it reads. How one optimizer step runs, and which class
+owns each part of it, is written at the top of gptkit/training/module.py.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,10 +30,18 @@ from gptkit.checkpoints import (
     run_dir_of,
     verify_checkpoint,
 )
-from gptkit.config import count
-from gptkit.errors import ConfigError, GptkitError
+from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
+from gptkit.options import Option, parse_options
 from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, find_run_checkpoint, read_config
+
+if TYPE_CHECKING:
+    from gptkit.training.plan import RunPlan
+
+# Lightning, torch and the rest of training/ are imported inside the functions that need them:
+# commands/train.py imports this module to rewrite and check the command line, and a mistyped option
+# must stay a one-line error in ~0.3 s of CPU time, not the ~7 s that importing them first costs
+# (measured on 2026-12-01 with `gptkit train +trainer.max_step=3`).
 
 
 @dataclass
@@ -40,19 +55,46 @@ class TrainResult:
     is_global_zero: bool = True
 
 
-def _run_dir() -> Path:
+@dataclass(frozen=True)
+class Invocation:
+    """Where a run was started from: Hydra's run folder and command line (gptkit train), or a Python
+    caller's (gptkit.train(cfg)): the only place train() reads Hydra's global state."""
+
+    run_dir: Path
+    overrides: list[Option]  # the command line's key=value, parsed once (gptkit.options)
+    multirun_job: bool  # one job of `gptkit train -m`: its folder is <runs_dir>/<name>/<job number>
+    job: Optional[str]  # "job 1: optim.lr=3e-3" for a multirun job
+
+
+def invocation(cfg: DictConfig, run_dir: Optional[Path] = None,
+               overrides: Optional[list[str]] = None) -> Invocation:
+    """Hydra's run folder and overrides when Hydra runs this process's app; else <runs_dir>/<name> (or
+    `run_dir`) and the `overrides` given (which resume= treats as the command line's)."""
     from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
 
-    return Path(HydraConfig.get().runtime.output_dir)
+    if run_dir is None and overrides is None and HydraConfig.initialized():
+        hc = HydraConfig.get()
+        task = list(hc.overrides.task)
+        multirun = hc.mode == RunMode.MULTIRUN
+        job = f"job {hc.job.num}: {' '.join(task) or '(no overrides)'}" if multirun else None
+        return Invocation(Path(hc.runtime.output_dir), parse_options(task, sweeps=True), multirun, job)
+    folder = Path(run_dir) if run_dir is not None else Path(str(cfg.runs_dir)) / str(cfg.name)
+    return Invocation(folder, parse_options(list(overrides or [])), False, None)
 
 
-def _explicit_overrides() -> list[str]:
-    from hydra.core.hydra_config import HydraConfig
+def _group_choices(overrides: list[Option]) -> list[Option]:
+    """The options that choose a preset (trainer=ddp, logger=[csv,wandb]), not a single key."""
+    return [o for o in overrides if o.kind == "group"]
 
-    return list(HydraConfig.get().overrides.task)
+
+def _names(o: Option, group: str) -> bool:
+    """Whether option o sets the group `group` or one of its keys (model=..., model.n_layers=...)."""
+    return o.key == group or o.key.startswith(group + ".")
 
 
-def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optional[int], Optional[DictConfig]]:
+def resolve_resume(cfg: DictConfig, overrides: list[Option]
+                   ) -> tuple[DictConfig, Optional[Path], Optional[int], Optional[DictConfig]]:
     """For resume=..., continue with the run's saved config; command-line overrides other than
     the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
     if cfg.resume in (None, ""):
@@ -65,24 +107,27 @@ def resolve_resume(cfg: DictConfig) -> tuple[DictConfig, Optional[Path], Optiona
     else:
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
     saved = OmegaConf.create(read_config(run_dir_of(ckpt)))
-    overrides = [o for o in _explicit_overrides() if not o.startswith(("resume=", "name=", "runs_dir=", "hydra."))]
+    overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
     merged = saved
     if "trainer" in merged and "stop_at_step" in merged.trainer:
         merged.trainer.stop_at_step = None  # an early stop belongs to the invocation that asked for it
-    for o in overrides:  # a preset chosen again on resume (trainer=ddp, optim=..., logger=[...])
-        group = o.split("=", 1)[0].lstrip("+~")
-        if "=" not in o or "." in group or group == "model":
+    # a preset chosen again on resume (trainer=ddp, optim=..., logger=[...])
+    for o in _group_choices(overrides):
+        group = o.key
+        if o.op == "DEL" or group == "model":
             continue
         if group in ("data", "tokenizer"):
             raise GptkitError(f"resume={cfg.resume} cannot change {group}= (the run's batches come from its own "
                               f"data); start a new run instead")
         if group == "logger" and group in cfg:  # the loggers of this invocation
             merged[group] = cfg[group]
-        elif group in ("trainer", "optim"):  # the preset's own settings over the run's (trainer=ddp: the strategy,
-            merged[group] = OmegaConf.merge(merged[group], preset_settings(group, o.split("=", 1)[1]))  # not 600 steps)
-    dotlist = [o for o in overrides if "=" in o and "." in o.split("=", 1)[0] and not o.lstrip("+~").startswith("model")]
+        elif group in ("trainer", "optim"):
+            # the preset's own settings over the run's (trainer=ddp: the strategy, not 600 steps)
+            merged[group] = OmegaConf.merge(merged[group], preset_settings(group, str(o.value)))
+    dotlist = [o.first.lstrip("+~") for o in overrides
+               if o.kind == "key" and o.op != "DEL" and "." in o.key and not _names(o, "model")]
     if dotlist:
         merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
     merged.resume = str(ckpt)
@@ -106,13 +151,14 @@ def preset_settings(group: str, name: str) -> DictConfig:
 FREE_MODEL_KEYS = ("name", "dropout", "attention", "kernels", "position_reset")
 
 
-def model_from_source(source: str, saved_model: Any, asked_model: Any, overrides: list[str]) -> dict[str, Any]:
+def model_from_source(source: str, saved_model: Any, asked_model: Any,
+                      overrides: list[Option]) -> dict[str, Any]:
     """The model config of a run whose weights come from `source` (resume= or init_from=): the source's own,
     with the command line's model.<FREE_MODEL_KEYS> overrides applied. model= or any other model.<key> that
     differs from the source's is a one-line error."""
     saved = OmegaConf.to_container(saved_model, resolve=True) if isinstance(saved_model, DictConfig) else dict(saved_model)
     asked = OmegaConf.to_container(asked_model, resolve=True)
-    keys = [o.split("=", 1)[0].lstrip("+~") for o in overrides if o.lstrip("+~").startswith("model")]
+    keys = [o.key for o in overrides if _names(o, "model")]
     if "model" in keys:
         raise GptkitError(f"{source} brings its own model ({saved.get('name')}); drop model=")
     for key in (k.split(".", 1)[1] for k in keys if "." in k):
@@ -124,7 +170,8 @@ def model_from_source(source: str, saved_model: Any, asked_model: Any, overrides
     return saved
 
 
-def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optional[Path]]:
+def resolve_init_from(cfg: DictConfig, run_dir: Path, overrides: list[Option]
+                      ) -> tuple[DictConfig, Optional[Path]]:
     """For init_from=<run folder | checkpoint | latest>: a new run (fresh optimizer, schedule and step
     count) whose model starts from that run's weights. The model config is the source's (see
     model_from_source) and so is the
@@ -136,15 +183,15 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path) -> tuple[DictConfig, Optio
     config records the exact source (hf:owner/name@commit or hf:<folder>)."""
     if cfg.get("init_from") in (None, ""):
         return cfg, None
-    overrides = _explicit_overrides()
     source, pinned = str(cfg.init_from), None
     if source.startswith(HF_PREFIX):
         source, pinned = _import_init_source(source[len(HF_PREFIX):], Path(cfg.runs_dir))
     ckpt = find_run_checkpoint(source, cfg.runs_dir)
     src_dir = run_dir_of(ckpt)
     src = read_config(src_dir)
-    cfg.model = OmegaConf.create(model_from_source(f"init_from={cfg.init_from}", src["model"], cfg.model, overrides))
-    if not any(o.lstrip("+~").startswith("tokenizer") for o in overrides):
+    cfg.model = OmegaConf.create(model_from_source(f"init_from={cfg.init_from}", src["model"], cfg.model,
+                                                   overrides))
+    if not any(_names(o, "tokenizer") for o in overrides):
         tok_file = src_dir / TOKENIZER_FILE
         if not tok_file.is_file():
             raise GptkitError(f"init_from={cfg.init_from}: {src_dir} has no {TOKENIZER_FILE}; choose the tokenizer "
@@ -199,6 +246,7 @@ def check_config(cfg: DictConfig) -> None:
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_location
     from gptkit.training.optim import check_optim_config
+    from gptkit.training.plan import train_seq_len
     from gptkit.training.trainer import check_loggers, check_trainer_config
 
     check_run_location(cfg.get("runs_dir"), None)
@@ -213,54 +261,55 @@ def check_config(cfg: DictConfig) -> None:
         train_seq_len(cfg.trainer, model_cfg)
 
 
-def train_seq_len(t: DictConfig, model_cfg) -> int:
-    """The training window: trainer.seq_len (at most the model's context), or model.max_seq_len when null."""
-    seq_len = t.get("seq_len")
-    if seq_len is None:
-        return model_cfg.max_seq_len
-    if not 1 <= int(seq_len) <= model_cfg.max_seq_len:
-        raise ConfigError(f"trainer.seq_len={seq_len} must be in [1, model.max_seq_len={model_cfg.max_seq_len}]")
-    return int(seq_len)
+def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optional[list[str]] = None,
+          checked: bool = False) -> TrainResult:
+    """One training run, into one run folder; returns where it ended.
 
-
-def train(cfg: DictConfig) -> TrainResult:
+    cfg: a composed `train` config (Hydra's, or as_config's for gptkit.train from Python). From Python no
+    Hydra state is needed: the run folder is `run_dir` or <runs_dir>/<name>, and `overrides` are what
+    resume= treats as the command line. checked=True: check_config already ran on this config (the CLI
+    runs it before Hydra makes the run folder)."""
     started = time.perf_counter()
     import lightning as L
     import torch
 
-    from gptkit import accounting as acc
     from gptkit.data import TokenDataModule, check_vocab, prepare
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
     from gptkit.threads import set_threads
-    from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu, world_size
-    from gptkit.training.metrics import detect_peak_flops
+    from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu
     from gptkit.training.module import LitGPT
+    from gptkit.training.plan import make_plan
     from gptkit.training.plots import plot_loss
     from gptkit.training.trainer import build_loggers, build_trainer
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
     warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    check_run_name(_explicit_overrides())  # torchrun/srun ranks must agree on the run folder
-    run_dir = _run_dir()
+    inv = invocation(cfg, run_dir, overrides)
+    check_run_name({o.key for o in inv.overrides})  # torchrun/srun ranks must agree on the run folder
+    run_dir = inv.run_dir
     rank_zero = is_rank_zero()
     if rank_zero:  # one writer per run folder; a start that fails removes the folder it made (runs.py)
         claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
-    check_run_dir(run_dir, cfg.runs_dir, job=_is_multirun_job())
-    cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg)
-    check_config(cfg)
+    check_run_dir(run_dir, cfg.runs_dir, job=inv.multirun_job)
+    cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg, inv.overrides)
+    if resume_ckpt is not None or not checked:  # a resumed run's config is the saved one, merged: check it
+        check_config(cfg)
     ckpt_dir = run_dir / CHECKPOINT_DIR
     if resume_ckpt is None and ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
         raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
                           f"or choose another name=")
     init_ckpt = None
     if resume_ckpt is None:  # a resumed run's weights come from its own checkpoint
-        cfg, init_ckpt = resolve_init_from(cfg, run_dir)
+        cfg, init_ckpt = resolve_init_from(cfg, run_dir, inv.overrides)
     cpu = on_cpu(cfg.trainer)  # CPU threads: one warning now if the machine's load would oversubscribe them
-    set_threads(cfg.trainer.get("threads"), "trainer.threads", devices_per_node(cfg.trainer) if cpu else 1, warn=cpu)
+    set_threads(cfg.trainer.get("threads"), "trainer.threads", devices_per_node(cfg.trainer) if cpu else 1,
+                warn=cpu)
 
     model_dict = OmegaConf.to_container(cfg.model, resolve=True)
-    ModelConfig.from_dict(model_dict)  # a bad model config fails before any data is prepared
+    # the model init_from= brings fails here, before any data is prepared (check_config checked the others)
+    if init_ckpt is not None:
+        ModelConfig.from_dict(model_dict)
 
     # data first: the tokenizer decides the vocabulary size
     prepared = prepare(cfg.data, cfg.tokenizer)  # its shards are checked in the background meanwhile
@@ -271,41 +320,26 @@ def train(cfg: DictConfig) -> TrainResult:
     check_vocab(prepared, model_cfg.vocab_size)
     cfg.model = OmegaConf.create(model_cfg.to_dict())
 
-    t = cfg.trainer
-    seq_len = train_seq_len(t, model_cfg)
-    world = world_size(t)  # devices per node x nodes (devices=auto: every visible GPU)
-    tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
-    if t.max_tokens is not None:
-        max_steps = math.ceil(count(t.max_tokens, "trainer.max_tokens") / tokens_per_step)
-    else:
-        max_steps = int(t.max_steps)
-    if max_steps < 1:
-        raise ConfigError(f"trainer.max_steps={max_steps} must be >= 1")
-    replan = None
-    if saved_trainer is not None:
-        saved_steps = (math.ceil(float(saved_trainer.max_tokens) / tokens_per_step) if saved_trainer.max_tokens
-                       is not None else int(saved_trainer.max_steps))
-        replan = schedule_note(saved_steps, max_steps, int(resume_step), cfg.optim)
+    # from here on, every fact of the run comes from the plan
+    plan = make_plan(cfg, run_dir, model_cfg, resume=resume_ckpt, resume_step=resume_step,
+                     init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job)
+    t = plan.trainer
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     if t.deterministic:
         torch.use_deterministic_algorithms(True)
-    flops = acc.flops_per_token(model_cfg, seq_len)
-    peak = detect_peak_flops(t.precision, t.peak_tflops)
-    module = LitGPT(model_cfg, cfg.optim, max_steps, compile=t.compile,
-                    activation_checkpointing=bool(t.activation_checkpointing),
-                    compile_backend=str(t.get("compile_backend") or "inductor"),
-                    weights_from_rank0=t.strategy == "fsdp" and world > 1)
-    if init_ckpt is not None and not module.built_on_meta:  # FSDP: rank 0's weights reach the other ranks
-        _load_init_weights(module, init_ckpt)
-    datamodule = TokenDataModule(prepared, batch_size=int(t.batch_size), seq_len=seq_len, seed=int(cfg.seed),
-                                 val_windows=t.val_windows, pack=cfg.data.get("pack", "stream"))
+    module = LitGPT(plan)
+    # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
+    if plan.init_from is not None and not module.built_on_meta:
+        _load_init_weights(module, plan.init_from)
+    datamodule = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len,
+                                 seed=int(cfg.seed), val_windows=t.val_windows,
+                                 pack=cfg.data.get("pack", "stream"))
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
-    trainer, checkpoints, metrics = build_trainer(cfg, run_dir, flops.train_causal, tokens_per_step, max_steps,
-                                                  peak, loggers)
-    if trainer.world_size != world:
-        raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for {world} "
-                          f"(trainer.devices x trainer.num_nodes); make them agree")
+    trainer, checkpoints, metrics = build_trainer(plan, loggers)
+    if trainer.world_size != plan.world_size:
+        raise GptkitError(f"Lightning set up {trainer.world_size} processes, the config asks for "
+                          f"{plan.world_size} (trainer.devices x trainer.num_nodes); make them agree")
     prepared.wait_checked()  # a corrupted shard is never trained on
 
     # start-up succeeded: the run folder gets its files (written atomically; leftovers of killed writes go)
@@ -314,16 +348,15 @@ def train(cfg: DictConfig) -> TrainResult:
         atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
         atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
-    _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops.train_causal, run_dir,
-              resume_ckpt, init_ckpt, replan)
+    _announce(trainer, plan, prepared)
     if trainer.is_global_zero:
-        _check_disk(ckpt_dir, model_cfg, t, max_steps, resume_step or 0)
+        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0)
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
                     weights_only=True)
     except torch.OutOfMemoryError as exc:
-        raise out_of_memory(cfg, model_cfg, world) from exc
+        raise out_of_memory(plan) from exc
     except SystemExit:
         if checkpoints.interrupted:  # a second Ctrl-C: Lightning stops at once and exits 1; say so, exit 130
             _interrupted(run_dir, ckpt_dir / LAST_CHECKPOINT, trainer.is_global_zero)
@@ -340,18 +373,26 @@ def train(cfg: DictConfig) -> TrainResult:
             lg.finalize("success")
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
-        _summary(run_dir, trainer.global_step, val, metrics, flops.train_causal, peak, trainer.world_size,
-                 time.perf_counter() - started)
+        _summary(run_dir, trainer.global_step, val, metrics, plan.flops_per_token, plan.peak_flops,
+                 trainer.world_size, time.perf_counter() - started)
     return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
                        float(val) if val is not None else None, metrics.average_tokens_per_s,
                        trainer.is_global_zero)
 
 
-def _is_multirun_job() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
+def as_config(cfg: DictConfig | dict | list[str]) -> DictConfig:
+    """gptkit.train's argument as a composed `train` config: a DictConfig as it is, a dict made one, a
+    list of key=value overrides composed and checked as the CLI checks them (one-line ConfigErrors)."""
+    if isinstance(cfg, DictConfig):
+        return cfg
+    if isinstance(cfg, dict):
+        return OmegaConf.create(cfg)
+    from gptkit.options import check_options
 
-    return HydraConfig.get().mode == RunMode.MULTIRUN
+    composed = check_options("train", parse_options([str(a) for a in cfg]))
+    if composed is None:
+        raise GptkitError("gptkit.train() runs one job: a sweep (a,b) needs `gptkit train -m`")
+    return composed
 
 
 def _remove_leftovers(run_dir: Path) -> None:
@@ -401,14 +442,13 @@ def _interrupted(run_dir: Path, last: Path, rank_zero: bool) -> None:
     raise SystemExit(130)
 
 
-def out_of_memory(cfg: DictConfig, model_cfg, world: int) -> GptkitError:
+def out_of_memory(plan: RunPlan) -> GptkitError:
     """A CUDA out-of-memory error as one line: the count-params estimate and what to change."""
     from gptkit import accounting as acc
     from gptkit.fsio import human_bytes
 
-    t = cfg.trainer
-    shards = world if t.strategy == "fsdp" else 1
-    mem = acc.training_memory(model_cfg, t.precision, shards, int(t.batch_size), train_seq_len(t, model_cfg),
+    t = plan.trainer
+    mem = acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
                               bool(t.activation_checkpointing))
     return GptkitError(
         f"out of GPU memory: count-params estimates {human_bytes(mem['total'])} per device (weights "
@@ -418,69 +458,44 @@ def out_of_memory(cfg: DictConfig, model_cfg, world: int) -> GptkitError:
         f"or shard with trainer=fsdp")
 
 
-def schedule_note(saved_max_steps: int | None, max_steps: int, step: int, optim: Any) -> str | None:
-    """On resume: one line when the schedule is re-planned (another max_steps), with the lr before and after."""
-    from gptkit.training.optim import lr_factor, min_lr
-
-    if saved_max_steps is None or saved_max_steps == max_steps:
-        return None
-    kw = dict(schedule=optim.schedule, warmup_steps=int(optim.warmup_steps), lr=float(optim.lr),
-              min_lr=min_lr(optim), decay_fraction=float(optim.decay_fraction))
-    before = float(optim.lr) * lr_factor(step, max_steps=saved_max_steps, **kw)
-    after = float(optim.lr) * lr_factor(step, max_steps=max_steps, **kw)
-    return (f"the {optim.schedule} schedule is re-planned for {max_steps} steps instead of {saved_max_steps}: "
-            f"lr at step {step} {before:.3g} -> {after:.3g}")
-
-
-def _announce(trainer, cfg, model_cfg, prepared, tokens_per_step, max_steps, flops_per_token, run_dir, resume,
-              init_from=None, replan: str | None = None) -> None:
+def _announce(trainer, plan: RunPlan, prepared) -> None:
+    """The start-up lines: the run folder, the model, the data, the global batch and the plan's totals,
+    precision, optimizer and clipping, and where the weights come from."""
     if not trainer.is_global_zero:
         return
     from rich.console import Console
     from rich.markup import escape
 
     from gptkit import accounting as acc
-    from gptkit.training.distributed import accelerator_type
-    from gptkit.training.module import compile_mode
     from gptkit.training.optim import adamw_implementation
 
-    t = cfg.trainer
-    n = acc.count_params(model_cfg).total
-    seq_len = train_seq_len(t, model_cfg)
-    per_device = tokens_per_step // (seq_len * trainer.accumulate_grad_batches * trainer.world_size)
+    t, m = plan.trainer, plan.model
+    n = acc.count_params(m).total
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
-    compiled = f", torch.compile={compile_mode(t.compile)}" if compile_mode(t.compile) else ""
-    job = _multirun_job()
+    compiled = f", torch.compile={plan.compile}" if plan.compile else ""
+    data = prepared.manifest.get("source", {}).get("description", prepared.dir)
+    total = plan.total_tokens
     Console(stderr=True, highlight=False, soft_wrap=True).print(
-        (f"[bold]{escape(job)}[/]\n" if job else "")
-        + f"[bold]gptkit train[/] -> {escape(str(run_dir))}\n"
-        f"  model {model_cfg.name}: {n:,} parameters, vocab {model_cfg.vocab_size}, context {model_cfg.max_seq_len}, "
-        f"attention {model_cfg.attention}{compiled}\n"
-        f"  data: {escape(str(prepared.manifest.get('source', {}).get('description', prepared.dir)))}"
-        f" ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
-        f"  global batch: {tokens_per_step:,} tokens/step = {per_device} sequences x {seq_len} tokens"
-        f" x {trainer.accumulate_grad_batches} accumulation x {trainer.num_devices} devices x {trainer.num_nodes} nodes"
+        (f"[bold]{escape(plan.job)}[/]\n" if plan.job else "")
+        + f"[bold]gptkit train[/] -> {escape(str(plan.run_dir))}\n"
+        f"  model {m.name}: {n:,} parameters, vocab {m.vocab_size}, context {m.max_seq_len}, "
+        f"attention {m.attention}{compiled}\n"
+        f"  data: {escape(str(data))} ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
+        f"  global batch: {plan.tokens_per_step:,} tokens/step = {plan.batch_size} sequences x "
+        f"{plan.seq_len} tokens x {plan.accumulation} accumulation x {plan.devices} devices x "
+        f"{plan.nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
-        f"{max_steps} steps = {tokens_per_step * max_steps:,} tokens, "
-        f"{flops_per_token * tokens_per_step * max_steps:.3g} FLOPs (6N + attention, as count-params)\n"
-        f"  precision {t.precision}, AdamW ({adamw_implementation(cfg.optim.fused, accelerator_type(t))}), {clip}"
-        + (f"\n  resuming from {escape(str(resume))}" if resume else "")
-        + (f"\n  note: {replan}" if replan else "")
-        + (f"\n  weights from {escape(str(init_from))} (new optimizer and schedule)" if init_from else "")
-        + (f"\n  FSDP: rank 0 builds the weights; the other {trainer.world_size - 1} rank(s) start on the meta device "
-           f"and receive their shards" if t.strategy == "fsdp" and trainer.world_size > 1 else "")
+        f"{plan.max_steps} steps = {total:,} tokens, "
+        f"{plan.flops_per_token * total:.3g} FLOPs (6N + attention, as count-params)\n"
+        f"  precision {plan.precision.name}, "
+        f"AdamW ({adamw_implementation(plan.optim.fused, plan.accelerator)}), {clip}"
+        + (f"\n  resuming from {escape(str(plan.resume))}" if plan.resume else "")
+        + (f"\n  note: {plan.replan}" if plan.replan else "")
+        + (f"\n  weights from {escape(str(plan.init_from))} (new optimizer and schedule)"
+           if plan.init_from else "")
+        + (f"\n  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
+           f"meta device and receive their shards" if plan.weights_from_rank0 else "")
     )
-
-
-def _multirun_job() -> str | None:
-    """'job 1: optim.lr=3e-3' when this run is one job of a multirun (-m), else None."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    hc = HydraConfig.get()
-    if hc.mode != RunMode.MULTIRUN:
-        return None
-    return f"job {hc.job.num}: {' '.join(hc.overrides.task) or '(no overrides)'}"
 
 
 def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float, peak: float | None,

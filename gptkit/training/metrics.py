@@ -88,6 +88,7 @@ class LossWindow:
 
 
 def optimizer_stepped(trainer, batch_idx: int) -> bool:
+    """Whether micro-batch batch_idx ended an optimizer step (the last of its accumulation)."""
     return (batch_idx + 1) % trainer.accumulate_grad_batches == 0
 
 
@@ -113,14 +114,17 @@ class StepMetrics(Callback):
             torch.cuda.synchronize()
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Start the clock and the progress reporter."""
         self._restart(trainer)
         if self.reporter is not None:
             self.reporter.start(trainer.global_step, trainer.max_steps)
 
     def on_validation_start(self, trainer, pl_module) -> None:
+        """Stop the clock: validation time is not training time."""
         self._pause(trainer)
 
     def on_validation_end(self, trainer, pl_module) -> None:
+        """Show the val loss, then restart the clock."""
         if self.reporter is not None and trainer.is_global_zero:
             val = trainer.callback_metrics.get("val/loss")
             if val is not None:
@@ -139,6 +143,7 @@ class StepMetrics(Callback):
         self._steps = 0
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """At a log step: read the loss window (the one host sync), log one row of metrics."""
         if not optimizer_stepped(trainer, batch_idx):
             return
         self._steps += 1
@@ -173,11 +178,13 @@ class StepMetrics(Callback):
             self.reporter.log(step, metrics)
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Stop the clock and close the progress reporter."""
         self._pause(trainer)
         if self.reporter is not None:
             self.reporter.close()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        """Close the progress reporter when training fails."""
         if self.reporter is not None:
             self.reporter.close()
 
@@ -189,4 +196,5 @@ class StepMetrics(Callback):
         return self.steps_done * self.tokens_per_step / self.train_seconds
 
     def state_dict(self) -> dict[str, Any]:
+        """Nothing to save: the metrics start afresh on resume."""
         return {}

@@ -22,8 +22,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
@@ -52,26 +50,32 @@ class MetricsCSV(Logger):
     # Lightning's Logger interface
     @property
     def name(self) -> str:
+        """The logger's name (Lightning's Logger interface)."""
         return "csv"
 
     @property
     def version(self) -> str:
+        """No versions: one metrics.csv per run folder."""
         return ""
 
     @property
     def save_dir(self) -> str:
+        """The run folder."""
         return str(self.run_dir)
 
     @property
     def log_dir(self) -> str:
+        """The run folder."""
         return str(self.run_dir)
 
     @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        """Nothing: the run's config.yaml holds them."""
         pass  # the run's config.yaml holds them
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        """Add the metrics of `step` to its row."""
         self._start()
         values = {k: float(v) for k, v in metrics.items() if k not in ("step", "epoch")}
         step = int(metrics.get("step", 0) if step is None else step)
@@ -82,10 +86,12 @@ class MetricsCSV(Logger):
 
     @rank_zero_only
     def save(self) -> None:
+        """Write the rows so far (Lightning calls it at checkpoints)."""
         self._write(complete_only=True)
 
     @rank_zero_only
     def finalize(self, status: str) -> None:
+        """Write every row at the end of the run."""
         self._write(complete_only=False)
 
     def sync(self) -> None:
@@ -219,15 +225,3 @@ def read_rows(path: Path) -> tuple[list[str], dict[int, dict[str, str]]]:
         rows.setdefault(step, {}).update({k: v for k, v in row.items() if v != ""})
     columns = ["step"] + [c for c in columns if c != "step"]
     return columns, dict(sorted(rows.items()))
-
-
-class LearningRates(Callback):
-    """Logs each optimizer's learning rates (lr-AdamW/pg1, ...) with the step's loss, on the same row."""
-
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        for opt in trainer.optimizers:
-            groups = opt.param_groups
-            for i, g in enumerate(groups):
-                name = f"lr-{type(opt).__name__}" + (f"/pg{i + 1}" if len(groups) > 1 else "")
-                lr = torch.tensor(float(g["lr"]), dtype=torch.float64)  # exact: self.log would round to float32
-                pl_module.log(name, lr, on_step=True, on_epoch=False)

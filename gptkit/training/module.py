@@ -1,4 +1,42 @@
-"""The LightningModule: a thin wrapper that trains the pure GPT."""
+"""The LightningModule: a thin wrapper that trains the pure GPT. Start reading the training here.
+
+One optimizer step, top to bottom (Lightning runs the loop; this is the order it runs our parts in, and
+the class that owns each). Every setting comes from the run plan (training/plan.py).
+
+     1. batch          TokenDataModule's WindowSampler: micro-batch N of a rank is a pure function of
+                       (seed, N, rank, world size), so a resume draws the same batches
+                                                                  data/datamodule.py, data/windows.py
+     2. forward, loss  LitGPT.training_step -> GPT.forward(x, targets).loss (fp32 mean cross-entropy)
+                                                                            here, model/gpt.py
+     3. NaN window     LossWindow.add: the loss summed on the device, the first non-finite step noted;
+                       no host sync                                         training/metrics.py
+     4. backward       Lightning: (loss / accumulation).backward(); 16-mixed scales the loss first
+     5. accumulation   steps 1-4 run plan.accumulation times (trainer.accumulate_grad_batches); DDP
+                       all-reduces the gradients on the last micro-batch only; FSDP2 reduce-scatters them
+     6. unscale        ClippingMixedPrecision.optimizer_step: GradScaler.unscale_ (16-mixed only)
+                                                                            training/trainer.py
+     7. clip           ClippingMixedPrecision.clip_gradients: norm clipping at trainer.gradient_clip_val,
+                       on unscaled gradients, so it works with fused AdamW  training/trainer.py
+     8. optimizer      AdamW.step (fused or foreach; scaler.step + update for 16-mixed), zero_grad
+                                                                            training/optim.py
+     9. scheduler      the LambdaLR of configure_optimizers, stepped every optimizer step (warmup, then
+                       cosine / linear / WSD down to optim.min_lr)          training/optim.py
+    10. log            every trainer.log_every steps, StepMetrics.on_train_batch_end: LossWindow.read
+                       (the one host sync; a non-finite loss stops the run here), tokens/s, FLOP/s, MFU,
+                       one row to every logger, the progress line           training/metrics.py,
+                                                                            metrics_csv.py, progress.py
+    11. checkpoint     every trainer.checkpoint_every steps, and at the step that ends the invocation
+                       (max_steps, stop_at_step, SIGINT/SIGTERM), RunCheckpoints.on_train_batch_end:
+                       LossWindow.check_finite first, then saved under a hidden name; published at the
+                       start of the next step, once the metrics rows it covers are on disk
+                                                                            training/run_checkpoints.py
+    12. validate       every trainer.val_every steps, after the step's callbacks: validation_step and
+                       on_validation_epoch_end (val/loss, val/ppl)          here
+
+StepMetrics runs before RunCheckpoints (build_trainer's callback order), so a step's row is written
+before its checkpoint. nanoGPT's train.py and litgpt's pretrain.py:fit write the same loop by hand;
+`gptkit bench train` times this one against such a hand-written loop over the same model and batches.
+"""
 
 from __future__ import annotations
 
@@ -7,26 +45,14 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.utils.checkpoint import checkpoint as recompute
 
-from gptkit.errors import ConfigError
-from gptkit.model import GPT, ModelConfig
+from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
+from gptkit.training.distributed import broadcast_weights, parallelize
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler
-
-COMPILE_MODES = ("blocks", "model")
-
-
-def compile_mode(value) -> str | None:
-    """trainer.compile as None (none/false), "blocks" (true: each transformer block, regional) or "model" (the
-    whole forward, loss included)."""
-    if value in (False, None, "false", "none"):
-        return None
-    if value is True or value == "true":
-        return "blocks"
-    if value not in COMPILE_MODES:
-        raise ConfigError(f"trainer.compile={value!r} is not one of none, {', '.join(COMPILE_MODES)} (or false/true)")
-    return value
+from gptkit.training.plan import RunPlan
 
 
 def apply_compile(model: GPT, mode: str, backend: str = "inductor") -> None:
@@ -47,12 +73,11 @@ def apply_activation_checkpointing(model: GPT) -> None:
     (as an instance attribute, so parameter names and checkpoints stay as they are) in
     torch.utils.checkpoint whenever the block trains with gradients; evaluation and decoding are untouched.
     """
-    from torch.utils.checkpoint import checkpoint
 
     def recomputed(block, forward):
         def run(*args, **kwargs):
             if block.training and torch.is_grad_enabled():
-                return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+                return recompute(forward, *args, use_reentrant=False, **kwargs)
             return forward(*args, **kwargs)
         return run
 
@@ -61,30 +86,29 @@ def apply_activation_checkpointing(model: GPT) -> None:
 
 
 class LitGPT(L.LightningModule):
-    def __init__(self, model_cfg: ModelConfig, optim_cfg: Any, max_steps: int,
-                 compile: str | None = None, activation_checkpointing: bool = False,
-                 compile_backend: str = "inductor", weights_from_rank0: bool = False) -> None:
-        """weights_from_rank0 (FSDP over several processes): only global rank 0 builds and initializes the
-        full model on the host; the other ranks build it on the meta device (no memory) and receive their
-        shards of rank 0's weights once it is sharded (configure_model). A 7B model then takes ~28 GB of host
-        memory in one process of the job instead of in every one."""
+    """The model, its loss, its optimizer and schedule, for Lightning; every setting from the run plan."""
+
+    def __init__(self, plan: RunPlan) -> None:
+        """plan.weights_from_rank0 (FSDP over several processes): only global rank 0 builds and initializes
+        the full model on the host; the other ranks build it on the meta device (no memory) and receive
+        their shards of rank 0's weights once it is sharded (configure_model). A 7B model then takes ~28 GB
+        of host memory in one process of the job instead of in every one."""
         super().__init__()
-        self.weights_from_rank0 = weights_from_rank0
-        self.built_on_meta = weights_from_rank0 and not is_rank_zero()
+        self.weights_from_rank0 = plan.weights_from_rank0
+        self.built_on_meta = self.weights_from_rank0 and not is_rank_zero()
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
-            self.model = GPT(model_cfg)
-        if activation_checkpointing:
+            self.model = GPT(plan.model)
+        if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        self.optim_cfg = optim_cfg
-        self.max_steps = max_steps
-        self.compile_mode = compile_mode(compile)
-        self.compile_backend = compile_backend
+        self.optim_cfg = plan.optim
+        self.max_steps = plan.max_steps
+        self.compile_mode = plan.compile
+        self.compile_backend = plan.compile_backend
         self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
         self._val_losses: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
-        from gptkit.training.distributed import broadcast_weights, parallelize
-
+        """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
         full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None  # references
         if parallelize(self.model, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
@@ -96,16 +120,19 @@ class LitGPT(L.LightningModule):
             self._compiled = True
 
     def training_step(self, batch, batch_idx):
+        """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
         x, y, *docs = batch  # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
         loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
         self.loss_window.add(loss, self.global_step)  # on the device: no host sync (StepMetrics reads it)
         return loss
 
     def validation_step(self, batch, batch_idx):
+        """The loss of one validation batch, kept on the device."""
         x, y, *docs = batch
         self._val_losses.append(self.model(x, y, doc_ids=docs[0] if docs else None).loss.detach())
 
     def on_validation_epoch_end(self) -> None:
+        """Log val/loss (mean over the batches and ranks) and val/ppl."""
         if not self._val_losses:
             return
         loss = torch.stack(self._val_losses).mean()
@@ -115,22 +142,26 @@ class LitGPT(L.LightningModule):
         self.log("step", float(self.global_step))  # validation after N optimizer steps is logged at step N
 
     def configure_optimizers(self):
+        """AdamW and the per-step schedule of the `optim` group."""
         opt = build_optimizer(self.model, self.optim_cfg)
         sched = build_scheduler(opt, self.optim_cfg, self.max_steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step", "frequency": 1}}
 
     # RNG state travels with the checkpoint so that dropout continues exactly after a resume
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Save the RNG states with the checkpoint (dropout continues exactly on resume)."""
         checkpoint["gptkit_rng"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the checkpoint's RNG states to restore when training starts."""
         rng = checkpoint.get("gptkit_rng")
         if rng:
             self._rng_to_restore = rng
 
     def on_train_start(self) -> None:
+        """Restore the RNG states of the checkpoint a resume continues."""
         rng = getattr(self, "_rng_to_restore", None)
         if rng:
             torch.set_rng_state(rng["torch"])

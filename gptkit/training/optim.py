@@ -115,6 +115,7 @@ def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The LambdaLR of optim.schedule (warmup, then cosine / linear / WSD to optim.min_lr)."""
     kw = dict(schedule=cfg.schedule, max_steps=max_steps, warmup_steps=int(cfg.warmup_steps), lr=float(cfg.lr),
               min_lr=min_lr(cfg), decay_fraction=float(cfg.decay_fraction))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, **kw))

@@ -11,6 +11,7 @@ from gptkit.fsio import atomic_write_bytes
 
 
 def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
+    """Every filled column of a metrics.csv as (step, value) pairs, by column name."""
     series: dict[str, list[tuple[int, float]]] = {}
     with open(csv_path, newline="") as f:
         for row in csv.DictReader(f):
@@ -24,6 +25,7 @@ def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot_loss(run_dir: Path | str) -> Path:
+    """Draw <run>/loss.png from the run's metrics.csv."""
     import matplotlib
 
     matplotlib.use("Agg")

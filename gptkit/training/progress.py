@@ -41,6 +41,7 @@ def clock(seconds: float) -> str:
 
 
 def metrics_text(metrics: dict[str, float]) -> str:
+    """One log step's metrics as the progress line shows them."""
     parts = []
     if "train/loss" in metrics:
         parts.append(f"loss {metrics['train/loss']:.4f}")
@@ -67,6 +68,7 @@ class ProgressReporter:
         self._total = 0
 
     def start(self, step: int, total: int) -> None:
+        """Start the bar (on a terminal) or the plain lines."""
         self._t0, self._first, self._total = time.perf_counter(), step, total
         if self.mode == "bar":
             from rich.console import Console
@@ -87,10 +89,12 @@ class ProgressReporter:
             self._bar.start()
 
     def advance(self, step: int) -> None:
+        """One more optimizer step (the bar moves; no device tensor is read)."""
         if self._bar is not None:
             self._bar.update(self._task, completed=step)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
+        """A log step's metrics: the bar's numbers, or one plain line."""
         if self._bar is not None:
             self._bar.update(self._task, completed=step, metrics=metrics_text(metrics))
         elif self.mode == "lines":
@@ -100,6 +104,7 @@ class ProgressReporter:
             self._line(f"step {step}/{self._total}  {metrics_text(metrics)}  elapsed {clock(elapsed)}  ETA {clock(eta)}")
 
     def validation(self, step: int, loss: float) -> None:
+        """Show a validation result."""
         if self._bar is not None:
             self._bar.console.print(f"step {step}  val loss {loss:.4f}")
         elif self.mode != "off":
@@ -109,6 +114,7 @@ class ProgressReporter:
         print(text, file=self.stream, flush=True)
 
     def close(self) -> None:
+        """End the bar."""
         if self._bar is not None:
             self._bar.stop()
             self._bar = None

@@ -53,6 +53,7 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 
 def write_summary(sweep_dir: Path) -> Path | None:
+    """Write the sweep folder's summary.csv: one row per job with its overrides and results."""
     jobs = sorted((d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name))
     if not jobs:
         return None
@@ -84,6 +85,7 @@ def write_summary(sweep_dir: Path) -> Path | None:
 
 class SweepSummary(Callback):
     def on_multirun_end(self, config, **kwargs: Any) -> None:
+        """After the last job of a multirun: the table and summary.csv."""
         sweep_dir = Path(str(config.hydra.sweep.dir))
         if sweep_dir.is_dir():
             write_summary(sweep_dir)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
@@ -14,19 +17,18 @@ from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.precision import precision
 from gptkit.threads import check_threads
-from gptkit.training.callbacks import RunCheckpoints
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
 from gptkit.training.distributed import (
     accelerator_type,
     build_strategy,
     check_distributed,
     fail_fast_callback,
-    world_size,
 )
 from gptkit.training.metrics import StepMetrics
 from gptkit.training.metrics_csv import MetricsCSV
-from gptkit.training.module import compile_mode
+from gptkit.training.plan import RunPlan, compile_mode
 from gptkit.training.progress import ProgressReporter, progress_mode
+from gptkit.training.run_checkpoints import RunCheckpoints
 
 LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
                    "wandb": ("wandb", "pip install wandb")}
@@ -34,8 +36,6 @@ LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboa
 
 def check_loggers(logger_cfg: Any) -> None:
     """One line, before any data is prepared or any file written, for a logger whose package is missing."""
-    import importlib
-
     for kind, opts in (logger_cfg or {}).items():
         if kind not in ("csv", *LOGGER_PACKAGES):
             raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
@@ -49,6 +49,7 @@ def check_loggers(logger_cfg: Any) -> None:
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
+    """The loggers the `logger` group switches on (csv, tensorboard, wandb), each writing into run_dir."""
     loggers = []
     for kind, opts in (logger_cfg or {}).items():
         if not (opts or {}).get("enabled", True):  # logger.<kind>.enabled=false switches one off
@@ -107,6 +108,7 @@ class ClippingMixedPrecision(MixedPrecision):
     """
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
+        """Closure (forward, backward), unscale (16-mixed), clip, then the scaler's optimizer step."""
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
@@ -121,24 +123,22 @@ class ClippingMixedPrecision(MixedPrecision):
         return out
 
     def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
+        """Clip gradients that are already unscaled."""
         kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
         Precision.clip_gradients(self, optimizer, clip_val, **kwargs)  # the gradients are unscaled: just clip
 
 
-def precision_plugin(t: Any):
-    """The precision plugin for trainer.precision: ClippingMixedPrecision for the mixed precisions (on CUDA
+def precision_plugin(plan: RunPlan):
+    """The precision plugin for plan.precision: ClippingMixedPrecision for the mixed precisions (on CUDA
     and on the CPU alike: 16-mixed keeps fp16 and its GradScaler on the CPU, where Lightning would silently
     switch to bf16), else None (Lightning's own plugin for the "true" precisions)."""
-    p = precision(t.precision)
-    if not p.mixed:
+    if not plan.precision.mixed:
         return None
-    return ClippingMixedPrecision(p.name, accelerator_type(t))
+    return ClippingMixedPrecision(plan.precision.name, plan.accelerator)
 
 
 def check_trainer_config(t: Any) -> None:
     """Fail in one line, before any data is prepared, on trainer values Lightning would reject late."""
-    import torch
-
     p = precision(t.precision)
     for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every", "num_nodes"):
         if not isinstance(t[key], int) or int(t[key]) < 1:
@@ -170,10 +170,6 @@ def check_trainer_config(t: Any) -> None:
 
 def check_compile(device: str, backend: str) -> None:
     """trainer.compile=true where torch cannot compile is one line, before any data is prepared."""
-    import shutil
-
-    import torch
-
     if not torch._dynamo.is_dynamo_supported():
         raise ConfigError(f"trainer.compile=true: torch.compile does not support this Python/platform "
                           f"(torch {torch.__version__}); use trainer.compile=false")
@@ -182,30 +178,32 @@ def check_compile(device: str, backend: str) -> None:
                           "(install g++), or use trainer.compile=false")
 
 
-def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_step: int, max_steps: int,
-                  peak_flops: float | None, loggers: list) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
-    t = cfg.trainer  # checked by check_trainer_config before any data was prepared
+def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
+    """The Lightning Trainer of the plan, with its callbacks: StepMetrics (throughput, MFU, the NaN window,
+    one row per log step) and RunCheckpoints (the one checkpoint writer); returns all three."""
+    t = plan.trainer  # checked by check_trainer_config before any data was prepared
     csv = next((lg for lg in loggers if isinstance(lg, MetricsCSV)), None)  # rows on disk before a checkpoint
-    checkpoints = RunCheckpoints(str(run_dir / CHECKPOINT_DIR), int(t.checkpoint_every), t.get("stop_at_step"),
-                                 sync_every=int(t.log_every), keep=t.get("keep_checkpoints", 3), metrics=csv)
+    checkpoints = RunCheckpoints(str(plan.run_dir / CHECKPOINT_DIR), int(t.checkpoint_every),
+                                 t.get("stop_at_step"), sync_every=int(t.log_every),
+                                 keep=t.get("keep_checkpoints", 3), metrics=csv)
     reporter = ProgressReporter(t.progress)
-    metrics = StepMetrics(flops_per_token, tokens_per_step, peak_flops, int(t.log_every),
+    metrics = StepMetrics(plan.flops_per_token, plan.tokens_per_step, plan.peak_flops, int(t.log_every),
                           reporter if reporter.mode != "off" else None)
     callbacks = [metrics, checkpoints]
-    if world_size(t) > 1:
+    if plan.world_size > 1:
         callbacks.append(fail_fast_callback())
-    plugin = precision_plugin(t)
+    plugin = precision_plugin(plan)
     trainer = L.Trainer(
         accelerator=t.accelerator,
         devices=t.devices,
-        num_nodes=t.num_nodes,
+        num_nodes=plan.nodes,
         strategy=build_strategy(t),
-        precision=None if plugin else t.precision,
-        max_steps=max_steps,
+        precision=None if plugin else plan.precision.name,
+        max_steps=plan.max_steps,
         max_epochs=-1,
-        accumulate_grad_batches=int(t.accumulate_grad_batches),
+        accumulate_grad_batches=plan.accumulation,
         gradient_clip_val=t.gradient_clip_val,
-        val_check_interval=int(t.val_every) * int(t.accumulate_grad_batches),
+        val_check_interval=int(t.val_every) * plan.accumulation,
         check_val_every_n_epoch=None,
         num_sanity_val_steps=0,
         log_every_n_steps=int(t.log_every),
@@ -214,7 +212,7 @@ def build_trainer(cfg: Any, run_dir: Path, flops_per_token: float, tokens_per_st
         enable_progress_bar=False,  # ProgressReporter: on stderr, and it never reads a device tensor
         enable_model_summary=False,
         deterministic=bool(t.deterministic),
-        default_root_dir=str(run_dir),
+        default_root_dir=str(plan.run_dir),
         enable_checkpointing=False,  # RunCheckpoints writes them (Lightning would add a ModelCheckpoint)
         plugins=[SafeAtomicCheckpointIO()] + ([plugin] if plugin else []),
         use_distributed_sampler=True,

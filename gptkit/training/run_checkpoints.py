@@ -59,6 +59,7 @@ class RunCheckpoints(Callback):
 
     @property
     def last(self) -> Path:
+        """checkpoints/last.ckpt of the run."""
         return self.dir / LAST_CHECKPOINT
 
     # ---- signals ----
@@ -69,6 +70,7 @@ class RunCheckpoints(Callback):
         self.signal_name = signal.Signals(signum).name
 
     def on_train_start(self, trainer, pl_module) -> None:
+        """Install the SIGINT/SIGTERM handlers (main thread only)."""
         import threading
 
         if threading.current_thread() is not threading.main_thread():
@@ -95,9 +97,11 @@ class RunCheckpoints(Callback):
 
     # ---- saving ----
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        """Publish the checkpoint saved at the end of the previous step."""
         self.publish(trainer)  # the previous step's rows and validation are logged by now
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        """At a checkpoint step or a requested stop: check the NaN window, save, maybe stop."""
         if not optimizer_stepped(trainer, batch_idx):
             return
         step = trainer.global_step
@@ -148,8 +152,10 @@ class RunCheckpoints(Callback):
         self._pending = None
 
     def on_train_end(self, trainer, pl_module) -> None:
+        """Restore the signal handlers."""
         self._restore()
 
     def on_exception(self, trainer, pl_module, exception) -> None:
+        """Discard an unpublished checkpoint and restore the signal handlers."""
         self._restore()
         self.discard(trainer)

@@ -1,0 +1,174 @@
+"""The run plan: every fact of a training run that follows from its config, derived once.
+
+`gptkit train` composes the config (Hydra), checks it (fit.check_config), applies resume= / init_from=
+(fit.resolve_resume, fit.resolve_init_from), prepares the data (the tokenizer fixes the vocabulary) and
+then calls make_plan. From there on every part reads the plan and re-derives nothing:
+
+    plan.model            the ModelConfig (vocab_size from the tokenizer, or the source run's model)
+    plan.seq_len          the training window (trainer.seq_len, or model.max_seq_len)
+    plan.world_size       processes in the job (devices per node x nodes)
+    plan.tokens_per_step  batch_size x seq_len x accumulation x world_size
+    plan.max_steps        trainer.max_steps, or trainer.max_tokens / tokens_per_step
+    plan.precision        the Precision (gptkit.precision), plan.accelerator "cpu" | "cuda"
+    plan.compile          None | "blocks" | "model" (trainer.compile)
+    plan.flops_per_token  training FLOPs per token (6N + attention, as count-params), plan.peak_flops
+
+Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
+and schedule), fit (start-up lines, disk check, summary, out-of-memory message), commands/preflight and
+bench/train (the same plan without data).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig
+
+from gptkit import accounting as acc
+from gptkit.config import count
+from gptkit.errors import ConfigError
+from gptkit.model.config import ModelConfig
+from gptkit.precision import Precision, precision
+from gptkit.training.distributed import accelerator_type, devices_per_node
+from gptkit.training.metrics import detect_peak_flops
+from gptkit.training.optim import lr_factor, min_lr
+
+COMPILE_MODES = ("blocks", "model")
+
+
+def compile_mode(value: Any) -> str | None:
+    """trainer.compile as None (none/false), "blocks" (true: each transformer block, regional) or "model" (the
+    whole forward, loss included)."""
+    if value in (False, None, "false", "none"):
+        return None
+    if value is True or value == "true":
+        return "blocks"
+    if value not in COMPILE_MODES:
+        raise ConfigError(f"trainer.compile={value!r} is not one of none, {', '.join(COMPILE_MODES)} "
+                          f"(or false/true)")
+    return value
+
+
+def train_seq_len(t: Any, model_cfg: ModelConfig) -> int:
+    """The training window: trainer.seq_len (at most the model's context), or model.max_seq_len when null."""
+    seq_len = t.get("seq_len")
+    if seq_len is None:
+        return model_cfg.max_seq_len
+    if not 1 <= int(seq_len) <= model_cfg.max_seq_len:
+        raise ConfigError(f"trainer.seq_len={seq_len} must be in "
+                          f"[1, model.max_seq_len={model_cfg.max_seq_len}]")
+    return int(seq_len)
+
+
+def planned_steps(t: Any, tokens_per_step: int) -> int:
+    """trainer.max_steps, or trainer.max_tokens (a count: 300M, 2T) in steps of tokens_per_step (rounded
+    up)."""
+    if t.get("max_tokens") is not None:
+        steps = math.ceil(count(t.max_tokens, "trainer.max_tokens") / tokens_per_step)
+    else:
+        steps = int(t.max_steps)
+    if steps < 1:
+        raise ConfigError(f"trainer.max_steps={steps} must be >= 1")
+    return steps
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """One training run, resolved: what every part of `train` reads (see the module docstring)."""
+
+    cfg: DictConfig  # the run's config as saved to config.yaml (its model: plan.model)
+    run_dir: Optional[Path]  # None for a plan without a run (preflight)
+    model: ModelConfig
+    seq_len: int
+    batch_size: int  # sequences per device in one micro-batch
+    accumulation: int  # micro-batches per optimizer step
+    devices: int  # processes per node
+    nodes: int
+    world_size: int
+    tokens_per_step: int  # one optimizer step, all ranks together
+    max_steps: int
+    precision: Precision
+    accelerator: str  # "cpu" | "cuda"
+    compile: Optional[str]  # None | "blocks" | "model"
+    compile_backend: str
+    flops_per_token: float  # training FLOPs per token, causal attention (6N + attention)
+    peak_flops: Optional[float]  # one device's peak for plan.precision; None where unknown
+    resume: Optional[Path] = None  # the checkpoint resume= continues
+    resume_step: Optional[int] = None
+    init_from: Optional[Path] = None  # the checkpoint init_from= takes the weights of
+    replan: Optional[str] = None  # on resume with another max_steps: how the schedule moves
+    job: Optional[str] = None  # "job 1: optim.lr=3e-3" for one job of a multirun
+
+    @property
+    def trainer(self) -> DictConfig:
+        """The `trainer` group (the knobs the plan does not resolve: log_every, val_every, ...)."""
+        return self.cfg.trainer
+
+    @property
+    def optim(self) -> DictConfig:
+        """The `optim` group: optimizer and schedule."""
+        return self.cfg.optim
+
+    @property
+    def strategy(self) -> str:
+        """trainer.strategy: auto | ddp | fsdp."""
+        return str(self.cfg.trainer.strategy)
+
+    @property
+    def weights_from_rank0(self) -> bool:
+        """FSDP over several processes: only global rank 0 builds the full model (module.LitGPT)."""
+        return self.strategy == "fsdp" and self.world_size > 1
+
+    @property
+    def shards(self) -> int:
+        """How many ways the weights and optimizer state are split (FSDP: world_size, else 1)."""
+        return self.world_size if self.strategy == "fsdp" else 1
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens the whole plan trains on: tokens_per_step x max_steps."""
+        return self.tokens_per_step * self.max_steps
+
+
+def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *, resume: Optional[Path] = None,
+              resume_step: Optional[int] = None, init_from: Optional[Path] = None,
+              saved_trainer: Optional[DictConfig] = None, job: Optional[str] = None) -> RunPlan:
+    """The plan of a run whose config was checked (fit.check_config) and whose model is known.
+    saved_trainer: on resume, the `trainer` group the run was planned with (for the re-planning note)."""
+    t = cfg.trainer
+    seq_len = train_seq_len(t, model)
+    per_node = devices_per_node(t)  # trainer.devices=auto: every visible GPU
+    world = per_node * int(t.num_nodes)
+    tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
+    max_steps = planned_steps(t, tokens_per_step)
+    replan = None
+    if saved_trainer is not None:
+        saved_steps = planned_steps(saved_trainer, tokens_per_step)
+        replan = schedule_note(saved_steps, max_steps, int(resume_step or 0), cfg.optim)
+    p = precision(t.precision)
+    return RunPlan(
+        cfg=cfg, run_dir=run_dir, model=model, seq_len=seq_len, batch_size=int(t.batch_size),
+        accumulation=int(t.accumulate_grad_batches), devices=per_node, nodes=int(t.num_nodes),
+        world_size=world,
+        tokens_per_step=tokens_per_step, max_steps=max_steps, precision=p, accelerator=accelerator_type(t),
+        compile=compile_mode(t.compile), compile_backend=str(t.get("compile_backend") or "inductor"),
+        flops_per_token=acc.flops_per_token(model, seq_len).train_causal,
+        peak_flops=detect_peak_flops(p.name, t.get("peak_tflops")),
+        resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job,
+    )
+
+
+def schedule_note(saved_max_steps: int | None, max_steps: int, step: int, optim: Any) -> str | None:
+    """On resume: one line when the schedule is re-planned (another max_steps), with the lr before and
+    after."""
+    if saved_max_steps is None or saved_max_steps == max_steps:
+        return None
+    kw = dict(schedule=optim.schedule, warmup_steps=int(optim.warmup_steps), lr=float(optim.lr),
+              min_lr=min_lr(optim), decay_fraction=float(optim.decay_fraction))
+    before = float(optim.lr) * lr_factor(step, max_steps=saved_max_steps, **kw)
+    after = float(optim.lr) * lr_factor(step, max_steps=max_steps, **kw)
+    return (f"the {optim.schedule} schedule is re-planned for {max_steps} steps instead of "
+            f"{saved_max_steps}: lr at step {step} {before:.3g} -> {after:.3g}")
