@@ -171,7 +171,7 @@ class _Progress:
 
     def __init__(self, enabled: bool, total: int | None, label: str) -> None:
         self.enabled, self.total, self.label = enabled, total, label
-        self.done = self.tokens = 0
+        self.done = self.tokens = self.skipped = 0
         self.t0 = self.last = time.perf_counter()
         self.bar = None
         if enabled and sys.stderr.isatty():
@@ -186,7 +186,7 @@ class _Progress:
 
     def line(self) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        rate = self.done / dt
+        rate = (self.done - self.skipped) / dt  # of the text tokenized now, not of a killed build's
         where = human(self.done)
         eta = ""
         if self.total:
@@ -195,8 +195,9 @@ class _Progress:
             eta = f", ETA {int(left // 60)}m{int(left % 60):02d}s"
         return f"{self.label}: {where}, {rate / 1e6:.1f} MB/s, {self.tokens:,} tokens{eta}"
 
-    def advance(self, n_bytes: int, n_tokens: int = 0) -> None:
+    def advance(self, n_bytes: int, n_tokens: int = 0, skipped: bool = False) -> None:
         self.done += n_bytes
+        self.skipped += n_bytes if skipped else 0
         self.tokens += n_tokens
         if self.bar is not None:
             self.bar.update(self.task, advance=n_bytes, tokens=f"{self.tokens:,}")
@@ -341,12 +342,13 @@ def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bo
     if sp["done"]:
         return sp["tokens"], sp["documents"]
     skip = sp["batches"]
+    progress.advance(0, sp["tokens"])  # a killed build's complete shards
 
     def todo() -> Iterator[list[tuple[str, bool, bool]]]:
         for i, b in enumerate(work):
             n_bytes = sum(len(t[0].encode()) for t in b)
             if i < skip:  # already in the shard
-                progress.advance(n_bytes)
+                progress.advance(n_bytes, skipped=True)
                 continue
             sizes.append(n_bytes)
             yield b
