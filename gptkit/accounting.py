@@ -63,7 +63,7 @@ class ParamCounts:
     attn_v: int
     attn_o: int
     mlp: int
-    norms: int  # the two per-layer norms, all layers
+    norms: int  # the two per-layer norms (and the QK-norms, model.qk_norm), all layers
     final_norm: int
     lm_head: int  # 0 when tied to tok_emb
     per_layer: int
@@ -85,22 +85,24 @@ class ParamCounts:
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
-    d, L, b = cfg.d_model, cfg.n_layers, int(cfg.bias)
-    q = d * cfg.d_attn + b * cfg.d_attn
-    k = d * cfg.d_kv + b * cfg.d_kv
-    v = d * cfg.d_kv + b * cfg.d_kv
+    d, L, b, qkv_b = cfg.d_model, cfg.n_layers, int(cfg.bias), int(cfg.qkv_bias)
+    q = d * cfg.d_attn + qkv_b * cfg.d_attn
+    k = d * cfg.d_kv + qkv_b * cfg.d_kv
+    v = d * cfg.d_kv + qkv_b * cfg.d_kv
     o = cfg.d_attn * d + b * d
     if cfg.mlp == "gelu":
         mlp = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
     else:
         mlp = 3 * d * cfg.d_ff + b * (2 * cfg.d_ff + d)
-    norm = d * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
-    per_layer = q + k + v + o + mlp + 2 * norm
+    per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1  # weight (and bias) per normalized feature
+    norm = d * per_dim
+    qk_norm = {None: 0, "head": 2 * cfg.head_dim, "full": cfg.d_attn + cfg.d_kv}[cfg.qk_norm] * per_dim
+    per_layer = q + k + v + o + mlp + 2 * norm + qk_norm
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
         attn_q=L * q, attn_k=L * k, attn_v=L * v, attn_o=L * o,
-        mlp=L * mlp, norms=L * 2 * norm, final_norm=norm,
+        mlp=L * mlp, norms=L * (2 * norm + qk_norm), final_norm=norm,
         lm_head=0 if cfg.tie_embeddings else d * cfg.vocab_size,
         per_layer=per_layer, n_layers=L,
     )

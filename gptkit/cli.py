@@ -41,6 +41,8 @@ VERBS: dict[str, Verb] = {
                   "(resume=, init_from=, -m multirun)", hydra_app=True),
     "sample": Verb("sample", "sample", "generate text from a trained run (KV cache; greedy/temperature/top-k/"
                    "top-p; --json)", verbatim=("prompt",)),
+    "chat": Verb("chat", "chat", "talk with a run turn by turn in its chat template (streaming; KV cache "
+                 "kept across turns; /reset, /exit; stdin lines without a terminal)", verbatim=("system",)),
     "eval": Verb("eval", "eval", "loss, perplexity and bits per byte/char of a run on its val split or a "
                  "held-out corpus (--json)"),
     "attention": Verb("attention", "attention", "write a PNG grid of attention maps (layers x heads) for a text "
@@ -48,17 +50,17 @@ VERBS: dict[str, Verb] = {
     "count-params": Verb("count_params", "count_params", "parameters by component, FLOPs per token, and "
                          "compute/memory estimates for a planned run"),
     "prepare": Verb("prepare", "prepare", "tokenize a corpus into cached token shards + manifest + tokenizer.json"),
-    "export": Verb("export", "export", "write a run as a transformers folder (Llama or GPT-2) that "
-                   "AutoModelForCausalLM loads"),
-    "import": Verb("import_hf", "import", "read a transformers Llama or GPT-2 model (local folder or Hub id) into "
-                   "a gptkit run folder"),
+    "export": Verb("export", "export", "write a run as a transformers folder (Llama, Qwen2/3, OLMo-2 "
+                   "or GPT-2) that AutoModelForCausalLM loads"),
+    "import": Verb("import_hf", "import", "read a transformers Llama, Qwen2/3, OLMo-2 or GPT-2 model (local "
+                   "folder or Hub id) into a gptkit run folder"),
     "plot": Verb("plot", "plot", "draw <run>/loss.png (train and val loss) from the run's metrics.csv"),
     "preflight": Verb("preflight", "preflight", "check a distributed set-up before a long job: ranks, backend, "
                       "an all-reduce, memory vs estimate"),
     "consolidate": Verb("consolidate", "consolidate", "merge a sharded (FSDP) checkpoint folder into one "
                         "checkpoint file", positional="run"),
-    "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench attention|data|train|sample "
-                  "[key=value ...]", positional="bench"),
+    "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench "
+                  "attention|data|train|sample|sft [key=value ...]", positional="bench"),
 }
 
 # Hydra's own flags, for the verb that runs as a Hydra app

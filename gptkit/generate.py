@@ -26,6 +26,7 @@ the cached path must match token for token, and the no-cache baseline of `gptkit
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -37,6 +38,7 @@ from gptkit.sampling import (
     FinishChecks,
     Generation,
     SampleOptions,
+    TextStream,
     context_note,
     sample_next,
     window_plan,
@@ -153,3 +155,119 @@ def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int]) -> list[int]:
                           f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows only "
                           f"its training corpus)")
     return tokenizer.encode(prompt, add_special_tokens=False).ids
+
+
+# ---- a conversation: one KV cache across turns -----------------------------------------------------------
+@dataclass
+class Turn:
+    text: str  # the assistant's reply
+    tokens: list[int]  # its token ids (the end-of-turn token excluded)
+    stop_reason: str  # eos (the end-of-turn / end-of-text token) | length | context
+    prompt_tokens: int  # the conversation so far, rendered with the generation prompt
+    fed_tokens: int  # of those, run through the model in this turn's prefill (the rest came from the cache)
+    prefill_s: float
+    decode_s: float
+    notes: list[str] = field(default_factory=list)
+
+
+class ChatSession:
+    """A conversation with a model, rendered with a chat template, through one KV cache kept across turns.
+
+    Every turn renders the whole conversation (the template decides the text) and tokenizes it; the tokens
+    the cache already holds (the longest common prefix with what it was fed, the previous replies included)
+    are not run again: a second turn feeds only its new tokens. reuse_cache=False re-runs the whole
+    conversation every turn (the baseline). When the conversation no longer fits in max_context tokens
+    (with room for max_new_tokens), its oldest turns are left out (the system prompt stays).
+    """
+
+    def __init__(self, model, tokenizer, template, opts: SampleOptions, system: str | None = None,
+                 stop_ids: tuple[int, ...] = (), max_context: int | None = None,
+                 reuse_cache: bool = True) -> None:
+        cfg = model.cfg
+        self.model, self.tokenizer, self.template, self.opts = model, tokenizer, template, opts
+        self.system, self.stop_ids, self.reuse_cache = system, set(stop_ids), reuse_cache
+        self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
+        if opts.max_new_tokens >= self.max_context:
+            raise GptkitError(f"max_new_tokens={opts.max_new_tokens} leaves no room for the conversation in "
+                              f"{self.max_context} tokens of context; lower it")
+        device = model.tok_emb.weight.device
+        dtype = model.tok_emb.weight.dtype
+        self.cache = KVCache(cfg, 1, max_len=self.max_context, device=device, dtype=dtype)  # across turns
+        self.generator = None
+        if opts.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(int(opts.seed))
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the conversation (the system prompt stays)."""
+        self.messages: list[dict[str, str]] = []
+        if self.system:
+            self.messages.append({"role": "system", "content": self.system})
+        self.cached: list[int] = []  # the tokens whose keys and values the cache holds, in order
+        self.cache.reset()
+
+    def _prompt(self) -> tuple[list[int], list[str]]:
+        """The conversation's ids with the generation prompt, its oldest turns left out until it fits."""
+        notes = []
+        while True:
+            text, _ = self.template.render(self.messages, add_generation_prompt=True)
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            if len(ids) + self.opts.max_new_tokens <= self.max_context:
+                return ids, notes
+            first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
+            if len(self.messages) - first <= 1:  # only the new message is left
+                self.messages.pop()
+                raise GptkitError(f"the message takes {len(ids)} tokens with the template; with "
+                                  f"max_new_tokens={self.opts.max_new_tokens} that exceeds the context of "
+                                  f"{self.max_context}: shorten it")
+            del self.messages[first: first + 2]  # the oldest user message and its reply
+            notes.append("the conversation outgrew the context: its oldest turn was left out")
+
+    @torch.inference_mode()
+    def reply(self, user: str, on_text: Optional[Callable[[str], None]] = None) -> Turn:
+        """Add the user's message, generate the assistant's reply (streamed to on_text), add it too."""
+        self.messages.append({"role": "user", "content": user})
+        ids, notes = self._prompt()
+        keep = 0
+        if self.reuse_cache:
+            limit = min(len(self.cached), len(ids) - 1)  # at least one token is fed, for the next logits
+            while keep < limit and self.cached[keep] == ids[keep]:
+                keep += 1
+        self.cache.length, self.cached = keep, ids[:keep]
+        device = self.cache.k[0].device
+        t0 = time.perf_counter()
+        new = torch.tensor([ids[keep:]], dtype=torch.long, device=device)  # [1, T_new]
+        logits = self.model(new, cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+        self.cached += ids[keep:]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        stream = TextStream(self.tokenizer.decode)
+        out: list[int] = []
+        reason = "length"
+        t1 = time.perf_counter()
+        for i in range(self.opts.max_new_tokens):
+            nxt = sample_next(logits, self.opts.temperature, self.opts.top_k, self.opts.top_p, self.generator)
+            tok = int(nxt[0])
+            if tok in self.stop_ids:
+                reason = "eos"
+                break
+            out.append(tok)
+            piece = stream.push(tok)
+            if on_text is not None and piece:
+                on_text(piece)
+            if i == self.opts.max_new_tokens - 1:
+                break
+            if self.cache.length >= self.max_context:
+                reason = "context"
+                break
+            logits = self.model(nxt[:, None], cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+            self.cached.append(tok)
+        piece = stream.finish()
+        if on_text is not None and piece:
+            on_text(piece)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        decode_s = time.perf_counter() - t1
+        self.messages.append({"role": "assistant", "content": stream.text})
+        return Turn(stream.text, out, reason, len(ids), len(ids) - keep, prefill_s, decode_s, notes)

@@ -1,8 +1,13 @@
-"""Hugging Face `transformers` interop: the mapping between a gptkit GPT and Llama / GPT-2.
+"""Hugging Face `transformers` interop: the mapping between a gptkit GPT and the transformers architectures.
 
-    gptkit variant                               transformers architecture
-    rope + swiglu + rmsnorm (any n_kv_heads)  -> LlamaForCausalLM  (bias -> attention_bias + mlp_bias)
-    learned + gelu + layernorm + bias, MHA    -> GPT2LMHeadModel   (Conv1D weights are [in, out]: transposed)
+    gptkit variant (rope + swiglu + rmsnorm, any n_kv_heads)    transformers architecture
+    bias = qkv_bias, no qk_norm                              -> LlamaForCausalLM (attention_bias + mlp_bias)
+    bias=false, qkv_bias=true (biases on q/k/v only)         -> Qwen2ForCausalLM
+    qk_norm=head (RMSNorm per head of q and k), no biases    -> Qwen3ForCausalLM
+    qk_norm=full, norm_placement=post, no biases             -> Olmo2ForCausalLM (x + norm(f(x)))
+    learned + gelu + layernorm + bias, MHA                   -> GPT2LMHeadModel (Conv1D weights are
+                                                                [in, out]: transposed)
+RoPE may carry model.rope_scaling (type llama3: Llama 3.1/3.2) on every RoPE architecture.
 
 Any other combination is refused with a GptkitError that names the variant that does not map:
 never a silently different model. RoPE is in the rotate-half layout on both sides and GELU is the
@@ -26,36 +31,66 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gptkit.data.chat import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE
 from gptkit.model.config import ModelConfig
 from gptkit.runs import IMPORTED_FILE
 
-LLAMA, GPT2 = "llama", "gpt2"
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", GPT2: "GPT2LMHeadModel"}
+LLAMA, QWEN2, QWEN3, OLMO2, GPT2 = "llama", "qwen2", "qwen3", "olmo2", "gpt2"  # transformers' model_type
+ARCHITECTURES = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM",
+                 OLMO2: "Olmo2ForCausalLM", GPT2: "GPT2LMHeadModel"}
+CONFIG_CLASSES = {LLAMA: "LlamaConfig", QWEN2: "Qwen2Config", QWEN3: "Qwen3Config", OLMO2: "Olmo2Config",
+                  GPT2: "GPT2Config"}
+ROPE_ARCHITECTURES = (LLAMA, QWEN2, QWEN3, OLMO2)  # the decoder layout of Llama, with their own twists
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation gptkit uses
+# What each RoPE architecture fixes beyond rope + swiglu + rmsnorm (the keys of ModelConfig)
+ROPE_VARIANTS: dict[str, dict[str, Any]] = {
+    QWEN2: {"bias": False, "qkv_bias": True, "qk_norm": None, "norm_placement": "pre"},
+    QWEN3: {"bias": False, "qkv_bias": False, "qk_norm": "head", "norm_placement": "pre"},
+    OLMO2: {"bias": False, "qkv_bias": False, "qk_norm": "full", "norm_placement": "post"},
+}
 
 
 # ---- which architecture ------------------------------------------------------------------------
 def architecture(cfg: ModelConfig) -> str:
-    """"llama" or "gpt2" for a mappable config; GptkitError naming the first variant that does not map."""
+    """The transformers model_type of a mappable config; GptkitError naming the first variant that does not
+    map."""
     if cfg.position == "rope":
-        need = {"mlp": "swiglu", "norm": "rmsnorm"}
-        target = "Llama (the transformers architecture for RoPE models)"
+        need: dict[str, Any] = {"mlp": "swiglu", "norm": "rmsnorm"}
+        target = "the transformers architectures for RoPE models (Llama, Qwen2, Qwen3, OLMo-2)"
+        arch = LLAMA
+        if cfg.qk_norm is not None or cfg.norm_placement != "pre" or cfg.qkv_bias != cfg.bias:
+            arch = {None: QWEN2, "head": QWEN3, "full": OLMO2}[cfg.qk_norm]
+            need |= ROPE_VARIANTS[arch]
+            target = f"{ARCHITECTURES[arch]} (the transformers architecture for qk_norm={cfg.qk_norm})"
+        else:
+            need |= {"qk_norm": None, "norm_placement": "pre"}
     else:
-        need = {"mlp": "gelu", "norm": "layernorm", "bias": True, "n_kv_heads": cfg.n_heads,
-                "head_dim": cfg.d_model // cfg.n_heads}
+        need = {"mlp": "gelu", "norm": "layernorm", "bias": True, "qkv_bias": True, "qk_norm": None,
+                "norm_placement": "pre", "n_kv_heads": cfg.n_heads, "head_dim": cfg.d_model // cfg.n_heads}
         target = "GPT-2 (the transformers architecture for learned-position models)"
+        arch = GPT2
     for name, want in need.items():
         have = getattr(cfg, name)
         if have != want:
             raise GptkitError(f"model.{name}={have} with position={cfg.position} has no faithful transformers "
                               f"architecture: {target} needs {name}={want}; refusing rather than produce a "
                               f"different model")
-    return LLAMA if cfg.position == "rope" else GPT2
+    return arch
 
 
 # ---- config ------------------------------------------------------------------------------------
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """transformers' rope_parameters (5.x) for cfg's RoPE: default, or llama3 with its four numbers."""
+    s = cfg.rope_scaling
+    if s is None:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    return {"rope_type": s["type"], "rope_theta": cfg.rope_theta, "factor": s["factor"],
+            "low_freq_factor": s["low_freq_factor"], "high_freq_factor": s["high_freq_factor"],
+            "original_max_position_embeddings": s["original_max_seq_len"]}
+
+
 def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None,
               pad_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
     """The config.json of the transformers model equal to `cfg`."""
@@ -64,15 +99,25 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
               "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
               "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
               "dtype": dtype, "use_cache": True}
-    if arch == LLAMA:
-        return common | {
+    if arch in ROPE_ARCHITECTURES:
+        rope = rope_parameters(cfg)
+        d = common | {
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
             "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
             "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-            "attention_bias": cfg.bias, "mlp_bias": cfg.bias, "attention_dropout": cfg.dropout,
+            "attention_dropout": cfg.dropout,
             "rope_theta": cfg.rope_theta,  # read by transformers < 5; 5.x reads rope_parameters
-            "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+            "rope_parameters": rope,
         }
+        if cfg.rope_scaling is not None:  # transformers < 5 reads the scaling from rope_scaling
+            d["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if arch == LLAMA:
+            d |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
+        elif arch in (QWEN3, OLMO2):
+            d |= {"attention_bias": False}
+        if arch in (QWEN2, QWEN3):
+            d |= {"use_sliding_window": False, "sliding_window": None}
+        return d
     return common | {
         "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_positions": cfg.max_seq_len,
         "n_inner": cfg.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
@@ -82,26 +127,47 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
 
 
 def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
-    """The gptkit ModelConfig equal to a transformers config.json (Llama or GPT-2), or a GptkitError."""
+    """The gptkit ModelConfig equal to a transformers config.json (Llama, Qwen2, Qwen3, OLMo-2 or GPT-2),
+    or a GptkitError."""
     mtype = d.get("model_type")
-    if mtype not in (LLAMA, GPT2):
+    if mtype not in ARCHITECTURES:
         arch = ", ".join(d.get("architectures") or []) or "no architectures field"
-        raise GptkitError(f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama (model_type "
-                          f"llama) and GPT-2 (model_type gpt2) models")
+        raise GptkitError(f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama, Qwen2, "
+                          f"Qwen3, OLMo-2 and GPT-2 models (model_type {', '.join(ARCHITECTURES)})")
 
     def refuse(field: str, value: Any, want: str) -> GptkitError:
         return GptkitError(f"{mtype} config has {field}={value!r}, which gptkit cannot represent ({want})")
 
-    if mtype == LLAMA:
+    if mtype in ROPE_ARCHITECTURES:
         if d.get("hidden_act", "silu") != "silu":
-            raise refuse("hidden_act", d["hidden_act"], "Llama MLPs in gptkit are SwiGLU: hidden_act=silu")
+            raise refuse("hidden_act", d["hidden_act"], "the MLPs are SwiGLU in gptkit: hidden_act=silu")
         rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise refuse("rope_type", rope_type, "only plain RoPE, no scaling")
+        scaling = None
+        if rope_type == "llama3":
+            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+            absent = [k for k in keys if not isinstance(rope.get(k), (int, float))]
+            if absent:
+                raise refuse("rope_scaling", rope, f"rope_type llama3 needs {', '.join(absent)}")
+            scaling = {"type": "llama3", "factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
+                       "high_freq_factor": rope["high_freq_factor"],
+                       "original_max_seq_len": rope["original_max_position_embeddings"]}
+        elif rope_type != "default":
+            raise refuse("rope_type", rope_type, "plain RoPE or rope_type llama3")
+        if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise refuse("partial_rotary_factor", d["partial_rotary_factor"], "RoPE over the whole head")
+        if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()):
+            raise refuse("use_sliding_window", True, "full attention in every layer")
         attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
-        if attn_bias != mlp_bias:
-            raise refuse("attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}", "one bias flag for all linears")
+        if mtype == LLAMA:
+            if attn_bias != mlp_bias:
+                raise refuse("attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}",
+                             "one bias flag for all linears")
+            variant: dict[str, Any] = {"bias": attn_bias, "qkv_bias": attn_bias}
+        else:
+            if mtype != QWEN2 and attn_bias:  # their MLPs have none: q/k/v/o biases alone have no gptkit flag
+                raise refuse("attention_bias", True, "biases on q/k/v/o without MLP biases")
+            variant = dict(ROPE_VARIANTS[mtype])
         missing = [k for k in ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads",
                                "hidden_size", "intermediate_size") if not isinstance(d.get(k), int)]
         if missing:
@@ -113,10 +179,10 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             n_heads=n_heads, n_kv_heads=d.get("num_key_value_heads") or n_heads, d_model=d["hidden_size"],
             d_ff=d["intermediate_size"], head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
             position="rope", rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            mlp="swiglu", norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", 1e-6)), bias=attn_bias,
+            rope_scaling=scaling, mlp="swiglu", norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             dropout=float(d.get("attention_dropout", 0.0)), init_std=float(d.get("initializer_range", 0.02)),
-            name=name,
+            name=name, **variant,
         )
     act = d.get("activation_function", "gelu_new")
     if act not in GPT2_GELUS:
@@ -158,18 +224,26 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
     (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order). lm_head appears only
     when it is not tied to the embedding. Both directions of the mapping read this one table."""
     rows: list[tuple[str, str | tuple[str, ...], str]] = []
-    if architecture(cfg) == LLAMA:
+    arch = architecture(cfg)
+    if arch in ROPE_ARCHITECTURES:
+        # OLMo-2 normalizes each branch's output: its two norms are named after what they follow
+        norms = (("post_attention_layernorm", "post_feedforward_layernorm") if arch == OLMO2
+                 else ("input_layernorm", "post_attention_layernorm"))
         rows.append(("tok_emb.weight", "model.embed_tokens.weight", COPY))
         for i in range(cfg.n_layers):
             g, h = f"blocks.{i}.", f"model.layers.{i}."
-            for part in ("weight", "bias") if cfg.bias else ("weight",):
+            for part in ("weight", "bias") if cfg.qkv_bias else ("weight",):
                 rows.append((g + f"attn.qkv_proj.{part}",
                              tuple(h + f"self_attn.{p}_proj.{part}" for p in "qkv"), SPLIT))
+            for part in ("weight", "bias") if cfg.bias else ("weight",):
                 rows.append((g + f"attn.o_proj.{part}", h + f"self_attn.o_proj.{part}", COPY))
                 rows += [(g + f"mlp.{proj}.{part}", h + f"mlp.{proj}.{part}", COPY)
                          for proj in ("gate_proj", "up_proj", "down_proj")]
-            rows.append((g + "attn_norm.weight", h + "input_layernorm.weight", COPY))
-            rows.append((g + "mlp_norm.weight", h + "post_attention_layernorm.weight", COPY))
+            if cfg.qk_norm is not None:
+                rows += [(g + f"attn.{n}.weight", h + f"self_attn.{n}.weight", COPY)
+                         for n in ("q_norm", "k_norm")]
+            rows.append((g + "attn_norm.weight", h + f"{norms[0]}.weight", COPY))
+            rows.append((g + "mlp_norm.weight", h + f"{norms[1]}.weight", COPY))
         rows.append(("final_norm.weight", "model.norm.weight", COPY))
     else:
         t = "transformer."
@@ -244,14 +318,15 @@ def to_transformers(model):
     cfg = model.cfg
     d = hf_config(cfg)
     arch = d.pop("model_type")
-    config_cls = transformers.LlamaConfig if arch == LLAMA else transformers.GPT2Config
+    config_cls = getattr(transformers, CONFIG_CLASSES[arch])
     config = config_cls(**{k: v for k, v in d.items() if k not in ("architectures", "dtype")})
     model_cls = getattr(transformers, ARCHITECTURES[arch])
     with torch.device("cpu"):
         hf_model = model_cls(config)
     state = to_hf_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()}, cfg)
     if cfg.tie_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight" if arch == LLAMA else "transformer.wte.weight"]
+        tied = "transformer.wte.weight" if arch == GPT2 else "model.embed_tokens.weight"
+        state["lm_head.weight"] = state[tied]
     hf_model.load_state_dict(state, strict=True)
     return hf_model.float().eval()
 
@@ -387,7 +462,8 @@ def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None
 
 
 # ---- sources: a local folder or a Hugging Face Hub model ---------------------------------------
-HUB_FIRST = ["config.json", "tokenizer.json"]  # fetched first: an unsupported model fails before its weights
+HUB_FIRST = ["config.json", "tokenizer.json",  # fetched first: an unsupported model fails before its weights
+             "tokenizer_config.json", "chat_template.jinja"]  # the chat template (gptkit chat, data=chat)
 HUB_WEIGHTS = [SAFE_SINGLE, "model-*-of-*.safetensors", SAFE_INDEX]
 HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]  # only for a model without safetensors
 HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?(?:@[\w./-]+)?")  # owner/name[@revision] (or a legacy name)
@@ -472,8 +548,8 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
         folder = get(HUB_FIRST, revision)
         commit = folder.name  # a snapshot folder is named by its commit: the later calls fetch exactly this one
         if not (folder / "config.json").is_file():
-            raise GptkitError(f"{repo_id} has no config.json: it is not a transformers model (gptkit imports Llama "
-                              f"and GPT-2 models)")
+            raise GptkitError(f"{repo_id} has no config.json: it is not a transformers model (gptkit imports "
+                              f"Llama, Qwen2, Qwen3, OLMo-2 and GPT-2 models)")
         model_config_from_hf(read_hf_config(folder))  # an unsupported model fails before its weights download
         folder = get(HUB_WEIGHTS, commit)
         if not any((folder / f).is_file() for f in (SAFE_SINGLE, SAFE_INDEX)):
@@ -503,6 +579,7 @@ class Imported:
     dtypes: list[str]  # of the source tensors (the run folder holds fp32)
     has_tokenizer: bool
     heads: str  # what the weight shapes confirm about the attention heads (heads_confirmed)
+    has_chat_template: bool = False  # tokenizer_config.json's chat_template, kept as chat.json
 
 
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
@@ -522,13 +599,16 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
     model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
     tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
+    template = template_in_folder(src.dir) if tokenizer is not None else None  # tokenizer_config.json's
     with staged_dir(out, force=force) as tmp:
         write_run_folder(tmp, {}, model, tokenizer)
+        if template is not None:
+            (tmp / CHAT_FILE).write_text(template.to_json())
         provenance = {"source": src.spec, "architectures": hf_cfg.get("architectures"),
                       "model_type": hf_cfg.get("model_type"), "dtypes": dtypes, "files": fingerprint(src.dir)}
         (tmp / IMPORTED_FILE).write_text(json.dumps(provenance, indent=2))
     return Imported(out, hf_cfg.get("model_type"), model.num_parameters(), dtypes, tokenizer is not None,
-                    heads_confirmed(hf_cfg, model_cfg))
+                    heads_confirmed(hf_cfg, model_cfg), template is not None)
 
 
 def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tuple[Path, Source, bool]:

@@ -24,6 +24,7 @@ from gptkit.errors import ConfigError
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
 FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
+NAMED_LAST = ("tokens",)  # data=tokens shares data.paths with files and chat; a path is far more often text
 _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
 
 
@@ -153,7 +154,13 @@ def _unknown(config_name: str, o: Option, schema: DictConfig, options: list[Opti
     group = o.key.split(".")[0]
     in_group = "." in o.key and group in _groups(config_name, options)
     preset_keys = _group_keys(group) if in_group else {}
-    owners = [p for p, keys in preset_keys.items() if o.key in keys]
+
+    def owners_of(key: str) -> list[str]:
+        """The presets that have `key`, the simplest first (data.paths: files, then chat)."""
+        return sorted((p for p, keys in preset_keys.items() if key in keys),
+                      key=lambda p: (p in NAMED_LAST, len(preset_keys[p])))
+
+    owners = owners_of(o.key)
     if owners:
         return (f"{o.key} {_needs(config_name, group, owners, options)}: "
                 f"{_fix(config_name, group, owners, options)} {o.key}={o.raw}")
@@ -161,7 +168,7 @@ def _unknown(config_name: str, o: Option, schema: DictConfig, options: list[Opti
     near = suggest(o.key, known + sorted(set().union(*preset_keys.values())))
     hint = ""
     if near:
-        owners = [p for p, keys in preset_keys.items() if near in keys] if near not in known else []
+        owners = owners_of(near) if near not in known else []
         hint = f": did you mean {near}" + (f" (with {_fix(config_name, group, owners, options)})" if owners else "") + "?"
     return f"unknown option {o.key}{hint} (`gptkit {config_name.replace('_', '-')} --help` lists the options)"
 

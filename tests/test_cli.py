@@ -75,7 +75,7 @@ def test_debug_shows_traceback(cli):
 
 def test_verb_help_lists_groups_that_are_unchosen_by_default(cli):
     assert "experiment: shakespeare-char" in cli("train", "--help").stdout
-    assert "data: files, hub" in cli("eval", "--help").stdout
+    assert "data: chat, files, hub" in cli("eval", "--help").stdout
 
 
 def test_the_verb_table_is_the_commands_folder():

@@ -104,7 +104,8 @@ def test_import_hub_id_downloads_config_and_tokenizer_then_safetensors_only(tmp_
     assert [c["revision"] for c in fake.calls] == [None, COMMIT]  # then exactly the commit the config came from
     assert not any(c["local_files_only"] for c in fake.calls)
     snapshot = tmp_path / "hf-cache" / "models--tiny-org--tiny-gpt2" / "snapshots" / COMMIT
-    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+                                                        "tokenizer_config.json"]  # the chat template
     assert_same_weights(tmp_path / "run", model)
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["name"] == "tiny-gpt2"
     provenance = json.loads((tmp_path / "run" / "imported_from.json").read_text())

@@ -27,6 +27,11 @@ def corpus_tokens(cfg, r):
     from gptkit.runs import TOKENIZER_FILE
 
     run_tok = r.config.get("tokenizer") or {}
+    data = cfg.get("data") if cfg.get("data") is not None else r.config.get("data") or {}
+    if data.get("kind") == "chat":  # conversations, not a token stream: no windows to score
+        raise GptkitError("eval scores windows of a text corpus; data=chat is conversations (a data=chat "
+                          "run's val/loss, on the assistant's tokens, is in its metrics.csv); pass a text "
+                          "corpus: data=files 'data.paths=[held_out.txt]'")
     if cfg.get("data") is None:
         if "data" not in r.config or "tokenizer" not in r.config:
             raise GptkitError(f"{r.dir}/config.yaml has no data/tokenizer sections to find its val split; "

@@ -76,7 +76,8 @@ def run(cfg) -> int:
     elif "eos_token" not in special:
         print("note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
               file=sys.stderr)
-    if arch == hf.LLAMA and model_cfg.dropout > 0:
-        print(f"note: Llama has attention dropout only, so model.dropout={model_cfg.dropout} applies there and not "
-              f"to the residual stream when fine-tuning in transformers (inference is unaffected)", file=sys.stderr)
+    if arch in hf.ROPE_ARCHITECTURES and model_cfg.dropout > 0:
+        print(f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
+              f"model.dropout={model_cfg.dropout} applies there and not to the residual stream when "
+              f"fine-tuning in transformers (inference is unaffected)", file=sys.stderr)
     return 0

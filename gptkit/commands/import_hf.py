@@ -1,5 +1,5 @@
-"""Read a Hugging Face `transformers` model (Llama or GPT-2) into a gptkit run folder (config.yaml,
-tokenizer.json, checkpoints/last.ckpt) that sample, eval, export and `train init_from=` accept.
+"""Read a Hugging Face `transformers` model (Llama, Qwen2, Qwen3, OLMo-2 or GPT-2) into a gptkit run folder
+(config.yaml, tokenizer.json, checkpoints/last.ckpt) that sample, eval, export and `train init_from=` accept.
 
 hf= is a local folder (it wins whenever it exists) or a Hugging Face Hub model id, owner/name[@revision]:
 then config.json and tokenizer.json, and then the safetensors weights, are downloaded into the Hugging Face
@@ -43,6 +43,9 @@ def run(cfg) -> int:
     print(f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> fp32) "
           f"into {out}")
     print(f"  attention heads: {done.heads}")
+    if done.has_chat_template:
+        print(f"  chat template: kept in {out / 'chat.json'} (gptkit chat run={out}; data=chat "
+              f"data.template=auto)")
     if not done.has_tokenizer:
         print(f"warning: {shown} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
               f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) writes "

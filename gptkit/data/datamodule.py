@@ -6,6 +6,8 @@ train: an endless IterableDataset of sampler batches starting at micro-step
        trainer.world_size. Without a trainer: step 0, rank 0 of 1.
 val:   a fixed, deterministic map-style set of windows, the same for every run on the same data.
 pack="documents": every batch is (x, y, doc_ids) instead of (x, y) (see gptkit.data.windows).
+data=chat (a ChatData): rows of whole conversations instead of windows, targets -100 where no loss
+       (gptkit.data.chat); the same stateless choice of rows per step.
 data=mix (a MixedData): windows from every source by its share (gptkit.data.mixture.MixtureSampler), the
 val windows of every source, the sources announced at setup, their tokens consumed in `source_tokens`.
 """
@@ -16,6 +18,7 @@ import lightning as L
 import numpy as np
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
+from gptkit.data.chat import ChatData, ChatSampler, describe_rows, make_rows
 from gptkit.data.mixture import MixedData, MixtureSampler, announce
 from gptkit.data.prepared import PreparedData
 from gptkit.data.windows import WindowSampler, check_pack, check_window, val_starts, windows
@@ -49,11 +52,14 @@ class ValWindows(Dataset):
 
 
 class TokenDataModule(L.LightningDataModule):
-    def __init__(self, prepared: PreparedData, batch_size: int = 12, seq_len: int = 128, seed: int = 1337,
-                 val_windows: int | None = 200, pack: str = "stream") -> None:
+    def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12, seq_len: int = 128,
+                 seed: int = 1337, val_windows: int | None = 200, pack: str = "stream") -> None:
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
+        if isinstance(prepared, ChatData):
+            self._chat_rows(prepared)
+            return
         check_pack(pack, prepared.eos_id)
         self.eos_id = prepared.eos_id if pack == "documents" else None
         self.parts = prepared.parts if isinstance(prepared, MixedData) else [prepared]
@@ -86,6 +92,20 @@ class TokenDataModule(L.LightningDataModule):
         counts = self.sampler.consumed(step * accum, world, self._consumed)
         return {f"data/tokens_{n}": float(c * self.seq_len) for n, c in zip(self.prepared.names, counts)}
 
+    def _chat_rows(self, chat: ChatData) -> None:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        s = chat.settings
+        train, val = (make_rows(split, self.seq_len, s["pack"], s["train_on"], s["truncate"], chat.pad_id)
+                      for split in (chat.train, chat.val))
+        self.sampler = ChatSampler(train, self.batch_size, self.seed)
+        n_val = len(val) if self.val_windows is None else min(len(val), int(self.val_windows))
+        self._val = [val.batch(i) for i in range(n_val)]  # rows of [seq_len] tensors, batched by the loader
+        if rank_zero_only.rank == 0:
+            import sys
+
+            print(describe_rows(train, val, self.seq_len, s), file=sys.stderr)
+
     def _position(self) -> tuple[int, int, int]:
         """(micro-step to start at, rank, world size) from the attached trainer, if any."""
         trainer = getattr(self, "trainer", None)
@@ -105,6 +125,9 @@ class TokenDataModule(L.LightningDataModule):
                           pin_memory=self._pin())
 
     def val_dataloader(self) -> DataLoader:
+        if isinstance(self.prepared, ChatData):
+            return DataLoader(self._val, batch_size=self.batch_size, shuffle=False, num_workers=0,
+                              pin_memory=self._pin())
         each = None if self.val_windows is None else max(1, int(self.val_windows) // len(self.parts))
         n = each if len(self.parts) > 1 else self.val_windows
         ds = ConcatDataset([ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id,

@@ -18,7 +18,7 @@ Every backend has the same signature:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +28,7 @@ from gptkit.model.config import ATTENTIONS, ModelConfig
 from gptkit.model.documents import Documents
 from gptkit.model.fused import triton_available, warn_once
 from gptkit.model.kv_cache import KVCache
-
-if TYPE_CHECKING:  # an annotation only: attention never calls into layers.py
-    from gptkit.model.layers import RotaryEmbedding
+from gptkit.model.layers import RotaryEmbedding, make_norm  # the QK-norms are layers.py norms
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -125,8 +123,16 @@ class CausalSelfAttention(nn.Module):
         self.layer = layer
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # one fused projection for q, k and v: [d_model] -> [d_attn + 2 * d_kv]
-        self.qkv_proj = nn.Linear(cfg.d_model, cfg.d_attn + 2 * cfg.d_kv, bias=cfg.bias)
+        self.qkv_proj = nn.Linear(cfg.d_model, cfg.d_attn + 2 * cfg.d_kv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.d_attn, cfg.d_model, bias=cfg.bias)
+        # QK-norm (model.qk_norm), before RoPE: "head" normalizes each head over head_dim with one weight
+        # shared by the heads (Qwen3); "full" normalizes all query (key) heads together (OLMo-2)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:
+            q_dim, k_dim = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (cfg.d_attn, cfg.d_kv)
+            fused_norm = "norm" in cfg.kernels
+            self.q_norm = make_norm(cfg.norm, dim=q_dim, eps=cfg.norm_eps, bias=cfg.bias, fused=fused_norm)
+            self.k_norm = make_norm(cfg.norm, dim=k_dim, eps=cfg.norm_eps, bias=cfg.bias, fused=fused_norm)
         self.dropout = cfg.dropout
         self.attend = get_attention(cfg.attention)
 
@@ -137,8 +143,13 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
                                           self.n_kv_heads * self.head_dim], dim=-1)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, n_heads, T, head_dim]
-        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, d_attn], [B, T, d_kv]
+        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, n_heads, head_dim]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, n_kv_heads, head_dim]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, n_heads, T, head_dim], [B, n_kv_heads, T, head_dim]
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         if rope is not None:
             q, k = rope(q, k, positions)  # rotate before caching: the cache holds rotated keys

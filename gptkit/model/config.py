@@ -15,6 +15,10 @@ POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 ATTENTIONS = ("eager", "sdpa", "triton")
+QK_NORMS = ("head", "full")  # RMSNorm of q and k: per head over head_dim (Qwen3) | all heads at once (OLMo-2)
+NORM_PLACEMENTS = ("pre", "post")  # pre: x + f(norm(x)) (GPT-2, Llama) | post: x + norm(f(x)) (OLMo-2)
+ROPE_SCALINGS = ("llama3",)
+ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")}
 KERNELS = ("norm", "swiglu", "rope", "loss")  # fused kernels model.kernels may switch on (gptkit/model/fused.py)
 
 
@@ -30,10 +34,16 @@ class ModelConfig:
     head_dim: int | None = None  # None: d_model // n_heads
     position: str = "learned"  # learned | rope
     rope_theta: float = 10000.0
+    # null: plain RoPE; {type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}:
+    # Llama 3.1's frequency scaling (transformers' rope_type llama3)
+    rope_scaling: dict[str, Any] | None = None
     mlp: str = "gelu"  # gelu | swiglu
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_eps: float = 1e-5
     bias: bool = True  # biases in the linear layers and LayerNorm
+    qkv_bias: bool | None = None  # biases of the q/k/v projections; null: = bias (Qwen2: true, bias false)
+    qk_norm: str | None = None  # null | head | full: RMSNorm of queries and keys before RoPE (QK_NORMS)
+    norm_placement: str = "pre"  # pre | post: where each block's two norms sit (NORM_PLACEMENTS)
     tie_embeddings: bool = True
     dropout: float = 0.0
     attention: str = "sdpa"  # eager | sdpa | triton
@@ -47,6 +57,8 @@ class ModelConfig:
         self.validate()
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
+        if self.qkv_bias is None:
+            self.qkv_bias = self.bias
         if self.head_dim is None:
             self.head_dim = self.d_model // self.n_heads
         if self.d_ff is None:
@@ -82,6 +94,16 @@ class ModelConfig:
         self.kernels = list(dict.fromkeys(self.kernels))
         if not isinstance(self.position_reset, bool):
             raise ConfigError(f"model.position_reset={self.position_reset!r} must be true or false")
+        if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
+            raise ConfigError(f"model.qkv_bias={self.qkv_bias!r} must be true, false or null (= model.bias)")
+        if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
+            raise ConfigError(f"model.qk_norm={self.qk_norm!r} is not one of {', '.join(QK_NORMS)} "
+                              f"(or null: none)")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ConfigError(f"model.norm_placement={self.norm_placement!r} is not one of "
+                              f"{', '.join(NORM_PLACEMENTS)}")
+        if self.rope_scaling is not None:
+            self.rope_scaling = check_rope_scaling(self.rope_scaling, self.position)
         if self.head_dim is None and self.d_model % self.n_heads:
             raise ConfigError(
                 f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}; "
@@ -118,6 +140,32 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as the plain dict a run folder's config.yaml holds."""
         return dataclasses.asdict(self)
+
+
+def check_rope_scaling(d: Any, position: str) -> dict[str, Any]:
+    """model.rope_scaling as a plain dict with every key of its type, numbers as floats (the original
+    context as an int); ConfigError naming what is wrong."""
+    if position != "rope":
+        raise ConfigError(f"model.rope_scaling needs model.position=rope (it is {position}); set it to null")
+    if not isinstance(d, Mapping) or d.get("type") not in ROPE_SCALINGS:
+        raise ConfigError(f"model.rope_scaling={d!r} must be null or a mapping with type: one of "
+                          f"{', '.join(ROPE_SCALINGS)}")
+    need = ROPE_SCALING_KEYS[d["type"]]
+    have = set(d) - {"type"}
+    if have != set(need):
+        raise ConfigError(f"model.rope_scaling of type {d['type']} takes exactly {', '.join(need)} "
+                          f"(missing: {', '.join(sorted(set(need) - have)) or '-'}; unknown: "
+                          f"{', '.join(sorted(have - set(need))) or '-'})")
+    out: dict[str, Any] = {"type": d["type"]}
+    for k in need:
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+            raise ConfigError(f"model.rope_scaling.{k}={v!r} must be a positive number")
+        out[k] = int(v) if k == "original_max_seq_len" else float(v)
+    if out["type"] == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
+        raise ConfigError(f"model.rope_scaling: high_freq_factor={out['high_freq_factor']} must exceed "
+                          f"low_freq_factor={out['low_freq_factor']}")
+    return out
 
 
 def swiglu_hidden(d_model: int, multiple_of: int = 256) -> int:

@@ -1,7 +1,8 @@
 """The pre-norm decoder-only transformer (GPT-2 and Llama style), as one torch.nn.Module.
 
     idx [B, T] -> tok_emb (+ pos_emb) -> n_layers x Block -> final_norm -> lm_head -> logits [B, T, V]
-    Block: x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
+    Block (norm_placement=pre):   x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
+    Block (norm_placement=post):  x = x + attn_norm(attn(x));  x = x + mlp_norm(mlp(x))   (OLMo-2)
 
 Labels are NOT shifted inside: pass `targets` already aligned with the logits
 (targets[:, t] is the token that follows idx[:, t]).
@@ -43,9 +44,15 @@ class Block(nn.Module):
         else:
             self.mlp = SwiGLUMLP(cfg.d_model, cfg.d_ff, bias=cfg.bias, fused="swiglu" in cfg.kernels)
         self.dropout = cfg.dropout
+        self.post_norm = cfg.norm_placement == "post"
 
     def forward(self, x, *, rope=None, cache=None, positions=0, docs=None, return_probs=False):
         """x [B, T, d_model] -> (x + attention + MLP, the attention probabilities or None)."""
+        if self.post_norm:  # the norms act on each branch's output, the residual stream is never normalized
+            a, probs = self.attn(x, rope=rope, cache=cache, positions=positions, docs=docs,
+                                 return_probs=return_probs)
+            x = x + self.attn_norm(a)
+            return x + F.dropout(self.mlp_norm(self.mlp(x)), self.dropout, self.training), probs
         a, probs = self.attn(self.attn_norm(x), rope=rope, cache=cache, positions=positions, docs=docs,
                              return_probs=return_probs)
         x = x + a
@@ -60,7 +67,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.rope = (RotaryEmbedding(cfg.head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta,
-                                     fused="rope" in cfg.kernels)
+                                     fused="rope" in cfg.kernels, scaling=cfg.rope_scaling)
                      if cfg.position == "rope" else None)
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
@@ -77,7 +84,7 @@ class GPT(nn.Module):
         by 1/sqrt(2 * n_layers) (two residual adds per block)."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # attn_norm, mlp_norm, final_norm, q_norm, k_norm
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
@@ -165,3 +172,17 @@ class GPT(nn.Module):
             if self.pos_emb is not None:
                 n -= self.pos_emb.weight.numel()
         return n
+
+
+@torch.no_grad()
+def grow_vocab(state: dict[str, torch.Tensor], vocab_size: int) -> dict[str, torch.Tensor]:
+    """`state` with tok_emb (and lm_head) grown to vocab_size rows, each new row the mean of the old rows
+    (new tokens, such as a chat template's, start where the model already is: no outlier logits)."""
+    out = dict(state)
+    for name in ("tok_emb.weight", "lm_head.weight"):
+        w = state.get(name)
+        if w is None or w.shape[0] >= vocab_size:
+            continue
+        new = w.float().mean(0, keepdim=True).to(w.dtype).expand(vocab_size - w.shape[0], -1)  # [new, d]
+        out[name] = torch.cat([w, new], dim=0)  # [vocab_size, d_model]
+    return out

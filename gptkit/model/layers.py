@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -84,23 +86,32 @@ class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" layout (the Hugging Face Llama layout).
 
     cos/sin tables are computed in fp32 for every position up to max_seq_len and kept as
-    non-persistent buffers (they are a function of the config, not learned state).
+    non-persistent buffers (they are a function of the config, not learned state). `scaling`
+    (model.rope_scaling) rescales the frequencies first, e.g. Llama 3.1's `llama3` scheme.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float, fused: bool = False) -> None:
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float, fused: bool = False,
+                 scaling: dict | None = None) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta, self.fused = head_dim, max_seq_len, theta, fused
+        self.scaling = scaling
         cos, sin = self._tables(None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
     def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        f64 = dict(dtype=torch.float64, device=device)
-        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, **f64) / self.head_dim))
-        t = torch.arange(self.max_seq_len, **f64)
+        # In fp32, step by step as Meta's reference and transformers compute them: the angles the weights were
+        # trained with (an fp64 angle differs from that fp32 one by up to an fp32 ulp of position * frequency)
+        f32 = dict(dtype=torch.float32, device=device)
+        steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device)  # [head_dim/2]
+        exponents = steps.float() / self.head_dim
+        inv_freq = 1.0 / (self.theta ** exponents)  # [head_dim/2]
+        if self.scaling is not None:
+            inv_freq = llama3_frequencies(inv_freq, self.scaling)
+        t = torch.arange(self.max_seq_len, **f32)
         freqs = torch.outer(t, inv_freq)  # [max_seq_len, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, head_dim]
-        return emb.cos().float(), emb.sin().float()
+        return emb.cos(), emb.sin()
 
     def _apply(self, fn, recurse=True):
         """`model.to(torch.bfloat16)` would round the tables to bf16 and shift every position, and
@@ -129,6 +140,19 @@ class RotaryEmbedding(nn.Module):
             cos = self.cos[positions][:, None]  # [B, 1, T, D]
             sin = self.sin[positions][:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling: wavelengths longer than original_max_seq_len / low_freq_factor are divided
+    by `factor`, those shorter than original_max_seq_len / high_freq_factor stay, and the band between
+    is interpolated smoothly (Meta's reference `apply_scaling`, transformers' rope_type llama3)."""
+    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+    old = s["original_max_seq_len"]
+    wavelen = 2 * math.pi / inv_freq  # [head_dim/2]
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)  # 0 at the long end of the band, 1 at the short end
+    medium = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -199,6 +199,10 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path, overrides: list[Option]
         own = run_dir / TOKENIZER_FILE
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(own, tok_file.read_bytes())  # each rank its own temp file, then one rename
+        from gptkit.data.chat import CHAT_FILE
+
+        if (src_dir / CHAT_FILE).is_file():  # its chat template, for data=chat data.template=auto
+            atomic_write_bytes(run_dir / CHAT_FILE, (src_dir / CHAT_FILE).read_bytes())
         eos = (src.get("tokenizer") or {}).get("eos_token")
         cfg.tokenizer = OmegaConf.create({"kind": "file", "path": str(own.resolve()), "eos_token": eos})
     cfg.init_from = pinned or str(ckpt)
@@ -225,10 +229,20 @@ def _import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
     return str(folder), HF_PREFIX + src.spec
 
 
-def _load_init_weights(module, ckpt: Path) -> None:
+def _load_init_weights(module, ckpt: Path, vocab_size: int | None = None) -> None:
     """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
-    run's model, with no second model in memory."""
-    state = checked_model_state(ckpt, module.model.cfg)
+    run's model, with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new model's
+    (a chat template's special tokens were added): the new rows start as the mean of the old ones."""
+    import dataclasses
+
+    from gptkit.model.gpt import grow_vocab
+
+    cfg = module.model.cfg
+    if vocab_size is None or vocab_size == cfg.vocab_size:
+        state = checked_model_state(ckpt, cfg)
+    else:
+        state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size))
+        state = grow_vocab(state, cfg.vocab_size)
     module.model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
 
 
@@ -274,6 +288,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     import torch
 
     from gptkit.data import TokenDataModule, check_vocab, prepare
+    from gptkit.data.chat import CHAT_FILE, ChatData, prepare_chat
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
     from gptkit.threads import set_threads
@@ -312,9 +327,14 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         ModelConfig.from_dict(model_dict)
 
     # data first: the tokenizer decides the vocabulary size
-    prepared = prepare(cfg.data, cfg.tokenizer)  # its shards are checked in the background meanwhile
+    chat = cfg.data.get("kind") == "chat"  # conversations with a template (gptkit.data.chat)
+    prepared = (prepare_chat if chat else prepare)(cfg.data, cfg.tokenizer)  # shards are checked meanwhile
+    multiple = int(cfg.get("vocab_multiple", 1))
+    init_vocab = None  # init_from= with tokens the chat template added: the source's vocabulary, grown
     if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None and init_ckpt is None:
-        multiple = int(cfg.get("vocab_multiple", 1))
+        model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
+    elif chat and init_ckpt is not None and prepared.vocab_size > model_dict["vocab_size"]:
+        init_vocab = model_dict["vocab_size"]
         model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
     model_cfg = ModelConfig.from_dict(model_dict)
     check_vocab(prepared, model_cfg.vocab_size)
@@ -331,7 +351,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     module = LitGPT(plan)
     # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
     if plan.init_from is not None and not module.built_on_meta:
-        _load_init_weights(module, plan.init_from)
+        _load_init_weights(module, plan.init_from, init_vocab)
     datamodule = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len,
                                  seed=int(cfg.seed), val_windows=t.val_windows,
                                  pack=cfg.data.get("pack", "stream"))
@@ -347,6 +367,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         _remove_leftovers(run_dir)
         atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
         atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
+        if isinstance(prepared, ChatData):  # the template `gptkit chat` talks with
+            atomic_write_bytes(run_dir / CHAT_FILE, prepared.template_path.read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
     _announce(trainer, plan, prepared)
     if trainer.is_global_zero:

@@ -1,0 +1,129 @@
+"""Fine-tuning on chat data end to end and `gptkit chat`: the template's tokens added and the embedding grown,
+the KV cache kept across turns (and the same replies without it), one answer per stdin line."""
+
+import io
+import json
+
+import pytest
+import torch
+from conftest import run_main
+
+from gptkit.data import chat
+from gptkit.generate import ChatSession
+from gptkit.model import GPT, ModelConfig
+from gptkit.runs import load_run, write_run_folder
+from gptkit.sampling import SampleOptions
+from gptkit.tokenizer import byte_tokenizer
+
+TINY = dict(max_seq_len=96, n_layers=1, n_heads=2, n_kv_heads=1, d_model=32, d_ff=64, position="rope",
+            mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, qk_norm="head")
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """A base run without chat tokens, fine-tuned on chat data with the chatml template (2 steps)."""
+    root = tmp_path_factory.mktemp("sft")
+    torch.manual_seed(0)
+    write_run_folder(root / "base", {"model": ModelConfig(vocab_size=256, **TINY).to_dict()},
+                     GPT(ModelConfig(vocab_size=256, **TINY)), byte_tokenizer([]))
+    data = root / "train.jsonl"
+    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="},
+                          {"role": "assistant", "content": str(a + b)}]} for a in range(6) for b in range(6)]
+    rows.insert(3, {"prompt": "long " * 30, "response": "cut"})  # longer than a row: dropped, and counted
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return root, data
+
+
+def test_sft_adds_the_template_tokens_grows_the_embedding_and_reports_the_loss_share(sft_run, capsys):
+    root, data = sft_run
+    code, _, err = run_main(capsys, "train", f"init_from={root / 'base'}", "data=chat",
+                            f"data.paths=[{data}]", "data.template=chatml", "trainer.batch_size=4",
+                            "trainer.max_steps=2",
+                            "trainer.val_every=2", "trainer.val_windows=2", "trainer.progress=false",
+                            "trainer.threads=1", f"runs_dir={root / 'runs'}", "name=sft")
+    assert code in (0, None), err[-2000:]
+    assert "added <|im_start|>, <|im_end|> to the tokenizer" in err
+    assert "of the train targets carry loss (data.train_on=assistant)" in err
+    assert "1 dropped (data.truncate=drop)" in err
+    run = load_run(root / "runs" / "sft")
+    assert run.model_cfg.vocab_size == 258 and run.tokenizer.token_to_id("<|im_end|>") == 257
+    assert json.loads((run.dir / "chat.json").read_text())["name"] == "chatml"
+
+
+def scripted_chat(capsys, monkeypatch, lines: str, *args):
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    return run_main(capsys, "chat", *args)
+
+
+def test_chat_reads_one_message_a_line_and_prints_one_answer_each(sft_run, capsys, monkeypatch):
+    root, _ = sft_run
+    run = root / "runs" / "sft"
+    code, out, err = scripted_chat(capsys, monkeypatch, "1+2=\n\n3+4=\n/reset\n5+0=\n/exit\nnever read\n",
+                                   f"run={run}", "greedy=true", "max_new_tokens=6", "threads=1", "--json")
+    assert code == 0, err
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert [a["user"] for a in answers] == ["1+2=", "3+4=", "5+0="]
+    assert [a["turn"] for a in answers] == [1, 2, 1]  # /reset starts over
+    first, second = answers[0], answers[1]
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["tokens"]
+    new_tokens = second["prompt_tokens"] - first["prompt_tokens"]
+    assert second["fed_tokens"] < new_tokens + 4  # turn 1 came from the cache
+    code, out, err = scripted_chat(capsys, monkeypatch, "1+2=\n3+4=\n", f"run={run}", "greedy=true",
+                                   "max_new_tokens=6", "threads=1")  # text: each answer and a newline
+    assert code == 0 and out == "".join(a["assistant"] + "\n" for a in answers[:2]) and "[turn 2:" in err
+
+
+def test_chat_refuses_a_template_whose_special_tokens_the_run_lacks(sft_run, capsys, monkeypatch):
+    root, _ = sft_run
+    code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={root / 'base'}")
+    assert code == 2 and "has no chat template" in err
+    code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={root / 'runs' / 'sft'}",
+                                 "template=llama3")
+    assert code == 2 and "lacks the special tokens of the chat template llama3: <|begin_of_text|>" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def session(reuse: bool) -> ChatSession:
+    torch.manual_seed(0)
+    tok = byte_tokenizer([])
+    t = chat.resolve_template("chatml", None)
+    chat.add_special_tokens(tok, t)
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **(TINY | {"max_seq_len": 256}))).eval()
+    stop = (tok.token_to_id("<|im_end|>"),)
+    return ChatSession(model, tok, t, SampleOptions(max_new_tokens=12, temperature=0.0), system="Be brief.",
+                       stop_ids=stop, reuse_cache=reuse)
+
+
+def test_kept_cache_runs_only_the_new_tokens_and_gives_the_same_replies():
+    kept, fresh = session(True), session(False)
+    replies = []
+    for msg in ("hello", "and again", "third"):
+        a, b = kept.reply(msg), fresh.reply(msg)
+        assert a.tokens == b.tokens and a.text == b.text
+        assert b.fed_tokens == b.prompt_tokens
+        replies.append(a)
+    assert replies[2].fed_tokens < replies[2].prompt_tokens // 2  # turn 3 ran only its own new tokens
+    kept.reset()  # a new conversation starts from an empty cache, with the same first reply
+    again = kept.reply("hello")
+    assert again.fed_tokens == again.prompt_tokens and again.tokens == replies[0].tokens
+
+
+def test_import_keeps_the_models_chat_template_for_chat(tmp_path, capsys, monkeypatch):
+    transformers = pytest.importorskip("transformers")
+    tok = byte_tokenizer([])
+    t = chat.resolve_template("chatml", None)
+    chat.add_special_tokens(tok, t)
+    cfg = transformers.Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48,
+                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                   max_position_embeddings=128, tie_word_embeddings=True)
+    transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
+    hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
+    hf_tok.chat_template = chat.CHATML
+    hf_tok.save_pretrained(tmp_path / "hf")
+    code, out, _ = run_main(capsys, "import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}")
+    assert code == 0 and "chat template: kept in" in out
+    saved = json.loads((tmp_path / "run" / "chat.json").read_text())
+    assert saved["template"] == chat.CHATML and saved["variables"]["eos_token"] == "<|im_end|>"
+    code, out, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={tmp_path / 'run'}", "max_new_tokens=3",
+                                   "threads=1")
+    assert code == 0 and len(out.splitlines()) == 1, err

@@ -1,0 +1,201 @@
+"""The models people fine-tune: Llama 3.1/3.2 (RoPE scaling llama3), Qwen2/2.5 (q/k/v biases), Qwen3 (QK-norm
+per head) and OLMo-2 (QK-norm over all heads, norms after each branch) import and export with the logits of
+`transformers` (fp32, <= 1e-5), on random-weight models built from their configs (no hub)."""
+
+import json
+
+import pytest
+import torch
+import yaml
+
+from gptkit import accounting as acc
+from gptkit import hf
+from gptkit.cli import main as gptkit_main
+from gptkit.config import conf_dir
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.generate import generate
+from gptkit.model import GPT, ModelConfig
+from gptkit.runs import load_model
+from gptkit.sampling import SampleOptions
+
+transformers = pytest.importorskip("transformers")
+
+V, T = 64, 48
+# an "original" context of 16: positions up to 48 are scaled
+LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 16, "rope_type": "llama3"}
+
+
+def hf_model(kind: str):
+    """A tiny transformers model of each family, every weight random (norms and biases included)."""
+    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T, rms_norm_eps=1e-6,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    if kind == "llama3.2":
+        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True,
+                                       rope_parameters={"rope_theta": 500.0, **LLAMA3_SCALING})
+    elif kind == "qwen2":
+        cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    elif kind == "qwen3":
+        cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, attention_bias=False)
+    else:
+        cfg = transformers.Olmo2Config(**(common | {"num_key_value_heads": 4}), tie_word_embeddings=False)
+    cls = {"llama3.2": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
+           "qwen3": transformers.Qwen3ForCausalLM, "olmo2": transformers.Olmo2ForCausalLM}[kind]
+    torch.manual_seed(0)
+    model = cls(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+KINDS = ["llama3.2", "qwen2", "qwen3", "olmo2"]
+WANT = {  # what each family is in gptkit's fields
+    "llama3.2": dict(qkv_bias=False, qk_norm=None, norm_placement="pre", tie_embeddings=True),
+    "qwen2": dict(bias=False, qkv_bias=True, qk_norm=None, norm_placement="pre", rope_scaling=None),
+    "qwen3": dict(qk_norm="head", head_dim=32, norm_placement="pre"),
+    "olmo2": dict(qk_norm="full", norm_placement="post", n_kv_heads=4),
+}
+
+
+def cli(*args: str) -> int:
+    return gptkit_main(list(args))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_files(tmp_path, kind):
+    from safetensors.torch import load_file
+
+    theirs = hf_model(kind)
+    theirs.save_pretrained(tmp_path / "hf")
+    assert cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}") == 0
+    _, _, _, model_cfg, model = load_model(tmp_path / "run")
+    for k, v in WANT[kind].items():
+        assert getattr(model_cfg, k) == v, k
+    idx = torch.randint(0, V, (2, T))  # [B, T]: the whole context, so every (scaled) position is checked
+    with torch.no_grad():
+        ref = theirs(idx).logits
+        for attention in ("sdpa", "eager"):
+            ours = GPT.from_state(ModelConfig.from_dict({**model_cfg.to_dict(), "attention": attention}),
+                                  model.state_dict())
+            assert (ours(idx).logits - ref).abs().max().item() <= 1e-5, attention
+    assert cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'again'}") == 0
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["architectures"] == [type(theirs).__name__]
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert sorted(again) == sorted(original)
+    for k, v in original.items():
+        assert torch.equal(again[k], v), k
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    with torch.no_grad():
+        assert (reloaded(idx).logits - ref).abs().max().item() == 0.0
+
+
+def test_llama3_scaling_is_applied_not_ignored():
+    """Without its rope_scaling the same weights give other logits: the parity above tests the scaling."""
+    theirs = hf_model("llama3.2")
+    ours = hf.from_transformers(theirs)
+    plain = GPT.from_state(ModelConfig.from_dict({**ours.cfg.to_dict(), "rope_scaling": None}),
+                           ours.state_dict())
+    idx = torch.randint(0, V, (1, T))
+    with torch.no_grad():
+        assert (plain(idx).logits - theirs(idx).logits).abs().max().item() > 1e-2
+    assert ours.cfg.rope_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_seq_len": 16}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_cache_and_triton_attention_match_the_plain_forward(kind):
+    model = hf.from_transformers(hf_model(kind))
+    prompt = torch.randint(0, V, (12,)).tolist()
+    opts = SampleOptions(max_new_tokens=20, temperature=0.0, decode="eager")
+    cached = generate(model, prompt, opts).tokens[0]
+    recomputed = generate(model, prompt, opts, use_cache=False).tokens[0]
+    assert cached == recomputed
+    triton = GPT.from_state(ModelConfig.from_dict({**model.cfg.to_dict(), "attention": "triton"}),
+                            model.state_dict())
+    idx = torch.randint(0, V, (1, 32))
+    with torch.no_grad():
+        assert (triton(idx).logits - model(idx).logits).abs().max().item() <= 1e-4
+
+
+def test_fused_norm_kernel_on_qk_norm_matches_eager():
+    model = hf.from_transformers(hf_model("qwen3"))
+    fused = GPT.from_state(ModelConfig.from_dict({**model.cfg.to_dict(), "kernels": ["norm", "rope"]}),
+                           model.state_dict())
+    idx = torch.randint(0, V, (1, 16))
+    with torch.no_grad():
+        assert (fused(idx).logits - model(idx).logits).abs().max().item() <= 1e-4
+
+
+def test_post_norm_and_qk_norm_train_a_step():
+    """Gradients reach every new weight (q_norm, k_norm, the post-branch norms)."""
+    model = hf.from_transformers(hf_model("olmo2")).train()
+    idx = torch.randint(0, V, (2, 16))
+    model(idx, idx).loss.backward()
+    for name in ("blocks.0.attn.q_norm.weight", "blocks.0.attn.k_norm.weight", "blocks.1.mlp_norm.weight"):
+        g = dict(model.named_parameters())[name].grad
+        assert g is not None and g.abs().sum() > 0, name
+
+
+# ---- presets and count-params ------------------------------------------------------------------------
+PUBLISHED = {"llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "llama3.1-8b": 8_030_261_248}
+
+
+def preset(name: str) -> ModelConfig:
+    return ModelConfig.from_dict(yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text()))
+
+
+@pytest.mark.parametrize("name", ["llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen3-0.6b", "olmo2-1b"])
+def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
+    cfg = preset(name)
+    n = acc.count_params(cfg).total
+    if name in PUBLISHED:
+        assert n == PUBLISHED[name]
+    with torch.device("meta"):
+        assert GPT(cfg).num_parameters() == n
+        d = hf.hf_config(cfg)
+        config = getattr(transformers, hf.CONFIG_CLASSES[d.pop("model_type")])(
+            **{k: v for k, v in d.items() if k not in ("architectures", "dtype")})
+        theirs = getattr(transformers, hf.ARCHITECTURES[hf.architecture(cfg)])(config)
+    assert sum(p.numel() for p in theirs.parameters()) == n
+    assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
+
+
+def test_count_params_cli_prints_the_exact_total(capsys):
+    assert cli("count-params", "model=qwen2.5-0.5b") == 0
+    assert "494,032,768" in capsys.readouterr().out
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, named", [
+    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
+    (dict(use_sliding_window=True), "use_sliding_window"),
+    (dict(attention_bias=True), "attention_bias"),
+])
+def test_unsupported_hf_configs_are_refused_by_name(change, named):
+    d = hf_model("qwen3").config.to_dict() | change
+    with pytest.raises(GptkitError, match=named):
+        hf.model_config_from_hf(d)
+
+
+@pytest.mark.parametrize("kw, named", [
+    (dict(rope_scaling={"type": "llama3", "factor": 8.0}), "takes exactly"),
+    (dict(rope_scaling={"type": "yarn"}), "rope_scaling"),
+    (dict(qk_norm="layer"), "qk_norm"),
+    (dict(norm_placement="sandwich"), "norm_placement"),
+    (dict(qkv_bias="yes"), "qkv_bias"),
+])
+def test_bad_variant_fields_are_one_line_config_errors(kw, named):
+    with pytest.raises(ConfigError, match=named):
+        ModelConfig(vocab_size=V, n_layers=1, n_heads=4, d_model=32, position="rope", mlp="swiglu",
+                    norm="rmsnorm", **kw)
+
+
+def test_variants_without_a_transformers_architecture_are_refused_on_export():
+    cfg = ModelConfig(vocab_size=V, n_layers=1, n_heads=4, d_model=32, position="rope", mlp="swiglu",
+                      norm="rmsnorm", bias=False, qk_norm="head", norm_placement="post")
+    with pytest.raises(GptkitError, match="norm_placement"):
+        hf.hf_config(cfg)
