@@ -44,7 +44,7 @@ VERBS: dict[str, Verb] = {
     "chat": Verb("chat", "chat", "talk with a run turn by turn in its chat template (streaming; KV cache "
                  "kept across turns; /reset, /exit; stdin lines without a terminal)", verbatim=("system",)),
     "eval": Verb("eval", "eval", "loss, perplexity and bits per byte/char of a run on its val split or a "
-                 "held-out corpus (--json)"),
+                 "held-out corpus; lm-eval task accuracy with tasks=... (--json)"),
     "attention": Verb("attention", "attention", "write a PNG grid of attention maps (layers x heads) for a text "
                       "into the run folder", verbatim=("text",)),
     "count-params": Verb("count_params", "count_params", "parameters by component, FLOPs per token, and "

@@ -74,7 +74,7 @@ def test_debug_shows_traceback(cli):
 
 
 def test_verb_help_lists_groups_that_are_unchosen_by_default(cli):
-    assert "experiment: shakespeare-char" in cli("train", "--help").stdout
+    assert "experiment: sft-tiny, shakespeare-char" in cli("train", "--help").stdout
     assert "data: chat, files, hub" in cli("eval", "--help").stdout
 
 

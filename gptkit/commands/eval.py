@@ -6,15 +6,36 @@ only its last `stride` targets, which then see at least seq_len - stride tokens 
 Bits per byte = total NLL / ln 2 / UTF-8 bytes of the scored text (per character: / characters),
 comparable across tokenizers.
 
+scoring=gptkit (the default) scores the corpus as training saw it: one stream, the EOS after each document
+scored (0 bytes), the first token not. scoring=lm-eval scores as lm-eval's loglikelihood_rolling does: each
+document alone, a BOS first (the EOS without one), every token scored, no EOS (docs/tasks.md).
+
+tasks=... runs lm-eval tasks on the run through gptkit's own LM adapter (needs pip install "gptkit[eval]"):
+names from lm-eval's registry, task YAMLs or folders of them (local data runs offline); a table of task,
+metric, value and stderr, and the results in <run>/evals/<task>-<date>.json (or out=).
+
 Examples:
   gptkit eval run=runs/shakespeare                       (the run's own val split)
   gptkit eval run=runs/shakespeare data=files 'data.paths=[held_out.txt]'   (a whole held-out file)
   gptkit eval run=runs/shakespeare stride=64 format=json
+  gptkit eval run=runs/shakespeare data=files 'data.paths=[wiki.jsonl]' scoring=lm-eval
+  gptkit eval run=runs/my-run tasks=hellaswag,arc_easy limit=200 num_fewshot=0
+  gptkit eval run=runs/my-run tasks=path/to/my_tasks --json
 A run trained with data.pack=documents is evaluated the same way (attention stays inside each document of a
 window, positions restart with model.position_reset); pack=stream|documents chooses.
 """
 
 from __future__ import annotations
+
+TASK_ONLY = ("limit", "num_fewshot", "out")  # options of tasks=
+CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")  # options of the corpus evaluation
+
+
+def prepare_args(args: list[str]) -> list[str]:
+    """tasks=a,b is one value (a list of tasks), not a Hydra sweep."""
+    from gptkit.config import verbatim
+
+    return verbatim(args, ("tasks",))
 
 
 def corpus_tokens(cfg, r):
@@ -68,16 +89,33 @@ def pack_eos_id(cfg, r, eos_id: int | None, source: str) -> int | None:
 
 
 def run(cfg) -> int:
+    from gptkit.errors import ConfigError
+    from gptkit.evaluation import SCORINGS
+
+    if cfg.format not in ("table", "json"):
+        raise ConfigError(f"format={cfg.format!r} must be table or json")
+    if int(cfg.batch_size) < 1:
+        raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+    if cfg.tasks is not None:
+        return run_tasks(cfg)
+    given = [k for k in TASK_ONLY if cfg.get(k) is not None]
+    if given:
+        raise ConfigError(f"{given[0]}= belongs to tasks=...; without tasks= eval scores a corpus (drop it)")
+    if cfg.scoring not in SCORINGS:
+        raise ConfigError(f"scoring={cfg.scoring!r} must be one of {', '.join(SCORINGS)}")
+    return run_corpus(cfg)
+
+
+def run_corpus(cfg) -> int:
     import json
     import math
 
     from gptkit.errors import ConfigError, GptkitError
-    from gptkit.evaluation import evaluate, scored_text_size, window_starts
+    from gptkit.evaluation import evaluate_sequences, lm_eval_documents, scored_text_size, window_starts
+    from gptkit.generate import special_token_ids
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
-    if cfg.format not in ("table", "json"):
-        raise ConfigError(f"format={cfg.format!r} must be table or json")
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
     max_len = r.model_cfg.max_seq_len
@@ -88,18 +126,27 @@ def run(cfg) -> int:
     stride = int(cfg.stride or seq_len)
     if not 1 <= stride <= seq_len:
         raise ConfigError(f"stride={stride} must be in [1, seq_len={seq_len}]")
-    if int(cfg.batch_size) < 1:
-        raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
     if cfg.pack not in (None, "stream", "documents"):
         raise ConfigError(f"pack={cfg.pack!r} must be stream or documents (or null: the run's data.pack)")
-    tokens, source, eos_id = corpus_tokens(cfg, r)
-    eos_id = pack_eos_id(cfg, r, eos_id, source)
+    tokens, source, corpus_eos = corpus_tokens(cfg, r)
+    lm_eval_scoring = cfg.scoring == "lm-eval"
+    eos_id = None if lm_eval_scoring else pack_eos_id(cfg, r, corpus_eos, source)
     if len(tokens) < 2:
         raise GptkitError(f"{source} has {len(tokens)} token(s); evaluation needs at least 2")
     if int(tokens.max()) >= r.model_cfg.vocab_size:
         raise GptkitError(f"{source} holds token id {int(tokens.max())} but model.vocab_size="
                           f"{r.model_cfg.vocab_size}; evaluate with the run's own tokenizer")
-    n_windows = len(window_starts(len(tokens), seq_len, stride, cfg.max_windows))
+    if lm_eval_scoring:  # each document alone, a BOS (else the EOS) first, no EOS scored
+        bos, eos = special_token_ids(r.tokenizer, r.config)
+        prefix = bos if bos is not None else eos
+        if prefix is None:
+            raise ConfigError("scoring=lm-eval puts a BOS first (the EOS when there is no BOS, as lm-eval "
+                              "does) and the run's tokenizer has neither; use scoring=gptkit")
+        sequences = lm_eval_documents(tokens, corpus_eos, prefix)
+    else:
+        sequences = [tokens]
+    n_windows = sum(len(window_starts(len(s), seq_len, stride)) for s in sequences)
+    n_windows = min(n_windows, int(cfg.max_windows)) if cfg.max_windows else n_windows
     bs = int(cfg.batch_size)
     if cfg.progress:
         from rich.console import Console
@@ -107,15 +154,23 @@ def run(cfg) -> int:
 
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"eval {source}", total=n_windows)
-            res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows, lambda n: bar.advance(task, n),
-                           eos_id=eos_id)
+            res = evaluate_sequences(r.model, sequences, seq_len, stride, bs, cfg.max_windows,
+                                     lambda n: bar.advance(task, n), eos_id=eos_id,
+                                     align_last=lm_eval_scoring)
     else:
-        res = evaluate(r.model, tokens, seq_len, stride, bs, cfg.max_windows, eos_id=eos_id)
-    n_bytes, n_chars = scored_text_size(r.tokenizer, tokens, res.pop("last_target"))
+        res = evaluate_sequences(r.model, sequences, seq_len, stride, bs, cfg.max_windows, eos_id=eos_id,
+                                 align_last=lm_eval_scoring)
+    n_bytes = n_chars = 0
+    for seq, last in zip(sequences, res.pop("last_targets")):
+        b, c = scored_text_size(r.tokenizer, seq, last)
+        n_bytes, n_chars = n_bytes + b, n_chars + c
     bits = res["nll_sum"] / math.log(2)
-    res.update({"run": str(r.dir), "checkpoint": str(r.checkpoint), "data": source, "corpus_tokens": len(tokens),
-                "bytes": n_bytes, "chars": n_chars, "bits_per_byte": bits / max(n_bytes, 1),
-                "bits_per_char": bits / max(n_chars, 1), "dtype": str(cfg.dtype)})
+    res.update({"run": str(r.dir), "checkpoint": str(r.checkpoint), "data": source,
+                "corpus_tokens": len(tokens), "bytes": n_bytes, "chars": n_chars,
+                "bits_per_byte": bits / max(n_bytes, 1), "bits_per_char": bits / max(n_chars, 1),
+                "dtype": str(cfg.dtype), "scoring": str(cfg.scoring)})
+    if lm_eval_scoring:
+        res["documents_scored"] = len(sequences)
     if cfg.format == "json":
         print(json.dumps(res, indent=2))
         return 0
@@ -135,6 +190,74 @@ def run(cfg) -> int:
     t.add_row("bytes / characters scored", f"{n_bytes:,} / {n_chars:,}")
     t.add_row("windows (seq_len, stride)", f"{res['windows']:,} ({seq_len}, {stride})"
               + (", attention within documents" if res["documents"] else ""))
+    t.add_row("scoring", "lm-eval: each document alone, BOS first, no EOS" if lm_eval_scoring
+              else "gptkit: one stream, EOS after each document scored")
     t.add_row("time", f"{res['seconds']:.2f} s ({res['tokens_per_s']:,.0f} tokens/s)")
     Console().print(t)
+    return 0
+
+
+def run_tasks(cfg) -> int:
+    """tasks=...: lm-eval tasks through gptkit's LM adapter; a table, and the results as JSON files."""
+    import json
+    import sys
+    import time
+
+    from gptkit.errors import ConfigError
+    from gptkit.evaluation import tasks as T
+    from gptkit.runs import load_for_inference, resolve_device
+    from gptkit.threads import set_threads
+
+    T.require_lm_eval()  # before anything is loaded: one line naming the install
+    given = [k for k in (*CORPUS_ONLY, "data") if cfg.get(k) is not None]
+    if cfg.scoring != "gptkit":
+        given.append("scoring")
+    if given:
+        raise ConfigError(f"{given[0]}= belongs to the corpus evaluation (loss, bits per byte); tasks= runs "
+                          f"lm-eval tasks: drop one of them")
+    limit = T.check_limit(cfg.limit)
+    T.check_out(cfg.out)
+    entries = T.parse_tasks(cfg.tasks)
+    specs = T.find_tasks(entries)  # local YAMLs are read (and their errors said) before the model loads
+    T.quiet_lm_eval(progress=bool(cfg.progress))
+    from gptkit.evaluation.lm_eval_adapter import GptkitLM
+
+    manager = T.task_manager(specs)
+    T.check_names(specs.names, manager)
+    task_dict = T.load_tasks(specs, manager)
+    T.check_fewshot(T.leaf_tasks(task_dict), cfg.num_fewshot)
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
+    lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=int(cfg.batch_size))
+    T.check_tokenizer(T.leaf_tasks(task_dict), lm)
+    t0 = time.perf_counter()
+    results = T.run_tasks(lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=limit)
+    seconds = time.perf_counter() - t0
+    rows = T.result_rows(results)
+    written = T.write_results(results, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds)
+    n_requests = sum(lm.stats.requests.values())
+    if lm.stats.truncated:
+        print(f"note: {lm.stats.truncated} request(s) were longer than model.max_seq_len="
+              f"{r.model_cfg.max_seq_len} tokens and were cut from the left, as lm-eval does",
+              file=sys.stderr)
+    if cfg.format == "json":
+        print(json.dumps({"run": str(r.dir), "checkpoint": str(r.checkpoint), "rows": rows,
+                          "files": [str(f) for f in written], "requests": dict(lm.stats.requests),
+                          "truncated": lm.stats.truncated, "seconds": seconds}, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{r.dir.name}: lm-eval tasks" + (f" (limit={cfg.limit})" if limit is not None else ""))
+    for name, justify in (("task", "left"), ("metric", "left"), ("value", "right"), ("stderr", "right"),
+                          ("n", "right")):
+        t.add_column(name, justify=justify)
+    for row in rows:
+        value = row["value"]
+        t.add_row(row["task"], row["metric"], f"{value:.4f}" if abs(value) < 1e5 else f"{value:.4g}",
+                  "" if row["stderr"] is None else f"± {row['stderr']:.4f}", str(row["n"] or ""))
+    Console().print(t)
+    print(f"{n_requests:,} requests in {seconds:.1f} s ({lm.stats.seconds:.1f} s in the model, "
+          f"{n_requests / max(lm.stats.seconds, 1e-9):,.0f} requests/s); results: "
+          f"{', '.join(str(f) for f in written)}", file=sys.stderr)
     return 0

@@ -296,6 +296,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     from gptkit.training.module import LitGPT
     from gptkit.training.plan import make_plan
     from gptkit.training.plots import plot_loss
+    from gptkit.training.task_evals import TaskEvals, print_summary
     from gptkit.training.trainer import build_loggers, build_trainer
 
     logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
@@ -397,6 +398,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
             plot_loss(run_dir)
         _summary(run_dir, trainer.global_step, val, metrics, plan.flops_per_token, plan.peak_flops,
                  trainer.world_size, time.perf_counter() - started)
+        print_summary(next((c for c in trainer.callbacks if isinstance(c, TaskEvals)), None),
+                      time.perf_counter() - started)
     return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
                        float(val) if val is not None else None, metrics.average_tokens_per_s,
                        trainer.is_global_zero)

@@ -142,6 +142,16 @@ class StepMetrics(Callback):
         self._t0 = time.perf_counter()
         self._steps = 0
 
+    def pause(self, trainer) -> None:
+        """Stop the training clock while something else runs (the task evals); resume() restarts it, and the
+        time between is in neither this window's tokens/s nor the training time."""
+        self._sync(trainer)
+        self._paused_at = time.perf_counter()
+
+    def resume(self, trainer) -> None:
+        if self._t0 is not None:
+            self._t0 += time.perf_counter() - self._paused_at
+
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """At a log step: read the loss window (the one host sync), log one row of metrics."""
         if not optimizer_stepped(trainer, batch_idx):

@@ -29,7 +29,7 @@ from gptkit.faults import fault_point
 from gptkit.fsio import temp_file_beside
 from gptkit.runs import METRICS_FILE
 
-VAL_PREFIX = "val/"  # validation values: logged at step N before the checkpoint of step N is published
+VAL_PREFIX = ("val/", "eval/")  # validation, task evals: logged at step N before its checkpoint is published
 
 
 class MetricsCSV(Logger):

@@ -29,6 +29,7 @@ from gptkit.training.metrics_csv import MetricsCSV
 from gptkit.training.plan import RunPlan, compile_mode
 from gptkit.training.progress import ProgressReporter, progress_mode
 from gptkit.training.run_checkpoints import RunCheckpoints
+from gptkit.training.task_evals import check_task_evals, task_evals_callback
 
 LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
                    "wandb": ("wandb", "pip install wandb")}
@@ -159,6 +160,7 @@ def check_trainer_config(t: Any) -> None:
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
     progress_mode(t.progress)
+    check_task_evals(t)  # trainer.eval_tasks: lm-eval importable, local task files there
     check_distributed(t)  # devices, strategy, launcher: one line now rather than a hang later
     device = accelerator_type(t)
     if device == "cuda" and p.compute == "bf16" and not torch.cuda.is_bf16_supported():
@@ -190,6 +192,9 @@ def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoin
     metrics = StepMetrics(plan.flops_per_token, plan.tokens_per_step, plan.peak_flops, int(t.log_every),
                           reporter if reporter.mode != "off" else None)
     callbacks = [metrics, checkpoints]
+    task_evals = task_evals_callback(plan.cfg, clock=metrics)  # trainer.eval_tasks
+    if task_evals is not None:
+        callbacks.insert(1, task_evals)  # scores step N before step N's checkpoint is written
     if plan.world_size > 1:
         callbacks.append(fail_fast_callback())
     plugin = precision_plugin(plan)

@@ -1,0 +1,432 @@
+"""Downstream tasks through lm-eval (an optional dependency: `pip install "gptkit[eval]"`): which tasks a
+`tasks=` value names, loading them (offline when their data is local), running them on a gptkit model
+through GptkitLM, and the rows of the results table.
+
+A `tasks=` entry is a task or group name of lm-eval's registry (hellaswag, arc_easy, mmlu, ...), a task YAML
+file, or a folder of task YAMLs. In a local YAML, relative `dataset_kwargs.data_files` (and a relative
+`dataset_path` folder) are read relative to the YAML's own folder, so a folder of YAML + jsonl files runs
+from anywhere, with no network.
+"""
+
+from __future__ import annotations
+
+import difflib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gptkit.errors import ConfigError, GptkitError
+
+INSTALL = 'pip install "gptkit[eval]"'
+OFFLINE_HINT = ("point the task at local files instead: a task YAML with dataset_path: json and "
+                "dataset_kwargs.data_files next to it, then tasks=path/to/that/folder (docs/tasks.md)")
+
+
+def require_lm_eval() -> None:
+    """One line naming the install command when lm-eval cannot be imported."""
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as exc:
+        raise GptkitError(f"tasks= runs lm-eval tasks and lm-eval cannot be imported ({exc}): "
+                          f"{INSTALL}") from None
+
+
+def parse_tasks(value: Any) -> list[str]:
+    """tasks= as a list of entries: `a,b` (one string) or a YAML list [a, b]."""
+    if value is None:
+        return []
+    if not isinstance(value, (list, tuple)):
+        value = str(value).strip()
+        value = value[1:-1] if value.startswith("[") and value.endswith("]") else value
+    items = value if isinstance(value, (list, tuple)) else value.split(",")
+    out = [str(t).strip() for t in items if str(t).strip()]
+    if not out:
+        raise ConfigError("tasks= names no task; give tasks=hellaswag,arc_easy or tasks=path/to/task_dir")
+    return out
+
+
+def quiet_lm_eval(progress: bool = False) -> None:
+    """lm-eval and datasets log every step at INFO/WARNING: keep errors only. Without progress, their
+    progress bars are off too (lm-eval's task module draws one per task as it builds the prompts).
+
+    simple_evaluate also records the git commit of the current folder (`git describe`, which prints
+    "fatal: not a git repository" outside one) and torch's environment report (a dozen subprocesses, seconds
+    on a busy machine): neither describes a gptkit run, whose results files name the run, the checkpoint and
+    the lm-eval version instead, so both are switched off."""
+    import functools
+
+    import datasets
+    import lm_eval.api.task
+    import lm_eval.evaluator
+    from tqdm import tqdm
+
+    lm_eval.evaluator.get_git_commit_hash = lambda: None
+    lm_eval.evaluator.add_env_info = lambda storage: None
+
+    for name in ("lm_eval", "lm-eval", "datasets", "fsspec"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    datasets.logging.set_verbosity_error()
+    if not progress:
+        datasets.disable_progress_bars()
+        lm_eval.api.task.tqdm = functools.partial(tqdm, disable=True)
+
+
+# ---- finding the tasks --------------------------------------------------------------------------------
+def _absolute(base: Path, value: Any) -> Any:
+    """data_files entries relative to the YAML's folder, where such a file exists."""
+    if isinstance(value, str):
+        p = Path(value).expanduser()
+        return str((base / p).resolve()) if not p.is_absolute() and (base / p).exists() else value
+    if isinstance(value, list):
+        return [_absolute(base, v) for v in value]
+    if isinstance(value, dict):
+        return {k: _absolute(base, v) for k, v in value.items()}
+    return value
+
+
+def local_task_config(path: Path) -> dict[str, Any] | None:
+    """The task config of a local YAML (includes and !function resolved by lm-eval's loader), data paths
+    made absolute; None for a YAML that defines no task (a group, or a template others include)."""
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    try:
+        cfg = load_yaml(path)
+    except Exception as exc:  # noqa: BLE001 - a bad YAML is the user's, said in one line
+        raise GptkitError(f"{path} is not a task YAML lm-eval can read ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+    if not isinstance(cfg.get("task"), str):
+        return None
+    base = path.resolve().parent
+    kwargs = dict(cfg.get("dataset_kwargs") or {})
+    if "data_files" in kwargs:
+        kwargs["data_files"] = _absolute(base, kwargs["data_files"])
+    if "data_dir" in kwargs:
+        kwargs["data_dir"] = _absolute(base, kwargs["data_dir"])
+    if kwargs:
+        cfg["dataset_kwargs"] = kwargs
+    dp = cfg.get("dataset_path")
+    if isinstance(dp, str) and (base / dp).exists() and not Path(dp).is_absolute():
+        cfg["dataset_path"] = str((base / dp).resolve())
+    return cfg
+
+
+@dataclass
+class TaskSpecs:
+    names: list[str] = field(default_factory=list)  # registry names
+    local: list[dict[str, Any]] = field(default_factory=list)  # configs from local YAMLs
+    sources: dict[str, str] = field(default_factory=dict)  # task name -> YAML path, for local tasks
+
+
+def find_tasks(entries: list[str]) -> TaskSpecs:
+    """Split tasks= entries into registry names and local task configs (folders: every YAML in them)."""
+    specs = TaskSpecs()
+    for entry in entries:
+        p = Path(entry).expanduser()
+        if p.is_dir():
+            files = sorted(f for f in p.rglob("*.y*ml") if f.suffix in (".yaml", ".yml"))
+            found = [(f, local_task_config(f)) for f in files]
+            found = [(f, c) for f, c in found if c is not None]
+            if not found:
+                raise ConfigError(f"tasks={entry}: the folder holds no task YAML (a .yaml file with a "
+                                  f"`task:` name)")
+        elif p.suffix in (".yaml", ".yml"):
+            if not p.is_file():
+                raise ConfigError(f"tasks={entry}: no such file")
+            cfg = local_task_config(p)
+            if cfg is None:
+                raise ConfigError(f"tasks={entry} defines no task (no `task:` name in it)")
+            found = [(p, cfg)]
+        elif "/" in entry or entry.startswith("."):
+            raise ConfigError(f"tasks={entry}: no such folder or task YAML")
+        else:
+            specs.names.append(entry)
+            continue
+        for f, cfg in found:
+            specs.local.append(cfg)
+            specs.sources[cfg["task"]] = str(f)
+    return specs
+
+
+def task_manager(specs: TaskSpecs):
+    """lm-eval's TaskManager: its whole registry only when a name needs it (indexing it takes a while)."""
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_defaults=bool(specs.names))
+
+
+def check_names(names: list[str], manager) -> None:
+    """An unknown task name is one line, with the closest names of lm-eval's registry."""
+    known = set(manager.all_tasks)
+    for name in names:
+        if name in known:
+            continue
+        close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        raise ConfigError(f"unknown task {name!r}: not in lm-eval's registry ({len(known):,} tasks and "
+                          f"groups), nor a task YAML or folder{hint}")
+
+
+def _is_offline_error(exc: BaseException) -> bool:
+    seen: set[int] = set()
+    e: BaseException | None = exc
+    words = ("offline", "couldn't reach", "connection", "connect", "resolve", "network", "name or service",
+             "not found on the hub", "localentrynotfound", "max retries")
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        text = f"{type(e).__name__} {e}".lower()
+        if any(w in text for w in words) or type(e).__name__ in ("DatasetNotFoundError",
+                                                                  "OfflineModeIsEnabled"):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def load_tasks(specs: TaskSpecs, manager) -> dict:
+    """lm-eval's task dict for every spec; a hub data set that cannot be fetched is one line."""
+    from lm_eval.tasks import get_task_dict
+
+    out: dict = {}
+    for spec in [*specs.names, *specs.local]:
+        name = spec if isinstance(spec, str) else spec["task"]
+        try:
+            out.update(get_task_dict([spec], manager))
+        except GptkitError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - lm-eval and datasets raise many kinds: each is one line
+            first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            if _is_offline_error(exc):
+                where = specs.sources.get(name, "lm-eval's registry")
+                offline = os.environ.get("HF_DATASETS_OFFLINE", "")
+                raise GptkitError(f"task {name} ({where}) needs its data set from the Hugging Face Hub, "
+                                  f"which cannot be reached (HF_DATASETS_OFFLINE={offline!r}, or no network) "
+                                  f"and is not in the local cache; run it once online to cache it, or "
+                                  f"{OFFLINE_HINT}") from None
+            raise GptkitError(f"task {name} could not be loaded: {type(exc).__name__}: {first}") from None
+    return out
+
+
+def leaf_tasks(task_dict: dict) -> dict[str, Any]:
+    """name -> Task for every task of a (possibly nested, grouped) task dict."""
+    out = {}
+    for key, value in task_dict.items():
+        if isinstance(value, dict):
+            out.update(leaf_tasks(value))
+        else:
+            out[key if isinstance(key, str) else key.task_name] = value
+    return out
+
+
+def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
+    """num_fewshot (or a task's own, when null) larger than the task's pool of examples is one line (lm-eval
+    would fail deep inside)."""
+    if num_fewshot is not None and (not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool)
+                                    or num_fewshot < 0):
+        raise ConfigError(f"num_fewshot={num_fewshot} must be an integer >= 0 (or null: each task's own)")
+    for name, task in tasks.items():
+        own = task.config.num_fewshot
+        n = num_fewshot if num_fewshot is not None and own != 0 else int(own or 0)  # lm-eval keeps an own 0
+        if n == 0:
+            continue
+        pool = list(task.fewshot_docs() or [])
+        split = _fewshot_split(task)
+        need = n + (1 if split is not None and split == _eval_split(task) else 0)
+        if len(pool) < need:
+            same = " (drawn from the evaluated split, so one fewer than its size)" if need > n else ""
+            given = f"num_fewshot={n}" if num_fewshot is not None else f"its num_fewshot: {n}"
+            raise ConfigError(f"{given} but task {name} has {len(pool)} few-shot example(s){same}; use "
+                              f"num_fewshot<={max(0, len(pool) - (need - n))}")
+
+
+def check_tokenizer(tasks: dict[str, Any], lm) -> None:
+    """A task that needs a special token the run's tokenizer lacks is one line before any scoring."""
+    for name, task in tasks.items():
+        if task.config.output_type == "loglikelihood_rolling" and lm.bos_id is None and lm.eos_id is None:
+            raise GptkitError(f"task {name} scores whole texts (loglikelihood_rolling), which start with a "
+                              f"BOS or end-of-text token, and the run's tokenizer has neither; train with "
+                              f"tokenizer.eos_token set to score it")
+
+
+def _eval_split(task) -> str | None:
+    c = task.config
+    return c.test_split if c.test_split else c.validation_split
+
+
+def _fewshot_split(task) -> str | None:
+    c = task.config
+    fs = getattr(c, "fewshot_config", None) or {}
+    split = fs.get("split") if isinstance(fs, dict) else getattr(fs, "split", None)
+    if split or c.fewshot_split:
+        return split or c.fewshot_split
+    if isinstance(fs, dict) and fs.get("samples") is not None:
+        return None
+    return c.training_split or c.validation_split or c.test_split
+
+
+# ---- running them ---------------------------------------------------------------------------------------
+def run_tasks(lm, specs: TaskSpecs, manager, *, num_fewshot: int | None = None,
+              limit: int | float | None = None, bootstrap_iters: int = 100000, seed: int = 1234,
+              log_samples: bool = False) -> dict:
+    """lm-eval's simple_evaluate on the tasks as given (registry names, local configs) with the given LM
+    (manager: the TaskManager that found them; without one lm-eval would index its whole registry again);
+    lm-eval's results dict. load_tasks() before it has said any error in one line."""
+    from lm_eval import simple_evaluate
+
+    tasks = [*specs.names, *specs.local]  # as given: a group (mmlu) is then aggregated over its tasks
+    return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
+                           log_samples=log_samples, bootstrap_iters=bootstrap_iters, task_manager=manager,
+                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                           fewshot_random_seed=seed)
+
+
+def result_rows(results: dict) -> list[dict[str, Any]]:
+    """One row (task, metric, value, stderr) per metric of every task and group, in lm-eval's order."""
+    rows = []
+    for section in ("results", "groups"):
+        for task, metrics in (results.get(section) or {}).items():
+            if section == "groups" and task in (results.get("results") or {}):
+                continue
+            for key, value in metrics.items():
+                if "," not in key or "_stderr," in key or not isinstance(value, (int, float)):
+                    continue
+                metric, filt = key.split(",", 1)
+                stderr = metrics.get(f"{metric}_stderr,{filt}")
+                rows.append({"task": task, "metric": metric if filt == "none" else f"{metric} ({filt})",
+                             "value": float(value),
+                             "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                             "n": (results.get("n-samples") or {}).get(task, {}).get("effective")})
+    return rows
+
+
+def check_limit(limit: Any) -> int | float | None:
+    """limit= as lm-eval takes it: an integer >= 1 (examples per task) or a fraction in (0, 1)."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)):
+        raise ConfigError(f"limit={limit!r} must be a number: examples per task (>= 1) or a fraction "
+                          f"(0 < limit < 1)")
+    if isinstance(limit, float) and 0 < limit < 1:
+        return limit
+    if limit >= 1 and float(limit).is_integer():
+        return int(limit)
+    raise ConfigError(f"limit={limit} must be an integer >= 1 (examples per task) or a fraction "
+                      f"0 < limit < 1")
+
+
+def check_out(out: Any) -> Path | None:
+    """out= names a results file (not a folder) whose folder exists; checked before anything runs."""
+    if out is None:
+        return None
+    path = Path(str(out)).expanduser()
+    if path.is_dir():
+        raise ConfigError(f"out={out} is a folder; give a file name (e.g. out={path / 'results.json'})")
+    if not path.parent.is_dir():
+        raise ConfigError(f"out={out}: the folder {path.parent} does not exist")
+    return path
+
+
+def write_results(results: dict, rows: list[dict], run, stats, out: Any, *, limit=None,
+                  seconds: float = 0.0) -> list[Path]:
+    """The results as JSON: out= (all tasks in one file), else <run>/evals/<task>-<date>.json per task.
+    Each file is written to a temporary name and renamed."""
+    import datetime
+    import json
+
+    from lm_eval import __version__ as lm_eval_version
+
+    from gptkit.fsio import atomic_write_text
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    stamp = now.strftime("%Y%m%d-%H%M%S")
+    common = {"run": str(run.dir), "checkpoint": str(run.checkpoint),
+              "date": now.isoformat(timespec="seconds"),
+              "scored_by": "gptkit (gptkit.evaluation.lm_eval_adapter)", "lm_eval": lm_eval_version,
+              "limit": limit, "requests": dict(stats.requests), "truncated": stats.truncated,
+              "seconds": seconds}
+
+    def one(task: str) -> dict:
+        return {"task": task, "rows": [r for r in rows if r["task"] == task],
+                "results": ((results.get("results") or {}).get(task)
+                            or (results.get("groups") or {}).get(task)),
+                "n_shot": (results.get("n-shot") or {}).get(task),
+                "n_samples": (results.get("n-samples") or {}).get(task),
+                "version": (results.get("versions") or {}).get(task),
+                "config": (results.get("configs") or {}).get(task)}
+
+    tasks = list(dict.fromkeys(r["task"] for r in rows)) or list(results.get("results") or {})
+    if out is not None:
+        path = check_out(out)
+        doc = {**common, "tasks": [one(t) for t in tasks]}
+        atomic_write_text(path, json.dumps(doc, indent=2, default=str) + "\n")
+        return [path]
+    written = []
+    for task in tasks:
+        path = Path(run.dir) / "evals" / f"{task}-{stamp}.json"
+        path.parent.mkdir(exist_ok=True)
+        atomic_write_text(path, json.dumps({**common, **one(task)}, indent=2, default=str) + "\n")
+        written.append(path)
+    return written
+
+
+# ---- a fixed subset, scored again and again (trainer.eval_tasks) ----------------------------------------
+class TaskSubset:
+    """The first `limit` examples of a task (this rank's share of them: examples rank, rank + world_size,
+    ...), with its requests (few-shot contexts included) built once, so every scoring sees the same prompts.
+
+    score(lm) runs the requests as lm-eval's evaluator does (by request type, then the task's filters and
+    process_results) and returns the per-example metric values; aggregate() turns values gathered from every
+    rank into the task's metrics."""
+
+    def __init__(self, name: str, task, limit: int | None, rank: int = 0, world_size: int = 1) -> None:
+        self.name, self.task = name, task
+        task.build_all_requests(limit=limit, rank=rank, world_size=world_size)
+        self.docs = list(task.doc_iterator(rank=rank, limit=limit, world_size=world_size))
+        self.instances = list(task.instances)
+        self.requests = len(self.instances)
+
+    def score(self, lm) -> dict[str, list]:
+        """'metric,filter' -> one value per example of this share."""
+        from collections import defaultdict
+
+        by_type = defaultdict(list)
+        for inst in self.instances:
+            inst.resps = []
+            by_type[inst.request_type].append(inst)
+        for reqtype, reqs in by_type.items():
+            cloned = [r for r in reqs for _ in range(r.repeats)]
+            for x, r in zip(getattr(lm, reqtype)(cloned), cloned):
+                r.resps.append(x)
+        self.task._instances = self.instances  # apply_filters works on the task's instances: make them ours
+        self.task.apply_filters()
+        by_doc = defaultdict(list)
+        for inst in self.instances:
+            by_doc[inst.doc_id].append(inst)
+        raw: dict[str, list] = defaultdict(list)
+        for filter_key in (self.instances[0].filtered_resps if self.instances else {}):
+            for doc_id, doc in self.docs:
+                insts = sorted(by_doc[doc_id], key=lambda i: i.idx)
+                metrics = self.task.process_results(doc, [i.filtered_resps[filter_key] for i in insts])
+                for metric, value in metrics.items():
+                    raw[f"{metric},{filter_key}"].append(value)
+        return dict(raw)
+
+    def aggregate(self, raw: dict[str, list]) -> dict[str, float]:
+        """'<task>/<metric>' (filter added unless `none`) -> the task's aggregation over every value."""
+        agg = self.task.aggregation()
+        out = {}
+        for key, values in raw.items():
+            metric, filter_key = key.split(",", 1)
+            if metric in agg and values:
+                name = metric if filter_key == "none" else f"{metric}_{filter_key}"
+                out[f"{self.name}/{name}"] = float(agg[metric](values))
+        return out
+
+
+def merge_shares(shares: list[dict[str, list]]) -> dict[str, list]:
+    """The per-example values of every rank's share, as one."""
+    out: dict[str, list] = {}
+    for share in shares:
+        for key, values in share.items():
+            out.setdefault(key, []).extend(values)
+    return out
