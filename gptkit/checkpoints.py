@@ -30,7 +30,16 @@ from typing import Any
 
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
-from gptkit.fsio import CHUNK, atomic_write_text, crc32_of, disk_full_error, file_crc32, is_disk_full, temp_file_beside
+from gptkit.fsio import (
+    CHUNK,
+    atomic_write_text,
+    confined,
+    crc32_of,
+    disk_full_error,
+    file_crc32,
+    is_disk_full,
+    locked_temp,
+)
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
@@ -61,8 +70,7 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = temp_file_beside(path)
-    os.close(fd)
+    lock, tmp = locked_temp(path)  # locked while written: remove_dead_temps leaves it alone
     try:
         torch.save(obj, tmp)
         with open(tmp, "rb+") as f:
@@ -74,6 +82,8 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
         if is_disk_full(exc):
             raise disk_full_error(path, _tensor_bytes(obj), exc) from exc
         raise
+    finally:
+        os.close(lock)
 
 
 def remove_checkpoint(path: Path) -> None:
@@ -159,8 +169,30 @@ _verified: set[tuple] = set()
 
 
 def _corrupted(path: Path, what: str) -> GptkitError:
-    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it); do not use it: "
-                       f"take an earlier checkpoint of the run (checkpoints/step-*.ckpt) or train again")
+    """The one line for a checkpoint whose bytes differ from their checksum. last.ckpt is a hard link to the
+    newest step-N.ckpt, so the advice names only the run's other checkpoints that are not the same file."""
+    same, others = _checkpoint_copies(path)
+    alias = f" ({', '.join(p.name for p in same)}: the same file, corrupted too)" if same else ""
+    newest = ", ".join(str(p) for p in others[-2:][::-1])
+    advice = (f"take an earlier checkpoint of the run ({newest})" if others
+              else "the run has no other checkpoint: train again")
+    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it){alias}; do "
+                       f"not use it: {advice}")
+
+
+def _checkpoint_copies(path: Path) -> tuple[list[Path], list[Path]]:
+    """(the checkpoints beside `path` that are hard links to it, the other ones, oldest first)."""
+    try:
+        me = path.stat()
+    except OSError:
+        return [], []
+    same, others = [], []
+    for p in sorted(path.parent.glob("*.ckpt")) if path.parent.name == CHECKPOINT_DIR else []:
+        if p.name == path.name:
+            continue
+        st = p.stat()
+        (same if (st.st_ino, st.st_dev) == (me.st_ino, me.st_dev) else others).append(p)
+    return same, sorted(others, key=lambda p: p.name == LAST_CHECKPOINT)  # last.ckpt the newest
 
 
 def _identity(path: Path) -> tuple:
@@ -360,10 +392,13 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise GptkitError(f"{ckpt_path} does not match its config: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise GptkitError(f"{ckpt_path} does not match its config ({run_dir_of(ckpt_path) / 'config.yaml'}): "
+                          f"missing {missing[:3]}, unexpected {unexpected[:3]}")
     for k, v in expected.items():
         if tuple(v.shape) != tuple(state[k].shape):
-            raise GptkitError(f"{ckpt_path} does not match its config: {k} has shape {tuple(state[k].shape)}, "
+            raise GptkitError(f"{ckpt_path} does not match its config "
+                              f"({run_dir_of(ckpt_path) / 'config.yaml'}): "
+                              f"{k} has shape {tuple(state[k].shape)}, "
                               f"the config needs {tuple(v.shape)}")
     return state
 
@@ -372,6 +407,9 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
 def is_sharded_checkpoint(path: Path | str) -> bool:
     p = Path(path)
     return p.is_dir() and (p / SHARDED_INDEX).is_file()
+
+
+UNREADABLE_INDEX = (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError)
 
 
 class _SafeUnpickler(pickle.Unpickler):
@@ -409,8 +447,15 @@ def safe_reader(path: Path):
 
     class SafeReader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any):
-            with open(Path(self.path) / SHARDED_INDEX, "rb") as f:
-                metadata = _SafeUnpickler(f).load()
+            index = Path(self.path) / SHARDED_INDEX
+            try:
+                with open(index, "rb") as f:
+                    metadata = _SafeUnpickler(f).load()
+            except UNREADABLE_INDEX as exc:
+                raise GptkitError(f"{index} is not a readable checkpoint index ({str(exc)[:160]}); "
+                                  f"use a checkpoint you trust") from None
+            for info in (getattr(metadata, "storage_data", None) or {}).values():  # each shard a file inside
+                confined(self.path, getattr(info, "relative_path", ""), index, links=True)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -457,12 +502,14 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     state: dict[str, Any] = {}
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    safe_reader(path).read_metadata()  # a bad index is one line here, not a traceback logged by torch
     try:
         _load_state_dict(state, storage_reader=safe_reader(path), planner=safe_planner(distributed=False),
                          no_dist=True)
-    except Exception as exc:
-        raise GptkitError(f"{path} is not a readable sharded checkpoint ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:160] if str(exc) else ''})") from exc
+    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        raise sharded_refusal(path, exc) from None
     if "state_dict" not in state:
         raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
     out = dict(extra)
@@ -470,6 +517,25 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     optimizers = sorted(k for k in state if k.startswith("optimizer_"))
     out["optimizer_states"] = [_by_param_index(state[k]) for k in optimizers]
     return out
+
+
+def sharded_refusal(path: Path, exc: BaseException) -> GptkitError:
+    """One line for a sharded folder torch.distributed.checkpoint could not read: the first rank's own error
+    (a CheckpointException wraps each rank's), a GptkitError as it is."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        exc = first[0] if isinstance(first, tuple) and first else first  # (exception, its stack summary)
+    if isinstance(exc, GptkitError):
+        return exc
+    text = " ".join(str(exc).split())
+    cut = isinstance(exc, (EOFError, pickle.UnpicklingError))
+    if cut or "PytorchStreamReader" in text or "zip archive" in text:
+        why = "a shard is truncated or not what torch.save writes"
+    else:
+        why = f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
+    return GptkitError(f"{path} is not a readable sharded checkpoint ({why}); use another checkpoint of the "
+                       f"run (checkpoints/step-*.ckpt) or train again")
 
 
 def _by_param_index(osd: dict[str, Any]) -> dict[str, Any]:

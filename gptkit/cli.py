@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,10 +161,17 @@ def _report(exc: Exception) -> int:
         raise exc
     if isinstance(exc, BrokenPipeError):  # `gptkit ... | head`: the reader left; nothing to report
         return 0
-    from gptkit.fsio import disk_full_error, is_disk_full
+    from gptkit.fsio import disk_full_error, human_bytes, is_disk_full
+    from gptkit.training.memory import available_memory, is_cpu_out_of_memory
 
     if is_disk_full(exc) and not isinstance(exc, GptkitError):  # a write no one anticipated: still one line
-        exc = disk_full_error(getattr(exc, "filename", None) or Path.cwd(), None, exc)
+        exc = disk_full_error(getattr(exc, "filename", None), None, exc)
+    if is_cpu_out_of_memory(exc):  # outside training (sample, eval, export of a model too large for the host)
+        asked = re.search(r"allocate (\d+) bytes", str(exc))
+        exc = GptkitError("out of memory on the "
+                          f"CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
+                          f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or "
+                          f"batch, or a machine with more memory (count-params shows a model's memory)")
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -204,6 +212,11 @@ def _check_flags(verb: str, args: list[str]) -> None:
     from gptkit.errors import ConfigError
 
     allowed = ("--help", "-h") + (HYDRA_FLAGS if VERBS[verb].hydra_app else ())
+    for i, a in enumerate(args):  # `gptkit sample runs/x`: a bare path where the verb reads run=
+        flag_value = i and args[i - 1].startswith("-") and "=" not in args[i - 1]  # --run runs/x: below
+        bare = "=" not in a and not a.startswith("-") and not flag_value
+        if bare and ("/" in a or Path(a).exists()) and _has_run_option(verb):
+            raise ConfigError(f"{a}: options are key=value: did you mean run={a}?")
     for i, a in enumerate(args):
         if not a.startswith("-") or a.split("=", 1)[0] in allowed:
             continue
@@ -211,6 +224,14 @@ def _check_flags(verb: str, args: list[str]) -> None:
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
             value = args[i + 1]
         raise ConfigError(f"options are key=value, not {a}: did you mean {_spelling(verb, name)}={value or '...'}?")
+
+
+def _has_run_option(verb: str) -> bool:
+    import yaml
+
+    from gptkit.config import conf_dir
+
+    return "run" in (yaml.safe_load((conf_dir() / f"{VERBS[verb].config}.yaml").read_text()) or {})
 
 
 def _spelling(verb: str, name: str) -> str:
@@ -271,12 +292,22 @@ def main(argv: list[str] | None = None) -> int:
         if not args or args[0] in ("-h", "--help", "help"):
             print(_usage())
             return 0 if args else 2
+        if args[0] in ("--version", "-V", "version"):
+            from gptkit import __version__
+
+            print(f"gptkit {__version__}")
+            return 0
         if args[0] in VERBS:
             verb = args.pop(0)
         elif os.environ.get(VERB_ENV) in VERBS:  # a Lightning/torchrun child relaunched without the verb
             verb = os.environ[VERB_ENV]
         else:
-            print(f"error: unknown verb {args[0]!r}; verbs: {', '.join(VERBS)} (gptkit --help)", file=sys.stderr)
+            import difflib
+
+            near = difflib.get_close_matches(args[0], list(VERBS), n=1, cutoff=0.6)
+            hint = f"did you mean {near[0]}? " if near else ""
+            print(f"error: unknown verb {args[0]!r}; {hint}verbs: {', '.join(VERBS)} (gptkit --help)",
+                  file=sys.stderr)
             return 2
         os.environ[VERB_ENV] = verb
         v = VERBS[verb]

@@ -13,6 +13,7 @@ Points (where the writers call fault_point):
   prepare-batch    prepare(): a batch of tokens appended to the shard being built, not yet synced
   prepare-shard    prepare(): the shard synced and progress.json recording it replaced (a complete shard)
   prepare-shards   prepare(): token shards and manifest written in the build folder, not yet renamed
+  staged           staged_dir (export, import): the folder complete under its temporary name, not yet renamed
 """
 
 from __future__ import annotations

@@ -15,9 +15,10 @@ import tempfile
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from gptkit.errors import GptkitError
+from gptkit.faults import fault_point
 
 
 def _read_umask() -> int:
@@ -36,6 +37,59 @@ def temp_file_beside(path: Path) -> tuple[int, str]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.chmod(tmp, FILE_MODE)  # mkstemp makes it private
     return fd, tmp
+
+
+def locked_temp(path: Path, folder: bool = False) -> tuple[int, Path]:
+    """A temporary file (or folder) `.<name>.<random>.tmp` beside `path`, and an open descriptor holding an
+    exclusive fcntl lock on it for as long as it stays open (the OS drops it when the process ends, kill -9
+    included): remove_dead_temps tells a live writer's temporary from a killed one's by it. It is made as
+    `.new`, locked, then renamed to `.tmp`, so no cleaner ever sees an unlocked `.tmp` of a live writer."""
+    import fcntl
+
+    if folder:
+        new = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
+        os.chmod(new, DIR_MODE)  # mkdtemp makes it private; the result is an ordinary folder
+        fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
+    else:
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent)
+        new = Path(name)
+        os.chmod(new, FILE_MODE)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    tmp = new.with_name(new.name[:-len(".new")] + ".tmp")
+    os.replace(new, tmp)
+    return fd, tmp
+
+
+def remove_dead_temps(path: Path | str) -> list[Path]:
+    """Remove the `.<name>.*.tmp` files and folders that writers of `path` killed before they finished left
+    beside it (those made by locked_temp whose lock no live process holds); a note says what was freed."""
+    import fcntl
+    import glob
+    import sys
+
+    path = Path(path)
+    gone, freed = [], 0
+    for p in sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp")) if path.parent.is_dir() else []:
+        try:
+            fd = os.open(p, os.O_RDONLY | (os.O_DIRECTORY if p.is_dir() else 0) | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue  # a live writer's
+        try:
+            files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
+            freed += sum(f.stat().st_size for f in files)
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+            gone.append(p)
+        finally:
+            os.close(fd)
+    if gone:
+        print(f"note: removed {len(gone)} temporary {'copy' if len(gone) == 1 else 'copies'} of {path} that "
+              f"an interrupted earlier run left ({human_bytes(freed)})", file=sys.stderr)
+    return gone
 
 
 def atomic_write_bytes(path: Path | str, data: bytes) -> None:
@@ -79,6 +133,39 @@ def lock_file(path: Path | str, create: bool = True) -> int | None:
         os.close(fd)
         return None
     return fd
+
+
+# ---- what a file names stays in its folder -----------------------------------------------------------
+def confined(folder: Path | str, name: Any, named_by: Path | str, links: bool = False) -> Path:
+    """`folder/name` for a file name that an index or checkpoint (`named_by`) gives, if it stays inside
+    `folder`: an empty or absolute name, or a `..` that climbs out, is a one-line GptkitError naming
+    `named_by`. links=True also refuses a symbolic link that leaves the folder (not for a Hugging Face cache
+    snapshot, whose files are links to ../../blobs)."""
+    root = Path(folder).absolute()
+    text = str(name)
+    target = Path(os.path.normpath(root / text))
+    inside = target != root and root in target.parents
+    if links and inside:
+        real, real_root = target.resolve(), root.resolve()
+        inside = real != real_root and real_root in real.parents
+    if not text or Path(text).is_absolute() or not inside:
+        raise GptkitError(f"{named_by} names the file {text!r}, which lies outside {root}; the files of a "
+                          f"checkpoint or model folder stay inside it: use a checkpoint or folder you trust")
+    return target
+
+
+def links_leaving(folder: Path | str) -> list[tuple[Path, Path]]:
+    """(link, target) for every symbolic link under `folder` (not followed) whose target is not inside it."""
+    root = Path(folder).resolve()
+    found = []
+    for top, dirs, files in os.walk(root):
+        for name in dirs + files:
+            p = Path(top) / name
+            if p.is_symlink():
+                target = p.resolve()
+                if target != root and root not in target.parents:
+                    found.append((p, target))
+    return found
 
 
 # ---- checksums -------------------------------------------------------------------------------------
@@ -131,8 +218,15 @@ def is_disk_full(exc: BaseException) -> bool:
         ("requested and" in text and "written" in text) or "No space left on device" in text
 
 
-def disk_full_error(what: Path | str, needed: float | None, exc: BaseException) -> GptkitError:
-    """One line for a write that ran out of space: what was being written, the space it needs, the space free."""
+def disk_full_error(what: Path | str | None, needed: float | None, exc: BaseException) -> GptkitError:
+    """One line for a write that ran out of space: what was being written, the space it needs, the space free.
+    `what` None: an error that names no file (the free space is then the current folder's disk's)."""
+    if what is None:
+        return GptkitError("no space left on the disk (the failed write names no file: "
+                           f"{' '.join(str(exc).split())[:120]})"
+                           f"; {human_bytes(free_bytes(Path.cwd()))} is free on the disk of {Path.cwd()}; "
+                           "free some "
+                           f"space (old runs, checkpoints or the data cache) and run the command again")
     need = f"it needs about {human_bytes(needed)}, " if needed else ""
     return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is free; "
                        f"free some space (old runs, checkpoints or the data cache) and run the command again")
@@ -156,10 +250,11 @@ def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
     `out` is refused unless force=True (then it is replaced, only after the new folder is complete)."""
     out = check_out_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
-    os.chmod(tmp, DIR_MODE)  # mkdtemp makes it private; the result is an ordinary folder
+    remove_dead_temps(out)  # what a killed earlier write of `out` left
+    lock, tmp = locked_temp(out, folder=True)
     try:
         yield tmp
+        fault_point("staged")
         if out.exists():
             old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
             os.replace(out, old / out.name)
@@ -167,6 +262,16 @@ def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
             shutil.rmtree(old)
         else:
             os.replace(tmp, out)
-    except BaseException:
+    except BaseException as exc:
+        failed = _newest_file(tmp) if is_disk_full(exc) and not isinstance(exc, GptkitError) else None
         shutil.rmtree(tmp, ignore_errors=True)
+        if failed is not None:  # the file being written when the disk filled, by the name it was to have
+            raise disk_full_error(out / failed.relative_to(tmp), None, exc) from exc
         raise
+    finally:
+        os.close(lock)
+
+
+def _newest_file(folder: Path) -> Path | None:
+    files = [f for f in folder.rglob("*") if f.is_file()]
+    return max(files, key=lambda f: f.stat().st_mtime_ns) if files else folder

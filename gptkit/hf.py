@@ -33,7 +33,7 @@ from typing import Any
 
 from gptkit.data.chat import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
-from gptkit.fsio import FILE_MODE
+from gptkit.fsio import FILE_MODE, confined
 from gptkit.model.config import ModelConfig
 from gptkit.runs import IMPORTED_FILE
 
@@ -420,9 +420,10 @@ def load_weights(hf_dir: Path) -> dict[str, Any]:
                 raise GptkitError(f"{hf_dir / index} is not a valid weight index ({exc})") from exc
             state: dict[str, Any] = {}
             for name in files:
-                if not (hf_dir / name).is_file():
+                f = confined(hf_dir, name, hf_dir / index)  # never a file outside the model folder
+                if not f.is_file():
                     raise GptkitError(f"{hf_dir / index} names {name}, which is missing from {hf_dir}")
-                state.update(load(hf_dir / name))
+                state.update(load(f))
             return state
     raise GptkitError(f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})")
 

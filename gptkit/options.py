@@ -108,6 +108,9 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    for o in options:
+        if o.kind == "group":
+            _check_preset(o)
     if any(o.sweep and (o.kind == "group" or o.value is None) for o in options):
         return None  # a sweep over presets, or a range(...): Hydra composes and checks each job
     groups = [o.first for o in options if o.kind == "group"]
@@ -129,6 +132,22 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
     if missing:
         raise ConfigError(_required(config_name, missing[0], options))
     return cfg
+
+
+def _check_preset(o: Option) -> None:
+    """Each preset a group option names (model=x, a list logger=[a,b], a sweep -m model=a,b) must exist: Hydra
+    skips a missing preset of an optional group (experiment=) silently and reports others in many lines."""
+    import difflib
+
+    group = o.key.split("@")[0]
+    if not (conf_dir() / group).is_dir() or o.op == "DEL":
+        return
+    known = presets(group)
+    for name in o.value if isinstance(o.value, list) else [o.value]:
+        if isinstance(name, str) and name not in known:
+            near = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f": did you mean {group}={near[0]}?" if near else ""
+            raise ConfigError(f"{group}={name} is not a preset{hint} ({group} presets: {', '.join(known)})")
 
 
 def _has(cfg: DictConfig, key: str) -> bool:
@@ -330,3 +349,32 @@ def _check_type(config_name: str, o: Option) -> None:
 
 def _raw(o: Option, v: Any) -> str:
     return str(v) if o.sweep else o.raw
+
+
+# ---- a run's saved config, checked as the command line is -------------------------------------------
+def check_saved_config(config_name: str, saved: dict[str, Any], where: str,
+                       extra_keys: tuple[str, ...] = ()) -> None:
+    """A run's saved config (plain data read from `where`, e.g. runs/x/config.yaml) checked against the
+    verb's config as a command line is: every key one that the verb's YAML or a preset of its groups has (a
+    renamed key: the close one named), every value of its key's type (runs.read_config refuses an
+    interpolation). Each problem is a one-line ConfigError that names `where`."""
+    own, choices = _verb_values(config_name)
+    known = set(own) | set(extra_keys)
+    for group in choices:
+        if (conf_dir() / group).is_dir():
+            for keys in _group_keys(group).values():
+                known |= keys
+    known |= {k.rsplit(".", i)[0] for k in list(known) for i in range(1, k.count(".") + 1)}  # their sections
+    for key, value in _flat_values(saved).items():
+        if isinstance(value, dict) and value:
+            continue
+        if key not in known and not any(key == f or key.startswith(f + ".") for f in FREE_FORM):
+            same_section = sorted(k for k in known if k.split(".")[0] == key.split(".")[0])
+            near = suggest(key, same_section or sorted(known))
+            raise ConfigError(f"{where}: unknown key {key}" + (f" (did you mean {near}?)" if near else "")
+                              + "; fix or remove it")
+        try:
+            arg = f"{key}={value}"
+            _check_type(config_name, Option(arg, key, "key", "CHANGE", value, False, arg))
+        except ConfigError as exc:
+            raise ConfigError(f"{where}: {exc}") from None

@@ -32,7 +32,7 @@ from gptkit.checkpoints import (
     run_dir_of,
 )
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.fsio import atomic_write_text, lock_file
+from gptkit.fsio import atomic_write_text, links_leaving, lock_file
 from gptkit.precision import torch_dtype
 
 CONFIG_FILE = "config.yaml"
@@ -127,6 +127,7 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "n
     run_dir = Path(run_dir).resolve()
     if run_dir in _claimed:
         return
+    check_links(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     fd = lock_file(run_dir / LOCK_FILE)
     if fd is None:
@@ -143,6 +144,17 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "n
         atexit.register(_remove_if_no_run, run_dir)
 
 
+def check_links(run_dir: Path | str) -> None:
+    """A run folder whose files are symbolic links that leave it is refused (one line): gptkit would read
+    or write the link's target through it."""
+    found = links_leaving(run_dir) if Path(run_dir).is_dir() else []
+    if found:
+        link, target = found[0]
+        raise GptkitError(f"{link} is a symbolic link to {target}, outside the run folder "
+                          f"{Path(run_dir).resolve()}; "
+                          f"a run folder's files stay inside it: replace the link with a copy of the file")
+
+
 def _remove_if_no_run(run_dir: Path) -> None:
     ckdir = run_dir / CHECKPOINT_DIR
     if not (run_dir / CONFIG_FILE).exists() and not (ckdir.is_dir() and any(ckdir.iterdir())):
@@ -153,9 +165,11 @@ def _remove_if_no_run(run_dir: Path) -> None:
 LATEST = "latest"  # run=latest: the most recently written run folder under ./runs
 
 
-def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
-    """`latest` means the run folder under runs_dir whose config.yaml was written last (multirun
-    job folders included); any other path is returned as it is."""
+def resolve_latest(path: Path | str, runs_dir: Path | str = "runs", need: str = "checkpoint") -> Path:
+    """`latest` means the newest run folder under runs_dir (by its config.yaml; multirun job folders included)
+    that is usable for the verb (`need`, see usable_for): a failed start, a sweep's folder or an import is
+    skipped where it has nothing for the verb, with a note naming the newer folders skipped. Any other path is
+    returned as it is."""
     if str(path) != LATEST:
         return Path(path).expanduser()
     root = Path(runs_dir)
@@ -163,13 +177,45 @@ def resolve_latest(path: Path | str, runs_dir: Path | str = "runs") -> Path:
                if not any(part.startswith(".") for part in f.relative_to(root).parts)]  # not Hydra's .hydra/
     if not configs:
         raise GptkitError(f"`latest` found no run folder under {runs_dir}/; train first or give a run folder")
-    return max(configs, key=lambda f: f.stat().st_mtime).parent
+    newest = [f.parent for f in sorted(configs, key=lambda f: f.stat().st_mtime, reverse=True)]
+    found = next((i for i, d in enumerate(newest) if usable_for(d, need)), None)
+    if found is None:
+        raise GptkitError(f"`latest` found no run folder under {runs_dir}/ with {NEEDS[need]} (newest: "
+                          f"{newest[0]}); "
+                          f"train first or give a run folder")
+    if found and is_rank_zero():
+        import sys
+
+        print(f"note: latest is {newest[found]}; newer folders without {NEEDS[need]} skipped: "
+              f"{', '.join(str(d) for d in newest[:found][:3])}{' ...' if found > 3 else ''}",
+              file=sys.stderr)
+    return newest[found]
 
 
-def find_run_checkpoint(path: Path | str, runs_dir: Path | str = "runs") -> Path:
+NEEDS = {"checkpoint": "a checkpoint", "training": "training to resume (a .ckpt, not an import)",
+         "metrics": "a metrics.csv", "sharded": "a sharded checkpoint"}
+
+
+def usable_for(run_dir: Path, need: str = "checkpoint") -> bool:
+    """Whether a run folder has what a verb needs: a checkpoint (sample, eval, export, init_from), training
+    to resume (a .ckpt of a run that is not an import), a metrics.csv (plot) or a sharded checkpoint
+    (consolidate)."""
+    if need == "metrics":
+        return (run_dir / METRICS_FILE).is_file()
+    try:
+        ckpt = find_checkpoint(run_dir)
+    except GptkitError:
+        return False
+    if need == "training":
+        trained = (run_dir / METRICS_FILE).exists() or not (run_dir / IMPORTED_FILE).exists()
+        return ckpt.suffix == ".ckpt" and trained
+    return ckpt.is_dir() if need == "sharded" else True
+
+
+def find_run_checkpoint(path: Path | str, runs_dir: Path | str = "runs", need: str = "checkpoint") -> Path:
     """The checkpoint a `run=` / `resume=` / `init_from=` value names: a run folder, a checkpoint file or
-    sharded folder, or `latest`."""
-    return find_checkpoint(resolve_latest(path, runs_dir))
+    sharded folder, or `latest` (the newest run folder usable for `need`, see resolve_latest)."""
+    return find_checkpoint(resolve_latest(path, runs_dir, need))
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:
@@ -187,7 +233,84 @@ def read_config(run_dir: Path) -> dict[str, Any]:
         raise GptkitError(f"{f} is not valid YAML ({str(exc).splitlines()[0]})") from exc
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
         raise GptkitError(f"{f} has no `model` section")
+    _no_interpolation(cfg, f)
     return cfg
+
+
+def _no_interpolation(node: Any, where: Path, key: str = "") -> None:
+    """A run's saved config is data: a `${...}` in it (which OmegaConf would resolve, ${oc.env:...} included)
+    is refused, naming the key."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _no_interpolation(v, where, f"{key}.{k}" if key else str(k))
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            _no_interpolation(v, where, f"{key}[{i}]")
+    elif isinstance(node, str) and "${" in node:
+        raise ConfigError(f"{where}: {key}: {node!r} is an interpolation; a run's saved config is data and "
+                          f"is never resolved: write the value itself")
+
+
+def check_saved_run(ckpt: Path | str, source: str) -> None:
+    """Before `train resume=` starts: the run has training to continue (an imported model has none:
+    init_from=), its config.yaml passes check_saved_config, its model section builds, and a single-file
+    checkpoint's weights have the shapes it names. One-line errors name <run>/config.yaml."""
+    import dataclasses
+
+    from gptkit.checkpoints import load_checkpoint
+    from gptkit.model import ModelConfig
+    from gptkit.options import check_saved_config
+
+    ckpt = Path(ckpt)
+    if ckpt.is_file():
+        load_checkpoint(ckpt)  # a truncated or foreign file: one line before its folder is looked at
+    run_dir = run_dir_of(ckpt)
+    where = run_dir / CONFIG_FILE
+    check_links(run_dir)
+    raw = read_config(run_dir)
+    if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
+        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training "
+                          "state to "
+                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+    missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
+    if missing:
+        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to "
+                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+    fields = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig))
+    check_saved_config("train", raw, str(where), fields)
+    try:
+        model_cfg = ModelConfig.from_dict(raw["model"])
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    if ckpt.suffix == ".ckpt" and ckpt.is_file():  # its shapes (mmap); a sharded folder's when loaded
+        checked_model_state(ckpt, model_cfg)
+
+
+def saved_run_config(ckpt: Path | str, composed: Any):
+    """The saved config of the run a resume= checkpoint belongs to, as an OmegaConf config: data (read_config
+    refuses an interpolation), with the trainer/optim keys it lacks (an older gptkit's run, or an edited file)
+    taken from `composed` (this invocation's config: the defaults and the command line), said once. The
+    command line checks the file itself first (gptkit.options.check_saved_run)."""
+    import sys
+
+    from omegaconf import OmegaConf
+
+    run_dir = run_dir_of(Path(ckpt))
+    saved = OmegaConf.create(read_config(run_dir))
+    filled = []
+    for section in ("trainer", "optim"):
+        if section not in saved or section not in composed:
+            continue
+        defaults = OmegaConf.to_container(composed[section], resolve=False)
+        for key, value in defaults.items():
+            if key not in saved[section]:
+                saved[section][key] = value
+                filled.append(f"{section}.{key}")
+    if filled and is_rank_zero():
+        print(f"note: {run_dir / CONFIG_FILE} has no {', '.join(filled)} (an older gptkit's run, or an "
+              "edited file): "
+              f"{'their defaults are' if len(filled) > 1 else 'its default is'} used", file=sys.stderr)
+    return saved
 
 
 @dataclass
@@ -215,7 +338,17 @@ def load_tokenizer(run_dir: Path):
 def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None) -> Run:
     """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to)."""
     run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention)
-    return Run(run_dir, ckpt_path, cfg, model_cfg, model, load_tokenizer(run_dir))
+    tokenizer = load_tokenizer(run_dir)
+    check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
+    return Run(run_dir, ckpt_path, cfg, model_cfg, model, tokenizer)
+
+
+def check_tokenizer_fits(run_dir: Path, tokenizer_size: int, vocab_size: int) -> None:
+    """The run's tokenizer must give only ids the model has (the model's vocabulary may be larger: padded)."""
+    if tokenizer_size > vocab_size:
+        raise GptkitError(f"{Path(run_dir) / TOKENIZER_FILE} has {tokenizer_size:,} tokens but the model has "
+                          f"{vocab_size:,} (model.vocab_size in {Path(run_dir) / CONFIG_FILE}): it is not "
+                          f"the tokenizer the run was trained with; put that one back")
 
 
 def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):
@@ -226,11 +359,16 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     path = resolve_latest(path)
     ckpt_path = find_checkpoint(path)
     run_dir = run_dir_of(ckpt_path) if ckpt_path == path else path  # a checkpoint given
+    if is_run_folder(run_dir):
+        check_links(run_dir)
     cfg = read_config(run_dir)
     mdict = dict(cfg["model"])
     if attention:
         mdict["attention"] = attention
-    model_cfg = ModelConfig.from_dict(mdict)
+    try:
+        model_cfg = ModelConfig.from_dict(mdict)
+    except (ConfigError, TypeError, ValueError) as exc:
+        raise ConfigError(f"{run_dir / CONFIG_FILE}: {exc}") from None
     model = GPT.from_state(model_cfg, checked_model_state(ckpt_path, model_cfg), device)
     if dtype:
         model = model.to(dtype=torch_dtype(dtype))

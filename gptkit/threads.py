@@ -41,42 +41,68 @@ def set_threads(threads, option: str, processes: int = 1, warn: bool = True) -> 
     import torch
 
     threads = check_threads(threads, option)
+    chosen = threads is not None or "OMP_NUM_THREADS" in os.environ  # the user's count: kept, with a warning
     if threads is None and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
         threads = max(1, cores() // processes)  # what Lightning's launcher sets for DDP on CPU
     if threads is not None:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
     n = torch.get_num_threads()
+    first = os.environ.get("LOCAL_RANK", "0") == "0"
+    if warn and not chosen:  # not set: the count that fits the machine's load now, said on one line
+        load, fit = fitting(n, processes) or (0.0, n)
+        if fit < n:
+            torch.set_num_threads(fit)
+            os.environ["OMP_NUM_THREADS"] = str(fit)
+            if first:
+                print(f"note: {fit} torch thread{'s' if fit > 1 else ''} instead of {n}: other work loads "
+                      f"{load:.1f} of the {cores()} cores (set {option}={n} to use {n} anyway)",
+                      file=sys.stderr)
+            return fit
+        return n
     message = oversubscribed(n, processes, option)
-    if warn and message and os.environ.get("LOCAL_RANK", "0") == "0":
+    if warn and message and first:
         print(f"warning: {message}", file=sys.stderr)
     return n
+
+
+def _fits(load: float, n_cores: int, processes: int) -> int:
+    """The largest thread count per process that fits beside `load` on `n_cores` cores, at least 1."""
+    return max(1, int((n_cores - load) / processes + 0.5))
+
+
+def fitting(threads: int, processes: int = 1, n_cores: int | None = None) -> tuple[float, int] | None:
+    """(the other work's load, the largest thread count per process that fits beside it, at most
+    `threads`), or None where the load cannot be read. The load is the 1-minute average, confirmed (when it
+    says the threads do not fit) by what is busy now (busy_now: the average lags behind work that ended)."""
+    n_cores = n_cores or cores()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+    if threads > _fits(load, n_cores, processes):  # counting work that just ended (`train`, then `sample`)?
+        now = busy_now()
+        load = load if now is None else min(load, now)
+    return load, min(threads, _fits(load, n_cores, processes))
 
 
 def oversubscribed(threads: int, processes: int, option: str, load: float | None = None,
                    n_cores: int | None = None) -> str | None:
     """The warning for `threads` per process x `processes` on this machine, or None when they fit. The other
-    work is `load`, else the 1-minute load average, confirmed (when it says the threads do not fit) by what is
-    busy now (busy_now: the average lags a minute behind work that has ended). The fix names the largest count
-    that fits, at least 1."""
+    work is `load`, else as `fitting` measures it. The fix names the largest count that fits, at least 1."""
     n_cores = n_cores or cores()
-
-    def fits(load: float) -> int:
-        return max(1, int((n_cores - load) / processes + 0.5))
-
     if load is None:
-        try:
-            load = os.getloadavg()[0]
-        except (AttributeError, OSError):
+        measured = fitting(threads, processes, n_cores)
+        if measured is None:
             return None
-        if threads > fits(load):  # the 1-minute average still counts work that just ended (`train`, then `sample`)
-            now = busy_now()
-            load = load if now is None else min(load, now)
-    if threads <= fits(load):
+        load = measured[0]
+    fit = _fits(load, n_cores, processes)
+    if threads <= fit:
         return None
     per = f"{threads} torch threads" + (f" x {processes} processes" if processes > 1 else "")
     return (f"{per} on {n_cores} cores that other work already loads ({load:.1f}): the threads will wait for "
-            f"each other and steps can be several times slower; set {option}={fits(load)} (or OMP_NUM_THREADS={fits(load)})")
+            f"each other and steps can be several times slower; set {option}={fit} "
+            f"(or OMP_NUM_THREADS={fit})")
 
 
 def busy_now(seconds: float = 0.2) -> float | None:

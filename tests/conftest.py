@@ -18,7 +18,12 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
-os.environ.setdefault("GPTKIT_CACHE", tempfile.mkdtemp(prefix="gptkit-test-cache-"))
+if "GPTKIT_CACHE" not in os.environ:  # a private cache, removed when the test session ends
+    import atexit
+    import shutil
+
+    os.environ["GPTKIT_CACHE"] = tempfile.mkdtemp(prefix="gptkit-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["GPTKIT_CACHE"], True)
 
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402

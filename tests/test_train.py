@@ -163,7 +163,7 @@ def test_wandb_online_without_key_fails_fast(corpus, tmp_path):
 
 
 @pytest.mark.parametrize("extra, needle", [
-    (["optim=sgd"], "optim/sgd"),
+    (["optim=sgd"], "optim=sgd is not a preset (optim presets: adamw"),
     (["trainer.precision=fp8"], "trainer.precision"),
     (["resume=/nonexistent/run"], "does not exist"),
 ])
@@ -265,10 +265,13 @@ def test_latest_is_the_newest_run_folder_never_hydras(tmp_path):
 
     with pytest.raises(GptkitError, match="found no run folder"):
         resolve_latest("latest", tmp_path)
-    for i, rel in enumerate(["old", "sweep/0", "new", "starting/.hydra"]):
+    for i, rel in enumerate(["old", "sweep/0", "new", "starting/.hydra", "failed"]):
         (tmp_path / rel).mkdir(parents=True)
         (tmp_path / rel / "config.yaml").write_text("model: {}\n")
         os.utime(tmp_path / rel / "config.yaml", (1000 + i, 1000 + i))
+        if rel != "failed":  # a start that failed has no checkpoint: not usable, skipped (issue 25 item 16)
+            (tmp_path / rel / "checkpoints").mkdir()
+            (tmp_path / rel / "checkpoints" / "last.ckpt").write_bytes(b"")
     assert resolve_latest("latest", tmp_path) == tmp_path / "new"
     assert resolve_latest("runs/x", tmp_path) == Path("runs/x")
 

@@ -190,21 +190,35 @@ def environment() -> dict:
     import datetime
 
     import torch
-    import triton
 
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
-            "triton": triton.__version__}
+            "triton": triton_version() or "not installed"}
+
+
+TRITON_MISSING = 'Triton is not installed (pip install -e ".[triton]")'
+
+
+def triton_version() -> str | None:
+    """Triton's version, or None when it cannot be imported (the rows that need it are then left out)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return str(triton.__version__)
 
 
 def run(cfg) -> int:
     import torch
 
     from gptkit.errors import ConfigError, GptkitError
-    from gptkit_kernels import interpreting
 
     if not torch.cuda.is_available():
         raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU machine")
+    if triton_version() is None:  # every backend is timed with triton's do_bench
+        raise GptkitError(f"gptkit bench attention times every backend with triton.testing: {TRITON_MISSING}")
+    from gptkit_kernels import interpreting
+
     if interpreting():
         raise GptkitError("TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU kernels")
     if cfg.dtype not in DTYPES:

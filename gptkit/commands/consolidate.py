@@ -17,14 +17,16 @@ def run(cfg) -> int:
 
     from gptkit.checkpoints import consolidate, is_sharded_checkpoint
     from gptkit.errors import GptkitError
+    from gptkit.fsio import remove_dead_temps
     from gptkit.runs import find_run_checkpoint
 
-    ckpt = find_run_checkpoint(str(cfg.run))
+    ckpt = find_run_checkpoint(str(cfg.run), need="sharded")
     if not is_sharded_checkpoint(ckpt):
         raise GptkitError(f"{ckpt} is already a single-file checkpoint; there is nothing to consolidate")
     out = Path(str(cfg.out)) if cfg.out else ckpt.with_name(ckpt.stem + ".consolidated.ckpt")
     if out.exists() and not cfg.force:
         raise GptkitError(f"{out} already exists; pass force=true to replace it or choose another out=")
+    remove_dead_temps(out)  # what a killed earlier consolidation of `out` left
     written = consolidate(ckpt, out)
     print(f"consolidated {ckpt} -> {written} ({written.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
     print(written)

@@ -27,6 +27,7 @@ def run(cfg) -> int:
     from gptkit.runs import (
         TOKENIZER_FILE,
         check_not_source,
+        check_tokenizer_fits,
         find_run_checkpoint,
         load_model,
         load_tokenizer,
@@ -49,6 +50,8 @@ def run(cfg) -> int:
     run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
 
     tokenizer = load_tokenizer(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
+    if tokenizer is not None:
+        check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
     eos = (run_cfg.get("tokenizer") or {}).get("eos_token")  # what training appended after each document
     special = special_tokens(tokenizer, eos) if tokenizer is not None else {}
     ids = {role: special[role][1] if role in special else None for role in ("bos_token", "eos_token", "pad_token")}

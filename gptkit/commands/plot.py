@@ -13,7 +13,7 @@ def run(cfg) -> int:
     from gptkit.runs import resolve_latest
     from gptkit.training.plots import plot_loss
 
-    run_dir = resolve_latest(str(cfg.run))
+    run_dir = resolve_latest(str(cfg.run), need="metrics")
     if not run_dir.is_dir():
         raise GptkitError(f"{run_dir} is not a run folder; pass run=runs/<name>")
     print(plot_loss(run_dir))

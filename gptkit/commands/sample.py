@@ -77,8 +77,8 @@ def run(cfg) -> int:
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"format={cfg.format!r} must be text or json")
     prompt = read_prompt(cfg)
-    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")  # once the run is found
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
     ids = encode_prompt(r.tokenizer, prompt, bos_id)

@@ -27,7 +27,7 @@ def prepare_args(args: list[str]) -> list[str]:
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
     from gptkit.options import parse_options
-    from gptkit.runs import check_run_location, find_run_checkpoint
+    from gptkit.runs import LATEST, check_run_location, check_saved_run, find_run_checkpoint
     from gptkit.training.fit import check_resume_or_init
 
     # the few keys read here, from the options parsed as the rest of gptkit parses them
@@ -38,8 +38,11 @@ def prepare_args(args: list[str]) -> list[str]:
     name = kv.get("name")
     check_run_location(kv.get("runs_dir", "runs"), None if name and "${" in name else name)
     if kv.get("resume") not in (None, "", "null"):
-        ckpt = find_run_checkpoint(kv["resume"], kv.get("runs_dir", "runs"))
+        ckpt = find_run_checkpoint(kv["resume"], kv.get("runs_dir", "runs"), need="training")
         run_dir = (run_dir_of(ckpt) if ckpt.suffix == ".ckpt" else ckpt.parent).resolve()
+        check_saved_run(ckpt, f"resume={kv['resume']}")  # its config.yaml is checked as a command line is
+        if kv["resume"] == LATEST:  # resolved once, here: train continues that very folder
+            args = [f"resume={run_dir}" if a.startswith("resume=") else a for a in args]
         asked = (Path(kv.get("runs_dir", run_dir.parent)).resolve() / kv.get("name", run_dir.name))
         if asked != run_dir and ("name" in kv or "runs_dir" in kv):
             print(f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run from "

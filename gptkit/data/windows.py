@@ -24,7 +24,8 @@ from gptkit.errors import GptkitError
 def check_window(n_tokens: int, seq_len: int, split: str) -> None:
     if n_tokens < seq_len + 1:
         raise GptkitError(f"the {split} split has {n_tokens} tokens, shorter than one window of seq_len+1="
-                          f"{seq_len + 1}; give a longer corpus or a smaller model.max_seq_len")
+                          f"{seq_len + 1}; give a longer corpus or a shorter trainer.seq_len (the training "
+                          "window)")
 
 
 PACKS = ("stream", "documents")

@@ -25,6 +25,7 @@ from gptkit.checkpoints import (
     replace_checkpoint,
     safe_planner,
     safe_reader,
+    sharded_refusal,
     verify_checkpoint,
     write_checksums,
 )
@@ -240,7 +241,6 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
     """Load a sharded checkpoint into a sharded module and its optimizers (collective: every rank
     calls it); returns the non-tensor state (step, loops, callbacks, schedulers)."""
     import torch
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -250,15 +250,27 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
 
     _verify_together(path)
     model_state = {"state_dict": get_model_state_dict(module)}
-    dcp.load(model_state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
+    _dcp_load(model_state, path)
     module.load_state_dict(model_state["state_dict"], strict=True)
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
-        dcp.load(optim_state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
+        _dcp_load(optim_state, path)
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
+
+
+def _dcp_load(state: dict[str, Any], path: Path) -> None:
+    """dcp.load through the safe reader and planner; its CheckpointException (a BaseException) as one line."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    safe_reader(path).read_metadata()  # a bad index: one line on every rank, not torch's logged traceback
+    try:
+        dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
+    except CheckpointException as exc:
+        raise sharded_refusal(path, exc) from None
 
 
 def _verify_together(path: Path) -> None:

@@ -33,7 +33,14 @@ from gptkit.checkpoints import (
 from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
 from gptkit.options import Option, parse_options
-from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE, find_run_checkpoint, read_config
+from gptkit.runs import (
+    CONFIG_FILE,
+    MANIFEST_FILE,
+    TOKENIZER_FILE,
+    find_run_checkpoint,
+    read_config,
+    saved_run_config,
+)
 
 if TYPE_CHECKING:
     from gptkit.training.plan import RunPlan
@@ -106,7 +113,7 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
         state = read_sharded_checkpoint(ckpt, weights=False)
     else:
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
-    saved = OmegaConf.create(read_config(run_dir_of(ckpt)))
+    saved = saved_run_config(ckpt, cfg)  # data, never resolved (the CLI checked it as a command line)
     overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
@@ -293,9 +300,11 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
     from gptkit.threads import set_threads
     from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu
+    from gptkit.training.memory import check_host_memory, cpu_out_of_memory, is_cpu_out_of_memory
     from gptkit.training.module import LitGPT
     from gptkit.training.plan import make_plan
     from gptkit.training.plots import plot_loss
+    from gptkit.training.stopping import final_validation
     from gptkit.training.task_evals import TaskEvals, print_summary
     from gptkit.training.trainer import build_loggers, build_trainer
 
@@ -345,6 +354,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     plan = make_plan(cfg, run_dir, model_cfg, resume=resume_ckpt, resume_step=resume_step,
                      init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job)
     t = plan.trainer
+    if cpu:  # the count-params estimate against the host's memory, before the model is built
+        check_host_memory(plan)
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
     if t.deterministic:
@@ -380,6 +391,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
                     weights_only=True)
     except torch.OutOfMemoryError as exc:
         raise out_of_memory(plan) from exc
+    except RuntimeError as exc:  # the CPU allocator's failure: one line with the same estimate
+        raise (cpu_out_of_memory(plan) if is_cpu_out_of_memory(exc) else exc) from exc
     except SystemExit:
         if checkpoints.interrupted:  # a second Ctrl-C: Lightning stops at once and exits 1; say so, exit 130
             _interrupted(run_dir, ckpt_dir / LAST_CHECKPOINT, trainer.is_global_zero)
@@ -387,8 +400,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
 
     last = ckpt_dir / LAST_CHECKPOINT
     if checkpoints.signal_name is None:
-        if trainer.global_step % int(t.val_every):
-            trainer.validate(module, datamodule=datamodule, verbose=False)
+        if trainer.global_step % int(t.val_every):  # Ctrl-C/SIGTERM here: saved, stopped, 130/143
+            final_validation(trainer, module, datamodule, checkpoints)
     checkpoints.publish(trainer)  # the final checkpoint, once the rows it covers (final validation too) are on disk
     val = trainer.callback_metrics.get("val/loss")
     if trainer.is_global_zero:

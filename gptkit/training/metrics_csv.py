@@ -26,7 +26,7 @@ from lightning.pytorch.loggers.logger import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
 from gptkit.faults import fault_point
-from gptkit.fsio import temp_file_beside
+from gptkit.fsio import disk_full_error, is_disk_full, temp_file_beside
 from gptkit.runs import METRICS_FILE
 
 VAL_PREFIX = ("val/", "eval/")  # validation, task evals: logged at step N before its checkpoint is published
@@ -116,6 +116,9 @@ class MetricsCSV(Logger):
         if n > 0 and not kept:
             print(f"note: {self.path} holds no rows before step {n} (lost or removed before this resume); "
                   f"it continues from step {n}", file=sys.stderr)
+        elif (gap := missing_tail(sorted(kept), n)) is not None:
+            print(f"note: {self.path} has no rows for steps {gap[0]}-{gap[1]} (the file was cut short before "
+                  f"this resume); they stay missing, it continues from step {n}", file=sys.stderr)
         self._columns = columns or ["step"]
         self._rewrite(b"", [*kept.items(), *([(n, at_n)] if at_n else [])], keep_last=bool(at_n))
         if at_n:
@@ -133,7 +136,16 @@ class MetricsCSV(Logger):
         return buf.getvalue().encode()
 
     def _write(self, complete_only: bool, fsync: bool = False) -> None:
-        """Put rows on disk: with complete_only, all but the newest (which may still grow)."""
+        """Put rows on disk: with complete_only, all but the newest (which may still grow). A full disk is one
+        line naming metrics.csv."""
+        try:
+            self._write_rows(complete_only, fsync)
+        except OSError as exc:
+            if is_disk_full(exc):
+                raise disk_full_error(self.path, None, exc) from exc
+            raise
+
+    def _write_rows(self, complete_only: bool, fsync: bool) -> None:
         self._start()
         newest = max(self._rows, default=None)
         if self._tail is not None and self._tail[0] != newest and self._rows.get(self._tail[0]) == self._tail[1]:
@@ -225,3 +237,16 @@ def read_rows(path: Path) -> tuple[list[str], dict[int, dict[str, str]]]:
         rows.setdefault(step, {}).update({k: v for k, v in row.items() if v != ""})
     columns = ["step"] + [c for c in columns if c != "step"]
     return columns, dict(sorted(rows.items()))
+
+
+def missing_tail(steps: list[int], resume_step: int) -> tuple[int, int] | None:
+    """(first, last) step of the rows missing at the end of a metrics.csv that a resume at `resume_step` keeps
+    (`steps`, sorted), judged by the file's own spacing (its most common gap: 1, or trainer.log_every); None
+    when the rows reach the resume step."""
+    if not steps:
+        return None
+    gaps = [b - a for a, b in zip(steps, steps[1:])]
+    stride = max(set(gaps), key=gaps.count) if gaps else 1
+    if resume_step - steps[-1] <= stride:
+        return None
+    return steps[-1] + 1, resume_step - 1

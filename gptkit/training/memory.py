@@ -1,0 +1,91 @@
+"""Host memory for a run on the CPU: checked against the count-params estimate before the model is built,
+and an allocation that fails anyway is one line with that estimate (as the GPU path's out_of_memory)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from gptkit.errors import GptkitError
+from gptkit.fsio import human_bytes
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the kernel's MemAvailable plus free swap, capped by the cgroup
+    (container) limit left; None where neither can be read."""
+    found = []
+    try:
+        info = {
+            k: int(v.split()[0]) * 1024
+            for k, v in (
+                line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line
+            )
+        }
+        if "MemAvailable" in info:
+            found.append(info["MemAvailable"] + info.get("SwapFree", 0))
+    except (OSError, ValueError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            found.append(int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text()))
+    except (OSError, ValueError):
+        pass
+    return min(found) if found else None
+
+
+def estimate(plan: Any) -> dict[str, float]:
+    """The count-params training memory estimate of a run plan (training/plan.py), per process."""
+    from gptkit import accounting as acc
+
+    return acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
+                               bool(plan.trainer.activation_checkpointing))
+
+
+def _breakdown(mem: dict[str, float], plan: Any) -> str:
+    return (
+        f"weights {human_bytes(mem['weights'])}, gradients {human_bytes(mem['gradients'])}, optimizer "
+        f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])} at "
+        f"trainer.batch_size={plan.batch_size}"
+    )
+
+
+ADVICE = (
+    "lower trainer.batch_size (raise trainer.accumulate_grad_batches to keep the batch), set "
+    "trainer.activation_checkpointing=true, or choose a smaller model"
+)
+
+
+def check_host_memory(plan: Any) -> None:
+    """On the CPU, before the model is built: a run whose estimate (x the processes on this machine) exceeds
+    the memory available is a one-line GptkitError instead of the allocator's error minutes later."""
+    available = available_memory()
+    if available is None:
+        return
+    mem = estimate(plan)
+    processes = plan.devices  # every process of this machine holds its own replica (or shard)
+    need = mem["total"] * processes
+    if need > available:
+        each = f" ({processes} processes x {human_bytes(mem['total'])})" if processes > 1 else ""
+        raise GptkitError(
+            "not enough memory for this run on the CPU: count-params estimates "
+            f"{human_bytes(need)}"
+            f"{each} ({_breakdown(mem, plan)}), {human_bytes(available)} is available; {ADVICE}"
+        )
+
+
+def is_cpu_out_of_memory(exc: BaseException) -> bool:
+    """torch's CPU allocator failing (a RuntimeError, not torch.OutOfMemoryError)."""
+    return isinstance(exc, RuntimeError) and "DefaultCPUAllocator: can't allocate memory" in str(exc)
+
+
+def cpu_out_of_memory(plan: Any) -> GptkitError:
+    """A failed host allocation during training as one line, with the estimate and what to change."""
+    mem = estimate(plan)
+    free = available_memory()
+    return GptkitError(
+        f"out of memory on the CPU: count-params estimates {human_bytes(mem['total'])} per "
+        f"process ({_breakdown(mem, plan)})"
+        + (f", {human_bytes(free)} is available now" if free else "")
+        + f"; {ADVICE}"
+    )

@@ -1,0 +1,35 @@
+"""Ctrl-C (SIGINT) and SIGTERM during the final validation, which runs after Lightning's fit: handled as
+during training. The checkpoint of the finished last step is kept (published as last.ckpt), the validation
+stops, and the run ends with the signal's exit status (130 / 143); a resume then runs the final validation."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+class _Stop(BaseException):
+    """Raised by the handler to leave trainer.validate (a KeyboardInterrupt would make Lightning exit 1)."""
+
+
+def final_validation(trainer: Any, module: Any, datamodule: Any, checkpoints: Any) -> None:
+    """trainer.validate with SIGINT/SIGTERM stopping it: `checkpoints` (RunCheckpoints) then names the signal
+    (signal_name) and still holds the last step's checkpoint for its publication."""
+    pending, checkpoints._pending = checkpoints._pending, None  # Lightning's on_exception would discard it
+
+    def stop(signum, frame) -> None:
+        checkpoints.signal_name = signal.Signals(signum).name
+        raise _Stop
+
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        trainer.validate(module, datamodule=datamodule, verbose=False)
+    except _Stop:
+        pass
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        checkpoints._pending = pending
