@@ -10,7 +10,9 @@ Points (where the writers call fault_point):
   last-replaced    RunCheckpoints: last.ckpt replaced, older checkpoints not yet removed
   metrics-rewrite  MetricsCSV: the rewritten metrics.csv in its temporary file, not yet renamed
   metrics-append   MetricsCSV: rows appended to metrics.csv (not yet fsynced)
-  prepare-shards   prepare(): token shards written in the temporary build folder, not yet renamed
+  prepare-batch    prepare(): a batch of tokens appended to the shard being built, not yet synced
+  prepare-shard    prepare(): the shard synced and progress.json recording it replaced (a complete shard)
+  prepare-shards   prepare(): token shards and manifest written in the build folder, not yet renamed
   staged           staged_dir (export, import): the folder complete under its temporary name, not yet renamed
 """
 

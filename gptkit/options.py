@@ -23,7 +23,8 @@ from gptkit.config import compose, conf_dir, presets
 from gptkit.errors import ConfigError
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
-FREE_FORM = ("bench.models", "bench.model_overrides")
+FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
+NAMED_LAST = ("tokens",)  # data=tokens shares data.paths with files and chat; a path is far more often text
 _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
 
 
@@ -176,7 +177,7 @@ def _unknown(config_name: str, o: Option, schema: DictConfig, options: list[Opti
     def owners_of(key: str) -> list[str]:
         """The presets that have `key`, the simplest first (data.paths: files, then chat)."""
         return sorted((p for p, keys in preset_keys.items() if key in keys),
-                      key=lambda p: len(preset_keys[p]))
+                      key=lambda p: (p in NAMED_LAST, len(preset_keys[p])))
 
     owners = owners_of(o.key)
     if owners:

@@ -2,7 +2,8 @@
 
     kind: char   one id per character of the corpus, in code point order (then the special tokens)
     kind: byte   256 ids, id == byte value (then the special tokens); lossless for any text
-    kind: bpe    byte-level BPE trained on the corpus (vocab_size, min_frequency, special_tokens)
+    kind: bpe    byte-level BPE trained on the corpus (vocab_size, min_frequency, special_tokens), on at
+                 most train_chars characters of it (an evenly spread sample of a larger corpus)
     kind: file   any tokenizer.json from disk (path)
 
 `eos_token`, when set, is appended after every document of the corpus. Whatever tokenizer is used
@@ -49,7 +50,8 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
 DEFAULTS: dict[str, dict[str, Any]] = {
     "char": {"special_tokens": [], "eos_token": None, "unk_token": None},
     "byte": {"special_tokens": [], "eos_token": None},
-    "bpe": {"vocab_size": 4096, "min_frequency": 2, "special_tokens": ["<|endoftext|>"], "eos_token": "<|endoftext|>"},
+    "bpe": {"vocab_size": 4096, "min_frequency": 2, "special_tokens": ["<|endoftext|>"],
+            "eos_token": "<|endoftext|>", "train_chars": 50_000_000},
     "file": {"path": None, "eos_token": None},
 }
 

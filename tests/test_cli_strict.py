@@ -35,7 +35,7 @@ def run_dir(tmp_path_factory):
 @pytest.mark.parametrize("plus", ["", "+"])
 def test_a_key_of_another_preset_names_the_preset(capsys, tmp_path, plus):
     err = one_line(capsys, "train", f"{plus}data.paths={tmp_path / 's.txt'}", f"runs_dir={tmp_path / 'runs'}")
-    assert (f"data.paths needs data=files or data=chat (data is pydoc now): data=files "
+    assert (f"data.paths needs data=files or data=chat or data=tokens (data is pydoc now): data=files "
             f"data.paths={tmp_path / 's.txt'}") in err
     assert not (tmp_path / "runs").exists()
 
@@ -53,7 +53,8 @@ def test_a_key_no_code_reads_is_refused_on_every_verb(capsys, verb):
     (["count-params", "model.n_layer=2"], "unknown option model.n_layer: did you mean model.n_layers?"),
     (["train", "logger.wandb.mode=online"], "logger.wandb.mode needs the wandb logger: logger=[csv,wandb]"),
     (["train", "tokenizer=char", "tokenizer.vocab_size=100"], "tokenizer.vocab_size needs tokenizer=bpe"),
-    (["eval", "run=x", "data.paths=a.txt"], "data.paths needs data=files or data=chat (no data is chosen)"),
+    (["eval", "run=x", "data.paths=a.txt"],
+     "data.paths needs data=files or data=chat or data=tokens (no data is chosen)"),
     (["bench", "data", "seq_lens=[1]"], "bench.seq_lens needs bench=attention"),
     (["train", "data.path=x"], "did you mean data.paths (with data=files)?"),
     (["train", "+trainer.max_steps=3"], "trainer.max_steps is an option already: write trainer.max_steps=3"),

@@ -222,15 +222,20 @@ def test_code_defaults_match_the_yaml_presets():
     from omegaconf import OmegaConf
 
     from gptkit.config import conf_dir
+    from gptkit.data.build import BUILD_KEYS, WINDOW_KEYS
     from gptkit.data.build import DEFAULTS as DATA_DEFAULTS
-    from gptkit.data.build import WINDOW_KEYS
     from gptkit.tokenizer import DEFAULTS as TOKENIZER_DEFAULTS
 
     for group, defaults in (("data", DATA_DEFAULTS), ("tokenizer", TOKENIZER_DEFAULTS)):
         for preset in (conf_dir() / group).glob("*.yaml"):
             y = OmegaConf.to_container(OmegaConf.load(preset))
             kind = y.pop("kind")
-            for k in WINDOW_KEYS:  # how windows are drawn: not data settings (no part of the cache key)
+            if kind == "chat":  # conversations: their defaults live in gptkit.data.chat
+                from gptkit.data.chat import DEFAULTS as CHAT_DEFAULTS
+
+                assert set(y) == set(CHAT_DEFAULTS) - {"kind"}, preset
+                continue
+            for k in (*WINDOW_KEYS, *BUILD_KEYS):  # how windows are drawn, shards built: not in the key
                 y.pop(k, None)
             assert set(y) == set(defaults[kind]), preset
             for k, v in y.items():

@@ -2,6 +2,7 @@
 line on stderr, a non-zero exit, and nothing half-written left in the cache."""
 
 import json
+import os
 import time
 
 import pytest
@@ -38,7 +39,7 @@ def test_prepare_then_cache_hit(cli, tmp_path):
     assert r.returncode == 0 and "cache hit" in r.stderr
 
 
-@pytest.mark.parametrize("case", ["missing", "glob", "empty", "short", "undecodable"])
+@pytest.mark.parametrize("case", ["missing", "glob", "empty", "short", "undecodable", "fifo"])
 def test_bad_corpus(cli, tmp_path, case):
     f = tmp_path / "a.txt"
     if case == "missing":
@@ -51,6 +52,9 @@ def test_bad_corpus(cli, tmp_path, case):
     elif case == "short":
         f.write_text("far too short\n" * 3)
         args, needles = [f"data.paths=[{f}]", "seq_len=64"], ["shorter than one window", "65"]
+    elif case == "fifo":  # opening it would block forever: refused before anything is read
+        os.mkfifo(f)
+        args, needles = [f"data.paths=[{f}]"], ["a.txt is a FIFO (named pipe)", "give regular files"]
     else:
         f.write_bytes("ok text\n".encode() * 10 + b"\xc3\x28 broken\n")
         args, needles = [f"data.paths=[{f}]"], ["a.txt: byte 80", "not valid UTF-8", "encoding_errors=replace"]

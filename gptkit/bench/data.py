@@ -1,20 +1,23 @@
 """gptkit bench data: how fast text becomes tokens, what memory that takes, and what one training
-batch costs next to a training step.
+batch costs next to a training step. Everything is measured in one run on one file (>= 200 MB: made
+from the standard library's sources unless bench.file is given), and the machine's load is stated.
 
-1. Train the byte-level BPE (vocab_size) on the corpus: time and peak resident memory added.
-2. prepare() the corpus with that tokenizer (tokenizer=file) into a temporary cache: hashing,
-   tokenizing and writing the shards, in MB/s of UTF-8 text, and the peak memory it added (the
-   corpus must not be held more than a few times over).
-3. prepare() with the byte tokenizer (its ids are the UTF-8 bytes: no tokenizer call needed).
-4. The BPE tokenizer alone: its parallel batch encoder over the corpus, in MB/s.
-5. One training batch from the stateless sampler (memory-mapped shards) against one training step
-   of `model` (fp32, AdamW, batch_size x seq_len, built with gptkit.model.GPT): target under 1%.
+1. Each tokenizer of bench.tokenizers (byte, char, byte-level BPE 8k and 32k trained on a
+   bench.train_chars sample): every encoder that gives its ids (HF `tokenizers`, tiktoken from the
+   same merges, the UTF-8 bytes, a code point table) alone, one process and one thread, on the same
+   bench.encode_mb of text: MB/s, and whether its ids equal HF's.
+2. prepare() of the whole file with data.workers = each of bench.workers: MB/s and tokens/s of its
+   tokenization phase (reading, cutting, encoding, writing), peak RSS of the process and of all its
+   workers, and the ratio to workers x the fastest single-process encoder (target >= 0.85).
+3. The projected time for 40 GB of text on 16 cores at the measured 2-worker efficiency.
+4. One training batch from the stateless sampler against one training step of `model`: target < 1%.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import sysconfig
 import tempfile
 import threading
 import time
@@ -23,18 +26,28 @@ from pathlib import Path
 
 
 @contextmanager
-def peak_rss():
-    """Sample this process's resident memory every 10 ms; yields a dict that gets `added_mb` and `s`."""
+def peak_rss(tree: bool = False):
+    """Sample resident memory every 10 ms; yields a dict that gets `added_mb`, `peak_mb` (this process) and,
+    with tree=True, `tree_peak_mb` (this process plus its children, e.g. tokenization workers), and `s`."""
     import psutil
 
     proc = psutil.Process()
     base = proc.memory_info().rss
-    out = {"peak": base}
+    out = {"peak": base, "tree": base}
     stop = threading.Event()
 
     def sample() -> None:
         while not stop.is_set():
-            out["peak"] = max(out["peak"], proc.memory_info().rss)
+            rss = proc.memory_info().rss
+            out["peak"] = max(out["peak"], rss)
+            if tree:
+                total = rss
+                for c in proc.children(recursive=True):
+                    try:
+                        total += c.memory_info().rss
+                    except psutil.Error:
+                        pass
+                out["tree"] = max(out["tree"], total)
             stop.wait(0.01)
 
     t = threading.Thread(target=sample, daemon=True)
@@ -47,6 +60,9 @@ def peak_rss():
         t.join()
         out["s"] = time.perf_counter() - t0
         out["added_mb"] = (out["peak"] - base) / 2**20
+        out["peak_mb"] = out["peak"] / 2**20
+        out["tree_peak_mb"] = out["tree"] / 2**20
+        out["tree_added_mb"] = (out["tree"] - base) / 2**20
 
 
 def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tuple[float, int]:
@@ -74,92 +90,198 @@ def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tup
     return sum(times) / len(times), sum(p.numel() for p in model.parameters())
 
 
+def make_corpus(path: Path, size_mb: float) -> Path:
+    """A text file of about size_mb MB: the standard library's .py sources, as often as needed."""
+    from gptkit.data.sources import stdlib_files
+
+    want = int(size_mb * 1e6)
+    files = stdlib_files(include_tests=True)
+    with open(path, "wb") as out:
+        while out.tell() < want:
+            for f in files:
+                data = f.read_bytes()
+                try:
+                    data.decode("utf-8")
+                except UnicodeDecodeError:  # a few test files are deliberately not UTF-8
+                    continue
+                out.write(data)
+                if out.tell() >= want:
+                    break
+    return path
+
+
+def loadavg() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _tok_cfg(name: str, train_chars: int) -> dict:
+    if name.startswith("bpe-"):
+        return {"kind": "bpe", "vocab_size": int(name[4:]), "train_chars": train_chars}
+    if name in ("byte", "char"):
+        return {"kind": name, **({"eos_token": "<|endoftext|>"} if name == "byte" else {})}
+    raise ValueError(f"bench.tokenizers: {name!r} is not byte, char or bpe-<vocab_size>")
+
+
+def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, dict]:
+    """{engine: {"mb_per_s", "same_ids"}} for every encoder of this tokenizer, one process, one thread."""
+    from gptkit.data.tokenize import EncoderSpec, Tokenizing, batches, tiktoken_tables
+
+    engines = {"byte": ["utf8", "hf"], "char": ["chars", "hf"]}.get(kind, ["hf"])
+    if kind not in ("byte", "char") and tiktoken_tables(tok.to_str()) is not None:
+        engines = ["tiktoken", "hf"]
+    work = list(batches(((p, False) for p in pieces)))
+    out, ref = {}, None
+    for engine in engines:
+        spec = EncoderSpec(tok.to_str(), engine, (), None, "uint32")
+        with Tokenizing(spec, 1) as t:
+            t0 = time.perf_counter()
+            ids = [a for a, _ in t.map(iter(work))]
+            dt = time.perf_counter() - t0
+        import numpy as np
+
+        flat = np.concatenate(ids)
+        ref = flat if ref is None and engine == "hf" else ref
+        out[engine] = {"mb_per_s": round(mb / dt, 2), "tokens": int(len(flat)), "_ids": flat}
+    hf = out["hf"]["_ids"]
+    for e in out.values():
+        e["same_ids"] = bool(np.array_equal(e.pop("_ids"), hf))
+    return out
+
+
 def run(cfg) -> int:
     import torch
-    from hydra import compose, initialize_config_dir
     from rich.console import Console
     from rich.table import Table
 
-    from gptkit.config import conf_dir
     from gptkit.data import TokenDataModule, prepare
-    from gptkit.data.build import data_settings, split_long
-    from gptkit.data.sources import open_corpus
-    from gptkit.threads import set_threads
+    from gptkit.data.build import human
+    from gptkit.data.sources import _text_parts
+    from gptkit.data.tokenize import Cutter
+    from gptkit.threads import cores, set_threads
     from gptkit.tokenizer import build_tokenizer
 
     set_threads(cfg.threads, "bench.threads")
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base=None):
-        data_cfg = compose(config_name=f"data/{cfg.corpus}").data
-    corpus = open_corpus(data_settings(data_cfg))
-    mb = sum(len(d.encode("utf-8")) for d in corpus.all_docs()) / 1e6
     con = Console(stderr=True)
-
+    r: dict = {"load_avg_start": loadavg(), "cpus": os.cpu_count(), "usable_cores": cores(),
+               "python_stdlib": sysconfig.get_paths()["stdlib"], "tokenizers": {}}
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-data-") as tmp:
-        con.print(f"training BPE {cfg.vocab_size} on {mb:.1f} MB ...")
-        with peak_rss() as train:
-            tok = build_tokenizer({"kind": "bpe", "vocab_size": int(cfg.vocab_size)}, texts=corpus.all_docs,
-                                  progress=False)
-        tok_file = Path(tmp) / "bpe.json"
-        tok.save(str(tok_file))
+        tmp = Path(tmp)
+        path = (Path(cfg.file).expanduser() if cfg.file
+                else make_corpus(tmp / "corpus.txt", float(cfg.size_mb)))
+        size = path.stat().st_size
+        mb = size / 1e6
+        r["file"], r["file_mb"] = str(path), round(mb, 1)
+        con.print(f"corpus: {path} ({human(size)}); load average {loadavg()}")
+        data = {"kind": "files", "paths": [str(path)], "val_fraction": 0.01}
+        sample: list[str] = []  # the first encode_mb of the file, cut as prepare cuts it
+        n = 0
+        for p, _ in Cutter("gpt2").pieces(_text_parts(path, "strict", "error"), eos=0):
+            sample.append(p)
+            n += len(p.encode())
+            if n >= float(cfg.encode_mb) * 1e6:
+                break
+        sample_mb = n / 1e6
+        byte_prepared = None
+        for name in cfg.tokenizers:
+            tok_cfg = _tok_cfg(str(name), int(cfg.train_chars))
+            kind = tok_cfg["kind"]
+            row: dict = {}
+            if kind in ("bpe", "char"):
+                con.print(f"{name}: building the tokenizer ...")
+                from gptkit.data.build import training_sample
+                from gptkit.data.sources import open_corpus
 
-        con.print("prepare() with it ...")
-        with peak_rss() as prep:
-            prepared = prepare(data_cfg, {"kind": "file", "path": str(tok_file), "eos_token": "<|endoftext|>"},
-                               cache_dir=Path(tmp) / "cache", progress=False)
-        tokens = sum(prepared.manifest["splits"][s]["tokens"] for s in ("train", "val"))
+                corpus = open_corpus({"kind": "files", "paths": [str(path)], "val_paths": None,
+                                      "format": "auto", "text_field": "text", "encoding_errors": "strict"})
+                with peak_rss() as train:
+                    if kind == "bpe":
+                        texts, _ = training_sample(corpus, int(cfg.train_chars))
+                        tok = build_tokenizer(tok_cfg, texts=texts, progress=False)
+                    else:
+                        tok = build_tokenizer(tok_cfg, texts=lambda: (t for t, _ in corpus.all_parts()),
+                                              progress=False)
+                row["build_tokenizer_s"] = round(train["s"], 2)
+                row["build_tokenizer_peak_rss_added_mb"] = round(train["added_mb"], 1)
+                tok_file = tmp / f"{name}.json"
+                tok.save(str(tok_file))
+            else:
+                tok = build_tokenizer(tok_cfg)
+            con.print(f"{name}: encoders alone on {sample_mb:.1f} MB ...")
+            row["encoders"] = encoder_speeds(tok, kind, sample, sample_mb)
+            fastest = max(v["mb_per_s"] for v in row["encoders"].values() if v["same_ids"])
+            row["fastest_encoder_mb_per_s"] = fastest
+            row["prepare"] = {}
+            for w in cfg.workers:
+                con.print(f"{name}: prepare with data.workers={w} ... (load average {loadavg()})")
+                load0 = loadavg()
+                with peak_rss(tree=True) as prep:
+                    p = prepare({**data, "workers": int(w)}, tok_cfg, cache_dir=tmp / f"cache-{name}-{w}",
+                                progress=False)
+                m = p.manifest
+                tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
+                ts = m["tokenize_seconds"]
+                row["prepare"][str(w)] = {
+                    "workers": m["workers"], "encoder": m["encoder"], "tokenize_s": ts,
+                    "mb_per_s": round(mb / ts, 2), "tokens_per_s": round(tokens / ts),
+                    "whole_prepare_s": round(prep["s"], 1), "peak_rss_added_mb": round(prep["added_mb"], 1),
+                    "peak_rss_added_with_workers_mb": round(prep["tree_added_mb"], 1),
+                    "ratio_to_workers_x_fastest": round(mb / ts / (int(w) * fastest), 3),
+                    "load_avg_before": load0, "load_avg_after": loadavg(), "tokens": tokens}
+                if kind == "byte" and byte_prepared is None:
+                    byte_prepared = p
+            r["tokenizers"][str(name)] = row
+        if "2" in next(iter(r["tokenizers"].values()))["prepare"]:
+            last = list(r["tokenizers"])[-1]
+            row = r["tokenizers"][last]
+            eff = row["prepare"]["2"]["ratio_to_workers_x_fastest"]
+            rate = 16 * row["fastest_encoder_mb_per_s"] * eff
+            r["projection_40gb_16_cores"] = {"tokenizer": last, "efficiency": eff, "mb_per_s": round(rate, 1),
+                                             "minutes": round(40e3 / rate / 60, 1)}
 
-        con.print("prepare() with the byte tokenizer ...")
-        with peak_rss() as prep_byte:
-            prepare(data_cfg, {"kind": "byte"}, cache_dir=Path(tmp) / "cache", progress=False)
+        if byte_prepared is not None:
+            dm = TokenDataModule(byte_prepared, batch_size=int(cfg.batch_size), seq_len=int(cfg.seq_len),
+                                 seed=0)
+            dm.sampler.batch(0)
+            t0 = time.perf_counter()
+            for s in range(int(cfg.batches)):
+                batch = dm.sampler.batch(s)
+            batch_s = (time.perf_counter() - t0) / int(cfg.batches)
+            con.print(f"{cfg.model} training steps ...")
+            step_s, n_params = step_time(str(cfg.model), byte_prepared.vocab_size, batch, int(cfg.steps))
+            r.update({"batch_ms": round(batch_s * 1e3, 4), "step_ms": round(step_s * 1e3, 2),
+                      "batch_share_of_step": batch_s / step_s, "model": str(cfg.model),
+                      "model_params": n_params,
+                      "torch_threads": torch.get_num_threads(), "batch": f"{cfg.batch_size} x {cfg.seq_len}"})
+    r["load_avg_end"] = loadavg()
 
-        con.print("encode_batch alone ...")
-        pieces = [p for d in corpus.all_docs() for p in split_long(d)]
-        encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-        t0 = time.perf_counter()
-        for i in range(0, len(pieces), 16):
-            encode(pieces[i:i + 16], add_special_tokens=False)
-        encode_s = time.perf_counter() - t0
-        del pieces
-
-        dm = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=int(cfg.seq_len), seed=0)
-        dm.sampler.batch(0)
-        t0 = time.perf_counter()
-        for s in range(int(cfg.batches)):
-            batch = dm.sampler.batch(s)
-        batch_s = (time.perf_counter() - t0) / int(cfg.batches)
-        con.print(f"{cfg.model} training steps ...")
-        step_s, n_params = step_time(str(cfg.model), prepared.vocab_size, batch, int(cfg.steps))
-
-    r = {
-        "corpus": corpus.description, "corpus_mb": round(mb, 2), "tokens": tokens,
-        "bytes_per_token": round(mb * 1e6 / tokens, 3), "vocab_size": prepared.vocab_size,
-        "bpe_train_s": round(train["s"], 2), "bpe_train_peak_rss_added_mb": round(train["added_mb"], 1),
-        "prepare_s": round(prep["s"], 2), "prepare_mb_per_s": round(mb / prep["s"], 3),
-        "prepare_peak_rss_added_mb": round(prep["added_mb"], 1),
-        "prepare_byte_s": round(prep_byte["s"], 2), "prepare_byte_peak_rss_added_mb": round(prep_byte["added_mb"], 1),
-        "encode_s": round(encode_s, 2), "encode_mb_per_s": round(mb / encode_s, 3),
-        "batch_ms": round(batch_s * 1e3, 4), "step_ms": round(step_s * 1e3, 2),
-        "batch_share_of_step": batch_s / step_s, "model": str(cfg.model), "model_params": n_params,
-        "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count(), "load_avg_1m": os.getloadavg()[0],
-        "batch": f"{cfg.batch_size} x {cfg.seq_len}",
-    }
-    t = Table(title=f"gptkit bench data: {r['corpus']}")
-    t.add_column("measure")
-    t.add_column("value", justify="right")
-    t.add_row("corpus", f"{mb:.1f} MB, {tokens:,} tokens ({r['bytes_per_token']} bytes/token)")
-    t.add_row(f"train byte-level BPE {prepared.vocab_size}",
-              f"{train['s']:.1f} s, +{train['added_mb']:.0f} MB peak ({train['added_mb'] / mb:.1f}x corpus)")
-    t.add_row("prepare(): hash + tokenize + write shards",
-              f"{prep['s']:.1f} s = {r['prepare_mb_per_s']:.2f} MB/s, +{prep['added_mb']:.0f} MB peak "
-              f"({prep['added_mb'] / mb:.1f}x corpus)")
-    t.add_row("prepare() with tokenizer=byte (ids = UTF-8 bytes)",
-              f"{prep_byte['s']:.1f} s = {mb / prep_byte['s']:.1f} MB/s, +{prep_byte['added_mb']:.0f} MB peak")
-    t.add_row(f"tokenizer throughput (BPE {prepared.vocab_size}, encode_batch)", f"{r['encode_mb_per_s']:.2f} MB/s")
-    t.add_row(f"one training batch ({r['batch']}, memory-mapped)", f"{batch_s * 1e3:.3f} ms")
-    t.add_row(f"one {cfg.model} training step (fp32, AdamW, {n_params / 1e6:.2f} M params, "
-              f"{r['torch_threads']} threads)", f"{step_s * 1e3:.1f} ms")
-    t.add_row("[bold]batch cost / step (target < 1%)", f"[bold]{100 * r['batch_share_of_step']:.3f}%")
-    t.caption = f"{r['cpus']} CPUs, 1-minute load average {r['load_avg_1m']:.1f} at the end"
+    t = Table(title=f"gptkit bench data: {r['file_mb']} MB of text")
+    for c in ("tokenizer", "measure", "value"):
+        t.add_column(c, justify="right" if c == "value" else "left")
+    for name, row in r["tokenizers"].items():
+        if "build_tokenizer_s" in row:
+            t.add_row(name, "build the tokenizer", f"{row['build_tokenizer_s']} s, "
+                      f"peak +{row['build_tokenizer_peak_rss_added_mb']:.0f} MB")
+        for e, v in row["encoders"].items():
+            t.add_row(name, f"encoder {e} alone (1 process, 1 thread)",
+                      f"{v['mb_per_s']} MB/s" + ("" if v["same_ids"] else " (ids differ from HF: not used)"))
+        for w, v in row["prepare"].items():
+            t.add_row(name, f"prepare, {v['workers']} worker(s), {v['encoder']}",
+                      f"{v['mb_per_s']} MB/s, {v['tokens_per_s'] / 1e6:.2f} M tokens/s, "
+                      f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest), "
+                      f"peak +{v['peak_rss_added_mb']:.0f} MB "
+                      f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
+                      f"load {v['load_avg_before']}")
+    if "projection_40gb_16_cores" in r:
+        pr = r["projection_40gb_16_cores"]
+        t.add_row(pr["tokenizer"], "[bold]projected: 40 GB on 16 cores",
+                  f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s at {pr['efficiency']:.2f} efficiency)")
+    if "batch_ms" in r:
+        t.add_row("byte", f"one training batch ({r['batch']}, memory-mapped)", f"{r['batch_ms']:.3f} ms")
+        t.add_row("", f"one {r['model']} step (fp32, AdamW, {r['torch_threads']} threads)",
+                  f"{r['step_ms']:.1f} ms")
+        t.add_row("", "[bold]batch cost / step (target < 1%)", f"[bold]{100 * r['batch_share_of_step']:.3f}%")
+    t.caption = (f"{r['cpus']} CPUs ({r['usable_cores']} usable); load average (1, 5, 15 min) at the start "
+                 f"{r['load_avg_start']}, at the end {r['load_avg_end']}")
     Console().print(t)
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(r, indent=2))

@@ -12,6 +12,14 @@ Examples:
   gptkit prepare data=files "data.paths=['data/*.jsonl']" data.val_paths=[val.jsonl] data.text_field=content
                                                    (globs inside a list need quotes: Hydra's grammar)
   gptkit prepare data=hub data.name=Salesforce/wikitext data.config=wikitext-2-raw-v1 data.val_split=validation
+                                                   (streamed: nothing is downloaded first)
+  gptkit prepare data=files 'data.paths=[big/*.txt]' tokenizer=bpe data.workers=16   (16 tokenizing processes)
+  gptkit prepare data=mix 'data.sources={web: {kind: files, paths: [web.jsonl], weight: 0.7},
+                                         code: {kind: stdlib, weight: 0.3}}'   (each source cached on its own)
+  gptkit prepare data=tokens 'data.paths=[train.bin]' 'data.val_paths=[val.bin]' data.vocab_size=50304 \
+                 tokenizer=file tokenizer.path=gpt2/tokenizer.json      (nanoGPT .bin or llm.c shards)
+
+A killed prepare (kill -9 included) is continued by running the same command again. See docs/data-pipeline.md.
 """
 
 from __future__ import annotations
@@ -33,6 +41,9 @@ def run(cfg) -> int:
     t.add_column("")
     t.add_column("value")
     t.add_row("source", m["source"]["description"])
+    for name, src in m.get("sources", {}).items():  # data=mix
+        t.add_row(f"  {name} ({100 * src['share']:.0f}%)",
+                  f"{src['splits']['train']['tokens']:,} train tokens, {src['dir']}")
     t.add_row("tokenizer", f"{m['tokenizer']['kind']}, vocab {p.vocab_size:,}, eos id {p.eos_id}")
     t.add_row("dtype", m["dtype"])
     for split in ("train", "val"):

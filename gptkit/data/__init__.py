@@ -1,13 +1,14 @@
 """Corpora, tokenization into token shards, the manifest, the stateless sampler, the DataModule.
 
-    from gptkit.data import prepare, PreparedData, TokenDataModule, check_vocab
+    from gptkit.data import prepare, PreparedData, MixedData, TokenDataModule, check_vocab
 
 TokenDataModule (and WindowSampler) are resolved lazily: importing them imports Lightning/torch.
 """
 
 from importlib import import_module
 
-from gptkit.data.build import check_tokenizer, prepare
+from gptkit.data.build import check_tokenizer
+from gptkit.data.mixture import MixedData, prepare
 from gptkit.data.prepared import PreparedData, check_vocab, load_prepared
 
 _LAZY = {
@@ -15,7 +16,7 @@ _LAZY = {
     "WindowSampler": "gptkit.data.windows",
 }
 
-__all__ = ["prepare", "PreparedData", "check_vocab", "check_tokenizer", "load_prepared", *_LAZY]
+__all__ = ["prepare", "PreparedData", "MixedData", "check_vocab", "check_tokenizer", "load_prepared", *_LAZY]
 
 
 def __getattr__(name):

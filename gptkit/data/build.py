@@ -1,15 +1,23 @@
-"""prepare(): corpus + tokenizer -> token shards, a manifest and tokenizer.json, cached.
+"""prepare(): corpus + tokenizer -> token shards, a manifest and tokenizer.json, cached; resumable.
 
 The cache key is a hash of (data settings, corpus content hash, tokenizer settings, tokenizer file
 hash): preparing again is a no-op that says so, and a changed source file or tokenizer makes a new
-folder. A folder is built under a temporary name and renamed when complete, so an interrupted or
-failed preparation leaves nothing behind that could be mistaken for a result.
+folder.
 
-Documents are tokenized in batches with the tokenizer's parallel batch encoder; long documents are
-cut at a newline between two non-space characters first (for the built-in kinds that cut changes
-no token, see `split_long`), so one big file still keeps every core busy. The byte tokenizer's ids
-are the UTF-8 bytes of the text and are taken directly. Tokens stream to disk: memory stays at
-about one batch of text plus the memory-mapped shards.
+The text streams through in bounded pieces (gptkit.data.sources, gptkit.data.tokenize): documents
+are cut where the cut changes no token, tokenized in batches by `data.workers` processes with the
+fastest encoder that gives the tokenizer's ids, and the ids are appended to the shard in input order
+(so the shards do not depend on the worker count). Memory stays at a few batches of text per worker.
+A BPE tokenizer is trained on at most `tokenizer.train_chars` characters, an evenly spread sample.
+
+A build happens in `.<name>.partial/` next to its final folder, locked by its builder. Every
+SHARD_TOKENS tokens the shard written so far is synced and recorded in `progress.json` (its length,
+CRC-32 and how many batches of the input it holds): a shard of the build is complete. A build killed
+at any moment (kill -9 included) is continued by the next prepare of the same data: the shard is cut
+back to its last complete length, that prefix is checked against its CRC-32, the input batches it
+holds are skipped, and the rest is tokenized as before; the result is bit-identical to an uninterrupted
+build. Only a complete build (manifest written last) is renamed to its final name, so nothing
+half-written is ever taken for a result. A build that fails on bad input is removed.
 """
 
 from __future__ import annotations
@@ -17,14 +25,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import shutil
 import sys
-import tempfile
 import time
+import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from gptkit.data import tokenize
 from gptkit.data.prepared import (
     DTYPES,
     FORMAT,
@@ -33,26 +41,43 @@ from gptkit.data.prepared import (
     SHARDS,
     TOKENIZER,
     PreparedData,
+    copy_tail,
     load_prepared,
     manifest_checksum,
 )
-from gptkit.data.sources import KINDS, Corpus, open_corpus
+from gptkit.data.sources import KINDS, Corpus, Part, open_corpus
+from gptkit.data.tokenfiles import prepare_tokens
+from gptkit.data.tokenize import (
+    BATCH_CHARS,
+    Cutter,
+    EncoderSpec,
+    Tokenizing,
+    batches,
+    choose_engine,
+    split_long,
+)
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
-from gptkit.fsio import DIR_MODE, disk_full_error, file_crc32, is_disk_full, lock_file
+from gptkit.fsio import DIR_MODE, atomic_write_text, disk_full_error, file_crc32, is_disk_full, lock_file
+from gptkit.threads import cores
 from gptkit.tokenizer import (
-    SPLITTABLE_KINDS,
     build_tokenizer,
-    describe_characters,
     eos_id,
     file_sha256,
+    load_tokenizer_file,
     tokenizer_settings,
-    unknown_characters,
 )
 
-BATCH_CHARS = 1 << 20  # text handed to one encode_batch call (its Encodings cost ~100 B per token)
-PIECE_CHARS = 64 << 10  # long documents are cut into pieces of about this size
-_CUT = re.compile(r"(?<=\S)\n(?=\S)")
+__all__ = ["prepare", "split_long", "data_settings", "use_prepared", "check_tokenizer", "remove_stale_builds"]
+
+SHARD_TOKENS = 16 << 20  # tokens between two commits of a build (a kill loses at most this much work)
+PROGRESS = "progress.json"  # in a build folder: what is complete
+
+
+def layout() -> dict[str, int]:
+    """The shape of the input batches: a build is continued only with the same."""
+    return {"piece_chars": tokenize.PIECE_CHARS, "hard_chars": tokenize.HARD_CHARS,
+            "batch_chars": tokenize.BATCH_CHARS}
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:
@@ -65,35 +90,41 @@ def cache_root(cache_dir: str | Path | None) -> Path:
 # Defaults of each kind (the same as conf/data/<kind>.yaml): settings given as a partial dict from
 # Python mean the same corpus, and the same cache key, as the composed YAML.
 DEFAULTS: dict[str, dict[str, Any]] = {
-    "pydoc": {"val_fraction": 0.1, "dtype": "auto"},
-    "shakespeare": {"val_fraction": 0.1, "dtype": "auto"},
-    "stdlib": {"include_tests": True, "encoding_errors": "replace", "val_fraction": 0.05, "dtype": "auto"},
+    "pydoc": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
+    "shakespeare": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
+    "stdlib": {"include_tests": True, "encoding_errors": "replace", "val_fraction": 0.05, "dtype": "auto",
+               "bos": "auto"},
     "files": {"paths": None, "val_paths": None, "val_fraction": 0.1, "format": "auto", "text_field": "text",
-              "encoding_errors": "strict", "dtype": "auto"},
+              "encoding_errors": "strict", "dtype": "auto", "bos": "auto"},
     "hub": {"name": None, "config": None, "split": "train", "val_split": None, "val_fraction": 0.1,
-            "text_field": "text", "revision": None, "timeout_s": 5, "dtype": "auto"},
+            "text_field": "text", "revision": None, "timeout_s": 5, "dtype": "auto", "bos": "auto"},
     "prepared": {"dir": None},
+    "mix": {"sources": None, "max_epochs": 4},
+    "tokens": {"paths": None, "val_paths": None, "val_fraction": 0.1, "vocab_size": None, "format": "auto",
+               "dtype": "auto"},
 }
 
 
 WINDOW_KEYS = ("pack",)  # data options of how windows are drawn from the shards: they change no token
+BUILD_KEYS = ("workers",)  # data options of how the shards are built: they change no token either
 
 
 def data_settings(cfg: Any) -> dict[str, Any]:
-    """The data config as a complete plain dict with its kind checked, without WINDOW_KEYS (the
-    options of how windows are drawn from the shards are no part of the cache key)."""
+    """The data config as a complete plain dict with its kind checked, without WINDOW_KEYS and BUILD_KEYS
+    (how windows are drawn from the shards, and how the shards are built, are no part of the cache key)."""
     from omegaconf import DictConfig, OmegaConf
 
     from gptkit.data.windows import PACKS
 
     d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     pack = d.pop("pack", "stream")
-    for k in WINDOW_KEYS:
+    for k in (*WINDOW_KEYS, *BUILD_KEYS):
         d.pop(k, None)
     if pack not in PACKS:
         raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
     if d.get("kind") not in KINDS:
-        raise GptkitError(f"unknown data kind {d.get('kind')!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared")
+        raise GptkitError(f"unknown data kind {d.get('kind')!r}; "
+                          f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
     return {"kind": d["kind"], **DEFAULTS[d["kind"]], **d}
 
 
@@ -109,135 +140,269 @@ def choose_dtype(vocab_size: int, wanted: str) -> str:
     return wanted
 
 
-def split_long(text: str, size: int = PIECE_CHARS) -> list[str]:
-    """Cut a long text into pieces of about `size` characters at newlines between two non-space
-    characters. Such a newline is a pre-token of its own for char, byte and GPT-2 style byte-level
-    BPE, so encoding the pieces gives exactly the tokens of encoding the whole text."""
-    pieces, start = [], 0
-    while len(text) - start > size:
-        m = _CUT.search(text, start + size)
-        if m is None:
-            break
-        pieces.append(text[start:m.start()])
-        start = m.start()
-    pieces.append(text[start:])
-    return pieces
 
 
-# ---- writing shards --------------------------------------------------------------------------------
+def build_workers(cfg: Any) -> int | None:
+    """data.workers: the tokenization processes (None: every core this process may use, fewer for a small
+    corpus)."""
+    w = cfg.get("workers") if hasattr(cfg, "get") else None
+    if w is None:
+        return None
+    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
+        raise GptkitError(f"data.workers={w!r} must be an integer >= 1 (or null for every usable core)")
+    return w
+
+
+
+# ---- progress ---------------------------------------------------------------------------------------
+def human(n: float, unit: str = "B") -> str:
+    for p in ("", "k", "M", "G", "T"):
+        if abs(n) < 1000 or p == "T":
+            return f"{n:.1f} {p}{unit}" if p else f"{n:.0f} {unit}"
+        n /= 1000
+    return f"{n} {unit}"
+
+
 class _Progress:
-    """A rich progress bar on stderr over the characters tokenized (silent when disabled)."""
+    """Tokenization progress on stderr: a bar on a terminal, else a plain line every PLAIN_EVERY_S seconds;
+    MB/s of text, tokens so far, an ETA where the size is known. Silent when disabled."""
+
+    PLAIN_EVERY_S = 10.0
 
     def __init__(self, enabled: bool, total: int | None, label: str) -> None:
+        self.enabled, self.total, self.label = enabled, total, label
+        self.done = self.tokens = self.skipped = 0
+        self.t0 = self.last = time.perf_counter()
         self.bar = None
-        if enabled:
+        if enabled and sys.stderr.isatty():
             from rich.console import Console
             from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
 
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(),
-                                TimeRemainingColumn(), console=Console(stderr=True), transient=True)
-            self.task = self.bar.add_task(label, total=total)
+                                TextColumn("{task.fields[tokens]} tokens"), TimeRemainingColumn(),
+                                console=Console(stderr=True), transient=True)
+            self.task = self.bar.add_task(label, total=total, tokens="0")
             self.bar.start()
 
-    def advance(self, n: int) -> None:
+    def line(self) -> str:
+        dt = max(time.perf_counter() - self.t0, 1e-9)
+        rate = (self.done - self.skipped) / dt  # of the text tokenized now, not of a killed build's
+        where = human(self.done)
+        eta = ""
+        if self.total:
+            where += f" of {human(self.total)} ({100 * min(self.done / self.total, 1):.0f}%)"
+            left = max(self.total - self.done, 0) / rate if rate > 0 else 0
+            eta = f", ETA {int(left // 60)}m{int(left % 60):02d}s"
+        return f"{self.label}: {where}, {rate / 1e6:.1f} MB/s, {self.tokens:,} tokens{eta}"
+
+    def advance(self, n_bytes: int, n_tokens: int = 0, skipped: bool = False) -> None:
+        self.done += n_bytes
+        self.skipped += n_bytes if skipped else 0
+        self.tokens += n_tokens
         if self.bar is not None:
-            self.bar.advance(self.task, n)
+            self.bar.update(self.task, advance=n_bytes, tokens=f"{self.tokens:,}")
+        elif self.enabled and time.perf_counter() - self.last >= self.PLAIN_EVERY_S:
+            self.last = time.perf_counter()
+            print(self.line(), file=sys.stderr, flush=True)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.stop()
+        if self.enabled and self.done:
+            print(self.line().replace(", ETA 0m00s", ""), file=sys.stderr, flush=True)
 
 
-def _pieces(docs: Iterator[str], splittable: bool, eos: int | None) -> Iterator[tuple[str, bool]]:
-    """(text, ends a document) pairs. Without an EOS token, documents are separated by a newline."""
-    for doc in docs:
-        if eos is None and not doc.endswith("\n"):
-            doc += "\n"
-        parts = split_long(doc) if splittable else [doc]
-        for i, p in enumerate(parts):
-            yield p, i == len(parts) - 1
-
-
-def batch_encoder(tok, kind: str, special_tokens: list[str]) -> Callable[[list[str]], list[Any]]:
-    """texts -> their id sequences, with the tokenizer's parallel batch encoder. The byte tokenizer's
-    ids are the UTF-8 bytes of the text, so those are taken directly (two orders of magnitude
-    faster), except for a text that contains a special token's string, which the tokenizer maps to
-    that token."""
-    import numpy as np
-
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers >= 0.21): no offsets
-
-    def hf(texts: list[str]) -> list[list[int]]:
-        try:
-            return [e.ids for e in encode(texts, add_special_tokens=False)]
-        except Exception as exc:  # e.g. a character a file (or fine-tuned char) tokenizer cannot represent
-            unknown = unknown_characters(tok, "".join(texts))
-            what = (f"{len(unknown)} character(s) it has never seen: {describe_characters(unknown)}" if unknown
-                    else str(exc).splitlines()[0][:160])
-            raise GptkitError(f"the tokenizer cannot encode the corpus: {what}; use a tokenizer that covers "
-                              f"its characters (byte or bpe), or remove them from the text") from exc
-
-    def utf8(texts: list[str]) -> list[Any]:
-        return [hf([t])[0] if any(s in t for s in special_tokens) else np.frombuffer(t.encode(), np.uint8)
-                for t in texts]
-
-    return utf8 if kind == "byte" else hf
-
-
-def write_tokens(encode: Callable[[list[str]], list[Any]], docs: Iterator[str], out: Path, dtype: str,
-                 eos: int | None, splittable: bool, progress: _Progress) -> tuple[int, int]:
-    """Tokenize docs into `out` (appended raw ids). Returns (tokens, documents)."""
-    import numpy as np
-
-    n_tokens = n_docs = 0
-    with open(out, "ab") as f:
-        def flush(batch: list[tuple[str, bool]]) -> None:
-            nonlocal n_tokens, n_docs
-            for ids, (text, ends) in zip(encode([t for t, _ in batch]), batch):
-                if ends and eos is not None:
-                    ids = [*ids, eos]
-                arr = np.asarray(ids, dtype=dtype)  # [len(ids)]
-                arr.tofile(f)
-                n_tokens += len(arr)
-                n_docs += ends
-                progress.advance(len(text))
-
-        batch: list[tuple[str, bool]] = []
-        chars = 0
-        for piece in _pieces(docs, splittable, eos):
-            batch.append(piece)
-            chars += len(piece[0])
-            if chars >= BATCH_CHARS:
-                flush(batch)
-                batch, chars = [], 0
-        if batch:
-            flush(batch)
-    return n_tokens, n_docs
-
-
-def _split_tail(all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: str, fraction: float) -> tuple[int, int]:
-    """Move the last `fraction` of the tokens of all_bin into val_bin; the rest becomes train_bin."""
-    import numpy as np
-
-    n_val = int(round(n * fraction))
-    if n_val < 1 or n - n_val < 1:
-        raise GptkitError(f"the corpus has only {n} tokens: too short to split off data.val_fraction={fraction}; "
-                          f"give more text")
-    tokens = np.memmap(all_bin, dtype=dtype, mode="r", shape=(n,))  # [n]
-    tokens[n - n_val:].tofile(val_bin)
-    del tokens
-    os.truncate(all_bin, (n - n_val) * DTYPES[dtype])
-    os.replace(all_bin, train_bin)
-    return n - n_val, n_val
-
-
-# ---- prepare ---------------------------------------------------------------------------------------
 def _say(msg: str) -> None:
     from rich.console import Console
 
     Console(stderr=True, highlight=False, soft_wrap=True).print(msg)
 
 
+# ---- the tokenizer ----------------------------------------------------------------------------------
+def cutter_for(tok, tok_s: dict[str, Any]) -> Cutter:
+    """How documents may be cut for this tokenizer (see gptkit.data.tokenize)."""
+    from gptkit.data.tokenize import char_like, tiktoken_tables
+
+    kind = tok_s["kind"]
+    specials = [t.content for t in tok.get_added_tokens_decoder().values()]
+    if kind in ("char", "byte") or (kind == "file" and char_like(tok.to_str())):
+        return Cutter("any", specials)
+    if kind == "bpe" or tiktoken_tables(tok.to_str()) is not None:  # GPT-2 style byte-level BPE
+        return Cutter("gpt2", specials)
+    return Cutter("verify", specials, lambda t: tok.encode(t, add_special_tokens=False).ids)
+
+
+def training_sample(corpus: Corpus, chars: int) -> tuple[Callable[[], Iterator[str]], str]:
+    """(texts, what they are): at most about `chars` characters of the corpus for training a BPE, in pieces
+    of at most a few hundred kB: the whole corpus when it is smaller, else an evenly spread sample."""
+    gpt2 = Cutter("gpt2")
+
+    def cut(parts: Iterator[Part]) -> Iterator[str]:
+        return (p for p, _ in gpt2.pieces(parts, eos=0))
+
+    size = corpus.n_bytes
+    if size is not None and size <= chars:
+        return lambda: cut(corpus.all_parts()), f"all {human(size)} of the corpus"
+    if corpus.sample is not None:
+        def sampled() -> Iterator[str]:
+            n = 0
+            for window in corpus.sample(chars):
+                for p in split_long(window):
+                    if n >= chars:
+                        return
+                    yield p[:chars - n]
+                    n += min(len(p), chars - n)
+        where = f"of {human(size)}" if size else "(size unknown)"
+        return sampled, f"a sample of {human(chars, 'chars')} {where}, read at evenly spaced places"
+    if size is not None:
+        def strided() -> Iterator[str]:  # every piece whose share of the sample is due: an even spread
+            credit = 0.0
+            for p in cut(corpus.all_parts()):
+                credit += len(p) * chars / size
+                if credit >= len(p):
+                    credit -= len(p)
+                    yield p
+        return strided, f"a sample of {human(chars, 'chars')} of {human(size)}, spread evenly over the stream"
+
+    def first() -> Iterator[str]:
+        n = 0
+        for p in cut(corpus.all_parts()):
+            if n >= chars:
+                return
+            yield p
+            n += len(p)
+    return first, f"the first {human(chars, 'chars')} (the corpus's size is unknown)"
+
+
+def _train_tokenizer(corpus: Corpus, tok_s: dict[str, Any], progress: bool):
+    kind = tok_s["kind"]
+    if kind == "bpe":
+        texts, what = training_sample(corpus, int(tok_s["train_chars"]))
+        _say(f"training byte-level BPE {tok_s['vocab_size']} on {what} (tokenizer.train_chars="
+             f"{int(tok_s['train_chars']):,})")
+        return build_tokenizer(tok_s, texts=texts, progress=progress)
+    if kind == "char":
+        return build_tokenizer(tok_s, texts=lambda: (t for t, _ in corpus.all_parts()), progress=progress)
+    return build_tokenizer(tok_s, progress=progress)
+
+
+BOS = ("auto", True, False)
+
+
+def bos_id(tok, bos: Any, eos: int | None) -> int | None:
+    """data.bos: the id put before every document, or None. auto: the tokenizer's own BOS token when it has
+    one of its own (e.g. Llama's <s> or <|begin_of_text|>; not GPT-2's <|endoftext|>, which is its EOS);
+    true: that token, which must exist; false: none."""
+    from gptkit.tokenizer import special_tokens
+
+    if bos not in BOS:
+        raise GptkitError(f"data.bos={bos!r} must be auto, true or false")
+    if bos is False:
+        return None
+    found = special_tokens(tok).get("bos_token")
+    own = found if found is not None and found[1] != eos and found[0] != "<|endoftext|>" else None
+    if own is None and bos is True:
+        raise GptkitError("data.bos=true but the tokenizer has no BOS token of its own; add one, e.g. "
+                          "tokenizer.special_tokens=[<|bos|>], or set data.bos=auto")
+    return None if own is None else own[1]
+
+
+# ---- writing shards ---------------------------------------------------------------------------------
+class Journal:
+    """progress.json of a build folder: what of each split's shard is complete (synced)."""
+
+    def __init__(self, folder: Path, state: dict[str, Any]) -> None:
+        self.folder, self.state = folder, state
+
+    def split(self, name: str) -> dict[str, Any]:
+        return self.state["splits"].setdefault(name, {"batches": 0, "bytes": 0, "crc32": 0, "tokens": 0,
+                                                      "documents": 0, "done": False})
+
+    def save(self) -> None:
+        atomic_write_text(self.folder / PROGRESS, json.dumps(self.state, indent=1))
+
+
+def _resume_shard(path: Path, sp: dict[str, Any]) -> bool:
+    """Cut the shard back to its last complete length and check that prefix's CRC-32."""
+    if not path.is_file() or path.stat().st_size < sp["bytes"]:
+        return False
+    os.truncate(path, sp["bytes"])
+    crc = 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(8 << 20), b""):
+            crc = zlib.crc32(block, crc)
+    return crc == sp["crc32"]
+
+
+def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bool]]], out: Path,
+                 journal: Journal, split: str, progress: _Progress) -> tuple[int, int]:
+    """Tokenize the batches into `out` (appended raw ids), committing every SHARD_TOKENS tokens and skipping
+    the batches a killed build already committed. Returns (tokens, documents) of the split."""
+    sp = journal.split(split)
+    if sp["done"]:
+        return sp["tokens"], sp["documents"]
+    skip = sp["batches"]
+    progress.advance(0, sp["tokens"])  # a killed build's complete shards
+
+    def todo() -> Iterator[list[tuple[str, bool, bool]]]:
+        for i, b in enumerate(work):
+            n_bytes = sum(len(t[0].encode()) for t in b)
+            if i < skip:  # already in the shard
+                progress.advance(n_bytes, skipped=True)
+                continue
+            sizes.append(n_bytes)
+            yield b
+
+    sizes: list[int] = []
+    since = 0
+    with open(out, "ab") as f:
+        for arr, docs in tokenizing.map(todo()):
+            data = arr.tobytes()
+            f.write(data)
+            sp["crc32"] = zlib.crc32(data, sp["crc32"])
+            sp["bytes"] += len(data)
+            sp["tokens"] += len(arr)
+            sp["documents"] += docs
+            sp["batches"] += 1
+            since += len(arr)
+            progress.advance(sizes.pop(0), len(arr))
+            fault_point("prepare-batch")
+            if since >= SHARD_TOKENS:
+                _commit(f, journal)
+                since = 0
+        sp["done"] = True
+        _commit(f, journal)
+    return sp["tokens"], sp["documents"]
+
+
+def _commit(f, journal: Journal) -> None:
+    f.flush()
+    os.fsync(f.fileno())
+    journal.save()
+    fault_point("prepare-shard")
+
+
+def _split_tail(all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: str, fraction: float,
+                journal: Journal) -> tuple[int, int]:
+    """Move the last `fraction` of the tokens of all_bin into val_bin; the rest becomes train_bin. Each step
+    is recorded, so that a build killed in between finishes it."""
+    n_val = int(round(n * fraction))
+    if n_val < 1 or n - n_val < 1:
+        raise GptkitError(f"the corpus has only {n} tokens: too short to split off data.val_fraction={fraction}; "
+                          f"give more text")
+    itemsize = DTYPES[dtype]
+    if not journal.state.get("val_written"):
+        copy_tail(all_bin, val_bin, (n - n_val) * itemsize)
+        journal.state["val_written"] = True
+        journal.save()
+        fault_point("prepare-shard")
+    if all_bin.is_file():
+        os.truncate(all_bin, (n - n_val) * itemsize)
+        os.replace(all_bin, train_bin)
+    return n - n_val, n_val
+
+
+# ---- prepare ---------------------------------------------------------------------------------------
 def _key(data: dict[str, Any], content: str, tok: dict[str, Any]) -> str:
     extra = {}
     if tok["kind"] == "file":  # the file's content decides the tokens, not where it lies
@@ -248,11 +413,21 @@ def _key(data: dict[str, Any], content: str, tok: dict[str, Any]) -> str:
 
 def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None, progress: bool = True,
             force: bool = False) -> PreparedData:
-    """Token shards for (corpus, tokenizer): from the cache when present, else built now."""
+    """Token shards for (corpus, tokenizer): from the cache when present, else built now (or the build a
+    killed prepare left continued)."""
     data = data_settings(data_cfg)
+    workers = build_workers(data_cfg)
     tok_s = tokenizer_settings(tokenizer_cfg)
     if data["kind"] == "prepared":
         return use_prepared(data, tok_s)
+    if data["kind"] == "mix":
+        raise GptkitError("data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by "
+                          "source")
+    if data["kind"] == "tokens":
+        tok = build_tokenizer(tok_s) if tok_s["kind"] in ("byte", "file") else None
+        prepared = prepare_tokens(data, tok_s, cache_root(cache_dir), tok, _key)
+        _say(f"token files: {prepared.dir} ({_counts(prepared.manifest)})")
+        return prepared
     frac = float(data["val_fraction"])
     if not 0.0 < frac < 1.0:
         raise GptkitError(f"data.val_fraction={frac} must be between 0 and 1 (exclusive)")
@@ -261,41 +436,92 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     key = _key(data, content, tok_s)
     root = cache_root(cache_dir)
     if root.is_dir():
-        remove_stale_builds(root)  # folders of builds that were killed
+        remove_stale_builds(root)  # folders of builds that were killed (before builds were resumable)
     final = root / f"{data['kind']}-{tok_s['kind']}-{key[:16]}"
     if final.exists() and force:
         shutil.rmtree(final)
     if final.exists():
-        prepared = load_prepared(final)
-        if prepared.manifest.get("cache_key") != key:
-            raise GptkitError(f"{final / MANIFEST} belongs to other data or another tokenizer; "
-                              f"delete {final} and prepare again")
-        _say(f"cache hit: {final} ({_counts(prepared.manifest)})")
-        return prepared
+        return _cache_hit(final, key)
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-    lock = lock_file(tmp / BUILD_LOCK)  # held while building: a build folder without a holder is stale
-    try:
-        manifest = _build(tmp, corpus, content, data, tok_s, key, progress)
-        fault_point("prepare-shards")
-        os.chmod(tmp, DIR_MODE)  # mkdtemp makes it private
-        (tmp / BUILD_LOCK).unlink()
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished the same folder first: keep theirs
-            if not (final / MANIFEST).is_file():
-                raise
+    tmp = root / f".{final.name}.partial"
+    _note_other_partials(root, tmp)
+    said = False
+    while True:
+        tmp.mkdir(mode=DIR_MODE, exist_ok=True)
+        lock = lock_file(tmp / BUILD_LOCK)  # held while building: the OS drops it when the builder dies
+        if lock is not None and final.exists():  # another process finished it meanwhile
+            os.close(lock)
             shutil.rmtree(tmp, ignore_errors=True)
+            return _cache_hit(final, key)
+        if lock is not None:
+            break
+        if not said:
+            _say(f"another prepare is building {final.name}; waiting for it")
+            said = True
+        _wait_unlocked(tmp / BUILD_LOCK)
+    keep = False
+    try:
+        manifest = _build(tmp, corpus, content, data, tok_s, key, progress, workers)
+        fault_point("prepare-shards")
+        (tmp / PROGRESS).unlink()
+        (tmp / BUILD_LOCK).unlink()
+        os.rename(tmp, final)
+    except KeyboardInterrupt:
+        keep = True  # a Ctrl-C keeps the complete shards: the same prepare continues from them
+        _say(f"interrupted: the complete shards are kept in {tmp}; run the same command again to continue")
+        raise
     except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
         if is_disk_full(exc):  # an estimate: at most 4 bytes per token, at most one token per byte of text
+            shutil.rmtree(tmp, ignore_errors=True)
             raise disk_full_error(final, 4 * corpus.n_bytes if corpus.n_bytes else None, exc) from exc
         raise
     finally:
+        if not keep and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)  # bad input (or a bug): nothing of it is worth resuming
         os.close(lock)
     prepared = load_prepared(final)
     _say(f"prepared {final} ({_counts(manifest)})")
     return prepared
+
+
+def _note_other_partials(root: Path, mine: Path) -> None:
+    """One note per interrupted build of other data (kept: the same prepare continues it)."""
+    for p in sorted(root.glob(".*.partial")):
+        if p == mine or not p.is_dir():
+            continue
+        try:
+            fd = lock_file(p / BUILD_LOCK, create=False)
+        except OSError:
+            continue
+        if fd is None:  # being built right now
+            continue
+        os.close(fd)
+        size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        _say(f"note: {p} is an interrupted build of other data ({human(size)}); the prepare that started it "
+             f"continues it, or delete it")
+
+
+def _cache_hit(final: Path, key: str) -> PreparedData:
+    prepared = load_prepared(final)
+    if prepared.manifest.get("cache_key") != key:
+        raise GptkitError(f"{final / MANIFEST} belongs to other data or another tokenizer; "
+                          f"delete {final} and prepare again")
+    _say(f"cache hit: {final} ({_counts(prepared.manifest)})")
+    return prepared
+
+
+def _wait_unlocked(path: Path) -> None:
+    """Block until the builder holding the lock at `path` is done (or the lock file is gone)."""
+    import fcntl
+
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
 
 
 BUILD_LOCK = ".building"  # in a build folder: locked (fcntl) by the process that builds it
@@ -303,8 +529,9 @@ STALE_AFTER_S = 3600  # a build folder without a lock file (a kill right after m
 
 
 def remove_stale_builds(root: Path) -> list[Path]:
-    """Remove build folders (.<name>.<random>.tmp) whose builder died: their lock file is not held by
-    anyone (the OS releases it when the process dies, kill -9 included)."""
+    """Remove build folders of an older gptkit (.<name>.<random>.tmp) whose builder died: their lock file is
+    not held by anyone (the OS releases it when the process dies, kill -9 included). Resumable builds
+    (.<name>.partial) are continued, not removed, by the next prepare of the same data."""
     gone = []
     for tmp in root.glob(".*.tmp"):
         if not tmp.is_dir():
@@ -330,38 +557,106 @@ def _counts(m: dict[str, Any]) -> str:
             f"vocab {m['tokenizer']['vocab_size']:,}")
 
 
+def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
+    """The tokenizer and journal of a killed build of the same data in `tmp`, its shards cut back to their
+    last complete length and checked; None (and the folder emptied) when there is none to continue."""
+    state = None
+    try:
+        state = json.loads((tmp / PROGRESS).read_text())
+    except (OSError, ValueError):
+        pass
+    ok = (isinstance(state, dict) and state.get("cache_key") == key and state.get("layout") == layout()
+          and (tmp / TOKENIZER).is_file() and file_sha256(tmp / TOKENIZER) == state.get("tokenizer_sha256"))
+    if ok:
+        for split, sp in state["splits"].items():
+            if split == "all" and state.get("val_written"):
+                continue  # finishing the split is idempotent (val.bin is complete)
+            ok = ok and _resume_shard(tmp / _shard_file(split), sp)
+        if not ok:
+            _say(f"note: the interrupted build in {tmp} does not match its record; building it again")
+    keep = {BUILD_LOCK, PROGRESS, TOKENIZER, "all.bin", *SHARDS.values()} if ok else {BUILD_LOCK}
+    for p in tmp.iterdir():  # leftovers of the killed build (half-written temporary files), or all of it
+        if p.name not in keep:
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    return (load_tokenizer_file(tmp / TOKENIZER), Journal(tmp, state)) if ok else None
+
+
+def _shard_file(split: str) -> str:
+    return "all.bin" if split == "all" else SHARDS[split]
+
+
 def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any], key: str,
-           progress: bool) -> dict[str, Any]:
+           progress: bool, workers: int | None) -> dict[str, Any]:
     from gptkit.version import __version__
 
     t0 = time.time()
-    tok = build_tokenizer(tok_s, texts=corpus.all_docs, progress=progress)
+    resumed = _open_build(tmp, key)
+    if resumed is not None:
+        tok, journal = resumed
+        done = sum(sp["tokens"] for sp in journal.state["splits"].values())
+        _say(f"continuing the interrupted build in {tmp} from its last complete shard ({done:,} tokens)")
+    else:
+        tok = _train_tokenizer(corpus, tok_s, progress)
+        atomic_write_text(tmp / TOKENIZER, tok.to_str())  # hash == tokenizer_sha256(tok)
+        journal = Journal(tmp, {"cache_key": key, "layout": layout(), "splits": {},
+                                "tokenizer_sha256": file_sha256(tmp / TOKENIZER)})
+        journal.save()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = choose_dtype(vocab, data["dtype"])
     eos = eos_id(tok, tok_s)
-    (tmp / TOKENIZER).write_text(tok.to_str(), encoding="utf-8")  # hash == tokenizer_sha256(tok)
-    splittable = tok_s["kind"] in SPLITTABLE_KINDS
-    encode = batch_encoder(tok, tok_s["kind"], tok_s.get("special_tokens", []))
+    bos = bos_id(tok, data["bos"], eos)
+    cutter = cutter_for(tok, tok_s)
+    specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
+    def check() -> Iterator[str]:  # about 1 MB of the corpus, on which tiktoken must give HF's ids
+        if corpus.sample is not None:
+            yield from (p for w in corpus.sample(1 << 20) for p in split_long(w))
+            return
+        n = 0
+        for p, _ in cutter.pieces(corpus.train_parts(), eos):
+            yield p
+            n += len(p)
+            if n >= 1 << 20:
+                return
+    engine, why = choose_engine(tok.to_str(), tok_s["kind"], check)
+    spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype, bos)
+    n_workers = workers or max(1, min(cores(), (corpus.n_bytes or 1 << 40) // (4 * BATCH_CHARS)))
+    if engine in ("utf8", "chars"):
+        n_workers = 1  # ids from the bytes or a table: sending text to a worker costs more than encoding it
+    _say(f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
+         f"(data.workers)")
+
+    def work(parts: Iterator[Part], what: str) -> Iterator[list[tuple[str, bool, bool]]]:
+        return batches(cutter.pieces(parts, eos, what))
+
     bar = _Progress(progress, corpus.n_bytes, "tokenizing")
+    t_tok = time.perf_counter()
     try:
-        if corpus.val_docs is None:
-            n, docs = write_tokens(encode, corpus.train_docs(), tmp / "all.bin", dtype, eos, splittable, bar)
-            if n == 0:
-                raise GptkitError(f"{corpus.description} holds no text; give a corpus with some text")
-            n_train, n_val = _split_tail(tmp / "all.bin", tmp / SHARDS["train"], tmp / SHARDS["val"], n, dtype,
-                                         float(data["val_fraction"]))
-            splits = {"train": {"tokens": n_train}, "val": {"tokens": n_val}}
-            val = {"how": "fraction", "fraction": float(data["val_fraction"]), "documents": docs}
-        else:
-            splits = {}
-            for split, docs_fn in (("train", corpus.train_docs), ("val", corpus.val_docs)):
-                n, docs = write_tokens(encode, docs_fn(), tmp / SHARDS[split], dtype, eos, splittable, bar)
+        with Tokenizing(spec, n_workers) as tokenizing:
+            if corpus.val_parts is None:
+                n, docs = write_tokens(tokenizing, work(corpus.train_parts(), corpus.description),
+                                       tmp / "all.bin", journal, "all", bar)
                 if n == 0:
-                    raise GptkitError(f"the {split} files of {corpus.description} hold no text")
-                splits[split] = {"tokens": n, "documents": docs}
-            val = {"how": "files"}
+                    raise GptkitError(f"{corpus.description} holds no text; give a corpus with some text")
+                n_train, n_val = _split_tail(tmp / "all.bin", tmp / SHARDS["train"], tmp / SHARDS["val"], n,
+                                             dtype, float(data["val_fraction"]), journal)
+                splits = {"train": {"tokens": n_train}, "val": {"tokens": n_val}}
+                val = {"how": "fraction", "fraction": float(data["val_fraction"]), "documents": docs}
+            else:
+                splits = {}
+                for split, parts in (("train", corpus.train_parts), ("val", corpus.val_parts)):
+                    n, docs = write_tokens(tokenizing, work(parts(), corpus.description), tmp / SHARDS[split],
+                                           journal, split, bar)
+                    if n == 0:
+                        raise GptkitError(f"the {split} files of {corpus.description} hold no text")
+                    splits[split] = {"tokens": n, "documents": docs}
+                val = {"how": "files"}
     finally:
         bar.close()
+    t_tok = time.perf_counter() - t_tok
+    if cutter.forced:
+        _say(f"note: {cutter.forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
+             f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
+             f"there")
     for split, name in SHARDS.items():
         splits[split]["file"] = name
         splits[split]["crc32"] = file_crc32(tmp / name)  # checked whenever the folder is loaded
@@ -375,10 +670,13 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         "source": {"kind": data["kind"], "description": corpus.description, "sha256": content,
                    "files": corpus.files, "settings": data},
         "tokenizer": {"kind": tok_s["kind"], "settings": tok_s, "sha256": file_sha256(tmp / TOKENIZER),
-                      "vocab_size": vocab, "eos_id": eos, "eos_token": tok_s["eos_token"]},
+                      "vocab_size": vocab, "eos_id": eos, "eos_token": tok_s["eos_token"], "bos_id": bos},
         "dtype": dtype,
         "splits": splits,
         "validation": val,
+        "encoder": engine,
+        "workers": n_workers,
+        "tokenize_seconds": round(t_tok, 3),  # reading, cutting, encoding and writing the shards
         "python": sys.version.split()[0],
     }
     manifest["checksum"] = manifest_checksum(manifest)

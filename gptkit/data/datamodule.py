@@ -8,15 +8,18 @@ val:   a fixed, deterministic map-style set of windows, the same for every run o
 pack="documents": every batch is (x, y, doc_ids) instead of (x, y) (see gptkit.data.windows).
 data=chat (a ChatData): rows of whole conversations instead of windows, targets -100 where no loss
        (gptkit.data.chat); the same stateless choice of rows per step.
+data=mix (a MixedData): windows from every source by its share (gptkit.data.mixture.MixtureSampler), the
+val windows of every source, the sources announced at setup, their tokens consumed in `source_tokens`.
 """
 
 from __future__ import annotations
 
 import lightning as L
 import numpy as np
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
 from gptkit.data.chat import ChatData, ChatSampler, describe_rows, make_rows
+from gptkit.data.mixture import MixedData, MixtureSampler, announce
 from gptkit.data.prepared import PreparedData
 from gptkit.data.windows import WindowSampler, check_pack, check_window, val_starts, windows
 
@@ -49,7 +52,7 @@ class ValWindows(Dataset):
 
 
 class TokenDataModule(L.LightningDataModule):
-    def __init__(self, prepared: PreparedData | ChatData, batch_size: int = 12, seq_len: int = 128,
+    def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12, seq_len: int = 128,
                  seed: int = 1337, val_windows: int | None = 200, pack: str = "stream") -> None:
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
@@ -59,9 +62,35 @@ class TokenDataModule(L.LightningDataModule):
             return
         check_pack(pack, prepared.eos_id)
         self.eos_id = prepared.eos_id if pack == "documents" else None
-        self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed, self.eos_id,
-                                     vocab_size=prepared.vocab_size)
-        check_window(len(prepared.val_tokens()), self.seq_len, "val")
+        self.parts = prepared.parts if isinstance(prepared, MixedData) else [prepared]
+        if isinstance(prepared, MixedData):
+            self.sampler = MixtureSampler([p.train_tokens() for p in self.parts], prepared.shares,
+                                          self.batch_size, self.seq_len, self.seed, self.eos_id,
+                                          vocab_size=prepared.vocab_size)
+        else:
+            self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed,
+                                         self.eos_id, vocab_size=prepared.vocab_size)
+        for p in self.parts:
+            check_window(len(p.val_tokens()), self.seq_len, "val")
+        self._consumed: dict = {}
+
+    def setup(self, stage: str) -> None:
+        trainer = getattr(self, "trainer", None)
+        rank_zero = trainer is None or trainer.is_global_zero
+        if isinstance(self.prepared, MixedData) and stage == "fit" and rank_zero:
+            budget = None if trainer is None else (trainer.max_steps * trainer.accumulate_grad_batches
+                                                   * trainer.world_size * self.batch_size * self.seq_len)
+            announce(self.prepared, budget)
+
+    def source_tokens(self, step: int) -> dict[str, float]:
+        """data/tokens_<source>: train tokens drawn from each source of a mixture in the first `step`
+        optimizer steps, all ranks (empty for one source)."""
+        if not isinstance(self.prepared, MixedData):
+            return {}
+        trainer = getattr(self, "trainer", None)
+        accum, world = (1, 1) if trainer is None else (trainer.accumulate_grad_batches, trainer.world_size)
+        counts = self.sampler.consumed(step * accum, world, self._consumed)
+        return {f"data/tokens_{n}": float(c * self.seq_len) for n, c in zip(self.prepared.names, counts)}
 
     def _chat_rows(self, chat: ChatData) -> None:
         from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -99,6 +128,8 @@ class TokenDataModule(L.LightningDataModule):
         if isinstance(self.prepared, ChatData):
             return DataLoader(self._val, batch_size=self.batch_size, shuffle=False, num_workers=0,
                               pin_memory=self._pin())
-        ds = ValWindows(self.prepared.val_tokens(), self.seq_len, self.val_windows, self.eos_id,
-                        vocab_size=self.prepared.vocab_size)
+        each = None if self.val_windows is None else max(1, int(self.val_windows) // len(self.parts))
+        n = each if len(self.parts) > 1 else self.val_windows
+        ds = ConcatDataset([ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id,
+                                       vocab_size=self.prepared.vocab_size) for p in self.parts])
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 import threading
 from dataclasses import dataclass, field
@@ -93,6 +94,10 @@ class PreparedData:
         return self.manifest["tokenizer"]["eos_id"]
 
     @property
+    def bos_id(self) -> int | None:
+        return self.manifest["tokenizer"].get("bos_id")
+
+    @property
     def dtype(self) -> str:
         return self.manifest["dtype"]
 
@@ -161,3 +166,14 @@ def check_vocab(prepared: PreparedData, model_vocab_size: int) -> None:
     if prepared.vocab_size > int(model_vocab_size):
         raise GptkitError(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={model_vocab_size}; "
                           f"set model.vocab_size>={prepared.vocab_size} (or let train take it from the tokenizer)")
+
+
+def copy_tail(src: Path, dst: Path, offset: int) -> None:
+    """Copy src from byte `offset` on into dst (synced), 8 MiB at a time: a memory map of the tail would count
+    its pages as this process's resident memory."""
+    with open(src, "rb") as f, open(dst, "wb") as out:
+        f.seek(offset)
+        for block in iter(lambda: f.read(8 << 20), b""):
+            out.write(block)
+        out.flush()
+        os.fsync(out.fileno())

@@ -1,4 +1,7 @@
-"""Corpora: where the text comes from, as documents (str), with a content hash for the cache.
+"""Corpora: where the text comes from, as a stream of bounded pieces of documents, with a content
+hash for the cache. Nothing here holds a whole file or a whole document: text files are read and
+decoded READ_BYTES at a time, JSON lines one line at a time, parquet and hub datasets RECORDS records
+at a time (a single record is held whole).
 
     data=pydoc    the interpreter's bundled reference documentation (pydoc_data, ~0.5 MB of English);
                   ships with every CPython, so it works offline with no download (the default)
@@ -7,11 +10,12 @@
     data=stdlib   the standard library's own .py sources (~30 MB of code), also offline
     data=files    local .txt (one document per file), .json/.jsonl (one document per record's
                   text field) and .parquet files; globs; validation by fraction or by val_paths
-    data=hub      a Hugging Face Hub dataset by name (and config); fails fast without network
+    data=hub      a Hugging Face Hub dataset by name (and config), streamed; fails fast without network
 
 Text files must be UTF-8. `encoding_errors: strict` (the default for files) stops at the first
-undecodable byte and names the file and byte offset; `replace` substitutes U+FFFD and goes on.
-JSON files must be valid UTF-8 either way (the JSON reader has no replacement policy).
+undecodable byte and names the file and byte offset; `replace` substitutes U+FFFD and goes on (also
+for JSON lines; a .json file holding one JSON array must be valid UTF-8 either way). FIFOs, devices
+and sockets are refused before anything is read.
 """
 
 from __future__ import annotations
@@ -19,7 +23,9 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import json
 import os
+import stat
 import sys
 import sysconfig
 from dataclasses import dataclass, field
@@ -29,26 +35,54 @@ from typing import Any, Callable, Iterator
 from gptkit.errors import GptkitError
 from gptkit.hub import check_hub_reachable, offline
 
-KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared")
+KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "mix", "tokens")
 FORMATS = ("auto", "text", "json", "parquet")
-Docs = Callable[[], Iterator[str]]  # a callable that starts a fresh pass over the documents
+Part = tuple[str, bool]  # a bounded piece of a document's text, and whether it is the document's last piece
+Parts = Callable[[], Iterator[Part]]  # a callable that starts a fresh pass over the corpus, piece by piece
+READ_BYTES = 1 << 20  # a text file is read (and decoded) this many bytes at a time
+RECORDS = 1000  # json/parquet records read at a time
+SAMPLE_WINDOW = 256 << 10  # bytes of one window of an evenly spread sample of local files (at most)
+SAMPLE_MIN_WINDOWS = 16  # windows of a sample (at least)
 
 
 @dataclass
 class Corpus:
-    """Documents of one corpus. `val_docs` is None when validation is a fraction of the tokens."""
+    """The text of one corpus as a stream of bounded pieces (`Part`s): no document is ever held whole.
+    `val_parts` is None when validation is a fraction of the tokens. `sample(chars)`, when set, yields
+    about `chars` characters read at evenly spaced places (without reading the rest); None: the caller
+    samples the stream itself."""
 
     description: str
-    train_docs: Docs
-    val_docs: Docs | None
+    train_parts: Parts
+    val_parts: Parts | None
     sha256: Callable[[], str]  # hash of the content (computed on demand: it reads everything)
     n_bytes: int | None = None  # approximate size, for the progress bar
     files: list[str] = field(default_factory=list)
+    sample: Callable[[int], Iterator[str]] | None = None
 
-    def all_docs(self) -> Iterator[str]:
-        yield from self.train_docs()
-        if self.val_docs is not None:
-            yield from self.val_docs()
+    def all_parts(self) -> Iterator[Part]:
+        yield from self.train_parts()
+        if self.val_parts is not None:
+            yield from self.val_parts()
+
+    def train_docs(self) -> Iterator[str]:
+        """Whole documents of the train split (joins the pieces: for small corpora and tests)."""
+        return documents(self.train_parts())
+
+
+def documents(parts: Iterator[Part]) -> Iterator[str]:
+    """Whole documents from their pieces."""
+    buf: list[str] = []
+    for text, last in parts:
+        buf.append(text)
+        if last:
+            yield "".join(buf)
+            buf = []
+
+
+def whole(docs: Callable[[], Iterator[str]]) -> Parts:
+    """Parts of documents that are small enough to be held (the built-in corpora, json records)."""
+    return lambda: ((d, True) for d in docs())
 
 
 def open_corpus(s: dict[str, Any]) -> Corpus:
@@ -64,7 +98,8 @@ def open_corpus(s: dict[str, Any]) -> Corpus:
         return _files(s)
     if kind == "hub":
         return _hub(s)
-    raise GptkitError(f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared")
+    raise GptkitError(f"unknown data kind {kind!r}; "
+                      f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
 
 
 def _digest(parts: Iterator[bytes]) -> str:
@@ -91,7 +126,7 @@ def _pydoc() -> Corpus:
             yield topics[name]
 
     return Corpus(description=f"pydoc_data topics of Python {sys.version.split()[0]} ({len(topics)} documents)",
-                  train_docs=docs, val_docs=None, sha256=lambda: _digest(d.encode() for d in docs()),
+                  train_parts=whole(docs), val_parts=None, sha256=lambda: _digest(d.encode() for d in docs()),
                   n_bytes=sum(len(t) for t in topics.values()))
 
 
@@ -112,7 +147,7 @@ def _shakespeare() -> Corpus:
     def docs() -> Iterator[str]:
         yield shakespeare_text()  # one document, as char-rnn and nanoGPT treat it
 
-    return Corpus(description="tiny Shakespeare (built in, 1.1 MB)", train_docs=docs, val_docs=None,
+    return Corpus(description="tiny Shakespeare (built in, 1.1 MB)", train_parts=whole(docs), val_parts=None,
                   sha256=lambda: _digest(d.encode() for d in docs()), n_bytes=1_115_394)
 
 
@@ -137,17 +172,29 @@ def _stdlib(s: dict[str, Any]) -> Corpus:
 
 
 # ---- local files -----------------------------------------------------------------------------------
+def check_regular(p: Path, what: str) -> None:
+    """A FIFO, a device or a socket would block or never end: refused before anything is read."""
+    mode = os.stat(p).st_mode
+    if not stat.S_ISREG(mode):
+        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
+                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
+                else "not a regular file")
+        raise GptkitError(f"{what}: {p} is {kind}; give regular files (copy a stream to a file first)")
+
+
 def expand_paths(patterns: Any, what: str) -> list[Path]:
-    """Paths and globs -> existing files, in the given order (each glob sorted)."""
+    """Paths and globs -> existing regular files, in the given order (each glob sorted)."""
     if patterns is None or isinstance(patterns, str):
         patterns = [] if patterns is None else [patterns]
     out: list[Path] = []
     for pat in patterns:
         pat = os.path.expanduser(str(pat))
         if glob.has_magic(pat):
-            found = sorted(p for p in glob.glob(pat, recursive=True) if os.path.isfile(p))
+            found = sorted(p for p in glob.glob(pat, recursive=True) if not os.path.isdir(p))
             if not found:
                 raise GptkitError(f"{what}: the glob {pat!r} matches no files; check the path")
+            for f in found:
+                check_regular(Path(f), what)
             out += [Path(p).resolve() for p in found]
             continue
         p = Path(pat)
@@ -155,6 +202,7 @@ def expand_paths(patterns: Any, what: str) -> list[Path]:
             raise GptkitError(f"{what}: {p} does not exist; give existing files, e.g. data.paths=[corpus.txt]")
         if p.is_dir():
             raise GptkitError(f"{what}: {p} is a folder; give files or a glob such as '{p}/**/*.txt'")
+        check_regular(p, what)
         out.append(p.resolve())
     return out
 
@@ -173,89 +221,236 @@ def _bad_byte(path: Path, offset: int, byte: bytes) -> GptkitError:
                        f"data.encoding_errors=replace to substitute U+FFFD")
 
 
-def decode(data: bytes, path: Path, errors: str) -> str:
+def _check_errors(errors: str) -> None:
     if errors not in ("strict", "replace"):
         raise GptkitError(f"data.encoding_errors={errors!r} must be strict or replace")
+
+
+def decode(data: bytes, path: Path, errors: str) -> str:
+    _check_errors(errors)
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as exc:
         raise _bad_byte(path, exc.start, data[exc.start:exc.start + 1]) from None
 
 
-def check_utf8(path: Path) -> None:
-    """Stream a file through a UTF-8 decoder; the first bad byte is an error naming its offset."""
-    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+def _decoded_chunks(path: Path, errors: str, size: int = READ_BYTES) -> Iterator[str]:
+    """The text of a file, decoded `size` bytes at a time (a character cut by a chunk waits for the next);
+    the first undecodable byte (errors=strict) is an error naming its offset."""
+    _check_errors(errors)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors)
     offset = 0  # bytes of the file before `chunk`
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        while True:
+            chunk = f.read(size)
             pending = len(decoder.getstate()[0])  # undecoded bytes carried over from the last chunk
             try:
-                decoder.decode(chunk)
+                text = decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as exc:
-                raise _bad_byte(path, offset - pending + exc.start, exc.object[exc.start:exc.start + 1]) from None
-            offset += len(chunk)
-        try:
-            decoder.decode(b"", final=True)
-        except UnicodeDecodeError as exc:
-            raise _bad_byte(path, offset - len(exc.object) + exc.start, exc.object[exc.start:exc.start + 1]) from None
-
-
-def _text_files(files: list[Path], errors: str) -> Corpus:
-    def docs() -> Iterator[str]:
-        for f in files:
-            text = decode(f.read_bytes(), f, errors)
-            if text.strip():  # the many empty __init__.py files are not documents
+                at = offset - pending + exc.start if chunk else offset - len(exc.object) + exc.start
+                raise _bad_byte(path, at, exc.object[exc.start:exc.start + 1]) from None
+            if text:
                 yield text
+            if not chunk:
+                return
+            offset += len(chunk)
 
-    return Corpus(description="", train_docs=docs, val_docs=None,
-                  sha256=lambda: _files_digest(files),
-                  n_bytes=sum(f.stat().st_size for f in files), files=[str(f) for f in files])
+
+def check_utf8(path: Path) -> None:
+    """Stream a file through a UTF-8 decoder; the first bad byte is an error naming its offset."""
+    for _ in _decoded_chunks(path, "strict"):
+        pass
 
 
-def _file_docs(f: Path, fmt: str, text_field: str, errors: str) -> Iterator[str]:
-    """The documents of one local file: the whole file (text) or one per record (json, parquet)."""
-    if f.stat().st_size == 0:
+def _text_parts(f: Path, errors: str, blank: str) -> Iterator[Part]:
+    """One text file as one document, in pieces of about READ_BYTES. A file of only whitespace is no
+    document: skipped (blank="skip") or an error (blank="error")."""
+    if blank == "error" and f.stat().st_size == 0:
         raise GptkitError(f"{f} is empty; remove it from data.paths or give it some text")
-    if fmt == "text":
-        text = decode(f.read_bytes(), f, errors)
-        if not text.strip():
+    held: list[str] = []  # leading whitespace, until some text shows this is a document
+    prev: str | None = None
+    for text in _decoded_chunks(f, errors):
+        if held is not None:
+            held.append(text)
+            if not text.strip():
+                continue
+            text, held = "".join(held), None  # type: ignore[assignment]
+        if prev is not None:
+            yield prev, False
+        prev = text
+    if prev is None:
+        if blank == "error":
             raise GptkitError(f"{f} holds only whitespace; remove it from data.paths or give it some text")
-        yield text
         return
-    if fmt == "json":
-        check_utf8(f)  # names the file and offset of a bad byte (datasets would not)
+    yield prev, True
+
+
+def _no_field(f: Path, text_field: str, fields: Any) -> GptkitError:
+    return GptkitError(f"{f}: records have no field {text_field!r} (fields: {', '.join(map(str, fields))}); "
+                       f"set data.text_field")
+
+
+def _jsonl_texts(f: Path, text_field: str, errors: str, start: int = 0, limit: int | None = None,
+                 ) -> Iterator[str]:
+    """The text fields of a JSON-lines file, one line at a time (from byte `start`, at a line start; at most
+    about `limit` bytes)."""
+    offset, n, seen = start, 0, 0
+    fields: Any = ()
+    with open(f, "rb") as fh:
+        fh.seek(start)
+        for line in fh:
+            at, offset = offset, offset + len(line)
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line.decode("utf-8", errors=errors))
+            except UnicodeDecodeError as exc:
+                raise _bad_byte(f, at + exc.start, line[exc.start:exc.start + 1]) from None
+            except json.JSONDecodeError as exc:
+                raise GptkitError(f"{f}: the line at byte {at} is not valid JSON ({exc.msg}); fix the file "
+                                  f"or set data.format") from None
+            if not isinstance(record, dict):
+                raise GptkitError(f"{f}: the line at byte {at} is not a JSON object; each line must be a "
+                                  f"record")
+            seen += 1
+            t = record.get(text_field)
+            if text_field in record:
+                n += 1
+            elif seen <= RECORDS and n == 0:
+                fields = fields or list(record)
+                if seen == RECORDS:
+                    raise _no_field(f, text_field, fields)
+            if t:
+                yield str(t)
+            if limit is not None and offset - start >= limit:
+                return
+    if n == 0 and start == 0:
+        raise _no_field(f, text_field, fields)
+
+
+def _is_jsonl(f: Path) -> bool:
+    """A .jsonl file, or a .json file whose first record starts a line of its own (JSON lines)."""
+    if f.suffix.lower() == ".jsonl":
+        return True
+    with open(f, "rb") as fh:
+        head = fh.read(4096).lstrip()
+    return head.startswith(b"{")
+
+
+def _records(f: Path, fmt: str, text_field: str, errors: str) -> Iterator[str]:
+    """The text fields of the records of a json or parquet file, read RECORDS at a time."""
+    if fmt == "json" and _is_jsonl(f):
+        yield from _jsonl_texts(f, text_field, errors)
+        return
+    if fmt == "parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            pf = pq.ParquetFile(f)
+        except Exception as exc:
+            raise _unreadable(f, fmt, exc) from exc
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise _no_field(f, text_field, names)
+        for batch in pf.iter_batches(batch_size=RECORDS, columns=[text_field]):
+            yield from (str(t) for t in batch.column(0).to_pylist() if t)
+        return
+    check_utf8(f)  # a JSON array: names the file and offset of a bad byte (datasets would not)
     import datasets
 
     datasets.disable_progress_bars()
     try:
-        ds = datasets.load_dataset(fmt, data_files=[str(f)], split="train", streaming=True)
-        n = 0
-        for batch in ds.iter(batch_size=1000):
+        ds = datasets.load_dataset("json", data_files=[str(f)], split="train", streaming=True)
+        for batch in ds.iter(batch_size=RECORDS):
             if text_field not in batch:
-                raise GptkitError(f"{f}: records have no field {text_field!r} (fields: {', '.join(batch)}); "
-                                  f"set data.text_field")
-            for t in batch[text_field]:
-                if t:
-                    n += 1
-                    yield str(t)
+                raise _no_field(f, text_field, batch)
+            yield from (str(t) for t in batch[text_field] if t)
     except GptkitError:
         raise
     except Exception as exc:
-        msg = " ".join(str(exc).split())[:200]
-        raise GptkitError(f"{f}: cannot read it as {fmt} ({type(exc).__name__}: {msg}); "
-                          f"check the file or set data.format") from exc
+        raise _unreadable(f, fmt, exc) from exc
+
+
+def _unreadable(f: Path, fmt: str, exc: Exception) -> GptkitError:
+    msg = " ".join(str(exc).split())[:200]
+    return GptkitError(f"{f}: cannot read it as {fmt} ({type(exc).__name__}: {msg}); check the file or set "
+                       f"data.format")
+
+
+def _file_parts(f: Path, fmt: str, text_field: str, errors: str, blank: str = "error") -> Iterator[Part]:
+    """The documents of one local file: the whole file (text) or one per record (json, parquet)."""
+    if fmt == "text":
+        yield from _text_parts(f, errors, blank)
+        return
+    if f.stat().st_size == 0:
+        raise GptkitError(f"{f} is empty; remove it from data.paths or give it some text")
+    n = 0
+    for t in _records(f, fmt, text_field, errors):
+        n += 1
+        yield t, True
     if n == 0:
         raise GptkitError(f"{f} has no non-empty {text_field!r} records")
 
 
-def _local(files: list[Path], fmt: str, text_field: str, errors: str) -> tuple[Docs, Callable[[], str]]:
+def _sample_local(files: list[Path], formats: list[str], text_field: str, errors: str,
+                  ) -> Callable[[int], Iterator[str]] | None:
+    """About `chars` characters from windows at evenly spaced byte offsets of the text and JSON-lines
+    files (None when some file is neither: the caller then samples the stream)."""
+    if not all(ff == "text" or (ff == "json" and _is_jsonl(f)) for f, ff in zip(files, formats)):
+        return None
+    sizes = [f.stat().st_size for f in files]
+
+    def sample(chars: int) -> Iterator[str]:
+        total = sum(sizes)
+        k = max(SAMPLE_MIN_WINDOWS, -(-chars // SAMPLE_WINDOW))
+        window = max(1, -(-chars // k))
+        bounds = [0]
+        for size in sizes:
+            bounds.append(bounds[-1] + size)
+        fi = 0
+        for i in range(k):
+            at = i * total // k
+            while bounds[fi + 1] <= at:
+                fi += 1
+            f, local = files[fi], at - bounds[fi]
+            if formats[fi] == "json":
+                if local:
+                    with open(f, "rb") as fh:
+                        fh.seek(local)
+                        local += len(fh.readline())  # to the next line start
+                yield from _jsonl_texts(f, text_field, "replace", local, window)
+                continue
+            with open(f, "rb") as fh:
+                fh.seek(local)
+                data = fh.read(window)
+            if local and b"\n" in data:  # start and end at line breaks
+                data = data[data.index(b"\n") + 1:]
+            if len(data) == window and b"\n" in data:
+                data = data[:data.rindex(b"\n") + 1]
+            yield data.decode("utf-8", errors="ignore")
+
+    return sample
+
+
+def _text_files(files: list[Path], errors: str) -> Corpus:
+    def parts() -> Iterator[Part]:
+        for f in files:
+            yield from _text_parts(f, errors, "skip")  # the many empty __init__.py files are not documents
+
+    return Corpus(description="", train_parts=parts, val_parts=None,
+                  sha256=lambda: _files_digest(files),
+                  n_bytes=sum(f.stat().st_size for f in files), files=[str(f) for f in files],
+                  sample=_sample_local(files, ["text"] * len(files), "text", errors))
+
+
+def _local(files: list[Path], fmt: str, text_field: str, errors: str) -> tuple[Parts, Callable[[], str]]:
     formats = [file_format(f, fmt) for f in files]
 
-    def docs() -> Iterator[str]:
+    def parts() -> Iterator[Part]:
         for f, ff in zip(files, formats):
-            yield from _file_docs(f, ff, text_field, errors)
+            yield from _file_parts(f, ff, text_field, errors)
 
-    return docs, lambda: _files_digest(files)
+    return parts, lambda: _files_digest(files)
 
 
 def _files(s: dict[str, Any]) -> Corpus:
@@ -264,14 +459,16 @@ def _files(s: dict[str, Any]) -> Corpus:
         raise GptkitError("data=files needs data.paths=[file.txt,...] (files or globs)")
     val_files = expand_paths(s["val_paths"], "data.val_paths")
     fmt, field_, errors = s["format"], s["text_field"], s["encoding_errors"]
+    _check_errors(errors)
     train, train_hash = _local(files, fmt, field_, errors)
     val, val_hash = _local(val_files, fmt, field_, errors) if val_files else (None, None)
     names = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
     desc = f"local files: {names}" + (f"; validation: {len(val_files)} file(s)" if val_files else "")
-    return Corpus(description=desc, train_docs=train, val_docs=val,
+    every = files + val_files
+    return Corpus(description=desc, train_parts=train, val_parts=val,
                   sha256=lambda: train_hash() + (val_hash() if val_hash else ""),
-                  n_bytes=sum(f.stat().st_size for f in files + val_files),
-                  files=[str(f) for f in files + val_files])
+                  n_bytes=sum(f.stat().st_size for f in every), files=[str(f) for f in every],
+                  sample=_sample_local(every, [file_format(f, fmt) for f in every], field_, errors))
 
 
 # ---- Hugging Face Hub ------------------------------------------------------------------------------
@@ -282,7 +479,12 @@ def _offline() -> bool:
     return offline("HF_DATASETS_OFFLINE")
 
 
+HUB_SAMPLE_SHARDS = 16  # an evenly spread sample of a streamed dataset reads this many of its shards
+
+
 def _hub(s: dict[str, Any]) -> Corpus:
+    """A Hub dataset, streamed (datasets' `streaming=True`): nothing is downloaded before tokenization, and
+    its shards are read in order. The cache key is the dataset's resolved commit when the hub answers."""
     name, config = s["name"], s["config"]
     if not name:
         raise GptkitError("data=hub needs data.name=<dataset>, e.g. data.name=Salesforce/wikitext "
@@ -291,31 +493,86 @@ def _hub(s: dict[str, Any]) -> Corpus:
         check_hub_reachable(float(s["timeout_s"]), LOCAL_FILES)
     import datasets
 
+    datasets.disable_progress_bars()
+    text_field = s["text_field"]
+
+    def fail(split: str, exc: Exception) -> GptkitError:
+        msg = " ".join(str(exc).split())[:200]
+        hint = ("the hub is unreachable (offline mode) and the dataset is not in the local cache; "
+                if _offline() else "")
+        return GptkitError(f"cannot load hub dataset {name!r} (config {config!r}, split {split!r}): {hint}"
+                           f"{type(exc).__name__}: {msg}; {LOCAL_FILES}")
+
     def load(split: str):
         try:
-            return datasets.load_dataset(name, config, split=split, revision=s["revision"])
+            ds = datasets.load_dataset(name, config, split=split, revision=s["revision"], streaming=True)
         except Exception as exc:
-            msg = " ".join(str(exc).split())[:200]
-            hint = ("the hub is unreachable (offline mode) and the dataset is not in the local cache; "
-                    if _offline() else "")
-            raise GptkitError(f"cannot load hub dataset {name!r} (config {config!r}, split {split!r}): {hint}"
-                              f"{type(exc).__name__}: {msg}; {LOCAL_FILES}") from None
+            raise fail(split, exc) from None
+        columns = getattr(ds, "column_names", None)
+        if columns is not None and text_field not in columns:
+            raise GptkitError(f"hub dataset {name!r} has no column {text_field!r} (columns: "
+                              f"{', '.join(columns)}); set data.text_field")
+        return ds
 
-    text_field = s["text_field"]
+    def texts(ds, split: str) -> Iterator[str]:
+        try:
+            for batch in ds.iter(batch_size=RECORDS):
+                if text_field not in batch:
+                    raise GptkitError(f"hub dataset {name!r} has no column {text_field!r} (columns: "
+                                      f"{', '.join(batch)}); set data.text_field")
+                yield from (str(t) for t in batch[text_field] if t)
+        except GptkitError:
+            raise
+        except Exception as exc:
+            raise fail(split, exc) from None
+
     train = load(s["split"])
     val = load(s["val_split"]) if s["val_split"] else None
-    for ds in (train, val):
-        if ds is not None and text_field not in ds.column_names:
-            raise GptkitError(f"hub dataset {name!r} has no column {text_field!r} (columns: "
-                              f"{', '.join(ds.column_names)}); set data.text_field")
 
-    def docs(ds) -> Docs:
-        def gen() -> Iterator[str]:
-            for batch in ds.iter(batch_size=1000):
-                yield from (t for t in batch[text_field] if t)
-        return gen
+    def parts(ds, split: str) -> Parts:
+        return lambda: ((t, True) for t in texts(ds, split))
 
-    return Corpus(description=f"hub dataset {name}" + (f" ({config})" if config else ""),
-                  train_docs=docs(train), val_docs=docs(val) if val is not None else None,
-                  sha256=lambda: train._fingerprint + (val._fingerprint if val is not None else ""),
-                  n_bytes=None)
+    def sample(chars: int) -> Iterator[str]:
+        """`chars` characters from up to HUB_SAMPLE_SHARDS evenly spaced shards of the train split."""
+        n = int(getattr(train, "n_shards", 1) or 1)
+        picks = sorted({i * n // min(n, HUB_SAMPLE_SHARDS) for i in range(min(n, HUB_SAMPLE_SHARDS))})
+        each = -(-chars // len(picks))
+        for i in picks:
+            got = 0
+            shard = train.shard(num_shards=n, index=i) if n > 1 else train
+            for t in texts(shard, s["split"]):
+                yield t[:each - got]
+                got += min(len(t), each - got)
+                if got >= each:
+                    break
+
+    identity = {"name": name, "config": config, "split": s["split"], "val_split": s["val_split"],
+                "revision": _hub_commit(name, s["revision"])}
+    size = _hub_bytes(train, s["split"])
+    return Corpus(description=f"hub dataset {name}" + (f" ({config})" if config else "") + ", streamed",
+                  train_parts=parts(train, s["split"]),
+                  val_parts=parts(val, s["val_split"]) if val is not None else None,
+                  sha256=lambda: hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
+                  n_bytes=size, sample=sample)
+
+
+def _hub_commit(name: str, revision: str | None) -> str | None:
+    """The commit a revision (None: the main branch) names now, so that a dataset updated upstream is a new
+    cache entry; offline (or unanswered): the revision as given."""
+    if _offline():
+        return revision
+    try:
+        from huggingface_hub import HfApi
+
+        return HfApi().dataset_info(name, revision=revision, timeout=10).sha or revision
+    except Exception:  # noqa: BLE001 - a local path or script dataset: the load itself reports real problems
+        return revision
+
+
+def _hub_bytes(ds, split: str) -> int | None:
+    """The split's size in bytes when the dataset's metadata says it (for the progress and the sample)."""
+    try:
+        info = ds.info.splits[split]
+        return int(info.num_bytes) or None
+    except Exception:  # noqa: BLE001 - no metadata: the size is unknown
+        return None

@@ -181,6 +181,7 @@ class StepMetrics(Callback):
                    "perf/flops": float(step * self.tokens_per_step * self.flops_per_token)}
         if loss is not None:
             metrics["train/loss"] = loss
+        metrics.update(getattr(trainer.datamodule, "source_tokens", lambda _: {})(step))  # data=mix sources
         if self.peak:
             metrics["perf/mfu"] = acc.mfu(tokens_per_s / trainer.world_size, self.flops_per_token, self.peak)
             if self.causal_flops_per_token is not None:

@@ -1,0 +1,213 @@
+"""data=tokens: train on token files made elsewhere.
+
+    gptkit train data=tokens 'data.paths=[train.bin]' 'data.val_paths=[val.bin]' data.vocab_size=50304 \
+        tokenizer=file tokenizer.path=gpt2/tokenizer.json
+
+Two formats (data.format auto tells them apart by the header):
+    raw   nanoGPT's train.bin/val.bin: token ids back to back, data.dtype (auto: uint16) each
+    llmc  llm.c's shards: a header of 256 int32 (magic 20240520, version 1 = uint16 tokens, the token
+          count), then the tokens
+
+On first use the files are checked (size a multiple of the dtype, magic, version, the header's count,
+every id below the vocabulary) and copied into a prepared folder of the cache with a manifest, CRC-32
+and the tokenizer, like `gptkit prepare`'s; later runs find it by the files' content hash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptkit.data.prepared import (
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARDS,
+    TOKENIZER,
+    copy_tail,
+    manifest_checksum,
+)
+from gptkit.data.sources import _files_digest, expand_paths
+from gptkit.errors import GptkitError
+from gptkit.fsio import DIR_MODE, file_crc32, lock_file
+
+LLMC_MAGIC = 20240520
+LLMC_HEADER = 256 * 4
+FORMATS = ("auto", "raw", "llmc")
+CHUNK = 1 << 24  # tokens read at a time
+
+
+def _layout(f: Path, fmt: str, dtype: str) -> tuple[str, int, str, int]:
+    """(format, offset of the first token, dtype, tokens) of a token file; a bad file is a one-line error."""
+    size = f.stat().st_size
+    with open(f, "rb") as fh:
+        head = fh.read(LLMC_HEADER)
+    magic = int(np.frombuffer(head[:4], "<i4")[0]) if len(head) >= 4 else None
+    if fmt == "auto":
+        fmt = "llmc" if magic == LLMC_MAGIC else "raw"
+    if fmt == "llmc":
+        if magic != LLMC_MAGIC or len(head) < LLMC_HEADER:
+            raise GptkitError(
+                f"{f}: bad magic {magic} (an llm.c shard starts with {LLMC_MAGIC}); "
+                f"set data.format=raw for a raw token file"
+            )
+        header = np.frombuffer(head, "<i4")
+        if int(header[1]) != 1:
+            raise GptkitError(
+                f"{f}: llm.c shard version {int(header[1])}; gptkit reads version 1 (uint16 tokens)"
+            )
+        n = int(header[2])
+        if size != LLMC_HEADER + 2 * n:
+            raise GptkitError(
+                f"{f}: its header says {n:,} tokens ({LLMC_HEADER + 2 * n:,} bytes) but the file has "
+                f"{size:,} bytes: it is truncated or not an llm.c shard"
+            )
+        return fmt, LLMC_HEADER, "uint16", n
+    dtype = "uint16" if dtype == "auto" else dtype
+    if dtype not in DTYPES:
+        raise GptkitError(f"data.dtype={dtype!r} must be auto, uint16 or uint32")
+    if size % DTYPES[dtype]:
+        raise GptkitError(
+            f"{f}: {size:,} bytes is not a multiple of {DTYPES[dtype]} ({dtype}); set data.dtype to "
+            f"the file's dtype"
+        )
+    if size == 0:
+        raise GptkitError(f"{f} is empty; give token files with tokens")
+    return fmt, 0, dtype, size // DTYPES[dtype]
+
+
+def _tokens(f: Path, layout: tuple[str, int, str, int]) -> np.ndarray:
+    _, offset, dtype, n = layout
+    return np.memmap(f, dtype=dtype, mode="r", offset=offset, shape=(n,))  # [n]
+
+
+def _copy(files: list[Path], layouts: list, out: Path, dtype: str, vocab: int | None) -> tuple[int, int]:
+    """Append the files' tokens to `out` as dtype, checking every id; (tokens, largest id)."""
+    n, top = 0, -1
+    with open(out, "wb") as fh:
+        for f, lay in zip(files, layouts):
+            t = _tokens(f, lay)
+            for i in range(0, len(t), CHUNK):
+                part = t[i : i + CHUNK]  # [<= CHUNK]
+                m = int(part.max())
+                if vocab is not None and m >= vocab:
+                    at = i + int(np.argmax(part >= vocab))
+                    raise GptkitError(
+                        f"{f}: token {at:,} is id {int(part[at - i])}, not below data.vocab_size="
+                        f"{vocab}; give the vocab_size the tokens were made with"
+                    )
+                top = max(top, m)
+                part.astype(dtype).tofile(fh)
+            n += len(t)
+        fh.flush()
+        os.fsync(fh.fileno())
+    return n, top
+
+
+def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok, key_of) -> Any:
+    """The prepared folder of data=tokens (from the cache, or made now); `key_of(data, content, tok_s)` is the
+    cache key (gptkit.data.build's)."""
+    from gptkit.data.prepared import load_prepared
+    from gptkit.tokenizer import eos_id, file_sha256
+
+    if tok_s["kind"] not in ("file", "byte"):
+        raise GptkitError(
+            "data=tokens trains on ids made elsewhere: give the tokenizer that made them "
+            "(tokenizer=file tokenizer.path=.../tokenizer.json), or tokenizer=byte for byte ids"
+        )
+    fmt = data["format"]
+    if fmt not in FORMATS:
+        raise GptkitError(f"data.format={fmt!r} is not one of {', '.join(FORMATS)} for data=tokens")
+    files = expand_paths(data["paths"], "data.paths")
+    if not files:
+        raise GptkitError("data=tokens needs data.paths=[train.bin,...] (token files or globs)")
+    val_files = expand_paths(data["val_paths"], "data.val_paths")
+    layouts = [_layout(f, fmt, data["dtype"]) for f in files]
+    val_layouts = [_layout(f, fmt, data["dtype"]) for f in val_files]
+    tok_vocab = tok.get_vocab_size(with_added_tokens=True)
+    vocab = data["vocab_size"]
+    if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
+        raise GptkitError(f"data.vocab_size={vocab!r} must be a positive integer (or null: the tokenizer's)")
+    vocab = int(vocab) if vocab is not None else tok_vocab
+    if vocab < tok_vocab:
+        raise GptkitError(f"data.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab} tokens")
+    content = _files_digest(files) + (_files_digest(val_files) if val_files else "")
+    key = key_of(data, content, tok_s)
+    final = root / f"tokens-{tok_s['kind']}-{key[:16]}"
+    if (final / MANIFEST).is_file():
+        return load_prepared(final)
+    dtype = "uint16" if vocab <= 1 << 16 else "uint32"
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{final.name}.partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(mode=DIR_MODE)
+    lock = lock_file(tmp / ".building")
+    try:
+        if val_files:
+            n_train, _ = _copy(files, layouts, tmp / SHARDS["train"], dtype, vocab)
+            n_val, _ = _copy(val_files, val_layouts, tmp / SHARDS["val"], dtype, vocab)
+            validation = {"how": "files"}
+        else:
+            n, _ = _copy(files, layouts, tmp / "all.bin", dtype, vocab)
+            frac = float(data["val_fraction"])
+            n_val = int(round(n * frac))
+            if not 0 < n_val < n:
+                raise GptkitError(
+                    f"the token files hold {n} tokens: too few to split off data.val_fraction={frac}"
+                )
+            copy_tail(tmp / "all.bin", tmp / SHARDS["val"], (n - n_val) * DTYPES[dtype])
+            os.truncate(tmp / "all.bin", (n - n_val) * DTYPES[dtype])
+            os.replace(tmp / "all.bin", tmp / SHARDS["train"])
+            n_train, validation = n - n_val, {"how": "fraction", "fraction": frac}
+        (tmp / TOKENIZER).write_text(tok.to_str(), encoding="utf-8")
+        from gptkit.version import __version__
+
+        splits = {"train": {"tokens": n_train}, "val": {"tokens": n_val}}
+        for split, name in SHARDS.items():
+            splits[split].update(file=name, crc32=file_crc32(tmp / name))
+        manifest = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "gptkit_version": __version__,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "cache_key": key,
+            "source": {
+                "kind": "tokens",
+                "description": "token files: "
+                + ", ".join(map(str, files[:3]))
+                + (f" and {len(files) - 3} more" if len(files) > 3 else ""),
+                "sha256": content,
+                "files": [str(f) for f in files + val_files],
+                "settings": data,
+                "formats": [lay[0] for lay in layouts + val_layouts],
+            },
+            "tokenizer": {
+                "kind": tok_s["kind"],
+                "settings": tok_s,
+                "sha256": file_sha256(tmp / TOKENIZER),
+                "vocab_size": vocab,
+                "eos_id": eos_id(tok, tok_s),
+                "eos_token": tok_s.get("eos_token"),
+                "bos_id": None,
+            },
+            "dtype": dtype,
+            "splits": splits,
+            "validation": validation,
+            "python": sys.version.split()[0],
+        }
+        manifest["checksum"] = manifest_checksum(manifest)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
+        (tmp / ".building").unlink()
+        os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(lock)
+    return load_prepared(final)

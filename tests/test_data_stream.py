@@ -1,0 +1,393 @@
+"""Data at scale: files read in bounded pieces give the ids of the whole text, any worker count gives the
+same shards, tiktoken gives HF's ids, non-regular files are refused, the hub streams, BPE trains on a
+bounded sample, progress says MB/s and tokens."""
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+from conftest import shakespeare
+
+from gptkit.data import prepare
+from gptkit.errors import GptkitError
+
+EOS = "<|endoftext|>"
+
+
+def prep(tmp_path, data, tok, **kw):
+    return prepare(data, tok, cache_dir=tmp_path / "cache", progress=False, **kw)
+
+
+def all_ids(p):
+    return np.concatenate([p.train_tokens(), p.val_tokens()]).tolist()
+
+
+def awkward_text() -> str:
+    """Text whose cuts are hard: a 12k-character line of words, a run of CJK letters, punctuation runs,
+    literal special tokens, whitespace runs, lines ending in spaces."""
+    base = shakespeare(30_000)
+    lines = base.splitlines()
+    text = "\n".join(line + " " * (i % 3) for i, line in enumerate(lines))
+    long_line = " ".join(w for line in lines[:2000] for w in line.split())[:12_000]
+    cjk = ("日本語のテキスト" * 120 + "。" + "漢字" * 200 + "、") * 8  # letter runs shorter than HARD_CHARS
+    return (
+        text[:10_000]
+        + "\n"
+        + long_line
+        + "\n"
+        + cjk
+        + "\n"
+        + f"x{EOS}y " * 300
+        + "-=" * 600
+        + "\n"
+        + "   \n\n\t" * 200
+        + text[10_000:]
+        + "  trailing  \n\n  spaces "
+    )
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces, windows and reads small enough that a 60 kB text is cut in many places."""
+    monkeypatch.setattr("gptkit.data.tokenize.PIECE_CHARS", 700)
+    monkeypatch.setattr("gptkit.data.tokenize.HARD_CHARS", 1500)
+    monkeypatch.setattr("gptkit.data.tokenize.BATCH_CHARS", 3000)
+    monkeypatch.setattr("gptkit.data.sources.READ_BYTES", 997)
+
+
+def metaspace_tokenizer(path, text):
+    """A tokenizer.json that is no GPT-2 byte-level BPE (Metaspace pre-tokenizer): cut only where verified."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator(
+        [text], trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", EOS], show_progress=False)
+    )
+    tok.save(str(path))
+    return path
+
+
+@pytest.mark.parametrize("kind", ["char", "byte", "bpe", "file"])
+def test_a_file_read_in_bounded_pieces_gives_the_ids_of_the_whole_text(tmp_path, small_pieces, kind):
+    from gptkit.data.tokenize import Cutter
+
+    text = awkward_text()
+    f = tmp_path / "doc.txt"
+    f.write_text(text)
+    tok = {
+        "char": {"kind": "char", "eos_token": EOS},
+        "byte": {"kind": "byte", "eos_token": EOS},
+        "bpe": {"kind": "bpe", "vocab_size": 400, "min_frequency": 1},
+        "file": {
+            "kind": "file",
+            "eos_token": EOS,
+            "path": str(metaspace_tokenizer(tmp_path / "meta.json", text)),
+        },
+    }[kind]
+    cuts = []
+    real = Cutter.cut
+    Cutter.cut = lambda self, *a: cuts.append(real(self, *a)) or cuts[-1]
+    try:
+        p = prep(tmp_path, {"kind": "files", "paths": [str(f)], "workers": 1}, tok)
+    finally:
+        Cutter.cut = real
+    assert sum(c is not None for c in cuts) > 40  # the document really was cut, in many places
+    whole = p.tokenizer().encode(text, add_special_tokens=False).ids + [p.eos_id]
+    assert all_ids(p) == whole
+
+
+def test_a_run_without_any_safe_cut_is_cut_anyway_and_said(tmp_path, small_pieces, capsys):
+    """A file of NUL bytes: for byte any cut keeps the ids; BPE notes the forced cuts."""
+    f = tmp_path / "zeros.txt"
+    f.write_bytes(b"\0" * 20_000)
+    p = prep(tmp_path, {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "byte"})
+    assert all_ids(p) == [0] * 20_000 + [10]  # the newline that separates documents without an EOS
+    p = prep(tmp_path, {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "bpe", "vocab_size": 300})
+    assert "cut(s) fell inside a run of over" in capsys.readouterr().err
+    assert p.tokenizer().decode(all_ids(p)) == "\0" * 20_000
+
+
+def test_shards_do_not_depend_on_the_worker_count(tmp_path, small_pieces):
+    (tmp_path / "a.txt").write_text(awkward_text())
+    (tmp_path / "b.txt").write_text(shakespeare(20_000, start=50_000))
+    tok = {"kind": "bpe", "vocab_size": 500}
+    data = {"kind": "files", "paths": [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]}
+    one = prepare({**data, "workers": 1}, tok, cache_dir=tmp_path / "one", progress=False)
+    two = prepare({**data, "workers": 2}, tok, cache_dir=tmp_path / "two", progress=False)
+    assert one.dir.name == two.dir.name  # data.workers is no part of the cache key
+    for name in ("train.bin", "val.bin", "tokenizer.json"):
+        assert (one.dir / name).read_bytes() == (two.dir / name).read_bytes(), name
+    assert one.manifest["encoder"] == "tiktoken"
+
+
+def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_text():
+    from tokenizers import Tokenizer
+
+    from gptkit.data.tokenize import TRICKY, EncoderSpec, build_encoder, choose_engine, hf_encoder
+    from gptkit.tokenizer import build_tokenizer
+
+    corpus = [
+        shakespeare(40_000),
+        TRICKY * 3,
+        "I'm   you've\t\tthey'LL  \n\n  ２０２６年  e\u0301\u0301 🙂🙂 ''s",
+    ]
+    tok = build_tokenizer(
+        {"kind": "bpe", "vocab_size": 700, "min_frequency": 1}, texts=lambda: iter(corpus), progress=False
+    )
+    js = tok.to_str()
+    assert choose_engine(js, "bpe")[0] == "tiktoken"
+    fast = build_encoder(EncoderSpec(js, "tiktoken", (EOS,), None, "uint32"))
+    hf = hf_encoder(Tokenizer.from_str(js))
+    tricky = [
+        TRICKY,
+        corpus[2],
+        f"a{EOS}b {EOS}{EOS}\n",
+        " \u00a0\u2003 x \r\n\r\n y",
+        "\x1c\x1d\x1e\x1f\x85 z",
+        "123456789 1.5e10 x1y2z3",
+        "'''' 's 'S 'd't",
+        "ǅungla Ⅻ ⅷ ¼ ½ 𝔘𝔫𝔦",
+        shakespeare(5_000, start=90_000),
+    ]
+    for t in tricky:
+        assert fast([t])[0].tolist() == hf([t])[0], repr(t[:40])
+
+
+def test_a_tokenizer_that_tiktoken_cannot_run_falls_back_to_hf(tmp_path):
+    from gptkit.data.tokenize import choose_engine
+
+    text = shakespeare(5_000)
+    path = metaspace_tokenizer(tmp_path / "meta.json", text)
+    assert choose_engine(path.read_text(), "file")[0] == "hf"
+
+
+@pytest.mark.parametrize("what", ["fifo", "device"])
+def test_fifos_and_devices_are_refused_before_anything_is_read(tmp_path, what):
+    if what == "fifo":
+        path = tmp_path / "fifo"
+        os.mkfifo(path)  # opening it for reading would block forever
+        needle = "is a FIFO"
+    else:
+        path, needle = "/dev/zero", "is a character device"
+    with pytest.raises(GptkitError, match=needle):
+        prep(tmp_path, {"kind": "files", "paths": [str(path)]}, {"kind": "byte"})
+    with pytest.raises(GptkitError, match=needle):
+        prep(
+            tmp_path,
+            {"kind": "files", "paths": [str(tmp_path / "*")] if what == "fifo" else ["/dev/zer?"]},
+            {"kind": "byte"},
+        )
+
+
+def test_jsonl_streams_line_by_line_and_names_a_bad_line(tmp_path):
+    f = tmp_path / "a.jsonl"
+    f.write_text(
+        "".join(json.dumps({"text": f"record {i} " * 5, "id": i}) + "\n" for i in range(50))
+        + '{"text": "broken\n'
+    )
+    with pytest.raises(GptkitError, match=r"a.jsonl: the line at byte \d+ is not valid JSON"):
+        prep(tmp_path, {"kind": "files", "paths": [str(f)]}, {"kind": "byte"})
+    f.write_text("".join(json.dumps({"body": "x"}) + "\n" for _ in range(3)))
+    with pytest.raises(GptkitError, match=r"records have no field 'text' \(fields: body\)"):
+        prep(tmp_path, {"kind": "files", "paths": [str(f)]}, {"kind": "byte"})
+
+
+def write_parquet(folder, n_files=3, rows=40):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder.mkdir()
+    texts = []
+    for i in range(n_files):
+        t = [f"file {i} row {r}: " + shakespeare(200, start=1000 * (i * rows + r)) for r in range(rows)]
+        pq.write_table(
+            pa.table({"text": t, "n": list(range(rows))}), folder / f"part-{i}.parquet", row_group_size=7
+        )
+        texts += t
+    return texts
+
+
+def test_hub_streams_through_datasets_streaming_loader(tmp_path, monkeypatch):
+    """data=hub calls load_dataset(..., streaming=True): nothing is downloaded first. Here the "hub" is
+    datasets' own streaming loader over local parquet shards."""
+    import datasets
+
+    texts = write_parquet(tmp_path / "hub")
+    real = datasets.load_dataset
+    calls = []
+
+    def fake(name, config=None, split=None, revision=None, streaming=False, **kw):
+        calls.append((name, config, split, streaming))
+        files = sorted(str(p) for p in (tmp_path / "hub").glob("*.parquet"))
+        return real("parquet", data_files={"train": files}, split="train", streaming=streaming)
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    p = prep(
+        tmp_path,
+        {"kind": "hub", "name": "someone/corpus", "workers": 1},
+        {"kind": "bpe", "vocab_size": 300, "train_chars": 3_000},
+    )
+    assert calls and all(c[3] is True for c in calls)  # streamed, always
+    assert "streamed" in p.manifest["source"]["description"]
+    tok = p.tokenizer()
+    expected = [i for t in texts for i in tok.encode(t).ids + [p.eos_id]]
+    assert all_ids(p) == expected  # every shard, in order
+
+
+def test_hub_streaming_mocked_load_dataset(tmp_path, monkeypatch):
+    """A mocked load_dataset(streaming=True) that returns an iterable dataset of dict batches."""
+    import datasets
+
+    class Stream:
+        column_names = ["text"]
+        n_shards = 1
+
+        def iter(self, batch_size):
+            for i in range(0, 30, batch_size):
+                yield {"text": [f"doc {j}\n" for j in range(i, min(30, i + batch_size))]}
+
+    seen = {}
+
+    def fake(name, config=None, split=None, revision=None, streaming=False, **kw):
+        seen["streaming"] = streaming
+        return Stream()
+
+    monkeypatch.setattr(datasets, "load_dataset", fake)
+    p = prep(tmp_path, {"kind": "hub", "name": "a/b"}, {"kind": "byte"})
+    assert seen["streaming"] is True
+    assert bytes(all_ids(p)).decode() == "".join(f"doc {j}\n" for j in range(30))
+
+
+def test_bpe_trains_on_a_bounded_evenly_spread_sample(tmp_path, capsys):
+    from gptkit.data.build import training_sample
+    from gptkit.data.sources import open_corpus
+
+    head, tail = "alpha beta gamma\n" * 3_000, "omega psi chi\n" * 3_000
+    f = tmp_path / "big.txt"
+    f.write_text(head + shakespeare(200_000) + tail)
+    corpus = open_corpus(
+        {
+            "kind": "files",
+            "paths": [str(f)],
+            "val_paths": None,
+            "format": "auto",
+            "text_field": "text",
+            "encoding_errors": "strict",
+        }
+    )
+    texts, what = training_sample(corpus, 60_000)
+    sample = "".join(texts())
+    assert 0.8 * 60_000 <= len(sample) <= 60_000 and "evenly spaced" in what
+    assert "alpha beta" in sample and "omega psi" in sample  # from both ends of the file
+    p = prep(
+        tmp_path,
+        {"kind": "files", "paths": [str(f)]},
+        {"kind": "bpe", "vocab_size": 300, "train_chars": 60_000},
+    )
+    err = capsys.readouterr().err
+    assert "training byte-level BPE 300 on a sample of 60.0 kchars" in err and "train_chars=60,000" in err
+    assert p.tokenizer().decode(all_ids(p)).startswith("alpha beta")
+
+
+def test_progress_lines_say_mb_per_s_tokens_and_eta(tmp_path, capfd, monkeypatch):
+    monkeypatch.setattr("gptkit.data.tokenize.BATCH_CHARS", 10_000)
+    monkeypatch.setattr("gptkit.data.tokenize.PIECE_CHARS", 5_000)
+    monkeypatch.setattr("gptkit.data.build._Progress.PLAIN_EVERY_S", 0.0)
+    f = tmp_path / "a.txt"
+    f.write_text(shakespeare(50_000))
+    prepare({"kind": "files", "paths": [str(f)]}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=True)
+    err = capfd.readouterr().err  # not a terminal: plain lines
+    lines = [ln for ln in err.splitlines() if ln.startswith("tokenizing:")]
+    assert len(lines) >= 3 and "MB/s" in lines[0] and "ETA" in lines[0] and " of 50.0 kB (" in lines[0]
+    assert "50,001 tokens" in lines[-1] and "(100%)" in lines[-1]  # the text and the newline that ends it
+
+
+def test_data_workers_must_be_a_positive_integer(tmp_path):
+    f = tmp_path / "a.txt"
+    f.write_text("some text\n" * 10)
+    with pytest.raises(GptkitError, match="data.workers=0 must be an integer >= 1"):
+        prep(tmp_path, {"kind": "files", "paths": [str(f)], "workers": 0}, {"kind": "byte"})
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
+
+
+# ---- data.bos ---------------------------------------------------------------------------------------
+def test_bos_auto_uses_a_tokenizer_s_own_bos_before_every_document(tmp_path):
+    import torch
+
+    from gptkit.data.windows import doc_ids
+
+    for i, t in enumerate(["first doc\n", "second\n", "third one\n"]):
+        (tmp_path / f"{i}.txt").write_text(t)
+    data = {"kind": "files", "paths": [str(tmp_path / f"{i}.txt") for i in range(3)], "val_fraction": 0.2}
+    tok = {"kind": "byte", "special_tokens": ["<s>"], "eos_token": "</s>"}
+    p = prep(tmp_path, data, tok)  # bos: auto, and this tokenizer has a BOS of its own
+    bos, eos = p.bos_id, p.eos_id
+    assert bos == 256 and eos == 257 and p.manifest["tokenizer"]["bos_id"] == 256
+    want = [i for t in ["first doc\n", "second\n", "third one\n"] for i in [bos, *t.encode(), eos]]
+    assert all_ids(p) == want
+    d = doc_ids(torch.tensor([want]), eos)[0].tolist()  # data.pack=documents: a BOS starts its document
+    assert [d[i] for i, t in enumerate(want) if t == bos] == [0, 1, 2]
+    assert prep(tmp_path, {**data, "bos": False}, tok).bos_id is None
+    plain = prep(tmp_path, data, {"kind": "bpe", "vocab_size": 300})  # GPT-2 style: <|endoftext|> is no BOS
+    assert plain.bos_id is None
+    with pytest.raises(GptkitError, match="data.bos=true but the tokenizer has no BOS token"):
+        prep(tmp_path, {**data, "bos": True}, {"kind": "byte"})
+    with pytest.raises(GptkitError, match="data.bos='yes' must be auto, true or false"):
+        prep(tmp_path, {**data, "bos": "yes"}, {"kind": "byte"})
+
+
+# ---- data=tokens ------------------------------------------------------------------------------------
+def llmc_shard(path, ids, magic=20240520, version=1, count=None):
+    header = np.zeros(256, dtype="<i4")
+    header[:3] = [magic, version, len(ids) if count is None else count]
+    path.write_bytes(header.tobytes() + np.asarray(ids, dtype="<u2").tobytes())
+    return path
+
+
+def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
+    from gptkit.tokenizer import build_tokenizer
+
+    tok_file = tmp_path / "tok.json"
+    build_tokenizer({"kind": "byte", "special_tokens": [EOS], "eos_token": EOS}).save(str(tok_file))
+    tok = {"kind": "file", "path": str(tok_file), "eos_token": EOS}
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, 257, 3000, dtype=np.uint16), rng.integers(0, 257, 500, dtype=np.uint16)
+    train.tofile(tmp_path / "train.bin")
+    llmc_shard(tmp_path / "val.bin", val)
+    data = {
+        "kind": "tokens",
+        "paths": [str(tmp_path / "train.bin")],
+        "val_paths": [str(tmp_path / "val.bin")],
+        "vocab_size": 320,
+    }
+    p = prep(tmp_path, data, tok)
+    assert p.vocab_size == 320 and p.eos_id == 256 and p.manifest["source"]["formats"] == ["raw", "llmc"]
+    assert p.train_tokens().tolist() == train.tolist() and p.val_tokens().tolist() == val.tolist()
+    assert prep(tmp_path, data, tok).dir == p.dir  # found again by content
+
+    bad = {
+        "big id": (
+            lambda: np.array([1, 2, 400], np.uint16).tofile(tmp_path / "x.bin"),
+            r"x.bin: token 2 is id 400, not below data.vocab_size=320",
+        ),
+        "odd size": (
+            lambda: (tmp_path / "x.bin").write_bytes(b"\1\2\3"),
+            r"x.bin: 3 bytes is not a multiple of 2",
+        ),
+        "magic": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], magic=7), r"x.bin: bad magic 7"),
+        "version": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], version=2), r"llm.c shard version 2"),
+        "count": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], count=5), r"header says 5 tokens"),
+    }
+    for what, (make, needle) in bad.items():
+        make()
+        fmt = "llmc" if what == "magic" else "auto"
+        with pytest.raises(GptkitError, match=needle):
+            prep(tmp_path, {**data, "paths": [str(tmp_path / "x.bin")], "format": fmt}, tok)
+    with pytest.raises(GptkitError, match="give the tokenizer that made them"):
+        prep(tmp_path, data, {"kind": "char"})
