@@ -20,7 +20,8 @@ def one_line(err: str) -> bool:
     lines = [
         line
         for line in err.strip().splitlines()
-        if line.strip() and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared"))
+        if line.strip()
+        and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared", "tokenizing"))
     ]
     return len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
 
