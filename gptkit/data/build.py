@@ -81,6 +81,7 @@ def layout() -> dict[str, int]:
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:
+    """The folder that holds prepared data: cache_dir=, else $GPTKIT_CACHE/data, else ~/.cache/gptkit/data."""
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     base = os.environ.get("GPTKIT_CACHE")
@@ -129,6 +130,7 @@ def data_settings(cfg: Any) -> dict[str, Any]:
 
 
 def choose_dtype(vocab_size: int, wanted: str) -> str:
+    """The shard dtype for a vocabulary: uint16 when it fits (auto), else uint32; too small a dtype: error."""
     auto = "uint16" if vocab_size <= 1 << 16 else "uint32"
     if wanted == "auto":
         return auto
@@ -156,6 +158,7 @@ def build_workers(cfg: Any) -> int | None:
 
 # ---- progress ---------------------------------------------------------------------------------------
 def human(n: float, unit: str = "B") -> str:
+    """n with an SI prefix and unit, for progress lines: 466.1 kB, 54.0 MB."""
     for p in ("", "k", "M", "G", "T"):
         if abs(n) < 1000 or p == "T":
             return f"{n:.1f} {p}{unit}" if p else f"{n:.0f} {unit}"

@@ -343,6 +343,7 @@ def conversation(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]
 
 
 def read_conversations(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """Every conversation of the files as (file:row, messages), checked; none at all is an error."""
     out = [(where, conversation(rec, where, s)) for f in files for where, rec in _records(f, s["format"])]
     if not out:
         raise GptkitError(f"{', '.join(map(str, files))}: no conversations")
@@ -391,6 +392,7 @@ def encode(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int
 # ---- the prepared (cached) form --------------------------------------------------------------------------
 @dataclass
 class ChatSplit:
+    """One split of prepared chat data: the tokens of every conversation, the loss mask, and the offsets."""
     ids: np.ndarray  # [n_tokens] every conversation's tokens, one after another
     mask: np.ndarray  # [n_tokens] uint8: 1 on the assistant's tokens
     offsets: np.ndarray  # [n_conversations + 1] where each conversation starts in ids
@@ -573,6 +575,7 @@ def _counts(m: dict[str, Any]) -> str:
 
 
 def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
+    """A prepared chat folder (manifest.json + conversations.npz), checked against these settings."""
     try:
         manifest = json.loads((folder / "manifest.json").read_text())
         z = np.load(folder / "conversations.npz")

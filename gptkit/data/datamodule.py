@@ -38,6 +38,7 @@ class TrainBatches(IterableDataset):
 
 
 class ValWindows(Dataset):
+    """The fixed validation windows of a split: (inputs, targets) pairs at evenly spread starts."""
     def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, eos_id: int | None = None, *,
                  vocab_size: int | None = None) -> None:
         self.tokens, self.seq_len, self.eos_id, self.vocab_size = tokens, seq_len, eos_id, vocab_size
@@ -52,6 +53,8 @@ class ValWindows(Dataset):
 
 
 class TokenDataModule(L.LightningDataModule):
+    """The Lightning DataModule of a run: stateless training windows drawn by (seed, step, rank) from
+    prepared shards, a mixture or chat rows, and fixed validation windows."""
     def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12, seq_len: int = 128,
                  seed: int = 1337, val_windows: int | None = 200, pack: str = "stream") -> None:
         super().__init__()

@@ -38,6 +38,7 @@ DTYPES = {"uint16": 2, "uint32": 4}
 
 
 def manifest_checksum(manifest: dict[str, Any]) -> str:
+    """SHA-256 of a manifest's content without its own checksum field (sorted keys)."""
     body = {k: v for k, v in manifest.items() if k != "checksum"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
@@ -52,6 +53,7 @@ def _shard_identity(f: Path) -> tuple:
 
 @dataclass
 class PreparedData:
+    """A prepared data folder: its manifest and shards, checked against the manifest's CRC-32s."""
     dir: Path
     manifest: dict[str, Any]
     _check: threading.Thread | None = field(default=None, repr=False, compare=False)

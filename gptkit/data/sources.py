@@ -152,6 +152,7 @@ def _shakespeare() -> Corpus:
 
 
 def stdlib_files(include_tests: bool = True) -> list[Path]:
+    """The .py files of this interpreter's standard library in a fixed order (the data=stdlib corpus)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "__pycache__"}
     if not include_tests:
@@ -208,6 +209,7 @@ def expand_paths(patterns: Any, what: str) -> list[Path]:
 
 
 def file_format(p: Path, fmt: str) -> str:
+    """The format of a data file: data.format when given, else from its suffix (json, parquet, text)."""
     if fmt not in FORMATS:
         raise GptkitError(f"data.format={fmt!r} is not one of {', '.join(FORMATS)}")
     if fmt != "auto":
@@ -227,6 +229,7 @@ def _check_errors(errors: str) -> None:
 
 
 def decode(data: bytes, path: Path, errors: str) -> str:
+    """bytes as UTF-8 with data.errors; an undecodable byte is an error naming the file and offset."""
     _check_errors(errors)
     try:
         return data.decode("utf-8", errors=errors)

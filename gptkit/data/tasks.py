@@ -33,6 +33,7 @@ def string_tasks(n_train: int, n_heldout: int, seed: int = 0) -> tuple[list[dict
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    """Write rows as JSON lines to path (its folder made if needed); returns path."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path

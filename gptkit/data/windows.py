@@ -22,6 +22,7 @@ from gptkit.errors import GptkitError
 
 
 def check_window(n_tokens: int, seq_len: int, split: str) -> None:
+    """A split must hold at least one window of seq_len + 1 tokens; else a one-line error."""
     if n_tokens < seq_len + 1:
         raise GptkitError(f"the {split} split has {n_tokens} tokens, shorter than one window of seq_len+1="
                           f"{seq_len + 1}; give a longer corpus or a shorter trainer.seq_len (the training "
@@ -32,6 +33,7 @@ PACKS = ("stream", "documents")
 
 
 def check_pack(pack: str, eos_id: int | None) -> None:
+    """data.pack is stream or documents, and documents needs an EOS between documents."""
     if pack not in PACKS:
         raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
     if pack == "documents" and eos_id is None:
