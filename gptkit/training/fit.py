@@ -418,6 +418,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
             plot_loss(run_dir)
         _summary(run_dir, trainer.global_step, val, metrics, plan.flops_per_token, plan.peak_flops,
                  trainer.world_size, time.perf_counter() - started)
+        _source_losses(trainer.callback_metrics)
         print_summary(next((c for c in trainer.callbacks if isinstance(c, TaskEvals)), None),
                       time.perf_counter() - started)
     return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
@@ -539,6 +540,17 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
         + (f"\n  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
            f"meta device and receive their shards" if plan.weights_from_rank0 else "")
     )
+
+
+def _source_losses(logged: dict[str, Any]) -> None:
+    """data=mix: one line per source with its final val/loss/<source> (stderr, after the summary)."""
+    import sys
+
+    for key, value in logged.items():
+        if key.startswith("val/loss/"):
+            loss = float(value)
+            print(f"  val loss {key[len('val/loss/'):]}: {loss:.4f} (ppl {math.exp(min(loss, 50)):.2f})",
+                  file=sys.stderr)
 
 
 def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float, peak: float | None,
