@@ -300,6 +300,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     import torch
 
     from gptkit.data import TokenDataModule, check_vocab, prepare
+    from gptkit.data.build import bos_for_model
     from gptkit.data.chat import CHAT_FILE, ChatData, prepare_chat
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
@@ -344,6 +345,9 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
 
     # data first: the tokenizer decides the vocabulary size
     chat = cfg.data.get("kind") == "chat"  # conversations with a template (gptkit.data.chat)
+    if not chat:  # data.bos=auto: off for a GPT-2-style model (learned positions); the run's config says so
+        cfg.data = OmegaConf.create(bos_for_model(OmegaConf.to_container(cfg.data, resolve=True),
+                                                  str(model_dict.get("position") or "learned")))
     prepared = (prepare_chat if chat else prepare)(cfg.data, cfg.tokenizer)  # shards are checked meanwhile
     multiple = int(cfg.get("vocab_multiple", 1))
     init_vocab = None  # init_from= with tokens the chat template added: the source's vocabulary, grown
