@@ -167,7 +167,8 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
     from gptkit.runs import load_model
 
     model = load_model(tmp_path / "runs" / "full")[-1].eval()
-    m = prepare(mix(texts, {"a": 0.7, "b": 0.3}), {"kind": "char"}, cache_dir=tmp_path / "cache", progress=False)
+    m = prepare(mix(texts, {"a": 0.7, "b": 0.3}), {"kind": "char"}, cache_dir=tmp_path / "cache",
+                progress=False)
     dm = TokenDataModule(m, batch_size=4, seq_len=32, val_windows=6)
     batches = list(dm.val_dataloader())
     with torch.no_grad():

@@ -158,6 +158,7 @@ class TokenDataModule(L.LightningDataModule):
         ds: Dataset = ConcatDataset(sets)
         if isinstance(self.prepared, MixedData):
             sizes = torch.tensor([len(v) for v in sets])
-            self.val_sources = (list(self.prepared.names), torch.repeat_interleave(torch.arange(len(sets)), sizes))
+            source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)  # [n_val_windows]
+            self.val_sources = (list(self.prepared.names), source_of)
             ds = TaggedWindows(ds)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())
