@@ -130,7 +130,7 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
         "trainer.batch_size=4",
         "trainer.max_steps=8",
         "trainer.val_every=4",
-        "trainer.val_windows=4",
+        "trainer.val_windows=6",  # 3 a windows + 3 b: a batch of a and b, then one of b alone
         "trainer.checkpoint_every=4",
         "trainer.log_every=2",
         "trainer.progress=false",
@@ -158,3 +158,24 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
         int(last["step"]) == 7 and float(last["data/tokens_a"]) + float(last["data/tokens_b"]) == 8 * 4 * 32
     )
     assert 0 < float(last["data/tokens_b"]) < float(last["data/tokens_a"])
+    # val/loss/<source>: that source's mean token loss over its own val windows; val/loss as before
+    val = [r for r in full if r["val/loss"]][-1]
+    assert int(val["step"]) == 8 and "val loss a: " in err and "val loss b: " in err
+    import torch
+
+    from gptkit.data.datamodule import TokenDataModule
+    from gptkit.runs import load_model
+
+    model = load_model(tmp_path / "runs" / "full")[-1].eval()
+    m = prepare(mix(texts, {"a": 0.7, "b": 0.3}), {"kind": "char"}, cache_dir=tmp_path / "cache",
+                progress=False)
+    dm = TokenDataModule(m, batch_size=4, seq_len=32, val_windows=6)
+    batches = list(dm.val_dataloader())
+    with torch.no_grad():
+        today = torch.stack([model(x, y).loss for x, y, _ in batches]).mean()  # the mean of the batch means
+        assert abs(float(val["val/loss"]) - float(today)) < 1e-6
+        for s, name in enumerate(m.names):
+            rows_of = dm.val_sources[1] == s
+            x = torch.cat([b[0] for b in batches])[rows_of]
+            y = torch.cat([b[1] for b in batches])[rows_of]
+            assert len(x) == 3 and abs(float(val[f"val/loss/{name}"]) - float(model(x, y).loss)) < 1e-6

@@ -317,6 +317,36 @@ if __name__ == "__main__":
 
 
 # ---- data.bos ---------------------------------------------------------------------------------------
+def test_bos_auto_is_off_for_a_model_with_learned_positions(tmp_path, capsys, monkeypatch):
+    from conftest import run_main
+    from omegaconf import OmegaConf
+
+    from gptkit.data.build import bos_for_model
+
+    assert bos_for_model({"kind": "files", "bos": "auto"}, "rope") == {"kind": "files", "bos": "auto"}
+    assert bos_for_model({"kind": "files", "bos": "auto"}, "learned")["bos"] is False
+    assert bos_for_model({"kind": "files", "bos": True}, "learned")["bos"] is True  # asked for: kept
+    mixed = bos_for_model({"kind": "mix", "sources": {"a": {"kind": "files", "weight": 1},
+                                                      "b": {"kind": "pydoc", "bos": True, "weight": 1}}},
+                          "learned")
+    assert mixed["sources"]["a"]["bos"] is False and mixed["sources"]["b"]["bos"] is True
+    f = tmp_path / "a.txt"
+    f.write_text(shakespeare(6_000))
+    monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
+    tok = ["tokenizer=byte", "tokenizer.special_tokens=['<s>']", "tokenizer.eos_token='</s>'"]
+    for model, want in (("gpt2-tiny", None), ("llama-tiny", 256)):
+        code, _, err = run_main(capsys, "train", f"model={model}", "model.n_layers=1", "model.d_model=32",
+                                "model.n_heads=2", "model.max_seq_len=32", "data=files", f"data.paths=[{f}]",
+                                *tok, "trainer.batch_size=2", "trainer.max_steps=1", "trainer.val_windows=1",
+                                "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}", f"name={model}")
+        assert code == 0, err
+        saved = OmegaConf.load(tmp_path / "runs" / model / "config.yaml")
+        assert saved.data.bos == ("auto" if want else False)
+        data = OmegaConf.to_container(saved.data)
+        tok_cfg = {"kind": "byte", "special_tokens": ["<s>"], "eos_token": "</s>"}
+        assert prepare(data, tok_cfg, cache_dir=tmp_path / "cache" / "data", progress=False).bos_id == want
+
+
 def test_bos_auto_uses_a_tokenizer_s_own_bos_before_every_document(tmp_path):
     import torch
 

@@ -293,7 +293,8 @@ BOS = ("auto", True, False)
 
 
 def bos_id(tok, bos: Any, eos: int | None) -> int | None:
-    """data.bos: the id put before every document, or None. auto: the tokenizer's own BOS token when it has
+    """data.bos (auto already resolved for the model family by bos_for_model, when train knows it): the id
+    put before every document, or None. auto: the tokenizer's own BOS token when it has
     one of its own (e.g. Llama's <s> or <|begin_of_text|>; not GPT-2's <|endoftext|>, which is its EOS);
     true: that token, which must exist; false: none."""
     from gptkit.tokenizer import special_tokens
@@ -308,6 +309,19 @@ def bos_id(tok, bos: Any, eos: int | None) -> int | None:
         raise GptkitError("data.bos=true but the tokenizer has no BOS token of its own; add one, e.g. "
                           "tokenizer.special_tokens=[<|bos|>], or set data.bos=auto")
     return None if own is None else own[1]
+
+
+def bos_for_model(data: dict[str, Any], position: str) -> dict[str, Any]:
+    """data.bos=auto for the model that trains on it: a model family that wants a BOS (Llama-style, RoPE
+    positions) keeps auto (the tokenizer's own BOS if it has one); a GPT-2-style model (learned positions)
+    gets false. Every source of a data=mix likewise (a source without bos is auto). Other values stay."""
+    if position == "rope":
+        return data
+    if data.get("kind") == "mix":
+        sources = {n: bos_for_model({**DEFAULTS.get(s.get("kind"), {}), **s}, position)
+                   if isinstance(s, dict) else s for n, s in (data.get("sources") or {}).items()}
+        return {**data, "sources": sources}
+    return {**data, "bos": False} if data.get("bos") == "auto" else data
 
 
 # ---- writing shards ---------------------------------------------------------------------------------

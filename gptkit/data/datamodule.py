@@ -9,13 +9,16 @@ pack="documents": every batch is (x, y, doc_ids) instead of (x, y) (see gptkit.d
 data=chat (a ChatData): rows of whole conversations instead of windows, targets -100 where no loss
        (gptkit.data.chat); the same stateless choice of rows per step.
 data=mix (a MixedData): windows from every source by its share (gptkit.data.mixture.MixtureSampler), the
-val windows of every source, the sources announced at setup, their tokens consumed in `source_tokens`.
+val windows of every source, the sources announced at setup, their tokens consumed in `source_tokens`;
+       every val item then ends with its window's index in the concatenated val set, and `val_sources`
+       names the source of each index (LitGPT reports val/loss/<source> from them).
 """
 
 from __future__ import annotations
 
 import lightning as L
 import numpy as np
+import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
 from gptkit.data.chat import ChatData, ChatSampler, describe_rows, make_rows
@@ -52,6 +55,21 @@ class ValWindows(Dataset):
                                            vocab_size=self.vocab_size))
 
 
+class TaggedWindows(Dataset):
+    """A val set's items, each followed by its index in the set (a 0-d int64 tensor): it travels through any
+    sampler, so the loss of every window can be told to its source, and a DistributedSampler's padding
+    duplicates told from the original (training/module.py)."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        return (*self.ds[i], torch.tensor(i, dtype=torch.long))
+
+
 class TokenDataModule(L.LightningDataModule):
     """The Lightning DataModule of a run: stateless training windows drawn by (seed, step, rank) from
     prepared shards, a mixture or chat rows, and fixed validation windows."""
@@ -60,6 +78,8 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
+        # data=mix: (source names, [n_val_windows] source index of each val window), set by val_dataloader
+        self.val_sources: tuple[list[str], torch.Tensor] | None = None
         if isinstance(prepared, ChatData):
             self._chat_rows(prepared)
             return
@@ -133,6 +153,12 @@ class TokenDataModule(L.LightningDataModule):
                               pin_memory=self._pin())
         each = None if self.val_windows is None else max(1, int(self.val_windows) // len(self.parts))
         n = each if len(self.parts) > 1 else self.val_windows
-        ds = ConcatDataset([ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id,
-                                       vocab_size=self.prepared.vocab_size) for p in self.parts])
+        sets = [ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id, vocab_size=self.prepared.vocab_size)
+                for p in self.parts]
+        ds: Dataset = ConcatDataset(sets)
+        if isinstance(self.prepared, MixedData):
+            sizes = torch.tensor([len(v) for v in sets])
+            source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)  # [n_val_windows]
+            self.val_sources = (list(self.prepared.names), source_of)
+            ds = TaggedWindows(ds)
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())

@@ -300,6 +300,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     import torch
 
     from gptkit.data import TokenDataModule, check_vocab, prepare
+    from gptkit.data.build import bos_for_model
     from gptkit.data.chat import CHAT_FILE, ChatData, prepare_chat
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
@@ -344,6 +345,9 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
 
     # data first: the tokenizer decides the vocabulary size
     chat = cfg.data.get("kind") == "chat"  # conversations with a template (gptkit.data.chat)
+    if not chat:  # data.bos=auto: off for a GPT-2-style model (learned positions); the run's config says so
+        cfg.data = OmegaConf.create(bos_for_model(OmegaConf.to_container(cfg.data, resolve=True),
+                                                  str(model_dict.get("position") or "learned")))
     prepared = (prepare_chat if chat else prepare)(cfg.data, cfg.tokenizer)  # shards are checked meanwhile
     multiple = int(cfg.get("vocab_multiple", 1))
     init_vocab = None  # init_from= with tokens the chat template added: the source's vocabulary, grown
@@ -418,6 +422,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
             plot_loss(run_dir)
         _summary(run_dir, trainer.global_step, val, metrics, plan.flops_per_token, plan.peak_flops,
                  trainer.world_size, time.perf_counter() - started)
+        _source_losses(trainer.callback_metrics)
         print_summary(next((c for c in trainer.callbacks if isinstance(c, TaskEvals)), None),
                       time.perf_counter() - started)
     return TrainResult(run_dir, trainer.global_step, last, checkpoints.signal_name,
@@ -539,6 +544,17 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
         + (f"\n  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
            f"meta device and receive their shards" if plan.weights_from_rank0 else "")
     )
+
+
+def _source_losses(logged: dict[str, Any]) -> None:
+    """data=mix: one line per source with its final val/loss/<source> (stderr, after the summary)."""
+    import sys
+
+    for key, value in logged.items():
+        if key.startswith("val/loss/"):
+            loss = float(value)
+            print(f"  val loss {key[len('val/loss/'):]}: {loss:.4f} (ppl {math.exp(min(loss, 50)):.2f})",
+                  file=sys.stderr)
 
 
 def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float, peak: float | None,

@@ -108,6 +108,7 @@ class LitGPT(L.LightningModule):
         self.compile_backend = plan.compile_backend
         self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
         self._val_losses: list[torch.Tensor] = []
+        self._val_sums: torch.Tensor | None = None  # data=mix: [2, n_sources] token-loss sums, target counts
 
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
@@ -128,19 +129,69 @@ class LitGPT(L.LightningModule):
         self.loss_window.add(loss, self.global_step)  # on the device: no host sync (StepMetrics reads it)
         return loss
 
+    def _val_sources(self):
+        """data=mix: (source names, source index of each val window) from the datamodule; else None."""
+        trainer = getattr(self, "_trainer", None)
+        return getattr(getattr(trainer, "datamodule", None), "val_sources", None) if trainer else None
+
     def validation_step(self, batch, batch_idx):
-        """The loss of one validation batch, kept on the device."""
-        x, y, *docs = batch
-        self._val_losses.append(self.model(x, y, doc_ids=docs[0] if docs else None).loss.detach())
+        """The loss of one validation batch, kept on the device; with data=mix also each source's summed
+        token loss and target count over this batch's windows (see _source_sums)."""
+        sources = self._val_sources()
+        x, y, *rest = batch
+        index = rest.pop() if sources is not None else None  # [B]: each window's index in the val set
+        docs = rest[0] if rest else None
+        loss = self.model(x, y, doc_ids=docs).loss.detach()
+        self._val_losses.append(loss)
+        if index is not None:
+            self._source_sums(x, y, docs, index, loss, sources[1])
+
+    def _source_sums(self, x, y, docs, index, loss, source_of) -> None:
+        """Add each source's summed token loss and target count of this batch to _val_sums. A window is
+        counted on the rank where DistributedSampler put it first (rank == index % world_size; its padding
+        repeats land elsewhere), so the sums over ranks are those of one process. A batch of one source,
+        every window counted, reuses the batch's loss; otherwise one forward per source, the other targets
+        masked (-100)."""
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        src = source_of.to(index.device)[index]  # [B]
+        counted = (index % world) == rank  # [B]
+        n_src = int(source_of.max()) + 1
+        if self._val_sums is None:
+            self._val_sums = torch.zeros(2, n_src, dtype=torch.float64, device=loss.device)
+        if bool(counted.all()) and bool((src == src[0]).all()):
+            n = (y != -100).sum()
+            if int(n):
+                self._val_sums[0, src[0]] += loss.double() * n
+                self._val_sums[1, src[0]] += n
+            return
+        for s in range(n_src):
+            rows = counted & (src == s)
+            if not bool(rows.any()):
+                continue
+            masked = torch.where(rows[:, None], y, torch.full_like(y, -100))
+            n = (masked != -100).sum()
+            if int(n):
+                self._val_sums[0, s] += self.model(x, masked, doc_ids=docs).loss.detach().double() * n
+                self._val_sums[1, s] += n
 
     def on_validation_epoch_end(self) -> None:
-        """Log val/loss (mean over the batches and ranks) and val/ppl."""
+        """Log val/loss (mean over the batches and ranks) and val/ppl; with data=mix val/loss/<source>: that
+        source's mean token loss over its own val windows, from sums and counts reduced over the ranks."""
         if not self._val_losses:
             return
         loss = torch.stack(self._val_losses).mean()
         self._val_losses.clear()
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        sources = self._val_sources()
+        if sources is not None:
+            sums = self._val_sums if self._val_sums is not None else torch.zeros(
+                2, len(sources[0]), dtype=torch.float64, device=loss.device)
+            self._val_sums = None
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
+            for name, total, n in zip(sources[0], sums[0].tolist(), sums[1].tolist()):
+                if n:
+                    self.log(f"val/loss/{name}", total / n, sync_dist=False)
         self.log("step", float(self.global_step))  # validation after N optimizer steps is logged at step N
 
     def configure_optimizers(self):
