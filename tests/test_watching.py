@@ -2,6 +2,7 @@
 the loss, loss.png at every validation, a greedy sample at validations, best.ckpt; resume past the end."""
 
 import csv
+import json
 from pathlib import Path
 
 from conftest import run_main, shakespeare
@@ -30,3 +31,43 @@ def test_the_gradient_norm_before_clipping_is_logged_with_the_loss(tmp_path, cap
     assert len(norms) == 6
     assert min(norms) > 1e-3  # the norm the clipping computed, not the clipped one
     assert "grad norm " in err
+
+
+def test_validations_redraw_the_plot_sample_greedily_and_keep_the_best_checkpoint(
+        tmp_path, capsys, monkeypatch):
+    from gptkit.training import plots, run_checkpoints
+
+    drawn, best_saves = [], []
+    real_plot, real_replace = plots.plot_loss, run_checkpoints.replace_checkpoint
+    monkeypatch.setattr("gptkit.training.watch.plot_loss", lambda d: drawn.append(1) or real_plot(d))
+
+    def replace(src, dst):
+        if dst.name == "best.ckpt":
+            best_saves.append(1)
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(run_checkpoints, "replace_checkpoint", replace)
+    args = tiny(tmp_path, "w", "trainer.sample_every=3", "trainer.keep_best=true", "trainer.keep_checkpoints=0",
+                "optim.lr=3e-3")
+    code, _, err = run_main(capsys, "train", *args)
+    assert code == 0, err
+    run = tmp_path / "runs" / "w"
+    assert len(drawn) == 2  # at the validations of steps 3 and 6 (fit draws it once more at the end)
+    samples = (run / "samples.jsonl").read_text().splitlines()
+    assert [json.loads(s)["step"] for s in samples] == [3, 6]
+    assert err.count(" sample: ") == 2 and "step 3  sample: " in err
+    vals = [float(r["val/loss"]) for r in rows(run) if r.get("val/loss")]
+    assert len(best_saves) == 1 + (vals[1] < vals[0])
+    assert (run / "checkpoints" / "best.ckpt").is_file()  # retention (keep 0) never removes it
+    assert not list((run / "checkpoints").glob("step-*.ckpt"))
+
+
+def test_a_broken_plot_is_one_note_and_the_run_goes_on(tmp_path, capsys, monkeypatch):
+    def broken(_):
+        raise RuntimeError("no display")
+
+    monkeypatch.setattr("gptkit.training.watch.plot_loss", broken)
+    args = tiny(tmp_path, "p", "trainer.max_steps=3", "trainer.val_every=1")
+    code, _, err = run_main(capsys, "train", *args)
+    assert code == 0, err
+    assert err.count("note: redrawing loss.png failed (RuntimeError: no display)") == 1
