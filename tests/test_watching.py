@@ -71,3 +71,21 @@ def test_a_broken_plot_is_one_note_and_the_run_goes_on(tmp_path, capsys, monkeyp
     code, _, err = run_main(capsys, "train", *args)
     assert code == 0, err
     assert err.count("note: redrawing loss.png failed (RuntimeError: no display)") == 1
+
+
+def snapshot(run: Path) -> dict[str, tuple[bytes, int]]:
+    return {str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*"))
+            if p.is_file() and not p.name.endswith(".lock")}
+
+
+def test_resume_with_max_steps_at_or_below_the_checkpoint_says_nothing_to_do_and_touches_nothing(
+        tmp_path, capsys):
+    args = tiny(tmp_path, "r", "trainer.max_steps=3", "trainer.val_every=3", "trainer.log_every=3")
+    assert run_main(capsys, "train", *args)[0] == 0
+    run = tmp_path / "runs" / "r"
+    before = snapshot(run)
+    for steps in (2, 3):
+        code, _, err = run_main(capsys, "train", f"resume={run}", f"trainer.max_steps={steps}")
+        assert code == 0, err
+        assert f"nothing to do: {run} is at step 3 and trainer.max_steps={steps}" in err
+        assert snapshot(run) == before

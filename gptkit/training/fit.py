@@ -360,6 +360,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     plan = make_plan(cfg, run_dir, model_cfg, resume=resume_ckpt, resume_step=resume_step,
                      init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job)
     t = plan.trainer
+    if resume_ckpt is not None and _nothing_to_do(run_dir, plan):  # touches nothing: exit 0
+        return TrainResult(run_dir, int(resume_step), ckpt_dir / LAST_CHECKPOINT, None, None, None, rank_zero)
     if cpu:  # the count-params estimate against the host's memory, before the model is built
         check_host_memory(plan)
 
@@ -438,6 +440,26 @@ def as_config(cfg: DictConfig | dict | list[str]) -> DictConfig:
     if composed is None:
         raise GptkitError("gptkit.train() runs one job: a sweep (a,b) needs `gptkit train -m`")
     return composed
+
+
+def _nothing_to_do(run_dir: Path, plan: RunPlan) -> bool:
+    """resume= with trainer.max_steps at or below the checkpoint's step (and that step's validation done, or
+    nothing a resume would still run): one line saying so; nothing in the run folder changes."""
+    import sys
+
+    from gptkit.runs import is_rank_zero
+    from gptkit.training.metrics_csv import read_rows
+
+    step = int(plan.resume_step or 0)
+    if plan.max_steps > step:
+        return False
+    if plan.max_steps == step and "val/loss" not in read_rows(run_dir / "metrics.csv")[1].get(step, {}):
+        if (run_dir / "metrics.csv").is_file():
+            return False  # stopped during the final validation: the resume runs it
+    if is_rank_zero():
+        print(f"nothing to do: {run_dir} is at step {step} and trainer.max_steps={plan.max_steps}; raise "
+              f"trainer.max_steps (or trainer.max_tokens) to train further", file=sys.stderr)
+    return True
 
 
 def _remove_leftovers(run_dir: Path) -> None:
