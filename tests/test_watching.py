@@ -5,7 +5,7 @@ import csv
 import json
 from pathlib import Path
 
-from conftest import run_main, shakespeare
+from conftest import make_run, run_main, shakespeare
 
 
 def tiny(tmp_path: Path, name: str, *extra: str) -> list[str]:
@@ -89,3 +89,13 @@ def test_resume_with_max_steps_at_or_below_the_checkpoint_says_nothing_to_do_and
         assert code == 0, err
         assert f"nothing to do: {run} is at step 3 and trainer.max_steps={steps}" in err
         assert snapshot(run) == before
+
+
+def test_eval_stride_0_or_seq_len_0_is_one_line(tmp_path, capsys):
+    from test_reliability import one_line
+
+    run, _, _ = make_run(tmp_path)
+    cases = (("stride=0", "stride=0 must be in [1, seq_len=64]"), ("seq_len=0", "seq_len=0 must be"))
+    for arg, needle in cases:
+        code, _, err = run_main(capsys, "eval", f"run={run}", arg, "progress=false")
+        assert code == 2 and one_line(err) and needle in err, err
