@@ -99,3 +99,14 @@ def test_eval_stride_0_or_seq_len_0_is_one_line(tmp_path, capsys):
     for arg, needle in cases:
         code, _, err = run_main(capsys, "eval", f"run={run}", arg, "progress=false")
         assert code == 2 and one_line(err) and needle in err, err
+
+
+def test_a_bpe_that_trains_far_fewer_entries_than_asked_says_so_once(capsys):
+    from gptkit.tokenizer import train_bpe
+
+    tok = train_bpe(lambda: ["to be or not to be"] * 3, 5000, ["<|endoftext|>"], progress=False)
+    err = capsys.readouterr().err
+    assert err.count("note: tokenizer.vocab_size=5000 asked, the corpus gave a BPE of ") == 1, err
+    assert f"of {tok.get_vocab_size():,} entries" in err
+    train_bpe(lambda: ["to be or not to be"] * 3, 270, ["<|endoftext|>"], progress=False)
+    assert "note:" not in capsys.readouterr().err
