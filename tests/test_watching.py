@@ -110,3 +110,10 @@ def test_a_bpe_that_trains_far_fewer_entries_than_asked_says_so_once(capsys):
     assert f"of {tok.get_vocab_size():,} entries" in err
     train_bpe(lambda: ["to be or not to be"] * 3, 270, ["<|endoftext|>"], progress=False)
     assert "note:" not in capsys.readouterr().err
+
+
+def test_16_true_on_the_cpu_gets_one_note(tmp_path, capsys):
+    args = tiny(tmp_path, "h", "trainer.precision=16-true", "trainer.max_steps=1", "trainer.val_every=1")
+    code, _, err = run_main(capsys, "train", *args)
+    assert code == 0, err
+    assert err.count("note: trainer.precision=16-true on the CPU: fp16 has no fast CPU kernels") == 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -390,6 +391,9 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         if isinstance(prepared, ChatData):  # the template `gptkit chat` talks with
             atomic_write_bytes(run_dir / CHAT_FILE, prepared.template_path.read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
+    if rank_zero and plan.accelerator == "cpu" and plan.precision.name == "16-true":
+        print("note: trainer.precision=16-true on the CPU: fp16 has no fast CPU kernels and runs many times "
+              "slower than 32-true (use 32-true, or bf16-mixed)", file=sys.stderr)
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
     _announce(trainer, plan, prepared, optimizer)
     if trainer.is_global_zero:
@@ -445,8 +449,6 @@ def as_config(cfg: DictConfig | dict | list[str]) -> DictConfig:
 def _nothing_to_do(run_dir: Path, plan: RunPlan) -> bool:
     """resume= with trainer.max_steps at or below the checkpoint's step (and that step's validation done, or
     nothing a resume would still run): one line saying so; nothing in the run folder changes."""
-    import sys
-
     from gptkit.runs import is_rank_zero
     from gptkit.training.metrics_csv import read_rows
 
