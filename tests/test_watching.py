@@ -117,3 +117,15 @@ def test_16_true_on_the_cpu_gets_one_note(tmp_path, capsys):
     code, _, err = run_main(capsys, "train", *args)
     assert code == 0, err
     assert err.count("note: trainer.precision=16-true on the CPU: fp16 has no fast CPU kernels") == 1
+
+
+def test_preflight_does_not_suggest_what_the_run_already_does():
+    from omegaconf import OmegaConf
+
+    from gptkit.commands.preflight import memory_advice
+
+    t = OmegaConf.create({"strategy": "auto", "batch_size": 4, "activation_checkpointing": False,
+                          "precision": "bf16-mixed"})
+    assert memory_advice(t).startswith("trainer=fsdp, more devices, a smaller trainer.batch_size")
+    t.update({"strategy": "fsdp", "batch_size": 1, "activation_checkpointing": True, "precision": "bf16-true"})
+    assert memory_advice(t) == "more devices"
