@@ -487,6 +487,7 @@ def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
     at_once = (periodic if keep is None else min(int(keep), periodic)) + 2  # + the one being written + last.ckpt
+    at_once += 2 if t.get("keep_best") else 0  # best.ckpt and its pending replacement
     need, free = each * at_once, free_bytes(ckpt_dir)
     line = (f"  checkpoints: ~{human_bytes(each)} each, up to {at_once} at once (trainer.keep_checkpoints={keep}) "
             f"= ~{human_bytes(need)}; {human_bytes(free)} free")
