@@ -34,6 +34,10 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                                                                             training/run_checkpoints.py
     12. validate       every trainer.val_every steps, after the step's callbacks: validation_step and
                        on_validation_epoch_end (val/loss, val/ppl)          here
+    13. watch          after each validation: best.ckpt when val/loss is the lowest (trainer.keep_best,
+                       RunCheckpoints), then loss.png redrawn and, every trainer.sample_every steps, a
+                       greedy sample (ValidationWatch, rank 0 reports)      training/run_checkpoints.py,
+                                                                            training/watch.py
 
 StepMetrics runs before RunCheckpoints (build_trainer's callback order), so a step's row is written
 before its checkpoint. nanoGPT's train.py and litgpt's pretrain.py:fit write the same loop by hand;
