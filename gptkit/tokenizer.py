@@ -13,6 +13,7 @@ is saved as tokenizer.json next to the token shards, so sampling and export use 
 from __future__ import annotations
 
 import hashlib
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping
 
@@ -152,6 +153,11 @@ def train_bpe(texts: Callable[[], Iterable[str]], vocab_size: int, special_token
                                   special_tokens=special_tokens,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts(), trainer=trainer, length=length)
+    got = tok.get_vocab_size()
+    if got < 0.9 * vocab_size:  # the corpus ran out of pairs seen min_frequency times: say so, once
+        print(f"note: tokenizer.vocab_size={vocab_size} asked, the corpus gave a BPE of {got:,} entries (no "
+              f"more pairs occur {min_frequency}+ times); the model's vocabulary follows the tokenizer",
+              file=sys.stderr)
     return tok
 
 

@@ -120,10 +120,10 @@ def run_corpus(cfg) -> int:
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
     max_len = r.model_cfg.max_seq_len
     trained = (r.config.get("trainer") or {}).get("seq_len")  # the windows the run trained and validated on
-    seq_len = int(cfg.seq_len or trained or max_len)
+    seq_len = int(cfg.seq_len if cfg.seq_len is not None else (trained or max_len))  # 0 is refused
     if not 1 <= seq_len <= max_len:
         raise ConfigError(f"seq_len={seq_len} must be in [1, model.max_seq_len={max_len}]")
-    stride = int(cfg.stride or seq_len)
+    stride = int(cfg.stride if cfg.stride is not None else seq_len)  # stride=0 is refused, not 'the default'
     if not 1 <= stride <= seq_len:
         raise ConfigError(f"stride={stride} must be in [1, seq_len={seq_len}]")
     if cfg.pack not in (None, "stream", "documents"):

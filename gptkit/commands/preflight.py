@@ -94,6 +94,19 @@ def run(cfg) -> int:
     return 0
 
 
+def memory_advice(t) -> str:
+    """What lowers the memory per device, leaving out what the `trainer` group `t` already does."""
+    ways = [] if str(t.strategy) == "fsdp" else ["trainer=fsdp"]
+    ways.append("more devices")
+    if int(t.batch_size) > 1:
+        ways.append("a smaller trainer.batch_size")
+    if not t.get("activation_checkpointing"):
+        ways.append("trainer.activation_checkpointing=true")
+    if str(t.precision) != "bf16-true":
+        ways.append("trainer.precision=bf16-true")
+    return ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + " or " + ways[-1]
+
+
 def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, model) -> list[str]:
     from rich.console import Console
     from rich.table import Table
@@ -116,8 +129,7 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     if short:
         r = short[0]
         problems.append(f"training needs ~{human_bytes(need)} per device (count-params estimate) but rank {r['rank']} has "
-                        f"{human_bytes(r['mem_total'])}; use trainer=fsdp, more devices, a smaller trainer.batch_size, "
-                        f"trainer.activation_checkpointing=true or trainer.precision=bf16-true")
+                        f"{human_bytes(r['mem_total'])}; use {memory_advice(t)}")
 
     summary = Table(title=f"gptkit preflight: {model.name}, strategy {t.strategy}, precision {t.precision}")
     summary.add_column("check")

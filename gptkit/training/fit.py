@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
 import time
 import warnings
 from dataclasses import dataclass
@@ -364,6 +365,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     plan = make_plan(cfg, run_dir, model_cfg, resume=resume_ckpt, resume_step=resume_step,
                      init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job)
     t = plan.trainer
+    if resume_ckpt is not None and _nothing_to_do(run_dir, plan):  # touches nothing: exit 0
+        return TrainResult(run_dir, int(resume_step), ckpt_dir / LAST_CHECKPOINT, None, None, None, rank_zero)
     if cpu:  # the count-params estimate against the host's memory, before the model is built
         check_host_memory(plan)
 
@@ -392,6 +395,9 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         if isinstance(prepared, ChatData):  # the template `gptkit chat` talks with
             atomic_write_bytes(run_dir / CHAT_FILE, prepared.template_path.read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
+    if rank_zero and plan.accelerator == "cpu" and plan.precision.name == "16-true":
+        print("note: trainer.precision=16-true on the CPU: fp16 has no fast CPU kernels and runs many times "
+              "slower than 32-true (use 32-true, or bf16-mixed)", file=sys.stderr)
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
     _announce(trainer, plan, prepared, optimizer)
     if trainer.is_global_zero:
@@ -445,6 +451,24 @@ def as_config(cfg: DictConfig | dict | list[str]) -> DictConfig:
     return composed
 
 
+def _nothing_to_do(run_dir: Path, plan: RunPlan) -> bool:
+    """resume= with trainer.max_steps at or below the checkpoint's step (and that step's validation done, or
+    nothing a resume would still run): one line saying so; nothing in the run folder changes."""
+    from gptkit.runs import is_rank_zero
+    from gptkit.training.metrics_csv import read_rows
+
+    step = int(plan.resume_step or 0)
+    if plan.max_steps > step:
+        return False
+    if plan.max_steps == step and "val/loss" not in read_rows(run_dir / "metrics.csv")[1].get(step, {}):
+        if (run_dir / "metrics.csv").is_file():
+            return False  # stopped during the final validation: the resume runs it
+    if is_rank_zero():
+        print(f"nothing to do: {run_dir} is at step {step} and trainer.max_steps={plan.max_steps}; raise "
+              f"trainer.max_steps (or trainer.max_tokens) to train further", file=sys.stderr)
+    return True
+
+
 def _remove_leftovers(run_dir: Path) -> None:
     """Temporary files of writes that a kill interrupted (this process holds the run's lock: they are no
     one else's): checkpoints/.*.tmp|.pending|.old and the run folder's own .<file>.*.tmp."""
@@ -468,6 +492,7 @@ def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
     at_once = (periodic if keep is None else min(int(keep), periodic)) + 2  # + the one being written + last.ckpt
+    at_once += 2 if t.get("keep_best") else 0  # best.ckpt and its pending replacement
     need, free = each * at_once, free_bytes(ckpt_dir)
     line = (f"  checkpoints: ~{human_bytes(each)} each, up to {at_once} at once (trainer.keep_checkpoints={keep}) "
             f"= ~{human_bytes(need)}; {human_bytes(free)} free")

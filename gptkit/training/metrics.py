@@ -3,8 +3,9 @@
 Between two log steps nothing is read from the device: LossWindow keeps the running sum of the train
 losses and the first step whose loss was not finite as device tensors. Every trainer.log_every optimizer
 steps (and at the last one) StepMetrics synchronizes once and writes one row for that step to every
-logger: train/loss (the mean over the window, across ranks), train/lr, tokens/s, achieved FLOP/s, MFU,
-cumulative tokens and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints asks
+logger: train/loss (the mean over the window, across ranks), train/grad_norm (the mean over the window's
+steps of the total gradient norm the clipping computes, before clipping), train/lr, tokens/s, achieved
+FLOP/s, MFU, cumulative tokens and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints asks
 LossWindow before every save, so a checkpoint never holds what a NaN step produced.
 
 FLOPs per token are the analytic training FLOPs of `gptkit count-params` by the published convention
@@ -56,6 +57,8 @@ class LossWindow:
         self.sum: torch.Tensor | None = None  # fp32 scalar
         self.count = 0  # losses added (micro-batches)
         self.first_bad: torch.Tensor | None = None  # int64 scalar: the step of the first non-finite loss, or -1
+        self.norm_sum: torch.Tensor | None = None  # fp32 scalar: the gradient norms of the window's steps
+        self.norm_count = 0  # optimizer steps whose gradient norm was added
 
     def add(self, loss: torch.Tensor, step: int) -> None:
         """Record the loss of a micro-batch of optimizer step `step` (no host sync)."""
@@ -67,6 +70,23 @@ class LossWindow:
         self.count += 1
         bad = ~torch.isfinite(loss) & (self.first_bad < 0)
         self.first_bad = torch.where(bad, step, self.first_bad)
+
+    def add_grad_norm(self, norm: torch.Tensor) -> None:
+        """Record the total gradient norm of one optimizer step, before clipping (no host sync)."""
+        norm = norm.detach().float()
+        self.norm_sum = norm.clone() if self.norm_sum is None else self.norm_sum + norm
+        self.norm_count += 1
+
+    def read_grad_norm(self) -> float | None:
+        """The mean gradient norm of the window's optimizer steps (read at a log step), then start afresh.
+
+        The norm is the same on every rank (DDP all-reduces the gradients first; FSDP's is the full one)."""
+        if self.norm_sum is None or self.norm_count == 0:
+            return None
+        mean = float(self.norm_sum) / self.norm_count
+        self.norm_sum = None
+        self.norm_count = 0
+        return mean
 
     def check_finite(self, strategy) -> None:
         """Raise NonFiniteLossError on every rank if any rank saw a non-finite loss (a host sync)."""
@@ -167,6 +187,7 @@ class StepMetrics(Callback):
         if step % self.log_every and step != trainer.max_steps:
             return
         loss = pl_module.loss_window.read(trainer.strategy)  # the one host sync of this window
+        grad_norm = pl_module.loss_window.read_grad_norm()
         self._sync(trainer)
         now = time.perf_counter()
         dt = now - self._t0
@@ -181,6 +202,8 @@ class StepMetrics(Callback):
                    "perf/flops": float(step * self.tokens_per_step * self.flops_per_token)}
         if loss is not None:
             metrics["train/loss"] = loss
+        if grad_norm is not None:
+            metrics["train/grad_norm"] = grad_norm
         metrics.update(getattr(trainer.datamodule, "source_tokens", lambda _: {})(step))  # data=mix sources
         if self.peak:
             metrics["perf/mfu"] = acc.mfu(tokens_per_s / trainer.world_size, self.flops_per_token, self.peak)

@@ -15,8 +15,10 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                        all-reduces the gradients on the last micro-batch only; FSDP2 reduce-scatters them
      6. unscale        ClippingMixedPrecision.optimizer_step: GradScaler.unscale_ (16-mixed only)
                                                                             training/trainer.py
-     7. clip           ClippingMixedPrecision.clip_gradients: norm clipping at trainer.gradient_clip_val,
-                       on unscaled gradients, so it works with fused AdamW  training/trainer.py
+     7. clip           LitGPT.configure_gradient_clipping: the total gradient norm (kept on the device for
+                       train/grad_norm: LossWindow.add_grad_norm), then norm clipping at
+                       trainer.gradient_clip_val, on unscaled gradients, so it works with fused AdamW
+                                                                            here, training/metrics.py
      8. optimizer      AdamW.step (fused or foreach; scaler.step + update for 16-mixed), zero_grad
                                                                             training/optim.py
      9. scheduler      the LambdaLR of configure_optimizers, stepped every optimizer step (warmup, then
@@ -32,6 +34,10 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                                                                             training/run_checkpoints.py
     12. validate       every trainer.val_every steps, after the step's callbacks: validation_step and
                        on_validation_epoch_end (val/loss, val/ppl)          here
+    13. watch          after each validation: best.ckpt when val/loss is the lowest (trainer.keep_best,
+                       RunCheckpoints), then loss.png redrawn and, every trainer.sample_every steps, a
+                       greedy sample (ValidationWatch, rank 0 reports)      training/run_checkpoints.py,
+                                                                            training/watch.py
 
 StepMetrics runs before RunCheckpoints (build_trainer's callback order), so a step's row is written
 before its checkpoint. nanoGPT's train.py and litgpt's pretrain.py:fit write the same loop by hand;
@@ -133,6 +139,20 @@ class LitGPT(L.LightningModule):
         """data=mix: (source names, source index of each val window) from the datamodule; else None."""
         trainer = getattr(self, "_trainer", None)
         return getattr(getattr(trainer, "datamodule", None), "val_sources", None) if trainer else None
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        """Step 7 of the header: the total gradient norm before clipping, kept on the device for
+        train/grad_norm, and the clipping itself (norm at gradient_clip_val; none when it is null)."""
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        if gradient_clip_val is None:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        else:  # the gradients are unscaled already (ClippingMixedPrecision), so this works with fused AdamW
+            norm = torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
+        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of the whole model (a collective, no host sync)
+            norm = norm.full_tensor()
+        self.loss_window.add_grad_norm(norm)
 
     def validation_step(self, batch, batch_idx):
         """The loss of one validation batch, kept on the device; with data=mix also each source's summed

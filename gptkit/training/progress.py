@@ -5,7 +5,7 @@
 
 A line (what a SLURM log or `tee` shows):
 
-    step 120/600  loss 2.3456  lr 9.80e-04  12,345 tok/s  MFU 25.1%  elapsed 1:10  ETA 4:40
+    step 120/600  loss 2.3456  grad norm 0.412  lr 9.80e-04  12,345 tok/s  MFU 25.1%  elapsed 1:10  ETA 4:40
 
 The bar moves every step, but its numbers change only at log steps: nothing here reads a tensor, so
 the progress display costs the GPU no synchronization.
@@ -45,6 +45,8 @@ def metrics_text(metrics: dict[str, float]) -> str:
     parts = []
     if "train/loss" in metrics:
         parts.append(f"loss {metrics['train/loss']:.4f}")
+    if "train/grad_norm" in metrics:
+        parts.append(f"grad norm {metrics['train/grad_norm']:.3g}")
     if "train/lr" in metrics:
         parts.append(f"lr {metrics['train/lr']:.2e}")
     if metrics.get("perf/tokens_per_s"):

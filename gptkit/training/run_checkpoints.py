@@ -15,6 +15,7 @@ from gptkit.faults import fault_point
 from gptkit.training.metrics import optimizer_stepped
 
 PERIODIC = re.compile(r"step-(\d+)\.ckpt")
+BEST_CHECKPOINT = "best.ckpt"
 
 
 def periodic_checkpoints(ckpt_dir: Path) -> list[Path]:
@@ -42,16 +43,22 @@ class RunCheckpoints(Callback):
     metrics.csv in agreement: a resume continues exactly, with exactly the rows before its step. After a
     publication, periodic checkpoints beyond the newest `keep` are removed (the newer one is complete
     first); last.ckpt stays.
+
+    keep_best (trainer.keep_best): after a validation whose val/loss is the lowest so far (over resumes
+    too: the value travels in the checkpoint), checkpoints/best.ckpt, written under a hidden name and
+    renamed into place; retention never removes it.
     """
 
     def __init__(self, ckpt_dir: str, every: int, stop_at_step: int | None = None, sync_every: int = 10,
-                 keep: int | None = 3, metrics: Any = None) -> None:
+                 keep: int | None = 3, metrics: Any = None, keep_best: bool = False) -> None:
         self.dir = Path(ckpt_dir)
         self.every = max(1, every)
         self.stop_at_step = stop_at_step
         self.sync_every = max(1, sync_every)  # with several ranks: agree on a signal every N steps
         self.keep = keep
         self.metrics = metrics  # MetricsCSV (or None): synced before a checkpoint is published
+        self.keep_best = keep_best
+        self.best_val: float | None = None  # the lowest val/loss so far (trainer.keep_best)
         self.signal_name: str | None = None
         self.interrupted = False
         self._pending: tuple[Path, Path] | None = None  # (written, where it is published)
@@ -118,6 +125,32 @@ class RunCheckpoints(Callback):
             fault_point("ckpt-pending")
         if stop or early:
             trainer.should_stop = True
+
+    def on_validation_end(self, trainer, pl_module) -> None:
+        """trainer.keep_best: a new lowest val/loss saves checkpoints/best.ckpt (every rank saves; rank 0
+        renames it into place once the rows so far are on disk)."""
+        val = trainer.callback_metrics.get("val/loss")
+        if not self.keep_best or val is None or trainer.sanity_checking:
+            return
+        val = float(val)
+        if self.best_val is not None and not val < self.best_val:
+            return
+        self.best_val = val
+        best = self.dir / BEST_CHECKPOINT
+        written = best.with_name(f".{best.name}.pending")
+        trainer.save_checkpoint(written, weights_only=False)
+        if trainer.is_global_zero:
+            if self.metrics is not None:
+                self.metrics.sync()
+            replace_checkpoint(written, best)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The lowest val/loss so far, so that a resumed run keeps best.ckpt only for a better one."""
+        return {"best_val": self.best_val}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the lowest val/loss of the run being resumed."""
+        self.best_val = state_dict.get("best_val")
 
     def publish(self, trainer: L.Trainer) -> Path | None:
         """Publish the checkpoint written last, once the metrics it covers are on disk (rank 0 renames;

@@ -16,6 +16,7 @@ from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.precision import precision
+from gptkit.runs import TOKENIZER_FILE
 from gptkit.threads import check_threads
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
 from gptkit.training.distributed import (
@@ -30,6 +31,7 @@ from gptkit.training.plan import RunPlan, compile_mode
 from gptkit.training.progress import ProgressReporter, progress_mode
 from gptkit.training.run_checkpoints import RunCheckpoints
 from gptkit.training.task_evals import check_task_evals, task_evals_callback
+from gptkit.training.watch import ValidationWatch
 
 LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
                    "wandb": ("wandb", "pip install wandb")}
@@ -157,6 +159,11 @@ def check_trainer_config(t: Any) -> None:
     keep = t.get("keep_checkpoints", 3)
     if keep is not None and (not isinstance(keep, int) or keep < 0):
         raise ConfigError(f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every one)")
+    every = t.get("sample_every")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ConfigError(f"trainer.sample_every={every} must be an integer >= 1 (or null for no samples)")
+    if not isinstance(t.get("keep_best", False), bool):
+        raise ConfigError(f"trainer.keep_best={t.keep_best} must be true or false")
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
         raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
     progress_mode(t.progress)
@@ -187,11 +194,13 @@ def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoin
     csv = next((lg for lg in loggers if isinstance(lg, MetricsCSV)), None)  # rows on disk before a checkpoint
     checkpoints = RunCheckpoints(str(plan.run_dir / CHECKPOINT_DIR), int(t.checkpoint_every),
                                  t.get("stop_at_step"), sync_every=int(t.log_every),
-                                 keep=t.get("keep_checkpoints", 3), metrics=csv)
+                                 keep=t.get("keep_checkpoints", 3), metrics=csv,
+                                 keep_best=bool(t.get("keep_best", False)))
     reporter = ProgressReporter(t.progress)
     metrics = StepMetrics(plan.flops_per_token, plan.tokens_per_step, plan.peak_flops, int(t.log_every),
                           reporter if reporter.mode != "off" else None, plan.causal_flops_per_token)
-    callbacks = [metrics, checkpoints]
+    watch = ValidationWatch(plan.run_dir, str(plan.run_dir / TOKENIZER_FILE), t.get("sample_every"), csv)
+    callbacks = [metrics, checkpoints, watch]  # watch after checkpoints: best.ckpt before the plot
     task_evals = task_evals_callback(plan.cfg, clock=metrics)  # trainer.eval_tasks
     if task_evals is not None:
         callbacks.insert(1, task_evals)  # scores step N before step N's checkpoint is written
