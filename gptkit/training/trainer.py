@@ -10,7 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.plugins.precision import MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.config import count
@@ -107,7 +107,8 @@ class ClippingMixedPrecision(MixedPrecision):
 
     16-mixed: the gradients are unscaled before clipping for every optimizer; torch's GradScaler then sees
     them unscaled and steps a fused optimizer with no scale (and skips the step on inf/NaN, as always).
-    bf16-mixed has no scaler, so there is nothing to unscale and clipping is plain clipping.
+    bf16-mixed has no scaler, so there is nothing to unscale and clipping is plain clipping. The clipping
+    itself is LitGPT.configure_gradient_clipping (called from _after_closure), which also keeps the norm.
     """
 
     def optimizer_step(self, optimizer, model, closure, **kwargs):
@@ -124,11 +125,6 @@ class ClippingMixedPrecision(MixedPrecision):
         out = self.scaler.step(optimizer, **kwargs)
         self.scaler.update()
         return out
-
-    def clip_gradients(self, optimizer, clip_val=0.0, gradient_clip_algorithm=None):
-        """Clip gradients that are already unscaled."""
-        kwargs = {} if gradient_clip_algorithm is None else {"gradient_clip_algorithm": gradient_clip_algorithm}
-        Precision.clip_gradients(self, optimizer, clip_val, **kwargs)  # the gradients are unscaled: just clip
 
 
 def precision_plugin(plan: RunPlan):
