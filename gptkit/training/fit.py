@@ -242,21 +242,44 @@ def _import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
     return str(folder), HF_PREFIX + src.spec
 
 
-def _load_init_weights(module, ckpt: Path, vocab_size: int | None = None) -> None:
+def _load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
     """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
-    run's model, with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new model's
-    (a chat template's special tokens were added): the new rows start as the mean of the old ones."""
+    run's model (a GPT), with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new
+    model's (a chat template's special tokens were added): the new rows start as the mean of the old ones."""
     import dataclasses
 
     from gptkit.model.gpt import grow_vocab
 
-    cfg = module.model.cfg
+    cfg = model.cfg
     if vocab_size is None or vocab_size == cfg.vocab_size:
         state = checked_model_state(ckpt, cfg)
     else:
         state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size))
         state = grow_vocab(state, cfg.vocab_size)
-    module.model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
+    model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
+
+
+def _load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
+    """objective=dpo: the starting weights into the frozen reference (module.dpo.reference; None with LoRA,
+    whose reference is the base with adapters off). A new run copies the policy's (just loaded from
+    init_from=); a resumed run reads them again from the checkpoint its config's init_from= names, whose
+    step LitGPT checks against the one the run started from. FSDP: on the ranks that build weights only."""
+    reference = module.dpo.reference
+    if reference is None:
+        return
+    if init_ckpt is not None:
+        module.reference_source = {"path": str(init_ckpt), "step": checkpoint_step(init_ckpt)}
+        if not module.built_on_meta:
+            reference.load_state_dict(module.model.state_dict())
+        return
+    source = str(cfg.init_from)
+    if source.startswith(HF_PREFIX):
+        source, _ = _import_init_source(source[len(HF_PREFIX):], Path(cfg.runs_dir))
+    ckpt = find_run_checkpoint(source, cfg.runs_dir)
+    module.reference_source = {"path": str(ckpt), "step": checkpoint_step(ckpt)}
+    if not module.built_on_meta:
+        vocab = int(read_config(run_dir_of(ckpt))["model"]["vocab_size"])
+        _load_init_weights(reference, ckpt, vocab)
 
 
 def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
@@ -267,21 +290,25 @@ def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
     return given
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig, resumed: bool = False) -> None:
     """The settings that can be checked without data: one-line errors before any data is prepared and,
-    from the CLI (commands/train.check), before Hydra creates the run folder."""
+    from the CLI (commands/train.check), before Hydra creates the run folder. resumed: cfg is the saved
+    config of the run resume= continues (its init_from= is where that run started, not a second start)."""
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_location
+    from gptkit.training.dpo import check_objective
     from gptkit.training.optim import check_optim_config
     from gptkit.training.plan import train_seq_len
     from gptkit.training.trainer import check_loggers, check_trainer_config
 
     check_run_location(cfg.get("runs_dir"), None)
-    resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
+    resume, init_from = check_resume_or_init(cfg.get("resume"), None if resumed else cfg.get("init_from"))
     check_trainer_config(cfg.trainer)
     check_optim_config(cfg.optim)
     check_loggers(cfg.logger)
-    if init_from and not str(cfg.init_from).startswith(HF_PREFIX):  # hf: is imported (and checked) at the start
+    check_objective(cfg)
+    reference = resumed and str(cfg.get("objective")) == "dpo"  # the start's weights are DPO's reference
+    if (init_from or reference) and not str(cfg.init_from).startswith(HF_PREFIX):  # hf: imported at the start
         verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
     elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
@@ -303,6 +330,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     from gptkit.data import TokenDataModule, check_vocab, prepare
     from gptkit.data.build import bos_for_model
     from gptkit.data.chat import CHAT_FILE, ChatData, prepare_chat
+    from gptkit.data.preference import PreferenceData, prepare_preference
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
     from gptkit.threads import set_threads
@@ -327,7 +355,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     check_run_dir(run_dir, cfg.runs_dir, job=inv.multirun_job)
     cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg, inv.overrides)
     if resume_ckpt is not None or not checked:  # a resumed run's config is the saved one, merged: check it
-        check_config(cfg)
+        check_config(cfg, resumed=resume_ckpt is not None)
     ckpt_dir = run_dir / CHECKPOINT_DIR
     if resume_ckpt is None and ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
         raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
@@ -345,11 +373,12 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         ModelConfig.from_dict(model_dict)
 
     # data first: the tokenizer decides the vocabulary size
-    chat = cfg.data.get("kind") == "chat"  # conversations with a template (gptkit.data.chat)
+    chat = cfg.data.get("kind") in ("chat", "preference")  # rendered with a chat template (gptkit.data.chat)
     if not chat:  # data.bos=auto: off for a GPT-2-style model (learned positions); the run's config says so
         cfg.data = OmegaConf.create(bos_for_model(OmegaConf.to_container(cfg.data, resolve=True),
                                                   str(model_dict.get("position") or "learned")))
-    prepared = (prepare_chat if chat else prepare)(cfg.data, cfg.tokenizer)  # shards are checked meanwhile
+    prep = {"chat": prepare_chat, "preference": prepare_preference}.get(cfg.data.get("kind"), prepare)
+    prepared = prep(cfg.data, cfg.tokenizer)  # shards are checked meanwhile
     multiple = int(cfg.get("vocab_multiple", 1))
     init_vocab = None  # init_from= with tokens the chat template added: the source's vocabulary, grown
     if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None and init_ckpt is None:
@@ -376,7 +405,9 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     module = LitGPT(plan)
     # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
     if plan.init_from is not None and not module.built_on_meta:
-        _load_init_weights(module, plan.init_from, init_vocab)
+        _load_init_weights(module.model, plan.init_from, init_vocab)
+    if module.dpo is not None:  # objective=dpo: the reference holds the starting weights, frozen
+        _load_reference(module, cfg, plan.init_from)
     datamodule = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len,
                                  seed=int(cfg.seed), val_windows=t.val_windows,
                                  pack=cfg.data.get("pack", "stream"))
@@ -392,7 +423,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         _remove_leftovers(run_dir)
         atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
         atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
-        if isinstance(prepared, ChatData):  # the template `gptkit chat` talks with
+        if isinstance(prepared, (ChatData, PreferenceData)):  # the template `gptkit chat` talks with
             atomic_write_bytes(run_dir / CHAT_FILE, prepared.template_path.read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
     if rank_zero and plan.accelerator == "cpu" and plan.precision.name == "16-true":
@@ -427,7 +458,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
         _summary(run_dir, trainer.global_step, val, metrics, plan.flops_per_token, plan.peak_flops,
-                 trainer.world_size, time.perf_counter() - started)
+                 trainer.world_size, time.perf_counter() - started,
+                 trainer.callback_metrics.get("val/rewards/accuracy") if plan.objective == "dpo" else None)
         _source_losses(trainer.callback_metrics)
         print_summary(next((c for c in trainer.callbacks if isinstance(c, TaskEvals)), None),
                       time.perf_counter() - started)
@@ -555,7 +587,10 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
         f"  model {m.name}: {n:,} parameters, vocab {m.vocab_size}, context {m.max_seq_len}, "
         f"attention {m.attention}{compiled}\n"
         f"  data: {escape(str(data))} ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
-        f"  global batch: {plan.tokens_per_step:,} tokens/step = {plan.batch_size} sequences x "
+        f"  global batch: {plan.tokens_per_step:,} tokens/step = "
+        + (f"{plan.batch_size} pairs x 2 answers" if plan.objective == "dpo"
+           else f"{plan.batch_size} sequences")
+        + " x "
         f"{plan.seq_len} tokens x {plan.accumulation} accumulation x {plan.devices} devices x "
         f"{plan.nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
@@ -583,9 +618,10 @@ def _source_losses(logged: dict[str, Any]) -> None:
 
 
 def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float, peak: float | None,
-             world: int, wall_s: float) -> None:
+             world: int, wall_s: float, reward_accuracy: Any = None) -> None:
     """The run's result: final val loss, and this invocation's average throughput over all its training
-    steps (not the last window) and total wall time."""
+    steps (not the last window) and total wall time. objective=dpo: the val pairs' reward accuracy instead
+    of a perplexity."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -593,7 +629,9 @@ def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float
     from gptkit.training.progress import clock
 
     parts = [f"step {step}"]
-    if val is not None:
+    if val is not None and reward_accuracy is not None:
+        parts.append(f"val DPO loss {float(val):.4f} (reward accuracy {float(reward_accuracy):.1%})")
+    elif val is not None:
         parts.append(f"val loss {float(val):.4f} (ppl {math.exp(min(float(val), 50)):.2f})")
     tps = metrics.average_tokens_per_s
     if tps:

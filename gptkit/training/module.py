@@ -8,6 +8,8 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                                                                   data/datamodule.py, data/windows.py
      2. forward, loss  LitGPT.training_step -> GPT.forward(x, targets).loss (fp32 mean cross-entropy)
                                                                             here, model/gpt.py
+                       objective=dpo: the DPO loss of the batch's pairs against the frozen reference,
+                       its rewards added to a RewardWindow                  training/dpo.py
      3. NaN window     LossWindow.add: the loss summed on the device, the first non-finite step noted;
                        no host sync                                         training/metrics.py
      4. backward       Lightning: (loss / accumulation).backward(); 16-mixed scales the loss first
@@ -53,9 +55,11 @@ import lightning as L
 import torch
 from torch.utils.checkpoint import checkpoint as recompute
 
+from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
 from gptkit.training.distributed import broadcast_weights, parallelize
+from gptkit.training.dpo import DPO
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
@@ -104,6 +108,7 @@ class LitGPT(L.LightningModule):
         self.built_on_meta = self.weights_from_rank0 and not is_rank_zero()
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
             self.model = GPT(plan.model)
+        self.dpo = self._dpo(plan) if plan.objective == "dpo" else None  # not a submodule: in no checkpoint
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if plan.optim.name == "muon":  # before the run folder gets its files
@@ -113,23 +118,41 @@ class LitGPT(L.LightningModule):
         self.compile_mode = plan.compile
         self.compile_backend = plan.compile_backend
         self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
+        self.reference_source: dict[str, Any] | None = None  # objective=dpo: {path, step} (fit sets it)
         self._val_losses: list[torch.Tensor] = []
         self._val_sums: torch.Tensor | None = None  # data=mix: [2, n_sources] token-loss sums, target counts
+
+    def _dpo(self, plan: RunPlan) -> DPO:
+        """objective=dpo: the reference, a frozen GPT of the same shape (fit loads the starting weights into
+        it), built on the meta device where the policy is."""
+        with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
+            return DPO(plan.dpo, GPT(plan.model))
 
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
-        full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None  # references
-        if parallelize(self.model, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
-            broadcast_weights(self.model, full, strategy.root_device)
+        reference = self.dpo.reference if self.dpo is not None else None
+        models = [m for m in (self.model, reference) if m is not None]
+        on_rank0 = self.weights_from_rank0 and not self.built_on_meta
+        full = [m.state_dict() if on_rank0 else None for m in models]  # references to rank 0's tensors
+        for m, state in zip(models, full):
+            if parallelize(m, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
+                broadcast_weights(m, state, strategy.root_device)
+        if self.weights_from_rank0 and getattr(self.model, "_gptkit_sharded", False):
             self.built_on_meta = False
         del full
+        if reference is not None and not getattr(reference, "_gptkit_sharded", False):
+            reference.to(strategy.root_device)  # Lightning moves the LightningModule only
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
+        if self.dpo is not None:  # x, y [2P, T]: P pairs, chosen and rejected side by side
+            loss = self.dpo(self.model, batch, self.dpo.train_rewards)
+            self.loss_window.add(loss, self.global_step)
+            return loss
         x, y, *docs = batch  # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
         loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
         self.loss_window.add(loss, self.global_step)  # on the device: no host sync (StepMetrics reads it)
@@ -157,6 +180,9 @@ class LitGPT(L.LightningModule):
     def validation_step(self, batch, batch_idx):
         """The loss of one validation batch, kept on the device; with data=mix also each source's summed
         token loss and target count over this batch's windows (see _source_sums)."""
+        if self.dpo is not None:  # the DPO loss and rewards of the val pairs
+            self._val_losses.append(self.dpo(self.model, batch, self.dpo.val_rewards).detach())
+            return
         sources = self._val_sources()
         x, y, *rest = batch
         index = rest.pop() if sources is not None else None  # [B]: each window's index in the val set
@@ -202,6 +228,11 @@ class LitGPT(L.LightningModule):
         loss = torch.stack(self._val_losses).mean()
         self._val_losses.clear()
         self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+        if self.dpo is not None:  # val/rewards/*: means over every val pair of every rank
+            for key, value in self.dpo.val_rewards.read(self.trainer.strategy, "val").items():
+                self.log(key, value, sync_dist=True)  # the same on every rank already: the mean keeps it
+            self.log("step", float(self.global_step))
+            return
         self.log("val/ppl", torch.exp(loss), sync_dist=True)
         sources = self._val_sources()
         if sources is not None:
@@ -213,6 +244,10 @@ class LitGPT(L.LightningModule):
                 if n:
                     self.log(f"val/loss/{name}", total / n, sync_dist=False)
         self.log("step", float(self.global_step))  # validation after N optimizer steps is logged at step N
+
+    def train_metrics(self, strategy) -> dict[str, float]:
+        """Read at log steps (StepMetrics): objective=dpo's train/rewards/* over the window's pairs."""
+        return self.dpo.train_rewards.read(strategy, "train") if self.dpo is not None else {}
 
     def configure_optimizers(self):
         """AdamW and the per-step schedule of the `optim` group."""
@@ -226,12 +261,20 @@ class LitGPT(L.LightningModule):
         checkpoint["gptkit_rng"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        if self.reference_source is not None:  # objective=dpo: the checkpoint the reference came from
+            checkpoint["gptkit_dpo_reference"] = dict(self.reference_source)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the checkpoint's RNG states to restore when training starts."""
         rng = checkpoint.get("gptkit_rng")
         if rng:
             self._rng_to_restore = rng
+        saved, now = checkpoint.get("gptkit_dpo_reference"), self.reference_source
+        if saved and now and int(saved["step"]) != int(now["step"]):
+            raise GptkitError(f"the DPO reference {now['path']} holds step {now['step']}, but this run "
+                              f"started from step {saved['step']} of {saved['path']}: the source run trained "
+                              "on, so a resume would measure rewards against other weights; start a new DPO "
+                              "run")
 
     def on_train_start(self) -> None:
         """Restore the RNG states of the checkpoint a resume continues."""

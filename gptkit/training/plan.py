@@ -7,11 +7,14 @@ then calls make_plan. From there on every part reads the plan and re-derives not
     plan.model            the ModelConfig (vocab_size from the tokenizer, or the source run's model)
     plan.seq_len          the training window (trainer.seq_len, or model.max_seq_len)
     plan.world_size       processes in the job (devices per node x nodes)
-    plan.tokens_per_step  batch_size x seq_len x accumulation x world_size
+    plan.tokens_per_step  batch_size x seq_len x accumulation x world_size (objective=dpo: x 2, a pair
+                          is two rows)
     plan.max_steps        trainer.max_steps, or trainer.max_tokens / tokens_per_step
     plan.precision        the Precision (gptkit.precision), plan.accelerator "cpu" | "cuda"
     plan.compile          None | "blocks" | "model" (trainer.compile)
-    plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params), plan.peak_flops
+    plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params; objective=dpo:
+                          x 4/3, the reference's forward), plan.peak_flops
+    plan.objective        "lm" | "dpo" (with plan.dpo, the `dpo` group)
 
 Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
 and schedule), fit (start-up lines, disk check, summary, out-of-memory message), commands/preflight and
@@ -114,6 +117,16 @@ class RunPlan:
         return self.cfg.optim
 
     @property
+    def objective(self) -> str:
+        """objective: lm (next-token loss) | dpo (preference pairs against a frozen reference)."""
+        return str(self.cfg.get("objective") or "lm")
+
+    @property
+    def dpo(self) -> DictConfig:
+        """The `dpo` group: beta, label_smoothing, loss."""
+        return self.cfg.get("dpo") or DictConfig({})
+
+    @property
     def strategy(self) -> str:
         """trainer.strategy: auto | ddp | fsdp."""
         return str(self.cfg.trainer.strategy)
@@ -143,7 +156,9 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *, r
     seq_len = train_seq_len(t, model)
     per_node = devices_per_node(t)  # trainer.devices=auto: every visible GPU
     world = per_node * int(t.num_nodes)
-    tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
+    dpo = str(cfg.get("objective") or "lm") == "dpo"
+    rows = int(t.batch_size) * (2 if dpo else 1)  # objective=dpo: batch_size pairs, chosen and rejected
+    tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
     max_steps = planned_steps(t, tokens_per_step)
     replan = None
     if saved_trainer is not None:
@@ -156,8 +171,8 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *, r
         world_size=world,
         tokens_per_step=tokens_per_step, max_steps=max_steps, precision=p, accelerator=accelerator_type(t),
         compile=compile_mode(t.compile), compile_backend=str(t.get("compile_backend") or "inductor"),
-        flops_per_token=acc.flops_per_token(model, seq_len).train_dense,
-        causal_flops_per_token=acc.flops_per_token(model, seq_len).train_causal,
+        flops_per_token=acc.flops_per_token(model, seq_len).train_dense * (4 / 3 if dpo else 1),
+        causal_flops_per_token=acc.flops_per_token(model, seq_len).train_causal * (4 / 3 if dpo else 1),
         peak_flops=detect_peak_flops(p.name, t.get("peak_tflops")),
         resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job,
     )
