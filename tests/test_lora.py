@@ -132,3 +132,96 @@ def test_lora_trains_only_adapters_checkpoints_them_and_resumes_exactly(base, tm
     code, out, err = run_main(capsys, "sample", f"run={runs / 'straight'}", "prompt=ROMEO:", "max_new_tokens=8",
                               "temperature=0")
     assert code == 0 and out.startswith("ROMEO:"), err
+
+
+def lora_run_by_hand(base_run: Path, out: Path, targets: list[str], seed: int = 1) -> tuple[Path, GPT]:
+    """A LoRA run folder as `train finetune=lora` leaves it (config.yaml, tokenizer, adapters-only last.ckpt)
+    with large random adapters on `base_run`'s model; returns it and the unmerged model it holds."""
+    import shutil
+
+    import yaml
+
+    from gptkit.adapters import fingerprint
+    from gptkit.runs import load_model
+
+    _, base_ckpt, cfg, _, model = load_model(base_run)
+    lora = settings(targets=targets)
+    apply_lora(model, lora)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3)
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copy(base_run / "tokenizer.json", out / "tokenizer.json")
+    (out / "config.yaml").write_text(yaml.safe_dump(dict(cfg, finetune="lora", lora=lora, init_from=str(base_ckpt))))
+    state = {"model." + k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
+    record = dict(lora, base=str(Path(base_ckpt).resolve()), base_fingerprint=fingerprint(base_ckpt))
+    torch.save({"state_dict": state, "global_step": 1, CHECKPOINT_KEY: record}, out / "checkpoints" / "last.ckpt")
+    return out, model.eval()
+
+
+@pytest.mark.parametrize("position, targets", [("rope", ["k", "o", "gate", "down"]), ("learned", ["q", "v", "up"])],
+                         ids=["llama", "gpt2"])
+def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsys, position, targets):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_run, _, _ = make_run(tmp_path, position=position, max_seq_len=32)
+    run, unmerged = lora_run_by_hand(base_run, tmp_path / "lora-run", targets)
+    for args in ([f"run={base_run}", f"out={tmp_path / 'hf-base'}"], [f"run={run}", f"out={tmp_path / 'hf-merged'}"],
+                 [f"run={run}", f"out={tmp_path / 'hf-adapter'}", "adapters=true"]):
+        code, out, err = run_main(capsys, "export", *args)
+        assert code == 0, err
+    assert "exported the LoRA adapters" in out and "adapter_model.safetensors" in out
+    x = torch.randint(0, unmerged.cfg.vocab_size, (2, 20))
+    with torch.no_grad():
+        ours = unmerged(x).logits
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").eval()
+        plain = base(x).logits
+        peft_model = PeftModel.from_pretrained(base, tmp_path / "hf-adapter").eval()
+        theirs = peft_model(x).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").eval()(x).logits
+    assert (ours - plain).abs().max() > 0.1  # the adapters matter, so the comparisons below mean something
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    torch.testing.assert_close(merged, ours, atol=1e-4, rtol=0)
+    code, _, err = run_main(capsys, "export", f"run={base_run}", f"out={tmp_path / 'x'}", "adapters=true")
+    assert code == 2 and "is not a LoRA run's checkpoint" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["~init_from"], "finetune=lora trains adapters on frozen weights, so it needs the weights to start from"),
+    (["lora.targets=[q,query]"], "lora.targets: query match no module of this model"),
+    (["lora.rank=0"], "lora.rank=0 must be a positive integer"),
+    (["lora.rank=33"], "lora.rank=33 is larger than the q projection (32 x 32)"),
+    (["lora.alpha=0"], "lora.alpha=0 must be a number > 0"),
+    (["lora.dropout=1.0"], "lora.dropout=1.0 must be a number in [0, 1)"),
+    (["optim=muon"], "optim=muon with finetune=lora"),
+    (["finetune=qlora"], "finetune=qlora must be full"),
+], ids=["no-init", "targets", "rank0", "rank-big", "alpha", "dropout", "muon", "finetune"])
+def test_bad_lora_input_is_one_line_before_anything_is_written(base, tmp_path, capsys, extra, needle):
+    args = [a for a in lora_args(base, tmp_path / "runs", "bad") if not (extra == ["~init_from"] and "init_from" in a)]
+    code, _, err = run_main(capsys, *args, *[e for e in extra if e != "~init_from"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert needle in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
+    """resume= of a full run with finetune=lora (and the reverse, and other adapters) is one line; the run
+    folder is untouched."""
+    runs = tmp_path / "runs"
+    code, _, err = run_main(capsys, *lora_args(base, runs, "lora", "trainer.max_steps=1"))
+    assert code == 0, err
+    before = {p: p.stat().st_mtime_ns for p in (runs / "lora").rglob("*") if p.is_file() and p.name != ".lock"}
+    for extra, needle in ((["finetune=full"], "continues a finetune=lora run (its checkpoint holds the adapters"),
+                          (["lora.rank=2"], "continues adapters with lora.rank=4; lora.rank=2 would not fit"),
+                          (["lora.targets=[q]"], "lora.targets=[q, k, v, o, gate, up, down]; lora.targets=[q]")):
+        code, _, err = run_main(capsys, "train", f"resume={runs / 'lora'}", "trainer.max_steps=2", *extra)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    after = {p: p.stat().st_mtime_ns for p in (runs / "lora").rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    code, _, err = run_main(capsys, *lora_args(base, runs, "full", "trainer.max_steps=1", "finetune=full"))
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'full'}", "trainer.max_steps=2", "finetune=lora")
+    assert code == 2 and "continues a finetune=full run (its checkpoint holds every weight)" in err, err

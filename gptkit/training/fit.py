@@ -160,7 +160,7 @@ def check_resumed_finetune(resume: Any, saved_lora: Any, merged: DictConfig, lor
     asked = str(merged.get("finetune", "full"))
     have = "lora" if lora_ckpt else "full"
     if asked != have:
-        other = ("init_from=<its base> finetune=lora" if asked == "lora" else
+        other = (f"init_from={resume} finetune=lora" if asked == "lora" else
                  f"init_from={resume} (its base with the adapters merged) finetune=full")
         raise GptkitError(f"resume={resume} continues a finetune={have} run (its checkpoint holds "
                           f"{'the adapters only' if have == 'lora' else 'every weight'}); for finetune={asked} "
@@ -168,8 +168,7 @@ def check_resumed_finetune(resume: Any, saved_lora: Any, merged: DictConfig, lor
     if have == "lora":
         for key in ("rank", "alpha", "targets"):
             was, now = saved_lora.get(key), merged.lora.get(key)
-            if OmegaConf.is_config(was):
-                was, now = OmegaConf.to_container(was), OmegaConf.to_container(now)
+            was, now = (f"[{', '.join(map(str, v))}]" if OmegaConf.is_list(v) else v for v in (was, now))
             if was != now:
                 raise GptkitError(f"resume={resume} continues adapters with lora.{key}={was}; lora.{key}={now} "
                                   f"would not fit them (start a new run for other adapters)")
