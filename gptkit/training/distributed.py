@@ -18,8 +18,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from gptkit import adapters
 from gptkit.checkpoints import (
     EXTRA_STATE,
+    STATE_PREFIX,
     is_sharded_checkpoint,
     remove_checkpoint,
     replace_checkpoint,
@@ -248,10 +250,17 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
         set_optimizer_state_dict,
     )
 
+    from gptkit.training.lora import adapter_state_dict
+
     _verify_together(path)
     model_state = {"state_dict": get_model_state_dict(module)}
+    lora = getattr(module, "lora_record", None) is not None  # a LoRA run's checkpoint: the adapters only
+    if lora:
+        model_state["state_dict"] = adapter_state_dict(model_state["state_dict"], STATE_PREFIX)
     _dcp_load(model_state, path)
-    module.load_state_dict(model_state["state_dict"], strict=True)
+    missing, unexpected = module.load_state_dict(model_state["state_dict"], strict=not lora)
+    if lora and (unexpected or any(adapters.is_adapter_key(k[len(STATE_PREFIX):]) for k in missing)):
+        raise GptkitError(f"{path} does not hold this run's LoRA adapters")
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}

@@ -9,8 +9,9 @@ under the policy (the model being trained, pi) and under the reference (ref: the
 in eval mode, no grad). With the implicit rewards r = beta * (logp_pi - logp_ref), the loss of a pair is
 
     sigmoid:  -log sigmoid(r_chosen - r_rejected)                      (the paper's eq. 7)
-              with dpo.label_smoothing = e > 0 (cDPO, robust DPO as TRL writes it):
+              with dpo.label_smoothing = e > 0 (conservative DPO, cDPO: labels flipped with probability e):
               -(1 - e) log sigmoid(z) - e log sigmoid(-z),  z = r_chosen - r_rejected
+              (TRL 1.16's sigmoid loss has no smoothing; its "robust" loss is another, unbiased variant)
     hinge:    max(0, 1 - z)                                             (SLiC-HF, TRL's loss_type="hinge")
 
 and the batch's loss is the mean over its pairs. Logged (train at log steps, val at validation):

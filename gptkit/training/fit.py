@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from gptkit import adapters
 from gptkit.checkpoints import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
@@ -107,6 +108,7 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
     the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
     if cfg.resume in (None, ""):
         return cfg, None, None, None
+    check_resume_or_init(cfg.resume, cfg.get("init_from"))
     ckpt = find_run_checkpoint(cfg.resume, cfg.runs_dir)
     if ckpt.suffix != ".ckpt":
         raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
@@ -116,6 +118,7 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
     saved = saved_run_config(ckpt, cfg)  # data, never resolved (the CLI checked it as a command line)
     saved_optimizer = str(saved.optim.get("name", "adamw"))
+    saved_lora = OmegaConf.create(OmegaConf.to_container(saved.lora)) if "lora" in saved else OmegaConf.create()
     overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
@@ -143,8 +146,32 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
         raise GptkitError(f"resume={cfg.resume} continues a run trained with optim={saved_optimizer}; "
                           f"for optim={merged.optim.name} start a new run from its weights: "
                           f"init_from={cfg.resume}")
+    for o in overrides:  # a top-level key, which the dotlist above leaves out
+        if o.kind == "key" and o.key == "finetune" and o.op != "DEL":
+            merged.finetune = o.value
+    check_resumed_finetune(cfg.resume, saved_lora, merged, adapters.CHECKPOINT_KEY in state)
     merged.resume = str(ckpt)
     return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
+
+
+def check_resumed_finetune(resume: Any, saved_lora: Any, merged: DictConfig, lora_ckpt: bool) -> None:
+    """resume= continues the run's own finetune= (its checkpoint holds every weight, or the adapters only)
+    and, for lora, its adapters' rank, alpha and targets (lora.dropout may change)."""
+    asked = str(merged.get("finetune", "full"))
+    have = "lora" if lora_ckpt else "full"
+    if asked != have:
+        other = (f"init_from={resume} finetune=lora" if asked == "lora" else
+                 f"init_from={resume} (its base with the adapters merged) finetune=full")
+        raise GptkitError(f"resume={resume} continues a finetune={have} run (its checkpoint holds "
+                          f"{'the adapters only' if have == 'lora' else 'every weight'}); for finetune={asked} "
+                          f"start a new run: {other}")
+    if have == "lora":
+        for key in ("rank", "alpha", "targets"):
+            was, now = saved_lora.get(key), merged.lora.get(key)
+            was, now = (f"[{', '.join(map(str, v))}]" if OmegaConf.is_list(v) else v for v in (was, now))
+            if was != now:
+                raise GptkitError(f"resume={resume} continues adapters with lora.{key}={was}; lora.{key}={now} "
+                                  f"would not fit them (start a new run for other adapters)")
 
 
 def preset_settings(group: str, name: str) -> DictConfig:
@@ -256,8 +283,9 @@ def _load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None
     else:
         state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size))
         state = grow_vocab(state, cfg.vocab_size)
-    model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
-
+    missing, unexpected = model.load_state_dict(state, strict=False)  # into the (tied) parameters
+    if unexpected or any(not adapters.is_adapter_key(k) for k in missing):  # only LoRA's adapters start anew
+        raise GptkitError(f"{ckpt} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
 
 def _load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
     """objective=dpo: the starting weights into the frozen reference (module.dpo.reference; None with LoRA,
@@ -282,6 +310,23 @@ def _load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
         _load_init_weights(reference, ckpt, vocab)
 
 
+def _lora_base(cfg: DictConfig, model_dict: dict, init_ckpt: Optional[Path], resume_ckpt: Optional[Path]
+               ) -> Optional[Path]:
+    """finetune=lora: the checkpoint of the frozen weights (init_from='s, or the one the resumed run's
+    checkpoint records, checked unchanged), after the lora settings are checked against the model."""
+    if cfg.get("finetune", "full") != "lora":
+        return None
+    from gptkit.checkpoints import lora_base
+    from gptkit.model import ModelConfig
+
+    adapters.check_lora(adapters.settings(cfg.lora), ModelConfig.from_dict(model_dict))
+    if resume_ckpt is None:
+        return init_ckpt
+    state = read_sharded_checkpoint(resume_ckpt, weights=False) if resume_ckpt.is_dir() else load_checkpoint(
+        resume_ckpt)
+    return lora_base(state, resume_ckpt)
+
+
 def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
     """(resume given, init_from given); both is a one-line error."""
     given = tuple(v not in (None, "", "null") for v in (resume, init_from))
@@ -290,10 +335,31 @@ def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
     return given
 
 
+def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
+    """finetune= is full or lora; lora starts from weights (init_from=, or the run resume= continues) and
+    trains with AdamW (Muon orthogonalizes whole weight matrices, not rank-r factors)."""
+    from gptkit.errors import ConfigError
+
+    finetune = cfg.get("finetune", "full")
+    if finetune not in ("full", "lora"):
+        raise ConfigError(f"finetune={finetune} must be full (every weight trains) or lora (adapters on frozen "
+                          f"weights)")
+    if finetune != "lora":
+        return
+    if not has_weights:
+        raise ConfigError("finetune=lora trains adapters on frozen weights, so it needs the weights to start "
+                          "from: init_from=<run folder | checkpoint | hf:owner/name>; without one the frozen "
+                          "model would be random (train it first with finetune=full)")
+    if str(cfg.optim.name) == "muon":
+        raise ConfigError("optim=muon with finetune=lora: Muon orthogonalizes whole weight matrices, and the "
+                          "adapters are rank-r factors of an update; use optim=adamw")
+
+
 def check_config(cfg: DictConfig, resumed: bool = False) -> None:
     """The settings that can be checked without data: one-line errors before any data is prepared and,
-    from the CLI (commands/train.check), before Hydra creates the run folder. resumed: cfg is the saved
-    config of the run resume= continues (its init_from= is where that run started, not a second start)."""
+    from the CLI (commands/train.check), before Hydra creates the run folder. resumed: cfg is a resumed
+    run's (resolve_resume), whose saved init_from= records where its weights first came from (objective=dpo:
+    its reference, checked here)."""
     from gptkit.model import ModelConfig
     from gptkit.runs import check_run_location
     from gptkit.training.dpo import check_objective
@@ -302,13 +368,23 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> None:
     from gptkit.training.trainer import check_loggers, check_trainer_config
 
     check_run_location(cfg.get("runs_dir"), None)
-    resume, init_from = check_resume_or_init(cfg.get("resume"), None if resumed else cfg.get("init_from"))
+    if resumed:  # the command line had one of them (prepare_args, resolve_resume); the saved config keeps both
+        resume, init_from = True, False
+    else:
+        resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
     check_trainer_config(cfg.trainer)
     check_optim_config(cfg.optim)
     check_loggers(cfg.logger)
+    check_finetune(cfg, resume or init_from)
     check_objective(cfg)
-    reference = resumed and str(cfg.get("objective")) == "dpo"  # the start's weights are DPO's reference
-    if (init_from or reference) and not str(cfg.init_from).startswith(HF_PREFIX):  # hf: imported at the start
+    if init_from and not str(cfg.init_from).startswith(HF_PREFIX):  # hf: is imported (and checked) at the start
+        ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
+        verify_checkpoint(ckpt)
+        if cfg.get("finetune") == "lora":  # the targets and rank against the model init_from= brings
+            model = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
+            adapters.check_lora(adapters.settings(cfg.lora), model)
+    elif (resume and str(cfg.get("objective")) == "dpo" and cfg.get("finetune", "full") != "lora"
+          and not str(cfg.init_from).startswith(HF_PREFIX)):  # a resumed full DPO run: its reference
         verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
     elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
@@ -371,6 +447,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     # the model init_from= brings fails here, before any data is prepared (check_config checked the others)
     if init_ckpt is not None:
         ModelConfig.from_dict(model_dict)
+    lora_base = _lora_base(cfg, model_dict, init_ckpt, resume_ckpt)  # finetune=lora: the frozen weights
 
     # data first: the tokenizer decides the vocabulary size
     chat = cfg.data.get("kind") in ("chat", "preference")  # rendered with a chat template (gptkit.data.chat)
@@ -386,13 +463,18 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     elif chat and init_ckpt is not None and prepared.vocab_size > model_dict["vocab_size"]:
         init_vocab = model_dict["vocab_size"]
         model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
+        if lora_base is not None:
+            raise GptkitError(f"finetune=lora freezes the embeddings, and the chat template adds "
+                              f"{prepared.vocab_size - init_vocab} token(s) to init_from={cfg.init_from}'s "
+                              f"vocabulary, which would stay untrained; use a template of its own tokens "
+                              f"or finetune=full")
     model_cfg = ModelConfig.from_dict(model_dict)
     check_vocab(prepared, model_cfg.vocab_size)
     cfg.model = OmegaConf.create(model_cfg.to_dict())
 
     # from here on, every fact of the run comes from the plan
     plan = make_plan(cfg, run_dir, model_cfg, resume=resume_ckpt, resume_step=resume_step,
-                     init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job)
+                     init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job, lora_base=lora_base)
     t = plan.trainer
     if resume_ckpt is not None and _nothing_to_do(run_dir, plan):  # touches nothing: exit 0
         return TrainResult(run_dir, int(resume_step), ckpt_dir / LAST_CHECKPOINT, None, None, None, rank_zero)
@@ -406,6 +488,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
     if plan.init_from is not None and not module.built_on_meta:
         _load_init_weights(module.model, plan.init_from, init_vocab)
+    elif plan.lora_base is not None and not module.built_on_meta:  # a LoRA run resumed: its frozen weights
+        _load_init_weights(module.model, plan.lora_base)
     if module.dpo is not None:  # objective=dpo: the reference holds the starting weights, frozen
         _load_reference(module, cfg, plan.init_from)
     datamodule = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len,
@@ -430,7 +514,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
         print("note: trainer.precision=16-true on the CPU: fp16 has no fast CPU kernels and runs many times "
               "slower than 32-true (use 32-true, or bf16-mixed)", file=sys.stderr)
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
-    _announce(trainer, plan, prepared, optimizer)
+    _announce(trainer, plan, prepared, optimizer, getattr(module, "trainable", None))
     if trainer.is_global_zero:
         _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0)
 
@@ -565,7 +649,7 @@ def out_of_memory(plan: RunPlan) -> GptkitError:
         f"or shard with trainer=fsdp")
 
 
-def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> None:
+def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW", trainable: int | None = None) -> None:
     """The start-up lines: the run folder, the model, the data, the global batch and the plan's totals,
     precision, optimizer and clipping, and where the weights come from."""
     if not trainer.is_global_zero:
@@ -577,6 +661,7 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
 
     t, m = plan.trainer, plan.model
     n = acc.count_params(m).total
+    trainable = n if trainable is None else trainable
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
     compiled = f", torch.compile={plan.compile}" if plan.compile else ""
     data = prepared.manifest.get("source", {}).get("description", prepared.dir)
@@ -601,6 +686,10 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
         + (f"\n  note: {plan.replan}" if plan.replan else "")
         + (f"\n  weights from {escape(str(plan.init_from))} (new optimizer and schedule)"
            if plan.init_from else "")
+        + (f"\n  LoRA: rank {plan.lora['rank']}, alpha {plan.lora['alpha']}, dropout {plan.lora['dropout']} on "
+           f"{', '.join(plan.lora['targets'])}: {trainable:,} trainable parameters ({trainable / n:.2%}), the "
+           f"rest frozen from {escape(str(plan.lora_base))}; checkpoints hold the adapters only"
+           if plan.lora else "")
         + (f"\n  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
            f"meta device and receive their shards" if plan.weights_from_rank0 else "")
     )

@@ -49,17 +49,21 @@ before its checkpoint. nanoGPT's train.py and litgpt's pretrain.py:fit write the
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.checkpoint import checkpoint as recompute
 
+from gptkit import adapters
+from gptkit.checkpoints import STATE_PREFIX
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
 from gptkit.training.distributed import broadcast_weights, parallelize
 from gptkit.training.dpo import DPO
+from gptkit.training.lora import adapter_state_dict, adapters_disabled, apply_lora
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
@@ -108,6 +112,12 @@ class LitGPT(L.LightningModule):
         self.built_on_meta = self.weights_from_rank0 and not is_rank_zero()
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
             self.model = GPT(plan.model)
+        self.lora_record = None  # finetune=lora: the adapters' settings and base, saved with each checkpoint
+        if plan.lora is not None:  # only the adapters train, and only they are checkpointed
+            self.trainable = apply_lora(self.model, plan.lora)
+            self.strict_loading = False  # a checkpoint holds the adapters; on_load_checkpoint checks them
+            self.lora_record = dict(plan.lora, base=str(Path(plan.lora_base).resolve()),
+                                    base_fingerprint=adapters.fingerprint(plan.lora_base))
         self.dpo = self._dpo(plan) if plan.objective == "dpo" else None  # not a submodule: in no checkpoint
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
@@ -123,8 +133,11 @@ class LitGPT(L.LightningModule):
         self._val_sums: torch.Tensor | None = None  # data=mix: [2, n_sources] token-loss sums, target counts
 
     def _dpo(self, plan: RunPlan) -> DPO:
-        """objective=dpo: the reference, a frozen GPT of the same shape (fit loads the starting weights into
-        it), built on the meta device where the policy is."""
+        """objective=dpo: the reference. finetune=lora: the policy itself with its adapters off (the frozen
+        base: no second copy); else a frozen GPT of the same shape (fit loads the starting weights into it),
+        built on the meta device where the policy is."""
+        if plan.lora is not None:
+            return DPO(plan.dpo, None, adapters_disabled)
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
             return DPO(plan.dpo, GPT(plan.model))
 
@@ -263,6 +276,9 @@ class LitGPT(L.LightningModule):
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
         if self.reference_source is not None:  # objective=dpo: the checkpoint the reference came from
             checkpoint["gptkit_dpo_reference"] = dict(self.reference_source)
+        if self.lora_record is not None:  # the adapters (their optimizer state is all there is) and the base
+            checkpoint["state_dict"] = adapter_state_dict(checkpoint["state_dict"], STATE_PREFIX)
+            checkpoint[adapters.CHECKPOINT_KEY] = dict(self.lora_record)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the checkpoint's RNG states to restore when training starts."""
@@ -275,6 +291,12 @@ class LitGPT(L.LightningModule):
                               f"started from step {saved['step']} of {saved['path']}: the source run trained "
                               "on, so a resume would measure rewards against other weights; start a new DPO "
                               "run")
+        if (self.lora_record is None) != (adapters.CHECKPOINT_KEY not in checkpoint):
+            raise GptkitError("the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only; a "
+                              "full one every weight): resume with the run's own finetune=")
+        if self.lora_record is not None and "state_dict" in checkpoint:  # (a sharded one is checked on load)
+            state = {k[len(STATE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()}
+            adapters.check_adapters(state, self.model.cfg, self.lora_record, "the checkpoint")
 
     def on_train_start(self) -> None:
         """Restore the RNG states of the checkpoint a resume continues."""

@@ -31,6 +31,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from gptkit import accounting as acc
+from gptkit import adapters
 from gptkit.config import count
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
@@ -104,6 +105,8 @@ class RunPlan:
     resume_step: Optional[int] = None
     init_from: Optional[Path] = None  # the checkpoint init_from= takes the weights of
     replan: Optional[str] = None  # on resume with another max_steps: how the schedule moves
+    lora: Optional[dict] = None  # finetune=lora: rank, alpha, dropout, targets (None: every weight trains)
+    lora_base: Optional[Path] = None  # finetune=lora: the checkpoint of the frozen weights the adapters adapt
     job: Optional[str] = None  # "job 1: optim.lr=3e-3" for one job of a multirun
 
     @property
@@ -149,7 +152,8 @@ class RunPlan:
 
 def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *, resume: Optional[Path] = None,
               resume_step: Optional[int] = None, init_from: Optional[Path] = None,
-              saved_trainer: Optional[DictConfig] = None, job: Optional[str] = None) -> RunPlan:
+              saved_trainer: Optional[DictConfig] = None, job: Optional[str] = None,
+              lora_base: Optional[Path] = None) -> RunPlan:
     """The plan of a run whose config was checked (fit.check_config) and whose model is known.
     saved_trainer: on resume, the `trainer` group the run was planned with (for the re-planning note)."""
     t = cfg.trainer
@@ -175,6 +179,8 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *, r
         causal_flops_per_token=acc.flops_per_token(model, seq_len).train_causal * (4 / 3 if dpo else 1),
         peak_flops=detect_peak_flops(p.name, t.get("peak_tflops")),
         resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job,
+        lora=adapters.settings(cfg.lora) if cfg.get("finetune", "full") == "lora" else None,
+        lora_base=lora_base,
     )
 
 
