@@ -353,3 +353,22 @@ def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight
         for key in ("train/loss", "train/rewards/margin", "train/rewards/accuracy"):
             assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
     assert abs(float(got[6]["val/rewards/margin"]) - float(want[6]["val/rewards/margin"])) < 1e-5
+
+
+def test_dpo_with_lora_measures_against_the_base_with_its_adapters_off(dpo_data, capfd):
+    gptkit.train(dpo_args(dpo_data, "lora", 1, "finetune=lora", "lora.rank=4", "lora.targets=[q,k,v,o]"))
+    assert "reference: the base with the adapters off (no second copy)" in capfd.readouterr().err
+    rows = rows_of(dpo_data / "lora")
+    assert float(rows[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: the policy is the base
+    assert float(rows[5]["train/rewards/margin"]) > 0
+    from gptkit.runs import load_model
+
+    *_, start = load_model(dpo_data / "sft")
+    *_, end = load_model(dpo_data / "lora")  # the adapters merged into the base
+    data = prepare_preference({"paths": [str(dpo_data / "pairs.jsonl")]},
+                              {"kind": "file", "path": str(dpo_data / "lora" / "tokenizer.json")})
+    x, y = make_pair_rows(data.val, 48, "error", data.pad_id).batch(torch.arange(4))
+    with torch.no_grad():
+        ratio = (answer_logps(end(x).logits, y) - answer_logps(start(x).logits, y)).view(4, 2)
+    margin = float(0.5 * (ratio[:, 0] - ratio[:, 1]).mean())
+    assert margin == pytest.approx(float(rows[6]["val/rewards/margin"]), abs=1e-5) and margin > 0

@@ -690,6 +690,9 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW", traina
            f"{', '.join(plan.lora['targets'])}: {trainable:,} trainable parameters ({trainable / n:.2%}), the "
            f"rest frozen from {escape(str(plan.lora_base))}; checkpoints hold the adapters only"
            if plan.lora else "")
+        + (f"\n  DPO: beta {plan.dpo.get('beta')}, {plan.dpo.get('loss')} loss; reference: "
+           + ("the base with the adapters off (no second copy)" if plan.lora else
+              "a frozen copy of the starting weights") if plan.objective == "dpo" else "")
         + (f"\n  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
            f"meta device and receive their shards" if plan.weights_from_rank0 else "")
     )
