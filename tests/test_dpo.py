@@ -355,8 +355,10 @@ def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight
     assert abs(float(got[6]["val/rewards/margin"]) - float(want[6]["val/rewards/margin"])) < 1e-5
 
 
-def test_dpo_with_lora_measures_against_the_base_with_its_adapters_off(dpo_data, capfd):
-    gptkit.train(dpo_args(dpo_data, "lora", 1, "finetune=lora", "lora.rank=4", "lora.targets=[q,k,v,o]"))
+def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapters_off(dpo_data, capfd):
+    # 2 pairs per micro-batch, 2 micro-batches per step: the rewards add up over both
+    gptkit.train(dpo_args(dpo_data, "lora", 2, "trainer.accumulate_grad_batches=2", "finetune=lora",
+                          "lora.rank=4", "lora.targets=[q,k,v,o]"))
     assert "reference: the base with the adapters off (no second copy)" in capfd.readouterr().err
     rows = rows_of(dpo_data / "lora")
     assert float(rows[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: the policy is the base
