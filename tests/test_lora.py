@@ -85,8 +85,8 @@ def lora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
     run, corpus = base
     return ["train", f"init_from={run}", "finetune=lora", "lora.targets=[q,k,v,o,gate,up,down]", "lora.rank=4",
             "lora.dropout=0.1", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
-            "trainer.batch_size=4", "trainer.max_steps=6", "trainer.val_every=3", "trainer.val_windows=2",
-            "trainer.checkpoint_every=3", "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1",
+            "trainer.batch_size=4", "trainer.max_steps=4", "trainer.val_every=2", "trainer.val_windows=2",
+            "trainer.checkpoint_every=2", "trainer.log_every=1", "trainer.progress=false", "trainer.threads=1",
             "optim.warmup_steps=1", f"runs_dir={runs}", f"name={name}", *extra]
 
 
@@ -118,8 +118,8 @@ def test_lora_trains_only_adapters_checkpoints_them_and_resumes_exactly(base, tm
     size = lambda d: sum(v.numel() for v in d.values())  # noqa: E731
     assert size(state) < size(base_state) / 2
 
-    # 3 steps, then resume to 6: the same rows and the same adapters, bit for bit (dropout 0.1 included)
-    code, _, err = run_main(capsys, *lora_args(base, runs, "halves", "trainer.stop_at_step=3"))
+    # 2 steps, then resume to 4: the same rows and the same adapters, bit for bit (dropout 0.1 included)
+    code, _, err = run_main(capsys, *lora_args(base, runs, "halves", "trainer.stop_at_step=2"))
     assert code == 0, err
     code, _, err = run_main(capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false",
                             "trainer.threads=1")
@@ -213,15 +213,105 @@ def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
     runs = tmp_path / "runs"
     code, _, err = run_main(capsys, *lora_args(base, runs, "lora", "trainer.max_steps=1"))
     assert code == 0, err
-    before = {p: p.stat().st_mtime_ns for p in (runs / "lora").rglob("*") if p.is_file() and p.name != ".lock"}
-    for extra, needle in ((["finetune=full"], "continues a finetune=lora run (its checkpoint holds the adapters"),
-                          (["lora.rank=2"], "continues adapters with lora.rank=4; lora.rank=2 would not fit"),
-                          (["lora.targets=[q]"], "lora.targets=[q, k, v, o, gate, up, down]; lora.targets=[q]")):
-        code, _, err = run_main(capsys, "train", f"resume={runs / 'lora'}", "trainer.max_steps=2", *extra)
-        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
-    after = {p: p.stat().st_mtime_ns for p in (runs / "lora").rglob("*") if p.is_file() and p.name != ".lock"}
-    assert after == before
     code, _, err = run_main(capsys, *lora_args(base, runs, "full", "trainer.max_steps=1", "finetune=full"))
     assert code == 0, err
-    code, _, err = run_main(capsys, "train", f"resume={runs / 'full'}", "trainer.max_steps=2", "finetune=lora")
-    assert code == 2 and "continues a finetune=full run (its checkpoint holds every weight)" in err, err
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
+    for run, extra, needle in (
+            ("lora", ["finetune=full"], "continues a finetune=lora run (its checkpoint holds the adapters"),
+            ("lora", ["lora.rank=2"], "continues adapters with lora.rank=4; lora.rank=2 would not fit"),
+            ("lora", ["lora.targets=[q]"], "lora.targets=[q, k, v, o, gate, up, down]; lora.targets=[q]"),
+            ("full", ["finetune=lora"], "continues a finetune=full run (its checkpoint holds every weight)")):
+        code, _, err = run_main(capsys, "train", f"resume={runs / run}", "trainer.max_steps=2", *extra)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    after = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
+def run_group(*argv: str, timeout: int = 180):
+    """`python -m gptkit ...` in its own session; on timeout or error the whole group (every rank) is killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    proc = subprocess.Popen([sys.executable, "-m", "gptkit", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
+def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
+    """2 CPU processes (gloo), global batch 4 either way: DDP and FSDP2 (rank 1 starts on the meta device)
+    train the adapters as one process does; FSDP2's sharded adapters-only checkpoint resumes in one process."""
+    runs = tmp_path / "runs"
+    common = ("lora.dropout=0.0", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.val_every=4")
+    code, _, err = run_main(capsys, *lora_args(base, runs, "one", *common))
+    assert code == 0, err
+    want = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
+    assert len(set(want.values())) == 4  # the loss moves: equal trajectories are no coincidence
+    two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+    run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two)[0:], timeout=240)
+    err = run_group(*lora_args(base, runs, "fsdp", *common, "trainer=fsdp", "trainer.precision=32-true",
+                                "trainer.stop_at_step=2", *two), timeout=240)
+    assert "start on the meta device" in err
+    sharded = runs / "fsdp" / "checkpoints" / "step-000002.ckpt"
+    assert (sharded / ".metadata").is_file()
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'fsdp'}", "trainer.devices=1", "trainer.batch_size=4",
+                            "trainer.progress=false")
+    assert code == 0, err
+    for name in ("ddp", "fsdp"):
+        got = {s: float(r["train/loss"]) for s, r in rows(runs / name).items() if r.get("train/loss")}
+        assert got.keys() == want.keys(), (name, got)
+        for s in want:
+            assert abs(got[s] - want[s]) < 1e-5, (name, s, got[s], want[s])
+
+
+def _loss_and_grads(model: GPT, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(x[:, :-1], x[:, 1:]).loss
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("what", ["compile", "kernels"])
+def test_lora_under_compile_and_model_kernels_matches_eager(what):
+    """torch.compile of each block (one graph, no break: fullgraph) and the fused kernels (norm, swiglu, rope
+    under the Triton interpreter; the chunked loss) give eager's loss and adapter gradients."""
+    from gptkit.training.module import apply_compile
+
+    torch.manual_seed(0)
+    x = torch.randint(0, 40, (2, 13))
+    eager = tiny(LLAMA)
+    apply_lora(eager, settings())
+    with torch.no_grad():
+        for p in eager.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    want_loss, want = _loss_and_grads(eager.train(), x)
+    if what == "compile":
+        other = eager
+        for block in other.blocks:
+            block.compile(backend="aot_eager", fullgraph=True)
+        assert apply_compile  # trainer.compile=blocks compiles the same way (with inductor)
+    else:
+        other = tiny(dict(LLAMA, kernels=["norm", "swiglu", "rope", "loss"]))
+        apply_lora(other, settings())
+        other.load_state_dict(eager.state_dict())
+    got_loss, got = _loss_and_grads(other.train(), x)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=0)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), adapters_disabled(other):  # the base under compile too (a guard recompiles)
+        base = tiny(dict(LLAMA, kernels=other.cfg.kernels))
+        torch.testing.assert_close(other(x).logits, base(x).logits, atol=1e-5, rtol=0)
