@@ -321,3 +321,19 @@ def test_lora_under_compile_and_model_kernels_matches_eager(what):
     with torch.no_grad(), adapters_disabled(other):  # the base under compile too (a guard recompiles)
         base = tiny(dict(LLAMA, kernels=other.cfg.kernels))
         torch.testing.assert_close(other(x).logits, base(x).logits, atol=1e-5, rtol=0)
+
+
+def test_a_moved_or_changed_base_is_one_line(tmp_path, capsys):
+    """The adapters fit only the weights they were trained on: a base checkpoint that changed since (or is
+    gone) stops sample/export with one line naming it."""
+    base_run, model, _ = make_run(tmp_path, max_seq_len=32)
+    run, _ = lora_run_by_hand(base_run, tmp_path / "lora-run", ["q", "v"])
+    base_ckpt = base_run / "checkpoints" / "last.ckpt"
+    state = torch.load(base_ckpt, weights_only=True)
+    state["state_dict"]["model.final_norm.weight"] = state["state_dict"]["model.final_norm.weight"] * 2
+    torch.save(state, base_ckpt)
+    code, _, err = run_main(capsys, "sample", f"run={run}", "prompt=ROMEO:", "max_new_tokens=2")
+    assert code == 2 and "whose content changed since the LoRA run started" in err, err
+    base_ckpt.unlink()
+    code, _, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf'}")
+    assert code == 2 and "which is gone" in err and not (tmp_path / "hf").exists(), err
