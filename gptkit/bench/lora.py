@@ -36,6 +36,7 @@ def _train(args: list[str]) -> tuple[int, float]:
 
 
 def run(cfg) -> int:
+    """The benchmark of the module docstring, with the `bench` group of conf/bench/lora.yaml."""
     import torch
     from omegaconf import OmegaConf
     from rich.console import Console
