@@ -115,7 +115,7 @@ def test_lora_trains_only_adapters_checkpoints_them_and_resumes_exactly(base, tm
     adam = straight["optimizer_states"][0]["state"]
     assert len(adam) == len(state)  # optimizer state for the adapters only
     base_state = torch.load(base[0] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    assert state["model.blocks.0.attn.qkv_proj.lora_q_B"].abs().sum() > 0  # B left zero: it trained
+    assert state["model.blocks.0.attn.qkv_proj.lora_q_B"].abs().sum() > 0  # B moved off zero: it trained
     size = lambda d: sum(v.numel() for v in d.values())  # noqa: E731
     assert size(state) < size(base_state) / 2
 
@@ -125,14 +125,15 @@ def test_lora_trains_only_adapters_checkpoints_them_and_resumes_exactly(base, tm
     code, _, err = run_main(capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false",
                             "trainer.threads=1")
     assert code == 0, err
-    assert rows(runs / "halves") == rows(runs / "straight")
+    want = rows(runs / "straight")
+    assert len({r["train/loss"] for r in want.values() if r.get("train/loss")}) == 4  # 4 steps, the loss moves
+    assert rows(runs / "halves") == want
     halves = ckpt(runs / "halves")["state_dict"]
     assert halves.keys() == state.keys() and all(torch.equal(halves[k], state[k]) for k in state)
 
     # sample loads the base with the adapters merged
     code, out, err = run_main(capsys, "sample", f"run={runs / 'straight'}", "prompt=ROMEO:",
-                              "max_new_tokens=8",
-                              "temperature=0")
+                              "max_new_tokens=8", "temperature=0")
     assert code == 0 and out.startswith("ROMEO:"), err
 
 
