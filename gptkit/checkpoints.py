@@ -387,8 +387,8 @@ def lora_base(checkpoint: dict[str, Any], where: Path | str) -> Path:
     record = checkpoint[adapters.CHECKPOINT_KEY]
     base = Path(record["base"])
     if not base.exists():
-        raise GptkitError(f"{where} holds LoRA adapters of the base checkpoint {base}, which is gone; put that "
-                          f"checkpoint back where it was (the adapters alone are not a model)")
+        raise GptkitError(f"{where} holds LoRA adapters of the base checkpoint {base}, which is gone; put "
+                          f"that checkpoint back where it was (the adapters alone are not a model)")
     if adapters.fingerprint(base) != record["base_fingerprint"]:
         raise GptkitError(f"{where} holds LoRA adapters of {base}, whose content changed since the LoRA run "
                           f"started (fingerprint {record['base_fingerprint']}); restore that checkpoint (the "

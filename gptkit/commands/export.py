@@ -110,8 +110,8 @@ def export_adapters(ckpt, out, cfg) -> int:
 
     checkpoint = load_checkpoint(ckpt)
     if adapters.CHECKPOINT_KEY not in checkpoint:
-        raise GptkitError(f"export adapters=true: {ckpt} is not a LoRA run's checkpoint (finetune=lora); export "
-                          f"its weights with adapters=false")
+        raise GptkitError(f"export adapters=true: {ckpt} is not a LoRA run's checkpoint (finetune=lora); "
+                          f"export its weights with adapters=false")
     record = checkpoint[adapters.CHECKPOINT_KEY]
     model_cfg = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
     state = model_state_dict(checkpoint)
@@ -122,12 +122,12 @@ def export_adapters(ckpt, out, cfg) -> int:
     config, tensors = hf.peft_adapters(state, model_cfg, record, str(source or base_run))
     dtype = torch_dtype(cfg.dtype)
     with staged_dir(out, force=bool(cfg.force)) as tmp:
-        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()}, str(tmp / "adapter_model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     n = sum(v.numel() for v in tensors.values())
     print(f"exported the LoRA adapters of {ckpt} (rank {record['rank']}, alpha {record['alpha']}, "
-          f"{', '.join(record['targets'])}; {n:,} parameters, {cfg.dtype}) to {Path(out)}: adapter_config.json, "
-          f"adapter_model.safetensors, for PEFT on the base {source or base_run} (export it with: gptkit export "
-          f"run={base_run} out=<folder>)")
+          f"{', '.join(record['targets'])}; {n:,} parameters, {cfg.dtype}) to {Path(out)}: "
+          f"adapter_config.json, adapter_model.safetensors, for PEFT on the base {source or base_run} "
+          f"(export it with: gptkit export run={base_run} out=<folder>)")
     return 0

@@ -118,7 +118,7 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
     saved = saved_run_config(ckpt, cfg)  # data, never resolved (the CLI checked it as a command line)
     saved_optimizer = str(saved.optim.get("name", "adamw"))
-    saved_lora = OmegaConf.create(OmegaConf.to_container(saved.lora)) if "lora" in saved else OmegaConf.create()
+    saved_lora = OmegaConf.create(OmegaConf.to_container(saved.lora) if "lora" in saved else {})
     overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
@@ -162,16 +162,16 @@ def check_resumed_finetune(resume: Any, saved_lora: Any, merged: DictConfig, lor
     if asked != have:
         other = (f"init_from={resume} finetune=lora" if asked == "lora" else
                  f"init_from={resume} (its base with the adapters merged) finetune=full")
-        raise GptkitError(f"resume={resume} continues a finetune={have} run (its checkpoint holds "
-                          f"{'the adapters only' if have == 'lora' else 'every weight'}); for finetune={asked} "
-                          f"start a new run: {other}")
+        held = "the adapters only" if have == "lora" else "every weight"
+        raise GptkitError(f"resume={resume} continues a finetune={have} run (its checkpoint holds {held}); "
+                          f"for finetune={asked} start a new run: {other}")
     if have == "lora":
         for key in ("rank", "alpha", "targets"):
             was, now = saved_lora.get(key), merged.lora.get(key)
             was, now = (f"[{', '.join(map(str, v))}]" if OmegaConf.is_list(v) else v for v in (was, now))
             if was != now:
-                raise GptkitError(f"resume={resume} continues adapters with lora.{key}={was}; lora.{key}={now} "
-                                  f"would not fit them (start a new run for other adapters)")
+                raise GptkitError(f"resume={resume} continues adapters with lora.{key}={was}; "
+                                  f"lora.{key}={now} would not fit them (start a new run for other adapters)")
 
 
 def preset_settings(group: str, name: str) -> DictConfig:
@@ -285,7 +285,8 @@ def _load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None
         state = grow_vocab(state, cfg.vocab_size)
     missing, unexpected = model.load_state_dict(state, strict=False)  # into the (tied) parameters
     if unexpected or any(not adapters.is_adapter_key(k) for k in missing):  # only LoRA's adapters start anew
-        raise GptkitError(f"{ckpt} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise GptkitError(f"{ckpt} does not fit the model: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
 
 def _load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
     """objective=dpo: the starting weights into the frozen reference (module.dpo.reference; None with LoRA,
@@ -342,8 +343,8 @@ def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
 
     finetune = cfg.get("finetune", "full")
     if finetune not in ("full", "lora"):
-        raise ConfigError(f"finetune={finetune} must be full (every weight trains) or lora (adapters on frozen "
-                          f"weights)")
+        raise ConfigError(f"finetune={finetune} must be full (every weight trains) or lora (adapters on "
+                          f"frozen weights)")
     if finetune != "lora":
         return
     if not has_weights:
@@ -368,7 +369,7 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> None:
     from gptkit.training.trainer import check_loggers, check_trainer_config
 
     check_run_location(cfg.get("runs_dir"), None)
-    if resumed:  # the command line had one of them (prepare_args, resolve_resume); the saved config keeps both
+    if resumed:  # the command line had one of them (prepare_args, resolve_resume); the saved config, both
         resume, init_from = True, False
     else:
         resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
@@ -516,7 +517,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
     _announce(trainer, plan, prepared, optimizer, getattr(module, "trainable", None))
     if trainer.is_global_zero:
-        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0)
+        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0,
+                    getattr(module, "trainable", None))
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
@@ -596,15 +598,16 @@ def _remove_leftovers(run_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -> None:
-    """Say how much disk the run's checkpoints need (the count-params estimate) and warn when the
-    filesystem has less free."""
+def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int,
+                lora_params: int | None = None) -> None:
+    """Say how much disk the run's checkpoints need (the count-params estimate; finetune=lora: the
+    adapters and their AdamW moments, in fp32) and warn when the filesystem has less free."""
     from rich.console import Console
 
     from gptkit import accounting as acc
     from gptkit.fsio import free_bytes, human_bytes
 
-    each = acc.checkpoint_bytes(model_cfg, str(t.precision))
+    each = acc.checkpoint_bytes(model_cfg, str(t.precision)) if lora_params is None else 12 * lora_params
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
     at_once = (periodic if keep is None else min(int(keep), periodic)) + 2  # + the one being written + last.ckpt
@@ -649,7 +652,8 @@ def out_of_memory(plan: RunPlan) -> GptkitError:
         f"or shard with trainer=fsdp")
 
 
-def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW", trainable: int | None = None) -> None:
+def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW",
+              trainable: int | None = None) -> None:
     """The start-up lines: the run folder, the model, the data, the global batch and the plan's totals,
     precision, optimizer and clipping, and where the weights come from."""
     if not trainer.is_global_zero:
@@ -686,9 +690,9 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW", traina
         + (f"\n  note: {plan.replan}" if plan.replan else "")
         + (f"\n  weights from {escape(str(plan.init_from))} (new optimizer and schedule)"
            if plan.init_from else "")
-        + (f"\n  LoRA: rank {plan.lora['rank']}, alpha {plan.lora['alpha']}, dropout {plan.lora['dropout']} on "
-           f"{', '.join(plan.lora['targets'])}: {trainable:,} trainable parameters ({trainable / n:.2%}), the "
-           f"rest frozen from {escape(str(plan.lora_base))}; checkpoints hold the adapters only"
+        + (f"\n  LoRA: rank {plan.lora['rank']}, alpha {plan.lora['alpha']}, dropout {plan.lora['dropout']} "
+           f"on {', '.join(plan.lora['targets'])}: {trainable:,} trainable parameters ({trainable / n:.2%}), "
+           f"the rest frozen from {escape(str(plan.lora_base))}; checkpoints hold the adapters only"
            if plan.lora else "")
         + (f"\n  DPO: beta {plan.dpo.get('beta')}, {plan.dpo.get('loss')} loss; reference: "
            + ("the base with the adapters off (no second copy)" if plan.lora else

@@ -83,7 +83,8 @@ def apply_lora(model: GPT, lora: Any) -> int:
             linear = block.get_submodule(path)
             linear.__class__ = LoRALinear
             linear.lora_parts = tuple(parts)
-            linear.lora_scale, linear.lora_dropout, linear.lora_enabled = scale, float(settings["dropout"]), True
+            linear.lora_scale, linear.lora_enabled = scale, True
+            linear.lora_dropout = float(settings["dropout"])
             like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
             for t, start, end in parts:
                 a = nn.Parameter(torch.empty(rank, linear.in_features, **like))  # [rank, in_features]
@@ -137,4 +138,5 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def adapter_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Only the adapter tensors of a state dict whose names carry `prefix` (e.g. "model.")."""
-    return {k: v for k, v in state.items() if k.startswith(prefix) and adapters.is_adapter_key(k[len(prefix):])}
+    n = len(prefix)
+    return {k: v for k, v in state.items() if k.startswith(prefix) and adapters.is_adapter_key(k[n:])}

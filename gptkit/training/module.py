@@ -292,8 +292,8 @@ class LitGPT(L.LightningModule):
                               "on, so a resume would measure rewards against other weights; start a new DPO "
                               "run")
         if (self.lora_record is None) != (adapters.CHECKPOINT_KEY not in checkpoint):
-            raise GptkitError("the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only; a "
-                              "full one every weight): resume with the run's own finetune=")
+            raise GptkitError("the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only, "
+                              "a full one every weight): resume with the run's own finetune=")
         if self.lora_record is not None and "state_dict" in checkpoint:  # (a sharded one is checked on load)
             state = {k[len(STATE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()}
             adapters.check_adapters(state, self.model.cfg, self.lora_record, "the checkpoint")
