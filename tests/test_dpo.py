@@ -199,6 +199,8 @@ def test_bad_dpo_commands_exit_2_with_one_line_before_anything_is_written(tmp_pa
             "objective=dpo trains on preference",
         ),
         ([*pref, "objective=ppo"], "objective='ppo' is not one of lm, dpo"),
+        # the recipe sets objective=dpo (experiment= composes after train.yaml's own keys)
+        (["experiment=dpo-tiny", f"data.paths=[{f}]"], "objective=dpo needs a starting checkpoint"),
     ]:
         code, _, err = run_main(capsys, "train", *base, *args)
         assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {message}"), (args, err)
@@ -361,7 +363,7 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
                           "lora.rank=4", "lora.targets=[q,k,v,o]"))
     assert "reference: the base with the adapters off (no second copy)" in capfd.readouterr().err
     rows = rows_of(dpo_data / "lora")
-    assert float(rows[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: the policy is the base
+    assert float(rows[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: policy = base
     assert float(rows[5]["train/rewards/margin"]) > 0
     from gptkit.runs import load_model
 

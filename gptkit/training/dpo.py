@@ -168,11 +168,6 @@ class DPO:
         rewards.add(chosen, rejected)
         return losses.mean()
 
-    def to(self, device: torch.device) -> None:
-        """Move the reference to the policy's device (Lightning moves only the LightningModule)."""
-        if self.reference is not None:
-            self.reference.to(device)
-
 
 def check_objective(cfg: Any) -> None:
     """objective=, the dpo block and the data and start they need, checked without data: objective=dpo

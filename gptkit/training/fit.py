@@ -288,6 +288,7 @@ def _load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None
         raise GptkitError(f"{ckpt} does not fit the model: missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}")
 
+
 def _load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
     """objective=dpo: the starting weights into the frozen reference (module.dpo.reference; None with LoRA,
     whose reference is the base with adapters off). A new run copies the policy's (just loaded from
