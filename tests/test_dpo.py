@@ -376,3 +376,10 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
         ratio = (answer_logps(end(x).logits, y) - answer_logps(start(x).logits, y)).view(4, 2)
     margin = float(0.5 * (ratio[:, 0] - ratio[:, 1]).mean())
     assert margin == pytest.approx(float(rows[6]["val/rewards/margin"]), abs=1e-5) and margin > 0
+
+
+def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo_data):
+    gptkit.train(dpo_args(dpo_data, "bf16", 1, "trainer.precision=bf16-true", "trainer.max_steps=1",
+                          "trainer.val_every=1"))
+    step0 = rows_of(dpo_data / "bf16")[0]
+    assert float(step0["train/rewards/chosen"]) == 0.0 == float(step0["train/rewards/rejected"])

@@ -101,7 +101,7 @@ class RewardWindow:
     def add(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
         """Add one batch's rewards ([P] each)."""
         row = torch.cat([reward_stats(chosen.float(), rejected.float()),
-                         torch.tensor([float(chosen.numel())], device=chosen.device)])
+                         torch.tensor([float(chosen.numel())], dtype=torch.float32, device=chosen.device)])
         self.sums = row if self.sums is None else self.sums + row
 
     def read(self, strategy, prefix: str) -> dict[str, float]:

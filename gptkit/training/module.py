@@ -154,11 +154,18 @@ class LitGPT(L.LightningModule):
         if self.weights_from_rank0 and getattr(self.model, "_gptkit_sharded", False):
             self.built_on_meta = False
         del full
-        if reference is not None and not getattr(reference, "_gptkit_sharded", False):
-            reference.to(strategy.root_device)  # Lightning moves the LightningModule only
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True
+
+    def on_fit_start(self) -> None:
+        """objective=dpo, reference not sharded: on the policy's device and in its dtype (Lightning moves and
+        converts the LightningModule's own modules only; with trainer.precision=bf16-true a float32
+        reference would give rewards that are not 0 at the start)."""
+        reference = self.dpo.reference if self.dpo is not None else None
+        if reference is not None and not getattr(reference, "_gptkit_sharded", False):
+            weight = self.model.tok_emb.weight
+            reference.to(device=weight.device, dtype=weight.dtype)
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
