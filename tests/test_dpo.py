@@ -383,3 +383,13 @@ def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo
                           "trainer.val_every=1"))
     step0 = rows_of(dpo_data / "bf16")[0]
     assert float(step0["train/rewards/chosen"]) == 0.0 == float(step0["train/rewards/rejected"])
+
+
+def test_a_bad_pair_stops_train_in_one_line_naming_file_and_line_and_leaves_no_run(dpo_data, capsys):
+    f = write_jsonl(dpo_data / "bad.jsonl", [PAIR, PAIR, {"prompt": "upper ab", "chosen": "AB"}])
+    code, _, err = run_main(capsys, "train", *dpo_args(dpo_data, "bad-pairs", 1, f"data.paths=[{f}]"))
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"error: {f} line 3: a preference record needs chosen and rejected answers (data.chosen_field, "
+        "data.rejected_field); it has no rejected (fields: prompt, chosen)")
+    run = dpo_data / "bad-pairs"  # removed when the process exits (runs.claim_run_dir); empty of results now
+    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
