@@ -76,7 +76,8 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     if wrong:
         why = (" (a GPT-2-style model, mlp=gelu, has no gate projection)"
                if "gate" in wrong and cfg.mlp != "swiglu" else "")
-        raise ConfigError(f"lora.targets: {', '.join(wrong)} match no module of this model{why}; "
+        verb = "matches" if len(wrong) == 1 else "match"
+        raise ConfigError(f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "
                           f"its targets are {', '.join(have)}")
     rank = lora.get("rank")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:

@@ -57,8 +57,8 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
 
 
 @pytest.mark.parametrize("style, lora, needle", [
-    ({}, settings(targets=["q", "gate"]), "gate match no module of this model (a GPT-2-style model"),
-    (LLAMA, settings(targets=["query"]), "query match no module"),
+    ({}, settings(targets=["q", "gate"]), "gate matches no module of this model (a GPT-2-style model"),
+    (LLAMA, settings(targets=["query", "x"]), "query, x match no module"),
     (LLAMA, settings(targets=[]), "lora.targets=[] must be a non-empty list"),
     (LLAMA, settings(rank=0), "lora.rank=0 must be a positive integer"),
     (LLAMA, settings(rank=17), "lora.rank=17 is larger than the k projection (16 x 32)"),
@@ -199,7 +199,7 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
 
 @pytest.mark.parametrize("extra, needle", [
     (["~init_from"], "finetune=lora trains adapters on frozen weights, so it needs the weights to start"),
-    (["lora.targets=[q,query]"], "lora.targets: query match no module of this model"),
+    (["lora.targets=[q,query]"], "lora.targets: query matches no module of this model"),
     (["lora.rank=0"], "lora.rank=0 must be a positive integer"),
     (["lora.rank=33"], "lora.rank=33 is larger than the q projection (32 x 32)"),
     (["lora.alpha=0"], "lora.alpha=0 must be a number > 0"),
