@@ -110,6 +110,11 @@ def adapter_shapes(cfg: Any, targets: tuple[str, ...], rank: int) -> dict[str, t
     return shapes
 
 
+def adapter_params(cfg: Any, targets: Any, rank: int) -> int:
+    """How many parameters the adapters of `targets` at `rank` add to a model of config `cfg`."""
+    return sum(rows * cols for rows, cols in adapter_shapes(cfg, tuple(targets), int(rank)).values())
+
+
 def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:
     """`state` (a GPT state dict with adapter tensors) as a plain GPT state dict: the adapters folded into
     their weights, W[rows] + scale * B @ A computed in fp32 and stored in W's dtype; the adapters dropped.

@@ -44,8 +44,7 @@ def estimate(plan: Any) -> dict[str, float]:
                               bool(plan.trainer.activation_checkpointing))
     if getattr(plan, "lora", None) is not None:
         n = acc.count_params(plan.model).total
-        shapes = adapters.adapter_shapes(plan.model, tuple(plan.lora["targets"]), int(plan.lora["rank"]))
-        k = sum(rows * cols for rows, cols in shapes.values())
+        k = adapters.adapter_params(plan.model, plan.lora["targets"], plan.lora["rank"])
         mem["weights"] *= (n + k) / n
         mem["gradients"] *= k / n
         mem["optimizer"] *= k / n
