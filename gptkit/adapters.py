@@ -76,7 +76,8 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     if wrong:
         why = (" (a GPT-2-style model, mlp=gelu, has no gate projection)"
                if "gate" in wrong and cfg.mlp != "swiglu" else "")
-        raise ConfigError(f"lora.targets: {', '.join(wrong)} match no module of this model{why}; "
+        verb = "matches" if len(wrong) == 1 else "match"
+        raise ConfigError(f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "
                           f"its targets are {', '.join(have)}")
     rank = lora.get("rank")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
@@ -107,6 +108,11 @@ def adapter_shapes(cfg: Any, targets: tuple[str, ...], rank: int) -> dict[str, t
             shapes[prefix + "_A"] = (rank, n_in)
             shapes[prefix + "_B"] = (end - start, rank)
     return shapes
+
+
+def adapter_params(cfg: Any, targets: Any, rank: int) -> int:
+    """How many parameters the adapters of `targets` at `rank` add to a model of config `cfg`."""
+    return sum(rows * cols for rows, cols in adapter_shapes(cfg, tuple(targets), int(rank)).values())
 
 
 def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:

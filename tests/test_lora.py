@@ -57,8 +57,8 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
 
 
 @pytest.mark.parametrize("style, lora, needle", [
-    ({}, settings(targets=["q", "gate"]), "gate match no module of this model (a GPT-2-style model"),
-    (LLAMA, settings(targets=["query"]), "query match no module"),
+    ({}, settings(targets=["q", "gate"]), "gate matches no module of this model (a GPT-2-style model"),
+    (LLAMA, settings(targets=["query", "x"]), "query, x match no module"),
     (LLAMA, settings(targets=[]), "lora.targets=[] must be a non-empty list"),
     (LLAMA, settings(rank=0), "lora.rank=0 must be a positive integer"),
     (LLAMA, settings(rank=17), "lora.rank=17 is larger than the k projection (16 x 32)"),
@@ -126,7 +126,8 @@ def test_lora_trains_only_adapters_checkpoints_them_and_resumes_exactly(base, tm
                             "trainer.threads=1")
     assert code == 0, err
     want = rows(runs / "straight")
-    assert len({r["train/loss"] for r in want.values() if r.get("train/loss")}) == 4  # 4 steps, the loss moves
+    losses = {r["train/loss"] for r in want.values() if r.get("train/loss")}
+    assert len(losses) == 4  # 4 steps, and the loss moves
     assert rows(runs / "halves") == want
     halves = ckpt(runs / "halves")["state_dict"]
     assert halves.keys() == state.keys() and all(torch.equal(halves[k], state[k]) for k in state)
@@ -198,7 +199,7 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
 
 @pytest.mark.parametrize("extra, needle", [
     (["~init_from"], "finetune=lora trains adapters on frozen weights, so it needs the weights to start"),
-    (["lora.targets=[q,query]"], "lora.targets: query match no module of this model"),
+    (["lora.targets=[q,query]"], "lora.targets: query matches no module of this model"),
     (["lora.rank=0"], "lora.rank=0 must be a positive integer"),
     (["lora.rank=33"], "lora.rank=33 is larger than the q projection (32 x 32)"),
     (["lora.alpha=0"], "lora.alpha=0 must be a number > 0"),
@@ -338,3 +339,26 @@ def test_a_moved_or_changed_base_is_one_line(tmp_path, capsys):
     base_ckpt.unlink()
     code, _, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf'}")
     assert code == 2 and "which is gone" in err and not (tmp_path / "hf").exists(), err
+
+
+def test_the_memory_estimate_counts_gradients_and_adam_of_the_adapters_only():
+    """check_host_memory must not refuse a LoRA run for the full fine-tune's gradients and AdamW moments."""
+    from types import SimpleNamespace
+
+    from gptkit.precision import precision
+    from gptkit.training.memory import estimate
+
+    model = tiny(LLAMA)
+    plan = SimpleNamespace(model=model.cfg, precision=precision("32-true"), shards=1, batch_size=2,
+                           seq_len=16,
+                           trainer=SimpleNamespace(activation_checkpointing=False), lora=None)
+    full = estimate(plan)
+    lora = estimate(SimpleNamespace(**{**vars(plan), "lora": settings()}))
+    k = apply_lora(model, settings())
+    n = sum(p.numel() for p in model.parameters()) - k
+    approx = pytest.approx
+    assert full["gradients"] == 4 * n and lora["gradients"] == approx(4 * k)
+    assert lora["optimizer"] == approx(8 * k)
+    assert lora["weights"] == approx(4 * (n + k)) and lora["activations"] == full["activations"]
+    assert lora["total"] == approx(sum(v for key, v in lora.items() if key != "total"))
+    assert lora["total"] < full["total"]

@@ -685,7 +685,9 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW",
         f"{plan.nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
         f"{plan.max_steps} steps = {total:,} tokens, "
-        f"{plan.flops_per_token * total:.3g} FLOPs (6N + 12·L·T·d_attn, as count-params)\n"
+        f"{plan.flops_per_token * total:.3g} FLOPs ("
+        + ("4N + 6·adapters + 12·L·T·d_attn: no weight gradient for the frozen weights" if plan.lora
+           else "6N + 12·L·T·d_attn, as count-params") + ")\n"
         f"  precision {plan.precision.name}, {escape(optimizer)}, {clip}"
         + (f"\n  resuming from {escape(str(plan.resume))}" if plan.resume else "")
         + (f"\n  note: {plan.replan}" if plan.replan else "")

@@ -35,11 +35,21 @@ def available_memory() -> int | None:
 
 
 def estimate(plan: Any) -> dict[str, float]:
-    """The count-params training memory estimate of a run plan (training/plan.py), per process."""
+    """The count-params training memory estimate of a run plan (training/plan.py), per process; with
+    finetune=lora the gradients and AdamW moments are the adapters' only, and their weights are added."""
     from gptkit import accounting as acc
+    from gptkit import adapters
 
-    return acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
-                               bool(plan.trainer.activation_checkpointing))
+    mem = acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
+                              bool(plan.trainer.activation_checkpointing))
+    if getattr(plan, "lora", None) is not None:
+        n = acc.count_params(plan.model).total
+        k = adapters.adapter_params(plan.model, plan.lora["targets"], plan.lora["rank"])
+        mem["weights"] *= (n + k) / n
+        mem["gradients"] *= k / n
+        mem["optimizer"] *= k / n
+        mem["total"] = sum(v for key, v in mem.items() if key != "total")
+    return mem
 
 
 def _breakdown(mem: dict[str, float], plan: Any) -> str:

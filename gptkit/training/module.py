@@ -100,7 +100,8 @@ def apply_activation_checkpointing(model: GPT) -> None:
 
 
 class LitGPT(L.LightningModule):
-    """The model, its loss, its optimizer and schedule, for Lightning; every setting from the run plan."""
+    """The model, its loss, its optimizer and schedule, for Lightning; every setting from the run plan.
+    finetune=lora: adapters on the frozen model (training/lora.py), and checkpoints of the adapters only."""
 
     def __init__(self, plan: RunPlan) -> None:
         """plan.weights_from_rank0 (FSDP over several processes): only global rank 0 builds and initializes

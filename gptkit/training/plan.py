@@ -13,7 +13,7 @@ then calls make_plan. From there on every part reads the plan and re-derives not
     plan.precision        the Precision (gptkit.precision), plan.accelerator "cpu" | "cuda"
     plan.compile          None | "blocks" | "model" (trainer.compile)
     plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params; objective=dpo:
-                          x 4/3, the reference's forward), plan.peak_flops
+                          + the reference's forward, 2N + 4·L·T·d_attn), plan.peak_flops
     plan.objective        "lm" | "dpo" (with plan.dpo, the `dpo` group)
 
 Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
@@ -98,7 +98,9 @@ class RunPlan:
     accelerator: str  # "cpu" | "cuda"
     compile: Optional[str]  # None | "blocks" | "model"
     compile_backend: str
-    flops_per_token: float  # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention)
+    # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention; finetune=lora:
+    # 4N + 6 per adapter parameter + 12·L·T·d_attn, the frozen weights getting no weight gradient)
+    flops_per_token: float
     causal_flops_per_token: float  # the attention term halved (perf/mfu_causal)
     peak_flops: Optional[float]  # one device's peak for plan.precision; None where unknown
     resume: Optional[Path] = None  # the checkpoint resume= continues
@@ -169,18 +171,24 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *, r
         saved_steps = planned_steps(saved_trainer, tokens_per_step)
         replan = schedule_note(saved_steps, max_steps, int(resume_step or 0), cfg.optim)
     p = precision(t.precision)
+    lora = adapters.settings(cfg.lora) if cfg.get("finetune", "full") == "lora" else None
+    flops = acc.flops_per_token(model, seq_len)
+    dense, causal = flops.train_dense, flops.train_causal
+    if lora is not None:  # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)
+        change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(model, lora["targets"], lora["rank"])
+        dense, causal = dense + change, causal + change
+    if dpo:  # and the reference's forward (no grad): the base model's
+        dense, causal = dense + flops.forward_dense, causal + flops.forward_causal
     return RunPlan(
         cfg=cfg, run_dir=run_dir, model=model, seq_len=seq_len, batch_size=int(t.batch_size),
         accumulation=int(t.accumulate_grad_batches), devices=per_node, nodes=int(t.num_nodes),
         world_size=world,
         tokens_per_step=tokens_per_step, max_steps=max_steps, precision=p, accelerator=accelerator_type(t),
         compile=compile_mode(t.compile), compile_backend=str(t.get("compile_backend") or "inductor"),
-        flops_per_token=acc.flops_per_token(model, seq_len).train_dense * (4 / 3 if dpo else 1),
-        causal_flops_per_token=acc.flops_per_token(model, seq_len).train_causal * (4 / 3 if dpo else 1),
+        flops_per_token=dense, causal_flops_per_token=causal,
         peak_flops=detect_peak_flops(p.name, t.get("peak_tflops")),
         resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job,
-        lora=adapters.settings(cfg.lora) if cfg.get("finetune", "full") == "lora" else None,
-        lora_base=lora_base,
+        lora=lora, lora_base=lora_base,
     )
 
 
