@@ -393,3 +393,22 @@ def test_a_bad_pair_stops_train_in_one_line_naming_file_and_line_and_leaves_no_r
         "data.rejected_field); it has no rejected (fields: prompt, chosen)")
     run = dpo_data / "bad-pairs"  # removed when the process exits (runs.claim_run_dir); empty of results now
     assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+
+
+def test_the_plan_counts_both_answers_and_the_reference_forward():
+    from omegaconf import OmegaConf
+
+    from gptkit import accounting as acc
+    from gptkit.config import compose
+    from gptkit.model import ModelConfig
+    from gptkit.training.plan import make_plan
+
+    cfg = compose("train", ["model=llama-tiny", "trainer.batch_size=3", "trainer.accelerator=cpu"])
+    model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    lm = make_plan(cfg, None, model)
+    cfg.objective = "dpo"
+    dpo = make_plan(cfg, None, model)
+    assert dpo.tokens_per_step == 2 * lm.tokens_per_step  # 3 pairs: 6 sequences
+    forward = acc.flops_per_token(model, lm.seq_len)
+    assert dpo.flops_per_token == pytest.approx(lm.flops_per_token + forward.forward_dense)
+    assert dpo.causal_flops_per_token == pytest.approx(lm.causal_flops_per_token + forward.forward_causal)
