@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sysconfig
 import tempfile
 import threading
@@ -141,7 +142,8 @@ def encoder_sample(path: Path, mb: float) -> list[str]:
 
 
 def time_encoder(tok, engine: str, pieces: list[str], mb: float):
-    """(MB/s, ids) of one encoder alone on the pieces: one process, one thread, built before the clock."""
+    """(MB/s, ids, CPU ms per MB) of one encoder alone on the pieces: one process, one thread, built before
+    the clock."""
     import numpy as np
 
     from gptkit.data.tokenize import EncoderSpec, Tokenizing, batches
@@ -149,10 +151,10 @@ def time_encoder(tok, engine: str, pieces: list[str], mb: float):
     work = list(batches(((p, False) for p in pieces)))
     spec = EncoderSpec(tok.to_str(), engine, (), None, "uint32")
     with Tokenizing(spec, 1) as t:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         ids = [a for a, *_ in t.map(iter(work))]
-        dt = time.perf_counter() - t0
-    return mb / dt, np.concatenate(ids)
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    return mb / dt, np.concatenate(ids), 1e3 * dc / mb
 
 
 def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, dict]:
@@ -166,8 +168,9 @@ def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, di
         engines = ["tiktoken", "hf"]
     out = {}
     for engine in engines:
-        speed, flat = time_encoder(tok, engine, pieces, mb)
-        out[engine] = {"mb_per_s": round(speed, 2), "tokens": int(len(flat)), "_ids": flat}
+        speed, flat, cpu = time_encoder(tok, engine, pieces, mb)
+        out[engine] = {"mb_per_s": round(speed, 2), "tokens": int(len(flat)), "_ids": flat,
+                       "cpu_ms_per_mb": round(cpu, 2)}
     hf = out["hf"]["_ids"]
     for e in out.values():
         e["same_ids"] = bool(np.array_equal(e.pop("_ids"), hf))
@@ -228,20 +231,27 @@ def run(cfg) -> int:
             row["encoders"] = encoder_speeds(tok, kind, sample, sample_mb)
             best = max((v["mb_per_s"], e) for e, v in row["encoders"].items() if v["same_ids"])
             fastest, best_engine = best
+            cpu_before = row["encoders"][best_engine]["cpu_ms_per_mb"]
             row["fastest_encoder_mb_per_s"] = fastest
             row["prepare"] = {}
             before = fastest  # the fastest encoder is timed again after each prepare: the ratio is to the
             for w in cfg.workers:  # mean of its speeds just before and just after (the load drifts)
                 con.print(f"{name}: prepare with data.workers={w} ... (load average {loadavg()})")
                 load0 = loadavg()
+                kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                 with peak_rss(tree=True) as prep:
                     p = prepare({**data, "workers": int(w)}, tok_cfg, cache_dir=tmp / f"cache-{name}-{w}",
                                 progress=False)
                 m = p.manifest
                 tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
                 ts = m["tokenize_seconds"]
-                after = round(time_encoder(tok, best_engine, sample, sample_mb)[0], 2)
+                kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, joined by now
+                kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
+                after, _, cpu_after = time_encoder(tok, best_engine, sample, sample_mb)
+                after = round(after, 2)
                 around = (before + after) / 2
+                enc_cpu = (cpu_before + cpu_after) / 2
+                prep_cpu = 1e3 * (m["tokenize_main_cpu_seconds"] + kids) / mb
                 row["prepare"][str(w)] = {
                     "workers": m["workers"], "encoder": m["encoder"], "tokenize_s": ts,
                     "mb_per_s": round(mb / ts, 2), "tokens_per_s": round(tokens / ts),
@@ -250,8 +260,13 @@ def run(cfg) -> int:
                     "peak_rss_added_with_workers_mb": round(prep["tree_added_mb"], 1),
                     "fastest_encoder_before_after_mb_per_s": [before, after],
                     "ratio_to_workers_x_fastest": round(mb / ts / (int(w) * around), 3),
+                    # CPU time, which the other processes on the machine disturb less than wall time: the
+                    # encoder's per MB over prepare's (its tokenization phase and all its workers' CPU,
+                    # their start-up included); 1.0: no overhead
+                    "encoder_cpu_ms_per_mb": round(enc_cpu, 2), "prepare_cpu_ms_per_mb": round(prep_cpu, 2),
+                    "cpu_ratio": round(enc_cpu / prep_cpu, 3),
                     "load_avg_before": load0, "load_avg_after": loadavg(), "tokens": tokens}
-                before = after
+                before, cpu_before = after, cpu_after
                 if kind == "byte" and byte_prepared is None:
                     byte_prepared = p
             r["tokenizers"][str(name)] = row
@@ -297,7 +312,8 @@ def run(cfg) -> int:
                       f"before / after), "
                       f"peak +{v['peak_rss_added_mb']:.0f} MB "
                       f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
-                      f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB, "
+                      f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB, CPU ratio {v['cpu_ratio']:.2f} "
+                      f"({v['encoder_cpu_ms_per_mb']} / {v['prepare_cpu_ms_per_mb']} ms per MB), "
                       f"load {v['load_avg_before']}")
     if "projection_40gb_16_cores" in r:
         pr = r["projection_40gb_16_cores"]
