@@ -121,6 +121,14 @@ def test_shards_do_not_depend_on_the_worker_count(tmp_path, small_pieces):
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (one.dir / name).read_bytes() == (two.dir / name).read_bytes(), name
     assert one.manifest["encoder"] == "tiktoken"
+    # HF tokenizers in the workers: they read the tokenizer from the build folder's tokenizer.json
+    meta = {"kind": "file", "path": str(metaspace_tokenizer(tmp_path / "meta.json", shakespeare(5_000)))}
+    data = {"kind": "files", "paths": [str(tmp_path / "b.txt")]}
+    one = prepare({**data, "workers": 1}, meta, cache_dir=tmp_path / "one", progress=False)
+    two = prepare({**data, "workers": 2}, meta, cache_dir=tmp_path / "two", progress=False)
+    assert two.manifest["encoder"] == "hf" and two.manifest["workers"] == 2
+    assert (one.dir / "train.bin").read_bytes() == (two.dir / "train.bin").read_bytes()
+    assert (one.dir / "val.bin").read_bytes() == (two.dir / "val.bin").read_bytes()
 
 
 def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_text():

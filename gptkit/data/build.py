@@ -79,7 +79,7 @@ PROGRESS = "progress.json"  # in a build folder: what is complete
 def layout() -> dict[str, int]:
     """The shape of the input batches: a build is continued only with the same."""
     return {"piece_chars": tokenize.PIECE_CHARS, "hard_chars": tokenize.HARD_CHARS,
-            "batch_chars": tokenize.BATCH_CHARS}
+            "batch_chars": tokenize.BATCH_CHARS, "verify_first": tokenize.VERIFY_FIRST}
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:

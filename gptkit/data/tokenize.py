@@ -42,6 +42,7 @@ HARD_CHARS = 4 * PIECE_CHARS  # how far past PIECE_CHARS a cut is looked for
 MAX_UNCUT = 16 << 20  # tokenizer=file: the longest stretch of a document that may have no safe cut
 BATCH_CHARS = 1 << 20  # text of one encoding task (its HF Encodings cost ~100 B per token)
 VERIFY_CHARS = 1024  # tokenizer=file: text either side of a cut that is encoded to check it
+VERIFY_FIRST = 8  # tokenizer=file: candidates of each kind checked before all of them are
 _NL = re.compile(r"\n(?=\S)")  # a newline before a non-space (a look-behind for the one before would make
 #                                  the search 10x slower: that character is checked in Python)
 # places where the class of character changes (letter, digit, other non-space, space): cut candidates
@@ -126,17 +127,36 @@ class Cutter:
         a, b = text[max(0, c - VERIFY_CHARS) : c], text[c : c + VERIFY_CHARS]
         return self.encode(a + b) == self.encode(a) + self.encode(b)
 
-    def cut(self, text: str, lo: int, hi: int, complete: bool) -> int | None:
-        """A safe cut in text[lo:hi] (lo > 0), or None. `complete`: text[lo:hi] is a whole window (a forced
-        cut is allowed there)."""
+    def _candidates(self, text: str, lo: int, hi: int, limit: int | None) -> Iterator[int]:
+        """Cut candidates in text[lo:hi]: newlines between two non-space characters, then changes of
+        character class (at most `limit` of each kind, when given)."""
+        n = 0
         for m in _NL.finditer(text, lo, hi):
             c = m.start()
-            if c and not text[c - 1].isspace() and self._ok(text, c):
-                return c
+            if c and not text[c - 1].isspace():
+                if limit is not None and n >= limit:
+                    break
+                n += 1
+                yield c
+        n = 0
         for m in _CHANGE.finditer(text, lo, hi):  # candidates found in C; each checked exactly
             c = m.start()
-            if gpt2_boundary(text[c - 1], text[c]) and self._ok(text, c):
-                return c
+            if gpt2_boundary(text[c - 1], text[c]):
+                if limit is not None and n >= limit:
+                    break
+                n += 1
+                yield c
+
+    def cut(self, text: str, lo: int, hi: int, complete: bool) -> int | None:
+        """A safe cut in text[lo:hi] (lo > 0), or None. `complete`: text[lo:hi] is a whole window (a forced
+        cut is allowed there). mode verify checks the first VERIFY_FIRST candidates of each kind first:
+        every check encodes 2 x VERIFY_CHARS characters three times, and a tokenizer that rejects one kind
+        (a Metaspace one: a piece that starts with a newline gets a prefix space) would otherwise check all
+        of a window's newlines before its first word boundary; then every candidate, as before."""
+        for limit in (VERIFY_FIRST, None) if self.mode == "verify" else (None,):
+            for c in self._candidates(text, lo, hi, limit):
+                if self._ok(text, c):
+                    return c
         if not complete or self.mode == "verify":
             return None
         c = lo
