@@ -30,6 +30,7 @@ import time
 import unicodedata
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterator
@@ -512,12 +513,19 @@ class Tokenizing:
             return
         flight: deque[Future] = deque()
         light = self.spec.light()
-        for b in work:
-            flight.append(self.pool.submit(_work, light, b))
-            if len(flight) >= 2 * self.workers:
+        try:
+            for b in work:
+                flight.append(self.pool.submit(_work, light, b))
+                if len(flight) >= 2 * self.workers:
+                    yield flight.popleft().result()
+            while flight:
                 yield flight.popleft().result()
-        while flight:
-            yield flight.popleft().result()
+        except BrokenProcessPool as exc:
+            raise GptkitError(
+                "a tokenization worker process ended abruptly (killed, out of memory, or, from Python, a "
+                "script that calls prepare() without `if __name__ == \"__main__\":`: each spawned worker "
+                "imports it again); set data.workers=1 to tokenize in this process"
+            ) from exc
 
 
 def char_like(tokenizer_json: str) -> bool:
