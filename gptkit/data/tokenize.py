@@ -15,7 +15,7 @@
 3. Workers. `Tokenizing(spec, workers)` encodes batches of pieces in `workers` processes (spawned,
    one thread each), at most 2 x workers batches in flight, results in input order: the ids do not
    depend on the worker count. The processes can be started early (`start_workers`), so that their
-   start-up (~1 s of imports) overlaps the work before tokenizing; a task carries only its text and a
+   start-up (spawning and imports: seconds) overlaps the work before tokenizing; a task carries only its text and a
    small spec (the tokenizer is read from its file once per process), a result only its ids.
 """
 
