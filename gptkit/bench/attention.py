@@ -75,7 +75,8 @@ def _cases(cfg) -> list[Case]:
             n_heads = cfg.d_model // head_dim
             for group in cfg.gqa:
                 if group <= 0 or n_heads % group:
-                    raise ConfigError(f"bench.gqa={group} must divide the {n_heads} heads of head_dim={head_dim}")
+                    raise ConfigError(f"bench.gqa={group} must divide the {n_heads} heads of "
+                                      f"head_dim={head_dim}")
                 for causal in cfg.causal:
                     cases.append(Case(T, cfg.tokens // T, head_dim, n_heads, n_heads // group, bool(causal)))
     return cases
@@ -100,7 +101,8 @@ def _inputs(case: Case, dtype, n_kv_heads: int | None = None):
     import torch
 
     n_kv = case.n_kv_heads if n_kv_heads is None else n_kv_heads
-    q = torch.randn(case.batch, case.n_heads, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, H, T, D]
+    # [B, H, T, D]
+    q = torch.randn(case.batch, case.n_heads, case.T, case.head_dim, device=DEVICE, dtype=dtype)
     k = torch.randn(case.batch, n_kv, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, Hkv, T, D]
     v = torch.randn(case.batch, n_kv, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, Hkv, T, D]
     return [x.requires_grad_() for x in (q, k, v)]
@@ -147,10 +149,12 @@ def _measure(case: Case, backend: str, dtype, cfg) -> Result:
             _check_and_time(result, dtype, cfg)
     except torch.cuda.OutOfMemoryError:
         result.ms, result.note = {mode: None for mode in MODES}, "oom"
-    except (RuntimeError, AttributeError) as exc:  # e.g. an SDPA backend refusing this GPU or shape; ours must not
+    # e.g. an SDPA backend refusing this GPU or shape; ours must not
+    except (RuntimeError, AttributeError) as exc:
         if backend in OURS:
             raise
-        result.ms, result.note = {mode: None for mode in MODES}, f"unavailable: {str(exc).splitlines()[0][:60]}"
+        first_line = str(exc).splitlines()[0][:60]
+        result.ms, result.note = {mode: None for mode in MODES}, f"unavailable: {first_line}"
     finally:
         gc.collect()  # free this case's tensors before the next one
         torch.cuda.empty_cache()
@@ -214,13 +218,15 @@ def run(cfg) -> int:
     from gptkit.errors import ConfigError, GptkitError
 
     if not torch.cuda.is_available():
-        raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU machine")
+        raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU "
+                          "machine")
     if triton_version() is None:  # every backend is timed with triton's do_bench
         raise GptkitError(f"gptkit bench attention times every backend with triton.testing: {TRITON_MISSING}")
     from gptkit_kernels import interpreting
 
     if interpreting():
-        raise GptkitError("TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU kernels")
+        raise GptkitError("TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU "
+                          "kernels")
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"bench.dtype={cfg.dtype!r} must be one of {', '.join(DTYPES)}")
     unknown = sorted(set(cfg.backends) - set(BACKENDS))
@@ -228,12 +234,13 @@ def run(cfg) -> int:
         raise ConfigError(f"unknown bench.backends {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
     dtype = getattr(torch, DTYPES[cfg.dtype])
     cases = _cases(cfg)
-    backends = sorted(cfg.backends, key=lambda b: (b not in SDPA, BACKENDS.index(b)))  # SDPA first: the baseline
+    # SDPA first: the baseline
+    backends = sorted(cfg.backends, key=lambda b: (b not in SDPA, BACKENDS.index(b)))
 
     env = environment()
-    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: {len(cases)} configurations "
-          f"x {len(backends)} backends, {cfg.dtype}, B*T = {cfg.tokens}; TFLOP/s (fwd 4*B*H*T^2*D, halved when "
-          f"causal; bwd 2.5x fwd)", flush=True)
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: {len(cases)} "
+          f"configurations x {len(backends)} backends, {cfg.dtype}, B*T = {cfg.tokens}; TFLOP/s (fwd "
+          f"4*B*H*T^2*D, halved when causal; bwd 2.5x fwd)", flush=True)
     print(header(), flush=True)
     results: list[Result] = []
     for case in cases:
@@ -247,7 +254,8 @@ def run(cfg) -> int:
     if cfg.out:
         print(f"wrote {cfg.out}", flush=True)
     if failed:
-        print(f"{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})", flush=True)
+        print(f"{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})",
+              flush=True)
         return 1
     return 0
 
@@ -260,8 +268,8 @@ def _write(path, env: dict, results: list[Result]) -> None:
     atomic_write_text(path, json.dumps({**env, "results": [r.to_dict() for r in results]}, indent=2))
 
 
-_COLUMNS = (("T", 6), ("B", 4), ("hd", 4), ("heads", 6), ("causal", 6), ("backend", 26), ("fwd", 7), ("bwd", 7),
-            ("fwd+bwd", 8), ("vs best sdpa", 12), ("check vs sdpa", 13))
+_COLUMNS = (("T", 6), ("B", 4), ("hd", 4), ("heads", 6), ("causal", 6), ("backend", 26), ("fwd", 7),
+            ("bwd", 7), ("fwd+bwd", 8), ("vs best sdpa", 12), ("check vs sdpa", 13))
 
 
 def header() -> str:
@@ -285,6 +293,7 @@ def row(r: Result, results: list[Result], check_tol: float) -> str:
     if r.max_rel_err is not None:
         check = f"{'ok' if r.max_rel_err <= check_tol else 'FAIL'} {r.max_rel_err:.1e}"
     backend = r.backend + (f" ({r.note})" if r.note and r.note != "oom" else "")
-    cells = (c.T, c.batch, c.head_dim, f"{c.n_heads}/{c.n_kv_heads}", "yes" if c.causal else "no", backend[:26],
-             cell("fwd"), cell("bwd"), cell("fwd+bwd"), ratio, check)
-    return "  ".join(f"{v!s:>{w}}" if name != "backend" else f"{v!s:<{w}}" for (name, w), v in zip(_COLUMNS, cells))
+    cells = (c.T, c.batch, c.head_dim, f"{c.n_heads}/{c.n_kv_heads}", "yes" if c.causal else "no",
+             backend[:26], cell("fwd"), cell("bwd"), cell("fwd+bwd"), ratio, check)
+    return "  ".join(f"{v!s:>{w}}" if name != "backend" else f"{v!s:<{w}}"
+                     for (name, w), v in zip(_COLUMNS, cells))

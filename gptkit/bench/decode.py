@@ -27,9 +27,11 @@ from typing import Callable
 SIDES = {  # bench.cuda.sides: name -> what runs
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
     "gptkit-graph": "gptkit, decode=graph compile=false (static cache, the step captured as a CUDA graph)",
-    "gptkit-compiled": "gptkit, decode=graph compile=true (the step compiled by torch.compile, then captured)",
+    "gptkit-compiled": "gptkit, decode=graph compile=true (the step compiled by torch.compile, then "
+                       "captured)",
     "transformers": "transformers generate(), its defaults (dynamic cache)",
-    "transformers-static": 'transformers generate(cache_implementation="static"), which it compiles itself on CUDA',
+    "transformers-static": 'transformers generate(cache_implementation="static"), which it compiles itself '
+                           'on CUDA',
 }
 
 
@@ -95,7 +97,8 @@ def ours(model, prompt, batch: int, **options):
     from gptkit.sampling import SampleOptions
 
     def run(n: int):
-        g = generate(model, prompt, SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options))
+        g = generate(model, prompt,
+                     SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options))
         run.notes = g.notes  # e.g. a fallback from decode=graph
         return g.tokens
 
@@ -115,7 +118,8 @@ def hf_generate(hf_model, prompt, batch: int, static: bool = False):
     def run(n: int):
         with torch.inference_mode():
             out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True, **extra)
+                                    do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True,
+                                    **extra)
         return out[:, len(prompt):].tolist()
 
     return run
@@ -244,7 +248,8 @@ def run_cpu(cfg) -> dict:
     new_tokens, repeats = int(cfg.new_tokens), int(cfg.repeats)
     t = Table(title=f"decode tokens/s, greedy, prompt {cfg.prompt_tokens} + {new_tokens} new tokens, CPU, "
                     f"{torch.get_num_threads()} threads, {cfg.clock} clock: median of {repeats} (min-max)")
-    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens", "read roofline"):
+    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens",
+                "read roofline"):
         t.add_column(col, justify="left" if col == "model" else "right")
     models = {}
     for name, spec in specs.items():
@@ -265,22 +270,25 @@ def run_cpu(cfg) -> dict:
                            transformers_max=theirs.high, speed_up=mine.median / theirs.median,
                            same_tokens=same_tokens(fn(new_tokens), hf_fn(new_tokens)))
                 cells = [theirs.text(), f"{row['speed_up']:.2f}x", f"{row['same_tokens']:.0%}"]
-            roof = read_roofline(model, int(batch), int(cfg.prompt_tokens) + new_tokens // 2, max(repeats, 3), clock)
+            roof = read_roofline(model, int(batch), int(cfg.prompt_tokens) + new_tokens // 2, max(repeats, 3),
+                                 clock)
             row.update(read_roofline_tokens_per_s=roof, gptkit_of_roofline=mine.median / roof)
             results["decode"].append(row)
             t.add_row(name, f"{row['params'] / 1e6:.1f}M", str(batch), mine.text(), *cells,
                       f"{roof:,.0f} (gptkit {mine.median / roof:.0%})")
     con.print(t)
-    con.print("read roofline: tokens/s if a step only read its weights and K/V once, at the speed this process "
-              "reads that many bytes here (a sum over a buffer of that size)", style="dim")
+    con.print("read roofline: tokens/s if a step only read its weights and K/V once, at the speed this "
+              "process reads that many bytes here (a sum over a buffer of that size)", style="dim")
 
-    model = models[cfg.context_model] if cfg.context_model in models else build_model(specs[cfg.context_model])
+    model = (models[cfg.context_model] if cfg.context_model in models
+             else build_model(specs[cfg.context_model]))
     ct = Table(title=f"{cfg.context_model}: ms per decode step (batch 1) against the context length")
     for col in ("context", "with KV cache", "no cache (whole prefix)", "ratio"):
         ct.add_column(col, justify="right")
     for ctx in cfg.context_lens:
         if ctx + int(cfg.context_steps) > model.cfg.max_seq_len:
-            raise ConfigError(f"context {ctx} + {cfg.context_steps} steps exceeds max_seq_len={model.cfg.max_seq_len}")
+            raise ConfigError(f"context {ctx} + {cfg.context_steps} steps exceeds "
+                              f"max_seq_len={model.cfg.max_seq_len}")
         cached = per_token_ms(model, int(ctx), int(cfg.context_steps), True, clock)
         full = per_token_ms(model, int(ctx), int(cfg.context_steps), False, clock)
         results["context"].append({"context": ctx, "cache_ms": cached, "no_cache_ms": full})
@@ -332,12 +340,14 @@ def run_cuda(cfg, device) -> dict:
     bandwidth = float(c.hbm_gbps) * 1e9 if c.hbm_gbps else memory_bandwidth(gpu)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     new_tokens, repeats, prompt_tokens = int(c.new_tokens), int(c.repeats), int(c.prompt_tokens)
-    con.print(f"{gpu}: {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, median of {repeats} "
-              f"(min-max); HBM {'%.0f GB/s' % (bandwidth / 1e9) if bandwidth else 'unknown (set bench.cuda.hbm_gbps)'}")
+    con.print(f"{gpu}: {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, median of "
+              f"{repeats} (min-max); HBM "
+              f"{'%.0f GB/s' % (bandwidth / 1e9) if bandwidth else 'unknown (set bench.cuda.hbm_gbps)'}")
     for s in sides:
         con.print(f"  {s}: {SIDES[s]}")
-    results: dict = {"device": gpu, "dtype": str(c.dtype), "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
-                     "repeats": repeats, "hbm_bytes_per_s": bandwidth, "decode": []}
+    results: dict = {"device": gpu, "dtype": str(c.dtype), "new_tokens": new_tokens,
+                     "prompt_tokens": prompt_tokens, "repeats": repeats, "hbm_bytes_per_s": bandwidth,
+                     "decode": []}
     for name, spec in OmegaConf.to_container(c.models, resolve=True).items():
         model = build_model(spec)
         hf_model = to_transformers(model).to(device=device, dtype=dtype) if to_transformers else None
@@ -368,7 +378,8 @@ def run_cuda(cfg, device) -> dict:
                 results["decode"].append(row)
                 con.print(f"{name} batch {batch} {side}: {rate.text()} tokens/s, first token "
                           f"{row['first_token_ms']:.1f} ms"
-                          + (f", {row['roofline_fraction']:.1%} of the HBM roofline ({roofline:,.0f})" if roofline else "")
+                          + (f", {row['roofline_fraction']:.1%} of the HBM roofline ({roofline:,.0f})"
+                             if roofline else "")
                           + f", {row['same_tokens']:.0%} same tokens as {reference[0]}")
                 for note in getattr(fn, "notes", []):
                     con.print(f"  note: {note}")
@@ -376,19 +387,21 @@ def run_cuda(cfg, device) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    t = Table(title=f"{gpu}: decode tokens/s, {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, "
-                    f"median of {repeats} (min-max)")
+    t = Table(title=f"{gpu}: decode tokens/s, {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new "
+                    f"tokens, median of {repeats} (min-max)")
     for col in ("model", "batch", "side", "tokens/s", "first token ms", "HBM roofline", "vs transformers",
                 "vs transformers-static", "same tokens"):
         t.add_column(col, justify="left" if col in ("model", "side") else "right")
     rows = results["decode"]
     for row in rows:
         def vs(other: str) -> str:
-            base = [r for r in rows if (r["model"], r["batch"], r["side"]) == (row["model"], row["batch"], other)]
+            base = [r for r in rows if (r["model"], r["batch"], r["side"]) == (row["model"], row["batch"],
+                                                                               other)]
             return f"{row['tokens_per_s_median'] / base[0]['tokens_per_s_median']:.2f}x" if base else "-"
 
         t.add_row(row["model"], str(row["batch"]), row["side"],
-                  f"{row['tokens_per_s_median']:,.0f} ({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})",
+                  f"{row['tokens_per_s_median']:,.0f} "
+                  f"({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})",
                   f"{row['first_token_ms']:.1f}",
                   f"{row['roofline_fraction']:.1%}" if row["roofline_fraction"] is not None else "-",
                   vs("transformers"), vs("transformers-static"), f"{row['same_tokens']:.0%}")
