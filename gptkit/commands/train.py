@@ -45,8 +45,8 @@ def prepare_args(args: list[str]) -> list[str]:
             args = [f"resume={run_dir}" if a.startswith("resume=") else a for a in args]
         asked = (Path(kv.get("runs_dir", run_dir.parent)).resolve() / kv.get("name", run_dir.name))
         if asked != run_dir and ("name" in kv or "runs_dir" in kv):
-            print(f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run from "
-                  f"its weights elsewhere: init_from={kv['resume']})", file=sys.stderr)
+            print(f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run "
+                  f"from its weights elsewhere: init_from={kv['resume']})", file=sys.stderr)
         args = [a for a in args if not a.startswith(("name=", "runs_dir=", "hydra.output_subdir="))]
         args += [f"name={run_dir.name}", f"runs_dir={run_dir.parent}",
                  "hydra.output_subdir=null"]  # keep the original run's .hydra/ untouched
@@ -92,7 +92,8 @@ def check(cfg, multirun: bool = False) -> None:
     global _checked
     check_config(cfg)
     _checked = not multirun  # a multirun's jobs each have their own values: train() checks each
-    if not multirun and not OmegaConf.is_interpolation(cfg, "name") and is_rank_zero():  # the default name holds the time
+    # the default name holds the time
+    if not multirun and not OmegaConf.is_interpolation(cfg, "name") and is_rank_zero():
         check_run_location(cfg.runs_dir, cfg.name)
         run_dir = Path(cfg.runs_dir) / str(cfg.name)
         claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
