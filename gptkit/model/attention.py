@@ -33,7 +33,8 @@ from gptkit.model.layers import RotaryEmbedding, make_norm  # the QK-norms are l
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
-def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
+                    docs=None):
     """The readable reference: q @ k^T, the mask, an fp32 softmax, @ v; can return the probabilities."""
     B, H, Tq, D = q.shape
     if docs is not None:
@@ -59,7 +60,8 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
     return out, (probs if return_probs else None)
 
 
-def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
+                   docs=None):
     """torch's scaled_dot_product_attention (GQA without K/V copies); a packed batch takes a dense mask."""
     if return_probs:
         raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
@@ -85,7 +87,8 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
     return out, None
 
 
-def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
+                     docs=None):
     """Our FlashAttention kernels (documents included); cases they do not cover go to sdpa.
 
     Falls back to sdpa (with one warning per process) when triton is missing or no CUDA device is
@@ -114,7 +117,8 @@ def get_attention(name: str) -> AttentionFn:
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}") from None
+        known = ", ".join(ATTENTION_BACKENDS)
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}") from None
 
 
 class CausalSelfAttention(nn.Module):
