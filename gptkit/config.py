@@ -80,7 +80,8 @@ def count(value: Any, option: str) -> float:
 
 
 def number(value: Any, option: str, kind: type = float, minimum: float | None = None) -> Any:
-    """`value` as an int or a finite float (`kind`), at least `minimum`; else a ConfigError naming the option."""
+    """`value` as an int or a finite float (`kind`), at least `minimum`; else a ConfigError naming the
+    option."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and kind is int and not float(value).is_integer():
         ok = False

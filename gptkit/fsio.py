@@ -228,18 +228,21 @@ def disk_full_error(what: Path | str | None, needed: float | None, exc: BaseExce
                            "free some "
                            f"space (old runs, checkpoints or the data cache) and run the command again")
     need = f"it needs about {human_bytes(needed)}, " if needed else ""
-    return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is free; "
-                       f"free some space (old runs, checkpoints or the data cache) and run the command again")
+    return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is "
+                       "free; free some space (old runs, checkpoints or the data cache) and run the command "
+                       "again")
 
 
 def check_out_dir(out: Path | str, force: bool = False) -> Path:
     """`out` as a Path if a command may write a folder there: new, empty, or force=True."""
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to replace it")
+        raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to "
+                          "replace it")
     above = next((p for p in out.parents if p.exists()), Path("."))
     if not above.is_dir():
-        raise GptkitError(f"out={out}: {above} is a file, so no folder can be made in it; choose another out=")
+        raise GptkitError(f"out={out}: {above} is a file, so no folder can be made in it; choose another "
+                          "out=")
     return out
 
 

@@ -1,8 +1,8 @@
 """The Hugging Face Hub as gptkit meets it: is offline mode on, and does the hub answer at all?
 
 `data=hub` (datasets) and `import hf=<owner/name>` / `train init_from=hf:<owner/name>` (models) ask both
-questions before they call `datasets` or `huggingface_hub`, so that no network fails in seconds, with one line,
-instead of after minutes of retries.
+questions before they call `datasets` or `huggingface_hub`, so that no network fails in seconds, with one
+line, instead of after minutes of retries.
 """
 
 from __future__ import annotations
@@ -36,5 +36,6 @@ def check_hub_reachable(timeout: float, instead: str = "") -> None:
     try:
         socket.create_connection((u.hostname, port), timeout=timeout).close()
     except OSError as exc:
-        raise GptkitError(f"the Hugging Face Hub ({endpoint}) is unreachable ({exc.__class__.__name__}: {exc})"
-                          + (f"; {instead}" if instead else "")) from None
+        also = f"; {instead}" if instead else ""
+        raise GptkitError(f"the Hugging Face Hub ({endpoint}) is unreachable "
+                          f"({exc.__class__.__name__}: {exc}){also}") from None

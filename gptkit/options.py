@@ -88,8 +88,10 @@ def _unreadable(arg: str) -> str:
     if not eq:
         return f"{arg} has no value: write {arg}=<value> (options are key=value)"
     if not arg.isascii():
-        return (f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: \"{key}='{value}'\"")
-    return f"cannot read {arg} as key=value; quote a value that has spaces or special characters: \"{key}='{value}'\""
+        return (f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: "
+                f"\"{key}='{value}'\"")
+    return (f"cannot read {arg} as key=value; quote a value that has spaces or special characters: "
+            f"\"{key}='{value}'\"")
 
 
 def _no_sweep(arg: str, key: str) -> str:
@@ -188,7 +190,8 @@ def _unknown(config_name: str, o: Option, schema: DictConfig, options: list[Opti
     hint = ""
     if near:
         owners = owners_of(near) if near not in known else []
-        hint = f": did you mean {near}" + (f" (with {_fix(config_name, group, owners, options)})" if owners else "") + "?"
+        fix = f" (with {_fix(config_name, group, owners, options)})" if owners else ""
+        hint = f": did you mean {near}{fix}?"
     return f"unknown option {o.key}{hint} (`gptkit {config_name.replace('_', '-')} --help` lists the options)"
 
 
@@ -343,7 +346,8 @@ def _check_type(config_name: str, o: Option) -> None:
             continue
         if types == {bool} and not isinstance(v, bool):
             raise ConfigError(f"{o.key}={_raw(o, v)} must be true or false")
-        if types != {bool} and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        if types != {bool} and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                or not math.isfinite(v)):
             raise ConfigError(f"{o.key}={_raw(o, v)} is not a number (the default is {o.key}={default})")
 
 

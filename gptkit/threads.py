@@ -29,7 +29,8 @@ def check_threads(threads, option: str) -> int | None:
     if threads is None:
         return None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"{option}={threads} must be an integer >= 1 (or null for torch's default: one per core)")
+        raise ConfigError(f"{option}={threads} must be an integer >= 1 (or null for torch's default: one per "
+                          "core)")
     return threads
 
 
@@ -112,7 +113,8 @@ def busy_now(seconds: float = 0.2) -> float | None:
 
     def busy_ticks() -> int:
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal
+            # user nice system idle iowait irq softirq steal
+            ticks = [int(v) for v in f.readline().split()[1:]]
         return sum(ticks) - ticks[3] - ticks[4]
 
     try:

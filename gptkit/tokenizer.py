@@ -27,7 +27,8 @@ SPLITTABLE_KINDS = ("char", "byte", "bpe")
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from the 256 byte values to printable characters (the byte-level alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -94,7 +95,8 @@ def checked_file(p: Path) -> Path:
     """`p` if it is a file; else a GptkitError that says whether it is missing or a folder."""
     if p.is_dir():
         inside = " (the tokenizer.json in it?)" if (p / "tokenizer.json").is_file() else ""
-        raise GptkitError(f"tokenizer file {p} is a folder; set tokenizer.path to a tokenizer.json file{inside}")
+        raise GptkitError(f"tokenizer file {p} is a folder; set tokenizer.path to a tokenizer.json "
+                          f"file{inside}")
     if not p.is_file():
         raise GptkitError(f"tokenizer file {p} does not exist; set tokenizer.path to a tokenizer.json")
     return p
