@@ -13,11 +13,18 @@ Exit status 0 when every check passes, 2 (with one line saying which) when one f
 
 from __future__ import annotations
 
+import logging
+import os
+import platform
+import socket
+import warnings
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def _device_memory(device: str, per_node: int) -> tuple[float, float]:
     """(total, free) bytes available to one process: its GPU, or this node's RAM shared by its processes."""
-    import os
-
     import torch
 
     if device.startswith("cuda"):
@@ -30,8 +37,6 @@ def _device_memory(device: str, per_node: int) -> tuple[float, float]:
 
 
 def _probe(fabric, per_node: int) -> dict:
-    import socket
-
     from gptkit.training.distributed import probe_collective
 
     device = str(fabric.device)
@@ -45,8 +50,6 @@ def _probe(fabric, per_node: int) -> dict:
 
 
 def _device_name(device: str) -> str:
-    import platform
-
     import torch
 
     if device.startswith("cuda"):
@@ -55,9 +58,6 @@ def _device_name(device: str) -> str:
 
 
 def run(cfg) -> int:
-    import logging
-    import warnings
-
     from lightning.fabric import Fabric
 
     from gptkit import accounting as acc
@@ -70,9 +70,10 @@ def run(cfg) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)  # our table says it all
     warnings.filterwarnings("ignore", message=r".*GLOO_SOCKET_IFNAME.*")
     t = cfg.trainer
-    check_trainer_config(t)  # the same one-line errors as `train`, before any process starts
+    checked = check_trainer_config(t)  # the same one-line errors as `train`, before any process starts
     model = model_config(cfg.model)
-    plan = make_plan(cfg, None, model)  # the plan `train` would make, without data: the same world and window
+    # the plan `train` would make, without data: the same world and window
+    plan = make_plan(cfg, None, model, checked=checked)
     per_node, world = plan.devices, plan.world_size
     estimate = acc.training_memory(model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
                                    bool(t.activation_checkpointing))
