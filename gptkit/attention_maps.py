@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 from gptkit.errors import GptkitError
 
+# matplotlib (~0.5 s) and torch are imported where a map is drawn.
+
 MAX_LABELED_TOKENS = 48
 ATTENTION_DIR = "attention"
 

@@ -22,9 +22,11 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,9 @@ from gptkit.fsio import (
     is_disk_full,
     locked_temp,
 )
+
+# torch and safetensors are imported inside the functions: commands/train.py imports this module (via
+# training/fit.py) to check the command line, a one-line error in ~0.4 s of CPU (docs/layout.md).
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
@@ -227,8 +232,6 @@ def verify_checkpoint(path: Path | str, part: tuple[int, int] = (0, 1), only: st
 
 def _verify_zip(path: Path) -> None:
     """Every record of a torch.save zip archive against the CRC-32 in its central directory."""
-    import zipfile
-
     buf = memoryview(bytearray(CHUNK))
     with open(path, "rb") as f:
         try:
@@ -320,7 +323,6 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
         return read_sharded_checkpoint(path)
     if path.suffix == ".safetensors":
         return {"state_dict": {STATE_PREFIX + k: v for k, v in _load_safetensors(path).items()}}
-    import zipfile
 
     if path.is_file() and path.stat().st_size == 0:
         raise GptkitError(f"{path} is empty (0 bytes), not a checkpoint (an interrupted copy?); use another "
@@ -344,10 +346,6 @@ def unreadable_checkpoint(path: Path, exc: Exception) -> GptkitError:
 def load_refusal(path: Path, exc: Exception) -> str:
     """Why torch.load(weights_only=True) refused `path`, as one complete phrase: the code it would run,
     another kind of file, or torch's own first sentence."""
-    import pickle
-    import re
-    import zipfile
-
     text = str(exc)
     code = re.search(r"GLOBAL ([\w.]+)", text)
     if code:

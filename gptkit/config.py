@@ -13,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 
+# hydra is imported on use: `gptkit --help` imports this module and needs no Hydra.
+
 
 def conf_dir() -> Path:
     """The conf/ tree: the `gptkit_conf` data package (conf/ itself in an editable install)."""
@@ -38,8 +40,6 @@ def presets(group: str) -> list[str]:
 def verbatim(args: list[str], keys: tuple[str, ...]) -> list[str]:
     """Quote the values of `keys` (a prompt, a text) so that Hydra takes them literally: commas, quotes,
     brackets, `=` and `${...}` included, unless the user quoted them already."""
-    import re
-
     out = []
     for a in args:
         key, eq, value = a.partition("=")

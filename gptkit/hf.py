@@ -25,17 +25,24 @@ Three levels:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from gptkit import hub
 from gptkit.data.chat import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
-from gptkit.fsio import FILE_MODE, confined
+from gptkit.fsio import FILE_MODE, confined, staged_dir
+from gptkit.model import GPT
 from gptkit.model.config import ModelConfig
-from gptkit.runs import IMPORTED_FILE
+from gptkit.runs import IMPORTED_FILE, TOKENIZER_FILE, check_import_out, load_tokenizer, write_run_folder
+
+# transformers (optional, the test extra), huggingface_hub and torch are imported where used: `gptkit import`
+# of a local folder needs no hub, and the mapping tables load without transformers.
 
 LLAMA, QWEN2, QWEN3, OLMO2, GPT2 = "llama", "qwen2", "qwen3", "olmo2", "gpt2"  # transformers' model_type
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM",
@@ -290,7 +297,6 @@ def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig,
     unexpected, or has a shape the config contradicts."""
     import torch
 
-    from gptkit.model import GPT
 
     hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
     # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
@@ -344,8 +350,6 @@ def to_transformers(model):
 
 def from_transformers(hf_model, name: str = "imported"):
     """The gptkit GPT (fp32, eval mode) with exactly `hf_model`'s weights."""
-    from gptkit.model import GPT
-
     cfg = model_config_from_hf(hf_model.config.to_dict(), name=name)
     return GPT.from_state(cfg, from_hf_state_dict(hf_model.state_dict(), cfg, source=type(hf_model).__name__))
 
@@ -512,11 +516,8 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
     with its progress bars. Offline (HF_HUB_OFFLINE=1) or with the hub unreachable (a connect with a short
     timeout, no retries), only the cache is read: a model already there works, any other fails at once with
     one line."""
-    import logging
-
     from huggingface_hub import constants, errors, snapshot_download
 
-    from gptkit import hub
 
     unreachable = None
     if not hub.offline():
@@ -583,8 +584,6 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
 def fingerprint(folder: Path) -> list[list[Any]]:
     """[name, size, mtime_ns] of the files import reads from `folder`: an import of it is current while this
     holds."""
-    from fnmatch import fnmatch
-
     patterns = HUB_FIRST + HUB_WEIGHTS + HUB_PICKLES
     if not folder.is_dir():
         return []
@@ -609,10 +608,6 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     imported_from.json. `out` is written whole or not at all; a non-empty `out` needs force=True, and is never
     the source, around it, a run with training in it or a run another process holds
     (runs.check_import_out)."""
-    from gptkit.fsio import staged_dir
-    from gptkit.model import GPT
-    from gptkit.runs import TOKENIZER_FILE, check_import_out, load_tokenizer, write_run_folder
-
     check_import_out(out, src.dir, force)
 
     hf_cfg = read_hf_config(src.dir)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from urllib.parse import urlparse
+from urllib.request import getproxies
 
 from gptkit.errors import GptkitError
 
@@ -24,8 +25,6 @@ def offline(*also: str) -> bool:
 def check_hub_reachable(timeout: float, instead: str = "") -> None:
     """A TCP connect to the hub endpoint with a short timeout: no network fails in seconds, not minutes.
     The GptkitError names the endpoint and ends with `instead` (what to do without network)."""
-    from urllib.request import getproxies
-
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     u = urlparse(endpoint)
     proxy = getproxies().get(u.scheme)

@@ -11,16 +11,21 @@ fix: the close key, or the preset that has the key.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from gptkit.config import compose, conf_dir, presets
 from gptkit.errors import ConfigError
+
+# hydra's parser is imported on use: `gptkit --help` imports this module and needs no Hydra.
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
 FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
@@ -108,7 +113,6 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
     composed config, or None for a sweep over presets or a range (train -m model=a,b: Hydra checks
     each job)."""
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     for o in options:
         if o.kind == "group":
@@ -139,8 +143,6 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
 def _check_preset(o: Option) -> None:
     """Each preset a group option names (model=x, a list logger=[a,b], a sweep -m model=a,b) must exist: Hydra
     skips a missing preset of an optional group (experiment=) silently and reports others in many lines."""
-    import difflib
-
     group = o.key.split("@")[0]
     if not (conf_dir() / group).is_dir() or o.op == "DEL":
         return
@@ -220,8 +222,6 @@ def _required(config_name: str, key: str, options: list[Option]) -> str:
 def suggest(name: str, keys: list[str]) -> str | None:
     """The key a misspelt or shortened option most likely means: the key itself, the one key ending in
     .name, or the closest key (whole, or by its last part)."""
-    import difflib
-
     if name in keys:
         return name
     ends = [k for k in keys if k.endswith("." + name)]
@@ -260,8 +260,6 @@ def _flat_values(d: Any, prefix: str = "") -> dict[str, Any]:
 # ---- what the YAML says: the presets of each group, the verb's own keys ------------------------------
 def _yaml(path: Path) -> tuple[str | None, dict[str, Any]]:
     """(the `# @package` of a YAML file or None, its content)."""
-    import yaml
-
     text = path.read_text()
     package = None
     for line in text.splitlines():

@@ -16,8 +16,11 @@ direct child of runs_dir (a multirun job's: of runs_dir/<name>), never runs_dir 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +32,15 @@ from gptkit.checkpoints import (
     atomic_torch_save,
     checked_model_state,
     find_checkpoint,
+    load_checkpoint,
     run_dir_of,
 )
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_text, links_leaving, lock_file
 from gptkit.precision import torch_dtype
+
+# torch, tokenizers, yaml and the model are imported inside the functions: the CLI imports this module
+# to check a command line before any of them is needed (docs/layout.md).
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
@@ -258,9 +265,6 @@ def check_saved_run(ckpt: Path | str, source: str) -> None:
     """Before `train resume=` starts: the run has training to continue (an imported model has none:
     init_from=), its config.yaml passes check_saved_config, its model section builds, and a single-file
     checkpoint's weights have the shapes it names. One-line errors name <run>/config.yaml."""
-    import dataclasses
-
-    from gptkit.checkpoints import load_checkpoint
     from gptkit.model import ModelConfig
     from gptkit.options import check_saved_config
 
@@ -294,8 +298,6 @@ def saved_run_config(ckpt: Path | str, composed: Any):
     refuses an interpolation), with the trainer/optim keys it lacks (an older gptkit's run, or an edited file)
     taken from `composed` (this invocation's config: the defaults and the command line), said once. The
     command line checks the file itself first (gptkit.options.check_saved_run)."""
-    import sys
-
     from omegaconf import OmegaConf
 
     run_dir = run_dir_of(Path(ckpt))
@@ -385,8 +387,6 @@ def write_run_folder(run_dir: Path | str, config: dict[str, Any], model, tokeniz
 
     Used by `import` and by tests; `train` writes the same layout through Lightning.
     """
-    import json
-
     import yaml
 
     run_dir = Path(run_dir)

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from gptkit.errors import ConfigError
+
+# torch is imported on use: the thread checks run in the CLI before torch is needed.
 
 
 def cores() -> int:
@@ -109,8 +112,6 @@ def oversubscribed(threads: int, processes: int, option: str, load: float | None
 def busy_now(seconds: float = 0.2) -> float | None:
     """Cores busy with other work right now: the machine's busy CPU time over `seconds` (/proc/stat) minus
     this process's own, per second of wall time; None where /proc/stat cannot be read."""
-    import time
-
     def busy_ticks() -> int:
         with open("/proc/stat") as f:
             # user nice system idle iowait irq softirq steal

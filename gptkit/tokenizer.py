@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from gptkit.errors import GptkitError
 
+# tokenizers is imported inside the functions that build or load one (the CLI imports this module first).
+
 KINDS = ("char", "byte", "bpe", "file")
 # Built-in kinds whose encoding of a text equals the concatenated encodings of its pieces when the
 # text is cut at a newline between two non-space characters (see gptkit.data.build.split_long).

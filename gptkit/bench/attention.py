@@ -14,8 +14,18 @@ runs. Eager attention may run out of memory at large T: that cell reads "oom". N
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import gc
+import json
 from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.fsio import atomic_write_text
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 BACKENDS = ("triton", "triton-tma", "triton-tma-ws", "sdpa-flash", "sdpa-cudnn", "eager")
@@ -63,8 +73,6 @@ class Result:
 
 
 def _cases(cfg) -> list[Case]:
-    from gptkit.errors import ConfigError
-
     cases = []
     for T in cfg.seq_lens:
         if T <= 0 or cfg.tokens % T:
@@ -84,8 +92,6 @@ def _cases(cfg) -> list[Case]:
 
 def _attention(backend: str, causal: bool):
     """(q, k, v) -> out for one backend. sdpa-* must be called inside their sdpa_kernel(...)."""
-    import torch.nn.functional as F
-
     from gptkit.model.attention import eager_attention
     from gptkit_kernels import flash_attention
 
@@ -98,8 +104,6 @@ def _attention(backend: str, causal: bool):
 
 
 def _inputs(case: Case, dtype, n_kv_heads: int | None = None):
-    import torch
-
     n_kv = case.n_kv_heads if n_kv_heads is None else n_kv_heads
     # [B, H, T, D]
     q = torch.randn(case.batch, case.n_heads, case.T, case.head_dim, device=DEVICE, dtype=dtype)
@@ -109,17 +113,12 @@ def _inputs(case: Case, dtype, n_kv_heads: int | None = None):
 
 
 def _grads(fn, q, k, v, dout):
-    import torch
-
     out = fn(q, k, v)
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
 def _sdpa_reference(q, k, v, dout, causal):
     """SDPA flash output and grads; K/V repeated per query head (autograd sums their grads back)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     group = q.shape[1] // k.shape[1]
 
     def fn(q, k, v):
@@ -137,11 +136,6 @@ def _max_rel_err(got, want) -> float:
 
 def _measure(case: Case, backend: str, dtype, cfg) -> Result:
     """Check (triton) and time one backend on one case; out of memory gives None timings."""
-    import contextlib
-
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     result = Result(case, backend)
     only = sdpa_kernel(getattr(SDPBackend, SDPA[backend])) if backend in SDPA else contextlib.nullcontext()
     try:
@@ -162,7 +156,6 @@ def _measure(case: Case, backend: str, dtype, cfg) -> Result:
 
 
 def _check_and_time(result: Result, dtype, cfg) -> None:
-    import torch
     from triton.testing import do_bench
 
     case, backend = result.case, result.backend
@@ -191,10 +184,6 @@ def _check_and_time(result: Result, dtype, cfg) -> None:
 
 def environment() -> dict:
     """What a README table of these numbers must name: date, GPU, torch, Triton."""
-    import datetime
-
-    import torch
-
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "triton": triton_version() or "not installed"}
@@ -213,10 +202,6 @@ def triton_version() -> str | None:
 
 
 def run(cfg) -> int:
-    import torch
-
-    from gptkit.errors import ConfigError, GptkitError
-
     if not torch.cuda.is_available():
         raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU "
                           "machine")
@@ -261,10 +246,6 @@ def run(cfg) -> int:
 
 
 def _write(path, env: dict, results: list[Result]) -> None:
-    import json
-
-    from gptkit.fsio import atomic_write_text
-
     atomic_write_text(path, json.dumps({**env, "results": [r.to_dict() for r in results]}, indent=2))
 
 

@@ -24,13 +24,25 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.config import conf_dir, model_config
+from gptkit.data import TokenDataModule, prepare
+from gptkit.data.build import human
+from gptkit.data.sources import _text_parts, stdlib_files
+from gptkit.data.tokenize import Cutter, EncoderSpec, Tokenizing, batches, tiktoken_tables
+from gptkit.model import GPT
+from gptkit.tokenizer import build_tokenizer
+
 
 @contextmanager
 def peak_rss(tree: bool = False):
     """Sample resident memory every 10 ms; yields a dict that gets `added_mb`, `peak_mb` (this process) and,
     with tree=True, `tree_peak_mb` (this process plus its children, e.g. tokenization workers), and `s`."""
-    import psutil
-
     proc = psutil.Process()
     base = proc.memory_info().rss
     out = {"peak": base, "tree": base}
@@ -67,12 +79,6 @@ def peak_rss(tree: bool = False):
 
 def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tuple[float, int]:
     """Mean seconds of one fp32 AdamW training step (forward, backward, update) of a conf/model preset."""
-    import torch
-    from omegaconf import OmegaConf
-
-    from gptkit.config import conf_dir, model_config
-    from gptkit.model import GPT
-
     mcfg = OmegaConf.load(conf_dir() / "model" / f"{model_name}.yaml")
     mcfg.vocab_size = vocab_size
     torch.manual_seed(0)
@@ -92,8 +98,6 @@ def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tup
 
 def make_corpus(path: Path, size_mb: float) -> Path:
     """A text file of about size_mb MB: the standard library's .py sources, as often as needed."""
-    from gptkit.data.sources import stdlib_files
-
     want = int(size_mb * 1e6)
     files = stdlib_files(include_tests=True)
     with open(path, "wb") as out:
@@ -124,8 +128,6 @@ def _tok_cfg(name: str, train_chars: int) -> dict:
 
 def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, dict]:
     """{engine: {"mb_per_s", "same_ids"}} for every encoder of this tokenizer, one process, one thread."""
-    from gptkit.data.tokenize import EncoderSpec, Tokenizing, batches, tiktoken_tables
-
     engines = {"byte": ["utf8", "hf"], "char": ["chars", "hf"]}.get(kind, ["hf"])
     if kind not in ("byte", "char") and tiktoken_tables(tok.to_str()) is not None:
         engines = ["tiktoken", "hf"]
@@ -149,16 +151,7 @@ def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, di
 
 
 def run(cfg) -> int:
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit.data import TokenDataModule, prepare
-    from gptkit.data.build import human
-    from gptkit.data.sources import _text_parts
-    from gptkit.data.tokenize import Cutter
     from gptkit.threads import cores, set_threads
-    from gptkit.tokenizer import build_tokenizer
 
     set_threads(cfg.threads, "bench.threads")
     con = Console(stderr=True)

@@ -19,10 +19,27 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
+
+import torch
+import yaml
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
+from gptkit.config import conf_dir, presets
+from gptkit.decoding_layout import decoding_layout
+from gptkit.errors import ConfigError
+from gptkit.generate import generate
+from gptkit.hf import to_transformers
+from gptkit.model import GPT, KVCache, ModelConfig
+from gptkit.sampling import SampleOptions
+from gptkit.threads import set_threads
 
 SIDES = {  # bench.cuda.sides: name -> what runs
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
@@ -36,13 +53,6 @@ SIDES = {  # bench.cuda.sides: name -> what runs
 
 
 def build_model(spec: dict):
-    import torch
-    import yaml
-
-    from gptkit.config import conf_dir, presets
-    from gptkit.errors import ConfigError
-    from gptkit.model import GPT, ModelConfig
-
     if not isinstance(spec, dict) or "preset" not in spec:
         raise ConfigError(f"a bench model must be a mapping with a preset (a conf/model name), got {spec!r}; "
                           f"drop a model with ~bench.models.<name>")
@@ -93,9 +103,6 @@ def measure(generate_n: Callable[[int], object], batch: int, new_tokens: int, re
 
 def ours(model, prompt, batch: int, **options):
     """n -> the greedy new tokens per sample, from gptkit's generate()."""
-    from gptkit.generate import generate
-    from gptkit.sampling import SampleOptions
-
     def run(n: int):
         g = generate(model, prompt,
                      SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options))
@@ -108,8 +115,6 @@ def ours(model, prompt, batch: int, **options):
 
 def hf_generate(hf_model, prompt, batch: int, static: bool = False):
     """n -> the greedy new tokens per sample, from transformers' generate()."""
-    import torch
-
     device = next(hf_model.parameters()).device
     ids = torch.tensor([prompt] * batch, device=device)  # [B, T0]
     mask = torch.ones_like(ids)
@@ -136,10 +141,6 @@ def read_roofline(model, batch: int, context: int, repeats: int, clock=time.perf
     weights once, the K/V at `context`) at the speed this process reads that many bytes here: a sum over a
     buffer of that size, timed like the steps (the median of `repeats` after one warm-up). On one CPU core a
     decode step of a small fp32 model is this read; no fp32 decoder gets past it."""
-    import torch
-
-    from gptkit.accounting import decode_bytes_per_step
-
     n_bytes = decode_bytes_per_step(model.cfg, batch, context, "fp32")
     buf = torch.ones(max(1, n_bytes // 4), dtype=torch.float32)  # touched: the pages exist before the timing
     buf.sum()
@@ -153,11 +154,6 @@ def read_roofline(model, batch: int, context: int, repeats: int, clock=time.perf
 
 def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.perf_counter) -> float:
     """Mean ms of one decode step at `context` tokens of context (batch 1)."""
-    import torch
-
-    from gptkit.decoding_layout import decoding_layout
-    from gptkit.model import KVCache
-
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, model.cfg.vocab_size, (1, context + steps), generator=g)  # [1, context + steps]
     with torch.inference_mode(), decoding_layout(model, 1):  # the weights as generate() lays them out
@@ -179,38 +175,24 @@ def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.pe
 
 
 def _console():
-    import sys
-
-    from rich.console import Console
-
     return Console(width=None if sys.stdout.isatty() else 200)  # logs: whole rows, not wrapped cells
 
 
 def _need_transformers():
-    from gptkit.errors import ConfigError
-
     try:
         import transformers  # noqa: F401
     except ImportError as exc:
         raise ConfigError("the transformers side needs transformers (pip install gptkit[test]); "
                           "or set bench.hf=false (CPU) / drop it from bench.cuda.sides") from exc
-    from gptkit.hf import to_transformers
 
     return to_transformers
 
 
 def _prompt(model, n: int) -> list[int]:
-    import torch
-
     return torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 def run(cfg) -> int:
-    import torch
-
-    from gptkit.errors import ConfigError
-    from gptkit.threads import set_threads
-
     if cfg.clock not in CLOCKS:
         raise ConfigError(f"bench.clock={cfg.clock!r} is not one of {', '.join(CLOCKS)}")
     set_threads(cfg.threads, "bench.threads")
@@ -233,12 +215,6 @@ def run(cfg) -> int:
 
 # ---- CPU -----------------------------------------------------------------------------------------
 def run_cpu(cfg) -> dict:
-    import torch
-    from omegaconf import OmegaConf
-    from rich.table import Table
-
-    from gptkit.errors import ConfigError
-
     clock = CLOCKS[cfg.clock]
     specs = OmegaConf.to_container(cfg.models, resolve=True)
     con = _console()
@@ -313,13 +289,6 @@ def _side(name: str, model, hf_model, prompt, batch: int):
 
 def run_cuda(cfg, device) -> dict:
     """The GPU comparison (module docstring). `device` may be the CPU for a dry run of the pipeline."""
-    import torch
-    from omegaconf import OmegaConf
-    from rich.table import Table
-
-    from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
-    from gptkit.errors import ConfigError
-
     c = cfg.cuda
     sides = list(c.sides)
     for s in sides:

@@ -22,11 +22,22 @@ Rows print as each measurement finishes (bench.out, JSON, is rewritten after eve
 
 from __future__ import annotations
 
+import contextlib
+import time
 import weakref
 
 import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from gptkit.config import conf_dir
+from gptkit.model import GPT, ModelConfig
+from gptkit.model.attention import sdpa_attention
+from gptkit.model.documents import Documents, document_bounds
+from gptkit.model.layers import RotaryEmbedding, _rotate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICE = "cuda"  # of the GPU rows (a dry run on the CPU changes it)
@@ -74,8 +85,6 @@ def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch
               chunk_size: int | None = None) -> None:
     """Forward and backward of lm_head + cross-entropy: eager (as GPT.forward) or chunked (model.kernels:
     loss)."""
-    import torch.nn.functional as F
-
     if fused:
         from gptkit_kernels.linear_ce import linear_cross_entropy
 
@@ -88,10 +97,6 @@ def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch
 def loss_memory(tokens: int, vocab: int, d_model: int, dtype: torch.dtype, fused: bool, fake: bool = True,
                 device: str = "cpu", chunk_size: int | None = None) -> PeakMemory:
     """PeakMemory of one loss_step (inputs made before it; their gradients count)."""
-    import contextlib
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode() if fake else contextlib.nullcontext():
         x = torch.randn(tokens, d_model, dtype=dtype, device=device, requires_grad=True)  # [N, d]
         w = torch.randn(vocab, d_model, dtype=dtype, device=device, requires_grad=True)  # [V, d]
@@ -153,8 +158,6 @@ def _fmt(v) -> str:
 
 
 def _loss_rows(emit, shape) -> None:
-    import time
-
     from gptkit_kernels.linear_ce import chunk_rows
 
     tokens, vocab, d, dtype, fake = (int(shape.tokens), int(shape.vocab), int(shape.d_model),
@@ -178,7 +181,6 @@ def _loss_rows(emit, shape) -> None:
 
 
 def _doc_rows(emit, cfg, gpu: bool) -> None:
-    from gptkit.model.documents import document_bounds
     from gptkit_kernels.flash import forward_tiles
 
     T, (bm, bn) = int(cfg.doc_T), cfg.doc_blocks
@@ -202,8 +204,6 @@ def _doc_times(cfg, ids) -> dict:
     and SDPA with the dense document mask (the model's sdpa fallback)."""
     from triton.testing import do_bench
 
-    from gptkit.model.attention import sdpa_attention
-    from gptkit.model.documents import Documents
     from gptkit_kernels import flash_attention
 
     n, T = ids.shape
@@ -230,10 +230,8 @@ def _doc_times(cfg, ids) -> dict:
 
 
 def _kernel_rows(emit, cfg) -> None:
-    import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from gptkit.model.layers import RotaryEmbedding, _rotate
     from gptkit_kernels.linear_ce import linear_cross_entropy
     from gptkit_kernels.norm import layer_norm, rms_norm
     from gptkit_kernels.rope import rope
@@ -288,13 +286,6 @@ def _kernel_rows(emit, cfg) -> None:
 
 
 def _model_rows(emit, cfg) -> None:
-    import time
-
-    from omegaconf import OmegaConf
-
-    from gptkit.config import conf_dir
-    from gptkit.model import GPT, ModelConfig
-
     base = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{cfg.model}.yaml"))
     base.update(OmegaConf.to_container(cfg.model_overrides))
     B, T = int(cfg.model_batch), int(base["max_seq_len"])

@@ -24,6 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
 from gptkit.errors import ConfigError, GptkitError
 
 OPTIMIZERS = ("adamw", "muon")
@@ -103,9 +106,6 @@ def run_one(args: list[str], log: Path) -> None:
 
 
 def run(cfg) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     if not cfg.recipes or not cfg.seeds:
         raise ConfigError("bench.recipes and bench.seeds must not be empty")
     unknown = set(cfg.muon) - set(cfg.recipes)

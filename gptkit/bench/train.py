@@ -17,18 +17,37 @@ published convention) and the device's peak for the precision (trainer.peak_tflo
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
+import torch
 import yaml
+from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit import accounting as acc
+from gptkit.config import compose, conf_dir
+from gptkit.data import TokenDataModule, prepare
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.model import GPT, ModelConfig
+from gptkit.precision import precision, torch_dtype
+from gptkit.runs import resolve_device
+from gptkit.threads import set_threads
+from gptkit.training.metrics import detect_peak_flops
+from gptkit.training.module import LitGPT, apply_compile
+from gptkit.training.optim import build_optimizer, build_scheduler
+from gptkit.training.plan import compile_mode, make_plan
+from gptkit.training.trainer import build_trainer, check_trainer_config
 
 
 def _model_cfg(cfg, vocab_size: int | None):
-    from gptkit.config import conf_dir
-    from gptkit.model import ModelConfig
-
     d = yaml.safe_load((conf_dir() / "model" / f"{cfg.model}.yaml").read_text())
     d.update(dict(cfg.model_overrides or {}))
     if vocab_size is not None:
@@ -37,10 +56,6 @@ def _model_cfg(cfg, vocab_size: int | None):
 
 
 def _optim_cfg():
-    from omegaconf import OmegaConf
-
-    from gptkit.config import conf_dir
-
     o = OmegaConf.load(conf_dir() / "optim" / "adamw.yaml")
     o.warmup_steps = 10
     return o
@@ -50,8 +65,6 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this proc
 
 
 def _sync(device: str) -> None:
-    import torch
-
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -59,13 +72,6 @@ def _sync(device: str) -> None:
 def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None,
               clock=time.perf_counter) -> tuple[float, float]:
     """(seconds per timed optimizer step, seconds of the warm-up steps) of a plain PyTorch loop."""
-    import torch
-
-    from gptkit.model import GPT
-    from gptkit.precision import precision, torch_dtype
-    from gptkit.training.module import apply_compile
-    from gptkit.training.optim import build_optimizer, build_scheduler
-
     steps, warmup, log_every = int(cfg.steps), int(cfg.warmup), int(cfg.log_every)
     p = precision(cfg.precision, "bench.precision")
     torch.manual_seed(0)
@@ -120,18 +126,6 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
                 clock=time.perf_counter) -> tuple[float, float]:
     """(seconds per timed optimizer step, seconds of the warm-up steps) of the trainer `gptkit train`
     builds."""
-    import tempfile
-
-    import torch
-    from lightning.pytorch.callbacks import Callback
-    from omegaconf import OmegaConf
-
-    from gptkit.config import compose
-    from gptkit.data import TokenDataModule
-    from gptkit.training.module import LitGPT
-    from gptkit.training.plan import make_plan
-    from gptkit.training.trainer import build_trainer, check_trainer_config
-
     steps, warmup = int(cfg.steps), int(cfg.warmup)
 
     class Clock(Callback):
@@ -160,10 +154,11 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
     run_cfg = OmegaConf.create(OmegaConf.to_container(run_cfg, resolve=True))
     run_cfg.optim = _optim_cfg()
     run_cfg.trainer.max_steps = warmup + steps
-    check_trainer_config(run_cfg.trainer)
+    checked = check_trainer_config(run_cfg.trainer)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-") as run_dir:
-        plan = make_plan(run_cfg, Path(run_dir), model_cfg)  # the plan `gptkit train` would make
+        # the plan `gptkit train` would make
+        plan = make_plan(run_cfg, Path(run_dir), model_cfg, checked=checked)
         module = LitGPT(plan)
         dm = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len, seed=1337,
                              val_windows=1)
@@ -175,22 +170,6 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
 
 
 def run(cfg) -> int:
-    import logging
-    import warnings
-
-    import torch
-    from omegaconf import OmegaConf
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit import accounting as acc
-    from gptkit.data import TokenDataModule, prepare
-    from gptkit.errors import ConfigError, GptkitError
-    from gptkit.runs import resolve_device
-    from gptkit.threads import set_threads
-    from gptkit.training.metrics import detect_peak_flops
-    from gptkit.training.plan import compile_mode
-
     set_threads(cfg.get("threads"), "bench.threads")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")

@@ -10,6 +10,11 @@ Examples:
 
 from __future__ import annotations
 
+import importlib
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def prepare_args(args: list[str]) -> list[str]:
     """Options belong to the chosen benchmark: `out=x.json` means `bench.out=x.json`."""
@@ -24,8 +29,6 @@ def prepare_args(args: list[str]) -> list[str]:
 
 
 def run(cfg) -> int:
-    import importlib
-
     from gptkit.errors import ConfigError
 
     what = cfg.bench.name

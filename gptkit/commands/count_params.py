@@ -8,6 +8,11 @@ Examples:
 
 from __future__ import annotations
 
+import json
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def report(cfg) -> dict:
     """Everything count-params knows, as plain data (the json output)."""
@@ -81,8 +86,6 @@ def report(cfg) -> dict:
 
 
 def run(cfg) -> int:
-    import json
-
     r = report(cfg)
     if cfg.format == "json":
         print(json.dumps(r, indent=2))

@@ -25,6 +25,9 @@ A killed prepare (kill -9 included) is continued by running the same command aga
 
 from __future__ import annotations
 
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def run(cfg) -> int:
     from rich.console import Console

@@ -14,6 +14,13 @@ Examples:
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 STOP_REASONS = {"eos": "the end-of-text token", "stop": "a stop string", "length": "max_new_tokens",
                 "context": "the full context (overflow=stop)"}
 
@@ -46,8 +53,6 @@ def options(cfg, max_seq_len: int, eos_id):
 
 
 def read_prompt(cfg) -> str:
-    from pathlib import Path
-
     from gptkit.errors import GptkitError
 
     if cfg.prompt_file is None:
@@ -66,9 +71,6 @@ def read_prompt(cfg) -> str:
 
 
 def run(cfg) -> int:
-    import json
-    import sys
-
     from gptkit.errors import ConfigError
     from gptkit.generate import encode_prompt, generate, special_token_ids
     from gptkit.runs import load_for_inference, resolve_device

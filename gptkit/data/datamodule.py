@@ -19,6 +19,7 @@ from __future__ import annotations
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
 from gptkit.data.chat import ChatData, ChatSampler, describe_rows, make_rows
@@ -36,7 +37,8 @@ class TrainBatches(IterableDataset):
     def __iter__(self):
         step = self.start_step
         while True:
-            yield self.sampler.batch(step, self.rank, self.world_size)  # x, y (, doc_ids): [batch_size, seq_len]
+            # x, y (, doc_ids): [batch_size, seq_len]
+            yield self.sampler.batch(step, self.rank, self.world_size)
             step += 1
 
 
@@ -73,8 +75,9 @@ class TaggedWindows(Dataset):
 class TokenDataModule(L.LightningDataModule):
     """The Lightning DataModule of a run: stateless training windows drawn by (seed, step, rank) from
     prepared shards, a mixture or chat rows, and fixed validation windows."""
-    def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12, seq_len: int = 128,
-                 seed: int = 1337, val_windows: int | None = 200, pack: str = "stream") -> None:
+    def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12,
+                 seq_len: int = 128, seed: int = 1337, val_windows: int | None = 200,
+                 pack: str = "stream") -> None:
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
@@ -116,8 +119,6 @@ class TokenDataModule(L.LightningDataModule):
         return {f"data/tokens_{n}": float(c * self.seq_len) for n, c in zip(self.prepared.names, counts)}
 
     def _chat_rows(self, chat: ChatData) -> None:
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
-
         s = chat.settings
         train, val = (make_rows(split, self.seq_len, s["pack"], s["train_on"], s["truncate"], chat.pad_id)
                       for split in (chat.train, chat.val))
@@ -161,4 +162,5 @@ class TokenDataModule(L.LightningDataModule):
             source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)  # [n_val_windows]
             self.val_sources = (list(self.prepared.names), source_of)
             ds = TaggedWindows(ds)
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0,
+                          pin_memory=self._pin())

@@ -31,8 +31,12 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import bytes_to_unicode, describe_characters, unknown_characters
+
+# tiktoken and tokenizers are imported by the encoder that uses them.
 
 PIECE_CHARS = 64 << 10  # long documents are cut into pieces of about this size
 HARD_CHARS = 4 * PIECE_CHARS  # how far past PIECE_CHARS a cut is looked for
@@ -291,7 +295,6 @@ def tiktoken_tables(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, in
 
 
 def _tiktoken(spec_json: str, extra: dict[str, Any]):
-    import numpy as np
     import tiktoken
 
     tables = tiktoken_tables(spec_json)
@@ -311,7 +314,6 @@ def _tiktoken(spec_json: str, extra: dict[str, Any]):
 
 def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
     """texts -> their id sequences (lists or numpy arrays) with the spec's engine."""
-    import numpy as np
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_str(spec.tokenizer_json)
@@ -360,8 +362,6 @@ def encode_batch(
 ):
     """One batch of pieces -> (its ids as one array, documents it ends): a BOS before each document's first
     piece and an EOS after its last, when given."""
-    import numpy as np
-
     out = []
     eos_arr = np.asarray([eos], dtype=dtype) if eos is not None else None
     bos_arr = np.asarray([bos], dtype=dtype) if bos is not None else None

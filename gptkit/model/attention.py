@@ -30,6 +30,8 @@ from gptkit.model.fused import triton_available, warn_once
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import RotaryEmbedding, make_norm  # the QK-norms are layers.py norms
 
+# gptkit_kernels is imported on use: it needs triton (optional); the model runs without it.
+
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
