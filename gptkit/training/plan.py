@@ -1,8 +1,10 @@
 """The run plan: every fact of a training run that follows from its config, derived once.
 
-`gptkit train` composes the config (Hydra), checks it (fit.check_config), applies resume= / init_from=
-(fit.resolve_resume, fit.resolve_init_from), prepares the data (the tokenizer fixes the vocabulary) and
-then calls make_plan. From there on every part reads the plan and re-derives nothing:
+`gptkit train` composes the config (Hydra), checks it (fit.check_config, which returns what it derived
+as a Checked: precision, accelerator, devices, nodes, compile mode, a new run's model and window),
+applies resume= / init_from= (fit.resolve_resume, fit.resolve_init_from), prepares the data (the
+tokenizer fixes the vocabulary) and then calls make_plan, which reads the Checked instead of deriving it
+again. From there on every part reads the plan and re-derives nothing (.ci/rederivations counts it):
 
     plan.model            the ModelConfig (vocab_size from the tokenizer, or the source run's model)
     plan.seq_len          the training window (trainer.seq_len, or model.max_seq_len)
@@ -12,6 +14,7 @@ then calls make_plan. From there on every part reads the plan and re-derives not
     plan.precision        the Precision (gptkit.precision), plan.accelerator "cpu" | "cuda"
     plan.compile          None | "blocks" | "model" (trainer.compile)
     plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params), plan.peak_flops
+    plan.data             the prepared corpus (None for a plan made without data: gptkit.train prepares it)
 
 Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
 and schedule), fit (start-up lines, disk check, summary, out-of-memory message), commands/preflight and
