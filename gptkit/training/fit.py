@@ -503,7 +503,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
     _announce(trainer, plan, prepared, optimizer)
     if trainer.is_global_zero:
-        _check_disk(ckpt_dir, plan, resume_step or 0)
+        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0, plan.precision)
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
@@ -579,7 +579,7 @@ def _remove_leftovers(run_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def _check_disk(ckpt_dir: Path, plan: RunPlan, start_step: int) -> None:
+def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int, precision=None) -> None:
     """Say how much disk the run's checkpoints need (the count-params estimate) and warn when the
     filesystem has less free."""
     from rich.console import Console
@@ -587,8 +587,7 @@ def _check_disk(ckpt_dir: Path, plan: RunPlan, start_step: int) -> None:
     from gptkit import accounting as acc
     from gptkit.fsio import free_bytes, human_bytes
 
-    t, max_steps = plan.trainer, plan.max_steps
-    each = acc.checkpoint_bytes(plan.model, plan.precision)
+    each = acc.checkpoint_bytes(model_cfg, precision or str(t.precision))  # precision: the plan's
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
     # + the one being written + last.ckpt
