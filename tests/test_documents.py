@@ -104,6 +104,27 @@ def test_sdpa_with_documents_takes_variable_length_flash_attention_where_it_runs
     assert all(x.grad is not None and bool(x.grad.abs().sum() > 0) for x in (q, k, v))
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sdpa_with_documents_on_a_gpu_in_bf16_runs_varlen_and_matches_each_document_alone():
+    import gptkit.model.attention as attention
+
+    B, H, Hkv, T, D = 2, 4, 2, 24, 16
+    docs = Documents(packed_ids(LENGTHS).cuda())
+    q, k, v = (torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (H, Hkv, Hkv))
+    if not attention.varlen_usable(q):
+        pytest.skip("torch's varlen FlashAttention does not run on this GPU")
+    out, _ = attention.sdpa_attention(q, k, v, causal=True, docs=docs)
+    out.float().sum().backward()
+    for b, row in enumerate(LENGTHS):
+        s = 0
+        for n in row:
+            ref = reference(*(x[b:b + 1, :, s:s + n] for x in (q, k, v)), True, D**-0.5)
+            torch.testing.assert_close(out[b:b + 1, :, s:s + n].double(), ref, rtol=2e-2, atol=2e-2)
+            s += n
+    assert all(bool(torch.isfinite(x.grad).all()) for x in (q, k, v))
+
+
 def test_sdpa_with_documents_on_the_cpu_takes_the_mask_without_a_warning():
     """On the CPU SDPA's FlashAttention kernel takes the dense mask (as fast as plain causal attention at
     these sizes, docs/chat.md), so packed chat runs print no warning."""

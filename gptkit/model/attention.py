@@ -77,7 +77,7 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
         if q.is_cuda:
             warn_once("sdpa-docs", f"model.attention=sdpa with packed documents in {q.dtype} on CUDA takes a "
                       "dense [B, 1, T, T] mask and computes every tile across documents (torch's "
-                      "variable-length FlashAttention needs fp16/bf16 and no dropout); "
+                      "variable-length FlashAttention needs fp16/bf16, no dropout, an sm80+ GPU); "
                       "precision bf16-mixed or model.attention=triton skips them")
         # On the CPU the dense mask is the right form: SDPA's CPU FlashAttention kernel takes it (measured
         # as fast as the plain causal kernel at T=128, docs/chat.md); built once per forward, additive in
@@ -100,8 +100,12 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
 
 
 def varlen_usable(q: torch.Tensor) -> bool:
-    """Whether torch's variable-length FlashAttention (torch.nn.attention.varlen) runs q: CUDA, fp16/bf16."""
-    return varlen_attn is not None and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    """Whether torch's variable-length FlashAttention (torch.nn.attention.varlen) runs q: fp16/bf16 on a CUDA
+    GPU of compute capability >= 8.0 (FlashAttention 2's), head_dim a multiple of 8 up to 256."""
+    if varlen_attn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    D = q.shape[-1]
+    return D % 8 == 0 and D <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
 
 
 def varlen_documents(q, k, v, docs: Documents, scale=None) -> torch.Tensor:
