@@ -35,7 +35,8 @@ def main(B=16, T=128, H=4, Hkv=2, D=32, rounds=15, reps=10) -> None:
         for name, (mask, causal) in cases.items():
             t0 = time.perf_counter()
             for _ in range(reps):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                     enable_gqa=True)
                 out.sum().backward()
             times[name].append((time.perf_counter() - t0) / reps)
     base = statistics.median(times["causal, no mask"])
