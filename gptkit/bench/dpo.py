@@ -14,19 +14,27 @@ after DPO, full fine-tuning and LoRA.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.data.preference import make_pair_rows, prepare_preference
+from gptkit.data.tasks import preference_pairs, string_tasks, write_jsonl
+from gptkit.errors import GptkitError
+from gptkit.runs import load_model
+from gptkit.threads import set_threads
+from gptkit.training.dpo import answer_logps
+
 
 def answer_logps_of(model, rows, batch_pairs: int = 64):
-    """[P, 2] summed answer log-probs (chosen, rejected) of every pair of `rows` (a PairRows) under `model`."""
-    import torch
-
-    from gptkit.training.dpo import answer_logps
-
+    """[P, 2] summed answer log-probs (chosen, rejected) of the pairs of `rows` (a PairRows) under `model`."""
     out = []
     with torch.no_grad():
         for start in range(0, len(rows), batch_pairs):
@@ -57,17 +65,6 @@ def _train(con, args: list[str]) -> float:
 
 
 def run(cfg) -> int:
-    import os
-
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit.data.preference import make_pair_rows, prepare_preference
-    from gptkit.data.tasks import preference_pairs, string_tasks, write_jsonl
-    from gptkit.errors import GptkitError
-    from gptkit.runs import load_model
-    from gptkit.threads import set_threads
-
     set_threads(cfg.threads, "bench.threads")
     con = Console(stderr=True, highlight=False, markup=False)
     root = Path(str(cfg.dir)).expanduser()
@@ -103,7 +100,8 @@ def run(cfg) -> int:
 
     # the held-out pairs in the start's tokenizer and template, rows as DPO trains on them
     data = prepare_preference({"paths": [str(held_file)], "val_paths": [str(held_file)], "template": "auto"},
-                              {"kind": "file", "path": str(start / "tokenizer.json")}, cache_dir=root / "cache")
+                              {"kind": "file", "path": str(start / "tokenizer.json")},
+                              cache_dir=root / "cache")
     *_, ref_model = load_model(start)
     rows = make_pair_rows(data.train, ref_model.cfg.max_seq_len, "error", data.pad_id)
     reference = answer_logps_of(ref_model.eval(), rows)
@@ -114,7 +112,8 @@ def run(cfg) -> int:
 
     table = Table(title=f"experiment=dpo-tiny: preference on {len(rows)} held-out pairs (chosen right, "
                         "rejected off by one letter)")
-    for col in ("", "prefers chosen by log-prob", "by implicit reward", "mean log-ratio margin", "train wall"):
+    columns = ("", "prefers chosen by log-prob", "by implicit reward", "mean log-ratio margin", "train wall")
+    for col in columns:
         table.add_column(col)
     for label, r in results.items():
         before = label.startswith("start")

@@ -23,6 +23,7 @@ from __future__ import annotations
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
 from gptkit.data.chat import ChatData, ChatSampler, describe_rows, make_rows
@@ -41,7 +42,8 @@ class TrainBatches(IterableDataset):
     def __iter__(self):
         step = self.start_step
         while True:
-            yield self.sampler.batch(step, self.rank, self.world_size)  # x, y (, doc_ids): [batch_size, seq_len]
+            # x, y (, doc_ids): [batch_size, seq_len]
+            yield self.sampler.batch(step, self.rank, self.world_size)
             step += 1
 
 
@@ -126,8 +128,6 @@ class TokenDataModule(L.LightningDataModule):
         return {f"data/tokens_{n}": float(c * self.seq_len) for n, c in zip(self.prepared.names, counts)}
 
     def _chat_rows(self, chat: ChatData) -> None:
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
-
         s = chat.settings
         train, val = (make_rows(split, self.seq_len, s["pack"], s["train_on"], s["truncate"], chat.pad_id)
                       for split in (chat.train, chat.val))
@@ -187,4 +187,5 @@ class TokenDataModule(L.LightningDataModule):
         names = list(self.prepared.names) if isinstance(self.prepared, MixedData) else []
         self.val_sources = (names, source_of)  # one corpus: no names (no per-source figures), source 0
         ds = TaggedWindows(ConcatDataset(sets))
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0,
+                          pin_memory=self._pin())

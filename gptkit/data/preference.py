@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 from gptkit.data.build import cache_root, remove_stale_builds
 from gptkit.data.chat import (
@@ -47,7 +49,13 @@ from gptkit.data.chat import (
 from gptkit.data.sources import expand_paths
 from gptkit.errors import GptkitError
 from gptkit.fsio import DIR_MODE
-from gptkit.tokenizer import build_tokenizer, tokenizer_settings, tokenizer_sha256
+from gptkit.tokenizer import (
+    build_tokenizer,
+    file_sha256,
+    load_tokenizer_file,
+    tokenizer_settings,
+    tokenizer_sha256,
+)
 
 FORMAT = "gptkit-preference"
 FORMAT_VERSION = 1
@@ -63,8 +71,6 @@ ROW_KEYS = ("truncate",)  # how rows are made from the tokens: no part of the ca
 
 def preference_settings(cfg: Any) -> dict[str, Any]:
     """data=preference's settings as a complete plain dict, checked."""
-    from omegaconf import DictConfig, OmegaConf
-
     d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     s = {**DEFAULTS, **d, "kind": "preference"}
     if s["truncate"] not in TRUNCATE:
@@ -190,8 +196,6 @@ class PreferenceData:
         """Nothing runs in the background here."""
 
     def tokenizer(self):
-        from gptkit.tokenizer import load_tokenizer_file
-
         return load_tokenizer_file(self.tokenizer_path)
 
 
@@ -216,8 +220,6 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
     key_src = json.dumps([cache_s, content, tok_s, template.text, template.variables, FORMAT_VERSION],
                          sort_keys=True, default=str)
     if tok_s["kind"] == "file":
-        from gptkit.tokenizer import file_sha256
-
         key_src += file_sha256(tok_s["path"])
     key = hashlib.sha256(key_src.encode()).hexdigest()
     root = cache_root(cache_dir)
@@ -351,8 +353,6 @@ class PairRows:
 
 def pair_collate(items):
     """Validation pairs (x, y [2, seq_len] each) -> one batch (x, y [2 * n, seq_len]), pairs side by side."""
-    import torch
-
     return tuple(torch.cat(t) for t in zip(*items))
 
 
@@ -360,8 +360,6 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
     """Each answer with its conversation as one row of seq_len + 1 tokens (inputs: the first seq_len,
     targets: the last seq_len), padded with pad_id (no loss). A pair longer than a row: one-line error
     (truncate=error), left out (drop), or cut to the row (cut; left out when no answer token remains)."""
-    import torch
-
     width = seq_len + 1
     ids_rows, mask_rows = [], []
     cut = dropped = 0
