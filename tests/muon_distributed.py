@@ -117,7 +117,8 @@ def main(rank: int, world: int, init_file: str, out: Path) -> None:
             opt.zero_grad()
         weights, twin_weights = full(model), full(twin)
         if rank == 0:
-            assert all(torch.equal(weights[k], twin_weights[k]) for k in weights), "the state did not carry over"
+            same = all(torch.equal(weights[k], twin_weights[k]) for k in weights)
+            assert same, "the state did not carry over"
             torch.save(weights, out / f"fsdp-{ns_dtype}.pt")
         # FSDP2, every rank gathering and orthogonalizing every matrix
         model, opt = model_and_optimizer(fsdp=True, ns_dtype=ns_dtype, sharded_ns=False)

@@ -532,3 +532,40 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
                 # the gradients differ in the last bits (2 half-batch means vs one mean); float32
                 # Newton-Schulz keeps that difference small (bfloat16 rounds it up to ~1e-2 of the update)
                 torch.testing.assert_close(ddp[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+# ---- gptkit bench optim: AdamW and Muon of one seed side by side, compared seed by seed ---------------------
+def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
+    """The AdamW and Muon runs of a seed are queued together (with parallel=2 they train side by side); the
+    time ratio and the equal-time val loss compare each Muon run with the AdamW run of its seed."""
+    import json
+
+    from gptkit.bench import optim as bench
+
+    def fake_run(args, log):  # a run folder as `gptkit train` leaves it: 4 steps of 10 tokens, val every 2
+        opts = dict(a.split("=", 1) for a in args)
+        run = tmp_path / "runs" / opts["name"]
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints/last.ckpt").write_bytes(b"")
+        muon, seed = opts["optim"] == "muon", int(opts["seed"])
+        tokens_per_s = 10 / (seed * (3 if muon else 2))  # seconds per step: AdamW 2 x seed, Muon 3 x seed
+        losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}  # val after 2 and 4 steps
+        rows = ["step,perf/tokens,perf/tokens_per_s,val/loss"]
+        rows += [f"{s},{10 * (s + 1)},{tokens_per_s}," for s in range(4)]
+        rows += [f"{s},,,{loss}" for s, loss in losses.items()]
+        (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+        order.append(opts["name"])
+
+    order = []
+    monkeypatch.setattr(bench, "run_one", fake_run)
+    cfg = OmegaConf.create(dict(recipes={"r": ["optim=adamw"]}, muon={"r": ["optim=muon"]}, common=[],
+                                seeds=[1, 2], parallel=1, runs_dir=str(tmp_path / "runs"),
+                                out=str(tmp_path / "out.json")))
+    assert bench.run(cfg) == 0
+    assert order == ["r-adamw-seed1", "r-muon-seed1", "r-adamw-seed2", "r-muon-seed2"]
+    r = json.loads((tmp_path / "out.json").read_text())["results"]["r"]
+    assert r["muon_time_ratio"] == {"median": 1.5, "min": 1.5, "max": 1.5}  # seed by seed, whatever the load
+    # Muon after 2 of its steps (6 x seed s) is within AdamW's 8 x seed s; after 4 steps (12 x seed s) it is not
+    assert r["val_loss_at_adamw_time"]["muon"] == {"median": 1.5, "min": 1.5, "max": 1.5}
+    assert r["muon_steps_to_target"] == [2, 2] and r["target_val_loss"] == 1.8 and r["adamw_steps"] == 4
+    assert bench.run(cfg) == 0 and len(order) == 4  # finished runs are read, not rerun
