@@ -35,8 +35,8 @@ def rank_main(rank: int, init: str, n_layers: int, d_model: int, repeats: int, n
     models = []
     for _ in range(2):  # the same weights and gradients twice: one optimizer per way of orthogonalizing
         torch.manual_seed(0)
-        model = GPT(ModelConfig(vocab_size=256, max_seq_len=32, n_layers=n_layers, n_heads=max(1, d_model // 64),
-                                d_model=d_model))
+        model = GPT(ModelConfig(vocab_size=256, max_seq_len=32, n_layers=n_layers,
+                                n_heads=max(1, d_model // 64), d_model=d_model))
         mesh = init_device_mesh("cpu", (2,))
         for block in model.blocks:
             fully_shard(block, mesh=mesh)

@@ -37,8 +37,8 @@ def main() -> None:
                 "trainer.accelerator=cpu", "trainer.precision=32-true", "optim.warmup_steps=2",
                 f"runs_dir={out}", f"name={name}", "optim=muon", "optim.lr=1e-2", *extra,
             ]
-            r = subprocess.run([sys.executable, "-m", "gptkit", "train", *args], capture_output=True, text=True,
-                               env=env, cwd=REPO)
+            r = subprocess.run([sys.executable, "-m", "gptkit", "train", *args], capture_output=True,
+                               text=True, env=env, cwd=REPO)
             if r.returncode != 0:
                 sys.exit(f"gptkit train {' '.join(args)} failed:\n{r.stderr[-3000:]}")
             with open(out / name / "metrics.csv", newline="") as f:
@@ -52,9 +52,9 @@ def main() -> None:
                             "trainer.devices=2")
                 diff = [abs(two[s] - one[s]) for s in sorted(one)]
                 worst = max(diff)
-                print(f"ns_dtype={ns:8s} {strategy:4s} 2 processes vs 1, {len(diff)} steps: max |train loss "
-                      f"diff| {worst:.2e} (step {diff.index(worst)}), at the last step {diff[-1]:.2e}; the loss "
-                      f"goes {one[0]:.4f} -> {one[max(one)]:.4f}", flush=True)
+                print(f"ns_dtype={ns:8s} {strategy:4s} 2 processes vs 1, {len(diff)} steps: max |train "
+                      f"loss diff| {worst:.2e} (step {diff.index(worst)}), at the last step {diff[-1]:.2e}; "
+                      f"the loss goes {one[0]:.4f} -> {one[max(one)]:.4f}", flush=True)
 
 
 if __name__ == "__main__":
