@@ -128,7 +128,7 @@ def test_pack_documents_gives_doc_ids_from_eos_positions(docs_prepared):
     stream = TokenDataModule(docs_prepared, batch_size=4, seq_len=64, seed=1)
     sx, sy = next(iter(stream.train_dataloader()))  # the same windows either way
     assert torch.equal(sx, x) and torch.equal(sy, y)
-    vx, vy, vids = next(iter(dm.val_dataloader()))
+    vx, vy, vids, _ = next(iter(dm.val_dataloader()))  # the last: each window's index
     assert torch.equal(vids, doc_ids(vx, eos))
 
 

@@ -114,7 +114,7 @@ class LitGPT(L.LightningModule):
         self.compile_backend = plan.compile_backend
         self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
         self._val_losses: list[torch.Tensor] = []
-        self._val_sums: torch.Tensor | None = None  # data=mix: [2, n_sources] token-loss sums, target counts
+        self._val_sums: torch.Tensor | None = None  # [2, n_sources] token-loss sums, target counts
 
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
@@ -136,7 +136,8 @@ class LitGPT(L.LightningModule):
         return loss
 
     def _val_sources(self):
-        """data=mix: (source names, source index of each val window) from the datamodule; else None."""
+        """(source names, source index of each val window) from the datamodule (names: [] for one corpus);
+        None for data=chat (and without a datamodule)."""
         trainer = getattr(self, "_trainer", None)
         return getattr(getattr(trainer, "datamodule", None), "val_sources", None) if trainer else None
 
@@ -155,8 +156,8 @@ class LitGPT(L.LightningModule):
         self.loss_window.add_grad_norm(norm)
 
     def validation_step(self, batch, batch_idx):
-        """The loss of one validation batch, kept on the device; with data=mix also each source's summed
-        token loss and target count over this batch's windows (see _source_sums)."""
+        """The loss of one validation batch, kept on the device; with tagged windows (all but data=chat)
+        each source's summed token loss and target count over this batch's windows (see _source_sums)."""
         sources = self._val_sources()
         x, y, *rest = batch
         index = rest.pop() if sources is not None else None  # [B]: each window's index in the val set
@@ -195,23 +196,30 @@ class LitGPT(L.LightningModule):
                 self._val_sums[1, s] += n
 
     def on_validation_epoch_end(self) -> None:
-        """Log val/loss (mean over the batches and ranks) and val/ppl; with data=mix val/loss/<source>: that
-        source's mean token loss over its own val windows, from sums and counts reduced over the ranks."""
+        """Log val/loss and val/ppl: the mean token loss over the distinct val windows, from sums and counts
+        reduced over the ranks (each window counted once: a DDP run reports what one process does); with
+        data=mix also val/loss/<source>, over that source's own windows. data=chat: the mean of the batch
+        means over the batches and ranks."""
         if not self._val_losses:
             return
         loss = torch.stack(self._val_losses).mean()
         self._val_losses.clear()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val/ppl", torch.exp(loss), sync_dist=True)
         sources = self._val_sources()
-        if sources is not None:
+        if sources is None:
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+            self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        else:
+            n_src = int(sources[1].max()) + 1 if len(sources[1]) else 1
             sums = self._val_sums if self._val_sums is not None else torch.zeros(
-                2, len(sources[0]), dtype=torch.float64, device=loss.device)
+                2, n_src, dtype=torch.float64, device=loss.device)
             self._val_sums = None
-            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-            for name, total, n in zip(sources[0], sums[0].tolist(), sums[1].tolist()):
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")  # [2, n_sources], over the ranks
+            total = (sums[0].sum() / sums[1].sum().clamp(min=1)).float()
+            self.log("val/loss", total, prog_bar=True, sync_dist=False)  # the same on every rank
+            self.log("val/ppl", torch.exp(total), sync_dist=False)
+            for name, s, n in zip(sources[0], sums[0].tolist(), sums[1].tolist()):
                 if n:
-                    self.log(f"val/loss/{name}", total / n, sync_dist=False)
+                    self.log(f"val/loss/{name}", s / n, sync_dist=False)
         self.log("step", float(self.global_step))  # validation after N optimizer steps is logged at step N
 
     def configure_optimizers(self):
