@@ -534,7 +534,7 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
                 torch.testing.assert_close(ddp[k], v, rtol=0, atol=1e-6, msg=k)
 
 
-# ---- gptkit bench optim: AdamW and Muon of one seed side by side, compared seed by seed ---------------------
+# ---- gptkit bench optim: AdamW and Muon of one seed side by side, compared seed by seed -------------------
 def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
     """The AdamW and Muon runs of a seed are queued together (with parallel=2 they train side by side); the
     time ratio and the equal-time val loss compare each Muon run with the AdamW run of its seed."""
@@ -565,7 +565,7 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
     assert order == ["r-adamw-seed1", "r-muon-seed1", "r-adamw-seed2", "r-muon-seed2"]
     r = json.loads((tmp_path / "out.json").read_text())["results"]["r"]
     assert r["muon_time_ratio"] == {"median": 1.5, "min": 1.5, "max": 1.5}  # seed by seed, whatever the load
-    # Muon after 2 of its steps (6 x seed s) is within AdamW's 8 x seed s; after 4 steps (12 x seed s) it is not
+    # Muon after 2 of its steps (6 x seed s) is within AdamW's 8 x seed s; after 4 (12 x seed s) it is not
     assert r["val_loss_at_adamw_time"]["muon"] == {"median": 1.5, "min": 1.5, "max": 1.5}
     assert r["muon_steps_to_target"] == [2, 2] and r["target_val_loss"] == 1.8 and r["adamw_steps"] == 4
     assert bench.run(cfg) == 0 and len(order) == 4  # finished runs are read, not rerun
