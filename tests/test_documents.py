@@ -23,7 +23,8 @@ LENGTHS = [[5, 1, 12, 6], [24]]  # two windows of T = 24: a one-token document, 
 
 
 def packed_ids(lengths_per_row):
-    return torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])  # [B, T]
+    # [B, T]
+    return torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])
 
 
 def test_document_bounds_and_positions():
@@ -53,6 +54,88 @@ def test_every_backend_attends_only_inside_documents(backend):
             for got, want in zip((out, *grads), (ref, *ref_grads)):
                 torch.testing.assert_close(got[b:b + 1, :, s:s + n].double(), want, rtol=1e-5, atol=1e-5)
             s += n
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                     enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's contract (tokens [N, heads, D], documents cut at cu_q), one
+    document at a time with conftest.reference: stands in for the CUDA kernel on the CPU."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert enable_gqa == (k.shape[1] != q.shape[1])
+    pieces = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        assert 0 < b - a <= max_q == max_k
+        qd, kd, vd = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, n, D]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        pieces.append(reference(qd, kd, vd, True, scale)[0].transpose(0, 1))  # [n, H, D]
+    return torch.cat(pieces).to(q.dtype)  # [N, H, D]
+
+
+def test_documents_mask_forms_and_cu_seqlens():
+    docs = Documents(packed_ids([[2, 1, 3], [6]]))
+    allowed = docs.mask()  # [2, 1, 6, 6] bool
+    additive = docs.mask(torch.float32)
+    assert additive.dtype == torch.float32 and docs.mask(torch.float32) is additive  # built once
+    assert torch.equal(additive == 0, allowed) and bool((additive[~allowed] == float("-inf")).all())
+    assert allowed[0, 0].int().tolist()[3] == [0, 0, 0, 1, 0, 0]  # the first token of the third document
+    assert docs.cu_seqlens().tolist() == [0, 2, 3, 6, 12] and docs.cu_seqlens().dtype == torch.int32
+
+
+def test_sdpa_with_documents_takes_variable_length_flash_attention_where_it_runs(monkeypatch):
+    """Where varlen_attn runs (CUDA, fp16/bf16), packed documents take it without any mask: the B*T tokens
+    cut at Documents.cu_seqlens. On the CPU its contract is played by varlen_reference."""
+    import gptkit.model.attention as attention
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen_reference)
+    monkeypatch.setattr(attention, "varlen_usable", lambda q: True)
+    monkeypatch.setattr(Documents, "mask", lambda self, dtype=None: pytest.fail("a mask was built"))
+    B, H, Hkv, T, D = 2, 4, 2, 24, 16
+    docs = Documents(packed_ids(LENGTHS))
+    q = torch.randn(B, H, T, D, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, requires_grad=True)
+    out, _ = attention.sdpa_attention(q, k, v, causal=True, docs=docs)
+    for b, row in enumerate(LENGTHS):
+        s = 0
+        for n in row:
+            ref = reference(*(x[b:b + 1, :, s:s + n] for x in (q, k, v)), True, D**-0.5)
+            torch.testing.assert_close(out[b:b + 1, :, s:s + n], ref.float())
+            s += n
+    out.sum().backward()  # the glue is differentiable
+    assert all(x.grad is not None and bool(x.grad.abs().sum() > 0) for x in (q, k, v))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sdpa_with_documents_on_a_gpu_in_bf16_runs_varlen_and_matches_each_document_alone():
+    import gptkit.model.attention as attention
+
+    B, H, Hkv, T, D = 2, 4, 2, 24, 16
+    docs = Documents(packed_ids(LENGTHS).cuda())
+    q, k, v = (torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (H, Hkv, Hkv))
+    if not attention.varlen_usable(q):
+        pytest.skip("torch's varlen FlashAttention does not run on this GPU")
+    out, _ = attention.sdpa_attention(q, k, v, causal=True, docs=docs)
+    out.float().sum().backward()
+    for b, row in enumerate(LENGTHS):
+        s = 0
+        for n in row:
+            ref = reference(*(x[b:b + 1, :, s:s + n] for x in (q, k, v)), True, D**-0.5)
+            torch.testing.assert_close(out[b:b + 1, :, s:s + n].double(), ref, rtol=2e-2, atol=2e-2)
+            s += n
+    assert all(bool(torch.isfinite(x.grad).all()) for x in (q, k, v))
+
+
+def test_sdpa_with_documents_on_the_cpu_takes_the_mask_without_a_warning():
+    """On the CPU SDPA's FlashAttention kernel takes the dense mask (as fast as plain causal attention at
+    these sizes, docs/chat.md), so packed chat runs print no warning."""
+    import warnings
+
+    docs = Documents(packed_ids(LENGTHS))
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ATTENTION_BACKENDS["sdpa"](q, k, v, causal=True, docs=docs)
 
 
 @pytest.mark.parametrize("backend, variant", [
@@ -157,15 +240,18 @@ def test_train_cli_with_packed_documents_and_fused_kernels(tmp_path):
     r = run_cli("train", "model=llama-tiny", "model.n_layers=1", "model.d_model=64", "model.n_heads=4",
                 "model.n_kv_heads=2", "model.d_ff=128", "model.max_seq_len=32", "model.attention=eager",
                 "model.position_reset=true", "model.kernels=[loss]", "tokenizer=char",
-                "tokenizer.eos_token='<eos>'", "data=files", f"data.paths=[{','.join(paths)}]", "data.pack=documents",
+                "tokenizer.eos_token='<eos>'", "data=files", f"data.paths=[{','.join(paths)}]",
+                "data.pack=documents",
                 "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_every=2", "trainer.val_windows=2",
-                "trainer.checkpoint_every=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}", "name=packed")
+                "trainer.checkpoint_every=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}",
+                "name=packed")
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = (tmp_path / "runs" / "packed" / "config.yaml").read_text()
     assert "pack: documents" in cfg and "position_reset: true" in cfg
     import json  # eval follows the run's data.pack unless told otherwise
 
-    runs = [run_cli("eval", f"run={tmp_path / 'runs' / 'packed'}", "progress=false", "format=json", "split=all", *pack)
+    runs = [run_cli("eval", f"run={tmp_path / 'runs' / 'packed'}", "progress=false", "format=json",
+                    "split=all", *pack)
             for pack in ((), ("pack=stream",))]
     assert all(e.returncode == 0 for e in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     packed, stream = (json.loads(e.stdout) for e in runs)

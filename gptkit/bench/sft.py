@@ -17,12 +17,24 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.config import compose
+from gptkit.data.chat import resolve_template, template_in_folder
+from gptkit.data.tasks import string_tasks, write_jsonl
+from gptkit.generate import ChatSession
+from gptkit.model import GPT, ModelConfig
+from gptkit.runs import load_run
+from gptkit.sampling import SampleOptions
+from gptkit.threads import set_threads
+from gptkit.tokenizer import byte_tokenizer
+
 
 def exact_match(model, tokenizer, template, rows: list[dict]) -> tuple[float, list[str]]:
     """(share of rows answered exactly, the answers): greedy, one fresh conversation per row."""
-    from gptkit.generate import ChatSession
-    from gptkit.sampling import SampleOptions
-
     end = template.end_of_turn().strip()
     stop = tuple(i for i in (tokenizer.token_to_id(end) if end else None,) if i is not None)
     longest = max(len(tokenizer.encode(r["response"], add_special_tokens=False).ids) for r in rows)
@@ -35,20 +47,15 @@ def exact_match(model, tokenizer, template, rows: list[dict]) -> tuple[float, li
     return sum(a == r["response"] for a, r in zip(answers, rows)) / len(rows), answers
 
 
+def by_task(rows: list[dict], answers: list[str]) -> dict[str, float]:
+    """The exact match of each task (the first word of the prompt: upper, reverse)."""
+    hits: dict[str, list[bool]] = {}
+    for r, a in zip(rows, answers):
+        hits.setdefault(r["prompt"].split()[0], []).append(a == r["response"])
+    return {task: sum(h) / len(h) for task, h in sorted(hits.items())}
+
+
 def run(cfg) -> int:
-    import torch
-    from omegaconf import OmegaConf
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit.config import compose
-    from gptkit.data.chat import resolve_template, template_in_folder
-    from gptkit.data.tasks import string_tasks, write_jsonl
-    from gptkit.model import GPT, ModelConfig
-    from gptkit.runs import load_run
-    from gptkit.threads import set_threads
-    from gptkit.tokenizer import byte_tokenizer
-
     set_threads(cfg.threads, "bench.threads")
     con = Console(stderr=True, highlight=False, markup=False)
     root = Path(str(cfg.dir)).expanduser()
@@ -93,10 +100,12 @@ def run(cfg) -> int:
     table.add_row("training", "", f"{train_s:.1f} s")
     table.add_row("after", f"{after:.1%}", f"{after_s:.1f} s")
     Console().print(table)
+    tasks = by_task(held, answers)
+    print("  after, by task: " + ", ".join(f"{t} {share:.1%}" for t, share in tasks.items()))
     for row, a in list(zip(held, answers))[:3]:
         print(f"  {row['prompt']!r} -> {a!r} (want {row['response']!r})")
-    result = {"before": before, "after": after, "train_s": train_s, "held_out": len(held),
-              "train": len(train_rows), "run": str(r.dir)}
+    result = {"before": before, "after": after, "after_by_task": tasks, "train_s": train_s,
+              "held_out": len(held), "train": len(train_rows), "run": str(r.dir)}
     (root / "results.json").write_text(json.dumps(result, indent=2))
     if cfg.out:
         Path(str(cfg.out)).write_text(json.dumps(result, indent=2))

@@ -7,14 +7,18 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                        (seed, N, rank, world size), so a resume draws the same batches
                                                                   data/datamodule.py, data/windows.py
      2. forward, loss  LitGPT.training_step -> GPT.forward(x, targets).loss (fp32 mean cross-entropy)
-                                                                            here, model/gpt.py
-     3. NaN window     LossWindow.add: the loss summed on the device, the first non-finite step noted;
-                       no host sync                                         training/metrics.py
+                       weighted by its loss tokens (TokenMean.micro_batch) when a step has several
+                       micro-batches or ranks                here, model/gpt.py, training/token_mean.py
+     3. NaN window     LossWindow.add: the loss summed on the device (weighted by its loss tokens), the
+                       first non-finite step noted; no host sync            training/metrics.py
      4. backward       Lightning: (loss / accumulation).backward(); 16-mixed scales the loss first
      5. accumulation   steps 1-4 run plan.accumulation times (trainer.accumulate_grad_batches); DDP
                        all-reduces the gradients on the last micro-batch only; FSDP2 reduce-scatters them
      6. unscale        ClippingMixedPrecision.optimizer_step: GradScaler.unscale_ (16-mixed only)
                                                                             training/trainer.py
+     6b. token mean    LitGPT.on_before_optimizer_step -> TokenMean.finish: the gradient becomes the mean
+                       over every loss token of the step, all micro-batches and ranks (one scalar
+                       all-reduce, on the device)                           here, training/token_mean.py
      7. clip           LitGPT.configure_gradient_clipping: the total gradient norm (kept on the device for
                        train/grad_norm: LossWindow.add_grad_norm), then norm clipping at
                        trainer.gradient_clip_val, on unscaled gradients, so it works with fused AdamW
@@ -64,6 +68,7 @@ from gptkit.training.lora import adapter_state_dict, apply_lora
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
+from gptkit.training.token_mean import TokenMean, loss_tokens
 
 
 def apply_compile(model: GPT, mode: str, backend: str = "inductor") -> None:
@@ -125,14 +130,18 @@ class LitGPT(L.LightningModule):
         self.compile_mode = plan.compile
         self.compile_backend = plan.compile_backend
         self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
+        # every loss token of an optimizer step weighs the same, across micro-batches and ranks
+        self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
         self._val_losses: list[torch.Tensor] = []
         self._val_sums: torch.Tensor | None = None  # [2, n_sources] token-loss sums, target counts
 
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
-        full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None  # references
-        if parallelize(self.model, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
+        # references
+        full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None
+        # FSDP2: shards per block; else no-op
+        if parallelize(self.model, strategy) and self.weights_from_rank0:
             broadcast_weights(self.model, full, strategy.root_device)
             self.built_on_meta = False
         del full
@@ -142,10 +151,16 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
-        x, y, *docs = batch  # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
+        # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
+        x, y, *docs = batch
         loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
-        self.loss_window.add(loss, self.global_step)  # on the device: no host sync (StepMetrics reads it)
-        return loss
+        n = loss_tokens(y)  # int64 scalar on the device
+        self.loss_window.add(loss, self.global_step, n)  # on the device: no host sync (StepMetrics reads it)
+        return self.token_mean.micro_batch(loss, n)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Step 6b of the header: the accumulated gradients become the mean over the step's loss tokens."""
+        self.token_mean.finish(p for group in optimizer.param_groups for p in group["params"])
 
     def _val_sources(self):
         """(source names, source index of each val window) from the datamodule (names: [] for one corpus);
