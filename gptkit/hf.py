@@ -33,7 +33,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from gptkit import hub
+import torch
+
+from gptkit import adapters, hub
 from gptkit.data.chat import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
@@ -286,10 +288,6 @@ def peft_adapters(state: dict[str, Any], cfg: ModelConfig, lora: dict[str, Any],
     of all its targeted parts at once: A side by side [n*r, in], B block-diagonal [3*d_model, n*r] (zeros
     for a part not targeted), with rank n*r and alpha n*alpha in rank_pattern/alpha_pattern so that its
     scale stays alpha / r. The same update, so the same logits."""
-    import torch
-
-    from gptkit import adapters
-
     hf_of = {ours: theirs for ours, theirs, _ in name_map(cfg)}
     rank, alpha = int(lora["rank"]), lora["alpha"]
     tensors: dict[str, Any] = {}

@@ -19,6 +19,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.config import compose
+from gptkit.fsio import human_bytes
+from gptkit.model import GPT, ModelConfig
+from gptkit.runs import write_run_folder
+from gptkit.tokenizer import byte_tokenizer
+from gptkit.training.lora import apply_lora
+
 
 def _tokens_per_s(run: Path, warmup: int) -> float:
     with open(run / "metrics.csv", newline="") as f:
@@ -37,18 +49,6 @@ def _train(args: list[str]) -> tuple[int, float]:
 
 def run(cfg) -> int:
     """The benchmark of the module docstring, with the `bench` group of conf/bench/lora.yaml."""
-    import torch
-    from omegaconf import OmegaConf
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit.config import compose
-    from gptkit.fsio import human_bytes
-    from gptkit.model import GPT, ModelConfig
-    from gptkit.runs import write_run_folder
-    from gptkit.tokenizer import byte_tokenizer
-    from gptkit.training.lora import apply_lora
-
     con = Console(stderr=True, highlight=False, markup=False)
     root = Path(str(cfg.dir)).expanduser()
     if root.exists():

@@ -101,9 +101,6 @@ def run(cfg) -> int:
 
 def export_adapters(ckpt, out, cfg) -> int:
     """adapters=true: the LoRA run's adapters as a PEFT adapter folder (gptkit.hf.peft_adapters)."""
-    import json
-    from pathlib import Path
-
     from safetensors.torch import save_file
 
     from gptkit import adapters, hf

@@ -40,6 +40,7 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
+from gptkit.training.lora import adapter_state_dict
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
@@ -249,8 +250,6 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
         get_optimizer_state_dict,
         set_optimizer_state_dict,
     )
-
-    from gptkit.training.lora import adapter_state_dict
 
     _verify_together(path)
     model_state = {"state_dict": get_model_state_dict(module)}

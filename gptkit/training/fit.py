@@ -29,13 +29,14 @@ from gptkit.checkpoints import (
     checked_model_state,
     checkpoint_step,
     load_checkpoint,
+    lora_base,
     read_sharded_checkpoint,
     remove_stale,
     run_dir_of,
     verify_checkpoint,
 )
 from gptkit.config import conf_dir
-from gptkit.errors import GptkitError
+from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text, human_bytes
 from gptkit.model import ModelConfig
 from gptkit.options import Option, check_options, parse_options
@@ -324,16 +325,13 @@ def _load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
         _load_init_weights(reference, ckpt, vocab)
 
 
-def _lora_base(cfg: DictConfig, model_dict: dict, init_ckpt: Optional[Path], resume_ckpt: Optional[Path]
-               ) -> Optional[Path]:
+def _lora_base(cfg: DictConfig, model_cfg: ModelConfig, init_ckpt: Optional[Path],
+               resume_ckpt: Optional[Path]) -> Optional[Path]:
     """finetune=lora: the checkpoint of the frozen weights (init_from='s, or the one the resumed run's
     checkpoint records, checked unchanged), after the lora settings are checked against the model."""
     if cfg.get("finetune", "full") != "lora":
         return None
-    from gptkit.checkpoints import lora_base
-    from gptkit.model import ModelConfig
-
-    adapters.check_lora(adapters.settings(cfg.lora), ModelConfig.from_dict(model_dict))
+    adapters.check_lora(adapters.settings(cfg.lora), model_cfg)
     if resume_ckpt is None:
         return init_ckpt
     state = read_sharded_checkpoint(resume_ckpt, weights=False) if resume_ckpt.is_dir() else load_checkpoint(
@@ -353,8 +351,6 @@ def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
 def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
     """finetune= is full or lora; lora starts from weights (init_from=, or the run resume= continues) and
     trains with AdamW (Muon orthogonalizes whole weight matrices, not rank-r factors)."""
-    from gptkit.errors import ConfigError
-
     finetune = cfg.get("finetune", "full")
     if finetune not in ("full", "lora"):
         raise ConfigError(f"finetune={finetune} must be full (every weight trains) or lora (adapters on "
@@ -453,7 +449,7 @@ def plan_run(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Opti
         # the model resume= and init_from= bring (their source's): it fails here, before any data is prepared
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         checked = dataclasses.replace(checked, model=None, seq_len=None)  # make_plan checks its window
-    lora_base = _lora_base(cfg, model_cfg.to_dict(), init_ckpt, resume_ckpt)  # finetune=lora: frozen weights
+    lora_base = _lora_base(cfg, model_cfg, init_ckpt, resume_ckpt)  # finetune=lora: the frozen weights
 
     prepared = _prepare_data(cfg, model_cfg)  # data first: the tokenizer decides the vocabulary size
     chat = cfg.data.get("kind") in ("chat", "preference")  # rendered with a chat template (gptkit.data.chat)
@@ -623,7 +619,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     _announce(trainer, plan, prepared, optimizer, getattr(module, "trainable", None))
     if trainer.is_global_zero:
         _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0, plan.precision,
-                    getattr(module, "trainable", None))
+                    lora_params=getattr(module, "trainable", None))
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
@@ -709,8 +705,9 @@ def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int, p
     from gptkit import accounting as acc
     from gptkit.fsio import free_bytes, human_bytes
 
-    each = (acc.checkpoint_bytes(model_cfg, precision or str(t.precision))  # precision: the plan's
-            if lora_params is None else 12 * lora_params)
+    each = acc.checkpoint_bytes(model_cfg, precision or str(t.precision))  # precision: the plan's
+    if lora_params is not None:
+        each = 12 * lora_params
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
     # + the one being written + last.ckpt

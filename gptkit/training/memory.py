@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gptkit import adapters
 from gptkit.errors import GptkitError
 from gptkit.fsio import human_bytes
 
@@ -38,7 +39,6 @@ def estimate(plan: Any) -> dict[str, float]:
     """The count-params training memory estimate of a run plan (training/plan.py), per process; with
     finetune=lora the gradients and AdamW moments are the adapters' only, and their weights are added."""
     from gptkit import accounting as acc
-    from gptkit import adapters
 
     mem = acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
                               bool(plan.trainer.activation_checkpointing))

@@ -121,6 +121,10 @@ class LitGPT(L.LightningModule):
             self.model = GPT(plan.model)
         self.lora_record = None  # finetune=lora: the adapters' settings and base, saved with each checkpoint
         if plan.lora is not None:  # only the adapters train, and only they are checkpointed
+            if plan.lora_base is None:
+                raise GptkitError("finetune=lora: the plan names no base checkpoint (plan.lora_base); make "
+                                  "the plan with gptkit.plan(cfg): it resolves init_from= (or the resumed "
+                                  "run's base)")
             self.trainable = apply_lora(self.model, plan.lora)
             self.strict_loading = False  # a checkpoint holds the adapters; on_load_checkpoint checks them
             self.lora_record = dict(plan.lora, base=str(Path(plan.lora_base).resolve()),
