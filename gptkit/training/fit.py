@@ -225,6 +225,21 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path, overrides: list[Option]
 HF_PREFIX = "hf:"  # init_from=hf:<owner/name[@revision] or transformers folder>
 
 
+def init_source_name(init_from: str, runs_dir: Path | str) -> str | None:
+    """The name of the model an init_from= run trains (its source's model.name, or for hf: the folder's or
+    repository's name, as the import names it), read before Hydra names the run folder after it. None when
+    the source cannot be read (its one-line error comes later, where init_from= is resolved)."""
+    if init_from.startswith(HF_PREFIX):
+        from gptkit import hf
+
+        return hf.source_name(init_from[len(HF_PREFIX):]) or None
+    try:
+        name = read_config(run_dir_of(find_run_checkpoint(init_from, runs_dir)))["model"].get("name")
+    except (GptkitError, OSError):
+        return None
+    return str(name) if name not in (None, "") else None
+
+
 def _import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
     """init_from=hf:<spec> -> (the imported run folder, hf:<the exact source>), saying which on one line."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only

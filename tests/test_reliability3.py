@@ -1,0 +1,54 @@
+"""Issue 25, third pass: one step numbering everywhere, an init_from= run named after its model, the default
+sample prompt, --help's key comments, sample --json, the host memory estimate."""
+
+import csv
+import re
+from pathlib import Path
+
+from conftest import run_main, shakespeare
+
+
+def tiny(tmp_path: Path, *extra: str) -> list[str]:
+    corpus = tmp_path / "corpus.txt"
+    if not corpus.exists():
+        corpus.write_text(shakespeare(20_000))
+    return ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
+            "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
+            "trainer.max_steps=7", "trainer.val_every=3", "trainer.val_windows=2", "trainer.checkpoint_every=3",
+            "trainer.keep_checkpoints=5", "trainer.log_every=2", "trainer.progress=lines",
+            "optim.warmup_steps=1", f"runs_dir={tmp_path / 'runs'}", *extra]
+
+
+def metric_steps(run: Path, key: str) -> list[int]:
+    with open(run / "metrics.csv", newline="") as f:
+        return [int(r["step"]) for r in csv.DictReader(f) if r.get(key)]
+
+
+# ---- item 1: step N is "N optimizer steps done", in metrics.csv, the progress line, checkpoints, val rows ----
+def test_one_step_numbering_in_metrics_progress_and_checkpoints(tmp_path, capsys):
+    code, _, err = run_main(capsys, "train", *tiny(tmp_path, "name=steps", "model.name=mini"))
+    assert code == 0, err
+    run = tmp_path / "runs" / "steps"
+    progress = [int(m) for m in re.findall(r"^step (\d+)/7  loss", err, re.M)]
+    val_lines = [int(m) for m in re.findall(r"^step (\d+)  val loss", err, re.M)]
+    assert progress == [2, 4, 6, 7] and val_lines == [3, 6, 7]  # log_every=2, and the last step
+    assert metric_steps(run, "train/loss") == progress  # the progress line's step is the row's
+    assert metric_steps(run, "val/loss") == val_lines
+    assert sorted(p.name for p in (run / "checkpoints").glob("step-*.ckpt")) == [
+        "step-000003.ckpt", "step-000006.ckpt"]
+    with open(run / "metrics.csv", newline="") as f:
+        last = list(csv.DictReader(f))[-1]
+    assert float(last["perf/tokens"]) == 7 * 4 * 32  # row 7: after 7 steps of 4 x 32 tokens
+    from gptkit.training.metrics_csv import MetricsCSV, read_rows
+
+    # a resume at step 6 keeps rows up to 6 (train and validation of step 6), and says nothing is missing
+    MetricsCSV(run, resume_step=6).finalize("success")
+    assert sorted(read_rows(run / "metrics.csv")[1]) == [2, 3, 4, 6]
+    assert "note:" not in capsys.readouterr().err
+
+    # ---- item 2: an init_from= run's default folder is named after the model it trains ----
+    code, _, err = run_main(capsys, "train", f"init_from={run}", "data=files", f"data.paths=[{tmp_path}/corpus.txt]",
+                            "trainer.max_steps=1", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}")
+    assert code == 0, err
+    made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "steps")
+    assert len(made) == 1 and re.fullmatch(r"mini-\d{8}-\d{6}", made[0]), made
