@@ -52,3 +52,19 @@ def test_one_step_numbering_in_metrics_progress_and_checkpoints(tmp_path, capsys
     assert code == 0, err
     made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "steps")
     assert len(made) == 1 and re.fullmatch(r"mini-\d{8}-\d{6}", made[0]), made
+
+
+# ---- item 3: the default prompt ("") works on every tokenizer gptkit trains ----
+def test_an_empty_prompt_starts_from_bos_else_end_of_text_else_a_newline():
+    import pytest
+
+    from gptkit.errors import GptkitError
+    from gptkit.generate import empty_prompt_start, encode_prompt
+    from gptkit.tokenizer import build_tokenizer
+
+    byte = build_tokenizer({"kind": "byte", "special_tokens": [], "eos_token": None})  # the default run's
+    assert encode_prompt(byte, "", None, None) == [10] and "newline" in empty_prompt_start(None, None)
+    assert encode_prompt(byte, "", None, 7) == [7] and encode_prompt(byte, "", 3, 7) == [3]
+    no_newline = build_tokenizer({"kind": "char"}, lambda: ["abc"], progress=False)
+    with pytest.raises(GptkitError, match="no BOS token, no end-of-text token and no newline"):
+        encode_prompt(no_newline, "", None, None)

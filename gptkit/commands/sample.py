@@ -8,7 +8,7 @@ Examples:
   gptkit sample run=runs/shakespeare prompt="ROMEO:" max_new_tokens=300
   gptkit sample run=runs/shakespeare prompt_file=prompt.txt greedy=true
   gptkit sample run=runs/shakespeare prompt="To be" num_samples=4 top_k=50 top_p=0.9 seed=1
-  gptkit sample run=runs/shakespeare prompt="KING" 'stop=["\\n\\n"]' --json
+  gptkit sample run=runs/shakespeare prompt="KING" 'stop=["\\n\\n"]' --json   (one JSON line per sample)
   gptkit sample run=runs/llama/checkpoints/step-001000.ckpt device=cuda dtype=bf16 prompt="Once"
 """
 
@@ -70,7 +70,7 @@ def run(cfg) -> int:
     import sys
 
     from gptkit.errors import ConfigError
-    from gptkit.generate import encode_prompt, generate, special_token_ids
+    from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
@@ -81,7 +81,11 @@ def run(cfg) -> int:
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")  # once the run is found
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
-    ids = encode_prompt(r.tokenizer, prompt, bos_id)
+    ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id)
+    if prompt == "" and bos_id is None:
+        print(f"note: the prompt is empty and the tokenizer has no BOS token: the sample starts after "
+              f"{empty_prompt_start(bos_id, eos_id)} (not printed); give prompt=\"...\" to choose how it starts",
+              file=sys.stderr)
     decode = r.tokenizer.decode
     streaming = cfg.format == "text" and cfg.stream and opts.num_samples == 1
 
@@ -94,17 +98,18 @@ def run(cfg) -> int:
     g = generate(r.model, ids, opts, decode=decode, on_text=write if streaming else None)
     steps_tokens = g.decode_steps * opts.num_samples
     tok_s = steps_tokens / g.decode_s if g.decode_s > 0 else 0.0
-    if cfg.format == "json":
-        print(json.dumps({
+    if cfg.format == "json":  # JSON Lines: one object per sample, each line complete on its own
+        shared = {
             "run": str(r.dir), "checkpoint": str(r.checkpoint), "prompt": prompt, "prompt_tokens": g.prompt_tokens,
-            "samples": [{"text": t, "tokens": toks, "stop_reason": why}
-                        for t, toks, why in zip(g.texts, g.tokens, g.stop_reasons)],
             "settings": {**opts.__dict__, "stop": list(opts.stop), "device": str(r.model.tok_emb.weight.device),
                          "dtype": str(cfg.dtype)},
             "timing": {"prefill_s": g.prefill_s, "decode_s": g.decode_s, "decode_steps": g.decode_steps,
                        "decode_tokens_per_s": tok_s, "slides": g.slides, "decode": g.decode, "setup_s": g.setup_s},
             "notes": g.notes,
-        }, indent=2, ensure_ascii=False))
+        }
+        for i, (text, tokens, why) in enumerate(zip(g.texts, g.tokens, g.stop_reasons)):
+            sample = {"sample": i + 1, "text": text, "tokens": tokens, "stop_reason": why}
+            print(json.dumps({**sample, **shared}, ensure_ascii=False))
     else:
         if streaming:
             write("\n")
