@@ -117,6 +117,7 @@ def _show_help(verb: str, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from gptkit.config import conf_dir, presets
+    from gptkit.options import annotate_yaml, key_comments
 
     v = VERBS[verb]
     cfg = compose(v.config, overrides)
@@ -131,8 +132,8 @@ def _show_help(verb: str, overrides: list[str]) -> None:
         for g in groups:
             print(f"  {g}: {', '.join(presets(str(g)))}")
         print()
-    print("config (override any field with key=value):\n")
-    print(OmegaConf.to_yaml(cfg))
+    print("config (override any field with key=value; # what conf/ says of it):\n")
+    print(annotate_yaml(OmegaConf.to_yaml(cfg), key_comments(v.config, overrides)))
 
 
 def _optional_groups(config_name: str) -> list[str]:

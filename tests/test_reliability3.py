@@ -68,3 +68,33 @@ def test_an_empty_prompt_starts_from_bos_else_end_of_text_else_a_newline():
     no_newline = build_tokenizer({"kind": "char"}, lambda: ["abc"], progress=False)
     with pytest.raises(GptkitError, match="no BOS token, no end-of-text token and no newline"):
         encode_prompt(no_newline, "", None, None)
+
+
+# ---- item 4: --help shows what conf/ says of each key ----
+def test_yaml_comments_take_the_line_its_continuation_or_the_lines_above():
+    from gptkit.options import yaml_comments
+
+    text = ("# the file's own description\n# @package _group_\n\n"
+            "lr: 0.1          # the peak rate\n"
+            "                 # (after warmup)\n"
+            "# steps of warmup\n"
+            "warmup: 3\n"
+            "sub:\n"
+            "  a: 'x # y'     # quoted '#' is a value\n"
+            "  b: 2\n"
+            "plain: 1\n")
+    assert yaml_comments(text, "optim") == {
+        "optim.lr": "the peak rate (after warmup)", "optim.warmup": "steps of warmup",
+        "optim.sub.a": "quoted '#' is a value"}
+
+
+def test_help_shows_each_keys_comment_from_conf(capsys):
+    code, out, err = run_main(capsys, "train", "model=llama-tiny", "--help")
+    assert code in (0, None), err
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ":" in ln}
+    assert "# optimizer steps (ignored when max_tokens is set)" in lines["max_steps"]  # trainer/default.yaml
+    assert "# a run folder or checkpoint to continue exactly" in lines["resume"]  # train.yaml
+    assert "# appended after every document" in lines["eos_token"]  # the chosen tokenizer preset
+    code, out, err = run_main(capsys, "sample", "--help")
+    decode = next(ln for ln in out.splitlines() if ln.startswith("decode:"))
+    assert "| graph: the static KV cache" in decode and "(static: the same, without a graph)" in decode
