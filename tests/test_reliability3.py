@@ -98,3 +98,38 @@ def test_help_shows_each_keys_comment_from_conf(capsys):
     code, out, err = run_main(capsys, "sample", "--help")
     decode = next(ln for ln in out.splitlines() if ln.startswith("decode:"))
     assert "| graph: the static KV cache" in decode and "(static: the same, without a graph)" in decode
+
+
+# ---- item 7: the host memory estimate is not below what a training process really grows by ----
+PROBE = """import os, resource, sys
+from gptkit.training import memory
+real, seen = memory.host_estimate, {}
+def host_estimate(plan):
+    seen["rss"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    seen["estimate"] = real(plan)["total"]
+    return real(plan)
+memory.host_estimate = host_estimate
+from gptkit.cli import main
+code = main(sys.argv[1:])
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print("MEMORY", peak - seen["rss"], seen["estimate"], file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_the_host_memory_estimate_bounds_the_measured_growth_of_a_training_process(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    args = tiny(tmp_path, "name=mem", "trainer.batch_size=2000", "trainer.max_steps=1", "trainer.val_every=1",
+                "trainer.progress=false")  # ~64k tokens a step: activations and logits of ~0.2 GiB
+    env = {k: v for k, v in os.environ.items() if k != "GPTKIT_VERB"}
+    r = subprocess.run([sys.executable, str(script), "train", *args], capture_output=True, text=True, env=env,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    grown, estimate = map(float, r.stderr.rsplit("MEMORY ", 1)[1].split())
+    assert grown > 200 * 2**20  # the batch really costs memory, so the bound is tested
+    assert grown <= estimate <= 3 * grown, (grown, estimate)  # an upper bound, not a wild one

@@ -543,7 +543,8 @@ def out_of_memory(plan: RunPlan) -> GptkitError:
     return GptkitError(
         f"out of GPU memory: count-params estimates {human_bytes(mem['total'])} per device (weights "
         f"{human_bytes(mem['weights'])}, optimizer {human_bytes(mem['optimizer'])}, activations "
-        f"{human_bytes(mem['activations'])} at trainer.batch_size={t.batch_size}); lower trainer.batch_size "
+        f"{human_bytes(mem['activations'])}, logits {human_bytes(mem['logits'])} at "
+        f"trainer.batch_size={t.batch_size}); lower trainer.batch_size "
         f"(and raise trainer.accumulate_grad_batches to keep the batch), set trainer.activation_checkpointing=true, "
         f"or shard with trainer=fsdp")
 
