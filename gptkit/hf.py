@@ -482,7 +482,7 @@ class Source:
 
 
 def source_name(spec: str) -> str:
-    """The name `locate(spec)` gives its Source (the folder's, or the repository's), without fetching anything."""
+    """The name `locate(spec)` gives its Source (the folder's, or the repository's), fetching nothing."""
     path = Path(spec).expanduser()
     if path.exists() or not HUB_ID.fullmatch(spec):
         return path.resolve().name

@@ -12,9 +12,11 @@ def tiny(tmp_path: Path, *extra: str) -> list[str]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_text(shakespeare(20_000))
-    return ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
-            "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
-            "trainer.max_steps=7", "trainer.val_every=3", "trainer.val_windows=2", "trainer.checkpoint_every=3",
+    return ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+            "model.max_seq_len=32", "tokenizer=char", "data=files", f"data.paths=[{corpus}]",
+            "trainer.batch_size=4",
+            "trainer.max_steps=7", "trainer.val_every=3", "trainer.val_windows=2",
+            "trainer.checkpoint_every=3",
             "trainer.keep_checkpoints=5", "trainer.log_every=2", "trainer.progress=lines",
             "optim.warmup_steps=1", f"runs_dir={tmp_path / 'runs'}", *extra]
 
@@ -24,7 +26,7 @@ def metric_steps(run: Path, key: str) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f) if r.get(key)]
 
 
-# ---- item 1: step N is "N optimizer steps done", in metrics.csv, the progress line, checkpoints, val rows ----
+# ---- item 1: step N is "N optimizer steps done": metrics.csv, the progress line, checkpoints, val rows ----
 def test_one_step_numbering_in_metrics_progress_and_checkpoints(tmp_path, capsys):
     code, _, err = run_main(capsys, "train", *tiny(tmp_path, "name=steps", "model.name=mini"))
     assert code == 0, err
@@ -47,8 +49,9 @@ def test_one_step_numbering_in_metrics_progress_and_checkpoints(tmp_path, capsys
     assert "note:" not in capsys.readouterr().err
 
     # ---- item 2: an init_from= run's default folder is named after the model it trains ----
-    code, _, err = run_main(capsys, "train", f"init_from={run}", "data=files", f"data.paths=[{tmp_path}/corpus.txt]",
-                            "trainer.max_steps=1", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}")
+    code, _, err = run_main(capsys, "train", f"init_from={run}", "data=files",
+                            f"data.paths=[{tmp_path}/corpus.txt]", "trainer.max_steps=1",
+                            "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}")
     assert code == 0, err
     made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "steps")
     assert len(made) == 1 and re.fullmatch(r"mini-\d{8}-\d{6}", made[0]), made
@@ -133,3 +136,17 @@ def test_the_host_memory_estimate_bounds_the_measured_growth_of_a_training_proce
     grown, estimate = map(float, r.stderr.rsplit("MEMORY ", 1)[1].split())
     assert grown > 200 * 2**20  # the batch really costs memory, so the bound is tested
     assert grown <= estimate <= 3 * grown, (grown, estimate)  # an upper bound, not a wild one
+
+
+# ---- item 8: what a new user's walk found ----
+def test_a_bad_sampling_value_names_its_key_before_any_note(tmp_path, capsys, monkeypatch):
+    from conftest import make_run
+
+    d, _, _ = make_run(tmp_path)
+    import sys
+
+    monkeypatch.setattr("gptkit.threads.set_threads", lambda *a, **k: print("note: threads", file=sys.stderr))
+    for arg, needle in (("top_k=abc", "top_k=abc is not an integer"),
+                        ("max_new_tokens=2.5", "max_new_tokens=2.5 is not an integer")):
+        code, out, err = run_main(capsys, "sample", f"run={d}", arg)
+        assert code == 2 and out == "" and err == f"error: {needle}\n", err

@@ -146,7 +146,8 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
                                                f"slowest rank {slowest * 1e3:.1f} ms", ok(not bad_sum))
     summary.add_row("training memory per device (estimate)",
                     f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads {human_bytes(estimate['gradients'])}, "
-                    f"optimizer {human_bytes(estimate['optimizer'])}, activations {human_bytes(estimate['activations'])}, "
+                    f"optimizer {human_bytes(estimate['optimizer'])}, "
+                    f"activations {human_bytes(estimate['activations'])}, "
                     f"logits {human_bytes(estimate['logits'])} "
                     f"(batch {int(t.batch_size)} x {estimate['seq_len']})", "")
     smallest = min(r["mem_total"] for r in rows)

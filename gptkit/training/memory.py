@@ -36,7 +36,7 @@ def available_memory() -> int | None:
 
 # What a training process adds on the host beyond the tensors count-params counts (measured 2026-12-01 on
 # the CPU with gptkit's tiny models, batch 4 to 16,000: peak RSS against the RSS when the check runs):
-RUNTIME_BYTES = 256 * 2**20  # Lightning's trainer, the data loader and the first step's set-up, after the check
+RUNTIME_BYTES = 256 * 2**20  # Lightning's trainer, the data loader, the first step's set-up (after the check)
 ALLOCATOR_SLACK = 0.25  # glibc keeps freed blocks under its mmap threshold (<= 32 MiB): up to ~25% more
 
 
