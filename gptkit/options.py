@@ -209,9 +209,11 @@ def _fix(config_name: str, group: str, owners: list[str], options: list[Option])
 
 def _required(config_name: str, key: str, options: list[Option]) -> str:
     group = key.split(".")[0]
+    comment = key_comments(config_name, [o.arg for o in options]).get(key)
+    what = f" ({comment})" if comment else ""  # what conf/ says the key is
     if "." in key and group in _groups(config_name, options):
-        return f"{key} is required with {group}={_choice(config_name, group, options)}: add {key}=<value>"
-    return f"{key} is required: add {key}=<value>"
+        return f"{key} is required with {group}={_choice(config_name, group, options)}: add {key}=<value>{what}"
+    return f"{key} is required: add {key}=<value>{what}"
 
 
 def suggest(name: str, keys: list[str]) -> str | None:

@@ -150,3 +150,9 @@ def test_a_bad_sampling_value_names_its_key_before_any_note(tmp_path, capsys, mo
                         ("max_new_tokens=2.5", "max_new_tokens=2.5 is not an integer")):
         code, out, err = run_main(capsys, "sample", f"run={d}", arg)
         assert code == 2 and out == "" and err == f"error: {needle}\n", err
+
+
+def test_a_missing_required_key_says_what_conf_says_it_is(capsys):
+    code, out, err = run_main(capsys, "sample")
+    assert code == 2 and err == ("error: run is required: add run=<value> (a run folder (runs/<name>) or a "
+                                 "checkpoint file in one)\n"), err
