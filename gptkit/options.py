@@ -212,7 +212,8 @@ def _required(config_name: str, key: str, options: list[Option]) -> str:
     comment = key_comments(config_name, [o.arg for o in options]).get(key)
     what = f" ({comment})" if comment else ""  # what conf/ says the key is
     if "." in key and group in _groups(config_name, options):
-        return f"{key} is required with {group}={_choice(config_name, group, options)}: add {key}=<value>{what}"
+        choice = _choice(config_name, group, options)
+        return f"{key} is required with {group}={choice}: add {key}=<value>{what}"
     return f"{key} is required: add {key}=<value>{what}"
 
 
