@@ -156,3 +156,12 @@ def test_a_missing_required_key_says_what_conf_says_it_is(capsys):
     code, out, err = run_main(capsys, "sample")
     assert code == 2 and err == ("error: run is required: add run=<value> (a run folder (runs/<name>) or a "
                                  "checkpoint file in one)\n"), err
+
+
+def test_bench_optim_times_validations_by_the_rows_step(tmp_path):
+    from gptkit.bench.optim import read_run
+
+    (tmp_path / "metrics.csv").write_text("step,perf/tokens,perf/tokens_per_s,val/loss\n"
+                                          "2,200,100,\n4,400,100,3.5\n")  # 100 tokens a step, 1 s a step
+    run = read_run(tmp_path)
+    assert run["val"] == [(4, 3.5, 4.0)] and run["train_seconds"] == 4.0
