@@ -314,6 +314,16 @@ def main(argv: list[str] | None = None) -> int:
         v = VERBS[verb]
         if v.positional and args and "=" not in args[0] and not args[0].startswith("-"):
             args[0] = f"{v.positional}={args[0]}"  # `gptkit bench data` -> bench=data
+        elif v.positional and not any(a.startswith(f"{v.positional}=") for a in args):
+            from gptkit.config import presets
+
+            names = "|".join(presets(v.positional))
+            if "--help" in args or "-h" in args:
+                print(f"gptkit {verb}: {v.help}\n\n`gptkit {verb} <{names}> --help` shows that one's config")
+                return 0
+            print(f"error: name the {v.positional}: gptkit {verb} {names} [key=value ...] [--help]",
+                  file=sys.stderr)
+            return 2
         args = ["format=json" if a == "--json" else a for a in args]  # --json: machine-readable output
         if "--help" in args or "-h" in args:
             _show_help(verb, [a for a in args if a not in ("--help", "-h")])

@@ -165,3 +165,11 @@ def test_bench_optim_times_validations_by_the_rows_step(tmp_path):
                                           "2,200,100,\n4,400,100,3.5\n")  # 100 tokens a step, 1 s a step
     run = read_run(tmp_path)
     assert run["val"] == [(4, 3.5, 4.0)] and run["train_seconds"] == 4.0
+
+
+def test_bench_without_a_benchmark_names_them(capsys):
+    code, out, err = run_main(capsys, "bench")
+    assert code == 2 and out == "" and err.startswith("error: name the bench: gptkit bench attention|data|")
+    assert err.count("\n") == 1
+    code, out, err = run_main(capsys, "bench", "--help")
+    assert code == 0 and "gptkit bench <attention|data|" in out and err == ""
