@@ -469,12 +469,29 @@ def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
         root = "" if package == "_global_" else group if package in (None, "_group_") else package
         out.update(_file_comments(path, root))
 
+    def names(choice: Any) -> list[str]:
+        return [str(n) for n in (choice if isinstance(choice, (list, tuple)) else [choice])
+                if n not in (None, "none", "null")]
+
+    def is_global(group: str, name: str) -> bool:
+        path = conf_dir() / group / f"{name}.yaml"
+        return path.is_file() and _yaml(path)[0] == "_global_"
+
+    choices = {g: _choice(config_name, g, options) for g in sorted(_groups(config_name, options))}
+    on_line = {o.key for o in options if o.kind == "group"}
+    for group, choice in list(choices.items()):  # experiment=...: its `override /<group>: <preset>` choices
+        for name in (n for n in names(choice) if is_global(group, n)):
+            for entry in _yaml(conf_dir() / group / f"{name}.yaml")[1].get("defaults") or []:
+                for key, value in (entry.items() if isinstance(entry, dict) else ()):
+                    other = str(key).removeprefix("override").strip().lstrip("/")
+                    if other in choices and other not in on_line:
+                        choices[other] = value
     verb(config_name)
-    for group in sorted(_groups(config_name, options)):
-        choice = _choice(config_name, group, options)
-        for name in choice if isinstance(choice, (list, tuple)) else [choice]:
-            if name not in (None, "none", "null"):
-                preset(group, str(name))
+    for last in (False, True):  # a _global_ preset (an experiment) last: its comments are the specific ones
+        for group, choice in choices.items():
+            for name in names(choice):
+                if is_global(group, name) == last:
+                    preset(group, name)
     return out
 
 

@@ -98,6 +98,9 @@ def test_help_shows_each_keys_comment_from_conf(capsys):
     assert "# optimizer steps (ignored when max_tokens is set)" in lines["max_steps"]  # trainer/default.yaml
     assert "# a run folder or checkpoint to continue exactly" in lines["resume"]  # train.yaml
     assert "# appended after every document" in lines["eos_token"]  # the chosen tokenizer preset
+    code, out, err = run_main(capsys, "train", "experiment=sft-tiny", "--help")  # it overrides model=
+    lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ":" in ln}
+    assert "#" not in lines["d_ff"] and "as in `gptkit chat`" in lines["position_reset"]  # not gpt2-tiny's
     code, out, err = run_main(capsys, "sample", "--help")
     decode = next(ln for ln in out.splitlines() if ln.startswith("decode:"))
     assert "| graph: the static KV cache" in decode and "(static: the same, without a graph)" in decode
