@@ -176,3 +176,14 @@ def test_bench_without_a_benchmark_names_them(capsys):
     assert err.count("\n") == 1
     code, out, err = run_main(capsys, "bench", "--help")
     assert code == 0 and "gptkit bench <attention|data|" in out and err == ""
+
+
+def test_a_tokenizer_worker_whose_prepare_died_while_it_started_exits_at_once():
+    """The worker is told its prepare's pid: one killed before the worker ran is gone (the worker was
+    adopted by another process), and the worker must not wait for work forever holding the pipes."""
+    import subprocess
+    import sys
+
+    code = "from gptkit.data.tokenize import _init_worker; _init_worker(None, 1)"  # 1: not this one's parent
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr == "", r.stderr

@@ -378,11 +378,16 @@ def encode_batch(
 _worker: dict[str, Any] = {}
 
 
-def _init_worker(spec: EncoderSpec) -> None:
+def _init_worker(spec: EncoderSpec, parent: int) -> None:
+    """A worker's start: its encoder, and the watch on `parent` (the pid of the prepare that started it,
+    given by that process: a parent killed while this worker was starting is already gone here, and
+    os.getppid() would name the process that adopted the worker)."""
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
     _worker["encode"], _worker["spec"] = build_encoder(spec), spec
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -421,7 +426,7 @@ class Tokenizing:
                 self.workers,
                 mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker,
-                initargs=(self.spec,),
+                initargs=(self.spec, os.getpid()),
             )
         else:
             self._env = os.environ.get("TOKENIZERS_PARALLELISM")
