@@ -73,7 +73,7 @@ def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference)
     "ckpt-pending@2",    # step 6's checkpoint complete, not yet published (its rows not yet synced)
     "ckpt-published@2",  # step-000006.ckpt in place, last.ckpt still step 3
     "last-replaced@2",   # right after last.ckpt was replaced by step 6
-    "metrics-rewrite@3",  # during the rewrite of metrics.csv's last row (step 3, written before its checkpoint)
+    "metrics-append@3",  # rows appended after step 3's checkpoint was published (row 5, during step 6)
 ])
 def test_kill_at_a_write_point_then_resume_loses_and_repeats_nothing(corpus, reference, tmp_path, point):
     r = run_cli("train", *tiny(corpus, tmp_path, "k"), env={"GPTKIT_FAULT": point})
