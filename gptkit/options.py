@@ -440,10 +440,6 @@ def yaml_comments(text: str, root: str = "") -> dict[str, str]:
             if k != "hydra" and not k.startswith("hydra.") and k != "defaults"}
 
 
-def _file_comments(path: Path, root: str) -> dict[str, str]:
-    return yaml_comments(path.read_text(), root)
-
-
 def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
     """{dotted key: the comment that explains it in conf/} for the verb's config as `overrides` compose it:
     the verb's YAML (and the configs its defaults list names), then each chosen preset of its groups."""
@@ -456,7 +452,7 @@ def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
         for entry in d.get("defaults") or []:
             if isinstance(entry, str) and entry != "_self_" and (conf_dir() / f"{entry}.yaml").is_file():
                 verb(entry)
-        out.update(_file_comments(path, ""))
+        out.update(yaml_comments(path.read_text()))
 
     def preset(group: str, name: str) -> None:
         path = conf_dir() / group / f"{name}.yaml"
@@ -467,7 +463,7 @@ def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
             if isinstance(base, str) and base != "_self_":
                 preset(group, base)
         root = "" if package == "_global_" else group if package in (None, "_group_") else package
-        out.update(_file_comments(path, root))
+        out.update(yaml_comments(path.read_text(), root))
 
     def names(choice: Any) -> list[str]:
         return [str(n) for n in (choice if isinstance(choice, (list, tuple)) else [choice])
@@ -495,7 +491,7 @@ def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
     return out
 
 
-def annotate_yaml(text: str, comments: dict[str, str], width: int = 110) -> str:
+def annotate_yaml(text: str, comments: dict[str, str]) -> str:
     """OmegaConf.to_yaml output with each key's comment after it (`# ...`, in one column where it fits)."""
     lines = text.splitlines()
     keyed: list[tuple[str, str | None]] = []
