@@ -41,8 +41,8 @@ ALLOCATOR_SLACK = 0.25  # glibc keeps freed blocks under its mmap threshold (<= 
 
 
 def estimate(plan: Any) -> dict[str, float]:
-    """The count-params training memory estimate of a run plan (training/plan.py), per process; on the CPU
-    (host=True in the check) with what the process adds beyond those tensors (see host_estimate)."""
+    """The count-params training memory estimate of a run plan (training/plan.py), per process: the tensors
+    (host_estimate adds what a CPU process needs beyond them)."""
     from gptkit import accounting as acc
 
     return acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
