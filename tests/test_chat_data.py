@@ -237,3 +237,11 @@ def test_generated_string_tasks_have_disjoint_held_out_prompts_and_exact_answers
         op, word = r["prompt"].split()
         assert r["response"] == (word.upper() if op == "upper" else word[::-1])
     assert string_tasks(300, 50, seed=3) == (train, held)  # reproducible
+
+
+def test_bench_sft_scores_each_task_apart():
+    from gptkit.bench.sft import by_task
+
+    rows = [{"prompt": "upper ab", "response": "AB"}, {"prompt": "reverse ab", "response": "ba"},
+            {"prompt": "reverse cd", "response": "dc"}, {"prompt": "upper cd", "response": "CD"}]
+    assert by_task(rows, ["AB", "ba", "cd", "CD "]) == {"reverse": 0.5, "upper": 0.5}  # exact, whole reply

@@ -106,12 +106,13 @@ def test_validation_windows_are_fixed(prepared):
     a = TokenDataModule(prepared, batch_size=5, seq_len=SEQ, seed=1, val_windows=12)
     b = TokenDataModule(prepared, batch_size=5, seq_len=SEQ, seed=99, val_windows=12)
     va, vb = list(a.val_dataloader()), list(b.val_dataloader())
-    assert [x.shape[0] for x, _ in va] == [5, 5, 2]
-    assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y), (u, v) in zip(va, vb))
+    assert [x.shape[0] for x, _, _ in va] == [5, 5, 2]
+    assert all(torch.equal(x, u) and torch.equal(y, v) for (x, y, _), (u, v, _) in zip(va, vb))
     assert torch.equal(va[0][0][0, 1:], va[0][1][0, :-1])
+    assert torch.cat([i for _, _, i in va]).tolist() == list(range(12))  # each window's index (DDP dedup)
     every = TokenDataModule(prepared, batch_size=8, seq_len=SEQ, val_windows=None)
     n_val = len(prepared.val_tokens())
-    assert sum(x.shape[0] for x, _ in every.val_dataloader()) == n_val // (SEQ + 1)
+    assert sum(x.shape[0] for x, _, _ in every.val_dataloader()) == n_val // (SEQ + 1)
 
 
 def test_corpus_shorter_than_one_window(prepared):

@@ -121,6 +121,14 @@ def test_shards_do_not_depend_on_the_worker_count(tmp_path, small_pieces):
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (one.dir / name).read_bytes() == (two.dir / name).read_bytes(), name
     assert one.manifest["encoder"] == "tiktoken"
+    # HF tokenizers in the workers: they read the tokenizer from the build folder's tokenizer.json
+    meta = {"kind": "file", "path": str(metaspace_tokenizer(tmp_path / "meta.json", shakespeare(5_000)))}
+    data = {"kind": "files", "paths": [str(tmp_path / "b.txt")]}
+    one = prepare({**data, "workers": 1}, meta, cache_dir=tmp_path / "one", progress=False)
+    two = prepare({**data, "workers": 2}, meta, cache_dir=tmp_path / "two", progress=False)
+    assert two.manifest["encoder"] == "hf" and two.manifest["workers"] == 2
+    assert (one.dir / "train.bin").read_bytes() == (two.dir / "train.bin").read_bytes()
+    assert (one.dir / "val.bin").read_bytes() == (two.dir / "val.bin").read_bytes()
 
 
 def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_text():
@@ -345,6 +353,30 @@ def test_bos_auto_is_off_for_a_model_with_learned_positions(tmp_path, capsys, mo
         data = OmegaConf.to_container(saved.data)
         tok_cfg = {"kind": "byte", "special_tokens": ["<s>"], "eos_token": "</s>"}
         assert prepare(data, tok_cfg, cache_dir=tmp_path / "cache" / "data", progress=False).bos_id == want
+
+
+def test_a_train_after_a_plain_prepare_uses_its_shards(tmp_path, capsys, monkeypatch):
+    """data.bos=auto is keyed by what it means: a plain prepare (no model: auto) and a GPT-2 train (auto is
+    off) share one cache entry when the tokenizer has no BOS; with a BOS, so do prepare and a Llama train."""
+    from conftest import run_main
+
+    f = tmp_path / "a.txt"
+    f.write_text(shakespeare(6_000))
+    monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
+    bos_tok = ["tokenizer.special_tokens=['<s>']", "tokenizer.eos_token='</s>'"]
+    for model, tok in (("gpt2-tiny", []), ("llama-tiny", bos_tok)):
+        code, _, err = run_main(capsys, "prepare", "data=files", f"data.paths=[{f}]", "tokenizer=byte", *tok,
+                                "progress=false")
+        assert code == 0 and "prepared " in err, err
+        code, _, err = run_main(capsys, "train", f"model={model}", "model.n_layers=1", "model.d_model=32",
+                                "model.n_heads=2", "model.max_seq_len=32", "data=files", f"data.paths=[{f}]",
+                                "tokenizer=byte", *tok, "trainer.batch_size=2", "trainer.max_steps=1",
+                                "trainer.val_windows=1", "trainer.progress=false",
+                                f"runs_dir={tmp_path / 'runs'}", f"name={model}")
+        assert code == 0, err
+        assert "cache hit: " in err and "prepared " not in err and "tokenizing" not in err, err
+    folders = sorted(p.name for p in (tmp_path / "cache" / "data").iterdir())
+    assert len(folders) == 2, folders  # one per tokenizer, none per model
 
 
 def test_bos_auto_uses_a_tokenizer_s_own_bos_before_every_document(tmp_path):

@@ -55,6 +55,88 @@ def test_every_backend_attends_only_inside_documents(backend):
             s += n
 
 
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                     enable_gqa=False):
+    """torch.nn.attention.varlen.varlen_attn's contract (tokens [N, heads, D], documents cut at cu_q), one
+    document at a time with conftest.reference: stands in for the CUDA kernel on the CPU."""
+    assert window_size == (-1, 0) and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32
+    assert enable_gqa == (k.shape[1] != q.shape[1])
+    pieces = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        assert 0 < b - a <= max_q == max_k
+        qd, kd, vd = (x[a:b].transpose(0, 1)[None] for x in (q, k, v))  # [1, heads, n, D]
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        pieces.append(reference(qd, kd, vd, True, scale)[0].transpose(0, 1))  # [n, H, D]
+    return torch.cat(pieces).to(q.dtype)  # [N, H, D]
+
+
+def test_documents_mask_forms_and_cu_seqlens():
+    docs = Documents(packed_ids([[2, 1, 3], [6]]))
+    allowed = docs.mask()  # [2, 1, 6, 6] bool
+    additive = docs.mask(torch.float32)
+    assert additive.dtype == torch.float32 and docs.mask(torch.float32) is additive  # built once
+    assert torch.equal(additive == 0, allowed) and bool((additive[~allowed] == float("-inf")).all())
+    assert allowed[0, 0].int().tolist()[3] == [0, 0, 0, 1, 0, 0]  # the first token of the third document
+    assert docs.cu_seqlens().tolist() == [0, 2, 3, 6, 12] and docs.cu_seqlens().dtype == torch.int32
+
+
+def test_sdpa_with_documents_takes_variable_length_flash_attention_where_it_runs(monkeypatch):
+    """Where varlen_attn runs (CUDA, fp16/bf16), packed documents take it without any mask: the B*T tokens
+    cut at Documents.cu_seqlens. On the CPU its contract is played by varlen_reference."""
+    import gptkit.model.attention as attention
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen_reference)
+    monkeypatch.setattr(attention, "varlen_usable", lambda q: True)
+    monkeypatch.setattr(Documents, "mask", lambda self, dtype=None: pytest.fail("a mask was built"))
+    B, H, Hkv, T, D = 2, 4, 2, 24, 16
+    docs = Documents(packed_ids(LENGTHS))
+    q = torch.randn(B, H, T, D, requires_grad=True)
+    k = torch.randn(B, Hkv, T, D, requires_grad=True)
+    v = torch.randn(B, Hkv, T, D, requires_grad=True)
+    out, _ = attention.sdpa_attention(q, k, v, causal=True, docs=docs)
+    for b, row in enumerate(LENGTHS):
+        s = 0
+        for n in row:
+            ref = reference(*(x[b:b + 1, :, s:s + n] for x in (q, k, v)), True, D**-0.5)
+            torch.testing.assert_close(out[b:b + 1, :, s:s + n], ref.float())
+            s += n
+    out.sum().backward()  # the glue is differentiable
+    assert all(x.grad is not None and bool(x.grad.abs().sum() > 0) for x in (q, k, v))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sdpa_with_documents_on_a_gpu_in_bf16_runs_varlen_and_matches_each_document_alone():
+    import gptkit.model.attention as attention
+
+    B, H, Hkv, T, D = 2, 4, 2, 24, 16
+    docs = Documents(packed_ids(LENGTHS).cuda())
+    q, k, v = (torch.randn(B, h, T, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for h in (H, Hkv, Hkv))
+    if not attention.varlen_usable(q):
+        pytest.skip("torch's varlen FlashAttention does not run on this GPU")
+    out, _ = attention.sdpa_attention(q, k, v, causal=True, docs=docs)
+    out.float().sum().backward()
+    for b, row in enumerate(LENGTHS):
+        s = 0
+        for n in row:
+            ref = reference(*(x[b:b + 1, :, s:s + n] for x in (q, k, v)), True, D**-0.5)
+            torch.testing.assert_close(out[b:b + 1, :, s:s + n].double(), ref, rtol=2e-2, atol=2e-2)
+            s += n
+    assert all(bool(torch.isfinite(x.grad).all()) for x in (q, k, v))
+
+
+def test_sdpa_with_documents_on_the_cpu_takes_the_mask_without_a_warning():
+    """On the CPU SDPA's FlashAttention kernel takes the dense mask (as fast as plain causal attention at
+    these sizes, docs/chat.md), so packed chat runs print no warning."""
+    import warnings
+
+    docs = Documents(packed_ids(LENGTHS))
+    q, k, v = torch.randn(2, 4, 24, 16), torch.randn(2, 2, 24, 16), torch.randn(2, 2, 24, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ATTENTION_BACKENDS["sdpa"](q, k, v, causal=True, docs=docs)
+
+
 @pytest.mark.parametrize("backend, variant", [
     ("triton", dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2,
                     kernels=["rope", "norm"])),
@@ -128,7 +210,7 @@ def test_pack_documents_gives_doc_ids_from_eos_positions(docs_prepared):
     stream = TokenDataModule(docs_prepared, batch_size=4, seq_len=64, seed=1)
     sx, sy = next(iter(stream.train_dataloader()))  # the same windows either way
     assert torch.equal(sx, x) and torch.equal(sy, y)
-    vx, vy, vids = next(iter(dm.val_dataloader()))
+    vx, vy, vids, _ = next(iter(dm.val_dataloader()))  # the last: each window's index
     assert torch.equal(vids, doc_ids(vx, eos))
 
 

@@ -51,7 +51,8 @@ def fit(prepared, base_cfg, tmp_path, steps=3, seed=0, **trainer_opts):
     check_trainer_config(cfg.trainer)
     torch.manual_seed(seed)
     plan = make_plan(cfg, tmp_path, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)))
-    assert (plan.seq_len, plan.tokens_per_step, plan.max_steps) == (SEQ, BATCH * SEQ, steps)
+    accumulation = cfg.trainer.accumulate_grad_batches
+    assert (plan.seq_len, plan.tokens_per_step, plan.max_steps) == (SEQ, BATCH * SEQ * accumulation, steps)
     module = LitGPT(plan)
     dm = TokenDataModule(prepared, batch_size=BATCH, seq_len=SEQ, seed=1, val_windows=2)
     trainer, _, metrics = build_trainer(plan, [])
@@ -118,10 +119,12 @@ class SyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed", "16-mixed"])
-def test_no_host_sync_between_log_steps(prepared, base_cfg, tmp_path, precision):
+@pytest.mark.parametrize("precision, accumulation", [("32-true", 1), ("bf16-mixed", 1), ("16-mixed", 1),
+                                                     ("16-mixed", 2)])
+def test_no_host_sync_between_log_steps(prepared, base_cfg, tmp_path, precision, accumulation):
     """Between log steps (here 4, 8 and the last, 10) nothing reads a tensor: no NaN check, no loss, no
-    progress display, no GradScaler .item(). Steps 1-3, 5-7 and 9 must have no sync at all."""
+    progress display, no GradScaler .item(), no token count of the step (accumulation 2: TokenMean). Steps
+    1-3, 5-7 and 9 must have no sync at all."""
     counter = SyncCounter()
     original = LitGPT.on_train_start
 
@@ -133,7 +136,7 @@ def test_no_host_sync_between_log_steps(prepared, base_cfg, tmp_path, precision)
     try:
         with counter:
             fit(prepared, base_cfg, tmp_path, steps=10, precision=precision, gradient_clip_val=1.0, log_every=4,
-                progress="lines")
+                progress="lines", accumulate_grad_batches=accumulation)
     finally:
         LitGPT.on_train_start = original
     assert counter.steps, "the counter saw nothing: it does not observe the run"

@@ -5,10 +5,11 @@ from the standard library's sources unless bench.file is given), and the machine
 1. Each tokenizer of bench.tokenizers (byte, char, byte-level BPE 8k and 32k trained on a
    bench.train_chars sample): every encoder that gives its ids (HF `tokenizers`, tiktoken from the
    same merges, the UTF-8 bytes, a code point table) alone, one process and one thread, on the same
-   bench.encode_mb of text: MB/s, and whether its ids equal HF's.
+   bench.encode_mb of text (every k-th batch of the file): MB/s, and whether its ids equal HF's.
 2. prepare() of the whole file with data.workers = each of bench.workers: MB/s and tokens/s of its
    tokenization phase (reading, cutting, encoding, writing), peak RSS of the process and of all its
-   workers, and the ratio to workers x the fastest single-process encoder (target >= 0.85).
+   workers, and the ratio to workers x the fastest single-process encoder (target >= 0.85), which is
+   timed again after each prepare: the ratio is to the mean of its speeds just before and just after.
 3. The projected time for 40 GB of text on 16 cores at the measured 2-worker efficiency.
 4. One training batch from the stateless sampler against one training step of `model`: target < 1%.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sysconfig
 import tempfile
 import threading
@@ -27,8 +29,10 @@ from pathlib import Path
 
 @contextmanager
 def peak_rss(tree: bool = False):
-    """Sample resident memory every 10 ms; yields a dict that gets `added_mb`, `peak_mb` (this process) and,
-    with tree=True, `tree_peak_mb` (this process plus its children, e.g. tokenization workers), and `s`."""
+    """Sample resident memory every 50 ms; yields a dict that gets `added_mb`, `peak_mb` (this process) and,
+    with tree=True, `tree_peak_mb` (this process plus its children, e.g. tokenization workers), and `s`.
+    The list of children is refreshed every 0.25 s (listing them scans /proc: at every sample of 10 ms it
+    cost a sixth of a core, taken from what is measured; now well under 1%)."""
     import psutil
 
     proc = psutil.Process()
@@ -37,18 +41,22 @@ def peak_rss(tree: bool = False):
     stop = threading.Event()
 
     def sample() -> None:
+        kids: list = []
+        listed = 0.0
         while not stop.is_set():
             rss = proc.memory_info().rss
             out["peak"] = max(out["peak"], rss)
             if tree:
+                if time.perf_counter() - listed > 0.25:
+                    kids, listed = proc.children(recursive=True), time.perf_counter()
                 total = rss
-                for c in proc.children(recursive=True):
+                for c in kids:
                     try:
                         total += c.memory_info().rss
                     except psutil.Error:
                         pass
                 out["tree"] = max(out["tree"], total)
-            stop.wait(0.01)
+            stop.wait(0.05)
 
     t = threading.Thread(target=sample, daemon=True)
     t0 = time.perf_counter()
@@ -122,26 +130,47 @@ def _tok_cfg(name: str, train_chars: int) -> dict:
     raise ValueError(f"bench.tokenizers: {name!r} is not byte, char or bpe-<vocab_size>")
 
 
+def encoder_sample(path: Path, mb: float) -> list[str]:
+    """About `mb` MB of the file, cut as prepare cuts it: every k-th batch of it, so that the encoders are
+    timed on text spread over the whole file like prepare's (its parts need not encode at the same speed)."""
+    from gptkit.data.sources import _text_parts
+    from gptkit.data.tokenize import Cutter, batches
+
+    every = max(1, round(path.stat().st_size / (mb * 1e6)))
+    pieces = Cutter("gpt2").pieces(_text_parts(path, "strict", "error"), eos=0)
+    return [t for i, b in enumerate(batches(pieces)) if i % every == 0 for t, _, _ in b]
+
+
+def time_encoder(tok, engine: str, pieces: list[str], mb: float):
+    """(MB/s, ids, CPU ms per MB) of one encoder alone on the pieces: one process, one thread, built before
+    the clock."""
+    import numpy as np
+
+    from gptkit.data.tokenize import EncoderSpec, Tokenizing, batches
+
+    work = list(batches(((p, False) for p in pieces)))
+    spec = EncoderSpec(tok.to_str(), engine, (), None, "uint32")
+    with Tokenizing(spec, 1) as t:
+        t0, c0 = time.perf_counter(), time.process_time()
+        ids = [a for a, *_ in t.map(iter(work))]
+        dt, dc = time.perf_counter() - t0, time.process_time() - c0
+    return mb / dt, np.concatenate(ids), 1e3 * dc / mb
+
+
 def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, dict]:
     """{engine: {"mb_per_s", "same_ids"}} for every encoder of this tokenizer, one process, one thread."""
-    from gptkit.data.tokenize import EncoderSpec, Tokenizing, batches, tiktoken_tables
+    import numpy as np
+
+    from gptkit.data.tokenize import tiktoken_tables
 
     engines = {"byte": ["utf8", "hf"], "char": ["chars", "hf"]}.get(kind, ["hf"])
     if kind not in ("byte", "char") and tiktoken_tables(tok.to_str()) is not None:
         engines = ["tiktoken", "hf"]
-    work = list(batches(((p, False) for p in pieces)))
-    out, ref = {}, None
+    out = {}
     for engine in engines:
-        spec = EncoderSpec(tok.to_str(), engine, (), None, "uint32")
-        with Tokenizing(spec, 1) as t:
-            t0 = time.perf_counter()
-            ids = [a for a, _ in t.map(iter(work))]
-            dt = time.perf_counter() - t0
-        import numpy as np
-
-        flat = np.concatenate(ids)
-        ref = flat if ref is None and engine == "hf" else ref
-        out[engine] = {"mb_per_s": round(mb / dt, 2), "tokens": int(len(flat)), "_ids": flat}
+        speed, flat, cpu = time_encoder(tok, engine, pieces, mb)
+        out[engine] = {"mb_per_s": round(speed, 2), "tokens": int(len(flat)), "_ids": flat,
+                       "cpu_ms_per_mb": round(cpu, 2)}
     hf = out["hf"]["_ids"]
     for e in out.values():
         e["same_ids"] = bool(np.array_equal(e.pop("_ids"), hf))
@@ -155,8 +184,6 @@ def run(cfg) -> int:
 
     from gptkit.data import TokenDataModule, prepare
     from gptkit.data.build import human
-    from gptkit.data.sources import _text_parts
-    from gptkit.data.tokenize import Cutter
     from gptkit.threads import cores, set_threads
     from gptkit.tokenizer import build_tokenizer
 
@@ -173,14 +200,8 @@ def run(cfg) -> int:
         r["file"], r["file_mb"] = str(path), round(mb, 1)
         con.print(f"corpus: {path} ({human(size)}); load average {loadavg()}")
         data = {"kind": "files", "paths": [str(path)], "val_fraction": 0.01}
-        sample: list[str] = []  # the first encode_mb of the file, cut as prepare cuts it
-        n = 0
-        for p, _ in Cutter("gpt2").pieces(_text_parts(path, "strict", "error"), eos=0):
-            sample.append(p)
-            n += len(p.encode())
-            if n >= float(cfg.encode_mb) * 1e6:
-                break
-        sample_mb = n / 1e6
+        sample = encoder_sample(path, float(cfg.encode_mb))
+        sample_mb = sum(len(p.encode()) for p in sample) / 1e6
         byte_prepared = None
         for name in cfg.tokenizers:
             tok_cfg = _tok_cfg(str(name), int(cfg.train_chars))
@@ -208,25 +229,44 @@ def run(cfg) -> int:
                 tok = build_tokenizer(tok_cfg)
             con.print(f"{name}: encoders alone on {sample_mb:.1f} MB ...")
             row["encoders"] = encoder_speeds(tok, kind, sample, sample_mb)
-            fastest = max(v["mb_per_s"] for v in row["encoders"].values() if v["same_ids"])
+            best = max((v["mb_per_s"], e) for e, v in row["encoders"].items() if v["same_ids"])
+            fastest, best_engine = best
+            cpu_before = row["encoders"][best_engine]["cpu_ms_per_mb"]
             row["fastest_encoder_mb_per_s"] = fastest
             row["prepare"] = {}
-            for w in cfg.workers:
+            before = fastest  # the fastest encoder is timed again after each prepare: the ratio is to the
+            for w in cfg.workers:  # mean of its speeds just before and just after (the load drifts)
                 con.print(f"{name}: prepare with data.workers={w} ... (load average {loadavg()})")
                 load0 = loadavg()
+                kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                 with peak_rss(tree=True) as prep:
                     p = prepare({**data, "workers": int(w)}, tok_cfg, cache_dir=tmp / f"cache-{name}-{w}",
                                 progress=False)
                 m = p.manifest
                 tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
                 ts = m["tokenize_seconds"]
+                kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, joined by now
+                kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
+                after, _, cpu_after = time_encoder(tok, best_engine, sample, sample_mb)
+                after = round(after, 2)
+                around = (before + after) / 2
+                enc_cpu = (cpu_before + cpu_after) / 2
+                prep_cpu = 1e3 * (m["tokenize_main_cpu_seconds"] + kids) / mb
                 row["prepare"][str(w)] = {
                     "workers": m["workers"], "encoder": m["encoder"], "tokenize_s": ts,
                     "mb_per_s": round(mb / ts, 2), "tokens_per_s": round(tokens / ts),
+                    "main_cpu_ms_per_mb": round(1e3 * m["tokenize_main_cpu_seconds"] / mb, 2),
                     "whole_prepare_s": round(prep["s"], 1), "peak_rss_added_mb": round(prep["added_mb"], 1),
                     "peak_rss_added_with_workers_mb": round(prep["tree_added_mb"], 1),
-                    "ratio_to_workers_x_fastest": round(mb / ts / (int(w) * fastest), 3),
+                    "fastest_encoder_before_after_mb_per_s": [before, after],
+                    "ratio_to_workers_x_fastest": round(mb / ts / (int(w) * around), 3),
+                    # CPU time, which the other processes on the machine disturb less than wall time: the
+                    # encoder's per MB over prepare's (its tokenization phase and all its workers' CPU,
+                    # their start-up included); 1.0: no overhead
+                    "encoder_cpu_ms_per_mb": round(enc_cpu, 2), "prepare_cpu_ms_per_mb": round(prep_cpu, 2),
+                    "cpu_ratio": round(enc_cpu / prep_cpu, 3),
                     "load_avg_before": load0, "load_avg_after": loadavg(), "tokens": tokens}
+                before, cpu_before = after, cpu_after
                 if kind == "byte" and byte_prepared is None:
                     byte_prepared = p
             r["tokenizers"][str(name)] = row
@@ -267,9 +307,13 @@ def run(cfg) -> int:
         for w, v in row["prepare"].items():
             t.add_row(name, f"prepare, {v['workers']} worker(s), {v['encoder']}",
                       f"{v['mb_per_s']} MB/s, {v['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-                      f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest), "
+                      f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest: "
+                      f"{' / '.join(map(str, v['fastest_encoder_before_after_mb_per_s']))} MB/s "
+                      f"before / after), "
                       f"peak +{v['peak_rss_added_mb']:.0f} MB "
                       f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
+                      f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB, CPU ratio {v['cpu_ratio']:.2f} "
+                      f"({v['encoder_cpu_ms_per_mb']} / {v['prepare_cpu_ms_per_mb']} ms per MB), "
                       f"load {v['load_avg_before']}")
     if "projection_40gb_16_cores" in r:
         pr = r["projection_40gb_16_cores"]

@@ -35,6 +35,14 @@ def exact_match(model, tokenizer, template, rows: list[dict]) -> tuple[float, li
     return sum(a == r["response"] for a, r in zip(answers, rows)) / len(rows), answers
 
 
+def by_task(rows: list[dict], answers: list[str]) -> dict[str, float]:
+    """The exact match of each task (the first word of the prompt: upper, reverse)."""
+    hits: dict[str, list[bool]] = {}
+    for r, a in zip(rows, answers):
+        hits.setdefault(r["prompt"].split()[0], []).append(a == r["response"])
+    return {task: sum(h) / len(h) for task, h in sorted(hits.items())}
+
+
 def run(cfg) -> int:
     import torch
     from omegaconf import OmegaConf
@@ -93,10 +101,12 @@ def run(cfg) -> int:
     table.add_row("training", "", f"{train_s:.1f} s")
     table.add_row("after", f"{after:.1%}", f"{after_s:.1f} s")
     Console().print(table)
+    tasks = by_task(held, answers)
+    print("  after, by task: " + ", ".join(f"{t} {share:.1%}" for t, share in tasks.items()))
     for row, a in list(zip(held, answers))[:3]:
         print(f"  {row['prompt']!r} -> {a!r} (want {row['response']!r})")
-    result = {"before": before, "after": after, "train_s": train_s, "held_out": len(held),
-              "train": len(train_rows), "run": str(r.dir)}
+    result = {"before": before, "after": after, "after_by_task": tasks, "train_s": train_s,
+              "held_out": len(held), "train": len(train_rows), "run": str(r.dir)}
     (root / "results.json").write_text(json.dumps(result, indent=2))
     if cfg.out:
         Path(str(cfg.out)).write_text(json.dumps(result, indent=2))

@@ -30,7 +30,7 @@ import sys
 import time
 import zlib
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from gptkit.data import tokenize
 from gptkit.data.prepared import (
@@ -55,6 +55,8 @@ from gptkit.data.tokenize import (
     batches,
     choose_engine,
     split_long,
+    start_workers,
+    text_bytes,
 )
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
@@ -77,7 +79,7 @@ PROGRESS = "progress.json"  # in a build folder: what is complete
 def layout() -> dict[str, int]:
     """The shape of the input batches: a build is continued only with the same."""
     return {"piece_chars": tokenize.PIECE_CHARS, "hard_chars": tokenize.HARD_CHARS,
-            "batch_chars": tokenize.BATCH_CHARS}
+            "batch_chars": tokenize.BATCH_CHARS, "verify_first": tokenize.VERIFY_FIRST}
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:
@@ -292,23 +294,46 @@ def _train_tokenizer(corpus: Corpus, tok_s: dict[str, Any], progress: bool):
 BOS = ("auto", True, False)
 
 
+def own_bos(specials: Iterable[str], eos_token: str | None) -> str | None:
+    """The text of a tokenizer's own BOS among its special tokens: the first of the usual spellings (e.g.
+    Llama's <s> or <|begin_of_text|>); not GPT-2's <|endoftext|> (its EOS), nor the EOS token."""
+    from gptkit.tokenizer import SPECIAL_ROLES
+
+    have = set(specials)
+    found = next((n for n in SPECIAL_ROLES["bos_token"] if n in have), None)
+    return None if found in (None, "<|endoftext|>", eos_token) else found
+
+
 def bos_id(tok, bos: Any, eos: int | None) -> int | None:
     """data.bos (auto already resolved for the model family by bos_for_model, when train knows it): the id
-    put before every document, or None. auto: the tokenizer's own BOS token when it has
-    one of its own (e.g. Llama's <s> or <|begin_of_text|>; not GPT-2's <|endoftext|>, which is its EOS);
+    put before every document, or None. auto: the tokenizer's own BOS token (own_bos) when it has one;
     true: that token, which must exist; false: none."""
-    from gptkit.tokenizer import special_tokens
-
     if bos not in BOS:
         raise GptkitError(f"data.bos={bos!r} must be auto, true or false")
     if bos is False:
         return None
-    found = special_tokens(tok).get("bos_token")
-    own = found if found is not None and found[1] != eos and found[0] != "<|endoftext|>" else None
+    own = own_bos((t.content for t in tok.get_added_tokens_decoder().values()),
+                  None if eos is None else tok.id_to_token(eos))
     if own is None and bos is True:
         raise GptkitError("data.bos=true but the tokenizer has no BOS token of its own; add one, e.g. "
                           "tokenizer.special_tokens=[<|bos|>], or set data.bos=auto")
-    return None if own is None else own[1]
+    return None if own is None else tok.token_to_id(own)
+
+
+def resolve_bos(data: dict[str, Any], tok_s: dict[str, Any]) -> dict[str, Any]:
+    """data.bos=auto as true or false: whether the tokenizer has a BOS of its own (own_bos), known from its
+    settings (byte, char, bpe: their special_tokens) or its file, before any tokenizer is trained. The
+    cache key holds this value, so auto and what it means are one cache entry (a plain `gptkit prepare`
+    and a GPT-2 train, where bos_for_model makes auto false, share their shards when the tokenizer has no
+    BOS)."""
+    if data.get("bos") != "auto":
+        return data
+    if tok_s["kind"] == "file":
+        specials = [t.content for t in load_tokenizer_file(tok_s["path"]).get_added_tokens_decoder().values()]
+    else:
+        specials = [*(tok_s.get("special_tokens") or ()), *([tok_s["eos_token"]] if tok_s.get("eos_token")
+                                                           else [])]
+    return {**data, "bos": own_bos(specials, tok_s.get("eos_token")) is not None}
 
 
 def bos_for_model(data: dict[str, Any], position: str) -> dict[str, Any]:
@@ -363,17 +388,14 @@ def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bo
 
     def todo() -> Iterator[list[tuple[str, bool, bool]]]:
         for i, b in enumerate(work):
-            n_bytes = sum(len(t[0].encode()) for t in b)
             if i < skip:  # already in the shard
-                progress.advance(n_bytes, skipped=True)
+                progress.advance(text_bytes(b), skipped=True)
                 continue
-            sizes.append(n_bytes)
             yield b
 
-    sizes: list[int] = []
     since = 0
     with open(out, "ab") as f:
-        for arr, docs in tokenizing.map(todo()):
+        for arr, docs, n_bytes in tokenizing.map(todo()):
             data = arr.tobytes()
             f.write(data)
             sp["crc32"] = zlib.crc32(data, sp["crc32"])
@@ -382,7 +404,7 @@ def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bo
             sp["documents"] += docs
             sp["batches"] += 1
             since += len(arr)
-            progress.advance(sizes.pop(0), len(arr))
+            progress.advance(n_bytes, len(arr))
             fault_point("prepare-batch")
             if since >= SHARD_TOKENS:
                 _commit(f, journal)
@@ -448,6 +470,8 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     frac = float(data["val_fraction"])
     if not 0.0 < frac < 1.0:
         raise GptkitError(f"data.val_fraction={frac} must be between 0 and 1 (exclusive)")
+    if "bos" in data:
+        data = resolve_bos(data, tok_s)
     corpus = open_corpus(data)
     content = corpus.sha256()
     key = _key(data, content, tok_s)
@@ -609,9 +633,22 @@ def _shard_file(split: str) -> str:
 
 def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any], key: str,
            progress: bool, workers: int | None) -> dict[str, Any]:
+    t0 = time.time()
+    n_workers = workers or max(1, min(cores(), (corpus.n_bytes or 1 << 40) // (4 * BATCH_CHARS)))
+    # A byte-level BPE (bpe, or a tokenizer.json) is encoded by worker processes: start them now, so that
+    # their start-up overlaps training the tokenizer and checking the encoder. (byte and char: in-process.)
+    pool = start_workers(n_workers) if n_workers > 1 and tok_s["kind"] in ("bpe", "file") else None
+    try:
+        return _build_with(tmp, corpus, content, data, tok_s, key, progress, n_workers, pool, t0)
+    finally:
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)  # a no-op once Tokenizing has shut it down
+
+
+def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any],
+                key: str, progress: bool, n_workers: int, pool: Any, t0: float) -> dict[str, Any]:
     from gptkit.version import __version__
 
-    t0 = time.time()
     resumed = _open_build(tmp, key)
     if resumed is not None:
         tok, journal = resumed
@@ -640,8 +677,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
             if n >= 1 << 20:
                 return
     engine, why = choose_engine(tok.to_str(), tok_s["kind"], check)
-    spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype, bos)
-    n_workers = workers or max(1, min(cores(), (corpus.n_bytes or 1 << 40) // (4 * BATCH_CHARS)))
+    spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype, bos, tokenizer_path=str(tmp / TOKENIZER))
     if engine in ("utf8", "chars"):
         n_workers = 1  # ids from the bytes or a table: sending text to a worker costs more than encoding it
     _say(f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
@@ -651,9 +687,9 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         return batches(cutter.pieces(parts, eos, what))
 
     bar = _Progress(progress, corpus.n_bytes, "tokenizing")
-    t_tok = time.perf_counter()
+    t_tok, c_tok = time.perf_counter(), time.process_time()
     try:
-        with Tokenizing(spec, n_workers) as tokenizing:
+        with Tokenizing(spec, n_workers, pool) as tokenizing:
             if corpus.val_parts is None:
                 n, docs = write_tokens(tokenizing, work(corpus.train_parts(), corpus.description),
                                        tmp / "all.bin", journal, "all", bar)
@@ -674,7 +710,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
                 val = {"how": "files"}
     finally:
         bar.close()
-    t_tok = time.perf_counter() - t_tok
+    t_tok, c_tok = time.perf_counter() - t_tok, time.process_time() - c_tok
     if cutter.forced:
         _say(f"note: {cutter.forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
              f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
@@ -699,6 +735,7 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         "encoder": engine,
         "workers": n_workers,
         "tokenize_seconds": round(t_tok, 3),  # reading, cutting, encoding and writing the shards
+        "tokenize_main_cpu_seconds": round(c_tok, 3),  # of this process (with workers: all but encoding)
         "python": sys.version.split()[0],
     }
     manifest["checksum"] = manifest_checksum(manifest)

@@ -4,14 +4,16 @@ train: an endless IterableDataset of sampler batches starting at micro-step
        trainer.global_step * trainer.accumulate_grad_batches (Lightning restores global_step before it
        asks for the dataloader, so a resumed run continues exactly), for trainer.global_rank of
        trainer.world_size. Without a trainer: step 0, rank 0 of 1.
-val:   a fixed, deterministic map-style set of windows, the same for every run on the same data.
+val:   a fixed, deterministic map-style set of windows, the same for every run on the same data; every
+       val item ends with its window's index in the (concatenated) val set, and `val_sources` gives the
+       source of each index, so that LitGPT counts each window once under DDP (DistributedSampler pads
+       with repeats) and reports val/loss as the exact token mean over the distinct windows.
 pack="documents": every batch is (x, y, doc_ids) instead of (x, y) (see gptkit.data.windows).
 data=chat (a ChatData): rows of whole conversations instead of windows, targets -100 where no loss
        (gptkit.data.chat); the same stateless choice of rows per step.
 data=mix (a MixedData): windows from every source by its share (gptkit.data.mixture.MixtureSampler), the
 val windows of every source, the sources announced at setup, their tokens consumed in `source_tokens`;
-       every val item then ends with its window's index in the concatenated val set, and `val_sources`
-       names the source of each index (LitGPT reports val/loss/<source> from them).
+       `val_sources` then also names the sources (LitGPT reports val/loss/<source>).
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
-        # data=mix: (source names, [n_val_windows] source index of each val window), set by val_dataloader
+        # (source names: [] for one corpus, [n_val_windows] source index of each val window), set by
+        # val_dataloader; None for data=chat
         self.val_sources: tuple[list[str], torch.Tensor] | None = None
         if isinstance(prepared, ChatData):
             self._chat_rows(prepared)
@@ -155,10 +158,9 @@ class TokenDataModule(L.LightningDataModule):
         n = each if len(self.parts) > 1 else self.val_windows
         sets = [ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id, vocab_size=self.prepared.vocab_size)
                 for p in self.parts]
-        ds: Dataset = ConcatDataset(sets)
-        if isinstance(self.prepared, MixedData):
-            sizes = torch.tensor([len(v) for v in sets])
-            source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)  # [n_val_windows]
-            self.val_sources = (list(self.prepared.names), source_of)
-            ds = TaggedWindows(ds)
+        sizes = torch.tensor([len(v) for v in sets])
+        source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)  # [n_val_windows]
+        names = list(self.prepared.names) if isinstance(self.prepared, MixedData) else []
+        self.val_sources = (names, source_of)  # one corpus: no names (no per-source figures), source 0
+        ds = TaggedWindows(ConcatDataset(sets))
         return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())

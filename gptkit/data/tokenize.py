@@ -14,7 +14,9 @@
    else HF `tokenizers`. A text that holds a special token's string always goes to HF `tokenizers`.
 3. Workers. `Tokenizing(spec, workers)` encodes batches of pieces in `workers` processes (spawned,
    one thread each), at most 2 x workers batches in flight, results in input order: the ids do not
-   depend on the worker count.
+   depend on the worker count. The processes can be started early (`start_workers`), so that their
+   start-up (spawning and imports: seconds) overlaps the work before tokenizing; a task carries only its text and a
+   small spec (the tokenizer is read from its file once per process), a result only its ids.
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ import time
 import unicodedata
 from collections import deque
 from concurrent.futures import Future, ProcessPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 from typing import Any, Callable, Iterator
 
 from gptkit.errors import GptkitError
@@ -39,6 +43,7 @@ HARD_CHARS = 4 * PIECE_CHARS  # how far past PIECE_CHARS a cut is looked for
 MAX_UNCUT = 16 << 20  # tokenizer=file: the longest stretch of a document that may have no safe cut
 BATCH_CHARS = 1 << 20  # text of one encoding task (its HF Encodings cost ~100 B per token)
 VERIFY_CHARS = 1024  # tokenizer=file: text either side of a cut that is encoded to check it
+VERIFY_FIRST = 8  # tokenizer=file: candidates of each kind checked before all of them are
 _NL = re.compile(r"\n(?=\S)")  # a newline before a non-space (a look-behind for the one before would make
 #                                  the search 10x slower: that character is checked in Python)
 # places where the class of character changes (letter, digit, other non-space, space): cut candidates
@@ -123,17 +128,36 @@ class Cutter:
         a, b = text[max(0, c - VERIFY_CHARS) : c], text[c : c + VERIFY_CHARS]
         return self.encode(a + b) == self.encode(a) + self.encode(b)
 
-    def cut(self, text: str, lo: int, hi: int, complete: bool) -> int | None:
-        """A safe cut in text[lo:hi] (lo > 0), or None. `complete`: text[lo:hi] is a whole window (a forced
-        cut is allowed there)."""
+    def _candidates(self, text: str, lo: int, hi: int, limit: int | None) -> Iterator[int]:
+        """Cut candidates in text[lo:hi]: newlines between two non-space characters, then changes of
+        character class (at most `limit` of each kind, when given)."""
+        n = 0
         for m in _NL.finditer(text, lo, hi):
             c = m.start()
-            if c and not text[c - 1].isspace() and self._ok(text, c):
-                return c
+            if c and not text[c - 1].isspace():
+                if limit is not None and n >= limit:
+                    break
+                n += 1
+                yield c
+        n = 0
         for m in _CHANGE.finditer(text, lo, hi):  # candidates found in C; each checked exactly
             c = m.start()
-            if gpt2_boundary(text[c - 1], text[c]) and self._ok(text, c):
-                return c
+            if gpt2_boundary(text[c - 1], text[c]):
+                if limit is not None and n >= limit:
+                    break
+                n += 1
+                yield c
+
+    def cut(self, text: str, lo: int, hi: int, complete: bool) -> int | None:
+        """A safe cut in text[lo:hi] (lo > 0), or None. `complete`: text[lo:hi] is a whole window (a forced
+        cut is allowed there). mode verify checks the first VERIFY_FIRST candidates of each kind first:
+        every check encodes 2 x VERIFY_CHARS characters three times, and a tokenizer that rejects one kind
+        (a Metaspace one: a piece that starts with a newline gets a prefix space) would otherwise check all
+        of a window's newlines before its first word boundary; then every candidate, as before."""
+        for limit in (VERIFY_FIRST, None) if self.mode == "verify" else (None,):
+            for c in self._candidates(text, lo, hi, limit):
+                if self._ok(text, c):
+                    return c
         if not complete or self.mode == "verify":
             return None
         c = lo
@@ -213,6 +237,18 @@ class EncoderSpec:
     dtype: str
     bos: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
+    tokenizer_path: str | None = None  # where tokenizer_json is saved: a worker reads it there, once
+
+    def light(self) -> EncoderSpec:
+        """The spec as sent with every task to a worker: without the tokenizer's JSON when it has a file."""
+        return replace(self, tokenizer_json="") if self.tokenizer_path else self
+
+    def json(self) -> str:
+        """The tokenizer's JSON (read from tokenizer_path when the spec is light)."""
+        if self.tokenizer_json or not self.tokenizer_path:
+            return self.tokenizer_json
+        with open(self.tokenizer_path, encoding="utf-8") as f:
+            return f.read()
 
 
 def hf_encoder(tok) -> Callable[[list[str]], list[list[int]]]:
@@ -290,7 +326,8 @@ def tiktoken_tables(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, in
     return ranks, specials, rank_to_id
 
 
-def _tiktoken(spec_json: str, extra: dict[str, Any]):
+@lru_cache(maxsize=2)  # choose_engine's check builds the encoder that prepare then uses
+def _tiktoken(spec_json: str):
     import numpy as np
     import tiktoken
 
@@ -314,7 +351,9 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
     import numpy as np
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_str(spec.tokenizer_json)
+    if spec.engine == "tiktoken":
+        return _tiktoken(spec.json())  # tiktoken matches special tokens itself, as HF does
+    tok = Tokenizer.from_str(spec.json())
     hf = hf_encoder(tok)
     specials = [s for s in spec.specials if s]
 
@@ -323,9 +362,6 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
 
     if spec.engine == "hf":
         return hf
-    if spec.engine == "tiktoken":
-        fast = _tiktoken(spec.tokenizer_json, spec.extra)
-        return fast  # tiktoken matches special tokens itself, as HF does
     if spec.engine == "utf8":
 
         def utf8(texts: list[str]) -> list[Any]:
@@ -375,19 +411,29 @@ def encode_batch(
     return (np.concatenate(out) if out else np.zeros(0, dtype=dtype)), docs
 
 
-_worker: dict[str, Any] = {}
+_worker: dict[EncoderSpec, Callable[[list[str]], list[Any]]] = {}  # in a worker: its encoder(s)
 
 
-def _init_worker(spec: EncoderSpec, parent: int) -> None:
-    """A worker's start: its encoder, and the watch on `parent` (the pid of the prepare that started it,
-    given by that process: a parent killed while this worker was starting is already gone here, and
-    os.getppid() would name the process that adopted the worker)."""
+def _init_worker(parent: int) -> None:
+    """A worker's start: the watch on `parent` (the pid of the prepare that started it, given by that
+    process: a parent killed while this worker was starting is already gone here, and os.getppid() would
+    name the process that adopted the worker), then the encoders' imports."""
     if os.getppid() != parent:
         os._exit(1)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
-    _worker["encode"], _worker["spec"] = build_encoder(spec), spec
+    import numpy  # noqa: F401  (the imports of the encoders, done while the parent prepares the work)
+    import tokenizers  # noqa: F401
+
+    try:
+        import tiktoken  # noqa: F401
+    except ImportError:
+        pass
+
+
+def _ready() -> None:
+    """A no-op task: submitting one per worker makes the pool start all its processes now."""
 
 
 def _exit_with_parent(parent: int) -> None:
@@ -398,9 +444,30 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _work(batch: list[tuple[str, bool, bool]]):
-    spec = _worker["spec"]
-    return encode_batch(_worker["encode"], batch, spec.eos, spec.dtype, spec.bos)
+def _work(spec: EncoderSpec, batch: list[tuple[str, bool, bool]]):
+    """In a worker: (ids, documents ended, UTF-8 bytes of the text) of one batch."""
+    encode = _worker.get(spec)
+    if encode is None:
+        _worker.clear()
+        encode = _worker[spec] = build_encoder(spec)
+    return (*encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos), text_bytes(batch))
+
+
+def text_bytes(batch: list[tuple[str, bool, bool]]) -> int:
+    """The UTF-8 size of a batch's text (what progress counts)."""
+    return sum(len(t[0].encode()) for t in batch)
+
+
+def start_workers(workers: int) -> ProcessPoolExecutor:
+    """`workers` spawned processes (one thread each), started now: their imports overlap what the caller
+    does before it gives them work (`Tokenizing(spec, workers, pool=...)`)."""
+    pool = ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+        initargs=(os.getpid(),)
+    )
+    for _ in range(workers):  # each submit to a pool without an idle process starts one
+        pool.submit(_ready)
+    return pool
 
 
 def usable_cores() -> int:
@@ -412,22 +479,21 @@ def usable_cores() -> int:
 
 
 class Tokenizing:
-    """Encodes batches in `workers` processes (1: in this process, one thread), in input order."""
+    """Encodes batches in `workers` processes (1: in this process, one thread), in input order. `pool`:
+    the processes, already started by start_workers(workers) (shut down with this object)."""
 
-    def __init__(self, spec: EncoderSpec, workers: int) -> None:
+    def __init__(self, spec: EncoderSpec, workers: int, pool: ProcessPoolExecutor | None = None) -> None:
         self.spec, self.workers = spec, int(workers)
-        self.pool: ProcessPoolExecutor | None = None
+        self.pool = pool if self.workers > 1 else None
+        if pool is not None and self.pool is None:
+            pool.shutdown(wait=False, cancel_futures=True)
         self.encode: Callable[[list[str]], list[Any]] | None = None
         self._env: str | None = None
 
     def __enter__(self) -> Tokenizing:
         if self.workers > 1:
-            self.pool = ProcessPoolExecutor(
-                self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
-                initializer=_init_worker,
-                initargs=(self.spec, os.getpid()),
-            )
+            if self.pool is None:
+                self.pool = start_workers(self.workers)
         else:
             self._env = os.environ.get("TOKENIZERS_PARALLELISM")
             os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process, one thread: what workers=1 means
@@ -442,20 +508,30 @@ class Tokenizing:
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = self._env
 
-    def map(self, work: Iterator[list[tuple[str, bool, bool]]]) -> Iterator[tuple[Any, int]]:
-        """(ids array, documents ended) per batch, in order; at most 2 x workers batches in flight."""
+    def map(self, work: Iterator[list[tuple[str, bool, bool]]]) -> Iterator[tuple[Any, int, int]]:
+        """(ids array, documents ended, UTF-8 bytes of text) per batch, in order; at most 2 x workers
+        batches in flight."""
         if self.pool is None:
             assert self.encode is not None
             for b in work:
-                yield encode_batch(self.encode, b, self.spec.eos, self.spec.dtype, self.spec.bos)
+                yield (*encode_batch(self.encode, b, self.spec.eos, self.spec.dtype, self.spec.bos),
+                       text_bytes(b))
             return
         flight: deque[Future] = deque()
-        for b in work:
-            flight.append(self.pool.submit(_work, b))
-            if len(flight) >= 2 * self.workers:
+        light = self.spec.light()
+        try:
+            for b in work:
+                flight.append(self.pool.submit(_work, light, b))
+                if len(flight) >= 2 * self.workers:
+                    yield flight.popleft().result()
+            while flight:
                 yield flight.popleft().result()
-        while flight:
-            yield flight.popleft().result()
+        except BrokenProcessPool as exc:
+            raise GptkitError(
+                "a tokenization worker process ended abruptly (killed, out of memory, or, from Python, a "
+                "script that calls prepare() without `if __name__ == \"__main__\":`: each spawned worker "
+                "imports it again); set data.workers=1 to tokenize in this process"
+            ) from exc
 
 
 def char_like(tokenizer_json: str) -> bool:

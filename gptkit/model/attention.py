@@ -13,7 +13,8 @@ Every backend has the same signature:
     out:  [B, n_heads, T_q, head_dim]
 
 `eager` is the readable reference (explicit fp32 softmax; can return the probabilities),
-`sdpa` is torch's fused kernel, `triton` is our own FlashAttention kernel in kernels/.
+`sdpa` is torch's fused kernel (packed documents: torch's variable-length FlashAttention on CUDA in
+fp16/bf16, else a dense mask), `triton` is our own FlashAttention kernel in kernels/.
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ from gptkit.model.documents import Documents
 from gptkit.model.fused import triton_available, warn_once
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import RotaryEmbedding, make_norm  # the QK-norms are layers.py norms
+
+try:  # recent torch: FlashAttention over variable-length sequences (CUDA), for packed documents
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:  # pragma: no cover - older torch: packed documents take a dense mask
+    varlen_attn = None
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -60,15 +66,23 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
 
 
 def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
-    """torch's scaled_dot_product_attention (GQA without K/V copies); a packed batch takes a dense mask."""
+    """torch's scaled_dot_product_attention (GQA without K/V copies). Packed documents: on CUDA in fp16/bf16
+    torch's variable-length FlashAttention (no mask, no work across documents); elsewhere a dense mask."""
     if return_probs:
         raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
-    if docs is not None:
-        warn_once("sdpa-docs", "model.attention=sdpa with packed documents builds a dense [B, 1, T, T] mask "
-                  "every step (B*T*T bytes) and runs SDPA's masked (not flash) kernels over every tile; "
-                  "model.attention=triton skips the masked tiles instead")
-        mask = docs.mask()  # [B, 1, T, T]
     Tq, Tk = q.shape[2], k.shape[2]
+    if docs is not None:
+        if mask is None and dropout_p == 0.0 and Tq == Tk and varlen_usable(q):
+            return varlen_documents(q, k, v, docs, scale), None
+        if q.is_cuda:
+            warn_once("sdpa-docs", f"model.attention=sdpa with packed documents in {q.dtype} on CUDA takes a "
+                      "dense [B, 1, T, T] mask and computes every tile across documents (torch's "
+                      "variable-length FlashAttention needs fp16/bf16, no dropout, an sm80+ GPU); "
+                      "precision bf16-mixed or model.attention=triton skips them")
+        # On the CPU the dense mask is the right form: SDPA's CPU FlashAttention kernel takes it (measured
+        # as fast as the plain causal kernel at T=128, docs/chat.md); built once per forward, additive in
+        # the dtype of q, and shared by every layer
+        mask = docs.mask(q.dtype)  # [B, 1, T, T]
     if mask is None and causal and Tq != Tk:
         if Tq == 1:  # one new token attends to the whole cache
             causal = False
@@ -83,6 +97,31 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
         enable_gqa=k.shape[1] != q.shape[1],  # no K/V copy per query head where torch allows
     )
     return out, None
+
+
+def varlen_usable(q: torch.Tensor) -> bool:
+    """Whether torch's variable-length FlashAttention (torch.nn.attention.varlen) runs q: fp16/bf16 on a CUDA
+    GPU of compute capability >= 8.0 (FlashAttention 2's), head_dim a multiple of 8 up to 256."""
+    if varlen_attn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    D = q.shape[-1]
+    return D % 8 == 0 and D <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
+
+
+def varlen_documents(q, k, v, docs: Documents, scale=None) -> torch.Tensor:
+    """Causal attention inside each packed document with torch's varlen_attn: the B rows of T tokens are one
+    sequence of B*T tokens cut at docs.cu_seqlens(); q [B, n_heads, T, D], k, v [B, n_kv_heads, T, D] ->
+    [B, n_heads, T, D]. No mask is built and no tile across two documents is computed."""
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    cu = docs.cu_seqlens()  # [n_docs + 1] int32
+    q_flat = q.transpose(1, 2).reshape(B * T, H, D)  # [B*T, n_heads, D]
+    k_flat = k.transpose(1, 2).reshape(B * T, Hkv, D)  # [B*T, n_kv_heads, D]
+    v_flat = v.transpose(1, 2).reshape(B * T, Hkv, D)
+    # T bounds every document's length (no host sync for the longest); window (-1, 0) is causal
+    out = varlen_attn(q_flat, k_flat, v_flat, cu, cu, T, T, scale=scale, window_size=(-1, 0),
+                      enable_gqa=Hkv != H)  # [B*T, n_heads, D]
+    return out.view(B, T, H, D).transpose(1, 2)  # [B, n_heads, T, D]
 
 
 def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):

@@ -30,7 +30,8 @@ class Documents:
 
     def __init__(self, doc_ids: torch.Tensor) -> None:
         self.start, self.end = document_bounds(doc_ids)  # int32 [B, T] each
-        self._mask: torch.Tensor | None = None
+        self._masks: dict[torch.dtype, torch.Tensor] = {}  # [B, 1, T, T] per dtype (mask)
+        self._cu: torch.Tensor | None = None  # [n_docs + 1] (cu_seqlens)
 
     @property
     def positions(self) -> torch.Tensor:
@@ -38,12 +39,31 @@ class Documents:
         t = torch.arange(self.start.shape[1], device=self.start.device)
         return t - self.start.long()
 
-    def mask(self) -> torch.Tensor:
-        """[B, 1, T, T] bool, True where query i may attend key j (causal, same document)."""
-        if self._mask is None:
-            T = self.start.shape[1]
-            j = torch.arange(T, device=self.start.device)
-            causal = j[None, :] <= j[:, None]  # [T, T]
-            self._mask = (j[None, None, :] >= self.start[:, :, None]) & causal  # [B, T, T]
-            self._mask = self._mask[:, None]  # [B, 1, T, T]
-        return self._mask
+    def mask(self, dtype: torch.dtype = torch.bool) -> torch.Tensor:
+        """[B, 1, T, T], causal and inside each document, built once per forward (every layer shares it):
+        bool (True where query i may attend key j), or additive in `dtype` (0 there, -inf elsewhere), the
+        form SDPA's kernels add to the scores; a bool mask would be converted in every layer."""
+        if dtype not in self._masks:
+            if dtype == torch.bool:
+                T = self.start.shape[1]
+                j = torch.arange(T, device=self.start.device)
+                causal = j[None, :] <= j[:, None]  # [T, T]
+                allowed = (j[None, None, :] >= self.start[:, :, None]) & causal  # [B, T, T]
+                self._masks[dtype] = allowed[:, None]  # [B, 1, T, T]
+            else:
+                allowed = self.mask()
+                zeros = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+                self._masks[dtype] = zeros.masked_fill_(~allowed, float("-inf"))  # [B, 1, T, T]
+        return self._masks[dtype]
+
+    def cu_seqlens(self) -> torch.Tensor:
+        """int32 [n_docs + 1]: where each document starts in the B*T tokens taken row after row, then B*T
+        (the cumulative lengths of FlashAttention's variable-length kernels). Computed once per forward; it
+        reads the number of documents from the device (one host sync)."""
+        if self._cu is None:
+            B, T = self.start.shape
+            t = torch.arange(T, device=self.start.device)  # [T]
+            first = (self.start == t).flatten()  # [B*T]: a document starts here (every row starts one)
+            starts = first.nonzero().flatten().to(torch.int32)  # [n_docs]
+            self._cu = torch.cat([starts, starts.new_tensor([B * T])])  # [n_docs + 1]
+        return self._cu

@@ -54,21 +54,30 @@ class LossWindow:
     """The train losses since the last log step, and the first non-finite one, kept on the device."""
 
     def __init__(self) -> None:
-        self.sum: torch.Tensor | None = None  # fp32 scalar
+        self.sum: torch.Tensor | None = None  # fp32 scalar: the losses, each times its weight
+        self.weight: torch.Tensor | None = None  # fp32 scalar: the weights (loss tokens, or 1 per loss)
         self.count = 0  # losses added (micro-batches)
         self.first_bad: torch.Tensor | None = None  # int64 scalar: the step of the first non-finite loss, or -1
         self.norm_sum: torch.Tensor | None = None  # fp32 scalar: the gradient norms of the window's steps
         self.norm_count = 0  # optimizer steps whose gradient norm was added
 
-    def add(self, loss: torch.Tensor, step: int) -> None:
-        """Record the loss of a micro-batch of optimizer step `step` (no host sync)."""
+    def add(self, loss: torch.Tensor, step: int, tokens: torch.Tensor | None = None) -> None:
+        """Record the loss of a micro-batch of optimizer step `step` (no host sync). With `tokens` (its loss
+        tokens: loss is their mean) the window's loss is the mean over every token (a micro-batch without
+        one adds nothing); without, the mean over the micro-batches."""
         loss = loss.detach().float()
         if self.sum is None:
             self.sum = torch.zeros((), device=loss.device)
+            self.weight = torch.zeros((), device=loss.device)
             self.first_bad = torch.full((), -1, dtype=torch.long, device=loss.device)
-        self.sum += loss
+        if tokens is None:
+            counted, weight = torch.ones((), dtype=torch.bool, device=loss.device), 1.0
+        else:
+            counted, weight = tokens > 0, tokens.float()
+        self.sum += torch.where(counted, loss * weight, 0.0)
+        self.weight += weight
         self.count += 1
-        bad = ~torch.isfinite(loss) & (self.first_bad < 0)
+        bad = ~torch.isfinite(loss) & counted & (self.first_bad < 0)
         self.first_bad = torch.where(bad, step, self.first_bad)
 
     def add_grad_norm(self, norm: torch.Tensor) -> None:
@@ -99,14 +108,16 @@ class LossWindow:
                 f"checkpoint; lower optim.lr, raise optim.warmup_steps, or check the data")
 
     def read(self, strategy) -> float | None:
-        """The mean loss of the window over all ranks (a host sync), then start a new window."""
+        """The mean loss of the window over all ranks (per loss token when add had them; a host sync),
+        then start a new window."""
         self.check_finite(strategy)
         if self.sum is None or self.count == 0:
             return None
-        mean = strategy.reduce(self.sum / self.count, reduce_op="mean")
+        totals = strategy.reduce(torch.stack([self.sum, self.weight]), reduce_op="sum")  # [2], all ranks
         self.sum.zero_()
+        self.weight.zero_()
         self.count = 0
-        return float(mean)
+        return float(totals[0] / totals[1])
 
 
 def optimizer_stepped(trainer, batch_idx: int) -> bool:

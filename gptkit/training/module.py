@@ -7,14 +7,18 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                        (seed, N, rank, world size), so a resume draws the same batches
                                                                   data/datamodule.py, data/windows.py
      2. forward, loss  LitGPT.training_step -> GPT.forward(x, targets).loss (fp32 mean cross-entropy)
-                                                                            here, model/gpt.py
-     3. NaN window     LossWindow.add: the loss summed on the device, the first non-finite step noted;
-                       no host sync                                         training/metrics.py
+                       weighted by its loss tokens (TokenMean.micro_batch) when a step has several
+                       micro-batches or ranks                here, model/gpt.py, training/token_mean.py
+     3. NaN window     LossWindow.add: the loss summed on the device (weighted by its loss tokens), the
+                       first non-finite step noted; no host sync            training/metrics.py
      4. backward       Lightning: (loss / accumulation).backward(); 16-mixed scales the loss first
      5. accumulation   steps 1-4 run plan.accumulation times (trainer.accumulate_grad_batches); DDP
                        all-reduces the gradients on the last micro-batch only; FSDP2 reduce-scatters them
      6. unscale        ClippingMixedPrecision.optimizer_step: GradScaler.unscale_ (16-mixed only)
                                                                             training/trainer.py
+     6b. token mean    LitGPT.on_before_optimizer_step -> TokenMean.finish: the gradient becomes the mean
+                       over every loss token of the step, all micro-batches and ranks (one scalar
+                       all-reduce, on the device)                           here, training/token_mean.py
      7. clip           LitGPT.configure_gradient_clipping: the total gradient norm (kept on the device for
                        train/grad_norm: LossWindow.add_grad_norm), then norm clipping at
                        trainer.gradient_clip_val, on unscaled gradients, so it works with fused AdamW
@@ -59,6 +63,7 @@ from gptkit.training.distributed import broadcast_weights, parallelize
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
+from gptkit.training.token_mean import TokenMean, loss_tokens
 
 
 def apply_compile(model: GPT, mode: str, backend: str = "inductor") -> None:
@@ -113,8 +118,10 @@ class LitGPT(L.LightningModule):
         self.compile_mode = plan.compile
         self.compile_backend = plan.compile_backend
         self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
+        # every loss token of an optimizer step weighs the same, across micro-batches and ranks
+        self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
         self._val_losses: list[torch.Tensor] = []
-        self._val_sums: torch.Tensor | None = None  # data=mix: [2, n_sources] token-loss sums, target counts
+        self._val_sums: torch.Tensor | None = None  # [2, n_sources] token-loss sums, target counts
 
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
@@ -132,11 +139,17 @@ class LitGPT(L.LightningModule):
         """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
         x, y, *docs = batch  # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
         loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
-        self.loss_window.add(loss, self.global_step)  # on the device: no host sync (StepMetrics reads it)
-        return loss
+        n = loss_tokens(y)  # int64 scalar on the device
+        self.loss_window.add(loss, self.global_step, n)  # on the device: no host sync (StepMetrics reads it)
+        return self.token_mean.micro_batch(loss, n)
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        """Step 6b of the header: the accumulated gradients become the mean over the step's loss tokens."""
+        self.token_mean.finish(p for group in optimizer.param_groups for p in group["params"])
 
     def _val_sources(self):
-        """data=mix: (source names, source index of each val window) from the datamodule; else None."""
+        """(source names, source index of each val window) from the datamodule (names: [] for one corpus);
+        None for data=chat (and without a datamodule)."""
         trainer = getattr(self, "_trainer", None)
         return getattr(getattr(trainer, "datamodule", None), "val_sources", None) if trainer else None
 
@@ -155,8 +168,8 @@ class LitGPT(L.LightningModule):
         self.loss_window.add_grad_norm(norm)
 
     def validation_step(self, batch, batch_idx):
-        """The loss of one validation batch, kept on the device; with data=mix also each source's summed
-        token loss and target count over this batch's windows (see _source_sums)."""
+        """The loss of one validation batch, kept on the device; with tagged windows (all but data=chat)
+        each source's summed token loss and target count over this batch's windows (see _source_sums)."""
         sources = self._val_sources()
         x, y, *rest = batch
         index = rest.pop() if sources is not None else None  # [B]: each window's index in the val set
@@ -195,23 +208,30 @@ class LitGPT(L.LightningModule):
                 self._val_sums[1, s] += n
 
     def on_validation_epoch_end(self) -> None:
-        """Log val/loss (mean over the batches and ranks) and val/ppl; with data=mix val/loss/<source>: that
-        source's mean token loss over its own val windows, from sums and counts reduced over the ranks."""
+        """Log val/loss and val/ppl: the mean token loss over the distinct val windows, from sums and counts
+        reduced over the ranks (each window counted once: a DDP run reports what one process does); with
+        data=mix also val/loss/<source>, over that source's own windows. data=chat: the mean of the batch
+        means over the batches and ranks."""
         if not self._val_losses:
             return
         loss = torch.stack(self._val_losses).mean()
         self._val_losses.clear()
-        self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-        self.log("val/ppl", torch.exp(loss), sync_dist=True)
         sources = self._val_sources()
-        if sources is not None:
+        if sources is None:
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+            self.log("val/ppl", torch.exp(loss), sync_dist=True)
+        else:
+            n_src = int(sources[1].max()) + 1 if len(sources[1]) else 1
             sums = self._val_sums if self._val_sums is not None else torch.zeros(
-                2, len(sources[0]), dtype=torch.float64, device=loss.device)
+                2, n_src, dtype=torch.float64, device=loss.device)
             self._val_sums = None
-            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")
-            for name, total, n in zip(sources[0], sums[0].tolist(), sums[1].tolist()):
+            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")  # [2, n_sources], over the ranks
+            total = (sums[0].sum() / sums[1].sum().clamp(min=1)).float()
+            self.log("val/loss", total, prog_bar=True, sync_dist=False)  # the same on every rank
+            self.log("val/ppl", torch.exp(total), sync_dist=False)
+            for name, s, n in zip(sources[0], sums[0].tolist(), sums[1].tolist()):
                 if n:
-                    self.log(f"val/loss/{name}", total / n, sync_dist=False)
+                    self.log(f"val/loss/{name}", s / n, sync_dist=False)
         self.log("step", float(self.global_step))  # validation after N optimizer steps is logged at step N
 
     def configure_optimizers(self):
