@@ -119,7 +119,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
 def matmul_params(cfg: ModelConfig) -> int:
     """Weights that take part in a matmul for every token (see the module docstring)."""
     d = cfg.d_model
-    per_layer = d * cfg.d_attn + 2 * d * cfg.d_kv + cfg.d_attn * d + (2 if cfg.mlp == "gelu" else 3) * d * cfg.d_ff
+    mlp_matrices = 2 if cfg.mlp == "gelu" else 3
+    per_layer = d * cfg.d_attn + 2 * d * cfg.d_kv + cfg.d_attn * d + mlp_matrices * d * cfg.d_ff
     return cfg.n_layers * per_layer + d * cfg.vocab_size
 
 
@@ -167,7 +168,8 @@ def memory_bandwidth(gpu_name: str) -> float | None:
 
 
 def training_memory(cfg: ModelConfig, precision_name: str = "bf16-mixed", n_shards: int = 1,
-                    micro_batch: int = 1, seq_len: int | None = None, checkpointing: bool = False) -> dict[str, float]:
+                    micro_batch: int = 1, seq_len: int | None = None,
+                    checkpointing: bool = False) -> dict[str, float]:
     """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3),
     plus an activation estimate and the logits and loss.
 

@@ -15,6 +15,8 @@ from typing import Optional, Sequence
 
 from gptkit.errors import GptkitError
 
+# matplotlib (~0.5 s) and torch are imported where a map is drawn.
+
 MAX_LABELED_TOKENS = 48
 ATTENTION_DIR = "attention"
 
@@ -27,7 +29,8 @@ def attention_probs(model, ids: Sequence[int]):
     if T == 0:
         raise GptkitError("the text has no tokens; give text=\"...\"")
     if T > model.cfg.max_seq_len:
-        raise GptkitError(f"the text has {T} tokens, more than model.max_seq_len={model.cfg.max_seq_len}; shorten it")
+        raise GptkitError(f"the text has {T} tokens, more than model.max_seq_len={model.cfg.max_seq_len}; "
+                          "shorten it")
     idx = torch.tensor([list(ids)], device=model.tok_emb.weight.device)  # [1, T]
     with torch.inference_mode():
         out = model(idx, return_attention=True, logits_to_keep=1)
@@ -54,7 +57,8 @@ def render_grid(probs, labels: Optional[list[str]], title: str) -> bytes:
     L, H, T = len(probs), probs[0].shape[0], probs[0].shape[-1]
     show_labels = labels is not None and T <= MAX_LABELED_TOKENS
     cell = 2.2 if not show_labels else max(2.2, 0.16 * T)
-    fig, axes = plt.subplots(L, H, figsize=(cell * H + 1.0, cell * L + 1.0), squeeze=False)  # a grid of [T, T] cells
+    # a grid of [T, T] cells
+    fig, axes = plt.subplots(L, H, figsize=(cell * H + 1.0, cell * L + 1.0), squeeze=False)
     for layer in range(L):
         for head in range(H):
             ax = axes[layer][head]

@@ -22,9 +22,11 @@ import io
 import json
 import os
 import pickle
+import re
 import shutil
 import struct
 import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,9 @@ from gptkit.fsio import (
     is_disk_full,
     locked_temp,
 )
+
+# torch and safetensors are imported inside the functions: commands/train.py imports this module (via
+# training/fit.py) to check the command line, a one-line error in ~0.4 s of CPU (docs/layout.md).
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
@@ -198,7 +203,8 @@ def _checkpoint_copies(path: Path) -> tuple[list[Path], list[Path]]:
 def _identity(path: Path) -> tuple:
     """What makes a file version: its inode, size and mtime (every file's, for a sharded folder)."""
     files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return str(path.resolve()), tuple((f.name, (st := f.stat()).st_ino, st.st_size, st.st_mtime_ns) for f in files)
+    return str(path.resolve()), tuple((f.name, (st := f.stat()).st_ino, st.st_size, st.st_mtime_ns)
+                                      for f in files)
 
 
 def verify_checkpoint(path: Path | str, part: tuple[int, int] = (0, 1), only: str | None = None) -> None:
@@ -226,8 +232,6 @@ def verify_checkpoint(path: Path | str, part: tuple[int, int] = (0, 1), only: st
 
 def _verify_zip(path: Path) -> None:
     """Every record of a torch.save zip archive against the CRC-32 in its central directory."""
-    import zipfile
-
     buf = memoryview(bytearray(CHUNK))
     with open(path, "rb") as f:
         try:
@@ -319,10 +323,10 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
         return read_sharded_checkpoint(path)
     if path.suffix == ".safetensors":
         return {"state_dict": {STATE_PREFIX + k: v for k, v in _load_safetensors(path).items()}}
-    import zipfile
 
     if path.is_file() and path.stat().st_size == 0:
-        raise GptkitError(f"{path} is empty (0 bytes), not a checkpoint (an interrupted copy?); use another one")
+        raise GptkitError(f"{path} is empty (0 bytes), not a checkpoint (an interrupted copy?); use another "
+                          "one")
     verify_checkpoint(path)
     try:
         # torch.save's zip archive is memory-mapped (tensors read on use); an older torch's format is not
@@ -342,17 +346,14 @@ def unreadable_checkpoint(path: Path, exc: Exception) -> GptkitError:
 def load_refusal(path: Path, exc: Exception) -> str:
     """Why torch.load(weights_only=True) refused `path`, as one complete phrase: the code it would run,
     another kind of file, or torch's own first sentence."""
-    import pickle
-    import re
-    import zipfile
-
     text = str(exc)
     code = re.search(r"GLOBAL ([\w.]+)", text)
     if code:
-        return (f"would run code when loaded ({code.group(1)}), which weights_only=True refuses: a checkpoint holds "
-                f"only tensors and plain data")
+        return (f"would run code when loaded ({code.group(1)}), which weights_only=True refuses: a "
+                f"checkpoint holds only tensors and plain data")
     if isinstance(exc, (pickle.UnpicklingError, EOFError)) or not zipfile.is_zipfile(path):
-        return "is not a torch checkpoint (not the zip archive torch.save writes: truncated, or another kind of file)"
+        return ("is not a torch checkpoint (not the zip archive torch.save writes: truncated, or another "
+                "kind of file)")
     first = re.split(r"(?<=[.!?])\s", " ".join(text.split()), maxsplit=1)[0] if text.strip() else ""
     return f"is not a readable checkpoint ({type(exc).__name__}{': ' + first if first else ''})"
 
@@ -417,8 +418,9 @@ class _SafeUnpickler(pickle.Unpickler):
     nothing that can run code."""
 
     ALLOWED_PREFIXES = ("torch.distributed.checkpoint.",)
-    ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-               ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+    ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
+               ("builtins", "frozenset"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+               ("pathlib", "WindowsPath")}
 
     def find_class(self, module: str, name: str):
         import torch

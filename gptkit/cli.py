@@ -1,7 +1,8 @@
 """`gptkit <verb> [hydra overrides...]`: pick the verb, compose its config, run it.
 
 VERBS below is the whole wiring: each verb names its module in gptkit/commands/ (which defines
-run(cfg), prepare_args(args) when it rewrites its arguments first, and check(cfg) when a Hydra app
+run(cfg), prepare_args(args) when it rewrites its arguments before they are parsed, prepare_options(args,
+options) when it rewrites them from their parsed values, and check(cfg, multirun, options) when a Hydra app
 validates its composed config before Hydra creates the run folder), its primary config in conf/,
 and its one-line help. Command modules keep heavy imports inside run(), so `gptkit --help` stays fast.
 tests/test_cli.py checks that VERBS and gptkit/commands/ agree.
@@ -46,18 +47,19 @@ VERBS: dict[str, Verb] = {
                  "kept across turns; /reset, /exit; stdin lines without a terminal)", verbatim=("system",)),
     "eval": Verb("eval", "eval", "loss, perplexity and bits per byte/char of a run on its val split or a "
                  "held-out corpus; lm-eval task accuracy with tasks=... (--json)"),
-    "attention": Verb("attention", "attention", "write a PNG grid of attention maps (layers x heads) for a text "
-                      "into the run folder", verbatim=("text",)),
+    "attention": Verb("attention", "attention", "write a PNG grid of attention maps (layers x heads) for a "
+                      "text into the run folder", verbatim=("text",)),
     "count-params": Verb("count_params", "count_params", "parameters by component, FLOPs per token, and "
                          "compute/memory estimates for a planned run"),
-    "prepare": Verb("prepare", "prepare", "tokenize a corpus into cached token shards + manifest + tokenizer.json"),
+    "prepare": Verb("prepare", "prepare",
+                    "tokenize a corpus into cached token shards + manifest + tokenizer.json"),
     "export": Verb("export", "export", "write a run as a transformers folder (Llama, Qwen2/3, OLMo-2 "
                    "or GPT-2) that AutoModelForCausalLM loads"),
     "import": Verb("import_hf", "import", "read a transformers Llama, Qwen2/3, OLMo-2 or GPT-2 model (local "
                    "folder or Hub id) into a gptkit run folder"),
     "plot": Verb("plot", "plot", "draw <run>/loss.png (train and val loss) from the run's metrics.csv"),
-    "preflight": Verb("preflight", "preflight", "check a distributed set-up before a long job: ranks, backend, "
-                      "an all-reduce, memory vs estimate"),
+    "preflight": Verb("preflight", "preflight", "check a distributed set-up before a long job: ranks, "
+                      "backend, an all-reduce, memory vs estimate"),
     "consolidate": Verb("consolidate", "consolidate", "merge a sharded (FSDP) checkpoint folder into one "
                         "checkpoint file", positional="run"),
     "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench "
@@ -176,7 +178,8 @@ def _report(exc: Exception) -> int:
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    print(f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)", file=sys.stderr)
+    print(f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)",
+          file=sys.stderr)
     return 1
 
 
@@ -224,7 +227,8 @@ def _check_flags(verb: str, args: list[str]) -> None:
         name, eq, value = a.lstrip("-").partition("=")
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
             value = args[i + 1]
-        raise ConfigError(f"options are key=value, not {a}: did you mean {_spelling(verb, name)}={value or '...'}?")
+        raise ConfigError(f"options are key=value, not {a}: did you mean "
+                          f"{_spelling(verb, name)}={value or '...'}?")
 
 
 def _has_run_option(verb: str) -> bool:
@@ -277,7 +281,8 @@ def _skip_transformers_in_torchmetrics() -> None:
             def exec_and_unflag(module):
                 exec_module(module)
                 flag = getattr(module, "_TRANSFORMERS_GREATER_EQUAL_4_4", None)
-                if flag is not None and hasattr(flag, "requirement"):  # a lightning_utilities RequirementCache
+                # a lightning_utilities RequirementCache
+                if flag is not None and hasattr(flag, "requirement"):
                     flag.available = False
                     flag.message = "transformers is not imported for torchmetrics by the gptkit CLI"
 
@@ -334,12 +339,17 @@ def main(argv: list[str] | None = None) -> int:
 
             args = verbatim(args, v.verbatim)
         mod = command(verb)
-        if hasattr(mod, "prepare_args"):
+        if hasattr(mod, "prepare_args"):  # rewrites of the text before it is parsed (bench, eval tasks=)
             args = _guarded(mod.prepare_args, args)
-        cfg = _guarded(_checked_config, verb, args)
+        options = _guarded(_parse_args, verb, args)  # every key=value parsed once, here
+        if hasattr(mod, "prepare_options"):  # rewrites that read the parsed options (train: resume=)
+            rewritten = _guarded(mod.prepare_options, args, options)
+            if rewritten != args:
+                args, options = rewritten, _guarded(_parse_args, verb, rewritten)
+        cfg = _guarded(_check_options, v.config, options)
         _skip_transformers_in_torchmetrics()
         if v.hydra_app and cfg is not None and hasattr(mod, "check"):  # before Hydra makes the run folder
-            _guarded(mod.check, cfg, _is_multirun(verb, args))
+            _guarded(mod.check, cfg, _is_multirun(verb, args), options)
         if v.hydra_app:
             _run_hydra_app(verb, args)
             return 0
@@ -357,16 +367,23 @@ def _is_multirun(verb: str, args: list[str]) -> bool:
     return VERBS[verb].hydra_app and any(a in ("-m", "--multirun") for a in args)
 
 
-def _checked_config(verb: str, args: list[str]):
-    """The verb's composed config, after every option was checked (gptkit.options.check_options): unknown
-    keys, wrong types, sweeps without -m and unset required values are one line each, before the verb or
-    Hydra's run folder exist. For `train -m` over several presets the config is None (Hydra checks each job)."""
-    from gptkit.options import check_options, parse_options
+def _parse_args(verb: str, args: list[str]):
+    """The key=value arguments as gptkit.options.Option (a value Hydra cannot read, or a sweep without -m,
+    is one line). _check_options then composes the verb's config and checks each against it: unknown keys,
+    wrong types and unset required values are one line each, before the verb or Hydra's run folder exist
+    (for `train -m` over several presets the config is None: Hydra checks each job)."""
+    from gptkit.options import parse_options
 
-    multirun = _is_multirun(verb, args)
     options = [a for i, a in enumerate(args)  # the value of a Hydra flag (--cfg job) is not an option
                if not (i and args[i - 1] in HYDRA_VALUE_FLAGS and "=" not in a and not a.startswith("-"))]
-    return check_options(VERBS[verb].config, parse_options(options, sweeps=multirun))
+    return parse_options(options, sweeps=_is_multirun(verb, args))
+
+
+def _check_options(config_name: str, options):
+    """gptkit.options.check_options, imported on use (`gptkit --help` imports no OmegaConf)."""
+    from gptkit.options import check_options as check
+
+    return check(config_name, options)
 
 
 def _is_config_error(exc: BaseException) -> bool:

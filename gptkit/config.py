@@ -13,6 +13,8 @@ from omegaconf import DictConfig, OmegaConf
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 
+# hydra is imported on use: `gptkit --help` imports this module and needs no Hydra.
+
 
 def conf_dir() -> Path:
     """The conf/ tree: the `gptkit_conf` data package (conf/ itself in an editable install)."""
@@ -38,8 +40,6 @@ def presets(group: str) -> list[str]:
 def verbatim(args: list[str], keys: tuple[str, ...]) -> list[str]:
     """Quote the values of `keys` (a prompt, a text) so that Hydra takes them literally: commas, quotes,
     brackets, `=` and `${...}` included, unless the user quoted them already."""
-    import re
-
     out = []
     for a in args:
         key, eq, value = a.partition("=")
@@ -80,7 +80,8 @@ def count(value: Any, option: str) -> float:
 
 
 def number(value: Any, option: str, kind: type = float, minimum: float | None = None) -> Any:
-    """`value` as an int or a finite float (`kind`), at least `minimum`; else a ConfigError naming the option."""
+    """`value` as an int or a finite float (`kind`), at least `minimum`; else a ConfigError naming the
+    option."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if ok and kind is int and not float(value).is_integer():
         ok = False

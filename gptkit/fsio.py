@@ -9,8 +9,11 @@ because the disk is full becomes one line naming the file and the space it needs
 from __future__ import annotations
 
 import errno
+import fcntl
+import glob
 import os
 import shutil
+import sys
 import tempfile
 import zlib
 from contextlib import contextmanager
@@ -44,8 +47,6 @@ def locked_temp(path: Path, folder: bool = False) -> tuple[int, Path]:
     exclusive fcntl lock on it for as long as it stays open (the OS drops it when the process ends, kill -9
     included): remove_dead_temps tells a live writer's temporary from a killed one's by it. It is made as
     `.new`, locked, then renamed to `.tmp`, so no cleaner ever sees an unlocked `.tmp` of a live writer."""
-    import fcntl
-
     if folder:
         new = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
         os.chmod(new, DIR_MODE)  # mkdtemp makes it private; the result is an ordinary folder
@@ -63,10 +64,6 @@ def locked_temp(path: Path, folder: bool = False) -> tuple[int, Path]:
 def remove_dead_temps(path: Path | str) -> list[Path]:
     """Remove the `.<name>.*.tmp` files and folders that writers of `path` killed before they finished left
     beside it (those made by locked_temp whose lock no live process holds); a note says what was freed."""
-    import fcntl
-    import glob
-    import sys
-
     path = Path(path)
     gone, freed = [], 0
     for p in sorted(path.parent.glob(f".{glob.escape(path.name)}.*.tmp")) if path.parent.is_dir() else []:
@@ -119,8 +116,6 @@ def lock_file(path: Path | str, create: bool = True) -> int | None:
     it when the process ends, kill -9 included), or None when another process holds it. With create=False
     a missing file is FileNotFoundError. A symbolic link at `path` is never followed (its target would be
     truncated): GptkitError."""
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT if create else 0), FILE_MODE)
     except OSError as exc:
@@ -228,18 +223,21 @@ def disk_full_error(what: Path | str | None, needed: float | None, exc: BaseExce
                            "free some "
                            f"space (old runs, checkpoints or the data cache) and run the command again")
     need = f"it needs about {human_bytes(needed)}, " if needed else ""
-    return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is free; "
-                       f"free some space (old runs, checkpoints or the data cache) and run the command again")
+    return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is "
+                       "free; free some space (old runs, checkpoints or the data cache) and run the command "
+                       "again")
 
 
 def check_out_dir(out: Path | str, force: bool = False) -> Path:
     """`out` as a Path if a command may write a folder there: new, empty, or force=True."""
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to replace it")
+        raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to "
+                          "replace it")
     above = next((p for p in out.parents if p.exists()), Path("."))
     if not above.is_dir():
-        raise GptkitError(f"out={out}: {above} is a file, so no folder can be made in it; choose another out=")
+        raise GptkitError(f"out={out}: {above} is a file, so no folder can be made in it; choose another "
+                          "out=")
     return out
 
 

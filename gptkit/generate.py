@@ -167,8 +167,8 @@ def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int], eos_id: Optiona
     unknown = unknown_characters(tokenizer, prompt)
     if unknown:
         raise GptkitError(f"the prompt has {len(unknown)} character(s) the tokenizer has never seen: "
-                          f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows only "
-                          f"its training corpus)")
+                          f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows "
+                          f"only its training corpus)")
     return tokenizer.encode(prompt, add_special_tokens=False).ids
 
 

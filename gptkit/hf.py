@@ -25,17 +25,24 @@ Three levels:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
+from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
+from gptkit import hub
 from gptkit.data.chat import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
-from gptkit.fsio import FILE_MODE, confined
+from gptkit.fsio import FILE_MODE, confined, staged_dir
+from gptkit.model import GPT
 from gptkit.model.config import ModelConfig
-from gptkit.runs import IMPORTED_FILE
+from gptkit.runs import IMPORTED_FILE, TOKENIZER_FILE, check_import_out, load_tokenizer, write_run_folder
+
+# transformers (optional, the test extra), huggingface_hub and torch are imported where used: `gptkit import`
+# of a local folder needs no hub, and the mapping tables load without transformers.
 
 LLAMA, QWEN2, QWEN3, OLMO2, GPT2 = "llama", "qwen2", "qwen3", "olmo2", "gpt2"  # transformers' model_type
 ARCHITECTURES = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM",
@@ -74,9 +81,9 @@ def architecture(cfg: ModelConfig) -> str:
     for name, want in need.items():
         have = getattr(cfg, name)
         if have != want:
-            raise GptkitError(f"model.{name}={have} with position={cfg.position} has no faithful transformers "
-                              f"architecture: {target} needs {name}={want}; refusing rather than produce a "
-                              f"different model")
+            raise GptkitError(f"model.{name}={have} with position={cfg.position} has no faithful "
+                              f"transformers architecture: {target} needs {name}={want}; refusing rather "
+                              f"than produce a different model")
     return arch
 
 
@@ -103,9 +110,9 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         rope = rope_parameters(cfg)
         d = common | {
             "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-            "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu",
-            "attention_dropout": cfg.dropout,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_dropout": cfg.dropout,
             "rope_theta": cfg.rope_theta,  # read by transformers < 5; 5.x reads rope_parameters
             "rope_parameters": rope,
         }
@@ -122,7 +129,8 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
         "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_positions": cfg.max_seq_len,
         "n_inner": cfg.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
         "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
     }
 
 
@@ -168,15 +176,17 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             if mtype != QWEN2 and attn_bias:  # their MLPs have none: q/k/v/o biases alone have no gptkit flag
                 raise refuse("attention_bias", True, "biases on q/k/v/o without MLP biases")
             variant = dict(ROPE_VARIANTS[mtype])
-        missing = [k for k in ("vocab_size", "max_position_embeddings", "num_hidden_layers", "num_attention_heads",
-                               "hidden_size", "intermediate_size") if not isinstance(d.get(k), int)]
+        missing = [k for k in ("vocab_size", "max_position_embeddings", "num_hidden_layers",
+                               "num_attention_heads", "hidden_size", "intermediate_size")
+                   if not isinstance(d.get(k), int)]
         if missing:
-            raise GptkitError(f"{mtype} config.json has no {missing[0]} (an integer), which gptkit does not guess; "
-                              f"add it to config.json")
+            raise GptkitError(f"{mtype} config.json has no {missing[0]} (an integer), which gptkit does not "
+                              f"guess; add it to config.json")
         n_heads = d["num_attention_heads"]
         return ModelConfig(
-            vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"], n_layers=d["num_hidden_layers"],
-            n_heads=n_heads, n_kv_heads=d.get("num_key_value_heads") or n_heads, d_model=d["hidden_size"],
+            vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"],
+            n_layers=d["num_hidden_layers"], n_heads=n_heads,
+            n_kv_heads=d.get("num_key_value_heads") or n_heads, d_model=d["hidden_size"],
             d_ff=d["intermediate_size"], head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
             position="rope", rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
             rope_scaling=scaling, mlp="swiglu", norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", 1e-6)),
@@ -186,16 +196,18 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
         )
     act = d.get("activation_function", "gelu_new")
     if act not in GPT2_GELUS:
-        raise refuse("activation_function", act, f"gptkit's GELU is the tanh approximation: {' or '.join(GPT2_GELUS)}")
+        raise refuse("activation_function", act,
+                     f"gptkit's GELU is the tanh approximation: {' or '.join(GPT2_GELUS)}")
     for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                         ("add_cross_attention", False)):
         if bool(d.get(field, want)) != want:
             raise refuse(field, d[field], f"needs {field}={want}")
     n_embd = d.get("n_embd", 768)
     return ModelConfig(
-        vocab_size=d.get("vocab_size", 50257), max_seq_len=d.get("n_positions", 1024), n_layers=d.get("n_layer", 12),
-        n_heads=d.get("n_head", 12), d_model=n_embd, d_ff=d.get("n_inner") or 4 * n_embd, position="learned",
-        mlp="gelu", norm="layernorm", norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), bias=True,
+        vocab_size=d.get("vocab_size", 50257), max_seq_len=d.get("n_positions", 1024),
+        n_layers=d.get("n_layer", 12), n_heads=d.get("n_head", 12), d_model=n_embd,
+        d_ff=d.get("n_inner") or 4 * n_embd, position="learned", mlp="gelu", norm="layernorm",
+        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), bias=True,
         tie_embeddings=bool(d.get("tie_word_embeddings", True)), dropout=float(d.get("resid_pdrop", 0.1)),
         init_std=float(d.get("initializer_range", 0.02)), name=name,
     )
@@ -204,9 +216,11 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
 def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
     """What the weights' shapes confirm about the attention heads of a config.json, and what rests on
     config.json alone: a wrong head count with the same tensor shapes loads, and computes another model."""
-    heads = f"n_heads={cfg.n_heads}" + (f", n_kv_heads={cfg.n_kv_heads}" if cfg.n_kv_heads != cfg.n_heads else "")
+    kv = f", n_kv_heads={cfg.n_kv_heads}" if cfg.n_kv_heads != cfg.n_heads else ""
+    heads = f"n_heads={cfg.n_heads}{kv}"
     if cfg.position == "rope" and d.get("head_dim"):
-        return f"{heads}, head_dim={cfg.head_dim}: confirmed by the q/k/v weight shapes (config.json sets head_dim)"
+        return (f"{heads}, head_dim={cfg.head_dim}: confirmed by the q/k/v weight shapes "
+                f"(config.json sets head_dim)")
     if cfg.position == "rope" and cfg.n_kv_heads != cfg.n_heads:
         return (f"{heads} from config.json; the weight shapes confirm only their ratio "
                 f"({cfg.n_heads // cfg.n_kv_heads}:1) and n_heads x head_dim = {cfg.d_attn}")
@@ -273,19 +287,22 @@ def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
-_IGNORED = re.compile(r"(?:^|\.)(?:rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")  # old non-learned buffers
+# old non-learned buffers
+_IGNORED = re.compile(r"(?:^|\.)(?:rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
 
 
-def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig, source: str = "the checkpoint") -> dict[str, Any]:
+def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig,
+                       source: str = "the checkpoint") -> dict[str, Any]:
     """transformers state dict -> gptkit GPT state dict; GptkitError when a tensor is missing,
     unexpected, or has a shape the config contradicts."""
     import torch
 
-    from gptkit.model import GPT
 
     hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
-    if architecture(cfg) == GPT2:  # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
-        hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in hf.items()}
+    # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
+    if architecture(cfg) == GPT2:
+        hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+              for k, v in hf.items()}
     if cfg.tie_embeddings:
         hf.pop("lm_head.weight", None)
     with torch.device("meta"):
@@ -333,8 +350,6 @@ def to_transformers(model):
 
 def from_transformers(hf_model, name: str = "imported"):
     """The gptkit GPT (fp32, eval mode) with exactly `hf_model`'s weights."""
-    from gptkit.model import GPT
-
     cfg = model_config_from_hf(hf_model.config.to_dict(), name=name)
     return GPT.from_state(cfg, from_hf_state_dict(hf_model.state_dict(), cfg, source=type(hf_model).__name__))
 
@@ -425,14 +440,15 @@ def load_weights(hf_dir: Path) -> dict[str, Any]:
                     raise GptkitError(f"{hf_dir / index} names {name}, which is missing from {hf_dir}")
                 state.update(load(f))
             return state
-    raise GptkitError(f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})")
+    raise GptkitError(f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, "
+                      f"{BIN_INDEX})")
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     f = hf_dir / "config.json"
     if not hf_dir.is_dir():
-        raise GptkitError(f"{hf_dir} is not a folder; pass a local transformers model folder or a Hugging Face "
-                          f"Hub model id (owner/name[@revision])")
+        raise GptkitError(f"{hf_dir} is not a folder; pass a local transformers model folder or a Hugging "
+                          f"Face Hub model id (owner/name[@revision])")
     if not f.is_file():
         raise GptkitError(f"{hf_dir} is not a transformers model folder (no config.json in it)")
     try:
@@ -467,7 +483,8 @@ HUB_FIRST = ["config.json", "tokenizer.json",  # fetched first: an unsupported m
              "tokenizer_config.json", "chat_template.jinja"]  # the chat template (gptkit chat, data=chat)
 HUB_WEIGHTS = [SAFE_SINGLE, "model-*-of-*.safetensors", SAFE_INDEX]
 HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]  # only for a model without safetensors
-HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?(?:@[\w./-]+)?")  # owner/name[@revision] (or a legacy name)
+# owner/name[@revision] (or a legacy name)
+HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?(?:@[\w./-]+)?")
 LOCAL_IMPORT = "gptkit import hf=/path/to/folder out=runs/<name>"
 
 
@@ -490,10 +507,10 @@ def source_name(spec: str) -> str:
 
 
 def locate(spec: str, local_alternative: str = LOCAL_IMPORT) -> Source:
-    """`hf=<spec>` as a transformers folder on this machine: a local folder (it wins whenever it exists, even one
-    named like owner/name), else a Hugging Face Hub model id, owner/name[@revision], fetched into the Hugging Face
-    cache. `local_alternative` is the command that uses a local folder instead, for the message that the hub
-    cannot be used."""
+    """`hf=<spec>` as a transformers folder on this machine: a local folder (it wins whenever it exists, even
+    one named like owner/name), else a Hugging Face Hub model id, owner/name[@revision], fetched into the
+    Hugging Face cache. `local_alternative` is the command that uses a local folder instead, for the message
+    that the hub cannot be used."""
     path = Path(spec).expanduser()
     if path.exists() or not HUB_ID.fullmatch(spec):
         return Source(path, source_name(spec), str(path.resolve()))
@@ -502,15 +519,13 @@ def locate(spec: str, local_alternative: str = LOCAL_IMPORT) -> Source:
 
 
 def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source:
-    """What import reads of a Hub model (config.json and tokenizer.json first, then the safetensors weights, and
-    pytorch_model.bin only when there are none), downloaded into the Hugging Face cache by huggingface_hub with its
-    progress bars. Offline (HF_HUB_OFFLINE=1) or with the hub unreachable (a connect with a short timeout, no
-    retries), only the cache is read: a model already there works, any other fails at once with one line."""
-    import logging
-
+    """What import reads of a Hub model (config.json and tokenizer.json first, then the safetensors weights,
+    and pytorch_model.bin only when there are none), downloaded into the Hugging Face cache by huggingface_hub
+    with its progress bars. Offline (HF_HUB_OFFLINE=1) or with the hub unreachable (a connect with a short
+    timeout, no retries), only the cache is read: a model already there works, any other fails at once with
+    one line."""
     from huggingface_hub import constants, errors, snapshot_download
 
-    from gptkit import hub
 
     unreachable = None
     if not hub.offline():
@@ -519,27 +534,30 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
         except GptkitError as exc:
             unreachable = str(exc)
     if unreachable:
-        not_cached = (f"{repo_id} is not a local folder, nor in the Hugging Face cache, and {unreachable}; without "
-                      f"network (HF_HUB_OFFLINE=1) only models in that cache and local folders work: "
+        not_cached = (f"{repo_id} is not a local folder, nor in the Hugging Face cache, and {unreachable}; "
+                      f"without network (HF_HUB_OFFLINE=1) only models in that cache and local folders work: "
                       f"{local_alternative}")
     else:
         not_cached = (f"{repo_id} is not a local folder, nor (completely) in the Hugging Face cache "
                       f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
-                      f"HF_HUB_OFFLINE to download it, or use a local transformers folder: {local_alternative}")
+                      "HF_HUB_OFFLINE to download it, or use a local transformers folder: "
+                      f"{local_alternative}")
     local_only = unreachable is not None or hub.offline()
 
     def get(patterns: list[str], rev: str | None) -> Path:
         try:
-            return Path(snapshot_download(repo_id, revision=rev, allow_patterns=patterns, local_files_only=local_only))
+            return Path(snapshot_download(repo_id, revision=rev, allow_patterns=patterns,
+                                          local_files_only=local_only))
         except errors.GatedRepoError:
             raise GptkitError(f"{repo_id} is a gated model: accept its conditions on its Hub page and log in "
                               f"(`hf auth login` or HF_TOKEN), then try again") from None
         except errors.RepositoryNotFoundError:
-            raise GptkitError(f"{repo_id} is neither a local folder nor a model on the Hugging Face Hub (check the "
-                              f"name; a private model needs `hf auth login` or HF_TOKEN)") from None
+            raise GptkitError(f"{repo_id} is neither a local folder nor a model on the Hugging Face Hub "
+                              f"(check the name; a private model needs `hf auth login` or "
+                              f"HF_TOKEN)") from None
         except errors.RevisionNotFoundError:
-            raise GptkitError(f"{repo_id} has no revision {rev!r} on the Hugging Face Hub; give a branch, tag or "
-                              f"commit it has: {repo_id}@<revision>") from None
+            raise GptkitError(f"{repo_id} has no revision {rev!r} on the Hugging Face Hub; give a branch, "
+                              f"tag or commit it has: {repo_id}@<revision>") from None
         except errors.LocalEntryNotFoundError:  # offline and not (completely) in the cache
             raise GptkitError(not_cached) from None
         except errors.HFValidationError as exc:
@@ -547,22 +565,24 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
                               f"{str(exc).splitlines()[0][:160]}") from None
         except Exception as exc:  # the network or the hub failed part-way
             raise GptkitError(f"cannot download {repo_id} from the Hugging Face Hub ({type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0][:160]}); try again, or use a local folder: "
-                              f"{local_alternative}") from None
+                              f"{(str(exc).splitlines() or [''])[0][:160]}); try again, or use a local "
+                              f"folder: {local_alternative}") from None
 
     hub_log = logging.getLogger("huggingface_hub")
     level = hub_log.level
     hub_log.setLevel(logging.ERROR)  # e.g. "No files matched" for a model without safetensors: we handle it
     try:
         folder = get(HUB_FIRST, revision)
-        commit = folder.name  # a snapshot folder is named by its commit: the later calls fetch exactly this one
+        # a snapshot folder is named by its commit: the later calls fetch exactly this one
+        commit = folder.name
         if not (folder / "config.json").is_file():
             raise GptkitError(f"{repo_id} has no config.json: it is not a transformers model (gptkit imports "
                               f"Llama, Qwen2, Qwen3, OLMo-2 and GPT-2 models)")
         model_config_from_hf(read_hf_config(folder))  # an unsupported model fails before its weights download
         folder = get(HUB_WEIGHTS, commit)
         if not any((folder / f).is_file() for f in (SAFE_SINGLE, SAFE_INDEX)):
-            folder = get(HUB_PICKLES, commit)  # read with weights_only=True: a pickle that would run code is refused
+            # read with weights_only=True: a pickle that would run code is refused
+            folder = get(HUB_PICKLES, commit)
     finally:
         hub_log.setLevel(level)
     note = f"{unreachable}; using {repo_id}@{commit} from the Hugging Face cache" if unreachable else None
@@ -570,9 +590,8 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
 
 
 def fingerprint(folder: Path) -> list[list[Any]]:
-    """[name, size, mtime_ns] of the files import reads from `folder`: an import of it is current while this holds."""
-    from fnmatch import fnmatch
-
+    """[name, size, mtime_ns] of the files import reads from `folder`: an import of it is current while this
+    holds."""
     patterns = HUB_FIRST + HUB_WEIGHTS + HUB_PICKLES
     if not folder.is_dir():
         return []
@@ -592,14 +611,11 @@ class Imported:
 
 
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
-    """Write the transformers folder src.dir as the gptkit run folder `out`: config.yaml, tokenizer.json (when the
-    folder has one), checkpoints/last.ckpt (fp32; lower-precision sources widened exactly) and imported_from.json.
-    `out` is written whole or not at all; a non-empty `out` needs force=True, and is never the source, around
-    it, a run with training in it or a run another process holds (runs.check_import_out)."""
-    from gptkit.fsio import staged_dir
-    from gptkit.model import GPT
-    from gptkit.runs import TOKENIZER_FILE, check_import_out, load_tokenizer, write_run_folder
-
+    """Write the transformers folder src.dir as the gptkit run folder `out`: config.yaml, tokenizer.json (when
+    the folder has one), checkpoints/last.ckpt (fp32; lower-precision sources widened exactly) and
+    imported_from.json. `out` is written whole or not at all; a non-empty `out` needs force=True, and is never
+    the source, around it, a run with training in it or a run another process holds
+    (runs.check_import_out)."""
     check_import_out(out, src.dir, force)
 
     hf_cfg = read_hf_config(src.dir)
@@ -621,8 +637,8 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
 
 
 def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tuple[Path, Source, bool]:
-    """For `train init_from=hf:<spec>`: the run folder <runs_dir>/<name>-imported holding `spec`, imported now or
-    reused (True) when it already holds these very files (the same hub commit, or the same local folder
+    """For `train init_from=hf:<spec>`: the run folder <runs_dir>/<name>-imported holding `spec`, imported now
+    or reused (True) when it already holds these very files (the same hub commit, or the same local folder
     unchanged). Processes started together (torchrun ranks) import once: the others wait and reuse it."""
     from filelock import FileLock
 
@@ -634,10 +650,12 @@ def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tu
             held = json.loads((out / IMPORTED_FILE).read_text())
         except (OSError, ValueError):
             held = None
-        if isinstance(held, dict) and held.get("source") == src.spec and held.get("files") == fingerprint(src.dir):
+        if (isinstance(held, dict) and held.get("source") == src.spec
+                and held.get("files") == fingerprint(src.dir)):
             return out, src, True
         if not isinstance(held, dict) and out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise GptkitError(f"{out} exists and is not an import by gptkit; move it away, or import into a folder "
-                              f"of your choice (gptkit import hf={spec} out=<folder>) and pass init_from=<folder>")
+            raise GptkitError(f"{out} exists and is not an import by gptkit; move it away, or import into a "
+                              f"folder of your choice (gptkit import hf={spec} out=<folder>) and pass "
+                              "init_from=<folder>")
         import_folder(src, out, force=True)
     return out, src, False

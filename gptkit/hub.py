@@ -1,8 +1,8 @@
 """The Hugging Face Hub as gptkit meets it: is offline mode on, and does the hub answer at all?
 
 `data=hub` (datasets) and `import hf=<owner/name>` / `train init_from=hf:<owner/name>` (models) ask both
-questions before they call `datasets` or `huggingface_hub`, so that no network fails in seconds, with one line,
-instead of after minutes of retries.
+questions before they call `datasets` or `huggingface_hub`, so that no network fails in seconds, with one
+line, instead of after minutes of retries.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from urllib.parse import urlparse
+from urllib.request import getproxies
 
 from gptkit.errors import GptkitError
 
@@ -24,8 +25,6 @@ def offline(*also: str) -> bool:
 def check_hub_reachable(timeout: float, instead: str = "") -> None:
     """A TCP connect to the hub endpoint with a short timeout: no network fails in seconds, not minutes.
     The GptkitError names the endpoint and ends with `instead` (what to do without network)."""
-    from urllib.request import getproxies
-
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     u = urlparse(endpoint)
     proxy = getproxies().get(u.scheme)
@@ -36,5 +35,6 @@ def check_hub_reachable(timeout: float, instead: str = "") -> None:
     try:
         socket.create_connection((u.hostname, port), timeout=timeout).close()
     except OSError as exc:
-        raise GptkitError(f"the Hugging Face Hub ({endpoint}) is unreachable ({exc.__class__.__name__}: {exc})"
-                          + (f"; {instead}" if instead else "")) from None
+        also = f"; {instead}" if instead else ""
+        raise GptkitError(f"the Hugging Face Hub ({endpoint}) is unreachable "
+                          f"({exc.__class__.__name__}: {exc}){also}") from None

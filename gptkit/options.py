@@ -11,16 +11,21 @@ fix: the close key, or the preset that has the key.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from gptkit.config import compose, conf_dir, presets
 from gptkit.errors import ConfigError
+
+# hydra's parser is imported on use: `gptkit --help` imports this module and needs no Hydra.
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
 FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
@@ -88,8 +93,10 @@ def _unreadable(arg: str) -> str:
     if not eq:
         return f"{arg} has no value: write {arg}=<value> (options are key=value)"
     if not arg.isascii():
-        return (f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: \"{key}='{value}'\"")
-    return f"cannot read {arg} as key=value; quote a value that has spaces or special characters: \"{key}='{value}'\""
+        return (f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: "
+                f"\"{key}='{value}'\"")
+    return (f"cannot read {arg} as key=value; quote a value that has spaces or special characters: "
+            f"\"{key}='{value}'\"")
 
 
 def _no_sweep(arg: str, key: str) -> str:
@@ -106,7 +113,6 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
     composed config, or None for a sweep over presets or a range (train -m model=a,b: Hydra checks
     each job)."""
     from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
 
     for o in options:
         if o.kind == "group":
@@ -137,8 +143,6 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
 def _check_preset(o: Option) -> None:
     """Each preset a group option names (model=x, a list logger=[a,b], a sweep -m model=a,b) must exist: Hydra
     skips a missing preset of an optional group (experiment=) silently and reports others in many lines."""
-    import difflib
-
     group = o.key.split("@")[0]
     if not (conf_dir() / group).is_dir() or o.op == "DEL":
         return
@@ -188,7 +192,8 @@ def _unknown(config_name: str, o: Option, schema: DictConfig, options: list[Opti
     hint = ""
     if near:
         owners = owners_of(near) if near not in known else []
-        hint = f": did you mean {near}" + (f" (with {_fix(config_name, group, owners, options)})" if owners else "") + "?"
+        fix = f" (with {_fix(config_name, group, owners, options)})" if owners else ""
+        hint = f": did you mean {near}{fix}?"
     return f"unknown option {o.key}{hint} (`gptkit {config_name.replace('_', '-')} --help` lists the options)"
 
 
@@ -220,8 +225,6 @@ def _required(config_name: str, key: str, options: list[Option]) -> str:
 def suggest(name: str, keys: list[str]) -> str | None:
     """The key a misspelt or shortened option most likely means: the key itself, the one key ending in
     .name, or the closest key (whole, or by its last part)."""
-    import difflib
-
     if name in keys:
         return name
     ends = [k for k in keys if k.endswith("." + name)]
@@ -260,8 +263,6 @@ def _flat_values(d: Any, prefix: str = "") -> dict[str, Any]:
 # ---- what the YAML says: the presets of each group, the verb's own keys ------------------------------
 def _yaml(path: Path) -> tuple[str | None, dict[str, Any]]:
     """(the `# @package` of a YAML file or None, its content)."""
-    import yaml
-
     text = path.read_text()
     package = None
     for line in text.splitlines():
@@ -346,7 +347,8 @@ def _check_type(config_name: str, o: Option) -> None:
             continue
         if types == {bool} and not isinstance(v, bool):
             raise ConfigError(f"{o.key}={_raw(o, v)} must be true or false")
-        if types != {bool} and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
+        if types != {bool} and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                or not math.isfinite(v)):
             raise ConfigError(f"{o.key}={_raw(o, v)} is not a number (the default is {o.key}={default})")
 
 

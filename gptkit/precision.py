@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 from gptkit.errors import ConfigError
 
+# torch is imported in torch_dtype only: the precision table is read by the CLI's checks without it.
+
 
 @dataclass(frozen=True)
 class Precision:

@@ -16,8 +16,11 @@ direct child of runs_dir (a multirun job's: of runs_dir/<name>), never runs_dir 
 from __future__ import annotations
 
 import atexit
+import dataclasses
+import json
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,11 +32,15 @@ from gptkit.checkpoints import (
     atomic_torch_save,
     checked_model_state,
     find_checkpoint,
+    load_checkpoint,
     run_dir_of,
 )
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_text, links_leaving, lock_file
 from gptkit.precision import torch_dtype
+
+# torch, tokenizers, yaml and the model are imported inside the functions: the CLI imports this module
+# to check a command line before any of them is needed (docs/layout.md).
 
 CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
@@ -55,8 +62,8 @@ def check_run_location(runs_dir: Any, name: Any) -> None:
     n = str(name)
     if n.strip() in ("", ".", "..", "null", "None") or n.startswith(("/", "~")) or "/" in n or "\\" in n \
             or ".." in Path(n).parts:
-        raise ConfigError(f"name={n!r} is not a run name: give a plain folder name (no '/', '..' or absolute path); "
-                          f"the run folder is <runs_dir>/<name>")
+        raise ConfigError(f"name={n!r} is not a run name: give a plain folder name (no '/', '..' or absolute "
+                          f"path); the run folder is <runs_dir>/<name>")
 
 
 def check_run_dir(run_dir: Path | str, runs_dir: Path | str, job: bool = False) -> None:
@@ -64,8 +71,8 @@ def check_run_dir(run_dir: Path | str, runs_dir: Path | str, job: bool = False) 
     run_dir, root = Path(run_dir).resolve(), Path(runs_dir).resolve()
     parent = run_dir.parent.parent if job else run_dir.parent
     if parent != root:
-        raise ConfigError(f"the run folder {run_dir} is not a folder of runs_dir={runs_dir}; give a plain name= "
-                          f"(the run folder is <runs_dir>/<name>)")
+        raise ConfigError(f"the run folder {run_dir} is not a folder of runs_dir={runs_dir}; give a plain "
+                          f"name= (the run folder is <runs_dir>/<name>)")
 
 
 def is_run_folder(path: Path | str) -> bool:
@@ -81,13 +88,15 @@ def check_not_source(out: Path | str, source: Path | str) -> None:
         raise ConfigError(f"out={out} is, contains or lies inside the run folder {src} being read; "
                           f"choose a folder outside it")
     if is_run_folder(o):
-        raise ConfigError(f"out={out} is a run folder; it is never replaced (force=true or not): choose another out=")
+        raise ConfigError(f"out={out} is a run folder; it is never replaced (force=true or not): choose "
+                          "another out=")
 
 
 def check_import_out(out: Path | str, source: Path | str | None, force: bool) -> None:
     """`import out=` never destroys what it reads or a run: out must not be, contain or lie inside the source
-    folder (when known), and a run folder is replaced only when it is an earlier import (no training in it), with
-    force=true, and while no process holds its lock (the lock is then held by this process until it ends)."""
+    folder (when known), and a run folder is replaced only when it is an earlier import (no training in it),
+    with force=true, and while no process holds its lock (the lock is then held by this process until it
+    ends)."""
     o = Path(out).expanduser().resolve()
     src = Path(source).resolve() if source is not None else None
     if src is not None and (o == src or src in o.parents or o in src.parents):
@@ -97,8 +106,8 @@ def check_import_out(out: Path | str, source: Path | str | None, force: bool) ->
         return
     imported = (o / IMPORTED_FILE).is_file() and not (o / METRICS_FILE).exists()
     if is_run_folder(o) and not imported:
-        raise ConfigError(f"out={out} is a run folder with training in it; import never replaces it (force=true or "
-                          f"not): choose another out=")
+        raise ConfigError(f"out={out} is a run folder with training in it; import never replaces it "
+                          f"(force=true or not): choose another out=")
     if force and (is_run_folder(o) or (o / LOCK_FILE).exists()):
         claim_run_dir(o, remove_if_unused=False, instead="out=")  # a live process's lock: one line, its PID
 
@@ -110,7 +119,8 @@ def is_rank_zero() -> bool:
 
 
 def unused(run_dir: Path | str) -> bool:
-    """Nothing of a run in the folder (absent, or only Hydra's .hydra/ and a lock file): a start that failed."""
+    """Nothing of a run in the folder (absent, or only Hydra's .hydra/ and a lock file): a start that
+    failed."""
     p = Path(run_dir)
     return not p.exists() or (p.is_dir() and {f.name for f in p.iterdir()} <= {HYDRA_DIR, LOCK_FILE})
 
@@ -135,8 +145,8 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "n
             pid = (run_dir / LOCK_FILE).read_text().strip() or "unknown"
         except OSError:
             pid = "unknown"
-        raise GptkitError(f"{run_dir} is being written by another gptkit process (PID {pid}); wait for it to end or "
-                          f"stop it, or choose another {instead}")
+        raise GptkitError(f"{run_dir} is being written by another gptkit process (PID {pid}); wait for it to "
+                          f"end or stop it, or choose another {instead}")
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _claimed[run_dir] = fd
@@ -255,9 +265,6 @@ def check_saved_run(ckpt: Path | str, source: str) -> None:
     """Before `train resume=` starts: the run has training to continue (an imported model has none:
     init_from=), its config.yaml passes check_saved_config, its model section builds, and a single-file
     checkpoint's weights have the shapes it names. One-line errors name <run>/config.yaml."""
-    import dataclasses
-
-    from gptkit.checkpoints import load_checkpoint
     from gptkit.model import ModelConfig
     from gptkit.options import check_saved_config
 
@@ -291,8 +298,6 @@ def saved_run_config(ckpt: Path | str, composed: Any):
     refuses an interpolation), with the trainer/optim keys it lacks (an older gptkit's run, or an edited file)
     taken from `composed` (this invocation's config: the defaults and the command line), said once. The
     command line checks the file itself first (gptkit.options.check_saved_run)."""
-    import sys
-
     from omegaconf import OmegaConf
 
     run_dir = run_dir_of(Path(ckpt))
@@ -335,7 +340,8 @@ def load_tokenizer(run_dir: Path):
         raise GptkitError(f"{f} is not a valid tokenizer.json ({str(exc)[:160]})") from exc
 
 
-def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None) -> Run:
+def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None,
+             attention: str | None = None) -> Run:
     """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to)."""
     run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention)
     tokenizer = load_tokenizer(run_dir)
@@ -381,8 +387,6 @@ def write_run_folder(run_dir: Path | str, config: dict[str, Any], model, tokeniz
 
     Used by `import` and by tests; `train` writes the same layout through Lightning.
     """
-    import json
-
     import yaml
 
     run_dir = Path(run_dir)

@@ -183,11 +183,13 @@ def window_plan(opts: SampleOptions, T0: int, max_len: int) -> tuple[int, list[s
         raise GptkitError(f"the prompt has {T0} tokens, more than model.max_seq_len={max_len}; "
                           f"shorten it or use overflow=slide")
     keep = opts.keep(max_len)
-    return T0 - keep, [f"the prompt has {T0} tokens > model.max_seq_len={max_len}: the model sees its last {keep}"]
+    return T0 - keep, [f"the prompt has {T0} tokens > model.max_seq_len={max_len}: the model sees its last "
+                       f"{keep}"]
 
 
 def context_note(max_len: int) -> str:
-    return f"stopped at model.max_seq_len={max_len} tokens (overflow=stop); overflow=slide continues with a sliding window"
+    return (f"stopped at model.max_seq_len={max_len} tokens (overflow=stop); overflow=slide continues with a "
+            f"sliding window")
 
 
 class FinishChecks:

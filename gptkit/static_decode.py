@@ -58,14 +58,16 @@ class StaticDecoder:
     def __init__(self, model, batch: int, cache_len: int, temperature: float, top_k: Optional[int],
                  top_p: float, check_every: int, *, graph: bool, compile_backend: Optional[str]) -> None:
         device, dtype = model.tok_emb.weight.device, model.tok_emb.weight.dtype
-        self._model = weakref.ref(model)  # the model keys the cache of decoders (decoder_for): no strong reference
+        # the model keys the cache of decoders (decoder_for): no strong reference
+        self._model = weakref.ref(model)
         self.device, self.K = device, check_every
         self.sampling = (temperature, top_k, top_p)
         self.cache = StaticKVCache(model.cfg, batch, cache_len, device=device, dtype=dtype)
         self.tok = torch.zeros(batch, 1, dtype=torch.long, device=device)  # [B, 1] the token fed next
         self.pos = torch.zeros(1, dtype=torch.long, device=device)  # [1] its position in the window
         self.ring = torch.zeros(batch, check_every, dtype=torch.long, device=device)  # [B, K] recent tokens
-        self.count = torch.zeros(1, dtype=torch.long, device=device)  # [1] tokens emitted (ring slot: count % K)
+        # [1] tokens emitted (ring slot: count % K)
+        self.count = torch.zeros(1, dtype=torch.long, device=device)
         self.generator = torch.Generator(device=device) if temperature > 0 else None
         self.notes: list[str] = []
         self.forward = _forward_one
@@ -81,16 +83,19 @@ class StaticDecoder:
                                   f"decoding uncompiled")
         if graph:
             if not can_capture(device):
-                self.notes.append("decode=graph needs a CUDA device; decoding with the static cache, without a graph")
+                self.notes.append("decode=graph needs a CUDA device; decoding with the static cache, without "
+                                  "a graph")
             else:
                 try:
                     self.graph = self._capture()
                     self.mode = "graph"
-                except Exception as exc:  # noqa: BLE001 - capture is an optimisation: run the same step eagerly
+                # capture is an optimisation: run the same step eagerly
+                except Exception as exc:  # noqa: BLE001
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     self.graph = None
-                    self.notes.append(f"CUDA graph capture failed ({_one_line(exc)}); decoding without a graph")
+                    self.notes.append(f"CUDA graph capture failed ({_one_line(exc)}); decoding without a "
+                                      "graph")
 
     @property
     def model(self):
@@ -183,8 +188,9 @@ def decoder_for(model, batch: int, cache_len: int, opts: SampleOptions, mode: st
         return held[1], 0.0
     _decoders.pop(model, None)  # free the old cache and graph first
     t0 = time.perf_counter()
-    dec = StaticDecoder(model, batch, cache_len, float(opts.temperature), opts.top_k or None, float(opts.top_p),
-                        opts.check_every, graph=mode == "graph", compile_backend=compile_backend)
+    dec = StaticDecoder(model, batch, cache_len, float(opts.temperature), opts.top_k or None,
+                        float(opts.top_p), opts.check_every, graph=mode == "graph",
+                        compile_backend=compile_backend)
     if w.device.type == "cuda":
         torch.cuda.synchronize(w.device)
     _decoders[model] = (key, dec)
@@ -214,10 +220,11 @@ def generate_static(model, prompt_ids: list[int], opts: SampleOptions, decode, o
     # tokens to produce: overflow=stop ends when the next token would not fit (start is 0 then)
     limit = N if opts.overflow == "slide" else min(N, max_len - T0 + 1)
     if limit > 1:
-        dec, setup_s = decoder_for(model, B, static_cache_len(T0, start, N, max_len), opts, mode, compile_backend)
+        dec, setup_s = decoder_for(model, B, static_cache_len(T0, start, N, max_len), opts, mode,
+                                   compile_backend)
     else:  # one token is the prefill's: no step to compile or capture, and nothing worth keeping
-        dec = StaticDecoder(model, B, min(max_len, T0 - start + 1), float(opts.temperature), opts.top_k or None,
-                            float(opts.top_p), K, graph=False, compile_backend=None)
+        dec = StaticDecoder(model, B, min(max_len, T0 - start + 1), float(opts.temperature),
+                            opts.top_k or None, float(opts.top_p), K, graph=False, compile_backend=None)
         setup_s = 0.0
     notes += dec.notes
     dec.start(opts.seed)
@@ -257,7 +264,8 @@ def generate_static(model, prompt_ids: list[int], opts: SampleOptions, decode, o
         return done
 
     t0 = time.perf_counter()
-    window = torch.tensor(prompt_ids[start:], dtype=torch.long, device=device).expand(B, -1)  # [B, T0 - start]
+    # [B, T0 - start]
+    window = torch.tensor(prompt_ids[start:], dtype=torch.long, device=device).expand(B, -1)
     dec.prefill(window)
     emitted, n = 1, T0 + 1  # tokens emitted; length of the sequence so far
     if device.type == "cuda":
@@ -267,7 +275,8 @@ def generate_static(model, prompt_ids: list[int], opts: SampleOptions, decode, o
     t1 = time.perf_counter()
     done = False
     while emitted < limit and not done:
-        if n - start > max_len:  # the newest token does not fit in the window: slide (overflow=stop never gets here)
+        # the newest token does not fit in the window: slide (overflow=stop never gets here)
+        if n - start > max_len:
             done = flip(emitted) or drain()
             if done:
                 break

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from gptkit.errors import ConfigError
+
+# torch is imported on use: the thread checks run in the CLI before torch is needed.
 
 
 def cores() -> int:
@@ -29,7 +32,8 @@ def check_threads(threads, option: str) -> int | None:
     if threads is None:
         return None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"{option}={threads} must be an integer >= 1 (or null for torch's default: one per core)")
+        raise ConfigError(f"{option}={threads} must be an integer >= 1 (or null for torch's default: one per "
+                          "core)")
     return threads
 
 
@@ -108,11 +112,10 @@ def oversubscribed(threads: int, processes: int, option: str, load: float | None
 def busy_now(seconds: float = 0.2) -> float | None:
     """Cores busy with other work right now: the machine's busy CPU time over `seconds` (/proc/stat) minus
     this process's own, per second of wall time; None where /proc/stat cannot be read."""
-    import time
-
     def busy_ticks() -> int:
         with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:]]  # user nice system idle iowait irq softirq steal
+            # user nice system idle iowait irq softirq steal
+            ticks = [int(v) for v in f.readline().split()[1:]]
         return sum(ticks) - ticks[3] - ticks[4]
 
     try:

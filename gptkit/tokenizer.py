@@ -19,6 +19,8 @@ from typing import Any, Callable, Iterable, Mapping
 
 from gptkit.errors import GptkitError
 
+# tokenizers is imported inside the functions that build or load one (the CLI imports this module first).
+
 KINDS = ("char", "byte", "bpe", "file")
 # Built-in kinds whose encoding of a text equals the concatenated encodings of its pieces when the
 # text is cut at a newline between two non-space characters (see gptkit.data.build.split_long).
@@ -27,7 +29,8 @@ SPLITTABLE_KINDS = ("char", "byte", "bpe")
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from the 256 byte values to printable characters (the byte-level alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -94,7 +97,8 @@ def checked_file(p: Path) -> Path:
     """`p` if it is a file; else a GptkitError that says whether it is missing or a folder."""
     if p.is_dir():
         inside = " (the tokenizer.json in it?)" if (p / "tokenizer.json").is_file() else ""
-        raise GptkitError(f"tokenizer file {p} is a folder; set tokenizer.path to a tokenizer.json file{inside}")
+        raise GptkitError(f"tokenizer file {p} is a folder; set tokenizer.path to a tokenizer.json "
+                          f"file{inside}")
     if not p.is_file():
         raise GptkitError(f"tokenizer file {p} does not exist; set tokenizer.path to a tokenizer.json")
     return p

@@ -101,7 +101,8 @@ def _store_rows(desc, base, stride_t, b, h, start, x, T, offs_r, offs_d, HEAD_DI
 
 @triton.jit
 def _descriptor(X, B, H, T, sb, sh, st, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """A TMA descriptor over X viewed as [B, H, T, HEAD_DIM] (last dim dense), tiles of [1, 1, BLOCK_R, BLOCK_D]."""
+    """A TMA descriptor over X viewed as [B, H, T, HEAD_DIM] (last dim dense), tiles of [1, 1, BLOCK_R,
+    BLOCK_D]."""
     return tl.make_tensor_descriptor(X, shape=[B, H, T, HEAD_DIM], strides=[sb, sh, st, 1],
                                      block_shape=[1, 1, BLOCK_R, BLOCK_D])
 
@@ -131,7 +132,8 @@ def _query_tile_ranges(DS, DE, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
     else:
         hi = T
         mid_hi = (T // BLOCK_N) * BLOCK_N
-    if DOC:  # rows see only their own document: start[first row] is the smallest start, start[last] the largest
+    # rows see only their own document: start[first row] is the smallest start, start[last] the largest
+    if DOC:
         lo = (tl.load(DS + m0) // BLOCK_N) * BLOCK_N
         mid_lo = tl.minimum(tl.maximum(tl.cdiv(tl.load(DS + last), BLOCK_N) * BLOCK_N, lo), hi)
         if not CAUSAL:
@@ -147,8 +149,8 @@ def _query_tile_ranges(DS, DE, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 # ---- forward --------------------------------------------------------------------------------
 
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows, de_rows, offs_n, offs_d,
-              T, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+def _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows, de_rows, offs_n,
+              offs_d, T, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
               CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
               PRECISION: tl.constexpr):
     """Fold the key tile at start_n into the running (acc, l_i, m_i) of one query tile."""
@@ -181,14 +183,14 @@ def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, d
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows,
-                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                                      DOC, MASKED, USE_TMA, PRECISION)
+                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                      CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
             acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows,
-                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                                      DOC, MASKED, USE_TMA, PRECISION)
+                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                      CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
     return acc, l_i, m_i
 
 
@@ -240,11 +242,11 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, DE,
     lo, mid_lo, mid_hi, hi = _query_tile_ranges(DS, DE, m0, T, BLOCK_M, BLOCK_N, CAUSAL, DOC)
     if DOC:
         acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
-                                   offs_n, offs_d, T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                                   DOC, True, USE_TMA, False, PRECISION)
+                                   offs_n, offs_d, T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                                   CAUSAL, DOC, True, USE_TMA, False, PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
-                               offs_n, offs_d, T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                               DOC, False, USE_TMA, WARP_SPECIALIZE, PRECISION)
+                               offs_n, offs_d, T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
+                               CAUSAL, DOC, False, USE_TMA, WARP_SPECIALIZE, PRECISION)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
                                offs_n, offs_d, T, mid_hi, hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
                                DOC, True, USE_TMA, False, PRECISION)
@@ -276,8 +278,8 @@ def _bwd_preprocess(O, DO, DELTA, sob, soh, sot, sdb, sdh, sdt, H, T,
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h, T, start_m, cols, offs_m, offs_d,
-               qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+def _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h, T, start_m, cols, offs_m,
+               offs_d, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
                CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
                PRECISION: tl.constexpr):
     """Add one query tile (of query head h, whose LSE/DELTA rows start at LSE/DELTA) to a tile of dK, dV."""
@@ -322,9 +324,9 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, 
     if GROUP == 1:
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h0, T, start_m, cols,
-                                offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC, MASKED,
-                                USE_TMA, PRECISION)
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h0, T, start_m,
+                                cols, offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC,
+                                MASKED, USE_TMA, PRECISION)
     else:
         n_tiles = tl.cdiv(hi - lo, BLOCK_M)
         for i in range(0, GROUP * n_tiles):
@@ -335,9 +337,10 @@ def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, 
                                     b, h0 + g, T, start_m, cols, offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_M,
                                     BLOCK_D, CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
             else:
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_src + g * sqh, do_src + g * sdh, LSE + g * T, DELTA + g * T,
-                                    DS, DE, sqt, sdt, b, h0 + g, T, start_m, cols, offs_m, offs_d, qk_scale,
-                                    HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
+                dk, dv = _dkdv_tile(dk, dv, k, v, q_src + g * sqh, do_src + g * sdh, LSE + g * T,
+                                    DELTA + g * T, DS, DE, sqt, sdt, b, h0 + g, T, start_m, cols, offs_m,
+                                    offs_d, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC, MASKED,
+                                    USE_TMA, PRECISION)
     return dk, dv
 
 
@@ -393,7 +396,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, DE,
         DS += b.to(tl.int64) * T
         DE += b.to(tl.int64) * T
         hi = tl.load(DE + last)  # later queries are in later documents
-        mid_hi = tl.minimum(mid_hi, (tl.load(DE + n0) // BLOCK_M) * BLOCK_M)  # rows in the first key's document
+        # rows in the first key's document
+        mid_hi = tl.minimum(mid_hi, (tl.load(DE + n0) // BLOCK_M) * BLOCK_M)
         if not CAUSAL:
             lo = (tl.load(DS + n0) // BLOCK_M) * BLOCK_M
             mid_lo = tl.cdiv(tl.load(DS + last), BLOCK_M) * BLOCK_M
@@ -405,8 +409,8 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, DE,
                          offs_m, offs_d, lo, mid_lo, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
                          True, USE_TMA, PRECISION)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
-                         offs_m, offs_d, mid_lo, mid_hi, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
-                         False, USE_TMA, PRECISION)
+                         offs_m, offs_d, mid_lo, mid_hi, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL,
+                         DOC, False, USE_TMA, PRECISION)
     dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
                          offs_m, offs_d, mid_hi, hi, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
                          True, USE_TMA, PRECISION)
@@ -491,12 +495,15 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, DE,
 
     lo, mid_lo, mid_hi, hi = _query_tile_ranges(DS, DE, m0, T, BLOCK_M, BLOCK_N, CAUSAL, DOC)
     if DOC:
-        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
-                       T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True, USE_TMA, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
-                   T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, False, USE_TMA, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
-                   T, mid_hi, hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True, USE_TMA, PRECISION)
+        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n,
+                       offs_d, T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True,
+                       USE_TMA, PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n,
+                   offs_d, T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, False,
+                   USE_TMA, PRECISION)
+    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n,
+                   offs_d, T, mid_hi, hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True, USE_TMA,
+                   PRECISION)
     _store_rows(dq_dst, dq_dst, sdqt, b, h, m0, (dq * scale).to(DQ.dtype.element_ty), T, offs_m, offs_d,
                 HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
 
@@ -555,7 +562,8 @@ _INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 _PREPROCESS_BLOCK_M = 64
 _AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC"]
 _KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-_TUNED = {(impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind], _AUTOTUNE_KEY)
+_TUNED = {(impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind],
+                                  _AUTOTUNE_KEY)
           for impl in IMPLS for kind in _KERNELS}  # one tuner per implementation: their timings differ
 
 
@@ -594,7 +602,8 @@ def forward_tiles(T: int, block_m: int, block_n: int, causal: bool = True,
                     hi = de[last]
                     mid_hi = min(mid_hi, de[m0] // block_n * block_n)
                 mid_hi = min(max(mid_hi, mid_lo), hi)
-            total += sum(max(0, cdiv(b - a, block_n)) for a, b in ((lo, mid_lo), (mid_lo, mid_hi), (mid_hi, hi)))
+            total += sum(max(0, cdiv(b - a, block_n)) for a, b in ((lo, mid_lo), (mid_lo, mid_hi), (mid_hi,
+                                                                                                    hi)))
     return total
 
 
@@ -707,7 +716,8 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
 
 @torch.library.custom_op("gptkit::flash_attention_fwd", mutates_args=())
 def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               ds: Optional[torch.Tensor], de: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor]:
+               ds: Optional[torch.Tensor], de: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor,
+                                                                                           torch.Tensor]:
     return _forward(q, k, v, causal, scale, ds, de, impl)
 
 
@@ -719,8 +729,8 @@ def _(q, k, v, causal, scale, ds, de, impl):
 
 @torch.library.custom_op("gptkit::flash_attention_bwd", mutates_args=())
 def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, scale: float, ds: Optional[torch.Tensor], de: Optional[torch.Tensor],
-               impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               lse: torch.Tensor, causal: bool, scale: float, ds: Optional[torch.Tensor],
+               de: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(do, q, k, v, o, lse, causal, scale, ds, de, impl)
 
 
@@ -774,7 +784,8 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     if not 16 <= D <= 256:
         raise ValueError(f"head_dim must be between 16 and 256, got {D}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q, k, v must share one dtype among fp32, fp16, bf16; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise ValueError(f"q, k, v must share one dtype among fp32, fp16, bf16; got {q.dtype}, {k.dtype}, "
+                         f"{v.dtype}")
     if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"flash_attention needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
     ds = de = None

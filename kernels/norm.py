@@ -134,7 +134,8 @@ def _(x, weight, bias, eps, rms):
 
 @torch.library.custom_op("gptkit::norm_bwd", mutates_args=())
 def _norm_grad_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  mean: torch.Tensor, rstd: torch.Tensor, rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  mean: torch.Tensor, rstd: torch.Tensor,
+                  rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias (empty [0] without a bias))."""
     x2 = _rows(x)  # [N, D]
     N, D = x2.shape
@@ -185,5 +186,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """LayerNorm over the last dim with fp32 statistics, output in x's dtype; differentiable in x, weight, bias."""
+    """LayerNorm over the last dim with fp32 statistics, output in x's dtype; differentiable in x, weight,
+    bias."""
     return _norm_op(x, weight, bias, float(eps), False)[0]

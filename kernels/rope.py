@@ -31,7 +31,8 @@ def _rotate_heads(X, Y, sxb, sxh, sxt, syb, syh, syt, b, t, n_heads, c, s, cols,
     x_other = tl.load(base + half_cols[None, :], mask=inside, other=0.0).to(tl.float32)  # x at (d + D/2) % D
     rotated = tl.where(cols[None, :] < HALF, -x_other, x_other)  # rotate_half(x)
     y = x * c[None, :] + rotated * (s[None, :] * sign)
-    tl.store(Y + b * syb + t * syt + heads[:, None] * syh + cols[None, :], y.to(Y.dtype.element_ty), mask=inside)
+    tl.store(Y + b * syb + t * syt + heads[:, None] * syh + cols[None, :], y.to(Y.dtype.element_ty),
+             mask=inside)
 
 
 @triton.jit
@@ -108,9 +109,11 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     """Rotate q [B, H, T, D] and k [B, H_kv, T, D] by their positions (see the module docstring)."""
     B, H, T, D = q.shape
     if k.dim() != 4 or k.shape[0] != B or k.shape[2:] != (T, D) or D % 2:
-        raise ValueError(f"q [B, H, T, D] and k [B, H_kv, T, D] with an even D, got {tuple(q.shape)}, {tuple(k.shape)}")
+        raise ValueError(f"q [B, H, T, D] and k [B, H_kv, T, D] with an even D, got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}")
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D:
-        raise ValueError(f"cos and sin must be [max_seq_len, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+        raise ValueError(f"cos and sin must be [max_seq_len, {D}], got {tuple(cos.shape)}, "
+                         f"{tuple(sin.shape)}")
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
     if positions is not None:

@@ -57,7 +57,8 @@ def _(gate, up):
 
 
 @torch.library.custom_op("gptkit::swiglu_bwd", mutates_args=())
-def _swiglu_grad_op(gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_grad_op(gate: torch.Tensor, up: torch.Tensor,
+                    dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up, dy = gate.contiguous(), up.contiguous(), dy.contiguous()
     dg, du = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()

@@ -34,7 +34,8 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def shakespeare(n_chars: int | None = None, start: int = 0) -> str:
-    """Text of the built-in corpus (data=shakespeare): what the product ships, nothing from outside the repo."""
+    """Text of the built-in corpus (data=shakespeare): what the product ships, nothing from outside the
+    repo."""
     from gptkit.data.sources import shakespeare_text
 
     text = shakespeare_text()

@@ -70,7 +70,8 @@ def test_options_are_checked_against_the_verbs_config(capsys, args, message):
 def test_free_form_maps_take_new_keys():
     from gptkit.options import check_options, parse_options
 
-    args = ["bench=sample", "~bench.models", "+bench.models.x.preset=gpt2-tiny", "+bench.model_overrides.n_layers=1"]
+    args = ["bench=sample", "~bench.models", "+bench.models.x.preset=gpt2-tiny",
+            "+bench.model_overrides.n_layers=1"]
     cfg = check_options("bench", parse_options(args))
     assert list(cfg.bench.models) == ["x"] and cfg.bench.models.x.preset == "gpt2-tiny"
 
@@ -87,11 +88,14 @@ def test_count_params_reads_token_counts_as_it_prints_them(capsys, tokens, want)
 @pytest.mark.parametrize("args, message", [
     (["train", "optim.lr=abc"], "optim.lr=abc is not a number (the default is optim.lr=0.001)"),
     (["train", "seed=abc"], "seed=abc is not a number (the default is seed=1337)"),
-    (["count-params", "tokens=abc"], "tokens=abc is not a positive count; write e.g. tokens=300B, 2T or 1.5e12"),
+    (["count-params", "tokens=abc"],
+     "tokens=abc is not a positive count; write e.g. tokens=300B, 2T or 1.5e12"),
     (["count-params", "tokens=-1"], "tokens=-1 is not a positive count"),
-    (["train", "optim.lr=1,2"], "optim.lr=1,2: a comma separates the values of a sweep, which only `gptkit train -m`"),
+    (["train", "optim.lr=1,2"],
+     "optim.lr=1,2: a comma separates the values of a sweep, which only `gptkit train -m`"),
     (["count-params", "model.n_layers=1,2"], "write a list as model.n_layers=[1,2]"),
-    (["train", "name=caf\u00e9"], "name=caf\u00e9: Hydra reads only ASCII characters in an unquoted value; quote it"),
+    (["train", "name=caf\u00e9"],
+     "name=caf\u00e9: Hydra reads only ASCII characters in an unquoted value; quote it"),
     (["count-params", "model.n_layers"], "model.n_layers has no value"),
 ])
 def test_bad_values_are_one_line_naming_the_option(capsys, args, message):
@@ -129,12 +133,14 @@ def test_prompt_file_that_is_not_utf8_or_a_folder(capsys, run_dir, tmp_path):
 
 
 def test_tokenizer_path_that_is_a_folder(capsys, tmp_path):
-    err = one_line(capsys, "prepare", "tokenizer=file", f"tokenizer.path={tmp_path}", f"cache_dir={tmp_path / 'c'}")
+    err = one_line(capsys, "prepare", "tokenizer=file", f"tokenizer.path={tmp_path}",
+                   f"cache_dir={tmp_path / 'c'}")
     assert f"tokenizer file {tmp_path} is a folder" in err
 
 
 def test_attention_needs_a_text(capsys, run_dir):
-    assert 'attention needs a text to look at: text="..."' in one_line(capsys, "attention", f"run={run_dir}", "text=")
+    err = one_line(capsys, "attention", f"run={run_dir}", "text=")
+    assert 'attention needs a text to look at: text="..."' in err
 
 
 class Exploit:
@@ -143,10 +149,12 @@ class Exploit:
 
 
 @pytest.mark.parametrize("content, message", [
-    ("exploit", "would run code when loaded (posix.system), which weights_only=True refuses: a checkpoint holds only "
+    ("exploit",
+     "would run code when loaded (posix.system), which weights_only=True refuses: a checkpoint holds only "
                 "tensors and plain data; use a checkpoint you trust"),
     (b"", "is empty (0 bytes), not a checkpoint"),
-    (bytes(range(256)) * 4, "is not a torch checkpoint (not the zip archive torch.save writes: truncated, or another"),
+    (bytes(range(256)) * 4,
+     "is not a torch checkpoint (not the zip archive torch.save writes: truncated, or another"),
 ])
 def test_bad_checkpoint_files_are_one_complete_line(capsys, tmp_path, content, message):
     d = make_run(tmp_path)[0]
@@ -202,7 +210,8 @@ def test_oversubscription_warning_names_the_fix():
 
 
 def test_a_load_average_left_by_work_that_has_ended_gives_no_warning(monkeypatch):
-    """The 1-minute average lags: right after a `gptkit train`, `gptkit sample` must not warn because of it."""
+    """The 1-minute average lags: right after a `gptkit train`, `gptkit sample` must not warn because of
+    it."""
     import gptkit.threads
     from gptkit.threads import busy_now, oversubscribed
 
@@ -235,8 +244,8 @@ def test_sample_threads_warns_once_on_a_busy_machine(capsys, run_dir, busy_machi
     code, _, err = run_main(capsys, *args, "threads=2")
     assert code == 0 and torch.get_num_threads() == 2
     assert [line for line in err.splitlines() if line.startswith("warning:")] == [
-        "warning: 2 torch threads on 2 cores that other work already loads (1.0): the threads will wait for each "
-        "other and steps can be several times slower; set threads=1 (or OMP_NUM_THREADS=1)"]
+        "warning: 2 torch threads on 2 cores that other work already loads (1.0): the threads will wait for "
+        "each other and steps can be several times slower; set threads=1 (or OMP_NUM_THREADS=1)"]
     code, _, err = run_main(capsys, *args, "threads=1")
     assert code == 0 and torch.get_num_threads() == 1 and "warning" not in err
 
@@ -247,11 +256,12 @@ def test_train_threads_warns_once_on_a_busy_machine(tmp_path):
     (tmp_path / "c.txt").write_text(shakespeare(5000))
     args = ["train", "data=files", f"data.paths={tmp_path / 'c.txt'}", "tokenizer=char", "model.n_layers=1",
             "model.d_model=16", "model.n_heads=2", "model.max_seq_len=16", "trainer.batch_size=2",
-            "trainer.max_steps=1", "trainer.val_windows=2", "trainer.progress=false", "trainer.accelerator=cpu",
+            "trainer.max_steps=1", "trainer.val_windows=2", "trainer.progress=false",
+            "trainer.accelerator=cpu",
             f"runs_dir={tmp_path}", "name=t", "trainer.threads=2"]
     code = ("import os, sys, torch\nimport gptkit.threads\nos.getloadavg = lambda: (1.0, 1.0, 1.0)\n"
-            "gptkit.threads.cores = lambda: 2\ngptkit.threads.busy_now = lambda: 1.0\nfrom gptkit.cli import main\n"
-            f"rc = main({args!r})\nprint('threads', torch.get_num_threads(), rc)")
+            "gptkit.threads.cores = lambda: 2\ngptkit.threads.busy_now = lambda: 1.0\nfrom gptkit.cli import "
+            f"main\nrc = main({args!r})\nprint('threads', torch.get_num_threads(), rc)")
     env = {k: v for k, v in os.environ.items() if k != "GPTKIT_VERB"}
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -262,7 +272,8 @@ def test_train_threads_warns_once_on_a_busy_machine(tmp_path):
 
 # ---- issue 15, item 6: start-up --------------------------------------------------------------------
 def _imported_after(code: str) -> set[str]:
-    probe = ("import sys, io, contextlib\n" + code + "\nprint('imported:', *(m for m in ('torch', 'lightning', "
+    probe = ("import sys, io, contextlib\n" + code + "\nprint('imported:', *(m for m in ('torch', "
+                                                     "'lightning', "
              "'transformers', 'torchmetrics') if m in sys.modules))")
     r = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
@@ -276,7 +287,9 @@ def test_verbs_that_need_no_lightning_do_not_import_it():
 
 
 def test_lightning_through_the_cli_does_not_import_transformers():
-    code = ("from gptkit.cli import _skip_transformers_in_torchmetrics\n_skip_transformers_in_torchmetrics()\n"
-            "import lightning, torchmetrics\nassert 'transformers' not in sys.modules\n"
-            "import transformers\nassert transformers.GPT2Config().n_head == 12")  # still usable afterwards
+    code = ("from gptkit.cli import "
+            "_skip_transformers_in_torchmetrics\n_skip_transformers_in_torchmetrics()\nimport lightning, "
+            # still usable afterwards
+            "torchmetrics\nassert 'transformers' not in sys.modules\nimport transformers\nassert "
+            "transformers.GPT2Config().n_head == 12")
     assert _imported_after(code) == {"torch", "lightning", "torchmetrics", "transformers"}

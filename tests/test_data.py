@@ -61,7 +61,8 @@ def test_jsonl_json_and_parquet_records_are_documents(tmp_path):
     (tmp_path / "b.json").write_text(json.dumps([{"content": "three"}, {"content": "four"}]))
     pq.write_table(pa.table({"content": ["five", "six"]}), tmp_path / "c.parquet")
     files = [str(tmp_path / f) for f in ("a.jsonl", "b.json", "c.parquet")]
-    p = prep(tmp_path, {"kind": "files", "paths": files, "text_field": "content", "val_fraction": 0.2}, BYTE_EOS)
+    p = prep(tmp_path, {"kind": "files", "paths": files, "text_field": "content", "val_fraction": 0.2},
+             BYTE_EOS)
     ids = all_tokens(p).tolist()
     docs = bytes(i if i < 256 else ord("|") for i in ids).decode()
     assert docs == "one|two|three|four|five|six|"  # empty records are skipped
@@ -249,6 +250,8 @@ def test_a_tokenizer_that_cannot_encode_the_corpus_names_the_characters(tmp_path
     tok_file = tmp_path / "char.json"
     tok_file.write_text(build_tokenizer({"kind": "char"}, texts=lambda: iter(["abc \n"])).to_str())
     (tmp_path / "new.txt").write_text("abc cab\nab€ Zz\n")
-    with pytest.raises(GptkitError, match=r"3 character\(s\) it has never seen: '€' \(U\+20AC\), 'Z' \(U\+005A\), "
+    with pytest.raises(GptkitError, match=r"3 character\(s\) it has never seen: '€' \(U\+20AC\), 'Z' "
+                                          r"\(U\+005A\), "
                                           r"'z' \(U\+007A\)"):
-        prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "new.txt")]}, {"kind": "file", "path": str(tok_file)})
+        prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "new.txt")]},
+             {"kind": "file", "path": str(tok_file)})

@@ -57,7 +57,8 @@ def test_bad_corpus(cli, tmp_path, case):
         args, needles = [f"data.paths=[{f}]"], ["a.txt is a FIFO (named pipe)", "give regular files"]
     else:
         f.write_bytes("ok text\n".encode() * 10 + b"\xc3\x28 broken\n")
-        args, needles = [f"data.paths=[{f}]"], ["a.txt: byte 80", "not valid UTF-8", "encoding_errors=replace"]
+        args, needles = [f"data.paths=[{f}]"], ["a.txt: byte 80", "not valid UTF-8",
+                                                "encoding_errors=replace"]
     r = prepare(cli, tmp_path, "data=files", *args)
     assert_one_line_error(r, *needles)
     if case != "short":  # a short corpus is a fine cache entry; only the window check fails
@@ -89,8 +90,8 @@ def prepared_folder(tmp_path):
 
     f = tmp_path / "a.txt"
     f.write_text("some text\n" * 50)
-    return f, prepare_api({"kind": "files", "paths": [str(f)]}, {"kind": "byte"}, cache_dir=tmp_path / "cache",
-                          progress=False).dir
+    return f, prepare_api({"kind": "files", "paths": [str(f)]}, {"kind": "byte"},
+                          cache_dir=tmp_path / "cache", progress=False).dir
 
 
 def test_edited_manifest(cli, tmp_path):

@@ -17,8 +17,8 @@ def prepared(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sampler")
     rng = np.random.default_rng(0)
     (tmp / "a.txt").write_text("".join(chr(c) for c in rng.integers(97, 123, size=20_000)))
-    return prepare({"kind": "files", "paths": [str(tmp / "a.txt")]}, {"kind": "byte"}, cache_dir=tmp / "cache",
-                   progress=False)
+    return prepare({"kind": "files", "paths": [str(tmp / "a.txt")]}, {"kind": "byte"},
+                   cache_dir=tmp / "cache", progress=False)
 
 
 def starts_of(x, tokens):
@@ -142,10 +142,11 @@ def test_lightning_resume_sees_the_uninterrupted_batches(prepared, tmp_path):
 
     def fit(max_steps, ckpt=None):
         model = Recorder()
-        trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, logger=False, enable_checkpointing=False,
-                            enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                            default_root_dir=tmp_path, accelerator="cpu", devices=1)
-        trainer.fit(model, datamodule=TokenDataModule(prepared, batch_size=2, seq_len=SEQ, seed=5), ckpt_path=ckpt)
+        trainer = L.Trainer(max_steps=max_steps, accumulate_grad_batches=2, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                            limit_val_batches=0, default_root_dir=tmp_path, accelerator="cpu", devices=1)
+        trainer.fit(model, datamodule=TokenDataModule(prepared, batch_size=2, seq_len=SEQ, seed=5),
+                    ckpt_path=ckpt)
         return model.seen, trainer
 
     full, _ = fit(6)

@@ -33,7 +33,8 @@ def args(corpus: Path, runs: Path, name: str, world: int, *extra: str) -> list[s
     """The same global batch (4 sequences) whatever the world size: per-device batch = 4 / world."""
     return [
         "model=gpt2-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
-        "model.dropout=0.0", "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
+        "model.dropout=0.0", "tokenizer=char", "data=files", f"data.paths=[{corpus}]",
+        "data.val_fraction=0.1",
         f"trainer.batch_size={4 // world}", f"trainer.max_steps={STEPS}", "trainer.val_every=4",
         "trainer.val_windows=5", "trainer.checkpoint_every=2", "trainer.log_every=1",
         "trainer.progress=false",
@@ -45,8 +46,8 @@ def run_group(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout (or any error) kill the whole group, children included."""
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
-    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=env, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, cwd=REPO, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
@@ -87,7 +88,8 @@ def test_ddp_matches_one_process_and_resumes_across_world_sizes(corpus, referenc
     want = losses(reference)
     assert len(set(want.values())) == STEPS  # the loss moves: equal trajectories are not a coincidence
     # 2 processes for 3 steps, then 1 process continues: 2 -> 1
-    train(*args(corpus, tmp_path, "two-then-one", 2, "trainer=ddp", "trainer.devices=2", "trainer.stop_at_step=3"))
+    train(*args(corpus, tmp_path, "two-then-one", 2, "trainer=ddp", "trainer.devices=2",
+                "trainer.stop_at_step=3"))
     assert torch.load(tmp_path / "two-then-one/checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
     train("resume=" + str(tmp_path / "two-then-one"), "trainer.strategy=auto", "trainer.devices=1",
           "trainer.batch_size=4")
@@ -111,13 +113,15 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
     from gptkit.runs import load_model
 
     run = tmp_path / "fsdp"
-    r = train(*args(corpus, tmp_path, "fsdp", 2, "trainer=fsdp", "trainer.devices=2", "trainer.precision=32-true",
+    r = train(*args(corpus, tmp_path, "fsdp", 2, "trainer=fsdp", "trainer.devices=2",
+                    "trainer.precision=32-true",
                     "trainer.stop_at_step=3"))
     # rank 1 built its model on the meta device and got rank 0's weights: the trajectory below could not match
     # the single process's otherwise
     assert "the other 1 rank(s) start on the meta device" in r.stderr, r.stderr[-2000:]
     sharded = run / "checkpoints/step-000002.ckpt"
-    assert (sharded / ".metadata").is_file() and len(list(sharded.glob("*.distcp"))) == 2  # one shard per rank
+    # one shard per rank
+    assert (sharded / ".metadata").is_file() and len(list(sharded.glob("*.distcp"))) == 2
     # the 2-rank shards continue in one process (FSDP over a world of 1: the shards are re-split on load)
     train("resume=" + str(run), "trainer.devices=1", "trainer.batch_size=4")
     assert_same_trajectory(losses(run), losses(reference))
@@ -159,7 +163,8 @@ def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):
         "from gptkit.cli import main\n"
         "sys.exit(main())\n"
     )
-    r = run_group(str(script), "train", *args(corpus, tmp_path, "fails", 2, "trainer=ddp", "trainer.devices=2"),
+    r = run_group(str(script), "train", *args(corpus, tmp_path, "fails", 2, "trainer=ddp",
+                                              "trainer.devices=2"),
                   timeout=90)
     assert r.returncode != 0
     assert "rank 1 broke on purpose" in r.stderr
@@ -167,7 +172,8 @@ def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):
 
 
 def test_several_nodes_without_a_launcher_fail_in_one_line_before_any_process_starts(corpus, tmp_path):
-    r = run_group("-m", "gptkit", "train", *args(corpus, tmp_path, "bad", 1), "trainer=ddp", "trainer.devices=2",
+    r = run_group("-m", "gptkit", "train", *args(corpus, tmp_path, "bad", 1), "trainer=ddp",
+                  "trainer.devices=2",
                   "trainer.num_nodes=2", timeout=60)
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
@@ -176,10 +182,13 @@ def test_several_nodes_without_a_launcher_fail_in_one_line_before_any_process_st
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4096"], "4096 CPU processes but this machine has"),
+    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4096"],
+     "4096 CPU processes but this machine has"),
     (["trainer=ddp", "trainer.accelerator=gpu", "trainer.devices=8"], "no CUDA GPU is visible"),
-    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=16-mixed"], "use bf16-mixed"),
-    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp.param_dtype=fp8"], "must be auto, fp32 or bf16"),
+    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=16-mixed"],
+     "use bf16-mixed"),
+    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp.param_dtype=fp8"],
+     "must be auto, fp32 or bf16"),
     (["trainer.strategy=deepspeed"], "not one of auto, ddp, fsdp"),
 ])
 def test_bad_distributed_setups_are_refused(overrides, message):
@@ -213,9 +222,12 @@ def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory():
 
 
 def test_compiled_fsdp_resumes_compiled_under_ddp_on_the_same_trajectory(corpus, reference, tmp_path):
-    """trainer.compile=true under FSDP2 (2 ranks, stopped at step 3), resumed compiled under DDP (2 ranks): the
-    same losses as the eager single process (aot_eager: torch.compile's tracing and autograd, no code generation)."""
+    """trainer.compile=true under FSDP2 (2 ranks, stopped at step 3), resumed compiled under DDP (2 ranks):
+    the same losses as the eager single process (aot_eager: torch.compile's tracing and autograd, no code
+    generation)."""
     compiled = ("trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.precision=32-true")
-    train(*args(corpus, tmp_path, "c", 2, "trainer=fsdp", "trainer.devices=2", "trainer.stop_at_step=3", *compiled))
-    train("resume=" + str(tmp_path / "c"), "trainer=ddp", "trainer.devices=2", "trainer.batch_size=2", *compiled)
+    train(*args(corpus, tmp_path, "c", 2, "trainer=fsdp", "trainer.devices=2", "trainer.stop_at_step=3",
+                *compiled))
+    train("resume=" + str(tmp_path / "c"), "trainer=ddp", "trainer.devices=2", "trainer.batch_size=2",
+          *compiled)
     assert_same_trajectory(losses(tmp_path / "c"), losses(reference))

@@ -23,7 +23,8 @@ LENGTHS = [[5, 1, 12, 6], [24]]  # two windows of T = 24: a one-token document, 
 
 
 def packed_ids(lengths_per_row):
-    return torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])  # [B, T]
+    # [B, T]
+    return torch.tensor([[i for i, n in enumerate(row) for _ in range(n)] for row in lengths_per_row])
 
 
 def test_document_bounds_and_positions():
@@ -239,15 +240,18 @@ def test_train_cli_with_packed_documents_and_fused_kernels(tmp_path):
     r = run_cli("train", "model=llama-tiny", "model.n_layers=1", "model.d_model=64", "model.n_heads=4",
                 "model.n_kv_heads=2", "model.d_ff=128", "model.max_seq_len=32", "model.attention=eager",
                 "model.position_reset=true", "model.kernels=[loss]", "tokenizer=char",
-                "tokenizer.eos_token='<eos>'", "data=files", f"data.paths=[{','.join(paths)}]", "data.pack=documents",
+                "tokenizer.eos_token='<eos>'", "data=files", f"data.paths=[{','.join(paths)}]",
+                "data.pack=documents",
                 "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_every=2", "trainer.val_windows=2",
-                "trainer.checkpoint_every=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}", "name=packed")
+                "trainer.checkpoint_every=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}",
+                "name=packed")
     assert r.returncode == 0, r.stderr[-2000:]
     cfg = (tmp_path / "runs" / "packed" / "config.yaml").read_text()
     assert "pack: documents" in cfg and "position_reset: true" in cfg
     import json  # eval follows the run's data.pack unless told otherwise
 
-    runs = [run_cli("eval", f"run={tmp_path / 'runs' / 'packed'}", "progress=false", "format=json", "split=all", *pack)
+    runs = [run_cli("eval", f"run={tmp_path / 'runs' / 'packed'}", "progress=false", "format=json",
+                    "split=all", *pack)
             for pack in ((), ("pack=stream",))]
     assert all(e.returncode == 0 for e in runs), runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
     packed, stream = (json.loads(e.stdout) for e in runs)

@@ -53,7 +53,8 @@ def test_held_out_file_and_bad_values(tmp_path, capsys):
     known = set(tok.get_vocab())
     held = "".join(c for c in shakespeare(3_000, start=30_000) if c in known)
     (tmp_path / "held.txt").write_text(held)
-    code, out, err = run_main(capsys, "eval", f"run={d}", "data=files", f"data.paths=[{tmp_path / 'held.txt'}]",
+    code, out, err = run_main(capsys, "eval", f"run={d}", "data=files",
+                              f"data.paths=[{tmp_path / 'held.txt'}]",
                               "format=json")
     assert code == 0, err
     res = json.loads(out)

@@ -34,7 +34,8 @@ def tiny(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
     return [
         "model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
         "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
-        f"trainer.max_steps={STEPS}", "trainer.val_every=3", "trainer.val_windows=4", "trainer.checkpoint_every=3",
+        f"trainer.max_steps={STEPS}", "trainer.val_every=3", "trainer.val_windows=4",
+        "trainer.checkpoint_every=3",
         "trainer.keep_checkpoints=2", "trainer.log_every=1", "trainer.progress=false", "optim.warmup_steps=2",
         f"runs_dir={runs}", f"name={name}", *extra,
     ]
@@ -63,7 +64,8 @@ def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference)
     assert [int(r["step"]) for r in got] == list(range(1, STEPS + 1))  # one row per step, named as it ends
     lr = next(k for k in got[0] if "lr" in k)
     assert all(r["train/loss"] and r[lr] for r in got)  # loss and learning rate on the same row
-    assert [int(r["step"]) for r in got if r["val/loss"]] == [3, 6, 9, 12]  # validation on the row of its step
+    # validation on the row of its step
+    assert [int(r["step"]) for r in got if r["val/loss"]] == [3, 6, 9, 12]
     ckdir = reference / "checkpoints"
     assert sorted(p.name for p in ckdir.iterdir()) == ["last.ckpt", "step-000009.ckpt", "step-000012.ckpt"]
 
@@ -109,7 +111,8 @@ def test_one_writer_per_run_folder_and_kill_9_leaves_no_stale_lock(corpus, tmp_p
     try:
         metrics = tmp_path / "same" / "metrics.csv"
         deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) > 2):
+        while time.time() < deadline and not (metrics.is_file()
+                                              and len(metrics.read_text().splitlines()) > 2):
             time.sleep(0.2)
         second = run_cli("train", *tiny(corpus, tmp_path, "same", "seed=7"))
         assert second.returncode == 2
@@ -198,7 +201,8 @@ def test_a_zeroed_shard_and_out_of_range_ids_are_refused(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text(shakespeare(5_000))
-    p = prepare({"kind": "files", "paths": [str(text)]}, {"kind": "char"}, cache_dir=tmp_path / "c", progress=False)
+    p = prepare({"kind": "files", "paths": [str(text)]}, {"kind": "char"}, cache_dir=tmp_path / "c",
+                progress=False)
     shard = p.dir / "train.bin"
     shard.write_bytes(bytes(shard.stat().st_size))  # zeroed at the same size
     again = load_prepared(p.dir)
@@ -312,7 +316,8 @@ def test_a_start_up_failure_leaves_no_run_folder(corpus, tmp_path):
 
     tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
     tok = build_tokenizer(tok_cfg, texts=lambda: ["abc\n"])  # a tokenizer that cannot encode Shakespeare
-    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=1, n_heads=2, d_model=32))
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=1, n_heads=2,
+                            d_model=32))
     write_run_folder(tmp_path / "runs" / "abc", {"tokenizer": tok_cfg}, model, tok)
     r = run_cli("train", f"init_from={tmp_path / 'runs' / 'abc'}", "data=files", f"data.paths=[{corpus}]",
                 f"runs_dir={tmp_path / 'runs'}", "name=ft")
@@ -328,7 +333,8 @@ def _no_package(tmp_path: Path, name: str) -> Path:
     """A folder for PYTHONPATH in which importing `name` fails as if it were not installed."""
     stub = tmp_path / "stub"
     (stub / name).mkdir(parents=True)
-    (stub / name / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n")
+    (stub / name / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", "
+                                             f"name='{name}')\n")
     return stub
 
 
@@ -370,14 +376,16 @@ def test_metrics_csv_keeps_exactly_the_rows_a_checkpoint_covers(tmp_path):
 def test_an_older_metrics_csv_with_the_learning_rate_on_its_own_rows_is_merged_on_resume(tmp_path):
     from gptkit.training.metrics_csv import MetricsCSV, read_rows
 
-    (tmp_path / "metrics.csv").write_text("lr-AdamW,step,train/loss\n0.1,0,\n,0,4.0\n0.2,1,\n,1,3.9\n0.3,2,\n")
+    (tmp_path / "metrics.csv").write_text("lr-AdamW,step,train/loss\n"
+                                          "0.1,0,\n,0,4.0\n0.2,1,\n,1,3.9\n0.3,2,\n")
     MetricsCSV(tmp_path, resume_step=2).finalize("success")
     assert read_rows(tmp_path / "metrics.csv")[1] == {0: {"lr-AdamW": "0.1", "train/loss": "4.0"},
                                                       1: {"lr-AdamW": "0.2", "train/loss": "3.9"},
                                                       2: {"lr-AdamW": "0.3"}}
 
 
-def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_it(tmp_path, monkeypatch, capsys):
+def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_it(tmp_path, monkeypatch,
+                                                                                  capsys):
     from omegaconf import OmegaConf
 
     from gptkit.model import ModelConfig
@@ -413,12 +421,14 @@ def test_import_force_never_replaces_its_source_a_trained_run_or_a_locked_one(tm
     imported = tmp_path / "runs" / "imported"
     assert run_main(capsys, "import", f"hf={src}", f"out={imported}")[0] == 0
     held = subprocess.Popen([sys.executable, "-c", "import time\nfrom gptkit.runs import claim_run_dir\n"
-                             f"claim_run_dir({str(imported)!r}, False); print('held', flush=True); time.sleep(60)"],
+                             f"claim_run_dir({str(imported)!r}, False); print('held', flush=True); "
+                             "time.sleep(60)"],
                             stdout=subprocess.PIPE, text=True)
     try:
         assert held.stdout.readline().strip() == "held"
         code, _, err = run_main(capsys, "import", f"hf={src}", f"out={imported}", "force=true")
-        assert code == 2 and f"PID {held.pid}" in err and "out=" in err and len(err.strip().splitlines()) == 1, err
+        assert code == 2 and f"PID {held.pid}" in err and "out=" in err, err
+        assert len(err.strip().splitlines()) == 1, err
     finally:
         held.kill()
         held.wait()

@@ -39,7 +39,8 @@ def check(fn, ref, inputs, dtype, tol=None):
     ref_grads = torch.autograd.grad(refs, x64, [d.double() for d in douts])
     tol = tol or TOL[dtype]
     for i, (got, want) in enumerate(zip((*outs, *grads), (*refs, *ref_grads))):
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol, msg=lambda m: f"output/grad {i}: {m}")
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol,
+                                   msg=lambda m: f"output/grad {i}: {m}")
 
 
 def rms_ref(x, w, eps=1e-5):
@@ -164,14 +165,16 @@ def test_fake_and_real_tensors_measure_the_same_peak():
 # ---- model.kernels end to end ------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", [
-    dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2, tie_embeddings=False),
+    dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2,
+         tie_embeddings=False),
     dict(position="learned", mlp="gelu", norm="layernorm", n_heads=2, tie_embeddings=True),  # tied lm_head
 ])
 def test_model_with_every_fused_kernel_matches_eager(variant, monkeypatch):
     import gptkit.model.fused as seam
 
     calls = []
-    for name in ("rms_norm", "layer_norm", "swiglu", "rope", "linear_cross_entropy"):  # no silent eager fallback
+    # no silent eager fallback
+    for name in ("rms_norm", "layer_norm", "swiglu", "rope", "linear_cross_entropy"):
         real = getattr(seam, name)
         monkeypatch.setattr(seam, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
     torch.manual_seed(0)
@@ -185,7 +188,8 @@ def test_model_with_every_fused_kernel_matches_eager(variant, monkeypatch):
     out_e, out_f = eager(idx, targets), fused(idx, targets)
     assert out_f.logits is None  # the fused loss never makes the logits
     norm = "rms_norm" if variant["norm"] == "rmsnorm" else "layer_norm"
-    want = {norm: 2 + 1, "linear_cross_entropy": 1, **({"swiglu": 1, "rope": 1} if variant["mlp"] == "swiglu" else {})}
+    want = {norm: 2 + 1, "linear_cross_entropy": 1,
+            **({"swiglu": 1, "rope": 1} if variant["mlp"] == "swiglu" else {})}
     assert {n: calls.count(n) for n in set(calls)} == want
     torch.testing.assert_close(out_f.loss, out_e.loss, rtol=1e-5, atol=1e-6)
     out_e.loss.backward()

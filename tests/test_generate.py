@@ -186,7 +186,8 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
     for B) and leading shape."""
     import gptkit.decoding_layout as layout
 
-    monkeypatch.setattr(layout, "PACK_MIN_BYTES", pack_min_bytes)  # 5000: the 32x32 o_proj (4096 bytes) stays unpacked
+    # 5000: the 32x32 o_proj (4096 bytes) stays unpacked
+    monkeypatch.setattr(layout, "PACK_MIN_BYTES", pack_min_bytes)
     model = tiny_gpt("learned-mha" if bias else "rope-gqa")
     layers = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     g = torch.Generator().manual_seed(0)
@@ -194,7 +195,8 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
         for m in layers.values():
             if m.bias is not None:  # the init zeroes biases; make them count
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g))
-    inputs = {n: [torch.randn(*shape, m.in_features, generator=g) for shape in ((1,), (batch, 1), (batch, 7), (37,))]
+    inputs = {n: [torch.randn(*shape, m.in_features, generator=g) for shape in ((1,), (batch, 1), (batch, 7),
+                                                                                (37,))]
               for n, m in layers.items()}
     kinds = set()
     with torch.no_grad():
@@ -203,9 +205,11 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
             swapped = dict(model.named_modules())
             for n, xs in inputs.items():
                 m = layers[n]
-                packs = batch > 1 and m.weight.numel() * 4 >= pack_min_bytes and layout._onednn_usable(m.weight)
+                packs = (batch > 1 and m.weight.numel() * 4 >= pack_min_bytes
+                         and layout._onednn_usable(m.weight))
                 expect = ("_PackedLinear" if packs
-                          else "Linear" if batch == 1 and m.out_features < m.in_features else "_TransposedLinear")
+                          else "Linear" if batch == 1 and m.out_features < m.in_features
+                          else "_TransposedLinear")
                 assert type(swapped[n]).__name__ == expect
                 kinds.add(expect)
                 for x, w in zip(xs, want[n]):
@@ -239,7 +243,7 @@ def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
     assert out == [ids[len(PROMPT):]] * 2
 
 
-# ---- the static path (static KV cache, fixed-shape step, device-side sampling): gptkit.static_decode ----------
+# ---- the static path (static KV cache, fixed-shape step, device-side sampling): gptkit.static_decode ----
 STATIC_VARIANTS = {**VARIANTS,
                    "learned-mqa": dict(position="learned", n_kv_heads=1, mlp="gelu", norm="layernorm"),
                    "rope-gqa2": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False)}
@@ -247,8 +251,8 @@ STATIC_VARIANTS = {**VARIANTS,
 
 def static_gpt(variant: str, max_seq_len: int = 32, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=61, max_seq_len=max_seq_len, n_layers=2, n_heads=4, d_model=32, attention="sdpa",
-                      init_std=0.3, tie_embeddings=False, **STATIC_VARIANTS[variant])
+    cfg = ModelConfig(vocab_size=61, max_seq_len=max_seq_len, n_layers=2, n_heads=4, d_model=32,
+                      attention="sdpa", init_std=0.3, tie_embeddings=False, **STATIC_VARIANTS[variant])
     return GPT(cfg).eval()
 
 
@@ -316,7 +320,8 @@ def test_static_greedy_equals_eager(variant, batch):
 def test_static_sampling_draws_what_eager_draws():
     """Device-side sampling (temperature, top-k, top-p) from a seeded generator: the eager loop's tokens."""
     model = static_gpt("rope-gqa2", max_seq_len=16)
-    opts = dict(max_new_tokens=30, temperature=1.3, top_k=20, top_p=0.95, seed=11, num_samples=4, check_every=4)
+    opts = dict(max_new_tokens=30, temperature=1.3, top_k=20, top_p=0.95, seed=11, num_samples=4,
+                check_every=4)
     eager, static = both(model, **opts)
     assert static.tokens == eager.tokens
     assert len({tuple(t) for t in static.tokens}) > 1  # sampled, not greedy
@@ -327,7 +332,8 @@ def test_static_sampling_draws_what_eager_draws():
 
 
 def test_sample_next_draws_what_multinomial_draws():
-    """The sync-free draw is torch.multinomial's own one-sample draw: the same tokens from the same generator."""
+    """The sync-free draw is torch.multinomial's own one-sample draw: the same tokens from the same
+    generator."""
     from gptkit.sampling import sample_next
 
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0))  # [B, V]
@@ -356,7 +362,8 @@ def test_static_eos_and_stop_strings_are_checked_every_k_tokens():
     streamed text as the eager loop; at most 2 * check_every - 1 steps run after the last sample finished."""
     model = static_gpt("rope-gqa")
     K = 4
-    greedy = generate(model, PROMPT, SampleOptions(max_new_tokens=30, temperature=0, decode="eager")).tokens[0]
+    greedy = generate(model, PROMPT,
+                      SampleOptions(max_new_tokens=30, temperature=0, decode="eager")).tokens[0]
     eos = greedy[9]
     eager, static = both(model, max_new_tokens=30, temperature=0, eos_id=eos, check_every=K)
     assert static.tokens == eager.tokens == [greedy[: greedy.index(eos)]] and static.stop_reasons == ["eos"]
@@ -367,7 +374,8 @@ def test_static_eos_and_stop_strings_are_checked_every_k_tokens():
     streamed = {"eager": [], "static": []}
     for mode in streamed:
         g = generate(model, PROMPT, SampleOptions(max_new_tokens=30, temperature=0, stop=(stop,), decode=mode,
-                                                  check_every=K), decode=decode, on_text=streamed[mode].append)
+                                                  check_every=K), decode=decode,
+                                                  on_text=streamed[mode].append)
         full = decode(greedy)
         assert g.texts[0] == full[: full.index(stop)] and g.stop_reasons == ["stop"]
         assert "".join(streamed[mode]) == g.texts[0]
@@ -389,7 +397,8 @@ def test_graph_without_cuda_falls_back_with_one_note():
     model = static_gpt("rope-mha")
     eager, graph = both(model, mode="graph", max_new_tokens=12, temperature=0)
     assert graph.tokens == eager.tokens and graph.decode == "static"
-    assert graph.notes == ["decode=graph needs a CUDA device; decoding with the static cache, without a graph"]
+    assert graph.notes == ["decode=graph needs a CUDA device; decoding with the static cache, without a "
+                           "graph"]
     assert SampleOptions().decode_mode(torch.device("cpu")) == "eager"
     assert SampleOptions().decode_mode(torch.device("cuda")) == "graph"
 
@@ -412,7 +421,8 @@ def test_failed_capture_and_failed_compile_fall_back(monkeypatch):
     assert len(graph.notes) == 2
     assert graph.notes[0] == ("torch.compile could not compile the decode step (RuntimeError: no compiler); "
                               "decoding uncompiled")
-    assert graph.notes[1].startswith("CUDA graph capture failed (") and graph.notes[1].endswith("without a graph")
+    assert graph.notes[1].startswith("CUDA graph capture failed (")
+    assert graph.notes[1].endswith("without a graph")
 
 
 def test_compiled_step_is_traced_once(monkeypatch):
@@ -428,11 +438,13 @@ def test_compiled_step_is_traced_once(monkeypatch):
     monkeypatch.setattr(sd, "_compiled", {})
     counters.clear()
     model = static_gpt("rope-gqa2", max_seq_len=16)
-    eager = generate(model, PROMPT, SampleOptions(max_new_tokens=40, temperature=0, num_samples=2, decode="eager"))
+    eager = generate(model, PROMPT,
+                     SampleOptions(max_new_tokens=40, temperature=0, num_samples=2, decode="eager"))
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         opts = SampleOptions(max_new_tokens=40, temperature=0, num_samples=2, check_every=4)
         first = sd.generate_static(model, PROMPT, opts, None, None, "static", compile_backend="aot_eager")
-        second = sd.generate_static(model, PROMPT[:4], opts, None, None, "static", compile_backend="aot_eager")
+        second = sd.generate_static(model, PROMPT[:4], opts, None, None, "static",
+                                    compile_backend="aot_eager")
     assert first.tokens == eager.tokens and first.slides > 0 and first.notes == []
     assert len(second.tokens[0]) == 40
     assert counters["stats"]["unique_graphs"] == 1
@@ -450,7 +462,8 @@ def test_cuda_graph_greedy_equals_eager_fp32(variant, compile):
                             num_samples=batch, check_every=4)
         assert graph.notes == [] and graph.decode == "graph"
         assert graph.tokens == eager.tokens and graph.slides == eager.slides > 0
-    opts = dict(max_new_tokens=20, temperature=1.0, top_k=10, seed=3, num_samples=2, decode="graph", compile=compile)
+    opts = dict(max_new_tokens=20, temperature=1.0, top_k=10, seed=3, num_samples=2, decode="graph",
+                compile=compile)
     a, b = (generate(model, PROMPT, SampleOptions(**opts)) for _ in range(2))
     assert a.tokens == b.tokens and a.notes == []
 
@@ -458,7 +471,8 @@ def test_cuda_graph_greedy_equals_eager_fp32(variant, compile):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_bf16_runs():
     model = static_gpt("rope-gqa2", max_seq_len=64).cuda().to(torch.bfloat16)
-    g = generate(model, PROMPT, SampleOptions(max_new_tokens=50, temperature=0, num_samples=8, decode="graph"))
+    g = generate(model, PROMPT,
+                 SampleOptions(max_new_tokens=50, temperature=0, num_samples=8, decode="graph"))
     assert g.notes == [] and g.decode == "graph" and len(g.tokens[0]) == 50
 
 

@@ -23,10 +23,11 @@ VARIANTS = {
                                 rope_theta=500.0),
     "llama-gqa-untied": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False,
                              n_kv_heads=2, d_ff=48),
-    "llama-mqa-head_dim": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False,
-                               n_kv_heads=1, head_dim=16),
+    "llama-mqa-head_dim": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False,
+                               tie_embeddings=False, n_kv_heads=1, head_dim=16),
     "gpt2-tied": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
-    "gpt2-untied": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False, d_ff=80),
+    "gpt2-untied": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False,
+                        d_ff=80),
 }
 
 
@@ -76,7 +77,8 @@ def cli(*args: str) -> int:
 def test_to_transformers_same_logits_and_back_exactly(variant):
     model = random_gpt(variant)
     hf_model = hf.to_transformers(model)
-    assert type(hf_model).__name__ == ("LlamaForCausalLM" if variant.startswith("llama") else "GPT2LMHeadModel")
+    want = "LlamaForCausalLM" if variant.startswith("llama") else "GPT2LMHeadModel"
+    assert type(hf_model).__name__ == want
     assert not hf_model.training and next(hf_model.parameters()).dtype == torch.float32
     idx = torch.randint(0, 40, (2, 48))  # [B, T]: the whole context, so every position is checked
     with torch.no_grad():
@@ -182,8 +184,9 @@ def randomize(hf_model):
     return hf_model.eval()
 
 
-@pytest.mark.parametrize("make", [lambda: hf_llama(tie=False, bias=False), lambda: hf_llama(tie=True, bias=True),
-                                  lambda: hf_gpt2(tie=True), lambda: hf_gpt2(tie=False)],
+@pytest.mark.parametrize("make", [lambda: hf_llama(tie=False, bias=False),
+                                  lambda: hf_llama(tie=True, bias=True), lambda: hf_gpt2(tie=True),
+                                  lambda: hf_gpt2(tie=False)],
                          ids=["llama-gqa-untied", "llama-gqa-tied-bias", "gpt2-tied", "gpt2-untied"])
 def test_import_same_logits_and_export_reproduces_the_files_tensors(tmp_path, make):
     from safetensors.torch import load_file
@@ -223,8 +226,10 @@ def test_import_sharded_and_pytorch_bin_folders(tmp_path):
 
 def test_import_maps_the_config_fields(tmp_path):
     cfg = hf.model_config_from_hf(hf_llama(tie=False, bias=True).config.to_dict())
-    assert (cfg.position, cfg.mlp, cfg.norm, cfg.bias, cfg.tie_embeddings) == ("rope", "swiglu", "rmsnorm", True, False)
-    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.rope_theta, cfg.norm_eps, cfg.max_seq_len) == \
+    assert (cfg.position, cfg.mlp, cfg.norm, cfg.bias, cfg.tie_embeddings) == ("rope", "swiglu", "rmsnorm",
+                                                                               True, False)
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.rope_theta, cfg.norm_eps,
+            cfg.max_seq_len) == \
         (4, 2, 8, 56, 1000.0, 1e-6, 48)
     cfg = hf.model_config_from_hf(hf_gpt2(tie=True).config.to_dict())
     assert (cfg.position, cfg.mlp, cfg.norm, cfg.bias, cfg.tie_embeddings, cfg.d_ff) == \
@@ -232,10 +237,12 @@ def test_import_maps_the_config_fields(tmp_path):
 
 
 def test_hub_style_gpt2_keys_without_prefix_and_with_mask_buffers():
-    """The original gpt2 checkpoints hold GPT2Model keys (no `transformer.`, no lm_head) plus attn.bias masks."""
+    """The original gpt2 checkpoints hold GPT2Model keys (no `transformer.`, no lm_head) plus attn.bias
+    masks."""
     hf_model = randomize(hf_gpt2(tie=True))
     cfg = hf.model_config_from_hf(hf_model.config.to_dict())
-    hub = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"}
+    hub = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items()
+           if k != "lm_head.weight"}
     hub.update({f"h.{i}.attn.bias": torch.ones(1, 1, 48, 48) for i in range(2)})
     model = GPT.from_state(cfg, hf.from_hf_state_dict(hub, cfg))
     idx = torch.randint(0, 40, (1, 48))

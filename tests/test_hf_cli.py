@@ -29,7 +29,8 @@ def test_export_refuses_a_non_empty_out_and_force_replaces_it(tmp_path, cli):
     write_run_folder(tmp_path / "run", {}, random_gpt("gpt2-tied"), None)  # and no tokenizer.json
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
-    one_line_error(cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}"), "not empty", "force=true")
+    one_line_error(cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}"), "not empty",
+                   "force=true")
     only(tmp_path / "hf", "keep.txt")
 
     r = cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}", "force=true")

@@ -26,7 +26,8 @@ from gptkit.runs import load_model, write_run_folder
 
 REPO_ID = "tiny-org/tiny-gpt2"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-NO_PROXY = {v: "" for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")}
+NO_PROXY = {v: "" for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy",
+                            "ALL_PROXY")}
 
 
 def exported(tmp_path: Path, name: str = "repo"):
@@ -43,7 +44,8 @@ def exported(tmp_path: Path, name: str = "repo"):
 class FakeHub:
     """huggingface_hub.snapshot_download for one repository whose files are those of `files`: it copies what
     allow_patterns allows into <cache>/models--owner--name/snapshots/<commit>/ and returns that folder. With
-    local_files_only it only looks there, raising LocalEntryNotFoundError for a missing file, as the real one does."""
+    local_files_only it only looks there, raising LocalEntryNotFoundError for a missing file, as the real one
+    does."""
 
     def __init__(self, files: Path, cache: Path, error: Exception | None = None):
         self.files, self.cache, self.error, self.calls = files, cache, error, []
@@ -72,7 +74,8 @@ def http_error(cls_name: str, status: int):
     import httpx2
     from huggingface_hub import errors
 
-    response = httpx2.Response(status, request=httpx2.Request("GET", f"https://huggingface.co/api/models/{REPO_ID}"))
+    response = httpx2.Response(status, request=httpx2.Request("GET",
+                                                              f"https://huggingface.co/api/models/{REPO_ID}"))
     return getattr(errors, cls_name)(f"{status} Client Error", response=response)
 
 
@@ -100,11 +103,14 @@ def test_import_hub_id_downloads_config_and_tokenizer_then_safetensors_only(tmp_
     fake, model = hub
     code, out, err = run_main(capsys, "import", f"hf={REPO_ID}", f"out={tmp_path / 'run'}")
     assert code == 0, err
-    assert fake.fetched() == [hf.HUB_FIRST, hf.HUB_WEIGHTS]  # config.json first: an unsupported model stops there
-    assert [c["revision"] for c in fake.calls] == [None, COMMIT]  # then exactly the commit the config came from
+    # config.json first: an unsupported model stops there
+    assert fake.fetched() == [hf.HUB_FIRST, hf.HUB_WEIGHTS]
+    # then exactly the commit the config came from
+    assert [c["revision"] for c in fake.calls] == [None, COMMIT]
     assert not any(c["local_files_only"] for c in fake.calls)
     snapshot = tmp_path / "hf-cache" / "models--tiny-org--tiny-gpt2" / "snapshots" / COMMIT
-    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json",
+    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "model.safetensors",
+                                                          "tokenizer.json",
                                                         "tokenizer_config.json"]  # the chat template
     assert_same_weights(tmp_path / "run", model)
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["name"] == "tiny-gpt2"
@@ -136,7 +142,8 @@ def test_import_hub_model_without_safetensors_reads_pytorch_bin_safely(tmp_path,
 ])
 def test_import_hub_errors_are_one_line(tmp_path, hub, capsys, case, needles):
     fake, _ = hub
-    fake.error = {"unknown": http_error("RepositoryNotFoundError", 404), "gated": http_error("GatedRepoError", 403),
+    fake.error = {"unknown": http_error("RepositoryNotFoundError", 404),
+                  "gated": http_error("GatedRepoError", 403),
                   "revision": http_error("RevisionNotFoundError", 404)}.get(case)
     if case == "no config.json":
         (fake.files / "config.json").unlink()
@@ -161,7 +168,8 @@ def test_a_local_folder_wins_even_when_named_like_a_hub_id(tmp_path, hub, capsys
     assert code == 0, err
     assert fake.calls == []
     assert_same_weights(tmp_path / "run", model)
-    assert json.loads((tmp_path / "run" / "imported_from.json").read_text())["source"] == str(tmp_path / REPO_ID)
+    imported_from = json.loads((tmp_path / "run" / "imported_from.json").read_text())
+    assert imported_from["source"] == str(tmp_path / REPO_ID)
     assert out.startswith(f"imported {REPO_ID} (gpt2, ")
 
 
@@ -182,7 +190,8 @@ def test_offline_a_model_in_the_hf_cache_still_imports(tmp_path, cli):
     r = cli("import", f"hf={REPO_ID}", f"out={tmp_path / 'b'}",
             env={**env, **NO_PROXY, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"})
     assert r.returncode == 0, r.stderr
-    assert "is unreachable" in r.stderr and f"using {REPO_ID}@{COMMIT} from the Hugging Face cache" in r.stderr
+    assert "is unreachable" in r.stderr
+    assert f"using {REPO_ID}@{COMMIT} from the Hugging Face cache" in r.stderr
     assert_same_weights(tmp_path / "b", model)
 
 
@@ -190,12 +199,14 @@ def test_offline_import_fails_fast_in_one_line_naming_hf_hub_offline(tmp_path, c
     """The real CLI and huggingface_hub with an empty cache: HF_HUB_OFFLINE=1, then the hub unreachable."""
     cache = {"HF_HUB_CACHE": str(tmp_path / "empty-cache")}
     t0 = time.time()
-    r = cli("import", "hf=openai-community/gpt2", f"out={tmp_path / 'run'}", env=cache)  # conftest: HF_HUB_OFFLINE=1
+    # conftest: HF_HUB_OFFLINE=1
+    r = cli("import", "hf=openai-community/gpt2", f"out={tmp_path / 'run'}", env=cache)
     one_line_error(r, "openai-community/gpt2", "HF_HUB_OFFLINE", "gptkit import hf=/path/to/folder")
     r = cli("import", "hf=openai-community/gpt2", f"out={tmp_path / 'run'}",
             env={**cache, **NO_PROXY, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"})
     one_line_error(r, "is unreachable", "HF_HUB_OFFLINE", "gptkit import hf=/path/to/folder")
-    r = cli("train", "init_from=hf:openai-community/gpt2", f"runs_dir={tmp_path / 'runs'}", "name=ft", env=cache)
+    r = cli("train", "init_from=hf:openai-community/gpt2", f"runs_dir={tmp_path / 'runs'}", "name=ft",
+            env=cache)
     one_line_error(r, "HF_HUB_OFFLINE", "gptkit train init_from=hf:/path/to/folder")
     assert time.time() - t0 < 90
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs" / "ft" / "checkpoints").exists()
@@ -234,7 +245,8 @@ def test_train_init_from_hf_imports_then_fine_tunes(tmp_path, hub, capsys, monke
     corpus.write_text(shakespeare(20_000).lower())
     runs = tmp_path / "runs"
     spec, imported, pinned = ((f"{REPO_ID}@v1", runs / "tiny-gpt2-imported", f"{REPO_ID}@{COMMIT}")
-                              if source == "hub id" else (str(fake.files), runs / "repo-imported", str(fake.files)))
+                              if source == "hub id" else (str(fake.files), runs / "repo-imported",
+                                                          str(fake.files)))
     code = gptkit_main(["train", f"init_from=hf:{spec}", "data=files", f"data.paths=[{corpus}]",
                         "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_windows=2",
                         "trainer.progress=false", "optim.lr=1e-12", "optim.min_lr=0", "optim.warmup_steps=0",
@@ -253,6 +265,7 @@ def test_train_init_from_hf_imports_then_fine_tunes(tmp_path, hub, capsys, monke
     assert ft_cfg["model"] == {**model.cfg.to_dict(), "name": imported.name.removesuffix("-imported")}
     after = torch.load(runs / "ft" / "checkpoints" / "last.ckpt", weights_only=True)
     assert after["global_step"] == 2
-    for k, v in model.state_dict().items():  # two steps at lr 1e-12 from the imported weights, not a fresh init
+    # two steps at lr 1e-12 from the imported weights, not a fresh init
+    for k, v in model.state_dict().items():
         torch.testing.assert_close(after["state_dict"]["model." + k], v, rtol=0, atol=1e-9)
     assert (runs / "ft" / "tokenizer.json").read_text() == (imported / "tokenizer.json").read_text()

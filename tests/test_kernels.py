@@ -38,14 +38,17 @@ def check(T, head_dim, group, causal, dtype, *, B=2, n_kv_heads=1, scale=None, i
         # allow twice the error of plain torch attention in bf16 (the FlashAttention repo's criterion)
         torch_out = reference(q, k, v, causal, scale, dtype)
         torch_grads = torch.autograd.grad(torch_out, (q, k, v), dout)
-        torch_err = [(a.double() - b).abs().max().item() for a, b in zip((torch_out, *torch_grads), (ref, *ref_grads))]
+        torch_err = [(a.double() - b).abs().max().item() for a, b in zip((torch_out, *torch_grads),
+                                                                         (ref, *ref_grads))]
     else:
         torch_err = [0.0] * 4
 
     tol = TOL[dtype]
-    for name, got, want, err in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads), torch_err):
+    for name, got, want, err in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads),
+                                    torch_err):
         assert got.shape == want.shape and got.dtype == dtype, name
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=max(tol, 2 * err), msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=max(tol, 2 * err),
+                                   msg=lambda m: f"{name}: {m}")
 
 
 # every T with head dim 32; each GQA group in both causal modes
@@ -76,8 +79,10 @@ def test_several_kv_heads_and_custom_scale():
     check(40, 32, 2, True, torch.float32, n_kv_heads=2, scale=0.3)
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton interpreter does not compute bf16 correctly: GPU only")
-@pytest.mark.parametrize("T, head_dim, group, causal", [(100, 64, 2, True), (256, 128, 4, False), (1000, 128, 1, True)])
+@pytest.mark.skipif(DEVICE != "cuda",
+                    reason="the Triton interpreter does not compute bf16 correctly: GPU only")
+@pytest.mark.parametrize("T, head_dim, group, causal",
+                         [(100, 64, 2, True), (256, 128, 4, False), (1000, 128, 1, True)])
 def test_bf16_on_gpu(T, head_dim, group, causal):
     check(T, head_dim, group, causal, torch.bfloat16)
 
@@ -104,7 +109,8 @@ def test_tma_implementation(T, head_dim, group, causal, dtype):
     check(T, head_dim, group, causal, dtype, impl="tma")
 
 
-@pytest.mark.skipif(DEVICE != "cuda", reason="the Triton interpreter does not compute bf16 correctly: GPU only")
+@pytest.mark.skipif(DEVICE != "cuda",
+                    reason="the Triton interpreter does not compute bf16 correctly: GPU only")
 def test_tma_bf16_on_gpu():
     check(1000, 128, 4, True, torch.bfloat16, impl="tma")
 
@@ -140,7 +146,8 @@ def test_documents_equal_attention_run_on_each_document_alone(impl, causal, leng
     v = torch.randn(B, Hkv, T, D, device=DEVICE, dtype=dtype, requires_grad=True)
     dout = torch.randn(B, H, T, D, device=DEVICE, dtype=dtype)
     with poisoned_allocations():
-        out = flash_attention(q, k, v, causal=causal, doc_bounds=(start.to(DEVICE), end.to(DEVICE)), impl=impl)
+        out = flash_attention(q, k, v, causal=causal, doc_bounds=(start.to(DEVICE), end.to(DEVICE)),
+                              impl=impl)
         grads = torch.autograd.grad(out, (q, k, v), dout)
 
     want = [torch.zeros(x.shape, dtype=torch.float64, device=DEVICE) for x in (out, q, k, v)]
@@ -159,7 +166,8 @@ def test_documents_equal_attention_run_on_each_document_alone(impl, causal, leng
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counts the interpreter's dot products")
-@pytest.mark.parametrize("causal, lengths", [(True, [[64, 30, 3, 31], [128]]), (False, [[50, 78], [20, 100, 8]])])
+@pytest.mark.parametrize("causal, lengths",
+                         [(True, [[64, 30, 3, 31], [128]]), (False, [[50, 78], [20, 100, 8]])])
 def test_forward_tiles_is_the_kernels_schedule(monkeypatch, causal, lengths):
     """forward_tiles (the cost model `gptkit bench kernels` reports) counts exactly the tiles the forward
     kernel multiplies (two dots each); documents cut the count."""

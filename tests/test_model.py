@@ -10,9 +10,11 @@ from gptkit.model import GPT, KVCache, ModelConfig
 VARIANTS = {
     "gpt2": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
     "llama-mha": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False),
-    "llama-gqa": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2),
+    "llama-gqa": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False,
+                      n_kv_heads=2),
     "mqa-learned": dict(position="learned", mlp="gelu", norm="rmsnorm", bias=False, n_kv_heads=1),
-    "rope-gelu-ln-bias-untied": dict(position="rope", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False),
+    "rope-gelu-ln-bias-untied": dict(position="rope", mlp="gelu", norm="layernorm", bias=True,
+                                     tie_embeddings=False),
 }
 
 

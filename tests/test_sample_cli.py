@@ -39,7 +39,8 @@ def test_json_batch_of_samples_is_reproducible(run_dir, capsys):
     prompt = "ROMEO: O, she doth teach"
     ids = encode_prompt(tok, prompt, None)
     code, stdout, stderr = run_main(capsys, "sample", f"run={d}", f"prompt={prompt}", "max_new_tokens=12",
-                                    "num_samples=3", "seed=5", "temperature=1.0", "top_k=20", "top_p=0.9", "--json")
+                                    "num_samples=3", "seed=5", "temperature=1.0", "top_k=20", "top_p=0.9",
+                                    "--json")
     assert code == 0, stderr
     lines = stdout.splitlines()  # JSON Lines: one complete object per sample
     assert len(lines) == 3 and all(line.startswith("{") for line in lines)
@@ -54,7 +55,8 @@ def test_json_batch_of_samples_is_reproducible(run_dir, capsys):
 
 def test_empty_prompt_starts_from_bos_and_stop_string(run_dir, capsys):
     d, model, tok = run_dir  # <|endoftext|> serves as BOS, as in GPT-2
-    code, stdout, stderr = run_main(capsys, "sample", f"run={d}", "prompt=", "greedy=true", "max_new_tokens=40",
+    code, stdout, stderr = run_main(capsys, "sample", f"run={d}", "prompt=", "greedy=true",
+                                    "max_new_tokens=40",
                                     "stop=e", "--json")
     assert code == 0, stderr
     s = json.loads(stdout)
@@ -147,7 +149,8 @@ def test_bench_sample_bad_model_is_one_line(capsys, override, message):
 def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
     """The GPU comparison (`bench.device=cuda`) run on the CPU with tiny models: every side runs (decode=graph
     falls back to the static path with its note; the compiled side traces with aot_eager instead of building
-    C++), rows stream as they finish, fp32 greedy tokens agree across all sides, and the roofline is computed."""
+    C++), rows stream as they finish, fp32 greedy tokens agree across all sides, and the roofline is
+    computed."""
     pytest.importorskip("transformers")
     from omegaconf import OmegaConf
 
@@ -172,7 +175,8 @@ def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
     assert all(r["first_token_ms"] > 0 for r in rows)
     r = rows[0]
     model = bench.build_model({"preset": "gpt2-tiny", "max_seq_len": 64, "vocab_size": 300})
-    assert r["roofline_tokens_per_s"] == pytest.approx(10e9 / decode_bytes_per_step(model.cfg, 1, 16 + 3, "fp32"))
+    step_bytes = decode_bytes_per_step(model.cfg, 1, 16 + 3, "fp32")
+    assert r["roofline_tokens_per_s"] == pytest.approx(10e9 / step_bytes)
     assert "g batch 1 gptkit-eager:" in out and "of the HBM roofline" in out
     assert out.count("note: decode=graph needs a CUDA device") == 8  # gptkit-graph and -compiled, 4 cases
     assert "vs transformers-static" in out
@@ -196,6 +200,7 @@ def test_sample_decode_static_prints_what_eager_prints(run_dir, capsys):
         outs.append(stdout)
     assert outs[0] == outs[1]
     code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi", "decode=fast")
-    assert code == 2 and "decode='fast' is not one of auto, eager, static, graph" in err and err.count("\n") == 1
+    assert code == 2 and "decode='fast' is not one of auto, eager, static, graph" in err
+    assert err.count("\n") == 1
     code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi", "compile=sometimes")
     assert code == 2 and "compile='sometimes' must be auto, true or false" in err and err.count("\n") == 1

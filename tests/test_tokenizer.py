@@ -63,7 +63,8 @@ def test_bpe_trains_to_the_vocab_size_with_special_tokens_and_round_trips():
 
 
 def test_file_tokenizer_loads_any_tokenizer_json(tmp_path):
-    bpe = build_tokenizer({"kind": "bpe", "vocab_size": 280, "min_frequency": 1}, texts=corpus(), progress=False)
+    bpe = build_tokenizer({"kind": "bpe", "vocab_size": 280, "min_frequency": 1}, texts=corpus(),
+                          progress=False)
     path = tmp_path / "tok.json"
     bpe.save(str(path))
     tok = build_tokenizer({"kind": "file", "path": str(path)})

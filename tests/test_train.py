@@ -69,7 +69,8 @@ def test_run_folder_is_complete(corpus, tmp_path):
     (run / "loss.png").unlink()
     r = run_cli("plot", "run=latest", cwd=tmp_path)  # the plot on demand, of ./runs/full
     assert r.returncode == 0 and (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
-    r = run_cli("sample", "run=latest", "prompt=the", "max_new_tokens=5", "--json", cwd=tmp_path)  # ./runs/full
+    # ./runs/full
+    r = run_cli("sample", "run=latest", "prompt=the", "max_new_tokens=5", "--json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     import json
 
@@ -110,7 +111,8 @@ def test_sigterm_saves_and_resumes(corpus, tmp_path):
     assert step > 0
     r = run_cli("train", f"resume={tmp_path / 'term'}", f"trainer.max_steps={step + 2}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert torch.load(tmp_path / "term" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"] == step + 2
+    assert torch.load(tmp_path / "term" / "checkpoints" / "last.ckpt",
+                      weights_only=True)["global_step"] == step + 2
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
@@ -126,13 +128,15 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
 
 
 def test_multirun_gives_one_folder_per_job(corpus, tmp_path):
-    r = run_cli("train", "-m", *tiny_args(corpus, tmp_path, "sweep", "trainer.max_steps=2", "optim.lr=1e-3,3e-3"))
+    r = run_cli("train", "-m", *tiny_args(corpus, tmp_path, "sweep", "trainer.max_steps=2",
+                                          "optim.lr=1e-3,3e-3"))
     assert r.returncode == 0, r.stderr[-3000:]
     for job in ("0", "1"):
         assert (tmp_path / "sweep" / job / "checkpoints" / "last.ckpt").is_file()
     import yaml
 
-    lrs = {yaml.safe_load((tmp_path / "sweep" / j / "config.yaml").read_text())["optim"]["lr"] for j in ("0", "1")}
+    lrs = {yaml.safe_load((tmp_path / "sweep" / j / "config.yaml").read_text())["optim"]["lr"]
+           for j in ("0", "1")}
     assert lrs == {1e-3, 3e-3}
     assert "job 0: " in r.stderr and "optim.lr=0.003" in r.stderr  # each job says what it runs
     with open(tmp_path / "sweep" / "summary.csv", newline="") as f:  # and the sweep ends with a table
@@ -145,7 +149,8 @@ def test_multirun_gives_one_folder_per_job(corpus, tmp_path):
 
 def test_loggers_csv_tensorboard_wandb_offline(corpus, tmp_path):
     r = run_cli(
-        "train", *tiny_args(corpus, tmp_path, "logs", "trainer.max_steps=3", "logger=[csv,tensorboard,wandb]"),
+        "train", *tiny_args(corpus, tmp_path, "logs", "trainer.max_steps=3",
+                            "logger=[csv,tensorboard,wandb]"),
         env={"WANDB_MODE": "offline"})
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "logs"
@@ -157,7 +162,8 @@ def test_loggers_csv_tensorboard_wandb_offline(corpus, tmp_path):
 def test_wandb_online_without_key_fails_fast(corpus, tmp_path):
     t0 = time.time()
     env = {"WANDB_MODE": "", "WANDB_API_KEY": "", "HOME": str(tmp_path)}
-    r = run_cli("train", *tiny_args(corpus, tmp_path, "online", "logger=[wandb]", "logger.wandb.mode=online"), env=env)
+    r = run_cli("train", *tiny_args(corpus, tmp_path, "online", "logger=[wandb]", "logger.wandb.mode=online"),
+                env=env)
     assert r.returncode == 2 and "API key" in r.stderr
     assert time.time() - t0 < 60
 
@@ -214,8 +220,9 @@ def _source_run(corpus: Path, folder: Path) -> Path:
     tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
     tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
     torch.manual_seed(3)
-    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=2, n_heads=2, n_kv_heads=1,
-                            d_model=32, position="rope", mlp="swiglu", norm="rmsnorm", bias=False, name="src"))
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=2, n_heads=2,
+                            n_kv_heads=1, d_model=32, position="rope", mlp="swiglu", norm="rmsnorm",
+                            bias=False, name="src"))
     return write_run_folder(folder, {"tokenizer": tok_cfg}, model, tok)
 
 
@@ -225,7 +232,8 @@ def test_init_from_starts_a_new_run_from_the_source_weights(corpus, tmp_path):
     src = _source_run(corpus, tmp_path / "src")
     r = run_cli("train", f"init_from={src}", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
                 "trainer.max_steps=1", "trainer.val_windows=4", "trainer.progress=false", "optim.lr=1e-12",
-                "optim.min_lr=0", "optim.warmup_steps=0", "model.dropout=0.1", f"runs_dir={tmp_path}", "name=ft")
+                "optim.min_lr=0", "optim.warmup_steps=0", "model.dropout=0.1", f"runs_dir={tmp_path}",
+                "name=ft")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "weights from" in r.stderr
     ft = tmp_path / "ft"
@@ -302,7 +310,8 @@ def test_a_missing_logger_package_is_one_line_before_any_work(tmp_path, monkeypa
     from gptkit.training.trainer import check_loggers
 
     monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
-    with pytest.raises(ConfigError, match=r"logger=tensorboard needs the tensorboard package.*gptkit\[tensorboard\]"):
+    with pytest.raises(ConfigError, match=r"logger=tensorboard needs the tensorboard "
+                                          r"package.*gptkit\[tensorboard\]"):
         check_loggers({"csv": {}, "tensorboard": {"enabled": True}})
     check_loggers({"csv": {}, "tensorboard": {"enabled": False}})  # switched off: not needed
 
@@ -325,6 +334,7 @@ def test_trainer_seq_len_trains_and_fine_tunes_on_windows_shorter_than_the_conte
     assert e.returncode == 0 and '"seq_len": 8' in e.stdout, e.stderr[-2000:]
     r = run_cli(*base, "trainer.seq_len=33", "name=ft-long")
     assert r.returncode == 2 and "trainer.seq_len=33 must be in [1, model.max_seq_len=32]" in r.stderr
-    r = run_cli("train", *tiny_args(corpus, tmp_path, "new", "trainer.seq_len=64"))  # a new model: before any work
+    # a new model: before any work
+    r = run_cli("train", *tiny_args(corpus, tmp_path, "new", "trainer.seq_len=64"))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert not (tmp_path / "new").exists()

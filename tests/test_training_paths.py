@@ -33,7 +33,8 @@ def prepared():
 
 @pytest.fixture(scope="module")
 def base_cfg():
-    return compose("train", ["model.n_layers=2", "model.d_model=32", "model.n_heads=2", f"model.max_seq_len={SEQ}",
+    return compose("train", ["model.n_layers=2", "model.d_model=32", "model.n_heads=2",
+                             f"model.max_seq_len={SEQ}",
                              "model.vocab_size=256", f"trainer.batch_size={BATCH}", "trainer.progress=off",
                              "trainer.val_every=1000", "trainer.checkpoint_every=1000"])
 
@@ -135,8 +136,8 @@ def test_no_host_sync_between_log_steps(prepared, base_cfg, tmp_path, precision,
     LitGPT.on_train_start = start_counting
     try:
         with counter:
-            fit(prepared, base_cfg, tmp_path, steps=10, precision=precision, gradient_clip_val=1.0, log_every=4,
-                progress="lines", accumulate_grad_batches=accumulation)
+            fit(prepared, base_cfg, tmp_path, steps=10, precision=precision, gradient_clip_val=1.0,
+                log_every=4, progress="lines", accumulate_grad_batches=accumulation)
     finally:
         LitGPT.on_train_start = original
     assert counter.steps, "the counter saw nothing: it does not observe the run"
@@ -171,8 +172,8 @@ def test_batches_are_pinned_for_a_gpu(prepared):
 
     dm = TokenDataModule(prepared, batch_size=BATCH, seq_len=SEQ, seed=1, val_windows=2)
     for device, pinned in (("cuda", True), ("cpu", False)):
-        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)), global_step=0,
-                                     accumulate_grad_batches=1, global_rank=0, world_size=1)
+        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)),
+                                     global_step=0, accumulate_grad_batches=1, global_rank=0, world_size=1)
         assert dm.train_dataloader().pin_memory is pinned
         assert dm.val_dataloader().pin_memory is pinned
 

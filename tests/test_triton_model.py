@@ -23,7 +23,8 @@ DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 
 
 @pytest.mark.parametrize("variant", [
-    dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2),  # llama-style GQA
+    # llama-style GQA
+    dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2),
     dict(position="learned", mlp="gelu", norm="layernorm", n_heads=2),  # gpt2-style MHA
 ])
 def test_training_step_matches_sdpa(variant):
@@ -72,7 +73,8 @@ def test_no_gpu_and_no_interpreter_falls_back_with_one_warning():
         from gptkit.model import GPT, ModelConfig
 
         torch.manual_seed(0)
-        cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=2, d_model=32, attention="triton")
+        cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=2, d_model=32,
+                          attention="triton")
         model = GPT(cfg)
         idx = torch.randint(0, 64, (2, 16))
         with warnings.catch_warnings(record=True) as caught:
@@ -85,7 +87,8 @@ def test_no_gpu_and_no_interpreter_falls_back_with_one_warning():
         print("WARNINGS", [str(w.message) for w in caught])
         print("MATCH", torch.equal(out, ref))
         llama = dict(position="rope", mlp="swiglu", norm="rmsnorm")
-        fused = GPT(dataclasses.replace(cfg, attention="sdpa", kernels=["norm", "swiglu", "rope", "loss"], **llama))
+        fused = GPT(dataclasses.replace(cfg, attention="sdpa", kernels=["norm", "swiglu", "rope", "loss"],
+                                        **llama))
         eager = GPT(dataclasses.replace(cfg, attention="sdpa", **llama))
         eager.load_state_dict(fused.state_dict())
         with warnings.catch_warnings(record=True) as caught:
@@ -102,7 +105,8 @@ def test_no_gpu_and_no_interpreter_falls_back_with_one_warning():
     assert warnings_line.count("falling back to sdpa") == 1, warnings_line  # once, for 4 attention calls
     assert "MATCH True" in r.stdout
     kernel_line = next(line for line in r.stdout.splitlines() if line.startswith("KERNEL_WARNINGS"))
-    assert kernel_line.count("using the eager torch versions") == 1, kernel_line  # once, for every fused layer
+    # once, for every fused layer
+    assert kernel_line.count("using the eager torch versions") == 1, kernel_line
     assert "KERNEL_MATCH True" in r.stdout  # (the fused loss is pure torch: it runs here too)
 
 
@@ -140,8 +144,8 @@ def test_bench_attention_pipeline_dry_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(gptkit.model.attention, "eager_attention", oom)
     cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "bench" / "attention.yaml"),  # the shipped options
                           dict(tokens=64, seq_lens=[32], head_dims=[32], d_model=64, gqa=[2], causal=[True],
-                               warmup_ms=1, rep_ms=1, check_tol=tol, backends=["sdpa-flash", "triton", "eager"],
-                               out=str(tmp_path / "attn.json")))
+                               warmup_ms=1, rep_ms=1, check_tol=tol,
+                               backends=["sdpa-flash", "triton", "eager"], out=str(tmp_path / "attn.json")))
     (case,) = bench._cases(cfg)
     assert (case.batch, case.n_heads, case.n_kv_heads) == (2, 2, 1)
     results = []
@@ -163,13 +167,14 @@ def test_bench_attention_pipeline_dry_run(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
 def test_compiled_blocks_run_the_kernels_without_a_graph_break(variant):
-    """The kernels are torch custom ops: torch.compile (trainer.compile=true) keeps them in one graph per block
-    and gets the same loss and gradients as the eager model, with every fused kernel on."""
+    """The kernels are torch custom ops: torch.compile (trainer.compile=true) keeps them in one graph per
+    block and gets the same loss and gradients as the eager model, with every fused kernel on."""
     import torch._dynamo
 
     from gptkit.training.module import apply_compile
 
-    shape = {"gpt2": {}, "llama": {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm", "n_kv_heads": 1}}[variant]
+    shape = {"gpt2": {},
+             "llama": {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm", "n_kv_heads": 1}}[variant]
     cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=2, d_model=32, attention="triton",
                       kernels=["norm", "swiglu", "rope", "loss"], **shape)
     torch.manual_seed(0)

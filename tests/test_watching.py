@@ -12,7 +12,8 @@ def tiny(tmp_path: Path, name: str, *extra: str) -> list[str]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_text(shakespeare(20_000))
-    return ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
+    return ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
+            "model.max_seq_len=32",
             "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
             "trainer.batch_size=4", "trainer.max_steps=6", "trainer.val_every=3", "trainer.val_windows=4",
             "trainer.checkpoint_every=3", "trainer.log_every=1", "trainer.progress=lines",
@@ -47,7 +48,8 @@ def test_validations_redraw_the_plot_sample_greedily_and_keep_the_best_checkpoin
         return real_replace(src, dst)
 
     monkeypatch.setattr(run_checkpoints, "replace_checkpoint", replace)
-    args = tiny(tmp_path, "w", "trainer.sample_every=3", "trainer.keep_best=true", "trainer.keep_checkpoints=0",
+    args = tiny(tmp_path, "w", "trainer.sample_every=3", "trainer.keep_best=true",
+                "trainer.keep_checkpoints=0",
                 "optim.lr=3e-3")
     code, _, err = run_main(capsys, "train", *args)
     assert code == 0, err
@@ -127,5 +129,6 @@ def test_preflight_does_not_suggest_what_the_run_already_does():
     t = OmegaConf.create({"strategy": "auto", "batch_size": 4, "activation_checkpointing": False,
                           "precision": "bf16-mixed"})
     assert memory_advice(t).startswith("trainer=fsdp, more devices, a smaller trainer.batch_size")
-    t.update({"strategy": "fsdp", "batch_size": 1, "activation_checkpointing": True, "precision": "bf16-true"})
+    t.update({"strategy": "fsdp", "batch_size": 1, "activation_checkpointing": True,
+              "precision": "bf16-true"})
     assert memory_advice(t) == "more devices"

@@ -14,8 +14,18 @@ runs. Eager attention may run out of memory at large T: that cell reads "oom". N
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import gc
+import json
 from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.fsio import atomic_write_text
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 BACKENDS = ("triton", "triton-tma", "triton-tma-ws", "sdpa-flash", "sdpa-cudnn", "eager")
@@ -63,8 +73,6 @@ class Result:
 
 
 def _cases(cfg) -> list[Case]:
-    from gptkit.errors import ConfigError
-
     cases = []
     for T in cfg.seq_lens:
         if T <= 0 or cfg.tokens % T:
@@ -75,7 +83,8 @@ def _cases(cfg) -> list[Case]:
             n_heads = cfg.d_model // head_dim
             for group in cfg.gqa:
                 if group <= 0 or n_heads % group:
-                    raise ConfigError(f"bench.gqa={group} must divide the {n_heads} heads of head_dim={head_dim}")
+                    raise ConfigError(f"bench.gqa={group} must divide the {n_heads} heads of "
+                                      f"head_dim={head_dim}")
                 for causal in cfg.causal:
                     cases.append(Case(T, cfg.tokens // T, head_dim, n_heads, n_heads // group, bool(causal)))
     return cases
@@ -83,8 +92,6 @@ def _cases(cfg) -> list[Case]:
 
 def _attention(backend: str, causal: bool):
     """(q, k, v) -> out for one backend. sdpa-* must be called inside their sdpa_kernel(...)."""
-    import torch.nn.functional as F
-
     from gptkit.model.attention import eager_attention
     from gptkit_kernels import flash_attention
 
@@ -97,27 +104,21 @@ def _attention(backend: str, causal: bool):
 
 
 def _inputs(case: Case, dtype, n_kv_heads: int | None = None):
-    import torch
-
     n_kv = case.n_kv_heads if n_kv_heads is None else n_kv_heads
-    q = torch.randn(case.batch, case.n_heads, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, H, T, D]
+    # [B, H, T, D]
+    q = torch.randn(case.batch, case.n_heads, case.T, case.head_dim, device=DEVICE, dtype=dtype)
     k = torch.randn(case.batch, n_kv, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, Hkv, T, D]
     v = torch.randn(case.batch, n_kv, case.T, case.head_dim, device=DEVICE, dtype=dtype)  # [B, Hkv, T, D]
     return [x.requires_grad_() for x in (q, k, v)]
 
 
 def _grads(fn, q, k, v, dout):
-    import torch
-
     out = fn(q, k, v)
     return (out, *torch.autograd.grad(out, (q, k, v), dout))
 
 
 def _sdpa_reference(q, k, v, dout, causal):
     """SDPA flash output and grads; K/V repeated per query head (autograd sums their grads back)."""
-    import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     group = q.shape[1] // k.shape[1]
 
     def fn(q, k, v):
@@ -135,11 +136,6 @@ def _max_rel_err(got, want) -> float:
 
 def _measure(case: Case, backend: str, dtype, cfg) -> Result:
     """Check (triton) and time one backend on one case; out of memory gives None timings."""
-    import contextlib
-
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     result = Result(case, backend)
     only = sdpa_kernel(getattr(SDPBackend, SDPA[backend])) if backend in SDPA else contextlib.nullcontext()
     try:
@@ -147,10 +143,12 @@ def _measure(case: Case, backend: str, dtype, cfg) -> Result:
             _check_and_time(result, dtype, cfg)
     except torch.cuda.OutOfMemoryError:
         result.ms, result.note = {mode: None for mode in MODES}, "oom"
-    except (RuntimeError, AttributeError) as exc:  # e.g. an SDPA backend refusing this GPU or shape; ours must not
+    # e.g. an SDPA backend refusing this GPU or shape; ours must not
+    except (RuntimeError, AttributeError) as exc:
         if backend in OURS:
             raise
-        result.ms, result.note = {mode: None for mode in MODES}, f"unavailable: {str(exc).splitlines()[0][:60]}"
+        first_line = str(exc).splitlines()[0][:60]
+        result.ms, result.note = {mode: None for mode in MODES}, f"unavailable: {first_line}"
     finally:
         gc.collect()  # free this case's tensors before the next one
         torch.cuda.empty_cache()
@@ -158,7 +156,6 @@ def _measure(case: Case, backend: str, dtype, cfg) -> Result:
 
 
 def _check_and_time(result: Result, dtype, cfg) -> None:
-    import torch
     from triton.testing import do_bench
 
     case, backend = result.case, result.backend
@@ -187,10 +184,6 @@ def _check_and_time(result: Result, dtype, cfg) -> None:
 
 def environment() -> dict:
     """What a README table of these numbers must name: date, GPU, torch, Triton."""
-    import datetime
-
-    import torch
-
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
             "triton": triton_version() or "not installed"}
@@ -209,18 +202,16 @@ def triton_version() -> str | None:
 
 
 def run(cfg) -> int:
-    import torch
-
-    from gptkit.errors import ConfigError, GptkitError
-
     if not torch.cuda.is_available():
-        raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU machine")
+        raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU "
+                          "machine")
     if triton_version() is None:  # every backend is timed with triton's do_bench
         raise GptkitError(f"gptkit bench attention times every backend with triton.testing: {TRITON_MISSING}")
     from gptkit_kernels import interpreting
 
     if interpreting():
-        raise GptkitError("TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU kernels")
+        raise GptkitError("TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU "
+                          "kernels")
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"bench.dtype={cfg.dtype!r} must be one of {', '.join(DTYPES)}")
     unknown = sorted(set(cfg.backends) - set(BACKENDS))
@@ -228,12 +219,13 @@ def run(cfg) -> int:
         raise ConfigError(f"unknown bench.backends {', '.join(unknown)}; choose from {', '.join(BACKENDS)}")
     dtype = getattr(torch, DTYPES[cfg.dtype])
     cases = _cases(cfg)
-    backends = sorted(cfg.backends, key=lambda b: (b not in SDPA, BACKENDS.index(b)))  # SDPA first: the baseline
+    # SDPA first: the baseline
+    backends = sorted(cfg.backends, key=lambda b: (b not in SDPA, BACKENDS.index(b)))
 
     env = environment()
-    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: {len(cases)} configurations "
-          f"x {len(backends)} backends, {cfg.dtype}, B*T = {cfg.tokens}; TFLOP/s (fwd 4*B*H*T^2*D, halved when "
-          f"causal; bwd 2.5x fwd)", flush=True)
+    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: {len(cases)} "
+          f"configurations x {len(backends)} backends, {cfg.dtype}, B*T = {cfg.tokens}; TFLOP/s (fwd "
+          f"4*B*H*T^2*D, halved when causal; bwd 2.5x fwd)", flush=True)
     print(header(), flush=True)
     results: list[Result] = []
     for case in cases:
@@ -247,21 +239,18 @@ def run(cfg) -> int:
     if cfg.out:
         print(f"wrote {cfg.out}", flush=True)
     if failed:
-        print(f"{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})", flush=True)
+        print(f"{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})",
+              flush=True)
         return 1
     return 0
 
 
 def _write(path, env: dict, results: list[Result]) -> None:
-    import json
-
-    from gptkit.fsio import atomic_write_text
-
     atomic_write_text(path, json.dumps({**env, "results": [r.to_dict() for r in results]}, indent=2))
 
 
-_COLUMNS = (("T", 6), ("B", 4), ("hd", 4), ("heads", 6), ("causal", 6), ("backend", 26), ("fwd", 7), ("bwd", 7),
-            ("fwd+bwd", 8), ("vs best sdpa", 12), ("check vs sdpa", 13))
+_COLUMNS = (("T", 6), ("B", 4), ("hd", 4), ("heads", 6), ("causal", 6), ("backend", 26), ("fwd", 7),
+            ("bwd", 7), ("fwd+bwd", 8), ("vs best sdpa", 12), ("check vs sdpa", 13))
 
 
 def header() -> str:
@@ -285,6 +274,7 @@ def row(r: Result, results: list[Result], check_tol: float) -> str:
     if r.max_rel_err is not None:
         check = f"{'ok' if r.max_rel_err <= check_tol else 'FAIL'} {r.max_rel_err:.1e}"
     backend = r.backend + (f" ({r.note})" if r.note and r.note != "oom" else "")
-    cells = (c.T, c.batch, c.head_dim, f"{c.n_heads}/{c.n_kv_heads}", "yes" if c.causal else "no", backend[:26],
-             cell("fwd"), cell("bwd"), cell("fwd+bwd"), ratio, check)
-    return "  ".join(f"{v!s:>{w}}" if name != "backend" else f"{v!s:<{w}}" for (name, w), v in zip(_COLUMNS, cells))
+    cells = (c.T, c.batch, c.head_dim, f"{c.n_heads}/{c.n_kv_heads}", "yes" if c.causal else "no",
+             backend[:26], cell("fwd"), cell("bwd"), cell("fwd+bwd"), ratio, check)
+    return "  ".join(f"{v!s:>{w}}" if name != "backend" else f"{v!s:<{w}}"
+                     for (name, w), v in zip(_COLUMNS, cells))

@@ -26,6 +26,21 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
+import psutil
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.config import conf_dir, model_config
+from gptkit.data import TokenDataModule, prepare
+from gptkit.data.build import human
+from gptkit.data.sources import _text_parts, stdlib_files
+from gptkit.data.tokenize import Cutter, EncoderSpec, Tokenizing, batches, tiktoken_tables
+from gptkit.model import GPT
+from gptkit.tokenizer import build_tokenizer
+
 
 @contextmanager
 def peak_rss(tree: bool = False):
@@ -33,8 +48,6 @@ def peak_rss(tree: bool = False):
     with tree=True, `tree_peak_mb` (this process plus its children, e.g. tokenization workers), and `s`.
     The list of children is refreshed every 0.25 s (listing them scans /proc: at every sample of 10 ms it
     cost a sixth of a core, taken from what is measured; now well under 1%)."""
-    import psutil
-
     proc = psutil.Process()
     base = proc.memory_info().rss
     out = {"peak": base, "tree": base}
@@ -75,12 +88,6 @@ def peak_rss(tree: bool = False):
 
 def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tuple[float, int]:
     """Mean seconds of one fp32 AdamW training step (forward, backward, update) of a conf/model preset."""
-    import torch
-    from omegaconf import OmegaConf
-
-    from gptkit.config import conf_dir, model_config
-    from gptkit.model import GPT
-
     mcfg = OmegaConf.load(conf_dir() / "model" / f"{model_name}.yaml")
     mcfg.vocab_size = vocab_size
     torch.manual_seed(0)
@@ -100,8 +107,6 @@ def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tup
 
 def make_corpus(path: Path, size_mb: float) -> Path:
     """A text file of about size_mb MB: the standard library's .py sources, as often as needed."""
-    from gptkit.data.sources import stdlib_files
-
     want = int(size_mb * 1e6)
     files = stdlib_files(include_tests=True)
     with open(path, "wb") as out:
@@ -133,9 +138,6 @@ def _tok_cfg(name: str, train_chars: int) -> dict:
 def encoder_sample(path: Path, mb: float) -> list[str]:
     """About `mb` MB of the file, cut as prepare cuts it: every k-th batch of it, so that the encoders are
     timed on text spread over the whole file like prepare's (its parts need not encode at the same speed)."""
-    from gptkit.data.sources import _text_parts
-    from gptkit.data.tokenize import Cutter, batches
-
     every = max(1, round(path.stat().st_size / (mb * 1e6)))
     pieces = Cutter("gpt2").pieces(_text_parts(path, "strict", "error"), eos=0)
     return [t for i, b in enumerate(batches(pieces)) if i % every == 0 for t, _, _ in b]
@@ -144,10 +146,6 @@ def encoder_sample(path: Path, mb: float) -> list[str]:
 def time_encoder(tok, engine: str, pieces: list[str], mb: float):
     """(MB/s, ids, CPU ms per MB) of one encoder alone on the pieces: one process, one thread, built before
     the clock."""
-    import numpy as np
-
-    from gptkit.data.tokenize import EncoderSpec, Tokenizing, batches
-
     work = list(batches(((p, False) for p in pieces)))
     spec = EncoderSpec(tok.to_str(), engine, (), None, "uint32")
     with Tokenizing(spec, 1) as t:
@@ -159,10 +157,6 @@ def time_encoder(tok, engine: str, pieces: list[str], mb: float):
 
 def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, dict]:
     """{engine: {"mb_per_s", "same_ids"}} for every encoder of this tokenizer, one process, one thread."""
-    import numpy as np
-
-    from gptkit.data.tokenize import tiktoken_tables
-
     engines = {"byte": ["utf8", "hf"], "char": ["chars", "hf"]}.get(kind, ["hf"])
     if kind not in ("byte", "char") and tiktoken_tables(tok.to_str()) is not None:
         engines = ["tiktoken", "hf"]
@@ -178,14 +172,7 @@ def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, di
 
 
 def run(cfg) -> int:
-    import torch
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit.data import TokenDataModule, prepare
-    from gptkit.data.build import human
     from gptkit.threads import cores, set_threads
-    from gptkit.tokenizer import build_tokenizer
 
     set_threads(cfg.threads, "bench.threads")
     con = Console(stderr=True)

@@ -19,28 +19,40 @@ from __future__ import annotations
 
 import json
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+import yaml
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
+from gptkit.config import conf_dir, presets
+from gptkit.decoding_layout import decoding_layout
+from gptkit.errors import ConfigError
+from gptkit.generate import generate
+from gptkit.hf import to_transformers
+from gptkit.model import GPT, KVCache, ModelConfig
+from gptkit.sampling import SampleOptions
+from gptkit.threads import set_threads
+
 SIDES = {  # bench.cuda.sides: name -> what runs
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
     "gptkit-graph": "gptkit, decode=graph compile=false (static cache, the step captured as a CUDA graph)",
-    "gptkit-compiled": "gptkit, decode=graph compile=true (the step compiled by torch.compile, then captured)",
+    "gptkit-compiled": "gptkit, decode=graph compile=true (the step compiled by torch.compile, then "
+                       "captured)",
     "transformers": "transformers generate(), its defaults (dynamic cache)",
-    "transformers-static": 'transformers generate(cache_implementation="static"), which it compiles itself on CUDA',
+    "transformers-static": 'transformers generate(cache_implementation="static"), which it compiles itself '
+                           'on CUDA',
 }
 
 
 def build_model(spec: dict):
-    import torch
-    import yaml
-
-    from gptkit.config import conf_dir, presets
-    from gptkit.errors import ConfigError
-    from gptkit.model import GPT, ModelConfig
-
     if not isinstance(spec, dict) or "preset" not in spec:
         raise ConfigError(f"a bench model must be a mapping with a preset (a conf/model name), got {spec!r}; "
                           f"drop a model with ~bench.models.<name>")
@@ -91,11 +103,9 @@ def measure(generate_n: Callable[[int], object], batch: int, new_tokens: int, re
 
 def ours(model, prompt, batch: int, **options):
     """n -> the greedy new tokens per sample, from gptkit's generate()."""
-    from gptkit.generate import generate
-    from gptkit.sampling import SampleOptions
-
     def run(n: int):
-        g = generate(model, prompt, SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options))
+        g = generate(model, prompt,
+                     SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options))
         run.notes = g.notes  # e.g. a fallback from decode=graph
         return g.tokens
 
@@ -105,8 +115,6 @@ def ours(model, prompt, batch: int, **options):
 
 def hf_generate(hf_model, prompt, batch: int, static: bool = False):
     """n -> the greedy new tokens per sample, from transformers' generate()."""
-    import torch
-
     device = next(hf_model.parameters()).device
     ids = torch.tensor([prompt] * batch, device=device)  # [B, T0]
     mask = torch.ones_like(ids)
@@ -115,7 +123,8 @@ def hf_generate(hf_model, prompt, batch: int, static: bool = False):
     def run(n: int):
         with torch.inference_mode():
             out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True, **extra)
+                                    do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True,
+                                    **extra)
         return out[:, len(prompt):].tolist()
 
     return run
@@ -132,10 +141,6 @@ def read_roofline(model, batch: int, context: int, repeats: int, clock=time.perf
     weights once, the K/V at `context`) at the speed this process reads that many bytes here: a sum over a
     buffer of that size, timed like the steps (the median of `repeats` after one warm-up). On one CPU core a
     decode step of a small fp32 model is this read; no fp32 decoder gets past it."""
-    import torch
-
-    from gptkit.accounting import decode_bytes_per_step
-
     n_bytes = decode_bytes_per_step(model.cfg, batch, context, "fp32")
     buf = torch.ones(max(1, n_bytes // 4), dtype=torch.float32)  # touched: the pages exist before the timing
     buf.sum()
@@ -149,11 +154,6 @@ def read_roofline(model, batch: int, context: int, repeats: int, clock=time.perf
 
 def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.perf_counter) -> float:
     """Mean ms of one decode step at `context` tokens of context (batch 1)."""
-    import torch
-
-    from gptkit.decoding_layout import decoding_layout
-    from gptkit.model import KVCache
-
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, model.cfg.vocab_size, (1, context + steps), generator=g)  # [1, context + steps]
     with torch.inference_mode(), decoding_layout(model, 1):  # the weights as generate() lays them out
@@ -175,38 +175,24 @@ def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.pe
 
 
 def _console():
-    import sys
-
-    from rich.console import Console
-
     return Console(width=None if sys.stdout.isatty() else 200)  # logs: whole rows, not wrapped cells
 
 
 def _need_transformers():
-    from gptkit.errors import ConfigError
-
     try:
         import transformers  # noqa: F401
     except ImportError as exc:
         raise ConfigError("the transformers side needs transformers (pip install gptkit[test]); "
                           "or set bench.hf=false (CPU) / drop it from bench.cuda.sides") from exc
-    from gptkit.hf import to_transformers
 
     return to_transformers
 
 
 def _prompt(model, n: int) -> list[int]:
-    import torch
-
     return torch.randint(0, model.cfg.vocab_size, (n,), generator=torch.Generator().manual_seed(1)).tolist()
 
 
 def run(cfg) -> int:
-    import torch
-
-    from gptkit.errors import ConfigError
-    from gptkit.threads import set_threads
-
     if cfg.clock not in CLOCKS:
         raise ConfigError(f"bench.clock={cfg.clock!r} is not one of {', '.join(CLOCKS)}")
     set_threads(cfg.threads, "bench.threads")
@@ -229,12 +215,6 @@ def run(cfg) -> int:
 
 # ---- CPU -----------------------------------------------------------------------------------------
 def run_cpu(cfg) -> dict:
-    import torch
-    from omegaconf import OmegaConf
-    from rich.table import Table
-
-    from gptkit.errors import ConfigError
-
     clock = CLOCKS[cfg.clock]
     specs = OmegaConf.to_container(cfg.models, resolve=True)
     con = _console()
@@ -244,7 +224,8 @@ def run_cpu(cfg) -> dict:
     new_tokens, repeats = int(cfg.new_tokens), int(cfg.repeats)
     t = Table(title=f"decode tokens/s, greedy, prompt {cfg.prompt_tokens} + {new_tokens} new tokens, CPU, "
                     f"{torch.get_num_threads()} threads, {cfg.clock} clock: median of {repeats} (min-max)")
-    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens", "read roofline"):
+    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens",
+                "read roofline"):
         t.add_column(col, justify="left" if col == "model" else "right")
     models = {}
     for name, spec in specs.items():
@@ -265,22 +246,25 @@ def run_cpu(cfg) -> dict:
                            transformers_max=theirs.high, speed_up=mine.median / theirs.median,
                            same_tokens=same_tokens(fn(new_tokens), hf_fn(new_tokens)))
                 cells = [theirs.text(), f"{row['speed_up']:.2f}x", f"{row['same_tokens']:.0%}"]
-            roof = read_roofline(model, int(batch), int(cfg.prompt_tokens) + new_tokens // 2, max(repeats, 3), clock)
+            roof = read_roofline(model, int(batch), int(cfg.prompt_tokens) + new_tokens // 2, max(repeats, 3),
+                                 clock)
             row.update(read_roofline_tokens_per_s=roof, gptkit_of_roofline=mine.median / roof)
             results["decode"].append(row)
             t.add_row(name, f"{row['params'] / 1e6:.1f}M", str(batch), mine.text(), *cells,
                       f"{roof:,.0f} (gptkit {mine.median / roof:.0%})")
     con.print(t)
-    con.print("read roofline: tokens/s if a step only read its weights and K/V once, at the speed this process "
-              "reads that many bytes here (a sum over a buffer of that size)", style="dim")
+    con.print("read roofline: tokens/s if a step only read its weights and K/V once, at the speed this "
+              "process reads that many bytes here (a sum over a buffer of that size)", style="dim")
 
-    model = models[cfg.context_model] if cfg.context_model in models else build_model(specs[cfg.context_model])
+    model = (models[cfg.context_model] if cfg.context_model in models
+             else build_model(specs[cfg.context_model]))
     ct = Table(title=f"{cfg.context_model}: ms per decode step (batch 1) against the context length")
     for col in ("context", "with KV cache", "no cache (whole prefix)", "ratio"):
         ct.add_column(col, justify="right")
     for ctx in cfg.context_lens:
         if ctx + int(cfg.context_steps) > model.cfg.max_seq_len:
-            raise ConfigError(f"context {ctx} + {cfg.context_steps} steps exceeds max_seq_len={model.cfg.max_seq_len}")
+            raise ConfigError(f"context {ctx} + {cfg.context_steps} steps exceeds "
+                              f"max_seq_len={model.cfg.max_seq_len}")
         cached = per_token_ms(model, int(ctx), int(cfg.context_steps), True, clock)
         full = per_token_ms(model, int(ctx), int(cfg.context_steps), False, clock)
         results["context"].append({"context": ctx, "cache_ms": cached, "no_cache_ms": full})
@@ -305,13 +289,6 @@ def _side(name: str, model, hf_model, prompt, batch: int):
 
 def run_cuda(cfg, device) -> dict:
     """The GPU comparison (module docstring). `device` may be the CPU for a dry run of the pipeline."""
-    import torch
-    from omegaconf import OmegaConf
-    from rich.table import Table
-
-    from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
-    from gptkit.errors import ConfigError
-
     c = cfg.cuda
     sides = list(c.sides)
     for s in sides:
@@ -332,12 +309,14 @@ def run_cuda(cfg, device) -> dict:
     bandwidth = float(c.hbm_gbps) * 1e9 if c.hbm_gbps else memory_bandwidth(gpu)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     new_tokens, repeats, prompt_tokens = int(c.new_tokens), int(c.repeats), int(c.prompt_tokens)
-    con.print(f"{gpu}: {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, median of {repeats} "
-              f"(min-max); HBM {'%.0f GB/s' % (bandwidth / 1e9) if bandwidth else 'unknown (set bench.cuda.hbm_gbps)'}")
+    con.print(f"{gpu}: {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, median of "
+              f"{repeats} (min-max); HBM "
+              f"{'%.0f GB/s' % (bandwidth / 1e9) if bandwidth else 'unknown (set bench.cuda.hbm_gbps)'}")
     for s in sides:
         con.print(f"  {s}: {SIDES[s]}")
-    results: dict = {"device": gpu, "dtype": str(c.dtype), "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
-                     "repeats": repeats, "hbm_bytes_per_s": bandwidth, "decode": []}
+    results: dict = {"device": gpu, "dtype": str(c.dtype), "new_tokens": new_tokens,
+                     "prompt_tokens": prompt_tokens, "repeats": repeats, "hbm_bytes_per_s": bandwidth,
+                     "decode": []}
     for name, spec in OmegaConf.to_container(c.models, resolve=True).items():
         model = build_model(spec)
         hf_model = to_transformers(model).to(device=device, dtype=dtype) if to_transformers else None
@@ -368,7 +347,8 @@ def run_cuda(cfg, device) -> dict:
                 results["decode"].append(row)
                 con.print(f"{name} batch {batch} {side}: {rate.text()} tokens/s, first token "
                           f"{row['first_token_ms']:.1f} ms"
-                          + (f", {row['roofline_fraction']:.1%} of the HBM roofline ({roofline:,.0f})" if roofline else "")
+                          + (f", {row['roofline_fraction']:.1%} of the HBM roofline ({roofline:,.0f})"
+                             if roofline else "")
                           + f", {row['same_tokens']:.0%} same tokens as {reference[0]}")
                 for note in getattr(fn, "notes", []):
                     con.print(f"  note: {note}")
@@ -376,19 +356,21 @@ def run_cuda(cfg, device) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    t = Table(title=f"{gpu}: decode tokens/s, {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, "
-                    f"median of {repeats} (min-max)")
+    t = Table(title=f"{gpu}: decode tokens/s, {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new "
+                    f"tokens, median of {repeats} (min-max)")
     for col in ("model", "batch", "side", "tokens/s", "first token ms", "HBM roofline", "vs transformers",
                 "vs transformers-static", "same tokens"):
         t.add_column(col, justify="left" if col in ("model", "side") else "right")
     rows = results["decode"]
     for row in rows:
         def vs(other: str) -> str:
-            base = [r for r in rows if (r["model"], r["batch"], r["side"]) == (row["model"], row["batch"], other)]
+            base = [r for r in rows if (r["model"], r["batch"], r["side"]) == (row["model"], row["batch"],
+                                                                               other)]
             return f"{row['tokens_per_s_median'] / base[0]['tokens_per_s_median']:.2f}x" if base else "-"
 
         t.add_row(row["model"], str(row["batch"]), row["side"],
-                  f"{row['tokens_per_s_median']:,.0f} ({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})",
+                  f"{row['tokens_per_s_median']:,.0f} "
+                  f"({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})",
                   f"{row['first_token_ms']:.1f}",
                   f"{row['roofline_fraction']:.1%}" if row["roofline_fraction"] is not None else "-",
                   vs("transformers"), vs("transformers-static"), f"{row['same_tokens']:.0%}")

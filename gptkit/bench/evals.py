@@ -19,13 +19,21 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.data.sources import shakespeare_text
+from gptkit.evaluation import tasks as T
+from gptkit.evaluation.lm_eval_adapter import GptkitLM
+from gptkit.hf import to_transformers
+from gptkit.threads import set_threads
+from gptkit.tokenizer import train_bpe
+
 
 def build_task(folder: Path, questions: int, context_lines: int, seed: int = 0) -> Path:
     """A multiple-choice task YAML + jsonl in folder from the built-in Shakespeare text."""
-    import yaml
-
-    from gptkit.data.sources import shakespeare_text
-
     lines = [s.strip() for s in shakespeare_text().splitlines() if len(s.strip()) > 20]
     rnd = random.Random(seed)
     rows = []
@@ -49,23 +57,14 @@ def build_task(folder: Path, questions: int, context_lines: int, seed: int = 0) 
 
 
 def run(cfg) -> int:
-    import torch
-    from rich.console import Console
-    from rich.table import Table
     from transformers import PreTrainedTokenizerFast
 
     from gptkit.bench.decode import build_model
-    from gptkit.data.sources import shakespeare_text
-    from gptkit.evaluation import tasks as T
-    from gptkit.threads import set_threads
-    from gptkit.tokenizer import train_bpe
 
     T.require_lm_eval()
     T.quiet_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
-    from gptkit.evaluation.lm_eval_adapter import GptkitLM
-    from gptkit.hf import to_transformers
 
     set_threads(cfg.threads, "bench.threads")
     eos = "<|endoftext|>"

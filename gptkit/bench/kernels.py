@@ -22,11 +22,22 @@ Rows print as each measurement finishes (bench.out, JSON, is rewritten after eve
 
 from __future__ import annotations
 
+import contextlib
+import time
 import weakref
 
 import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+from gptkit.config import conf_dir
+from gptkit.model import GPT, ModelConfig
+from gptkit.model.attention import sdpa_attention
+from gptkit.model.documents import Documents, document_bounds
+from gptkit.model.layers import RotaryEmbedding, _rotate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 DEVICE = "cuda"  # of the GPU rows (a dry run on the CPU changes it)
@@ -47,11 +58,13 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
+                if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
-                if st._cdata not in seen and st._cdata not in self._live:  # a new storage (not a view, not out=)
+                # a new storage (not a view, not out=)
+                if st._cdata not in seen and st._cdata not in self._live:
                     self._add(st)
         return out
 
@@ -70,9 +83,8 @@ class PeakMemory(TorchDispatchMode):
 
 def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
               chunk_size: int | None = None) -> None:
-    """Forward and backward of lm_head + cross-entropy: eager (as GPT.forward) or chunked (model.kernels: loss)."""
-    import torch.nn.functional as F
-
+    """Forward and backward of lm_head + cross-entropy: eager (as GPT.forward) or chunked (model.kernels:
+    loss)."""
     if fused:
         from gptkit_kernels.linear_ce import linear_cross_entropy
 
@@ -85,10 +97,6 @@ def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch
 def loss_memory(tokens: int, vocab: int, d_model: int, dtype: torch.dtype, fused: bool, fake: bool = True,
                 device: str = "cpu", chunk_size: int | None = None) -> PeakMemory:
     """PeakMemory of one loss_step (inputs made before it; their gradients count)."""
-    import contextlib
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     with FakeTensorMode() if fake else contextlib.nullcontext():
         x = torch.randn(tokens, d_model, dtype=dtype, device=device, requires_grad=True)  # [N, d]
         w = torch.randn(vocab, d_model, dtype=dtype, device=device, requires_grad=True)  # [V, d]
@@ -150,12 +158,10 @@ def _fmt(v) -> str:
 
 
 def _loss_rows(emit, shape) -> None:
-    import time
-
     from gptkit_kernels.linear_ce import chunk_rows
 
-    tokens, vocab, d, dtype, fake = (int(shape.tokens), int(shape.vocab), int(shape.d_model), DTYPES[shape.dtype],
-                                     bool(shape.fake))
+    tokens, vocab, d, dtype, fake = (int(shape.tokens), int(shape.vocab), int(shape.d_model),
+                                     DTYPES[shape.dtype], bool(shape.fake))
     chunk = shape.get("chunk_size")
     row = {"what": "loss-memory", "tokens": tokens, "vocab": vocab, "d_model": d, "dtype": shape.dtype,
            "tensors": "fake" if fake else "real", "chunk_rows": chunk_rows(tokens, vocab, chunk)}
@@ -175,7 +181,6 @@ def _loss_rows(emit, shape) -> None:
 
 
 def _doc_rows(emit, cfg, gpu: bool) -> None:
-    from gptkit.model.documents import document_bounds
     from gptkit_kernels.flash import forward_tiles
 
     T, (bm, bn) = int(cfg.doc_T), cfg.doc_blocks
@@ -194,20 +199,21 @@ def _doc_rows(emit, cfg, gpu: bool) -> None:
 
 
 def _doc_times(cfg, ids) -> dict:
-    """GPU ms of attention forward+backward on these windows: ours (fa2, tma) plain causal and document-masked,
+    """GPU ms of attention forward+backward on these windows: ours (fa2, tma) plain causal and
+    document-masked,
     and SDPA with the dense document mask (the model's sdpa fallback)."""
     from triton.testing import do_bench
 
-    from gptkit.model.attention import sdpa_attention
-    from gptkit.model.documents import Documents
     from gptkit_kernels import flash_attention
 
     n, T = ids.shape
     H, D = int(cfg.doc_heads), int(cfg.doc_head_dim)
-    q, k, v = (torch.randn(n, H, T, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    q, k, v = (torch.randn(n, H, T, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
     docs = Documents(ids.to(DEVICE))
     bounds = (docs.start, docs.end)
-    runs = {f"{impl}_{name}": (lambda impl=impl, kw=kw: flash_attention(q, k, v, causal=True, impl=impl, **kw))
+    runs = {f"{impl}_{name}": (lambda impl=impl, kw=kw:
+                               flash_attention(q, k, v, causal=True, impl=impl, **kw))
             for impl in ("fa2", "tma") for name, kw in (("causal", {}), ("docs", {"doc_bounds": bounds}))}
     runs["sdpa_dense_mask_docs"] = lambda: sdpa_attention(q, k, v, causal=True, docs=docs)[0]
     out = {}
@@ -215,7 +221,8 @@ def _doc_times(cfg, ids) -> dict:
         def step(fn=fn):
             torch.autograd.grad(fn(), (q, k, v), torch.ones_like(q))
         try:
-            out[f"{name}_fwd_bwd_ms"] = do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median")
+            out[f"{name}_fwd_bwd_ms"] = do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms,
+                                                 return_mode="median")
         except torch.cuda.OutOfMemoryError:
             out[f"{name}_fwd_bwd_ms"] = "oom"
         torch.cuda.empty_cache()
@@ -223,10 +230,8 @@ def _doc_times(cfg, ids) -> dict:
 
 
 def _kernel_rows(emit, cfg) -> None:
-    import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from gptkit.model.layers import RotaryEmbedding, _rotate
     from gptkit_kernels.linear_ce import linear_cross_entropy
     from gptkit_kernels.norm import layer_norm, rms_norm
     from gptkit_kernels.rope import rope
@@ -249,10 +254,12 @@ def _kernel_rows(emit, cfg) -> None:
         "rmsnorm": ((x, w), lambda x, w: w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
                                                                          + 1e-5)).to(x.dtype),
                     lambda x, w: rms_norm(x, w, 1e-5)),
-        "layernorm": ((x, w, b), lambda x, w, b: F.layer_norm(x.float(), (d,), w.float(), b.float(), 1e-5).to(x.dtype),
+        "layernorm": ((x, w, b),
+                      lambda x, w, b: F.layer_norm(x.float(), (d,), w.float(), b.float(), 1e-5).to(x.dtype),
                       lambda x, w, b: layer_norm(x, w, b, 1e-5)),
         "swiglu": ((g, u), lambda g, u: F.silu(g) * u, swiglu),
-        "rope": ((q, k), lambda q, k: (_rotate(q, rot.cos[:T], rot.sin[:T]), _rotate(k, rot.cos[:T], rot.sin[:T])),
+        "rope": ((q, k),
+                 lambda q, k: (_rotate(q, rot.cos[:T], rot.sin[:T]), _rotate(k, rot.cos[:T], rot.sin[:T])),
                  lambda q, k: rope(q, k, rot.cos, rot.sin)),
         "loss": ((x, wv), lambda x, w: F.cross_entropy(F.linear(x, w).float(), tg),
                  lambda x, w: linear_cross_entropy(x, w, tg)),
@@ -279,13 +286,6 @@ def _kernel_rows(emit, cfg) -> None:
 
 
 def _model_rows(emit, cfg) -> None:
-    import time
-
-    from omegaconf import OmegaConf
-
-    from gptkit.config import conf_dir
-    from gptkit.model import GPT, ModelConfig
-
     base = OmegaConf.to_container(OmegaConf.load(conf_dir() / "model" / f"{cfg.model}.yaml"))
     base.update(OmegaConf.to_container(cfg.model_overrides))
     B, T = int(cfg.model_batch), int(base["max_seq_len"])

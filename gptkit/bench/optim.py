@@ -1,4 +1,5 @@
-"""gptkit bench optim: AdamW against optim=muon on the same recipes, several seeds each (conf/bench/optim.yaml).
+"""gptkit bench optim: AdamW against optim=muon on the same recipes, several seeds each
+(conf/bench/optim.yaml).
 
 Every run is a `gptkit train` subprocess on one CPU thread, in its own folder <runs_dir>/<recipe>-<optimizer>-
 seed<n> (a finished run found there is read instead of rerun). From each run's metrics.csv:
@@ -22,6 +23,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
+from rich.table import Table
 
 from gptkit.errors import ConfigError, GptkitError
 
@@ -102,9 +106,6 @@ def run_one(args: list[str], log: Path) -> None:
 
 
 def run(cfg) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
     if not cfg.recipes or not cfg.seeds:
         raise ConfigError("bench.recipes and bench.seeds must not be empty")
     unknown = set(cfg.muon) - set(cfg.recipes)
@@ -172,7 +173,10 @@ def run(cfg) -> int:
         "val loss at AdamW's time: AdamW / Muon",
     ):
         t.add_column(col, justify="right")
-    fmt = lambda s, f="{:.4f}": f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"  # noqa: E731
+
+    def fmt(s, f="{:.4f}"):
+        return f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"
+
     for recipe, r in results.items():
         frac = r["muon_steps_fraction"]
         steps = (

@@ -17,12 +17,24 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit.config import compose
+from gptkit.data.chat import resolve_template, template_in_folder
+from gptkit.data.tasks import string_tasks, write_jsonl
+from gptkit.generate import ChatSession
+from gptkit.model import GPT, ModelConfig
+from gptkit.runs import load_run
+from gptkit.sampling import SampleOptions
+from gptkit.threads import set_threads
+from gptkit.tokenizer import byte_tokenizer
+
 
 def exact_match(model, tokenizer, template, rows: list[dict]) -> tuple[float, list[str]]:
     """(share of rows answered exactly, the answers): greedy, one fresh conversation per row."""
-    from gptkit.generate import ChatSession
-    from gptkit.sampling import SampleOptions
-
     end = template.end_of_turn().strip()
     stop = tuple(i for i in (tokenizer.token_to_id(end) if end else None,) if i is not None)
     longest = max(len(tokenizer.encode(r["response"], add_special_tokens=False).ids) for r in rows)
@@ -44,19 +56,6 @@ def by_task(rows: list[dict], answers: list[str]) -> dict[str, float]:
 
 
 def run(cfg) -> int:
-    import torch
-    from omegaconf import OmegaConf
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit.config import compose
-    from gptkit.data.chat import resolve_template, template_in_folder
-    from gptkit.data.tasks import string_tasks, write_jsonl
-    from gptkit.model import GPT, ModelConfig
-    from gptkit.runs import load_run
-    from gptkit.threads import set_threads
-    from gptkit.tokenizer import byte_tokenizer
-
     set_threads(cfg.threads, "bench.threads")
     con = Console(stderr=True, highlight=False, markup=False)
     root = Path(str(cfg.dir)).expanduser()

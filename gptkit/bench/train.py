@@ -17,18 +17,37 @@ published convention) and the device's peak for the precision (trainer.peak_tflo
 from __future__ import annotations
 
 import json
+import logging
 import statistics
 import sys
+import tempfile
 import time
+import warnings
 from pathlib import Path
 
+import torch
 import yaml
+from lightning.pytorch.callbacks import Callback
+from omegaconf import OmegaConf
+from rich.console import Console
+from rich.table import Table
+
+from gptkit import accounting as acc
+from gptkit.config import compose, conf_dir
+from gptkit.data import TokenDataModule, prepare
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.model import GPT, ModelConfig
+from gptkit.precision import precision, torch_dtype
+from gptkit.runs import resolve_device
+from gptkit.threads import set_threads
+from gptkit.training.metrics import detect_peak_flops
+from gptkit.training.module import LitGPT, apply_compile
+from gptkit.training.optim import build_optimizer, build_scheduler
+from gptkit.training.plan import compile_mode, make_plan
+from gptkit.training.trainer import build_trainer, check_trainer_config
 
 
 def _model_cfg(cfg, vocab_size: int | None):
-    from gptkit.config import conf_dir
-    from gptkit.model import ModelConfig
-
     d = yaml.safe_load((conf_dir() / "model" / f"{cfg.model}.yaml").read_text())
     d.update(dict(cfg.model_overrides or {}))
     if vocab_size is not None:
@@ -37,10 +56,6 @@ def _model_cfg(cfg, vocab_size: int | None):
 
 
 def _optim_cfg():
-    from omegaconf import OmegaConf
-
-    from gptkit.config import conf_dir
-
     o = OmegaConf.load(conf_dir() / "optim" / "adamw.yaml")
     o.warmup_steps = 10
     return o
@@ -50,8 +65,6 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this proc
 
 
 def _sync(device: str) -> None:
-    import torch
-
     if device == "cuda":
         torch.cuda.synchronize()
 
@@ -59,13 +72,6 @@ def _sync(device: str) -> None:
 def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None,
               clock=time.perf_counter) -> tuple[float, float]:
     """(seconds per timed optimizer step, seconds of the warm-up steps) of a plain PyTorch loop."""
-    import torch
-
-    from gptkit.model import GPT
-    from gptkit.precision import precision, torch_dtype
-    from gptkit.training.module import apply_compile
-    from gptkit.training.optim import build_optimizer, build_scheduler
-
     steps, warmup, log_every = int(cfg.steps), int(cfg.warmup), int(cfg.log_every)
     p = precision(cfg.precision, "bench.precision")
     torch.manual_seed(0)
@@ -118,19 +124,8 @@ def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None,
 
 def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
                 clock=time.perf_counter) -> tuple[float, float]:
-    """(seconds per timed optimizer step, seconds of the warm-up steps) of the trainer `gptkit train` builds."""
-    import tempfile
-
-    import torch
-    from lightning.pytorch.callbacks import Callback
-    from omegaconf import OmegaConf
-
-    from gptkit.config import compose
-    from gptkit.data import TokenDataModule
-    from gptkit.training.module import LitGPT
-    from gptkit.training.plan import make_plan
-    from gptkit.training.trainer import build_trainer, check_trainer_config
-
+    """(seconds per timed optimizer step, seconds of the warm-up steps) of the trainer `gptkit train`
+    builds."""
     steps, warmup = int(cfg.steps), int(cfg.warmup)
 
     class Clock(Callback):
@@ -150,17 +145,20 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
 
     run_cfg = compose("train", [f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
                                 f"trainer.precision={cfg.precision}", f"trainer.batch_size={cfg.batch_size}",
-                                f"trainer.gradient_clip_val={cfg.clip or 'null'}", f"trainer.log_every={cfg.log_every}",
-                                "trainer.progress=off", "trainer.val_every=1000000", "trainer.checkpoint_every=1000000",
+                                f"trainer.gradient_clip_val={cfg.clip or 'null'}",
+                                f"trainer.log_every={cfg.log_every}",
+                                "trainer.progress=off", "trainer.val_every=1000000",
+                                "trainer.checkpoint_every=1000000",
                                 f"trainer.compile={compile_mode or 'none'}",
                                 f"trainer.compile_backend={cfg.compile_backend}", "logger=[]"])
     run_cfg = OmegaConf.create(OmegaConf.to_container(run_cfg, resolve=True))
     run_cfg.optim = _optim_cfg()
     run_cfg.trainer.max_steps = warmup + steps
-    check_trainer_config(run_cfg.trainer)
+    checked = check_trainer_config(run_cfg.trainer)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-") as run_dir:
-        plan = make_plan(run_cfg, Path(run_dir), model_cfg)  # the plan `gptkit train` would make
+        # the plan `gptkit train` would make
+        plan = make_plan(run_cfg, Path(run_dir), model_cfg, checked=checked)
         module = LitGPT(plan)
         dm = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len, seed=1337,
                              val_windows=1)
@@ -172,22 +170,6 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
 
 
 def run(cfg) -> int:
-    import logging
-    import warnings
-
-    import torch
-    from omegaconf import OmegaConf
-    from rich.console import Console
-    from rich.table import Table
-
-    from gptkit import accounting as acc
-    from gptkit.data import TokenDataModule, prepare
-    from gptkit.errors import ConfigError, GptkitError
-    from gptkit.runs import resolve_device
-    from gptkit.threads import set_threads
-    from gptkit.training.metrics import detect_peak_flops
-    from gptkit.training.plan import compile_mode
-
     set_threads(cfg.get("threads"), "bench.threads")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -207,7 +189,8 @@ def run(cfg) -> int:
     model_cfg = _model_cfg(cfg, None if cfg.model_overrides and "vocab_size" in cfg.model_overrides
                            else prepared.vocab_size)
     if model_cfg.vocab_size < prepared.vocab_size:
-        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} < the corpus's {prepared.vocab_size} tokens")
+        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} < the corpus's {prepared.vocab_size} "
+                          "tokens")
     sampler = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len,
                               seed=1337, val_windows=1).sampler
     flops = acc.flops_per_token(model_cfg).train_dense  # the MFU convention
@@ -215,9 +198,9 @@ def run(cfg) -> int:
     tokens_per_step = int(cfg.batch_size) * model_cfg.max_seq_len
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     con = Console(width=None if sys.stdout.isatty() else 160)
-    con.print(f"{model_cfg.name}: {acc.count_params(model_cfg).total:,} parameters, {where}, {cfg.precision}, "
-              f"batch {cfg.batch_size} x {model_cfg.max_seq_len} tokens, clip {cfg.clip}, {cfg.steps} timed steps "
-              f"after {cfg.warmup}, median of {cfg.repeats}; MFU: count-params FLOPs "
+    con.print(f"{model_cfg.name}: {acc.count_params(model_cfg).total:,} parameters, {where}, "
+              f"{cfg.precision}, batch {cfg.batch_size} x {model_cfg.max_seq_len} tokens, clip {cfg.clip}, "
+              f"{cfg.steps} timed steps after {cfg.warmup}, median of {cfg.repeats}; MFU: count-params FLOPs "
               f"(6N + 12·L·T·d_attn) / peak")
     rows = []
     for setting in cfg.compile:
@@ -233,23 +216,25 @@ def run(cfg) -> int:
         b, g = statistics.median(bare), statistics.median(ours)
         row = {"compile": mode or "off", "bare_ms": b * 1e3, "gptkit_ms": g * 1e3,
                "bare_tokens_per_s": tokens_per_step / b, "gptkit_tokens_per_s": tokens_per_step / g,
-               "speed_vs_bare": b / g, "first_steps_s": max(bare_warm[0], ours_warm[0]),  # the first loop compiles
+               # the first loop compiles
+               "speed_vs_bare": b / g, "first_steps_s": max(bare_warm[0], ours_warm[0]),
                "bare_all_ms": [x * 1e3 for x in bare], "gptkit_all_ms": [x * 1e3 for x in ours]}
         if peak:
             row["gptkit_mfu"] = acc.mfu(row["gptkit_tokens_per_s"], flops, peak)
             row["bare_mfu"] = acc.mfu(row["bare_tokens_per_s"], flops, peak)
         rows.append(row)
         mfu = f", MFU {row['gptkit_mfu']:.1%} vs {row['bare_mfu']:.1%}" if peak else ""
-        con.print(f"compile={row['compile']}: gptkit {row['gptkit_ms']:.2f} ms/step ({row['gptkit_tokens_per_s']:,.0f} "
-                  f"tokens/s), plain PyTorch {row['bare_ms']:.2f} ms/step ({row['bare_tokens_per_s']:,.0f} tokens/s): "
-                  f"{row['speed_vs_bare']:.3f}x{mfu}; first {cfg.warmup} steps (with compilation) "
-                  f"{row['first_steps_s']:.1f} s", highlight=False)
+        con.print(f"compile={row['compile']}: gptkit {row['gptkit_ms']:.2f} ms/step "
+                  f"({row['gptkit_tokens_per_s']:,.0f} tokens/s), plain PyTorch {row['bare_ms']:.2f} ms/step "
+                  f"({row['bare_tokens_per_s']:,.0f} tokens/s): {row['speed_vs_bare']:.3f}x{mfu}; first "
+                  f"{cfg.warmup} steps (with compilation) {row['first_steps_s']:.1f} s", highlight=False)
     t = Table(title=f"gptkit train vs a plain PyTorch loop ({where}, {cfg.precision})")
     for col in ("torch.compile", "plain ms/step", "gptkit ms/step", "gptkit tokens/s", "speed vs plain",
                 "first steps (s)") + (("MFU",) if peak else ()):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["compile"], f"{r['bare_ms']:.2f}", f"{r['gptkit_ms']:.2f}", f"{r['gptkit_tokens_per_s']:,.0f}",
+        t.add_row(r["compile"], f"{r['bare_ms']:.2f}", f"{r['gptkit_ms']:.2f}",
+                  f"{r['gptkit_tokens_per_s']:,.0f}",
                   f"{r['speed_vs_bare']:.3f}x", f"{r['first_steps_s']:.1f}",
                   *((f"{r['gptkit_mfu']:.1%}",) if peak else ()))
     con.print(t)

@@ -9,10 +9,13 @@ Examples:
 
 from __future__ import annotations
 
+import json
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def run(cfg) -> int:
-    import json
-
     from gptkit.attention_maps import mean_entropy_bits, write_for_run
     from gptkit.errors import ConfigError
     from gptkit.generate import encode_prompt, special_token_ids

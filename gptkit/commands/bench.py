@@ -10,21 +10,25 @@ Examples:
 
 from __future__ import annotations
 
+import importlib
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def prepare_args(args: list[str]) -> list[str]:
     """Options belong to the chosen benchmark: `out=x.json` means `bench.out=x.json`."""
     out = []
     for a in args:
         key = a.split("=", 1)[0]
-        if "=" in a and not a.startswith(("-", "+", "~", "hydra")) and key != "bench" and not key.startswith("bench."):
+        if ("=" in a and not a.startswith(("-", "+", "~", "hydra")) and key != "bench"
+                and not key.startswith("bench.")):
             a = f"bench.{a}"
         out.append(a)
     return out
 
 
 def run(cfg) -> int:
-    import importlib
-
     from gptkit.errors import ConfigError
 
     what = cfg.bench.name

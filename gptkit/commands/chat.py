@@ -14,14 +14,17 @@ Examples:
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 COMMANDS = ("/reset", "/exit")
 
 
 def run(cfg) -> int:
-    import json
-    import sys
-    from pathlib import Path
-
     from gptkit.data.chat import check_special_tokens, resolve_template, template_in_folder
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.generate import ChatSession

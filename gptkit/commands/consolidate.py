@@ -10,11 +10,14 @@ Examples:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def run(cfg) -> int:
-    import sys
-    from pathlib import Path
-
     from gptkit.checkpoints import consolidate, is_sharded_checkpoint
     from gptkit.errors import GptkitError
     from gptkit.fsio import remove_dead_temps

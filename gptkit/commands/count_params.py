@@ -8,6 +8,11 @@ Examples:
 
 from __future__ import annotations
 
+import json
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def report(cfg) -> dict:
     """Everything count-params knows, as plain data (the json output)."""
@@ -31,7 +36,8 @@ def report(cfg) -> dict:
     else:
         gpu = str(cfg.gpu).lower()
         if gpu not in acc.ACCELERATORS:
-            raise ConfigError(f"unknown gpu={cfg.gpu!r}; known: {', '.join(acc.ACCELERATORS)} (or set peak_tflops=)")
+            raise ConfigError(f"unknown gpu={cfg.gpu!r}; known: {', '.join(acc.ACCELERATORS)} (or set "
+                              "peak_tflops=)")
         if cfg.dtype not in acc.ACCELERATORS[gpu]:
             raise ConfigError(f"gpu={gpu} has no {cfg.dtype} peak in the table; pick dtype= one of "
                               f"{', '.join(acc.ACCELERATORS[gpu])} or set peak_tflops=")
@@ -45,7 +51,8 @@ def report(cfg) -> dict:
     train_causal = fl.train_causal * tokens  # perf/mfu_causal
     hours = lambda flops: flops / (peak * float(cfg.mfu)) / 3600.0  # noqa: E731
     kv_tok = acc.kv_cache_bytes_per_token(m, cfg.kv_dtype)
-    mem = acc.training_memory(m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing))
+    mem = acc.training_memory(m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len,
+                              bool(cfg.checkpointing))
     return {
         "model": m.to_dict(),
         "params": {
@@ -79,8 +86,6 @@ def report(cfg) -> dict:
 
 
 def run(cfg) -> int:
-    import json
-
     r = report(cfg)
     if cfg.format == "json":
         print(json.dumps(r, indent=2))
@@ -94,7 +99,8 @@ def run(cfg) -> int:
 
 
 def _si(x: float, unit: str = "") -> str:
-    for scale, s in ((1e24, "Y"), (1e21, "Z"), (1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    for scale, s in ((1e24, "Y"), (1e21, "Z"), (1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"),
+                     (1e3, "k")):
         if abs(x) >= scale:
             return f"{x / scale:.3g} {s}{unit}"
     return f"{x:.3g} {unit}".strip()
@@ -126,7 +132,8 @@ def _print_tables(r: dict, cfg) -> None:
         (f"mlp ({L} layers)", p["mlp"]),
         (f"norms ({L} layers)", p["norms"]),
         ("final norm", p["final_norm"]),
-        ("lm head" + (" (tied: counted in the token embedding)" if m["tie_embeddings"] else ""), p["lm_head"]),
+        ("lm head" + (" (tied: counted in the token embedding)" if m["tie_embeddings"] else ""),
+         p["lm_head"]),
     ]
     for name, n in rows:
         t.add_row(name, f"{n:,}", f"{100 * n / total:.2f}%")
@@ -140,14 +147,15 @@ def _print_tables(r: dict, cfg) -> None:
     ft.add_column("")
     ft.add_column("full attention (perf/mfu)", justify="right")
     ft.add_column("causal (perf/mfu_causal)", justify="right")
-    ft.add_row("forward (2N + 4·L·T·d_attn)", _si(f["forward_dense"], "FLOP"), _si(f["forward_causal"], "FLOP"))
+    ft.add_row("forward (2N + 4·L·T·d_attn)", _si(f["forward_dense"], "FLOP"),
+               _si(f["forward_causal"], "FLOP"))
     ft.add_row("training (6N + 12·L·T·d_attn)", _si(f["train_dense"], "FLOP"), _si(f["train_causal"], "FLOP"))
     ft.add_row("  of which attention scores", _si(3 * f["attention_forward_dense"], "FLOP"),
                _si(1.5 * f["attention_forward_dense"], "FLOP"))
     ft.add_row("6N with N = all parameters (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
     con.print(ft)
-    con.print(f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices plus the LM head "
-              f"(a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.\n"
+    con.print(f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices plus the LM "
+              f"head (a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.\n"
               f"MFU convention: perf/mfu, the logged FLOP/s and the GPU-hours below count full attention "
               f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "
               f"perf/mfu_causal halves the attention term.")
@@ -156,8 +164,8 @@ def _print_tables(r: dict, cfg) -> None:
     et.add_column("")
     et.add_column("value", justify="right")
     d = plan["tokens"]
-    et.add_row("training tokens D" + (" (compute-optimal: 20 per parameter)" if plan["tokens_is_compute_optimal"] else ""),
-               _si(d))
+    optimal = " (compute-optimal: 20 per parameter)" if plan["tokens_is_compute_optimal"] else ""
+    et.add_row(f"training tokens D{optimal}", _si(d))
     et.add_row("compute-optimal tokens (~20 x params)", _si(plan["compute_optimal_tokens"]))
     et.add_row("training FLOPs, 6·N·D", f"{plan['train_flops_6nd']:.3e}")
     et.add_row("training FLOPs, per-token x D (full attention: the MFU convention)",
@@ -168,13 +176,15 @@ def _print_tables(r: dict, cfg) -> None:
                f"{plan['gpu_hours_6nd']:,.0f} (6ND) / {plan['gpu_hours_full_attention']:,.0f} "
                f"(full attention)")
     et.add_row(f"KV cache per token ({cfg.kv_dtype})", human_bytes(plan["kv_cache_bytes_per_token"]))
-    et.add_row(f"KV cache at full context ({f['seq_len']} tokens, batch 1)", human_bytes(plan["kv_cache_bytes_full_context"]))
+    et.add_row(f"KV cache at full context ({f['seq_len']} tokens, batch 1)",
+               human_bytes(plan["kv_cache_bytes_full_context"]))
     mem = plan["memory_per_gpu"]
     shard = f", sharded over {plan['n_gpus']} GPUs" if plan["n_gpus"] > 1 else ""
     et.add_section()
     for k in ("weights", "gradients", "optimizer"):
         et.add_row(f"training memory per GPU: {k} ({plan['precision']}{shard})", human_bytes(mem[k]))
-    et.add_row(f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})", human_bytes(mem["activations"]))
+    et.add_row(f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})",
+               human_bytes(mem["activations"]))
     et.add_row("training memory per GPU: logits and loss", human_bytes(mem["logits"]))
     et.add_row("[bold]training memory per GPU: total", f"[bold]{human_bytes(mem['total'])}")
     con.print(et)

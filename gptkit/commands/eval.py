@@ -27,6 +27,14 @@ window, positions restart with model.position_reset); pack=stream|documents choo
 
 from __future__ import annotations
 
+import json
+import math
+import sys
+import time
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 TASK_ONLY = ("limit", "num_fewshot", "out")  # options of tasks=
 CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")  # options of the corpus evaluation
 
@@ -107,9 +115,6 @@ def run(cfg) -> int:
 
 
 def run_corpus(cfg) -> int:
-    import json
-    import math
-
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.evaluation import evaluate_sequences, lm_eval_documents, scored_text_size, window_starts
     from gptkit.generate import special_token_ids
@@ -199,10 +204,6 @@ def run_corpus(cfg) -> int:
 
 def run_tasks(cfg) -> int:
     """tasks=...: lm-eval tasks through gptkit's LM adapter; a table, and the results as JSON files."""
-    import json
-    import sys
-    import time
-
     from gptkit.errors import ConfigError
     from gptkit.evaluation import tasks as T
     from gptkit.runs import load_for_inference, resolve_device

@@ -12,12 +12,15 @@ Examples:
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def run(cfg) -> int:
-    import json
-    import sys
-    from pathlib import Path
-
     from gptkit import hf
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
@@ -45,7 +48,8 @@ def run(cfg) -> int:
     out = Path(cfg.out).expanduser()
     check_not_source(out, run_dir_of(ckpt))
     out = check_out_dir(out, bool(cfg.force))  # fail before the slow part
-    arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))  # refuse before loading
+    # refuse before loading
+    arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
 
     run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
 
@@ -54,7 +58,8 @@ def run(cfg) -> int:
         check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
     eos = (run_cfg.get("tokenizer") or {}).get("eos_token")  # what training appended after each document
     special = special_tokens(tokenizer, eos) if tokenizer is not None else {}
-    ids = {role: special[role][1] if role in special else None for role in ("bos_token", "eos_token", "pad_token")}
+    ids = {role: special[role][1] if role in special else None
+           for role in ("bos_token", "eos_token", "pad_token")}
 
     state = hf.to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
     config = hf.hf_config(model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"],
@@ -71,7 +76,8 @@ def run(cfg) -> int:
     n_params = sum(v.numel() for v in state.values())
     print(f"exported {ckpt} as {hf.ARCHITECTURES[arch]} ({n_params:,} parameters, {cfg.dtype}) to {out}: "
           f"config.json, {', '.join(weights)}, generation_config.json"
-          + (", tokenizer.json, tokenizer_config.json, special_tokens_map.json" if tokenizer is not None else ""))
+          + (", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
+             if tokenizer is not None else ""))
     if tokenizer is None:
         print(f"warning: {Path(run_dir) / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
               f"(AutoTokenizer will not load it); copy the run's tokenizer.json there and export again",

@@ -18,11 +18,14 @@ Examples:
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def run(cfg) -> int:
-    import sys
-    from pathlib import Path
-
     from gptkit import hf
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir
@@ -40,14 +43,14 @@ def run(cfg) -> int:
     done = hf.import_folder(src, out, force=bool(cfg.force), name=cfg.name)
 
     shown = cfg.hf if src.spec == str(src.dir.resolve()) else src.spec  # a Hub model: owner/name@commit
-    print(f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> fp32) "
-          f"into {out}")
+    print(f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> "
+          f"fp32) into {out}")
     print(f"  attention heads: {done.heads}")
     if done.has_chat_template:
         print(f"  chat template: kept in {out / 'chat.json'} (gptkit chat run={out}; data=chat "
               f"data.template=auto)")
     if not done.has_tokenizer:
         print(f"warning: {shown} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
-              f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) writes "
-              f"it)", file=sys.stderr)
+              f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) "
+              f"writes it)", file=sys.stderr)
     return 0

@@ -7,6 +7,9 @@ Example:
 
 from __future__ import annotations
 
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def run(cfg) -> int:
     from gptkit.errors import GptkitError

@@ -6,17 +6,25 @@ estimate of training memory for this model, precision, strategy and batch. No da
 Examples:
   gptkit preflight trainer=ddp trainer.devices=8 model=gpt2
   gptkit preflight trainer=fsdp trainer.devices=8 model=llama3-8b trainer.batch_size=2
-  torchrun --nnodes=2 --nproc-per-node=8 ... -m gptkit preflight trainer=fsdp trainer.devices=8 trainer.num_nodes=2
+  torchrun --nnodes=2 --nproc-per-node=8 ... -m gptkit preflight trainer=fsdp \\
+      trainer.devices=8 trainer.num_nodes=2
 Exit status 0 when every check passes, 2 (with one line saying which) when one fails.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import platform
+import socket
+import warnings
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def _device_memory(device: str, per_node: int) -> tuple[float, float]:
     """(total, free) bytes available to one process: its GPU, or this node's RAM shared by its processes."""
-    import os
-
     import torch
 
     if device.startswith("cuda"):
@@ -29,21 +37,19 @@ def _device_memory(device: str, per_node: int) -> tuple[float, float]:
 
 
 def _probe(fabric, per_node: int) -> dict:
-    import socket
-
     from gptkit.training.distributed import probe_collective
 
     device = str(fabric.device)
-    result = probe_collective(device) if fabric.world_size > 1 else {"sum": 0.0, "expected": 0.0, "seconds": 0.0,
-                                                                      "backend": "none (one process)"}
+    if fabric.world_size > 1:
+        result = probe_collective(device)
+    else:
+        result = {"sum": 0.0, "expected": 0.0, "seconds": 0.0, "backend": "none (one process)"}
     total, free = _device_memory(device, per_node)
     return {"rank": fabric.global_rank, "host": socket.gethostname(), "device": device,
             "device_name": _device_name(device), "mem_total": total, "mem_free": free, **result}
 
 
 def _device_name(device: str) -> str:
-    import platform
-
     import torch
 
     if device.startswith("cuda"):
@@ -52,9 +58,6 @@ def _device_name(device: str) -> str:
 
 
 def run(cfg) -> int:
-    import logging
-    import warnings
-
     from lightning.fabric import Fabric
 
     from gptkit import accounting as acc
@@ -67,9 +70,10 @@ def run(cfg) -> int:
         logging.getLogger(name).setLevel(logging.WARNING)  # our table says it all
     warnings.filterwarnings("ignore", message=r".*GLOO_SOCKET_IFNAME.*")
     t = cfg.trainer
-    check_trainer_config(t)  # the same one-line errors as `train`, before any process starts
+    checked = check_trainer_config(t)  # the same one-line errors as `train`, before any process starts
     model = model_config(cfg.model)
-    plan = make_plan(cfg, None, model)  # the plan `train` would make, without data: the same world and window
+    # the plan `train` would make, without data: the same world and window
+    plan = make_plan(cfg, None, model, checked=checked)
     per_node, world = plan.devices, plan.world_size
     estimate = acc.training_memory(model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
                                    bool(t.activation_checkpointing))
@@ -128,8 +132,8 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     short = [r for r in rows if need > margin * r["mem_total"]]
     if short:
         r = short[0]
-        problems.append(f"training needs ~{human_bytes(need)} per device (count-params estimate) but rank {r['rank']} has "
-                        f"{human_bytes(r['mem_total'])}; use {memory_advice(t)}")
+        problems.append(f"training needs ~{human_bytes(need)} per device (count-params estimate) but rank "
+                        f"{r['rank']} has {human_bytes(r['mem_total'])}; use {memory_advice(t)}")
 
     summary = Table(title=f"gptkit preflight: {model.name}, strategy {t.strategy}, precision {t.precision}")
     summary.add_column("check")
@@ -138,20 +142,22 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     ok = lambda good: "[green]ok[/]" if good else "[red]FAIL[/]"  # noqa: E731
     hosts = sorted({r["host"] for r in rows})
     summary.add_row("world size", f"{world} = {per_node} devices x {int(t.num_nodes)} nodes "
-                                  f"({len(hosts)} host(s): {', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''})",
+                                  f"({len(hosts)} host(s): "
+                                  f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''})",
                     ok(len(rows) == world and ranks == list(range(world))))
     summary.add_row("backend", rows[0]["backend"], "")
     slowest = max(r["seconds"] for r in rows)
     summary.add_row("all-reduce of the ranks", f"sum {rows[0]['sum']:g} (expected {rows[0]['expected']:g}), "
                                                f"slowest rank {slowest * 1e3:.1f} ms", ok(not bad_sum))
     summary.add_row("training memory per device (estimate)",
-                    f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads {human_bytes(estimate['gradients'])}, "
-                    f"optimizer {human_bytes(estimate['optimizer'])}, "
-                    f"activations {human_bytes(estimate['activations'])}, "
-                    f"logits {human_bytes(estimate['logits'])} "
-                    f"(batch {int(t.batch_size)} x {estimate['seq_len']})", "")
+                    f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads "
+                    f"{human_bytes(estimate['gradients'])}, optimizer {human_bytes(estimate['optimizer'])}, "
+                    f"activations {human_bytes(estimate['activations'])}, logits "
+                    f"{human_bytes(estimate['logits'])} (batch {int(t.batch_size)} x "
+                    f"{estimate['seq_len']})", "")
     smallest = min(r["mem_total"] for r in rows)
-    summary.add_row("smallest device memory", f"{human_bytes(smallest)} (limit {margin:.0%}: {human_bytes(margin * smallest)})",
+    summary.add_row("smallest device memory", f"{human_bytes(smallest)} (limit {margin:.0%}: "
+                                              f"{human_bytes(margin * smallest)})",
                     ok(not short))
     con.print(summary)
     devices = Table(title="ranks")

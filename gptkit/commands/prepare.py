@@ -11,7 +11,8 @@ Examples:
   gptkit prepare data=files data.paths=input.txt           (one path may be a plain string)
   gptkit prepare data=files "data.paths=['data/*.jsonl']" data.val_paths=[val.jsonl] data.text_field=content
                                                    (globs inside a list need quotes: Hydra's grammar)
-  gptkit prepare data=hub data.name=Salesforce/wikitext data.config=wikitext-2-raw-v1 data.val_split=validation
+  gptkit prepare data=hub data.name=Salesforce/wikitext data.config=wikitext-2-raw-v1 \\
+      data.val_split=validation
                                                    (streamed: nothing is downloaded first)
   gptkit prepare data=files 'data.paths=[big/*.txt]' tokenizer=bpe data.workers=16   (16 tokenizing processes)
   gptkit prepare data=mix 'data.sources={web: {kind: files, paths: [web.jsonl], weight: 0.7},
@@ -24,6 +25,9 @@ A killed prepare (kill -9 included) is continued by running the same command aga
 
 from __future__ import annotations
 
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 
 def run(cfg) -> int:
     from rich.console import Console
@@ -32,7 +36,8 @@ def run(cfg) -> int:
     from gptkit.data import prepare
     from gptkit.data.windows import check_window
 
-    p = prepare(cfg.data, cfg.tokenizer, cache_dir=cfg.cache_dir, progress=bool(cfg.progress), force=bool(cfg.force))
+    p = prepare(cfg.data, cfg.tokenizer, cache_dir=cfg.cache_dir, progress=bool(cfg.progress),
+                force=bool(cfg.force))
     m = p.manifest
     if cfg.seq_len is not None:
         for split in ("train", "val"):

@@ -14,6 +14,13 @@ Examples:
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 STOP_REASONS = {"eos": "the end-of-text token", "stop": "a stop string", "length": "max_new_tokens",
                 "context": "the full context (overflow=stop)"}
 
@@ -56,8 +63,6 @@ def options(cfg, max_seq_len: int, eos_id):
 
 
 def read_prompt(cfg) -> str:
-    from pathlib import Path
-
     from gptkit.errors import GptkitError
 
     if cfg.prompt_file is None:
@@ -71,14 +76,11 @@ def read_prompt(cfg) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise GptkitError(f"prompt_file={p}: byte {exc.start} ({data[exc.start:exc.start + 1]!r}) is not valid UTF-8; "
-                          f"save the prompt as UTF-8 text") from None
+        raise GptkitError(f"prompt_file={p}: byte {exc.start} ({data[exc.start:exc.start + 1]!r}) is not "
+                          f"valid UTF-8; save the prompt as UTF-8 text") from None
 
 
 def run(cfg) -> int:
-    import json
-    import sys
-
     from gptkit.errors import ConfigError
     from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
     from gptkit.runs import load_for_inference, resolve_device
@@ -110,11 +112,13 @@ def run(cfg) -> int:
     tok_s = steps_tokens / g.decode_s if g.decode_s > 0 else 0.0
     if cfg.format == "json":  # JSON Lines: one object per sample, each line complete on its own
         shared = {
-            "run": str(r.dir), "checkpoint": str(r.checkpoint), "prompt": prompt, "prompt_tokens": g.prompt_tokens,
-            "settings": {**opts.__dict__, "stop": list(opts.stop), "device": str(r.model.tok_emb.weight.device),
-                         "dtype": str(cfg.dtype)},
+            "run": str(r.dir), "checkpoint": str(r.checkpoint), "prompt": prompt,
+            "prompt_tokens": g.prompt_tokens,
+            "settings": {**opts.__dict__, "stop": list(opts.stop),
+                         "device": str(r.model.tok_emb.weight.device), "dtype": str(cfg.dtype)},
             "timing": {"prefill_s": g.prefill_s, "decode_s": g.decode_s, "decode_steps": g.decode_steps,
-                       "decode_tokens_per_s": tok_s, "slides": g.slides, "decode": g.decode, "setup_s": g.setup_s},
+                       "decode_tokens_per_s": tok_s, "slides": g.slides, "decode": g.decode,
+                       "setup_s": g.setup_s},
             "notes": g.notes,
         }
         for i, (text, tokens, why) in enumerate(zip(g.texts, g.tokens, g.stop_reasons)):

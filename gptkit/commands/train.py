@@ -14,24 +14,31 @@ Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exa
 
 from __future__ import annotations
 
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
 EXIT_CODES = {"SIGINT": 130, "SIGTERM": 143}
-_checked = False  # check() ran check_config on this process's config, before Hydra
+# what check() derived from this process's config before Hydra (gptkit.training.plan.Checked) and the
+# command line the CLI parsed (gptkit.options.Option): train() reads them instead of deriving them again.
+# None for a multirun, whose jobs each have their own values.
+_checked = None
+_options = None
 
 
-def prepare_args(args: list[str]) -> list[str]:
+def prepare_options(args: list[str], options: list) -> list[str]:
     """Before Hydra creates the run folder: refuse a run folder outside runs_dir, resume into the run's own
-    folder, and check that the runs folder is writable (one-line errors instead of Hydra's tracebacks)."""
-    import sys
-    from pathlib import Path
-
+    folder, and check that the runs folder is writable (one-line errors instead of Hydra's tracebacks).
+    options: `args` as the CLI parsed them (gptkit.options); the few keys read here come from them."""
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
-    from gptkit.options import parse_options
     from gptkit.runs import LATEST, check_run_location, check_saved_run, find_run_checkpoint
     from gptkit.training.fit import check_resume_or_init
 
-    # the few keys read here, from the options parsed as the rest of gptkit parses them
-    options = parse_options([a for a in args if "=" in a], sweeps=True)
     kv = {o.key: None if o.value is None else str(o.value) for o in options
           if o.kind == "key" and not o.sweep and o.key in ("resume", "init_from", "name", "runs_dir")}
     check_resume_or_init(kv.get("resume"), kv.get("init_from"))
@@ -46,8 +53,8 @@ def prepare_args(args: list[str]) -> list[str]:
             args = [f"resume={run_dir}" if a.startswith("resume=") else a for a in args]
         asked = (Path(kv.get("runs_dir", run_dir.parent)).resolve() / kv.get("name", run_dir.name))
         if asked != run_dir and ("name" in kv or "runs_dir" in kv):
-            print(f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run from "
-                  f"its weights elsewhere: init_from={kv['resume']})", file=sys.stderr)
+            print(f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run "
+                  f"from its weights elsewhere: init_from={kv['resume']})", file=sys.stderr)
         args = [a for a in args if not a.startswith(("name=", "runs_dir=", "hydra.output_subdir="))]
         args += [f"name={run_dir.name}", f"runs_dir={run_dir.parent}",
                  "hydra.output_subdir=null"]  # keep the original run's .hydra/ untouched
@@ -83,9 +90,6 @@ def _name_after_init_source(args: list[str], options, kv: dict) -> list[str]:
 def _can_create_in(folder) -> bool:
     """Whether a folder can be made in `folder`: tried (and removed), since permission bits do not tell
     for root or for filesystems such as /proc."""
-    import os
-    import tempfile
-
     if not folder.is_dir() or not os.access(folder, os.W_OK):
         return False
     try:
@@ -95,23 +99,23 @@ def _can_create_in(folder) -> bool:
     return True
 
 
-def check(cfg, multirun: bool = False) -> None:
+def check(cfg, multirun: bool = False, options: list | None = None) -> None:
     """The composed config, before Hydra creates the run folder: trainer, optimizer, schedule, model and
     init_from settings fail here in one line, before any data is prepared or any file is written. Then, for
     a single run with an explicit name=, this process takes the run folder's lock, so that a second writer
     is refused before it writes anything (Hydra's .hydra/ included). (A multirun's name= is the sweep folder,
     which holds no run: each job locks its own folder, as resumes do, in `train`.)"""
-    from pathlib import Path
-
     from omegaconf import OmegaConf
 
     from gptkit.runs import check_run_location, claim_run_dir, is_rank_zero, unused
     from gptkit.training.fit import check_config
 
-    global _checked
-    check_config(cfg)
-    _checked = not multirun  # a multirun's jobs each have their own values: train() checks each
-    if not multirun and not OmegaConf.is_interpolation(cfg, "name") and is_rank_zero():  # the default name holds the time
+    global _checked, _options
+    checked = check_config(cfg)
+    if not multirun:  # a multirun's jobs each have their own values: train() checks each
+        _checked, _options = checked, options
+    # the default name holds the time
+    if not multirun and not OmegaConf.is_interpolation(cfg, "name") and is_rank_zero():
         check_run_location(cfg.runs_dir, cfg.name)
         run_dir = Path(cfg.runs_dir) / str(cfg.name)
         claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
@@ -119,11 +123,9 @@ def check(cfg, multirun: bool = False) -> None:
 
 def run(cfg) -> int:
     """Train (Hydra runs this with its composed config); the exit status says how the run ended."""
-    import sys
-
     from gptkit.training.fit import train
 
-    result = train(cfg, checked=_checked)
+    result = train(cfg, checked=_checked, options=_options)
     if result.stopped_by:
         if result.is_global_zero:
             print(f"{result.stopped_by}: saved {result.last_checkpoint} at step {result.step}; "

@@ -22,6 +22,7 @@ half-written is ever taken for a result. A build that fails on bad input is remo
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -53,22 +54,29 @@ from gptkit.data.tokenize import (
     EncoderSpec,
     Tokenizing,
     batches,
+    char_like,
     choose_engine,
     split_long,
     start_workers,
     text_bytes,
+    tiktoken_tables,
 )
+from gptkit.data.windows import PACKS
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
 from gptkit.fsio import DIR_MODE, atomic_write_text, disk_full_error, file_crc32, is_disk_full, lock_file
 from gptkit.threads import cores
 from gptkit.tokenizer import (
+    SPECIAL_ROLES,
     build_tokenizer,
     eos_id,
     file_sha256,
     load_tokenizer_file,
     tokenizer_settings,
 )
+from gptkit.version import __version__
+
+# rich is imported for the progress bar of a terminal only.
 
 __all__ = ["prepare", "split_long", "data_settings", "use_prepared", "check_tokenizer", "remove_stale_builds"]
 
@@ -117,7 +125,6 @@ def data_settings(cfg: Any) -> dict[str, Any]:
     (how windows are drawn from the shards, and how the shards are built, are no part of the cache key)."""
     from omegaconf import DictConfig, OmegaConf
 
-    from gptkit.data.windows import PACKS
 
     d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     pack = d.pop("pack", "stream")
@@ -181,7 +188,13 @@ class _Progress:
         self.bar = None
         if enabled and sys.stderr.isatty():
             from rich.console import Console
-            from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
+            from rich.progress import (
+                BarColumn,
+                Progress,
+                TextColumn,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
 
             self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(),
                                 TextColumn("{task.fields[tokens]} tokens"), TimeRemainingColumn(),
@@ -226,8 +239,6 @@ def _say(msg: str) -> None:
 # ---- the tokenizer ----------------------------------------------------------------------------------
 def cutter_for(tok, tok_s: dict[str, Any]) -> Cutter:
     """How documents may be cut for this tokenizer (see gptkit.data.tokenize)."""
-    from gptkit.data.tokenize import char_like, tiktoken_tables
-
     kind = tok_s["kind"]
     specials = [t.content for t in tok.get_added_tokens_decoder().values()]
     if kind in ("char", "byte") or (kind == "file" and char_like(tok.to_str())):
@@ -297,8 +308,6 @@ BOS = ("auto", True, False)
 def own_bos(specials: Iterable[str], eos_token: str | None) -> str | None:
     """The text of a tokenizer's own BOS among its special tokens: the first of the usual spellings (e.g.
     Llama's <s> or <|begin_of_text|>); not GPT-2's <|endoftext|> (its EOS), nor the EOS token."""
-    from gptkit.tokenizer import SPECIAL_ROLES
-
     have = set(specials)
     found = next((n for n in SPECIAL_ROLES["bos_token"] if n in have), None)
     return None if found in (None, "<|endoftext|>", eos_token) else found
@@ -427,8 +436,8 @@ def _split_tail(all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: st
     is recorded, so that a build killed in between finishes it."""
     n_val = int(round(n * fraction))
     if n_val < 1 or n - n_val < 1:
-        raise GptkitError(f"the corpus has only {n} tokens: too short to split off data.val_fraction={fraction}; "
-                          f"give more text")
+        raise GptkitError(f"the corpus has only {n} tokens: too short to split off "
+                          f"data.val_fraction={fraction}; give more text")
     itemsize = DTYPES[dtype]
     if not journal.state.get("val_written"):
         copy_tail(all_bin, val_bin, (n - n_val) * itemsize)
@@ -553,8 +562,6 @@ def _cache_hit(final: Path, key: str) -> PreparedData:
 
 def _wait_unlocked(path: Path) -> None:
     """Block until the builder holding the lock at `path` is done (or the lock file is gone)."""
-    import fcntl
-
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -647,8 +654,6 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
 
 def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any],
                 key: str, progress: bool, n_workers: int, pool: Any, t0: float) -> dict[str, Any]:
-    from gptkit.version import __version__
-
     resumed = _open_build(tmp, key)
     if resumed is not None:
         tok, journal = resumed

@@ -38,7 +38,9 @@ from gptkit.data.build import cache_root, remove_stale_builds
 from gptkit.data.sources import expand_paths
 from gptkit.errors import GptkitError
 from gptkit.fsio import DIR_MODE
-from gptkit.tokenizer import build_tokenizer, tokenizer_settings, tokenizer_sha256
+from gptkit.tokenizer import build_tokenizer, load_tokenizer_file, tokenizer_settings, tokenizer_sha256
+
+# jinja2, pyarrow and torch are imported where a template is rendered or a batch made.
 
 ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "all")
@@ -438,8 +440,6 @@ class ChatData:
         """Nothing runs in the background here (the shards are read whole when loaded)."""
 
     def tokenizer(self):
-        from gptkit.tokenizer import load_tokenizer_file
-
         return load_tokenizer_file(self.tokenizer_path)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import lightning as L
 import numpy as np
 import torch
+from lightning.fabric.utilities.rank_zero import rank_zero_only
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
 from gptkit.data.chat import ChatData, ChatSampler, describe_rows, make_rows
@@ -38,7 +39,8 @@ class TrainBatches(IterableDataset):
     def __iter__(self):
         step = self.start_step
         while True:
-            yield self.sampler.batch(step, self.rank, self.world_size)  # x, y (, doc_ids): [batch_size, seq_len]
+            # x, y (, doc_ids): [batch_size, seq_len]
+            yield self.sampler.batch(step, self.rank, self.world_size)
             step += 1
 
 
@@ -75,8 +77,9 @@ class TaggedWindows(Dataset):
 class TokenDataModule(L.LightningDataModule):
     """The Lightning DataModule of a run: stateless training windows drawn by (seed, step, rank) from
     prepared shards, a mixture or chat rows, and fixed validation windows."""
-    def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12, seq_len: int = 128,
-                 seed: int = 1337, val_windows: int | None = 200, pack: str = "stream") -> None:
+    def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12,
+                 seq_len: int = 128, seed: int = 1337, val_windows: int | None = 200,
+                 pack: str = "stream") -> None:
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
@@ -119,8 +122,6 @@ class TokenDataModule(L.LightningDataModule):
         return {f"data/tokens_{n}": float(c * self.seq_len) for n, c in zip(self.prepared.names, counts)}
 
     def _chat_rows(self, chat: ChatData) -> None:
-        from lightning.fabric.utilities.rank_zero import rank_zero_only
-
         s = chat.settings
         train, val = (make_rows(split, self.seq_len, s["pack"], s["train_on"], s["truncate"], chat.pad_id)
                       for split in (chat.train, chat.val))
@@ -163,4 +164,5 @@ class TokenDataModule(L.LightningDataModule):
         names = list(self.prepared.names) if isinstance(self.prepared, MixedData) else []
         self.val_sources = (names, source_of)  # one corpus: no names (no per-source figures), source 0
         ds = TaggedWindows(ConcatDataset(sets))
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin())
+        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0,
+                          pin_memory=self._pin())

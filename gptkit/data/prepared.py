@@ -25,8 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from gptkit.errors import GptkitError
 from gptkit.fsio import file_crc32
+from gptkit.tokenizer import file_sha256, load_tokenizer_file
 
 MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
@@ -61,18 +64,20 @@ class PreparedData:
 
     def start_check(self) -> None:
         """Check the shards' bytes against the manifest's CRC-32 in a background thread (see wait_checked)."""
-        todo = [(self.dir / SHARDS[s], sp["crc32"]) for s, sp in self.manifest["splits"].items() if "crc32" in sp]
+        todo = [(self.dir / SHARDS[s], sp["crc32"]) for s, sp in self.manifest["splits"].items()
+                if "crc32" in sp]
         todo = [(f, crc) for f, crc in todo if _shard_identity(f) not in _checked]
         if todo and self._check is None:
-            self._check = threading.Thread(target=self._run_check, args=(todo,), daemon=True, name="shard-check")
+            self._check = threading.Thread(target=self._run_check, args=(todo,), daemon=True,
+                                           name="shard-check")
             self._check.start()
 
     def _run_check(self, todo: list[tuple[Path, str]]) -> None:
         for f, crc in todo:
             if file_crc32(f) != crc:
                 self._problem.append(GptkitError(
-                    f"{f} is corrupted (its CRC-32 does not match {self.dir / MANIFEST}); it cannot be trained on: "
-                    f"delete {self.dir} and run `gptkit prepare` (or train) again"))
+                    f"{f} is corrupted (its CRC-32 does not match {self.dir / MANIFEST}); it cannot be "
+                    f"trained on: delete {self.dir} and run `gptkit prepare` (or train) again"))
                 return
             _checked.add(_shard_identity(f))
 
@@ -104,8 +109,6 @@ class PreparedData:
         return self.manifest["dtype"]
 
     def _tokens(self, split: str):
-        import numpy as np
-
         self.wait_checked()
         n = int(self.manifest["splits"][split]["tokens"])
         return np.memmap(self.dir / SHARDS[split], dtype=self.dtype, mode="r", shape=(n,))  # [n]
@@ -117,15 +120,11 @@ class PreparedData:
         return self._tokens("val")
 
     def tokenizer(self):
-        from gptkit.tokenizer import load_tokenizer_file
-
         return load_tokenizer_file(self.tokenizer_path)
 
 
 def load_prepared(folder: Path | str) -> PreparedData:
     """Open a prepared folder, checking the manifest, the shards and the tokenizer against each other."""
-    from gptkit.tokenizer import file_sha256
-
     d = Path(folder)
     fix = f"delete {d} and run `gptkit prepare` again"
     mf = d / MANIFEST
@@ -166,8 +165,9 @@ def load_prepared(folder: Path | str) -> PreparedData:
 def check_vocab(prepared: PreparedData, model_vocab_size: int) -> None:
     """The model's embedding must have a row for every token id the shards can hold."""
     if prepared.vocab_size > int(model_vocab_size):
-        raise GptkitError(f"the tokenizer has {prepared.vocab_size} tokens but model.vocab_size={model_vocab_size}; "
-                          f"set model.vocab_size>={prepared.vocab_size} (or let train take it from the tokenizer)")
+        raise GptkitError(f"the tokenizer has {prepared.vocab_size} tokens but "
+                          f"model.vocab_size={model_vocab_size}; set model.vocab_size>={prepared.vocab_size} "
+                          "(or let train take it from the tokenizer)")
 
 
 def copy_tail(src: Path, dst: Path, offset: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import codecs
 import glob
+import gzip
 import hashlib
 import json
 import os
@@ -34,6 +35,8 @@ from typing import Any, Callable, Iterator
 
 from gptkit.errors import GptkitError
 from gptkit.hub import check_hub_reachable, offline
+
+# datasets (1.2 s of CPU to import), pyarrow and huggingface_hub are imported for the sources that read them.
 
 KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "mix", "tokens")
 FORMATS = ("auto", "text", "json", "parquet")
@@ -125,7 +128,8 @@ def _pydoc() -> Corpus:
         for name in sorted(topics):
             yield topics[name]
 
-    return Corpus(description=f"pydoc_data topics of Python {sys.version.split()[0]} ({len(topics)} documents)",
+    return Corpus(description=f"pydoc_data topics of Python {sys.version.split()[0]} ({len(topics)} "
+                              "documents)",
                   train_parts=whole(docs), val_parts=None, sha256=lambda: _digest(d.encode() for d in docs()),
                   n_bytes=sum(len(t) for t in topics.values()))
 
@@ -136,8 +140,6 @@ SHAKESPEARE = Path(__file__).resolve().parent / "corpora" / "tinyshakespeare.txt
 def shakespeare_text() -> str:
     """Tiny Shakespeare (Karpathy's char-rnn corpus: 1,115,394 characters of the plays, public domain),
     shipped gzipped inside gptkit so that the reference recipe runs offline from any clone or wheel."""
-    import gzip
-
     if not SHAKESPEARE.is_file():
         raise GptkitError(f"the built-in corpus {SHAKESPEARE} is missing; reinstall gptkit")
     return gzip.decompress(SHAKESPEARE.read_bytes()).decode("utf-8")
@@ -168,7 +170,8 @@ def _stdlib(s: dict[str, Any]) -> Corpus:
     files = stdlib_files(bool(s["include_tests"]))
     root = Path(sysconfig.get_paths()["stdlib"])
     c = _text_files(files, s["encoding_errors"])
-    c.description = f"Python {sys.version.split()[0]} standard library sources in {root} ({len(files)} .py files)"
+    c.description = (f"Python {sys.version.split()[0]} standard library sources in {root} "
+                     f"({len(files)} .py files)")
     return c
 
 
@@ -200,7 +203,8 @@ def expand_paths(patterns: Any, what: str) -> list[Path]:
             continue
         p = Path(pat)
         if not p.exists():
-            raise GptkitError(f"{what}: {p} does not exist; give existing files, e.g. data.paths=[corpus.txt]")
+            raise GptkitError(f"{what}: {p} does not exist; give existing files, e.g. "
+                              "data.paths=[corpus.txt]")
         if p.is_dir():
             raise GptkitError(f"{what}: {p} is a folder; give files or a glob such as '{p}/**/*.txt'")
         check_regular(p, what)

@@ -33,11 +33,13 @@ from gptkit.data.prepared import (
     SHARDS,
     TOKENIZER,
     copy_tail,
+    load_prepared,
     manifest_checksum,
 )
 from gptkit.data.sources import _files_digest, expand_paths
 from gptkit.errors import GptkitError
 from gptkit.fsio import DIR_MODE, file_crc32, lock_file
+from gptkit.tokenizer import eos_id, file_sha256
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER = 256 * 4
@@ -115,9 +117,6 @@ def _copy(files: list[Path], layouts: list, out: Path, dtype: str, vocab: int | 
 def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok, key_of) -> Any:
     """The prepared folder of data=tokens (from the cache, or made now); `key_of(data, content, tok_s)` is the
     cache key (gptkit.data.build's)."""
-    from gptkit.data.prepared import load_prepared
-    from gptkit.tokenizer import eos_id, file_sha256
-
     if tok_s["kind"] not in ("file", "byte"):
         raise GptkitError(
             "data=tokens trains on ids made elsewhere: give the tokenizer that made them "

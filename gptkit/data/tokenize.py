@@ -15,8 +15,8 @@
 3. Workers. `Tokenizing(spec, workers)` encodes batches of pieces in `workers` processes (spawned,
    one thread each), at most 2 x workers batches in flight, results in input order: the ids do not
    depend on the worker count. The processes can be started early (`start_workers`), so that their
-   start-up (spawning and imports: seconds) overlaps the work before tokenizing; a task carries only its text and a
-   small spec (the tokenizer is read from its file once per process), a result only its ids.
+   start-up (spawning and imports: seconds) overlaps the work before tokenizing; a task carries only its text
+   and a small spec (the tokenizer is read from its file once per process), a result only its ids.
 """
 
 from __future__ import annotations
@@ -35,8 +35,12 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Callable, Iterator
 
+import numpy as np
+
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import bytes_to_unicode, describe_characters, unknown_characters
+
+# tiktoken and tokenizers are imported by the encoder that uses them.
 
 PIECE_CHARS = 64 << 10  # long documents are cut into pieces of about this size
 HARD_CHARS = 4 * PIECE_CHARS  # how far past PIECE_CHARS a cut is looked for
@@ -328,7 +332,6 @@ def tiktoken_tables(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, in
 
 @lru_cache(maxsize=2)  # choose_engine's check builds the encoder that prepare then uses
 def _tiktoken(spec_json: str):
-    import numpy as np
     import tiktoken
 
     tables = tiktoken_tables(spec_json)
@@ -348,7 +351,6 @@ def _tiktoken(spec_json: str):
 
 def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
     """texts -> their id sequences (lists or numpy arrays) with the spec's engine."""
-    import numpy as np
     from tokenizers import Tokenizer
 
     if spec.engine == "tiktoken":
@@ -396,8 +398,6 @@ def encode_batch(
 ):
     """One batch of pieces -> (its ids as one array, documents it ends): a BOS before each document's first
     piece and an EOS after its last, when given."""
-    import numpy as np
-
     out = []
     eos_arr = np.asarray([eos], dtype=dtype) if eos is not None else None
     bos_arr = np.asarray([bos], dtype=dtype) if bos is not None else None
@@ -423,7 +423,6 @@ def _init_worker(parent: int) -> None:
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
-    import numpy  # noqa: F401  (the imports of the encoders, done while the parent prepares the work)
     import tokenizers  # noqa: F401
 
     try:

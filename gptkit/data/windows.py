@@ -17,6 +17,7 @@ attends only inside each document (and, with model.position_reset, restarts posi
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from gptkit.errors import GptkitError
 
@@ -37,14 +38,13 @@ def check_pack(pack: str, eos_id: int | None) -> None:
     if pack not in PACKS:
         raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
     if pack == "documents" and eos_id is None:
-        raise GptkitError("data.pack=documents needs an EOS token between documents and these shards have none; "
-                          "prepare them with a tokenizer that has one (tokenizer.eos_token) or use data.pack=stream")
+        raise GptkitError("data.pack=documents needs an EOS token between documents and these shards have "
+                          "none; prepare them with a tokenizer that has one (tokenizer.eos_token) or use "
+                          "data.pack=stream")
 
 
 def doc_ids(x, eos_id: int):
     """[B, T] int32: the number of EOS tokens before each position of x [B, T] (an EOS ends its document)."""
-    import torch
-
     eos = (x == eos_id).to(torch.int32)  # [B, T]
     return eos.cumsum(1, dtype=torch.int32) - eos
 
@@ -54,14 +54,12 @@ def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, eos_id: int | 
     """(x, y) int64 tensors [len(starts), seq_len] from windows of seq_len + 1 tokens at `starts`;
     (x, y, doc_ids) when an EOS id is given (data.pack=documents). A token id >= vocab_size (a corrupted
     shard) is a one-line GptkitError naming the shard."""
-    import torch
-
     idx = starts[:, None] + np.arange(seq_len + 1)  # [B, seq_len + 1]
     ids = tokens[idx]  # [B, seq_len + 1]
     if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
-        raise GptkitError(f"{getattr(tokens, 'filename', None) or 'the token shard'} holds token id {int(ids.max())}, "
-                          f"outside the tokenizer's {vocab_size} ids: it is corrupted; delete its folder and "
-                          f"prepare the data again")
+        raise GptkitError(f"{getattr(tokens, 'filename', None) or 'the token shard'} holds token id "
+                          f"{int(ids.max())}, outside the tokenizer's {vocab_size} ids: it is corrupted; "
+                          f"delete its folder and prepare the data again")
     w = torch.from_numpy(ids.astype(np.int64))  # [B, seq_len + 1]
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # [B, seq_len] each
     return (x, y) if eos_id is None else (x, y, doc_ids(x, eos_id))
@@ -73,7 +71,8 @@ class WindowSampler:
     def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
                  eos_id: int | None = None, *, vocab_size: int | None = None) -> None:
         check_window(len(tokens), seq_len, "train")
-        self.tokens, self.batch_size, self.seq_len, self.seed = tokens, int(batch_size), int(seq_len), int(seed)
+        self.tokens, self.batch_size = tokens, int(batch_size)
+        self.seq_len, self.seed = int(seq_len), int(seed)
         self.eos_id = eos_id  # given: batches carry doc_ids (data.pack=documents)
         self.vocab_size = vocab_size  # token ids must be below it (checked per batch)
         self.n_starts = len(tokens) - seq_len  # window starts 0 .. n - seq_len - 1
@@ -82,15 +81,17 @@ class WindowSampler:
         """The global batch's window starts for micro-step `step`: [batch_size * world_size], distinct."""
         n = self.batch_size * world_size
         if n > self.n_starts:
-            raise GptkitError(f"the train split has only {self.n_starts} distinct windows of {self.seq_len + 1} "
-                              f"tokens, fewer than a global batch of {n}; give more text or a smaller batch")
+            raise GptkitError(f"the train split has only {self.n_starts} distinct windows of "
+                              f"{self.seq_len + 1} tokens, fewer than a global batch of {n}; give more text "
+                              "or a smaller batch")
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
         return rng.choice(self.n_starts, size=n, replace=False)  # [batch_size * world_size]
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        mine = self.starts(step, world_size)[rank * self.batch_size:(rank + 1) * self.batch_size]  # [batch_size]
+        # [batch_size]
+        mine = self.starts(step, world_size)[rank * self.batch_size:(rank + 1) * self.batch_size]
         return windows(self.tokens, mine, self.seq_len, self.eos_id, vocab_size=self.vocab_size)
 
 

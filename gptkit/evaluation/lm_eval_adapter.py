@@ -22,6 +22,7 @@ the EOS when there is no BOS), so the same model gives the same per-request log-
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -130,8 +131,6 @@ class GptkitLM(TemplateLM):
                               **kwargs) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the continuation) for each
         request ((context, continuation) strings, context ids, continuation ids)."""
-        import time
-
         t0 = time.perf_counter()
         n = self.max_length
         groups: dict[tuple[int, ...], list[tuple[int, list[int], list[int]]]] = defaultdict(list)
@@ -244,8 +243,6 @@ class GptkitLM(TemplateLM):
     # ---- generation -----------------------------------------------------------------------------------
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         """Each request's continuation from gptkit's KV-cache decoder, cut at the first stop string."""
-        import time
-
         t0 = time.perf_counter()
         self.stats.requests["generate_until"] += len(requests)
         results = []

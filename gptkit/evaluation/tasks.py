@@ -10,14 +10,23 @@ from anywhere, with no network.
 
 from __future__ import annotations
 
+import datetime
 import difflib
+import functools
+import json
 import logging
 import os
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.fsio import atomic_write_text
+
+# lm-eval (optional: gptkit[eval]) and datasets are imported where tasks run.
 
 INSTALL = 'pip install "gptkit[eval]"'
 OFFLINE_HINT = ("point the task at local files instead: a task YAML with dataset_path: json and "
@@ -55,12 +64,9 @@ def quiet_lm_eval(progress: bool = False) -> None:
     "fatal: not a git repository" outside one) and torch's environment report (a dozen subprocesses, seconds
     on a busy machine): neither describes a gptkit run, whose results files name the run, the checkpoint and
     the lm-eval version instead, so both are switched off."""
-    import functools
-
     import datasets
     import lm_eval.api.task
     import lm_eval.evaluator
-    from tqdm import tqdm
 
     lm_eval.evaluator.get_git_commit_hash = lambda: None
     lm_eval.evaluator.add_env_info = lambda storage: None
@@ -330,12 +336,8 @@ def write_results(results: dict, rows: list[dict], run, stats, out: Any, *, limi
                   seconds: float = 0.0) -> list[Path]:
     """The results as JSON: out= (all tasks in one file), else <run>/evals/<task>-<date>.json per task.
     Each file is written to a temporary name and renamed."""
-    import datetime
-    import json
-
     from lm_eval import __version__ as lm_eval_version
 
-    from gptkit.fsio import atomic_write_text
 
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp = now.strftime("%Y%m%d-%H%M%S")
@@ -387,8 +389,6 @@ class TaskSubset:
 
     def score(self, lm) -> dict[str, list]:
         """'metric,filter' -> one value per example of this share."""
-        from collections import defaultdict
-
         by_type = defaultdict(list)
         for inst in self.instances:
             inst.resps = []

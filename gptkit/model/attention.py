@@ -31,6 +31,8 @@ from gptkit.model.fused import triton_available, warn_once
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import RotaryEmbedding, make_norm  # the QK-norms are layers.py norms
 
+# gptkit_kernels is imported on use: it needs triton (optional); the model runs without it.
+
 try:  # recent torch: FlashAttention over variable-length sequences (CUDA), for packed documents
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - older torch: packed documents take a dense mask
@@ -39,7 +41,8 @@ except ImportError:  # pragma: no cover - older torch: packed documents take a d
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
-def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
+                    docs=None):
     """The readable reference: q @ k^T, the mask, an fp32 softmax, @ v; can return the probabilities."""
     B, H, Tq, D = q.shape
     if docs is not None:
@@ -65,7 +68,8 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
     return out, (probs if return_probs else None)
 
 
-def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
+                   docs=None):
     """torch's scaled_dot_product_attention (GQA without K/V copies). Packed documents: on CUDA in fp16/bf16
     torch's variable-length FlashAttention (no mask, no work across documents); elsewhere a dense mask."""
     if return_probs:
@@ -124,7 +128,8 @@ def varlen_documents(q, k, v, docs: Documents, scale=None) -> torch.Tensor:
     return out.view(B, T, H, D).transpose(1, 2)  # [B, n_heads, T, D]
 
 
-def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None):
+def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
+                     docs=None):
     """Our FlashAttention kernels (documents included); cases they do not cover go to sdpa.
 
     Falls back to sdpa (with one warning per process) when triton is missing or no CUDA device is
@@ -153,7 +158,8 @@ def get_attention(name: str) -> AttentionFn:
     try:
         return ATTENTION_BACKENDS[name]
     except KeyError:
-        raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(ATTENTION_BACKENDS)}") from None
+        known = ", ".join(ATTENTION_BACKENDS)
+        raise ValueError(f"unknown attention backend {name!r}; known: {known}") from None
 
 
 class CausalSelfAttention(nn.Module):

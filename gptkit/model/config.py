@@ -19,7 +19,8 @@ QK_NORMS = ("head", "full")  # RMSNorm of q and k: per head over head_dim (Qwen3
 NORM_PLACEMENTS = ("pre", "post")  # pre: x + f(norm(x)) (GPT-2, Llama) | post: x + norm(f(x)) (OLMo-2)
 ROPE_SCALINGS = ("llama3",)
 ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")}
-KERNELS = ("norm", "swiglu", "rope", "loss")  # fused kernels model.kernels may switch on (gptkit/model/fused.py)
+# fused kernels model.kernels may switch on (gptkit/model/fused.py)
+KERNELS = ("norm", "swiglu", "rope", "loss")
 
 
 @dataclass
@@ -48,7 +49,8 @@ class ModelConfig:
     dropout: float = 0.0
     attention: str = "sdpa"  # eager | sdpa | triton
     kernels: list[str] = field(default_factory=list)  # fused kernels to use, any of KERNELS; [] = eager torch
-    position_reset: bool = False  # with packed documents (data.pack=documents): positions restart per document
+    # with packed documents (data.pack=documents): positions restart per document
+    position_reset: bool = False
     init_std: float = 0.02
     name: str = field(default="custom", compare=False)
 
@@ -84,7 +86,8 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ConfigError(f"model.{name}={v!r} must be a positive integer (or null for the default)")
-        for name, allowed in (("position", POSITIONS), ("mlp", MLPS), ("norm", NORMS), ("attention", ATTENTIONS)):
+        for name, allowed in (("position", POSITIONS), ("mlp", MLPS), ("norm", NORMS),
+                              ("attention", ATTENTIONS)):
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"model.{name}={v!r} is not one of {', '.join(allowed)}")

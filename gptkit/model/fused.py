@@ -23,6 +23,8 @@ import warnings
 
 import torch
 
+# the kernels are imported on use: they need triton (optional); the model runs without it.
+
 # keys of the warnings already given in this process (warn_once): one registry for the whole model
 _warned: set[str] = set()
 

@@ -116,7 +116,8 @@ class GPT(nn.Module):
         docs = None
         if doc_ids is not None:  # attention stays inside each document; positions may restart with each
             if cache is not None or doc_ids.shape != idx.shape:
-                raise ValueError(f"doc_ids must be [B, T] = {list(idx.shape)} and cannot be used with a KV cache")
+                raise ValueError(f"doc_ids must be [B, T] = {list(idx.shape)} and cannot be used with "
+                                 f"a KV cache")
             docs = Documents(doc_ids)
             if self.cfg.position_reset:
                 positions = docs.positions  # [B, T]
@@ -152,7 +153,8 @@ class GPT(nn.Module):
         return GPTOutput(logits, loss, attentions)
 
     @classmethod
-    def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu") -> "GPT":
+    def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor],
+                   device: str | torch.device = "cpu") -> "GPT":
         """A GPT (fp32, eval mode, on `device`) holding exactly `state`: built on the meta device, so no
         random init is computed and no second model is made; the tensors are copied in (a bf16/fp16
         state is widened to fp32 without rounding). Names and shapes must match (strict)."""

@@ -1,22 +1,28 @@
 """Multi-device training: world size, up-front checks, the Lightning strategy and FSDP2 sharding.
 (Reading and consolidating sharded checkpoints is gptkit.checkpoints'.)
 
-    trainer.strategy   what runs                                                checkpoints
-    auto               one process (CPU, or one GPU)                            one file
-    ddp                DDPStrategy: one process per device, grads all-reduced   one file (rank 0)
-    fsdp               FSDP2 via ModelParallelStrategy, fully_shard per block   a folder of shards (or one file)
+    trainer.strategy   what runs                                               checkpoints
+    auto               one process (CPU, or one GPU)                           one file
+    ddp                DDPStrategy: one process per device, grads all-reduced  one file (rank 0)
+    fsdp               FSDP2 (ModelParallelStrategy), fully_shard per block    shards (or one file)
 
 Everything here checks what it can before any process is started, so a bad set-up is a one-line
-error instead of a hang. torch and lightning are imported inside functions, so that the checks cost
-no Lightning import.
+error instead of a hang. Lightning is imported inside the functions that build its strategies, so that
+the checks cost no Lightning import.
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import signal
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+import torch
+import torch.distributed as dist
 
 from gptkit.checkpoints import (
     EXTRA_STATE,
@@ -30,7 +36,8 @@ from gptkit.checkpoints import (
     write_checksums,
 )
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.precision import PRECISIONS, precision, torch_dtype
+from gptkit.fsio import file_crc32
+from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
@@ -39,8 +46,6 @@ LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "
 # ---- world size and checks -------------------------------------------------------------------------
 def accelerator_type(t: Any) -> str:
     """'cuda' or 'cpu': what trainer.accelerator resolves to on this machine."""
-    import torch
-
     acc = str(t.accelerator)
     if acc in ("gpu", "cuda"):
         return "cuda"
@@ -56,17 +61,16 @@ def on_cpu(t: Any) -> bool:
     return accelerator_type(t) == "cpu"
 
 
-def devices_per_node(t: Any) -> int:
-    """Processes per node that trainer.devices asks for (auto: every visible GPU; 1 on CPU)."""
-    import torch
-
+def devices_per_node(t: Any, accelerator: str | None = None) -> int:
+    """Processes per node that trainer.devices asks for (auto: every visible GPU; 1 on CPU). accelerator:
+    accelerator_type(t) when the caller has it already."""
     d = t.devices
     if isinstance(d, int) and not isinstance(d, bool) and d >= 1:
         return d
     if d in (-1, "-1"):  # Lightning's "all devices", which it refuses on CPU: one spelling here
         raise ConfigError("trainer.devices=-1: write trainer.devices=auto (every visible GPU; 1 on CPU)")
     if d == "auto":
-        return torch.cuda.device_count() if accelerator_type(t) == "cuda" else 1
+        return torch.cuda.device_count() if (accelerator or accelerator_type(t)) == "cuda" else 1
     if isinstance(d, str) and d.isdigit() and int(d) >= 1:
         return int(d)
     if not isinstance(d, (str, int)) and len(d) >= 1:  # a list of device indices
@@ -84,18 +88,17 @@ def launcher_env() -> dict[str, str]:
     return {k: os.environ[k] for k in LAUNCHER_ENV + ("WORLD_SIZE",) if k in os.environ}
 
 
-def check_distributed(t: Any) -> None:
+def check_distributed(t: Any, checked: Any = None) -> None:
     """One-line errors, before data is prepared or a process is started, for set-ups that would
     otherwise fail late or hang: unknown strategy, more devices than exist, FSDP where it cannot
-    run, several nodes without a launcher, a launcher whose world size disagrees with the config."""
-    import torch
-
+    run, several nodes without a launcher, a launcher whose world size disagrees with the config.
+    checked: the trainer's facts (plan.check_trainer) when the caller has them; else derived here."""
     strategy = str(t.strategy)
     if strategy not in STRATEGIES:
         raise ConfigError(f"trainer.strategy={strategy!r} is not one of {', '.join(STRATEGIES)} "
                           f"(or pick a preset: trainer=ddp, trainer=fsdp)")
-    acc = accelerator_type(t)
-    per_node = devices_per_node(t)
+    acc = checked.accelerator if checked is not None else accelerator_type(t)
+    per_node = checked.devices if checked is not None else devices_per_node(t, acc)
     if acc == "cuda":
         have = torch.cuda.device_count()
         if have == 0:
@@ -107,26 +110,28 @@ def check_distributed(t: Any) -> None:
     else:
         cores = os.cpu_count() or 1
         if per_node > cores:
-            raise GptkitError(f"trainer.devices={t.devices} CPU processes but this machine has {cores} cores; "
-                              f"pass trainer.devices={cores} or fewer")
+            raise GptkitError(f"trainer.devices={t.devices} CPU processes but this machine has {cores} "
+                              f"cores; pass trainer.devices={cores} or fewer")
     if strategy == "fsdp":
-        _check_fsdp(t, acc)
+        _check_fsdp(t, acc, checked.precision if checked is not None else precision(t.precision))
     if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
         raise GptkitError("this torch build has no torch.distributed; use trainer=default (one device)")
     nodes = int(t.num_nodes)
     world = per_node * nodes
     env = launcher_env()
     if nodes > 1 and not (env.keys() - {"WORLD_SIZE"}):
-        raise GptkitError(f"trainer.num_nodes={nodes} needs a launcher that starts the processes on every node "
-                          f"(torchrun --nnodes={nodes} ..., or sbatch + srun); see the README's multi-node recipes")
+        raise GptkitError(f"trainer.num_nodes={nodes} needs a launcher that starts the processes on every "
+                          f"node (torchrun --nnodes={nodes} ..., or sbatch + srun); see the README's "
+                          "multi-node recipes")
     if "WORLD_SIZE" in env and "TORCHELASTIC_RUN_ID" in env and int(env["WORLD_SIZE"]) != world:
-        raise GptkitError(f"torchrun started {env['WORLD_SIZE']} processes but trainer.devices x trainer.num_nodes "
-                          f"= {per_node} x {nodes} = {world}; pass trainer.devices=<nproc-per-node> "
-                          f"trainer.num_nodes=<nnodes>")
+        raise GptkitError(f"torchrun started {env['WORLD_SIZE']} processes but trainer.devices x "
+                          f"trainer.num_nodes = {per_node} x {nodes} = {world}; pass "
+                          f"trainer.devices=<nproc-per-node> trainer.num_nodes=<nnodes>")
     if "SLURM_NTASKS" in env and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive") \
             and int(env["SLURM_NTASKS"]) != world:
         raise GptkitError(f"SLURM runs {env['SLURM_NTASKS']} tasks but trainer.devices x trainer.num_nodes = "
-                          f"{per_node} x {nodes} = {world}; set --ntasks-per-node=<devices> and --nodes=<num_nodes>")
+                          f"{per_node} x {nodes} = {world}; set --ntasks-per-node=<devices> and "
+                          "--nodes=<num_nodes>")
 
 
 def check_run_name(given: set[str]) -> None:
@@ -136,24 +141,24 @@ def check_run_name(given: set[str]) -> None:
     external = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 \
         or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
     if external and not given & {"name", "resume"}:
-        raise GptkitError("under torchrun/srun every rank must name the same run folder: pass name=<run name> "
-                          "(the default name holds a timestamp)")
+        raise GptkitError("under torchrun/srun every rank must name the same run folder: pass name=<run "
+                          "name> (the default name holds a timestamp)")
 
 
-def _check_fsdp(t: Any, acc: str) -> None:
-    import torch
-
+def _check_fsdp(t: Any, acc: str, p: Precision) -> None:
     try:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401 - FSDP2, torch >= 2.6
+        # FSDP2: torch >= 2.6
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
     except ImportError as exc:
         raise GptkitError(f"trainer.strategy=fsdp needs FSDP2 (torch >= 2.6, found {torch.__version__}); "
                           f"upgrade torch or use trainer=ddp") from exc
-    backend_ok = torch.distributed.is_nccl_available() if acc == "cuda" else torch.distributed.is_gloo_available()
+    dist = torch.distributed
+    backend_ok = dist.is_nccl_available() if acc == "cuda" else dist.is_gloo_available()
     if not backend_ok:
         backend = "nccl" if acc == "cuda" else "gloo"
-        raise GptkitError(f"trainer.strategy=fsdp on {acc} needs the {backend} backend, which this torch build "
-                          f"lacks; use trainer=ddp or another torch build")
-    if not precision(t.precision).fsdp:
+        raise GptkitError(f"trainer.strategy=fsdp on {acc} needs the {backend} backend, which this torch "
+                          f"build lacks; use trainer=ddp or another torch build")
+    if not p.fsdp:
         supported = ", ".join(p.name for p in PRECISIONS.values() if p.fsdp)
         raise ConfigError(f"trainer.strategy=fsdp supports trainer.precision {supported}, "
                           f"not {t.precision} (fp16 would need a sharded grad scaler); use bf16-mixed")
@@ -174,8 +179,6 @@ def fsdp_options(t: Any) -> dict[str, Any]:
 # ---- the Lightning strategy ----------------------------------------------------------------------------
 def build_strategy(t: Any):
     """trainer.strategy -> what L.Trainer(strategy=...) takes."""
-    from datetime import timedelta
-
     strategy = str(t.strategy)
     timeout = timedelta(seconds=float(t.get("process_group_timeout_s") or 1800))
     if strategy == "ddp":
@@ -208,9 +211,7 @@ def _fsdp2_strategy_class():
             folder once every rank is done: a kill during the save keeps the old one."""
             if not self._save_distributed_checkpoint:
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
-            import torch.distributed as dist
 
-            from gptkit.fsio import file_crc32
 
             path = Path(self.broadcast(str(filepath)))
             tmp = path.with_name(f".{path.name}.tmp")
@@ -240,7 +241,6 @@ def _fsdp2_strategy_class():
 def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
     """Load a sharded checkpoint into a sharded module and its optimizers (collective: every rank
     calls it); returns the non-tensor state (step, loops, callbacks, schedulers)."""
-    import torch
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         get_model_state_dict,
@@ -276,8 +276,6 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
 def _verify_together(path: Path) -> None:
     """Every rank checks its share of a sharded checkpoint's files; any mismatch fails every rank with the
     same one-line error (no rank is left waiting in a collective)."""
-    import torch.distributed as dist
-
     rank, world = dist.get_rank(), dist.get_world_size()
     try:
         verify_checkpoint(path, (rank, world))
@@ -316,7 +314,8 @@ def parallelize(model, strategy) -> bool:
     if param == "auto":
         param = precision(strategy.fsdp_precision).compute  # bf16 for bf16-mixed and bf16-true, else fp32
     policy = MixedPrecisionPolicy(param_dtype=torch_dtype(param, "trainer.fsdp.param_dtype"),
-                                  reduce_dtype=torch_dtype(options["reduce_dtype"], "trainer.fsdp.reduce_dtype"))
+                                  reduce_dtype=torch_dtype(options["reduce_dtype"],
+                                                           "trainer.fsdp.reduce_dtype"))
     mesh = strategy.device_mesh["data_parallel"]
     reshard = bool(options["reshard_after_forward"])
     for block in model.blocks:
@@ -331,8 +330,6 @@ def fail_fast_callback():
     """A callback that, when this process fails, kills the ranks Lightning started, so that they do not
     wait in a collective until the timeout. (A failing child is caught by Lightning's own observer,
     which kills the whole job; torchrun and `srun --kill-on-bad-exit=1` do the same.)"""
-    import signal
-
     from lightning.pytorch.callbacks import Callback
 
     class FailFast(Callback):
@@ -348,14 +345,9 @@ def fail_fast_callback():
     return FailFast()
 
 
-# ---- preflight --------------------------------------------------------------------------------------------------
+# ---- preflight -----------------------------------------------------------------------------------------
 def probe_collective(device: str) -> dict[str, Any]:
     """Inside an initialised process group: one all-reduce of each rank's rank number, timed."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
     x = torch.tensor([float(dist.get_rank())], device=device)  # [1]
     t0 = time.perf_counter()
     dist.all_reduce(x)

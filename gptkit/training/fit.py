@@ -9,6 +9,7 @@ owns each part of it, is written at the top of gptkit/training/module.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -28,23 +29,31 @@ from gptkit.checkpoints import (
     checkpoint_step,
     load_checkpoint,
     read_sharded_checkpoint,
+    remove_stale,
     run_dir_of,
     verify_checkpoint,
 )
+from gptkit.config import conf_dir
 from gptkit.errors import GptkitError
-from gptkit.fsio import atomic_write_bytes, atomic_write_text
-from gptkit.options import Option, parse_options
+from gptkit.fsio import atomic_write_bytes, atomic_write_text, human_bytes
+from gptkit.model import ModelConfig
+from gptkit.options import Option, check_options, parse_options
 from gptkit.runs import (
     CONFIG_FILE,
     MANIFEST_FILE,
     TOKENIZER_FILE,
+    check_run_dir,
+    check_run_location,
+    claim_run_dir,
     find_run_checkpoint,
+    is_rank_zero,
     read_config,
     saved_run_config,
+    unused,
 )
 
 if TYPE_CHECKING:
-    from gptkit.training.plan import RunPlan
+    from gptkit.training.plan import Checked, RunPlan
 
 # Lightning, torch and the rest of training/ are imported inside the functions that need them:
 # commands/train.py imports this module to rewrite and check the command line, and a mistyped option
@@ -74,10 +83,12 @@ class Invocation:
     job: Optional[str]  # "job 1: optim.lr=3e-3" for a multirun job
 
 
-def invocation(cfg: DictConfig, run_dir: Optional[Path] = None,
-               overrides: Optional[list[str]] = None) -> Invocation:
+def invocation(cfg: DictConfig, run_dir: Optional[Path] = None, overrides: Optional[list[str]] = None,
+               options: Optional[list[Option]] = None) -> Invocation:
     """Hydra's run folder and overrides when Hydra runs this process's app; else <runs_dir>/<name> (or
-    `run_dir`) and the `overrides` given (which resume= treats as the command line's)."""
+    `run_dir`) and the `overrides` given (which resume= treats as the command line's). options: the
+    command line the CLI parsed (one run, not a multirun job): Hydra's overrides are these, not parsed
+    again."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
@@ -86,7 +97,8 @@ def invocation(cfg: DictConfig, run_dir: Optional[Path] = None,
         task = list(hc.overrides.task)
         multirun = hc.mode == RunMode.MULTIRUN
         job = f"job {hc.job.num}: {' '.join(task) or '(no overrides)'}" if multirun else None
-        return Invocation(Path(hc.runtime.output_dir), parse_options(task, sweeps=True), multirun, job)
+        parsed = options if options is not None and not multirun else parse_options(task, sweeps=True)
+        return Invocation(Path(hc.runtime.output_dir), parsed, multirun, job)
     folder = Path(run_dir) if run_dir is not None else Path(str(cfg.runs_dir)) / str(cfg.name)
     return Invocation(folder, parse_options(list(overrides or [])), False, None)
 
@@ -117,7 +129,8 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
     saved = saved_run_config(ckpt, cfg)  # data, never resolved (the CLI checked it as a command line)
     saved_optimizer = str(saved.optim.get("name", "adamw"))
     overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
-    saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides))
+    saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model,
+                                                     overrides))
     saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
     merged = saved
     if "trainer" in merged and "stop_at_step" in merged.trainer:
@@ -128,8 +141,8 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
         if o.op == "DEL" or group == "model":
             continue
         if group in ("data", "tokenizer"):
-            raise GptkitError(f"resume={cfg.resume} cannot change {group}= (the run's batches come from its own "
-                              f"data); start a new run instead")
+            raise GptkitError(f"resume={cfg.resume} cannot change {group}= (the run's batches come from its "
+                              f"own data); start a new run instead")
         if group == "logger" and group in cfg:  # the loggers of this invocation
             merged[group] = cfg[group]
         elif group in ("trainer", "optim"):
@@ -149,11 +162,10 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
 
 def preset_settings(group: str, name: str) -> DictConfig:
     """The keys conf/<group>/<name>.yaml sets itself (not those it inherits through its defaults list)."""
-    from gptkit.config import conf_dir
-
     path = conf_dir() / group / f"{name}.yaml"
     if not path.is_file():
-        raise GptkitError(f"{group}={name} is not a preset; known: {', '.join(p.stem for p in path.parent.glob('*.yaml'))}")
+        raise GptkitError(f"{group}={name} is not a preset; known: "
+                          f"{', '.join(p.stem for p in path.parent.glob('*.yaml'))}")
     own = OmegaConf.load(path)
     own.pop("defaults", None)
     return own
@@ -169,7 +181,8 @@ def model_from_source(source: str, saved_model: Any, asked_model: Any,
     """The model config of a run whose weights come from `source` (resume= or init_from=): the source's own,
     with the command line's model.<FREE_MODEL_KEYS> overrides applied. model= or any other model.<key> that
     differs from the source's is a one-line error."""
-    saved = OmegaConf.to_container(saved_model, resolve=True) if isinstance(saved_model, DictConfig) else dict(saved_model)
+    saved = OmegaConf.to_container(saved_model, resolve=True) if isinstance(saved_model,
+                                                                            DictConfig) else dict(saved_model)
     asked = OmegaConf.to_container(asked_model, resolve=True)
     keys = [o.key for o in overrides if _names(o, "model")]
     if "model" in keys:
@@ -207,8 +220,8 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path, overrides: list[Option]
     if not any(_names(o, "tokenizer") for o in overrides):
         tok_file = src_dir / TOKENIZER_FILE
         if not tok_file.is_file():
-            raise GptkitError(f"init_from={cfg.init_from}: {src_dir} has no {TOKENIZER_FILE}; choose the tokenizer "
-                              f"its vocabulary was built with (tokenizer=file tokenizer.path=...)")
+            raise GptkitError(f"init_from={cfg.init_from}: {src_dir} has no {TOKENIZER_FILE}; choose the "
+                              f"tokenizer its vocabulary was built with (tokenizer=file tokenizer.path=...)")
         own = run_dir / TOKENIZER_FILE
         run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(own, tok_file.read_bytes())  # each rank its own temp file, then one rename
@@ -246,7 +259,8 @@ def _import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
 
     from gptkit import hf
 
-    folder, src, reused = hf.import_cached(spec, runs_dir, f"gptkit train init_from={HF_PREFIX}/path/to/folder")
+    folder, src, reused = hf.import_cached(spec, runs_dir,
+                                           f"gptkit train init_from={HF_PREFIX}/path/to/folder")
     if rank_zero_only.rank == 0:
         import sys
 
@@ -261,8 +275,6 @@ def _load_init_weights(module, ckpt: Path, vocab_size: int | None = None) -> Non
     """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
     run's model, with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new model's
     (a chat template's special tokens were added): the new rows start as the mean of the old ones."""
-    import dataclasses
-
     from gptkit.model.gpt import grow_vocab
 
     cfg = module.model.cfg
@@ -278,111 +290,201 @@ def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
     """(resume given, init_from given); both is a one-line error."""
     given = tuple(v not in (None, "", "null") for v in (resume, init_from))
     if all(given):
-        raise GptkitError("give resume= (continue a run) or init_from= (start a new run from its weights), not both")
+        raise GptkitError("give resume= (continue a run) or init_from= (start a new run from its weights), "
+                          "not both")
     return given
 
 
-def check_config(cfg: DictConfig) -> None:
+def check_config(cfg: DictConfig) -> Checked:
     """The settings that can be checked without data: one-line errors before any data is prepared and,
-    from the CLI (commands/train.check), before Hydra creates the run folder."""
-    from gptkit.model import ModelConfig
-    from gptkit.runs import check_run_location
+    from the CLI (commands/train.check), before Hydra creates the run folder. Returns what the checks
+    derived (plan.Checked: precision, accelerator, devices, compile mode and, for a new model, its config and
+    training window), which make_plan reads instead of deriving it again."""
     from gptkit.training.optim import check_optim_config
-    from gptkit.training.plan import train_seq_len
+    from gptkit.training.plan import with_model
     from gptkit.training.trainer import check_loggers, check_trainer_config
 
     check_run_location(cfg.get("runs_dir"), None)
     resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
-    check_trainer_config(cfg.trainer)
+    checked = check_trainer_config(cfg.trainer)
     check_optim_config(cfg.optim)
     check_loggers(cfg.logger)
-    if init_from and not str(cfg.init_from).startswith(HF_PREFIX):  # hf: is imported (and checked) at the start
+    # hf: is imported (and checked) at the start
+    if init_from and not str(cfg.init_from).startswith(HF_PREFIX):
         verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
     elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
-        train_seq_len(cfg.trainer, model_cfg)
+        checked = with_model(checked, cfg.trainer, model_cfg)
+    return checked
 
 
 def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optional[list[str]] = None,
-          checked: bool = False) -> TrainResult:
-    """One training run, into one run folder; returns where it ended.
+          checked: Optional[Checked] = None, options: Optional[list[Option]] = None) -> TrainResult:
+    """One training run, into one run folder; returns where it ended: plan_run, then run_plan.
 
     cfg: a composed `train` config (Hydra's, or as_config's for gptkit.train from Python). From Python no
     Hydra state is needed: the run folder is `run_dir` or <runs_dir>/<name>, and `overrides` are what
-    resume= treats as the command line. checked=True: check_config already ran on this config (the CLI
-    runs it before Hydra makes the run folder)."""
+    resume= treats as the command line. checked: what check_config derived from this config (the CLI runs it
+    before Hydra makes the run folder); options: the command line's key=value, parsed by the CLI."""
     started = time.perf_counter()
+    return run_plan(plan_run(cfg, run_dir=run_dir, overrides=overrides, checked=checked, options=options),
+                    started=started)
+
+
+def plan_run(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optional[list[str]] = None,
+             checked: Optional[Checked] = None, options: Optional[list[Option]] = None) -> RunPlan:
+    """The first half of train: the run folder (claimed), resume= / init_from=, the checks, the data (the
+    tokenizer fixes the vocabulary), then the plan, which carries the prepared data to run_plan.
+    gptkit.plan(cfg) from Python: look at the plan (steps, tokens, world size), then gptkit.train(plan)."""
+    from gptkit.data import check_vocab
+    from gptkit.training.distributed import check_run_name
+    from gptkit.training.plan import make_plan
+
+    _quiet_lightning()
+    inv = invocation(cfg, run_dir, overrides, options)
+    check_run_name({o.key for o in inv.overrides})  # torchrun/srun ranks must agree on the run folder
+    run_dir = inv.run_dir
+    if is_rank_zero():  # one writer per run folder; a start that fails removes the folder it made (runs.py)
+        claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
+    check_run_dir(run_dir, cfg.runs_dir, job=inv.multirun_job)
+    cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg, inv.overrides)
+    # a resumed run's config is the saved one, merged: check it
+    if resume_ckpt is not None or checked is None:
+        checked = check_config(cfg)
+    if resume_ckpt is None:
+        _refuse_checkpoints(run_dir)
+    init_ckpt = None
+    if resume_ckpt is None:  # a resumed run's weights come from its own checkpoint
+        cfg, init_ckpt = resolve_init_from(cfg, run_dir, inv.overrides)
+    _set_threads(cfg.trainer, checked)
+
+    model_cfg = checked.model  # a new run's model, built by check_config
+    if resume_ckpt is not None or init_ckpt is not None or model_cfg is None:
+        # the model resume= and init_from= bring (their source's): it fails here, before any data is prepared
+        model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        checked = dataclasses.replace(checked, model=None, seq_len=None)  # make_plan checks its window
+
+    prepared = _prepare_data(cfg, model_cfg)  # data first: the tokenizer decides the vocabulary size
+    chat = cfg.data.get("kind") == "chat"
+    multiple = int(cfg.get("vocab_multiple", 1))
+    vocab_size = multiple * math.ceil(prepared.vocab_size / multiple)
+    init_vocab = None  # init_from= with tokens the chat template added: the source's vocabulary, grown
+    if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None and init_ckpt is None:
+        model_cfg = _with_vocab(model_cfg, vocab_size)
+    elif chat and init_ckpt is not None and prepared.vocab_size > model_cfg.vocab_size:
+        init_vocab = model_cfg.vocab_size
+        model_cfg = _with_vocab(model_cfg, vocab_size)
+    check_vocab(prepared, model_cfg.vocab_size)
+    cfg.model = OmegaConf.create(model_cfg.to_dict())
+
+    # from here on, every fact of the run comes from the plan
+    return make_plan(cfg, run_dir, model_cfg, checked=checked, resume=resume_ckpt, resume_step=resume_step,
+                     init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job, data=prepared,
+                     init_vocab=init_vocab)
+
+
+def _quiet_lightning() -> None:
+    """No Lightning banner or tips, and no warning of torch's about its own internals."""
+    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
+
+
+def _refuse_checkpoints(run_dir: Path) -> None:
+    """A new run in a folder that holds checkpoints is a one-line error (resume= continues it)."""
+    ckpt_dir = run_dir / CHECKPOINT_DIR
+    if ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
+        raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
+                          f"or choose another name=")
+
+
+def _set_threads(t: DictConfig, checked: Checked) -> None:
+    """CPU threads per process: one warning now if the machine's load would oversubscribe them."""
+    from gptkit.threads import set_threads
+
+    cpu = checked.accelerator == "cpu"
+    set_threads(t.get("threads"), "trainer.threads", checked.devices if cpu else 1, warn=cpu)
+
+
+def _with_vocab(model_cfg, vocab_size: int):
+    """The model config with another vocab_size (checked again by ModelConfig)."""
+    return model_cfg if model_cfg.vocab_size == vocab_size else dataclasses.replace(model_cfg,
+                                                                                   vocab_size=vocab_size)
+
+
+def _prepare_data(cfg: DictConfig, model_cfg):
+    """The run's corpus, prepared (or read from the cache): data.bos=auto resolved for the model first (off
+    for a GPT-2-style model with learned positions; the run's config says so). Shards are checked meanwhile
+    (prepared.wait_checked before training)."""
+    from gptkit.data import prepare
+    from gptkit.data.build import bos_for_model
+    from gptkit.data.chat import prepare_chat
+
+    if cfg.data.get("kind") == "chat":  # conversations with a template (gptkit.data.chat)
+        return prepare_chat(cfg.data, cfg.tokenizer)
+    cfg.data = OmegaConf.create(bos_for_model(OmegaConf.to_container(cfg.data, resolve=True),
+                                              str(model_cfg.position or "learned")))
+    return prepare(cfg.data, cfg.tokenizer)
+
+
+def complete_plan(plan: RunPlan) -> RunPlan:
+    """A plan made outside `train` (make_plan from Python, without data or run folder) made ready to run:
+    its run folder (plan.run_dir, else <runs_dir>/<name>) claimed and checked, its data prepared with the
+    plan's own model (the tokenizer's vocabulary must fit plan.model.vocab_size: one-line error otherwise).
+    The config saved to config.yaml is plan.cfg with plan.model."""
+    from gptkit.data import check_vocab
+
+    if plan.data is not None and plan.run_dir is not None:
+        return plan
+    _quiet_lightning()
+    cfg = plan.cfg.copy()
+    run_dir = Path(plan.run_dir) if plan.run_dir is not None else Path(str(cfg.runs_dir)) / str(cfg.name)
+    if is_rank_zero():
+        claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
+    check_run_dir(run_dir, cfg.runs_dir)
+    if plan.resume is None:
+        _refuse_checkpoints(run_dir)
+    checked = _checked_of(plan)
+    _set_threads(cfg.trainer, checked)
+    cfg.model = OmegaConf.create(plan.model.to_dict())
+    prepared = plan.data if plan.data is not None else _prepare_data(cfg, plan.model)
+    check_vocab(prepared, plan.model.vocab_size)
+    return dataclasses.replace(plan, cfg=cfg, run_dir=run_dir, data=prepared)
+
+
+def _checked_of(plan: RunPlan) -> Checked:
+    """The trainer's facts a plan already holds."""
+    from gptkit.training.plan import Checked
+
+    return Checked(precision=plan.precision, accelerator=plan.accelerator, devices=plan.devices,
+                   nodes=plan.nodes, compile=plan.compile, model=plan.model, seq_len=plan.seq_len)
+
+
+def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
+    """The second half of train: the model, the Trainer, the run folder's files, trainer.fit, the summary;
+    every setting from the plan. A plan without data or run folder (made outside train) is completed first
+    (complete_plan)."""
+    started = time.perf_counter() if started is None else started
     import lightning as L
     import torch
 
-    from gptkit.data import TokenDataModule, check_vocab, prepare
-    from gptkit.data.build import bos_for_model
-    from gptkit.data.chat import CHAT_FILE, ChatData, prepare_chat
-    from gptkit.model import ModelConfig
-    from gptkit.runs import check_run_dir, claim_run_dir, is_rank_zero, unused
-    from gptkit.threads import set_threads
-    from gptkit.training.distributed import check_run_name, devices_per_node, on_cpu
+    from gptkit.data import TokenDataModule
+    from gptkit.data.chat import CHAT_FILE, ChatData
     from gptkit.training.memory import check_host_memory, cpu_out_of_memory, is_cpu_out_of_memory
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import describe_optimizer
-    from gptkit.training.plan import make_plan
     from gptkit.training.plots import plot_loss
     from gptkit.training.stopping import final_validation
     from gptkit.training.task_evals import TaskEvals, print_summary
     from gptkit.training.trainer import build_loggers, build_trainer
 
-    logging.getLogger("lightning.pytorch.utilities.rank_zero").setLevel(logging.WARNING)  # no banner/tips
-    warnings.filterwarnings("ignore", message=r".*isinstance\(treespec, LeafSpec\).*")
-    inv = invocation(cfg, run_dir, overrides)
-    check_run_name({o.key for o in inv.overrides})  # torchrun/srun ranks must agree on the run folder
-    run_dir = inv.run_dir
+    plan = complete_plan(plan)
+    cfg, run_dir, prepared, t = plan.cfg, plan.run_dir, plan.data, plan.trainer
     rank_zero = is_rank_zero()
-    if rank_zero:  # one writer per run folder; a start that fails removes the folder it made (runs.py)
-        claim_run_dir(run_dir, remove_if_unused=unused(run_dir))
-    check_run_dir(run_dir, cfg.runs_dir, job=inv.multirun_job)
-    cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg, inv.overrides)
-    if resume_ckpt is not None or not checked:  # a resumed run's config is the saved one, merged: check it
-        check_config(cfg)
     ckpt_dir = run_dir / CHECKPOINT_DIR
-    if resume_ckpt is None and ckpt_dir.is_dir() and any(ckpt_dir.glob("*.ckpt")):
-        raise GptkitError(f"{run_dir} already holds checkpoints; continue it with resume={run_dir} "
-                          f"or choose another name=")
-    init_ckpt = None
-    if resume_ckpt is None:  # a resumed run's weights come from its own checkpoint
-        cfg, init_ckpt = resolve_init_from(cfg, run_dir, inv.overrides)
-    cpu = on_cpu(cfg.trainer)  # CPU threads: one warning now if the machine's load would oversubscribe them
-    set_threads(cfg.trainer.get("threads"), "trainer.threads", devices_per_node(cfg.trainer) if cpu else 1,
-                warn=cpu)
-
-    model_dict = OmegaConf.to_container(cfg.model, resolve=True)
-    # the model init_from= brings fails here, before any data is prepared (check_config checked the others)
-    if init_ckpt is not None:
-        ModelConfig.from_dict(model_dict)
-
-    # data first: the tokenizer decides the vocabulary size
-    chat = cfg.data.get("kind") == "chat"  # conversations with a template (gptkit.data.chat)
-    if not chat:  # data.bos=auto: off for a GPT-2-style model (learned positions); the run's config says so
-        cfg.data = OmegaConf.create(bos_for_model(OmegaConf.to_container(cfg.data, resolve=True),
-                                                  str(model_dict.get("position") or "learned")))
-    prepared = (prepare_chat if chat else prepare)(cfg.data, cfg.tokenizer)  # shards are checked meanwhile
-    multiple = int(cfg.get("vocab_multiple", 1))
-    init_vocab = None  # init_from= with tokens the chat template added: the source's vocabulary, grown
-    if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None and init_ckpt is None:
-        model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
-    elif chat and init_ckpt is not None and prepared.vocab_size > model_dict["vocab_size"]:
-        init_vocab = model_dict["vocab_size"]
-        model_dict["vocab_size"] = multiple * math.ceil(prepared.vocab_size / multiple)
-    model_cfg = ModelConfig.from_dict(model_dict)
-    check_vocab(prepared, model_cfg.vocab_size)
-    cfg.model = OmegaConf.create(model_cfg.to_dict())
-
-    # from here on, every fact of the run comes from the plan
-    plan = make_plan(cfg, run_dir, model_cfg, resume=resume_ckpt, resume_step=resume_step,
-                     init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job)
-    t = plan.trainer
+    resume_ckpt, resume_step = plan.resume, plan.resume_step
     if resume_ckpt is not None and _nothing_to_do(run_dir, plan):  # touches nothing: exit 0
         return TrainResult(run_dir, int(resume_step), ckpt_dir / LAST_CHECKPOINT, None, None, None, rank_zero)
-    if cpu:  # the count-params estimate against the host's memory, before the model is built
+    if plan.accelerator == "cpu":  # the count-params estimate against the host's memory, before the model
         check_host_memory(plan)
 
     L.seed_everything(int(cfg.seed), workers=True, verbose=False)
@@ -391,7 +493,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     module = LitGPT(plan)
     # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
     if plan.init_from is not None and not module.built_on_meta:
-        _load_init_weights(module, plan.init_from, init_vocab)
+        _load_init_weights(module, plan.init_from, plan.init_vocab)
     datamodule = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len,
                                  seed=int(cfg.seed), val_windows=t.val_windows,
                                  pack=cfg.data.get("pack", "stream"))
@@ -416,7 +518,7 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
     _announce(trainer, plan, prepared, optimizer)
     if trainer.is_global_zero:
-        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0)
+        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0, plan.precision)
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
@@ -434,7 +536,8 @@ def train(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Optiona
     if checkpoints.signal_name is None:
         if trainer.global_step % int(t.val_every):  # Ctrl-C/SIGTERM here: saved, stopped, 130/143
             final_validation(trainer, module, datamodule, checkpoints)
-    checkpoints.publish(trainer)  # the final checkpoint, once the rows it covers (final validation too) are on disk
+    # the final checkpoint, once the rows it covers (final validation too) are on disk
+    checkpoints.publish(trainer)
     val = trainer.callback_metrics.get("val/loss")
     if trainer.is_global_zero:
         for lg in loggers:
@@ -458,7 +561,6 @@ def as_config(cfg: DictConfig | dict | list[str]) -> DictConfig:
         return cfg
     if isinstance(cfg, dict):
         return OmegaConf.create(cfg)
-    from gptkit.options import check_options
 
     composed = check_options("train", parse_options([str(a) for a in cfg]))
     if composed is None:
@@ -469,7 +571,6 @@ def as_config(cfg: DictConfig | dict | list[str]) -> DictConfig:
 def _nothing_to_do(run_dir: Path, plan: RunPlan) -> bool:
     """resume= with trainer.max_steps at or below the checkpoint's step (and that step's validation done, or
     nothing a resume would still run): one line saying so; nothing in the run folder changes."""
-    from gptkit.runs import is_rank_zero
     from gptkit.training.metrics_csv import read_rows
 
     step = int(plan.resume_step or 0)
@@ -487,15 +588,13 @@ def _nothing_to_do(run_dir: Path, plan: RunPlan) -> bool:
 def _remove_leftovers(run_dir: Path) -> None:
     """Temporary files of writes that a kill interrupted (this process holds the run's lock: they are no
     one else's): checkpoints/.*.tmp|.pending|.old and the run folder's own .<file>.*.tmp."""
-    from gptkit.checkpoints import remove_stale
-
     remove_stale(run_dir / CHECKPOINT_DIR)
     for name in (CONFIG_FILE, TOKENIZER_FILE, MANIFEST_FILE, "metrics.csv", "loss.png"):
         for tmp in run_dir.glob(f".{name}.*.tmp"):
             tmp.unlink(missing_ok=True)
 
 
-def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -> None:
+def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int, precision=None) -> None:
     """Say how much disk the run's checkpoints need (the count-params estimate) and warn when the
     filesystem has less free."""
     from rich.console import Console
@@ -503,14 +602,15 @@ def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -
     from gptkit import accounting as acc
     from gptkit.fsio import free_bytes, human_bytes
 
-    each = acc.checkpoint_bytes(model_cfg, str(t.precision))
+    each = acc.checkpoint_bytes(model_cfg, precision or str(t.precision))  # precision: the plan's
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
-    at_once = (periodic if keep is None else min(int(keep), periodic)) + 2  # + the one being written + last.ckpt
+    # + the one being written + last.ckpt
+    at_once = (periodic if keep is None else min(int(keep), periodic)) + 2
     at_once += 2 if t.get("keep_best") else 0  # best.ckpt and its pending replacement
     need, free = each * at_once, free_bytes(ckpt_dir)
-    line = (f"  checkpoints: ~{human_bytes(each)} each, up to {at_once} at once (trainer.keep_checkpoints={keep}) "
-            f"= ~{human_bytes(need)}; {human_bytes(free)} free")
+    line = (f"  checkpoints: ~{human_bytes(each)} each, up to {at_once} at once "
+            f"(trainer.keep_checkpoints={keep}) = ~{human_bytes(need)}; {human_bytes(free)} free")
     console = Console(stderr=True, highlight=False, soft_wrap=True)
     console.print(line)
     if need > free:
@@ -520,22 +620,22 @@ def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int) -
 
 
 def _interrupted(run_dir: Path, last: Path, rank_zero: bool) -> None:
-    import sys
-
     if rank_zero:
         try:
-            saved = (f"{last} holds step {checkpoint_step(last)}; continue with: gptkit train resume={run_dir}"
-                     if last.exists() else "no checkpoint was saved yet: run the same command again to start over")
+            saved = (f"{last} holds step {checkpoint_step(last)}; continue with: gptkit train "
+                     f"resume={run_dir}"
+                     if last.exists() else "no checkpoint was saved yet: run the same command again to start "
+                                           "over")
         except GptkitError as exc:
             saved = str(exc)
-        print(f"interrupted by a second Ctrl-C: stopped at once without saving this step; {saved}", file=sys.stderr)
+        print(f"interrupted by a second Ctrl-C: stopped at once without saving this step; {saved}",
+              file=sys.stderr)
     raise SystemExit(130)
 
 
 def out_of_memory(plan: RunPlan) -> GptkitError:
     """A CUDA out-of-memory error as one line: the count-params estimate and what to change."""
     from gptkit import accounting as acc
-    from gptkit.fsio import human_bytes
 
     t = plan.trainer
     mem = acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
@@ -545,8 +645,8 @@ def out_of_memory(plan: RunPlan) -> GptkitError:
         f"{human_bytes(mem['weights'])}, optimizer {human_bytes(mem['optimizer'])}, activations "
         f"{human_bytes(mem['activations'])}, logits {human_bytes(mem['logits'])} at "
         f"trainer.batch_size={t.batch_size}); lower trainer.batch_size "
-        f"(and raise trainer.accumulate_grad_batches to keep the batch), set trainer.activation_checkpointing=true, "
-        f"or shard with trainer=fsdp")
+        "(and raise trainer.accumulate_grad_batches to keep the batch), set "
+        f"trainer.activation_checkpointing=true, or shard with trainer=fsdp")
 
 
 def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> None:
@@ -589,8 +689,6 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
 
 def _source_losses(logged: dict[str, Any]) -> None:
     """data=mix: one line per source with its final val/loss/<source> (stderr, after the summary)."""
-    import sys
-
     for key, value in logged.items():
         if key.startswith("val/loss/"):
             loss = float(value)

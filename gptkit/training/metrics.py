@@ -5,8 +5,8 @@ losses and the first step whose loss was not finite as device tensors. Every tra
 steps (and at the last one) StepMetrics synchronizes once and writes one row for that step to every
 logger: train/loss (the mean over the window, across ranks), train/grad_norm (the mean over the window's
 steps of the total gradient norm the clipping computes, before clipping), train/lr, tokens/s, achieved
-FLOP/s, MFU, cumulative tokens and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints asks
-LossWindow before every save, so a checkpoint never holds what a NaN step produced.
+FLOP/s, MFU, cumulative tokens and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints
+asks LossWindow before every save, so a checkpoint never holds what a NaN step produced.
 
 FLOPs per token are the analytic training FLOPs of `gptkit count-params` by the published convention
 (6N + 12·L·T·d_attn, full attention, as PaLM, nanoGPT and torchtitan count: gptkit.accounting); MFU is
@@ -24,15 +24,16 @@ from lightning.pytorch.callbacks import Callback
 
 from gptkit import accounting as acc
 from gptkit.errors import GptkitError
-from gptkit.precision import precision
+from gptkit.precision import Precision, precision
 
 
 class NonFiniteLossError(GptkitError):
     """The training loss became NaN or inf."""
 
 
-def detect_peak_flops(precision_name: str, override_tflops: float | None) -> float | None:
-    """Peak FLOP/s of one device for the active precision, from the accelerator table.
+def detect_peak_flops(p: Precision | str, override_tflops: float | None) -> float | None:
+    """Peak FLOP/s of one device for the precision `p` (a run plan's, or its name), from the accelerator
+    table.
 
     None on CPU (and on unknown GPUs) unless the user gives trainer.peak_tflops.
     """
@@ -41,7 +42,7 @@ def detect_peak_flops(precision_name: str, override_tflops: float | None) -> flo
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name().lower().replace(" ", "").replace("-", "")
-    dtype = precision(precision_name).compute
+    dtype = precision(p).compute
     if dtype == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         dtype = "tf32"
     for key, table in acc.ACCELERATORS.items():
@@ -57,7 +58,8 @@ class LossWindow:
         self.sum: torch.Tensor | None = None  # fp32 scalar: the losses, each times its weight
         self.weight: torch.Tensor | None = None  # fp32 scalar: the weights (loss tokens, or 1 per loss)
         self.count = 0  # losses added (micro-batches)
-        self.first_bad: torch.Tensor | None = None  # int64 scalar: the step of the first non-finite loss, or -1
+        # int64 scalar: the step of the first non-finite loss, or -1
+        self.first_bad: torch.Tensor | None = None
         self.norm_sum: torch.Tensor | None = None  # fp32 scalar: the gradient norms of the window's steps
         self.norm_count = 0  # optimizer steps whose gradient norm was added
 

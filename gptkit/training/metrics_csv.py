@@ -42,7 +42,8 @@ class MetricsCSV(Logger):
         self.path = self.run_dir / METRICS_FILE
         self.resume_step = resume_step
         self._columns: list[str] = ["step"]
-        self._rows: dict[int, dict[str, Any]] = {}  # rows not yet on disk, or the last row if it may still grow
+        # rows not yet on disk, or the last row if it may still grow
+        self._rows: dict[int, dict[str, Any]] = {}
         self._tail: tuple[int, dict[str, Any], int] | None = None  # (step, row as written, its byte offset)
         self._size = 0  # bytes in the file
         self._floor = 0  # rows of earlier steps are on disk for good
@@ -83,7 +84,8 @@ class MetricsCSV(Logger):
         if step < self._floor:
             return  # a step whose row is final on disk: not something gptkit's loop logs
         self._rows.setdefault(step, {}).update(values)
-        self._write(complete_only=True)  # whoever logs (Lightning, or a callback directly), rows reach the file
+        # whoever logs (Lightning, or a callback directly), rows reach the file
+        self._write(complete_only=True)
 
     @rank_zero_only
     def save(self) -> None:
@@ -149,11 +151,13 @@ class MetricsCSV(Logger):
     def _write_rows(self, complete_only: bool, fsync: bool) -> None:
         self._start()
         newest = max(self._rows, default=None)
-        if self._tail is not None and self._tail[0] != newest and self._rows.get(self._tail[0]) == self._tail[1]:
-            del self._rows[self._tail[0]]  # the last row on disk is complete, and on disk as it is
+        tail = self._tail
+        if tail is not None and tail[0] != newest and self._rows.get(tail[0]) == tail[1]:
+            del self._rows[tail[0]]  # the last row on disk is complete, and on disk as it is
             self._tail = None
         steps = [s for s in sorted(self._rows) if not (complete_only and s == newest)]
-        if self._tail is not None and steps[:1] == [self._tail[0]] and self._rows[self._tail[0]] == self._tail[1]:
+        tail = self._tail
+        if tail is not None and steps[:1] == [tail[0]] and self._rows[tail[0]] == tail[1]:
             steps = steps[1:]  # still the newest row, unchanged since it was written
         if steps:
             rows = [(s, self._rows[s]) for s in steps]
@@ -163,7 +167,8 @@ class MetricsCSV(Logger):
             if new:  # a new column: every row is written again under the new header
                 self._columns += list(dict.fromkeys(new))
                 _, old = read_rows(self.path)
-                self._rewrite(b"", [*((s, r) for s, r in old.items() if s not in self._rows), *rows], keep_last)
+                self._rewrite(b"", [*((s, r) for s, r in old.items() if s not in self._rows), *rows],
+                              keep_last)
             elif amend:  # the last row on disk grew: everything before it, then the rows
                 with open(self.path, "rb") as f:
                     prefix = f.read(self._tail[2])

@@ -126,8 +126,10 @@ class LitGPT(L.LightningModule):
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
-        full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None  # references
-        if parallelize(self.model, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
+        # references
+        full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None
+        # FSDP2: shards per block; else no-op
+        if parallelize(self.model, strategy) and self.weights_from_rank0:
             broadcast_weights(self.model, full, strategy.root_device)
             self.built_on_meta = False
         del full
@@ -137,7 +139,8 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
-        x, y, *docs = batch  # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
+        # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
+        x, y, *docs = batch
         loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
         n = loss_tokens(y)  # int64 scalar on the device
         self.loss_window.add(loss, self.global_step, n)  # on the device: no host sync (StepMetrics reads it)

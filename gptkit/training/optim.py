@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
 from gptkit.errors import ConfigError
 
@@ -83,7 +84,8 @@ def check_optim_config(cfg: Any) -> None:
         if isinstance(cfg.min_lr, bool) or not isinstance(cfg.min_lr, (int, float)):
             raise ConfigError(f"optim.min_lr={cfg.min_lr} is not a number (null: optim.lr / 10)")
         if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
-            raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}] (or null: optim.lr / 10)")
+            raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}] (or null: "
+                              "optim.lr / 10)")
     if int(cfg.warmup_steps) < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
     adamw_implementation(cfg.fused, "cpu")
@@ -106,7 +108,8 @@ def adamw_implementation(fused: Any, device_type: str) -> str:
         return "fused" if device_type in FUSED_DEVICES else "foreach"
     if fused is True:
         if device_type not in FUSED_DEVICES:
-            raise ConfigError(f"optim.fused=true needs a CUDA GPU or the CPU, not {device_type}; use optim.fused=auto")
+            raise ConfigError(f"optim.fused=true needs a CUDA GPU or the CPU, not {device_type}; use "
+                              "optim.fused=auto")
         return "fused"
     if fused is False:
         return "foreach"
@@ -215,7 +218,6 @@ def sharded_muon_step(muon: torch.optim.Optimizer) -> None:
     the local rows. Collective: every rank calls it, for the same parameters in the same order.
     """
     from torch.distributed.tensor import distribute_tensor
-    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
 
     for group in muon.param_groups:
         lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
@@ -281,8 +283,9 @@ def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any, max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any,
+                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
     """The LambdaLR of optim.schedule (warmup, then cosine / linear / WSD to optim.min_lr)."""
-    kw = dict(schedule=cfg.schedule, max_steps=max_steps, warmup_steps=int(cfg.warmup_steps), lr=float(cfg.lr),
-              min_lr=min_lr(cfg), decay_fraction=float(cfg.decay_fraction))
+    kw = dict(schedule=cfg.schedule, max_steps=max_steps, warmup_steps=int(cfg.warmup_steps),
+              lr=float(cfg.lr), min_lr=min_lr(cfg), decay_fraction=float(cfg.decay_fraction))
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, **kw))

@@ -1,8 +1,10 @@
 """The run plan: every fact of a training run that follows from its config, derived once.
 
-`gptkit train` composes the config (Hydra), checks it (fit.check_config), applies resume= / init_from=
-(fit.resolve_resume, fit.resolve_init_from), prepares the data (the tokenizer fixes the vocabulary) and
-then calls make_plan. From there on every part reads the plan and re-derives nothing:
+`gptkit train` composes the config (Hydra), checks it (fit.check_config, which returns what it derived
+as a Checked: precision, accelerator, devices, nodes, compile mode, a new run's model and window),
+applies resume= / init_from= (fit.resolve_resume, fit.resolve_init_from), prepares the data (the
+tokenizer fixes the vocabulary) and then calls make_plan, which reads the Checked instead of deriving it
+again. From there on every part reads the plan and re-derives nothing (.ci/rederivations counts it):
 
     plan.model            the ModelConfig (vocab_size from the tokenizer, or the source run's model)
     plan.seq_len          the training window (trainer.seq_len, or model.max_seq_len)
@@ -12,6 +14,7 @@ then calls make_plan. From there on every part reads the plan and re-derives not
     plan.precision        the Precision (gptkit.precision), plan.accelerator "cpu" | "cuda"
     plan.compile          None | "blocks" | "model" (trainer.compile)
     plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params), plan.peak_flops
+    plan.data             the prepared corpus (None for a plan made without data: gptkit.train prepares it)
 
 Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
 and schedule), fit (start-up lines, disk check, summary, out-of-memory message), commands/preflight and
@@ -20,6 +23,7 @@ bench/train (the same plan without data).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,6 +80,40 @@ def planned_steps(t: Any, tokens_per_step: int) -> int:
 
 
 @dataclass(frozen=True)
+class Checked:
+    """What checking a config derives before any data (trainer.check_trainer_config, fit.check_config):
+    make_plan completes it, so none of it is derived a second time."""
+
+    precision: Precision
+    accelerator: str  # "cpu" | "cuda"
+    devices: int  # processes per node
+    nodes: int
+    compile: Optional[str]  # None | "blocks" | "model"
+    # a new run's model (vocab_size: the config's); resume/init_from: None
+    model: Optional[ModelConfig] = None
+    seq_len: Optional[int] = None  # the training window of `model`
+
+    @property
+    def world_size(self) -> int:
+        """Processes in the job: devices per node x nodes."""
+        return self.devices * self.nodes
+
+
+def check_trainer(t: Any) -> Checked:
+    """The `trainer` group's facts, each derived once: precision, accelerator, devices, nodes, compile mode
+    (one-line ConfigErrors for a value none of them takes)."""
+    p = precision(t.precision)
+    accelerator = accelerator_type(t)
+    return Checked(precision=p, accelerator=accelerator, devices=devices_per_node(t, accelerator),
+                   nodes=int(t.num_nodes), compile=compile_mode(t.compile))
+
+
+def with_model(checked: Checked, t: Any, model: ModelConfig) -> Checked:
+    """`checked` with a new run's model and its training window (trainer.seq_len checked against it)."""
+    return dataclasses.replace(checked, model=model, seq_len=train_seq_len(t, model))
+
+
+@dataclass(frozen=True)
 class RunPlan:
     """One training run, resolved: what every part of `train` reads (see the module docstring)."""
 
@@ -94,7 +132,8 @@ class RunPlan:
     accelerator: str  # "cpu" | "cuda"
     compile: Optional[str]  # None | "blocks" | "model"
     compile_backend: str
-    flops_per_token: float  # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention)
+    # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention)
+    flops_per_token: float
     causal_flops_per_token: float  # the attention term halved (perf/mfu_causal)
     peak_flops: Optional[float]  # one device's peak for plan.precision; None where unknown
     resume: Optional[Path] = None  # the checkpoint resume= continues
@@ -102,6 +141,10 @@ class RunPlan:
     init_from: Optional[Path] = None  # the checkpoint init_from= takes the weights of
     replan: Optional[str] = None  # on resume with another max_steps: how the schedule moves
     job: Optional[str] = None  # "job 1: optim.lr=3e-3" for one job of a multirun
+    # the prepared corpus (gptkit.data: PreparedData, MixedData or ChatData) the run trains on; None for a
+    # plan made without data (preflight, bench, or a Python caller's make_plan: gptkit.train prepares it)
+    data: Any = None
+    init_vocab: Optional[int] = None  # init_from= with tokens a chat template added: the source's vocab_size
 
     @property
     def trainer(self) -> DictConfig:
@@ -134,32 +177,39 @@ class RunPlan:
         return self.tokens_per_step * self.max_steps
 
 
-def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *, resume: Optional[Path] = None,
+def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
+              checked: Optional[Checked] = None, resume: Optional[Path] = None,
               resume_step: Optional[int] = None, init_from: Optional[Path] = None,
-              saved_trainer: Optional[DictConfig] = None, job: Optional[str] = None) -> RunPlan:
+              saved_trainer: Optional[DictConfig] = None, job: Optional[str] = None, data: Any = None,
+              init_vocab: Optional[int] = None) -> RunPlan:
     """The plan of a run whose config was checked (fit.check_config) and whose model is known.
-    saved_trainer: on resume, the `trainer` group the run was planned with (for the re-planning note)."""
+    checked: what that check derived (the trainer's facts; the training window of a new run's model), read
+    here instead of derived again; None derives it (check_trainer). saved_trainer: on resume, the `trainer`
+    group the run was planned with (for the re-planning note). data: the prepared corpus, when known."""
     t = cfg.trainer
-    seq_len = train_seq_len(t, model)
-    per_node = devices_per_node(t)  # trainer.devices=auto: every visible GPU
-    world = per_node * int(t.num_nodes)
+    if checked is None:
+        checked = check_trainer(t)
+    same_window = checked.model is not None and checked.model.max_seq_len == model.max_seq_len
+    seq_len = checked.seq_len if same_window and checked.seq_len is not None else train_seq_len(t, model)
+    per_node = checked.devices  # trainer.devices=auto: every visible GPU
+    world = checked.world_size
     tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
     max_steps = planned_steps(t, tokens_per_step)
     replan = None
     if saved_trainer is not None:
         saved_steps = planned_steps(saved_trainer, tokens_per_step)
         replan = schedule_note(saved_steps, max_steps, int(resume_step or 0), cfg.optim)
-    p = precision(t.precision)
+    p = checked.precision
+    flops = acc.flops_per_token(model, seq_len)
     return RunPlan(
         cfg=cfg, run_dir=run_dir, model=model, seq_len=seq_len, batch_size=int(t.batch_size),
-        accumulation=int(t.accumulate_grad_batches), devices=per_node, nodes=int(t.num_nodes),
-        world_size=world,
-        tokens_per_step=tokens_per_step, max_steps=max_steps, precision=p, accelerator=accelerator_type(t),
-        compile=compile_mode(t.compile), compile_backend=str(t.get("compile_backend") or "inductor"),
-        flops_per_token=acc.flops_per_token(model, seq_len).train_dense,
-        causal_flops_per_token=acc.flops_per_token(model, seq_len).train_causal,
-        peak_flops=detect_peak_flops(p.name, t.get("peak_tflops")),
-        resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job,
+        accumulation=int(t.accumulate_grad_batches), devices=per_node, nodes=checked.nodes, world_size=world,
+        tokens_per_step=tokens_per_step, max_steps=max_steps, precision=p, accelerator=checked.accelerator,
+        compile=checked.compile, compile_backend=str(t.get("compile_backend") or "inductor"),
+        flops_per_token=flops.train_dense, causal_flops_per_token=flops.train_causal,
+        peak_flops=detect_peak_flops(p, t.get("peak_tflops")),
+        resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job, data=data,
+        init_vocab=init_vocab,
     )
 
 

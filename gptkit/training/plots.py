@@ -9,6 +9,8 @@ from pathlib import Path
 from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_bytes
 
+# matplotlib is imported where loss.png is drawn: a run without a plot never loads it.
+
 
 def read_metrics(csv_path: Path) -> dict[str, list[tuple[int, float]]]:
     """Every filled column of a metrics.csv as (step, value) pairs, by column name."""
@@ -34,7 +36,8 @@ def plot_loss(run_dir: Path | str) -> Path:
     run_dir = Path(run_dir)
     csv_path = run_dir / "metrics.csv"
     if not csv_path.is_file():
-        raise GptkitError(f"{csv_path} is missing; loss.png is drawn from the CSV logger's metrics (logger=csv)")
+        raise GptkitError(f"{csv_path} is missing; loss.png is drawn from the CSV logger's metrics "
+                          "(logger=csv)")
     s = read_metrics(csv_path)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     if "train/loss" in s:

@@ -103,7 +103,8 @@ class ProgressReporter:
             elapsed = time.perf_counter() - self._t0
             done = step - self._first
             eta = elapsed / done * (self._total - step) if done > 0 else 0.0
-            self._line(f"step {step}/{self._total}  {metrics_text(metrics)}  elapsed {clock(elapsed)}  ETA {clock(eta)}")
+            self._line(f"step {step}/{self._total}  {metrics_text(metrics)}  elapsed {clock(elapsed)}  ETA "
+                       f"{clock(eta)}")
 
     def validation(self, step: int, loss: float) -> None:
         """Show a validation result."""

@@ -1,9 +1,11 @@
-"""The run's checkpoints, with a graceful stop on SIGINT/SIGTERM. (What training measures: training/metrics.py.)"""
+"""The run's checkpoints, with a graceful stop on SIGINT/SIGTERM. (What training measures:
+training/metrics.py.)"""
 
 from __future__ import annotations
 
 import re
 import signal
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,8 @@ BEST_CHECKPOINT = "best.ckpt"
 
 def periodic_checkpoints(ckpt_dir: Path) -> list[Path]:
     """The periodic checkpoints (files or sharded folders) of a checkpoint folder, oldest step first."""
-    found = [(int(m.group(1)), p) for p in Path(ckpt_dir).glob("step-*.ckpt") if (m := PERIODIC.fullmatch(p.name))]
+    found = [(int(m.group(1)),
+              p) for p in Path(ckpt_dir).glob("step-*.ckpt") if (m := PERIODIC.fullmatch(p.name))]
     return [p for _, p in sorted(found)]
 
 
@@ -78,8 +81,6 @@ class RunCheckpoints(Callback):
 
     def on_train_start(self, trainer, pl_module) -> None:
         """Install the SIGINT/SIGTERM handlers (main thread only)."""
-        import threading
-
         if threading.current_thread() is not threading.main_thread():
             return
         for s in (signal.SIGINT, signal.SIGTERM):

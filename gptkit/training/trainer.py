@@ -10,30 +10,32 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.config import count
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.precision import precision
 from gptkit.runs import TOKENIZER_FILE
 from gptkit.threads import check_threads
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
 from gptkit.training.distributed import (
-    accelerator_type,
     build_strategy,
     check_distributed,
     fail_fast_callback,
 )
 from gptkit.training.metrics import StepMetrics
 from gptkit.training.metrics_csv import MetricsCSV
-from gptkit.training.plan import RunPlan, compile_mode
+from gptkit.training.plan import Checked, RunPlan, check_trainer
 from gptkit.training.progress import ProgressReporter, progress_mode
 from gptkit.training.run_checkpoints import RunCheckpoints
 from gptkit.training.task_evals import check_task_evals, task_evals_callback
 from gptkit.training.watch import ValidationWatch
 
-LOGGER_PACKAGES = {"tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
+# wandb and the tensorboard logger are imported on use: optional packages (check_loggers says which).
+
+LOGGER_PACKAGES = {"tensorboard": ("tensorboard",
+                                   "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
                    "wandb": ("wandb", "pip install wandb")}
 
 
@@ -67,7 +69,8 @@ def _logger(kind: str, opts: Any, run_dir: Path, run_name: str, resume_step: int
     if kind == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        return TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False)
+        return TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="",
+                                 default_hp_metric=False)
     if kind == "wandb":
         return _wandb_logger(opts, run_dir, run_name)
     raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
@@ -78,9 +81,8 @@ def _wandb_logger(opts: Any, run_dir: Path, run_name: str):
     if mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.wandb.mode={mode!r} must be offline, online or disabled")
     if mode == "online" and not _wandb_has_key():
-        raise GptkitError("logger.wandb.mode=online needs a W&B API key (set WANDB_API_KEY or run `wandb login`); "
-                          "or use logger.wandb.mode=offline and `wandb sync` later")
-    from lightning.pytorch.loggers import WandbLogger
+        raise GptkitError("logger.wandb.mode=online needs a W&B API key (set WANDB_API_KEY or run `wandb "
+                          "login`); or use logger.wandb.mode=offline and `wandb sync` later")
 
     os.environ.setdefault("WANDB_SILENT", "true")
     return WandbLogger(project=opts.get("project", "gptkit"), entity=opts.get("entity"), name=run_name,
@@ -136,41 +138,49 @@ def precision_plugin(plan: RunPlan):
     return ClippingMixedPrecision(plan.precision.name, plan.accelerator)
 
 
-def check_trainer_config(t: Any) -> None:
-    """Fail in one line, before any data is prepared, on trainer values Lightning would reject late."""
-    p = precision(t.precision)
-    for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every", "num_nodes"):
+def check_trainer_config(t: Any) -> Checked:
+    """Fail in one line, before any data is prepared, on trainer values Lightning would reject late; returns
+    the facts derived on the way (precision, accelerator, devices, compile mode), for make_plan."""
+    for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every",
+                "num_nodes"):
         if not isinstance(t[key], int) or int(t[key]) < 1:
             raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
     if t.max_tokens is None and (not isinstance(t.max_steps, int) or t.max_steps < 1):
-        raise ConfigError(f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)")
+        raise ConfigError(f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set "
+                          "trainer.max_tokens)")
     if t.max_tokens is not None:
         count(t.max_tokens, "trainer.max_tokens")
     seq_len = t.get("seq_len")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ConfigError(f"trainer.seq_len={seq_len} must be an integer >= 1 (or null for model.max_seq_len)")
+        raise ConfigError(f"trainer.seq_len={seq_len} must be an integer >= 1 (or null for "
+                          "model.max_seq_len)")
     check_threads(t.get("threads"), "trainer.threads")
     if t.val_windows is not None and int(t.val_windows) < 1:
         raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
     keep = t.get("keep_checkpoints", 3)
     if keep is not None and (not isinstance(keep, int) or keep < 0):
-        raise ConfigError(f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every one)")
+        raise ConfigError(f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every "
+                          "one)")
     every = t.get("sample_every")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ConfigError(f"trainer.sample_every={every} must be an integer >= 1 (or null for no samples)")
     if not isinstance(t.get("keep_best", False), bool):
         raise ConfigError(f"trainer.keep_best={t.keep_best} must be true or false")
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
-        raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)")
+        raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no "
+                          "clipping)")
     progress_mode(t.progress)
     check_task_evals(t)  # trainer.eval_tasks: lm-eval importable, local task files there
-    check_distributed(t)  # devices, strategy, launcher: one line now rather than a hang later
-    device = accelerator_type(t)
+    checked = check_trainer(t)
+    # devices, strategy, launcher: one line now rather than a hang later
+    check_distributed(t, checked)
+    p, device = checked.precision, checked.accelerator
     if device == "cuda" and p.compute == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"trainer.precision={p.name}: this GPU ({torch.cuda.get_device_name()}) has no bf16; "
-                          f"use trainer.precision=16-mixed (or 32-true)")
-    if compile_mode(t.compile):
+        raise ConfigError(f"trainer.precision={p.name}: this GPU ({torch.cuda.get_device_name()}) has no "
+                          f"bf16; use trainer.precision=16-mixed (or 32-true)")
+    if checked.compile:
         check_compile(device, str(t.get("compile_backend") or "inductor"))
+    return checked
 
 
 def check_compile(device: str, backend: str) -> None:
@@ -178,7 +188,8 @@ def check_compile(device: str, backend: str) -> None:
     if not torch._dynamo.is_dynamo_supported():
         raise ConfigError(f"trainer.compile=true: torch.compile does not support this Python/platform "
                           f"(torch {torch.__version__}); use trainer.compile=false")
-    if backend == "inductor" and device == "cpu" and not any(shutil.which(c) for c in ("g++", "c++", "clang++")):
+    if backend == "inductor" and device == "cpu" and not any(shutil.which(c) for c in ("g++", "c++",
+                                                                                       "clang++")):
         raise ConfigError("trainer.compile=true on the CPU needs a C++ compiler for torch's inductor backend "
                           "(install g++), or use trainer.compile=false")
 

@@ -28,7 +28,8 @@ class ValidationWatch(Callback):
     """At every validation: loss.png; at the validations that cross a multiple of sample_every steps (and
     the last): a greedy sample. metrics: the run's MetricsCSV (or None: no plot)."""
 
-    def __init__(self, run_dir: Path, tokenizer_file: str, sample_every: int | None, metrics: Any = None) -> None:
+    def __init__(self, run_dir: Path, tokenizer_file: str, sample_every: int | None,
+                 metrics: Any = None) -> None:
         self.run_dir = Path(run_dir)
         self.tokenizer_file = tokenizer_file
         self.sample_every = sample_every
@@ -43,7 +44,8 @@ class ValidationWatch(Callback):
             print(f"note: {what} failed ({type(exc).__name__}: {str(exc)[:160]}); training goes on",
                   file=sys.stderr)
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
+                                dataloader_idx=0) -> None:
         """Keep the prompt: the first tokens of the first validation window."""
         if self._prompt is None and self.sample_every:
             self._prompt = batch[0][0, :PROMPT_TOKENS].tolist()
