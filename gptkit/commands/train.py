@@ -15,6 +15,7 @@ Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exa
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -73,8 +74,6 @@ def _name_after_init_source(args: list[str], options, kv: dict) -> list[str]:
     """init_from= trains the source's model: unless the command line names the run or the model, the model's
     name (which the default run folder name, ${model.name}-<time>, is built from) is the source's, so that the
     folder is not named after the default preset."""
-    import re
-
     from gptkit.training.fit import init_source_name
 
     if kv.get("init_from") in (None, "", "null") or "name" in kv:

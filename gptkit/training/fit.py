@@ -243,7 +243,7 @@ def init_source_name(init_from: str, runs_dir: Path | str) -> str | None:
     repository's name, as the import names it), read before Hydra names the run folder after it. None when
     the source cannot be read (its one-line error comes later, where init_from= is resolved)."""
     if init_from.startswith(HF_PREFIX):
-        from gptkit import hf
+        from gptkit import hf  # ~3 s of imports after this module's: only for an hf: source
 
         return hf.source_name(init_from[len(HF_PREFIX):]) or None
     try:
