@@ -319,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
         v = VERBS[verb]
         if v.positional and args and "=" not in args[0] and not args[0].startswith("-"):
             args[0] = f"{v.positional}={args[0]}"  # `gptkit bench data` -> bench=data
-        elif v.positional and not any(a.startswith(f"{v.positional}=") for a in args):
-            from gptkit.config import presets
+        elif v.positional == v.config and not any(a.startswith(f"{v.positional}=") for a in args):
+            from gptkit.config import presets  # `gptkit bench` alone: the positional is a group to choose
 
             names = "|".join(presets(v.positional))
             if "--help" in args or "-h" in args:
