@@ -21,6 +21,8 @@ from gptkit.training.optim import (
     check_optim_config,
     describe_optimizer,
     muon_split,
+    muon_step,
+    newton_schulz,
 )
 
 TINY = dict(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=2, d_model=32)
@@ -129,6 +131,76 @@ def test_the_steps_are_torch_muon_and_adamw_side_by_side():
         assert torch.equal(a, b), name
 
 
+def test_newton_schulz_is_torchs_in_bfloat16_and_closer_to_orthogonal_in_float32():
+    """gptkit's Newton-Schulz in bfloat16 is torch.optim.Muon's bit for bit (tall, wide, square); in float32
+    its singular values are those of the same polynomial iteration computed in float64 to 1e-5."""
+    from torch.optim._muon import DEFAULT_A, DEFAULT_B, DEFAULT_C, _zeropower_via_newtonschulz
+
+    coefficients = (DEFAULT_A, DEFAULT_B, DEFAULT_C)
+    g = torch.Generator().manual_seed(0)
+    for shape in [(48, 16), (16, 40), (24, 24)]:
+        grad = torch.randn(shape, generator=g)
+        want = _zeropower_via_newtonschulz(grad.clone(), coefficients, 5, 1e-7)
+        assert torch.equal(newton_schulz(grad, coefficients, 5, 1e-7), want), shape
+        exact = newton_schulz(grad.double(), coefficients, 5, 1e-7, dtype=torch.float64)
+        fp32 = newton_schulz(grad, coefficients, 5, 1e-7, dtype=torch.float32)
+        assert fp32.dtype == torch.float32 and fp32.shape == shape
+        err32, err16 = ((x.double() - exact).abs().max().item() for x in (fp32, want))
+        assert err32 < 1e-5 < 1e-3 < err16, (shape, err32, err16)
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_gptkits_muon_step_is_torchs_bit_for_bit(nesterov):
+    """muon_step (what float32 Newton-Schulz and FSDP2 use) in bfloat16 is torch.optim.Muon.step, bit for bit
+    over 3 steps (momentum, Nesterov or not, weight decay, the lr adjustment)."""
+    cfg = muon_cfg(f"optim.muon.nesterov={str(nesterov).lower()}")
+    model, ref = llama(), llama()
+    opt, opt_ref = build_optimizer(model, cfg), build_optimizer(ref, cfg)
+    for step in range(3):
+        backward(model, step)
+        backward(ref, step)
+        muon_step(opt.muon, torch.bfloat16)
+        opt_ref.muon.step()
+        model.zero_grad()
+        ref.zero_grad()
+    for (name, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert opt.state_dict()["state"].keys() == opt_ref.state_dict()["state"].keys()
+
+
+def test_bf16_weights_without_nesterov_keep_their_momentum():
+    """trainer.precision=bf16-true with optim.muon.nesterov=false: the momentum buffer after one step is
+    (1 - momentum) x grad (torch.optim.Muon's own step divides it in place by its norm there)."""
+    model = llama().to(torch.bfloat16)
+    opt = build_optimizer(model, muon_cfg("optim.muon.nesterov=false"))
+    backward(model)
+    p = model.blocks[0].mlp.up_proj.weight
+    grad = p.grad.clone()
+    opt.step()
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch.zeros_like(grad).lerp_(grad, 0.05))
+
+
+def test_float32_newton_schulz_steps_and_says_so():
+    """optim.muon.ns_dtype=float32: a step is w (1 - lr wd) - lr 0.2 sqrt(max(A, B)) NS_float32(update), the
+    Nesterov update of the first step (torch's arithmetic), and the start-up line names the dtype."""
+    cfg = muon_cfg("optim.muon.ns_dtype=float32")
+    model = llama()
+    opt = build_optimizer(model, cfg)
+    assert opt.ns_dtype == torch.float32 and build_optimizer(llama(), muon_cfg()).ns_dtype == torch.bfloat16
+    assert "5 Newton-Schulz steps in float32" in describe_optimizer(cfg, model, "cpu")
+    p = model.blocks[0].mlp.up_proj.weight  # [d_ff, d_model]
+    start = p.detach().clone()
+    backward(model)
+    grad, lr, wd, m = p.grad.clone(), cfg.lr, cfg.weight_decay, cfg.muon.momentum
+    opt.step()
+    update = grad.lerp(torch.zeros_like(grad).lerp_(grad, 1 - m), m)  # Nesterov, first step
+    ortho = newton_schulz(update, opt.muon.param_groups[0]["ns_coefficients"], 5, 1e-7, torch.float32)
+    want = start * (1 - lr * wd) - lr * 0.2 * max(p.shape) ** 0.5 * ortho
+    torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-8)
+    bf16 = newton_schulz(update, opt.muon.param_groups[0]["ns_coefficients"], 5, 1e-7)
+    assert (bf16.float() - ortho).abs().max() > 1e-3  # not what torch's bfloat16 Newton-Schulz gives
+
+
 def test_lr_and_weight_decay_mean_what_they_mean_with_adamw():
     """match_rms_adamw: a Muon update has RMS ~0.2 x lr (the steady-state RMS of AdamW's, Moonlight); weight
     decay is decoupled, w <- w (1 - lr x weight_decay), for Muon's matrices as for AdamW's."""
@@ -192,6 +264,7 @@ def test_the_schedule_and_the_checkpoint_cover_both_optimizers():
         ("optim.muon.ns_steps=2.5", "must be an integer"),
         ("optim.muon.adjust_lr=moonlight", "must be one of match_rms_adamw, original"),
         ("optim.muon.nesterov=1", "must be true or false"),
+        ("optim.muon.ns_dtype=float16", r"optim.muon.ns_dtype='float16' must be one of bfloat16, float32"),
     ],
 )
 def test_bad_muon_settings_are_one_line(override, message):
@@ -402,6 +475,9 @@ def test_muon_run_announces_its_groups_resumes_bit_identically_and_fine_tunes(ca
 
 # ---- 2 processes (gloo) against one: DDP, and FSDP2 with Newton-Schulz on the gathered matrices ------------
 def test_ddp_and_fsdp2_match_one_process(tmp_path):
+    """2 gloo processes against one: FSDP2 (Newton-Schulz shared out by matrix) = FSDP2 (every matrix
+    gathered on every rank) = DDP, bit for bit, in both dtypes; with optim.muon.ns_dtype=float32 they are one
+    process's weights to 1e-6 after 3 steps."""
     import os
     import subprocess
     import sys
@@ -436,19 +512,60 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         for p in ranks:
             p.kill()
     assert [p.returncode for p in ranks] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
-    model, opt = w.model_and_optimizer(fsdp=False)  # one process, the whole batch
-    start = {k: v.clone() for k, v in model.state_dict().items()}
-    for x, y in w.batches():
-        model(x, y).loss.backward()
-        opt.step()
-        opt.zero_grad()
-    want = model.state_dict()
-    ddp, fsdp = (torch.load(tmp_path / f"{run}.pt", weights_only=True) for run in ("ddp", "fsdp"))
-    for k, v in want.items():
-        # FSDP2 (gathered, orthogonalized, applied to the local rows) is DDP (whole matrices) bit for bit
-        assert torch.equal(fsdp[k], ddp[k]), k
-        # against one process the gradients differ in the last bits (2 half-batch means vs one mean), which
-        # torch's Newton-Schulz, in bf16, rounds apart: up to 9% of what 3 steps moved a matrix here; one
-        # process with its gradients scaled by (1 + 2^-23) moves as far (up to 5%). Not 1e-6: bf16, by design
-        moved = (v - start[k]).abs().max().item()
-        assert moved > 0 and (ddp[k] - v).abs().max().item() < 0.15 * moved, k
+    for ns_dtype in w.NS_DTYPES:
+        model, opt = w.model_and_optimizer(fsdp=False, ns_dtype=ns_dtype)  # one process, the whole batch
+        start = {k: v.clone() for k, v in model.state_dict().items()}
+        for x, y in w.batches():
+            model(x, y).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        want = model.state_dict()
+        ddp, fsdp, gathered = (
+            torch.load(tmp_path / f"{run}-{ns_dtype}.pt", weights_only=True)
+            for run in ("ddp", "fsdp", "fsdp-gathered")
+        )
+        for k, v in want.items():
+            assert torch.equal(fsdp[k], gathered[k]), (ns_dtype, k)
+            assert torch.equal(fsdp[k], ddp[k]), (ns_dtype, k)
+            assert (v - start[k]).abs().max() > 1e-3, k  # every tensor moved
+            if ns_dtype == "float32":
+                # the gradients differ in the last bits (2 half-batch means vs one mean); float32
+                # Newton-Schulz keeps that difference small (bfloat16 rounds it up to ~1e-2 of the update)
+                torch.testing.assert_close(ddp[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+# ---- gptkit bench optim: AdamW and Muon of one seed side by side, compared seed by seed -------------------
+def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
+    """The AdamW and Muon runs of a seed are queued together (with parallel=2 they train side by side); the
+    time ratio and the equal-time val loss compare each Muon run with the AdamW run of its seed."""
+    import json
+
+    from gptkit.bench import optim as bench
+
+    def fake_run(args, log):  # a run folder as `gptkit train` leaves it: 4 steps of 10 tokens, val every 2
+        opts = dict(a.split("=", 1) for a in args)
+        run = tmp_path / "runs" / opts["name"]
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints/last.ckpt").write_bytes(b"")
+        muon, seed = opts["optim"] == "muon", int(opts["seed"])
+        tokens_per_s = 10 / (seed * (3 if muon else 2))  # seconds per step: AdamW 2 x seed, Muon 3 x seed
+        losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}  # val after 2 and 4 steps
+        rows = ["step,perf/tokens,perf/tokens_per_s,val/loss"]
+        rows += [f"{s},{10 * (s + 1)},{tokens_per_s}," for s in range(4)]
+        rows += [f"{s},,,{loss}" for s, loss in losses.items()]
+        (run / "metrics.csv").write_text("\n".join(rows) + "\n")
+        order.append(opts["name"])
+
+    order = []
+    monkeypatch.setattr(bench, "run_one", fake_run)
+    cfg = OmegaConf.create(dict(recipes={"r": ["optim=adamw"]}, muon={"r": ["optim=muon"]}, common=[],
+                                seeds=[1, 2], parallel=1, runs_dir=str(tmp_path / "runs"),
+                                out=str(tmp_path / "out.json")))
+    assert bench.run(cfg) == 0
+    assert order == ["r-adamw-seed1", "r-muon-seed1", "r-adamw-seed2", "r-muon-seed2"]
+    r = json.loads((tmp_path / "out.json").read_text())["results"]["r"]
+    assert r["muon_time_ratio"] == {"median": 1.5, "min": 1.5, "max": 1.5}  # seed by seed, whatever the load
+    # Muon after 2 of its steps (6 x seed s) is within AdamW's 8 x seed s; after 4 (12 x seed s) it is not
+    assert r["val_loss_at_adamw_time"]["muon"] == {"median": 1.5, "min": 1.5, "max": 1.5}
+    assert r["muon_steps_to_target"] == [2, 2] and r["target_val_loss"] == 1.8 and r["adamw_steps"] == 4
+    assert bench.run(cfg) == 0 and len(order) == 4  # finished runs are read, not rerun

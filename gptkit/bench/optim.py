@@ -6,9 +6,13 @@ seed<n> (a finished run found there is read instead of rerun). From each run's m
 
     steps to target   the first validation step at which the run's val loss is <= the target, the median over
                       seeds of AdamW's final val loss; reported for Muon as a fraction of AdamW's steps
-    equal time        the val loss at the last validation whose training time (validation excluded, summed
-                      from the logged tokens/s) is within the median AdamW run's whole training time
+    time ratio        a Muon run's training time (validation excluded, summed from the logged tokens/s) over
+                      the AdamW run of the same seed
+    equal time        the val loss of a Muon run at the last validation within the training time of the AdamW
+                      run of the same seed (that AdamW run's final val loss beside it)
 
+The AdamW and Muon runs of one seed are queued one after the other, so with parallel=2 they train side by
+side, under the same load: the time ratio and the equal-time loss compare runs made at the same moment.
 Medians over seeds with their range (min-max). Steps do not depend on the machine's load; times do.
 """
 
@@ -118,8 +122,8 @@ def run(cfg) -> int:
     con = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
     jobs = []
     for recipe in cfg.recipes:
-        for optimizer in OPTIMIZERS:
-            for seed in cfg.seeds:
+        for seed in cfg.seeds:  # AdamW and Muon of one seed side by side (parallel=2): the same load
+            for optimizer in OPTIMIZERS:
                 name, args = train_args(cfg, recipe, optimizer, int(seed))
                 if not finished(runs_dir / name):
                     jobs.append((name, args))
@@ -141,7 +145,6 @@ def run(cfg) -> int:
         adamw, muon = runs["adamw"], runs["muon"]
         target = statistics.median(r["final_val_loss"] for r in adamw)
         adamw_steps = statistics.median(r["steps"] for r in adamw)
-        adamw_time = statistics.median(r["train_seconds"] for r in adamw)
         reached = [steps_to(r, target) for r in muon]
         results[recipe] = {
             "target_val_loss": target,
@@ -154,9 +157,10 @@ def run(cfg) -> int:
             ),
             "adamw_train_seconds": spread([r["train_seconds"] for r in adamw]),
             "muon_train_seconds": spread([r["train_seconds"] for r in muon]),
-            "val_loss_at_adamw_time": {
+            "muon_time_ratio": spread([m["train_seconds"] / a["train_seconds"] for a, m in zip(adamw, muon)]),
+            "val_loss_at_adamw_time": {  # each Muon run at the training time of the AdamW run of its seed
                 "adamw": spread([r["final_val_loss"] for r in adamw]),
-                "muon": spread([loss_at(r, adamw_time) for r in muon]),
+                "muon": spread([loss_at(m, a["train_seconds"]) for a, m in zip(adamw, muon)]),
             },
         }
     with open("/proc/loadavg") if Path("/proc/loadavg").exists() else open(os.devnull) as f:
@@ -170,7 +174,8 @@ def run(cfg) -> int:
         "Muon final val loss",
         "Muon steps to AdamW's final",
         "AdamW / Muon train s",
-        "val loss at AdamW's time: AdamW / Muon",
+        "Muon / AdamW time, same seed",
+        "val loss at AdamW's time, same seed: AdamW / Muon",
     ):
         t.add_column(col, justify="right")
 
@@ -190,8 +195,8 @@ def run(cfg) -> int:
             fmt(r["muon_final_val_loss"]),
             steps,
             f"{r['adamw_train_seconds']['median']:.0f} / {r['muon_train_seconds']['median']:.0f}",
-            f"{r['val_loss_at_adamw_time']['adamw']['median']:.4f} / "
-            f"{fmt(r['val_loss_at_adamw_time']['muon'])}",
+            f"{fmt(r['muon_time_ratio'], '{:.2f}')}x",
+            f"{fmt(r['val_loss_at_adamw_time']['adamw'])} / {fmt(r['val_loss_at_adamw_time']['muon'])}",
         )
     con.print(t)
     if cfg.out:

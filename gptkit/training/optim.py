@@ -11,14 +11,18 @@ Lightning steps one optimizer: MuonWithAdamW holds the two and shows their group
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 from torch import nn
-from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+from torch.optim._muon import _adjust_lr
 
 from gptkit.errors import ConfigError
+
+# torch.distributed (.tensor) is imported inside the Muon step's helpers: ~1.1 s of start-up on the CPU
+# (measured 2026-12-01, load ~8), which only optim=muon runs pay, at their first step.
 
 SCHEDULES = ("cosine", "linear", "wsd", "constant")
 
@@ -26,6 +30,7 @@ SCHEDULES = ("cosine", "linear", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
 MUON_TORCH = "2.9"  # the first torch with torch.optim.Muon
+MUON_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # optim.muon.ns_dtype
 
 
 def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False,
@@ -118,7 +123,7 @@ def adamw_implementation(fused: Any, device_type: str) -> str:
 
 def check_muon_config(cfg: Any) -> None:
     """optim.muon.*: torch.optim.Muon present, momentum in [0, 1), ns_steps a positive integer (< 100, torch's
-    limit), nesterov a boolean, adjust_lr one of MUON_ADJUST_LR."""
+    limit), nesterov a boolean, ns_dtype one of MUON_NS_DTYPES, adjust_lr one of MUON_ADJUST_LR."""
     if not hasattr(torch.optim, "Muon"):
         raise ConfigError(f"optim=muon needs torch >= {MUON_TORCH} (torch.optim.Muon); this is torch "
                           f"{torch.__version__}: upgrade torch or use optim=adamw")
@@ -132,6 +137,9 @@ def check_muon_config(cfg: Any) -> None:
                           f"iterations)")
     if not isinstance(m.nesterov, bool):
         raise ConfigError(f"optim.muon.nesterov={m.nesterov} must be true or false")
+    if m.get("ns_dtype", "bfloat16") not in MUON_NS_DTYPES:
+        raise ConfigError(f"optim.muon.ns_dtype={m.ns_dtype!r} must be one of {', '.join(MUON_NS_DTYPES)} "
+                          f"(the dtype of Newton-Schulz)")
     if m.adjust_lr not in MUON_ADJUST_LR:
         raise ConfigError(f"optim.muon.adjust_lr={m.adjust_lr!r} must be one of {', '.join(MUON_ADJUST_LR)} "
                           f"(match_rms_adamw: optim.lr means what it means with AdamW)")
@@ -157,7 +165,7 @@ def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
                             adjust_lr_fn=str(m.adjust_lr))
     groups = [g for g in param_groups(model, *decay, named=adamw_named) if g["params"]]
     adamw = _adamw(groups, cfg, device_type)
-    return MuonWithAdamW(muon, adamw)
+    return MuonWithAdamW(muon, adamw, ns_dtype=MUON_NS_DTYPES[m.get("ns_dtype", "bfloat16")])
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -167,13 +175,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
     (one dict), so the lr scheduler, gradient clipping, the grad scaler and checkpoints (state_dict /
     load_state_dict, FSDP's get/set_optimizer_state_dict) see every parameter once, with its own settings.
 
-    Under FSDP2 a Muon parameter is a DTensor sharded by rows, but Newton-Schulz needs the whole matrix: the
-    momentum is kept and updated on the shards, each parameter's update is gathered whole (full_tensor),
-    orthogonalized by torch's own Newton-Schulz and applied to the local rows (sharded_muon_step).
+    ns_dtype: the dtype of Newton-Schulz. bfloat16 with plain tensors is torch.optim.Muon's own step;
+    float32, FSDP2's row-sharded DTensors and bf16 parameters without Nesterov (where torch's step overwrites
+    the momentum) take muon_step, the same arithmetic. Under FSDP2, Newton-Schulz
+    needs the whole matrix: each rank orthogonalizes its share of the matrices (sharded_ns, the default) or
+    every rank every matrix (sharded_ns=False, gathered with full_tensor); the two agree bit for bit.
     """
 
-    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer) -> None:
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer,
+                 ns_dtype: torch.dtype = torch.bfloat16, sharded_ns: bool = True) -> None:
         self.muon, self.adamw = muon, adamw
+        self.ns_dtype, self.sharded_ns = ns_dtype, sharded_ns
         super().__init__(muon.param_groups + adamw.param_groups, {})
         self._link()
 
@@ -194,8 +206,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if any(is_dtensor(p) for g in self.muon.param_groups for p in g["params"]):
-            sharded_muon_step(self.muon)
+        params = [(g, p) for g in self.muon.param_groups for p in g["params"]]
+        sharded = any(is_dtensor(p) for _, p in params)
+        # torch's step, without Nesterov, divides the momentum buffer of a bf16 parameter in place (its
+        # Newton-Schulz normalizes grad.bfloat16(), which is the buffer itself): muon_step does not
+        torch_bug = any(not g["nesterov"] and p.dtype == torch.bfloat16 for g, p in params)
+        if sharded or torch_bug or self.ns_dtype != torch.bfloat16:
+            muon_step(self.muon, self.ns_dtype, sharded_ns=self.sharded_ns)
         else:
             self.muon.step()
         self.adamw.step()
@@ -208,19 +225,41 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-@torch.no_grad()
-def sharded_muon_step(muon: torch.optim.Optimizer) -> None:
-    """torch.optim.Muon's step for FSDP2's row-sharded DTensor parameters, gathering one matrix at a time.
+def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """torch.optim.Muon's Newton-Schulz orthogonalization of a 2-D `grad`, computed in `dtype`.
 
-    The same arithmetic as torch's _single_tensor_muon, with torch's own Newton-Schulz and lr adjustment:
-    momentum (elementwise, on the local shards), Nesterov, then the update gathered whole and orthogonalized
-    (every rank the same full matrix: the same result), and decoupled weight decay and the step applied to
-    the local rows. Collective: every rank calls it, for the same parameters in the same order.
+    The same quintic iteration as torch's _zeropower_via_newtonschulz, operation for operation (so bfloat16
+    gives its result bit for bit): X = grad / ||grad||_F (transposed to the wide side), then `steps` times
+    X <- a X + (b X X^T + c (X X^T)^2) X. Returns `dtype`; `grad` is not modified.
     """
-    from torch.distributed.tensor import distribute_tensor
+    a, b, c = coefficients
+    tall = grad.size(0) > grad.size(1)
+    x = grad.to(dtype)
+    x = x.T if tall else x  # [min(A, B), max(A, B)]
+    x = x / x.norm().clamp(min=eps)
+    for _ in range(steps):
+        gram = x @ x.T  # [min, min]
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
 
+
+@torch.no_grad()
+def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bool = True) -> None:
+    """torch.optim.Muon's step with Newton-Schulz in `ns_dtype`, for plain tensors and FSDP2's DTensors.
+
+    The arithmetic of torch's _single_tensor_muon, with its lr adjustment: momentum and Nesterov
+    (elementwise, on the local shards under FSDP2), the update orthogonalized (newton_schulz), then decoupled
+    weight decay and the step. A row-sharded DTensor's update is orthogonalized whole: by one rank per matrix
+    (sharded_ns: gathered to it, its rows scattered back, orthogonalize_sharded) or by every rank (gathered
+    with full_tensor). Collective under FSDP2: every rank calls it, for the same parameters in the same order.
+    """
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    pending = []  # row-sharded, for orthogonalize_sharded: (parameter, update, its Newton-Schulz, its group)
     for group in muon.param_groups:
-        lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+        ns = functools.partial(newton_schulz, coefficients=group["ns_coefficients"], steps=group["ns_steps"],
+                               eps=group["eps"], dtype=ns_dtype)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -228,16 +267,83 @@ def sharded_muon_step(muon: torch.optim.Optimizer) -> None:
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
             buf = state["momentum_buffer"]
-            buf.lerp_(p.grad, 1 - momentum)
-            update = p.grad.lerp(buf, momentum) if group["nesterov"] else buf
-            full = update.full_tensor() if is_dtensor(update) else update  # [A, B]: all-gather the rows
-            extra = {"use_addmm": group["use_addmm"]} if "use_addmm" in group else {}  # newer torch
-            ortho = _zeropower_via_newtonschulz(full, group["ns_coefficients"], group["ns_steps"],
-                                                group["eps"], **extra)
-            if is_dtensor(p):  # every rank keeps its own rows (no communication)
-                ortho = distribute_tensor(ortho, p.device_mesh, p.placements, src_data_rank=None)
-            p.mul_(1 - lr * wd)
-            p.add_(ortho, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+            buf.lerp_(p.grad, 1 - group["momentum"])
+            update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            if sharded_ns and _row_sharded(update):
+                pending.append((p, update, ns, group))
+                continue
+            if is_dtensor(update):  # every rank the whole matrix [A, B], the same result; keeps its own rows
+                ortho = distribute_tensor(ns(update.full_tensor()), p.device_mesh, p.placements,
+                                          src_data_rank=None)
+            else:
+                ortho = ns(update)
+            _apply(p, ortho, group, _adjust_lr)
+    if pending:
+        orthos = orthogonalize_sharded([u for _, u, _, _ in pending], [f for _, _, f, _ in pending], ns_dtype)
+        for (p, _, _, group), rows in zip(pending, orthos):
+            ortho = DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                       stride=p.stride())
+            _apply(p, ortho, group, _adjust_lr)
+
+
+def _apply(p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any], adjust_lr) -> None:
+    lr = float(group["lr"])
+    p.mul_(1 - lr * group["weight_decay"])
+    p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+
+
+def _row_sharded(t: torch.Tensor) -> bool:
+    """A DTensor sharded by rows over a 1-D mesh (FSDP2's layout), whose local rows are torch.chunk's."""
+    if not is_dtensor(t):
+        return False
+    from torch.distributed.tensor import Shard
+
+    mesh = t.device_mesh
+    return (mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
+            and t.to_local().shape[0] == _chunk_rows(t.shape[0], mesh.size())[mesh.get_local_rank()])
+
+
+def _chunk_rows(rows: int, world: int) -> list[int]:
+    """Rows per rank of torch.chunk(rows, world) (what Shard(0) keeps), 0 for ranks past the last chunk."""
+    per = -(-rows // world)
+    return [max(0, min(per, rows - r * per)) for r in range(world)]
+
+
+def orthogonalize_sharded(updates: list, orthogonalize: list, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Newton-Schulz of row-sharded DTensors [A, B], each matrix on one rank: this rank's rows of each result.
+
+    Matrix i belongs to rank i % world: every rank's rows of it are gathered there (padded to the chunk
+    size), each owner orthogonalizes its matrices (orthogonalize[i], returning `dtype`; each rank 1/world of
+    the work, at the same time), and each result's rows are scattered back to the ranks that hold them. The
+    same function of the same whole matrix as gathering it on every rank, so the same result bit for bit; a
+    rank holds only its own matrices whole. Collective: every rank calls it with the same matrices in order.
+    """
+    import torch.distributed as dist
+
+    group = updates[0].device_mesh.get_group()
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    layout = [(i % world, _chunk_rows(u.shape[0], world)) for i, u in enumerate(updates)]
+    ortho = {}
+    for i, (u, (owner, rows)) in enumerate(zip(updates, layout)):
+        local = _pad_rows(u.to_local(), max(rows)).contiguous()  # [ceil(A / world), B]
+        gathered = [torch.empty_like(local) for _ in range(world)] if rank == owner else None
+        dist.gather(local, gathered, group=group, group_dst=owner)
+        if rank == owner:
+            ortho[i] = torch.cat([g[:n] for g, n in zip(gathered, rows)])  # [A, B]
+    ortho = {i: orthogonalize[i](whole) for i, whole in ortho.items()}  # this rank's share of the work
+    mine = []
+    for i, (u, (owner, rows)) in enumerate(zip(updates, layout)):
+        parts = None  # the owner's result in row blocks, contiguous (a tall matrix's result is transposed)
+        if rank == owner:
+            parts = [_pad_rows(t, max(rows)).contiguous() for t in torch.split(ortho.pop(i), rows)]
+        local = torch.empty(max(rows), u.shape[1], dtype=dtype, device=u.to_local().device)
+        dist.scatter(local, parts, group=group, group_src=owner)
+        mine.append(local[: rows[rank]])  # [this rank's rows, B]
+    return mine
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    return t if t.shape[0] == rows else torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 def describe_optimizer(cfg: Any, model: nn.Module, device_type: str) -> str:
@@ -249,7 +355,8 @@ def describe_optimizer(cfg: Any, model: nn.Module, device_type: str) -> str:
     n = lambda named: sum(p.numel() for _, p in named)  # noqa: E731
     m = cfg.muon
     return (f"Muon (torch.optim.Muon: {n(muon):,} parameters in {len(muon)} block matrices; momentum "
-            f"{m.momentum}{' nesterov' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps, lr x "
+            f"{m.momentum}{' nesterov' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps in "
+            f"{m.get('ns_dtype', 'bfloat16')}, lr x "
             f"{'0.2·sqrt(max(A, B))' if m.adjust_lr == 'match_rms_adamw' else 'sqrt(max(1, A/B))'}) + "
             f"{adamw} for {n(rest):,} parameters in {len(rest)} tensors (embeddings, head, norms, biases)")
 
