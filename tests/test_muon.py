@@ -551,7 +551,7 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
         tokens_per_s = 10 / (seed * (3 if muon else 2))  # seconds per step: AdamW 2 x seed, Muon 3 x seed
         losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}  # val after 2 and 4 steps
         rows = ["step,perf/tokens,perf/tokens_per_s,val/loss"]
-        rows += [f"{s},{10 * (s + 1)},{tokens_per_s}," for s in range(4)]
+        rows += [f"{s},{10 * s},{tokens_per_s}," for s in range(1, 5)]  # row s: step s (s steps done)
         rows += [f"{s},,,{loss}" for s, loss in losses.items()]
         (run / "metrics.csv").write_text("\n".join(rows) + "\n")
         order.append(opts["name"])
