@@ -30,6 +30,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from gptkit import adapters
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
 from gptkit.fsio import (
@@ -380,14 +381,38 @@ def model_state_dict(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return {k[len(STATE_PREFIX):]: v for k, v in sd.items() if k.startswith(STATE_PREFIX)}
 
 
+def lora_base(checkpoint: dict[str, Any], where: Path | str) -> Path:
+    """The base checkpoint a LoRA run's checkpoint (`checkpoint`, read from `where`) adapts, as recorded when
+    the run started: it must still be there with the same content (its fingerprint), else a one-line
+    GptkitError."""
+    record = checkpoint[adapters.CHECKPOINT_KEY]
+    base = Path(record["base"])
+    if not base.exists():
+        raise GptkitError(f"{where} holds LoRA adapters of the base checkpoint {base}, which is gone; put "
+                          f"that checkpoint back where it was (the adapters alone are not a model)")
+    if adapters.fingerprint(base) != record["base_fingerprint"]:
+        raise GptkitError(f"{where} holds LoRA adapters of {base}, whose content changed since the LoRA run "
+                          f"started (fingerprint {record['base_fingerprint']}); restore that checkpoint (the "
+                          f"adapters only fit the weights they were trained on)")
+    return base
+
+
 def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     """The GPT state dict of a checkpoint (tensors memory-mapped), checked against model_cfg: the same
-    names and shapes, else a one-line GptkitError."""
+    names and shapes, else a one-line GptkitError. A LoRA run's checkpoint (adapters only) gives its base's
+    weights with the adapters merged in (gptkit.adapters.merge)."""
     import torch
 
     from gptkit.model import GPT
 
-    state = model_state_dict(load_checkpoint(ckpt_path))
+    checkpoint = load_checkpoint(ckpt_path)
+    if adapters.CHECKPOINT_KEY in checkpoint:
+        record = checkpoint[adapters.CHECKPOINT_KEY]
+        base = checked_model_state(lora_base(checkpoint, ckpt_path), model_cfg)
+        state = model_state_dict(checkpoint)
+        adapters.check_adapters(state, model_cfg, record, str(ckpt_path))
+        return adapters.merge({**base, **state}, model_cfg, float(record["alpha"]) / int(record["rank"]))
+    state = model_state_dict(checkpoint)
     with torch.device("meta"):
         expected = GPT(model_cfg).state_dict()
     missing = sorted(set(expected) - set(state))

@@ -63,7 +63,8 @@ VERBS: dict[str, Verb] = {
     "consolidate": Verb("consolidate", "consolidate", "merge a sharded (FSDP) checkpoint folder into one "
                         "checkpoint file", positional="run"),
     "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench "
-                  "attention|data|evals|kernels|optim|sample|sft|train [key=value ...]", positional="bench"),
+                  "attention|data|evals|kernels|lora|optim|sample|sft|train [key=value ...]",
+                  positional="bench"),
 }
 
 # Hydra's own flags, for the verb that runs as a Hydra app

@@ -33,7 +33,9 @@ from fnmatch import fnmatch
 from pathlib import Path
 from typing import Any
 
-from gptkit import hub
+import torch
+
+from gptkit import adapters, hub
 from gptkit.data.chat import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
@@ -274,6 +276,58 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
     if not cfg.tie_embeddings:
         rows.append(("lm_head.weight", "lm_head.weight", COPY))
     return rows
+
+
+def peft_adapters(state: dict[str, Any], cfg: ModelConfig, lora: dict[str, Any],
+                  base: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A LoRA run's adapters (`state`: gptkit.adapters names; `lora`: rank, alpha, dropout, targets) as PEFT
+    writes them for the model `export` makes of `cfg`: (adapter_config.json, adapter_model.safetensors).
+
+    Keys are base_model.model.<transformers module>.lora_A|B.weight, A [r, in], B [out, r]. Llama's q, k and
+    v are its own q_proj, k_proj, v_proj; GPT-2's fused c_attn (a Conv1D: fan_in_fan_out) takes the adapters
+    of all its targeted parts at once: A side by side [n*r, in], B block-diagonal [3*d_model, n*r] (zeros
+    for a part not targeted), with rank n*r and alpha n*alpha in rank_pattern/alpha_pattern so that its
+    scale stays alpha / r. The same update, so the same logits."""
+    hf_of = {ours: theirs for ours, theirs, _ in name_map(cfg)}
+    rank, alpha = int(lora["rank"]), lora["alpha"]
+    tensors: dict[str, Any] = {}
+    modules: set[str] = set()
+    rank_pattern: dict[str, int] = {}
+    alpha_pattern: dict[str, Any] = {}
+    for i in range(cfg.n_layers):
+        parts: dict[str, list[tuple[int, int, Any, Any]]] = {}  # transformers module -> its adapted rows
+        for t in lora["targets"]:
+            ours = f"blocks.{i}.{adapters.MODULES[t]}"
+            a, b = state[f"{ours}.lora_{t}_A"], state[f"{ours}.lora_{t}_B"]  # [r, in], [rows, r]
+            theirs = hf_of[ours + ".weight"]
+            start = 0
+            if isinstance(theirs, tuple):  # Llama: q_proj, k_proj, v_proj, each whole
+                theirs = theirs["qkv".index(t)]
+            elif t in "qkv":  # GPT-2's c_attn: the rows of this part
+                start = adapters.target_shape(cfg, t)[0]
+            parts.setdefault(theirs.removesuffix(".weight"), []).append((start, start + b.shape[0], a, b))
+        for module, adapted in parts.items():
+            short = ".".join(module.split(".")[-2:])  # self_attn.q_proj, mlp.c_proj: one name per kind
+            modules.add(short)
+            if len(adapted) == 1 and short != "attn.c_attn":
+                a, b = adapted[0][2], adapted[0][3]
+            else:
+                n = len(adapted)
+                a = torch.cat([x[2] for x in adapted], dim=0)  # [n*r, in]
+                b = torch.zeros(cfg.d_attn + 2 * cfg.d_kv, n * rank, dtype=a.dtype)  # [3*d_model, n*r]
+                for j, (start, end, _, bj) in enumerate(adapted):
+                    b[start:end, j * rank:(j + 1) * rank] = bj
+                rank_pattern[short], alpha_pattern[short] = n * rank, n * alpha
+            tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
+            tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": float(lora["dropout"]),
+        "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": architecture(cfg) == GPT2,
+        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "modules_to_save": None,
+        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "inference_mode": True,
+    }
+    return config, tensors
 
 
 def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:

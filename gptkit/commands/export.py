@@ -5,9 +5,14 @@ generation_config.json. It loads with AutoModelForCausalLM / AutoTokenizer and n
 RoPE + SwiGLU + RMSNorm models become Llama; learned positions + GELU + LayerNorm (with biases)
 become GPT-2. Any other combination is refused, naming the variant that does not map.
 
+A LoRA run (finetune=lora) exports its base with the adapters merged (W + alpha/rank * B @ A); with
+adapters=true, only the adapters, as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)
+that PeftModel.from_pretrained loads on the base exported by itself (docs/lora.md).
+
 Examples:
   gptkit export run=runs/llama-tiny-20250101-120000 out=hf/llama-tiny
   gptkit export run=runs/my-run out=hf/my-run dtype=bf16 max_shard_size=2GB force=true
+  gptkit export run=runs/my-lora-run out=hf/my-adapter adapters=true
 """
 
 from __future__ import annotations
@@ -50,6 +55,8 @@ def run(cfg) -> int:
     out = check_out_dir(out, bool(cfg.force))  # fail before the slow part
     # refuse before loading
     arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
+    if cfg.adapters:
+        return export_adapters(ckpt, out, cfg)
 
     run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
 
@@ -89,4 +96,41 @@ def run(cfg) -> int:
         print(f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
               f"model.dropout={model_cfg.dropout} applies there and not to the residual stream when "
               f"fine-tuning in transformers (inference is unaffected)", file=sys.stderr)
+    return 0
+
+
+def export_adapters(ckpt, out, cfg) -> int:
+    """adapters=true: the LoRA run's adapters as a PEFT adapter folder (gptkit.hf.peft_adapters)."""
+    from safetensors.torch import save_file
+
+    from gptkit import adapters, hf
+    from gptkit.checkpoints import load_checkpoint, lora_base, model_state_dict, run_dir_of
+    from gptkit.errors import GptkitError
+    from gptkit.fsio import staged_dir
+    from gptkit.model import ModelConfig
+    from gptkit.precision import torch_dtype
+    from gptkit.runs import IMPORTED_FILE, read_config
+
+    checkpoint = load_checkpoint(ckpt)
+    if adapters.CHECKPOINT_KEY not in checkpoint:
+        raise GptkitError(f"export adapters=true: {ckpt} is not a LoRA run's checkpoint (finetune=lora); "
+                          f"export its weights with adapters=false")
+    record = checkpoint[adapters.CHECKPOINT_KEY]
+    model_cfg = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
+    state = model_state_dict(checkpoint)
+    adapters.check_adapters(state, model_cfg, record, str(ckpt))
+    base_run = run_dir_of(lora_base(checkpoint, ckpt))  # there and unchanged: the adapters fit it
+    imported = base_run / IMPORTED_FILE
+    source = json.loads(imported.read_text()).get("source") if imported.is_file() else None
+    config, tensors = hf.peft_adapters(state, model_cfg, record, str(source or base_run))
+    dtype = torch_dtype(cfg.dtype)
+    with staged_dir(out, force=bool(cfg.force)) as tmp:
+        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
+    n = sum(v.numel() for v in tensors.values())
+    print(f"exported the LoRA adapters of {ckpt} (rank {record['rank']}, alpha {record['alpha']}, "
+          f"{', '.join(record['targets'])}; {n:,} parameters, {cfg.dtype}) to {Path(out)}: "
+          f"adapter_config.json, adapter_model.safetensors, for PEFT on the base {source or base_run} "
+          f"(export it with: gptkit export run={base_run} out=<folder>)")
     return 0

@@ -7,6 +7,7 @@ Examples:
   gptkit train experiment=shakespeare-char            (the reference recipe)
   gptkit train resume=runs/my-run trainer.max_steps=1000
   gptkit train init_from=runs/imported-gpt2 data=files data.paths=[my.txt]   (fine-tune: a new run)
+  gptkit train init_from=runs/imported-llama finetune=lora lora.targets=[q,k,v,o] ...   (LoRA: docs/lora.md)
   gptkit train -m optim.lr=1e-3,3e-3                  (one folder per job)
   gptkit train logger=[csv,tensorboard,wandb] trainer.precision=bf16-mixed
 Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exactly.

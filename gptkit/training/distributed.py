@@ -24,8 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gptkit import adapters
 from gptkit.checkpoints import (
     EXTRA_STATE,
+    STATE_PREFIX,
     is_sharded_checkpoint,
     remove_checkpoint,
     replace_checkpoint,
@@ -38,6 +40,7 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
+from gptkit.training.lora import adapter_state_dict
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
@@ -250,8 +253,13 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
 
     _verify_together(path)
     model_state = {"state_dict": get_model_state_dict(module)}
+    lora = getattr(module, "lora_record", None) is not None  # a LoRA run's checkpoint: the adapters only
+    if lora:
+        model_state["state_dict"] = adapter_state_dict(model_state["state_dict"], STATE_PREFIX)
     _dcp_load(model_state, path)
-    module.load_state_dict(model_state["state_dict"], strict=True)
+    missing, unexpected = module.load_state_dict(model_state["state_dict"], strict=not lora)
+    if lora and (unexpected or any(adapters.is_adapter_key(k[len(STATE_PREFIX):]) for k in missing)):
+        raise GptkitError(f"{path} does not hold this run's LoRA adapters")
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}

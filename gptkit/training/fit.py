@@ -22,19 +22,21 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
+from gptkit import adapters
 from gptkit.checkpoints import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
     checked_model_state,
     checkpoint_step,
     load_checkpoint,
+    lora_base,
     read_sharded_checkpoint,
     remove_stale,
     run_dir_of,
     verify_checkpoint,
 )
 from gptkit.config import conf_dir
-from gptkit.errors import GptkitError
+from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text, human_bytes
 from gptkit.model import ModelConfig
 from gptkit.options import Option, check_options, parse_options
@@ -119,6 +121,7 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
     the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
     if cfg.resume in (None, ""):
         return cfg, None, None, None
+    check_resume_or_init(cfg.resume, cfg.get("init_from"))
     ckpt = find_run_checkpoint(cfg.resume, cfg.runs_dir)
     if ckpt.suffix != ".ckpt":
         raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
@@ -128,6 +131,7 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
         state = load_checkpoint(ckpt)  # fail now, with one line, if it is truncated or not a checkpoint
     saved = saved_run_config(ckpt, cfg)  # data, never resolved (the CLI checked it as a command line)
     saved_optimizer = str(saved.optim.get("name", "adamw"))
+    saved_lora = OmegaConf.create(OmegaConf.to_container(saved.lora) if "lora" in saved else {})
     overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
     saved.model = OmegaConf.create(model_from_source(f"resume={cfg.resume}", saved.model, cfg.model,
                                                      overrides))
@@ -156,8 +160,32 @@ def resolve_resume(cfg: DictConfig, overrides: list[Option]
         raise GptkitError(f"resume={cfg.resume} continues a run trained with optim={saved_optimizer}; "
                           f"for optim={merged.optim.name} start a new run from its weights: "
                           f"init_from={cfg.resume}")
+    for o in overrides:  # a top-level key, which the dotlist above leaves out
+        if o.kind == "key" and o.key == "finetune" and o.op != "DEL":
+            merged.finetune = o.value
+    check_resumed_finetune(cfg.resume, saved_lora, merged, adapters.CHECKPOINT_KEY in state)
     merged.resume = str(ckpt)
     return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
+
+
+def check_resumed_finetune(resume: Any, saved_lora: Any, merged: DictConfig, lora_ckpt: bool) -> None:
+    """resume= continues the run's own finetune= (its checkpoint holds every weight, or the adapters only)
+    and, for lora, its adapters' rank, alpha and targets (lora.dropout may change)."""
+    asked = str(merged.get("finetune", "full"))
+    have = "lora" if lora_ckpt else "full"
+    if asked != have:
+        other = (f"init_from={resume} finetune=lora" if asked == "lora" else
+                 f"init_from={resume} (its base with the adapters merged) finetune=full")
+        held = "the adapters only" if have == "lora" else "every weight"
+        raise GptkitError(f"resume={resume} continues a finetune={have} run (its checkpoint holds {held}); "
+                          f"for finetune={asked} start a new run: {other}")
+    if have == "lora":
+        for key in ("rank", "alpha", "targets"):
+            was, now = saved_lora.get(key), merged.lora.get(key)
+            was, now = (f"[{', '.join(map(str, v))}]" if OmegaConf.is_list(v) else v for v in (was, now))
+            if was != now:
+                raise GptkitError(f"resume={resume} continues adapters with lora.{key}={was}; "
+                                  f"lora.{key}={now} would not fit them (start a new run for other adapters)")
 
 
 def preset_settings(group: str, name: str) -> DictConfig:
@@ -283,7 +311,24 @@ def _load_init_weights(module, ckpt: Path, vocab_size: int | None = None) -> Non
     else:
         state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size))
         state = grow_vocab(state, cfg.vocab_size)
-    module.model.load_state_dict(state, strict=True)  # copies into the existing (tied) parameters
+    missing, unexpected = module.model.load_state_dict(state, strict=False)  # into the (tied) parameters
+    if unexpected or any(not adapters.is_adapter_key(k) for k in missing):  # only LoRA's adapters start anew
+        raise GptkitError(f"{ckpt} does not fit the model: missing {missing[:3]}, "
+                          f"unexpected {unexpected[:3]}")
+
+
+def _lora_base(cfg: DictConfig, model_cfg: ModelConfig, init_ckpt: Optional[Path],
+               resume_ckpt: Optional[Path]) -> Optional[Path]:
+    """finetune=lora: the checkpoint of the frozen weights (init_from='s, or the one the resumed run's
+    checkpoint records, checked unchanged), after the lora settings are checked against the model."""
+    if cfg.get("finetune", "full") != "lora":
+        return None
+    adapters.check_lora(adapters.settings(cfg.lora), model_cfg)
+    if resume_ckpt is None:
+        return init_ckpt
+    state = read_sharded_checkpoint(resume_ckpt, weights=False) if resume_ckpt.is_dir() else load_checkpoint(
+        resume_ckpt)
+    return lora_base(state, resume_ckpt)
 
 
 def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
@@ -295,23 +340,50 @@ def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
     return given
 
 
-def check_config(cfg: DictConfig) -> Checked:
+def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
+    """finetune= is full or lora; lora starts from weights (init_from=, or the run resume= continues) and
+    trains with AdamW (Muon orthogonalizes whole weight matrices, not rank-r factors)."""
+    finetune = cfg.get("finetune", "full")
+    if finetune not in ("full", "lora"):
+        raise ConfigError(f"finetune={finetune} must be full (every weight trains) or lora (adapters on "
+                          f"frozen weights)")
+    if finetune != "lora":
+        return
+    if not has_weights:
+        raise ConfigError("finetune=lora trains adapters on frozen weights, so it needs the weights to start "
+                          "from: init_from=<run folder | checkpoint | hf:owner/name>; without one the frozen "
+                          "model would be random (train it first with finetune=full)")
+    if str(cfg.optim.name) == "muon":
+        raise ConfigError("optim=muon with finetune=lora: Muon orthogonalizes whole weight matrices, and the "
+                          "adapters are rank-r factors of an update; use optim=adamw")
+
+
+def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     """The settings that can be checked without data: one-line errors before any data is prepared and,
     from the CLI (commands/train.check), before Hydra creates the run folder. Returns what the checks
     derived (plan.Checked: precision, accelerator, devices, compile mode and, for a new model, its config and
-    training window), which make_plan reads instead of deriving it again."""
+    training window), which make_plan reads instead of deriving it again. resumed: cfg is a resumed run's
+    (resolve_resume), whose saved init_from= records where its weights first came from."""
     from gptkit.training.optim import check_optim_config
     from gptkit.training.plan import with_model
     from gptkit.training.trainer import check_loggers, check_trainer_config
 
     check_run_location(cfg.get("runs_dir"), None)
-    resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
+    if resumed:  # the command line had one of them (prepare_args, resolve_resume); the saved config, both
+        resume, init_from = True, False
+    else:
+        resume, init_from = check_resume_or_init(cfg.get("resume"), cfg.get("init_from"))
     checked = check_trainer_config(cfg.trainer)
     check_optim_config(cfg.optim)
     check_loggers(cfg.logger)
+    check_finetune(cfg, resume or init_from)
     # hf: is imported (and checked) at the start
     if init_from and not str(cfg.init_from).startswith(HF_PREFIX):
-        verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
+        ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
+        verify_checkpoint(ckpt)
+        if cfg.get("finetune") == "lora":  # the targets and rank against the model init_from= brings
+            model = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
+            adapters.check_lora(adapters.settings(cfg.lora), model)
     elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         checked = with_model(checked, cfg.trainer, model_cfg)
@@ -350,7 +422,7 @@ def plan_run(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Opti
     cfg, resume_ckpt, resume_step, saved_trainer = resolve_resume(cfg, inv.overrides)
     # a resumed run's config is the saved one, merged: check it
     if resume_ckpt is not None or checked is None:
-        checked = check_config(cfg)
+        checked = check_config(cfg, resumed=resume_ckpt is not None)
     if resume_ckpt is None:
         _refuse_checkpoints(run_dir)
     init_ckpt = None
@@ -363,6 +435,7 @@ def plan_run(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Opti
         # the model resume= and init_from= bring (their source's): it fails here, before any data is prepared
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         checked = dataclasses.replace(checked, model=None, seq_len=None)  # make_plan checks its window
+    lora_base = _lora_base(cfg, model_cfg, init_ckpt, resume_ckpt)  # finetune=lora: the frozen weights
 
     prepared = _prepare_data(cfg, model_cfg)  # data first: the tokenizer decides the vocabulary size
     chat = cfg.data.get("kind") == "chat"
@@ -374,13 +447,18 @@ def plan_run(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Opti
     elif chat and init_ckpt is not None and prepared.vocab_size > model_cfg.vocab_size:
         init_vocab = model_cfg.vocab_size
         model_cfg = _with_vocab(model_cfg, vocab_size)
+        if lora_base is not None:
+            raise GptkitError(f"finetune=lora freezes the embeddings, and the chat template adds "
+                              f"{prepared.vocab_size - init_vocab} token(s) to init_from={cfg.init_from}'s "
+                              f"vocabulary, which would stay untrained; use a template of its own tokens "
+                              f"or finetune=full")
     check_vocab(prepared, model_cfg.vocab_size)
     cfg.model = OmegaConf.create(model_cfg.to_dict())
 
     # from here on, every fact of the run comes from the plan
     return make_plan(cfg, run_dir, model_cfg, checked=checked, resume=resume_ckpt, resume_step=resume_step,
                      init_from=init_ckpt, saved_trainer=saved_trainer, job=inv.job, data=prepared,
-                     init_vocab=init_vocab)
+                     init_vocab=init_vocab, lora_base=lora_base)
 
 
 def _quiet_lightning() -> None:
@@ -494,6 +572,8 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
     if plan.init_from is not None and not module.built_on_meta:
         _load_init_weights(module, plan.init_from, plan.init_vocab)
+    elif plan.lora_base is not None and not module.built_on_meta:  # a LoRA run resumed: its frozen weights
+        _load_init_weights(module, plan.lora_base)
     datamodule = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len,
                                  seed=int(cfg.seed), val_windows=t.val_windows,
                                  pack=cfg.data.get("pack", "stream"))
@@ -516,9 +596,10 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         print("note: trainer.precision=16-true on the CPU: fp16 has no fast CPU kernels and runs many times "
               "slower than 32-true (use 32-true, or bf16-mixed)", file=sys.stderr)
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
-    _announce(trainer, plan, prepared, optimizer)
+    _announce(trainer, plan, prepared, optimizer, getattr(module, "trainable", None))
     if trainer.is_global_zero:
-        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0, plan.precision)
+        _check_disk(ckpt_dir, plan.model, t, plan.max_steps, resume_step or 0, plan.precision,
+                    lora_params=getattr(module, "trainable", None))
 
     try:
         trainer.fit(module, datamodule=datamodule, ckpt_path=str(resume_ckpt) if resume_ckpt else None,
@@ -594,15 +675,18 @@ def _remove_leftovers(run_dir: Path) -> None:
             tmp.unlink(missing_ok=True)
 
 
-def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int, precision=None) -> None:
-    """Say how much disk the run's checkpoints need (the count-params estimate) and warn when the
-    filesystem has less free."""
+def _check_disk(ckpt_dir: Path, model_cfg, t, max_steps: int, start_step: int, precision=None,
+                lora_params: int | None = None) -> None:
+    """Say how much disk the run's checkpoints need (the count-params estimate; finetune=lora: the
+    adapters and their AdamW moments, in fp32) and warn when the filesystem has less free."""
     from rich.console import Console
 
     from gptkit import accounting as acc
     from gptkit.fsio import free_bytes, human_bytes
 
     each = acc.checkpoint_bytes(model_cfg, precision or str(t.precision))  # precision: the plan's
+    if lora_params is not None:
+        each = 12 * lora_params
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
     # + the one being written + last.ckpt
@@ -649,7 +733,8 @@ def out_of_memory(plan: RunPlan) -> GptkitError:
         f"trainer.activation_checkpointing=true, or shard with trainer=fsdp")
 
 
-def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> None:
+def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW",
+              trainable: int | None = None) -> None:
     """The start-up lines: the run folder, the model, the data, the global batch and the plan's totals,
     precision, optimizer and clipping, and where the weights come from."""
     if not trainer.is_global_zero:
@@ -661,6 +746,7 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
 
     t, m = plan.trainer, plan.model
     n = acc.count_params(m).total
+    trainable = n if trainable is None else trainable
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
     compiled = f", torch.compile={plan.compile}" if plan.compile else ""
     data = prepared.manifest.get("source", {}).get("description", prepared.dir)
@@ -676,12 +762,18 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW") -> Non
         f"{plan.nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
         f"{plan.max_steps} steps = {total:,} tokens, "
-        f"{plan.flops_per_token * total:.3g} FLOPs (6N + 12·L·T·d_attn, as count-params)\n"
+        f"{plan.flops_per_token * total:.3g} FLOPs ("
+        + ("4N + 6·adapters + 12·L·T·d_attn: no weight gradient for the frozen weights" if plan.lora
+           else "6N + 12·L·T·d_attn, as count-params") + ")\n"
         f"  precision {plan.precision.name}, {escape(optimizer)}, {clip}"
         + (f"\n  resuming from {escape(str(plan.resume))}" if plan.resume else "")
         + (f"\n  note: {plan.replan}" if plan.replan else "")
         + (f"\n  weights from {escape(str(plan.init_from))} (new optimizer and schedule)"
            if plan.init_from else "")
+        + (f"\n  LoRA: rank {plan.lora['rank']}, alpha {plan.lora['alpha']}, dropout {plan.lora['dropout']} "
+           f"on {', '.join(plan.lora['targets'])}: {trainable:,} trainable parameters ({trainable / n:.2%}), "
+           f"the rest frozen from {escape(str(plan.lora_base))}; checkpoints hold the adapters only"
+           if plan.lora else "")
         + (f"\n  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
            f"meta device and receive their shards" if plan.weights_from_rank0 else "")
     )

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gptkit import adapters
 from gptkit.errors import GptkitError
 from gptkit.fsio import human_bytes
 
@@ -42,11 +43,20 @@ ALLOCATOR_SLACK = 0.25  # glibc keeps freed blocks under its mmap threshold (<= 
 
 def estimate(plan: Any) -> dict[str, float]:
     """The count-params training memory estimate of a run plan (training/plan.py), per process: the tensors
-    (host_estimate adds what a CPU process needs beyond them)."""
+    (host_estimate adds what a CPU process needs beyond them); with finetune=lora the gradients and AdamW
+    moments are the adapters' only, and their weights are added."""
     from gptkit import accounting as acc
 
-    return acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
-                               bool(plan.trainer.activation_checkpointing))
+    mem = acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
+                              bool(plan.trainer.activation_checkpointing))
+    if getattr(plan, "lora", None) is not None:
+        n = acc.count_params(plan.model).total
+        k = adapters.adapter_params(plan.model, plan.lora["targets"], plan.lora["rank"])
+        mem["weights"] *= (n + k) / n
+        mem["gradients"] *= k / n
+        mem["optimizer"] *= k / n
+        mem["total"] = sum(v for key, v in mem.items() if key != "total")
+    return mem
 
 
 def host_estimate(plan: Any) -> dict[str, float]:

@@ -51,15 +51,20 @@ before its checkpoint. nanoGPT's train.py and litgpt's pretrain.py:fit write the
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.checkpoint import checkpoint as recompute
 
+from gptkit import adapters
+from gptkit.checkpoints import STATE_PREFIX
+from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
 from gptkit.training.distributed import broadcast_weights, parallelize
+from gptkit.training.lora import adapter_state_dict, apply_lora
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
@@ -97,7 +102,8 @@ def apply_activation_checkpointing(model: GPT) -> None:
 
 
 class LitGPT(L.LightningModule):
-    """The model, its loss, its optimizer and schedule, for Lightning; every setting from the run plan."""
+    """The model, its loss, its optimizer and schedule, for Lightning; every setting from the run plan.
+    finetune=lora: adapters on the frozen model (training/lora.py), and checkpoints of the adapters only."""
 
     def __init__(self, plan: RunPlan) -> None:
         """plan.weights_from_rank0 (FSDP over several processes): only global rank 0 builds and initializes
@@ -109,6 +115,16 @@ class LitGPT(L.LightningModule):
         self.built_on_meta = self.weights_from_rank0 and not is_rank_zero()
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
             self.model = GPT(plan.model)
+        self.lora_record = None  # finetune=lora: the adapters' settings and base, saved with each checkpoint
+        if plan.lora is not None:  # only the adapters train, and only they are checkpointed
+            if plan.lora_base is None:
+                raise GptkitError("finetune=lora: the plan names no base checkpoint (plan.lora_base); make "
+                                  "the plan with gptkit.plan(cfg): it resolves init_from= (or the resumed "
+                                  "run's base)")
+            self.trainable = apply_lora(self.model, plan.lora)
+            self.strict_loading = False  # a checkpoint holds the adapters; on_load_checkpoint checks them
+            self.lora_record = dict(plan.lora, base=str(Path(plan.lora_base).resolve()),
+                                    base_fingerprint=adapters.fingerprint(plan.lora_base))
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if plan.optim.name == "muon":  # before the run folder gets its files
@@ -249,12 +265,21 @@ class LitGPT(L.LightningModule):
         checkpoint["gptkit_rng"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        if self.lora_record is not None:  # the adapters (their optimizer state is all there is) and the base
+            checkpoint["state_dict"] = adapter_state_dict(checkpoint["state_dict"], STATE_PREFIX)
+            checkpoint[adapters.CHECKPOINT_KEY] = dict(self.lora_record)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the checkpoint's RNG states to restore when training starts."""
         rng = checkpoint.get("gptkit_rng")
         if rng:
             self._rng_to_restore = rng
+        if (self.lora_record is None) != (adapters.CHECKPOINT_KEY not in checkpoint):
+            raise GptkitError("the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only, "
+                              "a full one every weight): resume with the run's own finetune=")
+        if self.lora_record is not None and "state_dict" in checkpoint:  # (a sharded one is checked on load)
+            state = {k[len(STATE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()}
+            adapters.check_adapters(state, self.model.cfg, self.lora_record, "the checkpoint")
 
     def on_train_start(self) -> None:
         """Restore the RNG states of the checkpoint a resume continues."""

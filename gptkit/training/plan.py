@@ -32,6 +32,7 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from gptkit import accounting as acc
+from gptkit import adapters
 from gptkit.config import count
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
@@ -132,7 +133,8 @@ class RunPlan:
     accelerator: str  # "cpu" | "cuda"
     compile: Optional[str]  # None | "blocks" | "model"
     compile_backend: str
-    # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention)
+    # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention; finetune=lora:
+    # 4N + 6 per adapter parameter + 12·L·T·d_attn, the frozen weights getting no weight gradient)
     flops_per_token: float
     causal_flops_per_token: float  # the attention term halved (perf/mfu_causal)
     peak_flops: Optional[float]  # one device's peak for plan.precision; None where unknown
@@ -140,6 +142,8 @@ class RunPlan:
     resume_step: Optional[int] = None
     init_from: Optional[Path] = None  # the checkpoint init_from= takes the weights of
     replan: Optional[str] = None  # on resume with another max_steps: how the schedule moves
+    lora: Optional[dict] = None  # finetune=lora: rank, alpha, dropout, targets (None: every weight trains)
+    lora_base: Optional[Path] = None  # finetune=lora: the checkpoint of the frozen weights the adapters adapt
     job: Optional[str] = None  # "job 1: optim.lr=3e-3" for one job of a multirun
     # the prepared corpus (gptkit.data: PreparedData, MixedData or ChatData) the run trains on; None for a
     # plan made without data (preflight, bench, or a Python caller's make_plan: gptkit.train prepares it)
@@ -181,7 +185,7 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
               checked: Optional[Checked] = None, resume: Optional[Path] = None,
               resume_step: Optional[int] = None, init_from: Optional[Path] = None,
               saved_trainer: Optional[DictConfig] = None, job: Optional[str] = None, data: Any = None,
-              init_vocab: Optional[int] = None) -> RunPlan:
+              init_vocab: Optional[int] = None, lora_base: Optional[Path] = None) -> RunPlan:
     """The plan of a run whose config was checked (fit.check_config) and whose model is known.
     checked: what that check derived (the trainer's facts; the training window of a new run's model), read
     here instead of derived again; None derives it (check_trainer). saved_trainer: on resume, the `trainer`
@@ -200,16 +204,21 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
         saved_steps = planned_steps(saved_trainer, tokens_per_step)
         replan = schedule_note(saved_steps, max_steps, int(resume_step or 0), cfg.optim)
     p = checked.precision
+    lora = adapters.settings(cfg.lora) if cfg.get("finetune", "full") == "lora" else None
     flops = acc.flops_per_token(model, seq_len)
+    dense, causal = flops.train_dense, flops.train_causal
+    if lora is not None:  # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)
+        change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(model, lora["targets"], lora["rank"])
+        dense, causal = dense + change, causal + change
     return RunPlan(
         cfg=cfg, run_dir=run_dir, model=model, seq_len=seq_len, batch_size=int(t.batch_size),
         accumulation=int(t.accumulate_grad_batches), devices=per_node, nodes=checked.nodes, world_size=world,
         tokens_per_step=tokens_per_step, max_steps=max_steps, precision=p, accelerator=checked.accelerator,
         compile=checked.compile, compile_backend=str(t.get("compile_backend") or "inductor"),
-        flops_per_token=flops.train_dense, causal_flops_per_token=flops.train_causal,
+        flops_per_token=dense, causal_flops_per_token=causal,
         peak_flops=detect_peak_flops(p, t.get("peak_tflops")),
         resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job, data=data,
-        init_vocab=init_vocab,
+        init_vocab=init_vocab, lora=lora, lora_base=lora_base,
     )
 
 

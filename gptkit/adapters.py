@@ -1,0 +1,173 @@
+"""The LoRA adapter format: which weight each `lora.targets` name adapts, the adapters' tensor names and
+shapes, and merging them into the base weights. One place for these facts: training (gptkit.training.lora)
+builds the adapters, loading a run (gptkit.runs: sample, eval, chat, export) merges them, and the PEFT
+export (gptkit.hf) renames them.
+
+    target   module inside blocks.<i>     rows of its weight            layer
+    q, k, v  attn.qkv_proj                [0, d_attn), [d_attn, d_attn + d_kv), [d_attn + d_kv, end)
+    o        attn.o_proj                  all
+    gate     mlp.gate_proj (SwiGLU only)  all
+    up       mlp.up_proj                  all
+    down     mlp.down_proj                all
+
+A target t of block i adds two tensors beside that module's weight:
+
+    blocks.<i>.<module>.lora_<t>_A   [rank, in_features]   (kaiming-uniform init)
+    blocks.<i>.<module>.lora_<t>_B   [rows of t, rank]     (zeros: training starts at the base model)
+
+and the module computes  y = x W^T + b + (alpha / rank) * (dropout(x) A^T) B^T  on the rows of t; merged,
+W[rows of t] += (alpha / rank) * B @ A. A GPT-2-style model (mlp=gelu) has no gate.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from gptkit.errors import ConfigError
+
+TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+MODULES = {"q": "attn.qkv_proj", "k": "attn.qkv_proj", "v": "attn.qkv_proj", "o": "attn.o_proj",
+           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
+KEY = re.compile(r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)"
+                 r"\.lora_(q|k|v|o|gate|up|down)_([AB])")
+CHECKPOINT_KEY = "gptkit_lora"  # a LoRA run's checkpoint: {"rank", "alpha", "targets", "base", ...}
+
+
+def settings(lora: Any) -> dict[str, Any]:
+    """The `lora` group (a DictConfig or dict) as plain data: rank, alpha, dropout, targets (a list)."""
+    targets = lora.get("targets")
+    return {"rank": lora.get("rank"), "alpha": lora.get("alpha"), "dropout": lora.get("dropout"),
+            "targets": targets if isinstance(targets, str) or targets is None else list(targets)}
+
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a GPT state-dict name is a LoRA adapter tensor (blocks.<i>.<module>.lora_<t>_A|B)."""
+    return KEY.fullmatch(name) is not None
+
+
+def model_targets(cfg: Any) -> tuple[str, ...]:
+    """The targets a model of config `cfg` (a ModelConfig) has: every one, except gate without SwiGLU."""
+    return tuple(t for t in TARGETS if t != "gate" or cfg.mlp == "swiglu")
+
+
+def target_shape(cfg: Any, target: str) -> tuple[int, int, int]:
+    """(first row, end row, in_features) of the part of its module's weight that `target` adapts."""
+    if target in ("q", "k", "v"):
+        start = {"q": 0, "k": cfg.d_attn, "v": cfg.d_attn + cfg.d_kv}[target]
+        return start, start + (cfg.d_attn if target == "q" else cfg.d_kv), cfg.d_model
+    if target == "o":
+        return 0, cfg.d_model, cfg.d_attn
+    if target == "down":
+        return 0, cfg.d_model, cfg.d_ff
+    return 0, cfg.d_ff, cfg.d_model  # gate, up
+
+
+def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
+    """The `lora` settings against a model config: rank an integer in [1, the smallest adapted side],
+    alpha > 0, dropout in [0, 1), targets a non-empty list of names this model has. Returns the targets
+    (deduplicated, in TARGETS order); a problem is a one-line ConfigError naming the key."""
+    targets = lora.get("targets")
+    if isinstance(targets, str) or not targets:
+        raise ConfigError(f"lora.targets={targets} must be a non-empty list of {', '.join(TARGETS)} "
+                          f"(e.g. lora.targets=[q,v])")
+    have = model_targets(cfg)
+    wrong = [str(t) for t in targets if t not in have]
+    if wrong:
+        why = (" (a GPT-2-style model, mlp=gelu, has no gate projection)"
+               if "gate" in wrong and cfg.mlp != "swiglu" else "")
+        verb = "matches" if len(wrong) == 1 else "match"
+        raise ConfigError(f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "
+                          f"its targets are {', '.join(have)}")
+    rank = lora.get("rank")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise ConfigError(f"lora.rank={rank} must be a positive integer")
+    chosen = tuple(t for t in TARGETS if t in targets)
+    for t in chosen:
+        start, end, n_in = target_shape(cfg, t)
+        if rank > min(end - start, n_in):
+            raise ConfigError(f"lora.rank={rank} is larger than the {t} projection ({end - start} x {n_in}): "
+                              f"a rank-{rank} update of it is not low-rank; use lora.rank <= "
+                              f"{min(min(e - s, i) for s, e, i in (target_shape(cfg, x) for x in chosen))}")
+    alpha = lora.get("alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise ConfigError(f"lora.alpha={alpha} must be a number > 0 (the update is scaled by alpha / rank)")
+    dropout = lora.get("dropout")
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise ConfigError(f"lora.dropout={dropout} must be a number in [0, 1)")
+    return chosen
+
+
+def adapter_shapes(cfg: Any, targets: tuple[str, ...], rank: int) -> dict[str, tuple[int, int]]:
+    """Every adapter tensor's name and shape for a model config, targets and rank."""
+    shapes = {}
+    for i in range(cfg.n_layers):
+        for t in targets:
+            start, end, n_in = target_shape(cfg, t)
+            prefix = f"blocks.{i}.{MODULES[t]}.lora_{t}"
+            shapes[prefix + "_A"] = (rank, n_in)
+            shapes[prefix + "_B"] = (end - start, rank)
+    return shapes
+
+
+def adapter_params(cfg: Any, targets: Any, rank: int) -> int:
+    """How many parameters the adapters of `targets` at `rank` add to a model of config `cfg`."""
+    return sum(rows * cols for rows, cols in adapter_shapes(cfg, tuple(targets), int(rank)).values())
+
+
+def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:
+    """`state` (a GPT state dict with adapter tensors) as a plain GPT state dict: the adapters folded into
+    their weights, W[rows] + scale * B @ A computed in fp32 and stored in W's dtype; the adapters dropped.
+    The input is not modified."""
+    out = {k: v for k, v in state.items() if not is_adapter_key(k)}
+    merged: dict[str, Any] = {}  # weight name -> its fp32 copy, every adapter of it added
+    for name, a in state.items():
+        m = KEY.fullmatch(name)
+        if m is None or m.group(4) != "A":
+            continue
+        weight = f"blocks.{m.group(1)}.{m.group(2)}.weight"
+        start, end, _ = target_shape(cfg, m.group(3))
+        if weight not in merged:
+            merged[weight] = state[weight].float().clone()  # [out_features, in_features]
+        w = merged[weight]
+        b = state[name[:-1] + "B"]  # [rows, rank]
+        w[start:end] += scale * (b.float() @ a.float())  # [rows, in_features]
+    for weight, w in merged.items():
+        out[weight] = w.to(state[weight].dtype)
+    return out
+
+
+def check_adapters(state: dict[str, Any], cfg: Any, lora: dict[str, Any], where: str) -> None:
+    """The adapter tensors of `state` are exactly those of `lora` (rank, targets) for `cfg`: else a one-line
+    GptkitError naming `where`."""
+    from gptkit.errors import GptkitError
+
+    want = adapter_shapes(cfg, tuple(lora["targets"]), int(lora["rank"]))
+    have = {k: tuple(v.shape) for k, v in state.items() if is_adapter_key(k)}
+    if have != want:
+        missing = sorted(set(want) - set(have))[:2]
+        odd = sorted(k for k in have if want.get(k) != have[k])[:2]
+        raise GptkitError(f"{where} does not hold the adapters its LoRA settings name (rank {lora['rank']}, "
+                          f"targets {', '.join(lora['targets'])}): missing {missing}, unexpected {odd}")
+
+
+def fingerprint(path: Any) -> str:
+    """A cheap identity of a checkpoint's content, recorded with a LoRA run's adapters for its base weights:
+    the SHA-256 of the CRC-32 and size of every record of a torch.save archive (read from its index, no
+    tensor read), of a sharded folder's checksums.json, or of a file's bytes otherwise (safetensors)."""
+    import hashlib
+    import zipfile
+    from pathlib import Path
+
+    path, h = Path(path), hashlib.sha256()
+    if path.is_dir():
+        h.update((path / "checksums.json").read_bytes() if (path / "checksums.json").is_file() else b"")
+    elif zipfile.is_zipfile(path):
+        with zipfile.ZipFile(path) as z:
+            for r in sorted(z.infolist(), key=lambda r: r.filename.split("/", 1)[-1]):
+                h.update(f"{r.filename.split('/', 1)[-1]}:{r.CRC}:{r.file_size};".encode())
+    else:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 24):
+                h.update(chunk)
+    return h.hexdigest()[:16]

@@ -1,0 +1,142 @@
+"""LoRA (Hu et al., arXiv:2106.09685): low-rank adapters on a frozen model, a training decision applied
+from outside the model (like activation checkpointing in training/module.py).
+
+    apply_lora(model, lora)      adapters on the chosen projections, everything else frozen
+    adapters_disabled(model)     the base model's exact outputs, without a second copy of the weights
+                                 (DPO's reference model)
+    merged_state_dict(model)     a plain GPT state dict, adapters folded in: W + (alpha / rank) * B @ A
+    is_lora(model)
+
+Each adapted nn.Linear stays where it is, under its own name (its class becomes LoRALinear, a subclass), and
+gets its adapter tensors beside its weight: parameter names, FSDP2 units, torch.compile and model.kernels
+see the same model plus a few small matrices. The tensor names, shapes and the merge are gptkit.adapters'.
+PEFT's LoraLayer was not used: it renames every adapted layer (`<name>.base_layer`), so a LoRA checkpoint
+would no longer name the model's weights, and it adapts whole layers, not the q, k and v rows of our fused
+qkv_proj; the PEFT export (`gptkit export adapters=true`) writes PEFT's own layout instead.
+
+As PEFT's lora.Linear: A is kaiming-uniform (a=sqrt(5), nn.Linear's init), B zeros (training starts at
+the base model), dropout on the input of A, the update scaled by alpha / rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptkit import adapters
+from gptkit.model import GPT
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear with low-rank adapters on some of its output rows (parts):
+
+        y = x W^T + b  +  scale * [0 | (dropout(x) A_p^T) B_p^T | 0 ...]   over each part p's rows
+
+    `lora_parts` lists (target, first row, end row); the adapters are the parameters lora_<target>_A
+    [rank, in_features] and lora_<target>_B [rows, rank]. `lora_enabled` False: the plain Linear."""
+
+    lora_parts: tuple[tuple[str, int, int], ...]
+    lora_scale: float
+    lora_dropout: float
+    lora_enabled: bool
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in_features] -> [..., out_features], the adapters' update added where enabled."""
+        y = F.linear(x, self.weight, self.bias)  # [..., out_features]
+        if not self.lora_enabled:
+            return y
+        h = F.dropout(x, self.lora_dropout, self.training)  # [..., in_features]
+        pieces, row = [], 0
+        for target, start, end in self.lora_parts:
+            if start > row:
+                pieces.append(y.new_zeros(*y.shape[:-1], start - row))
+            a, b = getattr(self, f"lora_{target}_A"), getattr(self, f"lora_{target}_B")
+            pieces.append(F.linear(F.linear(h, a), b))  # [..., rank] -> [..., end - start]
+            row = end
+        if row < y.shape[-1]:
+            pieces.append(y.new_zeros(*y.shape[:-1], y.shape[-1] - row))
+        update = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)  # [..., out_features]
+        return y + self.lora_scale * update
+
+
+def apply_lora(model: GPT, lora: Any) -> int:
+    """Add adapters (the `lora` settings: rank, alpha, dropout, targets) to `model`, in place, and freeze
+    every other parameter; returns the number of trainable parameters. The settings are checked first
+    (gptkit.adapters.check_lora: one-line ConfigErrors). Works on a model on the meta device too (FSDP's
+    ranks other than 0): its adapters are allocated and receive rank 0's values with the other weights."""
+    settings = adapters.settings(lora)
+    targets = adapters.check_lora(settings, model.cfg)
+    rank, scale = int(settings["rank"]), float(settings["alpha"]) / int(settings["rank"])
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for block in model.blocks:
+        by_module: dict[str, list[tuple[str, int, int]]] = {}
+        for t in targets:
+            start, end, _ = adapters.target_shape(model.cfg, t)
+            by_module.setdefault(adapters.MODULES[t], []).append((t, start, end))
+        for path, parts in by_module.items():
+            linear = block.get_submodule(path)
+            linear.__class__ = LoRALinear
+            linear.lora_parts = tuple(parts)
+            linear.lora_scale, linear.lora_enabled = scale, True
+            linear.lora_dropout = float(settings["dropout"])
+            like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
+            for t, start, end in parts:
+                a = nn.Parameter(torch.empty(rank, linear.in_features, **like))  # [rank, in_features]
+                nn.init.kaiming_uniform_(a, a=math.sqrt(5))
+                b = nn.Parameter(torch.zeros(end - start, rank, **like))  # [rows, rank]
+                linear.register_parameter(f"lora_{t}_A", a)
+                linear.register_parameter(f"lora_{t}_B", b)
+    model._gptkit_lora = dict(settings, targets=list(targets))
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def is_lora(model: nn.Module) -> bool:
+    """Whether apply_lora added adapters to `model`."""
+    return getattr(model, "_gptkit_lora", None) is not None
+
+
+def lora_config(model: nn.Module) -> dict[str, Any]:
+    """The settings apply_lora used (rank, alpha, dropout, targets)."""
+    return dict(model._gptkit_lora)
+
+
+def _lora_linears(model: nn.Module) -> Iterator[LoRALinear]:
+    return (m for m in model.modules() if isinstance(m, LoRALinear))
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module):
+    """Within this block the model computes exactly the base model's outputs (the adapters are skipped, not
+    zeroed: the very same operations as the model without them). The adapters come back on exit."""
+    linears = list(_lora_linears(model))
+    before = [m.lora_enabled for m in linears]
+    for m in linears:
+        m.lora_enabled = False
+    try:
+        yield model
+    finally:
+        for m, on in zip(linears, before):
+            m.lora_enabled = on
+
+
+@torch.no_grad()
+def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict of a plain GPT (the same names and shapes as the model without adapters) with the
+    adapters merged: W + (alpha / rank) * B @ A, computed in fp32, stored in W's dtype."""
+    state = model.state_dict()
+    if not is_lora(model):
+        return state
+    cfg = lora_config(model)
+    return adapters.merge(state, model.cfg, float(cfg["alpha"]) / int(cfg["rank"]))
+
+
+def adapter_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Only the adapter tensors of a state dict whose names carry `prefix` (e.g. "model.")."""
+    n = len(prefix)
+    return {k: v for k, v in state.items() if k.startswith(prefix) and adapters.is_adapter_key(k[n:])}

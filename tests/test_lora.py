@@ -1,0 +1,364 @@
+"""finetune=lora: adapters on a frozen model (gptkit.training.lora, gptkit.adapters), trained, checkpointed
+(adapters only), resumed exactly, merged for sample/eval/export, exported for PEFT; bad input in one line."""
+
+import csv
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_run, run_main
+
+from gptkit.adapters import CHECKPOINT_KEY, check_lora, is_adapter_key
+from gptkit.errors import ConfigError
+from gptkit.model import GPT, ModelConfig
+from gptkit.training.lora import adapters_disabled, apply_lora, is_lora, merged_state_dict
+
+LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, position="rope")
+ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+
+
+def tiny(style: dict, seed: int = 0) -> GPT:
+    torch.manual_seed(seed)
+    return GPT(ModelConfig(vocab_size=40, max_seq_len=16, n_layers=2, n_heads=4, d_model=32, init_std=0.3,
+                           **style)).eval()
+
+
+def settings(**kw):
+    return {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ALL, **kw}
+
+
+@pytest.mark.parametrize("style, targets", [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"])],
+                         ids=["llama", "gpt2"])
+def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
+    model = tiny(style)
+    x = torch.randint(0, 40, (2, 12))
+    base = model(x).logits
+    n_before = sum(p.numel() for p in model.parameters())
+    trainable = apply_lora(model, settings(targets=targets))
+    assert is_lora(model) and not is_lora(tiny(style))
+    named = dict(model.named_parameters())
+    assert trainable == sum(p.numel() for p in named.values() if p.requires_grad) > 0
+    assert all(is_adapter_key(k) == p.requires_grad for k, p in named.items())  # only the adapters train
+    assert sum(p.numel() for p in named.values()) == n_before + trainable
+    assert torch.equal(model(x).logits, base)  # B = 0: the base model at the start
+    with torch.no_grad():
+        for p in named.values():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    adapted = model(x).logits
+    assert not torch.allclose(adapted, base)
+    with adapters_disabled(model):
+        assert torch.equal(model(x).logits, base)  # exactly the base (DPO's reference), no second copy
+    assert torch.equal(model(x).logits, adapted)  # back on after the block
+    merged = merged_state_dict(model)
+    plain = tiny(style).state_dict()
+    assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in plain.items()}
+    torch.testing.assert_close(GPT.from_state(model.cfg, merged)(x).logits, adapted, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("style, lora, needle", [
+    ({}, settings(targets=["q", "gate"]), "gate matches no module of this model (a GPT-2-style model"),
+    (LLAMA, settings(targets=["query", "x"]), "query, x match no module"),
+    (LLAMA, settings(targets=[]), "lora.targets=[] must be a non-empty list"),
+    (LLAMA, settings(rank=0), "lora.rank=0 must be a positive integer"),
+    (LLAMA, settings(rank=17), "lora.rank=17 is larger than the k projection (16 x 32)"),
+    (LLAMA, settings(alpha=0), "lora.alpha=0 must be a number > 0"),
+    (LLAMA, settings(dropout=1.0), "lora.dropout=1.0 must be a number in [0, 1)"),
+    (LLAMA, settings(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
+])
+def test_bad_lora_settings_are_one_config_error(style, lora, needle):
+    with pytest.raises(ConfigError, match=None) as exc:
+        check_lora(lora, tiny(style).cfg)
+    assert needle in str(exc.value), str(exc.value)
+
+
+# ---- training through the CLI (in process) --------------------------------------------------------------
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A run folder holding a tiny Llama-style model (the frozen base) and its corpus."""
+    tmp = tmp_path_factory.mktemp("base")
+    run, model, _ = make_run(tmp, max_seq_len=32)
+    return run, tmp / "corpus.txt"
+
+
+def lora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
+    run, corpus = base
+    return ["train", f"init_from={run}", "finetune=lora", "lora.targets=[q,k,v,o,gate,up,down]",
+            "lora.rank=4",
+            "lora.dropout=0.1", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
+            "trainer.batch_size=4", "trainer.max_steps=4", "trainer.val_every=2", "trainer.val_windows=2",
+            "trainer.checkpoint_every=2", "trainer.log_every=1", "trainer.progress=false",
+            "trainer.threads=1",
+            "optim.warmup_steps=1", f"runs_dir={runs}", f"name={name}", *extra]
+
+
+def rows(run: Path) -> dict[int, dict[str, str]]:
+    with open(run / "metrics.csv", newline="") as f:
+        kept = ("train/loss", "val/loss", "train/lr", "train/grad_norm")
+        return {int(r["step"]): {k: v for k, v in r.items() if k.startswith(kept)} for r in csv.DictReader(f)}
+
+
+def ckpt(run: Path) -> dict:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def test_lora_trains_only_adapters_checkpoints_them_and_resumes_exactly(base, tmp_path, capsys):
+    runs = tmp_path / "runs"
+    code, _, err = run_main(capsys, *lora_args(base, runs, "straight"))
+    assert code == 0, err
+    assert "LoRA: rank 4, alpha 16" in err and "checkpoints hold the adapters only" in err
+    straight = ckpt(runs / "straight")
+    state = straight["state_dict"]
+    assert state and all(k.startswith("model.") and is_adapter_key(k[6:]) for k in state)
+    assert len(state) == 2 * 7 * 2  # A and B of 7 targets in 2 blocks
+    assert straight[CHECKPOINT_KEY]["base"] == str((base[0] / "checkpoints" / "last.ckpt").resolve())
+    adam = straight["optimizer_states"][0]["state"]
+    assert len(adam) == len(state)  # optimizer state for the adapters only
+    base_state = torch.load(base[0] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert state["model.blocks.0.attn.qkv_proj.lora_q_B"].abs().sum() > 0  # B moved off zero: it trained
+    size = lambda d: sum(v.numel() for v in d.values())  # noqa: E731
+    assert size(state) < size(base_state) / 2
+
+    # 2 steps, then resume to 4: the same rows and the same adapters, bit for bit (dropout 0.1 included)
+    code, _, err = run_main(capsys, *lora_args(base, runs, "halves", "trainer.stop_at_step=2"))
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false",
+                            "trainer.threads=1")
+    assert code == 0, err
+    want = rows(runs / "straight")
+    losses = {r["train/loss"] for r in want.values() if r.get("train/loss")}
+    assert len(losses) == 4  # 4 steps, and the loss moves
+    assert rows(runs / "halves") == want
+    halves = ckpt(runs / "halves")["state_dict"]
+    assert halves.keys() == state.keys() and all(torch.equal(halves[k], state[k]) for k in state)
+
+    # sample loads the base with the adapters merged
+    code, out, err = run_main(capsys, "sample", f"run={runs / 'straight'}", "prompt=ROMEO:",
+                              "max_new_tokens=8", "temperature=0")
+    assert code == 0 and out.startswith("ROMEO:"), err
+
+
+def lora_run_by_hand(base_run: Path, out: Path, targets: list[str], seed: int = 1) -> tuple[Path, GPT]:
+    """A LoRA run folder as `train finetune=lora` leaves it (config.yaml, tokenizer, adapters-only last.ckpt)
+    with large random adapters on `base_run`'s model; returns it and the unmerged model it holds."""
+    import shutil
+
+    import yaml
+
+    from gptkit.adapters import fingerprint
+    from gptkit.runs import load_model
+
+    _, base_ckpt, cfg, _, model = load_model(base_run)
+    lora = settings(targets=targets)
+    apply_lora(model, lora)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.3)
+    (out / "checkpoints").mkdir(parents=True)
+    shutil.copy(base_run / "tokenizer.json", out / "tokenizer.json")
+    config = dict(cfg, finetune="lora", lora=lora, init_from=str(base_ckpt))
+    (out / "config.yaml").write_text(yaml.safe_dump(config))
+    state = {"model." + k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
+    record = dict(lora, base=str(Path(base_ckpt).resolve()), base_fingerprint=fingerprint(base_ckpt))
+    torch.save({"state_dict": state, "global_step": 1, CHECKPOINT_KEY: record},
+               out / "checkpoints" / "last.ckpt")
+    return out, model.eval()
+
+
+@pytest.mark.parametrize("position, targets",
+                         [("rope", ["k", "o", "gate", "down"]), ("learned", ["q", "v", "up"])],
+                         ids=["llama", "gpt2"])
+def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsys, position, targets):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_run, _, _ = make_run(tmp_path, position=position, max_seq_len=32)
+    run, unmerged = lora_run_by_hand(base_run, tmp_path / "lora-run", targets)
+    for args in ([f"run={base_run}", f"out={tmp_path / 'hf-base'}"],
+                 [f"run={run}", f"out={tmp_path / 'hf-merged'}"],
+                 [f"run={run}", f"out={tmp_path / 'hf-adapter'}", "adapters=true"]):
+        code, out, err = run_main(capsys, "export", *args)
+        assert code == 0, err
+    assert "exported the LoRA adapters" in out and "adapter_model.safetensors" in out
+    x = torch.randint(0, unmerged.cfg.vocab_size, (2, 20))
+    with torch.no_grad():
+        ours = unmerged(x).logits
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").eval()
+        plain = base(x).logits
+        peft_model = PeftModel.from_pretrained(base, tmp_path / "hf-adapter").eval()
+        theirs = peft_model(x).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").eval()(x).logits
+    assert (ours - plain).abs().max() > 0.1  # the adapters matter, so the comparisons below mean something
+    torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
+    torch.testing.assert_close(merged, ours, atol=1e-4, rtol=0)
+    code, _, err = run_main(capsys, "export", f"run={base_run}", f"out={tmp_path / 'x'}", "adapters=true")
+    assert code == 2 and "is not a LoRA run's checkpoint" in err and not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["~init_from"], "finetune=lora trains adapters on frozen weights, so it needs the weights to start"),
+    (["lora.targets=[q,query]"], "lora.targets: query matches no module of this model"),
+    (["lora.rank=0"], "lora.rank=0 must be a positive integer"),
+    (["lora.rank=33"], "lora.rank=33 is larger than the q projection (32 x 32)"),
+    (["lora.alpha=0"], "lora.alpha=0 must be a number > 0"),
+    (["lora.dropout=1.0"], "lora.dropout=1.0 must be a number in [0, 1)"),
+    (["optim=muon"], "optim=muon with finetune=lora"),
+    (["finetune=qlora"], "finetune=qlora must be full"),
+], ids=["no-init", "targets", "rank0", "rank-big", "alpha", "dropout", "muon", "finetune"])
+def test_bad_lora_input_is_one_line_before_anything_is_written(base, tmp_path, capsys, extra, needle):
+    drop = "init_from=" if extra == ["~init_from"] else None
+    args = [a for a in lora_args(base, tmp_path / "runs", "bad") if drop is None or not a.startswith(drop)]
+    code, _, err = run_main(capsys, *args, *[e for e in extra if e != "~init_from"])
+    assert code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert needle in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
+    """resume= of a full run with finetune=lora (and the reverse, and other adapters) is one line; the run
+    folder is untouched."""
+    runs = tmp_path / "runs"
+    code, _, err = run_main(capsys, *lora_args(base, runs, "lora", "trainer.max_steps=1"))
+    assert code == 0, err
+    code, _, err = run_main(capsys, *lora_args(base, runs, "full", "trainer.max_steps=1", "finetune=full"))
+    assert code == 0, err
+    before = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
+    for run, extra, needle in (
+            ("lora", ["finetune=full"], "continues a finetune=lora run (its checkpoint holds the adapters"),
+            ("lora", ["lora.rank=2"], "continues adapters with lora.rank=4; lora.rank=2 would not fit"),
+            ("lora", ["lora.targets=[q]"], "lora.targets=[q, k, v, o, gate, up, down]; lora.targets=[q]"),
+            ("full", ["finetune=lora"], "continues a finetune=full run (its checkpoint holds every weight)")):
+        code, _, err = run_main(capsys, "train", f"resume={runs / run}", "trainer.max_steps=2", *extra)
+        assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
+    after = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+
+
+def run_group(*argv: str, timeout: int = 180):
+    """`python -m gptkit ...` in its own session; on timeout or error the group (every rank) is killed."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    proc = subprocess.Popen([sys.executable, "-m", "gptkit", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    assert proc.returncode == 0, err[-3000:]
+    return err
+
+
+def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
+    """2 CPU processes (gloo), global batch 4 either way: DDP and FSDP2 (rank 1 starts on the meta device)
+    train the adapters as one process does; FSDP2's sharded adapters-only checkpoint resumes in one
+    process."""
+    runs = tmp_path / "runs"
+    common = ("lora.dropout=0.0", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.val_every=4")
+    code, _, err = run_main(capsys, *lora_args(base, runs, "one", *common))
+    assert code == 0, err
+    want = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
+    assert len(set(want.values())) == 4  # the loss moves: equal trajectories are no coincidence
+    two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+    run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two), timeout=240)
+    err = run_group(*lora_args(base, runs, "fsdp", *common, "trainer=fsdp", "trainer.precision=32-true",
+                                "trainer.stop_at_step=2", *two), timeout=240)
+    assert "start on the meta device" in err
+    sharded = runs / "fsdp" / "checkpoints" / "step-000002.ckpt"
+    assert (sharded / ".metadata").is_file()
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'fsdp'}", "trainer.devices=1",
+                            "trainer.batch_size=4",
+                            "trainer.progress=false")
+    assert code == 0, err
+    for name in ("ddp", "fsdp"):
+        got = {s: float(r["train/loss"]) for s, r in rows(runs / name).items() if r.get("train/loss")}
+        assert got.keys() == want.keys(), (name, got)
+        for s in want:
+            assert abs(got[s] - want[s]) < 1e-5, (name, s, got[s], want[s])
+
+
+def _loss_and_grads(model: GPT, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(x[:, :-1], x[:, 1:]).loss
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("what", ["compile", "kernels"])
+def test_lora_under_compile_and_model_kernels_matches_eager(what):
+    """torch.compile of each block (one graph, no break: fullgraph) and the fused kernels (norm, swiglu, rope
+    under the Triton interpreter; the chunked loss) give eager's loss and adapter gradients."""
+    torch.manual_seed(0)
+    x = torch.randint(0, 40, (2, 13))
+    eager = tiny(LLAMA)
+    apply_lora(eager, settings())
+    with torch.no_grad():
+        for p in eager.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    want_loss, want = _loss_and_grads(eager.train(), x)
+    if what == "compile":
+        other = eager
+        for block in other.blocks:  # as trainer.compile=blocks does (there with inductor)
+            block.compile(backend="aot_eager", fullgraph=True)
+    else:
+        other = tiny(dict(LLAMA, kernels=["norm", "swiglu", "rope", "loss"]))
+        apply_lora(other, settings())
+        other.load_state_dict(eager.state_dict())
+    got_loss, got = _loss_and_grads(other.train(), x)
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=0)
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4)
+    with torch.no_grad(), adapters_disabled(other):  # the base under compile too (a guard recompiles)
+        base = tiny(dict(LLAMA, kernels=other.cfg.kernels))
+        torch.testing.assert_close(other(x).logits, base(x).logits, atol=1e-5, rtol=0)
+
+
+def test_a_moved_or_changed_base_is_one_line(tmp_path, capsys):
+    """The adapters fit only the weights they were trained on: a base checkpoint that changed since (or is
+    gone) stops sample/export with one line naming it."""
+    base_run, model, _ = make_run(tmp_path, max_seq_len=32)
+    run, _ = lora_run_by_hand(base_run, tmp_path / "lora-run", ["q", "v"])
+    base_ckpt = base_run / "checkpoints" / "last.ckpt"
+    state = torch.load(base_ckpt, weights_only=True)
+    state["state_dict"]["model.final_norm.weight"] = state["state_dict"]["model.final_norm.weight"] * 2
+    torch.save(state, base_ckpt)
+    code, _, err = run_main(capsys, "sample", f"run={run}", "prompt=ROMEO:", "max_new_tokens=2")
+    assert code == 2 and "whose content changed since the LoRA run started" in err, err
+    base_ckpt.unlink()
+    code, _, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf'}")
+    assert code == 2 and "which is gone" in err and not (tmp_path / "hf").exists(), err
+
+
+def test_the_memory_estimate_counts_gradients_and_adam_of_the_adapters_only():
+    """check_host_memory must not refuse a LoRA run for the full fine-tune's gradients and AdamW moments."""
+    from types import SimpleNamespace
+
+    from gptkit.precision import precision
+    from gptkit.training.memory import estimate
+
+    model = tiny(LLAMA)
+    plan = SimpleNamespace(model=model.cfg, precision=precision("32-true"), shards=1, batch_size=2,
+                           seq_len=16,
+                           trainer=SimpleNamespace(activation_checkpointing=False), lora=None)
+    full = estimate(plan)
+    lora = estimate(SimpleNamespace(**{**vars(plan), "lora": settings()}))
+    k = apply_lora(model, settings())
+    n = sum(p.numel() for p in model.parameters()) - k
+    approx = pytest.approx
+    assert full["gradients"] == 4 * n and lora["gradients"] == approx(4 * k)
+    assert lora["optimizer"] == approx(8 * k)
+    assert lora["weights"] == approx(4 * (n + k)) and lora["activations"] == full["activations"]
+    assert lora["total"] == approx(sum(v for key, v in lora.items() if key != "total"))
+    assert lora["total"] < full["total"]
