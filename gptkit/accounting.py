@@ -171,24 +171,30 @@ def training_memory(cfg: ModelConfig, precision_name: str = "bf16-mixed", n_shar
                     micro_batch: int = 1, seq_len: int | None = None,
                     checkpointing: bool = False) -> dict[str, float]:
     """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3),
-    plus an activation estimate.
+    plus an activation estimate and the logits and loss.
 
     Activations follow Korthikanti et al. (2022) for a layer with flash attention (no T x T
     scores kept): ~34 * T * B * d_model bytes per layer in 16-bit, twice that in fp32; with
     activation checkpointing only the block inputs (2 * T * B * d_model bytes per layer) stay.
+    Outside the layers: the embedding sum and the final norm's input and output (3 * d_model values per
+    token) and the batch (input ids and targets, int64). The logits and loss hold three fp32
+    [B, T, vocab_size] tensors at the start of the backward pass: the logits, the log-softmax that
+    cross-entropy saves, and its gradient (measured on the CPU: the old count of one was short by two).
     It is an estimate: MLP widths and GQA move it by tens of percent.
     """
     p = precision(precision_name, "precision")
     n = count_params(cfg).total
     T = seq_len or cfg.max_seq_len
+    tokens = T * micro_batch
     act_unit = 4 if p.compute == "fp32" else 2
-    per_layer = (2 if checkpointing else 34) * T * micro_batch * cfg.d_model * act_unit / 2
-    logits = T * micro_batch * cfg.vocab_size * 4  # fp32 logits for the loss
+    per_layer = (2 if checkpointing else 34) * tokens * cfg.d_model * act_unit / 2
+    outside = 3 * tokens * cfg.d_model * act_unit + 2 * tokens * 8  # embeddings, final norm; the batch
     out = {
         "weights": n * p.weight_bytes / n_shards,
         "gradients": n * p.grad_bytes / n_shards,
         "optimizer": n * p.optimizer_bytes / n_shards,
-        "activations": cfg.n_layers * per_layer + logits,
+        "activations": cfg.n_layers * per_layer + outside,
+        "logits": 3 * tokens * cfg.vocab_size * 4,  # fp32 logits, log-softmax, its gradient
     }
     if p.mixed:  # a half-precision working copy of the weights during compute
         out["weights"] += n * 2 / n_shards

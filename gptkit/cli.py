@@ -120,6 +120,7 @@ def _show_help(verb: str, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
     from gptkit.config import conf_dir, presets
+    from gptkit.options import annotate_yaml, key_comments
 
     v = VERBS[verb]
     cfg = compose(v.config, overrides)
@@ -134,8 +135,8 @@ def _show_help(verb: str, overrides: list[str]) -> None:
         for g in groups:
             print(f"  {g}: {', '.join(presets(str(g)))}")
         print()
-    print("config (override any field with key=value):\n")
-    print(OmegaConf.to_yaml(cfg))
+    print("config (override any field with key=value; # what conf/ says of it):\n")
+    print(annotate_yaml(OmegaConf.to_yaml(cfg), key_comments(v.config, overrides)))
 
 
 def _optional_groups(config_name: str) -> list[str]:
@@ -319,6 +320,16 @@ def main(argv: list[str] | None = None) -> int:
         v = VERBS[verb]
         if v.positional and args and "=" not in args[0] and not args[0].startswith("-"):
             args[0] = f"{v.positional}={args[0]}"  # `gptkit bench data` -> bench=data
+        elif v.positional == v.config and not any(a.startswith(f"{v.positional}=") for a in args):
+            from gptkit.config import presets  # `gptkit bench` alone: the positional is a group to choose
+
+            names = "|".join(presets(v.positional))
+            if "--help" in args or "-h" in args:
+                print(f"gptkit {verb}: {v.help}\n\n`gptkit {verb} <{names}> --help` shows that one's config")
+                return 0
+            print(f"error: name the {v.positional}: gptkit {verb} {names} [key=value ...] [--help]",
+                  file=sys.stderr)
+            return 2
         args = ["format=json" if a == "--json" else a for a in args]  # --json: machine-readable output
         if "--help" in args or "-h" in args:
             _show_help(verb, [a for a in args if a not in ("--help", "-h")])

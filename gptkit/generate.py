@@ -140,14 +140,29 @@ def special_token_ids(tokenizer, run_config: dict) -> tuple[Optional[int], Optio
     return found.get("bos_token"), eos if eos is not None else found.get("eos_token")
 
 
-def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int]) -> list[int]:
-    """The prompt's ids; an empty prompt is [BOS]. Characters the tokenizer cannot represent
-    (it raises, drops them or maps them to an unknown token) are named in a one-line GptkitError."""
+EMPTY_START = "\n"  # what an empty prompt continues when the tokenizer has no BOS and no end-of-text token
+
+
+def empty_prompt_start(bos_id: Optional[int], eos_id: Optional[int]) -> str:
+    """What an empty prompt starts from, in words: BOS, else the end-of-text token (a new document begins
+    after it, as in GPT-2), else a newline (a line's start: byte or char tokenizers without specials)."""
+    if bos_id is not None:
+        return "the BOS token"
+    return "the end-of-text token" if eos_id is not None else 'a newline ("\\n")'
+
+
+def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int], eos_id: Optional[int] = None) -> list[int]:
+    """The prompt's ids; an empty prompt is [BOS], else [end-of-text], else a newline's ids (see
+    empty_prompt_start). Characters the tokenizer cannot represent (it raises, drops them or maps them to an
+    unknown token) are named in a one-line GptkitError."""
     if prompt == "":
-        if bos_id is None:
-            raise GptkitError("the prompt is empty and the tokenizer has no BOS token to start from; "
-                              "give prompt=\"...\" (at least one character)")
-        return [bos_id]
+        for start in (bos_id, eos_id):
+            if start is not None:
+                return [start]
+        if unknown_characters(tokenizer, EMPTY_START):
+            raise GptkitError("the prompt is empty and the tokenizer has no BOS token, no end-of-text token "
+                              "and no newline to start from; give prompt=\"...\" (at least one character)")
+        return tokenizer.encode(EMPTY_START, add_special_tokens=False).ids
 
     unknown = unknown_characters(tokenizer, prompt)
     if unknown:

@@ -552,6 +552,14 @@ class Source:
     note: str | None = None  # worth one line on stderr (e.g. an unreachable hub left only the cache)
 
 
+def source_name(spec: str) -> str:
+    """The name `locate(spec)` gives its Source (the folder's, or the repository's), fetching nothing."""
+    path = Path(spec).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(spec):
+        return path.resolve().name
+    return spec.partition("@")[0].rsplit("/", 1)[-1]
+
+
 def locate(spec: str, local_alternative: str = LOCAL_IMPORT) -> Source:
     """`hf=<spec>` as a transformers folder on this machine: a local folder (it wins whenever it exists, even
     one named like owner/name), else a Hugging Face Hub model id, owner/name[@revision], fetched into the
@@ -559,7 +567,7 @@ def locate(spec: str, local_alternative: str = LOCAL_IMPORT) -> Source:
     that the hub cannot be used."""
     path = Path(spec).expanduser()
     if path.exists() or not HUB_ID.fullmatch(spec):
-        return Source(path, path.resolve().name, str(path.resolve()))
+        return Source(path, source_name(spec), str(path.resolve()))
     repo_id, _, revision = spec.partition("@")
     return _fetch(repo_id, revision or None, local_alternative)
 
@@ -632,7 +640,7 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
     finally:
         hub_log.setLevel(level)
     note = f"{unreachable}; using {repo_id}@{commit} from the Hugging Face cache" if unreachable else None
-    return Source(folder, repo_id.rsplit("/", 1)[-1], f"{repo_id}@{commit}", note)
+    return Source(folder, source_name(repo_id), f"{repo_id}@{commit}", note)
 
 
 def fingerprint(folder: Path) -> list[list[Any]]:

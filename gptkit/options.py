@@ -215,9 +215,12 @@ def _fix(config_name: str, group: str, owners: list[str], options: list[Option])
 
 def _required(config_name: str, key: str, options: list[Option]) -> str:
     group = key.split(".")[0]
+    comment = key_comments(config_name, [o.arg for o in options]).get(key)
+    what = f" ({comment})" if comment else ""  # what conf/ says the key is
     if "." in key and group in _groups(config_name, options):
-        return f"{key} is required with {group}={_choice(config_name, group, options)}: add {key}=<value>"
-    return f"{key} is required: add {key}=<value>"
+        choice = _choice(config_name, group, options)
+        return f"{key} is required with {group}={choice}: add {key}=<value>{what}"
+    return f"{key} is required: add {key}=<value>{what}"
 
 
 def suggest(name: str, keys: list[str]) -> str | None:
@@ -381,3 +384,136 @@ def check_saved_config(config_name: str, saved: dict[str, Any], where: str,
             _check_type(config_name, Option(arg, key, "key", "CHANGE", value, False, arg))
         except ConfigError as exc:
             raise ConfigError(f"{where}: {exc}") from None
+
+
+# ---- what the YAML explains: each key's comment, for --help ------------------------------------------
+def _split_comment(rest: str) -> tuple[str, str | None, int]:
+    """A YAML line's text after `key:` -> (value, its `# comment` or None, the comment's column in rest)."""
+    quote = None
+    for i, c in enumerate(rest):
+        if quote:
+            quote = None if c == quote else quote
+        elif c in "'\"":
+            quote = c
+        elif c == "#" and (i == 0 or rest[i - 1] in " \t"):
+            return rest[:i].rstrip(), rest[i + 1:].strip(), i
+    return rest.rstrip(), None, -1
+
+
+def yaml_comments(text: str, root: str = "") -> dict[str, str]:
+    """{dotted key: its comment} of a block-style YAML file: the comment on the key's line (with the comment
+    lines under it that start in the same column: its continuation), else the comment lines just above it.
+    The comment block a file starts with describes the file, not its first key; `hydra:` is left out."""
+    out: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []  # (indent, key) of the mapping keys enclosing the current line
+    above: list[str] = []  # comment lines waiting for the key below them
+    last: tuple[str, int] | None = None  # (dotted key, column of its inline comment) that may continue
+    header = True  # still in the comment block at the top of the file
+    for line in text.splitlines():
+        body = line.strip()
+        if not body:
+            above, last, header = [], None, False
+            continue
+        if body.startswith("#"):
+            col = len(line) - len(line.lstrip())
+            if last is not None and col == last[1]:
+                out[last[0]] += " " + body[1:].strip()
+            elif not header and not body.startswith("# @package"):
+                above.append(body[1:].strip())
+            continue
+        header = False
+        indent = len(line) - len(line.lstrip())
+        key, sep, rest = body.partition(":")
+        if body.startswith("-") or not sep or " " in key.strip() or key.startswith(("'", '"')):
+            above, last = [], None  # a list item, a flow or quoted key: no comment of its own here
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, key.strip()))
+        dotted = ".".join(k for _, k in stack)
+        _, comment, col = _split_comment(rest)
+        last = None
+        if comment:
+            out[dotted] = comment
+            last = (dotted, indent + len(key) + 1 + col)
+        elif above:
+            out[dotted] = " ".join(above)
+        above = []
+    return {f"{root}.{k}" if root else k: v for k, v in out.items()
+            if k != "hydra" and not k.startswith("hydra.") and k != "defaults"}
+
+
+def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
+    """{dotted key: the comment that explains it in conf/} for the verb's config as `overrides` compose it:
+    the verb's YAML (and the configs its defaults list names), then each chosen preset of its groups."""
+    options = parse_options([a for a in overrides if "=" in a], sweeps=True)
+    out: dict[str, str] = {}
+
+    def verb(name: str) -> None:
+        path = conf_dir() / f"{name}.yaml"
+        _, d = _yaml(path)
+        for entry in d.get("defaults") or []:
+            if isinstance(entry, str) and entry != "_self_" and (conf_dir() / f"{entry}.yaml").is_file():
+                verb(entry)
+        out.update(yaml_comments(path.read_text()))
+
+    def preset(group: str, name: str) -> None:
+        path = conf_dir() / group / f"{name}.yaml"
+        if not path.is_file():
+            return
+        package, d = _yaml(path)
+        for base in d.get("defaults") or []:
+            if isinstance(base, str) and base != "_self_":
+                preset(group, base)
+        root = "" if package == "_global_" else group if package in (None, "_group_") else package
+        out.update(yaml_comments(path.read_text(), root))
+
+    def names(choice: Any) -> list[str]:
+        return [str(n) for n in (choice if isinstance(choice, (list, tuple)) else [choice])
+                if n not in (None, "none", "null")]
+
+    def is_global(group: str, name: str) -> bool:
+        path = conf_dir() / group / f"{name}.yaml"
+        return path.is_file() and _yaml(path)[0] == "_global_"
+
+    choices = {g: _choice(config_name, g, options) for g in sorted(_groups(config_name, options))}
+    on_line = {o.key for o in options if o.kind == "group"}
+    for group, choice in list(choices.items()):  # experiment=...: its `override /<group>: <preset>` choices
+        for name in (n for n in names(choice) if is_global(group, n)):
+            for entry in _yaml(conf_dir() / group / f"{name}.yaml")[1].get("defaults") or []:
+                for key, value in (entry.items() if isinstance(entry, dict) else ()):
+                    other = str(key).removeprefix("override").strip().lstrip("/")
+                    if other in choices and other not in on_line:
+                        choices[other] = value
+    verb(config_name)
+    for last in (False, True):  # a _global_ preset (an experiment) last: its comments are the specific ones
+        for group, choice in choices.items():
+            for name in names(choice):
+                if is_global(group, name) == last:
+                    preset(group, name)
+    return out
+
+
+def annotate_yaml(text: str, comments: dict[str, str]) -> str:
+    """OmegaConf.to_yaml output with each key's comment after it (`# ...`, in one column where it fits)."""
+    lines = text.splitlines()
+    keyed: list[tuple[str, str | None]] = []
+    stack: list[tuple[int, str]] = []
+    for line in lines:
+        body = line.lstrip()
+        indent = len(line) - len(body)
+        key, sep, _ = body.partition(":")
+        if not sep or body.startswith(("-", "'", '"')) or " " in key:
+            keyed.append((line, None))
+            continue
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        stack.append((indent, key))
+        keyed.append((line, comments.get(".".join(k for _, k in stack))))
+    col = min(max((len(ln) for ln, c in keyed if c), default=0) + 2, 48)
+    out = []
+    for line, comment in keyed:
+        if comment:
+            line = f"{line:<{col}}# {comment}" if len(line) < col else f"{line}  # {comment}"
+        out.append(line)
+    return "\n".join(out) + "\n"

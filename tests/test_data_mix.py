@@ -153,9 +153,9 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
 
     full = rows("full")
     assert rows("cut") == full
-    last = [r for r in full if r["data/tokens_a"]][-1]  # a training row (of the step that ends at 8)
+    last = [r for r in full if r["data/tokens_a"]][-1]  # a training row (of step 8, the last)
     assert (
-        int(last["step"]) == 7 and float(last["data/tokens_a"]) + float(last["data/tokens_b"]) == 8 * 4 * 32
+        int(last["step"]) == 8 and float(last["data/tokens_a"]) + float(last["data/tokens_b"]) == 8 * 4 * 32
     )
     assert 0 < float(last["data/tokens_b"]) < float(last["data/tokens_a"])
     # val/loss/<source>: that source's mean token loss over its own val windows; val/loss: over all of them

@@ -52,7 +52,8 @@ def files(d):
 
 @pytest.mark.parametrize(
     "faults, workers",
-    [(("prepare-shard@3", "prepare-batch@2"), 2), (("prepare-batch@17", "prepare-shards"), 1)],
+    [(("prepare-shard@3", "prepare-batch@2"), 2), (("prepare-batch@17", "prepare-shards"), 1),
+     (("prepare-batch@1",), 1)],  # killed before its first commit: all.bin holds only uncommitted batches
 )
 def test_a_killed_prepare_continues_from_its_last_complete_shard_bit_identically(
     tmp_path, corpus, faults, workers

@@ -61,10 +61,9 @@ def reference(corpus, tmp_path_factory) -> Path:
 
 def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference):
     got = rows(reference)
-    # one row per step; 12: the final validation
-    assert [int(r["step"]) for r in got] == list(range(STEPS + 1))
+    assert [int(r["step"]) for r in got] == list(range(1, STEPS + 1))  # one row per step, named as it ends
     lr = next(k for k in got[0] if "lr" in k)
-    assert all(r["train/loss"] and r[lr] for r in got[:-1])  # loss and learning rate on the same row
+    assert all(r["train/loss"] and r[lr] for r in got)  # loss and learning rate on the same row
     # validation on the row of its step
     assert [int(r["step"]) for r in got if r["val/loss"]] == [3, 6, 9, 12]
     ckdir = reference / "checkpoints"
@@ -76,8 +75,7 @@ def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference)
     "ckpt-pending@2",    # step 6's checkpoint complete, not yet published (its rows not yet synced)
     "ckpt-published@2",  # step-000006.ckpt in place, last.ckpt still step 3
     "last-replaced@2",   # right after last.ckpt was replaced by step 6
-    # during the rewrite of metrics.csv's last row (step 3, written before its checkpoint)
-    "metrics-rewrite@3",
+    "metrics-append@3",  # rows appended after step 3's checkpoint was published (row 5, during step 6)
 ])
 def test_kill_at_a_write_point_then_resume_loses_and_repeats_nothing(corpus, reference, tmp_path, point):
     r = run_cli("train", *tiny(corpus, tmp_path, "k"), env={"GPTKIT_FAULT": point})
@@ -131,8 +129,7 @@ def test_one_writer_per_run_folder_and_kill_9_leaves_no_stale_lock(corpus, tmp_p
     r = run_cli("train", f"resume={tmp_path / 'same'}", f"trainer.max_steps={step + 2}")
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [int(r["step"]) for r in rows(tmp_path / "same")]
-    # one writer's rows, each step once (step + 2: the final validation)
-    assert steps == list(range(step + 3))
+    assert steps == list(range(1, step + 3))  # one writer's rows, each step once
 
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line_and_130(corpus, tmp_path):
@@ -358,20 +355,21 @@ def test_metrics_csv_keeps_exactly_the_rows_a_checkpoint_covers(tmp_path):
     from gptkit.training.metrics_csv import MetricsCSV, read_rows
 
     m = MetricsCSV(tmp_path)
-    for step in range(5):
+    for step in range(1, 6):
+        m.log_metrics({"train/loss": float(step), "lr-AdamW": 0.1}, step)
         if step == 4:
             m.log_metrics({"val/loss": 9.0}, step)  # the validation after 4 steps ...
             m.sync()  # ... is on disk before the checkpoint of step 4 is published
-        m.log_metrics({"train/loss": float(step), "lr-AdamW": 0.1}, step)
         m.save()
     with open(tmp_path / "metrics.csv", "a") as f:
-        f.write("5,5.0,0.1")  # a row cut short by a kill
+        f.write("6,6.0,0.1")  # a row cut short by a kill
     resumed = MetricsCSV(tmp_path, resume_step=4)
-    resumed.log_metrics({"train/loss": 4.5, "lr-AdamW": 0.1}, 4)
+    resumed.log_metrics({"train/loss": 5.5, "lr-AdamW": 0.1}, 5)
     resumed.finalize("success")
     columns, rows = read_rows(tmp_path / "metrics.csv")
-    assert list(rows) == [0, 1, 2, 3, 4]  # one row per step: the checkpoint's four, then step 4 redone
-    assert rows[4] == {"val/loss": "9.0", "train/loss": "4.5", "lr-AdamW": "0.1"}
+    assert list(rows) == [1, 2, 3, 4, 5]  # one row per step: the checkpoint's four, then step 5 redone
+    assert rows[4] == {"val/loss": "9.0", "train/loss": "4.0", "lr-AdamW": "0.1"}
+    assert rows[5] == {"train/loss": "5.5", "lr-AdamW": "0.1"}
     assert (tmp_path / "metrics.csv").read_text().splitlines()[0] == "step,train/loss,lr-AdamW,val/loss"
 
 
@@ -382,7 +380,8 @@ def test_an_older_metrics_csv_with_the_learning_rate_on_its_own_rows_is_merged_o
                                           "0.1,0,\n,0,4.0\n0.2,1,\n,1,3.9\n0.3,2,\n")
     MetricsCSV(tmp_path, resume_step=2).finalize("success")
     assert read_rows(tmp_path / "metrics.csv")[1] == {0: {"lr-AdamW": "0.1", "train/loss": "4.0"},
-                                                      1: {"lr-AdamW": "0.2", "train/loss": "3.9"}}
+                                                      1: {"lr-AdamW": "0.2", "train/loss": "3.9"},
+                                                      2: {"lr-AdamW": "0.3"}}
 
 
 def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_it(tmp_path, monkeypatch,

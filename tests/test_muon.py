@@ -446,7 +446,7 @@ def test_muon_run_announces_its_groups_resumes_bit_identically_and_fine_tunes(ca
         with open(tmp_path / run / "metrics.csv", newline="") as f:
             return [(r["step"], r["train/loss"], r["val/loss"]) for r in csv.DictReader(f)]
 
-    assert len(rows("straight")) == 7 and rows("straight") == rows("split")  # as text: bit-identical floats
+    assert len(rows("straight")) == 6 and rows("straight") == rows("split")  # rows 1-6 as text: bit-identical
     # another optimizer cannot continue the run's state: one line
     code, _, err = run_main(capsys, "train", f"resume={tmp_path / 'split'}", "optim=adamw")
     assert code == 2 and err.strip().splitlines() == [
@@ -551,7 +551,7 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
         tokens_per_s = 10 / (seed * (3 if muon else 2))  # seconds per step: AdamW 2 x seed, Muon 3 x seed
         losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}  # val after 2 and 4 steps
         rows = ["step,perf/tokens,perf/tokens_per_s,val/loss"]
-        rows += [f"{s},{10 * (s + 1)},{tokens_per_s}," for s in range(4)]
+        rows += [f"{s},{10 * s},{tokens_per_s}," for s in range(1, 5)]  # row s: step s (s steps done)
         rows += [f"{s},,,{loss}" for s, loss in losses.items()]
         (run / "metrics.csv").write_text("\n".join(rows) + "\n")
         order.append(opts["name"])

@@ -285,7 +285,6 @@ def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tm
     assert r.returncode == 0, r.stderr[-2000:]
     rows = (run / "metrics.csv").read_text().splitlines()
     assert rows[-1].startswith("5,") and [row.split(",")[0] for row in rows[1:]] == [
-        "0",
         "1",
         "2",
         "3",
@@ -470,13 +469,15 @@ def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explic
 def test_a_truncated_metrics_csv_names_the_missing_steps_on_resume(tmp_path, capsys):
     from gptkit.training.metrics_csv import MetricsCSV, missing_tail
 
-    lines = ["step,train/loss"] + [f"{s},{4 - s / 10}" for s in range(6)]  # rows 0-5 left of 0-11
+    lines = ["step,train/loss"] + [f"{s},{4 - s / 10}" for s in range(1, 6)]  # rows 1-5 left of 1-12
     (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
     MetricsCSV(tmp_path, resume_step=12).finalize("success")
     err = capsys.readouterr().err
-    assert err.count("note:") == 1 and "has no rows for steps 6-11" in err, err
-    assert missing_tail([9, 19, 29, 39], 40) is None and missing_tail([9, 19], 40) == (20, 39)  # log_every=10
-    assert missing_tail(list(range(12)), 12) is None
+    assert err.count("note:") == 1 and "has no rows for steps 6-12" in err, err
+    assert missing_tail([10, 20, 30, 40], 40) is None  # log_every=10
+    assert missing_tail([10, 20, 30], 39) is None
+    assert missing_tail([10, 20], 40) == (21, 40)
+    assert missing_tail(list(range(1, 13)), 12) is None and missing_tail(list(range(1, 12)), 12) == (12, 12)
 
 
 # ---- item 13: bit rot in last.ckpt names only the checkpoints that are not the same file ----

@@ -45,8 +45,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     for r in rows:
         if not r.get("perf/tokens_per_s"):
             continue
-        tokens = float(r["perf/tokens"])  # after this row's optimizer step, global step = row step + 1
-        tokens_per_step = tokens_per_step or tokens / (int(r["step"]) + 1)
+        tokens = float(r["perf/tokens"])  # after this row's optimizer step: the row's step (steps done)
+        tokens_per_step = tokens_per_step or tokens / int(r["step"])
         seconds += (tokens - tokens_before) / float(r["perf/tokens_per_s"])
         tokens_before = tokens
         at_step[round(tokens / tokens_per_step)] = seconds

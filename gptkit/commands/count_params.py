@@ -185,5 +185,6 @@ def _print_tables(r: dict, cfg) -> None:
         et.add_row(f"training memory per GPU: {k} ({plan['precision']}{shard})", human_bytes(mem[k]))
     et.add_row(f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})",
                human_bytes(mem["activations"]))
+    et.add_row("training memory per GPU: logits and loss", human_bytes(mem["logits"]))
     et.add_row("[bold]training memory per GPU: total", f"[bold]{human_bytes(mem['total'])}")
     con.print(et)

@@ -152,7 +152,8 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     summary.add_row("training memory per device (estimate)",
                     f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads "
                     f"{human_bytes(estimate['gradients'])}, optimizer {human_bytes(estimate['optimizer'])}, "
-                    f"activations {human_bytes(estimate['activations'])} (batch {int(t.batch_size)} x "
+                    f"activations {human_bytes(estimate['activations'])}, logits "
+                    f"{human_bytes(estimate['logits'])} (batch {int(t.batch_size)} x "
                     f"{estimate['seq_len']})", "")
     smallest = min(r["mem_total"] for r in rows)
     summary.add_row("smallest device memory", f"{human_bytes(smallest)} (limit {margin:.0%}: "

@@ -8,7 +8,7 @@ Examples:
   gptkit sample run=runs/shakespeare prompt="ROMEO:" max_new_tokens=300
   gptkit sample run=runs/shakespeare prompt_file=prompt.txt greedy=true
   gptkit sample run=runs/shakespeare prompt="To be" num_samples=4 top_k=50 top_p=0.9 seed=1
-  gptkit sample run=runs/shakespeare prompt="KING" 'stop=["\\n\\n"]' --json
+  gptkit sample run=runs/shakespeare prompt="KING" 'stop=["\\n\\n"]' --json   (one JSON line per sample)
   gptkit sample run=runs/llama/checkpoints/step-001000.ckpt device=cuda dtype=bf16 prompt="Once"
 """
 
@@ -38,16 +38,26 @@ def options(cfg, max_seq_len: int, eos_id):
     stop = cfg.stop
     stop = [stop] if isinstance(stop, str) else [str(s) for s in (stop or ())]
     stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)  # the escapes \n and \t
-    try:
-        opts = SampleOptions(
-            max_new_tokens=int(cfg.max_new_tokens), temperature=0.0 if cfg.greedy else float(cfg.temperature),
-            top_k=None if cfg.top_k in (None, 0) else int(cfg.top_k), top_p=float(cfg.top_p),
-            seed=None if cfg.seed is None else int(cfg.seed), num_samples=int(cfg.num_samples),
-            eos_id=eos_id if cfg.eos else None, stop=stop, overflow=str(cfg.overflow),
-            slide_keep=None if cfg.slide_keep is None else int(cfg.slide_keep), decode=str(cfg.decode),
-            compile=None if cfg.compile in (None, "auto") else cfg.compile, check_every=int(cfg.check_every))
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"a sampling value is not a number ({exc})") from exc
+
+    def number(key: str, kind=int, none=(None,)):
+        value = cfg[key]
+        if value in none:
+            return None
+        try:
+            if isinstance(value, bool) or (kind is int and isinstance(value, float)
+                                           and not value.is_integer()):
+                raise ValueError
+            return kind(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}={value} is not {'an integer' if kind is int else 'a number'}") from None
+
+    opts = SampleOptions(
+        max_new_tokens=number("max_new_tokens"),
+        temperature=0.0 if cfg.greedy else number("temperature", float),
+        top_k=number("top_k", none=(None, 0)), top_p=number("top_p", float), seed=number("seed"),
+        num_samples=number("num_samples"), eos_id=eos_id if cfg.eos else None, stop=stop,
+        overflow=str(cfg.overflow), slide_keep=number("slide_keep"), decode=str(cfg.decode),
+        compile=None if cfg.compile in (None, "auto") else cfg.compile, check_every=number("check_every"))
     opts.validate(max_seq_len)
     return opts
 
@@ -72,7 +82,7 @@ def read_prompt(cfg) -> str:
 
 def run(cfg) -> int:
     from gptkit.errors import ConfigError
-    from gptkit.generate import encode_prompt, generate, special_token_ids
+    from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
@@ -80,10 +90,14 @@ def run(cfg) -> int:
         raise ConfigError(f"format={cfg.format!r} must be text or json")
     prompt = read_prompt(cfg)
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
-    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")  # once the run is found
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
-    ids = encode_prompt(r.tokenizer, prompt, bos_id)
+    ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id)
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")  # once the work will start
+    if prompt == "" and bos_id is None:
+        print(f"note: the prompt is empty and the tokenizer has no BOS token: the sample starts after "
+              f"{empty_prompt_start(bos_id, eos_id)} (not printed); give prompt=\"...\" to choose its start",
+              file=sys.stderr)
     decode = r.tokenizer.decode
     streaming = cfg.format == "text" and cfg.stream and opts.num_samples == 1
 
@@ -96,18 +110,20 @@ def run(cfg) -> int:
     g = generate(r.model, ids, opts, decode=decode, on_text=write if streaming else None)
     steps_tokens = g.decode_steps * opts.num_samples
     tok_s = steps_tokens / g.decode_s if g.decode_s > 0 else 0.0
-    if cfg.format == "json":
-        print(json.dumps({
+    if cfg.format == "json":  # JSON Lines: one object per sample, each line complete on its own
+        shared = {
             "run": str(r.dir), "checkpoint": str(r.checkpoint), "prompt": prompt,
-            "prompt_tokens": g.prompt_tokens, "samples": [{"text": t, "tokens": toks, "stop_reason": why}
-                        for t, toks, why in zip(g.texts, g.tokens, g.stop_reasons)],
+            "prompt_tokens": g.prompt_tokens,
             "settings": {**opts.__dict__, "stop": list(opts.stop),
                          "device": str(r.model.tok_emb.weight.device), "dtype": str(cfg.dtype)},
             "timing": {"prefill_s": g.prefill_s, "decode_s": g.decode_s, "decode_steps": g.decode_steps,
                        "decode_tokens_per_s": tok_s, "slides": g.slides, "decode": g.decode,
                        "setup_s": g.setup_s},
             "notes": g.notes,
-        }, indent=2, ensure_ascii=False))
+        }
+        for i, (text, tokens, why) in enumerate(zip(g.texts, g.tokens, g.stop_reasons)):
+            sample = {"sample": i + 1, "text": text, "tokens": tokens, "stop_reason": why}
+            print(json.dumps({**sample, **shared}, ensure_ascii=False))
     else:
         if streaming:
             write("\n")

@@ -16,6 +16,7 @@ Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exa
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +44,7 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     kv = {o.key: None if o.value is None else str(o.value) for o in options
           if o.kind == "key" and not o.sweep and o.key in ("resume", "init_from", "name", "runs_dir")}
     check_resume_or_init(kv.get("resume"), kv.get("init_from"))
+    args = _name_after_init_source(args, options, kv)
     name = kv.get("name")
     check_run_location(kv.get("runs_dir", "runs"), None if name and "${" in name else name)
     if kv.get("resume") not in (None, "", "null"):
@@ -67,6 +69,22 @@ def prepare_options(args: list[str], options: list) -> list[str]:
         raise GptkitError(f"cannot write the runs folder {runs_dir} ({probe} is not a writable folder); "
                           f"pass runs_dir=<a writable folder>")
     return args
+
+
+def _name_after_init_source(args: list[str], options, kv: dict) -> list[str]:
+    """init_from= trains the source's model: unless the command line names the run or the model, the model's
+    name (which the default run folder name, ${model.name}-<time>, is built from) is the source's, so that the
+    folder is not named after the default preset."""
+    from gptkit.training.fit import init_source_name
+
+    if kv.get("init_from") in (None, "", "null") or "name" in kv:
+        return args
+    if any(o.key in ("model", "model.name") for o in options):
+        return args  # theirs (model= with init_from= is refused later, in one line)
+    source = init_source_name(kv["init_from"], kv.get("runs_dir", "runs"))
+    if source is None or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", source):
+        return args
+    return [*args, f"model.name={source}"]
 
 
 def _can_create_in(folder) -> bool:

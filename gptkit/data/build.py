@@ -622,7 +622,12 @@ def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
             ok = ok and _resume_shard(tmp / _shard_file(split), sp)
         if not ok:
             _say(f"note: the interrupted build in {tmp} does not match its record; building it again")
-    keep = {BUILD_LOCK, PROGRESS, TOKENIZER, "all.bin", *SHARDS.values()} if ok else {BUILD_LOCK}
+    # a shard is kept only when the record covers it: one the killed build began but never committed (its
+    # split not yet in progress.json) holds only uncommitted batches, which the build would append after
+    recorded = {_shard_file(split) for split in state["splits"]} if ok else set()
+    if ok and state.get("val_written"):
+        recorded |= {"all.bin", *SHARDS.values()}  # the split of all.bin into train and val is being finished
+    keep = {BUILD_LOCK, PROGRESS, TOKENIZER, *recorded} if ok else {BUILD_LOCK}
     for p in tmp.iterdir():  # leftovers of the killed build (half-written temporary files), or all of it
         if p.name not in keep:
             shutil.rmtree(p) if p.is_dir() else p.unlink()

@@ -414,10 +414,15 @@ def encode_batch(
 _worker: dict[EncoderSpec, Callable[[list[str]], list[Any]]] = {}  # in a worker: its encoder(s)
 
 
-def _init_worker() -> None:
+def _init_worker(parent: int) -> None:
+    """A worker's start: the watch on `parent` (the pid of the prepare that started it, given by that
+    process: a parent killed while this worker was starting is already gone here, and os.getppid() would
+    name the process that adopted the worker), then the encoders' imports."""
+    if os.getppid() != parent:
+        os._exit(1)
+    threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
     os.environ["RAYON_NUM_THREADS"] = "1"
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     import tokenizers  # noqa: F401
 
     try:
@@ -456,7 +461,8 @@ def start_workers(workers: int) -> ProcessPoolExecutor:
     """`workers` spawned processes (one thread each), started now: their imports overlap what the caller
     does before it gives them work (`Tokenizing(spec, workers, pool=...)`)."""
     pool = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker
+        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
+        initargs=(os.getpid(),)
     )
     for _ in range(workers):  # each submit to a pool without an idle process starts one
         pool.submit(_ready)

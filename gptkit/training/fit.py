@@ -266,6 +266,21 @@ def resolve_init_from(cfg: DictConfig, run_dir: Path, overrides: list[Option]
 HF_PREFIX = "hf:"  # init_from=hf:<owner/name[@revision] or transformers folder>
 
 
+def init_source_name(init_from: str, runs_dir: Path | str) -> str | None:
+    """The name of the model an init_from= run trains (its source's model.name, or for hf: the folder's or
+    repository's name, as the import names it), read before Hydra names the run folder after it. None when
+    the source cannot be read (its one-line error comes later, where init_from= is resolved)."""
+    if init_from.startswith(HF_PREFIX):
+        from gptkit import hf  # ~3 s of imports after this module's: only for an hf: source
+
+        return hf.source_name(init_from[len(HF_PREFIX):]) or None
+    try:
+        name = read_config(run_dir_of(find_run_checkpoint(init_from, runs_dir)))["model"].get("name")
+    except (GptkitError, OSError):
+        return None
+    return str(name) if name not in (None, "") else None
+
+
 def _import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
     """init_from=hf:<spec> -> (the imported run folder, hf:<the exact source>), saying which on one line."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
@@ -748,7 +763,8 @@ def out_of_memory(plan: RunPlan) -> GptkitError:
     return GptkitError(
         f"out of GPU memory: count-params estimates {human_bytes(mem['total'])} per device (weights "
         f"{human_bytes(mem['weights'])}, optimizer {human_bytes(mem['optimizer'])}, activations "
-        f"{human_bytes(mem['activations'])} at trainer.batch_size={t.batch_size}); lower trainer.batch_size "
+        f"{human_bytes(mem['activations'])}, logits {human_bytes(mem['logits'])} at "
+        f"trainer.batch_size={t.batch_size}); lower trainer.batch_size "
         "(and raise trainer.accumulate_grad_batches to keep the batch), set "
         f"trainer.activation_checkpointing=true, or shard with trainer=fsdp")
 

@@ -228,8 +228,8 @@ class StepMetrics(Callback):
                 per_device = tokens_per_s / trainer.world_size
                 metrics["perf/mfu_causal"] = acc.mfu(per_device, self.causal_flops_per_token, self.peak)
         self.last = metrics
-        for logger in trainer.loggers:  # x-axis: the optimizer steps completed before this step's batch
-            logger.log_metrics(metrics, step=step - 1)
+        for logger in trainer.loggers:  # x-axis: the optimizer steps done, this one included (as everywhere)
+            logger.log_metrics(metrics, step=step)
         if self.reporter is not None and trainer.is_global_zero:
             self.reporter.log(step, metrics)
 

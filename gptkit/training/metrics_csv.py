@@ -2,14 +2,15 @@
 
     step,train/loss,lr-AdamW/pg1,lr-AdamW/pg2,perf/tokens_per_s,...,val/loss,val/ppl
 
-A row's `step` is the number of optimizer steps done before it: the training loss of the batch that
-makes step s+1, the learning rate that batch used, its throughput, and the validation loss of the
-weights after s steps all share row s. Rows are appended as they complete; a new column or a change
+A row's `step` is the number of optimizer steps done, as everywhere in gptkit (the progress line,
+checkpoints/step-NNNNNN.ckpt, the loggers): row s holds the training loss of the batch that made step s
+(the mean over the log window that ends there), the learning rate that batch used, its throughput, and
+the validation loss of the weights after s steps. Rows are appended as they complete; a new column or a change
 to the last row rewrites the file atomically (temp file + rename, never a truncation in place).
 
 Rows and checkpoints are tied together: RunCheckpoints calls sync() (every row so far, fsynced) before
 it publishes a checkpoint, so a checkpoint at step N never exists without the rows it covers: every
-row before N and the validation at N. A resume at step N keeps exactly those rows and redoes the
+row up to N, the validation at N included. A resume at step N keeps exactly those rows and redoes the
 rest; a new run starts a new file.
 """
 
@@ -104,7 +105,7 @@ class MetricsCSV(Logger):
     # the file
     def _start(self) -> None:
         """Open the file on first use: a new run starts it empty; a resume at step N keeps the rows the
-        checkpoint covers (steps before N, and the validation at N)."""
+        checkpoint covers (steps up to N: the training of step N and the validation at N)."""
         if self._started:
             return
         self._started = True
@@ -113,8 +114,8 @@ class MetricsCSV(Logger):
             return
         columns, rows = read_rows(self.path)
         n = self.resume_step
-        kept = {s: r for s, r in rows.items() if s < n}
-        at_n = {k: v for k, v in rows.get(n, {}).items() if k.startswith(VAL_PREFIX)}
+        kept = {s: r for s, r in rows.items() if s <= n}
+        at_n = n in kept  # row N may still grow: a validation at N that an interrupted run did not finish
         if n > 0 and not kept:
             print(f"note: {self.path} holds no rows before step {n} (lost or removed before this resume); "
                   f"it continues from step {n}", file=sys.stderr)
@@ -122,9 +123,9 @@ class MetricsCSV(Logger):
             print(f"note: {self.path} has no rows for steps {gap[0]}-{gap[1]} (the file was cut short before "
                   f"this resume); they stay missing, it continues from step {n}", file=sys.stderr)
         self._columns = columns or ["step"]
-        self._rewrite(b"", [*kept.items(), *([(n, at_n)] if at_n else [])], keep_last=bool(at_n))
+        self._rewrite(b"", list(kept.items()), keep_last=at_n)
         if at_n:
-            self._rows[n] = dict(at_n)
+            self._rows[n] = dict(kept[n])
         self._floor = n
 
     def _line(self, step: int, row: dict[str, Any]) -> bytes:
@@ -246,12 +247,12 @@ def read_rows(path: Path) -> tuple[list[str], dict[int, dict[str, str]]]:
 
 def missing_tail(steps: list[int], resume_step: int) -> tuple[int, int] | None:
     """(first, last) step of the rows missing at the end of a metrics.csv that a resume at `resume_step` keeps
-    (`steps`, sorted), judged by the file's own spacing (its most common gap: 1, or trainer.log_every); None
-    when the rows reach the resume step."""
+    (`steps`, sorted, up to the resume step), judged by the file's own spacing (its most common gap: 1, or
+    trainer.log_every); None when the rows reach the resume step (a row lies within one gap of it)."""
     if not steps:
         return None
     gaps = [b - a for a, b in zip(steps, steps[1:])]
     stride = max(set(gaps), key=gaps.count) if gaps else 1
-    if resume_step - steps[-1] <= stride:
+    if resume_step - steps[-1] < stride:
         return None
-    return steps[-1] + 1, resume_step - 1
+    return steps[-1] + 1, resume_step
