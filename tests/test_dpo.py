@@ -290,12 +290,12 @@ def straight(dpo_data):
 def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactly(dpo_data, straight):
     rows = rows_of(straight)
     train = {s: r for s, r in rows.items() if r.get("train/loss")}
-    assert sorted(train) == list(range(6))
+    assert sorted(train) == list(range(1, 7))  # the row of step N: after N optimizer steps
     # step 0: the policy is the reference, every reward 0 and the loss log 2
-    assert float(train[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
-    assert float(train[0]["train/rewards/margin"]) == 0.0
-    assert float(train[5]["train/loss"]) < float(train[0]["train/loss"])
-    assert float(train[5]["train/rewards/margin"]) > 0  # the policy moved towards the chosen answers
+    assert float(train[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
+    assert float(train[1]["train/rewards/margin"]) == 0.0
+    assert float(train[6]["train/loss"]) < float(train[1]["train/loss"])
+    assert float(train[6]["train/rewards/margin"]) > 0  # the policy moved towards the chosen answers
     val = {s: r for s, r in rows.items() if r.get("val/rewards/accuracy")}
     assert sorted(val) == [3, 6] and all(r["val/loss"] and r["val/rewards/margin"] for r in val.values())
     # the reference stayed the start: the val margin of step 6, recomputed from the start's and the end's
@@ -351,7 +351,7 @@ def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight
         "trainer.batch_size=2",
     )
     want, got = rows_of(straight), rows_of(dpo_data / "two")
-    for step in range(6):
+    for step in range(1, 7):
         for key in ("train/loss", "train/rewards/margin", "train/rewards/accuracy"):
             assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
     assert abs(float(got[6]["val/rewards/margin"]) - float(want[6]["val/rewards/margin"])) < 1e-5
@@ -363,8 +363,8 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
                           "lora.rank=4", "lora.targets=[q,k,v,o]"))
     assert "reference: the base with the adapters off (no second copy)" in capfd.readouterr().err
     rows = rows_of(dpo_data / "lora")
-    assert float(rows[0]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: policy = base
-    assert float(rows[5]["train/rewards/margin"]) > 0
+    assert float(rows[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: policy = base
+    assert float(rows[6]["train/rewards/margin"]) > 0
     from gptkit.runs import load_model
 
     *_, start = load_model(dpo_data / "sft")
@@ -381,7 +381,7 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
 def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo_data):
     gptkit.train(dpo_args(dpo_data, "bf16", 1, "trainer.precision=bf16-true", "trainer.max_steps=1",
                           "trainer.val_every=1"))
-    step0 = rows_of(dpo_data / "bf16")[0]
+    step0 = rows_of(dpo_data / "bf16")[1]  # the first step's row
     assert float(step0["train/rewards/chosen"]) == 0.0 == float(step0["train/rewards/rejected"])
 
 
