@@ -29,7 +29,8 @@ from gptkit.errors import ConfigError
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
 FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
-NAMED_LAST = ("tokens",)  # data=tokens shares data.paths with files and chat; a path is far more often text
+# data=tokens and data=preference share data.paths with files and chat; a path is far more often text
+NAMED_LAST = ("tokens", "preference")
 _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
 
 

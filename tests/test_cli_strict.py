@@ -35,8 +35,8 @@ def run_dir(tmp_path_factory):
 @pytest.mark.parametrize("plus", ["", "+"])
 def test_a_key_of_another_preset_names_the_preset(capsys, tmp_path, plus):
     err = one_line(capsys, "train", f"{plus}data.paths={tmp_path / 's.txt'}", f"runs_dir={tmp_path / 'runs'}")
-    assert (f"data.paths needs data=files or data=chat or data=tokens (data is pydoc now): data=files "
-            f"data.paths={tmp_path / 's.txt'}") in err
+    assert ("data.paths needs data=files or data=chat or data=tokens or data=preference (data is pydoc "
+            f"now): data=files data.paths={tmp_path / 's.txt'}") in err
     assert not (tmp_path / "runs").exists()
 
 
@@ -54,7 +54,7 @@ def test_a_key_no_code_reads_is_refused_on_every_verb(capsys, verb):
     (["train", "logger.wandb.mode=online"], "logger.wandb.mode needs the wandb logger: logger=[csv,wandb]"),
     (["train", "tokenizer=char", "tokenizer.vocab_size=100"], "tokenizer.vocab_size needs tokenizer=bpe"),
     (["eval", "run=x", "data.paths=a.txt"],
-     "data.paths needs data=files or data=chat or data=tokens (no data is chosen)"),
+     "data.paths needs data=files or data=chat or data=tokens or data=preference (no data is chosen)"),
     (["bench", "data", "seq_lens=[1]"], "bench.seq_lens needs bench=attention"),
     (["train", "data.path=x"], "did you mean data.paths (with data=files)?"),
     (["train", "+trainer.max_steps=3"], "trainer.max_steps is an option already: write trainer.max_steps=3"),

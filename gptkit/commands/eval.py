@@ -61,6 +61,10 @@ def corpus_tokens(cfg, r):
         raise GptkitError("eval scores windows of a text corpus; data=chat is conversations (a data=chat "
                           "run's val/loss, on the assistant's tokens, is in its metrics.csv); pass a text "
                           "corpus: data=files 'data.paths=[held_out.txt]'")
+    if data.get("kind") == "preference":  # pairs of answers, not a token stream
+        raise GptkitError("eval scores windows of a text corpus; data=preference is DPO's answer pairs (a "
+                          "DPO run's val/loss and val/rewards/* are in its metrics.csv); pass a text corpus: "
+                          "data=files 'data.paths=[held_out.txt]'")
     if cfg.get("data") is None:
         if "data" not in r.config or "tokenizer" not in r.config:
             raise GptkitError(f"{r.dir}/config.yaml has no data/tokenizer sections to find its val split; "

@@ -11,6 +11,8 @@ val:   a fixed, deterministic map-style set of windows, the same for every run o
 pack="documents": every batch is (x, y, doc_ids) instead of (x, y) (see gptkit.data.windows).
 data=chat (a ChatData): rows of whole conversations instead of windows, targets -100 where no loss
        (gptkit.data.chat); the same stateless choice of rows per step.
+data=preference (a PreferenceData): batches of pairs, (x, y) [2 * batch_size, seq_len] with the chosen and
+       the rejected answer of each pair side by side (gptkit.data.preference); the same stateless choice.
 data=mix (a MixedData): windows from every source by its share (gptkit.data.mixture.MixtureSampler), the
 val windows of every source, the sources announced at setup, their tokens consumed in `source_tokens`;
        `val_sources` then also names the sources (LitGPT reports val/loss/<source>).
@@ -26,6 +28,7 @@ from torch.utils.data import ConcatDataset, DataLoader, Dataset, IterableDataset
 
 from gptkit.data.chat import ChatData, ChatSampler, describe_rows, make_rows
 from gptkit.data.mixture import MixedData, MixtureSampler, announce
+from gptkit.data.preference import PreferenceData, describe_pairs, make_pair_rows, pair_collate, pair_sampler
 from gptkit.data.prepared import PreparedData
 from gptkit.data.windows import WindowSampler, check_pack, check_window, val_starts, windows
 
@@ -77,7 +80,7 @@ class TaggedWindows(Dataset):
 class TokenDataModule(L.LightningDataModule):
     """The Lightning DataModule of a run: stateless training windows drawn by (seed, step, rank) from
     prepared shards, a mixture or chat rows, and fixed validation windows."""
-    def __init__(self, prepared: PreparedData | ChatData | MixedData, batch_size: int = 12,
+    def __init__(self, prepared: PreparedData | ChatData | PreferenceData | MixedData, batch_size: int = 12,
                  seq_len: int = 128, seed: int = 1337, val_windows: int | None = 200,
                  pack: str = "stream") -> None:
         super().__init__()
@@ -88,6 +91,9 @@ class TokenDataModule(L.LightningDataModule):
         self.val_sources: tuple[list[str], torch.Tensor] | None = None
         if isinstance(prepared, ChatData):
             self._chat_rows(prepared)
+            return
+        if isinstance(prepared, PreferenceData):
+            self._pair_rows(prepared)
             return
         check_pack(pack, prepared.eos_id)
         self.eos_id = prepared.eos_id if pack == "documents" else None
@@ -133,6 +139,20 @@ class TokenDataModule(L.LightningDataModule):
 
             print(describe_rows(train, val, self.seq_len, s), file=sys.stderr)
 
+    def _pair_rows(self, data: PreferenceData) -> None:
+        from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+        s = data.settings
+        train, val = (make_pair_rows(split, self.seq_len, s["truncate"], data.pad_id)
+                      for split in (data.train, data.val))
+        self.sampler = pair_sampler(train, self.batch_size, self.seed)
+        n_val = len(val) if self.val_windows is None else min(len(val), int(self.val_windows))
+        self._val = [val[i] for i in range(n_val)]  # pairs: (x, y) [2, seq_len], batched by pair_collate
+        if rank_zero_only.rank == 0:
+            import sys
+
+            print(describe_pairs(train, val, self.seq_len, s), file=sys.stderr)
+
     def _position(self) -> tuple[int, int, int]:
         """(micro-step to start at, rank, world size) from the attached trainer, if any."""
         trainer = getattr(self, "trainer", None)
@@ -155,6 +175,9 @@ class TokenDataModule(L.LightningDataModule):
         if isinstance(self.prepared, ChatData):
             return DataLoader(self._val, batch_size=self.batch_size, shuffle=False, num_workers=0,
                               pin_memory=self._pin())
+        if isinstance(self.prepared, PreferenceData):
+            return DataLoader(self._val, batch_size=self.batch_size, shuffle=False, num_workers=0,
+                              pin_memory=self._pin(), collate_fn=pair_collate)
         each = None if self.val_windows is None else max(1, int(self.val_windows) // len(self.parts))
         n = each if len(self.parts) > 1 else self.val_windows
         sets = [ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id, vocab_size=self.prepared.vocab_size)

@@ -299,22 +299,45 @@ def _import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
     return str(folder), HF_PREFIX + src.spec
 
 
-def _load_init_weights(module, ckpt: Path, vocab_size: int | None = None) -> None:
+def _load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
     """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
-    run's model, with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new model's
-    (a chat template's special tokens were added): the new rows start as the mean of the old ones."""
+    run's model (a GPT), with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new
+    model's (a chat template's special tokens were added): the new rows start as the mean of the old ones."""
     from gptkit.model.gpt import grow_vocab
 
-    cfg = module.model.cfg
+    cfg = model.cfg
     if vocab_size is None or vocab_size == cfg.vocab_size:
         state = checked_model_state(ckpt, cfg)
     else:
         state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size))
         state = grow_vocab(state, cfg.vocab_size)
-    missing, unexpected = module.model.load_state_dict(state, strict=False)  # into the (tied) parameters
+    missing, unexpected = model.load_state_dict(state, strict=False)  # into the (tied) parameters
     if unexpected or any(not adapters.is_adapter_key(k) for k in missing):  # only LoRA's adapters start anew
         raise GptkitError(f"{ckpt} does not fit the model: missing {missing[:3]}, "
                           f"unexpected {unexpected[:3]}")
+
+
+def _load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
+    """objective=dpo: the starting weights into the frozen reference (module.dpo.reference; None with LoRA,
+    whose reference is the base with adapters off). A new run copies the policy's (just loaded from
+    init_from=); a resumed run reads them again from the checkpoint its config's init_from= names, whose
+    step LitGPT checks against the one the run started from. FSDP: on the ranks that build weights only."""
+    reference = module.dpo.reference
+    if reference is None:
+        return
+    if init_ckpt is not None:
+        module.reference_source = {"path": str(init_ckpt), "step": checkpoint_step(init_ckpt)}
+        if not module.built_on_meta:
+            reference.load_state_dict(module.model.state_dict())
+        return
+    source = str(cfg.init_from)
+    if source.startswith(HF_PREFIX):
+        source, _ = _import_init_source(source[len(HF_PREFIX):], Path(cfg.runs_dir))
+    ckpt = find_run_checkpoint(source, cfg.runs_dir)
+    module.reference_source = {"path": str(ckpt), "step": checkpoint_step(ckpt)}
+    if not module.built_on_meta:
+        vocab = int(read_config(run_dir_of(ckpt))["model"]["vocab_size"])
+        _load_init_weights(reference, ckpt, vocab)
 
 
 def _lora_base(cfg: DictConfig, model_cfg: ModelConfig, init_ckpt: Optional[Path],
@@ -363,7 +386,9 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     from the CLI (commands/train.check), before Hydra creates the run folder. Returns what the checks
     derived (plan.Checked: precision, accelerator, devices, compile mode and, for a new model, its config and
     training window), which make_plan reads instead of deriving it again. resumed: cfg is a resumed run's
-    (resolve_resume), whose saved init_from= records where its weights first came from."""
+    (resolve_resume), whose saved init_from= records where its weights first came from (objective=dpo: its
+    reference, checked here)."""
+    from gptkit.training.dpo import check_objective
     from gptkit.training.optim import check_optim_config
     from gptkit.training.plan import with_model
     from gptkit.training.trainer import check_loggers, check_trainer_config
@@ -377,6 +402,7 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     check_optim_config(cfg.optim)
     check_loggers(cfg.logger)
     check_finetune(cfg, resume or init_from)
+    check_objective(cfg)
     # hf: is imported (and checked) at the start
     if init_from and not str(cfg.init_from).startswith(HF_PREFIX):
         ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
@@ -384,6 +410,9 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
         if cfg.get("finetune") == "lora":  # the targets and rank against the model init_from= brings
             model = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
             adapters.check_lora(adapters.settings(cfg.lora), model)
+    elif (resume and str(cfg.get("objective")) == "dpo" and cfg.get("finetune", "full") != "lora"
+          and not str(cfg.init_from).startswith(HF_PREFIX)):  # a resumed full DPO run: its reference
+        verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
     elif not resume:  # resume= and init_from= bring their model; model_from_source checks the overrides
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         checked = with_model(checked, cfg.trainer, model_cfg)
@@ -438,7 +467,7 @@ def plan_run(cfg: DictConfig, *, run_dir: Optional[Path] = None, overrides: Opti
     lora_base = _lora_base(cfg, model_cfg, init_ckpt, resume_ckpt)  # finetune=lora: the frozen weights
 
     prepared = _prepare_data(cfg, model_cfg)  # data first: the tokenizer decides the vocabulary size
-    chat = cfg.data.get("kind") == "chat"
+    chat = cfg.data.get("kind") in ("chat", "preference")  # rendered with a chat template (gptkit.data.chat)
     multiple = int(cfg.get("vocab_multiple", 1))
     vocab_size = multiple * math.ceil(prepared.vocab_size / multiple)
     init_vocab = None  # init_from= with tokens the chat template added: the source's vocabulary, grown
@@ -496,9 +525,12 @@ def _prepare_data(cfg: DictConfig, model_cfg):
     from gptkit.data import prepare
     from gptkit.data.build import bos_for_model
     from gptkit.data.chat import prepare_chat
+    from gptkit.data.preference import prepare_preference
 
     if cfg.data.get("kind") == "chat":  # conversations with a template (gptkit.data.chat)
         return prepare_chat(cfg.data, cfg.tokenizer)
+    if cfg.data.get("kind") == "preference":  # DPO's answer pairs, rendered with a chat template
+        return prepare_preference(cfg.data, cfg.tokenizer)
     cfg.data = OmegaConf.create(bos_for_model(OmegaConf.to_container(cfg.data, resolve=True),
                                               str(model_cfg.position or "learned")))
     return prepare(cfg.data, cfg.tokenizer)
@@ -547,6 +579,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
 
     from gptkit.data import TokenDataModule
     from gptkit.data.chat import CHAT_FILE, ChatData
+    from gptkit.data.preference import PreferenceData
     from gptkit.training.memory import check_host_memory, cpu_out_of_memory, is_cpu_out_of_memory
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import describe_optimizer
@@ -571,9 +604,11 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     module = LitGPT(plan)
     # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
     if plan.init_from is not None and not module.built_on_meta:
-        _load_init_weights(module, plan.init_from, plan.init_vocab)
+        _load_init_weights(module.model, plan.init_from, plan.init_vocab)
     elif plan.lora_base is not None and not module.built_on_meta:  # a LoRA run resumed: its frozen weights
-        _load_init_weights(module, plan.lora_base)
+        _load_init_weights(module.model, plan.lora_base)
+    if module.dpo is not None:  # objective=dpo: the reference holds the starting weights, frozen
+        _load_reference(module, cfg, plan.init_from)
     datamodule = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len,
                                  seed=int(cfg.seed), val_windows=t.val_windows,
                                  pack=cfg.data.get("pack", "stream"))
@@ -589,7 +624,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         _remove_leftovers(run_dir)
         atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
         atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
-        if isinstance(prepared, ChatData):  # the template `gptkit chat` talks with
+        if isinstance(prepared, (ChatData, PreferenceData)):  # the template `gptkit chat` talks with
             atomic_write_bytes(run_dir / CHAT_FILE, prepared.template_path.read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
     if rank_zero and plan.accelerator == "cpu" and plan.precision.name == "16-true":
@@ -626,7 +661,8 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
         _summary(run_dir, trainer.global_step, val, metrics, plan.flops_per_token, plan.peak_flops,
-                 trainer.world_size, time.perf_counter() - started)
+                 trainer.world_size, time.perf_counter() - started,
+                 trainer.callback_metrics.get("val/rewards/accuracy") if plan.objective == "dpo" else None)
         _source_losses(trainer.callback_metrics)
         print_summary(next((c for c in trainer.callbacks if isinstance(c, TaskEvals)), None),
                       time.perf_counter() - started)
@@ -757,7 +793,10 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW",
         f"  model {m.name}: {n:,} parameters, vocab {m.vocab_size}, context {m.max_seq_len}, "
         f"attention {m.attention}{compiled}\n"
         f"  data: {escape(str(data))} ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
-        f"  global batch: {plan.tokens_per_step:,} tokens/step = {plan.batch_size} sequences x "
+        f"  global batch: {plan.tokens_per_step:,} tokens/step = "
+        + (f"{plan.batch_size} pairs x 2 answers" if plan.objective == "dpo"
+           else f"{plan.batch_size} sequences")
+        + " x "
         f"{plan.seq_len} tokens x {plan.accumulation} accumulation x {plan.devices} devices x "
         f"{plan.nodes} nodes"
         f" ({type(trainer.strategy).__name__}); "
@@ -774,6 +813,9 @@ def _announce(trainer, plan: RunPlan, prepared, optimizer: str = "AdamW",
            f"on {', '.join(plan.lora['targets'])}: {trainable:,} trainable parameters ({trainable / n:.2%}), "
            f"the rest frozen from {escape(str(plan.lora_base))}; checkpoints hold the adapters only"
            if plan.lora else "")
+        + (f"\n  DPO: beta {plan.dpo.get('beta')}, {plan.dpo.get('loss')} loss; reference: "
+           + ("the base with the adapters off (no second copy)" if plan.lora else
+              "a frozen copy of the starting weights") if plan.objective == "dpo" else "")
         + (f"\n  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
            f"meta device and receive their shards" if plan.weights_from_rank0 else "")
     )
@@ -789,9 +831,10 @@ def _source_losses(logged: dict[str, Any]) -> None:
 
 
 def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float, peak: float | None,
-             world: int, wall_s: float) -> None:
+             world: int, wall_s: float, reward_accuracy: Any = None) -> None:
     """The run's result: final val loss, and this invocation's average throughput over all its training
-    steps (not the last window) and total wall time."""
+    steps (not the last window) and total wall time. objective=dpo: the val pairs' reward accuracy instead
+    of a perplexity."""
     from rich.console import Console
     from rich.markup import escape
 
@@ -799,7 +842,9 @@ def _summary(run_dir: Path, step: int, val: Any, metrics, flops_per_token: float
     from gptkit.training.progress import clock
 
     parts = [f"step {step}"]
-    if val is not None:
+    if val is not None and reward_accuracy is not None:
+        parts.append(f"val DPO loss {float(val):.4f} (reward accuracy {float(reward_accuracy):.1%})")
+    elif val is not None:
         parts.append(f"val loss {float(val):.4f} (ppl {math.exp(min(float(val), 50)):.2f})")
     tps = metrics.average_tokens_per_s
     if tps:

@@ -164,7 +164,9 @@ class StepMetrics(Callback):
         if self.reporter is not None and trainer.is_global_zero:
             val = trainer.callback_metrics.get("val/loss")
             if val is not None:
-                self.reporter.validation(trainer.global_step, float(val))
+                accuracy = trainer.callback_metrics.get("val/rewards/accuracy")  # objective=dpo
+                self.reporter.validation(trainer.global_step, float(val),
+                                         None if accuracy is None else float(accuracy))
         self._restart(trainer)
 
     def _pause(self, trainer) -> None:
@@ -201,6 +203,7 @@ class StepMetrics(Callback):
             return
         loss = pl_module.loss_window.read(trainer.strategy)  # the one host sync of this window
         grad_norm = pl_module.loss_window.read_grad_norm()
+        extra = getattr(pl_module, "train_metrics", lambda _: {})(trainer.strategy)  # dpo: train/rewards/*
         self._sync(trainer)
         now = time.perf_counter()
         dt = now - self._t0
@@ -217,6 +220,7 @@ class StepMetrics(Callback):
             metrics["train/loss"] = loss
         if grad_norm is not None:
             metrics["train/grad_norm"] = grad_norm
+        metrics.update(extra)
         metrics.update(getattr(trainer.datamodule, "source_tokens", lambda _: {})(step))  # data=mix sources
         if self.peak:
             metrics["perf/mfu"] = acc.mfu(tokens_per_s / trainer.world_size, self.flops_per_token, self.peak)

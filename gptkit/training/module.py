@@ -9,6 +9,9 @@ the class that owns each). Every setting comes from the run plan (training/plan.
      2. forward, loss  LitGPT.training_step -> GPT.forward(x, targets).loss (fp32 mean cross-entropy)
                        weighted by its loss tokens (TokenMean.micro_batch) when a step has several
                        micro-batches or ranks                here, model/gpt.py, training/token_mean.py
+                       objective=dpo: the DPO loss of the batch's pairs against the frozen reference
+                       (every micro-batch holds as many pairs: no token weighting), its rewards added
+                       to a RewardWindow                                    training/dpo.py
      3. NaN window     LossWindow.add: the loss summed on the device (weighted by its loss tokens), the
                        first non-finite step noted; no host sync            training/metrics.py
      4. backward       Lightning: (loss / accumulation).backward(); 16-mixed scales the loss first
@@ -64,7 +67,8 @@ from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
 from gptkit.training.distributed import broadcast_weights, parallelize
-from gptkit.training.lora import adapter_state_dict, apply_lora
+from gptkit.training.dpo import DPO
+from gptkit.training.lora import adapter_state_dict, adapters_disabled, apply_lora
 from gptkit.training.metrics import LossWindow
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
@@ -125,6 +129,7 @@ class LitGPT(L.LightningModule):
             self.strict_loading = False  # a checkpoint holds the adapters; on_load_checkpoint checks them
             self.lora_record = dict(plan.lora, base=str(Path(plan.lora_base).resolve()),
                                     base_fingerprint=adapters.fingerprint(plan.lora_base))
+        self.dpo = self._dpo(plan) if plan.objective == "dpo" else None  # not a submodule: in no checkpoint
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         if plan.optim.name == "muon":  # before the run folder gets its files
@@ -134,27 +139,53 @@ class LitGPT(L.LightningModule):
         self.compile_mode = plan.compile
         self.compile_backend = plan.compile_backend
         self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
+        self.reference_source: dict[str, Any] | None = None  # objective=dpo: {path, step} (fit sets it)
         # every loss token of an optimizer step weighs the same, across micro-batches and ranks
         self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
         self._val_losses: list[torch.Tensor] = []
         self._val_sums: torch.Tensor | None = None  # [2, n_sources] token-loss sums, target counts
 
+    def _dpo(self, plan: RunPlan) -> DPO:
+        """objective=dpo: the reference. finetune=lora: the policy itself with its adapters off (the frozen
+        base: no second copy); else a frozen GPT of the same shape (fit loads the starting weights into it),
+        built on the meta device where the policy is."""
+        if plan.lora is not None:
+            return DPO(plan.dpo, None, adapters_disabled)
+        with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
+            return DPO(plan.dpo, GPT(plan.model))
+
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
-        # references
-        full = self.model.state_dict() if self.weights_from_rank0 and not self.built_on_meta else None
-        # FSDP2: shards per block; else no-op
-        if parallelize(self.model, strategy) and self.weights_from_rank0:
-            broadcast_weights(self.model, full, strategy.root_device)
+        reference = self.dpo.reference if self.dpo is not None else None
+        models = [m for m in (self.model, reference) if m is not None]
+        on_rank0 = self.weights_from_rank0 and not self.built_on_meta
+        full = [m.state_dict() if on_rank0 else None for m in models]  # references to rank 0's tensors
+        for m, state in zip(models, full):
+            if parallelize(m, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
+                broadcast_weights(m, state, strategy.root_device)
+        if self.weights_from_rank0 and getattr(self.model, "_gptkit_sharded", False):
             self.built_on_meta = False
         del full
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True
 
+    def on_fit_start(self) -> None:
+        """objective=dpo, reference not sharded: on the policy's device and in its dtype (Lightning moves and
+        converts the LightningModule's own modules only; with trainer.precision=bf16-true a float32
+        reference would give rewards that are not 0 at the start)."""
+        reference = self.dpo.reference if self.dpo is not None else None
+        if reference is not None and not getattr(reference, "_gptkit_sharded", False):
+            weight = self.model.tok_emb.weight
+            reference.to(device=weight.device, dtype=weight.dtype)
+
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
+        if self.dpo is not None:  # x, y [2P, T]: P pairs, chosen and rejected side by side
+            loss = self.dpo(self.model, batch, self.dpo.train_rewards)
+            self.loss_window.add(loss, self.global_step)  # the same number of pairs in every micro-batch
+            return loss
         # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
         x, y, *docs = batch
         loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
@@ -188,7 +219,11 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         """The loss of one validation batch, kept on the device; with tagged windows (all but data=chat)
-        each source's summed token loss and target count over this batch's windows (see _source_sums)."""
+        each source's summed token loss and target count over this batch's windows (see _source_sums).
+        objective=dpo: the batch's DPO loss, its rewards added to the val RewardWindow."""
+        if self.dpo is not None:  # the DPO loss and rewards of the val pairs
+            self._val_losses.append(self.dpo(self.model, batch, self.dpo.val_rewards).detach())
+            return
         sources = self._val_sources()
         x, y, *rest = batch
         index = rest.pop() if sources is not None else None  # [B]: each window's index in the val set
@@ -235,6 +270,12 @@ class LitGPT(L.LightningModule):
             return
         loss = torch.stack(self._val_losses).mean()
         self._val_losses.clear()
+        if self.dpo is not None:  # the mean DPO loss of the batches; val/rewards/*: over every val pair
+            self.log("val/loss", loss, prog_bar=True, sync_dist=True)
+            for key, value in self.dpo.val_rewards.read(self.trainer.strategy, "val").items():
+                self.log(key, value, sync_dist=True)  # the same on every rank already: the mean keeps it
+            self.log("step", float(self.global_step))
+            return
         sources = self._val_sources()
         if sources is None:
             self.log("val/loss", loss, prog_bar=True, sync_dist=True)
@@ -253,6 +294,10 @@ class LitGPT(L.LightningModule):
                     self.log(f"val/loss/{name}", s / n, sync_dist=False)
         self.log("step", float(self.global_step))  # validation after N optimizer steps is logged at step N
 
+    def train_metrics(self, strategy) -> dict[str, float]:
+        """Read at log steps (StepMetrics): objective=dpo's train/rewards/* over the window's pairs."""
+        return self.dpo.train_rewards.read(strategy, "train") if self.dpo is not None else {}
+
     def configure_optimizers(self):
         """AdamW and the per-step schedule of the `optim` group."""
         opt = build_optimizer(self.model, self.optim_cfg)
@@ -265,6 +310,8 @@ class LitGPT(L.LightningModule):
         checkpoint["gptkit_rng"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
+        if self.reference_source is not None:  # objective=dpo: the checkpoint the reference came from
+            checkpoint["gptkit_dpo_reference"] = dict(self.reference_source)
         if self.lora_record is not None:  # the adapters (their optimizer state is all there is) and the base
             checkpoint["state_dict"] = adapter_state_dict(checkpoint["state_dict"], STATE_PREFIX)
             checkpoint[adapters.CHECKPOINT_KEY] = dict(self.lora_record)
@@ -274,6 +321,12 @@ class LitGPT(L.LightningModule):
         rng = checkpoint.get("gptkit_rng")
         if rng:
             self._rng_to_restore = rng
+        saved, now = checkpoint.get("gptkit_dpo_reference"), self.reference_source
+        if saved and now and int(saved["step"]) != int(now["step"]):
+            raise GptkitError(f"the DPO reference {now['path']} holds step {now['step']}, but this run "
+                              f"started from step {saved['step']} of {saved['path']}: the source run trained "
+                              "on, so a resume would measure rewards against other weights; start a new DPO "
+                              "run")
         if (self.lora_record is None) != (adapters.CHECKPOINT_KEY not in checkpoint):
             raise GptkitError("the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only, "
                               "a full one every weight): resume with the run's own finetune=")

@@ -9,11 +9,14 @@ again. From there on every part reads the plan and re-derives nothing (.ci/reder
     plan.model            the ModelConfig (vocab_size from the tokenizer, or the source run's model)
     plan.seq_len          the training window (trainer.seq_len, or model.max_seq_len)
     plan.world_size       processes in the job (devices per node x nodes)
-    plan.tokens_per_step  batch_size x seq_len x accumulation x world_size
+    plan.tokens_per_step  batch_size x seq_len x accumulation x world_size (objective=dpo: x 2, a pair
+                          is two rows)
     plan.max_steps        trainer.max_steps, or trainer.max_tokens / tokens_per_step
     plan.precision        the Precision (gptkit.precision), plan.accelerator "cpu" | "cuda"
     plan.compile          None | "blocks" | "model" (trainer.compile)
-    plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params), plan.peak_flops
+    plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params; objective=dpo:
+                          + the reference's forward, 2N + 4·L·T·d_attn), plan.peak_flops
+    plan.objective        "lm" | "dpo" (with plan.dpo, the `dpo` group)
     plan.data             the prepared corpus (None for a plan made without data: gptkit.train prepares it)
 
 Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
@@ -161,6 +164,16 @@ class RunPlan:
         return self.cfg.optim
 
     @property
+    def objective(self) -> str:
+        """objective: lm (next-token loss) | dpo (preference pairs against a frozen reference)."""
+        return str(self.cfg.get("objective") or "lm")
+
+    @property
+    def dpo(self) -> DictConfig:
+        """The `dpo` group: beta, label_smoothing, loss."""
+        return self.cfg.get("dpo") or DictConfig({})
+
+    @property
     def strategy(self) -> str:
         """trainer.strategy: auto | ddp | fsdp."""
         return str(self.cfg.trainer.strategy)
@@ -197,7 +210,9 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
     seq_len = checked.seq_len if same_window and checked.seq_len is not None else train_seq_len(t, model)
     per_node = checked.devices  # trainer.devices=auto: every visible GPU
     world = checked.world_size
-    tokens_per_step = int(t.batch_size) * seq_len * int(t.accumulate_grad_batches) * world
+    dpo = str(cfg.get("objective") or "lm") == "dpo"
+    rows = int(t.batch_size) * (2 if dpo else 1)  # objective=dpo: batch_size pairs, chosen and rejected
+    tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
     max_steps = planned_steps(t, tokens_per_step)
     replan = None
     if saved_trainer is not None:
@@ -210,6 +225,8 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
     if lora is not None:  # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)
         change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(model, lora["targets"], lora["rank"])
         dense, causal = dense + change, causal + change
+    if dpo:  # and the reference's forward (no grad): the base model's
+        dense, causal = dense + flops.forward_dense, causal + flops.forward_causal
     return RunPlan(
         cfg=cfg, run_dir=run_dir, model=model, seq_len=seq_len, batch_size=int(t.batch_size),
         accumulation=int(t.accumulate_grad_batches), devices=per_node, nodes=checked.nodes, world_size=world,

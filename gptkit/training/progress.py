@@ -45,6 +45,9 @@ def metrics_text(metrics: dict[str, float]) -> str:
     parts = []
     if "train/loss" in metrics:
         parts.append(f"loss {metrics['train/loss']:.4f}")
+    if "train/rewards/accuracy" in metrics:  # objective=dpo
+        parts.append(f"reward acc {metrics['train/rewards/accuracy']:.0%} "
+                     f"margin {metrics['train/rewards/margin']:.3g}")
     if "train/grad_norm" in metrics:
         parts.append(f"grad norm {metrics['train/grad_norm']:.3g}")
     if "train/lr" in metrics:
@@ -106,12 +109,15 @@ class ProgressReporter:
             self._line(f"step {step}/{self._total}  {metrics_text(metrics)}  elapsed {clock(elapsed)}  ETA "
                        f"{clock(eta)}")
 
-    def validation(self, step: int, loss: float) -> None:
-        """Show a validation result."""
+    def validation(self, step: int, loss: float, reward_accuracy: float | None = None) -> None:
+        """Show a validation result (objective=dpo: with the val pairs' reward accuracy)."""
+        text = f"step {step}  val loss {loss:.4f}"
+        if reward_accuracy is not None:
+            text += f"  val reward acc {reward_accuracy:.1%}"
         if self._bar is not None:
-            self._bar.console.print(f"step {step}  val loss {loss:.4f}")
+            self._bar.console.print(text)
         elif self.mode != "off":
-            self._line(f"step {step}  val loss {loss:.4f}")
+            self._line(text)
 
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)

@@ -1,0 +1,417 @@
+"""Preference pairs for DPO (data=preference, objective=dpo): a prompt and two answers, chosen and rejected.
+
+    records (jsonl / json / parquet, read as data=chat reads them)
+        prompt + chosen + rejected (+ system)        strings
+        messages + chosen + rejected                 the conversation so far, then the two assistant answers
+      -> checked (both answers present, text, not empty, not equal; the conversation as data=chat checks it;
+         file and row named in every error)
+      -> each answer rendered after the conversation with the chat template (gptkit.data.chat), as the
+         assistant's next turn: token ids + a mask on the answer's tokens only (end-of-turn token included)
+      -> cached (PreferenceData), split into train and val pairs
+      -> rows of seq_len + 1 tokens, one sequence per row, padded: a pair is two rows (PairRows)
+      -> batches (x, y) of [2 * batch_size, seq_len]: rows 2i / 2i + 1 the chosen / rejected answer of
+         pair i, targets -100 outside the answer (gptkit.training.dpo reads them so)
+
+A pair longer than a row (prompt + either answer) is a one-line error naming its file and row
+(data.truncate=error), left out (drop) or cut to the row (cut; left out when no answer token remains),
+the ones left out or cut counted in the start-up line.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from gptkit.data.build import cache_root, remove_stale_builds
+from gptkit.data.chat import (
+    CHAT_FILE,
+    ChatSampler,
+    ChatSplit,
+    _file_hash,
+    _records,
+    add_special_tokens,
+    assistant_spans,
+    conversation,
+    encode,
+    resolve_template,
+)
+from gptkit.data.sources import expand_paths
+from gptkit.errors import GptkitError
+from gptkit.fsio import DIR_MODE
+from gptkit.tokenizer import (
+    build_tokenizer,
+    file_sha256,
+    load_tokenizer_file,
+    tokenizer_settings,
+    tokenizer_sha256,
+)
+
+FORMAT = "gptkit-preference"
+FORMAT_VERSION = 1
+TRUNCATE = ("error", "drop", "cut")
+SIDES = ("chosen", "rejected")
+DEFAULTS: dict[str, Any] = {
+    "paths": None, "val_paths": None, "val_fraction": 0.1, "format": "auto", "messages_field": "messages",
+    "prompt_field": "prompt", "system_field": "system", "chosen_field": "chosen",
+    "rejected_field": "rejected", "template": "auto", "truncate": "error",
+}
+ROW_KEYS = ("truncate",)  # how rows are made from the tokens: no part of the cache key
+
+
+def preference_settings(cfg: Any) -> dict[str, Any]:
+    """data=preference's settings as a complete plain dict, checked."""
+    d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    s = {**DEFAULTS, **d, "kind": "preference"}
+    if s["truncate"] not in TRUNCATE:
+        raise GptkitError(f"data.truncate={s['truncate']!r} is not one of {', '.join(TRUNCATE)}")
+    if not s["paths"]:
+        raise GptkitError("data=preference needs data.paths=[pairs.jsonl,...] (jsonl, json or parquet files "
+                          "of prompt/messages, chosen and rejected)")
+    if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
+        raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
+    return s
+
+
+# ---- records ----------------------------------------------------------------------------------------------
+def preference_pair(rec: Any, where: str, s: dict[str, Any]) -> tuple[list[dict[str, Any]], str, str]:
+    """(the conversation before the answers, chosen, rejected) of a record, checked; GptkitError naming
+    `where` otherwise."""
+    if not isinstance(rec, dict):
+        raise GptkitError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    mf, pf, sf = s["messages_field"], s["prompt_field"], s["system_field"]
+    answers = []
+    for field in (s["chosen_field"], s["rejected_field"]):
+        if field not in rec or rec[field] is None:
+            raise GptkitError(f"{where}: a preference record needs {s['chosen_field']} and "
+                              f"{s['rejected_field']} answers (data.chosen_field, data.rejected_field); it "
+                              f"has no {field} (fields: {', '.join(map(str, rec)) or 'none'})")
+        if not isinstance(rec[field], str):
+            raise GptkitError(f"{where}: {field} must be text (the assistant's answer), got "
+                              f"{type(rec[field]).__name__}")
+        if not rec[field].strip():
+            raise GptkitError(f"{where}: {field} is empty")
+        answers.append(rec[field])
+    if answers[0] == answers[1]:
+        raise GptkitError(f"{where}: {s['chosen_field']} and {s['rejected_field']} are the same text, so the "
+                          "pair prefers nothing")
+    if mf in rec:
+        msgs = rec[mf]
+        last = msgs[-1] if isinstance(msgs, list) and msgs else None
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            raise GptkitError(f"{where}: {mf} ends with an assistant turn; it holds the conversation before "
+                              f"the answers, which are the assistant's next turn")
+    elif pf in rec:
+        if not isinstance(rec[pf], str) or not rec[pf].strip():
+            raise GptkitError(f"{where}: {pf} must be non-empty text")
+        msgs = ([{"role": "system", "content": rec[sf]}] if rec.get(sf) else []) + [
+            {"role": "user", "content": rec[pf]}]
+    else:
+        raise GptkitError(f"{where}: a preference record needs a {mf} list or a {pf} (data.messages_field, "
+                          f"data.prompt_field) before its answers")
+    as_chat = {**s, "response_field": None}  # data=chat's reading of a messages list
+    if not isinstance(msgs, list) or not msgs:  # conversation() names the problem
+        conversation({mf: msgs}, where, as_chat)
+    msgs_checked = conversation({mf: [*msgs, {"role": "assistant", "content": answers[0]}]}, where, as_chat)
+    return msgs_checked[:-1], answers[0], answers[1]
+
+
+def read_pairs(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dict], str, str]]:
+    """Every pair of the files as (file:row, conversation, chosen, rejected), checked; none is an error."""
+    out = [(where, *preference_pair(rec, where, s)) for f in files for where, rec in _records(f, s["format"])]
+    if not out:
+        raise GptkitError(f"{', '.join(map(str, files))}: no preference pairs")
+    return out
+
+
+def answer_tokens(tokenizer, template, msgs: list[dict], answer: str, where: str
+                  ) -> tuple[list[int], list[int]]:
+    """(ids, mask) of the conversation followed by `answer` as the assistant's turn; the mask marks the
+    answer's tokens only (not earlier assistant turns of `msgs`)."""
+    text, spans = assistant_spans(template, [*msgs, {"role": "assistant", "content": answer}], where)
+    ids, mask = encode(tokenizer, text, spans[-1:])
+    if not any(mask):
+        raise GptkitError(f"{where}: an answer renders to no tokens")
+    return ids, mask
+
+
+# ---- the prepared (cached) form -------------------------------------------------------------------------
+@dataclass
+class PairSplit:
+    """One split of prepared pairs: the chosen and the rejected sequences (pair i is item i of both) and
+    where each pair came from (file and row)."""
+
+    chosen: ChatSplit
+    rejected: ChatSplit
+    where: list[str]
+
+    @property
+    def n(self) -> int:
+        return self.chosen.n
+
+
+@dataclass
+class PreferenceData:
+    """Tokenized preference pairs (train and val), their tokenizer and template: what data=preference
+    prepares. Offers what train reads of a ChatData (dir, manifest, vocab_size, eos_id, tokenizer_path,
+    template_path)."""
+
+    dir: Path
+    manifest: dict[str, Any]
+    settings: dict[str, Any]
+    train: PairSplit
+    val: PairSplit
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.dir / "tokenizer.json"
+
+    @property
+    def template_path(self) -> Path:
+        return self.dir / CHAT_FILE
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.manifest["tokenizer"]["vocab_size"])
+
+    @property
+    def eos_id(self) -> int | None:
+        return self.manifest["tokenizer"].get("eos_id")
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.manifest["tokenizer"]["pad_id"])
+
+    def wait_checked(self) -> None:
+        """Nothing runs in the background here."""
+
+    def tokenizer(self):
+        return load_tokenizer_file(self.tokenizer_path)
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None,
+                       force: bool = False) -> PreferenceData:
+    """Preference records -> token ids + answer masks of both answers (train and val), the tokenizer (with
+    the template's special tokens) and the template, cached by (files, settings, tokenizer, template).
+    Every bad record is a one-line GptkitError naming its file and row, raised before anything is
+    written."""
+    s = preference_settings(data_cfg)
+    tok_s = tokenizer_settings(tokenizer_cfg)
+    train_files = expand_paths(s["paths"], "data.paths")
+    val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
+    template = resolve_template(s["template"], tok_s.get("path") if tok_s["kind"] == "file" else None)
+    template.compiled  # noqa: B018 - a template that is not Jinja fails before the files are read
+    content = _file_hash(train_files + val_files)
+    cache_s = {k: v for k, v in s.items() if k not in ROW_KEYS}
+    key_src = json.dumps([cache_s, content, tok_s, template.text, template.variables, FORMAT_VERSION],
+                         sort_keys=True, default=str)
+    if tok_s["kind"] == "file":
+        key_src += file_sha256(tok_s["path"])
+    key = hashlib.sha256(key_src.encode()).hexdigest()
+    root = cache_root(cache_dir)
+    final = root / f"preference-{tok_s['kind']}-{key[:16]}"
+    if final.exists() and force:
+        shutil.rmtree(final)
+    if (final / "manifest.json").is_file():
+        data = load_preference(final, s)
+        _say(f"cache hit: {final} ({_counts(data.manifest)})")
+        return data
+
+    pairs = read_pairs(train_files, s)
+    val_pairs = read_pairs(val_files, s) if val_files else []
+    every = pairs + val_pairs
+    if tok_s["kind"] in ("char", "bpe"):  # trained on the rendered text of both answers
+        def texts():
+            for where, msgs, *answers in every:
+                for a in answers:
+                    yield assistant_spans(template, [*msgs, {"role": "assistant", "content": a}], where)[0]
+
+        tokenizer = build_tokenizer(tok_s, texts, progress=False)
+    else:
+        tokenizer = build_tokenizer(tok_s)
+    added = add_special_tokens(tokenizer, template)
+    encoded = [(where, [answer_tokens(tokenizer, template, msgs, a, where) for a in answers])
+               for where, msgs, *answers in every]
+    n_train = len(pairs)
+    if not val_files:  # the last val_fraction of the pairs (at least one each)
+        n_train = min(n_train - 1, max(1, round(n_train * (1 - float(s["val_fraction"])))))
+        if n_train < 1:
+            raise GptkitError(f"data.paths hold {len(pairs)} pair(s); data=preference needs at least 2 (one "
+                              "for validation) or data.val_paths")
+    splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
+    eos = tok_s.get("eos_token")
+    eos_id = tokenizer.token_to_id(eos) if eos else None
+    end = template.end_of_turn().strip()
+    manifest: dict[str, Any] = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "cache_key": key,
+        "source": {"kind": "preference", "description": "preference pairs from "
+                                                        f"{', '.join(map(str, train_files))}"
+                   + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""), "sha256": content},
+        "template": template.name, "added_tokens": added,
+        "tokenizer": {**tok_s, "vocab_size": tokenizer.get_vocab_size(),
+                      "sha256": tokenizer_sha256(tokenizer),
+                      "eos_id": eos_id, "pad_id": eos_id if eos_id is not None else 0, "end_of_turn": end,
+                      "end_of_turn_id": tokenizer.token_to_id(end) if end else None},
+        "splits": {k: {"pairs": len(v), "tokens": sum(len(ids) for _, sides in v for ids, _ in sides),
+                       "answer_tokens": sum(sum(m) for _, sides in v for _, m in sides)}
+                   for k, v in splits.items()},
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_builds(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
+    try:
+        arrays = {}
+        for k, v in splits.items():
+            for i, side in enumerate(SIDES):
+                seqs = [sides[i] for _, sides in v]
+                arrays[f"{k}_{side}_ids"] = np.array([t for ids, _ in seqs for t in ids], dtype=np.uint32)
+                arrays[f"{k}_{side}_mask"] = np.array([t for _, m in seqs for t in m], dtype=np.uint8)
+                arrays[f"{k}_{side}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in seqs],
+                                                          dtype=np.int64)
+        np.savez(tmp / "pairs.npz", **arrays)
+        (tmp / "where.json").write_text(json.dumps({k: [w for w, _ in v] for k, v in splits.items()}))
+        (tmp / "tokenizer.json").write_text(tokenizer.to_str())
+        (tmp / CHAT_FILE).write_text(template.to_json())
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+        os.chmod(tmp, DIR_MODE)
+        try:
+            os.rename(tmp, final)
+        except OSError:  # another process finished the same folder first: keep theirs
+            if not (final / "manifest.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    data = load_preference(final, s)
+    note = f"; added {', '.join(added)} to the tokenizer" if added else ""
+    _say(f"prepared {final} ({_counts(manifest)}{note})")
+    return data
+
+
+def _counts(m: dict[str, Any]) -> str:
+    tr, va = m["splits"]["train"], m["splits"]["val"]
+    return (f"template {m['template']}: {tr['pairs']:,} train / {va['pairs']:,} val pairs, "
+            f"{tr['tokens']:,} train tokens")
+
+
+def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
+    """A prepared preference folder (manifest.json, pairs.npz, where.json), checked against these
+    settings."""
+    try:
+        manifest = json.loads((folder / "manifest.json").read_text())
+        z = np.load(folder / "pairs.npz")
+        where = json.loads((folder / "where.json").read_text())
+        splits = {k: PairSplit(*(ChatSplit(z[f"{k}_{s}_ids"], z[f"{k}_{s}_mask"], z[f"{k}_{s}_offsets"])
+                                 for s in SIDES), where[k]) for k in ("train", "val")}
+    except (OSError, ValueError, KeyError) as exc:
+        raise GptkitError(f"{folder} is not a complete prepared preference folder ({exc}); delete it and "
+                          "train again") from None
+    if manifest.get("format") != FORMAT:
+        raise GptkitError(f"{folder / 'manifest.json'} is not a gptkit preference manifest; delete {folder}")
+    return PreferenceData(folder, manifest, settings, splits["train"], splits["val"])
+
+
+# ---- rows and batches -------------------------------------------------------------------------------------
+@dataclass
+class PairRows:
+    """The pairs as rows: x, y [P, 2, seq_len] int64 ([:, 0] chosen, [:, 1] rejected; y = -100 outside the
+    answer), with the pairs cut or dropped (truncate) counted."""
+
+    x: Any
+    y: Any
+    cut: int
+    dropped: int
+    first_dropped: str | None  # file and row of the first pair left out
+    pairs: int  # pairs in the split, before any was dropped
+
+    def __len__(self) -> int:
+        return int(self.x.shape[0])
+
+    def batch(self, pairs):
+        """(x, y) [2 * len(pairs), seq_len]: rows 2i, 2i + 1 the chosen, rejected answer of pairs[i]."""
+        return self.x[pairs].flatten(0, 1), self.y[pairs].flatten(0, 1)
+
+    def __getitem__(self, i: int):
+        """Pair i as (x, y) [2, seq_len] each (a validation item; pair_collate batches them)."""
+        return self.x[i], self.y[i]
+
+
+def pair_collate(items):
+    """Validation pairs (x, y [2, seq_len] each) -> one batch (x, y [2 * n, seq_len]), pairs side by side."""
+    return tuple(torch.cat(t) for t in zip(*items))
+
+
+def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -> PairRows:
+    """Each answer with its conversation as one row of seq_len + 1 tokens (inputs: the first seq_len,
+    targets: the last seq_len), padded with pad_id (no loss). A pair longer than a row: one-line error
+    (truncate=error), left out (drop), or cut to the row (cut; left out when no answer token remains)."""
+    width = seq_len + 1
+    ids_rows, mask_rows = [], []
+    cut = dropped = 0
+    first_dropped = None
+    for i in range(split.n):
+        sides = []
+        for side, part in zip(SIDES, (split.chosen, split.rejected)):
+            a, b = int(part.offsets[i]), int(part.offsets[i + 1])
+            sides.append((side, part.ids[a:b].astype(np.int64), part.mask[a:b].astype(bool)))
+        longest = max(len(ids) for _, ids, _ in sides)
+        if longest > width:
+            if truncate == "error":
+                side = next(s for s, ids, _ in sides if len(ids) == longest)
+                raise GptkitError(f"{split.where[i]}: the prompt with the {side} answer makes {longest} "
+                                  f"tokens, more than a row of {width} (trainer.seq_len + 1); use "
+                                  "data.truncate=drop or data.truncate=cut, or a longer trainer.seq_len / "
+                                  "model.max_seq_len")
+            if truncate == "drop" or any(not m[1:width].any() for _, _, m in sides):
+                dropped += 1
+                first_dropped = first_dropped or split.where[i]
+                continue
+            cut += 1
+        for _, ids, mask in sides:
+            ids, mask = ids[:width], mask[:width]
+            fill = width - len(ids)
+            ids_rows.append(np.concatenate([ids, np.full(fill, pad_id, dtype=np.int64)]))
+            mask_rows.append(np.concatenate([mask, np.zeros(fill, dtype=bool)]))
+    if not ids_rows:
+        raise GptkitError(f"every pair is longer than a row of {width} tokens and data.truncate={truncate} "
+                          "left them all out; use a longer trainer.seq_len / model.max_seq_len")
+    ids = torch.from_numpy(np.stack(ids_rows))  # [2P, seq_len + 1]
+    mask = torch.from_numpy(np.stack(mask_rows))  # [2P, seq_len + 1]
+    y = torch.where(mask[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], -100))  # [2P, seq_len]
+    x = ids[:, :-1]  # [2P, seq_len]
+    return PairRows(x.reshape(-1, 2, seq_len).contiguous(), y.reshape(-1, 2, seq_len).contiguous(), cut,
+                    dropped, first_dropped, split.n)
+
+
+def pair_sampler(rows: PairRows, batch_size: int, seed: int) -> ChatSampler:
+    """The pairs of micro-step N are a pure function of (seed, N, rank, world size), as data=chat's rows."""
+    return ChatSampler(rows, batch_size, seed)
+
+
+def describe_pairs(train: PairRows, val: PairRows, seq_len: int, s: dict[str, Any]) -> str:
+    """The start-up line: pairs, rows, the share of targets on the answers, pairs cut or dropped."""
+    cut, dropped = train.cut + val.cut, train.dropped + val.dropped
+    lost = ([f"{cut} cut"] if cut else []) + ([f"{dropped} dropped"] if dropped else [])
+    first = train.first_dropped or val.first_dropped
+    over = (f"; pairs longer than {seq_len + 1} tokens: {', '.join(lost)} (data.truncate={s['truncate']}"
+            + (f", first dropped: {first}" if first else "") + ")"
+            if lost else f"; no pair is longer than {seq_len + 1} tokens")
+    share = float((train.y != -100).float().mean())
+    return (f"preference data: {len(train):,} train pairs ({2 * len(train):,} rows of {seq_len}: chosen and "
+            f"rejected side by side), {len(val):,} val pairs; {share:.1%} of the train targets are answer "
+            f"tokens{over}")

@@ -1,0 +1,188 @@
+"""DPO, direct preference optimization (Rafailov et al. 2023, arXiv:2305.18290): objective=dpo.
+
+A batch holds pairs: rows 2i and 2i+1 are the chosen and the rejected answer to the same prompt
+(gptkit.data.preference), targets -100 outside the answer. For each answer
+
+    logp = sum over the answer's tokens of log p(token | everything before it)
+
+under the policy (the model being trained, pi) and under the reference (ref: the starting weights, frozen,
+in eval mode, no grad). With the implicit rewards r = beta * (logp_pi - logp_ref), the loss of a pair is
+
+    sigmoid:  -log sigmoid(r_chosen - r_rejected)                      (the paper's eq. 7)
+              with dpo.label_smoothing = e > 0 (conservative DPO, cDPO: labels flipped with probability e):
+              -(1 - e) log sigmoid(z) - e log sigmoid(-z),  z = r_chosen - r_rejected
+              (TRL 1.16's sigmoid loss has no smoothing; its "robust" loss is another, unbiased variant)
+    hinge:    max(0, 1 - z)                                             (SLiC-HF, TRL's loss_type="hinge")
+
+and the batch's loss is the mean over its pairs. Logged (train at log steps, val at validation):
+rewards/chosen, rewards/rejected (means of r), rewards/margin (mean of z) and rewards/accuracy (share of
+pairs with r_chosen > r_rejected).
+
+The reference log-probs are computed in the step, one no-grad forward of the reference per batch (about a
+third of a training step's FLOPs), rather than precomputed once over the data: nothing to store, keep
+in step with a resume, or recompute when the data, seq_len or world size changes, and the reference is the
+same code path under DDP and FSDP2. With finetune=lora the reference is the policy itself with its
+adapters switched off (no second copy of the weights in memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from gptkit.errors import ConfigError
+
+LOSSES = ("sigmoid", "hinge")
+REWARD_KEYS = ("chosen", "rejected", "margin", "accuracy")
+
+
+def check_dpo_config(objective: Any, dpo: Any) -> None:
+    """objective and the dpo block: one-line ConfigErrors for values that cannot train."""
+    if str(objective) not in ("lm", "dpo"):
+        raise ConfigError(f"objective={objective!r} is not one of lm, dpo")
+    if dpo is None:
+        return
+    beta = float(dpo.get("beta", 0.1))
+    if not beta > 0:
+        raise ConfigError(f"dpo.beta={dpo.get('beta')} must be > 0 (the strength of the pull towards the "
+                          "reference; 0.1 is usual)")
+    smoothing = float(dpo.get("label_smoothing", 0.0))
+    if not 0.0 <= smoothing < 0.5:
+        raise ConfigError(f"dpo.label_smoothing={smoothing} must be in [0, 0.5) (the assumed share of "
+                          "flipped preference labels)")
+    if str(dpo.get("loss", "sigmoid")) not in LOSSES:
+        raise ConfigError(f"dpo.loss={dpo.get('loss')!r} is not one of {', '.join(LOSSES)}")
+    if str(dpo.get("loss", "sigmoid")) == "hinge" and smoothing:
+        raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid only; set it to 0 for hinge")
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0, loss: str = "sigmoid"
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(loss of each pair [P], chosen rewards [P], rejected rewards [P]) from summed answer log-probs [P]
+    (see the module docstring). The rewards are detached: they are measured, not trained."""
+    chosen = policy_chosen - ref_chosen  # [P] log-ratio of the chosen answer
+    rejected = policy_rejected - ref_rejected  # [P]
+    z = beta * (chosen - rejected)  # [P] the reward margin
+    if loss == "sigmoid":
+        losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    elif loss == "hinge":
+        losses = torch.relu(1.0 - z)
+    else:
+        raise ConfigError(f"dpo.loss={loss!r} is not one of {', '.join(LOSSES)}")
+    return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Summed log-probs of each row's targets: logits [N, T, vocab_size], targets [N, T] (-100: not
+    counted) -> [N] in fp32."""
+    n, t, v = logits.shape
+    token = -F.cross_entropy(logits.float().reshape(n * t, v), targets.reshape(n * t), ignore_index=-100,
+                             reduction="none")  # [N * T], 0 where ignored
+    return token.view(n, t).sum(-1)  # [N]
+
+
+def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
+    """[4] sums over the pairs of (chosen reward, rejected reward, margin, chosen > rejected): what the
+    RewardWindow adds up; divided by the pair count they are the REWARD_KEYS."""
+    return torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
+                        (chosen > rejected).float().sum()])
+
+
+class RewardWindow:
+    """Reward sums and the pair count since the last read, on the device (no host sync until read)."""
+
+    def __init__(self) -> None:
+        self.sums: torch.Tensor | None = None  # [5]: REWARD_KEYS sums, pairs
+
+    def add(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
+        """Add one batch's rewards ([P] each)."""
+        row = torch.cat([reward_stats(chosen.float(), rejected.float()),
+                         torch.tensor([float(chosen.numel())], dtype=torch.float32, device=chosen.device)])
+        self.sums = row if self.sums is None else self.sums + row
+
+    def read(self, strategy, prefix: str) -> dict[str, float]:
+        """{prefix/rewards/<key>: mean over every pair of every rank} (one host sync), then start afresh."""
+        if self.sums is None:
+            return {}
+        sums = self.sums if strategy is None else strategy.reduce(self.sums, reduce_op="sum")
+        self.sums = None
+        pairs = float(sums[-1])
+        if not pairs:
+            return {}
+        return {f"{prefix}/rewards/{k}": float(s) / pairs for k, s in zip(REWARD_KEYS, sums[:-1].tolist())}
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module):
+    """The model in eval mode (no dropout) and without autograd, its own mode restored afterwards."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was)
+
+
+class DPO:
+    """The DPO objective of a LitGPT: the reference and the loss settings (dpo.beta, label_smoothing, loss),
+    and the reward windows of train and validation.
+
+    reference: the frozen copy of the starting weights (full fine-tuning), or None with `disabled`, a context
+    manager factory under which the policy computes exactly the base model (LoRA: adapters off). The
+    reference is not a submodule of the LightningModule, so it is in no checkpoint and no optimizer."""
+
+    def __init__(self, cfg: Any, reference: torch.nn.Module | None,
+                 disabled: Callable[[torch.nn.Module], Any] | None = None) -> None:
+        self.beta = float(cfg.get("beta", 0.1))
+        self.label_smoothing = float(cfg.get("label_smoothing", 0.0))
+        self.loss = str(cfg.get("loss", "sigmoid"))
+        self.reference = reference
+        self.disabled = disabled
+        if reference is not None:
+            reference.requires_grad_(False)
+            reference.eval()
+        self.train_rewards = RewardWindow()
+        self.val_rewards = RewardWindow()
+
+    def reference_logps(self, policy: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """[2P] summed answer log-probs of the reference: eval mode, no grad."""
+        if self.reference is not None:
+            with evaluating(self.reference):
+                return answer_logps(self.reference(x).logits, y)
+        with self.disabled(policy), evaluating(policy):
+            return answer_logps(policy(x).logits, y)
+
+    def __call__(self, policy: torch.nn.Module, batch, rewards: RewardWindow) -> torch.Tensor:
+        """The mean DPO loss of a batch of pairs (x, y [2P, T]: chosen rows even, rejected odd); its
+        rewards added to `rewards`."""
+        x, y = batch[0], batch[1]  # [2P, T] each
+        ref = self.reference_logps(policy, x, y).view(-1, 2)  # [P, 2]: chosen, rejected
+        pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+        losses, chosen, rejected = dpo_loss(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], self.beta,
+                                            self.label_smoothing, self.loss)
+        rewards.add(chosen, rejected)
+        return losses.mean()
+
+
+def check_objective(cfg: Any) -> None:
+    """objective=, the dpo block and the data and start they need, checked without data: objective=dpo
+    trains on data=preference from a starting checkpoint (init_from=, which a resume keeps in its config),
+    and data=preference is for objective=dpo only."""
+    objective = str(cfg.get("objective") or "lm")
+    check_dpo_config(objective, cfg.get("dpo"))
+    kind = (cfg.get("data") or {}).get("kind")
+    if objective == "dpo":
+        if kind != "preference":
+            raise ConfigError(f"objective=dpo trains on preference pairs, not data kind {kind!r}: add "
+                              "data=preference data.paths=[pairs.jsonl] (prompt, chosen, rejected)")
+        if cfg.get("init_from") in (None, "", "null"):
+            raise ConfigError("objective=dpo needs a starting checkpoint: init_from=<run folder or "
+                              "checkpoint> (e.g. an SFT run); its weights, frozen, are the reference")
+    elif kind == "preference":
+        raise ConfigError("data=preference holds preference pairs for DPO: add objective=dpo "
+                          "init_from=<run folder or checkpoint>")

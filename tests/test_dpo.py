@@ -1,0 +1,414 @@
+"""DPO (objective=dpo, data=preference): the loss is the paper's formula, the pairs are rendered with the chat
+template and masked to their answers, bad input is one line, and a run trains against a frozen reference,
+logs its rewards, resumes bit-exactly and follows the same trajectory on 2 processes (DDP, then FSDP2).
+"""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from conftest import run_main
+from test_distributed import run_group
+
+import gptkit
+from gptkit.data import chat
+from gptkit.data.preference import make_pair_rows, prepare_preference
+from gptkit.errors import GptkitError
+from gptkit.training.dpo import RewardWindow, answer_logps, check_dpo_config, dpo_loss
+
+# known summed log-probs: policy chosen, policy rejected, reference chosen, reference rejected
+LOGPS = [
+    (-12.5, -14.0, -13.0, -13.5),
+    (-3.25, -2.0, -3.0, -2.5),
+    (-40.0, -41.5, -40.2, -40.9),
+    (-7.0, -7.0, -7.0, -7.0),
+    (-100.0, -60.0, -90.0, -75.0),
+]
+
+
+def paper_loss(pc, pr, rc, rr, beta, eps=0.0):
+    """-log sigmoid(beta * ((pi_c - ref_c) - (pi_r - ref_r))), eq. 7 of Rafailov et al. 2023, with cDPO's
+    label smoothing eps, in float64 from math alone."""
+    z = beta * ((pc - rc) - (pr - rr))
+    return -(1 - eps) * math.log(1 / (1 + math.exp(-z))) - eps * math.log(1 / (1 + math.exp(z)))
+
+
+@pytest.mark.parametrize("beta, eps", [(0.1, 0.0), (0.5, 0.0), (2.0, 0.0), (0.1, 0.2)])
+def test_loss_is_the_papers_formula_on_known_log_probs(beta, eps):
+    pc, pr, rc, rr = (torch.tensor(col, dtype=torch.float32) for col in zip(*LOGPS))
+    losses, chosen, rejected = dpo_loss(pc, pr, rc, rr, beta, eps)
+    want = torch.tensor([paper_loss(*row, beta, eps) for row in LOGPS], dtype=torch.float64)
+    assert torch.allclose(losses.double(), want, atol=1e-6, rtol=0), (losses, want)
+    assert torch.allclose(chosen, beta * (pc - rc)) and torch.allclose(rejected, beta * (pr - rr))
+    hinge, _, _ = dpo_loss(pc, pr, rc, rr, beta, loss="hinge")
+    want = [max(0.0, 1 - beta * ((a - c) - (b - d))) for a, b, c, d in LOGPS]
+    assert torch.allclose(hinge.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+def test_answer_log_probs_sum_the_answer_tokens_only_and_rewards_average_over_pairs():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 5, 7)  # [N, T, vocab_size]
+    y = torch.tensor([[-100, -100, 3, 1, -100], [-100, 6, -100, -100, -100]])
+    lp = torch.log_softmax(logits, -1)
+    want = torch.stack([lp[0, 2, 3] + lp[0, 3, 1], lp[1, 1, 6]])
+    assert torch.allclose(answer_logps(logits, y), want, atol=1e-6)
+    window = RewardWindow()
+    window.add(torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.5]))
+    window.add(torch.tensor([2.0]), torch.tensor([3.0]))
+    got = window.read(None, "train")
+    assert got == pytest.approx(
+        {
+            "train/rewards/chosen": 2 / 3,
+            "train/rewards/rejected": 3.5 / 3,
+            "train/rewards/margin": -1.5 / 3,
+            "train/rewards/accuracy": 1 / 3,
+        }
+    )
+    assert window.read(None, "train") == {}  # read once: the next window starts afresh
+
+
+@pytest.mark.parametrize(
+    "dpo, message",
+    [
+        ({"beta": 0}, "dpo.beta=0 must be > 0"),
+        ({"beta": -1}, "dpo.beta=-1 must be > 0"),
+        ({"label_smoothing": 0.5}, "label_smoothing=0.5 must be in"),
+        ({"loss": "ipo"}, "dpo.loss='ipo'"),
+    ],
+)
+def test_bad_dpo_settings_are_one_line(dpo, message):
+    with pytest.raises(GptkitError, match=message):
+        check_dpo_config("dpo", dpo)
+
+
+# ---- data -----------------------------------------------------------------------------------
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+PAIR = {"prompt": "upper ab", "chosen": "AB", "rejected": "AC"}
+CHAT = {
+    "messages": [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "upper ab"},
+    ],
+    "chosen": "AB",
+    "rejected": "A",
+}
+
+
+def test_pairs_render_with_the_chat_template_and_the_loss_reads_the_last_answer_only(tmp_path):
+    f = write_jsonl(tmp_path / "p.jsonl", [PAIR, CHAT])
+    data = prepare_preference(
+        {"paths": [str(f)], "val_paths": [str(f)], "template": "chatml"},
+        {"kind": "byte"},
+        cache_dir=tmp_path / "c",
+    )
+    tok, template = data.tokenizer(), chat.resolve_template("chatml", None)
+    rows = make_pair_rows(data.train, 64, "error", data.pad_id)
+    assert rows.x.shape == (2, 2, 64) and len(rows) == 2
+    for i, rec in enumerate([PAIR, CHAT]):
+        msgs = rec.get("messages") or [{"role": "user", "content": rec["prompt"]}]
+        for side in (0, 1):
+            answer = rec[("chosen", "rejected")[side]]
+            text, _ = template.render([*msgs, {"role": "assistant", "content": answer}])
+            ids = tok.encode(text, add_special_tokens=False).ids
+            assert (
+                rows.x[i, side, : len(ids) - 1].tolist() == ids[:-1]
+            )  # the whole conversation, then padding
+            targets = rows.y[i, side][rows.y[i, side] != -100].tolist()
+            assert tok.decode(targets, skip_special_tokens=False) == answer + "<|im_end|>\n"  # not "hello"
+    x, y = rows.batch(torch.tensor([1, 0]))  # [4, 64]: pair 1 chosen, rejected, pair 0 chosen, rejected
+    assert (
+        torch.equal(x[0], rows.x[1, 0])
+        and torch.equal(x[1], rows.x[1, 1])
+        and torch.equal(y[3], rows.y[0, 1])
+    )
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            {"prompt": "p", "rejected": "b"},
+            "line 2: a preference record needs chosen and rejected answers .* no chosen",
+        ),
+        ({"prompt": "p", "chosen": "a"}, "line 2: .* it has no rejected"),
+        ({"prompt": "p", "chosen": "a", "rejected": "  "}, "line 2: rejected is empty"),
+        ({"prompt": "p", "chosen": ["a"], "rejected": "b"}, "line 2: chosen must be text"),
+        ({"prompt": "p", "chosen": "a", "rejected": "a"}, "line 2: chosen and rejected are the same text"),
+        ({"chosen": "a", "rejected": "b"}, "line 2: a preference record needs a messages list or a prompt"),
+        (
+            {
+                "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "x"}],
+                "chosen": "a",
+                "rejected": "b",
+            },
+            "line 2: messages ends with an assistant turn",
+        ),
+        (
+            {"messages": [{"role": "robot", "content": "q"}], "chosen": "a", "rejected": "b"},
+            "line 2: message 1 has the unknown role 'robot'",
+        ),
+        ({"messages": [], "chosen": "a", "rejected": "b"}, "line 2: the conversation is empty"),
+    ],
+)
+def test_bad_pairs_are_named_by_file_and_line_before_anything_is_written(tmp_path, bad, message):
+    f = write_jsonl(tmp_path / "d.jsonl", [PAIR, bad])
+    with pytest.raises(GptkitError, match=message):
+        prepare_preference(
+            {"paths": [str(f)], "template": "chatml"}, {"kind": "byte"}, cache_dir=tmp_path / "c"
+        )
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_a_pair_longer_than_a_row_is_named_or_dropped_or_cut_and_counted(tmp_path):
+    long = {"prompt": "upper " + "a" * 10, "chosen": "A" * 60, "rejected": "B"}
+    f = write_jsonl(tmp_path / "d.jsonl", [PAIR, long, PAIR])
+    data = prepare_preference(
+        {"paths": [str(f)], "val_paths": [str(f)], "template": "chatml"},
+        {"kind": "byte"},
+        cache_dir=tmp_path / "c",
+    )
+    with pytest.raises(
+        GptkitError,
+        match=r"d\.jsonl line 2: the prompt with the chosen answer makes \d+ "
+        r"tokens, more than a row of 65 .* data\.truncate=drop",
+    ):
+        make_pair_rows(data.train, 64, "error", data.pad_id)
+    dropped = make_pair_rows(data.train, 64, "drop", data.pad_id)
+    assert (len(dropped), dropped.dropped, dropped.first_dropped) == (2, 1, f"{f} line 2")
+    cut = make_pair_rows(data.train, 64, "cut", data.pad_id)
+    assert (len(cut), cut.cut) == (3, 1) and (cut.y[1] != -100).any(dim=-1).all()  # both answers keep tokens
+
+
+def test_bad_dpo_commands_exit_2_with_one_line_before_anything_is_written(tmp_path, capsys):
+    f = write_jsonl(tmp_path / "d.jsonl", [PAIR] * 4)
+    base = ["model=llama-tiny", "tokenizer=byte", f"runs_dir={tmp_path / 'runs'}", "name=bad"]
+    pref = ["data=preference", f"data.paths=[{f}]", "data.template=chatml"]
+    for args, message in [
+        ([*pref, "objective=dpo"], "objective=dpo needs a starting checkpoint: init_from="),
+        ([*pref, "objective=dpo", "init_from=nowhere", "dpo.beta=0"], "dpo.beta=0 must be > 0"),
+        ([*pref], "data=preference holds preference pairs for DPO: add objective=dpo"),
+        (
+            ["data=chat", f"data.paths=[{f}]", "objective=dpo", "init_from=x"],
+            "objective=dpo trains on preference",
+        ),
+        ([*pref, "objective=ppo"], "objective='ppo' is not one of lm, dpo"),
+        # the recipe sets objective=dpo (experiment= composes after train.yaml's own keys)
+        (["experiment=dpo-tiny", f"data.paths=[{f}]"], "objective=dpo needs a starting checkpoint"),
+    ]:
+        code, _, err = run_main(capsys, "train", *base, *args)
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {message}"), (args, err)
+        assert not (tmp_path / "runs" / "bad").exists()
+
+
+# ---- training --------------------------------------------------------------------------------
+def pairs(n):
+    import random
+
+    rng, out = random.Random(0), []
+    for _ in range(n):
+        w = "".join(rng.choice("abcdef") for _ in range(4))
+        out.append({"prompt": f"upper {w}", "chosen": w.upper(), "rejected": w.upper()[:3] + w[3]})
+    return out
+
+
+@pytest.fixture(scope="module")
+def dpo_data(tmp_path_factory):
+    """An SFT start (2 steps of data=chat, chatml, byte) and 40 pairs."""
+    root = tmp_path_factory.mktemp("dpo")
+    rows = pairs(40)
+    sft = write_jsonl(root / "sft.jsonl", [{"prompt": r["prompt"], "response": r["chosen"]} for r in rows])
+    write_jsonl(root / "pairs.jsonl", rows)
+    gptkit.train(
+        [
+            "model=llama-tiny",
+            "model.n_layers=1",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.n_kv_heads=1",
+            "model.d_ff=64",
+            "model.max_seq_len=48",
+            "model.dropout=0.0",
+            "tokenizer=byte",
+            "data=chat",
+            f"data.paths=[{sft}]",
+            "data.template=chatml",
+            "trainer.batch_size=4",
+            "trainer.max_steps=2",
+            "trainer.val_every=2",
+            "trainer.val_windows=2",
+            "trainer.progress=false",
+            "trainer.accelerator=cpu",
+            f"runs_dir={root}",
+            "name=sft",
+        ]
+    )
+    return root
+
+
+def dpo_args(root, name, world=1, *extra):
+    """The same global batch (4 pairs) whatever the world size."""
+    return [
+        "objective=dpo",
+        f"init_from={root / 'sft'}",
+        "data=preference",
+        f"data.paths=[{root / 'pairs.jsonl'}]",
+        "dpo.beta=0.5",
+        f"trainer.batch_size={4 // world}",
+        "trainer.max_steps=6",
+        "trainer.val_every=3",
+        "trainer.val_windows=4",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=3",
+        "trainer.progress=false",
+        "trainer.accelerator=cpu",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=1",
+        f"runs_dir={root}",
+        f"name={name}",
+        *extra,
+    ]
+
+
+def rows_of(run):
+    with open(run / "metrics.csv", newline="") as f:
+        return {int(r["step"]): r for r in csv.DictReader(f)}
+
+
+@pytest.fixture(scope="module")
+def straight(dpo_data):
+    gptkit.train(dpo_args(dpo_data, "straight"))
+    return dpo_data / "straight"
+
+
+def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactly(dpo_data, straight):
+    rows = rows_of(straight)
+    train = {s: r for s, r in rows.items() if r.get("train/loss")}
+    assert sorted(train) == list(range(1, 7))  # the row of step N: after N optimizer steps
+    # step 0: the policy is the reference, every reward 0 and the loss log 2
+    assert float(train[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
+    assert float(train[1]["train/rewards/margin"]) == 0.0
+    assert float(train[6]["train/loss"]) < float(train[1]["train/loss"])
+    assert float(train[6]["train/rewards/margin"]) > 0  # the policy moved towards the chosen answers
+    val = {s: r for s, r in rows.items() if r.get("val/rewards/accuracy")}
+    assert sorted(val) == [3, 6] and all(r["val/loss"] and r["val/rewards/margin"] for r in val.values())
+    # the reference stayed the start: the val margin of step 6, recomputed from the start's and the end's
+    # weights on the same 4 val pairs, is the one logged
+    from gptkit.runs import load_model
+
+    *_, start = load_model(dpo_data / "sft")
+    *_, end = load_model(straight)
+    data = prepare_preference(
+        {"paths": [str(dpo_data / "pairs.jsonl")]}, {"kind": "file", "path": str(straight / "tokenizer.json")}
+    )
+    val_rows = make_pair_rows(data.val, 48, "error", data.pad_id)
+    x, y = val_rows.batch(torch.arange(4))
+    with torch.no_grad():
+        ratio = (answer_logps(end(x).logits, y) - answer_logps(start(x).logits, y)).view(4, 2)  # [pairs, 2]
+    margin = float(0.5 * (ratio[:, 0] - ratio[:, 1]).mean())
+    assert margin == pytest.approx(float(val[6]["val/rewards/margin"]), abs=1e-5) and margin > 0
+    # resume: stopped at step 3 (a validation step), continued in a new invocation: the same floats
+    gptkit.train(dpo_args(dpo_data, "split", 1, "trainer.stop_at_step=3"))
+    gptkit.train([f"resume={dpo_data / 'split'}", f"runs_dir={dpo_data}", "name=split"])
+    keys = ("train/loss", "train/rewards/chosen", "train/rewards/accuracy", "val/loss", "val/rewards/margin")
+    again = rows_of(dpo_data / "split")
+    assert [[r.get(k) for k in keys] for r in again.values()] == [
+        [r.get(k) for k in keys] for r in rows.values()
+    ]
+
+
+def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight):
+    def run(*args):
+        r = run_group("-m", "gptkit", "train", *args, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    # FSDP2: rank 1 builds policy and reference on the meta device; both get rank 0's weights
+    r = run(
+        *dpo_args(
+            dpo_data,
+            "two",
+            2,
+            "trainer=fsdp",
+            "trainer.devices=2",
+            "trainer.precision=32-true",
+            "trainer.stop_at_step=3",
+        )
+    )
+    assert "the other 1 rank(s) start on the meta device" in r.stderr, r.stderr[-2000:]
+    # DDP continues it: each rank reads the reference again from init_from=
+    run(
+        f"resume={dpo_data / 'two'}",
+        f"runs_dir={dpo_data}",
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.batch_size=2",
+    )
+    want, got = rows_of(straight), rows_of(dpo_data / "two")
+    for step in range(1, 7):
+        for key in ("train/loss", "train/rewards/margin", "train/rewards/accuracy"):
+            assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
+    assert abs(float(got[6]["val/rewards/margin"]) - float(want[6]["val/rewards/margin"])) < 1e-5
+
+
+def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapters_off(dpo_data, capfd):
+    # 2 pairs per micro-batch, 2 micro-batches per step: the rewards add up over both
+    gptkit.train(dpo_args(dpo_data, "lora", 2, "trainer.accumulate_grad_batches=2", "finetune=lora",
+                          "lora.rank=4", "lora.targets=[q,k,v,o]"))
+    assert "reference: the base with the adapters off (no second copy)" in capfd.readouterr().err
+    rows = rows_of(dpo_data / "lora")
+    assert float(rows[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: policy = base
+    assert float(rows[6]["train/rewards/margin"]) > 0
+    from gptkit.runs import load_model
+
+    *_, start = load_model(dpo_data / "sft")
+    *_, end = load_model(dpo_data / "lora")  # the adapters merged into the base
+    data = prepare_preference({"paths": [str(dpo_data / "pairs.jsonl")]},
+                              {"kind": "file", "path": str(dpo_data / "lora" / "tokenizer.json")})
+    x, y = make_pair_rows(data.val, 48, "error", data.pad_id).batch(torch.arange(4))
+    with torch.no_grad():
+        ratio = (answer_logps(end(x).logits, y) - answer_logps(start(x).logits, y)).view(4, 2)
+    margin = float(0.5 * (ratio[:, 0] - ratio[:, 1]).mean())
+    assert margin == pytest.approx(float(rows[6]["val/rewards/margin"]), abs=1e-5) and margin > 0
+
+
+def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo_data):
+    gptkit.train(dpo_args(dpo_data, "bf16", 1, "trainer.precision=bf16-true", "trainer.max_steps=1",
+                          "trainer.val_every=1"))
+    step0 = rows_of(dpo_data / "bf16")[1]  # the first step's row
+    assert float(step0["train/rewards/chosen"]) == 0.0 == float(step0["train/rewards/rejected"])
+
+
+def test_a_bad_pair_stops_train_in_one_line_naming_file_and_line_and_leaves_no_run(dpo_data, capsys):
+    f = write_jsonl(dpo_data / "bad.jsonl", [PAIR, PAIR, {"prompt": "upper ab", "chosen": "AB"}])
+    code, _, err = run_main(capsys, "train", *dpo_args(dpo_data, "bad-pairs", 1, f"data.paths=[{f}]"))
+    assert code == 2 and err.strip().splitlines()[-1] == (
+        f"error: {f} line 3: a preference record needs chosen and rejected answers (data.chosen_field, "
+        "data.rejected_field); it has no rejected (fields: prompt, chosen)")
+    run = dpo_data / "bad-pairs"  # removed when the process exits (runs.claim_run_dir); empty of results now
+    assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
+
+
+def test_the_plan_counts_both_answers_and_the_reference_forward():
+    from omegaconf import OmegaConf
+
+    from gptkit import accounting as acc
+    from gptkit.config import compose
+    from gptkit.model import ModelConfig
+    from gptkit.training.plan import make_plan
+
+    cfg = compose("train", ["model=llama-tiny", "trainer.batch_size=3", "trainer.accelerator=cpu"])
+    model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    lm = make_plan(cfg, None, model)
+    cfg.objective = "dpo"
+    dpo = make_plan(cfg, None, model)
+    assert dpo.tokens_per_step == 2 * lm.tokens_per_step  # 3 pairs: 6 sequences
+    forward = acc.flops_per_token(model, lm.seq_len)
+    assert dpo.flops_per_token == pytest.approx(lm.flops_per_token + forward.forward_dense)
+    assert dpo.causal_flops_per_token == pytest.approx(lm.causal_flops_per_token + forward.forward_causal)
