@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from gptkit.config import compose
+from gptkit.conf_tree import compose
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.optim import build_optimizer
 

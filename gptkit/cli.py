@@ -110,8 +110,8 @@ def _one_line(exc: BaseException) -> str:
 
 
 def compose(config_name: str, overrides: list[str]):
-    """gptkit.config.compose, imported on use so that `gptkit --help` imports no OmegaConf."""
-    from gptkit.config import compose as compose_config
+    """gptkit.conf_tree.compose, imported on use so that `gptkit --help` imports no OmegaConf."""
+    from gptkit.conf_tree import compose as compose_config
 
     return compose_config(config_name, overrides)
 
@@ -119,7 +119,7 @@ def compose(config_name: str, overrides: list[str]):
 def _show_help(verb: str, overrides: list[str]) -> None:
     from omegaconf import OmegaConf
 
-    from gptkit.config import conf_dir, presets
+    from gptkit.conf_tree import conf_dir, presets
     from gptkit.options import annotate_yaml, key_comments
 
     v = VERBS[verb]
@@ -144,7 +144,7 @@ def _optional_groups(config_name: str) -> list[str]:
     absent from the composed config until chosen, but worth listing in --help."""
     import yaml
 
-    from gptkit.config import conf_dir
+    from gptkit.conf_tree import conf_dir
 
     defaults = yaml.safe_load((conf_dir() / f"{config_name}.yaml").read_text()).get("defaults") or []
     found = []
@@ -197,7 +197,7 @@ def _guarded(fn, *args):
 def _run_hydra_app(verb: str, args: list[str]) -> None:
     import hydra
 
-    from gptkit.config import conf_dir
+    from gptkit.conf_tree import conf_dir
 
     sys.argv = [sys.argv[0]] + args
     run = command(verb).run
@@ -235,7 +235,7 @@ def _check_flags(verb: str, args: list[str]) -> None:
 def _has_run_option(verb: str) -> bool:
     import yaml
 
-    from gptkit.config import conf_dir
+    from gptkit.conf_tree import conf_dir
 
     return "run" in (yaml.safe_load((conf_dir() / f"{VERBS[verb].config}.yaml").read_text()) or {})
 
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         if v.positional and args and "=" not in args[0] and not args[0].startswith("-"):
             args[0] = f"{v.positional}={args[0]}"  # `gptkit bench data` -> bench=data
         elif v.positional == v.config and not any(a.startswith(f"{v.positional}=") for a in args):
-            from gptkit.config import presets  # `gptkit bench` alone: the positional is a group to choose
+            from gptkit.conf_tree import presets  # `gptkit bench` alone: the positional is a group to choose
 
             names = "|".join(presets(v.positional))
             if "--help" in args or "-h" in args:
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         _guarded(_check_flags, verb, args)
         if v.verbatim:
-            from gptkit.config import verbatim
+            from gptkit.conf_tree import verbatim
 
             args = verbatim(args, v.verbatim)
         mod = command(verb)

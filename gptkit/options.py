@@ -22,7 +22,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from gptkit.config import compose, conf_dir, presets
+from gptkit.conf_tree import compose, conf_dir, presets
 from gptkit.errors import ConfigError
 
 # hydra's parser is imported on use: `gptkit --help` imports this module and needs no Hydra.

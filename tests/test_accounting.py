@@ -6,7 +6,7 @@ import yaml
 from torch.utils.flop_counter import FlopCounterMode
 
 from gptkit import accounting as acc
-from gptkit.config import conf_dir
+from gptkit.conf_tree import conf_dir
 from gptkit.model import GPT, ModelConfig
 
 

@@ -86,7 +86,7 @@ def test_the_verb_table_is_the_commands_folder():
 
     import gptkit.commands
     from gptkit.cli import VERBS, command
-    from gptkit.config import conf_dir
+    from gptkit.conf_tree import conf_dir
 
     modules = {m.name for m in pkgutil.iter_modules(gptkit.commands.__path__) if not m.name.startswith("_")}
     assert modules == {v.module for v in VERBS.values()}

@@ -222,7 +222,7 @@ def test_code_defaults_match_the_yaml_presets():
     """A partial dict from Python and the composed YAML must give the same settings (and cache key)."""
     from omegaconf import OmegaConf
 
-    from gptkit.config import conf_dir
+    from gptkit.conf_tree import conf_dir
     from gptkit.data.build import BUILD_KEYS, WINDOW_KEYS
     from gptkit.data.build import DEFAULTS as DATA_DEFAULTS
     from gptkit.tokenizer import DEFAULTS as TOKENIZER_DEFAULTS

@@ -193,7 +193,7 @@ def test_several_nodes_without_a_launcher_fail_in_one_line_before_any_process_st
 ])
 def test_bad_distributed_setups_are_refused(overrides, message):
     """The same checks `train` and `preflight` run first (the CLI turns them into one line, as above)."""
-    from gptkit.config import compose
+    from gptkit.conf_tree import compose
     from gptkit.errors import GptkitError
     from gptkit.training.distributed import check_distributed
 
@@ -204,7 +204,7 @@ def test_bad_distributed_setups_are_refused(overrides, message):
 
 
 def test_presets_resolve_their_world_size():
-    from gptkit.config import compose
+    from gptkit.conf_tree import compose
     from gptkit.training.distributed import check_distributed, world_size
 
     for preset in ("default", "ddp", "fsdp"):

@@ -399,7 +399,7 @@ def test_the_plan_counts_both_answers_and_the_reference_forward():
     from omegaconf import OmegaConf
 
     from gptkit import accounting as acc
-    from gptkit.config import compose
+    from gptkit.conf_tree import compose
     from gptkit.model import ModelConfig
     from gptkit.training.plan import make_plan
 

@@ -217,7 +217,7 @@ def test_bench_kernels_streams_rows_on_cpu(tmp_path, capsys):
     from omegaconf import OmegaConf
 
     from gptkit.bench import kernels as bench
-    from gptkit.config import conf_dir
+    from gptkit.conf_tree import conf_dir
 
     if torch.cuda.is_available():
         pytest.skip("the GPU part is long; .ci/gpu-check runs it")

@@ -11,7 +11,7 @@ import yaml
 from gptkit import accounting as acc
 from gptkit import hf
 from gptkit.cli import main as gptkit_main
-from gptkit.config import conf_dir
+from gptkit.conf_tree import conf_dir
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.generate import generate
 from gptkit.model import GPT, ModelConfig

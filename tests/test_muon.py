@@ -11,7 +11,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from gptkit.config import compose
+from gptkit.conf_tree import compose
 from gptkit.errors import ConfigError
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.optim import (

@@ -51,7 +51,7 @@ def test_min_lr_defaults_to_a_tenth_of_lr_so_a_small_lr_alone_is_valid():
     """optim.lr=3e-5 alone (the README's fine-tuning line) must not trip over an absolute min_lr default."""
     from omegaconf import OmegaConf
 
-    from gptkit.config import compose
+    from gptkit.conf_tree import compose
     from gptkit.errors import ConfigError
     from gptkit.training.optim import build_scheduler, check_optim_config, min_lr
 

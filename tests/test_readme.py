@@ -85,7 +85,7 @@ def test_train_runs_a_plan_made_without_data_or_folder(tmp_path):
     the data for the plan's own model and trains in <runs_dir>/<name>; a tokenizer larger than the plan's
     vocabulary is one line, before the run folder gets any file."""
     import gptkit
-    from gptkit.config import compose
+    from gptkit.conf_tree import compose
     from gptkit.errors import GptkitError
     from gptkit.model import ModelConfig
     from gptkit.training.plan import make_plan

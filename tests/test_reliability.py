@@ -130,7 +130,7 @@ def trained_looking_run(tmp_path: Path) -> Path:
     import yaml
     from omegaconf import OmegaConf
 
-    from gptkit.config import compose
+    from gptkit.conf_tree import compose
 
     d, _, _ = make_run(tmp_path)
     cfg = yaml.safe_load((d / "config.yaml").read_text())

@@ -157,7 +157,7 @@ def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
     import gptkit.static_decode as sd
     from gptkit.accounting import decode_bytes_per_step
     from gptkit.bench import decode as bench
-    from gptkit.config import conf_dir
+    from gptkit.conf_tree import conf_dir
 
     compiled = sd.compiled_forward
     monkeypatch.setattr(sd, "compiled_forward", lambda backend: compiled("aot_eager"))

@@ -16,7 +16,7 @@ from conftest import REPO
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
-from gptkit.config import compose
+from gptkit.conf_tree import compose
 from gptkit.model import ModelConfig
 from gptkit.training.module import LitGPT
 from gptkit.training.plan import make_plan

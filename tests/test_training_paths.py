@@ -14,7 +14,7 @@ import torch
 from omegaconf import OmegaConf
 from torch.overrides import TorchFunctionMode
 
-from gptkit.config import compose
+from gptkit.conf_tree import compose
 from gptkit.data import TokenDataModule, prepare
 from gptkit.model import ModelConfig
 from gptkit.precision import PRECISIONS

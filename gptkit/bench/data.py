@@ -33,7 +33,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from gptkit.config import conf_dir, model_config
+from gptkit.conf_tree import conf_dir, model_config
 from gptkit.data import TokenDataModule, prepare
 from gptkit.data.build import human
 from gptkit.data.sources import _text_parts, stdlib_files

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
-from gptkit.config import conf_dir, presets
+from gptkit.conf_tree import conf_dir, presets
 from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import ConfigError
 from gptkit.generate import generate

@@ -33,7 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from gptkit.config import conf_dir
+from gptkit.conf_tree import conf_dir
 from gptkit.model import GPT, ModelConfig
 from gptkit.model.attention import sdpa_attention
 from gptkit.model.documents import Documents, document_bounds

@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
-from gptkit.config import compose
+from gptkit.conf_tree import compose
 from gptkit.fsio import human_bytes
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder

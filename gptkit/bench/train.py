@@ -33,7 +33,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gptkit import accounting as acc
-from gptkit.config import compose, conf_dir
+from gptkit.conf_tree import compose, conf_dir
 from gptkit.data import TokenDataModule, prepare
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.model import GPT, ModelConfig

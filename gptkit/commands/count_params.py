@@ -17,7 +17,7 @@ import json
 def report(cfg) -> dict:
     """Everything count-params knows, as plain data (the json output)."""
     from gptkit import accounting as acc
-    from gptkit.config import count, model_config, number
+    from gptkit.conf_tree import count, model_config, number
     from gptkit.errors import ConfigError
     from gptkit.precision import DTYPE_BYTES, precision
 

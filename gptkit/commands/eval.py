@@ -41,7 +41,7 @@ CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")  # options o
 
 def prepare_args(args: list[str]) -> list[str]:
     """tasks=a,b is one value (a list of tasks), not a Hydra sweep."""
-    from gptkit.config import verbatim
+    from gptkit.conf_tree import verbatim
 
     return verbatim(args, ("tasks",))
 

@@ -61,7 +61,7 @@ def run(cfg) -> int:
     from lightning.fabric import Fabric
 
     from gptkit import accounting as acc
-    from gptkit.config import model_config
+    from gptkit.conf_tree import model_config
     from gptkit.errors import GptkitError
     from gptkit.training.plan import make_plan
     from gptkit.training.trainer import check_trainer_config

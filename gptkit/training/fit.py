@@ -35,7 +35,7 @@ from gptkit.checkpoints import (
     run_dir_of,
     verify_checkpoint,
 )
-from gptkit.config import conf_dir
+from gptkit.conf_tree import conf_dir
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text, human_bytes
 from gptkit.model import ModelConfig

@@ -36,7 +36,7 @@ from omegaconf import DictConfig
 
 from gptkit import accounting as acc
 from gptkit import adapters
-from gptkit.config import count
+from gptkit.conf_tree import count
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 from gptkit.precision import Precision, precision

@@ -14,7 +14,7 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
-from gptkit.config import count
+from gptkit.conf_tree import count
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.runs import TOKENIZER_FILE
 from gptkit.threads import check_threads
