@@ -63,7 +63,7 @@ VERBS: dict[str, Verb] = {
     "consolidate": Verb("consolidate", "consolidate", "merge a sharded (FSDP) checkpoint folder into one "
                         "checkpoint file", positional="run"),
     "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench "
-                  "attention|data|evals|kernels|lora|optim|sample|sft|train [key=value ...]",
+                  "attention|data|dpo|evals|kernels|lora|optim|sample|sft|train [key=value ...]",
                   positional="bench"),
 }
 

@@ -236,6 +236,13 @@ def test_code_defaults_match_the_yaml_presets():
 
                 assert set(y) == set(CHAT_DEFAULTS) - {"kind"}, preset
                 continue
+            if kind == "preference":  # DPO pairs: their defaults live in gptkit.data.preference
+                from gptkit.data.preference import DEFAULTS as PREFERENCE_DEFAULTS
+
+                assert set(y) == set(PREFERENCE_DEFAULTS) - {"kind"}, preset
+                for k, v in y.items():
+                    assert v == "???" or v == PREFERENCE_DEFAULTS[k], (preset, k)
+                continue
             for k in (*WINDOW_KEYS, *BUILD_KEYS):  # how windows are drawn, shards built: not in the key
                 y.pop(k, None)
             assert set(y) == set(defaults[kind]), preset

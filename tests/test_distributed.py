@@ -71,7 +71,7 @@ def losses(run_dir: Path, key: str = "train/loss") -> dict[int, float]:
 
 
 def assert_same_trajectory(got: dict[int, float], want: dict[int, float]) -> None:
-    assert sorted(got) == sorted(want) == list(range(STEPS)), (sorted(got), sorted(want))
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1)), (sorted(got), sorted(want))
     for step in want:
         assert abs(got[step] - want[step]) < TOL, (step, got[step], want[step])
 
