@@ -405,16 +405,13 @@ class ChatSplit:
 
 
 @dataclass
-class ChatData:
-    """Tokenized conversations (train and val), their tokenizer and template: what data=chat prepares.
-    Offers the attributes train reads of a PreparedData (dir, manifest, vocab_size, eos_id,
-    tokenizer_path)."""
+class TemplatedData:
+    """What train reads of a prepared data=chat or data=preference folder, as of a PreparedData: dir,
+    manifest, vocab_size, eos_id, pad_id, tokenizer_path and the chat template's template_path."""
 
     dir: Path
     manifest: dict[str, Any]
-    settings: dict[str, Any]  # the data config (train_on, pack, truncate)
-    train: ChatSplit
-    val: ChatSplit
+    settings: dict[str, Any]  # the data config (train_on, pack, truncate, ...)
 
     @property
     def tokenizer_path(self) -> Path:
@@ -441,6 +438,14 @@ class ChatData:
 
     def tokenizer(self):
         return load_tokenizer_file(self.tokenizer_path)
+
+
+@dataclass
+class ChatData(TemplatedData):
+    """Tokenized conversations (train and val), their tokenizer and template: what data=chat prepares."""
+
+    train: ChatSplit
+    val: ChatSplit
 
 
 def chat_settings(cfg: Any) -> dict[str, Any]:

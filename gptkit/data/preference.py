@@ -38,6 +38,7 @@ from gptkit.data.chat import (
     CHAT_FILE,
     ChatSampler,
     ChatSplit,
+    TemplatedData,
     _file_hash,
     _records,
     add_special_tokens,
@@ -52,7 +53,6 @@ from gptkit.fsio import DIR_MODE
 from gptkit.tokenizer import (
     build_tokenizer,
     file_sha256,
-    load_tokenizer_file,
     tokenizer_settings,
     tokenizer_sha256,
 )
@@ -161,42 +161,12 @@ class PairSplit:
 
 
 @dataclass
-class PreferenceData:
+class PreferenceData(TemplatedData):
     """Tokenized preference pairs (train and val), their tokenizer and template: what data=preference
-    prepares. Offers what train reads of a ChatData (dir, manifest, vocab_size, eos_id, tokenizer_path,
-    template_path)."""
+    prepares."""
 
-    dir: Path
-    manifest: dict[str, Any]
-    settings: dict[str, Any]
     train: PairSplit
     val: PairSplit
-
-    @property
-    def tokenizer_path(self) -> Path:
-        return self.dir / "tokenizer.json"
-
-    @property
-    def template_path(self) -> Path:
-        return self.dir / CHAT_FILE
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.manifest["tokenizer"]["vocab_size"])
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.manifest["tokenizer"].get("eos_id")
-
-    @property
-    def pad_id(self) -> int:
-        return int(self.manifest["tokenizer"]["pad_id"])
-
-    def wait_checked(self) -> None:
-        """Nothing runs in the background here."""
-
-    def tokenizer(self):
-        return load_tokenizer_file(self.tokenizer_path)
 
 
 def _say(msg: str) -> None:
