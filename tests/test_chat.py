@@ -34,18 +34,32 @@ def sft_run(tmp_path_factory):
     return root, data
 
 
-def test_sft_adds_the_template_tokens_grows_the_embedding_and_reports_the_loss_share(sft_run, capsys):
-    root, data = sft_run
+def train_sft(capsys, root, data, name: str = "sft") -> str:
+    """Fine-tune sft_run's base into runs/<name> (2 steps); its stderr."""
     code, _, err = run_main(capsys, "train", f"init_from={root / 'base'}", "data=chat",
                             f"data.paths=[{data}]", "data.template=chatml", "trainer.batch_size=4",
                             "trainer.max_steps=2",
                             "trainer.val_every=2", "trainer.val_windows=2", "trainer.progress=false",
-                            "trainer.threads=1", f"runs_dir={root / 'runs'}", "name=sft")
+                            "trainer.threads=1", f"runs_dir={root / 'runs'}", f"name={name}")
     assert code in (0, None), err[-2000:]
+    return err
+
+
+def trained_sft(capsys, sft_run):
+    """runs/sft of sft_run, trained here when this test runs first (pytest -n gives each worker its own)."""
+    root, data = sft_run
+    if not (root / "runs" / "sft").exists():
+        train_sft(capsys, root, data)
+    return root / "runs" / "sft"
+
+
+def test_sft_adds_the_template_tokens_grows_the_embedding_and_reports_the_loss_share(sft_run, capsys):
+    root, data = sft_run
+    err = train_sft(capsys, root, data, name="sft-first")
     assert "added <|im_start|>, <|im_end|> to the tokenizer" in err
     assert "of the train targets carry loss (data.train_on=assistant)" in err
     assert "1 dropped (data.truncate=drop)" in err
-    run = load_run(root / "runs" / "sft")
+    run = load_run(root / "runs" / "sft-first")
     assert run.model_cfg.vocab_size == 258 and run.tokenizer.token_to_id("<|im_end|>") == 257
     assert json.loads((run.dir / "chat.json").read_text())["name"] == "chatml"
 
@@ -56,8 +70,7 @@ def scripted_chat(capsys, monkeypatch, lines: str, *args):
 
 
 def test_chat_reads_one_message_a_line_and_prints_one_answer_each(sft_run, capsys, monkeypatch):
-    root, _ = sft_run
-    run = root / "runs" / "sft"
+    run = trained_sft(capsys, sft_run)
     code, out, err = scripted_chat(capsys, monkeypatch, "1+2=\n\n3+4=\n/reset\n5+0=\n/exit\nnever read\n",
                                    f"run={run}", "greedy=true", "max_new_tokens=6", "threads=1", "--json")
     assert code == 0, err
@@ -75,9 +88,10 @@ def test_chat_reads_one_message_a_line_and_prints_one_answer_each(sft_run, capsy
 
 def test_chat_refuses_a_template_whose_special_tokens_the_run_lacks(sft_run, capsys, monkeypatch):
     root, _ = sft_run
+    sft = trained_sft(capsys, sft_run)
     code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={root / 'base'}")
     assert code == 2 and "has no chat template" in err
-    code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={root / 'runs' / 'sft'}",
+    code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={sft}",
                                  "template=llama3")
     assert code == 2 and "lacks the special tokens of the chat template llama3: <|begin_of_text|>" in err
     assert len(err.strip().splitlines()) == 1
