@@ -364,8 +364,8 @@ def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
 
 
 def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
-    """finetune= is full or lora; lora starts from weights (init_from=, or the run resume= continues) and
-    trains with AdamW (Muon orthogonalizes whole weight matrices, not rank-r factors)."""
+    """finetune= is full or lora; lora starts from weights (init_from=, or the run resume= continues), with
+    either optimizer (optim=muon orthogonalizes each adapter factor: training/optim.py, muon_split)."""
     finetune = cfg.get("finetune", "full")
     if finetune not in ("full", "lora"):
         raise ConfigError(f"finetune={finetune} must be full (every weight trains) or lora (adapters on "
@@ -376,9 +376,6 @@ def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
         raise ConfigError("finetune=lora trains adapters on frozen weights, so it needs the weights to start "
                           "from: init_from=<run folder | checkpoint | hf:owner/name>; without one the frozen "
                           "model would be random (train it first with finetune=full)")
-    if str(cfg.optim.name) == "muon":
-        raise ConfigError("optim=muon with finetune=lora: Muon orthogonalizes whole weight matrices, and the "
-                          "adapters are rank-r factors of an update; use optim=adamw")
 
 
 def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:

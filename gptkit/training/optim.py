@@ -59,7 +59,10 @@ def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool =
 def muon_split(model: nn.Module) -> tuple[list, list]:
     """(Muon's, AdamW's) trainable (name, parameter) pairs: Muon takes the 2-D weights inside the transformer
     blocks (attention and MLP projections; the fused q/k/v projection is one matrix, as torch.optim.Muon
-    sees it), AdamW the rest: token and position embeddings, the LM head (tied or not), norms and biases."""
+    sees it), AdamW the rest: token and position embeddings, the LM head (tied or not), norms and biases.
+    With finetune=lora the trainable 2-D weights in the blocks are the adapters' factors, A [rank, in] and
+    B [rows, rank], each orthogonalized on its own (so each step moves A and B by AdamW's RMS, as Muon moves
+    a whole matrix), and AdamW has nothing to train."""
     muon, adamw = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -164,13 +167,14 @@ def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
                             momentum=float(m.momentum), nesterov=bool(m.nesterov), ns_steps=int(m.ns_steps),
                             adjust_lr_fn=str(m.adjust_lr))
     groups = [g for g in param_groups(model, *decay, named=adamw_named) if g["params"]]
-    adamw = _adamw(groups, cfg, device_type)
+    adamw = _adamw(groups, cfg, device_type) if groups else None  # finetune=lora: only Muon's matrices train
     return MuonWithAdamW(muon, adamw, ns_dtype=MUON_NS_DTYPES[m.get("ns_dtype", "bfloat16")])
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
     """torch.optim.Muon and torch.optim.AdamW as the one optimizer Lightning steps.
 
+    adamw is None when Muon's matrices are all that trains (finetune=lora: the adapters' A and B factors).
     Its param_groups are the two optimizers' groups (the same dicts: Muon's first) and its state is theirs
     (one dict), so the lr scheduler, gradient clipping, the grad scaler and checkpoints (state_dict /
     load_state_dict, FSDP's get/set_optimizer_state_dict) see every parameter once, with its own settings.
@@ -182,19 +186,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
     every rank every matrix (sharded_ns=False, gathered with full_tensor); the two agree bit for bit.
     """
 
-    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer,
+    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer | None,
                  ns_dtype: torch.dtype = torch.bfloat16, sharded_ns: bool = True) -> None:
         self.muon, self.adamw = muon, adamw
         self.ns_dtype, self.sharded_ns = ns_dtype, sharded_ns
-        super().__init__(muon.param_groups + adamw.param_groups, {})
+        super().__init__(muon.param_groups + (adamw.param_groups if adamw is not None else []), {})
         self._link()
 
     def _link(self) -> None:
         """Point the two optimizers at this one's groups and state (after __init__ and load_state_dict, which
         replace them)."""
         n = len(self.muon.param_groups)
-        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
-        self.muon.state = self.adamw.state = self.state
+        self.muon.param_groups, self.muon.state = self.param_groups[:n], self.state
+        if self.adamw is not None:
+            self.adamw.param_groups, self.adamw.state = self.param_groups[n:], self.state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -215,7 +220,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             muon_step(self.muon, self.ns_dtype, sharded_ns=self.sharded_ns)
         else:
             self.muon.step()
-        self.adamw.step()
+        if self.adamw is not None:
+            self.adamw.step()
         return loss
 
 
@@ -357,8 +363,9 @@ def describe_optimizer(cfg: Any, model: nn.Module, device_type: str) -> str:
     return (f"Muon (torch.optim.Muon: {n(muon):,} parameters in {len(muon)} block matrices; momentum "
             f"{m.momentum}{' nesterov' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps in "
             f"{m.get('ns_dtype', 'bfloat16')}, lr x "
-            f"{'0.2·sqrt(max(A, B))' if m.adjust_lr == 'match_rms_adamw' else 'sqrt(max(1, A/B))'}) + "
-            f"{adamw} for {n(rest):,} parameters in {len(rest)} tensors (embeddings, head, norms, biases)")
+            f"{'0.2·sqrt(max(A, B))' if m.adjust_lr == 'match_rms_adamw' else 'sqrt(max(1, A/B))'})"
+            + (f" + {adamw} for {n(rest):,} parameters in {len(rest)} tensors (embeddings, head, norms, "
+               f"biases)" if rest else "; nothing else trains"))
 
 
 def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr: float, min_lr: float,
