@@ -463,3 +463,26 @@ def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
             prep(tmp_path, {**data, "paths": [str(tmp_path / "x.bin")], "format": fmt}, tok)
     with pytest.raises(GptkitError, match="give the tokenizer that made them"):
         prep(tmp_path, data, {"kind": "char"})
+
+
+def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_path, capsys):
+    """`gptkit bench data` on a small generated file: each tokenizer's encoders alone (with their ids checked
+    against HF's), prepare with 1 and 2 workers (the same tokens either way), and the 40 GB projection bound
+    by the slower of the workers and the one main process that feeds them."""
+    from conftest import run_main
+
+    out = tmp_path / "bench.json"
+    code, _, err = run_main(capsys, "bench", "data", "bench.size_mb=0.4", "bench.tokenizers=[byte,bpe-300]",
+                            "bench.train_chars=100000", "bench.encode_mb=0.1", "bench.steps=1",
+                            "bench.batches=2", "bench.threads=1", f"bench.out={out}")
+    assert code == 0, err
+    r = json.loads(out.read_text())
+    byte, bpe = r["tokenizers"]["byte"], r["tokenizers"]["bpe-300"]
+    assert byte["encoders"]["utf8"]["same_ids"] and bpe["encoders"]["tiktoken"]["same_ids"]
+    for row in (byte, bpe):
+        one, two = row["prepare"]["1"], row["prepare"]["2"]
+        assert one["tokens"] == two["tokens"] > 0 and one["ratio_to_workers_x_fastest"] > 0
+    assert bpe["prepare"]["2"]["workers"] == 2 and bpe["prepare"]["2"]["encoder"] == "tiktoken"
+    pr = r["projection_40gb_16_cores"]
+    assert pr["mb_per_s"] == min(pr["workers_mb_per_s"], pr["main_process_mb_per_s"]) > 0
+    assert pr["minutes"] == round(40e3 / pr["mb_per_s"] / 60, 1)

@@ -10,7 +10,8 @@ from the standard library's sources unless bench.file is given), and the machine
    tokenization phase (reading, cutting, encoding, writing), peak RSS of the process and of all its
    workers, and the ratio to workers x the fastest single-process encoder (target >= 0.85), which is
    timed again after each prepare: the ratio is to the mean of its speeds just before and just after.
-3. The projected time for 40 GB of text on 16 cores at the measured 2-worker efficiency.
+3. The projected time for 40 GB of text on 16 cores: 16 workers at the measured 2-worker efficiency, or
+   what the one main process (reading, cutting, writing) can feed at its measured CPU per MB, if less.
 4. One training batch from the stateless sampler against one training step of `model`: target < 1%.
 """
 
@@ -261,9 +262,15 @@ def run(cfg) -> int:
             last = list(r["tokenizers"])[-1]
             row = r["tokenizers"][last]
             eff = row["prepare"]["2"]["ratio_to_workers_x_fastest"]
-            rate = 16 * row["fastest_encoder_mb_per_s"] * eff
-            r["projection_40gb_16_cores"] = {"tokenizer": last, "efficiency": eff, "mb_per_s": round(rate, 1),
-                                             "minutes": round(40e3 / rate / 60, 1)}
+            workers_rate = 16 * row["fastest_encoder_mb_per_s"] * eff
+            # one main process reads, cuts and writes for every worker: at its CPU per MB it feeds at most
+            main_rate = 1e3 / max(row["prepare"]["2"]["main_cpu_ms_per_mb"], 1e-9)
+            rate = min(workers_rate, main_rate)
+            r["projection_40gb_16_cores"] = {
+                "tokenizer": last, "efficiency": eff, "mb_per_s": round(rate, 1),
+                "workers_mb_per_s": round(workers_rate, 1), "main_process_mb_per_s": round(main_rate, 1),
+                "bound": "the main process" if main_rate < workers_rate else "the workers",
+                "minutes": round(40e3 / rate / 60, 1)}
 
         if byte_prepared is not None:
             dm = TokenDataModule(byte_prepared, batch_size=int(cfg.batch_size), seq_len=int(cfg.seq_len),
@@ -305,7 +312,9 @@ def run(cfg) -> int:
     if "projection_40gb_16_cores" in r:
         pr = r["projection_40gb_16_cores"]
         t.add_row(pr["tokenizer"], "[bold]projected: 40 GB on 16 cores",
-                  f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s at {pr['efficiency']:.2f} efficiency)")
+                  f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s, bound by {pr['bound']}: 16 workers at "
+                  f"{pr['efficiency']:.2f} efficiency {pr['workers_mb_per_s']} MB/s, one main process "
+                  f"{pr['main_process_mb_per_s']} MB/s)")
     if "batch_ms" in r:
         t.add_row("byte", f"one training batch ({r['batch']}, memory-mapped)", f"{r['batch_ms']:.3f} ms")
         t.add_row("", f"one {r['model']} step (fp32, AdamW, {r['torch_threads']} threads)",
