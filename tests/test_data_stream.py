@@ -483,6 +483,7 @@ def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_pa
         one, two = row["prepare"]["1"], row["prepare"]["2"]
         assert one["tokens"] == two["tokens"] > 0 and one["ratio_to_workers_x_fastest"] > 0
     assert bpe["prepare"]["2"]["workers"] == 2 and bpe["prepare"]["2"]["encoder"] == "tiktoken"
+    assert r["reading"]["read_decode_mb_per_s"] > 0 and r["reading"]["read_decode_cut_mb_per_s"] > 0
     pr = r["projection_40gb_16_cores"]
     assert pr["mb_per_s"] == min(pr["workers_mb_per_s"], pr["main_process_mb_per_s"]) > 0
-    assert pr["minutes"] == round(40e3 / pr["mb_per_s"] / 60, 1)
+    assert abs(pr["minutes"] - 40e3 / pr["mb_per_s"] / 60) <= 0.1  # mb_per_s is rounded

@@ -10,6 +10,8 @@ from the standard library's sources unless bench.file is given), and the machine
    tokenization phase (reading, cutting, encoding, writing), peak RSS of the process and of all its
    workers, and the ratio to workers x the fastest single-process encoder (target >= 0.85), which is
    timed again after each prepare: the ratio is to the mean of its speeds just before and just after.
+   Beside them: reading and decoding the file alone, and with cutting (what the main process does for
+   any tokenizer; byte's and char's encoders are faster than that).
 3. The projected time for 40 GB of text on 16 cores: 16 workers at the measured 2-worker efficiency, or
    what the one main process (reading, cutting, writing) can feed at its measured CPU per MB, if less.
 4. One training batch from the stateless sampler against one training step of `model`: target < 1%.
@@ -172,6 +174,22 @@ def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, di
     return out
 
 
+def reading_floor(path: Path) -> dict[str, float]:
+    """MB/s of what the one main process of a prepare does to the text whatever the tokenizer, alone, one
+    process: reading and decoding the file, and that plus cutting it into pieces (as for a byte-level BPE).
+    An encoder faster than these (byte, char) cannot set prepare's pace."""
+    mb = path.stat().st_size / 1e6
+    t0 = time.perf_counter()
+    for _ in _text_parts(path, "strict", "error"):
+        pass
+    read = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    for _ in batches(Cutter("gpt2").pieces(_text_parts(path, "strict", "error"), eos=0)):
+        pass
+    cut = time.perf_counter() - t0
+    return {"read_decode_mb_per_s": round(mb / read, 1), "read_decode_cut_mb_per_s": round(mb / cut, 1)}
+
+
 def run(cfg) -> int:
     from gptkit.threads import cores, set_threads
 
@@ -188,6 +206,7 @@ def run(cfg) -> int:
         r["file"], r["file_mb"] = str(path), round(mb, 1)
         con.print(f"corpus: {path} ({human(size)}); load average {loadavg()}")
         data = {"kind": "files", "paths": [str(path)], "val_fraction": 0.01}
+        r["reading"] = reading_floor(path)
         sample = encoder_sample(path, float(cfg.encode_mb))
         sample_mb = sum(len(p.encode()) for p in sample) / 1e6
         byte_prepared = None
@@ -309,6 +328,11 @@ def run(cfg) -> int:
                       f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB, CPU ratio {v['cpu_ratio']:.2f} "
                       f"({v['encoder_cpu_ms_per_mb']} / {v['prepare_cpu_ms_per_mb']} ms per MB), "
                       f"load {v['load_avg_before']}")
+    if "reading" in r:
+        t.add_row("", "reading and decoding the file alone (1 process)",
+                  f"{r['reading']['read_decode_mb_per_s']} MB/s")
+        t.add_row("", "... and cutting it into pieces (1 process)",
+                  f"{r['reading']['read_decode_cut_mb_per_s']} MB/s")
     if "projection_40gb_16_cores" in r:
         pr = r["projection_40gb_16_cores"]
         t.add_row(pr["tokenizer"], "[bold]projected: 40 GB on 16 cores",
