@@ -1,7 +1,6 @@
 """The CLI as a user meets it: verbs, help, count-params, one-line errors."""
 
 import json
-import time
 
 import pytest
 
@@ -19,11 +18,19 @@ def test_verb_help_shows_config_and_presets(cli):
 
 
 def test_count_params_llama2_7b_fast_and_exact(cli):
-    t0 = time.perf_counter()
+    import resource
+
+    def child_cpu() -> float:
+        u = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return u.ru_utime + u.ru_stime
+
+    c0 = child_cpu()
     r = cli("count-params", "model=llama2-7b")
     assert r.returncode == 0, r.stderr
     assert "6,738,415,616" in r.stdout
-    assert time.perf_counter() - t0 < 10  # analytic; includes interpreter start-up
+    # analytic: no 7B model is built. CPU time (the process's, start-up included), which a loaded machine
+    # does not stretch as it does wall time (a 10 s wall limit failed under load)
+    assert child_cpu() - c0 < 10
 
 
 def test_count_params_json(cli):

@@ -17,7 +17,7 @@ Examples:
   gptkit prepare data=files 'data.paths=[big/*.txt]' tokenizer=bpe data.workers=16   (16 tokenizing processes)
   gptkit prepare data=mix 'data.sources={web: {kind: files, paths: [web.jsonl], weight: 0.7},
                                          code: {kind: stdlib, weight: 0.3}}'   (each source cached on its own)
-  gptkit prepare data=tokens 'data.paths=[train.bin]' 'data.val_paths=[val.bin]' data.vocab_size=50304 \
+  gptkit prepare data=tokens 'data.paths=[train.bin]' 'data.val_paths=[val.bin]' data.vocab_size=50304 \\
                  tokenizer=file tokenizer.path=gpt2/tokenizer.json      (nanoGPT .bin or llm.c shards)
 
 A killed prepare (kill -9 included) is continued by running the same command again. See docs/data-pipeline.md.
