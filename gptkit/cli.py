@@ -21,6 +21,7 @@ import importlib
 import os
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -79,7 +80,10 @@ def command(verb: str) -> ModuleType:
 def _usage() -> str:
     width = max(len(v) for v in VERBS)
     lines = ["usage: gptkit <verb> [key=value ...] [--help]", "", "verbs:"]
-    lines += [f"  {name:<{width}}  {v.help}" for name, v in VERBS.items()]
+    for name, v in VERBS.items():  # wrapped at 100 columns, continued under the text
+        wrapped = textwrap.wrap(v.help, 100 - width - 4)
+        lines.append(f"  {name:<{width}}  {wrapped[0]}")
+        lines += [" " * (width + 4) + more for more in wrapped[1:]]
     lines += ["", "Overrides are Hydra's: model=llama-tiny model.n_layers=2 optim.lr=3e-4 ...",
               "`gptkit <verb> --help` shows the verb's config and the presets of each group.",
               "GPTKIT_DEBUG=1 shows tracebacks for errors."]
