@@ -453,9 +453,11 @@ class RangeStats:
     error: GptkitError | None = None
 
 
-def _line_end(fh: Any, pos: int, size: int, block: int = 64 << 10) -> int:
-    """The offset just after the newline at or after byte `pos` (the file's size if there is none)."""
+def _line_end(fh: Any, pos: int, size: int) -> int:
+    """The offset just after the newline at or after byte `pos` (the file's size if there is none), read in
+    blocks of 4 kB, doubling up to 1 MB (a record is usually far shorter than a range)."""
     fh.seek(pos)
+    block = 4 << 10
     while pos < size:
         data = fh.read(block)
         if not data:
@@ -464,6 +466,7 @@ def _line_end(fh: Any, pos: int, size: int, block: int = 64 << 10) -> int:
         if nl != -1:
             return pos + nl + 1
         pos += len(data)
+        block = min(2 * block, 1 << 20)
     return size
 
 
