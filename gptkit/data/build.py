@@ -753,7 +753,7 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     finally:
         bar.close()
     t_tok, c_tok = time.perf_counter() - t_tok, time.process_time() - c_tok
-    forced = cutter.forced + sum(f.forced for f in feeds if isinstance(f, RangeFeed))
+    forced = cutter.forced + sum(f.forced for f in feeds)  # cut here, and cut by whoever ran a range
     if forced:
         _say(f"note: {forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
              f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "

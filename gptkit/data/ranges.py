@@ -1,8 +1,9 @@
 """JSON-lines corpora tokenized by byte ranges: each task is a range of a file, from a line start to a line
 start (gptkit.data.sources.line_ranges: the main process finds each end with a seek and a short read), and
-whoever runs it (a tokenization worker, or the main process with data.workers=1) reads the range, decodes
-it, parses its lines, cuts each record with the tokenizer's Cutter and encodes the pieces. A record is a
-whole document, so nothing crosses a range's ends: the ids are those of reading the file line by line.
+whoever runs it (a tokenization worker; the main process with data.workers=1, and for byte and char, which
+encode in the main process) reads the range, decodes it, parses its lines, cuts each record with the
+tokenizer's Cutter and encodes the pieces. A record is a whole document, so nothing crosses a range's ends:
+the ids are those of reading the file line by line, for any worker count.
 
 The main process only finds the ranges, takes the results in order (RangeChecks raises what spans lines:
 no text field in the first records, none in the file...), checksums and writes them.
