@@ -146,6 +146,15 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
         torch.testing.assert_close(sd[k], v, atol=TOL, rtol=0)
     _, _, _, _, model = load_model(merged_file)
     assert all(torch.equal(model.state_dict()[k], v) for k, v in sd.items())
+    # 1 -> FSDP2 on 2: the single run's step-2 file, whose AdamW state is keyed by the parameter's index in
+    # gptkit's group order (decayed weights first), continued sharded (it put one weight's moments on
+    # another's shard: "The size of tensor a (64) must match the size of tensor b (256)")
+    shutil.copytree(reference, tmp_path / "one-then-fsdp")
+    for later in ("last", "step-000004", "step-000006"):
+        (tmp_path / f"one-then-fsdp/checkpoints/{later}.ckpt").unlink()
+    train("resume=" + str(tmp_path / "one-then-fsdp/checkpoints/step-000002.ckpt"), "trainer=fsdp",
+          "trainer.devices=2", "trainer.batch_size=2", "trainer.precision=32-true")
+    assert_same_trajectory(losses(tmp_path / "one-then-fsdp"), losses(reference))
 
 
 def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):

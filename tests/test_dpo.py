@@ -412,3 +412,27 @@ def test_the_plan_counts_both_answers_and_the_reference_forward():
     forward = acc.flops_per_token(model, lm.seq_len)
     assert dpo.flops_per_token == pytest.approx(lm.flops_per_token + forward.forward_dense)
     assert dpo.causal_flops_per_token == pytest.approx(lm.causal_flops_per_token + forward.forward_causal)
+
+
+def test_the_memory_estimate_counts_both_sequences_of_a_pair_and_the_reference():
+    """objective=dpo: a batch of pairs is twice the sequences; with finetune=full the frozen reference is a
+    second copy of the weights, with lora it is the policy with its adapters off (no copy)."""
+    from types import SimpleNamespace
+
+    from gptkit.model import ModelConfig
+    from gptkit.precision import precision
+    from gptkit.training.memory import cpu_out_of_memory, estimate
+
+    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, d_model=32)
+    plan = SimpleNamespace(model=cfg, precision=precision("32-true"), shards=1, batch_size=2, seq_len=16,
+                           trainer=SimpleNamespace(activation_checkpointing=False), lora=None, objective="lm")
+    lm = estimate(plan)
+    dpo = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo"}))
+    assert dpo["reference"] == lm["weights"] and dpo["activations"] > lm["activations"]
+    assert dpo["logits"] == 2 * lm["logits"]  # 2 pairs = 4 sequences
+    assert dpo["total"] == pytest.approx(sum(v for k, v in dpo.items() if k != "total"))
+    lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q", "v"]}
+    dpo_lora = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo", "lora": lora}))
+    assert "reference" not in dpo_lora and dpo_lora["logits"] == dpo["logits"]
+    full = SimpleNamespace(**{**vars(plan), "objective": "dpo"})
+    assert "the DPO reference" in str(cpu_out_of_memory(full))

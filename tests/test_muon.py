@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -544,9 +545,15 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
 
     def fake_run(args, log):  # a run folder as `gptkit train` leaves it: 4 steps of 10 tokens, val every 2
         opts = dict(a.split("=", 1) for a in args)
+        if "resume" in opts:  # continues an interrupted run: its own arguments are in its folder
+            order.append(f"resume {Path(opts['resume']).name}")
+            opts = saved[Path(opts["resume"]).name]
+        else:
+            saved[opts["name"]] = opts
         run = tmp_path / "runs" / opts["name"]
-        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints").mkdir(parents=True, exist_ok=True)
         (run / "checkpoints/last.ckpt").write_bytes(b"")
+        (run / "config.yaml").write_text("trainer: {max_steps: 4, max_tokens: null}\n")
         muon, seed = opts["optim"] == "muon", int(opts["seed"])
         tokens_per_s = 10 / (seed * (3 if muon else 2))  # seconds per step: AdamW 2 x seed, Muon 3 x seed
         losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}  # val after 2 and 4 steps
@@ -554,9 +561,10 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
         rows += [f"{s},{10 * s},{tokens_per_s}," for s in range(1, 5)]  # row s: step s (s steps done)
         rows += [f"{s},,,{loss}" for s, loss in losses.items()]
         (run / "metrics.csv").write_text("\n".join(rows) + "\n")
-        order.append(opts["name"])
+        if "resume" not in args[0]:
+            order.append(opts["name"])
 
-    order = []
+    order, saved = [], {}
     monkeypatch.setattr(bench, "run_one", fake_run)
     cfg = OmegaConf.create(dict(recipes={"r": ["optim=adamw"]}, muon={"r": ["optim=muon"]}, common=[],
                                 seeds=[1, 2], parallel=1, runs_dir=str(tmp_path / "runs"),
@@ -569,3 +577,7 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
     assert r["val_loss_at_adamw_time"]["muon"] == {"median": 1.5, "min": 1.5, "max": 1.5}
     assert r["muon_steps_to_target"] == [2, 2] and r["target_val_loss"] == 1.8 and r["adamw_steps"] == 4
     assert bench.run(cfg) == 0 and len(order) == 4  # finished runs are read, not rerun
+    # a run killed after a checkpoint (its last validation before max_steps) is continued, not taken as done
+    metrics = tmp_path / "runs" / "r-muon-seed2" / "metrics.csv"
+    metrics.write_text("\n".join(metrics.read_text().splitlines()[:-1]) + "\n")  # no val after step 4
+    assert bench.run(cfg) == 0 and order[4:] == ["resume r-muon-seed2"]

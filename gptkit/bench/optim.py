@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
@@ -95,7 +96,23 @@ def train_args(cfg, recipe: str, optimizer: str, seed: int) -> tuple[str, list[s
 
 
 def finished(run_dir: Path) -> bool:
-    return (run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "metrics.csv").is_file()
+    """A run that trained all its planned steps: it validates at the end, so its last val/loss row is at
+    trainer.max_steps (a run killed after a checkpoint has a last.ckpt too, and is not finished)."""
+    if not ((run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "metrics.csv").is_file()):
+        return False
+    trainer = OmegaConf.load(run_dir / "config.yaml").trainer
+    if trainer.get("max_tokens") is not None:  # its steps follow from the tokens: trust the checkpoint
+        return True
+    with open(run_dir / "metrics.csv", newline="") as f:
+        val_steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("val/loss")]
+    return bool(val_steps) and val_steps[-1] >= int(trainer.max_steps)
+
+
+def resume_args(run_dir: Path, args: list[str]) -> list[str]:
+    """The arguments that continue an interrupted run (it has a checkpoint), else `args` (a fresh start)."""
+    if (run_dir / "checkpoints" / "last.ckpt").exists():
+        return [f"resume={run_dir}", "trainer.threads=1", "trainer.progress=off"]
+    return args
 
 
 def run_one(args: list[str], log: Path) -> None:
@@ -126,7 +143,7 @@ def run(cfg) -> int:
             for optimizer in OPTIMIZERS:
                 name, args = train_args(cfg, recipe, optimizer, int(seed))
                 if not finished(runs_dir / name):
-                    jobs.append((name, args))
+                    jobs.append((name, resume_args(runs_dir / name, args)))
     with open("/proc/loadavg") if Path("/proc/loadavg").exists() else open(os.devnull) as f:
         load = f.read().strip()
     con.print(

@@ -234,8 +234,8 @@ def _fsdp2_strategy_class():
             """Like ModelParallelStrategy's, but the shard index and non-tensor values are read without
             unpickling code (see _SafeUnpickler); any world size reads any other's shards."""
             path = Path(self.broadcast(str(checkpoint_path)))
-            if not is_sharded_checkpoint(path):
-                return super().load_checkpoint(path, weights_only=True)
+            if not is_sharded_checkpoint(path):  # one file: a one-process or DDP run's, or consolidated
+                return _load_full_into(self.lightning_module, self.optimizers, path)
             return _load_sharded_into(self.lightning_module, self.optimizers, path)
 
     return _FSDP2Strategy
@@ -267,6 +267,40 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
         set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
                                  options=StateDictOptions(cpu_offload=True))
     return torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
+
+
+def _load_full_into(module, optimizers, path: Path) -> dict[str, Any]:
+    """Load a one-file checkpoint (a one-process or DDP run's, or a consolidated one) into a sharded module
+    and its optimizers: every rank takes its shards of rank 0's full tensors. Its optimizer state is keyed by
+    the parameter's index across the optimizer's param groups (torch.optim's format), which gptkit orders by
+    group (decayed weights first; Muon's matrices, then AdamW's), not as module.named_parameters() lists
+    them: Lightning's re-keying assumes the latter and put one parameter's moments on another's shard.
+    Collective: every rank calls it. Returns the rest of the checkpoint (step, loops, schedulers)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
+    lora = getattr(module, "lora_record", None) is not None  # a LoRA run's checkpoint: the adapters only
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not lora)
+    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
+    names = {id(p): n for n, p in module.named_parameters()}
+    saved = checkpoint.get("optimizer_states", [])
+    if len(saved) != len(optimizers):
+        raise GptkitError(f"{path} holds {len(saved)} optimizer state(s) for this run's {len(optimizers)}")
+    for optimizer, osd in zip(optimizers, saved):
+        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        if len(order) != sum(len(g["params"]) for g in osd["param_groups"]):
+            raise GptkitError(f"{path}: its optimizer state does not fit this run's parameters (another "
+                              f"model or optimizer); resume with the settings it was trained with")
+        by_name = {
+            "state": {order[i]: s for i, s in osd["state"].items()},
+            "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in osd["param_groups"]],
+        }
+        set_optimizer_state_dict(module, optimizer, optim_state_dict=by_name, options=options)
+    return checkpoint
 
 
 def _dcp_load(state: dict[str, Any], path: Path) -> None:

@@ -44,18 +44,24 @@ ALLOCATOR_SLACK = 0.25  # glibc keeps freed blocks under its mmap threshold (<= 
 def estimate(plan: Any) -> dict[str, float]:
     """The count-params training memory estimate of a run plan (training/plan.py), per process: the tensors
     (host_estimate adds what a CPU process needs beyond them); with finetune=lora the gradients and AdamW
-    moments are the adapters' only, and their weights are added."""
+    moments are the adapters' only, and their weights are added. objective=dpo: a pair is two sequences
+    (chosen, rejected) in the batch, and with finetune=full the frozen reference is a second copy of the
+    weights (with lora it is the model itself with its adapters off: nothing more)."""
     from gptkit import accounting as acc
 
-    mem = acc.training_memory(plan.model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
+    dpo = getattr(plan, "objective", "lm") == "dpo"
+    rows = plan.batch_size * (2 if dpo else 1)  # sequences through the model per micro-step
+    mem = acc.training_memory(plan.model, plan.precision, plan.shards, rows, plan.seq_len,
                               bool(plan.trainer.activation_checkpointing))
+    if dpo and getattr(plan, "lora", None) is None:
+        mem["reference"] = mem["weights"]
     if getattr(plan, "lora", None) is not None:
         n = acc.count_params(plan.model).total
         k = adapters.adapter_params(plan.model, plan.lora["targets"], plan.lora["rank"])
         mem["weights"] *= (n + k) / n
         mem["gradients"] *= k / n
         mem["optimizer"] *= k / n
-        mem["total"] = sum(v for key, v in mem.items() if key != "total")
+    mem["total"] = sum(v for key, v in mem.items() if key != "total")
     return mem
 
 
@@ -70,10 +76,11 @@ def host_estimate(plan: Any) -> dict[str, float]:
 
 def _breakdown(mem: dict[str, float], plan: Any) -> str:
     runtime = f", runtime {human_bytes(mem['runtime'])}" if "runtime" in mem else ""
+    reference = f", the DPO reference {human_bytes(mem['reference'])}" if "reference" in mem else ""
     return (
-        f"weights {human_bytes(mem['weights'])}, gradients {human_bytes(mem['gradients'])}, optimizer "
-        f"{human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])} and logits "
-        f"{human_bytes(mem['logits'])} at trainer.batch_size={plan.batch_size}{runtime}"
+        f"weights {human_bytes(mem['weights'])}{reference}, gradients {human_bytes(mem['gradients'])}, "
+        f"optimizer {human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])} and "
+        f"logits {human_bytes(mem['logits'])} at trainer.batch_size={plan.batch_size}{runtime}"
     )
 
 
