@@ -486,4 +486,7 @@ def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_pa
     assert r["reading"]["read_decode_mb_per_s"] > 0 and r["reading"]["read_decode_cut_mb_per_s"] > 0
     pr = r["projection_40gb_16_cores"]
     assert pr["mb_per_s"] == min(pr["workers_mb_per_s"], pr["main_process_mb_per_s"]) > 0
+    one, two = bpe["prepare_jsonl"]["1"], bpe["prepare_jsonl"]["2"]  # the same text as JSON lines
+    assert one["tokens"] == two["tokens"] > 0 and two["tasks"] == "byte ranges of the JSON-lines files"
+    assert r["projection_40gb_16_cores_jsonl"]["main_process_mb_per_s"] > 0
     assert abs(pr["minutes"] - 40e3 / pr["mb_per_s"] / 60) <= 0.1  # mb_per_s is rounded

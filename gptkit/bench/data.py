@@ -6,14 +6,17 @@ from the standard library's sources unless bench.file is given), and the machine
    bench.train_chars sample): every encoder that gives its ids (HF `tokenizers`, tiktoken from the
    same merges, the UTF-8 bytes, a code point table) alone, one process and one thread, on the same
    bench.encode_mb of text (every k-th batch of the file): MB/s, and whether its ids equal HF's.
-2. prepare() of the whole file with data.workers = each of bench.workers: MB/s and tokens/s of its
+2. prepare() of the whole file with data.workers = each of bench.workers, for each of bench.formats (text:
+   the file; jsonl: the same text as JSON-lines records, which the workers read in byte ranges themselves;
+   its MB/s are of the .jsonl file, its ratios of the text): MB/s and tokens/s of its
    tokenization phase (reading, cutting, encoding, writing), peak RSS of the process and of all its
    workers, and the ratio to workers x the fastest single-process encoder (target >= 0.85), which is
    timed again after each prepare: the ratio is to the mean of its speeds just before and just after.
    Beside them: reading and decoding the file alone, and with cutting (what the main process does for
    any tokenizer; byte's and char's encoders are faster than that).
-3. The projected time for 40 GB of text on 16 cores: 16 workers at the measured 2-worker efficiency, or
-   what the one main process (reading, cutting, writing) can feed at its measured CPU per MB, if less.
+3. The projected time for 40 GB of text (and of JSON lines) on 16 cores: 16 workers at the measured
+   2-worker efficiency, or what the one main process (text: reading, cutting, writing; JSON lines: finding
+   the workers' ranges, writing) can feed at its measured CPU per MB, if less.
 4. One training batch from the stateless sampler against one training step of `model`: target < 1%.
 """
 
@@ -41,8 +44,11 @@ from gptkit.data import TokenDataModule, prepare
 from gptkit.data.build import human
 from gptkit.data.sources import _text_parts, stdlib_files
 from gptkit.data.tokenize import Cutter, EncoderSpec, Tokenizing, batches, tiktoken_tables
+from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.tokenizer import build_tokenizer
+
+PREPARE_KEYS = {"text": "prepare", "jsonl": "prepare_jsonl"}  # bench.formats -> the results' key per row
 
 
 @contextmanager
@@ -174,6 +180,24 @@ def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, di
     return out
 
 
+def make_jsonl(text_file: Path, path: Path, seed: int = 0) -> Path:
+    """The text file as JSON lines: consecutive records of its text (about 200 to 200,000 characters each,
+    log-normal, cut at line ends), so that the records hold exactly the file's text."""
+    import random
+
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as out:
+        for part, _ in _text_parts(text_file, "strict", "error"):
+            at = 0
+            while at < len(part):
+                n = min(200_000, int(rng.lognormvariate(8.5, 1.5)) + 200)
+                end = part.find("\n", at + n)
+                end = len(part) if end == -1 else end + 1
+                out.write(json.dumps({"text": part[at:end]}) + "\n")
+                at = end
+    return path
+
+
 def reading_floor(path: Path) -> dict[str, float]:
     """MB/s of what the one main process of a prepare does to the text whatever the tokenizer, alone, one
     process: reading and decoding the file, and that plus cutting it into pieces (as for a byte-level BPE).
@@ -206,6 +230,14 @@ def run(cfg) -> int:
         r["file"], r["file_mb"] = str(path), round(mb, 1)
         con.print(f"corpus: {path} ({human(size)}); load average {loadavg()}")
         data = {"kind": "files", "paths": [str(path)], "val_fraction": 0.01}
+        formats = [str(f) for f in cfg.formats]
+        if set(formats) - set(PREPARE_KEYS) or not formats:
+            raise GptkitError(f"bench.formats={formats} must be a non-empty list of text and jsonl")
+        files = {"text": path}
+        if "jsonl" in formats:
+            files["jsonl"] = make_jsonl(path, tmp / "corpus.jsonl")
+            con.print(f"the same text as JSON lines: {files['jsonl']} "
+                      f"({human(files['jsonl'].stat().st_size)})")
         r["reading"] = reading_floor(path)
         sample = encoder_sample(path, float(cfg.encode_mb))
         sample_mb = sum(len(p.encode()) for p in sample) / 1e6
@@ -240,53 +272,64 @@ def run(cfg) -> int:
             fastest, best_engine = best
             cpu_before = row["encoders"][best_engine]["cpu_ms_per_mb"]
             row["fastest_encoder_mb_per_s"] = fastest
-            row["prepare"] = {}
             before = fastest  # the fastest encoder is timed again after each prepare: the ratio is to the
-            for w in cfg.workers:  # mean of its speeds just before and just after (the load drifts)
-                con.print(f"{name}: prepare with data.workers={w} ... (load average {loadavg()})")
-                load0 = loadavg()
-                kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
-                with peak_rss(tree=True) as prep:
-                    p = prepare({**data, "workers": int(w)}, tok_cfg, cache_dir=tmp / f"cache-{name}-{w}",
-                                progress=False)
-                m = p.manifest
-                tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
-                ts = m["tokenize_seconds"]
-                kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, joined by now
-                kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
-                after, _, cpu_after = time_encoder(tok, best_engine, sample, sample_mb)
-                after = round(after, 2)
-                around = (before + after) / 2
-                enc_cpu = (cpu_before + cpu_after) / 2
-                prep_cpu = 1e3 * (m["tokenize_main_cpu_seconds"] + kids) / mb
-                row["prepare"][str(w)] = {
-                    "workers": m["workers"], "encoder": m["encoder"], "tokenize_s": ts,
-                    "mb_per_s": round(mb / ts, 2), "tokens_per_s": round(tokens / ts),
-                    "main_cpu_ms_per_mb": round(1e3 * m["tokenize_main_cpu_seconds"] / mb, 2),
-                    "whole_prepare_s": round(prep["s"], 1), "peak_rss_added_mb": round(prep["added_mb"], 1),
-                    "peak_rss_added_with_workers_mb": round(prep["tree_added_mb"], 1),
-                    "fastest_encoder_before_after_mb_per_s": [before, after],
-                    "ratio_to_workers_x_fastest": round(mb / ts / (int(w) * around), 3),
-                    # CPU time, which the other processes on the machine disturb less than wall time: the
-                    # encoder's per MB over prepare's (its tokenization phase and all its workers' CPU,
-                    # their start-up included); 1.0: no overhead
-                    "encoder_cpu_ms_per_mb": round(enc_cpu, 2), "prepare_cpu_ms_per_mb": round(prep_cpu, 2),
-                    "cpu_ratio": round(enc_cpu / prep_cpu, 3),
-                    "load_avg_before": load0, "load_avg_after": loadavg(), "tokens": tokens}
-                before, cpu_before = after, cpu_after
-                if kind == "byte" and byte_prepared is None:
-                    byte_prepared = p
+            for fmt in formats:  # mean of its speeds just before and just after (the load drifts)
+                row[PREPARE_KEYS[fmt]] = {}
+                for w in cfg.workers:
+                    con.print(f"{name}: prepare of the {fmt} file with data.workers={w} ... "
+                              f"(load average {loadavg()})")
+                    load0 = loadavg()
+                    kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+                    file = files[fmt]
+                    with peak_rss(tree=True) as prep:
+                        p = prepare({**data, "paths": [str(file)], "workers": int(w)}, tok_cfg,
+                                    cache_dir=tmp / f"cache-{name}-{fmt}-{w}", progress=False)
+                    m = p.manifest
+                    tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
+                    ts = m["tokenize_seconds"]
+                    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, joined by now
+                    kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
+                    after, _, cpu_after = time_encoder(tok, best_engine, sample, sample_mb)
+                    after = round(after, 2)
+                    around = (before + after) / 2
+                    enc_cpu = (cpu_before + cpu_after) / 2
+                    prep_cpu = 1e3 * (m["tokenize_main_cpu_seconds"] + kids) / mb  # per MB of text
+                    file_mb = file.stat().st_size / 1e6
+                    row[PREPARE_KEYS[fmt]][str(w)] = {
+                        "workers": m["workers"], "encoder": m["encoder"], "tasks": m["tasks"],
+                        "tokenize_s": ts,
+                        "file_mb": round(file_mb, 1), "mb_per_s": round(file_mb / ts, 2),
+                        "text_mb_per_s": round(mb / ts, 2), "tokens_per_s": round(tokens / ts),
+                        "main_cpu_ms_per_mb": round(1e3 * m["tokenize_main_cpu_seconds"] / file_mb, 2),
+                        "whole_prepare_s": round(prep["s"], 1),
+                        "peak_rss_added_mb": round(prep["added_mb"], 1),
+                        "peak_rss_added_with_workers_mb": round(prep["tree_added_mb"], 1),
+                        "fastest_encoder_before_after_mb_per_s": [before, after],
+                        "ratio_to_workers_x_fastest": round(mb / ts / (int(w) * around), 3),
+                        # CPU time, which the other processes on the machine disturb less than wall time: the
+                        # encoder's per MB of text over prepare's (its tokenization phase and all its workers'
+                        # CPU, their start-up included); 1.0: no overhead
+                        "encoder_cpu_ms_per_mb": round(enc_cpu, 2),
+                        "prepare_cpu_ms_per_mb": round(prep_cpu, 2),
+                        "cpu_ratio": round(enc_cpu / prep_cpu, 3),
+                        "load_avg_before": load0, "load_avg_after": loadavg(), "tokens": tokens}
+                    before, cpu_before = after, cpu_after
+                    if kind == "byte" and byte_prepared is None:
+                        byte_prepared = p
             r["tokenizers"][str(name)] = row
-        if "2" in next(iter(r["tokenizers"].values()))["prepare"]:
-            last = list(r["tokenizers"])[-1]
-            row = r["tokenizers"][last]
-            eff = row["prepare"]["2"]["ratio_to_workers_x_fastest"]
-            workers_rate = 16 * row["fastest_encoder_mb_per_s"] * eff
-            # one main process reads, cuts and writes for every worker: at its CPU per MB it feeds at most
-            main_rate = 1e3 / max(row["prepare"]["2"]["main_cpu_ms_per_mb"], 1e-9)
+        last = list(r["tokenizers"])[-1]
+        for fmt in formats:
+            row = r["tokenizers"][last][PREPARE_KEYS[fmt]]
+            if "2" not in row:
+                continue
+            eff = row["2"]["ratio_to_workers_x_fastest"]
+            workers_rate = 16 * r["tokenizers"][last]["fastest_encoder_mb_per_s"] * eff
+            # one main process feeds every worker (text: it reads, cuts and writes; JSON lines: it finds the
+            # workers' byte ranges and writes): at its CPU per MB it feeds at most
+            main_rate = 1e3 / max(row["2"]["main_cpu_ms_per_mb"], 1e-9)
             rate = min(workers_rate, main_rate)
-            r["projection_40gb_16_cores"] = {
-                "tokenizer": last, "efficiency": eff, "mb_per_s": round(rate, 1),
+            r["projection_40gb_16_cores" + ("" if fmt == "text" else f"_{fmt}")] = {
+                "tokenizer": last, "format": fmt, "efficiency": eff, "mb_per_s": round(rate, 1),
                 "workers_mb_per_s": round(workers_rate, 1), "main_process_mb_per_s": round(main_rate, 1),
                 "bound": "the main process" if main_rate < workers_rate else "the workers",
                 "minutes": round(40e3 / rate / 60, 1)}
@@ -317,28 +360,30 @@ def run(cfg) -> int:
         for e, v in row["encoders"].items():
             t.add_row(name, f"encoder {e} alone (1 process, 1 thread)",
                       f"{v['mb_per_s']} MB/s" + ("" if v["same_ids"] else " (ids differ from HF: not used)"))
-        for w, v in row["prepare"].items():
-            t.add_row(name, f"prepare, {v['workers']} worker(s), {v['encoder']}",
-                      f"{v['mb_per_s']} MB/s, {v['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-                      f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest: "
-                      f"{' / '.join(map(str, v['fastest_encoder_before_after_mb_per_s']))} MB/s "
-                      f"before / after), "
-                      f"peak +{v['peak_rss_added_mb']:.0f} MB "
-                      f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
-                      f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB, CPU ratio {v['cpu_ratio']:.2f} "
-                      f"({v['encoder_cpu_ms_per_mb']} / {v['prepare_cpu_ms_per_mb']} ms per MB), "
-                      f"load {v['load_avg_before']}")
+        for fmt, key in PREPARE_KEYS.items():
+            for w, v in row.get(key, {}).items():
+                t.add_row(name, f"prepare {fmt}, {v['workers']} worker(s), {v['encoder']}",
+                          f"{v['mb_per_s']} MB/s, {v['tokens_per_s'] / 1e6:.2f} M tokens/s, "
+                          f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest: "
+                          f"{' / '.join(map(str, v['fastest_encoder_before_after_mb_per_s']))} MB/s "
+                          f"before / after), "
+                          f"peak +{v['peak_rss_added_mb']:.0f} MB "
+                          f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
+                          f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB of the file, CPU ratio "
+                          f"{v['cpu_ratio']:.2f} ({v['encoder_cpu_ms_per_mb']} / "
+                          f"{v['prepare_cpu_ms_per_mb']} ms per MB of text), load {v['load_avg_before']}")
     if "reading" in r:
         t.add_row("", "reading and decoding the file alone (1 process)",
                   f"{r['reading']['read_decode_mb_per_s']} MB/s")
         t.add_row("", "... and cutting it into pieces (1 process)",
                   f"{r['reading']['read_decode_cut_mb_per_s']} MB/s")
-    if "projection_40gb_16_cores" in r:
-        pr = r["projection_40gb_16_cores"]
-        t.add_row(pr["tokenizer"], "[bold]projected: 40 GB on 16 cores",
-                  f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s, bound by {pr['bound']}: 16 workers at "
-                  f"{pr['efficiency']:.2f} efficiency {pr['workers_mb_per_s']} MB/s, one main process "
-                  f"{pr['main_process_mb_per_s']} MB/s)")
+    for key in ("projection_40gb_16_cores", "projection_40gb_16_cores_jsonl"):
+        if key in r:
+            pr = r[key]
+            t.add_row(pr["tokenizer"], f"[bold]projected: 40 GB of {pr['format']} on 16 cores",
+                      f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s, bound by {pr['bound']}: 16 workers "
+                      f"at {pr['efficiency']:.2f} efficiency {pr['workers_mb_per_s']} MB/s, one main process "
+                      f"{pr['main_process_mb_per_s']} MB/s)")
     if "batch_ms" in r:
         t.add_row("byte", f"one training batch ({r['batch']}, memory-mapped)", f"{r['batch_ms']:.3f} ms")
         t.add_row("", f"one {r['model']} step (fp32, AdamW, {r['torch_threads']} threads)",

@@ -46,7 +46,8 @@ from gptkit.data.prepared import (
     load_prepared,
     manifest_checksum,
 )
-from gptkit.data.sources import KINDS, Corpus, Part, open_corpus
+from gptkit.data.ranges import RangeFeed
+from gptkit.data.sources import KINDS, Corpus, LineRange, Part, Parts, open_corpus
 from gptkit.data.tokenfiles import prepare_tokens
 from gptkit.data.tokenize import (
     BATCH_CHARS,
@@ -56,6 +57,7 @@ from gptkit.data.tokenize import (
     batches,
     char_like,
     choose_engine,
+    encode_task,
     split_long,
     start_workers,
     text_bytes,
@@ -84,10 +86,13 @@ SHARD_TOKENS = 16 << 20  # tokens between two commits of a build (a kill loses a
 PROGRESS = "progress.json"  # in a build folder: what is complete
 
 
-def layout() -> dict[str, int]:
-    """The shape of the input batches: a build is continued only with the same."""
+def layout() -> dict[str, Any]:
+    """The shape of the input tasks: a build is continued only with the same. jsonl_tasks: a JSON-lines
+    corpus is tokenized in byte ranges of the files (gptkit.data.ranges; before, in batches of pieces like
+    any corpus): the journal's task count of a build killed before that change means other tasks."""
     return {"piece_chars": tokenize.PIECE_CHARS, "hard_chars": tokenize.HARD_CHARS,
-            "batch_chars": tokenize.BATCH_CHARS, "verify_first": tokenize.VERIFY_FIRST}
+            "batch_chars": tokenize.BATCH_CHARS, "verify_first": tokenize.VERIFY_FIRST,
+            "jsonl_tasks": "byte ranges"}
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:
@@ -385,26 +390,49 @@ def _resume_shard(path: Path, sp: dict[str, Any]) -> bool:
     return crc == sp["crc32"]
 
 
-def write_tokens(tokenizing: Tokenizing, work: Iterator[list[tuple[str, bool, bool]]], out: Path,
-                 journal: Journal, split: str, progress: _Progress) -> tuple[int, int]:
-    """Tokenize the batches into `out` (appended raw ids), committing every SHARD_TOKENS tokens and skipping
-    the batches a killed build already committed. Returns (tokens, documents) of the split."""
+class BatchFeed:
+    """The tasks of one split of any corpus for write_tokens: batches of pieces that this process reads and
+    cuts, which the workers encode (encode_task). (JSON-lines corpora: gptkit.data.ranges.RangeFeed.)"""
+
+    run = staticmethod(encode_task)
+    forced = 0  # counted by the Cutter of this process
+
+    def __init__(self, work: Iterator[list[tuple[str, bool, bool]]]) -> None:
+        self.work = work
+
+    def tasks(self) -> Iterator[list[tuple[str, bool, bool]]]:
+        return self.work
+
+    def skipped(self, batch: list[tuple[str, bool, bool]]) -> int:
+        """A batch a killed build already wrote: its bytes, for the progress."""
+        return text_bytes(batch)
+
+    def done(self, result: tuple) -> None:
+        """Nothing to check: the reading and cutting here raised any error already."""
+
+
+def write_tokens(tokenizing: Tokenizing, feed: BatchFeed | RangeFeed, out: Path, journal: Journal, split: str,
+                 progress: _Progress) -> tuple[int, int]:
+    """Tokenize the feed's tasks into `out` (appended raw ids), committing every SHARD_TOKENS tokens and
+    skipping the tasks a killed build already committed. Returns (tokens, documents) of the split."""
     sp = journal.split(split)
     if sp["done"]:
         return sp["tokens"], sp["documents"]
-    skip = sp["batches"]
+    skip = sp["batches"]  # tasks, whichever the feed's (layout() says which)
     progress.advance(0, sp["tokens"])  # a killed build's complete shards
 
-    def todo() -> Iterator[list[tuple[str, bool, bool]]]:
-        for i, b in enumerate(work):
+    def todo() -> Iterator[Any]:
+        for i, b in enumerate(feed.tasks()):
             if i < skip:  # already in the shard
-                progress.advance(text_bytes(b), skipped=True)
+                progress.advance(feed.skipped(b), skipped=True)
                 continue
             yield b
 
     since = 0
     with open(out, "ab") as f:
-        for arr, docs, n_bytes in tokenizing.map(todo()):
+        for result in tokenizing.map(todo(), feed.run):
+            feed.done(result)
+            arr, docs, n_bytes = result[:3]
             data = arr.tobytes()
             f.write(data)
             sp["crc32"] = zlib.crc32(data, sp["crc32"])
@@ -685,18 +713,26 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype, bos, tokenizer_path=str(tmp / TOKENIZER))
     if engine in ("utf8", "chars"):
         n_workers = 1  # ids from the bytes or a table: sending text to a worker costs more than encoding it
+    ranged = corpus.train_ranges is not None
     _say(f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
-         f"(data.workers)")
+         f"(data.workers)" + (", each reading its own byte ranges of the JSON-lines files" if ranged and
+                              n_workers > 1 else ""))
 
-    def work(parts: Iterator[Part], what: str) -> Iterator[list[tuple[str, bool, bool]]]:
-        return batches(cutter.pieces(parts, eos, what))
+    feeds: list[BatchFeed | RangeFeed] = []
+
+    def work(parts: Parts, ranges: Callable[[int], Iterator[LineRange]] | None) -> BatchFeed | RangeFeed:
+        if ranges is not None:  # JSON lines: whoever encodes a range reads, parses and cuts it
+            feeds.append(RangeFeed(ranges, cutter, corpus.description))
+        else:
+            feeds.append(BatchFeed(batches(cutter.pieces(parts(), eos, corpus.description))))
+        return feeds[-1]
 
     bar = _Progress(progress, corpus.n_bytes, "tokenizing")
     t_tok, c_tok = time.perf_counter(), time.process_time()
     try:
         with Tokenizing(spec, n_workers, pool) as tokenizing:
             if corpus.val_parts is None:
-                n, docs = write_tokens(tokenizing, work(corpus.train_parts(), corpus.description),
+                n, docs = write_tokens(tokenizing, work(corpus.train_parts, corpus.train_ranges),
                                        tmp / "all.bin", journal, "all", bar)
                 if n == 0:
                     raise GptkitError(f"{corpus.description} holds no text; give a corpus with some text")
@@ -706,9 +742,10 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
                 val = {"how": "fraction", "fraction": float(data["val_fraction"]), "documents": docs}
             else:
                 splits = {}
-                for split, parts in (("train", corpus.train_parts), ("val", corpus.val_parts)):
-                    n, docs = write_tokens(tokenizing, work(parts(), corpus.description), tmp / SHARDS[split],
-                                           journal, split, bar)
+                for split, parts, ranges in (("train", corpus.train_parts, corpus.train_ranges),
+                                             ("val", corpus.val_parts, corpus.val_ranges)):
+                    n, docs = write_tokens(tokenizing, work(parts, ranges), tmp / SHARDS[split], journal,
+                                           split, bar)
                     if n == 0:
                         raise GptkitError(f"the {split} files of {corpus.description} hold no text")
                     splits[split] = {"tokens": n, "documents": docs}
@@ -716,8 +753,9 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     finally:
         bar.close()
     t_tok, c_tok = time.perf_counter() - t_tok, time.process_time() - c_tok
-    if cutter.forced:
-        _say(f"note: {cutter.forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
+    forced = cutter.forced + sum(f.forced for f in feeds)  # cut here, and cut by whoever ran a range
+    if forced:
+        _say(f"note: {forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
              f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
              f"there")
     for split, name in SHARDS.items():
@@ -739,6 +777,7 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
         "validation": val,
         "encoder": engine,
         "workers": n_workers,
+        "tasks": "byte ranges of the JSON-lines files" if ranged else "batches of pieces",
         "tokenize_seconds": round(t_tok, 3),  # reading, cutting, encoding and writing the shards
         "tokenize_main_cpu_seconds": round(c_tok, 3),  # of this process (with workers: all but encoding)
         "python": sys.version.split()[0],

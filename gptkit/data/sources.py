@@ -62,6 +62,10 @@ class Corpus:
     n_bytes: int | None = None  # approximate size, for the progress bar
     files: list[str] = field(default_factory=list)
     sample: Callable[[int], Iterator[str]] | None = None
+    # JSON-lines files only: the splits as byte ranges of about `step` bytes, which tokenization workers
+    # read, parse and cut themselves (the same documents as train_parts/val_parts); None: other corpora
+    train_ranges: Callable[[int], Iterator[LineRange]] | None = None
+    val_ranges: Callable[[int], Iterator[LineRange]] | None = None
 
     def all_parts(self) -> Iterator[Part]:
         yield from self.train_parts()
@@ -297,6 +301,23 @@ def _no_field(f: Path, text_field: str, fields: Any) -> GptkitError:
                        f"set data.text_field")
 
 
+def _json_record(f: Path | str, line: bytes, at: int, errors: str) -> dict | None:
+    """The record of one line of a JSON-lines file that starts at byte `at` (None: a blank line)."""
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line.decode("utf-8", errors=errors))
+    except UnicodeDecodeError as exc:
+        raise _bad_byte(Path(f), at + exc.start, line[exc.start:exc.start + 1]) from None
+    except json.JSONDecodeError as exc:
+        raise GptkitError(f"{f}: the line at byte {at} is not valid JSON ({exc.msg}); fix the file "
+                          f"or set data.format") from None
+    if not isinstance(record, dict):
+        raise GptkitError(f"{f}: the line at byte {at} is not a JSON object; each line must be a "
+                          f"record")
+    return record
+
+
 def _jsonl_texts(f: Path, text_field: str, errors: str, start: int = 0, limit: int | None = None,
                  ) -> Iterator[str]:
     """The text fields of a JSON-lines file, one line at a time (from byte `start`, at a line start; at most
@@ -307,18 +328,9 @@ def _jsonl_texts(f: Path, text_field: str, errors: str, start: int = 0, limit: i
         fh.seek(start)
         for line in fh:
             at, offset = offset, offset + len(line)
-            if not line.strip():
+            record = _json_record(f, line, at, errors)
+            if record is None:
                 continue
-            try:
-                record = json.loads(line.decode("utf-8", errors=errors))
-            except UnicodeDecodeError as exc:
-                raise _bad_byte(f, at + exc.start, line[exc.start:exc.start + 1]) from None
-            except json.JSONDecodeError as exc:
-                raise GptkitError(f"{f}: the line at byte {at} is not valid JSON ({exc.msg}); fix the file "
-                                  f"or set data.format") from None
-            if not isinstance(record, dict):
-                raise GptkitError(f"{f}: the line at byte {at} is not a JSON object; each line must be a "
-                                  f"record")
             seen += 1
             t = record.get(text_field)
             if text_field in record:
@@ -384,19 +396,165 @@ def _unreadable(f: Path, fmt: str, exc: Exception) -> GptkitError:
                        f"data.format")
 
 
+def _empty(f: Path | str) -> GptkitError:
+    return GptkitError(f"{f} is empty; remove it from data.paths or give it some text")
+
+
+def _no_texts(f: Path | str, text_field: str) -> GptkitError:
+    return GptkitError(f"{f} has no non-empty {text_field!r} records")
+
+
 def _file_parts(f: Path, fmt: str, text_field: str, errors: str, blank: str = "error") -> Iterator[Part]:
     """The documents of one local file: the whole file (text) or one per record (json, parquet)."""
     if fmt == "text":
         yield from _text_parts(f, errors, blank)
         return
     if f.stat().st_size == 0:
-        raise GptkitError(f"{f} is empty; remove it from data.paths or give it some text")
+        raise _empty(f)
     n = 0
     for t in _records(f, fmt, text_field, errors):
         n += 1
         yield t, True
     if n == 0:
-        raise GptkitError(f"{f} has no non-empty {text_field!r} records")
+        raise _no_texts(f, text_field)
+
+
+# ---- JSON-lines files in byte ranges ---------------------------------------------------------------
+# A JSON-lines record is a whole document, so a file can be cut at any line start into ranges that are
+# read, parsed, cut and encoded independently (by the tokenization workers: gptkit.data.ranges). What the
+# line-by-line reader above checks across lines is checked in order by RangeChecks, with its messages.
+JSONL_RANGES = True  # False: JSON-lines corpora are read line by line in the main process (as before)
+
+
+@dataclass(frozen=True)
+class LineRange:
+    """Bytes [start, end) of a JSON-lines file, from a line start to a line start (or the file's end)."""
+
+    path: str
+    start: int
+    end: int
+    size: int  # of the whole file: end == size is its last range
+    text_field: str
+    errors: str
+
+
+@dataclass
+class RangeStats:
+    """What one range held, for the checks that span lines (RangeChecks): records (JSON objects) before the
+    first bad line, those with the text field, the 1-based index of the first of them (0: none), the fields
+    of the first record with any (and its index), and the first bad line's error (None: none)."""
+
+    records: int = 0
+    with_field: int = 0
+    first_with_field: int = 0
+    fields: list[str] | None = None
+    fields_at: int = 0
+    texts: int = 0
+    error: GptkitError | None = None
+
+
+def _line_end(fh: Any, pos: int, size: int) -> int:
+    """The offset just after the newline at or after byte `pos` (the file's size if there is none), read in
+    blocks of 4 kB, doubling up to 1 MB (a record is usually far shorter than a range)."""
+    fh.seek(pos)
+    block = 4 << 10
+    while pos < size:
+        data = fh.read(block)
+        if not data:
+            return size
+        nl = data.find(b"\n")
+        if nl != -1:
+            return pos + nl + 1
+        pos += len(data)
+        block = min(2 * block, 1 << 20)
+    return size
+
+
+def line_ranges(files: list[Path], text_field: str, errors: str, step: int) -> Iterator[LineRange]:
+    """The files as ranges of about `step` bytes, each ending at a line end: a seek and a short read per
+    range, nothing else of the file is read. An empty file is one empty range (its reader says so)."""
+    for f in files:
+        size = os.stat(f).st_size
+        start = 0
+        with open(f, "rb") as fh:
+            while True:
+                end = size if start + step >= size else _line_end(fh, start + step - 1, size)
+                yield LineRange(str(f), start, end, size, text_field, errors)
+                if end >= size:
+                    break
+                start = end
+
+
+def read_range(r: LineRange) -> tuple[list[str], RangeStats]:
+    """The non-empty text fields of a range's records, and what the range held (RangeStats). A bad line
+    (undecodable with errors=strict, not JSON, not an object) ends the range: its error is in the stats,
+    raised by RangeChecks in order. An empty file is a GptkitError now."""
+    if r.size == 0:
+        raise _empty(r.path)
+    with open(r.path, "rb") as fh:
+        fh.seek(r.start)
+        data = fh.read(r.end - r.start)
+    texts: list[str] = []
+    st = RangeStats()
+    pos = 0
+    try:
+        while pos < len(data):
+            nl = data.find(b"\n", pos)
+            stop = len(data) if nl == -1 else nl + 1
+            record = _json_record(r.path, data[pos:stop], r.start + pos, r.errors)
+            pos = stop
+            if record is None:
+                continue
+            st.records += 1
+            if r.text_field in record:
+                st.with_field += 1
+                st.first_with_field = st.first_with_field or st.records
+            elif st.fields is None and not st.with_field and record:
+                st.fields, st.fields_at = list(record), st.records
+            t = record.get(r.text_field)
+            if t:
+                texts.append(str(t))
+    except GptkitError as exc:
+        st.error = exc
+    st.texts = len(texts)
+    return texts, st
+
+
+class RangeChecks:
+    """The checks of _jsonl_texts and _file_parts that span lines, on a file's ranges in order: the first
+    RECORDS records must hold the text field somewhere, and so must the file; it must have a non-empty text.
+    They raise the errors of the line-by-line reader, in the order it raises them."""
+
+    def __init__(self) -> None:
+        self.path = ""
+        self.records = self.with_field = self.texts = 0
+        self.fields: list[str] = []
+
+    def settled(self, r: LineRange) -> bool:
+        """Nothing this range holds can fail a check that spans lines (the file has shown the text field and
+        a text already): a range a killed build already wrote need not be read again."""
+        return r.path == self.path and r.start > 0 and self.with_field > 0 and self.texts > 0
+
+    def add(self, r: LineRange, st: RangeStats) -> None:
+        """Account for one range (in order); raises the first error the line-by-line reader would."""
+        if r.start == 0:
+            self.path, self.records, self.with_field, self.texts, self.fields = r.path, 0, 0, 0, []
+        if self.with_field == 0 and self.records < RECORDS:
+            k = RECORDS - self.records  # the range's record that is the file's RECORDS-th
+            if st.fields is not None and st.fields_at <= k:
+                self.fields = self.fields or st.fields
+            if st.records >= k and not 0 < st.first_with_field <= k:
+                raise _no_field(Path(r.path), r.text_field, self.fields)
+        if st.error is not None:
+            raise st.error
+        self.records += st.records
+        self.with_field += st.with_field
+        self.texts += st.texts
+        if r.end == r.size:
+            if self.with_field == 0:
+                raise _no_field(Path(r.path), r.text_field, self.fields)
+            if self.texts == 0:
+                raise _no_texts(r.path, r.text_field)
 
 
 def _sample_local(files: list[Path], formats: list[str], text_field: str, errors: str,
@@ -472,10 +630,15 @@ def _files(s: dict[str, Any]) -> Corpus:
     names = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
     desc = f"local files: {names}" + (f"; validation: {len(val_files)} file(s)" if val_files else "")
     every = files + val_files
-    return Corpus(description=desc, train_parts=train, val_parts=val,
-                  sha256=lambda: train_hash() + (val_hash() if val_hash else ""),
-                  n_bytes=sum(f.stat().st_size for f in every), files=[str(f) for f in every],
-                  sample=_sample_local(every, [file_format(f, fmt) for f in every], field_, errors))
+    corpus = Corpus(description=desc, train_parts=train, val_parts=val,
+                    sha256=lambda: train_hash() + (val_hash() if val_hash else ""),
+                    n_bytes=sum(f.stat().st_size for f in every), files=[str(f) for f in every],
+                    sample=_sample_local(every, [file_format(f, fmt) for f in every], field_, errors))
+    if JSONL_RANGES and all(file_format(f, fmt) == "json" and _is_jsonl(f) for f in every):
+        corpus.train_ranges = lambda step: line_ranges(files, field_, errors, step)
+        if val_files:
+            corpus.val_ranges = lambda step: line_ranges(val_files, field_, errors, step)
+    return corpus
 
 
 # ---- Hugging Face Hub ------------------------------------------------------------------------------

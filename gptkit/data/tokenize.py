@@ -16,7 +16,9 @@
    one thread each), at most 2 x workers batches in flight, results in input order: the ids do not
    depend on the worker count. The processes can be started early (`start_workers`), so that their
    start-up (spawning and imports: seconds) overlaps the work before tokenizing; a task carries only its text
-   and a small spec (the tokenizer is read from its file once per process), a result only its ids.
+   and a small spec (the tokenizer is read from its file once per process), a result only its ids. A task
+   can also be a byte range of a JSON-lines file that the worker reads, parses and cuts itself
+   (gptkit.data.ranges): the main process then does almost nothing per byte of text.
 """
 
 from __future__ import annotations
@@ -109,11 +111,23 @@ def gpt2_boundary(x: str, y: str) -> bool:
 class Cutter:
     """Cuts the parts of a stream of documents into pieces that encode to the ids of the whole text."""
 
-    def __init__(self, mode: str, specials: list[str] = (), encode: Callable[[str], list[int]] | None = None):
+    def __init__(self, mode: str, specials: list[str] = (), encode: Callable[[str], list[int]] | None = None,
+                 sizes: dict[str, int] | None = None):
         self.mode = mode  # any (char, byte) | gpt2 (byte-level BPE) | verify (any tokenizer.json)
         self.specials = [s for s in specials if s]
         self.encode = encode  # mode verify: text -> ids
         self.forced = 0  # gpt2: cuts inside a pre-token longer than HARD_CHARS
+        # the module's sizes now, unless given (a worker that cuts gets the main process's: sizes())
+        sizes = sizes or {"piece_chars": PIECE_CHARS, "hard_chars": HARD_CHARS, "max_uncut": MAX_UNCUT,
+                          "verify_chars": VERIFY_CHARS, "verify_first": VERIFY_FIRST}
+        self.piece_chars, self.hard_chars, self.max_uncut = (sizes["piece_chars"], sizes["hard_chars"],
+                                                             sizes["max_uncut"])
+        self.verify_chars, self.verify_first = sizes["verify_chars"], sizes["verify_first"]
+
+    def sizes(self) -> dict[str, int]:
+        """What this Cutter's cuts depend on besides its mode and specials (for a Cutter in a worker)."""
+        return {"piece_chars": self.piece_chars, "hard_chars": self.hard_chars, "max_uncut": self.max_uncut,
+                "verify_chars": self.verify_chars, "verify_first": self.verify_first}
 
     def _clear(self, text: str, c: int) -> bool:
         """No special token's text straddles position c."""
@@ -129,7 +143,7 @@ class Cutter:
             return False
         if self.mode != "verify":
             return True
-        a, b = text[max(0, c - VERIFY_CHARS) : c], text[c : c + VERIFY_CHARS]
+        a, b = text[max(0, c - self.verify_chars) : c], text[c : c + self.verify_chars]
         return self.encode(a + b) == self.encode(a) + self.encode(b)
 
     def _candidates(self, text: str, lo: int, hi: int, limit: int | None) -> Iterator[int]:
@@ -158,7 +172,7 @@ class Cutter:
         every check encodes 2 x VERIFY_CHARS characters three times, and a tokenizer that rejects one kind
         (a Metaspace one: a piece that starts with a newline gets a prefix space) would otherwise check all
         of a window's newlines before its first word boundary; then every candidate, as before."""
-        for limit in (VERIFY_FIRST, None) if self.mode == "verify" else (None,):
+        for limit in (self.verify_first, None) if self.mode == "verify" else (None,):
             for c in self._candidates(text, lo, hi, limit):
                 if self._ok(text, c):
                     return c
@@ -184,20 +198,21 @@ class Cutter:
             buf = buf + text if buf else text
             if last and eos is None and buf and not buf.endswith("\n"):
                 buf += "\n"
-            start, search = 0, PIECE_CHARS
-            while len(buf) - search >= HARD_CHARS or (last and search < len(buf)):
-                c = self.cut(buf, search, min(len(buf), search + HARD_CHARS), search + HARD_CHARS <= len(buf))
+            start, search = 0, self.piece_chars
+            hard = self.hard_chars
+            while len(buf) - search >= hard or (last and search < len(buf)):
+                c = self.cut(buf, search, min(len(buf), search + hard), search + hard <= len(buf))
                 if c is None:
-                    search += HARD_CHARS
-                    if search - start > MAX_UNCUT:
+                    search += hard
+                    if search - start > self.max_uncut:
                         raise GptkitError(
-                            f"{what} has {MAX_UNCUT:,} characters in a row where the tokenizer "
+                            f"{what} has {self.max_uncut:,} characters in a row where the tokenizer "
                             f"cannot be cut without changing its tokens; split the document "
                             f"(e.g. at paragraphs) or use tokenizer=bpe or byte"
                         )
                     continue
                 yield buf[start:c], False
-                start, search = c, c + PIECE_CHARS
+                start, search = c, c + self.piece_chars
             buf = buf[start:]
             if last:
                 if buf:
@@ -443,13 +458,22 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _work(spec: EncoderSpec, batch: list[tuple[str, bool, bool]]):
-    """In a worker: (ids, documents ended, UTF-8 bytes of the text) of one batch."""
+def encode_task(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec,
+                batch: list[tuple[str, bool, bool]]) -> tuple[Any, int, int]:
+    """One task of pieces cut by the main process: (ids, documents ended, UTF-8 bytes of the text)."""
+    return (*encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos), text_bytes(batch))
+
+
+Task = Callable[[Callable[[list[str]], list[Any]], EncoderSpec, Any], tuple]  # (encode, spec, task) -> result
+
+
+def _work(spec: EncoderSpec, task: Any, run: Task = encode_task):
+    """In a worker: run(its encoder, spec, task), e.g. encode_task: (ids, documents ended, UTF-8 bytes)."""
     encode = _worker.get(spec)
     if encode is None:
         _worker.clear()
         encode = _worker[spec] = build_encoder(spec)
-    return (*encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos), text_bytes(batch))
+    return run(encode, spec, task)
 
 
 def text_bytes(batch: list[tuple[str, bool, bool]]) -> int:
@@ -507,20 +531,20 @@ class Tokenizing:
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = self._env
 
-    def map(self, work: Iterator[list[tuple[str, bool, bool]]]) -> Iterator[tuple[Any, int, int]]:
-        """(ids array, documents ended, UTF-8 bytes of text) per batch, in order; at most 2 x workers
-        batches in flight."""
+    def map(self, work: Iterator[Any], run: Task = encode_task) -> Iterator[tuple]:
+        """run(encoder, spec, task) per task, in order, here or in the workers (a module-level function):
+        by default a task is a batch of pieces and its result (ids array, documents ended, UTF-8 bytes of
+        text). At most 2 x workers tasks in flight."""
         if self.pool is None:
             assert self.encode is not None
             for b in work:
-                yield (*encode_batch(self.encode, b, self.spec.eos, self.spec.dtype, self.spec.bos),
-                       text_bytes(b))
+                yield run(self.encode, self.spec, b)
             return
         flight: deque[Future] = deque()
         light = self.spec.light()
         try:
             for b in work:
-                flight.append(self.pool.submit(_work, light, b))
+                flight.append(self.pool.submit(_work, light, b, run))
                 if len(flight) >= 2 * self.workers:
                     yield flight.popleft().result()
             while flight:
