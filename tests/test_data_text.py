@@ -15,6 +15,7 @@ from gptkit.data import prepare
 from gptkit.data.ranges import text_cuts
 from gptkit.data.tokenize import Cutter
 from gptkit.errors import GptkitError
+from gptkit.tokenizer import build_tokenizer
 
 EOS = "<|endoftext|>"
 
@@ -137,11 +138,11 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
         assert ids == want
 
 
-def error(tmp_path, monkeypatch, files, ranges, blank_kind="files", workers=1):
+def error(tmp_path, monkeypatch, files, ranges, tok=None, workers=1):
     monkeypatch.setattr(sources, "TEXT_RANGES", ranges)
     with pytest.raises(GptkitError) as exc:
-        prepare({"kind": blank_kind, "paths": [str(f) for f in files], "workers": workers},
-                {"kind": "byte"}, cache_dir=tmp_path / f"c{ranges}", progress=False)
+        prepare({"kind": "files", "paths": [str(f) for f in files], "workers": workers},
+                tok or {"kind": "byte"}, cache_dir=tmp_path / f"c{ranges}", progress=False)
     return str(exc.value)
 
 
@@ -163,6 +164,18 @@ def test_bad_input_is_the_same_one_line_error_as_before(tmp_path, small, monkeyp
         new = error(tmp_path, monkeypatch, [good, f], True)
         assert new == error(tmp_path, monkeypatch, [good, f], False), what
         assert str(f) in new and "\n" not in new, what
+    # a file read as before (no safe cut) fails after a ranged one with a bad byte: that error comes first
+    nul = tmp_path / "nul-blank.txt"
+    nul.write_bytes(b" " * 5000)
+    assert text_cuts(str(nul), 5000, 3000, Cutter("any")) is None
+    last = tmp_path / "last-range.txt"  # the bad byte in the last range: still in flight at nul's error
+    last.write_bytes(body * 2 + b"caf\xe9 au lait\n" + body[:500])
+    pair = [last, nul]
+    bpe = tmp_path / "bpe.json"  # (a trained bpe would meet the bad byte in training, in either path)
+    tok = build_tokenizer({"kind": "bpe", "vocab_size": 300}, texts=lambda: [body.decode()])
+    bpe.write_text(tok.to_str())
+    msg = error(tmp_path, monkeypatch, pair, True, {"kind": "file", "path": str(bpe)}, workers=2)
+    assert msg == error(tmp_path, monkeypatch, pair, False) and "is not valid UTF-8" in msg
     late = tmp_path / "late-byte.txt"
     assert text_cuts(str(late), late.stat().st_size, 3000, Cutter("any")), "read as before"
     assert f"byte {len(body) + 3} " in error(tmp_path, monkeypatch, [late], True)

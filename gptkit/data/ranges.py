@@ -1,4 +1,6 @@
-"""JSON-lines corpora tokenized by byte ranges: each task is a range of a file, from a line start to a line
+"""JSON-lines corpora and text files tokenized by byte ranges (text files: see TextFeed below).
+
+JSON lines: each task is a range of a file, from a line start to a line
 start (gptkit.data.sources.line_ranges: the main process finds each end with a seek and a short read), and
 whoever runs it (a tokenization worker; the main process with data.workers=1, and for byte and char, which
 encode in the main process) reads the range, decodes it, parses its lines, cuts each record with the
@@ -226,10 +228,12 @@ def encode_text_ranges(encode: Callable[[list[str]], list[Any]], spec: EncoderSp
 
 
 def run_text_task(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, task: Any):
-    """A TextFeed task: text ranges (encode_text_ranges), or a batch of pieces the main process cut (a file
-    read as before: encode_task)."""
+    """A TextFeed task: text ranges (encode_text_ranges), a batch of pieces the main process cut (a file
+    read as before: encode_task), or the error that reading such a file raised."""
     if isinstance(task, list):
         return (*encode_task(encode, spec, task), None, 0)
+    if isinstance(task, GptkitError):  # the error of a file read here (TextFeed.tasks), in its place
+        return np.zeros(0, dtype=spec.dtype), 0, 0, task, 0
     return encode_text_ranges(encode, spec, task)
 
 
@@ -259,8 +263,12 @@ class TextFeed:
                     yield tuple(group), mode, sizes, self.what
                     group, n = [], 0
                 self.read_here += 1
-                yield from batches(self.cutter.pieces(text_parts(f, self.errors, self.blank), self.eos,
-                                                      self.what))
+                try:
+                    yield from batches(self.cutter.pieces(text_parts(f, self.errors, self.blank), self.eos,
+                                                          self.what))
+                except GptkitError as exc:  # raised in order: ranges before it may hold an earlier error
+                    yield exc
+                    return
                 continue
             for s, e in zip([0, *cuts], [*cuts, size]):
                 group.append(TextRange(str(f), s, e, size, self.errors, self.blank))
@@ -273,6 +281,8 @@ class TextFeed:
 
     def skipped(self, task: Any) -> int:
         """A task a killed build already wrote: its bytes, for the progress."""
+        if isinstance(task, GptkitError):
+            return 0
         return text_bytes(task) if isinstance(task, list) else sum(r.end - r.start for r in task[0])
 
     def done(self, result: tuple) -> None:
