@@ -7,7 +7,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import shakespeare
+from conftest import metaspace_tokenizer as metaspace
+from conftest import shakespeare, shard_bytes
 
 import gptkit.data.build as build
 import gptkit.data.sources as sources
@@ -52,23 +53,6 @@ def awkward(tmp_path) -> dict:
         out[name] = tmp_path / f"{name}.txt"
         out[name].write_text(text, encoding="utf-8", newline="")
     return out
-
-
-def metaspace(path):
-    """A tokenizer.json that no fast path knows (Metaspace BPE): cut only where its own encoding verifies."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.train_from_iterator([shakespeare(20_000), "日本語のテキスト。café 🙂 é"],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", EOS],
-                                                show_progress=False))
-    tok.save(str(path))
-    return str(path)
-
-
-def shard_bytes(p):
-    return {n: (p.dir / n).read_bytes() for n in ("train.bin", "val.bin", "tokenizer.json")}
 
 
 def test_cuts_are_safe_places_and_files_without_them_are_read_as_before(tmp_path, small):
