@@ -33,6 +33,23 @@ import pytest  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
+DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_dist_env():
+    """An in-process run with a process group (trainer=fsdp on one device) leaves Lightning's MASTER_PORT in
+    os.environ and its store listening on that port in this process: a later test's 2-process job would
+    inherit the port and fail with EADDRINUSE (it did). Each test ends with these variables as it began."""
+    before = {k: os.environ.get(k) for k in DIST_ENV}
+    yield
+    for k, v in before.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 def shakespeare(n_chars: int | None = None, start: int = 0) -> str:
     """Text of the built-in corpus (data=shakespeare): what the product ships, nothing from outside the
     repo."""
