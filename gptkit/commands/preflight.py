@@ -60,9 +60,9 @@ def _device_name(device: str) -> str:
 def run(cfg) -> int:
     from lightning.fabric import Fabric
 
-    from gptkit import accounting as acc
     from gptkit.conf_tree import model_config
     from gptkit.errors import GptkitError
+    from gptkit.training.memory import estimate as memory_estimate
     from gptkit.training.plan import make_plan
     from gptkit.training.trainer import check_trainer_config
 
@@ -75,8 +75,7 @@ def run(cfg) -> int:
     # the plan `train` would make, without data: the same world and window
     plan = make_plan(cfg, None, model, checked=checked)
     per_node, world = plan.devices, plan.world_size
-    estimate = acc.training_memory(model, plan.precision, plan.shards, plan.batch_size, plan.seq_len,
-                                   bool(t.activation_checkpointing))
+    estimate = memory_estimate(plan)  # as train's host check: LoRA's adapters, DPO's pairs and reference
     estimate["seq_len"] = plan.seq_len
 
     # the probe runs over the same backend as training (nccl on GPUs, gloo on CPU) in a plain DDP group

@@ -147,7 +147,9 @@ class TokenDataModule(L.LightningDataModule):
                       for split in (data.train, data.val))
         self.sampler = pair_sampler(train, self.batch_size, self.seed)
         n_val = len(val) if self.val_windows is None else min(len(val), int(self.val_windows))
-        self._val = [val[i] for i in range(n_val)]  # pairs: (x, y) [2, seq_len], batched by pair_collate
+        # pairs (x, y [2, seq_len], their index in the val set), batched by pair_collate: the index lets
+        # LitGPT count each pair once under DDP (DistributedSampler pads a rank with repeats)
+        self._val = [(*val[i], torch.tensor(i, dtype=torch.long)) for i in range(n_val)]
         if rank_zero_only.rank == 0:
             import sys
 

@@ -322,8 +322,10 @@ class PairRows:
 
 
 def pair_collate(items):
-    """Validation pairs (x, y [2, seq_len] each) -> one batch (x, y [2 * n, seq_len]), pairs side by side."""
-    return tuple(torch.cat(t) for t in zip(*items))
+    """Validation pairs (x, y [2, seq_len] each, and optionally their index: a 0-d tensor) -> one batch
+    (x, y [2 * n, seq_len], pairs side by side; the indices [n])."""
+    cols = list(zip(*items))
+    return (*(torch.cat(t) for t in cols[:2]), *(torch.stack(t) for t in cols[2:]))
 
 
 def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -> PairRows:

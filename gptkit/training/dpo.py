@@ -93,19 +93,25 @@ def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
 
 
 class RewardWindow:
-    """Reward sums and the pair count since the last read, on the device (no host sync until read)."""
+    """Reward sums (and, for validation, loss sums) and the pair count since the last read, on the device (no
+    host sync until read)."""
 
     def __init__(self) -> None:
-        self.sums: torch.Tensor | None = None  # [5]: REWARD_KEYS sums, pairs
+        self.sums: torch.Tensor | None = None  # [6]: REWARD_KEYS sums, loss sum, pairs
+        self.losses = False  # whether add() was given the losses (validation): read() then gives their mean
 
-    def add(self, chosen: torch.Tensor, rejected: torch.Tensor) -> None:
-        """Add one batch's rewards ([P] each)."""
-        row = torch.cat([reward_stats(chosen.float(), rejected.float()),
+    def add(self, chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor | None = None) -> None:
+        """Add one batch's rewards ([P] each) and, when given, its pairs' losses [P]."""
+        self.losses = self.losses or losses is not None
+        zero = chosen.new_zeros((), dtype=torch.float32)
+        loss = losses.detach().float().sum() if losses is not None else zero
+        row = torch.cat([reward_stats(chosen.float(), rejected.float()), loss.view(1),
                          torch.tensor([float(chosen.numel())], dtype=torch.float32, device=chosen.device)])
         self.sums = row if self.sums is None else self.sums + row
 
     def read(self, strategy, prefix: str) -> dict[str, float]:
-        """{prefix/rewards/<key>: mean over every pair of every rank} (one host sync), then start afresh."""
+        """{prefix/rewards/<key>: mean over every pair of every rank, and prefix/loss when losses were added}
+        (one host sync), then start afresh."""
         if self.sums is None:
             return {}
         sums = self.sums if strategy is None else strategy.reduce(self.sums, reduce_op="sum")
@@ -113,7 +119,8 @@ class RewardWindow:
         pairs = float(sums[-1])
         if not pairs:
             return {}
-        return {f"{prefix}/rewards/{k}": float(s) / pairs for k, s in zip(REWARD_KEYS, sums[:-1].tolist())}
+        out = {f"{prefix}/rewards/{k}": float(s) / pairs for k, s in zip(REWARD_KEYS, sums[:4].tolist())}
+        return {f"{prefix}/loss": float(sums[4]) / pairs, **out} if self.losses else out
 
 
 @contextlib.contextmanager
@@ -157,16 +164,28 @@ class DPO:
         with self.disabled(policy), evaluating(policy):
             return answer_logps(policy(x).logits, y)
 
-    def __call__(self, policy: torch.nn.Module, batch, rewards: RewardWindow) -> torch.Tensor:
-        """The mean DPO loss of a batch of pairs (x, y [2P, T]: chosen rows even, rejected odd); its
-        rewards added to `rewards`."""
+    def pair_losses(self, policy: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss [P], chosen reward [P], rejected reward [P]) of a batch of pairs (x, y [2P, T]: chosen rows
+        even, rejected odd)."""
         x, y = batch[0], batch[1]  # [2P, T] each
         ref = self.reference_logps(policy, x, y).view(-1, 2)  # [P, 2]: chosen, rejected
         pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
-        losses, chosen, rejected = dpo_loss(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], self.beta,
-                                            self.label_smoothing, self.loss)
+        return dpo_loss(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.loss)
+
+    def __call__(self, policy: torch.nn.Module, batch, rewards: RewardWindow) -> torch.Tensor:
+        """The mean DPO loss of a batch of pairs; its rewards added to `rewards`."""
+        losses, chosen, rejected = self.pair_losses(policy, batch)
         rewards.add(chosen, rejected)
         return losses.mean()
+
+    def validate(self, policy: torch.nn.Module, batch, rank: int, world: int) -> None:
+        """Add a validation batch's pair losses and rewards to val_rewards, each pair counted once over the
+        ranks: the batch's last element holds each pair's index in the val set [P], and pair i counts on rank
+        i % world (where DistributedSampler puts it first; its padding repeats land elsewhere). So val/loss
+        and val/rewards/* are the means over the distinct val pairs, as one process computes them."""
+        losses, chosen, rejected = self.pair_losses(policy, batch)
+        mine = (batch[2].to(losses.device) % world) == rank  # [P]
+        self.val_rewards.add(chosen[mine], rejected[mine], losses[mine])
 
 
 def check_objective(cfg: Any) -> None:

@@ -221,8 +221,8 @@ class LitGPT(L.LightningModule):
         """The loss of one validation batch, kept on the device; with tagged windows (all but data=chat)
         each source's summed token loss and target count over this batch's windows (see _source_sums).
         objective=dpo: the batch's DPO loss, its rewards added to the val RewardWindow."""
-        if self.dpo is not None:  # the DPO loss and rewards of the val pairs
-            self._val_losses.append(self.dpo(self.model, batch, self.dpo.val_rewards).detach())
+        if self.dpo is not None:  # the DPO losses and rewards of the val pairs, each pair counted once
+            self.dpo.validate(self.model, batch, self.trainer.global_rank, self.trainer.world_size)
             return
         sources = self._val_sources()
         x, y, *rest = batch
@@ -265,17 +265,19 @@ class LitGPT(L.LightningModule):
         """Log val/loss and val/ppl: the mean token loss over the distinct val windows, from sums and counts
         reduced over the ranks (each window counted once: a DDP run reports what one process does); with
         data=mix also val/loss/<source>, over that source's own windows. data=chat: the mean of the batch
-        means over the batches and ranks."""
+        means over the batches and ranks. objective=dpo: val/loss and val/rewards/* are means over the
+        distinct val pairs (DPO.validate)."""
+        if self.dpo is not None:
+            means = self.dpo.val_rewards.read(self.trainer.strategy, "val")  # reduced: the same on every rank
+            for key, value in means.items():
+                self.log(key, value, prog_bar=key == "val/loss", sync_dist=False)
+            if means:
+                self.log("step", float(self.global_step))
+            return
         if not self._val_losses:
             return
         loss = torch.stack(self._val_losses).mean()
         self._val_losses.clear()
-        if self.dpo is not None:  # the mean DPO loss of the batches; val/rewards/*: over every val pair
-            self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-            for key, value in self.dpo.val_rewards.read(self.trainer.strategy, "val").items():
-                self.log(key, value, sync_dist=True)  # the same on every rank already: the mean keeps it
-            self.log("step", float(self.global_step))
-            return
         sources = self._val_sources()
         if sources is None:
             self.log("val/loss", loss, prog_bar=True, sync_dist=True)
