@@ -59,6 +59,25 @@ def shakespeare(n_chars: int | None = None, start: int = 0) -> str:
     return text[start:] if n_chars is None else text[start:start + n_chars]
 
 
+def metaspace_tokenizer(path, eos="<|endoftext|>"):
+    """A tokenizer.json that no fast path knows (Metaspace BPE): cut only where its own encoding verifies.
+    Saved at `path`; returns the path as a string."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.train_from_iterator([shakespeare(20_000), "日本語のテキスト。café 😀 42"],
+                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", eos],
+                                                show_progress=False))
+    tok.save(str(path))
+    return str(path)
+
+
+def shard_bytes(p):
+    """The bytes of a prepared folder's shards and tokenizer (what must be bit-identical)."""
+    return {n: (p.dir / n).read_bytes() for n in ("train.bin", "val.bin", "tokenizer.json")}
+
+
 def run_cli(*args, env=None, cwd=None, timeout=300):
     """Run `python -m gptkit ...` as a subprocess (the way a user runs it); return CompletedProcess."""
     import subprocess

@@ -6,7 +6,8 @@ import json
 
 import numpy as np
 import pytest
-from conftest import shakespeare
+from conftest import metaspace_tokenizer as metaspace
+from conftest import shakespeare, shard_bytes
 
 import gptkit.data.sources as sources
 from gptkit.data import prepare
@@ -51,23 +52,6 @@ def write(path, recs, blank_every=6):
     lines[2] = lines[2].replace('", "id"', '",\r "id"')  # \r between JSON tokens (splitlines cuts there)
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
-
-
-def metaspace(path):
-    """A tokenizer.json that no fast path knows (Metaspace BPE): cut only where its own encoding verifies."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.train_from_iterator([shakespeare(20_000), "日本語のテキスト。café 😀 42"],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", EOS],
-                                                show_progress=False))
-    tok.save(str(path))
-    return str(path)
-
-
-def shard_bytes(p):
-    return {n: (p.dir / n).read_bytes() for n in ("train.bin", "val.bin", "tokenizer.json")}
 
 
 def expected_ids(p, recs, bos=None):

@@ -42,7 +42,7 @@ from rich.table import Table
 from gptkit.conf_tree import conf_dir, model_config
 from gptkit.data import TokenDataModule, prepare
 from gptkit.data.build import human
-from gptkit.data.sources import _text_parts, stdlib_files
+from gptkit.data.sources import stdlib_files, text_parts
 from gptkit.data.tokenize import Cutter, EncoderSpec, Tokenizing, batches, tiktoken_tables
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
@@ -148,7 +148,7 @@ def encoder_sample(path: Path, mb: float) -> list[str]:
     """About `mb` MB of the file, cut as prepare cuts it: every k-th batch of it, so that the encoders are
     timed on text spread over the whole file like prepare's (its parts need not encode at the same speed)."""
     every = max(1, round(path.stat().st_size / (mb * 1e6)))
-    pieces = Cutter("gpt2").pieces(_text_parts(path, "strict", "error"), eos=0)
+    pieces = Cutter("gpt2").pieces(text_parts(path, "strict", "error"), eos=0)
     return [t for i, b in enumerate(batches(pieces)) if i % every == 0 for t, _, _ in b]
 
 
@@ -187,7 +187,7 @@ def make_jsonl(text_file: Path, path: Path, seed: int = 0) -> Path:
 
     rng = random.Random(seed)
     with open(path, "w", encoding="utf-8") as out:
-        for part, _ in _text_parts(text_file, "strict", "error"):
+        for part, _ in text_parts(text_file, "strict", "error"):
             at = 0
             while at < len(part):
                 n = min(200_000, int(rng.lognormvariate(8.5, 1.5)) + 200)
@@ -204,11 +204,11 @@ def reading_floor(path: Path) -> dict[str, float]:
     An encoder faster than these (byte, char) cannot set prepare's pace."""
     mb = path.stat().st_size / 1e6
     t0 = time.perf_counter()
-    for _ in _text_parts(path, "strict", "error"):
+    for _ in text_parts(path, "strict", "error"):
         pass
     read = time.perf_counter() - t0
     t0 = time.perf_counter()
-    for _ in batches(Cutter("gpt2").pieces(_text_parts(path, "strict", "error"), eos=0)):
+    for _ in batches(Cutter("gpt2").pieces(text_parts(path, "strict", "error"), eos=0)):
         pass
     cut = time.perf_counter() - t0
     return {"read_decode_mb_per_s": round(mb / read, 1), "read_decode_cut_mb_per_s": round(mb / cut, 1)}

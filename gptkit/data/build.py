@@ -46,7 +46,7 @@ from gptkit.data.prepared import (
     load_prepared,
     manifest_checksum,
 )
-from gptkit.data.ranges import RangeFeed
+from gptkit.data.ranges import RangeFeed, TextFeed
 from gptkit.data.sources import KINDS, Corpus, LineRange, Part, Parts, open_corpus
 from gptkit.data.tokenfiles import prepare_tokens
 from gptkit.data.tokenize import (
@@ -89,10 +89,11 @@ PROGRESS = "progress.json"  # in a build folder: what is complete
 def layout() -> dict[str, Any]:
     """The shape of the input tasks: a build is continued only with the same. jsonl_tasks: a JSON-lines
     corpus is tokenized in byte ranges of the files (gptkit.data.ranges; before, in batches of pieces like
-    any corpus): the journal's task count of a build killed before that change means other tasks."""
+    any corpus), text_tasks: text files too: the journal's task count of a build killed before either change
+    means other tasks."""
     return {"piece_chars": tokenize.PIECE_CHARS, "hard_chars": tokenize.HARD_CHARS,
             "batch_chars": tokenize.BATCH_CHARS, "verify_first": tokenize.VERIFY_FIRST,
-            "jsonl_tasks": "byte ranges"}
+            "jsonl_tasks": "byte ranges", "text_tasks": "byte ranges"}
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:
@@ -714,15 +715,22 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     if engine in ("utf8", "chars"):
         n_workers = 1  # ids from the bytes or a table: sending text to a worker costs more than encoding it
     ranged = corpus.train_ranges is not None
+    # text files: in byte ranges where the Cutter's cuts need no encoding (any, gpt2); verify: as before
+    texts = corpus.train_text is not None and cutter.mode in ("any", "gpt2")
+    what = "JSON-lines" if ranged else "text" if texts else ""
     _say(f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
-         f"(data.workers)" + (", each reading its own byte ranges of the JSON-lines files" if ranged and
+         f"(data.workers)" + (f", each reading its own byte ranges of the {what} files" if what and
                               n_workers > 1 else ""))
 
-    feeds: list[BatchFeed | RangeFeed] = []
+    feeds: list[BatchFeed | RangeFeed | TextFeed] = []
 
-    def work(parts: Parts, ranges: Callable[[int], Iterator[LineRange]] | None) -> BatchFeed | RangeFeed:
+    def work(parts: Parts, ranges: Callable[[int], Iterator[LineRange]] | None,
+             text: list[Path] | None) -> BatchFeed | RangeFeed | TextFeed:
         if ranges is not None:  # JSON lines: whoever encodes a range reads, parses and cuts it
             feeds.append(RangeFeed(ranges, cutter, corpus.description))
+        elif texts and text is not None:  # text files: whoever encodes a range reads, decodes and cuts it
+            feeds.append(TextFeed(text, corpus.text_errors, corpus.text_blank, cutter, eos,
+                                  corpus.description))
         else:
             feeds.append(BatchFeed(batches(cutter.pieces(parts(), eos, corpus.description))))
         return feeds[-1]
@@ -732,7 +740,8 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     try:
         with Tokenizing(spec, n_workers, pool) as tokenizing:
             if corpus.val_parts is None:
-                n, docs = write_tokens(tokenizing, work(corpus.train_parts, corpus.train_ranges),
+                n, docs = write_tokens(tokenizing, work(corpus.train_parts, corpus.train_ranges,
+                                                        corpus.train_text),
                                        tmp / "all.bin", journal, "all", bar)
                 if n == 0:
                     raise GptkitError(f"{corpus.description} holds no text; give a corpus with some text")
@@ -742,10 +751,11 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
                 val = {"how": "fraction", "fraction": float(data["val_fraction"]), "documents": docs}
             else:
                 splits = {}
-                for split, parts, ranges in (("train", corpus.train_parts, corpus.train_ranges),
-                                             ("val", corpus.val_parts, corpus.val_ranges)):
-                    n, docs = write_tokens(tokenizing, work(parts, ranges), tmp / SHARDS[split], journal,
-                                           split, bar)
+                for split, parts, ranges, text in (
+                        ("train", corpus.train_parts, corpus.train_ranges, corpus.train_text),
+                        ("val", corpus.val_parts, corpus.val_ranges, corpus.val_text)):
+                    n, docs = write_tokens(tokenizing, work(parts, ranges, text), tmp / SHARDS[split],
+                                           journal, split, bar)
                     if n == 0:
                         raise GptkitError(f"the {split} files of {corpus.description} hold no text")
                     splits[split] = {"tokens": n, "documents": docs}
@@ -754,6 +764,7 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
         bar.close()
     t_tok, c_tok = time.perf_counter() - t_tok, time.process_time() - c_tok
     forced = cutter.forced + sum(f.forced for f in feeds)  # cut here, and cut by whoever ran a range
+    read_here = sum(getattr(f, "read_here", 0) for f in feeds)  # text files not cut in ranges
     if forced:
         _say(f"note: {forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
              f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
@@ -777,7 +788,9 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
         "validation": val,
         "encoder": engine,
         "workers": n_workers,
-        "tasks": "byte ranges of the JSON-lines files" if ranged else "batches of pieces",
+        "tasks": (f"byte ranges of the {what} files" if what else "batches of pieces")
+                 + (f" ({read_here} file(s) read here: no safe cut for {tokenize.HARD_CHARS // 2:,} bytes)"
+                    if read_here else ""),
         "tokenize_seconds": round(t_tok, 3),  # reading, cutting, encoding and writing the shards
         "tokenize_main_cpu_seconds": round(c_tok, 3),  # of this process (with workers: all but encoding)
         "python": sys.version.split()[0],

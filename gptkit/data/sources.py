@@ -66,6 +66,13 @@ class Corpus:
     # read, parse and cut themselves (the same documents as train_parts/val_parts); None: other corpora
     train_ranges: Callable[[int], Iterator[LineRange]] | None = None
     val_ranges: Callable[[int], Iterator[LineRange]] | None = None
+    # text files only (each one document): the splits' files, which tokenization workers read in byte ranges
+    # (gptkit.data.ranges.TextFeed); text_blank: what a file of only whitespace is (error, or skip); None:
+    # other corpora
+    train_text: list[Path] | None = None
+    val_text: list[Path] | None = None
+    text_errors: str = "strict"
+    text_blank: str = "error"
 
     def all_parts(self) -> Iterator[Part]:
         yield from self.train_parts()
@@ -273,7 +280,7 @@ def check_utf8(path: Path) -> None:
         pass
 
 
-def _text_parts(f: Path, errors: str, blank: str) -> Iterator[Part]:
+def text_parts(f: Path, errors: str, blank: str) -> Iterator[Part]:
     """One text file as one document, in pieces of about READ_BYTES. A file of only whitespace is no
     document: skipped (blank="skip") or an error (blank="error")."""
     if blank == "error" and f.stat().st_size == 0:
@@ -407,7 +414,7 @@ def _no_texts(f: Path | str, text_field: str) -> GptkitError:
 def _file_parts(f: Path, fmt: str, text_field: str, errors: str, blank: str = "error") -> Iterator[Part]:
     """The documents of one local file: the whole file (text) or one per record (json, parquet)."""
     if fmt == "text":
-        yield from _text_parts(f, errors, blank)
+        yield from text_parts(f, errors, blank)
         return
     if f.stat().st_size == 0:
         raise _empty(f)
@@ -424,6 +431,7 @@ def _file_parts(f: Path, fmt: str, text_field: str, errors: str, blank: str = "e
 # read, parsed, cut and encoded independently (by the tokenization workers: gptkit.data.ranges). What the
 # line-by-line reader above checks across lines is checked in order by RangeChecks, with its messages.
 JSONL_RANGES = True  # False: JSON-lines corpora are read line by line in the main process (as before)
+TEXT_RANGES = True  # False: text files are read, decoded and cut in the main process (as before)
 
 
 @dataclass(frozen=True)
@@ -600,12 +608,13 @@ def _sample_local(files: list[Path], formats: list[str], text_field: str, errors
 def _text_files(files: list[Path], errors: str) -> Corpus:
     def parts() -> Iterator[Part]:
         for f in files:
-            yield from _text_parts(f, errors, "skip")  # the many empty __init__.py files are not documents
+            yield from text_parts(f, errors, "skip")  # the many empty __init__.py files are not documents
 
     return Corpus(description="", train_parts=parts, val_parts=None,
                   sha256=lambda: _files_digest(files),
                   n_bytes=sum(f.stat().st_size for f in files), files=[str(f) for f in files],
-                  sample=_sample_local(files, ["text"] * len(files), "text", errors))
+                  sample=_sample_local(files, ["text"] * len(files), "text", errors),
+                  train_text=files if TEXT_RANGES else None, text_errors=errors, text_blank="skip")
 
 
 def _local(files: list[Path], fmt: str, text_field: str, errors: str) -> tuple[Parts, Callable[[], str]]:
@@ -638,6 +647,8 @@ def _files(s: dict[str, Any]) -> Corpus:
         corpus.train_ranges = lambda step: line_ranges(files, field_, errors, step)
         if val_files:
             corpus.val_ranges = lambda step: line_ranges(val_files, field_, errors, step)
+    if TEXT_RANGES and all(file_format(f, fmt) == "text" for f in every):
+        corpus.train_text, corpus.val_text, corpus.text_errors = files, val_files or None, errors
     return corpus
 
 

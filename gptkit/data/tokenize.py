@@ -17,8 +17,9 @@
    depend on the worker count. The processes can be started early (`start_workers`), so that their
    start-up (spawning and imports: seconds) overlaps the work before tokenizing; a task carries only its text
    and a small spec (the tokenizer is read from its file once per process), a result only its ids. A task
-   can also be a byte range of a JSON-lines file that the worker reads, parses and cuts itself
-   (gptkit.data.ranges): the main process then does almost nothing per byte of text.
+   can also be a byte range of a JSON-lines file that the worker reads, parses and cuts itself, or of a
+   text file, ending at safe cuts, that it reads, decodes and cuts (gptkit.data.ranges): the main process
+   then does almost nothing per byte of text.
 """
 
 from __future__ import annotations
