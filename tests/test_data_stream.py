@@ -489,4 +489,5 @@ def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_pa
     one, two = bpe["prepare_jsonl"]["1"], bpe["prepare_jsonl"]["2"]  # the same text as JSON lines
     assert one["tokens"] == two["tokens"] > 0 and two["tasks"] == "byte ranges of the JSON-lines files"
     assert r["projection_40gb_16_cores_jsonl"]["main_process_mb_per_s"] > 0
-    assert abs(pr["minutes"] - 40e3 / pr["mb_per_s"] / 60) <= 0.1  # mb_per_s is rounded
+    # mb_per_s is rounded to 0.1 and minutes to 0.1: at a few MB/s (a loaded machine) that is a few percent
+    assert pr["minutes"] == pytest.approx(40e3 / pr["mb_per_s"] / 60, rel=0.05, abs=0.1)
