@@ -59,6 +59,50 @@ def shakespeare(n_chars: int | None = None, start: int = 0) -> str:
     return text[start:] if n_chars is None else text[start:start + n_chars]
 
 
+def small_tasks(monkeypatch) -> None:
+    """Pieces and tokenization tasks small enough that a corpus of a few tens of kB is many byte ranges and
+    its long documents many pieces (test_data_jsonl, test_data_text)."""
+    monkeypatch.setattr("gptkit.data.tokenize.PIECE_CHARS", 700)
+    monkeypatch.setattr("gptkit.data.tokenize.HARD_CHARS", 1500)
+    monkeypatch.setattr("gptkit.data.tokenize.BATCH_CHARS", 3000)
+
+
+def prepare_error(tmp_path, monkeypatch, switch: str, files, ranges: bool, tok=None, workers: int = 1) -> str:
+    """The one-line error of preparing `files` with gptkit.data.sources.<switch> (JSONL_RANGES, TEXT_RANGES)
+    set to `ranges`: the byte-range path or the one before it (test_data_jsonl, test_data_text)."""
+    from gptkit.data import prepare, sources
+    from gptkit.errors import GptkitError
+
+    monkeypatch.setattr(sources, switch, ranges)
+    with pytest.raises(GptkitError) as exc:
+        prepare({"kind": "files", "paths": [str(f) for f in files], "workers": workers},
+                tok or {"kind": "byte"}, cache_dir=tmp_path / f"c{ranges}", progress=False)
+    return str(exc.value)
+
+
+def interrupt_prepare(monkeypatch, data, tok, cache_dir, at: int) -> dict:
+    """Prepare (data, tok) into cache_dir and stop it (Ctrl-C) at its `at`-th input task; returns the partial
+    build's progress.json (the next prepare continues it)."""
+    import json
+
+    from gptkit.data import build, prepare
+
+    real, seen = build.fault_point, []
+
+    def interrupt(name):
+        seen.append(name)
+        if seen.count("prepare-batch") == at:
+            raise KeyboardInterrupt
+        real(name)
+
+    monkeypatch.setattr(build, "fault_point", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        prepare(data, tok, cache_dir=cache_dir, progress=False)
+    monkeypatch.setattr(build, "fault_point", real)
+    (partial,) = Path(cache_dir).glob(".*.partial")
+    return json.loads((partial / "progress.json").read_text())
+
+
 def metaspace_tokenizer(path, eos="<|endoftext|>"):
     """A tokenizer.json that no fast path knows (Metaspace BPE): cut only where its own encoding verifies.
     Saved at `path`; returns the path as a string."""

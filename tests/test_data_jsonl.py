@@ -6,12 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
 from conftest import metaspace_tokenizer as metaspace
-from conftest import shakespeare, shard_bytes
 
 import gptkit.data.sources as sources
 from gptkit.data import prepare
-from gptkit.errors import GptkitError
 
 EOS = "<|endoftext|>"
 
@@ -19,9 +18,7 @@ EOS = "<|endoftext|>"
 @pytest.fixture
 def small(monkeypatch):
     """Pieces and tasks small enough that a 50 kB corpus is many ranges and its long records many pieces."""
-    monkeypatch.setattr("gptkit.data.tokenize.PIECE_CHARS", 700)
-    monkeypatch.setattr("gptkit.data.tokenize.HARD_CHARS", 1500)
-    monkeypatch.setattr("gptkit.data.tokenize.BATCH_CHARS", 3000)
+    small_tasks(monkeypatch)
 
 
 def records() -> list:
@@ -109,11 +106,7 @@ def test_ranges_give_the_shards_of_the_line_by_line_path(tmp_path, small, monkey
 
 
 def error(tmp_path, monkeypatch, files, ranges, tok=None, workers=1):
-    monkeypatch.setattr(sources, "JSONL_RANGES", ranges)
-    with pytest.raises(GptkitError) as exc:
-        prepare({"kind": "files", "paths": [str(f) for f in files], "workers": workers},
-                tok or {"kind": "byte"}, cache_dir=tmp_path / f"c{ranges}", progress=False)
-    return str(exc.value)
+    return prepare_error(tmp_path, monkeypatch, "JSONL_RANGES", files, ranges, tok, workers)
 
 
 def test_bad_input_is_the_same_one_line_error_as_line_by_line(tmp_path, small, monkeypatch):
@@ -179,20 +172,9 @@ def test_a_killed_jsonl_build_continues_bit_identically(tmp_path, small, monkeyp
     assert 2 <= n_text < len(ranges) - 2
     data, tok = {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "char", "eos_token": EOS}
     ref = prepare(data, tok, cache_dir=tmp_path / "ref", progress=False)
-    real, seen = build.fault_point, []
-
-    def interrupt(name):
-        seen.append(name)
-        if seen.count("prepare-batch") == n_text + 1:  # the first range without the text field
-            raise KeyboardInterrupt
-        real(name)
-
-    monkeypatch.setattr(build, "fault_point", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(data, tok, cache_dir=tmp_path / "cache", progress=False)
-    (partial,) = (tmp_path / "cache").glob(".*.partial")
-    assert json.loads((partial / "progress.json").read_text())["splits"]["all"]["batches"] == n_text
-    monkeypatch.setattr(build, "fault_point", real)
+    # stopped at the first range without the text field
+    state = interrupt_prepare(monkeypatch, data, tok, tmp_path / "cache", n_text + 1)
+    assert state["splits"]["all"]["batches"] == n_text
     again = prepare(data, tok, cache_dir=tmp_path / "cache", progress=False)
     assert shard_bytes(again) == shard_bytes(ref)
 

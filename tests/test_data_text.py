@@ -3,19 +3,17 @@ safe cuts that the main process finds with short reads: the shards are those of 
 decoding and cutting everything (sources.TEXT_RANGES=False, as before), for every tokenizer kind and worker
 count, on awkward text; the errors are its errors; a killed build continues bit-identically."""
 
-import json
 
 import numpy as np
 import pytest
+from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
 from conftest import metaspace_tokenizer as metaspace
-from conftest import shakespeare, shard_bytes
 
 import gptkit.data.build as build
 import gptkit.data.sources as sources
 from gptkit.data import prepare
 from gptkit.data.ranges import text_cuts
 from gptkit.data.tokenize import Cutter
-from gptkit.errors import GptkitError
 from gptkit.tokenizer import build_tokenizer
 
 EOS = "<|endoftext|>"
@@ -24,9 +22,7 @@ EOS = "<|endoftext|>"
 @pytest.fixture
 def small(monkeypatch):
     """Pieces and tasks small enough that a 20 kB file is many ranges and many pieces."""
-    monkeypatch.setattr("gptkit.data.tokenize.PIECE_CHARS", 700)
-    monkeypatch.setattr("gptkit.data.tokenize.HARD_CHARS", 1500)
-    monkeypatch.setattr("gptkit.data.tokenize.BATCH_CHARS", 3000)
+    small_tasks(monkeypatch)
     monkeypatch.setattr(sources, "READ_BYTES", 2048)  # the old path reads (and decodes) in parts
     monkeypatch.setattr("gptkit.data.ranges.SCAN_BLOCK", 64)  # the main process reads a little of each range
 
@@ -123,11 +119,7 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
 
 
 def error(tmp_path, monkeypatch, files, ranges, tok=None, workers=1):
-    monkeypatch.setattr(sources, "TEXT_RANGES", ranges)
-    with pytest.raises(GptkitError) as exc:
-        prepare({"kind": "files", "paths": [str(f) for f in files], "workers": workers},
-                tok or {"kind": "byte"}, cache_dir=tmp_path / f"c{ranges}", progress=False)
-    return str(exc.value)
+    return prepare_error(tmp_path, monkeypatch, "TEXT_RANGES", files, ranges, tok, workers)
 
 
 def test_bad_input_is_the_same_one_line_error_as_before(tmp_path, small, monkeypatch):
@@ -192,21 +184,8 @@ def test_a_killed_text_build_continues_bit_identically(tmp_path, small, monkeypa
     data, tok = {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "char", "eos_token": EOS}
     ref = prepare(data, tok, cache_dir=tmp_path / "ref", progress=False)
     assert ref.manifest["tasks"] == "byte ranges of the text files"
-    real, seen = build.fault_point, []
-
-    def interrupt(name):
-        seen.append(name)
-        if seen.count("prepare-batch") == 4:
-            raise KeyboardInterrupt
-        real(name)
-
-    monkeypatch.setattr(build, "fault_point", interrupt)
-    with pytest.raises(KeyboardInterrupt):
-        prepare(data, tok, cache_dir=tmp_path / "cache", progress=False)
-    (partial,) = (tmp_path / "cache").glob(".*.partial")
-    state = json.loads((partial / "progress.json").read_text())
+    state = interrupt_prepare(monkeypatch, data, tok, tmp_path / "cache", 4)
     assert state["splits"]["all"]["batches"] == 3 and state["layout"]["text_tasks"] == "byte ranges"
-    monkeypatch.setattr(build, "fault_point", real)
     again = prepare(data, tok, cache_dir=tmp_path / "cache", progress=False)
     assert shard_bytes(again) == shard_bytes(ref)
 
