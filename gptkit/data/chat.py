@@ -527,33 +527,52 @@ def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None
             raise GptkitError(f"data.paths hold {len(convs)} conversation(s); data=chat needs at least 2 "
                               "(one for validation) or data.val_paths")
     splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    eos = tok_s.get("eos_token")
-    eos_id = tokenizer.token_to_id(eos) if eos else None
-    end = template.end_of_turn().strip()
-    pad_id = eos_id if eos_id is not None else 0
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "cache_key": key,
         "source": {"kind": "chat", "description": "chat conversations from "
                                                   f"{', '.join(map(str, train_files))}"
                    + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""), "sha256": content},
         "template": template.name, "added_tokens": added,
-        "tokenizer": {**tok_s, "vocab_size": tokenizer.get_vocab_size(),
-                      "sha256": tokenizer_sha256(tokenizer),
-                      "eos_id": eos_id, "pad_id": pad_id, "end_of_turn": end,
-                      "end_of_turn_id": tokenizer.token_to_id(end) if end else None},
+        "tokenizer": tokenizer_record(tokenizer, tok_s, template),
         "splits": {k: {"conversations": len(v), "tokens": sum(len(ids) for ids, _ in v),
                        "loss_tokens": sum(sum(m) for _, m in v)} for k, v in splits.items()},
     }
+    arrays = {}
+    for k, v in splits.items():
+        arrays[f"{k}_ids"] = np.array([t for ids, _ in v for t in ids], dtype=np.uint32)
+        arrays[f"{k}_mask"] = np.array([t for _, m in v for t in m], dtype=np.uint8)
+        arrays[f"{k}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in v], dtype=np.int64)
+    publish_folder(root, final, {"conversations.npz": arrays}, tokenizer, template, manifest)
+    data = load_chat(final, s)
+    note = f"; added {', '.join(added)} to the tokenizer" if added else ""
+    _say(f"prepared {final} ({_counts(manifest)}{note})")
+    return data
+
+
+def tokenizer_record(tokenizer, tok_s: dict[str, Any], template) -> dict[str, Any]:
+    """The manifest's tokenizer entry of a chat or preference folder: its settings, size, hash, and the ids
+    of EOS, padding (EOS, else 0) and the template's end of turn."""
+    eos = tok_s.get("eos_token")
+    eos_id = tokenizer.token_to_id(eos) if eos else None
+    end = template.end_of_turn().strip()
+    return {**tok_s, "vocab_size": tokenizer.get_vocab_size(), "sha256": tokenizer_sha256(tokenizer),
+            "eos_id": eos_id, "pad_id": eos_id if eos_id is not None else 0, "end_of_turn": end,
+            "end_of_turn_id": tokenizer.token_to_id(end) if end else None}
+
+
+def publish_folder(root: Path, final: Path, arrays: dict[str, dict[str, Any]], tokenizer, template,
+                   manifest: dict[str, Any], extra: dict[str, str] | None = None) -> None:
+    """Write a chat or preference folder atomically: its .npz files ({file name: arrays}), `extra` text files,
+    tokenizer.json, the template and manifest.json (last) into a temporary folder beside `final`, then renamed
+    into place. A folder another process finished first is kept; any failure removes the temporary folder."""
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_builds(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
     try:
-        arrays = {}
-        for k, v in splits.items():
-            arrays[f"{k}_ids"] = np.array([t for ids, _ in v for t in ids], dtype=np.uint32)
-            arrays[f"{k}_mask"] = np.array([t for _, m in v for t in m], dtype=np.uint8)
-            arrays[f"{k}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in v], dtype=np.int64)
-        np.savez(tmp / "conversations.npz", **arrays)
+        for name, content in arrays.items():
+            np.savez(tmp / name, **content)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
         (tmp / "tokenizer.json").write_text(tokenizer.to_str())
         (tmp / CHAT_FILE).write_text(template.to_json())
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
@@ -567,10 +586,6 @@ def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    data = load_chat(final, s)
-    note = f"; added {', '.join(added)} to the tokenizer" if added else ""
-    _say(f"prepared {final} ({_counts(manifest)}{note})")
-    return data
 
 
 def _counts(m: dict[str, Any]) -> str:

@@ -21,10 +21,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +31,8 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gptkit.data.build import cache_root, remove_stale_builds
+from gptkit.data.build import cache_root
 from gptkit.data.chat import (
-    CHAT_FILE,
     ChatSampler,
     ChatSplit,
     TemplatedData,
@@ -45,16 +42,16 @@ from gptkit.data.chat import (
     assistant_spans,
     conversation,
     encode,
+    publish_folder,
     resolve_template,
+    tokenizer_record,
 )
 from gptkit.data.sources import expand_paths
 from gptkit.errors import GptkitError
-from gptkit.fsio import DIR_MODE
 from gptkit.tokenizer import (
     build_tokenizer,
     file_sha256,
     tokenizer_settings,
-    tokenizer_sha256,
 )
 
 FORMAT = "gptkit-preference"
@@ -223,50 +220,27 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
             raise GptkitError(f"data.paths hold {len(pairs)} pair(s); data=preference needs at least 2 (one "
                               "for validation) or data.val_paths")
     splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    eos = tok_s.get("eos_token")
-    eos_id = tokenizer.token_to_id(eos) if eos else None
-    end = template.end_of_turn().strip()
     manifest: dict[str, Any] = {
         "format": FORMAT, "format_version": FORMAT_VERSION, "cache_key": key,
         "source": {"kind": "preference", "description": "preference pairs from "
                                                         f"{', '.join(map(str, train_files))}"
                    + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""), "sha256": content},
         "template": template.name, "added_tokens": added,
-        "tokenizer": {**tok_s, "vocab_size": tokenizer.get_vocab_size(),
-                      "sha256": tokenizer_sha256(tokenizer),
-                      "eos_id": eos_id, "pad_id": eos_id if eos_id is not None else 0, "end_of_turn": end,
-                      "end_of_turn_id": tokenizer.token_to_id(end) if end else None},
+        "tokenizer": tokenizer_record(tokenizer, tok_s, template),
         "splits": {k: {"pairs": len(v), "tokens": sum(len(ids) for _, sides in v for ids, _ in sides),
                        "answer_tokens": sum(sum(m) for _, sides in v for _, m in sides)}
                    for k, v in splits.items()},
     }
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_builds(root)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
-    try:
-        arrays = {}
-        for k, v in splits.items():
-            for i, side in enumerate(SIDES):
-                seqs = [sides[i] for _, sides in v]
-                arrays[f"{k}_{side}_ids"] = np.array([t for ids, _ in seqs for t in ids], dtype=np.uint32)
-                arrays[f"{k}_{side}_mask"] = np.array([t for _, m in seqs for t in m], dtype=np.uint8)
-                arrays[f"{k}_{side}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in seqs],
-                                                          dtype=np.int64)
-        np.savez(tmp / "pairs.npz", **arrays)
-        (tmp / "where.json").write_text(json.dumps({k: [w for w, _ in v] for k, v in splits.items()}))
-        (tmp / "tokenizer.json").write_text(tokenizer.to_str())
-        (tmp / CHAT_FILE).write_text(template.to_json())
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
-        os.chmod(tmp, DIR_MODE)
-        try:
-            os.rename(tmp, final)
-        except OSError:  # another process finished the same folder first: keep theirs
-            if not (final / "manifest.json").is_file():
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    arrays = {}
+    for k, v in splits.items():
+        for i, side in enumerate(SIDES):
+            seqs = [sides[i] for _, sides in v]
+            arrays[f"{k}_{side}_ids"] = np.array([t for ids, _ in seqs for t in ids], dtype=np.uint32)
+            arrays[f"{k}_{side}_mask"] = np.array([t for _, m in seqs for t in m], dtype=np.uint8)
+            arrays[f"{k}_{side}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in seqs], dtype=np.int64)
+    where = {k: [w for w, _ in v] for k, v in splits.items()}  # each pair's file and line
+    publish_folder(root, final, {"pairs.npz": arrays}, tokenizer, template, manifest,
+                   extra={"where.json": json.dumps(where)})
     data = load_preference(final, s)
     note = f"; added {', '.join(added)} to the tokenizer" if added else ""
     _say(f"prepared {final} ({_counts(manifest)}{note})")
