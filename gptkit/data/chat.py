@@ -490,19 +490,8 @@ def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None
     val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
     template = resolve_template(s["template"], tok_s.get("path") if tok_s["kind"] == "file" else None)
     template.compiled  # noqa: B018 - a template that is not Jinja fails before the files are read
-    content = _file_hash(train_files + val_files)
-    cache_s = {k: v for k, v in s.items() if k not in ROW_KEYS}
-    key_src = json.dumps([cache_s, content, tok_s, template.text, template.variables, FORMAT_VERSION],
-                         sort_keys=True, default=str)
-    if tok_s["kind"] == "file":
-        from gptkit.tokenizer import file_sha256
-
-        key_src += file_sha256(tok_s["path"])
-    key = hashlib.sha256(key_src.encode()).hexdigest()
-    root = cache_root(cache_dir)
-    final = root / f"chat-{tok_s['kind']}-{key[:16]}"
-    if final.exists() and force:
-        shutil.rmtree(final)
+    root, final, key, content = cache_folder("chat", s, ROW_KEYS, FORMAT_VERSION, tok_s, template,
+                                             train_files + val_files, cache_dir, force)
     if (final / "manifest.json").is_file():
         data = load_chat(final, s)
         _say(f"cache hit: {final} ({_counts(data.manifest)})")
@@ -547,6 +536,27 @@ def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None
     note = f"; added {', '.join(added)} to the tokenizer" if added else ""
     _say(f"prepared {final} ({_counts(manifest)}{note})")
     return data
+
+
+def cache_folder(prefix: str, s: dict[str, Any], row_keys, format_version: int, tok_s: dict[str, Any],
+                 template, files: list[Path], cache_dir, force: bool) -> tuple[Path, Path, str, str]:
+    """(cache root, folder, cache key, content hash) of a chat or preference build, keyed by the files'
+    content, the settings but those that only choose rows (row_keys), the tokenizer (a tokenizer.json's
+    content too), the template and the format; force=true removes a cached folder first."""
+    from gptkit.tokenizer import file_sha256
+
+    content = _file_hash(files)
+    cache_s = {k: v for k, v in s.items() if k not in row_keys}
+    key_src = json.dumps([cache_s, content, tok_s, template.text, template.variables, format_version],
+                         sort_keys=True, default=str)
+    if tok_s["kind"] == "file":
+        key_src += file_sha256(tok_s["path"])
+    key = hashlib.sha256(key_src.encode()).hexdigest()
+    root = cache_root(cache_dir)
+    final = root / f"{prefix}-{tok_s['kind']}-{key[:16]}"
+    if final.exists() and force:
+        shutil.rmtree(final)
+    return root, final, key, content
 
 
 def tokenizer_record(tokenizer, tok_s: dict[str, Any], template) -> dict[str, Any]:

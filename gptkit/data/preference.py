@@ -19,9 +19,7 @@ the ones left out or cut counted in the start-up line.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,15 +29,14 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from gptkit.data.build import cache_root
 from gptkit.data.chat import (
     ChatSampler,
     ChatSplit,
     TemplatedData,
-    _file_hash,
     _records,
     add_special_tokens,
     assistant_spans,
+    cache_folder,
     conversation,
     encode,
     publish_folder,
@@ -50,7 +47,6 @@ from gptkit.data.sources import expand_paths
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import (
     build_tokenizer,
-    file_sha256,
     tokenizer_settings,
 )
 
@@ -182,17 +178,8 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
     val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
     template = resolve_template(s["template"], tok_s.get("path") if tok_s["kind"] == "file" else None)
     template.compiled  # noqa: B018 - a template that is not Jinja fails before the files are read
-    content = _file_hash(train_files + val_files)
-    cache_s = {k: v for k, v in s.items() if k not in ROW_KEYS}
-    key_src = json.dumps([cache_s, content, tok_s, template.text, template.variables, FORMAT_VERSION],
-                         sort_keys=True, default=str)
-    if tok_s["kind"] == "file":
-        key_src += file_sha256(tok_s["path"])
-    key = hashlib.sha256(key_src.encode()).hexdigest()
-    root = cache_root(cache_dir)
-    final = root / f"preference-{tok_s['kind']}-{key[:16]}"
-    if final.exists() and force:
-        shutil.rmtree(final)
+    root, final, key, content = cache_folder("preference", s, ROW_KEYS, FORMAT_VERSION, tok_s, template,
+                                             train_files + val_files, cache_dir, force)
     if (final / "manifest.json").is_file():
         data = load_preference(final, s)
         _say(f"cache hit: {final} ({_counts(data.manifest)})")
