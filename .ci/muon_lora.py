@@ -22,14 +22,32 @@ LRS = ["1.0e-3", "3.0e-3", "6.0e-3", "1.0e-2", "1.6e-2", "3.0e-2"]
 
 
 def recipe(lr: str) -> list[str]:
-    return [f"init_from={RUNS / 'base'}", "finetune=lora", "data=shakespeare", "lora.rank=8", "lora.alpha=16",
-            "lora.targets=[q,k,v,o,gate,up,down]", f"optim.lr={lr}"]
+    return [
+        f"init_from={RUNS / 'base'}",
+        "finetune=lora",
+        "data=shakespeare",
+        "lora.rank=8",
+        "lora.alpha=16",
+        "lora.targets=[q,k,v,o,gate,up,down]",
+        f"optim.lr={lr}",
+    ]
 
 
 def main() -> int:
     if not (RUNS / "base" / "checkpoints" / "last.ckpt").exists():
-        subprocess.run([sys.executable, "-m", "gptkit", "train", "model=llama-tiny", "name=base",
-                        f"runs_dir={RUNS}", "trainer.progress=false"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "gptkit",
+                "train",
+                "model=llama-tiny",
+                "name=base",
+                f"runs_dir={RUNS}",
+                "trainer.progress=false",
+            ],
+            check=True,
+        )
     if sys.argv[1] == "sweep":
         recipes = {f"lr{lr}": recipe(lr) for lr in LRS}
         muon = {f"lr{lr}": ["optim=muon", f"optim.lr={lr}"] for lr in LRS}
@@ -39,9 +57,17 @@ def main() -> int:
         recipes = {"lora": recipe(adamw_lr)}
         muon = {"lora": ["optim=muon", f"optim.lr={muon_lr}"]}
         seeds, out = [1, 2, 3], RUNS / f"seeds-{adamw_lr}-{muon_lr}.json"
-    cfg = OmegaConf.create({"recipes": recipes, "muon": muon, "seeds": seeds, "parallel": 2,
-                            "common": ["trainer.max_steps=300", "trainer.val_every=25"],
-                            "runs_dir": str(RUNS), "out": str(out)})
+    cfg = OmegaConf.create(
+        {
+            "recipes": recipes,
+            "muon": muon,
+            "seeds": seeds,
+            "parallel": 2,
+            "common": ["trainer.max_steps=300", "trainer.val_every=25"],
+            "runs_dir": str(RUNS),
+            "out": str(out),
+        }
+    )
     return run(cfg)
 
 

@@ -14,8 +14,20 @@ from gptkit.conf_tree import compose
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.optim import build_optimizer
 
-LLAMA_TINY = dict(vocab_size=256, max_seq_len=128, n_layers=4, n_heads=4, n_kv_heads=2, d_model=128, d_ff=352,
-                  position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False)
+LLAMA_TINY = dict(
+    vocab_size=256,
+    max_seq_len=128,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    d_model=128,
+    d_ff=352,
+    position="rope",
+    mlp="swiglu",
+    norm="rmsnorm",
+    bias=False,
+    tie_embeddings=False,
+)
 
 
 def main() -> None:
@@ -36,8 +48,10 @@ def main() -> None:
             opt.step()
             seconds[ns_dtype].append(time.perf_counter() - t)
     bf16, fp32 = (statistics.median(seconds[k]) for k in ("bfloat16", "float32"))
-    print(f"llama-tiny MuonWithAdamW.step, 1 thread, median of {repeats}: bfloat16 Newton-Schulz "
-          f"{bf16 * 1e3:.1f} ms, float32 {fp32 * 1e3:.1f} ms: {fp32 / bf16:.2f}x")
+    print(
+        f"llama-tiny MuonWithAdamW.step, 1 thread, median of {repeats}: bfloat16 Newton-Schulz "
+        f"{bf16 * 1e3:.1f} ms, float32 {fp32 * 1e3:.1f} ms: {fp32 / bf16:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ def main(B=16, T=128, H=4, Hkv=2, D=32, rounds=15, reps=10) -> None:
     docs = Documents(torch.cumsum(torch.rand(B, T) < 1 / 37, dim=1))  # [B, T] doc ids
     q = torch.randn(B, H, T, D, requires_grad=True)
     k, v = (torch.randn(B, Hkv, T, D, requires_grad=True) for _ in range(2))
-    cases = {"causal, no mask": (None, True), "bool mask": (docs.mask(), False),
-             "additive fp32 mask": (docs.mask(torch.float32), False)}
+    cases = {
+        "causal, no mask": (None, True),
+        "bool mask": (docs.mask(), False),
+        "additive fp32 mask": (docs.mask(torch.float32), False),
+    }
     with torch.profiler.profile() as prof:
         F.scaled_dot_product_attention(q, k, v, attn_mask=cases["additive fp32 mask"][0], enable_gqa=True)
     kernels = sorted({e.key for e in prof.key_averages() if "attention_" in e.key or "flash" in e.key})
@@ -35,8 +38,9 @@ def main(B=16, T=128, H=4, Hkv=2, D=32, rounds=15, reps=10) -> None:
         for name, (mask, causal) in cases.items():
             t0 = time.perf_counter()
             for _ in range(reps):
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                     enable_gqa=True)
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=True
+                )
                 out.sum().backward()
             times[name].append((time.perf_counter() - t0) / reps)
     base = statistics.median(times["causal, no mask"])

@@ -32,7 +32,9 @@ def train(plan_or_cfg, **kwargs):
 
     if isinstance(plan_or_cfg, RunPlan):
         if kwargs:
-            raise TypeError(f"gptkit.train(plan) takes no other arguments (got {', '.join(kwargs)}): the "
-                            f"plan holds the run")
+            raise TypeError(
+                f"gptkit.train(plan) takes no other arguments (got {', '.join(kwargs)}): the "
+                f"plan holds the run"
+            )
         return run_plan(plan_or_cfg)
     return fit_train(as_config(plan_or_cfg), **kwargs)

@@ -50,8 +50,18 @@ ACCELERATORS: dict[str, dict[str, float]] = {
 # Peak memory bandwidth in GB/s (vendor datasheets; A100: the 80 GB SXM part): the ceiling of decoding,
 # which reads every weight once per step.
 MEMORY_BANDWIDTH_GBS: dict[str, float] = {
-    "a100": 2039.0, "h100": 3350.0, "h200": 4800.0, "b200": 8000.0, "v100": 900.0, "a10g": 600.0,
-    "l4": 300.0, "l40s": 864.0, "t4": 320.0, "rtx3090": 936.0, "rtx4090": 1008.0, "mi250x": 3277.0,
+    "a100": 2039.0,
+    "h100": 3350.0,
+    "h200": 4800.0,
+    "b200": 8000.0,
+    "v100": 900.0,
+    "a10g": 600.0,
+    "l4": 300.0,
+    "l40s": 864.0,
+    "t4": 320.0,
+    "rtx3090": 936.0,
+    "rtx4090": 1008.0,
+    "mi250x": 3277.0,
     "mi300x": 5300.0,
 }
 
@@ -66,14 +76,17 @@ def peak_flops(gpu: str, dtype: str) -> float:
 class ParamCounts:
     tok_emb: int
     pos_emb: int
-    attn_q: int  # all layers
+    # all layers
+    attn_q: int
     attn_k: int
     attn_v: int
     attn_o: int
     mlp: int
-    norms: int  # the two per-layer norms (and the QK-norms, model.qk_norm), all layers
+    # the two per-layer norms (and the QK-norms, model.qk_norm), all layers
+    norms: int
     final_norm: int
-    lm_head: int  # 0 when tied to tok_emb
+    # 0 when tied to tok_emb
+    lm_head: int
     per_layer: int
     n_layers: int
 
@@ -83,8 +96,15 @@ class ParamCounts:
 
     @property
     def total(self) -> int:
-        return (self.tok_emb + self.pos_emb + self.attention + self.mlp + self.norms
-                + self.final_norm + self.lm_head)
+        return (
+            self.tok_emb
+            + self.pos_emb
+            + self.attention
+            + self.mlp
+            + self.norms
+            + self.final_norm
+            + self.lm_head
+        )
 
     @property
     def non_embedding(self) -> int:
@@ -102,17 +122,24 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         mlp = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
     else:
         mlp = 3 * d * cfg.d_ff + b * (2 * cfg.d_ff + d)
-    per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1  # weight (and bias) per normalized feature
+    # weight (and bias) per normalized feature
+    per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
     norm = d * per_dim
     qk_norm = {None: 0, "head": 2 * cfg.head_dim, "full": cfg.d_attn + cfg.d_kv}[cfg.qk_norm] * per_dim
     per_layer = q + k + v + o + mlp + 2 * norm + qk_norm
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
-        attn_q=L * q, attn_k=L * k, attn_v=L * v, attn_o=L * o,
-        mlp=L * mlp, norms=L * (2 * norm + qk_norm), final_norm=norm,
+        attn_q=L * q,
+        attn_k=L * k,
+        attn_v=L * v,
+        attn_o=L * o,
+        mlp=L * mlp,
+        norms=L * (2 * norm + qk_norm),
+        final_norm=norm,
         lm_head=0 if cfg.tie_embeddings else d * cfg.vocab_size,
-        per_layer=per_layer, n_layers=L,
+        per_layer=per_layer,
+        n_layers=L,
     )
 
 
@@ -128,17 +155,22 @@ def matmul_params(cfg: ModelConfig) -> int:
 class Flops:
     n_matmul: int
     seq_len: int
-    forward_dense: float  # per token
+    # per token
+    forward_dense: float
     forward_causal: float
-    train_dense: float  # 6N + 12·L·T·d_attn: the MFU convention of PaLM, nanoGPT, torchtitan (perf/mfu)
-    train_causal: float  # the attention term halved (perf/mfu_causal)
-    attention_forward_dense: float  # the attention-score part of forward_dense
+    # 6N + 12·L·T·d_attn: the MFU convention of PaLM, nanoGPT, torchtitan (perf/mfu)
+    train_dense: float
+    # the attention term halved (perf/mfu_causal)
+    train_causal: float
+    # the attention-score part of forward_dense
+    attention_forward_dense: float
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
     T = seq_len or cfg.max_seq_len
     n = matmul_params(cfg)
-    attn = 4.0 * cfg.n_layers * T * cfg.d_attn  # QK^T and AV, 2*T*d_attn FLOPs each per token per layer
+    # QK^T and AV, 2*T*d_attn FLOPs each per token per layer
+    attn = 4.0 * cfg.n_layers * T * cfg.d_attn
     fwd_dense = 2.0 * n + attn
     fwd_causal = 2.0 * n + attn / 2
     return Flops(n, T, fwd_dense, fwd_causal, 3 * fwd_dense, 3 * fwd_causal, attn)
@@ -167,9 +199,14 @@ def memory_bandwidth(gpu_name: str) -> float | None:
     return None
 
 
-def training_memory(cfg: ModelConfig, precision_name: str = "bf16-mixed", n_shards: int = 1,
-                    micro_batch: int = 1, seq_len: int | None = None,
-                    checkpointing: bool = False) -> dict[str, float]:
+def training_memory(
+    cfg: ModelConfig,
+    precision_name: str = "bf16-mixed",
+    n_shards: int = 1,
+    micro_batch: int = 1,
+    seq_len: int | None = None,
+    checkpointing: bool = False,
+) -> dict[str, float]:
     """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3),
     plus an activation estimate and the logits and loss.
 
@@ -188,15 +225,18 @@ def training_memory(cfg: ModelConfig, precision_name: str = "bf16-mixed", n_shar
     tokens = T * micro_batch
     act_unit = 4 if p.compute == "fp32" else 2
     per_layer = (2 if checkpointing else 34) * tokens * cfg.d_model * act_unit / 2
-    outside = 3 * tokens * cfg.d_model * act_unit + 2 * tokens * 8  # embeddings, final norm; the batch
+    # embeddings, final norm; the batch
+    outside = 3 * tokens * cfg.d_model * act_unit + 2 * tokens * 8
     out = {
         "weights": n * p.weight_bytes / n_shards,
         "gradients": n * p.grad_bytes / n_shards,
         "optimizer": n * p.optimizer_bytes / n_shards,
         "activations": cfg.n_layers * per_layer + outside,
-        "logits": 3 * tokens * cfg.vocab_size * 4,  # fp32 logits, log-softmax, its gradient
+        # fp32 logits, log-softmax, its gradient
+        "logits": 3 * tokens * cfg.vocab_size * 4,
     }
-    if p.mixed:  # a half-precision working copy of the weights during compute
+    # a half-precision working copy of the weights during compute
+    if p.mixed:
         out["weights"] += n * 2 / n_shards
     out["total"] = sum(out.values())
     return out

@@ -27,18 +27,32 @@ from typing import Any
 from gptkit.errors import ConfigError
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
-MODULES = {"q": "attn.qkv_proj", "k": "attn.qkv_proj", "v": "attn.qkv_proj", "o": "attn.o_proj",
-           "gate": "mlp.gate_proj", "up": "mlp.up_proj", "down": "mlp.down_proj"}
-KEY = re.compile(r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)"
-                 r"\.lora_(q|k|v|o|gate|up|down)_([AB])")
-CHECKPOINT_KEY = "gptkit_lora"  # a LoRA run's checkpoint: {"rank", "alpha", "targets", "base", ...}
+MODULES = {
+    "q": "attn.qkv_proj",
+    "k": "attn.qkv_proj",
+    "v": "attn.qkv_proj",
+    "o": "attn.o_proj",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+KEY = re.compile(
+    r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)"
+    r"\.lora_(q|k|v|o|gate|up|down)_([AB])"
+)
+# a LoRA run's checkpoint: {"rank", "alpha", "targets", "base", ...}
+CHECKPOINT_KEY = "gptkit_lora"
 
 
 def settings(lora: Any) -> dict[str, Any]:
     """The `lora` group (a DictConfig or dict) as plain data: rank, alpha, dropout, targets (a list)."""
     targets = lora.get("targets")
-    return {"rank": lora.get("rank"), "alpha": lora.get("alpha"), "dropout": lora.get("dropout"),
-            "targets": targets if isinstance(targets, str) or targets is None else list(targets)}
+    return {
+        "rank": lora.get("rank"),
+        "alpha": lora.get("alpha"),
+        "dropout": lora.get("dropout"),
+        "targets": targets if isinstance(targets, str) or targets is None else list(targets),
+    }
 
 
 def is_adapter_key(name: str) -> bool:
@@ -60,7 +74,8 @@ def target_shape(cfg: Any, target: str) -> tuple[int, int, int]:
         return 0, cfg.d_model, cfg.d_attn
     if target == "down":
         return 0, cfg.d_model, cfg.d_ff
-    return 0, cfg.d_ff, cfg.d_model  # gate, up
+    # gate, up
+    return 0, cfg.d_ff, cfg.d_model
 
 
 def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
@@ -69,16 +84,23 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     (deduplicated, in TARGETS order); a problem is a one-line ConfigError naming the key."""
     targets = lora.get("targets")
     if isinstance(targets, str) or not targets:
-        raise ConfigError(f"lora.targets={targets} must be a non-empty list of {', '.join(TARGETS)} "
-                          f"(e.g. lora.targets=[q,v])")
+        raise ConfigError(
+            f"lora.targets={targets} must be a non-empty list of {', '.join(TARGETS)} "
+            f"(e.g. lora.targets=[q,v])"
+        )
     have = model_targets(cfg)
     wrong = [str(t) for t in targets if t not in have]
     if wrong:
-        why = (" (a GPT-2-style model, mlp=gelu, has no gate projection)"
-               if "gate" in wrong and cfg.mlp != "swiglu" else "")
+        why = (
+            " (a GPT-2-style model, mlp=gelu, has no gate projection)"
+            if "gate" in wrong and cfg.mlp != "swiglu"
+            else ""
+        )
         verb = "matches" if len(wrong) == 1 else "match"
-        raise ConfigError(f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "
-                          f"its targets are {', '.join(have)}")
+        raise ConfigError(
+            f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "
+            f"its targets are {', '.join(have)}"
+        )
     rank = lora.get("rank")
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise ConfigError(f"lora.rank={rank} must be a positive integer")
@@ -86,9 +108,11 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     for t in chosen:
         start, end, n_in = target_shape(cfg, t)
         if rank > min(end - start, n_in):
-            raise ConfigError(f"lora.rank={rank} is larger than the {t} projection ({end - start} x {n_in}): "
-                              f"a rank-{rank} update of it is not low-rank; use lora.rank <= "
-                              f"{min(min(e - s, i) for s, e, i in (target_shape(cfg, x) for x in chosen))}")
+            raise ConfigError(
+                f"lora.rank={rank} is larger than the {t} projection ({end - start} x {n_in}): "
+                f"a rank-{rank} update of it is not low-rank; use lora.rank <= "
+                f"{min(min(e - s, i) for s, e, i in (target_shape(cfg, x) for x in chosen))}"
+            )
     alpha = lora.get("alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
         raise ConfigError(f"lora.alpha={alpha} must be a number > 0 (the update is scaled by alpha / rank)")
@@ -120,7 +144,8 @@ def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:
     their weights, W[rows] + scale * B @ A computed in fp32 and stored in W's dtype; the adapters dropped.
     The input is not modified."""
     out = {k: v for k, v in state.items() if not is_adapter_key(k)}
-    merged: dict[str, Any] = {}  # weight name -> its fp32 copy, every adapter of it added
+    # weight name -> its fp32 copy, every adapter of it added
+    merged: dict[str, Any] = {}
     for name, a in state.items():
         m = KEY.fullmatch(name)
         if m is None or m.group(4) != "A":
@@ -147,8 +172,10 @@ def check_adapters(state: dict[str, Any], cfg: Any, lora: dict[str, Any], where:
     if have != want:
         missing = sorted(set(want) - set(have))[:2]
         odd = sorted(k for k in have if want.get(k) != have[k])[:2]
-        raise GptkitError(f"{where} does not hold the adapters its LoRA settings name (rank {lora['rank']}, "
-                          f"targets {', '.join(lora['targets'])}): missing {missing}, unexpected {odd}")
+        raise GptkitError(
+            f"{where} does not hold the adapters its LoRA settings name (rank {lora['rank']}, "
+            f"targets {', '.join(lora['targets'])}): missing {missing}, unexpected {odd}"
+        )
 
 
 def fingerprint(path: Any) -> str:

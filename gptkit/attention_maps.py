@@ -27,14 +27,16 @@ def attention_probs(model, ids: Sequence[int]):
 
     T = len(ids)
     if T == 0:
-        raise GptkitError("the text has no tokens; give text=\"...\"")
+        raise GptkitError('the text has no tokens; give text="..."')
     if T > model.cfg.max_seq_len:
-        raise GptkitError(f"the text has {T} tokens, more than model.max_seq_len={model.cfg.max_seq_len}; "
-                          "shorten it")
+        raise GptkitError(
+            f"the text has {T} tokens, more than model.max_seq_len={model.cfg.max_seq_len}; shorten it"
+        )
     idx = torch.tensor([list(ids)], device=model.tok_emb.weight.device)  # [1, T]
     with torch.inference_mode():
         out = model(idx, return_attention=True, logits_to_keep=1)
-    return [a[0].float().cpu() for a in out.attentions]  # per layer [n_heads, T, T]
+    # per layer [n_heads, T, T]
+    return [a[0].float().cpu() for a in out.attentions]
 
 
 def token_labels(tokenizer, ids: Sequence[int]) -> list[str]:
@@ -78,7 +80,8 @@ def render_grid(probs, labels: Optional[list[str]], title: str) -> bytes:
                 ax.set_xticks(range(T), labels, fontsize=6, rotation=90)
     height = cell * L + 1.0
     fig.suptitle(title, fontsize=10, y=1 - 0.1 / height)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))  # keep the column titles clear of the title
+    # keep the column titles clear of the title
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.35 / height))
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)

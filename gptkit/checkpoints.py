@@ -49,11 +49,16 @@ from gptkit.fsio import (
 
 CHECKPOINT_DIR = "checkpoints"
 LAST_CHECKPOINT = "last.ckpt"
-STATE_PREFIX = "model."  # LightningModule attribute holding the GPT
-SHARDED_INDEX = ".metadata"  # marks a sharded (torch.distributed.checkpoint) checkpoint folder
-EXTRA_STATE = "meta.pt"  # Lightning's non-tensor state (step, loops, callbacks) beside the shards
-CHECKSUMS = "checksums.json"  # a sharded folder's {"crc32": {file: crc}}, written after every shard
-STALE_SUFFIXES = (".tmp", ".pending", ".old")  # .<name>.<...> leftovers of a write that was killed
+# LightningModule attribute holding the GPT
+STATE_PREFIX = "model."
+# marks a sharded (torch.distributed.checkpoint) checkpoint folder
+SHARDED_INDEX = ".metadata"
+# Lightning's non-tensor state (step, loops, callbacks) beside the shards
+EXTRA_STATE = "meta.pt"
+# a sharded folder's {"crc32": {file: crc}}, written after every shard
+CHECKSUMS = "checksums.json"
+# .<name>.<...> leftovers of a write that was killed
+STALE_SUFFIXES = (".tmp", ".pending", ".old")
 
 
 # ---- writing -------------------------------------------------------------------------------------
@@ -76,7 +81,8 @@ def atomic_torch_save(obj: Any, path: Path | str) -> None:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    lock, tmp = locked_temp(path)  # locked while written: remove_dead_temps leaves it alone
+    # locked while written: remove_dead_temps leaves it alone
+    lock, tmp = locked_temp(path)
     try:
         torch.save(obj, tmp)
         with open(tmp, "rb+") as f:
@@ -148,7 +154,8 @@ def link_checkpoint(src: Path, dst: Path) -> None:
 def _link_or_copy(src: str | Path, dst: str | Path) -> None:
     try:
         os.link(src, dst)
-    except OSError:  # no hard links here (or across filesystems): a real copy
+    # no hard links here (or across filesystems): a real copy
+    except OSError:
         shutil.copyfile(src, dst)
         with open(dst, "rb+") as f:
             os.fsync(f.fileno())
@@ -180,10 +187,15 @@ def _corrupted(path: Path, what: str) -> GptkitError:
     same, others = _checkpoint_copies(path)
     alias = f" ({', '.join(p.name for p in same)}: the same file, corrupted too)" if same else ""
     newest = ", ".join(str(p) for p in others[-2:][::-1])
-    advice = (f"take an earlier checkpoint of the run ({newest})" if others
-              else "the run has no other checkpoint: train again")
-    return GptkitError(f"{path} is corrupted ({what} does not match the checksum written with it){alias}; do "
-                       f"not use it: {advice}")
+    advice = (
+        f"take an earlier checkpoint of the run ({newest})"
+        if others
+        else "the run has no other checkpoint: train again"
+    )
+    return GptkitError(
+        f"{path} is corrupted ({what} does not match the checksum written with it){alias}; do "
+        f"not use it: {advice}"
+    )
 
 
 def _checkpoint_copies(path: Path) -> tuple[list[Path], list[Path]]:
@@ -198,14 +210,16 @@ def _checkpoint_copies(path: Path) -> tuple[list[Path], list[Path]]:
             continue
         st = p.stat()
         (same if (st.st_ino, st.st_dev) == (me.st_ino, me.st_dev) else others).append(p)
-    return same, sorted(others, key=lambda p: p.name == LAST_CHECKPOINT)  # last.ckpt the newest
+    # last.ckpt the newest
+    return same, sorted(others, key=lambda p: p.name == LAST_CHECKPOINT)
 
 
 def _identity(path: Path) -> tuple:
     """What makes a file version: its inode, size and mtime (every file's, for a sharded folder)."""
     files = sorted(path.iterdir()) if path.is_dir() else [path]
-    return str(path.resolve()), tuple((f.name, (st := f.stat()).st_ino, st.st_size, st.st_mtime_ns)
-                                      for f in files)
+    return str(path.resolve()), tuple(
+        (f.name, (st := f.stat()).st_ino, st.st_size, st.st_mtime_ns) for f in files
+    )
 
 
 def verify_checkpoint(path: Path | str, part: tuple[int, int] = (0, 1), only: str | None = None) -> None:
@@ -218,8 +232,10 @@ def verify_checkpoint(path: Path | str, part: tuple[int, int] = (0, 1), only: st
         return
     if path.is_dir() and not (path / CHECKSUMS).is_file():
         if is_sharded_checkpoint(path):
-            print(f"note: {path} has no {CHECKSUMS} (written by an older gptkit); loaded without a check",
-                  file=sys.stderr)
+            print(
+                f"note: {path} has no {CHECKSUMS} (written by an older gptkit); loaded without a check",
+                file=sys.stderr,
+            )
         return
     ident = _identity(path)
     if (*ident, part, only) in _verified or (*ident, (0, 1), None) in _verified:
@@ -238,20 +254,24 @@ def _verify_zip(path: Path) -> None:
         try:
             records = zipfile.ZipFile(f).infolist()
         except (zipfile.BadZipFile, OSError, ValueError):
-            return  # not a zip archive at all: torch.load says what it is
+            # not a zip archive at all: torch.load says what it is
+            return
         for r in records:
-            if r.CRC == 0 and r.file_size:  # saved with torch's compute_crc32 off: nothing to check against
+            # saved with torch's compute_crc32 off: nothing to check against
+            if r.CRC == 0 and r.file_size:
                 continue
             f.seek(r.header_offset)
             head = f.read(30)
-            record = r.filename.split("/", 1)[-1]  # torch names the archive's folder after the file
+            # torch names the archive's folder after the file
+            record = r.filename.split("/", 1)[-1]
             if len(head) < 30 or head[:4] != b"PK\x03\x04":
                 raise _corrupted(path, f"the header of record {record}")
             n_name, n_extra = struct.unpack("<HH", head[26:30])
             if f.read(n_name) != r.filename.encode():
                 raise _corrupted(path, f"the header of record {record}")
             f.seek(n_extra, 1)
-            if r.compress_type != zipfile.ZIP_STORED:  # torch stores records; zipfile checks others itself
+            # torch stores records; zipfile checks others itself
+            if r.compress_type != zipfile.ZIP_STORED:
                 try:
                     with zipfile.ZipFile(path).open(r) as z:
                         while z.read(CHUNK):
@@ -305,8 +325,10 @@ def find_checkpoint(path: Path | str) -> Path:
         return found[-1]
     if (p / "model.safetensors").is_file():
         return p / "model.safetensors"
-    raise GptkitError(f"no checkpoint in {p} (looked for {CHECKPOINT_DIR}/*.ckpt and model.safetensors); "
-                      f"train first or pass a checkpoint file")
+    raise GptkitError(
+        f"no checkpoint in {p} (looked for {CHECKPOINT_DIR}/*.ckpt and model.safetensors); "
+        f"train first or pass a checkpoint file"
+    )
 
 
 def run_dir_of(checkpoint: Path) -> Path:
@@ -320,19 +342,22 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
     import torch
 
     path = Path(path)
-    if path.is_dir():  # a sharded (FSDP) checkpoint folder: consolidated in memory
+    # a sharded (FSDP) checkpoint folder: consolidated in memory
+    if path.is_dir():
         return read_sharded_checkpoint(path)
     if path.suffix == ".safetensors":
         return {"state_dict": {STATE_PREFIX + k: v for k, v in _load_safetensors(path).items()}}
 
     if path.is_file() and path.stat().st_size == 0:
-        raise GptkitError(f"{path} is empty (0 bytes), not a checkpoint (an interrupted copy?); use another "
-                          "one")
+        raise GptkitError(
+            f"{path} is empty (0 bytes), not a checkpoint (an interrupted copy?); use another one"
+        )
     verify_checkpoint(path)
     try:
         # torch.save's zip archive is memory-mapped (tensors read on use); an older torch's format is not
         obj = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except Exception as exc:  # truncated, not a zip, pickled code, ...
+    # truncated, not a zip, pickled code, ...
+    except Exception as exc:
         raise unreadable_checkpoint(path, exc) from exc
     if not isinstance(obj, dict) or "state_dict" not in obj:
         raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
@@ -350,11 +375,15 @@ def load_refusal(path: Path, exc: Exception) -> str:
     text = str(exc)
     code = re.search(r"GLOBAL ([\w.]+)", text)
     if code:
-        return (f"would run code when loaded ({code.group(1)}), which weights_only=True refuses: a "
-                f"checkpoint holds only tensors and plain data")
+        return (
+            f"would run code when loaded ({code.group(1)}), which weights_only=True refuses: a "
+            f"checkpoint holds only tensors and plain data"
+        )
     if isinstance(exc, (pickle.UnpicklingError, EOFError)) or not zipfile.is_zipfile(path):
-        return ("is not a torch checkpoint (not the zip archive torch.save writes: truncated, or another "
-                "kind of file)")
+        return (
+            "is not a torch checkpoint (not the zip archive torch.save writes: truncated, or another "
+            "kind of file)"
+        )
     first = re.split(r"(?<=[.!?])\s", " ".join(text.split()), maxsplit=1)[0] if text.strip() else ""
     return f"is not a readable checkpoint ({type(exc).__name__}{': ' + first if first else ''})"
 
@@ -366,7 +395,8 @@ def checkpoint_step(path: Path | str) -> int:
     return int(state.get("global_step", 0))
 
 
-def _load_safetensors(path: Path) -> dict[str, Any]:  # written by transformers or `import`: no checksum
+# written by transformers or `import`: no checksum
+def _load_safetensors(path: Path) -> dict[str, Any]:
     from safetensors.torch import load_file
 
     try:
@@ -378,7 +408,7 @@ def _load_safetensors(path: Path) -> dict[str, Any]:  # written by transformers 
 def model_state_dict(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """The GPT's own state dict (the `model.` prefix of the LightningModule removed)."""
     sd = checkpoint["state_dict"]
-    return {k[len(STATE_PREFIX):]: v for k, v in sd.items() if k.startswith(STATE_PREFIX)}
+    return {k[len(STATE_PREFIX) :]: v for k, v in sd.items() if k.startswith(STATE_PREFIX)}
 
 
 def lora_base(checkpoint: dict[str, Any], where: Path | str) -> Path:
@@ -388,12 +418,16 @@ def lora_base(checkpoint: dict[str, Any], where: Path | str) -> Path:
     record = checkpoint[adapters.CHECKPOINT_KEY]
     base = Path(record["base"])
     if not base.exists():
-        raise GptkitError(f"{where} holds LoRA adapters of the base checkpoint {base}, which is gone; put "
-                          f"that checkpoint back where it was (the adapters alone are not a model)")
+        raise GptkitError(
+            f"{where} holds LoRA adapters of the base checkpoint {base}, which is gone; put "
+            f"that checkpoint back where it was (the adapters alone are not a model)"
+        )
     if adapters.fingerprint(base) != record["base_fingerprint"]:
-        raise GptkitError(f"{where} holds LoRA adapters of {base}, whose content changed since the LoRA run "
-                          f"started (fingerprint {record['base_fingerprint']}); restore that checkpoint (the "
-                          f"adapters only fit the weights they were trained on)")
+        raise GptkitError(
+            f"{where} holds LoRA adapters of {base}, whose content changed since the LoRA run "
+            f"started (fingerprint {record['base_fingerprint']}); restore that checkpoint (the "
+            f"adapters only fit the weights they were trained on)"
+        )
     return base
 
 
@@ -418,14 +452,18 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise GptkitError(f"{ckpt_path} does not match its config ({run_dir_of(ckpt_path) / 'config.yaml'}): "
-                          f"missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise GptkitError(
+            f"{ckpt_path} does not match its config ({run_dir_of(ckpt_path) / 'config.yaml'}): "
+            f"missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     for k, v in expected.items():
         if tuple(v.shape) != tuple(state[k].shape):
-            raise GptkitError(f"{ckpt_path} does not match its config "
-                              f"({run_dir_of(ckpt_path) / 'config.yaml'}): "
-                              f"{k} has shape {tuple(state[k].shape)}, "
-                              f"the config needs {tuple(v.shape)}")
+            raise GptkitError(
+                f"{ckpt_path} does not match its config "
+                f"({run_dir_of(ckpt_path) / 'config.yaml'}): "
+                f"{k} has shape {tuple(state[k].shape)}, "
+                f"the config needs {tuple(v.shape)}"
+            )
     return state
 
 
@@ -443,9 +481,15 @@ class _SafeUnpickler(pickle.Unpickler):
     nothing that can run code."""
 
     ALLOWED_PREFIXES = ("torch.distributed.checkpoint.",)
-    ALLOWED = {("torch", "Size"), ("collections", "OrderedDict"), ("builtins", "set"),
-               ("builtins", "frozenset"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-               ("pathlib", "WindowsPath")}
+    ALLOWED = {
+        ("torch", "Size"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "WindowsPath"),
+    }
 
     def find_class(self, module: str, name: str):
         import torch
@@ -461,8 +505,9 @@ class _SafeUnpickler(pickle.Unpickler):
             raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
         if (module, name) in self.ALLOWED:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                         torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in a checkpoint index")
 
@@ -479,9 +524,12 @@ def safe_reader(path: Path):
                 with open(index, "rb") as f:
                     metadata = _SafeUnpickler(f).load()
             except UNREADABLE_INDEX as exc:
-                raise GptkitError(f"{index} is not a readable checkpoint index ({str(exc)[:160]}); "
-                                  f"use a checkpoint you trust") from None
-            for info in (getattr(metadata, "storage_data", None) or {}).values():  # each shard a file inside
+                raise GptkitError(
+                    f"{index} is not a readable checkpoint index ({str(exc)[:160]}); "
+                    f"use a checkpoint you trust"
+                ) from None
+            # each shard a file inside
+            for info in (getattr(metadata, "storage_data", None) or {}).values():
                 confined(self.path, getattr(info, "relative_path", ""), index, links=True)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
@@ -531,11 +579,14 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     state: dict[str, Any] = {}
     from torch.distributed.checkpoint.api import CheckpointException
 
-    safe_reader(path).read_metadata()  # a bad index is one line here, not a traceback logged by torch
+    # a bad index is one line here, not a traceback logged by torch
+    safe_reader(path).read_metadata()
     try:
-        _load_state_dict(state, storage_reader=safe_reader(path), planner=safe_planner(distributed=False),
-                         no_dist=True)
-    except (Exception, CheckpointException) as exc:  # CheckpointException is a BaseException
+        _load_state_dict(
+            state, storage_reader=safe_reader(path), planner=safe_planner(distributed=False), no_dist=True
+        )
+    # CheckpointException is a BaseException
+    except (Exception, CheckpointException) as exc:
         raise sharded_refusal(path, exc) from None
     if "state_dict" not in state:
         raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
@@ -552,7 +603,8 @@ def sharded_refusal(path: Path, exc: BaseException) -> GptkitError:
     failures = getattr(exc, "failures", None)
     if isinstance(failures, dict) and failures:
         first = next(iter(failures.values()))
-        exc = first[0] if isinstance(first, tuple) and first else first  # (exception, its stack summary)
+        # (exception, its stack summary)
+        exc = first[0] if isinstance(first, tuple) and first else first
     if isinstance(exc, GptkitError):
         return exc
     text = " ".join(str(exc).split())
@@ -561,8 +613,10 @@ def sharded_refusal(path: Path, exc: BaseException) -> GptkitError:
         why = "a shard is truncated or not what torch.save writes"
     else:
         why = f"{type(exc).__name__}: {text[:160]}" if text else type(exc).__name__
-    return GptkitError(f"{path} is not a readable sharded checkpoint ({why}); use another checkpoint of the "
-                       f"run (checkpoints/step-*.ckpt) or train again")
+    return GptkitError(
+        f"{path} is not a readable sharded checkpoint ({why}); use another checkpoint of the "
+        f"run (checkpoints/step-*.ckpt) or train again"
+    )
 
 
 def _by_param_index(osd: dict[str, Any]) -> dict[str, Any]:

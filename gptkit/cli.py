@@ -31,46 +31,96 @@ VERB_ENV = "GPTKIT_VERB"
 
 @dataclass(frozen=True)
 class Verb:
-    module: str  # gptkit.commands.<module>
-    config: str  # conf/<config>.yaml
+    # gptkit.commands.<module>
+    module: str
+    # conf/<config>.yaml
+    config: str
     help: str
-    hydra_app: bool = False  # needs Hydra's run folder and multirun (-m), as `train` does
-    positional: str | None = None  # a first bare argument is this option: `gptkit bench data` -> bench=data
-    verbatim: tuple[str, ...] = ()  # options whose values are taken literally (prompt text)
+    # needs Hydra's run folder and multirun (-m), as `train` does
+    hydra_app: bool = False
+    # a first bare argument is this option: `gptkit bench data` -> bench=data
+    positional: str | None = None
+    # options whose values are taken literally (prompt text)
+    verbatim: tuple[str, ...] = ()
 
 
 VERBS: dict[str, Verb] = {
-    "train": Verb("train", "train", "train a model with Lightning; one run folder per run under runs/ "
-                  "(resume=, init_from=, -m multirun)", hydra_app=True),
-    "sample": Verb("sample", "sample", "generate text from a trained run (KV cache; greedy/temperature/top-k/"
-                   "top-p; --json)", verbatim=("prompt",)),
-    "chat": Verb("chat", "chat", "talk with a run turn by turn in its chat template (streaming; KV cache "
-                 "kept across turns; /reset, /exit; stdin lines without a terminal)", verbatim=("system",)),
-    "eval": Verb("eval", "eval", "loss, perplexity and bits per byte/char of a run on its val split or a "
-                 "held-out corpus; lm-eval task accuracy with tasks=... (--json)"),
-    "attention": Verb("attention", "attention", "write a PNG grid of attention maps (layers x heads) for a "
-                      "text into the run folder", verbatim=("text",)),
-    "count-params": Verb("count_params", "count_params", "parameters by component, FLOPs per token, and "
-                         "compute/memory estimates for a planned run"),
-    "prepare": Verb("prepare", "prepare",
-                    "tokenize a corpus into cached token shards + manifest + tokenizer.json"),
-    "export": Verb("export", "export", "write a run as a transformers folder (Llama, Qwen2/3, OLMo-2 "
-                   "or GPT-2) that AutoModelForCausalLM loads"),
-    "import": Verb("import_hf", "import", "read a transformers Llama, Qwen2/3, OLMo-2 or GPT-2 model (local "
-                   "folder or Hub id) into a gptkit run folder"),
+    "train": Verb(
+        "train",
+        "train",
+        "train a model with Lightning; one run folder per run under runs/ (resume=, init_from=, -m multirun)",
+        hydra_app=True,
+    ),
+    "sample": Verb(
+        "sample",
+        "sample",
+        "generate text from a trained run (KV cache; greedy/temperature/top-k/top-p; --json)",
+        verbatim=("prompt",),
+    ),
+    "chat": Verb(
+        "chat",
+        "chat",
+        "talk with a run turn by turn in its chat template (streaming; KV cache "
+        "kept across turns; /reset, /exit; stdin lines without a terminal)",
+        verbatim=("system",),
+    ),
+    "eval": Verb(
+        "eval",
+        "eval",
+        "loss, perplexity and bits per byte/char of a run on its val split or a "
+        "held-out corpus; lm-eval task accuracy with tasks=... (--json)",
+    ),
+    "attention": Verb(
+        "attention",
+        "attention",
+        "write a PNG grid of attention maps (layers x heads) for a text into the run folder",
+        verbatim=("text",),
+    ),
+    "count-params": Verb(
+        "count_params",
+        "count_params",
+        "parameters by component, FLOPs per token, and compute/memory estimates for a planned run",
+    ),
+    "prepare": Verb(
+        "prepare", "prepare", "tokenize a corpus into cached token shards + manifest + tokenizer.json"
+    ),
+    "export": Verb(
+        "export",
+        "export",
+        "write a run as a transformers folder (Llama, Qwen2/3, OLMo-2 "
+        "or GPT-2) that AutoModelForCausalLM loads",
+    ),
+    "import": Verb(
+        "import_hf",
+        "import",
+        "read a transformers Llama, Qwen2/3, OLMo-2 or GPT-2 model (local "
+        "folder or Hub id) into a gptkit run folder",
+    ),
     "plot": Verb("plot", "plot", "draw <run>/loss.png (train and val loss) from the run's metrics.csv"),
-    "preflight": Verb("preflight", "preflight", "check a distributed set-up before a long job: ranks, "
-                      "backend, an all-reduce, memory vs estimate"),
-    "consolidate": Verb("consolidate", "consolidate", "merge a sharded (FSDP) checkpoint folder into one "
-                        "checkpoint file", positional="run"),
-    "bench": Verb("bench", "bench", "speed and memory benchmarks: gptkit bench "
-                  "attention|data|dpo|evals|kernels|lora|optim|sample|sft|train [key=value ...]",
-                  positional="bench"),
+    "preflight": Verb(
+        "preflight",
+        "preflight",
+        "check a distributed set-up before a long job: ranks, backend, an all-reduce, memory vs estimate",
+    ),
+    "consolidate": Verb(
+        "consolidate",
+        "consolidate",
+        "merge a sharded (FSDP) checkpoint folder into one checkpoint file",
+        positional="run",
+    ),
+    "bench": Verb(
+        "bench",
+        "bench",
+        "speed and memory benchmarks: gptkit bench "
+        "attention|data|dpo|evals|kernels|lora|optim|sample|sft|train [key=value ...]",
+        positional="bench",
+    ),
 }
 
 # Hydra's own flags, for the verb that runs as a Hydra app
 HYDRA_FLAGS = ("-m", "--multirun", "--cfg", "-c", "--resolve", "--info", "-i", "--package", "-p")
-HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--info", "-i", "--package", "-p")  # followed by a value: --cfg job
+# followed by a value: --cfg job
+HYDRA_VALUE_FLAGS = ("--cfg", "-c", "--info", "-i", "--package", "-p")
 
 
 def command(verb: str) -> ModuleType:
@@ -80,13 +130,17 @@ def command(verb: str) -> ModuleType:
 def _usage() -> str:
     width = max(len(v) for v in VERBS)
     lines = ["usage: gptkit <verb> [key=value ...] [--help]", "", "verbs:"]
-    for name, v in VERBS.items():  # wrapped at 100 columns, continued under the text
+    # wrapped at 100 columns, continued under the text
+    for name, v in VERBS.items():
         wrapped = textwrap.wrap(v.help, 100 - width - 4)
         lines.append(f"  {name:<{width}}  {wrapped[0]}")
         lines += [" " * (width + 4) + more for more in wrapped[1:]]
-    lines += ["", "Overrides are Hydra's: model=llama-tiny model.n_layers=2 optim.lr=3e-4 ...",
-              "`gptkit <verb> --help` shows the verb's config and the presets of each group.",
-              "GPTKIT_DEBUG=1 shows tracebacks for errors."]
+    lines += [
+        "",
+        "Overrides are Hydra's: model=llama-tiny model.n_layers=2 optim.lr=3e-4 ...",
+        "`gptkit <verb> --help` shows the verb's config and the presets of each group.",
+        "GPTKIT_DEBUG=1 shows tracebacks for errors.",
+    ]
     return "\n".join(lines)
 
 
@@ -133,7 +187,8 @@ def _show_help(verb: str, overrides: list[str]) -> None:
     if doc:
         print(doc.strip() + "\n")
     groups = [g for g in cfg if (conf_dir() / str(g)).is_dir()]
-    groups += [g for g in _optional_groups(v.config) if g not in groups]  # e.g. experiment (default: none)
+    # e.g. experiment (default: none)
+    groups += [g for g in _optional_groups(v.config) if g not in groups]
     if groups:
         print("config groups (choose with group=name):")
         for g in groups:
@@ -167,24 +222,30 @@ def _report(exc: Exception) -> int:
 
     if os.environ.get("GPTKIT_DEBUG") == "1":
         raise exc
-    if isinstance(exc, BrokenPipeError):  # `gptkit ... | head`: the reader left; nothing to report
+    # `gptkit ... | head`: the reader left; nothing to report
+    if isinstance(exc, BrokenPipeError):
         return 0
     from gptkit.fsio import disk_full_error, human_bytes, is_disk_full
     from gptkit.training.memory import available_memory, is_cpu_out_of_memory
 
-    if is_disk_full(exc) and not isinstance(exc, GptkitError):  # a write no one anticipated: still one line
+    # a write no one anticipated: still one line
+    if is_disk_full(exc) and not isinstance(exc, GptkitError):
         exc = disk_full_error(getattr(exc, "filename", None), None, exc)
-    if is_cpu_out_of_memory(exc):  # outside training (sample, eval, export of a model too large for the host)
+    # outside training (sample, eval, export of a model too large for the host)
+    if is_cpu_out_of_memory(exc):
         asked = re.search(r"allocate (\d+) bytes", str(exc))
-        exc = GptkitError("out of memory on the "
-                          f"CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
-                          f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or "
-                          f"batch, or a machine with more memory (count-params shows a model's memory)")
+        exc = GptkitError(
+            "out of memory on the "
+            f"CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
+            f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or "
+            f"batch, or a machine with more memory (count-params shows a model's memory)"
+        )
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
-    print(f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)",
-          file=sys.stderr)
+    print(
+        f"error: {type(exc).__name__}: {_one_line(exc)} (GPTKIT_DEBUG=1 shows the traceback)", file=sys.stderr
+    )
     return 1
 
 
@@ -221,8 +282,10 @@ def _check_flags(verb: str, args: list[str]) -> None:
     from gptkit.errors import ConfigError
 
     allowed = ("--help", "-h") + (HYDRA_FLAGS if VERBS[verb].hydra_app else ())
-    for i, a in enumerate(args):  # `gptkit sample runs/x`: a bare path where the verb reads run=
-        flag_value = i and args[i - 1].startswith("-") and "=" not in args[i - 1]  # --run runs/x: below
+    # `gptkit sample runs/x`: a bare path where the verb reads run=
+    for i, a in enumerate(args):
+        # --run runs/x: below
+        flag_value = i and args[i - 1].startswith("-") and "=" not in args[i - 1]
         bare = "=" not in a and not a.startswith("-") and not flag_value
         if bare and ("/" in a or Path(a).exists()) and _has_run_option(verb):
             raise ConfigError(f"{a}: options are key=value: did you mean run={a}?")
@@ -232,8 +295,9 @@ def _check_flags(verb: str, args: list[str]) -> None:
         name, eq, value = a.lstrip("-").partition("=")
         if not eq and i + 1 < len(args) and not args[i + 1].startswith("-"):
             value = args[i + 1]
-        raise ConfigError(f"options are key=value, not {a}: did you mean "
-                          f"{_spelling(verb, name)}={value or '...'}?")
+        raise ConfigError(
+            f"options are key=value, not {a}: did you mean {_spelling(verb, name)}={value or '...'}?"
+        )
 
 
 def _has_run_option(verb: str) -> bool:
@@ -267,8 +331,11 @@ def _skip_transformers_in_torchmetrics() -> None:
     import importlib.machinery
 
     flags = "torchmetrics.utilities.imports"
-    if "torchmetrics" in sys.modules or "transformers" in sys.modules or any(
-            getattr(f, "unflags", None) == flags for f in sys.meta_path):
+    if (
+        "torchmetrics" in sys.modules
+        or "transformers" in sys.modules
+        or any(getattr(f, "unflags", None) == flags for f in sys.meta_path)
+    ):
         return
 
     class Finder(importlib.abc.MetaPathFinder):
@@ -310,31 +377,39 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args[0] in VERBS:
             verb = args.pop(0)
-        elif os.environ.get(VERB_ENV) in VERBS:  # a Lightning/torchrun child relaunched without the verb
+        # a Lightning/torchrun child relaunched without the verb
+        elif os.environ.get(VERB_ENV) in VERBS:
             verb = os.environ[VERB_ENV]
         else:
             import difflib
 
             near = difflib.get_close_matches(args[0], list(VERBS), n=1, cutoff=0.6)
             hint = f"did you mean {near[0]}? " if near else ""
-            print(f"error: unknown verb {args[0]!r}; {hint}verbs: {', '.join(VERBS)} (gptkit --help)",
-                  file=sys.stderr)
+            print(
+                f"error: unknown verb {args[0]!r}; {hint}verbs: {', '.join(VERBS)} (gptkit --help)",
+                file=sys.stderr,
+            )
             return 2
         os.environ[VERB_ENV] = verb
         v = VERBS[verb]
         if v.positional and args and "=" not in args[0] and not args[0].startswith("-"):
-            args[0] = f"{v.positional}={args[0]}"  # `gptkit bench data` -> bench=data
+            # `gptkit bench data` -> bench=data
+            args[0] = f"{v.positional}={args[0]}"
         elif v.positional == v.config and not any(a.startswith(f"{v.positional}=") for a in args):
-            from gptkit.conf_tree import presets  # `gptkit bench` alone: the positional is a group to choose
+            # `gptkit bench` alone: the positional is a group to choose
+            from gptkit.conf_tree import presets
 
             names = "|".join(presets(v.positional))
             if "--help" in args or "-h" in args:
                 print(f"gptkit {verb}: {v.help}\n\n`gptkit {verb} <{names}> --help` shows that one's config")
                 return 0
-            print(f"error: name the {v.positional}: gptkit {verb} {names} [key=value ...] [--help]",
-                  file=sys.stderr)
+            print(
+                f"error: name the {v.positional}: gptkit {verb} {names} [key=value ...] [--help]",
+                file=sys.stderr,
+            )
             return 2
-        args = ["format=json" if a == "--json" else a for a in args]  # --json: machine-readable output
+        # --json: machine-readable output
+        args = ["format=json" if a == "--json" else a for a in args]
         if "--help" in args or "-h" in args:
             _show_help(verb, [a for a in args if a not in ("--help", "-h")])
             return 0
@@ -344,16 +419,20 @@ def main(argv: list[str] | None = None) -> int:
 
             args = verbatim(args, v.verbatim)
         mod = command(verb)
-        if hasattr(mod, "prepare_args"):  # rewrites of the text before it is parsed (bench, eval tasks=)
+        # rewrites of the text before it is parsed (bench, eval tasks=)
+        if hasattr(mod, "prepare_args"):
             args = _guarded(mod.prepare_args, args)
-        options = _guarded(_parse_args, verb, args)  # every key=value parsed once, here
-        if hasattr(mod, "prepare_options"):  # rewrites that read the parsed options (train: resume=)
+        # every key=value parsed once, here
+        options = _guarded(_parse_args, verb, args)
+        # rewrites that read the parsed options (train: resume=)
+        if hasattr(mod, "prepare_options"):
             rewritten = _guarded(mod.prepare_options, args, options)
             if rewritten != args:
                 args, options = rewritten, _guarded(_parse_args, verb, rewritten)
         cfg = _guarded(_check_options, v.config, options)
         _skip_transformers_in_torchmetrics()
-        if v.hydra_app and cfg is not None and hasattr(mod, "check"):  # before Hydra makes the run folder
+        # before Hydra makes the run folder
+        if v.hydra_app and cfg is not None and hasattr(mod, "check"):
             _guarded(mod.check, cfg, _is_multirun(verb, args), options)
         if v.hydra_app:
             _run_hydra_app(verb, args)
@@ -379,8 +458,12 @@ def _parse_args(verb: str, args: list[str]):
     (for `train -m` over several presets the config is None: Hydra checks each job)."""
     from gptkit.options import parse_options
 
-    options = [a for i, a in enumerate(args)  # the value of a Hydra flag (--cfg job) is not an option
-               if not (i and args[i - 1] in HYDRA_VALUE_FLAGS and "=" not in a and not a.startswith("-"))]
+    options = [
+        a
+        # the value of a Hydra flag (--cfg job) is not an option
+        for i, a in enumerate(args)
+        if not (i and args[i - 1] in HYDRA_VALUE_FLAGS and "=" not in a and not a.startswith("-"))
+    ]
     return parse_options(options, sweeps=_is_multirun(verb, args))
 
 

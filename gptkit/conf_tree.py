@@ -21,7 +21,8 @@ def conf_dir() -> Path:
     spec = importlib.util.find_spec("gptkit_conf")
     if spec is not None and spec.submodule_search_locations:
         return Path(list(spec.submodule_search_locations)[0])
-    here = Path(__file__).resolve().parent.parent / "conf"  # a source checkout without install
+    # a source checkout without install
+    here = Path(__file__).resolve().parent.parent / "conf"
     if here.is_dir():
         return here
     raise ConfigError("cannot find gptkit's conf/ folder; reinstall gptkit (pip install -e .)")
@@ -44,7 +45,8 @@ def verbatim(args: list[str], keys: tuple[str, ...]) -> list[str]:
     for a in args:
         key, eq, value = a.partition("=")
         if eq and key in keys and not (len(value) > 1 and value[0] in "'\"" and value[-1] == value[0]):
-            value = value.replace("${", "\\${")  # no OmegaConf interpolation
+            # no OmegaConf interpolation
+            value = value.replace("${", "\\${")
             # backslashes before a quote (or before the closing quote) are doubled, quotes escaped
             value = re.sub(r"(\\*)('|$)", lambda m: m.group(1) * 2 + ("\\'" if m.group(2) else ""), value)
             a = f"{key}='{value}'"
@@ -62,7 +64,8 @@ def compose(config_name: str, overrides: list[str]) -> DictConfig:
 
 
 # ---- numbers given as options ----------------------------------------------------------------------
-SI = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}  # B: billion, as token counts are written
+# B: billion, as token counts are written
+SI = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12, "p": 1e15}
 _COUNT = re.compile(r"([0-9][0-9_]*\.?[0-9_]*|\.[0-9]+)(e[+-]?[0-9]+)?\s*([kmbgtp])?", re.IGNORECASE)
 
 

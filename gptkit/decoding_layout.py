@@ -18,7 +18,8 @@ from contextlib import contextmanager
 
 import torch
 
-DECODING_LAYOUT_MAX_BYTES = 1 << 30  # above this, a second copy of the weights is not worth the memory
+# above this, a second copy of the weights is not worth the memory
+DECODING_LAYOUT_MAX_BYTES = 1 << 30
 # Below this weight size oneDNN's per-call overhead outweighs the packed layout at 2-16 rows (one thread,
 # whole decode steps: llama-tiny's 128x256..352x128 layers run faster on W^T; gpt2-15m's 384x384 and up
 # run faster packed).
@@ -65,8 +66,11 @@ class _PackedLinear(torch.nn.Module):
 
 
 def _onednn_usable(weight: torch.Tensor) -> bool:
-    return (weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 def _packs(linear: torch.nn.Linear, batch: int) -> bool:
@@ -79,9 +83,11 @@ def _decoding_copy(linear: torch.nn.Linear, batch: int) -> torch.nn.Module:
     if _packs(linear, batch):
         try:
             packed = _PackedLinear(linear, batch)
-            packed(linear.weight.new_zeros(batch, linear.in_features))  # fails here, not mid-generation
+            # fails here, not mid-generation
+            packed(linear.weight.new_zeros(batch, linear.in_features))
             return packed
-        except RuntimeError:  # a torch build whose oneDNN cannot pack or run this layer
+        # a torch build whose oneDNN cannot pack or run this layer
+        except RuntimeError:
             pass
     if batch == 1 and linear.out_features < linear.in_features:
         # a narrowing layer (MLP down-projection): MKL's matrix-vector product is faster on W itself

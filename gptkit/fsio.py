@@ -25,20 +25,23 @@ from gptkit.faults import fault_point
 
 
 def _read_umask() -> int:
-    mask = os.umask(0)  # the only way to read it is to set it: done once, at import
+    # the only way to read it is to set it: done once, at import
+    mask = os.umask(0)
     os.umask(mask)
     return mask
 
 
 UMASK = _read_umask()
-FILE_MODE = 0o666 & ~UMASK  # what open() would give a new file
+# what open() would give a new file
+FILE_MODE = 0o666 & ~UMASK
 DIR_MODE = 0o777 & ~UMASK
 
 
 def temp_file_beside(path: Path) -> tuple[int, str]:
     """A temporary file (fd, name) in path's folder, so that the final rename is atomic."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.chmod(tmp, FILE_MODE)  # mkstemp makes it private
+    # mkstemp makes it private
+    os.chmod(tmp, FILE_MODE)
     return fd, tmp
 
 
@@ -49,14 +52,15 @@ def locked_temp(path: Path, folder: bool = False) -> tuple[int, Path]:
     `.new`, locked, then renamed to `.tmp`, so no cleaner ever sees an unlocked `.tmp` of a live writer."""
     if folder:
         new = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent))
-        os.chmod(new, DIR_MODE)  # mkdtemp makes it private; the result is an ordinary folder
+        # mkdtemp makes it private; the result is an ordinary folder
+        os.chmod(new, DIR_MODE)
         fd = os.open(new, os.O_RDONLY | os.O_DIRECTORY)
     else:
         fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".new", dir=path.parent)
         new = Path(name)
         os.chmod(new, FILE_MODE)
     fcntl.flock(fd, fcntl.LOCK_EX)
-    tmp = new.with_name(new.name[:-len(".new")] + ".tmp")
+    tmp = new.with_name(new.name[: -len(".new")] + ".tmp")
     os.replace(new, tmp)
     return fd, tmp
 
@@ -75,7 +79,8 @@ def remove_dead_temps(path: Path | str) -> list[Path]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            continue  # a live writer's
+            # a live writer's
+            continue
         try:
             files = [f for f in p.rglob("*") if f.is_file()] if p.is_dir() else [p]
             freed += sum(f.stat().st_size for f in files)
@@ -84,8 +89,11 @@ def remove_dead_temps(path: Path | str) -> list[Path]:
         finally:
             os.close(fd)
     if gone:
-        print(f"note: removed {len(gone)} temporary {'copy' if len(gone) == 1 else 'copies'} of {path} that "
-              f"an interrupted earlier run left ({human_bytes(freed)})", file=sys.stderr)
+        print(
+            f"note: removed {len(gone)} temporary {'copy' if len(gone) == 1 else 'copies'} of {path} that "
+            f"an interrupted earlier run left ({human_bytes(freed)})",
+            file=sys.stderr,
+        )
     return gone
 
 
@@ -144,8 +152,10 @@ def confined(folder: Path | str, name: Any, named_by: Path | str, links: bool = 
         real, real_root = target.resolve(), root.resolve()
         inside = real != real_root and real_root in real.parents
     if not text or Path(text).is_absolute() or not inside:
-        raise GptkitError(f"{named_by} names the file {text!r}, which lies outside {root}; the files of a "
-                          f"checkpoint or model folder stay inside it: use a checkpoint or folder you trust")
+        raise GptkitError(
+            f"{named_by} names the file {text!r}, which lies outside {root}; the files of a "
+            f"checkpoint or model folder stay inside it: use a checkpoint or folder you trust"
+        )
     return target
 
 
@@ -164,14 +174,15 @@ def links_leaving(folder: Path | str) -> list[tuple[Path, Path]]:
 
 
 # ---- checksums -------------------------------------------------------------------------------------
-CHUNK = 8 << 20  # bytes read at a time while checking a file: memory stays flat, whatever its size
+# bytes read at a time while checking a file: memory stays flat, whatever its size
+CHUNK = 8 << 20
 
 
 def crc32_of(f, n: int, buf: memoryview) -> int | None:
     """CRC-32 of the next n bytes of the open file f; None when the file ends first."""
     crc = 0
     while n:
-        k = f.readinto(buf[:min(n, len(buf))])
+        k = f.readinto(buf[: min(n, len(buf))])
         if not k:
             return None
         crc = zlib.crc32(buf[:k], crc)
@@ -209,35 +220,44 @@ def is_disk_full(exc: BaseException) -> bool:
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(exc)
-    return ("inline_container" in text and ("unexpected pos" in text or "write failed" in text)) or \
-        ("requested and" in text and "written" in text) or "No space left on device" in text
+    return (
+        ("inline_container" in text and ("unexpected pos" in text or "write failed" in text))
+        or ("requested and" in text and "written" in text)
+        or "No space left on device" in text
+    )
 
 
 def disk_full_error(what: Path | str | None, needed: float | None, exc: BaseException) -> GptkitError:
     """One line for a write that ran out of space: what was being written, the space it needs, the space free.
     `what` None: an error that names no file (the free space is then the current folder's disk's)."""
     if what is None:
-        return GptkitError("no space left on the disk (the failed write names no file: "
-                           f"{' '.join(str(exc).split())[:120]})"
-                           f"; {human_bytes(free_bytes(Path.cwd()))} is free on the disk of {Path.cwd()}; "
-                           "free some "
-                           f"space (old runs, checkpoints or the data cache) and run the command again")
+        return GptkitError(
+            "no space left on the disk (the failed write names no file: "
+            f"{' '.join(str(exc).split())[:120]})"
+            f"; {human_bytes(free_bytes(Path.cwd()))} is free on the disk of {Path.cwd()}; "
+            "free some "
+            f"space (old runs, checkpoints or the data cache) and run the command again"
+        )
     need = f"it needs about {human_bytes(needed)}, " if needed else ""
-    return GptkitError(f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is "
-                       "free; free some space (old runs, checkpoints or the data cache) and run the command "
-                       "again")
+    return GptkitError(
+        f"no space left on the disk writing {what}: {need}{human_bytes(free_bytes(what))} is "
+        "free; free some space (old runs, checkpoints or the data cache) and run the command "
+        "again"
+    )
 
 
 def check_out_dir(out: Path | str, force: bool = False) -> Path:
     """`out` as a Path if a command may write a folder there: new, empty, or force=True."""
     out = Path(out)
     if out.exists() and not force and (not out.is_dir() or any(out.iterdir())):
-        raise GptkitError(f"{out} already exists and is not empty; choose another out= or pass force=true to "
-                          "replace it")
+        raise GptkitError(
+            f"{out} already exists and is not empty; choose another out= or pass force=true to replace it"
+        )
     above = next((p for p in out.parents if p.exists()), Path("."))
     if not above.is_dir():
-        raise GptkitError(f"out={out}: {above} is a file, so no folder can be made in it; choose another "
-                          "out=")
+        raise GptkitError(
+            f"out={out}: {above} is a file, so no folder can be made in it; choose another out="
+        )
     return out
 
 
@@ -248,7 +268,8 @@ def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
     `out` is refused unless force=True (then it is replaced, only after the new folder is complete)."""
     out = check_out_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    remove_dead_temps(out)  # what a killed earlier write of `out` left
+    # what a killed earlier write of `out` left
+    remove_dead_temps(out)
     lock, tmp = locked_temp(out, folder=True)
     try:
         yield tmp
@@ -263,7 +284,8 @@ def staged_dir(out: Path | str, force: bool = False) -> Iterator[Path]:
     except BaseException as exc:
         failed = _newest_file(tmp) if is_disk_full(exc) and not isinstance(exc, GptkitError) else None
         shutil.rmtree(tmp, ignore_errors=True)
-        if failed is not None:  # the file being written when the disk filled, by the name it was to have
+        # the file being written when the disk filled, by the name it was to have
+        if failed is not None:
             raise disk_full_error(out / failed.relative_to(tmp), None, exc) from exc
         raise
     finally:

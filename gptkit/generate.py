@@ -48,10 +48,15 @@ from gptkit.tokenizer import describe_characters, special_tokens, unknown_charac
 
 
 @torch.inference_mode()
-def generate(model, prompt_ids: list[int], opts: SampleOptions, *,
-             decode: Optional[Callable[[list[int]], str]] = None,
-             on_text: Optional[Callable[[str], None]] = None,
-             use_cache: bool = True) -> Generation:
+def generate(
+    model,
+    prompt_ids: list[int],
+    opts: SampleOptions,
+    *,
+    decode: Optional[Callable[[list[int]], str]] = None,
+    on_text: Optional[Callable[[str], None]] = None,
+    use_cache: bool = True,
+) -> Generation:
     """Generate opts.num_samples continuations of prompt_ids in one batch.
 
     decode (ids -> text) enables stop strings and the texts of the result; on_text receives the
@@ -64,7 +69,6 @@ def generate(model, prompt_ids: list[int], opts: SampleOptions, *,
         raise GptkitError("the prompt has no tokens; give a prompt (or use a tokenizer with a BOS token)")
     mode = opts.decode_mode(model.tok_emb.weight.device)
     if mode != "eager" and use_cache:
-
         return generate_static(model, prompt_ids, opts, decode, on_text, mode)
     with decoding_layout(model, opts.num_samples):
         return _generate(model, prompt_ids, opts, decode, on_text, use_cache)
@@ -76,7 +80,8 @@ def _generate(model, prompt_ids, opts, decode, on_text, use_cache) -> Generation
     device = model.tok_emb.weight.device
     B, T0, N = opts.num_samples, len(prompt_ids), opts.max_new_tokens
     keep = opts.keep(max_len)
-    start, notes = window_plan(opts, T0, max_len)  # start: the first token of the window the model sees
+    # start: the first token of the window the model sees
+    start, notes = window_plan(opts, T0, max_len)
     generator = None
     if opts.seed is not None:
         generator = torch.Generator(device=device).manual_seed(int(opts.seed))
@@ -111,7 +116,8 @@ def _generate(model, prompt_ids, opts, decode, on_text, use_cache) -> Generation
             break
         if i == N - 1:
             break
-        if n - start > max_len:  # the newest token does not fit in the window
+        # the newest token does not fit in the window
+        if n - start > max_len:
             if opts.overflow == "stop":
                 checks.stop_at_context(i + 1)
                 notes.append(context_note(max_len))
@@ -140,7 +146,8 @@ def special_token_ids(tokenizer, run_config: dict) -> tuple[Optional[int], Optio
     return found.get("bos_token"), eos if eos is not None else found.get("eos_token")
 
 
-EMPTY_START = "\n"  # what an empty prompt continues when the tokenizer has no BOS and no end-of-text token
+# what an empty prompt continues when the tokenizer has no BOS and no end-of-text token
+EMPTY_START = "\n"
 
 
 def empty_prompt_start(bos_id: Optional[int], eos_id: Optional[int]) -> str:
@@ -160,26 +167,35 @@ def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int], eos_id: Optiona
             if start is not None:
                 return [start]
         if unknown_characters(tokenizer, EMPTY_START):
-            raise GptkitError("the prompt is empty and the tokenizer has no BOS token, no end-of-text token "
-                              "and no newline to start from; give prompt=\"...\" (at least one character)")
+            raise GptkitError(
+                "the prompt is empty and the tokenizer has no BOS token, no end-of-text token "
+                'and no newline to start from; give prompt="..." (at least one character)'
+            )
         return tokenizer.encode(EMPTY_START, add_special_tokens=False).ids
 
     unknown = unknown_characters(tokenizer, prompt)
     if unknown:
-        raise GptkitError(f"the prompt has {len(unknown)} character(s) the tokenizer has never seen: "
-                          f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows "
-                          f"only its training corpus)")
+        raise GptkitError(
+            f"the prompt has {len(unknown)} character(s) the tokenizer has never seen: "
+            f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows "
+            f"only its training corpus)"
+        )
     return tokenizer.encode(prompt, add_special_tokens=False).ids
 
 
 # ---- a conversation: one KV cache across turns -----------------------------------------------------------
 @dataclass
 class Turn:
-    text: str  # the assistant's reply
-    tokens: list[int]  # its token ids (the end-of-turn token excluded)
-    stop_reason: str  # eos (the end-of-turn / end-of-text token) | length | context
-    prompt_tokens: int  # the conversation so far, rendered with the generation prompt
-    fed_tokens: int  # of those, run through the model in this turn's prefill (the rest came from the cache)
+    # the assistant's reply
+    text: str
+    # its token ids (the end-of-turn token excluded)
+    tokens: list[int]
+    # eos (the end-of-turn / end-of-text token) | length | context
+    stop_reason: str
+    # the conversation so far, rendered with the generation prompt
+    prompt_tokens: int
+    # of those, run through the model in this turn's prefill (the rest came from the cache)
+    fed_tokens: int
     prefill_s: float
     decode_s: float
     notes: list[str] = field(default_factory=list)
@@ -195,19 +211,30 @@ class ChatSession:
     (with room for max_new_tokens), its oldest turns are left out (the system prompt stays).
     """
 
-    def __init__(self, model, tokenizer, template, opts: SampleOptions, system: str | None = None,
-                 stop_ids: tuple[int, ...] = (), max_context: int | None = None,
-                 reuse_cache: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        template,
+        opts: SampleOptions,
+        system: str | None = None,
+        stop_ids: tuple[int, ...] = (),
+        max_context: int | None = None,
+        reuse_cache: bool = True,
+    ) -> None:
         cfg = model.cfg
         self.model, self.tokenizer, self.template, self.opts = model, tokenizer, template, opts
         self.system, self.stop_ids, self.reuse_cache = system, set(stop_ids), reuse_cache
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
         if opts.max_new_tokens >= self.max_context:
-            raise GptkitError(f"max_new_tokens={opts.max_new_tokens} leaves no room for the conversation in "
-                              f"{self.max_context} tokens of context; lower it")
+            raise GptkitError(
+                f"max_new_tokens={opts.max_new_tokens} leaves no room for the conversation in "
+                f"{self.max_context} tokens of context; lower it"
+            )
         device = model.tok_emb.weight.device
         dtype = model.tok_emb.weight.dtype
-        self.cache = KVCache(cfg, 1, max_len=self.max_context, device=device, dtype=dtype)  # across turns
+        # across turns
+        self.cache = KVCache(cfg, 1, max_len=self.max_context, device=device, dtype=dtype)
         self.generator = None
         if opts.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(int(opts.seed))
@@ -218,7 +245,8 @@ class ChatSession:
         self.messages: list[dict[str, str]] = []
         if self.system:
             self.messages.append({"role": "system", "content": self.system})
-        self.cached: list[int] = []  # the tokens whose keys and values the cache holds, in order
+        # the tokens whose keys and values the cache holds, in order
+        self.cached: list[int] = []
         self.cache.reset()
 
     def _prompt(self) -> tuple[list[int], list[str]]:
@@ -230,12 +258,16 @@ class ChatSession:
             if len(ids) + self.opts.max_new_tokens <= self.max_context:
                 return ids, notes
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
-            if len(self.messages) - first <= 1:  # only the new message is left
+            # only the new message is left
+            if len(self.messages) - first <= 1:
                 self.messages.pop()
-                raise GptkitError(f"the message takes {len(ids)} tokens with the template; with "
-                                  f"max_new_tokens={self.opts.max_new_tokens} that exceeds the context of "
-                                  f"{self.max_context}: shorten it")
-            del self.messages[first: first + 2]  # the oldest user message and its reply
+                raise GptkitError(
+                    f"the message takes {len(ids)} tokens with the template; with "
+                    f"max_new_tokens={self.opts.max_new_tokens} that exceeds the context of "
+                    f"{self.max_context}: shorten it"
+                )
+            # the oldest user message and its reply
+            del self.messages[first : first + 2]
             notes.append("the conversation outgrew the context: its oldest turn was left out")
 
     @torch.inference_mode()
@@ -245,7 +277,8 @@ class ChatSession:
         ids, notes = self._prompt()
         keep = 0
         if self.reuse_cache:
-            limit = min(len(self.cached), len(ids) - 1)  # at least one token is fed, for the next logits
+            # at least one token is fed, for the next logits
+            limit = min(len(self.cached), len(ids) - 1)
             while keep < limit and self.cached[keep] == ids[keep]:
                 keep += 1
         self.cache.length, self.cached = keep, ids[:keep]

@@ -46,13 +46,26 @@ from gptkit.runs import IMPORTED_FILE, TOKENIZER_FILE, check_import_out, load_to
 # transformers (optional, the test extra), huggingface_hub and torch are imported where used: `gptkit import`
 # of a local folder needs no hub, and the mapping tables load without transformers.
 
-LLAMA, QWEN2, QWEN3, OLMO2, GPT2 = "llama", "qwen2", "qwen3", "olmo2", "gpt2"  # transformers' model_type
-ARCHITECTURES = {LLAMA: "LlamaForCausalLM", QWEN2: "Qwen2ForCausalLM", QWEN3: "Qwen3ForCausalLM",
-                 OLMO2: "Olmo2ForCausalLM", GPT2: "GPT2LMHeadModel"}
-CONFIG_CLASSES = {LLAMA: "LlamaConfig", QWEN2: "Qwen2Config", QWEN3: "Qwen3Config", OLMO2: "Olmo2Config",
-                  GPT2: "GPT2Config"}
-ROPE_ARCHITECTURES = (LLAMA, QWEN2, QWEN3, OLMO2)  # the decoder layout of Llama, with their own twists
-GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")  # both are the tanh approximation gptkit uses
+# transformers' model_type
+LLAMA, QWEN2, QWEN3, OLMO2, GPT2 = "llama", "qwen2", "qwen3", "olmo2", "gpt2"
+ARCHITECTURES = {
+    LLAMA: "LlamaForCausalLM",
+    QWEN2: "Qwen2ForCausalLM",
+    QWEN3: "Qwen3ForCausalLM",
+    OLMO2: "Olmo2ForCausalLM",
+    GPT2: "GPT2LMHeadModel",
+}
+CONFIG_CLASSES = {
+    LLAMA: "LlamaConfig",
+    QWEN2: "Qwen2Config",
+    QWEN3: "Qwen3Config",
+    OLMO2: "Olmo2Config",
+    GPT2: "GPT2Config",
+}
+# the decoder layout of Llama, with their own twists
+ROPE_ARCHITECTURES = (LLAMA, QWEN2, QWEN3, OLMO2)
+# both are the tanh approximation gptkit uses
+GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # What each RoPE architecture fixes beyond rope + swiglu + rmsnorm (the keys of ModelConfig)
 ROPE_VARIANTS: dict[str, dict[str, Any]] = {
     QWEN2: {"bias": False, "qkv_bias": True, "qk_norm": None, "norm_placement": "pre"},
@@ -76,16 +89,26 @@ def architecture(cfg: ModelConfig) -> str:
         else:
             need |= {"qk_norm": None, "norm_placement": "pre"}
     else:
-        need = {"mlp": "gelu", "norm": "layernorm", "bias": True, "qkv_bias": True, "qk_norm": None,
-                "norm_placement": "pre", "n_kv_heads": cfg.n_heads, "head_dim": cfg.d_model // cfg.n_heads}
+        need = {
+            "mlp": "gelu",
+            "norm": "layernorm",
+            "bias": True,
+            "qkv_bias": True,
+            "qk_norm": None,
+            "norm_placement": "pre",
+            "n_kv_heads": cfg.n_heads,
+            "head_dim": cfg.d_model // cfg.n_heads,
+        }
         target = "GPT-2 (the transformers architecture for learned-position models)"
         arch = GPT2
     for name, want in need.items():
         have = getattr(cfg, name)
         if have != want:
-            raise GptkitError(f"model.{name}={have} with position={cfg.position} has no faithful "
-                              f"transformers architecture: {target} needs {name}={want}; refusing rather "
-                              f"than produce a different model")
+            raise GptkitError(
+                f"model.{name}={have} with position={cfg.position} has no faithful "
+                f"transformers architecture: {target} needs {name}={want}; refusing rather "
+                f"than produce a different model"
+            )
     return arch
 
 
@@ -95,30 +118,56 @@ def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     s = cfg.rope_scaling
     if s is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {"rope_type": s["type"], "rope_theta": cfg.rope_theta, "factor": s["factor"],
-            "low_freq_factor": s["low_freq_factor"], "high_freq_factor": s["high_freq_factor"],
-            "original_max_position_embeddings": s["original_max_seq_len"]}
+    return {
+        "rope_type": s["type"],
+        "rope_theta": cfg.rope_theta,
+        "factor": s["factor"],
+        "low_freq_factor": s["low_freq_factor"],
+        "high_freq_factor": s["high_freq_factor"],
+        "original_max_position_embeddings": s["original_max_seq_len"],
+    }
 
 
-def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = None,
-              pad_id: int | None = None, dtype: str = "float32") -> dict[str, Any]:
+def hf_config(
+    cfg: ModelConfig,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
     """The config.json of the transformers model equal to `cfg`."""
     arch = architecture(cfg)
-    common = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "vocab_size": cfg.vocab_size,
-              "tie_word_embeddings": cfg.tie_embeddings, "initializer_range": cfg.init_std,
-              "bos_token_id": bos_id, "eos_token_id": eos_id, "pad_token_id": pad_id,
-              "dtype": dtype, "use_cache": True}
+    common = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": dtype,
+        "use_cache": True,
+    }
     if arch in ROPE_ARCHITECTURES:
         rope = rope_parameters(cfg)
         d = common | {
-            "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim, "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "hidden_act": "silu", "attention_dropout": cfg.dropout,
-            "rope_theta": cfg.rope_theta,  # read by transformers < 5; 5.x reads rope_parameters
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.d_ff,
+            "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps,
+            "hidden_act": "silu",
+            "attention_dropout": cfg.dropout,
+            # read by transformers < 5; 5.x reads rope_parameters
+            "rope_theta": cfg.rope_theta,
             "rope_parameters": rope,
         }
-        if cfg.rope_scaling is not None:  # transformers < 5 reads the scaling from rope_scaling
+        # transformers < 5 reads the scaling from rope_scaling
+        if cfg.rope_scaling is not None:
             d["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         if arch == LLAMA:
             d |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
@@ -128,10 +177,18 @@ def hf_config(cfg: ModelConfig, bos_id: int | None = None, eos_id: int | None = 
             d |= {"use_sliding_window": False, "sliding_window": None}
         return d
     return common | {
-        "n_embd": cfg.d_model, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_positions": cfg.max_seq_len,
-        "n_inner": cfg.d_ff, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
-        "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
-        "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+        "n_embd": cfg.d_model,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_positions": cfg.max_seq_len,
+        "n_inner": cfg.d_ff,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "resid_pdrop": cfg.dropout,
+        "embd_pdrop": cfg.dropout,
+        "attn_pdrop": cfg.dropout,
+        "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
     }
 
@@ -142,8 +199,10 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
     mtype = d.get("model_type")
     if mtype not in ARCHITECTURES:
         arch = ", ".join(d.get("architectures") or []) or "no architectures field"
-        raise GptkitError(f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama, Qwen2, "
-                          f"Qwen3, OLMo-2 and GPT-2 models (model_type {', '.join(ARCHITECTURES)})")
+        raise GptkitError(
+            f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama, Qwen2, "
+            f"Qwen3, OLMo-2 and GPT-2 models (model_type {', '.join(ARCHITECTURES)})"
+        )
 
     def refuse(field: str, value: Any, want: str) -> GptkitError:
         return GptkitError(f"{mtype} config has {field}={value!r}, which gptkit cannot represent ({want})")
@@ -159,9 +218,13 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             absent = [k for k in keys if not isinstance(rope.get(k), (int, float))]
             if absent:
                 raise refuse("rope_scaling", rope, f"rope_type llama3 needs {', '.join(absent)}")
-            scaling = {"type": "llama3", "factor": rope["factor"], "low_freq_factor": rope["low_freq_factor"],
-                       "high_freq_factor": rope["high_freq_factor"],
-                       "original_max_seq_len": rope["original_max_position_embeddings"]}
+            scaling = {
+                "type": "llama3",
+                "factor": rope["factor"],
+                "low_freq_factor": rope["low_freq_factor"],
+                "high_freq_factor": rope["high_freq_factor"],
+                "original_max_seq_len": rope["original_max_position_embeddings"],
+            }
         elif rope_type != "default":
             raise refuse("rope_type", rope_type, "plain RoPE or rope_type llama3")
         if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -171,47 +234,83 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
         attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
         if mtype == LLAMA:
             if attn_bias != mlp_bias:
-                raise refuse("attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}",
-                             "one bias flag for all linears")
+                raise refuse(
+                    "attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}", "one bias flag for all linears"
+                )
             variant: dict[str, Any] = {"bias": attn_bias, "qkv_bias": attn_bias}
         else:
-            if mtype != QWEN2 and attn_bias:  # their MLPs have none: q/k/v/o biases alone have no gptkit flag
+            # their MLPs have none: q/k/v/o biases alone have no gptkit flag
+            if mtype != QWEN2 and attn_bias:
                 raise refuse("attention_bias", True, "biases on q/k/v/o without MLP biases")
             variant = dict(ROPE_VARIANTS[mtype])
-        missing = [k for k in ("vocab_size", "max_position_embeddings", "num_hidden_layers",
-                               "num_attention_heads", "hidden_size", "intermediate_size")
-                   if not isinstance(d.get(k), int)]
+        missing = [
+            k
+            for k in (
+                "vocab_size",
+                "max_position_embeddings",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "hidden_size",
+                "intermediate_size",
+            )
+            if not isinstance(d.get(k), int)
+        ]
         if missing:
-            raise GptkitError(f"{mtype} config.json has no {missing[0]} (an integer), which gptkit does not "
-                              f"guess; add it to config.json")
+            raise GptkitError(
+                f"{mtype} config.json has no {missing[0]} (an integer), which gptkit does not "
+                f"guess; add it to config.json"
+            )
         n_heads = d["num_attention_heads"]
         return ModelConfig(
-            vocab_size=d["vocab_size"], max_seq_len=d["max_position_embeddings"],
-            n_layers=d["num_hidden_layers"], n_heads=n_heads,
-            n_kv_heads=d.get("num_key_value_heads") or n_heads, d_model=d["hidden_size"],
-            d_ff=d["intermediate_size"], head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
-            position="rope", rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
-            rope_scaling=scaling, mlp="swiglu", norm="rmsnorm", norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            vocab_size=d["vocab_size"],
+            max_seq_len=d["max_position_embeddings"],
+            n_layers=d["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=d.get("num_key_value_heads") or n_heads,
+            d_model=d["hidden_size"],
+            d_ff=d["intermediate_size"],
+            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            position="rope",
+            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_scaling=scaling,
+            mlp="swiglu",
+            norm="rmsnorm",
+            norm_eps=float(d.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            dropout=float(d.get("attention_dropout", 0.0)), init_std=float(d.get("initializer_range", 0.02)),
-            name=name, **variant,
+            dropout=float(d.get("attention_dropout", 0.0)),
+            init_std=float(d.get("initializer_range", 0.02)),
+            name=name,
+            **variant,
         )
     act = d.get("activation_function", "gelu_new")
     if act not in GPT2_GELUS:
-        raise refuse("activation_function", act,
-                     f"gptkit's GELU is the tanh approximation: {' or '.join(GPT2_GELUS)}")
-    for field, want in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
-                        ("add_cross_attention", False)):
+        raise refuse(
+            "activation_function", act, f"gptkit's GELU is the tanh approximation: {' or '.join(GPT2_GELUS)}"
+        )
+    for field, want in (
+        ("scale_attn_weights", True),
+        ("scale_attn_by_inverse_layer_idx", False),
+        ("add_cross_attention", False),
+    ):
         if bool(d.get(field, want)) != want:
             raise refuse(field, d[field], f"needs {field}={want}")
     n_embd = d.get("n_embd", 768)
     return ModelConfig(
-        vocab_size=d.get("vocab_size", 50257), max_seq_len=d.get("n_positions", 1024),
-        n_layers=d.get("n_layer", 12), n_heads=d.get("n_head", 12), d_model=n_embd,
-        d_ff=d.get("n_inner") or 4 * n_embd, position="learned", mlp="gelu", norm="layernorm",
-        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)), bias=True,
-        tie_embeddings=bool(d.get("tie_word_embeddings", True)), dropout=float(d.get("resid_pdrop", 0.1)),
-        init_std=float(d.get("initializer_range", 0.02)), name=name,
+        vocab_size=d.get("vocab_size", 50257),
+        max_seq_len=d.get("n_positions", 1024),
+        n_layers=d.get("n_layer", 12),
+        n_heads=d.get("n_head", 12),
+        d_model=n_embd,
+        d_ff=d.get("n_inner") or 4 * n_embd,
+        position="learned",
+        mlp="gelu",
+        norm="layernorm",
+        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        bias=True,
+        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+        dropout=float(d.get("resid_pdrop", 0.1)),
+        init_std=float(d.get("initializer_range", 0.02)),
+        name=name,
     )
 
 
@@ -221,17 +320,24 @@ def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
     kv = f", n_kv_heads={cfg.n_kv_heads}" if cfg.n_kv_heads != cfg.n_heads else ""
     heads = f"n_heads={cfg.n_heads}{kv}"
     if cfg.position == "rope" and d.get("head_dim"):
-        return (f"{heads}, head_dim={cfg.head_dim}: confirmed by the q/k/v weight shapes "
-                f"(config.json sets head_dim)")
+        return (
+            f"{heads}, head_dim={cfg.head_dim}: confirmed by the q/k/v weight shapes "
+            f"(config.json sets head_dim)"
+        )
     if cfg.position == "rope" and cfg.n_kv_heads != cfg.n_heads:
-        return (f"{heads} from config.json; the weight shapes confirm only their ratio "
-                f"({cfg.n_heads // cfg.n_kv_heads}:1) and n_heads x head_dim = {cfg.d_attn}")
-    return (f"{heads} from config.json; the weight shapes cannot confirm it (any head count that divides "
-            f"{cfg.d_attn} fits them)")
+        return (
+            f"{heads} from config.json; the weight shapes confirm only their ratio "
+            f"({cfg.n_heads // cfg.n_kv_heads}:1) and n_heads x head_dim = {cfg.d_attn}"
+        )
+    return (
+        f"{heads} from config.json; the weight shapes cannot confirm it (any head count that divides "
+        f"{cfg.d_attn} fits them)"
+    )
 
 
 # ---- weights -----------------------------------------------------------------------------------
-COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"  # how one of our tensors becomes theirs
+# how one of our tensors becomes theirs
+COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
 
 
 def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
@@ -243,21 +349,32 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
     arch = architecture(cfg)
     if arch in ROPE_ARCHITECTURES:
         # OLMo-2 normalizes each branch's output: its two norms are named after what they follow
-        norms = (("post_attention_layernorm", "post_feedforward_layernorm") if arch == OLMO2
-                 else ("input_layernorm", "post_attention_layernorm"))
+        norms = (
+            ("post_attention_layernorm", "post_feedforward_layernorm")
+            if arch == OLMO2
+            else ("input_layernorm", "post_attention_layernorm")
+        )
         rows.append(("tok_emb.weight", "model.embed_tokens.weight", COPY))
         for i in range(cfg.n_layers):
             g, h = f"blocks.{i}.", f"model.layers.{i}."
             for part in ("weight", "bias") if cfg.qkv_bias else ("weight",):
-                rows.append((g + f"attn.qkv_proj.{part}",
-                             tuple(h + f"self_attn.{p}_proj.{part}" for p in "qkv"), SPLIT))
+                rows.append(
+                    (
+                        g + f"attn.qkv_proj.{part}",
+                        tuple(h + f"self_attn.{p}_proj.{part}" for p in "qkv"),
+                        SPLIT,
+                    )
+                )
             for part in ("weight", "bias") if cfg.bias else ("weight",):
                 rows.append((g + f"attn.o_proj.{part}", h + f"self_attn.o_proj.{part}", COPY))
-                rows += [(g + f"mlp.{proj}.{part}", h + f"mlp.{proj}.{part}", COPY)
-                         for proj in ("gate_proj", "up_proj", "down_proj")]
+                rows += [
+                    (g + f"mlp.{proj}.{part}", h + f"mlp.{proj}.{part}", COPY)
+                    for proj in ("gate_proj", "up_proj", "down_proj")
+                ]
             if cfg.qk_norm is not None:
-                rows += [(g + f"attn.{n}.weight", h + f"self_attn.{n}.weight", COPY)
-                         for n in ("q_norm", "k_norm")]
+                rows += [
+                    (g + f"attn.{n}.weight", h + f"self_attn.{n}.weight", COPY) for n in ("q_norm", "k_norm")
+                ]
             rows.append((g + "attn_norm.weight", h + f"{norms[0]}.weight", COPY))
             rows.append((g + "mlp_norm.weight", h + f"{norms[1]}.weight", COPY))
         rows.append(("final_norm.weight", "model.norm.weight", COPY))
@@ -268,8 +385,12 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
             g, h = f"blocks.{i}.", f"{t}h.{i}."
             for ours, theirs in (("attn_norm", "ln_1"), ("mlp_norm", "ln_2")):
                 rows += [(g + f"{ours}.{part}", h + f"{theirs}.{part}", COPY) for part in ("weight", "bias")]
-            for ours, theirs in (("attn.qkv_proj", "attn.c_attn"), ("attn.o_proj", "attn.c_proj"),
-                                 ("mlp.up_proj", "mlp.c_fc"), ("mlp.down_proj", "mlp.c_proj")):
+            for ours, theirs in (
+                ("attn.qkv_proj", "attn.c_attn"),
+                ("attn.o_proj", "attn.c_proj"),
+                ("mlp.up_proj", "mlp.c_fc"),
+                ("mlp.down_proj", "mlp.c_proj"),
+            ):
                 rows.append((g + f"{ours}.weight", h + f"{theirs}.weight", TRANSPOSE))
                 rows.append((g + f"{ours}.bias", h + f"{theirs}.bias", COPY))
         rows += [("final_norm.weight", t + "ln_f.weight", COPY), ("final_norm.bias", t + "ln_f.bias", COPY)]
@@ -278,8 +399,9 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
     return rows
 
 
-def peft_adapters(state: dict[str, Any], cfg: ModelConfig, lora: dict[str, Any],
-                  base: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def peft_adapters(
+    state: dict[str, Any], cfg: ModelConfig, lora: dict[str, Any], base: str | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """A LoRA run's adapters (`state`: gptkit.adapters names; `lora`: rank, alpha, dropout, targets) as PEFT
     writes them for the model `export` makes of `cfg`: (adapter_config.json, adapter_model.safetensors).
 
@@ -295,19 +417,23 @@ def peft_adapters(state: dict[str, Any], cfg: ModelConfig, lora: dict[str, Any],
     rank_pattern: dict[str, int] = {}
     alpha_pattern: dict[str, Any] = {}
     for i in range(cfg.n_layers):
-        parts: dict[str, list[tuple[int, int, Any, Any]]] = {}  # transformers module -> its adapted rows
+        # transformers module -> its adapted rows
+        parts: dict[str, list[tuple[int, int, Any, Any]]] = {}
         for t in lora["targets"]:
             ours = f"blocks.{i}.{adapters.MODULES[t]}"
             a, b = state[f"{ours}.lora_{t}_A"], state[f"{ours}.lora_{t}_B"]  # [r, in], [rows, r]
             theirs = hf_of[ours + ".weight"]
             start = 0
-            if isinstance(theirs, tuple):  # Llama: q_proj, k_proj, v_proj, each whole
+            # Llama: q_proj, k_proj, v_proj, each whole
+            if isinstance(theirs, tuple):
                 theirs = theirs["qkv".index(t)]
-            elif t in "qkv":  # GPT-2's c_attn: the rows of this part
+            # GPT-2's c_attn: the rows of this part
+            elif t in "qkv":
                 start = adapters.target_shape(cfg, t)[0]
             parts.setdefault(theirs.removesuffix(".weight"), []).append((start, start + b.shape[0], a, b))
         for module, adapted in parts.items():
-            short = ".".join(module.split(".")[-2:])  # self_attn.q_proj, mlp.c_proj: one name per kind
+            # self_attn.q_proj, mlp.c_proj: one name per kind
+            short = ".".join(module.split(".")[-2:])
             modules.add(short)
             if len(adapted) == 1 and short != "attn.c_attn":
                 a, b = adapted[0][2], adapted[0][3]
@@ -316,16 +442,27 @@ def peft_adapters(state: dict[str, Any], cfg: ModelConfig, lora: dict[str, Any],
                 a = torch.cat([x[2] for x in adapted], dim=0)  # [n*r, in]
                 b = torch.zeros(cfg.d_attn + 2 * cfg.d_kv, n * rank, dtype=a.dtype)  # [3*d_model, n*r]
                 for j, (start, end, _, bj) in enumerate(adapted):
-                    b[start:end, j * rank:(j + 1) * rank] = bj
+                    b[start:end, j * rank : (j + 1) * rank] = bj
                 rank_pattern[short], alpha_pattern[short] = n * rank, n * alpha
             tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
             tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": float(lora["dropout"]),
-        "target_modules": sorted(modules), "bias": "none", "fan_in_fan_out": architecture(cfg) == GPT2,
-        "rank_pattern": rank_pattern, "alpha_pattern": alpha_pattern, "modules_to_save": None,
-        "init_lora_weights": True, "use_rslora": False, "use_dora": False, "inference_mode": True,
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base,
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": float(lora["dropout"]),
+        "target_modules": sorted(modules),
+        "bias": "none",
+        "fan_in_fan_out": architecture(cfg) == GPT2,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "inference_mode": True,
     }
     return config, tensors
 
@@ -345,30 +482,35 @@ def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
 _IGNORED = re.compile(r"(?:^|\.)(?:rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
 
 
-def from_hf_state_dict(hf_state: dict[str, Any], cfg: ModelConfig,
-                       source: str = "the checkpoint") -> dict[str, Any]:
+def from_hf_state_dict(
+    hf_state: dict[str, Any], cfg: ModelConfig, source: str = "the checkpoint"
+) -> dict[str, Any]:
     """transformers state dict -> gptkit GPT state dict; GptkitError when a tensor is missing,
     unexpected, or has a shape the config contradicts."""
     import torch
 
-
     hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
     # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
     if architecture(cfg) == GPT2:
-        hf = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
-              for k, v in hf.items()}
+        hf = {
+            (k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
+            for k, v in hf.items()
+        }
     if cfg.tie_embeddings:
         hf.pop("lm_head.weight", None)
     with torch.device("meta"):
         expected = to_hf_state_dict(GPT(cfg).state_dict(), cfg)
     missing, unexpected = sorted(set(expected) - set(hf)), sorted(set(hf) - set(expected))
     if missing or unexpected:
-        raise GptkitError(f"{source} does not match its config.json: missing {missing[:3]}, unexpected "
-                          f"{unexpected[:3]}")
+        raise GptkitError(
+            f"{source} does not match its config.json: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
     for k, v in expected.items():
         if tuple(hf[k].shape) != tuple(v.shape):
-            raise GptkitError(f"{source} contradicts its config.json: {k} has shape {tuple(hf[k].shape)}, "
-                              f"the config needs {tuple(v.shape)}")
+            raise GptkitError(
+                f"{source} contradicts its config.json: {k} has shape {tuple(hf[k].shape)}, "
+                f"the config needs {tuple(v.shape)}"
+            )
     state: dict[str, Any] = {}
     for ours, theirs, how in name_map(cfg):
         if how == SPLIT:
@@ -441,11 +583,15 @@ def save_weights(state: dict[str, Any], out_dir: Path, max_shard_size: int) -> l
             size = 0
         shards[-1][k] = v
         size += n
-    names = ([SAFE_SINGLE] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    names = (
+        [SAFE_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     for name, shard in zip(names, shards):
         save_file(shard, str(out_dir / name), metadata={"format": "pt"})
-        os.chmod(out_dir / name, FILE_MODE)  # safetensors writes owner-only files
+        # safetensors writes owner-only files
+        os.chmod(out_dir / name, FILE_MODE)
     if len(shards) == 1:
         return names
     weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
@@ -473,8 +619,9 @@ def load_weights(hf_dir: Path) -> dict[str, Any]:
         except Exception as exc:
             from gptkit.checkpoints import load_refusal
 
-            raise GptkitError(f"{f} could not be loaded safely: it {load_refusal(f, exc)}; convert it to "
-                              f"safetensors") from exc
+            raise GptkitError(
+                f"{f} could not be loaded safely: it {load_refusal(f, exc)}; convert it to safetensors"
+            ) from exc
         if not isinstance(obj, dict):
             raise GptkitError(f"{f} does not hold a state dict")
         return obj
@@ -489,20 +636,24 @@ def load_weights(hf_dir: Path) -> dict[str, Any]:
                 raise GptkitError(f"{hf_dir / index} is not a valid weight index ({exc})") from exc
             state: dict[str, Any] = {}
             for name in files:
-                f = confined(hf_dir, name, hf_dir / index)  # never a file outside the model folder
+                # never a file outside the model folder
+                f = confined(hf_dir, name, hf_dir / index)
                 if not f.is_file():
                     raise GptkitError(f"{hf_dir / index} names {name}, which is missing from {hf_dir}")
                 state.update(load(f))
             return state
-    raise GptkitError(f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, "
-                      f"{BIN_INDEX})")
+    raise GptkitError(
+        f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})"
+    )
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     f = hf_dir / "config.json"
     if not hf_dir.is_dir():
-        raise GptkitError(f"{hf_dir} is not a folder; pass a local transformers model folder or a Hugging "
-                          f"Face Hub model id (owner/name[@revision])")
+        raise GptkitError(
+            f"{hf_dir} is not a folder; pass a local transformers model folder or a Hugging "
+            f"Face Hub model id (owner/name[@revision])"
+        )
     if not f.is_file():
         raise GptkitError(f"{hf_dir} is not a transformers model folder (no config.json in it)")
     try:
@@ -518,25 +669,43 @@ def tokenizer_files(tokenizer, max_seq_len: int, special: dict[str, tuple[str, i
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for AutoTokenizer
     (`special`: {role: (token, id)}, as gptkit.tokenizer.special_tokens() finds them)."""
     special = {role: tok for role, (tok, _) in special.items()}
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": max_seq_len,
-              "clean_up_tokenization_spaces": False, **special}
-    return {"tokenizer.json": tokenizer.to_str(),
-            "tokenizer_config.json": json.dumps(config, indent=2),
-            "special_tokens_map.json": json.dumps(special, indent=2)}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_seq_len,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    return {
+        "tokenizer.json": tokenizer.to_str(),
+        "tokenizer_config.json": json.dumps(config, indent=2),
+        "special_tokens_map.json": json.dumps(special, indent=2),
+    }
 
 
 def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
     d: dict[str, Any] = {"_from_model_config": True}
-    d.update({k: v for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("pad_token_id", pad_id))
-              if v is not None})
+    d.update(
+        {
+            k: v
+            for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("pad_token_id", pad_id))
+            if v is not None
+        }
+    )
     return d
 
 
 # ---- sources: a local folder or a Hugging Face Hub model ---------------------------------------
-HUB_FIRST = ["config.json", "tokenizer.json",  # fetched first: an unsupported model fails before its weights
-             "tokenizer_config.json", "chat_template.jinja"]  # the chat template (gptkit chat, data=chat)
+HUB_FIRST = [
+    "config.json",
+    # fetched first: an unsupported model fails before its weights
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    # the chat template (gptkit chat, data=chat)
+]
 HUB_WEIGHTS = [SAFE_SINGLE, "model-*-of-*.safetensors", SAFE_INDEX]
-HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]  # only for a model without safetensors
+# only for a model without safetensors
+HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]
 # owner/name[@revision] (or a legacy name)
 HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?(?:@[\w./-]+)?")
 LOCAL_IMPORT = "gptkit import hf=/path/to/folder out=runs/<name>"
@@ -547,9 +716,12 @@ class Source:
     """A transformers folder on this machine, and where it came from."""
 
     dir: Path
-    name: str  # the default model (and folder) name: the folder's or the repository's
-    spec: str  # what names exactly these files again: the resolved folder, or owner/name@commit
-    note: str | None = None  # worth one line on stderr (e.g. an unreachable hub left only the cache)
+    # the default model (and folder) name: the folder's or the repository's
+    name: str
+    # what names exactly these files again: the resolved folder, or owner/name@commit
+    spec: str
+    # worth one line on stderr (e.g. an unreachable hub left only the cache)
+    note: str | None = None
 
 
 def source_name(spec: str) -> str:
@@ -580,7 +752,6 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
     one line."""
     from huggingface_hub import constants, errors, snapshot_download
 
-
     unreachable = None
     if not hub.offline():
         try:
@@ -588,51 +759,72 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
         except GptkitError as exc:
             unreachable = str(exc)
     if unreachable:
-        not_cached = (f"{repo_id} is not a local folder, nor in the Hugging Face cache, and {unreachable}; "
-                      f"without network (HF_HUB_OFFLINE=1) only models in that cache and local folders work: "
-                      f"{local_alternative}")
+        not_cached = (
+            f"{repo_id} is not a local folder, nor in the Hugging Face cache, and {unreachable}; "
+            f"without network (HF_HUB_OFFLINE=1) only models in that cache and local folders work: "
+            f"{local_alternative}"
+        )
     else:
-        not_cached = (f"{repo_id} is not a local folder, nor (completely) in the Hugging Face cache "
-                      f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
-                      "HF_HUB_OFFLINE to download it, or use a local transformers folder: "
-                      f"{local_alternative}")
+        not_cached = (
+            f"{repo_id} is not a local folder, nor (completely) in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
+            "HF_HUB_OFFLINE to download it, or use a local transformers folder: "
+            f"{local_alternative}"
+        )
     local_only = unreachable is not None or hub.offline()
 
     def get(patterns: list[str], rev: str | None) -> Path:
         try:
-            return Path(snapshot_download(repo_id, revision=rev, allow_patterns=patterns,
-                                          local_files_only=local_only))
+            return Path(
+                snapshot_download(repo_id, revision=rev, allow_patterns=patterns, local_files_only=local_only)
+            )
         except errors.GatedRepoError:
-            raise GptkitError(f"{repo_id} is a gated model: accept its conditions on its Hub page and log in "
-                              f"(`hf auth login` or HF_TOKEN), then try again") from None
+            raise GptkitError(
+                f"{repo_id} is a gated model: accept its conditions on its Hub page and log in "
+                f"(`hf auth login` or HF_TOKEN), then try again"
+            ) from None
         except errors.RepositoryNotFoundError:
-            raise GptkitError(f"{repo_id} is neither a local folder nor a model on the Hugging Face Hub "
-                              f"(check the name; a private model needs `hf auth login` or "
-                              f"HF_TOKEN)") from None
+            raise GptkitError(
+                f"{repo_id} is neither a local folder nor a model on the Hugging Face Hub "
+                f"(check the name; a private model needs `hf auth login` or "
+                f"HF_TOKEN)"
+            ) from None
         except errors.RevisionNotFoundError:
-            raise GptkitError(f"{repo_id} has no revision {rev!r} on the Hugging Face Hub; give a branch, "
-                              f"tag or commit it has: {repo_id}@<revision>") from None
-        except errors.LocalEntryNotFoundError:  # offline and not (completely) in the cache
+            raise GptkitError(
+                f"{repo_id} has no revision {rev!r} on the Hugging Face Hub; give a branch, "
+                f"tag or commit it has: {repo_id}@<revision>"
+            ) from None
+        # offline and not (completely) in the cache
+        except errors.LocalEntryNotFoundError:
             raise GptkitError(not_cached) from None
         except errors.HFValidationError as exc:
-            raise GptkitError(f"{repo_id} is neither a local folder nor a valid Hub model id (owner/name): "
-                              f"{str(exc).splitlines()[0][:160]}") from None
-        except Exception as exc:  # the network or the hub failed part-way
-            raise GptkitError(f"cannot download {repo_id} from the Hugging Face Hub ({type(exc).__name__}: "
-                              f"{(str(exc).splitlines() or [''])[0][:160]}); try again, or use a local "
-                              f"folder: {local_alternative}") from None
+            raise GptkitError(
+                f"{repo_id} is neither a local folder nor a valid Hub model id (owner/name): "
+                f"{str(exc).splitlines()[0][:160]}"
+            ) from None
+        # the network or the hub failed part-way
+        except Exception as exc:
+            raise GptkitError(
+                f"cannot download {repo_id} from the Hugging Face Hub ({type(exc).__name__}: "
+                f"{(str(exc).splitlines() or [''])[0][:160]}); try again, or use a local "
+                f"folder: {local_alternative}"
+            ) from None
 
     hub_log = logging.getLogger("huggingface_hub")
     level = hub_log.level
-    hub_log.setLevel(logging.ERROR)  # e.g. "No files matched" for a model without safetensors: we handle it
+    # e.g. "No files matched" for a model without safetensors: we handle it
+    hub_log.setLevel(logging.ERROR)
     try:
         folder = get(HUB_FIRST, revision)
         # a snapshot folder is named by its commit: the later calls fetch exactly this one
         commit = folder.name
         if not (folder / "config.json").is_file():
-            raise GptkitError(f"{repo_id} has no config.json: it is not a transformers model (gptkit imports "
-                              f"Llama, Qwen2, Qwen3, OLMo-2 and GPT-2 models)")
-        model_config_from_hf(read_hf_config(folder))  # an unsupported model fails before its weights download
+            raise GptkitError(
+                f"{repo_id} has no config.json: it is not a transformers model (gptkit imports "
+                f"Llama, Qwen2, Qwen3, OLMo-2 and GPT-2 models)"
+            )
+        # an unsupported model fails before its weights download
+        model_config_from_hf(read_hf_config(folder))
         folder = get(HUB_WEIGHTS, commit)
         if not any((folder / f).is_file() for f in (SAFE_SINGLE, SAFE_INDEX)):
             # read with weights_only=True: a pickle that would run code is refused
@@ -658,10 +850,13 @@ class Imported:
     out: Path
     model_type: str | None
     n_params: int
-    dtypes: list[str]  # of the source tensors (the run folder holds fp32)
+    # of the source tensors (the run folder holds fp32)
+    dtypes: list[str]
     has_tokenizer: bool
-    heads: str  # what the weight shapes confirm about the attention heads (heads_confirmed)
-    has_chat_template: bool = False  # tokenizer_config.json's chat_template, kept as chat.json
+    # what the weight shapes confirm about the attention heads (heads_confirmed)
+    heads: str
+    # tokenizer_config.json's chat_template, kept as chat.json
+    has_chat_template: bool = False
 
 
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
@@ -678,16 +873,29 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
     model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
     tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
-    template = template_in_folder(src.dir) if tokenizer is not None else None  # tokenizer_config.json's
+    # tokenizer_config.json's
+    template = template_in_folder(src.dir) if tokenizer is not None else None
     with staged_dir(out, force=force) as tmp:
         write_run_folder(tmp, {}, model, tokenizer)
         if template is not None:
             (tmp / CHAT_FILE).write_text(template.to_json())
-        provenance = {"source": src.spec, "architectures": hf_cfg.get("architectures"),
-                      "model_type": hf_cfg.get("model_type"), "dtypes": dtypes, "files": fingerprint(src.dir)}
+        provenance = {
+            "source": src.spec,
+            "architectures": hf_cfg.get("architectures"),
+            "model_type": hf_cfg.get("model_type"),
+            "dtypes": dtypes,
+            "files": fingerprint(src.dir),
+        }
         (tmp / IMPORTED_FILE).write_text(json.dumps(provenance, indent=2))
-    return Imported(out, hf_cfg.get("model_type"), model.num_parameters(), dtypes, tokenizer is not None,
-                    heads_confirmed(hf_cfg, model_cfg), template is not None)
+    return Imported(
+        out,
+        hf_cfg.get("model_type"),
+        model.num_parameters(),
+        dtypes,
+        tokenizer is not None,
+        heads_confirmed(hf_cfg, model_cfg),
+        template is not None,
+    )
 
 
 def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tuple[Path, Source, bool]:
@@ -704,12 +912,17 @@ def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tu
             held = json.loads((out / IMPORTED_FILE).read_text())
         except (OSError, ValueError):
             held = None
-        if (isinstance(held, dict) and held.get("source") == src.spec
-                and held.get("files") == fingerprint(src.dir)):
+        if (
+            isinstance(held, dict)
+            and held.get("source") == src.spec
+            and held.get("files") == fingerprint(src.dir)
+        ):
             return out, src, True
         if not isinstance(held, dict) and out.exists() and (not out.is_dir() or any(out.iterdir())):
-            raise GptkitError(f"{out} exists and is not an import by gptkit; move it away, or import into a "
-                              f"folder of your choice (gptkit import hf={spec} out=<folder>) and pass "
-                              "init_from=<folder>")
+            raise GptkitError(
+                f"{out} exists and is not an import by gptkit; move it away, or import into a "
+                f"folder of your choice (gptkit import hf={spec} out=<folder>) and pass "
+                "init_from=<folder>"
+            )
         import_folder(src, out, force=True)
     return out, src, False

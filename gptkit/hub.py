@@ -14,7 +14,8 @@ from urllib.request import getproxies
 
 from gptkit.errors import GptkitError
 
-TIMEOUT_S = 5.0  # the connectivity check's wait when no config sets one (data=hub has data.timeout_s)
+# the connectivity check's wait when no config sets one (data=hub has data.timeout_s)
+TIMEOUT_S = 5.0
 
 
 def offline(*also: str) -> bool:
@@ -28,7 +29,8 @@ def check_hub_reachable(timeout: float, instead: str = "") -> None:
     endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
     u = urlparse(endpoint)
     proxy = getproxies().get(u.scheme)
-    if proxy:  # behind a proxy the proxy is what must answer
+    # behind a proxy the proxy is what must answer
+    if proxy:
         endpoint = f"{endpoint} via proxy {proxy}"
         u = urlparse(proxy if "://" in proxy else f"http://{proxy}")
     port = u.port or (443 if u.scheme == "https" else 80)
@@ -36,5 +38,6 @@ def check_hub_reachable(timeout: float, instead: str = "") -> None:
         socket.create_connection((u.hostname, port), timeout=timeout).close()
     except OSError as exc:
         also = f"; {instead}" if instead else ""
-        raise GptkitError(f"the Hugging Face Hub ({endpoint}) is unreachable "
-                          f"({exc.__class__.__name__}: {exc}){also}") from None
+        raise GptkitError(
+            f"the Hugging Face Hub ({endpoint}) is unreachable ({exc.__class__.__name__}: {exc}){also}"
+        ) from None

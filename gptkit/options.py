@@ -38,13 +38,19 @@ _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
 class Option:
     """One key=value of the command line, as Hydra's override grammar reads it."""
 
-    arg: str  # as given
-    key: str  # a dotted key, or a group name for a preset choice (model=llama-tiny)
-    kind: str  # "key" | "group" | "hydra"
-    op: str  # CHANGE (key=v), ADD (+key=v), FORCE_ADD (++key=v), DEL (~key)
-    value: Any  # the parsed value; a sweep's choices as a list (None for a range sweep)
+    # as given
+    arg: str
+    # a dotted key, or a group name for a preset choice (model=llama-tiny)
+    key: str
+    # "key" | "group" | "hydra"
+    kind: str
+    # CHANGE (key=v), ADD (+key=v), FORCE_ADD (++key=v), DEL (~key)
+    op: str
+    # the parsed value; a sweep's choices as a list (None for a range sweep)
+    value: Any
     sweep: bool
-    first: str  # the arg with a sweep replaced by its first choice
+    # the arg with a sweep replaced by its first choice
+    first: str
 
     @property
     def raw(self) -> str:
@@ -82,7 +88,8 @@ def parse_options(args: list[str], sweeps: bool = False) -> list[Option]:
         if sweep:
             if not sweeps:
                 raise ConfigError(_no_sweep(a, key))
-            value = list(value.list) if isinstance(value, ChoiceSweep) else None  # a range or glob: unchecked
+            # a range or glob: unchecked
+            value = list(value.list) if isinstance(value, ChoiceSweep) else None
             if value:
                 first = f"{_PREFIX[o.type.name]}{o.get_key_element()}={next(o.sweep_string_iterator())}"
         out.append(Option(a, key, kind, o.type.name, value, sweep, first))
@@ -94,16 +101,19 @@ def _unreadable(arg: str) -> str:
     if not eq:
         return f"{arg} has no value: write {arg}=<value> (options are key=value)"
     if not arg.isascii():
-        return (f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: "
-                f"\"{key}='{value}'\"")
-    return (f"cannot read {arg} as key=value; quote a value that has spaces or special characters: "
-            f"\"{key}='{value}'\"")
+        return f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: \"{key}='{value}'\""
+    return (
+        f"cannot read {arg} as key=value; quote a value that has spaces or special characters: "
+        f"\"{key}='{value}'\""
+    )
 
 
 def _no_sweep(arg: str, key: str) -> str:
     value = arg.split("=", 1)[1]
-    return (f"{arg}: a comma separates the values of a sweep, which only `gptkit train -m` runs; "
-            f"write a list as {key}=[{value}] or quote text: \"{key}='{value}'\"")
+    return (
+        f"{arg}: a comma separates the values of a sweep, which only `gptkit train -m` runs; "
+        f"write a list as {key}=[{value}] or quote text: \"{key}='{value}'\""
+    )
 
 
 def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
@@ -119,17 +129,20 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
         if o.kind == "group":
             _check_preset(o)
     if any(o.sweep and (o.kind == "group" or o.value is None) for o in options):
-        return None  # a sweep over presets, or a range(...): Hydra composes and checks each job
+        # a sweep over presets, or a range(...): Hydra composes and checks each job
+        return None
     groups = [o.first for o in options if o.kind == "group"]
     checked = [o for o in options if o.kind == "key" and not o.free_form]
-    if any(o.op in ("ADD", "FORCE_ADD") for o in checked):  # Hydra would add a key no code reads
+    # Hydra would add a key no code reads
+    if any(o.op in ("ADD", "FORCE_ADD") for o in checked):
         schema = compose(config_name, groups)
         for o in checked:
             _check_key(config_name, o, schema, options)
     try:
         cfg = compose(config_name, [o.first for o in options if o.kind != "hydra"])
     except (HydraException, OmegaConfBaseException):
-        schema = compose(config_name, groups)  # a bad preset choice raises here, as Hydra says it
+        # a bad preset choice raises here, as Hydra says it
+        schema = compose(config_name, groups)
         for o in checked:
             _check_key(config_name, o, schema, options)
         raise
@@ -166,7 +179,8 @@ def _has(cfg: DictConfig, key: str) -> bool:
 
 def _check_key(config_name: str, o: Option, schema: DictConfig, options: list[Option]) -> None:
     exists = _has(schema, o.key)
-    deleted = any(d.op == "DEL" and d.key == o.key for d in options)  # ~key +key=...: replaced
+    # ~key +key=...: replaced
+    deleted = any(d.op == "DEL" and d.key == o.key for d in options)
     if exists and o.op == "ADD" and not deleted:
         raise ConfigError(f"{o.key} is an option already: write {o.key}={o.raw} (without the +)")
     if not exists:
@@ -181,13 +195,17 @@ def _unknown(config_name: str, o: Option, schema: DictConfig, options: list[Opti
 
     def owners_of(key: str) -> list[str]:
         """The presets that have `key`, the simplest first (data.paths: files, then chat)."""
-        return sorted((p for p, keys in preset_keys.items() if key in keys),
-                      key=lambda p: (p in NAMED_LAST, len(preset_keys[p])))
+        return sorted(
+            (p for p, keys in preset_keys.items() if key in keys),
+            key=lambda p: (p in NAMED_LAST, len(preset_keys[p])),
+        )
 
     owners = owners_of(o.key)
     if owners:
-        return (f"{o.key} {_needs(config_name, group, owners, options)}: "
-                f"{_fix(config_name, group, owners, options)} {o.key}={o.raw}")
+        return (
+            f"{o.key} {_needs(config_name, group, owners, options)}: "
+            f"{_fix(config_name, group, owners, options)} {o.key}={o.raw}"
+        )
     known = flat_keys(OmegaConf.to_container(schema, resolve=False))
     near = suggest(o.key, known + sorted(set().union(*preset_keys.values())))
     hint = ""
@@ -216,7 +234,8 @@ def _fix(config_name: str, group: str, owners: list[str], options: list[Option])
 def _required(config_name: str, key: str, options: list[Option]) -> str:
     group = key.split(".")[0]
     comment = key_comments(config_name, [o.arg for o in options]).get(key)
-    what = f" ({comment})" if comment else ""  # what conf/ says the key is
+    # what conf/ says the key is
+    what = f" ({comment})" if comment else ""
     if "." in key and group in _groups(config_name, options):
         choice = _choice(config_name, group, options)
         return f"{key} is required with {group}={choice}: add {key}=<value>{what}"
@@ -247,7 +266,7 @@ def suggest(name: str, keys: list[str]) -> str | None:
 
 def flat_keys(d: Any, prefix: str = "") -> list[str]:
     out = []
-    for k, v in (d.items() if isinstance(d, dict) else ()):
+    for k, v in d.items() if isinstance(d, dict) else ():
         out.append(prefix + str(k))
         out += flat_keys(v, f"{prefix}{k}.")
     return out
@@ -255,7 +274,7 @@ def flat_keys(d: Any, prefix: str = "") -> list[str]:
 
 def _flat_values(d: Any, prefix: str = "") -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for k, v in (d.items() if isinstance(d, dict) else ()):
+    for k, v in d.items() if isinstance(d, dict) else ():
         out[prefix + str(k)] = v
         out.update(_flat_values(v, f"{prefix}{k}."))
     return out
@@ -348,8 +367,9 @@ def _check_type(config_name: str, o: Option) -> None:
             continue
         if types == {bool} and not isinstance(v, bool):
             raise ConfigError(f"{o.key}={_raw(o, v)} must be true or false")
-        if types != {bool} and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                or not math.isfinite(v)):
+        if types != {bool} and (
+            isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+        ):
             raise ConfigError(f"{o.key}={_raw(o, v)} is not a number (the default is {o.key}={default})")
 
 
@@ -358,8 +378,9 @@ def _raw(o: Option, v: Any) -> str:
 
 
 # ---- a run's saved config, checked as the command line is -------------------------------------------
-def check_saved_config(config_name: str, saved: dict[str, Any], where: str,
-                       extra_keys: tuple[str, ...] = ()) -> None:
+def check_saved_config(
+    config_name: str, saved: dict[str, Any], where: str, extra_keys: tuple[str, ...] = ()
+) -> None:
     """A run's saved config (plain data read from `where`, e.g. runs/x/config.yaml) checked against the
     verb's config as a command line is: every key one that the verb's YAML or a preset of its groups has (a
     renamed key: the close one named), every value of its key's type (runs.read_config refuses an
@@ -370,15 +391,19 @@ def check_saved_config(config_name: str, saved: dict[str, Any], where: str,
         if (conf_dir() / group).is_dir():
             for keys in _group_keys(group).values():
                 known |= keys
-    known |= {k.rsplit(".", i)[0] for k in list(known) for i in range(1, k.count(".") + 1)}  # their sections
+    # their sections
+    known |= {k.rsplit(".", i)[0] for k in list(known) for i in range(1, k.count(".") + 1)}
     for key, value in _flat_values(saved).items():
         if isinstance(value, dict) and value:
             continue
         if key not in known and not any(key == f or key.startswith(f + ".") for f in FREE_FORM):
             same_section = sorted(k for k in known if k.split(".")[0] == key.split(".")[0])
             near = suggest(key, same_section or sorted(known))
-            raise ConfigError(f"{where}: unknown key {key}" + (f" (did you mean {near}?)" if near else "")
-                              + "; fix or remove it")
+            raise ConfigError(
+                f"{where}: unknown key {key}"
+                + (f" (did you mean {near}?)" if near else "")
+                + "; fix or remove it"
+            )
         try:
             arg = f"{key}={value}"
             _check_type(config_name, Option(arg, key, "key", "CHANGE", value, False, arg))
@@ -396,7 +421,7 @@ def _split_comment(rest: str) -> tuple[str, str | None, int]:
         elif c in "'\"":
             quote = c
         elif c == "#" and (i == 0 or rest[i - 1] in " \t"):
-            return rest[:i].rstrip(), rest[i + 1:].strip(), i
+            return rest[:i].rstrip(), rest[i + 1 :].strip(), i
     return rest.rstrip(), None, -1
 
 
@@ -405,10 +430,14 @@ def yaml_comments(text: str, root: str = "") -> dict[str, str]:
     lines under it that start in the same column: its continuation), else the comment lines just above it.
     The comment block a file starts with describes the file, not its first key; `hydra:` is left out."""
     out: dict[str, str] = {}
-    stack: list[tuple[int, str]] = []  # (indent, key) of the mapping keys enclosing the current line
-    above: list[str] = []  # comment lines waiting for the key below them
-    last: tuple[str, int] | None = None  # (dotted key, column of its inline comment) that may continue
-    header = True  # still in the comment block at the top of the file
+    # (indent, key) of the mapping keys enclosing the current line
+    stack: list[tuple[int, str]] = []
+    # comment lines waiting for the key below them
+    above: list[str] = []
+    # (dotted key, column of its inline comment) that may continue
+    last: tuple[str, int] | None = None
+    # still in the comment block at the top of the file
+    header = True
     for line in text.splitlines():
         body = line.strip()
         if not body:
@@ -425,7 +454,8 @@ def yaml_comments(text: str, root: str = "") -> dict[str, str]:
         indent = len(line) - len(line.lstrip())
         key, sep, rest = body.partition(":")
         if body.startswith("-") or not sep or " " in key.strip() or key.startswith(("'", '"')):
-            above, last = [], None  # a list item, a flow or quoted key: no comment of its own here
+            # a list item, a flow or quoted key: no comment of its own here
+            above, last = [], None
             continue
         while stack and stack[-1][0] >= indent:
             stack.pop()
@@ -439,8 +469,11 @@ def yaml_comments(text: str, root: str = "") -> dict[str, str]:
         elif above:
             out[dotted] = " ".join(above)
         above = []
-    return {f"{root}.{k}" if root else k: v for k, v in out.items()
-            if k != "hydra" and not k.startswith("hydra.") and k != "defaults"}
+    return {
+        f"{root}.{k}" if root else k: v
+        for k, v in out.items()
+        if k != "hydra" and not k.startswith("hydra.") and k != "defaults"
+    }
 
 
 def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
@@ -469,8 +502,11 @@ def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
         out.update(yaml_comments(path.read_text(), root))
 
     def names(choice: Any) -> list[str]:
-        return [str(n) for n in (choice if isinstance(choice, (list, tuple)) else [choice])
-                if n not in (None, "none", "null")]
+        return [
+            str(n)
+            for n in (choice if isinstance(choice, (list, tuple)) else [choice])
+            if n not in (None, "none", "null")
+        ]
 
     def is_global(group: str, name: str) -> bool:
         path = conf_dir() / group / f"{name}.yaml"
@@ -478,15 +514,17 @@ def key_comments(config_name: str, overrides: list[str]) -> dict[str, str]:
 
     choices = {g: _choice(config_name, g, options) for g in sorted(_groups(config_name, options))}
     on_line = {o.key for o in options if o.kind == "group"}
-    for group, choice in list(choices.items()):  # experiment=...: its `override /<group>: <preset>` choices
+    # experiment=...: its `override /<group>: <preset>` choices
+    for group, choice in list(choices.items()):
         for name in (n for n in names(choice) if is_global(group, n)):
             for entry in _yaml(conf_dir() / group / f"{name}.yaml")[1].get("defaults") or []:
-                for key, value in (entry.items() if isinstance(entry, dict) else ()):
+                for key, value in entry.items() if isinstance(entry, dict) else ():
                     other = str(key).removeprefix("override").strip().lstrip("/")
                     if other in choices and other not in on_line:
                         choices[other] = value
     verb(config_name)
-    for last in (False, True):  # a _global_ preset (an experiment) last: its comments are the specific ones
+    # a _global_ preset (an experiment) last: its comments are the specific ones
+    for last in (False, True):
         for group, choice in choices.items():
             for name in names(choice):
                 if is_global(group, name) == last:

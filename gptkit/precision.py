@@ -17,12 +17,18 @@ from gptkit.errors import ConfigError
 
 @dataclass(frozen=True)
 class Precision:
-    name: str  # Lightning's precision string (trainer.precision)
-    compute: str  # dtype of the matmuls: fp32 (or tf32 when torch allows it), bf16 or fp16
-    weight_bytes: int  # bytes per parameter of the kept weights...
-    grad_bytes: int  # ...of the gradients...
-    optimizer_bytes: int  # ...and of AdamW's two moments
-    fsdp: bool  # FSDP2 trains it (fp16 would need a sharded gradient scaler)
+    # Lightning's precision string (trainer.precision)
+    name: str
+    # dtype of the matmuls: fp32 (or tf32 when torch allows it), bf16 or fp16
+    compute: str
+    # bytes per parameter of the kept weights...
+    weight_bytes: int
+    # ...of the gradients...
+    grad_bytes: int
+    # ...and of AdamW's two moments
+    optimizer_bytes: int
+    # FSDP2 trains it (fp16 would need a sharded gradient scaler)
+    fsdp: bool
 
     @property
     def mixed(self) -> bool:
@@ -32,13 +38,16 @@ class Precision:
 
 # Mixed precision keeps fp32 master weights, fp32 grads and fp32 AdamW moments; "true" half precision
 # keeps everything in that dtype.
-PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("32-true", "fp32", 4, 4, 8, fsdp=True),
-    Precision("bf16-mixed", "bf16", 4, 4, 8, fsdp=True),
-    Precision("16-mixed", "fp16", 4, 4, 8, fsdp=False),
-    Precision("bf16-true", "bf16", 2, 2, 4, fsdp=True),
-    Precision("16-true", "fp16", 2, 2, 4, fsdp=False),
-)}
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("32-true", "fp32", 4, 4, 8, fsdp=True),
+        Precision("bf16-mixed", "bf16", 4, 4, 8, fsdp=True),
+        Precision("16-mixed", "fp16", 4, 4, 8, fsdp=False),
+        Precision("bf16-true", "bf16", 2, 2, 4, fsdp=True),
+        Precision("16-true", "fp16", 2, 2, 4, fsdp=False),
+    )
+}
 
 
 def precision(name: "str | Precision", option: str = "trainer.precision") -> Precision:

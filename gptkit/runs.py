@@ -48,7 +48,8 @@ MANIFEST_FILE = "manifest.json"
 METRICS_FILE = "metrics.csv"
 IMPORTED_FILE = "imported_from.json"
 LOCK_FILE = ".lock"
-HYDRA_DIR = ".hydra"  # Hydra's copy of the composed config, written when the run starts
+# Hydra's copy of the composed config, written when the run starts
+HYDRA_DIR = ".hydra"
 
 
 # ---- where a run folder may be, and who writes it ----------------------------------------------------
@@ -60,10 +61,17 @@ def check_run_location(runs_dir: Any, name: Any) -> None:
     if name is None:
         return
     n = str(name)
-    if n.strip() in ("", ".", "..", "null", "None") or n.startswith(("/", "~")) or "/" in n or "\\" in n \
-            or ".." in Path(n).parts:
-        raise ConfigError(f"name={n!r} is not a run name: give a plain folder name (no '/', '..' or absolute "
-                          f"path); the run folder is <runs_dir>/<name>")
+    if (
+        n.strip() in ("", ".", "..", "null", "None")
+        or n.startswith(("/", "~"))
+        or "/" in n
+        or "\\" in n
+        or ".." in Path(n).parts
+    ):
+        raise ConfigError(
+            f"name={n!r} is not a run name: give a plain folder name (no '/', '..' or absolute "
+            f"path); the run folder is <runs_dir>/<name>"
+        )
 
 
 def check_run_dir(run_dir: Path | str, runs_dir: Path | str, job: bool = False) -> None:
@@ -71,8 +79,10 @@ def check_run_dir(run_dir: Path | str, runs_dir: Path | str, job: bool = False) 
     run_dir, root = Path(run_dir).resolve(), Path(runs_dir).resolve()
     parent = run_dir.parent.parent if job else run_dir.parent
     if parent != root:
-        raise ConfigError(f"the run folder {run_dir} is not a folder of runs_dir={runs_dir}; give a plain "
-                          f"name= (the run folder is <runs_dir>/<name>)")
+        raise ConfigError(
+            f"the run folder {run_dir} is not a folder of runs_dir={runs_dir}; give a plain "
+            f"name= (the run folder is <runs_dir>/<name>)"
+        )
 
 
 def is_run_folder(path: Path | str) -> bool:
@@ -85,11 +95,14 @@ def check_not_source(out: Path | str, source: Path | str) -> None:
     not be, contain or lie inside the source run folder, and must not be a run folder (force or not)."""
     o, src = Path(out).expanduser().resolve(), Path(source).resolve()
     if o == src or src in o.parents or o in src.parents:
-        raise ConfigError(f"out={out} is, contains or lies inside the run folder {src} being read; "
-                          f"choose a folder outside it")
+        raise ConfigError(
+            f"out={out} is, contains or lies inside the run folder {src} being read; "
+            f"choose a folder outside it"
+        )
     if is_run_folder(o):
-        raise ConfigError(f"out={out} is a run folder; it is never replaced (force=true or not): choose "
-                          "another out=")
+        raise ConfigError(
+            f"out={out} is a run folder; it is never replaced (force=true or not): choose another out="
+        )
 
 
 def check_import_out(out: Path | str, source: Path | str | None, force: bool) -> None:
@@ -100,22 +113,29 @@ def check_import_out(out: Path | str, source: Path | str | None, force: bool) ->
     o = Path(out).expanduser().resolve()
     src = Path(source).resolve() if source is not None else None
     if src is not None and (o == src or src in o.parents or o in src.parents):
-        raise ConfigError(f"out={out} is, contains or lies inside the folder {src} being imported; "
-                          f"choose a folder outside it")
+        raise ConfigError(
+            f"out={out} is, contains or lies inside the folder {src} being imported; "
+            f"choose a folder outside it"
+        )
     if not o.is_dir():
         return
     imported = (o / IMPORTED_FILE).is_file() and not (o / METRICS_FILE).exists()
     if is_run_folder(o) and not imported:
-        raise ConfigError(f"out={out} is a run folder with training in it; import never replaces it "
-                          f"(force=true or not): choose another out=")
+        raise ConfigError(
+            f"out={out} is a run folder with training in it; import never replaces it "
+            f"(force=true or not): choose another out="
+        )
     if force and (is_run_folder(o) or (o / LOCK_FILE).exists()):
-        claim_run_dir(o, remove_if_unused=False, instead="out=")  # a live process's lock: one line, its PID
+        # a live process's lock: one line, its PID
+        claim_run_dir(o, remove_if_unused=False, instead="out=")
 
 
 def is_rank_zero() -> bool:
     """True unless a launcher (Lightning, torchrun, SLURM, MPI) started this process as another rank."""
-    return all(int(os.environ.get(k) or 0) == 0
-               for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK"))
+    return all(
+        int(os.environ.get(k) or 0) == 0
+        for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK")
+    )
 
 
 def unused(run_dir: Path | str) -> bool:
@@ -145,8 +165,10 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "n
             pid = (run_dir / LOCK_FILE).read_text().strip() or "unknown"
         except OSError:
             pid = "unknown"
-        raise GptkitError(f"{run_dir} is being written by another gptkit process (PID {pid}); wait for it to "
-                          f"end or stop it, or choose another {instead}")
+        raise GptkitError(
+            f"{run_dir} is being written by another gptkit process (PID {pid}); wait for it to "
+            f"end or stop it, or choose another {instead}"
+        )
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _claimed[run_dir] = fd
@@ -160,9 +182,11 @@ def check_links(run_dir: Path | str) -> None:
     found = links_leaving(run_dir) if Path(run_dir).is_dir() else []
     if found:
         link, target = found[0]
-        raise GptkitError(f"{link} is a symbolic link to {target}, outside the run folder "
-                          f"{Path(run_dir).resolve()}; "
-                          f"a run folder's files stay inside it: replace the link with a copy of the file")
+        raise GptkitError(
+            f"{link} is a symbolic link to {target}, outside the run folder "
+            f"{Path(run_dir).resolve()}; "
+            f"a run folder's files stay inside it: replace the link with a copy of the file"
+        )
 
 
 def _remove_if_no_run(run_dir: Path) -> None:
@@ -172,7 +196,8 @@ def _remove_if_no_run(run_dir: Path) -> None:
 
 
 # ---- finding and reading run folders ---------------------------------------------------------------
-LATEST = "latest"  # run=latest: the most recently written run folder under ./runs
+# run=latest: the most recently written run folder under ./runs
+LATEST = "latest"
 
 
 def resolve_latest(path: Path | str, runs_dir: Path | str = "runs", need: str = "checkpoint") -> Path:
@@ -183,27 +208,40 @@ def resolve_latest(path: Path | str, runs_dir: Path | str = "runs", need: str = 
     if str(path) != LATEST:
         return Path(path).expanduser()
     root = Path(runs_dir)
-    configs = [f for pattern in (f"*/{CONFIG_FILE}", f"*/*/{CONFIG_FILE}") for f in root.glob(pattern)
-               if not any(part.startswith(".") for part in f.relative_to(root).parts)]  # not Hydra's .hydra/
+    configs = [
+        f
+        for pattern in (f"*/{CONFIG_FILE}", f"*/*/{CONFIG_FILE}")
+        for f in root.glob(pattern)
+        if not any(part.startswith(".") for part in f.relative_to(root).parts)
+        # not Hydra's .hydra/
+    ]
     if not configs:
         raise GptkitError(f"`latest` found no run folder under {runs_dir}/; train first or give a run folder")
     newest = [f.parent for f in sorted(configs, key=lambda f: f.stat().st_mtime, reverse=True)]
     found = next((i for i, d in enumerate(newest) if usable_for(d, need)), None)
     if found is None:
-        raise GptkitError(f"`latest` found no run folder under {runs_dir}/ with {NEEDS[need]} (newest: "
-                          f"{newest[0]}); "
-                          f"train first or give a run folder")
+        raise GptkitError(
+            f"`latest` found no run folder under {runs_dir}/ with {NEEDS[need]} (newest: "
+            f"{newest[0]}); "
+            f"train first or give a run folder"
+        )
     if found and is_rank_zero():
         import sys
 
-        print(f"note: latest is {newest[found]}; newer folders without {NEEDS[need]} skipped: "
-              f"{', '.join(str(d) for d in newest[:found][:3])}{' ...' if found > 3 else ''}",
-              file=sys.stderr)
+        print(
+            f"note: latest is {newest[found]}; newer folders without {NEEDS[need]} skipped: "
+            f"{', '.join(str(d) for d in newest[:found][:3])}{' ...' if found > 3 else ''}",
+            file=sys.stderr,
+        )
     return newest[found]
 
 
-NEEDS = {"checkpoint": "a checkpoint", "training": "training to resume (a .ckpt, not an import)",
-         "metrics": "a metrics.csv", "sharded": "a sharded checkpoint"}
+NEEDS = {
+    "checkpoint": "a checkpoint",
+    "training": "training to resume (a .ckpt, not an import)",
+    "metrics": "a metrics.csv",
+    "sharded": "a sharded checkpoint",
+}
 
 
 def usable_for(run_dir: Path, need: str = "checkpoint") -> bool:
@@ -234,8 +272,10 @@ def read_config(run_dir: Path) -> dict[str, Any]:
     f = Path(run_dir) / CONFIG_FILE
     if not f.is_file():
         if (Path(run_dir) / "config.json").is_file():
-            raise GptkitError(f"{run_dir} is a transformers folder, not a run folder; make it one first: "
-                              f"gptkit import hf={run_dir} out=runs/<name>")
+            raise GptkitError(
+                f"{run_dir} is a transformers folder, not a run folder; make it one first: "
+                f"gptkit import hf={run_dir} out=runs/<name>"
+            )
         raise GptkitError(f"{f} is missing; a run folder needs the {CONFIG_FILE} that `gptkit train` writes")
     try:
         cfg = yaml.safe_load(f.read_text())
@@ -257,8 +297,10 @@ def _no_interpolation(node: Any, where: Path, key: str = "") -> None:
         for i, v in enumerate(node):
             _no_interpolation(v, where, f"{key}[{i}]")
     elif isinstance(node, str) and "${" in node:
-        raise ConfigError(f"{where}: {key}: {node!r} is an interpolation; a run's saved config is data and "
-                          f"is never resolved: write the value itself")
+        raise ConfigError(
+            f"{where}: {key}: {node!r} is an interpolation; a run's saved config is data and "
+            f"is never resolved: write the value itself"
+        )
 
 
 def check_saved_run(ckpt: Path | str, source: str) -> None:
@@ -270,26 +312,32 @@ def check_saved_run(ckpt: Path | str, source: str) -> None:
 
     ckpt = Path(ckpt)
     if ckpt.is_file():
-        load_checkpoint(ckpt)  # a truncated or foreign file: one line before its folder is looked at
+        # a truncated or foreign file: one line before its folder is looked at
+        load_checkpoint(ckpt)
     run_dir = run_dir_of(ckpt)
     where = run_dir / CONFIG_FILE
     check_links(run_dir)
     raw = read_config(run_dir)
     if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
-        raise GptkitError(f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training "
-                          "state to "
-                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+        raise GptkitError(
+            f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training "
+            "state to "
+            f"continue; start a new run from its weights: gptkit train init_from={run_dir}"
+        )
     missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
     if missing:
-        raise GptkitError(f"{source}: {where} has no {missing[0]} section, so it holds no training to "
-                          f"continue; start a new run from its weights: gptkit train init_from={run_dir}")
+        raise GptkitError(
+            f"{source}: {where} has no {missing[0]} section, so it holds no training to "
+            f"continue; start a new run from its weights: gptkit train init_from={run_dir}"
+        )
     fields = tuple(f"model.{f.name}" for f in dataclasses.fields(ModelConfig))
     check_saved_config("train", raw, str(where), fields)
     try:
         model_cfg = ModelConfig.from_dict(raw["model"])
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{where}: {exc}") from None
-    if ckpt.suffix == ".ckpt" and ckpt.is_file():  # its shapes (mmap); a sharded folder's when loaded
+    # its shapes (mmap); a sharded folder's when loaded
+    if ckpt.suffix == ".ckpt" and ckpt.is_file():
         checked_model_state(ckpt, model_cfg)
 
 
@@ -312,9 +360,12 @@ def saved_run_config(ckpt: Path | str, composed: Any):
                 saved[section][key] = value
                 filled.append(f"{section}.{key}")
     if filled and is_rank_zero():
-        print(f"note: {run_dir / CONFIG_FILE} has no {', '.join(filled)} (an older gptkit's run, or an "
-              "edited file): "
-              f"{'their defaults are' if len(filled) > 1 else 'its default is'} used", file=sys.stderr)
+        print(
+            f"note: {run_dir / CONFIG_FILE} has no {', '.join(filled)} (an older gptkit's run, or an "
+            "edited file): "
+            f"{'their defaults are' if len(filled) > 1 else 'its default is'} used",
+            file=sys.stderr,
+        )
     return saved
 
 
@@ -322,10 +373,14 @@ def saved_run_config(ckpt: Path | str, composed: Any):
 class Run:
     dir: Path
     checkpoint: Path
-    config: dict[str, Any]  # the resolved run config (plain dict)
-    model_cfg: Any  # ModelConfig
-    model: Any  # GPT, eval mode, on the requested device and dtype
-    tokenizer: Any  # tokenizers.Tokenizer
+    # the resolved run config (plain dict)
+    config: dict[str, Any]
+    # ModelConfig
+    model_cfg: Any
+    # GPT, eval mode, on the requested device and dtype
+    model: Any
+    # tokenizers.Tokenizer
+    tokenizer: Any
 
 
 def load_tokenizer(run_dir: Path):
@@ -340,8 +395,9 @@ def load_tokenizer(run_dir: Path):
         raise GptkitError(f"{f} is not a valid tokenizer.json ({str(exc)[:160]})") from exc
 
 
-def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None,
-             attention: str | None = None) -> Run:
+def load_run(
+    path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None
+) -> Run:
     """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to)."""
     run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention)
     tokenizer = load_tokenizer(run_dir)
@@ -352,9 +408,11 @@ def load_run(path: Path | str, device: str = "cpu", dtype: str | None = None,
 def check_tokenizer_fits(run_dir: Path, tokenizer_size: int, vocab_size: int) -> None:
     """The run's tokenizer must give only ids the model has (the model's vocabulary may be larger: padded)."""
     if tokenizer_size > vocab_size:
-        raise GptkitError(f"{Path(run_dir) / TOKENIZER_FILE} has {tokenizer_size:,} tokens but the model has "
-                          f"{vocab_size:,} (model.vocab_size in {Path(run_dir) / CONFIG_FILE}): it is not "
-                          f"the tokenizer the run was trained with; put that one back")
+        raise GptkitError(
+            f"{Path(run_dir) / TOKENIZER_FILE} has {tokenizer_size:,} tokens but the model has "
+            f"{vocab_size:,} (model.vocab_size in {Path(run_dir) / CONFIG_FILE}): it is not "
+            f"the tokenizer the run was trained with; put that one back"
+        )
 
 
 def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):
@@ -364,7 +422,8 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
 
     path = resolve_latest(path)
     ckpt_path = find_checkpoint(path)
-    run_dir = run_dir_of(ckpt_path) if ckpt_path == path else path  # a checkpoint given
+    # a checkpoint given
+    run_dir = run_dir_of(ckpt_path) if ckpt_path == path else path
     if is_run_folder(run_dir):
         check_links(run_dir)
     cfg = read_config(run_dir)
@@ -381,8 +440,9 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
     return run_dir, ckpt_path, cfg, model_cfg, model
 
 
-def write_run_folder(run_dir: Path | str, config: dict[str, Any], model, tokenizer=None,
-                     manifest: dict[str, Any] | None = None) -> Path:
+def write_run_folder(
+    run_dir: Path | str, config: dict[str, Any], model, tokenizer=None, manifest: dict[str, Any] | None = None
+) -> Path:
     """Write a minimal complete run folder (config, tokenizer, checkpoints/last.ckpt) for `model`.
 
     Used by `import` and by tests; `train` writes the same layout through Lightning.
@@ -417,10 +477,9 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def load_for_inference(path: Path | str, device: str = "auto", dtype: str = "fp32",
-                       attention: str | None = None) -> Run:
+def load_for_inference(
+    path: Path | str, device: str = "auto", dtype: str = "fp32", attention: str | None = None
+) -> Run:
     """load_run for sample/eval/attention, with device `auto` allowed (RotaryEmbedding keeps its
     cos/sin tables in fp32 whatever dtype the model is cast to)."""
     return load_run(path, resolve_device(device), str(dtype), attention)
-
-

@@ -25,18 +25,25 @@ DECODE_MODES = ("auto", "eager", "static", "graph")
 @dataclass
 class SampleOptions:
     max_new_tokens: int = 200
-    temperature: float = 1.0  # 0: greedy
-    top_k: Optional[int] = None  # None or 0: off
-    top_p: float = 1.0  # 1.0: off
+    # 0: greedy
+    temperature: float = 1.0
+    # None or 0: off
+    top_k: Optional[int] = None
+    # 1.0: off
+    top_p: float = 1.0
     seed: Optional[int] = None
     num_samples: int = 1
     eos_id: Optional[int] = None
     stop: tuple[str, ...] = ()
     overflow: str = "slide"
-    slide_keep: Optional[int] = None  # None: 3/4 of max_seq_len
-    decode: str = "auto"  # auto | eager | static | graph (module docstring)
-    compile: Optional[bool] = None  # torch.compile the static step; None: on CUDA only
-    check_every: int = 16  # static/graph: tokens between two looks at EOS and stop strings
+    # None: 3/4 of max_seq_len
+    slide_keep: Optional[int] = None
+    # auto | eager | static | graph (module docstring)
+    decode: str = "auto"
+    # torch.compile the static step; None: on CUDA only
+    compile: Optional[bool] = None
+    # static/graph: tokens between two looks at EOS and stop strings
+    check_every: int = 16
 
     def validate(self, max_seq_len: int) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -72,17 +79,26 @@ class SampleOptions:
 
 @dataclass
 class Generation:
-    tokens: list[list[int]]  # per sample: the new token ids (cut at EOS / the stop string)
-    texts: Optional[list[str]]  # per sample: the new text, when a decode function was given
-    stop_reasons: list[str]  # per sample: eos | stop | length | context
+    # per sample: the new token ids (cut at EOS / the stop string)
+    tokens: list[list[int]]
+    # per sample: the new text, when a decode function was given
+    texts: Optional[list[str]]
+    # per sample: eos | stop | length | context
+    stop_reasons: list[str]
     prompt_tokens: int
-    prefill_s: float  # the first forward pass (the prompt) and the first token, seconds
-    decode_s: float  # every later step, seconds
-    decode_steps: int  # forward passes after the prefill (each emits one token per sample)
-    slides: int = 0  # times the window slid (each one re-prefills slide_keep tokens)
+    # the first forward pass (the prompt) and the first token, seconds
+    prefill_s: float
+    # every later step, seconds
+    decode_s: float
+    # forward passes after the prefill (each emits one token per sample)
+    decode_steps: int
+    # times the window slid (each one re-prefills slide_keep tokens)
+    slides: int = 0
     notes: list[str] = field(default_factory=list)
-    decode: str = "eager"  # the loop that ran: eager | static | graph
-    setup_s: float = 0.0  # static/graph: building the step (compile, CUDA graph capture), before the prefill
+    # the loop that ran: eager | static | graph
+    decode: str = "eager"
+    # static/graph: building the step (compile, CUDA graph capture), before the prefill
+    setup_s: float = 0.0
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -100,7 +116,8 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     best = blocks.amax(-1).argmax(-1)  # [B]: the first block holding the maximum
     rows = torch.arange(B, device=logits.device)
     idx = best * block + blocks[rows, best].argmax(-1)  # [B]
-    if n * block < V:  # the last V % 128 entries
+    # the last V % 128 entries
+    if n * block < V:
         tail = logits[:, n * block :].argmax(-1) + n * block  # [B]
         head_max, tail_max = logits[rows, idx], logits[rows, tail]
         later = (tail_max > head_max) | (tail_max.isnan() & ~head_max.isnan())
@@ -108,8 +125,13 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
     return idx
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float,
-                generator: Optional[torch.Generator]) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_k: Optional[int],
+    top_p: float,
+    generator: Optional[torch.Generator],
+) -> torch.Tensor:
     """One token per row of logits [B, V]: greedy when temperature is 0, else sampled; -> [B].
 
     Never waits for the device, so it runs inside a CUDA graph."""
@@ -122,7 +144,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_k: Optional[int], 
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [B, V]
         sorted_probs = sorted_logits.softmax(dim=-1)  # [B, V]
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # keep the smallest prefix reaching top_p
+        # keep the smallest prefix reaching top_p
+        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
     probs = logits.softmax(dim=-1)  # [B, V]
@@ -143,7 +166,8 @@ class TextStream:
     def __init__(self, decode: Callable[[list[int]], str], stop: tuple[str, ...] = ()) -> None:
         self.decode, self.stop = decode, stop
         self.ids: list[int] = []
-        self.released = 0  # characters of the text already handed out
+        # characters of the text already handed out
+        self.released = 0
         self.text = ""
         self.stopped = False
 
@@ -159,7 +183,8 @@ class TextStream:
         end = len(self.text)
         while end > self.released and self.text[end - 1] == "\ufffd":
             end -= 1
-        for s in self.stop:  # hold back a suffix that may grow into a stop string
+        # hold back a suffix that may grow into a stop string
+        for s in self.stop:
             for n in range(min(len(s) - 1, end - self.released), 0, -1):
                 if self.text[end - n : end] == s[:n]:
                     end -= n
@@ -180,30 +205,43 @@ def window_plan(opts: SampleOptions, T0: int, max_len: int) -> tuple[int, list[s
     if T0 <= max_len:
         return 0, []
     if opts.overflow == "stop":
-        raise GptkitError(f"the prompt has {T0} tokens, more than model.max_seq_len={max_len}; "
-                          f"shorten it or use overflow=slide")
+        raise GptkitError(
+            f"the prompt has {T0} tokens, more than model.max_seq_len={max_len}; "
+            f"shorten it or use overflow=slide"
+        )
     keep = opts.keep(max_len)
-    return T0 - keep, [f"the prompt has {T0} tokens > model.max_seq_len={max_len}: the model sees its last "
-                       f"{keep}"]
+    return T0 - keep, [
+        f"the prompt has {T0} tokens > model.max_seq_len={max_len}: the model sees its last {keep}"
+    ]
 
 
 def context_note(max_len: int) -> str:
-    return (f"stopped at model.max_seq_len={max_len} tokens (overflow=stop); overflow=slide continues with a "
-            f"sliding window")
+    return (
+        f"stopped at model.max_seq_len={max_len} tokens (overflow=stop); overflow=slide continues with a "
+        f"sliding window"
+    )
 
 
 class FinishChecks:
     """EOS and stop strings, sample by sample, and the text of sample 0 streamed to on_text."""
 
-    def __init__(self, batch: int, max_new_tokens: int, eos_id: Optional[int],
-                 decode: Optional[Callable[[list[int]], str]], stop: tuple[str, ...],
-                 on_text: Optional[Callable[[str], None]]) -> None:
+    def __init__(
+        self,
+        batch: int,
+        max_new_tokens: int,
+        eos_id: Optional[int],
+        decode: Optional[Callable[[list[int]], str]],
+        stop: tuple[str, ...],
+        on_text: Optional[Callable[[str], None]],
+    ) -> None:
         self.eos_id, self.on_text = eos_id, on_text
         self.streams = [TextStream(decode, stop) for _ in range(batch)] if decode is not None else None
         self.finished = [False] * batch
         self.reasons = ["length"] * batch
-        self.lengths = [max_new_tokens] * batch  # new tokens kept per sample
-        self.active = eos_id is not None or self.streams is not None  # anything to check at all
+        # new tokens kept per sample
+        self.lengths = [max_new_tokens] * batch
+        # anything to check at all
+        self.active = eos_id is not None or self.streams is not None
 
     def push(self, ids: list[int], i: int) -> bool:
         """The i-th new token of every sample; True when every sample has finished."""
@@ -231,7 +269,8 @@ class FinishChecks:
         new = [out[b][: self.lengths[b]] for b in range(len(out))]
         texts = None
         if self.streams is not None:
-            piece = self.streams[0].finish()  # what was held back (a possible stop-string start)
+            # what was held back (a possible stop-string start)
+            piece = self.streams[0].finish()
             if self.on_text is not None and piece:
                 self.on_text(piece)
             texts = [s.text for s in self.streams]

@@ -29,8 +29,10 @@ import torch
 from gptkit.model.kv_cache import StaticKVCache
 from gptkit.sampling import FinishChecks, Generation, SampleOptions, context_note, sample_next, window_plan
 
-CACHE_ROUNDING = 128  # cache lengths are rounded up to this (capped at max_seq_len): fewer shapes to compile
-WARMUP_STEPS = 3  # eager runs of the step before capture (compiles it, initialises cuBLAS)
+# cache lengths are rounded up to this (capped at max_seq_len): fewer shapes to compile
+CACHE_ROUNDING = 128
+# eager runs of the step before capture (compiles it, initialises cuBLAS)
+WARMUP_STEPS = 3
 
 
 def _forward_one(model, tok: torch.Tensor, cache: StaticKVCache) -> torch.Tensor:
@@ -38,7 +40,8 @@ def _forward_one(model, tok: torch.Tensor, cache: StaticKVCache) -> torch.Tensor
     return model(tok, cache=cache, logits_to_keep=1).logits[:, -1]
 
 
-_compiled: dict[str, Callable] = {}  # compile backend -> the compiled _forward_one (one dynamo cache)
+# compile backend -> the compiled _forward_one (one dynamo cache)
+_compiled: dict[str, Callable] = {}
 
 
 def compiled_forward(backend: str) -> Callable:
@@ -55,8 +58,19 @@ class StaticDecoder:
     """The buffers, the step and (on CUDA) the captured graph for one batch size, cache length, dtype and
     sampling rule. Reused by later generations with the same settings (see `decoder_for`)."""
 
-    def __init__(self, model, batch: int, cache_len: int, temperature: float, top_k: Optional[int],
-                 top_p: float, check_every: int, *, graph: bool, compile_backend: Optional[str]) -> None:
+    def __init__(
+        self,
+        model,
+        batch: int,
+        cache_len: int,
+        temperature: float,
+        top_k: Optional[int],
+        top_p: float,
+        check_every: int,
+        *,
+        graph: bool,
+        compile_backend: Optional[str],
+    ) -> None:
         device, dtype = model.tok_emb.weight.device, model.tok_emb.weight.dtype
         # the model keys the cache of decoders (decoder_for): no strong reference
         self._model = weakref.ref(model)
@@ -76,15 +90,18 @@ class StaticDecoder:
         if compile_backend is not None:
             self.forward = compiled_forward(compile_backend)
             try:
-                self._warm_up()  # compiles here, not mid-generation
+                # compiles here, not mid-generation
+                self._warm_up()
             except Exception as exc:  # noqa: BLE001 - any compiler failure: decode uncompiled
                 self.forward = _forward_one
-                self.notes.append(f"torch.compile could not compile the decode step ({_one_line(exc)}); "
-                                  f"decoding uncompiled")
+                self.notes.append(
+                    f"torch.compile could not compile the decode step ({_one_line(exc)}); decoding uncompiled"
+                )
         if graph:
             if not can_capture(device):
-                self.notes.append("decode=graph needs a CUDA device; decoding with the static cache, without "
-                                  "a graph")
+                self.notes.append(
+                    "decode=graph needs a CUDA device; decoding with the static cache, without a graph"
+                )
             else:
                 try:
                     self.graph = self._capture()
@@ -94,8 +111,9 @@ class StaticDecoder:
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
                     self.graph = None
-                    self.notes.append(f"CUDA graph capture failed ({_one_line(exc)}); decoding without a "
-                                      "graph")
+                    self.notes.append(
+                        f"CUDA graph capture failed ({_one_line(exc)}); decoding without a graph"
+                    )
 
     @property
     def model(self):
@@ -140,7 +158,8 @@ class StaticDecoder:
     # ---- compile and capture --------------------------------------------------------------------
     def _warm_up(self) -> None:
         for _ in range(WARMUP_STEPS):
-            self.pos.zero_()  # the slots written here are rewritten by the prefill before anything reads them
+            # the slots written here are rewritten by the prefill before anything reads them
+            self.pos.zero_()
             self._step()
 
     def _capture(self):
@@ -151,7 +170,8 @@ class StaticDecoder:
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self.generator is not None:
-            graph.register_generator_state(self.generator)  # the replays draw from it (seeded per generation)
+            # the replays draw from it (seeded per generation)
+            graph.register_generator_state(self.generator)
         with torch.cuda.graph(graph):
             self._step()
         return graph
@@ -173,24 +193,46 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[0] if text else ''}"[:200]
 
 
-_decoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (key, the last decoder)
+# model -> (key, the last decoder)
+_decoders: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def decoder_for(model, batch: int, cache_len: int, opts: SampleOptions, mode: str,
-                compile_backend: Optional[str]) -> tuple[StaticDecoder, float]:
+def decoder_for(
+    model, batch: int, cache_len: int, opts: SampleOptions, mode: str, compile_backend: Optional[str]
+) -> tuple[StaticDecoder, float]:
     """The model's decoder for these settings (built, compiled and captured on first use) and the seconds
     it took to build now (0 when reused)."""
     w = model.tok_emb.weight
-    key = (batch, cache_len, w.dtype, w.device, w.data_ptr(), float(opts.temperature), opts.top_k or None,
-           float(opts.top_p), opts.check_every, mode, compile_backend)
+    key = (
+        batch,
+        cache_len,
+        w.dtype,
+        w.device,
+        w.data_ptr(),
+        float(opts.temperature),
+        opts.top_k or None,
+        float(opts.top_p),
+        opts.check_every,
+        mode,
+        compile_backend,
+    )
     held = _decoders.get(model)
     if held is not None and held[0] == key:
         return held[1], 0.0
-    _decoders.pop(model, None)  # free the old cache and graph first
+    # free the old cache and graph first
+    _decoders.pop(model, None)
     t0 = time.perf_counter()
-    dec = StaticDecoder(model, batch, cache_len, float(opts.temperature), opts.top_k or None,
-                        float(opts.top_p), opts.check_every, graph=mode == "graph",
-                        compile_backend=compile_backend)
+    dec = StaticDecoder(
+        model,
+        batch,
+        cache_len,
+        float(opts.temperature),
+        opts.top_k or None,
+        float(opts.top_p),
+        opts.check_every,
+        graph=mode == "graph",
+        compile_backend=compile_backend,
+    )
     if w.device.type == "cuda":
         torch.cuda.synchronize(w.device)
     _decoders[model] = (key, dec)
@@ -202,8 +244,15 @@ def static_cache_len(T0: int, start: int, N: int, max_len: int) -> int:
     return min(max_len, -(-need // CACHE_ROUNDING) * CACHE_ROUNDING)
 
 
-def generate_static(model, prompt_ids: list[int], opts: SampleOptions, decode, on_text, mode: str,
-                    compile_backend: Optional[str] = "default") -> Generation:
+def generate_static(
+    model,
+    prompt_ids: list[int],
+    opts: SampleOptions,
+    decode,
+    on_text,
+    mode: str,
+    compile_backend: Optional[str] = "default",
+) -> Generation:
     """gptkit.generate.generate for decode=static|graph (called from there, inside inference mode).
 
     compile_backend "default": opts.compile decides (None: inductor on CUDA, nothing elsewhere); a name:
@@ -220,18 +269,32 @@ def generate_static(model, prompt_ids: list[int], opts: SampleOptions, decode, o
     # tokens to produce: overflow=stop ends when the next token would not fit (start is 0 then)
     limit = N if opts.overflow == "slide" else min(N, max_len - T0 + 1)
     if limit > 1:
-        dec, setup_s = decoder_for(model, B, static_cache_len(T0, start, N, max_len), opts, mode,
-                                   compile_backend)
-    else:  # one token is the prefill's: no step to compile or capture, and nothing worth keeping
-        dec = StaticDecoder(model, B, min(max_len, T0 - start + 1), float(opts.temperature),
-                            opts.top_k or None, float(opts.top_p), K, graph=False, compile_backend=None)
+        dec, setup_s = decoder_for(
+            model, B, static_cache_len(T0, start, N, max_len), opts, mode, compile_backend
+        )
+    # one token is the prefill's: no step to compile or capture, and nothing worth keeping
+    else:
+        dec = StaticDecoder(
+            model,
+            B,
+            min(max_len, T0 - start + 1),
+            float(opts.temperature),
+            opts.top_k or None,
+            float(opts.top_p),
+            K,
+            graph=False,
+            compile_backend=None,
+        )
         setup_s = 0.0
     notes += dec.notes
     dec.start(opts.seed)
     checks = FinishChecks(B, N, opts.eos_id, decode, opts.stop, on_text)
-    seqs = [list(prompt_ids) for _ in range(B)]  # per sample: the prompt and every token emitted so far
-    read = 0  # tokens already copied back to seqs
-    pending = None  # (host copy, event, first token index, count) of the last snapshot, not yet read
+    # per sample: the prompt and every token emitted so far
+    seqs = [list(prompt_ids) for _ in range(B)]
+    # tokens already copied back to seqs
+    read = 0
+    # (host copy, event, first token index, count) of the last snapshot, not yet read
+    pending = None
 
     def take(snap) -> bool:
         """Read a snapshot into seqs and run the checks on its tokens; True when every sample is done."""
@@ -267,7 +330,8 @@ def generate_static(model, prompt_ids: list[int], opts: SampleOptions, decode, o
     # [B, T0 - start]
     window = torch.tensor(prompt_ids[start:], dtype=torch.long, device=device).expand(B, -1)
     dec.prefill(window)
-    emitted, n = 1, T0 + 1  # tokens emitted; length of the sequence so far
+    # tokens emitted; length of the sequence so far
+    emitted, n = 1, T0 + 1
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     prefill_s = time.perf_counter() - t0

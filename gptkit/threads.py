@@ -32,8 +32,9 @@ def check_threads(threads, option: str) -> int | None:
     if threads is None:
         return None
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ConfigError(f"{option}={threads} must be an integer >= 1 (or null for torch's default: one per "
-                          "core)")
+        raise ConfigError(
+            f"{option}={threads} must be an integer >= 1 (or null for torch's default: one per core)"
+        )
     return threads
 
 
@@ -45,23 +46,28 @@ def set_threads(threads, option: str, processes: int = 1, warn: bool = True) -> 
     import torch
 
     threads = check_threads(threads, option)
-    chosen = threads is not None or "OMP_NUM_THREADS" in os.environ  # the user's count: kept, with a warning
+    # the user's count: kept, with a warning
+    chosen = threads is not None or "OMP_NUM_THREADS" in os.environ
     if threads is None and processes > 1 and "OMP_NUM_THREADS" not in os.environ:
-        threads = max(1, cores() // processes)  # what Lightning's launcher sets for DDP on CPU
+        # what Lightning's launcher sets for DDP on CPU
+        threads = max(1, cores() // processes)
     if threads is not None:
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)
     n = torch.get_num_threads()
     first = os.environ.get("LOCAL_RANK", "0") == "0"
-    if warn and not chosen:  # not set: the count that fits the machine's load now, said on one line
+    # not set: the count that fits the machine's load now, said on one line
+    if warn and not chosen:
         load, fit = fitting(n, processes) or (0.0, n)
         if fit < n:
             torch.set_num_threads(fit)
             os.environ["OMP_NUM_THREADS"] = str(fit)
             if first:
-                print(f"note: {fit} torch thread{'s' if fit > 1 else ''} instead of {n}: other work loads "
-                      f"{load:.1f} of the {cores()} cores (set {option}={n} to use {n} anyway)",
-                      file=sys.stderr)
+                print(
+                    f"note: {fit} torch thread{'s' if fit > 1 else ''} instead of {n}: other work loads "
+                    f"{load:.1f} of the {cores()} cores (set {option}={n} to use {n} anyway)",
+                    file=sys.stderr,
+                )
             return fit
         return n
     message = oversubscribed(n, processes, option)
@@ -84,14 +90,16 @@ def fitting(threads: int, processes: int = 1, n_cores: int | None = None) -> tup
         load = os.getloadavg()[0]
     except (AttributeError, OSError):
         return None
-    if threads > _fits(load, n_cores, processes):  # counting work that just ended (`train`, then `sample`)?
+    # counting work that just ended (`train`, then `sample`)?
+    if threads > _fits(load, n_cores, processes):
         now = busy_now()
         load = load if now is None else min(load, now)
     return load, min(threads, _fits(load, n_cores, processes))
 
 
-def oversubscribed(threads: int, processes: int, option: str, load: float | None = None,
-                   n_cores: int | None = None) -> str | None:
+def oversubscribed(
+    threads: int, processes: int, option: str, load: float | None = None, n_cores: int | None = None
+) -> str | None:
     """The warning for `threads` per process x `processes` on this machine, or None when they fit. The other
     work is `load`, else as `fitting` measures it. The fix names the largest count that fits, at least 1."""
     n_cores = n_cores or cores()
@@ -104,14 +112,17 @@ def oversubscribed(threads: int, processes: int, option: str, load: float | None
     if threads <= fit:
         return None
     per = f"{threads} torch threads" + (f" x {processes} processes" if processes > 1 else "")
-    return (f"{per} on {n_cores} cores that other work already loads ({load:.1f}): the threads will wait for "
-            f"each other and steps can be several times slower; set {option}={fit} "
-            f"(or OMP_NUM_THREADS={fit})")
+    return (
+        f"{per} on {n_cores} cores that other work already loads ({load:.1f}): the threads will wait for "
+        f"each other and steps can be several times slower; set {option}={fit} "
+        f"(or OMP_NUM_THREADS={fit})"
+    )
 
 
 def busy_now(seconds: float = 0.2) -> float | None:
     """Cores busy with other work right now: the machine's busy CPU time over `seconds` (/proc/stat) minus
     this process's own, per second of wall time; None where /proc/stat cannot be read."""
+
     def busy_ticks() -> int:
         with open("/proc/stat") as f:
             # user nice system idle iowait irq softirq steal

@@ -29,8 +29,11 @@ SPLITTABLE_KINDS = ("char", "byte", "bpe")
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's map from the 256 byte values to printable characters (the byte-level alphabet)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     chars = printable[:]
     extra = 0
     for b in range(256):
@@ -54,8 +57,13 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
 DEFAULTS: dict[str, dict[str, Any]] = {
     "char": {"special_tokens": [], "eos_token": None, "unk_token": None},
     "byte": {"special_tokens": [], "eos_token": None},
-    "bpe": {"vocab_size": 4096, "min_frequency": 2, "special_tokens": ["<|endoftext|>"],
-            "eos_token": "<|endoftext|>", "train_chars": 50_000_000},
+    "bpe": {
+        "vocab_size": 4096,
+        "min_frequency": 2,
+        "special_tokens": ["<|endoftext|>"],
+        "eos_token": "<|endoftext|>",
+        "train_chars": 50_000_000,
+    },
     "file": {"path": None, "eos_token": None},
 }
 
@@ -66,8 +74,10 @@ def tokenizer_settings(cfg: Any) -> dict[str, Any]:
     d = _as_dict(cfg)
     kind = d.get("kind")
     if kind not in KINDS:
-        raise GptkitError(f"unknown tokenizer kind {kind!r}; use tokenizer=char|byte|bpe|file "
-                          f"(or set tokenizer.kind to one of {', '.join(KINDS)})")
+        raise GptkitError(
+            f"unknown tokenizer kind {kind!r}; use tokenizer=char|byte|bpe|file "
+            f"(or set tokenizer.kind to one of {', '.join(KINDS)})"
+        )
     d = {"kind": kind, **DEFAULTS[kind], **d}
     if kind == "file":
         if not d["path"]:
@@ -97,8 +107,9 @@ def checked_file(p: Path) -> Path:
     """`p` if it is a file; else a GptkitError that says whether it is missing or a folder."""
     if p.is_dir():
         inside = " (the tokenizer.json in it?)" if (p / "tokenizer.json").is_file() else ""
-        raise GptkitError(f"tokenizer file {p} is a folder; set tokenizer.path to a tokenizer.json "
-                          f"file{inside}")
+        raise GptkitError(
+            f"tokenizer file {p} is a folder; set tokenizer.path to a tokenizer.json file{inside}"
+        )
     if not p.is_file():
         raise GptkitError(f"tokenizer file {p} does not exist; set tokenizer.path to a tokenizer.json")
     return p
@@ -110,7 +121,8 @@ def load_tokenizer_file(path: Path | str):
     p = checked_file(Path(path).expanduser())
     try:
         return Tokenizer.from_file(str(p))
-    except Exception as exc:  # the Rust side raises plain Exceptions with long messages
+    # the Rust side raises plain Exceptions with long messages
+    except Exception as exc:
         raise GptkitError(f"{p} is not a valid tokenizer.json ({str(exc).splitlines()[0][:160]})") from exc
 
 
@@ -122,7 +134,8 @@ def char_tokenizer(chars: Iterable[str], special_tokens: list[str], unk_token: s
     for t in [*special_tokens, *([unk_token] if unk_token else [])]:
         vocab.setdefault(t, len(vocab))
     tok = Tokenizer(models.WordLevel(vocab, unk_token=unk_token))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every code point
+    # every code point
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     tok.decoder = decoders.Fuse()
     if special_tokens:
         tok.add_special_tokens(special_tokens)
@@ -142,26 +155,41 @@ def byte_tokenizer(special_tokens: list[str]):
     return tok
 
 
-def train_bpe(texts: Callable[[], Iterable[str]], vocab_size: int, special_tokens: list[str],
-              min_frequency: int = 2, progress: bool = True, length: int | None = None):
+def train_bpe(
+    texts: Callable[[], Iterable[str]],
+    vocab_size: int,
+    special_tokens: list[str],
+    min_frequency: int = 2,
+    progress: bool = True,
+    length: int | None = None,
+):
     """Byte-level BPE (GPT-2 style pre-tokenization) trained on the texts."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     if vocab_size < 256 + len(special_tokens):
-        raise GptkitError(f"tokenizer.vocab_size={vocab_size} is too small: byte-level BPE needs at least "
-                          f"256 + {len(special_tokens)} special tokens")
+        raise GptkitError(
+            f"tokenizer.vocab_size={vocab_size} is too small: byte-level BPE needs at least "
+            f"256 + {len(special_tokens)} special tokens"
+        )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=min_frequency, show_progress=progress,
-                                  special_tokens=special_tokens,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=min_frequency,
+        show_progress=progress,
+        special_tokens=special_tokens,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts(), trainer=trainer, length=length)
     got = tok.get_vocab_size()
-    if got < 0.9 * vocab_size:  # the corpus ran out of pairs seen min_frequency times: say so, once
-        print(f"note: tokenizer.vocab_size={vocab_size} asked, the corpus gave a BPE of {got:,} entries (no "
-              f"more pairs occur {min_frequency}+ times); the model's vocabulary follows the tokenizer",
-              file=sys.stderr)
+    # the corpus ran out of pairs seen min_frequency times: say so, once
+    if got < 0.9 * vocab_size:
+        print(
+            f"note: tokenizer.vocab_size={vocab_size} asked, the corpus gave a BPE of {got:,} entries (no "
+            f"more pairs occur {min_frequency}+ times); the model's vocabulary follows the tokenizer",
+            file=sys.stderr,
+        )
     return tok
 
 
@@ -188,8 +216,10 @@ def build_tokenizer(cfg: Any, texts: Callable[[], Iterable[str]] | None = None, 
         tok = train_bpe(texts, int(s["vocab_size"]), special, int(s["min_frequency"]), progress)
     eos = s["eos_token"]
     if eos is not None and tok.token_to_id(eos) is None:
-        raise GptkitError(f"tokenizer.eos_token={eos!r} is not in the tokenizer's vocabulary; "
-                          f"set it to one of its special tokens or null")
+        raise GptkitError(
+            f"tokenizer.eos_token={eos!r} is not in the tokenizer's vocabulary; "
+            f"set it to one of its special tokens or null"
+        )
     return tok
 
 
@@ -214,7 +244,7 @@ def unknown_characters(tok, text: str) -> list[str]:
 
 
 def describe_characters(chars: list[str], limit: int = 10) -> str:
-    """"'é' (U+00E9), '€' (U+20AC)": characters named unambiguously, at most `limit` of them."""
+    """ "'é' (U+00E9), '€' (U+20AC)": characters named unambiguously, at most `limit` of them."""
     names = ", ".join(f"{c!r} (U+{ord(c):04X})" for c in chars[:limit])
     return names + (f" and {len(chars) - limit} more" if len(chars) > limit else "")
 

@@ -43,7 +43,8 @@ def autotuned(kernel, space: dict[int, list[tuple]], key: list[str], width_arg: 
 
     def prune(configs, named_args, **kwargs):
         row = pinned(space, {**named_args, **kwargs}[width_arg])
-        return [c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps,
-                                       c.num_stages) in row]
+        return [
+            c for c in configs if (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"], c.num_warps, c.num_stages) in row
+        ]
 
     return triton.autotune(configs, key=key, prune_configs_by={"early_config_prune": prune}, **_EXTRA)(kernel)

@@ -50,7 +50,8 @@ import triton.language as tl
 
 from gptkit_kernels._tuning import autotuned, pinned, tuning
 
-LOG2E = 1.4426950408889634  # log2(e)
+# log2(e)
+LOG2E = 1.4426950408889634
 IMPLS = ("fa2", "tma", "tma-ws")
 
 
@@ -61,9 +62,24 @@ def interpreting() -> bool:
 
 # ---- tile helpers ---------------------------------------------------------------------------
 
+
 @triton.jit
-def _load_rows(desc, base, stride_t, b, h, start, T, offs_r, offs_d, HEAD_DIM: tl.constexpr,
-               BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_TMA: tl.constexpr):
+def _load_rows(
+    desc,
+    base,
+    stride_t,
+    b,
+    h,
+    start,
+    T,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
     """Rows start..start+BLOCK_R of one head: a [BLOCK_R, BLOCK_D] tile, zeros past T (if CHECK_ROWS)
     and past HEAD_DIM. USE_TMA: through the 4-d descriptor `desc` at (b, h); else from pointer `base`
     (already at b, h). (One function, not two: each nested call costs the interpreter ~0.2 ms.)"""
@@ -86,9 +102,24 @@ def _load_rows(desc, base, stride_t, b, h, start, T, offs_r, offs_d, HEAD_DIM: t
 
 
 @triton.jit
-def _store_rows(desc, base, stride_t, b, h, start, x, T, offs_r, offs_d, HEAD_DIM: tl.constexpr,
-                BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr):
-    if USE_TMA:  # the descriptor clips rows past T and columns past HEAD_DIM
+def _store_rows(
+    desc,
+    base,
+    stride_t,
+    b,
+    h,
+    start,
+    x,
+    T,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_TMA: tl.constexpr,
+):
+    # the descriptor clips rows past T and columns past HEAD_DIM
+    if USE_TMA:
         desc.store([b, h, start, 0], x.reshape([1, 1, BLOCK_R, BLOCK_D]))
     else:
         rows = start + offs_r
@@ -103,8 +134,9 @@ def _store_rows(desc, base, stride_t, b, h, start, x, T, offs_r, offs_d, HEAD_DI
 def _descriptor(X, B, H, T, sb, sh, st, HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     """A TMA descriptor over X viewed as [B, H, T, HEAD_DIM] (last dim dense), tiles of [1, 1, BLOCK_R,
     BLOCK_D]."""
-    return tl.make_tensor_descriptor(X, shape=[B, H, T, HEAD_DIM], strides=[sb, sh, st, 1],
-                                     block_shape=[1, 1, BLOCK_R, BLOCK_D])
+    return tl.make_tensor_descriptor(
+        X, shape=[B, H, T, HEAD_DIM], strides=[sb, sh, st, 1], block_shape=[1, 1, BLOCK_R, BLOCK_D]
+    )
 
 
 @triton.jit
@@ -121,14 +153,17 @@ def _keep(rows, cols, ds_rows, de_rows, T, CAUSAL: tl.constexpr, DOC: tl.constex
 
 
 @triton.jit
-def _query_tile_ranges(DS, DE, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       CAUSAL: tl.constexpr, DOC: tl.constexpr):
+def _query_tile_ranges(
+    DS, DE, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr
+):
     """Key ranges for the query tile at m0: [lo, mid_lo) masked, [mid_lo, mid_hi) seen whole by every
     row (no mask), [mid_hi, hi) masked. Keys outside [lo, hi) are seen by no row of the tile."""
-    last = tl.minimum(m0 + BLOCK_M, T) - 1  # the tile's last valid query
+    # the tile's last valid query
+    last = tl.minimum(m0 + BLOCK_M, T) - 1
     if CAUSAL:
         hi = last + 1
-        mid_hi = ((m0 + 1) // BLOCK_N) * BLOCK_N  # key tiles that end at or before the first query
+        # key tiles that end at or before the first query
+        mid_hi = ((m0 + 1) // BLOCK_N) * BLOCK_N
     else:
         hi = T
         mid_hi = (T // BLOCK_N) * BLOCK_N
@@ -148,61 +183,196 @@ def _query_tile_ranges(DS, DE, m0, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constex
 
 # ---- forward --------------------------------------------------------------------------------
 
+
 @triton.jit
-def _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows, de_rows, offs_n,
-              offs_d, T, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _fwd_step(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_src,
+    v_src,
+    skt,
+    svt,
+    b,
+    hk,
+    start_n,
+    rows,
+    ds_rows,
+    de_rows,
+    offs_n,
+    offs_d,
+    T,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Fold the key tile at start_n into the running (acc, l_i, m_i) of one query tile."""
-    k = _load_rows(k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
-                   MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+    k = _load_rows(
+        k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
+    )  # [BLOCK_N, BLOCK_D]
     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
     if MASKED:
         qk = tl.where(_keep(rows, start_n + offs_n, ds_rows, de_rows, T, CAUSAL, DOC), qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
-    if DOC and MASKED:  # a row may not have reached its document yet: keep -inf - -inf from making NaN
+    # a row may not have reached its document yet: keep -inf - -inf from making NaN
+    if DOC and MASKED:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    else:  # without documents every row has seen at least one key by now, so m_new is finite
+    # without documents every row has seen at least one key by now, so m_new is finite
+    else:
         m_use = m_new
     p = tl.exp2(qk - m_use[:, None])  # [BLOCK_M, BLOCK_N]
     alpha = tl.exp2(m_i - m_use)  # [BLOCK_M] rescales what was accumulated so far
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = _load_rows(v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
-                   MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+    v = _load_rows(
+        v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
+    )  # [BLOCK_N, BLOCK_D]
     acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
     return acc, l_i, m_new
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d,
-               T, lo, hi, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-               CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-               WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    k_src,
+    v_src,
+    skt,
+    svt,
+    b,
+    hk,
+    rows,
+    ds_rows,
+    de_rows,
+    offs_n,
+    offs_d,
+    T,
+    lo,
+    hi,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Fold the key tiles [lo, hi) into the running (acc, l_i, m_i) of one query tile."""
     if WARP_SPECIALIZE:
         for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=True):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows,
-                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                      CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
+            acc, l_i, m_i = _fwd_step(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_src,
+                v_src,
+                skt,
+                svt,
+                b,
+                hk,
+                start_n,
+                rows,
+                ds_rows,
+                de_rows,
+                offs_n,
+                offs_d,
+                T,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                CAUSAL,
+                DOC,
+                MASKED,
+                USE_TMA,
+                PRECISION,
+            )
     else:
         for start_n in range(lo, hi, BLOCK_N):
             start_n = tl.multiple_of(start_n, BLOCK_N)
-            acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, start_n, rows, ds_rows,
-                                      de_rows, offs_n, offs_d, T, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                      CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
+            acc, l_i, m_i = _fwd_step(
+                acc,
+                l_i,
+                m_i,
+                q,
+                k_src,
+                v_src,
+                skt,
+                svt,
+                b,
+                hk,
+                start_n,
+                rows,
+                ds_rows,
+                de_rows,
+                offs_n,
+                offs_d,
+                T,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                CAUSAL,
+                DOC,
+                MASKED,
+                USE_TMA,
+                PRECISION,
+            )
     return acc, l_i, m_i
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, DS, DE,
-                sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sob, soh, sot,
-                B, H, T, qk_scale,
-                GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr,
-                USE_TMA: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, PRECISION: tl.constexpr):
+def _fwd_kernel(
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    DS,
+    DE,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
+    sob,
+    soh,
+    sot,
+    B,
+    H,
+    T,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first: better balance across the GPU
+    # the longest rows first: better balance across the GPU
+    if CAUSAL:
         pid_m = tl.cdiv(T, BLOCK_M) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -227,41 +397,171 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, DE,
         DE += b.to(tl.int64) * T
         ds_rows = tl.load(DS + rows, mask=rows < T, other=0)  # [BLOCK_M] where each row's document starts
         if CAUSAL:
-            de_rows = ds_rows  # unused
+            # unused
+            de_rows = ds_rows
         else:
             de_rows = tl.load(DE + rows, mask=rows < T, other=T)
     else:
-        ds_rows = rows  # unused
+        # unused
+        ds_rows = rows
         de_rows = rows
-    q = _load_rows(q_src, q_src, sqt, b, h, m0, T, tl.arange(0, BLOCK_M), offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
-                   True, USE_TMA)  # [BLOCK_M, BLOCK_D], stays on-chip
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max (log2 units)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)  # unnormalised output
+    q = _load_rows(
+        q_src,
+        q_src,
+        sqt,
+        b,
+        h,
+        m0,
+        T,
+        tl.arange(0, BLOCK_M),
+        offs_d,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_D,
+        True,
+        USE_TMA,
+    )  # [BLOCK_M, BLOCK_D], stays on-chip
+    # running max (log2 units)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # running sum of exp2(s - m_i)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # unnormalised output
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _query_tile_ranges(DS, DE, m0, T, BLOCK_M, BLOCK_N, CAUSAL, DOC)
     if DOC:
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
-                                   offs_n, offs_d, T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                                   CAUSAL, DOC, True, USE_TMA, False, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
-                               offs_n, offs_d, T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N,
-                               CAUSAL, DOC, False, USE_TMA, WARP_SPECIALIZE, PRECISION)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows,
-                               offs_n, offs_d, T, mid_hi, hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL,
-                               DOC, True, USE_TMA, False, PRECISION)
+        acc, l_i, m_i = _fwd_inner(
+            acc,
+            l_i,
+            m_i,
+            q,
+            k_src,
+            v_src,
+            skt,
+            svt,
+            b,
+            hk,
+            rows,
+            ds_rows,
+            de_rows,
+            offs_n,
+            offs_d,
+            T,
+            lo,
+            mid_lo,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            CAUSAL,
+            DOC,
+            True,
+            USE_TMA,
+            False,
+            PRECISION,
+        )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        skt,
+        svt,
+        b,
+        hk,
+        rows,
+        ds_rows,
+        de_rows,
+        offs_n,
+        offs_d,
+        T,
+        mid_lo,
+        mid_hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        CAUSAL,
+        DOC,
+        False,
+        USE_TMA,
+        WARP_SPECIALIZE,
+        PRECISION,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        k_src,
+        v_src,
+        skt,
+        svt,
+        b,
+        hk,
+        rows,
+        ds_rows,
+        de_rows,
+        offs_n,
+        offs_d,
+        T,
+        mid_hi,
+        hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        CAUSAL,
+        DOC,
+        True,
+        USE_TMA,
+        False,
+        PRECISION,
+    )
 
     out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
-    _store_rows(o_dst, o_dst, sot, b, h, m0, out.to(O.dtype.element_ty), T, tl.arange(0, BLOCK_M), offs_d,
-                HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
-    tl.store(LSE + rows, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=rows < T)  # natural log
+    _store_rows(
+        o_dst,
+        o_dst,
+        sot,
+        b,
+        h,
+        m0,
+        out.to(O.dtype.element_ty),
+        T,
+        tl.arange(0, BLOCK_M),
+        offs_d,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_D,
+        USE_TMA,
+    )
+    # natural log
+    tl.store(LSE + rows, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=rows < T)
 
 
 # ---- backward -------------------------------------------------------------------------------
 
+
 @triton.jit
-def _bwd_preprocess(O, DO, DELTA, sob, soh, sot, sdb, sdh, sdt, H, T,
-                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr):
+def _bwd_preprocess(
+    O,
+    DO,
+    DELTA,
+    sob,
+    soh,
+    sot,
+    sdb,
+    sdh,
+    sdt,
+    H,
+    T,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
     """delta[b, h, t] = sum_d dO * O, in fp32."""
     h = tl.program_id(1).to(tl.int64)
     b = tl.program_id(2).to(tl.int64)
@@ -269,26 +569,57 @@ def _bwd_preprocess(O, DO, DELTA, sob, soh, sot, sdb, sdh, sdt, H, T,
     rows = m0 + tl.arange(0, BLOCK_M)
     offs_m = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    o = _load_rows(O, O + b * sob + h * soh, sot, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
-                   True, False)  # [BLOCK_M, BLOCK_D]
-    do = _load_rows(DO, DO + b * sdb + h * sdh, sdt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
-                    True, False)  # [BLOCK_M, BLOCK_D]
+    o = _load_rows(
+        O, O + b * sob + h * soh, sot, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True, False
+    )  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(
+        DO, DO + b * sdb + h * sdh, sdt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True, False
+    )  # [BLOCK_M, BLOCK_D]
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)  # [BLOCK_M]
     tl.store(DELTA + (b * H + h) * T + rows, delta, mask=rows < T)
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h, T, start_m, cols, offs_m,
-               offs_d, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-               CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-               PRECISION: tl.constexpr):
+def _dkdv_tile(
+    dk,
+    dv,
+    k,
+    v,
+    q_src,
+    do_src,
+    LSE,
+    DELTA,
+    DS,
+    DE,
+    sqt,
+    sdt,
+    b,
+    h,
+    T,
+    start_m,
+    cols,
+    offs_m,
+    offs_d,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Add one query tile (of query head h, whose LSE/DELTA rows start at LSE/DELTA) to a tile of dK, dV."""
     rows = start_m + offs_m  # [BLOCK_M] query positions
-    q = _load_rows(q_src, q_src, sqt, b, h, start_m, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
-                   MASKED, USE_TMA)  # [BLOCK_M, BLOCK_D]
-    do = _load_rows(do_src, do_src, sdt, b, h, start_m, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D,
-                    MASKED, USE_TMA)  # [BLOCK_M, BLOCK_D]
-    if MASKED:  # lse = +inf past the end makes those probabilities exactly 0
+    q = _load_rows(
+        q_src, q_src, sqt, b, h, start_m, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, MASKED, USE_TMA
+    )  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(
+        do_src, do_src, sdt, b, h, start_m, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, MASKED, USE_TMA
+    )  # [BLOCK_M, BLOCK_D]
+    # lse = +inf past the end makes those probabilities exactly 0
+    if MASKED:
         lse = tl.load(LSE + rows, mask=rows < T, other=float("inf"))
         delta = tl.load(DELTA + rows, mask=rows < T, other=0.0)
     else:
@@ -300,7 +631,8 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h, 
         if DOC:
             ds_rows = tl.load(DS + rows, mask=rows < T, other=T)
             if CAUSAL:
-                de_rows = ds_rows  # unused
+                # unused
+                de_rows = ds_rows
             else:
                 de_rows = tl.load(DE + rows, mask=rows < T, other=0)
             keep_t = tl.trans(_keep(rows, cols, ds_rows, de_rows, T, CAUSAL, DOC))  # [BLOCK_N, BLOCK_M]
@@ -315,48 +647,198 @@ def _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h, 
 
 
 @triton.jit
-def _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols, offs_m,
-                offs_d, lo, hi, qk_scale, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_M: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr,
-                USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+def _dkdv_inner(
+    dk,
+    dv,
+    k,
+    v,
+    q_src,
+    do_src,
+    LSE,
+    DELTA,
+    DS,
+    DE,
+    sqh,
+    sqt,
+    sdh,
+    sdt,
+    b,
+    h0,
+    T,
+    cols,
+    offs_m,
+    offs_d,
+    lo,
+    hi,
+    qk_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Add the query tiles [lo, hi) of the GROUP query heads h0.. that share this K/V head to dK, dV.
     GQA walks (head, tile) pairs in one flat loop: nested loops spill registers on Hopper."""
     if GROUP == 1:
         for start_m in range(lo, hi, BLOCK_M):
             start_m = tl.multiple_of(start_m, BLOCK_M)
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqt, sdt, b, h0, T, start_m,
-                                cols, offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC,
-                                MASKED, USE_TMA, PRECISION)
+            dk, dv = _dkdv_tile(
+                dk,
+                dv,
+                k,
+                v,
+                q_src,
+                do_src,
+                LSE,
+                DELTA,
+                DS,
+                DE,
+                sqt,
+                sdt,
+                b,
+                h0,
+                T,
+                start_m,
+                cols,
+                offs_m,
+                offs_d,
+                qk_scale,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_D,
+                CAUSAL,
+                DOC,
+                MASKED,
+                USE_TMA,
+                PRECISION,
+            )
     else:
         n_tiles = tl.cdiv(hi - lo, BLOCK_M)
         for i in range(0, GROUP * n_tiles):
-            g = i // n_tiles  # the query head within the group
+            # the query head within the group
+            g = i // n_tiles
             start_m = tl.multiple_of(lo + (i - g * n_tiles) * BLOCK_M, BLOCK_M)
             if USE_TMA:
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_src, do_src, LSE + g * T, DELTA + g * T, DS, DE, sqt, sdt,
-                                    b, h0 + g, T, start_m, cols, offs_m, offs_d, qk_scale, HEAD_DIM, BLOCK_M,
-                                    BLOCK_D, CAUSAL, DOC, MASKED, USE_TMA, PRECISION)
+                dk, dv = _dkdv_tile(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_src,
+                    do_src,
+                    LSE + g * T,
+                    DELTA + g * T,
+                    DS,
+                    DE,
+                    sqt,
+                    sdt,
+                    b,
+                    h0 + g,
+                    T,
+                    start_m,
+                    cols,
+                    offs_m,
+                    offs_d,
+                    qk_scale,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_D,
+                    CAUSAL,
+                    DOC,
+                    MASKED,
+                    USE_TMA,
+                    PRECISION,
+                )
             else:
-                dk, dv = _dkdv_tile(dk, dv, k, v, q_src + g * sqh, do_src + g * sdh, LSE + g * T,
-                                    DELTA + g * T, DS, DE, sqt, sdt, b, h0 + g, T, start_m, cols, offs_m,
-                                    offs_d, qk_scale, HEAD_DIM, BLOCK_M, BLOCK_D, CAUSAL, DOC, MASKED,
-                                    USE_TMA, PRECISION)
+                dk, dv = _dkdv_tile(
+                    dk,
+                    dv,
+                    k,
+                    v,
+                    q_src + g * sqh,
+                    do_src + g * sdh,
+                    LSE + g * T,
+                    DELTA + g * T,
+                    DS,
+                    DE,
+                    sqt,
+                    sdt,
+                    b,
+                    h0 + g,
+                    T,
+                    start_m,
+                    cols,
+                    offs_m,
+                    offs_d,
+                    qk_scale,
+                    HEAD_DIM,
+                    BLOCK_M,
+                    BLOCK_D,
+                    CAUSAL,
+                    DOC,
+                    MASKED,
+                    USE_TMA,
+                    PRECISION,
+                )
     return dk, dv
 
 
 @triton.jit
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, DE,
-                     sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt,
-                     sdkb, sdkh, sdkt, sdvb, sdvh, sdvt,
-                     B, H, T, qk_scale, scale,
-                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr,
-                     USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dkdv_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    DS,
+    DE,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
+    sdb,
+    sdh,
+    sdt,
+    sdkb,
+    sdkh,
+    sdkt,
+    sdvb,
+    sdvh,
+    sdvt,
+    B,
+    H,
+    T,
+    qk_scale,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     n0 = tl.program_id(0) * BLOCK_N
-    hk = tl.program_id(1)  # the K/V head
+    # the K/V head
+    hk = tl.program_id(1)
     b = tl.program_id(2)
     Hkv = H // GROUP
-    h0 = hk * GROUP  # the first of the query heads that share this K/V head
+    # the first of the query heads that share this K/V head
+    h0 = hk * GROUP
     cols = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key positions
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
@@ -375,27 +857,34 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, DE,
         do_src = DO + b.to(tl.int64) * sdb + h0.to(tl.int64) * sdh
         dk_dst = DK + b.to(tl.int64) * sdkb + hk.to(tl.int64) * sdkh
         dv_dst = DV + b.to(tl.int64) * sdvb + hk.to(tl.int64) * sdvh
-    k = _load_rows(k_src, k_src, skt, b, hk, n0, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, True,
-                   USE_TMA)  # [BLOCK_N, BLOCK_D]
-    v = _load_rows(v_src, v_src, svt, b, hk, n0, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, True,
-                   USE_TMA)  # [BLOCK_N, BLOCK_D]
+    k = _load_rows(
+        k_src, k_src, skt, b, hk, n0, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, True, USE_TMA
+    )  # [BLOCK_N, BLOCK_D]
+    v = _load_rows(
+        v_src, v_src, svt, b, hk, n0, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, True, USE_TMA
+    )  # [BLOCK_N, BLOCK_D]
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # query ranges: [lo, mid_lo) masked, [mid_lo, mid_hi) sees the whole key tile, [mid_hi, hi) masked
-    last = tl.minimum(n0 + BLOCK_N, T) - 1  # the tile's last valid key
-    mid_hi = (T // BLOCK_M) * BLOCK_M  # query tiles before this one have no ragged rows
+    # the tile's last valid key
+    last = tl.minimum(n0 + BLOCK_N, T) - 1
+    # query tiles before this one have no ragged rows
+    mid_hi = (T // BLOCK_M) * BLOCK_M
     hi = T
     if CAUSAL:
-        lo = (n0 // BLOCK_M) * BLOCK_M  # earlier queries cannot see these keys
-        mid_lo = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M  # tiles whose first query is past the last key
+        # earlier queries cannot see these keys
+        lo = (n0 // BLOCK_M) * BLOCK_M
+        # tiles whose first query is past the last key
+        mid_lo = tl.cdiv(n0 + BLOCK_N - 1, BLOCK_M) * BLOCK_M
     else:
         lo = 0
         mid_lo = 0
     if DOC:
         DS += b.to(tl.int64) * T
         DE += b.to(tl.int64) * T
-        hi = tl.load(DE + last)  # later queries are in later documents
+        # later queries are in later documents
+        hi = tl.load(DE + last)
         # rows in the first key's document
         mid_hi = tl.minimum(mid_hi, (tl.load(DE + n0) // BLOCK_M) * BLOCK_M)
         if not CAUSAL:
@@ -405,34 +894,183 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, DS, DE,
     mid_hi = tl.minimum(tl.maximum(mid_hi, mid_lo), hi)
     LSE += (b.to(tl.int64) * H + h0) * T
     DELTA += (b.to(tl.int64) * H + h0) * T
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
-                         offs_m, offs_d, lo, mid_lo, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
-                         True, USE_TMA, PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
-                         offs_m, offs_d, mid_lo, mid_hi, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL,
-                         DOC, False, USE_TMA, PRECISION)
-    dk, dv = _dkdv_inner(dk, dv, k, v, q_src, do_src, LSE, DELTA, DS, DE, sqh, sqt, sdh, sdt, b, h0, T, cols,
-                         offs_m, offs_d, mid_hi, hi, qk_scale, GROUP, HEAD_DIM, BLOCK_D, BLOCK_M, CAUSAL, DOC,
-                         True, USE_TMA, PRECISION)
+    dk, dv = _dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_src,
+        do_src,
+        LSE,
+        DELTA,
+        DS,
+        DE,
+        sqh,
+        sqt,
+        sdh,
+        sdt,
+        b,
+        h0,
+        T,
+        cols,
+        offs_m,
+        offs_d,
+        lo,
+        mid_lo,
+        qk_scale,
+        GROUP,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_M,
+        CAUSAL,
+        DOC,
+        True,
+        USE_TMA,
+        PRECISION,
+    )
+    dk, dv = _dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_src,
+        do_src,
+        LSE,
+        DELTA,
+        DS,
+        DE,
+        sqh,
+        sqt,
+        sdh,
+        sdt,
+        b,
+        h0,
+        T,
+        cols,
+        offs_m,
+        offs_d,
+        mid_lo,
+        mid_hi,
+        qk_scale,
+        GROUP,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_M,
+        CAUSAL,
+        DOC,
+        False,
+        USE_TMA,
+        PRECISION,
+    )
+    dk, dv = _dkdv_inner(
+        dk,
+        dv,
+        k,
+        v,
+        q_src,
+        do_src,
+        LSE,
+        DELTA,
+        DS,
+        DE,
+        sqh,
+        sqt,
+        sdh,
+        sdt,
+        b,
+        h0,
+        T,
+        cols,
+        offs_m,
+        offs_d,
+        mid_hi,
+        hi,
+        qk_scale,
+        GROUP,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_M,
+        CAUSAL,
+        DOC,
+        True,
+        USE_TMA,
+        PRECISION,
+    )
 
-    _store_rows(dk_dst, dk_dst, sdkt, b, hk, n0, (dk * scale).to(DK.dtype.element_ty), T, offs_n, offs_d,
-                HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
-    _store_rows(dv_dst, dv_dst, sdvt, b, hk, n0, dv.to(DV.dtype.element_ty), T, offs_n, offs_d,
-                HEAD_DIM, BLOCK_N, BLOCK_D, USE_TMA)
+    _store_rows(
+        dk_dst,
+        dk_dst,
+        sdkt,
+        b,
+        hk,
+        n0,
+        (dk * scale).to(DK.dtype.element_ty),
+        T,
+        offs_n,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D,
+        USE_TMA,
+    )
+    _store_rows(
+        dv_dst,
+        dv_dst,
+        sdvt,
+        b,
+        hk,
+        n0,
+        dv.to(DV.dtype.element_ty),
+        T,
+        offs_n,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_N,
+        BLOCK_D,
+        USE_TMA,
+    )
 
 
 @triton.jit
-def _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n, offs_d, T,
-              lo, hi, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-              CAUSAL: tl.constexpr, DOC: tl.constexpr, MASKED: tl.constexpr, USE_TMA: tl.constexpr,
-              PRECISION: tl.constexpr):
+def _dq_inner(
+    dq,
+    q,
+    do,
+    lse,
+    delta,
+    k_src,
+    v_src,
+    skt,
+    svt,
+    b,
+    hk,
+    rows,
+    ds_rows,
+    de_rows,
+    offs_n,
+    offs_d,
+    T,
+    lo,
+    hi,
+    qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    MASKED: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """Add the contributions of key tiles [lo, hi) to a tile of dQ."""
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        k = _load_rows(k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
-                       MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
-        v = _load_rows(v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D,
-                       MASKED, USE_TMA)  # [BLOCK_N, BLOCK_D]
+        k = _load_rows(
+            k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
+        )  # [BLOCK_N, BLOCK_D]
+        v = _load_rows(
+            v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
+        )  # [BLOCK_N, BLOCK_D]
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
         p = tl.exp2(qk - lse[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
@@ -444,14 +1082,49 @@ def _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_row
 
 
 @triton.jit
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, DE,
-                   sqb, sqh, sqt, skb, skh, skt, svb, svh, svt, sdb, sdh, sdt, sdqb, sdqh, sdqt,
-                   B, H, T, qk_scale, scale,
-                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, DOC: tl.constexpr,
-                   USE_TMA: tl.constexpr, PRECISION: tl.constexpr):
+def _bwd_dq_kernel(
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    DS,
+    DE,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    svb,
+    svh,
+    svt,
+    sdb,
+    sdh,
+    sdt,
+    sdqb,
+    sdqh,
+    sdqt,
+    B,
+    H,
+    T,
+    qk_scale,
+    scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DOC: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     pid_m = tl.program_id(0)
-    if CAUSAL:  # the longest rows first
+    # the longest rows first
+    if CAUSAL:
         pid_m = tl.cdiv(T, BLOCK_M) - 1 - pid_m
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -473,39 +1146,139 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, DS, DE,
         k_src = K + b.to(tl.int64) * skb + hk.to(tl.int64) * skh
         v_src = V + b.to(tl.int64) * svb + hk.to(tl.int64) * svh
         dq_dst = DQ + b.to(tl.int64) * sdqb + h.to(tl.int64) * sdqh
-    q = _load_rows(q_src, q_src, sqt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                   USE_TMA)  # [BLOCK_M, BLOCK_D]
-    do = _load_rows(do_src, do_src, sdt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True,
-                    USE_TMA)  # [BLOCK_M, BLOCK_D]
+    q = _load_rows(
+        q_src, q_src, sqt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True, USE_TMA
+    )  # [BLOCK_M, BLOCK_D]
+    do = _load_rows(
+        do_src, do_src, sdt, b, h, m0, T, offs_m, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, True, USE_TMA
+    )  # [BLOCK_M, BLOCK_D]
     bh = (b.to(tl.int64) * H + h) * T
-    lse = tl.load(LSE + bh + rows, mask=rows < T, other=0.0) * 1.4426950408889634  # log2 units
+    # log2 units
+    lse = tl.load(LSE + bh + rows, mask=rows < T, other=0.0) * 1.4426950408889634
     delta = tl.load(DELTA + bh + rows, mask=rows < T, other=0.0)
     if DOC:
         DS += b.to(tl.int64) * T
         DE += b.to(tl.int64) * T
         ds_rows = tl.load(DS + rows, mask=rows < T, other=0)
         if CAUSAL:
-            de_rows = ds_rows  # unused
+            # unused
+            de_rows = ds_rows
         else:
             de_rows = tl.load(DE + rows, mask=rows < T, other=T)
     else:
-        ds_rows = rows  # unused
+        # unused
+        ds_rows = rows
         de_rows = rows
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     lo, mid_lo, mid_hi, hi = _query_tile_ranges(DS, DE, m0, T, BLOCK_M, BLOCK_N, CAUSAL, DOC)
     if DOC:
-        dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n,
-                       offs_d, T, lo, mid_lo, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True,
-                       USE_TMA, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n,
-                   offs_d, T, mid_lo, mid_hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, False,
-                   USE_TMA, PRECISION)
-    dq = _dq_inner(dq, q, do, lse, delta, k_src, v_src, skt, svt, b, hk, rows, ds_rows, de_rows, offs_n,
-                   offs_d, T, mid_hi, hi, qk_scale, HEAD_DIM, BLOCK_D, BLOCK_N, CAUSAL, DOC, True, USE_TMA,
-                   PRECISION)
-    _store_rows(dq_dst, dq_dst, sdqt, b, h, m0, (dq * scale).to(DQ.dtype.element_ty), T, offs_m, offs_d,
-                HEAD_DIM, BLOCK_M, BLOCK_D, USE_TMA)
+        dq = _dq_inner(
+            dq,
+            q,
+            do,
+            lse,
+            delta,
+            k_src,
+            v_src,
+            skt,
+            svt,
+            b,
+            hk,
+            rows,
+            ds_rows,
+            de_rows,
+            offs_n,
+            offs_d,
+            T,
+            lo,
+            mid_lo,
+            qk_scale,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            CAUSAL,
+            DOC,
+            True,
+            USE_TMA,
+            PRECISION,
+        )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_src,
+        v_src,
+        skt,
+        svt,
+        b,
+        hk,
+        rows,
+        ds_rows,
+        de_rows,
+        offs_n,
+        offs_d,
+        T,
+        mid_lo,
+        mid_hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        CAUSAL,
+        DOC,
+        False,
+        USE_TMA,
+        PRECISION,
+    )
+    dq = _dq_inner(
+        dq,
+        q,
+        do,
+        lse,
+        delta,
+        k_src,
+        v_src,
+        skt,
+        svt,
+        b,
+        hk,
+        rows,
+        ds_rows,
+        de_rows,
+        offs_n,
+        offs_d,
+        T,
+        mid_hi,
+        hi,
+        qk_scale,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        CAUSAL,
+        DOC,
+        True,
+        USE_TMA,
+        PRECISION,
+    )
+    _store_rows(
+        dq_dst,
+        dq_dst,
+        sdqt,
+        b,
+        h,
+        m0,
+        (dq * scale).to(DQ.dtype.element_ty),
+        T,
+        offs_m,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_M,
+        BLOCK_D,
+        USE_TMA,
+    )
 
 
 # ---- launch configurations ------------------------------------------------------------------
@@ -520,12 +1293,14 @@ _SPACES = {
             128: [(128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 3), (64, 64, 8, 3)],
             256: [(32, 32, 4, 2), (64, 16, 4, 2), (64, 32, 8, 2)],
         },
-        "dkdv": {  # key tiles stay on-chip with their dK/dV
+        # key tiles stay on-chip with their dK/dV
+        "dkdv": {
             64: [(64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
             128: [(32, 64, 8, 3), (64, 64, 8, 3), (32, 64, 4, 3), (64, 64, 4, 3)],
             256: [(32, 32, 8, 2), (16, 32, 4, 2)],
         },
-        "dq": {  # query tiles stay on-chip with their dQ
+        # query tiles stay on-chip with their dQ
+        "dq": {
             64: [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 3), (64, 64, 4, 2)],
             128: [(64, 32, 8, 3), (128, 32, 8, 2), (64, 32, 4, 3), (128, 64, 8, 2)],
             256: [(32, 32, 8, 2), (32, 16, 4, 2)],
@@ -562,9 +1337,12 @@ _INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 _PREPROCESS_BLOCK_M = 64
 _AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC"]
 _KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
-_TUNED = {(impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind],
-                                  _AUTOTUNE_KEY)
-          for impl in IMPLS for kind in _KERNELS}  # one tuner per implementation: their timings differ
+_TUNED = {
+    (impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind], _AUTOTUNE_KEY)
+    for impl in IMPLS
+    for kind in _KERNELS
+    # one tuner per implementation: their timings differ
+}
 
 
 def _launch(kind: str, impl: str, grid, block_d: int, *args, **meta) -> None:
@@ -582,8 +1360,13 @@ def _launch(kind: str, impl: str, grid, block_d: int, *args, **meta) -> None:
         _KERNELS[kind][grid(blocks)](*args, **meta, **blocks, num_warps=warps, num_stages=stages)
 
 
-def forward_tiles(T: int, block_m: int, block_n: int, causal: bool = True,
-                  doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+def forward_tiles(
+    T: int,
+    block_m: int,
+    block_n: int,
+    causal: bool = True,
+    doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> int:
     """How many (query tile, key tile) products the forward kernel computes per head, summed over the
     batch rows of doc_bounds (one row without): the same ranges as _query_tile_ranges, in Python.
     Its cost model: time is about proportional to this count (tests hold it equal to the kernel's)."""
@@ -602,12 +1385,14 @@ def forward_tiles(T: int, block_m: int, block_n: int, causal: bool = True,
                     hi = de[last]
                     mid_hi = min(mid_hi, de[m0] // block_n * block_n)
                 mid_hi = min(max(mid_hi, mid_lo), hi)
-            total += sum(max(0, cdiv(b - a, block_n)) for a, b in ((lo, mid_lo), (mid_lo, mid_hi), (mid_hi,
-                                                                                                    hi)))
+            total += sum(
+                max(0, cdiv(b - a, block_n)) for a, b in ((lo, mid_lo), (mid_lo, mid_hi), (mid_hi, hi))
+            )
     return total
 
 
 # ---- implementation choice ------------------------------------------------------------------
+
 
 def tma_supported(*tensors: torch.Tensor) -> bool:
     """Whether the TMA implementation can take these tensors: this Triton has on-device tensor
@@ -630,7 +1415,8 @@ def _choose_impl(impl: str | None, tensors) -> str:
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
     if impl != "fa2" and not tma_supported(*tensors):
-        return "fa2"  # the TMA kernels need Hopper and aligned tensors; the FA2 kernels take anything
+        # the TMA kernels need Hopper and aligned tensors; the FA2 kernels take anything
+        return "fa2"
     return impl
 
 
@@ -659,6 +1445,7 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 
 # ---- autograd -------------------------------------------------------------------------------
 
+
 def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32)."""
     B, H, T, D = q.shape
@@ -671,10 +1458,35 @@ def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[to
     use_tma = impl != "fa2"
     if use_tma:
         _ensure_allocator()
-    _launch("fwd", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), block_d,
-            q, k, v, o, lse, ds, de, *_strides(q), *_strides(k), *_strides(v), *_strides(o),
-            B, H, T, scale * LOG2E, GROUP=group, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal,
-            DOC=ds is not None, USE_TMA=use_tma, WARP_SPECIALIZE=impl == "tma-ws", PRECISION=precision)
+    _launch(
+        "fwd",
+        impl,
+        lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B),
+        block_d,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        ds,
+        de,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(o),
+        B,
+        H,
+        T,
+        scale * LOG2E,
+        GROUP=group,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        CAUSAL=causal,
+        DOC=ds is not None,
+        USE_TMA=use_tma,
+        WARP_SPECIALIZE=impl == "tma-ws",
+        PRECISION=precision,
+    )
     return o, lse
 
 
@@ -691,21 +1503,83 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
     dq = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D], the layout the model merges for free
     dk = k.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
     dv = v.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
-    common = dict(GROUP=H // Hkv, HEAD_DIM=D, BLOCK_D=block_d, CAUSAL=causal, DOC=ds is not None,
-                  USE_TMA=impl != "fa2", PRECISION="ieee" if q.dtype == torch.float32 else "tf32")
+    common = dict(
+        GROUP=H // Hkv,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        CAUSAL=causal,
+        DOC=ds is not None,
+        USE_TMA=impl != "fa2",
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
     qk_scale = scale * LOG2E
 
     _bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK_M), H, B)](
-        o, do, delta, *_strides(o), *_strides(do), H, T,
-        HEAD_DIM=D, BLOCK_D=block_d, BLOCK_M=_PREPROCESS_BLOCK_M)
-    _launch("dkdv", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), Hkv, B), block_d,
-            q, k, v, do, lse, delta, dk, dv, ds, de,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dk), *_strides(dv),
-            B, H, T, qk_scale, scale, **common)
-    _launch("dq", impl, lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B), block_d,
-            q, k, v, do, lse, delta, dq, ds, de,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(do), *_strides(dq),
-            B, H, T, qk_scale, scale, **common)
+        o,
+        do,
+        delta,
+        *_strides(o),
+        *_strides(do),
+        H,
+        T,
+        HEAD_DIM=D,
+        BLOCK_D=block_d,
+        BLOCK_M=_PREPROCESS_BLOCK_M,
+    )
+    _launch(
+        "dkdv",
+        impl,
+        lambda meta: (triton.cdiv(T, meta["BLOCK_N"]), Hkv, B),
+        block_d,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dk,
+        dv,
+        ds,
+        de,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(do),
+        *_strides(dk),
+        *_strides(dv),
+        B,
+        H,
+        T,
+        qk_scale,
+        scale,
+        **common,
+    )
+    _launch(
+        "dq",
+        impl,
+        lambda meta: (triton.cdiv(T, meta["BLOCK_M"]), H, B),
+        block_d,
+        q,
+        k,
+        v,
+        do,
+        lse,
+        delta,
+        dq,
+        ds,
+        de,
+        *_strides(q),
+        *_strides(k),
+        *_strides(v),
+        *_strides(do),
+        *_strides(dq),
+        B,
+        H,
+        T,
+        qk_scale,
+        scale,
+        **common,
+    )
     return dq, dk, dv
 
 
@@ -714,10 +1588,18 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
 # neither traces into the Triton launch code nor breaks the graph around it), and autograd connects
 # them. The fake implementations give torch.compile the outputs' shapes and layouts.
 
+
 @torch.library.custom_op("gptkit::flash_attention_fwd", mutates_args=())
-def _flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
-               ds: Optional[torch.Tensor], de: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor,
-                                                                                           torch.Tensor]:
+def _flash_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    ds: Optional[torch.Tensor],
+    de: Optional[torch.Tensor],
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, causal, scale, ds, de, impl)
 
 
@@ -728,9 +1610,19 @@ def _(q, k, v, causal, scale, ds, de, impl):
 
 
 @torch.library.custom_op("gptkit::flash_attention_bwd", mutates_args=())
-def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, causal: bool, scale: float, ds: Optional[torch.Tensor],
-               de: Optional[torch.Tensor], impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    ds: Optional[torch.Tensor],
+    de: Optional[torch.Tensor],
+    impl: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(do, q, k, v, o, lse, causal, scale, ds, de, impl)
 
 
@@ -738,8 +1630,11 @@ def _flash_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 def _(do, q, k, v, o, lse, causal, scale, ds, de, impl):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    return (q.new_empty(B, T, H, D).transpose(1, 2), k.new_empty(B, T, Hkv, D).transpose(1, 2),
-            v.new_empty(B, T, Hkv, D).transpose(1, 2))
+    return (
+        q.new_empty(B, T, H, D).transpose(1, 2),
+        k.new_empty(B, T, Hkv, D).transpose(1, 2),
+        v.new_empty(B, T, Hkv, D).transpose(1, 2),
+    )
 
 
 def _setup_context(ctx, inputs, output):
@@ -758,9 +1653,16 @@ def _flash_backward(ctx, do, dlse):
 _flash_fwd.register_autograd(_flash_backward, setup_context=_setup_context)
 
 
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-                    scale: float | None = None, doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
-                    impl: str | None = None) -> torch.Tensor:
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale: float | None = None,
+    doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    impl: str | None = None,
+) -> torch.Tensor:
     """Exact softmax(q k^T * scale [+ causal mask] [+ document mask]) v, computed tile by tile.
 
     q [B, H, T, D], k/v [B, H_kv, T, D] with H_kv divides H (GQA/MQA, no K/V copies); fp32, fp16
@@ -773,27 +1675,34 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal
     TRITON_INTERPRET=1. Returns [B, H, T, D] in q's dtype; differentiable (once) in q, k and v.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"flash_attention expects 4-d [B, heads, T, head_dim] tensors, got "
-                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"flash_attention expects 4-d [B, heads, T, head_dim] tensors, got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     B, H, T, D = q.shape
     if k.shape != v.shape or k.shape[0] != B or k.shape[2:] != (T, D):
-        raise ValueError(f"k and v must be [B, H_kv, T, D] matching q {tuple(q.shape)}; got "
-                         f"k {tuple(k.shape)}, v {tuple(v.shape)} (T_q must equal T_k)")
+        raise ValueError(
+            f"k and v must be [B, H_kv, T, D] matching q {tuple(q.shape)}; got "
+            f"k {tuple(k.shape)}, v {tuple(v.shape)} (T_q must equal T_k)"
+        )
     if H % k.shape[1]:
         raise ValueError(f"the {k.shape[1]} K/V heads must divide the {H} query heads")
     if not 16 <= D <= 256:
         raise ValueError(f"head_dim must be between 16 and 256, got {D}")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"q, k, v must share one dtype among fp32, fp16, bf16; got {q.dtype}, {k.dtype}, "
-                         f"{v.dtype}")
+        raise ValueError(
+            f"q, k, v must share one dtype among fp32, fp16, bf16; got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
     if q.device.type != "cuda" and not interpreting():
         raise ValueError(f"flash_attention needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
     ds = de = None
     if doc_bounds is not None:
         ds, de = doc_bounds
         if ds.shape != (B, T) or de.shape != (B, T) or ds.is_floating_point() or de.is_floating_point():
-            raise ValueError(f"doc_bounds must be two integer [B, T] = [{B}, {T}] tensors, got "
-                             f"{tuple(ds.shape)} {ds.dtype}, {tuple(de.shape)} {de.dtype}")
+            raise ValueError(
+                f"doc_bounds must be two integer [B, T] = [{B}, {T}] tensors, got "
+                f"{tuple(ds.shape)} {ds.dtype}, {tuple(de.shape)} {de.dtype}"
+            )
         ds = ds.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
         de = de.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
     scale = D**-0.5 if scale is None else float(scale)

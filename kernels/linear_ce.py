@@ -20,48 +20,56 @@ from __future__ import annotations
 
 import torch
 
-CHUNK_LOGITS = 1 << 26  # logits per chunk (256 MB in fp32) when no chunk_size is given
+# logits per chunk (256 MB in fp32) when no chunk_size is given
+CHUNK_LOGITS = 1 << 26
 
 
 def chunk_rows(n_tokens: int, vocab_size: int, chunk_size: int | None = None) -> int:
     """Rows per chunk: chunk_size, or as many as keep a chunk of fp32 logits near CHUNK_LOGITS."""
     if chunk_size is not None:
         return max(1, int(chunk_size))
-    n_chunks = -(-n_tokens * vocab_size // CHUNK_LOGITS)  # ceil
+    # ceil
+    n_chunks = -(-n_tokens * vocab_size // CHUNK_LOGITS)
     return max(1, -(-n_tokens // max(n_chunks, 1)))
 
 
 def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, grad_w: bool):
     """(mean loss, dx, dweight): the gradients of the mean loss (None where not wanted), chunk by chunk."""
     N = x.shape[0]
-    acc = torch.promote_types(x.dtype, torch.float32)  # logits, loss and dweight: fp32 (fp64 stays fp64)
+    # logits, loss and dweight: fp32 (fp64 stays fp64)
+    acc = torch.promote_types(x.dtype, torch.float32)
     valid_all = targets != ignore_index  # [N]
     n_valid = valid_all.sum()
-    scale = 1.0 / n_valid.clamp_min(1).to(acc)  # d mean / d loss_i (a tensor: no host sync)
+    # d mean / d loss_i (a tensor: no host sync)
+    scale = 1.0 / n_valid.clamp_min(1).to(acc)
     dx = torch.empty_like(x) if grad_x else None  # [N, d]
     dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if grad_w else None  # [V, d]
     total = torch.zeros((), device=x.device, dtype=acc)
     for s in range(0, N, rows):
-        xc = x[s:s + rows]  # [C, d]
-        valid = valid_all[s:s + rows]  # [C]
-        tc = torch.where(valid, targets[s:s + rows], 0)  # [C], an index in range for ignored rows
+        xc = x[s : s + rows]  # [C, d]
+        valid = valid_all[s : s + rows]  # [C]
+        tc = torch.where(valid, targets[s : s + rows], 0)  # [C], an index in range for ignored rows
         logits = (xc @ weight.t()).to(acc)  # [C, V] fp32: the one chunk of logits alive
         lse = torch.logsumexp(logits, dim=-1)  # [C]
         picked = logits.gather(1, tc[:, None])[:, 0]  # [C]
         total += torch.where(valid, lse - picked, 0.0).sum()
-        if grad_x or grad_w:  # logits become d mean_loss / d logits, in place
-            logits.sub_(lse[:, None]).exp_()  # softmax
+        # logits become d mean_loss / d logits, in place
+        if grad_x or grad_w:
+            # softmax
+            logits.sub_(lse[:, None]).exp_()
             logits.scatter_add_(1, tc[:, None], torch.full_like(picked[:, None], -1.0))
-            logits.mul_((valid.to(acc) * scale)[:, None])  # ignored rows: 0; the mean: 1 / n_valid
+            # ignored rows: 0; the mean: 1 / n_valid
+            logits.mul_((valid.to(acc) * scale)[:, None])
             g = logits if x.dtype == acc else logits.to(x.dtype)  # [C, V]
             del logits
             if grad_x:
-                torch.mm(g, weight, out=dx[s:s + rows])  # [C, d]
+                torch.mm(g, weight, out=dx[s : s + rows])  # [C, d]
             if grad_w:
                 if g.dtype == dw.dtype:
                     dw.addmm_(g.t(), xc)  # [V, d]
                 else:
-                    dw.add_(g.t() @ xc)  # accumulated in fp32
+                    # accumulated in fp32
+                    dw.add_(g.t() @ xc)
             del g
     return total / n_valid.to(acc), dx, dw
 
@@ -69,8 +77,9 @@ def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, gra
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, targets, ignore_index: int, rows: int):
-        loss, dx, dw = _chunked(x, weight, targets, ignore_index, rows,
-                                ctx.needs_input_grad[0], ctx.needs_input_grad[1])
+        loss, dx, dw = _chunked(
+            x, weight, targets, ignore_index, rows, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        )
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -84,8 +93,14 @@ class LinearCrossEntropy(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
-                         ignore_index: int = -100, chunk_size: int | None = None) -> torch.Tensor:
+def linear_cross_entropy(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
     """Mean cross-entropy of logits x @ weight^T against targets, chunked over the tokens.
 
     x [..., d] (flattened to [N, d]), weight [V, d], targets [...] matching x's leading dims.
@@ -99,7 +114,8 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
     x2 = x.reshape(-1, d)  # [N, d]
     t2 = targets.reshape(-1)  # [N]
     device = x.device.type
-    if torch.is_autocast_enabled(device):  # the matmuls in the autocast dtype, as F.linear would run them
+    # the matmuls in the autocast dtype, as F.linear would run them
+    if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x2, w2 = x2.to(dtype), weight.to(dtype)
     else:

@@ -24,8 +24,21 @@ from gptkit_kernels.flash import interpreting
 
 
 @triton.jit
-def _norm_fwd(X, Y, W, Bias, MEAN, RSTD, sx, sy, D, eps,
-              RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_fwd(
+    X,
+    Y,
+    W,
+    Bias,
+    MEAN,
+    RSTD,
+    sx,
+    sy,
+    D,
+    eps,
+    RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -34,7 +47,8 @@ def _norm_fwd(X, Y, W, Bias, MEAN, RSTD, sx, sy, D, eps,
     w = tl.load(W + cols, mask=inside, other=0.0).to(tl.float32)
     if RMS:
         rstd = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / D + eps)
-        xn = (xf * rstd).to(x.dtype).to(tl.float32)  # rounded to x's dtype, as the reference does
+        # rounded to x's dtype, as the reference does
+        xn = (xf * rstd).to(x.dtype).to(tl.float32)
         y = xn * w
     else:
         mean = tl.sum(xf, 0) / D
@@ -49,8 +63,25 @@ def _norm_fwd(X, Y, W, Bias, MEAN, RSTD, sx, sy, D, eps,
 
 
 @triton.jit
-def _norm_bwd(X, DY, DX, W, MEAN, RSTD, DW, DB, sx, sdy, sdx, N, D, rows_per_program,
-              RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_bwd(
+    X,
+    DY,
+    DX,
+    W,
+    MEAN,
+    RSTD,
+    DW,
+    DB,
+    sx,
+    sdy,
+    sdx,
+    N,
+    D,
+    rows_per_program,
+    RMS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     inside = cols < D
@@ -106,9 +137,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
 # autograd; see flash.py. A custom op returns tensors only: LayerNorm's bias and RMSNorm's mean are
 # empty [0] tensors where absent.
 
+
 @torch.library.custom_op("gptkit::norm_fwd", mutates_args=())
-def _norm_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-             rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_op(
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float, rms: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y [..., D], mean [N] fp32 (empty for RMSNorm), rstd [N] fp32)."""
     D = x.shape[-1]
     x2 = _rows(x)  # [N, D]
@@ -119,8 +152,22 @@ def _norm_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
     mean = torch.empty(0 if rms else N, device=x.device, dtype=torch.float32)  # [N] (LayerNorm) or [0]
     block_d = triton.next_power_of_2(D)
     if N:
-        _norm_fwd[(N,)](x2, y, weight, bias, None if rms else mean, rstd, x2.stride(0), D, D, eps,
-                        RMS=rms, HAS_BIAS=bias is not None, BLOCK_D=block_d, num_warps=_warps(block_d))
+        _norm_fwd[(N,)](
+            x2,
+            y,
+            weight,
+            bias,
+            None if rms else mean,
+            rstd,
+            x2.stride(0),
+            D,
+            D,
+            eps,
+            RMS=rms,
+            HAS_BIAS=bias is not None,
+            BLOCK_D=block_d,
+            num_warps=_warps(block_d),
+        )
     return y, mean, rstd
 
 
@@ -128,14 +175,23 @@ def _norm_op(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]
 def _(x, weight, bias, eps, rms):
     N = x.numel() // x.shape[-1]
     out_dtype = torch.promote_types(weight.dtype, x.dtype) if rms else x.dtype
-    return (x.new_empty(x.shape, dtype=out_dtype), x.new_empty(0 if rms else N, dtype=torch.float32),
-            x.new_empty(N, dtype=torch.float32))
+    return (
+        x.new_empty(x.shape, dtype=out_dtype),
+        x.new_empty(0 if rms else N, dtype=torch.float32),
+        x.new_empty(N, dtype=torch.float32),
+    )
 
 
 @torch.library.custom_op("gptkit::norm_bwd", mutates_args=())
-def _norm_grad_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                  mean: torch.Tensor, rstd: torch.Tensor,
-                  rms: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _norm_grad_op(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    mean: torch.Tensor,
+    rstd: torch.Tensor,
+    rms: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dweight, dbias (empty [0] without a bias))."""
     x2 = _rows(x)  # [N, D]
     N, D = x2.shape
@@ -151,17 +207,37 @@ def _norm_grad_op(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias:
     db = None if bias is None else torch.zeros(programs, D, device=x2.device, dtype=torch.float32)
     block_d = triton.next_power_of_2(D)
     if N:
-        _norm_bwd[(programs,)](x2, dy2, dx, weight, None if rms else mean, rstd, dw, db, x2.stride(0),
-                               dy2.stride(0), dx.stride(0), N, D, per, RMS=rms, HAS_BIAS=bias is not None,
-                               BLOCK_D=block_d, num_warps=_warps(block_d))
+        _norm_bwd[(programs,)](
+            x2,
+            dy2,
+            dx,
+            weight,
+            None if rms else mean,
+            rstd,
+            dw,
+            db,
+            x2.stride(0),
+            dy2.stride(0),
+            dx.stride(0),
+            N,
+            D,
+            per,
+            RMS=rms,
+            HAS_BIAS=bias is not None,
+            BLOCK_D=block_d,
+            num_warps=_warps(block_d),
+        )
     dbias = x.new_empty(0) if bias is None else db.sum(0).to(bias.dtype)
     return dx.view(x.shape), dw.sum(0).to(weight.dtype), dbias
 
 
 @_norm_grad_op.register_fake
 def _(dy, x, weight, bias, mean, rstd, rms):
-    return (x.new_empty(x.shape), weight.new_empty(weight.shape),
-            x.new_empty(0) if bias is None else bias.new_empty(bias.shape))
+    return (
+        x.new_empty(x.shape),
+        weight.new_empty(weight.shape),
+        x.new_empty(0) if bias is None else bias.new_empty(bias.shape),
+    )
 
 
 def _norm_setup(ctx, inputs, output):

@@ -22,24 +22,74 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(X, Y, sxb, sxh, sxt, syb, syh, syt, b, t, n_heads, c, s, cols, half_cols, sign,
-                  HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, D: tl.constexpr):
+def _rotate_heads(
+    X,
+    Y,
+    sxb,
+    sxh,
+    sxt,
+    syb,
+    syh,
+    syt,
+    b,
+    t,
+    n_heads,
+    c,
+    s,
+    cols,
+    half_cols,
+    sign,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    D: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK_H)
     inside = (heads[:, None] < n_heads) & (cols[None, :] < D)
     base = X + b * sxb + t * sxt + heads[:, None] * sxh
     x = tl.load(base + cols[None, :], mask=inside, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
-    x_other = tl.load(base + half_cols[None, :], mask=inside, other=0.0).to(tl.float32)  # x at (d + D/2) % D
-    rotated = tl.where(cols[None, :] < HALF, -x_other, x_other)  # rotate_half(x)
+    # x at (d + D/2) % D
+    x_other = tl.load(base + half_cols[None, :], mask=inside, other=0.0).to(tl.float32)
+    # rotate_half(x)
+    rotated = tl.where(cols[None, :] < HALF, -x_other, x_other)
     y = x * c[None, :] + rotated * (s[None, :] * sign)
-    tl.store(Y + b * syb + t * syt + heads[:, None] * syh + cols[None, :], y.to(Y.dtype.element_ty),
-             mask=inside)
+    tl.store(
+        Y + b * syb + t * syt + heads[:, None] * syh + cols[None, :], y.to(Y.dtype.element_ty), mask=inside
+    )
 
 
 @triton.jit
-def _rope_kernel(Q, K, QO, KO, COS, SIN, POS, start, T, H, HKV,
-                 sqb, sqh, sqt, skb, skh, skt, sqob, sqoh, sqot, skob, skoh, skot, sign,
-                 HAS_POS: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr):
+def _rope_kernel(
+    Q,
+    K,
+    QO,
+    KO,
+    COS,
+    SIN,
+    POS,
+    start,
+    T,
+    H,
+    HKV,
+    sqb,
+    sqh,
+    sqt,
+    skb,
+    skh,
+    skt,
+    sqob,
+    sqoh,
+    sqot,
+    skob,
+    skoh,
+    skot,
+    sign,
+    HAS_POS: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+):
     bt = tl.program_id(0).to(tl.int64)
     b = bt // T
     t = bt % T
@@ -51,10 +101,50 @@ def _rope_kernel(Q, K, QO, KO, COS, SIN, POS, start, T, H, HKV,
     half_cols = (cols + D // 2) % D
     c = tl.load(COS + pos * D + cols, mask=cols < D, other=0.0)
     s = tl.load(SIN + pos * D + cols, mask=cols < D, other=0.0)
-    _rotate_heads(Q, QO, sqb, sqh, sqt, sqob, sqoh, sqot, b, t, H, c, s, cols, half_cols, sign,
-                  D // 2, BLOCK_HQ, BLOCK_D, D)
-    _rotate_heads(K, KO, skb, skh, skt, skob, skoh, skot, b, t, HKV, c, s, cols, half_cols, sign,
-                  D // 2, BLOCK_HK, BLOCK_D, D)
+    _rotate_heads(
+        Q,
+        QO,
+        sqb,
+        sqh,
+        sqt,
+        sqob,
+        sqoh,
+        sqot,
+        b,
+        t,
+        H,
+        c,
+        s,
+        cols,
+        half_cols,
+        sign,
+        D // 2,
+        BLOCK_HQ,
+        BLOCK_D,
+        D,
+    )
+    _rotate_heads(
+        K,
+        KO,
+        skb,
+        skh,
+        skt,
+        skob,
+        skoh,
+        skot,
+        b,
+        t,
+        HKV,
+        c,
+        s,
+        cols,
+        half_cols,
+        sign,
+        D // 2,
+        BLOCK_HK,
+        BLOCK_D,
+        D,
+    )
 
 
 def _rotate(q, k, cos, sin, positions, start, sign):
@@ -63,10 +153,29 @@ def _rotate(q, k, cos, sin, positions, start, sign):
     qo = q.new_empty(B, T, H, D).transpose(1, 2)  # [B, H, T, D] in a [B, T, H, D] buffer
     ko = k.new_empty(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
     if B * T:
-        _rope_kernel[(B * T,)](q, k, qo, ko, cos, sin, positions, start, T, H, Hkv,
-                               *q.stride()[:3], *k.stride()[:3], *qo.stride()[:3], *ko.stride()[:3], sign,
-                               HAS_POS=positions is not None, D=D, BLOCK_D=triton.next_power_of_2(D),
-                               BLOCK_HQ=triton.next_power_of_2(H), BLOCK_HK=triton.next_power_of_2(Hkv))
+        _rope_kernel[(B * T,)](
+            q,
+            k,
+            qo,
+            ko,
+            cos,
+            sin,
+            positions,
+            start,
+            T,
+            H,
+            Hkv,
+            *q.stride()[:3],
+            *k.stride()[:3],
+            *qo.stride()[:3],
+            *ko.stride()[:3],
+            sign,
+            HAS_POS=positions is not None,
+            D=D,
+            BLOCK_D=triton.next_power_of_2(D),
+            BLOCK_HQ=triton.next_power_of_2(H),
+            BLOCK_HK=triton.next_power_of_2(Hkv),
+        )
     return qo, ko
 
 
@@ -77,9 +186,17 @@ def _dense_last(x: torch.Tensor) -> torch.Tensor:
 # one torch custom op for both directions (the backward is the inverse rotation, sign -1): opaque to
 # torch.compile, joined by autograd; see flash.py
 
+
 @torch.library.custom_op("gptkit::rope", mutates_args=())
-def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             positions: Optional[torch.Tensor], start: int, sign: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Optional[torch.Tensor],
+    start: int,
+    sign: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _rotate(_dense_last(q), _dense_last(k), cos, sin, positions, start, sign)
 
 
@@ -104,16 +221,24 @@ def _rope_backward(ctx, dq, dk):
 _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup)
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-         positions: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None = None,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [B, H, T, D] and k [B, H_kv, T, D] by their positions (see the module docstring)."""
     B, H, T, D = q.shape
     if k.dim() != 4 or k.shape[0] != B or k.shape[2:] != (T, D) or D % 2:
-        raise ValueError(f"q [B, H, T, D] and k [B, H_kv, T, D] with an even D, got {tuple(q.shape)}, "
-                         f"{tuple(k.shape)}")
+        raise ValueError(
+            f"q [B, H, T, D] and k [B, H_kv, T, D] with an even D, got {tuple(q.shape)}, {tuple(k.shape)}"
+        )
     if cos.shape != sin.shape or cos.dim() != 2 or cos.shape[1] != D:
-        raise ValueError(f"cos and sin must be [max_seq_len, {D}], got {tuple(cos.shape)}, "
-                         f"{tuple(sin.shape)}")
+        raise ValueError(
+            f"cos and sin must be [max_seq_len, {D}], got {tuple(cos.shape)}, {tuple(sin.shape)}"
+        )
     cos = cos.float().contiguous()
     sin = sin.float().contiguous()
     if positions is not None:

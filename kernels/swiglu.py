@@ -41,6 +41,7 @@ def _swiglu_bwd(G, U, DY, DG, DU, n, BLOCK: tl.constexpr):
 # forward and backward as torch custom ops: opaque to torch.compile (no tracing into the launch), joined by
 # autograd; see flash.py
 
+
 @torch.library.custom_op("gptkit::swiglu_fwd", mutates_args=())
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate, up = gate.contiguous(), up.contiguous()
@@ -57,8 +58,9 @@ def _(gate, up):
 
 
 @torch.library.custom_op("gptkit::swiglu_bwd", mutates_args=())
-def _swiglu_grad_op(gate: torch.Tensor, up: torch.Tensor,
-                    dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_grad_op(
+    gate: torch.Tensor, up: torch.Tensor, dy: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     gate, up, dy = gate.contiguous(), up.contiguous(), dy.contiguous()
     dg, du = torch.empty_like(gate), torch.empty_like(up)
     n = gate.numel()
@@ -69,8 +71,10 @@ def _swiglu_grad_op(gate: torch.Tensor, up: torch.Tensor,
 
 @_swiglu_grad_op.register_fake
 def _(gate, up, dy):
-    return (torch.empty_like(gate, memory_format=torch.contiguous_format),
-            torch.empty_like(up, memory_format=torch.contiguous_format))
+    return (
+        torch.empty_like(gate, memory_format=torch.contiguous_format),
+        torch.empty_like(up, memory_format=torch.contiguous_format),
+    )
 
 
 def _swiglu_setup(ctx, inputs, output):
@@ -88,6 +92,8 @@ _swiglu_op.register_autograd(_swiglu_backward, setup_context=_swiglu_setup)
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, computed in fp32 and returned in gate's dtype; differentiable in gate and up."""
     if gate.shape != up.shape or gate.dtype != up.dtype:
-        raise ValueError(f"gate and up must share shape and dtype, got {tuple(gate.shape)} {gate.dtype}, "
-                         f"{tuple(up.shape)} {up.dtype}")
+        raise ValueError(
+            f"gate and up must share shape and dtype, got {tuple(gate.shape)} {gate.dtype}, "
+            f"{tuple(up.shape)} {up.dtype}"
+        )
     return _swiglu_op(gate, up)

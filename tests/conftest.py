@@ -18,7 +18,8 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
-if "GPTKIT_CACHE" not in os.environ:  # a private cache, removed when the test session ends
+# a private cache, removed when the test session ends
+if "GPTKIT_CACHE" not in os.environ:
     import atexit
     import shutil
 
@@ -56,7 +57,7 @@ def shakespeare(n_chars: int | None = None, start: int = 0) -> str:
     from gptkit.data.sources import shakespeare_text
 
     text = shakespeare_text()
-    return text[start:] if n_chars is None else text[start:start + n_chars]
+    return text[start:] if n_chars is None else text[start : start + n_chars]
 
 
 def small_tasks(monkeypatch) -> None:
@@ -75,8 +76,12 @@ def prepare_error(tmp_path, monkeypatch, switch: str, files, ranges: bool, tok=N
 
     monkeypatch.setattr(sources, switch, ranges)
     with pytest.raises(GptkitError) as exc:
-        prepare({"kind": "files", "paths": [str(f) for f in files], "workers": workers},
-                tok or {"kind": "byte"}, cache_dir=tmp_path / f"c{ranges}", progress=False)
+        prepare(
+            {"kind": "files", "paths": [str(f) for f in files], "workers": workers},
+            tok or {"kind": "byte"},
+            cache_dir=tmp_path / f"c{ranges}",
+            progress=False,
+        )
     return str(exc.value)
 
 
@@ -110,9 +115,10 @@ def metaspace_tokenizer(path, eos="<|endoftext|>"):
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.train_from_iterator([shakespeare(20_000), "日本語のテキスト。café 😀 42"],
-                            trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", eos],
-                                                show_progress=False))
+    tok.train_from_iterator(
+        [shakespeare(20_000), "日本語のテキスト。café 😀 42"],
+        trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", eos], show_progress=False),
+    )
     tok.save(str(path))
     return str(path)
 
@@ -129,8 +135,14 @@ def run_cli(*args, env=None, cwd=None, timeout=300):
     e = dict(os.environ)
     e.pop("GPTKIT_VERB", None)
     e.update(env or {})
-    return subprocess.run([sys.executable, "-m", "gptkit", *args], capture_output=True, text=True,
-                          env=e, cwd=cwd, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "gptkit", *args],
+        capture_output=True,
+        text=True,
+        env=e,
+        cwd=cwd,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture
@@ -142,17 +154,20 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
     """gptkit.cli.main(args) in process -> (exit code, stdout, stderr) of that call alone."""
     from gptkit.cli import main
 
-    capsys.readouterr()  # what earlier calls printed is not this call's
+    # what earlier calls printed is not this call's
+    capsys.readouterr()
     try:
         code = main(list(args))
-    except SystemExit as exc:  # an error: main prints one line and exits
+    # an error: main prints one line and exits
+    except SystemExit as exc:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
 
 
 # ---- helpers several test files share (a test file imports them from here, never from another test file)
-SAMPLE_EOS = "<|endoftext|>"  # the end-of-text token of make_run's tokenizer
+# the end-of-text token of make_run's tokenizer
+SAMPLE_EOS = "<|endoftext|>"
 
 
 def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max_seq_len=64):
@@ -167,13 +182,25 @@ def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(shakespeare(n_chars))
-    tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": SAMPLE_EOS if eos else None,
-               "unk_token": None}
+    tok_cfg = {
+        "kind": "char",
+        "special_tokens": [],
+        "eos_token": SAMPLE_EOS if eos else None,
+        "unk_token": None,
+    }
     tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
     torch.manual_seed(seed)
     extra = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2) if position == "rope" else {}
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=max_seq_len, n_layers=2, n_heads=4,
-                      d_model=32, position=position, init_std=0.3, **extra)
+    cfg = ModelConfig(
+        vocab_size=tok.get_vocab_size(),
+        max_seq_len=max_seq_len,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        position=position,
+        init_std=0.3,
+        **extra,
+    )
     model = GPT(cfg).eval()
     config = {"data": {"kind": "files", "paths": [str(corpus)], "val_fraction": 0.1}, "tokenizer": tok_cfg}
     return write_run_folder(tmp_path / "run", config, model, tok), model, tok

@@ -38,7 +38,8 @@ MODEL = dict(
     n_heads=2,
     n_kv_heads=1,
     d_model=32,
-    d_ff=63,  # odd: FSDP2 shards the MLP matrices' rows unevenly (32 + 31)
+    # odd: FSDP2 shards the MLP matrices' rows unevenly (32 + 31)
+    d_ff=63,
     position="rope",
     mlp="swiglu",
     norm="rmsnorm",
@@ -107,8 +108,10 @@ def main(rank: int, world: int, init_file: str, out: Path) -> None:
         twin, twin_opt = model_and_optimizer(fsdp=True, ns_dtype=ns_dtype)
         for step, (x, y) in enumerate(batches()):
             if step == STEPS - 1:
-                set_model_state_dict(twin, get_model_state_dict(model))  # a copy, as from a checkpoint file:
-                saved = copy.deepcopy(get_optimizer_state_dict(model, opt))  # (its tensors are opt's own)
+                # a copy, as from a checkpoint file:
+                set_model_state_dict(twin, get_model_state_dict(model))
+                # (its tensors are opt's own)
+                saved = copy.deepcopy(get_optimizer_state_dict(model, opt))
                 set_optimizer_state_dict(twin, twin_opt, saved)
                 twin(x[part], y[part]).loss.backward()
                 twin_opt.step()

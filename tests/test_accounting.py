@@ -34,7 +34,8 @@ KNOWN = {
 def test_preset_counts_match_published_and_real_module(name):
     cfg = preset(name)
     assert acc.count_params(cfg).total == KNOWN[name]
-    with torch.device("meta"):  # the real module, without allocating the weights
+    # the real module, without allocating the weights
+    with torch.device("meta"):
         model = GPT(cfg)
     assert model.num_parameters() == KNOWN[name]
     assert model.num_parameters(non_embedding=True) == acc.count_params(cfg).non_embedding
@@ -48,7 +49,8 @@ def test_tiny_presets_count_their_real_modules(name):
 
 @pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny"])
 def test_forward_flops_equal_flop_counter(name):
-    cfg = preset(name, vocab_size=65, attention="eager")  # eager: explicit matmuls for the scores
+    # eager: explicit matmuls for the scores
+    cfg = preset(name, vocab_size=65, attention="eager")
     model = GPT(cfg).eval()
     B, T = 2, cfg.max_seq_len
     idx = torch.randint(0, 65, (B, T))
@@ -70,16 +72,20 @@ def test_training_flops_are_three_forwards_and_causal_halves_attention():
 def test_llama2_7b_worked_check_from_the_literature():
     cfg = preset("llama2-7b")
     n = acc.count_params(cfg).total
-    flops = 6 * n * 2e12  # 2T tokens
+    # 2T tokens
+    flops = 6 * n * 2e12
     assert flops == pytest.approx(8.1e22, rel=0.01)
     hours = flops / (acc.peak_flops("a100", "bf16") * 0.40) / 3600
-    assert hours == pytest.approx(180_000, rel=0.01)  # Meta reported 184,320 A100-hours
+    # Meta reported 184,320 A100-hours
+    assert hours == pytest.approx(180_000, rel=0.01)
 
 
 def test_kv_cache_bytes_shrink_with_gqa():
     mha, gqa = preset("llama2-7b"), preset("llama3-8b")
-    assert acc.kv_cache_bytes_per_token(mha, "bf16") == 2 * 32 * 4096 * 2  # 512 KiB
-    assert acc.kv_cache_bytes_per_token(gqa, "bf16") == 2 * 32 * 1024 * 2  # 4x smaller
+    # 512 KiB
+    assert acc.kv_cache_bytes_per_token(mha, "bf16") == 2 * 32 * 4096 * 2
+    # 4x smaller
+    assert acc.kv_cache_bytes_per_token(gqa, "bf16") == 2 * 32 * 1024 * 2
 
 
 def test_training_memory_mixed_precision_bytes_per_param():
@@ -107,12 +113,14 @@ def nanogpt_estimate_mfu(cfg: ModelConfig, fwdbwd_per_iter: int, dt: float) -> f
     flops_per_fwdbwd = flops_per_token * T
     flops_per_iter = flops_per_fwdbwd * fwdbwd_per_iter
     flops_achieved = flops_per_iter * (1.0 / dt)
-    flops_promised = 312e12  # A100 bf16
+    # A100 bf16
+    flops_promised = 312e12
     return flops_achieved / flops_promised
 
 
 def torchtitan_flop_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    num_params = acc.count_params(cfg).total - acc.count_params(cfg).tok_emb  # exclude_embedding=True
+    # exclude_embedding=True
+    num_params = acc.count_params(cfg).total - acc.count_params(cfg).tok_emb
     l, h, q, t = cfg.n_layers, cfg.n_heads, cfg.d_model // cfg.n_heads, seq_len  # noqa: E741
     return 6 * num_params + 12 * l * h * q * t
 
@@ -126,9 +134,11 @@ def elementwise_params(cfg: ModelConfig) -> int:
 def test_mfu_equals_nanogpt_estimate_mfu_on_gpt2_124m():
     cfg = preset("gpt2")
     f = acc.flops_per_token(cfg)
-    per_layer = 2 * 2 * 768 + 3 * 768 + 768 + 3072 + 768  # 2 LayerNorms (weight, bias); q/k/v, o, MLP biases
+    # 2 LayerNorms (weight, bias); q/k/v, o, MLP biases
+    per_layer = 2 * 2 * 768 + 3 * 768 + 768 + 3072 + 768
     assert elementwise_params(cfg) == 12 * per_layer + 2 * 768 == 121_344
-    B, dt = 16, 0.25  # one iteration: 16 sequences of 1024 tokens in 0.25 s
+    # one iteration: 16 sequences of 1024 tokens in 0.25 s
+    B, dt = 16, 0.25
     tokens_per_s = B * cfg.max_seq_len / dt
     ours = acc.mfu(tokens_per_s, f.train_dense, acc.peak_flops("a100", "bf16"))
     theirs = nanogpt_estimate_mfu(cfg, B, dt)
@@ -150,8 +160,10 @@ def test_mfu_equals_torchtitan_get_num_flop_per_token_on_llama2_7b():
     f = acc.flops_per_token(cfg, T)
     theirs = torchtitan_flop_per_token(cfg, T)
     assert theirs == 46_086_512_640
-    assert elementwise_params(cfg) == (2 * 32 + 1) * 4096  # RMSNorm weights, no biases
-    assert f.train_dense == theirs - 6 * elementwise_params(cfg)  # -0.0035%
+    # RMSNorm weights, no biases
+    assert elementwise_params(cfg) == (2 * 32 + 1) * 4096
+    # -0.0035%
+    assert f.train_dense == theirs - 6 * elementwise_params(cfg)
     assert f.train_dense / theirs - 1 == pytest.approx(-0.0000347, abs=1e-7)
     assert f.train_dense - f.train_causal == 6 * 32 * T * 4096
     peak = acc.peak_flops("h100", "bf16")

@@ -19,10 +19,12 @@ def test_probabilities_are_causal_rows_that_sum_to_one(run):
     _, model, tok = run
     ids = tok.encode("First Citizen:\nBefore we").ids
     probs = attention_probs(model, ids)
-    assert len(probs) == 2 and tuple(probs[0].shape) == (4, len(ids), len(ids))  # per layer [n_heads, T, T]
+    # per layer [n_heads, T, T]
+    assert len(probs) == 2 and tuple(probs[0].shape) == (4, len(ids), len(ids))
     for p in probs:
         torch.testing.assert_close(p.sum(-1), torch.ones(4, len(ids)))
-        assert p.triu(1).abs().max() == 0  # no query looks at a later key
+        # no query looks at a later key
+        assert p.triu(1).abs().max() == 0
     assert token_labels(tok, ids)[5:9] == ["␣", "C", "i", "t"] and token_labels(tok, ids)[14] == "⏎"
 
 
@@ -33,7 +35,8 @@ def test_png_grid_has_one_cell_per_layer_and_head(run):
     ids = tok.encode("To be, or not").ids
     png = render_grid(attention_probs(model, ids), token_labels(tok, ids), "test")
     img = Image.open(io.BytesIO(png))
-    assert img.format == "PNG" and img.width > img.height  # 4 heads wide, 2 layers high
+    # 4 heads wide, 2 layers high
+    assert img.format == "PNG" and img.width > img.height
     one_layer = render_grid(attention_probs(model, ids)[:1], token_labels(tok, ids), "test")
     assert Image.open(io.BytesIO(one_layer)).height < img.height
 

@@ -15,8 +15,20 @@ from gptkit.runs import load_run, write_run_folder
 from gptkit.sampling import SampleOptions
 from gptkit.tokenizer import byte_tokenizer
 
-TINY = dict(max_seq_len=96, n_layers=1, n_heads=2, n_kv_heads=1, d_model=32, d_ff=64, position="rope",
-            mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, qk_norm="head")
+TINY = dict(
+    max_seq_len=96,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    d_model=32,
+    d_ff=64,
+    position="rope",
+    mlp="swiglu",
+    norm="rmsnorm",
+    bias=False,
+    tie_embeddings=False,
+    qk_norm="head",
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,23 +36,42 @@ def sft_run(tmp_path_factory):
     """A base run without chat tokens, fine-tuned on chat data with the chatml template (2 steps)."""
     root = tmp_path_factory.mktemp("sft")
     torch.manual_seed(0)
-    write_run_folder(root / "base", {"model": ModelConfig(vocab_size=256, **TINY).to_dict()},
-                     GPT(ModelConfig(vocab_size=256, **TINY)), byte_tokenizer([]))
+    write_run_folder(
+        root / "base",
+        {"model": ModelConfig(vocab_size=256, **TINY).to_dict()},
+        GPT(ModelConfig(vocab_size=256, **TINY)),
+        byte_tokenizer([]),
+    )
     data = root / "train.jsonl"
-    rows = [{"messages": [{"role": "user", "content": f"{a}+{b}="},
-                          {"role": "assistant", "content": str(a + b)}]} for a in range(6) for b in range(6)]
-    rows.insert(3, {"prompt": "long " * 30, "response": "cut"})  # longer than a row: dropped, and counted
+    rows = [
+        {"messages": [{"role": "user", "content": f"{a}+{b}="}, {"role": "assistant", "content": str(a + b)}]}
+        for a in range(6)
+        for b in range(6)
+    ]
+    # longer than a row: dropped, and counted
+    rows.insert(3, {"prompt": "long " * 30, "response": "cut"})
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return root, data
 
 
 def train_sft(capsys, root, data, name: str = "sft") -> str:
     """Fine-tune sft_run's base into runs/<name> (2 steps); its stderr."""
-    code, _, err = run_main(capsys, "train", f"init_from={root / 'base'}", "data=chat",
-                            f"data.paths=[{data}]", "data.template=chatml", "trainer.batch_size=4",
-                            "trainer.max_steps=2",
-                            "trainer.val_every=2", "trainer.val_windows=2", "trainer.progress=false",
-                            "trainer.threads=1", f"runs_dir={root / 'runs'}", f"name={name}")
+    code, _, err = run_main(
+        capsys,
+        "train",
+        f"init_from={root / 'base'}",
+        "data=chat",
+        f"data.paths=[{data}]",
+        "data.template=chatml",
+        "trainer.batch_size=4",
+        "trainer.max_steps=2",
+        "trainer.val_every=2",
+        "trainer.val_windows=2",
+        "trainer.progress=false",
+        "trainer.threads=1",
+        f"runs_dir={root / 'runs'}",
+        f"name={name}",
+    )
     assert code in (0, None), err[-2000:]
     return err
 
@@ -71,18 +102,36 @@ def scripted_chat(capsys, monkeypatch, lines: str, *args):
 
 def test_chat_reads_one_message_a_line_and_prints_one_answer_each(sft_run, capsys, monkeypatch):
     run = trained_sft(capsys, sft_run)
-    code, out, err = scripted_chat(capsys, monkeypatch, "1+2=\n\n3+4=\n/reset\n5+0=\n/exit\nnever read\n",
-                                   f"run={run}", "greedy=true", "max_new_tokens=6", "threads=1", "--json")
+    code, out, err = scripted_chat(
+        capsys,
+        monkeypatch,
+        "1+2=\n\n3+4=\n/reset\n5+0=\n/exit\nnever read\n",
+        f"run={run}",
+        "greedy=true",
+        "max_new_tokens=6",
+        "threads=1",
+        "--json",
+    )
     assert code == 0, err
     answers = [json.loads(line) for line in out.splitlines()]
     assert [a["user"] for a in answers] == ["1+2=", "3+4=", "5+0="]
-    assert [a["turn"] for a in answers] == [1, 2, 1]  # /reset starts over
+    # /reset starts over
+    assert [a["turn"] for a in answers] == [1, 2, 1]
     first, second = answers[0], answers[1]
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["tokens"]
     new_tokens = second["prompt_tokens"] - first["prompt_tokens"]
-    assert second["fed_tokens"] < new_tokens + 4  # turn 1 came from the cache
-    code, out, err = scripted_chat(capsys, monkeypatch, "1+2=\n3+4=\n", f"run={run}", "greedy=true",
-                                   "max_new_tokens=6", "threads=1")  # text: each answer and a newline
+    # turn 1 came from the cache
+    assert second["fed_tokens"] < new_tokens + 4
+    code, out, err = scripted_chat(
+        capsys,
+        monkeypatch,
+        "1+2=\n3+4=\n",
+        f"run={run}",
+        "greedy=true",
+        "max_new_tokens=6",
+        "threads=1",
+        # text: each answer and a newline
+    )
     assert code == 0 and out == "".join(a["assistant"] + "\n" for a in answers[:2]) and "[turn 2:" in err
 
 
@@ -91,8 +140,7 @@ def test_chat_refuses_a_template_whose_special_tokens_the_run_lacks(sft_run, cap
     sft = trained_sft(capsys, sft_run)
     code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={root / 'base'}")
     assert code == 2 and "has no chat template" in err
-    code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={sft}",
-                                 "template=llama3")
+    code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={sft}", "template=llama3")
     assert code == 2 and "lacks the special tokens of the chat template llama3: <|begin_of_text|>" in err
     assert len(err.strip().splitlines()) == 1
 
@@ -104,8 +152,15 @@ def session(reuse: bool) -> ChatSession:
     chat.add_special_tokens(tok, t)
     model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **(TINY | {"max_seq_len": 256}))).eval()
     stop = (tok.token_to_id("<|im_end|>"),)
-    return ChatSession(model, tok, t, SampleOptions(max_new_tokens=12, temperature=0.0), system="Be brief.",
-                       stop_ids=stop, reuse_cache=reuse)
+    return ChatSession(
+        model,
+        tok,
+        t,
+        SampleOptions(max_new_tokens=12, temperature=0.0),
+        system="Be brief.",
+        stop_ids=stop,
+        reuse_cache=reuse,
+    )
 
 
 def test_kept_cache_runs_only_the_new_tokens_and_gives_the_same_replies():
@@ -116,8 +171,10 @@ def test_kept_cache_runs_only_the_new_tokens_and_gives_the_same_replies():
         assert a.tokens == b.tokens and a.text == b.text
         assert b.fed_tokens == b.prompt_tokens
         replies.append(a)
-    assert replies[2].fed_tokens < replies[2].prompt_tokens // 2  # turn 3 ran only its own new tokens
-    kept.reset()  # a new conversation starts from an empty cache, with the same first reply
+    # turn 3 ran only its own new tokens
+    assert replies[2].fed_tokens < replies[2].prompt_tokens // 2
+    # a new conversation starts from an empty cache, with the same first reply
+    kept.reset()
     again = kept.reply("hello")
     assert again.fed_tokens == again.prompt_tokens and again.tokens == replies[0].tokens
 
@@ -127,9 +184,16 @@ def test_import_keeps_the_models_chat_template_for_chat(tmp_path, capsys, monkey
     tok = byte_tokenizer([])
     t = chat.resolve_template("chatml", None)
     chat.add_special_tokens(tok, t)
-    cfg = transformers.Qwen2Config(vocab_size=tok.get_vocab_size(), hidden_size=32, intermediate_size=48,
-                                   num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
-                                   max_position_embeddings=128, tie_word_embeddings=True)
+    cfg = transformers.Qwen2Config(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
     hf_tok.chat_template = chat.CHATML
@@ -138,6 +202,7 @@ def test_import_keeps_the_models_chat_template_for_chat(tmp_path, capsys, monkey
     assert code == 0 and "chat template: kept in" in out
     saved = json.loads((tmp_path / "run" / "chat.json").read_text())
     assert saved["template"] == chat.CHATML and saved["variables"]["eos_token"] == "<|im_end|>"
-    code, out, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={tmp_path / 'run'}", "max_new_tokens=3",
-                                   "threads=1")
+    code, out, err = scripted_chat(
+        capsys, monkeypatch, "hi\n", f"run={tmp_path / 'run'}", "max_new_tokens=3", "threads=1"
+    )
     assert code == 0 and len(out.splitlines()) == 1, err

@@ -17,11 +17,17 @@ from gptkit.tokenizer import byte_tokenizer, train_bpe
 transformers = pytest.importorskip("transformers")
 
 CONVERSATIONS = [
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
-     {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}],
-    [{"role": "user", "content": "Ünïcode, \"quotes\" and {braces}"},
-     {"role": "assistant", "content": "  padded  "}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ],
+    [
+        {"role": "user", "content": 'Ünïcode, "quotes" and {braces}'},
+        {"role": "assistant", "content": "  padded  "},
+    ],
 ]
 # A Qwen2.5-style template: a default system prompt, loop.first / loop.last, tojson, namespace
 QWEN_LIKE = (
@@ -31,12 +37,15 @@ QWEN_LIKE = (
     "{%- set ns = namespace(n=0) %}"
     "{%- for message in messages %}{%- if message.role != 'system' %}{%- set ns.n = ns.n + 1 %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content | trim + '<|im_end|>' + '\\n' }}"
-    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+    "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
 # transformers' own way of marking what the assistant writes
-GENERATION = ("{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-              "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-              "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
-              "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+GENERATION = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 def bpe():
@@ -70,16 +79,21 @@ def test_ids_equal_transformers_apply_chat_template(make_tok, kind):
         assert text == hf.apply_chat_template(msgs, tokenize=False)
         prompt, _ = t.render(msgs[:1], add_generation_prompt=True)
         assert prompt == hf.apply_chat_template(msgs[:1], tokenize=False, add_generation_prompt=True)
-        if kind == "generation":  # transformers' own assistant mask
-            ref = hf.apply_chat_template(msgs, tokenize=True, return_dict=True,
-                                         return_assistant_tokens_mask=True)
+        # transformers' own assistant mask
+        if kind == "generation":
+            ref = hf.apply_chat_template(
+                msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
             assert mask == ref["assistant_masks"]
 
 
-@pytest.mark.parametrize("kind, replies", [
-    ("chatml", "Hello!<|im_end|>\n|4<|im_end|>\n"),
-    ("llama3", "Hello!<|eot_id|>|4<|eot_id|>"),
-])
+@pytest.mark.parametrize(
+    "kind, replies",
+    [
+        ("chatml", "Hello!<|im_end|>\n|4<|im_end|>\n"),
+        ("llama3", "Hello!<|eot_id|>|4<|eot_id|>"),
+    ],
+)
 def test_loss_is_on_the_replies_and_their_end_of_turn_token(kind, replies):
     tok, t = byte_tokenizer([]), template(kind)
     chat.add_special_tokens(tok, t)
@@ -105,8 +119,11 @@ def split_of(*lengths_and_masks) -> ChatSplit:
     offsets = [0]
     for n, _ in lengths_and_masks:
         offsets.append(offsets[-1] + n)
-    return ChatSplit(torch.tensor(ids).numpy(), torch.tensor(mask, dtype=torch.uint8).numpy(),
-                     torch.tensor(offsets).numpy())
+    return ChatSplit(
+        torch.tensor(ids).numpy(),
+        torch.tensor(mask, dtype=torch.uint8).numpy(),
+        torch.tensor(offsets).numpy(),
+    )
 
 
 def test_rows_pack_whole_conversations_with_documents_and_no_loss_across_them():
@@ -116,7 +133,8 @@ def test_rows_pack_whole_conversations_with_documents_and_no_loss_across_them():
     assert len(rows) == 2 and rows.cut == rows.dropped == 0
     assert rows.x[0].tolist() == [10, 11, 12, 13, 10, 11, 12]
     assert rows.doc_ids[0].tolist() == [0, 0, 0, 0, 1, 1, 1]
-    assert rows.y[0].tolist() == [-100, 12, 13, -100, 11, 12, -100]  # nothing across a boundary or into pad
+    # nothing across a boundary or into pad
+    assert rows.y[0].tolist() == [-100, 12, 13, -100, 11, 12, -100]
     assert rows.y[1].tolist() == [-100, -100, 13, 14, -100, -100, -100]
     padded = make_rows(s, seq_len=7, pack="pad", train_on="assistant", truncate="drop", pad_id=0)
     assert len(padded) == 3 and padded.doc_ids is None
@@ -129,18 +147,29 @@ def test_conversations_longer_than_a_row_are_dropped_or_cut_and_counted():
     dropped = make_rows(s, seq_len=5, pack="pad", train_on="assistant", truncate="drop", pad_id=0)
     assert (len(dropped), dropped.cut, dropped.dropped) == (1, 0, 2)
     cut = make_rows(s, seq_len=5, pack="pad", train_on="assistant", truncate="cut", pad_id=0)
-    assert (len(cut), cut.cut, cut.dropped) == (2, 1, 1)  # the third has no assistant token in its first 6
+    # the third has no assistant token in its first 6
+    assert (len(cut), cut.cut, cut.dropped) == (2, 1, 1)
     assert cut.y[1].tolist() == [-100, 12, 13, 14, 15]
-    val = make_rows(split_of((3, [0, 1, 1])), seq_len=5, pack="pad", train_on="assistant", truncate="cut",
-                    pad_id=0)
+    val = make_rows(
+        split_of((3, [0, 1, 1])), seq_len=5, pack="pad", train_on="assistant", truncate="cut", pad_id=0
+    )
     line = chat.describe_rows(cut, val, 5, {"pack": "pad", "train_on": "assistant", "truncate": "cut"})
     assert "1 cut, 1 dropped" in line and "of the train targets carry loss" in line
 
 
 def test_fused_loss_kernel_ignores_the_masked_targets_as_the_plain_loss_does():
     torch.manual_seed(0)
-    cfg = dict(vocab_size=50, max_seq_len=16, n_layers=1, n_heads=2, d_model=32, position="rope",
-               mlp="swiglu", norm="rmsnorm", bias=False)
+    cfg = dict(
+        vocab_size=50,
+        max_seq_len=16,
+        n_layers=1,
+        n_heads=2,
+        d_model=32,
+        position="rope",
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+    )
     plain = GPT(ModelConfig(**cfg))
     fused = GPT.from_state(ModelConfig(**cfg, kernels=["loss"]), plain.state_dict()).train()
     x = torch.randint(0, 50, (2, 16))
@@ -152,8 +181,9 @@ def test_fused_loss_kernel_ignores_the_masked_targets_as_the_plain_loss_does():
 
 
 def test_grown_vocabulary_rows_are_the_mean_of_the_old_ones():
-    model = GPT(ModelConfig(vocab_size=20, max_seq_len=8, n_layers=1, n_heads=2, d_model=16,
-                            tie_embeddings=False))
+    model = GPT(
+        ModelConfig(vocab_size=20, max_seq_len=8, n_layers=1, n_heads=2, d_model=16, tie_embeddings=False)
+    )
     state = grow_vocab(model.state_dict(), 23)
     for k in ("tok_emb.weight", "lm_head.weight"):
         old = model.state_dict()[k]
@@ -170,41 +200,63 @@ def write_jsonl(path, records):
 GOOD = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"messages": [{"role": "robot", "content": "x"}]}, "line 2: message 1 has the unknown role 'robot'"),
-    ({"messages": []}, "line 2: the conversation is empty"),
-    ({"messages": [{"role": "user", "content": "x"}]}, "line 2: the conversation has no assistant turn"),
-    ({"messages": "hello"}, "line 2: messages must be a list"),
-    ({"text": "x"}, "line 2: a record needs a messages list or prompt and response"),
-    ({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}]},
-     "content must be text"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"messages": [{"role": "robot", "content": "x"}]}, "line 2: message 1 has the unknown role 'robot'"),
+        ({"messages": []}, "line 2: the conversation is empty"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "line 2: the conversation has no assistant turn"),
+        ({"messages": "hello"}, "line 2: messages must be a list"),
+        ({"text": "x"}, "line 2: a record needs a messages list or prompt and response"),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": 3}]},
+            "content must be text",
+        ),
+    ],
+)
 def test_bad_records_are_named_by_file_and_line(tmp_path, bad, message):
     f = write_jsonl(tmp_path / "d.jsonl", [GOOD, bad])
     with pytest.raises(GptkitError, match=message):
-        chat.prepare_chat({"paths": [str(f)], "template": "chatml"}, {"kind": "byte"},
-                          cache_dir=tmp_path / "c")
+        chat.prepare_chat(
+            {"paths": [str(f)], "template": "chatml"}, {"kind": "byte"}, cache_dir=tmp_path / "c"
+        )
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
 
 def test_a_template_that_fails_to_render_names_the_file_and_row(tmp_path):
     f = write_jsonl(tmp_path / "d.jsonl", [GOOD, GOOD])
-    (tmp_path / "t.jinja").write_text("{% if messages|length > 0 %}"
-                                      "{{ raise_exception('roles must alternate') }}{% endif %}")
-    with pytest.raises(GptkitError, match=r"d\.jsonl line 1: the chat template .*t\.jinja failed to render: "
-                                          r"roles must alternate"):
-        chat.prepare_chat({"paths": [str(f)], "template": str(tmp_path / "t.jinja")}, {"kind": "byte"},
-                          cache_dir=tmp_path / "c")
+    (tmp_path / "t.jinja").write_text(
+        "{% if messages|length > 0 %}{{ raise_exception('roles must alternate') }}{% endif %}"
+    )
+    with pytest.raises(
+        GptkitError,
+        match=r"d\.jsonl line 1: the chat template .*t\.jinja failed to render: "
+        r"roles must alternate",
+    ):
+        chat.prepare_chat(
+            {"paths": [str(f)], "template": str(tmp_path / "t.jinja")},
+            {"kind": "byte"},
+            cache_dir=tmp_path / "c",
+        )
 
 
 def test_train_with_a_bad_record_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     f = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"messages": [{"role": "robot", "content": "x"}]}])
-    code, _, err = run_main(capsys, "train", "model=llama-tiny", "tokenizer=byte", "data=chat",
-                            f"data.paths=[{f}]", "data.template=chatml", f"runs_dir={tmp_path / 'runs'}",
-                            "name=bad")
+    code, _, err = run_main(
+        capsys,
+        "train",
+        "model=llama-tiny",
+        "tokenizer=byte",
+        "data=chat",
+        f"data.paths=[{f}]",
+        "data.template=chatml",
+        f"runs_dir={tmp_path / 'runs'}",
+        "name=bad",
+    )
     assert code == 2
     assert err.strip().splitlines()[-1].startswith("error: ") and "d.jsonl line 2" in err
-    run = tmp_path / "runs" / "bad"  # removed when the process exits (runs.claim_run_dir); empty meanwhile
+    # removed when the process exits (runs.claim_run_dir); empty meanwhile
+    run = tmp_path / "runs" / "bad"
     assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
 
 
@@ -214,17 +266,22 @@ def test_parquet_and_json_files_and_prompt_response_records(tmp_path):
 
     pq.write_table(pa.Table.from_pylist([GOOD, GOOD]), tmp_path / "d.parquet")
     (tmp_path / "d.json").write_text(json.dumps([{"prompt": "p", "response": "r", "system": "s"}] * 2))
-    settings = {"paths": [str(tmp_path / "d.parquet"), str(tmp_path / "d.json")], "template": "chatml",
-                "val_fraction": 0.25}
+    settings = {
+        "paths": [str(tmp_path / "d.parquet"), str(tmp_path / "d.json")],
+        "template": "chatml",
+        "val_fraction": 0.25,
+    }
     data = chat.prepare_chat(settings, {"kind": "byte"}, cache_dir=tmp_path / "c")
     assert (data.train.n, data.val.n) == (3, 1)
     assert data.manifest["added_tokens"] == ["<|im_start|>", "<|im_end|>"]
     tok = data.tokenizer()
     last = tok.decode(data.val.ids.tolist(), skip_special_tokens=False)
-    assert last == ("<|im_start|>system\ns<|im_end|>\n<|im_start|>user\np<|im_end|>\n"
-                    "<|im_start|>assistant\nr<|im_end|>\n")
+    assert last == (
+        "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\np<|im_end|>\n<|im_start|>assistant\nr<|im_end|>\n"
+    )
     again = chat.prepare_chat(settings, {"kind": "byte"}, cache_dir=tmp_path / "c")
-    assert again.dir == data.dir  # cached
+    # cached
+    assert again.dir == data.dir
 
 
 def test_generated_string_tasks_have_disjoint_held_out_prompts_and_exact_answers():
@@ -236,12 +293,18 @@ def test_generated_string_tasks_have_disjoint_held_out_prompts_and_exact_answers
     for r in train + held:
         op, word = r["prompt"].split()
         assert r["response"] == (word.upper() if op == "upper" else word[::-1])
-    assert string_tasks(300, 50, seed=3) == (train, held)  # reproducible
+    # reproducible
+    assert string_tasks(300, 50, seed=3) == (train, held)
 
 
 def test_bench_sft_scores_each_task_apart():
     from gptkit.bench.sft import by_task
 
-    rows = [{"prompt": "upper ab", "response": "AB"}, {"prompt": "reverse ab", "response": "ba"},
-            {"prompt": "reverse cd", "response": "dc"}, {"prompt": "upper cd", "response": "CD"}]
-    assert by_task(rows, ["AB", "ba", "cd", "CD "]) == {"reverse": 0.5, "upper": 0.5}  # exact, whole reply
+    rows = [
+        {"prompt": "upper ab", "response": "AB"},
+        {"prompt": "reverse ab", "response": "ba"},
+        {"prompt": "reverse cd", "response": "dc"},
+        {"prompt": "upper cd", "response": "CD"},
+    ]
+    # exact, whole reply
+    assert by_task(rows, ["AB", "ba", "cd", "CD "]) == {"reverse": 0.5, "upper": 0.5}

@@ -102,11 +102,14 @@ def test_the_verb_table_is_the_commands_folder():
         assert (conf_dir() / f"{v.config}.yaml").is_file(), verb
 
 
-@pytest.mark.parametrize("args, message", [
-    (["sample", "--run", "runs/x"], "options are key=value, not --run: did you mean run=runs/x?"),
-    (["train", "--max_steps", "10"], "did you mean trainer.max_steps=10?"),
-    (["eval", "--stride=8"], "did you mean stride=8?"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["sample", "--run", "runs/x"], "options are key=value, not --run: did you mean run=runs/x?"),
+        (["train", "--max_steps", "10"], "did you mean trainer.max_steps=10?"),
+        (["eval", "--stride=8"], "did you mean stride=8?"),
+    ],
+)
 def test_flags_are_one_line_naming_the_key_value_spelling(capsys, args, message):
     from gptkit.cli import main
 

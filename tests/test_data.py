@@ -31,13 +31,15 @@ def test_txt_files_and_globs_in_order_with_eos_between_documents(tmp_path):
     expected = list(DOC_A.encode()) + [256] + list(DOC_B.encode()) + [256]
     assert all_tokens(p).tolist() == expected
     n_val = round(len(expected) * 0.1)
-    assert len(p.val_tokens()) == n_val  # the validation split is the tail
+    # the validation split is the tail
+    assert len(p.val_tokens()) == n_val
     assert p.val_tokens().tolist() == expected[-n_val:]
     assert p.train_tokens().dtype == np.uint16
     assert p.manifest["splits"]["train"]["tokens"] == len(expected) - n_val
     assert p.manifest["validation"] == {"how": "fraction", "fraction": 0.1, "documents": 2}
     assert p.tokenizer().encode("Alpha").ids == list(b"Alpha")
-    with pytest.raises(ValueError):  # shards are read-only memory maps
+    # shards are read-only memory maps
+    with pytest.raises(ValueError):
         p.train_tokens()[0] = 1
 
 
@@ -45,8 +47,14 @@ def test_several_paths_keep_their_order_and_val_files(tmp_path):
     (tmp_path / "a.txt").write_text(DOC_A)
     (tmp_path / "b.txt").write_text(DOC_B)
     (tmp_path / "v.txt").write_text("held out\n")
-    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "b.txt"), str(tmp_path / "a.txt")],
-                        "val_paths": [str(tmp_path / "v.txt")]})
+    p = prep(
+        tmp_path,
+        {
+            "kind": "files",
+            "paths": [str(tmp_path / "b.txt"), str(tmp_path / "a.txt")],
+            "val_paths": [str(tmp_path / "v.txt")],
+        },
+    )
     assert bytes(p.train_tokens().astype(np.uint8)) == (DOC_B + DOC_A).encode()
     assert bytes(p.val_tokens().astype(np.uint8)) == b"held out\n"
     assert p.manifest["validation"]["how"] == "files"
@@ -56,16 +64,19 @@ def test_jsonl_json_and_parquet_records_are_documents(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    (tmp_path / "a.jsonl").write_text("\n".join(json.dumps({"content": t, "n": i})
-                                                for i, t in enumerate(["one", "", "two"])) + "\n")
+    (tmp_path / "a.jsonl").write_text(
+        "\n".join(json.dumps({"content": t, "n": i}) for i, t in enumerate(["one", "", "two"])) + "\n"
+    )
     (tmp_path / "b.json").write_text(json.dumps([{"content": "three"}, {"content": "four"}]))
     pq.write_table(pa.table({"content": ["five", "six"]}), tmp_path / "c.parquet")
     files = [str(tmp_path / f) for f in ("a.jsonl", "b.json", "c.parquet")]
-    p = prep(tmp_path, {"kind": "files", "paths": files, "text_field": "content", "val_fraction": 0.2},
-             BYTE_EOS)
+    p = prep(
+        tmp_path, {"kind": "files", "paths": files, "text_field": "content", "val_fraction": 0.2}, BYTE_EOS
+    )
     ids = all_tokens(p).tolist()
     docs = bytes(i if i < 256 else ord("|") for i in ids).decode()
-    assert docs == "one|two|three|four|five|six|"  # empty records are skipped
+    # empty records are skipped
+    assert docs == "one|two|three|four|five|six|"
     assert p.manifest["validation"]["documents"] == 6
 
 
@@ -74,7 +85,8 @@ def test_pydoc_is_the_offline_default_corpus(tmp_path):
 
     p = prep(tmp_path, {"kind": "pydoc"})
     n = len(all_tokens(p))
-    assert n > 300_000  # ~0.5 MB of English
+    # ~0.5 MB of English
+    assert n > 300_000
     assert bytes(p.train_tokens()[:200].astype(np.uint8)).decode() in topics[sorted(topics)[0]]
     assert "pydoc_data" in p.manifest["source"]["description"]
 
@@ -84,7 +96,8 @@ def test_shakespeare_is_built_in(tmp_path):
     p = prep(tmp_path, {"kind": "shakespeare"}, {"kind": "char"})
     assert p.vocab_size == 65
     assert len(p.train_tokens()) + len(p.val_tokens()) == 1_115_394
-    assert len(p.val_tokens()) == 111_539  # the last 10%
+    # the last 10%
+    assert len(p.val_tokens()) == 111_539
     assert p.tokenizer().decode(p.train_tokens()[:14].tolist()) == "First Citizen:"
 
 
@@ -97,12 +110,15 @@ def test_cache_hit_and_invalidation(tmp_path, capsys):
     capsys.readouterr()
     p2 = prep(tmp_path, data)
     assert "cache hit" in capsys.readouterr().err
-    assert p2.dir == p1.dir and (p2.dir / "train.bin").stat().st_mtime_ns == mtime  # not rewritten
-    src.write_text(DOC_A + "changed\n")  # a changed source file
+    # not rewritten
+    assert p2.dir == p1.dir and (p2.dir / "train.bin").stat().st_mtime_ns == mtime
+    # a changed source file
+    src.write_text(DOC_A + "changed\n")
     p3 = prep(tmp_path, data)
     assert "prepared" in capsys.readouterr().err
     assert p3.dir != p1.dir and len(all_tokens(p3)) == len(DOC_A) + 8
-    p4 = prep(tmp_path, data, BYTE_EOS)  # a changed tokenizer
+    # a changed tokenizer
+    p4 = prep(tmp_path, data, BYTE_EOS)
     assert p4.dir not in (p1.dir, p3.dir) and p4.eos_id == 256
     p5 = prep(tmp_path, data, force=True)
     assert p5.dir == p3.dir and (p5.dir / "train.bin").stat().st_mtime_ns != mtime
@@ -118,7 +134,8 @@ def test_file_tokenizer_cache_follows_its_content(tmp_path):
     build_tokenizer(BYTE).save(str(tok_file))
     data = {"kind": "files", "paths": [str(tmp_path / "a.txt")]}
     p1 = prep(tmp_path, data, {"kind": "file", "path": str(tok_file)})
-    copy = tmp_path / "elsewhere" / "tokenizer.json"  # the same file at another path: the same tokens
+    # the same file at another path: the same tokens
+    copy = tmp_path / "elsewhere" / "tokenizer.json"
     copy.parent.mkdir()
     copy.write_bytes(tok_file.read_bytes())
     assert prep(tmp_path, data, {"kind": "file", "path": str(copy)}).dir == p1.dir
@@ -200,7 +217,8 @@ def test_byte_shards_equal_the_saved_tokenizers_encoding(tmp_path):
     tok = p.tokenizer()
     expected = [i for d in docs for i in tok.encode(d).ids + [p.eos_id]]
     assert all_tokens(p).tolist() == expected
-    assert expected.count(p.eos_id) == 4  # three documents, one literal special token
+    # three documents, one literal special token
+    assert expected.count(p.eos_id) == 4
 
 
 UNICODE_DOC = "naïve café — 日本語 🙂\n" * 5
@@ -231,19 +249,22 @@ def test_code_defaults_match_the_yaml_presets():
         for preset in (conf_dir() / group).glob("*.yaml"):
             y = OmegaConf.to_container(OmegaConf.load(preset))
             kind = y.pop("kind")
-            if kind == "chat":  # conversations: their defaults live in gptkit.data.chat
+            # conversations: their defaults live in gptkit.data.chat
+            if kind == "chat":
                 from gptkit.data.chat import DEFAULTS as CHAT_DEFAULTS
 
                 assert set(y) == set(CHAT_DEFAULTS) - {"kind"}, preset
                 continue
-            if kind == "preference":  # DPO pairs: their defaults live in gptkit.data.preference
+            # DPO pairs: their defaults live in gptkit.data.preference
+            if kind == "preference":
                 from gptkit.data.preference import DEFAULTS as PREFERENCE_DEFAULTS
 
                 assert set(y) == set(PREFERENCE_DEFAULTS) - {"kind"}, preset
                 for k, v in y.items():
                     assert v == "???" or v == PREFERENCE_DEFAULTS[k], (preset, k)
                 continue
-            for k in (*WINDOW_KEYS, *BUILD_KEYS):  # how windows are drawn, shards built: not in the key
+            # how windows are drawn, shards built: not in the key
+            for k in (*WINDOW_KEYS, *BUILD_KEYS):
                 y.pop(k, None)
             assert set(y) == set(defaults[kind]), preset
             for k, v in y.items():
@@ -257,8 +278,14 @@ def test_a_tokenizer_that_cannot_encode_the_corpus_names_the_characters(tmp_path
     tok_file = tmp_path / "char.json"
     tok_file.write_text(build_tokenizer({"kind": "char"}, texts=lambda: iter(["abc \n"])).to_str())
     (tmp_path / "new.txt").write_text("abc cab\nab€ Zz\n")
-    with pytest.raises(GptkitError, match=r"3 character\(s\) it has never seen: '€' \(U\+20AC\), 'Z' "
-                                          r"\(U\+005A\), "
-                                          r"'z' \(U\+007A\)"):
-        prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / "new.txt")]},
-             {"kind": "file", "path": str(tok_file)})
+    with pytest.raises(
+        GptkitError,
+        match=r"3 character\(s\) it has never seen: '€' \(U\+20AC\), 'Z' "
+        r"\(U\+005A\), "
+        r"'z' \(U\+007A\)",
+    ):
+        prep(
+            tmp_path,
+            {"kind": "files", "paths": [str(tmp_path / "new.txt")]},
+            {"kind": "file", "path": str(tok_file)},
+        )

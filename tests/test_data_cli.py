@@ -52,16 +52,20 @@ def test_bad_corpus(cli, tmp_path, case):
     elif case == "short":
         f.write_text("far too short\n" * 3)
         args, needles = [f"data.paths=[{f}]", "seq_len=64"], ["shorter than one window", "65"]
-    elif case == "fifo":  # opening it would block forever: refused before anything is read
+    # opening it would block forever: refused before anything is read
+    elif case == "fifo":
         os.mkfifo(f)
         args, needles = [f"data.paths=[{f}]"], ["a.txt is a FIFO (named pipe)", "give regular files"]
     else:
         f.write_bytes("ok text\n".encode() * 10 + b"\xc3\x28 broken\n")
-        args, needles = [f"data.paths=[{f}]"], ["a.txt: byte 80", "not valid UTF-8",
-                                                "encoding_errors=replace"]
+        args, needles = (
+            [f"data.paths=[{f}]"],
+            ["a.txt: byte 80", "not valid UTF-8", "encoding_errors=replace"],
+        )
     r = prepare(cli, tmp_path, "data=files", *args)
     assert_one_line_error(r, *needles)
-    if case != "short":  # a short corpus is a fine cache entry; only the window check fails
+    # a short corpus is a fine cache entry; only the window check fails
+    if case != "short":
         assert_nothing_left(tmp_path)
 
 
@@ -79,8 +83,15 @@ def test_vocab_too_large_for_the_chosen_dtype(cli, tmp_path):
     tok = big_vocab_tokenizer(tmp_path / "big.json")
     f = tmp_path / "a.txt"
     f.write_text("w1 w70 w69999 " * 20)
-    r = prepare(cli, tmp_path, "data=files", f"data.paths=[{f}]", "data.dtype=uint16", "tokenizer=file",
-                f"tokenizer.path={tok}")
+    r = prepare(
+        cli,
+        tmp_path,
+        "data=files",
+        f"data.paths=[{f}]",
+        "data.dtype=uint16",
+        "tokenizer=file",
+        f"tokenizer.path={tok}",
+    )
     assert_one_line_error(r, "70000 tokens", "data.dtype=uint32")
     assert_nothing_left(tmp_path)
 
@@ -90,8 +101,9 @@ def prepared_folder(tmp_path):
 
     f = tmp_path / "a.txt"
     f.write_text("some text\n" * 50)
-    return f, prepare_api({"kind": "files", "paths": [str(f)]}, {"kind": "byte"},
-                          cache_dir=tmp_path / "cache", progress=False).dir
+    return f, prepare_api(
+        {"kind": "files", "paths": [str(f)]}, {"kind": "byte"}, cache_dir=tmp_path / "cache", progress=False
+    ).dir
 
 
 def test_edited_manifest(cli, tmp_path):
@@ -99,7 +111,8 @@ def test_edited_manifest(cli, tmp_path):
     m = json.loads((folder / "manifest.json").read_text())
     m["splits"]["train"]["tokens"] += 1
     (folder / "manifest.json").write_text(json.dumps(m))
-    r = prepare(cli, tmp_path, "data=files", f"data.paths=[{f}]")  # the cache entry is checked before use
+    # the cache entry is checked before use
+    r = prepare(cli, tmp_path, "data=files", f"data.paths=[{f}]")
     assert_one_line_error(r, "edited or corrupted", f"delete {folder}")
 
 
@@ -120,12 +133,22 @@ def test_shards_from_another_tokenizer(cli, tmp_path):
 def test_hub_without_network_fails_fast(cli, tmp_path):
     args = ("data=hub", "data.name=Salesforce/wikitext", "data.config=wikitext-2-raw-v1")
     t0 = time.time()
-    r = prepare(cli, tmp_path, *args)  # conftest sets HF_HUB_OFFLINE=1
+    # conftest sets HF_HUB_OFFLINE=1
+    r = prepare(cli, tmp_path, *args)
     assert_one_line_error(r, "Salesforce/wikitext", "data=files")
     # online mode with the hub endpoint unreachable: the connectivity check answers, not minutes of retries
     no_proxy = {v: "" for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY")}
-    r = prepare(cli, tmp_path, *args, env={"HF_HUB_OFFLINE": "0", "HF_DATASETS_OFFLINE": "0",
-                                           "HF_ENDPOINT": "http://127.0.0.1:9", **no_proxy})
+    r = prepare(
+        cli,
+        tmp_path,
+        *args,
+        env={
+            "HF_HUB_OFFLINE": "0",
+            "HF_DATASETS_OFFLINE": "0",
+            "HF_ENDPOINT": "http://127.0.0.1:9",
+            **no_proxy,
+        },
+    )
     assert_one_line_error(r, "is unreachable", "data=files")
     assert time.time() - t0 < 60
     assert_nothing_left(tmp_path)

@@ -29,7 +29,7 @@ def records() -> list:
     at = 0
     for i in range(40):
         n = [60, 900, 5000, 200, 3][i % 5]
-        out.append({"text": text[at:at + n], "id": i})
+        out.append({"text": text[at : at + n], "id": i})
         at += n
     out[3] = {"id": 3, "text": ("日本語のテキスト" * 100 + "。") * 3}
     out[7] = {"text": f"a{EOS}b {EOS}\n\n  x  ", "meta": {"k": [1, 2]}}
@@ -45,8 +45,10 @@ def write(path, recs, blank_every=6):
     for i, r in enumerate(recs):
         lines.append(json.dumps(r, ensure_ascii=i % 2 == 0))
         if i % blank_every == 0:
-            lines.append("  ")  # a blank line
-    lines[2] = lines[2].replace('", "id"', '",\r "id"')  # \r between JSON tokens (splitlines cuts there)
+            # a blank line
+            lines.append("  ")
+    # \r between JSON tokens (splitlines cuts there)
+    lines[2] = lines[2].replace('", "id"', '",\r "id"')
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
 
@@ -76,9 +78,12 @@ def test_ranges_give_the_shards_of_the_line_by_line_path(tmp_path, small, monkey
     a, b = write(tmp_path / "a.jsonl", recs[:25]), write(tmp_path / "b.jsonl", recs[25:], blank_every=4)
     data = {"kind": "files", "paths": [str(a), str(b)], "val_fraction": 0.1}
     bos = False
-    tok = {"byte": {"kind": "byte", "eos_token": EOS}, "char": {"kind": "char", "eos_token": None},
-           "bpe": {"kind": "bpe", "vocab_size": 400, "special_tokens": ["<|bos|>"]},
-           "file": {"kind": "file", "path": metaspace(tmp_path / "meta.json"), "eos_token": EOS}}[kind]
+    tok = {
+        "byte": {"kind": "byte", "eos_token": EOS},
+        "char": {"kind": "char", "eos_token": None},
+        "bpe": {"kind": "bpe", "vocab_size": 400, "special_tokens": ["<|bos|>"]},
+        "file": {"kind": "file", "path": metaspace(tmp_path / "meta.json"), "eos_token": EOS},
+    }[kind]
     if kind == "bpe":
         data, bos = {**data, "bos": True}, True
     if kind == "file":
@@ -96,9 +101,11 @@ def test_ranges_give_the_shards_of_the_line_by_line_path(tmp_path, small, monkey
         parsed_here.clear()
         new = prepare({**data, "workers": workers}, tok, cache_dir=tmp_path / f"new{workers}", progress=False)
         assert new.manifest["tasks"] == "byte ranges of the JSON-lines files"
-        assert new.dir.name == old.dir.name  # one cache entry: the same data
+        # one cache entry: the same data
+        assert new.dir.name == old.dir.name
         assert shard_bytes(new) == shard_bytes(old), workers
-    if kind == "file":  # the main process parsed no line: the workers read their ranges
+    # the main process parsed no line: the workers read their ranges
+    if kind == "file":
         assert new.manifest["workers"] == 2 and not parsed_here
     ids = np.concatenate([new.train_tokens(), new.val_tokens()]).tolist()
     bos_id = new.tokenizer().token_to_id("<|bos|>") if bos else None
@@ -110,13 +117,14 @@ def error(tmp_path, monkeypatch, files, ranges, tok=None, workers=1):
 
 
 def test_bad_input_is_the_same_one_line_error_as_line_by_line(tmp_path, small, monkeypatch):
-    monkeypatch.setattr(sources, "RECORDS", 5)  # the text field must show within the first 5 records
+    # the text field must show within the first 5 records
+    monkeypatch.setattr(sources, "RECORDS", 5)
     good = write(tmp_path / "good.jsonl", records()[:20])
     body = "".join(json.dumps({"body": f"record {i} " * 40}) + "\n" for i in range(4))
     cases = {
         "utf8": b'{"text": "fine"}\n' * 300 + b'{"text": "caf\xe9"}\n',
         "json": b'{"text": "fine"}\n' * 300 + b'{"text": "broken\n',
-        "object": b'{"text": "fine"}\n' * 300 + b'[1, 2]\n',
+        "object": b'{"text": "fine"}\n' * 300 + b"[1, 2]\n",
         # the 5th record lacks the field too: that error comes before the bad line after it
         "first records": (body + json.dumps({"body": "x"}) + "\n[bad\n").encode(),
         "no field": body.encode(),
@@ -130,7 +138,8 @@ def test_bad_input_is_the_same_one_line_error_as_line_by_line(tmp_path, small, m
         new = error(tmp_path, monkeypatch, [good, f], True)
         assert new == error(tmp_path, monkeypatch, [good, f], False), what
         assert str(f) in new and "\n" not in new, what
-    at = len(b'{"text": "fine"}\n' * 300 + b'{"text": "caf')  # the offset of the bad byte in the file
+    # the offset of the bad byte in the file
+    at = len(b'{"text": "fine"}\n' * 300 + b'{"text": "caf')
     assert f"byte {at} " in error(tmp_path, monkeypatch, [tmp_path / "utf8.jsonl"], True)
     assert "(fields: body)" in error(tmp_path, monkeypatch, [tmp_path / "first-records.jsonl"], True)
 
@@ -149,12 +158,22 @@ def test_an_error_in_a_worker_reaches_the_user_as_its_one_line(tmp_path, small, 
     msg = error(tmp_path, monkeypatch, [good, tmp_path / "empty.jsonl"], True, tok, workers=2)
     assert msg == f"{tmp_path / 'empty.jsonl'} is empty; remove it from data.paths or give it some text"
     monkeypatch.setattr(sources, "JSONL_RANGES", True)
-    code, _, err = run_main(capsys, "prepare", "data=files", f"data.paths=[{good},{tmp_path / 'bad.jsonl'}]",
-                            "tokenizer=file", f"tokenizer.path={meta}", "data.workers=2", "progress=false")
+    code, _, err = run_main(
+        capsys,
+        "prepare",
+        "data=files",
+        f"data.paths=[{good},{tmp_path / 'bad.jsonl'}]",
+        "tokenizer=file",
+        f"tokenizer.path={meta}",
+        "data.workers=2",
+        "progress=false",
+    )
     (line,) = [ln for ln in err.splitlines() if ln.startswith("error:")]
-    assert code == 2 and line == (f"error: {tmp_path / 'bad.jsonl'}: the line at byte 1700 is not valid "
-                                  "JSON (Expecting property name enclosed in double quotes); fix the file or "
-                                  "set data.format"), err
+    assert code == 2 and line == (
+        f"error: {tmp_path / 'bad.jsonl'}: the line at byte 1700 is not valid "
+        "JSON (Expecting property name enclosed in double quotes); fix the file or "
+        "set data.format"
+    ), err
 
 
 def test_a_killed_jsonl_build_continues_bit_identically(tmp_path, small, monkeypatch):
@@ -163,7 +182,8 @@ def test_a_killed_jsonl_build_continues_bit_identically(tmp_path, small, monkeyp
     again for the checks (skipped unread, the file would seem to have no text field at all)."""
     import gptkit.data.build as build
 
-    monkeypatch.setattr(build, "SHARD_TOKENS", 1)  # a commit after every range that has tokens
+    # a commit after every range that has tokens
+    monkeypatch.setattr(build, "SHARD_TOKENS", 1)
     texts = [{"text": shakespeare(1400, start=2000 * i)} for i in range(5)]
     f = write(tmp_path / "a.jsonl", texts + [{"body": "x " * 500, "n": i} for i in range(8)])
     ranges = list(sources.line_ranges([f], "text", "strict", 3000))

@@ -33,7 +33,8 @@ def test_sources_are_cached_on_their_own_and_windows_follow_the_shares(tmp_path,
     capsys.readouterr()
     m3 = prepare(mix(texts, {"a": 3, "b": 1, "c": 1}), {"kind": "byte"}, cache_dir=cache, progress=False)
     err = capsys.readouterr().err
-    assert err.count("cache hit") == 2 and err.count("prepared ") == 1  # only the new source is prepared
+    # only the new source is prepared
+    assert err.count("cache hit") == 2 and err.count("prepared ") == 1
     assert [p.dir for p in m3.parts[:2]] == [p.dir for p in m.parts]
 
     from gptkit.data.mixture import MixtureSampler
@@ -130,7 +131,8 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
         "trainer.batch_size=4",
         "trainer.max_steps=8",
         "trainer.val_every=4",
-        "trainer.val_windows=6",  # 3 a windows + 3 b: a batch of a and b, then one of b alone
+        # 3 a windows + 3 b: a batch of a and b, then one of b alone
+        "trainer.val_windows=6",
         "trainer.checkpoint_every=4",
         "trainer.log_every=2",
         "trainer.progress=false",
@@ -153,7 +155,8 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
 
     full = rows("full")
     assert rows("cut") == full
-    last = [r for r in full if r["data/tokens_a"]][-1]  # a training row (of step 8, the last)
+    # a training row (of step 8, the last)
+    last = [r for r in full if r["data/tokens_a"]][-1]
     assert (
         int(last["step"]) == 8 and float(last["data/tokens_a"]) + float(last["data/tokens_b"]) == 8 * 4 * 32
     )
@@ -167,13 +170,16 @@ def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path,
     from gptkit.runs import load_model
 
     model = load_model(tmp_path / "runs" / "full")[-1].eval()
-    m = prepare(mix(texts, {"a": 0.7, "b": 0.3}), {"kind": "char"}, cache_dir=tmp_path / "cache",
-                progress=False)
+    m = prepare(
+        mix(texts, {"a": 0.7, "b": 0.3}), {"kind": "char"}, cache_dir=tmp_path / "cache", progress=False
+    )
     dm = TokenDataModule(m, batch_size=4, seq_len=32, val_windows=6)
     batches = list(dm.val_dataloader())
     with torch.no_grad():
-        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])  # 6 full windows
-        assert abs(float(val["val/loss"]) - float(model(x, y).loss)) < 1e-6  # not the mean of batch means
+        # 6 full windows
+        x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+        # not the mean of batch means
+        assert abs(float(val["val/loss"]) - float(model(x, y).loss)) < 1e-6
         for s, name in enumerate(m.names):
             rows_of = dm.val_sources[1] == s
             x = torch.cat([b[0] for b in batches])[rows_of]

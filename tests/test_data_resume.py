@@ -52,8 +52,12 @@ def files(d):
 
 @pytest.mark.parametrize(
     "faults, workers",
-    [(("prepare-shard@3", "prepare-batch@2"), 2), (("prepare-batch@17", "prepare-shards"), 1),
-     (("prepare-batch@1",), 1)],  # killed before its first commit: all.bin holds only uncommitted batches
+    [
+        (("prepare-shard@3", "prepare-batch@2"), 2),
+        (("prepare-batch@17", "prepare-shards"), 1),
+        (("prepare-batch@1",), 1),
+        # killed before its first commit: all.bin holds only uncommitted batches
+    ],
 )
 def test_a_killed_prepare_continues_from_its_last_complete_shard_bit_identically(
     tmp_path, corpus, faults, workers
@@ -65,11 +69,13 @@ def test_a_killed_prepare_continues_from_its_last_complete_shard_bit_identically
     ref = run(tmp_path / "ref", corpus, tok)
     assert ref.returncode == 0, ref.stderr
     cache = tmp_path / "cache"
-    for fault in faults:  # killed, then killed again while continuing
+    # killed, then killed again while continuing
+    for fault in faults:
         r = run(cache, corpus, tok, fault)
         assert r.returncode == -signal.SIGKILL, (fault, r.stderr)
         (partial,) = cache.glob(".*.partial")
-        if fault != "prepare-shards":  # (killed with the manifest written, before the rename)
+        # (killed with the manifest written, before the rename)
+        if fault != "prepare-shards":
             assert not any(p.name == "manifest.json" for p in partial.iterdir())
         if fault != faults[0]:
             assert "continuing the interrupted build" in r.stderr
@@ -77,7 +83,8 @@ def test_a_killed_prepare_continues_from_its_last_complete_shard_bit_identically
     r = run(cache, corpus, tok)
     assert r.returncode == 0, r.stderr
     assert "continuing the interrupted build" in r.stderr or faults[-1] == "prepare-shards"
-    assert sorted(p.name for p in cache.iterdir()) == [folder(tmp_path / "ref").name]  # no leftovers
+    # no leftovers
+    assert sorted(p.name for p in cache.iterdir()) == [folder(tmp_path / "ref").name]
     assert files(folder(cache)) == files(folder(tmp_path / "ref"))
     m = json.loads((folder(cache) / "manifest.json").read_text())
     assert m["splits"] == json.loads((folder(tmp_path / "ref") / "manifest.json").read_text())["splits"]

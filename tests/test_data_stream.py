@@ -32,7 +32,8 @@ def awkward_text() -> str:
     lines = base.splitlines()
     text = "\n".join(line + " " * (i % 3) for i, line in enumerate(lines))
     long_line = " ".join(w for line in lines[:2000] for w in line.split())[:12_000]
-    cjk = ("日本語のテキスト" * 120 + "。" + "漢字" * 200 + "、") * 8  # letter runs shorter than HARD_CHARS
+    # letter runs shorter than HARD_CHARS
+    cjk = ("日本語のテキスト" * 120 + "。" + "漢字" * 200 + "、") * 8
     return (
         text[:10_000]
         + "\n"
@@ -95,7 +96,8 @@ def test_a_file_read_in_bounded_pieces_gives_the_ids_of_the_whole_text(tmp_path,
         p = prep(tmp_path, {"kind": "files", "paths": [str(f)], "workers": 1}, tok)
     finally:
         Cutter.cut = real
-    assert sum(c is not None for c in cuts) > 40  # the document really was cut, in many places
+    # the document really was cut, in many places
+    assert sum(c is not None for c in cuts) > 40
     whole = p.tokenizer().encode(text, add_special_tokens=False).ids + [p.eos_id]
     assert all_ids(p) == whole
 
@@ -105,7 +107,8 @@ def test_a_run_without_any_safe_cut_is_cut_anyway_and_said(tmp_path, small_piece
     f = tmp_path / "zeros.txt"
     f.write_bytes(b"\0" * 20_000)
     p = prep(tmp_path, {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "byte"})
-    assert all_ids(p) == [0] * 20_000 + [10]  # the newline that separates documents without an EOS
+    # the newline that separates documents without an EOS
+    assert all_ids(p) == [0] * 20_000 + [10]
     p = prep(tmp_path, {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "bpe", "vocab_size": 300})
     assert "cut(s) fell inside a run of over" in capsys.readouterr().err
     assert p.tokenizer().decode(all_ids(p)) == "\0" * 20_000
@@ -118,7 +121,8 @@ def test_shards_do_not_depend_on_the_worker_count(tmp_path, small_pieces):
     data = {"kind": "files", "paths": [str(tmp_path / "a.txt"), str(tmp_path / "b.txt")]}
     one = prepare({**data, "workers": 1}, tok, cache_dir=tmp_path / "one", progress=False)
     two = prepare({**data, "workers": 2}, tok, cache_dir=tmp_path / "two", progress=False)
-    assert one.dir.name == two.dir.name  # data.workers is no part of the cache key
+    # data.workers is no part of the cache key
+    assert one.dir.name == two.dir.name
     for name in ("train.bin", "val.bin", "tokenizer.json"):
         assert (one.dir / name).read_bytes() == (two.dir / name).read_bytes(), name
     assert one.manifest["encoder"] == "tiktoken"
@@ -135,8 +139,10 @@ def test_shards_do_not_depend_on_the_worker_count(tmp_path, small_pieces):
 def test_a_tokenization_worker_imports_neither_torch_nor_the_rest_of_gptkit_data():
     # a spawned worker imports gptkit.data.tokenize (and so the package gptkit.data first): torch there
     # cost each worker 1.3 s of CPU, a third of a 2-worker prepare of 60 MB on 2 cores
-    code = ("import sys, gptkit.data.tokenize, tokenizers; "
-            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('gptkit.data.')))")
+    code = (
+        "import sys, gptkit.data.tokenize, tokenizers; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('gptkit.data.')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['gptkit.data.tokenize']"
 
@@ -186,7 +192,8 @@ def test_a_tokenizer_that_tiktoken_cannot_run_falls_back_to_hf(tmp_path):
 def test_fifos_and_devices_are_refused_before_anything_is_read(tmp_path, what):
     if what == "fifo":
         path = tmp_path / "fifo"
-        os.mkfifo(path)  # opening it for reading would block forever
+        # opening it for reading would block forever
+        os.mkfifo(path)
         needle = "is a FIFO"
     else:
         path, needle = "/dev/zero", "is a character device"
@@ -248,11 +255,13 @@ def test_hub_streams_through_datasets_streaming_loader(tmp_path, monkeypatch):
         {"kind": "hub", "name": "someone/corpus", "workers": 1},
         {"kind": "bpe", "vocab_size": 300, "train_chars": 3_000},
     )
-    assert calls and all(c[3] is True for c in calls)  # streamed, always
+    # streamed, always
+    assert calls and all(c[3] is True for c in calls)
     assert "streamed" in p.manifest["source"]["description"]
     tok = p.tokenizer()
     expected = [i for t in texts for i in tok.encode(t).ids + [p.eos_id]]
-    assert all_ids(p) == expected  # every shard, in order
+    # every shard, in order
+    assert all_ids(p) == expected
 
 
 def test_hub_streaming_mocked_load_dataset(tmp_path, monkeypatch):
@@ -299,7 +308,8 @@ def test_bpe_trains_on_a_bounded_evenly_spread_sample(tmp_path, capsys):
     texts, what = training_sample(corpus, 60_000)
     sample = "".join(texts())
     assert 0.8 * 60_000 <= len(sample) <= 60_000 and "evenly spaced" in what
-    assert "alpha beta" in sample and "omega psi" in sample  # from both ends of the file
+    # from both ends of the file
+    assert "alpha beta" in sample and "omega psi" in sample
     p = prep(
         tmp_path,
         {"kind": "files", "paths": [str(f)]},
@@ -317,10 +327,12 @@ def test_progress_lines_say_mb_per_s_tokens_and_eta(tmp_path, capfd, monkeypatch
     f = tmp_path / "a.txt"
     f.write_text(shakespeare(50_000))
     prepare({"kind": "files", "paths": [str(f)]}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=True)
-    err = capfd.readouterr().err  # not a terminal: plain lines
+    # not a terminal: plain lines
+    err = capfd.readouterr().err
     lines = [ln for ln in err.splitlines() if ln.startswith("tokenizing:")]
     assert len(lines) >= 3 and "MB/s" in lines[0] and "ETA" in lines[0] and " of 50.0 kB (" in lines[0]
-    assert "50,001 tokens" in lines[-1] and "(100%)" in lines[-1]  # the text and the newline that ends it
+    # the text and the newline that ends it
+    assert "50,001 tokens" in lines[-1] and "(100%)" in lines[-1]
 
 
 def test_data_workers_must_be_a_positive_integer(tmp_path):
@@ -343,20 +355,42 @@ def test_bos_auto_is_off_for_a_model_with_learned_positions(tmp_path, capsys, mo
 
     assert bos_for_model({"kind": "files", "bos": "auto"}, "rope") == {"kind": "files", "bos": "auto"}
     assert bos_for_model({"kind": "files", "bos": "auto"}, "learned")["bos"] is False
-    assert bos_for_model({"kind": "files", "bos": True}, "learned")["bos"] is True  # asked for: kept
-    mixed = bos_for_model({"kind": "mix", "sources": {"a": {"kind": "files", "weight": 1},
-                                                      "b": {"kind": "pydoc", "bos": True, "weight": 1}}},
-                          "learned")
+    # asked for: kept
+    assert bos_for_model({"kind": "files", "bos": True}, "learned")["bos"] is True
+    mixed = bos_for_model(
+        {
+            "kind": "mix",
+            "sources": {
+                "a": {"kind": "files", "weight": 1},
+                "b": {"kind": "pydoc", "bos": True, "weight": 1},
+            },
+        },
+        "learned",
+    )
     assert mixed["sources"]["a"]["bos"] is False and mixed["sources"]["b"]["bos"] is True
     f = tmp_path / "a.txt"
     f.write_text(shakespeare(6_000))
     monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
     tok = ["tokenizer=byte", "tokenizer.special_tokens=['<s>']", "tokenizer.eos_token='</s>'"]
     for model, want in (("gpt2-tiny", None), ("llama-tiny", 256)):
-        code, _, err = run_main(capsys, "train", f"model={model}", "model.n_layers=1", "model.d_model=32",
-                                "model.n_heads=2", "model.max_seq_len=32", "data=files", f"data.paths=[{f}]",
-                                *tok, "trainer.batch_size=2", "trainer.max_steps=1", "trainer.val_windows=1",
-                                "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}", f"name={model}")
+        code, _, err = run_main(
+            capsys,
+            "train",
+            f"model={model}",
+            "model.n_layers=1",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.max_seq_len=32",
+            "data=files",
+            f"data.paths=[{f}]",
+            *tok,
+            "trainer.batch_size=2",
+            "trainer.max_steps=1",
+            "trainer.val_windows=1",
+            "trainer.progress=false",
+            f"runs_dir={tmp_path / 'runs'}",
+            f"name={model}",
+        )
         assert code == 0, err
         saved = OmegaConf.load(tmp_path / "runs" / model / "config.yaml")
         assert saved.data.bos == ("auto" if want else False)
@@ -375,18 +409,34 @@ def test_a_train_after_a_plain_prepare_uses_its_shards(tmp_path, capsys, monkeyp
     monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
     bos_tok = ["tokenizer.special_tokens=['<s>']", "tokenizer.eos_token='</s>'"]
     for model, tok in (("gpt2-tiny", []), ("llama-tiny", bos_tok)):
-        code, _, err = run_main(capsys, "prepare", "data=files", f"data.paths=[{f}]", "tokenizer=byte", *tok,
-                                "progress=false")
+        code, _, err = run_main(
+            capsys, "prepare", "data=files", f"data.paths=[{f}]", "tokenizer=byte", *tok, "progress=false"
+        )
         assert code == 0 and "prepared " in err, err
-        code, _, err = run_main(capsys, "train", f"model={model}", "model.n_layers=1", "model.d_model=32",
-                                "model.n_heads=2", "model.max_seq_len=32", "data=files", f"data.paths=[{f}]",
-                                "tokenizer=byte", *tok, "trainer.batch_size=2", "trainer.max_steps=1",
-                                "trainer.val_windows=1", "trainer.progress=false",
-                                f"runs_dir={tmp_path / 'runs'}", f"name={model}")
+        code, _, err = run_main(
+            capsys,
+            "train",
+            f"model={model}",
+            "model.n_layers=1",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.max_seq_len=32",
+            "data=files",
+            f"data.paths=[{f}]",
+            "tokenizer=byte",
+            *tok,
+            "trainer.batch_size=2",
+            "trainer.max_steps=1",
+            "trainer.val_windows=1",
+            "trainer.progress=false",
+            f"runs_dir={tmp_path / 'runs'}",
+            f"name={model}",
+        )
         assert code == 0, err
         assert "cache hit: " in err and "prepared " not in err and "tokenizing" not in err, err
     folders = sorted(p.name for p in (tmp_path / "cache" / "data").iterdir())
-    assert len(folders) == 2, folders  # one per tokenizer, none per model
+    # one per tokenizer, none per model
+    assert len(folders) == 2, folders
 
 
 def test_bos_auto_uses_a_tokenizer_s_own_bos_before_every_document(tmp_path):
@@ -398,15 +448,18 @@ def test_bos_auto_uses_a_tokenizer_s_own_bos_before_every_document(tmp_path):
         (tmp_path / f"{i}.txt").write_text(t)
     data = {"kind": "files", "paths": [str(tmp_path / f"{i}.txt") for i in range(3)], "val_fraction": 0.2}
     tok = {"kind": "byte", "special_tokens": ["<s>"], "eos_token": "</s>"}
-    p = prep(tmp_path, data, tok)  # bos: auto, and this tokenizer has a BOS of its own
+    # bos: auto, and this tokenizer has a BOS of its own
+    p = prep(tmp_path, data, tok)
     bos, eos = p.bos_id, p.eos_id
     assert bos == 256 and eos == 257 and p.manifest["tokenizer"]["bos_id"] == 256
     want = [i for t in ["first doc\n", "second\n", "third one\n"] for i in [bos, *t.encode(), eos]]
     assert all_ids(p) == want
-    d = doc_ids(torch.tensor([want]), eos)[0].tolist()  # data.pack=documents: a BOS starts its document
+    # data.pack=documents: a BOS starts its document
+    d = doc_ids(torch.tensor([want]), eos)[0].tolist()
     assert [d[i] for i, t in enumerate(want) if t == bos] == [0, 1, 2]
     assert prep(tmp_path, {**data, "bos": False}, tok).bos_id is None
-    plain = prep(tmp_path, data, {"kind": "bpe", "vocab_size": 300})  # GPT-2 style: <|endoftext|> is no BOS
+    # GPT-2 style: <|endoftext|> is no BOS
+    plain = prep(tmp_path, data, {"kind": "bpe", "vocab_size": 300})
     assert plain.bos_id is None
     with pytest.raises(GptkitError, match="data.bos=true but the tokenizer has no BOS token"):
         prep(tmp_path, {**data, "bos": True}, {"kind": "byte"})
@@ -441,7 +494,8 @@ def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
     p = prep(tmp_path, data, tok)
     assert p.vocab_size == 320 and p.eos_id == 256 and p.manifest["source"]["formats"] == ["raw", "llmc"]
     assert p.train_tokens().tolist() == train.tolist() and p.val_tokens().tolist() == val.tolist()
-    assert prep(tmp_path, data, tok).dir == p.dir  # found again by content
+    # found again by content
+    assert prep(tmp_path, data, tok).dir == p.dir
 
     bad = {
         "big id": (
@@ -472,9 +526,19 @@ def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_pa
     from conftest import run_main
 
     out = tmp_path / "bench.json"
-    code, _, err = run_main(capsys, "bench", "data", "bench.size_mb=0.4", "bench.tokenizers=[byte,bpe-300]",
-                            "bench.train_chars=100000", "bench.encode_mb=0.1", "bench.steps=1",
-                            "bench.batches=2", "bench.threads=1", f"bench.out={out}")
+    code, _, err = run_main(
+        capsys,
+        "bench",
+        "data",
+        "bench.size_mb=0.4",
+        "bench.tokenizers=[byte,bpe-300]",
+        "bench.train_chars=100000",
+        "bench.encode_mb=0.1",
+        "bench.steps=1",
+        "bench.batches=2",
+        "bench.threads=1",
+        f"bench.out={out}",
+    )
     assert code == 0, err
     r = json.loads(out.read_text())
     byte, bpe = r["tokenizers"]["byte"], r["tokenizers"]["bpe-300"]
@@ -486,7 +550,8 @@ def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_pa
     assert r["reading"]["read_decode_mb_per_s"] > 0 and r["reading"]["read_decode_cut_mb_per_s"] > 0
     pr = r["projection_40gb_16_cores"]
     assert pr["mb_per_s"] == min(pr["workers_mb_per_s"], pr["main_process_mb_per_s"]) > 0
-    one, two = bpe["prepare_jsonl"]["1"], bpe["prepare_jsonl"]["2"]  # the same text as JSON lines
+    # the same text as JSON lines
+    one, two = bpe["prepare_jsonl"]["1"], bpe["prepare_jsonl"]["2"]
     assert one["tokens"] == two["tokens"] > 0 and two["tasks"] == "byte ranges of the JSON-lines files"
     assert r["projection_40gb_16_cores_jsonl"]["main_process_mb_per_s"] > 0
     # mb_per_s is rounded to 0.1 and minutes to 0.1: at a few MB/s (a loaded machine) that is a few percent

@@ -3,7 +3,6 @@ safe cuts that the main process finds with short reads: the shards are those of 
 decoding and cutting everything (sources.TEXT_RANGES=False, as before), for every tokenizer kind and worker
 count, on awkward text; the errors are its errors; a killed build continues bit-identically."""
 
-
 import numpy as np
 import pytest
 from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
@@ -23,8 +22,10 @@ EOS = "<|endoftext|>"
 def small(monkeypatch):
     """Pieces and tasks small enough that a 20 kB file is many ranges and many pieces."""
     small_tasks(monkeypatch)
-    monkeypatch.setattr(sources, "READ_BYTES", 2048)  # the old path reads (and decodes) in parts
-    monkeypatch.setattr("gptkit.data.ranges.SCAN_BLOCK", 64)  # the main process reads a little of each range
+    # the old path reads (and decodes) in parts
+    monkeypatch.setattr(sources, "READ_BYTES", 2048)
+    # the main process reads a little of each range
+    monkeypatch.setattr("gptkit.data.ranges.SCAN_BLOCK", 64)
 
 
 def awkward(tmp_path) -> dict:
@@ -36,7 +37,7 @@ def awkward(tmp_path) -> dict:
         "plain": s[:20_000],
         "cjk": ("日本語のテキスト。🙂 é\n" * 900),
         "special": "".join(f"w{i}{EOS}x{EOS}{EOS}\n{EOS}y {i}\n" for i in range(700)),
-        "spaces": "".join(f"{s[i * 50:i * 50 + 40]}\n{' ' * (i % 97)}\n\n\t \n" for i in range(300)),
+        "spaces": "".join(f"{s[i * 50 : i * 50 + 40]}\n{' ' * (i % 97)}\n\n\t \n" for i in range(300)),
         "crlf": s[20_000:32_000].replace("\n", "\r\n"),
         "letters": s[32_000:38_000] + "a" * 5000 + s[38_000:44_000],
         "nul": s[44_000:48_000] + "\x00" * 4000 + s[48_000:52_000],
@@ -60,7 +61,8 @@ def test_cuts_are_safe_places_and_files_without_them_are_read_as_before(tmp_path
         assert cuts, name
         text = data.decode()
         for c in cuts:
-            k = len(data[:c].decode())  # a character boundary (decodes), and a cut the Cutter accepts
+            # a character boundary (decodes), and a cut the Cutter accepts
+            k = len(data[:c].decode())
             assert k in set(cutter._candidates(text, k - 1, k + 2, None)) and cutter._clear(text, k), name
         assert all(b - a >= 3000 for a, b in zip([0, *cuts], cuts)), name
     for name in ("letters", "nul"):
@@ -76,18 +78,27 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
     f = awkward(tmp_path)
     names = sorted(f)
     data = {"kind": "files", "paths": [str(f[n]) for n in names], "val_fraction": 0.1}
-    tok = {"byte": {"kind": "byte", "eos_token": EOS}, "char": {"kind": "char", "eos_token": None},
-           "bpe": {"kind": "bpe", "vocab_size": 400, "special_tokens": ["<|bos|>"]},
-           "file": {"kind": "file", "path": metaspace(tmp_path / "meta.json"), "eos_token": EOS}}[kind]
-    if kind == "file":  # Cutter mode verify: slow to check, and read as before
+    tok = {
+        "byte": {"kind": "byte", "eos_token": EOS},
+        "char": {"kind": "char", "eos_token": None},
+        "bpe": {"kind": "bpe", "vocab_size": 400, "special_tokens": ["<|bos|>"]},
+        "file": {"kind": "file", "path": metaspace(tmp_path / "meta.json"), "eos_token": EOS},
+    }[kind]
+    # Cutter mode verify: slow to check, and read as before
+    if kind == "file":
         data = {**data, "paths": [str(f["plain"]), str(f["cjk"])]}
     if kind == "bpe":
-        data = {**data, "bos": True, "paths": [str(f[n]) for n in names[:-3]],
-                "val_paths": [str(f[n]) for n in names[-3:]]}
+        data = {
+            **data,
+            "bos": True,
+            "paths": [str(f[n]) for n in names[:-3]],
+            "val_paths": [str(f[n]) for n in names[-3:]],
+        }
     decoded = []
     real = sources._decoded_chunks
     monkeypatch.setattr(sources, "_decoded_chunks", lambda p, *a: decoded.append(p.name) or real(p, *a))
-    train = build._train_tokenizer  # (char and bpe train on all of this small corpus: not counted)
+    # (char and bpe train on all of this small corpus: not counted)
+    train = build._train_tokenizer
     monkeypatch.setattr(build, "_train_tokenizer", lambda *a: (train(*a), decoded.clear())[0])
 
     monkeypatch.setattr(sources, "TEXT_RANGES", False)
@@ -97,13 +108,15 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
     for workers in (1, 2) if kind == "bpe" else (1,):
         decoded.clear()
         new = prepare({**data, "workers": workers}, tok, cache_dir=tmp_path / f"new{workers}", progress=False)
-        assert new.dir.name == old.dir.name  # one cache entry: the same data
+        # one cache entry: the same data
+        assert new.dir.name == old.dir.name
         assert shard_bytes(new) == shard_bytes(old), workers
     if kind == "file":
         assert new.manifest["tasks"] == "batches of pieces"
         return
     assert new.manifest["tasks"].startswith("byte ranges of the text files (2 file(s) read here")
-    assert sorted(decoded) == ["letters.txt", "nul.txt"]  # the others: read by whoever ran their ranges
+    # the others: read by whoever ran their ranges
+    assert sorted(decoded) == ["letters.txt", "nul.txt"]
     # each file encoded whole is its stretch of the shards
     t = new.tokenizer()
     ids = np.concatenate([new.train_tokens(), new.val_tokens()]).tolist()
@@ -112,9 +125,13 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
     for n in (names[:-3] + names[-3:]) if kind == "bpe" else names:
         text = f[n].read_bytes().decode()
         text += "\n" if new.eos_id is None and not text.endswith("\n") else ""
-        want += bos + t.encode(text, add_special_tokens=False).ids + ([new.eos_id] if new.eos_id is not None
-                                                                      else [])
-    if kind != "bpe":  # byte and char: no cut changes an id, forced or not (bpe: forced cuts in two files)
+        want += (
+            bos
+            + t.encode(text, add_special_tokens=False).ids
+            + ([new.eos_id] if new.eos_id is not None else [])
+        )
+    # byte and char: no cut changes an id, forced or not (bpe: forced cuts in two files)
+    if kind != "bpe":
         assert ids == want
 
 
@@ -127,9 +144,11 @@ def test_bad_input_is_the_same_one_line_error_as_before(tmp_path, small, monkeyp
     good.write_text(shakespeare(9000))
     body = shakespeare(9000, start=9000).encode()
     cases = {
-        "late byte": body + b"caf\xe9 au lait\n" + body,  # in the second or third range
+        # in the second or third range
+        "late byte": body + b"caf\xe9 au lait\n" + body,
         "first byte": b"\xff" + body,
-        "cut char": body + "日本".encode()[:4],  # the file ends inside a character
+        # the file ends inside a character
+        "cut char": body + "日本".encode()[:4],
         "empty": b"",
         "blank": b"\n  \n\t",
         "blank big": b" \n" * 5000,
@@ -144,10 +163,12 @@ def test_bad_input_is_the_same_one_line_error_as_before(tmp_path, small, monkeyp
     nul = tmp_path / "nul-blank.txt"
     nul.write_bytes(b" " * 5000)
     assert text_cuts(str(nul), 5000, 3000, Cutter("any")) is None
-    last = tmp_path / "last-range.txt"  # the bad byte in the last range: still in flight at nul's error
+    # the bad byte in the last range: still in flight at nul's error
+    last = tmp_path / "last-range.txt"
     last.write_bytes(body * 2 + b"caf\xe9 au lait\n" + body[:500])
     pair = [last, nul]
-    bpe = tmp_path / "bpe.json"  # (a trained bpe would meet the bad byte in training, in either path)
+    # (a trained bpe would meet the bad byte in training, in either path)
+    bpe = tmp_path / "bpe.json"
     tok = build_tokenizer({"kind": "bpe", "vocab_size": 300}, texts=lambda: [body.decode()])
     bpe.write_text(tok.to_str())
     msg = error(tmp_path, monkeypatch, pair, True, {"kind": "file", "path": str(bpe)}, workers=2)
@@ -168,8 +189,12 @@ def test_whitespace_files_are_skipped_by_stdlib_and_leading_whitespace_kept(tmp_
     out = {}
     for ranges in (False, True):
         monkeypatch.setattr(sources, "TEXT_RANGES", ranges)
-        p = prepare({"kind": "stdlib", "workers": 1}, {"kind": "byte", "eos_token": EOS},
-                    cache_dir=tmp_path / f"s{ranges}", progress=False)
+        p = prepare(
+            {"kind": "stdlib", "workers": 1},
+            {"kind": "byte", "eos_token": EOS},
+            cache_dir=tmp_path / f"s{ranges}",
+            progress=False,
+        )
         out[ranges] = shard_bytes(p)
         assert p.manifest["validation"]["documents"] == 2
     assert out[True] == out[False]
@@ -178,7 +203,8 @@ def test_whitespace_files_are_skipped_by_stdlib_and_leading_whitespace_kept(tmp_
 def test_a_killed_text_build_continues_bit_identically(tmp_path, small, monkeypatch):
     """Ctrl-C after some ranges keeps the complete shards; the next prepare skips the ranges they hold and
     ends with the uninterrupted build's files."""
-    monkeypatch.setattr(build, "SHARD_TOKENS", 1)  # a commit after every range
+    # a commit after every range
+    monkeypatch.setattr(build, "SHARD_TOKENS", 1)
     f = tmp_path / "a.txt"
     f.write_text(shakespeare(30_000))
     data, tok = {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "char", "eos_token": EOS}
@@ -204,13 +230,21 @@ def test_bytes_that_are_not_utf8_with_replace(tmp_path, small, monkeypatch):
     """encoding_errors=replace: ranges never end beside a bad byte (several may be one U+FFFD)."""
     s = shakespeare(20_000).encode()
     f = tmp_path / "latin.txt"
-    f.write_bytes(b"".join(s[i:i + 500] + [b"\xe9", b"\xe2\x82", b"\xff\xfe", b"\xf0\x9f"][i % 4]
-                           for i in range(0, len(s), 500)))
+    f.write_bytes(
+        b"".join(
+            s[i : i + 500] + [b"\xe9", b"\xe2\x82", b"\xff\xfe", b"\xf0\x9f"][i % 4]
+            for i in range(0, len(s), 500)
+        )
+    )
     assert text_cuts(str(f), f.stat().st_size, 3000, Cutter("gpt2"))
     out = []
     for ranges in (False, True):
         monkeypatch.setattr(sources, "TEXT_RANGES", ranges)
-        p = prepare({"kind": "files", "paths": [str(f)], "encoding_errors": "replace", "workers": 1},
-                    {"kind": "byte", "eos_token": EOS}, cache_dir=tmp_path / f"r{ranges}", progress=False)
+        p = prepare(
+            {"kind": "files", "paths": [str(f)], "encoding_errors": "replace", "workers": 1},
+            {"kind": "byte", "eos_token": EOS},
+            cache_dir=tmp_path / f"r{ranges}",
+            progress=False,
+        )
         out.append(shard_bytes(p))
     assert out[0] == out[1]

@@ -19,7 +19,8 @@ import torch
 from conftest import REPO, run_cli, shakespeare
 
 STEPS = 6
-TOL = 1e-5  # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
+# fp32: the reduction order of 2 ranks vs 1 differs in the last bits
+TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -32,13 +33,28 @@ def corpus(tmp_path_factory) -> Path:
 def args(corpus: Path, runs: Path, name: str, world: int, *extra: str) -> list[str]:
     """The same global batch (4 sequences) whatever the world size: per-device batch = 4 / world."""
     return [
-        "model=gpt2-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
-        "model.dropout=0.0", "tokenizer=char", "data=files", f"data.paths=[{corpus}]",
+        "model=gpt2-tiny",
+        "model.n_layers=2",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "model.dropout=0.0",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
         "data.val_fraction=0.1",
-        f"trainer.batch_size={4 // world}", f"trainer.max_steps={STEPS}", "trainer.val_every=4",
-        "trainer.val_windows=5", "trainer.checkpoint_every=2", "trainer.log_every=1",
+        f"trainer.batch_size={4 // world}",
+        f"trainer.max_steps={STEPS}",
+        "trainer.val_every=4",
+        "trainer.val_windows=5",
+        "trainer.checkpoint_every=2",
+        "trainer.log_every=1",
         "trainer.progress=false",
-        "trainer.accelerator=cpu", "optim.warmup_steps=2", f"runs_dir={runs}", f"name={name}", *extra,
+        "trainer.accelerator=cpu",
+        "optim.warmup_steps=2",
+        f"runs_dir={runs}",
+        f"name={name}",
+        *extra,
     ]
 
 
@@ -46,13 +62,21 @@ def run_group(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout (or any error) kill the whole group, children included."""
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
-    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, cwd=REPO, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
     try:
         out, err = proc.communicate(timeout=timeout)
     finally:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # ranks left behind, if any
+            # ranks left behind, if any
+            os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
         proc.wait()
@@ -86,20 +110,32 @@ def reference(corpus, tmp_path_factory) -> Path:
 
 def test_ddp_matches_one_process_and_resumes_across_world_sizes(corpus, reference, tmp_path):
     want = losses(reference)
-    assert len(set(want.values())) == STEPS  # the loss moves: equal trajectories are not a coincidence
+    # the loss moves: equal trajectories are not a coincidence
+    assert len(set(want.values())) == STEPS
     # 2 processes for 3 steps, then 1 process continues: 2 -> 1
-    train(*args(corpus, tmp_path, "two-then-one", 2, "trainer=ddp", "trainer.devices=2",
-                "trainer.stop_at_step=3"))
+    train(
+        *args(
+            corpus, tmp_path, "two-then-one", 2, "trainer=ddp", "trainer.devices=2", "trainer.stop_at_step=3"
+        )
+    )
     assert torch.load(tmp_path / "two-then-one/checkpoints/last.ckpt", weights_only=True)["global_step"] == 3
-    train("resume=" + str(tmp_path / "two-then-one"), "trainer.strategy=auto", "trainer.devices=1",
-          "trainer.batch_size=4")
+    train(
+        "resume=" + str(tmp_path / "two-then-one"),
+        "trainer.strategy=auto",
+        "trainer.devices=1",
+        "trainer.batch_size=4",
+    )
     assert_same_trajectory(losses(tmp_path / "two-then-one"), want)
     # 1 -> 2: the single run's step-2 checkpoint continued by 2 processes
     shutil.copytree(reference, tmp_path / "one-then-two")
     for later in ("last", "step-000004", "step-000006"):
         (tmp_path / f"one-then-two/checkpoints/{later}.ckpt").unlink()
-    train("resume=" + str(tmp_path / "one-then-two/checkpoints/step-000002.ckpt"), "trainer.strategy=ddp",
-          "trainer.devices=2", "trainer.batch_size=2")
+    train(
+        "resume=" + str(tmp_path / "one-then-two/checkpoints/step-000002.ckpt"),
+        "trainer.strategy=ddp",
+        "trainer.devices=2",
+        "trainer.batch_size=2",
+    )
     assert_same_trajectory(losses(tmp_path / "one-then-two"), want)
     # val/loss is the token mean over the 5 distinct val windows on 2 ranks too: DistributedSampler pads
     # rank 1 with a repeat of window 0, which is not counted (nor are the batches of 4 + 1 weighted as 2)
@@ -113,9 +149,18 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
     from gptkit.runs import load_model
 
     run = tmp_path / "fsdp"
-    r = train(*args(corpus, tmp_path, "fsdp", 2, "trainer=fsdp", "trainer.devices=2",
-                    "trainer.precision=32-true",
-                    "trainer.stop_at_step=3"))
+    r = train(
+        *args(
+            corpus,
+            tmp_path,
+            "fsdp",
+            2,
+            "trainer=fsdp",
+            "trainer.devices=2",
+            "trainer.precision=32-true",
+            "trainer.stop_at_step=3",
+        )
+    )
     # rank 1 built its model on the meta device and got rank 0's weights: the trajectory below could not match
     # the single process's otherwise
     assert "the other 1 rank(s) start on the meta device" in r.stderr, r.stderr[-2000:]
@@ -134,7 +179,8 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
     assert merged["global_step"] == 2 and merged["state_dict"].keys() == want["state_dict"].keys()
     for k, v in want["state_dict"].items():
         torch.testing.assert_close(merged["state_dict"][k], v, atol=TOL, rtol=0)
-    got_opt, want_opt = merged["optimizer_states"][0], want["optimizer_states"][0]  # keyed by parameter index
+    # keyed by parameter index
+    got_opt, want_opt = merged["optimizer_states"][0], want["optimizer_states"][0]
     assert [g["params"] for g in got_opt["param_groups"]] == [g["params"] for g in want_opt["param_groups"]]
     for i, state in want_opt["state"].items():
         for k, v in state.items():
@@ -152,8 +198,13 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
     shutil.copytree(reference, tmp_path / "one-then-fsdp")
     for later in ("last", "step-000004", "step-000006"):
         (tmp_path / f"one-then-fsdp/checkpoints/{later}.ckpt").unlink()
-    train("resume=" + str(tmp_path / "one-then-fsdp/checkpoints/step-000002.ckpt"), "trainer=fsdp",
-          "trainer.devices=2", "trainer.batch_size=2", "trainer.precision=32-true")
+    train(
+        "resume=" + str(tmp_path / "one-then-fsdp/checkpoints/step-000002.ckpt"),
+        "trainer=fsdp",
+        "trainer.devices=2",
+        "trainer.batch_size=2",
+        "trainer.precision=32-true",
+    )
     assert_same_trajectory(losses(tmp_path / "one-then-fsdp"), losses(reference))
 
 
@@ -172,34 +223,53 @@ def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):
         "from gptkit.cli import main\n"
         "sys.exit(main())\n"
     )
-    r = run_group(str(script), "train", *args(corpus, tmp_path, "fails", 2, "trainer=ddp",
-                                              "trainer.devices=2"),
-                  timeout=90)
+    r = run_group(
+        str(script),
+        "train",
+        *args(corpus, tmp_path, "fails", 2, "trainer=ddp", "trainer.devices=2"),
+        timeout=90,
+    )
     assert r.returncode != 0
     assert "rank 1 broke on purpose" in r.stderr
     assert not (tmp_path / "fails/checkpoints/step-000006.ckpt").exists()
 
 
 def test_several_nodes_without_a_launcher_fail_in_one_line_before_any_process_starts(corpus, tmp_path):
-    r = run_group("-m", "gptkit", "train", *args(corpus, tmp_path, "bad", 1), "trainer=ddp",
-                  "trainer.devices=2",
-                  "trainer.num_nodes=2", timeout=60)
+    r = run_group(
+        "-m",
+        "gptkit",
+        "train",
+        *args(corpus, tmp_path, "bad", 1),
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.num_nodes=2",
+        timeout=60,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: trainer.num_nodes=2 needs a launcher"), r.stderr
     assert not (tmp_path / "bad" / "checkpoints").exists()
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4096"],
-     "4096 CPU processes but this machine has"),
-    (["trainer=ddp", "trainer.accelerator=gpu", "trainer.devices=8"], "no CUDA GPU is visible"),
-    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=16-mixed"],
-     "use bf16-mixed"),
-    (["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp.param_dtype=fp8"],
-     "must be auto, fp32 or bf16"),
-    (["trainer.strategy=deepspeed"], "not one of auto, ddp, fsdp"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (
+            ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=4096"],
+            "4096 CPU processes but this machine has",
+        ),
+        (["trainer=ddp", "trainer.accelerator=gpu", "trainer.devices=8"], "no CUDA GPU is visible"),
+        (
+            ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.devices=2", "trainer.precision=16-mixed"],
+            "use bf16-mixed",
+        ),
+        (
+            ["trainer=fsdp", "trainer.accelerator=cpu", "trainer.fsdp.param_dtype=fp8"],
+            "must be auto, fp32 or bf16",
+        ),
+        (["trainer.strategy=deepspeed"], "not one of auto, ddp, fsdp"),
+    ],
+)
 def test_bad_distributed_setups_are_refused(overrides, message):
     """The same checks `train` and `preflight` run first (the CLI turns them into one line, as above)."""
     from gptkit.conf_tree import compose
@@ -223,8 +293,16 @@ def test_presets_resolve_their_world_size():
 
 
 def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory():
-    r = run_group("-m", "gptkit", "preflight", "trainer=ddp", "trainer.devices=2", "trainer.accelerator=cpu",
-                  "model=llama3-70b", timeout=90)
+    r = run_group(
+        "-m",
+        "gptkit",
+        "preflight",
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.accelerator=cpu",
+        "model=llama3-70b",
+        timeout=90,
+    )
     assert "gloo" in r.stdout and "sum 1 (expected 1)" in r.stdout, r.stdout + r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("error: preflight failed: training needs"), r.stderr
@@ -235,8 +313,12 @@ def test_compiled_fsdp_resumes_compiled_under_ddp_on_the_same_trajectory(corpus,
     the same losses as the eager single process (aot_eager: torch.compile's tracing and autograd, no code
     generation)."""
     compiled = ("trainer.compile=true", "trainer.compile_backend=aot_eager", "trainer.precision=32-true")
-    train(*args(corpus, tmp_path, "c", 2, "trainer=fsdp", "trainer.devices=2", "trainer.stop_at_step=3",
-                *compiled))
-    train("resume=" + str(tmp_path / "c"), "trainer=ddp", "trainer.devices=2", "trainer.batch_size=2",
-          *compiled)
+    train(
+        *args(
+            corpus, tmp_path, "c", 2, "trainer=fsdp", "trainer.devices=2", "trainer.stop_at_step=3", *compiled
+        )
+    )
+    train(
+        "resume=" + str(tmp_path / "c"), "trainer=ddp", "trainer.devices=2", "trainer.batch_size=2", *compiled
+    )
     assert_same_trajectory(losses(tmp_path / "c"), losses(reference))

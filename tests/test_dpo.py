@@ -65,7 +65,8 @@ def test_answer_log_probs_sum_the_answer_tokens_only_and_rewards_average_over_pa
         "train/rewards/accuracy": 1 / 3,
     }
     assert got == pytest.approx(want)
-    assert window.read(None, "train") == {}  # read once: the next window starts afresh
+    # read once: the next window starts afresh
+    assert window.read(None, "train") == {}
     # validation adds the pairs' losses too: their mean over the pairs, not a mean of batch means
     window.add(torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]))
     window.add(torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([3.0]))
@@ -122,9 +123,11 @@ def test_pairs_render_with_the_chat_template_and_the_loss_reads_the_last_answer_
             ids = tok.encode(text, add_special_tokens=False).ids
             assert (
                 rows.x[i, side, : len(ids) - 1].tolist() == ids[:-1]
-            )  # the whole conversation, then padding
+                # the whole conversation, then padding
+            )
             targets = rows.y[i, side][rows.y[i, side] != -100].tolist()
-            assert tok.decode(targets, skip_special_tokens=False) == answer + "<|im_end|>\n"  # not "hello"
+            # not "hello"
+            assert tok.decode(targets, skip_special_tokens=False) == answer + "<|im_end|>\n"
     x, y = rows.batch(torch.tensor([1, 0]))  # [4, 64]: pair 1 chosen, rejected, pair 0 chosen, rejected
     assert (
         torch.equal(x[0], rows.x[1, 0])
@@ -186,7 +189,8 @@ def test_a_pair_longer_than_a_row_is_named_or_dropped_or_cut_and_counted(tmp_pat
     dropped = make_pair_rows(data.train, 64, "drop", data.pad_id)
     assert (len(dropped), dropped.dropped, dropped.first_dropped) == (2, 1, f"{f} line 2")
     cut = make_pair_rows(data.train, 64, "cut", data.pad_id)
-    assert (len(cut), cut.cut) == (3, 1) and (cut.y[1] != -100).any(dim=-1).all()  # both answers keep tokens
+    # both answers keep tokens
+    assert (len(cut), cut.cut) == (3, 1) and (cut.y[1] != -100).any(dim=-1).all()
 
 
 def test_bad_dpo_commands_exit_2_with_one_line_before_anything_is_written(tmp_path, capsys):
@@ -266,7 +270,8 @@ def dpo_args(root, name, world=1, *extra):
         f"trainer.batch_size={4 // world}",
         "trainer.max_steps=6",
         "trainer.val_every=3",
-        "trainer.val_windows=3",  # odd: on 2 ranks DistributedSampler repeats a pair (counted once)
+        # odd: on 2 ranks DistributedSampler repeats a pair (counted once)
+        "trainer.val_windows=3",
         "trainer.log_every=1",
         "trainer.checkpoint_every=3",
         "trainer.progress=false",
@@ -293,12 +298,14 @@ def straight(dpo_data):
 def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactly(dpo_data, straight):
     rows = rows_of(straight)
     train = {s: r for s, r in rows.items() if r.get("train/loss")}
-    assert sorted(train) == list(range(1, 7))  # the row of step N: after N optimizer steps
+    # the row of step N: after N optimizer steps
+    assert sorted(train) == list(range(1, 7))
     # step 0: the policy is the reference, every reward 0 and the loss log 2
     assert float(train[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
     assert float(train[1]["train/rewards/margin"]) == 0.0
     assert float(train[6]["train/loss"]) < float(train[1]["train/loss"])
-    assert float(train[6]["train/rewards/margin"]) > 0  # the policy moved towards the chosen answers
+    # the policy moved towards the chosen answers
+    assert float(train[6]["train/rewards/margin"]) > 0
     val = {s: r for s, r in rows.items() if r.get("val/rewards/accuracy")}
     assert sorted(val) == [3, 6] and all(r["val/loss"] and r["val/rewards/margin"] for r in val.values())
     # the reference stayed the start: the val margin of step 6, recomputed from the start's and the end's
@@ -358,25 +365,39 @@ def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight
         for key in ("train/loss", "train/rewards/margin", "train/rewards/accuracy"):
             assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
     # validation over 3 pairs: 2 ranks of 2 with one repeat, each pair counted once, as one process
-    for step in (3, 6):  # step 3 validated by FSDP2, step 6 by DDP
+    # step 3 validated by FSDP2, step 6 by DDP
+    for step in (3, 6):
         for key in ("val/loss", "val/rewards/margin", "val/rewards/accuracy", "val/rewards/chosen"):
             assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
 
 
 def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapters_off(dpo_data, capfd):
     # 2 pairs per micro-batch, 2 micro-batches per step: the rewards add up over both
-    gptkit.train(dpo_args(dpo_data, "lora", 2, "trainer.accumulate_grad_batches=2", "finetune=lora",
-                          "lora.rank=4", "lora.targets=[q,k,v,o]"))
+    gptkit.train(
+        dpo_args(
+            dpo_data,
+            "lora",
+            2,
+            "trainer.accumulate_grad_batches=2",
+            "finetune=lora",
+            "lora.rank=4",
+            "lora.targets=[q,k,v,o]",
+        )
+    )
     assert "reference: the base with the adapters off (no second copy)" in capfd.readouterr().err
     rows = rows_of(dpo_data / "lora")
-    assert float(rows[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)  # B = 0: policy = base
+    # B = 0: policy = base
+    assert float(rows[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
     assert float(rows[6]["train/rewards/margin"]) > 0
     from gptkit.runs import load_model
 
     *_, start = load_model(dpo_data / "sft")
-    *_, end = load_model(dpo_data / "lora")  # the adapters merged into the base
-    data = prepare_preference({"paths": [str(dpo_data / "pairs.jsonl")]},
-                              {"kind": "file", "path": str(dpo_data / "lora" / "tokenizer.json")})
+    # the adapters merged into the base
+    *_, end = load_model(dpo_data / "lora")
+    data = prepare_preference(
+        {"paths": [str(dpo_data / "pairs.jsonl")]},
+        {"kind": "file", "path": str(dpo_data / "lora" / "tokenizer.json")},
+    )
     x, y = make_pair_rows(data.val, 48, "error", data.pad_id).batch(torch.arange(3))
     with torch.no_grad():
         ratio = (answer_logps(end(x).logits, y) - answer_logps(start(x).logits, y)).view(3, 2)
@@ -385,9 +406,13 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
 
 
 def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo_data):
-    gptkit.train(dpo_args(dpo_data, "bf16", 1, "trainer.precision=bf16-true", "trainer.max_steps=1",
-                          "trainer.val_every=1"))
-    step0 = rows_of(dpo_data / "bf16")[1]  # the first step's row
+    gptkit.train(
+        dpo_args(
+            dpo_data, "bf16", 1, "trainer.precision=bf16-true", "trainer.max_steps=1", "trainer.val_every=1"
+        )
+    )
+    # the first step's row
+    step0 = rows_of(dpo_data / "bf16")[1]
     assert float(step0["train/rewards/chosen"]) == 0.0 == float(step0["train/rewards/rejected"])
 
 
@@ -396,8 +421,10 @@ def test_a_bad_pair_stops_train_in_one_line_naming_file_and_line_and_leaves_no_r
     code, _, err = run_main(capsys, "train", *dpo_args(dpo_data, "bad-pairs", 1, f"data.paths=[{f}]"))
     assert code == 2 and err.strip().splitlines()[-1] == (
         f"error: {f} line 3: a preference record needs chosen and rejected answers (data.chosen_field, "
-        "data.rejected_field); it has no rejected (fields: prompt, chosen)")
-    run = dpo_data / "bad-pairs"  # removed when the process exits (runs.claim_run_dir); empty of results now
+        "data.rejected_field); it has no rejected (fields: prompt, chosen)"
+    )
+    # removed when the process exits (runs.claim_run_dir); empty of results now
+    run = dpo_data / "bad-pairs"
     assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
 
 
@@ -414,7 +441,8 @@ def test_the_plan_counts_both_answers_and_the_reference_forward():
     lm = make_plan(cfg, None, model)
     cfg.objective = "dpo"
     dpo = make_plan(cfg, None, model)
-    assert dpo.tokens_per_step == 2 * lm.tokens_per_step  # 3 pairs: 6 sequences
+    # 3 pairs: 6 sequences
+    assert dpo.tokens_per_step == 2 * lm.tokens_per_step
     forward = acc.flops_per_token(model, lm.seq_len)
     assert dpo.flops_per_token == pytest.approx(lm.flops_per_token + forward.forward_dense)
     assert dpo.causal_flops_per_token == pytest.approx(lm.causal_flops_per_token + forward.forward_causal)
@@ -430,12 +458,21 @@ def test_the_memory_estimate_counts_both_sequences_of_a_pair_and_the_reference()
     from gptkit.training.memory import cpu_out_of_memory, estimate
 
     cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, d_model=32)
-    plan = SimpleNamespace(model=cfg, precision=precision("32-true"), shards=1, batch_size=2, seq_len=16,
-                           trainer=SimpleNamespace(activation_checkpointing=False), lora=None, objective="lm")
+    plan = SimpleNamespace(
+        model=cfg,
+        precision=precision("32-true"),
+        shards=1,
+        batch_size=2,
+        seq_len=16,
+        trainer=SimpleNamespace(activation_checkpointing=False),
+        lora=None,
+        objective="lm",
+    )
     lm = estimate(plan)
     dpo = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo"}))
     assert dpo["reference"] == lm["weights"] and dpo["activations"] > lm["activations"]
-    assert dpo["logits"] == 2 * lm["logits"]  # 2 pairs = 4 sequences
+    # 2 pairs = 4 sequences
+    assert dpo["logits"] == 2 * lm["logits"]
     assert dpo["total"] == pytest.approx(sum(v for k, v in dpo.items() if k != "total"))
     lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q", "v"]}
     dpo_lora = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo", "lora": lora}))

@@ -29,15 +29,19 @@ def test_own_val_split_matches_a_direct_loop(tmp_path, capsys):
     code, out, err = run_main(capsys, "eval", f"run={d}", "batch_size=5", "progress=false", "--json")
     assert code == 0, err
     res = json.loads(out)
-    val = prepare({"kind": "files", "paths": [str(tmp_path / "corpus.txt")], "val_fraction": 0.1},
-                  {"kind": "char", "special_tokens": [], "eos_token": "<|endoftext|>", "unk_token": None},
-                  progress=False).val_tokens()
+    val = prepare(
+        {"kind": "files", "paths": [str(tmp_path / "corpus.txt")], "val_fraction": 0.1},
+        {"kind": "char", "special_tokens": [], "eos_token": "<|endoftext|>", "unk_token": None},
+        progress=False,
+    ).val_tokens()
     nll, n = direct_nll(model, np.asarray(val), 32)
-    assert res["tokens_scored"] == n == len(val) - 1  # every target once, none sampled away
+    # every target once, none sampled away
+    assert res["tokens_scored"] == n == len(val) - 1
     assert res["windows"] == math.ceil((len(val) - 1) / 32)
     assert math.isclose(res["loss"], nll / n, rel_tol=1e-5)
     assert math.isclose(res["perplexity"], math.exp(nll / n), rel_tol=1e-5)
-    text = tok.decode(np.asarray(val[1:]).tolist())  # the scored targets (the EOS decodes to nothing)
+    # the scored targets (the EOS decodes to nothing)
+    text = tok.decode(np.asarray(val[1:]).tolist())
     assert res["chars"] == len(text) and res["bytes"] == len(text.encode())
     assert math.isclose(res["bits_per_char"], nll / math.log(2) / len(text), rel_tol=1e-5)
 
@@ -53,12 +57,13 @@ def test_held_out_file_and_bad_values(tmp_path, capsys):
     known = set(tok.get_vocab())
     held = "".join(c for c in shakespeare(3_000, start=30_000) if c in known)
     (tmp_path / "held.txt").write_text(held)
-    code, out, err = run_main(capsys, "eval", f"run={d}", "data=files",
-                              f"data.paths=[{tmp_path / 'held.txt'}]",
-                              "format=json")
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", "data=files", f"data.paths=[{tmp_path / 'held.txt'}]", "format=json"
+    )
     assert code == 0, err
     res = json.loads(out)
-    ids = np.array(tok.encode(held).ids + [tok.token_to_id("<|endoftext|>")])  # the whole file, then EOS
+    # the whole file, then EOS
+    ids = np.array(tok.encode(held).ids + [tok.token_to_id("<|endoftext|>")])
     nll, n = direct_nll(model, ids, 32)
     assert res["tokens_scored"] == n == len(held)
     assert math.isclose(res["loss"], nll / n, rel_tol=1e-5)
@@ -79,12 +84,24 @@ def test_packed_documents_are_evaluated_as_they_were_trained():
     from gptkit.model import GPT, ModelConfig
 
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=20, n_layers=1, n_heads=2, n_kv_heads=1, d_model=16, d_ff=32, max_seq_len=16,
-                      position="rope", mlp="swiglu", norm="rmsnorm", position_reset=True)
+    cfg = ModelConfig(
+        vocab_size=20,
+        n_layers=1,
+        n_heads=2,
+        n_kv_heads=1,
+        d_model=16,
+        d_ff=32,
+        max_seq_len=16,
+        position="rope",
+        mlp="swiglu",
+        norm="rmsnorm",
+        position_reset=True,
+    )
     model = GPT(cfg).eval()
     rng = np.random.default_rng(0)
     tokens = rng.integers(1, 20, size=3 * 16 + 1)
-    tokens[[3, 9, 20, 21, 40]] = 0  # EOS = 0: documents of 1..12 tokens, some across window edges
+    # EOS = 0: documents of 1..12 tokens, some across window edges
+    tokens[[3, 9, 20, 21, 40]] = 0
     nll = 0.0
     with torch.no_grad():
         for s in (0, 16, 32):
@@ -95,4 +112,5 @@ def test_packed_documents_are_evaluated_as_they_were_trained():
     stream = evaluate(model, tokens, 16, 16, batch_size=2)
     assert packed["documents"] and not stream["documents"]
     assert packed["tokens_scored"] == 48 and math.isclose(packed["nll_sum"], nll, rel_tol=1e-5)
-    assert abs(stream["nll_sum"] - nll) > 1e-3  # the masking changes the numbers: the test can tell
+    # the masking changes the numbers: the test can tell
+    assert abs(stream["nll_sum"] - nll) > 1e-3

@@ -46,7 +46,8 @@ def test_same_numbers_as_lm_evals_hf_backend_on_the_exported_model(run_and_expor
 
     d, hf_dir, _, _ = run_and_export
     r = load_run(d)
-    ours_lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=5)  # batches split a question's choices
+    # batches split a question's choices
+    ours_lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=5)
     ours = evaluate_local(ours_lm)
     theirs = evaluate_local(HFLM(pretrained=str(hf_dir), device="cpu", batch_size=4, dtype="float32"))
     assert set(ours["samples"]) == {"tiny_mc", "tiny_mc_2shot", "tiny_gen", "tiny_ppl"}
@@ -56,32 +57,39 @@ def test_same_numbers_as_lm_evals_hf_backend_on_the_exported_model(run_and_expor
         b = sorted(theirs["samples"][task], key=lambda s: s["doc_id"])
         assert [s["doc_id"] for s in a] == [s["doc_id"] for s in b] and a
         for sa, sb in zip(a, b):
-            assert sa["arguments"] == sb["arguments"]  # the same prompts reached both
+            # the same prompts reached both
+            assert sa["arguments"] == sb["arguments"]
             for ra, rb in zip(sa["resps"], sb["resps"]):
                 ra, rb = ra[0], rb[0]
-                if isinstance(ra, str):  # generate_until: the same greedy text up to the stop string
+                # generate_until: the same greedy text up to the stop string
+                if isinstance(ra, str):
                     assert ra == rb
-                elif isinstance(ra, float):  # loglikelihood_rolling
+                # loglikelihood_rolling
+                elif isinstance(ra, float):
                     assert abs(ra - rb) <= 1e-5 * max(1.0, abs(rb)), (task, ra, rb)
                     n_ll += 1
-                else:  # loglikelihood: (log p, greedy)
+                # loglikelihood: (log p, greedy)
+                else:
                     assert abs(ra[0] - rb[0]) <= 1e-5 * max(1.0, abs(rb[0])), (task, ra, rb)
                     assert ra[1] == rb[1]
                     n_ll += 1
-        for key, value in ours["results"][task].items():  # accuracies equal; exp(mean) metrics to 1e-5
+        # accuracies equal; exp(mean) metrics to 1e-5
+        for key, value in ours["results"][task].items():
             if isinstance(value, float) and "stderr" not in key:
                 exact = key.startswith(("acc", "exact_match"))
                 want = theirs["results"][task][key]
                 assert value == pytest.approx(want, rel=0 if exact else 1e-5), (task, key)
     assert n_ll == 8 * 4 * 2 + 4
-    assert ours_lm.stats.truncated > 0  # the 2-shot contexts outgrow the context and are cut on the left
+    # the 2-shot contexts outgrow the context and are cut on the left
+    assert ours_lm.stats.truncated > 0
 
 
 def test_cli_table_json_and_results_files(run_and_export, capsys, tmp_path):
     d, _, _, _ = run_and_export
     two = f"{EVALS / 'tiny_mc.yaml'},{EVALS / 'tiny_gen.yaml'}"
-    code, out, err = run_main(capsys, "eval", f"run={d}", f"tasks={two}", "limit=3", "progress=false",
-                              "device=cpu")
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={two}", "limit=3", "progress=false", "device=cpu"
+    )
     assert code == 0, err
     assert "tiny_mc" in out and "acc_norm" in out and "exact_match" in out and "stderr" in out
     files = sorted((d / "evals").glob("*.json"))
@@ -92,8 +100,17 @@ def test_cli_table_json_and_results_files(run_and_export, capsys, tmp_path):
     assert 0 <= acc["value"] <= 1 and acc["n"] == 3
 
     out_file = tmp_path / "res.json"
-    code, out, err = run_main(capsys, "eval", f"run={d}", f"tasks={EVALS}", "limit=2", "num_fewshot=1",
-                              f"out={out_file}", "progress=false", "--json")
+    code, out, err = run_main(
+        capsys,
+        "eval",
+        f"run={d}",
+        f"tasks={EVALS}",
+        "limit=2",
+        "num_fewshot=1",
+        f"out={out_file}",
+        "progress=false",
+        "--json",
+    )
     assert code == 0, err
     res = json.loads(out)
     assert res["files"] == [str(out_file)] and {r["task"] for r in res["rows"]} >= {"tiny_mc", "tiny_ppl"}
@@ -107,23 +124,32 @@ def test_scoring_lm_eval_equals_lm_evals_bits_per_byte(run_and_export, capsys):
 
     d, _, model, tok = run_and_export
     docs = [json.loads(line)["text"] for line in (EVALS / "tiny_ppl.jsonl").read_text().splitlines()]
-    corpus = ("data=files", f"data.paths=[{EVALS / 'tiny_ppl.jsonl'}]", "seq_len=64", "progress=false",
-              "--json")
+    corpus = (
+        "data=files",
+        f"data.paths=[{EVALS / 'tiny_ppl.jsonl'}]",
+        "seq_len=64",
+        "progress=false",
+        "--json",
+    )
     code, out, err = run_main(capsys, "eval", f"run={d}", "scoring=lm-eval", *corpus)
     assert code == 0, err
     res = json.loads(out)
-    prefix = tok.token_to_id("<|endoftext|>")  # no BOS: the EOS, as lm-eval does
+    # no BOS: the EOS, as lm-eval does
+    prefix = tok.token_to_id("<|endoftext|>")
     ll = 0.0
     with torch.no_grad():
         for doc in docs:
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    tok.encode(doc).ids, prefix, max_seq_len=64, context_len=1)):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(tok.encode(doc).ids, prefix, max_seq_len=64, context_len=1),
+            ):
                 x = torch.tensor([ctx + cont][0][:-1])[None]  # [1, T]
-                logp = torch.log_softmax(model(x).logits[0].float(), -1)[-len(cont):]  # [len(cont), V]
+                logp = torch.log_softmax(model(x).logits[0].float(), -1)[-len(cont) :]  # [len(cont), V]
                 ll += logp.gather(-1, torch.tensor(cont)[:, None]).sum().item()
     n_bytes = sum(len(doc.encode()) for doc in docs)
     assert res["bytes"] == n_bytes and res["documents_scored"] == len(docs)
-    assert res["tokens_scored"] == sum(len(tok.encode(doc).ids) for doc in docs)  # every token, no EOS
+    # every token, no EOS
+    assert res["tokens_scored"] == sum(len(tok.encode(doc).ids) for doc in docs)
     assert abs(res["bits_per_byte"] - (-ll / n_bytes / math.log(2))) < 1e-6
 
     from gptkit.runs import load_run
@@ -132,9 +158,11 @@ def test_scoring_lm_eval_equals_lm_evals_bits_per_byte(run_and_export, capsys):
     reported = evaluate_local(GptkitLM(r.model, r.tokenizer, r.config))["results"]["tiny_ppl"]
     assert abs(res["bits_per_byte"] - reported["bits_per_byte,none"]) < 1e-6
 
-    code, out, err = run_main(capsys, "eval", f"run={d}", *corpus)  # the default: gptkit's convention
+    # the default: gptkit's convention
+    code, out, err = run_main(capsys, "eval", f"run={d}", *corpus)
     gptkit = json.loads(out)
-    assert gptkit["tokens_scored"] == res["tokens_scored"] + len(docs) - 1  # the EOSes, not the first token
+    # the EOSes, not the first token
+    assert gptkit["tokens_scored"] == res["tokens_scored"] + len(docs) - 1
     assert gptkit["bits_per_byte"] != res["bits_per_byte"]
 
 
@@ -155,22 +183,31 @@ def test_bad_input_is_one_line(run_and_export, capsys, tmp_path, monkeypatch):
     assert "belongs to the corpus evaluation" in fails(f"tasks={EVALS}", "stride=8")
     assert "scoring='lm_eval' must be one of gptkit, lm-eval" in fails("scoring=lm_eval")
 
-    unknown = tmp_path / "q_task.yaml"  # 'Q' is not in the char tokenizer's corpus
-    unknown.write_text((EVALS / "tiny_mc.yaml").read_text().replace("Ask:", "Q:")
-                       .replace("task: tiny_mc", "task: q_mc").replace("tiny_mc", str(EVALS / "tiny_mc")))
+    # 'Q' is not in the char tokenizer's corpus
+    unknown = tmp_path / "q_task.yaml"
+    unknown.write_text(
+        (EVALS / "tiny_mc.yaml")
+        .read_text()
+        .replace("Ask:", "Q:")
+        .replace("task: tiny_mc", "task: q_mc")
+        .replace("tiny_mc", str(EVALS / "tiny_mc"))
+    )
     assert "1 character(s) the run's tokenizer cannot encode: 'Q'" in fails(f"tasks={unknown}")
 
-    hub = tmp_path / "hub_task.yaml"  # a task whose data set lives on the Hub, with the Hub unreachable
+    # a task whose data set lives on the Hub, with the Hub unreachable
+    hub = tmp_path / "hub_task.yaml"
     text = (EVALS / "tiny_mc.yaml").read_text()
     hub.write_text(text.replace("dataset_path: json", "dataset_path: nobody/none").replace("tiny_mc", "hub"))
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     err = fails(f"tasks={hub}")
     assert "HF_DATASETS_OFFLINE" in err and "dataset_kwargs.data_files" in err
 
-    monkeypatch.setitem(sys.modules, "lm_eval", None)  # lm-eval not installed
+    # lm-eval not installed
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
     assert 'pip install "gptkit[eval]"' in fails(f"tasks={EVALS}")
     code, out, err = run_main(capsys, "eval", f"run={d}", "progress=false", "max_windows=2", "--json")
-    assert code == 0 and json.loads(out)["windows"] == 2  # everything else works without it
+    # everything else works without it
+    assert code == 0 and json.loads(out)["windows"] == 2
 
 
 def _unknown(T, name: str) -> str:
@@ -193,20 +230,43 @@ def test_task_evals_during_training_log_what_gptkit_eval_gives(tmp_path, capsys)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(shakespeare(30_000))
     task = EVALS / "tiny_mc.yaml"
-    r = run_cli("train", "model=gpt2-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
-                "model.max_seq_len=64", "tokenizer=char", "data=files", f"data.paths=[{corpus}]",
-                "trainer.batch_size=4", "trainer.max_steps=12", "trainer.val_every=6",
-                "trainer.val_windows=8", "trainer.checkpoint_every=12", "trainer.progress=false",
-                f"runs_dir={tmp_path / 'runs'}", "name=tasks", f"trainer.eval_tasks=[{task}]",
-                "trainer.eval_every=6", "trainer.eval_limit=4")
+    r = run_cli(
+        "train",
+        "model=gpt2-tiny",
+        "model.n_layers=2",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=64",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "trainer.batch_size=4",
+        "trainer.max_steps=12",
+        "trainer.val_every=6",
+        "trainer.val_windows=8",
+        "trainer.checkpoint_every=12",
+        "trainer.progress=false",
+        f"runs_dir={tmp_path / 'runs'}",
+        "name=tasks",
+        f"trainer.eval_tasks=[{task}]",
+        "trainer.eval_every=6",
+        "trainer.eval_limit=4",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "task evals: 2 x 1 task(s)" in r.stderr and "% of" in r.stderr
     with open(tmp_path / "runs" / "tasks" / "metrics.csv", newline="") as f:
         rows = {int(row["step"]): row for row in csv.DictReader(f)}
     logged = {s: float(row["eval/tiny_mc/acc"]) for s, row in rows.items() if row.get("eval/tiny_mc/acc")}
     assert sorted(logged) == [6, 12] and all(v in (0, 0.25, 0.5, 0.75, 1) for v in logged.values())
-    code, out, err = run_main(capsys, "eval", f"run={tmp_path / 'runs' / 'tasks'}", f"tasks={task}",
-                              "limit=4", "progress=false", "--json")
+    code, out, err = run_main(
+        capsys,
+        "eval",
+        f"run={tmp_path / 'runs' / 'tasks'}",
+        f"tasks={task}",
+        "limit=4",
+        "progress=false",
+        "--json",
+    )
     assert code == 0, err
     acc = next(row for row in json.loads(out)["rows"] if row["metric"] == "acc")
     assert acc["value"] == logged[12]

@@ -32,12 +32,26 @@ def corpus(tmp_path_factory) -> Path:
 
 def tiny(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
     return [
-        "model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
-        "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
-        f"trainer.max_steps={STEPS}", "trainer.val_every=3", "trainer.val_windows=4",
+        "model=gpt2-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "trainer.batch_size=4",
+        f"trainer.max_steps={STEPS}",
+        "trainer.val_every=3",
+        "trainer.val_windows=4",
         "trainer.checkpoint_every=3",
-        "trainer.keep_checkpoints=2", "trainer.log_every=1", "trainer.progress=false", "optim.warmup_steps=2",
-        f"runs_dir={runs}", f"name={name}", *extra,
+        "trainer.keep_checkpoints=2",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "optim.warmup_steps=2",
+        f"runs_dir={runs}",
+        f"name={name}",
+        *extra,
     ]
 
 
@@ -61,64 +75,89 @@ def reference(corpus, tmp_path_factory) -> Path:
 
 def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference):
     got = rows(reference)
-    assert [int(r["step"]) for r in got] == list(range(1, STEPS + 1))  # one row per step, named as it ends
+    # one row per step, named as it ends
+    assert [int(r["step"]) for r in got] == list(range(1, STEPS + 1))
     lr = next(k for k in got[0] if "lr" in k)
-    assert all(r["train/loss"] and r[lr] for r in got)  # loss and learning rate on the same row
+    # loss and learning rate on the same row
+    assert all(r["train/loss"] and r[lr] for r in got)
     # validation on the row of its step
     assert [int(r["step"]) for r in got if r["val/loss"]] == [3, 6, 9, 12]
     ckdir = reference / "checkpoints"
     assert sorted(p.name for p in ckdir.iterdir()) == ["last.ckpt", "step-000009.ckpt", "step-000012.ckpt"]
 
 
-@pytest.mark.parametrize("point", [
-    "ckpt-tmp@2",        # during the write of step 6's checkpoint
-    "ckpt-pending@2",    # step 6's checkpoint complete, not yet published (its rows not yet synced)
-    "ckpt-published@2",  # step-000006.ckpt in place, last.ckpt still step 3
-    "last-replaced@2",   # right after last.ckpt was replaced by step 6
-    "metrics-append@3",  # rows appended after step 3's checkpoint was published (row 5, during step 6)
-])
+@pytest.mark.parametrize(
+    "point",
+    [
+        # during the write of step 6's checkpoint
+        "ckpt-tmp@2",
+        # step 6's checkpoint complete, not yet published (its rows not yet synced)
+        "ckpt-pending@2",
+        # step-000006.ckpt in place, last.ckpt still step 3
+        "ckpt-published@2",
+        # right after last.ckpt was replaced by step 6
+        "last-replaced@2",
+        # rows appended after step 3's checkpoint was published (row 5, during step 6)
+        "metrics-append@3",
+    ],
+)
 def test_kill_at_a_write_point_then_resume_loses_and_repeats_nothing(corpus, reference, tmp_path, point):
     r = run_cli("train", *tiny(corpus, tmp_path, "k"), env={"GPTKIT_FAULT": point})
     assert r.returncode == -signal.SIGKILL, r.stderr[-2000:]
-    assert (tmp_path / "k/checkpoints/last.ckpt").is_file()  # step 3's
+    # step 3's
+    assert (tmp_path / "k/checkpoints/last.ckpt").is_file()
     other = tmp_path / "elsewhere"
-    r = run_cli("train", f"resume={tmp_path / 'k'}", f"runs_dir={other}")  # continues in its own folder
+    # continues in its own folder
+    r = run_cli("train", f"resume={tmp_path / 'k'}", f"runs_dir={other}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "continues" in r.stderr and not other.exists()
-    assert rows(tmp_path / "k") == rows(reference)  # every step exactly once, the same values
+    # every step exactly once, the same values
+    assert rows(tmp_path / "k") == rows(reference)
     last = torch.load(tmp_path / "k/checkpoints/last.ckpt", weights_only=True)
     want = torch.load(reference / "checkpoints/last.ckpt", weights_only=True)
     assert last["global_step"] == STEPS
     assert all(torch.equal(v, want["state_dict"][k]) for k, v in last["state_dict"].items())
-    assert leftovers(tmp_path / "k") == []  # the killed write's temporary files were removed
+    # the killed write's temporary files were removed
+    assert leftovers(tmp_path / "k") == []
 
 
 def test_a_run_killed_before_its_first_checkpoint_starts_clean_when_run_again(corpus, reference, tmp_path):
     r = run_cli("train", *tiny(corpus, tmp_path, "again"), env={"GPTKIT_FAULT": "metrics-rewrite@2"})
-    assert r.returncode == -signal.SIGKILL  # while the first validation's columns were added, before step 3's
-    assert rows(tmp_path / "again") and not (tmp_path / "again/checkpoints/last.ckpt").exists()  # checkpoint
-    r = run_cli("train", *tiny(corpus, tmp_path, "again"))  # the same command again: no checkpoint to resume
+    # while the first validation's columns were added, before step 3's
+    assert r.returncode == -signal.SIGKILL
+    # checkpoint
+    assert rows(tmp_path / "again") and not (tmp_path / "again/checkpoints/last.ckpt").exists()
+    # the same command again: no checkpoint to resume
+    r = run_cli("train", *tiny(corpus, tmp_path, "again"))
     assert r.returncode == 0, r.stderr[-3000:]
-    assert rows(tmp_path / "again") == rows(reference)  # no duplicated rows
+    # no duplicated rows
+    assert rows(tmp_path / "again") == rows(reference)
 
 
 def test_one_writer_per_run_folder_and_kill_9_leaves_no_stale_lock(corpus, tmp_path):
     args = tiny(corpus, tmp_path, "same", "trainer.max_steps=100000", "trainer.val_every=100000")
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
-    first = subprocess.Popen([sys.executable, "-m", "gptkit", "train", *args], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    first = subprocess.Popen(
+        [sys.executable, "-m", "gptkit", "train", *args],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         metrics = tmp_path / "same" / "metrics.csv"
         deadline = time.time() + 120
-        while time.time() < deadline and not (metrics.is_file()
-                                              and len(metrics.read_text().splitlines()) > 2):
+        while time.time() < deadline and not (
+            metrics.is_file() and len(metrics.read_text().splitlines()) > 2
+        ):
             time.sleep(0.2)
         second = run_cli("train", *tiny(corpus, tmp_path, "same", "seed=7"))
         assert second.returncode == 2
         assert second.stderr.strip().splitlines() == [second.stderr.strip()]
         assert f"PID {first.pid}" in second.stderr
-        first.kill()  # kill -9: the OS releases the lock
+        # kill -9: the OS releases the lock
+        first.kill()
         first.wait(timeout=60)
     finally:
         if first.poll() is None:
@@ -129,7 +168,8 @@ def test_one_writer_per_run_folder_and_kill_9_leaves_no_stale_lock(corpus, tmp_p
     r = run_cli("train", f"resume={tmp_path / 'same'}", f"trainer.max_steps={step + 2}")
     assert r.returncode == 0, r.stderr[-3000:]
     steps = [int(r["step"]) for r in rows(tmp_path / "same")]
-    assert steps == list(range(1, step + 3))  # one writer's rows, each step once
+    # one writer's rows, each step once
+    assert steps == list(range(1, step + 3))
 
 
 def test_a_second_ctrl_c_stops_at_once_with_one_line_and_130(corpus, tmp_path):
@@ -147,15 +187,22 @@ def test_a_second_ctrl_c_stops_at_once_with_one_line_and_130(corpus, tmp_path):
         "    return end(self, trainer, *args)\n"
         "RunCheckpoints.on_train_batch_end = twice\n"
         "from gptkit.cli import main\n"
-        "sys.exit(main())\n")
+        "sys.exit(main())\n"
+    )
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
-    r = subprocess.run([sys.executable, str(script), "train", *tiny(corpus, tmp_path, "int")], env=env,
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), "train", *tiny(corpus, tmp_path, "int")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 130, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
     assert last.startswith("interrupted by a second Ctrl-C") and "holds step" not in last, r.stderr[-2000:]
-    assert "no checkpoint was saved yet" in last and "Traceback" not in r.stderr  # before step 3 was saved
+    # before step 3 was saved
+    assert "no checkpoint was saved yet" in last and "Traceback" not in r.stderr
 
 
 # ---- corruption is detected, not used -------------------------------------------------------------
@@ -179,9 +226,11 @@ def test_every_flipped_byte_of_a_checkpoint_is_refused_or_harmless(tmp_path):
             refused += 1
             continue
         # accepted: then the flip was in bytes nothing reads (zip padding), and the content is intact
-        assert got["global_step"] == 7 and all(torch.equal(got["state_dict"][k], v)
-                                               for k, v in state["state_dict"].items()), pos
-    assert refused > 250  # the tensors and the pickle are most of the file
+        assert got["global_step"] == 7 and all(
+            torch.equal(got["state_dict"][k], v) for k, v in state["state_dict"].items()
+        ), pos
+    # the tensors and the pickle are most of the file
+    assert refused > 250
 
 
 def test_a_bit_flipped_last_ckpt_is_refused_by_sample_with_one_line(tmp_path, capsys):
@@ -201,10 +250,12 @@ def test_a_zeroed_shard_and_out_of_range_ids_are_refused(tmp_path):
 
     text = tmp_path / "t.txt"
     text.write_text(shakespeare(5_000))
-    p = prepare({"kind": "files", "paths": [str(text)]}, {"kind": "char"}, cache_dir=tmp_path / "c",
-                progress=False)
+    p = prepare(
+        {"kind": "files", "paths": [str(text)]}, {"kind": "char"}, cache_dir=tmp_path / "c", progress=False
+    )
     shard = p.dir / "train.bin"
-    shard.write_bytes(bytes(shard.stat().st_size))  # zeroed at the same size
+    # zeroed at the same size
+    shard.write_bytes(bytes(shard.stat().st_size))
     again = load_prepared(p.dir)
     with pytest.raises(GptkitError, match=f"{shard} is corrupted"):
         again.train_tokens()
@@ -257,7 +308,8 @@ def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_cache_as_it_was(t
     prepare({"kind": "files", "paths": [str(text)]}, {"kind": "char"}, cache_dir=cache, progress=False)
     before = sorted(p.name for p in cache.iterdir())
 
-    def full(encode, docs, out, *a, **k):  # numpy's ndarray.tofile on a full disk
+    # numpy's ndarray.tofile on a full disk
+    def full(encode, docs, out, *a, **k):
         out.write_bytes(b"\0" * 63124)
         raise OSError("65574 requested and 63124 written")
 
@@ -266,7 +318,8 @@ def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_cache_as_it_was(t
         prepare({"kind": "files", "paths": [str(text)]}, {"kind": "byte"}, cache_dir=cache, progress=False)
     msg = str(err.value)
     assert "no space left" in msg and str(cache) in msg and "needs about" in msg
-    assert sorted(p.name for p in cache.iterdir()) == before  # no .tmp build folder left, the old one intact
+    # no .tmp build folder left, the old one intact
+    assert sorted(p.name for p in cache.iterdir()) == before
 
 
 def test_a_dead_builds_folder_is_removed_a_live_ones_is_not(tmp_path):
@@ -277,7 +330,8 @@ def test_a_dead_builds_folder_is_removed_a_live_ones_is_not(tmp_path):
     for d in (dead, live):
         d.mkdir()
         (d / BUILD_LOCK).touch()
-    fd = lock_file(live / BUILD_LOCK)  # a builder that is still running
+    # a builder that is still running
+    fd = lock_file(live / BUILD_LOCK)
     try:
         assert remove_stale_builds(tmp_path) == [dead]
         assert live.is_dir() and not dead.exists()
@@ -286,19 +340,23 @@ def test_a_dead_builds_folder_is_removed_a_live_ones_is_not(tmp_path):
 
 
 # ---- run folders stay inside runs_dir; failed starts leave nothing --------------------------------
-@pytest.mark.parametrize("args, needle", [
-    (["name=../victim"], "not a run name"),
-    (["name=../../tmp/evil"], "not a run name"),
-    (["name=.."], "not a run name"),
-    (["name="], "not a run name"),
-    (["name=/abs"], "not a run name"),
-    (["runs_dir="], "runs_dir= is empty"),
-    (["name=ok", "optim.lr=-1"], "optim.lr=-1"),
-    (["name=ok", "optim.schedule=nope"], "optim.schedule"),
-    (["name=ok", "init_from=/nonexistent"], "does not exist"),
-])
-def test_bad_run_folder_and_settings_are_refused_before_anything_is_written(tmp_path, capsys, monkeypatch,
-                                                                           args, needle):
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["name=../victim"], "not a run name"),
+        (["name=../../tmp/evil"], "not a run name"),
+        (["name=.."], "not a run name"),
+        (["name="], "not a run name"),
+        (["name=/abs"], "not a run name"),
+        (["runs_dir="], "runs_dir= is empty"),
+        (["name=ok", "optim.lr=-1"], "optim.lr=-1"),
+        (["name=ok", "optim.schedule=nope"], "optim.schedule"),
+        (["name=ok", "init_from=/nonexistent"], "does not exist"),
+    ],
+)
+def test_bad_run_folder_and_settings_are_refused_before_anything_is_written(
+    tmp_path, capsys, monkeypatch, args, needle
+):
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -315,16 +373,27 @@ def test_a_start_up_failure_leaves_no_run_folder(corpus, tmp_path):
     from gptkit.tokenizer import build_tokenizer
 
     tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
-    tok = build_tokenizer(tok_cfg, texts=lambda: ["abc\n"])  # a tokenizer that cannot encode Shakespeare
-    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=1, n_heads=2,
-                            d_model=32))
+    # a tokenizer that cannot encode Shakespeare
+    tok = build_tokenizer(tok_cfg, texts=lambda: ["abc\n"])
+    model = GPT(
+        ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=1, n_heads=2, d_model=32)
+    )
     write_run_folder(tmp_path / "runs" / "abc", {"tokenizer": tok_cfg}, model, tok)
-    r = run_cli("train", f"init_from={tmp_path / 'runs' / 'abc'}", "data=files", f"data.paths=[{corpus}]",
-                f"runs_dir={tmp_path / 'runs'}", "name=ft")
+    r = run_cli(
+        "train",
+        f"init_from={tmp_path / 'runs' / 'abc'}",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        f"runs_dir={tmp_path / 'runs'}",
+        "name=ft",
+    )
     assert r.returncode == 2 and "cannot encode" in r.stderr, r.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["abc"]
-    r = run_cli("train", *tiny(corpus, tmp_path / "runs", "nolog", "logger=[wandb]"),
-                env={"PYTHONPATH": str(_no_package(tmp_path, "wandb"))})
+    r = run_cli(
+        "train",
+        *tiny(corpus, tmp_path / "runs", "nolog", "logger=[wandb]"),
+        env={"PYTHONPATH": str(_no_package(tmp_path, "wandb"))},
+    )
     assert r.returncode == 2 and "pip install wandb" in r.stderr, r.stderr[-2000:]
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["abc"]
 
@@ -333,8 +402,9 @@ def _no_package(tmp_path: Path, name: str) -> Path:
     """A folder for PYTHONPATH in which importing `name` fails as if it were not installed."""
     stub = tmp_path / "stub"
     (stub / name).mkdir(parents=True)
-    (stub / name / "__init__.py").write_text(f"raise ModuleNotFoundError(\"No module named '{name}'\", "
-                                             f"name='{name}')\n")
+    (stub / name / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{name}'\", name='{name}')\n"
+    )
     return stub
 
 
@@ -358,16 +428,20 @@ def test_metrics_csv_keeps_exactly_the_rows_a_checkpoint_covers(tmp_path):
     for step in range(1, 6):
         m.log_metrics({"train/loss": float(step), "lr-AdamW": 0.1}, step)
         if step == 4:
-            m.log_metrics({"val/loss": 9.0}, step)  # the validation after 4 steps ...
-            m.sync()  # ... is on disk before the checkpoint of step 4 is published
+            # the validation after 4 steps ...
+            m.log_metrics({"val/loss": 9.0}, step)
+            # ... is on disk before the checkpoint of step 4 is published
+            m.sync()
         m.save()
     with open(tmp_path / "metrics.csv", "a") as f:
-        f.write("6,6.0,0.1")  # a row cut short by a kill
+        # a row cut short by a kill
+        f.write("6,6.0,0.1")
     resumed = MetricsCSV(tmp_path, resume_step=4)
     resumed.log_metrics({"train/loss": 5.5, "lr-AdamW": 0.1}, 5)
     resumed.finalize("success")
     columns, rows = read_rows(tmp_path / "metrics.csv")
-    assert list(rows) == [1, 2, 3, 4, 5]  # one row per step: the checkpoint's four, then step 5 redone
+    # one row per step: the checkpoint's four, then step 5 redone
+    assert list(rows) == [1, 2, 3, 4, 5]
     assert rows[4] == {"val/loss": "9.0", "train/loss": "4.0", "lr-AdamW": "0.1"}
     assert rows[5] == {"train/loss": "5.5", "lr-AdamW": "0.1"}
     assert (tmp_path / "metrics.csv").read_text().splitlines()[0] == "step,train/loss,lr-AdamW,val/loss"
@@ -376,29 +450,34 @@ def test_metrics_csv_keeps_exactly_the_rows_a_checkpoint_covers(tmp_path):
 def test_an_older_metrics_csv_with_the_learning_rate_on_its_own_rows_is_merged_on_resume(tmp_path):
     from gptkit.training.metrics_csv import MetricsCSV, read_rows
 
-    (tmp_path / "metrics.csv").write_text("lr-AdamW,step,train/loss\n"
-                                          "0.1,0,\n,0,4.0\n0.2,1,\n,1,3.9\n0.3,2,\n")
+    (tmp_path / "metrics.csv").write_text(
+        "lr-AdamW,step,train/loss\n0.1,0,\n,0,4.0\n0.2,1,\n,1,3.9\n0.3,2,\n"
+    )
     MetricsCSV(tmp_path, resume_step=2).finalize("success")
-    assert read_rows(tmp_path / "metrics.csv")[1] == {0: {"lr-AdamW": "0.1", "train/loss": "4.0"},
-                                                      1: {"lr-AdamW": "0.2", "train/loss": "3.9"},
-                                                      2: {"lr-AdamW": "0.3"}}
+    assert read_rows(tmp_path / "metrics.csv")[1] == {
+        0: {"lr-AdamW": "0.1", "train/loss": "4.0"},
+        1: {"lr-AdamW": "0.2", "train/loss": "3.9"},
+        2: {"lr-AdamW": "0.3"},
+    }
 
 
-def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_it(tmp_path, monkeypatch,
-                                                                                  capsys):
+def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_it(
+    tmp_path, monkeypatch, capsys
+):
     from omegaconf import OmegaConf
 
     from gptkit.model import ModelConfig
     from gptkit.training import fit
 
     t = OmegaConf.create({"precision": "32-true", "checkpoint_every": 100, "keep_checkpoints": 3})
-    cfg = ModelConfig(vocab_size=50304, max_seq_len=1024, n_layers=12, n_heads=12, d_model=768)  # gpt2: 124M
+    # gpt2: 124M
+    cfg = ModelConfig(vocab_size=50304, max_seq_len=1024, n_layers=12, n_heads=12, d_model=768)
     monkeypatch.setattr("gptkit.fsio.free_bytes", lambda path: 2 << 30)
     fit._check_disk(tmp_path, cfg, t, max_steps=1000, start_step=0)
     err = capsys.readouterr().err
-    assert "checkpoints: ~1.39 GiB each, up to 5 at once" in err  # 3 kept + the one being written + last.ckpt
+    # 3 kept + the one being written + last.ckpt
+    assert "checkpoints: ~1.39 GiB each, up to 5 at once" in err
     assert "warning" in err and "lacks the space" in err
-
 
 
 # ---- import never destroys its source or a run -----------------------------------------------------
@@ -412,7 +491,8 @@ def test_import_force_never_replaces_its_source_a_trained_run_or_a_locked_one(tm
     (tmp_path / "runs").mkdir()
     trained, _, _ = make_run(tmp_path / "runs")
     before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
-    for out in (src, src.parent, src / "inside", trained):  # the source, around it, in it, a trained run
+    # the source, around it, in it, a trained run
+    for out in (src, src.parent, src / "inside", trained):
         code, _, err = run_main(capsys, "import", f"hf={src}", f"out={out}", "force=true")
         assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
@@ -420,10 +500,17 @@ def test_import_force_never_replaces_its_source_a_trained_run_or_a_locked_one(tm
     # an earlier import is replaced with force=true, unless a live process holds its lock
     imported = tmp_path / "runs" / "imported"
     assert run_main(capsys, "import", f"hf={src}", f"out={imported}")[0] == 0
-    held = subprocess.Popen([sys.executable, "-c", "import time\nfrom gptkit.runs import claim_run_dir\n"
-                             f"claim_run_dir({str(imported)!r}, False); print('held', flush=True); "
-                             "time.sleep(60)"],
-                            stdout=subprocess.PIPE, text=True)
+    held = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import time\nfrom gptkit.runs import claim_run_dir\n"
+            f"claim_run_dir({str(imported)!r}, False); print('held', flush=True); "
+            "time.sleep(60)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert held.stdout.readline().strip() == "held"
         code, _, err = run_main(capsys, "import", f"hf={src}", f"out={imported}", "force=true")

@@ -39,8 +39,9 @@ def check(fn, ref, inputs, dtype, tol=None):
     ref_grads = torch.autograd.grad(refs, x64, [d.double() for d in douts])
     tol = tol or TOL[dtype]
     for i, (got, want) in enumerate(zip((*outs, *grads), (*refs, *ref_grads))):
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol,
-                                   msg=lambda m: f"output/grad {i}: {m}")
+        torch.testing.assert_close(
+            got.double(), want, rtol=tol, atol=tol, msg=lambda m: f"output/grad {i}: {m}"
+        )
 
 
 def rms_ref(x, w, eps=1e-5):
@@ -48,19 +49,29 @@ def rms_ref(x, w, eps=1e-5):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("dim", [40, 64])  # a width padded on-chip, and an exact one
+# a width padded on-chip, and an exact one
+@pytest.mark.parametrize("dim", [40, 64])
 def test_rms_norm(dim, dtype):
     # fp16: the reference rounds x * rstd to fp16 before the weight; so does ours: compare at fp16 precision
-    check(lambda x, w: rms_norm(x, w, 1e-5), rms_ref, [torch.randn(3, 7, dim), torch.randn(dim)], dtype,
-          tol=1e-5 if dtype == torch.float32 else 1e-2)
+    check(
+        lambda x, w: rms_norm(x, w, 1e-5),
+        rms_ref,
+        [torch.randn(3, 7, dim), torch.randn(dim)],
+        dtype,
+        tol=1e-5 if dtype == torch.float32 else 1e-2,
+    )
 
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_layer_norm(bias):
     d = 48
     inputs = [torch.randn(5, 9, d) * 3 + 1, torch.randn(d)] + ([torch.randn(d)] if bias else [])
-    check(lambda x, w, *b: layer_norm(x, w, b[0] if b else None, 1e-5),
-          lambda x, w, *b: F.layer_norm(x, (d,), w, b[0] if b else None, 1e-5), inputs, torch.float32)
+    check(
+        lambda x, w, *b: layer_norm(x, w, b[0] if b else None, 1e-5),
+        lambda x, w, *b: F.layer_norm(x, (d,), w, b[0] if b else None, 1e-5),
+        inputs,
+        torch.float32,
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -88,35 +99,43 @@ def test_rope_on_strided_q_k_with_or_without_restarting_positions(restart):
 
     B, T, H, Hkv, D = 2, 9, 4, 2, 16
     tables = RotaryEmbedding(D, 64, 10000.0).to(DEVICE)
-    if restart:  # positions restart at every document (model.position_reset)
+    # positions restart at every document (model.position_reset)
+    if restart:
         positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3], [0, 1, 2, 3, 4, 5, 6, 0, 1]], device=DEVICE)
         fn = lambda q, k: rope(q, k, tables.cos, tables.sin, positions)  # noqa: E731
-    else:  # a KV cache of 5 tokens: positions 5..13
+    # a KV cache of 5 tokens: positions 5..13
+    else:
         positions = torch.arange(5, 5 + T, device=DEVICE).expand(B, T)
         fn = lambda q, k: rope(q, k, tables.cos, tables.sin, None, 5)  # noqa: E731
-    qkv = torch.randn(B, T, (H + 2 * Hkv) * D)  # the model's q and k are views of one projection
-    q = qkv[..., :H * D].view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
-    k = qkv[..., H * D:(H + Hkv) * D].view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
+    # the model's q and k are views of one projection
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D)
+    q = qkv[..., : H * D].view(B, T, H, D).transpose(1, 2)  # [B, H, T, D]
+    k = qkv[..., H * D : (H + Hkv) * D].view(B, T, Hkv, D).transpose(1, 2)  # [B, Hkv, T, D]
     check(fn, lambda q, k: rope_ref(q, k, positions), [q, k], torch.float32)
 
 
 # ---- fused linear + cross-entropy ------------------------------------------------------------
 
-@pytest.mark.parametrize("chunk", [7, None])  # ragged chunks; one chunk
+
+# ragged chunks; one chunk
+@pytest.mark.parametrize("chunk", [7, None])
 def test_linear_cross_entropy_matches_f_cross_entropy_with_ignored_targets(chunk):
     N, d, V = 37, 16, 50
     x = torch.randn(N, d, dtype=torch.float64, requires_grad=True)
     w = torch.randn(V, d, dtype=torch.float64, requires_grad=True)
     t = torch.randint(0, V, (N,))
-    t[::4] = -100  # ignored positions
+    # ignored positions
+    t[::4] = -100
     loss = linear_cross_entropy(x, w, t, chunk_size=chunk)
-    gx, gw = torch.autograd.grad(3.0 * loss, (x, w))  # an upstream gradient other than 1
+    # an upstream gradient other than 1
+    gx, gw = torch.autograd.grad(3.0 * loss, (x, w))
     want = F.cross_entropy(x @ w.T, t, ignore_index=-100)
     wx, ww = torch.autograd.grad(3.0 * want, (x, w))
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gx, wx, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(gw, ww, rtol=1e-12, atol=1e-12)
-    with torch.no_grad():  # evaluation: the loss alone, the same value
+    # evaluation: the loss alone, the same value
+    with torch.no_grad():
         assert linear_cross_entropy(x, w, t, chunk_size=chunk).item() == pytest.approx(want.item(), rel=1e-12)
 
 
@@ -138,7 +157,8 @@ def test_linear_cross_entropy_never_holds_the_full_logits():
         peaks[name] = pm
         x.grad = w.grad = None
     full_logits = N * V * 4
-    assert peaks["eager"].largest >= full_logits  # the tracker sees the eager logits
+    # the tracker sees the eager logits
+    assert peaks["eager"].largest >= full_logits
     assert peaks["fused"].largest <= rows * V * 4 < full_logits
     assert peaks["fused"].peak * 4 <= peaks["eager"].peak
 
@@ -164,11 +184,29 @@ def test_fake_and_real_tensors_measure_the_same_peak():
 
 # ---- model.kernels end to end ------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", [
-    dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2,
-         tie_embeddings=False),
-    dict(position="learned", mlp="gelu", norm="layernorm", n_heads=2, tie_embeddings=True),  # tied lm_head
-])
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(
+            position="rope",
+            mlp="swiglu",
+            norm="rmsnorm",
+            bias=False,
+            n_heads=4,
+            n_kv_heads=2,
+            tie_embeddings=False,
+        ),
+        dict(
+            position="learned",
+            mlp="gelu",
+            norm="layernorm",
+            n_heads=2,
+            tie_embeddings=True,
+            # tied lm_head
+        ),
+    ],
+)
 def test_model_with_every_fused_kernel_matches_eager(variant, monkeypatch):
     import gptkit.model.fused as seam
 
@@ -186,17 +224,22 @@ def test_model_with_every_fused_kernel_matches_eager(variant, monkeypatch):
     targets = torch.randint(0, 96, (2, 20), device=DEVICE)
     targets[0, :5] = -100
     out_e, out_f = eager(idx, targets), fused(idx, targets)
-    assert out_f.logits is None  # the fused loss never makes the logits
+    # the fused loss never makes the logits
+    assert out_f.logits is None
     norm = "rms_norm" if variant["norm"] == "rmsnorm" else "layer_norm"
-    want = {norm: 2 + 1, "linear_cross_entropy": 1,
-            **({"swiglu": 1, "rope": 1} if variant["mlp"] == "swiglu" else {})}
+    want = {
+        norm: 2 + 1,
+        "linear_cross_entropy": 1,
+        **({"swiglu": 1, "rope": 1} if variant["mlp"] == "swiglu" else {}),
+    }
     assert {n: calls.count(n) for n in set(calls)} == want
     torch.testing.assert_close(out_f.loss, out_e.loss, rtol=1e-5, atol=1e-6)
     out_e.loss.backward()
     out_f.loss.backward()
     for (name, p_e), p_f in zip(eager.named_parameters(), fused.parameters()):
         torch.testing.assert_close(p_f.grad, p_e.grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    with torch.no_grad():  # without targets the model still returns logits
+    # without targets the model still returns logits
+    with torch.no_grad():
         assert fused(idx).logits.shape == (2, 20, 96)
 
 
@@ -222,14 +265,23 @@ def test_bench_kernels_streams_rows_on_cpu(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("the GPU part is long; .ci/gpu-check runs it")
     out = tmp_path / "k.json"
-    cfg = OmegaConf.merge(OmegaConf.load(conf_dir() / "bench" / "kernels.yaml"),  # the shipped options
-                          dict(loss_shapes=[dict(tokens=512, vocab=1000, d_model=16, dtype="fp32", fake=False,
-                                                 chunk_size=64)], doc_T=1024, doc_windows=2, out=str(out)))
+    cfg = OmegaConf.merge(
+        # the shipped options
+        OmegaConf.load(conf_dir() / "bench" / "kernels.yaml"),
+        dict(
+            loss_shapes=[dict(tokens=512, vocab=1000, d_model=16, dtype="fp32", fake=False, chunk_size=64)],
+            doc_T=1024,
+            doc_windows=2,
+            out=str(out),
+        ),
+    )
     assert bench.run(cfg) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert any("what=loss-memory" in x for x in lines) and sum("what=doc-tiles" in x for x in lines) == 2
     assert any("needs a CUDA GPU" in x for x in lines)
     rows = json.loads(out.read_text())["rows"]
-    assert rows[0]["peak_ratio"] > 2  # 8 chunks of 64 tokens
+    # 8 chunks of 64 tokens
+    assert rows[0]["peak_ratio"] > 2
     doc = [x for x in rows if x["what"] == "doc-tiles"]
-    assert doc[0]["fraction"] < doc[1]["fraction"] < 1  # shorter documents: fewer tiles
+    # shorter documents: fewer tiles
+    assert doc[0]["fraction"] < doc[1]["fraction"] < 1

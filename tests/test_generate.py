@@ -18,8 +18,17 @@ VARIANTS = {
 def tiny_gpt(variant: str, max_seq_len: int = 32, attention: str = "sdpa", seed: int = 0) -> GPT:
     torch.manual_seed(seed)
     # init_std 0.3: logits far apart, so greedy choices are never near-ties between the two paths
-    cfg = ModelConfig(vocab_size=61, max_seq_len=max_seq_len, n_layers=2, n_heads=4, d_model=32,
-                      attention=attention, init_std=0.3, tie_embeddings=False, **VARIANTS[variant])
+    cfg = ModelConfig(
+        vocab_size=61,
+        max_seq_len=max_seq_len,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        attention=attention,
+        init_std=0.3,
+        tie_embeddings=False,
+        **VARIANTS[variant],
+    )
     return GPT(cfg).eval()
 
 
@@ -34,7 +43,8 @@ def test_cached_logits_match_full_forward(variant, attention):
     with torch.no_grad():
         full = model(seq).logits  # [B, T, V]
         cache = KVCache(model.cfg, batch_size=2)
-        got = [model(seq[:, :7], cache=cache, logits_to_keep=1).logits[:, -1]]  # prefill
+        # prefill
+        got = [model(seq[:, :7], cache=cache, logits_to_keep=1).logits[:, -1]]
         for t in range(7, 24):
             assert cache.length == t
             got.append(model(seq[:, t : t + 1], cache=cache, logits_to_keep=1).logits[:, -1])
@@ -50,7 +60,8 @@ def test_greedy_with_cache_equals_recompute(variant):
     recomputed = generate(model, PROMPT, opts, use_cache=False)
     assert cached.tokens == recomputed.tokens
     assert len(cached.tokens[0]) == 20 and cached.decode_steps == 19
-    assert len(set(cached.tokens[0])) > 3  # a real sequence, not one token repeated
+    # a real sequence, not one token repeated
+    assert len(set(cached.tokens[0])) > 3
 
 
 @pytest.mark.parametrize("variant", ["learned-gqa", "rope-gqa"])
@@ -75,7 +86,8 @@ def test_overflow_stop_ends_at_the_context():
     model = tiny_gpt("rope-mha", max_seq_len=16)
     g = generate(model, PROMPT, SampleOptions(max_new_tokens=40, temperature=0, overflow="stop"))
     assert g.stop_reasons == ["context"]
-    assert len(PROMPT) + len(g.tokens[0]) == 17  # the last token is predicted from 16, never fed back
+    # the last token is predicted from 16, never fed back
+    assert len(PROMPT) + len(g.tokens[0]) == 17
     assert "max_seq_len=16" in g.notes[0]
 
 
@@ -84,8 +96,10 @@ def test_decoding_projects_only_the_last_position():
     rows, head = [], model.lm_head
     model.register_forward_hook(lambda m, inp, out: rows.append(tuple(out.logits.shape)))
     generate(model, PROMPT, SampleOptions(max_new_tokens=5, temperature=0, num_samples=3))
-    assert rows == [(3, 1, 61)] * 5  # prefill and every decode step: logits [B, 1, vocab_size]
-    assert model.lm_head is head  # the CPU decoding head is swapped back afterwards
+    # prefill and every decode step: logits [B, 1, vocab_size]
+    assert rows == [(3, 1, 61)] * 5
+    # the CPU decoding head is swapped back afterwards
+    assert model.lm_head is head
 
 
 def test_cache_is_sized_by_kv_heads():
@@ -103,7 +117,8 @@ def test_seed_reproducible_and_batch_of_samples():
     b = generate(model, PROMPT, SampleOptions(seed=7, **opts))
     c = generate(model, PROMPT, SampleOptions(seed=8, **opts))
     assert a.tokens == b.tokens and a.tokens != c.tokens
-    assert len(a.tokens) == 4 and len({tuple(t) for t in a.tokens}) > 1  # samples differ within a batch
+    # samples differ within a batch
+    assert len(a.tokens) == 4 and len({tuple(t) for t in a.tokens}) > 1
     greedy = generate(model, PROMPT, SampleOptions(max_new_tokens=12, temperature=0)).tokens[0]
     top1 = generate(model, PROMPT, SampleOptions(max_new_tokens=12, temperature=1.0, top_k=1, seed=3))
     assert top1.tokens[0] == greedy
@@ -113,7 +128,8 @@ def test_top_k_and_top_p_restrict_the_choice():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)  # [2000, 4]
     g = torch.Generator().manual_seed(0)
     assert set(sample_next(logits, 1.0, 2, 1.0, g).tolist()) == {0, 1}
-    assert set(sample_next(logits, 1.0, None, 0.45, g).tolist()) == {0}  # 0.5 alone reaches 0.45
+    # 0.5 alone reaches 0.45
+    assert set(sample_next(logits, 1.0, None, 0.45, g).tolist()) == {0}
     assert set(sample_next(logits, 1.0, None, 0.7, g).tolist()) == {0, 1}
     assert set(sample_next(logits, 1.0, None, 1.0, g).tolist()) == {0, 1, 2, 3}
     assert sample_next(logits[:1], 0, None, 1.0, None).tolist() == [0]
@@ -131,15 +147,21 @@ def test_eos_and_stop_string_end_a_sample():
     decode = lambda ids: "".join(chr(97 + i % 26) for i in ids)  # noqa: E731 - one char per token
     stop = decode(greedy[3:5])
     streamed = []
-    g = generate(model, PROMPT, SampleOptions(max_new_tokens=20, temperature=0, stop=(stop,)),
-                 decode=decode, on_text=streamed.append)
+    g = generate(
+        model,
+        PROMPT,
+        SampleOptions(max_new_tokens=20, temperature=0, stop=(stop,)),
+        decode=decode,
+        on_text=streamed.append,
+    )
     full = decode(greedy)
     assert g.texts[0] == full[: full.index(stop)] and g.stop_reasons == ["stop"]
     assert "".join(streamed) == g.texts[0]
 
 
 def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
-    pieces = ["ab", "c", "\ufffd", "é", "X", "Y", "Z"]  # "é" completes the character "\ufffd" stood for
+    # "é" completes the character "\ufffd" stood for
+    pieces = ["ab", "c", "\ufffd", "é", "X", "Y", "Z"]
     texts = {1: "ab", 2: "abc", 3: "abc\ufffd", 4: "abcé", 5: "abcéX", 6: "abcéXY", 7: "abcéXYQ"}
     s = TextStream(lambda ids: texts[len(ids)], stop=("XYZ",))
     out = [s.push(i) for i in range(len(pieces))]
@@ -151,8 +173,16 @@ def test_bad_sampling_values_are_rejected():
     from gptkit.errors import ConfigError
 
     model = tiny_gpt("learned-mha")
-    for bad in (dict(top_p=0.0), dict(top_p=1.5), dict(temperature=-1.0), dict(top_k=-2),
-                dict(max_new_tokens=0), dict(num_samples=0), dict(overflow="wrap"), dict(slide_keep=33)):
+    for bad in (
+        dict(top_p=0.0),
+        dict(top_p=1.5),
+        dict(temperature=-1.0),
+        dict(top_k=-2),
+        dict(max_new_tokens=0),
+        dict(num_samples=0),
+        dict(overflow="wrap"),
+        dict(slide_keep=33),
+    ):
         with pytest.raises(ConfigError):
             generate(model, PROMPT, SampleOptions(**bad))
 
@@ -170,7 +200,7 @@ def test_generate_matches_the_plain_model_and_restores_its_layers(variant, batch
     with torch.no_grad():
         for _ in range(12):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert out == [ids[len(PROMPT):]] * batch
+    assert out == [ids[len(PROMPT) :]] * batch
     assert {n: type(m) for n, m in model.named_modules()} == before
     if model.cfg.tie_embeddings:
         assert model.lm_head.weight is model.tok_emb.weight
@@ -193,11 +223,15 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for m in layers.values():
-            if m.bias is not None:  # the init zeroes biases; make them count
+            # the init zeroes biases; make them count
+            if m.bias is not None:
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g))
-    inputs = {n: [torch.randn(*shape, m.in_features, generator=g) for shape in ((1,), (batch, 1), (batch, 7),
-                                                                                (37,))]
-              for n, m in layers.items()}
+    inputs = {
+        n: [
+            torch.randn(*shape, m.in_features, generator=g) for shape in ((1,), (batch, 1), (batch, 7), (37,))
+        ]
+        for n, m in layers.items()
+    }
     kinds = set()
     with torch.no_grad():
         want = {n: [layers[n](x) for x in xs] for n, xs in inputs.items()}
@@ -205,20 +239,27 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
             swapped = dict(model.named_modules())
             for n, xs in inputs.items():
                 m = layers[n]
-                packs = (batch > 1 and m.weight.numel() * 4 >= pack_min_bytes
-                         and layout._onednn_usable(m.weight))
-                expect = ("_PackedLinear" if packs
-                          else "Linear" if batch == 1 and m.out_features < m.in_features
-                          else "_TransposedLinear")
+                packs = (
+                    batch > 1 and m.weight.numel() * 4 >= pack_min_bytes and layout._onednn_usable(m.weight)
+                )
+                expect = (
+                    "_PackedLinear"
+                    if packs
+                    else "Linear"
+                    if batch == 1 and m.out_features < m.in_features
+                    else "_TransposedLinear"
+                )
                 assert type(swapped[n]).__name__ == expect
                 kinds.add(expect)
                 for x, w in zip(xs, want[n]):
                     torch.testing.assert_close(swapped[n](x), w, rtol=1e-5, atol=1e-5)
     if batch > 1:
         assert layout._onednn_usable(model.lm_head.weight) == torch.backends.mkldnn.is_available()
-        if torch.backends.mkldnn.is_available():  # the small layers stay on W^T unless the threshold is 0
+        # the small layers stay on W^T unless the threshold is 0
+        if torch.backends.mkldnn.is_available():
             assert ("_TransposedLinear" in kinds) == (pack_min_bytes > 0)
-            assert "_PackedLinear" in kinds  # the 32 x 61 head (7.8 kB) is packed either way
+            # the 32 x 61 head (7.8 kB) is packed either way
+            assert "_PackedLinear" in kinds
 
 
 def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
@@ -240,19 +281,30 @@ def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
     with torch.no_grad():
         for _ in range(6):
             ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    assert out == [ids[len(PROMPT):]] * 2
+    assert out == [ids[len(PROMPT) :]] * 2
 
 
 # ---- the static path (static KV cache, fixed-shape step, device-side sampling): gptkit.static_decode ----
-STATIC_VARIANTS = {**VARIANTS,
-                   "learned-mqa": dict(position="learned", n_kv_heads=1, mlp="gelu", norm="layernorm"),
-                   "rope-gqa2": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False)}
+STATIC_VARIANTS = {
+    **VARIANTS,
+    "learned-mqa": dict(position="learned", n_kv_heads=1, mlp="gelu", norm="layernorm"),
+    "rope-gqa2": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False),
+}
 
 
 def static_gpt(variant: str, max_seq_len: int = 32, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=61, max_seq_len=max_seq_len, n_layers=2, n_heads=4, d_model=32,
-                      attention="sdpa", init_std=0.3, tie_embeddings=False, **STATIC_VARIANTS[variant])
+    cfg = ModelConfig(
+        vocab_size=61,
+        max_seq_len=max_seq_len,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        attention="sdpa",
+        init_std=0.3,
+        tie_embeddings=False,
+        **STATIC_VARIANTS[variant],
+    )
     return GPT(cfg).eval()
 
 
@@ -271,7 +323,8 @@ def test_static_cache_writes_at_the_position_tensor_and_masks_the_rest():
     cache.positions = torch.tensor([5])  # [T=1]
     k = torch.ones(2, 1, 1, 8)  # [B, n_kv_heads, T, head_dim]
     full_k, _ = cache.update(0, k, 2 * k)
-    assert tuple(full_k.shape) == (2, 1, 8, 8)  # the whole cache, every step the same shape
+    # the whole cache, every step the same shape
+    assert tuple(full_k.shape) == (2, 1, 8, 8)
     assert full_k[:, :, 5].eq(1).all() and full_k[:, :, :5].eq(0).all() and full_k[:, :, 6:].eq(0).all()
     assert cache.mask.tolist() == [[True] * 6 + [False] * 2]  # [T, max_len]: slots up to the position
     cache.positions = torch.arange(3)
@@ -290,7 +343,8 @@ def test_static_cache_logits_match_full_forward(variant):
         full = model(seq).logits  # [B, T, V]
         cache = StaticKVCache(model.cfg, batch_size=2)
         cache.positions = torch.arange(12)
-        model(seq[:, :12] * 0 + 7, cache=cache)  # an earlier window: every slot 0..11 now holds stale K/V
+        # an earlier window: every slot 0..11 now holds stale K/V
+        model(seq[:, :12] * 0 + 7, cache=cache)
         cache.positions = torch.arange(7)
         got = [model(seq[:, :7], cache=cache, logits_to_keep=1).logits[:, -1]]
         pos = torch.zeros(1, dtype=torch.long)
@@ -308,11 +362,15 @@ def test_static_greedy_equals_eager(variant, batch):
     context and sliding beyond it (max_seq_len 16, 40 new tokens, the default and the one-token slide)."""
     for max_len, n, keep, every in ((32, 20, None, 16), (16, 40, None, 4), (16, 40, 16, 5)):
         model = static_gpt(variant, max_seq_len=max_len)
-        eager, static = both(model, max_new_tokens=n, temperature=0, num_samples=batch, slide_keep=keep,
-                             check_every=every)
+        eager, static = both(
+            model, max_new_tokens=n, temperature=0, num_samples=batch, slide_keep=keep, check_every=every
+        )
         assert static.tokens == eager.tokens and len(static.tokens[0]) == n
-        assert (static.slides, static.decode_steps, static.stop_reasons) == (eager.slides, eager.decode_steps,
-                                                                              eager.stop_reasons)
+        assert (static.slides, static.decode_steps, static.stop_reasons) == (
+            eager.slides,
+            eager.decode_steps,
+            eager.stop_reasons,
+        )
         assert static.decode == "static" and static.notes == eager.notes
     assert eager.slides > 0 and len(set(eager.tokens[0])) > 3
 
@@ -320,13 +378,16 @@ def test_static_greedy_equals_eager(variant, batch):
 def test_static_sampling_draws_what_eager_draws():
     """Device-side sampling (temperature, top-k, top-p) from a seeded generator: the eager loop's tokens."""
     model = static_gpt("rope-gqa2", max_seq_len=16)
-    opts = dict(max_new_tokens=30, temperature=1.3, top_k=20, top_p=0.95, seed=11, num_samples=4,
-                check_every=4)
+    opts = dict(
+        max_new_tokens=30, temperature=1.3, top_k=20, top_p=0.95, seed=11, num_samples=4, check_every=4
+    )
     eager, static = both(model, **opts)
     assert static.tokens == eager.tokens
-    assert len({tuple(t) for t in static.tokens}) > 1  # sampled, not greedy
+    # sampled, not greedy
+    assert len({tuple(t) for t in static.tokens}) > 1
     again = generate(model, PROMPT, SampleOptions(decode="static", **opts))
-    assert again.tokens == static.tokens and again.setup_s == 0.0  # the decoder is reused and reseeded
+    # the decoder is reused and reseeded
+    assert again.tokens == static.tokens and again.setup_s == 0.0
     other = generate(model, PROMPT, SampleOptions(decode="static", **{**opts, "seed": 12}))
     assert other.tokens != static.tokens
 
@@ -349,9 +410,12 @@ def test_fast_argmax_is_torch_argmax():
     g = torch.Generator().manual_seed(0)
     for V in (61, 1024, 12000, 32000, 50257):
         x = torch.randn(5, V, generator=g)
-        x[1, V // 3] = x[1, V - 1] = 100.0  # a tie between an early and a late (tail) column: the first wins
-        x[2, :] = 0.0  # all equal
-        x[3, V - 1] = float("nan")  # NaN counts as the maximum, as in torch.argmax
+        # a tie between an early and a late (tail) column: the first wins
+        x[1, V // 3] = x[1, V - 1] = 100.0
+        # all equal
+        x[2, :] = 0.0
+        # NaN counts as the maximum, as in torch.argmax
+        x[3, V - 1] = float("nan")
         x[4, 7] = float("nan")
         x[4, V - 1] = float("nan")
         assert torch.equal(argmax(x), x.argmax(-1)), V
@@ -362,8 +426,9 @@ def test_static_eos_and_stop_strings_are_checked_every_k_tokens():
     streamed text as the eager loop; at most 2 * check_every - 1 steps run after the last sample finished."""
     model = static_gpt("rope-gqa")
     K = 4
-    greedy = generate(model, PROMPT,
-                      SampleOptions(max_new_tokens=30, temperature=0, decode="eager")).tokens[0]
+    greedy = generate(model, PROMPT, SampleOptions(max_new_tokens=30, temperature=0, decode="eager")).tokens[
+        0
+    ]
     eos = greedy[9]
     eager, static = both(model, max_new_tokens=30, temperature=0, eos_id=eos, check_every=K)
     assert static.tokens == eager.tokens == [greedy[: greedy.index(eos)]] and static.stop_reasons == ["eos"]
@@ -373,9 +438,13 @@ def test_static_eos_and_stop_strings_are_checked_every_k_tokens():
     stop = decode(greedy[12:14])
     streamed = {"eager": [], "static": []}
     for mode in streamed:
-        g = generate(model, PROMPT, SampleOptions(max_new_tokens=30, temperature=0, stop=(stop,), decode=mode,
-                                                  check_every=K), decode=decode,
-                                                  on_text=streamed[mode].append)
+        g = generate(
+            model,
+            PROMPT,
+            SampleOptions(max_new_tokens=30, temperature=0, stop=(stop,), decode=mode, check_every=K),
+            decode=decode,
+            on_text=streamed[mode].append,
+        )
         full = decode(greedy)
         assert g.texts[0] == full[: full.index(stop)] and g.stop_reasons == ["stop"]
         assert "".join(streamed[mode]) == g.texts[0]
@@ -397,8 +466,9 @@ def test_graph_without_cuda_falls_back_with_one_note():
     model = static_gpt("rope-mha")
     eager, graph = both(model, mode="graph", max_new_tokens=12, temperature=0)
     assert graph.tokens == eager.tokens and graph.decode == "static"
-    assert graph.notes == ["decode=graph needs a CUDA device; decoding with the static cache, without a "
-                           "graph"]
+    assert graph.notes == [
+        "decode=graph needs a CUDA device; decoding with the static cache, without a graph"
+    ]
     assert SampleOptions().decode_mode(torch.device("cpu")) == "eager"
     assert SampleOptions().decode_mode(torch.device("cuda")) == "graph"
 
@@ -411,6 +481,7 @@ def test_failed_capture_and_failed_compile_fall_back(monkeypatch):
     def broken_compiler(backend):
         def fail(*args, **kwargs):
             raise RuntimeError("no compiler\nsecond line")
+
         return fail
 
     monkeypatch.setattr(sd, "can_capture", lambda device: True)
@@ -419,8 +490,9 @@ def test_failed_capture_and_failed_compile_fall_back(monkeypatch):
     eager, graph = both(model, mode="graph", compile=True, max_new_tokens=12, temperature=0, num_samples=2)
     assert graph.tokens == eager.tokens and graph.decode == "static"
     assert len(graph.notes) == 2
-    assert graph.notes[0] == ("torch.compile could not compile the decode step (RuntimeError: no compiler); "
-                              "decoding uncompiled")
+    assert graph.notes[0] == (
+        "torch.compile could not compile the decode step (RuntimeError: no compiler); decoding uncompiled"
+    )
     assert graph.notes[1].startswith("CUDA graph capture failed (")
     assert graph.notes[1].endswith("without a graph")
 
@@ -438,13 +510,15 @@ def test_compiled_step_is_traced_once(monkeypatch):
     monkeypatch.setattr(sd, "_compiled", {})
     counters.clear()
     model = static_gpt("rope-gqa2", max_seq_len=16)
-    eager = generate(model, PROMPT,
-                     SampleOptions(max_new_tokens=40, temperature=0, num_samples=2, decode="eager"))
+    eager = generate(
+        model, PROMPT, SampleOptions(max_new_tokens=40, temperature=0, num_samples=2, decode="eager")
+    )
     with torch.inference_mode(), torch._dynamo.config.patch(error_on_recompile=True):
         opts = SampleOptions(max_new_tokens=40, temperature=0, num_samples=2, check_every=4)
         first = sd.generate_static(model, PROMPT, opts, None, None, "static", compile_backend="aot_eager")
-        second = sd.generate_static(model, PROMPT[:4], opts, None, None, "static",
-                                    compile_backend="aot_eager")
+        second = sd.generate_static(
+            model, PROMPT[:4], opts, None, None, "static", compile_backend="aot_eager"
+        )
     assert first.tokens == eager.tokens and first.slides > 0 and first.notes == []
     assert len(second.tokens[0]) == 40
     assert counters["stats"]["unique_graphs"] == 1
@@ -458,12 +532,20 @@ def test_cuda_graph_greedy_equals_eager_fp32(variant, compile):
     and 3, sliding beyond the context; seeded sampling is reproducible through the graph."""
     model = static_gpt(variant, max_seq_len=16).cuda()
     for batch in (1, 3):
-        eager, graph = both(model, mode="graph", compile=compile, max_new_tokens=40, temperature=0,
-                            num_samples=batch, check_every=4)
+        eager, graph = both(
+            model,
+            mode="graph",
+            compile=compile,
+            max_new_tokens=40,
+            temperature=0,
+            num_samples=batch,
+            check_every=4,
+        )
         assert graph.notes == [] and graph.decode == "graph"
         assert graph.tokens == eager.tokens and graph.slides == eager.slides > 0
-    opts = dict(max_new_tokens=20, temperature=1.0, top_k=10, seed=3, num_samples=2, decode="graph",
-                compile=compile)
+    opts = dict(
+        max_new_tokens=20, temperature=1.0, top_k=10, seed=3, num_samples=2, decode="graph", compile=compile
+    )
     a, b = (generate(model, PROMPT, SampleOptions(**opts)) for _ in range(2))
     assert a.tokens == b.tokens and a.notes == []
 
@@ -471,8 +553,9 @@ def test_cuda_graph_greedy_equals_eager_fp32(variant, compile):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_graph_bf16_runs():
     model = static_gpt("rope-gqa2", max_seq_len=64).cuda().to(torch.bfloat16)
-    g = generate(model, PROMPT,
-                 SampleOptions(max_new_tokens=50, temperature=0, num_samples=8, decode="graph"))
+    g = generate(
+        model, PROMPT, SampleOptions(max_new_tokens=50, temperature=0, num_samples=8, decode="graph")
+    )
     assert g.notes == [] and g.decode == "graph" and len(g.tokens[0]) == 50
 
 

@@ -17,17 +17,28 @@ from gptkit.runs import load_model, load_run, write_run_folder
 transformers = pytest.importorskip("transformers")
 
 TEXT = "To be, or not to be, that is the question"
-EOS = "<|doc|>"  # not a usual spelling: export must take it from the run config
+# not a usual spelling: export must take it from the run config
+EOS = "<|doc|>"
 VARIANTS = {
-    "llama-mha-tied-bias": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=True, tie_embeddings=True,
-                                rope_theta=500.0),
-    "llama-gqa-untied": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False,
-                             n_kv_heads=2, d_ff=48),
-    "llama-mqa-head_dim": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False,
-                               tie_embeddings=False, n_kv_heads=1, head_dim=16),
+    "llama-mha-tied-bias": dict(
+        position="rope", mlp="swiglu", norm="rmsnorm", bias=True, tie_embeddings=True, rope_theta=500.0
+    ),
+    "llama-gqa-untied": dict(
+        position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2, d_ff=48
+    ),
+    "llama-mqa-head_dim": dict(
+        position="rope",
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        tie_embeddings=False,
+        n_kv_heads=1,
+        head_dim=16,
+    ),
     "gpt2-tied": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
-    "gpt2-untied": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False,
-                        d_ff=80),
+    "gpt2-untied": dict(
+        position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False, d_ff=80
+    ),
 }
 
 
@@ -48,8 +59,9 @@ def char_tokenizer():
 def random_gpt(variant: str, vocab_size: int = 40, seed: int = 0) -> GPT:
     """A tiny GPT whose every weight (norms and biases included) is random, so no mapping error hides."""
     torch.manual_seed(seed)
-    cfg = ModelConfig(vocab_size=vocab_size, max_seq_len=48, n_layers=2, n_heads=4, d_model=32,
-                      **VARIANTS[variant])
+    cfg = ModelConfig(
+        vocab_size=vocab_size, max_seq_len=48, n_layers=2, n_heads=4, d_model=32, **VARIANTS[variant]
+    )
     model = GPT(cfg)
     with torch.no_grad():
         for p in model.parameters():
@@ -91,13 +103,16 @@ def test_to_transformers_same_logits_and_back_exactly(variant):
     assert (back.lm_head.weight is back.tok_emb.weight) == model.cfg.tie_embeddings
 
 
-@pytest.mark.parametrize("kw, named", [
-    (dict(position="rope", mlp="gelu", norm="rmsnorm"), "model.mlp=gelu"),
-    (dict(position="rope", mlp="swiglu", norm="layernorm"), "model.norm=layernorm"),
-    (dict(position="learned", mlp="gelu", norm="layernorm", n_kv_heads=2), "model.n_kv_heads=2"),
-    (dict(position="learned", mlp="gelu", norm="layernorm", bias=False), "model.bias=False"),
-    (dict(position="learned", mlp="swiglu", norm="rmsnorm"), "model.mlp=swiglu"),
-])
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(position="rope", mlp="gelu", norm="rmsnorm"), "model.mlp=gelu"),
+        (dict(position="rope", mlp="swiglu", norm="layernorm"), "model.norm=layernorm"),
+        (dict(position="learned", mlp="gelu", norm="layernorm", n_kv_heads=2), "model.n_kv_heads=2"),
+        (dict(position="learned", mlp="gelu", norm="layernorm", bias=False), "model.bias=False"),
+        (dict(position="learned", mlp="swiglu", norm="rmsnorm"), "model.mlp=swiglu"),
+    ],
+)
 def test_unmappable_variant_is_refused_by_name(kw, named):
     cfg = ModelConfig(vocab_size=40, max_seq_len=16, n_layers=1, n_heads=4, d_model=32, **kw)
     with pytest.raises(hf.GptkitError, match=named.replace(".", r"\.")):
@@ -163,16 +178,36 @@ def test_export_in_bf16_writes_bf16_tensors(tmp_path):
 
 # ---- import: transformers folder -> gptkit run folder ------------------------------------------
 def hf_llama(tie: bool, bias: bool):
-    cfg = transformers.LlamaConfig(vocab_size=40, hidden_size=32, intermediate_size=56, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=48,
-                                   rope_theta=1000.0, rms_norm_eps=1e-6, tie_word_embeddings=tie,
-                                   attention_bias=bias, mlp_bias=bias, bos_token_id=None, eos_token_id=None)
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=48,
+        rope_theta=1000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        attention_bias=bias,
+        mlp_bias=bias,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
 def hf_gpt2(tie: bool):
-    cfg = transformers.GPT2Config(vocab_size=40, n_embd=32, n_layer=2, n_head=4, n_positions=48,
-                                  tie_word_embeddings=tie, bos_token_id=None, eos_token_id=None)
+    cfg = transformers.GPT2Config(
+        vocab_size=40,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=48,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
@@ -184,10 +219,16 @@ def randomize(hf_model):
     return hf_model.eval()
 
 
-@pytest.mark.parametrize("make", [lambda: hf_llama(tie=False, bias=False),
-                                  lambda: hf_llama(tie=True, bias=True), lambda: hf_gpt2(tie=True),
-                                  lambda: hf_gpt2(tie=False)],
-                         ids=["llama-gqa-untied", "llama-gqa-tied-bias", "gpt2-tied", "gpt2-untied"])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: hf_llama(tie=False, bias=False),
+        lambda: hf_llama(tie=True, bias=True),
+        lambda: hf_gpt2(tie=True),
+        lambda: hf_gpt2(tie=False),
+    ],
+    ids=["llama-gqa-untied", "llama-gqa-tied-bias", "gpt2-tied", "gpt2-untied"],
+)
 def test_import_same_logits_and_export_reproduces_the_files_tensors(tmp_path, make):
     from safetensors.torch import load_file
 
@@ -226,14 +267,31 @@ def test_import_sharded_and_pytorch_bin_folders(tmp_path):
 
 def test_import_maps_the_config_fields(tmp_path):
     cfg = hf.model_config_from_hf(hf_llama(tie=False, bias=True).config.to_dict())
-    assert (cfg.position, cfg.mlp, cfg.norm, cfg.bias, cfg.tie_embeddings) == ("rope", "swiglu", "rmsnorm",
-                                                                               True, False)
-    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.rope_theta, cfg.norm_eps,
-            cfg.max_seq_len) == \
-        (4, 2, 8, 56, 1000.0, 1e-6, 48)
+    assert (cfg.position, cfg.mlp, cfg.norm, cfg.bias, cfg.tie_embeddings) == (
+        "rope",
+        "swiglu",
+        "rmsnorm",
+        True,
+        False,
+    )
+    assert (
+        cfg.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+        cfg.d_ff,
+        cfg.rope_theta,
+        cfg.norm_eps,
+        cfg.max_seq_len,
+    ) == (4, 2, 8, 56, 1000.0, 1e-6, 48)
     cfg = hf.model_config_from_hf(hf_gpt2(tie=True).config.to_dict())
-    assert (cfg.position, cfg.mlp, cfg.norm, cfg.bias, cfg.tie_embeddings, cfg.d_ff) == \
-        ("learned", "gelu", "layernorm", True, True, 128)
+    assert (cfg.position, cfg.mlp, cfg.norm, cfg.bias, cfg.tie_embeddings, cfg.d_ff) == (
+        "learned",
+        "gelu",
+        "layernorm",
+        True,
+        True,
+        128,
+    )
 
 
 def test_hub_style_gpt2_keys_without_prefix_and_with_mask_buffers():
@@ -241,8 +299,9 @@ def test_hub_style_gpt2_keys_without_prefix_and_with_mask_buffers():
     masks."""
     hf_model = randomize(hf_gpt2(tie=True))
     cfg = hf.model_config_from_hf(hf_model.config.to_dict())
-    hub = {k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items()
-           if k != "lm_head.weight"}
+    hub = {
+        k.removeprefix("transformer."): v for k, v in hf_model.state_dict().items() if k != "lm_head.weight"
+    }
     hub.update({f"h.{i}.attn.bias": torch.ones(1, 1, 48, 48) for i in range(2)})
     model = GPT.from_state(cfg, hf.from_hf_state_dict(hub, cfg))
     idx = torch.randint(0, 40, (1, 48))

@@ -17,8 +17,16 @@ def only(parent, *names):
 
 
 def test_export_refuses_a_model_transformers_cannot_hold(tmp_path, cli):
-    cfg = ModelConfig(vocab_size=40, max_seq_len=16, n_layers=1, n_heads=4, d_model=32, position="rope",
-                      mlp="gelu", norm="layernorm")
+    cfg = ModelConfig(
+        vocab_size=40,
+        max_seq_len=16,
+        n_layers=1,
+        n_heads=4,
+        d_model=32,
+        position="rope",
+        mlp="gelu",
+        norm="layernorm",
+    )
     write_run_folder(tmp_path / "run", {}, GPT(cfg), char_tokenizer())
     r = cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}")
     one_line_error(r, "model.mlp=gelu", "Llama", "swiglu")
@@ -26,16 +34,19 @@ def test_export_refuses_a_model_transformers_cannot_hold(tmp_path, cli):
 
 
 def test_export_refuses_a_non_empty_out_and_force_replaces_it(tmp_path, cli):
-    write_run_folder(tmp_path / "run", {}, random_gpt("gpt2-tied"), None)  # and no tokenizer.json
+    # and no tokenizer.json
+    write_run_folder(tmp_path / "run", {}, random_gpt("gpt2-tied"), None)
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "keep.txt").write_text("mine")
-    one_line_error(cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}"), "not empty",
-                   "force=true")
+    one_line_error(
+        cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}"), "not empty", "force=true"
+    )
     only(tmp_path / "hf", "keep.txt")
 
     r = cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}", "force=true")
     assert r.returncode == 0, r.stderr
-    assert "tokenizer.json is missing" in r.stderr  # the model is still exported, and the gap is named
+    # the model is still exported, and the gap is named
+    assert "tokenizer.json is missing" in r.stderr
     only(tmp_path / "hf", "config.json", "generation_config.json", "model.safetensors")
     only(tmp_path, "run", "hf")
 
@@ -45,9 +56,15 @@ def test_import_refuses_what_is_not_a_supported_model(tmp_path, cli):
     one_line_error(cli("import", f"hf={tmp_path / 'empty'}", f"out={tmp_path / 'a'}"), "no config.json")
     (tmp_path / "mistral").mkdir()
     (tmp_path / "mistral" / "config.json").write_text(
-        json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))
-    one_line_error(cli("import", f"hf={tmp_path / 'mistral'}", f"out={tmp_path / 'a'}"),
-                   "mistral", "MistralForCausalLM", "Llama", "GPT-2")
+        json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    )
+    one_line_error(
+        cli("import", f"hf={tmp_path / 'mistral'}", f"out={tmp_path / 'a'}"),
+        "mistral",
+        "MistralForCausalLM",
+        "Llama",
+        "GPT-2",
+    )
     only(tmp_path, "empty", "mistral")
 
 
@@ -56,12 +73,19 @@ def test_import_refuses_weights_that_contradict_the_config_or_run_code(tmp_path,
 
     hf_llama(tie=False, bias=False).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["intermediate_size"] = 64  # the tensors say 56
+    # the tensors say 56
+    config["intermediate_size"] = 64
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    one_line_error(cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}"),
-                   "contradicts its config.json", "mlp.gate_proj.weight", "(56, 32)", "(64, 32)")
+    one_line_error(
+        cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}"),
+        "contradicts its config.json",
+        "mlp.gate_proj.weight",
+        "(56, 32)",
+        "(64, 32)",
+    )
 
-    (tmp_path / "hf" / "model.safetensors").unlink()  # only a pickle that would run code on load
+    # only a pickle that would run code on load
+    (tmp_path / "hf" / "model.safetensors").unlink()
     torch.save({"w": torch.zeros(1), "evil": Exploit()}, tmp_path / "hf" / "pytorch_model.bin")
     r = cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}")
     one_line_error(r, "pytorch_model.bin could not be loaded safely", "weights_only")

@@ -26,8 +26,9 @@ from gptkit.runs import load_model, write_run_folder
 
 REPO_ID = "tiny-org/tiny-gpt2"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
-NO_PROXY = {v: "" for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy",
-                            "ALL_PROXY")}
+NO_PROXY = {
+    v: "" for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY")
+}
 
 
 def exported(tmp_path: Path, name: str = "repo"):
@@ -53,8 +54,14 @@ class FakeHub:
     def __call__(self, repo_id, *, revision=None, allow_patterns=None, local_files_only=False, **kwargs):
         from huggingface_hub import errors
 
-        self.calls.append({"repo_id": repo_id, "revision": revision, "allow_patterns": list(allow_patterns),
-                           "local_files_only": local_files_only})
+        self.calls.append(
+            {
+                "repo_id": repo_id,
+                "revision": revision,
+                "allow_patterns": list(allow_patterns),
+                "local_files_only": local_files_only,
+            }
+        )
         if self.error is not None:
             raise self.error
         snapshot = self.cache / f"models--{repo_id.replace('/', '--')}" / "snapshots" / COMMIT
@@ -74,8 +81,9 @@ def http_error(cls_name: str, status: int):
     import httpx2
     from huggingface_hub import errors
 
-    response = httpx2.Response(status, request=httpx2.Request("GET",
-                                                              f"https://huggingface.co/api/models/{REPO_ID}"))
+    response = httpx2.Response(
+        status, request=httpx2.Request("GET", f"https://huggingface.co/api/models/{REPO_ID}")
+    )
     return getattr(errors, cls_name)(f"{status} Client Error", response=response)
 
 
@@ -87,7 +95,8 @@ def hub(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.snapshot_download", fake)
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr("gptkit.hub.check_hub_reachable", lambda timeout, instead="": None)
-    monkeypatch.delenv("GPTKIT_VERB", raising=False)  # main() sets it; restored afterwards
+    # main() sets it; restored afterwards
+    monkeypatch.delenv("GPTKIT_VERB", raising=False)
     return fake, model
 
 
@@ -109,9 +118,13 @@ def test_import_hub_id_downloads_config_and_tokenizer_then_safetensors_only(tmp_
     assert [c["revision"] for c in fake.calls] == [None, COMMIT]
     assert not any(c["local_files_only"] for c in fake.calls)
     snapshot = tmp_path / "hf-cache" / "models--tiny-org--tiny-gpt2" / "snapshots" / COMMIT
-    assert sorted(p.name for p in snapshot.iterdir()) == ["config.json", "model.safetensors",
-                                                          "tokenizer.json",
-                                                        "tokenizer_config.json"]  # the chat template
+    assert sorted(p.name for p in snapshot.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        # the chat template
+    ]
     assert_same_weights(tmp_path / "run", model)
     assert yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["model"]["name"] == "tiny-gpt2"
     provenance = json.loads((tmp_path / "run" / "imported_from.json").read_text())
@@ -133,29 +146,36 @@ def test_import_hub_model_without_safetensors_reads_pytorch_bin_safely(tmp_path,
     assert_same_weights(tmp_path / "run", model)
 
 
-@pytest.mark.parametrize("case, needles", [
-    ("unknown", ["neither a local folder nor a model on the Hugging Face Hub", "HF_TOKEN"]),
-    ("gated", ["is a gated model", "hf auth login"]),
-    ("revision", ["has no revision 'v9'", f"{REPO_ID}@<revision>"]),
-    ("no config.json", ["has no config.json", "not a transformers model"]),
-    ("mistral", ["model_type='mistral'", "Llama", "GPT-2"]),
-])
+@pytest.mark.parametrize(
+    "case, needles",
+    [
+        ("unknown", ["neither a local folder nor a model on the Hugging Face Hub", "HF_TOKEN"]),
+        ("gated", ["is a gated model", "hf auth login"]),
+        ("revision", ["has no revision 'v9'", f"{REPO_ID}@<revision>"]),
+        ("no config.json", ["has no config.json", "not a transformers model"]),
+        ("mistral", ["model_type='mistral'", "Llama", "GPT-2"]),
+    ],
+)
 def test_import_hub_errors_are_one_line(tmp_path, hub, capsys, case, needles):
     fake, _ = hub
-    fake.error = {"unknown": http_error("RepositoryNotFoundError", 404),
-                  "gated": http_error("GatedRepoError", 403),
-                  "revision": http_error("RevisionNotFoundError", 404)}.get(case)
+    fake.error = {
+        "unknown": http_error("RepositoryNotFoundError", 404),
+        "gated": http_error("GatedRepoError", 403),
+        "revision": http_error("RevisionNotFoundError", 404),
+    }.get(case)
     if case == "no config.json":
         (fake.files / "config.json").unlink()
     if case == "mistral":
-        (fake.files / "config.json").write_text(json.dumps({"model_type": "mistral",
-                                                             "architectures": ["MistralForCausalLM"]}))
+        (fake.files / "config.json").write_text(
+            json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+        )
     code, out, err = run_main(capsys, "import", f"hf={REPO_ID}@v9", f"out={tmp_path / 'run'}")
     assert code == 2 and out == ""
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
     for n in needles:
         assert n in err, (n, err)
-    assert fake.fetched() == [hf.HUB_FIRST]  # no weights downloaded for a model that cannot be imported
+    # no weights downloaded for a model that cannot be imported
+    assert fake.fetched() == [hf.HUB_FIRST]
     assert not (tmp_path / "run").exists()
 
 
@@ -184,11 +204,17 @@ def test_offline_a_model_in_the_hf_cache_still_imports(tmp_path, cli):
     for name in ("config.json", "tokenizer.json", "model.safetensors"):
         (repo / "snapshots" / COMMIT / name).write_bytes((files / name).read_bytes())
     env = {"HF_HUB_CACHE": str(cache)}
-    r = cli("import", f"hf={REPO_ID}", f"out={tmp_path / 'a'}", env=env)  # conftest: HF_HUB_OFFLINE=1
-    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr  # no connectivity check either
+    # conftest: HF_HUB_OFFLINE=1
+    r = cli("import", f"hf={REPO_ID}", f"out={tmp_path / 'a'}", env=env)
+    # no connectivity check either
+    assert r.returncode == 0 and "note:" not in r.stderr, r.stderr
     assert_same_weights(tmp_path / "a", model)
-    r = cli("import", f"hf={REPO_ID}", f"out={tmp_path / 'b'}",
-            env={**env, **NO_PROXY, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    r = cli(
+        "import",
+        f"hf={REPO_ID}",
+        f"out={tmp_path / 'b'}",
+        env={**env, **NO_PROXY, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
     assert r.returncode == 0, r.stderr
     assert "is unreachable" in r.stderr
     assert f"using {REPO_ID}@{COMMIT} from the Hugging Face cache" in r.stderr
@@ -202,11 +228,16 @@ def test_offline_import_fails_fast_in_one_line_naming_hf_hub_offline(tmp_path, c
     # conftest: HF_HUB_OFFLINE=1
     r = cli("import", "hf=openai-community/gpt2", f"out={tmp_path / 'run'}", env=cache)
     one_line_error(r, "openai-community/gpt2", "HF_HUB_OFFLINE", "gptkit import hf=/path/to/folder")
-    r = cli("import", "hf=openai-community/gpt2", f"out={tmp_path / 'run'}",
-            env={**cache, **NO_PROXY, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"})
+    r = cli(
+        "import",
+        "hf=openai-community/gpt2",
+        f"out={tmp_path / 'run'}",
+        env={**cache, **NO_PROXY, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
     one_line_error(r, "is unreachable", "HF_HUB_OFFLINE", "gptkit import hf=/path/to/folder")
-    r = cli("train", "init_from=hf:openai-community/gpt2", f"runs_dir={tmp_path / 'runs'}", "name=ft",
-            env=cache)
+    r = cli(
+        "train", "init_from=hf:openai-community/gpt2", f"runs_dir={tmp_path / 'runs'}", "name=ft", env=cache
+    )
     one_line_error(r, "HF_HUB_OFFLINE", "gptkit train init_from=hf:/path/to/folder")
     assert time.time() - t0 < 90
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs" / "ft" / "checkpoints").exists()
@@ -224,12 +255,14 @@ def test_init_from_import_is_reused_until_its_source_changes(tmp_path):
     assert hf.import_cached(str(repo), runs, "ALT")[2] is True
     assert ckpt.stat().st_mtime_ns == stamp
 
-    later = time.time() + 5  # the folder is written again (e.g. exported anew): imported again
+    # the folder is written again (e.g. exported anew): imported again
+    later = time.time() + 5
     os.utime(repo / "model.safetensors", (later, later))
     assert hf.import_cached(str(repo), runs, "ALT")[2] is False
     assert sorted(p.name for p in runs.iterdir() if not p.name.endswith(".lock")) == ["repo-imported"]
 
-    (runs / "mine-imported").mkdir()  # not an import: never replaced
+    # not an import: never replaced
+    (runs / "mine-imported").mkdir()
     (runs / "mine-imported" / "notes.txt").write_text("mine")
     repo.rename(tmp_path / "mine")
     with pytest.raises(GptkitError, match="is not an import by gptkit"):
@@ -240,17 +273,33 @@ def test_init_from_import_is_reused_until_its_source_changes(tmp_path):
 @pytest.mark.parametrize("source", ["hub id", "local folder"])
 def test_train_init_from_hf_imports_then_fine_tunes(tmp_path, hub, capsys, monkeypatch, source):
     fake, model = hub
-    monkeypatch.setattr(sys, "argv", [sys.argv[0]])  # the Hydra app sets sys.argv
+    # the Hydra app sets sys.argv
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(shakespeare(20_000).lower())
     runs = tmp_path / "runs"
-    spec, imported, pinned = ((f"{REPO_ID}@v1", runs / "tiny-gpt2-imported", f"{REPO_ID}@{COMMIT}")
-                              if source == "hub id" else (str(fake.files), runs / "repo-imported",
-                                                          str(fake.files)))
-    code = gptkit_main(["train", f"init_from=hf:{spec}", "data=files", f"data.paths=[{corpus}]",
-                        "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_windows=2",
-                        "trainer.progress=false", "optim.lr=1e-12", "optim.min_lr=0", "optim.warmup_steps=0",
-                        f"runs_dir={runs}", "name=ft"])
+    spec, imported, pinned = (
+        (f"{REPO_ID}@v1", runs / "tiny-gpt2-imported", f"{REPO_ID}@{COMMIT}")
+        if source == "hub id"
+        else (str(fake.files), runs / "repo-imported", str(fake.files))
+    )
+    code = gptkit_main(
+        [
+            "train",
+            f"init_from=hf:{spec}",
+            "data=files",
+            f"data.paths=[{corpus}]",
+            "trainer.batch_size=2",
+            "trainer.max_steps=2",
+            "trainer.val_windows=2",
+            "trainer.progress=false",
+            "optim.lr=1e-12",
+            "optim.min_lr=0",
+            "optim.warmup_steps=0",
+            f"runs_dir={runs}",
+            "name=ft",
+        ]
+    )
     err = capsys.readouterr().err
     assert code == 0, err[-3000:]
     assert f"init_from=hf:{spec}: imported {pinned} into {imported} (kept for later runs)" in err
@@ -261,7 +310,8 @@ def test_train_init_from_hf_imports_then_fine_tunes(tmp_path, hub, capsys, monke
     assert_same_weights(imported, model)
 
     ft_cfg = yaml.safe_load((runs / "ft" / "config.yaml").read_text())
-    assert ft_cfg["init_from"] == f"hf:{pinned}"  # the exact source, for the record
+    # the exact source, for the record
+    assert ft_cfg["init_from"] == f"hf:{pinned}"
     assert ft_cfg["model"] == {**model.cfg.to_dict(), "name": imported.name.removesuffix("-imported")}
     after = torch.load(runs / "ft" / "checkpoints" / "last.ckpt", weights_only=True)
     assert after["global_step"] == 2

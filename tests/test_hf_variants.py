@@ -22,26 +22,46 @@ transformers = pytest.importorskip("transformers")
 
 V, T = 64, 48
 # an "original" context of 16: positions up to 48 are scaled
-LLAMA3_SCALING = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 16, "rope_type": "llama3"}
+LLAMA3_SCALING = {
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_type": "llama3",
+}
 
 
 def hf_model(kind: str):
     """A tiny transformers model of each family, every weight random (norms and biases included)."""
-    common = dict(vocab_size=V, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=T, rms_norm_eps=1e-6,
-                  bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=V,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=T,
+        rms_norm_eps=1e-6,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     if kind == "llama3.2":
-        cfg = transformers.LlamaConfig(**common, tie_word_embeddings=True,
-                                       rope_parameters={"rope_theta": 500.0, **LLAMA3_SCALING})
+        cfg = transformers.LlamaConfig(
+            **common, tie_word_embeddings=True, rope_parameters={"rope_theta": 500.0, **LLAMA3_SCALING}
+        )
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, attention_bias=False)
     else:
         cfg = transformers.Olmo2Config(**(common | {"num_key_value_heads": 4}), tie_word_embeddings=False)
-    cls = {"llama3.2": transformers.LlamaForCausalLM, "qwen2": transformers.Qwen2ForCausalLM,
-           "qwen3": transformers.Qwen3ForCausalLM, "olmo2": transformers.Olmo2ForCausalLM}[kind]
+    cls = {
+        "llama3.2": transformers.LlamaForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+        "olmo2": transformers.Olmo2ForCausalLM,
+    }[kind]
     torch.manual_seed(0)
     model = cls(cfg)
     with torch.no_grad():
@@ -51,7 +71,8 @@ def hf_model(kind: str):
 
 
 KINDS = ["llama3.2", "qwen2", "qwen3", "olmo2"]
-WANT = {  # what each family is in gptkit's fields
+# what each family is in gptkit's fields
+WANT = {
     "llama3.2": dict(qkv_bias=False, qk_norm=None, norm_placement="pre", tie_embeddings=True),
     "qwen2": dict(bias=False, qkv_bias=True, qk_norm=None, norm_placement="pre", rope_scaling=None),
     "qwen3": dict(qk_norm="head", head_dim=32, norm_placement="pre"),
@@ -77,8 +98,9 @@ def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_fi
     with torch.no_grad():
         ref = theirs(idx).logits
         for attention in ("sdpa", "eager"):
-            ours = GPT.from_state(ModelConfig.from_dict({**model_cfg.to_dict(), "attention": attention}),
-                                  model.state_dict())
+            ours = GPT.from_state(
+                ModelConfig.from_dict({**model_cfg.to_dict(), "attention": attention}), model.state_dict()
+            )
             assert (ours(idx).logits - ref).abs().max().item() <= 1e-5, attention
     assert cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'again'}") == 0
     config = json.loads((tmp_path / "again" / "config.json").read_text())
@@ -97,13 +119,19 @@ def test_llama3_scaling_is_applied_not_ignored():
     """Without its rope_scaling the same weights give other logits: the parity above tests the scaling."""
     theirs = hf_model("llama3.2")
     ours = hf.from_transformers(theirs)
-    plain = GPT.from_state(ModelConfig.from_dict({**ours.cfg.to_dict(), "rope_scaling": None}),
-                           ours.state_dict())
+    plain = GPT.from_state(
+        ModelConfig.from_dict({**ours.cfg.to_dict(), "rope_scaling": None}), ours.state_dict()
+    )
     idx = torch.randint(0, V, (1, T))
     with torch.no_grad():
         assert (plain(idx).logits - theirs(idx).logits).abs().max().item() > 1e-2
-    assert ours.cfg.rope_scaling == {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_seq_len": 16}
+    assert ours.cfg.rope_scaling == {
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_seq_len": 16,
+    }
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -114,8 +142,9 @@ def test_kv_cache_and_triton_attention_match_the_plain_forward(kind):
     cached = generate(model, prompt, opts).tokens[0]
     recomputed = generate(model, prompt, opts, use_cache=False).tokens[0]
     assert cached == recomputed
-    triton = GPT.from_state(ModelConfig.from_dict({**model.cfg.to_dict(), "attention": "triton"}),
-                            model.state_dict())
+    triton = GPT.from_state(
+        ModelConfig.from_dict({**model.cfg.to_dict(), "attention": "triton"}), model.state_dict()
+    )
     idx = torch.randint(0, V, (1, 32))
     with torch.no_grad():
         assert (triton(idx).logits - model(idx).logits).abs().max().item() <= 1e-4
@@ -123,8 +152,9 @@ def test_kv_cache_and_triton_attention_match_the_plain_forward(kind):
 
 def test_fused_norm_kernel_on_qk_norm_matches_eager():
     model = hf.from_transformers(hf_model("qwen3"))
-    fused = GPT.from_state(ModelConfig.from_dict({**model.cfg.to_dict(), "kernels": ["norm", "rope"]}),
-                           model.state_dict())
+    fused = GPT.from_state(
+        ModelConfig.from_dict({**model.cfg.to_dict(), "kernels": ["norm", "rope"]}), model.state_dict()
+    )
     idx = torch.randint(0, V, (1, 16))
     with torch.no_grad():
         assert (fused(idx).logits - model(idx).logits).abs().max().item() <= 1e-4
@@ -158,7 +188,8 @@ def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
         assert GPT(cfg).num_parameters() == n
         d = hf.hf_config(cfg)
         config = getattr(transformers, hf.CONFIG_CLASSES[d.pop("model_type")])(
-            **{k: v for k, v in d.items() if k not in ("architectures", "dtype")})
+            **{k: v for k, v in d.items() if k not in ("architectures", "dtype")}
+        )
         theirs = getattr(transformers, hf.ARCHITECTURES[hf.architecture(cfg)])(config)
     assert sum(p.numel() for p in theirs.parameters()) == n
     assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
@@ -170,32 +201,56 @@ def test_count_params_cli_prints_the_exact_total(capsys):
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("change, named", [
-    (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
-    (dict(use_sliding_window=True), "use_sliding_window"),
-    (dict(attention_bias=True), "attention_bias"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
+        (dict(use_sliding_window=True), "use_sliding_window"),
+        (dict(attention_bias=True), "attention_bias"),
+    ],
+)
 def test_unsupported_hf_configs_are_refused_by_name(change, named):
     d = hf_model("qwen3").config.to_dict() | change
     with pytest.raises(GptkitError, match=named):
         hf.model_config_from_hf(d)
 
 
-@pytest.mark.parametrize("kw, named", [
-    (dict(rope_scaling={"type": "llama3", "factor": 8.0}), "takes exactly"),
-    (dict(rope_scaling={"type": "yarn"}), "rope_scaling"),
-    (dict(qk_norm="layer"), "qk_norm"),
-    (dict(norm_placement="sandwich"), "norm_placement"),
-    (dict(qkv_bias="yes"), "qkv_bias"),
-])
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(rope_scaling={"type": "llama3", "factor": 8.0}), "takes exactly"),
+        (dict(rope_scaling={"type": "yarn"}), "rope_scaling"),
+        (dict(qk_norm="layer"), "qk_norm"),
+        (dict(norm_placement="sandwich"), "norm_placement"),
+        (dict(qkv_bias="yes"), "qkv_bias"),
+    ],
+)
 def test_bad_variant_fields_are_one_line_config_errors(kw, named):
     with pytest.raises(ConfigError, match=named):
-        ModelConfig(vocab_size=V, n_layers=1, n_heads=4, d_model=32, position="rope", mlp="swiglu",
-                    norm="rmsnorm", **kw)
+        ModelConfig(
+            vocab_size=V,
+            n_layers=1,
+            n_heads=4,
+            d_model=32,
+            position="rope",
+            mlp="swiglu",
+            norm="rmsnorm",
+            **kw,
+        )
 
 
 def test_variants_without_a_transformers_architecture_are_refused_on_export():
-    cfg = ModelConfig(vocab_size=V, n_layers=1, n_heads=4, d_model=32, position="rope", mlp="swiglu",
-                      norm="rmsnorm", bias=False, qk_norm="head", norm_placement="post")
+    cfg = ModelConfig(
+        vocab_size=V,
+        n_layers=1,
+        n_heads=4,
+        d_model=32,
+        position="rope",
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        qk_norm="head",
+        norm_placement="post",
+    )
     with pytest.raises(GptkitError, match="norm_placement"):
         hf.hf_config(cfg)

@@ -34,43 +34,69 @@ def check(T, head_dim, group, causal, dtype, *, B=2, n_kv_heads=1, scale=None, i
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     ref = reference(q64, k64, v64, causal, scale)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
-    if dtype == torch.bfloat16:  # bf16 rounding (P and dS are rounded before their matmuls) grows with T:
+    # bf16 rounding (P and dS are rounded before their matmuls) grows with T:
+    if dtype == torch.bfloat16:
         # allow twice the error of plain torch attention in bf16 (the FlashAttention repo's criterion)
         torch_out = reference(q, k, v, causal, scale, dtype)
         torch_grads = torch.autograd.grad(torch_out, (q, k, v), dout)
-        torch_err = [(a.double() - b).abs().max().item() for a, b in zip((torch_out, *torch_grads),
-                                                                         (ref, *ref_grads))]
+        torch_err = [
+            (a.double() - b).abs().max().item() for a, b in zip((torch_out, *torch_grads), (ref, *ref_grads))
+        ]
     else:
         torch_err = [0.0] * 4
 
     tol = TOL[dtype]
-    for name, got, want, err in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads),
-                                    torch_err):
+    for name, got, want, err in zip(
+        ("out", "dq", "dk", "dv"), (out, dq, dk, dv), (ref, *ref_grads), torch_err
+    ):
         assert got.shape == want.shape and got.dtype == dtype, name
-        torch.testing.assert_close(got.double(), want, rtol=tol, atol=max(tol, 2 * err),
-                                   msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(
+            got.double(), want, rtol=tol, atol=max(tol, 2 * err), msg=lambda m: f"{name}: {m}"
+        )
 
 
 # every T with head dim 32; each GQA group in both causal modes
-@pytest.mark.parametrize("T, group, causal", [
-    (1, 1, True), (1, 2, False), (17, 1, False), (17, 4, True),
-    (64, 2, True), (100, 1, True), (100, 4, False), (128, 2, False),
-])
+@pytest.mark.parametrize(
+    "T, group, causal",
+    [
+        (1, 1, True),
+        (1, 2, False),
+        (17, 1, False),
+        (17, 4, True),
+        (64, 2, True),
+        (100, 1, True),
+        (100, 4, False),
+        (128, 2, False),
+    ],
+)
 def test_fp32_sequence_lengths_and_groups(T, group, causal):
     check(T, 32, group, causal, torch.float32)
 
 
 # every head dim with a ragged and a tile-aligned T (64 and 128 are the defaults of real models)
-@pytest.mark.parametrize("head_dim, T, causal", [
-    (64, 33, True), (64, 64, False), (128, 17, False), (128, 64, True), (48, 40, True), (16, 24, False),
-])
+@pytest.mark.parametrize(
+    "head_dim, T, causal",
+    [
+        (64, 33, True),
+        (64, 64, False),
+        (128, 17, False),
+        (128, 64, True),
+        (48, 40, True),
+        (16, 24, False),
+    ],
+)
 def test_fp32_head_dims(head_dim, T, causal):
     check(T, head_dim, 2, causal, torch.float32, B=1)
 
 
-@pytest.mark.parametrize("T, head_dim, group, causal", [
-    (100, 32, 2, True), (64, 64, 4, False), (17, 128, 1, True),
-])
+@pytest.mark.parametrize(
+    "T, head_dim, group, causal",
+    [
+        (100, 32, 2, True),
+        (64, 64, 4, False),
+        (17, 128, 1, True),
+    ],
+)
 def test_fp16(T, head_dim, group, causal):
     check(T, head_dim, group, causal, torch.float16)
 
@@ -79,10 +105,12 @@ def test_several_kv_heads_and_custom_scale():
     check(40, 32, 2, True, torch.float32, n_kv_heads=2, scale=0.3)
 
 
-@pytest.mark.skipif(DEVICE != "cuda",
-                    reason="the Triton interpreter does not compute bf16 correctly: GPU only")
-@pytest.mark.parametrize("T, head_dim, group, causal",
-                         [(100, 64, 2, True), (256, 128, 4, False), (1000, 128, 1, True)])
+@pytest.mark.skipif(
+    DEVICE != "cuda", reason="the Triton interpreter does not compute bf16 correctly: GPU only"
+)
+@pytest.mark.parametrize(
+    "T, head_dim, group, causal", [(100, 64, 2, True), (256, 128, 4, False), (1000, 128, 1, True)]
+)
 def test_bf16_on_gpu(T, head_dim, group, causal):
     check(T, head_dim, group, causal, torch.bfloat16)
 
@@ -102,20 +130,27 @@ def test_strided_inputs_as_the_model_passes_them(impl):
 
 
 # the Hopper (TMA descriptor) implementation: ragged T, GQA, causal or not, a head dim padded on-chip
-@pytest.mark.parametrize("T, head_dim, group, causal, dtype", [
-    (45, 32, 2, True, torch.float32), (33, 48, 1, False, torch.float32), (40, 64, 4, True, torch.float16),
-])
+@pytest.mark.parametrize(
+    "T, head_dim, group, causal, dtype",
+    [
+        (45, 32, 2, True, torch.float32),
+        (33, 48, 1, False, torch.float32),
+        (40, 64, 4, True, torch.float16),
+    ],
+)
 def test_tma_implementation(T, head_dim, group, causal, dtype):
     check(T, head_dim, group, causal, dtype, impl="tma")
 
 
-@pytest.mark.skipif(DEVICE != "cuda",
-                    reason="the Triton interpreter does not compute bf16 correctly: GPU only")
+@pytest.mark.skipif(
+    DEVICE != "cuda", reason="the Triton interpreter does not compute bf16 correctly: GPU only"
+)
 def test_tma_bf16_on_gpu():
     check(1000, 128, 4, True, torch.bfloat16, impl="tma")
 
 
 # ---- packed documents -------------------------------------------------------------------------
+
 
 def bounds_of(lengths_per_row):
     """(start, end) int32 [B, T] for rows of documents of the given lengths (each row sums to T)."""
@@ -128,13 +163,17 @@ def bounds_of(lengths_per_row):
     return torch.tensor(starts, dtype=torch.int32), torch.tensor(ends, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("impl, causal, lengths, group, dtype", [
-    ("fa2", True, [[7, 20, 1, 17], [45]], 2, torch.float32),  # a 1-token document; a row of one document
-    ("fa2", False, [[16, 16, 13], [1, 44]], 1, torch.float32),
-    ("fa2", True, [[30, 15], [3, 3, 39]], 4, torch.float16),
-    ("tma", True, [[7, 20, 1, 17], [2, 40, 3]], 2, torch.float32),
-    ("tma", False, [[12, 33], [45]], 2, torch.float32),
-])
+@pytest.mark.parametrize(
+    "impl, causal, lengths, group, dtype",
+    [
+        # a 1-token document; a row of one document
+        ("fa2", True, [[7, 20, 1, 17], [45]], 2, torch.float32),
+        ("fa2", False, [[16, 16, 13], [1, 44]], 1, torch.float32),
+        ("fa2", True, [[30, 15], [3, 3, 39]], 4, torch.float16),
+        ("tma", True, [[7, 20, 1, 17], [2, 40, 3]], 2, torch.float32),
+        ("tma", False, [[12, 33], [45]], 2, torch.float32),
+    ],
+)
 def test_documents_equal_attention_run_on_each_document_alone(impl, causal, lengths, group, dtype):
     """Packed rows with doc_bounds give, row for row, the outputs and gradients of attention run on each
     document by itself (float64 reference per document)."""
@@ -146,19 +185,21 @@ def test_documents_equal_attention_run_on_each_document_alone(impl, causal, leng
     v = torch.randn(B, Hkv, T, D, device=DEVICE, dtype=dtype, requires_grad=True)
     dout = torch.randn(B, H, T, D, device=DEVICE, dtype=dtype)
     with poisoned_allocations():
-        out = flash_attention(q, k, v, causal=causal, doc_bounds=(start.to(DEVICE), end.to(DEVICE)),
-                              impl=impl)
+        out = flash_attention(
+            q, k, v, causal=causal, doc_bounds=(start.to(DEVICE), end.to(DEVICE)), impl=impl
+        )
         grads = torch.autograd.grad(out, (q, k, v), dout)
 
     want = [torch.zeros(x.shape, dtype=torch.float64, device=DEVICE) for x in (out, q, k, v)]
     for b, row in enumerate(lengths):
         s = 0
-        for n in row:  # each document alone, in float64
-            piece = [x[b:b + 1, :, s:s + n].detach().double().requires_grad_() for x in (q, k, v)]
+        # each document alone, in float64
+        for n in row:
+            piece = [x[b : b + 1, :, s : s + n].detach().double().requires_grad_() for x in (q, k, v)]
             ref = reference(*piece, causal, D**-0.5)
-            ref_grads = torch.autograd.grad(ref, piece, dout[b:b + 1, :, s:s + n].double())
+            ref_grads = torch.autograd.grad(ref, piece, dout[b : b + 1, :, s : s + n].double())
             for w, r in zip(want, (ref, *ref_grads)):
-                w[b:b + 1, :, s:s + n] = r
+                w[b : b + 1, :, s : s + n] = r
             s += n
     tol = TOL[dtype]
     for name, got, w in zip(("out", "dq", "dk", "dv"), (out, *grads), want):
@@ -166,8 +207,9 @@ def test_documents_equal_attention_run_on_each_document_alone(impl, causal, leng
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="counts the interpreter's dot products")
-@pytest.mark.parametrize("causal, lengths",
-                         [(True, [[64, 30, 3, 31], [128]]), (False, [[50, 78], [20, 100, 8]])])
+@pytest.mark.parametrize(
+    "causal, lengths", [(True, [[64, 30, 3, 31], [128]]), (False, [[50, 78], [20, 100, 8]])]
+)
 def test_forward_tiles_is_the_kernels_schedule(monkeypatch, causal, lengths):
     """forward_tiles (the cost model `gptkit bench kernels` reports) counts exactly the tiles the forward
     kernel multiplies (two dots each); documents cut the count."""
@@ -196,12 +238,15 @@ def test_poisoning_reaches_the_allocations_the_wrapper_makes():
     assert x.isnan().all() and y.isnan().all() and z.isnan().all()
 
 
-@pytest.mark.parametrize("shapes, message", [
-    (((1, 4, 8, 32), (1, 3, 8, 32), (1, 3, 8, 32)), "divide"),
-    (((1, 2, 8, 32), (1, 2, 9, 32), (1, 2, 9, 32)), "T_q must equal T_k"),
-    (((1, 2, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8)), "between 16 and 256"),
-    (((2, 8, 32), (2, 8, 32), (2, 8, 32)), "4-d"),
-])
+@pytest.mark.parametrize(
+    "shapes, message",
+    [
+        (((1, 4, 8, 32), (1, 3, 8, 32), (1, 3, 8, 32)), "divide"),
+        (((1, 2, 8, 32), (1, 2, 9, 32), (1, 2, 9, 32)), "T_q must equal T_k"),
+        (((1, 2, 8, 8), (1, 2, 8, 8), (1, 2, 8, 8)), "between 16 and 256"),
+        (((2, 8, 32), (2, 8, 32), (2, 8, 32)), "4-d"),
+    ],
+)
 def test_bad_shapes_are_refused(shapes, message):
     q, k, v = (torch.randn(s, device=DEVICE) for s in shapes)
     with pytest.raises(ValueError, match=message):

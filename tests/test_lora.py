@@ -19,16 +19,18 @@ ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
 def tiny(style: dict, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    return GPT(ModelConfig(vocab_size=40, max_seq_len=16, n_layers=2, n_heads=4, d_model=32, init_std=0.3,
-                           **style)).eval()
+    return GPT(
+        ModelConfig(vocab_size=40, max_seq_len=16, n_layers=2, n_heads=4, d_model=32, init_std=0.3, **style)
+    ).eval()
 
 
 def settings(**kw):
     return {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ALL, **kw}
 
 
-@pytest.mark.parametrize("style, targets", [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"])],
-                         ids=["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "style, targets", [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"])], ids=["llama", "gpt2"]
+)
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
     model = tiny(style)
     x = torch.randint(0, 40, (2, 12))
@@ -38,9 +40,11 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
     assert is_lora(model) and not is_lora(tiny(style))
     named = dict(model.named_parameters())
     assert trainable == sum(p.numel() for p in named.values() if p.requires_grad) > 0
-    assert all(is_adapter_key(k) == p.requires_grad for k, p in named.items())  # only the adapters train
+    # only the adapters train
+    assert all(is_adapter_key(k) == p.requires_grad for k, p in named.items())
     assert sum(p.numel() for p in named.values()) == n_before + trainable
-    assert torch.equal(model(x).logits, base)  # B = 0: the base model at the start
+    # B = 0: the base model at the start
+    assert torch.equal(model(x).logits, base)
     with torch.no_grad():
         for p in named.values():
             if p.requires_grad:
@@ -48,24 +52,29 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
     adapted = model(x).logits
     assert not torch.allclose(adapted, base)
     with adapters_disabled(model):
-        assert torch.equal(model(x).logits, base)  # exactly the base (DPO's reference), no second copy
-    assert torch.equal(model(x).logits, adapted)  # back on after the block
+        # exactly the base (DPO's reference), no second copy
+        assert torch.equal(model(x).logits, base)
+    # back on after the block
+    assert torch.equal(model(x).logits, adapted)
     merged = merged_state_dict(model)
     plain = tiny(style).state_dict()
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in plain.items()}
     torch.testing.assert_close(GPT.from_state(model.cfg, merged)(x).logits, adapted, atol=2e-5, rtol=0)
 
 
-@pytest.mark.parametrize("style, lora, needle", [
-    ({}, settings(targets=["q", "gate"]), "gate matches no module of this model (a GPT-2-style model"),
-    (LLAMA, settings(targets=["query", "x"]), "query, x match no module"),
-    (LLAMA, settings(targets=[]), "lora.targets=[] must be a non-empty list"),
-    (LLAMA, settings(rank=0), "lora.rank=0 must be a positive integer"),
-    (LLAMA, settings(rank=17), "lora.rank=17 is larger than the k projection (16 x 32)"),
-    (LLAMA, settings(alpha=0), "lora.alpha=0 must be a number > 0"),
-    (LLAMA, settings(dropout=1.0), "lora.dropout=1.0 must be a number in [0, 1)"),
-    (LLAMA, settings(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
-])
+@pytest.mark.parametrize(
+    "style, lora, needle",
+    [
+        ({}, settings(targets=["q", "gate"]), "gate matches no module of this model (a GPT-2-style model"),
+        (LLAMA, settings(targets=["query", "x"]), "query, x match no module"),
+        (LLAMA, settings(targets=[]), "lora.targets=[] must be a non-empty list"),
+        (LLAMA, settings(rank=0), "lora.rank=0 must be a positive integer"),
+        (LLAMA, settings(rank=17), "lora.rank=17 is larger than the k projection (16 x 32)"),
+        (LLAMA, settings(alpha=0), "lora.alpha=0 must be a number > 0"),
+        (LLAMA, settings(dropout=1.0), "lora.dropout=1.0 must be a number in [0, 1)"),
+        (LLAMA, settings(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
+    ],
+)
 def test_bad_lora_settings_are_one_config_error(style, lora, needle):
     with pytest.raises(ConfigError, match=None) as exc:
         check_lora(lora, tiny(style).cfg)
@@ -83,13 +92,29 @@ def base(tmp_path_factory):
 
 def lora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
     run, corpus = base
-    return ["train", f"init_from={run}", "finetune=lora", "lora.targets=[q,k,v,o,gate,up,down]",
-            "lora.rank=4",
-            "lora.dropout=0.1", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
-            "trainer.batch_size=4", "trainer.max_steps=4", "trainer.val_every=2", "trainer.val_windows=2",
-            "trainer.checkpoint_every=2", "trainer.log_every=1", "trainer.progress=false",
-            "trainer.threads=1",
-            "optim.warmup_steps=1", f"runs_dir={runs}", f"name={name}", *extra]
+    return [
+        "train",
+        f"init_from={run}",
+        "finetune=lora",
+        "lora.targets=[q,k,v,o,gate,up,down]",
+        "lora.rank=4",
+        "lora.dropout=0.1",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.val_fraction=0.1",
+        "trainer.batch_size=4",
+        "trainer.max_steps=4",
+        "trainer.val_every=2",
+        "trainer.val_windows=2",
+        "trainer.checkpoint_every=2",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "trainer.threads=1",
+        "optim.warmup_steps=1",
+        f"runs_dir={runs}",
+        f"name={name}",
+        *extra,
+    ]
 
 
 def rows(run: Path) -> dict[int, dict[str, str]]:
@@ -110,31 +135,37 @@ def test_lora_trains_only_adapters_checkpoints_them_and_resumes_exactly(base, tm
     straight = ckpt(runs / "straight")
     state = straight["state_dict"]
     assert state and all(k.startswith("model.") and is_adapter_key(k[6:]) for k in state)
-    assert len(state) == 2 * 7 * 2  # A and B of 7 targets in 2 blocks
+    # A and B of 7 targets in 2 blocks
+    assert len(state) == 2 * 7 * 2
     assert straight[CHECKPOINT_KEY]["base"] == str((base[0] / "checkpoints" / "last.ckpt").resolve())
     adam = straight["optimizer_states"][0]["state"]
-    assert len(adam) == len(state)  # optimizer state for the adapters only
+    # optimizer state for the adapters only
+    assert len(adam) == len(state)
     base_state = torch.load(base[0] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
-    assert state["model.blocks.0.attn.qkv_proj.lora_q_B"].abs().sum() > 0  # B moved off zero: it trained
+    # B moved off zero: it trained
+    assert state["model.blocks.0.attn.qkv_proj.lora_q_B"].abs().sum() > 0
     size = lambda d: sum(v.numel() for v in d.values())  # noqa: E731
     assert size(state) < size(base_state) / 2
 
     # 2 steps, then resume to 4: the same rows and the same adapters, bit for bit (dropout 0.1 included)
     code, _, err = run_main(capsys, *lora_args(base, runs, "halves", "trainer.stop_at_step=2"))
     assert code == 0, err
-    code, _, err = run_main(capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false",
-                            "trainer.threads=1")
+    code, _, err = run_main(
+        capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false", "trainer.threads=1"
+    )
     assert code == 0, err
     want = rows(runs / "straight")
     losses = {r["train/loss"] for r in want.values() if r.get("train/loss")}
-    assert len(losses) == 4  # 4 steps, and the loss moves
+    # 4 steps, and the loss moves
+    assert len(losses) == 4
     assert rows(runs / "halves") == want
     halves = ckpt(runs / "halves")["state_dict"]
     assert halves.keys() == state.keys() and all(torch.equal(halves[k], state[k]) for k in state)
 
     # sample loads the base with the adapters merged
-    code, out, err = run_main(capsys, "sample", f"run={runs / 'straight'}", "prompt=ROMEO:",
-                              "max_new_tokens=8", "temperature=0")
+    code, out, err = run_main(
+        capsys, "sample", f"run={runs / 'straight'}", "prompt=ROMEO:", "max_new_tokens=8", "temperature=0"
+    )
     assert code == 0 and out.startswith("ROMEO:"), err
 
 
@@ -162,23 +193,28 @@ def lora_run_by_hand(base_run: Path, out: Path, targets: list[str], seed: int = 
     (out / "config.yaml").write_text(yaml.safe_dump(config))
     state = {"model." + k: v for k, v in model.state_dict().items() if is_adapter_key(k)}
     record = dict(lora, base=str(Path(base_ckpt).resolve()), base_fingerprint=fingerprint(base_ckpt))
-    torch.save({"state_dict": state, "global_step": 1, CHECKPOINT_KEY: record},
-               out / "checkpoints" / "last.ckpt")
+    torch.save(
+        {"state_dict": state, "global_step": 1, CHECKPOINT_KEY: record}, out / "checkpoints" / "last.ckpt"
+    )
     return out, model.eval()
 
 
-@pytest.mark.parametrize("position, targets",
-                         [("rope", ["k", "o", "gate", "down"]), ("learned", ["q", "v", "up"])],
-                         ids=["llama", "gpt2"])
+@pytest.mark.parametrize(
+    "position, targets",
+    [("rope", ["k", "o", "gate", "down"]), ("learned", ["q", "v", "up"])],
+    ids=["llama", "gpt2"],
+)
 def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsys, position, targets):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base_run, _, _ = make_run(tmp_path, position=position, max_seq_len=32)
     run, unmerged = lora_run_by_hand(base_run, tmp_path / "lora-run", targets)
-    for args in ([f"run={base_run}", f"out={tmp_path / 'hf-base'}"],
-                 [f"run={run}", f"out={tmp_path / 'hf-merged'}"],
-                 [f"run={run}", f"out={tmp_path / 'hf-adapter'}", "adapters=true"]):
+    for args in (
+        [f"run={base_run}", f"out={tmp_path / 'hf-base'}"],
+        [f"run={run}", f"out={tmp_path / 'hf-merged'}"],
+        [f"run={run}", f"out={tmp_path / 'hf-adapter'}", "adapters=true"],
+    ):
         code, out, err = run_main(capsys, "export", *args)
         assert code == 0, err
     assert "exported the LoRA adapters" in out and "adapter_model.safetensors" in out
@@ -190,22 +226,27 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
         peft_model = PeftModel.from_pretrained(base, tmp_path / "hf-adapter").eval()
         theirs = peft_model(x).logits
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").eval()(x).logits
-    assert (ours - plain).abs().max() > 0.1  # the adapters matter, so the comparisons below mean something
+    # the adapters matter, so the comparisons below mean something
+    assert (ours - plain).abs().max() > 0.1
     torch.testing.assert_close(theirs, ours, atol=1e-4, rtol=0)
     torch.testing.assert_close(merged, ours, atol=1e-4, rtol=0)
     code, _, err = run_main(capsys, "export", f"run={base_run}", f"out={tmp_path / 'x'}", "adapters=true")
     assert code == 2 and "is not a LoRA run's checkpoint" in err and not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["~init_from"], "finetune=lora trains adapters on frozen weights, so it needs the weights to start"),
-    (["lora.targets=[q,query]"], "lora.targets: query matches no module of this model"),
-    (["lora.rank=0"], "lora.rank=0 must be a positive integer"),
-    (["lora.rank=33"], "lora.rank=33 is larger than the q projection (32 x 32)"),
-    (["lora.alpha=0"], "lora.alpha=0 must be a number > 0"),
-    (["lora.dropout=1.0"], "lora.dropout=1.0 must be a number in [0, 1)"),
-    (["finetune=qlora"], "finetune=qlora must be full"),
-], ids=["no-init", "targets", "rank0", "rank-big", "alpha", "dropout", "finetune"])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["~init_from"], "finetune=lora trains adapters on frozen weights, so it needs the weights to start"),
+        (["lora.targets=[q,query]"], "lora.targets: query matches no module of this model"),
+        (["lora.rank=0"], "lora.rank=0 must be a positive integer"),
+        (["lora.rank=33"], "lora.rank=33 is larger than the q projection (32 x 32)"),
+        (["lora.alpha=0"], "lora.alpha=0 must be a number > 0"),
+        (["lora.dropout=1.0"], "lora.dropout=1.0 must be a number in [0, 1)"),
+        (["finetune=qlora"], "finetune=qlora must be full"),
+    ],
+    ids=["no-init", "targets", "rank0", "rank-big", "alpha", "dropout", "finetune"],
+)
 def test_bad_lora_input_is_one_line_before_anything_is_written(base, tmp_path, capsys, extra, needle):
     drop = "init_from=" if extra == ["~init_from"] else None
     args = [a for a in lora_args(base, tmp_path / "runs", "bad") if drop is None or not a.startswith(drop)]
@@ -225,10 +266,11 @@ def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
     assert code == 0, err
     before = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
     for run, extra, needle in (
-            ("lora", ["finetune=full"], "continues a finetune=lora run (its checkpoint holds the adapters"),
-            ("lora", ["lora.rank=2"], "continues adapters with lora.rank=4; lora.rank=2 would not fit"),
-            ("lora", ["lora.targets=[q]"], "lora.targets=[q, k, v, o, gate, up, down]; lora.targets=[q]"),
-            ("full", ["finetune=lora"], "continues a finetune=full run (its checkpoint holds every weight)")):
+        ("lora", ["finetune=full"], "continues a finetune=lora run (its checkpoint holds the adapters"),
+        ("lora", ["lora.rank=2"], "continues adapters with lora.rank=4; lora.rank=2 would not fit"),
+        ("lora", ["lora.targets=[q]"], "lora.targets=[q, k, v, o, gate, up, down]; lora.targets=[q]"),
+        ("full", ["finetune=lora"], "continues a finetune=full run (its checkpoint holds every weight)"),
+    ):
         code, _, err = run_main(capsys, "train", f"resume={runs / run}", "trainer.max_steps=2", *extra)
         assert code == 2 and len(err.strip().splitlines()) == 1 and needle in err, err
     after = {p: p.stat().st_mtime_ns for p in runs.rglob("*") if p.is_file() and p.name != ".lock"}
@@ -244,8 +286,14 @@ def run_group(*argv: str, timeout: int = 180):
 
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
-    proc = subprocess.Popen([sys.executable, "-m", "gptkit", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptkit", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
     try:
         _, err = proc.communicate(timeout=timeout)
     finally:
@@ -267,17 +315,34 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     code, _, err = run_main(capsys, *lora_args(base, runs, "one", *common))
     assert code == 0, err
     want = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
-    assert len(set(want.values())) == 4  # the loss moves: equal trajectories are no coincidence
+    # the loss moves: equal trajectories are no coincidence
+    assert len(set(want.values())) == 4
     two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
     run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two), timeout=240)
-    err = run_group(*lora_args(base, runs, "fsdp", *common, "trainer=fsdp", "trainer.precision=32-true",
-                                "trainer.stop_at_step=2", *two), timeout=240)
+    err = run_group(
+        *lora_args(
+            base,
+            runs,
+            "fsdp",
+            *common,
+            "trainer=fsdp",
+            "trainer.precision=32-true",
+            "trainer.stop_at_step=2",
+            *two,
+        ),
+        timeout=240,
+    )
     assert "start on the meta device" in err
     sharded = runs / "fsdp" / "checkpoints" / "step-000002.ckpt"
     assert (sharded / ".metadata").is_file()
-    code, _, err = run_main(capsys, "train", f"resume={runs / 'fsdp'}", "trainer.devices=1",
-                            "trainer.batch_size=4",
-                            "trainer.progress=false")
+    code, _, err = run_main(
+        capsys,
+        "train",
+        f"resume={runs / 'fsdp'}",
+        "trainer.devices=1",
+        "trainer.batch_size=4",
+        "trainer.progress=false",
+    )
     assert code == 0, err
     for name in ("ddp", "fsdp"):
         got = {s: float(r["train/loss"]) for s, r in rows(runs / name).items() if r.get("train/loss")}
@@ -299,15 +364,18 @@ def test_muon_trains_the_adapter_factors_resumes_exactly_and_shards_under_fsdp2(
     assert "nothing else trains" in err
     saved = ckpt(runs / "straight")
     adapters_saved = saved["state_dict"]
-    assert len(adapters_saved) == 28  # A and B of 7 targets in 2 blocks: no base weight
+    # A and B of 7 targets in 2 blocks: no base weight
+    assert len(adapters_saved) == 28
     state = saved["optimizer_states"][0]["state"]
     assert len(state) == 28 and all(set(s) == {"momentum_buffer"} for s in state.values())
     want = rows(runs / "straight")
-    assert len({r["train/loss"] for r in want.values() if r.get("train/loss")}) == 4  # it trains
+    # it trains
+    assert len({r["train/loss"] for r in want.values() if r.get("train/loss")}) == 4
     code, _, err = run_main(capsys, *lora_args(base, runs, "halves", *common, "trainer.stop_at_step=2"))
     assert code == 0, err
-    code, _, err = run_main(capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false",
-                            "trainer.threads=1")
+    code, _, err = run_main(
+        capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false", "trainer.threads=1"
+    )
     assert code == 0, err
     assert rows(runs / "halves") == want
     halves = ckpt(runs / "halves")["state_dict"]
@@ -317,10 +385,27 @@ def test_muon_trains_the_adapter_factors_resumes_exactly_and_shards_under_fsdp2(
     code, _, err = run_main(capsys, *lora_args(base, runs, "one", *plain))
     assert code == 0, err
     two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
-    run_group(*lora_args(base, runs, "fsdp", *plain, "trainer=fsdp", "trainer.precision=32-true",
-                         "trainer.stop_at_step=2", *two), timeout=240)
-    code, _, err = run_main(capsys, "train", f"resume={runs / 'fsdp'}", "trainer.devices=1",
-                            "trainer.batch_size=4", "trainer.progress=false")
+    run_group(
+        *lora_args(
+            base,
+            runs,
+            "fsdp",
+            *plain,
+            "trainer=fsdp",
+            "trainer.precision=32-true",
+            "trainer.stop_at_step=2",
+            *two,
+        ),
+        timeout=240,
+    )
+    code, _, err = run_main(
+        capsys,
+        "train",
+        f"resume={runs / 'fsdp'}",
+        "trainer.devices=1",
+        "trainer.batch_size=4",
+        "trainer.progress=false",
+    )
     assert code == 0, err
     one = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
     got = {s: float(r["train/loss"]) for s, r in rows(runs / "fsdp").items() if r.get("train/loss")}
@@ -351,7 +436,8 @@ def test_lora_under_compile_and_model_kernels_matches_eager(what):
     want_loss, want = _loss_and_grads(eager.train(), x)
     if what == "compile":
         other = eager
-        for block in other.blocks:  # as trainer.compile=blocks does (there with inductor)
+        # as trainer.compile=blocks does (there with inductor)
+        for block in other.blocks:
             block.compile(backend="aot_eager", fullgraph=True)
     else:
         other = tiny(dict(LLAMA, kernels=["norm", "swiglu", "rope", "loss"]))
@@ -362,7 +448,8 @@ def test_lora_under_compile_and_model_kernels_matches_eager(what):
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4)
-    with torch.no_grad(), adapters_disabled(other):  # the base under compile too (a guard recompiles)
+    # the base under compile too (a guard recompiles)
+    with torch.no_grad(), adapters_disabled(other):
         base = tiny(dict(LLAMA, kernels=other.cfg.kernels))
         torch.testing.assert_close(other(x).logits, base(x).logits, atol=1e-5, rtol=0)
 
@@ -391,9 +478,15 @@ def test_the_memory_estimate_counts_gradients_and_adam_of_the_adapters_only():
     from gptkit.training.memory import estimate
 
     model = tiny(LLAMA)
-    plan = SimpleNamespace(model=model.cfg, precision=precision("32-true"), shards=1, batch_size=2,
-                           seq_len=16,
-                           trainer=SimpleNamespace(activation_checkpointing=False), lora=None)
+    plan = SimpleNamespace(
+        model=model.cfg,
+        precision=precision("32-true"),
+        shards=1,
+        batch_size=2,
+        seq_len=16,
+        trainer=SimpleNamespace(activation_checkpointing=False),
+        lora=None,
+    )
     full = estimate(plan)
     lora = estimate(SimpleNamespace(**{**vars(plan), "lora": settings()}))
     k = apply_lora(model, settings())

@@ -10,11 +10,13 @@ from gptkit.model import GPT, KVCache, ModelConfig
 VARIANTS = {
     "gpt2": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
     "llama-mha": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False),
-    "llama-gqa": dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False,
-                      n_kv_heads=2),
+    "llama-gqa": dict(
+        position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2
+    ),
     "mqa-learned": dict(position="learned", mlp="gelu", norm="rmsnorm", bias=False, n_kv_heads=1),
-    "rope-gelu-ln-bias-untied": dict(position="rope", mlp="gelu", norm="layernorm", bias=True,
-                                     tie_embeddings=False),
+    "rope-gelu-ln-bias-untied": dict(
+        position="rope", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False
+    ),
 }
 
 
@@ -49,7 +51,8 @@ def test_causality(variant):
     changed = idx.clone()
     changed[:, 12:] = torch.randint(0, cfg.vocab_size, (2, 12))
     a, b = model(idx).logits, model(changed).logits
-    assert torch.equal(a[:, :12], b[:, :12])  # positions <= 11 never see the future
+    # positions <= 11 never see the future
+    assert torch.equal(a[:, :12], b[:, :12])
     assert not torch.allclose(a[:, 12:], b[:, 12:])
 
 
@@ -105,7 +108,8 @@ def test_init_and_tying():
 
 
 def test_gqa_projection_sizes():
-    cfg = tiny("llama-gqa")  # 4 heads, 2 kv heads, head_dim 8
+    # 4 heads, 2 kv heads, head_dim 8
+    cfg = tiny("llama-gqa")
     attn = GPT(cfg).blocks[0].attn
     assert attn.qkv_proj.weight.shape == (cfg.d_model + 2 * 2 * 8, cfg.d_model)
 
@@ -135,5 +139,6 @@ def test_rope_tables_stay_fp32_when_the_model_is_cast():
     assert model.rope.cos.dtype == torch.float32 and torch.equal(model.rope.cos, ref)
     with torch.device("meta"):
         lazy = GPT(cfg)
-    lazy = lazy.to_empty(device="cpu")  # as load_run does: the tables are rebuilt, not left uninitialised
+    # as load_run does: the tables are rebuilt, not left uninitialised
+    lazy = lazy.to_empty(device="cpu")
     assert torch.equal(lazy.rope.cos, ref)

@@ -5,8 +5,19 @@ import torch
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.module import apply_activation_checkpointing
 
-CFG = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=3, n_heads=4, n_kv_heads=2, d_model=32,
-                  position="rope", mlp="swiglu", norm="rmsnorm", bias=False, attention="eager")
+CFG = ModelConfig(
+    vocab_size=64,
+    max_seq_len=16,
+    n_layers=3,
+    n_heads=4,
+    n_kv_heads=2,
+    d_model=32,
+    position="rope",
+    mlp="swiglu",
+    norm="rmsnorm",
+    bias=False,
+    attention="eager",
+)
 
 
 def _saved_tensors(model, x, y) -> int:
@@ -29,12 +40,15 @@ def test_activation_checkpointing_recomputes_blocks_with_the_same_gradients_and_
     ckpt = GPT(CFG)
     ckpt.load_state_dict(plain.state_dict())
     apply_activation_checkpointing(ckpt)
-    assert list(ckpt.state_dict()) == list(plain.state_dict())  # checkpoints are unchanged
+    # checkpoints are unchanged
+    assert list(ckpt.state_dict()) == list(plain.state_dict())
     x = torch.randint(0, 64, (2, 16))
     y = torch.randint(0, 64, (2, 16))
     saved_plain, saved_ckpt = _saved_tensors(plain, x, y), _saved_tensors(ckpt, x, y)
-    assert saved_ckpt < saved_plain / 2  # only block inputs are kept
+    # only block inputs are kept
+    assert saved_ckpt < saved_plain / 2
     for (name, a), b in zip(plain.named_parameters(), ckpt.parameters()):
         torch.testing.assert_close(a.grad, b.grad, msg=name)
-    with torch.no_grad():  # evaluation does not go through the checkpoint
+    # evaluation does not go through the checkpoint
+    with torch.no_grad():
         torch.testing.assert_close(ckpt.eval()(x).logits, plain.eval()(x).logits)

@@ -35,7 +35,8 @@ def muon_cfg(*overrides: str):
 
 def gpt2(**kw) -> GPT:
     torch.manual_seed(0)
-    return GPT(ModelConfig(**{**TINY, **kw}))  # tied embeddings, biases, LayerNorm, learned positions
+    # tied embeddings, biases, LayerNorm, learned positions
+    return GPT(ModelConfig(**{**TINY, **kw}))
 
 
 def llama(**kw) -> GPT:
@@ -72,12 +73,15 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(make):
     assert muon and all(
         n.startswith("blocks.") and n.endswith("proj.weight") and p.ndim == 2 for n, p in muon
     )
-    assert len(muon) == 2 * (2 + (3 if make is llama else 2))  # per layer: qkv, o + the MLP matrices
+    # per layer: qkv, o + the MLP matrices
+    assert len(muon) == 2 * (2 + (3 if make is llama else 2))
     rest = {n for n, _ in adamw}
     assert "tok_emb.weight" in rest and all(p.ndim == 1 or not n.startswith("blocks.") for n, p in adamw)
-    assert ("lm_head.weight" in rest) == (make is llama)  # tied: the token embedding is the head
+    # tied: the token embedding is the head
+    assert ("lm_head.weight" in rest) == (make is llama)
     assert any("norm" in n for n in rest) and (make is llama or any(n.endswith(".bias") for n in rest))
-    assert sum(p.numel() for _, p in muon + adamw) == model.num_parameters()  # every parameter once
+    # every parameter once
+    assert sum(p.numel() for _, p in muon + adamw) == model.num_parameters()
 
     opt = build_optimizer(model, muon_cfg())
     assert isinstance(opt, MuonWithAdamW)
@@ -86,7 +90,8 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(make):
     assert groups[0]["adjust_lr_fn"] == "match_rms_adamw" and groups[0]["ns_steps"] == 5
     by_id = {id(p): n for n, p in model.named_parameters()}
     decayed = {by_id[id(p)] for g in groups[1:] if g["weight_decay"] for p in g["params"]}
-    assert decayed == ({"lm_head.weight"} if make is llama else set())  # AdamW's own rules for the rest
+    # AdamW's own rules for the rest
+    assert decayed == ({"lm_head.weight"} if make is llama else set())
     line = describe_optimizer(muon_cfg(), model, "cpu")
     n_muon, n_rest = sum(p.numel() for _, p in muon), sum(p.numel() for _, p in adamw)
     assert f"Muon (torch.optim.Muon: {n_muon:,} parameters in {len(muon)} block matrices" in line
@@ -194,12 +199,14 @@ def test_float32_newton_schulz_steps_and_says_so():
     backward(model)
     grad, lr, wd, m = p.grad.clone(), cfg.lr, cfg.weight_decay, cfg.muon.momentum
     opt.step()
-    update = grad.lerp(torch.zeros_like(grad).lerp_(grad, 1 - m), m)  # Nesterov, first step
+    # Nesterov, first step
+    update = grad.lerp(torch.zeros_like(grad).lerp_(grad, 1 - m), m)
     ortho = newton_schulz(update, opt.muon.param_groups[0]["ns_coefficients"], 5, 1e-7, torch.float32)
     want = start * (1 - lr * wd) - lr * 0.2 * max(p.shape) ** 0.5 * ortho
     torch.testing.assert_close(p.detach(), want, rtol=0, atol=1e-8)
     bf16 = newton_schulz(update, opt.muon.param_groups[0]["ns_coefficients"], 5, 1e-7)
-    assert (bf16.float() - ortho).abs().max() > 1e-3  # not what torch's bfloat16 Newton-Schulz gives
+    # not what torch's bfloat16 Newton-Schulz gives
+    assert (bf16.float() - ortho).abs().max() > 1e-3
 
 
 def test_lr_and_weight_decay_mean_what_they_mean_with_adamw():
@@ -213,7 +220,8 @@ def test_lr_and_weight_decay_mean_what_they_mean_with_adamw():
     opt.step()
     for name, p in muon_split(model)[0]:
         rms = (p.detach() - before[name]).pow(2).mean().sqrt().item() / 0.01
-        assert 0.12 < rms < 0.25, (name, rms)  # Newton-Schulz leaves singular values in ~(0.7, 1.2)
+        # Newton-Schulz leaves singular values in ~(0.7, 1.2)
+        assert 0.12 < rms < 0.25, (name, rms)
     # weight decay alone (zero gradients): both optimizers shrink their decayed weights by the same factor
     model = llama()
     opt = build_optimizer(model, muon_cfg("optim.weight_decay=0.5", "optim.lr=0.01"))
@@ -237,7 +245,8 @@ def test_the_schedule_and_the_checkpoint_cover_both_optimizers():
         opt.step()
         sched.step()
         opt.zero_grad()
-    assert all(g["lr"] == pytest.approx(1e-3) for g in opt.param_groups)  # warm-up over: all at the peak
+    # warm-up over: all at the peak
+    assert all(g["lr"] == pytest.approx(1e-3) for g in opt.param_groups)
     assert (
         opt.muon.param_groups[0] is opt.param_groups[0] and opt.adamw.param_groups[-1] is opt.param_groups[-1]
     )
@@ -276,7 +285,8 @@ def test_bad_muon_settings_are_one_line(override, message):
 def test_muon_needs_a_torch_that_has_it_and_a_block_matrix_to_train(monkeypatch):
     model = gpt2()
     for p in model.blocks.parameters():
-        p.requires_grad_(False)  # e.g. only the embeddings train
+        # e.g. only the embeddings train
+        p.requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable 2-D weight inside its blocks for Muon"):
         build_optimizer(model, muon_cfg())
     monkeypatch.delattr(torch.optim, "Muon")
@@ -435,11 +445,13 @@ def test_muon_run_announces_its_groups_resumes_bit_identically_and_fine_tunes(ca
     code, _, err = run_main(capsys, *cli_args(corpus, tmp_path, "straight"))
     assert code == 0, err[-3000:]
     line = next(x for x in err.splitlines() if "Muon (torch.optim.Muon" in x)
-    assert "parameters in 5 block matrices" in line and "AdamW (fused) for" in line, line  # qkv, o, 3 MLP
+    # qkv, o, 3 MLP
+    assert "parameters in 5 block matrices" in line and "AdamW (fused) for" in line, line
     code, _, err = run_main(capsys, *cli_args(corpus, tmp_path, "split", "trainer.stop_at_step=3"))
     assert code == 0, err[-3000:]
     ckpt = torch.load(tmp_path / "split/checkpoints/last.ckpt", weights_only=True)
-    assert "momentum_buffer" in ckpt["optimizer_states"][0]["state"][0]  # Muon's state travels with the run
+    # Muon's state travels with the run
+    assert "momentum_buffer" in ckpt["optimizer_states"][0]["state"][0]
     code, _, err = run_main(capsys, "train", f"resume={tmp_path / 'split'}")
     assert code == 0, err[-3000:]
 
@@ -447,7 +459,8 @@ def test_muon_run_announces_its_groups_resumes_bit_identically_and_fine_tunes(ca
         with open(tmp_path / run / "metrics.csv", newline="") as f:
             return [(r["step"], r["train/loss"], r["val/loss"]) for r in csv.DictReader(f)]
 
-    assert len(rows("straight")) == 6 and rows("straight") == rows("split")  # rows 1-6 as text: bit-identical
+    # rows 1-6 as text: bit-identical
+    assert len(rows("straight")) == 6 and rows("straight") == rows("split")
     # another optimizer cannot continue the run's state: one line
     code, _, err = run_main(capsys, "train", f"resume={tmp_path / 'split'}", "optim=adamw")
     assert code == 2 and err.strip().splitlines() == [
@@ -514,7 +527,8 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
             p.kill()
     assert [p.returncode for p in ranks] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
     for ns_dtype in w.NS_DTYPES:
-        model, opt = w.model_and_optimizer(fsdp=False, ns_dtype=ns_dtype)  # one process, the whole batch
+        # one process, the whole batch
+        model, opt = w.model_and_optimizer(fsdp=False, ns_dtype=ns_dtype)
         start = {k: v.clone() for k, v in model.state_dict().items()}
         for x, y in w.batches():
             model(x, y).loss.backward()
@@ -528,7 +542,8 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         for k, v in want.items():
             assert torch.equal(fsdp[k], gathered[k]), (ns_dtype, k)
             assert torch.equal(fsdp[k], ddp[k]), (ns_dtype, k)
-            assert (v - start[k]).abs().max() > 1e-3, k  # every tensor moved
+            # every tensor moved
+            assert (v - start[k]).abs().max() > 1e-3, k
             if ns_dtype == "float32":
                 # the gradients differ in the last bits (2 half-batch means vs one mean); float32
                 # Newton-Schulz keeps that difference small (bfloat16 rounds it up to ~1e-2 of the update)
@@ -543,9 +558,11 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
 
     from gptkit.bench import optim as bench
 
-    def fake_run(args, log):  # a run folder as `gptkit train` leaves it: 4 steps of 10 tokens, val every 2
+    # a run folder as `gptkit train` leaves it: 4 steps of 10 tokens, val every 2
+    def fake_run(args, log):
         opts = dict(a.split("=", 1) for a in args)
-        if "resume" in opts:  # continues an interrupted run: its own arguments are in its folder
+        # continues an interrupted run: its own arguments are in its folder
+        if "resume" in opts:
             order.append(f"resume {Path(opts['resume']).name}")
             opts = saved[Path(opts["resume"]).name]
         else:
@@ -555,10 +572,13 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
         (run / "checkpoints/last.ckpt").write_bytes(b"")
         (run / "config.yaml").write_text("trainer: {max_steps: 4, max_tokens: null}\n")
         muon, seed = opts["optim"] == "muon", int(opts["seed"])
-        tokens_per_s = 10 / (seed * (3 if muon else 2))  # seconds per step: AdamW 2 x seed, Muon 3 x seed
-        losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}  # val after 2 and 4 steps
+        # seconds per step: AdamW 2 x seed, Muon 3 x seed
+        tokens_per_s = 10 / (seed * (3 if muon else 2))
+        # val after 2 and 4 steps
+        losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}
         rows = ["step,perf/tokens,perf/tokens_per_s,val/loss"]
-        rows += [f"{s},{10 * s},{tokens_per_s}," for s in range(1, 5)]  # row s: step s (s steps done)
+        # row s: step s (s steps done)
+        rows += [f"{s},{10 * s},{tokens_per_s}," for s in range(1, 5)]
         rows += [f"{s},,,{loss}" for s, loss in losses.items()]
         (run / "metrics.csv").write_text("\n".join(rows) + "\n")
         if "resume" not in args[0]:
@@ -566,18 +586,29 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
 
     order, saved = [], {}
     monkeypatch.setattr(bench, "run_one", fake_run)
-    cfg = OmegaConf.create(dict(recipes={"r": ["optim=adamw"]}, muon={"r": ["optim=muon"]}, common=[],
-                                seeds=[1, 2], parallel=1, runs_dir=str(tmp_path / "runs"),
-                                out=str(tmp_path / "out.json")))
+    cfg = OmegaConf.create(
+        dict(
+            recipes={"r": ["optim=adamw"]},
+            muon={"r": ["optim=muon"]},
+            common=[],
+            seeds=[1, 2],
+            parallel=1,
+            runs_dir=str(tmp_path / "runs"),
+            out=str(tmp_path / "out.json"),
+        )
+    )
     assert bench.run(cfg) == 0
     assert order == ["r-adamw-seed1", "r-muon-seed1", "r-adamw-seed2", "r-muon-seed2"]
     r = json.loads((tmp_path / "out.json").read_text())["results"]["r"]
-    assert r["muon_time_ratio"] == {"median": 1.5, "min": 1.5, "max": 1.5}  # seed by seed, whatever the load
+    # seed by seed, whatever the load
+    assert r["muon_time_ratio"] == {"median": 1.5, "min": 1.5, "max": 1.5}
     # Muon after 2 of its steps (6 x seed s) is within AdamW's 8 x seed s; after 4 (12 x seed s) it is not
     assert r["val_loss_at_adamw_time"]["muon"] == {"median": 1.5, "min": 1.5, "max": 1.5}
     assert r["muon_steps_to_target"] == [2, 2] and r["target_val_loss"] == 1.8 and r["adamw_steps"] == 4
-    assert bench.run(cfg) == 0 and len(order) == 4  # finished runs are read, not rerun
+    # finished runs are read, not rerun
+    assert bench.run(cfg) == 0 and len(order) == 4
     # a run killed after a checkpoint (its last validation before max_steps) is continued, not taken as done
     metrics = tmp_path / "runs" / "r-muon-seed2" / "metrics.csv"
-    metrics.write_text("\n".join(metrics.read_text().splitlines()[:-1]) + "\n")  # no val after step 4
+    # no val after step 4
+    metrics.write_text("\n".join(metrics.read_text().splitlines()[:-1]) + "\n")
     assert bench.run(cfg) == 0 and order[4:] == ["resume r-muon-seed2"]

@@ -10,16 +10,20 @@ from gptkit.training.optim import lr_factor, param_groups
 
 
 def test_weight_decay_only_on_matrices_and_tied_weights_once():
-    model = GPT(ModelConfig(vocab_size=50, max_seq_len=16, n_layers=2, n_heads=2, d_model=16))  # tied, biases
+    # tied, biases
+    model = GPT(ModelConfig(vocab_size=50, max_seq_len=16, n_layers=2, n_heads=2, d_model=16))
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
-    assert decayed and all(n.endswith("proj.weight") for n in decayed)  # q/k/v/o and MLP matrices
+    # q/k/v/o and MLP matrices
+    assert decayed and all(n.endswith("proj.weight") for n in decayed)
     kept = {names[id(p)] for p in no_decay["params"]}
-    assert "tok_emb.weight" in kept and "pos_emb.weight" in kept  # embeddings (and the tied head) undecayed
+    # embeddings (and the tied head) undecayed
+    assert "tok_emb.weight" in kept and "pos_emb.weight" in kept
     assert any(n.endswith(".bias") for n in kept) and any("norm" in n for n in kept)
     n_grouped = sum(p.numel() for g in (decay, no_decay) for p in g["params"])
-    assert n_grouped == model.num_parameters()  # every parameter once, the tied head not twice
+    # every parameter once, the tied head not twice
+    assert n_grouped == model.num_parameters()
     with_emb, _ = param_groups(model, 0.1, decay_embeddings=True)
     assert any(p is model.tok_emb.weight for p in with_emb["params"])
 
@@ -36,14 +40,17 @@ def test_warmup_is_linear_to_the_peak(schedule):
 def test_cosine_linear_and_wsd_shapes():
     f = lambda step, s: lr_factor(step, schedule=s, **KW)  # noqa: E731
     assert f(100, "cosine") == pytest.approx(1.0)
-    assert f(550, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)  # halfway: halfway between peak and floor
+    # halfway: halfway between peak and floor
+    assert f(550, "cosine") == pytest.approx(0.1 + 0.9 * 0.5)
     assert f(1000, "cosine") == pytest.approx(0.1) and f(5000, "cosine") == pytest.approx(0.1)
     assert f(550, "linear") == pytest.approx(1 - 0.9 * 0.5)
-    assert f(799, "wsd") == 1.0  # stable until the last 20% of steps
+    # stable until the last 20% of steps
+    assert f(799, "wsd") == 1.0
     assert f(900, "wsd") == pytest.approx(1 - 0.9 * 0.5) and f(1000, "wsd") == pytest.approx(0.1)
     assert f(700, "constant") == 1.0
     steps = [f(s, "cosine") for s in range(100, 1001)]
-    assert all(a >= b for a, b in zip(steps, steps[1:]))  # monotone after warm-up
+    # monotone after warm-up
+    assert all(a >= b for a, b in zip(steps, steps[1:]))
     assert math.isclose(min(steps), 0.1)
 
 
@@ -63,7 +70,8 @@ def test_min_lr_defaults_to_a_tenth_of_lr_so_a_small_lr_alone_is_valid():
     for _ in range(10):
         opt.step()
         sched.step()
-    assert opt.param_groups[0]["lr"] == pytest.approx(3e-6)  # decayed to lr / 10
+    # decayed to lr / 10
+    assert opt.param_groups[0]["lr"] == pytest.approx(3e-6)
     explicit = OmegaConf.merge(cfg, {"min_lr": 0})
     check_optim_config(explicit)
     assert min_lr(explicit) == 0.0

@@ -10,9 +10,18 @@ from conftest import REPO, run_main
 from omegaconf import OmegaConf
 
 # appended to the tour's `gptkit train` line: the same recipe, a model and a run small enough for a test
-TINY = ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "trainer.max_steps=4",
-        "trainer.val_every=2", "trainer.val_windows=2", "trainer.checkpoint_every=2", "trainer.log_every=2",
-        "trainer.progress=off", "trainer.threads=1"]
+TINY = [
+    "model.n_layers=1",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "trainer.max_steps=4",
+    "trainer.val_every=2",
+    "trainer.val_windows=2",
+    "trainer.checkpoint_every=2",
+    "trainer.log_every=2",
+    "trainer.progress=off",
+    "trainer.threads=1",
+]
 
 
 def readme_tour() -> list[list[str]]:
@@ -24,7 +33,8 @@ def readme_tour() -> list[list[str]]:
 
 
 def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)  # the tour's paths (runs/...) are relative to where the user stands
+    # the tour's paths (runs/...) are relative to where the user stands
+    monkeypatch.chdir(tmp_path)
     tour = readme_tour()
     assert [cmd[:2] for cmd in tour] == [["gptkit", "train"], ["gptkit", "sample"], ["gptkit", "eval"]]
     outputs = []
@@ -36,7 +46,8 @@ def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch, capsys):
     run = tmp_path / "runs" / "shakespeare-char"
     assert (run / "config.yaml").is_file() and (run / "checkpoints" / "last.ckpt").exists()
     assert "gptkit train -> " in outputs[0][1] and "done: step 4" in outputs[0][1]
-    assert outputs[1][0].startswith("ROMEO:")  # the sample continues the prompt
+    # the sample continues the prompt
+    assert outputs[1][0].startswith("ROMEO:")
     assert "perplexity" in outputs[2][0]
 
 
@@ -46,21 +57,48 @@ def test_train_runs_from_python_without_hydra(tmp_path):
     import gptkit
 
     runs = tmp_path / "runs"
-    result = gptkit.train(["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-                           "model.max_seq_len=16", "data=shakespeare", "tokenizer=char",
-                           "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_every=2",
-                           "trainer.val_windows=1", "trainer.checkpoint_every=2", "trainer.progress=off",
-                           "trainer.threads=1", f"runs_dir={runs}", "name=from-python"])
+    result = gptkit.train(
+        [
+            "model=gpt2-tiny",
+            "model.n_layers=1",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.max_seq_len=16",
+            "data=shakespeare",
+            "tokenizer=char",
+            "trainer.batch_size=2",
+            "trainer.max_steps=2",
+            "trainer.val_every=2",
+            "trainer.val_windows=1",
+            "trainer.checkpoint_every=2",
+            "trainer.progress=off",
+            "trainer.threads=1",
+            f"runs_dir={runs}",
+            "name=from-python",
+        ]
+    )
     assert not HydraConfig.initialized()
     assert result.run_dir == Path(runs / "from-python") and result.step == 2 and result.val_loss is not None
     assert (result.run_dir / "config.yaml").is_file() and result.last_checkpoint.exists()
 
 
 # a 2-step run from Python
-PY_TINY = ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-           "model.max_seq_len=16", "data=shakespeare", "tokenizer=char", "trainer.batch_size=2",
-           "trainer.max_steps=2", "trainer.val_every=2", "trainer.val_windows=1",
-           "trainer.checkpoint_every=2", "trainer.progress=off", "trainer.threads=1"]
+PY_TINY = [
+    "model=gpt2-tiny",
+    "model.n_layers=1",
+    "model.d_model=32",
+    "model.n_heads=2",
+    "model.max_seq_len=16",
+    "data=shakespeare",
+    "tokenizer=char",
+    "trainer.batch_size=2",
+    "trainer.max_steps=2",
+    "trainer.val_every=2",
+    "trainer.val_windows=1",
+    "trainer.checkpoint_every=2",
+    "trainer.progress=off",
+    "trainer.threads=1",
+]
 
 
 def test_train_runs_a_plan_looked_at_first(tmp_path):
@@ -70,7 +108,8 @@ def test_train_runs_a_plan_looked_at_first(tmp_path):
 
     plan = gptkit.plan([*PY_TINY, f"runs_dir={tmp_path}", "name=planned"])
     assert (plan.max_steps, plan.seq_len, plan.tokens_per_step, plan.world_size) == (2, 16, 32, 1)
-    assert plan.data is not None and plan.model.vocab_size == plan.data.vocab_size  # from the tokenizer
+    # from the tokenizer
+    assert plan.data is not None and plan.model.vocab_size == plan.data.vocab_size
     assert plan.run_dir == tmp_path / "planned" and not (plan.run_dir / "config.yaml").exists()
     with pytest.raises(TypeError, match="takes no other arguments"):
         gptkit.train(plan, run_dir=tmp_path / "elsewhere")
@@ -102,7 +141,8 @@ def test_train_runs_a_plan_made_without_data_or_folder(tmp_path):
     assert plan.data is None and plan.run_dir is None
     result = gptkit.train(plan)
     assert result.run_dir == tmp_path / "outside" and result.step == 2
-    assert OmegaConf.load(result.run_dir / "config.yaml").model.vocab_size == 96  # the plan's model, kept
+    # the plan's model, kept
+    assert OmegaConf.load(result.run_dir / "config.yaml").model.vocab_size == 96
 
 
 def test_train_derives_each_fact_of_the_plan_once():
@@ -111,8 +151,12 @@ def test_train_derives_each_fact_of_the_plan_once():
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, str(REPO / ".ci" / "rederivations"), "--check"], capture_output=True,
-                       text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "rederivations"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     counts = dict(line.rsplit(None, 1) for line in r.stdout.splitlines() if line.strip())
     assert counts["precision()"] == "1" and counts["parse_options"] == "1", counts

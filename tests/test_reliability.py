@@ -36,7 +36,8 @@ def sharded_run(tmp_path: Path) -> Path:
     state = torch.load(last, weights_only=True)
     last.unlink()
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled ...: save in a single process"
+        # "torch.distributed is disabled ...: save in a single process"
+        warnings.simplefilter("ignore")
         dcp.save({"state_dict": state["state_dict"]}, checkpoint_id=str(last))
     torch.save({"global_step": 3}, last / "meta.pt")
     return d
@@ -52,7 +53,8 @@ def test_a_sharded_index_naming_a_file_outside_its_folder_is_refused_by_every_re
     shard = next(last.glob("*.distcp"))
     outside = tmp_path / "outside" / "secret.bin"
     outside.parent.mkdir()
-    outside.write_bytes(shard.read_bytes())  # a readable shard: only the confinement refuses it
+    # a readable shard: only the confinement refuses it
+    outside.write_bytes(shard.read_bytes())
     for info in metadata.storage_data.values():
         info.relative_path = os.path.relpath(outside, last)
     (last / ".metadata").write_bytes(pickle.dumps(metadata))
@@ -63,7 +65,8 @@ def test_a_sharded_index_naming_a_file_outside_its_folder_is_refused_by_every_re
     ):
         code, _, err = run_main(capsys, verb, *args)
         assert code == 2 and "lies outside" in err and "secret.bin" in err and one_line(err), (verb, err)
-    link = last / "linked.distcp"  # a name inside the folder that is a link leaving it
+    # a name inside the folder that is a link leaving it
+    link = last / "linked.distcp"
     link.symlink_to(outside)
     for info in metadata.storage_data.values():
         info.relative_path = link.name
@@ -96,7 +99,8 @@ def test_a_pickled_payload_in_the_index_or_a_truncated_shard_is_one_line(tmp_pat
     d = sharded_run(tmp_path)
     last = d / "checkpoints" / "last.ckpt"
     index = (last / ".metadata").read_bytes()
-    (last / ".metadata").write_bytes(pickle.dumps(os.system))  # would call os.system if unpickled freely
+    # would call os.system if unpickled freely
+    (last / ".metadata").write_bytes(pickle.dumps(os.system))
     code, _, err = run_main(capsys, "consolidate", f"run={last}")
     assert code == 2 and "not a readable checkpoint index" in err and one_line(err), err
     (last / ".metadata").write_bytes(index)
@@ -177,7 +181,8 @@ def test_a_hand_edited_config_yaml_is_refused_on_resume_naming_the_file(
     assert f"{d / 'config.yaml'}" in err or "config.yaml)" in err, err
     assert (
         "hunter2" not in err and (d / "config.yaml").read_text() == before
-    )  # nothing resolved, nothing written
+        # nothing resolved, nothing written
+    )
     assert not (d / "metrics.csv").exists()
 
 
@@ -223,7 +228,8 @@ def test_a_missing_preset_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys
     monkeypatch.chdir(tmp_path)
     code, _, err = run_main(capsys, "train", *args, f"runs_dir={tmp_path / 'runs'}")
     assert code == 2 and needle in err and one_line(err), err
-    assert list(tmp_path.iterdir()) == []  # no run folder, no multirun.yaml
+    # no run folder, no multirun.yaml
+    assert list(tmp_path.iterdir()) == []
 
 
 # ---- item 5: Ctrl-C during the final validation saves, stops, exits 130; resume finishes the validation ----
@@ -280,7 +286,8 @@ def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tm
         f"SIGINT: saved {run / 'checkpoints' / 'last.ckpt'} at step 5" in r.stderr
         and "Traceback" not in r.stderr
     )
-    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 5  # the finished last step is kept
+    # the finished last step is kept
+    assert checkpoint_step(run / "checkpoints" / "last.ckpt") == 5
     r = run_cli("train", f"resume={run}")
     assert r.returncode == 0, r.stderr[-2000:]
     rows = (run / "metrics.csv").read_text().splitlines()
@@ -298,7 +305,8 @@ def test_a_tokenizer_larger_than_the_model_vocabulary_is_one_line(tmp_path, caps
     from gptkit.tokenizer import build_tokenizer
 
     d, model, _ = make_run(tmp_path)
-    big = build_tokenizer({"kind": "byte"}, texts=lambda: ["x"])  # 256+ ids against make_run's ~65
+    # 256+ ids against make_run's ~65
+    big = build_tokenizer({"kind": "byte"}, texts=lambda: ["x"])
     (d / "tokenizer.json").write_text(big.to_str())
     for verb, *args in (("sample", "max_new_tokens=2"), ("eval",), ("export", f"out={tmp_path / 'hf'}")):
         code, _, err = run_main(capsys, verb, f"run={d}", *args)
@@ -320,10 +328,12 @@ def test_latest_skips_folders_the_verb_cannot_use(tmp_path, capsys, monkeypatch)
     failed.mkdir()
     (failed / "config.yaml").write_text(
         (good / "config.yaml").read_text()
-    )  # a start that failed: no checkpoint
+        # a start that failed: no checkpoint
+    )
     assert resolve_latest("latest").resolve() == good.resolve()
     assert "newer folders without a checkpoint skipped" in capsys.readouterr().err
-    (good / "imported_from.json").write_text("{}")  # an import: nothing to resume
+    # an import: nothing to resume
+    (good / "imported_from.json").write_text("{}")
     with pytest.raises(GptkitError, match="with training to resume"):
         resolve_latest("latest", need="training")
 
@@ -352,14 +362,16 @@ def test_a_run_too_large_for_the_host_is_refused_before_the_model_is_built(tmp_p
     assert "activations" in err and "trainer.batch_size=100000" in err and one_line(err), err
     from gptkit.runs import unused
 
-    assert unused(runs / "big")  # nothing written but the lock (the folder goes when the process exits)
+    # nothing written but the lock (the folder goes when the process exits)
+    assert unused(runs / "big")
 
 
 def test_the_cpu_allocators_failure_is_one_line(capsys, monkeypatch):
     from gptkit import cli
 
     try:
-        torch.empty(10**14, dtype=torch.uint8)  # 100 TB: refused by the allocator at once
+        # 100 TB: refused by the allocator at once
+        torch.empty(10**14, dtype=torch.uint8)
     except RuntimeError as exc:
         error = exc
     else:
@@ -398,7 +410,8 @@ def test_a_full_disk_names_metrics_csv_the_exported_file_or_says_no_file_is_name
             (tmp / "config.json").write_text("{}")
             (tmp / "model.safetensors").write_bytes(b"half")
             raise full
-    assert list(tmp_path.iterdir()) == []  # nothing half-made
+    # nothing half-made
+    assert list(tmp_path.iterdir()) == []
     assert cli._report(OSError(errno.ENOSPC, "No space left on device")) == 2
     err = capsys.readouterr().err
     assert "the failed write names no file" in err and one_line(err), err
@@ -414,10 +427,13 @@ def test_leftover_temporaries_of_a_killed_export_are_removed_by_the_next_export_
     out = tmp_path / "hf"
     fd, dead = locked_temp(out, folder=True)
     (dead / "model.safetensors").write_bytes(b"\0" * 100_000)
-    os.close(fd)  # its writer is gone (kill -9 drops the lock the same way)
-    live_fd, live = locked_temp(out, folder=True)  # another export of the same out, still writing
+    # its writer is gone (kill -9 drops the lock the same way)
+    os.close(fd)
+    # another export of the same out, still writing
+    live_fd, live = locked_temp(out, folder=True)
     other_fd, other = locked_temp(tmp_path / "hf2", folder=True)
-    os.close(other_fd)  # a dead temporary of another out: not this export's to remove
+    # a dead temporary of another out: not this export's to remove
+    os.close(other_fd)
     try:
         code, _, err = run_main(capsys, "export", f"run={d}", f"out={out}")
         assert code == 0, err
@@ -442,11 +458,13 @@ def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explic
 
     monkeypatch.setattr(gptkit.threads, "cores", lambda: 2)
     monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 1.0, 1.0))
-    monkeypatch.setattr(gptkit.threads, "busy_now", lambda: 1.0)  # one of the two cores busy with other work
+    # one of the two cores busy with other work
+    monkeypatch.setattr(gptkit.threads, "busy_now", lambda: 1.0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(2)  # torch's default on two cores
+        # torch's default on two cores
+        torch.set_num_threads(2)
         assert set_threads(None, "trainer.threads") == 1 and torch.get_num_threads() == 1
         err = capsys.readouterr().err
         assert err == (
@@ -456,11 +474,13 @@ def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explic
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         assert (
             set_threads(2, "trainer.threads") == 2 and torch.get_num_threads() == 2
-        )  # the user's count: kept
+            # the user's count: kept
+        )
         assert capsys.readouterr().err.startswith("warning: 2 torch threads on 2 cores")
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
         torch.set_num_threads(2)
-        assert set_threads(None, "threads", warn=False) == 2  # not on the CPU: untouched
+        # not on the CPU: untouched
+        assert set_threads(None, "threads", warn=False) == 2
     finally:
         torch.set_num_threads(before)
 
@@ -469,12 +489,14 @@ def test_unset_threads_on_a_loaded_machine_use_the_count_that_fits_and_an_explic
 def test_a_truncated_metrics_csv_names_the_missing_steps_on_resume(tmp_path, capsys):
     from gptkit.training.metrics_csv import MetricsCSV, missing_tail
 
-    lines = ["step,train/loss"] + [f"{s},{4 - s / 10}" for s in range(1, 6)]  # rows 1-5 left of 1-12
+    # rows 1-5 left of 1-12
+    lines = ["step,train/loss"] + [f"{s},{4 - s / 10}" for s in range(1, 6)]
     (tmp_path / "metrics.csv").write_text("\n".join(lines) + "\n")
     MetricsCSV(tmp_path, resume_step=12).finalize("success")
     err = capsys.readouterr().err
     assert err.count("note:") == 1 and "has no rows for steps 6-12" in err, err
-    assert missing_tail([10, 20, 30, 40], 40) is None  # log_every=10
+    # log_every=10
+    assert missing_tail([10, 20, 30, 40], 40) is None
     assert missing_tail([10, 20, 30], 39) is None
     assert missing_tail([10, 20], 40) == (21, 40)
     assert missing_tail(list(range(1, 13)), 12) is None and missing_tail(list(range(1, 12)), 12) == (12, 12)
@@ -490,10 +512,12 @@ def test_a_corrupted_last_ckpt_advises_only_checkpoints_that_are_other_files(tmp
             {"state_dict": {"model.w": torch.full((64,), float(step))}, "global_step": step},
             ckdir / f"step-{step:06d}.ckpt",
         )
-    link_checkpoint(ckdir / "step-000006.ckpt", ckdir / "last.ckpt")  # as training publishes it
+    # as training publishes it
+    link_checkpoint(ckdir / "step-000006.ckpt", ckdir / "last.ckpt")
     data = bytearray((ckdir / "last.ckpt").read_bytes())
     data[len(data) // 2] ^= 0x04
-    (ckdir / "last.ckpt").write_bytes(bytes(data))  # in place: the hard-linked step-000006.ckpt rots with it
+    # in place: the hard-linked step-000006.ckpt rots with it
+    (ckdir / "last.ckpt").write_bytes(bytes(data))
     from gptkit.checkpoints import load_checkpoint
 
     with pytest.raises(GptkitError) as err:
@@ -524,7 +548,8 @@ def test_version_verb_did_you_mean_and_a_bare_run_path(tmp_path, capsys, monkeyp
     from gptkit import __version__
 
     assert run_main(capsys, "--version")[:2] == (0, f"gptkit {__version__}\n")
-    monkeypatch.delenv("GPTKIT_VERB", raising=False)  # set by earlier in-process calls, as in a DDP child
+    # set by earlier in-process calls, as in a DDP child
+    monkeypatch.delenv("GPTKIT_VERB", raising=False)
     code, _, err = run_main(capsys, "smaple")
     assert code == 2 and "did you mean sample?" in err and one_line(err), err
     code, _, err = run_main(capsys, "sample", "runs/x")

@@ -12,13 +12,27 @@ def tiny(tmp_path: Path, *extra: str) -> list[str]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_text(shakespeare(20_000))
-    return ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-            "model.max_seq_len=32", "tokenizer=char", "data=files", f"data.paths=[{corpus}]",
-            "trainer.batch_size=4",
-            "trainer.max_steps=7", "trainer.val_every=3", "trainer.val_windows=2",
-            "trainer.checkpoint_every=3",
-            "trainer.keep_checkpoints=5", "trainer.log_every=2", "trainer.progress=lines",
-            "optim.warmup_steps=1", f"runs_dir={tmp_path / 'runs'}", *extra]
+    return [
+        "model=gpt2-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "trainer.batch_size=4",
+        "trainer.max_steps=7",
+        "trainer.val_every=3",
+        "trainer.val_windows=2",
+        "trainer.checkpoint_every=3",
+        "trainer.keep_checkpoints=5",
+        "trainer.log_every=2",
+        "trainer.progress=lines",
+        "optim.warmup_steps=1",
+        f"runs_dir={tmp_path / 'runs'}",
+        *extra,
+    ]
 
 
 def metric_steps(run: Path, key: str) -> list[int]:
@@ -33,14 +47,19 @@ def test_one_step_numbering_in_metrics_progress_and_checkpoints(tmp_path, capsys
     run = tmp_path / "runs" / "steps"
     progress = [int(m) for m in re.findall(r"^step (\d+)/7  loss", err, re.M)]
     val_lines = [int(m) for m in re.findall(r"^step (\d+)  val loss", err, re.M)]
-    assert progress == [2, 4, 6, 7] and val_lines == [3, 6, 7]  # log_every=2, and the last step
-    assert metric_steps(run, "train/loss") == progress  # the progress line's step is the row's
+    # log_every=2, and the last step
+    assert progress == [2, 4, 6, 7] and val_lines == [3, 6, 7]
+    # the progress line's step is the row's
+    assert metric_steps(run, "train/loss") == progress
     assert metric_steps(run, "val/loss") == val_lines
     assert sorted(p.name for p in (run / "checkpoints").glob("step-*.ckpt")) == [
-        "step-000003.ckpt", "step-000006.ckpt"]
+        "step-000003.ckpt",
+        "step-000006.ckpt",
+    ]
     with open(run / "metrics.csv", newline="") as f:
         last = list(csv.DictReader(f))[-1]
-    assert float(last["perf/tokens"]) == 7 * 4 * 32  # row 7: after 7 steps of 4 x 32 tokens
+    # row 7: after 7 steps of 4 x 32 tokens
+    assert float(last["perf/tokens"]) == 7 * 4 * 32
     from gptkit.training.metrics_csv import MetricsCSV, read_rows
 
     # a resume at step 6 keeps rows up to 6 (train and validation of step 6), and says nothing is missing
@@ -49,9 +68,16 @@ def test_one_step_numbering_in_metrics_progress_and_checkpoints(tmp_path, capsys
     assert "note:" not in capsys.readouterr().err
 
     # ---- item 2: an init_from= run's default folder is named after the model it trains ----
-    code, _, err = run_main(capsys, "train", f"init_from={run}", "data=files",
-                            f"data.paths=[{tmp_path}/corpus.txt]", "trainer.max_steps=1",
-                            "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}")
+    code, _, err = run_main(
+        capsys,
+        "train",
+        f"init_from={run}",
+        "data=files",
+        f"data.paths=[{tmp_path}/corpus.txt]",
+        "trainer.max_steps=1",
+        "trainer.progress=false",
+        f"runs_dir={tmp_path / 'runs'}",
+    )
     assert code == 0, err
     made = sorted(p.name for p in (tmp_path / "runs").iterdir() if p.name != "steps")
     assert len(made) == 1 and re.fullmatch(r"mini-\d{8}-\d{6}", made[0]), made
@@ -65,7 +91,8 @@ def test_an_empty_prompt_starts_from_bos_else_end_of_text_else_a_newline():
     from gptkit.generate import empty_prompt_start, encode_prompt
     from gptkit.tokenizer import build_tokenizer
 
-    byte = build_tokenizer({"kind": "byte", "special_tokens": [], "eos_token": None})  # the default run's
+    # the default run's
+    byte = build_tokenizer({"kind": "byte", "special_tokens": [], "eos_token": None})
     assert encode_prompt(byte, "", None, None) == [10] and "newline" in empty_prompt_start(None, None)
     assert encode_prompt(byte, "", None, 7) == [7] and encode_prompt(byte, "", 3, 7) == [3]
     no_newline = build_tokenizer({"kind": "char"}, lambda: ["abc"], progress=False)
@@ -77,30 +104,39 @@ def test_an_empty_prompt_starts_from_bos_else_end_of_text_else_a_newline():
 def test_yaml_comments_take_the_line_its_continuation_or_the_lines_above():
     from gptkit.options import yaml_comments
 
-    text = ("# the file's own description\n# @package _group_\n\n"
-            "lr: 0.1          # the peak rate\n"
-            "                 # (after warmup)\n"
-            "# steps of warmup\n"
-            "warmup: 3\n"
-            "sub:\n"
-            "  a: 'x # y'     # quoted '#' is a value\n"
-            "  b: 2\n"
-            "plain: 1\n")
+    text = (
+        "# the file's own description\n# @package _group_\n\n"
+        "lr: 0.1          # the peak rate\n"
+        "                 # (after warmup)\n"
+        "# steps of warmup\n"
+        "warmup: 3\n"
+        "sub:\n"
+        "  a: 'x # y'     # quoted '#' is a value\n"
+        "  b: 2\n"
+        "plain: 1\n"
+    )
     assert yaml_comments(text, "optim") == {
-        "optim.lr": "the peak rate (after warmup)", "optim.warmup": "steps of warmup",
-        "optim.sub.a": "quoted '#' is a value"}
+        "optim.lr": "the peak rate (after warmup)",
+        "optim.warmup": "steps of warmup",
+        "optim.sub.a": "quoted '#' is a value",
+    }
 
 
 def test_help_shows_each_keys_comment_from_conf(capsys):
     code, out, err = run_main(capsys, "train", "model=llama-tiny", "--help")
     assert code in (0, None), err
     lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ":" in ln}
-    assert "# optimizer steps (ignored when max_tokens is set)" in lines["max_steps"]  # trainer/default.yaml
-    assert "# a run folder or checkpoint to continue exactly" in lines["resume"]  # train.yaml
-    assert "# appended after every document" in lines["eos_token"]  # the chosen tokenizer preset
-    code, out, err = run_main(capsys, "train", "experiment=sft-tiny", "--help")  # it overrides model=
+    # trainer/default.yaml
+    assert "# optimizer steps (ignored when max_tokens is set)" in lines["max_steps"]
+    # train.yaml
+    assert "# a run folder or checkpoint to continue exactly" in lines["resume"]
+    # the chosen tokenizer preset
+    assert "# appended after every document" in lines["eos_token"]
+    # it overrides model=
+    code, out, err = run_main(capsys, "train", "experiment=sft-tiny", "--help")
     lines = {ln.split(":")[0].strip(): ln for ln in out.splitlines() if ":" in ln}
-    assert "#" not in lines["d_ff"] and "as in `gptkit chat`" in lines["position_reset"]  # not gpt2-tiny's
+    # not gpt2-tiny's
+    assert "#" not in lines["d_ff"] and "as in `gptkit chat`" in lines["position_reset"]
     code, out, err = run_main(capsys, "sample", "--help")
     decode = next(ln for ln in out.splitlines() if ln.startswith("decode:"))
     assert "| graph: the static KV cache" in decode and "(static: the same, without a graph)" in decode
@@ -130,15 +166,25 @@ def test_the_host_memory_estimate_bounds_the_measured_growth_of_a_training_proce
 
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    args = tiny(tmp_path, "name=mem", "trainer.batch_size=2000", "trainer.max_steps=1", "trainer.val_every=1",
-                "trainer.progress=false")  # ~64k tokens a step: activations and logits of ~0.2 GiB
+    args = tiny(
+        tmp_path,
+        "name=mem",
+        "trainer.batch_size=2000",
+        "trainer.max_steps=1",
+        "trainer.val_every=1",
+        "trainer.progress=false",
+        # ~64k tokens a step: activations and logits of ~0.2 GiB
+    )
     env = {k: v for k, v in os.environ.items() if k != "GPTKIT_VERB"}
-    r = subprocess.run([sys.executable, str(script), "train", *args], capture_output=True, text=True, env=env,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), "train", *args], capture_output=True, text=True, env=env, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     grown, estimate = map(float, r.stderr.rsplit("MEMORY ", 1)[1].split())
-    assert grown > 200 * 2**20  # the batch really costs memory, so the bound is tested
-    assert grown <= estimate <= 3 * grown, (grown, estimate)  # an upper bound, not a wild one
+    # the batch really costs memory, so the bound is tested
+    assert grown > 200 * 2**20
+    # an upper bound, not a wild one
+    assert grown <= estimate <= 3 * grown, (grown, estimate)
 
 
 # ---- item 8: what a new user's walk found ----
@@ -149,23 +195,28 @@ def test_a_bad_sampling_value_names_its_key_before_any_note(tmp_path, capsys, mo
     import sys
 
     monkeypatch.setattr("gptkit.threads.set_threads", lambda *a, **k: print("note: threads", file=sys.stderr))
-    for arg, needle in (("top_k=abc", "top_k=abc is not an integer"),
-                        ("max_new_tokens=2.5", "max_new_tokens=2.5 is not an integer")):
+    for arg, needle in (
+        ("top_k=abc", "top_k=abc is not an integer"),
+        ("max_new_tokens=2.5", "max_new_tokens=2.5 is not an integer"),
+    ):
         code, out, err = run_main(capsys, "sample", f"run={d}", arg)
         assert code == 2 and out == "" and err == f"error: {needle}\n", err
 
 
 def test_a_missing_required_key_says_what_conf_says_it_is(capsys):
     code, out, err = run_main(capsys, "sample")
-    assert code == 2 and err == ("error: run is required: add run=<value> (a run folder (runs/<name>) or a "
-                                 "checkpoint file in one)\n"), err
+    assert code == 2 and err == (
+        "error: run is required: add run=<value> (a run folder (runs/<name>) or a checkpoint file in one)\n"
+    ), err
 
 
 def test_bench_optim_times_validations_by_the_rows_step(tmp_path):
     from gptkit.bench.optim import read_run
 
-    (tmp_path / "metrics.csv").write_text("step,perf/tokens,perf/tokens_per_s,val/loss\n"
-                                          "2,200,100,\n4,400,100,3.5\n")  # 100 tokens a step, 1 s a step
+    (tmp_path / "metrics.csv").write_text(
+        "step,perf/tokens,perf/tokens_per_s,val/loss\n2,200,100,\n4,400,100,3.5\n"
+        # 100 tokens a step, 1 s a step
+    )
     run = read_run(tmp_path)
     assert run["val"] == [(4, 3.5, 4.0)] and run["train_seconds"] == 4.0
 
@@ -184,6 +235,7 @@ def test_a_tokenizer_worker_whose_prepare_died_while_it_started_exits_at_once():
     import subprocess
     import sys
 
-    code = "from gptkit.data.tokenize import _init_worker; _init_worker(1)"  # 1: not this one's parent
+    # 1: not this one's parent
+    code = "from gptkit.data.tokenize import _init_worker; _init_worker(1)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1 and r.stderr == "", r.stderr

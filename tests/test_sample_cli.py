@@ -24,13 +24,19 @@ def run_dir(tmp_path_factory):
 
 def test_greedy_text_streams_what_the_library_generates(run_dir, cli):
     d, model, tok = run_dir
-    prompt = "ROMEO: O, she doth teach"  # a comma: passed verbatim, not a Hydra sweep
+    # a comma: passed verbatim, not a Hydra sweep
+    prompt = "ROMEO: O, she doth teach"
     ids = encode_prompt(tok, prompt, None)
-    want = generate(model, ids, SampleOptions(max_new_tokens=30, temperature=0, eos_id=tok.token_to_id(EOS)),
-                    decode=tok.decode)
+    want = generate(
+        model,
+        ids,
+        SampleOptions(max_new_tokens=30, temperature=0, eos_id=tok.token_to_id(EOS)),
+        decode=tok.decode,
+    )
     r = cli("sample", f"run={d}", f"prompt={prompt}", "greedy=true", "max_new_tokens=30", "device=cpu")
     assert r.returncode == 0, r.stderr
-    assert r.stdout == prompt + want.texts[0] + "\n"  # streamed text, then a newline
+    # streamed text, then a newline
+    assert r.stdout == prompt + want.texts[0] + "\n"
     assert "decode" in r.stderr and "tokens/s" in r.stderr
 
 
@@ -38,31 +44,58 @@ def test_json_batch_of_samples_is_reproducible(run_dir, capsys):
     d, model, tok = run_dir
     prompt = "ROMEO: O, she doth teach"
     ids = encode_prompt(tok, prompt, None)
-    code, stdout, stderr = run_main(capsys, "sample", f"run={d}", f"prompt={prompt}", "max_new_tokens=12",
-                                    "num_samples=3", "seed=5", "temperature=1.0", "top_k=20", "top_p=0.9",
-                                    "--json")
+    code, stdout, stderr = run_main(
+        capsys,
+        "sample",
+        f"run={d}",
+        f"prompt={prompt}",
+        "max_new_tokens=12",
+        "num_samples=3",
+        "seed=5",
+        "temperature=1.0",
+        "top_k=20",
+        "top_p=0.9",
+        "--json",
+    )
     assert code == 0, stderr
-    lines = stdout.splitlines()  # JSON Lines: one complete object per sample
+    # JSON Lines: one complete object per sample
+    lines = stdout.splitlines()
     assert len(lines) == 3 and all(line.startswith("{") for line in lines)
     samples = [json.loads(line) for line in lines]
     assert [s["sample"] for s in samples] == [1, 2, 3]
     assert all(s["prompt"] == prompt and s["prompt_tokens"] == len(ids) for s in samples)
-    want = generate(model, ids, SampleOptions(max_new_tokens=12, temperature=1.0, top_k=20, top_p=0.9, seed=5,
-                                              num_samples=3, eos_id=tok.token_to_id(EOS)), decode=tok.decode)
-    assert [s["tokens"] for s in samples] == want.tokens  # same seed, same draws
+    want = generate(
+        model,
+        ids,
+        SampleOptions(
+            max_new_tokens=12,
+            temperature=1.0,
+            top_k=20,
+            top_p=0.9,
+            seed=5,
+            num_samples=3,
+            eos_id=tok.token_to_id(EOS),
+        ),
+        decode=tok.decode,
+    )
+    # same seed, same draws
+    assert [s["tokens"] for s in samples] == want.tokens
     assert [s["text"] for s in samples] == want.texts
 
 
 def test_empty_prompt_starts_from_bos_and_stop_string(run_dir, capsys):
-    d, model, tok = run_dir  # <|endoftext|> serves as BOS, as in GPT-2
-    code, stdout, stderr = run_main(capsys, "sample", f"run={d}", "prompt=", "greedy=true",
-                                    "max_new_tokens=40",
-                                    "stop=e", "--json")
+    # <|endoftext|> serves as BOS, as in GPT-2
+    d, model, tok = run_dir
+    code, stdout, stderr = run_main(
+        capsys, "sample", f"run={d}", "prompt=", "greedy=true", "max_new_tokens=40", "stop=e", "--json"
+    )
     assert code == 0, stderr
     s = json.loads(stdout)
-    full = generate(model, [tok.token_to_id(EOS)], SampleOptions(max_new_tokens=40, temperature=0),
-                    decode=tok.decode).texts[0]
-    assert "e" in full  # otherwise the stop string is never reached
+    full = generate(
+        model, [tok.token_to_id(EOS)], SampleOptions(max_new_tokens=40, temperature=0), decode=tok.decode
+    ).texts[0]
+    # otherwise the stop string is never reached
+    assert "e" in full
     assert s["stop_reason"] == "stop" and s["text"] == full[: full.index("e")]
 
 
@@ -72,13 +105,16 @@ def test_unknown_characters_are_named(run_dir, cli):
     assert r.stderr.count("\n") == 1 and "'é' (U+00E9), '€' (U+20AC)" in r.stderr, r.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["top_p=0"], "top_p=0.0 must be in (0, 1]"),
-    (["top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
-    (["temperature=-0.5"], "temperature=-0.5 must be >= 0"),
-    (["top_k=-1"], "top_k=-1 must be a non-negative integer"),
-    (["overflow=wrap"], "overflow='wrap' is not one of slide, stop"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["top_p=0"], "top_p=0.0 must be in (0, 1]"),
+        (["top_p=1.5"], "top_p=1.5 must be in (0, 1]"),
+        (["temperature=-0.5"], "temperature=-0.5 must be >= 0"),
+        (["top_k=-1"], "top_k=-1 must be a non-negative integer"),
+        (["overflow=wrap"], "overflow='wrap' is not one of slide, stop"),
+    ],
+)
 def test_nonsense_sampling_values_are_one_line(run_dir, capsys, args, message):
     code, _, err = run_main(capsys, "sample", f"run={run_dir[0]}", "prompt=hi", "device=cpu", *args)
     assert code == 2 and err.count("\n") == 1 and message in err, err
@@ -86,7 +122,8 @@ def test_nonsense_sampling_values_are_one_line(run_dir, capsys, args, message):
 
 def test_bad_run_folders_are_one_line(tmp_path, capsys):
     d, _, _ = make_run(tmp_path, eos=False, position="learned")
-    code, out, err = run_main(capsys, "sample", f"run={d}", "max_new_tokens=3")  # the default prompt, ""
+    # the default prompt, ""
+    code, out, err = run_main(capsys, "sample", f"run={d}", "max_new_tokens=3")
     assert code == 0 and out and 'the sample starts after a newline ("\\n") (not printed)' in err, err
 
     cfg = (d / "config.yaml").read_text()
@@ -105,10 +142,19 @@ def test_bench_sample_agrees_with_transformers(tmp_path, cli):
     rates (median and min-max of the repeats) are positive, and the context sweep is written."""
     pytest.importorskip("transformers")
     out = tmp_path / "bench.json"
-    r = cli("bench", "sample", "~bench.models",
-            "+bench.models={g:{preset:gpt2-tiny,max_seq_len:64},l:{preset:llama-tiny,vocab_size:500}}",
-            "batch_sizes=[1,3]", "new_tokens=6", "repeats=2", "context_model=g", "context_lens=[8]",
-            "context_steps=2", f"out={out}")
+    r = cli(
+        "bench",
+        "sample",
+        "~bench.models",
+        "+bench.models={g:{preset:gpt2-tiny,max_seq_len:64},l:{preset:llama-tiny,vocab_size:500}}",
+        "batch_sizes=[1,3]",
+        "new_tokens=6",
+        "repeats=2",
+        "context_model=g",
+        "context_lens=[8]",
+        "context_steps=2",
+        f"out={out}",
+    )
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())
     assert [(row["model"], row["batch"]) for row in res["decode"]] == [("g", 1), ("g", 3), ("l", 1), ("l", 3)]
@@ -132,15 +178,19 @@ def test_read_roofline_is_the_batch_over_the_time_to_read_a_step(monkeypatch):
     sizes = []
     real_ones = torch.ones
     monkeypatch.setattr(torch, "ones", lambda n, **kw: sizes.append(n) or real_ones(n, **kw))
-    ticks = iter(range(0, 1000))  # the clock advances 1 s per call: every read takes 1 s
+    # the clock advances 1 s per call: every read takes 1 s
+    ticks = iter(range(0, 1000))
     assert read_roofline(model, 4, 20, 3, clock=lambda: next(ticks)) == 4.0
     assert sizes == [decode_bytes_per_step(model.cfg, 4, 20, "fp32") // 4]
 
 
-@pytest.mark.parametrize("override, message", [
-    ("bench.models.gpt2-15m=null", "must be a mapping with a preset"),
-    ("bench.models.gpt2-15m.preset=nope", "unknown model preset 'nope'"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("bench.models.gpt2-15m=null", "must be a mapping with a preset"),
+        ("bench.models.gpt2-15m.preset=nope", "unknown model preset 'nope'"),
+    ],
+)
 def test_bench_sample_bad_model_is_one_line(capsys, override, message):
     code, _, err = run_main(capsys, "bench", "sample", "~bench.models.llama-tiny", override, "hf=false")
     assert code == 2 and message in err and err.count("\n") == 1, err
@@ -161,16 +211,21 @@ def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
 
     compiled = sd.compiled_forward
     monkeypatch.setattr(sd, "compiled_forward", lambda backend: compiled("aot_eager"))
-    cfg = OmegaConf.load(conf_dir() / "bench" / "sample.yaml")  # the shipped options
-    assert list(cfg.cuda.sides) == list(bench.SIDES)  # every side, by default
-    cfg.cuda.models = {"g": {"preset": "gpt2-tiny", "max_seq_len": 64, "vocab_size": 300},
-                       "l": {"preset": "llama-tiny", "vocab_size": 500}}
+    # the shipped options
+    cfg = OmegaConf.load(conf_dir() / "bench" / "sample.yaml")
+    # every side, by default
+    assert list(cfg.cuda.sides) == list(bench.SIDES)
+    cfg.cuda.models = {
+        "g": {"preset": "gpt2-tiny", "max_seq_len": 64, "vocab_size": 300},
+        "l": {"preset": "llama-tiny", "vocab_size": 500},
+    }
     cfg.cuda.update(batch_sizes=[1, 2], new_tokens=6, repeats=1, dtype="fp32", hbm_gbps=10)
     res = bench.run_cuda(cfg, torch.device("cpu"))
     out = capsys.readouterr().out
     rows = res["decode"]
     assert [(r["model"], r["batch"], r["side"]) for r in rows] == [
-        (m, b, s) for m in ("g", "l") for b in (1, 2) for s in bench.SIDES]
+        (m, b, s) for m in ("g", "l") for b in (1, 2) for s in bench.SIDES
+    ]
     assert all(r["same_tokens"] == 1.0 and r["same_tokens_as"] == "gptkit-eager" for r in rows)
     assert all(r["first_token_ms"] > 0 for r in rows)
     r = rows[0]
@@ -178,7 +233,8 @@ def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
     step_bytes = decode_bytes_per_step(model.cfg, 1, 16 + 3, "fp32")
     assert r["roofline_tokens_per_s"] == pytest.approx(10e9 / step_bytes)
     assert "g batch 1 gptkit-eager:" in out and "of the HBM roofline" in out
-    assert out.count("note: decode=graph needs a CUDA device") == 8  # gptkit-graph and -compiled, 4 cases
+    # gptkit-graph and -compiled, 4 cases
+    assert out.count("note: decode=graph needs a CUDA device") == 8
     assert "vs transformers-static" in out
 
 
@@ -193,8 +249,17 @@ def test_sample_decode_static_prints_what_eager_prints(run_dir, capsys):
     d, model, tok = run_dir
     outs = []
     for mode in ("eager", "static"):
-        code, stdout, stderr = run_main(capsys, "sample", f"run={d}", "prompt=ROMEO:", "greedy=true",
-                                        "max_new_tokens=40", "device=cpu", f"decode={mode}", "check_every=7")
+        code, stdout, stderr = run_main(
+            capsys,
+            "sample",
+            f"run={d}",
+            "prompt=ROMEO:",
+            "greedy=true",
+            "max_new_tokens=40",
+            "device=cpu",
+            f"decode={mode}",
+            "check_every=7",
+        )
         assert code == 0, stderr
         assert f"({mode})" in stderr
         outs.append(stdout)

@@ -11,7 +11,9 @@ from gptkit.precision import PRECISIONS, precision, torch_dtype
 def test_every_precision_train_accepts_is_known_to_accounting_and_preflight(name):
     from gptkit.accounting import training_memory
     from gptkit.model import ModelConfig
-    from gptkit.training.trainer import check_trainer_config  # what train and preflight both call
+
+    # what train and preflight both call
+    from gptkit.training.trainer import check_trainer_config
 
     t = OmegaConf.load("conf/trainer/default.yaml")
     t.precision = name
@@ -41,8 +43,9 @@ def test_resume_and_init_from_share_one_model_policy():
 
     saved = {"name": "a", "n_layers": 2, "dropout": 0.0, "attention": "sdpa"}
     asked = OmegaConf.create({"name": "b", "n_layers": 4, "dropout": 0.1, "attention": "eager"})
-    got = model_from_source("resume=x", saved, asked,
-                            parse_options(["model.dropout=0.1", "model.attention=eager", "optim.lr=1"]))
+    got = model_from_source(
+        "resume=x", saved, asked, parse_options(["model.dropout=0.1", "model.attention=eager", "optim.lr=1"])
+    )
     assert got == {"name": "a", "n_layers": 2, "dropout": 0.1, "attention": "eager"}
     assert set(FREE_MODEL_KEYS) == {"name", "dropout", "attention", "kernels", "position_reset"}
     with pytest.raises(GptkitError, match="init_from=x fixes model.n_layers=2"):
@@ -51,11 +54,15 @@ def test_resume_and_init_from_share_one_model_policy():
         model_from_source("resume=x", saved, asked, parse_options(["model=llama-tiny"]))
 
 
-@pytest.mark.parametrize("n, seq_len, stride, expected", [
-    (10, 4, 4, [0, 4, 8]),        # targets 1-4, 5-8 and the tail 9: every target once
-    (10, 4, 2, [0, 2, 4, 6]),
-    (5, 8, 8, [0]),
-])
+@pytest.mark.parametrize(
+    "n, seq_len, stride, expected",
+    [
+        # targets 1-4, 5-8 and the tail 9: every target once
+        (10, 4, 4, [0, 4, 8]),
+        (10, 4, 2, [0, 2, 4, 6]),
+        (5, 8, 8, [0]),
+    ],
+)
 def test_eval_windows_come_from_one_function(n, seq_len, stride, expected):
     from gptkit.evaluation import window_starts
 
@@ -77,7 +84,8 @@ def test_no_module_imports_itself_around_a_loop():
     stack: list[str] = []
     circles = []
 
-    def visit(v: str) -> None:  # Tarjan's strongly connected components
+    # Tarjan's strongly connected components
+    def visit(v: str) -> None:
         index[v] = low[v] = len(index)
         stack.append(v)
         for w in edges[v]:

@@ -43,13 +43,28 @@ def one_step(tmp_path, batches, accumulation: int):
     logging.getLogger("lightning").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
     m = w.MODEL
-    cfg = compose("train", [
-        "model=llama-tiny", f"model.n_layers={m['n_layers']}", f"model.d_model={m['d_model']}",
-        f"model.n_heads={m['n_heads']}", f"model.n_kv_heads={m['n_kv_heads']}", f"model.d_ff={m['d_ff']}",
-        f"model.max_seq_len={w.T}", f"model.vocab_size={m['vocab_size']}", "model.attention=eager",
-        f"trainer.batch_size={len(batches[0][0])}", f"trainer.accumulate_grad_batches={accumulation}",
-        "trainer.max_steps=1", "trainer.log_every=1", "trainer.progress=off", "trainer.val_every=1000",
-        "trainer.checkpoint_every=1000", "optim.warmup_steps=0"])
+    cfg = compose(
+        "train",
+        [
+            "model=llama-tiny",
+            f"model.n_layers={m['n_layers']}",
+            f"model.d_model={m['d_model']}",
+            f"model.n_heads={m['n_heads']}",
+            f"model.n_kv_heads={m['n_kv_heads']}",
+            f"model.d_ff={m['d_ff']}",
+            f"model.max_seq_len={w.T}",
+            f"model.vocab_size={m['vocab_size']}",
+            "model.attention=eager",
+            f"trainer.batch_size={len(batches[0][0])}",
+            f"trainer.accumulate_grad_batches={accumulation}",
+            "trainer.max_steps=1",
+            "trainer.log_every=1",
+            "trainer.progress=off",
+            "trainer.val_every=1000",
+            "trainer.checkpoint_every=1000",
+            "optim.warmup_steps=0",
+        ],
+    )
     cfg = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
     plan = make_plan(cfg, tmp_path, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)))
     module = LitGPT(plan)
@@ -57,7 +72,8 @@ def one_step(tmp_path, batches, accumulation: int):
     seen = {}
     clip = module.configure_gradient_clipping
 
-    def record(optimizer, *args, **kwargs):  # after TokenMean.finish, before clipping
+    # after TokenMean.finish, before clipping
+    def record(optimizer, *args, **kwargs):
         seen.update({k: p.grad.clone() for k, p in module.model.named_parameters()})
         return clip(optimizer, *args, **kwargs)
 
@@ -72,8 +88,10 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def test_accumulating_unequal_micro_batches_is_one_batch_of_both(tmp_path):
-    micro = w.micro_batches()  # 2 micro-batches of 4 rows: 31 and 25 loss tokens of 64
-    both = [tuple(torch.cat(t) for t in zip(*micro))]  # one batch of 8 rows
+    # 2 micro-batches of 4 rows: 31 and 25 loss tokens of 64
+    micro = w.micro_batches()
+    # one batch of 8 rows
+    both = [tuple(torch.cat(t) for t in zip(*micro))]
     want = w.reference_grads()
     one, one_loss = one_step(tmp_path / "one", both, accumulation=1)
     two, two_loss = one_step(tmp_path / "two", micro, accumulation=2)
@@ -91,11 +109,21 @@ def test_accumulating_unequal_micro_batches_is_one_batch_of_both(tmp_path):
 
 
 def test_two_ranks_ddp_and_fsdp2_give_the_one_process_gradient(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
     script = str(REPO / "tests/token_mean_distributed.py")
-    ranks = [subprocess.Popen([sys.executable, script, str(r), "2", str(tmp_path / "init"), str(tmp_path)],
-                              env=env, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, script, str(r), "2", str(tmp_path / "init"), str(tmp_path)],
+            env=env,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     try:
         errors = [p.communicate(timeout=120)[1] for p in ranks]
     finally:

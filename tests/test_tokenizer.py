@@ -40,31 +40,40 @@ def test_char_vocab_is_the_corpus_characters_in_code_point_order():
 def test_char_round_trips_unicode_and_rejects_unknown_characters():
     tok = build_tokenizer({"kind": "char"}, texts=lambda: iter([UNICODE, TEXT]))
     assert tok.decode(tok.encode(UNICODE + TEXT).ids) == UNICODE + TEXT
-    assert len(tok.encode(UNICODE).ids) == len(UNICODE)  # one id per code point
+    # one id per code point
+    assert len(tok.encode(UNICODE).ids) == len(UNICODE)
     assert unknown_characters(tok, "ZaZ\u20ac") == ["Z", "\u20ac"]
     assert describe_characters(["Z", "\u20ac"]) == "'Z' (U+005A), '\u20ac' (U+20AC)"
     unk = build_tokenizer({"kind": "char", "unk_token": "<|unk|>"}, texts=lambda: iter(["ab"]))
     assert unk.encode("aZ").ids == [0, unk.token_to_id("<|unk|>")]
-    assert unknown_characters(unk, "aZ") == ["Z"]  # mapped to <|unk|>: it does not round-trip
+    # mapped to <|unk|>: it does not round-trip
+    assert unknown_characters(unk, "aZ") == ["Z"]
 
 
 def test_bpe_trains_to_the_vocab_size_with_special_tokens_and_round_trips():
-    cfg = {"kind": "bpe", "vocab_size": 300, "min_frequency": 1, "special_tokens": ["<|endoftext|>"],
-           "eos_token": "<|endoftext|>"}
+    cfg = {
+        "kind": "bpe",
+        "vocab_size": 300,
+        "min_frequency": 1,
+        "special_tokens": ["<|endoftext|>"],
+        "eos_token": "<|endoftext|>",
+    }
     tok = build_tokenizer(cfg, texts=corpus(), progress=False)
     assert 256 < tok.get_vocab_size() <= 300
     assert tok.token_to_id("<|endoftext|>") is not None
     for text in (TEXT, UNICODE):
         ids = tok.encode(text).ids
         assert tok.decode(ids) == text
-    assert len(tok.encode(TEXT).ids) < len(TEXT.encode())  # it learned merges
+    # it learned merges
+    assert len(tok.encode(TEXT).ids) < len(TEXT.encode())
     # the same corpus and settings give the same tokenizer
     assert tokenizer_sha256(build_tokenizer(cfg, texts=corpus(), progress=False)) == tokenizer_sha256(tok)
 
 
 def test_file_tokenizer_loads_any_tokenizer_json(tmp_path):
-    bpe = build_tokenizer({"kind": "bpe", "vocab_size": 280, "min_frequency": 1}, texts=corpus(),
-                          progress=False)
+    bpe = build_tokenizer(
+        {"kind": "bpe", "vocab_size": 280, "min_frequency": 1}, texts=corpus(), progress=False
+    )
     path = tmp_path / "tok.json"
     bpe.save(str(path))
     tok = build_tokenizer({"kind": "file", "path": str(path)})
@@ -104,7 +113,8 @@ def test_cutting_long_documents_changes_no_token(kind):
     text = "\n".join(line + " " * (i % 2) for i, line in enumerate(lines)) + "  trailing  \n\n  spaces \n"
     pieces = split_long(text, size=2_000)
     assert len(pieces) > 10 and "".join(pieces) == text
-    tok = build_tokenizer({"kind": kind, "vocab_size": 400, "min_frequency": 1}, texts=lambda: iter([text]),
-                          progress=False)
+    tok = build_tokenizer(
+        {"kind": kind, "vocab_size": 400, "min_frequency": 1}, texts=lambda: iter([text]), progress=False
+    )
     joined = [i for enc in tok.encode_batch(pieces) for i in enc.ids]
     assert joined == tok.encode(text).ids

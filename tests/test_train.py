@@ -23,11 +23,26 @@ def corpus(tmp_path_factory) -> Path:
 
 def tiny_args(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
     return [
-        "model=gpt2-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.max_seq_len=32",
-        "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
-        "trainer.batch_size=4", "trainer.max_steps=12", "trainer.val_every=6", "trainer.val_windows=8",
-        "trainer.checkpoint_every=6", "trainer.log_every=1", "trainer.progress=false",
-        "optim.warmup_steps=2", f"runs_dir={runs}", f"name={name}", *extra,
+        "model=gpt2-tiny",
+        "model.n_layers=2",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.val_fraction=0.1",
+        "trainer.batch_size=4",
+        "trainer.max_steps=12",
+        "trainer.val_every=6",
+        "trainer.val_windows=8",
+        "trainer.checkpoint_every=6",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "optim.warmup_steps=2",
+        f"runs_dir={runs}",
+        f"name={name}",
+        *extra,
     ]
 
 
@@ -44,30 +59,44 @@ def test_run_folder_is_complete(corpus, tmp_path):
     r = train(corpus, tmp_path / "runs", "full")
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "runs" / "full"
-    for f in ("config.yaml", "tokenizer.json", "manifest.json", "metrics.csv", "loss.png",
-              "checkpoints/last.ckpt", "checkpoints/step-000006.ckpt", "checkpoints/step-000012.ckpt"):
+    for f in (
+        "config.yaml",
+        "tokenizer.json",
+        "manifest.json",
+        "metrics.csv",
+        "loss.png",
+        "checkpoints/last.ckpt",
+        "checkpoints/step-000006.ckpt",
+        "checkpoints/step-000012.ckpt",
+    ):
         assert (run / f).is_file(), f
-    ck = torch.load(run / "checkpoints/last.ckpt", weights_only=True)  # loads safely
+    # loads safely
+    ck = torch.load(run / "checkpoints/last.ckpt", weights_only=True)
     assert ck["global_step"] == 12
     # one writer: at a periodic step last.ckpt is that file (a hard link), not a second save
     assert (run / "checkpoints/last.ckpt").samefile(run / "checkpoints/step-000012.ckpt")
     train_loss = losses(run)
     assert len(train_loss) == 12
     val = losses(run, "val/loss")
-    assert sorted(val) and float(val[max(val)]) < float(train_loss[min(train_loss)])  # it learned something
+    # it learned something
+    assert sorted(val) and float(val[max(val)]) < float(train_loss[min(train_loss)])
     header = (run / "metrics.csv").read_text().splitlines()[0]
     for k in ("perf/tokens_per_s", "perf/flops_per_s", "perf/tokens", "perf/flops", "val/ppl", "train/lr"):
         assert k in header, k
-    with open(run / "metrics.csv", newline="") as f:  # one row per logged step: loss, lr and speed together
+    # one row per logged step: loss, lr and speed together
+    with open(run / "metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["train/loss"]]
     assert len(rows) == 12 and all(r["train/lr"] and r["perf/tokens_per_s"] for r in rows)
-    assert "perf/mfu" not in header  # CPU: no peak known, no MFU
+    # CPU: no peak known, no MFU
+    assert "perf/mfu" not in header
     import yaml
 
     cfg = yaml.safe_load((run / "config.yaml").read_text())
-    assert cfg["model"]["vocab_size"] == len(set(corpus.read_text()))  # vocab taken from the tokenizer
+    # vocab taken from the tokenizer
+    assert cfg["model"]["vocab_size"] == len(set(corpus.read_text()))
     (run / "loss.png").unlink()
-    r = run_cli("plot", "run=latest", cwd=tmp_path)  # the plot on demand, of ./runs/full
+    # the plot on demand, of ./runs/full
+    r = run_cli("plot", "run=latest", cwd=tmp_path)
     assert r.returncode == 0 and (run / "loss.png").read_bytes()[:4] == b"\x89PNG"
     # ./runs/full
     r = run_cli("sample", "run=latest", "prompt=the", "max_new_tokens=5", "--json", cwd=tmp_path)
@@ -87,17 +116,29 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     resumed = run_cli("train", f"resume={tmp_path / 'split'}")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a, b = losses(tmp_path / "straight"), losses(tmp_path / "split")
-    assert len(a) == 12 and a == b  # the same per-step losses, as text: bit-identical floats
+    # the same per-step losses, as text: bit-identical floats
+    assert len(a) == 12 and a == b
     assert losses(tmp_path / "straight", "val/loss") == losses(tmp_path / "split", "val/loss")
 
 
 def test_sigterm_saves_and_resumes(corpus, tmp_path):
-    args = tiny_args(corpus, tmp_path, "term", "trainer.max_steps=100000", "trainer.checkpoint_every=100000",
-                     "trainer.val_every=100000")
+    args = tiny_args(
+        corpus,
+        tmp_path,
+        "term",
+        "trainer.max_steps=100000",
+        "trainer.checkpoint_every=100000",
+        "trainer.val_every=100000",
+    )
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
-    proc = subprocess.Popen([sys.executable, "-m", "gptkit", "train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gptkit", "train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     metrics = tmp_path / "term" / "metrics.csv"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.is_file() and len(metrics.read_text().splitlines()) > 3):
@@ -111,13 +152,23 @@ def test_sigterm_saves_and_resumes(corpus, tmp_path):
     assert step > 0
     r = run_cli("train", f"resume={tmp_path / 'term'}", f"trainer.max_steps={step + 2}")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert torch.load(tmp_path / "term" / "checkpoints" / "last.ckpt",
-                      weights_only=True)["global_step"] == step + 2
+    assert (
+        torch.load(tmp_path / "term" / "checkpoints" / "last.ckpt", weights_only=True)["global_step"]
+        == step + 2
+    )
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
-    r = train(corpus, tmp_path, "nan", "optim.lr=1e30", "optim.warmup_steps=0", "optim.min_lr=0",
-              "trainer.checkpoint_every=1", "trainer.gradient_clip_val=null")
+    r = train(
+        corpus,
+        tmp_path,
+        "nan",
+        "optim.lr=1e30",
+        "optim.warmup_steps=0",
+        "optim.min_lr=0",
+        "trainer.checkpoint_every=1",
+        "trainer.gradient_clip_val=null",
+    )
     assert r.returncode == 2
     last_line = r.stderr.strip().splitlines()[-1]
     assert "loss became" in last_line and "at step" in last_line
@@ -128,30 +179,37 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(corpus, tmp_path):
 
 
 def test_multirun_gives_one_folder_per_job(corpus, tmp_path):
-    r = run_cli("train", "-m", *tiny_args(corpus, tmp_path, "sweep", "trainer.max_steps=2",
-                                          "optim.lr=1e-3,3e-3"))
+    r = run_cli(
+        "train", "-m", *tiny_args(corpus, tmp_path, "sweep", "trainer.max_steps=2", "optim.lr=1e-3,3e-3")
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for job in ("0", "1"):
         assert (tmp_path / "sweep" / job / "checkpoints" / "last.ckpt").is_file()
     import yaml
 
-    lrs = {yaml.safe_load((tmp_path / "sweep" / j / "config.yaml").read_text())["optim"]["lr"]
-           for j in ("0", "1")}
+    lrs = {
+        yaml.safe_load((tmp_path / "sweep" / j / "config.yaml").read_text())["optim"]["lr"]
+        for j in ("0", "1")
+    }
     assert lrs == {1e-3, 3e-3}
-    assert "job 0: " in r.stderr and "optim.lr=0.003" in r.stderr  # each job says what it runs
-    with open(tmp_path / "sweep" / "summary.csv", newline="") as f:  # and the sweep ends with a table
+    # each job says what it runs
+    assert "job 0: " in r.stderr and "optim.lr=0.003" in r.stderr
+    # and the sweep ends with a table
+    with open(tmp_path / "sweep" / "summary.csv", newline="") as f:
         summary = list(csv.DictReader(f))
     assert [row["job"] for row in summary] == ["0", "1"]
-    assert summary[0]["overrides"] == "optim.lr=0.001"  # what the jobs differ in
+    # what the jobs differ in
+    assert summary[0]["overrides"] == "optim.lr=0.001"
     assert float(summary[1]["final_val_loss"]) > 0
     assert float(summary[0]["tokens_per_s"]) > 0
 
 
 def test_loggers_csv_tensorboard_wandb_offline(corpus, tmp_path):
     r = run_cli(
-        "train", *tiny_args(corpus, tmp_path, "logs", "trainer.max_steps=3",
-                            "logger=[csv,tensorboard,wandb]"),
-        env={"WANDB_MODE": "offline"})
+        "train",
+        *tiny_args(corpus, tmp_path, "logs", "trainer.max_steps=3", "logger=[csv,tensorboard,wandb]"),
+        env={"WANDB_MODE": "offline"},
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     run = tmp_path / "logs"
     assert (run / "metrics.csv").is_file()
@@ -162,17 +220,21 @@ def test_loggers_csv_tensorboard_wandb_offline(corpus, tmp_path):
 def test_wandb_online_without_key_fails_fast(corpus, tmp_path):
     t0 = time.time()
     env = {"WANDB_MODE": "", "WANDB_API_KEY": "", "HOME": str(tmp_path)}
-    r = run_cli("train", *tiny_args(corpus, tmp_path, "online", "logger=[wandb]", "logger.wandb.mode=online"),
-                env=env)
+    r = run_cli(
+        "train", *tiny_args(corpus, tmp_path, "online", "logger=[wandb]", "logger.wandb.mode=online"), env=env
+    )
     assert r.returncode == 2 and "API key" in r.stderr
     assert time.time() - t0 < 60
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["optim=sgd"], "optim=sgd is not a preset (optim presets: adamw"),
-    (["trainer.precision=fp8"], "trainer.precision"),
-    (["resume=/nonexistent/run"], "does not exist"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["optim=sgd"], "optim=sgd is not a preset (optim presets: adamw"),
+        (["trainer.precision=fp8"], "trainer.precision"),
+        (["resume=/nonexistent/run"], "does not exist"),
+    ],
+)
 def test_bad_input_one_line(corpus, tmp_path, extra, needle):
     r = train(corpus, tmp_path, "bad", *extra)
     assert r.returncode == 2, r.stderr[-2000:]
@@ -220,9 +282,21 @@ def _source_run(corpus: Path, folder: Path) -> Path:
     tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
     tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
     torch.manual_seed(3)
-    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=32, n_layers=2, n_heads=2,
-                            n_kv_heads=1, d_model=32, position="rope", mlp="swiglu", norm="rmsnorm",
-                            bias=False, name="src"))
+    model = GPT(
+        ModelConfig(
+            vocab_size=tok.get_vocab_size(),
+            max_seq_len=32,
+            n_layers=2,
+            n_heads=2,
+            n_kv_heads=1,
+            d_model=32,
+            position="rope",
+            mlp="swiglu",
+            norm="rmsnorm",
+            bias=False,
+            name="src",
+        )
+    )
     return write_run_folder(folder, {"tokenizer": tok_cfg}, model, tok)
 
 
@@ -230,17 +304,31 @@ def test_init_from_starts_a_new_run_from_the_source_weights(corpus, tmp_path):
     import yaml
 
     src = _source_run(corpus, tmp_path / "src")
-    r = run_cli("train", f"init_from={src}", "data=files", f"data.paths=[{corpus}]", "trainer.batch_size=4",
-                "trainer.max_steps=1", "trainer.val_windows=4", "trainer.progress=false", "optim.lr=1e-12",
-                "optim.min_lr=0", "optim.warmup_steps=0", "model.dropout=0.1", f"runs_dir={tmp_path}",
-                "name=ft")
+    r = run_cli(
+        "train",
+        f"init_from={src}",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "trainer.batch_size=4",
+        "trainer.max_steps=1",
+        "trainer.val_windows=4",
+        "trainer.progress=false",
+        "optim.lr=1e-12",
+        "optim.min_lr=0",
+        "optim.warmup_steps=0",
+        "model.dropout=0.1",
+        f"runs_dir={tmp_path}",
+        "name=ft",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "weights from" in r.stderr
     ft = tmp_path / "ft"
     before = torch.load(src / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     after = torch.load(ft / "checkpoints/last.ckpt", weights_only=True)
-    assert after["global_step"] == 1  # a new run: its own step count
-    for k, v in before.items():  # one step at lr 1e-12 away from the source, not a fresh init (~0.02 apart)
+    # a new run: its own step count
+    assert after["global_step"] == 1
+    # one step at lr 1e-12 away from the source, not a fresh init (~0.02 apart)
+    for k, v in before.items():
         torch.testing.assert_close(after["state_dict"][k], v, rtol=0, atol=1e-9)
     src_cfg, ft_cfg = (yaml.safe_load((d / "config.yaml").read_text()) for d in (src, ft))
     assert ft_cfg["model"] == {**src_cfg["model"], "dropout": 0.1}
@@ -250,16 +338,26 @@ def test_init_from_starts_a_new_run_from_the_source_weights(corpus, tmp_path):
     assert (ft / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["model.n_layers=3"], "fixes model.n_layers=2"),
-    (["model=llama-tiny"], "brings its own model"),
-    (["resume=SRC"], "not both"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["model.n_layers=3"], "fixes model.n_layers=2"),
+        (["model=llama-tiny"], "brings its own model"),
+        (["resume=SRC"], "not both"),
+    ],
+)
 def test_init_from_bad_input_one_line(corpus, tmp_path, extra, needle):
     src = _source_run(corpus, tmp_path / "src")
     extra = [e.replace("SRC", str(src)) for e in extra]
-    r = run_cli("train", f"init_from={src}", "data=files", f"data.paths=[{corpus}]", f"runs_dir={tmp_path}",
-                "name=ft", *extra)
+    r = run_cli(
+        "train",
+        f"init_from={src}",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        f"runs_dir={tmp_path}",
+        "name=ft",
+        *extra,
+    )
     assert r.returncode == 2, r.stderr[-2000:]
     assert needle in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr[-2000:]
     assert not (tmp_path / "ft" / "checkpoints").exists()
@@ -277,7 +375,8 @@ def test_latest_is_the_newest_run_folder_never_hydras(tmp_path):
         (tmp_path / rel).mkdir(parents=True)
         (tmp_path / rel / "config.yaml").write_text("model: {}\n")
         os.utime(tmp_path / rel / "config.yaml", (1000 + i, 1000 + i))
-        if rel != "failed":  # a start that failed has no checkpoint: not usable, skipped (issue 25 item 16)
+        # a start that failed has no checkpoint: not usable, skipped (issue 25 item 16)
+        if rel != "failed":
             (tmp_path / rel / "checkpoints").mkdir()
             (tmp_path / rel / "checkpoints" / "last.ckpt").write_bytes(b"")
     assert resolve_latest("latest", tmp_path) == tmp_path / "new"
@@ -309,28 +408,45 @@ def test_a_missing_logger_package_is_one_line_before_any_work(tmp_path, monkeypa
     from gptkit.errors import ConfigError
     from gptkit.training.trainer import check_loggers
 
-    monkeypatch.setitem(sys.modules, "tensorboard", None)  # `import tensorboard` raises ImportError
-    with pytest.raises(ConfigError, match=r"logger=tensorboard needs the tensorboard "
-                                          r"package.*gptkit\[tensorboard\]"):
+    # `import tensorboard` raises ImportError
+    monkeypatch.setitem(sys.modules, "tensorboard", None)
+    with pytest.raises(
+        ConfigError,
+        match=r"logger=tensorboard needs the tensorboard "
+        r"package.*gptkit\[tensorboard\]",
+    ):
         check_loggers({"csv": {}, "tensorboard": {"enabled": True}})
-    check_loggers({"csv": {}, "tensorboard": {"enabled": False}})  # switched off: not needed
+    # switched off: not needed
+    check_loggers({"csv": {}, "tensorboard": {"enabled": False}})
 
 
 def test_trainer_seq_len_trains_and_fine_tunes_on_windows_shorter_than_the_context(corpus, tmp_path):
     """trainer.seq_len: windows of 8 tokens for a model whose context is 32 (start-up says so; FLOPs and the
     token count follow), which lets init_from fine-tune on a text shorter than the model's context."""
-    src = _source_run(corpus, tmp_path / "src")  # model.max_seq_len=32
+    # model.max_seq_len=32
+    src = _source_run(corpus, tmp_path / "src")
     short = tmp_path / "short.txt"
-    short.write_text(shakespeare(30, start=100_000))  # 30 characters: not one window of 33
-    base = ["train", f"init_from={src}", "data=files", f"data.paths=[{short}]", "data.val_fraction=0.3",
-            "trainer.batch_size=2", "trainer.max_steps=2", "trainer.val_windows=2", "trainer.progress=false",
-            f"runs_dir={tmp_path}"]
+    # 30 characters: not one window of 33
+    short.write_text(shakespeare(30, start=100_000))
+    base = [
+        "train",
+        f"init_from={src}",
+        "data=files",
+        f"data.paths=[{short}]",
+        "data.val_fraction=0.3",
+        "trainer.batch_size=2",
+        "trainer.max_steps=2",
+        "trainer.val_windows=2",
+        "trainer.progress=false",
+        f"runs_dir={tmp_path}",
+    ]
     r = run_cli(*base, "name=ft-ctx")
     assert r.returncode == 2 and "shorter than one window" in r.stderr, r.stderr[-2000:]
     r = run_cli(*base, "trainer.seq_len=8", "name=ft")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "16 tokens/step = 2 sequences x 8 tokens" in r.stderr, r.stderr[-2000:]
-    e = run_cli("eval", f"run={tmp_path / 'ft'}", "progress=false", "format=json")  # eval's windows follow
+    # eval's windows follow
+    e = run_cli("eval", f"run={tmp_path / 'ft'}", "progress=false", "format=json")
     assert e.returncode == 0 and '"seq_len": 8' in e.stdout, e.stderr[-2000:]
     r = run_cli(*base, "trainer.seq_len=33", "name=ft-long")
     assert r.returncode == 2 and "trainer.seq_len=33 must be in [1, model.max_seq_len=32]" in r.stderr

@@ -22,7 +22,8 @@ from gptkit.training.module import LitGPT
 from gptkit.training.plan import make_plan
 from gptkit.training.trainer import ClippingMixedPrecision, build_trainer, check_trainer_config
 
-TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")  # the issue's matrix; 16-true below
+# the issue's matrix; 16-true below
+TRAINING_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true")
 SEQ, BATCH = 16, 2
 
 
@@ -33,10 +34,20 @@ def prepared():
 
 @pytest.fixture(scope="module")
 def base_cfg():
-    return compose("train", ["model.n_layers=2", "model.d_model=32", "model.n_heads=2",
-                             f"model.max_seq_len={SEQ}",
-                             "model.vocab_size=256", f"trainer.batch_size={BATCH}", "trainer.progress=off",
-                             "trainer.val_every=1000", "trainer.checkpoint_every=1000"])
+    return compose(
+        "train",
+        [
+            "model.n_layers=2",
+            "model.d_model=32",
+            "model.n_heads=2",
+            f"model.max_seq_len={SEQ}",
+            "model.vocab_size=256",
+            f"trainer.batch_size={BATCH}",
+            "trainer.progress=off",
+            "trainer.val_every=1000",
+            "trainer.checkpoint_every=1000",
+        ],
+    )
 
 
 def fit(prepared, base_cfg, tmp_path, steps=3, seed=0, **trainer_opts):
@@ -66,15 +77,29 @@ def fit(prepared, base_cfg, tmp_path, steps=3, seed=0, **trainer_opts):
 MATRIX = list(itertools.product(TRAINING_PRECISIONS, (1.0, None), ("auto", True, False), (False, True)))
 
 
-@pytest.mark.parametrize("precision, clip, fused, compile", MATRIX,
-                         ids=[f"{p}-clip{c}-fused{f}-compile{k}" for p, c, f, k in MATRIX])
+@pytest.mark.parametrize(
+    "precision, clip, fused, compile",
+    MATRIX,
+    ids=[f"{p}-clip{c}-fused{f}-compile{k}" for p, c, f, k in MATRIX],
+)
 def test_every_combination_trains(prepared, base_cfg, tmp_path, precision, clip, fused, compile):
-    module, trainer, metrics = fit(prepared, base_cfg, tmp_path, precision=precision, gradient_clip_val=clip,
-                                   fused=fused, compile=compile, compile_backend="aot_eager", log_every=3)
+    module, trainer, metrics = fit(
+        prepared,
+        base_cfg,
+        tmp_path,
+        precision=precision,
+        gradient_clip_val=clip,
+        fused=fused,
+        compile=compile,
+        compile_backend="aot_eager",
+        log_every=3,
+    )
     assert torch.isfinite(torch.tensor(metrics.last["train/loss"]))
     opt = trainer.optimizers[0]
-    assert opt.defaults["fused"] == (fused in ("auto", True))  # auto picks fused on the CPU too, as on CUDA
-    if PRECISIONS[precision].mixed:  # our plugin, with fp16 kept on the CPU (Lightning would switch to bf16)
+    # auto picks fused on the CPU too, as on CUDA
+    assert opt.defaults["fused"] == (fused in ("auto", True))
+    # our plugin, with fp16 kept on the CPU (Lightning would switch to bf16)
+    if PRECISIONS[precision].mixed:
         assert isinstance(trainer.precision_plugin, ClippingMixedPrecision)
         assert trainer.precision_plugin.precision == precision
         assert (trainer.precision_plugin.scaler is not None) == (precision == "16-mixed")
@@ -97,8 +122,16 @@ def test_clipping_with_the_fused_optimizer_is_the_same_clipping(prepared, base_c
     with foreach. A tiny clip value makes every step clip."""
     weights = {}
     for fused in (True, False):
-        module, _, _ = fit(prepared, base_cfg, tmp_path / str(fused), steps=2, precision=precision,
-                           gradient_clip_val=1e-3, fused=fused, log_every=2)
+        module, _, _ = fit(
+            prepared,
+            base_cfg,
+            tmp_path / str(fused),
+            steps=2,
+            precision=precision,
+            gradient_clip_val=1e-3,
+            fused=fused,
+            log_every=2,
+        )
         weights[fused] = {k: v.detach().float().clone() for k, v in module.model.state_dict().items()}
     for k in weights[True]:
         torch.testing.assert_close(weights[True][k], weights[False][k], rtol=tol, atol=tol, msg=k)
@@ -120,8 +153,9 @@ class SyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("precision, accumulation", [("32-true", 1), ("bf16-mixed", 1), ("16-mixed", 1),
-                                                     ("16-mixed", 2)])
+@pytest.mark.parametrize(
+    "precision, accumulation", [("32-true", 1), ("bf16-mixed", 1), ("16-mixed", 1), ("16-mixed", 2)]
+)
 def test_no_host_sync_between_log_steps(prepared, base_cfg, tmp_path, precision, accumulation):
     """Between log steps (here 4, 8 and the last, 10) nothing reads a tensor: no NaN check, no loss, no
     progress display, no GradScaler .item(), no token count of the step (accumulation 2: TokenMean). Steps
@@ -136,8 +170,17 @@ def test_no_host_sync_between_log_steps(prepared, base_cfg, tmp_path, precision,
     LitGPT.on_train_start = start_counting
     try:
         with counter:
-            fit(prepared, base_cfg, tmp_path, steps=10, precision=precision, gradient_clip_val=1.0,
-                log_every=4, progress="lines", accumulate_grad_batches=accumulation)
+            fit(
+                prepared,
+                base_cfg,
+                tmp_path,
+                steps=10,
+                precision=precision,
+                gradient_clip_val=1.0,
+                log_every=4,
+                progress="lines",
+                accumulate_grad_batches=accumulation,
+            )
     finally:
         LitGPT.on_train_start = original
     assert counter.steps, "the counter saw nothing: it does not observe the run"
@@ -149,7 +192,8 @@ def test_a_nan_stops_at_the_next_log_step_and_no_checkpoint_holds_it(prepared, b
 
     original = LitGPT.training_step
 
-    def poisoned(module, batch, batch_idx):  # LitGPT.training_step with a NaN loss at step 5
+    # LitGPT.training_step with a NaN loss at step 5
+    def poisoned(module, batch, batch_idx):
         x, y = batch
         loss = module.model(x, y).loss
         if module.global_step == 5:
@@ -163,7 +207,8 @@ def test_a_nan_stops_at_the_next_log_step_and_no_checkpoint_holds_it(prepared, b
             fit(prepared, base_cfg, tmp_path, steps=12, log_every=4, checkpoint_every=6)
     finally:
         LitGPT.training_step = original
-    assert not (tmp_path / "checkpoints" / "step-000006.ckpt").exists()  # checked before the save at step 6
+    # checked before the save at step 6
+    assert not (tmp_path / "checkpoints" / "step-000006.ckpt").exists()
 
 
 def test_batches_are_pinned_for_a_gpu(prepared):
@@ -172,8 +217,13 @@ def test_batches_are_pinned_for_a_gpu(prepared):
 
     dm = TokenDataModule(prepared, batch_size=BATCH, seq_len=SEQ, seed=1, val_windows=2)
     for device, pinned in (("cuda", True), ("cpu", False)):
-        dm.trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device(device)),
-                                     global_step=0, accumulate_grad_batches=1, global_rank=0, world_size=1)
+        dm.trainer = SimpleNamespace(
+            strategy=SimpleNamespace(root_device=torch.device(device)),
+            global_step=0,
+            accumulate_grad_batches=1,
+            global_rank=0,
+            world_size=1,
+        )
         assert dm.train_dataloader().pin_memory is pinned
         assert dm.val_dataloader().pin_memory is pinned
 
@@ -187,14 +237,26 @@ def test_bench_train_compares_the_two_loops(tmp_path, precision):
     from gptkit.cli import main
 
     out = tmp_path / "train.json"
-    rc = main(["bench", "train", "device=cpu", f"precision={precision}", "steps=3", "warmup=1", "repeats=1",
-               "log_every=2", "compile=[false]", "model_overrides={max_seq_len: 16, n_layers: 1, n_heads: 2, "
-               "d_model: 32}", "batch_size=2", f"out={out}"])
+    rc = main(
+        [
+            "bench",
+            "train",
+            "device=cpu",
+            f"precision={precision}",
+            "steps=3",
+            "warmup=1",
+            "repeats=1",
+            "log_every=2",
+            "compile=[false]",
+            "model_overrides={max_seq_len: 16, n_layers: 1, n_heads: 2, d_model: 32}",
+            "batch_size=2",
+            f"out={out}",
+        ]
+    )
     assert rc == 0
     d = json.loads(out.read_text())
     assert d["precision"] == precision and [r["compile"] for r in d["rows"]] == ["off"]
     assert d["rows"][0]["gptkit_ms"] > 0 and d["rows"][0]["bare_ms"] > 0
-
 
 
 def test_out_of_memory_names_the_estimate_and_the_fixes(base_cfg):

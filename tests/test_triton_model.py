@@ -22,35 +22,45 @@ REPO = Path(__file__).resolve().parent.parent
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 
 
-@pytest.mark.parametrize("variant", [
-    # llama-style GQA
-    dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2),
-    dict(position="learned", mlp="gelu", norm="layernorm", n_heads=2),  # gpt2-style MHA
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # llama-style GQA
+        dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2),
+        # gpt2-style MHA
+        dict(position="learned", mlp="gelu", norm="layernorm", n_heads=2),
+    ],
+)
 def test_training_step_matches_sdpa(variant):
     torch.manual_seed(0)
     cfg = ModelConfig(vocab_size=96, max_seq_len=32, n_layers=2, d_model=64, attention="sdpa", **variant)
     sdpa_model = GPT(cfg).to(DEVICE)
     triton_model = GPT(dataclasses.replace(cfg, attention="triton")).to(DEVICE)
-    triton_model.load_state_dict(sdpa_model.state_dict())  # same weights, other attention backend
+    # same weights, other attention backend
+    triton_model.load_state_dict(sdpa_model.state_dict())
     idx = torch.randint(0, cfg.vocab_size, (2, 27), device=DEVICE)  # [B, T]: T not a multiple of a tile
     targets = torch.randint(0, cfg.vocab_size, (2, 27), device=DEVICE)
 
     losses, grads = {}, {}
     for name, model in (("sdpa", sdpa_model), ("triton", triton_model)):
-        opt = torch.optim.SGD(model.parameters(), lr=0.5)  # linear in the gradients: differences stay small
+        # linear in the gradients: differences stay small
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
         first = model(idx, targets).loss
         first.backward()
         grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
-        second = model(idx, targets).loss  # after one optimizer step
+        # after one optimizer step
+        second = model(idx, targets).loss
         losses[name] = (first.item(), second.item())
 
     assert losses["triton"] == pytest.approx(losses["sdpa"], rel=1e-5)
-    assert losses["sdpa"][1] < losses["sdpa"][0]  # the step did something worth comparing
+    # the step did something worth comparing
+    assert losses["sdpa"][1] < losses["sdpa"][0]
     for name, g_sdpa in grads["sdpa"].items():
-        torch.testing.assert_close(grads["triton"][name], g_sdpa, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m: f"{name}.grad: {m}")
+        torch.testing.assert_close(
+            grads["triton"][name], g_sdpa, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}.grad: {m}"
+        )
+
 
 def test_model_built_with_attention_triton_runs_the_kernel(monkeypatch):
     """The config field reaches the kernel (not a silent sdpa fallback)."""
@@ -102,12 +112,14 @@ def test_no_gpu_and_no_interpreter_falls_back_with_one_warning():
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     warnings_line = next(line for line in r.stdout.splitlines() if line.startswith("WARNINGS"))
-    assert warnings_line.count("falling back to sdpa") == 1, warnings_line  # once, for 4 attention calls
+    # once, for 4 attention calls
+    assert warnings_line.count("falling back to sdpa") == 1, warnings_line
     assert "MATCH True" in r.stdout
     kernel_line = next(line for line in r.stdout.splitlines() if line.startswith("KERNEL_WARNINGS"))
     # once, for every fused layer
     assert kernel_line.count("using the eager torch versions") == 1, kernel_line
-    assert "KERNEL_MATCH True" in r.stdout  # (the fused loss is pure torch: it runs here too)
+    # (the fused loss is pure torch: it runs here too)
+    assert "KERNEL_MATCH True" in r.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="refusal is for machines without CUDA")
@@ -142,10 +154,23 @@ def test_bench_attention_pipeline_dry_run(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "DEVICE", DEVICE)
     monkeypatch.setattr(triton.testing, "do_bench", wall_ms)
     monkeypatch.setattr(gptkit.model.attention, "eager_attention", oom)
-    cfg = OmegaConf.merge(OmegaConf.load(REPO / "conf" / "bench" / "attention.yaml"),  # the shipped options
-                          dict(tokens=64, seq_lens=[32], head_dims=[32], d_model=64, gqa=[2], causal=[True],
-                               warmup_ms=1, rep_ms=1, check_tol=tol,
-                               backends=["sdpa-flash", "triton", "eager"], out=str(tmp_path / "attn.json")))
+    cfg = OmegaConf.merge(
+        # the shipped options
+        OmegaConf.load(REPO / "conf" / "bench" / "attention.yaml"),
+        dict(
+            tokens=64,
+            seq_lens=[32],
+            head_dims=[32],
+            d_model=64,
+            gqa=[2],
+            causal=[True],
+            warmup_ms=1,
+            rep_ms=1,
+            check_tol=tol,
+            backends=["sdpa-flash", "triton", "eager"],
+            out=str(tmp_path / "attn.json"),
+        ),
+    )
     (case,) = bench._cases(cfg)
     assert (case.batch, case.n_heads, case.n_kv_heads) == (2, 2, 1)
     results = []
@@ -155,7 +180,8 @@ def test_bench_attention_pipeline_dry_run(monkeypatch, tmp_path, capsys):
         bench._write(cfg.out, bench.environment(), results)
     sdpa_r, triton_r, eager_r = results
 
-    assert triton_r.max_rel_err < tol  # the check ran against SDPA and agrees
+    # the check ran against SDPA and agrees
+    assert triton_r.max_rel_err < tol
     assert all(triton_r.tflops(m) > 0 and sdpa_r.tflops(m) > 0 for m in bench.MODES)
     assert eager_r.ms == {m: None for m in bench.MODES}
     assert case.flops("fwd+bwd") == 3.5 * 4 * 2 * 2 * 32**2 * 32 / 2
@@ -173,10 +199,19 @@ def test_compiled_blocks_run_the_kernels_without_a_graph_break(variant):
 
     from gptkit.training.module import apply_compile
 
-    shape = {"gpt2": {},
-             "llama": {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm", "n_kv_heads": 1}}[variant]
-    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=2, d_model=32, attention="triton",
-                      kernels=["norm", "swiglu", "rope", "loss"], **shape)
+    shape = {"gpt2": {}, "llama": {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm", "n_kv_heads": 1}}[
+        variant
+    ]
+    cfg = ModelConfig(
+        vocab_size=64,
+        max_seq_len=16,
+        n_layers=2,
+        n_heads=2,
+        d_model=32,
+        attention="triton",
+        kernels=["norm", "swiglu", "rope", "loss"],
+        **shape,
+    )
     torch.manual_seed(0)
     compiled, eager = GPT(cfg), GPT(cfg)
     eager.load_state_dict(compiled.state_dict())

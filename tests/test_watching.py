@@ -12,12 +12,28 @@ def tiny(tmp_path: Path, name: str, *extra: str) -> list[str]:
     corpus = tmp_path / "corpus.txt"
     if not corpus.exists():
         corpus.write_text(shakespeare(20_000))
-    return ["model=gpt2-tiny", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",
-            "model.max_seq_len=32",
-            "tokenizer=char", "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
-            "trainer.batch_size=4", "trainer.max_steps=6", "trainer.val_every=3", "trainer.val_windows=4",
-            "trainer.checkpoint_every=3", "trainer.log_every=1", "trainer.progress=lines",
-            "optim.warmup_steps=1", f"runs_dir={tmp_path / 'runs'}", f"name={name}", *extra]
+    return [
+        "model=gpt2-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.val_fraction=0.1",
+        "trainer.batch_size=4",
+        "trainer.max_steps=6",
+        "trainer.val_every=3",
+        "trainer.val_windows=4",
+        "trainer.checkpoint_every=3",
+        "trainer.log_every=1",
+        "trainer.progress=lines",
+        "optim.warmup_steps=1",
+        f"runs_dir={tmp_path / 'runs'}",
+        f"name={name}",
+        *extra,
+    ]
 
 
 def rows(run: Path) -> list[dict]:
@@ -30,12 +46,14 @@ def test_the_gradient_norm_before_clipping_is_logged_with_the_loss(tmp_path, cap
     assert code == 0, err
     norms = [float(r["train/grad_norm"]) for r in rows(tmp_path / "runs" / "g") if r.get("train/grad_norm")]
     assert len(norms) == 6
-    assert min(norms) > 1e-3  # the norm the clipping computed, not the clipped one
+    # the norm the clipping computed, not the clipped one
+    assert min(norms) > 1e-3
     assert "grad norm " in err
 
 
 def test_validations_redraw_the_plot_sample_greedily_and_keep_the_best_checkpoint(
-        tmp_path, capsys, monkeypatch):
+    tmp_path, capsys, monkeypatch
+):
     from gptkit.training import plots, run_checkpoints
 
     drawn, best_saves = [], []
@@ -48,19 +66,26 @@ def test_validations_redraw_the_plot_sample_greedily_and_keep_the_best_checkpoin
         return real_replace(src, dst)
 
     monkeypatch.setattr(run_checkpoints, "replace_checkpoint", replace)
-    args = tiny(tmp_path, "w", "trainer.sample_every=3", "trainer.keep_best=true",
-                "trainer.keep_checkpoints=0",
-                "optim.lr=3e-3")
+    args = tiny(
+        tmp_path,
+        "w",
+        "trainer.sample_every=3",
+        "trainer.keep_best=true",
+        "trainer.keep_checkpoints=0",
+        "optim.lr=3e-3",
+    )
     code, _, err = run_main(capsys, "train", *args)
     assert code == 0, err
     run = tmp_path / "runs" / "w"
-    assert len(drawn) == 2  # at the validations of steps 3 and 6 (fit draws it once more at the end)
+    # at the validations of steps 3 and 6 (fit draws it once more at the end)
+    assert len(drawn) == 2
     samples = (run / "samples.jsonl").read_text().splitlines()
     assert [json.loads(s)["step"] for s in samples] == [3, 6]
     assert err.count(" sample: ") == 2 and "step 3  sample: " in err
     vals = [float(r["val/loss"]) for r in rows(run) if r.get("val/loss")]
     assert len(best_saves) == 1 + (vals[1] < vals[0])
-    assert (run / "checkpoints" / "best.ckpt").is_file()  # retention (keep 0) never removes it
+    # retention (keep 0) never removes it
+    assert (run / "checkpoints" / "best.ckpt").is_file()
     assert not list((run / "checkpoints").glob("step-*.ckpt"))
 
 
@@ -76,12 +101,16 @@ def test_a_broken_plot_is_one_note_and_the_run_goes_on(tmp_path, capsys, monkeyp
 
 
 def snapshot(run: Path) -> dict[str, tuple[bytes, int]]:
-    return {str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(run.rglob("*"))
-            if p.is_file() and not p.name.endswith(".lock")}
+    return {
+        str(p.relative_to(run)): (p.read_bytes(), p.stat().st_mtime_ns)
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and not p.name.endswith(".lock")
+    }
 
 
 def test_resume_with_max_steps_at_or_below_the_checkpoint_says_nothing_to_do_and_touches_nothing(
-        tmp_path, capsys):
+    tmp_path, capsys
+):
     args = tiny(tmp_path, "r", "trainer.max_steps=3", "trainer.val_every=3", "trainer.log_every=3")
     assert run_main(capsys, "train", *args)[0] == 0
     run = tmp_path / "runs" / "r"
@@ -126,9 +155,11 @@ def test_preflight_does_not_suggest_what_the_run_already_does():
 
     from gptkit.commands.preflight import memory_advice
 
-    t = OmegaConf.create({"strategy": "auto", "batch_size": 4, "activation_checkpointing": False,
-                          "precision": "bf16-mixed"})
+    t = OmegaConf.create(
+        {"strategy": "auto", "batch_size": 4, "activation_checkpointing": False, "precision": "bf16-mixed"}
+    )
     assert memory_advice(t).startswith("trainer=fsdp, more devices, a smaller trainer.batch_size")
-    t.update({"strategy": "fsdp", "batch_size": 1, "activation_checkpointing": True,
-              "precision": "bf16-true"})
+    t.update(
+        {"strategy": "fsdp", "batch_size": 1, "activation_checkpointing": True, "precision": "bf16-true"}
+    )
     assert memory_advice(t) == "more devices"

@@ -21,23 +21,37 @@ from torch.nn.parallel import DistributedDataParallel
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.token_mean import TokenMean, loss_tokens
 
-MODEL = dict(vocab_size=64, max_seq_len=16, n_layers=1, n_heads=2, n_kv_heads=1, d_model=32, d_ff=64,
-             position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False,
-             attention="eager")
-ROWS, T, ACCUMULATION = 4, 16, 2  # rows of one micro-batch, all ranks together
+MODEL = dict(
+    vocab_size=64,
+    max_seq_len=16,
+    n_layers=1,
+    n_heads=2,
+    n_kv_heads=1,
+    d_model=32,
+    d_ff=64,
+    position="rope",
+    mlp="swiglu",
+    norm="rmsnorm",
+    bias=False,
+    tie_embeddings=False,
+    attention="eager",
+)
+# rows of one micro-batch, all ranks together
+ROWS, T, ACCUMULATION = 4, 16, 2
 
 
 def micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """ACCUMULATION (x, y) pairs of [ROWS, T]; row r of micro-batch i keeps its last `keep[i][r]` targets
     (as an assistant-only loss would), the others are -100."""
     g = torch.Generator().manual_seed(1)
-    keep = [[1, 2, 16, 12], [5, 1, 3, 16]]  # rank 0 holds rows 0-1, rank 1 rows 2-3
+    # rank 0 holds rows 0-1, rank 1 rows 2-3
+    keep = [[1, 2, 16, 12], [5, 1, 3, 16]]
     out = []
     for i in range(ACCUMULATION):
         x = torch.randint(0, 64, (ROWS, T), generator=g)  # [ROWS, T]
         y = torch.randint(0, 64, (ROWS, T), generator=g)  # [ROWS, T]
         for r, k in enumerate(keep[i]):
-            y[r, :T - k] = -100
+            y[r, : T - k] = -100
         out.append((x, y))
     return out
 
@@ -67,17 +81,21 @@ def accumulate(m, params, rank: int, world: int) -> None:
 def main(rank: int, world: int, init_file: str, out: Path) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     plain = model()
-    accumulate(DistributedDataParallel(plain), list(plain.parameters()), rank, world)  # DDP: mean of ranks
+    # DDP: mean of ranks
+    accumulate(DistributedDataParallel(plain), list(plain.parameters()), rank, world)
     if rank == 0:
         torch.save({k: p.grad for k, p in plain.named_parameters()}, out / "ddp.pt")
     sharded = model()
     mesh = init_device_mesh("cpu", (world,))
     for block in sharded.blocks:
         fully_shard(block, mesh=mesh)
-    fully_shard(sharded, mesh=mesh)  # FSDP2: reduce-scatter, mean of ranks; DTensor gradients
+    # FSDP2: reduce-scatter, mean of ranks; DTensor gradients
+    fully_shard(sharded, mesh=mesh)
     accumulate(sharded, list(sharded.parameters()), rank, world)
-    grads = {k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
-             for k, p in sharded.named_parameters()}
+    grads = {
+        k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        for k, p in sharded.named_parameters()
+    }
     if rank == 0:
         torch.save(grads, out / "fsdp.pt")
     dist.destroy_process_group()

@@ -29,8 +29,10 @@ from gptkit.fsio import atomic_write_text
 
 MODES = ("fwd", "bwd", "fwd+bwd")
 BACKENDS = ("triton", "triton-tma", "triton-tma-ws", "sdpa-flash", "sdpa-cudnn", "eager")
-OURS = {"triton": "fa2", "triton-tma": "tma", "triton-tma-ws": "tma-ws"}  # backend -> flash_attention impl
-SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}  # backend -> SDPBackend member
+# backend -> flash_attention impl
+OURS = {"triton": "fa2", "triton-tma": "tma", "triton-tma-ws": "tma-ws"}
+# backend -> SDPBackend member
+SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION"}
 DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 DEVICE = "cuda"
 
@@ -56,9 +58,11 @@ class Case:
 class Result:
     case: Case
     backend: str
-    ms: dict[str, float | None] = field(default_factory=dict)  # mode -> median ms; None: see note
+    # mode -> median ms; None: see note
+    ms: dict[str, float | None] = field(default_factory=dict)
     note: str = ""
-    max_rel_err: float | None = None  # ours only: the check against SDPA flash
+    # ours only: the check against SDPA flash
+    max_rel_err: float | None = None
 
     def tflops(self, mode: str) -> float | None:
         ms = self.ms.get(mode)
@@ -83,8 +87,9 @@ def _cases(cfg) -> list[Case]:
             n_heads = cfg.d_model // head_dim
             for group in cfg.gqa:
                 if group <= 0 or n_heads % group:
-                    raise ConfigError(f"bench.gqa={group} must divide the {n_heads} heads of "
-                                      f"head_dim={head_dim}")
+                    raise ConfigError(
+                        f"bench.gqa={group} must divide the {n_heads} heads of head_dim={head_dim}"
+                    )
                 for causal in cfg.causal:
                     cases.append(Case(T, cfg.tokens // T, head_dim, n_heads, n_heads // group, bool(causal)))
     return cases
@@ -98,8 +103,9 @@ def _attention(backend: str, causal: bool):
     if backend in OURS:
         return lambda q, k, v: flash_attention(q, k, v, causal=causal, impl=OURS[backend])
     if backend in SDPA:
-        return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
-                                                              enable_gqa=k.shape[1] != q.shape[1])
+        return lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, is_causal=causal, enable_gqa=k.shape[1] != q.shape[1]
+        )
     return lambda q, k, v: eager_attention(q, k, v, causal=causal)[0]
 
 
@@ -130,8 +136,10 @@ def _sdpa_reference(q, k, v, dout, causal):
 
 
 def _max_rel_err(got, want) -> float:
-    return max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
-               for a, b in zip(got, want))
+    return max(
+        ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+        for a, b in zip(got, want)
+    )
 
 
 def _measure(case: Case, backend: str, dtype, cfg) -> Result:
@@ -150,7 +158,8 @@ def _measure(case: Case, backend: str, dtype, cfg) -> Result:
         first_line = str(exc).splitlines()[0][:60]
         result.ms, result.note = {mode: None for mode in MODES}, f"unavailable: {first_line}"
     finally:
-        gc.collect()  # free this case's tensors before the next one
+        # free this case's tensors before the next one
+        gc.collect()
         torch.cuda.empty_cache()
     return result
 
@@ -165,7 +174,8 @@ def _check_and_time(result: Result, dtype, cfg) -> None:
     if backend in SDPA and case.n_kv_heads != case.n_heads:
         try:
             fn(q, k, v)
-        except RuntimeError:  # this torch's backend has no native GQA: give it full K/V heads
+        # this torch's backend has no native GQA: give it full K/V heads
+        except RuntimeError:
             q, k, v = _inputs(case, dtype, n_kv_heads=case.n_heads)
             result.note = "K/V heads repeated"
     if backend in OURS:
@@ -185,8 +195,12 @@ def _check_and_time(result: Result, dtype, cfg) -> None:
 def environment() -> dict:
     """What a README table of these numbers must name: date, GPU, torch, Triton."""
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return {"date": datetime.date.today().isoformat(), "gpu": gpu, "torch": torch.__version__,
-            "triton": triton_version() or "not installed"}
+    return {
+        "date": datetime.date.today().isoformat(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "triton": triton_version() or "not installed",
+    }
 
 
 TRITON_MISSING = 'Triton is not installed (pip install -e ".[triton]")'
@@ -203,15 +217,18 @@ def triton_version() -> str | None:
 
 def run(cfg) -> int:
     if not torch.cuda.is_available():
-        raise GptkitError("gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU "
-                          "machine")
-    if triton_version() is None:  # every backend is timed with triton's do_bench
+        raise GptkitError(
+            "gptkit bench attention needs a CUDA GPU and none is visible; run it on a GPU machine"
+        )
+    # every backend is timed with triton's do_bench
+    if triton_version() is None:
         raise GptkitError(f"gptkit bench attention times every backend with triton.testing: {TRITON_MISSING}")
     from gptkit_kernels import interpreting
 
     if interpreting():
-        raise GptkitError("TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU "
-                          "kernels")
+        raise GptkitError(
+            "TRITON_INTERPRET=1 would time the CPU interpreter; unset it to benchmark the GPU kernels"
+        )
     if cfg.dtype not in DTYPES:
         raise ConfigError(f"bench.dtype={cfg.dtype!r} must be one of {', '.join(DTYPES)}")
     unknown = sorted(set(cfg.backends) - set(BACKENDS))
@@ -223,9 +240,12 @@ def run(cfg) -> int:
     backends = sorted(cfg.backends, key=lambda b: (b not in SDPA, BACKENDS.index(b)))
 
     env = environment()
-    print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: {len(cases)} "
-          f"configurations x {len(backends)} backends, {cfg.dtype}, B*T = {cfg.tokens}; TFLOP/s (fwd "
-          f"4*B*H*T^2*D, halved when causal; bwd 2.5x fwd)", flush=True)
+    print(
+        f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}: {len(cases)} "
+        f"configurations x {len(backends)} backends, {cfg.dtype}, B*T = {cfg.tokens}; TFLOP/s (fwd "
+        f"4*B*H*T^2*D, halved when causal; bwd 2.5x fwd)",
+        flush=True,
+    )
     print(header(), flush=True)
     results: list[Result] = []
     for case in cases:
@@ -239,8 +259,10 @@ def run(cfg) -> int:
     if cfg.out:
         print(f"wrote {cfg.out}", flush=True)
     if failed:
-        print(f"{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})",
-              flush=True)
+        print(
+            f"{len(failed)} configuration(s) failed the check against SDPA (tolerance {cfg.check_tol})",
+            flush=True,
+        )
         return 1
     return 0
 
@@ -249,8 +271,19 @@ def _write(path, env: dict, results: list[Result]) -> None:
     atomic_write_text(path, json.dumps({**env, "results": [r.to_dict() for r in results]}, indent=2))
 
 
-_COLUMNS = (("T", 6), ("B", 4), ("hd", 4), ("heads", 6), ("causal", 6), ("backend", 26), ("fwd", 7),
-            ("bwd", 7), ("fwd+bwd", 8), ("vs best sdpa", 12), ("check vs sdpa", 13))
+_COLUMNS = (
+    ("T", 6),
+    ("B", 4),
+    ("hd", 4),
+    ("heads", 6),
+    ("causal", 6),
+    ("backend", 26),
+    ("fwd", 7),
+    ("bwd", 7),
+    ("fwd+bwd", 8),
+    ("vs best sdpa", 12),
+    ("check vs sdpa", 13),
+)
 
 
 def header() -> str:
@@ -274,7 +307,19 @@ def row(r: Result, results: list[Result], check_tol: float) -> str:
     if r.max_rel_err is not None:
         check = f"{'ok' if r.max_rel_err <= check_tol else 'FAIL'} {r.max_rel_err:.1e}"
     backend = r.backend + (f" ({r.note})" if r.note and r.note != "oom" else "")
-    cells = (c.T, c.batch, c.head_dim, f"{c.n_heads}/{c.n_kv_heads}", "yes" if c.causal else "no",
-             backend[:26], cell("fwd"), cell("bwd"), cell("fwd+bwd"), ratio, check)
-    return "  ".join(f"{v!s:>{w}}" if name != "backend" else f"{v!s:<{w}}"
-                     for (name, w), v in zip(_COLUMNS, cells))
+    cells = (
+        c.T,
+        c.batch,
+        c.head_dim,
+        f"{c.n_heads}/{c.n_kv_heads}",
+        "yes" if c.causal else "no",
+        backend[:26],
+        cell("fwd"),
+        cell("bwd"),
+        cell("fwd+bwd"),
+        ratio,
+        check,
+    )
+    return "  ".join(
+        f"{v!s:>{w}}" if name != "backend" else f"{v!s:<{w}}" for (name, w), v in zip(_COLUMNS, cells)
+    )

@@ -48,7 +48,8 @@ from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.tokenizer import build_tokenizer
 
-PREPARE_KEYS = {"text": "prepare", "jsonl": "prepare_jsonl"}  # bench.formats -> the results' key per row
+# bench.formats -> the results' key per row
+PREPARE_KEYS = {"text": "prepare", "jsonl": "prepare_jsonl"}
 
 
 @contextmanager
@@ -104,7 +105,8 @@ def step_time(model_name: str, vocab_size: int, batch: tuple, steps: int) -> tup
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
     x, y = batch  # [batch_size, seq_len] each
     times = []
-    for i in range(steps + 2):  # two warm-up steps
+    # two warm-up steps
+    for i in range(steps + 2):
         t0 = time.perf_counter()
         model(x, y).loss.backward()
         opt.step()
@@ -124,7 +126,8 @@ def make_corpus(path: Path, size_mb: float) -> Path:
                 data = f.read_bytes()
                 try:
                     data.decode("utf-8")
-                except UnicodeDecodeError:  # a few test files are deliberately not UTF-8
+                # a few test files are deliberately not UTF-8
+                except UnicodeDecodeError:
                     continue
                 out.write(data)
                 if out.tell() >= want:
@@ -172,8 +175,12 @@ def encoder_speeds(tok, kind: str, pieces: list[str], mb: float) -> dict[str, di
     out = {}
     for engine in engines:
         speed, flat, cpu = time_encoder(tok, engine, pieces, mb)
-        out[engine] = {"mb_per_s": round(speed, 2), "tokens": int(len(flat)), "_ids": flat,
-                       "cpu_ms_per_mb": round(cpu, 2)}
+        out[engine] = {
+            "mb_per_s": round(speed, 2),
+            "tokens": int(len(flat)),
+            "_ids": flat,
+            "cpu_ms_per_mb": round(cpu, 2),
+        }
     hf = out["hf"]["_ids"]
     for e in out.values():
         e["same_ids"] = bool(np.array_equal(e.pop("_ids"), hf))
@@ -219,12 +226,18 @@ def run(cfg) -> int:
 
     set_threads(cfg.threads, "bench.threads")
     con = Console(stderr=True)
-    r: dict = {"load_avg_start": loadavg(), "cpus": os.cpu_count(), "usable_cores": cores(),
-               "python_stdlib": sysconfig.get_paths()["stdlib"], "tokenizers": {}}
+    r: dict = {
+        "load_avg_start": loadavg(),
+        "cpus": os.cpu_count(),
+        "usable_cores": cores(),
+        "python_stdlib": sysconfig.get_paths()["stdlib"],
+        "tokenizers": {},
+    }
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-data-") as tmp:
         tmp = Path(tmp)
-        path = (Path(cfg.file).expanduser() if cfg.file
-                else make_corpus(tmp / "corpus.txt", float(cfg.size_mb)))
+        path = (
+            Path(cfg.file).expanduser() if cfg.file else make_corpus(tmp / "corpus.txt", float(cfg.size_mb))
+        )
         size = path.stat().st_size
         mb = size / 1e6
         r["file"], r["file_mb"] = str(path), round(mb, 1)
@@ -236,8 +249,9 @@ def run(cfg) -> int:
         files = {"text": path}
         if "jsonl" in formats:
             files["jsonl"] = make_jsonl(path, tmp / "corpus.jsonl")
-            con.print(f"the same text as JSON lines: {files['jsonl']} "
-                      f"({human(files['jsonl'].stat().st_size)})")
+            con.print(
+                f"the same text as JSON lines: {files['jsonl']} ({human(files['jsonl'].stat().st_size)})"
+            )
         r["reading"] = reading_floor(path)
         sample = encoder_sample(path, float(cfg.encode_mb))
         sample_mb = sum(len(p.encode()) for p in sample) / 1e6
@@ -251,15 +265,24 @@ def run(cfg) -> int:
                 from gptkit.data.build import training_sample
                 from gptkit.data.sources import open_corpus
 
-                corpus = open_corpus({"kind": "files", "paths": [str(path)], "val_paths": None,
-                                      "format": "auto", "text_field": "text", "encoding_errors": "strict"})
+                corpus = open_corpus(
+                    {
+                        "kind": "files",
+                        "paths": [str(path)],
+                        "val_paths": None,
+                        "format": "auto",
+                        "text_field": "text",
+                        "encoding_errors": "strict",
+                    }
+                )
                 with peak_rss() as train:
                     if kind == "bpe":
                         texts, _ = training_sample(corpus, int(cfg.train_chars))
                         tok = build_tokenizer(tok_cfg, texts=texts, progress=False)
                     else:
-                        tok = build_tokenizer(tok_cfg, texts=lambda: (t for t, _ in corpus.all_parts()),
-                                              progress=False)
+                        tok = build_tokenizer(
+                            tok_cfg, texts=lambda: (t for t, _ in corpus.all_parts()), progress=False
+                        )
                 row["build_tokenizer_s"] = round(train["s"], 2)
                 row["build_tokenizer_peak_rss_added_mb"] = round(train["added_mb"], 1)
                 tok_file = tmp / f"{name}.json"
@@ -272,34 +295,48 @@ def run(cfg) -> int:
             fastest, best_engine = best
             cpu_before = row["encoders"][best_engine]["cpu_ms_per_mb"]
             row["fastest_encoder_mb_per_s"] = fastest
-            before = fastest  # the fastest encoder is timed again after each prepare: the ratio is to the
-            for fmt in formats:  # mean of its speeds just before and just after (the load drifts)
+            # the fastest encoder is timed again after each prepare: the ratio is to the
+            before = fastest
+            # mean of its speeds just before and just after (the load drifts)
+            for fmt in formats:
                 row[PREPARE_KEYS[fmt]] = {}
                 for w in cfg.workers:
-                    con.print(f"{name}: prepare of the {fmt} file with data.workers={w} ... "
-                              f"(load average {loadavg()})")
+                    con.print(
+                        f"{name}: prepare of the {fmt} file with data.workers={w} ... "
+                        f"(load average {loadavg()})"
+                    )
                     load0 = loadavg()
                     kids0 = resource.getrusage(resource.RUSAGE_CHILDREN)
                     file = files[fmt]
                     with peak_rss(tree=True) as prep:
-                        p = prepare({**data, "paths": [str(file)], "workers": int(w)}, tok_cfg,
-                                    cache_dir=tmp / f"cache-{name}-{fmt}-{w}", progress=False)
+                        p = prepare(
+                            {**data, "paths": [str(file)], "workers": int(w)},
+                            tok_cfg,
+                            cache_dir=tmp / f"cache-{name}-{fmt}-{w}",
+                            progress=False,
+                        )
                     m = p.manifest
                     tokens = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
                     ts = m["tokenize_seconds"]
-                    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)  # the workers, joined by now
+                    # the workers, joined by now
+                    kids1 = resource.getrusage(resource.RUSAGE_CHILDREN)
                     kids = kids1.ru_utime + kids1.ru_stime - kids0.ru_utime - kids0.ru_stime
                     after, _, cpu_after = time_encoder(tok, best_engine, sample, sample_mb)
                     after = round(after, 2)
                     around = (before + after) / 2
                     enc_cpu = (cpu_before + cpu_after) / 2
-                    prep_cpu = 1e3 * (m["tokenize_main_cpu_seconds"] + kids) / mb  # per MB of text
+                    # per MB of text
+                    prep_cpu = 1e3 * (m["tokenize_main_cpu_seconds"] + kids) / mb
                     file_mb = file.stat().st_size / 1e6
                     row[PREPARE_KEYS[fmt]][str(w)] = {
-                        "workers": m["workers"], "encoder": m["encoder"], "tasks": m["tasks"],
+                        "workers": m["workers"],
+                        "encoder": m["encoder"],
+                        "tasks": m["tasks"],
                         "tokenize_s": ts,
-                        "file_mb": round(file_mb, 1), "mb_per_s": round(file_mb / ts, 2),
-                        "text_mb_per_s": round(mb / ts, 2), "tokens_per_s": round(tokens / ts),
+                        "file_mb": round(file_mb, 1),
+                        "mb_per_s": round(file_mb / ts, 2),
+                        "text_mb_per_s": round(mb / ts, 2),
+                        "tokens_per_s": round(tokens / ts),
                         "main_cpu_ms_per_mb": round(1e3 * m["tokenize_main_cpu_seconds"] / file_mb, 2),
                         "whole_prepare_s": round(prep["s"], 1),
                         "peak_rss_added_mb": round(prep["added_mb"], 1),
@@ -312,7 +349,10 @@ def run(cfg) -> int:
                         "encoder_cpu_ms_per_mb": round(enc_cpu, 2),
                         "prepare_cpu_ms_per_mb": round(prep_cpu, 2),
                         "cpu_ratio": round(enc_cpu / prep_cpu, 3),
-                        "load_avg_before": load0, "load_avg_after": loadavg(), "tokens": tokens}
+                        "load_avg_before": load0,
+                        "load_avg_after": loadavg(),
+                        "tokens": tokens,
+                    }
                     before, cpu_before = after, cpu_after
                     if kind == "byte" and byte_prepared is None:
                         byte_prepared = p
@@ -329,14 +369,20 @@ def run(cfg) -> int:
             main_rate = 1e3 / max(row["2"]["main_cpu_ms_per_mb"], 1e-9)
             rate = min(workers_rate, main_rate)
             r["projection_40gb_16_cores" + ("" if fmt == "text" else f"_{fmt}")] = {
-                "tokenizer": last, "format": fmt, "efficiency": eff, "mb_per_s": round(rate, 1),
-                "workers_mb_per_s": round(workers_rate, 1), "main_process_mb_per_s": round(main_rate, 1),
+                "tokenizer": last,
+                "format": fmt,
+                "efficiency": eff,
+                "mb_per_s": round(rate, 1),
+                "workers_mb_per_s": round(workers_rate, 1),
+                "main_process_mb_per_s": round(main_rate, 1),
                 "bound": "the main process" if main_rate < workers_rate else "the workers",
-                "minutes": round(40e3 / rate / 60, 1)}
+                "minutes": round(40e3 / rate / 60, 1),
+            }
 
         if byte_prepared is not None:
-            dm = TokenDataModule(byte_prepared, batch_size=int(cfg.batch_size), seq_len=int(cfg.seq_len),
-                                 seed=0)
+            dm = TokenDataModule(
+                byte_prepared, batch_size=int(cfg.batch_size), seq_len=int(cfg.seq_len), seed=0
+            )
             dm.sampler.batch(0)
             t0 = time.perf_counter()
             for s in range(int(cfg.batches)):
@@ -344,10 +390,17 @@ def run(cfg) -> int:
             batch_s = (time.perf_counter() - t0) / int(cfg.batches)
             con.print(f"{cfg.model} training steps ...")
             step_s, n_params = step_time(str(cfg.model), byte_prepared.vocab_size, batch, int(cfg.steps))
-            r.update({"batch_ms": round(batch_s * 1e3, 4), "step_ms": round(step_s * 1e3, 2),
-                      "batch_share_of_step": batch_s / step_s, "model": str(cfg.model),
-                      "model_params": n_params,
-                      "torch_threads": torch.get_num_threads(), "batch": f"{cfg.batch_size} x {cfg.seq_len}"})
+            r.update(
+                {
+                    "batch_ms": round(batch_s * 1e3, 4),
+                    "step_ms": round(step_s * 1e3, 2),
+                    "batch_share_of_step": batch_s / step_s,
+                    "model": str(cfg.model),
+                    "model_params": n_params,
+                    "torch_threads": torch.get_num_threads(),
+                    "batch": f"{cfg.batch_size} x {cfg.seq_len}",
+                }
+            )
     r["load_avg_end"] = loadavg()
 
     t = Table(title=f"gptkit bench data: {r['file_mb']} MB of text")
@@ -355,42 +408,63 @@ def run(cfg) -> int:
         t.add_column(c, justify="right" if c == "value" else "left")
     for name, row in r["tokenizers"].items():
         if "build_tokenizer_s" in row:
-            t.add_row(name, "build the tokenizer", f"{row['build_tokenizer_s']} s, "
-                      f"peak +{row['build_tokenizer_peak_rss_added_mb']:.0f} MB")
+            t.add_row(
+                name,
+                "build the tokenizer",
+                f"{row['build_tokenizer_s']} s, peak +{row['build_tokenizer_peak_rss_added_mb']:.0f} MB",
+            )
         for e, v in row["encoders"].items():
-            t.add_row(name, f"encoder {e} alone (1 process, 1 thread)",
-                      f"{v['mb_per_s']} MB/s" + ("" if v["same_ids"] else " (ids differ from HF: not used)"))
+            t.add_row(
+                name,
+                f"encoder {e} alone (1 process, 1 thread)",
+                f"{v['mb_per_s']} MB/s" + ("" if v["same_ids"] else " (ids differ from HF: not used)"),
+            )
         for fmt, key in PREPARE_KEYS.items():
             for w, v in row.get(key, {}).items():
-                t.add_row(name, f"prepare {fmt}, {v['workers']} worker(s), {v['encoder']}",
-                          f"{v['mb_per_s']} MB/s, {v['tokens_per_s'] / 1e6:.2f} M tokens/s, "
-                          f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest: "
-                          f"{' / '.join(map(str, v['fastest_encoder_before_after_mb_per_s']))} MB/s "
-                          f"before / after), "
-                          f"peak +{v['peak_rss_added_mb']:.0f} MB "
-                          f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
-                          f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB of the file, CPU ratio "
-                          f"{v['cpu_ratio']:.2f} ({v['encoder_cpu_ms_per_mb']} / "
-                          f"{v['prepare_cpu_ms_per_mb']} ms per MB of text), load {v['load_avg_before']}")
+                t.add_row(
+                    name,
+                    f"prepare {fmt}, {v['workers']} worker(s), {v['encoder']}",
+                    f"{v['mb_per_s']} MB/s, {v['tokens_per_s'] / 1e6:.2f} M tokens/s, "
+                    f"{v['ratio_to_workers_x_fastest']:.2f} x ({w} x fastest: "
+                    f"{' / '.join(map(str, v['fastest_encoder_before_after_mb_per_s']))} MB/s "
+                    f"before / after), "
+                    f"peak +{v['peak_rss_added_mb']:.0f} MB "
+                    f"(with workers +{v['peak_rss_added_with_workers_mb']:.0f} MB), "
+                    f"main process {v['main_cpu_ms_per_mb']} ms CPU per MB of the file, CPU ratio "
+                    f"{v['cpu_ratio']:.2f} ({v['encoder_cpu_ms_per_mb']} / "
+                    f"{v['prepare_cpu_ms_per_mb']} ms per MB of text), load {v['load_avg_before']}",
+                )
     if "reading" in r:
-        t.add_row("", "reading and decoding the file alone (1 process)",
-                  f"{r['reading']['read_decode_mb_per_s']} MB/s")
-        t.add_row("", "... and cutting it into pieces (1 process)",
-                  f"{r['reading']['read_decode_cut_mb_per_s']} MB/s")
+        t.add_row(
+            "",
+            "reading and decoding the file alone (1 process)",
+            f"{r['reading']['read_decode_mb_per_s']} MB/s",
+        )
+        t.add_row(
+            "",
+            "... and cutting it into pieces (1 process)",
+            f"{r['reading']['read_decode_cut_mb_per_s']} MB/s",
+        )
     for key in ("projection_40gb_16_cores", "projection_40gb_16_cores_jsonl"):
         if key in r:
             pr = r[key]
-            t.add_row(pr["tokenizer"], f"[bold]projected: 40 GB of {pr['format']} on 16 cores",
-                      f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s, bound by {pr['bound']}: 16 workers "
-                      f"at {pr['efficiency']:.2f} efficiency {pr['workers_mb_per_s']} MB/s, one main process "
-                      f"{pr['main_process_mb_per_s']} MB/s)")
+            t.add_row(
+                pr["tokenizer"],
+                f"[bold]projected: 40 GB of {pr['format']} on 16 cores",
+                f"[bold]{pr['minutes']} min ({pr['mb_per_s']} MB/s, bound by {pr['bound']}: 16 workers "
+                f"at {pr['efficiency']:.2f} efficiency {pr['workers_mb_per_s']} MB/s, one main process "
+                f"{pr['main_process_mb_per_s']} MB/s)",
+            )
     if "batch_ms" in r:
         t.add_row("byte", f"one training batch ({r['batch']}, memory-mapped)", f"{r['batch_ms']:.3f} ms")
-        t.add_row("", f"one {r['model']} step (fp32, AdamW, {r['torch_threads']} threads)",
-                  f"{r['step_ms']:.1f} ms")
+        t.add_row(
+            "", f"one {r['model']} step (fp32, AdamW, {r['torch_threads']} threads)", f"{r['step_ms']:.1f} ms"
+        )
         t.add_row("", "[bold]batch cost / step (target < 1%)", f"[bold]{100 * r['batch_share_of_step']:.3f}%")
-    t.caption = (f"{r['cpus']} CPUs ({r['usable_cores']} usable); load average (1, 5, 15 min) at the start "
-                 f"{r['load_avg_start']}, at the end {r['load_avg_end']}")
+    t.caption = (
+        f"{r['cpus']} CPUs ({r['usable_cores']} usable); load average (1, 5, 15 min) at the start "
+        f"{r['load_avg_start']}, at the end {r['load_avg_end']}"
+    )
     Console().print(t)
     if cfg.out:
         Path(cfg.out).write_text(json.dumps(r, indent=2))

@@ -41,21 +41,24 @@ from gptkit.model import GPT, KVCache, ModelConfig
 from gptkit.sampling import SampleOptions
 from gptkit.threads import set_threads
 
-SIDES = {  # bench.cuda.sides: name -> what runs
+# bench.cuda.sides: name -> what runs
+SIDES = {
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
     "gptkit-graph": "gptkit, decode=graph compile=false (static cache, the step captured as a CUDA graph)",
     "gptkit-compiled": "gptkit, decode=graph compile=true (the step compiled by torch.compile, then "
-                       "captured)",
+    "captured)",
     "transformers": "transformers generate(), its defaults (dynamic cache)",
     "transformers-static": 'transformers generate(cache_implementation="static"), which it compiles itself '
-                           'on CUDA',
+    "on CUDA",
 }
 
 
 def build_model(spec: dict):
     if not isinstance(spec, dict) or "preset" not in spec:
-        raise ConfigError(f"a bench model must be a mapping with a preset (a conf/model name), got {spec!r}; "
-                          f"drop a model with ~bench.models.<name>")
+        raise ConfigError(
+            f"a bench model must be a mapping with a preset (a conf/model name), got {spec!r}; "
+            f"drop a model with ~bench.models.<name>"
+        )
     spec = dict(spec)
     path = conf_dir() / "model" / f"{spec.pop('preset')}.yaml"
     if not path.is_file():
@@ -66,34 +69,46 @@ def build_model(spec: dict):
     return GPT(ModelConfig.from_dict(d)).eval()
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds
+# cpu: this process's CPU seconds
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 @dataclass
 class Rate:
-    median: float  # decode tokens/s over the repeats
+    # decode tokens/s over the repeats
+    median: float
     low: float
     high: float
-    first_token_s: float  # median time(1 new token)
+    # median time(1 new token)
+    first_token_s: float
 
     def text(self) -> str:
         return f"{self.median:,.0f} ({self.low:,.0f}-{self.high:,.0f})"
 
 
-def measure(generate_n: Callable[[int], object], batch: int, new_tokens: int, repeats: int,
-            clock=time.perf_counter, sync: Callable[[], None] = lambda: None) -> Rate:
+def measure(
+    generate_n: Callable[[int], object],
+    batch: int,
+    new_tokens: int,
+    repeats: int,
+    clock=time.perf_counter,
+    sync: Callable[[], None] = lambda: None,
+) -> Rate:
     """Decode tokens/s of generate_n: one warm-up of each length, then `repeats` timed pairs."""
+
     def timed(n: int) -> float:
         t0 = clock()
         generate_n(n)
         sync()
         return clock() - t0
 
-    timed(new_tokens), timed(1)  # warm-up: compiles, captures, fills caches
+    # warm-up: compiles, captures, fills caches
+    timed(new_tokens), timed(1)
     rates, firsts = [], []
     for _ in range(repeats):
         full, one = timed(new_tokens), timed(1)
-        if full > one:  # else the clock could not tell them apart (too few tokens for its resolution)
+        # else the clock could not tell them apart (too few tokens for its resolution)
+        if full > one:
             rates.append(batch * (new_tokens - 1) / (full - one))
         firsts.append(one)
     if not rates:
@@ -103,10 +118,13 @@ def measure(generate_n: Callable[[int], object], batch: int, new_tokens: int, re
 
 def ours(model, prompt, batch: int, **options):
     """n -> the greedy new tokens per sample, from gptkit's generate()."""
+
     def run(n: int):
-        g = generate(model, prompt,
-                     SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options))
-        run.notes = g.notes  # e.g. a fallback from decode=graph
+        g = generate(
+            model, prompt, SampleOptions(max_new_tokens=n, temperature=0, num_samples=batch, **options)
+        )
+        # e.g. a fallback from decode=graph
+        run.notes = g.notes
         return g.tokens
 
     run.notes = []
@@ -122,10 +140,18 @@ def hf_generate(hf_model, prompt, batch: int, static: bool = False):
 
     def run(n: int):
         with torch.inference_mode():
-            out = hf_model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, pad_token_id=0, eos_token_id=None, use_cache=True,
-                                    **extra)
-        return out[:, len(prompt):].tolist()
+            out = hf_model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+                eos_token_id=None,
+                use_cache=True,
+                **extra,
+            )
+        return out[:, len(prompt) :].tolist()
 
     return run
 
@@ -142,7 +168,8 @@ def read_roofline(model, batch: int, context: int, repeats: int, clock=time.perf
     buffer of that size, timed like the steps (the median of `repeats` after one warm-up). On one CPU core a
     decode step of a small fp32 model is this read; no fp32 decoder gets past it."""
     n_bytes = decode_bytes_per_step(model.cfg, batch, context, "fp32")
-    buf = torch.ones(max(1, n_bytes // 4), dtype=torch.float32)  # touched: the pages exist before the timing
+    # touched: the pages exist before the timing
+    buf = torch.ones(max(1, n_bytes // 4), dtype=torch.float32)
     buf.sum()
     times = []
     for _ in range(repeats):
@@ -156,7 +183,9 @@ def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.pe
     """Mean ms of one decode step at `context` tokens of context (batch 1)."""
     g = torch.Generator().manual_seed(0)
     seq = torch.randint(0, model.cfg.vocab_size, (1, context + steps), generator=g)  # [1, context + steps]
-    with torch.inference_mode(), decoding_layout(model, 1):  # the weights as generate() lays them out
+    # the weights as generate() lays them out
+    with torch.inference_mode(), decoding_layout(model, 1):
+
         def run():
             if use_cache:
                 cache = KVCache(model.cfg, 1, max_len=context + steps)
@@ -175,15 +204,18 @@ def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.pe
 
 
 def _console():
-    return Console(width=None if sys.stdout.isatty() else 200)  # logs: whole rows, not wrapped cells
+    # logs: whole rows, not wrapped cells
+    return Console(width=None if sys.stdout.isatty() else 200)
 
 
 def _need_transformers():
     try:
         import transformers  # noqa: F401
     except ImportError as exc:
-        raise ConfigError("the transformers side needs transformers (pip install gptkit[test]); "
-                          "or set bench.hf=false (CPU) / drop it from bench.cuda.sides") from exc
+        raise ConfigError(
+            "the transformers side needs transformers (pip install gptkit[test]); "
+            "or set bench.hf=false (CPU) / drop it from bench.cuda.sides"
+        ) from exc
 
     return to_transformers
 
@@ -218,14 +250,30 @@ def run_cpu(cfg) -> dict:
     clock = CLOCKS[cfg.clock]
     specs = OmegaConf.to_container(cfg.models, resolve=True)
     con = _console()
-    results: dict = {"device": "cpu", "threads": torch.get_num_threads(), "clock": str(cfg.clock),
-                     "repeats": int(cfg.repeats), "decode": [], "context": []}
+    results: dict = {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "clock": str(cfg.clock),
+        "repeats": int(cfg.repeats),
+        "decode": [],
+        "context": [],
+    }
     to_transformers = _need_transformers() if cfg.hf else None
     new_tokens, repeats = int(cfg.new_tokens), int(cfg.repeats)
-    t = Table(title=f"decode tokens/s, greedy, prompt {cfg.prompt_tokens} + {new_tokens} new tokens, CPU, "
-                    f"{torch.get_num_threads()} threads, {cfg.clock} clock: median of {repeats} (min-max)")
-    for col in ("model", "params", "batch", "gptkit", "transformers", "speed-up", "same tokens",
-                "read roofline"):
+    t = Table(
+        title=f"decode tokens/s, greedy, prompt {cfg.prompt_tokens} + {new_tokens} new tokens, CPU, "
+        f"{torch.get_num_threads()} threads, {cfg.clock} clock: median of {repeats} (min-max)"
+    )
+    for col in (
+        "model",
+        "params",
+        "batch",
+        "gptkit",
+        "transformers",
+        "speed-up",
+        "same tokens",
+        "read roofline",
+    ):
         t.add_column(col, justify="left" if col == "model" else "right")
     models = {}
     for name, spec in specs.items():
@@ -236,35 +284,57 @@ def run_cpu(cfg) -> dict:
         for batch in cfg.batch_sizes:
             fn = ours(model, prompt, int(batch))
             mine = measure(fn, batch, new_tokens, repeats, clock)
-            row = {"model": name, "params": model.num_parameters(), "batch": batch,
-                   "gptkit_tokens_per_s": mine.median, "gptkit_min": mine.low, "gptkit_max": mine.high}
+            row = {
+                "model": name,
+                "params": model.num_parameters(),
+                "batch": batch,
+                "gptkit_tokens_per_s": mine.median,
+                "gptkit_min": mine.low,
+                "gptkit_max": mine.high,
+            }
             cells = ["-", "-", "-"]
             if hf_model is not None:
                 hf_fn = hf_generate(hf_model, prompt, batch)
                 theirs = measure(hf_fn, batch, new_tokens, repeats, clock)
-                row.update(transformers_tokens_per_s=theirs.median, transformers_min=theirs.low,
-                           transformers_max=theirs.high, speed_up=mine.median / theirs.median,
-                           same_tokens=same_tokens(fn(new_tokens), hf_fn(new_tokens)))
+                row.update(
+                    transformers_tokens_per_s=theirs.median,
+                    transformers_min=theirs.low,
+                    transformers_max=theirs.high,
+                    speed_up=mine.median / theirs.median,
+                    same_tokens=same_tokens(fn(new_tokens), hf_fn(new_tokens)),
+                )
                 cells = [theirs.text(), f"{row['speed_up']:.2f}x", f"{row['same_tokens']:.0%}"]
-            roof = read_roofline(model, int(batch), int(cfg.prompt_tokens) + new_tokens // 2, max(repeats, 3),
-                                 clock)
+            roof = read_roofline(
+                model, int(batch), int(cfg.prompt_tokens) + new_tokens // 2, max(repeats, 3), clock
+            )
             row.update(read_roofline_tokens_per_s=roof, gptkit_of_roofline=mine.median / roof)
             results["decode"].append(row)
-            t.add_row(name, f"{row['params'] / 1e6:.1f}M", str(batch), mine.text(), *cells,
-                      f"{roof:,.0f} (gptkit {mine.median / roof:.0%})")
+            t.add_row(
+                name,
+                f"{row['params'] / 1e6:.1f}M",
+                str(batch),
+                mine.text(),
+                *cells,
+                f"{roof:,.0f} (gptkit {mine.median / roof:.0%})",
+            )
     con.print(t)
-    con.print("read roofline: tokens/s if a step only read its weights and K/V once, at the speed this "
-              "process reads that many bytes here (a sum over a buffer of that size)", style="dim")
+    con.print(
+        "read roofline: tokens/s if a step only read its weights and K/V once, at the speed this "
+        "process reads that many bytes here (a sum over a buffer of that size)",
+        style="dim",
+    )
 
-    model = (models[cfg.context_model] if cfg.context_model in models
-             else build_model(specs[cfg.context_model]))
+    model = (
+        models[cfg.context_model] if cfg.context_model in models else build_model(specs[cfg.context_model])
+    )
     ct = Table(title=f"{cfg.context_model}: ms per decode step (batch 1) against the context length")
     for col in ("context", "with KV cache", "no cache (whole prefix)", "ratio"):
         ct.add_column(col, justify="right")
     for ctx in cfg.context_lens:
         if ctx + int(cfg.context_steps) > model.cfg.max_seq_len:
-            raise ConfigError(f"context {ctx} + {cfg.context_steps} steps exceeds "
-                              f"max_seq_len={model.cfg.max_seq_len}")
+            raise ConfigError(
+                f"context {ctx} + {cfg.context_steps} steps exceeds max_seq_len={model.cfg.max_seq_len}"
+            )
         cached = per_token_ms(model, int(ctx), int(cfg.context_steps), True, clock)
         full = per_token_ms(model, int(ctx), int(cfg.context_steps), False, clock)
         results["context"].append({"context": ctx, "cache_ms": cached, "no_cache_ms": full})
@@ -302,21 +372,30 @@ def run_cuda(cfg, device) -> dict:
     if any(s.startswith("transformers") for s in sides):
         try:
             to_transformers = _need_transformers()
-        except ConfigError:  # a GPU machine without transformers still measures gptkit's sides
+        # a GPU machine without transformers still measures gptkit's sides
+        except ConfigError:
             sides = [s for s in sides if not s.startswith("transformers")]
             con.print("note: transformers is not installed here: its sides are skipped")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
     bandwidth = float(c.hbm_gbps) * 1e9 if c.hbm_gbps else memory_bandwidth(gpu)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     new_tokens, repeats, prompt_tokens = int(c.new_tokens), int(c.repeats), int(c.prompt_tokens)
-    con.print(f"{gpu}: {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, median of "
-              f"{repeats} (min-max); HBM "
-              f"{'%.0f GB/s' % (bandwidth / 1e9) if bandwidth else 'unknown (set bench.cuda.hbm_gbps)'}")
+    con.print(
+        f"{gpu}: {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new tokens, median of "
+        f"{repeats} (min-max); HBM "
+        f"{'%.0f GB/s' % (bandwidth / 1e9) if bandwidth else 'unknown (set bench.cuda.hbm_gbps)'}"
+    )
     for s in sides:
         con.print(f"  {s}: {SIDES[s]}")
-    results: dict = {"device": gpu, "dtype": str(c.dtype), "new_tokens": new_tokens,
-                     "prompt_tokens": prompt_tokens, "repeats": repeats, "hbm_bytes_per_s": bandwidth,
-                     "decode": []}
+    results: dict = {
+        "device": gpu,
+        "dtype": str(c.dtype),
+        "new_tokens": new_tokens,
+        "prompt_tokens": prompt_tokens,
+        "repeats": repeats,
+        "hbm_bytes_per_s": bandwidth,
+        "decode": [],
+    }
     for name, spec in OmegaConf.to_container(c.models, resolve=True).items():
         model = build_model(spec)
         hf_model = to_transformers(model).to(device=device, dtype=dtype) if to_transformers else None
@@ -324,10 +403,12 @@ def run_cuda(cfg, device) -> dict:
         prompt = _prompt(model, prompt_tokens)
         for batch in c.batch_sizes:
             batch = int(batch)
-            step_bytes = decode_bytes_per_step(model.cfg, batch, prompt_tokens + new_tokens // 2,
-                                               str(c.dtype))
+            step_bytes = decode_bytes_per_step(
+                model.cfg, batch, prompt_tokens + new_tokens // 2, str(c.dtype)
+            )
             roofline = batch * bandwidth / step_bytes if bandwidth else None
-            reference = None  # the first side's tokens
+            # the first side's tokens
+            reference = None
             for side in sides:
                 fn = _side(side, model, hf_model, prompt, batch)
                 try:
@@ -338,41 +419,71 @@ def run_cuda(cfg, device) -> dict:
                     continue
                 tokens = fn(new_tokens)
                 reference = reference or (side, tokens)
-                row = {"model": name, "params": model.num_parameters(), "batch": batch, "side": side,
-                       **{f"tokens_per_s_{k}": v for k, v in asdict(rate).items() if k != "first_token_s"},
-                       "first_token_ms": rate.first_token_s * 1e3,
-                       "roofline_tokens_per_s": roofline,
-                       "roofline_fraction": rate.median / roofline if roofline else None,
-                       "same_tokens_as": reference[0], "same_tokens": same_tokens(reference[1], tokens)}
+                row = {
+                    "model": name,
+                    "params": model.num_parameters(),
+                    "batch": batch,
+                    "side": side,
+                    **{f"tokens_per_s_{k}": v for k, v in asdict(rate).items() if k != "first_token_s"},
+                    "first_token_ms": rate.first_token_s * 1e3,
+                    "roofline_tokens_per_s": roofline,
+                    "roofline_fraction": rate.median / roofline if roofline else None,
+                    "same_tokens_as": reference[0],
+                    "same_tokens": same_tokens(reference[1], tokens),
+                }
                 results["decode"].append(row)
-                con.print(f"{name} batch {batch} {side}: {rate.text()} tokens/s, first token "
-                          f"{row['first_token_ms']:.1f} ms"
-                          + (f", {row['roofline_fraction']:.1%} of the HBM roofline ({roofline:,.0f})"
-                             if roofline else "")
-                          + f", {row['same_tokens']:.0%} same tokens as {reference[0]}")
+                con.print(
+                    f"{name} batch {batch} {side}: {rate.text()} tokens/s, first token "
+                    f"{row['first_token_ms']:.1f} ms"
+                    + (
+                        f", {row['roofline_fraction']:.1%} of the HBM roofline ({roofline:,.0f})"
+                        if roofline
+                        else ""
+                    )
+                    + f", {row['same_tokens']:.0%} same tokens as {reference[0]}"
+                )
                 for note in getattr(fn, "notes", []):
                     con.print(f"  note: {note}")
         del model, hf_model
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    t = Table(title=f"{gpu}: decode tokens/s, {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new "
-                    f"tokens, median of {repeats} (min-max)")
-    for col in ("model", "batch", "side", "tokens/s", "first token ms", "HBM roofline", "vs transformers",
-                "vs transformers-static", "same tokens"):
+    t = Table(
+        title=f"{gpu}: decode tokens/s, {c.dtype}, greedy, prompt {prompt_tokens} + {new_tokens} new "
+        f"tokens, median of {repeats} (min-max)"
+    )
+    for col in (
+        "model",
+        "batch",
+        "side",
+        "tokens/s",
+        "first token ms",
+        "HBM roofline",
+        "vs transformers",
+        "vs transformers-static",
+        "same tokens",
+    ):
         t.add_column(col, justify="left" if col in ("model", "side") else "right")
     rows = results["decode"]
     for row in rows:
+
         def vs(other: str) -> str:
-            base = [r for r in rows if (r["model"], r["batch"], r["side"]) == (row["model"], row["batch"],
-                                                                               other)]
+            base = [
+                r for r in rows if (r["model"], r["batch"], r["side"]) == (row["model"], row["batch"], other)
+            ]
             return f"{row['tokens_per_s_median'] / base[0]['tokens_per_s_median']:.2f}x" if base else "-"
 
-        t.add_row(row["model"], str(row["batch"]), row["side"],
-                  f"{row['tokens_per_s_median']:,.0f} "
-                  f"({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})",
-                  f"{row['first_token_ms']:.1f}",
-                  f"{row['roofline_fraction']:.1%}" if row["roofline_fraction"] is not None else "-",
-                  vs("transformers"), vs("transformers-static"), f"{row['same_tokens']:.0%}")
+        t.add_row(
+            row["model"],
+            str(row["batch"]),
+            row["side"],
+            f"{row['tokens_per_s_median']:,.0f} "
+            f"({row['tokens_per_s_low']:,.0f}-{row['tokens_per_s_high']:,.0f})",
+            f"{row['first_token_ms']:.1f}",
+            f"{row['roofline_fraction']:.1%}" if row["roofline_fraction"] is not None else "-",
+            vs("transformers"),
+            vs("transformers-static"),
+            f"{row['same_tokens']:.0%}",
+        )
     con.print(t)
     return results

@@ -49,8 +49,11 @@ def preference(policy, reference) -> dict[str, float]:
     by_logp = float((policy[:, 0] > policy[:, 1]).float().mean())
     ratio = policy - reference  # [P, 2]
     margin = ratio[:, 0] - ratio[:, 1]  # [P]
-    return {"logp_accuracy": by_logp, "reward_accuracy": float((margin > 0).float().mean()),
-            "margin": float(margin.mean())}
+    return {
+        "logp_accuracy": by_logp,
+        "reward_accuracy": float((margin > 0).float().mean()),
+        "margin": float(margin.mean()),
+    }
 
 
 def _train(con, args: list[str]) -> float:
@@ -74,8 +77,10 @@ def run(cfg) -> int:
     sft_file = write_jsonl(root / "sft.jsonl", train_rows)
     pairs_file = write_jsonl(root / "pairs.jsonl", preference_pairs(train_rows, int(cfg.seed) + 1))
     held_file = write_jsonl(root / "heldout.jsonl", preference_pairs(held, int(cfg.seed) + 2))
-    con.print(f"wrote {len(train_rows):,} SFT prompts, {len(train_rows):,} training pairs and {len(held):,} "
-              f"held-out pairs to {root}")
+    con.print(
+        f"wrote {len(train_rows):,} SFT prompts, {len(train_rows):,} training pairs and {len(held):,} "
+        f"held-out pairs to {root}"
+    )
     load = os.getloadavg()
     con.print(f"load average at the start: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
@@ -86,12 +91,27 @@ def run(cfg) -> int:
             raise GptkitError(f"bench.start={cfg.start} is not a run folder")
     else:
         start = root / "sft"
-        times["sft"] = _train(con, ["experiment=sft-tiny", f"data.paths=[{sft_file}]", f"runs_dir={root}",
-                                    "name=sft", f"trainer.max_steps={int(cfg.sft_steps)}",
-                                    f"trainer.val_every={int(cfg.sft_steps)}", "trainer.progress=false"])
+        times["sft"] = _train(
+            con,
+            [
+                "experiment=sft-tiny",
+                f"data.paths=[{sft_file}]",
+                f"runs_dir={root}",
+                "name=sft",
+                f"trainer.max_steps={int(cfg.sft_steps)}",
+                f"trainer.val_every={int(cfg.sft_steps)}",
+                "trainer.progress=false",
+            ],
+        )
 
-    common = ["experiment=dpo-tiny", f"init_from={start}", f"data.paths=[{pairs_file}]", f"runs_dir={root}",
-              "trainer.progress=false", *[str(o) for o in cfg.overrides or []]]
+    common = [
+        "experiment=dpo-tiny",
+        f"init_from={start}",
+        f"data.paths=[{pairs_file}]",
+        f"runs_dir={root}",
+        "trainer.progress=false",
+        *[str(o) for o in cfg.overrides or []],
+    ]
     runs = {"DPO, full fine-tune": ("dpo-full", [])}
     if cfg.lora:
         runs["DPO, LoRA"] = ("dpo-lora", ["finetune=lora", *[str(o) for o in cfg.lora_overrides or []]])
@@ -99,33 +119,49 @@ def run(cfg) -> int:
         times[label] = _train(con, [*common, f"name={name}", *extra])
 
     # the held-out pairs in the start's tokenizer and template, rows as DPO trains on them
-    data = prepare_preference({"paths": [str(held_file)], "val_paths": [str(held_file)], "template": "auto"},
-                              {"kind": "file", "path": str(start / "tokenizer.json")},
-                              cache_dir=root / "cache")
+    data = prepare_preference(
+        {"paths": [str(held_file)], "val_paths": [str(held_file)], "template": "auto"},
+        {"kind": "file", "path": str(start / "tokenizer.json")},
+        cache_dir=root / "cache",
+    )
     *_, ref_model = load_model(start)
     rows = make_pair_rows(data.train, ref_model.cfg.max_seq_len, "error", data.pad_id)
     reference = answer_logps_of(ref_model.eval(), rows)
     results = {"start (SFT)": preference(reference, reference)}
     for label, (name, _) in runs.items():
-        *_, model = load_model(root / name)  # LoRA: the adapters merged into the base
+        # LoRA: the adapters merged into the base
+        *_, model = load_model(root / name)
         results[label] = preference(answer_logps_of(model.eval(), rows), reference)
 
-    table = Table(title=f"experiment=dpo-tiny: preference on {len(rows)} held-out pairs (chosen right, "
-                        "rejected off by one letter)")
+    table = Table(
+        title=f"experiment=dpo-tiny: preference on {len(rows)} held-out pairs (chosen right, "
+        "rejected off by one letter)"
+    )
     columns = ("", "prefers chosen by log-prob", "by implicit reward", "mean log-ratio margin", "train wall")
     for col in columns:
         table.add_column(col)
     for label, r in results.items():
         before = label.startswith("start")
         wall = times.get("sft" if before else label)
-        table.add_row(label, f"{r['logp_accuracy']:.1%}", "- (policy = reference)" if before
-                      else f"{r['reward_accuracy']:.1%}", "0" if before else f"{r['margin']:.3f}",
-                      f"{wall:.0f} s" if wall is not None else "(reused)")
+        table.add_row(
+            label,
+            f"{r['logp_accuracy']:.1%}",
+            "- (policy = reference)" if before else f"{r['reward_accuracy']:.1%}",
+            "0" if before else f"{r['margin']:.3f}",
+            f"{wall:.0f} s" if wall is not None else "(reused)",
+        )
     Console().print(table)
     end = os.getloadavg()
     con.print(f"load average at the end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
-    out = {"results": results, "wall_s": times, "held_out": len(rows), "train_pairs": len(train_rows),
-           "start": str(start), "loadavg_start": list(load), "loadavg_end": list(end)}
+    out = {
+        "results": results,
+        "wall_s": times,
+        "held_out": len(rows),
+        "train_pairs": len(train_rows),
+        "start": str(start),
+        "loadavg_start": list(load),
+        "loadavg_end": list(end),
+    }
     (root / "results.json").write_text(json.dumps(out, indent=2))
     if cfg.out:
         Path(str(cfg.out)).write_text(json.dumps(out, indent=2))

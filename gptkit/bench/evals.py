@@ -43,14 +43,25 @@ def build_task(folder: Path, questions: int, context_lines: int, seed: int = 0) 
         choices = [lines[i]] + [lines[j] for j in wrong]
         order = list(range(4))
         rnd.shuffle(order)
-        rows.append({"context": " ".join(lines[i - context_lines : i]),
-                     "choices": [choices[k] for k in order], "answer": order.index(0)})
+        rows.append(
+            {
+                "context": " ".join(lines[i - context_lines : i]),
+                "choices": [choices[k] for k in order],
+                "answer": order.index(0),
+            }
+        )
     (folder / "bench_mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = {"task": "bench_mc", "dataset_path": "json",
-            "dataset_kwargs": {"data_files": {"test": str(folder / "bench_mc.jsonl")}},
-            "output_type": "multiple_choice", "test_split": "test", "doc_to_text": "{{context}}",
-            "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}",
-            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}
+    task = {
+        "task": "bench_mc",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(folder / "bench_mc.jsonl")}},
+        "output_type": "multiple_choice",
+        "test_split": "test",
+        "doc_to_text": "{{context}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{answer}}",
+        "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+    }
     path = folder / "bench_mc.yaml"
     path.write_text(yaml.safe_dump(task, sort_keys=False))
     return path
@@ -65,7 +76,6 @@ def run(cfg) -> int:
     T.quiet_lm_eval()
     from lm_eval.models.huggingface import HFLM
 
-
     set_threads(cfg.threads, "bench.threads")
     eos = "<|endoftext|>"
     tok = train_bpe(lambda: [shakespeare_text()], int(cfg.tokenizer_vocab), [eos], progress=False)
@@ -74,8 +84,13 @@ def run(cfg) -> int:
     model = build_model(spec)
     hf_tok = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos)
     ours = GptkitLM(model, tok, {"tokenizer": {"eos_token": eos}}, batch_size=int(cfg.batch_size))
-    theirs = HFLM(pretrained=to_transformers(model), tokenizer=hf_tok, batch_size=int(cfg.batch_size),
-                  device="cpu", max_length=model.cfg.max_seq_len)
+    theirs = HFLM(
+        pretrained=to_transformers(model),
+        tokenizer=hf_tok,
+        batch_size=int(cfg.batch_size),
+        device="cpu",
+        max_length=model.cfg.max_seq_len,
+    )
 
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-evals-") as tmp:
         specs = T.find_tasks([str(build_task(Path(tmp), int(cfg.questions), int(cfg.context_lines)))])
@@ -90,7 +105,8 @@ def run(cfg) -> int:
         out = lm.loglikelihood(requests, disable_tqdm=True)
         return time.perf_counter() - t0, out
 
-    timed(ours), timed(theirs)  # warm-up
+    # warm-up
+    timed(ours), timed(theirs)
     times: dict[str, list[float]] = {"gptkit": [], "hf": []}
     for _ in range(int(cfg.repeats)):
         for name, lm in (("gptkit", ours), ("hf", theirs)):
@@ -112,24 +128,39 @@ def run(cfg) -> int:
         hits = [max(range(len(v)), key=v.__getitem__) == docs[k]["answer"] for k, v in per_doc.items()]
         return sum(hits) / len(hits)
 
-    t = Table(title=f"lm-eval loglikelihood requests/s, {model.cfg.name} ({model.num_parameters():,} "
-                    f"parameters, context {model.cfg.max_seq_len}), {n} requests ({cfg.questions} questions "
-                    f"x 4), CPU, "
-                    f"{torch.get_num_threads()} thread(s): median of {cfg.repeats} (min-max)")
+    t = Table(
+        title=f"lm-eval loglikelihood requests/s, {model.cfg.name} ({model.num_parameters():,} "
+        f"parameters, context {model.cfg.max_seq_len}), {n} requests ({cfg.questions} questions "
+        f"x 4), CPU, "
+        f"{torch.get_num_threads()} thread(s): median of {cfg.repeats} (min-max)"
+    )
     for col in ("side", "requests/s", "seconds", "accuracy"):
         t.add_column(col, justify="left" if col == "side" else "right")
     for name, res in (("gptkit adapter", a), ("lm-eval hf", b)):
         key = "gptkit" if name.startswith("gptkit") else "hf"
         v = times[key]
-        t.add_row(name, f"{rate[key]:,.0f} ({n / max(v):,.0f}-{n / min(v):,.0f})",
-                  f"{statistics.median(v):.2f}", f"{accuracy(res):.3f}")
+        t.add_row(
+            name,
+            f"{rate[key]:,.0f} ({n / max(v):,.0f}-{n / min(v):,.0f})",
+            f"{statistics.median(v):.2f}",
+            f"{accuracy(res):.3f}",
+        )
     con = Console()
     con.print(t)
-    con.print(f"speed-up {rate['gptkit'] / rate['hf']:.2f}x; max |log-likelihood difference| {diff:.2e}; "
-              f"gptkit ran {ours.stats.forward_tokens:,} tokens through the model in all")
-    results = {"requests": n, "threads": torch.get_num_threads(), "model": dict(spec), "seconds": times,
-               "requests_per_s": rate, "speedup": rate["gptkit"] / rate["hf"], "max_ll_diff": diff,
-               "accuracy": {"gptkit": accuracy(a), "hf": accuracy(b)}}
+    con.print(
+        f"speed-up {rate['gptkit'] / rate['hf']:.2f}x; max |log-likelihood difference| {diff:.2e}; "
+        f"gptkit ran {ours.stats.forward_tokens:,} tokens through the model in all"
+    )
+    results = {
+        "requests": n,
+        "threads": torch.get_num_threads(),
+        "model": dict(spec),
+        "seconds": times,
+        "requests_per_s": rate,
+        "speedup": rate["gptkit"] / rate["hf"],
+        "max_ll_diff": diff,
+        "accuracy": {"gptkit": accuracy(a), "hf": accuracy(b)},
+    }
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 

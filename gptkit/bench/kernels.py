@@ -40,7 +40,8 @@ from gptkit.model.documents import Documents, document_bounds
 from gptkit.model.layers import RotaryEmbedding, _rotate
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-DEVICE = "cuda"  # of the GPU rows (a dry run on the CPU changes it)
+# of the GPU rows (a dry run on the CPU changes it)
+DEVICE = "cuda"
 
 
 class PeakMemory(TorchDispatchMode):
@@ -58,8 +59,9 @@ class PeakMemory(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        seen = {t.untyped_storage()._cdata for t in tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
+        seen = {
+            t.untyped_storage()._cdata for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+        }
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 st = t.untyped_storage()
@@ -81,8 +83,9 @@ class PeakMemory(TorchDispatchMode):
         self.largest = max(self.largest, n)
 
 
-def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-              chunk_size: int | None = None) -> None:
+def loss_step(
+    fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+) -> None:
     """Forward and backward of lm_head + cross-entropy: eager (as GPT.forward) or chunked (model.kernels:
     loss)."""
     if fused:
@@ -94,8 +97,16 @@ def loss_step(fused: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch
     loss.backward()
 
 
-def loss_memory(tokens: int, vocab: int, d_model: int, dtype: torch.dtype, fused: bool, fake: bool = True,
-                device: str = "cpu", chunk_size: int | None = None) -> PeakMemory:
+def loss_memory(
+    tokens: int,
+    vocab: int,
+    d_model: int,
+    dtype: torch.dtype,
+    fused: bool,
+    fake: bool = True,
+    device: str = "cpu",
+    chunk_size: int | None = None,
+) -> PeakMemory:
     """PeakMemory of one loss_step (inputs made before it; their gradients count)."""
     with FakeTensorMode() if fake else contextlib.nullcontext():
         x = torch.randn(tokens, d_model, dtype=dtype, device=device, requires_grad=True)  # [N, d]
@@ -131,9 +142,11 @@ def run(cfg) -> int:
 
             atomic_write_text(cfg.out, json.dumps({**env, "rows": rows}, indent=2))
 
-    for shape in cfg.loss_shapes:  # the chunked loss is pure torch: runs anywhere
+    # the chunked loss is pure torch: runs anywhere
+    for shape in cfg.loss_shapes:
         _loss_rows(emit, shape)
-    if triton_version() is None:  # the tile schedule and the fused kernels are Triton's
+    # the tile schedule and the fused kernels are Triton's
+    if triton_version() is None:
         emit({"what": "doc-tiles, kernel, model", "note": f"not measured: {TRITON_MISSING}"})
         return _wrote(cfg)
     _doc_rows(emit, cfg, gpu)
@@ -160,14 +173,27 @@ def _fmt(v) -> str:
 def _loss_rows(emit, shape) -> None:
     from gptkit_kernels.linear_ce import chunk_rows
 
-    tokens, vocab, d, dtype, fake = (int(shape.tokens), int(shape.vocab), int(shape.d_model),
-                                     DTYPES[shape.dtype], bool(shape.fake))
+    tokens, vocab, d, dtype, fake = (
+        int(shape.tokens),
+        int(shape.vocab),
+        int(shape.d_model),
+        DTYPES[shape.dtype],
+        bool(shape.fake),
+    )
     chunk = shape.get("chunk_size")
-    row = {"what": "loss-memory", "tokens": tokens, "vocab": vocab, "d_model": d, "dtype": shape.dtype,
-           "tensors": "fake" if fake else "real", "chunk_rows": chunk_rows(tokens, vocab, chunk)}
+    row = {
+        "what": "loss-memory",
+        "tokens": tokens,
+        "vocab": vocab,
+        "d_model": d,
+        "dtype": shape.dtype,
+        "tensors": "fake" if fake else "real",
+        "chunk_rows": chunk_rows(tokens, vocab, chunk),
+    }
     for name, fused in (("eager", False), ("fused", True)):
         pm = loss_memory(tokens, vocab, d, dtype, fused, fake, chunk_size=chunk)
-        if not fake:  # the median of 3 timed runs after this warm-up
+        # the median of 3 timed runs after this warm-up
+        if not fake:
             times = []
             for _ in range(3):
                 start = time.perf_counter()
@@ -189,8 +215,15 @@ def _doc_rows(emit, cfg, gpu: bool) -> None:
         ids = document_windows(T, int(mean_len), int(cfg.doc_windows))  # [n, T]
         bounds = document_bounds(ids)
         tiles = forward_tiles(T, bm, bn, True, bounds) / len(ids)
-        row = {"what": "doc-tiles", "T": T, "mean_doc_len": int(mean_len), "blocks": f"{bm}x{bn}",
-               "tiles_per_head": tiles, "causal_tiles_per_head": causal, "fraction": tiles / causal}
+        row = {
+            "what": "doc-tiles",
+            "T": T,
+            "mean_doc_len": int(mean_len),
+            "blocks": f"{bm}x{bn}",
+            "tiles_per_head": tiles,
+            "causal_tiles_per_head": causal,
+            "fraction": tiles / causal,
+        }
         if gpu:
             row.update(_doc_times(cfg, ids))
         else:
@@ -208,21 +241,27 @@ def _doc_times(cfg, ids) -> dict:
 
     n, T = ids.shape
     H, D = int(cfg.doc_heads), int(cfg.doc_head_dim)
-    q, k, v = (torch.randn(n, H, T, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
+    q, k, v = (
+        torch.randn(n, H, T, D, device=DEVICE, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)
+    )
     docs = Documents(ids.to(DEVICE))
     bounds = (docs.start, docs.end)
-    runs = {f"{impl}_{name}": (lambda impl=impl, kw=kw:
-                               flash_attention(q, k, v, causal=True, impl=impl, **kw))
-            for impl in ("fa2", "tma") for name, kw in (("causal", {}), ("docs", {"doc_bounds": bounds}))}
+    runs = {
+        f"{impl}_{name}": (lambda impl=impl, kw=kw: flash_attention(q, k, v, causal=True, impl=impl, **kw))
+        for impl in ("fa2", "tma")
+        for name, kw in (("causal", {}), ("docs", {"doc_bounds": bounds}))
+    }
     runs["sdpa_dense_mask_docs"] = lambda: sdpa_attention(q, k, v, causal=True, docs=docs)[0]
     out = {}
     for name, fn in runs.items():
+
         def step(fn=fn):
             torch.autograd.grad(fn(), (q, k, v), torch.ones_like(q))
+
         try:
-            out[f"{name}_fwd_bwd_ms"] = do_bench(step, warmup=cfg.warmup_ms, rep=cfg.rep_ms,
-                                                 return_mode="median")
+            out[f"{name}_fwd_bwd_ms"] = do_bench(
+                step, warmup=cfg.warmup_ms, rep=cfg.rep_ms, return_mode="median"
+            )
         except torch.cuda.OutOfMemoryError:
             out[f"{name}_fwd_bwd_ms"] = "oom"
         torch.cuda.empty_cache()
@@ -251,28 +290,41 @@ def _kernel_rows(emit, cfg) -> None:
     q, k = t(N // T, H, T, D), t(N // T, Hkv, T, D)
     wv, tg = t(V, d), torch.randint(0, V, (N,), device=DEVICE)
     cases = {
-        "rmsnorm": ((x, w), lambda x, w: w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True)
-                                                                         + 1e-5)).to(x.dtype),
-                    lambda x, w: rms_norm(x, w, 1e-5)),
-        "layernorm": ((x, w, b),
-                      lambda x, w, b: F.layer_norm(x.float(), (d,), w.float(), b.float(), 1e-5).to(x.dtype),
-                      lambda x, w, b: layer_norm(x, w, b, 1e-5)),
+        "rmsnorm": (
+            (x, w),
+            lambda x, w: (
+                w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+            ),
+            lambda x, w: rms_norm(x, w, 1e-5),
+        ),
+        "layernorm": (
+            (x, w, b),
+            lambda x, w, b: F.layer_norm(x.float(), (d,), w.float(), b.float(), 1e-5).to(x.dtype),
+            lambda x, w, b: layer_norm(x, w, b, 1e-5),
+        ),
         "swiglu": ((g, u), lambda g, u: F.silu(g) * u, swiglu),
-        "rope": ((q, k),
-                 lambda q, k: (_rotate(q, rot.cos[:T], rot.sin[:T]), _rotate(k, rot.cos[:T], rot.sin[:T])),
-                 lambda q, k: rope(q, k, rot.cos, rot.sin)),
-        "loss": ((x, wv), lambda x, w: F.cross_entropy(F.linear(x, w).float(), tg),
-                 lambda x, w: linear_cross_entropy(x, w, tg)),
+        "rope": (
+            (q, k),
+            lambda q, k: (_rotate(q, rot.cos[:T], rot.sin[:T]), _rotate(k, rot.cos[:T], rot.sin[:T])),
+            lambda q, k: rope(q, k, rot.cos, rot.sin),
+        ),
+        "loss": (
+            (x, wv),
+            lambda x, w: F.cross_entropy(F.linear(x, w).float(), tg),
+            lambda x, w: linear_cross_entropy(x, w, tg),
+        ),
     }
     for name, (inputs, eager, fused) in cases.items():
         row = {"what": "kernel", "kernel": name, "rows": N, "dtype": cfg.dtype}
         for impl, fn in (("eager", eager), ("fused", fused)):
+
             def step(fn=fn):
                 for p in inputs:
                     p.grad = None
                 out = fn(*inputs)
                 outs = out if isinstance(out, tuple) else (out,)
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
             step()
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -312,8 +364,17 @@ def _model_rows(emit, cfg) -> None:
             step()
         torch.cuda.synchronize()
         sec = (time.perf_counter() - start) / int(cfg.model_steps)
-        emit({"what": "model", "model": f"{cfg.model} {dict(cfg.model_overrides)}", "attention": mc.attention,
-              "kernels": kernels or "[] (eager)", "batch": f"{B}x{T}", "tokens_per_s": B * T / sec,
-              "peak_GB": torch.cuda.max_memory_allocated() / 2**30})
-        model = opt = None  # free this model before the next one
+        emit(
+            {
+                "what": "model",
+                "model": f"{cfg.model} {dict(cfg.model_overrides)}",
+                "attention": mc.attention,
+                "kernels": kernels or "[] (eager)",
+                "batch": f"{B}x{T}",
+                "tokens_per_s": B * T / sec,
+                "peak_GB": torch.cuda.max_memory_allocated() / 2**30,
+            }
+        )
+        # free this model before the next one
+        model = opt = None
         torch.cuda.empty_cache()

@@ -34,8 +34,11 @@ from gptkit.training.lora import apply_lora
 
 def _tokens_per_s(run: Path, warmup: int) -> float:
     with open(run / "metrics.csv", newline="") as f:
-        rates = [float(r["perf/tokens_per_s"]) for r in csv.DictReader(f)
-                 if r.get("perf/tokens_per_s") and int(r["step"]) >= warmup]
+        rates = [
+            float(r["perf/tokens_per_s"])
+            for r in csv.DictReader(f)
+            if r.get("perf/tokens_per_s") and int(r["step"]) >= warmup
+        ]
     return statistics.median(rates)
 
 
@@ -44,7 +47,8 @@ def _train(args: list[str]) -> tuple[int, float]:
     proc = subprocess.Popen([sys.executable, "-m", "gptkit", "train", *args])
     _, status, usage = os.wait4(proc.pid, 0)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    return proc.returncode, usage.ru_maxrss * 1024  # Linux: kilobytes
+    # Linux: kilobytes
+    return proc.returncode, usage.ru_maxrss * 1024
 
 
 def run(cfg) -> int:
@@ -67,13 +71,31 @@ def run(cfg) -> int:
     total = sum(p.numel() for p in meta.parameters())
     trainable = {"full": total, "lora": apply_lora(meta, lora)}
     targets = "[" + ",".join(lora["targets"]) + "]"
-    per_kind = {"full": [], "lora": [f"lora.rank={lora['rank']}", f"lora.alpha={lora['alpha']}",
-                                     f"lora.dropout={lora['dropout']}", f"lora.targets={targets}"]}
-    common = [f"init_from={base}", "data=shakespeare", f"trainer.batch_size={cfg.batch_size}",
-              f"trainer.max_steps={cfg.steps}", f"trainer.val_every={cfg.steps}", "trainer.val_windows=2",
-              f"trainer.checkpoint_every={cfg.steps}", "trainer.log_every=1", "trainer.progress=false",
-              f"trainer.threads={cfg.threads}", "trainer.accelerator=cpu", "optim.warmup_steps=1",
-              f"runs_dir={root}", *[str(o) for o in cfg.overrides or []]]
+    per_kind = {
+        "full": [],
+        "lora": [
+            f"lora.rank={lora['rank']}",
+            f"lora.alpha={lora['alpha']}",
+            f"lora.dropout={lora['dropout']}",
+            f"lora.targets={targets}",
+        ],
+    }
+    common = [
+        f"init_from={base}",
+        "data=shakespeare",
+        f"trainer.batch_size={cfg.batch_size}",
+        f"trainer.max_steps={cfg.steps}",
+        f"trainer.val_every={cfg.steps}",
+        "trainer.val_windows=2",
+        f"trainer.checkpoint_every={cfg.steps}",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        f"trainer.threads={cfg.threads}",
+        "trainer.accelerator=cpu",
+        "optim.warmup_steps=1",
+        f"runs_dir={root}",
+        *[str(o) for o in cfg.overrides or []],
+    ]
     results: dict[str, list[dict]] = {"full": [], "lora": []}
     for i in range(int(cfg.repeats)):
         for kind in ("full", "lora"):
@@ -83,26 +105,48 @@ def run(cfg) -> int:
             if code:
                 return code
             run = root / name
-            results[kind].append({"tokens_per_s": _tokens_per_s(run, int(cfg.warmup)), "peak_rss": peak,
-                                  "checkpoint_bytes": (run / "checkpoints" / "last.ckpt").stat().st_size})
+            results[kind].append(
+                {
+                    "tokens_per_s": _tokens_per_s(run, int(cfg.warmup)),
+                    "peak_rss": peak,
+                    "checkpoint_bytes": (run / "checkpoints" / "last.ckpt").stat().st_size,
+                }
+            )
     med = {k: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for k, rs in results.items()}
     load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").is_file() else []
-    table = Table(title=f"finetune=lora vs full: {model_cfg.name} {total:,} parameters, batch "
-                        f"{cfg.batch_size} x {model_cfg.max_seq_len}, {cfg.steps} steps, median of "
-                        f"{cfg.repeats}; load {' '.join(load)}")
+    table = Table(
+        title=f"finetune=lora vs full: {model_cfg.name} {total:,} parameters, batch "
+        f"{cfg.batch_size} x {model_cfg.max_seq_len}, {cfg.steps} steps, median of "
+        f"{cfg.repeats}; load {' '.join(load)}"
+    )
     for col in ("", "trainable parameters", "checkpoint", "peak RSS", "tokens/s"):
         table.add_column(col, justify="right")
     for kind in ("full", "lora"):
         m = med[kind]
-        table.add_row(kind, f"{trainable[kind]:,}", human_bytes(m["checkpoint_bytes"]),
-                      human_bytes(m["peak_rss"]), f"{m['tokens_per_s']:,.0f}")
+        table.add_row(
+            kind,
+            f"{trainable[kind]:,}",
+            human_bytes(m["checkpoint_bytes"]),
+            human_bytes(m["peak_rss"]),
+            f"{m['tokens_per_s']:,.0f}",
+        )
     f, lo = med["full"], med["lora"]
-    table.add_row("lora / full", f"{trainable['lora'] / total:.2%}",
-                  f"{lo['checkpoint_bytes'] / f['checkpoint_bytes']:.3f}",
-                  f"{lo['peak_rss'] / f['peak_rss']:.2f}", f"{lo['tokens_per_s'] / f['tokens_per_s']:.2f}")
+    table.add_row(
+        "lora / full",
+        f"{trainable['lora'] / total:.2%}",
+        f"{lo['checkpoint_bytes'] / f['checkpoint_bytes']:.3f}",
+        f"{lo['peak_rss'] / f['peak_rss']:.2f}",
+        f"{lo['tokens_per_s'] / f['tokens_per_s']:.2f}",
+    )
     Console().print(table)
-    out = {"model": model_dict, "lora": lora, "trainable": trainable, "median": med, "runs": results,
-           "loadavg": load}
+    out = {
+        "model": model_dict,
+        "lora": lora,
+        "trainable": trainable,
+        "median": med,
+        "runs": results,
+        "loadavg": load,
+    }
     (root / "results.json").write_text(json.dumps(out, indent=2))
     if cfg.out:
         Path(str(cfg.out)).write_text(json.dumps(out, indent=2))

@@ -46,7 +46,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     for r in rows:
         if not r.get("perf/tokens_per_s"):
             continue
-        tokens = float(r["perf/tokens"])  # after this row's optimizer step: the row's step (steps done)
+        # after this row's optimizer step: the row's step (steps done)
+        tokens = float(r["perf/tokens"])
         tokens_per_step = tokens_per_step or tokens / int(r["step"])
         seconds += (tokens - tokens_before) / float(r["perf/tokens_per_s"])
         tokens_before = tokens
@@ -58,7 +59,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
     for (
         step,
         loss,
-    ) in val:  # validation after `step` optimizer steps; time: the last logged step at or before it
+        # validation after `step` optimizer steps; time: the last logged step at or before it
+    ) in val:
         known = max(s for s in at_step if s <= step)
         timed.append((step, loss, at_step[known]))
     return {"val": timed, "final_val_loss": val[-1][1], "steps": val[-1][0], "train_seconds": seconds}
@@ -101,7 +103,8 @@ def finished(run_dir: Path) -> bool:
     if not ((run_dir / "checkpoints" / "last.ckpt").exists() and (run_dir / "metrics.csv").is_file()):
         return False
     trainer = OmegaConf.load(run_dir / "config.yaml").trainer
-    if trainer.get("max_tokens") is not None:  # its steps follow from the tokens: trust the checkpoint
+    # its steps follow from the tokens: trust the checkpoint
+    if trainer.get("max_tokens") is not None:
         return True
     with open(run_dir / "metrics.csv", newline="") as f:
         val_steps = [int(r["step"]) for r in csv.DictReader(f) if r.get("val/loss")]
@@ -139,7 +142,8 @@ def run(cfg) -> int:
     con = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
     jobs = []
     for recipe in cfg.recipes:
-        for seed in cfg.seeds:  # AdamW and Muon of one seed side by side (parallel=2): the same load
+        # AdamW and Muon of one seed side by side (parallel=2): the same load
+        for seed in cfg.seeds:
             for optimizer in OPTIMIZERS:
                 name, args = train_args(cfg, recipe, optimizer, int(seed))
                 if not finished(runs_dir / name):
@@ -175,7 +179,8 @@ def run(cfg) -> int:
             "adamw_train_seconds": spread([r["train_seconds"] for r in adamw]),
             "muon_train_seconds": spread([r["train_seconds"] for r in muon]),
             "muon_time_ratio": spread([m["train_seconds"] / a["train_seconds"] for a, m in zip(adamw, muon)]),
-            "val_loss_at_adamw_time": {  # each Muon run at the training time of the AdamW run of its seed
+            # each Muon run at the training time of the AdamW run of its seed
+            "val_loss_at_adamw_time": {
                 "adamw": spread([r["final_val_loss"] for r in adamw]),
                 "muon": spread([loss_at(m, a["train_seconds"]) for a, m in zip(adamw, muon)]),
             },

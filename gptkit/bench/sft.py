@@ -80,8 +80,18 @@ def run(cfg) -> int:
 
     # train, as a user would
     t1 = time.perf_counter()
-    cmd = [sys.executable, "-m", "gptkit", "train", "experiment=sft-tiny", f"data.paths=[{train_file}]",
-           f"runs_dir={root}", "name=run", "trainer.progress=false", *[str(o) for o in cfg.overrides or []]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gptkit",
+        "train",
+        "experiment=sft-tiny",
+        f"data.paths=[{train_file}]",
+        f"runs_dir={root}",
+        "name=run",
+        "trainer.progress=false",
+        *[str(o) for o in cfg.overrides or []],
+    ]
     con.print("$ " + " ".join(cmd[2:]))
     proc = subprocess.run(cmd)
     if proc.returncode:
@@ -104,8 +114,15 @@ def run(cfg) -> int:
     print("  after, by task: " + ", ".join(f"{t} {share:.1%}" for t, share in tasks.items()))
     for row, a in list(zip(held, answers))[:3]:
         print(f"  {row['prompt']!r} -> {a!r} (want {row['response']!r})")
-    result = {"before": before, "after": after, "after_by_task": tasks, "train_s": train_s,
-              "held_out": len(held), "train": len(train_rows), "run": str(r.dir)}
+    result = {
+        "before": before,
+        "after": after,
+        "after_by_task": tasks,
+        "train_s": train_s,
+        "held_out": len(held),
+        "train": len(train_rows),
+        "run": str(r.dir),
+    }
     (root / "results.json").write_text(json.dumps(result, indent=2))
     if cfg.out:
         Path(str(cfg.out)).write_text(json.dumps(result, indent=2))

@@ -61,7 +61,8 @@ def _optim_cfg():
     return o
 
 
-CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU time (1 thread)
+# cpu: this process's CPU time (1 thread)
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 
 
 def _sync(device: str) -> None:
@@ -69,8 +70,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None,
-              clock=time.perf_counter) -> tuple[float, float]:
+def bare_loop(
+    model_cfg, sampler, cfg, device: str, compile_mode: str | None, clock=time.perf_counter
+) -> tuple[float, float]:
     """(seconds per timed optimizer step, seconds of the warm-up steps) of a plain PyTorch loop."""
     steps, warmup, log_every = int(cfg.steps), int(cfg.warmup), int(cfg.log_every)
     p = precision(cfg.precision, "bench.precision")
@@ -116,14 +118,16 @@ def bare_loop(model_cfg, sampler, cfg, device: str, compile_mode: str | None,
             opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if (step + 1) % log_every == 0 and not torch.isfinite(loss):  # what a training loop reads
+        # what a training loop reads
+        if (step + 1) % log_every == 0 and not torch.isfinite(loss):
             raise RuntimeError(f"non-finite loss at step {step}")
     _sync(device)
     return (clock() - t0) / steps, warm
 
 
-def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
-                clock=time.perf_counter) -> tuple[float, float]:
+def gptkit_loop(
+    model_cfg, prepared, cfg, device: str, compile_mode: str | None, clock=time.perf_counter
+) -> tuple[float, float]:
     """(seconds per timed optimizer step, seconds of the warm-up steps) of the trainer `gptkit train`
     builds."""
     steps, warmup = int(cfg.steps), int(cfg.warmup)
@@ -143,14 +147,22 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
             _sync(device)
             self.t1 = clock()
 
-    run_cfg = compose("train", [f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
-                                f"trainer.precision={cfg.precision}", f"trainer.batch_size={cfg.batch_size}",
-                                f"trainer.gradient_clip_val={cfg.clip or 'null'}",
-                                f"trainer.log_every={cfg.log_every}",
-                                "trainer.progress=off", "trainer.val_every=1000000",
-                                "trainer.checkpoint_every=1000000",
-                                f"trainer.compile={compile_mode or 'none'}",
-                                f"trainer.compile_backend={cfg.compile_backend}", "logger=[]"])
+    run_cfg = compose(
+        "train",
+        [
+            f"trainer.accelerator={'gpu' if device == 'cuda' else 'cpu'}",
+            f"trainer.precision={cfg.precision}",
+            f"trainer.batch_size={cfg.batch_size}",
+            f"trainer.gradient_clip_val={cfg.clip or 'null'}",
+            f"trainer.log_every={cfg.log_every}",
+            "trainer.progress=off",
+            "trainer.val_every=1000000",
+            "trainer.checkpoint_every=1000000",
+            f"trainer.compile={compile_mode or 'none'}",
+            f"trainer.compile_backend={cfg.compile_backend}",
+            "logger=[]",
+        ],
+    )
     run_cfg = OmegaConf.create(OmegaConf.to_container(run_cfg, resolve=True))
     run_cfg.optim = _optim_cfg()
     run_cfg.trainer.max_steps = warmup + steps
@@ -160,8 +172,9 @@ def gptkit_loop(model_cfg, prepared, cfg, device: str, compile_mode: str | None,
         # the plan `gptkit train` would make
         plan = make_plan(run_cfg, Path(run_dir), model_cfg, checked=checked)
         module = LitGPT(plan)
-        dm = TokenDataModule(prepared, batch_size=plan.batch_size, seq_len=plan.seq_len, seed=1337,
-                             val_windows=1)
+        dm = TokenDataModule(
+            prepared, batch_size=plan.batch_size, seq_len=plan.seq_len, seed=1337, val_windows=1
+        )
         trainer, _, _ = build_trainer(plan, [])
         timer = Clock()
         trainer.callbacks.append(timer)
@@ -186,22 +199,28 @@ def run(cfg) -> int:
             raise GptkitError(f"bench.data_path={path} does not exist; point it at a text file")
         data = {"kind": "files", "paths": [str(path)]}
     prepared = prepare(OmegaConf.create(data), OmegaConf.create({"kind": "char"}), progress=False)
-    model_cfg = _model_cfg(cfg, None if cfg.model_overrides and "vocab_size" in cfg.model_overrides
-                           else prepared.vocab_size)
+    model_cfg = _model_cfg(
+        cfg, None if cfg.model_overrides and "vocab_size" in cfg.model_overrides else prepared.vocab_size
+    )
     if model_cfg.vocab_size < prepared.vocab_size:
-        raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} < the corpus's {prepared.vocab_size} "
-                          "tokens")
-    sampler = TokenDataModule(prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len,
-                              seed=1337, val_windows=1).sampler
-    flops = acc.flops_per_token(model_cfg).train_dense  # the MFU convention
+        raise ConfigError(
+            f"model.vocab_size={model_cfg.vocab_size} < the corpus's {prepared.vocab_size} tokens"
+        )
+    sampler = TokenDataModule(
+        prepared, batch_size=int(cfg.batch_size), seq_len=model_cfg.max_seq_len, seed=1337, val_windows=1
+    ).sampler
+    # the MFU convention
+    flops = acc.flops_per_token(model_cfg).train_dense
     peak = detect_peak_flops(str(cfg.precision), cfg.peak_tflops) if device == "cuda" else None
     tokens_per_step = int(cfg.batch_size) * model_cfg.max_seq_len
     where = torch.cuda.get_device_name() if device == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     con = Console(width=None if sys.stdout.isatty() else 160)
-    con.print(f"{model_cfg.name}: {acc.count_params(model_cfg).total:,} parameters, {where}, "
-              f"{cfg.precision}, batch {cfg.batch_size} x {model_cfg.max_seq_len} tokens, clip {cfg.clip}, "
-              f"{cfg.steps} timed steps after {cfg.warmup}, median of {cfg.repeats}; MFU: count-params FLOPs "
-              f"(6N + 12·L·T·d_attn) / peak")
+    con.print(
+        f"{model_cfg.name}: {acc.count_params(model_cfg).total:,} parameters, {where}, "
+        f"{cfg.precision}, batch {cfg.batch_size} x {model_cfg.max_seq_len} tokens, clip {cfg.clip}, "
+        f"{cfg.steps} timed steps after {cfg.warmup}, median of {cfg.repeats}; MFU: count-params FLOPs "
+        f"(6N + 12·L·T·d_attn) / peak"
+    )
     rows = []
     for setting in cfg.compile:
         mode = compile_mode(setting)
@@ -214,33 +233,64 @@ def run(cfg) -> int:
             ours.append(s)
             ours_warm.append(w)
         b, g = statistics.median(bare), statistics.median(ours)
-        row = {"compile": mode or "off", "bare_ms": b * 1e3, "gptkit_ms": g * 1e3,
-               "bare_tokens_per_s": tokens_per_step / b, "gptkit_tokens_per_s": tokens_per_step / g,
-               # the first loop compiles
-               "speed_vs_bare": b / g, "first_steps_s": max(bare_warm[0], ours_warm[0]),
-               "bare_all_ms": [x * 1e3 for x in bare], "gptkit_all_ms": [x * 1e3 for x in ours]}
+        row = {
+            "compile": mode or "off",
+            "bare_ms": b * 1e3,
+            "gptkit_ms": g * 1e3,
+            "bare_tokens_per_s": tokens_per_step / b,
+            "gptkit_tokens_per_s": tokens_per_step / g,
+            # the first loop compiles
+            "speed_vs_bare": b / g,
+            "first_steps_s": max(bare_warm[0], ours_warm[0]),
+            "bare_all_ms": [x * 1e3 for x in bare],
+            "gptkit_all_ms": [x * 1e3 for x in ours],
+        }
         if peak:
             row["gptkit_mfu"] = acc.mfu(row["gptkit_tokens_per_s"], flops, peak)
             row["bare_mfu"] = acc.mfu(row["bare_tokens_per_s"], flops, peak)
         rows.append(row)
         mfu = f", MFU {row['gptkit_mfu']:.1%} vs {row['bare_mfu']:.1%}" if peak else ""
-        con.print(f"compile={row['compile']}: gptkit {row['gptkit_ms']:.2f} ms/step "
-                  f"({row['gptkit_tokens_per_s']:,.0f} tokens/s), plain PyTorch {row['bare_ms']:.2f} ms/step "
-                  f"({row['bare_tokens_per_s']:,.0f} tokens/s): {row['speed_vs_bare']:.3f}x{mfu}; first "
-                  f"{cfg.warmup} steps (with compilation) {row['first_steps_s']:.1f} s", highlight=False)
+        con.print(
+            f"compile={row['compile']}: gptkit {row['gptkit_ms']:.2f} ms/step "
+            f"({row['gptkit_tokens_per_s']:,.0f} tokens/s), plain PyTorch {row['bare_ms']:.2f} ms/step "
+            f"({row['bare_tokens_per_s']:,.0f} tokens/s): {row['speed_vs_bare']:.3f}x{mfu}; first "
+            f"{cfg.warmup} steps (with compilation) {row['first_steps_s']:.1f} s",
+            highlight=False,
+        )
     t = Table(title=f"gptkit train vs a plain PyTorch loop ({where}, {cfg.precision})")
-    for col in ("torch.compile", "plain ms/step", "gptkit ms/step", "gptkit tokens/s", "speed vs plain",
-                "first steps (s)") + (("MFU",) if peak else ()):
+    for col in (
+        "torch.compile",
+        "plain ms/step",
+        "gptkit ms/step",
+        "gptkit tokens/s",
+        "speed vs plain",
+        "first steps (s)",
+    ) + (("MFU",) if peak else ()):
         t.add_column(col, justify="right")
     for r in rows:
-        t.add_row(r["compile"], f"{r['bare_ms']:.2f}", f"{r['gptkit_ms']:.2f}",
-                  f"{r['gptkit_tokens_per_s']:,.0f}",
-                  f"{r['speed_vs_bare']:.3f}x", f"{r['first_steps_s']:.1f}",
-                  *((f"{r['gptkit_mfu']:.1%}",) if peak else ()))
+        t.add_row(
+            r["compile"],
+            f"{r['bare_ms']:.2f}",
+            f"{r['gptkit_ms']:.2f}",
+            f"{r['gptkit_tokens_per_s']:,.0f}",
+            f"{r['speed_vs_bare']:.3f}x",
+            f"{r['first_steps_s']:.1f}",
+            *((f"{r['gptkit_mfu']:.1%}",) if peak else ()),
+        )
     con.print(t)
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 
-        atomic_write_text(cfg.out, json.dumps({"device": where, "precision": str(cfg.precision),
-                                               "model": model_cfg.to_dict(), "rows": rows}, indent=2))
+        atomic_write_text(
+            cfg.out,
+            json.dumps(
+                {
+                    "device": where,
+                    "precision": str(cfg.precision),
+                    "model": model_cfg.to_dict(),
+                    "rows": rows,
+                },
+                indent=2,
+            ),
+        )
     return 0

@@ -30,9 +30,18 @@ def run(cfg) -> int:
     ids = encode_prompt(r.tokenizer, str(cfg.text), bos_id)
     path, probs = write_for_run(r, ids, cfg.out)
     if cfg.format == "json":
-        print(json.dumps({"path": str(path), "tokens": len(ids), "layers": len(probs),
-                          "heads": int(probs[0].shape[0]),
-                          "mean_entropy_bits": mean_entropy_bits(probs)}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "path": str(path),
+                    "tokens": len(ids),
+                    "layers": len(probs),
+                    "heads": int(probs[0].shape[0]),
+                    "mean_entropy_bits": mean_entropy_bits(probs),
+                },
+                indent=2,
+            )
+        )
     else:
         print(path)
     return 0

@@ -23,8 +23,12 @@ def prepare_args(args: list[str]) -> list[str]:
     out = []
     for a in args:
         key = a.split("=", 1)[0]
-        if ("=" in a and not a.startswith(("-", "+", "~", "hydra")) and key != "bench"
-                and not key.startswith("bench.")):
+        if (
+            "=" in a
+            and not a.startswith(("-", "+", "~", "hydra"))
+            and key != "bench"
+            and not key.startswith("bench.")
+        ):
             a = f"bench.{a}"
         out.append(a)
     return out

@@ -39,9 +39,11 @@ def run(cfg) -> int:
     if cfg.template == "auto":
         template = template_in_folder(Path(r.dir))
         if template is None:
-            raise GptkitError(f"{r.dir} has no chat template (chat.json: train with data=chat, or import a "
-                              "model whose tokenizer_config.json has one); choose one with "
-                              "template=chatml|llama3|<file>")
+            raise GptkitError(
+                f"{r.dir} has no chat template (chat.json: train with data=chat, or import a "
+                "model whose tokenizer_config.json has one); choose one with "
+                "template=chatml|llama3|<file>"
+            )
     else:
         template = resolve_template(str(cfg.template), None)
     check_special_tokens(r.tokenizer, template, f"the run {r.dir}")
@@ -52,19 +54,32 @@ def run(cfg) -> int:
     stop |= {r.tokenizer.token_to_id(t) for t in (eos, "<|endoftext|>", "<|end_of_text|>", "</s>") if t}
     stop.discard(None)
     if not stop:
-        print("note: the template has no end-of-turn token and the tokenizer no end-of-text token: every "
-              "answer runs to max_new_tokens", file=sys.stderr)
+        print(
+            "note: the template has no end-of-turn token and the tokenizer no end-of-text token: every "
+            "answer runs to max_new_tokens",
+            file=sys.stderr,
+        )
     try:
-        opts = SampleOptions(max_new_tokens=int(cfg.max_new_tokens),
-                             temperature=0.0 if cfg.greedy else float(cfg.temperature),
-                             top_k=None if cfg.top_k in (None, 0) else int(cfg.top_k), top_p=float(cfg.top_p),
-                             seed=None if cfg.seed is None else int(cfg.seed))
+        opts = SampleOptions(
+            max_new_tokens=int(cfg.max_new_tokens),
+            temperature=0.0 if cfg.greedy else float(cfg.temperature),
+            top_k=None if cfg.top_k in (None, 0) else int(cfg.top_k),
+            top_p=float(cfg.top_p),
+            seed=None if cfg.seed is None else int(cfg.seed),
+        )
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"a sampling value is not a number ({exc})") from exc
     opts.validate(r.model_cfg.max_seq_len)
-    session = ChatSession(r.model, r.tokenizer, template, opts, system=cfg.system or None,
-                          stop_ids=tuple(stop),
-                          max_context=cfg.max_context, reuse_cache=bool(cfg.reuse_cache))
+    session = ChatSession(
+        r.model,
+        r.tokenizer,
+        template,
+        opts,
+        system=cfg.system or None,
+        stop_ids=tuple(stop),
+        max_context=cfg.max_context,
+        reuse_cache=bool(cfg.reuse_cache),
+    )
     tty = sys.stdin.isatty()
     streaming = cfg.format == "text" and bool(cfg.stream)
 
@@ -73,8 +88,9 @@ def run(cfg) -> int:
         sys.stdout.flush()
 
     if tty:
-        print(f"chatting with {r.dir} (template {template.name}); /reset forgets, /exit ends",
-              file=sys.stderr)
+        print(
+            f"chatting with {r.dir} (template {template.name}); /reset forgets, /exit ends", file=sys.stderr
+        )
     turn_no = 0
     while True:
         if tty:
@@ -102,21 +118,39 @@ def run(cfg) -> int:
             write("assistant> ")
         try:
             t = session.reply(line, on_text=write if streaming else None)
-        except GptkitError as exc:  # a message too long for the context: say so, keep the conversation
+        # a message too long for the context: say so, keep the conversation
+        except GptkitError as exc:
             print(f"error: {exc}", file=sys.stderr)
             continue
         if cfg.format == "json":
-            print(json.dumps({"turn": turn_no, "user": line, "assistant": t.text, "tokens": len(t.tokens),
-                              "stop_reason": t.stop_reason, "prompt_tokens": t.prompt_tokens,
-                              "fed_tokens": t.fed_tokens, "prefill_s": t.prefill_s, "decode_s": t.decode_s,
-                              "notes": t.notes}, ensure_ascii=False), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "turn": turn_no,
+                        "user": line,
+                        "assistant": t.text,
+                        "tokens": len(t.tokens),
+                        "stop_reason": t.stop_reason,
+                        "prompt_tokens": t.prompt_tokens,
+                        "fed_tokens": t.fed_tokens,
+                        "prefill_s": t.prefill_s,
+                        "decode_s": t.decode_s,
+                        "notes": t.notes,
+                    },
+                    ensure_ascii=False,
+                ),
+                flush=True,
+            )
         else:
             write("\n" if streaming else t.text + "\n")
         for note in t.notes:
             print(f"note: {note}", file=sys.stderr)
         if cfg.format == "text" and cfg.stats:
             tok_s = len(t.tokens) / t.decode_s if t.decode_s > 0 else 0.0
-            print(f"[turn {turn_no}: {t.fed_tokens:,} of {t.prompt_tokens:,} prompt tokens run (the rest "
-                  f"from the cache), prefill {t.prefill_s * 1e3:.1f} ms, {len(t.tokens)} new at {tok_s:,.0f} "
-                  f"tokens/s, ended by {t.stop_reason}]", file=sys.stderr)
+            print(
+                f"[turn {turn_no}: {t.fed_tokens:,} of {t.prompt_tokens:,} prompt tokens run (the rest "
+                f"from the cache), prefill {t.prefill_s * 1e3:.1f} ms, {len(t.tokens)} new at {tok_s:,.0f} "
+                f"tokens/s, ended by {t.stop_reason}]",
+                file=sys.stderr,
+            )
     return 0

@@ -29,7 +29,8 @@ def run(cfg) -> int:
     out = Path(str(cfg.out)) if cfg.out else ckpt.with_name(ckpt.stem + ".consolidated.ckpt")
     if out.exists() and not cfg.force:
         raise GptkitError(f"{out} already exists; pass force=true to replace it or choose another out=")
-    remove_dead_temps(out)  # what a killed earlier consolidation of `out` left
+    # what a killed earlier consolidation of `out` left
+    remove_dead_temps(out)
     written = consolidate(ckpt, out)
     print(f"consolidated {ckpt} -> {written} ({written.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr)
     print(written)

@@ -36,51 +36,75 @@ def report(cfg) -> dict:
     else:
         gpu = str(cfg.gpu).lower()
         if gpu not in acc.ACCELERATORS:
-            raise ConfigError(f"unknown gpu={cfg.gpu!r}; known: {', '.join(acc.ACCELERATORS)} (or set "
-                              "peak_tflops=)")
+            raise ConfigError(
+                f"unknown gpu={cfg.gpu!r}; known: {', '.join(acc.ACCELERATORS)} (or set peak_tflops=)"
+            )
         if cfg.dtype not in acc.ACCELERATORS[gpu]:
-            raise ConfigError(f"gpu={gpu} has no {cfg.dtype} peak in the table; pick dtype= one of "
-                              f"{', '.join(acc.ACCELERATORS[gpu])} or set peak_tflops=")
+            raise ConfigError(
+                f"gpu={gpu} has no {cfg.dtype} peak in the table; pick dtype= one of "
+                f"{', '.join(acc.ACCELERATORS[gpu])} or set peak_tflops="
+            )
         peak = acc.peak_flops(gpu, cfg.dtype)
     tokens = count(cfg.tokens, "tokens") if cfg.tokens is not None else 20.0 * pc.total
     n_gpus = int(cfg.n_gpus)
     if n_gpus < 1:
         raise ConfigError(f"n_gpus={cfg.n_gpus} must be >= 1")
     train_6nd = 6.0 * pc.total * tokens
-    train_full = fl.train_dense * tokens  # the MFU convention (perf/mfu): full attention
-    train_causal = fl.train_causal * tokens  # perf/mfu_causal
+    # the MFU convention (perf/mfu): full attention
+    train_full = fl.train_dense * tokens
+    # perf/mfu_causal
+    train_causal = fl.train_causal * tokens
     hours = lambda flops: flops / (peak * float(cfg.mfu)) / 3600.0  # noqa: E731
     kv_tok = acc.kv_cache_bytes_per_token(m, cfg.kv_dtype)
-    mem = acc.training_memory(m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len,
-                              bool(cfg.checkpointing))
+    mem = acc.training_memory(
+        m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing)
+    )
     return {
         "model": m.to_dict(),
         "params": {
-            "tok_emb": pc.tok_emb, "pos_emb": pc.pos_emb,
-            "attn_q": pc.attn_q, "attn_k": pc.attn_k, "attn_v": pc.attn_v, "attn_o": pc.attn_o,
-            "mlp": pc.mlp, "norms": pc.norms, "final_norm": pc.final_norm, "lm_head": pc.lm_head,
-            "per_layer": pc.per_layer, "total": pc.total, "non_embedding": pc.non_embedding,
+            "tok_emb": pc.tok_emb,
+            "pos_emb": pc.pos_emb,
+            "attn_q": pc.attn_q,
+            "attn_k": pc.attn_k,
+            "attn_v": pc.attn_v,
+            "attn_o": pc.attn_o,
+            "mlp": pc.mlp,
+            "norms": pc.norms,
+            "final_norm": pc.final_norm,
+            "lm_head": pc.lm_head,
+            "per_layer": pc.per_layer,
+            "total": pc.total,
+            "non_embedding": pc.non_embedding,
         },
         "flops_per_token": {
-            "seq_len": fl.seq_len, "n_matmul": fl.n_matmul,
-            "forward_dense": fl.forward_dense, "forward_causal": fl.forward_causal,
-            "train_dense": fl.train_dense, "train_causal": fl.train_causal,
+            "seq_len": fl.seq_len,
+            "n_matmul": fl.n_matmul,
+            "forward_dense": fl.forward_dense,
+            "forward_causal": fl.forward_causal,
+            "train_dense": fl.train_dense,
+            "train_causal": fl.train_causal,
             "attention_forward_dense": fl.attention_forward_dense,
             "six_n": 6.0 * pc.total,
             "mfu_convention": "train_dense (perf/mfu, logged FLOP/s: 6N + 12·L·T·d_attn, full attention, as "
-                              "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
+            "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
         },
         "plan": {
-            "tokens": tokens, "tokens_is_compute_optimal": cfg.tokens is None,
+            "tokens": tokens,
+            "tokens_is_compute_optimal": cfg.tokens is None,
             "compute_optimal_tokens": 20.0 * pc.total,
-            "train_flops_6nd": train_6nd, "train_flops_full_attention": train_full,
+            "train_flops_6nd": train_6nd,
+            "train_flops_full_attention": train_full,
             "train_flops_causal": train_causal,
-            "peak_flops_per_gpu": peak, "mfu": float(cfg.mfu),
-            "gpu_hours_6nd": hours(train_6nd), "gpu_hours_full_attention": hours(train_full),
+            "peak_flops_per_gpu": peak,
+            "mfu": float(cfg.mfu),
+            "gpu_hours_6nd": hours(train_6nd),
+            "gpu_hours_full_attention": hours(train_full),
             "gpu_hours_causal": hours(train_causal),
             "kv_cache_bytes_per_token": kv_tok,
             "kv_cache_bytes_full_context": kv_tok * fl.seq_len,
-            "memory_per_gpu": mem, "precision": cfg.precision, "n_gpus": n_gpus,
+            "memory_per_gpu": mem,
+            "precision": cfg.precision,
+            "n_gpus": n_gpus,
         },
     }
 
@@ -99,8 +123,16 @@ def run(cfg) -> int:
 
 
 def _si(x: float, unit: str = "") -> str:
-    for scale, s in ((1e24, "Y"), (1e21, "Z"), (1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"),
-                     (1e3, "k")):
+    for scale, s in (
+        (1e24, "Y"),
+        (1e21, "Z"),
+        (1e18, "E"),
+        (1e15, "P"),
+        (1e12, "T"),
+        (1e9, "G"),
+        (1e6, "M"),
+        (1e3, "k"),
+    ):
         if abs(x) >= scale:
             return f"{x / scale:.3g} {s}{unit}"
     return f"{x:.3g} {unit}".strip()
@@ -116,9 +148,11 @@ def _print_tables(r: dict, cfg) -> None:
     m, p, f, plan = r["model"], r["params"], r["flops_per_token"], r["plan"]
     L = m["n_layers"]
     total = p["total"]
-    t = Table(title=f"{m['name']}: parameters ({m['position']} positions, {m['mlp']}, {m['norm']}, "
-                    f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads, "
-                    f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings)")
+    t = Table(
+        title=f"{m['name']}: parameters ({m['position']} positions, {m['mlp']}, {m['norm']}, "
+        f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads, "
+        f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings)"
+    )
     t.add_column("component")
     t.add_column("parameters", justify="right")
     t.add_column("share", justify="right")
@@ -132,8 +166,10 @@ def _print_tables(r: dict, cfg) -> None:
         (f"mlp ({L} layers)", p["mlp"]),
         (f"norms ({L} layers)", p["norms"]),
         ("final norm", p["final_norm"]),
-        ("lm head" + (" (tied: counted in the token embedding)" if m["tie_embeddings"] else ""),
-         p["lm_head"]),
+        (
+            "lm head" + (" (tied: counted in the token embedding)" if m["tie_embeddings"] else ""),
+            p["lm_head"],
+        ),
     ]
     for name, n in rows:
         t.add_row(name, f"{n:,}", f"{100 * n / total:.2f}%")
@@ -147,18 +183,24 @@ def _print_tables(r: dict, cfg) -> None:
     ft.add_column("")
     ft.add_column("full attention (perf/mfu)", justify="right")
     ft.add_column("causal (perf/mfu_causal)", justify="right")
-    ft.add_row("forward (2N + 4·L·T·d_attn)", _si(f["forward_dense"], "FLOP"),
-               _si(f["forward_causal"], "FLOP"))
+    ft.add_row(
+        "forward (2N + 4·L·T·d_attn)", _si(f["forward_dense"], "FLOP"), _si(f["forward_causal"], "FLOP")
+    )
     ft.add_row("training (6N + 12·L·T·d_attn)", _si(f["train_dense"], "FLOP"), _si(f["train_causal"], "FLOP"))
-    ft.add_row("  of which attention scores", _si(3 * f["attention_forward_dense"], "FLOP"),
-               _si(1.5 * f["attention_forward_dense"], "FLOP"))
+    ft.add_row(
+        "  of which attention scores",
+        _si(3 * f["attention_forward_dense"], "FLOP"),
+        _si(1.5 * f["attention_forward_dense"], "FLOP"),
+    )
     ft.add_row("6N with N = all parameters (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
     con.print(ft)
-    con.print(f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices plus the LM "
-              f"head (a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.\n"
-              f"MFU convention: perf/mfu, the logged FLOP/s and the GPU-hours below count full attention "
-              f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "
-              f"perf/mfu_causal halves the attention term.")
+    con.print(
+        f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices plus the LM "
+        f"head (a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.\n"
+        f"MFU convention: perf/mfu, the logged FLOP/s and the GPU-hours below count full attention "
+        f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "
+        f"perf/mfu_causal halves the attention term."
+    )
 
     et = Table(title="planned run")
     et.add_column("")
@@ -168,23 +210,30 @@ def _print_tables(r: dict, cfg) -> None:
     et.add_row(f"training tokens D{optimal}", _si(d))
     et.add_row("compute-optimal tokens (~20 x params)", _si(plan["compute_optimal_tokens"]))
     et.add_row("training FLOPs, 6·N·D", f"{plan['train_flops_6nd']:.3e}")
-    et.add_row("training FLOPs, per-token x D (full attention: the MFU convention)",
-               f"{plan['train_flops_full_attention']:.3e}")
+    et.add_row(
+        "training FLOPs, per-token x D (full attention: the MFU convention)",
+        f"{plan['train_flops_full_attention']:.3e}",
+    )
     et.add_row("training FLOPs, per-token x D (causal)", f"{plan['train_flops_causal']:.3e}")
     gpu = "custom peak" if cfg.peak_tflops is not None else f"{cfg.gpu} {cfg.dtype}"
-    et.add_row(f"GPU-hours at {plan['peak_flops_per_gpu'] / 1e12:g} TFLOP/s ({gpu}), MFU {plan['mfu']:.0%}",
-               f"{plan['gpu_hours_6nd']:,.0f} (6ND) / {plan['gpu_hours_full_attention']:,.0f} "
-               f"(full attention)")
+    et.add_row(
+        f"GPU-hours at {plan['peak_flops_per_gpu'] / 1e12:g} TFLOP/s ({gpu}), MFU {plan['mfu']:.0%}",
+        f"{plan['gpu_hours_6nd']:,.0f} (6ND) / {plan['gpu_hours_full_attention']:,.0f} (full attention)",
+    )
     et.add_row(f"KV cache per token ({cfg.kv_dtype})", human_bytes(plan["kv_cache_bytes_per_token"]))
-    et.add_row(f"KV cache at full context ({f['seq_len']} tokens, batch 1)",
-               human_bytes(plan["kv_cache_bytes_full_context"]))
+    et.add_row(
+        f"KV cache at full context ({f['seq_len']} tokens, batch 1)",
+        human_bytes(plan["kv_cache_bytes_full_context"]),
+    )
     mem = plan["memory_per_gpu"]
     shard = f", sharded over {plan['n_gpus']} GPUs" if plan["n_gpus"] > 1 else ""
     et.add_section()
     for k in ("weights", "gradients", "optimizer"):
         et.add_row(f"training memory per GPU: {k} ({plan['precision']}{shard})", human_bytes(mem[k]))
-    et.add_row(f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})",
-               human_bytes(mem["activations"]))
+    et.add_row(
+        f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})",
+        human_bytes(mem["activations"]),
+    )
     et.add_row("training memory per GPU: logits and loss", human_bytes(mem["logits"]))
     et.add_row("[bold]training memory per GPU: total", f"[bold]{human_bytes(mem['total'])}")
     con.print(et)

@@ -35,8 +35,10 @@ import time
 # gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
-TASK_ONLY = ("limit", "num_fewshot", "out")  # options of tasks=
-CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")  # options of the corpus evaluation
+# options of tasks=
+TASK_ONLY = ("limit", "num_fewshot", "out")
+# options of the corpus evaluation
+CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")
 
 
 def prepare_args(args: list[str]) -> list[str]:
@@ -57,29 +59,41 @@ def corpus_tokens(cfg, r):
 
     run_tok = r.config.get("tokenizer") or {}
     data = cfg.get("data") if cfg.get("data") is not None else r.config.get("data") or {}
-    if data.get("kind") == "chat":  # conversations, not a token stream: no windows to score
-        raise GptkitError("eval scores windows of a text corpus; data=chat is conversations (a data=chat "
-                          "run's val/loss, on the assistant's tokens, is in its metrics.csv); pass a text "
-                          "corpus: data=files 'data.paths=[held_out.txt]'")
-    if data.get("kind") == "preference":  # pairs of answers, not a token stream
-        raise GptkitError("eval scores windows of a text corpus; data=preference is DPO's answer pairs (a "
-                          "DPO run's val/loss and val/rewards/* are in its metrics.csv); pass a text corpus: "
-                          "data=files 'data.paths=[held_out.txt]'")
+    # conversations, not a token stream: no windows to score
+    if data.get("kind") == "chat":
+        raise GptkitError(
+            "eval scores windows of a text corpus; data=chat is conversations (a data=chat "
+            "run's val/loss, on the assistant's tokens, is in its metrics.csv); pass a text "
+            "corpus: data=files 'data.paths=[held_out.txt]'"
+        )
+    # pairs of answers, not a token stream
+    if data.get("kind") == "preference":
+        raise GptkitError(
+            "eval scores windows of a text corpus; data=preference is DPO's answer pairs (a "
+            "DPO run's val/loss and val/rewards/* are in its metrics.csv); pass a text corpus: "
+            "data=files 'data.paths=[held_out.txt]'"
+        )
     if cfg.get("data") is None:
         if "data" not in r.config or "tokenizer" not in r.config:
-            raise GptkitError(f"{r.dir}/config.yaml has no data/tokenizer sections to find its val split; "
-                              f"pass a corpus: data=files 'data.paths=[held_out.txt]'")
+            raise GptkitError(
+                f"{r.dir}/config.yaml has no data/tokenizer sections to find its val split; "
+                f"pass a corpus: data=files 'data.paths=[held_out.txt]'"
+            )
         p = prepare(r.config["data"], run_tok, progress=False)
         if p.tokenizer().to_str() != r.tokenizer.to_str():
-            raise GptkitError(f"the run's data ({p.dir}) was tokenized with another tokenizer than "
-                              f"{r.dir / TOKENIZER_FILE}; evaluate on data=... instead")
+            raise GptkitError(
+                f"the run's data ({p.dir}) was tokenized with another tokenizer than "
+                f"{r.dir / TOKENIZER_FILE}; evaluate on data=... instead"
+            )
         split = cfg.split or "val"
-    else:  # a held-out corpus, tokenized with exactly the run's tokenizer.json
+    # a held-out corpus, tokenized with exactly the run's tokenizer.json
+    else:
         tok_cfg = {"kind": "file", "path": str(r.dir / TOKENIZER_FILE), "eos_token": run_tok.get("eos_token")}
         p = prepare(cfg.data, tok_cfg, progress=False)
         split = cfg.split or "all"
     if split == "all":
-        tokens = np.concatenate([p.train_tokens(), p.val_tokens()])  # the tail split: train then val
+        # the tail split: train then val
+        tokens = np.concatenate([p.train_tokens(), p.val_tokens()])
     elif split in ("train", "val"):
         tokens = p.train_tokens() if split == "train" else p.val_tokens()
     else:
@@ -95,8 +109,9 @@ def pack_eos_id(cfg, r, eos_id: int | None, source: str) -> int | None:
     if (cfg.pack or (r.config.get("data") or {}).get("pack") or "stream") == "stream":
         return None
     if eos_id is None:
-        raise ConfigError(f"pack=documents needs an EOS token between documents and {source} has none; "
-                          f"use pack=stream")
+        raise ConfigError(
+            f"pack=documents needs an EOS token between documents and {source} has none; use pack=stream"
+        )
     return eos_id
 
 
@@ -128,11 +143,14 @@ def run_corpus(cfg) -> int:
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
     max_len = r.model_cfg.max_seq_len
-    trained = (r.config.get("trainer") or {}).get("seq_len")  # the windows the run trained and validated on
-    seq_len = int(cfg.seq_len if cfg.seq_len is not None else (trained or max_len))  # 0 is refused
+    # the windows the run trained and validated on
+    trained = (r.config.get("trainer") or {}).get("seq_len")
+    # 0 is refused
+    seq_len = int(cfg.seq_len if cfg.seq_len is not None else (trained or max_len))
     if not 1 <= seq_len <= max_len:
         raise ConfigError(f"seq_len={seq_len} must be in [1, model.max_seq_len={max_len}]")
-    stride = int(cfg.stride if cfg.stride is not None else seq_len)  # stride=0 is refused, not 'the default'
+    # stride=0 is refused, not 'the default'
+    stride = int(cfg.stride if cfg.stride is not None else seq_len)
     if not 1 <= stride <= seq_len:
         raise ConfigError(f"stride={stride} must be in [1, seq_len={seq_len}]")
     if cfg.pack not in (None, "stream", "documents"):
@@ -143,14 +161,19 @@ def run_corpus(cfg) -> int:
     if len(tokens) < 2:
         raise GptkitError(f"{source} has {len(tokens)} token(s); evaluation needs at least 2")
     if int(tokens.max()) >= r.model_cfg.vocab_size:
-        raise GptkitError(f"{source} holds token id {int(tokens.max())} but model.vocab_size="
-                          f"{r.model_cfg.vocab_size}; evaluate with the run's own tokenizer")
-    if lm_eval_scoring:  # each document alone, a BOS (else the EOS) first, no EOS scored
+        raise GptkitError(
+            f"{source} holds token id {int(tokens.max())} but model.vocab_size="
+            f"{r.model_cfg.vocab_size}; evaluate with the run's own tokenizer"
+        )
+    # each document alone, a BOS (else the EOS) first, no EOS scored
+    if lm_eval_scoring:
         bos, eos = special_token_ids(r.tokenizer, r.config)
         prefix = bos if bos is not None else eos
         if prefix is None:
-            raise ConfigError("scoring=lm-eval puts a BOS first (the EOS when there is no BOS, as lm-eval "
-                              "does) and the run's tokenizer has neither; use scoring=gptkit")
+            raise ConfigError(
+                "scoring=lm-eval puts a BOS first (the EOS when there is no BOS, as lm-eval "
+                "does) and the run's tokenizer has neither; use scoring=gptkit"
+            )
         sequences = lm_eval_documents(tokens, corpus_eos, prefix)
     else:
         sequences = [tokens]
@@ -163,21 +186,47 @@ def run_corpus(cfg) -> int:
 
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"eval {source}", total=n_windows)
-            res = evaluate_sequences(r.model, sequences, seq_len, stride, bs, cfg.max_windows,
-                                     lambda n: bar.advance(task, n), eos_id=eos_id,
-                                     align_last=lm_eval_scoring)
+            res = evaluate_sequences(
+                r.model,
+                sequences,
+                seq_len,
+                stride,
+                bs,
+                cfg.max_windows,
+                lambda n: bar.advance(task, n),
+                eos_id=eos_id,
+                align_last=lm_eval_scoring,
+            )
     else:
-        res = evaluate_sequences(r.model, sequences, seq_len, stride, bs, cfg.max_windows, eos_id=eos_id,
-                                 align_last=lm_eval_scoring)
+        res = evaluate_sequences(
+            r.model,
+            sequences,
+            seq_len,
+            stride,
+            bs,
+            cfg.max_windows,
+            eos_id=eos_id,
+            align_last=lm_eval_scoring,
+        )
     n_bytes = n_chars = 0
     for seq, last in zip(sequences, res.pop("last_targets")):
         b, c = scored_text_size(r.tokenizer, seq, last)
         n_bytes, n_chars = n_bytes + b, n_chars + c
     bits = res["nll_sum"] / math.log(2)
-    res.update({"run": str(r.dir), "checkpoint": str(r.checkpoint), "data": source,
-                "corpus_tokens": len(tokens), "bytes": n_bytes, "chars": n_chars,
-                "bits_per_byte": bits / max(n_bytes, 1), "bits_per_char": bits / max(n_chars, 1),
-                "dtype": str(cfg.dtype), "scoring": str(cfg.scoring)})
+    res.update(
+        {
+            "run": str(r.dir),
+            "checkpoint": str(r.checkpoint),
+            "data": source,
+            "corpus_tokens": len(tokens),
+            "bytes": n_bytes,
+            "chars": n_chars,
+            "bits_per_byte": bits / max(n_bytes, 1),
+            "bits_per_char": bits / max(n_chars, 1),
+            "dtype": str(cfg.dtype),
+            "scoring": str(cfg.scoring),
+        }
+    )
     if lm_eval_scoring:
         res["documents_scored"] = len(sequences)
     if cfg.format == "json":
@@ -197,10 +246,17 @@ def run_corpus(cfg) -> int:
     t.add_section()
     t.add_row("tokens scored", f"{res['tokens_scored']:,} of {len(tokens):,}")
     t.add_row("bytes / characters scored", f"{n_bytes:,} / {n_chars:,}")
-    t.add_row("windows (seq_len, stride)", f"{res['windows']:,} ({seq_len}, {stride})"
-              + (", attention within documents" if res["documents"] else ""))
-    t.add_row("scoring", "lm-eval: each document alone, BOS first, no EOS" if lm_eval_scoring
-              else "gptkit: one stream, EOS after each document scored")
+    t.add_row(
+        "windows (seq_len, stride)",
+        f"{res['windows']:,} ({seq_len}, {stride})"
+        + (", attention within documents" if res["documents"] else ""),
+    )
+    t.add_row(
+        "scoring",
+        "lm-eval: each document alone, BOS first, no EOS"
+        if lm_eval_scoring
+        else "gptkit: one stream, EOS after each document scored",
+    )
     t.add_row("time", f"{res['seconds']:.2f} s ({res['tokens_per_s']:,.0f} tokens/s)")
     Console().print(t)
     return 0
@@ -213,17 +269,21 @@ def run_tasks(cfg) -> int:
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
-    T.require_lm_eval()  # before anything is loaded: one line naming the install
+    # before anything is loaded: one line naming the install
+    T.require_lm_eval()
     given = [k for k in (*CORPUS_ONLY, "data") if cfg.get(k) is not None]
     if cfg.scoring != "gptkit":
         given.append("scoring")
     if given:
-        raise ConfigError(f"{given[0]}= belongs to the corpus evaluation (loss, bits per byte); tasks= runs "
-                          f"lm-eval tasks: drop one of them")
+        raise ConfigError(
+            f"{given[0]}= belongs to the corpus evaluation (loss, bits per byte); tasks= runs "
+            f"lm-eval tasks: drop one of them"
+        )
     limit = T.check_limit(cfg.limit)
     T.check_out(cfg.out)
     entries = T.parse_tasks(cfg.tasks)
-    specs = T.find_tasks(entries)  # local YAMLs are read (and their errors said) before the model loads
+    # local YAMLs are read (and their errors said) before the model loads
+    specs = T.find_tasks(entries)
     T.quiet_lm_eval(progress=bool(cfg.progress))
     from gptkit.evaluation.lm_eval_adapter import GptkitLM
 
@@ -242,27 +302,53 @@ def run_tasks(cfg) -> int:
     written = T.write_results(results, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds)
     n_requests = sum(lm.stats.requests.values())
     if lm.stats.truncated:
-        print(f"note: {lm.stats.truncated} request(s) were longer than model.max_seq_len="
-              f"{r.model_cfg.max_seq_len} tokens and were cut from the left, as lm-eval does",
-              file=sys.stderr)
+        print(
+            f"note: {lm.stats.truncated} request(s) were longer than model.max_seq_len="
+            f"{r.model_cfg.max_seq_len} tokens and were cut from the left, as lm-eval does",
+            file=sys.stderr,
+        )
     if cfg.format == "json":
-        print(json.dumps({"run": str(r.dir), "checkpoint": str(r.checkpoint), "rows": rows,
-                          "files": [str(f) for f in written], "requests": dict(lm.stats.requests),
-                          "truncated": lm.stats.truncated, "seconds": seconds}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "run": str(r.dir),
+                    "checkpoint": str(r.checkpoint),
+                    "rows": rows,
+                    "files": [str(f) for f in written],
+                    "requests": dict(lm.stats.requests),
+                    "truncated": lm.stats.truncated,
+                    "seconds": seconds,
+                },
+                indent=2,
+            )
+        )
         return 0
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title=f"{r.dir.name}: lm-eval tasks" + (f" (limit={cfg.limit})" if limit is not None else ""))
-    for name, justify in (("task", "left"), ("metric", "left"), ("value", "right"), ("stderr", "right"),
-                          ("n", "right")):
+    for name, justify in (
+        ("task", "left"),
+        ("metric", "left"),
+        ("value", "right"),
+        ("stderr", "right"),
+        ("n", "right"),
+    ):
         t.add_column(name, justify=justify)
     for row in rows:
         value = row["value"]
-        t.add_row(row["task"], row["metric"], f"{value:.4f}" if abs(value) < 1e5 else f"{value:.4g}",
-                  "" if row["stderr"] is None else f"± {row['stderr']:.4f}", str(row["n"] or ""))
+        t.add_row(
+            row["task"],
+            row["metric"],
+            f"{value:.4f}" if abs(value) < 1e5 else f"{value:.4g}",
+            "" if row["stderr"] is None else f"± {row['stderr']:.4f}",
+            str(row["n"] or ""),
+        )
     Console().print(t)
-    print(f"{n_requests:,} requests in {seconds:.1f} s ({lm.stats.seconds:.1f} s in the model, "
-          f"{n_requests / max(lm.stats.seconds, 1e-9):,.0f} requests/s); results: "
-          f"{', '.join(str(f) for f in written)}", file=sys.stderr)
+    print(
+        f"{n_requests:,} requests in {seconds:.1f} s ({lm.stats.seconds:.1f} s in the model, "
+        f"{n_requests / max(lm.stats.seconds, 1e-9):,.0f} requests/s); results: "
+        f"{', '.join(str(f) for f in written)}",
+        file=sys.stderr,
+    )
     return 0

@@ -52,7 +52,8 @@ def run(cfg) -> int:
     ckpt = find_run_checkpoint(cfg.run)
     out = Path(cfg.out).expanduser()
     check_not_source(out, run_dir_of(ckpt))
-    out = check_out_dir(out, bool(cfg.force))  # fail before the slow part
+    # fail before the slow part
+    out = check_out_dir(out, bool(cfg.force))
     # refuse before loading
     arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
     if cfg.adapters:
@@ -63,14 +64,18 @@ def run(cfg) -> int:
     tokenizer = load_tokenizer(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
     if tokenizer is not None:
         check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
-    eos = (run_cfg.get("tokenizer") or {}).get("eos_token")  # what training appended after each document
+    # what training appended after each document
+    eos = (run_cfg.get("tokenizer") or {}).get("eos_token")
     special = special_tokens(tokenizer, eos) if tokenizer is not None else {}
-    ids = {role: special[role][1] if role in special else None
-           for role in ("bos_token", "eos_token", "pad_token")}
+    ids = {
+        role: special[role][1] if role in special else None
+        for role in ("bos_token", "eos_token", "pad_token")
+    }
 
     state = hf.to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
-    config = hf.hf_config(model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"],
-                          str(dtype).removeprefix("torch."))
+    config = hf.hf_config(
+        model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
+    )
     with staged_dir(out, force=bool(cfg.force)) as tmp:
         weights = hf.save_weights(state, tmp, max_shard)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -81,21 +86,33 @@ def run(cfg) -> int:
                 (tmp / name).write_text(text)
 
     n_params = sum(v.numel() for v in state.values())
-    print(f"exported {ckpt} as {hf.ARCHITECTURES[arch]} ({n_params:,} parameters, {cfg.dtype}) to {out}: "
-          f"config.json, {', '.join(weights)}, generation_config.json"
-          + (", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
-             if tokenizer is not None else ""))
+    print(
+        f"exported {ckpt} as {hf.ARCHITECTURES[arch]} ({n_params:,} parameters, {cfg.dtype}) to {out}: "
+        f"config.json, {', '.join(weights)}, generation_config.json"
+        + (
+            ", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
+            if tokenizer is not None
+            else ""
+        )
+    )
     if tokenizer is None:
-        print(f"warning: {Path(run_dir) / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
-              f"(AutoTokenizer will not load it); copy the run's tokenizer.json there and export again",
-              file=sys.stderr)
+        print(
+            f"warning: {Path(run_dir) / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
+            f"(AutoTokenizer will not load it); copy the run's tokenizer.json there and export again",
+            file=sys.stderr,
+        )
     elif "eos_token" not in special:
-        print("note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
-              file=sys.stderr)
+        print(
+            "note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
+            file=sys.stderr,
+        )
     if arch in hf.ROPE_ARCHITECTURES and model_cfg.dropout > 0:
-        print(f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
-              f"model.dropout={model_cfg.dropout} applies there and not to the residual stream when "
-              f"fine-tuning in transformers (inference is unaffected)", file=sys.stderr)
+        print(
+            f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
+            f"model.dropout={model_cfg.dropout} applies there and not to the residual stream when "
+            f"fine-tuning in transformers (inference is unaffected)",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -113,24 +130,32 @@ def export_adapters(ckpt, out, cfg) -> int:
 
     checkpoint = load_checkpoint(ckpt)
     if adapters.CHECKPOINT_KEY not in checkpoint:
-        raise GptkitError(f"export adapters=true: {ckpt} is not a LoRA run's checkpoint (finetune=lora); "
-                          f"export its weights with adapters=false")
+        raise GptkitError(
+            f"export adapters=true: {ckpt} is not a LoRA run's checkpoint (finetune=lora); "
+            f"export its weights with adapters=false"
+        )
     record = checkpoint[adapters.CHECKPOINT_KEY]
     model_cfg = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
     state = model_state_dict(checkpoint)
     adapters.check_adapters(state, model_cfg, record, str(ckpt))
-    base_run = run_dir_of(lora_base(checkpoint, ckpt))  # there and unchanged: the adapters fit it
+    # there and unchanged: the adapters fit it
+    base_run = run_dir_of(lora_base(checkpoint, ckpt))
     imported = base_run / IMPORTED_FILE
     source = json.loads(imported.read_text()).get("source") if imported.is_file() else None
     config, tensors = hf.peft_adapters(state, model_cfg, record, str(source or base_run))
     dtype = torch_dtype(cfg.dtype)
     with staged_dir(out, force=bool(cfg.force)) as tmp:
-        save_file({k: v.to(dtype).contiguous() for k, v in tensors.items()},
-                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        save_file(
+            {k: v.to(dtype).contiguous() for k, v in tensors.items()},
+            str(tmp / "adapter_model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     n = sum(v.numel() for v in tensors.values())
-    print(f"exported the LoRA adapters of {ckpt} (rank {record['rank']}, alpha {record['alpha']}, "
-          f"{', '.join(record['targets'])}; {n:,} parameters, {cfg.dtype}) to {Path(out)}: "
-          f"adapter_config.json, adapter_model.safetensors, for PEFT on the base {source or base_run} "
-          f"(export it with: gptkit export run={base_run} out=<folder>)")
+    print(
+        f"exported the LoRA adapters of {ckpt} (rank {record['rank']}, alpha {record['alpha']}, "
+        f"{', '.join(record['targets'])}; {n:,} parameters, {cfg.dtype}) to {Path(out)}: "
+        f"adapter_config.json, adapter_model.safetensors, for PEFT on the base {source or base_run} "
+        f"(export it with: gptkit export run={base_run} out=<folder>)"
+    )
     return 0

@@ -35,22 +35,32 @@ def run(cfg) -> int:
         raise ConfigError("import needs hf=<local transformers model folder or Hub model id owner/name>")
     if not cfg.out:
         raise ConfigError("import needs out=<run folder to write>")
-    out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))  # fail before the slow part (a download)
-    check_import_out(out, None, bool(cfg.force))  # never a run with training in it, nor one held by a process
+    # fail before the slow part (a download)
+    out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))
+    # never a run with training in it, nor one held by a process
+    check_import_out(out, None, bool(cfg.force))
     src = hf.locate(str(cfg.hf))
     if src.note:
         print(f"note: {src.note}", file=sys.stderr)
     done = hf.import_folder(src, out, force=bool(cfg.force), name=cfg.name)
 
-    shown = cfg.hf if src.spec == str(src.dir.resolve()) else src.spec  # a Hub model: owner/name@commit
-    print(f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> "
-          f"fp32) into {out}")
+    # a Hub model: owner/name@commit
+    shown = cfg.hf if src.spec == str(src.dir.resolve()) else src.spec
+    print(
+        f"imported {shown} ({done.model_type}, {done.n_params:,} parameters, {'/'.join(done.dtypes)} -> "
+        f"fp32) into {out}"
+    )
     print(f"  attention heads: {done.heads}")
     if done.has_chat_template:
-        print(f"  chat template: kept in {out / 'chat.json'} (gptkit chat run={out}; data=chat "
-              f"data.template=auto)")
+        print(
+            f"  chat template: kept in {out / 'chat.json'} (gptkit chat run={out}; data=chat "
+            f"data.template=auto)"
+        )
     if not done.has_tokenizer:
-        print(f"warning: {shown} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
-              f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) "
-              f"writes it)", file=sys.stderr)
+        print(
+            f"warning: {shown} has no tokenizer.json, so {out} has no tokenizer and `gptkit sample` will "
+            f"refuse it; put one in {out} (AutoTokenizer.from_pretrained(...).save_pretrained(<folder>) "
+            f"writes it)",
+            file=sys.stderr,
+        )
     return 0

@@ -45,8 +45,15 @@ def _probe(fabric, per_node: int) -> dict:
     else:
         result = {"sum": 0.0, "expected": 0.0, "seconds": 0.0, "backend": "none (one process)"}
     total, free = _device_memory(device, per_node)
-    return {"rank": fabric.global_rank, "host": socket.gethostname(), "device": device,
-            "device_name": _device_name(device), "mem_total": total, "mem_free": free, **result}
+    return {
+        "rank": fabric.global_rank,
+        "host": socket.gethostname(),
+        "device": device,
+        "device_name": _device_name(device),
+        "mem_total": total,
+        "mem_free": free,
+        **result,
+    }
 
 
 def _device_name(device: str) -> str:
@@ -67,20 +74,27 @@ def run(cfg) -> int:
     from gptkit.training.trainer import check_trainer_config
 
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.distributed"):
-        logging.getLogger(name).setLevel(logging.WARNING)  # our table says it all
+        # our table says it all
+        logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=r".*GLOO_SOCKET_IFNAME.*")
     t = cfg.trainer
-    checked = check_trainer_config(t)  # the same one-line errors as `train`, before any process starts
+    # the same one-line errors as `train`, before any process starts
+    checked = check_trainer_config(t)
     model = model_config(cfg.model)
     # the plan `train` would make, without data: the same world and window
     plan = make_plan(cfg, None, model, checked=checked)
     per_node, world = plan.devices, plan.world_size
-    estimate = memory_estimate(plan)  # as train's host check: LoRA's adapters, DPO's pairs and reference
+    # as train's host check: LoRA's adapters, DPO's pairs and reference
+    estimate = memory_estimate(plan)
     estimate["seq_len"] = plan.seq_len
 
     # the probe runs over the same backend as training (nccl on GPUs, gloo on CPU) in a plain DDP group
-    fabric = Fabric(accelerator=t.accelerator, devices=per_node, num_nodes=int(t.num_nodes),
-                    strategy="ddp" if world > 1 else "auto")
+    fabric = Fabric(
+        accelerator=t.accelerator,
+        devices=per_node,
+        num_nodes=int(t.num_nodes),
+        strategy="ddp" if world > 1 else "auto",
+    )
     fabric.launch()
     rows = [_probe(fabric, per_node)]
     if world > 1:
@@ -125,14 +139,18 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
         problems.append(f"ranks {ranks} answered, expected 0..{world - 1}")
     bad_sum = [r for r in rows if abs(r["sum"] - r["expected"]) > 1e-6]
     if bad_sum:
-        problems.append(f"the all-reduce gave {bad_sum[0]['sum']} on rank {bad_sum[0]['rank']}, "
-                        f"expected {bad_sum[0]['expected']}")
+        problems.append(
+            f"the all-reduce gave {bad_sum[0]['sum']} on rank {bad_sum[0]['rank']}, "
+            f"expected {bad_sum[0]['expected']}"
+        )
     need = estimate["total"]
     short = [r for r in rows if need > margin * r["mem_total"]]
     if short:
         r = short[0]
-        problems.append(f"training needs ~{human_bytes(need)} per device (count-params estimate) but rank "
-                        f"{r['rank']} has {human_bytes(r['mem_total'])}; use {memory_advice(t)}")
+        problems.append(
+            f"training needs ~{human_bytes(need)} per device (count-params estimate) but rank "
+            f"{r['rank']} has {human_bytes(r['mem_total'])}; use {memory_advice(t)}"
+        )
 
     summary = Table(title=f"gptkit preflight: {model.name}, strategy {t.strategy}, precision {t.precision}")
     summary.add_column("check")
@@ -140,30 +158,47 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     summary.add_column("", justify="center")
     ok = lambda good: "[green]ok[/]" if good else "[red]FAIL[/]"  # noqa: E731
     hosts = sorted({r["host"] for r in rows})
-    summary.add_row("world size", f"{world} = {per_node} devices x {int(t.num_nodes)} nodes "
-                                  f"({len(hosts)} host(s): "
-                                  f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''})",
-                    ok(len(rows) == world and ranks == list(range(world))))
+    summary.add_row(
+        "world size",
+        f"{world} = {per_node} devices x {int(t.num_nodes)} nodes "
+        f"({len(hosts)} host(s): "
+        f"{', '.join(hosts[:4])}{' ...' if len(hosts) > 4 else ''})",
+        ok(len(rows) == world and ranks == list(range(world))),
+    )
     summary.add_row("backend", rows[0]["backend"], "")
     slowest = max(r["seconds"] for r in rows)
-    summary.add_row("all-reduce of the ranks", f"sum {rows[0]['sum']:g} (expected {rows[0]['expected']:g}), "
-                                               f"slowest rank {slowest * 1e3:.1f} ms", ok(not bad_sum))
-    summary.add_row("training memory per device (estimate)",
-                    f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads "
-                    f"{human_bytes(estimate['gradients'])}, optimizer {human_bytes(estimate['optimizer'])}, "
-                    f"activations {human_bytes(estimate['activations'])}, logits "
-                    f"{human_bytes(estimate['logits'])} (batch {int(t.batch_size)} x "
-                    f"{estimate['seq_len']})", "")
+    summary.add_row(
+        "all-reduce of the ranks",
+        f"sum {rows[0]['sum']:g} (expected {rows[0]['expected']:g}), slowest rank {slowest * 1e3:.1f} ms",
+        ok(not bad_sum),
+    )
+    summary.add_row(
+        "training memory per device (estimate)",
+        f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads "
+        f"{human_bytes(estimate['gradients'])}, optimizer {human_bytes(estimate['optimizer'])}, "
+        f"activations {human_bytes(estimate['activations'])}, logits "
+        f"{human_bytes(estimate['logits'])} (batch {int(t.batch_size)} x "
+        f"{estimate['seq_len']})",
+        "",
+    )
     smallest = min(r["mem_total"] for r in rows)
-    summary.add_row("smallest device memory", f"{human_bytes(smallest)} (limit {margin:.0%}: "
-                                              f"{human_bytes(margin * smallest)})",
-                    ok(not short))
+    summary.add_row(
+        "smallest device memory",
+        f"{human_bytes(smallest)} (limit {margin:.0%}: {human_bytes(margin * smallest)})",
+        ok(not short),
+    )
     con.print(summary)
     devices = Table(title="ranks")
     for c in ("rank", "host", "device", "name", "memory", "free"):
         devices.add_column(c)
     for r in sorted(rows, key=lambda r: r["rank"]):
-        devices.add_row(str(r["rank"]), r["host"], r["device"], r["device_name"], human_bytes(r["mem_total"]),
-                        human_bytes(r["mem_free"]))
+        devices.add_row(
+            str(r["rank"]),
+            r["host"],
+            r["device"],
+            r["device_name"],
+            human_bytes(r["mem_total"]),
+            human_bytes(r["mem_free"]),
+        )
     con.print(devices)
     return problems

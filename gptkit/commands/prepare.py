@@ -36,8 +36,9 @@ def run(cfg) -> int:
     from gptkit.data import prepare
     from gptkit.data.windows import check_window
 
-    p = prepare(cfg.data, cfg.tokenizer, cache_dir=cfg.cache_dir, progress=bool(cfg.progress),
-                force=bool(cfg.force))
+    p = prepare(
+        cfg.data, cfg.tokenizer, cache_dir=cfg.cache_dir, progress=bool(cfg.progress), force=bool(cfg.force)
+    )
     m = p.manifest
     if cfg.seq_len is not None:
         for split in ("train", "val"):
@@ -46,9 +47,12 @@ def run(cfg) -> int:
     t.add_column("")
     t.add_column("value")
     t.add_row("source", m["source"]["description"])
-    for name, src in m.get("sources", {}).items():  # data=mix
-        t.add_row(f"  {name} ({100 * src['share']:.0f}%)",
-                  f"{src['splits']['train']['tokens']:,} train tokens, {src['dir']}")
+    # data=mix
+    for name, src in m.get("sources", {}).items():
+        t.add_row(
+            f"  {name} ({100 * src['share']:.0f}%)",
+            f"{src['splits']['train']['tokens']:,} train tokens, {src['dir']}",
+        )
     t.add_row("tokenizer", f"{m['tokenizer']['kind']}, vocab {p.vocab_size:,}, eos id {p.eos_id}")
     t.add_row("dtype", m["dtype"])
     for split in ("train", "val"):

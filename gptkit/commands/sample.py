@@ -21,8 +21,12 @@ from pathlib import Path
 # gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
-STOP_REASONS = {"eos": "the end-of-text token", "stop": "a stop string", "length": "max_new_tokens",
-                "context": "the full context (overflow=stop)"}
+STOP_REASONS = {
+    "eos": "the end-of-text token",
+    "stop": "a stop string",
+    "length": "max_new_tokens",
+    "context": "the full context (overflow=stop)",
+}
 
 
 def plural(n: int, noun: str) -> str:
@@ -37,15 +41,17 @@ def options(cfg, max_seq_len: int, eos_id):
         raise ConfigError(f"compile={cfg.compile!r} must be auto, true or false")
     stop = cfg.stop
     stop = [stop] if isinstance(stop, str) else [str(s) for s in (stop or ())]
-    stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)  # the escapes \n and \t
+    # the escapes \n and \t
+    stop = tuple(s.replace("\\n", "\n").replace("\\t", "\t") for s in stop)
 
     def number(key: str, kind=int, none=(None,)):
         value = cfg[key]
         if value in none:
             return None
         try:
-            if isinstance(value, bool) or (kind is int and isinstance(value, float)
-                                           and not value.is_integer()):
+            if isinstance(value, bool) or (
+                kind is int and isinstance(value, float) and not value.is_integer()
+            ):
                 raise ValueError
             return kind(value)
         except (TypeError, ValueError):
@@ -54,10 +60,18 @@ def options(cfg, max_seq_len: int, eos_id):
     opts = SampleOptions(
         max_new_tokens=number("max_new_tokens"),
         temperature=0.0 if cfg.greedy else number("temperature", float),
-        top_k=number("top_k", none=(None, 0)), top_p=number("top_p", float), seed=number("seed"),
-        num_samples=number("num_samples"), eos_id=eos_id if cfg.eos else None, stop=stop,
-        overflow=str(cfg.overflow), slide_keep=number("slide_keep"), decode=str(cfg.decode),
-        compile=None if cfg.compile in (None, "auto") else cfg.compile, check_every=number("check_every"))
+        top_k=number("top_k", none=(None, 0)),
+        top_p=number("top_p", float),
+        seed=number("seed"),
+        num_samples=number("num_samples"),
+        eos_id=eos_id if cfg.eos else None,
+        stop=stop,
+        overflow=str(cfg.overflow),
+        slide_keep=number("slide_keep"),
+        decode=str(cfg.decode),
+        compile=None if cfg.compile in (None, "auto") else cfg.compile,
+        check_every=number("check_every"),
+    )
     opts.validate(max_seq_len)
     return opts
 
@@ -76,8 +90,10 @@ def read_prompt(cfg) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise GptkitError(f"prompt_file={p}: byte {exc.start} ({data[exc.start:exc.start + 1]!r}) is not "
-                          f"valid UTF-8; save the prompt as UTF-8 text") from None
+        raise GptkitError(
+            f"prompt_file={p}: byte {exc.start} ({data[exc.start : exc.start + 1]!r}) is not "
+            f"valid UTF-8; save the prompt as UTF-8 text"
+        ) from None
 
 
 def run(cfg) -> int:
@@ -93,11 +109,14 @@ def run(cfg) -> int:
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
     ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id)
-    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")  # once the work will start
+    # once the work will start
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     if prompt == "" and bos_id is None:
-        print(f"note: the prompt is empty and the tokenizer has no BOS token: the sample starts after "
-              f"{empty_prompt_start(bos_id, eos_id)} (not printed); give prompt=\"...\" to choose its start",
-              file=sys.stderr)
+        print(
+            f"note: the prompt is empty and the tokenizer has no BOS token: the sample starts after "
+            f'{empty_prompt_start(bos_id, eos_id)} (not printed); give prompt="..." to choose its start',
+            file=sys.stderr,
+        )
     decode = r.tokenizer.decode
     streaming = cfg.format == "text" and cfg.stream and opts.num_samples == 1
 
@@ -110,15 +129,28 @@ def run(cfg) -> int:
     g = generate(r.model, ids, opts, decode=decode, on_text=write if streaming else None)
     steps_tokens = g.decode_steps * opts.num_samples
     tok_s = steps_tokens / g.decode_s if g.decode_s > 0 else 0.0
-    if cfg.format == "json":  # JSON Lines: one object per sample, each line complete on its own
+    # JSON Lines: one object per sample, each line complete on its own
+    if cfg.format == "json":
         shared = {
-            "run": str(r.dir), "checkpoint": str(r.checkpoint), "prompt": prompt,
+            "run": str(r.dir),
+            "checkpoint": str(r.checkpoint),
+            "prompt": prompt,
             "prompt_tokens": g.prompt_tokens,
-            "settings": {**opts.__dict__, "stop": list(opts.stop),
-                         "device": str(r.model.tok_emb.weight.device), "dtype": str(cfg.dtype)},
-            "timing": {"prefill_s": g.prefill_s, "decode_s": g.decode_s, "decode_steps": g.decode_steps,
-                       "decode_tokens_per_s": tok_s, "slides": g.slides, "decode": g.decode,
-                       "setup_s": g.setup_s},
+            "settings": {
+                **opts.__dict__,
+                "stop": list(opts.stop),
+                "device": str(r.model.tok_emb.weight.device),
+                "dtype": str(cfg.dtype),
+            },
+            "timing": {
+                "prefill_s": g.prefill_s,
+                "decode_s": g.decode_s,
+                "decode_steps": g.decode_steps,
+                "decode_tokens_per_s": tok_s,
+                "slides": g.slides,
+                "decode": g.decode,
+                "setup_s": g.setup_s,
+            },
             "notes": g.notes,
         }
         for i, (text, tokens, why) in enumerate(zip(g.texts, g.tokens, g.stop_reasons)):
@@ -133,11 +165,14 @@ def run(cfg) -> int:
                 print(prompt + text)
         for note in g.notes:
             print(f"note: {note}", file=sys.stderr)
-        setup = f"setup {g.setup_s:.1f} s, " if g.setup_s >= 0.05 else ""  # compile and CUDA graph capture
+        # compile and CUDA graph capture
+        setup = f"setup {g.setup_s:.1f} s, " if g.setup_s >= 0.05 else ""
         ended = ", ".join(STOP_REASONS.get(r, r) for r in sorted(set(g.stop_reasons)))
-        print(f"[{plural(g.prompt_tokens, 'prompt token')}, {sum(map(len, g.tokens))} new, {setup}prefill "
-              f"{g.prefill_s * 1e3:.1f} ms, decode {tok_s:,.0f} tokens/s ({g.decode}), ended by {ended}]",
-              file=sys.stderr)
+        print(
+            f"[{plural(g.prompt_tokens, 'prompt token')}, {sum(map(len, g.tokens))} new, {setup}prefill "
+            f"{g.prefill_s * 1e3:.1f} ms, decode {tok_s:,.0f} tokens/s ({g.decode}), ended by {ended}]",
+            file=sys.stderr,
+        )
     if cfg.attention_map:
         from gptkit.attention_maps import write_for_run
 

@@ -41,8 +41,11 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     from gptkit.runs import LATEST, check_run_location, check_saved_run, find_run_checkpoint
     from gptkit.training.fit import check_resume_or_init
 
-    kv = {o.key: None if o.value is None else str(o.value) for o in options
-          if o.kind == "key" and not o.sweep and o.key in ("resume", "init_from", "name", "runs_dir")}
+    kv = {
+        o.key: None if o.value is None else str(o.value)
+        for o in options
+        if o.kind == "key" and not o.sweep and o.key in ("resume", "init_from", "name", "runs_dir")
+    }
     check_resume_or_init(kv.get("resume"), kv.get("init_from"))
     args = _name_after_init_source(args, options, kv)
     name = kv.get("name")
@@ -50,24 +53,35 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     if kv.get("resume") not in (None, "", "null"):
         ckpt = find_run_checkpoint(kv["resume"], kv.get("runs_dir", "runs"), need="training")
         run_dir = (run_dir_of(ckpt) if ckpt.suffix == ".ckpt" else ckpt.parent).resolve()
-        check_saved_run(ckpt, f"resume={kv['resume']}")  # its config.yaml is checked as a command line is
-        if kv["resume"] == LATEST:  # resolved once, here: train continues that very folder
+        # its config.yaml is checked as a command line is
+        check_saved_run(ckpt, f"resume={kv['resume']}")
+        # resolved once, here: train continues that very folder
+        if kv["resume"] == LATEST:
             args = [f"resume={run_dir}" if a.startswith("resume=") else a for a in args]
-        asked = (Path(kv.get("runs_dir", run_dir.parent)).resolve() / kv.get("name", run_dir.name))
+        asked = Path(kv.get("runs_dir", run_dir.parent)).resolve() / kv.get("name", run_dir.name)
         if asked != run_dir and ("name" in kv or "runs_dir" in kv):
-            print(f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run "
-                  f"from its weights elsewhere: init_from={kv['resume']})", file=sys.stderr)
+            print(
+                f"note: resume= continues {run_dir} in its own folder, not in {asked} (to start a new run "
+                f"from its weights elsewhere: init_from={kv['resume']})",
+                file=sys.stderr,
+            )
         args = [a for a in args if not a.startswith(("name=", "runs_dir=", "hydra.output_subdir="))]
-        args += [f"name={run_dir.name}", f"runs_dir={run_dir.parent}",
-                 "hydra.output_subdir=null"]  # keep the original run's .hydra/ untouched
+        args += [
+            f"name={run_dir.name}",
+            f"runs_dir={run_dir.parent}",
+            "hydra.output_subdir=null",
+            # keep the original run's .hydra/ untouched
+        ]
         kv["name"], kv["runs_dir"] = run_dir.name, str(run_dir.parent)
     runs_dir = Path(kv.get("runs_dir", "runs")).expanduser()
     probe = runs_dir
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not _can_create_in(probe):
-        raise GptkitError(f"cannot write the runs folder {runs_dir} ({probe} is not a writable folder); "
-                          f"pass runs_dir=<a writable folder>")
+        raise GptkitError(
+            f"cannot write the runs folder {runs_dir} ({probe} is not a writable folder); "
+            f"pass runs_dir=<a writable folder>"
+        )
     return args
 
 
@@ -80,7 +94,8 @@ def _name_after_init_source(args: list[str], options, kv: dict) -> list[str]:
     if kv.get("init_from") in (None, "", "null") or "name" in kv:
         return args
     if any(o.key in ("model", "model.name") for o in options):
-        return args  # theirs (model= with init_from= is refused later, in one line)
+        # theirs (model= with init_from= is refused later, in one line)
+        return args
     source = init_source_name(kv["init_from"], kv.get("runs_dir", "runs"))
     if source is None or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", source):
         return args
@@ -112,7 +127,8 @@ def check(cfg, multirun: bool = False, options: list | None = None) -> None:
 
     global _checked, _options
     checked = check_config(cfg)
-    if not multirun:  # a multirun's jobs each have their own values: train() checks each
+    # a multirun's jobs each have their own values: train() checks each
+    if not multirun:
         _checked, _options = checked, options
     # the default name holds the time
     if not multirun and not OmegaConf.is_interpolation(cfg, "name") and is_rank_zero():
@@ -128,7 +144,10 @@ def run(cfg) -> int:
     result = train(cfg, checked=_checked, options=_options)
     if result.stopped_by:
         if result.is_global_zero:
-            print(f"{result.stopped_by}: saved {result.last_checkpoint} at step {result.step}; "
-                  f"continue with: gptkit train resume={result.run_dir}", file=sys.stderr)
+            print(
+                f"{result.stopped_by}: saved {result.last_checkpoint} at step {result.step}; "
+                f"continue with: gptkit train resume={result.run_dir}",
+                file=sys.stderr,
+            )
         return EXIT_CODES.get(result.stopped_by, 1)
     return 0

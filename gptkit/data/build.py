@@ -82,8 +82,10 @@ from gptkit.version import __version__
 
 __all__ = ["prepare", "split_long", "data_settings", "use_prepared", "check_tokenizer", "remove_stale_builds"]
 
-SHARD_TOKENS = 16 << 20  # tokens between two commits of a build (a kill loses at most this much work)
-PROGRESS = "progress.json"  # in a build folder: what is complete
+# tokens between two commits of a build (a kill loses at most this much work)
+SHARD_TOKENS = 16 << 20
+# in a build folder: what is complete
+PROGRESS = "progress.json"
 
 
 def layout() -> dict[str, Any]:
@@ -91,9 +93,14 @@ def layout() -> dict[str, Any]:
     corpus is tokenized in byte ranges of the files (gptkit.data.ranges; before, in batches of pieces like
     any corpus), text_tasks: text files too: the journal's task count of a build killed before either change
     means other tasks."""
-    return {"piece_chars": tokenize.PIECE_CHARS, "hard_chars": tokenize.HARD_CHARS,
-            "batch_chars": tokenize.BATCH_CHARS, "verify_first": tokenize.VERIFY_FIRST,
-            "jsonl_tasks": "byte ranges", "text_tasks": "byte ranges"}
+    return {
+        "piece_chars": tokenize.PIECE_CHARS,
+        "hard_chars": tokenize.HARD_CHARS,
+        "batch_chars": tokenize.BATCH_CHARS,
+        "verify_first": tokenize.VERIFY_FIRST,
+        "jsonl_tasks": "byte ranges",
+        "text_tasks": "byte ranges",
+    }
 
 
 def cache_root(cache_dir: str | Path | None) -> Path:
@@ -109,28 +116,58 @@ def cache_root(cache_dir: str | Path | None) -> Path:
 DEFAULTS: dict[str, dict[str, Any]] = {
     "pydoc": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
     "shakespeare": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
-    "stdlib": {"include_tests": True, "encoding_errors": "replace", "val_fraction": 0.05, "dtype": "auto",
-               "bos": "auto"},
-    "files": {"paths": None, "val_paths": None, "val_fraction": 0.1, "format": "auto", "text_field": "text",
-              "encoding_errors": "strict", "dtype": "auto", "bos": "auto"},
-    "hub": {"name": None, "config": None, "split": "train", "val_split": None, "val_fraction": 0.1,
-            "text_field": "text", "revision": None, "timeout_s": 5, "dtype": "auto", "bos": "auto"},
+    "stdlib": {
+        "include_tests": True,
+        "encoding_errors": "replace",
+        "val_fraction": 0.05,
+        "dtype": "auto",
+        "bos": "auto",
+    },
+    "files": {
+        "paths": None,
+        "val_paths": None,
+        "val_fraction": 0.1,
+        "format": "auto",
+        "text_field": "text",
+        "encoding_errors": "strict",
+        "dtype": "auto",
+        "bos": "auto",
+    },
+    "hub": {
+        "name": None,
+        "config": None,
+        "split": "train",
+        "val_split": None,
+        "val_fraction": 0.1,
+        "text_field": "text",
+        "revision": None,
+        "timeout_s": 5,
+        "dtype": "auto",
+        "bos": "auto",
+    },
     "prepared": {"dir": None},
     "mix": {"sources": None, "max_epochs": 4},
-    "tokens": {"paths": None, "val_paths": None, "val_fraction": 0.1, "vocab_size": None, "format": "auto",
-               "dtype": "auto"},
+    "tokens": {
+        "paths": None,
+        "val_paths": None,
+        "val_fraction": 0.1,
+        "vocab_size": None,
+        "format": "auto",
+        "dtype": "auto",
+    },
 }
 
 
-WINDOW_KEYS = ("pack",)  # data options of how windows are drawn from the shards: they change no token
-BUILD_KEYS = ("workers",)  # data options of how the shards are built: they change no token either
+# data options of how windows are drawn from the shards: they change no token
+WINDOW_KEYS = ("pack",)
+# data options of how the shards are built: they change no token either
+BUILD_KEYS = ("workers",)
 
 
 def data_settings(cfg: Any) -> dict[str, Any]:
     """The data config as a complete plain dict with its kind checked, without WINDOW_KEYS and BUILD_KEYS
     (how windows are drawn from the shards, and how the shards are built, are no part of the cache key)."""
     from omegaconf import DictConfig, OmegaConf
-
 
     d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     pack = d.pop("pack", "stream")
@@ -139,8 +176,10 @@ def data_settings(cfg: Any) -> dict[str, Any]:
     if pack not in PACKS:
         raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
     if d.get("kind") not in KINDS:
-        raise GptkitError(f"unknown data kind {d.get('kind')!r}; "
-                          f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
+        raise GptkitError(
+            f"unknown data kind {d.get('kind')!r}; "
+            f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens"
+        )
     return {"kind": d["kind"], **DEFAULTS[d["kind"]], **d}
 
 
@@ -152,11 +191,11 @@ def choose_dtype(vocab_size: int, wanted: str) -> str:
     if wanted not in DTYPES:
         raise GptkitError(f"data.dtype={wanted!r} must be auto, uint16 or uint32")
     if vocab_size > 1 << (8 * DTYPES[wanted]):
-        raise GptkitError(f"the tokenizer has {vocab_size} tokens, more than {wanted} can hold; "
-                          f"set data.dtype=uint32 (or auto)")
+        raise GptkitError(
+            f"the tokenizer has {vocab_size} tokens, more than {wanted} can hold; "
+            f"set data.dtype=uint32 (or auto)"
+        )
     return wanted
-
-
 
 
 def build_workers(cfg: Any) -> int | None:
@@ -168,7 +207,6 @@ def build_workers(cfg: Any) -> int | None:
     if isinstance(w, bool) or not isinstance(w, int) or w < 1:
         raise GptkitError(f"data.workers={w!r} must be an integer >= 1 (or null for every usable core)")
     return w
-
 
 
 # ---- progress ---------------------------------------------------------------------------------------
@@ -202,15 +240,22 @@ class _Progress:
                 TransferSpeedColumn,
             )
 
-            self.bar = Progress(TextColumn("{task.description}"), BarColumn(), TransferSpeedColumn(),
-                                TextColumn("{task.fields[tokens]} tokens"), TimeRemainingColumn(),
-                                console=Console(stderr=True), transient=True)
+            self.bar = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TransferSpeedColumn(),
+                TextColumn("{task.fields[tokens]} tokens"),
+                TimeRemainingColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
             self.task = self.bar.add_task(label, total=total, tokens="0")
             self.bar.start()
 
     def line(self) -> str:
         dt = max(time.perf_counter() - self.t0, 1e-9)
-        rate = (self.done - self.skipped) / dt  # of the text tokenized now, not of a killed build's
+        # of the text tokenized now, not of a killed build's
+        rate = (self.done - self.skipped) / dt
         where = human(self.done)
         eta = ""
         if self.total:
@@ -249,7 +294,8 @@ def cutter_for(tok, tok_s: dict[str, Any]) -> Cutter:
     specials = [t.content for t in tok.get_added_tokens_decoder().values()]
     if kind in ("char", "byte") or (kind == "file" and char_like(tok.to_str())):
         return Cutter("any", specials)
-    if kind == "bpe" or tiktoken_tables(tok.to_str()) is not None:  # GPT-2 style byte-level BPE
+    # GPT-2 style byte-level BPE
+    if kind == "bpe" or tiktoken_tables(tok.to_str()) is not None:
         return Cutter("gpt2", specials)
     return Cutter("verify", specials, lambda t: tok.encode(t, add_special_tokens=False).ids)
 
@@ -266,24 +312,28 @@ def training_sample(corpus: Corpus, chars: int) -> tuple[Callable[[], Iterator[s
     if size is not None and size <= chars:
         return lambda: cut(corpus.all_parts()), f"all {human(size)} of the corpus"
     if corpus.sample is not None:
+
         def sampled() -> Iterator[str]:
             n = 0
             for window in corpus.sample(chars):
                 for p in split_long(window):
                     if n >= chars:
                         return
-                    yield p[:chars - n]
+                    yield p[: chars - n]
                     n += min(len(p), chars - n)
+
         where = f"of {human(size)}" if size else "(size unknown)"
         return sampled, f"a sample of {human(chars, 'chars')} {where}, read at evenly spaced places"
     if size is not None:
-        def strided() -> Iterator[str]:  # every piece whose share of the sample is due: an even spread
+        # every piece whose share of the sample is due: an even spread
+        def strided() -> Iterator[str]:
             credit = 0.0
             for p in cut(corpus.all_parts()):
                 credit += len(p) * chars / size
                 if credit >= len(p):
                     credit -= len(p)
                     yield p
+
         return strided, f"a sample of {human(chars, 'chars')} of {human(size)}, spread evenly over the stream"
 
     def first() -> Iterator[str]:
@@ -293,6 +343,7 @@ def training_sample(corpus: Corpus, chars: int) -> tuple[Callable[[], Iterator[s
                 return
             yield p
             n += len(p)
+
     return first, f"the first {human(chars, 'chars')} (the corpus's size is unknown)"
 
 
@@ -300,8 +351,10 @@ def _train_tokenizer(corpus: Corpus, tok_s: dict[str, Any], progress: bool):
     kind = tok_s["kind"]
     if kind == "bpe":
         texts, what = training_sample(corpus, int(tok_s["train_chars"]))
-        _say(f"training byte-level BPE {tok_s['vocab_size']} on {what} (tokenizer.train_chars="
-             f"{int(tok_s['train_chars']):,})")
+        _say(
+            f"training byte-level BPE {tok_s['vocab_size']} on {what} (tokenizer.train_chars="
+            f"{int(tok_s['train_chars']):,})"
+        )
         return build_tokenizer(tok_s, texts=texts, progress=progress)
     if kind == "char":
         return build_tokenizer(tok_s, texts=lambda: (t for t, _ in corpus.all_parts()), progress=progress)
@@ -327,11 +380,15 @@ def bos_id(tok, bos: Any, eos: int | None) -> int | None:
         raise GptkitError(f"data.bos={bos!r} must be auto, true or false")
     if bos is False:
         return None
-    own = own_bos((t.content for t in tok.get_added_tokens_decoder().values()),
-                  None if eos is None else tok.id_to_token(eos))
+    own = own_bos(
+        (t.content for t in tok.get_added_tokens_decoder().values()),
+        None if eos is None else tok.id_to_token(eos),
+    )
     if own is None and bos is True:
-        raise GptkitError("data.bos=true but the tokenizer has no BOS token of its own; add one, e.g. "
-                          "tokenizer.special_tokens=[<|bos|>], or set data.bos=auto")
+        raise GptkitError(
+            "data.bos=true but the tokenizer has no BOS token of its own; add one, e.g. "
+            "tokenizer.special_tokens=[<|bos|>], or set data.bos=auto"
+        )
     return None if own is None else tok.token_to_id(own)
 
 
@@ -346,8 +403,10 @@ def resolve_bos(data: dict[str, Any], tok_s: dict[str, Any]) -> dict[str, Any]:
     if tok_s["kind"] == "file":
         specials = [t.content for t in load_tokenizer_file(tok_s["path"]).get_added_tokens_decoder().values()]
     else:
-        specials = [*(tok_s.get("special_tokens") or ()), *([tok_s["eos_token"]] if tok_s.get("eos_token")
-                                                           else [])]
+        specials = [
+            *(tok_s.get("special_tokens") or ()),
+            *([tok_s["eos_token"]] if tok_s.get("eos_token") else []),
+        ]
     return {**data, "bos": own_bos(specials, tok_s.get("eos_token")) is not None}
 
 
@@ -358,8 +417,10 @@ def bos_for_model(data: dict[str, Any], position: str) -> dict[str, Any]:
     if position == "rope":
         return data
     if data.get("kind") == "mix":
-        sources = {n: bos_for_model({**DEFAULTS.get(s.get("kind"), {}), **s}, position)
-                   if isinstance(s, dict) else s for n, s in (data.get("sources") or {}).items()}
+        sources = {
+            n: bos_for_model({**DEFAULTS.get(s.get("kind"), {}), **s}, position) if isinstance(s, dict) else s
+            for n, s in (data.get("sources") or {}).items()
+        }
         return {**data, "sources": sources}
     return {**data, "bos": False} if data.get("bos") == "auto" else data
 
@@ -372,8 +433,9 @@ class Journal:
         self.folder, self.state = folder, state
 
     def split(self, name: str) -> dict[str, Any]:
-        return self.state["splits"].setdefault(name, {"batches": 0, "bytes": 0, "crc32": 0, "tokens": 0,
-                                                      "documents": 0, "done": False})
+        return self.state["splits"].setdefault(
+            name, {"batches": 0, "bytes": 0, "crc32": 0, "tokens": 0, "documents": 0, "done": False}
+        )
 
     def save(self) -> None:
         atomic_write_text(self.folder / PROGRESS, json.dumps(self.state, indent=1))
@@ -396,7 +458,8 @@ class BatchFeed:
     cuts, which the workers encode (encode_task). (JSON-lines corpora: gptkit.data.ranges.RangeFeed.)"""
 
     run = staticmethod(encode_task)
-    forced = 0  # counted by the Cutter of this process
+    # counted by the Cutter of this process
+    forced = 0
 
     def __init__(self, work: Iterator[list[tuple[str, bool, bool]]]) -> None:
         self.work = work
@@ -412,19 +475,28 @@ class BatchFeed:
         """Nothing to check: the reading and cutting here raised any error already."""
 
 
-def write_tokens(tokenizing: Tokenizing, feed: BatchFeed | RangeFeed, out: Path, journal: Journal, split: str,
-                 progress: _Progress) -> tuple[int, int]:
+def write_tokens(
+    tokenizing: Tokenizing,
+    feed: BatchFeed | RangeFeed,
+    out: Path,
+    journal: Journal,
+    split: str,
+    progress: _Progress,
+) -> tuple[int, int]:
     """Tokenize the feed's tasks into `out` (appended raw ids), committing every SHARD_TOKENS tokens and
     skipping the tasks a killed build already committed. Returns (tokens, documents) of the split."""
     sp = journal.split(split)
     if sp["done"]:
         return sp["tokens"], sp["documents"]
-    skip = sp["batches"]  # tasks, whichever the feed's (layout() says which)
-    progress.advance(0, sp["tokens"])  # a killed build's complete shards
+    # tasks, whichever the feed's (layout() says which)
+    skip = sp["batches"]
+    # a killed build's complete shards
+    progress.advance(0, sp["tokens"])
 
     def todo() -> Iterator[Any]:
         for i, b in enumerate(feed.tasks()):
-            if i < skip:  # already in the shard
+            # already in the shard
+            if i < skip:
                 progress.advance(feed.skipped(b), skipped=True)
                 continue
             yield b
@@ -459,14 +531,17 @@ def _commit(f, journal: Journal) -> None:
     fault_point("prepare-shard")
 
 
-def _split_tail(all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: str, fraction: float,
-                journal: Journal) -> tuple[int, int]:
+def _split_tail(
+    all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: str, fraction: float, journal: Journal
+) -> tuple[int, int]:
     """Move the last `fraction` of the tokens of all_bin into val_bin; the rest becomes train_bin. Each step
     is recorded, so that a build killed in between finishes it."""
     n_val = int(round(n * fraction))
     if n_val < 1 or n - n_val < 1:
-        raise GptkitError(f"the corpus has only {n} tokens: too short to split off "
-                          f"data.val_fraction={fraction}; give more text")
+        raise GptkitError(
+            f"the corpus has only {n} tokens: too short to split off "
+            f"data.val_fraction={fraction}; give more text"
+        )
     itemsize = DTYPES[dtype]
     if not journal.state.get("val_written"):
         copy_tail(all_bin, val_bin, (n - n_val) * itemsize)
@@ -482,14 +557,20 @@ def _split_tail(all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: st
 # ---- prepare ---------------------------------------------------------------------------------------
 def _key(data: dict[str, Any], content: str, tok: dict[str, Any]) -> str:
     extra = {}
-    if tok["kind"] == "file":  # the file's content decides the tokens, not where it lies
+    # the file's content decides the tokens, not where it lies
+    if tok["kind"] == "file":
         tok, extra = {**tok, "path": None}, {"tokenizer_file": file_sha256(tok["path"])}
     body = {"format_version": FORMAT_VERSION, "data": data, "content": content, "tokenizer": tok, **extra}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None, progress: bool = True,
-            force: bool = False) -> PreparedData:
+def prepare(
+    data_cfg: Any,
+    tokenizer_cfg: Any,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    force: bool = False,
+) -> PreparedData:
     """Token shards for (corpus, tokenizer): from the cache when present, else built now (or the build a
     killed prepare left continued)."""
     data = data_settings(data_cfg)
@@ -498,8 +579,9 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     if data["kind"] == "prepared":
         return use_prepared(data, tok_s)
     if data["kind"] == "mix":
-        raise GptkitError("data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by "
-                          "source")
+        raise GptkitError(
+            "data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by source"
+        )
     if data["kind"] == "tokens":
         tok = build_tokenizer(tok_s) if tok_s["kind"] in ("byte", "file") else None
         prepared = prepare_tokens(data, tok_s, cache_root(cache_dir), tok, _key)
@@ -515,7 +597,8 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     key = _key(data, content, tok_s)
     root = cache_root(cache_dir)
     if root.is_dir():
-        remove_stale_builds(root)  # folders of builds that were killed (before builds were resumable)
+        # folders of builds that were killed (before builds were resumable)
+        remove_stale_builds(root)
     final = root / f"{data['kind']}-{tok_s['kind']}-{key[:16]}"
     if final.exists() and force:
         shutil.rmtree(final)
@@ -527,8 +610,10 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
     said = False
     while True:
         tmp.mkdir(mode=DIR_MODE, exist_ok=True)
-        lock = lock_file(tmp / BUILD_LOCK)  # held while building: the OS drops it when the builder dies
-        if lock is not None and final.exists():  # another process finished it meanwhile
+        # held while building: the OS drops it when the builder dies
+        lock = lock_file(tmp / BUILD_LOCK)
+        # another process finished it meanwhile
+        if lock is not None and final.exists():
             os.close(lock)
             shutil.rmtree(tmp, ignore_errors=True)
             return _cache_hit(final, key)
@@ -546,17 +631,20 @@ def prepare(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = No
         (tmp / BUILD_LOCK).unlink()
         os.rename(tmp, final)
     except KeyboardInterrupt:
-        keep = True  # a Ctrl-C keeps the complete shards: the same prepare continues from them
+        # a Ctrl-C keeps the complete shards: the same prepare continues from them
+        keep = True
         _say(f"interrupted: the complete shards are kept in {tmp}; run the same command again to continue")
         raise
     except BaseException as exc:
-        if is_disk_full(exc):  # an estimate: at most 4 bytes per token, at most one token per byte of text
+        # an estimate: at most 4 bytes per token, at most one token per byte of text
+        if is_disk_full(exc):
             shutil.rmtree(tmp, ignore_errors=True)
             raise disk_full_error(final, 4 * corpus.n_bytes if corpus.n_bytes else None, exc) from exc
         raise
     finally:
         if not keep and tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)  # bad input (or a bug): nothing of it is worth resuming
+            # bad input (or a bug): nothing of it is worth resuming
+            shutil.rmtree(tmp, ignore_errors=True)
         os.close(lock)
     prepared = load_prepared(final)
     _say(f"prepared {final} ({_counts(manifest)})")
@@ -572,19 +660,23 @@ def _note_other_partials(root: Path, mine: Path) -> None:
             fd = lock_file(p / BUILD_LOCK, create=False)
         except OSError:
             continue
-        if fd is None:  # being built right now
+        # being built right now
+        if fd is None:
             continue
         os.close(fd)
         size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-        _say(f"note: {p} is an interrupted build of other data ({human(size)}); the prepare that started it "
-             f"continues it, or delete it")
+        _say(
+            f"note: {p} is an interrupted build of other data ({human(size)}); the prepare that started it "
+            f"continues it, or delete it"
+        )
 
 
 def _cache_hit(final: Path, key: str) -> PreparedData:
     prepared = load_prepared(final)
     if prepared.manifest.get("cache_key") != key:
-        raise GptkitError(f"{final / MANIFEST} belongs to other data or another tokenizer; "
-                          f"delete {final} and prepare again")
+        raise GptkitError(
+            f"{final / MANIFEST} belongs to other data or another tokenizer; delete {final} and prepare again"
+        )
     _say(f"cache hit: {final} ({_counts(prepared.manifest)})")
     return prepared
 
@@ -601,8 +693,10 @@ def _wait_unlocked(path: Path) -> None:
         os.close(fd)
 
 
-BUILD_LOCK = ".building"  # in a build folder: locked (fcntl) by the process that builds it
-STALE_AFTER_S = 3600  # a build folder without a lock file (a kill right after mkdtemp) is stale after this
+# in a build folder: locked (fcntl) by the process that builds it
+BUILD_LOCK = ".building"
+# a build folder without a lock file (a kill right after mkdtemp) is stale after this
+STALE_AFTER_S = 3600
 
 
 def remove_stale_builds(root: Path) -> list[Path]:
@@ -615,11 +709,13 @@ def remove_stale_builds(root: Path) -> list[Path]:
             continue
         try:
             fd = lock_file(tmp / BUILD_LOCK, create=False)
-        except FileNotFoundError:  # between mkdtemp and the lock, or renamed a moment ago
+        # between mkdtemp and the lock, or renamed a moment ago
+        except FileNotFoundError:
             fd = None if time.time() - tmp.stat().st_mtime < STALE_AFTER_S else -1
         except OSError:
             continue
-        if fd is None:  # a live build
+        # a live build
+        if fd is None:
             continue
         shutil.rmtree(tmp, ignore_errors=True)
         if fd >= 0:
@@ -630,8 +726,10 @@ def remove_stale_builds(root: Path) -> list[Path]:
 
 def _counts(m: dict[str, Any]) -> str:
     s = m["splits"]
-    return (f"{s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, {m['dtype']}, "
-            f"vocab {m['tokenizer']['vocab_size']:,}")
+    return (
+        f"{s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, {m['dtype']}, "
+        f"vocab {m['tokenizer']['vocab_size']:,}"
+    )
 
 
 def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
@@ -642,12 +740,18 @@ def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
         state = json.loads((tmp / PROGRESS).read_text())
     except (OSError, ValueError):
         pass
-    ok = (isinstance(state, dict) and state.get("cache_key") == key and state.get("layout") == layout()
-          and (tmp / TOKENIZER).is_file() and file_sha256(tmp / TOKENIZER) == state.get("tokenizer_sha256"))
+    ok = (
+        isinstance(state, dict)
+        and state.get("cache_key") == key
+        and state.get("layout") == layout()
+        and (tmp / TOKENIZER).is_file()
+        and file_sha256(tmp / TOKENIZER) == state.get("tokenizer_sha256")
+    )
     if ok:
         for split, sp in state["splits"].items():
             if split == "all" and state.get("val_written"):
-                continue  # finishing the split is idempotent (val.bin is complete)
+                # finishing the split is idempotent (val.bin is complete)
+                continue
             ok = ok and _resume_shard(tmp / _shard_file(split), sp)
         if not ok:
             _say(f"note: the interrupted build in {tmp} does not match its record; building it again")
@@ -655,9 +759,11 @@ def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
     # split not yet in progress.json) holds only uncommitted batches, which the build would append after
     recorded = {_shard_file(split) for split in state["splits"]} if ok else set()
     if ok and state.get("val_written"):
-        recorded |= {"all.bin", *SHARDS.values()}  # the split of all.bin into train and val is being finished
+        # the split of all.bin into train and val is being finished
+        recorded |= {"all.bin", *SHARDS.values()}
     keep = {BUILD_LOCK, PROGRESS, TOKENIZER, *recorded} if ok else {BUILD_LOCK}
-    for p in tmp.iterdir():  # leftovers of the killed build (half-written temporary files), or all of it
+    # leftovers of the killed build (half-written temporary files), or all of it
+    for p in tmp.iterdir():
         if p.name not in keep:
             shutil.rmtree(p) if p.is_dir() else p.unlink()
     return (load_tokenizer_file(tmp / TOKENIZER), Journal(tmp, state)) if ok else None
@@ -667,8 +773,16 @@ def _shard_file(split: str) -> str:
     return "all.bin" if split == "all" else SHARDS[split]
 
 
-def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any], key: str,
-           progress: bool, workers: int | None) -> dict[str, Any]:
+def _build(
+    tmp: Path,
+    corpus: Corpus,
+    content: str,
+    data: dict[str, Any],
+    tok_s: dict[str, Any],
+    key: str,
+    progress: bool,
+    workers: int | None,
+) -> dict[str, Any]:
     t0 = time.time()
     n_workers = workers or max(1, min(cores(), (corpus.n_bytes or 1 << 40) // (4 * BATCH_CHARS)))
     # A byte-level BPE (bpe, or a tokenizer.json) is encoded by worker processes: start them now, so that
@@ -678,11 +792,22 @@ def _build(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s:
         return _build_with(tmp, corpus, content, data, tok_s, key, progress, n_workers, pool, t0)
     finally:
         if pool is not None:
-            pool.shutdown(wait=True, cancel_futures=True)  # a no-op once Tokenizing has shut it down
+            # a no-op once Tokenizing has shut it down
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], tok_s: dict[str, Any],
-                key: str, progress: bool, n_workers: int, pool: Any, t0: float) -> dict[str, Any]:
+def _build_with(
+    tmp: Path,
+    corpus: Corpus,
+    content: str,
+    data: dict[str, Any],
+    tok_s: dict[str, Any],
+    key: str,
+    progress: bool,
+    n_workers: int,
+    pool: Any,
+    t0: float,
+) -> dict[str, Any]:
     resumed = _open_build(tmp, key)
     if resumed is not None:
         tok, journal = resumed
@@ -690,9 +815,17 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
         _say(f"continuing the interrupted build in {tmp} from its last complete shard ({done:,} tokens)")
     else:
         tok = _train_tokenizer(corpus, tok_s, progress)
-        atomic_write_text(tmp / TOKENIZER, tok.to_str())  # hash == tokenizer_sha256(tok)
-        journal = Journal(tmp, {"cache_key": key, "layout": layout(), "splits": {},
-                                "tokenizer_sha256": file_sha256(tmp / TOKENIZER)})
+        # hash == tokenizer_sha256(tok)
+        atomic_write_text(tmp / TOKENIZER, tok.to_str())
+        journal = Journal(
+            tmp,
+            {
+                "cache_key": key,
+                "layout": layout(),
+                "splits": {},
+                "tokenizer_sha256": file_sha256(tmp / TOKENIZER),
+            },
+        )
         journal.save()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = choose_dtype(vocab, data["dtype"])
@@ -700,7 +833,9 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     bos = bos_id(tok, data["bos"], eos)
     cutter = cutter_for(tok, tok_s)
     specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
-    def check() -> Iterator[str]:  # about 1 MB of the corpus, on which tiktoken must give HF's ids
+
+    # about 1 MB of the corpus, on which tiktoken must give HF's ids
+    def check() -> Iterator[str]:
         if corpus.sample is not None:
             yield from (p for w in corpus.sample(1 << 20) for p in split_long(w))
             return
@@ -710,27 +845,35 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
             n += len(p)
             if n >= 1 << 20:
                 return
+
     engine, why = choose_engine(tok.to_str(), tok_s["kind"], check)
     spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype, bos, tokenizer_path=str(tmp / TOKENIZER))
     if engine in ("utf8", "chars"):
-        n_workers = 1  # ids from the bytes or a table: sending text to a worker costs more than encoding it
+        # ids from the bytes or a table: sending text to a worker costs more than encoding it
+        n_workers = 1
     ranged = corpus.train_ranges is not None
     # text files: in byte ranges where the Cutter's cuts need no encoding (any, gpt2); verify: as before
     texts = corpus.train_text is not None and cutter.mode in ("any", "gpt2")
     what = "JSON-lines" if ranged else "text" if texts else ""
-    _say(f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
-         f"(data.workers)" + (f", each reading its own byte ranges of the {what} files" if what and
-                              n_workers > 1 else ""))
+    _say(
+        f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
+        f"(data.workers)"
+        + (f", each reading its own byte ranges of the {what} files" if what and n_workers > 1 else "")
+    )
 
     feeds: list[BatchFeed | RangeFeed | TextFeed] = []
 
-    def work(parts: Parts, ranges: Callable[[int], Iterator[LineRange]] | None,
-             text: list[Path] | None) -> BatchFeed | RangeFeed | TextFeed:
-        if ranges is not None:  # JSON lines: whoever encodes a range reads, parses and cuts it
+    def work(
+        parts: Parts, ranges: Callable[[int], Iterator[LineRange]] | None, text: list[Path] | None
+    ) -> BatchFeed | RangeFeed | TextFeed:
+        # JSON lines: whoever encodes a range reads, parses and cuts it
+        if ranges is not None:
             feeds.append(RangeFeed(ranges, cutter, corpus.description))
-        elif texts and text is not None:  # text files: whoever encodes a range reads, decodes and cuts it
-            feeds.append(TextFeed(text, corpus.text_errors, corpus.text_blank, cutter, eos,
-                                  corpus.description))
+        # text files: whoever encodes a range reads, decodes and cuts it
+        elif texts and text is not None:
+            feeds.append(
+                TextFeed(text, corpus.text_errors, corpus.text_blank, cutter, eos, corpus.description)
+            )
         else:
             feeds.append(BatchFeed(batches(cutter.pieces(parts(), eos, corpus.description))))
         return feeds[-1]
@@ -740,22 +883,36 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     try:
         with Tokenizing(spec, n_workers, pool) as tokenizing:
             if corpus.val_parts is None:
-                n, docs = write_tokens(tokenizing, work(corpus.train_parts, corpus.train_ranges,
-                                                        corpus.train_text),
-                                       tmp / "all.bin", journal, "all", bar)
+                n, docs = write_tokens(
+                    tokenizing,
+                    work(corpus.train_parts, corpus.train_ranges, corpus.train_text),
+                    tmp / "all.bin",
+                    journal,
+                    "all",
+                    bar,
+                )
                 if n == 0:
                     raise GptkitError(f"{corpus.description} holds no text; give a corpus with some text")
-                n_train, n_val = _split_tail(tmp / "all.bin", tmp / SHARDS["train"], tmp / SHARDS["val"], n,
-                                             dtype, float(data["val_fraction"]), journal)
+                n_train, n_val = _split_tail(
+                    tmp / "all.bin",
+                    tmp / SHARDS["train"],
+                    tmp / SHARDS["val"],
+                    n,
+                    dtype,
+                    float(data["val_fraction"]),
+                    journal,
+                )
                 splits = {"train": {"tokens": n_train}, "val": {"tokens": n_val}}
                 val = {"how": "fraction", "fraction": float(data["val_fraction"]), "documents": docs}
             else:
                 splits = {}
                 for split, parts, ranges, text in (
-                        ("train", corpus.train_parts, corpus.train_ranges, corpus.train_text),
-                        ("val", corpus.val_parts, corpus.val_ranges, corpus.val_text)):
-                    n, docs = write_tokens(tokenizing, work(parts, ranges, text), tmp / SHARDS[split],
-                                           journal, split, bar)
+                    ("train", corpus.train_parts, corpus.train_ranges, corpus.train_text),
+                    ("val", corpus.val_parts, corpus.val_ranges, corpus.val_text),
+                ):
+                    n, docs = write_tokens(
+                        tokenizing, work(parts, ranges, text), tmp / SHARDS[split], journal, split, bar
+                    )
                     if n == 0:
                         raise GptkitError(f"the {split} files of {corpus.description} hold no text")
                     splits[split] = {"tokens": n, "documents": docs}
@@ -763,15 +920,20 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
     finally:
         bar.close()
     t_tok, c_tok = time.perf_counter() - t_tok, time.process_time() - c_tok
-    forced = cutter.forced + sum(f.forced for f in feeds)  # cut here, and cut by whoever ran a range
-    read_here = sum(getattr(f, "read_here", 0) for f in feeds)  # text files not cut in ranges
+    # cut here, and cut by whoever ran a range
+    forced = cutter.forced + sum(f.forced for f in feeds)
+    # text files not cut in ranges
+    read_here = sum(getattr(f, "read_here", 0) for f in feeds)
     if forced:
-        _say(f"note: {forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
-             f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
-             f"there")
+        _say(
+            f"note: {forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
+            f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
+            f"there"
+        )
     for split, name in SHARDS.items():
         splits[split]["file"] = name
-        splits[split]["crc32"] = file_crc32(tmp / name)  # checked whenever the folder is loaded
+        # checked whenever the folder is loaded
+        splits[split]["crc32"] = file_crc32(tmp / name)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -779,20 +941,37 @@ def _build_with(tmp: Path, corpus: Corpus, content: str, data: dict[str, Any], t
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "seconds": round(time.time() - t0, 3),
         "cache_key": key,
-        "source": {"kind": data["kind"], "description": corpus.description, "sha256": content,
-                   "files": corpus.files, "settings": data},
-        "tokenizer": {"kind": tok_s["kind"], "settings": tok_s, "sha256": file_sha256(tmp / TOKENIZER),
-                      "vocab_size": vocab, "eos_id": eos, "eos_token": tok_s["eos_token"], "bos_id": bos},
+        "source": {
+            "kind": data["kind"],
+            "description": corpus.description,
+            "sha256": content,
+            "files": corpus.files,
+            "settings": data,
+        },
+        "tokenizer": {
+            "kind": tok_s["kind"],
+            "settings": tok_s,
+            "sha256": file_sha256(tmp / TOKENIZER),
+            "vocab_size": vocab,
+            "eos_id": eos,
+            "eos_token": tok_s["eos_token"],
+            "bos_id": bos,
+        },
         "dtype": dtype,
         "splits": splits,
         "validation": val,
         "encoder": engine,
         "workers": n_workers,
         "tasks": (f"byte ranges of the {what} files" if what else "batches of pieces")
-                 + (f" ({read_here} file(s) read here: no safe cut for {tokenize.HARD_CHARS // 2:,} bytes)"
-                    if read_here else ""),
-        "tokenize_seconds": round(t_tok, 3),  # reading, cutting, encoding and writing the shards
-        "tokenize_main_cpu_seconds": round(c_tok, 3),  # of this process (with workers: all but encoding)
+        + (
+            f" ({read_here} file(s) read here: no safe cut for {tokenize.HARD_CHARS // 2:,} bytes)"
+            if read_here
+            else ""
+        ),
+        # reading, cutting, encoding and writing the shards
+        "tokenize_seconds": round(t_tok, 3),
+        # of this process (with workers: all but encoding)
+        "tokenize_main_cpu_seconds": round(c_tok, 3),
         "python": sys.version.split()[0],
     }
     manifest["checksum"] = manifest_checksum(manifest)
@@ -827,6 +1006,8 @@ def check_tokenizer(prepared: PreparedData, tokenizer_cfg: Any) -> None:
     else:
         same = want == have["settings"]
     if not same:
-        raise GptkitError(f"the shards in {prepared.dir} were written with tokenizer {have['kind']} "
-                          f"({have['settings']}), not the configured {want['kind']} ({want}); use the same "
-                          f"tokenizer or prepare the corpus again with this one")
+        raise GptkitError(
+            f"the shards in {prepared.dir} were written with tokenizer {have['kind']} "
+            f"({have['settings']}), not the configured {want['kind']} ({want}); use the same "
+            f"tokenizer or prepare the corpus again with this one"
+        )

@@ -46,34 +46,60 @@ ROLES = ("system", "user", "assistant", "tool")
 TRAIN_ON = ("assistant", "all")
 PACKS = ("documents", "pad")
 TRUNCATE = ("drop", "cut")
-CHAT_FILE = "chat.json"  # in a run folder (and a prepared chat folder): the template the run was trained with
+# in a run folder (and a prepared chat folder): the template the run was trained with
+CHAT_FILE = "chat.json"
 FORMAT = "gptkit-chat"
 FORMAT_VERSION = 1
 
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' "
-          "}}{% endif %}")
-LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
-          "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
-          "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
-          "{{ content }}{% endfor %}{% if add_generation_prompt %}"
-          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+CHATML = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' "
+    "}}{% endif %}"
+)
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = "
+    "'<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + "
+    "'<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+    "{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
 # name -> (template, its special tokens (added to a tokenizer that lacks them), the variables it reads)
 BUILTIN = {
     "chatml": (CHATML, ["<|im_start|>", "<|im_end|>"], {}),
-    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-               {"bos_token": "<|begin_of_text|>"}),
+    "llama3": (
+        LLAMA3,
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        {"bos_token": "<|begin_of_text|>"},
+    ),
 }
-TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                      "mask_token")
-_GEN_START, _GEN_END = "\ue000gen\ue001", "\ue000/gen\ue001"  # private-use marks around {% generation %}
+TEMPLATE_VARIABLES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+# private-use marks around {% generation %}
+_GEN_START, _GEN_END = "\ue000gen\ue001", "\ue000/gen\ue001"
 
 DEFAULTS: dict[str, Any] = {
-    "paths": None, "val_paths": None, "val_fraction": 0.1, "format": "auto", "messages_field": "messages",
-    "prompt_field": "prompt", "response_field": "response", "system_field": "system", "template": "auto",
-    "train_on": "assistant", "pack": "documents", "truncate": "drop",
+    "paths": None,
+    "val_paths": None,
+    "val_fraction": 0.1,
+    "format": "auto",
+    "messages_field": "messages",
+    "prompt_field": "prompt",
+    "response_field": "response",
+    "system_field": "system",
+    "template": "auto",
+    "train_on": "assistant",
+    "pack": "documents",
+    "truncate": "drop",
 }
-ROW_KEYS = ("train_on", "pack", "truncate")  # how rows are made from the tokens: no part of the cache key
+# how rows are made from the tokens: no part of the cache key
+ROW_KEYS = ("train_on", "pack", "truncate")
 
 
 # ---- templates ------------------------------------------------------------------------------------------
@@ -82,14 +108,25 @@ class ChatTemplate:
     """A chat template and what it renders with: the Jinja text, the variables (bos_token, ...) and the
     special tokens it needs as single tokens."""
 
-    name: str  # chatml | llama3 | the file it came from
+    # chatml | llama3 | the file it came from
+    name: str
     text: str
-    variables: dict[str, str]  # bos_token, eos_token, ...: the tokenizer's special tokens, as transformers
-    special_tokens: list[str]  # must each be one token of the tokenizer (built-ins: added when missing)
+    # bos_token, eos_token, ...: the tokenizer's special tokens, as transformers
+    variables: dict[str, str]
+    # must each be one token of the tokenizer (built-ins: added when missing)
+    special_tokens: list[str]
 
     def to_json(self) -> str:
-        return json.dumps({"name": self.name, "template": self.text, "variables": self.variables,
-                           "special_tokens": self.special_tokens}, indent=2, ensure_ascii=False)
+        return json.dumps(
+            {
+                "name": self.name,
+                "template": self.text,
+                "variables": self.variables,
+                "special_tokens": self.special_tokens,
+            },
+            indent=2,
+            ensure_ascii=False,
+        )
 
     @property
     def compiled(self):
@@ -97,15 +134,21 @@ class ChatTemplate:
             self._compiled = compile_template(self.text, self.name)
         return self._compiled
 
-    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False
-               ) -> tuple[str, list[tuple[int, int]]]:
+    def render(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False
+    ) -> tuple[str, list[tuple[int, int]]]:
         """(the text, the character spans of its {% generation %} blocks) for `messages`, rendered exactly
         as transformers' apply_chat_template(tokenize=False) renders them."""
         import jinja2
 
         try:
-            out = self.compiled.render(messages=messages, tools=None, documents=None,
-                                       add_generation_prompt=add_generation_prompt, **self.variables)
+            out = self.compiled.render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.variables,
+            )
         except jinja2.TemplateError as exc:
             raise TemplateRenderError(str(exc).splitlines()[0] if str(exc) else type(exc).__name__) from None
         except Exception as exc:  # noqa: BLE001 - a template may fail in any way on odd input
@@ -119,7 +162,7 @@ class ChatTemplate:
             j = out.find(_GEN_END, i)
             text.append(out[pos:i])
             start = sum(map(len, text))
-            body = out[i + len(_GEN_START): j]
+            body = out[i + len(_GEN_START) : j]
             text.append(body)
             spans.append((start, start + len(body)))
             pos = j + len(_GEN_END)
@@ -130,7 +173,7 @@ class ChatTemplate:
         probe = "\ue002"
         msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}]
         text, _ = self.render(msgs)
-        return text[text.rindex(probe) + 1:] if probe in text else ""
+        return text[text.rindex(probe) + 1 :] if probe in text else ""
 
 
 class TemplateRenderError(GptkitError):
@@ -160,19 +203,26 @@ def compile_template(text: str, name: str):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
-    env.globals.update(raise_exception=raise_exception, strftime_now=lambda f: datetime.now().strftime(f),
-                       dict=dict, namespace=jinja2.utils.Namespace)
+    env.globals.update(
+        raise_exception=raise_exception,
+        strftime_now=lambda f: datetime.now().strftime(f),
+        dict=dict,
+        namespace=jinja2.utils.Namespace,
+    )
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as exc:
-        raise GptkitError(f"the chat template {name} is not valid Jinja (line {exc.lineno}: "
-                          f"{exc.message})") from None
+        raise GptkitError(
+            f"the chat template {name} is not valid Jinja (line {exc.lineno}: {exc.message})"
+        ) from None
 
 
 def _template_from_hf_config(d: dict[str, Any], source: Path) -> str | None:
@@ -188,7 +238,8 @@ def _variables(d: dict[str, Any]) -> dict[str, str]:
     out = {}
     for k in TEMPLATE_VARIABLES:
         v = d.get(k)
-        if isinstance(v, dict):  # an AddedToken written out: {"content": ..., ...}
+        # an AddedToken written out: {"content": ..., ...}
+        if isinstance(v, dict):
             v = v.get("content")
         if isinstance(v, str):
             out[k] = v
@@ -208,8 +259,12 @@ def template_in_folder(folder: Path) -> ChatTemplate | None:
         except ValueError as exc:
             raise GptkitError(f"{cfg_file} is not valid JSON ({exc})") from None
     if (folder / "chat_template.jinja").is_file():
-        return ChatTemplate(str(folder / "chat_template.jinja"), (folder / "chat_template.jinja").read_text(),
-                            _variables(d), [])
+        return ChatTemplate(
+            str(folder / "chat_template.jinja"),
+            (folder / "chat_template.jinja").read_text(),
+            _variables(d),
+            [],
+        )
     text = _template_from_hf_config(d, cfg_file) if d else None
     return ChatTemplate(str(cfg_file), text, _variables(d), []) if text else None
 
@@ -217,8 +272,9 @@ def template_in_folder(folder: Path) -> ChatTemplate | None:
 def load_template_file(path: Path) -> ChatTemplate:
     """A template from a file: chat.json (gptkit), tokenizer_config.json (transformers) or a .jinja text."""
     if not path.is_file():
-        raise GptkitError(f"data.template={path}: no such file; use auto, {', '.join(BUILTIN)} or a .jinja "
-                          "file")
+        raise GptkitError(
+            f"data.template={path}: no such file; use auto, {', '.join(BUILTIN)} or a .jinja file"
+        )
     if path.suffix == ".json":
         try:
             d = json.loads(path.read_text(encoding="utf-8"))
@@ -227,8 +283,12 @@ def load_template_file(path: Path) -> ChatTemplate:
         if not isinstance(d, dict):
             raise GptkitError(f"{path} holds no chat template (not a JSON object)")
         if path.name == CHAT_FILE and isinstance(d.get("template"), str):
-            return ChatTemplate(str(d.get("name") or path), d["template"], dict(d.get("variables") or {}),
-                                list(d.get("special_tokens") or []))
+            return ChatTemplate(
+                str(d.get("name") or path),
+                d["template"],
+                dict(d.get("variables") or {}),
+                list(d.get("special_tokens") or []),
+            )
         text = _template_from_hf_config(d, path)
         if not text:
             raise GptkitError(f"{path} has no chat_template")
@@ -247,9 +307,11 @@ def resolve_template(spec: str, tokenizer_path: str | None) -> ChatTemplate:
         found = template_in_folder(Path(tokenizer_path).parent) if tokenizer_path else None
         if found is None:
             where = f"next to {tokenizer_path}" if tokenizer_path else "for a tokenizer built here"
-            raise GptkitError(f"data.template=auto found no chat template {where} (a run's {CHAT_FILE}, or "
-                              f"tokenizer_config.json's chat_template); choose one: data.template=chatml, "
-                              f"data.template=llama3 or data.template=<file.jinja>")
+            raise GptkitError(
+                f"data.template=auto found no chat template {where} (a run's {CHAT_FILE}, or "
+                f"tokenizer_config.json's chat_template); choose one: data.template=chatml, "
+                f"data.template=llama3 or data.template=<file.jinja>"
+            )
         return found
     return load_template_file(Path(spec).expanduser())
 
@@ -267,10 +329,12 @@ def check_special_tokens(tokenizer, template: ChatTemplate, what: str) -> None:
     """Each of the template's special tokens must be one token of `tokenizer` (else GptkitError)."""
     lacking = [t for t in template.special_tokens if tokenizer.token_to_id(t) is None]
     if lacking:
-        raise GptkitError(f"{what}'s tokenizer lacks the special tokens of the chat template "
-                          f"{template.name}: {', '.join(lacking)}; train with data=chat "
-                          f"data.template={template.name} (which adds them) or choose the template the run "
-                          "was trained with")
+        raise GptkitError(
+            f"{what}'s tokenizer lacks the special tokens of the chat template "
+            f"{template.name}: {', '.join(lacking)}; train with data=chat "
+            f"data.template={template.name} (which adds them) or choose the template the run "
+            "was trained with"
+        )
 
 
 # ---- conversations ---------------------------------------------------------------------------------------
@@ -295,8 +359,9 @@ def _records(f: Path, fmt: str) -> Iterator[tuple[str, Any]]:
         except ValueError as exc:
             raise GptkitError(f"{f} is not valid JSON ({exc})") from None
         if not isinstance(data, list):
-            raise GptkitError(f"{f}: a .json file for data=chat holds a list of records (use .jsonl for one "
-                              "per line)")
+            raise GptkitError(
+                f"{f}: a .json file for data=chat holds a list of records (use .jsonl for one per line)"
+            )
         for n, rec in enumerate(data, 1):
             yield f"{f} record {n}", rec
     elif fmt == "parquet":
@@ -316,15 +381,20 @@ def conversation(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]
     if mf in rec:
         msgs = rec[mf]
         if not isinstance(msgs, list):
-            raise GptkitError(f"{where}: {mf} must be a list of {{role, content}} messages, got "
-                              f"{type(msgs).__name__}")
+            raise GptkitError(
+                f"{where}: {mf} must be a list of {{role, content}} messages, got {type(msgs).__name__}"
+            )
     elif pf in rec and rf in rec:
         msgs = ([{"role": "system", "content": rec[sf]}] if rec.get(sf) else []) + [
-            {"role": "user", "content": rec[pf]}, {"role": "assistant", "content": rec[rf]}]
+            {"role": "user", "content": rec[pf]},
+            {"role": "assistant", "content": rec[rf]},
+        ]
     else:
-        raise GptkitError(f"{where}: a record needs a {mf} list or {pf} and {rf} fields "
-                          "(data.messages_field, data.prompt_field, data.response_field); it has "
-                          f"{', '.join(map(str, rec)) or 'none'}")
+        raise GptkitError(
+            f"{where}: a record needs a {mf} list or {pf} and {rf} fields "
+            "(data.messages_field, data.prompt_field, data.response_field); it has "
+            f"{', '.join(map(str, rec)) or 'none'}"
+        )
     if not msgs:
         raise GptkitError(f"{where}: the conversation is empty")
     out = []
@@ -332,15 +402,19 @@ def conversation(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise GptkitError(f"{where}: message {i} must be an object with role and content")
         if m["role"] not in ROLES:
-            raise GptkitError(f"{where}: message {i} has the unknown role {m['role']!r}; roles are "
-                              f"{', '.join(ROLES)}")
+            raise GptkitError(
+                f"{where}: message {i} has the unknown role {m['role']!r}; roles are {', '.join(ROLES)}"
+            )
         if not isinstance(m["content"], str):
-            raise GptkitError(f"{where}: message {i} ({m['role']}) has content of type "
-                              f"{type(m['content']).__name__}; content must be text")
+            raise GptkitError(
+                f"{where}: message {i} ({m['role']}) has content of type "
+                f"{type(m['content']).__name__}; content must be text"
+            )
         out.append({k: v for k, v in m.items() if v is not None})
     if not any(m["role"] == "assistant" for m in out):
-        raise GptkitError(f"{where}: the conversation has no assistant turn, so nothing in it would be "
-                          "learned")
+        raise GptkitError(
+            f"{where}: the conversation has no assistant turn, so nothing in it would be learned"
+        )
     return out
 
 
@@ -352,12 +426,14 @@ def read_conversations(files: list[Path], s: dict[str, Any]) -> list[tuple[str, 
     return out
 
 
-def assistant_spans(template: ChatTemplate, msgs: list[dict[str, Any]], where: str
-                    ) -> tuple[str, list[tuple[int, int]]]:
+def assistant_spans(
+    template: ChatTemplate, msgs: list[dict[str, Any]], where: str
+) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character spans of the assistant's turns) of one conversation."""
     try:
         text, spans = template.render(msgs)
-        if spans:  # the template marks them itself ({% generation %})
+        # the template marks them itself ({% generation %})
+        if spans:
             return text, spans
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
@@ -365,10 +441,12 @@ def assistant_spans(template: ChatTemplate, msgs: list[dict[str, Any]], where: s
             before, _ = template.render(msgs[:i], add_generation_prompt=True)
             upto, _ = template.render(msgs[: i + 1])
             if not (text.startswith(before) and text.startswith(upto) and len(upto) >= len(before)):
-                raise GptkitError(f"{where}: the chat template {template.name} renders the turns before "
-                                  f"assistant message {i + 1} differently in the whole conversation, so its "
-                                  "tokens cannot be told apart; use data.train_on=all or a template with "
-                                  f"{{% generation %}} blocks")
+                raise GptkitError(
+                    f"{where}: the chat template {template.name} renders the turns before "
+                    f"assistant message {i + 1} differently in the whole conversation, so its "
+                    "tokens cannot be told apart; use data.train_on=all or a template with "
+                    f"{{% generation %}} blocks"
+                )
             spans.append((len(before), len(upto)))
     except TemplateRenderError as exc:
         raise GptkitError(f"{where}: the chat template {template.name} failed to render: {exc}") from None
@@ -395,6 +473,7 @@ def encode(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int
 @dataclass
 class ChatSplit:
     """One split of prepared chat data: the tokens of every conversation, the loss mask, and the offsets."""
+
     ids: np.ndarray  # [n_tokens] every conversation's tokens, one after another
     mask: np.ndarray  # [n_tokens] uint8: 1 on the assistant's tokens
     offsets: np.ndarray  # [n_conversations + 1] where each conversation starts in ids
@@ -411,7 +490,8 @@ class TemplatedData:
 
     dir: Path
     manifest: dict[str, Any]
-    settings: dict[str, Any]  # the data config (train_on, pack, truncate, ...)
+    # the data config (train_on, pack, truncate, ...)
+    settings: dict[str, Any]
 
     @property
     def tokenizer_path(self) -> Path:
@@ -458,8 +538,9 @@ def chat_settings(cfg: Any) -> dict[str, Any]:
         if s[key] not in allowed:
             raise GptkitError(f"data.{key}={s[key]!r} is not one of {', '.join(allowed)}")
     if not s["paths"]:
-        raise GptkitError("data=chat needs data.paths=[conversations.jsonl,...] (jsonl, json or parquet "
-                          "files)")
+        raise GptkitError(
+            "data=chat needs data.paths=[conversations.jsonl,...] (jsonl, json or parquet files)"
+        )
     if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
         raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
     return s
@@ -479,8 +560,9 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None,
-                 force: bool = False) -> ChatData:
+def prepare_chat(
+    data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None, force: bool = False
+) -> ChatData:
     """Conversations -> token ids + assistant masks (train and val), the tokenizer (with the template's
     special tokens) and the template, cached by (files, settings, tokenizer, template). Every bad record is
     a one-line GptkitError naming its file and row, raised before anything is written."""
@@ -490,8 +572,9 @@ def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None
     val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
     template = resolve_template(s["template"], tok_s.get("path") if tok_s["kind"] == "file" else None)
     template.compiled  # noqa: B018 - a template that is not Jinja fails before the files are read
-    root, final, key, content = cache_folder("chat", s, ROW_KEYS, FORMAT_VERSION, tok_s, template,
-                                             train_files + val_files, cache_dir, force)
+    root, final, key, content = cache_folder(
+        "chat", s, ROW_KEYS, FORMAT_VERSION, tok_s, template, train_files + val_files, cache_dir, force
+    )
     if (final / "manifest.json").is_file():
         data = load_chat(final, s)
         _say(f"cache hit: {final} ({_counts(data.manifest)})")
@@ -510,21 +593,37 @@ def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None
         if spans and not any(mask):
             raise GptkitError(f"{where}: the assistant's text renders to no tokens")
     n_train = len(convs)
-    if not val_files:  # the last val_fraction of the conversations (at least one each)
+    # the last val_fraction of the conversations (at least one each)
+    if not val_files:
         n_train = min(n_train - 1, max(1, round(n_train * (1 - float(s["val_fraction"])))))
         if n_train < 1:
-            raise GptkitError(f"data.paths hold {len(convs)} conversation(s); data=chat needs at least 2 "
-                              "(one for validation) or data.val_paths")
+            raise GptkitError(
+                f"data.paths hold {len(convs)} conversation(s); data=chat needs at least 2 "
+                "(one for validation) or data.val_paths"
+            )
     splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
     manifest: dict[str, Any] = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "cache_key": key,
-        "source": {"kind": "chat", "description": "chat conversations from "
-                                                  f"{', '.join(map(str, train_files))}"
-                   + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""), "sha256": content},
-        "template": template.name, "added_tokens": added,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "cache_key": key,
+        "source": {
+            "kind": "chat",
+            "description": "chat conversations from "
+            f"{', '.join(map(str, train_files))}"
+            + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""),
+            "sha256": content,
+        },
+        "template": template.name,
+        "added_tokens": added,
         "tokenizer": tokenizer_record(tokenizer, tok_s, template),
-        "splits": {k: {"conversations": len(v), "tokens": sum(len(ids) for ids, _ in v),
-                       "loss_tokens": sum(sum(m) for _, m in v)} for k, v in splits.items()},
+        "splits": {
+            k: {
+                "conversations": len(v),
+                "tokens": sum(len(ids) for ids, _ in v),
+                "loss_tokens": sum(sum(m) for _, m in v),
+            }
+            for k, v in splits.items()
+        },
     }
     arrays = {}
     for k, v in splits.items():
@@ -538,8 +637,17 @@ def prepare_chat(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None
     return data
 
 
-def cache_folder(prefix: str, s: dict[str, Any], row_keys, format_version: int, tok_s: dict[str, Any],
-                 template, files: list[Path], cache_dir, force: bool) -> tuple[Path, Path, str, str]:
+def cache_folder(
+    prefix: str,
+    s: dict[str, Any],
+    row_keys,
+    format_version: int,
+    tok_s: dict[str, Any],
+    template,
+    files: list[Path],
+    cache_dir,
+    force: bool,
+) -> tuple[Path, Path, str, str]:
     """(cache root, folder, cache key, content hash) of a chat or preference build, keyed by the files'
     content, the settings but those that only choose rows (row_keys), the tokenizer (a tokenizer.json's
     content too), the template and the format; force=true removes a cached folder first."""
@@ -547,8 +655,11 @@ def cache_folder(prefix: str, s: dict[str, Any], row_keys, format_version: int, 
 
     content = _file_hash(files)
     cache_s = {k: v for k, v in s.items() if k not in row_keys}
-    key_src = json.dumps([cache_s, content, tok_s, template.text, template.variables, format_version],
-                         sort_keys=True, default=str)
+    key_src = json.dumps(
+        [cache_s, content, tok_s, template.text, template.variables, format_version],
+        sort_keys=True,
+        default=str,
+    )
     if tok_s["kind"] == "file":
         key_src += file_sha256(tok_s["path"])
     key = hashlib.sha256(key_src.encode()).hexdigest()
@@ -565,13 +676,26 @@ def tokenizer_record(tokenizer, tok_s: dict[str, Any], template) -> dict[str, An
     eos = tok_s.get("eos_token")
     eos_id = tokenizer.token_to_id(eos) if eos else None
     end = template.end_of_turn().strip()
-    return {**tok_s, "vocab_size": tokenizer.get_vocab_size(), "sha256": tokenizer_sha256(tokenizer),
-            "eos_id": eos_id, "pad_id": eos_id if eos_id is not None else 0, "end_of_turn": end,
-            "end_of_turn_id": tokenizer.token_to_id(end) if end else None}
+    return {
+        **tok_s,
+        "vocab_size": tokenizer.get_vocab_size(),
+        "sha256": tokenizer_sha256(tokenizer),
+        "eos_id": eos_id,
+        "pad_id": eos_id if eos_id is not None else 0,
+        "end_of_turn": end,
+        "end_of_turn_id": tokenizer.token_to_id(end) if end else None,
+    }
 
 
-def publish_folder(root: Path, final: Path, arrays: dict[str, dict[str, Any]], tokenizer, template,
-                   manifest: dict[str, Any], extra: dict[str, str] | None = None) -> None:
+def publish_folder(
+    root: Path,
+    final: Path,
+    arrays: dict[str, dict[str, Any]],
+    tokenizer,
+    template,
+    manifest: dict[str, Any],
+    extra: dict[str, str] | None = None,
+) -> None:
     """Write a chat or preference folder atomically: its .npz files ({file name: arrays}), `extra` text files,
     tokenizer.json, the template and manifest.json (last) into a temporary folder beside `final`, then renamed
     into place. A folder another process finished first is kept; any failure removes the temporary folder."""
@@ -589,7 +713,8 @@ def publish_folder(root: Path, final: Path, arrays: dict[str, dict[str, Any]], t
         os.chmod(tmp, DIR_MODE)
         try:
             os.rename(tmp, final)
-        except OSError:  # another process finished the same folder first: keep theirs
+        # another process finished the same folder first: keep theirs
+        except OSError:
             if not (final / "manifest.json").is_file():
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
@@ -600,8 +725,10 @@ def publish_folder(root: Path, final: Path, arrays: dict[str, dict[str, Any]], t
 
 def _counts(m: dict[str, Any]) -> str:
     tr, va = m["splits"]["train"], m["splits"]["val"]
-    return (f"template {m['template']}: {tr['conversations']:,} train / {va['conversations']:,} val "
-            f"conversations, {tr['tokens']:,} train tokens")
+    return (
+        f"template {m['template']}: {tr['conversations']:,} train / {va['conversations']:,} val "
+        f"conversations, {tr['tokens']:,} train tokens"
+    )
 
 
 def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
@@ -611,8 +738,9 @@ def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
         z = np.load(folder / "conversations.npz")
         splits = {k: ChatSplit(z[f"{k}_ids"], z[f"{k}_mask"], z[f"{k}_offsets"]) for k in ("train", "val")}
     except (OSError, ValueError, KeyError) as exc:
-        raise GptkitError(f"{folder} is not a complete prepared chat folder ({exc}); delete it and train "
-                          "again") from None
+        raise GptkitError(
+            f"{folder} is not a complete prepared chat folder ({exc}); delete it and train again"
+        ) from None
     if manifest.get("format") != FORMAT:
         raise GptkitError(f"{folder / 'manifest.json'} is not a gptkit chat manifest; delete {folder}")
     return ChatData(folder, manifest, settings, splits["train"], splits["val"])
@@ -626,9 +754,12 @@ class ChatRows:
 
     x: Any
     y: Any
-    doc_ids: Any | None  # None with data.pack=pad
-    cut: int  # conversations longer than a row, cut (data.truncate=cut)
-    dropped: int  # conversations longer than a row, left out (drop; or cut before any assistant token)
+    # None with data.pack=pad
+    doc_ids: Any | None
+    # conversations longer than a row, cut (data.truncate=cut)
+    cut: int
+    # conversations longer than a row, left out (drop; or cut before any assistant token)
+    dropped: int
     conversations: int
 
     def __len__(self) -> int:
@@ -642,8 +773,9 @@ class ChatRows:
         return out if self.doc_ids is None else (*out, self.doc_ids[rows])
 
 
-def make_rows(split: ChatSplit, seq_len: int, pack: str, train_on: str, truncate: str,
-              pad_id: int) -> ChatRows:
+def make_rows(
+    split: ChatSplit, seq_len: int, pack: str, train_on: str, truncate: str, pad_id: int
+) -> ChatRows:
     """Conversations as rows of seq_len + 1 tokens (inputs: the first seq_len, targets: the last seq_len).
     pack=documents fills each row with whole conversations in order (a conversation that does not fit starts
     the next row); pad puts one conversation in each row. The rest of a row is padding (pad_id, no loss, its
@@ -699,13 +831,16 @@ def make_rows(split: ChatSplit, seq_len: int, pack: str, train_on: str, truncate
         used += len(ids)
     close_row()
     if not rows_ids:
-        raise GptkitError(f"every conversation is longer than a row of {width} tokens and data.truncate=drop "
-                          "left them all out; use data.truncate=cut or a longer trainer.seq_len / "
-                          "model.max_seq_len")
+        raise GptkitError(
+            f"every conversation is longer than a row of {width} tokens and data.truncate=drop "
+            "left them all out; use data.truncate=cut or a longer trainer.seq_len / "
+            "model.max_seq_len"
+        )
     ids = torch.from_numpy(np.stack(rows_ids))  # [N, seq_len + 1]
     mask = torch.from_numpy(np.stack(rows_mask)).bool()  # [N, seq_len + 1]
     doc = torch.from_numpy(np.stack(rows_doc))  # [N, seq_len + 1]
-    same_doc = doc[:, 1:] == doc[:, :-1]  # a target in the same conversation as its input
+    # a target in the same conversation as its input
+    same_doc = doc[:, 1:] == doc[:, :-1]
     y = torch.where(mask[:, 1:] & same_doc, ids[:, 1:], torch.full_like(ids[:, 1:], -100))  # [N, seq_len]
     x = ids[:, :-1].contiguous()  # [N, seq_len]
     docs = doc[:, :-1].contiguous() if pack == "documents" else None
@@ -722,22 +857,29 @@ class ChatSampler:
     def batch(self, step: int, rank: int = 0, world_size: int = 1):
         n = self.batch_size * world_size
         if n > len(self.rows):
-            raise GptkitError(f"the chat data makes {len(self.rows)} training rows, fewer than a global "
-                              f"batch of {n}; give more conversations or a smaller trainer.batch_size")
+            raise GptkitError(
+                f"the chat data makes {len(self.rows)} training rows, fewer than a global "
+                f"batch of {n}; give more conversations or a smaller trainer.batch_size"
+            )
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
         picked = rng.choice(len(self.rows), size=n, replace=False)  # [batch_size * world_size], distinct
-        picked = picked[rank * self.batch_size:(rank + 1) * self.batch_size]
+        picked = picked[rank * self.batch_size : (rank + 1) * self.batch_size]
         return self.rows.batch(picked)
 
 
 def describe_rows(train: ChatRows, val: ChatRows, seq_len: int, s: dict[str, Any]) -> str:
     """The start-up line: rows, the share of target positions that carry loss, conversations cut or
     dropped."""
-    cut, dropped = train.cut + val.cut, train.dropped + val.dropped  # train and val together
+    # train and val together
+    cut, dropped = train.cut + val.cut, train.dropped + val.dropped
     lost = ([f"{cut} cut"] if cut else []) + ([f"{dropped} dropped"] if dropped else [])
-    over = (f"; conversations longer than {seq_len + 1} tokens: {', '.join(lost)} "
-            f"(data.truncate={s['truncate']})"
-            if lost else f"; no conversation is longer than {seq_len + 1} tokens")
-    return (f"chat data: {train.conversations:,} train conversations in {len(train):,} rows of {seq_len} "
-            f"(data.pack={s['pack']}), {val.conversations:,} val in {len(val):,}; {train.loss_share():.1%} "
-            f"of the train targets carry loss (data.train_on={s['train_on']}){over}")
+    over = (
+        f"; conversations longer than {seq_len + 1} tokens: {', '.join(lost)} (data.truncate={s['truncate']})"
+        if lost
+        else f"; no conversation is longer than {seq_len + 1} tokens"
+    )
+    return (
+        f"chat data: {train.conversations:,} train conversations in {len(train):,} rows of {seq_len} "
+        f"(data.pack={s['pack']}), {val.conversations:,} val in {len(val):,}; {train.loss_share():.1%} "
+        f"of the train targets carry loss (data.train_on={s['train_on']}){over}"
+    )

@@ -49,8 +49,16 @@ class TrainBatches(IterableDataset):
 
 class ValWindows(Dataset):
     """The fixed validation windows of a split: (inputs, targets) pairs at evenly spread starts."""
-    def __init__(self, tokens: np.ndarray, seq_len: int, n_windows: int | None, eos_id: int | None = None, *,
-                 vocab_size: int | None = None) -> None:
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        n_windows: int | None,
+        eos_id: int | None = None,
+        *,
+        vocab_size: int | None = None,
+    ) -> None:
         self.tokens, self.seq_len, self.eos_id, self.vocab_size = tokens, seq_len, eos_id, vocab_size
         self.starts = val_starts(len(tokens), seq_len, n_windows)  # [n_windows]
 
@@ -58,8 +66,12 @@ class ValWindows(Dataset):
         return len(self.starts)
 
     def __getitem__(self, i: int):
-        return tuple(t[0] for t in windows(self.tokens, self.starts[i:i + 1], self.seq_len, self.eos_id,
-                                           vocab_size=self.vocab_size))
+        return tuple(
+            t[0]
+            for t in windows(
+                self.tokens, self.starts[i : i + 1], self.seq_len, self.eos_id, vocab_size=self.vocab_size
+            )
+        )
 
 
 class TaggedWindows(Dataset):
@@ -80,9 +92,16 @@ class TaggedWindows(Dataset):
 class TokenDataModule(L.LightningDataModule):
     """The Lightning DataModule of a run: stateless training windows drawn by (seed, step, rank) from
     prepared shards, a mixture or chat rows, and fixed validation windows."""
-    def __init__(self, prepared: PreparedData | ChatData | PreferenceData | MixedData, batch_size: int = 12,
-                 seq_len: int = 128, seed: int = 1337, val_windows: int | None = 200,
-                 pack: str = "stream") -> None:
+
+    def __init__(
+        self,
+        prepared: PreparedData | ChatData | PreferenceData | MixedData,
+        batch_size: int = 12,
+        seq_len: int = 128,
+        seed: int = 1337,
+        val_windows: int | None = 200,
+        pack: str = "stream",
+    ) -> None:
         super().__init__()
         self.prepared, self.batch_size, self.seq_len = prepared, int(batch_size), int(seq_len)
         self.seed, self.val_windows = int(seed), val_windows
@@ -99,12 +118,24 @@ class TokenDataModule(L.LightningDataModule):
         self.eos_id = prepared.eos_id if pack == "documents" else None
         self.parts = prepared.parts if isinstance(prepared, MixedData) else [prepared]
         if isinstance(prepared, MixedData):
-            self.sampler = MixtureSampler([p.train_tokens() for p in self.parts], prepared.shares,
-                                          self.batch_size, self.seq_len, self.seed, self.eos_id,
-                                          vocab_size=prepared.vocab_size)
+            self.sampler = MixtureSampler(
+                [p.train_tokens() for p in self.parts],
+                prepared.shares,
+                self.batch_size,
+                self.seq_len,
+                self.seed,
+                self.eos_id,
+                vocab_size=prepared.vocab_size,
+            )
         else:
-            self.sampler = WindowSampler(prepared.train_tokens(), self.batch_size, self.seq_len, self.seed,
-                                         self.eos_id, vocab_size=prepared.vocab_size)
+            self.sampler = WindowSampler(
+                prepared.train_tokens(),
+                self.batch_size,
+                self.seq_len,
+                self.seed,
+                self.eos_id,
+                vocab_size=prepared.vocab_size,
+            )
         for p in self.parts:
             check_window(len(p.val_tokens()), self.seq_len, "val")
         self._consumed: dict = {}
@@ -113,8 +144,17 @@ class TokenDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         rank_zero = trainer is None or trainer.is_global_zero
         if isinstance(self.prepared, MixedData) and stage == "fit" and rank_zero:
-            budget = None if trainer is None else (trainer.max_steps * trainer.accumulate_grad_batches
-                                                   * trainer.world_size * self.batch_size * self.seq_len)
+            budget = (
+                None
+                if trainer is None
+                else (
+                    trainer.max_steps
+                    * trainer.accumulate_grad_batches
+                    * trainer.world_size
+                    * self.batch_size
+                    * self.seq_len
+                )
+            )
             announce(self.prepared, budget)
 
     def source_tokens(self, step: int) -> dict[str, float]:
@@ -129,11 +169,14 @@ class TokenDataModule(L.LightningDataModule):
 
     def _chat_rows(self, chat: ChatData) -> None:
         s = chat.settings
-        train, val = (make_rows(split, self.seq_len, s["pack"], s["train_on"], s["truncate"], chat.pad_id)
-                      for split in (chat.train, chat.val))
+        train, val = (
+            make_rows(split, self.seq_len, s["pack"], s["train_on"], s["truncate"], chat.pad_id)
+            for split in (chat.train, chat.val)
+        )
         self.sampler = ChatSampler(train, self.batch_size, self.seed)
         n_val = len(val) if self.val_windows is None else min(len(val), int(self.val_windows))
-        self._val = [val.batch(i) for i in range(n_val)]  # rows of [seq_len] tensors, batched by the loader
+        # rows of [seq_len] tensors, batched by the loader
+        self._val = [val.batch(i) for i in range(n_val)]
         if rank_zero_only.rank == 0:
             import sys
 
@@ -143,8 +186,10 @@ class TokenDataModule(L.LightningDataModule):
         from lightning.fabric.utilities.rank_zero import rank_zero_only
 
         s = data.settings
-        train, val = (make_pair_rows(split, self.seq_len, s["truncate"], data.pad_id)
-                      for split in (data.train, data.val))
+        train, val = (
+            make_pair_rows(split, self.seq_len, s["truncate"], data.pad_id)
+            for split in (data.train, data.val)
+        )
         self.sampler = pair_sampler(train, self.batch_size, self.seed)
         n_val = len(val) if self.val_windows is None else min(len(val), int(self.val_windows))
         # pairs (x, y [2, seq_len], their index in the val set), batched by pair_collate: the index lets
@@ -170,24 +215,39 @@ class TokenDataModule(L.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         step, rank, world = self._position()
-        return DataLoader(TrainBatches(self.sampler, step, rank, world), batch_size=None, num_workers=0,
-                          pin_memory=self._pin())
+        return DataLoader(
+            TrainBatches(self.sampler, step, rank, world),
+            batch_size=None,
+            num_workers=0,
+            pin_memory=self._pin(),
+        )
 
     def val_dataloader(self) -> DataLoader:
         if isinstance(self.prepared, ChatData):
-            return DataLoader(self._val, batch_size=self.batch_size, shuffle=False, num_workers=0,
-                              pin_memory=self._pin())
+            return DataLoader(
+                self._val, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin()
+            )
         if isinstance(self.prepared, PreferenceData):
-            return DataLoader(self._val, batch_size=self.batch_size, shuffle=False, num_workers=0,
-                              pin_memory=self._pin(), collate_fn=pair_collate)
+            return DataLoader(
+                self._val,
+                batch_size=self.batch_size,
+                shuffle=False,
+                num_workers=0,
+                pin_memory=self._pin(),
+                collate_fn=pair_collate,
+            )
         each = None if self.val_windows is None else max(1, int(self.val_windows) // len(self.parts))
         n = each if len(self.parts) > 1 else self.val_windows
-        sets = [ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id, vocab_size=self.prepared.vocab_size)
-                for p in self.parts]
+        sets = [
+            ValWindows(p.val_tokens(), self.seq_len, n, self.eos_id, vocab_size=self.prepared.vocab_size)
+            for p in self.parts
+        ]
         sizes = torch.tensor([len(v) for v in sets])
         source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)  # [n_val_windows]
         names = list(self.prepared.names) if isinstance(self.prepared, MixedData) else []
-        self.val_sources = (names, source_of)  # one corpus: no names (no per-source figures), source 0
+        # one corpus: no names (no per-source figures), source 0
+        self.val_sources = (names, source_of)
         ds = TaggedWindows(ConcatDataset(sets))
-        return DataLoader(ds, batch_size=self.batch_size, shuffle=False, num_workers=0,
-                          pin_memory=self._pin())
+        return DataLoader(
+            ds, batch_size=self.batch_size, shuffle=False, num_workers=0, pin_memory=self._pin()
+        )

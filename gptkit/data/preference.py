@@ -55,11 +55,20 @@ FORMAT_VERSION = 1
 TRUNCATE = ("error", "drop", "cut")
 SIDES = ("chosen", "rejected")
 DEFAULTS: dict[str, Any] = {
-    "paths": None, "val_paths": None, "val_fraction": 0.1, "format": "auto", "messages_field": "messages",
-    "prompt_field": "prompt", "system_field": "system", "chosen_field": "chosen",
-    "rejected_field": "rejected", "template": "auto", "truncate": "error",
+    "paths": None,
+    "val_paths": None,
+    "val_fraction": 0.1,
+    "format": "auto",
+    "messages_field": "messages",
+    "prompt_field": "prompt",
+    "system_field": "system",
+    "chosen_field": "chosen",
+    "rejected_field": "rejected",
+    "template": "auto",
+    "truncate": "error",
 }
-ROW_KEYS = ("truncate",)  # how rows are made from the tokens: no part of the cache key
+# how rows are made from the tokens: no part of the cache key
+ROW_KEYS = ("truncate",)
 
 
 def preference_settings(cfg: Any) -> dict[str, Any]:
@@ -69,8 +78,10 @@ def preference_settings(cfg: Any) -> dict[str, Any]:
     if s["truncate"] not in TRUNCATE:
         raise GptkitError(f"data.truncate={s['truncate']!r} is not one of {', '.join(TRUNCATE)}")
     if not s["paths"]:
-        raise GptkitError("data=preference needs data.paths=[pairs.jsonl,...] (jsonl, json or parquet files "
-                          "of prompt/messages, chosen and rejected)")
+        raise GptkitError(
+            "data=preference needs data.paths=[pairs.jsonl,...] (jsonl, json or parquet files "
+            "of prompt/messages, chosen and rejected)"
+        )
     if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
         raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
     return s
@@ -86,34 +97,46 @@ def preference_pair(rec: Any, where: str, s: dict[str, Any]) -> tuple[list[dict[
     answers = []
     for field in (s["chosen_field"], s["rejected_field"]):
         if field not in rec or rec[field] is None:
-            raise GptkitError(f"{where}: a preference record needs {s['chosen_field']} and "
-                              f"{s['rejected_field']} answers (data.chosen_field, data.rejected_field); it "
-                              f"has no {field} (fields: {', '.join(map(str, rec)) or 'none'})")
+            raise GptkitError(
+                f"{where}: a preference record needs {s['chosen_field']} and "
+                f"{s['rejected_field']} answers (data.chosen_field, data.rejected_field); it "
+                f"has no {field} (fields: {', '.join(map(str, rec)) or 'none'})"
+            )
         if not isinstance(rec[field], str):
-            raise GptkitError(f"{where}: {field} must be text (the assistant's answer), got "
-                              f"{type(rec[field]).__name__}")
+            raise GptkitError(
+                f"{where}: {field} must be text (the assistant's answer), got {type(rec[field]).__name__}"
+            )
         if not rec[field].strip():
             raise GptkitError(f"{where}: {field} is empty")
         answers.append(rec[field])
     if answers[0] == answers[1]:
-        raise GptkitError(f"{where}: {s['chosen_field']} and {s['rejected_field']} are the same text, so the "
-                          "pair prefers nothing")
+        raise GptkitError(
+            f"{where}: {s['chosen_field']} and {s['rejected_field']} are the same text, so the "
+            "pair prefers nothing"
+        )
     if mf in rec:
         msgs = rec[mf]
         last = msgs[-1] if isinstance(msgs, list) and msgs else None
         if isinstance(last, dict) and last.get("role") == "assistant":
-            raise GptkitError(f"{where}: {mf} ends with an assistant turn; it holds the conversation before "
-                              f"the answers, which are the assistant's next turn")
+            raise GptkitError(
+                f"{where}: {mf} ends with an assistant turn; it holds the conversation before "
+                f"the answers, which are the assistant's next turn"
+            )
     elif pf in rec:
         if not isinstance(rec[pf], str) or not rec[pf].strip():
             raise GptkitError(f"{where}: {pf} must be non-empty text")
         msgs = ([{"role": "system", "content": rec[sf]}] if rec.get(sf) else []) + [
-            {"role": "user", "content": rec[pf]}]
+            {"role": "user", "content": rec[pf]}
+        ]
     else:
-        raise GptkitError(f"{where}: a preference record needs a {mf} list or a {pf} (data.messages_field, "
-                          f"data.prompt_field) before its answers")
-    as_chat = {**s, "response_field": None}  # data=chat's reading of a messages list
-    if not isinstance(msgs, list) or not msgs:  # conversation() names the problem
+        raise GptkitError(
+            f"{where}: a preference record needs a {mf} list or a {pf} (data.messages_field, "
+            f"data.prompt_field) before its answers"
+        )
+    # data=chat's reading of a messages list
+    as_chat = {**s, "response_field": None}
+    # conversation() names the problem
+    if not isinstance(msgs, list) or not msgs:
         conversation({mf: msgs}, where, as_chat)
     msgs_checked = conversation({mf: [*msgs, {"role": "assistant", "content": answers[0]}]}, where, as_chat)
     return msgs_checked[:-1], answers[0], answers[1]
@@ -127,8 +150,9 @@ def read_pairs(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dic
     return out
 
 
-def answer_tokens(tokenizer, template, msgs: list[dict], answer: str, where: str
-                  ) -> tuple[list[int], list[int]]:
+def answer_tokens(
+    tokenizer, template, msgs: list[dict], answer: str, where: str
+) -> tuple[list[int], list[int]]:
     """(ids, mask) of the conversation followed by `answer` as the assistant's turn; the mask marks the
     answer's tokens only (not earlier assistant turns of `msgs`)."""
     text, spans = assistant_spans(template, [*msgs, {"role": "assistant", "content": answer}], where)
@@ -166,8 +190,9 @@ def _say(msg: str) -> None:
     print(msg, file=sys.stderr)
 
 
-def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None,
-                       force: bool = False) -> PreferenceData:
+def prepare_preference(
+    data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None, force: bool = False
+) -> PreferenceData:
     """Preference records -> token ids + answer masks of both answers (train and val), the tokenizer (with
     the template's special tokens) and the template, cached by (files, settings, tokenizer, template).
     Every bad record is a one-line GptkitError naming its file and row, raised before anything is
@@ -178,8 +203,9 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
     val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
     template = resolve_template(s["template"], tok_s.get("path") if tok_s["kind"] == "file" else None)
     template.compiled  # noqa: B018 - a template that is not Jinja fails before the files are read
-    root, final, key, content = cache_folder("preference", s, ROW_KEYS, FORMAT_VERSION, tok_s, template,
-                                             train_files + val_files, cache_dir, force)
+    root, final, key, content = cache_folder(
+        "preference", s, ROW_KEYS, FORMAT_VERSION, tok_s, template, train_files + val_files, cache_dir, force
+    )
     if (final / "manifest.json").is_file():
         data = load_preference(final, s)
         _say(f"cache hit: {final} ({_counts(data.manifest)})")
@@ -188,7 +214,9 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
     pairs = read_pairs(train_files, s)
     val_pairs = read_pairs(val_files, s) if val_files else []
     every = pairs + val_pairs
-    if tok_s["kind"] in ("char", "bpe"):  # trained on the rendered text of both answers
+    # trained on the rendered text of both answers
+    if tok_s["kind"] in ("char", "bpe"):
+
         def texts():
             for where, msgs, *answers in every:
                 for a in answers:
@@ -198,25 +226,42 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
     else:
         tokenizer = build_tokenizer(tok_s)
     added = add_special_tokens(tokenizer, template)
-    encoded = [(where, [answer_tokens(tokenizer, template, msgs, a, where) for a in answers])
-               for where, msgs, *answers in every]
+    encoded = [
+        (where, [answer_tokens(tokenizer, template, msgs, a, where) for a in answers])
+        for where, msgs, *answers in every
+    ]
     n_train = len(pairs)
-    if not val_files:  # the last val_fraction of the pairs (at least one each)
+    # the last val_fraction of the pairs (at least one each)
+    if not val_files:
         n_train = min(n_train - 1, max(1, round(n_train * (1 - float(s["val_fraction"])))))
         if n_train < 1:
-            raise GptkitError(f"data.paths hold {len(pairs)} pair(s); data=preference needs at least 2 (one "
-                              "for validation) or data.val_paths")
+            raise GptkitError(
+                f"data.paths hold {len(pairs)} pair(s); data=preference needs at least 2 (one "
+                "for validation) or data.val_paths"
+            )
     splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
     manifest: dict[str, Any] = {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "cache_key": key,
-        "source": {"kind": "preference", "description": "preference pairs from "
-                                                        f"{', '.join(map(str, train_files))}"
-                   + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""), "sha256": content},
-        "template": template.name, "added_tokens": added,
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "cache_key": key,
+        "source": {
+            "kind": "preference",
+            "description": "preference pairs from "
+            f"{', '.join(map(str, train_files))}"
+            + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""),
+            "sha256": content,
+        },
+        "template": template.name,
+        "added_tokens": added,
         "tokenizer": tokenizer_record(tokenizer, tok_s, template),
-        "splits": {k: {"pairs": len(v), "tokens": sum(len(ids) for _, sides in v for ids, _ in sides),
-                       "answer_tokens": sum(sum(m) for _, sides in v for _, m in sides)}
-                   for k, v in splits.items()},
+        "splits": {
+            k: {
+                "pairs": len(v),
+                "tokens": sum(len(ids) for _, sides in v for ids, _ in sides),
+                "answer_tokens": sum(sum(m) for _, sides in v for _, m in sides),
+            }
+            for k, v in splits.items()
+        },
     }
     arrays = {}
     for k, v in splits.items():
@@ -225,9 +270,17 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
             arrays[f"{k}_{side}_ids"] = np.array([t for ids, _ in seqs for t in ids], dtype=np.uint32)
             arrays[f"{k}_{side}_mask"] = np.array([t for _, m in seqs for t in m], dtype=np.uint8)
             arrays[f"{k}_{side}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in seqs], dtype=np.int64)
-    where = {k: [w for w, _ in v] for k, v in splits.items()}  # each pair's file and line
-    publish_folder(root, final, {"pairs.npz": arrays}, tokenizer, template, manifest,
-                   extra={"where.json": json.dumps(where)})
+    # each pair's file and line
+    where = {k: [w for w, _ in v] for k, v in splits.items()}
+    publish_folder(
+        root,
+        final,
+        {"pairs.npz": arrays},
+        tokenizer,
+        template,
+        manifest,
+        extra={"where.json": json.dumps(where)},
+    )
     data = load_preference(final, s)
     note = f"; added {', '.join(added)} to the tokenizer" if added else ""
     _say(f"prepared {final} ({_counts(manifest)}{note})")
@@ -236,8 +289,10 @@ def prepare_preference(data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path 
 
 def _counts(m: dict[str, Any]) -> str:
     tr, va = m["splits"]["train"], m["splits"]["val"]
-    return (f"template {m['template']}: {tr['pairs']:,} train / {va['pairs']:,} val pairs, "
-            f"{tr['tokens']:,} train tokens")
+    return (
+        f"template {m['template']}: {tr['pairs']:,} train / {va['pairs']:,} val pairs, "
+        f"{tr['tokens']:,} train tokens"
+    )
 
 
 def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
@@ -247,11 +302,17 @@ def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
         manifest = json.loads((folder / "manifest.json").read_text())
         z = np.load(folder / "pairs.npz")
         where = json.loads((folder / "where.json").read_text())
-        splits = {k: PairSplit(*(ChatSplit(z[f"{k}_{s}_ids"], z[f"{k}_{s}_mask"], z[f"{k}_{s}_offsets"])
-                                 for s in SIDES), where[k]) for k in ("train", "val")}
+        splits = {
+            k: PairSplit(
+                *(ChatSplit(z[f"{k}_{s}_ids"], z[f"{k}_{s}_mask"], z[f"{k}_{s}_offsets"]) for s in SIDES),
+                where[k],
+            )
+            for k in ("train", "val")
+        }
     except (OSError, ValueError, KeyError) as exc:
-        raise GptkitError(f"{folder} is not a complete prepared preference folder ({exc}); delete it and "
-                          "train again") from None
+        raise GptkitError(
+            f"{folder} is not a complete prepared preference folder ({exc}); delete it and train again"
+        ) from None
     if manifest.get("format") != FORMAT:
         raise GptkitError(f"{folder / 'manifest.json'} is not a gptkit preference manifest; delete {folder}")
     return PreferenceData(folder, manifest, settings, splits["train"], splits["val"])
@@ -267,8 +328,10 @@ class PairRows:
     y: Any
     cut: int
     dropped: int
-    first_dropped: str | None  # file and row of the first pair left out
-    pairs: int  # pairs in the split, before any was dropped
+    # file and row of the first pair left out
+    first_dropped: str | None
+    # pairs in the split, before any was dropped
+    pairs: int
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -306,10 +369,12 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
         if longest > width:
             if truncate == "error":
                 side = next(s for s, ids, _ in sides if len(ids) == longest)
-                raise GptkitError(f"{split.where[i]}: the prompt with the {side} answer makes {longest} "
-                                  f"tokens, more than a row of {width} (trainer.seq_len + 1); use "
-                                  "data.truncate=drop or data.truncate=cut, or a longer trainer.seq_len / "
-                                  "model.max_seq_len")
+                raise GptkitError(
+                    f"{split.where[i]}: the prompt with the {side} answer makes {longest} "
+                    f"tokens, more than a row of {width} (trainer.seq_len + 1); use "
+                    "data.truncate=drop or data.truncate=cut, or a longer trainer.seq_len / "
+                    "model.max_seq_len"
+                )
             if truncate == "drop" or any(not m[1:width].any() for _, _, m in sides):
                 dropped += 1
                 first_dropped = first_dropped or split.where[i]
@@ -321,14 +386,22 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
             ids_rows.append(np.concatenate([ids, np.full(fill, pad_id, dtype=np.int64)]))
             mask_rows.append(np.concatenate([mask, np.zeros(fill, dtype=bool)]))
     if not ids_rows:
-        raise GptkitError(f"every pair is longer than a row of {width} tokens and data.truncate={truncate} "
-                          "left them all out; use a longer trainer.seq_len / model.max_seq_len")
+        raise GptkitError(
+            f"every pair is longer than a row of {width} tokens and data.truncate={truncate} "
+            "left them all out; use a longer trainer.seq_len / model.max_seq_len"
+        )
     ids = torch.from_numpy(np.stack(ids_rows))  # [2P, seq_len + 1]
     mask = torch.from_numpy(np.stack(mask_rows))  # [2P, seq_len + 1]
     y = torch.where(mask[:, 1:], ids[:, 1:], torch.full_like(ids[:, 1:], -100))  # [2P, seq_len]
     x = ids[:, :-1]  # [2P, seq_len]
-    return PairRows(x.reshape(-1, 2, seq_len).contiguous(), y.reshape(-1, 2, seq_len).contiguous(), cut,
-                    dropped, first_dropped, split.n)
+    return PairRows(
+        x.reshape(-1, 2, seq_len).contiguous(),
+        y.reshape(-1, 2, seq_len).contiguous(),
+        cut,
+        dropped,
+        first_dropped,
+        split.n,
+    )
 
 
 def pair_sampler(rows: PairRows, batch_size: int, seed: int) -> ChatSampler:
@@ -341,10 +414,16 @@ def describe_pairs(train: PairRows, val: PairRows, seq_len: int, s: dict[str, An
     cut, dropped = train.cut + val.cut, train.dropped + val.dropped
     lost = ([f"{cut} cut"] if cut else []) + ([f"{dropped} dropped"] if dropped else [])
     first = train.first_dropped or val.first_dropped
-    over = (f"; pairs longer than {seq_len + 1} tokens: {', '.join(lost)} (data.truncate={s['truncate']}"
-            + (f", first dropped: {first}" if first else "") + ")"
-            if lost else f"; no pair is longer than {seq_len + 1} tokens")
+    over = (
+        f"; pairs longer than {seq_len + 1} tokens: {', '.join(lost)} (data.truncate={s['truncate']}"
+        + (f", first dropped: {first}" if first else "")
+        + ")"
+        if lost
+        else f"; no pair is longer than {seq_len + 1} tokens"
+    )
     share = float((train.y != -100).float().mean())
-    return (f"preference data: {len(train):,} train pairs ({2 * len(train):,} rows of {seq_len}: chosen and "
-            f"rejected side by side), {len(val):,} val pairs; {share:.1%} of the train targets are answer "
-            f"tokens{over}")
+    return (
+        f"preference data: {len(train):,} train pairs ({2 * len(train):,} rows of {seq_len}: chosen and "
+        f"rejected side by side), {len(val):,} val pairs; {share:.1%} of the train targets are answer "
+        f"tokens{over}"
+    )

@@ -35,7 +35,8 @@ MANIFEST = "manifest.json"
 TOKENIZER = "tokenizer.json"
 SHARDS = {"train": "train.bin", "val": "val.bin"}
 FORMAT = "gptkit-token-shards"
-FORMAT_VERSION = 2  # 2: each split has the CRC-32 of its shard ("crc32"); 1 (read, unchecked) had none
+# 2: each split has the CRC-32 of its shard ("crc32"); 1 (read, unchecked) had none
+FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DTYPES = {"uint16": 2, "uint32": 4}
 
@@ -46,7 +47,8 @@ def manifest_checksum(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-_checked: set[tuple] = set()  # shards found intact by this process: (path, inode, size, mtime)
+# shards found intact by this process: (path, inode, size, mtime)
+_checked: set[tuple] = set()
 
 
 def _shard_identity(f: Path) -> tuple:
@@ -57,6 +59,7 @@ def _shard_identity(f: Path) -> tuple:
 @dataclass
 class PreparedData:
     """A prepared data folder: its manifest and shards, checked against the manifest's CRC-32s."""
+
     dir: Path
     manifest: dict[str, Any]
     _check: threading.Thread | None = field(default=None, repr=False, compare=False)
@@ -64,20 +67,25 @@ class PreparedData:
 
     def start_check(self) -> None:
         """Check the shards' bytes against the manifest's CRC-32 in a background thread (see wait_checked)."""
-        todo = [(self.dir / SHARDS[s], sp["crc32"]) for s, sp in self.manifest["splits"].items()
-                if "crc32" in sp]
+        todo = [
+            (self.dir / SHARDS[s], sp["crc32"]) for s, sp in self.manifest["splits"].items() if "crc32" in sp
+        ]
         todo = [(f, crc) for f, crc in todo if _shard_identity(f) not in _checked]
         if todo and self._check is None:
-            self._check = threading.Thread(target=self._run_check, args=(todo,), daemon=True,
-                                           name="shard-check")
+            self._check = threading.Thread(
+                target=self._run_check, args=(todo,), daemon=True, name="shard-check"
+            )
             self._check.start()
 
     def _run_check(self, todo: list[tuple[Path, str]]) -> None:
         for f, crc in todo:
             if file_crc32(f) != crc:
-                self._problem.append(GptkitError(
-                    f"{f} is corrupted (its CRC-32 does not match {self.dir / MANIFEST}); it cannot be "
-                    f"trained on: delete {self.dir} and run `gptkit prepare` (or train) again"))
+                self._problem.append(
+                    GptkitError(
+                        f"{f} is corrupted (its CRC-32 does not match {self.dir / MANIFEST}); it cannot be "
+                        f"trained on: delete {self.dir} and run `gptkit prepare` (or train) again"
+                    )
+                )
                 return
             _checked.add(_shard_identity(f))
 
@@ -139,11 +147,16 @@ def load_prepared(folder: Path | str) -> PreparedData:
     if m.get("checksum") != manifest_checksum(m):
         raise GptkitError(f"{mf} was edited or corrupted (its checksum does not match its content); {fix}")
     if m.get("format_version") not in READABLE_VERSIONS:
-        raise GptkitError(f"{mf} has format version {m.get('format_version')}, this gptkit reads "
-                          f"{', '.join(map(str, READABLE_VERSIONS))}; {fix}")
+        raise GptkitError(
+            f"{mf} has format version {m.get('format_version')}, this gptkit reads "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; {fix}"
+        )
     if m["format_version"] < 2:
-        print(f"note: {d} was prepared by an older gptkit and has no shard checksums, so corruption would go "
-              f"unnoticed; prepare it again to add them", file=sys.stderr)
+        print(
+            f"note: {d} was prepared by an older gptkit and has no shard checksums, so corruption would go "
+            f"unnoticed; prepare it again to add them",
+            file=sys.stderr,
+        )
     itemsize = DTYPES.get(m["dtype"])
     if itemsize is None:
         raise GptkitError(f"{mf} names an unknown dtype {m['dtype']!r}; {fix}")
@@ -155,8 +168,10 @@ def load_prepared(folder: Path | str) -> PreparedData:
             raise GptkitError(f"{f} does not match its manifest ({have} bytes, expected {want}); {fix}")
     tf = d / TOKENIZER
     if not tf.is_file() or file_sha256(tf) != m["tokenizer"]["sha256"]:
-        raise GptkitError(f"{tf} is missing or is not the tokenizer that wrote these shards "
-                          f"(its hash differs from the manifest's); {fix}")
+        raise GptkitError(
+            f"{tf} is missing or is not the tokenizer that wrote these shards "
+            f"(its hash differs from the manifest's); {fix}"
+        )
     prepared = PreparedData(dir=d, manifest=m)
     prepared.start_check()
     return prepared
@@ -165,9 +180,11 @@ def load_prepared(folder: Path | str) -> PreparedData:
 def check_vocab(prepared: PreparedData, model_vocab_size: int) -> None:
     """The model's embedding must have a row for every token id the shards can hold."""
     if prepared.vocab_size > int(model_vocab_size):
-        raise GptkitError(f"the tokenizer has {prepared.vocab_size} tokens but "
-                          f"model.vocab_size={model_vocab_size}; set model.vocab_size>={prepared.vocab_size} "
-                          "(or let train take it from the tokenizer)")
+        raise GptkitError(
+            f"the tokenizer has {prepared.vocab_size} tokens but "
+            f"model.vocab_size={model_vocab_size}; set model.vocab_size>={prepared.vocab_size} "
+            "(or let train take it from the tokenizer)"
+        )
 
 
 def copy_tail(src: Path, dst: Path, offset: int) -> None:

@@ -39,7 +39,8 @@ from gptkit.errors import GptkitError
 # (range, Cutter mode, Cutter sizes, what the MAX_UNCUT error calls the corpus)
 RangeTask = tuple[LineRange, str, dict[str, int], str]
 
-_verify: dict[EncoderSpec, Callable[[str], list[int]]] = {}  # in a worker: HF encode for Cutter mode verify
+# in a worker: HF encode for Cutter mode verify
+_verify: dict[EncoderSpec, Callable[[str], list[int]]] = {}
 
 
 def _verify_encode(spec: EncoderSpec) -> Callable[[str], list[int]]:
@@ -62,7 +63,8 @@ def encode_range(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, ta
     if stats.error is not None or not texts:
         return np.zeros(0, dtype=spec.dtype), 0, n_bytes, r, stats, 0
     cutter = Cutter(mode, spec.specials, _verify_encode(spec) if mode == "verify" else None, sizes)
-    batch: list[tuple[str, bool, bool]] = []  # (piece, ends a document, starts a document), as batches()
+    # (piece, ends a document, starts a document), as batches()
+    batch: list[tuple[str, bool, bool]] = []
     fresh = True
     for piece, ends in cutter.pieces(((t, True) for t in texts), spec.eos, what):
         batch.append((piece, ends, fresh))
@@ -80,7 +82,8 @@ class RangeFeed:
     def __init__(self, ranges: Callable[[int], Iterator[LineRange]], cutter: Cutter, what: str) -> None:
         self.ranges, self.mode, self.sizes, self.what = ranges, cutter.mode, cutter.sizes(), what
         self.checks = RangeChecks()
-        self.forced = 0  # Cutter mode gpt2: cuts inside a pre-token longer than HARD_CHARS
+        # Cutter mode gpt2: cuts inside a pre-token longer than HARD_CHARS
+        self.forced = 0
 
     def tasks(self) -> Iterator[RangeTask]:
         return ((r, self.mode, self.sizes, self.what) for r in self.ranges(tokenize.BATCH_CHARS))
@@ -110,8 +113,10 @@ class RangeFeed:
 # long...) is read, decoded and cut in the main process as before (it is rare, and its forced cuts fall
 # where they fell). Cutter mode verify (any other tokenizer.json) is not cut in ranges: its checks encode.
 
-_SURROGATE = re.compile("[\udc80-\udcff]")  # a byte that is not UTF-8, decoded with surrogateescape
-SCAN_BLOCK = 4 << 10  # bytes of the first read around a nominal range end (doubling up to READ_BYTES)
+# a byte that is not UTF-8, decoded with surrogateescape
+_SURROGATE = re.compile("[\udc80-\udcff]")
+# bytes of the first read around a nominal range end (doubling up to READ_BYTES)
+SCAN_BLOCK = 4 << 10
 
 
 @dataclass(frozen=True)
@@ -121,9 +126,12 @@ class TextRange:
     path: str
     start: int
     end: int
-    size: int  # of the whole file: start == 0 begins the document, end == size ends it
-    errors: str  # data.encoding_errors
-    blank: str  # a file of only whitespace: error | skip
+    # of the whole file: start == 0 begins the document, end == size ends it
+    size: int
+    # data.encoding_errors
+    errors: str
+    # a file of only whitespace: error | skip
+    blank: str
 
 
 # (the ranges, Cutter mode, Cutter sizes, what the corpus is called) or a batch of pieces cut here
@@ -147,17 +155,22 @@ def _first_cut(fh: Any, pos: int, limit: int, size: int, cutter: Cutter) -> int 
         fh.seek(a)
         data = fh.read(min(size, pos + block + 4 * margin) - a)
         i = 0
-        while i < min(4, len(data)) and 0x80 <= data[i] < 0xC0:  # to a character's first byte
+        # to a character's first byte
+        while i < min(4, len(data)) and 0x80 <= data[i] < 0xC0:
             i += 1
-        text = data[i:].decode("utf-8", errors="surrogateescape")  # a bad byte: one lone surrogate
-        lo = len(data[i:max(i, pos - a)].decode("utf-8", errors="surrogateescape"))  # pos, in characters
+        # a bad byte: one lone surrogate
+        text = data[i:].decode("utf-8", errors="surrogateescape")
+        # pos, in characters
+        lo = len(data[i : max(i, pos - a)].decode("utf-8", errors="surrogateescape"))
         hi = len(text) - margin
-        for c in cutter._candidates(text, max(lo, margin), hi, None):  # newlines first, as Cutter.cut
+        # newlines first, as Cutter.cut
+        for c in cutter._candidates(text, max(lo, margin), hi, None):
             if cutter._clear(text, c) and not _SURROGATE.search(text, c - margin, c + margin):
                 at = a + i + len(text[:c].encode("utf-8", errors="surrogateescape"))
                 return at if pos <= at < limit else None
         if len(text) < 2 * margin + 1 or a + len(data) >= size:
-            return None  # the end of the file
+            # the end of the file
+            return None
         pos = max(pos + 1, a + i + len(text[:hi].encode("utf-8", errors="surrogateescape")))
         block = min(2 * block, READ_BYTES)
     return None
@@ -171,7 +184,8 @@ def text_cuts(path: str, size: int, step: int, cutter: Cutter) -> list[int] | No
         return []
     gap = cutter.hard_chars // 2
     cuts: list[int] = []
-    last = start = 0  # the last safe cut found, the start of the current range
+    # the last safe cut found, the start of the current range
+    last = start = 0
     with open(path, "rb") as fh:
         while size - last > gap:
             x, nominal = last + gap // 2, start + step
@@ -207,14 +221,24 @@ def encode_text_ranges(encode: Callable[[list[str]], list[Any]], spec: EncoderSp
         try:
             text = data.decode("utf-8", errors=r.errors)
         except UnicodeDecodeError as exc:
-            return (np.zeros(0, dtype=spec.dtype), 0, n_bytes,
-                    _bad_byte(Path(r.path), r.start + exc.start, data[exc.start:exc.start + 1]), 0)
+            return (
+                np.zeros(0, dtype=spec.dtype),
+                0,
+                n_bytes,
+                _bad_byte(Path(r.path), r.start + exc.start, data[exc.start : exc.start + 1]),
+                0,
+            )
         first, last = r.start == 0, r.end == r.size
-        if first and last and not text.strip():  # a file of only whitespace is no document
+        # a file of only whitespace is no document
+        if first and last and not text.strip():
             if r.blank == "error":
-                error = (_empty(r.path) if not r.size else
-                         GptkitError(f"{r.path} holds only whitespace; remove it from data.paths or give it "
-                                     f"some text"))
+                error = (
+                    _empty(r.path)
+                    if not r.size
+                    else GptkitError(
+                        f"{r.path} holds only whitespace; remove it from data.paths or give it some text"
+                    )
+                )
                 return np.zeros(0, dtype=spec.dtype), 0, n_bytes, error, 0
             continue
         # only the document's end gets the separator (pieces adds it when eos is None) and the EOS
@@ -232,7 +256,8 @@ def run_text_task(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, t
     read as before: encode_task), or the error that reading such a file raised."""
     if isinstance(task, list):
         return (*encode_task(encode, spec, task), None, 0)
-    if isinstance(task, GptkitError):  # the error of a file read here (TextFeed.tasks), in its place
+    # the error of a file read here (TextFeed.tasks), in its place
+    if isinstance(task, GptkitError):
         return np.zeros(0, dtype=spec.dtype), 0, 0, task, 0
     return encode_text_ranges(encode, spec, task)
 
@@ -244,12 +269,21 @@ class TextFeed:
 
     run = staticmethod(run_text_task)
 
-    def __init__(self, files: list[Path], errors: str, blank: str, cutter: Cutter, eos: int | None,
-                 what: str) -> None:
-        self.files, self.errors, self.blank, self.cutter, self.eos, self.what = (files, errors, blank, cutter,
-                                                                                 eos, what)
-        self.forced = 0  # counted by whoever ran a range (here, the main process's Cutter counts its own)
-        self.read_here = 0  # files read and cut in this process (no safe cut in some stretch)
+    def __init__(
+        self, files: list[Path], errors: str, blank: str, cutter: Cutter, eos: int | None, what: str
+    ) -> None:
+        self.files, self.errors, self.blank, self.cutter, self.eos, self.what = (
+            files,
+            errors,
+            blank,
+            cutter,
+            eos,
+            what,
+        )
+        # counted by whoever ran a range (here, the main process's Cutter counts its own)
+        self.forced = 0
+        # files read and cut in this process (no safe cut in some stretch)
+        self.read_here = 0
 
     def tasks(self) -> Iterator[Any]:
         step, mode, sizes = tokenize.BATCH_CHARS, self.cutter.mode, self.cutter.sizes()
@@ -264,9 +298,11 @@ class TextFeed:
                     group, n = [], 0
                 self.read_here += 1
                 try:
-                    yield from batches(self.cutter.pieces(text_parts(f, self.errors, self.blank), self.eos,
-                                                          self.what))
-                except GptkitError as exc:  # raised in order: ranges before it may hold an earlier error
+                    yield from batches(
+                        self.cutter.pieces(text_parts(f, self.errors, self.blank), self.eos, self.what)
+                    )
+                # raised in order: ranges before it may hold an earlier error
+                except GptkitError as exc:
                     yield exc
                     return
                 continue

@@ -40,12 +40,18 @@ from gptkit.hub import check_hub_reachable, offline
 
 KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "mix", "tokens")
 FORMATS = ("auto", "text", "json", "parquet")
-Part = tuple[str, bool]  # a bounded piece of a document's text, and whether it is the document's last piece
-Parts = Callable[[], Iterator[Part]]  # a callable that starts a fresh pass over the corpus, piece by piece
-READ_BYTES = 1 << 20  # a text file is read (and decoded) this many bytes at a time
-RECORDS = 1000  # json/parquet records read at a time
-SAMPLE_WINDOW = 256 << 10  # bytes of one window of an evenly spread sample of local files (at most)
-SAMPLE_MIN_WINDOWS = 16  # windows of a sample (at least)
+# a bounded piece of a document's text, and whether it is the document's last piece
+Part = tuple[str, bool]
+# a callable that starts a fresh pass over the corpus, piece by piece
+Parts = Callable[[], Iterator[Part]]
+# a text file is read (and decoded) this many bytes at a time
+READ_BYTES = 1 << 20
+# json/parquet records read at a time
+RECORDS = 1000
+# bytes of one window of an evenly spread sample of local files (at most)
+SAMPLE_WINDOW = 256 << 10
+# windows of a sample (at least)
+SAMPLE_MIN_WINDOWS = 16
 
 
 @dataclass
@@ -58,8 +64,10 @@ class Corpus:
     description: str
     train_parts: Parts
     val_parts: Parts | None
-    sha256: Callable[[], str]  # hash of the content (computed on demand: it reads everything)
-    n_bytes: int | None = None  # approximate size, for the progress bar
+    # hash of the content (computed on demand: it reads everything)
+    sha256: Callable[[], str]
+    # approximate size, for the progress bar
+    n_bytes: int | None = None
     files: list[str] = field(default_factory=list)
     sample: Callable[[int], Iterator[str]] | None = None
     # JSON-lines files only: the splits as byte ranges of about `step` bytes, which tokenization workers
@@ -112,14 +120,16 @@ def open_corpus(s: dict[str, Any]) -> Corpus:
         return _files(s)
     if kind == "hub":
         return _hub(s)
-    raise GptkitError(f"unknown data kind {kind!r}; "
-                      f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens")
+    raise GptkitError(
+        f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens"
+    )
 
 
 def _digest(parts: Iterator[bytes]) -> str:
     h = hashlib.sha256()
     for p in parts:
-        h.update(hashlib.sha256(p).digest())  # hash of hashes: document boundaries count
+        # hash of hashes: document boundaries count
+        h.update(hashlib.sha256(p).digest())
     return h.hexdigest()
 
 
@@ -139,10 +149,13 @@ def _pydoc() -> Corpus:
         for name in sorted(topics):
             yield topics[name]
 
-    return Corpus(description=f"pydoc_data topics of Python {sys.version.split()[0]} ({len(topics)} "
-                              "documents)",
-                  train_parts=whole(docs), val_parts=None, sha256=lambda: _digest(d.encode() for d in docs()),
-                  n_bytes=sum(len(t) for t in topics.values()))
+    return Corpus(
+        description=f"pydoc_data topics of Python {sys.version.split()[0]} ({len(topics)} documents)",
+        train_parts=whole(docs),
+        val_parts=None,
+        sha256=lambda: _digest(d.encode() for d in docs()),
+        n_bytes=sum(len(t) for t in topics.values()),
+    )
 
 
 SHAKESPEARE = Path(__file__).resolve().parent / "corpora" / "tinyshakespeare.txt.gz"
@@ -158,10 +171,16 @@ def shakespeare_text() -> str:
 
 def _shakespeare() -> Corpus:
     def docs() -> Iterator[str]:
-        yield shakespeare_text()  # one document, as char-rnn and nanoGPT treat it
+        # one document, as char-rnn and nanoGPT treat it
+        yield shakespeare_text()
 
-    return Corpus(description="tiny Shakespeare (built in, 1.1 MB)", train_parts=whole(docs), val_parts=None,
-                  sha256=lambda: _digest(d.encode() for d in docs()), n_bytes=1_115_394)
+    return Corpus(
+        description="tiny Shakespeare (built in, 1.1 MB)",
+        train_parts=whole(docs),
+        val_parts=None,
+        sha256=lambda: _digest(d.encode() for d in docs()),
+        n_bytes=1_115_394,
+    )
 
 
 def stdlib_files(include_tests: bool = True) -> list[Path]:
@@ -181,8 +200,9 @@ def _stdlib(s: dict[str, Any]) -> Corpus:
     files = stdlib_files(bool(s["include_tests"]))
     root = Path(sysconfig.get_paths()["stdlib"])
     c = _text_files(files, s["encoding_errors"])
-    c.description = (f"Python {sys.version.split()[0]} standard library sources in {root} "
-                     f"({len(files)} .py files)")
+    c.description = (
+        f"Python {sys.version.split()[0]} standard library sources in {root} ({len(files)} .py files)"
+    )
     return c
 
 
@@ -191,9 +211,17 @@ def check_regular(p: Path, what: str) -> None:
     """A FIFO, a device or a socket would block or never end: refused before anything is read."""
     mode = os.stat(p).st_mode
     if not stat.S_ISREG(mode):
-        kind = ("a FIFO (named pipe)" if stat.S_ISFIFO(mode) else "a character device" if stat.S_ISCHR(mode)
-                else "a block device" if stat.S_ISBLK(mode) else "a socket" if stat.S_ISSOCK(mode)
-                else "not a regular file")
+        kind = (
+            "a FIFO (named pipe)"
+            if stat.S_ISFIFO(mode)
+            else "a character device"
+            if stat.S_ISCHR(mode)
+            else "a block device"
+            if stat.S_ISBLK(mode)
+            else "a socket"
+            if stat.S_ISSOCK(mode)
+            else "not a regular file"
+        )
         raise GptkitError(f"{what}: {p} is {kind}; give regular files (copy a stream to a file first)")
 
 
@@ -214,8 +242,9 @@ def expand_paths(patterns: Any, what: str) -> list[Path]:
             continue
         p = Path(pat)
         if not p.exists():
-            raise GptkitError(f"{what}: {p} does not exist; give existing files, e.g. "
-                              "data.paths=[corpus.txt]")
+            raise GptkitError(
+                f"{what}: {p} does not exist; give existing files, e.g. data.paths=[corpus.txt]"
+            )
         if p.is_dir():
             raise GptkitError(f"{what}: {p} is a folder; give files or a glob such as '{p}/**/*.txt'")
         check_regular(p, what)
@@ -234,8 +263,10 @@ def file_format(p: Path, fmt: str) -> str:
 
 
 def _bad_byte(path: Path, offset: int, byte: bytes) -> GptkitError:
-    return GptkitError(f"{path}: byte {offset} ({byte!r}) is not valid UTF-8; fix the file or set "
-                       f"data.encoding_errors=replace to substitute U+FFFD")
+    return GptkitError(
+        f"{path}: byte {offset} ({byte!r}) is not valid UTF-8; fix the file or set "
+        f"data.encoding_errors=replace to substitute U+FFFD"
+    )
 
 
 def _check_errors(errors: str) -> None:
@@ -249,7 +280,7 @@ def decode(data: bytes, path: Path, errors: str) -> str:
     try:
         return data.decode("utf-8", errors=errors)
     except UnicodeDecodeError as exc:
-        raise _bad_byte(path, exc.start, data[exc.start:exc.start + 1]) from None
+        raise _bad_byte(path, exc.start, data[exc.start : exc.start + 1]) from None
 
 
 def _decoded_chunks(path: Path, errors: str, size: int = READ_BYTES) -> Iterator[str]:
@@ -257,16 +288,18 @@ def _decoded_chunks(path: Path, errors: str, size: int = READ_BYTES) -> Iterator
     the first undecodable byte (errors=strict) is an error naming its offset."""
     _check_errors(errors)
     decoder = codecs.getincrementaldecoder("utf-8")(errors)
-    offset = 0  # bytes of the file before `chunk`
+    # bytes of the file before `chunk`
+    offset = 0
     with open(path, "rb") as f:
         while True:
             chunk = f.read(size)
-            pending = len(decoder.getstate()[0])  # undecoded bytes carried over from the last chunk
+            # undecoded bytes carried over from the last chunk
+            pending = len(decoder.getstate()[0])
             try:
                 text = decoder.decode(chunk, final=not chunk)
             except UnicodeDecodeError as exc:
                 at = offset - pending + exc.start if chunk else offset - len(exc.object) + exc.start
-                raise _bad_byte(path, at, exc.object[exc.start:exc.start + 1]) from None
+                raise _bad_byte(path, at, exc.object[exc.start : exc.start + 1]) from None
             if text:
                 yield text
             if not chunk:
@@ -285,7 +318,8 @@ def text_parts(f: Path, errors: str, blank: str) -> Iterator[Part]:
     document: skipped (blank="skip") or an error (blank="error")."""
     if blank == "error" and f.stat().st_size == 0:
         raise GptkitError(f"{f} is empty; remove it from data.paths or give it some text")
-    held: list[str] = []  # leading whitespace, until some text shows this is a document
+    # leading whitespace, until some text shows this is a document
+    held: list[str] = []
     prev: str | None = None
     for text in _decoded_chunks(f, errors):
         if held is not None:
@@ -304,8 +338,10 @@ def text_parts(f: Path, errors: str, blank: str) -> Iterator[Part]:
 
 
 def _no_field(f: Path, text_field: str, fields: Any) -> GptkitError:
-    return GptkitError(f"{f}: records have no field {text_field!r} (fields: {', '.join(map(str, fields))}); "
-                       f"set data.text_field")
+    return GptkitError(
+        f"{f}: records have no field {text_field!r} (fields: {', '.join(map(str, fields))}); "
+        f"set data.text_field"
+    )
 
 
 def _json_record(f: Path | str, line: bytes, at: int, errors: str) -> dict | None:
@@ -315,18 +351,23 @@ def _json_record(f: Path | str, line: bytes, at: int, errors: str) -> dict | Non
     try:
         record = json.loads(line.decode("utf-8", errors=errors))
     except UnicodeDecodeError as exc:
-        raise _bad_byte(Path(f), at + exc.start, line[exc.start:exc.start + 1]) from None
+        raise _bad_byte(Path(f), at + exc.start, line[exc.start : exc.start + 1]) from None
     except json.JSONDecodeError as exc:
-        raise GptkitError(f"{f}: the line at byte {at} is not valid JSON ({exc.msg}); fix the file "
-                          f"or set data.format") from None
+        raise GptkitError(
+            f"{f}: the line at byte {at} is not valid JSON ({exc.msg}); fix the file or set data.format"
+        ) from None
     if not isinstance(record, dict):
-        raise GptkitError(f"{f}: the line at byte {at} is not a JSON object; each line must be a "
-                          f"record")
+        raise GptkitError(f"{f}: the line at byte {at} is not a JSON object; each line must be a record")
     return record
 
 
-def _jsonl_texts(f: Path, text_field: str, errors: str, start: int = 0, limit: int | None = None,
-                 ) -> Iterator[str]:
+def _jsonl_texts(
+    f: Path,
+    text_field: str,
+    errors: str,
+    start: int = 0,
+    limit: int | None = None,
+) -> Iterator[str]:
     """The text fields of a JSON-lines file, one line at a time (from byte `start`, at a line start; at most
     about `limit` bytes)."""
     offset, n, seen = start, 0, 0
@@ -381,7 +422,8 @@ def _records(f: Path, fmt: str, text_field: str, errors: str) -> Iterator[str]:
         for batch in pf.iter_batches(batch_size=RECORDS, columns=[text_field]):
             yield from (str(t) for t in batch.column(0).to_pylist() if t)
         return
-    check_utf8(f)  # a JSON array: names the file and offset of a bad byte (datasets would not)
+    # a JSON array: names the file and offset of a bad byte (datasets would not)
+    check_utf8(f)
     import datasets
 
     datasets.disable_progress_bars()
@@ -399,8 +441,9 @@ def _records(f: Path, fmt: str, text_field: str, errors: str) -> Iterator[str]:
 
 def _unreadable(f: Path, fmt: str, exc: Exception) -> GptkitError:
     msg = " ".join(str(exc).split())[:200]
-    return GptkitError(f"{f}: cannot read it as {fmt} ({type(exc).__name__}: {msg}); check the file or set "
-                       f"data.format")
+    return GptkitError(
+        f"{f}: cannot read it as {fmt} ({type(exc).__name__}: {msg}); check the file or set data.format"
+    )
 
 
 def _empty(f: Path | str) -> GptkitError:
@@ -430,8 +473,10 @@ def _file_parts(f: Path, fmt: str, text_field: str, errors: str, blank: str = "e
 # A JSON-lines record is a whole document, so a file can be cut at any line start into ranges that are
 # read, parsed, cut and encoded independently (by the tokenization workers: gptkit.data.ranges). What the
 # line-by-line reader above checks across lines is checked in order by RangeChecks, with its messages.
-JSONL_RANGES = True  # False: JSON-lines corpora are read line by line in the main process (as before)
-TEXT_RANGES = True  # False: text files are read, decoded and cut in the main process (as before)
+# False: JSON-lines corpora are read line by line in the main process (as before)
+JSONL_RANGES = True
+# False: text files are read, decoded and cut in the main process (as before)
+TEXT_RANGES = True
 
 
 @dataclass(frozen=True)
@@ -441,7 +486,8 @@ class LineRange:
     path: str
     start: int
     end: int
-    size: int  # of the whole file: end == size is its last range
+    # of the whole file: end == size is its last range
+    size: int
     text_field: str
     errors: str
 
@@ -548,7 +594,8 @@ class RangeChecks:
         if r.start == 0:
             self.path, self.records, self.with_field, self.texts, self.fields = r.path, 0, 0, 0, []
         if self.with_field == 0 and self.records < RECORDS:
-            k = RECORDS - self.records  # the range's record that is the file's RECORDS-th
+            # the range's record that is the file's RECORDS-th
+            k = RECORDS - self.records
             if st.fields is not None and st.fields_at <= k:
                 self.fields = self.fields or st.fields
             if st.records >= k and not 0 < st.first_with_field <= k:
@@ -565,8 +612,12 @@ class RangeChecks:
                 raise _no_texts(r.path, r.text_field)
 
 
-def _sample_local(files: list[Path], formats: list[str], text_field: str, errors: str,
-                  ) -> Callable[[int], Iterator[str]] | None:
+def _sample_local(
+    files: list[Path],
+    formats: list[str],
+    text_field: str,
+    errors: str,
+) -> Callable[[int], Iterator[str]] | None:
     """About `chars` characters from windows at evenly spaced byte offsets of the text and JSON-lines
     files (None when some file is neither: the caller then samples the stream)."""
     if not all(ff == "text" or (ff == "json" and _is_jsonl(f)) for f, ff in zip(files, formats)):
@@ -590,16 +641,18 @@ def _sample_local(files: list[Path], formats: list[str], text_field: str, errors
                 if local:
                     with open(f, "rb") as fh:
                         fh.seek(local)
-                        local += len(fh.readline())  # to the next line start
+                        # to the next line start
+                        local += len(fh.readline())
                 yield from _jsonl_texts(f, text_field, "replace", local, window)
                 continue
             with open(f, "rb") as fh:
                 fh.seek(local)
                 data = fh.read(window)
-            if local and b"\n" in data:  # start and end at line breaks
-                data = data[data.index(b"\n") + 1:]
+            # start and end at line breaks
+            if local and b"\n" in data:
+                data = data[data.index(b"\n") + 1 :]
             if len(data) == window and b"\n" in data:
-                data = data[:data.rindex(b"\n") + 1]
+                data = data[: data.rindex(b"\n") + 1]
             yield data.decode("utf-8", errors="ignore")
 
     return sample
@@ -608,13 +661,21 @@ def _sample_local(files: list[Path], formats: list[str], text_field: str, errors
 def _text_files(files: list[Path], errors: str) -> Corpus:
     def parts() -> Iterator[Part]:
         for f in files:
-            yield from text_parts(f, errors, "skip")  # the many empty __init__.py files are not documents
+            # the many empty __init__.py files are not documents
+            yield from text_parts(f, errors, "skip")
 
-    return Corpus(description="", train_parts=parts, val_parts=None,
-                  sha256=lambda: _files_digest(files),
-                  n_bytes=sum(f.stat().st_size for f in files), files=[str(f) for f in files],
-                  sample=_sample_local(files, ["text"] * len(files), "text", errors),
-                  train_text=files if TEXT_RANGES else None, text_errors=errors, text_blank="skip")
+    return Corpus(
+        description="",
+        train_parts=parts,
+        val_parts=None,
+        sha256=lambda: _files_digest(files),
+        n_bytes=sum(f.stat().st_size for f in files),
+        files=[str(f) for f in files],
+        sample=_sample_local(files, ["text"] * len(files), "text", errors),
+        train_text=files if TEXT_RANGES else None,
+        text_errors=errors,
+        text_blank="skip",
+    )
 
 
 def _local(files: list[Path], fmt: str, text_field: str, errors: str) -> tuple[Parts, Callable[[], str]]:
@@ -639,10 +700,15 @@ def _files(s: dict[str, Any]) -> Corpus:
     names = ", ".join(str(f) for f in files[:3]) + (f" and {len(files) - 3} more" if len(files) > 3 else "")
     desc = f"local files: {names}" + (f"; validation: {len(val_files)} file(s)" if val_files else "")
     every = files + val_files
-    corpus = Corpus(description=desc, train_parts=train, val_parts=val,
-                    sha256=lambda: train_hash() + (val_hash() if val_hash else ""),
-                    n_bytes=sum(f.stat().st_size for f in every), files=[str(f) for f in every],
-                    sample=_sample_local(every, [file_format(f, fmt) for f in every], field_, errors))
+    corpus = Corpus(
+        description=desc,
+        train_parts=train,
+        val_parts=val,
+        sha256=lambda: train_hash() + (val_hash() if val_hash else ""),
+        n_bytes=sum(f.stat().st_size for f in every),
+        files=[str(f) for f in every],
+        sample=_sample_local(every, [file_format(f, fmt) for f in every], field_, errors),
+    )
     if JSONL_RANGES and all(file_format(f, fmt) == "json" and _is_jsonl(f) for f in every):
         corpus.train_ranges = lambda step: line_ranges(files, field_, errors, step)
         if val_files:
@@ -660,7 +726,8 @@ def _offline() -> bool:
     return offline("HF_DATASETS_OFFLINE")
 
 
-HUB_SAMPLE_SHARDS = 16  # an evenly spread sample of a streamed dataset reads this many of its shards
+# an evenly spread sample of a streamed dataset reads this many of its shards
+HUB_SAMPLE_SHARDS = 16
 
 
 def _hub(s: dict[str, Any]) -> Corpus:
@@ -668,8 +735,10 @@ def _hub(s: dict[str, Any]) -> Corpus:
     its shards are read in order. The cache key is the dataset's resolved commit when the hub answers."""
     name, config = s["name"], s["config"]
     if not name:
-        raise GptkitError("data=hub needs data.name=<dataset>, e.g. data.name=Salesforce/wikitext "
-                          "data.config=wikitext-2-raw-v1")
+        raise GptkitError(
+            "data=hub needs data.name=<dataset>, e.g. data.name=Salesforce/wikitext "
+            "data.config=wikitext-2-raw-v1"
+        )
     if not _offline():
         check_hub_reachable(float(s["timeout_s"]), LOCAL_FILES)
     import datasets
@@ -679,10 +748,15 @@ def _hub(s: dict[str, Any]) -> Corpus:
 
     def fail(split: str, exc: Exception) -> GptkitError:
         msg = " ".join(str(exc).split())[:200]
-        hint = ("the hub is unreachable (offline mode) and the dataset is not in the local cache; "
-                if _offline() else "")
-        return GptkitError(f"cannot load hub dataset {name!r} (config {config!r}, split {split!r}): {hint}"
-                           f"{type(exc).__name__}: {msg}; {LOCAL_FILES}")
+        hint = (
+            "the hub is unreachable (offline mode) and the dataset is not in the local cache; "
+            if _offline()
+            else ""
+        )
+        return GptkitError(
+            f"cannot load hub dataset {name!r} (config {config!r}, split {split!r}): {hint}"
+            f"{type(exc).__name__}: {msg}; {LOCAL_FILES}"
+        )
 
     def load(split: str):
         try:
@@ -691,16 +765,20 @@ def _hub(s: dict[str, Any]) -> Corpus:
             raise fail(split, exc) from None
         columns = getattr(ds, "column_names", None)
         if columns is not None and text_field not in columns:
-            raise GptkitError(f"hub dataset {name!r} has no column {text_field!r} (columns: "
-                              f"{', '.join(columns)}); set data.text_field")
+            raise GptkitError(
+                f"hub dataset {name!r} has no column {text_field!r} (columns: "
+                f"{', '.join(columns)}); set data.text_field"
+            )
         return ds
 
     def texts(ds, split: str) -> Iterator[str]:
         try:
             for batch in ds.iter(batch_size=RECORDS):
                 if text_field not in batch:
-                    raise GptkitError(f"hub dataset {name!r} has no column {text_field!r} (columns: "
-                                      f"{', '.join(batch)}); set data.text_field")
+                    raise GptkitError(
+                        f"hub dataset {name!r} has no column {text_field!r} (columns: "
+                        f"{', '.join(batch)}); set data.text_field"
+                    )
                 yield from (str(t) for t in batch[text_field] if t)
         except GptkitError:
             raise
@@ -722,19 +800,27 @@ def _hub(s: dict[str, Any]) -> Corpus:
             got = 0
             shard = train.shard(num_shards=n, index=i) if n > 1 else train
             for t in texts(shard, s["split"]):
-                yield t[:each - got]
+                yield t[: each - got]
                 got += min(len(t), each - got)
                 if got >= each:
                     break
 
-    identity = {"name": name, "config": config, "split": s["split"], "val_split": s["val_split"],
-                "revision": _hub_commit(name, s["revision"])}
+    identity = {
+        "name": name,
+        "config": config,
+        "split": s["split"],
+        "val_split": s["val_split"],
+        "revision": _hub_commit(name, s["revision"]),
+    }
     size = _hub_bytes(train, s["split"])
-    return Corpus(description=f"hub dataset {name}" + (f" ({config})" if config else "") + ", streamed",
-                  train_parts=parts(train, s["split"]),
-                  val_parts=parts(val, s["val_split"]) if val is not None else None,
-                  sha256=lambda: hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
-                  n_bytes=size, sample=sample)
+    return Corpus(
+        description=f"hub dataset {name}" + (f" ({config})" if config else "") + ", streamed",
+        train_parts=parts(train, s["split"]),
+        val_parts=parts(val, s["val_split"]) if val is not None else None,
+        sha256=lambda: hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
+        n_bytes=size,
+        sample=sample,
+    )
 
 
 def _hub_commit(name: str, revision: str | None) -> str | None:

@@ -1,9 +1,9 @@
 """Generated instruction sets with exactly checkable answers, for recipes and tests (experiment=sft-tiny).
 
-    string_tasks: "upper <word>" -> the word in capitals, "reverse <word>" -> the word backwards, for random
-                  lowercase words of 3-6 letters; the held-out prompts never occur in the training set.
-    preference_pairs: the same tasks as DPO pairs (experiment=dpo-tiny): chosen the right response, rejected
-                  an off-by-one corruption of it (one letter moved to the next).
+string_tasks: "upper <word>" -> the word in capitals, "reverse <word>" -> the word backwards, for random
+              lowercase words of 3-6 letters; the held-out prompts never occur in the training set.
+preference_pairs: the same tasks as DPO pairs (experiment=dpo-tiny): chosen the right response, rejected
+              an off-by-one corruption of it (one letter moved to the next).
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ def off_by_one(answer: str, rng: random.Random) -> str:
     i = rng.randrange(len(answer))
     c = answer[i]
     nxt = LETTERS[(LETTERS.index(c.lower()) + 1) % len(LETTERS)]
-    return answer[:i] + (nxt.upper() if c.isupper() else nxt) + answer[i + 1:]
+    return answer[:i] + (nxt.upper() if c.isupper() else nxt) + answer[i + 1 :]
 
 
 def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
     """Preference records of string tasks (experiment=dpo-tiny): chosen = the right response, rejected = an
     off_by_one corruption of it."""
     rng = random.Random(seed)
-    return [{"prompt": r["prompt"], "chosen": r["response"], "rejected": off_by_one(r["response"], rng)}
-            for r in rows]
+    return [
+        {"prompt": r["prompt"], "chosen": r["response"], "rejected": off_by_one(r["response"], rng)}
+        for r in rows
+    ]

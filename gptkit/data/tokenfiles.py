@@ -44,7 +44,8 @@ from gptkit.tokenizer import eos_id, file_sha256
 LLMC_MAGIC = 20240520
 LLMC_HEADER = 256 * 4
 FORMATS = ("auto", "raw", "llmc")
-CHUNK = 1 << 24  # tokens read at a time
+# tokens read at a time
+CHUNK = 1 << 24
 
 
 def _layout(f: Path, fmt: str, dtype: str) -> tuple[str, int, str, int]:

@@ -45,13 +45,20 @@ from gptkit.tokenizer import bytes_to_unicode, describe_characters, unknown_char
 
 # tiktoken and tokenizers are imported by the encoder that uses them.
 
-PIECE_CHARS = 64 << 10  # long documents are cut into pieces of about this size
-HARD_CHARS = 4 * PIECE_CHARS  # how far past PIECE_CHARS a cut is looked for
-MAX_UNCUT = 16 << 20  # tokenizer=file: the longest stretch of a document that may have no safe cut
-BATCH_CHARS = 1 << 20  # text of one encoding task (its HF Encodings cost ~100 B per token)
-VERIFY_CHARS = 1024  # tokenizer=file: text either side of a cut that is encoded to check it
-VERIFY_FIRST = 8  # tokenizer=file: candidates of each kind checked before all of them are
-_NL = re.compile(r"\n(?=\S)")  # a newline before a non-space (a look-behind for the one before would make
+# long documents are cut into pieces of about this size
+PIECE_CHARS = 64 << 10
+# how far past PIECE_CHARS a cut is looked for
+HARD_CHARS = 4 * PIECE_CHARS
+# tokenizer=file: the longest stretch of a document that may have no safe cut
+MAX_UNCUT = 16 << 20
+# text of one encoding task (its HF Encodings cost ~100 B per token)
+BATCH_CHARS = 1 << 20
+# tokenizer=file: text either side of a cut that is encoded to check it
+VERIFY_CHARS = 1024
+# tokenizer=file: candidates of each kind checked before all of them are
+VERIFY_FIRST = 8
+# a newline before a non-space (a look-behind for the one before would make
+_NL = re.compile(r"\n(?=\S)")
 #                                  the search 10x slower: that character is checked in Python)
 # places where the class of character changes (letter, digit, other non-space, space): cut candidates
 _CHANGE = re.compile(
@@ -95,7 +102,8 @@ def _cls(c: str) -> str | None:
             else ("L" if c.isalpha() else "N" if c.isdigit() else None)
         )
     cat = unicodedata.category(c)[0]
-    return cat if cat in "LN" else "p" if cat in "PS" else None  # punctuation and symbols are never spaces
+    # punctuation and symbols are never spaces
+    return cat if cat in "LN" else "p" if cat in "PS" else None
 
 
 def gpt2_boundary(x: str, y: str) -> bool:
@@ -112,23 +120,44 @@ def gpt2_boundary(x: str, y: str) -> bool:
 class Cutter:
     """Cuts the parts of a stream of documents into pieces that encode to the ids of the whole text."""
 
-    def __init__(self, mode: str, specials: list[str] = (), encode: Callable[[str], list[int]] | None = None,
-                 sizes: dict[str, int] | None = None):
-        self.mode = mode  # any (char, byte) | gpt2 (byte-level BPE) | verify (any tokenizer.json)
+    def __init__(
+        self,
+        mode: str,
+        specials: list[str] = (),
+        encode: Callable[[str], list[int]] | None = None,
+        sizes: dict[str, int] | None = None,
+    ):
+        # any (char, byte) | gpt2 (byte-level BPE) | verify (any tokenizer.json)
+        self.mode = mode
         self.specials = [s for s in specials if s]
-        self.encode = encode  # mode verify: text -> ids
-        self.forced = 0  # gpt2: cuts inside a pre-token longer than HARD_CHARS
+        # mode verify: text -> ids
+        self.encode = encode
+        # gpt2: cuts inside a pre-token longer than HARD_CHARS
+        self.forced = 0
         # the module's sizes now, unless given (a worker that cuts gets the main process's: sizes())
-        sizes = sizes or {"piece_chars": PIECE_CHARS, "hard_chars": HARD_CHARS, "max_uncut": MAX_UNCUT,
-                          "verify_chars": VERIFY_CHARS, "verify_first": VERIFY_FIRST}
-        self.piece_chars, self.hard_chars, self.max_uncut = (sizes["piece_chars"], sizes["hard_chars"],
-                                                             sizes["max_uncut"])
+        sizes = sizes or {
+            "piece_chars": PIECE_CHARS,
+            "hard_chars": HARD_CHARS,
+            "max_uncut": MAX_UNCUT,
+            "verify_chars": VERIFY_CHARS,
+            "verify_first": VERIFY_FIRST,
+        }
+        self.piece_chars, self.hard_chars, self.max_uncut = (
+            sizes["piece_chars"],
+            sizes["hard_chars"],
+            sizes["max_uncut"],
+        )
         self.verify_chars, self.verify_first = sizes["verify_chars"], sizes["verify_first"]
 
     def sizes(self) -> dict[str, int]:
         """What this Cutter's cuts depend on besides its mode and specials (for a Cutter in a worker)."""
-        return {"piece_chars": self.piece_chars, "hard_chars": self.hard_chars, "max_uncut": self.max_uncut,
-                "verify_chars": self.verify_chars, "verify_first": self.verify_first}
+        return {
+            "piece_chars": self.piece_chars,
+            "hard_chars": self.hard_chars,
+            "max_uncut": self.max_uncut,
+            "verify_chars": self.verify_chars,
+            "verify_first": self.verify_first,
+        }
 
     def _clear(self, text: str, c: int) -> bool:
         """No special token's text straddles position c."""
@@ -159,7 +188,8 @@ class Cutter:
                 n += 1
                 yield c
         n = 0
-        for m in _CHANGE.finditer(text, lo, hi):  # candidates found in C; each checked exactly
+        # candidates found in C; each checked exactly
+        for m in _CHANGE.finditer(text, lo, hi):
             c = m.start()
             if gpt2_boundary(text[c - 1], text[c]):
                 if limit is not None and n >= limit:
@@ -229,7 +259,8 @@ def batches(
     """Pieces grouped into encoding tasks of about `chars` (BATCH_CHARS) characters (deterministic: the same
     corpus gives the same batches, which is what resuming a build counts)."""
     chars = chars or BATCH_CHARS
-    batch: list[tuple[str, bool, bool]] = []  # (text, ends a document, starts a document)
+    # (text, ends a document, starts a document)
+    batch: list[tuple[str, bool, bool]] = []
     n, fresh = 0, True
     for text, ends in pieces:
         batch.append((text, ends, fresh))
@@ -251,13 +282,15 @@ class EncoderSpec:
     """Everything a worker process needs to build the encoder (picklable)."""
 
     tokenizer_json: str
-    engine: str  # one of ENGINES
+    # one of ENGINES
+    engine: str
     specials: tuple[str, ...]
     eos: int | None
     dtype: str
     bos: int | None = None
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
-    tokenizer_path: str | None = None  # where tokenizer_json is saved: a worker reads it there, once
+    # where tokenizer_json is saved: a worker reads it there, once
+    tokenizer_path: str | None = None
 
     def light(self) -> EncoderSpec:
         """The spec as sent with every task to a worker: without the tokenizer's JSON when it has a file."""
@@ -273,12 +306,14 @@ class EncoderSpec:
 
 def hf_encoder(tok) -> Callable[[list[str]], list[list[int]]]:
     """texts -> ids with HF `tokenizers`; a character the tokenizer cannot represent is a GptkitError."""
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast (tokenizers >= 0.21): no offsets
+    # _fast (tokenizers >= 0.21): no offsets
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
 
     def run(texts: list[str]) -> list[list[int]]:
         try:
             return [e.ids for e in encode(texts, add_special_tokens=False)]
-        except Exception as exc:  # e.g. a character a file (or fine-tuned char) tokenizer cannot represent
+        # e.g. a character a file (or fine-tuned char) tokenizer cannot represent
+        except Exception as exc:
             unknown = unknown_characters(tok, "".join(texts))
             what = (
                 f"{len(unknown)} character(s) it has never seen: {describe_characters(unknown)}"
@@ -346,7 +381,8 @@ def tiktoken_tables(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, in
     return ranks, specials, rank_to_id
 
 
-@lru_cache(maxsize=2)  # choose_engine's check builds the encoder that prepare then uses
+# choose_engine's check builds the encoder that prepare then uses
+@lru_cache(maxsize=2)
 def _tiktoken(spec_json: str):
     import tiktoken
 
@@ -370,7 +406,8 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
     from tokenizers import Tokenizer
 
     if spec.engine == "tiktoken":
-        return _tiktoken(spec.json())  # tiktoken matches special tokens itself, as HF does
+        # tiktoken matches special tokens itself, as HF does
+        return _tiktoken(spec.json())
     tok = Tokenizer.from_str(spec.json())
     hf = hf_encoder(tok)
     specials = [s for s in spec.specials if s]
@@ -427,7 +464,8 @@ def encode_batch(
     return (np.concatenate(out) if out else np.zeros(0, dtype=dtype)), docs
 
 
-_worker: dict[EncoderSpec, Callable[[list[str]], list[Any]]] = {}  # in a worker: its encoder(s)
+# in a worker: its encoder(s)
+_worker: dict[EncoderSpec, Callable[[list[str]], list[Any]]] = {}
 
 
 def _init_worker(parent: int) -> None:
@@ -437,7 +475,8 @@ def _init_worker(parent: int) -> None:
     if os.getppid() != parent:
         os._exit(1)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one thread per worker process
+    # one thread per worker process
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     import tokenizers  # noqa: F401
 
@@ -459,13 +498,15 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def encode_task(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec,
-                batch: list[tuple[str, bool, bool]]) -> tuple[Any, int, int]:
+def encode_task(
+    encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, batch: list[tuple[str, bool, bool]]
+) -> tuple[Any, int, int]:
     """One task of pieces cut by the main process: (ids, documents ended, UTF-8 bytes of the text)."""
     return (*encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos), text_bytes(batch))
 
 
-Task = Callable[[Callable[[list[str]], list[Any]], EncoderSpec, Any], tuple]  # (encode, spec, task) -> result
+# (encode, spec, task) -> result
+Task = Callable[[Callable[[list[str]], list[Any]], EncoderSpec, Any], tuple]
 
 
 def _work(spec: EncoderSpec, task: Any, run: Task = encode_task):
@@ -486,10 +527,13 @@ def start_workers(workers: int) -> ProcessPoolExecutor:
     """`workers` spawned processes (one thread each), started now: their imports overlap what the caller
     does before it gives them work (`Tokenizing(spec, workers, pool=...)`)."""
     pool = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("spawn"), initializer=_init_worker,
-        initargs=(os.getpid(),)
+        workers,
+        mp_context=multiprocessing.get_context("spawn"),
+        initializer=_init_worker,
+        initargs=(os.getpid(),),
     )
-    for _ in range(workers):  # each submit to a pool without an idle process starts one
+    # each submit to a pool without an idle process starts one
+    for _ in range(workers):
         pool.submit(_ready)
     return pool
 
@@ -520,7 +564,8 @@ class Tokenizing:
                 self.pool = start_workers(self.workers)
         else:
             self._env = os.environ.get("TOKENIZERS_PARALLELISM")
-            os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process, one thread: what workers=1 means
+            # one process, one thread: what workers=1 means
+            os.environ["TOKENIZERS_PARALLELISM"] = "false"
             self.encode = build_encoder(self.spec)
         return self
 
@@ -553,7 +598,7 @@ class Tokenizing:
         except BrokenProcessPool as exc:
             raise GptkitError(
                 "a tokenization worker process ended abruptly (killed, out of memory, or, from Python, a "
-                "script that calls prepare() without `if __name__ == \"__main__\":`: each spawned worker "
+                'script that calls prepare() without `if __name__ == "__main__":`: each spawned worker '
                 "imports it again); set data.workers=1 to tokenize in this process"
             ) from exc
 

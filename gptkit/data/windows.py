@@ -25,9 +25,11 @@ from gptkit.errors import GptkitError
 def check_window(n_tokens: int, seq_len: int, split: str) -> None:
     """A split must hold at least one window of seq_len + 1 tokens; else a one-line error."""
     if n_tokens < seq_len + 1:
-        raise GptkitError(f"the {split} split has {n_tokens} tokens, shorter than one window of seq_len+1="
-                          f"{seq_len + 1}; give a longer corpus or a shorter trainer.seq_len (the training "
-                          "window)")
+        raise GptkitError(
+            f"the {split} split has {n_tokens} tokens, shorter than one window of seq_len+1="
+            f"{seq_len + 1}; give a longer corpus or a shorter trainer.seq_len (the training "
+            "window)"
+        )
 
 
 PACKS = ("stream", "documents")
@@ -38,9 +40,11 @@ def check_pack(pack: str, eos_id: int | None) -> None:
     if pack not in PACKS:
         raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
     if pack == "documents" and eos_id is None:
-        raise GptkitError("data.pack=documents needs an EOS token between documents and these shards have "
-                          "none; prepare them with a tokenizer that has one (tokenizer.eos_token) or use "
-                          "data.pack=stream")
+        raise GptkitError(
+            "data.pack=documents needs an EOS token between documents and these shards have "
+            "none; prepare them with a tokenizer that has one (tokenizer.eos_token) or use "
+            "data.pack=stream"
+        )
 
 
 def doc_ids(x, eos_id: int):
@@ -49,17 +53,25 @@ def doc_ids(x, eos_id: int):
     return eos.cumsum(1, dtype=torch.int32) - eos
 
 
-def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, eos_id: int | None = None, *,
-            vocab_size: int | None = None):
+def windows(
+    tokens: np.ndarray,
+    starts: np.ndarray,
+    seq_len: int,
+    eos_id: int | None = None,
+    *,
+    vocab_size: int | None = None,
+):
     """(x, y) int64 tensors [len(starts), seq_len] from windows of seq_len + 1 tokens at `starts`;
     (x, y, doc_ids) when an EOS id is given (data.pack=documents). A token id >= vocab_size (a corrupted
     shard) is a one-line GptkitError naming the shard."""
     idx = starts[:, None] + np.arange(seq_len + 1)  # [B, seq_len + 1]
     ids = tokens[idx]  # [B, seq_len + 1]
     if vocab_size is not None and ids.size and int(ids.max()) >= vocab_size:
-        raise GptkitError(f"{getattr(tokens, 'filename', None) or 'the token shard'} holds token id "
-                          f"{int(ids.max())}, outside the tokenizer's {vocab_size} ids: it is corrupted; "
-                          f"delete its folder and prepare the data again")
+        raise GptkitError(
+            f"{getattr(tokens, 'filename', None) or 'the token shard'} holds token id "
+            f"{int(ids.max())}, outside the tokenizer's {vocab_size} ids: it is corrupted; "
+            f"delete its folder and prepare the data again"
+        )
     w = torch.from_numpy(ids.astype(np.int64))  # [B, seq_len + 1]
     x, y = w[:, :-1].contiguous(), w[:, 1:].contiguous()  # [B, seq_len] each
     return (x, y) if eos_id is None else (x, y, doc_ids(x, eos_id))
@@ -68,22 +80,35 @@ def windows(tokens: np.ndarray, starts: np.ndarray, seq_len: int, eos_id: int | 
 class WindowSampler:
     """Random training windows of seq_len + 1 tokens; batch(step, rank, world_size) is pure."""
 
-    def __init__(self, tokens: np.ndarray, batch_size: int, seq_len: int, seed: int,
-                 eos_id: int | None = None, *, vocab_size: int | None = None) -> None:
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        batch_size: int,
+        seq_len: int,
+        seed: int,
+        eos_id: int | None = None,
+        *,
+        vocab_size: int | None = None,
+    ) -> None:
         check_window(len(tokens), seq_len, "train")
         self.tokens, self.batch_size = tokens, int(batch_size)
         self.seq_len, self.seed = int(seq_len), int(seed)
-        self.eos_id = eos_id  # given: batches carry doc_ids (data.pack=documents)
-        self.vocab_size = vocab_size  # token ids must be below it (checked per batch)
-        self.n_starts = len(tokens) - seq_len  # window starts 0 .. n - seq_len - 1
+        # given: batches carry doc_ids (data.pack=documents)
+        self.eos_id = eos_id
+        # token ids must be below it (checked per batch)
+        self.vocab_size = vocab_size
+        # window starts 0 .. n - seq_len - 1
+        self.n_starts = len(tokens) - seq_len
 
     def starts(self, step: int, world_size: int = 1) -> np.ndarray:
         """The global batch's window starts for micro-step `step`: [batch_size * world_size], distinct."""
         n = self.batch_size * world_size
         if n > self.n_starts:
-            raise GptkitError(f"the train split has only {self.n_starts} distinct windows of "
-                              f"{self.seq_len + 1} tokens, fewer than a global batch of {n}; give more text "
-                              "or a smaller batch")
+            raise GptkitError(
+                f"the train split has only {self.n_starts} distinct windows of "
+                f"{self.seq_len + 1} tokens, fewer than a global batch of {n}; give more text "
+                "or a smaller batch"
+            )
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
         return rng.choice(self.n_starts, size=n, replace=False)  # [batch_size * world_size]
 
@@ -91,14 +116,15 @@ class WindowSampler:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         # [batch_size]
-        mine = self.starts(step, world_size)[rank * self.batch_size:(rank + 1) * self.batch_size]
+        mine = self.starts(step, world_size)[rank * self.batch_size : (rank + 1) * self.batch_size]
         return windows(self.tokens, mine, self.seq_len, self.eos_id, vocab_size=self.vocab_size)
 
 
 def val_starts(n_tokens: int, seq_len: int, n_windows: int | None) -> np.ndarray:
     """Fixed validation windows: `n_windows` evenly spaced starts, or (None) every non-overlapping window."""
     check_window(n_tokens, seq_len, "val")
-    last = n_tokens - seq_len - 1  # the last valid start
+    # the last valid start
+    last = n_tokens - seq_len - 1
     if n_windows is None:
         return np.arange(0, last + 1, seq_len + 1)  # [n_tokens // (seq_len + 1)]
     if n_windows < 1:

@@ -13,5 +13,11 @@ from gptkit.evaluation.corpus import (
     window_starts,
 )
 
-__all__ = ["SCORINGS", "evaluate", "evaluate_sequences", "lm_eval_documents", "scored_text_size",
-           "window_starts"]
+__all__ = [
+    "SCORINGS",
+    "evaluate",
+    "evaluate_sequences",
+    "lm_eval_documents",
+    "scored_text_size",
+    "window_starts",
+]

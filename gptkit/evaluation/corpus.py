@@ -30,8 +30,9 @@ def window_starts(n_tokens: int, seq_len: int, stride: int, max_windows: int | N
     return starts[: int(max_windows)] if max_windows else starts
 
 
-def scored_windows(n_tokens: int, seq_len: int, stride: int,
-                   align_last: bool = False) -> list[tuple[int, int]]:
+def scored_windows(
+    n_tokens: int, seq_len: int, stride: int, align_last: bool = False
+) -> list[tuple[int, int]]:
     """(start, first) per window_starts window: it scores targets first.. of the window (the earlier ones were
     scored by the window before). align_last (scoring=lm-eval, as lm-eval's rolling windows): a last window
     shorter than seq_len starts earlier instead, so that it ends at the last token and its new targets see a
@@ -39,8 +40,10 @@ def scored_windows(n_tokens: int, seq_len: int, stride: int,
     starts = window_starts(n_tokens, seq_len, stride)
     out = [(s, 0 if s == 0 else seq_len - stride) for s in starts]
     if align_last and len(starts) > 1 and n_tokens - 1 - starts[-1] < seq_len:
-        start = n_tokens - 1 - seq_len  # the window ends at the last token
-        done = starts[-2] + seq_len  # the last target the window before it scored
+        # the window ends at the last token
+        start = n_tokens - 1 - seq_len
+        # the last target the window before it scored
+        done = starts[-2] + seq_len
         out[-1] = (start, done - start)
     return out
 
@@ -54,13 +57,22 @@ def lm_eval_documents(tokens, eos_id: int | None, prefix_id: int) -> list[np.nda
     else:
         cuts = np.flatnonzero(tokens == eos_id)
         pieces = np.split(tokens, cuts)
-        pieces = [pieces[0]] + [p[1:] for p in pieces[1:]]  # each piece after a cut starts with the EOS
+        # each piece after a cut starts with the EOS
+        pieces = [pieces[0]] + [p[1:] for p in pieces[1:]]
     prefix = np.array([prefix_id], dtype=np.int64)
     return [np.concatenate([prefix, p]) for p in pieces if len(p)]
 
 
-def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_windows=None, progress=None,
-             eos_id: int | None = None) -> dict:
+def evaluate(
+    model,
+    tokens,
+    seq_len: int,
+    stride: int,
+    batch_size: int,
+    max_windows=None,
+    progress=None,
+    eos_id: int | None = None,
+) -> dict:
     """Sum of the NLL over every scored target; each target tokens[1:] is scored exactly once. With eos_id
     (a run trained with data.pack=documents) attention stays inside each document of a window, as in
     training."""
@@ -69,14 +81,26 @@ def evaluate(model, tokens, seq_len: int, stride: int, batch_size: int, max_wind
     return res
 
 
-def evaluate_sequences(model, sequences, seq_len: int, stride: int, batch_size: int, max_windows=None,
-                       progress=None, eos_id: int | None = None, align_last: bool = False) -> dict:
+def evaluate_sequences(
+    model,
+    sequences,
+    seq_len: int,
+    stride: int,
+    batch_size: int,
+    max_windows=None,
+    progress=None,
+    eos_id: int | None = None,
+    align_last: bool = False,
+) -> dict:
     """evaluate() over several sequences, each windowed on its own (the windows of all of them batched
     together): targets seq[1:] of every sequence are scored once. `last_targets[i]` is the index of the last
     target of sequence i that was scored (0: none, when max_windows stopped before it). align_last: see
     scored_windows."""
-    plan = [(i, s, first) for i, seq in enumerate(sequences)
-            for s, first in scored_windows(len(seq), seq_len, stride, align_last)]
+    plan = [
+        (i, s, first)
+        for i, seq in enumerate(sequences)
+        for s, first in scored_windows(len(seq), seq_len, stride, align_last)
+    ]
     if max_windows:
         plan = plan[: int(max_windows)]
     device = model.tok_emb.weight.device
@@ -97,24 +121,35 @@ def evaluate_sequences(model, sequences, seq_len: int, stride: int, batch_size: 
                 last_targets[i] = s + n
             docs = None if eos_id is None else doc_ids(x, eos_id).to(device)  # [B, seq_len]
             logits = model(x.to(device), doc_ids=docs).logits  # [B, seq_len, V]
-            nll += F.cross_entropy(logits.float().flatten(0, 1), y.to(device).flatten(), ignore_index=-100,
-                                   reduction="sum").item()
+            nll += F.cross_entropy(
+                logits.float().flatten(0, 1), y.to(device).flatten(), ignore_index=-100, reduction="sum"
+            ).item()
             scored += int((y != -100).sum())
             if progress is not None:
                 progress(len(chunk))
     seconds = time.perf_counter() - t0
     loss = nll / scored if scored else float("nan")
-    return {"tokens_scored": scored, "windows": len(plan), "seq_len": seq_len, "stride": stride,
-            "nll_sum": nll,
-            "loss": loss, "perplexity": math.exp(loss), "bits_per_token": loss / math.log(2),
-            "seconds": seconds, "tokens_per_s": scored / seconds if seconds else 0.0,
-            "last_targets": last_targets, "documents": eos_id is not None}
+    return {
+        "tokens_scored": scored,
+        "windows": len(plan),
+        "seq_len": seq_len,
+        "stride": stride,
+        "nll_sum": nll,
+        "loss": loss,
+        "perplexity": math.exp(loss),
+        "bits_per_token": loss / math.log(2),
+        "seconds": seconds,
+        "tokens_per_s": scored / seconds if seconds else 0.0,
+        "last_targets": last_targets,
+        "documents": eos_id is not None,
+    }
 
 
 def scored_text_size(tokenizer, tokens, last_target: int) -> tuple[int, int]:
     """(UTF-8 bytes, characters) of the text of the scored targets tokens[1 : last_target + 1]."""
     n_bytes = n_chars = 0
-    step = 1 << 20  # decode in pieces: bounded memory on a big corpus
+    # decode in pieces: bounded memory on a big corpus
+    step = 1 << 20
     for a in range(1, last_target + 1, step):
         text = tokenizer.decode(np.asarray(tokens[a : min(a + step, last_target + 1)]).tolist())
         n_bytes += len(text.encode("utf-8"))

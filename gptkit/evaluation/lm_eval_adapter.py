@@ -38,16 +38,20 @@ from gptkit.model.kv_cache import KVCache
 from gptkit.sampling import SampleOptions
 from gptkit.tokenizer import describe_characters, unknown_characters
 
-DEFAULT_MAX_GEN_TOKS = 256  # as lm-eval's hf backend
+# as lm-eval's hf backend
+DEFAULT_MAX_GEN_TOKS = 256
 
 
 @dataclass
 class AdapterStats:
     """What the adapter did, for the report under the results table."""
 
-    requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # per request type
-    truncated: int = 0  # requests whose input lost tokens on the left (longer than the model's context)
-    forward_tokens: int = 0  # tokens that went through the model
+    # per request type
+    requests: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    # requests whose input lost tokens on the left (longer than the model's context)
+    truncated: int = 0
+    # tokens that went through the model
+    forward_tokens: int = 0
     seconds: float = 0.0
 
 
@@ -57,8 +61,9 @@ class GptkitLM(TemplateLM):
     run_config is the run's config.yaml as a dict (its tokenizer.eos_token names the EOS); batch_size is the
     number of continuations scored per forward pass."""
 
-    def __init__(self, model, tokenizer, run_config: dict | None = None, batch_size: int = 16,
-                 seed: int = 1234):
+    def __init__(
+        self, model, tokenizer, run_config: dict | None = None, batch_size: int = 16, seed: int = 1234
+    ):
         super().__init__()
         self.model, self.tokenizer_ = model, tokenizer
         self.cfg = model.cfg
@@ -67,16 +72,19 @@ class GptkitLM(TemplateLM):
         self.seed = seed
         self.stats = AdapterStats()
         unk = getattr(tokenizer.model, "unk_token", None)
-        self._unk_id = tokenizer.token_to_id(unk) if unk else None  # text mapped to it is text lost
+        # text mapped to it is text lost
+        self._unk_id = tokenizer.token_to_id(unk) if unk else None
         self._device = model.tok_emb.weight.device
 
     # ---- what lm-eval asks of a model -----------------------------------------------------------------
     @property
     def eot_token_id(self) -> int:
         if self.eos_id is None:
-            raise GptkitError("this task needs an end-of-text token (generation stops there, an empty "
-                              "context starts there) and the run's tokenizer has none; train with "
-                              "tokenizer.eos_token set")
+            raise GptkitError(
+                "this task needs an end-of-text token (generation stops there, an empty "
+                "context starts there) and the run's tokenizer has none; train with "
+                "tokenizer.eos_token set"
+            )
         return self.eos_id
 
     @property
@@ -85,17 +93,20 @@ class GptkitLM(TemplateLM):
         if self.bos_id is not None:
             return self.bos_id
         if self.eos_id is None:
-            raise GptkitError("this task scores text from its start, which needs a BOS or end-of-text token "
-                              "first, and the run's tokenizer has neither; train with "
-                              "tokenizer.eos_token set")
+            raise GptkitError(
+                "this task scores text from its start, which needs a BOS or end-of-text token "
+                "first, and the run's tokenizer has neither; train with "
+                "tokenizer.eos_token set"
+            )
         return self.eos_id
 
     @property
     def max_length(self) -> int:
         return self.cfg.max_seq_len
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None,
-                   **kwargs) -> list[int]:
+    def tok_encode(
+        self, string: str, add_special_tokens: bool | None = None, left_truncate_len=None, **kwargs
+    ) -> list[int]:
         """The tokenizer's ids for string; special tokens as its post-processor adds them (none for gptkit's
         own tokenizers), except for a string that already starts with the prefix token (as lm-eval)."""
         if add_special_tokens is None:
@@ -112,9 +123,11 @@ class GptkitLM(TemplateLM):
             ids = None
         if ids is None or (self._unk_id is not None and self._unk_id in ids):
             unknown = unknown_characters(self.tokenizer_, string)
-            raise GptkitError(f"the task's text has {len(unknown)} character(s) the run's tokenizer cannot "
-                              f"encode: {describe_characters(unknown)}; this run cannot be scored on this "
-                              f"task (a char tokenizer knows only its training corpus)")
+            raise GptkitError(
+                f"the task's text has {len(unknown)} character(s) the run's tokenizer cannot "
+                f"encode: {describe_characters(unknown)}; this run cannot be scored on this "
+                f"task (a char tokenizer knows only its training corpus)"
+            )
         return ids
 
     def _starts_with_prefix(self, string: str) -> bool:
@@ -127,8 +140,9 @@ class GptkitLM(TemplateLM):
         return self.tokenizer_.decode(ids, skip_special_tokens=True)
 
     # ---- log-likelihoods ------------------------------------------------------------------------------
-    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False,
-                              **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests, disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         """(sum of log p(continuation | context), whether greedy decoding gives the continuation) for each
         request ((context, continuation) strings, context ids, continuation ids)."""
         t0 = time.perf_counter()
@@ -136,26 +150,34 @@ class GptkitLM(TemplateLM):
         groups: dict[tuple[int, ...], list[tuple[int, list[int], list[int]]]] = defaultdict(list)
         for i, (_, ctx, cont) in enumerate(requests):
             if not cont:
-                raise GptkitError("a loglikelihood request has an empty continuation (the task's "
-                                  "choices must not be empty)")
+                raise GptkitError(
+                    "a loglikelihood request has an empty continuation (the task's choices must not be empty)"
+                )
             whole = list(ctx) + list(cont)
             if len(whole) > n + 1:
                 self.stats.truncated += 1
-            inp = whole[-(n + 1):][:-1]  # [L]: the model's input, as lm-eval's hf backend cuts it
+            inp = whole[-(n + 1) :][:-1]  # [L]: the model's input, as lm-eval's hf backend cuts it
             c = min(len(cont), len(inp))
-            groups[tuple(inp[: len(inp) - c])].append((i, inp[len(inp) - c:], list(cont)[-c:]))
+            groups[tuple(inp[: len(inp) - c])].append((i, inp[len(inp) - c :], list(cont)[-c:]))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
-        alone = sorted(((p, *groups.pop(p)[0]) for p in [p for p, g in groups.items() if len(g) == 1]),
-                       key=lambda item: -len(item[0]) - len(item[2]))  # longest first
+        alone = sorted(
+            ((p, *groups.pop(p)[0]) for p in [p for p, g in groups.items() if len(g) == 1]),
+            key=lambda item: -len(item[0]) - len(item[2]),
+            # longest first
+        )
         for a in range(0, len(alone), self.batch_size):
             self._score_whole(alone[a : a + self.batch_size], out)
-        prefixes = sorted(groups, key=lambda p: (-len(p), p))  # longest first; equal lengths side by side
+        # longest first; equal lengths side by side
+        prefixes = sorted(groups, key=lambda p: (-len(p), p))
         b = 0
         while b < len(prefixes):
             batch = [prefixes[b]]
             rows = len(groups[prefixes[b]])
-            while (b + len(batch) < len(prefixes) and len(prefixes[b + len(batch)]) == len(batch[0])
-                   and rows + len(groups[prefixes[b + len(batch)]]) <= self.batch_size):
+            while (
+                b + len(batch) < len(prefixes)
+                and len(prefixes[b + len(batch)]) == len(batch[0])
+                and rows + len(groups[prefixes[b + len(batch)]]) <= self.batch_size
+            ):
                 rows += len(groups[prefixes[b + len(batch)]])
                 batch.append(prefixes[b + len(batch)])
             b += len(batch)
@@ -187,7 +209,8 @@ class GptkitLM(TemplateLM):
         """Run the prefixes (all of one length P) once, then every continuation of theirs on top, in chunks
         of batch_size rows; write (log-likelihood, greedy) into out."""
         P = len(prefixes[0])
-        rows = [(g, item) for g, p in enumerate(prefixes) for item in groups[p]]  # (prefix index, request)
+        # (prefix index, request)
+        rows = [(g, item) for g, p in enumerate(prefixes) for item in groups[p]]
         cache = None
         if P:
             cache = KVCache(self.cfg, len(prefixes), max_len=P, device=self._device, dtype=self._dtype())
@@ -230,9 +253,15 @@ class GptkitLM(TemplateLM):
         self.stats.requests["loglikelihood_rolling"] += len(requests)
         windows, owner = [], []
         for k, (string,) in enumerate(req.args for req in requests):
-            for ctx, cont in map(make_disjoint_window, get_rolling_token_windows(
-                    token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length, context_len=1)):
+            for ctx, cont in map(
+                make_disjoint_window,
+                get_rolling_token_windows(
+                    token_list=self.tok_encode(string),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self.max_length,
+                    context_len=1,
+                ),
+            ):
                 windows.append((None, ctx, cont))
                 owner.append(k)
         totals = [0.0] * len(requests)
@@ -252,17 +281,26 @@ class GptkitLM(TemplateLM):
             max_gen = int(kwargs.pop("max_gen_toks"))
             room = self.max_length - max_gen
             if room <= 0:
-                raise GptkitError(f"the task generates up to max_gen_toks={max_gen} tokens, which leaves "
-                                  f"no room for its prompt in model.max_seq_len={self.max_length}; lower "
-                                  f"the task's generation_kwargs.max_gen_toks")
+                raise GptkitError(
+                    f"the task generates up to max_gen_toks={max_gen} tokens, which leaves "
+                    f"no room for its prompt in model.max_seq_len={self.max_length}; lower "
+                    f"the task's generation_kwargs.max_gen_toks"
+                )
             ids = self._generation_prompt(context)
             if len(ids) > room:
                 self.stats.truncated += 1
                 ids = ids[-room:]
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
-            opts = SampleOptions(max_new_tokens=max_gen, temperature=temperature, seed=self.seed,
-                                 eos_id=self.eos_id, stop=tuple(s for s in until if s), overflow="stop",
-                                 decode="eager", top_p=float(kwargs.get("top_p") or 1.0))
+            opts = SampleOptions(
+                max_new_tokens=max_gen,
+                temperature=temperature,
+                seed=self.seed,
+                eos_id=self.eos_id,
+                stop=tuple(s for s in until if s),
+                overflow="stop",
+                decode="eager",
+                top_p=float(kwargs.get("top_p") or 1.0),
+            )
             g = generate(self.model, ids, opts, decode=self.tok_decode)
             self.stats.forward_tokens += len(ids) + g.decode_steps
             results.append(postprocess_generated_text(g.texts[0], until, None))

@@ -29,8 +29,10 @@ from gptkit.fsio import atomic_write_text
 # lm-eval (optional: gptkit[eval]) and datasets are imported where tasks run.
 
 INSTALL = 'pip install "gptkit[eval]"'
-OFFLINE_HINT = ("point the task at local files instead: a task YAML with dataset_path: json and "
-                "dataset_kwargs.data_files next to it, then tasks=path/to/that/folder (docs/tasks.md)")
+OFFLINE_HINT = (
+    "point the task at local files instead: a task YAML with dataset_path: json and "
+    "dataset_kwargs.data_files next to it, then tasks=path/to/that/folder (docs/tasks.md)"
+)
 
 
 def require_lm_eval() -> None:
@@ -38,8 +40,9 @@ def require_lm_eval() -> None:
     try:
         import lm_eval  # noqa: F401
     except ImportError as exc:
-        raise GptkitError(f"tasks= runs lm-eval tasks and lm-eval cannot be imported ({exc}): "
-                          f"{INSTALL}") from None
+        raise GptkitError(
+            f"tasks= runs lm-eval tasks and lm-eval cannot be imported ({exc}): {INSTALL}"
+        ) from None
 
 
 def parse_tasks(value: Any) -> list[str]:
@@ -100,8 +103,10 @@ def local_task_config(path: Path) -> dict[str, Any] | None:
     try:
         cfg = load_yaml(path)
     except Exception as exc:  # noqa: BLE001 - a bad YAML is the user's, said in one line
-        raise GptkitError(f"{path} is not a task YAML lm-eval can read ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise GptkitError(
+            f"{path} is not a task YAML lm-eval can read ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     if not isinstance(cfg.get("task"), str):
         return None
     base = path.resolve().parent
@@ -120,9 +125,12 @@ def local_task_config(path: Path) -> dict[str, Any] | None:
 
 @dataclass
 class TaskSpecs:
-    names: list[str] = field(default_factory=list)  # registry names
-    local: list[dict[str, Any]] = field(default_factory=list)  # configs from local YAMLs
-    sources: dict[str, str] = field(default_factory=dict)  # task name -> YAML path, for local tasks
+    # registry names
+    names: list[str] = field(default_factory=list)
+    # configs from local YAMLs
+    local: list[dict[str, Any]] = field(default_factory=list)
+    # task name -> YAML path, for local tasks
+    sources: dict[str, str] = field(default_factory=dict)
 
 
 def find_tasks(entries: list[str]) -> TaskSpecs:
@@ -135,8 +143,9 @@ def find_tasks(entries: list[str]) -> TaskSpecs:
             found = [(f, local_task_config(f)) for f in files]
             found = [(f, c) for f, c in found if c is not None]
             if not found:
-                raise ConfigError(f"tasks={entry}: the folder holds no task YAML (a .yaml file with a "
-                                  f"`task:` name)")
+                raise ConfigError(
+                    f"tasks={entry}: the folder holds no task YAML (a .yaml file with a `task:` name)"
+                )
         elif p.suffix in (".yaml", ".yml"):
             if not p.is_file():
                 raise ConfigError(f"tasks={entry}: no such file")
@@ -170,20 +179,34 @@ def check_names(names: list[str], manager) -> None:
             continue
         close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.6)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        raise ConfigError(f"unknown task {name!r}: not in lm-eval's registry ({len(known):,} tasks and "
-                          f"groups), nor a task YAML or folder{hint}")
+        raise ConfigError(
+            f"unknown task {name!r}: not in lm-eval's registry ({len(known):,} tasks and "
+            f"groups), nor a task YAML or folder{hint}"
+        )
 
 
 def _is_offline_error(exc: BaseException) -> bool:
     seen: set[int] = set()
     e: BaseException | None = exc
-    words = ("offline", "couldn't reach", "connection", "connect", "resolve", "network", "name or service",
-             "not found on the hub", "localentrynotfound", "max retries")
+    words = (
+        "offline",
+        "couldn't reach",
+        "connection",
+        "connect",
+        "resolve",
+        "network",
+        "name or service",
+        "not found on the hub",
+        "localentrynotfound",
+        "max retries",
+    )
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         text = f"{type(e).__name__} {e}".lower()
-        if any(w in text for w in words) or type(e).__name__ in ("DatasetNotFoundError",
-                                                                  "OfflineModeIsEnabled"):
+        if any(w in text for w in words) or type(e).__name__ in (
+            "DatasetNotFoundError",
+            "OfflineModeIsEnabled",
+        ):
             return True
         e = e.__cause__ or e.__context__
     return False
@@ -205,10 +228,12 @@ def load_tasks(specs: TaskSpecs, manager) -> dict:
             if _is_offline_error(exc):
                 where = specs.sources.get(name, "lm-eval's registry")
                 offline = os.environ.get("HF_DATASETS_OFFLINE", "")
-                raise GptkitError(f"task {name} ({where}) needs its data set from the Hugging Face Hub, "
-                                  f"which cannot be reached (HF_DATASETS_OFFLINE={offline!r}, or no network) "
-                                  f"and is not in the local cache; run it once online to cache it, or "
-                                  f"{OFFLINE_HINT}") from None
+                raise GptkitError(
+                    f"task {name} ({where}) needs its data set from the Hugging Face Hub, "
+                    f"which cannot be reached (HF_DATASETS_OFFLINE={offline!r}, or no network) "
+                    f"and is not in the local cache; run it once online to cache it, or "
+                    f"{OFFLINE_HINT}"
+                ) from None
             raise GptkitError(f"task {name} could not be loaded: {type(exc).__name__}: {first}") from None
     return out
 
@@ -227,12 +252,14 @@ def leaf_tasks(task_dict: dict) -> dict[str, Any]:
 def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
     """num_fewshot (or a task's own, when null) larger than the task's pool of examples is one line (lm-eval
     would fail deep inside)."""
-    if num_fewshot is not None and (not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool)
-                                    or num_fewshot < 0):
+    if num_fewshot is not None and (
+        not isinstance(num_fewshot, int) or isinstance(num_fewshot, bool) or num_fewshot < 0
+    ):
         raise ConfigError(f"num_fewshot={num_fewshot} must be an integer >= 0 (or null: each task's own)")
     for name, task in tasks.items():
         own = task.config.num_fewshot
-        n = num_fewshot if num_fewshot is not None and own != 0 else int(own or 0)  # lm-eval keeps an own 0
+        # lm-eval keeps an own 0
+        n = num_fewshot if num_fewshot is not None and own != 0 else int(own or 0)
         if n == 0:
             continue
         pool = list(task.fewshot_docs() or [])
@@ -241,17 +268,21 @@ def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
         if len(pool) < need:
             same = " (drawn from the evaluated split, so one fewer than its size)" if need > n else ""
             given = f"num_fewshot={n}" if num_fewshot is not None else f"its num_fewshot: {n}"
-            raise ConfigError(f"{given} but task {name} has {len(pool)} few-shot example(s){same}; use "
-                              f"num_fewshot<={max(0, len(pool) - (need - n))}")
+            raise ConfigError(
+                f"{given} but task {name} has {len(pool)} few-shot example(s){same}; use "
+                f"num_fewshot<={max(0, len(pool) - (need - n))}"
+            )
 
 
 def check_tokenizer(tasks: dict[str, Any], lm) -> None:
     """A task that needs a special token the run's tokenizer lacks is one line before any scoring."""
     for name, task in tasks.items():
         if task.config.output_type == "loglikelihood_rolling" and lm.bos_id is None and lm.eos_id is None:
-            raise GptkitError(f"task {name} scores whole texts (loglikelihood_rolling), which start with a "
-                              f"BOS or end-of-text token, and the run's tokenizer has neither; train with "
-                              f"tokenizer.eos_token set to score it")
+            raise GptkitError(
+                f"task {name} scores whole texts (loglikelihood_rolling), which start with a "
+                f"BOS or end-of-text token, and the run's tokenizer has neither; train with "
+                f"tokenizer.eos_token set to score it"
+            )
 
 
 def _eval_split(task) -> str | None:
@@ -271,19 +302,37 @@ def _fewshot_split(task) -> str | None:
 
 
 # ---- running them ---------------------------------------------------------------------------------------
-def run_tasks(lm, specs: TaskSpecs, manager, *, num_fewshot: int | None = None,
-              limit: int | float | None = None, bootstrap_iters: int = 100000, seed: int = 1234,
-              log_samples: bool = False) -> dict:
+def run_tasks(
+    lm,
+    specs: TaskSpecs,
+    manager,
+    *,
+    num_fewshot: int | None = None,
+    limit: int | float | None = None,
+    bootstrap_iters: int = 100000,
+    seed: int = 1234,
+    log_samples: bool = False,
+) -> dict:
     """lm-eval's simple_evaluate on the tasks as given (registry names, local configs) with the given LM
     (manager: the TaskManager that found them; without one lm-eval would index its whole registry again);
     lm-eval's results dict. load_tasks() before it has said any error in one line."""
     from lm_eval import simple_evaluate
 
-    tasks = [*specs.names, *specs.local]  # as given: a group (mmlu) is then aggregated over its tasks
-    return simple_evaluate(model=lm, tasks=tasks, num_fewshot=num_fewshot, limit=limit,
-                           log_samples=log_samples, bootstrap_iters=bootstrap_iters, task_manager=manager,
-                           random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-                           fewshot_random_seed=seed)
+    # as given: a group (mmlu) is then aggregated over its tasks
+    tasks = [*specs.names, *specs.local]
+    return simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        log_samples=log_samples,
+        bootstrap_iters=bootstrap_iters,
+        task_manager=manager,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+    )
 
 
 def result_rows(results: dict) -> list[dict[str, Any]]:
@@ -298,10 +347,15 @@ def result_rows(results: dict) -> list[dict[str, Any]]:
                     continue
                 metric, filt = key.split(",", 1)
                 stderr = metrics.get(f"{metric}_stderr,{filt}")
-                rows.append({"task": task, "metric": metric if filt == "none" else f"{metric} ({filt})",
-                             "value": float(value),
-                             "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
-                             "n": (results.get("n-samples") or {}).get(task, {}).get("effective")})
+                rows.append(
+                    {
+                        "task": task,
+                        "metric": metric if filt == "none" else f"{metric} ({filt})",
+                        "value": float(value),
+                        "stderr": float(stderr) if isinstance(stderr, (int, float)) else None,
+                        "n": (results.get("n-samples") or {}).get(task, {}).get("effective"),
+                    }
+                )
     return rows
 
 
@@ -310,14 +364,16 @@ def check_limit(limit: Any) -> int | float | None:
     if limit is None:
         return None
     if isinstance(limit, bool) or not isinstance(limit, (int, float)):
-        raise ConfigError(f"limit={limit!r} must be a number: examples per task (>= 1) or a fraction "
-                          f"(0 < limit < 1)")
+        raise ConfigError(
+            f"limit={limit!r} must be a number: examples per task (>= 1) or a fraction (0 < limit < 1)"
+        )
     if isinstance(limit, float) and 0 < limit < 1:
         return limit
     if limit >= 1 and float(limit).is_integer():
         return int(limit)
-    raise ConfigError(f"limit={limit} must be an integer >= 1 (examples per task) or a fraction "
-                      f"0 < limit < 1")
+    raise ConfigError(
+        f"limit={limit} must be an integer >= 1 (examples per task) or a fraction 0 < limit < 1"
+    )
 
 
 def check_out(out: Any) -> Path | None:
@@ -332,29 +388,37 @@ def check_out(out: Any) -> Path | None:
     return path
 
 
-def write_results(results: dict, rows: list[dict], run, stats, out: Any, *, limit=None,
-                  seconds: float = 0.0) -> list[Path]:
+def write_results(
+    results: dict, rows: list[dict], run, stats, out: Any, *, limit=None, seconds: float = 0.0
+) -> list[Path]:
     """The results as JSON: out= (all tasks in one file), else <run>/evals/<task>-<date>.json per task.
     Each file is written to a temporary name and renamed."""
     from lm_eval import __version__ as lm_eval_version
 
-
     now = datetime.datetime.now(datetime.timezone.utc)
     stamp = now.strftime("%Y%m%d-%H%M%S")
-    common = {"run": str(run.dir), "checkpoint": str(run.checkpoint),
-              "date": now.isoformat(timespec="seconds"),
-              "scored_by": "gptkit (gptkit.evaluation.lm_eval_adapter)", "lm_eval": lm_eval_version,
-              "limit": limit, "requests": dict(stats.requests), "truncated": stats.truncated,
-              "seconds": seconds}
+    common = {
+        "run": str(run.dir),
+        "checkpoint": str(run.checkpoint),
+        "date": now.isoformat(timespec="seconds"),
+        "scored_by": "gptkit (gptkit.evaluation.lm_eval_adapter)",
+        "lm_eval": lm_eval_version,
+        "limit": limit,
+        "requests": dict(stats.requests),
+        "truncated": stats.truncated,
+        "seconds": seconds,
+    }
 
     def one(task: str) -> dict:
-        return {"task": task, "rows": [r for r in rows if r["task"] == task],
-                "results": ((results.get("results") or {}).get(task)
-                            or (results.get("groups") or {}).get(task)),
-                "n_shot": (results.get("n-shot") or {}).get(task),
-                "n_samples": (results.get("n-samples") or {}).get(task),
-                "version": (results.get("versions") or {}).get(task),
-                "config": (results.get("configs") or {}).get(task)}
+        return {
+            "task": task,
+            "rows": [r for r in rows if r["task"] == task],
+            "results": ((results.get("results") or {}).get(task) or (results.get("groups") or {}).get(task)),
+            "n_shot": (results.get("n-shot") or {}).get(task),
+            "n_samples": (results.get("n-samples") or {}).get(task),
+            "version": (results.get("versions") or {}).get(task),
+            "config": (results.get("configs") or {}).get(task),
+        }
 
     tasks = list(dict.fromkeys(r["task"] for r in rows)) or list(results.get("results") or {})
     if out is not None:
@@ -397,13 +461,14 @@ class TaskSubset:
             cloned = [r for r in reqs for _ in range(r.repeats)]
             for x, r in zip(getattr(lm, reqtype)(cloned), cloned):
                 r.resps.append(x)
-        self.task._instances = self.instances  # apply_filters works on the task's instances: make them ours
+        # apply_filters works on the task's instances: make them ours
+        self.task._instances = self.instances
         self.task.apply_filters()
         by_doc = defaultdict(list)
         for inst in self.instances:
             by_doc[inst.doc_id].append(inst)
         raw: dict[str, list] = defaultdict(list)
-        for filter_key in (self.instances[0].filtered_resps if self.instances else {}):
+        for filter_key in self.instances[0].filtered_resps if self.instances else {}:
             for doc_id, doc in self.docs:
                 insts = sorted(by_doc[doc_id], key=lambda i: i.idx)
                 metrics = self.task.process_results(doc, [i.filtered_resps[filter_key] for i in insts])

@@ -29,11 +29,14 @@ from gptkit.model.config import ATTENTIONS, ModelConfig
 from gptkit.model.documents import Documents
 from gptkit.model.fused import triton_available, warn_once
 from gptkit.model.kv_cache import KVCache
-from gptkit.model.layers import RotaryEmbedding, make_norm  # the QK-norms are layers.py norms
+
+# the QK-norms are layers.py norms
+from gptkit.model.layers import RotaryEmbedding, make_norm
 
 # gptkit_kernels is imported on use: it needs triton (optional); the model runs without it.
 
-try:  # recent torch: FlashAttention over variable-length sequences (CUDA), for packed documents
+# recent torch: FlashAttention over variable-length sequences (CUDA), for packed documents
+try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:  # pragma: no cover - older torch: packed documents take a dense mask
     varlen_attn = None
@@ -41,14 +44,16 @@ except ImportError:  # pragma: no cover - older torch: packed documents take a d
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
-def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
-                    docs=None):
+def eager_attention(
+    q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None
+):
     """The readable reference: q @ k^T, the mask, an fp32 softmax, @ v; can return the probabilities."""
     B, H, Tq, D = q.shape
     if docs is not None:
         mask = docs.mask()  # [B, 1, T, T]: causal, inside each document
     Hkv, Tk = k.shape[1], k.shape[2]
-    if Hkv != H:  # GQA: each group of H // Hkv query heads reads the same K/V head
+    # GQA: each group of H // Hkv query heads reads the same K/V head
+    if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
         v = v.repeat_interleave(H // Hkv, dim=1)
     scale = D**-0.5 if scale is None else scale
@@ -58,8 +63,10 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
         # holds when a KV cache makes Tk > Tq.
         mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))  # a bool mask has no dtype to get wrong
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # fp32 softmax
+        # a bool mask has no dtype to get wrong
+        scores = scores.masked_fill(~mask, float("-inf"))
+    # fp32 softmax
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     if dropout_p > 0.0:
         probs_d = F.dropout(probs, p=dropout_p)
     else:
@@ -68,8 +75,9 @@ def eager_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=Non
     return out, (probs if return_probs else None)
 
 
-def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
-                   docs=None):
+def sdpa_attention(
+    q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None
+):
     """torch's scaled_dot_product_attention (GQA without K/V copies). Packed documents: on CUDA in fp16/bf16
     torch's variable-length FlashAttention (no mask, no work across documents); elsewhere a dense mask."""
     if return_probs:
@@ -79,26 +87,34 @@ def sdpa_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None
         if mask is None and dropout_p == 0.0 and Tq == Tk and varlen_usable(q):
             return varlen_documents(q, k, v, docs, scale), None
         if q.is_cuda:
-            warn_once("sdpa-docs", f"model.attention=sdpa with packed documents in {q.dtype} on CUDA takes a "
-                      "dense [B, 1, T, T] mask and computes every tile across documents (torch's "
-                      "variable-length FlashAttention needs fp16/bf16, no dropout, an sm80+ GPU); "
-                      "precision bf16-mixed or model.attention=triton skips them")
+            warn_once(
+                "sdpa-docs",
+                f"model.attention=sdpa with packed documents in {q.dtype} on CUDA takes a "
+                "dense [B, 1, T, T] mask and computes every tile across documents (torch's "
+                "variable-length FlashAttention needs fp16/bf16, no dropout, an sm80+ GPU); "
+                "precision bf16-mixed or model.attention=triton skips them",
+            )
         # On the CPU the dense mask is the right form: SDPA's CPU FlashAttention kernel takes it (measured
         # as fast as the plain causal kernel at T=128, docs/chat.md); built once per forward, additive in
         # the dtype of q, and shared by every layer
         mask = docs.mask(q.dtype)  # [B, 1, T, T]
     if mask is None and causal and Tq != Tk:
-        if Tq == 1:  # one new token attends to the whole cache
+        # one new token attends to the whole cache
+        if Tq == 1:
             causal = False
-        else:  # SDPA's is_causal is top-left aligned; a cached prefix needs bottom-right
+        # SDPA's is_causal is top-left aligned; a cached prefix needs bottom-right
+        else:
             mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
     out = F.scaled_dot_product_attention(
-        q, k, v,
+        q,
+        k,
+        v,
         attn_mask=mask,
         dropout_p=dropout_p,
         is_causal=causal and mask is None,
         scale=scale,
-        enable_gqa=k.shape[1] != q.shape[1],  # no K/V copy per query head where torch allows
+        # no K/V copy per query head where torch allows
+        enable_gqa=k.shape[1] != q.shape[1],
     )
     return out, None
 
@@ -123,26 +139,49 @@ def varlen_documents(q, k, v, docs: Documents, scale=None) -> torch.Tensor:
     k_flat = k.transpose(1, 2).reshape(B * T, Hkv, D)  # [B*T, n_kv_heads, D]
     v_flat = v.transpose(1, 2).reshape(B * T, Hkv, D)
     # T bounds every document's length (no host sync for the longest); window (-1, 0) is causal
-    out = varlen_attn(q_flat, k_flat, v_flat, cu, cu, T, T, scale=scale, window_size=(-1, 0),
-                      enable_gqa=Hkv != H)  # [B*T, n_heads, D]
+    out = varlen_attn(
+        q_flat, k_flat, v_flat, cu, cu, T, T, scale=scale, window_size=(-1, 0), enable_gqa=Hkv != H
+    )  # [B*T, n_heads, D]
     return out.view(B, T, H, D).transpose(1, 2)  # [B, n_heads, T, D]
 
 
-def triton_attention(q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False,
-                     docs=None):
+def triton_attention(
+    q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None
+):
     """Our FlashAttention kernels (documents included); cases they do not cover go to sdpa.
 
     Falls back to sdpa (with one warning per process) when triton is missing or no CUDA device is
     present and TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
     """
     if not triton_available(q.device):
-        warn_once("triton", "model.attention=triton needs triton and CUDA tensors (or TRITON_INTERPRET=1); "
-                  "falling back to sdpa")
-        return sdpa_attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
-                              return_probs=return_probs, docs=docs)
+        warn_once(
+            "triton",
+            "model.attention=triton needs triton and CUDA tensors (or TRITON_INTERPRET=1); "
+            "falling back to sdpa",
+        )
+        return sdpa_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            return_probs=return_probs,
+            docs=docs,
+        )
     if mask is not None or dropout_p > 0.0 or return_probs or q.shape[2] != k.shape[2]:
-        return sdpa_attention(q, k, v, causal=causal, mask=mask, dropout_p=dropout_p, scale=scale,
-                              return_probs=return_probs, docs=docs)
+        return sdpa_attention(
+            q,
+            k,
+            v,
+            causal=causal,
+            mask=mask,
+            dropout_p=dropout_p,
+            scale=scale,
+            return_probs=return_probs,
+            docs=docs,
+        )
     from gptkit_kernels import flash_attention
 
     bounds = None if docs is None else (docs.start, docs.end)
@@ -181,13 +220,22 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.attend = get_attention(cfg.attention)
 
-    def forward(self, x, *, rope: Optional[RotaryEmbedding] = None, cache: Optional[KVCache] = None,
-                positions: int | torch.Tensor = 0, docs: Optional[Documents] = None,
-                return_probs: bool = False):
+    def forward(
+        self,
+        x,
+        *,
+        rope: Optional[RotaryEmbedding] = None,
+        cache: Optional[KVCache] = None,
+        positions: int | torch.Tensor = 0,
+        docs: Optional[Documents] = None,
+        return_probs: bool = False,
+    ):
         """x [B, T, d_model] at `positions` (see GPT.forward) -> ([B, T, d_model], probs or None)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split([self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim,
-                                          self.n_kv_heads * self.head_dim], dim=-1)
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
+            dim=-1,
+        )
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)  # [B, T, d_attn], [B, T, d_kv]
         q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, n_heads, head_dim]
@@ -197,14 +245,25 @@ class CausalSelfAttention(nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, n_heads, T, head_dim], [B, n_kv_heads, T, head_dim]
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         if rope is not None:
-            q, k = rope(q, k, positions)  # rotate before caching: the cache holds rotated keys
+            # rotate before caching: the cache holds rotated keys
+            q, k = rope(q, k, positions)
         mask = None
         if cache is not None:
             # [B, n_kv_heads, cached + T (static: max_len), head_dim]
             k, v = cache.update(self.layer, k, v)
-            mask = cache.mask  # None: causal over the prefix; static: [T, max_len] from the positions
+            # None: causal over the prefix; static: [T, max_len] from the positions
+            mask = cache.mask
         attend = eager_attention if return_probs else self.attend
-        y, probs = attend(q, k, v, causal=True, mask=mask, dropout_p=self.dropout if self.training else 0.0,
-                          return_probs=return_probs, docs=docs)  # y: [B, n_heads, T, head_dim]
+        y, probs = attend(
+            q,
+            k,
+            v,
+            causal=True,
+            mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            return_probs=return_probs,
+            docs=docs,
+            # y: [B, n_heads, T, head_dim]
+        )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
         return F.dropout(self.o_proj(y), self.dropout, self.training), probs

@@ -15,8 +15,10 @@ POSITIONS = ("learned", "rope")
 MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 ATTENTIONS = ("eager", "sdpa", "triton")
-QK_NORMS = ("head", "full")  # RMSNorm of q and k: per head over head_dim (Qwen3) | all heads at once (OLMo-2)
-NORM_PLACEMENTS = ("pre", "post")  # pre: x + f(norm(x)) (GPT-2, Llama) | post: x + norm(f(x)) (OLMo-2)
+# RMSNorm of q and k: per head over head_dim (Qwen3) | all heads at once (OLMo-2)
+QK_NORMS = ("head", "full")
+# pre: x + f(norm(x)) (GPT-2, Llama) | post: x + norm(f(x)) (OLMo-2)
+NORM_PLACEMENTS = ("pre", "post")
 ROPE_SCALINGS = ("llama3",)
 ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")}
 # fused kernels model.kernels may switch on (gptkit/model/fused.py)
@@ -29,26 +31,38 @@ class ModelConfig:
     max_seq_len: int = 1024
     n_layers: int = 12
     n_heads: int = 12
-    n_kv_heads: int | None = None  # None: = n_heads (MHA); fewer: GQA; 1: MQA
+    # None: = n_heads (MHA); fewer: GQA; 1: MQA
+    n_kv_heads: int | None = None
     d_model: int = 768
-    d_ff: int | None = None  # None: 4 * d_model (gelu) or the Llama rule (swiglu)
-    head_dim: int | None = None  # None: d_model // n_heads
-    position: str = "learned"  # learned | rope
+    # None: 4 * d_model (gelu) or the Llama rule (swiglu)
+    d_ff: int | None = None
+    # None: d_model // n_heads
+    head_dim: int | None = None
+    # learned | rope
+    position: str = "learned"
     rope_theta: float = 10000.0
     # null: plain RoPE; {type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}:
     # Llama 3.1's frequency scaling (transformers' rope_type llama3)
     rope_scaling: dict[str, Any] | None = None
-    mlp: str = "gelu"  # gelu | swiglu
-    norm: str = "layernorm"  # layernorm | rmsnorm
+    # gelu | swiglu
+    mlp: str = "gelu"
+    # layernorm | rmsnorm
+    norm: str = "layernorm"
     norm_eps: float = 1e-5
-    bias: bool = True  # biases in the linear layers and LayerNorm
-    qkv_bias: bool | None = None  # biases of the q/k/v projections; null: = bias (Qwen2: true, bias false)
-    qk_norm: str | None = None  # null | head | full: RMSNorm of queries and keys before RoPE (QK_NORMS)
-    norm_placement: str = "pre"  # pre | post: where each block's two norms sit (NORM_PLACEMENTS)
+    # biases in the linear layers and LayerNorm
+    bias: bool = True
+    # biases of the q/k/v projections; null: = bias (Qwen2: true, bias false)
+    qkv_bias: bool | None = None
+    # null | head | full: RMSNorm of queries and keys before RoPE (QK_NORMS)
+    qk_norm: str | None = None
+    # pre | post: where each block's two norms sit (NORM_PLACEMENTS)
+    norm_placement: str = "pre"
     tie_embeddings: bool = True
     dropout: float = 0.0
-    attention: str = "sdpa"  # eager | sdpa | triton
-    kernels: list[str] = field(default_factory=list)  # fused kernels to use, any of KERNELS; [] = eager torch
+    # eager | sdpa | triton
+    attention: str = "sdpa"
+    # fused kernels to use, any of KERNELS; [] = eager torch
+    kernels: list[str] = field(default_factory=list)
     # with packed documents (data.pack=documents): positions restart per document
     position_reset: bool = False
     init_std: float = 0.02
@@ -86,25 +100,33 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
                 raise ConfigError(f"model.{name}={v!r} must be a positive integer (or null for the default)")
-        for name, allowed in (("position", POSITIONS), ("mlp", MLPS), ("norm", NORMS),
-                              ("attention", ATTENTIONS)):
+        for name, allowed in (
+            ("position", POSITIONS),
+            ("mlp", MLPS),
+            ("norm", NORMS),
+            ("attention", ATTENTIONS),
+        ):
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"model.{name}={v!r} is not one of {', '.join(allowed)}")
         if not isinstance(self.kernels, (list, tuple)) or any(k not in KERNELS for k in self.kernels):
-            raise ConfigError(f"model.kernels={self.kernels!r} must be a list of {', '.join(KERNELS)} "
-                              f"(e.g. model.kernels=[norm,loss]; [] for none)")
+            raise ConfigError(
+                f"model.kernels={self.kernels!r} must be a list of {', '.join(KERNELS)} "
+                f"(e.g. model.kernels=[norm,loss]; [] for none)"
+            )
         self.kernels = list(dict.fromkeys(self.kernels))
         if not isinstance(self.position_reset, bool):
             raise ConfigError(f"model.position_reset={self.position_reset!r} must be true or false")
         if self.qkv_bias is not None and not isinstance(self.qkv_bias, bool):
             raise ConfigError(f"model.qkv_bias={self.qkv_bias!r} must be true, false or null (= model.bias)")
         if self.qk_norm is not None and self.qk_norm not in QK_NORMS:
-            raise ConfigError(f"model.qk_norm={self.qk_norm!r} is not one of {', '.join(QK_NORMS)} "
-                              f"(or null: none)")
+            raise ConfigError(
+                f"model.qk_norm={self.qk_norm!r} is not one of {', '.join(QK_NORMS)} (or null: none)"
+            )
         if self.norm_placement not in NORM_PLACEMENTS:
-            raise ConfigError(f"model.norm_placement={self.norm_placement!r} is not one of "
-                              f"{', '.join(NORM_PLACEMENTS)}")
+            raise ConfigError(
+                f"model.norm_placement={self.norm_placement!r} is not one of {', '.join(NORM_PLACEMENTS)}"
+            )
         if self.rope_scaling is not None:
             self.rope_scaling = check_rope_scaling(self.rope_scaling, self.position)
         if self.head_dim is None and self.d_model % self.n_heads:
@@ -151,14 +173,17 @@ def check_rope_scaling(d: Any, position: str) -> dict[str, Any]:
     if position != "rope":
         raise ConfigError(f"model.rope_scaling needs model.position=rope (it is {position}); set it to null")
     if not isinstance(d, Mapping) or d.get("type") not in ROPE_SCALINGS:
-        raise ConfigError(f"model.rope_scaling={d!r} must be null or a mapping with type: one of "
-                          f"{', '.join(ROPE_SCALINGS)}")
+        raise ConfigError(
+            f"model.rope_scaling={d!r} must be null or a mapping with type: one of {', '.join(ROPE_SCALINGS)}"
+        )
     need = ROPE_SCALING_KEYS[d["type"]]
     have = set(d) - {"type"}
     if have != set(need):
-        raise ConfigError(f"model.rope_scaling of type {d['type']} takes exactly {', '.join(need)} "
-                          f"(missing: {', '.join(sorted(set(need) - have)) or '-'}; unknown: "
-                          f"{', '.join(sorted(have - set(need))) or '-'})")
+        raise ConfigError(
+            f"model.rope_scaling of type {d['type']} takes exactly {', '.join(need)} "
+            f"(missing: {', '.join(sorted(set(need) - have)) or '-'}; unknown: "
+            f"{', '.join(sorted(have - set(need))) or '-'})"
+        )
     out: dict[str, Any] = {"type": d["type"]}
     for k in need:
         v = d[k]
@@ -166,8 +191,10 @@ def check_rope_scaling(d: Any, position: str) -> dict[str, Any]:
             raise ConfigError(f"model.rope_scaling.{k}={v!r} must be a positive number")
         out[k] = int(v) if k == "original_max_seq_len" else float(v)
     if out["type"] == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
-        raise ConfigError(f"model.rope_scaling: high_freq_factor={out['high_freq_factor']} must exceed "
-                          f"low_freq_factor={out['low_freq_factor']}")
+        raise ConfigError(
+            f"model.rope_scaling: high_freq_factor={out['high_freq_factor']} must exceed "
+            f"low_freq_factor={out['low_freq_factor']}"
+        )
     return out
 
 

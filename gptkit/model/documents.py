@@ -29,7 +29,8 @@ class Documents:
     """The document structure of a batch of windows, computed once per forward and shared by every layer."""
 
     def __init__(self, doc_ids: torch.Tensor) -> None:
-        self.start, self.end = document_bounds(doc_ids)  # int32 [B, T] each
+        # int32 [B, T] each
+        self.start, self.end = document_bounds(doc_ids)
         self._masks: dict[torch.dtype, torch.Tensor] = {}  # [B, 1, T, T] per dtype (mask)
         self._cu: torch.Tensor | None = None  # [n_docs + 1] (cu_seqlens)
 

@@ -51,8 +51,12 @@ def usable(x: torch.Tensor, name: str) -> bool:
     """Whether the Triton kernel `name` can run on x; warns once per process when it cannot."""
     if triton_available(x.device):
         return True
-    warn_once("kernels", f"model.kernels [{name}, ...] needs triton and CUDA tensors "
-              f"(or TRITON_INTERPRET=1); using the eager torch versions", stacklevel=4)
+    warn_once(
+        "kernels",
+        f"model.kernels [{name}, ...] needs triton and CUDA tensors "
+        f"(or TRITON_INTERPRET=1); using the eager torch versions",
+        stacklevel=4,
+    )
     return False
 
 

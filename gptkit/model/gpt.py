@@ -27,8 +27,10 @@ from gptkit.model.layers import GeluMLP, RotaryEmbedding, SwiGLUMLP, make_norm
 
 class GPTOutput(NamedTuple):
     logits: Optional[torch.Tensor]  # [B, T_kept, vocab_size]; None with the fused loss (model.kernels: loss)
-    loss: Optional[torch.Tensor]  # scalar fp32 mean cross-entropy, when targets are given
-    attentions: Optional[list[torch.Tensor]]  # per layer [B, n_heads, T, T], when asked for
+    # scalar fp32 mean cross-entropy, when targets are given
+    loss: Optional[torch.Tensor]
+    # per layer [B, n_heads, T, T], when asked for
+    attentions: Optional[list[torch.Tensor]]
 
 
 class Block(nn.Module):
@@ -48,13 +50,21 @@ class Block(nn.Module):
 
     def forward(self, x, *, rope=None, cache=None, positions=0, docs=None, return_probs=False):
         """x [B, T, d_model] -> (x + attention + MLP, the attention probabilities or None)."""
-        if self.post_norm:  # the norms act on each branch's output, the residual stream is never normalized
-            a, probs = self.attn(x, rope=rope, cache=cache, positions=positions, docs=docs,
-                                 return_probs=return_probs)
+        # the norms act on each branch's output, the residual stream is never normalized
+        if self.post_norm:
+            a, probs = self.attn(
+                x, rope=rope, cache=cache, positions=positions, docs=docs, return_probs=return_probs
+            )
             x = x + self.attn_norm(a)
             return x + F.dropout(self.mlp_norm(self.mlp(x)), self.dropout, self.training), probs
-        a, probs = self.attn(self.attn_norm(x), rope=rope, cache=cache, positions=positions, docs=docs,
-                             return_probs=return_probs)
+        a, probs = self.attn(
+            self.attn_norm(x),
+            rope=rope,
+            cache=cache,
+            positions=positions,
+            docs=docs,
+            return_probs=return_probs,
+        )
         x = x + a
         x = x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
         return x, probs
@@ -66,13 +76,22 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
-        self.rope = (RotaryEmbedding(cfg.head_dim, max_seq_len=cfg.max_seq_len, theta=cfg.rope_theta,
-                                     fused="rope" in cfg.kernels, scaling=cfg.rope_scaling)
-                     if cfg.position == "rope" else None)
+        self.rope = (
+            RotaryEmbedding(
+                cfg.head_dim,
+                max_seq_len=cfg.max_seq_len,
+                theta=cfg.rope_theta,
+                fused="rope" in cfg.kernels,
+                scaling=cfg.rope_scaling,
+            )
+            if cfg.position == "rope"
+            else None
+        )
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
-        self.final_norm = make_norm(cfg.norm, dim=cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias,
-                                    fused="norm" in cfg.kernels)
+        self.final_norm = make_norm(
+            cfg.norm, dim=cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias, fused="norm" in cfg.kernels
+        )
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
@@ -84,7 +103,8 @@ class GPT(nn.Module):
         by 1/sqrt(2 * n_layers) (two residual adds per block)."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):  # attn_norm, mlp_norm, final_norm, q_norm, k_norm
+            # attn_norm, mlp_norm, final_norm, q_norm, k_norm
+            if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
@@ -100,7 +120,8 @@ class GPT(nn.Module):
         *,
         doc_ids: Optional[torch.Tensor] = None,  # [B, T]: packed documents (equal ids in a run form one)
         cache: Optional[KVCache] = None,
-        logits_to_keep: int = 0,  # 0: every position; k: only the last k (decoding needs 1)
+        # 0: every position; k: only the last k (decoding needs 1)
+        logits_to_keep: int = 0,
         return_attention: bool = False,
     ) -> GPTOutput:
         """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions); see the argument comments."""
@@ -114,10 +135,12 @@ class GPT(nn.Module):
                 f"sequence of {positions + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"
             )
         docs = None
-        if doc_ids is not None:  # attention stays inside each document; positions may restart with each
+        # attention stays inside each document; positions may restart with each
+        if doc_ids is not None:
             if cache is not None or doc_ids.shape != idx.shape:
-                raise ValueError(f"doc_ids must be [B, T] = {list(idx.shape)} and cannot be used with "
-                                 f"a KV cache")
+                raise ValueError(
+                    f"doc_ids must be [B, T] = {list(idx.shape)} and cannot be used with a KV cache"
+                )
             docs = Documents(doc_ids)
             if self.cfg.position_reset:
                 positions = docs.positions  # [B, T]
@@ -131,8 +154,9 @@ class GPT(nn.Module):
         x = self.drop(x)
         attentions = [] if return_attention else None
         for block in self.blocks:
-            x, probs = block(x, rope=self.rope, cache=cache, positions=positions, docs=docs,
-                             return_probs=return_attention)
+            x, probs = block(
+                x, rope=self.rope, cache=cache, positions=positions, docs=docs, return_probs=return_attention
+            )
             if attentions is not None:
                 attentions.append(probs)
         if cache is not None:
@@ -148,19 +172,25 @@ class GPT(nn.Module):
         if targets is not None:
             if logits_to_keep:
                 targets = targets[:, -logits_to_keep:]
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1),
-                                   ignore_index=-100)  # loss in fp32
+            loss = F.cross_entropy(
+                logits.float().reshape(-1, logits.size(-1)),
+                targets.reshape(-1),
+                ignore_index=-100,
+                # loss in fp32
+            )
         return GPTOutput(logits, loss, attentions)
 
     @classmethod
-    def from_state(cls, cfg: ModelConfig, state: dict[str, torch.Tensor],
-                   device: str | torch.device = "cpu") -> "GPT":
+    def from_state(
+        cls, cfg: ModelConfig, state: dict[str, torch.Tensor], device: str | torch.device = "cpu"
+    ) -> "GPT":
         """A GPT (fp32, eval mode, on `device`) holding exactly `state`: built on the meta device, so no
         random init is computed and no second model is made; the tensors are copied in (a bf16/fp16
         state is widened to fp32 without rounding). Names and shapes must match (strict)."""
         with torch.device("meta"):
             model = cls(cfg)
-        model = model.to_empty(device=device)  # RoPE tables are recomputed by RotaryEmbedding._apply
+        # RoPE tables are recomputed by RotaryEmbedding._apply
+        model = model.to_empty(device=device)
         model.load_state_dict(state, strict=True)
         if cfg.tie_embeddings:
             model.lm_head.weight = model.tok_emb.weight
@@ -168,7 +198,8 @@ class GPT(nn.Module):
 
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters of the model (tied embeddings counted once)."""
-        n = sum(p.numel() for p in self.parameters())  # tied weights are counted once
+        # tied weights are counted once
+        n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.tok_emb.weight.numel()
             if self.pos_emb is not None:

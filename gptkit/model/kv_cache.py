@@ -21,17 +21,25 @@ from gptkit.model.config import ModelConfig
 
 
 class KVCache:
-    mask = None  # attention over the filled prefix is causal as it stands
+    # attention over the filled prefix is causal as it stands
+    mask = None
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         self.max_len = max_len or cfg.max_seq_len
         if self.max_len > cfg.max_seq_len:
             raise ValueError(f"cache length {self.max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
         shape = (batch_size, cfg.n_kv_heads, self.max_len, cfg.head_dim)  # [B, n_kv_heads, max_len, head_dim]
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.length = 0  # tokens already cached (= absolute position of the next token)
+        # tokens already cached (= absolute position of the next token)
+        self.length = 0
 
     @property
     def positions(self) -> int:
@@ -63,8 +71,14 @@ class KVCache:
 
 
 class StaticKVCache(KVCache):
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int | None = None,
-                 device: torch.device | str | None = None, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
         super().__init__(cfg, batch_size, max_len, device, dtype)
         self.slots = torch.arange(self.max_len, device=device)  # [max_len]
         # [T] long: the positions of the tokens being fed (the caller sets them)
@@ -87,13 +101,15 @@ class StaticKVCache(KVCache):
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, T, head_dim] at `positions` of `layer`; return the whole cache of that
         layer, [B, n_kv_heads, max_len, head_dim] (read under `mask`)."""
-        self.k[layer][:, :, self._positions] = k  # index_put_: in place, also once compiled
+        # index_put_: in place, also once compiled
+        self.k[layer][:, :, self._positions] = k
         self.v[layer][:, :, self._positions] = v
         return self.k[layer], self.v[layer]
 
     def advance(self, n: int) -> None:
         """Nothing to count: the caller moves `positions`."""
-        pass  # the caller moves `positions`
+        # the caller moves `positions`
+        pass
 
     def reset(self) -> None:
         """Nothing to reset: `mask` hides every slot after a token's own position."""

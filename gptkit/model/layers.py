@@ -90,8 +90,9 @@ class RotaryEmbedding(nn.Module):
     (model.rope_scaling) rescales the frequencies first, e.g. Llama 3.1's `llama3` scheme.
     """
 
-    def __init__(self, head_dim: int, max_seq_len: int, theta: float, fused: bool = False,
-                 scaling: dict | None = None) -> None:
+    def __init__(
+        self, head_dim: int, max_seq_len: int, theta: float, fused: bool = False, scaling: dict | None = None
+    ) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta, self.fused = head_dim, max_seq_len, theta, fused
         self.scaling = scaling
@@ -105,7 +106,7 @@ class RotaryEmbedding(nn.Module):
         f32 = dict(dtype=torch.float32, device=device)
         steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device)  # [head_dim/2]
         exponents = steps.float() / self.head_dim
-        inv_freq = 1.0 / (self.theta ** exponents)  # [head_dim/2]
+        inv_freq = 1.0 / (self.theta**exponents)  # [head_dim/2]
         if self.scaling is not None:
             inv_freq = llama3_frequencies(inv_freq, self.scaling)
         t = torch.arange(self.max_seq_len, **f32)
@@ -122,8 +123,9 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor,
-                positions: int | torch.Tensor = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, positions: int | torch.Tensor = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for their positions: an int p (positions p..p+T-1),
         a [T] tensor (decoding with fixed shapes) or a [B, T] tensor (e.g. restarting at every packed
         document)."""
@@ -150,7 +152,8 @@ def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
     old = s["original_max_seq_len"]
     wavelen = 2 * math.pi / inv_freq  # [head_dim/2]
     scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
-    smooth = (old / wavelen - low) / (high - low)  # 0 at the long end of the band, 1 at the short end
+    # 0 at the long end of the band, 1 at the short end
+    smooth = (old / wavelen - low) / (high - low)
     medium = (wavelen >= old / high) & (wavelen <= old / low)
     return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 

@@ -70,13 +70,15 @@ def devices_per_node(t: Any, accelerator: str | None = None) -> int:
     d = t.devices
     if isinstance(d, int) and not isinstance(d, bool) and d >= 1:
         return d
-    if d in (-1, "-1"):  # Lightning's "all devices", which it refuses on CPU: one spelling here
+    # Lightning's "all devices", which it refuses on CPU: one spelling here
+    if d in (-1, "-1"):
         raise ConfigError("trainer.devices=-1: write trainer.devices=auto (every visible GPU; 1 on CPU)")
     if d == "auto":
         return torch.cuda.device_count() if (accelerator or accelerator_type(t)) == "cuda" else 1
     if isinstance(d, str) and d.isdigit() and int(d) >= 1:
         return int(d)
-    if not isinstance(d, (str, int)) and len(d) >= 1:  # a list of device indices
+    # a list of device indices
+    if not isinstance(d, (str, int)) and len(d) >= 1:
         return len(d)
     raise ConfigError(f"trainer.devices={d!r} must be a number >= 1, a list of GPU indices, or auto")
 
@@ -98,23 +100,31 @@ def check_distributed(t: Any, checked: Any = None) -> None:
     checked: the trainer's facts (plan.check_trainer) when the caller has them; else derived here."""
     strategy = str(t.strategy)
     if strategy not in STRATEGIES:
-        raise ConfigError(f"trainer.strategy={strategy!r} is not one of {', '.join(STRATEGIES)} "
-                          f"(or pick a preset: trainer=ddp, trainer=fsdp)")
+        raise ConfigError(
+            f"trainer.strategy={strategy!r} is not one of {', '.join(STRATEGIES)} "
+            f"(or pick a preset: trainer=ddp, trainer=fsdp)"
+        )
     acc = checked.accelerator if checked is not None else accelerator_type(t)
     per_node = checked.devices if checked is not None else devices_per_node(t, acc)
     if acc == "cuda":
         have = torch.cuda.device_count()
         if have == 0:
-            raise GptkitError(f"trainer.accelerator={t.accelerator} but no CUDA GPU is visible; "
-                              f"use trainer.accelerator=cpu (or auto)")
+            raise GptkitError(
+                f"trainer.accelerator={t.accelerator} but no CUDA GPU is visible; "
+                f"use trainer.accelerator=cpu (or auto)"
+            )
         if per_node > have:
-            raise GptkitError(f"trainer.devices={t.devices} but this machine has {have} CUDA GPU(s); "
-                              f"pass trainer.devices={have} or fewer")
+            raise GptkitError(
+                f"trainer.devices={t.devices} but this machine has {have} CUDA GPU(s); "
+                f"pass trainer.devices={have} or fewer"
+            )
     else:
         cores = os.cpu_count() or 1
         if per_node > cores:
-            raise GptkitError(f"trainer.devices={t.devices} CPU processes but this machine has {cores} "
-                              f"cores; pass trainer.devices={cores} or fewer")
+            raise GptkitError(
+                f"trainer.devices={t.devices} CPU processes but this machine has {cores} "
+                f"cores; pass trainer.devices={cores} or fewer"
+            )
     if strategy == "fsdp":
         _check_fsdp(t, acc, checked.precision if checked is not None else precision(t.precision))
     if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
@@ -123,29 +133,43 @@ def check_distributed(t: Any, checked: Any = None) -> None:
     world = per_node * nodes
     env = launcher_env()
     if nodes > 1 and not (env.keys() - {"WORLD_SIZE"}):
-        raise GptkitError(f"trainer.num_nodes={nodes} needs a launcher that starts the processes on every "
-                          f"node (torchrun --nnodes={nodes} ..., or sbatch + srun); see the README's "
-                          "multi-node recipes")
+        raise GptkitError(
+            f"trainer.num_nodes={nodes} needs a launcher that starts the processes on every "
+            f"node (torchrun --nnodes={nodes} ..., or sbatch + srun); see the README's "
+            "multi-node recipes"
+        )
     if "WORLD_SIZE" in env and "TORCHELASTIC_RUN_ID" in env and int(env["WORLD_SIZE"]) != world:
-        raise GptkitError(f"torchrun started {env['WORLD_SIZE']} processes but trainer.devices x "
-                          f"trainer.num_nodes = {per_node} x {nodes} = {world}; pass "
-                          f"trainer.devices=<nproc-per-node> trainer.num_nodes=<nnodes>")
-    if "SLURM_NTASKS" in env and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive") \
-            and int(env["SLURM_NTASKS"]) != world:
-        raise GptkitError(f"SLURM runs {env['SLURM_NTASKS']} tasks but trainer.devices x trainer.num_nodes = "
-                          f"{per_node} x {nodes} = {world}; set --ntasks-per-node=<devices> and "
-                          "--nodes=<num_nodes>")
+        raise GptkitError(
+            f"torchrun started {env['WORLD_SIZE']} processes but trainer.devices x "
+            f"trainer.num_nodes = {per_node} x {nodes} = {world}; pass "
+            f"trainer.devices=<nproc-per-node> trainer.num_nodes=<nnodes>"
+        )
+    if (
+        "SLURM_NTASKS" in env
+        and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
+        and int(env["SLURM_NTASKS"]) != world
+    ):
+        raise GptkitError(
+            f"SLURM runs {env['SLURM_NTASKS']} tasks but trainer.devices x trainer.num_nodes = "
+            f"{per_node} x {nodes} = {world}; set --ntasks-per-node=<devices> and "
+            "--nodes=<num_nodes>"
+        )
 
 
 def check_run_name(given: set[str]) -> None:
     """Processes started by torchrun or srun each compose the config: the default run name holds a
     timestamp, which ranks starting a second apart would resolve differently. `given`: the keys the
     command line sets."""
-    external = "TORCHELASTIC_RUN_ID" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) > 1 \
+    external = (
+        "TORCHELASTIC_RUN_ID" in os.environ
+        or int(os.environ.get("SLURM_NTASKS", "1")) > 1
         or int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    )
     if external and not given & {"name", "resume"}:
-        raise GptkitError("under torchrun/srun every rank must name the same run folder: pass name=<run "
-                          "name> (the default name holds a timestamp)")
+        raise GptkitError(
+            "under torchrun/srun every rank must name the same run folder: pass name=<run "
+            "name> (the default name holds a timestamp)"
+        )
 
 
 def _check_fsdp(t: Any, acc: str, p: Precision) -> None:
@@ -153,18 +177,24 @@ def _check_fsdp(t: Any, acc: str, p: Precision) -> None:
         # FSDP2: torch >= 2.6
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: F401
     except ImportError as exc:
-        raise GptkitError(f"trainer.strategy=fsdp needs FSDP2 (torch >= 2.6, found {torch.__version__}); "
-                          f"upgrade torch or use trainer=ddp") from exc
+        raise GptkitError(
+            f"trainer.strategy=fsdp needs FSDP2 (torch >= 2.6, found {torch.__version__}); "
+            f"upgrade torch or use trainer=ddp"
+        ) from exc
     dist = torch.distributed
     backend_ok = dist.is_nccl_available() if acc == "cuda" else dist.is_gloo_available()
     if not backend_ok:
         backend = "nccl" if acc == "cuda" else "gloo"
-        raise GptkitError(f"trainer.strategy=fsdp on {acc} needs the {backend} backend, which this torch "
-                          f"build lacks; use trainer=ddp or another torch build")
+        raise GptkitError(
+            f"trainer.strategy=fsdp on {acc} needs the {backend} backend, which this torch "
+            f"build lacks; use trainer=ddp or another torch build"
+        )
     if not p.fsdp:
         supported = ", ".join(p.name for p in PRECISIONS.values() if p.fsdp)
-        raise ConfigError(f"trainer.strategy=fsdp supports trainer.precision {supported}, "
-                          f"not {t.precision} (fp16 would need a sharded grad scaler); use bf16-mixed")
+        raise ConfigError(
+            f"trainer.strategy=fsdp supports trainer.precision {supported}, "
+            f"not {t.precision} (fp16 would need a sharded grad scaler); use bf16-mixed"
+        )
     opts = fsdp_options(t)
     for key in ("param_dtype", "reduce_dtype"):
         if opts[key] not in ("auto", "fp32", "bf16"):
@@ -173,8 +203,12 @@ def _check_fsdp(t: Any, acc: str, p: Precision) -> None:
 
 def fsdp_options(t: Any) -> dict[str, Any]:
     """The trainer.fsdp settings as keyword arguments of gptkit's FSDP2 strategy."""
-    defaults = {"param_dtype": "auto", "reduce_dtype": "fp32", "reshard_after_forward": True,
-                "sharded_checkpoint": True}
+    defaults = {
+        "param_dtype": "auto",
+        "reduce_dtype": "fp32",
+        "reshard_after_forward": True,
+        "sharded_checkpoint": True,
+    }
     given = t.get("fsdp") or {}
     return {k: given.get(k, v) for k, v in defaults.items()}
 
@@ -203,8 +237,12 @@ def _fsdp2_strategy_class():
         that LitGPT.configure_model applies through `parallelize`."""
 
         def __init__(self, options: dict[str, Any], precision_name: str, world: int, timeout) -> None:
-            super().__init__(data_parallel_size=world, tensor_parallel_size=1,
-                             save_distributed_checkpoint=bool(options["sharded_checkpoint"]), timeout=timeout)
+            super().__init__(
+                data_parallel_size=world,
+                tensor_parallel_size=1,
+                save_distributed_checkpoint=bool(options["sharded_checkpoint"]),
+                timeout=timeout,
+            )
             self.fsdp_options = options
             self.fsdp_precision = precision_name
 
@@ -215,7 +253,6 @@ def _fsdp2_strategy_class():
             if not self._save_distributed_checkpoint:
                 return super().save_checkpoint(checkpoint, filepath, storage_options)
 
-
             path = Path(self.broadcast(str(filepath)))
             tmp = path.with_name(f".{path.name}.tmp")
             if self.global_rank == 0:
@@ -224,7 +261,8 @@ def _fsdp2_strategy_class():
             super().save_checkpoint(checkpoint, tmp, storage_options)
             mine = {f.name: file_crc32(f) for f in tmp.glob(f"__{self.global_rank}_*.distcp")}
             every: list[Any] = [None] * self.world_size
-            dist.all_gather_object(every, mine)  # also the barrier: every shard is written
+            # also the barrier: every shard is written
+            dist.all_gather_object(every, mine)
             if self.global_rank == 0:
                 write_checksums(tmp, {k: v for part in every for k, v in part.items()})
                 replace_checkpoint(tmp, path)
@@ -234,7 +272,8 @@ def _fsdp2_strategy_class():
             """Like ModelParallelStrategy's, but the shard index and non-tensor values are read without
             unpickling code (see _SafeUnpickler); any world size reads any other's shards."""
             path = Path(self.broadcast(str(checkpoint_path)))
-            if not is_sharded_checkpoint(path):  # one file: a one-process or DDP run's, or consolidated
+            # one file: a one-process or DDP run's, or consolidated
+            if not is_sharded_checkpoint(path):
                 return _load_full_into(self.lightning_module, self.optimizers, path)
             return _load_sharded_into(self.lightning_module, self.optimizers, path)
 
@@ -253,19 +292,21 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
 
     _verify_together(path)
     model_state = {"state_dict": get_model_state_dict(module)}
-    lora = getattr(module, "lora_record", None) is not None  # a LoRA run's checkpoint: the adapters only
+    # a LoRA run's checkpoint: the adapters only
+    lora = getattr(module, "lora_record", None) is not None
     if lora:
         model_state["state_dict"] = adapter_state_dict(model_state["state_dict"], STATE_PREFIX)
     _dcp_load(model_state, path)
     missing, unexpected = module.load_state_dict(model_state["state_dict"], strict=not lora)
-    if lora and (unexpected or any(adapters.is_adapter_key(k[len(STATE_PREFIX):]) for k in missing)):
+    if lora and (unexpected or any(adapters.is_adapter_key(k[len(STATE_PREFIX) :]) for k in missing)):
         raise GptkitError(f"{path} does not hold this run's LoRA adapters")
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
         _dcp_load(optim_state, path)
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=optim_state[key],
-                                 options=StateDictOptions(cpu_offload=True))
+        set_optimizer_state_dict(
+            module, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
+        )
     return torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
 
 
@@ -283,7 +324,8 @@ def _load_full_into(module, optimizers, path: Path) -> dict[str, Any]:
     )
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-    lora = getattr(module, "lora_record", None) is not None  # a LoRA run's checkpoint: the adapters only
+    # a LoRA run's checkpoint: the adapters only
+    lora = getattr(module, "lora_record", None) is not None
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not lora)
     set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
     names = {id(p): n for n, p in module.named_parameters()}
@@ -293,8 +335,10 @@ def _load_full_into(module, optimizers, path: Path) -> dict[str, Any]:
     for optimizer, osd in zip(optimizers, saved):
         order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
         if len(order) != sum(len(g["params"]) for g in osd["param_groups"]):
-            raise GptkitError(f"{path}: its optimizer state does not fit this run's parameters (another "
-                              f"model or optimizer); resume with the settings it was trained with")
+            raise GptkitError(
+                f"{path}: its optimizer state does not fit this run's parameters (another "
+                f"model or optimizer); resume with the settings it was trained with"
+            )
         by_name = {
             "state": {order[i]: s for i, s in osd["state"].items()},
             "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in osd["param_groups"]],
@@ -308,7 +352,8 @@ def _dcp_load(state: dict[str, Any], path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    safe_reader(path).read_metadata()  # a bad index: one line on every rank, not torch's logged traceback
+    # a bad index: one line on every rank, not torch's logged traceback
+    safe_reader(path).read_metadata()
     try:
         dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
     except CheckpointException as exc:
@@ -339,8 +384,9 @@ def broadcast_weights(model, full_state: dict | None, device) -> None:
 
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
-    set_model_state_dict(model, full_state or {},
-                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    set_model_state_dict(
+        model, full_state or {}, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    )
 
 
 def parallelize(model, strategy) -> bool:
@@ -354,10 +400,12 @@ def parallelize(model, strategy) -> bool:
 
     param = options["param_dtype"]
     if param == "auto":
-        param = precision(strategy.fsdp_precision).compute  # bf16 for bf16-mixed and bf16-true, else fp32
-    policy = MixedPrecisionPolicy(param_dtype=torch_dtype(param, "trainer.fsdp.param_dtype"),
-                                  reduce_dtype=torch_dtype(options["reduce_dtype"],
-                                                           "trainer.fsdp.reduce_dtype"))
+        # bf16 for bf16-mixed and bf16-true, else fp32
+        param = precision(strategy.fsdp_precision).compute
+    policy = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(param, "trainer.fsdp.param_dtype"),
+        reduce_dtype=torch_dtype(options["reduce_dtype"], "trainer.fsdp.reduce_dtype"),
+    )
     mesh = strategy.device_mesh["data_parallel"]
     reshard = bool(options["reshard_after_forward"])
     for block in model.blocks:
@@ -397,5 +445,9 @@ def probe_collective(device: str) -> dict[str, Any]:
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     world = dist.get_world_size()
-    return {"sum": float(x.item()), "expected": world * (world - 1) / 2, "seconds": dt,
-            "backend": dist.get_backend()}
+    return {
+        "sum": float(x.item()),
+        "expected": world * (world - 1) / 2,
+        "seconds": dt,
+        "backend": dist.get_backend(),
+    }

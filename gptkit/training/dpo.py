@@ -47,21 +47,31 @@ def check_dpo_config(objective: Any, dpo: Any) -> None:
         return
     beta = float(dpo.get("beta", 0.1))
     if not beta > 0:
-        raise ConfigError(f"dpo.beta={dpo.get('beta')} must be > 0 (the strength of the pull towards the "
-                          "reference; 0.1 is usual)")
+        raise ConfigError(
+            f"dpo.beta={dpo.get('beta')} must be > 0 (the strength of the pull towards the "
+            "reference; 0.1 is usual)"
+        )
     smoothing = float(dpo.get("label_smoothing", 0.0))
     if not 0.0 <= smoothing < 0.5:
-        raise ConfigError(f"dpo.label_smoothing={smoothing} must be in [0, 0.5) (the assumed share of "
-                          "flipped preference labels)")
+        raise ConfigError(
+            f"dpo.label_smoothing={smoothing} must be in [0, 0.5) (the assumed share of "
+            "flipped preference labels)"
+        )
     if str(dpo.get("loss", "sigmoid")) not in LOSSES:
         raise ConfigError(f"dpo.loss={dpo.get('loss')!r} is not one of {', '.join(LOSSES)}")
     if str(dpo.get("loss", "sigmoid")) == "hinge" and smoothing:
         raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid only; set it to 0 for hinge")
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float, label_smoothing: float = 0.0, loss: str = "sigmoid"
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+    label_smoothing: float = 0.0,
+    loss: str = "sigmoid",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss of each pair [P], chosen rewards [P], rejected rewards [P]) from summed answer log-probs [P]
     (see the module docstring). The rewards are detached: they are measured, not trained."""
     chosen = policy_chosen - ref_chosen  # [P] log-ratio of the chosen answer
@@ -80,16 +90,18 @@ def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed log-probs of each row's targets: logits [N, T, vocab_size], targets [N, T] (-100: not
     counted) -> [N] in fp32."""
     n, t, v = logits.shape
-    token = -F.cross_entropy(logits.float().reshape(n * t, v), targets.reshape(n * t), ignore_index=-100,
-                             reduction="none")  # [N * T], 0 where ignored
+    token = -F.cross_entropy(
+        logits.float().reshape(n * t, v), targets.reshape(n * t), ignore_index=-100, reduction="none"
+    )  # [N * T], 0 where ignored
     return token.view(n, t).sum(-1)  # [N]
 
 
 def reward_stats(chosen: torch.Tensor, rejected: torch.Tensor) -> torch.Tensor:
     """[4] sums over the pairs of (chosen reward, rejected reward, margin, chosen > rejected): what the
     RewardWindow adds up; divided by the pair count they are the REWARD_KEYS."""
-    return torch.stack([chosen.sum(), rejected.sum(), (chosen - rejected).sum(),
-                        (chosen > rejected).float().sum()])
+    return torch.stack(
+        [chosen.sum(), rejected.sum(), (chosen - rejected).sum(), (chosen > rejected).float().sum()]
+    )
 
 
 class RewardWindow:
@@ -98,15 +110,21 @@ class RewardWindow:
 
     def __init__(self) -> None:
         self.sums: torch.Tensor | None = None  # [6]: REWARD_KEYS sums, loss sum, pairs
-        self.losses = False  # whether add() was given the losses (validation): read() then gives their mean
+        # whether add() was given the losses (validation): read() then gives their mean
+        self.losses = False
 
     def add(self, chosen: torch.Tensor, rejected: torch.Tensor, losses: torch.Tensor | None = None) -> None:
         """Add one batch's rewards ([P] each) and, when given, its pairs' losses [P]."""
         self.losses = self.losses or losses is not None
         zero = chosen.new_zeros((), dtype=torch.float32)
         loss = losses.detach().float().sum() if losses is not None else zero
-        row = torch.cat([reward_stats(chosen.float(), rejected.float()), loss.view(1),
-                         torch.tensor([float(chosen.numel())], dtype=torch.float32, device=chosen.device)])
+        row = torch.cat(
+            [
+                reward_stats(chosen.float(), rejected.float()),
+                loss.view(1),
+                torch.tensor([float(chosen.numel())], dtype=torch.float32, device=chosen.device),
+            ]
+        )
         self.sums = row if self.sums is None else self.sums + row
 
     def read(self, strategy, prefix: str) -> dict[str, float]:
@@ -143,8 +161,12 @@ class DPO:
     manager factory under which the policy computes exactly the base model (LoRA: adapters off). The
     reference is not a submodule of the LightningModule, so it is in no checkpoint and no optimizer."""
 
-    def __init__(self, cfg: Any, reference: torch.nn.Module | None,
-                 disabled: Callable[[torch.nn.Module], Any] | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Any,
+        reference: torch.nn.Module | None,
+        disabled: Callable[[torch.nn.Module], Any] | None = None,
+    ) -> None:
         self.beta = float(cfg.get("beta", 0.1))
         self.label_smoothing = float(cfg.get("label_smoothing", 0.0))
         self.loss = str(cfg.get("loss", "sigmoid"))
@@ -197,11 +219,17 @@ def check_objective(cfg: Any) -> None:
     kind = (cfg.get("data") or {}).get("kind")
     if objective == "dpo":
         if kind != "preference":
-            raise ConfigError(f"objective=dpo trains on preference pairs, not data kind {kind!r}: add "
-                              "data=preference data.paths=[pairs.jsonl] (prompt, chosen, rejected)")
+            raise ConfigError(
+                f"objective=dpo trains on preference pairs, not data kind {kind!r}: add "
+                "data=preference data.paths=[pairs.jsonl] (prompt, chosen, rejected)"
+            )
         if cfg.get("init_from") in (None, "", "null"):
-            raise ConfigError("objective=dpo needs a starting checkpoint: init_from=<run folder or "
-                              "checkpoint> (e.g. an SFT run); its weights, frozen, are the reference")
+            raise ConfigError(
+                "objective=dpo needs a starting checkpoint: init_from=<run folder or "
+                "checkpoint> (e.g. an SFT run); its weights, frozen, are the reference"
+            )
     elif kind == "preference":
-        raise ConfigError("data=preference holds preference pairs for DPO: add objective=dpo "
-                          "init_from=<run folder or checkpoint>")
+        raise ConfigError(
+            "data=preference holds preference pairs for DPO: add objective=dpo "
+            "init_from=<run folder or checkpoint>"
+        )

@@ -37,8 +37,10 @@ def available_memory() -> int | None:
 
 # What a training process adds on the host beyond the tensors count-params counts (measured 2026-12-01 on
 # the CPU with gptkit's tiny models, batch 4 to 16,000: peak RSS against the RSS when the check runs):
-RUNTIME_BYTES = 256 * 2**20  # Lightning's trainer, the data loader, the first step's set-up (after the check)
-ALLOCATOR_SLACK = 0.25  # glibc keeps freed blocks under its mmap threshold (<= 32 MiB): up to ~25% more
+# Lightning's trainer, the data loader, the first step's set-up (after the check)
+RUNTIME_BYTES = 256 * 2**20
+# glibc keeps freed blocks under its mmap threshold (<= 32 MiB): up to ~25% more
+ALLOCATOR_SLACK = 0.25
 
 
 def estimate(plan: Any) -> dict[str, float]:
@@ -50,9 +52,16 @@ def estimate(plan: Any) -> dict[str, float]:
     from gptkit import accounting as acc
 
     dpo = getattr(plan, "objective", "lm") == "dpo"
-    rows = plan.batch_size * (2 if dpo else 1)  # sequences through the model per micro-step
-    mem = acc.training_memory(plan.model, plan.precision, plan.shards, rows, plan.seq_len,
-                              bool(plan.trainer.activation_checkpointing))
+    # sequences through the model per micro-step
+    rows = plan.batch_size * (2 if dpo else 1)
+    mem = acc.training_memory(
+        plan.model,
+        plan.precision,
+        plan.shards,
+        rows,
+        plan.seq_len,
+        bool(plan.trainer.activation_checkpointing),
+    )
     if dpo and getattr(plan, "lora", None) is None:
         mem["reference"] = mem["weights"]
     if getattr(plan, "lora", None) is not None:
@@ -97,7 +106,8 @@ def check_host_memory(plan: Any) -> None:
     if available is None:
         return
     mem = host_estimate(plan)
-    processes = plan.devices  # every process of this machine holds its own replica (or shard)
+    # every process of this machine holds its own replica (or shard)
+    processes = plan.devices
     need = mem["total"] * processes
     if need > available:
         each = f" ({processes} processes x {human_bytes(mem['total'])})" if processes > 1 else ""

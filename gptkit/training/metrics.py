@@ -55,13 +55,18 @@ class LossWindow:
     """The train losses since the last log step, and the first non-finite one, kept on the device."""
 
     def __init__(self) -> None:
-        self.sum: torch.Tensor | None = None  # fp32 scalar: the losses, each times its weight
-        self.weight: torch.Tensor | None = None  # fp32 scalar: the weights (loss tokens, or 1 per loss)
-        self.count = 0  # losses added (micro-batches)
+        # fp32 scalar: the losses, each times its weight
+        self.sum: torch.Tensor | None = None
+        # fp32 scalar: the weights (loss tokens, or 1 per loss)
+        self.weight: torch.Tensor | None = None
+        # losses added (micro-batches)
+        self.count = 0
         # int64 scalar: the step of the first non-finite loss, or -1
         self.first_bad: torch.Tensor | None = None
-        self.norm_sum: torch.Tensor | None = None  # fp32 scalar: the gradient norms of the window's steps
-        self.norm_count = 0  # optimizer steps whose gradient norm was added
+        # fp32 scalar: the gradient norms of the window's steps
+        self.norm_sum: torch.Tensor | None = None
+        # optimizer steps whose gradient norm was added
+        self.norm_count = 0
 
     def add(self, loss: torch.Tensor, step: int, tokens: torch.Tensor | None = None) -> None:
         """Record the loss of a micro-batch of optimizer step `step` (no host sync). With `tokens` (its loss
@@ -107,7 +112,8 @@ class LossWindow:
         if bad >= 0:
             raise NonFiniteLossError(
                 f"training loss became non-finite at step {bad}; the run stopped and kept its last good "
-                f"checkpoint; lower optim.lr, raise optim.warmup_steps, or check the data")
+                f"checkpoint; lower optim.lr, raise optim.warmup_steps, or check the data"
+            )
 
     def read(self, strategy) -> float | None:
         """The mean loss of the window over all ranks (per loss token when add had them; a host sync),
@@ -131,18 +137,30 @@ class StepMetrics(Callback):
     """Every log_every optimizer steps (and at the last): one row of metrics to every logger and to the
     progress reporter. Timing excludes validation; the run's totals give the final average."""
 
-    def __init__(self, flops_per_token: float, tokens_per_step: int, peak_flops: float | None, log_every: int,
-                 reporter=None, causal_flops_per_token: float | None = None) -> None:
-        self.flops_per_token = flops_per_token  # the full-attention convention: perf/flops_per_s, perf/mfu
-        self.causal_flops_per_token = causal_flops_per_token  # perf/mfu_causal
+    def __init__(
+        self,
+        flops_per_token: float,
+        tokens_per_step: int,
+        peak_flops: float | None,
+        log_every: int,
+        reporter=None,
+        causal_flops_per_token: float | None = None,
+    ) -> None:
+        # the full-attention convention: perf/flops_per_s, perf/mfu
+        self.flops_per_token = flops_per_token
+        # perf/mfu_causal
+        self.causal_flops_per_token = causal_flops_per_token
         self.tokens_per_step = tokens_per_step
         self.peak = peak_flops
         self.log_every = max(1, log_every)
         self.reporter = reporter
         self._t0: float | None = None
-        self._steps = 0  # optimizer steps in the current timing window
-        self.train_seconds = 0.0  # this invocation's training time, validation excluded
-        self.steps_done = 0  # optimizer steps this invocation
+        # optimizer steps in the current timing window
+        self._steps = 0
+        # this invocation's training time, validation excluded
+        self.train_seconds = 0.0
+        # optimizer steps this invocation
+        self.steps_done = 0
         self.last: dict[str, float] = {}
 
     def _sync(self, trainer) -> None:
@@ -164,9 +182,11 @@ class StepMetrics(Callback):
         if self.reporter is not None and trainer.is_global_zero:
             val = trainer.callback_metrics.get("val/loss")
             if val is not None:
-                accuracy = trainer.callback_metrics.get("val/rewards/accuracy")  # objective=dpo
-                self.reporter.validation(trainer.global_step, float(val),
-                                         None if accuracy is None else float(accuracy))
+                # objective=dpo
+                accuracy = trainer.callback_metrics.get("val/rewards/accuracy")
+                self.reporter.validation(
+                    trainer.global_step, float(val), None if accuracy is None else float(accuracy)
+                )
         self._restart(trainer)
 
     def _pause(self, trainer) -> None:
@@ -201,9 +221,11 @@ class StepMetrics(Callback):
             self.reporter.advance(step)
         if step % self.log_every and step != trainer.max_steps:
             return
-        loss = pl_module.loss_window.read(trainer.strategy)  # the one host sync of this window
+        # the one host sync of this window
+        loss = pl_module.loss_window.read(trainer.strategy)
         grad_norm = pl_module.loss_window.read_grad_norm()
-        extra = getattr(pl_module, "train_metrics", lambda _: {})(trainer.strategy)  # dpo: train/rewards/*
+        # dpo: train/rewards/*
+        extra = getattr(pl_module, "train_metrics", lambda _: {})(trainer.strategy)
         self._sync(trainer)
         now = time.perf_counter()
         dt = now - self._t0
@@ -211,24 +233,28 @@ class StepMetrics(Callback):
         self._t0 = now
         tokens_per_s = self._steps * self.tokens_per_step / dt if dt > 0 else 0.0
         self._steps = 0
-        metrics = {"train/lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
-                   "perf/tokens_per_s": tokens_per_s,
-                   "perf/flops_per_s": tokens_per_s * self.flops_per_token,
-                   "perf/tokens": float(step * self.tokens_per_step),
-                   "perf/flops": float(step * self.tokens_per_step * self.flops_per_token)}
+        metrics = {
+            "train/lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
+            "perf/tokens_per_s": tokens_per_s,
+            "perf/flops_per_s": tokens_per_s * self.flops_per_token,
+            "perf/tokens": float(step * self.tokens_per_step),
+            "perf/flops": float(step * self.tokens_per_step * self.flops_per_token),
+        }
         if loss is not None:
             metrics["train/loss"] = loss
         if grad_norm is not None:
             metrics["train/grad_norm"] = grad_norm
         metrics.update(extra)
-        metrics.update(getattr(trainer.datamodule, "source_tokens", lambda _: {})(step))  # data=mix sources
+        # data=mix sources
+        metrics.update(getattr(trainer.datamodule, "source_tokens", lambda _: {})(step))
         if self.peak:
             metrics["perf/mfu"] = acc.mfu(tokens_per_s / trainer.world_size, self.flops_per_token, self.peak)
             if self.causal_flops_per_token is not None:
                 per_device = tokens_per_s / trainer.world_size
                 metrics["perf/mfu_causal"] = acc.mfu(per_device, self.causal_flops_per_token, self.peak)
         self.last = metrics
-        for logger in trainer.loggers:  # x-axis: the optimizer steps done, this one included (as everywhere)
+        # x-axis: the optimizer steps done, this one included (as everywhere)
+        for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         if self.reporter is not None and trainer.is_global_zero:
             self.reporter.log(step, metrics)

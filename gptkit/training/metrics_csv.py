@@ -30,7 +30,8 @@ from gptkit.faults import fault_point
 from gptkit.fsio import disk_full_error, is_disk_full, temp_file_beside
 from gptkit.runs import METRICS_FILE
 
-VAL_PREFIX = ("val/", "eval/")  # validation, task evals: logged at step N before its checkpoint is published
+# validation, task evals: logged at step N before its checkpoint is published
+VAL_PREFIX = ("val/", "eval/")
 
 
 class MetricsCSV(Logger):
@@ -44,9 +45,12 @@ class MetricsCSV(Logger):
         self._columns: list[str] = ["step"]
         # rows not yet on disk, or the last row if it may still grow
         self._rows: dict[int, dict[str, Any]] = {}
-        self._tail: tuple[int, dict[str, Any], int] | None = None  # (step, row as written, its byte offset)
-        self._size = 0  # bytes in the file
-        self._floor = 0  # rows of earlier steps are on disk for good
+        # (step, row as written, its byte offset)
+        self._tail: tuple[int, dict[str, Any], int] | None = None
+        # bytes in the file
+        self._size = 0
+        # rows of earlier steps are on disk for good
+        self._floor = 0
         self._started = False
 
     # Lightning's Logger interface
@@ -73,7 +77,8 @@ class MetricsCSV(Logger):
     @rank_zero_only
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         """Nothing: the run's config.yaml holds them."""
-        pass  # the run's config.yaml holds them
+        # the run's config.yaml holds them
+        pass
 
     @rank_zero_only
     def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
@@ -82,7 +87,8 @@ class MetricsCSV(Logger):
         values = {k: float(v) for k, v in metrics.items() if k not in ("step", "epoch")}
         step = int(metrics.get("step", 0) if step is None else step)
         if step < self._floor:
-            return  # a step whose row is final on disk: not something gptkit's loop logs
+            # a step whose row is final on disk: not something gptkit's loop logs
+            return
         self._rows.setdefault(step, {}).update(values)
         # whoever logs (Lightning, or a callback directly), rows reach the file
         self._write(complete_only=True)
@@ -110,18 +116,26 @@ class MetricsCSV(Logger):
             return
         self._started = True
         if self.resume_step is None:
-            self.path.unlink(missing_ok=True)  # e.g. the rows of an earlier attempt that made no checkpoint
+            # e.g. the rows of an earlier attempt that made no checkpoint
+            self.path.unlink(missing_ok=True)
             return
         columns, rows = read_rows(self.path)
         n = self.resume_step
         kept = {s: r for s, r in rows.items() if s <= n}
-        at_n = n in kept  # row N may still grow: a validation at N that an interrupted run did not finish
+        # row N may still grow: a validation at N that an interrupted run did not finish
+        at_n = n in kept
         if n > 0 and not kept:
-            print(f"note: {self.path} holds no rows before step {n} (lost or removed before this resume); "
-                  f"it continues from step {n}", file=sys.stderr)
+            print(
+                f"note: {self.path} holds no rows before step {n} (lost or removed before this resume); "
+                f"it continues from step {n}",
+                file=sys.stderr,
+            )
         elif (gap := missing_tail(sorted(kept), n)) is not None:
-            print(f"note: {self.path} has no rows for steps {gap[0]}-{gap[1]} (the file was cut short before "
-                  f"this resume); they stay missing, it continues from step {n}", file=sys.stderr)
+            print(
+                f"note: {self.path} has no rows for steps {gap[0]}-{gap[1]} (the file was cut short before "
+                f"this resume); they stay missing, it continues from step {n}",
+                file=sys.stderr,
+            )
         self._columns = columns or ["step"]
         self._rewrite(b"", list(kept.items()), keep_last=at_n)
         if at_n:
@@ -153,23 +167,29 @@ class MetricsCSV(Logger):
         newest = max(self._rows, default=None)
         tail = self._tail
         if tail is not None and tail[0] != newest and self._rows.get(tail[0]) == tail[1]:
-            del self._rows[tail[0]]  # the last row on disk is complete, and on disk as it is
+            # the last row on disk is complete, and on disk as it is
+            del self._rows[tail[0]]
             self._tail = None
         steps = [s for s in sorted(self._rows) if not (complete_only and s == newest)]
         tail = self._tail
         if tail is not None and steps[:1] == [tail[0]] and self._rows[tail[0]] == tail[1]:
-            steps = steps[1:]  # still the newest row, unchanged since it was written
+            # still the newest row, unchanged since it was written
+            steps = steps[1:]
         if steps:
             rows = [(s, self._rows[s]) for s in steps]
-            keep_last = steps[-1] == newest  # written while it may still grow: it stays the amendable tail
+            # written while it may still grow: it stays the amendable tail
+            keep_last = steps[-1] == newest
             new = [k for _, r in rows for k in r if k not in self._columns]
             amend = self._tail is not None and steps[0] == self._tail[0]
-            if new:  # a new column: every row is written again under the new header
+            # a new column: every row is written again under the new header
+            if new:
                 self._columns += list(dict.fromkeys(new))
                 _, old = read_rows(self.path)
-                self._rewrite(b"", [*((s, r) for s, r in old.items() if s not in self._rows), *rows],
-                              keep_last)
-            elif amend:  # the last row on disk grew: everything before it, then the rows
+                self._rewrite(
+                    b"", [*((s, r) for s, r in old.items() if s not in self._rows), *rows], keep_last
+                )
+            # the last row on disk grew: everything before it, then the rows
+            elif amend:
                 with open(self.path, "rb") as f:
                     prefix = f.read(self._tail[2])
                 self._rewrite(prefix, rows, keep_last, with_header=False)
@@ -199,8 +219,9 @@ class MetricsCSV(Logger):
         self._size += len(data)
         self._tail = (rows[-1][0], dict(rows[-1][1]), last) if keep_last else None
 
-    def _rewrite(self, prefix: bytes, rows: list[tuple[int, dict[str, Any]]], keep_last: bool,
-                 with_header: bool = True) -> None:
+    def _rewrite(
+        self, prefix: bytes, rows: list[tuple[int, dict[str, Any]]], keep_last: bool, with_header: bool = True
+    ) -> None:
         """Replace the file with prefix (or a header) + rows: a temporary file renamed over it."""
         head = self._header() if with_header else prefix
         data, last = self._encode(rows, len(head))
@@ -226,7 +247,7 @@ def read_rows(path: Path) -> tuple[list[str], dict[int, dict[str, str]]]:
         return [], {}
     text = path.read_text()
     if text and not text.endswith("\n"):
-        text = text[:text.rfind("\n") + 1]
+        text = text[: text.rfind("\n") + 1]
     reader = csv.reader(io.StringIO(text))
     columns = next(reader, [])
     if "step" not in columns:

@@ -99,6 +99,7 @@ def apply_activation_checkpointing(model: GPT) -> None:
             if block.training and torch.is_grad_enabled():
                 return recompute(forward, *args, use_reentrant=False, **kwargs)
             return forward(*args, **kwargs)
+
         return run
 
     for block in model.blocks:
@@ -119,27 +120,39 @@ class LitGPT(L.LightningModule):
         self.built_on_meta = self.weights_from_rank0 and not is_rank_zero()
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
             self.model = GPT(plan.model)
-        self.lora_record = None  # finetune=lora: the adapters' settings and base, saved with each checkpoint
-        if plan.lora is not None:  # only the adapters train, and only they are checkpointed
+        # finetune=lora: the adapters' settings and base, saved with each checkpoint
+        self.lora_record = None
+        # only the adapters train, and only they are checkpointed
+        if plan.lora is not None:
             if plan.lora_base is None:
-                raise GptkitError("finetune=lora: the plan names no base checkpoint (plan.lora_base); make "
-                                  "the plan with gptkit.plan(cfg): it resolves init_from= (or the resumed "
-                                  "run's base)")
+                raise GptkitError(
+                    "finetune=lora: the plan names no base checkpoint (plan.lora_base); make "
+                    "the plan with gptkit.plan(cfg): it resolves init_from= (or the resumed "
+                    "run's base)"
+                )
             self.trainable = apply_lora(self.model, plan.lora)
-            self.strict_loading = False  # a checkpoint holds the adapters; on_load_checkpoint checks them
-            self.lora_record = dict(plan.lora, base=str(Path(plan.lora_base).resolve()),
-                                    base_fingerprint=adapters.fingerprint(plan.lora_base))
-        self.dpo = self._dpo(plan) if plan.objective == "dpo" else None  # not a submodule: in no checkpoint
+            # a checkpoint holds the adapters; on_load_checkpoint checks them
+            self.strict_loading = False
+            self.lora_record = dict(
+                plan.lora,
+                base=str(Path(plan.lora_base).resolve()),
+                base_fingerprint=adapters.fingerprint(plan.lora_base),
+            )
+        # not a submodule: in no checkpoint
+        self.dpo = self._dpo(plan) if plan.objective == "dpo" else None
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
-        if plan.optim.name == "muon":  # before the run folder gets its files
+        # before the run folder gets its files
+        if plan.optim.name == "muon":
             check_muon_split(self.model)
         self.optim_cfg = plan.optim
         self.max_steps = plan.max_steps
         self.compile_mode = plan.compile
         self.compile_backend = plan.compile_backend
-        self.loss_window = LossWindow()  # read at log steps only (training/metrics.py)
-        self.reference_source: dict[str, Any] | None = None  # objective=dpo: {path, step} (fit sets it)
+        # read at log steps only (training/metrics.py)
+        self.loss_window = LossWindow()
+        # objective=dpo: {path, step} (fit sets it)
+        self.reference_source: dict[str, Any] | None = None
         # every loss token of an optimizer step weighs the same, across micro-batches and ranks
         self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
         self._val_losses: list[torch.Tensor] = []
@@ -160,9 +173,11 @@ class LitGPT(L.LightningModule):
         reference = self.dpo.reference if self.dpo is not None else None
         models = [m for m in (self.model, reference) if m is not None]
         on_rank0 = self.weights_from_rank0 and not self.built_on_meta
-        full = [m.state_dict() if on_rank0 else None for m in models]  # references to rank 0's tensors
+        # references to rank 0's tensors
+        full = [m.state_dict() if on_rank0 else None for m in models]
         for m, state in zip(models, full):
-            if parallelize(m, strategy) and self.weights_from_rank0:  # FSDP2: shards per block; else no-op
+            # FSDP2: shards per block; else no-op
+            if parallelize(m, strategy) and self.weights_from_rank0:
                 broadcast_weights(m, state, strategy.root_device)
         if self.weights_from_rank0 and getattr(self.model, "_gptkit_sharded", False):
             self.built_on_meta = False
@@ -182,15 +197,19 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
-        if self.dpo is not None:  # x, y [2P, T]: P pairs, chosen and rejected side by side
+        # x, y [2P, T]: P pairs, chosen and rejected side by side
+        if self.dpo is not None:
             loss = self.dpo(self.model, batch, self.dpo.train_rewards)
-            self.loss_window.add(loss, self.global_step)  # the same number of pairs in every micro-batch
+            # the same number of pairs in every micro-batch
+            self.loss_window.add(loss, self.global_step)
             return loss
         # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
         x, y, *docs = batch
         loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
-        n = loss_tokens(y)  # int64 scalar on the device
-        self.loss_window.add(loss, self.global_step, n)  # on the device: no host sync (StepMetrics reads it)
+        # int64 scalar on the device
+        n = loss_tokens(y)
+        # on the device: no host sync (StepMetrics reads it)
+        self.loss_window.add(loss, self.global_step, n)
         return self.token_mean.micro_batch(loss, n)
 
     def on_before_optimizer_step(self, optimizer) -> None:
@@ -211,9 +230,11 @@ class LitGPT(L.LightningModule):
             return
         if gradient_clip_val is None:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        else:  # the gradients are unscaled already (ClippingMixedPrecision), so this works with fused AdamW
+        # the gradients are unscaled already (ClippingMixedPrecision), so this works with fused AdamW
+        else:
             norm = torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
-        if hasattr(norm, "full_tensor"):  # FSDP2: the norm of the whole model (a collective, no host sync)
+        # FSDP2: the norm of the whole model (a collective, no host sync)
+        if hasattr(norm, "full_tensor"):
             norm = norm.full_tensor()
         self.loss_window.add_grad_norm(norm)
 
@@ -221,7 +242,8 @@ class LitGPT(L.LightningModule):
         """The loss of one validation batch, kept on the device; with tagged windows (all but data=chat)
         each source's summed token loss and target count over this batch's windows (see _source_sums).
         objective=dpo: the batch's DPO loss, its rewards added to the val RewardWindow."""
-        if self.dpo is not None:  # the DPO losses and rewards of the val pairs, each pair counted once
+        # the DPO losses and rewards of the val pairs, each pair counted once
+        if self.dpo is not None:
             self.dpo.validate(self.model, batch, self.trainer.global_rank, self.trainer.world_size)
             return
         sources = self._val_sources()
@@ -268,7 +290,8 @@ class LitGPT(L.LightningModule):
         means over the batches and ranks. objective=dpo: val/loss and val/rewards/* are means over the
         distinct val pairs (DPO.validate)."""
         if self.dpo is not None:
-            means = self.dpo.val_rewards.read(self.trainer.strategy, "val")  # reduced: the same on every rank
+            # reduced: the same on every rank
+            means = self.dpo.val_rewards.read(self.trainer.strategy, "val")
             for key, value in means.items():
                 self.log(key, value, prog_bar=key == "val/loss", sync_dist=False)
             if means:
@@ -284,17 +307,22 @@ class LitGPT(L.LightningModule):
             self.log("val/ppl", torch.exp(loss), sync_dist=True)
         else:
             n_src = int(sources[1].max()) + 1 if len(sources[1]) else 1
-            sums = self._val_sums if self._val_sums is not None else torch.zeros(
-                2, n_src, dtype=torch.float64, device=loss.device)
+            sums = (
+                self._val_sums
+                if self._val_sums is not None
+                else torch.zeros(2, n_src, dtype=torch.float64, device=loss.device)
+            )
             self._val_sums = None
             sums = self.trainer.strategy.reduce(sums, reduce_op="sum")  # [2, n_sources], over the ranks
             total = (sums[0].sum() / sums[1].sum().clamp(min=1)).float()
-            self.log("val/loss", total, prog_bar=True, sync_dist=False)  # the same on every rank
+            # the same on every rank
+            self.log("val/loss", total, prog_bar=True, sync_dist=False)
             self.log("val/ppl", torch.exp(total), sync_dist=False)
             for name, s, n in zip(sources[0], sums[0].tolist(), sums[1].tolist()):
                 if n:
                     self.log(f"val/loss/{name}", s / n, sync_dist=False)
-        self.log("step", float(self.global_step))  # validation after N optimizer steps is logged at step N
+        # validation after N optimizer steps is logged at step N
+        self.log("step", float(self.global_step))
 
     def train_metrics(self, strategy) -> dict[str, float]:
         """Read at log steps (StepMetrics): objective=dpo's train/rewards/* over the window's pairs."""
@@ -312,9 +340,11 @@ class LitGPT(L.LightningModule):
         checkpoint["gptkit_rng"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
-        if self.reference_source is not None:  # objective=dpo: the checkpoint the reference came from
+        # objective=dpo: the checkpoint the reference came from
+        if self.reference_source is not None:
             checkpoint["gptkit_dpo_reference"] = dict(self.reference_source)
-        if self.lora_record is not None:  # the adapters (their optimizer state is all there is) and the base
+        # the adapters (their optimizer state is all there is) and the base
+        if self.lora_record is not None:
             checkpoint["state_dict"] = adapter_state_dict(checkpoint["state_dict"], STATE_PREFIX)
             checkpoint[adapters.CHECKPOINT_KEY] = dict(self.lora_record)
 
@@ -325,15 +355,20 @@ class LitGPT(L.LightningModule):
             self._rng_to_restore = rng
         saved, now = checkpoint.get("gptkit_dpo_reference"), self.reference_source
         if saved and now and int(saved["step"]) != int(now["step"]):
-            raise GptkitError(f"the DPO reference {now['path']} holds step {now['step']}, but this run "
-                              f"started from step {saved['step']} of {saved['path']}: the source run trained "
-                              "on, so a resume would measure rewards against other weights; start a new DPO "
-                              "run")
+            raise GptkitError(
+                f"the DPO reference {now['path']} holds step {now['step']}, but this run "
+                f"started from step {saved['step']} of {saved['path']}: the source run trained "
+                "on, so a resume would measure rewards against other weights; start a new DPO "
+                "run"
+            )
         if (self.lora_record is None) != (adapters.CHECKPOINT_KEY not in checkpoint):
-            raise GptkitError("the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only, "
-                              "a full one every weight): resume with the run's own finetune=")
-        if self.lora_record is not None and "state_dict" in checkpoint:  # (a sharded one is checked on load)
-            state = {k[len(STATE_PREFIX):]: v for k, v in checkpoint["state_dict"].items()}
+            raise GptkitError(
+                "the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only, "
+                "a full one every weight): resume with the run's own finetune="
+            )
+        # (a sharded one is checked on load)
+        if self.lora_record is not None and "state_dict" in checkpoint:
+            state = {k[len(STATE_PREFIX) :]: v for k, v in checkpoint["state_dict"].items()}
             adapters.check_adapters(state, self.model.cfg, self.lora_record, "the checkpoint")
 
     def on_train_start(self) -> None:
@@ -343,4 +378,3 @@ class LitGPT(L.LightningModule):
             torch.set_rng_state(rng["torch"])
             if "cuda" in rng and torch.cuda.is_available():
                 torch.cuda.set_rng_state_all(rng["cuda"])
-

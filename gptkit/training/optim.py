@@ -28,13 +28,21 @@ SCHEDULES = ("cosine", "linear", "wsd", "constant")
 
 
 OPTIMIZERS = ("adamw", "muon")
-MUON_ADJUST_LR = ("match_rms_adamw", "original")  # torch.optim.Muon's adjust_lr_fn
-MUON_TORCH = "2.9"  # the first torch with torch.optim.Muon
-MUON_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}  # optim.muon.ns_dtype
+# torch.optim.Muon's adjust_lr_fn
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
+# the first torch with torch.optim.Muon
+MUON_TORCH = "2.9"
+# optim.muon.ns_dtype
+MUON_NS_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def param_groups(model: nn.Module, weight_decay: float, decay_embeddings: bool = False,
-                 decay_norms_and_biases: bool = False, named: list | None = None) -> list[dict[str, Any]]:
+def param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    decay_embeddings: bool = False,
+    decay_norms_and_biases: bool = False,
+    named: list | None = None,
+) -> list[dict[str, Any]]:
     """Weight decay on weight matrices only; norms, biases and embeddings undecayed unless asked.
 
     Tied weights appear once (named_parameters de-duplicates them under their first name). `named`: only
@@ -74,8 +82,10 @@ def check_muon_split(model: nn.Module) -> None:
     """optim=muon on a model without a trainable 2-D weight inside its blocks is a one-line error."""
     muon, _ = muon_split(model)
     if not muon:
-        raise ConfigError("optim=muon: the model has no trainable 2-D weight inside its blocks for Muon "
-                          "(attention and MLP projections); use optim=adamw")
+        raise ConfigError(
+            "optim=muon: the model has no trainable 2-D weight inside its blocks for Muon "
+            "(attention and MLP projections); use optim=adamw"
+        )
 
 
 def check_optim_config(cfg: Any) -> None:
@@ -92,8 +102,9 @@ def check_optim_config(cfg: Any) -> None:
         if isinstance(cfg.min_lr, bool) or not isinstance(cfg.min_lr, (int, float)):
             raise ConfigError(f"optim.min_lr={cfg.min_lr} is not a number (null: optim.lr / 10)")
         if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
-            raise ConfigError(f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}] (or null: "
-                              "optim.lr / 10)")
+            raise ConfigError(
+                f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}] (or null: optim.lr / 10)"
+            )
     if int(cfg.warmup_steps) < 0:
         raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
     adamw_implementation(cfg.fused, "cpu")
@@ -105,19 +116,21 @@ def min_lr(cfg: Any) -> float:
     return float(cfg.lr) / 10 if cfg.get("min_lr") is None else float(cfg.min_lr)
 
 
-FUSED_DEVICES = ("cuda", "cpu")  # where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
+# where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
+FUSED_DEVICES = ("cuda", "cpu")
 
 
 def adamw_implementation(fused: Any, device_type: str) -> str:
-    """"fused" (one kernel for every parameter update) or "foreach" (torch's default) for optim.fused
+    """ "fused" (one kernel for every parameter update) or "foreach" (torch's default) for optim.fused
     (auto | true | false) on `device_type`. Clipping works with both: gptkit's mixed-precision plugin
     unscales before clipping (training/trainer.py)."""
     if fused == "auto":
         return "fused" if device_type in FUSED_DEVICES else "foreach"
     if fused is True:
         if device_type not in FUSED_DEVICES:
-            raise ConfigError(f"optim.fused=true needs a CUDA GPU or the CPU, not {device_type}; use "
-                              "optim.fused=auto")
+            raise ConfigError(
+                f"optim.fused=true needs a CUDA GPU or the CPU, not {device_type}; use optim.fused=auto"
+            )
         return "fused"
     if fused is False:
         return "foreach"
@@ -128,30 +141,43 @@ def check_muon_config(cfg: Any) -> None:
     """optim.muon.*: torch.optim.Muon present, momentum in [0, 1), ns_steps a positive integer (< 100, torch's
     limit), nesterov a boolean, ns_dtype one of MUON_NS_DTYPES, adjust_lr one of MUON_ADJUST_LR."""
     if not hasattr(torch.optim, "Muon"):
-        raise ConfigError(f"optim=muon needs torch >= {MUON_TORCH} (torch.optim.Muon); this is torch "
-                          f"{torch.__version__}: upgrade torch or use optim=adamw")
+        raise ConfigError(
+            f"optim=muon needs torch >= {MUON_TORCH} (torch.optim.Muon); this is torch "
+            f"{torch.__version__}: upgrade torch or use optim=adamw"
+        )
     m = cfg.muon
     momentum = m.momentum
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
         raise ConfigError(f"optim.muon.momentum={momentum} must be a number in [0, 1)")
     steps = m.ns_steps
     if isinstance(steps, bool) or not isinstance(steps, int) or not 1 <= steps < 100:
-        raise ConfigError(f"optim.muon.ns_steps={steps} must be an integer in [1, 99] (Newton-Schulz "
-                          f"iterations)")
+        raise ConfigError(
+            f"optim.muon.ns_steps={steps} must be an integer in [1, 99] (Newton-Schulz iterations)"
+        )
     if not isinstance(m.nesterov, bool):
         raise ConfigError(f"optim.muon.nesterov={m.nesterov} must be true or false")
     if m.get("ns_dtype", "bfloat16") not in MUON_NS_DTYPES:
-        raise ConfigError(f"optim.muon.ns_dtype={m.ns_dtype!r} must be one of {', '.join(MUON_NS_DTYPES)} "
-                          f"(the dtype of Newton-Schulz)")
+        raise ConfigError(
+            f"optim.muon.ns_dtype={m.ns_dtype!r} must be one of {', '.join(MUON_NS_DTYPES)} "
+            f"(the dtype of Newton-Schulz)"
+        )
     if m.adjust_lr not in MUON_ADJUST_LR:
-        raise ConfigError(f"optim.muon.adjust_lr={m.adjust_lr!r} must be one of {', '.join(MUON_ADJUST_LR)} "
-                          f"(match_rms_adamw: optim.lr means what it means with AdamW)")
+        raise ConfigError(
+            f"optim.muon.adjust_lr={m.adjust_lr!r} must be one of {', '.join(MUON_ADJUST_LR)} "
+            f"(match_rms_adamw: optim.lr means what it means with AdamW)"
+        )
 
 
 def _adamw(groups: list[dict[str, Any]], cfg: Any, device_type: str) -> torch.optim.AdamW:
     impl = adamw_implementation(cfg.fused, device_type)
-    return torch.optim.AdamW(groups, lr=float(cfg.lr), betas=tuple(float(b) for b in cfg.betas),
-                             eps=float(cfg.eps), fused=impl == "fused", foreach=impl == "foreach" or None)
+    return torch.optim.AdamW(
+        groups,
+        lr=float(cfg.lr),
+        betas=tuple(float(b) for b in cfg.betas),
+        eps=float(cfg.eps),
+        fused=impl == "fused",
+        foreach=impl == "foreach" or None,
+    )
 
 
 def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
@@ -163,11 +189,18 @@ def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
     check_muon_split(model)
     muon_named, adamw_named = muon_split(model)
     m = cfg.muon
-    muon = torch.optim.Muon([p for _, p in muon_named], lr=float(cfg.lr), weight_decay=decay[0],
-                            momentum=float(m.momentum), nesterov=bool(m.nesterov), ns_steps=int(m.ns_steps),
-                            adjust_lr_fn=str(m.adjust_lr))
+    muon = torch.optim.Muon(
+        [p for _, p in muon_named],
+        lr=float(cfg.lr),
+        weight_decay=decay[0],
+        momentum=float(m.momentum),
+        nesterov=bool(m.nesterov),
+        ns_steps=int(m.ns_steps),
+        adjust_lr_fn=str(m.adjust_lr),
+    )
     groups = [g for g in param_groups(model, *decay, named=adamw_named) if g["params"]]
-    adamw = _adamw(groups, cfg, device_type) if groups else None  # finetune=lora: only Muon's matrices train
+    # finetune=lora: only Muon's matrices train
+    adamw = _adamw(groups, cfg, device_type) if groups else None
     return MuonWithAdamW(muon, adamw, ns_dtype=MUON_NS_DTYPES[m.get("ns_dtype", "bfloat16")])
 
 
@@ -186,8 +219,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
     every rank every matrix (sharded_ns=False, gathered with full_tensor); the two agree bit for bit.
     """
 
-    def __init__(self, muon: torch.optim.Optimizer, adamw: torch.optim.Optimizer | None,
-                 ns_dtype: torch.dtype = torch.bfloat16, sharded_ns: bool = True) -> None:
+    def __init__(
+        self,
+        muon: torch.optim.Optimizer,
+        adamw: torch.optim.Optimizer | None,
+        ns_dtype: torch.dtype = torch.bfloat16,
+        sharded_ns: bool = True,
+    ) -> None:
         self.muon, self.adamw = muon, adamw
         self.ns_dtype, self.sharded_ns = ns_dtype, sharded_ns
         super().__init__(muon.param_groups + (adamw.param_groups if adamw is not None else []), {})
@@ -231,8 +269,13 @@ def is_dtensor(t: torch.Tensor) -> bool:
     return isinstance(t, DTensor)
 
 
-def newton_schulz(grad: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
-                  dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+def newton_schulz(
+    grad: torch.Tensor,
+    coefficients: tuple[float, float, float],
+    steps: int,
+    eps: float,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
     """torch.optim.Muon's Newton-Schulz orthogonalization of a 2-D `grad`, computed in `dtype`.
 
     The same quintic iteration as torch's _zeropower_via_newtonschulz, operation for operation (so bfloat16
@@ -262,10 +305,16 @@ def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bo
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    pending = []  # row-sharded, for orthogonalize_sharded: (parameter, update, its Newton-Schulz, its group)
+    # row-sharded, for orthogonalize_sharded: (parameter, update, its Newton-Schulz, its group)
+    pending = []
     for group in muon.param_groups:
-        ns = functools.partial(newton_schulz, coefficients=group["ns_coefficients"], steps=group["ns_steps"],
-                               eps=group["eps"], dtype=ns_dtype)
+        ns = functools.partial(
+            newton_schulz,
+            coefficients=group["ns_coefficients"],
+            steps=group["ns_steps"],
+            eps=group["eps"],
+            dtype=ns_dtype,
+        )
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -278,17 +327,20 @@ def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bo
             if sharded_ns and _row_sharded(update):
                 pending.append((p, update, ns, group))
                 continue
-            if is_dtensor(update):  # every rank the whole matrix [A, B], the same result; keeps its own rows
-                ortho = distribute_tensor(ns(update.full_tensor()), p.device_mesh, p.placements,
-                                          src_data_rank=None)
+            # every rank the whole matrix [A, B], the same result; keeps its own rows
+            if is_dtensor(update):
+                ortho = distribute_tensor(
+                    ns(update.full_tensor()), p.device_mesh, p.placements, src_data_rank=None
+                )
             else:
                 ortho = ns(update)
             _apply(p, ortho, group, _adjust_lr)
     if pending:
         orthos = orthogonalize_sharded([u for _, u, _, _ in pending], [f for _, _, f, _ in pending], ns_dtype)
         for (p, _, _, group), rows in zip(pending, orthos):
-            ortho = DTensor.from_local(rows, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                       stride=p.stride())
+            ortho = DTensor.from_local(
+                rows, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+            )
             _apply(p, ortho, group, _adjust_lr)
 
 
@@ -305,8 +357,11 @@ def _row_sharded(t: torch.Tensor) -> bool:
     from torch.distributed.tensor import Shard
 
     mesh = t.device_mesh
-    return (mesh.ndim == 1 and tuple(t.placements) == (Shard(0),)
-            and t.to_local().shape[0] == _chunk_rows(t.shape[0], mesh.size())[mesh.get_local_rank()])
+    return (
+        mesh.ndim == 1
+        and tuple(t.placements) == (Shard(0),)
+        and t.to_local().shape[0] == _chunk_rows(t.shape[0], mesh.size())[mesh.get_local_rank()]
+    )
 
 
 def _chunk_rows(rows: int, world: int) -> list[int]:
@@ -336,10 +391,12 @@ def orthogonalize_sharded(updates: list, orthogonalize: list, dtype: torch.dtype
         dist.gather(local, gathered, group=group, group_dst=owner)
         if rank == owner:
             ortho[i] = torch.cat([g[:n] for g, n in zip(gathered, rows)])  # [A, B]
-    ortho = {i: orthogonalize[i](whole) for i, whole in ortho.items()}  # this rank's share of the work
+    # this rank's share of the work
+    ortho = {i: orthogonalize[i](whole) for i, whole in ortho.items()}
     mine = []
     for i, (u, (owner, rows)) in enumerate(zip(updates, layout)):
-        parts = None  # the owner's result in row blocks, contiguous (a tall matrix's result is transposed)
+        # the owner's result in row blocks, contiguous (a tall matrix's result is transposed)
+        parts = None
         if rank == owner:
             parts = [_pad_rows(t, max(rows)).contiguous() for t in torch.split(ortho.pop(i), rows)]
         local = torch.empty(max(rows), u.shape[1], dtype=dtype, device=u.to_local().device)
@@ -360,16 +417,29 @@ def describe_optimizer(cfg: Any, model: nn.Module, device_type: str) -> str:
     muon, rest = muon_split(model)
     n = lambda named: sum(p.numel() for _, p in named)  # noqa: E731
     m = cfg.muon
-    return (f"Muon (torch.optim.Muon: {n(muon):,} parameters in {len(muon)} block matrices; momentum "
-            f"{m.momentum}{' nesterov' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps in "
-            f"{m.get('ns_dtype', 'bfloat16')}, lr x "
-            f"{'0.2·sqrt(max(A, B))' if m.adjust_lr == 'match_rms_adamw' else 'sqrt(max(1, A/B))'})"
-            + (f" + {adamw} for {n(rest):,} parameters in {len(rest)} tensors (embeddings, head, norms, "
-               f"biases)" if rest else "; nothing else trains"))
+    return (
+        f"Muon (torch.optim.Muon: {n(muon):,} parameters in {len(muon)} block matrices; momentum "
+        f"{m.momentum}{' nesterov' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps in "
+        f"{m.get('ns_dtype', 'bfloat16')}, lr x "
+        f"{'0.2·sqrt(max(A, B))' if m.adjust_lr == 'match_rms_adamw' else 'sqrt(max(1, A/B))'})"
+        + (
+            f" + {adamw} for {n(rest):,} parameters in {len(rest)} tensors (embeddings, head, norms, biases)"
+            if rest
+            else "; nothing else trains"
+        )
+    )
 
 
-def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr: float, min_lr: float,
-              decay_fraction: float = 0.2) -> float:
+def lr_factor(
+    step: int,
+    *,
+    schedule: str,
+    max_steps: int,
+    warmup_steps: int,
+    lr: float,
+    min_lr: float,
+    decay_fraction: float = 0.2,
+) -> float:
     """Multiplier of the peak lr at optimizer step `step` (0-based).
 
     warmup: linear from lr/warmup to lr over `warmup_steps`; then
@@ -397,9 +467,16 @@ def lr_factor(step: int, *, schedule: str, max_steps: int, warmup_steps: int, lr
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Any,
-                    max_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, cfg: Any, max_steps: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """The LambdaLR of optim.schedule (warmup, then cosine / linear / WSD to optim.min_lr)."""
-    kw = dict(schedule=cfg.schedule, max_steps=max_steps, warmup_steps=int(cfg.warmup_steps),
-              lr=float(cfg.lr), min_lr=min_lr(cfg), decay_fraction=float(cfg.decay_fraction))
+    kw = dict(
+        schedule=cfg.schedule,
+        max_steps=max_steps,
+        warmup_steps=int(cfg.warmup_steps),
+        lr=float(cfg.lr),
+        min_lr=min_lr(cfg),
+        decay_fraction=float(cfg.decay_fraction),
+    )
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, **kw))

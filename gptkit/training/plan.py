@@ -55,8 +55,9 @@ def compile_mode(value: Any) -> str | None:
     if value is True or value == "true":
         return "blocks"
     if value not in COMPILE_MODES:
-        raise ConfigError(f"trainer.compile={value!r} is not one of none, {', '.join(COMPILE_MODES)} "
-                          f"(or false/true)")
+        raise ConfigError(
+            f"trainer.compile={value!r} is not one of none, {', '.join(COMPILE_MODES)} (or false/true)"
+        )
     return value
 
 
@@ -66,8 +67,9 @@ def train_seq_len(t: Any, model_cfg: ModelConfig) -> int:
     if seq_len is None:
         return model_cfg.max_seq_len
     if not 1 <= int(seq_len) <= model_cfg.max_seq_len:
-        raise ConfigError(f"trainer.seq_len={seq_len} must be in "
-                          f"[1, model.max_seq_len={model_cfg.max_seq_len}]")
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} must be in [1, model.max_seq_len={model_cfg.max_seq_len}]"
+        )
     return int(seq_len)
 
 
@@ -89,13 +91,17 @@ class Checked:
     make_plan completes it, so none of it is derived a second time."""
 
     precision: Precision
-    accelerator: str  # "cpu" | "cuda"
-    devices: int  # processes per node
+    # "cpu" | "cuda"
+    accelerator: str
+    # processes per node
+    devices: int
     nodes: int
-    compile: Optional[str]  # None | "blocks" | "model"
+    # None | "blocks" | "model"
+    compile: Optional[str]
     # a new run's model (vocab_size: the config's); resume/init_from: None
     model: Optional[ModelConfig] = None
-    seq_len: Optional[int] = None  # the training window of `model`
+    # the training window of `model`
+    seq_len: Optional[int] = None
 
     @property
     def world_size(self) -> int:
@@ -108,8 +114,13 @@ def check_trainer(t: Any) -> Checked:
     (one-line ConfigErrors for a value none of them takes)."""
     p = precision(t.precision)
     accelerator = accelerator_type(t)
-    return Checked(precision=p, accelerator=accelerator, devices=devices_per_node(t, accelerator),
-                   nodes=int(t.num_nodes), compile=compile_mode(t.compile))
+    return Checked(
+        precision=p,
+        accelerator=accelerator,
+        devices=devices_per_node(t, accelerator),
+        nodes=int(t.num_nodes),
+        compile=compile_mode(t.compile),
+    )
 
 
 def with_model(checked: Checked, t: Any, model: ModelConfig) -> Checked:
@@ -121,37 +132,54 @@ def with_model(checked: Checked, t: Any, model: ModelConfig) -> Checked:
 class RunPlan:
     """One training run, resolved: what every part of `train` reads (see the module docstring)."""
 
-    cfg: DictConfig  # the run's config as saved to config.yaml (its model: plan.model)
-    run_dir: Optional[Path]  # None for a plan without a run (preflight)
+    # the run's config as saved to config.yaml (its model: plan.model)
+    cfg: DictConfig
+    # None for a plan without a run (preflight)
+    run_dir: Optional[Path]
     model: ModelConfig
     seq_len: int
-    batch_size: int  # sequences per device in one micro-batch
-    accumulation: int  # micro-batches per optimizer step
-    devices: int  # processes per node
+    # sequences per device in one micro-batch
+    batch_size: int
+    # micro-batches per optimizer step
+    accumulation: int
+    # processes per node
+    devices: int
     nodes: int
     world_size: int
-    tokens_per_step: int  # one optimizer step, all ranks together
+    # one optimizer step, all ranks together
+    tokens_per_step: int
     max_steps: int
     precision: Precision
-    accelerator: str  # "cpu" | "cuda"
-    compile: Optional[str]  # None | "blocks" | "model"
+    # "cpu" | "cuda"
+    accelerator: str
+    # None | "blocks" | "model"
+    compile: Optional[str]
     compile_backend: str
     # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention; finetune=lora:
     # 4N + 6 per adapter parameter + 12·L·T·d_attn, the frozen weights getting no weight gradient)
     flops_per_token: float
-    causal_flops_per_token: float  # the attention term halved (perf/mfu_causal)
-    peak_flops: Optional[float]  # one device's peak for plan.precision; None where unknown
-    resume: Optional[Path] = None  # the checkpoint resume= continues
+    # the attention term halved (perf/mfu_causal)
+    causal_flops_per_token: float
+    # one device's peak for plan.precision; None where unknown
+    peak_flops: Optional[float]
+    # the checkpoint resume= continues
+    resume: Optional[Path] = None
     resume_step: Optional[int] = None
-    init_from: Optional[Path] = None  # the checkpoint init_from= takes the weights of
-    replan: Optional[str] = None  # on resume with another max_steps: how the schedule moves
-    lora: Optional[dict] = None  # finetune=lora: rank, alpha, dropout, targets (None: every weight trains)
-    lora_base: Optional[Path] = None  # finetune=lora: the checkpoint of the frozen weights the adapters adapt
-    job: Optional[str] = None  # "job 1: optim.lr=3e-3" for one job of a multirun
+    # the checkpoint init_from= takes the weights of
+    init_from: Optional[Path] = None
+    # on resume with another max_steps: how the schedule moves
+    replan: Optional[str] = None
+    # finetune=lora: rank, alpha, dropout, targets (None: every weight trains)
+    lora: Optional[dict] = None
+    # finetune=lora: the checkpoint of the frozen weights the adapters adapt
+    lora_base: Optional[Path] = None
+    # "job 1: optim.lr=3e-3" for one job of a multirun
+    job: Optional[str] = None
     # the prepared corpus (gptkit.data: PreparedData, MixedData or ChatData) the run trains on; None for a
     # plan made without data (preflight, bench, or a Python caller's make_plan: gptkit.train prepares it)
     data: Any = None
-    init_vocab: Optional[int] = None  # init_from= with tokens a chat template added: the source's vocab_size
+    # init_from= with tokens a chat template added: the source's vocab_size
+    init_vocab: Optional[int] = None
 
     @property
     def trainer(self) -> DictConfig:
@@ -194,11 +222,21 @@ class RunPlan:
         return self.tokens_per_step * self.max_steps
 
 
-def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
-              checked: Optional[Checked] = None, resume: Optional[Path] = None,
-              resume_step: Optional[int] = None, init_from: Optional[Path] = None,
-              saved_trainer: Optional[DictConfig] = None, job: Optional[str] = None, data: Any = None,
-              init_vocab: Optional[int] = None, lora_base: Optional[Path] = None) -> RunPlan:
+def make_plan(
+    cfg: DictConfig,
+    run_dir: Optional[Path],
+    model: ModelConfig,
+    *,
+    checked: Optional[Checked] = None,
+    resume: Optional[Path] = None,
+    resume_step: Optional[int] = None,
+    init_from: Optional[Path] = None,
+    saved_trainer: Optional[DictConfig] = None,
+    job: Optional[str] = None,
+    data: Any = None,
+    init_vocab: Optional[int] = None,
+    lora_base: Optional[Path] = None,
+) -> RunPlan:
     """The plan of a run whose config was checked (fit.check_config) and whose model is known.
     checked: what that check derived (the trainer's facts; the training window of a new run's model), read
     here instead of derived again; None derives it (check_trainer). saved_trainer: on resume, the `trainer`
@@ -208,10 +246,12 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
         checked = check_trainer(t)
     same_window = checked.model is not None and checked.model.max_seq_len == model.max_seq_len
     seq_len = checked.seq_len if same_window and checked.seq_len is not None else train_seq_len(t, model)
-    per_node = checked.devices  # trainer.devices=auto: every visible GPU
+    # trainer.devices=auto: every visible GPU
+    per_node = checked.devices
     world = checked.world_size
     dpo = str(cfg.get("objective") or "lm") == "dpo"
-    rows = int(t.batch_size) * (2 if dpo else 1)  # objective=dpo: batch_size pairs, chosen and rejected
+    # objective=dpo: batch_size pairs, chosen and rejected
+    rows = int(t.batch_size) * (2 if dpo else 1)
     tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
     max_steps = planned_steps(t, tokens_per_step)
     replan = None
@@ -222,20 +262,41 @@ def make_plan(cfg: DictConfig, run_dir: Optional[Path], model: ModelConfig, *,
     lora = adapters.settings(cfg.lora) if cfg.get("finetune", "full") == "lora" else None
     flops = acc.flops_per_token(model, seq_len)
     dense, causal = flops.train_dense, flops.train_causal
-    if lora is not None:  # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)
+    # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)
+    if lora is not None:
         change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(model, lora["targets"], lora["rank"])
         dense, causal = dense + change, causal + change
-    if dpo:  # and the reference's forward (no grad): the base model's
+    # and the reference's forward (no grad): the base model's
+    if dpo:
         dense, causal = dense + flops.forward_dense, causal + flops.forward_causal
     return RunPlan(
-        cfg=cfg, run_dir=run_dir, model=model, seq_len=seq_len, batch_size=int(t.batch_size),
-        accumulation=int(t.accumulate_grad_batches), devices=per_node, nodes=checked.nodes, world_size=world,
-        tokens_per_step=tokens_per_step, max_steps=max_steps, precision=p, accelerator=checked.accelerator,
-        compile=checked.compile, compile_backend=str(t.get("compile_backend") or "inductor"),
-        flops_per_token=dense, causal_flops_per_token=causal,
+        cfg=cfg,
+        run_dir=run_dir,
+        model=model,
+        seq_len=seq_len,
+        batch_size=int(t.batch_size),
+        accumulation=int(t.accumulate_grad_batches),
+        devices=per_node,
+        nodes=checked.nodes,
+        world_size=world,
+        tokens_per_step=tokens_per_step,
+        max_steps=max_steps,
+        precision=p,
+        accelerator=checked.accelerator,
+        compile=checked.compile,
+        compile_backend=str(t.get("compile_backend") or "inductor"),
+        flops_per_token=dense,
+        causal_flops_per_token=causal,
         peak_flops=detect_peak_flops(p, t.get("peak_tflops")),
-        resume=resume, resume_step=resume_step, init_from=init_from, replan=replan, job=job, data=data,
-        init_vocab=init_vocab, lora=lora, lora_base=lora_base,
+        resume=resume,
+        resume_step=resume_step,
+        init_from=init_from,
+        replan=replan,
+        job=job,
+        data=data,
+        init_vocab=init_vocab,
+        lora=lora,
+        lora_base=lora_base,
     )
 
 
@@ -244,9 +305,16 @@ def schedule_note(saved_max_steps: int | None, max_steps: int, step: int, optim:
     after."""
     if saved_max_steps is None or saved_max_steps == max_steps:
         return None
-    kw = dict(schedule=optim.schedule, warmup_steps=int(optim.warmup_steps), lr=float(optim.lr),
-              min_lr=min_lr(optim), decay_fraction=float(optim.decay_fraction))
+    kw = dict(
+        schedule=optim.schedule,
+        warmup_steps=int(optim.warmup_steps),
+        lr=float(optim.lr),
+        min_lr=min_lr(optim),
+        decay_fraction=float(optim.decay_fraction),
+    )
     before = float(optim.lr) * lr_factor(step, max_steps=saved_max_steps, **kw)
     after = float(optim.lr) * lr_factor(step, max_steps=max_steps, **kw)
-    return (f"the {optim.schedule} schedule is re-planned for {max_steps} steps instead of "
-            f"{saved_max_steps}: lr at step {step} {before:.3g} -> {after:.3g}")
+    return (
+        f"the {optim.schedule} schedule is re-planned for {max_steps} steps instead of "
+        f"{saved_max_steps}: lr at step {step} {before:.3g} -> {after:.3g}"
+    )

@@ -36,8 +36,9 @@ def plot_loss(run_dir: Path | str) -> Path:
     run_dir = Path(run_dir)
     csv_path = run_dir / "metrics.csv"
     if not csv_path.is_file():
-        raise GptkitError(f"{csv_path} is missing; loss.png is drawn from the CSV logger's metrics "
-                          "(logger=csv)")
+        raise GptkitError(
+            f"{csv_path} is missing; loss.png is drawn from the CSV logger's metrics (logger=csv)"
+        )
     s = read_metrics(csv_path)
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=120)
     if "train/loss" in s:

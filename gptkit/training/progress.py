@@ -45,9 +45,11 @@ def metrics_text(metrics: dict[str, float]) -> str:
     parts = []
     if "train/loss" in metrics:
         parts.append(f"loss {metrics['train/loss']:.4f}")
-    if "train/rewards/accuracy" in metrics:  # objective=dpo
-        parts.append(f"reward acc {metrics['train/rewards/accuracy']:.0%} "
-                     f"margin {metrics['train/rewards/margin']:.3g}")
+    # objective=dpo
+    if "train/rewards/accuracy" in metrics:
+        parts.append(
+            f"reward acc {metrics['train/rewards/accuracy']:.0%} margin {metrics['train/rewards/margin']:.3g}"
+        )
     if "train/grad_norm" in metrics:
         parts.append(f"grad norm {metrics['train/grad_norm']:.3g}")
     if "train/lr" in metrics:
@@ -86,10 +88,18 @@ class ProgressReporter:
                 TimeRemainingColumn,
             )
 
-            self._bar = Progress(TextColumn("train"), BarColumn(bar_width=None), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
-                                 TextColumn("{task.fields[metrics]}"),
-                                 console=Console(file=self.stream), transient=False, expand=True)
+            self._bar = Progress(
+                TextColumn("train"),
+                BarColumn(bar_width=None),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("ETA"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[metrics]}"),
+                console=Console(file=self.stream),
+                transient=False,
+                expand=True,
+            )
             self._task = self._bar.add_task("train", total=total, completed=step, metrics="")
             self._bar.start()
 
@@ -106,8 +116,10 @@ class ProgressReporter:
             elapsed = time.perf_counter() - self._t0
             done = step - self._first
             eta = elapsed / done * (self._total - step) if done > 0 else 0.0
-            self._line(f"step {step}/{self._total}  {metrics_text(metrics)}  elapsed {clock(elapsed)}  ETA "
-                       f"{clock(eta)}")
+            self._line(
+                f"step {step}/{self._total}  {metrics_text(metrics)}  elapsed {clock(elapsed)}  ETA "
+                f"{clock(eta)}"
+            )
 
     def validation(self, step: int, loss: float, reward_accuracy: float | None = None) -> None:
         """Show a validation result (objective=dpo: with the val pairs' reward accuracy)."""

@@ -22,8 +22,9 @@ BEST_CHECKPOINT = "best.ckpt"
 
 def periodic_checkpoints(ckpt_dir: Path) -> list[Path]:
     """The periodic checkpoints (files or sharded folders) of a checkpoint folder, oldest step first."""
-    found = [(int(m.group(1)),
-              p) for p in Path(ckpt_dir).glob("step-*.ckpt") if (m := PERIODIC.fullmatch(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in Path(ckpt_dir).glob("step-*.ckpt") if (m := PERIODIC.fullmatch(p.name))
+    ]
     return [p for _, p in sorted(found)]
 
 
@@ -52,19 +53,31 @@ class RunCheckpoints(Callback):
     renamed into place; retention never removes it.
     """
 
-    def __init__(self, ckpt_dir: str, every: int, stop_at_step: int | None = None, sync_every: int = 10,
-                 keep: int | None = 3, metrics: Any = None, keep_best: bool = False) -> None:
+    def __init__(
+        self,
+        ckpt_dir: str,
+        every: int,
+        stop_at_step: int | None = None,
+        sync_every: int = 10,
+        keep: int | None = 3,
+        metrics: Any = None,
+        keep_best: bool = False,
+    ) -> None:
         self.dir = Path(ckpt_dir)
         self.every = max(1, every)
         self.stop_at_step = stop_at_step
-        self.sync_every = max(1, sync_every)  # with several ranks: agree on a signal every N steps
+        # with several ranks: agree on a signal every N steps
+        self.sync_every = max(1, sync_every)
         self.keep = keep
-        self.metrics = metrics  # MetricsCSV (or None): synced before a checkpoint is published
+        # MetricsCSV (or None): synced before a checkpoint is published
+        self.metrics = metrics
         self.keep_best = keep_best
-        self.best_val: float | None = None  # the lowest val/loss so far (trainer.keep_best)
+        # the lowest val/loss so far (trainer.keep_best)
+        self.best_val: float | None = None
         self.signal_name: str | None = None
         self.interrupted = False
-        self._pending: tuple[Path, Path] | None = None  # (written, where it is published)
+        # (written, where it is published)
+        self._pending: tuple[Path, Path] | None = None
         self._previous: dict[int, Any] = {}
 
     @property
@@ -106,7 +119,8 @@ class RunCheckpoints(Callback):
     # ---- saving ----
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         """Publish the checkpoint saved at the end of the previous step."""
-        self.publish(trainer)  # the previous step's rows and validation are logged by now
+        # the previous step's rows and validation are logged by now
+        self.publish(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """At a checkpoint step or a requested stop: check the NaN window, save, maybe stop."""
@@ -117,7 +131,8 @@ class RunCheckpoints(Callback):
         stop = self._stop_requested(trainer)
         early = self.stop_at_step is not None and step >= self.stop_at_step
         if step % self.every == 0 or stop or early or step >= trainer.max_steps:
-            pl_module.loss_window.check_finite(trainer.strategy)  # never save what a NaN step produced
+            # never save what a NaN step produced
+            pl_module.loss_window.check_finite(trainer.strategy)
             self.publish(trainer)
             target = self.dir / f"step-{step:06d}.ckpt" if step % self.every == 0 else self.last
             written = target.with_name(f".{target.name}.pending")
@@ -176,7 +191,7 @@ class RunCheckpoints(Callback):
         if self.keep is None:
             return
         old = periodic_checkpoints(self.dir)
-        for path in old[:max(0, len(old) - self.keep)]:
+        for path in old[: max(0, len(old) - self.keep)]:
             remove_checkpoint(path)
 
     def discard(self, trainer: L.Trainer) -> None:

@@ -16,7 +16,8 @@ class _Stop(BaseException):
 def final_validation(trainer: Any, module: Any, datamodule: Any, checkpoints: Any) -> None:
     """trainer.validate with SIGINT/SIGTERM stopping it: `checkpoints` (RunCheckpoints) then names the signal
     (signal_name) and still holds the last step's checkpoint for its publication."""
-    pending, checkpoints._pending = checkpoints._pending, None  # Lightning's on_exception would discard it
+    # Lightning's on_exception would discard it
+    pending, checkpoints._pending = checkpoints._pending, None
 
     def stop(signum, frame) -> None:
         checkpoints.signal_name = signal.Signals(signum).name

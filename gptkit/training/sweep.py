@@ -28,8 +28,13 @@ COLUMNS = ("job", "overrides", "final_val_loss", "tokens_per_s", "steps")
 
 def job_row(job_dir: Path) -> dict[str, Any]:
     """One job's overrides, last val loss, mean logged tokens/s and last step, from its folder."""
-    row: dict[str, Any] = {"job": job_dir.name, "overrides": "", "final_val_loss": "", "tokens_per_s": "",
-                           "steps": ""}
+    row: dict[str, Any] = {
+        "job": job_dir.name,
+        "overrides": "",
+        "final_val_loss": "",
+        "tokens_per_s": "",
+        "steps": "",
+    }
     overrides = job_dir / ".hydra" / "overrides.yaml"
     if overrides.is_file():
         row["overrides"] = " ".join(yaml.safe_load(overrides.read_text()) or [])
@@ -53,13 +58,15 @@ def job_row(job_dir: Path) -> dict[str, Any]:
 
 def write_summary(sweep_dir: Path) -> Path | None:
     """Write the sweep folder's summary.csv: one row per job with its overrides and results."""
-    jobs = sorted((d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()),
-                  key=lambda d: int(d.name))
+    jobs = sorted(
+        (d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=lambda d: int(d.name)
+    )
     if not jobs:
         return None
     rows = [job_row(d) for d in jobs]
     common = set.intersection(*(set(r["overrides"].split()) for r in rows))
-    for r in rows:  # only what the jobs differ in
+    # only what the jobs differ in
+    for r in rows:
         r["overrides"] = " ".join(o for o in r["overrides"].split() if o not in common)
     buf = io.StringIO()
     writer = csv.DictWriter(buf, fieldnames=COLUMNS)
@@ -73,8 +80,9 @@ def write_summary(sweep_dir: Path) -> Path | None:
     from rich.table import Table
 
     table = Table(title=escape(f"multirun: {len(rows)} job(s) in {sweep_dir}"))
-    for col, justify in zip(("job", "overrides", "final val loss", "tokens/s"),
-                            ("right", "left", "right", "right")):
+    for col, justify in zip(
+        ("job", "overrides", "final val loss", "tokens/s"), ("right", "left", "right", "right")
+    ):
         table.add_column(col, justify=justify)
     for r in rows:
         tps = f"{float(r['tokens_per_s']):,.0f}" if r["tokens_per_s"] else ""

@@ -28,14 +28,17 @@ def check_task_evals(t: Any) -> None:
     if not tasks:
         return
     T.require_lm_eval()
-    T.find_tasks(T.parse_tasks(list(tasks) if not isinstance(tasks, str) else tasks))  # local YAMLs exist
+    # local YAMLs exist
+    T.find_tasks(T.parse_tasks(list(tasks) if not isinstance(tasks, str) else tasks))
     for key in ("eval_every", "eval_limit"):
         value = t.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"trainer.{key}={value} must be an integer >= 1 (or null)")
     if t.get("strategy") == "fsdp":
-        raise ConfigError("trainer.eval_tasks runs each rank's share of the examples on its own, which "
-                          "FSDP's sharded weights cannot do; evaluate checkpoints with gptkit eval tasks=...")
+        raise ConfigError(
+            "trainer.eval_tasks runs each rank's share of the examples on its own, which "
+            "FSDP's sharded weights cannot do; evaluate checkpoints with gptkit eval tasks=..."
+        )
 
 
 def task_evals_callback(cfg: Any, clock=None) -> "TaskEvals | None":
@@ -46,18 +49,33 @@ def task_evals_callback(cfg: Any, clock=None) -> "TaskEvals | None":
         return None
     every = t.get("eval_every") or t.val_every
     eos = (cfg.get("tokenizer") or {}).get("eos_token")
-    return TaskEvals(list(tasks) if not isinstance(tasks, str) else [tasks], int(every), t.get("eval_limit"),
-                     int(t.batch_size), eos, clock)
+    return TaskEvals(
+        list(tasks) if not isinstance(tasks, str) else [tasks],
+        int(every),
+        t.get("eval_limit"),
+        int(t.batch_size),
+        eos,
+        clock,
+    )
 
 
 class TaskEvals(Callback):
-    def __init__(self, tasks: list[str], every: int, limit: int | None, batch_size: int,
-                 eos_token: str | None = None, clock=None) -> None:
+    def __init__(
+        self,
+        tasks: list[str],
+        every: int,
+        limit: int | None,
+        batch_size: int,
+        eos_token: str | None = None,
+        clock=None,
+    ) -> None:
         self.tasks, self.every, self.limit = tasks, every, limit
         self.batch_size, self.eos_token, self.clock = batch_size, eos_token, clock
         self.subsets: list = []
-        self.seconds = 0.0  # spent scoring, this invocation
-        self.model_seconds = 0.0  # of which in the model (the rest: lm-eval's filters and metrics)
+        # spent scoring, this invocation
+        self.seconds = 0.0
+        # of which in the model (the rest: lm-eval's filters and metrics)
+        self.model_seconds = 0.0
         self.runs = 0
         self._last_step = -1
         self.last: dict[str, float] = {}
@@ -70,9 +88,12 @@ class TaskEvals(Callback):
         manager = T.task_manager(specs)
         T.check_names(specs.names, manager)
         loaded = T.leaf_tasks(T.load_tasks(specs, manager))
-        self.subsets = [T.TaskSubset(name, task, self.limit, trainer.global_rank, trainer.world_size)
-                        for name, task in loaded.items()]
-        lm = self._lm(trainer, pl_module)  # what the tokenizer cannot serve fails now, not at step eval_every
+        self.subsets = [
+            T.TaskSubset(name, task, self.limit, trainer.global_rank, trainer.world_size)
+            for name, task in loaded.items()
+        ]
+        # what the tokenizer cannot serve fails now, not at step eval_every
+        lm = self._lm(trainer, pl_module)
         T.check_tokenizer(loaded, lm)
         for s in self.subsets:
             for inst in s.instances:
@@ -81,14 +102,20 @@ class TaskEvals(Callback):
                         lm.tok_encode(text)
 
     def _lm(self, trainer, pl_module):
-        from gptkit.evaluation.lm_eval_adapter import GptkitLM  # imports lm-eval, an optional dependency
+        # imports lm-eval, an optional dependency
+        from gptkit.evaluation.lm_eval_adapter import GptkitLM
 
-        return GptkitLM(pl_module.model, trainer.datamodule.prepared.tokenizer(),
-                        {"tokenizer": {"eos_token": self.eos_token}}, batch_size=self.batch_size)
+        return GptkitLM(
+            pl_module.model,
+            trainer.datamodule.prepared.tokenizer(),
+            {"tokenizer": {"eos_token": self.eos_token}},
+            batch_size=self.batch_size,
+        )
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if optimizer_stepped(trainer, batch_idx) and (
-                trainer.global_step % self.every == 0 or trainer.global_step >= trainer.max_steps):
+            trainer.global_step % self.every == 0 or trainer.global_step >= trainer.max_steps
+        ):
             self.evaluate(trainer, pl_module)
 
     def evaluate(self, trainer, pl_module) -> dict[str, float]:
@@ -131,8 +158,10 @@ class TaskEvals(Callback):
     def summary(self, wall_s: float) -> str:
         """One line: what the task evals cost."""
         share = self.seconds / wall_s if wall_s else 0.0
-        return (f"task evals: {self.runs} x {len(self.subsets)} task(s), {self.seconds:.1f} s "
-                f"({share:.1%} of {wall_s:.1f} s wall time; {self.model_seconds:.1f} s in the model)")
+        return (
+            f"task evals: {self.runs} x {len(self.subsets)} task(s), {self.seconds:.1f} s "
+            f"({share:.1%} of {wall_s:.1f} s wall time; {self.model_seconds:.1f} s in the model)"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {}

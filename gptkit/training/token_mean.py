@@ -37,9 +37,11 @@ class TokenMean:
 
     def __init__(self, accumulation: int, world_size: int, reference_tokens: int) -> None:
         self.accumulation, self.world_size = int(accumulation), int(world_size)
-        self.reference = float(reference_tokens)  # R: batch_size * seq_len
+        # R: batch_size * seq_len
+        self.reference = float(reference_tokens)
         self.active = self.accumulation * self.world_size > 1
-        self.step_tokens: torch.Tensor | None = None  # int64 scalar: this rank's loss tokens of the step
+        # int64 scalar: this rank's loss tokens of the step
+        self.step_tokens: torch.Tensor | None = None
 
     def micro_batch(self, loss: torch.Tensor, n_tokens: torch.Tensor) -> torch.Tensor:
         """What to backpropagate for a micro-batch whose mean loss over its n_tokens loss tokens is `loss`."""
@@ -54,13 +56,17 @@ class TokenMean:
         the step); then start the next step. Call it once per optimizer step, after the last backward."""
         if not self.active or self.step_tokens is None:
             return
-        total = self.step_tokens.to(torch.float64)  # exact for any count
+        # exact for any count
+        total = self.step_tokens.to(torch.float64)
         self.step_tokens = None
         if self.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)  # stream-ordered: the host does not wait
+            # stream-ordered: the host does not wait
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
         factor = self.accumulation * self.world_size * self.reference
         scale = torch.where(total > 0, factor / total.clamp(min=1.0), 0.0)
         grads = [p.grad for p in parameters if p.grad is not None]
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2: this rank's shard
-        for device in {g.device for g in grads}:  # one foreach per device
+        # FSDP2: this rank's shard
+        grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        # one foreach per device
+        for device in {g.device for g in grads}:
             torch._foreach_mul_([g for g in grads if g.device == device], scale.to(device, torch.float32))

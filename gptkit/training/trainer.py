@@ -34,9 +34,10 @@ from gptkit.training.watch import ValidationWatch
 
 # wandb and the tensorboard logger are imported on use: optional packages (check_loggers says which).
 
-LOGGER_PACKAGES = {"tensorboard": ("tensorboard",
-                                   "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
-                   "wandb": ("wandb", "pip install wandb")}
+LOGGER_PACKAGES = {
+    "tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
+    "wandb": ("wandb", "pip install wandb"),
+}
 
 
 def check_loggers(logger_cfg: Any) -> None:
@@ -46,31 +47,37 @@ def check_loggers(logger_cfg: Any) -> None:
             raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
         if kind in LOGGER_PACKAGES and (opts or {}).get("enabled", True):
             package, install = LOGGER_PACKAGES[kind]
-            try:  # an import, not find_spec: a broken install fails here too, not after the data is prepared
+            # an import, not find_spec: a broken install fails here too, not after the data is prepared
+            try:
                 importlib.import_module(package)
             except ImportError as e:
-                raise ConfigError(f"logger={kind} needs the {package} package, which cannot be imported "
-                                  f"({e}): {install}") from None
+                raise ConfigError(
+                    f"logger={kind} needs the {package} package, which cannot be imported ({e}): {install}"
+                ) from None
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
     """The loggers the `logger` group switches on (csv, tensorboard, wandb), each writing into run_dir."""
     loggers = []
     for kind, opts in (logger_cfg or {}).items():
-        if not (opts or {}).get("enabled", True):  # logger.<kind>.enabled=false switches one off
+        # logger.<kind>.enabled=false switches one off
+        if not (opts or {}).get("enabled", True):
             continue
-        loggers.append(_logger(kind, opts, run_dir, run_name, resume_step))  # packages: check_loggers
+        # packages: check_loggers
+        loggers.append(_logger(kind, opts, run_dir, run_name, resume_step))
     return loggers
 
 
 def _logger(kind: str, opts: Any, run_dir: Path, run_name: str, resume_step: int | None):
     if kind == "csv":
-        return MetricsCSV(run_dir, resume_step)  # a resume keeps the rows its checkpoint covers
+        # a resume keeps the rows its checkpoint covers
+        return MetricsCSV(run_dir, resume_step)
     if kind == "tensorboard":
         from lightning.pytorch.loggers import TensorBoardLogger
 
-        return TensorBoardLogger(save_dir=str(run_dir), name="tensorboard", version="",
-                                 default_hp_metric=False)
+        return TensorBoardLogger(
+            save_dir=str(run_dir), name="tensorboard", version="", default_hp_metric=False
+        )
     if kind == "wandb":
         return _wandb_logger(opts, run_dir, run_name)
     raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
@@ -81,12 +88,20 @@ def _wandb_logger(opts: Any, run_dir: Path, run_name: str):
     if mode not in ("offline", "online", "disabled"):
         raise ConfigError(f"logger.wandb.mode={mode!r} must be offline, online or disabled")
     if mode == "online" and not _wandb_has_key():
-        raise GptkitError("logger.wandb.mode=online needs a W&B API key (set WANDB_API_KEY or run `wandb "
-                          "login`); or use logger.wandb.mode=offline and `wandb sync` later")
+        raise GptkitError(
+            "logger.wandb.mode=online needs a W&B API key (set WANDB_API_KEY or run `wandb "
+            "login`); or use logger.wandb.mode=offline and `wandb sync` later"
+        )
 
     os.environ.setdefault("WANDB_SILENT", "true")
-    return WandbLogger(project=opts.get("project", "gptkit"), entity=opts.get("entity"), name=run_name,
-                       save_dir=str(run_dir), mode=mode, settings=_wandb_settings())
+    return WandbLogger(
+        project=opts.get("project", "gptkit"),
+        entity=opts.get("entity"),
+        name=run_name,
+        save_dir=str(run_dir),
+        mode=mode,
+        settings=_wandb_settings(),
+    )
 
 
 def _wandb_has_key() -> bool:
@@ -118,10 +133,13 @@ class ClippingMixedPrecision(MixedPrecision):
         if self.scaler is None:
             return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
         closure_result = closure()
-        skip = closure_result is None and model.automatic_optimization  # backward skipped by the step
+        # backward skipped by the step
+        skip = closure_result is None and model.automatic_optimization
         if not skip:
-            self.scaler.unscale_(optimizer)  # on the device: no host sync
-        self._after_closure(model, optimizer)  # on_before_optimizer_step hooks, then clipping
+            # on the device: no host sync
+            self.scaler.unscale_(optimizer)
+        # on_before_optimizer_step hooks, then clipping
+        self._after_closure(model, optimizer)
         if skip:
             return closure_result
         out = self.scaler.step(optimizer, **kwargs)
@@ -141,43 +159,56 @@ def precision_plugin(plan: RunPlan):
 def check_trainer_config(t: Any) -> Checked:
     """Fail in one line, before any data is prepared, on trainer values Lightning would reject late; returns
     the facts derived on the way (precision, accelerator, devices, compile mode), for make_plan."""
-    for key in ("batch_size", "accumulate_grad_batches", "val_every", "checkpoint_every", "log_every",
-                "num_nodes"):
+    for key in (
+        "batch_size",
+        "accumulate_grad_batches",
+        "val_every",
+        "checkpoint_every",
+        "log_every",
+        "num_nodes",
+    ):
         if not isinstance(t[key], int) or int(t[key]) < 1:
             raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
     if t.max_tokens is None and (not isinstance(t.max_steps, int) or t.max_steps < 1):
-        raise ConfigError(f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set "
-                          "trainer.max_tokens)")
+        raise ConfigError(
+            f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)"
+        )
     if t.max_tokens is not None:
         count(t.max_tokens, "trainer.max_tokens")
     seq_len = t.get("seq_len")
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ConfigError(f"trainer.seq_len={seq_len} must be an integer >= 1 (or null for "
-                          "model.max_seq_len)")
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} must be an integer >= 1 (or null for model.max_seq_len)"
+        )
     check_threads(t.get("threads"), "trainer.threads")
     if t.val_windows is not None and int(t.val_windows) < 1:
         raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
     keep = t.get("keep_checkpoints", 3)
     if keep is not None and (not isinstance(keep, int) or keep < 0):
-        raise ConfigError(f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every "
-                          "one)")
+        raise ConfigError(
+            f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every one)"
+        )
     every = t.get("sample_every")
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
         raise ConfigError(f"trainer.sample_every={every} must be an integer >= 1 (or null for no samples)")
     if not isinstance(t.get("keep_best", False), bool):
         raise ConfigError(f"trainer.keep_best={t.keep_best} must be true or false")
     if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
-        raise ConfigError(f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no "
-                          "clipping)")
+        raise ConfigError(
+            f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)"
+        )
     progress_mode(t.progress)
-    check_task_evals(t)  # trainer.eval_tasks: lm-eval importable, local task files there
+    # trainer.eval_tasks: lm-eval importable, local task files there
+    check_task_evals(t)
     checked = check_trainer(t)
     # devices, strategy, launcher: one line now rather than a hang later
     check_distributed(t, checked)
     p, device = checked.precision, checked.accelerator
     if device == "cuda" and p.compute == "bf16" and not torch.cuda.is_bf16_supported():
-        raise ConfigError(f"trainer.precision={p.name}: this GPU ({torch.cuda.get_device_name()}) has no "
-                          f"bf16; use trainer.precision=16-mixed (or 32-true)")
+        raise ConfigError(
+            f"trainer.precision={p.name}: this GPU ({torch.cuda.get_device_name()}) has no "
+            f"bf16; use trainer.precision=16-mixed (or 32-true)"
+        )
     if checked.compile:
         check_compile(device, str(t.get("compile_backend") or "inductor"))
     return checked
@@ -186,31 +217,54 @@ def check_trainer_config(t: Any) -> Checked:
 def check_compile(device: str, backend: str) -> None:
     """trainer.compile=true where torch cannot compile is one line, before any data is prepared."""
     if not torch._dynamo.is_dynamo_supported():
-        raise ConfigError(f"trainer.compile=true: torch.compile does not support this Python/platform "
-                          f"(torch {torch.__version__}); use trainer.compile=false")
-    if backend == "inductor" and device == "cpu" and not any(shutil.which(c) for c in ("g++", "c++",
-                                                                                       "clang++")):
-        raise ConfigError("trainer.compile=true on the CPU needs a C++ compiler for torch's inductor backend "
-                          "(install g++), or use trainer.compile=false")
+        raise ConfigError(
+            f"trainer.compile=true: torch.compile does not support this Python/platform "
+            f"(torch {torch.__version__}); use trainer.compile=false"
+        )
+    if (
+        backend == "inductor"
+        and device == "cpu"
+        and not any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    ):
+        raise ConfigError(
+            "trainer.compile=true on the CPU needs a C++ compiler for torch's inductor backend "
+            "(install g++), or use trainer.compile=false"
+        )
 
 
 def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
     """The Lightning Trainer of the plan, with its callbacks: StepMetrics (throughput, MFU, the NaN window,
     one row per log step) and RunCheckpoints (the one checkpoint writer); returns all three."""
-    t = plan.trainer  # checked by check_trainer_config before any data was prepared
-    csv = next((lg for lg in loggers if isinstance(lg, MetricsCSV)), None)  # rows on disk before a checkpoint
-    checkpoints = RunCheckpoints(str(plan.run_dir / CHECKPOINT_DIR), int(t.checkpoint_every),
-                                 t.get("stop_at_step"), sync_every=int(t.log_every),
-                                 keep=t.get("keep_checkpoints", 3), metrics=csv,
-                                 keep_best=bool(t.get("keep_best", False)))
+    # checked by check_trainer_config before any data was prepared
+    t = plan.trainer
+    # rows on disk before a checkpoint
+    csv = next((lg for lg in loggers if isinstance(lg, MetricsCSV)), None)
+    checkpoints = RunCheckpoints(
+        str(plan.run_dir / CHECKPOINT_DIR),
+        int(t.checkpoint_every),
+        t.get("stop_at_step"),
+        sync_every=int(t.log_every),
+        keep=t.get("keep_checkpoints", 3),
+        metrics=csv,
+        keep_best=bool(t.get("keep_best", False)),
+    )
     reporter = ProgressReporter(t.progress)
-    metrics = StepMetrics(plan.flops_per_token, plan.tokens_per_step, plan.peak_flops, int(t.log_every),
-                          reporter if reporter.mode != "off" else None, plan.causal_flops_per_token)
+    metrics = StepMetrics(
+        plan.flops_per_token,
+        plan.tokens_per_step,
+        plan.peak_flops,
+        int(t.log_every),
+        reporter if reporter.mode != "off" else None,
+        plan.causal_flops_per_token,
+    )
     watch = ValidationWatch(plan.run_dir, str(plan.run_dir / TOKENIZER_FILE), t.get("sample_every"), csv)
-    callbacks = [metrics, checkpoints, watch]  # watch after checkpoints: best.ckpt before the plot
-    task_evals = task_evals_callback(plan.cfg, clock=metrics)  # trainer.eval_tasks
+    # watch after checkpoints: best.ckpt before the plot
+    callbacks = [metrics, checkpoints, watch]
+    # trainer.eval_tasks
+    task_evals = task_evals_callback(plan.cfg, clock=metrics)
     if task_evals is not None:
-        callbacks.insert(1, task_evals)  # scores step N before step N's checkpoint is written
+        # scores step N before step N's checkpoint is written
+        callbacks.insert(1, task_evals)
     if plan.world_size > 1:
         callbacks.append(fail_fast_callback())
     plugin = precision_plugin(plan)
@@ -230,11 +284,13 @@ def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoin
         log_every_n_steps=int(t.log_every),
         logger=loggers or False,
         callbacks=callbacks,
-        enable_progress_bar=False,  # ProgressReporter: on stderr, and it never reads a device tensor
+        # ProgressReporter: on stderr, and it never reads a device tensor
+        enable_progress_bar=False,
         enable_model_summary=False,
         deterministic=bool(t.deterministic),
         default_root_dir=str(plan.run_dir),
-        enable_checkpointing=False,  # RunCheckpoints writes them (Lightning would add a ModelCheckpoint)
+        # RunCheckpoints writes them (Lightning would add a ModelCheckpoint)
+        enable_checkpointing=False,
         plugins=[SafeAtomicCheckpointIO()] + ([plugin] if plugin else []),
         use_distributed_sampler=True,
     )

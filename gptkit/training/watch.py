@@ -20,32 +20,39 @@ from gptkit.tokenizer import load_tokenizer_file
 from gptkit.training.plots import plot_loss
 
 SAMPLE_FILE = "samples.jsonl"
-PROMPT_TOKENS = 8  # the prompt: the first tokens of the first validation window
-SAMPLE_TOKENS = 48  # new tokens of each greedy sample
+# the prompt: the first tokens of the first validation window
+PROMPT_TOKENS = 8
+# new tokens of each greedy sample
+SAMPLE_TOKENS = 48
 
 
 class ValidationWatch(Callback):
     """At every validation: loss.png; at the validations that cross a multiple of sample_every steps (and
     the last): a greedy sample. metrics: the run's MetricsCSV (or None: no plot)."""
 
-    def __init__(self, run_dir: Path, tokenizer_file: str, sample_every: int | None,
-                 metrics: Any = None) -> None:
+    def __init__(
+        self, run_dir: Path, tokenizer_file: str, sample_every: int | None, metrics: Any = None
+    ) -> None:
         self.run_dir = Path(run_dir)
         self.tokenizer_file = tokenizer_file
         self.sample_every = sample_every
         self.metrics = metrics
         self._prompt: list[int] | None = None
-        self._sampled_at: int | None = None  # the step of the last sample
+        # the step of the last sample
+        self._sampled_at: int | None = None
         self._noted: set[str] = set()
 
     def _note(self, what: str, exc: BaseException) -> None:
         if what not in self._noted:
             self._noted.add(what)
-            print(f"note: {what} failed ({type(exc).__name__}: {str(exc)[:160]}); training goes on",
-                  file=sys.stderr)
+            print(
+                f"note: {what} failed ({type(exc).__name__}: {str(exc)[:160]}); training goes on",
+                file=sys.stderr,
+            )
 
-    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx,
-                                dataloader_idx=0) -> None:
+    def on_validation_batch_end(
+        self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0
+    ) -> None:
         """Keep the prompt: the first tokens of the first validation window."""
         if self._prompt is None and self.sample_every:
             self._prompt = batch[0][0, :PROMPT_TOKENS].tolist()
@@ -56,7 +63,8 @@ class ValidationWatch(Callback):
             try:
                 self.metrics.sync()
                 plot_loss(self.run_dir)
-            except Exception as exc:  # a plot never fails a run
+            # a plot never fails a run
+            except Exception as exc:
                 self._note("redrawing loss.png", exc)
         step = trainer.global_step
         if not self.sample_every or self._prompt is None or not self._due(step, trainer.max_steps):
@@ -64,7 +72,8 @@ class ValidationWatch(Callback):
         self._sampled_at = step
         try:
             self._sample(trainer, pl_module, step)
-        except Exception as exc:  # a sample never fails a run
+        # a sample never fails a run
+        except Exception as exc:
             self._note("the validation sample", exc)
 
     def _due(self, step: int, max_steps: int) -> bool:
@@ -74,7 +83,8 @@ class ValidationWatch(Callback):
         return step // self.sample_every > last or step >= max_steps
 
     def _sample(self, trainer, pl_module, step: int) -> None:
-        model = pl_module.model  # every rank runs it (FSDP gathers the shards); rank 0 reports
+        # every rank runs it (FSDP gathers the shards); rank 0 reports
+        model = pl_module.model
         was_training = model.training
         model.eval()
         try:
@@ -89,7 +99,8 @@ class ValidationWatch(Callback):
         print(f"step {step}  sample: {prompt!r} -> {text!r}", file=sys.stderr)
         with open(self.run_dir / SAMPLE_FILE, "a", encoding="utf-8") as f:
             f.write(json.dumps({"step": step, "prompt": prompt, "text": text}) + "\n")
-        for logger in trainer.loggers:  # TensorBoard shows it beside the curves
+        # TensorBoard shows it beside the curves
+        for logger in trainer.loggers:
             add_text = getattr(getattr(logger, "experiment", None), "add_text", None)
             if callable(add_text) and type(logger).__name__ == "TensorBoardLogger":
                 add_text("sample", f"{prompt} -> {text}", step)
