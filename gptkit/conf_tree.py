@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import re
-from pathlib import Path
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from gptkit.conf_files import conf_dir
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 
 # hydra is imported on use: `gptkit --help` imports this module and needs no Hydra.
-
-
-def conf_dir() -> Path:
-    """The conf/ tree: the `gptkit_conf` data package (conf/ itself in an editable install)."""
-    spec = importlib.util.find_spec("gptkit_conf")
-    if spec is not None and spec.submodule_search_locations:
-        return Path(list(spec.submodule_search_locations)[0])
-    # a source checkout without install
-    here = Path(__file__).resolve().parent.parent / "conf"
-    if here.is_dir():
-        return here
-    raise ConfigError("cannot find gptkit's conf/ folder; reinstall gptkit (pip install -e .)")
 
 
 def model_config(cfg: DictConfig | dict[str, Any]) -> ModelConfig:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from gptkit import adapters, hub
-from gptkit.data.chat import CHAT_FILE, template_in_folder
+from gptkit.chat_templates import CHAT_FILE, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
 from gptkit.model import GPT

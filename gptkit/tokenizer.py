@@ -13,10 +13,13 @@ is saved as tokenizer.json next to the token shards, so sampling and export use 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
+from gptkit.conf_files import preset_defaults
 from gptkit.errors import GptkitError
 
 # tokenizers is imported inside the functions that build or load one (the CLI imports this module first).
@@ -52,25 +55,45 @@ def _as_dict(cfg: Any) -> dict[str, Any]:
     return dict(cfg)
 
 
-# Defaults of each kind (the same as conf/tokenizer/<kind>.yaml): settings given as a partial dict
-# from Python mean the same tokenizer, and the same cache key, as the composed YAML.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "char": {"special_tokens": [], "eos_token": None, "unk_token": None},
-    "byte": {"special_tokens": [], "eos_token": None},
-    "bpe": {
-        "vocab_size": 4096,
-        "min_frequency": 2,
-        "special_tokens": ["<|endoftext|>"],
-        "eos_token": "<|endoftext|>",
-        "train_chars": 50_000_000,
-    },
-    "file": {"path": None, "eos_token": None},
-}
+@dataclass(frozen=True)
+class TokenizerSpec:
+    """The `tokenizer` group resolved once: its kind checked, the defaults of conf/tokenizer/<kind>.yaml
+    filled in, the EOS among the special tokens, a file's path resolved. Every data kind receives this;
+    `settings` is its complete plain dict, what cache keys and manifests hold."""
+
+    kind: str
+    # the complete settings as canonical JSON (a frozen, hashable form of the dict)
+    settings_json: str
+
+    @property
+    def settings(self) -> dict[str, Any]:
+        """The complete settings as a fresh plain dict."""
+        return json.loads(self.settings_json)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """One setting (None, or `default`, where the kind has no such key)."""
+        return self.settings.get(key, default)
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.get("eos_token")
+
+    @property
+    def path(self) -> str | None:
+        """tokenizer=file: the resolved path of its tokenizer.json (None for the kinds built here)."""
+        return self.get("path")
+
+    @property
+    def built_from_corpus(self) -> bool:
+        """char and bpe are made from the corpus they tokenize; byte and file exist without it."""
+        return self.kind in ("char", "bpe")
 
 
-def tokenizer_settings(cfg: Any) -> dict[str, Any]:
-    """The tokenizer config as a complete plain dict with its kind checked (what the cache key and
-    manifest hold)."""
+def tokenizer_spec(cfg: Any) -> TokenizerSpec:
+    """The tokenizer config (a DictConfig, a dict, or a TokenizerSpec already) as a TokenizerSpec; a bad kind
+    or a missing file is a one-line GptkitError."""
+    if isinstance(cfg, TokenizerSpec):
+        return cfg
     d = _as_dict(cfg)
     kind = d.get("kind")
     if kind not in KINDS:
@@ -78,7 +101,7 @@ def tokenizer_settings(cfg: Any) -> dict[str, Any]:
             f"unknown tokenizer kind {kind!r}; use tokenizer=char|byte|bpe|file "
             f"(or set tokenizer.kind to one of {', '.join(KINDS)})"
         )
-    d = {"kind": kind, **DEFAULTS[kind], **d}
+    d = {"kind": kind, **preset_defaults("tokenizer", kind), **d}
     if kind == "file":
         if not d["path"]:
             raise GptkitError("tokenizer=file needs tokenizer.path=/path/to/tokenizer.json")
@@ -87,7 +110,7 @@ def tokenizer_settings(cfg: Any) -> dict[str, Any]:
         d["special_tokens"] = list(d["special_tokens"] or [])
         if d["eos_token"] is not None and d["eos_token"] not in d["special_tokens"]:
             d["special_tokens"].append(d["eos_token"])
-    return d
+    return TokenizerSpec(kind, json.dumps(d, sort_keys=True))
 
 
 def file_sha256(path: Path | str) -> str:
@@ -194,8 +217,9 @@ def train_bpe(
 
 
 def build_tokenizer(cfg: Any, texts: Callable[[], Iterable[str]] | None = None, progress: bool = True):
-    """The configured tokenizer. `texts()` yields the corpus (needed by char and bpe)."""
-    s = tokenizer_settings(cfg)
+    """The configured tokenizer (a TokenizerSpec, or a config made one). `texts()` yields the corpus (needed
+    by char and bpe)."""
+    s = tokenizer_spec(cfg).settings
     kind, special = s["kind"], s.get("special_tokens", [])
     if kind == "file":
         tok = load_tokenizer_file(s["path"])
@@ -223,8 +247,9 @@ def build_tokenizer(cfg: Any, texts: Callable[[], Iterable[str]] | None = None, 
     return tok
 
 
-def eos_id(tok, cfg: Mapping[str, Any]) -> int | None:
-    eos = cfg.get("eos_token")
+def eos_id(tok, spec: TokenizerSpec) -> int | None:
+    """The id of the configured EOS token in `tok` (None without one)."""
+    eos = spec.eos_token
     return None if eos is None else tok.token_to_id(eos)
 
 

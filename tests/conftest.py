@@ -90,9 +90,9 @@ def interrupt_prepare(monkeypatch, data, tok, cache_dir, at: int) -> dict:
     build's progress.json (the next prepare continues it)."""
     import json
 
-    from gptkit.data import build, prepare
+    from gptkit.data import prepare, shards
 
-    real, seen = build.fault_point, []
+    real, seen = shards.fault_point, []
 
     def interrupt(name):
         seen.append(name)
@@ -100,10 +100,10 @@ def interrupt_prepare(monkeypatch, data, tok, cache_dir, at: int) -> dict:
             raise KeyboardInterrupt
         real(name)
 
-    monkeypatch.setattr(build, "fault_point", interrupt)
+    monkeypatch.setattr(shards, "fault_point", interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(data, tok, cache_dir=cache_dir, progress=False)
-    monkeypatch.setattr(build, "fault_point", real)
+    monkeypatch.setattr(shards, "fault_point", real)
     (partial,) = Path(cache_dir).glob(".*.partial")
     return json.loads((partial / "progress.json").read_text())
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import run_main
 
-from gptkit.data import chat
+from gptkit import chat_templates as templates
 from gptkit.generate import ChatSession
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_run, write_run_folder
@@ -148,8 +148,8 @@ def test_chat_refuses_a_template_whose_special_tokens_the_run_lacks(sft_run, cap
 def session(reuse: bool) -> ChatSession:
     torch.manual_seed(0)
     tok = byte_tokenizer([])
-    t = chat.resolve_template("chatml", None)
-    chat.add_special_tokens(tok, t)
+    t = templates.resolve_template("chatml", None)
+    templates.add_special_tokens(tok, t)
     model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **(TINY | {"max_seq_len": 256}))).eval()
     stop = (tok.token_to_id("<|im_end|>"),)
     return ChatSession(
@@ -182,8 +182,8 @@ def test_kept_cache_runs_only_the_new_tokens_and_gives_the_same_replies():
 def test_import_keeps_the_models_chat_template_for_chat(tmp_path, capsys, monkeypatch):
     transformers = pytest.importorskip("transformers")
     tok = byte_tokenizer([])
-    t = chat.resolve_template("chatml", None)
-    chat.add_special_tokens(tok, t)
+    t = templates.resolve_template("chatml", None)
+    templates.add_special_tokens(tok, t)
     cfg = transformers.Qwen2Config(
         vocab_size=tok.get_vocab_size(),
         hidden_size=32,
@@ -196,12 +196,12 @@ def test_import_keeps_the_models_chat_template_for_chat(tmp_path, capsys, monkey
     )
     transformers.Qwen2ForCausalLM(cfg).save_pretrained(tmp_path / "hf")
     hf_tok = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>")
-    hf_tok.chat_template = chat.CHATML
+    hf_tok.chat_template = templates.CHATML
     hf_tok.save_pretrained(tmp_path / "hf")
     code, out, _ = run_main(capsys, "import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}")
     assert code == 0 and "chat template: kept in" in out
     saved = json.loads((tmp_path / "run" / "chat.json").read_text())
-    assert saved["template"] == chat.CHATML and saved["variables"]["eos_token"] == "<|im_end|>"
+    assert saved["template"] == templates.CHATML and saved["variables"]["eos_token"] == "<|im_end|>"
     code, out, err = scripted_chat(
         capsys, monkeypatch, "hi\n", f"run={tmp_path / 'run'}", "max_new_tokens=3", "threads=1"
     )

@@ -7,7 +7,8 @@ import pytest
 import torch
 from conftest import run_main
 
-from gptkit.data import chat
+from gptkit import chat_templates as templates
+from gptkit.data import chat, prepare
 from gptkit.data.chat import ChatSplit, make_rows
 from gptkit.errors import GptkitError
 from gptkit.model import GPT, ModelConfig
@@ -53,14 +54,14 @@ def bpe():
     return train_bpe(lambda: texts, 300, ["<|endoftext|>"], progress=False)
 
 
-def template(kind: str) -> chat.ChatTemplate:
-    if kind in chat.BUILTIN:
-        return chat.resolve_template(kind, None)
+def template(kind: str) -> templates.ChatTemplate:
+    if kind in templates.BUILTIN:
+        return templates.resolve_template(kind, None)
     text = {"qwen-like": QWEN_LIKE, "generation": GENERATION}[kind]
-    return chat.ChatTemplate(kind, text, {}, ["<|im_start|>", "<|im_end|>"])
+    return templates.ChatTemplate(kind, text, {}, ["<|im_start|>", "<|im_end|>"])
 
 
-def hf_tokenizer(tok, t: chat.ChatTemplate):
+def hf_tokenizer(tok, t: templates.ChatTemplate):
     hf = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **t.variables)
     hf.chat_template = t.text
     return hf
@@ -70,11 +71,11 @@ def hf_tokenizer(tok, t: chat.ChatTemplate):
 @pytest.mark.parametrize("kind", ["chatml", "llama3", "qwen-like", "generation"])
 def test_ids_equal_transformers_apply_chat_template(make_tok, kind):
     tok, t = make_tok(), template(kind)
-    chat.add_special_tokens(tok, t)
+    templates.add_special_tokens(tok, t)
     hf = hf_tokenizer(tok, t)
     for msgs in CONVERSATIONS:
-        text, spans = chat.assistant_spans(t, msgs, "test")
-        ids, mask = chat.encode(tok, text, spans)
+        text, spans = templates.assistant_spans(t, msgs, "test")
+        ids, mask = templates.encode(tok, text, spans)
         assert ids == hf.apply_chat_template(msgs, tokenize=True, return_dict=False)
         assert text == hf.apply_chat_template(msgs, tokenize=False)
         prompt, _ = t.render(msgs[:1], add_generation_prompt=True)
@@ -96,9 +97,9 @@ def test_ids_equal_transformers_apply_chat_template(make_tok, kind):
 )
 def test_loss_is_on_the_replies_and_their_end_of_turn_token(kind, replies):
     tok, t = byte_tokenizer([]), template(kind)
-    chat.add_special_tokens(tok, t)
-    text, spans = chat.assistant_spans(t, CONVERSATIONS[0], "test")
-    ids, mask = chat.encode(tok, text, spans)
+    templates.add_special_tokens(tok, t)
+    text, spans = templates.assistant_spans(t, CONVERSATIONS[0], "test")
+    ids, mask = templates.encode(tok, text, spans)
     runs, cur = [], []
     for i, m in zip(ids, mask):
         if m:
@@ -217,8 +218,10 @@ GOOD = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "co
 def test_bad_records_are_named_by_file_and_line(tmp_path, bad, message):
     f = write_jsonl(tmp_path / "d.jsonl", [GOOD, bad])
     with pytest.raises(GptkitError, match=message):
-        chat.prepare_chat(
-            {"paths": [str(f)], "template": "chatml"}, {"kind": "byte"}, cache_dir=tmp_path / "c"
+        prepare(
+            {"kind": "chat", "paths": [str(f)], "template": "chatml"},
+            {"kind": "byte"},
+            cache_dir=tmp_path / "c",
         )
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
@@ -233,8 +236,8 @@ def test_a_template_that_fails_to_render_names_the_file_and_row(tmp_path):
         match=r"d\.jsonl line 1: the chat template .*t\.jinja failed to render: "
         r"roles must alternate",
     ):
-        chat.prepare_chat(
-            {"paths": [str(f)], "template": str(tmp_path / "t.jinja")},
+        prepare(
+            {"kind": "chat", "paths": [str(f)], "template": str(tmp_path / "t.jinja")},
             {"kind": "byte"},
             cache_dir=tmp_path / "c",
         )
@@ -271,7 +274,7 @@ def test_parquet_and_json_files_and_prompt_response_records(tmp_path):
         "template": "chatml",
         "val_fraction": 0.25,
     }
-    data = chat.prepare_chat(settings, {"kind": "byte"}, cache_dir=tmp_path / "c")
+    data = prepare({"kind": "chat", **settings}, {"kind": "byte"}, cache_dir=tmp_path / "c")
     assert (data.train.n, data.val.n) == (3, 1)
     assert data.manifest["added_tokens"] == ["<|im_start|>", "<|im_end|>"]
     tok = data.tokenizer()
@@ -279,7 +282,7 @@ def test_parquet_and_json_files_and_prompt_response_records(tmp_path):
     assert last == (
         "<|im_start|>system\ns<|im_end|>\n<|im_start|>user\np<|im_end|>\n<|im_start|>assistant\nr<|im_end|>\n"
     )
-    again = chat.prepare_chat(settings, {"kind": "byte"}, cache_dir=tmp_path / "c")
+    again = prepare({"kind": "chat", **settings}, {"kind": "byte"}, cache_dir=tmp_path / "c")
     # cached
     assert again.dir == data.dir
 

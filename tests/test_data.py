@@ -94,6 +94,8 @@ def test_pydoc_is_the_offline_default_corpus(tmp_path):
 def test_shakespeare_is_built_in(tmp_path):
     """data=shakespeare (the reference recipe's corpus) ships inside gptkit: nanoGPT's char-level split."""
     p = prep(tmp_path, {"kind": "shakespeare"}, {"kind": "char"})
+    # the cache key of this corpus and tokenizer, as every gptkit since format 2 computes it
+    assert p.dir.name == "shakespeare-char-e81bf9071cd35753"
     assert p.vocab_size == 65
     assert len(p.train_tokens()) + len(p.val_tokens()) == 1_115_394
     # the last 10%
@@ -236,39 +238,31 @@ def test_stdlib_corpus_is_the_standard_library_sources():
     assert "def " in next(corpus.train_docs())
 
 
-def test_code_defaults_match_the_yaml_presets():
-    """A partial dict from Python and the composed YAML must give the same settings (and cache key)."""
+def test_every_data_kind_is_one_preset_and_one_table_row():
+    """conf/data/<kind>.yaml holds a kind's defaults (the one place they are written) and gptkit/data/kinds.py
+    its row; a partial dict from Python means the same settings as the composed YAML."""
     from omegaconf import OmegaConf
 
-    from gptkit.conf_tree import conf_dir
-    from gptkit.data.build import BUILD_KEYS, WINDOW_KEYS
-    from gptkit.data.build import DEFAULTS as DATA_DEFAULTS
-    from gptkit.tokenizer import DEFAULTS as TOKENIZER_DEFAULTS
+    from gptkit.conf_files import conf_dir
+    from gptkit.data.kinds import KINDS
+    from gptkit.data.settings import settings
+    from gptkit.tokenizer import tokenizer_spec
 
-    for group, defaults in (("data", DATA_DEFAULTS), ("tokenizer", TOKENIZER_DEFAULTS)):
-        for preset in (conf_dir() / group).glob("*.yaml"):
-            y = OmegaConf.to_container(OmegaConf.load(preset))
-            kind = y.pop("kind")
-            # conversations: their defaults live in gptkit.data.chat
-            if kind == "chat":
-                from gptkit.data.chat import DEFAULTS as CHAT_DEFAULTS
-
-                assert set(y) == set(CHAT_DEFAULTS) - {"kind"}, preset
-                continue
-            # DPO pairs: their defaults live in gptkit.data.preference
-            if kind == "preference":
-                from gptkit.data.preference import DEFAULTS as PREFERENCE_DEFAULTS
-
-                assert set(y) == set(PREFERENCE_DEFAULTS) - {"kind"}, preset
-                for k, v in y.items():
-                    assert v == "???" or v == PREFERENCE_DEFAULTS[k], (preset, k)
-                continue
-            # how windows are drawn, shards built: not in the key
-            for k in (*WINDOW_KEYS, *BUILD_KEYS):
-                y.pop(k, None)
-            assert set(y) == set(defaults[kind]), preset
-            for k, v in y.items():
-                assert v == "???" or v == defaults[kind][k], (preset, k)
+    presets = {p.stem: p for p in (conf_dir() / "data").glob("*.yaml")}
+    assert set(presets) == set(KINDS)
+    for kind, preset in presets.items():
+        y = OmegaConf.to_container(OmegaConf.load(preset))
+        assert y["kind"] == kind
+        given = {k: v for k, v in y.items() if v != "???"}
+        assert settings({"kind": kind}) == {
+            **settings(given),
+            **{k: None for k, v in y.items() if v == "???"},
+        }
+    for preset in (conf_dir() / "tokenizer").glob("*.yaml"):
+        y = OmegaConf.to_container(OmegaConf.load(preset))
+        if y["kind"] == "file":
+            continue
+        assert tokenizer_spec({"kind": y["kind"]}) == tokenizer_spec(y)
 
 
 def test_a_tokenizer_that_cannot_encode_the_corpus_names_the_characters(tmp_path):

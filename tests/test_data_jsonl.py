@@ -180,10 +180,10 @@ def test_a_killed_jsonl_build_continues_bit_identically(tmp_path, small, monkeyp
     """Ctrl-C keeps the complete shards; the next prepare skips the ranges they hold and ends with the
     uninterrupted build's files. The text field is only in the ranges the killed build wrote: they are read
     again for the checks (skipped unread, the file would seem to have no text field at all)."""
-    import gptkit.data.build as build
+    import gptkit.data.shards as shards
 
     # a commit after every range that has tokens
-    monkeypatch.setattr(build, "SHARD_TOKENS", 1)
+    monkeypatch.setattr(shards, "SHARD_TOKENS", 1)
     texts = [{"text": shakespeare(1400, start=2000 * i)} for i in range(5)]
     f = write(tmp_path / "a.jsonl", texts + [{"body": "x " * 500, "n": i} for i in range(8)])
     ranges = list(sources.line_ranges([f], "text", "strict", 3000))
@@ -200,7 +200,7 @@ def test_a_killed_jsonl_build_continues_bit_identically(tmp_path, small, monkeyp
 
 
 def test_progress_counts_the_bytes_of_the_files(tmp_path, small, monkeypatch, capfd):
-    monkeypatch.setattr("gptkit.data.build._Progress.PLAIN_EVERY_S", 0.0)
+    monkeypatch.setattr("gptkit.data.console.Progress.PLAIN_EVERY_S", 0.0)
     f = write(tmp_path / "a.jsonl", records())
     prepare({"kind": "files", "paths": [str(f)]}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=True)
     lines = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("tokenizing:")]

@@ -73,7 +73,7 @@ def test_start_up_shares_epochs_and_the_max_epochs_warning(tmp_path, texts):
     m = prepare(
         mix(texts, {"a": 1, "b": 3}, max_epochs=2), {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False
     )
-    lines = m.describe(budget_tokens=20_000)
+    lines = m.sources_lines(budget_tokens=20_000)
     assert lines[0].startswith("  a: 10,801 train tokens, share 25.0%, 0.46 epochs")
     assert "  b: 3,601 train tokens, share 75.0%, 4.17 epochs" in lines[1]
     (warning,) = [ln for ln in lines if ln.startswith("warning:")]

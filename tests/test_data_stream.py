@@ -323,7 +323,7 @@ def test_bpe_trains_on_a_bounded_evenly_spread_sample(tmp_path, capsys):
 def test_progress_lines_say_mb_per_s_tokens_and_eta(tmp_path, capfd, monkeypatch):
     monkeypatch.setattr("gptkit.data.tokenize.BATCH_CHARS", 10_000)
     monkeypatch.setattr("gptkit.data.tokenize.PIECE_CHARS", 5_000)
-    monkeypatch.setattr("gptkit.data.build._Progress.PLAIN_EVERY_S", 0.0)
+    monkeypatch.setattr("gptkit.data.console.Progress.PLAIN_EVERY_S", 0.0)
     f = tmp_path / "a.txt"
     f.write_text(shakespeare(50_000))
     prepare({"kind": "files", "paths": [str(f)]}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=True)
@@ -351,7 +351,7 @@ def test_bos_auto_is_off_for_a_model_with_learned_positions(tmp_path, capsys, mo
     from conftest import run_main
     from omegaconf import OmegaConf
 
-    from gptkit.data.build import bos_for_model
+    from gptkit.data.settings import for_model as bos_for_model
 
     assert bos_for_model({"kind": "files", "bos": "auto"}, "rope") == {"kind": "files", "bos": "auto"}
     assert bos_for_model({"kind": "files", "bos": "auto"}, "learned")["bos"] is False

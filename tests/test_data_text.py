@@ -9,6 +9,7 @@ from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes,
 from conftest import metaspace_tokenizer as metaspace
 
 import gptkit.data.build as build
+import gptkit.data.shards as shards
 import gptkit.data.sources as sources
 from gptkit.data import prepare
 from gptkit.data.ranges import text_cuts
@@ -204,7 +205,7 @@ def test_a_killed_text_build_continues_bit_identically(tmp_path, small, monkeypa
     """Ctrl-C after some ranges keeps the complete shards; the next prepare skips the ranges they hold and
     ends with the uninterrupted build's files."""
     # a commit after every range
-    monkeypatch.setattr(build, "SHARD_TOKENS", 1)
+    monkeypatch.setattr(shards, "SHARD_TOKENS", 1)
     f = tmp_path / "a.txt"
     f.write_text(shakespeare(30_000))
     data, tok = {"kind": "files", "paths": [str(f)], "workers": 1}, {"kind": "char", "eos_token": EOS}
@@ -217,7 +218,7 @@ def test_a_killed_text_build_continues_bit_identically(tmp_path, small, monkeypa
 
 
 def test_progress_counts_the_bytes_of_the_files(tmp_path, small, monkeypatch, capfd):
-    monkeypatch.setattr("gptkit.data.build._Progress.PLAIN_EVERY_S", 0.0)
+    monkeypatch.setattr("gptkit.data.console.Progress.PLAIN_EVERY_S", 0.0)
     f = tmp_path / "a.txt"
     f.write_text(shakespeare(30_000) + "é" * 10)
     prepare({"kind": "files", "paths": [str(f)]}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=True)

@@ -13,8 +13,9 @@ from conftest import run_main
 from test_distributed import run_group
 
 import gptkit
-from gptkit.data import chat
-from gptkit.data.preference import make_pair_rows, prepare_preference
+from gptkit import chat_templates as templates
+from gptkit.data import prepare
+from gptkit.data.preference import make_pair_rows
 from gptkit.errors import GptkitError
 from gptkit.training.dpo import RewardWindow, answer_logps, check_dpo_config, dpo_loss
 
@@ -107,12 +108,12 @@ CHAT = {
 
 def test_pairs_render_with_the_chat_template_and_the_loss_reads_the_last_answer_only(tmp_path):
     f = write_jsonl(tmp_path / "p.jsonl", [PAIR, CHAT])
-    data = prepare_preference(
-        {"paths": [str(f)], "val_paths": [str(f)], "template": "chatml"},
+    data = prepare(
+        {"kind": "preference", "paths": [str(f)], "val_paths": [str(f)], "template": "chatml"},
         {"kind": "byte"},
         cache_dir=tmp_path / "c",
     )
-    tok, template = data.tokenizer(), chat.resolve_template("chatml", None)
+    tok, template = data.tokenizer(), templates.resolve_template("chatml", None)
     rows = make_pair_rows(data.train, 64, "error", data.pad_id)
     assert rows.x.shape == (2, 2, 64) and len(rows) == 2
     for i, rec in enumerate([PAIR, CHAT]):
@@ -166,8 +167,10 @@ def test_pairs_render_with_the_chat_template_and_the_loss_reads_the_last_answer_
 def test_bad_pairs_are_named_by_file_and_line_before_anything_is_written(tmp_path, bad, message):
     f = write_jsonl(tmp_path / "d.jsonl", [PAIR, bad])
     with pytest.raises(GptkitError, match=message):
-        prepare_preference(
-            {"paths": [str(f)], "template": "chatml"}, {"kind": "byte"}, cache_dir=tmp_path / "c"
+        prepare(
+            {"kind": "preference", "paths": [str(f)], "template": "chatml"},
+            {"kind": "byte"},
+            cache_dir=tmp_path / "c",
         )
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
@@ -175,8 +178,8 @@ def test_bad_pairs_are_named_by_file_and_line_before_anything_is_written(tmp_pat
 def test_a_pair_longer_than_a_row_is_named_or_dropped_or_cut_and_counted(tmp_path):
     long = {"prompt": "upper " + "a" * 10, "chosen": "A" * 60, "rejected": "B"}
     f = write_jsonl(tmp_path / "d.jsonl", [PAIR, long, PAIR])
-    data = prepare_preference(
-        {"paths": [str(f)], "val_paths": [str(f)], "template": "chatml"},
+    data = prepare(
+        {"kind": "preference", "paths": [str(f)], "val_paths": [str(f)], "template": "chatml"},
         {"kind": "byte"},
         cache_dir=tmp_path / "c",
     )
@@ -314,8 +317,9 @@ def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactl
 
     *_, start = load_model(dpo_data / "sft")
     *_, end = load_model(straight)
-    data = prepare_preference(
-        {"paths": [str(dpo_data / "pairs.jsonl")]}, {"kind": "file", "path": str(straight / "tokenizer.json")}
+    data = prepare(
+        {"kind": "preference", "paths": [str(dpo_data / "pairs.jsonl")]},
+        {"kind": "file", "path": str(straight / "tokenizer.json")},
     )
     val_rows = make_pair_rows(data.val, 48, "error", data.pad_id)
     x, y = val_rows.batch(torch.arange(3))
@@ -394,8 +398,8 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
     *_, start = load_model(dpo_data / "sft")
     # the adapters merged into the base
     *_, end = load_model(dpo_data / "lora")
-    data = prepare_preference(
-        {"paths": [str(dpo_data / "pairs.jsonl")]},
+    data = prepare(
+        {"kind": "preference", "paths": [str(dpo_data / "pairs.jsonl")]},
         {"kind": "file", "path": str(dpo_data / "lora" / "tokenizer.json")},
     )
     x, y = make_pair_rows(data.val, 48, "error", data.pad_id).batch(torch.arange(3))

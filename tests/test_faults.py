@@ -323,7 +323,7 @@ def test_a_full_disk_during_prepare_is_one_line_and_leaves_the_cache_as_it_was(t
 
 
 def test_a_dead_builds_folder_is_removed_a_live_ones_is_not(tmp_path):
-    from gptkit.data.build import BUILD_LOCK, remove_stale_builds
+    from gptkit.data.cache import BUILD_LOCK, remove_stale_builds
     from gptkit.fsio import lock_file
 
     dead, live = tmp_path / ".files-x.abc.tmp", tmp_path / ".files-y.def.tmp"

@@ -3,7 +3,7 @@
 import pytest
 from conftest import shakespeare
 
-from gptkit.data.build import split_long
+from gptkit.data.tokenize import split_long
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import build_tokenizer, describe_characters, tokenizer_sha256, unknown_characters
 

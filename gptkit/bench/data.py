@@ -41,7 +41,7 @@ from rich.table import Table
 
 from gptkit.conf_tree import conf_dir, model_config
 from gptkit.data import TokenDataModule, prepare
-from gptkit.data.build import human
+from gptkit.data.console import human
 from gptkit.data.sources import stdlib_files, text_parts
 from gptkit.data.tokenize import Cutter, EncoderSpec, Tokenizing, batches, tiktoken_tables
 from gptkit.errors import GptkitError

@@ -25,7 +25,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from gptkit.data.preference import make_pair_rows, prepare_preference
+from gptkit.data import prepare
+from gptkit.data.preference import make_pair_rows
 from gptkit.data.tasks import preference_pairs, string_tasks, write_jsonl
 from gptkit.errors import GptkitError
 from gptkit.runs import load_model
@@ -119,8 +120,8 @@ def run(cfg) -> int:
         times[label] = _train(con, [*common, f"name={name}", *extra])
 
     # the held-out pairs in the start's tokenizer and template, rows as DPO trains on them
-    data = prepare_preference(
-        {"paths": [str(held_file)], "val_paths": [str(held_file)], "template": "auto"},
+    data = prepare(
+        {"kind": "preference", "paths": [str(held_file)], "val_paths": [str(held_file)], "template": "auto"},
         {"kind": "file", "path": str(start / "tokenizer.json")},
         cache_dir=root / "cache",
     )

@@ -22,8 +22,8 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from gptkit.chat_templates import resolve_template, template_in_folder
 from gptkit.conf_tree import compose
-from gptkit.data.chat import resolve_template, template_in_folder
 from gptkit.data.tasks import string_tasks, write_jsonl
 from gptkit.generate import ChatSession
 from gptkit.model import GPT, ModelConfig

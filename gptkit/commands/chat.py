@@ -25,7 +25,7 @@ COMMANDS = ("/reset", "/exit")
 
 
 def run(cfg) -> int:
-    from gptkit.data.chat import check_special_tokens, resolve_template, template_in_folder
+    from gptkit.chat_templates import check_special_tokens, resolve_template, template_in_folder
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.generate import ChatSession
     from gptkit.runs import load_for_inference, resolve_device

@@ -53,26 +53,14 @@ def corpus_tokens(cfg, r):
     data."""
     import numpy as np
 
-    from gptkit.data import prepare
+    from gptkit.data import check_scored, prepare
     from gptkit.errors import GptkitError
     from gptkit.runs import TOKENIZER_FILE
 
     run_tok = r.config.get("tokenizer") or {}
     data = cfg.get("data") if cfg.get("data") is not None else r.config.get("data") or {}
-    # conversations, not a token stream: no windows to score
-    if data.get("kind") == "chat":
-        raise GptkitError(
-            "eval scores windows of a text corpus; data=chat is conversations (a data=chat "
-            "run's val/loss, on the assistant's tokens, is in its metrics.csv); pass a text "
-            "corpus: data=files 'data.paths=[held_out.txt]'"
-        )
-    # pairs of answers, not a token stream
-    if data.get("kind") == "preference":
-        raise GptkitError(
-            "eval scores windows of a text corpus; data=preference is DPO's answer pairs (a "
-            "DPO run's val/loss and val/rewards/* are in its metrics.csv); pass a text corpus: "
-            "data=files 'data.paths=[held_out.txt]'"
-        )
+    # a kind that is not one token stream (conversations, pairs) has no windows to score
+    check_scored(data)
     if cfg.get("data") is None:
         if "data" not in r.config or "tokenizer" not in r.config:
             raise GptkitError(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 def run(cfg) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from gptkit.data import prepare
@@ -43,20 +44,10 @@ def run(cfg) -> int:
     if cfg.seq_len is not None:
         for split in ("train", "val"):
             check_window(m["splits"][split]["tokens"], int(cfg.seq_len), split)
-    t = Table(title=f"prepared data: {p.dir}")
+    t = Table(title=f"prepared data: {escape(str(p.dir))}")
     t.add_column("")
     t.add_column("value")
-    t.add_row("source", m["source"]["description"])
-    # data=mix
-    for name, src in m.get("sources", {}).items():
-        t.add_row(
-            f"  {name} ({100 * src['share']:.0f}%)",
-            f"{src['splits']['train']['tokens']:,} train tokens, {src['dir']}",
-        )
-    t.add_row("tokenizer", f"{m['tokenizer']['kind']}, vocab {p.vocab_size:,}, eos id {p.eos_id}")
-    t.add_row("dtype", m["dtype"])
-    for split in ("train", "val"):
-        t.add_row(f"{split} tokens", f"{m['splits'][split]['tokens']:,}")
-    t.add_row("tokenizer.json", str(p.tokenizer_path))
+    for name, value in p.table():
+        t.add_row(escape(name), escape(value))
     Console().print(t)
     return 0

@@ -1,6 +1,9 @@
-"""Corpora, tokenization into token shards, the manifest, the stateless sampler, the DataModule.
+"""The data wing: every data kind behind one face (gptkit/data/face.py), prepared by one call.
 
-    from gptkit.data import prepare, PreparedData, MixedData, TokenDataModule, check_vocab
+    from gptkit.data import prepare, TokenDataModule, check_vocab, check_scored, for_model
+
+    prepared = prepare(cfg.data, cfg.tokenizer)     # any kind (the table in gptkit/data/kinds.py)
+    datamodule = TokenDataModule(prepared, batch_size, seq_len, seed)
 
 Every name is resolved on first use: a tokenization worker process imports gptkit.data.tokenize, which
 imports this package first, and must not pay for torch (imported by the sampler's module, windows.py:
@@ -10,12 +13,17 @@ imports this package first, and must not pay for torch (imported by the sampler'
 from importlib import import_module
 
 _LAZY = {
-    "prepare": "gptkit.data.mixture",
-    "MixedData": "gptkit.data.mixture",
-    "check_tokenizer": "gptkit.data.build",
+    "prepare": "gptkit.data.kinds",
+    "check_scored": "gptkit.data.kinds",
+    "KINDS": "gptkit.data.kinds",
+    "for_model": "gptkit.data.settings",
+    "Prepared": "gptkit.data.face",
+    "Feed": "gptkit.data.face",
+    "check_vocab": "gptkit.data.face",
     "PreparedData": "gptkit.data.prepared",
-    "check_vocab": "gptkit.data.prepared",
     "load_prepared": "gptkit.data.prepared",
+    "check_tokenizer": "gptkit.data.prepared",
+    "MixedData": "gptkit.data.mixture",
     "TokenDataModule": "gptkit.data.datamodule",
     "WindowSampler": "gptkit.data.windows",
 }

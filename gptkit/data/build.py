@@ -22,33 +22,37 @@ half-written is ever taken for a result. A build that fails on bad input is remo
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
 import os
 import shutil
 import sys
 import time
-import zlib
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from gptkit.data import tokenize
+from gptkit.data.cache import (
+    BUILD_LOCK,
+    note_other_partials,
+    remove_stale_builds,
+    shards_key,
+    wait_unlocked,
+)
+from gptkit.data.console import Progress, human, say
+from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions
 from gptkit.data.prepared import (
     DTYPES,
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST,
     SHARDS,
-    TOKENIZER,
     PreparedData,
-    copy_tail,
     load_prepared,
     manifest_checksum,
 )
 from gptkit.data.ranges import RangeFeed, TextFeed
-from gptkit.data.sources import KINDS, Corpus, LineRange, Part, Parts, open_corpus
-from gptkit.data.tokenfiles import prepare_tokens
+from gptkit.data.settings import build_workers, shard_settings
+from gptkit.data.shards import PROGRESS, BatchFeed, Journal, resume_shard, split_tail, write_tokens
+from gptkit.data.sources import Corpus, LineRange, Part, Parts, open_corpus
 from gptkit.data.tokenize import (
     BATCH_CHARS,
     Cutter,
@@ -57,35 +61,23 @@ from gptkit.data.tokenize import (
     batches,
     char_like,
     choose_engine,
-    encode_task,
     split_long,
     start_workers,
-    text_bytes,
     tiktoken_tables,
 )
-from gptkit.data.windows import PACKS
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
 from gptkit.fsio import DIR_MODE, atomic_write_text, disk_full_error, file_crc32, is_disk_full, lock_file
 from gptkit.threads import cores
 from gptkit.tokenizer import (
     SPECIAL_ROLES,
+    TokenizerSpec,
     build_tokenizer,
     eos_id,
     file_sha256,
     load_tokenizer_file,
-    tokenizer_settings,
 )
 from gptkit.version import __version__
-
-# rich is imported for the progress bar of a terminal only.
-
-__all__ = ["prepare", "split_long", "data_settings", "use_prepared", "check_tokenizer", "remove_stale_builds"]
-
-# tokens between two commits of a build (a kill loses at most this much work)
-SHARD_TOKENS = 16 << 20
-# in a build folder: what is complete
-PROGRESS = "progress.json"
 
 
 def layout() -> dict[str, Any]:
@@ -103,86 +95,6 @@ def layout() -> dict[str, Any]:
     }
 
 
-def cache_root(cache_dir: str | Path | None) -> Path:
-    """The folder that holds prepared data: cache_dir=, else $GPTKIT_CACHE/data, else ~/.cache/gptkit/data."""
-    if cache_dir is not None:
-        return Path(cache_dir).expanduser()
-    base = os.environ.get("GPTKIT_CACHE")
-    return Path(base).expanduser() / "data" if base else Path.home() / ".cache" / "gptkit" / "data"
-
-
-# Defaults of each kind (the same as conf/data/<kind>.yaml): settings given as a partial dict from
-# Python mean the same corpus, and the same cache key, as the composed YAML.
-DEFAULTS: dict[str, dict[str, Any]] = {
-    "pydoc": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
-    "shakespeare": {"val_fraction": 0.1, "dtype": "auto", "bos": "auto"},
-    "stdlib": {
-        "include_tests": True,
-        "encoding_errors": "replace",
-        "val_fraction": 0.05,
-        "dtype": "auto",
-        "bos": "auto",
-    },
-    "files": {
-        "paths": None,
-        "val_paths": None,
-        "val_fraction": 0.1,
-        "format": "auto",
-        "text_field": "text",
-        "encoding_errors": "strict",
-        "dtype": "auto",
-        "bos": "auto",
-    },
-    "hub": {
-        "name": None,
-        "config": None,
-        "split": "train",
-        "val_split": None,
-        "val_fraction": 0.1,
-        "text_field": "text",
-        "revision": None,
-        "timeout_s": 5,
-        "dtype": "auto",
-        "bos": "auto",
-    },
-    "prepared": {"dir": None},
-    "mix": {"sources": None, "max_epochs": 4},
-    "tokens": {
-        "paths": None,
-        "val_paths": None,
-        "val_fraction": 0.1,
-        "vocab_size": None,
-        "format": "auto",
-        "dtype": "auto",
-    },
-}
-
-
-# data options of how windows are drawn from the shards: they change no token
-WINDOW_KEYS = ("pack",)
-# data options of how the shards are built: they change no token either
-BUILD_KEYS = ("workers",)
-
-
-def data_settings(cfg: Any) -> dict[str, Any]:
-    """The data config as a complete plain dict with its kind checked, without WINDOW_KEYS and BUILD_KEYS
-    (how windows are drawn from the shards, and how the shards are built, are no part of the cache key)."""
-    from omegaconf import DictConfig, OmegaConf
-
-    d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    pack = d.pop("pack", "stream")
-    for k in (*WINDOW_KEYS, *BUILD_KEYS):
-        d.pop(k, None)
-    if pack not in PACKS:
-        raise GptkitError(f"data.pack={pack!r} is not one of {', '.join(PACKS)}")
-    if d.get("kind") not in KINDS:
-        raise GptkitError(
-            f"unknown data kind {d.get('kind')!r}; "
-            f"use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens"
-        )
-    return {"kind": d["kind"], **DEFAULTS[d["kind"]], **d}
-
-
 def choose_dtype(vocab_size: int, wanted: str) -> str:
     """The shard dtype for a vocabulary: uint16 when it fits (auto), else uint32; too small a dtype: error."""
     auto = "uint16" if vocab_size <= 1 << 16 else "uint32"
@@ -198,99 +110,10 @@ def choose_dtype(vocab_size: int, wanted: str) -> str:
     return wanted
 
 
-def build_workers(cfg: Any) -> int | None:
-    """data.workers: the tokenization processes (None: every core this process may use, fewer for a small
-    corpus)."""
-    w = cfg.get("workers") if hasattr(cfg, "get") else None
-    if w is None:
-        return None
-    if isinstance(w, bool) or not isinstance(w, int) or w < 1:
-        raise GptkitError(f"data.workers={w!r} must be an integer >= 1 (or null for every usable core)")
-    return w
-
-
-# ---- progress ---------------------------------------------------------------------------------------
-def human(n: float, unit: str = "B") -> str:
-    """n with an SI prefix and unit, for progress lines: 466.1 kB, 54.0 MB."""
-    for p in ("", "k", "M", "G", "T"):
-        if abs(n) < 1000 or p == "T":
-            return f"{n:.1f} {p}{unit}" if p else f"{n:.0f} {unit}"
-        n /= 1000
-    return f"{n} {unit}"
-
-
-class _Progress:
-    """Tokenization progress on stderr: a bar on a terminal, else a plain line every PLAIN_EVERY_S seconds;
-    MB/s of text, tokens so far, an ETA where the size is known. Silent when disabled."""
-
-    PLAIN_EVERY_S = 10.0
-
-    def __init__(self, enabled: bool, total: int | None, label: str) -> None:
-        self.enabled, self.total, self.label = enabled, total, label
-        self.done = self.tokens = self.skipped = 0
-        self.t0 = self.last = time.perf_counter()
-        self.bar = None
-        if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self.bar = Progress(
-                TextColumn("{task.description}"),
-                BarColumn(),
-                TransferSpeedColumn(),
-                TextColumn("{task.fields[tokens]} tokens"),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-                transient=True,
-            )
-            self.task = self.bar.add_task(label, total=total, tokens="0")
-            self.bar.start()
-
-    def line(self) -> str:
-        dt = max(time.perf_counter() - self.t0, 1e-9)
-        # of the text tokenized now, not of a killed build's
-        rate = (self.done - self.skipped) / dt
-        where = human(self.done)
-        eta = ""
-        if self.total:
-            where += f" of {human(self.total)} ({100 * min(self.done / self.total, 1):.0f}%)"
-            left = max(self.total - self.done, 0) / rate if rate > 0 else 0
-            eta = f", ETA {int(left // 60)}m{int(left % 60):02d}s"
-        return f"{self.label}: {where}, {rate / 1e6:.1f} MB/s, {self.tokens:,} tokens{eta}"
-
-    def advance(self, n_bytes: int, n_tokens: int = 0, skipped: bool = False) -> None:
-        self.done += n_bytes
-        self.skipped += n_bytes if skipped else 0
-        self.tokens += n_tokens
-        if self.bar is not None:
-            self.bar.update(self.task, advance=n_bytes, tokens=f"{self.tokens:,}")
-        elif self.enabled and time.perf_counter() - self.last >= self.PLAIN_EVERY_S:
-            self.last = time.perf_counter()
-            print(self.line(), file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.stop()
-        if self.enabled and self.done:
-            print(self.line().replace(", ETA 0m00s", ""), file=sys.stderr, flush=True)
-
-
-def _say(msg: str) -> None:
-    from rich.console import Console
-
-    Console(stderr=True, highlight=False, soft_wrap=True).print(msg)
-
-
 # ---- the tokenizer ----------------------------------------------------------------------------------
-def cutter_for(tok, tok_s: dict[str, Any]) -> Cutter:
+def cutter_for(tok, spec: TokenizerSpec) -> Cutter:
     """How documents may be cut for this tokenizer (see gptkit.data.tokenize)."""
-    kind = tok_s["kind"]
+    kind = spec.kind
     specials = [t.content for t in tok.get_added_tokens_decoder().values()]
     if kind in ("char", "byte") or (kind == "file" and char_like(tok.to_str())):
         return Cutter("any", specials)
@@ -347,18 +170,18 @@ def training_sample(corpus: Corpus, chars: int) -> tuple[Callable[[], Iterator[s
     return first, f"the first {human(chars, 'chars')} (the corpus's size is unknown)"
 
 
-def _train_tokenizer(corpus: Corpus, tok_s: dict[str, Any], progress: bool):
-    kind = tok_s["kind"]
+def _train_tokenizer(corpus: Corpus, spec: TokenizerSpec, progress: bool):
+    kind = spec.kind
     if kind == "bpe":
-        texts, what = training_sample(corpus, int(tok_s["train_chars"]))
-        _say(
-            f"training byte-level BPE {tok_s['vocab_size']} on {what} (tokenizer.train_chars="
-            f"{int(tok_s['train_chars']):,})"
+        texts, what = training_sample(corpus, int(spec.get("train_chars")))
+        say(
+            f"training byte-level BPE {spec.get('vocab_size')} on {what} (tokenizer.train_chars="
+            f"{int(spec.get('train_chars')):,})"
         )
-        return build_tokenizer(tok_s, texts=texts, progress=progress)
+        return build_tokenizer(spec, texts=texts, progress=progress)
     if kind == "char":
-        return build_tokenizer(tok_s, texts=lambda: (t for t, _ in corpus.all_parts()), progress=progress)
-    return build_tokenizer(tok_s, progress=progress)
+        return build_tokenizer(spec, texts=lambda: (t for t, _ in corpus.all_parts()), progress=progress)
+    return build_tokenizer(spec, progress=progress)
 
 
 BOS = ("auto", True, False)
@@ -392,7 +215,7 @@ def bos_id(tok, bos: Any, eos: int | None) -> int | None:
     return None if own is None else tok.token_to_id(own)
 
 
-def resolve_bos(data: dict[str, Any], tok_s: dict[str, Any]) -> dict[str, Any]:
+def resolve_bos(data: dict[str, Any], spec: TokenizerSpec) -> dict[str, Any]:
     """data.bos=auto as true or false: whether the tokenizer has a BOS of its own (own_bos), known from its
     settings (byte, char, bpe: their special_tokens) or its file, before any tokenizer is trained. The
     cache key holds this value, so auto and what it means are one cache entry (a plain `gptkit prepare`
@@ -400,213 +223,42 @@ def resolve_bos(data: dict[str, Any], tok_s: dict[str, Any]) -> dict[str, Any]:
     BOS)."""
     if data.get("bos") != "auto":
         return data
-    if tok_s["kind"] == "file":
-        specials = [t.content for t in load_tokenizer_file(tok_s["path"]).get_added_tokens_decoder().values()]
+    if spec.kind == "file":
+        specials = [t.content for t in load_tokenizer_file(spec.path).get_added_tokens_decoder().values()]
     else:
         specials = [
-            *(tok_s.get("special_tokens") or ()),
-            *([tok_s["eos_token"]] if tok_s.get("eos_token") else []),
+            *(spec.get("special_tokens") or ()),
+            *([spec.eos_token] if spec.eos_token else []),
         ]
-    return {**data, "bos": own_bos(specials, tok_s.get("eos_token")) is not None}
-
-
-def bos_for_model(data: dict[str, Any], position: str) -> dict[str, Any]:
-    """data.bos=auto for the model that trains on it: a model family that wants a BOS (Llama-style, RoPE
-    positions) keeps auto (the tokenizer's own BOS if it has one); a GPT-2-style model (learned positions)
-    gets false. Every source of a data=mix likewise (a source without bos is auto). Other values stay."""
-    if position == "rope":
-        return data
-    if data.get("kind") == "mix":
-        sources = {
-            n: bos_for_model({**DEFAULTS.get(s.get("kind"), {}), **s}, position) if isinstance(s, dict) else s
-            for n, s in (data.get("sources") or {}).items()
-        }
-        return {**data, "sources": sources}
-    return {**data, "bos": False} if data.get("bos") == "auto" else data
-
-
-# ---- writing shards ---------------------------------------------------------------------------------
-class Journal:
-    """progress.json of a build folder: what of each split's shard is complete (synced)."""
-
-    def __init__(self, folder: Path, state: dict[str, Any]) -> None:
-        self.folder, self.state = folder, state
-
-    def split(self, name: str) -> dict[str, Any]:
-        return self.state["splits"].setdefault(
-            name, {"batches": 0, "bytes": 0, "crc32": 0, "tokens": 0, "documents": 0, "done": False}
-        )
-
-    def save(self) -> None:
-        atomic_write_text(self.folder / PROGRESS, json.dumps(self.state, indent=1))
-
-
-def _resume_shard(path: Path, sp: dict[str, Any]) -> bool:
-    """Cut the shard back to its last complete length and check that prefix's CRC-32."""
-    if not path.is_file() or path.stat().st_size < sp["bytes"]:
-        return False
-    os.truncate(path, sp["bytes"])
-    crc = 0
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            crc = zlib.crc32(block, crc)
-    return crc == sp["crc32"]
-
-
-class BatchFeed:
-    """The tasks of one split of any corpus for write_tokens: batches of pieces that this process reads and
-    cuts, which the workers encode (encode_task). (JSON-lines corpora: gptkit.data.ranges.RangeFeed.)"""
-
-    run = staticmethod(encode_task)
-    # counted by the Cutter of this process
-    forced = 0
-
-    def __init__(self, work: Iterator[list[tuple[str, bool, bool]]]) -> None:
-        self.work = work
-
-    def tasks(self) -> Iterator[list[tuple[str, bool, bool]]]:
-        return self.work
-
-    def skipped(self, batch: list[tuple[str, bool, bool]]) -> int:
-        """A batch a killed build already wrote: its bytes, for the progress."""
-        return text_bytes(batch)
-
-    def done(self, result: tuple) -> None:
-        """Nothing to check: the reading and cutting here raised any error already."""
-
-
-def write_tokens(
-    tokenizing: Tokenizing,
-    feed: BatchFeed | RangeFeed,
-    out: Path,
-    journal: Journal,
-    split: str,
-    progress: _Progress,
-) -> tuple[int, int]:
-    """Tokenize the feed's tasks into `out` (appended raw ids), committing every SHARD_TOKENS tokens and
-    skipping the tasks a killed build already committed. Returns (tokens, documents) of the split."""
-    sp = journal.split(split)
-    if sp["done"]:
-        return sp["tokens"], sp["documents"]
-    # tasks, whichever the feed's (layout() says which)
-    skip = sp["batches"]
-    # a killed build's complete shards
-    progress.advance(0, sp["tokens"])
-
-    def todo() -> Iterator[Any]:
-        for i, b in enumerate(feed.tasks()):
-            # already in the shard
-            if i < skip:
-                progress.advance(feed.skipped(b), skipped=True)
-                continue
-            yield b
-
-    since = 0
-    with open(out, "ab") as f:
-        for result in tokenizing.map(todo(), feed.run):
-            feed.done(result)
-            arr, docs, n_bytes = result[:3]
-            data = arr.tobytes()
-            f.write(data)
-            sp["crc32"] = zlib.crc32(data, sp["crc32"])
-            sp["bytes"] += len(data)
-            sp["tokens"] += len(arr)
-            sp["documents"] += docs
-            sp["batches"] += 1
-            since += len(arr)
-            progress.advance(n_bytes, len(arr))
-            fault_point("prepare-batch")
-            if since >= SHARD_TOKENS:
-                _commit(f, journal)
-                since = 0
-        sp["done"] = True
-        _commit(f, journal)
-    return sp["tokens"], sp["documents"]
-
-
-def _commit(f, journal: Journal) -> None:
-    f.flush()
-    os.fsync(f.fileno())
-    journal.save()
-    fault_point("prepare-shard")
-
-
-def _split_tail(
-    all_bin: Path, train_bin: Path, val_bin: Path, n: int, dtype: str, fraction: float, journal: Journal
-) -> tuple[int, int]:
-    """Move the last `fraction` of the tokens of all_bin into val_bin; the rest becomes train_bin. Each step
-    is recorded, so that a build killed in between finishes it."""
-    n_val = int(round(n * fraction))
-    if n_val < 1 or n - n_val < 1:
-        raise GptkitError(
-            f"the corpus has only {n} tokens: too short to split off "
-            f"data.val_fraction={fraction}; give more text"
-        )
-    itemsize = DTYPES[dtype]
-    if not journal.state.get("val_written"):
-        copy_tail(all_bin, val_bin, (n - n_val) * itemsize)
-        journal.state["val_written"] = True
-        journal.save()
-        fault_point("prepare-shard")
-    if all_bin.is_file():
-        os.truncate(all_bin, (n - n_val) * itemsize)
-        os.replace(all_bin, train_bin)
-    return n - n_val, n_val
+    return {**data, "bos": own_bos(specials, spec.eos_token) is not None}
 
 
 # ---- prepare ---------------------------------------------------------------------------------------
-def _key(data: dict[str, Any], content: str, tok: dict[str, Any]) -> str:
-    extra = {}
-    # the file's content decides the tokens, not where it lies
-    if tok["kind"] == "file":
-        tok, extra = {**tok, "path": None}, {"tokenizer_file": file_sha256(tok["path"])}
-    body = {"format_version": FORMAT_VERSION, "data": data, "content": content, "tokenizer": tok, **extra}
-    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-
-
-def prepare(
-    data_cfg: Any,
-    tokenizer_cfg: Any,
-    cache_dir: str | Path | None = None,
-    progress: bool = True,
-    force: bool = False,
-) -> PreparedData:
-    """Token shards for (corpus, tokenizer): from the cache when present, else built now (or the build a
-    killed prepare left continued)."""
-    data = data_settings(data_cfg)
-    workers = build_workers(data_cfg)
-    tok_s = tokenizer_settings(tokenizer_cfg)
-    if data["kind"] == "prepared":
-        return use_prepared(data, tok_s)
-    if data["kind"] == "mix":
-        raise GptkitError(
-            "data=mix is prepared by gptkit.data.prepare (gptkit.data.mixture), source by source"
-        )
-    if data["kind"] == "tokens":
-        tok = build_tokenizer(tok_s) if tok_s["kind"] in ("byte", "file") else None
-        prepared = prepare_tokens(data, tok_s, cache_root(cache_dir), tok, _key)
-        _say(f"token files: {prepared.dir} ({_counts(prepared.manifest)})")
-        return prepared
+def prepare_corpus(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> PreparedData:
+    """Token shards of a text corpus (pydoc, shakespeare, stdlib, files, hub) for one tokenizer: from the
+    cache when present, else built now (or the build a killed prepare left continued)."""
+    data = shard_settings(s)
+    workers = build_workers(s)
     frac = float(data["val_fraction"])
     if not 0.0 < frac < 1.0:
         raise GptkitError(f"data.val_fraction={frac} must be between 0 and 1 (exclusive)")
     if "bos" in data:
-        data = resolve_bos(data, tok_s)
+        data = resolve_bos(data, tok)
     corpus = open_corpus(data)
     content = corpus.sha256()
-    key = _key(data, content, tok_s)
-    root = cache_root(cache_dir)
+    key = shards_key(data, content, tok)
+    root = opts.cache
     if root.is_dir():
         # folders of builds that were killed (before builds were resumable)
         remove_stale_builds(root)
-    final = root / f"{data['kind']}-{tok_s['kind']}-{key[:16]}"
-    if final.exists() and force:
+    final = root / f"{data['kind']}-{tok.kind}-{key[:16]}"
+    if final.exists() and opts.force:
         shutil.rmtree(final)
     if final.exists():
         return _cache_hit(final, key)
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.partial"
-    _note_other_partials(root, tmp)
+    note_other_partials(root, tmp)
     said = False
     while True:
         tmp.mkdir(mode=DIR_MODE, exist_ok=True)
@@ -620,12 +272,12 @@ def prepare(
         if lock is not None:
             break
         if not said:
-            _say(f"another prepare is building {final.name}; waiting for it")
+            say(f"another prepare is building {final.name}; waiting for it")
             said = True
-        _wait_unlocked(tmp / BUILD_LOCK)
+        wait_unlocked(tmp / BUILD_LOCK)
     keep = False
     try:
-        manifest = _build(tmp, corpus, content, data, tok_s, key, progress, workers)
+        _build(tmp, corpus, content, data, tok, key, opts.progress, workers)
         fault_point("prepare-shards")
         (tmp / PROGRESS).unlink()
         (tmp / BUILD_LOCK).unlink()
@@ -633,7 +285,7 @@ def prepare(
     except KeyboardInterrupt:
         # a Ctrl-C keeps the complete shards: the same prepare continues from them
         keep = True
-        _say(f"interrupted: the complete shards are kept in {tmp}; run the same command again to continue")
+        say(f"interrupted: the complete shards are kept in {tmp}; run the same command again to continue")
         raise
     except BaseException as exc:
         # an estimate: at most 4 bytes per token, at most one token per byte of text
@@ -647,28 +299,8 @@ def prepare(
             shutil.rmtree(tmp, ignore_errors=True)
         os.close(lock)
     prepared = load_prepared(final)
-    _say(f"prepared {final} ({_counts(manifest)})")
+    say(f"prepared {final} ({prepared.counts()})")
     return prepared
-
-
-def _note_other_partials(root: Path, mine: Path) -> None:
-    """One note per interrupted build of other data (kept: the same prepare continues it)."""
-    for p in sorted(root.glob(".*.partial")):
-        if p == mine or not p.is_dir():
-            continue
-        try:
-            fd = lock_file(p / BUILD_LOCK, create=False)
-        except OSError:
-            continue
-        # being built right now
-        if fd is None:
-            continue
-        os.close(fd)
-        size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
-        _say(
-            f"note: {p} is an interrupted build of other data ({human(size)}); the prepare that started it "
-            f"continues it, or delete it"
-        )
 
 
 def _cache_hit(final: Path, key: str) -> PreparedData:
@@ -677,59 +309,8 @@ def _cache_hit(final: Path, key: str) -> PreparedData:
         raise GptkitError(
             f"{final / MANIFEST} belongs to other data or another tokenizer; delete {final} and prepare again"
         )
-    _say(f"cache hit: {final} ({_counts(prepared.manifest)})")
+    say(f"cache hit: {final} ({prepared.counts()})")
     return prepared
-
-
-def _wait_unlocked(path: Path) -> None:
-    """Block until the builder holding the lock at `path` is done (or the lock file is gone)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    finally:
-        os.close(fd)
-
-
-# in a build folder: locked (fcntl) by the process that builds it
-BUILD_LOCK = ".building"
-# a build folder without a lock file (a kill right after mkdtemp) is stale after this
-STALE_AFTER_S = 3600
-
-
-def remove_stale_builds(root: Path) -> list[Path]:
-    """Remove build folders of an older gptkit (.<name>.<random>.tmp) whose builder died: their lock file is
-    not held by anyone (the OS releases it when the process dies, kill -9 included). Resumable builds
-    (.<name>.partial) are continued, not removed, by the next prepare of the same data."""
-    gone = []
-    for tmp in root.glob(".*.tmp"):
-        if not tmp.is_dir():
-            continue
-        try:
-            fd = lock_file(tmp / BUILD_LOCK, create=False)
-        # between mkdtemp and the lock, or renamed a moment ago
-        except FileNotFoundError:
-            fd = None if time.time() - tmp.stat().st_mtime < STALE_AFTER_S else -1
-        except OSError:
-            continue
-        # a live build
-        if fd is None:
-            continue
-        shutil.rmtree(tmp, ignore_errors=True)
-        if fd >= 0:
-            os.close(fd)
-        gone.append(tmp)
-    return gone
-
-
-def _counts(m: dict[str, Any]) -> str:
-    s = m["splits"]
-    return (
-        f"{s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, {m['dtype']}, "
-        f"vocab {m['tokenizer']['vocab_size']:,}"
-    )
 
 
 def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
@@ -752,9 +333,9 @@ def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
             if split == "all" and state.get("val_written"):
                 # finishing the split is idempotent (val.bin is complete)
                 continue
-            ok = ok and _resume_shard(tmp / _shard_file(split), sp)
+            ok = ok and resume_shard(tmp / _shard_file(split), sp)
         if not ok:
-            _say(f"note: the interrupted build in {tmp} does not match its record; building it again")
+            say(f"note: the interrupted build in {tmp} does not match its record; building it again")
     # a shard is kept only when the record covers it: one the killed build began but never committed (its
     # split not yet in progress.json) holds only uncommitted batches, which the build would append after
     recorded = {_shard_file(split) for split in state["splits"]} if ok else set()
@@ -778,7 +359,7 @@ def _build(
     corpus: Corpus,
     content: str,
     data: dict[str, Any],
-    tok_s: dict[str, Any],
+    spec: TokenizerSpec,
     key: str,
     progress: bool,
     workers: int | None,
@@ -787,9 +368,9 @@ def _build(
     n_workers = workers or max(1, min(cores(), (corpus.n_bytes or 1 << 40) // (4 * BATCH_CHARS)))
     # A byte-level BPE (bpe, or a tokenizer.json) is encoded by worker processes: start them now, so that
     # their start-up overlaps training the tokenizer and checking the encoder. (byte and char: in-process.)
-    pool = start_workers(n_workers) if n_workers > 1 and tok_s["kind"] in ("bpe", "file") else None
+    pool = start_workers(n_workers) if n_workers > 1 and spec.kind in ("bpe", "file") else None
     try:
-        return _build_with(tmp, corpus, content, data, tok_s, key, progress, n_workers, pool, t0)
+        return _build_with(tmp, corpus, content, data, spec, key, progress, n_workers, pool, t0)
     finally:
         if pool is not None:
             # a no-op once Tokenizing has shut it down
@@ -801,7 +382,7 @@ def _build_with(
     corpus: Corpus,
     content: str,
     data: dict[str, Any],
-    tok_s: dict[str, Any],
+    spec: TokenizerSpec,
     key: str,
     progress: bool,
     n_workers: int,
@@ -812,9 +393,9 @@ def _build_with(
     if resumed is not None:
         tok, journal = resumed
         done = sum(sp["tokens"] for sp in journal.state["splits"].values())
-        _say(f"continuing the interrupted build in {tmp} from its last complete shard ({done:,} tokens)")
+        say(f"continuing the interrupted build in {tmp} from its last complete shard ({done:,} tokens)")
     else:
-        tok = _train_tokenizer(corpus, tok_s, progress)
+        tok = _train_tokenizer(corpus, spec, progress)
         # hash == tokenizer_sha256(tok)
         atomic_write_text(tmp / TOKENIZER, tok.to_str())
         journal = Journal(
@@ -829,9 +410,9 @@ def _build_with(
         journal.save()
     vocab = tok.get_vocab_size(with_added_tokens=True)
     dtype = choose_dtype(vocab, data["dtype"])
-    eos = eos_id(tok, tok_s)
+    eos = eos_id(tok, spec)
     bos = bos_id(tok, data["bos"], eos)
-    cutter = cutter_for(tok, tok_s)
+    cutter = cutter_for(tok, spec)
     specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
 
     # about 1 MB of the corpus, on which tiktoken must give HF's ids
@@ -846,8 +427,10 @@ def _build_with(
             if n >= 1 << 20:
                 return
 
-    engine, why = choose_engine(tok.to_str(), tok_s["kind"], check)
-    spec = EncoderSpec(tok.to_str(), engine, specials, eos, dtype, bos, tokenizer_path=str(tmp / TOKENIZER))
+    engine, why = choose_engine(tok.to_str(), spec.kind, check)
+    encoder = EncoderSpec(
+        tok.to_str(), engine, specials, eos, dtype, bos, tokenizer_path=str(tmp / TOKENIZER)
+    )
     if engine in ("utf8", "chars"):
         # ids from the bytes or a table: sending text to a worker costs more than encoding it
         n_workers = 1
@@ -855,7 +438,7 @@ def _build_with(
     # text files: in byte ranges where the Cutter's cuts need no encoding (any, gpt2); verify: as before
     texts = corpus.train_text is not None and cutter.mode in ("any", "gpt2")
     what = "JSON-lines" if ranged else "text" if texts else ""
-    _say(
+    say(
         f"tokenizing with {engine} ({why}), {n_workers} worker process{'es' if n_workers > 1 else ''} "
         f"(data.workers)"
         + (f", each reading its own byte ranges of the {what} files" if what and n_workers > 1 else "")
@@ -878,10 +461,10 @@ def _build_with(
             feeds.append(BatchFeed(batches(cutter.pieces(parts(), eos, corpus.description))))
         return feeds[-1]
 
-    bar = _Progress(progress, corpus.n_bytes, "tokenizing")
+    bar = Progress(progress, corpus.n_bytes, "tokenizing")
     t_tok, c_tok = time.perf_counter(), time.process_time()
     try:
-        with Tokenizing(spec, n_workers, pool) as tokenizing:
+        with Tokenizing(encoder, n_workers, pool) as tokenizing:
             if corpus.val_parts is None:
                 n, docs = write_tokens(
                     tokenizing,
@@ -893,7 +476,7 @@ def _build_with(
                 )
                 if n == 0:
                     raise GptkitError(f"{corpus.description} holds no text; give a corpus with some text")
-                n_train, n_val = _split_tail(
+                n_train, n_val = split_tail(
                     tmp / "all.bin",
                     tmp / SHARDS["train"],
                     tmp / SHARDS["val"],
@@ -925,7 +508,7 @@ def _build_with(
     # text files not cut in ranges
     read_here = sum(getattr(f, "read_here", 0) for f in feeds)
     if forced:
-        _say(
+        say(
             f"note: {forced} cut(s) fell inside a run of over {tokenize.HARD_CHARS:,} characters "
             f"that the tokenizer would keep as one pre-token (e.g. a file of NUL bytes); ids differ only "
             f"there"
@@ -949,12 +532,12 @@ def _build_with(
             "settings": data,
         },
         "tokenizer": {
-            "kind": tok_s["kind"],
-            "settings": tok_s,
+            "kind": spec.kind,
+            "settings": spec.settings,
             "sha256": file_sha256(tmp / TOKENIZER),
             "vocab_size": vocab,
             "eos_id": eos,
-            "eos_token": tok_s["eos_token"],
+            "eos_token": spec.eos_token,
             "bos_id": bos,
         },
         "dtype": dtype,
@@ -980,34 +563,3 @@ def _build_with(
         f.flush()
         os.fsync(f.fileno())
     return manifest
-
-
-def use_prepared(data: dict[str, Any], tok_s: dict[str, Any]) -> PreparedData:
-    """data=prepared data.dir=...: an existing prepared folder, which must match the configured tokenizer."""
-    if not data.get("dir"):
-        raise GptkitError("data=prepared needs data.dir=<a folder written by gptkit prepare>")
-    folder = Path(str(data["dir"])).expanduser()
-    if not folder.is_dir():
-        raise GptkitError(f"data.dir={folder} does not exist; point it at a folder written by gptkit prepare")
-    prepared = load_prepared(folder)
-    check_tokenizer(prepared, tok_s)
-    _say(f"using prepared data {folder} ({_counts(prepared.manifest)})")
-    return prepared
-
-
-def check_tokenizer(prepared: PreparedData, tokenizer_cfg: Any) -> None:
-    """The shards must have been written by the configured tokenizer."""
-    want = tokenizer_settings(tokenizer_cfg)
-    have = prepared.manifest["tokenizer"]
-    if want["kind"] == "file":
-        from gptkit.tokenizer import load_tokenizer_file, tokenizer_sha256
-
-        same = tokenizer_sha256(load_tokenizer_file(want["path"])) == have["sha256"]
-    else:
-        same = want == have["settings"]
-    if not same:
-        raise GptkitError(
-            f"the shards in {prepared.dir} were written with tokenizer {have['kind']} "
-            f"({have['settings']}), not the configured {want['kind']} ({want}); use the same "
-            f"tokenizer or prepare the corpus again with this one"
-        )

@@ -21,35 +21,31 @@ import difflib
 import hashlib
 import json
 import numbers
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
-from gptkit.data import build
+from gptkit.data.build import training_sample
+from gptkit.data.console import say
+from gptkit.data.face import BuildOptions, Feed, Prepared
 from gptkit.data.prepared import PreparedData
+from gptkit.data.settings import BUILD_KEYS, WINDOW_KEYS, defaults, settings
 from gptkit.data.sources import open_corpus
-from gptkit.data.windows import check_window, windows
+from gptkit.data.windows import TaggedWindows, check_pack, check_window, windows
 from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_text
-from gptkit.tokenizer import build_tokenizer, tokenizer_settings
+from gptkit.tokenizer import TokenizerSpec, build_tokenizer, tokenizer_spec
 
-SOURCE_KINDS = ("pydoc", "shakespeare", "stdlib", "files", "hub", "prepared", "tokens")
 EXAMPLE = (
     "data.sources={web: {kind: files, paths: [web.jsonl], weight: 0.7}, code: {kind: stdlib, weight: 0.3}}"
 )
 
 
-def _plain(cfg: Any) -> dict[str, Any]:
-    from omegaconf import DictConfig, OmegaConf
-
-    return OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-
-
-def mix_sources(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], float]]:
-    """{name: (the source's data settings, weight)}, every problem a one-line GptkitError."""
+def mix_sources(d: dict[str, Any], mixable: tuple[str, ...]) -> dict[str, tuple[dict[str, Any], float]]:
+    """{name: (the source's complete data settings, weight)}, every problem a one-line GptkitError; a source
+    is of one of the `mixable` kinds (a token stream)."""
     sources = d.get("sources")
     if not isinstance(sources, dict) or not sources:
         raise GptkitError(f"data=mix needs named sources, e.g. {EXAMPLE}")
@@ -63,8 +59,8 @@ def mix_sources(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], float]]:
         kind = s.get("kind")
         if kind == "mix":
             raise GptkitError(f"{where} is itself a mix; list its sources in data.sources instead")
-        if kind not in SOURCE_KINDS:
-            raise GptkitError(f"{where}.kind={kind!r}: use one of {', '.join(SOURCE_KINDS)}")
+        if kind not in mixable:
+            raise GptkitError(f"{where}.kind={kind!r}: use one of {', '.join(mixable)}")
         if "weight" not in s:
             raise GptkitError(f"{where} has no weight; give it one, e.g. {where}.weight=0.3")
         w = s["weight"]
@@ -72,7 +68,7 @@ def mix_sources(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], float]]:
             raise GptkitError(f"{where}.weight={w!r} is not a number; give a weight > 0")
         if not w > 0:
             raise GptkitError(f"{where}.weight={w} must be > 0 (leave the source out to not use it)")
-        allowed = {"kind", "weight", *build.DEFAULTS[kind], *build.WINDOW_KEYS, *build.BUILD_KEYS}
+        allowed = {"kind", "weight", *defaults(kind), *WINDOW_KEYS, *BUILD_KEYS}
         for k in s:
             if k not in allowed:
                 close = difflib.get_close_matches(k, sorted(allowed), n=1)
@@ -82,17 +78,16 @@ def mix_sources(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], float]]:
                     else f"; a {kind} source has {', '.join(sorted(allowed))}"
                 )
                 raise GptkitError(f"{where} has an unknown key {k!r}{hint}")
-        for k in (*build.WINDOW_KEYS, *build.BUILD_KEYS):
+        for k in (*WINDOW_KEYS, *BUILD_KEYS):
             if k in s and k in d and s[k] != d[k]:
                 raise GptkitError(f"{where}.{k} differs from data.{k}; set it once, on the mixture")
-        settings = build.data_settings({k: v for k, v in s.items() if k != "weight"})
-        out[str(name)] = (settings, float(w))
+        out[str(name)] = (settings({k: v for k, v in s.items() if k != "weight"}), float(w))
     return out
 
 
 @dataclass
-class MixedData:
-    """Several prepared sources with their shares; what train needs of a PreparedData, for all of them."""
+class MixedData(Prepared):
+    """Several prepared token-shard sources with their shares: a Prepared made of parts (one tokenizer)."""
 
     names: list[str]
     parts: list[PreparedData]
@@ -114,25 +109,36 @@ class MixedData:
         return self.parts[0].tokenizer_path
 
     @property
-    def vocab_size(self) -> int:
-        return self.parts[0].vocab_size
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.parts[0].eos_id
-
-    @property
     def dtype(self) -> str:
         return self.parts[0].dtype
-
-    def tokenizer(self):
-        return self.parts[0].tokenizer()
 
     def wait_checked(self) -> None:
         for p in self.parts:
             p.wait_checked()
 
-    def describe(self, budget_tokens: int | None) -> list[str]:
+    def train_tokens(self) -> np.ndarray:
+        """Every source's train tokens, one after another (documents never span two sources)."""
+        return np.concatenate([p.train_tokens() for p in self.parts])
+
+    def val_tokens(self) -> np.ndarray:
+        """Every source's val tokens, one after another."""
+        return np.concatenate([p.val_tokens() for p in self.parts])
+
+    def counts(self) -> str:
+        return f"{len(self.parts)} sources, " + super().counts()
+
+    def table(self) -> list[tuple[str, str]]:
+        rows = super().table()
+        parts = [
+            (
+                f"  {name} ({100 * src['share']:.0f}%)",
+                f"{src['splits']['train']['tokens']:,} train tokens, {src['dir']}",
+            )
+            for name, src in self.manifest["sources"].items()
+        ]
+        return rows[:1] + parts + rows[1:2] + [("dtype", self.dtype)] + rows[2:]
+
+    def sources_lines(self, budget_tokens: int | None) -> list[str]:
         """Per source: its train tokens, its share, and the epochs of it that `budget_tokens` means; a line
         'warning: ...' for each source that would repeat more than max_epochs."""
         lines, warnings = [], []
@@ -151,37 +157,77 @@ class MixedData:
             lines.append(line)
         return lines + warnings
 
+    def connect(
+        self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
+    ) -> MixFeed:
+        """Windows of every source by its share (MixtureSampler); the val windows of every source (each
+        source's share of val_windows), tagged with their index and named by source."""
+        import torch
+        from torch.utils.data import ConcatDataset
 
-def prepare(
-    data_cfg: Any,
-    tokenizer_cfg: Any,
-    cache_dir: str | Path | None = None,
-    progress: bool = True,
-    force: bool = False,
-):
-    """Token shards for (corpus, tokenizer), cached (gptkit.data.build.prepare); for data=mix a MixedData of
-    every source's shards."""
-    d = _plain(data_cfg)
-    if d.get("kind") != "mix":
-        return build.prepare(data_cfg, tokenizer_cfg, cache_dir, progress, force)
-    for k in d:
-        if k not in ("kind", *build.DEFAULTS["mix"], *build.WINDOW_KEYS, *build.BUILD_KEYS):
+        pack = pack or "stream"
+        check_pack(pack, self.eos_id)
+        eos = self.eos_id if pack == "documents" else None
+        sampler = MixtureSampler(
+            [p.train_tokens() for p in self.parts],
+            self.shares,
+            batch_size,
+            seq_len,
+            seed,
+            eos,
+            vocab_size=self.vocab_size,
+        )
+        each = None if val_windows is None else max(1, int(val_windows) // len(self.parts))
+        sets = [p.val_windows(seq_len, each, eos) for p in self.parts]
+        sizes = torch.tensor([len(v) for v in sets])
+        # [n_val_windows] the source of each val window
+        source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)
+        return MixFeed(
+            sampler, TaggedWindows(ConcatDataset(sets)), val_sources=(list(self.names), source_of), mixed=self
+        )
+
+
+@dataclass
+class MixFeed(Feed):
+    """A mixture's feed: its sources announced at start-up, the windows drawn from each counted."""
+
+    mixed: MixedData | None = None
+    _consumed: dict = field(default_factory=dict)
+
+    def announce(self, budget_tokens: int | None) -> list[str]:
+        return [f"data mixture ({len(self.mixed.names)} sources):", *self.mixed.sources_lines(budget_tokens)]
+
+    def consumed(self, micro_steps: int, world_size: int) -> dict[str, int]:
+        counts = self.sampler.consumed(micro_steps, world_size, self._consumed)
+        return {name: int(c) for name, c in zip(self.mixed.names, counts)}
+
+
+def prepare_mix(
+    s: dict[str, Any],
+    tok: TokenizerSpec,
+    opts: BuildOptions,
+    *,
+    prepare_source: Callable[[dict[str, Any], TokenizerSpec, BuildOptions], Prepared],
+    mixable: tuple[str, ...],
+) -> MixedData:
+    """data=mix: every source prepared by `prepare_source` (its kind's own prepare, one of `mixable`), with
+    one tokenizer (char and bpe: built once from all sources), as a MixedData."""
+    allowed = ("kind", *defaults("mix"), *WINDOW_KEYS, *BUILD_KEYS)
+    for k in s:
+        if k not in allowed:
             raise GptkitError(
                 f"data=mix has no key {k!r}: the sources' own settings go in data.sources.<name>"
             )
-    sources = mix_sources(d)
-    max_epochs = d.get("max_epochs", build.DEFAULTS["mix"]["max_epochs"])
+    sources = mix_sources(s, mixable)
+    max_epochs = s["max_epochs"]
     if isinstance(max_epochs, bool) or not isinstance(max_epochs, numbers.Real) or max_epochs <= 0:
         raise GptkitError(f"data.max_epochs={max_epochs!r} must be a number > 0")
-    tok_s = tokenizer_settings(tokenizer_cfg)
-    shared = (
-        _shared_tokenizer(sources, tok_s, cache_dir, progress) if tok_s["kind"] in ("char", "bpe") else tok_s
-    )
+    shared = _shared_tokenizer(sources, tok, opts) if tok.built_from_corpus else tok
     parts = []
-    for name, (settings, _) in sources.items():
-        build._say(f"data source {name!r}:")
-        extra = {k: d[k] for k in build.BUILD_KEYS if k in d}
-        parts.append(build.prepare({**settings, **extra}, shared, cache_dir, progress, force))
+    for name, (source, _) in sources.items():
+        say(f"data source {name!r}:")
+        extra = {k: s[k] for k in BUILD_KEYS if k in s}
+        parts.append(prepare_source({**source, **extra}, shared, opts))
     names, weights = list(sources), [w for _, w in sources.values()]
     mixed = MixedData(names, parts, weights, float(max_epochs))
     shares = mixed.shares
@@ -220,52 +266,49 @@ def prepare(
 
 
 def _shared_tokenizer(
-    sources: dict[str, tuple[dict[str, Any], float]],
-    tok_s: dict[str, Any],
-    cache_dir: str | Path | None,
-    progress: bool,
-) -> dict[str, Any]:
-    """A char or bpe tokenizer built once from all sources, cached by their content: the settings of a
+    sources: dict[str, tuple[dict[str, Any], float]], tok: TokenizerSpec, opts: BuildOptions
+) -> TokenizerSpec:
+    """A char or bpe tokenizer built once from all sources, cached by their content: the spec of a
     tokenizer=file that names it."""
     corpora = {}
-    for name, (settings, _) in sources.items():
-        if settings["kind"] == "prepared":
+    for name, (source, _) in sources.items():
+        if source["kind"] == "prepared":
             raise GptkitError(
                 f"data.sources.{name} is a prepared folder, which has its tokenizer already: with "
                 f"it use that tokenizer (tokenizer=file tokenizer.path=<folder>/tokenizer.json)"
             )
-        corpora[name] = open_corpus(settings)
+        corpora[name] = open_corpus(source)
     body = {
-        "tokenizer": tok_s,
+        "tokenizer": tok.settings,
         "sources": {n: [sources[n][0], sources[n][1], c.sha256()] for n, c in corpora.items()},
     }
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
-    path = build.cache_root(cache_dir) / "tokenizers" / f"mix-{tok_s['kind']}-{key[:16]}.json"
+    path = opts.cache / "tokenizers" / f"mix-{tok.kind}-{key[:16]}.json"
     if not path.is_file():
         total = sum(w for _, w in sources.values())
-        if tok_s["kind"] == "bpe":
-            chars = int(tok_s["train_chars"])
+        if tok.kind == "bpe":
+            chars = int(tok.get("train_chars"))
             samples = [
-                (build.training_sample(c, max(1, int(chars * sources[n][1] / total))), n)
+                (training_sample(c, max(1, int(chars * sources[n][1] / total))), n)
                 for n, c in corpora.items()
             ]
             for (_, what), n in samples:
-                build._say(f"  {n}: {what}")
-            build._say(
-                f"training byte-level BPE {tok_s['vocab_size']} on all sources of the mixture "
+                say(f"  {n}: {what}")
+            say(
+                f"training byte-level BPE {tok.get('vocab_size')} on all sources of the mixture "
                 f"(tokenizer.train_chars={chars:,}, by weight)"
             )
-            tok = build_tokenizer(
-                tok_s, texts=lambda: (t for (texts, _), _ in samples for t in texts()), progress=progress
+            built = build_tokenizer(
+                tok, texts=lambda: (t for (texts, _), _ in samples for t in texts()), progress=opts.progress
             )
         else:
-            tok = build_tokenizer(
-                tok_s,
+            built = build_tokenizer(
+                tok,
                 texts=lambda: (t for c in corpora.values() for t, _ in c.all_parts()),
-                progress=progress,
+                progress=opts.progress,
             )
-        atomic_write_text(path, tok.to_str())
-    return {"kind": "file", "path": str(path), "eos_token": tok_s["eos_token"]}
+        atomic_write_text(path, built.to_str())
+    return tokenizer_spec({"kind": "file", "path": str(path), "eos_token": tok.eos_token})
 
 
 class MixtureSampler:
@@ -339,10 +382,3 @@ class MixtureSampler:
             counts += np.bincount(self.sources(m, world_size), minlength=len(self.tokens))
         cache["at"] = (micro_steps, counts)
         return counts
-
-
-def announce(mixed: MixedData, budget_tokens: int | None) -> None:
-    """Print the mixture's sources at start-up (stderr)."""
-    print(f"data mixture ({len(mixed.names)} sources):", file=sys.stderr)
-    for line in mixed.describe(budget_tokens):
-        print(line, file=sys.stderr)

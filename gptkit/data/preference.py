@@ -20,61 +20,38 @@ the ones left out or cut counted in the start-up line.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
-from gptkit.data.chat import (
-    ChatSampler,
-    ChatSplit,
-    TemplatedData,
-    _records,
-    add_special_tokens,
-    assistant_spans,
-    cache_folder,
-    conversation,
-    encode,
-    publish_folder,
-    resolve_template,
-    tokenizer_record,
-)
+from gptkit.chat_templates import add_special_tokens, assistant_spans, encode
+from gptkit.data.cache import publish_folder, templated_folder
+from gptkit.data.chat import ChatSampler, ChatSplit, TemplatedData, template_for, tokenizer_record
+from gptkit.data.console import say
+from gptkit.data.face import MANIFEST, BuildOptions, Feed
+from gptkit.data.records import conversation, records
 from gptkit.data.sources import expand_paths
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import (
-    build_tokenizer,
-    tokenizer_settings,
-)
+from gptkit.tokenizer import TokenizerSpec, build_tokenizer
 
 FORMAT = "gptkit-preference"
 FORMAT_VERSION = 1
 TRUNCATE = ("error", "drop", "cut")
 SIDES = ("chosen", "rejected")
-DEFAULTS: dict[str, Any] = {
-    "paths": None,
-    "val_paths": None,
-    "val_fraction": 0.1,
-    "format": "auto",
-    "messages_field": "messages",
-    "prompt_field": "prompt",
-    "system_field": "system",
-    "chosen_field": "chosen",
-    "rejected_field": "rejected",
-    "template": "auto",
-    "truncate": "error",
-}
 # how rows are made from the tokens: no part of the cache key
 ROW_KEYS = ("truncate",)
+# why gptkit eval cannot score it (gptkit.data.kinds)
+NOT_SCORED = (
+    "eval scores windows of a text corpus; data=preference is DPO's answer pairs (a DPO run's val/loss and "
+    "val/rewards/* are in its metrics.csv); pass a text corpus: data=files 'data.paths=[held_out.txt]'"
+)
 
 
-def preference_settings(cfg: Any) -> dict[str, Any]:
-    """data=preference's settings as a complete plain dict, checked."""
-    d = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
-    s = {**DEFAULTS, **d, "kind": "preference"}
+def check_settings(s: dict[str, Any]) -> dict[str, Any]:
+    """data=preference's complete settings, checked (one-line errors)."""
     if s["truncate"] not in TRUNCATE:
         raise GptkitError(f"data.truncate={s['truncate']!r} is not one of {', '.join(TRUNCATE)}")
     if not s["paths"]:
@@ -87,7 +64,6 @@ def preference_settings(cfg: Any) -> dict[str, Any]:
     return s
 
 
-# ---- records ----------------------------------------------------------------------------------------------
 def preference_pair(rec: Any, where: str, s: dict[str, Any]) -> tuple[list[dict[str, Any]], str, str]:
     """(the conversation before the answers, chosen, rejected) of a record, checked; GptkitError naming
     `where` otherwise."""
@@ -144,7 +120,7 @@ def preference_pair(rec: Any, where: str, s: dict[str, Any]) -> tuple[list[dict[
 
 def read_pairs(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dict], str, str]]:
     """Every pair of the files as (file:row, conversation, chosen, rejected), checked; none is an error."""
-    out = [(where, *preference_pair(rec, where, s)) for f in files for where, rec in _records(f, s["format"])]
+    out = [(where, *preference_pair(rec, where, s)) for f in files for where, rec in records(f, s["format"])]
     if not out:
         raise GptkitError(f"{', '.join(map(str, files))}: no preference pairs")
     return out
@@ -185,46 +161,72 @@ class PreferenceData(TemplatedData):
     train: PairSplit
     val: PairSplit
 
+    def counts(self) -> str:
+        tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
+        return (
+            f"template {self.manifest['template']}: {tr['pairs']:,} train / {va['pairs']:,} val pairs, "
+            f"{tr['tokens']:,} train tokens"
+        )
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr)
+    def connect(
+        self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
+    ) -> Feed:
+        """Batches of pairs (make_pair_rows: chosen and rejected side by side), drawn by (seed, step, rank);
+        the val pairs each with its index in the set (the objective counts each once under DDP), batched by
+        pair_collate. data.pack does not apply: one answer per row."""
+        s = self.settings
+        train, val = (
+            make_pair_rows(split, seq_len, s["truncate"], self.pad_id) for split in (self.train, self.val)
+        )
+        n_val = len(val) if val_windows is None else min(len(val), int(val_windows))
+        items = [(*val[i], torch.tensor(i, dtype=torch.long)) for i in range(n_val)]
+        return Feed(
+            pair_sampler(train, batch_size, seed),
+            items,
+            collate=pair_collate,
+            lines=[describe_pairs(train, val, seq_len, s)],
+        )
 
 
-def prepare_preference(
-    data_cfg: Any, tokenizer_cfg: Any, cache_dir: str | Path | None = None, force: bool = False
-) -> PreferenceData:
+def prepare_preference(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> PreferenceData:
     """Preference records -> token ids + answer masks of both answers (train and val), the tokenizer (with
     the template's special tokens) and the template, cached by (files, settings, tokenizer, template).
     Every bad record is a one-line GptkitError naming its file and row, raised before anything is
     written."""
-    s = preference_settings(data_cfg)
-    tok_s = tokenizer_settings(tokenizer_cfg)
+    s = check_settings(s)
     train_files = expand_paths(s["paths"], "data.paths")
     val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
-    template = resolve_template(s["template"], tok_s.get("path") if tok_s["kind"] == "file" else None)
-    template.compiled  # noqa: B018 - a template that is not Jinja fails before the files are read
-    root, final, key, content = cache_folder(
-        "preference", s, ROW_KEYS, FORMAT_VERSION, tok_s, template, train_files + val_files, cache_dir, force
+    template = template_for(s["template"], tok)
+    final, key, content = templated_folder(
+        "preference",
+        s,
+        ROW_KEYS,
+        FORMAT_VERSION,
+        tok,
+        template,
+        train_files + val_files,
+        opts.cache,
+        opts.force,
     )
-    if (final / "manifest.json").is_file():
+    if (final / MANIFEST).is_file():
         data = load_preference(final, s)
-        _say(f"cache hit: {final} ({_counts(data.manifest)})")
+        say(f"cache hit: {final} ({data.counts()})")
         return data
 
     pairs = read_pairs(train_files, s)
     val_pairs = read_pairs(val_files, s) if val_files else []
     every = pairs + val_pairs
     # trained on the rendered text of both answers
-    if tok_s["kind"] in ("char", "bpe"):
+    if tok.built_from_corpus:
 
         def texts():
             for where, msgs, *answers in every:
                 for a in answers:
                     yield assistant_spans(template, [*msgs, {"role": "assistant", "content": a}], where)[0]
 
-        tokenizer = build_tokenizer(tok_s, texts, progress=False)
+        tokenizer = build_tokenizer(tok, texts, progress=False)
     else:
-        tokenizer = build_tokenizer(tok_s)
+        tokenizer = build_tokenizer(tok)
     added = add_special_tokens(tokenizer, template)
     encoded = [
         (where, [answer_tokens(tokenizer, template, msgs, a, where) for a in answers])
@@ -253,7 +255,7 @@ def prepare_preference(
         },
         "template": template.name,
         "added_tokens": added,
-        "tokenizer": tokenizer_record(tokenizer, tok_s, template),
+        "tokenizer": tokenizer_record(tokenizer, tok, template),
         "splits": {
             k: {
                 "pairs": len(v),
@@ -273,7 +275,7 @@ def prepare_preference(
     # each pair's file and line
     where = {k: [w for w, _ in v] for k, v in splits.items()}
     publish_folder(
-        root,
+        opts.cache,
         final,
         {"pairs.npz": arrays},
         tokenizer,
@@ -283,23 +285,15 @@ def prepare_preference(
     )
     data = load_preference(final, s)
     note = f"; added {', '.join(added)} to the tokenizer" if added else ""
-    _say(f"prepared {final} ({_counts(manifest)}{note})")
+    say(f"prepared {final} ({data.counts()}{note})")
     return data
-
-
-def _counts(m: dict[str, Any]) -> str:
-    tr, va = m["splits"]["train"], m["splits"]["val"]
-    return (
-        f"template {m['template']}: {tr['pairs']:,} train / {va['pairs']:,} val pairs, "
-        f"{tr['tokens']:,} train tokens"
-    )
 
 
 def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
     """A prepared preference folder (manifest.json, pairs.npz, where.json), checked against these
     settings."""
     try:
-        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest = json.loads((folder / MANIFEST).read_text())
         z = np.load(folder / "pairs.npz")
         where = json.loads((folder / "where.json").read_text())
         splits = {
@@ -314,7 +308,7 @@ def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
             f"{folder} is not a complete prepared preference folder ({exc}); delete it and train again"
         ) from None
     if manifest.get("format") != FORMAT:
-        raise GptkitError(f"{folder / 'manifest.json'} is not a gptkit preference manifest; delete {folder}")
+        raise GptkitError(f"{folder / MANIFEST} is not a gptkit preference manifest; delete {folder}")
     return PreferenceData(folder, manifest, settings, splits["train"], splits["val"])
 
 

@@ -1,4 +1,6 @@
-"""A prepared corpus: one folder of token shards, its manifest and its tokenizer.
+"""A prepared corpus: one folder of token shards, its manifest and its tokenizer (the Prepared of every
+kind whose data is one token stream: the built-in corpora, files, hub, tokens, and data=prepared, which
+names such a folder).
 
     <cache>/<data kind>-<tokenizer kind>-<key>/
       train.bin       contiguous token ids (uint16 when the vocab fits, else uint32)
@@ -27,12 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from gptkit.data.console import say
+from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Feed, Prepared
+from gptkit.data.windows import TaggedWindows, ValWindows, WindowSampler, check_pack
 from gptkit.errors import GptkitError
 from gptkit.fsio import file_crc32
-from gptkit.tokenizer import file_sha256, load_tokenizer_file
+from gptkit.tokenizer import TokenizerSpec, file_sha256, load_tokenizer_file, tokenizer_sha256, tokenizer_spec
 
-MANIFEST = "manifest.json"
-TOKENIZER = "tokenizer.json"
+# torch is imported by the sampler's module (gptkit.data.windows).
+
 SHARDS = {"train": "train.bin", "val": "val.bin"}
 FORMAT = "gptkit-token-shards"
 # 2: each split has the CRC-32 of its shard ("crc32"); 1 (read, unchecked) had none
@@ -57,7 +62,7 @@ def _shard_identity(f: Path) -> tuple:
 
 
 @dataclass
-class PreparedData:
+class PreparedData(Prepared):
     """A prepared data folder: its manifest and shards, checked against the manifest's CRC-32s."""
 
     dir: Path
@@ -97,18 +102,6 @@ class PreparedData:
             raise self._problem[0]
 
     @property
-    def tokenizer_path(self) -> Path:
-        return self.dir / TOKENIZER
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.manifest["tokenizer"]["vocab_size"])
-
-    @property
-    def eos_id(self) -> int | None:
-        return self.manifest["tokenizer"]["eos_id"]
-
-    @property
     def bos_id(self) -> int | None:
         return self.manifest["tokenizer"].get("bos_id")
 
@@ -127,8 +120,37 @@ class PreparedData:
     def val_tokens(self):
         return self._tokens("val")
 
-    def tokenizer(self):
-        return load_tokenizer_file(self.tokenizer_path)
+    def counts(self) -> str:
+        s = self.manifest["splits"]
+        return (
+            f"{s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens, {self.dtype}, "
+            f"vocab {self.vocab_size:,}"
+        )
+
+    def table(self) -> list[tuple[str, str]]:
+        rows = super().table()
+        return rows[:2] + [("dtype", self.dtype)] + rows[2:]
+
+    def val_windows(self, seq_len: int, n_windows: int | None, eos_id: int | None) -> ValWindows:
+        """The fixed validation windows of this folder (a one-line error when it holds none)."""
+        return ValWindows(self.val_tokens(), seq_len, n_windows, eos_id, vocab_size=self.vocab_size)
+
+    def connect(
+        self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
+    ) -> Feed:
+        """Windows of the shards: random for training (WindowSampler), evenly spread for validation, each
+        val window tagged with its index (one source: no per-source figures). data.pack=documents adds
+        doc_ids (needs the EOS between documents)."""
+        import torch
+
+        pack = pack or "stream"
+        check_pack(pack, self.eos_id)
+        eos = self.eos_id if pack == "documents" else None
+        sampler = WindowSampler(
+            self.train_tokens(), batch_size, seq_len, seed, eos, vocab_size=self.vocab_size
+        )
+        val = self.val_windows(seq_len, val_windows, eos)
+        return Feed(sampler, TaggedWindows(val), val_sources=([], torch.zeros(len(val), dtype=torch.long)))
 
 
 def load_prepared(folder: Path | str) -> PreparedData:
@@ -177,16 +199,6 @@ def load_prepared(folder: Path | str) -> PreparedData:
     return prepared
 
 
-def check_vocab(prepared: PreparedData, model_vocab_size: int) -> None:
-    """The model's embedding must have a row for every token id the shards can hold."""
-    if prepared.vocab_size > int(model_vocab_size):
-        raise GptkitError(
-            f"the tokenizer has {prepared.vocab_size} tokens but "
-            f"model.vocab_size={model_vocab_size}; set model.vocab_size>={prepared.vocab_size} "
-            "(or let train take it from the tokenizer)"
-        )
-
-
 def copy_tail(src: Path, dst: Path, offset: int) -> None:
     """Copy src from byte `offset` on into dst (synced), 8 MiB at a time: a memory map of the tail would count
     its pages as this process's resident memory."""
@@ -196,3 +208,33 @@ def copy_tail(src: Path, dst: Path, offset: int) -> None:
             out.write(block)
         out.flush()
         os.fsync(out.fileno())
+
+
+def use_prepared(data: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> PreparedData:
+    """data=prepared data.dir=...: an existing prepared folder, which must match the configured tokenizer."""
+    if not data.get("dir"):
+        raise GptkitError("data=prepared needs data.dir=<a folder written by gptkit prepare>")
+    folder = Path(str(data["dir"])).expanduser()
+    if not folder.is_dir():
+        raise GptkitError(f"data.dir={folder} does not exist; point it at a folder written by gptkit prepare")
+    prepared = load_prepared(folder)
+    check_tokenizer(prepared, tok)
+    say(f"using prepared data {folder} ({prepared.counts()})")
+    return prepared
+
+
+def check_tokenizer(prepared: PreparedData, tokenizer_cfg: Any) -> None:
+    """The shards must have been written by the configured tokenizer (a TokenizerSpec or its config)."""
+    tok = tokenizer_spec(tokenizer_cfg)
+    want = tok.settings
+    have = prepared.manifest["tokenizer"]
+    if tok.kind == "file":
+        same = tokenizer_sha256(load_tokenizer_file(tok.path)) == have["sha256"]
+    else:
+        same = want == have["settings"]
+    if not same:
+        raise GptkitError(
+            f"the shards in {prepared.dir} were written with tokenizer {have['kind']} "
+            f"({have['settings']}), not the configured {tok.kind} ({want}); use the same "
+            f"tokenizer or prepare the corpus again with this one"
+        )

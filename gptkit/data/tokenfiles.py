@@ -25,21 +25,24 @@ from typing import Any
 
 import numpy as np
 
+from gptkit.data.cache import shards_key
+from gptkit.data.console import say
+from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions
 from gptkit.data.prepared import (
     DTYPES,
     FORMAT,
     FORMAT_VERSION,
-    MANIFEST,
     SHARDS,
-    TOKENIZER,
+    PreparedData,
     copy_tail,
     load_prepared,
     manifest_checksum,
 )
+from gptkit.data.settings import shard_settings
 from gptkit.data.sources import _files_digest, expand_paths
 from gptkit.errors import GptkitError
 from gptkit.fsio import DIR_MODE, file_crc32, lock_file
-from gptkit.tokenizer import eos_id, file_sha256
+from gptkit.tokenizer import TokenizerSpec, build_tokenizer, eos_id, file_sha256
 
 LLMC_MAGIC = 20240520
 LLMC_HEADER = 256 * 4
@@ -115,10 +118,15 @@ def _copy(files: list[Path], layouts: list, out: Path, dtype: str, vocab: int | 
     return n, top
 
 
-def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok, key_of) -> Any:
-    """The prepared folder of data=tokens (from the cache, or made now); `key_of(data, content, tok_s)` is the
-    cache key (gptkit.data.build's)."""
-    if tok_s["kind"] not in ("file", "byte"):
+def prepare_tokens(s: dict[str, Any], spec: TokenizerSpec, opts: BuildOptions) -> PreparedData:
+    """data=tokens: the prepared folder of the token files (from the cache, or made now)."""
+    prepared = _prepare_tokens(shard_settings(s), spec, opts.cache)
+    say(f"token files: {prepared.dir} ({prepared.counts()})")
+    return prepared
+
+
+def _prepare_tokens(data: dict[str, Any], spec: TokenizerSpec, root: Path) -> PreparedData:
+    if spec.kind not in ("file", "byte"):
         raise GptkitError(
             "data=tokens trains on ids made elsewhere: give the tokenizer that made them "
             "(tokenizer=file tokenizer.path=.../tokenizer.json), or tokenizer=byte for byte ids"
@@ -132,6 +140,7 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
     val_files = expand_paths(data["val_paths"], "data.val_paths")
     layouts = [_layout(f, fmt, data["dtype"]) for f in files]
     val_layouts = [_layout(f, fmt, data["dtype"]) for f in val_files]
+    tok = build_tokenizer(spec)
     tok_vocab = tok.get_vocab_size(with_added_tokens=True)
     vocab = data["vocab_size"]
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
@@ -140,8 +149,8 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
     if vocab < tok_vocab:
         raise GptkitError(f"data.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab} tokens")
     content = _files_digest(files) + (_files_digest(val_files) if val_files else "")
-    key = key_of(data, content, tok_s)
-    final = root / f"tokens-{tok_s['kind']}-{key[:16]}"
+    key = shards_key(data, content, spec)
+    final = root / f"tokens-{spec.kind}-{key[:16]}"
     if (final / MANIFEST).is_file():
         return load_prepared(final)
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
@@ -190,12 +199,12 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
                 "formats": [lay[0] for lay in layouts + val_layouts],
             },
             "tokenizer": {
-                "kind": tok_s["kind"],
-                "settings": tok_s,
+                "kind": spec.kind,
+                "settings": spec.settings,
                 "sha256": file_sha256(tmp / TOKENIZER),
                 "vocab_size": vocab,
-                "eos_id": eos_id(tok, tok_s),
-                "eos_token": tok_s.get("eos_token"),
+                "eos_id": eos_id(tok, spec),
+                "eos_token": spec.eos_token,
                 "bos_id": None,
             },
             "dtype": dtype,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from gptkit.errors import GptkitError
 
@@ -130,3 +131,45 @@ def val_starts(n_tokens: int, seq_len: int, n_windows: int | None) -> np.ndarray
     if n_windows < 1:
         raise GptkitError(f"val_windows={n_windows} must be >= 1 (or null for every window)")
     return np.unique(np.linspace(0, last, int(n_windows)).round().astype(np.int64))  # [<= n_windows]
+
+
+class ValWindows(Dataset):
+    """The fixed validation windows of a split: (inputs, targets) pairs at evenly spread starts."""
+
+    def __init__(
+        self,
+        tokens: np.ndarray,
+        seq_len: int,
+        n_windows: int | None,
+        eos_id: int | None = None,
+        *,
+        vocab_size: int | None = None,
+    ) -> None:
+        self.tokens, self.seq_len, self.eos_id, self.vocab_size = tokens, seq_len, eos_id, vocab_size
+        self.starts = val_starts(len(tokens), seq_len, n_windows)  # [n_windows]
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int):
+        return tuple(
+            t[0]
+            for t in windows(
+                self.tokens, self.starts[i : i + 1], self.seq_len, self.eos_id, vocab_size=self.vocab_size
+            )
+        )
+
+
+class TaggedWindows(Dataset):
+    """A val set's items, each followed by its index in the set (a 0-d int64 tensor): it travels through any
+    sampler, so the loss of every window can be told to its source, and a DistributedSampler's padding
+    duplicates told from the original (training/module.py)."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        return (*self.ds[i], torch.tensor(i, dtype=torch.long))

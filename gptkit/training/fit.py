@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from gptkit import adapters
+from gptkit.chat_templates import CHAT_FILE
 from gptkit.checkpoints import (
     CHECKPOINT_DIR,
     LAST_CHECKPOINT,
@@ -296,8 +297,6 @@ def resolve_init_from(
         run_dir.mkdir(parents=True, exist_ok=True)
         # each rank its own temp file, then one rename
         atomic_write_bytes(own, tok_file.read_bytes())
-        from gptkit.data.chat import CHAT_FILE
-
         # its chat template, for data=chat data.template=auto
         if (src_dir / CHAT_FILE).is_file():
             atomic_write_bytes(run_dir / CHAT_FILE, (src_dir / CHAT_FILE).read_bytes())
@@ -553,15 +552,14 @@ def plan_run(
 
     # data first: the tokenizer decides the vocabulary size
     prepared = _prepare_data(cfg, model_cfg)
-    # rendered with a chat template (gptkit.data.chat)
-    chat = cfg.data.get("kind") in ("chat", "preference")
     multiple = int(cfg.get("vocab_multiple", 1))
     vocab_size = multiple * math.ceil(prepared.vocab_size / multiple)
     # init_from= with tokens the chat template added: the source's vocabulary, grown
     init_vocab = None
     if cfg.get("vocab_from_tokenizer", True) and resume_ckpt is None and init_ckpt is None:
         model_cfg = _with_vocab(model_cfg, vocab_size)
-    elif chat and init_ckpt is not None and prepared.vocab_size > model_cfg.vocab_size:
+    # init_from= with tokens the data added (a chat template's): the source's vocabulary, grown
+    elif prepared.added_tokens and init_ckpt is not None and prepared.vocab_size > model_cfg.vocab_size:
         init_vocab = model_cfg.vocab_size
         model_cfg = _with_vocab(model_cfg, vocab_size)
         if lora_base is not None:
@@ -624,23 +622,12 @@ def _with_vocab(model_cfg, vocab_size: int):
 
 
 def _prepare_data(cfg: DictConfig, model_cfg):
-    """The run's corpus, prepared (or read from the cache): data.bos=auto resolved for the model first (off
+    """The run's data, prepared (or read from the cache): data.bos=auto resolved for the model first (off
     for a GPT-2-style model with learned positions; the run's config says so). Shards are checked meanwhile
     (prepared.wait_checked before training)."""
-    from gptkit.data import prepare
-    from gptkit.data.build import bos_for_model
-    from gptkit.data.chat import prepare_chat
-    from gptkit.data.preference import prepare_preference
+    from gptkit.data import for_model, prepare
 
-    # conversations with a template (gptkit.data.chat)
-    if cfg.data.get("kind") == "chat":
-        return prepare_chat(cfg.data, cfg.tokenizer)
-    # DPO's answer pairs, rendered with a chat template
-    if cfg.data.get("kind") == "preference":
-        return prepare_preference(cfg.data, cfg.tokenizer)
-    cfg.data = OmegaConf.create(
-        bos_for_model(OmegaConf.to_container(cfg.data, resolve=True), str(model_cfg.position or "learned"))
-    )
+    cfg.data = OmegaConf.create(for_model(cfg.data, str(model_cfg.position or "learned")))
     return prepare(cfg.data, cfg.tokenizer)
 
 
@@ -693,8 +680,6 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     import torch
 
     from gptkit.data import TokenDataModule
-    from gptkit.data.chat import CHAT_FILE, ChatData
-    from gptkit.data.preference import PreferenceData
     from gptkit.training.memory import check_host_memory, cpu_out_of_memory, is_cpu_out_of_memory
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import describe_optimizer
@@ -734,7 +719,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         seq_len=plan.seq_len,
         seed=int(cfg.seed),
         val_windows=t.val_windows,
-        pack=cfg.data.get("pack", "stream"),
+        pack=cfg.data.get("pack"),
     )
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
     trainer, checkpoints, metrics = build_trainer(plan, loggers)
@@ -750,10 +735,9 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     if rank_zero:
         _remove_leftovers(run_dir)
         atomic_write_text(run_dir / CONFIG_FILE, OmegaConf.to_yaml(cfg, resolve=True))
-        atomic_write_bytes(run_dir / TOKENIZER_FILE, Path(prepared.tokenizer_path).read_bytes())
-        # the template `gptkit chat` talks with
-        if isinstance(prepared, (ChatData, PreferenceData)):
-            atomic_write_bytes(run_dir / CHAT_FILE, prepared.template_path.read_bytes())
+        # the tokenizer (and a chat template, the one `gptkit chat` talks with)
+        for name, source in prepared.run_files().items():
+            atomic_write_bytes(run_dir / name, Path(source).read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
     if rank_zero and plan.accelerator == "cpu" and plan.precision.name == "16-true":
         print(
@@ -871,7 +855,7 @@ def _remove_leftovers(run_dir: Path) -> None:
     """Temporary files of writes that a kill interrupted (this process holds the run's lock: they are no
     one else's): checkpoints/.*.tmp|.pending|.old and the run folder's own .<file>.*.tmp."""
     remove_stale(run_dir / CHECKPOINT_DIR)
-    for name in (CONFIG_FILE, TOKENIZER_FILE, MANIFEST_FILE, "metrics.csv", "loss.png"):
+    for name in (CONFIG_FILE, TOKENIZER_FILE, CHAT_FILE, MANIFEST_FILE, "metrics.csv", "loss.png"):
         for tmp in run_dir.glob(f".{name}.*.tmp"):
             tmp.unlink(missing_ok=True)
 
@@ -974,14 +958,13 @@ def _announce(
     trainable = n if trainable is None else trainable
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
     compiled = f", torch.compile={plan.compile}" if plan.compile else ""
-    data = prepared.manifest.get("source", {}).get("description", prepared.dir)
     total = plan.total_tokens
     Console(stderr=True, highlight=False, soft_wrap=True).print(
         (f"[bold]{escape(plan.job)}[/]\n" if plan.job else "")
         + f"[bold]gptkit train[/] -> {escape(str(plan.run_dir))}\n"
         f"  model {m.name}: {n:,} parameters, vocab {m.vocab_size}, context {m.max_seq_len}, "
         f"attention {m.attention}{compiled}\n"
-        f"  data: {escape(str(data))} ({prepared.manifest['splits']['train']['tokens']:,} train tokens)\n"
+        f"  data: {escape(prepared.describe())}\n"
         f"  global batch: {plan.tokens_per_step:,} tokens/step = "
         + (
             f"{plan.batch_size} pairs x 2 answers"

@@ -27,22 +27,20 @@ adapters switched off (no second copy of the weights in memory).
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from gptkit.errors import ConfigError
+from gptkit.training.objectives.base import Objective, Reference
 
 LOSSES = ("sigmoid", "hinge")
 REWARD_KEYS = ("chosen", "rejected", "margin", "accuracy")
 
 
-def check_dpo_config(objective: Any, dpo: Any) -> None:
-    """objective and the dpo block: one-line ConfigErrors for values that cannot train."""
-    if str(objective) not in ("lm", "dpo"):
-        raise ConfigError(f"objective={objective!r} is not one of lm, dpo")
+def check_dpo_config(dpo: Any) -> None:
+    """The dpo block: one-line ConfigErrors for values that cannot train."""
     if dpo is None:
         return
     beta = float(dpo.get("beta", 0.1))
@@ -141,95 +139,112 @@ class RewardWindow:
         return {f"{prefix}/loss": float(sums[4]) / pairs, **out} if self.losses else out
 
 
-@contextlib.contextmanager
-def evaluating(model: torch.nn.Module):
-    """The model in eval mode (no dropout) and without autograd, its own mode restored afterwards."""
-    was = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            yield model
-    finally:
-        model.train(was)
+class DPO(Objective):
+    """objective=dpo: the DPO loss of each batch's pairs against the frozen reference (dpo.beta,
+    label_smoothing, loss), and the reward windows of train and validation."""
 
+    name = "dpo"
+    group = "dpo"
+    data_kinds = ("preference",)
+    needs_start = True
+    needs_reference = True
+    rows_per_item = 2
 
-class DPO:
-    """The DPO objective of a LitGPT: the reference and the loss settings (dpo.beta, label_smoothing, loss),
-    and the reward windows of train and validation.
+    @classmethod
+    def check_config(cls, group: Any) -> None:
+        check_dpo_config(group)
 
-    reference: the frozen copy of the starting weights (full fine-tuning), or None with `disabled`, a context
-    manager factory under which the policy computes exactly the base model (LoRA: adapters off). The
-    reference is not a submodule of the LightningModule, so it is in no checkpoint and no optimizer."""
+    @classmethod
+    def wrong_data(cls, kind: Any) -> str:
+        return (
+            f"objective=dpo trains on preference pairs, not data kind {kind!r}: add data=preference "
+            "data.paths=[pairs.jsonl] (prompt, chosen, rejected)"
+        )
 
-    def __init__(
-        self,
-        cfg: Any,
-        reference: torch.nn.Module | None,
-        disabled: Callable[[torch.nn.Module], Any] | None = None,
-    ) -> None:
+    @classmethod
+    def claimed(cls) -> str:
+        return (
+            "data=preference holds preference pairs for DPO: add objective=dpo "
+            "init_from=<run folder or checkpoint>"
+        )
+
+    @classmethod
+    def no_start(cls) -> str:
+        return (
+            "objective=dpo needs a starting checkpoint: init_from=<run folder or checkpoint> (e.g. an SFT "
+            "run); its weights, frozen, are the reference"
+        )
+
+    @classmethod
+    def batch_words(cls, batch_size: int) -> str:
+        return f"{batch_size} pairs x 2 answers"
+
+    @classmethod
+    def describe(cls, plan: Any) -> str | None:
+        d = plan.cfg.get("dpo") or {}
+        reference = (
+            "the base with the adapters off (no second copy)"
+            if plan.lora
+            else "a frozen copy of the starting weights"
+        )
+        return f"DPO: beta {d.get('beta')}, {d.get('loss')} loss; reference: {reference}"
+
+    def __init__(self, plan: Any, reference: Reference | None = None) -> None:
+        super().__init__(plan, reference)
+        cfg = self.settings or {}
         self.beta = float(cfg.get("beta", 0.1))
         self.label_smoothing = float(cfg.get("label_smoothing", 0.0))
-        self.loss = str(cfg.get("loss", "sigmoid"))
-        self.reference = reference
-        self.disabled = disabled
-        if reference is not None:
-            reference.requires_grad_(False)
-            reference.eval()
+        self.loss_type = str(cfg.get("loss", "sigmoid"))
         self.train_rewards = RewardWindow()
         self.val_rewards = RewardWindow()
-
-    def reference_logps(self, policy: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """[2P] summed answer log-probs of the reference: eval mode, no grad."""
-        if self.reference is not None:
-            with evaluating(self.reference):
-                return answer_logps(self.reference(x).logits, y)
-        with self.disabled(policy), evaluating(policy):
-            return answer_logps(policy(x).logits, y)
 
     def pair_losses(self, policy: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(loss [P], chosen reward [P], rejected reward [P]) of a batch of pairs (x, y [2P, T]: chosen rows
         even, rejected odd)."""
-        x, y = batch[0], batch[1]  # [2P, T] each
-        ref = self.reference_logps(policy, x, y).view(-1, 2)  # [P, 2]: chosen, rejected
+        # [2P, T] each
+        x, y = batch[0], batch[1]
+        # [P, 2]: chosen, rejected
+        ref = answer_logps(self.reference.logits(policy, x), y).view(-1, 2)
         pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
-        return dpo_loss(pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.loss)
+        return dpo_loss(
+            pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.loss_type
+        )
 
-    def __call__(self, policy: torch.nn.Module, batch, rewards: RewardWindow) -> torch.Tensor:
-        """The mean DPO loss of a batch of pairs; its rewards added to `rewards`."""
-        losses, chosen, rejected = self.pair_losses(policy, batch)
-        rewards.add(chosen, rejected)
-        return losses.mean()
+    def loss(self, model, batch):
+        """The mean DPO loss of a batch of pairs (every micro-batch holds as many pairs: no token weight);
+        its rewards added to the train window."""
+        losses, chosen, rejected = self.pair_losses(model, batch)
+        self.train_rewards.add(chosen, rejected)
+        return losses.mean(), None
 
-    def validate(self, policy: torch.nn.Module, batch, rank: int, world: int) -> None:
+    def validate(self, model, batch, rank: int, world_size: int, val_sources) -> None:
         """Add a validation batch's pair losses and rewards to val_rewards, each pair counted once over the
         ranks: the batch's last element holds each pair's index in the val set [P], and pair i counts on rank
         i % world (where DistributedSampler puts it first; its padding repeats land elsewhere). So val/loss
         and val/rewards/* are the means over the distinct val pairs, as one process computes them."""
-        losses, chosen, rejected = self.pair_losses(policy, batch)
-        mine = (batch[2].to(losses.device) % world) == rank  # [P]
+        losses, chosen, rejected = self.pair_losses(model, batch)
+        mine = (batch[2].to(losses.device) % world_size) == rank  # [P]
         self.val_rewards.add(chosen[mine], rejected[mine], losses[mine])
 
+    def val_metrics(self, strategy, val_sources) -> dict[str, Any]:
+        return self.val_rewards.read(strategy, "val")
 
-def check_objective(cfg: Any) -> None:
-    """objective=, the dpo block and the data and start they need, checked without data: objective=dpo
-    trains on data=preference from a starting checkpoint (init_from=, which a resume keeps in its config),
-    and data=preference is for objective=dpo only."""
-    objective = str(cfg.get("objective") or "lm")
-    check_dpo_config(objective, cfg.get("dpo"))
-    kind = (cfg.get("data") or {}).get("kind")
-    if objective == "dpo":
-        if kind != "preference":
-            raise ConfigError(
-                f"objective=dpo trains on preference pairs, not data kind {kind!r}: add "
-                "data=preference data.paths=[pairs.jsonl] (prompt, chosen, rejected)"
-            )
-        if cfg.get("init_from") in (None, "", "null"):
-            raise ConfigError(
-                "objective=dpo needs a starting checkpoint: init_from=<run folder or "
-                "checkpoint> (e.g. an SFT run); its weights, frozen, are the reference"
-            )
-    elif kind == "preference":
-        raise ConfigError(
-            "data=preference holds preference pairs for DPO: add objective=dpo "
-            "init_from=<run folder or checkpoint>"
-        )
+    def train_metrics(self, strategy) -> dict[str, float]:
+        return self.train_rewards.read(strategy, "train")
+
+    def progress(self, metrics: dict[str, float]) -> list[str]:
+        if "train/rewards/accuracy" not in metrics:
+            return []
+        return [
+            f"reward acc {metrics['train/rewards/accuracy']:.0%} margin {metrics['train/rewards/margin']:.3g}"
+        ]
+
+    def val_progress(self, metrics: dict[str, Any]) -> str:
+        accuracy = metrics.get("val/rewards/accuracy")
+        return "" if accuracy is None else f"  val reward acc {float(accuracy):.1%}"
+
+    def summary(self, metrics: dict[str, Any]) -> str | None:
+        val, accuracy = metrics.get("val/loss"), metrics.get("val/rewards/accuracy")
+        if val is None or accuracy is None:
+            return super().summary(metrics)
+        return f"val DPO loss {float(val):.4f} (reward accuracy {float(accuracy):.1%})"

@@ -1,0 +1,196 @@
+"""The data cache: where prepared folders live, the locks of the builders, and how a finished folder is
+published.
+
+    <cache>/<kind>-<tokenizer kind>-<key>/      a prepared folder (its manifest written last)
+    <cache>/.<name>.partial/                    a resumable build of token shards (gptkit.data.build),
+                                                locked by its builder (BUILD_LOCK)
+    <cache>/.<name>.<random>.tmp/               a chat or preference folder being written (publish_folder)
+    <cache>/tokenizers/                         tokenizers a data=mix trained on all its sources
+
+The OS drops a builder's lock when it dies (kill -9 included): a folder whose lock nobody holds is a dead
+build, continued (.partial) or removed (.tmp) by the next prepare.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from gptkit.chat_templates import CHAT_FILE
+from gptkit.data.console import human, say
+from gptkit.data.prepared import FORMAT_VERSION
+from gptkit.fsio import DIR_MODE, lock_file
+from gptkit.tokenizer import TokenizerSpec, file_sha256
+
+
+def cache_root(cache_dir: str | Path | None) -> Path:
+    """The folder that holds prepared data: cache_dir=, else $GPTKIT_CACHE/data, else ~/.cache/gptkit/data."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    base = os.environ.get("GPTKIT_CACHE")
+    return Path(base).expanduser() / "data" if base else Path.home() / ".cache" / "gptkit" / "data"
+
+
+def note_other_partials(root: Path, mine: Path) -> None:
+    """One note per interrupted build of other data (kept: the same prepare continues it)."""
+    for p in sorted(root.glob(".*.partial")):
+        if p == mine or not p.is_dir():
+            continue
+        try:
+            fd = lock_file(p / BUILD_LOCK, create=False)
+        except OSError:
+            continue
+        # being built right now
+        if fd is None:
+            continue
+        os.close(fd)
+        size = sum(f.stat().st_size for f in p.iterdir() if f.is_file())
+        say(
+            f"note: {p} is an interrupted build of other data ({human(size)}); the prepare that started it "
+            f"continues it, or delete it"
+        )
+
+
+def wait_unlocked(path: Path) -> None:
+    """Block until the builder holding the lock at `path` is done (or the lock file is gone)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+
+
+# in a build folder: locked (fcntl) by the process that builds it
+BUILD_LOCK = ".building"
+# a build folder without a lock file (a kill right after mkdtemp) is stale after this
+STALE_AFTER_S = 3600
+
+
+def remove_stale_builds(root: Path) -> list[Path]:
+    """Remove build folders of an older gptkit (.<name>.<random>.tmp) whose builder died: their lock file is
+    not held by anyone (the OS releases it when the process dies, kill -9 included). Resumable builds
+    (.<name>.partial) are continued, not removed, by the next prepare of the same data."""
+    gone = []
+    for tmp in root.glob(".*.tmp"):
+        if not tmp.is_dir():
+            continue
+        try:
+            fd = lock_file(tmp / BUILD_LOCK, create=False)
+        # between mkdtemp and the lock, or renamed a moment ago
+        except FileNotFoundError:
+            fd = None if time.time() - tmp.stat().st_mtime < STALE_AFTER_S else -1
+        except OSError:
+            continue
+        # a live build
+        if fd is None:
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        if fd >= 0:
+            os.close(fd)
+        gone.append(tmp)
+    return gone
+
+
+def files_hash(files: list[Path]) -> str:
+    """SHA-256 over the files' resolved paths and contents, in order."""
+    h = hashlib.sha256()
+    for f in files:
+        h.update(str(f.resolve()).encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+def templated_folder(
+    prefix: str,
+    s: dict[str, Any],
+    row_keys,
+    format_version: int,
+    tok: TokenizerSpec,
+    template,
+    files: list[Path],
+    root: Path,
+    force: bool,
+) -> tuple[Path, str, str]:
+    """(folder, cache key, content hash) of a chat or preference build, keyed by the files' content, the
+    settings but those that only choose rows (row_keys), the tokenizer (a tokenizer.json's content too),
+    the template and the format; force=true removes a cached folder first."""
+    content = files_hash(files)
+    cache_s = {k: v for k, v in s.items() if k not in row_keys}
+    key_src = json.dumps(
+        [cache_s, content, tok.settings, template.text, template.variables, format_version],
+        sort_keys=True,
+        default=str,
+    )
+    if tok.kind == "file":
+        key_src += file_sha256(tok.path)
+    key = hashlib.sha256(key_src.encode()).hexdigest()
+    final = root / f"{prefix}-{tok.kind}-{key[:16]}"
+    if final.exists() and force:
+        shutil.rmtree(final)
+    return final, key, content
+
+
+def publish_folder(
+    root: Path,
+    final: Path,
+    arrays: dict[str, dict[str, Any]],
+    tokenizer,
+    template,
+    manifest: dict[str, Any],
+    extra: dict[str, str] | None = None,
+) -> None:
+    """Write a chat or preference folder atomically: its .npz files ({file name: arrays}), `extra` text files,
+    tokenizer.json, the template and manifest.json (last) into a temporary folder beside `final`, then renamed
+    into place. A folder another process finished first is kept; any failure removes the temporary folder."""
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_builds(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
+    try:
+        for name, content in arrays.items():
+            np.savez(tmp / name, **content)
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
+        (tmp / "tokenizer.json").write_text(tokenizer.to_str())
+        (tmp / CHAT_FILE).write_text(template.to_json())
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+        os.chmod(tmp, DIR_MODE)
+        try:
+            os.rename(tmp, final)
+        # another process finished the same folder first: keep theirs
+        except OSError:
+            if not (final / "manifest.json").is_file():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def shards_key(data: dict[str, Any], content: str, tok: TokenizerSpec) -> str:
+    """The cache key of a token-shard folder: (the data settings, the content hash of the input, the
+    tokenizer's settings (a tokenizer.json by its content, not where it lies), the format)."""
+    settings, extra = tok.settings, {}
+    if tok.kind == "file":
+        settings, extra = {**settings, "path": None}, {"tokenizer_file": file_sha256(tok.path)}
+    body = {
+        "format_version": FORMAT_VERSION,
+        "data": data,
+        "content": content,
+        "tokenizer": settings,
+        **extra,
+    }
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()

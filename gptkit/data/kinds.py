@@ -1,0 +1,99 @@
+"""Every data kind in one table, and the one call that prepares any of them.
+
+    prepared = prepare(cfg.data, cfg.tokenizer)    # -> a Prepared (gptkit/data/face.py), cached
+
+kind         prepared by                          its prepared form
+pydoc        build.prepare_corpus                 token shards (PreparedData)
+shakespeare  build.prepare_corpus                 token shards
+stdlib       build.prepare_corpus                 token shards
+files        build.prepare_corpus                 token shards
+hub          build.prepare_corpus                 token shards
+tokens       tokenfiles.prepare_tokens            token shards, copied from token files made elsewhere
+prepared     prepared.use_prepared                token shards a `gptkit prepare` wrote
+mix          mixture.prepare_mix                  a MixedData of token-shard sources (mixable kinds)
+chat         chat.prepare_chat                    conversations (ChatData)
+preference   preference.prepare_preference        preference pairs (PreferenceData)
+
+Each kind receives its complete settings (gptkit.data.settings: the defaults of conf/data/<kind>.yaml
+under the given keys), the tokenizer resolved once (a TokenizerSpec) and the BuildOptions (cache folder,
+progress, force). A new kind is a module with its Prepared subclass and prepare function, a preset in
+conf/data/, and one row here.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from gptkit.data import build, chat, mixture, preference, prepared, tokenfiles
+from gptkit.data.cache import cache_root
+from gptkit.data.face import BuildOptions, Prepared
+from gptkit.data.settings import kind_names, plain, settings
+from gptkit.errors import GptkitError
+from gptkit.tokenizer import TokenizerSpec, tokenizer_spec
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One data kind: what prepares it, and the facts other rooms ask of it.
+
+    prepare   (complete settings, TokenizerSpec, BuildOptions) -> Prepared
+    mixable   its data is one token stream: a data=mix may hold it
+    scored    None: `gptkit eval` scores windows of its tokens; else why it cannot (one line)"""
+
+    prepare: Callable[[dict[str, Any], TokenizerSpec, BuildOptions], Prepared]
+    mixable: bool = False
+    scored: str | None = None
+
+
+def _prepare_source(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> Prepared:
+    """One source of a mixture: a mixable kind, prepared by its own row."""
+    return KINDS[s["kind"]].prepare(s, tok, opts)
+
+
+KINDS: dict[str, Kind] = {
+    "pydoc": Kind(build.prepare_corpus, mixable=True),
+    "shakespeare": Kind(build.prepare_corpus, mixable=True),
+    "stdlib": Kind(build.prepare_corpus, mixable=True),
+    "files": Kind(build.prepare_corpus, mixable=True),
+    "hub": Kind(build.prepare_corpus, mixable=True),
+    "tokens": Kind(tokenfiles.prepare_tokens, mixable=True),
+    "prepared": Kind(prepared.use_prepared, mixable=True),
+    "chat": Kind(chat.prepare_chat, scored=chat.NOT_SCORED),
+    "preference": Kind(preference.prepare_preference, scored=preference.NOT_SCORED),
+}
+# the kinds a data=mix may hold
+MIXABLE = tuple(k for k, kind in KINDS.items() if kind.mixable)
+KINDS["mix"] = Kind(functools.partial(mixture.prepare_mix, prepare_source=_prepare_source, mixable=MIXABLE))
+
+
+def kind_of(data_cfg: Any) -> Kind:
+    """The table row of a data config's kind (a one-line error for an unknown kind)."""
+    name = plain(data_cfg).get("kind")
+    if name not in KINDS:
+        raise GptkitError(f"unknown data kind {name!r}; use data={'|'.join(kind_names())}")
+    return KINDS[name]
+
+
+def prepare(
+    data_cfg: Any,
+    tokenizer_cfg: Any,
+    cache_dir: str | Path | None = None,
+    progress: bool = True,
+    force: bool = False,
+) -> Prepared:
+    """The data of a config, prepared for training: from the cache when present, else built now (a build a
+    killed prepare left is continued). The tokenizer config is resolved here, once, for every kind."""
+    kind = kind_of(data_cfg)
+    opts = BuildOptions(cache_root(cache_dir), bool(progress), bool(force))
+    return kind.prepare(settings(data_cfg), tokenizer_spec(tokenizer_cfg), opts)
+
+
+def check_scored(data_cfg: Any) -> None:
+    """`gptkit eval` scores windows of a token stream: a kind that is not one is a one-line error saying
+    why (and what to pass instead), before anything is prepared."""
+    why = kind_of(data_cfg).scored
+    if why is not None:
+        raise GptkitError(why)

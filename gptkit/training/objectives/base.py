@@ -1,0 +1,177 @@
+"""The interface every training objective implements, and the frozen reference some of them measure against.
+
+LitGPT (gptkit/training/module.py) runs any objective the same way and never asks which it has:
+
+    plan time (classmethods, from the config alone; gptkit/training/plan.py, fit.py, memory.py)
+        check_config(group)          its own config group (cfg.<group>), one-line ConfigErrors
+        data_kinds, needs_start      what it trains on, and whether it starts from weights (init_from=)
+        rows_per_item                sequences through the model per batch item (a DPO pair: 2)
+        needs_reference              a frozen copy of the starting weights (Reference) is built for it
+        flops(counts, dense, causal) training FLOPs per token, its own extra work added
+        batch_words(n), describe(plan)   what start-up says of a batch and of the objective
+    run time (an instance per run, given the plan and the Reference)
+        loss(model, batch) -> (loss, weight)   a micro-batch's loss and its loss-token count (None: every
+                                               micro-batch weighs the same)
+        validate(model, batch, rank, world_size, val_sources)   one validation batch, kept on the device
+        val_metrics(strategy, val_sources), train_metrics(strategy)   reduced over the ranks, then reset
+        progress(metrics), val_progress(metrics), summary(metrics)   what the progress line and the end say
+
+A new objective is one file with a subclass and one row of gptkit/training/objectives/__init__.py.
+torchtitan's components/loss.py (a loss as a component the trainer calls) is the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from gptkit.errors import GptkitError
+
+
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module):
+    """The model in eval mode (no dropout) and without autograd, its own mode restored afterwards."""
+    was = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            yield model
+    finally:
+        model.train(was)
+
+
+class Reference:
+    """The frozen starting weights an objective measures against (DPO's implicit rewards; an RL KL term).
+
+    module: a frozen copy of the model (full fine-tuning; the run loads the starting weights into it), or
+    None with `disabled`, a context-manager factory under which the policy itself computes exactly the
+    starting model (LoRA: its adapters off, no second copy). Not a submodule of the LightningModule: in no
+    checkpoint and no optimizer. `source` records the checkpoint the weights came from, saved with every
+    checkpoint, so that a resume measures against the same weights."""
+
+    # the checkpoint entry of `source` (its name predates other objectives; kept so old runs resume)
+    CHECKPOINT_KEY = "gptkit_dpo_reference"
+
+    def __init__(
+        self, module: torch.nn.Module | None, disabled: Callable[[torch.nn.Module], Any] | None = None
+    ) -> None:
+        self.module, self.disabled = module, disabled
+        # {path, step} of the checkpoint the weights came from (set when they are loaded)
+        self.source: dict[str, Any] | None = None
+        if module is not None:
+            module.requires_grad_(False)
+            module.eval()
+
+    def logits(self, policy: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The reference's logits of x [N, T] -> [N, T, vocab_size]: eval mode, no grad."""
+        if self.module is not None:
+            with evaluating(self.module):
+                return self.module(x).logits
+        with self.disabled(policy), evaluating(policy):
+            return policy(x).logits
+
+    def save(self, checkpoint: dict[str, Any]) -> None:
+        if self.source is not None:
+            checkpoint[self.CHECKPOINT_KEY] = dict(self.source)
+
+    def check(self, checkpoint: dict[str, Any]) -> None:
+        """A resumed run's reference must hold the weights the run started from."""
+        saved, now = checkpoint.get(self.CHECKPOINT_KEY), self.source
+        if saved and now and int(saved["step"]) != int(now["step"]):
+            raise GptkitError(
+                f"the reference {now['path']} holds step {now['step']}, but this run "
+                f"started from step {saved['step']} of {saved['path']}: the source run trained "
+                "on, so a resume would measure against other weights; start a new run"
+            )
+
+
+class Objective:
+    """One training objective (see the module docstring for the interface). The defaults are a plain
+    next-token objective's: no config group, any data kind no other objective claims, one row per item."""
+
+    name: ClassVar[str] = ""
+    # its config group (cfg.<group>), or None
+    group: ClassVar[str | None] = None
+    # the data kinds it trains on, which no other objective reads; None: every kind not claimed so
+    data_kinds: ClassVar[tuple[str, ...] | None] = None
+    # it starts from weights (init_from=, which a resume keeps in its config)
+    needs_start: ClassVar[bool] = False
+    needs_reference: ClassVar[bool] = False
+    rows_per_item: ClassVar[int] = 1
+
+    @classmethod
+    def check_config(cls, group: Any) -> None:
+        """Its config group (None when absent): one-line ConfigErrors for values that cannot train."""
+
+    @classmethod
+    def wrong_data(cls, kind: Any) -> str:
+        """The error when the data kind is not one it trains on."""
+        return f"objective={cls.name} does not train on data kind {kind!r}"
+
+    @classmethod
+    def claimed(cls) -> str:
+        """The error when another objective's config names a data kind that only this one reads."""
+        return f"that data is for objective={cls.name}"
+
+    @classmethod
+    def no_start(cls) -> str:
+        """The error when it needs starting weights and the config gives none."""
+        return f"objective={cls.name} needs a starting checkpoint: init_from=<run folder or checkpoint>"
+
+    @classmethod
+    def flops(cls, counts: Any, dense: float, causal: float) -> tuple[float, float]:
+        """Training FLOPs per token (full-attention and causal conventions) with its own work added: a
+        reference's forward (no grad) when it needs one."""
+        if cls.needs_reference:
+            return dense + counts.forward_dense, causal + counts.forward_causal
+        return dense, causal
+
+    @classmethod
+    def batch_words(cls, batch_size: int) -> str:
+        """What one micro-batch of batch_size items is, for the start-up line."""
+        return f"{batch_size} sequences"
+
+    @classmethod
+    def describe(cls, plan: Any) -> str | None:
+        """Its start-up line (None: nothing to say)."""
+        return None
+
+    def __init__(self, plan: Any, reference: Reference | None = None) -> None:
+        self.settings = plan.cfg.get(self.group) if self.group else None
+        self.reference = reference
+
+    def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(the loss of one micro-batch, its loss tokens as an int64 scalar on the device, or None when every
+        micro-batch weighs the same)."""
+        raise NotImplementedError
+
+    def validate(self, model: torch.nn.Module, batch, rank: int, world_size: int, val_sources) -> None:
+        """Add one validation batch to the objective's sums, on the device (no host sync)."""
+        raise NotImplementedError
+
+    def val_metrics(self, strategy, val_sources) -> dict[str, Any]:
+        """The validation's figures over every rank ({} when nothing was validated), then start afresh;
+        val_sources as given to validate."""
+        return {}
+
+    def train_metrics(self, strategy) -> dict[str, float]:
+        """Figures of its own for a log step's row, over every rank (read at log steps only)."""
+        return {}
+
+    def progress(self, metrics: dict[str, float]) -> list[str]:
+        """Its parts of a log step's progress line."""
+        return []
+
+    def val_progress(self, metrics: dict[str, Any]) -> str:
+        """What follows `val loss ...` on the progress line after a validation."""
+        return ""
+
+    def summary(self, metrics: dict[str, Any]) -> str | None:
+        """The final validation in the run's last line (None: no validation yet)."""
+        val = metrics.get("val/loss")
+        if val is None:
+            return None
+        return f"val loss {float(val):.4f} (ppl {math.exp(min(float(val), 50)):.2f})"
