@@ -9,6 +9,7 @@ import pytest
 from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
 from conftest import metaspace_tokenizer as metaspace
 
+import gptkit.data.files as data_files
 import gptkit.data.sources as sources
 from gptkit.data import prepare
 
@@ -90,8 +91,8 @@ def test_ranges_give_the_shards_of_the_line_by_line_path(tmp_path, small, monkey
         c = write(tmp_path / "c.jsonl", recs[30:36])
         data = {**data, "val_paths": [str(c)]}
     parsed_here = []
-    real = sources._json_record
-    monkeypatch.setattr(sources, "_json_record", lambda *a: parsed_here.append(1) or real(*a))
+    real = data_files._json_record
+    monkeypatch.setattr(data_files, "_json_record", lambda *a: parsed_here.append(1) or real(*a))
 
     monkeypatch.setattr(sources, "JSONL_RANGES", False)
     old = prepare({**data, "workers": 1}, tok, cache_dir=tmp_path / "old", progress=False)
@@ -118,7 +119,7 @@ def error(tmp_path, monkeypatch, files, ranges, tok=None, workers=1):
 
 def test_bad_input_is_the_same_one_line_error_as_line_by_line(tmp_path, small, monkeypatch):
     # the text field must show within the first 5 records
-    monkeypatch.setattr(sources, "RECORDS", 5)
+    monkeypatch.setattr(data_files, "RECORDS", 5)
     good = write(tmp_path / "good.jsonl", records()[:20])
     body = "".join(json.dumps({"body": f"record {i} " * 40}) + "\n" for i in range(4))
     cases = {
@@ -186,7 +187,7 @@ def test_a_killed_jsonl_build_continues_bit_identically(tmp_path, small, monkeyp
     monkeypatch.setattr(shards, "SHARD_TOKENS", 1)
     texts = [{"text": shakespeare(1400, start=2000 * i)} for i in range(5)]
     f = write(tmp_path / "a.jsonl", texts + [{"body": "x " * 500, "n": i} for i in range(8)])
-    ranges = list(sources.line_ranges([f], "text", "strict", 3000))
+    ranges = list(data_files.line_ranges([f], "text", "strict", 3000))
     first_body = f.read_bytes().index(b'{"body"')
     n_text = sum(r.start < first_body for r in ranges)
     assert 2 <= n_text < len(ranges) - 2

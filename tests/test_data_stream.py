@@ -56,7 +56,7 @@ def small_pieces(monkeypatch):
     monkeypatch.setattr("gptkit.data.tokenize.PIECE_CHARS", 700)
     monkeypatch.setattr("gptkit.data.tokenize.HARD_CHARS", 1500)
     monkeypatch.setattr("gptkit.data.tokenize.BATCH_CHARS", 3000)
-    monkeypatch.setattr("gptkit.data.sources.READ_BYTES", 997)
+    monkeypatch.setattr("gptkit.data.files.READ_BYTES", 997)
 
 
 def metaspace_tokenizer(path, text):

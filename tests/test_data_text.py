@@ -9,6 +9,7 @@ from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes,
 from conftest import metaspace_tokenizer as metaspace
 
 import gptkit.data.build as build
+import gptkit.data.files as data_files
 import gptkit.data.shards as shards
 import gptkit.data.sources as sources
 from gptkit.data import prepare
@@ -24,7 +25,7 @@ def small(monkeypatch):
     """Pieces and tasks small enough that a 20 kB file is many ranges and many pieces."""
     small_tasks(monkeypatch)
     # the old path reads (and decodes) in parts
-    monkeypatch.setattr(sources, "READ_BYTES", 2048)
+    monkeypatch.setattr(data_files, "READ_BYTES", 2048)
     # the main process reads a little of each range
     monkeypatch.setattr("gptkit.data.ranges.SCAN_BLOCK", 64)
 
@@ -96,8 +97,8 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
             "val_paths": [str(f[n]) for n in names[-3:]],
         }
     decoded = []
-    real = sources._decoded_chunks
-    monkeypatch.setattr(sources, "_decoded_chunks", lambda p, *a: decoded.append(p.name) or real(p, *a))
+    real = data_files._decoded_chunks
+    monkeypatch.setattr(data_files, "_decoded_chunks", lambda p, *a: decoded.append(p.name) or real(p, *a))
     # (char and bpe train on all of this small corpus: not counted)
     train = build._train_tokenizer
     monkeypatch.setattr(build, "_train_tokenizer", lambda *a: (train(*a), decoded.clear())[0])

@@ -17,7 +17,7 @@ from gptkit import chat_templates as templates
 from gptkit.data import prepare
 from gptkit.data.preference import make_pair_rows
 from gptkit.errors import GptkitError
-from gptkit.training.dpo import RewardWindow, answer_logps, check_dpo_config, dpo_loss
+from gptkit.training.objectives.dpo import RewardWindow, answer_logps, check_dpo_config, dpo_loss
 
 # known summed log-probs: policy chosen, policy rejected, reference chosen, reference rejected
 LOGPS = [
@@ -85,7 +85,7 @@ def test_answer_log_probs_sum_the_answer_tokens_only_and_rewards_average_over_pa
 )
 def test_bad_dpo_settings_are_one_line(dpo, message):
     with pytest.raises(GptkitError, match=message):
-        check_dpo_config("dpo", dpo)
+        check_dpo_config(dpo)
 
 
 # ---- data -----------------------------------------------------------------------------------

@@ -467,13 +467,13 @@ def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_i
     from omegaconf import OmegaConf
 
     from gptkit.model import ModelConfig
-    from gptkit.training import fit
+    from gptkit.training import report
 
     t = OmegaConf.create({"precision": "32-true", "checkpoint_every": 100, "keep_checkpoints": 3})
     # gpt2: 124M
     cfg = ModelConfig(vocab_size=50304, max_seq_len=1024, n_layers=12, n_heads=12, d_model=768)
     monkeypatch.setattr("gptkit.fsio.free_bytes", lambda path: 2 << 30)
-    fit._check_disk(tmp_path, cfg, t, max_steps=1000, start_step=0)
+    report.check_disk(tmp_path, cfg, t, max_steps=1000, start_step=0)
     err = capsys.readouterr().err
     # 3 kept + the one being written + last.ckpt
     assert "checkpoints: ~1.39 GiB each, up to 5 at once" in err

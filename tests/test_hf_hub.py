@@ -19,7 +19,7 @@ import yaml
 from conftest import one_line_error, run_main, shakespeare
 from test_hf import char_tokenizer, random_gpt
 
-from gptkit import hf
+from gptkit import hf_io
 from gptkit.cli import main as gptkit_main
 from gptkit.errors import GptkitError
 from gptkit.runs import load_model, write_run_folder
@@ -113,7 +113,7 @@ def test_import_hub_id_downloads_config_and_tokenizer_then_safetensors_only(tmp_
     code, out, err = run_main(capsys, "import", f"hf={REPO_ID}", f"out={tmp_path / 'run'}")
     assert code == 0, err
     # config.json first: an unsupported model stops there
-    assert fake.fetched() == [hf.HUB_FIRST, hf.HUB_WEIGHTS]
+    assert fake.fetched() == [hf_io.HUB_FIRST, hf_io.HUB_WEIGHTS]
     # then exactly the commit the config came from
     assert [c["revision"] for c in fake.calls] == [None, COMMIT]
     assert not any(c["local_files_only"] for c in fake.calls)
@@ -141,7 +141,7 @@ def test_import_hub_model_without_safetensors_reads_pytorch_bin_safely(tmp_path,
     torch.save(state, fake.files / "pytorch_model.bin")
     code, _, err = run_main(capsys, "import", f"hf={REPO_ID}@v1.0", f"out={tmp_path / 'run'}")
     assert code == 0, err
-    assert fake.fetched() == [hf.HUB_FIRST, hf.HUB_WEIGHTS, hf.HUB_PICKLES]
+    assert fake.fetched() == [hf_io.HUB_FIRST, hf_io.HUB_WEIGHTS, hf_io.HUB_PICKLES]
     assert fake.calls[0]["revision"] == "v1.0"
     assert_same_weights(tmp_path / "run", model)
 
@@ -175,7 +175,7 @@ def test_import_hub_errors_are_one_line(tmp_path, hub, capsys, case, needles):
     for n in needles:
         assert n in err, (n, err)
     # no weights downloaded for a model that cannot be imported
-    assert fake.fetched() == [hf.HUB_FIRST]
+    assert fake.fetched() == [hf_io.HUB_FIRST]
     assert not (tmp_path / "run").exists()
 
 
@@ -247,18 +247,18 @@ def test_offline_import_fails_fast_in_one_line_naming_hf_hub_offline(tmp_path, c
 def test_init_from_import_is_reused_until_its_source_changes(tmp_path):
     repo, model = exported(tmp_path)
     runs = tmp_path / "runs"
-    out, src, reused = hf.import_cached(str(repo), runs, "ALT")
+    out, src, reused = hf_io.import_cached(str(repo), runs, "ALT")
     assert (out, src.spec, reused) == (runs / "repo-imported", str(repo.resolve()), False)
     assert_same_weights(out, model)
     ckpt = out / "checkpoints" / "last.ckpt"
     stamp = ckpt.stat().st_mtime_ns
-    assert hf.import_cached(str(repo), runs, "ALT")[2] is True
+    assert hf_io.import_cached(str(repo), runs, "ALT")[2] is True
     assert ckpt.stat().st_mtime_ns == stamp
 
     # the folder is written again (e.g. exported anew): imported again
     later = time.time() + 5
     os.utime(repo / "model.safetensors", (later, later))
-    assert hf.import_cached(str(repo), runs, "ALT")[2] is False
+    assert hf_io.import_cached(str(repo), runs, "ALT")[2] is False
     assert sorted(p.name for p in runs.iterdir() if not p.name.endswith(".lock")) == ["repo-imported"]
 
     # not an import: never replaced
@@ -266,7 +266,7 @@ def test_init_from_import_is_reused_until_its_source_changes(tmp_path):
     (runs / "mine-imported" / "notes.txt").write_text("mine")
     repo.rename(tmp_path / "mine")
     with pytest.raises(GptkitError, match="is not an import by gptkit"):
-        hf.import_cached(str(tmp_path / "mine"), runs, "ALT")
+        hf_io.import_cached(str(tmp_path / "mine"), runs, "ALT")
     assert (runs / "mine-imported" / "notes.txt").read_text() == "mine"
 
 
@@ -304,7 +304,7 @@ def test_train_init_from_hf_imports_then_fine_tunes(tmp_path, hub, capsys, monke
     assert code == 0, err[-3000:]
     assert f"init_from=hf:{spec}: imported {pinned} into {imported} (kept for later runs)" in err
     if source == "hub id":
-        assert fake.calls[0]["revision"] == "v1" and fake.fetched() == [hf.HUB_FIRST, hf.HUB_WEIGHTS]
+        assert fake.calls[0]["revision"] == "v1" and fake.fetched() == [hf_io.HUB_FIRST, hf_io.HUB_WEIGHTS]
     else:
         assert fake.calls == []
     assert_same_weights(imported, model)

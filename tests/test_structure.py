@@ -39,7 +39,7 @@ def test_the_attention_backends_are_the_configs_names():
 
 def test_resume_and_init_from_share_one_model_policy():
     from gptkit.options import parse_options
-    from gptkit.training.fit import FREE_MODEL_KEYS, model_from_source
+    from gptkit.training.start import FREE_MODEL_KEYS, model_from_source
 
     saved = {"name": "a", "n_layers": 2, "dropout": 0.0, "attention": "sdpa"}
     asked = OmegaConf.create({"name": "b", "n_layers": 4, "dropout": 0.1, "attention": "eager"})

@@ -260,7 +260,7 @@ def test_bench_train_compares_the_two_loops(tmp_path, precision):
 
 
 def test_out_of_memory_names_the_estimate_and_the_fixes(base_cfg):
-    from gptkit.training.fit import out_of_memory
+    from gptkit.training.report import out_of_memory
 
     cfg = OmegaConf.create(OmegaConf.to_container(base_cfg, resolve=True))
     err = str(out_of_memory(make_plan(cfg, None, ModelConfig.from_dict(OmegaConf.to_container(cfg.model)))))

@@ -31,7 +31,7 @@ from gptkit.data.tasks import preference_pairs, string_tasks, write_jsonl
 from gptkit.errors import GptkitError
 from gptkit.runs import load_model
 from gptkit.threads import set_threads
-from gptkit.training.dpo import answer_logps
+from gptkit.training.objectives.dpo import answer_logps
 
 
 def answer_logps_of(model, rows, batch_pairs: int = 64):

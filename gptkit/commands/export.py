@@ -26,7 +26,7 @@ from pathlib import Path
 
 
 def run(cfg) -> int:
-    from gptkit import hf
+    from gptkit import hf, hf_io
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir, staged_dir
@@ -48,7 +48,7 @@ def run(cfg) -> int:
     if not cfg.out:
         raise ConfigError("export needs out=<folder to write the transformers model into>")
     dtype = torch_dtype(cfg.dtype)
-    max_shard = hf.parse_size(cfg.max_shard_size)
+    max_shard = hf_io.parse_size(cfg.max_shard_size)
     ckpt = find_run_checkpoint(cfg.run)
     out = Path(cfg.out).expanduser()
     check_not_source(out, run_dir_of(ckpt))
@@ -77,12 +77,12 @@ def run(cfg) -> int:
         model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
     )
     with staged_dir(out, force=bool(cfg.force)) as tmp:
-        weights = hf.save_weights(state, tmp, max_shard)
+        weights = hf_io.save_weights(state, tmp, max_shard)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        gen = hf.generation_config(ids["bos_token"], ids["eos_token"], ids["pad_token"])
+        gen = hf_io.generation_config(ids["bos_token"], ids["eos_token"], ids["pad_token"])
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if tokenizer is not None:
-            for name, text in hf.tokenizer_files(tokenizer, model_cfg.max_seq_len, special).items():
+            for name, text in hf_io.tokenizer_files(tokenizer, model_cfg.max_seq_len, special).items():
                 (tmp / name).write_text(text)
 
     n_params = sum(v.numel() for v in state.values())

@@ -39,7 +39,7 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
     from gptkit.runs import LATEST, check_run_location, check_saved_run, find_run_checkpoint
-    from gptkit.training.fit import check_resume_or_init
+    from gptkit.training.start import check_resume_or_init
 
     kv = {
         o.key: None if o.value is None else str(o.value)
@@ -89,7 +89,7 @@ def _name_after_init_source(args: list[str], options, kv: dict) -> list[str]:
     """init_from= trains the source's model: unless the command line names the run or the model, the model's
     name (which the default run folder name, ${model.name}-<time>, is built from) is the source's, so that the
     folder is not named after the default preset."""
-    from gptkit.training.fit import init_source_name
+    from gptkit.training.start import init_source_name
 
     if kv.get("init_from") in (None, "", "null") or "name" in kv:
         return args

@@ -32,8 +32,8 @@ from gptkit.data.cache import publish_folder, templated_folder
 from gptkit.data.chat import ChatSampler, ChatSplit, TemplatedData, template_for, tokenizer_record
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, BuildOptions, Feed
+from gptkit.data.files import expand_paths
 from gptkit.data.records import conversation, records
-from gptkit.data.sources import expand_paths
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import TokenizerSpec, build_tokenizer
 

@@ -23,7 +23,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from gptkit.data import tokenize
-from gptkit.data.sources import (
+from gptkit.data.files import (
     READ_BYTES,
     LineRange,
     RangeChecks,

@@ -28,6 +28,7 @@ import numpy as np
 from gptkit.data.cache import shards_key
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions
+from gptkit.data.files import expand_paths, files_digest
 from gptkit.data.prepared import (
     DTYPES,
     FORMAT,
@@ -39,7 +40,6 @@ from gptkit.data.prepared import (
     manifest_checksum,
 )
 from gptkit.data.settings import shard_settings
-from gptkit.data.sources import _files_digest, expand_paths
 from gptkit.errors import GptkitError
 from gptkit.fsio import DIR_MODE, file_crc32, lock_file
 from gptkit.tokenizer import TokenizerSpec, build_tokenizer, eos_id, file_sha256
@@ -148,7 +148,7 @@ def _prepare_tokens(data: dict[str, Any], spec: TokenizerSpec, root: Path) -> Pr
     vocab = int(vocab) if vocab is not None else tok_vocab
     if vocab < tok_vocab:
         raise GptkitError(f"data.vocab_size={vocab} is smaller than the tokenizer's {tok_vocab} tokens")
-    content = _files_digest(files) + (_files_digest(val_files) if val_files else "")
+    content = files_digest(files) + (files_digest(val_files) if val_files else "")
     key = shards_key(data, content, spec)
     final = root / f"tokens-{spec.kind}-{key[:16]}"
     if (final / MANIFEST).is_file():

@@ -9,6 +9,7 @@ from typing import Any
 from gptkit import adapters
 from gptkit.errors import GptkitError
 from gptkit.fsio import human_bytes
+from gptkit.training.objectives import OBJECTIVES
 
 
 def available_memory() -> int | None:
@@ -46,14 +47,14 @@ ALLOCATOR_SLACK = 0.25
 def estimate(plan: Any) -> dict[str, float]:
     """The count-params training memory estimate of a run plan (training/plan.py), per process: the tensors
     (host_estimate adds what a CPU process needs beyond them); with finetune=lora the gradients and AdamW
-    moments are the adapters' only, and their weights are added. objective=dpo: a pair is two sequences
-    (chosen, rejected) in the batch, and with finetune=full the frozen reference is a second copy of the
-    weights (with lora it is the model itself with its adapters off: nothing more)."""
+    moments are the adapters' only, and their weights are added. The objective's rows per item count (a DPO
+    pair is two sequences, chosen and rejected), and with finetune=full a frozen reference is a second copy
+    of the weights (with lora it is the model itself with its adapters off: nothing more)."""
     from gptkit import accounting as acc
 
-    dpo = getattr(plan, "objective", "lm") == "dpo"
+    objective = OBJECTIVES[getattr(plan, "objective", "lm")]
     # sequences through the model per micro-step
-    rows = plan.batch_size * (2 if dpo else 1)
+    rows = plan.batch_size * objective.rows_per_item
     mem = acc.training_memory(
         plan.model,
         plan.precision,
@@ -62,7 +63,8 @@ def estimate(plan: Any) -> dict[str, float]:
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
     )
-    if dpo and getattr(plan, "lora", None) is None:
+    # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
+    if objective.needs_reference and getattr(plan, "lora", None) is None:
         mem["reference"] = mem["weights"]
     if getattr(plan, "lora", None) is not None:
         n = acc.count_params(plan.model).total
@@ -85,7 +87,11 @@ def host_estimate(plan: Any) -> dict[str, float]:
 
 def _breakdown(mem: dict[str, float], plan: Any) -> str:
     runtime = f", runtime {human_bytes(mem['runtime'])}" if "runtime" in mem else ""
-    reference = f", the DPO reference {human_bytes(mem['reference'])}" if "reference" in mem else ""
+    reference = (
+        f", the {plan.objective.upper()} reference {human_bytes(mem['reference'])}"
+        if "reference" in mem
+        else ""
+    )
     return (
         f"weights {human_bytes(mem['weights'])}{reference}, gradients {human_bytes(mem['gradients'])}, "
         f"optimizer {human_bytes(mem['optimizer'])}, activations {human_bytes(mem['activations'])} and "

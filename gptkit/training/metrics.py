@@ -182,11 +182,9 @@ class StepMetrics(Callback):
         if self.reporter is not None and trainer.is_global_zero:
             val = trainer.callback_metrics.get("val/loss")
             if val is not None:
-                # objective=dpo
-                accuracy = trainer.callback_metrics.get("val/rewards/accuracy")
-                self.reporter.validation(
-                    trainer.global_step, float(val), None if accuracy is None else float(accuracy)
-                )
+                objective = getattr(pl_module, "objective", None)
+                extra = objective.val_progress(trainer.callback_metrics) if objective is not None else ""
+                self.reporter.validation(trainer.global_step, float(val), extra)
         self._restart(trainer)
 
     def _pause(self, trainer) -> None:
@@ -224,7 +222,7 @@ class StepMetrics(Callback):
         # the one host sync of this window
         loss = pl_module.loss_window.read(trainer.strategy)
         grad_norm = pl_module.loss_window.read_grad_norm()
-        # dpo: train/rewards/*
+        # the objective's own figures (DPO: train/rewards/*)
         extra = getattr(pl_module, "train_metrics", lambda _: {})(trainer.strategy)
         self._sync(trainer)
         now = time.perf_counter()
@@ -257,7 +255,8 @@ class StepMetrics(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         if self.reporter is not None and trainer.is_global_zero:
-            self.reporter.log(step, metrics)
+            objective = getattr(pl_module, "objective", None)
+            self.reporter.log(step, metrics, objective.progress(metrics) if objective is not None else [])
 
     def on_train_end(self, trainer, pl_module) -> None:
         """Stop the clock and close the progress reporter."""

@@ -3,15 +3,14 @@
 One optimizer step, top to bottom (Lightning runs the loop; this is the order it runs our parts in, and
 the class that owns each). Every setting comes from the run plan (training/plan.py).
 
-     1. batch          TokenDataModule's WindowSampler: micro-batch N of a rank is a pure function of
-                       (seed, N, rank, world size), so a resume draws the same batches
-                                                                  data/datamodule.py, data/windows.py
-     2. forward, loss  LitGPT.training_step -> GPT.forward(x, targets).loss (fp32 mean cross-entropy)
-                       weighted by its loss tokens (TokenMean.micro_batch) when a step has several
-                       micro-batches or ranks                here, model/gpt.py, training/token_mean.py
-                       objective=dpo: the DPO loss of the batch's pairs against the frozen reference
-                       (every micro-batch holds as many pairs: no token weighting), its rewards added
-                       to a RewardWindow                                    training/dpo.py
+     1. batch          the data's sampler (TokenDataModule, any kind): micro-batch N of a rank is a
+                       pure function of (seed, N, rank, world size), so a resume draws the same batches
+                                                                  data/datamodule.py, data/face.py
+     2. forward, loss  LitGPT.training_step -> the objective's loss(model, batch) and its weight; lm:
+                       GPT.forward(x, targets).loss (fp32 mean cross-entropy) weighted by its loss tokens
+                       (TokenMean.micro_batch) when a step has several micro-batches or ranks; dpo: the
+                       DPO loss of the batch's pairs against the frozen reference (every micro-batch holds
+                       as many pairs: no token weight)    here, training/objectives/, training/token_mean.py
      3. NaN window     LossWindow.add: the loss summed on the device (weighted by its loss tokens), the
                        first non-finite step noted; no host sync            training/metrics.py
      4. backward       Lightning: (loss / accumulation).backward(); 16-mixed scales the loss first
@@ -40,7 +39,8 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                        start of the next step, once the metrics rows it covers are on disk
                                                                             training/run_checkpoints.py
     12. validate       every trainer.val_every steps, after the step's callbacks: validation_step and
-                       on_validation_epoch_end (val/loss, val/ppl)          here
+                       on_validation_epoch_end (the objective's figures: val/loss, val/ppl, ...)
+                                                                            here, training/objectives/
     13. watch          after each validation: best.ckpt when val/loss is the lowest (trainer.keep_best,
                        RunCheckpoints), then loss.png redrawn and, every trainer.sample_every steps, a
                        greedy sample (ValidationWatch, rank 0 reports)      training/run_checkpoints.py,
@@ -67,12 +67,12 @@ from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
 from gptkit.training.distributed import broadcast_weights, parallelize
-from gptkit.training.dpo import DPO
 from gptkit.training.lora import adapter_state_dict, adapters_disabled, apply_lora
 from gptkit.training.metrics import LossWindow
+from gptkit.training.objectives import Reference, objective_class
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
-from gptkit.training.token_mean import TokenMean, loss_tokens
+from gptkit.training.token_mean import TokenMean
 
 
 def apply_compile(model: GPT, mode: str, backend: str = "inductor") -> None:
@@ -138,8 +138,10 @@ class LitGPT(L.LightningModule):
                 base=str(Path(plan.lora_base).resolve()),
                 base_fingerprint=adapters.fingerprint(plan.lora_base),
             )
-        # not a submodule: in no checkpoint
-        self.dpo = self._dpo(plan) if plan.objective == "dpo" else None
+        # what the run trains for (training/objectives/); its reference is not a submodule: in no checkpoint
+        objective = objective_class(plan.cfg)
+        self.reference = self._reference(plan) if objective.needs_reference else None
+        self.objective = objective(plan, self.reference)
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         # before the run folder gets its files
@@ -151,27 +153,27 @@ class LitGPT(L.LightningModule):
         self.compile_backend = plan.compile_backend
         # read at log steps only (training/metrics.py)
         self.loss_window = LossWindow()
-        # objective=dpo: {path, step} (fit sets it)
-        self.reference_source: dict[str, Any] | None = None
         # every loss token of an optimizer step weighs the same, across micro-batches and ranks
         self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
-        self._val_losses: list[torch.Tensor] = []
-        self._val_sums: torch.Tensor | None = None  # [2, n_sources] token-loss sums, target counts
 
-    def _dpo(self, plan: RunPlan) -> DPO:
-        """objective=dpo: the reference. finetune=lora: the policy itself with its adapters off (the frozen
-        base: no second copy); else a frozen GPT of the same shape (fit loads the starting weights into it),
-        built on the meta device where the policy is."""
+    def _reference(self, plan: RunPlan) -> Reference:
+        """The frozen starting weights the objective measures against. finetune=lora: the policy itself with
+        its adapters off (the frozen base: no second copy); else a frozen GPT of the same shape (fit loads
+        the starting weights into it), built on the meta device where the policy is."""
         if plan.lora is not None:
-            return DPO(plan.dpo, None, adapters_disabled)
+            return Reference(None, adapters_disabled)
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
-            return DPO(plan.dpo, GPT(plan.model))
+            return Reference(GPT(plan.model))
+
+    @property
+    def reference_module(self) -> torch.nn.Module | None:
+        """The reference's own weights (None: no reference, or the policy with its adapters off)."""
+        return self.reference.module if self.reference is not None else None
 
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
-        reference = self.dpo.reference if self.dpo is not None else None
-        models = [m for m in (self.model, reference) if m is not None]
+        models = [m for m in (self.model, self.reference_module) if m is not None]
         on_rank0 = self.weights_from_rank0 and not self.built_on_meta
         # references to rank 0's tensors
         full = [m.state_dict() if on_rank0 else None for m in models]
@@ -187,30 +189,21 @@ class LitGPT(L.LightningModule):
             self._compiled = True
 
     def on_fit_start(self) -> None:
-        """objective=dpo, reference not sharded: on the policy's device and in its dtype (Lightning moves and
-        converts the LightningModule's own modules only; with trainer.precision=bf16-true a float32
-        reference would give rewards that are not 0 at the start)."""
-        reference = self.dpo.reference if self.dpo is not None else None
+        """A reference not sharded: on the policy's device and in its dtype (Lightning moves and converts the
+        LightningModule's own modules only; with trainer.precision=bf16-true a float32 reference would give
+        DPO rewards that are not 0 at the start)."""
+        reference = self.reference_module
         if reference is not None and not getattr(reference, "_gptkit_sharded", False):
             weight = self.model.tok_emb.weight
             reference.to(device=weight.device, dtype=weight.dtype)
 
     def training_step(self, batch, batch_idx):
-        """Step 2 and 3 of the header: the loss of one micro-batch, added to the NaN window."""
-        # x, y [2P, T]: P pairs, chosen and rejected side by side
-        if self.dpo is not None:
-            loss = self.dpo(self.model, batch, self.dpo.train_rewards)
-            # the same number of pairs in every micro-batch
-            self.loss_window.add(loss, self.global_step)
-            return loss
-        # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
-        x, y, *docs = batch
-        loss = self.model(x, y, doc_ids=docs[0] if docs else None).loss
-        # int64 scalar on the device
-        n = loss_tokens(y)
+        """Step 2 and 3 of the header: the objective's loss of one micro-batch, added to the NaN window."""
+        loss, n = self.objective.loss(self.model, batch)
         # on the device: no host sync (StepMetrics reads it)
         self.loss_window.add(loss, self.global_step, n)
-        return self.token_mean.micro_batch(loss, n)
+        # n None: every micro-batch weighs the same
+        return loss if n is None else self.token_mean.micro_batch(loss, n)
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Step 6b of the header: the accumulated gradients become the mean over the step's loss tokens."""
@@ -239,94 +232,23 @@ class LitGPT(L.LightningModule):
         self.loss_window.add_grad_norm(norm)
 
     def validation_step(self, batch, batch_idx):
-        """The loss of one validation batch, kept on the device; with tagged windows (all but data=chat)
-        each source's summed token loss and target count over this batch's windows (see _source_sums).
-        objective=dpo: the batch's DPO loss, its rewards added to the val RewardWindow."""
-        # the DPO losses and rewards of the val pairs, each pair counted once
-        if self.dpo is not None:
-            self.dpo.validate(self.model, batch, self.trainer.global_rank, self.trainer.world_size)
-            return
-        sources = self._val_sources()
-        x, y, *rest = batch
-        index = rest.pop() if sources is not None else None  # [B]: each window's index in the val set
-        docs = rest[0] if rest else None
-        loss = self.model(x, y, doc_ids=docs).loss.detach()
-        self._val_losses.append(loss)
-        if index is not None:
-            self._source_sums(x, y, docs, index, loss, sources[1])
-
-    def _source_sums(self, x, y, docs, index, loss, source_of) -> None:
-        """Add each source's summed token loss and target count of this batch to _val_sums. A window is
-        counted on the rank where DistributedSampler put it first (rank == index % world_size; its padding
-        repeats land elsewhere), so the sums over ranks are those of one process. A batch of one source,
-        every window counted, reuses the batch's loss; otherwise one forward per source, the other targets
-        masked (-100)."""
-        world, rank = self.trainer.world_size, self.trainer.global_rank
-        src = source_of.to(index.device)[index]  # [B]
-        counted = (index % world) == rank  # [B]
-        n_src = int(source_of.max()) + 1
-        if self._val_sums is None:
-            self._val_sums = torch.zeros(2, n_src, dtype=torch.float64, device=loss.device)
-        if bool(counted.all()) and bool((src == src[0]).all()):
-            n = (y != -100).sum()
-            if int(n):
-                self._val_sums[0, src[0]] += loss.double() * n
-                self._val_sums[1, src[0]] += n
-            return
-        for s in range(n_src):
-            rows = counted & (src == s)
-            if not bool(rows.any()):
-                continue
-            masked = torch.where(rows[:, None], y, torch.full_like(y, -100))
-            n = (masked != -100).sum()
-            if int(n):
-                self._val_sums[0, s] += self.model(x, masked, doc_ids=docs).loss.detach().double() * n
-                self._val_sums[1, s] += n
+        """One validation batch, added to the objective's sums on the device."""
+        rank, world = self.trainer.global_rank, self.trainer.world_size
+        self.objective.validate(self.model, batch, rank, world, self._val_sources())
 
     def on_validation_epoch_end(self) -> None:
-        """Log val/loss and val/ppl: the mean token loss over the distinct val windows, from sums and counts
-        reduced over the ranks (each window counted once: a DDP run reports what one process does); with
-        data=mix also val/loss/<source>, over that source's own windows. data=chat: the mean of the batch
-        means over the batches and ranks. objective=dpo: val/loss and val/rewards/* are means over the
-        distinct val pairs (DPO.validate)."""
-        if self.dpo is not None:
-            # reduced: the same on every rank
-            means = self.dpo.val_rewards.read(self.trainer.strategy, "val")
-            for key, value in means.items():
-                self.log(key, value, prog_bar=key == "val/loss", sync_dist=False)
-            if means:
-                self.log("step", float(self.global_step))
-            return
-        if not self._val_losses:
-            return
-        loss = torch.stack(self._val_losses).mean()
-        self._val_losses.clear()
-        sources = self._val_sources()
-        if sources is None:
-            self.log("val/loss", loss, prog_bar=True, sync_dist=True)
-            self.log("val/ppl", torch.exp(loss), sync_dist=True)
-        else:
-            n_src = int(sources[1].max()) + 1 if len(sources[1]) else 1
-            sums = (
-                self._val_sums
-                if self._val_sums is not None
-                else torch.zeros(2, n_src, dtype=torch.float64, device=loss.device)
-            )
-            self._val_sums = None
-            sums = self.trainer.strategy.reduce(sums, reduce_op="sum")  # [2, n_sources], over the ranks
-            total = (sums[0].sum() / sums[1].sum().clamp(min=1)).float()
-            # the same on every rank
-            self.log("val/loss", total, prog_bar=True, sync_dist=False)
-            self.log("val/ppl", torch.exp(total), sync_dist=False)
-            for name, s, n in zip(sources[0], sums[0].tolist(), sums[1].tolist()):
-                if n:
-                    self.log(f"val/loss/{name}", s / n, sync_dist=False)
+        """Log the objective's validation figures (reduced over the ranks by the objective: the same on every
+        rank, each val item counted once), at the step of the validation."""
+        metrics = self.objective.val_metrics(self.trainer.strategy, self._val_sources())
+        for key, value in metrics.items():
+            self.log(key, value, prog_bar=key == "val/loss", sync_dist=False)
         # validation after N optimizer steps is logged at step N
-        self.log("step", float(self.global_step))
+        if metrics:
+            self.log("step", float(self.global_step))
 
     def train_metrics(self, strategy) -> dict[str, float]:
-        """Read at log steps (StepMetrics): objective=dpo's train/rewards/* over the window's pairs."""
-        return self.dpo.train_rewards.read(strategy, "train") if self.dpo is not None else {}
+        """Read at log steps (StepMetrics): the objective's own figures (DPO: train/rewards/*)."""
+        return self.objective.train_metrics(strategy)
 
     def configure_optimizers(self):
         """AdamW and the per-step schedule of the `optim` group."""
@@ -340,9 +262,9 @@ class LitGPT(L.LightningModule):
         checkpoint["gptkit_rng"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
-        # objective=dpo: the checkpoint the reference came from
-        if self.reference_source is not None:
-            checkpoint["gptkit_dpo_reference"] = dict(self.reference_source)
+        # the checkpoint the reference came from
+        if self.reference is not None:
+            self.reference.save(checkpoint)
         # the adapters (their optimizer state is all there is) and the base
         if self.lora_record is not None:
             checkpoint["state_dict"] = adapter_state_dict(checkpoint["state_dict"], STATE_PREFIX)
@@ -353,14 +275,8 @@ class LitGPT(L.LightningModule):
         rng = checkpoint.get("gptkit_rng")
         if rng:
             self._rng_to_restore = rng
-        saved, now = checkpoint.get("gptkit_dpo_reference"), self.reference_source
-        if saved and now and int(saved["step"]) != int(now["step"]):
-            raise GptkitError(
-                f"the DPO reference {now['path']} holds step {now['step']}, but this run "
-                f"started from step {saved['step']} of {saved['path']}: the source run trained "
-                "on, so a resume would measure rewards against other weights; start a new DPO "
-                "run"
-            )
+        if self.reference is not None:
+            self.reference.check(checkpoint)
         if (self.lora_record is None) != (adapters.CHECKPOINT_KEY not in checkpoint):
             raise GptkitError(
                 "the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only, "

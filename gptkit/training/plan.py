@@ -9,14 +9,14 @@ again. From there on every part reads the plan and re-derives nothing (.ci/reder
     plan.model            the ModelConfig (vocab_size from the tokenizer, or the source run's model)
     plan.seq_len          the training window (trainer.seq_len, or model.max_seq_len)
     plan.world_size       processes in the job (devices per node x nodes)
-    plan.tokens_per_step  batch_size x seq_len x accumulation x world_size (objective=dpo: x 2, a pair
-                          is two rows)
+    plan.tokens_per_step  rows x seq_len x accumulation x world_size (plan.rows: batch_size items x the
+                          objective's rows per item; a DPO pair is two rows)
     plan.max_steps        trainer.max_steps, or trainer.max_tokens / tokens_per_step
     plan.precision        the Precision (gptkit.precision), plan.accelerator "cpu" | "cuda"
     plan.compile          None | "blocks" | "model" (trainer.compile)
-    plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params; objective=dpo:
-                          + the reference's forward, 2N + 4·L·T·d_attn), plan.peak_flops
-    plan.objective        "lm" | "dpo" (with plan.dpo, the `dpo` group)
+    plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params; an objective
+                          with a reference: + its forward, 2N + 4·L·T·d_attn), plan.peak_flops
+    plan.objective        "lm" | "dpo" (plan.objective_class: its class, training/objectives/)
     plan.data             the prepared corpus (None for a plan made without data: gptkit.train prepares it)
 
 Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
@@ -42,6 +42,7 @@ from gptkit.model.config import ModelConfig
 from gptkit.precision import Precision, precision
 from gptkit.training.distributed import accelerator_type, devices_per_node
 from gptkit.training.metrics import detect_peak_flops
+from gptkit.training.objectives import Objective, objective_class
 from gptkit.training.optim import lr_factor, min_lr
 
 COMPILE_MODES = ("blocks", "model")
@@ -194,12 +195,18 @@ class RunPlan:
     @property
     def objective(self) -> str:
         """objective: lm (next-token loss) | dpo (preference pairs against a frozen reference)."""
-        return str(self.cfg.get("objective") or "lm")
+        return self.objective_class.name
 
     @property
-    def dpo(self) -> DictConfig:
-        """The `dpo` group: beta, label_smoothing, loss."""
-        return self.cfg.get("dpo") or DictConfig({})
+    def objective_class(self) -> type[Objective]:
+        """The objective's class (training/objectives/): its loss, what it logs and needs."""
+        return objective_class(self.cfg)
+
+    @property
+    def rows(self) -> int:
+        """Sequences through the model per device and micro-batch: batch_size items x the objective's rows
+        per item."""
+        return self.batch_size * self.objective_class.rows_per_item
 
     @property
     def strategy(self) -> str:
@@ -249,9 +256,9 @@ def make_plan(
     # trainer.devices=auto: every visible GPU
     per_node = checked.devices
     world = checked.world_size
-    dpo = str(cfg.get("objective") or "lm") == "dpo"
-    # objective=dpo: batch_size pairs, chosen and rejected
-    rows = int(t.batch_size) * (2 if dpo else 1)
+    objective = objective_class(cfg)
+    # batch_size items of the objective's rows each (a DPO pair: chosen and rejected)
+    rows = int(t.batch_size) * objective.rows_per_item
     tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
     max_steps = planned_steps(t, tokens_per_step)
     replan = None
@@ -266,9 +273,8 @@ def make_plan(
     if lora is not None:
         change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(model, lora["targets"], lora["rank"])
         dense, causal = dense + change, causal + change
-    # and the reference's forward (no grad): the base model's
-    if dpo:
-        dense, causal = dense + flops.forward_dense, causal + flops.forward_causal
+    # the objective's own work (a reference's forward, no grad)
+    dense, causal = objective.flops(flops, dense, causal)
     return RunPlan(
         cfg=cfg,
         run_dir=run_dir,

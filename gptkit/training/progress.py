@@ -40,16 +40,13 @@ def clock(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def metrics_text(metrics: dict[str, float]) -> str:
-    """One log step's metrics as the progress line shows them."""
+def metrics_text(metrics: dict[str, float], extra: list[str] = ()) -> str:
+    """One log step's metrics as the progress line shows them; `extra`: the objective's own parts (after the
+    loss)."""
     parts = []
     if "train/loss" in metrics:
         parts.append(f"loss {metrics['train/loss']:.4f}")
-    # objective=dpo
-    if "train/rewards/accuracy" in metrics:
-        parts.append(
-            f"reward acc {metrics['train/rewards/accuracy']:.0%} margin {metrics['train/rewards/margin']:.3g}"
-        )
+    parts += list(extra)
     if "train/grad_norm" in metrics:
         parts.append(f"grad norm {metrics['train/grad_norm']:.3g}")
     if "train/lr" in metrics:
@@ -108,24 +105,23 @@ class ProgressReporter:
         if self._bar is not None:
             self._bar.update(self._task, completed=step)
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        """A log step's metrics: the bar's numbers, or one plain line."""
+    def log(self, step: int, metrics: dict[str, float], extra: list[str] = ()) -> None:
+        """A log step's metrics (and the objective's parts of the line): the bar's numbers, or one plain
+        line."""
         if self._bar is not None:
-            self._bar.update(self._task, completed=step, metrics=metrics_text(metrics))
+            self._bar.update(self._task, completed=step, metrics=metrics_text(metrics, extra))
         elif self.mode == "lines":
             elapsed = time.perf_counter() - self._t0
             done = step - self._first
             eta = elapsed / done * (self._total - step) if done > 0 else 0.0
             self._line(
-                f"step {step}/{self._total}  {metrics_text(metrics)}  elapsed {clock(elapsed)}  ETA "
+                f"step {step}/{self._total}  {metrics_text(metrics, extra)}  elapsed {clock(elapsed)}  ETA "
                 f"{clock(eta)}"
             )
 
-    def validation(self, step: int, loss: float, reward_accuracy: float | None = None) -> None:
-        """Show a validation result (objective=dpo: with the val pairs' reward accuracy)."""
-        text = f"step {step}  val loss {loss:.4f}"
-        if reward_accuracy is not None:
-            text += f"  val reward acc {reward_accuracy:.1%}"
+    def validation(self, step: int, loss: float, extra: str = "") -> None:
+        """Show a validation result (`extra`: what the objective adds, e.g. DPO's reward accuracy)."""
+        text = f"step {step}  val loss {loss:.4f}{extra}"
         if self._bar is not None:
             self._bar.console.print(text)
         elif self.mode != "off":

@@ -1,0 +1,405 @@
+"""Hugging Face folders: safetensors shards and tokenizer files written and read, a model found in a local
+folder or on the Hub (fetched into the Hugging Face cache by `huggingface_hub`), and a folder imported as a
+gptkit run folder (`gptkit import`, `train init_from=hf:...`). The mapping between a gptkit GPT and the
+transformers architectures is gptkit/hf.py.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from fnmatch import fnmatch
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptkit import hub
+from gptkit.chat_templates import CHAT_FILE, template_in_folder
+from gptkit.errors import GptkitError
+from gptkit.fsio import FILE_MODE, confined, staged_dir
+from gptkit.hf import from_hf_state_dict, heads_confirmed, model_config_from_hf
+from gptkit.model import GPT
+from gptkit.runs import IMPORTED_FILE, TOKENIZER_FILE, check_import_out, load_tokenizer, write_run_folder
+
+# huggingface_hub is imported where a Hub model is fetched: `gptkit import` of a local folder needs no hub.
+
+
+# ---- folders: safetensors shards and tokenizer files -------------------------------------------
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def parse_size(size: str | int) -> int:
+    """'5GB' / '500MB' / '20KB' / 1000 -> bytes (decimal units, as transformers' max_shard_size)."""
+    if isinstance(size, int):
+        return size
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(size), re.IGNORECASE)
+    if not m:
+        raise GptkitError(f"max_shard_size={size!r} is not a size; write e.g. 5GB, 500MB or 20KB")
+    unit = (m.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[unit]
+    return int(float(m.group(1)) * scale)
+
+
+def save_weights(state: dict[str, Any], out_dir: Path, max_shard_size: int) -> list[str]:
+    """Write `state` as model.safetensors, or as numbered shards plus an index when larger than
+    max_shard_size. Returns the file names written."""
+    from safetensors.torch import save_file
+
+    shards: list[dict[str, Any]] = [{}]
+    size = 0
+    for k, v in state.items():
+        n = v.numel() * v.element_size()
+        if shards[-1] and size + n > max_shard_size:
+            shards.append({})
+            size = 0
+        shards[-1][k] = v
+        size += n
+    names = (
+        [SAFE_SINGLE]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
+    for name, shard in zip(names, shards):
+        save_file(shard, str(out_dir / name), metadata={"format": "pt"})
+        # safetensors writes owner-only files
+        os.chmod(out_dir / name, FILE_MODE)
+    if len(shards) == 1:
+        return names
+    weight_map = {k: name for name, shard in zip(names, shards) for k in shard}
+    total = sum(v.numel() * v.element_size() for v in state.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out_dir / SAFE_INDEX).write_text(json.dumps(index, indent=2))
+    return names + [SAFE_INDEX]
+
+
+def load_weights(hf_dir: Path) -> dict[str, Any]:
+    """All tensors of a transformers folder: safetensors (single or sharded), else pytorch_model.bin
+    loaded with weights_only=True (a pickle that would run code is refused)."""
+    from safetensors.torch import load_file
+
+    def safe(f: Path) -> dict[str, Any]:
+        try:
+            return load_file(str(f))
+        except Exception as exc:
+            raise GptkitError(f"{f} is not a readable safetensors file ({str(exc)[:160]})") from exc
+
+    def pickle(f: Path) -> dict[str, Any]:
+        try:
+            obj = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            from gptkit.checkpoints import load_refusal
+
+            raise GptkitError(
+                f"{f} could not be loaded safely: it {load_refusal(f, exc)}; convert it to safetensors"
+            ) from exc
+        if not isinstance(obj, dict):
+            raise GptkitError(f"{f} does not hold a state dict")
+        return obj
+
+    for single, index, load in ((SAFE_SINGLE, SAFE_INDEX, safe), (BIN_SINGLE, BIN_INDEX, pickle)):
+        if (hf_dir / single).is_file():
+            return load(hf_dir / single)
+        if (hf_dir / index).is_file():
+            try:
+                files = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError) as exc:
+                raise GptkitError(f"{hf_dir / index} is not a valid weight index ({exc})") from exc
+            state: dict[str, Any] = {}
+            for name in files:
+                # never a file outside the model folder
+                f = confined(hf_dir, name, hf_dir / index)
+                if not f.is_file():
+                    raise GptkitError(f"{hf_dir / index} names {name}, which is missing from {hf_dir}")
+                state.update(load(f))
+            return state
+    raise GptkitError(
+        f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})"
+    )
+
+
+def read_hf_config(hf_dir: Path) -> dict[str, Any]:
+    f = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise GptkitError(
+            f"{hf_dir} is not a folder; pass a local transformers model folder or a Hugging "
+            f"Face Hub model id (owner/name[@revision])"
+        )
+    if not f.is_file():
+        raise GptkitError(f"{hf_dir} is not a transformers model folder (no config.json in it)")
+    try:
+        d = json.loads(f.read_text())
+    except ValueError as exc:
+        raise GptkitError(f"{f} is not valid JSON ({exc})") from exc
+    if not isinstance(d, dict):
+        raise GptkitError(f"{f} is not a transformers config (not a JSON object)")
+    return d
+
+
+def tokenizer_files(tokenizer, max_seq_len: int, special: dict[str, tuple[str, int]]) -> dict[str, str]:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json for AutoTokenizer
+    (`special`: {role: (token, id)}, as gptkit.tokenizer.special_tokens() finds them)."""
+    special = {role: tok for role, (tok, _) in special.items()}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "model_max_length": max_seq_len,
+        "clean_up_tokenization_spaces": False,
+        **special,
+    }
+    return {
+        "tokenizer.json": tokenizer.to_str(),
+        "tokenizer_config.json": json.dumps(config, indent=2),
+        "special_tokens_map.json": json.dumps(special, indent=2),
+    }
+
+
+def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
+    d: dict[str, Any] = {"_from_model_config": True}
+    d.update(
+        {
+            k: v
+            for k, v in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("pad_token_id", pad_id))
+            if v is not None
+        }
+    )
+    return d
+
+
+# ---- sources: a local folder or a Hugging Face Hub model ---------------------------------------
+HUB_FIRST = [
+    "config.json",
+    # fetched first: an unsupported model fails before its weights
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    # the chat template (gptkit chat, data=chat)
+]
+HUB_WEIGHTS = [SAFE_SINGLE, "model-*-of-*.safetensors", SAFE_INDEX]
+# only for a model without safetensors
+HUB_PICKLES = [BIN_SINGLE, "pytorch_model-*-of-*.bin", BIN_INDEX]
+# owner/name[@revision] (or a legacy name)
+HUB_ID = re.compile(r"[\w-][\w.-]*(?:/[\w-][\w.-]*)?(?:@[\w./-]+)?")
+LOCAL_IMPORT = "gptkit import hf=/path/to/folder out=runs/<name>"
+
+
+@dataclass
+class Source:
+    """A transformers folder on this machine, and where it came from."""
+
+    dir: Path
+    # the default model (and folder) name: the folder's or the repository's
+    name: str
+    # what names exactly these files again: the resolved folder, or owner/name@commit
+    spec: str
+    # worth one line on stderr (e.g. an unreachable hub left only the cache)
+    note: str | None = None
+
+
+def source_name(spec: str) -> str:
+    """The name `locate(spec)` gives its Source (the folder's, or the repository's), fetching nothing."""
+    path = Path(spec).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(spec):
+        return path.resolve().name
+    return spec.partition("@")[0].rsplit("/", 1)[-1]
+
+
+def locate(spec: str, local_alternative: str = LOCAL_IMPORT) -> Source:
+    """`hf=<spec>` as a transformers folder on this machine: a local folder (it wins whenever it exists, even
+    one named like owner/name), else a Hugging Face Hub model id, owner/name[@revision], fetched into the
+    Hugging Face cache. `local_alternative` is the command that uses a local folder instead, for the message
+    that the hub cannot be used."""
+    path = Path(spec).expanduser()
+    if path.exists() or not HUB_ID.fullmatch(spec):
+        return Source(path, source_name(spec), str(path.resolve()))
+    repo_id, _, revision = spec.partition("@")
+    return _fetch(repo_id, revision or None, local_alternative)
+
+
+def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source:
+    """What import reads of a Hub model (config.json and tokenizer.json first, then the safetensors weights,
+    and pytorch_model.bin only when there are none), downloaded into the Hugging Face cache by huggingface_hub
+    with its progress bars. Offline (HF_HUB_OFFLINE=1) or with the hub unreachable (a connect with a short
+    timeout, no retries), only the cache is read: a model already there works, any other fails at once with
+    one line."""
+    from huggingface_hub import constants, errors, snapshot_download
+
+    unreachable = None
+    if not hub.offline():
+        try:
+            hub.check_hub_reachable(hub.TIMEOUT_S)
+        except GptkitError as exc:
+            unreachable = str(exc)
+    if unreachable:
+        not_cached = (
+            f"{repo_id} is not a local folder, nor in the Hugging Face cache, and {unreachable}; "
+            f"without network (HF_HUB_OFFLINE=1) only models in that cache and local folders work: "
+            f"{local_alternative}"
+        )
+    else:
+        not_cached = (
+            f"{repo_id} is not a local folder, nor (completely) in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE=1 forbids downloading it; unset "
+            "HF_HUB_OFFLINE to download it, or use a local transformers folder: "
+            f"{local_alternative}"
+        )
+    local_only = unreachable is not None or hub.offline()
+
+    def get(patterns: list[str], rev: str | None) -> Path:
+        try:
+            return Path(
+                snapshot_download(repo_id, revision=rev, allow_patterns=patterns, local_files_only=local_only)
+            )
+        except errors.GatedRepoError:
+            raise GptkitError(
+                f"{repo_id} is a gated model: accept its conditions on its Hub page and log in "
+                f"(`hf auth login` or HF_TOKEN), then try again"
+            ) from None
+        except errors.RepositoryNotFoundError:
+            raise GptkitError(
+                f"{repo_id} is neither a local folder nor a model on the Hugging Face Hub "
+                f"(check the name; a private model needs `hf auth login` or "
+                f"HF_TOKEN)"
+            ) from None
+        except errors.RevisionNotFoundError:
+            raise GptkitError(
+                f"{repo_id} has no revision {rev!r} on the Hugging Face Hub; give a branch, "
+                f"tag or commit it has: {repo_id}@<revision>"
+            ) from None
+        # offline and not (completely) in the cache
+        except errors.LocalEntryNotFoundError:
+            raise GptkitError(not_cached) from None
+        except errors.HFValidationError as exc:
+            raise GptkitError(
+                f"{repo_id} is neither a local folder nor a valid Hub model id (owner/name): "
+                f"{str(exc).splitlines()[0][:160]}"
+            ) from None
+        # the network or the hub failed part-way
+        except Exception as exc:
+            raise GptkitError(
+                f"cannot download {repo_id} from the Hugging Face Hub ({type(exc).__name__}: "
+                f"{(str(exc).splitlines() or [''])[0][:160]}); try again, or use a local "
+                f"folder: {local_alternative}"
+            ) from None
+
+    hub_log = logging.getLogger("huggingface_hub")
+    level = hub_log.level
+    # e.g. "No files matched" for a model without safetensors: we handle it
+    hub_log.setLevel(logging.ERROR)
+    try:
+        folder = get(HUB_FIRST, revision)
+        # a snapshot folder is named by its commit: the later calls fetch exactly this one
+        commit = folder.name
+        if not (folder / "config.json").is_file():
+            raise GptkitError(
+                f"{repo_id} has no config.json: it is not a transformers model (gptkit imports "
+                f"Llama, Qwen2, Qwen3, OLMo-2 and GPT-2 models)"
+            )
+        # an unsupported model fails before its weights download
+        model_config_from_hf(read_hf_config(folder))
+        folder = get(HUB_WEIGHTS, commit)
+        if not any((folder / f).is_file() for f in (SAFE_SINGLE, SAFE_INDEX)):
+            # read with weights_only=True: a pickle that would run code is refused
+            folder = get(HUB_PICKLES, commit)
+    finally:
+        hub_log.setLevel(level)
+    note = f"{unreachable}; using {repo_id}@{commit} from the Hugging Face cache" if unreachable else None
+    return Source(folder, source_name(repo_id), f"{repo_id}@{commit}", note)
+
+
+def fingerprint(folder: Path) -> list[list[Any]]:
+    """[name, size, mtime_ns] of the files import reads from `folder`: an import of it is current while this
+    holds."""
+    patterns = HUB_FIRST + HUB_WEIGHTS + HUB_PICKLES
+    if not folder.is_dir():
+        return []
+    files = sorted(f for f in folder.iterdir() if f.is_file() and any(fnmatch(f.name, p) for p in patterns))
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+@dataclass
+class Imported:
+    out: Path
+    model_type: str | None
+    n_params: int
+    # of the source tensors (the run folder holds fp32)
+    dtypes: list[str]
+    has_tokenizer: bool
+    # what the weight shapes confirm about the attention heads (heads_confirmed)
+    heads: str
+    # tokenizer_config.json's chat_template, kept as chat.json
+    has_chat_template: bool = False
+
+
+def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:
+    """Write the transformers folder src.dir as the gptkit run folder `out`: config.yaml, tokenizer.json (when
+    the folder has one), checkpoints/last.ckpt (fp32; lower-precision sources widened exactly) and
+    imported_from.json. `out` is written whole or not at all; a non-empty `out` needs force=True, and is never
+    the source, around it, a run with training in it or a run another process holds
+    (runs.check_import_out)."""
+    check_import_out(out, src.dir, force)
+
+    hf_cfg = read_hf_config(src.dir)
+    model_cfg = model_config_from_hf(hf_cfg, name=name or src.name)
+    source = load_weights(src.dir)
+    dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
+    model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
+    tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
+    # tokenizer_config.json's
+    template = template_in_folder(src.dir) if tokenizer is not None else None
+    with staged_dir(out, force=force) as tmp:
+        write_run_folder(tmp, {}, model, tokenizer)
+        if template is not None:
+            (tmp / CHAT_FILE).write_text(template.to_json())
+        provenance = {
+            "source": src.spec,
+            "architectures": hf_cfg.get("architectures"),
+            "model_type": hf_cfg.get("model_type"),
+            "dtypes": dtypes,
+            "files": fingerprint(src.dir),
+        }
+        (tmp / IMPORTED_FILE).write_text(json.dumps(provenance, indent=2))
+    return Imported(
+        out,
+        hf_cfg.get("model_type"),
+        model.num_parameters(),
+        dtypes,
+        tokenizer is not None,
+        heads_confirmed(hf_cfg, model_cfg),
+        template is not None,
+    )
+
+
+def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tuple[Path, Source, bool]:
+    """For `train init_from=hf:<spec>`: the run folder <runs_dir>/<name>-imported holding `spec`, imported now
+    or reused (True) when it already holds these very files (the same hub commit, or the same local folder
+    unchanged). Processes started together (torchrun ranks) import once: the others wait and reuse it."""
+    from filelock import FileLock
+
+    src = locate(spec, local_alternative)
+    out = Path(runs_dir) / f"{src.name}-imported"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(out.parent / f".{out.name}.lock")):
+        try:
+            held = json.loads((out / IMPORTED_FILE).read_text())
+        except (OSError, ValueError):
+            held = None
+        if (
+            isinstance(held, dict)
+            and held.get("source") == src.spec
+            and held.get("files") == fingerprint(src.dir)
+        ):
+            return out, src, True
+        if not isinstance(held, dict) and out.exists() and (not out.is_dir() or any(out.iterdir())):
+            raise GptkitError(
+                f"{out} exists and is not an import by gptkit; move it away, or import into a "
+                f"folder of your choice (gptkit import hf={spec} out=<folder>) and pass "
+                "init_from=<folder>"
+            )
+        import_folder(src, out, force=True)
+    return out, src, False

@@ -1,0 +1,360 @@
+"""Where a run's weights come from: a fresh init, the run that resume= continues, the weights init_from= (or
+hf:) starts from, the frozen base of a LoRA run, the frozen reference of an objective that needs one.
+
+resolve_resume and resolve_init_from rewrite the config before anything else reads it (a resumed run's
+config is the saved one, merged with the command line; an init_from= run takes its source's model and
+tokenizer); the loaders put the weights into the built model (memory-mapped, names and shapes checked).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from gptkit import adapters
+from gptkit.chat_templates import CHAT_FILE
+from gptkit.checkpoints import (
+    checked_model_state,
+    checkpoint_step,
+    load_checkpoint,
+    lora_base,
+    read_sharded_checkpoint,
+    run_dir_of,
+)
+from gptkit.conf_files import conf_dir
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.fsio import atomic_write_bytes
+from gptkit.model import ModelConfig
+from gptkit.options import Option
+from gptkit.runs import TOKENIZER_FILE, find_run_checkpoint, read_config, saved_run_config
+
+# Lightning and torch are imported inside the functions that need them: commands/train.py imports this
+# module to check the command line (see fit.py).
+
+
+def _group_choices(overrides: list[Option]) -> list[Option]:
+    """The options that choose a preset (trainer=ddp, logger=[csv,wandb]), not a single key."""
+    return [o for o in overrides if o.kind == "group"]
+
+
+def _names(o: Option, group: str) -> bool:
+    """Whether option o sets the group `group` or one of its keys (model=..., model.n_layers=...)."""
+    return o.key == group or o.key.startswith(group + ".")
+
+
+def resolve_resume(
+    cfg: DictConfig, overrides: list[Option]
+) -> tuple[DictConfig, Optional[Path], Optional[int], Optional[DictConfig]]:
+    """For resume=..., continue with the run's saved config; command-line overrides other than
+    the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
+    if cfg.resume in (None, ""):
+        return cfg, None, None, None
+    check_resume_or_init(cfg.resume, cfg.get("init_from"))
+    ckpt = find_run_checkpoint(cfg.resume, cfg.runs_dir)
+    if ckpt.suffix != ".ckpt":
+        raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
+    # sharded (FSDP): read only the small non-tensor state here
+    if ckpt.is_dir():
+        state = read_sharded_checkpoint(ckpt, weights=False)
+    else:
+        # fail now, with one line, if it is truncated or not a checkpoint
+        state = load_checkpoint(ckpt)
+    # data, never resolved (the CLI checked it as a command line)
+    saved = saved_run_config(ckpt, cfg)
+    saved_optimizer = str(saved.optim.get("name", "adamw"))
+    saved_lora = OmegaConf.create(OmegaConf.to_container(saved.lora) if "lora" in saved else {})
+    overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
+    saved.model = OmegaConf.create(
+        model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides)
+    )
+    saved_trainer = OmegaConf.create(OmegaConf.to_container(saved.trainer, resolve=True))
+    merged = saved
+    if "trainer" in merged and "stop_at_step" in merged.trainer:
+        # an early stop belongs to the invocation that asked for it
+        merged.trainer.stop_at_step = None
+    # a preset chosen again on resume (trainer=ddp, optim=..., logger=[...])
+    for o in _group_choices(overrides):
+        group = o.key
+        if o.op == "DEL" or group == "model":
+            continue
+        if group in ("data", "tokenizer"):
+            raise GptkitError(
+                f"resume={cfg.resume} cannot change {group}= (the run's batches come from its "
+                f"own data); start a new run instead"
+            )
+        # the loggers of this invocation
+        if group == "logger" and group in cfg:
+            merged[group] = cfg[group]
+        elif group in ("trainer", "optim"):
+            # the preset's own settings over the run's (trainer=ddp: the strategy, not 600 steps)
+            merged[group] = OmegaConf.merge(merged[group], preset_settings(group, str(o.value)))
+    dotlist = [
+        o.first.lstrip("+~")
+        for o in overrides
+        if o.kind == "key" and o.op != "DEL" and "." in o.key and not _names(o, "model")
+    ]
+    if dotlist:
+        merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(dotlist))
+    # the checkpoint's optimizer state would not fit
+    if str(merged.optim.name) != saved_optimizer:
+        raise GptkitError(
+            f"resume={cfg.resume} continues a run trained with optim={saved_optimizer}; "
+            f"for optim={merged.optim.name} start a new run from its weights: "
+            f"init_from={cfg.resume}"
+        )
+    # a top-level key, which the dotlist above leaves out
+    for o in overrides:
+        if o.kind == "key" and o.key == "finetune" and o.op != "DEL":
+            merged.finetune = o.value
+    check_resumed_finetune(cfg.resume, saved_lora, merged, adapters.CHECKPOINT_KEY in state)
+    merged.resume = str(ckpt)
+    return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
+
+
+def check_resumed_finetune(resume: Any, saved_lora: Any, merged: DictConfig, lora_ckpt: bool) -> None:
+    """resume= continues the run's own finetune= (its checkpoint holds every weight, or the adapters only)
+    and, for lora, its adapters' rank, alpha and targets (lora.dropout may change)."""
+    asked = str(merged.get("finetune", "full"))
+    have = "lora" if lora_ckpt else "full"
+    if asked != have:
+        other = (
+            f"init_from={resume} finetune=lora"
+            if asked == "lora"
+            else f"init_from={resume} (its base with the adapters merged) finetune=full"
+        )
+        held = "the adapters only" if have == "lora" else "every weight"
+        raise GptkitError(
+            f"resume={resume} continues a finetune={have} run (its checkpoint holds {held}); "
+            f"for finetune={asked} start a new run: {other}"
+        )
+    if have == "lora":
+        for key in ("rank", "alpha", "targets"):
+            was, now = saved_lora.get(key), merged.lora.get(key)
+            was, now = (f"[{', '.join(map(str, v))}]" if OmegaConf.is_list(v) else v for v in (was, now))
+            if was != now:
+                raise GptkitError(
+                    f"resume={resume} continues adapters with lora.{key}={was}; "
+                    f"lora.{key}={now} would not fit them (start a new run for other adapters)"
+                )
+
+
+def preset_settings(group: str, name: str) -> DictConfig:
+    """The keys conf/<group>/<name>.yaml sets itself (not those it inherits through its defaults list)."""
+    path = conf_dir() / group / f"{name}.yaml"
+    if not path.is_file():
+        raise GptkitError(
+            f"{group}={name} is not a preset; known: {', '.join(p.stem for p in path.parent.glob('*.yaml'))}"
+        )
+    own = OmegaConf.load(path)
+    own.pop("defaults", None)
+    return own
+
+
+# Model settings that change no tensor shape: they may differ from those of the run that resume= continues
+# or init_from= starts from. Every other model setting is fixed by the weights.
+FREE_MODEL_KEYS = ("name", "dropout", "attention", "kernels", "position_reset")
+
+
+def model_from_source(
+    source: str, saved_model: Any, asked_model: Any, overrides: list[Option]
+) -> dict[str, Any]:
+    """The model config of a run whose weights come from `source` (resume= or init_from=): the source's own,
+    with the command line's model.<FREE_MODEL_KEYS> overrides applied. model= or any other model.<key> that
+    differs from the source's is a one-line error."""
+    saved = (
+        OmegaConf.to_container(saved_model, resolve=True)
+        if isinstance(saved_model, DictConfig)
+        else dict(saved_model)
+    )
+    asked = OmegaConf.to_container(asked_model, resolve=True)
+    keys = [o.key for o in overrides if _names(o, "model")]
+    if "model" in keys:
+        raise GptkitError(f"{source} brings its own model ({saved.get('name')}); drop model=")
+    for key in (k.split(".", 1)[1] for k in keys if "." in k):
+        if key in FREE_MODEL_KEYS:
+            saved[key] = asked.get(key)
+        elif asked.get(key) != saved.get(key):
+            raise GptkitError(
+                f"{source} fixes model.{key}={saved.get(key)!r} (its weights' shape); only "
+                f"model.{', model.'.join(FREE_MODEL_KEYS)} may change"
+            )
+    return saved
+
+
+def resolve_init_from(
+    cfg: DictConfig, run_dir: Path, overrides: list[Option]
+) -> tuple[DictConfig, Optional[Path]]:
+    """For init_from=<run folder | checkpoint | latest>: a new run (fresh optimizer, schedule and step
+    count) whose model starts from that run's weights. The model config is the source's (see
+    model_from_source) and so is the
+    tokenizer: its tokenizer.json is copied into the new run folder, which the run's config then names
+    (resume= keeps working if the source goes away), unless the command line chooses a tokenizer itself.
+
+    init_from=hf:<Hub model id or transformers folder> first imports it (as `gptkit import` does) into the run
+    folder <runs_dir>/<name>-imported, reused by later runs while it holds the same files; the new run's
+    config records the exact source (hf:owner/name@commit or hf:<folder>)."""
+    if cfg.get("init_from") in (None, ""):
+        return cfg, None
+    source, pinned = str(cfg.init_from), None
+    if source.startswith(HF_PREFIX):
+        source, pinned = import_init_source(source[len(HF_PREFIX) :], Path(cfg.runs_dir))
+    ckpt = find_run_checkpoint(source, cfg.runs_dir)
+    src_dir = run_dir_of(ckpt)
+    src = read_config(src_dir)
+    cfg.model = OmegaConf.create(
+        model_from_source(f"init_from={cfg.init_from}", src["model"], cfg.model, overrides)
+    )
+    if not any(_names(o, "tokenizer") for o in overrides):
+        tok_file = src_dir / TOKENIZER_FILE
+        if not tok_file.is_file():
+            raise GptkitError(
+                f"init_from={cfg.init_from}: {src_dir} has no {TOKENIZER_FILE}; choose the "
+                f"tokenizer its vocabulary was built with (tokenizer=file tokenizer.path=...)"
+            )
+        own = run_dir / TOKENIZER_FILE
+        run_dir.mkdir(parents=True, exist_ok=True)
+        # each rank its own temp file, then one rename
+        atomic_write_bytes(own, tok_file.read_bytes())
+        # its chat template, for data=chat data.template=auto
+        if (src_dir / CHAT_FILE).is_file():
+            atomic_write_bytes(run_dir / CHAT_FILE, (src_dir / CHAT_FILE).read_bytes())
+        eos = (src.get("tokenizer") or {}).get("eos_token")
+        cfg.tokenizer = OmegaConf.create({"kind": "file", "path": str(own.resolve()), "eos_token": eos})
+    cfg.init_from = pinned or str(ckpt)
+    return cfg, ckpt
+
+
+# init_from=hf:<owner/name[@revision] or transformers folder>
+HF_PREFIX = "hf:"
+
+
+def init_source_name(init_from: str, runs_dir: Path | str) -> str | None:
+    """The name of the model an init_from= run trains (its source's model.name, or for hf: the folder's or
+    repository's name, as the import names it), read before Hydra names the run folder after it. None when
+    the source cannot be read (its one-line error comes later, where init_from= is resolved)."""
+    if init_from.startswith(HF_PREFIX):
+        # ~3 s of imports after this module's: only for an hf: source
+        from gptkit import hf_io
+
+        return hf_io.source_name(init_from[len(HF_PREFIX) :]) or None
+    try:
+        name = read_config(run_dir_of(find_run_checkpoint(init_from, runs_dir)))["model"].get("name")
+    except (GptkitError, OSError):
+        return None
+    return str(name) if name not in (None, "") else None
+
+
+def import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
+    """init_from=hf:<spec> -> (the imported run folder, hf:<the exact source>), saying which on one line."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    from gptkit import hf_io
+
+    folder, src, reused = hf_io.import_cached(
+        spec, runs_dir, f"gptkit train init_from={HF_PREFIX}/path/to/folder"
+    )
+    if rank_zero_only.rank == 0:
+        import sys
+
+        if src.note:
+            print(f"note: {src.note}", file=sys.stderr)
+        print(
+            f"init_from={HF_PREFIX}{spec}: {'reusing' if reused else 'imported'} {src.spec} "
+            f"{'from' if reused else 'into'} {folder} (kept for later runs)",
+            file=sys.stderr,
+        )
+    return str(folder), HF_PREFIX + src.spec
+
+
+def load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
+    """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
+    run's model (a GPT), with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new
+    model's (a chat template's special tokens were added): the new rows start as the mean of the old ones."""
+    from gptkit.model.gpt import grow_vocab
+
+    cfg = model.cfg
+    if vocab_size is None or vocab_size == cfg.vocab_size:
+        state = checked_model_state(ckpt, cfg)
+    else:
+        state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size))
+        state = grow_vocab(state, cfg.vocab_size)
+    # into the (tied) parameters
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # only LoRA's adapters start anew
+    if unexpected or any(not adapters.is_adapter_key(k) for k in missing):
+        raise GptkitError(
+            f"{ckpt} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+
+
+def load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
+    """The starting weights into the objective's frozen reference (module.reference; nothing to load with
+    LoRA, whose reference is the base with its adapters off). A new run copies the policy's (just loaded
+    from init_from=); a resumed run reads them again from the checkpoint its config's init_from= names,
+    whose step the Reference checks against the one the run started from. FSDP: on the ranks that build
+    weights only."""
+    reference = module.reference
+    if reference is None or reference.module is None:
+        return
+    if init_ckpt is not None:
+        reference.source = {"path": str(init_ckpt), "step": checkpoint_step(init_ckpt)}
+        if not module.built_on_meta:
+            reference.module.load_state_dict(module.model.state_dict())
+        return
+    source = str(cfg.init_from)
+    if source.startswith(HF_PREFIX):
+        source, _ = import_init_source(source[len(HF_PREFIX) :], Path(cfg.runs_dir))
+    ckpt = find_run_checkpoint(source, cfg.runs_dir)
+    reference.source = {"path": str(ckpt), "step": checkpoint_step(ckpt)}
+    if not module.built_on_meta:
+        vocab = int(read_config(run_dir_of(ckpt))["model"]["vocab_size"])
+        load_init_weights(reference.module, ckpt, vocab)
+
+
+def frozen_base(
+    cfg: DictConfig, model_cfg: ModelConfig, init_ckpt: Optional[Path], resume_ckpt: Optional[Path]
+) -> Optional[Path]:
+    """finetune=lora: the checkpoint of the frozen weights (init_from='s, or the one the resumed run's
+    checkpoint records, checked unchanged), after the lora settings are checked against the model."""
+    if cfg.get("finetune", "full") != "lora":
+        return None
+    adapters.check_lora(adapters.settings(cfg.lora), model_cfg)
+    if resume_ckpt is None:
+        return init_ckpt
+    state = (
+        read_sharded_checkpoint(resume_ckpt, weights=False)
+        if resume_ckpt.is_dir()
+        else load_checkpoint(resume_ckpt)
+    )
+    return lora_base(state, resume_ckpt)
+
+
+def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
+    """(resume given, init_from given); both is a one-line error."""
+    given = tuple(v not in (None, "", "null") for v in (resume, init_from))
+    if all(given):
+        raise GptkitError(
+            "give resume= (continue a run) or init_from= (start a new run from its weights), not both"
+        )
+    return given
+
+
+def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
+    """finetune= is full or lora; lora starts from weights (init_from=, or the run resume= continues), with
+    either optimizer (optim=muon orthogonalizes each adapter factor: training/optim.py, muon_split)."""
+    finetune = cfg.get("finetune", "full")
+    if finetune not in ("full", "lora"):
+        raise ConfigError(
+            f"finetune={finetune} must be full (every weight trains) or lora (adapters on frozen weights)"
+        )
+    if finetune != "lora":
+        return
+    if not has_weights:
+        raise ConfigError(
+            "finetune=lora trains adapters on frozen weights, so it needs the weights to start "
+            "from: init_from=<run folder | checkpoint | hf:owner/name>; without one the frozen "
+            "model would be random (train it first with finetune=full)"
+        )
