@@ -17,11 +17,11 @@ SHARD_TOKENS = 1500
 
 def script(cache, data, tok):
     return textwrap.dedent(f"""
-        import gptkit.data.build as b, gptkit.data.tokenize as t
+        import gptkit.data, gptkit.data.shards as s, gptkit.data.tokenize as t
         for k, v in {SMALL!r}.items():
             setattr(t, k, v)
-        b.SHARD_TOKENS = {SHARD_TOKENS}
-        b.prepare({data!r}, {tok!r}, cache_dir={str(cache)!r}, progress=False)
+        s.SHARD_TOKENS = {SHARD_TOKENS}
+        gptkit.data.prepare({data!r}, {tok!r}, cache_dir={str(cache)!r}, progress=False)
     """)
 
 
