@@ -20,6 +20,8 @@ from gptkit.evaluation import tasks as T  # noqa: E402
 from gptkit.evaluation.lm_eval_adapter import GptkitLM  # noqa: E402
 
 EVALS = Path(__file__).parent / "evals"
+# the end of the line that names the Python a task folder runs
+TRUST = ": use only task folders you trust"
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +291,83 @@ def test_ranks_score_their_shares_and_the_total_is_the_whole(run_and_export):
         merged = T.merge_shares([s.score(lm) for s in shares])
         sub = shares[0]
         assert sub.aggregate(merged) == pytest.approx(sub.aggregate(whole)) and sub.aggregate(whole)
+
+
+def byte_run(tmp_path):
+    """A run as `gptkit train` makes by default: the byte tokenizer, no end-of-text token (a tiny random
+    model)."""
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import build_tokenizer
+
+    tok_cfg = {"kind": "byte", "special_tokens": [], "eos_token": None}
+    tok = build_tokenizer(tok_cfg)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, max_seq_len=64, n_layers=1, n_heads=2, d_model=16)
+    return write_run_folder(tmp_path / "byte-run", {"tokenizer": tok_cfg}, GPT(cfg).eval(), tok)
+
+
+def python_task_folder(tmp_path):
+    """tiny_mc (its test split) as a folder whose YAML runs utils.py (`process_docs: !function utils.docs`);
+    utils.py says on stderr when it is imported."""
+    folder = tmp_path / "py_tasks"
+    folder.mkdir()
+    yaml_text = (EVALS / "tiny_mc.yaml").read_text()
+    yaml_text = yaml_text.replace("task: tiny_mc", "task: py_mc").replace("tiny_mc", str(EVALS / "tiny_mc"))
+    (folder / "py_mc.yaml").write_text(yaml_text + "process_docs: !function utils.docs\n")
+    (folder / "utils.py").write_text(
+        "import sys\n\nprint('utils.py is running', file=sys.stderr)\n\n\n"
+        "def docs(dataset):\n    return dataset\n"
+    )
+    return folder
+
+
+def test_a_task_folder_that_runs_python_says_so_first(tmp_path, capsys):
+    """`!function` in a task YAML imports a Python file of the folder: one line names it before it runs (read
+    from the YAML text); a folder without Python prints no such line."""
+    d = byte_run(tmp_path)
+    folder = python_task_folder(tmp_path)
+    assert T.code_notices([str(folder)]) == [f"tasks={folder} runs utils.py from {folder}{TRUST}"]
+    # nothing was imported to find it
+    assert "utils.py is running" not in capsys.readouterr().err
+
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={folder}", "limit=2", "progress=false", "--json"
+    )
+    assert code == 0, err
+    lines = err.splitlines()
+    # said first, before utils.py runs and before any result
+    assert lines[0] == f"tasks={folder} runs utils.py from {folder}{TRUST}"
+    assert lines.index("utils.py is running") > 0
+    assert {r["task"] for r in json.loads(out)["rows"]} == {"py_mc"}
+
+    # a single YAML of it, and an include of it from elsewhere, name the same file
+    assert T.code_notices([str(folder / "py_mc.yaml")], "trainer.eval_tasks") == [
+        f"trainer.eval_tasks={folder / 'py_mc.yaml'} runs utils.py from {folder}{TRUST}"
+    ]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "again.yaml").write_text(f"include: {folder / 'py_mc.yaml'}\ntask: again\n")
+    assert T.code_notices([str(other)]) == [f"tasks={other} runs {folder / 'utils.py'} from {other}{TRUST}"]
+
+    # no Python in tests/evals: no such line
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={EVALS / 'tiny_mc.yaml'}", "limit=2", "progress=false"
+    )
+    assert code == 0, err
+    assert "trust" not in err and not T.code_notices([str(EVALS)])
+
+
+def test_trainer_eval_tasks_say_the_python_of_a_task_folder(tmp_path, capsys):
+    from gptkit.training.task_evals import check_task_evals
+
+    folder = python_task_folder(tmp_path)
+    capsys.readouterr()
+    check_task_evals({"eval_tasks": [str(folder)]})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"trainer.eval_tasks={folder} runs utils.py from {folder}{TRUST}"
+    assert lines[1:] == ["utils.py is running"]
+    check_task_evals({"eval_tasks": [str(EVALS)]})
+    assert "trust" not in capsys.readouterr().err

@@ -282,6 +282,9 @@ def run_tasks(cfg) -> int:
     limit = T.check_limit(cfg.limit)
     T.check_out(cfg.out)
     entries = T.parse_tasks(cfg.tasks)
+    # reading a task YAML runs the Python its !function tags name: said first
+    for line in T.code_notices(entries):
+        print(line, file=sys.stderr)
     # local YAMLs are read (and their errors said) before the model loads
     specs = T.find_tasks(entries)
     T.quiet_lm_eval(progress=bool(cfg.progress))

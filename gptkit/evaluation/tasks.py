@@ -133,13 +133,20 @@ class TaskSpecs:
     sources: dict[str, str] = field(default_factory=dict)
 
 
+def _task_files(folder: Path) -> list[Path]:
+    """The YAML files of a task folder, every one of which is loaded."""
+    return sorted(f for f in folder.rglob("*.y*ml") if f.suffix in (".yaml", ".yml"))
+
+
 def find_tasks(entries: list[str]) -> TaskSpecs:
-    """Split tasks= entries into registry names and local task configs (folders: every YAML in them)."""
+    """Split tasks= entries into registry names and local task configs (folders: every YAML in them).
+
+    Loading a local YAML imports the Python its `!function` tags name: say code_notices() first."""
     specs = TaskSpecs()
     for entry in entries:
         p = Path(entry).expanduser()
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*.y*ml") if f.suffix in (".yaml", ".yml"))
+            files = _task_files(p)
             found = [(f, local_task_config(f)) for f in files]
             found = [(f, c) for f, c in found if c is not None]
             if not found:
@@ -162,6 +169,84 @@ def find_tasks(entries: list[str]) -> TaskSpecs:
             specs.local.append(cfg)
             specs.sources[cfg["task"]] = str(f)
     return specs
+
+
+# ---- the Python a task folder runs --------------------------------------------------------------------
+def _function_refs(path: Path, seen: set[Path]) -> list[tuple[Path, str]]:
+    """(folder of the YAML, "module.name") for every `!function` tag of a YAML and of the YAMLs it includes,
+    from the YAML text alone: nothing is imported."""
+    import yaml
+
+    path = path.expanduser().resolve()
+    if path in seen or not path.is_file():
+        return []
+    seen.add(path)
+    refs: list[tuple[Path, str]] = []
+
+    class Reader(yaml.SafeLoader):
+        pass
+
+    def function(loader, node):
+        if isinstance(node, yaml.ScalarNode):
+            refs.append((path.parent, str(loader.construct_scalar(node))))
+        return None
+
+    Reader.add_constructor("!function", function)
+    # any other tag: lm-eval's loader says what is wrong with it
+    Reader.add_multi_constructor("", lambda loader, suffix, node: None)
+    try:
+        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=Reader)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        # lm-eval's loader fails on it too, before it imports anything
+        return refs
+    includes = doc.get("include") if isinstance(doc, dict) else None
+    for inc in includes if isinstance(includes, list) else [includes]:
+        if isinstance(inc, str):
+            refs += _function_refs(Path(inc) if Path(inc).is_absolute() else path.parent / inc, seen)
+    return refs
+
+
+def task_code(entry: str) -> tuple[Path, list[Path], list[str]]:
+    """(the entry's folder, the Python files and the installed modules its YAMLs import through `!function`)
+    for a local tasks= entry; lm-eval's rule: module.name is <the YAML's folder>/module.py when that file
+    exists, else an importable module."""
+    p = Path(entry).expanduser()
+    if p.is_dir():
+        folder, files = p, _task_files(p)
+    elif p.suffix in (".yaml", ".yml") and p.is_file():
+        folder, files = p.parent, [p]
+    else:
+        return p, [], []
+    seen: set[Path] = set()
+    local: dict[Path, None] = {}
+    modules: dict[str, None] = {}
+    for base, spec in (ref for f in files for ref in _function_refs(f, seen)):
+        module = spec.rpartition(".")[0]
+        if not module:
+            continue
+        py = (base / f"{module.replace('.', '/')}.py").resolve()
+        if py.is_file():
+            local[py] = None
+        else:
+            modules[module] = None
+    return folder, list(local), list(modules)
+
+
+def code_notices(entries: list[str], option: str = "tasks") -> list[str]:
+    """One line per local tasks= entry whose YAMLs import Python (`!function module.name`), naming it; to be
+    said before find_tasks() loads them, which runs that code."""
+    lines = []
+    for entry in entries:
+        folder, files, modules = task_code(entry)
+        if not files and not modules:
+            continue
+        where = folder.resolve()
+        names = [str(f.relative_to(where)) if f.is_relative_to(where) else str(f) for f in files]
+        what = f"{', '.join(names)} from {folder}" if names else ""
+        if modules:
+            what += f"{' and ' if what else ''}Python module(s) {', '.join(modules)}"
+        lines.append(f"{option}={entry} runs {what}: use only task folders you trust")
+    return lines
 
 
 def task_manager(specs: TaskSpecs):

@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gptkit.errors import ConfigError
 from gptkit.evaluation import tasks as T
+from gptkit.runs import is_rank_zero
 from gptkit.training.metrics import optimizer_stepped
 
 
@@ -28,8 +29,13 @@ def check_task_evals(t: Any) -> None:
     if not tasks:
         return
     T.require_lm_eval()
+    entries = T.parse_tasks(list(tasks) if not isinstance(tasks, str) else tasks)
+    # reading a task YAML runs the Python its !function tags name: said first (once, by rank 0)
+    if is_rank_zero():
+        for line in T.code_notices(entries, "trainer.eval_tasks"):
+            print(line, file=sys.stderr)
     # local YAMLs exist
-    T.find_tasks(T.parse_tasks(list(tasks) if not isinstance(tasks, str) else tasks))
+    T.find_tasks(entries)
     for key in ("eval_every", "eval_limit"):
         value = t.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
