@@ -16,6 +16,7 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
+from gptkit.errors import GptkitError  # noqa: E402
 from gptkit.evaluation import tasks as T  # noqa: E402
 from gptkit.evaluation.lm_eval_adapter import GptkitLM  # noqa: E402
 
@@ -371,3 +372,62 @@ def test_trainer_eval_tasks_say_the_python_of_a_task_folder(tmp_path, capsys):
     assert lines[1:] == ["utils.py is running"]
     check_task_evals({"eval_tasks": [str(EVALS)]})
     assert "trust" not in capsys.readouterr().err
+
+
+def test_a_task_the_tokenizer_cannot_serve_is_skipped_and_said(tmp_path, capsys):
+    """tests/evals on a default run (byte tokenizer, no end-of-text token): tiny_ppl (rolling log-likelihood,
+    which starts each text with a BOS or EOS) is skipped, on one line, and the other tasks are scored."""
+    d = byte_run(tmp_path)
+    out_file = tmp_path / "all.json"
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={EVALS}", "limit=2", "progress=false", f"out={out_file}", "--json"
+    )
+    assert code == 0, err
+    said = [line for line in err.splitlines() if line.startswith("skipped")]
+    assert said == [
+        "skipped task tiny_ppl: it scores whole texts (loglikelihood_rolling), which start with a BOS or "
+        "end-of-text token, and the run's tokenizer has neither; train with tokenizer.eos_token set to "
+        "score it"
+    ]
+    res = json.loads(out)
+    assert {r["task"] for r in res["rows"]} == {"tiny_mc", "tiny_mc_2shot", "tiny_gen"}
+    assert list(res["skipped"]) == ["tiny_ppl"] and "loglikelihood_rolling" in res["skipped"]["tiny_ppl"]
+    saved = json.loads(out_file.read_text())
+    assert [t["task"] for t in saved["tasks"]] == ["tiny_gen", "tiny_mc", "tiny_mc_2shot"]
+    assert list(saved["skipped"]) == ["tiny_ppl"]
+
+    # the table: no row of it
+    code, out, err = run_main(capsys, "eval", f"run={d}", f"tasks={EVALS}", "limit=1", "progress=false")
+    assert code == 0 and "tiny_mc" in out and "tiny_ppl" not in out and "skipped task tiny_ppl" in err
+
+    # nothing left to score: one line, exit 2
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={EVALS / 'tiny_ppl.yaml'}", "progress=false"
+    )
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: task tiny_ppl scores whole texts"), (
+        err
+    )
+
+
+def test_trainer_eval_tasks_skip_what_the_tokenizer_cannot_serve(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from gptkit.runs import load_run
+    from gptkit.training.task_evals import TaskEvals
+
+    r = load_run(byte_run(tmp_path))
+    trainer = SimpleNamespace(
+        global_rank=0,
+        world_size=1,
+        is_global_zero=True,
+        datamodule=SimpleNamespace(prepared=SimpleNamespace(tokenizer=lambda: r.tokenizer)),
+    )
+    evals = TaskEvals([str(EVALS)], every=1, limit=2, batch_size=4)
+    capsys.readouterr()
+    evals.setup(trainer, SimpleNamespace(model=r.model), "fit")
+    assert [s.name for s in evals.subsets] == ["tiny_gen", "tiny_mc", "tiny_mc_2shot"]
+    assert capsys.readouterr().err.startswith("skipped task tiny_ppl: it scores whole texts")
+    with pytest.raises(GptkitError, match="task tiny_ppl scores whole texts"):
+        TaskEvals([str(EVALS / "tiny_ppl.yaml")], every=1, limit=2, batch_size=4).setup(
+            trainer, SimpleNamespace(model=r.model), "fit"
+        )

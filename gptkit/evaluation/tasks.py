@@ -359,15 +359,47 @@ def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
             )
 
 
-def check_tokenizer(tasks: dict[str, Any], lm) -> None:
-    """A task that needs a special token the run's tokenizer lacks is one line before any scoring."""
+def unscorable(tasks: dict[str, Any], lm) -> dict[str, str]:
+    """name -> why, for each task that needs a special token the run's tokenizer lacks (said before any
+    scoring)."""
+    out = {}
     for name, task in tasks.items():
         if task.config.output_type == "loglikelihood_rolling" and lm.bos_id is None and lm.eos_id is None:
-            raise GptkitError(
-                f"task {name} scores whole texts (loglikelihood_rolling), which start with a "
-                f"BOS or end-of-text token, and the run's tokenizer has neither; train with "
-                f"tokenizer.eos_token set to score it"
+            out[name] = (
+                "scores whole texts (loglikelihood_rolling), which start with a BOS or end-of-text "
+                "token, and the run's tokenizer has neither; train with tokenizer.eos_token set to "
+                "score it"
             )
+    return out
+
+
+def skip_notice(name: str, why: str) -> str:
+    """The line that says a task is skipped, and why."""
+    return f"skipped task {name}: it {why}"
+
+
+def nothing_to_score(skipped: dict[str, str]) -> GptkitError:
+    """The one line when every task is skipped."""
+    return GptkitError("; ".join(f"task {name} {why}" for name, why in skipped.items()))
+
+
+def skip_tasks(specs: TaskSpecs, skipped: dict[str, str]) -> TaskSpecs:
+    """The specs without the skipped tasks. One line instead when nothing would be left, or when a skipped
+    task is part of a group (the group's scores would silently leave it out)."""
+    if not skipped:
+        return specs
+    given = {*specs.names, *(cfg["task"] for cfg in specs.local)}
+    for name, why in skipped.items():
+        if name not in given:
+            raise GptkitError(f"task {name} (in a group of tasks={', '.join(sorted(given))}) {why}")
+    left = TaskSpecs(
+        names=[n for n in specs.names if n not in skipped],
+        local=[cfg for cfg in specs.local if cfg["task"] not in skipped],
+        sources={k: v for k, v in specs.sources.items() if k not in skipped},
+    )
+    if not left.names and not left.local:
+        raise nothing_to_score(skipped)
+    return left
 
 
 def _eval_split(task) -> str | None:
@@ -474,10 +506,19 @@ def check_out(out: Any) -> Path | None:
 
 
 def write_results(
-    results: dict, rows: list[dict], run, stats, out: Any, *, limit=None, seconds: float = 0.0
+    results: dict,
+    rows: list[dict],
+    run,
+    stats,
+    out: Any,
+    *,
+    limit=None,
+    seconds: float = 0.0,
+    skipped: dict[str, str] | None = None,
 ) -> list[Path]:
-    """The results as JSON: out= (all tasks in one file), else <run>/evals/<task>-<date>.json per task.
-    Each file is written to a temporary name and renamed."""
+    """The results as JSON: out= (all tasks in one file), else <run>/evals/<task>-<date>.json per task; each
+    names the tasks of the invocation that were skipped (no scores), and why. Each file is written to a
+    temporary name and renamed."""
     from lm_eval import __version__ as lm_eval_version
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -492,6 +533,7 @@ def write_results(
         "requests": dict(stats.requests),
         "truncated": stats.truncated,
         "seconds": seconds,
+        "skipped": dict(skipped or {}),
     }
 
     def one(task: str) -> dict:

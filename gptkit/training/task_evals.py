@@ -78,6 +78,8 @@ class TaskEvals(Callback):
         self.tasks, self.every, self.limit = tasks, every, limit
         self.batch_size, self.eos_token, self.clock = batch_size, eos_token, clock
         self.subsets: list = []
+        # task -> why it is not scored
+        self.skipped: dict[str, str] = {}
         # spent scoring, this invocation
         self.seconds = 0.0
         # of which in the model (the rest: lm-eval's filters and metrics)
@@ -94,13 +96,19 @@ class TaskEvals(Callback):
         manager = T.task_manager(specs)
         T.check_names(specs.names, manager)
         loaded = T.leaf_tasks(T.load_tasks(specs, manager))
+        # what the tokenizer cannot serve is skipped (and said) now, not at step eval_every; if all: one line
+        lm = self._lm(trainer, pl_module)
+        self.skipped = T.unscorable(loaded, lm)
+        if self.skipped and len(self.skipped) == len(loaded):
+            raise T.nothing_to_score(self.skipped)
+        if trainer.is_global_zero:
+            for name, why in self.skipped.items():
+                print(T.skip_notice(name, why), file=sys.stderr)
         self.subsets = [
             T.TaskSubset(name, task, self.limit, trainer.global_rank, trainer.world_size)
             for name, task in loaded.items()
+            if name not in self.skipped
         ]
-        # what the tokenizer cannot serve fails now, not at step eval_every
-        lm = self._lm(trainer, pl_module)
-        T.check_tokenizer(loaded, lm)
         for s in self.subsets:
             for inst in s.instances:
                 for text in inst.args:
