@@ -431,3 +431,101 @@ def test_trainer_eval_tasks_skip_what_the_tokenizer_cannot_serve(tmp_path, capsy
         TaskEvals([str(EVALS / "tiny_ppl.yaml")], every=1, limit=2, batch_size=4).setup(
             trainer, SimpleNamespace(model=r.model), "fit"
         )
+
+
+def _hub_unreachable(monkeypatch):
+    """No network: the reachability check's connect is refused (and counted); any other socket connect is
+    counted too."""
+    import socket
+
+    calls = []
+
+    def refused(address, *args, **kwargs):
+        calls.append(address)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    monkeypatch.setattr(socket.socket, "connect", lambda self, address: calls.append(address))
+    monkeypatch.setattr(socket.socket, "connect_ex", lambda self, address: calls.append(address) or 111)
+    return calls
+
+
+def test_a_hub_task_offline_or_unreachable_fails_at_once(tmp_path, capsys, monkeypatch):
+    """tasks=arc_easy with the Hub offline or unreachable: one line and exit 2 before lm-eval indexes its
+    registry or asks for a data set (so none of its retries); offline, no connect is attempted at all."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("lm-eval was asked")
+
+    # what lm-eval would do next: index its registry, then load the data sets
+    monkeypatch.setattr(T, "task_manager", not_reached)
+    monkeypatch.setattr(T, "load_tasks", not_reached)
+    calls = _hub_unreachable(monkeypatch)
+    # caches that hold no Hub data set
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    d = tmp_path / "no-run-needed"
+
+    def fails(*args):
+        code, out, err = run_main(capsys, "eval", f"run={d}", "progress=false", *args)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), (code, err)
+        assert "Retrying" not in err and "thrown while requesting" not in err
+        return err
+
+    # offline (tests set HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1)
+    err = fails("tasks=arc_easy")
+    assert "task arc_easy (lm-eval's registry) needs data from the Hugging Face Hub" in err
+    assert (
+        "HF_HUB_OFFLINE='1'" in err and "hold no Hub data set" in err and "dataset_kwargs.data_files" in err
+    )
+    assert calls == []
+    # trainer.eval_tasks: the same line, before any data is prepared
+    from gptkit.training.task_evals import check_task_evals
+
+    with pytest.raises(GptkitError, match="task arc_easy .* hold no Hub data set"):
+        check_task_evals({"eval_tasks": ["arc_easy"]})
+    assert calls == []
+
+    # unreachable: one connect, refused
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    err = fails("tasks=arc_easy")
+    assert "the Hugging Face Hub (" in err and "is unreachable (ConnectionRefusedError" in err
+    assert "task arc_easy (lm-eval's registry) reads data from it: set HF_HUB_OFFLINE=1" in err
+    assert len(calls) == 1
+    # a local YAML whose data set is on the Hub: the same
+    hub_yaml = tmp_path / "hub_task.yaml"
+    text = (EVALS / "tiny_mc.yaml").read_text()
+    hub_yaml.write_text(
+        text.replace("dataset_path: json", "dataset_path: nobody/none").replace("tiny_mc", "hub")
+    )
+    assert f"task hub ({hub_yaml}) reads data from it" in fails(f"tasks={hub_yaml}")
+    # local data needs no Hub: no check
+    calls.clear()
+    assert T.check_hub(T.find_tasks([str(EVALS)])) is None and calls == []
+
+
+def test_offline_with_a_cache_lm_eval_reads_it(tmp_path, monkeypatch):
+    """Offline with a Hub data set in the cache, check_hub lets lm-eval read the cache (a data set missing
+    from it is then lm-eval's one line)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    calls = _hub_unreachable(monkeypatch)
+    specs = T.TaskSpecs(names=["arc_easy"])
+    # local json files, cached by datasets, are no Hub data set
+    (tmp_path / "datasets" / "json" / "default-0").mkdir(parents=True)
+    with pytest.raises(GptkitError, match="hold no Hub data set"):
+        T.check_hub(specs)
+    # datasets' cache of a Hub data set, or huggingface_hub's download of one
+    for cached in (
+        tmp_path / "datasets" / "someone___cached",
+        tmp_path / "hub" / "datasets--someone--cached",
+    ):
+        cached.mkdir(parents=True)
+        assert T.check_hub(specs) is None and calls == []
+        cached.rmdir()

@@ -287,6 +287,8 @@ def run_tasks(cfg) -> int:
         print(line, file=sys.stderr)
     # local YAMLs are read (and their errors said) before the model loads
     specs = T.find_tasks(entries)
+    # a Hub that cannot serve the data sets: one line now, not lm-eval's retries after the registry's index
+    T.check_hub(specs)
     T.quiet_lm_eval(progress=bool(cfg.progress))
     from gptkit.evaluation.lm_eval_adapter import GptkitLM
 

@@ -23,12 +23,15 @@ from typing import Any
 
 from tqdm import tqdm
 
+from gptkit import hub
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_text
 
 # lm-eval (optional: gptkit[eval]) and datasets are imported where tasks run.
 
 INSTALL = 'pip install "gptkit[eval]"'
+# where a task named by its name comes from
+REGISTRY = "lm-eval's registry"
 OFFLINE_HINT = (
     "point the task at local files instead: a task YAML with dataset_path: json and "
     "dataset_kwargs.data_files next to it, then tasks=path/to/that/folder (docs/tasks.md)"
@@ -270,6 +273,82 @@ def check_names(names: list[str], manager) -> None:
         )
 
 
+# ---- data sets on the Hub ---------------------------------------------------------------------------------
+# datasets' builders of local files (json, csv, parquet, ...): a dataset_path that names none of them, nor a
+# local path, is a data set of the Hugging Face Hub
+_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "webdataset")
+
+
+def _file_builders() -> set[str]:
+    try:
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+        return set(_PACKAGED_DATASETS_MODULES)
+    except ImportError:
+        return set(_FILE_BUILDERS)
+
+
+def hub_tasks(specs: TaskSpecs) -> list[str]:
+    """The tasks whose data set comes from the Hugging Face Hub: every registry name (their YAMLs name Hub
+    data sets) and each local task whose dataset_path is neither a local path nor a file builder."""
+    builders = _file_builders()
+    local = [
+        cfg["task"]
+        for cfg in specs.local
+        if isinstance(cfg.get("dataset_path"), str)
+        and cfg["dataset_path"]
+        and cfg["dataset_path"] not in builders
+        and not Path(cfg["dataset_path"]).expanduser().exists()
+    ]
+    return [*specs.names, *local]
+
+
+def _cached_hub_data() -> bool:
+    """Whether the Hugging Face caches hold any data set of the Hub at all: huggingface_hub's datasets--*
+    folders, or a folder of datasets' cache other than its file builders' (local json, csv... files)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    hub_cache = Path(constants.HF_HUB_CACHE).expanduser()
+    if hub_cache.is_dir() and any(d.name.startswith("datasets--") for d in hub_cache.iterdir()):
+        return True
+    data_cache = Path(datasets.config.HF_DATASETS_CACHE).expanduser()
+    builders = _file_builders()
+    return data_cache.is_dir() and any(d.is_dir() and d.name not in builders for d in data_cache.iterdir())
+
+
+def check_hub(specs: TaskSpecs) -> None:
+    """Before lm-eval is asked for any data set (and before its registry is indexed): tasks whose data sets
+    are on the Hub fail in one line when the Hub is unreachable (a connect with a short timeout: no retries),
+    or offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) when the caches hold no Hub data set at all. Offline
+    with a cache, lm-eval reads it (a data set missing from it is one line in load_tasks)."""
+    names = hub_tasks(specs)
+    if not names:
+        return
+    where = ", ".join(f"{n} ({specs.sources.get(n, REGISTRY)})" for n in names)
+    task = f"task{'s' if len(names) > 1 else ''} {where}"
+    if not hub.offline("HF_DATASETS_OFFLINE"):
+        hub.check_hub_reachable(
+            hub.TIMEOUT_S,
+            f"{task} read{'' if len(names) > 1 else 's'} data from it: set HF_HUB_OFFLINE=1 to read a copy "
+            f"already in the Hugging Face cache, or {OFFLINE_HINT}",
+        )
+        return
+    if not _cached_hub_data():
+        import datasets.config
+        from huggingface_hub import constants
+
+        said = " and ".join(
+            f"{v}={os.environ[v]!r}" for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if v in os.environ
+        )
+        raise GptkitError(
+            f"{task} need{'' if len(names) > 1 else 's'} data from the Hugging Face Hub, {said} "
+            f"forbids downloading, and the Hugging Face caches ({constants.HF_HUB_CACHE}, "
+            f"{datasets.config.HF_DATASETS_CACHE}) hold no Hub data set; run once online to cache it, "
+            f"or {OFFLINE_HINT}"
+        )
+
+
 def _is_offline_error(exc: BaseException) -> bool:
     seen: set[int] = set()
     e: BaseException | None = exc
@@ -311,7 +390,7 @@ def load_tasks(specs: TaskSpecs, manager) -> dict:
         except Exception as exc:  # noqa: BLE001 - lm-eval and datasets raise many kinds: each is one line
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             if _is_offline_error(exc):
-                where = specs.sources.get(name, "lm-eval's registry")
+                where = specs.sources.get(name, REGISTRY)
                 offline = os.environ.get("HF_DATASETS_OFFLINE", "")
                 raise GptkitError(
                     f"task {name} ({where}) needs its data set from the Hugging Face Hub, "

@@ -34,8 +34,8 @@ def check_task_evals(t: Any) -> None:
     if is_rank_zero():
         for line in T.code_notices(entries, "trainer.eval_tasks"):
             print(line, file=sys.stderr)
-    # local YAMLs exist
-    T.find_tasks(entries)
+    # local YAMLs exist; a Hub that cannot serve the data sets is one line before any data is prepared
+    T.check_hub(T.find_tasks(entries))
     for key in ("eval_every", "eval_limit"):
         value = t.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -93,6 +93,7 @@ class TaskEvals(Callback):
             return
         T.quiet_lm_eval()
         specs = T.find_tasks(T.parse_tasks(self.tasks))
+        T.check_hub(specs)
         manager = T.task_manager(specs)
         T.check_names(specs.names, manager)
         loaded = T.leaf_tasks(T.load_tasks(specs, manager))
