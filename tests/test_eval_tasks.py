@@ -16,10 +16,13 @@ lm_eval = pytest.importorskip("lm_eval")
 
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noqa: E402
 
+from gptkit.errors import GptkitError  # noqa: E402
 from gptkit.evaluation import tasks as T  # noqa: E402
 from gptkit.evaluation.lm_eval_adapter import GptkitLM  # noqa: E402
 
 EVALS = Path(__file__).parent / "evals"
+# the end of the line that names the Python a task folder runs
+TRUST = ": use only task folders you trust"
 
 
 @pytest.fixture(scope="module")
@@ -289,3 +292,240 @@ def test_ranks_score_their_shares_and_the_total_is_the_whole(run_and_export):
         merged = T.merge_shares([s.score(lm) for s in shares])
         sub = shares[0]
         assert sub.aggregate(merged) == pytest.approx(sub.aggregate(whole)) and sub.aggregate(whole)
+
+
+def byte_run(tmp_path):
+    """A run as `gptkit train` makes by default: the byte tokenizer, no end-of-text token (a tiny random
+    model)."""
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import build_tokenizer
+
+    tok_cfg = {"kind": "byte", "special_tokens": [], "eos_token": None}
+    tok = build_tokenizer(tok_cfg)
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=256, max_seq_len=64, n_layers=1, n_heads=2, d_model=16)
+    return write_run_folder(tmp_path / "byte-run", {"tokenizer": tok_cfg}, GPT(cfg).eval(), tok)
+
+
+def python_task_folder(tmp_path):
+    """tiny_mc (its test split) as a folder whose YAML runs utils.py (`process_docs: !function utils.docs`);
+    utils.py says on stderr when it is imported."""
+    folder = tmp_path / "py_tasks"
+    folder.mkdir()
+    yaml_text = (EVALS / "tiny_mc.yaml").read_text()
+    yaml_text = yaml_text.replace("task: tiny_mc", "task: py_mc").replace("tiny_mc", str(EVALS / "tiny_mc"))
+    (folder / "py_mc.yaml").write_text(yaml_text + "process_docs: !function utils.docs\n")
+    (folder / "utils.py").write_text(
+        "import sys\n\nprint('utils.py is running', file=sys.stderr)\n\n\n"
+        "def docs(dataset):\n    return dataset\n"
+    )
+    return folder
+
+
+def test_a_task_folder_that_runs_python_says_so_first(tmp_path, capsys):
+    """`!function` in a task YAML imports a Python file of the folder: one line names it before it runs (read
+    from the YAML text); a folder without Python prints no such line."""
+    d = byte_run(tmp_path)
+    folder = python_task_folder(tmp_path)
+    assert T.code_notices([str(folder)]) == [f"tasks={folder} runs utils.py from {folder}{TRUST}"]
+    # nothing was imported to find it
+    assert "utils.py is running" not in capsys.readouterr().err
+
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={folder}", "limit=2", "progress=false", "--json"
+    )
+    assert code == 0, err
+    lines = err.splitlines()
+    # said first, before utils.py runs and before any result
+    assert lines[0] == f"tasks={folder} runs utils.py from {folder}{TRUST}"
+    assert lines.index("utils.py is running") > 0
+    assert {r["task"] for r in json.loads(out)["rows"]} == {"py_mc"}
+
+    # a single YAML of it, and an include of it from elsewhere, name the same file
+    assert T.code_notices([str(folder / "py_mc.yaml")], "trainer.eval_tasks") == [
+        f"trainer.eval_tasks={folder / 'py_mc.yaml'} runs utils.py from {folder}{TRUST}"
+    ]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "again.yaml").write_text(f"include: {folder / 'py_mc.yaml'}\ntask: again\n")
+    assert T.code_notices([str(other)]) == [f"tasks={other} runs {folder / 'utils.py'} from {other}{TRUST}"]
+
+    # no Python in tests/evals: no such line
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={EVALS / 'tiny_mc.yaml'}", "limit=2", "progress=false"
+    )
+    assert code == 0, err
+    assert "trust" not in err and not T.code_notices([str(EVALS)])
+
+
+def test_trainer_eval_tasks_say_the_python_of_a_task_folder(tmp_path, capsys):
+    from gptkit.training.task_evals import check_task_evals
+
+    folder = python_task_folder(tmp_path)
+    capsys.readouterr()
+    check_task_evals({"eval_tasks": [str(folder)]})
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0] == f"trainer.eval_tasks={folder} runs utils.py from {folder}{TRUST}"
+    assert lines[1:] == ["utils.py is running"]
+    check_task_evals({"eval_tasks": [str(EVALS)]})
+    assert "trust" not in capsys.readouterr().err
+
+
+def test_a_task_the_tokenizer_cannot_serve_is_skipped_and_said(tmp_path, capsys):
+    """tests/evals on a default run (byte tokenizer, no end-of-text token): tiny_ppl (rolling log-likelihood,
+    which starts each text with a BOS or EOS) is skipped, on one line, and the other tasks are scored."""
+    d = byte_run(tmp_path)
+    out_file = tmp_path / "all.json"
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={EVALS}", "limit=2", "progress=false", f"out={out_file}", "--json"
+    )
+    assert code == 0, err
+    said = [line for line in err.splitlines() if line.startswith("skipped")]
+    assert said == [
+        "skipped task tiny_ppl: it scores whole texts (loglikelihood_rolling), which start with a BOS or "
+        "end-of-text token, and the run's tokenizer has neither; train with tokenizer.eos_token set to "
+        "score it"
+    ]
+    res = json.loads(out)
+    assert {r["task"] for r in res["rows"]} == {"tiny_mc", "tiny_mc_2shot", "tiny_gen"}
+    assert list(res["skipped"]) == ["tiny_ppl"] and "loglikelihood_rolling" in res["skipped"]["tiny_ppl"]
+    saved = json.loads(out_file.read_text())
+    assert [t["task"] for t in saved["tasks"]] == ["tiny_gen", "tiny_mc", "tiny_mc_2shot"]
+    assert list(saved["skipped"]) == ["tiny_ppl"]
+
+    # the table: no row of it
+    code, out, err = run_main(capsys, "eval", f"run={d}", f"tasks={EVALS}", "limit=1", "progress=false")
+    assert code == 0 and "tiny_mc" in out and "tiny_ppl" not in out and "skipped task tiny_ppl" in err
+
+    # nothing left to score: one line, exit 2
+    code, out, err = run_main(
+        capsys, "eval", f"run={d}", f"tasks={EVALS / 'tiny_ppl.yaml'}", "progress=false"
+    )
+    assert code == 2 and err.count("\n") == 1 and err.startswith("error: task tiny_ppl scores whole texts"), (
+        err
+    )
+
+
+def test_trainer_eval_tasks_skip_what_the_tokenizer_cannot_serve(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from gptkit.runs import load_run
+    from gptkit.training.task_evals import TaskEvals
+
+    r = load_run(byte_run(tmp_path))
+    trainer = SimpleNamespace(
+        global_rank=0,
+        world_size=1,
+        is_global_zero=True,
+        datamodule=SimpleNamespace(prepared=SimpleNamespace(tokenizer=lambda: r.tokenizer)),
+    )
+    evals = TaskEvals([str(EVALS)], every=1, limit=2, batch_size=4)
+    capsys.readouterr()
+    evals.setup(trainer, SimpleNamespace(model=r.model), "fit")
+    assert [s.name for s in evals.subsets] == ["tiny_gen", "tiny_mc", "tiny_mc_2shot"]
+    assert capsys.readouterr().err.startswith("skipped task tiny_ppl: it scores whole texts")
+    with pytest.raises(GptkitError, match="task tiny_ppl scores whole texts"):
+        TaskEvals([str(EVALS / "tiny_ppl.yaml")], every=1, limit=2, batch_size=4).setup(
+            trainer, SimpleNamespace(model=r.model), "fit"
+        )
+
+
+def _hub_unreachable(monkeypatch):
+    """No network: the reachability check's connect is refused (and counted); any other socket connect is
+    counted too."""
+    import socket
+
+    calls = []
+
+    def refused(address, *args, **kwargs):
+        calls.append(address)
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    monkeypatch.setattr(socket, "create_connection", refused)
+    monkeypatch.setattr(socket.socket, "connect", lambda self, address: calls.append(address))
+    monkeypatch.setattr(socket.socket, "connect_ex", lambda self, address: calls.append(address) or 111)
+    return calls
+
+
+def test_a_hub_task_offline_or_unreachable_fails_at_once(tmp_path, capsys, monkeypatch):
+    """tasks=arc_easy with the Hub offline or unreachable: one line and exit 2 before lm-eval indexes its
+    registry or asks for a data set (so none of its retries); offline, no connect is attempted at all."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    def not_reached(*args, **kwargs):
+        raise AssertionError("lm-eval was asked")
+
+    # what lm-eval would do next: index its registry, then load the data sets
+    monkeypatch.setattr(T, "task_manager", not_reached)
+    monkeypatch.setattr(T, "load_tasks", not_reached)
+    calls = _hub_unreachable(monkeypatch)
+    # caches that hold no Hub data set
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    d = tmp_path / "no-run-needed"
+
+    def fails(*args):
+        code, out, err = run_main(capsys, "eval", f"run={d}", "progress=false", *args)
+        assert code == 2 and err.count("\n") == 1 and err.startswith("error: "), (code, err)
+        assert "Retrying" not in err and "thrown while requesting" not in err
+        return err
+
+    # offline (tests set HF_HUB_OFFLINE=1 and HF_DATASETS_OFFLINE=1)
+    err = fails("tasks=arc_easy")
+    assert "task arc_easy (lm-eval's registry) needs data from the Hugging Face Hub" in err
+    assert (
+        "HF_HUB_OFFLINE='1'" in err and "hold no Hub data set" in err and "dataset_kwargs.data_files" in err
+    )
+    assert calls == []
+    # trainer.eval_tasks: the same line, before any data is prepared
+    from gptkit.training.task_evals import check_task_evals
+
+    with pytest.raises(GptkitError, match="task arc_easy .* hold no Hub data set"):
+        check_task_evals({"eval_tasks": ["arc_easy"]})
+    assert calls == []
+
+    # unreachable: one connect, refused
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.delenv("HF_DATASETS_OFFLINE")
+    err = fails("tasks=arc_easy")
+    assert "the Hugging Face Hub (" in err and "is unreachable (ConnectionRefusedError" in err
+    assert "task arc_easy (lm-eval's registry) reads data from it: set HF_HUB_OFFLINE=1" in err
+    assert len(calls) == 1
+    # a local YAML whose data set is on the Hub: the same
+    hub_yaml = tmp_path / "hub_task.yaml"
+    text = (EVALS / "tiny_mc.yaml").read_text()
+    hub_yaml.write_text(
+        text.replace("dataset_path: json", "dataset_path: nobody/none").replace("tiny_mc", "hub")
+    )
+    assert f"task hub ({hub_yaml}) reads data from it" in fails(f"tasks={hub_yaml}")
+    # local data needs no Hub: no check
+    calls.clear()
+    assert T.check_hub(T.find_tasks([str(EVALS)])) is None and calls == []
+
+
+def test_offline_with_a_cache_lm_eval_reads_it(tmp_path, monkeypatch):
+    """Offline with a Hub data set in the cache, check_hub lets lm-eval read the cache (a data set missing
+    from it is then lm-eval's one line)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
+    calls = _hub_unreachable(monkeypatch)
+    specs = T.TaskSpecs(names=["arc_easy"])
+    # local json files, cached by datasets, are no Hub data set
+    (tmp_path / "datasets" / "json" / "default-0").mkdir(parents=True)
+    with pytest.raises(GptkitError, match="hold no Hub data set"):
+        T.check_hub(specs)
+    # datasets' cache of a Hub data set, or huggingface_hub's download of one
+    for cached in (
+        tmp_path / "datasets" / "someone___cached",
+        tmp_path / "hub" / "datasets--someone--cached",
+    ):
+        cached.mkdir(parents=True)
+        assert T.check_hub(specs) is None and calls == []
+        cached.rmdir()

@@ -270,8 +270,13 @@ def run_tasks(cfg) -> int:
     limit = T.check_limit(cfg.limit)
     T.check_out(cfg.out)
     entries = T.parse_tasks(cfg.tasks)
+    # reading a task YAML runs the Python its !function tags name: said first
+    for line in T.code_notices(entries):
+        print(line, file=sys.stderr)
     # local YAMLs are read (and their errors said) before the model loads
     specs = T.find_tasks(entries)
+    # a Hub that cannot serve the data sets: one line now, not lm-eval's retries after the registry's index
+    T.check_hub(specs)
     T.quiet_lm_eval(progress=bool(cfg.progress))
     from gptkit.evaluation.lm_eval_adapter import GptkitLM
 
@@ -282,12 +287,18 @@ def run_tasks(cfg) -> int:
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
     lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=int(cfg.batch_size))
-    T.check_tokenizer(T.leaf_tasks(task_dict), lm)
+    # what the run's tokenizer cannot serve is skipped, and said; the rest is scored
+    skipped = T.unscorable(T.leaf_tasks(task_dict), lm)
+    specs = T.skip_tasks(specs, skipped)
+    for name, why in skipped.items():
+        print(T.skip_notice(name, why), file=sys.stderr)
     t0 = time.perf_counter()
     results = T.run_tasks(lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=limit)
     seconds = time.perf_counter() - t0
     rows = T.result_rows(results)
-    written = T.write_results(results, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds)
+    written = T.write_results(
+        results, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds, skipped=skipped
+    )
     n_requests = sum(lm.stats.requests.values())
     if lm.stats.truncated:
         print(
@@ -306,6 +317,7 @@ def run_tasks(cfg) -> int:
                     "requests": dict(lm.stats.requests),
                     "truncated": lm.stats.truncated,
                     "seconds": seconds,
+                    "skipped": skipped,
                 },
                 indent=2,
             )

@@ -23,12 +23,15 @@ from typing import Any
 
 from tqdm import tqdm
 
+from gptkit import hub
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_text
 
 # lm-eval (optional: gptkit[eval]) and datasets are imported where tasks run.
 
 INSTALL = 'pip install "gptkit[eval]"'
+# where a task named by its name comes from
+REGISTRY = "lm-eval's registry"
 OFFLINE_HINT = (
     "point the task at local files instead: a task YAML with dataset_path: json and "
     "dataset_kwargs.data_files next to it, then tasks=path/to/that/folder (docs/tasks.md)"
@@ -133,13 +136,20 @@ class TaskSpecs:
     sources: dict[str, str] = field(default_factory=dict)
 
 
+def _task_files(folder: Path) -> list[Path]:
+    """The YAML files of a task folder, every one of which is loaded."""
+    return sorted(f for f in folder.rglob("*.y*ml") if f.suffix in (".yaml", ".yml"))
+
+
 def find_tasks(entries: list[str]) -> TaskSpecs:
-    """Split tasks= entries into registry names and local task configs (folders: every YAML in them)."""
+    """Split tasks= entries into registry names and local task configs (folders: every YAML in them).
+
+    Loading a local YAML imports the Python its `!function` tags name: say code_notices() first."""
     specs = TaskSpecs()
     for entry in entries:
         p = Path(entry).expanduser()
         if p.is_dir():
-            files = sorted(f for f in p.rglob("*.y*ml") if f.suffix in (".yaml", ".yml"))
+            files = _task_files(p)
             found = [(f, local_task_config(f)) for f in files]
             found = [(f, c) for f, c in found if c is not None]
             if not found:
@@ -164,6 +174,84 @@ def find_tasks(entries: list[str]) -> TaskSpecs:
     return specs
 
 
+# ---- the Python a task folder runs --------------------------------------------------------------------
+def _function_refs(path: Path, seen: set[Path]) -> list[tuple[Path, str]]:
+    """(folder of the YAML, "module.name") for every `!function` tag of a YAML and of the YAMLs it includes,
+    from the YAML text alone: nothing is imported."""
+    import yaml
+
+    path = path.expanduser().resolve()
+    if path in seen or not path.is_file():
+        return []
+    seen.add(path)
+    refs: list[tuple[Path, str]] = []
+
+    class Reader(yaml.SafeLoader):
+        pass
+
+    def function(loader, node):
+        if isinstance(node, yaml.ScalarNode):
+            refs.append((path.parent, str(loader.construct_scalar(node))))
+        return None
+
+    Reader.add_constructor("!function", function)
+    # any other tag: lm-eval's loader says what is wrong with it
+    Reader.add_multi_constructor("", lambda loader, suffix, node: None)
+    try:
+        doc = yaml.load(path.read_text(encoding="utf-8"), Loader=Reader)
+    except (yaml.YAMLError, OSError, UnicodeDecodeError):
+        # lm-eval's loader fails on it too, before it imports anything
+        return refs
+    includes = doc.get("include") if isinstance(doc, dict) else None
+    for inc in includes if isinstance(includes, list) else [includes]:
+        if isinstance(inc, str):
+            refs += _function_refs(Path(inc) if Path(inc).is_absolute() else path.parent / inc, seen)
+    return refs
+
+
+def task_code(entry: str) -> tuple[Path, list[Path], list[str]]:
+    """(the entry's folder, the Python files and the installed modules its YAMLs import through `!function`)
+    for a local tasks= entry; lm-eval's rule: module.name is <the YAML's folder>/module.py when that file
+    exists, else an importable module."""
+    p = Path(entry).expanduser()
+    if p.is_dir():
+        folder, files = p, _task_files(p)
+    elif p.suffix in (".yaml", ".yml") and p.is_file():
+        folder, files = p.parent, [p]
+    else:
+        return p, [], []
+    seen: set[Path] = set()
+    local: dict[Path, None] = {}
+    modules: dict[str, None] = {}
+    for base, spec in (ref for f in files for ref in _function_refs(f, seen)):
+        module = spec.rpartition(".")[0]
+        if not module:
+            continue
+        py = (base / f"{module.replace('.', '/')}.py").resolve()
+        if py.is_file():
+            local[py] = None
+        else:
+            modules[module] = None
+    return folder, list(local), list(modules)
+
+
+def code_notices(entries: list[str], option: str = "tasks") -> list[str]:
+    """One line per local tasks= entry whose YAMLs import Python (`!function module.name`), naming it; to be
+    said before find_tasks() loads them, which runs that code."""
+    lines = []
+    for entry in entries:
+        folder, files, modules = task_code(entry)
+        if not files and not modules:
+            continue
+        where = folder.resolve()
+        names = [str(f.relative_to(where)) if f.is_relative_to(where) else str(f) for f in files]
+        what = f"{', '.join(names)} from {folder}" if names else ""
+        if modules:
+            what += f"{' and ' if what else ''}Python module(s) {', '.join(modules)}"
+        lines.append(f"{option}={entry} runs {what}: use only task folders you trust")
+    return lines
+
+
 def task_manager(specs: TaskSpecs):
     """lm-eval's TaskManager: its whole registry only when a name needs it (indexing it takes a while)."""
     from lm_eval.tasks import TaskManager
@@ -182,6 +270,82 @@ def check_names(names: list[str], manager) -> None:
         raise ConfigError(
             f"unknown task {name!r}: not in lm-eval's registry ({len(known):,} tasks and "
             f"groups), nor a task YAML or folder{hint}"
+        )
+
+
+# ---- data sets on the Hub ---------------------------------------------------------------------------------
+# datasets' builders of local files (json, csv, parquet, ...): a dataset_path that names none of them, nor a
+# local path, is a data set of the Hugging Face Hub
+_FILE_BUILDERS = ("json", "csv", "parquet", "text", "arrow", "pandas", "xml", "webdataset")
+
+
+def _file_builders() -> set[str]:
+    try:
+        from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+        return set(_PACKAGED_DATASETS_MODULES)
+    except ImportError:
+        return set(_FILE_BUILDERS)
+
+
+def hub_tasks(specs: TaskSpecs) -> list[str]:
+    """The tasks whose data set comes from the Hugging Face Hub: every registry name (their YAMLs name Hub
+    data sets) and each local task whose dataset_path is neither a local path nor a file builder."""
+    builders = _file_builders()
+    local = [
+        cfg["task"]
+        for cfg in specs.local
+        if isinstance(cfg.get("dataset_path"), str)
+        and cfg["dataset_path"]
+        and cfg["dataset_path"] not in builders
+        and not Path(cfg["dataset_path"]).expanduser().exists()
+    ]
+    return [*specs.names, *local]
+
+
+def _cached_hub_data() -> bool:
+    """Whether the Hugging Face caches hold any data set of the Hub at all: huggingface_hub's datasets--*
+    folders, or a folder of datasets' cache other than its file builders' (local json, csv... files)."""
+    import datasets.config
+    from huggingface_hub import constants
+
+    hub_cache = Path(constants.HF_HUB_CACHE).expanduser()
+    if hub_cache.is_dir() and any(d.name.startswith("datasets--") for d in hub_cache.iterdir()):
+        return True
+    data_cache = Path(datasets.config.HF_DATASETS_CACHE).expanduser()
+    builders = _file_builders()
+    return data_cache.is_dir() and any(d.is_dir() and d.name not in builders for d in data_cache.iterdir())
+
+
+def check_hub(specs: TaskSpecs) -> None:
+    """Before lm-eval is asked for any data set (and before its registry is indexed): tasks whose data sets
+    are on the Hub fail in one line when the Hub is unreachable (a connect with a short timeout: no retries),
+    or offline (HF_HUB_OFFLINE / HF_DATASETS_OFFLINE) when the caches hold no Hub data set at all. Offline
+    with a cache, lm-eval reads it (a data set missing from it is one line in load_tasks)."""
+    names = hub_tasks(specs)
+    if not names:
+        return
+    where = ", ".join(f"{n} ({specs.sources.get(n, REGISTRY)})" for n in names)
+    task = f"task{'s' if len(names) > 1 else ''} {where}"
+    if not hub.offline("HF_DATASETS_OFFLINE"):
+        hub.check_hub_reachable(
+            hub.TIMEOUT_S,
+            f"{task} read{'' if len(names) > 1 else 's'} data from it: set HF_HUB_OFFLINE=1 to read a copy "
+            f"already in the Hugging Face cache, or {OFFLINE_HINT}",
+        )
+        return
+    if not _cached_hub_data():
+        import datasets.config
+        from huggingface_hub import constants
+
+        said = " and ".join(
+            f"{v}={os.environ[v]!r}" for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE") if v in os.environ
+        )
+        raise GptkitError(
+            f"{task} need{'' if len(names) > 1 else 's'} data from the Hugging Face Hub, {said} "
+            f"forbids downloading, and the Hugging Face caches ({constants.HF_HUB_CACHE}, "
+            f"{datasets.config.HF_DATASETS_CACHE}) hold no Hub data set; run once online to cache it, "
+            f"or {OFFLINE_HINT}"
         )
 
 
@@ -226,7 +390,7 @@ def load_tasks(specs: TaskSpecs, manager) -> dict:
         except Exception as exc:  # noqa: BLE001 - lm-eval and datasets raise many kinds: each is one line
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
             if _is_offline_error(exc):
-                where = specs.sources.get(name, "lm-eval's registry")
+                where = specs.sources.get(name, REGISTRY)
                 offline = os.environ.get("HF_DATASETS_OFFLINE", "")
                 raise GptkitError(
                     f"task {name} ({where}) needs its data set from the Hugging Face Hub, "
@@ -274,15 +438,47 @@ def check_fewshot(tasks: dict[str, Any], num_fewshot: int | None) -> None:
             )
 
 
-def check_tokenizer(tasks: dict[str, Any], lm) -> None:
-    """A task that needs a special token the run's tokenizer lacks is one line before any scoring."""
+def unscorable(tasks: dict[str, Any], lm) -> dict[str, str]:
+    """name -> why, for each task that needs a special token the run's tokenizer lacks (said before any
+    scoring)."""
+    out = {}
     for name, task in tasks.items():
         if task.config.output_type == "loglikelihood_rolling" and lm.bos_id is None and lm.eos_id is None:
-            raise GptkitError(
-                f"task {name} scores whole texts (loglikelihood_rolling), which start with a "
-                f"BOS or end-of-text token, and the run's tokenizer has neither; train with "
-                f"tokenizer.eos_token set to score it"
+            out[name] = (
+                "scores whole texts (loglikelihood_rolling), which start with a BOS or end-of-text "
+                "token, and the run's tokenizer has neither; train with tokenizer.eos_token set to "
+                "score it"
             )
+    return out
+
+
+def skip_notice(name: str, why: str) -> str:
+    """The line that says a task is skipped, and why."""
+    return f"skipped task {name}: it {why}"
+
+
+def nothing_to_score(skipped: dict[str, str]) -> GptkitError:
+    """The one line when every task is skipped."""
+    return GptkitError("; ".join(f"task {name} {why}" for name, why in skipped.items()))
+
+
+def skip_tasks(specs: TaskSpecs, skipped: dict[str, str]) -> TaskSpecs:
+    """The specs without the skipped tasks. One line instead when nothing would be left, or when a skipped
+    task is part of a group (the group's scores would silently leave it out)."""
+    if not skipped:
+        return specs
+    given = {*specs.names, *(cfg["task"] for cfg in specs.local)}
+    for name, why in skipped.items():
+        if name not in given:
+            raise GptkitError(f"task {name} (in a group of tasks={', '.join(sorted(given))}) {why}")
+    left = TaskSpecs(
+        names=[n for n in specs.names if n not in skipped],
+        local=[cfg for cfg in specs.local if cfg["task"] not in skipped],
+        sources={k: v for k, v in specs.sources.items() if k not in skipped},
+    )
+    if not left.names and not left.local:
+        raise nothing_to_score(skipped)
+    return left
 
 
 def _eval_split(task) -> str | None:
@@ -389,10 +585,19 @@ def check_out(out: Any) -> Path | None:
 
 
 def write_results(
-    results: dict, rows: list[dict], run, stats, out: Any, *, limit=None, seconds: float = 0.0
+    results: dict,
+    rows: list[dict],
+    run,
+    stats,
+    out: Any,
+    *,
+    limit=None,
+    seconds: float = 0.0,
+    skipped: dict[str, str] | None = None,
 ) -> list[Path]:
-    """The results as JSON: out= (all tasks in one file), else <run>/evals/<task>-<date>.json per task.
-    Each file is written to a temporary name and renamed."""
+    """The results as JSON: out= (all tasks in one file), else <run>/evals/<task>-<date>.json per task; each
+    names the tasks of the invocation that were skipped (no scores), and why. Each file is written to a
+    temporary name and renamed."""
     from lm_eval import __version__ as lm_eval_version
 
     now = datetime.datetime.now(datetime.timezone.utc)
@@ -407,6 +612,7 @@ def write_results(
         "requests": dict(stats.requests),
         "truncated": stats.truncated,
         "seconds": seconds,
+        "skipped": dict(skipped or {}),
     }
 
     def one(task: str) -> dict:

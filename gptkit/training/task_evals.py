@@ -18,6 +18,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gptkit.errors import ConfigError
 from gptkit.evaluation import tasks as T
+from gptkit.runs import is_rank_zero
 from gptkit.training.metrics import optimizer_stepped
 
 
@@ -28,8 +29,13 @@ def check_task_evals(t: Any) -> None:
     if not tasks:
         return
     T.require_lm_eval()
-    # local YAMLs exist
-    T.find_tasks(T.parse_tasks(list(tasks) if not isinstance(tasks, str) else tasks))
+    entries = T.parse_tasks(list(tasks) if not isinstance(tasks, str) else tasks)
+    # reading a task YAML runs the Python its !function tags name: said first (once, by rank 0)
+    if is_rank_zero():
+        for line in T.code_notices(entries, "trainer.eval_tasks"):
+            print(line, file=sys.stderr)
+    # local YAMLs exist; a Hub that cannot serve the data sets is one line before any data is prepared
+    T.check_hub(T.find_tasks(entries))
     for key in ("eval_every", "eval_limit"):
         value = t.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -72,6 +78,8 @@ class TaskEvals(Callback):
         self.tasks, self.every, self.limit = tasks, every, limit
         self.batch_size, self.eos_token, self.clock = batch_size, eos_token, clock
         self.subsets: list = []
+        # task -> why it is not scored
+        self.skipped: dict[str, str] = {}
         # spent scoring, this invocation
         self.seconds = 0.0
         # of which in the model (the rest: lm-eval's filters and metrics)
@@ -85,16 +93,23 @@ class TaskEvals(Callback):
             return
         T.quiet_lm_eval()
         specs = T.find_tasks(T.parse_tasks(self.tasks))
+        T.check_hub(specs)
         manager = T.task_manager(specs)
         T.check_names(specs.names, manager)
         loaded = T.leaf_tasks(T.load_tasks(specs, manager))
+        # what the tokenizer cannot serve is skipped (and said) now, not at step eval_every; if all: one line
+        lm = self._lm(trainer, pl_module)
+        self.skipped = T.unscorable(loaded, lm)
+        if self.skipped and len(self.skipped) == len(loaded):
+            raise T.nothing_to_score(self.skipped)
+        if trainer.is_global_zero:
+            for name, why in self.skipped.items():
+                print(T.skip_notice(name, why), file=sys.stderr)
         self.subsets = [
             T.TaskSubset(name, task, self.limit, trainer.global_rank, trainer.world_size)
             for name, task in loaded.items()
+            if name not in self.skipped
         ]
-        # what the tokenizer cannot serve fails now, not at step eval_every
-        lm = self._lm(trainer, pl_module)
-        T.check_tokenizer(loaded, lm)
         for s in self.subsets:
             for inst in s.instances:
                 for text in inst.args:
