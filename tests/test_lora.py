@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, run_main
+from conftest import HANG_S, make_run, run_main
 
 from gptkit.adapters import CHECKPOINT_KEY, check_lora, is_adapter_key
 from gptkit.errors import ConfigError
@@ -277,7 +277,7 @@ def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
     assert after == before
 
 
-def run_group(*argv: str, timeout: int = 180):
+def run_group(*argv: str, timeout: float = HANG_S):
     """`python -m gptkit ...` in its own session; on timeout or error the group (every rank) is killed."""
     import os
     import signal
@@ -318,7 +318,7 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     # the loss moves: equal trajectories are no coincidence
     assert len(set(want.values())) == 4
     two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
-    run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two), timeout=240)
+    run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two))
     err = run_group(
         *lora_args(
             base,
@@ -330,7 +330,6 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
             "trainer.stop_at_step=2",
             *two,
         ),
-        timeout=240,
     )
     assert "start on the meta device" in err
     sharded = runs / "fsdp" / "checkpoints" / "step-000002.ckpt"
@@ -396,7 +395,6 @@ def test_muon_trains_the_adapter_factors_resumes_exactly_and_shards_under_fsdp2(
             "trainer.stop_at_step=2",
             *two,
         ),
-        timeout=240,
     )
     code, _, err = run_main(
         capsys,
