@@ -218,6 +218,10 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
         code, out, err = run_main(capsys, "export", *args)
         assert code == 0, err
     assert "exported the LoRA adapters" in out and "adapter_model.safetensors" in out
+    # the adapters' own parameters (a Llama-style model's PEFT file holds exactly those)
+    trained = sum(v.numel() for k, v in unmerged.state_dict().items() if is_adapter_key(k))
+    assert f"; {trained:,} trainable parameters" in out
+    assert ("stored as" in out) == (position == "learned")
     x = torch.randint(0, unmerged.cfg.vocab_size, (2, 20))
     with torch.no_grad():
         ours = unmerged(x).logits
@@ -232,6 +236,34 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
     torch.testing.assert_close(merged, ours, atol=1e-4, rtol=0)
     code, _, err = run_main(capsys, "export", f"run={base_run}", f"out={tmp_path / 'x'}", "adapters=true")
     assert code == 2 and "is not a LoRA run's checkpoint" in err and not (tmp_path / "x").exists()
+
+
+def test_start_up_and_adapter_export_count_the_same_trainable_parameters(tmp_path, capsys):
+    """A GPT-2-style base with adapters on q, k, v, o: PEFT's file holds zeros beside c_attn's q, k, v blocks,
+    so it stores more values than training trains; both lines count the trainable parameters, and the
+    export's says how many values it stores (issue 34: 65,536 at start-up, 114,688 at export)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    base_run, _, _ = make_run(tmp_path, position="learned", max_seq_len=32)
+    args = lora_args((base_run, tmp_path / "corpus.txt"), tmp_path / "runs", "qkvo", "trainer.max_steps=1")
+    args = [a if not a.startswith("lora.targets=") else "lora.targets=[q,k,v,o]" for a in args]
+    code, _, err = run_main(capsys, *args)
+    assert code == 0, err
+    (trained,) = re.findall(r"on q, k, v, o: ([\d,]+) trainable parameters", err)
+    adapter = tmp_path / "adapter"
+    code, out, err = run_main(
+        capsys, "export", f"run={tmp_path / 'runs' / 'qkvo'}", f"out={adapter}", "adapters=true"
+    )
+    assert code == 0, err
+    stored = sum(v.numel() for v in load_file(adapter / "adapter_model.safetensors").values())
+    state = ckpt(tmp_path / "runs" / "qkvo")["state_dict"]
+    assert int(trained.replace(",", "")) == sum(v.numel() for v in state.values()) < stored
+    assert (
+        f"; {trained} trainable parameters, stored as {stored:,} values: PEFT's adapter on GPT-2's fused "
+        in out
+    )
 
 
 @pytest.mark.parametrize(
