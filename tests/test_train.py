@@ -120,6 +120,31 @@ def test_resume_is_bit_identical(corpus, tmp_path):
     assert losses(tmp_path / "straight", "val/loss") == losses(tmp_path / "split", "val/loss")
 
 
+def test_a_stop_at_step_validates_its_last_step_once_and_the_resume_too(corpus, tmp_path, capsys):
+    """trainer.stop_at_step at a step that is no validation step: Lightning validates the step it stops at
+    (should_stop), and the final validation must not run it again (its line was printed twice)."""
+    from conftest import run_main
+
+    def validated(err: str) -> list[str]:
+        """The steps of the progress lines' validations ("step 4  val loss 3.9367")."""
+        return [
+            line.split()[1] for line in err.splitlines() if line.startswith("step ") and "  val loss " in line
+        ]
+
+    args = [a for a in tiny_args(corpus, tmp_path, "stops") if a != "trainer.progress=false"]
+    code, _, err = run_main(capsys, "train", *args, "trainer.progress=lines", "trainer.stop_at_step=4")
+    assert code == 0, err[-3000:]
+    assert validated(err) == ["4"], err[-3000:]
+    resume = ["train", f"resume={tmp_path / 'stops'}", "trainer.progress=lines"]
+    code, _, err = run_main(capsys, *resume, "trainer.stop_at_step=8")
+    assert code == 0, err[-3000:]
+    assert validated(err) == ["6", "8"], err[-3000:]
+    code, _, err = run_main(capsys, *resume)
+    assert code == 0, err[-3000:]
+    assert validated(err) == ["12"]
+    assert sorted(losses(tmp_path / "stops", "val/loss")) == [4, 6, 8, 12]
+
+
 def test_sigterm_saves_and_resumes(corpus, tmp_path):
     args = tiny_args(
         corpus,
