@@ -209,6 +209,10 @@ class ChatSession:
     are not run again: a second turn feeds only its new tokens. reuse_cache=False re-runs the whole
     conversation every turn (the baseline). When the conversation no longer fits in max_context tokens
     (with room for max_new_tokens), its oldest turns are left out (the system prompt stays).
+
+    fit_answer=True (max_new_tokens is a default, not the user's): an answer gets at most what the context
+    leaves after the conversation, and older turns are left out to keep only min(max_new_tokens, half the
+    context) for it, so a default larger than a small model's context still chats (fit_note says so).
     """
 
     def __init__(
@@ -221,12 +225,18 @@ class ChatSession:
         stop_ids: tuple[int, ...] = (),
         max_context: int | None = None,
         reuse_cache: bool = True,
+        fit_answer: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model, self.tokenizer, self.template, self.opts = model, tokenizer, template, opts
         self.system, self.stop_ids, self.reuse_cache = system, set(stop_ids), reuse_cache
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
-        if opts.max_new_tokens >= self.max_context:
+        self.fit_answer = fit_answer
+        # what a turn keeps free for its answer when older turns are left out
+        self.room = (
+            min(opts.max_new_tokens, max(1, self.max_context // 2)) if fit_answer else opts.max_new_tokens
+        )
+        if self.room >= self.max_context:
             raise GptkitError(
                 f"max_new_tokens={opts.max_new_tokens} leaves no room for the conversation in "
                 f"{self.max_context} tokens of context; lower it"
@@ -239,6 +249,16 @@ class ChatSession:
         if opts.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(int(opts.seed))
         self.reset()
+
+    def fit_note(self) -> str | None:
+        """One line when fit_answer may cap answers below max_new_tokens (a small context), else None."""
+        if self.room >= self.opts.max_new_tokens:
+            return None
+        return (
+            f"an answer gets at most what the {self.max_context}-token context leaves after the "
+            f"conversation (the default max_new_tokens={self.opts.max_new_tokens} does not fit; older turns "
+            f"are left out to keep {self.room} free); give max_new_tokens= to choose"
+        )
 
     def reset(self) -> None:
         """Forget the conversation (the system prompt stays)."""
@@ -255,16 +275,19 @@ class ChatSession:
         while True:
             text, _ = self.template.render(self.messages, add_generation_prompt=True)
             ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-            if len(ids) + self.opts.max_new_tokens <= self.max_context:
+            if len(ids) + self.room <= self.max_context:
                 return ids, notes
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
             # only the new message is left
             if len(self.messages) - first <= 1:
+                # a long message, a shorter answer
+                if self.fit_answer and len(ids) < self.max_context:
+                    return ids, notes
                 self.messages.pop()
+                with_answer = "" if self.fit_answer else f"with max_new_tokens={self.opts.max_new_tokens} "
                 raise GptkitError(
-                    f"the message takes {len(ids)} tokens with the template; with "
-                    f"max_new_tokens={self.opts.max_new_tokens} that exceeds the context of "
-                    f"{self.max_context}: shorten it"
+                    f"the message takes {len(ids)} tokens with the template; {with_answer}that exceeds the "
+                    f"context of {self.max_context}: shorten it"
                 )
             # the oldest user message and its reply
             del self.messages[first : first + 2]
@@ -293,8 +316,10 @@ class ChatSession:
         stream = TextStream(self.tokenizer.decode)
         out: list[int] = []
         reason = "length"
+        # fit_answer: at most what the context leaves (otherwise _prompt left max_new_tokens free)
+        budget = min(self.opts.max_new_tokens, self.max_context - len(ids))
         t1 = time.perf_counter()
-        for i in range(self.opts.max_new_tokens):
+        for i in range(budget):
             nxt = sample_next(logits, self.opts.temperature, self.opts.top_k, self.opts.top_p, self.generator)
             tok = int(nxt[0])
             if tok in self.stop_ids:
@@ -304,7 +329,8 @@ class ChatSession:
             piece = stream.push(tok)
             if on_text is not None and piece:
                 on_text(piece)
-            if i == self.opts.max_new_tokens - 1:
+            if i == budget - 1:
+                reason = "length" if budget == self.opts.max_new_tokens else "context"
                 break
             if self.cache.length >= self.max_context:
                 reason = "context"

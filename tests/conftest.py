@@ -32,6 +32,9 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
+# how long a test waits for a subprocess before calling it a hang: a guard, never a speed limit (a loaded
+# 2-core machine runs the suite several times slower; no test asserts how fast anything is)
+HANG_S = 900
 
 
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
@@ -128,7 +131,7 @@ def shard_bytes(p):
     return {n: (p.dir / n).read_bytes() for n in ("train.bin", "val.bin", "tokenizer.json")}
 
 
-def run_cli(*args, env=None, cwd=None, timeout=300):
+def run_cli(*args, env=None, cwd=None, timeout=HANG_S):
     """Run `python -m gptkit ...` as a subprocess (the way a user runs it); return CompletedProcess."""
     import subprocess
 
@@ -148,6 +151,21 @@ def run_cli(*args, env=None, cwd=None, timeout=300):
 @pytest.fixture
 def cli():
     return run_cli
+
+
+def wait_for(ready, proc, guard_s: float = 1800) -> None:
+    """Wait until ready() holds while `proc` (a Popen) runs: however slowly a loaded machine gets there. The
+    test fails, with the process's stderr, if it exits first; guard_s only stops a hang (no speed limit)."""
+    import time
+
+    # a hang guard on the clock, not a speed limit
+    give_up = time.monotonic() + guard_s
+    while not ready():
+        if proc.poll() is not None:
+            err = proc.stderr.read() if proc.stderr else ""
+            raise AssertionError(f"the process exited ({proc.returncode}) before it was ready: {err[-3000:]}")
+        assert time.monotonic() < give_up, f"not ready after {guard_s:.0f} s (a hang?)"
+        time.sleep(0.2)
 
 
 def run_main(capsys, *args) -> tuple[int, str, str]:

@@ -9,6 +9,7 @@ import torch
 from conftest import run_main
 
 from gptkit import chat_templates as templates
+from gptkit.errors import GptkitError
 from gptkit.generate import ChatSession
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_run, write_run_folder
@@ -143,6 +144,57 @@ def test_chat_refuses_a_template_whose_special_tokens_the_run_lacks(sft_run, cap
     code, _, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={sft}", "template=llama3")
     assert code == 2 and "lacks the special tokens of the chat template llama3: <|begin_of_text|>" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_chat_s_default_max_new_tokens_fits_a_context_shorter_than_it(sft_run, capsys, monkeypatch):
+    """The default (256) on a 96-token run: each answer is capped to what the context leaves, said once; the
+    same number given by the user stays a one-line error."""
+    run = trained_sft(capsys, sft_run)
+    code, out, err = scripted_chat(
+        capsys, monkeypatch, "1+2=\n3+4=\n", f"run={run}", "greedy=true", "threads=1", "--json"
+    )
+    assert code == 0, err
+    notes = [line for line in err.splitlines() if line.startswith("note: an answer")]
+    assert notes == [
+        "note: an answer gets at most what the 96-token context leaves after the conversation (the default "
+        "max_new_tokens=256 does not fit; older turns are left out to keep 48 free); give max_new_tokens= to "
+        "choose"
+    ]
+    answers = [json.loads(line) for line in out.splitlines()]
+    assert len(answers) == 2 and all(a["prompt_tokens"] + a["tokens"] <= 96 for a in answers)
+    code, out, err = scripted_chat(capsys, monkeypatch, "1+2=\n", f"run={run}", "max_new_tokens=256")
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        "error: max_new_tokens=256 leaves no room for the conversation in 96 tokens of context; lower it"
+    )
+
+
+def test_a_fitted_answer_ends_at_the_context_and_older_turns_make_room():
+    torch.manual_seed(0)
+    tok = byte_tokenizer([])
+    t = templates.resolve_template("chatml", None)
+    templates.add_special_tokens(tok, t)
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **TINY)).eval()
+    # no stop token: every answer runs as long as it may
+    s = ChatSession(model, tok, t, SampleOptions(max_new_tokens=256, temperature=0.0), fit_answer=True)
+    first = s.reply("hello")
+    assert len(first.tokens) == 96 - first.prompt_tokens and first.stop_reason == "context"
+    # the 96 tokens of turn 1 leave less than 48 free: turn 1 is left out
+    second = s.reply("again")
+    assert second.notes == ["the conversation outgrew the context: its oldest turn was left out"]
+    assert second.prompt_tokens + len(second.tokens) == 96 and second.stop_reason == "context"
+    # a message longer than the 48 kept free, shorter than the context: a shorter answer
+    s.reset()
+    long = s.reply("x" * 60)
+    assert long.prompt_tokens > 48 and len(long.tokens) == 96 - long.prompt_tokens
+    # one that fills the context: an error, and the conversation as it was
+    s.reset()
+    with pytest.raises(GptkitError, match="that exceeds the context of 96: shorten it"):
+        s.reply("x" * 100)
+    assert s.messages == []
+    # the user's own max_new_tokens is kept free as asked
+    s = ChatSession(model, tok, t, SampleOptions(max_new_tokens=40, temperature=0.0))
+    assert len(s.reply("hello").tokens) == 40 and s.fit_note() is None
 
 
 def session(reuse: bool) -> ChatSession:

@@ -3,7 +3,6 @@ line on stderr, a non-zero exit, and nothing half-written left in the cache."""
 
 import json
 import os
-import time
 
 import pytest
 
@@ -130,9 +129,8 @@ def test_shards_from_another_tokenizer(cli, tmp_path):
     assert_one_line_error(r, "written with tokenizer byte", "not the configured char")
 
 
-def test_hub_without_network_fails_fast(cli, tmp_path):
+def test_hub_without_network_fails_in_one_line(cli, tmp_path):
     args = ("data=hub", "data.name=Salesforce/wikitext", "data.config=wikitext-2-raw-v1")
-    t0 = time.time()
     # conftest sets HF_HUB_OFFLINE=1
     r = prepare(cli, tmp_path, *args)
     assert_one_line_error(r, "Salesforce/wikitext", "data=files")
@@ -150,5 +148,36 @@ def test_hub_without_network_fails_fast(cli, tmp_path):
         },
     )
     assert_one_line_error(r, "is unreachable", "data=files")
-    assert time.time() - t0 < 60
+    assert_nothing_left(tmp_path)
+
+
+def test_an_unreachable_hub_is_one_connect_with_data_timeout_s_and_datasets_is_never_called(
+    tmp_path, monkeypatch
+):
+    """Why no network fails in seconds: one TCP connect, bounded by data.timeout_s, answers before
+    datasets (and its minutes of retries) is called at all."""
+    import datasets
+
+    from gptkit.data import prepare
+    from gptkit.errors import GptkitError
+
+    connects = []
+
+    def refused(address, timeout):
+        connects.append((address, timeout))
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    def never(*args, **kwargs):
+        raise AssertionError("datasets.load_dataset called with the hub unreachable")
+
+    monkeypatch.setattr("gptkit.hub.socket.create_connection", refused)
+    monkeypatch.setattr(datasets, "load_dataset", never)
+    for v in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "http_proxy", "https_proxy", "HTTP_PROXY"):
+        monkeypatch.delenv(v, raising=False)
+    monkeypatch.delenv("HTTPS_PROXY", raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")
+    data = {"kind": "hub", "name": "Salesforce/wikitext", "config": "wikitext-2-raw-v1", "timeout_s": 3}
+    with pytest.raises(GptkitError, match="is unreachable .*data=files"):
+        prepare(data, {"kind": "byte"}, cache_dir=tmp_path / "cache", progress=False)
+    assert connects == [(("127.0.0.1", 9), 3.0)]
     assert_nothing_left(tmp_path)

@@ -9,7 +9,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import shakespeare
+from conftest import HANG_S, shakespeare
 
 SMALL = dict(PIECE_CHARS=600, HARD_CHARS=1200, BATCH_CHARS=2000)
 SHARD_TOKENS = 1500
@@ -30,7 +30,11 @@ def run(cache, data, tok, fault=None):
     if fault:
         env["GPTKIT_FAULT"] = fault
     return subprocess.run(
-        [sys.executable, "-c", script(cache, data, tok)], env=env, capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script(cache, data, tok)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
     )
 
 

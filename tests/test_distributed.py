@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, run_cli, shakespeare
+from conftest import HANG_S, REPO, run_cli, shakespeare
 
 STEPS = 6
 # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
@@ -58,7 +58,7 @@ def args(corpus: Path, runs: Path, name: str, world: int, *extra: str) -> list[s
     ]
 
 
-def run_group(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def run_group(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout (or any error) kill the whole group, children included."""
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
@@ -83,7 +83,7 @@ def run_group(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def train(*argv: str, timeout: int = 120) -> subprocess.CompletedProcess:
+def train(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     r = run_group("-m", "gptkit", "train", *argv, timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -171,7 +171,7 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
     train("resume=" + str(run), "trainer.devices=1", "trainer.batch_size=4")
     assert_same_trajectory(losses(run), losses(reference))
     # consolidate the step-2 shards into one file; it holds the weights the single process had at step 2
-    r = run_cli("consolidate", f"run={sharded}", timeout=120)
+    r = run_cli("consolidate", f"run={sharded}")
     assert r.returncode == 0, r.stderr[-2000:]
     merged_file = run / "checkpoints/step-000002.consolidated.ckpt"
     merged = torch.load(merged_file, weights_only=True)
@@ -227,7 +227,6 @@ def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):
         str(script),
         "train",
         *args(corpus, tmp_path, "fails", 2, "trainer=ddp", "trainer.devices=2"),
-        timeout=90,
     )
     assert r.returncode != 0
     assert "rank 1 broke on purpose" in r.stderr
@@ -243,7 +242,6 @@ def test_several_nodes_without_a_launcher_fail_in_one_line_before_any_process_st
         "trainer=ddp",
         "trainer.devices=2",
         "trainer.num_nodes=2",
-        timeout=60,
     )
     assert r.returncode == 2, r.stderr[-2000:]
     lines = r.stderr.strip().splitlines()
@@ -301,7 +299,6 @@ def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory():
         "trainer.devices=2",
         "trainer.accelerator=cpu",
         "model=llama3-70b",
-        timeout=90,
     )
     assert "gloo" in r.stdout and "sum 1 (expected 1)" in r.stdout, r.stdout + r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]

@@ -224,7 +224,6 @@ def test_offline_a_model_in_the_hf_cache_still_imports(tmp_path, cli):
 def test_offline_import_fails_fast_in_one_line_naming_hf_hub_offline(tmp_path, cli):
     """The real CLI and huggingface_hub with an empty cache: HF_HUB_OFFLINE=1, then the hub unreachable."""
     cache = {"HF_HUB_CACHE": str(tmp_path / "empty-cache")}
-    t0 = time.time()
     # conftest: HF_HUB_OFFLINE=1
     r = cli("import", "hf=openai-community/gpt2", f"out={tmp_path / 'run'}", env=cache)
     one_line_error(r, "openai-community/gpt2", "HF_HUB_OFFLINE", "gptkit import hf=/path/to/folder")
@@ -239,8 +238,37 @@ def test_offline_import_fails_fast_in_one_line_naming_hf_hub_offline(tmp_path, c
         "train", "init_from=hf:openai-community/gpt2", f"runs_dir={tmp_path / 'runs'}", "name=ft", env=cache
     )
     one_line_error(r, "HF_HUB_OFFLINE", "gptkit train init_from=hf:/path/to/folder")
-    assert time.time() - t0 < 90
     assert not (tmp_path / "run").exists() and not (tmp_path / "runs" / "ft" / "checkpoints").exists()
+
+
+def test_an_unreachable_hub_is_one_short_connect_then_the_cache_only(tmp_path, monkeypatch):
+    """Why no network fails in seconds: one TCP connect with hub.TIMEOUT_S answers, and huggingface_hub is
+    then asked for the local cache only (local_files_only: no downloads, no retries)."""
+    import huggingface_hub
+
+    from gptkit import hub
+
+    connects, asked = [], []
+    real = huggingface_hub.snapshot_download
+
+    def refused(address, timeout):
+        connects.append((address, timeout))
+        raise ConnectionRefusedError(111, "Connection refused")
+
+    def snapshot_download(*args, **kwargs):
+        asked.append(kwargs["local_files_only"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("gptkit.hub.socket.create_connection", refused)
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    for k, v in {**NO_PROXY, "HF_HUB_OFFLINE": "0", "HF_ENDPOINT": "http://127.0.0.1:9"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    with pytest.raises(GptkitError, match="is unreachable"):
+        hf.locate("openai-community/gpt2")
+    assert connects == [(("127.0.0.1", 9), hub.TIMEOUT_S)]
+    assert asked and all(asked)
 
 
 # ---- train init_from=hf:<owner/name | folder> ------------------------------------------------------

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, run_main
+from conftest import HANG_S, make_run, run_main
 
 from gptkit.adapters import CHECKPOINT_KEY, check_lora, is_adapter_key
 from gptkit.errors import ConfigError
@@ -218,6 +218,10 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
         code, out, err = run_main(capsys, "export", *args)
         assert code == 0, err
     assert "exported the LoRA adapters" in out and "adapter_model.safetensors" in out
+    # the adapters' own parameters (a Llama-style model's PEFT file holds exactly those)
+    trained = sum(v.numel() for k, v in unmerged.state_dict().items() if is_adapter_key(k))
+    assert f"; {trained:,} trainable parameters" in out
+    assert ("stored as" in out) == (position == "learned")
     x = torch.randint(0, unmerged.cfg.vocab_size, (2, 20))
     with torch.no_grad():
         ours = unmerged(x).logits
@@ -232,6 +236,34 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
     torch.testing.assert_close(merged, ours, atol=1e-4, rtol=0)
     code, _, err = run_main(capsys, "export", f"run={base_run}", f"out={tmp_path / 'x'}", "adapters=true")
     assert code == 2 and "is not a LoRA run's checkpoint" in err and not (tmp_path / "x").exists()
+
+
+def test_start_up_and_adapter_export_count_the_same_trainable_parameters(tmp_path, capsys):
+    """A GPT-2-style base with adapters on q, k, v, o: PEFT's file holds zeros beside c_attn's q, k, v blocks,
+    so it stores more values than training trains; both lines count the trainable parameters, and the
+    export's says how many values it stores (issue 34: 65,536 at start-up, 114,688 at export)."""
+    import re
+
+    from safetensors.torch import load_file
+
+    base_run, _, _ = make_run(tmp_path, position="learned", max_seq_len=32)
+    args = lora_args((base_run, tmp_path / "corpus.txt"), tmp_path / "runs", "qkvo", "trainer.max_steps=1")
+    args = [a if not a.startswith("lora.targets=") else "lora.targets=[q,k,v,o]" for a in args]
+    code, _, err = run_main(capsys, *args)
+    assert code == 0, err
+    (trained,) = re.findall(r"on q, k, v, o: ([\d,]+) trainable parameters", err)
+    adapter = tmp_path / "adapter"
+    code, out, err = run_main(
+        capsys, "export", f"run={tmp_path / 'runs' / 'qkvo'}", f"out={adapter}", "adapters=true"
+    )
+    assert code == 0, err
+    stored = sum(v.numel() for v in load_file(adapter / "adapter_model.safetensors").values())
+    state = ckpt(tmp_path / "runs" / "qkvo")["state_dict"]
+    assert int(trained.replace(",", "")) == sum(v.numel() for v in state.values()) < stored
+    assert (
+        f"; {trained} trainable parameters, stored as {stored:,} values: PEFT's adapter on GPT-2's fused "
+        in out
+    )
 
 
 @pytest.mark.parametrize(
@@ -277,7 +309,7 @@ def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
     assert after == before
 
 
-def run_group(*argv: str, timeout: int = 180):
+def run_group(*argv: str, timeout: float = HANG_S):
     """`python -m gptkit ...` in its own session; on timeout or error the group (every rank) is killed."""
     import os
     import signal
@@ -318,7 +350,7 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     # the loss moves: equal trajectories are no coincidence
     assert len(set(want.values())) == 4
     two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
-    run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two), timeout=240)
+    run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two))
     err = run_group(
         *lora_args(
             base,
@@ -330,7 +362,6 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
             "trainer.stop_at_step=2",
             *two,
         ),
-        timeout=240,
     )
     assert "start on the meta device" in err
     sharded = runs / "fsdp" / "checkpoints" / "step-000002.ckpt"
@@ -396,7 +427,6 @@ def test_muon_trains_the_adapter_factors_resumes_exactly_and_shards_under_fsdp2(
             "trainer.stop_at_step=2",
             *two,
         ),
-        timeout=240,
     )
     code, _, err = run_main(
         capsys,

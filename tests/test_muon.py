@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HANG_S
 from omegaconf import OmegaConf
 
 from gptkit.conf_tree import compose
@@ -521,7 +522,7 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         for r in range(2)
     ]
     try:
-        errors = [p.communicate(timeout=120)[1] for p in ranks]
+        errors = [p.communicate(timeout=HANG_S)[1] for p in ranks]
     finally:
         for p in ranks:
             p.kill()

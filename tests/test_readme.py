@@ -6,7 +6,7 @@ import shlex
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_main
+from conftest import HANG_S, REPO, run_main
 from omegaconf import OmegaConf
 
 # appended to the tour's `gptkit train` line: the same recipe, a model and a run small enough for a test
@@ -155,7 +155,7 @@ def test_train_derives_each_fact_of_the_plan_once():
         [sys.executable, str(REPO / ".ci" / "rederivations"), "--check"],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
     )
     assert r.returncode == 0, r.stdout + r.stderr[-3000:]
     counts = dict(line.rsplit(None, 1) for line in r.stdout.splitlines() if line.strip())

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, run_main
+from conftest import HANG_S, make_run, run_main
 
 from gptkit.errors import GptkitError
 
@@ -278,7 +278,7 @@ def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tm
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
     r = subprocess.run(
-        [sys.executable, str(script), "train", *args], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, str(script), "train", *args], env=env, capture_output=True, text=True, timeout=HANG_S
     )
     run = tmp_path / "r"
     assert r.returncode == 130, r.stderr[-2000:]

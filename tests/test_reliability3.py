@@ -5,7 +5,7 @@ import csv
 import re
 from pathlib import Path
 
-from conftest import run_main, shakespeare
+from conftest import HANG_S, run_main, shakespeare
 
 
 def tiny(tmp_path: Path, *extra: str) -> list[str]:
@@ -177,7 +177,7 @@ def test_the_host_memory_estimate_bounds_the_measured_growth_of_a_training_proce
     )
     env = {k: v for k, v in os.environ.items() if k != "GPTKIT_VERB"}
     r = subprocess.run(
-        [sys.executable, str(script), "train", *args], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(script), "train", *args], capture_output=True, text=True, env=env, timeout=HANG_S
     )
     assert r.returncode == 0, r.stderr[-2000:]
     grown, estimate = map(float, r.stderr.rsplit("MEMORY ", 1)[1].split())
@@ -237,5 +237,5 @@ def test_a_tokenizer_worker_whose_prepare_died_while_it_started_exits_at_once():
 
     # 1: not this one's parent
     code = "from gptkit.data.tokenize import _init_worker; _init_worker(1)"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 1 and r.stderr == "", r.stderr

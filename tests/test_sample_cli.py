@@ -120,6 +120,25 @@ def test_nonsense_sampling_values_are_one_line(run_dir, capsys, args, message):
     assert code == 2 and err.count("\n") == 1 and message in err, err
 
 
+def test_prompt_and_prompt_file_together_are_refused_in_one_line(run_dir, tmp_path, capsys):
+    d, _, _ = run_dir
+    f = tmp_path / "a.txt"
+    f.write_text("ROMEO")
+    code, out, err = run_main(
+        capsys, "sample", f"run={d}", "prompt=hi", f"prompt_file={f}", "max_new_tokens=2"
+    )
+    assert code == 2 and out == ""
+    assert err.strip() == (
+        f"error: prompt= and prompt_file={f} both give the prompt; give one of them (prompt_file= for text "
+        "that is awkward to quote)"
+    )
+    # the file alone is the prompt
+    code, out, err = run_main(
+        capsys, "sample", f"run={d}", f"prompt_file={f}", "max_new_tokens=2", "stream=false", "--json"
+    )
+    assert code == 0 and json.loads(out)["prompt"] == "ROMEO", err
+
+
 def test_bad_run_folders_are_one_line(tmp_path, capsys):
     d, _, _ = make_run(tmp_path, eos=False, position="learned")
     # the default prompt, ""

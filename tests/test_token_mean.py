@@ -12,7 +12,7 @@ import warnings
 import lightning as L
 import token_mean_distributed as w
 import torch
-from conftest import REPO
+from conftest import HANG_S, REPO
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
@@ -125,7 +125,7 @@ def test_two_ranks_ddp_and_fsdp2_give_the_one_process_gradient(tmp_path):
         for r in range(2)
     ]
     try:
-        errors = [p.communicate(timeout=120)[1] for p in ranks]
+        errors = [p.communicate(timeout=HANG_S)[1] for p in ranks]
     finally:
         for p in ranks:
             p.kill()

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HANG_S
 
 from gptkit.model import GPT, ModelConfig
 from gptkit_kernels import interpreting
@@ -109,7 +110,9 @@ def test_no_gpu_and_no_interpreter_falls_back_with_one_warning():
         print("KERNEL_MATCH", torch.allclose(fused_loss, eager(idx, idx).loss, rtol=1e-6))
     """)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=HANG_S
+    )
     assert r.returncode == 0, r.stderr
     warnings_line = next(line for line in r.stdout.splitlines() if line.startswith("WARNINGS"))
     # once, for 4 attention calls

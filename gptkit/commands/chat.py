@@ -22,6 +22,8 @@ from pathlib import Path
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
 COMMANDS = ("/reset", "/exit")
+# max_new_tokens=null (conf/chat.yaml): up to this many, capped at what the run's context leaves
+DEFAULT_NEW_TOKENS = 256
 
 
 def run(cfg) -> int:
@@ -60,8 +62,10 @@ def run(cfg) -> int:
             file=sys.stderr,
         )
     try:
+        # not given: the default, which must fit the run (a small model's context is shorter than it)
+        fit_answer = cfg.max_new_tokens is None
         opts = SampleOptions(
-            max_new_tokens=int(cfg.max_new_tokens),
+            max_new_tokens=DEFAULT_NEW_TOKENS if fit_answer else int(cfg.max_new_tokens),
             temperature=0.0 if cfg.greedy else float(cfg.temperature),
             top_k=None if cfg.top_k in (None, 0) else int(cfg.top_k),
             top_p=float(cfg.top_p),
@@ -79,7 +83,10 @@ def run(cfg) -> int:
         stop_ids=tuple(stop),
         max_context=cfg.max_context,
         reuse_cache=bool(cfg.reuse_cache),
+        fit_answer=fit_answer,
     )
+    if session.fit_note():
+        print(f"note: {session.fit_note()}", file=sys.stderr)
     tty = sys.stdin.isatty()
     streaming = cfg.format == "text" and bool(cfg.stream)
 

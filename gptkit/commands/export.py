@@ -151,10 +151,18 @@ def export_adapters(ckpt, out, cfg) -> int:
             metadata={"format": "pt"},
         )
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
-    n = sum(v.numel() for v in tensors.values())
+    # the parameters training counted; PEFT's layout may store more values (zeros)
+    n = adapters.adapter_params(model_cfg, record["targets"], record["rank"])
+    stored = sum(v.numel() for v in tensors.values())
+    layout = (
+        f", stored as {stored:,} values: PEFT's adapter on GPT-2's fused c_attn holds zeros beside the "
+        f"q, k, v blocks"
+        if stored != n
+        else ""
+    )
     print(
         f"exported the LoRA adapters of {ckpt} (rank {record['rank']}, alpha {record['alpha']}, "
-        f"{', '.join(record['targets'])}; {n:,} parameters, {cfg.dtype}) to {Path(out)}: "
+        f"{', '.join(record['targets'])}; {n:,} trainable parameters{layout}, {cfg.dtype}) to {Path(out)}: "
         f"adapter_config.json, adapter_model.safetensors, for PEFT on the base {source or base_run} "
         f"(export it with: gptkit export run={base_run} out=<folder>)"
     )

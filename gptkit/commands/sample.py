@@ -77,10 +77,16 @@ def options(cfg, max_seq_len: int, eos_id):
 
 
 def read_prompt(cfg) -> str:
-    from gptkit.errors import GptkitError
+    from gptkit.errors import ConfigError, GptkitError
 
     if cfg.prompt_file is None:
         return str(cfg.prompt)
+    # both given: which one was meant cannot be known
+    if str(cfg.prompt) != "":
+        raise ConfigError(
+            f"prompt= and prompt_file={cfg.prompt_file} both give the prompt; give one of them "
+            "(prompt_file= for text that is awkward to quote)"
+        )
     p = Path(str(cfg.prompt_file)).expanduser()
     if p.is_dir():
         raise GptkitError(f"prompt_file={p} is a folder; give a text file")

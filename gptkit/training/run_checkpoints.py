@@ -76,6 +76,8 @@ class RunCheckpoints(Callback):
         self.best_val: float | None = None
         self.signal_name: str | None = None
         self.interrupted = False
+        # the step of this invocation's latest validation (final_validation does not repeat it)
+        self.validated_at: int | None = None
         # (written, where it is published)
         self._pending: tuple[Path, Path] | None = None
         self._previous: dict[int, Any] = {}
@@ -145,6 +147,8 @@ class RunCheckpoints(Callback):
     def on_validation_end(self, trainer, pl_module) -> None:
         """trainer.keep_best: a new lowest val/loss saves checkpoints/best.ckpt (every rank saves; rank 0
         renames it into place once the rows so far are on disk)."""
+        if not trainer.sanity_checking:
+            self.validated_at = trainer.global_step
         val = trainer.callback_metrics.get("val/loss")
         if not self.keep_best or val is None or trainer.sanity_checking:
             return

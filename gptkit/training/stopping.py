@@ -15,7 +15,11 @@ class _Stop(BaseException):
 
 def final_validation(trainer: Any, module: Any, datamodule: Any, checkpoints: Any) -> None:
     """trainer.validate with SIGINT/SIGTERM stopping it: `checkpoints` (RunCheckpoints) then names the signal
-    (signal_name) and still holds the last step's checkpoint for its publication."""
+    (signal_name) and still holds the last step's checkpoint for its publication. A step already validated
+    is not validated again: Lightning validates the step at which trainer.stop_at_step sets should_stop."""
+    # every rank skips it alike: each saw the same validations
+    if checkpoints.validated_at == trainer.global_step:
+        return
     # Lightning's on_exception would discard it
     pending, checkpoints._pending = checkpoints._pending, None
 
