@@ -138,6 +138,19 @@ def lock_file(path: Path | str, create: bool = True) -> int | None:
     return fd
 
 
+def wait_unlocked(path: Path | str) -> None:
+    """Block until the process holding the lock_file lock at `path` releases it (or ends); at once when there
+    is no file at `path`."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+
+
 # ---- what a file names stays in its folder -----------------------------------------------------------
 def confined(folder: Path | str, name: Any, named_by: Path | str, links: bool = False) -> Path:
     """`folder/name` for a file name that an index or checkpoint (`named_by`) gives, if it stays inside

@@ -519,6 +519,107 @@ def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
         prep(tmp_path, data, {"kind": "char"})
 
 
+def big_token_file(path, n=1_500_000):
+    """A raw uint16 token file of n byte ids (3 MB by default: its copy takes a moment)."""
+    np.random.default_rng(0).integers(0, 256, n, dtype=np.uint16).tofile(path)
+    return path
+
+
+def start_token_prepare(tmp_path, big, cache, name):
+    """`python -m gptkit prepare data=tokens` of `big` into `cache`, started now; its stderr goes to
+    tmp_path/<name>.err."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GPTKIT_VERB", "GPTKIT_FAULT")}
+    args = ["data=tokens", f"data.paths=[{big}]", "tokenizer=byte", "progress=false", f"cache_dir={cache}"]
+    with open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gptkit", "prepare", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            cwd=tmp_path,
+        )
+
+
+def check_token_folder(cache, big):
+    """The cache holds one complete prepared folder of `big` (train + val are its tokens) and nothing else."""
+    from gptkit.data import load_prepared
+
+    (folder,) = cache.iterdir()
+    p = load_prepared(folder)
+    p.wait_checked()
+    assert all_ids(p) == np.fromfile(big, dtype=np.uint16).tolist()
+    assert sorted(f.name for f in folder.iterdir()) == [
+        "manifest.json",
+        "tokenizer.json",
+        "train.bin",
+        "val.bin",
+    ]
+    return folder
+
+
+def test_token_file_builds_started_together_all_succeed_on_one_complete_folder(tmp_path):
+    big = big_token_file(tmp_path / "big.bin")
+    cache = tmp_path / "cache"
+    procs = [start_token_prepare(tmp_path, big, cache, f"p{i}") for i in range(3)]
+    codes = [p.wait(timeout=600) for p in procs]
+    errs = [(tmp_path / f"p{i}.err").read_text() for i in range(3)]
+    assert codes == [0, 0, 0], errs
+    folder = check_token_folder(cache, big)
+    # every one of them names that folder
+    assert all(str(folder) in e for e in errs), errs
+
+
+def test_a_token_file_build_waits_for_a_live_builder_and_takes_over_a_dead_ones_folder(tmp_path, capsys):
+    import time
+
+    from conftest import run_main
+
+    from gptkit.fsio import lock_file
+
+    big = big_token_file(tmp_path / "big.bin")
+    # the folder name the build will have (the cache key does not depend on the cache folder)
+    args = ["data=tokens", f"data.paths=[{big}]", "tokenizer=byte", "progress=false"]
+    code, _, err = run_main(capsys, "prepare", *args, f"cache_dir={tmp_path / 'probe'}")
+    assert code == 0, err
+    (probe,) = (tmp_path / "probe").iterdir()
+    cache = tmp_path / "cache"
+    partial = cache / f".{probe.name}.partial"
+    partial.mkdir(parents=True)
+    # a builder at work: its lock held, its half-written file
+    (partial / "all.bin").write_bytes(b"half")
+    lock = lock_file(partial / ".building")
+    try:
+        procs = [start_token_prepare(tmp_path, big, cache, f"w{i}") for i in range(2)]
+        errs, hung = ["", ""], time.monotonic() + 600
+        # both say they wait (a process that ends instead fails the test below)
+        while not all("waiting" in e for e in errs) and all(p.poll() is None for p in procs):
+            assert time.monotonic() < hung, errs
+            time.sleep(0.2)
+            errs = [(tmp_path / f"w{i}.err").read_text() for i in range(2)]
+        assert all(p.poll() is None for p in procs), errs
+        assert all(f"another prepare is building {probe.name}; waiting for it" in e for e in errs), errs
+        # the live builder's folder is untouched, and nothing is taken for a result
+        assert (partial / "all.bin").read_bytes() == b"half"
+        assert sorted(p.name for p in cache.iterdir()) == [partial.name]
+    finally:
+        # the builder dies: its folder is taken over
+        os.close(lock)
+    codes = [p.wait(timeout=600) for p in procs]
+    errs = [(tmp_path / f"w{i}.err").read_text() for i in range(2)]
+    assert codes == [0, 0], errs
+    assert check_token_folder(cache, big).name == probe.name
+
+    # a dead builder's folder found before any build starts: taken over at once
+    data = {"kind": "tokens", "paths": [str(big)]}
+    dead = tmp_path / "c2" / f".{probe.name}.partial"
+    dead.mkdir(parents=True)
+    (dead / ".building").touch()
+    (dead / "train.bin").write_bytes(b"junk")
+    p = prepare(data, {"kind": "byte"}, cache_dir=tmp_path / "c2", progress=False)
+    assert p.dir.name == probe.name
+    check_token_folder(tmp_path / "c2", big)
+
+
 def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_path, capsys):
     """`gptkit bench data` on a small generated file: each tokenizer's encoders alone (with their ids checked
     against HF's), prepare with 1 and 2 workers (the same tokens either way), and the 40 GB projection bound

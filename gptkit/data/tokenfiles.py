@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import sys
 import time
@@ -38,7 +39,8 @@ from gptkit.data.prepared import (
 )
 from gptkit.data.sources import _files_digest, expand_paths
 from gptkit.errors import GptkitError
-from gptkit.fsio import DIR_MODE, file_crc32, lock_file
+from gptkit.faults import fault_point
+from gptkit.fsio import DIR_MODE, file_crc32, lock_file, wait_unlocked
 from gptkit.tokenizer import eos_id, file_sha256
 
 LLMC_MAGIC = 20240520
@@ -147,10 +149,15 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=DIR_MODE)
-    lock = lock_file(tmp / ".building")
+    lock = _take_build_folder(tmp, final)
+    if lock is None:
+        return load_prepared(final)
+    published = False
     try:
+        # what a killed builder left in the folder
+        for p in tmp.iterdir():
+            if p.name != ".building":
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         if val_files:
             n_train, _ = _copy(files, layouts, tmp / SHARDS["train"], dtype, vocab)
             n_val, _ = _copy(val_files, val_layouts, tmp / SHARDS["val"], dtype, vocab)
@@ -205,9 +212,50 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
         }
         manifest["checksum"] = manifest_checksum(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        (tmp / ".building").unlink()
+        fault_point("prepare-shards")
+        # renamed with its lock file inside: while the folder has its building name, its lock is the one held
         os.rename(tmp, final)
+        published = True
+        (final / ".building").unlink()
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not published:
+            _discard(tmp)
         os.close(lock)
     return load_prepared(final)
+
+
+def _take_build_folder(tmp: Path, final: Path) -> int | None:
+    """The lock (an open descriptor) of the build folder `tmp`, made or taken over from a builder that died
+    (the OS drops its lock); while another process builds in it, wait for that one. None: `final` is complete
+    (built by another process meanwhile), and `tmp` is not ours."""
+    said = False
+    while True:
+        tmp.mkdir(mode=DIR_MODE, exist_ok=True)
+        try:
+            # held while building: the OS drops it when the builder dies
+            lock = lock_file(tmp / ".building")
+        # renamed or removed by its builder just now
+        except FileNotFoundError:
+            continue
+        if lock is not None and (final / MANIFEST).is_file():
+            _discard(tmp)
+            os.close(lock)
+            return None
+        if lock is not None:
+            return lock
+        if not said:
+            print(f"another prepare is building {final.name}; waiting for it", file=sys.stderr, flush=True)
+            said = True
+        wait_unlocked(tmp / ".building")
+
+
+def _discard(tmp: Path) -> None:
+    """Remove a build folder whose lock this process holds: renamed first (to a name that
+    gptkit.data.build.remove_stale_builds removes should this process die now), so that a process that comes
+    for it meanwhile makes a new one instead of writing into the one being removed."""
+    trash = tmp.with_name(f"{tmp.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.rename(tmp, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
