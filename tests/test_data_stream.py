@@ -620,6 +620,43 @@ def test_a_token_file_build_waits_for_a_live_builder_and_takes_over_a_dead_ones_
     check_token_folder(tmp_path / "c2", big)
 
 
+def test_a_full_disk_during_a_token_file_build_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from gptkit.data import tokenfiles
+
+    big = big_token_file(tmp_path / "big.bin", n=5000)
+    data = {"kind": "tokens", "paths": [str(big)]}
+    cache = tmp_path / "cache"
+    real_copy, real_tail = tokenfiles._copy, tokenfiles.copy_tail
+    for exc in (
+        OSError(errno.ENOSPC, "No space left on device"),
+        # numpy's ndarray.tofile on a full disk (no errno, no file named)
+        OSError("Not enough free space to write 6000 bytes after offset 4000"),
+    ):
+        for where in ("_copy", "copy_tail"):
+
+            def full(*args, exc=exc):
+                # the file being written: half of it, then no space
+                written = args[2] if where == "_copy" else args[1]
+                written.write_bytes(b"\0" * 400)
+                raise exc
+
+            monkeypatch.setattr(tokenfiles, where, full)
+            with pytest.raises(GptkitError) as err:
+                prepare(data, {"kind": "byte"}, cache_dir=cache, progress=False)
+            monkeypatch.setattr(tokenfiles, "_copy", real_copy)
+            monkeypatch.setattr(tokenfiles, "copy_tail", real_tail)
+            msg = str(err.value)
+            assert msg.startswith(f"no space left on the disk writing {cache}/tokens-byte-"), msg
+            assert "it needs about 9.77 KiB" in msg and "free some space" in msg and "\n" not in msg, msg
+            # nothing half-written is left in the cache
+            assert list(cache.iterdir()) == [], list(cache.iterdir())
+    # with space it is built
+    p = prepare(data, {"kind": "byte"}, cache_dir=cache, progress=False)
+    assert check_token_folder(cache, big) == p.dir
+
+
 def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_path, capsys):
     """`gptkit bench data` on a small generated file: each tokenizer's encoders alone (with their ids checked
     against HF's), prepare with 1 and 2 workers (the same tokens either way), and the 40 GB projection bound

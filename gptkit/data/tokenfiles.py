@@ -40,7 +40,7 @@ from gptkit.data.prepared import (
 from gptkit.data.sources import _files_digest, expand_paths
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
-from gptkit.fsio import DIR_MODE, file_crc32, lock_file, wait_unlocked
+from gptkit.fsio import DIR_MODE, disk_full_error, file_crc32, is_disk_full, lock_file, wait_unlocked
 from gptkit.tokenizer import eos_id, file_sha256
 
 LLMC_MAGIC = 20240520
@@ -217,6 +217,11 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
         os.rename(tmp, final)
         published = True
         (final / ".building").unlink()
+    except BaseException as exc:
+        if is_disk_full(exc) and not isinstance(exc, GptkitError):
+            needed = sum(lay[3] for lay in layouts + val_layouts) * DTYPES[dtype]
+            raise disk_full_error(final, needed, exc) from exc
+        raise
     finally:
         if not published:
             _discard(tmp)
