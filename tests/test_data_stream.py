@@ -657,6 +657,34 @@ def test_a_full_disk_during_a_token_file_build_is_one_line_and_writes_nothing(tm
     assert check_token_folder(cache, big) == p.dir
 
 
+def test_an_empty_train_or_val_split_of_token_files_is_refused_at_prepare(tmp_path):
+    tokens = np.arange(3000, dtype=np.uint16) % 256
+    tokens.tofile(tmp_path / "t.bin")
+    llmc_shard(tmp_path / "zero.bin", [])
+    tok = {"kind": "byte"}
+    cases = {
+        "train": (
+            {"paths": [str(tmp_path / "zero.bin")], "val_paths": [str(tmp_path / "t.bin")]},
+            "data.paths",
+        ),
+        "val": (
+            {"paths": [str(tmp_path / "t.bin")], "val_paths": [str(tmp_path / "zero.bin")]},
+            "data.val_paths",
+        ),
+    }
+    for split, (paths, key) in cases.items():
+        with pytest.raises(GptkitError) as err:
+            prep(tmp_path, {"kind": "tokens", **paths}, tok)
+        msg = str(err.value)
+        assert f"the {split} split" in msg and "zero.bin" in msg and "0 tokens" in msg and key in msg, msg
+        assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+    # an empty shard beside a full one adds nothing, and is no error
+    p = prep(
+        tmp_path, {"kind": "tokens", "paths": [str(tmp_path / "zero.bin"), str(tmp_path / "t.bin")]}, tok
+    )
+    assert all_ids(p) == tokens.tolist()
+
+
 def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_path, capsys):
     """`gptkit bench data` on a small generated file: each tokenizer's encoders alone (with their ids checked
     against HF's), prepare with 1 and 2 workers (the same tokens either way), and the 40 GB projection bound

@@ -146,6 +146,17 @@ def prepare_tokens(data: dict[str, Any], tok_s: dict[str, Any], root: Path, tok,
     final = root / f"tokens-{tok_s['kind']}-{key[:16]}"
     if (final / MANIFEST).is_file():
         return load_prepared(final)
+    given = [("train", "data.paths", files, layouts)] + (
+        [("val", "data.val_paths", val_files, val_layouts)] if val_files else []
+    )
+    for split, where, fs, lays in given:
+        if not sum(lay[3] for lay in lays):
+            raise GptkitError(
+                f"the {split} split would be empty: the token files of {where} hold 0 tokens ("
+                + ", ".join(map(str, fs[:3]))
+                + (f" and {len(fs) - 3} more" if len(fs) > 3 else "")
+                + "); give token files with tokens"
+            )
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.partial"
