@@ -509,6 +509,10 @@ def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
         "magic": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], magic=7), r"x.bin: bad magic 7"),
         "version": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], version=2), r"llm.c shard version 2"),
         "count": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], count=5), r"header says 5 tokens"),
+        "short": (
+            lambda: (tmp_path / "x.bin").write_bytes(np.asarray([20240520, 1], "<i4").tobytes()),
+            r"x.bin: 8 bytes is shorter than the 1,024-byte header of an llm.c shard",
+        ),
     }
     for what, (make, needle) in bad.items():
         make()

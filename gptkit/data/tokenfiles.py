@@ -59,7 +59,12 @@ def _layout(f: Path, fmt: str, dtype: str) -> tuple[str, int, str, int]:
     if fmt == "auto":
         fmt = "llmc" if magic == LLMC_MAGIC else "raw"
     if fmt == "llmc":
-        if magic != LLMC_MAGIC or len(head) < LLMC_HEADER:
+        if len(head) < LLMC_HEADER:
+            raise GptkitError(
+                f"{f}: {size:,} bytes is shorter than the {LLMC_HEADER:,}-byte header of an llm.c shard; "
+                f"it is truncated, or set data.format=raw for a raw token file"
+            )
+        if magic != LLMC_MAGIC:
             raise GptkitError(
                 f"{f}: bad magic {magic} (an llm.c shard starts with {LLMC_MAGIC}); "
                 f"set data.format=raw for a raw token file"
