@@ -207,6 +207,18 @@ def test_fifos_and_devices_are_refused_before_anything_is_read(tmp_path, what):
         )
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux's /proc")
+def test_a_data_file_that_fails_to_read_is_one_line_naming_it(tmp_path):
+    # reading /proc/self/mem at offset 0 fails with EIO, as a bad disk sector would
+    for kind, name in (("files", "f.txt"), ("files", "f.json"), ("tokens", "f.bin")):
+        (tmp_path / name).symlink_to("/proc/self/mem")
+        with pytest.raises(GptkitError) as err:
+            prep(tmp_path, {"kind": kind, "paths": [str(tmp_path / name)]}, {"kind": "byte"})
+        msg = str(err.value)
+        assert "/mem: cannot read it (Input/output error)" in msg and "\n" not in msg, (kind, msg)
+        assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+
+
 def test_jsonl_streams_line_by_line_and_names_a_bad_line(tmp_path):
     f = tmp_path / "a.jsonl"
     f.write_text(

@@ -136,9 +136,18 @@ def _digest(parts: Iterator[bytes]) -> str:
 def _files_digest(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in files:
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha256").digest())
+        try:
+            with open(f, "rb") as fh:
+                h.update(hashlib.file_digest(fh, "sha256").digest())
+        except OSError as exc:
+            raise unreadable_file(f, exc) from None
     return h.hexdigest()
+
+
+def unreadable_file(f: Path | str, exc: OSError) -> GptkitError:
+    """One line for a data file that cannot be opened or read (permissions, a failing disk, special files)."""
+    why = exc.strerror or " ".join(str(exc).split())[:120]
+    return GptkitError(f"{f}: cannot read it ({why}); check the file and the disk it lies on")
 
 
 # ---- built-in corpora ------------------------------------------------------------------------------
@@ -399,8 +408,11 @@ def _is_jsonl(f: Path) -> bool:
     """A .jsonl file, or a .json file whose first record starts a line of its own (JSON lines)."""
     if f.suffix.lower() == ".jsonl":
         return True
-    with open(f, "rb") as fh:
-        head = fh.read(4096).lstrip()
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(4096).lstrip()
+    except OSError as exc:
+        raise unreadable_file(f, exc) from None
     return head.startswith(b"{")
 
 

@@ -37,7 +37,7 @@ from gptkit.data.prepared import (
     load_prepared,
     manifest_checksum,
 )
-from gptkit.data.sources import _files_digest, expand_paths
+from gptkit.data.sources import _files_digest, expand_paths, unreadable_file
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
 from gptkit.fsio import DIR_MODE, disk_full_error, file_crc32, is_disk_full, lock_file, wait_unlocked
@@ -53,8 +53,11 @@ CHUNK = 1 << 24
 def _layout(f: Path, fmt: str, dtype: str) -> tuple[str, int, str, int]:
     """(format, offset of the first token, dtype, tokens) of a token file; a bad file is a one-line error."""
     size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(LLMC_HEADER)
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(LLMC_HEADER)
+    except OSError as exc:
+        raise unreadable_file(f, exc) from None
     magic = int(np.frombuffer(head[:4], "<i4")[0]) if len(head) >= 4 else None
     if fmt == "auto":
         fmt = "llmc" if magic == LLMC_MAGIC else "raw"
