@@ -235,7 +235,11 @@ def check_regular(p: Path, what: str) -> None:
 
 
 def expand_paths(patterns: Any, what: str) -> list[Path]:
-    """Paths and globs -> existing regular files, in the given order (each glob sorted)."""
+    """Paths and globs -> existing regular files, in the given order (each glob sorted). Each file is taken
+    once, by its resolved path, where it first appears: a file that a glob finds again (through a symbolic
+    link, or a link loop such as sub/up -> .. that `**` follows again and again), that two globs both match,
+    or that is listed twice, is skipped after its first place, and one note on stderr says how many paths
+    were. (Listing a file twice does not weight it twice: data=mix weights sources.)"""
     if patterns is None or isinstance(patterns, str):
         patterns = [] if patterns is None else [patterns]
     out: list[Path] = []
@@ -258,7 +262,16 @@ def expand_paths(patterns: Any, what: str) -> list[Path]:
             raise GptkitError(f"{what}: {p} is a folder; give files or a glob such as '{p}/**/*.txt'")
         check_regular(p, what)
         out.append(p.resolve())
-    return out
+    unique = list(dict.fromkeys(out))
+    if len(unique) < len(out):
+        n = len(out) - len(unique)
+        print(
+            f"note: {what}: skipped {n:,} {'path' if n == 1 else 'paths'} to files already listed (the "
+            f"same file by its resolved path: a symbolic link, a link loop or a path given twice); each file "
+            f"is read once",
+            file=sys.stderr,
+        )
+    return unique
 
 
 def file_format(p: Path, fmt: str) -> str:
