@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import numbers
 import sys
 from dataclasses import dataclass, field
@@ -70,6 +71,8 @@ def mix_sources(d: dict[str, Any]) -> dict[str, tuple[dict[str, Any], float]]:
         w = s["weight"]
         if isinstance(w, bool) or not isinstance(w, numbers.Real):
             raise GptkitError(f"{where}.weight={w!r} is not a number; give a weight > 0")
+        if not math.isfinite(w):
+            raise GptkitError(f"{where}.weight={w} is not finite; give a finite weight > 0, e.g. 0.3")
         if not w > 0:
             raise GptkitError(f"{where}.weight={w} must be > 0 (leave the source out to not use it)")
         allowed = {"kind", "weight", *build.DEFAULTS[kind], *build.WINDOW_KEYS, *build.BUILD_KEYS}
@@ -102,8 +105,11 @@ class MixedData:
 
     @property
     def shares(self) -> list[float]:
-        total = sum(self.weights)
-        return [w / total for w in self.weights]
+        # divided by the largest first: a sum of weights near the float maximum would overflow to inf
+        top = max(self.weights)
+        scaled = [w / top for w in self.weights]
+        total = sum(scaled)
+        return [w / total for w in scaled]
 
     @property
     def dir(self) -> Path:
