@@ -12,7 +12,8 @@ Points (where the writers call fault_point):
   metrics-append   MetricsCSV: rows appended to metrics.csv (not yet fsynced)
   prepare-batch    prepare(): a batch of tokens appended to the shard being built, not yet synced
   prepare-shard    prepare(): the shard synced and progress.json recording it replaced (a complete shard)
-  prepare-shards   prepare(): token shards and manifest written in the build folder, not yet renamed
+  prepare-shards   prepare() (data=tokens too): token shards and manifest written in the build folder, not yet
+                   renamed
   staged           staged_dir (export, import): the folder complete under its temporary name, not yet renamed
 """
 

@@ -138,6 +138,19 @@ def lock_file(path: Path | str, create: bool = True) -> int | None:
     return fd
 
 
+def wait_unlocked(path: Path | str) -> None:
+    """Block until the process holding the lock_file lock at `path` releases it (or ends); at once when there
+    is no file at `path`."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+    finally:
+        os.close(fd)
+
+
 # ---- what a file names stays in its folder -----------------------------------------------------------
 def confined(folder: Path | str, name: Any, named_by: Path | str, links: bool = False) -> Path:
     """`folder/name` for a file name that an index or checkpoint (`named_by`) gives, if it stays inside
@@ -216,7 +229,8 @@ def free_bytes(path: Path | str) -> int:
 
 def is_disk_full(exc: BaseException) -> bool:
     """An error that means the disk (or the user's quota) is full: ENOSPC/EDQUOT, torch's zip writer
-    ("unexpected pos", "file write failed") or numpy's short write ("N requested and M written")."""
+    ("unexpected pos", "file write failed") or numpy's short write ("N requested and M written", "Not
+    enough free space to write N bytes")."""
     if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
         return True
     text = str(exc)
@@ -224,6 +238,8 @@ def is_disk_full(exc: BaseException) -> bool:
         ("inline_container" in text and ("unexpected pos" in text or "write failed" in text))
         or ("requested and" in text and "written" in text)
         or "No space left on device" in text
+        # numpy's tofile when it cannot reserve the space first (an OSError without errno)
+        or "Not enough free space to write" in text
     )
 
 

@@ -346,10 +346,17 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
 
     hf_cfg = read_hf_config(src.dir)
     model_cfg = model_config_from_hf(hf_cfg, name=name or src.name)
+    tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
+    # the check sample, eval and chat make of a run (runs.check_tokenizer_fits), before the weights are read
+    if tokenizer is not None and tokenizer.get_vocab_size() > model_cfg.vocab_size:
+        raise GptkitError(
+            f"{src.dir / TOKENIZER_FILE} has {tokenizer.get_vocab_size():,} tokens but the model has "
+            f"{model_cfg.vocab_size:,} (vocab_size in {src.dir / 'config.json'}): it is not this model's "
+            f"tokenizer (its ids would have no embedding row); import a folder with the model's own tokenizer"
+        )
     source = load_weights(src.dir)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
     model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
-    tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
     # tokenizer_config.json's
     template = template_in_folder(src.dir) if tokenizer is not None else None
     with staged_dir(out, force=force) as tmp:

@@ -143,10 +143,30 @@ def load_tokenizer_file(path: Path | str):
 
     p = checked_file(Path(path).expanduser())
     try:
-        return Tokenizer.from_file(str(p))
+        tok = Tokenizer.from_file(str(p))
     # the Rust side raises plain Exceptions with long messages
     except Exception as exc:
         raise GptkitError(f"{p} is not a valid tokenizer.json ({str(exc).splitlines()[0][:160]})") from exc
+    # a model gets an embedding row per id up to the largest: the ids must be 0 .. entries-1, each once
+    vocab = tok.get_vocab(with_added_tokens=True)
+    ids = list(vocab.values())
+    if ids and (max(ids) >= len(ids) or len(set(ids)) < len(ids)):
+        raise _bad_ids(p, vocab)
+    return tok
+
+
+def _bad_ids(p: Path, vocab: dict[str, int]) -> GptkitError:
+    """What is wrong with the ids of a tokenizer file whose ids are not 0 .. entries-1, each once."""
+    fix = "each entry needs its own id below their count: fix the file or use the tokenizer it was made from"
+    ids = sorted((i, t) for t, i in vocab.items())
+    i, t = ids[-1]
+    if i >= len(ids):
+        return GptkitError(
+            f"{p}: the token {t!r} has id {i:,}, not below the {len(ids):,} entries of its vocabulary and "
+            f"added tokens; {fix}"
+        )
+    a, ta, tb = next((a, ta, tb) for (a, ta), (b, tb) in zip(ids, ids[1:]) if a == b)
+    return GptkitError(f"{p}: the tokens {ta!r} and {tb!r} both have id {a:,}; {fix}")
 
 
 def char_tokenizer(chars: Iterable[str], special_tokens: list[str], unk_token: str | None = None):

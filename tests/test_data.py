@@ -1,6 +1,7 @@
 """prepare(): each corpus kind from local files, shards and manifest, the cache, dtype choice, checks."""
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -58,6 +59,36 @@ def test_several_paths_keep_their_order_and_val_files(tmp_path):
     assert bytes(p.train_tokens().astype(np.uint8)) == (DOC_B + DOC_A).encode()
     assert bytes(p.val_tokens().astype(np.uint8)) == b"held out\n"
     assert p.manifest["validation"]["how"] == "files"
+
+
+def test_each_file_is_read_once_through_a_link_loop_an_overlapping_glob_or_a_path_given_twice(
+    tmp_path, capsys
+):
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "a.txt").write_text(DOC_A)
+    (tree / "sub" / "b.txt").write_text(DOC_B)
+    # `**` follows it again and again (tree/sub/up/sub/up/...), until the path is too long
+    (tree / "sub" / "up").symlink_to("..")
+    expected = list(DOC_A.encode()) + [256] + list(DOC_B.encode()) + [256]
+    capsys.readouterr()
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tree / "**" / "*.txt")]}, BYTE_EOS)
+    assert all_tokens(p).tolist() == expected
+    assert p.manifest["source"]["files"] == [str(tree / "a.txt"), str(tree / "sub" / "b.txt")]
+    (note,) = [line for line in capsys.readouterr().err.splitlines() if "skipped" in line]
+    assert re.fullmatch(
+        r"note: data.paths: skipped \d+ paths to files already listed \(.*\); each file is read once", note
+    )
+    # listed twice, or by a path and a glob: the same rule, the same corpus
+    for paths in (
+        [tree / "a.txt", tree / "a.txt", tree / "sub" / "b.txt"],
+        [tree / "a.txt", tree / "**" / "*.txt"],
+    ):
+        p = prep(tmp_path, {"kind": "files", "paths": [str(x) for x in paths]}, BYTE_EOS)
+        assert all_tokens(p).tolist() == expected
+        assert "note: data.paths: skipped " in capsys.readouterr().err
+    p = prep(tmp_path, {"kind": "files", "paths": [str(tree / "a.txt"), str(tree / "a.txt")]}, BYTE_EOS)
+    assert "skipped 1 path to files" in capsys.readouterr().err
 
 
 def test_jsonl_json_and_parquet_records_are_documents(tmp_path):

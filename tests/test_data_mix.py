@@ -87,6 +87,12 @@ def test_start_up_shares_epochs_and_the_max_epochs_warning(tmp_path, texts):
         ({"a": {"kind": "files", "weight": -1}}, r"weight=-1 must be > 0"),
         ({"a": {"kind": "files", "weight": "lots"}}, r"weight='lots' is not a number"),
         ({"a": {"kind": "files", "weight": True}}, r"weight=True is not a number"),
+        ({"a": {"kind": "files", "weight": float("inf")}}, r"data.sources.a.weight=inf is not finite"),
+        ({"a": {"kind": "files", "weight": float("nan")}}, r"data.sources.a.weight=nan is not finite"),
+        (
+            {"a": {"kind": "files", "weight": 1}, "b": {"kind": "files", "weight": float("inf")}},
+            r"b.weight=inf",
+        ),
         ({"a": {"kind": "files"}}, r"data.sources.a has no weight"),
         ({"a": {"kind": "files", "weight": 1, "pathz": ["x"]}}, r"unknown key 'pathz'; did you mean paths\?"),
         ({"a": {"kind": "mix", "weight": 1, "sources": {}}}, r"data.sources.a is itself a mix"),
@@ -103,6 +109,17 @@ def test_bad_mixtures_are_one_line(tmp_path, texts, sources, needle):
             {"kind": "mix", "sources": sources}, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False
         )
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_shares_of_huge_or_tiny_weights_neither_overflow_nor_vanish(tmp_path, texts):
+    from gptkit.data.mixture import mix_sources
+
+    d = mix(texts, {"a": 1e308, "b": 1e308})
+    assert [w for _, w in mix_sources(d).values()] == [1e308, 1e308]
+    assert MixedData(["a", "b"], [None, None], [1e308, 1e308], 4.0).shares == [0.5, 0.5]
+    three = MixedData(["a", "b", "c"], [None] * 3, [1e308, 1e308, 5e307], 4.0).shares
+    assert three == pytest.approx([0.4, 0.4, 0.2]) and sum(three) == pytest.approx(1.0)
+    assert MixedData(["a", "b"], [None, None], [5e-324, 1.5e-323], 4.0).shares == [0.25, 0.75]
 
 
 def test_a_source_with_no_documents_is_one_line(tmp_path, texts):

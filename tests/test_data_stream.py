@@ -207,6 +207,18 @@ def test_fifos_and_devices_are_refused_before_anything_is_read(tmp_path, what):
         )
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/mem"), reason="needs Linux's /proc")
+def test_a_data_file_that_fails_to_read_is_one_line_naming_it(tmp_path):
+    # reading /proc/self/mem at offset 0 fails with EIO, as a bad disk sector would
+    for kind, name in (("files", "f.txt"), ("files", "f.json"), ("tokens", "f.bin")):
+        (tmp_path / name).symlink_to("/proc/self/mem")
+        with pytest.raises(GptkitError) as err:
+            prep(tmp_path, {"kind": kind, "paths": [str(tmp_path / name)]}, {"kind": "byte"})
+        msg = str(err.value)
+        assert "/mem: cannot read it (Input/output error)" in msg and "\n" not in msg, (kind, msg)
+        assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+
+
 def test_jsonl_streams_line_by_line_and_names_a_bad_line(tmp_path):
     f = tmp_path / "a.jsonl"
     f.write_text(
@@ -509,6 +521,10 @@ def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
         "magic": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], magic=7), r"x.bin: bad magic 7"),
         "version": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], version=2), r"llm.c shard version 2"),
         "count": (lambda: llmc_shard(tmp_path / "x.bin", [1, 2], count=5), r"header says 5 tokens"),
+        "short": (
+            lambda: (tmp_path / "x.bin").write_bytes(np.asarray([20240520, 1], "<i4").tobytes()),
+            r"x.bin: 8 bytes is shorter than the 1,024-byte header of an llm.c shard",
+        ),
     }
     for what, (make, needle) in bad.items():
         make()
@@ -517,6 +533,172 @@ def test_token_files_of_nanogpt_and_llmc_are_trained_on_as_given(tmp_path):
             prep(tmp_path, {**data, "paths": [str(tmp_path / "x.bin")], "format": fmt}, tok)
     with pytest.raises(GptkitError, match="give the tokenizer that made them"):
         prep(tmp_path, data, {"kind": "char"})
+
+
+def big_token_file(path, n=1_500_000):
+    """A raw uint16 token file of n byte ids (3 MB by default: its copy takes a moment)."""
+    np.random.default_rng(0).integers(0, 256, n, dtype=np.uint16).tofile(path)
+    return path
+
+
+def start_token_prepare(tmp_path, big, cache, name):
+    """`python -m gptkit prepare data=tokens` of `big` into `cache`, started now; its stderr goes to
+    tmp_path/<name>.err."""
+    env = {k: v for k, v in os.environ.items() if k not in ("GPTKIT_VERB", "GPTKIT_FAULT")}
+    args = ["data=tokens", f"data.paths=[{big}]", "tokenizer=byte", "progress=false", f"cache_dir={cache}"]
+    with open(tmp_path / f"{name}.err", "w") as err:
+        return subprocess.Popen(
+            [sys.executable, "-m", "gptkit", "prepare", *args],
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            env=env,
+            cwd=tmp_path,
+        )
+
+
+def check_token_folder(cache, big):
+    """The cache holds one complete prepared folder of `big` (train + val are its tokens) and nothing else."""
+    from gptkit.data import load_prepared
+
+    (folder,) = cache.iterdir()
+    p = load_prepared(folder)
+    p.wait_checked()
+    assert all_ids(p) == np.fromfile(big, dtype=np.uint16).tolist()
+    assert sorted(f.name for f in folder.iterdir()) == [
+        "manifest.json",
+        "tokenizer.json",
+        "train.bin",
+        "val.bin",
+    ]
+    return folder
+
+
+def test_token_file_builds_started_together_all_succeed_on_one_complete_folder(tmp_path):
+    big = big_token_file(tmp_path / "big.bin")
+    cache = tmp_path / "cache"
+    procs = [start_token_prepare(tmp_path, big, cache, f"p{i}") for i in range(3)]
+    codes = [p.wait(timeout=600) for p in procs]
+    errs = [(tmp_path / f"p{i}.err").read_text() for i in range(3)]
+    assert codes == [0, 0, 0], errs
+    folder = check_token_folder(cache, big)
+    # every one of them names that folder
+    assert all(str(folder) in e for e in errs), errs
+
+
+def test_a_token_file_build_waits_for_a_live_builder_and_takes_over_a_dead_ones_folder(tmp_path, capsys):
+    import time
+
+    from conftest import run_main
+
+    from gptkit.fsio import lock_file
+
+    big = big_token_file(tmp_path / "big.bin")
+    # the folder name the build will have (the cache key does not depend on the cache folder)
+    args = ["data=tokens", f"data.paths=[{big}]", "tokenizer=byte", "progress=false"]
+    code, _, err = run_main(capsys, "prepare", *args, f"cache_dir={tmp_path / 'probe'}")
+    assert code == 0, err
+    (probe,) = (tmp_path / "probe").iterdir()
+    cache = tmp_path / "cache"
+    partial = cache / f".{probe.name}.partial"
+    partial.mkdir(parents=True)
+    # a builder at work: its lock held, its half-written file
+    (partial / "all.bin").write_bytes(b"half")
+    lock = lock_file(partial / ".building")
+    try:
+        procs = [start_token_prepare(tmp_path, big, cache, f"w{i}") for i in range(2)]
+        errs, hung = ["", ""], time.monotonic() + 600
+        # both say they wait (a process that ends instead fails the test below)
+        while not all("waiting" in e for e in errs) and all(p.poll() is None for p in procs):
+            assert time.monotonic() < hung, errs
+            time.sleep(0.2)
+            errs = [(tmp_path / f"w{i}.err").read_text() for i in range(2)]
+        assert all(p.poll() is None for p in procs), errs
+        assert all(f"another prepare is building {probe.name}; waiting for it" in e for e in errs), errs
+        # the live builder's folder is untouched, and nothing is taken for a result
+        assert (partial / "all.bin").read_bytes() == b"half"
+        assert sorted(p.name for p in cache.iterdir()) == [partial.name]
+    finally:
+        # the builder dies: its folder is taken over
+        os.close(lock)
+    codes = [p.wait(timeout=600) for p in procs]
+    errs = [(tmp_path / f"w{i}.err").read_text() for i in range(2)]
+    assert codes == [0, 0], errs
+    assert check_token_folder(cache, big).name == probe.name
+
+    # a dead builder's folder found before any build starts: taken over at once
+    data = {"kind": "tokens", "paths": [str(big)]}
+    dead = tmp_path / "c2" / f".{probe.name}.partial"
+    dead.mkdir(parents=True)
+    (dead / ".building").touch()
+    (dead / "train.bin").write_bytes(b"junk")
+    p = prepare(data, {"kind": "byte"}, cache_dir=tmp_path / "c2", progress=False)
+    assert p.dir.name == probe.name
+    check_token_folder(tmp_path / "c2", big)
+
+
+def test_a_full_disk_during_a_token_file_build_is_one_line_and_writes_nothing(tmp_path, monkeypatch):
+    import errno
+
+    from gptkit.data import tokenfiles
+
+    big = big_token_file(tmp_path / "big.bin", n=5000)
+    data = {"kind": "tokens", "paths": [str(big)]}
+    cache = tmp_path / "cache"
+    real_copy, real_tail = tokenfiles._copy, tokenfiles.copy_tail
+    for exc in (
+        OSError(errno.ENOSPC, "No space left on device"),
+        # numpy's ndarray.tofile on a full disk (no errno, no file named)
+        OSError("Not enough free space to write 6000 bytes after offset 4000"),
+    ):
+        for where in ("_copy", "copy_tail"):
+
+            def full(*args, exc=exc):
+                # the file being written: half of it, then no space
+                written = args[2] if where == "_copy" else args[1]
+                written.write_bytes(b"\0" * 400)
+                raise exc
+
+            monkeypatch.setattr(tokenfiles, where, full)
+            with pytest.raises(GptkitError) as err:
+                prepare(data, {"kind": "byte"}, cache_dir=cache, progress=False)
+            monkeypatch.setattr(tokenfiles, "_copy", real_copy)
+            monkeypatch.setattr(tokenfiles, "copy_tail", real_tail)
+            msg = str(err.value)
+            assert msg.startswith(f"no space left on the disk writing {cache}/tokens-byte-"), msg
+            assert "it needs about 9.77 KiB" in msg and "free some space" in msg and "\n" not in msg, msg
+            # nothing half-written is left in the cache
+            assert list(cache.iterdir()) == [], list(cache.iterdir())
+    # with space it is built
+    p = prepare(data, {"kind": "byte"}, cache_dir=cache, progress=False)
+    assert check_token_folder(cache, big) == p.dir
+
+
+def test_an_empty_train_or_val_split_of_token_files_is_refused_at_prepare(tmp_path):
+    tokens = np.arange(3000, dtype=np.uint16) % 256
+    tokens.tofile(tmp_path / "t.bin")
+    llmc_shard(tmp_path / "zero.bin", [])
+    tok = {"kind": "byte"}
+    cases = {
+        "train": (
+            {"paths": [str(tmp_path / "zero.bin")], "val_paths": [str(tmp_path / "t.bin")]},
+            "data.paths",
+        ),
+        "val": (
+            {"paths": [str(tmp_path / "t.bin")], "val_paths": [str(tmp_path / "zero.bin")]},
+            "data.val_paths",
+        ),
+    }
+    for split, (paths, key) in cases.items():
+        with pytest.raises(GptkitError) as err:
+            prep(tmp_path, {"kind": "tokens", **paths}, tok)
+        msg = str(err.value)
+        assert f"the {split} split" in msg and "zero.bin" in msg and "0 tokens" in msg and key in msg, msg
+        assert not (tmp_path / "cache").exists() or list((tmp_path / "cache").iterdir()) == []
+    # an empty shard beside a full one adds nothing, and is no error
+    p = prep(
+        tmp_path, {"kind": "tokens", "paths": [str(tmp_path / "zero.bin"), str(tmp_path / "t.bin")]}, tok
+    )
+    assert all_ids(p) == tokens.tolist()
 
 
 def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_path, capsys):

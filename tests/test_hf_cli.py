@@ -96,3 +96,18 @@ def test_import_refuses_weights_that_contradict_the_config_or_run_code(tmp_path,
 class Exploit:
     def __reduce__(self):
         return (print, ("this must never run",))
+
+
+def test_import_refuses_a_tokenizer_larger_than_the_model_s_vocabulary(tmp_path, cli):
+    from conftest import big_vocab_tokenizer
+    from test_hf import hf_llama
+
+    # 40 embedding rows; a tokenizer of 100 would give ids the model has no row for
+    hf_llama(tie=False, bias=False).save_pretrained(tmp_path / "hf")
+    big_vocab_tokenizer(tmp_path / "hf" / "tokenizer.json", n=100)
+    one_line_error(
+        cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}"),
+        f"{tmp_path / 'hf' / 'tokenizer.json'} has 100 tokens but the model has 40",
+        "config.json",
+    )
+    only(tmp_path, "hf")

@@ -266,7 +266,7 @@ def test_an_unreachable_hub_is_one_short_connect_then_the_cache_only(tmp_path, m
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(GptkitError, match="is unreachable"):
-        hf.locate("openai-community/gpt2")
+        hf_io.locate("openai-community/gpt2")
     assert connects == [(("127.0.0.1", 9), hub.TIMEOUT_S)]
     assert asked and all(asked)
 

@@ -94,6 +94,37 @@ def test_file_tokenizer_errors(tmp_path):
         build_tokenizer({"kind": "file", "path": str(_byte_file(tmp_path)), "eos_token": "<|missing|>"})
 
 
+def test_a_tokenizer_file_with_an_id_beyond_its_entries_or_a_duplicate_id_is_one_line(tmp_path):
+    import json
+
+    good = tmp_path / "eos.json"
+    build_tokenizer({"kind": "byte", "eos_token": "<|endoftext|>"}).save(str(good))
+
+    def edited(name, edit):
+        d = json.loads(good.read_text())
+        edit(d)
+        (tmp_path / name).write_text(json.dumps(d))
+        return {"kind": "file", "path": str(tmp_path / name)}
+
+    def vocab(d):
+        return d["model"]["vocab"]
+
+    # an id of 2^31-1 would make a model of 2^31 embedding rows
+    big = edited("big.json", lambda d: vocab(d).update(a=2**31 - 1))
+    with pytest.raises(GptkitError) as err:
+        build_tokenizer(big)
+    msg = str(err.value)
+    assert (
+        "big.json: the token 'a' has id 2,147,483,647, not below the 257 entries" in msg and "\n" not in msg
+    )
+    with pytest.raises(GptkitError, match=r"dup.json: the tokens 'a' and 'b' both have id 97"):
+        build_tokenizer(edited("dup.json", lambda d: vocab(d).update(b=97)))
+    # an added token that is also in the vocabulary, by the same id, is one entry (an added token that is not
+    # in it gets the next free id, whatever the file says)
+    both = edited("both.json", lambda d: vocab(d).update({"<|endoftext|>": 256}))
+    assert build_tokenizer({**both, "eos_token": "<|endoftext|>"}).get_vocab_size() == 257
+
+
 def _byte_file(tmp_path):
     p = tmp_path / "byte.json"
     build_tokenizer({"kind": "byte"}).save(str(p))

@@ -33,10 +33,12 @@ from typing import Any, Callable, Iterable, Iterator
 from gptkit.data import tokenize
 from gptkit.data.cache import (
     BUILD_LOCK,
+    claim_build,
+    discard_build,
     note_other_partials,
+    publish_build,
     remove_stale_builds,
     shards_key,
-    wait_unlocked,
 )
 from gptkit.data.console import Progress, human, say
 from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions
@@ -67,7 +69,7 @@ from gptkit.data.tokenize import (
 )
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
-from gptkit.fsio import DIR_MODE, atomic_write_text, disk_full_error, file_crc32, is_disk_full, lock_file
+from gptkit.fsio import atomic_write_text, disk_full_error, file_crc32, is_disk_full
 from gptkit.threads import cores
 from gptkit.tokenizer import (
     SPECIAL_ROLES,
@@ -259,29 +261,16 @@ def prepare_corpus(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) ->
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.partial"
     note_other_partials(root, tmp)
-    said = False
-    while True:
-        tmp.mkdir(mode=DIR_MODE, exist_ok=True)
-        # held while building: the OS drops it when the builder dies
-        lock = lock_file(tmp / BUILD_LOCK)
-        # another process finished it meanwhile
-        if lock is not None and final.exists():
-            os.close(lock)
-            shutil.rmtree(tmp, ignore_errors=True)
-            return _cache_hit(final, key)
-        if lock is not None:
-            break
-        if not said:
-            say(f"another prepare is building {final.name}; waiting for it")
-            said = True
-        wait_unlocked(tmp / BUILD_LOCK)
+    # held while building (the OS drops it when the builder dies); None: another process finished it meanwhile
+    lock = claim_build(tmp, final)
+    if lock is None:
+        return _cache_hit(final, key)
     keep = False
     try:
         _build(tmp, corpus, content, data, tok, key, opts.progress, workers)
         fault_point("prepare-shards")
         (tmp / PROGRESS).unlink()
-        (tmp / BUILD_LOCK).unlink()
-        os.rename(tmp, final)
+        publish_build(tmp, final)
     except KeyboardInterrupt:
         # a Ctrl-C keeps the complete shards: the same prepare continues from them
         keep = True
@@ -290,13 +279,13 @@ def prepare_corpus(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) ->
     except BaseException as exc:
         # an estimate: at most 4 bytes per token, at most one token per byte of text
         if is_disk_full(exc):
-            shutil.rmtree(tmp, ignore_errors=True)
+            discard_build(tmp)
             raise disk_full_error(final, 4 * corpus.n_bytes if corpus.n_bytes else None, exc) from exc
         raise
     finally:
-        if not keep and tmp.exists():
-            # bad input (or a bug): nothing of it is worth resuming
-            shutil.rmtree(tmp, ignore_errors=True)
+        # bad input (or a bug): nothing of it is worth resuming
+        if not keep:
+            discard_build(tmp)
         os.close(lock)
     prepared = load_prepared(final)
     say(f"prepared {final} ({prepared.counts()})")

@@ -13,10 +13,10 @@ build, continued (.partial) or removed (.tmp) by the next prepare.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import tempfile
 import time
@@ -28,7 +28,7 @@ import numpy as np
 from gptkit.chat_templates import CHAT_FILE
 from gptkit.data.console import human, say
 from gptkit.data.prepared import FORMAT_VERSION
-from gptkit.fsio import DIR_MODE, lock_file
+from gptkit.fsio import DIR_MODE, lock_file, wait_unlocked
 from gptkit.tokenizer import TokenizerSpec, file_sha256
 
 
@@ -60,22 +60,56 @@ def note_other_partials(root: Path, mine: Path) -> None:
         )
 
 
-def wait_unlocked(path: Path) -> None:
-    """Block until the builder holding the lock at `path` is done (or the lock file is gone)."""
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-    finally:
-        os.close(fd)
-
-
 # in a build folder: locked (fcntl) by the process that builds it
 BUILD_LOCK = ".building"
 # a build folder without a lock file (a kill right after mkdtemp) is stale after this
 STALE_AFTER_S = 3600
+
+
+def claim_build(tmp: Path, final: Path) -> int | None:
+    """The lock (an open descriptor) of the build folder `tmp`, made, or taken over from a builder that died
+    (the OS drops its lock); while another process builds in it, wait for that one. None: `final` is complete
+    (built by another process meanwhile), and `tmp` is not ours. What a dead builder left in `tmp` is the
+    caller's to continue or remove."""
+    said = False
+    while True:
+        tmp.mkdir(mode=DIR_MODE, exist_ok=True)
+        try:
+            # held while building: the OS drops it when the builder dies
+            lock = lock_file(tmp / BUILD_LOCK)
+        # renamed or removed by its builder just now
+        except FileNotFoundError:
+            continue
+        if lock is not None and (final / "manifest.json").is_file():
+            discard_build(tmp)
+            os.close(lock)
+            return None
+        if lock is not None:
+            return lock
+        if not said:
+            say(f"another prepare is building {final.name}; waiting for it")
+            said = True
+        wait_unlocked(tmp / BUILD_LOCK)
+
+
+def publish_build(tmp: Path, final: Path) -> None:
+    """Rename a complete build folder (its manifest written last) to its final name, with its lock file still
+    inside: while the folder has its building name, its lock is the one this process holds, so no other
+    process can lock it and start over in it; the lock file goes after the rename."""
+    os.rename(tmp, final)
+    (final / BUILD_LOCK).unlink(missing_ok=True)
+
+
+def discard_build(tmp: Path) -> None:
+    """Remove a build folder whose lock this process holds: renamed first (to a name that remove_stale_builds
+    removes should this process die now), so that a process that comes for it meanwhile makes a new one
+    instead of writing into the one being removed."""
+    trash = tmp.with_name(f"{tmp.name}.{secrets.token_hex(4)}.tmp")
+    try:
+        os.rename(tmp, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
 
 
 def remove_stale_builds(root: Path) -> list[Path]:

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -43,9 +44,18 @@ RECORDS = 1000
 def files_digest(files: list[Path]) -> str:
     h = hashlib.sha256()
     for f in files:
-        with open(f, "rb") as fh:
-            h.update(hashlib.file_digest(fh, "sha256").digest())
+        try:
+            with open(f, "rb") as fh:
+                h.update(hashlib.file_digest(fh, "sha256").digest())
+        except OSError as exc:
+            raise unreadable_file(f, exc) from None
     return h.hexdigest()
+
+
+def unreadable_file(f: Path | str, exc: OSError) -> GptkitError:
+    """One line for a data file that cannot be opened or read (permissions, a failing disk, special files)."""
+    why = exc.strerror or " ".join(str(exc).split())[:120]
+    return GptkitError(f"{f}: cannot read it ({why}); check the file and the disk it lies on")
 
 
 # ---- local files -----------------------------------------------------------------------------------
@@ -68,7 +78,11 @@ def check_regular(p: Path, what: str) -> None:
 
 
 def expand_paths(patterns: Any, what: str) -> list[Path]:
-    """Paths and globs -> existing regular files, in the given order (each glob sorted)."""
+    """Paths and globs -> existing regular files, in the given order (each glob sorted). Each file is taken
+    once, by its resolved path, where it first appears: a file that a glob finds again (through a symbolic
+    link, or a link loop such as sub/up -> .. that `**` follows again and again), that two globs both match,
+    or that is listed twice, is skipped after its first place, and one note on stderr says how many paths
+    were. (Listing a file twice does not weight it twice: data=mix weights sources.)"""
     if patterns is None or isinstance(patterns, str):
         patterns = [] if patterns is None else [patterns]
     out: list[Path] = []
@@ -91,7 +105,16 @@ def expand_paths(patterns: Any, what: str) -> list[Path]:
             raise GptkitError(f"{what}: {p} is a folder; give files or a glob such as '{p}/**/*.txt'")
         check_regular(p, what)
         out.append(p.resolve())
-    return out
+    unique = list(dict.fromkeys(out))
+    if len(unique) < len(out):
+        n = len(out) - len(unique)
+        print(
+            f"note: {what}: skipped {n:,} {'path' if n == 1 else 'paths'} to files already listed (the "
+            f"same file by its resolved path: a symbolic link, a link loop or a path given twice); each file "
+            f"is read once",
+            file=sys.stderr,
+        )
+    return unique
 
 
 def file_format(p: Path, fmt: str) -> str:
@@ -241,8 +264,11 @@ def is_jsonl(f: Path) -> bool:
     """A .jsonl file, or a .json file whose first record starts a line of its own (JSON lines)."""
     if f.suffix.lower() == ".jsonl":
         return True
-    with open(f, "rb") as fh:
-        head = fh.read(4096).lstrip()
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(4096).lstrip()
+    except OSError as exc:
+        raise unreadable_file(f, exc) from None
     return head.startswith(b"{")
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import json
+import math
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,6 +67,8 @@ def mix_sources(d: dict[str, Any], mixable: tuple[str, ...]) -> dict[str, tuple[
         w = s["weight"]
         if isinstance(w, bool) or not isinstance(w, numbers.Real):
             raise GptkitError(f"{where}.weight={w!r} is not a number; give a weight > 0")
+        if not math.isfinite(w):
+            raise GptkitError(f"{where}.weight={w} is not finite; give a finite weight > 0, e.g. 0.3")
         if not w > 0:
             raise GptkitError(f"{where}.weight={w} must be > 0 (leave the source out to not use it)")
         allowed = {"kind", "weight", *defaults(kind), *WINDOW_KEYS, *BUILD_KEYS}
@@ -85,6 +88,15 @@ def mix_sources(d: dict[str, Any], mixable: tuple[str, ...]) -> dict[str, tuple[
     return out
 
 
+def shares_of(weights: list[float]) -> list[float]:
+    """Finite weights > 0 as shares summing to 1, divided by the largest first: a sum of weights near the
+    float maximum would overflow to inf."""
+    top = max(weights)
+    scaled = [w / top for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
+
+
 @dataclass
 class MixedData(Prepared):
     """Several prepared token-shard sources with their shares: a Prepared made of parts (one tokenizer)."""
@@ -97,8 +109,7 @@ class MixedData(Prepared):
 
     @property
     def shares(self) -> list[float]:
-        total = sum(self.weights)
-        return [w / total for w in self.weights]
+        return shares_of(self.weights)
 
     @property
     def dir(self) -> Path:
@@ -285,13 +296,10 @@ def _shared_tokenizer(
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     path = opts.cache / "tokenizers" / f"mix-{tok.kind}-{key[:16]}.json"
     if not path.is_file():
-        total = sum(w for _, w in sources.values())
+        share = dict(zip(sources, shares_of([w for _, w in sources.values()])))
         if tok.kind == "bpe":
             chars = int(tok.get("train_chars"))
-            samples = [
-                (training_sample(c, max(1, int(chars * sources[n][1] / total))), n)
-                for n, c in corpora.items()
-            ]
+            samples = [(training_sample(c, max(1, int(chars * share[n]))), n) for n, c in corpora.items()]
             for (_, what), n in samples:
                 say(f"  {n}: {what}")
             say(

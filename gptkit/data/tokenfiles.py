@@ -25,10 +25,10 @@ from typing import Any
 
 import numpy as np
 
-from gptkit.data.cache import shards_key
+from gptkit.data.cache import BUILD_LOCK, claim_build, discard_build, publish_build, shards_key
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions
-from gptkit.data.files import expand_paths, files_digest
+from gptkit.data.files import expand_paths, files_digest, unreadable_file
 from gptkit.data.prepared import (
     DTYPES,
     FORMAT,
@@ -41,7 +41,8 @@ from gptkit.data.prepared import (
 )
 from gptkit.data.settings import shard_settings
 from gptkit.errors import GptkitError
-from gptkit.fsio import DIR_MODE, file_crc32, lock_file
+from gptkit.faults import fault_point
+from gptkit.fsio import disk_full_error, file_crc32, is_disk_full
 from gptkit.tokenizer import TokenizerSpec, build_tokenizer, eos_id, file_sha256
 
 LLMC_MAGIC = 20240520
@@ -54,13 +55,21 @@ CHUNK = 1 << 24
 def _layout(f: Path, fmt: str, dtype: str) -> tuple[str, int, str, int]:
     """(format, offset of the first token, dtype, tokens) of a token file; a bad file is a one-line error."""
     size = f.stat().st_size
-    with open(f, "rb") as fh:
-        head = fh.read(LLMC_HEADER)
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(LLMC_HEADER)
+    except OSError as exc:
+        raise unreadable_file(f, exc) from None
     magic = int(np.frombuffer(head[:4], "<i4")[0]) if len(head) >= 4 else None
     if fmt == "auto":
         fmt = "llmc" if magic == LLMC_MAGIC else "raw"
     if fmt == "llmc":
-        if magic != LLMC_MAGIC or len(head) < LLMC_HEADER:
+        if len(head) < LLMC_HEADER:
+            raise GptkitError(
+                f"{f}: {size:,} bytes is shorter than the {LLMC_HEADER:,}-byte header of an llm.c shard; "
+                f"it is truncated, or set data.format=raw for a raw token file"
+            )
+        if magic != LLMC_MAGIC:
             raise GptkitError(
                 f"{f}: bad magic {magic} (an llm.c shard starts with {LLMC_MAGIC}); "
                 f"set data.format=raw for a raw token file"
@@ -153,13 +162,29 @@ def _prepare_tokens(data: dict[str, Any], spec: TokenizerSpec, root: Path) -> Pr
     final = root / f"tokens-{spec.kind}-{key[:16]}"
     if (final / MANIFEST).is_file():
         return load_prepared(final)
+    given = [("train", "data.paths", files, layouts)] + (
+        [("val", "data.val_paths", val_files, val_layouts)] if val_files else []
+    )
+    for split, where, fs, lays in given:
+        if not sum(lay[3] for lay in lays):
+            raise GptkitError(
+                f"the {split} split would be empty: the token files of {where} hold 0 tokens ("
+                + ", ".join(map(str, fs[:3]))
+                + (f" and {len(fs) - 3} more" if len(fs) > 3 else "")
+                + "); give token files with tokens"
+            )
     dtype = "uint16" if vocab <= 1 << 16 else "uint32"
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".{final.name}.partial"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(mode=DIR_MODE)
-    lock = lock_file(tmp / ".building")
+    lock = claim_build(tmp, final)
+    if lock is None:
+        return load_prepared(final)
+    published = False
     try:
+        # what a killed builder left in the folder
+        for p in tmp.iterdir():
+            if p.name != BUILD_LOCK:
+                shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
         if val_files:
             n_train, _ = _copy(files, layouts, tmp / SHARDS["train"], dtype, vocab)
             n_val, _ = _copy(val_files, val_layouts, tmp / SHARDS["val"], dtype, vocab)
@@ -214,9 +239,16 @@ def _prepare_tokens(data: dict[str, Any], spec: TokenizerSpec, root: Path) -> Pr
         }
         manifest["checksum"] = manifest_checksum(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2))
-        (tmp / ".building").unlink()
-        os.rename(tmp, final)
+        fault_point("prepare-shards")
+        publish_build(tmp, final)
+        published = True
+    except BaseException as exc:
+        if is_disk_full(exc) and not isinstance(exc, GptkitError):
+            needed = sum(lay[3] for lay in layouts + val_layouts) * DTYPES[dtype]
+            raise disk_full_error(final, needed, exc) from exc
+        raise
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not published:
+            discard_build(tmp)
         os.close(lock)
     return load_prepared(final)
