@@ -258,7 +258,8 @@ UNICODE_DOC = "naïve café — 日本語 🙂\n" * 5
 
 
 def test_stdlib_corpus_is_the_standard_library_sources():
-    from gptkit.data.sources import open_corpus, stdlib_files
+    from gptkit.data.kinds import open_corpus
+    from gptkit.data.sources import stdlib_files
 
     every, no_tests = stdlib_files(True), stdlib_files(False)
     assert len(every) > 500 and len(no_tests) < len(every)

@@ -302,7 +302,7 @@ def test_hub_streaming_mocked_load_dataset(tmp_path, monkeypatch):
 
 def test_bpe_trains_on_a_bounded_evenly_spread_sample(tmp_path, capsys):
     from gptkit.data.build import training_sample
-    from gptkit.data.sources import open_corpus
+    from gptkit.data.kinds import open_corpus
 
     head, tail = "alpha beta gamma\n" * 3_000, "omega psi chi\n" * 3_000
     f = tmp_path / "big.txt"

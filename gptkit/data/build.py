@@ -54,7 +54,7 @@ from gptkit.data.prepared import (
 from gptkit.data.ranges import RangeFeed, TextFeed
 from gptkit.data.settings import build_workers, shard_settings
 from gptkit.data.shards import PROGRESS, BatchFeed, Journal, resume_shard, split_tail, write_tokens
-from gptkit.data.sources import Corpus, LineRange, Part, Parts, open_corpus
+from gptkit.data.sources import Corpus, LineRange, Part, Parts
 from gptkit.data.tokenize import (
     BATCH_CHARS,
     Cutter,
@@ -236,9 +236,16 @@ def resolve_bos(data: dict[str, Any], spec: TokenizerSpec) -> dict[str, Any]:
 
 
 # ---- prepare ---------------------------------------------------------------------------------------
-def prepare_corpus(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> PreparedData:
-    """Token shards of a text corpus (pydoc, shakespeare, stdlib, files, hub) for one tokenizer: from the
-    cache when present, else built now (or the build a killed prepare left continued)."""
+def prepare_corpus(
+    s: dict[str, Any],
+    tok: TokenizerSpec,
+    opts: BuildOptions,
+    *,
+    open_corpus: Callable[[dict[str, Any]], Corpus],
+) -> PreparedData:
+    """Token shards of a text corpus (pydoc, shakespeare, stdlib, files, hub: `open_corpus` opens the kind's
+    text) for one tokenizer: from the cache when present, else built now (or the build a killed prepare
+    left continued)."""
     data = shard_settings(s)
     workers = build_workers(s)
     frac = float(data["val_fraction"])

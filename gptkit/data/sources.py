@@ -104,24 +104,6 @@ def whole(docs: Callable[[], Iterator[str]]) -> Parts:
     return lambda: ((d, True) for d in docs())
 
 
-def open_corpus(s: dict[str, Any]) -> Corpus:
-    """The corpus the (complete, plain dict) data settings describe. Checks paths now; reads text lazily."""
-    kind = s["kind"]
-    if kind == "pydoc":
-        return _pydoc()
-    if kind == "shakespeare":
-        return _shakespeare()
-    if kind == "stdlib":
-        return _stdlib(s)
-    if kind == "files":
-        return _files(s)
-    if kind == "hub":
-        return _hub(s)
-    raise GptkitError(
-        f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens"
-    )
-
-
 def _digest(parts: Iterator[bytes]) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -131,7 +113,8 @@ def _digest(parts: Iterator[bytes]) -> str:
 
 
 # ---- built-in corpora ------------------------------------------------------------------------------
-def _pydoc() -> Corpus:
+def pydoc(s: dict[str, Any]) -> Corpus:
+    """data=pydoc: the interpreter's bundled reference documentation, one document per topic."""
     from pydoc_data.topics import topics
 
     def docs() -> Iterator[str]:
@@ -158,7 +141,9 @@ def shakespeare_text() -> str:
     return gzip.decompress(SHAKESPEARE.read_bytes()).decode("utf-8")
 
 
-def _shakespeare() -> Corpus:
+def shakespeare(s: dict[str, Any]) -> Corpus:
+    """data=shakespeare: tiny Shakespeare, one document."""
+
     def docs() -> Iterator[str]:
         # one document, as char-rnn and nanoGPT treat it
         yield shakespeare_text()
@@ -185,7 +170,8 @@ def stdlib_files(include_tests: bool = True) -> list[Path]:
     return out
 
 
-def _stdlib(s: dict[str, Any]) -> Corpus:
+def stdlib(s: dict[str, Any]) -> Corpus:
+    """data=stdlib: the standard library's .py files, one document each."""
     files = stdlib_files(bool(s["include_tests"]))
     root = Path(sysconfig.get_paths()["stdlib"])
     c = _text_files(files, s["encoding_errors"])
@@ -281,7 +267,7 @@ def _local(files: list[Path], fmt: str, text_field: str, errors: str) -> tuple[P
     return parts, lambda: files_digest(files)
 
 
-def _files(s: dict[str, Any]) -> Corpus:
+def local_files(s: dict[str, Any]) -> Corpus:
     files = expand_paths(s["paths"], "data.paths")
     if not files:
         raise GptkitError("data=files needs data.paths=[file.txt,...] (files or globs)")
@@ -323,7 +309,7 @@ def _offline() -> bool:
 HUB_SAMPLE_SHARDS = 16
 
 
-def _hub(s: dict[str, Any]) -> Corpus:
+def hub(s: dict[str, Any]) -> Corpus:
     """A Hub dataset, streamed (datasets' `streaming=True`): nothing is downloaded before tokenization, and
     its shards are read in order. The cache key is the dataset's resolved commit when the hub answers."""
     name, config = s["name"], s["config"]
