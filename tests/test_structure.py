@@ -199,3 +199,24 @@ def test_the_links_between_pages_resolve():
             elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text()):
                 broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert broken == []
+
+
+def test_the_layout_names_every_room():
+    """docs/layout.md's rooms block names every module and package of gptkit/ (as gptkit/<name>) and every
+    module of gptkit/training/ and gptkit/data/."""
+    text = (REPO / "docs" / "layout.md").read_text()
+    rooms = text.split("Rooms, top to bottom", 1)[1].split("### Adding", 1)[0]
+    pkg = REPO / "gptkit"
+    top = [
+        f"gptkit/{p.name}"
+        for p in sorted(pkg.iterdir())
+        if (p.suffix == ".py" and not p.name.startswith("__")) or (p / "__init__.py").is_file()
+    ]
+    assert [name for name in top if name not in rooms] == [], "rooms docs/layout.md does not name"
+    inner = [
+        p.name
+        for folder in ("training", "data")
+        for p in sorted((pkg / folder).iterdir())
+        if (p.suffix == ".py" and not p.name.startswith("__")) or (p / "__init__.py").is_file()
+    ]
+    assert [name for name in inner if name not in rooms] == [], "modules docs/layout.md does not name"
