@@ -6,9 +6,10 @@ data.special_tokens_in_content=allow keeps the behaviour before (the spelled tok
 import io
 import json
 
+import numpy as np
 import pytest
 import torch
-from conftest import run_main
+from conftest import as_text, metaspace_tokenizer, run_main, small_tasks
 
 from gptkit import chat_templates as templates
 from gptkit.data import prepare
@@ -184,6 +185,163 @@ def test_chat_session_keeps_special_text_as_text_every_turn_through_the_kept_cac
         if turn:
             # the earlier turns came from the cache
             assert a.fed_tokens < a.prompt_tokens // 2
+
+
+# ---- data=files -------------------------------------------------------------------------------------------
+EOS = "<|endoftext|>"
+DOCS = ["Alpha has a literal <|endoftext|> inside.\n", "Beta is plain.\n"]
+
+
+@pytest.fixture
+def small_pieces(monkeypatch):
+    """Pieces and tasks small enough that a document of a few kB is cut in many places."""
+    small_tasks(monkeypatch)
+    monkeypatch.setattr("gptkit.data.files.READ_BYTES", 997)
+    monkeypatch.setattr("gptkit.data.ranges.SCAN_BLOCK", 64)
+
+
+def files_data(tmp_path, tok, name="cache", **extra):
+    for i, d in enumerate(DOCS):
+        (tmp_path / f"{i}.txt").write_text(d)
+    s = {
+        "kind": "files",
+        "paths": [str(tmp_path / f"{i}.txt") for i in range(2)],
+        "pack": "documents",
+        **extra,
+    }
+    return prepare(s, tok, cache_dir=tmp_path / name, progress=False)
+
+
+def test_a_corpus_that_spells_the_eos_token_keeps_its_documents(tmp_path):
+    p = files_data(tmp_path, {"kind": "byte", "eos_token": EOS})
+    ids = np.concatenate([p.train_tokens(), p.val_tokens()]).tolist()
+    # 2 documents, 2 EOS: the text's <|endoftext|> is its 13 bytes
+    assert ids == [*DOCS[0].encode(), 256, *DOCS[1].encode(), 256]
+    allowed = files_data(tmp_path, {"kind": "byte", "eos_token": EOS}, special_tokens_in_content="allow")
+    assert np.concatenate([allowed.train_tokens(), allowed.val_tokens()]).tolist().count(256) == 3
+    assert allowed.dir != p.dir
+
+
+@pytest.mark.parametrize(
+    "kind, engine, workers",
+    [
+        ("byte", "utf8", 1),
+        ("char", "chars", 1),
+        ("bpe", "tiktoken", 1),
+        ("bpe", "tiktoken", 2),
+        ("file", "hf", 1),
+        ("file", "hf", 2),
+    ],
+)
+@pytest.mark.parametrize("fmt", ["txt", "jsonl"])
+def test_every_encoder_and_path_keeps_a_spelled_eos_text(tmp_path, small_pieces, kind, engine, workers, fmt):
+    """2 documents that spell <|endoftext|> (and <|bos|>) near many cuts: 2 EOS, in every engine, in this
+    process or in workers, in byte ranges of text files and of JSON lines; cut as any text is."""
+    docs = [f"w{i} x{EOS}y {i}<|bos|>\n" * 200 for i in range(2)]
+    if fmt == "txt":
+        paths = []
+        for i, d in enumerate(docs):
+            (tmp_path / f"{i}.txt").write_text(d)
+            paths.append(str(tmp_path / f"{i}.txt"))
+    else:
+        paths = [str(write_jsonl(tmp_path / "d.jsonl", [{"text": d} for d in docs]))]
+    tok = {
+        "byte": {"kind": "byte", "eos_token": EOS},
+        "char": {"kind": "char", "eos_token": EOS},
+        "bpe": {"kind": "bpe", "vocab_size": 300, "min_frequency": 1, "special_tokens": ["<|bos|>"]},
+        "file": {"kind": "file", "path": metaspace_tokenizer(tmp_path / "meta.json"), "eos_token": EOS},
+    }[kind]
+    data = {"kind": "files", "paths": paths, "pack": "documents", "workers": workers}
+    p = prepare(data, tok, cache_dir=tmp_path / "cache", progress=False)
+    assert p.manifest["encoder"] == engine and p.manifest["workers"] == workers
+    t = p.tokenizer()
+    ids = np.concatenate([p.train_tokens(), p.val_tokens()]).tolist()
+    # bpe: <|bos|> is its BOS (data.bos=auto), put before each document
+    bos = [p.manifest["tokenizer"]["bos_id"]] if kind == "bpe" else []
+    assert ids.count(p.eos_id) == 2 and ids.count(t.token_to_id("<|bos|>")) == 2 * len(bos)
+    assert ids == [
+        i for d in docs for i in bos + as_text(t).encode(d, add_special_tokens=False).ids + [p.eos_id]
+    ]
+    allowed = prepare(
+        {**data, "special_tokens_in_content": "allow"}, tok, cache_dir=tmp_path / "cache", progress=False
+    )
+    ids = np.concatenate([allowed.train_tokens(), allowed.val_tokens()]).tolist()
+    # the behaviour before: 200 more a document
+    assert ids.count(allowed.eos_id) == 402
+
+
+def old_key(s, tok) -> str:
+    """The cache key of data settings as every gptkit before special_tokens_in_content computed it."""
+    from gptkit.data.build import resolve_bos
+    from gptkit.data.cache import shards_key
+    from gptkit.data.settings import settings, shard_settings
+    from gptkit.data.sources import open_corpus
+    from gptkit.tokenizer import tokenizer_spec
+
+    spec = tokenizer_spec(tok)
+    data = resolve_bos(shard_settings(settings(s)), spec)
+    del data["special_tokens_in_content"]
+    return shards_key(data, open_corpus(data).sha256(), spec)
+
+
+def test_only_a_corpus_whose_ids_change_gets_a_new_cache_key(tmp_path):
+    bpe = {"kind": "bpe", "vocab_size": 300}
+    (tmp_path / "plain.txt").write_text(DOCS[1] * 20)
+    plain = {"kind": "files", "paths": [str(tmp_path / "plain.txt")]}
+    text = prepare(plain, bpe, cache_dir=tmp_path / "cache", progress=False)
+    allowed = prepare({**plain, "special_tokens_in_content": "allow"}, bpe, cache_dir=tmp_path / "cache")
+    # no special token spelled: the same ids, the key (and folder) of before
+    assert text.dir == allowed.dir and text.dir.name.endswith(old_key(plain, bpe)[:16])
+    (tmp_path / "spelled.txt").write_text(DOCS[0] * 20)
+    spelled = {"kind": "files", "paths": [str(tmp_path / "spelled.txt")]}
+    text = prepare(spelled, bpe, cache_dir=tmp_path / "cache", progress=False)
+    allowed = prepare({**spelled, "special_tokens_in_content": "allow"}, bpe, cache_dir=tmp_path / "cache")
+    # allow makes the ids of before: the folder of before; the new ids: a new folder
+    assert allowed.dir.name.endswith(old_key(spelled, bpe)[:16]) and text.dir != allowed.dir
+    assert text.manifest["source"]["settings"]["special_tokens_in_content"] == "text"
+
+
+def test_what_may_spell_a_special_token_is_found_without_tokenizing(tmp_path):
+    from gptkit.data.build import spells_special
+    from gptkit.data.files import spelled_in
+    from gptkit.data.sources import open_corpus
+    from gptkit.tokenizer import tokenizer_spec
+
+    f = tmp_path / "a.jsonl"
+    for line, found in (
+        ('{"text": "plain \\u00e9 \\n"}', False),
+        ('{"text": "x <|endoftext|> y"}', True),
+        # JSON escapes that may spell it
+        ('{"text": "x \\u003C|endoftext|> y"}', True),
+        ('{"text": "x <\\u007cendoftext|> y"}', True),
+    ):
+        f.write_text(line + "\n")
+        assert spelled_in([f], [EOS], ["json"]) == found, line
+    # as text, an escape is its characters
+    f.write_text("x \\u003c|endoftext|> y")
+    assert not spelled_in([f], [EOS], ["text"])
+    # a string across two reads
+    f.write_text("a" * 10 + EOS)
+    assert spelled_in([f], [EOS], ["text"]) and spelled_in([f], ["", "zz", EOS], ["text"])
+    assert spelled_in([tmp_path / "x.parquet"], [EOS], ["parquet"])
+    # built-in corpora are read; a tokenizer without special tokens needs no look
+    bpe, byte = tokenizer_spec({"kind": "bpe"}), tokenizer_spec({"kind": "byte"})
+    assert not spells_special(open_corpus({"kind": "shakespeare"}), bpe)
+    assert not spells_special(open_corpus({"kind": "shakespeare"}), byte)
+
+
+def test_a_bad_special_tokens_in_content_is_one_line(tmp_path):
+    from gptkit.errors import GptkitError
+
+    for s in (
+        {"kind": "files", "paths": [str(write_jsonl(tmp_path / "d.jsonl", [{"text": "x"}]))]},
+        {"kind": "chat", "paths": [str(write_jsonl(tmp_path / "c.jsonl", [{"messages": CONVERSATION}]))]},
+    ):
+        with pytest.raises(
+            GptkitError, match="data.special_tokens_in_content='yes' must be text .* or allow"
+        ):
+            prepare({**s, "special_tokens_in_content": "yes"}, {"kind": "byte"}, cache_dir=tmp_path / "c")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
 
 # ---- encode_conversation: every template, the fallback, the one error ----------------------------------
