@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from gptkit.chat_templates import encode_conversation
 from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import GptkitError
 from gptkit.model.kv_cache import KVCache
@@ -204,9 +205,10 @@ class Turn:
 class ChatSession:
     """A conversation with a model, rendered with a chat template, through one KV cache kept across turns.
 
-    Every turn renders the whole conversation (the template decides the text) and tokenizes it; the tokens
-    the cache already holds (the longest common prefix with what it was fed, the previous replies included)
-    are not run again: a second turn feeds only its new tokens. reuse_cache=False re-runs the whole
+    Every turn renders the whole conversation (the template decides the text) and tokenizes it
+    (encode_conversation: a special token that a message spells is its text, unless allow_special_text); the
+    tokens the cache already holds (the longest common prefix with what it was fed, the previous replies
+    included) are not run again: a second turn feeds only its new tokens. reuse_cache=False re-runs the whole
     conversation every turn (the baseline). When the conversation no longer fits in max_context tokens
     (with room for max_new_tokens), its oldest turns are left out (the system prompt stays).
 
@@ -226,10 +228,12 @@ class ChatSession:
         max_context: int | None = None,
         reuse_cache: bool = True,
         fit_answer: bool = False,
+        allow_special_text: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model, self.tokenizer, self.template, self.opts = model, tokenizer, template, opts
         self.system, self.stop_ids, self.reuse_cache = system, set(stop_ids), reuse_cache
+        self.allow_special_text = allow_special_text
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
         self.fit_answer = fit_answer
         # what a turn keeps free for its answer when older turns are left out
@@ -273,8 +277,19 @@ class ChatSession:
         """The conversation's ids with the generation prompt, its oldest turns left out until it fits."""
         notes = []
         while True:
-            text, _ = self.template.render(self.messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            try:
+                ids, _ = encode_conversation(
+                    self.tokenizer,
+                    self.template,
+                    self.messages,
+                    "the message",
+                    add_generation_prompt=True,
+                    allow_special_text=self.allow_special_text,
+                )
+            # the conversation as it was
+            except GptkitError:
+                self.messages.pop()
+                raise
             if len(ids) + self.room <= self.max_context:
                 return ids, notes
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0

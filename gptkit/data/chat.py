@@ -28,16 +28,17 @@ from gptkit.chat_templates import (
     CHAT_FILE,
     add_special_tokens,
     assistant_spans,
-    encode,
+    encode_conversation,
     resolve_template,
 )
 from gptkit.data.cache import publish_folder, templated_folder
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, BuildOptions, Feed, Prepared
-from gptkit.data.files import expand_paths
+from gptkit.data.files import expand_paths, spelled_in
 from gptkit.data.records import conversation, records
+from gptkit.data.settings import allows_special_text, keyed_special_text
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec, build_tokenizer, tokenizer_sha256
+from gptkit.tokenizer import TokenizerSpec, build_tokenizer, spec_special_tokens, tokenizer_sha256
 
 # torch is imported where a batch is made.
 
@@ -148,7 +149,23 @@ def check_settings(s: dict[str, Any]) -> dict[str, Any]:
         )
     if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
         raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
+    allows_special_text(s)
     return s
+
+
+def key_settings(s: dict[str, Any], tok: TokenizerSpec, template, files: list[Path]) -> dict[str, Any]:
+    """The settings a chat or preference cache key holds: special_tokens_in_content=text only when the
+    files may spell a special token of the template or the tokenizer (gptkit.data.files.spelled_in), where
+    it makes other ids than before; otherwise the key of every gptkit before it."""
+    formats = [
+        "parquet"
+        if s["format"] == "parquet" or (s["format"] == "auto" and f.suffix.lower() == ".parquet")
+        else "json"
+        for f in files
+    ]
+    return keyed_special_text(
+        s, lambda: spelled_in(files, [*template.special_tokens, *spec_special_tokens(tok)], formats)
+    )
 
 
 def template_for(spec: str, tok: TokenizerSpec):
@@ -167,8 +184,17 @@ def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> C
     train_files = expand_paths(s["paths"], "data.paths")
     val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
     template = template_for(s["template"], tok)
+    files = train_files + val_files
     final, key, content = templated_folder(
-        "chat", s, ROW_KEYS, FORMAT_VERSION, tok, template, train_files + val_files, opts.cache, opts.force
+        "chat",
+        key_settings(s, tok, template, files),
+        ROW_KEYS,
+        FORMAT_VERSION,
+        tok,
+        template,
+        files,
+        opts.cache,
+        opts.force,
     )
     if (final / MANIFEST).is_file():
         data = load_chat(final, s)
@@ -177,14 +203,18 @@ def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> C
 
     convs = read_conversations(train_files, s)
     val_convs = read_conversations(val_files, s) if val_files else []
-    rendered = [(where, *assistant_spans(template, m, where)) for where, m in convs + val_convs]
+    rendered = [(where, m, assistant_spans(template, m, where)) for where, m in convs + val_convs]
     if tok.built_from_corpus:
-        tokenizer = build_tokenizer(tok, lambda: (text for _, text, _ in rendered), progress=False)
+        tokenizer = build_tokenizer(tok, lambda: (text for _, _, (text, _) in rendered), progress=False)
     else:
         tokenizer = build_tokenizer(tok)
     added = add_special_tokens(tokenizer, template)
-    encoded = [encode(tokenizer, text, spans) for _, text, spans in rendered]
-    for (where, _, spans), (_, mask) in zip(rendered, encoded):
+    allow = s["special_tokens_in_content"] == "allow"
+    encoded = [
+        encode_conversation(tokenizer, template, m, where, rendered=r, allow_special_text=allow)
+        for where, m, r in rendered
+    ]
+    for (where, _, (_, spans)), (_, mask) in zip(rendered, encoded):
         if spans and not any(mask):
             raise GptkitError(f"{where}: the assistant's text renders to no tokens")
     n_train = len(convs)

@@ -32,7 +32,7 @@ from gptkit.data.build import training_sample
 from gptkit.data.console import say
 from gptkit.data.face import BuildOptions, Feed, Prepared
 from gptkit.data.prepared import PreparedData
-from gptkit.data.settings import BUILD_KEYS, WINDOW_KEYS, defaults, settings
+from gptkit.data.settings import BUILD_KEYS, SPECIAL_TEXT_KEY, WINDOW_KEYS, defaults, settings
 from gptkit.data.sources import Corpus
 from gptkit.data.windows import TaggedWindows, check_pack, check_window, windows
 from gptkit.errors import GptkitError
@@ -297,9 +297,13 @@ def _shared_tokenizer(
                 "tokenizer.path=<its tokenizer.json>)"
             )
         corpora[name] = corpus
+    # special_tokens_in_content changes no tokenizer: no part of its key (nor did it exist before)
     body = {
         "tokenizer": tok.settings,
-        "sources": {n: [sources[n][0], sources[n][1], c.sha256()] for n, c in corpora.items()},
+        "sources": {
+            n: [{k: v for k, v in sources[n][0].items() if k != SPECIAL_TEXT_KEY}, sources[n][1], c.sha256()]
+            for n, c in corpora.items()
+        },
     }
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     path = opts.cache / "tokenizers" / f"mix-{tok.kind}-{key[:16]}.json"

@@ -27,13 +27,21 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkit.chat_templates import add_special_tokens, assistant_spans, encode
+from gptkit.chat_templates import add_special_tokens, assistant_spans, encode_conversation
 from gptkit.data.cache import publish_folder, templated_folder
-from gptkit.data.chat import ChatSampler, ChatSplit, TemplatedData, template_for, tokenizer_record
+from gptkit.data.chat import (
+    ChatSampler,
+    ChatSplit,
+    TemplatedData,
+    key_settings,
+    template_for,
+    tokenizer_record,
+)
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, BuildOptions, Feed
 from gptkit.data.files import expand_paths
 from gptkit.data.records import conversation, records
+from gptkit.data.settings import allows_special_text
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import TokenizerSpec, build_tokenizer
 
@@ -61,6 +69,7 @@ def check_settings(s: dict[str, Any]) -> dict[str, Any]:
         )
     if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
         raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
+    allows_special_text(s)
     return s
 
 
@@ -127,12 +136,19 @@ def read_pairs(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dic
 
 
 def answer_tokens(
-    tokenizer, template, msgs: list[dict], answer: str, where: str
+    tokenizer, template, msgs: list[dict], answer: str, where: str, allow_special_text: bool = False
 ) -> tuple[list[int], list[int]]:
     """(ids, mask) of the conversation followed by `answer` as the assistant's turn; the mask marks the
-    answer's tokens only (not earlier assistant turns of `msgs`)."""
-    text, spans = assistant_spans(template, [*msgs, {"role": "assistant", "content": answer}], where)
-    ids, mask = encode(tokenizer, text, spans[-1:])
+    answer's tokens only (not earlier assistant turns of `msgs`). Special tokens that the prompt or the
+    answer spell are text (allow_special_text: control tokens, as before)."""
+    ids, mask = encode_conversation(
+        tokenizer,
+        template,
+        [*msgs, {"role": "assistant", "content": answer}],
+        where,
+        last_turn_only=True,
+        allow_special_text=allow_special_text,
+    )
     if not any(mask):
         raise GptkitError(f"{where}: an answer renders to no tokens")
     return ids, mask
@@ -199,7 +215,7 @@ def prepare_preference(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions
     template = template_for(s["template"], tok)
     final, key, content = templated_folder(
         "preference",
-        s,
+        key_settings(s, tok, template, train_files + val_files),
         ROW_KEYS,
         FORMAT_VERSION,
         tok,
@@ -228,8 +244,9 @@ def prepare_preference(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions
     else:
         tokenizer = build_tokenizer(tok)
     added = add_special_tokens(tokenizer, template)
+    allow = s["special_tokens_in_content"] == "allow"
     encoded = [
-        (where, [answer_tokens(tokenizer, template, msgs, a, where) for a in answers])
+        (where, [answer_tokens(tokenizer, template, msgs, a, where, allow) for a in answers])
         for where, msgs, *answers in every
     ]
     n_train = len(pairs)

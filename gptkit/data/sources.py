@@ -38,6 +38,7 @@ from gptkit.data.files import (
     is_jsonl,
     jsonl_texts,
     line_ranges,
+    spelled_in,
     text_parts,
 )
 from gptkit.errors import GptkitError
@@ -78,6 +79,9 @@ class Corpus:
     val_text: list[Path] | None = None
     text_errors: str = "strict"
     text_blank: str = "error"
+    # whether the text may spell one of the strings (special tokens), read without tokenizing; None: the
+    # corpus cannot tell (it may)
+    spells: Callable[[list[str]], bool] | None = None
 
     def all_parts(self) -> Iterator[Part]:
         yield from self.train_parts()
@@ -127,6 +131,7 @@ def pydoc(s: dict[str, Any]) -> Corpus:
         val_parts=None,
         sha256=lambda: _digest(d.encode() for d in docs()),
         n_bytes=sum(len(t) for t in topics.values()),
+        spells=lambda strings: any(t in d for d in docs() for t in strings),
     )
 
 
@@ -154,6 +159,7 @@ def shakespeare(s: dict[str, Any]) -> Corpus:
         val_parts=None,
         sha256=lambda: _digest(d.encode() for d in docs()),
         n_bytes=1_115_394,
+        spells=lambda strings: any(t in d for d in docs() for t in strings),
     )
 
 
@@ -254,6 +260,7 @@ def _text_files(files: list[Path], errors: str) -> Corpus:
         train_text=files if TEXT_RANGES else None,
         text_errors=errors,
         text_blank="skip",
+        spells=lambda strings: spelled_in(files, strings, ["text"] * len(files)),
     )
 
 
@@ -287,6 +294,7 @@ def local_files(s: dict[str, Any]) -> Corpus:
         n_bytes=sum(f.stat().st_size for f in every),
         files=[str(f) for f in every],
         sample=_sample_local(every, [file_format(f, fmt) for f in every], field_, errors),
+        spells=lambda strings: spelled_in(every, strings, [file_format(f, fmt) for f in every]),
     )
     if JSONL_RANGES and all(file_format(f, fmt) == "json" and is_jsonl(f) for f in every):
         corpus.train_ranges = lambda step: line_ranges(files, field_, errors, step)
