@@ -275,7 +275,7 @@ def old_key(s, tok) -> str:
     from gptkit.data.build import resolve_bos
     from gptkit.data.cache import shards_key
     from gptkit.data.settings import settings, shard_settings
-    from gptkit.data.sources import open_corpus
+    from gptkit.data.kinds import open_corpus
     from gptkit.tokenizer import tokenizer_spec
 
     spec = tokenizer_spec(tok)
@@ -304,7 +304,7 @@ def test_only_a_corpus_whose_ids_change_gets_a_new_cache_key(tmp_path):
 def test_what_may_spell_a_special_token_is_found_without_tokenizing(tmp_path):
     from gptkit.data.build import spells_special
     from gptkit.data.files import spelled_in
-    from gptkit.data.sources import open_corpus
+    from gptkit.data.kinds import open_corpus
     from gptkit.tokenizer import tokenizer_spec
 
     f = tmp_path / "a.jsonl"
