@@ -1,0 +1,148 @@
+"""data=chat and data=preference on bad input (issue 34): files that are not UTF-8, JSON or Parquet: one line
+each, naming the file (and line) and what to do."""
+
+import json
+import shutil
+
+import pytest
+from conftest import run_main
+
+from gptkit.data import prepare
+from gptkit.errors import GptkitError
+
+TURN = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+PAIR = {"prompt": "p", "chosen": "yes", "rejected": "no"}
+RECORD = {"chat": TURN, "preference": PAIR}
+
+
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def prepare_error(tmp_path, kind, f, fmt="auto") -> str:
+    """The one line of preparing `f` as data=<kind>; nothing is left in the cache."""
+    cache = tmp_path / "cache"
+    with pytest.raises(GptkitError) as err:
+        prepare(
+            {"kind": kind, "paths": [str(f)], "template": "chatml", "format": fmt},
+            {"kind": "byte"},
+            cache_dir=cache,
+        )
+    msg = str(err.value)
+    assert "\n" not in msg, msg
+    assert not cache.exists() or not any(cache.iterdir()), list(cache.iterdir())
+    return msg
+
+
+# ---- files that cannot be read ------------------------------------------------------------------------
+def parquet_file(path, records):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist(records), path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["chat", "preference"])
+def test_a_jsonl_line_that_is_not_utf8_is_named_by_line(tmp_path, kind):
+    f = tmp_path / "d.jsonl"
+    good = (json.dumps(RECORD[kind]) + "\n").encode()
+    f.write_bytes(good * 3 + b'{"prompt": "caf\xe9", ' + good[1:])
+    msg = prepare_error(tmp_path, kind, f)
+    assert msg.startswith(f"{f} line 4 is not UTF-8 text (byte 0xe9 at byte 16 of the line)"), msg
+    assert "save the file as UTF-8" in msg
+    (tmp_path / "d.json").write_bytes(b'[\n{"prompt": "\xff"}]')
+    msg = prepare_error(tmp_path, kind, tmp_path / "d.json")
+    assert msg.startswith(f"{tmp_path / 'd.json'} line 2 is not UTF-8 text"), msg
+
+
+@pytest.mark.parametrize("kind", ["chat", "preference"])
+def test_a_parquet_file_named_jsonl_and_a_jsonl_file_named_parquet_say_what_they_are(tmp_path, kind):
+    f = parquet_file(tmp_path / "d.parquet", [RECORD[kind]] * 2)
+    shutil.copy(f, tmp_path / "p.jsonl")
+    msg = prepare_error(tmp_path, kind, tmp_path / "p.jsonl")
+    assert msg == (
+        f"{tmp_path / 'p.jsonl'} is a Parquet file, not JSON lines; name it .parquet or set "
+        "data.format=parquet"
+    )
+    assert "not JSON;" in prepare_error(tmp_path, kind, f, fmt="json")
+    write_jsonl(tmp_path / "j.parquet", [RECORD[kind]] * 2)
+    msg = prepare_error(tmp_path, kind, tmp_path / "j.parquet")
+    assert msg.startswith(f"{tmp_path / 'j.parquet'} is not a readable Parquet file ("), msg
+    assert msg.endswith("it holds JSON: name it .jsonl (or .json) or set data.format=jsonl"), msg
+
+
+@pytest.mark.parametrize("kind", ["chat", "preference"])
+def test_a_truncated_or_bit_flipped_parquet_file_is_one_line(tmp_path, kind):
+    good = parquet_file(tmp_path / "good.parquet", [RECORD[kind]] * 20).read_bytes()
+    damaged = {
+        "truncated": good[: len(good) // 2],
+        # the footer's length, the magic bytes at the end
+        "length flipped": good[:-5] + bytes([good[-5] ^ 0x80]) + good[-4:],
+        "magic flipped": good[:-1] + bytes([good[-1] ^ 0xFF]),
+        "empty": b"",
+    }
+    for name, data in damaged.items():
+        f = tmp_path / f"{name.replace(' ', '-')}.parquet"
+        f.write_bytes(data)
+        msg = prepare_error(tmp_path, kind, f)
+        assert msg.startswith(f"{f} is not a readable Parquet file ("), (name, msg)
+        assert msg.endswith("it is damaged, truncated or not Parquet: write it again"), (name, msg)
+        # pyarrow's own words name the file: once is enough
+        assert msg.count(str(f)) == 1, msg
+
+
+@pytest.mark.parametrize("kind", ["chat", "preference"])
+def test_json_nested_beyond_pythons_limit_is_named_by_line(tmp_path, kind):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps(RECORD[kind]) + "\n" + "[" * 200_000 + "\n")
+    msg = prepare_error(tmp_path, kind, f)
+    assert msg.startswith(f"{f} line 2 is nested too deeply to read"), msg
+    (tmp_path / "d.json").write_text("[" * 200_000)
+    msg = prepare_error(tmp_path, kind, tmp_path / "d.json")
+    assert msg.startswith(f"{tmp_path / 'd.json'} is nested too deeply to read"), msg
+
+
+SURROGATES = [
+    ("chat", '{"prompt": "x", "response": "a\\ud800b"}', "response"),
+    (
+        "chat",
+        '{"messages": [{"role": "user", "content": "\\udfff"}, {"role": "assistant", "content": "b"}]}',
+        "messages[0].content",
+    ),
+    ("preference", '{"prompt": "x", "chosen": "a", "rejected": "\\uDBFF!"}', "rejected"),
+]
+
+
+@pytest.mark.parametrize("kind, line, field", SURROGATES)
+def test_a_lone_surrogate_escape_is_refused_at_reading_with_file_line_and_field(tmp_path, kind, line, field):
+    f = tmp_path / "d.jsonl"
+    # a pair is a character: read as ever
+    emoji = dict(RECORD[kind], prompt="\U0001f600")
+    f.write_text(json.dumps(emoji) + "\n" + line + "\n")
+    msg = prepare_error(tmp_path, kind, f)
+    assert msg.startswith(f"{f} line 2: {field} holds the escape \\u"), msg
+    assert "half of a UTF-16 surrogate pair" in msg
+    (tmp_path / "d.json").write_text(f"[{json.dumps(emoji)}, {line}]")
+    msg = prepare_error(tmp_path, kind, tmp_path / "d.json")
+    assert msg.startswith(f"{tmp_path / 'd.json'} record 2: {field} holds the escape"), msg
+
+
+def test_train_on_a_file_that_is_not_utf8_exits_2_with_one_line(tmp_path, capsys):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes((json.dumps(TURN) + "\n").encode() * 2 + b"\xff\n")
+    code, _, err = run_main(
+        capsys,
+        "train",
+        "model=llama-tiny",
+        "tokenizer=byte",
+        "data=chat",
+        f"data.paths=[{f}]",
+        "data.template=chatml",
+        f"runs_dir={tmp_path / 'runs'}",
+        "name=bad",
+    )
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("note:")]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {f} line 3 is not UTF-8"), err
+    assert not (tmp_path / "runs" / "bad" / "config.yaml").exists()
