@@ -257,6 +257,20 @@ def load_template_file(path: Path) -> ChatTemplate:
     return ChatTemplate(str(path), path.read_text(encoding="utf-8"), {}, [])
 
 
+class NoChatTemplate(GptkitError):
+    """data.template=auto found no template: `where` it looked (in words), `folder` the folder it read (None:
+    a tokenizer built here), `what` it looked for. A caller that knows where the tokenizer came from
+    (init_from=: copied from the source run) raises another naming that."""
+
+    def __init__(self, where: str, folder: Path | None, what: str | None = None) -> None:
+        what = what or f"a run's {CHAT_FILE}, or tokenizer_config.json's chat_template"
+        super().__init__(
+            f"data.template=auto found no chat template {where} ({what}); choose one: data.template=chatml, "
+            "data.template=llama3 or data.template=<file.jinja>"
+        )
+        self.folder = folder
+
+
 def resolve_template(spec: str, tokenizer_path: str | None) -> ChatTemplate:
     """data.template as a ChatTemplate: auto (the template saved next to the tokenizer), a built-in name, or
     a file."""
@@ -265,14 +279,11 @@ def resolve_template(spec: str, tokenizer_path: str | None) -> ChatTemplate:
         text, special, variables = BUILTIN[spec]
         return ChatTemplate(spec, text, dict(variables), list(special))
     if spec == "auto":
-        found = template_in_folder(Path(tokenizer_path).parent) if tokenizer_path else None
+        folder = Path(tokenizer_path).parent if tokenizer_path else None
+        found = template_in_folder(folder) if folder is not None else None
         if found is None:
             where = f"next to {tokenizer_path}" if tokenizer_path else "for a tokenizer built here"
-            raise GptkitError(
-                f"data.template=auto found no chat template {where} (a run's {CHAT_FILE}, or "
-                f"tokenizer_config.json's chat_template); choose one: data.template=chatml, "
-                f"data.template=llama3 or data.template=<file.jinja>"
-            )
+            raise NoChatTemplate(where, folder)
         return found
     return load_template_file(Path(spec).expanduser())
 

@@ -1,11 +1,11 @@
-"""data=chat and data=preference on bad input (issue 34): files that are not UTF-8, JSON or Parquet: one line
-each, naming the file (and line) and what to do."""
+"""data=chat and data=preference on bad input (issue 34): files that are not UTF-8, JSON or Parquet, a base
+run without a template: one line each, naming the file (and line) or the run and what to do."""
 
 import json
 import shutil
 
 import pytest
-from conftest import run_main
+from conftest import make_run, run_main
 
 from gptkit.data import prepare
 from gptkit.errors import GptkitError
@@ -146,3 +146,24 @@ def test_train_on_a_file_that_is_not_utf8_exits_2_with_one_line(tmp_path, capsys
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("note:")]
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {f} line 3 is not UTF-8"), err
     assert not (tmp_path / "runs" / "bad" / "config.yaml").exists()
+
+
+# ---- init_from= a base run -----------------------------------------------------------------------------
+def test_template_auto_names_the_init_from_run_that_has_no_template(tmp_path, capsys):
+    run, _, _ = make_run(tmp_path)
+    f = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "to be", "response": "or not"}] * 4)
+    code, _, err = run_main(
+        capsys,
+        "train",
+        f"init_from={run}",
+        "data=chat",
+        f"data.paths=[{f}]",
+        f"runs_dir={tmp_path / 'runs'}",
+        "name=sft",
+    )
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(
+        f"error: data.template=auto found no chat template in init_from={run},"
+    ), err
+    assert "it has no chat.json: a base run" in last and "data.template=chatml" in last, last
+    assert "runs/sft" not in last, last
