@@ -1,9 +1,12 @@
-"""data=chat and data=preference on bad input (issue 34): files that are not UTF-8, JSON or Parquet, a base
-run without a template: one line each, naming the file (and line) or the run and what to do."""
+"""data=chat and data=preference on bad input (issue 34): files that are not UTF-8, JSON or Parquet, damaged
+cache folders, a full cache disk, a base run without a template: one line each, naming the file (and line)
+or the folder and what to do."""
 
+import errno
 import json
 import shutil
 
+import numpy as np
 import pytest
 from conftest import make_run, run_main
 
@@ -146,6 +149,105 @@ def test_train_on_a_file_that_is_not_utf8_exits_2_with_one_line(tmp_path, capsys
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("note:")]
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {f} line 3 is not UTF-8"), err
     assert not (tmp_path / "runs" / "bad" / "config.yaml").exists()
+
+
+# ---- damaged cache folders --------------------------------------------------------------------------------
+def flip(f):
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    f.write_bytes(bytes(data))
+
+
+def halve(f):
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+
+
+def edit_count(folder):
+    m = json.loads((folder / "manifest.json").read_text())
+    m["splits"]["train"]["tokens"] += 1
+    (folder / "manifest.json").write_text(json.dumps(m))
+
+
+DAMAGE = {
+    "npz bit-flipped": lambda d, npz: flip(d / npz),
+    "npz truncated": lambda d, npz: halve(d / npz),
+    "npz deleted": lambda d, npz: (d / npz).unlink(),
+    "manifest token count edited": lambda d, npz: edit_count(d),
+    "manifest not JSON": lambda d, npz: (d / "manifest.json").write_text("{"),
+    "tokenizer.json deleted": lambda d, npz: (d / "tokenizer.json").unlink(),
+    "tokenizer.json edited": lambda d, npz: (d / "tokenizer.json").write_text("{}"),
+    "chat.json edited": lambda d, npz: (d / "chat.json").write_text("{}"),
+}
+
+
+@pytest.mark.parametrize("kind, npz", [("chat", "conversations.npz"), ("preference", "pairs.npz")])
+def test_a_damaged_cache_folder_is_one_line_naming_it_and_what_to_do(tmp_path, kind, npz):
+    f = write_jsonl(tmp_path / "d.jsonl", [RECORD[kind]] * 4)
+    settings = {"kind": kind, "paths": [str(f)], "template": "chatml"}
+    cache = tmp_path / "cache"
+    folder = prepare(settings, {"kind": "byte"}, cache_dir=cache).dir
+    assert folder.parent == cache
+    m = json.loads((folder / "manifest.json").read_text())
+    assert set(m["files"]) == {p.name for p in folder.iterdir()} - {"manifest.json"}
+    keep = tmp_path / "keep"
+    shutil.copytree(folder, keep)
+    damage = {**DAMAGE, "where.json edited": lambda d, npz: (d / "where.json").write_text("{}")}
+    if kind == "chat":
+        damage.pop("where.json edited")
+    for what, hurt in damage.items():
+        hurt(folder, npz)
+        with pytest.raises(GptkitError) as err:
+            prepare(settings, {"kind": "byte"}, cache_dir=cache)
+        msg = str(err.value)
+        assert msg.startswith(f"{folder} ") and msg.endswith("; delete it and prepare again"), (what, msg)
+        assert "\n" not in msg, (what, msg)
+        shutil.rmtree(folder)
+        shutil.copytree(keep, folder)
+    # intact again: read as before
+    assert prepare(settings, {"kind": "byte"}, cache_dir=cache).dir == folder
+
+
+def test_a_full_cache_disk_names_the_cache_folder_and_its_free_space(tmp_path, monkeypatch, capsys):
+    import gptkit.fsio
+
+    f = write_jsonl(tmp_path / "d.jsonl", [TURN] * 4)
+    cache = tmp_path / "cache"
+    real_usage, real_savez = shutil.disk_usage, np.savez
+
+    def usage(path):
+        # the cache's disk is full; the current folder's is not
+        u = real_usage(path)
+        free = 0 if str(path).startswith(str(cache)) else 53 << 30
+        return type(u)(u.total, u.used, free)
+
+    def savez(file, **arrays):
+        real_savez(file, **arrays)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(gptkit.fsio.shutil, "disk_usage", usage)
+    monkeypatch.setattr(np, "savez", savez)
+    for kind, record in RECORD.items():
+        f = write_jsonl(tmp_path / f"{kind}.jsonl", [record] * 4)
+        with pytest.raises(GptkitError) as err:
+            prepare(
+                {"kind": kind, "paths": [str(f)], "template": "chatml"}, {"kind": "byte"}, cache_dir=cache
+            )
+        msg = str(err.value)
+        assert msg.startswith(f"no space left on the disk writing {cache}/{kind}-byte-"), msg
+        assert ": it needs about " in msg and "0 B is free" in msg and "53.00 GiB" not in msg, msg
+        # nothing half-written is left
+        assert list(cache.iterdir()) == [], list(cache.iterdir())
+    code, _, err = run_main(
+        capsys,
+        "prepare",
+        "data=chat",
+        f"data.paths=[{f.with_name('chat.jsonl')}]",
+        "data.template=chatml",
+        f"cache_dir={cache}",
+    )
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        f"error: no space left on the disk writing {cache}"
+    )
 
 
 # ---- init_from= a base run -----------------------------------------------------------------------------

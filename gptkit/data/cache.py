@@ -27,8 +27,10 @@ import numpy as np
 
 from gptkit.chat_templates import CHAT_FILE
 from gptkit.data.console import human, say
-from gptkit.data.prepared import FORMAT_VERSION
-from gptkit.fsio import DIR_MODE, lock_file, wait_unlocked
+from gptkit.data.face import MANIFEST
+from gptkit.data.prepared import FORMAT_VERSION, manifest_checksum
+from gptkit.errors import GptkitError
+from gptkit.fsio import DIR_MODE, disk_full_error, file_crc32, is_disk_full, lock_file, wait_unlocked
 from gptkit.tokenizer import TokenizerSpec, file_sha256
 
 
@@ -178,6 +180,10 @@ def templated_folder(
     return final, key, content
 
 
+# what a damaged chat or preference folder's one line ends with
+REBUILD = "delete it and prepare again"
+
+
 def publish_folder(
     root: Path,
     final: Path,
@@ -189,7 +195,9 @@ def publish_folder(
 ) -> None:
     """Write a chat or preference folder atomically: its .npz files ({file name: arrays}), `extra` text files,
     tokenizer.json, the template and manifest.json (last) into a temporary folder beside `final`, then renamed
-    into place. A folder another process finished first is kept; any failure removes the temporary folder."""
+    into place. The manifest records the size and CRC-32 of every other file and its own checksum
+    (check_folder reads them). A folder another process finished first is kept; any failure removes the
+    temporary folder, and a full disk is one line naming `final` and the free space of its disk."""
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_builds(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
@@ -197,21 +205,70 @@ def publish_folder(
         for name, content in arrays.items():
             np.savez(tmp / name, **content)
         for name, text in (extra or {}).items():
-            (tmp / name).write_text(text)
-        (tmp / "tokenizer.json").write_text(tokenizer.to_str())
-        (tmp / CHAT_FILE).write_text(template.to_json())
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+            (tmp / name).write_text(text, encoding="utf-8")
+        (tmp / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+        (tmp / CHAT_FILE).write_text(template.to_json(), encoding="utf-8")
+        manifest = {
+            **manifest,
+            "files": {
+                f.name: {"bytes": f.stat().st_size, "crc32": file_crc32(f)} for f in sorted(tmp.iterdir())
+            },
+        }
+        manifest["checksum"] = manifest_checksum(manifest)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
         os.chmod(tmp, DIR_MODE)
         try:
             os.rename(tmp, final)
         # another process finished the same folder first: keep theirs
         except OSError:
-            if not (final / "manifest.json").is_file():
+            if not (final / MANIFEST).is_file():
+                if final.is_dir():
+                    raise GptkitError(
+                        f"{final} is not a complete prepared folder (it has no {MANIFEST}); {REBUILD}"
+                    ) from None
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc) and not isinstance(exc, GptkitError):
+            # the arrays and the tokenizer: what the folder holds, near enough
+            needed = sum(a.nbytes for c in arrays.values() for a in c.values()) + len(tokenizer.to_str())
+            raise disk_full_error(final, needed, exc) from exc
         raise
+
+
+def check_folder(folder: Path, fmt: str, what: str) -> dict[str, Any]:
+    """The manifest of a chat or preference folder, checked: valid JSON of format `fmt`, its checksum, and
+    every file it lists present with its size and CRC-32. Whatever is wrong is one line naming the folder
+    and saying to delete it and prepare again."""
+    mf = folder / MANIFEST
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GptkitError(
+            f"{folder} is not a complete prepared {what} folder (no {MANIFEST}); {REBUILD}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise GptkitError(f"{folder} is damaged ({MANIFEST} is not valid JSON: {exc}); {REBUILD}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise GptkitError(
+            f"{folder} is not a prepared {what} folder ({mf} is not a {fmt} manifest); {REBUILD}"
+        )
+    if manifest.get("checksum") != manifest_checksum(manifest):
+        raise GptkitError(
+            f"{folder} is damaged ({MANIFEST} was edited or corrupted: its checksum does not match its "
+            f"content); {REBUILD}"
+        )
+    for name, want in manifest["files"].items():
+        f = folder / name
+        if not f.is_file():
+            raise GptkitError(f"{folder} is damaged ({name} is missing); {REBUILD}")
+        if f.stat().st_size != want["bytes"] or file_crc32(f) != want["crc32"]:
+            raise GptkitError(
+                f"{folder} is damaged ({name} does not match the size and CRC-32 in its {MANIFEST}); "
+                f"{REBUILD}"
+            )
+    return manifest
 
 
 def shards_key(data: dict[str, Any], content: str, tok: TokenizerSpec) -> str:

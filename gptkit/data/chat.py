@@ -17,7 +17,6 @@ are built in, and their special tokens are added to a tokenizer that lacks them;
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,13 +30,13 @@ from gptkit.chat_templates import (
     encode,
     resolve_template,
 )
-from gptkit.data.cache import publish_folder, templated_folder
+from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
 from gptkit.data.console import say
-from gptkit.data.face import MANIFEST, BuildOptions, Feed, Prepared
+from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Feed, Prepared
 from gptkit.data.files import expand_paths
 from gptkit.data.records import conversation, records
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec, build_tokenizer, tokenizer_sha256
+from gptkit.tokenizer import TokenizerSpec, build_tokenizer, file_sha256, tokenizer_sha256
 
 # torch is imported where a batch is made.
 
@@ -46,7 +45,10 @@ TRAIN_ON = ("assistant", "all")
 ROW_PACKS = ("documents", "pad")
 TRUNCATE = ("drop", "cut")
 FORMAT = "gptkit-chat"
-FORMAT_VERSION = 1
+# 2: the manifest's checksum and its files' CRC-32. Part of the cache key: a folder of version 1 is not
+# read, the data is prepared again from its files (a cache; version 1 could not tell a damaged folder from a
+# good one)
+FORMAT_VERSION = 2
 # how rows are made from the tokens: no part of the cache key
 ROW_KEYS = ("train_on", "pack", "truncate")
 # why gptkit eval cannot score it (gptkit.data.kinds)
@@ -250,18 +252,47 @@ def tokenizer_record(tokenizer, tok: TokenizerSpec, template) -> dict[str, Any]:
 
 
 def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
-    """A prepared chat folder (manifest.json + conversations.npz), checked against these settings."""
+    """A prepared chat folder (manifest.json + conversations.npz), checked against its manifest (check_folder:
+    the checksum, each file's CRC-32, so also the tokenizer's) and the arrays against its counts."""
+    manifest = check_folder(folder, FORMAT, "chat")
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        z = np.load(folder / "conversations.npz")
-        splits = {k: ChatSplit(z[f"{k}_ids"], z[f"{k}_mask"], z[f"{k}_offsets"]) for k in ("train", "val")}
-    except (OSError, ValueError, KeyError) as exc:
-        raise GptkitError(
-            f"{folder} is not a complete prepared chat folder ({exc}); delete it and train again"
-        ) from None
-    if manifest.get("format") != FORMAT:
-        raise GptkitError(f"{folder / MANIFEST} is not a gptkit chat manifest; delete {folder}")
+        with np.load(folder / "conversations.npz") as z:
+            splits = {
+                k: ChatSplit(z[f"{k}_ids"], z[f"{k}_mask"], z[f"{k}_offsets"]) for k in ("train", "val")
+            }
+        for k, split in splits.items():
+            check_split(split, manifest["splits"][k]["conversations"], manifest["splits"][k]["tokens"])
+    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
+    except Exception as exc:  # noqa: BLE001 - np.load fails in many ways on a damaged file
+        raise GptkitError(f"{folder} is damaged (conversations.npz: {str(exc)[:160]}); {REBUILD}") from None
+    check_tokenizer_file(folder, manifest)
     return ChatData(folder, manifest, settings, splits["train"], splits["val"])
+
+
+def check_split(split: ChatSplit, n: int, tokens: int) -> None:
+    """The arrays of one split agree with each other and with the manifest's counts (ValueError if not)."""
+    off = split.offsets
+    if (
+        split.n != n
+        or len(split.ids) != tokens
+        or len(split.mask) != tokens
+        or off[0] != 0
+        or off[-1] != tokens
+        or (np.diff(off) < 0).any()
+    ):
+        raise ValueError(
+            f"its arrays do not hold the {n:,} conversations of {tokens:,} tokens of its manifest"
+        )
+
+
+def check_tokenizer_file(folder: Path, manifest: dict[str, Any]) -> None:
+    """The folder's tokenizer.json is the one its tokens were made with (its hash in the manifest)."""
+    f = folder / TOKENIZER
+    if not f.is_file() or file_sha256(f) != manifest["tokenizer"]["sha256"]:
+        raise GptkitError(
+            f"{folder} is damaged ({TOKENIZER} is missing or is not the tokenizer its tokens were made "
+            f"with); {REBUILD}"
+        )
 
 
 # ---- rows and batches ------------------------------------------------------------------------------------

@@ -28,8 +28,16 @@ import numpy as np
 import torch
 
 from gptkit.chat_templates import add_special_tokens, assistant_spans, encode
-from gptkit.data.cache import publish_folder, templated_folder
-from gptkit.data.chat import ChatSampler, ChatSplit, TemplatedData, template_for, tokenizer_record
+from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
+from gptkit.data.chat import (
+    ChatSampler,
+    ChatSplit,
+    TemplatedData,
+    check_split,
+    check_tokenizer_file,
+    template_for,
+    tokenizer_record,
+)
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, BuildOptions, Feed
 from gptkit.data.files import expand_paths
@@ -38,7 +46,8 @@ from gptkit.errors import GptkitError
 from gptkit.tokenizer import TokenizerSpec, build_tokenizer
 
 FORMAT = "gptkit-preference"
-FORMAT_VERSION = 1
+# 2: as data=chat's (gptkit.data.chat.FORMAT_VERSION): the manifest's checksum, its files' CRC-32
+FORMAT_VERSION = 2
 TRUNCATE = ("error", "drop", "cut")
 SIDES = ("chosen", "rejected")
 # how rows are made from the tokens: no part of the cache key
@@ -290,25 +299,32 @@ def prepare_preference(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions
 
 
 def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
-    """A prepared preference folder (manifest.json, pairs.npz, where.json), checked against these
-    settings."""
+    """A prepared preference folder (manifest.json, pairs.npz, where.json), checked against its manifest
+    (check_folder: the checksum, each file's CRC-32, so also the tokenizer's) and the arrays against its
+    counts."""
+    manifest = check_folder(folder, FORMAT, "preference")
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        z = np.load(folder / "pairs.npz")
-        where = json.loads((folder / "where.json").read_text())
-        splits = {
-            k: PairSplit(
-                *(ChatSplit(z[f"{k}_{s}_ids"], z[f"{k}_{s}_mask"], z[f"{k}_{s}_offsets"]) for s in SIDES),
-                where[k],
-            )
-            for k in ("train", "val")
-        }
-    except (OSError, ValueError, KeyError) as exc:
-        raise GptkitError(
-            f"{folder} is not a complete prepared preference folder ({exc}); delete it and train again"
-        ) from None
-    if manifest.get("format") != FORMAT:
-        raise GptkitError(f"{folder / MANIFEST} is not a gptkit preference manifest; delete {folder}")
+        where = json.loads((folder / "where.json").read_text(encoding="utf-8"))
+        with np.load(folder / "pairs.npz") as z:
+            splits = {
+                k: PairSplit(
+                    *(ChatSplit(z[f"{k}_{s}_ids"], z[f"{k}_{s}_mask"], z[f"{k}_{s}_offsets"]) for s in SIDES),
+                    where[k],
+                )
+                for k in ("train", "val")
+            }
+        for k, split in splits.items():
+            n = manifest["splits"][k]["pairs"]
+            for side in (split.chosen, split.rejected):
+                check_split(side, n, len(side.ids))
+            if len(split.where) != n or sum(len(p.ids) for p in (split.chosen, split.rejected)) != int(
+                manifest["splits"][k]["tokens"]
+            ):
+                raise ValueError(f"its arrays do not hold the {n:,} pairs of its manifest")
+    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
+    except Exception as exc:  # noqa: BLE001 - np.load fails in many ways on a damaged file
+        raise GptkitError(f"{folder} is damaged (pairs.npz: {str(exc)[:160]}); {REBUILD}") from None
+    check_tokenizer_file(folder, manifest)
     return PreferenceData(folder, manifest, settings, splits["train"], splits["val"])
 
 
