@@ -1,6 +1,6 @@
 """data=chat and data=preference on bad input (issue 34): files that are not UTF-8, JSON or Parquet, damaged
 cache folders, a full cache disk, a base run without a template: one line each, naming the file (and line)
-or the folder and what to do."""
+or the folder and what to do. And a conversation longer than any row: measured, never encoded whole."""
 
 import errno
 import json
@@ -8,9 +8,12 @@ import shutil
 
 import numpy as np
 import pytest
+import torch
 from conftest import make_run, run_main
 
-from gptkit.data import prepare
+from gptkit.data import chat, preference, prepare
+from gptkit.data.chat import make_rows
+from gptkit.data.preference import make_pair_rows
 from gptkit.errors import GptkitError
 
 TURN = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
@@ -269,3 +272,153 @@ def test_template_auto_names_the_init_from_run_that_has_no_template(tmp_path, ca
     ), err
     assert "it has no chat.json: a base run" in last and "data.template=chatml" in last, last
     assert "runs/sft" not in last, last
+
+
+# ---- a conversation longer than any row -------------------------------------------------------------
+class Recording:
+    """A tokenizer that remembers the longest text it was given to encode (and passes everything on)."""
+
+    longest = 0
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def __getattr__(self, name):
+        attr = getattr(self.tok, name)
+        if not name.startswith("encode"):
+            return attr
+
+        def call(texts, *args, **kwargs):
+            Recording.longest = max(
+                Recording.longest, *map(len, [texts] if isinstance(texts, str) else texts)
+            )
+            return attr(texts, *args, **kwargs)
+
+        return call
+
+
+@pytest.fixture
+def recording(monkeypatch):
+    Recording.longest = 0
+    for module in (chat, preference):
+        real = module.build_tokenizer
+        monkeypatch.setattr(module, "build_tokenizer", lambda *a, real=real, **k: Recording(real(*a, **k)))
+    return Recording
+
+
+BIG = "lorem ipsum dolor sit amet, " * 10_000
+
+
+def chat_records(big_where):
+    out = [{"prompt": f"question {i}", "response": f"answer number {i}"} for i in range(12)]
+    big = (
+        {"prompt": "tell", "response": BIG} if big_where == "response" else {"prompt": BIG, "response": "ok"}
+    )
+    return out[:5] + [big] + out[5:]
+
+
+def rows_equal(a, b):
+    assert (a.cut, a.dropped, a.conversations) == (b.cut, b.dropped, b.conversations)
+    assert torch.equal(a.x, b.x) and torch.equal(a.y, b.y)
+    assert (a.doc_ids is None and b.doc_ids is None) or torch.equal(a.doc_ids, b.doc_ids)
+
+
+@pytest.mark.parametrize("tok", ["byte", "char", "bpe"])
+@pytest.mark.parametrize("big_where", ["response", "prompt"])
+def test_a_conversation_longer_than_any_row_is_measured_not_encoded_and_kept_as_its_first_tokens(
+    tmp_path, recording, tok, big_where
+):
+    f = write_jsonl(tmp_path / "d.jsonl", chat_records(big_where))
+    s = {"kind": "chat", "paths": [str(f)], "template": "chatml", "val_fraction": 0.25}
+    t = {"kind": tok, **({"vocab_size": 300} if tok == "bpe" else {})}
+    cache = tmp_path / "cache"
+    data = prepare(s, t, cache_dir=cache, max_seq_len=64)
+    # the big one never reached the tokenizer whole: at most a few rows' worth of it
+    assert Recording.longest < 2_000 < len(BIG), Recording.longest
+    assert data.dir.name.endswith("-rows65") and data.manifest["splits"]["train"]["long"] == 1
+    assert "1 conversations longer than 65 tokens, kept as their first 65" in data.counts()
+    line = data.connect(2, 64, 0, None).lines[0]
+    assert "conversations longer than 65 tokens: 1 dropped (data.truncate=drop)" in line, line
+    # another limit, another folder
+    assert prepare(s, t, cache_dir=cache, max_seq_len=32).dir.name.endswith("-rows33")
+    # the same rows as with the conversation encoded whole
+    whole = prepare(s, t, cache_dir=cache)
+    assert "-rows" not in whole.dir.name and whole.manifest["splits"]["train"]["long"] == 0
+    for seq_len in (64, 48):
+        for truncate in ("drop", "cut"):
+            for pack in ("documents", "pad"):
+                for train_on in ("assistant", "all"):
+                    got, want = (
+                        make_rows(d.train, seq_len, pack, train_on, truncate, d.pad_id) for d in (data, whole)
+                    )
+                    rows_equal(got, want)
+    # cached: the folder of this limit first, then the whole one, which serves any other
+    assert prepare(s, t, cache_dir=cache, max_seq_len=64).dir == data.dir
+    assert prepare(s, t, cache_dir=cache, max_seq_len=16).dir == whole.dir
+    with pytest.raises(GptkitError, match=r"keeps the conversations longer than 65 tokens as their first 65"):
+        data.connect(2, 100, 0, None)
+
+
+def test_without_a_long_conversation_one_folder_serves_every_limit(tmp_path):
+    f = write_jsonl(tmp_path / "d.jsonl", chat_records("response")[:5] + chat_records("response")[6:])
+    s = {"kind": "chat", "paths": [str(f)], "template": "chatml"}
+    data = prepare(s, {"kind": "byte"}, cache_dir=tmp_path / "c", max_seq_len=64)
+    assert "-rows" not in data.dir.name and data.manifest["row_limit"] == 65
+    for limit in (None, 16, 1024):
+        assert prepare(s, {"kind": "byte"}, cache_dir=tmp_path / "c", max_seq_len=limit).dir == data.dir
+
+
+def test_train_counts_a_conversation_longer_than_the_model_as_dropped_without_encoding_it(
+    tmp_path, recording, capsys
+):
+    f = write_jsonl(tmp_path / "d.jsonl", chat_records("response"))
+    code, out, err = run_main(
+        capsys,
+        "train",
+        "model=llama-tiny",
+        "model.max_seq_len=48",
+        "tokenizer=byte",
+        "data=chat",
+        f"data.paths=[{f}]",
+        "data.template=chatml",
+        "trainer.batch_size=2",
+        "trainer.max_steps=1",
+        "trainer.val_windows=1",
+        "trainer.progress=false",
+        f"runs_dir={tmp_path / 'runs'}",
+        "name=long",
+    )
+    assert code == 0, err
+    assert Recording.longest < 2_000, Recording.longest
+    assert "conversations longer than 49 tokens: 1 dropped (data.truncate=drop)" in out + err, out + err
+
+
+@pytest.mark.parametrize("tok", ["byte", "bpe"])
+def test_a_pair_longer_than_any_row_is_measured_not_encoded_and_named_dropped_or_cut(
+    tmp_path, recording, tok
+):
+    rows = [{"prompt": f"p{i}", "chosen": f"yes {i}", "rejected": f"no {i}"} for i in range(8)]
+    rows[3] = {"prompt": "p3", "chosen": "short", "rejected": BIG}
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    s = {"kind": "preference", "paths": [str(f)], "template": "chatml", "val_fraction": 0.25}
+    t = {"kind": tok, **({"vocab_size": 300} if tok == "bpe" else {})}
+    data = prepare(s, t, cache_dir=tmp_path / "c", max_seq_len=32)
+    assert Recording.longest < 2_000 < len(BIG), Recording.longest
+    assert data.dir.name.endswith("-rows33") and data.manifest["splits"]["train"]["long"] == 1
+    whole = prepare(s, t, cache_dir=tmp_path / "c")
+    for seq_len in (32, 30):
+        for truncate in ("drop", "cut"):
+            got, want = (make_pair_rows(d.train, seq_len, truncate, d.pad_id) for d in (data, whole))
+            assert (got.cut, got.dropped, got.first_dropped) == (want.cut, want.dropped, want.first_dropped)
+            assert torch.equal(got.x, want.x) and torch.equal(got.y, want.y)
+    with pytest.raises(
+        GptkitError, match=rf"{f} line 4: the prompt with the rejected answer makes more than 33 "
+    ):
+        make_pair_rows(data.train, 32, "error", data.pad_id)
+    # data.truncate only chooses rows: the same folder
+    dropping = prepare({**s, "truncate": "drop"}, t, cache_dir=tmp_path / "c", max_seq_len=32)
+    assert dropping.dir == data.dir
+    line = dropping.connect(2, 32, 0, None).lines[0]
+    assert (
+        f"pairs longer than 33 tokens: 1 dropped (data.truncate=drop, first dropped: {f} line 4)" in line
+    ), line

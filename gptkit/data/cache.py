@@ -2,6 +2,8 @@
 published.
 
     <cache>/<kind>-<tokenizer kind>-<key>/      a prepared folder (its manifest written last)
+    <cache>/<kind>-<tokenizer kind>-<key>-rows<N>/   the same chat or preference data with its rows longer
+                                                than N tokens kept as their first N (templated_folder)
     <cache>/.<name>.partial/                    a resumable build of token shards (gptkit.data.build),
                                                 locked by its builder (BUILD_LOCK)
     <cache>/.<name>.<random>.tmp/               a chat or preference folder being written (publish_folder)
@@ -160,10 +162,16 @@ def templated_folder(
     files: list[Path],
     root: Path,
     force: bool,
-) -> tuple[Path, str, str]:
-    """(folder, cache key, content hash) of a chat or preference build, keyed by the files' content, the
+    row_limit: int | None = None,
+) -> tuple[list[Path], str, str]:
+    """(folders, cache key, content hash) of a chat or preference build, keyed by the files' content, the
     settings but those that only choose rows (row_keys), the tokenizer (a tokenizer.json's content too),
-    the template and the format; force=true removes a cached folder first."""
+    the template and the format; force=true removes the cached folders first.
+
+    folders: where the data may be, in the order they are looked for: with a row_limit first the folder of
+    the data with its rows longer than row_limit tokens kept as their first row_limit tokens (all a run
+    whose rows are at most that long needs of them), then (last) the folder of every row whole: written
+    when no row is longer than row_limit, or without a limit, it serves every run."""
     content = files_hash(files)
     cache_s = {k: v for k, v in s.items() if k not in row_keys}
     key_src = json.dumps(
@@ -174,10 +182,12 @@ def templated_folder(
     if tok.kind == "file":
         key_src += file_sha256(tok.path)
     key = hashlib.sha256(key_src.encode()).hexdigest()
-    final = root / f"{prefix}-{tok.kind}-{key[:16]}"
-    if final.exists() and force:
-        shutil.rmtree(final)
-    return final, key, content
+    whole = root / f"{prefix}-{tok.kind}-{key[:16]}"
+    folders = ([whole.with_name(f"{whole.name}-rows{row_limit}")] if row_limit else []) + [whole]
+    for folder in folders:
+        if folder.exists() and force:
+            shutil.rmtree(folder)
+    return folders, key, content
 
 
 # what a damaged chat or preference folder's one line ends with

@@ -311,11 +311,12 @@ def _with_vocab(model_cfg, vocab_size: int):
 def _prepare_data(cfg: DictConfig, model_cfg):
     """The run's data, prepared (or read from the cache): data.bos=auto resolved for the model first (off
     for a GPT-2-style model with learned positions; the run's config says so). Shards are checked meanwhile
-    (prepared.wait_checked before training)."""
+    (prepared.wait_checked before training). No row is longer than the model's context: a conversation (or a
+    pair's answer) longer than that is measured, never encoded whole."""
     from gptkit.data import for_model, prepare
 
     cfg.data = OmegaConf.create(for_model(cfg.data, str(model_cfg.position or "learned")))
-    return prepare(cfg.data, cfg.tokenizer)
+    return prepare(cfg.data, cfg.tokenizer, max_seq_len=model_cfg.max_seq_len)
 
 
 def complete_plan(plan: RunPlan) -> RunPlan:
