@@ -268,6 +268,20 @@ def load_template_file(path: Path) -> ChatTemplate:
     return ChatTemplate(str(path), path.read_text(encoding="utf-8"), {}, [])
 
 
+class NoChatTemplate(GptkitError):
+    """data.template=auto found no template: `where` it looked (in words), `folder` the folder it read (None:
+    a tokenizer built here), `what` it looked for. A caller that knows where the tokenizer came from
+    (init_from=: copied from the source run) raises another naming that."""
+
+    def __init__(self, where: str, folder: Path | None, what: str | None = None) -> None:
+        what = what or f"a run's {CHAT_FILE}, or tokenizer_config.json's chat_template"
+        super().__init__(
+            f"data.template=auto found no chat template {where} ({what}); choose one: data.template=chatml, "
+            "data.template=llama3 or data.template=<file.jinja>"
+        )
+        self.folder = folder
+
+
 def resolve_template(spec: str, tokenizer_path: str | None) -> ChatTemplate:
     """data.template as a ChatTemplate: auto (the template saved next to the tokenizer), a built-in name, or
     a file."""
@@ -276,14 +290,11 @@ def resolve_template(spec: str, tokenizer_path: str | None) -> ChatTemplate:
         text, special, variables = BUILTIN[spec]
         return ChatTemplate(spec, text, dict(variables), list(special))
     if spec == "auto":
-        found = template_in_folder(Path(tokenizer_path).parent) if tokenizer_path else None
+        folder = Path(tokenizer_path).parent if tokenizer_path else None
+        found = template_in_folder(folder) if folder is not None else None
         if found is None:
             where = f"next to {tokenizer_path}" if tokenizer_path else "for a tokenizer built here"
-            raise GptkitError(
-                f"data.template=auto found no chat template {where} (a run's {CHAT_FILE}, or "
-                f"tokenizer_config.json's chat_template); choose one: data.template=chatml, "
-                f"data.template=llama3 or data.template=<file.jinja>"
-            )
+            raise NoChatTemplate(where, folder)
         return found
     return load_template_file(Path(spec).expanduser())
 
@@ -368,6 +379,7 @@ def encode_conversation(
     rendered: tuple[str, list[tuple[int, int]]] | None = None,
     last_turn_only: bool = False,
     allow_special_text: bool = False,
+    prefix: bool = False,
 ) -> tuple[list[int], list[int]]:
     """(ids, mask) of a conversation: rendered with the template (assistant_spans; with
     add_generation_prompt, render's text and its {% generation %} spans; `rendered`: that render, when the
@@ -383,7 +395,10 @@ def encode_conversation(
     Metaspace's prepend_scheme=first, treats each stretch's start so). Where the messages' text lies comes
     from text_spans (exact; its fallback and its one error are described there). Added tokens that are not
     special (vocabulary words) are matched as always. allow_special_text=True: the whole text encoded as
-    before (spelled special tokens become control tokens: data.special_tokens_in_content=allow)."""
+    before (spelled special tokens become control tokens: data.special_tokens_in_content=allow). prefix:
+    `rendered`'s text is only the start of the conversation's render (a row longer than any training row,
+    cut before it is encoded: gptkit.data.chat.RowLimit), and where the messages' text lies is found in that
+    start."""
     if rendered is None:
         if add_generation_prompt:
             try:
@@ -402,7 +417,9 @@ def encode_conversation(
     specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
     if allow_special_text or not any(i in specials for i in ids):
         return ids, _mask(offsets, spans)
-    data = text_spans(template, messages, text, add_generation_prompt, list(specials.values()), where)
+    data = text_spans(
+        template, messages, text, add_generation_prompt, list(specials.values()), where, prefix=prefix
+    )
     if any(i in specials and _overlaps(offsets[t], data) for t, i in enumerate(ids)):
         ids, offsets = _encode_markup_apart(tokenizer, text, data, set(specials))
     return ids, _mask(offsets, spans)
@@ -420,6 +437,7 @@ def text_spans(
     add_generation_prompt: bool,
     specials: list[str],
     where: str,
+    prefix: bool = False,
 ) -> list[tuple[int, int]]:
     """The character spans of `text` (the messages rendered) that the messages' own strings (all but the
     role, nested ones too) make, so that special tokens there are told from the template's markup.
@@ -433,7 +451,14 @@ def text_spans(
     spelled tokens; a template that makes a special token out of other text, e.g. by changing its case,
     is not caught there). Strings that spell no special token need neither (no span). A template that
     changes even the spelled tokens (the text differs without the marks), or strings that hold the marks
-    themselves: a GptkitError naming `where` (nothing is encoded)."""
+    themselves: a GptkitError naming `where` (nothing is encoded). prefix: `text` is only the start of the
+    render; the spans are those within it."""
+
+    def same(out: str) -> bool:
+        return out.startswith(text) if prefix else out == text
+
+    def within(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(a, min(b, len(text))) for a, b in spans if a < len(text)] if prefix else spans
 
     def with_strings(f) -> list[dict[str, Any]]:
         return [{k: v if k == "role" else _map_strings(v, f) for k, v in m.items()} for m in messages]
@@ -449,8 +474,8 @@ def text_spans(
         for strip in (False, True):
             out = again(with_strings(lambda v, strip=strip: _wrap(v, strip)))
             found = _unmark(out) if out is not None else None
-            if found is not None and found[0] == text:
-                return found[1]
+            if found is not None and same(found[0]):
+                return within(found[1])
     spelled = []
     with_strings(lambda v: spelled.append(v) or v)
     if not any(t in v for v in spelled for t in specials if t):
@@ -458,14 +483,14 @@ def text_spans(
         return []
     if _DEFUSE not in text:
         out = again(with_strings(lambda v: _defuse(v, specials)))
-        if out is not None and out.replace(_DEFUSE, "") == text:
+        if out is not None and same(out.replace(_DEFUSE, "")):
             spans = []
             for k, j in enumerate(m.start() for m in re.finditer(_DEFUSE, out)):
                 # the mark follows the first character of a spelled token
                 at = j - k - 1
                 longest = max((len(t) for t in specials if text.startswith(t, at)), default=1)
                 spans.append((at, at + longest))
-            return spans
+            return within(spans)
     raise GptkitError(
         f"{where}: the chat template {template.name} changes what the messages say in a way that hides "
         "where their text lies, so the special tokens it spells cannot be kept text; remove them from "

@@ -274,8 +274,8 @@ def old_key(s, tok) -> str:
     """The cache key of data settings as every gptkit before special_tokens_in_content computed it."""
     from gptkit.data.build import resolve_bos
     from gptkit.data.cache import shards_key
-    from gptkit.data.settings import settings, shard_settings
     from gptkit.data.kinds import open_corpus
+    from gptkit.data.settings import settings, shard_settings
     from gptkit.tokenizer import tokenizer_spec
 
     spec = tokenizer_spec(tok)

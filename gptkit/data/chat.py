@@ -4,7 +4,9 @@ tokens.
     records (jsonl / json / parquet)  messages: [{role, content}, ...]   or   prompt + response (+ system)
       -> checked (roles, an assistant turn, file and row named in every error: gptkit.data.records)
       -> rendered with a chat template (gptkit.chat_templates: Jinja, as transformers renders it)
-      -> token ids + an assistant mask per token, cached (ChatData)
+      -> token ids + an assistant mask per token, cached (ChatData); a conversation longer than the longest
+         row a run can train on (model.max_seq_len + 1: RowLimit) is measured on prefixes, never encoded
+         whole, and kept as its first tokens, flagged long
       -> rows of seq_len + 1 tokens: packed (data.pack=documents, with doc_ids) or one per row (pad)
       -> batches (x, y[, doc_ids]) whose targets are -100 outside the assistant's turns
          (data.train_on=assistant)
@@ -17,8 +19,7 @@ are built in, and their special tokens are added to a tokenizer that lacks them;
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,14 +32,21 @@ from gptkit.chat_templates import (
     encode_conversation,
     resolve_template,
 )
-from gptkit.data.cache import publish_folder, templated_folder
+from gptkit.data.build import cutter_for
+from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
 from gptkit.data.console import say
-from gptkit.data.face import MANIFEST, BuildOptions, Feed, Prepared
+from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Feed, Prepared
 from gptkit.data.files import expand_paths, spelled_in
 from gptkit.data.records import conversation, records
 from gptkit.data.settings import allows_special_text, keyed_special_text
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec, build_tokenizer, spec_special_tokens, tokenizer_sha256
+from gptkit.tokenizer import (
+    TokenizerSpec,
+    build_tokenizer,
+    file_sha256,
+    spec_special_tokens,
+    tokenizer_sha256,
+)
 
 # torch is imported where a batch is made.
 
@@ -47,7 +55,13 @@ TRAIN_ON = ("assistant", "all")
 ROW_PACKS = ("documents", "pad")
 TRUNCATE = ("drop", "cut")
 FORMAT = "gptkit-chat"
-FORMAT_VERSION = 1
+# 2: the manifest's checksum and its files' CRC-32; conversations longer than a row kept as their first
+# row_limit tokens, flagged long. Part of the cache key: a folder of version 1 is not read, the data is
+# prepared again from its files (a cache; version 1 could not tell a damaged folder from a good one)
+FORMAT_VERSION = 2
+# a text of at most this many characters per token of the longest row is encoded whole (it may fit, and
+# costs what a row costs); a longer one is first measured on prefixes (RowLimit)
+WHOLE_CHARS_PER_TOKEN = 8
 # how rows are made from the tokens: no part of the cache key
 ROW_KEYS = ("train_on", "pack", "truncate")
 # why gptkit eval cannot score it (gptkit.data.kinds)
@@ -73,10 +87,66 @@ class ChatSplit:
     ids: np.ndarray  # [n_tokens] every conversation's tokens, one after another
     mask: np.ndarray  # [n_tokens] uint8: 1 on the assistant's tokens
     offsets: np.ndarray  # [n_conversations + 1] where each conversation starts in ids
+    # [n_conversations] bool: longer than the folder's row_limit, only its first row_limit tokens kept
+    long: np.ndarray | None = None
 
     @property
     def n(self) -> int:
         return len(self.offsets) - 1
+
+    def is_long(self, i: int) -> bool:
+        return self.long is not None and bool(self.long[i])
+
+
+@dataclass
+class RowLimit:
+    """The longest row a run can train on, in tokens (model.max_seq_len + 1; None: not known, every text is
+    encoded whole), and how a text longer than that is measured without being encoded whole: by the token
+    count of prefixes that end where the tokenizer may be cut without changing a token (gptkit.data.tokenize's
+    Cutter), each twice the last, until one holds more than `tokens` tokens or is the whole text. So every
+    conversation that fits is encoded whole, exactly as before; one that does not is encoded as such a
+    prefix, its first `tokens` tokens kept (all that data.truncate=cut takes of it) and flagged long. (For
+    byte-level BPE a run of HARD_CHARS characters with no such place is cut anyway, as the token-shard build
+    cuts it: the tokens next to that cut may differ from the whole text's.)"""
+
+    tokens: int | None
+    tokenizer: Any = None
+    spec: TokenizerSpec | None = None
+    # made on the first long text (it reads the tokenizer's JSON)
+    _cutter: Any = field(default=None, repr=False)
+
+    def fit(self, text: str, spans: list[tuple[int, int]]) -> tuple[str, list[tuple[int, int]], bool]:
+        """(text, spans, False) when the text may fit or cannot be cut; (a prefix of it that holds more than
+        `tokens` tokens, the spans within it, True) otherwise."""
+        if self.tokens is None or len(text) <= self.tokens * WHOLE_CHARS_PER_TOKEN:
+            return text, spans, False
+        n = self.tokens * WHOLE_CHARS_PER_TOKEN
+        while n < len(text):
+            c = self._cut(text, n)
+            if c is None:
+                break
+            if self._count(text[:c]) > self.tokens:
+                return text[:c], [(a, min(b, c)) for a, b in spans if a < c], True
+            n = 2 * c
+        return text, spans, False
+
+    def _cut(self, text: str, n: int) -> int | None:
+        """The first place at or after n where the text may be cut (None: none before its end)."""
+        if self._cutter is None:
+            self._cutter = cutter_for(self.tokenizer, self.spec)
+        lo = n
+        while lo < len(text):
+            hi = min(len(text), lo + self._cutter.hard_chars)
+            c = self._cutter.cut(text, lo, hi, hi < len(text))
+            if c is not None:
+                return c
+            lo = hi
+        return None
+
+    def _count(self, text: str) -> int:
+        # _fast (tokenizers >= 0.21): without offsets
+        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        return len(encode([text], add_special_tokens=False)[0].ids)
 
 
 @dataclass
@@ -117,7 +187,7 @@ class ChatData(TemplatedData):
         tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
         return (
             f"template {self.manifest['template']}: {tr['conversations']:,} train / {va['conversations']:,} "
-            f"val conversations, {tr['tokens']:,} train tokens"
+            f"val conversations, {tr['tokens']:,} train tokens{long_note(self.manifest, 'conversations')}"
         )
 
     def connect(
@@ -128,6 +198,7 @@ class ChatData(TemplatedData):
         s = {**self.settings, "pack": pack or self.settings["pack"]}
         if s["pack"] not in ROW_PACKS:
             raise GptkitError(f"data.pack={s['pack']!r} is not one of {', '.join(ROW_PACKS)}")
+        check_row_limit(self, seq_len, "conversations")
         train, val = (
             make_rows(split, seq_len, s["pack"], s["train_on"], s["truncate"], self.pad_id)
             for split in (self.train, self.val)
@@ -136,6 +207,29 @@ class ChatData(TemplatedData):
         # rows of [seq_len] tensors, batched by the loader
         rows = [val.batch(i) for i in range(n_val)]
         return Feed(ChatSampler(train, batch_size, seed), rows, lines=[describe_rows(train, val, seq_len, s)])
+
+
+def check_row_limit(prepared: TemplatedData, seq_len: int, what: str) -> None:
+    """Rows of seq_len + 1 tokens need the long conversations' (or answers') first seq_len + 1 tokens: a
+    one-line error when the folder kept fewer (prepared for a shorter model.max_seq_len)."""
+    limit = prepared.manifest.get("row_limit")
+    if limit is not None and manifest_longs(prepared.manifest) and seq_len + 1 > int(limit):
+        raise GptkitError(
+            f"{prepared.dir} keeps the {what} longer than {limit} tokens as their first {limit} (prepared "
+            f"for model.max_seq_len={int(limit) - 1}); rows of {seq_len + 1} tokens need more of them: "
+            f"prepare the data for that model.max_seq_len, or use trainer.seq_len<={int(limit) - 1}"
+        )
+
+
+def manifest_longs(manifest: dict[str, Any]) -> int:
+    """Conversations (or pairs) of a folder kept as their first row_limit tokens."""
+    return sum(int(v.get("long", 0)) for v in manifest["splits"].values())
+
+
+def long_note(manifest: dict[str, Any], what: str) -> str:
+    """What the counts line adds for a folder that kept long conversations (or pairs) cut to its row_limit."""
+    longs, limit = manifest_longs(manifest), manifest.get("row_limit")
+    return f"; {longs:,} {what} longer than {limit:,} tokens, kept as their first {limit:,}" if longs else ""
 
 
 def check_settings(s: dict[str, Any]) -> dict[str, Any]:
@@ -185,7 +279,7 @@ def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> C
     val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
     template = template_for(s["template"], tok)
     files = train_files + val_files
-    final, key, content = templated_folder(
+    folders, key, content = templated_folder(
         "chat",
         key_settings(s, tok, template, files),
         ROW_KEYS,
@@ -195,11 +289,13 @@ def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> C
         files,
         opts.cache,
         opts.force,
+        opts.row_limit,
     )
-    if (final / MANIFEST).is_file():
-        data = load_chat(final, s)
-        say(f"cache hit: {final} ({data.counts()})")
-        return data
+    for folder in folders:
+        if (folder / MANIFEST).is_file():
+            data = load_chat(folder, s)
+            say(f"cache hit: {folder} ({data.counts()})")
+            return data
 
     convs = read_conversations(train_files, s)
     val_convs = read_conversations(val_files, s) if val_files else []
@@ -210,13 +306,21 @@ def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> C
         tokenizer = build_tokenizer(tok)
     added = add_special_tokens(tokenizer, template)
     allow = s["special_tokens_in_content"] == "allow"
-    encoded = [
-        encode_conversation(tokenizer, template, m, where, rendered=r, allow_special_text=allow)
-        for where, m, r in rendered
-    ]
-    for (where, _, (_, spans)), (_, mask) in zip(rendered, encoded):
-        if spans and not any(mask):
+    limit = RowLimit(opts.row_limit, tokenizer, tok)
+    # (ids, mask, long) of each conversation, as arrays: what is kept
+    encoded = []
+    for where, m, (text, spans) in rendered:
+        cut, cut_spans, long = limit.fit(text, spans)
+        ids, mask = encode_conversation(
+            tokenizer, template, m, where, rendered=(cut, cut_spans), prefix=long, allow_special_text=allow
+        )
+        if long:
+            ids, mask = ids[: limit.tokens], mask[: limit.tokens]
+        elif spans and not any(mask):
             raise GptkitError(f"{where}: the assistant's text renders to no tokens")
+        encoded.append((np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8), long))
+    # the texts: only what was encoded of them is kept
+    rendered.clear()
     n_train = len(convs)
     # the last val_fraction of the conversations (at least one each)
     if not val_files:
@@ -241,20 +345,26 @@ def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> C
         "template": template.name,
         "added_tokens": added,
         "tokenizer": tokenizer_record(tokenizer, tok, template),
+        # conversations longer than this many tokens are kept as their first this many (long)
+        "row_limit": limit.tokens,
         "splits": {
             k: {
                 "conversations": len(v),
-                "tokens": sum(len(ids) for ids, _ in v),
-                "loss_tokens": sum(sum(m) for _, m in v),
+                "tokens": sum(len(ids) for ids, _, _ in v),
+                "loss_tokens": sum(int(m.sum()) for _, m, _ in v),
+                "long": sum(long for _, _, long in v),
             }
             for k, v in splits.items()
         },
     }
     arrays = {}
     for k, v in splits.items():
-        arrays[f"{k}_ids"] = np.array([t for ids, _ in v for t in ids], dtype=np.uint32)
-        arrays[f"{k}_mask"] = np.array([t for _, m in v for t in m], dtype=np.uint8)
-        arrays[f"{k}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in v], dtype=np.int64)
+        arrays[f"{k}_ids"] = np.concatenate([ids for ids, _, _ in v] or [np.zeros(0, np.uint32)])
+        arrays[f"{k}_mask"] = np.concatenate([m for _, m, _ in v] or [np.zeros(0, np.uint8)])
+        arrays[f"{k}_offsets"] = np.cumsum([0] + [len(ids) for ids, _, _ in v], dtype=np.int64)
+        arrays[f"{k}_long"] = np.array([long for _, _, long in v], dtype=np.uint8)
+    # a folder that holds long conversations is of this row limit; without any, of every one
+    final = folders[0] if manifest_longs(manifest) else folders[-1]
     publish_folder(opts.cache, final, {"conversations.npz": arrays}, tokenizer, template, manifest)
     data = load_chat(final, s)
     note = f"; added {', '.join(added)} to the tokenizer" if added else ""
@@ -280,18 +390,49 @@ def tokenizer_record(tokenizer, tok: TokenizerSpec, template) -> dict[str, Any]:
 
 
 def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
-    """A prepared chat folder (manifest.json + conversations.npz), checked against these settings."""
+    """A prepared chat folder (manifest.json + conversations.npz), checked against its manifest (check_folder:
+    the checksum, each file's CRC-32, so also the tokenizer's) and the arrays against its counts."""
+    manifest = check_folder(folder, FORMAT, "chat")
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        z = np.load(folder / "conversations.npz")
-        splits = {k: ChatSplit(z[f"{k}_ids"], z[f"{k}_mask"], z[f"{k}_offsets"]) for k in ("train", "val")}
-    except (OSError, ValueError, KeyError) as exc:
-        raise GptkitError(
-            f"{folder} is not a complete prepared chat folder ({exc}); delete it and train again"
-        ) from None
-    if manifest.get("format") != FORMAT:
-        raise GptkitError(f"{folder / MANIFEST} is not a gptkit chat manifest; delete {folder}")
+        with np.load(folder / "conversations.npz") as z:
+            splits = {
+                k: ChatSplit(z[f"{k}_ids"], z[f"{k}_mask"], z[f"{k}_offsets"], z[f"{k}_long"].astype(bool))
+                for k in ("train", "val")
+            }
+        for k, split in splits.items():
+            check_split(split, manifest["splits"][k]["conversations"], manifest["splits"][k]["tokens"])
+    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
+    except Exception as exc:  # noqa: BLE001 - np.load fails in many ways on a damaged file
+        raise GptkitError(f"{folder} is damaged (conversations.npz: {str(exc)[:160]}); {REBUILD}") from None
+    check_tokenizer_file(folder, manifest)
     return ChatData(folder, manifest, settings, splits["train"], splits["val"])
+
+
+def check_split(split: ChatSplit, n: int, tokens: int) -> None:
+    """The arrays of one split agree with each other and with the manifest's counts (ValueError if not)."""
+    off = split.offsets
+    if (
+        split.n != n
+        or len(split.ids) != tokens
+        or len(split.mask) != tokens
+        or off[0] != 0
+        or off[-1] != tokens
+        or (np.diff(off) < 0).any()
+        or (split.long is not None and len(split.long) != n)
+    ):
+        raise ValueError(
+            f"its arrays do not hold the {n:,} conversations of {tokens:,} tokens of its manifest"
+        )
+
+
+def check_tokenizer_file(folder: Path, manifest: dict[str, Any]) -> None:
+    """The folder's tokenizer.json is the one its tokens were made with (its hash in the manifest)."""
+    f = folder / TOKENIZER
+    if not f.is_file() or file_sha256(f) != manifest["tokenizer"]["sha256"]:
+        raise GptkitError(
+            f"{folder} is damaged ({TOKENIZER} is missing or is not the tokenizer its tokens were made "
+            f"with); {REBUILD}"
+        )
 
 
 # ---- rows and batches ------------------------------------------------------------------------------------
@@ -362,7 +503,8 @@ def make_rows(
         ids, mask = split.ids[a:b].astype(np.int64), split.mask[a:b].copy()
         if train_on == "all":
             mask[:] = 1
-        if len(ids) > width:
+        # a long one: its first row_limit >= width tokens kept
+        if len(ids) > width or split.is_long(i):
             if truncate == "drop":
                 dropped += 1
                 continue

@@ -102,11 +102,14 @@ def prepare(
     cache_dir: str | Path | None = None,
     progress: bool = True,
     force: bool = False,
+    max_seq_len: int | None = None,
 ) -> Prepared:
     """The data of a config, prepared for training: from the cache when present, else built now (a build a
-    killed prepare left is continued). The tokenizer config is resolved here, once, for every kind."""
+    killed prepare left is continued). The tokenizer config is resolved here, once, for every kind.
+    max_seq_len: the model's context, when known (no row of a run is longer than max_seq_len + 1 tokens)."""
     kind = kind_of(data_cfg)
-    opts = BuildOptions(cache_root(cache_dir), bool(progress), bool(force))
+    row_limit = int(max_seq_len) + 1 if max_seq_len is not None else None
+    opts = BuildOptions(cache_root(cache_dir), bool(progress), bool(force), row_limit)
     return kind.prepare(settings(data_cfg), tokenizer_spec(tokenizer_cfg), opts)
 
 
