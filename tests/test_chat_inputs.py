@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import make_run, run_main
 
-from gptkit.data import chat, preference, prepare
+from gptkit.data import prepare, templated
 from gptkit.data.chat import make_rows
 from gptkit.data.preference import make_pair_rows
 from gptkit.errors import GptkitError
@@ -300,9 +300,8 @@ class Recording:
 @pytest.fixture
 def recording(monkeypatch):
     Recording.longest = 0
-    for module in (chat, preference):
-        real = module.build_tokenizer
-        monkeypatch.setattr(module, "build_tokenizer", lambda *a, real=real, **k: Recording(real(*a, **k)))
+    real = templated.build_tokenizer
+    monkeypatch.setattr(templated, "build_tokenizer", lambda *a, **k: Recording(real(*a, **k)))
     return Recording
 
 

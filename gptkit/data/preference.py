@@ -29,29 +29,25 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkit.chat_templates import add_special_tokens, assistant_spans, encode_conversation
-from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
-from gptkit.data.chat import (
-    ChatSampler,
+from gptkit.chat_templates import assistant_spans, encode_conversation
+from gptkit.data.cache import REBUILD, check_folder
+from gptkit.data.chat import ChatSampler
+from gptkit.data.face import BuildOptions, Feed
+from gptkit.data.records import conversation, records
+from gptkit.data.settings import allows_special_text
+from gptkit.data.templated import (
     ChatSplit,
     RowLimit,
+    TemplatedBuild,
     TemplatedData,
     check_row_limit,
     check_split,
     check_tokenizer_file,
-    key_settings,
     long_note,
-    manifest_longs,
-    template_for,
-    tokenizer_record,
+    sequence_arrays,
 )
-from gptkit.data.console import say
-from gptkit.data.face import MANIFEST, BuildOptions, Feed
-from gptkit.data.files import expand_paths
-from gptkit.data.records import conversation, records
-from gptkit.data.settings import allows_special_text
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec, build_tokenizer
+from gptkit.tokenizer import TokenizerSpec
 
 FORMAT = "gptkit-preference"
 # 2: as data=chat's (gptkit.data.chat.FORMAT_VERSION): checksums, long answers kept as their first tokens
@@ -232,113 +228,51 @@ def prepare_preference(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions
     the template's special tokens) and the template, cached by (files, settings, tokenizer, template).
     Every bad record is a one-line GptkitError naming its file and row, raised before anything is
     written."""
-    s = check_settings(s)
-    train_files = expand_paths(s["paths"], "data.paths")
-    val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
-    template = template_for(s["template"], tok)
-    folders, key, content = templated_folder(
-        "preference",
-        key_settings(s, tok, template, train_files + val_files),
-        ROW_KEYS,
-        FORMAT_VERSION,
-        tok,
-        template,
-        train_files + val_files,
-        opts.cache,
-        opts.force,
-        opts.row_limit,
-    )
-    for folder in folders:
-        if (folder / MANIFEST).is_file():
-            data = load_preference(folder, s)
-            say(f"cache hit: {folder} ({data.counts()})")
-            return data
-
-    pairs = read_pairs(train_files, s)
-    val_pairs = read_pairs(val_files, s) if val_files else []
+    build = TemplatedBuild.open("preference", check_settings(s), tok, opts, ROW_KEYS, FORMAT_VERSION)
+    cached = build.cached(load_preference)
+    if cached is not None:
+        return cached
+    s, template = build.s, build.template
+    pairs = read_pairs(build.train_files, s)
+    val_pairs = read_pairs(build.val_files, s) if build.val_files else []
     every = pairs + val_pairs
-    # trained on the rendered text of both answers
-    if tok.built_from_corpus:
 
-        def texts():
-            for where, msgs, *answers in every:
-                for a in answers:
-                    yield assistant_spans(template, [*msgs, {"role": "assistant", "content": a}], where)[0]
+    # char and bpe are built from the rendered text of both answers
+    def texts():
+        for where, msgs, *answers in every:
+            for a in answers:
+                yield assistant_spans(template, [*msgs, {"role": "assistant", "content": a}], where)[0]
 
-        tokenizer = build_tokenizer(tok, texts, progress=False)
-    else:
-        tokenizer = build_tokenizer(tok)
-    added = add_special_tokens(tokenizer, template)
-    allow = s["special_tokens_in_content"] == "allow"
-    limit = RowLimit(opts.row_limit, tokenizer, tok)
+    tokenizer, added = build.tokenizer(texts)
+    allow, limit = build.allow_special_text, RowLimit(opts.row_limit, tokenizer, tok)
     encoded = [
         (where, [answer_tokens(tokenizer, template, msgs, a, where, limit, allow) for a in answers])
         for where, msgs, *answers in every
     ]
-    n_train = len(pairs)
-    # the last val_fraction of the pairs (at least one each)
-    if not val_files:
-        n_train = min(n_train - 1, max(1, round(n_train * (1 - float(s["val_fraction"])))))
-        if n_train < 1:
-            raise GptkitError(
-                f"data.paths hold {len(pairs)} pair(s); data=preference needs at least 2 (one "
-                "for validation) or data.val_paths"
-            )
+    n_train = build.n_train(len(pairs), "pair")
     splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "cache_key": key,
-        "source": {
-            "kind": "preference",
-            "description": "preference pairs from "
-            f"{', '.join(map(str, train_files))}"
-            + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""),
-            "sha256": content,
-        },
-        "template": template.name,
-        "added_tokens": added,
-        "tokenizer": tokenizer_record(tokenizer, tok, template),
-        # answers longer than this many tokens are kept as their first this many (long)
-        "row_limit": limit.tokens,
-        "splits": {
-            k: {
-                "pairs": len(v),
-                "tokens": sum(len(ids) for _, sides in v for ids, _, _ in sides),
-                "answer_tokens": sum(int(m.sum()) for _, sides in v for _, m, _ in sides),
-                # pairs with a long answer
-                "long": sum(any(long for _, _, long in sides) for _, sides in v),
-            }
-            for k, v in splits.items()
-        },
+    counts = {
+        k: {
+            "pairs": len(v),
+            "tokens": sum(len(ids) for _, sides in v for ids, _, _ in sides),
+            "answer_tokens": sum(int(m.sum()) for _, sides in v for _, m, _ in sides),
+            # pairs with a long answer
+            "long": sum(any(long for _, _, long in sides) for _, sides in v),
+        }
+        for k, v in splits.items()
     }
-    arrays = {}
-    for k, v in splits.items():
-        for i, side in enumerate(SIDES):
-            seqs = [sides[i] for _, sides in v]
-            arrays[f"{k}_{side}_ids"] = np.concatenate(
-                [ids for ids, _, _ in seqs] or [np.zeros(0, np.uint32)]
-            )
-            arrays[f"{k}_{side}_mask"] = np.concatenate([m for _, m, _ in seqs] or [np.zeros(0, np.uint8)])
-            arrays[f"{k}_{side}_offsets"] = np.cumsum([0] + [len(ids) for ids, _, _ in seqs], dtype=np.int64)
-            arrays[f"{k}_{side}_long"] = np.array([long for _, _, long in seqs], dtype=np.uint8)
+    manifest = build.manifest(FORMAT, FORMAT_VERSION, "preference pairs", tokenizer, added, limit, counts)
+    arrays = {
+        k: v
+        for split, pairs_of in splits.items()
+        for i, side in enumerate(SIDES)
+        for k, v in sequence_arrays(f"{split}_{side}", [sides[i] for _, sides in pairs_of]).items()
+    }
     # each pair's file and line
-    where = {k: [w for w, _ in v] for k, v in splits.items()}
-    # a folder that holds long answers is of this row limit; without any, of every one
-    final = folders[0] if manifest_longs(manifest) else folders[-1]
-    publish_folder(
-        opts.cache,
-        final,
-        {"pairs.npz": arrays},
-        tokenizer,
-        template,
-        manifest,
-        extra={"where.json": json.dumps(where)},
+    where = json.dumps({k: [w for w, _ in v] for k, v in splits.items()})
+    return build.publish(
+        manifest, {"pairs.npz": arrays}, tokenizer, load_preference, added, extra={"where.json": where}
     )
-    data = load_preference(final, s)
-    note = f"; added {', '.join(added)} to the tokenizer" if added else ""
-    say(f"prepared {final} ({data.counts()}{note})")
-    return data
 
 
 def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
