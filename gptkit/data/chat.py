@@ -38,7 +38,6 @@ from gptkit.data.templated import (
     check_row_limit,
     check_split,
     check_tokenizer_file,
-    long_note,
     sequence_arrays,
 )
 from gptkit.errors import GptkitError
@@ -79,12 +78,7 @@ class ChatData(TemplatedData):
     train: ChatSplit
     val: ChatSplit
 
-    def counts(self) -> str:
-        tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
-        return (
-            f"template {self.manifest['template']}: {tr['conversations']:,} train / {va['conversations']:,} "
-            f"val conversations, {tr['tokens']:,} train tokens{long_note(self.manifest, 'conversations')}"
-        )
+    record_name = "conversations"
 
     def connect(
         self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
@@ -176,10 +170,7 @@ def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
     manifest = check_folder(folder, FORMAT, "chat")
     try:
         with np.load(folder / "conversations.npz") as z:
-            splits = {
-                k: ChatSplit(z[f"{k}_ids"], z[f"{k}_mask"], z[f"{k}_offsets"], z[f"{k}_long"].astype(bool))
-                for k in ("train", "val")
-            }
+            splits = {k: ChatSplit.from_arrays(z, k) for k in ("train", "val")}
         for k, split in splits.items():
             check_split(split, manifest["splits"][k]["conversations"], manifest["splits"][k]["tokens"])
     # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)

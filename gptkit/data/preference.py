@@ -43,7 +43,6 @@ from gptkit.data.templated import (
     check_row_limit,
     check_split,
     check_tokenizer_file,
-    long_note,
     sequence_arrays,
 )
 from gptkit.errors import GptkitError
@@ -195,12 +194,7 @@ class PreferenceData(TemplatedData):
     train: PairSplit
     val: PairSplit
 
-    def counts(self) -> str:
-        tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
-        return (
-            f"template {self.manifest['template']}: {tr['pairs']:,} train / {va['pairs']:,} val pairs, "
-            f"{tr['tokens']:,} train tokens{long_note(self.manifest, 'pairs')}"
-        )
+    record_name = "pairs"
 
     def connect(
         self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
@@ -284,18 +278,7 @@ def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
         where = json.loads((folder / "where.json").read_text(encoding="utf-8"))
         with np.load(folder / "pairs.npz") as z:
             splits = {
-                k: PairSplit(
-                    *(
-                        ChatSplit(
-                            z[f"{k}_{s}_ids"],
-                            z[f"{k}_{s}_mask"],
-                            z[f"{k}_{s}_offsets"],
-                            z[f"{k}_{s}_long"].astype(bool),
-                        )
-                        for s in SIDES
-                    ),
-                    where[k],
-                )
+                k: PairSplit(*(ChatSplit.from_arrays(z, f"{k}_{s}") for s in SIDES), where[k])
                 for k in ("train", "val")
             }
         for k, split in splits.items():

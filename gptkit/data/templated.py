@@ -51,6 +51,12 @@ class ChatSplit:
     # [n_conversations] bool: longer than the folder's row_limit, only its first row_limit tokens kept
     long: np.ndarray | None = None
 
+    @classmethod
+    def from_arrays(cls, z: Any, prefix: str) -> "ChatSplit":
+        """The split an .npz holds under `prefix` (sequence_arrays wrote it)."""
+        long = z[f"{prefix}_long"].astype(bool)
+        return cls(z[f"{prefix}_ids"], z[f"{prefix}_mask"], z[f"{prefix}_offsets"], long)
+
     @property
     def n(self) -> int:
         return len(self.offsets) - 1
@@ -131,6 +137,17 @@ class TemplatedData(Prepared):
     def run_files(self) -> dict[str, Path]:
         """The tokenizer and the template `gptkit chat` talks with."""
         return {**super().run_files(), CHAT_FILE: self.template_path}
+
+    # what a record is called in the counts ("conversations", "pairs"), the manifest's key of their count
+    record_name = "records"
+
+    def counts(self) -> str:
+        tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
+        n = self.record_name
+        return (
+            f"template {self.manifest['template']}: {tr[n]:,} train / {va[n]:,} val {n}, {tr['tokens']:,} "
+            f"train tokens{long_note(self.manifest, n)}"
+        )
 
     def table(self) -> list[tuple[str, str]]:
         rows = super().table()
