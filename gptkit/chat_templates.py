@@ -582,3 +582,14 @@ def _encode_markup_apart(
     finally:
         tokenizer.encode_special_tokens = before
     return ids, offsets
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The ids of plain text: a special token it spells is encoded as its characters (HF's
+    split_special_tokens), never as the control id (a prompt, a line of a corpus: text is data)."""
+    before = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    finally:
+        tokenizer.encode_special_tokens = before

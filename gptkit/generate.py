@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from gptkit.chat_templates import encode_conversation
+from gptkit.chat_templates import encode_conversation, encode_text
 from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import GptkitError
 from gptkit.model.kv_cache import KVCache
@@ -159,10 +159,17 @@ def empty_prompt_start(bos_id: Optional[int], eos_id: Optional[int]) -> str:
     return "the end-of-text token" if eos_id is not None else 'a newline ("\\n")'
 
 
-def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int], eos_id: Optional[int] = None) -> list[int]:
+def encode_prompt(
+    tokenizer,
+    prompt: str,
+    bos_id: Optional[int],
+    eos_id: Optional[int] = None,
+    allow_special_text: bool = False,
+) -> list[int]:
     """The prompt's ids; an empty prompt is [BOS], else [end-of-text], else a newline's ids (see
     empty_prompt_start). Characters the tokenizer cannot represent (it raises, drops them or maps them to an
-    unknown token) are named in a one-line GptkitError."""
+    unknown token) are named in a one-line GptkitError. Text is data: a special token the prompt spells is
+    its characters (allow_special_text: the control id, as before: special_tokens_in_content=allow)."""
     if prompt == "":
         for start in (bos_id, eos_id):
             if start is not None:
@@ -181,7 +188,9 @@ def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int], eos_id: Optiona
             f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows "
             f"only its training corpus)"
         )
-    return tokenizer.encode(prompt, add_special_tokens=False).ids
+    if allow_special_text:
+        return tokenizer.encode(prompt, add_special_tokens=False).ids
+    return encode_text(tokenizer, prompt)
 
 
 # ---- a conversation: one KV cache across turns -----------------------------------------------------------
