@@ -17,7 +17,7 @@ the dense training count (6N + 12·L·T·d_attn per token, N with the LM head), 
 (appendix B), nanoGPT's `estimate_mfu` and torchtitan's `get_num_flop_per_token` do: causal masking is
 not discounted, so a figure here compares with theirs. Their N also holds the norms and biases (a
 few elementwise FLOPs each, not 6): 0.085% more FLOPs for GPT-2 124M, 0.003% for Llama-2-7B
-(tests/test_accounting.py pins both). `perf/mfu_causal` uses the causal count: the work a
+(tests/model/test_accounting.py pins both). `perf/mfu_causal` uses the causal count: the work a
 kernel that skips the masked half does, lower than `perf/mfu` by 12·L·T·d_attn / 2 per token.
 
 The literature's headline figure C = 6 * N * D (N = all parameters) is reported beside it.

@@ -5,7 +5,7 @@ run(cfg), prepare_args(args) when it rewrites its arguments before they are pars
 options) when it rewrites them from their parsed values, and check(cfg, multirun, options) when a Hydra app
 validates its composed config before Hydra creates the run folder), its primary config in conf/,
 and its one-line help. Command modules keep heavy imports inside run(), so `gptkit --help` stays fast.
-tests/test_cli.py checks that VERBS and gptkit/commands/ agree.
+tests/front/test_cli.py checks that VERBS and gptkit/commands/ agree.
 
 Before a verb runs (and before Hydra makes `train`'s run folder) every key=value is checked against the
 verb's config by gptkit.options: an unknown key, a value of the wrong type, a sweep without -m or a

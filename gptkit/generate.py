@@ -11,7 +11,7 @@ Two ways to run that loop (`decode`):
           replayed (`graph`). Sampling stays on the device; EOS and stop strings are checked every
           `check_every` tokens without stalling the device (gptkit.static_decode).
   auto    graph on CUDA, eager elsewhere.
-Greedy tokens are the same either way (tests/test_generate.py checks it, sliding windows included).
+Greedy tokens are the same either way (tests/generate/test_generate.py checks it, sliding windows included).
 
 Beyond the context (model.max_seq_len), `overflow` says what happens:
   slide  the window slides: the cache is rebuilt by one prefill over the last `slide_keep` tokens,

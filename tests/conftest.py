@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before the kernel module is imported, so it is set 
 
 import contextlib
 import os
+import subprocess
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -298,3 +299,140 @@ def reference(q, k, v, causal, scale, dtype=None):
         scores = scores.masked_fill(~causal_mask, float("-inf"))
     softmax_dtype = torch.float32 if dtype != torch.float64 else dtype
     return torch.softmax(scores, dim=-1, dtype=softmax_dtype).to(dtype) @ v
+
+
+# ---- shared by several rooms: Hugging Face models (tests/hf/ and the files that import or export), a
+# process group, a one-line check
+HF_TEXT = "To be, or not to be, that is the question"
+# not a usual spelling: export must take it from the run config
+HF_EOS = "<|doc|>"
+HF_VARIANTS = {
+    "llama-mha-tied-bias": dict(
+        position="rope", mlp="swiglu", norm="rmsnorm", bias=True, tie_embeddings=True, rope_theta=500.0
+    ),
+    "llama-gqa-untied": dict(
+        position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2, d_ff=48
+    ),
+    "llama-mqa-head_dim": dict(
+        position="rope",
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        tie_embeddings=False,
+        n_kv_heads=1,
+        head_dim=16,
+    ),
+    "gpt2-tied": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
+    "gpt2-untied": dict(
+        position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False, d_ff=80
+    ),
+}
+
+
+def char_tokenizer():
+    """A character tokenizer with an end-of-text token (HF `tokenizers`, as a run folder holds)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    chars = sorted(set(HF_TEXT + "abcdefghijklmnopqrstuvwxyz .,"))
+    vocab = {c: i for i, c in enumerate(chars)}
+    vocab[HF_EOS] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=HF_EOS))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens([HF_EOS])
+    return tok
+
+
+def random_gpt(variant: str, vocab_size: int = 40, seed: int = 0):
+    """A tiny GPT whose every weight (norms and biases included) is random, so no mapping error hides."""
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=vocab_size, max_seq_len=48, n_layers=2, n_heads=4, d_model=32, **HF_VARIANTS[variant]
+    )
+    model = GPT(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_llama(tie: bool, bias: bool):
+    """A tiny transformers Llama (GQA), untrained weights."""
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=40,
+        hidden_size=32,
+        intermediate_size=56,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=48,
+        rope_theta=1000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=tie,
+        attention_bias=bias,
+        mlp_bias=bias,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def hf_gpt2(tie: bool):
+    """A tiny transformers GPT-2, untrained weights."""
+    import transformers
+
+    cfg = transformers.GPT2Config(
+        vocab_size=40,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        n_positions=48,
+        tie_word_embeddings=tie,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    return transformers.GPT2LMHeadModel(cfg)
+
+
+def run_group(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
+    """Run a command in its own session; on timeout (or any error) kill the whole group, children included."""
+    import signal
+
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        try:
+            # ranks left behind, if any
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def one_line(err: str) -> bool:
+    """One error line (notes and the data preparation's lines aside, as .ci/faults counts), no traceback."""
+    lines = [
+        line
+        for line in err.strip().splitlines()
+        if line.strip()
+        and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared", "tokenizing"))
+    ]
+    return len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err

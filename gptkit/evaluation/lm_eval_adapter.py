@@ -4,7 +4,8 @@ the in-training task evals score with.
 Requests are tokenized exactly as lm-eval's `hf` backend tokenizes them (TemplateLM's context/continuation
 split, the tokenizer's own special-token rules, a BOS first for an empty context and for rolling windows,
 the EOS when there is no BOS), so the same model gives the same per-request log-likelihoods
-(tests/test_eval_tasks.py checks it against `hf` on the exported model). Scoring differs in how it computes:
+(tests/evaluation/test_eval_tasks.py checks it against `hf` on the exported model). Scoring differs in
+how it computes:
 
   loglikelihood   every request's input is (context + continuation)[-(max_len + 1):][:-1], as in `hf`
                   (a longer one loses tokens on the left: counted in `truncated`). The part before the

@@ -5,10 +5,9 @@ backend on the exported model; and `scoring=lm-eval`, which equals lm-eval's bit
 import json
 import math
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import make_run, run_cli, run_main, shakespeare
+from conftest import REPO, make_run, run_cli, run_main, shakespeare
 
 from gptkit.cli import main
 
@@ -20,7 +19,7 @@ from gptkit.errors import GptkitError  # noqa: E402
 from gptkit.evaluation import tasks as T  # noqa: E402
 from gptkit.evaluation.lm_eval_adapter import GptkitLM  # noqa: E402
 
-EVALS = Path(__file__).parent / "evals"
+EVALS = REPO / "tests" / "evals"
 # the end of the line that names the Python a task folder runs
 TRUST = ": use only task folders you trust"
 

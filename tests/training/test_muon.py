@@ -509,7 +509,7 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
         subprocess.Popen(
             [
                 sys.executable,
-                str(REPO / "tests/muon_distributed.py"),
+                str(REPO / "tests/training/muon_distributed.py"),
                 str(r),
                 "2",
                 str(tmp_path / "init"),

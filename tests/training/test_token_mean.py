@@ -114,7 +114,7 @@ def test_two_ranks_ddp_and_fsdp2_give_the_one_process_gradient(tmp_path):
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
     }
-    script = str(REPO / "tests/token_mean_distributed.py")
+    script = str(REPO / "tests/training/token_mean_distributed.py")
     ranks = [
         subprocess.Popen(
             [sys.executable, script, str(r), "2", str(tmp_path / "init"), str(tmp_path)],

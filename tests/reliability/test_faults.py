@@ -478,7 +478,7 @@ def test_start_up_says_what_the_checkpoints_need_and_warns_when_the_disk_lacks_i
 
 # ---- import never destroys its source or a run -----------------------------------------------------
 def test_import_force_never_replaces_its_source_a_trained_run_or_a_locked_one(tmp_path, capsys):
-    from test_hf import hf_llama
+    from conftest import hf_llama
 
     from gptkit.runs import LOCK_FILE
 

@@ -7,16 +7,13 @@ no rank outlives its test.
 """
 
 import csv
-import os
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, REPO, run_cli, shakespeare
+from conftest import HANG_S, run_cli, run_group, shakespeare
 
 STEPS = 6
 # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
@@ -56,31 +53,6 @@ def args(corpus: Path, runs: Path, name: str, world: int, *extra: str) -> list[s
         f"name={name}",
         *extra,
     ]
-
-
-def run_group(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
-    """Run a command in its own session; on timeout (or any error) kill the whole group, children included."""
-    env = dict(os.environ)
-    env.pop("GPTKIT_VERB", None)
-    proc = subprocess.Popen(
-        [sys.executable, *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        cwd=REPO,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            # ranks left behind, if any
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def train(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:

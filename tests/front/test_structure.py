@@ -1,9 +1,9 @@
 """One fact, one place: the tables every part of gptkit reads, imported from where they live."""
 
 import re
-from pathlib import Path
 
 import pytest
+from conftest import REPO
 from omegaconf import OmegaConf
 
 from gptkit.errors import ConfigError, GptkitError
@@ -111,7 +111,6 @@ def test_no_module_imports_itself_around_a_loop():
 
 
 # ---- the maps: tests/README.md, the suite time, docs/training.md's config groups, the links between pages
-REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
 
 
@@ -140,6 +139,37 @@ def test_every_test_file_is_on_the_map_once():
         "names on tests/README.md's map that are not files under tests/"
     )
     assert sorted(n for n in set(named) if named.count(n) > 1) == [], "files named in more than one room"
+
+
+def test_no_test_file_imports_another():
+    """A helper two files share lives in conftest.py: a test file that imports another breaks when either
+    moves room (the rank scripts of a 2-process check are imported by their own test file, beside it)."""
+    names = {p.stem for p in TESTS.rglob("*.py")} - {"conftest"}
+    imports = []
+    for f in sorted(TESTS.rglob("test_*.py")):
+        for m in re.finditer(r"^\s*(?:from|import) (\w+)", f.read_text(), re.M):
+            if m.group(1).startswith("test_") and m.group(1) in names:
+                imports.append(f"{f.relative_to(TESTS)} imports {m.group(1)}")
+    assert imports == []
+
+
+def test_every_cited_test_file_exists():
+    """A page, a docstring or a CI script that cites `tests/<path>.py` names a file that is there (the
+    test files moved into rooms once; a stale path sends a reader nowhere)."""
+    cited = set()
+    for f in [REPO / "README.md", *REPO.glob("docs/*.md"), *REPO.glob("gptkit/**/*.py"), *REPO.glob(".ci/*")]:
+        if f.is_file():
+            cited |= {
+                (f.relative_to(REPO).as_posix(), c) for c in re.findall(r"\btests/[\w/]+\.py", f.read_text())
+            }
+    missing = [f"{where}: {c}" for where, c in sorted(cited) if not (REPO / c).is_file()]
+    # the README's feature table names its test files by their path under tests/ (a glob for a family)
+    for row in table_rows((REPO / "README.md").read_text()):
+        if len(row) == 3 and row[2].startswith("`"):
+            for c in re.findall(r"`([\w/*]+\.py)`", row[2]):
+                if not list(TESTS.glob(c)):
+                    missing.append(f"README.md's feature table: {c}")
+    assert missing == []
 
 
 def suite_time(text: str) -> list[tuple[int, int]]:

@@ -8,6 +8,10 @@ import json
 
 import pytest
 import torch
+from conftest import HF_EOS as EOS
+from conftest import HF_TEXT as TEXT
+from conftest import HF_VARIANTS as VARIANTS
+from conftest import char_tokenizer, hf_gpt2, hf_llama, random_gpt
 
 from gptkit import hf
 from gptkit.cli import main as gptkit_main
@@ -15,58 +19,6 @@ from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_model, load_run, write_run_folder
 
 transformers = pytest.importorskip("transformers")
-
-TEXT = "To be, or not to be, that is the question"
-# not a usual spelling: export must take it from the run config
-EOS = "<|doc|>"
-VARIANTS = {
-    "llama-mha-tied-bias": dict(
-        position="rope", mlp="swiglu", norm="rmsnorm", bias=True, tie_embeddings=True, rope_theta=500.0
-    ),
-    "llama-gqa-untied": dict(
-        position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=False, n_kv_heads=2, d_ff=48
-    ),
-    "llama-mqa-head_dim": dict(
-        position="rope",
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
-        tie_embeddings=False,
-        n_kv_heads=1,
-        head_dim=16,
-    ),
-    "gpt2-tied": dict(position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=True),
-    "gpt2-untied": dict(
-        position="learned", mlp="gelu", norm="layernorm", bias=True, tie_embeddings=False, d_ff=80
-    ),
-}
-
-
-def char_tokenizer():
-    """A character tokenizer with an end-of-text token (HF `tokenizers`, as a run folder holds)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    chars = sorted(set(TEXT + "abcdefghijklmnopqrstuvwxyz .,"))
-    vocab = {c: i for i, c in enumerate(chars)}
-    vocab[EOS] = len(vocab)
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=EOS))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens([EOS])
-    return tok
-
-
-def random_gpt(variant: str, vocab_size: int = 40, seed: int = 0) -> GPT:
-    """A tiny GPT whose every weight (norms and biases included) is random, so no mapping error hides."""
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=vocab_size, max_seq_len=48, n_layers=2, n_heads=4, d_model=32, **VARIANTS[variant]
-    )
-    model = GPT(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
 
 
 def gptkit_greedy(model: GPT, ids: torch.Tensor, n: int, eos: int) -> list[int]:
@@ -177,40 +129,6 @@ def test_export_in_bf16_writes_bf16_tensors(tmp_path):
 
 
 # ---- import: transformers folder -> gptkit run folder ------------------------------------------
-def hf_llama(tie: bool, bias: bool):
-    cfg = transformers.LlamaConfig(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=56,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=48,
-        rope_theta=1000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=tie,
-        attention_bias=bias,
-        mlp_bias=bias,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return transformers.LlamaForCausalLM(cfg)
-
-
-def hf_gpt2(tie: bool):
-    cfg = transformers.GPT2Config(
-        vocab_size=40,
-        n_embd=32,
-        n_layer=2,
-        n_head=4,
-        n_positions=48,
-        tie_word_embeddings=tie,
-        bos_token_id=None,
-        eos_token_id=None,
-    )
-    return transformers.GPT2LMHeadModel(cfg)
-
-
 def randomize(hf_model):
     torch.manual_seed(1)
     with torch.no_grad():

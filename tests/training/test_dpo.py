@@ -9,8 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import run_main
-from test_distributed import run_group
+from conftest import run_group, run_main
 
 import gptkit
 from gptkit import chat_templates as templates

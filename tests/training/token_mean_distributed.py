@@ -1,6 +1,6 @@
-"""One rank of tests/test_token_mean.py's 2-process check (gloo, CPU): TokenMean under DDP and FSDP2.
+"""One rank of tests/training/test_token_mean.py's 2-process check (gloo, CPU): TokenMean under DDP and FSDP2.
 
-    python tests/token_mean_distributed.py RANK WORLD INIT_FILE OUT_DIR
+    python tests/training/token_mean_distributed.py RANK WORLD INIT_FILE OUT_DIR
 
 Each rank takes its half of every micro-batch of `micro_batches()` (2 micro-batches per step, whose halves
 carry very different numbers of loss tokens), backpropagates what TokenMean.micro_batch returns divided by the

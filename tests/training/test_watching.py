@@ -123,7 +123,7 @@ def test_resume_with_max_steps_at_or_below_the_checkpoint_says_nothing_to_do_and
 
 
 def test_eval_stride_0_or_seq_len_0_is_one_line(tmp_path, capsys):
-    from test_reliability import one_line
+    from conftest import one_line
 
     run, _, _ = make_run(tmp_path)
     cases = (("stride=0", "stride=0 must be in [1, seq_len=64]"), ("seq_len=0", "seq_len=0 must be"))

@@ -4,8 +4,7 @@ and `out` never half-written (nor left with temporary folders next to it)."""
 import json
 
 import torch
-from conftest import one_line_error
-from test_hf import char_tokenizer, random_gpt
+from conftest import char_tokenizer, one_line_error, random_gpt
 
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
@@ -69,7 +68,7 @@ def test_import_refuses_what_is_not_a_supported_model(tmp_path, cli):
 
 
 def test_import_refuses_weights_that_contradict_the_config_or_run_code(tmp_path, cli):
-    from test_hf import hf_llama
+    from conftest import hf_llama
 
     hf_llama(tie=False, bias=False).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -99,8 +98,7 @@ class Exploit:
 
 
 def test_import_refuses_a_tokenizer_larger_than_the_model_s_vocabulary(tmp_path, cli):
-    from conftest import big_vocab_tokenizer
-    from test_hf import hf_llama
+    from conftest import big_vocab_tokenizer, hf_llama
 
     # 40 embedding rows; a tokenizer of 100 would give ids the model has no row for
     hf_llama(tie=False, bias=False).save_pretrained(tmp_path / "hf")

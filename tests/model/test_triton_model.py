@@ -9,16 +9,13 @@ import os
 import subprocess
 import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S
+from conftest import HANG_S, REPO
 
 from gptkit.model import GPT, ModelConfig
 from gptkit_kernels import interpreting
-
-REPO = Path(__file__).resolve().parent.parent
 
 DEVICE = "cuda" if torch.cuda.is_available() and not interpreting() else "cpu"
 

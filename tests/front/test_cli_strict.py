@@ -211,7 +211,7 @@ def test_bad_checkpoint_files_are_one_complete_line(capsys, tmp_path, content, m
 
 
 def test_llama_config_without_max_position_embeddings(capsys, tmp_path):
-    from test_hf import hf_llama
+    from conftest import hf_llama
 
     hf_llama(tie=False, bias=False).save_pretrained(tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
@@ -230,7 +230,7 @@ def test_export_under_a_file(capsys, run_dir, tmp_path):
 
 
 def test_import_says_what_the_weights_confirm_about_the_heads(capsys, tmp_path):
-    from test_hf import hf_gpt2
+    from conftest import hf_gpt2
 
     # 4 heads of 8
     hf_gpt2(tie=True).save_pretrained(tmp_path / "hf")

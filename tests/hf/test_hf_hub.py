@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import one_line_error, run_main, shakespeare
-from test_hf import char_tokenizer, random_gpt
+from conftest import char_tokenizer, one_line_error, random_gpt, run_main, shakespeare
 
 from gptkit import hf_io
 from gptkit.cli import main as gptkit_main

@@ -1,6 +1,6 @@
 """Issue 25's second reliability pass: what a checkpoint, index or run folder names stays inside it, a broken
 sharded checkpoint is one line, a run's saved config is validated data, and the CLI's refusals are one line.
-(The cases that need a kill or a full training run are in tests/test_faults.py and .ci/faults.)"""
+(The cases that need a kill or a full training run are in tests/reliability/test_faults.py and .ci/faults.)"""
 
 import json
 import os
@@ -10,20 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, make_run, run_main
+from conftest import HANG_S, make_run, one_line, run_main
 
 from gptkit.errors import GptkitError
-
-
-def one_line(err: str) -> bool:
-    """One error line (notes and the data preparation's lines aside, as .ci/faults counts), no traceback."""
-    lines = [
-        line
-        for line in err.strip().splitlines()
-        if line.strip()
-        and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared", "tokenizing"))
-    ]
-    return len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
 
 
 def sharded_run(tmp_path: Path) -> Path:
@@ -77,7 +66,7 @@ def test_a_sharded_index_naming_a_file_outside_its_folder_is_refused_by_every_re
 
 
 def test_an_hf_index_naming_a_file_outside_its_folder_is_not_imported(tmp_path, capsys):
-    from test_hf import hf_llama
+    from conftest import hf_llama
 
     src, other = tmp_path / "src", tmp_path / "other"
     hf_llama(tie=False, bias=False).save_pretrained(other)
@@ -198,7 +187,7 @@ def test_sample_names_the_config_yaml_of_a_broken_model_section(tmp_path, capsys
 
 
 def test_resume_of_an_imported_run_says_to_use_init_from(tmp_path, capsys):
-    from test_hf import hf_llama
+    from conftest import hf_llama
 
     src = tmp_path / "hf"
     hf_llama(tie=False, bias=False).save_pretrained(src)

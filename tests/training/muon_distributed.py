@@ -1,6 +1,7 @@
-"""One rank of tests/test_muon.py's 2-process check (gloo, CPU): MuonWithAdamW under DDP and under FSDP2.
+"""One rank of tests/training/test_muon.py's 2-process check (gloo, CPU): MuonWithAdamW under DDP and
+under FSDP2.
 
-    python tests/muon_distributed.py RANK WORLD INIT_FILE OUT_DIR
+    python tests/training/muon_distributed.py RANK WORLD INIT_FILE OUT_DIR
 
 For Newton-Schulz in bfloat16 and in float32 (optim.muon.ns_dtype), three runs start from the weights of
 torch.manual_seed(0) and take 3 steps on the batches of `batches` (each rank its slice of the global batch):
