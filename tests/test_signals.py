@@ -1,0 +1,142 @@
+"""Ctrl-C (SIGINT) and SIGTERM: a training run saves the step it is at, skips a validation that has not
+started, prints its saved line last (no `done:`) and exits 130 / 143; its resume ends equal to an
+uninterrupted run. A prepare says "interrupted" once, without a worker's traceback.
+
+The signal is sent from inside the process (a patched hook), at a known point of the run: no sleeps.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import HANG_S, run_cli, shakespeare
+
+STEPS = 6
+
+# SIG and AT (the step during which the signal arrives) or IN_VAL (the step whose validation it
+# interrupts) come from the environment; each validation batch of a step after the signal's adds a line
+# to VAL_AFTER (the test asserts that none did)
+SEND_SIGNAL = """import os, signal, sys
+from gptkit.training.module import LitGPT
+from gptkit.training.run_checkpoints import RunCheckpoints
+sig = getattr(signal, os.environ["SIG"])
+at, in_val, sent = int(os.environ.get("AT", 0)), int(os.environ.get("IN_VAL", 0)), []
+start, step = RunCheckpoints.on_train_batch_start, LitGPT.validation_step
+def during_step(self, trainer, *args):
+    if trainer.global_step == at - 1 and not sent:
+        sent.append(trainer.global_step)
+        os.kill(os.getpid(), sig)
+    return start(self, trainer, *args)
+def validation_step(self, *args, **kw):
+    if sent and self.trainer.global_step > sent[0]:
+        with open(os.environ["VAL_AFTER"], "a") as f:
+            f.write(f"{self.trainer.global_step}\\n")
+    if self.trainer.global_step == in_val and not sent:
+        sent.append(in_val)
+        os.kill(os.getpid(), sig)
+    return step(self, *args, **kw)
+RunCheckpoints.on_train_batch_start = during_step
+LitGPT.validation_step = validation_step
+from gptkit.cli import main
+sys.exit(main())
+"""
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("corpus") / "shakespeare-20k.txt"
+    p.write_text(shakespeare(20_000))
+    return p
+
+
+def tiny(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
+    return [
+        "model=gpt2-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "trainer.batch_size=4",
+        f"trainer.max_steps={STEPS}",
+        "trainer.val_every=2",
+        "trainer.val_windows=4",
+        "trainer.checkpoint_every=2",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "optim.warmup_steps=2",
+        f"runs_dir={runs}",
+        f"name={name}",
+        *extra,
+    ]
+
+
+def rows(run: Path) -> list[dict]:
+    """metrics.csv's rows without the timings (perf/*), which differ from run to run."""
+    with open(run / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def weights(run: Path) -> dict:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(corpus, tmp_path_factory) -> Path:
+    runs = tmp_path_factory.mktemp("ref")
+    r = run_cli("train", *tiny(corpus, runs, "ref"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    return runs / "ref"
+
+
+def signalled(tmp_path: Path, argv: list[str], **env: str) -> subprocess.CompletedProcess:
+    script = tmp_path / "send_signal.py"
+    script.write_text(SEND_SIGNAL)
+    e = dict(os.environ, VAL_AFTER=str(tmp_path / "val_after"), **env)
+    e.pop("GPTKIT_VERB", None)
+    return subprocess.run(
+        [sys.executable, str(script), *argv], env=e, capture_output=True, text=True, timeout=HANG_S
+    )
+
+
+@pytest.mark.parametrize(
+    "sig, code, when, saved",
+    [
+        # during step 4, whose validation (val_every=2) would follow: skipped
+        ("SIGINT", 130, {"AT": "4"}, 4),
+        # during step 3: no validation is due, and Lightning's own one at a stop is skipped too
+        ("SIGTERM", 143, {"AT": "3"}, 3),
+        # during the validation at step 2: it finishes, step 3 is trained and saved, no validation after it
+        ("SIGINT", 130, {"IN_VAL": "2"}, 3),
+        # during the last step (6, validated at the end)
+        ("SIGTERM", 143, {"AT": "6"}, 6),
+    ],
+)
+def test_a_signal_saves_the_step_skips_the_validation_and_the_resume_is_exact(
+    corpus, reference, tmp_path, sig, code, when, saved
+):
+    r = signalled(tmp_path, ["train", *tiny(corpus, tmp_path, "s")], SIG=sig, **when)
+    run = tmp_path / "s"
+    assert r.returncode == code, r.stderr[-3000:]
+    # no validation step ran after the signal
+    assert not (tmp_path / "val_after").exists(), (tmp_path / "val_after").read_text()
+    lines = r.stderr.strip().splitlines()
+    # the saved line last, no summary of a finished run
+    assert lines[-1] == (
+        f"{sig}: saved {run / 'checkpoints' / 'last.ckpt'} at step {saved}; continue with: gptkit train "
+        f"resume={run}"
+    ), r.stderr[-3000:]
+    assert not any(ln.startswith("done:") for ln in lines) and "Traceback" not in r.stderr
+    assert weights(run)["global_step"] == saved
+    # the resume runs the validation the signal skipped, then the rest: equal to an uninterrupted run
+    r = run_cli("train", f"resume={run}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert rows(run) == rows(reference)
+    got, want = weights(run)["state_dict"], weights(reference)["state_dict"]
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
