@@ -6,6 +6,7 @@ The signal is sent from inside the process (a patched hook), at a known point of
 """
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -140,3 +141,86 @@ def test_a_signal_saves_the_step_skips_the_validation_and_the_resume_is_exact(
     assert rows(run) == rows(reference)
     got, want = weights(run)["state_dict"], weights(reference)["state_dict"]
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+
+
+# ---- Ctrl-C in prepare ------------------------------------------------------------------------------
+# A terminal's Ctrl-C goes to the whole foreground process group: the prepare and its workers. AT says when:
+# "start": as soon as both workers have their SIGINT disposition set (Python's handler installed, or ignored
+# or blocked from the start), read from /proc, while they import; a number: at that complete shard.
+CTRL_C_PREPARE = """import os, signal, sys, time
+import gptkit.data.build as b, gptkit.data.shards as s, gptkit.data.tokenize as t
+at = os.environ.get("AT", "")
+def ctrl_c():
+    os.killpg(os.getpgid(0), signal.SIGINT)
+def set_up(pid):
+    fields = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status").read().splitlines())
+    return any(int(fields[k], 16) >> (signal.SIGINT - 1) & 1 for k in ("SigCgt", "SigIgn", "SigBlk"))
+start = b.start_workers
+def start_workers(n):
+    pool = start(n)
+    if at == "start":
+        while not all(set_up(pid) for pid in list(pool._processes)):
+            time.sleep(0.01)
+        ctrl_c()
+    return pool
+point, shards = s.fault_point, []
+def fault_point(name):
+    if name == "prepare-shard" and at.isdigit():
+        shards.append(name)
+        if len(shards) == int(at):
+            ctrl_c()
+    point(name)
+# (each spawned worker imports this file again: only the prepare runs it)
+if __name__ == "__main__":
+    t.PIECE_CHARS, t.HARD_CHARS, t.BATCH_CHARS, s.SHARD_TOKENS = 600, 1200, 2000, 1500
+    b.start_workers, s.fault_point = start_workers, fault_point
+    from gptkit.cli import main
+    sys.exit(main())
+"""
+
+
+def ctrl_c_prepare(tmp_path: Path, corpus: Path, at: str, cache: Path) -> subprocess.CompletedProcess:
+    """The prepare of `corpus` into `cache` with 2 BPE workers and small shards, Ctrl-C at `at` (AT above;
+    "": none)."""
+    script = tmp_path / "ctrl_c_prepare.py"
+    script.write_text(CTRL_C_PREPARE)
+    e = dict(os.environ, AT=at)
+    e.pop("GPTKIT_VERB", None)
+    argv = [
+        "prepare",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.workers=2",
+        "tokenizer=bpe",
+        "tokenizer.vocab_size=300",
+        f"cache_dir={cache}",
+        "progress=false",
+    ]
+    # its own process group: the Ctrl-C reaches the prepare and its workers, not pytest
+    return subprocess.run(
+        [sys.executable, str(script), *argv],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.parametrize("at", ["start", "3"])
+def test_ctrl_c_in_a_prepare_with_two_workers_is_one_line_and_keeps_the_complete_shards(corpus, tmp_path, at):
+    cache = tmp_path / "cache"
+    r = ctrl_c_prepare(tmp_path, corpus, at, cache)
+    assert r.returncode == 130, r.stderr[-3000:]
+    said = [ln for ln in r.stderr.splitlines() if "interrupted" in ln]
+    # once, last, and no worker's traceback
+    assert len(said) == 1 and r.stderr.strip().splitlines()[-1] == said[0], r.stderr[-3000:]
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr[-3000:]
+    (partial,) = cache.glob(".*.partial")
+    assert said[0].startswith(f"interrupted: the complete shards are kept in {partial}")
+    if at == "3":
+        # the 3 complete shards are kept, and the same command continues from them
+        state = json.loads((partial / "progress.json").read_text())
+        assert sum(sp["tokens"] for sp in state["splits"].values()) >= 3 * 1500
+        again = ctrl_c_prepare(tmp_path, corpus, "", cache)
+        assert again.returncode == 0 and "continuing the interrupted build" in again.stderr, again.stderr
