@@ -1,6 +1,6 @@
 """Fault injection for the crash tests: GPTKIT_FAULT=<point>[@<n>] makes this process kill itself with
 SIGKILL (as `kill -9` would) the n-th time (default: the first) it passes the named write point.
-Nothing happens unless the variable is set; tests/test_faults.py and .ci/faults use it.
+Nothing happens unless the variable is set; tests/test_faults.py and .ci/fault-loop use it.
 
 Points (where the writers call fault_point):
   step             RunCheckpoints, after each optimizer step (before that step's checkpoint, if any)

@@ -1,6 +1,6 @@
 """Issue 25's second reliability pass: what a checkpoint, index or run folder names stays inside it, a broken
 sharded checkpoint is one line, a run's saved config is validated data, and the CLI's refusals are one line.
-(The cases that need a kill or a full training run are in tests/test_faults.py and .ci/faults.)"""
+(The cases that need a kill or a full training run are in tests/test_faults.py and .ci/fault-loop.)"""
 
 import json
 import os
@@ -16,7 +16,8 @@ from gptkit.errors import GptkitError
 
 
 def one_line(err: str) -> bool:
-    """One error line (notes and the data preparation's lines aside, as .ci/faults counts), no traceback."""
+    """One error line (notes and the data preparation's lines aside, as .ci/fault-loop counts), no
+    traceback."""
     lines = [
         line
         for line in err.strip().splitlines()
