@@ -123,10 +123,29 @@ def test_a_signal_saves_the_step_skips_the_validation_and_the_resume_is_exact(
     corpus, reference, tmp_path, sig, code, when, saved
 ):
     r = signalled(tmp_path, ["train", *tiny(corpus, tmp_path, "s")], SIG=sig, **when)
-    run = tmp_path / "s"
-    assert r.returncode == code, r.stderr[-3000:]
     # no validation step ran after the signal
     assert not (tmp_path / "val_after").exists(), (tmp_path / "val_after").read_text()
+    stopped_then_resumed_exactly(r, tmp_path / "s", reference, sig, code, saved)
+
+
+@pytest.mark.parametrize(
+    "fault, sig, code, saved",
+    [
+        # GPTKIT_FAULT's signal form: at the end of step 3, before its checkpoint
+        ("step@3:SIGTERM", "SIGTERM", 143, 3),
+        # during the validation at step 4: it finishes, step 5 is saved
+        ("validation@2:SIGINT", "SIGINT", 130, 5),
+    ],
+)
+def test_a_signal_from_gptkit_fault_stops_as_a_real_one(corpus, reference, tmp_path, fault, sig, code, saved):
+    r = run_cli("train", *tiny(corpus, tmp_path, "s"), env={"GPTKIT_FAULT": fault})
+    stopped_then_resumed_exactly(r, tmp_path / "s", reference, sig, code, saved)
+
+
+def stopped_then_resumed_exactly(r, run: Path, reference: Path, sig: str, code: int, saved: int) -> None:
+    """`r` stopped by `sig` with `code`, its last line the saved line of step `saved`; then resumed, it
+    equals the uninterrupted `reference`."""
+    assert r.returncode == code, r.stderr[-3000:]
     lines = r.stderr.strip().splitlines()
     # the saved line last, no summary of a finished run
     assert lines[-1] == (

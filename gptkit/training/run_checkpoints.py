@@ -166,6 +166,10 @@ class RunCheckpoints(Callback):
         if stop or early:
             trainer.should_stop = True
 
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        """A fault-injection point (gptkit/faults.py): a kill or a signal during a validation."""
+        fault_point("validation")
+
     def on_validation_end(self, trainer, pl_module) -> None:
         """trainer.keep_best: a new lowest val/loss saves checkpoints/best.ckpt (every rank saves; rank 0
         renames it into place once the rows so far are on disk)."""
