@@ -11,6 +11,12 @@ template has them; otherwise, for each assistant turn, as the text between the c
 that turn with the generation prompt and rendered with the turn (so the end-of-turn token, e.g. <|im_end|>,
 is learned).
 
+Text is data: what the messages say (their content, every string but the role) never becomes a control token,
+even when it spells one (`<|im_end|>`, `<|eot_id|>`...): only the template's own markup yields the special
+ids (encode_conversation, which every room that encodes a conversation calls). transformers'
+apply_chat_template does not do this (it encodes the rendered text whole, matching special tokens anywhere);
+for a conversation whose text spells no special token the ids are the same as its.
+
 Used by every room that talks in turns: data=chat and data=preference (gptkit.data), `gptkit chat`
 (gptkit.generate), export and import (gptkit.hf).
 """
@@ -18,6 +24,7 @@ Used by every room that talks in turns: data=chat and data=preference (gptkit.da
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -62,6 +69,10 @@ TEMPLATE_VARIABLES = (
 )
 # private-use marks around {% generation %}
 _GEN_START, _GEN_END = "\ue000gen\ue001", "\ue000/gen\ue001"
+# private-use marks around each string of the messages in a second render (text_spans), and the one put
+# inside each special token they spell (its fallback)
+_OPEN, _CLOSE, _DEFUSE = "\U000f0000", "\U000f0001", "\U000f0002"
+_MARKS = re.compile(f"[{_OPEN}{_CLOSE}]")
 
 
 @dataclass
@@ -257,6 +268,20 @@ def load_template_file(path: Path) -> ChatTemplate:
     return ChatTemplate(str(path), path.read_text(encoding="utf-8"), {}, [])
 
 
+class NoChatTemplate(GptkitError):
+    """data.template=auto found no template: `where` it looked (in words), `folder` the folder it read (None:
+    a tokenizer built here), `what` it looked for. A caller that knows where the tokenizer came from
+    (init_from=: copied from the source run) raises another naming that."""
+
+    def __init__(self, where: str, folder: Path | None, what: str | None = None) -> None:
+        what = what or f"a run's {CHAT_FILE}, or tokenizer_config.json's chat_template"
+        super().__init__(
+            f"data.template=auto found no chat template {where} ({what}); choose one: data.template=chatml, "
+            "data.template=llama3 or data.template=<file.jinja>"
+        )
+        self.folder = folder
+
+
 def resolve_template(spec: str, tokenizer_path: str | None) -> ChatTemplate:
     """data.template as a ChatTemplate: auto (the template saved next to the tokenizer), a built-in name, or
     a file."""
@@ -265,14 +290,11 @@ def resolve_template(spec: str, tokenizer_path: str | None) -> ChatTemplate:
         text, special, variables = BUILTIN[spec]
         return ChatTemplate(spec, text, dict(variables), list(special))
     if spec == "auto":
-        found = template_in_folder(Path(tokenizer_path).parent) if tokenizer_path else None
+        folder = Path(tokenizer_path).parent if tokenizer_path else None
+        found = template_in_folder(folder) if folder is not None else None
         if found is None:
             where = f"next to {tokenizer_path}" if tokenizer_path else "for a tokenizer built here"
-            raise GptkitError(
-                f"data.template=auto found no chat template {where} (a run's {CHAT_FILE}, or "
-                f"tokenizer_config.json's chat_template); choose one: data.template=chatml, "
-                f"data.template=llama3 or data.template=<file.jinja>"
-            )
+            raise NoChatTemplate(where, folder)
         return found
     return load_template_file(Path(spec).expanduser())
 
@@ -327,15 +349,247 @@ def assistant_spans(
 
 def encode(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
     """(ids, mask): the text's token ids as transformers' apply_chat_template makes them (no special tokens
-    added around it) and 1 for every token overlapping an assistant span."""
+    added around it; special tokens matched anywhere, also in what the messages say: encode_conversation
+    keeps those text) and 1 for every token overlapping an assistant span."""
     enc = tokenizer.encode(text, add_special_tokens=False)
-    mask = [0] * len(enc.ids)
+    return enc.ids, _mask(enc.offsets, spans)
+
+
+def _mask(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """1 for every token (its character offsets, in order) that overlaps one of the spans, else 0."""
+    mask = [0] * len(offsets)
     k = 0
-    for t, (a, b) in enumerate(enc.offsets):
+    for t, (a, b) in enumerate(offsets):
         while k < len(spans) and a >= spans[k][1]:
             k += 1
         if k == len(spans):
             break
         if b > spans[k][0]:
             mask[t] = 1
-    return enc.ids, mask
+    return mask
+
+
+def encode_conversation(
+    tokenizer,
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    where: str = "the conversation",
+    *,
+    add_generation_prompt: bool = False,
+    rendered: tuple[str, list[tuple[int, int]]] | None = None,
+    last_turn_only: bool = False,
+    allow_special_text: bool = False,
+    prefix: bool = False,
+) -> tuple[list[int], list[int]]:
+    """(ids, mask) of a conversation: rendered with the template (assistant_spans; with
+    add_generation_prompt, render's text and its {% generation %} spans; `rendered`: that render, when the
+    caller has it), tokenized without special tokens added around it, 1 in the mask for every token
+    overlapping an assistant span (last_turn_only: the last one).
+
+    Text is data: a special token that the messages' own text spells (content, or any other string in a
+    message but its role) is encoded as text, as HF's split_special_tokens encodes it; only the template's
+    markup yields special ids. The ids are those of encoding the whole text (`encode`, transformers' ids)
+    unless a special token found there overlaps the messages' text; then the text is encoded again in
+    stretches between the markup's special tokens, each with special tokens split (each stretch on its own,
+    as HF encodes the text between added tokens; a pre-tokenizer that treats only a text's start apart, e.g.
+    Metaspace's prepend_scheme=first, treats each stretch's start so). Where the messages' text lies comes
+    from text_spans (exact; its fallback and its one error are described there). Added tokens that are not
+    special (vocabulary words) are matched as always. allow_special_text=True: the whole text encoded as
+    before (spelled special tokens become control tokens: data.special_tokens_in_content=allow). prefix:
+    `rendered`'s text is only the start of the conversation's render (a row longer than any training row,
+    cut before it is encoded: gptkit.data.chat.RowLimit), and where the messages' text lies is found in that
+    start."""
+    if rendered is None:
+        if add_generation_prompt:
+            try:
+                rendered = template.render(messages, add_generation_prompt=True)
+            except TemplateRenderError as exc:
+                raise GptkitError(
+                    f"{where}: the chat template {template.name} failed to render: {exc}"
+                ) from None
+        else:
+            rendered = assistant_spans(template, messages, where)
+    text, spans = rendered
+    if last_turn_only:
+        spans = spans[-1:]
+    enc = tokenizer.encode(text, add_special_tokens=False)
+    ids, offsets = enc.ids, enc.offsets
+    specials = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items() if t.special}
+    if allow_special_text or not any(i in specials for i in ids):
+        return ids, _mask(offsets, spans)
+    data = text_spans(
+        template, messages, text, add_generation_prompt, list(specials.values()), where, prefix=prefix
+    )
+    if any(i in specials and _overlaps(offsets[t], data) for t, i in enumerate(ids)):
+        ids, offsets = _encode_markup_apart(tokenizer, text, data, set(specials))
+    return ids, _mask(offsets, spans)
+
+
+def _overlaps(span: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    a, b = span
+    return any(a < d and c < b for c, d in spans)
+
+
+def text_spans(
+    template: ChatTemplate,
+    messages: list[dict[str, Any]],
+    text: str,
+    add_generation_prompt: bool,
+    specials: list[str],
+    where: str,
+    prefix: bool = False,
+) -> list[tuple[int, int]]:
+    """The character spans of `text` (the messages rendered) that the messages' own strings (all but the
+    role, nested ones too) make, so that special tokens there are told from the template's markup.
+
+    Exact: the messages rendered again with private-use marks around each string (or, for a template that
+    trims them, e.g. llama3's `| trim`, around each without its outer whitespace) give `text` once the marks
+    are taken out; the marks are where each string lies, as the template placed it (copied, escaped by
+    tojson, ...). A template that changes the strings otherwise (cuts, splits, compares them: Qwen3's
+    `content.split('</think>')`) fails that check; the fallback then renders once more with a mark inside
+    each special token that the strings spell, and protects those where the marks land (exact for the
+    spelled tokens; a template that makes a special token out of other text, e.g. by changing its case,
+    is not caught there). Strings that spell no special token need neither (no span). A template that
+    changes even the spelled tokens (the text differs without the marks), or strings that hold the marks
+    themselves: a GptkitError naming `where` (nothing is encoded). prefix: `text` is only the start of the
+    render; the spans are those within it."""
+
+    def same(out: str) -> bool:
+        return out.startswith(text) if prefix else out == text
+
+    def within(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        return [(a, min(b, len(text))) for a, b in spans if a < len(text)] if prefix else spans
+
+    def with_strings(f) -> list[dict[str, Any]]:
+        return [{k: v if k == "role" else _map_strings(v, f) for k, v in m.items()} for m in messages]
+
+    def again(msgs) -> str | None:
+        try:
+            return template.render(msgs, add_generation_prompt)[0]
+        # the template refuses the marked strings: the next way
+        except TemplateRenderError:
+            return None
+
+    if _OPEN not in text and _CLOSE not in text:
+        for strip in (False, True):
+            out = again(with_strings(lambda v, strip=strip: _wrap(v, strip)))
+            found = _unmark(out) if out is not None else None
+            if found is not None and same(found[0]):
+                return within(found[1])
+    spelled = []
+    with_strings(lambda v: spelled.append(v) or v)
+    if not any(t in v for v in spelled for t in specials if t):
+        # no string spells a special token: nothing to protect
+        return []
+    if _DEFUSE not in text:
+        out = again(with_strings(lambda v: _defuse(v, specials)))
+        if out is not None and same(out.replace(_DEFUSE, "")):
+            spans = []
+            for k, j in enumerate(m.start() for m in re.finditer(_DEFUSE, out)):
+                # the mark follows the first character of a spelled token
+                at = j - k - 1
+                longest = max((len(t) for t in specials if text.startswith(t, at)), default=1)
+                spans.append((at, at + longest))
+            return within(spans)
+    raise GptkitError(
+        f"{where}: the chat template {template.name} changes what the messages say in a way that hides "
+        "where their text lies, so the special tokens it spells cannot be kept text; remove them from "
+        "the messages, or let them be control tokens with special_tokens_in_content=allow"
+    )
+
+
+def _map_strings(v: Any, f) -> Any:
+    """v with f applied to every string in it (in lists and dicts too, their keys aside)."""
+    if isinstance(v, str):
+        return f(v)
+    if isinstance(v, list):
+        return [_map_strings(x, f) for x in v]
+    if isinstance(v, dict):
+        return {k: _map_strings(x, f) for k, x in v.items()}
+    return v
+
+
+def _wrap(v: str, strip: bool) -> str:
+    """v between the marks (strip: the marks inside its outer whitespace, which a trim removes)."""
+    if not strip:
+        return _OPEN + v + _CLOSE
+    core = v.strip()
+    lead = v[: len(v) - len(v.lstrip())] if core else v
+    return lead + _OPEN + core + _CLOSE + v[len(lead) + len(core) :]
+
+
+def _unmark(out: str) -> tuple[str, list[tuple[int, int]]] | None:
+    """(out without the marks, the spans they enclosed), or None when they do not pair up."""
+    spans: list[tuple[int, int]] = []
+    # marks seen so far, where the open span starts (in the text without them)
+    n, start = 0, None
+    for m in _MARKS.finditer(out):
+        i, c = m.start(), m.group()
+        if (c == _OPEN) != (start is None):
+            return None
+        if c == _OPEN:
+            start = i - n
+        else:
+            spans.append((start, i - n))
+            start = None
+        n += 1
+    if start is not None:
+        return None
+    return out.replace(_OPEN, "").replace(_CLOSE, ""), spans
+
+
+def _defuse(v: str, specials: list[str]) -> str:
+    """v with a mark after the first character of every special token it spells."""
+    starts = {i for s in specials if s for i in _find_all(v, s)}
+    return "".join(c + _DEFUSE if i in starts else c for i, c in enumerate(v)) if starts else v
+
+
+def _find_all(v: str, s: str):
+    i = v.find(s)
+    while i != -1:
+        yield i
+        i = v.find(s, i + 1)
+
+
+def _encode_markup_apart(
+    tokenizer, text: str, data: list[tuple[int, int]], special_ids: set[int]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """(ids, offsets) of `text` with special tokens matched only in the template's markup (outside the
+    `data` spans: each stretch of markup encoded on its own, its special tokens kept), the text between
+    those encoded with special tokens split."""
+    marks: list[tuple[int, int, int]] = []
+    pos = 0
+    for a, b in [*sorted(data), (len(text), len(text))]:
+        if a > pos:
+            enc = tokenizer.encode(text[pos:a], add_special_tokens=False)
+            marks += [(pos + x, pos + y, i) for i, (x, y) in zip(enc.ids, enc.offsets) if i in special_ids]
+        pos = max(pos, b)
+    ids: list[int] = []
+    offsets: list[tuple[int, int]] = []
+    before = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        pos = 0
+        for a, b, i in [*marks, (len(text), len(text), None)]:
+            if a > pos:
+                enc = tokenizer.encode(text[pos:a], add_special_tokens=False)
+                ids += enc.ids
+                offsets += [(pos + x, pos + y) for x, y in enc.offsets]
+            if i is not None:
+                ids.append(i)
+                offsets.append((a, b))
+            pos = b
+    finally:
+        tokenizer.encode_special_tokens = before
+    return ids, offsets
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """The ids of plain text: a special token it spells is encoded as its characters (HF's
+    split_special_tokens), never as the control id (a prompt, a line of a corpus: text is data)."""
+    before = tokenizer.encode_special_tokens
+    tokenizer.encode_special_tokens = True
+    try:
+        return tokenizer.encode(text, add_special_tokens=False).ids
+    finally:
+        tokenizer.encode_special_tokens = before

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from gptkit.chat_templates import encode_conversation, encode_text
 from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import GptkitError
 from gptkit.model.kv_cache import KVCache
@@ -158,10 +159,17 @@ def empty_prompt_start(bos_id: Optional[int], eos_id: Optional[int]) -> str:
     return "the end-of-text token" if eos_id is not None else 'a newline ("\\n")'
 
 
-def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int], eos_id: Optional[int] = None) -> list[int]:
+def encode_prompt(
+    tokenizer,
+    prompt: str,
+    bos_id: Optional[int],
+    eos_id: Optional[int] = None,
+    allow_special_text: bool = False,
+) -> list[int]:
     """The prompt's ids; an empty prompt is [BOS], else [end-of-text], else a newline's ids (see
     empty_prompt_start). Characters the tokenizer cannot represent (it raises, drops them or maps them to an
-    unknown token) are named in a one-line GptkitError."""
+    unknown token) are named in a one-line GptkitError. Text is data: a special token the prompt spells is
+    its characters (allow_special_text: the control id, as before: special_tokens_in_content=allow)."""
     if prompt == "":
         for start in (bos_id, eos_id):
             if start is not None:
@@ -180,7 +188,9 @@ def encode_prompt(tokenizer, prompt: str, bos_id: Optional[int], eos_id: Optiona
             f"{describe_characters(unknown)}; remove or replace them (a char tokenizer knows "
             f"only its training corpus)"
         )
-    return tokenizer.encode(prompt, add_special_tokens=False).ids
+    if allow_special_text:
+        return tokenizer.encode(prompt, add_special_tokens=False).ids
+    return encode_text(tokenizer, prompt)
 
 
 # ---- a conversation: one KV cache across turns -----------------------------------------------------------
@@ -204,9 +214,10 @@ class Turn:
 class ChatSession:
     """A conversation with a model, rendered with a chat template, through one KV cache kept across turns.
 
-    Every turn renders the whole conversation (the template decides the text) and tokenizes it; the tokens
-    the cache already holds (the longest common prefix with what it was fed, the previous replies included)
-    are not run again: a second turn feeds only its new tokens. reuse_cache=False re-runs the whole
+    Every turn renders the whole conversation (the template decides the text) and tokenizes it
+    (encode_conversation: a special token that a message spells is its text, unless allow_special_text); the
+    tokens the cache already holds (the longest common prefix with what it was fed, the previous replies
+    included) are not run again: a second turn feeds only its new tokens. reuse_cache=False re-runs the whole
     conversation every turn (the baseline). When the conversation no longer fits in max_context tokens
     (with room for max_new_tokens), its oldest turns are left out (the system prompt stays).
 
@@ -226,10 +237,12 @@ class ChatSession:
         max_context: int | None = None,
         reuse_cache: bool = True,
         fit_answer: bool = False,
+        allow_special_text: bool = False,
     ) -> None:
         cfg = model.cfg
         self.model, self.tokenizer, self.template, self.opts = model, tokenizer, template, opts
         self.system, self.stop_ids, self.reuse_cache = system, set(stop_ids), reuse_cache
+        self.allow_special_text = allow_special_text
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
         self.fit_answer = fit_answer
         # what a turn keeps free for its answer when older turns are left out
@@ -273,8 +286,19 @@ class ChatSession:
         """The conversation's ids with the generation prompt, its oldest turns left out until it fits."""
         notes = []
         while True:
-            text, _ = self.template.render(self.messages, add_generation_prompt=True)
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            try:
+                ids, _ = encode_conversation(
+                    self.tokenizer,
+                    self.template,
+                    self.messages,
+                    "the message",
+                    add_generation_prompt=True,
+                    allow_special_text=self.allow_special_text,
+                )
+            # the conversation as it was
+            except GptkitError:
+                self.messages.pop()
+                raise
             if len(ids) + self.room <= self.max_context:
                 return ids, notes
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0

@@ -267,6 +267,15 @@ def build_tokenizer(cfg: Any, texts: Callable[[], Iterable[str]] | None = None, 
     return tok
 
 
+def spec_special_tokens(spec: TokenizerSpec) -> list[str]:
+    """The special tokens a tokenizer of these settings has, known before it is built: its special_tokens
+    (the EOS among them), or those of a tokenizer=file's tokenizer.json (read from it)."""
+    if spec.kind == "file":
+        added = load_tokenizer_file(spec.path).get_added_tokens_decoder().values()
+        return [t.content for t in added if t.special]
+    return list(spec.get("special_tokens") or [])
+
+
 def eos_id(tok, spec: TokenizerSpec) -> int | None:
     """The id of the configured EOS token in `tok` (None without one)."""
     eos = spec.eos_token

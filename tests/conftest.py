@@ -184,6 +184,13 @@ def run_main(capsys, *args) -> tuple[int, str, str]:
 
 
 # ---- helpers several test files share (a test file imports them from here, never from another test file)
+def as_text(tok):
+    """A prepared folder's tokenizer, set to encode special tokens' strings as text (HF's
+    encode_special_tokens): what prepare makes of a corpus that spells one (by default)."""
+    tok.encode_special_tokens = True
+    return tok
+
+
 # the end-of-text token of make_run's tokenizer
 SAMPLE_EOS = "<|endoftext|>"
 

@@ -75,7 +75,9 @@ def test_ids_equal_transformers_apply_chat_template(make_tok, kind):
     hf = hf_tokenizer(tok, t)
     for msgs in CONVERSATIONS:
         text, spans = templates.assistant_spans(t, msgs, "test")
-        ids, mask = templates.encode(tok, text, spans)
+        # what data=chat encodes (messages that spell no special token: the ids of the whole text)
+        ids, mask = templates.encode_conversation(tok, t, msgs, "test")
+        assert (ids, mask) == templates.encode(tok, text, spans)
         assert ids == hf.apply_chat_template(msgs, tokenize=True, return_dict=False)
         assert text == hf.apply_chat_template(msgs, tokenize=False)
         prompt, _ = t.render(msgs[:1], add_generation_prompt=True)

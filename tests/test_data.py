@@ -242,23 +242,28 @@ def test_undecodable_json_names_file_and_offset(tmp_path):
 
 def test_byte_shards_equal_the_saved_tokenizers_encoding(tmp_path):
     """prepare() takes byte ids from the UTF-8 text directly; they must be what tokenizer.json encodes,
-    including a literal special token inside the text."""
+    a literal special token inside the text encoded as text (HF's encode_special_tokens), or as the token
+    with data.special_tokens_in_content=allow."""
     docs = [UNICODE_DOC, "a literal <|endoftext|> inside a document\n", DOC_A]
     for i, d in enumerate(docs):
         (tmp_path / f"{i}.txt").write_text(d)
-    p = prep(tmp_path, {"kind": "files", "paths": [str(tmp_path / f"{i}.txt") for i in range(3)]}, BYTE_EOS)
-    tok = p.tokenizer()
-    expected = [i for d in docs for i in tok.encode(d).ids + [p.eos_id]]
-    assert all_tokens(p).tolist() == expected
-    # three documents, one literal special token
-    assert expected.count(p.eos_id) == 4
+    data = {"kind": "files", "paths": [str(tmp_path / f"{i}.txt") for i in range(3)]}
+    for allow, eos in ((False, 3), (True, 4)):
+        p = prep(tmp_path, {**data, "special_tokens_in_content": "allow" if allow else "text"}, BYTE_EOS)
+        tok = p.tokenizer()
+        tok.encode_special_tokens = not allow
+        expected = [i for d in docs for i in tok.encode(d).ids + [p.eos_id]]
+        assert all_tokens(p).tolist() == expected
+        # three documents (and with allow, one literal special token)
+        assert expected.count(p.eos_id) == eos
 
 
 UNICODE_DOC = "naïve café — 日本語 🙂\n" * 5
 
 
 def test_stdlib_corpus_is_the_standard_library_sources():
-    from gptkit.data.sources import open_corpus, stdlib_files
+    from gptkit.data.kinds import open_corpus
+    from gptkit.data.sources import stdlib_files
 
     every, no_tests = stdlib_files(True), stdlib_files(False)
     assert len(every) > 500 and len(no_tests) < len(every)

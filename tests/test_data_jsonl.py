@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
+from conftest import as_text, interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
 from conftest import metaspace_tokenizer as metaspace
 
 import gptkit.data.files as data_files
@@ -55,8 +55,9 @@ def write(path, recs, blank_every=6):
 
 
 def expected_ids(p, recs, bos=None):
-    """Each record's text encoded whole by the saved tokenizer, with BOS/EOS (or the newline separator)."""
-    tok = p.tokenizer()
+    """Each record's text encoded whole by the saved tokenizer (special tokens' strings as text), with BOS/EOS
+    (or the newline separator)."""
+    tok = as_text(p.tokenizer())
     out = []
     for r in recs:
         t = r.get("text")

@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import shakespeare
+from conftest import as_text, shakespeare
 
 from gptkit.data import prepare
 from gptkit.errors import GptkitError
@@ -98,7 +98,8 @@ def test_a_file_read_in_bounded_pieces_gives_the_ids_of_the_whole_text(tmp_path,
         Cutter.cut = real
     # the document really was cut, in many places
     assert sum(c is not None for c in cuts) > 40
-    whole = p.tokenizer().encode(text, add_special_tokens=False).ids + [p.eos_id]
+    # the text's <|endoftext|> as text
+    whole = as_text(p.tokenizer()).encode(text, add_special_tokens=False).ids + [p.eos_id]
     assert all_ids(p) == whole
 
 
@@ -150,7 +151,14 @@ def test_a_tokenization_worker_imports_neither_torch_nor_the_rest_of_gptkit_data
 def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_text():
     from tokenizers import Tokenizer
 
-    from gptkit.data.tokenize import TRICKY, EncoderSpec, build_encoder, choose_engine, hf_encoder
+    from gptkit.data.tokenize import (
+        TRICKY,
+        EncoderSpec,
+        build_encoder,
+        choose_engine,
+        hf_encoder,
+        text_encoder,
+    )
     from gptkit.tokenizer import build_tokenizer
 
     corpus = [
@@ -162,9 +170,6 @@ def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_
         {"kind": "bpe", "vocab_size": 700, "min_frequency": 1}, texts=lambda: iter(corpus), progress=False
     )
     js = tok.to_str()
-    assert choose_engine(js, "bpe")[0] == "tiktoken"
-    fast = build_encoder(EncoderSpec(js, "tiktoken", (EOS,), None, "uint32"))
-    hf = hf_encoder(Tokenizer.from_str(js))
     tricky = [
         TRICKY,
         corpus[2],
@@ -176,8 +181,16 @@ def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_
         "ǅungla Ⅻ ⅷ ¼ ½ 𝔘𝔫𝔦",
         shakespeare(5_000, start=90_000),
     ]
-    for t in tricky:
-        assert fast([t])[0].tolist() == hf([t])[0], repr(t[:40])
+    # special tokens' strings as text (the default), and as the tokens (data.special_tokens_in_content=allow)
+    for allow in (False, True):
+        assert choose_engine(js, "bpe", allow_special_text=allow)[0] == "tiktoken"
+        spec = EncoderSpec(js, "tiktoken", (EOS,) if allow else (), None, "uint32", allow_special_text=allow)
+        fast = build_encoder(spec)
+        hf = hf_encoder(text_encoder(Tokenizer.from_str(js), allow))
+        for t in tricky:
+            assert fast([t])[0].tolist() == hf([t])[0], (allow, repr(t[:40]))
+        # a literal <|endoftext|>: its id only with allow
+        assert (tok.token_to_id(EOS) in hf([f"a{EOS}b"])[0]) == allow
 
 
 def test_a_tokenizer_that_tiktoken_cannot_run_falls_back_to_hf(tmp_path):
@@ -270,7 +283,7 @@ def test_hub_streams_through_datasets_streaming_loader(tmp_path, monkeypatch):
     # streamed, always
     assert calls and all(c[3] is True for c in calls)
     assert "streamed" in p.manifest["source"]["description"]
-    tok = p.tokenizer()
+    tok = as_text(p.tokenizer())
     expected = [i for t in texts for i in tok.encode(t).ids + [p.eos_id]]
     # every shard, in order
     assert all_ids(p) == expected
@@ -302,7 +315,7 @@ def test_hub_streaming_mocked_load_dataset(tmp_path, monkeypatch):
 
 def test_bpe_trains_on_a_bounded_evenly_spread_sample(tmp_path, capsys):
     from gptkit.data.build import training_sample
-    from gptkit.data.sources import open_corpus
+    from gptkit.data.kinds import open_corpus
 
     head, tail = "alpha beta gamma\n" * 3_000, "omega psi chi\n" * 3_000
     f = tmp_path / "big.txt"

@@ -5,7 +5,7 @@ count, on awkward text; the errors are its errors; a killed build continues bit-
 
 import numpy as np
 import pytest
-from conftest import interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
+from conftest import as_text, interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
 from conftest import metaspace_tokenizer as metaspace
 
 import gptkit.data.build as build
@@ -120,7 +120,8 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
     # the others: read by whoever ran their ranges
     assert sorted(decoded) == ["letters.txt", "nul.txt"]
     # each file encoded whole is its stretch of the shards
-    t = new.tokenizer()
+    # the files' <|endoftext|> as text
+    t = as_text(new.tokenizer())
     ids = np.concatenate([new.train_tokens(), new.val_tokens()]).tolist()
     bos = [t.token_to_id("<|bos|>")] if kind == "bpe" else []
     want = []

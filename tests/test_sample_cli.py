@@ -288,3 +288,18 @@ def test_sample_decode_static_prints_what_eager_prints(run_dir, capsys):
     assert err.count("\n") == 1
     code, _, err = run_main(capsys, "sample", f"run={d}", "prompt=hi", "compile=sometimes")
     assert code == 2 and "compile='sometimes' must be auto, true or false" in err and err.count("\n") == 1
+
+
+def test_a_prompt_that_spells_a_special_token_is_its_text(run_dir, capsys):
+    """Text is data: `<|endoftext|>` typed in a prompt is its characters, not the end-of-text id (unless
+    special_tokens_in_content=allow)."""
+    from gptkit.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer([EOS])
+    eos = tok.token_to_id(EOS)
+    text = encode_prompt(tok, f"hi{EOS}", None)
+    assert text == list(f"hi{EOS}".encode()) and eos not in text
+    assert encode_prompt(tok, f"hi{EOS}", None, allow_special_text=True) == [*b"hi", eos]
+    d, _, _ = run_dir
+    code, _, stderr = run_main(capsys, "sample", f"run={d}", "prompt=hi", "special_tokens_in_content=maybe")
+    assert code == 2 and "special_tokens_in_content='maybe' must be text" in stderr

@@ -1,5 +1,8 @@
 """One fact, one place: the tables every part of gptkit reads, imported from where they live."""
 
+import re
+from pathlib import Path
+
 import pytest
 from omegaconf import OmegaConf
 
@@ -105,3 +108,115 @@ def test_no_module_imports_itself_around_a_loop():
         if m not in index:
             visit(m)
     assert circles == []
+
+
+# ---- the maps: tests/README.md, the suite time, docs/training.md's config groups, the links between pages
+REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
+
+
+def table_rows(text: str) -> list[list[str]]:
+    """The cells of every row of the Markdown tables in `text` (header and separator rows included)."""
+    return [
+        [c.strip() for c in line.strip().strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("|")
+    ]
+
+
+def test_every_test_file_is_on_the_map_once():
+    """tests/README.md names every Python file under tests/ (by its path under tests/, so that the map takes
+    folders) in the last column of its table, each once, and names no file that is not there."""
+    named = [
+        name
+        for row in table_rows((TESTS / "README.md").read_text())
+        for name in re.findall(r"`((?:[\w.-]+/)*[\w-]+\.py)`", row[-1])
+    ]
+    files = sorted(
+        p.relative_to(TESTS).as_posix() for p in TESTS.rglob("*.py") if "__pycache__" not in p.parts
+    )
+    assert sorted(set(files) - set(named)) == [], "files under tests/ that tests/README.md's map leaves out"
+    assert sorted(set(named) - set(files)) == [], (
+        "names on tests/README.md's map that are not files under tests/"
+    )
+    assert sorted(n for n in set(named) if named.count(n) > 1) == [], "files named in more than one room"
+
+
+def suite_time(text: str) -> list[tuple[int, int]]:
+    """Every duration in minutes a page states, as (minutes, seconds): `7 min 10 s`, `about 3 minutes`."""
+    return [(int(m), int(s or 0)) for m, s in re.findall(r"(\d+) min(?:utes?)?\b(?: (\d+) s\b)?", text)]
+
+
+def test_the_readme_and_the_test_map_give_the_same_suite_time():
+    front, tests = suite_time((REPO / "README.md").read_text()), suite_time((TESTS / "README.md").read_text())
+    assert front, "README.md states no suite time (write it as: 7 min 10 s to 8 min 17 s on 2 cores)"
+    assert front == tests, f"README.md says {front}, tests/README.md {tests}: state the same measured range"
+
+
+def test_the_config_group_table_lists_every_preset():
+    """docs/training.md's table of config groups names every preset of each group `gptkit train` composes
+    (conf/<group>/*.yaml), and none that is not there."""
+    text = (REPO / "docs" / "training.md").read_text().split("## Config groups", 1)[1].split("\n## ", 1)[0]
+    table = {row[0].strip("`"): set(re.findall(r"`([\w.-]+)`", row[1])) for row in table_rows(text)[2:]}
+    defaults = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "train.yaml"))["defaults"]
+    # model: gpt2-tiny, optional experiment: null (not _self_, not override hydra/...)
+    groups = sorted(
+        next(iter(d)).split()[-1] for d in defaults if isinstance(d, dict) and "/" not in next(iter(d))
+    )
+    assert sorted(table) == groups
+    for group in groups:
+        presets = {p.stem for p in (REPO / "conf" / group).glob("*.yaml")}
+        assert table[group] == presets, f"docs/training.md's `{group}` row: {sorted(presets ^ table[group])}"
+
+
+def heading_anchors(text: str) -> set[str]:
+    """The anchors GitHub gives the headings of a Markdown page (lower case, punctuation dropped, spaces as
+    hyphens, -1, -2, ... for repeats), code blocks left out."""
+    anchors: list[str] = []
+    for line in re.sub(r"^```.*?^```", "", text, flags=re.M | re.S).splitlines():
+        m = re.match(r"#{1,6} (.*)", line)
+        if m:
+            slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+            n = sum(a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a) is not None for a in anchors)
+            anchors.append(f"{slug}-{n}" if n else slug)
+    return set(anchors)
+
+
+def test_the_links_between_pages_resolve():
+    """Every relative link of the README, tests/README.md and docs/ names a file that exists and, with
+    #anchor, a heading of that page."""
+    pages = [REPO / "README.md", TESTS / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.M | re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            dest = (page.parent / path).resolve() if path else page
+            if not dest.exists():
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in heading_anchors(dest.read_text()):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
+    assert broken == []
+
+
+def test_the_layout_names_every_room():
+    """docs/layout.md's rooms block names every module and package of gptkit/ (as gptkit/<name>) and every
+    module of gptkit/training/ and gptkit/data/."""
+    text = (REPO / "docs" / "layout.md").read_text()
+    rooms = text.split("Rooms, top to bottom", 1)[1].split("### Adding", 1)[0]
+    pkg = REPO / "gptkit"
+    top = [
+        f"gptkit/{p.name}"
+        for p in sorted(pkg.iterdir())
+        if (p.suffix == ".py" and not p.name.startswith("__")) or (p / "__init__.py").is_file()
+    ]
+    assert [name for name in top if name not in rooms] == [], "rooms docs/layout.md does not name"
+    inner = [
+        p.name
+        for folder in ("training", "data")
+        for p in sorted((pkg / folder).iterdir())
+        if (p.suffix == ".py" and not p.name.startswith("__")) or (p / "__init__.py").is_file()
+    ]
+    assert [name for name in inner if name not in rooms] == [], "modules docs/layout.md does not name"

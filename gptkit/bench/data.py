@@ -263,7 +263,7 @@ def run(cfg) -> int:
             if kind in ("bpe", "char"):
                 con.print(f"{name}: building the tokenizer ...")
                 from gptkit.data.build import training_sample
-                from gptkit.data.sources import open_corpus
+                from gptkit.data.kinds import open_corpus
 
                 corpus = open_corpus(
                     {

@@ -28,6 +28,7 @@ DEFAULT_NEW_TOKENS = 256
 
 def run(cfg) -> int:
     from gptkit.chat_templates import check_special_tokens, resolve_template, template_in_folder
+    from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.generate import ChatSession
     from gptkit.runs import load_for_inference, resolve_device
@@ -36,6 +37,11 @@ def run(cfg) -> int:
 
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"format={cfg.format!r} must be text or json")
+    if cfg.special_tokens_in_content not in SPECIAL_TEXT:
+        raise ConfigError(
+            f"special_tokens_in_content={cfg.special_tokens_in_content!r} must be text (a special token "
+            "typed in a message stays text) or allow (it becomes the control token)"
+        )
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
     if cfg.template == "auto":
@@ -84,6 +90,7 @@ def run(cfg) -> int:
         max_context=cfg.max_context,
         reuse_cache=bool(cfg.reuse_cache),
         fit_answer=fit_answer,
+        allow_special_text=cfg.special_tokens_in_content == "allow",
     )
     if session.fit_note():
         print(f"note: {session.fit_note()}", file=sys.stderr)

@@ -37,8 +37,14 @@ def run(cfg) -> int:
     from gptkit.data import prepare
     from gptkit.data.windows import check_window
 
+    # seq_len= also bounds data=chat / data=preference rows: a longer conversation is not encoded whole
     p = prepare(
-        cfg.data, cfg.tokenizer, cache_dir=cfg.cache_dir, progress=bool(cfg.progress), force=bool(cfg.force)
+        cfg.data,
+        cfg.tokenizer,
+        cache_dir=cfg.cache_dir,
+        progress=bool(cfg.progress),
+        force=bool(cfg.force),
+        max_seq_len=cfg.seq_len,
     )
     m = p.manifest
     if cfg.seq_len is not None:

@@ -103,6 +103,7 @@ def read_prompt(cfg) -> str:
 
 
 def run(cfg) -> int:
+    from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError
     from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
     from gptkit.runs import load_for_inference, resolve_device
@@ -110,11 +111,17 @@ def run(cfg) -> int:
 
     if cfg.format not in ("text", "json"):
         raise ConfigError(f"format={cfg.format!r} must be text or json")
+    if cfg.special_tokens_in_content not in SPECIAL_TEXT:
+        raise ConfigError(
+            f"special_tokens_in_content={cfg.special_tokens_in_content!r} must be text (a special token the "
+            "prompt spells is its text) or allow (it becomes the control token)"
+        )
+    allow = cfg.special_tokens_in_content == "allow"
     prompt = read_prompt(cfg)
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
-    ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id)
+    ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id, allow_special_text=allow)
     # once the work will start
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     if prompt == "" and bos_id is None:

@@ -30,6 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
+from tokenizers import Tokenizer
+
 from gptkit.data import tokenize
 from gptkit.data.cache import (
     BUILD_LOCK,
@@ -52,9 +54,9 @@ from gptkit.data.prepared import (
     manifest_checksum,
 )
 from gptkit.data.ranges import RangeFeed, TextFeed
-from gptkit.data.settings import build_workers, shard_settings
+from gptkit.data.settings import allows_special_text, build_workers, keyed_special_text, shard_settings
 from gptkit.data.shards import PROGRESS, BatchFeed, Journal, resume_shard, split_tail, write_tokens
-from gptkit.data.sources import Corpus, LineRange, Part, Parts, open_corpus
+from gptkit.data.sources import Corpus, LineRange, Part, Parts
 from gptkit.data.tokenize import (
     BATCH_CHARS,
     Cutter,
@@ -63,8 +65,10 @@ from gptkit.data.tokenize import (
     batches,
     char_like,
     choose_engine,
+    matched_tokens,
     split_long,
     start_workers,
+    text_encoder,
     tiktoken_tables,
 )
 from gptkit.errors import GptkitError, Interrupted
@@ -78,6 +82,7 @@ from gptkit.tokenizer import (
     eos_id,
     file_sha256,
     load_tokenizer_file,
+    spec_special_tokens,
 )
 from gptkit.version import __version__
 
@@ -113,16 +118,19 @@ def choose_dtype(vocab_size: int, wanted: str) -> str:
 
 
 # ---- the tokenizer ----------------------------------------------------------------------------------
-def cutter_for(tok, spec: TokenizerSpec) -> Cutter:
-    """How documents may be cut for this tokenizer (see gptkit.data.tokenize)."""
+def cutter_for(tok, spec: TokenizerSpec, allow_special_text: bool = False) -> Cutter:
+    """How documents may be cut for this tokenizer (see gptkit.data.tokenize): special tokens' strings in the
+    text are text, cut as any text is (allow_special_text: never inside one)."""
     kind = spec.kind
-    specials = [t.content for t in tok.get_added_tokens_decoder().values()]
+    specials = list(matched_tokens(tok, allow_special_text))
     if kind in ("char", "byte") or (kind == "file" and char_like(tok.to_str())):
         return Cutter("any", specials)
     # GPT-2 style byte-level BPE
     if kind == "bpe" or tiktoken_tables(tok.to_str()) is not None:
         return Cutter("gpt2", specials)
-    return Cutter("verify", specials, lambda t: tok.encode(t, add_special_tokens=False).ids)
+    # checked with the encoding the shards get
+    own = text_encoder(Tokenizer.from_str(tok.to_str()), allow_special_text)
+    return Cutter("verify", specials, lambda t: own.encode(t, add_special_tokens=False).ids)
 
 
 def training_sample(corpus: Corpus, chars: int) -> tuple[Callable[[], Iterator[str]], str]:
@@ -236,9 +244,16 @@ def resolve_bos(data: dict[str, Any], spec: TokenizerSpec) -> dict[str, Any]:
 
 
 # ---- prepare ---------------------------------------------------------------------------------------
-def prepare_corpus(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> PreparedData:
-    """Token shards of a text corpus (pydoc, shakespeare, stdlib, files, hub) for one tokenizer: from the
-    cache when present, else built now (or the build a killed prepare left continued)."""
+def prepare_corpus(
+    s: dict[str, Any],
+    tok: TokenizerSpec,
+    opts: BuildOptions,
+    *,
+    open_corpus: Callable[[dict[str, Any]], Corpus],
+) -> PreparedData:
+    """Token shards of a text corpus (pydoc, shakespeare, stdlib, files, hub: `open_corpus` opens the kind's
+    text) for one tokenizer: from the cache when present, else built now (or the build a killed prepare
+    left continued)."""
     data = shard_settings(s)
     workers = build_workers(s)
     frac = float(data["val_fraction"])
@@ -248,7 +263,7 @@ def prepare_corpus(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) ->
         data = resolve_bos(data, tok)
     corpus = open_corpus(data)
     content = corpus.sha256()
-    key = shards_key(data, content, tok)
+    key = shards_key(keyed_special_text(data, lambda: spells_special(corpus, tok)), content, tok)
     root = opts.cache
     if root.is_dir():
         # folders of builds that were killed (before builds were resumable)
@@ -292,6 +307,15 @@ def prepare_corpus(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) ->
     prepared = load_prepared(final)
     say(f"prepared {final} ({prepared.counts()})")
     return prepared
+
+
+def spells_special(corpus: Corpus, tok: TokenizerSpec) -> bool:
+    """Whether the corpus may spell a special token of the tokenizer (Corpus.spells; a corpus that cannot
+    tell, e.g. a hub dataset, may)."""
+    specials = spec_special_tokens(tok)
+    if not specials:
+        return False
+    return corpus.spells is None or corpus.spells(specials)
 
 
 def _cache_hit(final: Path, key: str) -> PreparedData:
@@ -403,8 +427,9 @@ def _build_with(
     dtype = choose_dtype(vocab, data["dtype"])
     eos = eos_id(tok, spec)
     bos = bos_id(tok, data["bos"], eos)
-    cutter = cutter_for(tok, spec)
-    specials = tuple(t.content for t in tok.get_added_tokens_decoder().values())
+    allow = allows_special_text(data)
+    cutter = cutter_for(tok, spec, allow)
+    specials = matched_tokens(tok, allow)
 
     # about 1 MB of the corpus, on which tiktoken must give HF's ids
     def check() -> Iterator[str]:
@@ -418,9 +443,16 @@ def _build_with(
             if n >= 1 << 20:
                 return
 
-    engine, why = choose_engine(tok.to_str(), spec.kind, check)
+    engine, why = choose_engine(tok.to_str(), spec.kind, check, allow)
     encoder = EncoderSpec(
-        tok.to_str(), engine, specials, eos, dtype, bos, tokenizer_path=str(tmp / TOKENIZER)
+        tok.to_str(),
+        engine,
+        specials,
+        eos,
+        dtype,
+        bos,
+        tokenizer_path=str(tmp / TOKENIZER),
+        allow_special_text=allow,
     )
     if engine in ("utf8", "chars"):
         # ids from the bytes or a table: sending text to a worker costs more than encoding it

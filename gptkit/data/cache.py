@@ -2,6 +2,8 @@
 published.
 
     <cache>/<kind>-<tokenizer kind>-<key>/      a prepared folder (its manifest written last)
+    <cache>/<kind>-<tokenizer kind>-<key>-rows<N>/   the same chat or preference data with its rows longer
+                                                than N tokens kept as their first N (templated_folder)
     <cache>/.<name>.partial/                    a resumable build of token shards (gptkit.data.build),
                                                 locked by its builder (BUILD_LOCK)
     <cache>/.<name>.<random>.tmp/               a chat or preference folder being written (publish_folder)
@@ -27,8 +29,10 @@ import numpy as np
 
 from gptkit.chat_templates import CHAT_FILE
 from gptkit.data.console import human, say
-from gptkit.data.prepared import FORMAT_VERSION
-from gptkit.fsio import DIR_MODE, lock_file, wait_unlocked
+from gptkit.data.face import MANIFEST
+from gptkit.data.prepared import FORMAT_VERSION, manifest_checksum
+from gptkit.errors import GptkitError
+from gptkit.fsio import DIR_MODE, disk_full_error, file_crc32, is_disk_full, lock_file, wait_unlocked
 from gptkit.tokenizer import TokenizerSpec, file_sha256
 
 
@@ -158,10 +162,16 @@ def templated_folder(
     files: list[Path],
     root: Path,
     force: bool,
-) -> tuple[Path, str, str]:
-    """(folder, cache key, content hash) of a chat or preference build, keyed by the files' content, the
+    row_limit: int | None = None,
+) -> tuple[list[Path], str, str]:
+    """(folders, cache key, content hash) of a chat or preference build, keyed by the files' content, the
     settings but those that only choose rows (row_keys), the tokenizer (a tokenizer.json's content too),
-    the template and the format; force=true removes a cached folder first."""
+    the template and the format; force=true removes the cached folders first.
+
+    folders: where the data may be, in the order they are looked for: with a row_limit first the folder of
+    the data with its rows longer than row_limit tokens kept as their first row_limit tokens (all a run
+    whose rows are at most that long needs of them), then (last) the folder of every row whole: written
+    when no row is longer than row_limit, or without a limit, it serves every run."""
     content = files_hash(files)
     cache_s = {k: v for k, v in s.items() if k not in row_keys}
     key_src = json.dumps(
@@ -172,10 +182,16 @@ def templated_folder(
     if tok.kind == "file":
         key_src += file_sha256(tok.path)
     key = hashlib.sha256(key_src.encode()).hexdigest()
-    final = root / f"{prefix}-{tok.kind}-{key[:16]}"
-    if final.exists() and force:
-        shutil.rmtree(final)
-    return final, key, content
+    whole = root / f"{prefix}-{tok.kind}-{key[:16]}"
+    folders = ([whole.with_name(f"{whole.name}-rows{row_limit}")] if row_limit else []) + [whole]
+    for folder in folders:
+        if folder.exists() and force:
+            shutil.rmtree(folder)
+    return folders, key, content
+
+
+# what a damaged chat or preference folder's one line ends with
+REBUILD = "delete it and prepare again"
 
 
 def publish_folder(
@@ -189,7 +205,9 @@ def publish_folder(
 ) -> None:
     """Write a chat or preference folder atomically: its .npz files ({file name: arrays}), `extra` text files,
     tokenizer.json, the template and manifest.json (last) into a temporary folder beside `final`, then renamed
-    into place. A folder another process finished first is kept; any failure removes the temporary folder."""
+    into place. The manifest records the size and CRC-32 of every other file and its own checksum
+    (check_folder reads them). A folder another process finished first is kept; any failure removes the
+    temporary folder, and a full disk is one line naming `final` and the free space of its disk."""
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_builds(root)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=root))
@@ -197,21 +215,70 @@ def publish_folder(
         for name, content in arrays.items():
             np.savez(tmp / name, **content)
         for name, text in (extra or {}).items():
-            (tmp / name).write_text(text)
-        (tmp / "tokenizer.json").write_text(tokenizer.to_str())
-        (tmp / CHAT_FILE).write_text(template.to_json())
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2, ensure_ascii=False))
+            (tmp / name).write_text(text, encoding="utf-8")
+        (tmp / "tokenizer.json").write_text(tokenizer.to_str(), encoding="utf-8")
+        (tmp / CHAT_FILE).write_text(template.to_json(), encoding="utf-8")
+        manifest = {
+            **manifest,
+            "files": {
+                f.name: {"bytes": f.stat().st_size, "crc32": file_crc32(f)} for f in sorted(tmp.iterdir())
+            },
+        }
+        manifest["checksum"] = manifest_checksum(manifest)
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, ensure_ascii=False), encoding="utf-8")
         os.chmod(tmp, DIR_MODE)
         try:
             os.rename(tmp, final)
         # another process finished the same folder first: keep theirs
         except OSError:
-            if not (final / "manifest.json").is_file():
+            if not (final / MANIFEST).is_file():
+                if final.is_dir():
+                    raise GptkitError(
+                        f"{final} is not a complete prepared folder (it has no {MANIFEST}); {REBUILD}"
+                    ) from None
                 raise
             shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if is_disk_full(exc) and not isinstance(exc, GptkitError):
+            # the arrays and the tokenizer: what the folder holds, near enough
+            needed = sum(a.nbytes for c in arrays.values() for a in c.values()) + len(tokenizer.to_str())
+            raise disk_full_error(final, needed, exc) from exc
         raise
+
+
+def check_folder(folder: Path, fmt: str, what: str) -> dict[str, Any]:
+    """The manifest of a chat or preference folder, checked: valid JSON of format `fmt`, its checksum, and
+    every file it lists present with its size and CRC-32. Whatever is wrong is one line naming the folder
+    and saying to delete it and prepare again."""
+    mf = folder / MANIFEST
+    try:
+        manifest = json.loads(mf.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise GptkitError(
+            f"{folder} is not a complete prepared {what} folder (no {MANIFEST}); {REBUILD}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise GptkitError(f"{folder} is damaged ({MANIFEST} is not valid JSON: {exc}); {REBUILD}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != fmt:
+        raise GptkitError(
+            f"{folder} is not a prepared {what} folder ({mf} is not a {fmt} manifest); {REBUILD}"
+        )
+    if manifest.get("checksum") != manifest_checksum(manifest):
+        raise GptkitError(
+            f"{folder} is damaged ({MANIFEST} was edited or corrupted: its checksum does not match its "
+            f"content); {REBUILD}"
+        )
+    for name, want in manifest["files"].items():
+        f = folder / name
+        if not f.is_file():
+            raise GptkitError(f"{folder} is damaged ({name} is missing); {REBUILD}")
+        if f.stat().st_size != want["bytes"] or file_crc32(f) != want["crc32"]:
+            raise GptkitError(
+                f"{folder} is damaged ({name} does not match the size and CRC-32 in its {MANIFEST}); "
+                f"{REBUILD}"
+            )
+    return manifest
 
 
 def shards_key(data: dict[str, Any], content: str, tok: TokenizerSpec) -> str:

@@ -4,7 +4,9 @@ tokens.
     records (jsonl / json / parquet)  messages: [{role, content}, ...]   or   prompt + response (+ system)
       -> checked (roles, an assistant turn, file and row named in every error: gptkit.data.records)
       -> rendered with a chat template (gptkit.chat_templates: Jinja, as transformers renders it)
-      -> token ids + an assistant mask per token, cached (ChatData)
+      -> token ids + an assistant mask per token, cached (ChatData); a conversation longer than the longest
+         row a run can train on (model.max_seq_len + 1: RowLimit) is measured on prefixes, never encoded
+         whole, and kept as its first tokens, flagged long
       -> rows of seq_len + 1 tokens: packed (data.pack=documents, with doc_ids) or one per row (pad)
       -> batches (x, y[, doc_ids]) whose targets are -100 outside the assistant's turns
          (data.train_on=assistant)
@@ -17,27 +19,29 @@ are built in, and their special tokens are added to a tokenizer that lacks them;
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gptkit.chat_templates import (
-    CHAT_FILE,
-    add_special_tokens,
-    assistant_spans,
-    encode,
-    resolve_template,
-)
-from gptkit.data.cache import publish_folder, templated_folder
-from gptkit.data.console import say
-from gptkit.data.face import MANIFEST, BuildOptions, Feed, Prepared
-from gptkit.data.files import expand_paths
+from gptkit.chat_templates import assistant_spans, encode_conversation
+from gptkit.data.cache import REBUILD, check_folder
+from gptkit.data.face import BuildOptions, Feed
 from gptkit.data.records import conversation, records
+from gptkit.data.settings import allows_special_text
+from gptkit.data.templated import (
+    ChatSplit,
+    RowLimit,
+    TemplatedBuild,
+    TemplatedData,
+    check_row_limit,
+    check_split,
+    check_tokenizer_file,
+    sequence_arrays,
+)
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec, build_tokenizer, tokenizer_sha256
+from gptkit.tokenizer import TokenizerSpec
 
 # torch is imported where a batch is made.
 
@@ -46,7 +50,10 @@ TRAIN_ON = ("assistant", "all")
 ROW_PACKS = ("documents", "pad")
 TRUNCATE = ("drop", "cut")
 FORMAT = "gptkit-chat"
-FORMAT_VERSION = 1
+# 2: the manifest's checksum and its files' CRC-32; conversations longer than a row kept as their first
+# row_limit tokens, flagged long. Part of the cache key: a folder of version 1 is not read, the data is
+# prepared again from its files (a cache; version 1 could not tell a damaged folder from a good one)
+FORMAT_VERSION = 2
 # how rows are made from the tokens: no part of the cache key
 ROW_KEYS = ("train_on", "pack", "truncate")
 # why gptkit eval cannot score it (gptkit.data.kinds)
@@ -64,47 +71,6 @@ def read_conversations(files: list[Path], s: dict[str, Any]) -> list[tuple[str, 
     return out
 
 
-# ---- the prepared (cached) form --------------------------------------------------------------------------
-@dataclass
-class ChatSplit:
-    """One split of prepared chat data: the tokens of every conversation, the loss mask, and the offsets."""
-
-    ids: np.ndarray  # [n_tokens] every conversation's tokens, one after another
-    mask: np.ndarray  # [n_tokens] uint8: 1 on the assistant's tokens
-    offsets: np.ndarray  # [n_conversations + 1] where each conversation starts in ids
-
-    @property
-    def n(self) -> int:
-        return len(self.offsets) - 1
-
-
-@dataclass
-class TemplatedData(Prepared):
-    """A prepared data=chat or data=preference folder: its manifest, the settings it was read with, the
-    tokenizer (with the template's special tokens) and the chat template, which the run folder keeps."""
-
-    dir: Path
-    manifest: dict[str, Any]
-    # the data config (train_on, pack, truncate, ...)
-    settings: dict[str, Any]
-
-    @property
-    def template_path(self) -> Path:
-        return self.dir / CHAT_FILE
-
-    @property
-    def pad_id(self) -> int:
-        return int(self.manifest["tokenizer"]["pad_id"])
-
-    def run_files(self) -> dict[str, Path]:
-        """The tokenizer and the template `gptkit chat` talks with."""
-        return {**super().run_files(), CHAT_FILE: self.template_path}
-
-    def table(self) -> list[tuple[str, str]]:
-        rows = super().table()
-        return rows[:1] + [("template", str(self.manifest["template"]))] + rows[1:]
-
-
 @dataclass
 class ChatData(TemplatedData):
     """Tokenized conversations (train and val), their tokenizer and template: what data=chat prepares."""
@@ -112,12 +78,7 @@ class ChatData(TemplatedData):
     train: ChatSplit
     val: ChatSplit
 
-    def counts(self) -> str:
-        tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
-        return (
-            f"template {self.manifest['template']}: {tr['conversations']:,} train / {va['conversations']:,} "
-            f"val conversations, {tr['tokens']:,} train tokens"
-        )
+    record_name = "conversations"
 
     def connect(
         self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
@@ -127,6 +88,7 @@ class ChatData(TemplatedData):
         s = {**self.settings, "pack": pack or self.settings["pack"]}
         if s["pack"] not in ROW_PACKS:
             raise GptkitError(f"data.pack={s['pack']!r} is not one of {', '.join(ROW_PACKS)}")
+        check_row_limit(self, seq_len, "conversations")
         train, val = (
             make_rows(split, seq_len, s["pack"], s["train_on"], s["truncate"], self.pad_id)
             for split in (self.train, self.val)
@@ -148,119 +110,73 @@ def check_settings(s: dict[str, Any]) -> dict[str, Any]:
         )
     if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
         raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
+    allows_special_text(s)
     return s
-
-
-def template_for(spec: str, tok: TokenizerSpec):
-    """data.template for this tokenizer (auto: the template saved next to a tokenizer.json), compiled: a
-    template that is not Jinja fails before any file is read."""
-    template = resolve_template(spec, tok.path if tok.kind == "file" else None)
-    template.compiled  # noqa: B018
-    return template
 
 
 def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> ChatData:
     """Conversations -> token ids + assistant masks (train and val), the tokenizer (with the template's
     special tokens) and the template, cached by (files, settings, tokenizer, template). Every bad record is
     a one-line GptkitError naming its file and row, raised before anything is written."""
-    s = check_settings(s)
-    train_files = expand_paths(s["paths"], "data.paths")
-    val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
-    template = template_for(s["template"], tok)
-    final, key, content = templated_folder(
-        "chat", s, ROW_KEYS, FORMAT_VERSION, tok, template, train_files + val_files, opts.cache, opts.force
-    )
-    if (final / MANIFEST).is_file():
-        data = load_chat(final, s)
-        say(f"cache hit: {final} ({data.counts()})")
-        return data
-
-    convs = read_conversations(train_files, s)
-    val_convs = read_conversations(val_files, s) if val_files else []
-    rendered = [(where, *assistant_spans(template, m, where)) for where, m in convs + val_convs]
-    if tok.built_from_corpus:
-        tokenizer = build_tokenizer(tok, lambda: (text for _, text, _ in rendered), progress=False)
-    else:
-        tokenizer = build_tokenizer(tok)
-    added = add_special_tokens(tokenizer, template)
-    encoded = [encode(tokenizer, text, spans) for _, text, spans in rendered]
-    for (where, _, spans), (_, mask) in zip(rendered, encoded):
-        if spans and not any(mask):
+    build = TemplatedBuild.open("chat", check_settings(s), tok, opts, ROW_KEYS, FORMAT_VERSION)
+    cached = build.cached(load_chat)
+    if cached is not None:
+        return cached
+    s, template = build.s, build.template
+    convs = read_conversations(build.train_files, s)
+    val_convs = read_conversations(build.val_files, s) if build.val_files else []
+    rendered = [(where, m, assistant_spans(template, m, where)) for where, m in convs + val_convs]
+    tokenizer, added = build.tokenizer(lambda: (text for _, _, (text, _) in rendered))
+    limit = RowLimit(opts.row_limit, tokenizer, tok)
+    # (ids, mask, long) of each conversation, as arrays: what is kept
+    encoded = []
+    for where, m, (text, spans) in rendered:
+        cut, cut_spans, long = limit.fit(text, spans)
+        ids, mask = encode_conversation(
+            tokenizer,
+            template,
+            m,
+            where,
+            rendered=(cut, cut_spans),
+            prefix=long,
+            allow_special_text=build.allow_special_text,
+        )
+        if long:
+            ids, mask = ids[: limit.tokens], mask[: limit.tokens]
+        elif spans and not any(mask):
             raise GptkitError(f"{where}: the assistant's text renders to no tokens")
-    n_train = len(convs)
-    # the last val_fraction of the conversations (at least one each)
-    if not val_files:
-        n_train = min(n_train - 1, max(1, round(n_train * (1 - float(s["val_fraction"])))))
-        if n_train < 1:
-            raise GptkitError(
-                f"data.paths hold {len(convs)} conversation(s); data=chat needs at least 2 "
-                "(one for validation) or data.val_paths"
-            )
+        encoded.append((np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8), long))
+    # the texts: only what was encoded of them is kept
+    rendered.clear()
+    n_train = build.n_train(len(convs), "conversation")
     splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "cache_key": key,
-        "source": {
-            "kind": "chat",
-            "description": "chat conversations from "
-            f"{', '.join(map(str, train_files))}"
-            + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""),
-            "sha256": content,
-        },
-        "template": template.name,
-        "added_tokens": added,
-        "tokenizer": tokenizer_record(tokenizer, tok, template),
-        "splits": {
-            k: {
-                "conversations": len(v),
-                "tokens": sum(len(ids) for ids, _ in v),
-                "loss_tokens": sum(sum(m) for _, m in v),
-            }
-            for k, v in splits.items()
-        },
+    counts = {
+        k: {
+            "conversations": len(v),
+            "tokens": sum(len(ids) for ids, _, _ in v),
+            "loss_tokens": sum(int(m.sum()) for _, m, _ in v),
+            "long": sum(long for _, _, long in v),
+        }
+        for k, v in splits.items()
     }
-    arrays = {}
-    for k, v in splits.items():
-        arrays[f"{k}_ids"] = np.array([t for ids, _ in v for t in ids], dtype=np.uint32)
-        arrays[f"{k}_mask"] = np.array([t for _, m in v for t in m], dtype=np.uint8)
-        arrays[f"{k}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in v], dtype=np.int64)
-    publish_folder(opts.cache, final, {"conversations.npz": arrays}, tokenizer, template, manifest)
-    data = load_chat(final, s)
-    note = f"; added {', '.join(added)} to the tokenizer" if added else ""
-    say(f"prepared {final} ({data.counts()}{note})")
-    return data
-
-
-def tokenizer_record(tokenizer, tok: TokenizerSpec, template) -> dict[str, Any]:
-    """The manifest's tokenizer entry of a chat or preference folder: its settings, size, hash, and the ids
-    of EOS, padding (EOS, else 0) and the template's end of turn."""
-    eos = tok.eos_token
-    eos_id = tokenizer.token_to_id(eos) if eos else None
-    end = template.end_of_turn().strip()
-    return {
-        **tok.settings,
-        "vocab_size": tokenizer.get_vocab_size(),
-        "sha256": tokenizer_sha256(tokenizer),
-        "eos_id": eos_id,
-        "pad_id": eos_id if eos_id is not None else 0,
-        "end_of_turn": end,
-        "end_of_turn_id": tokenizer.token_to_id(end) if end else None,
-    }
+    manifest = build.manifest(FORMAT, FORMAT_VERSION, "chat conversations", tokenizer, added, limit, counts)
+    arrays = {k: v for split, seqs in splits.items() for k, v in sequence_arrays(split, seqs).items()}
+    return build.publish(manifest, {"conversations.npz": arrays}, tokenizer, load_chat, added)
 
 
 def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
-    """A prepared chat folder (manifest.json + conversations.npz), checked against these settings."""
+    """A prepared chat folder (manifest.json + conversations.npz), checked against its manifest (check_folder:
+    the checksum, each file's CRC-32, so also the tokenizer's) and the arrays against its counts."""
+    manifest = check_folder(folder, FORMAT, "chat")
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        z = np.load(folder / "conversations.npz")
-        splits = {k: ChatSplit(z[f"{k}_ids"], z[f"{k}_mask"], z[f"{k}_offsets"]) for k in ("train", "val")}
-    except (OSError, ValueError, KeyError) as exc:
-        raise GptkitError(
-            f"{folder} is not a complete prepared chat folder ({exc}); delete it and train again"
-        ) from None
-    if manifest.get("format") != FORMAT:
-        raise GptkitError(f"{folder / MANIFEST} is not a gptkit chat manifest; delete {folder}")
+        with np.load(folder / "conversations.npz") as z:
+            splits = {k: ChatSplit.from_arrays(z, k) for k in ("train", "val")}
+        for k, split in splits.items():
+            check_split(split, manifest["splits"][k]["conversations"], manifest["splits"][k]["tokens"])
+    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
+    except Exception as exc:  # noqa: BLE001 - np.load fails in many ways on a damaged file
+        raise GptkitError(f"{folder} is damaged (conversations.npz: {str(exc)[:160]}); {REBUILD}") from None
+    check_tokenizer_file(folder, manifest)
     return ChatData(folder, manifest, settings, splits["train"], splits["val"])
 
 
@@ -332,7 +248,8 @@ def make_rows(
         ids, mask = split.ids[a:b].astype(np.int64), split.mask[a:b].copy()
         if train_on == "all":
             mask[:] = 1
-        if len(ids) > width:
+        # a long one: its first row_limit >= width tokens kept
+        if len(ids) > width or split.is_long(i):
             if truncate == "drop":
                 dropped += 1
                 continue

@@ -32,12 +32,15 @@ TOKENIZER = "tokenizer.json"
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """How a prepare runs: the cache folder it reads and writes, whether it shows progress, and whether it
-    builds again what the cache holds (force)."""
+    """How a prepare runs: the cache folder it reads and writes, whether it shows progress, whether it
+    builds again what the cache holds (force), and the longest row a run will train on, in tokens
+    (model.max_seq_len + 1; None: not known): data=chat and data=preference measure a longer conversation
+    without encoding it whole and keep only its first row_limit tokens."""
 
     cache: Path
     progress: bool = True
     force: bool = False
+    row_limit: int | None = None
 
 
 @dataclass

@@ -52,6 +52,42 @@ def files_digest(files: list[Path]) -> str:
     return h.hexdigest()
 
 
+def spelled_in(files: list[Path], strings: list[str], formats: list[str]) -> bool:
+    """Whether the text of the files may spell one of `strings` (special tokens): a string's UTF-8 bytes in a
+    file; in a JSON file (format json) also a \\u escape (or \\/) of one of its characters, which may
+    spell it; a parquet file (compressed) always may. Reads each file once, READ_BYTES at a time."""
+    strings = sorted({t for t in strings if t})
+    if not strings:
+        return False
+    raw = [t.encode() for t in strings]
+    chars = sorted({c for t in strings for c in t})
+    # lower case, as the blocks are compared (JSON's hex digits have either case)
+    escapes = [b"\\u%04x" % u for c in chars for u in _utf16(c)] + ([b"\\/"] if "/" in chars else [])
+    for f, fmt in zip(files, formats):
+        if fmt == "parquet":
+            return True
+        keep = max(len(x) for x in raw + escapes) - 1
+        tail = b""
+        try:
+            with open(f, "rb") as fh:
+                for block in iter(lambda: fh.read(READ_BYTES), b""):
+                    buf = tail + block
+                    if any(x in buf for x in raw):
+                        return True
+                    if fmt == "json" and b"\\" in buf and any(e in buf.lower() for e in escapes):
+                        return True
+                    tail = buf[-keep:] if keep else b""
+        except OSError as exc:
+            raise unreadable_file(f, exc) from None
+    return False
+
+
+def _utf16(c: str) -> list[int]:
+    """The UTF-16 code units of a character (a JSON \\u escape names one)."""
+    b = c.encode("utf-16-be")
+    return [int.from_bytes(b[i : i + 2], "big") for i in range(0, len(b), 2)]
+
+
 def unreadable_file(f: Path | str, exc: OSError) -> GptkitError:
     """One line for a data file that cannot be opened or read (permissions, a failing disk, special files)."""
     why = exc.strerror or " ".join(str(exc).split())[:120]

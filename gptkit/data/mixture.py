@@ -32,8 +32,8 @@ from gptkit.data.build import training_sample
 from gptkit.data.console import say
 from gptkit.data.face import BuildOptions, Feed, Prepared
 from gptkit.data.prepared import PreparedData
-from gptkit.data.settings import BUILD_KEYS, WINDOW_KEYS, defaults, settings
-from gptkit.data.sources import open_corpus
+from gptkit.data.settings import BUILD_KEYS, SPECIAL_TEXT_KEY, WINDOW_KEYS, defaults, settings
+from gptkit.data.sources import Corpus
 from gptkit.data.windows import TaggedWindows, check_pack, check_window, windows
 from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_text
@@ -219,10 +219,12 @@ def prepare_mix(
     opts: BuildOptions,
     *,
     prepare_source: Callable[[dict[str, Any], TokenizerSpec, BuildOptions], Prepared],
+    open_source: Callable[[dict[str, Any]], Corpus | None],
     mixable: tuple[str, ...],
 ) -> MixedData:
     """data=mix: every source prepared by `prepare_source` (its kind's own prepare, one of `mixable`), with
-    one tokenizer (char and bpe: built once from all sources), as a MixedData."""
+    one tokenizer (char and bpe: built once from all sources' text, which `open_source` opens), as a
+    MixedData."""
     allowed = ("kind", *defaults("mix"), *WINDOW_KEYS, *BUILD_KEYS)
     for k in s:
         if k not in allowed:
@@ -233,7 +235,7 @@ def prepare_mix(
     max_epochs = s["max_epochs"]
     if isinstance(max_epochs, bool) or not isinstance(max_epochs, numbers.Real) or max_epochs <= 0:
         raise GptkitError(f"data.max_epochs={max_epochs!r} must be a number > 0")
-    shared = _shared_tokenizer(sources, tok, opts) if tok.built_from_corpus else tok
+    shared = _shared_tokenizer(sources, tok, opts, open_source) if tok.built_from_corpus else tok
     parts = []
     for name, (source, _) in sources.items():
         say(f"data source {name!r}:")
@@ -277,21 +279,31 @@ def prepare_mix(
 
 
 def _shared_tokenizer(
-    sources: dict[str, tuple[dict[str, Any], float]], tok: TokenizerSpec, opts: BuildOptions
+    sources: dict[str, tuple[dict[str, Any], float]],
+    tok: TokenizerSpec,
+    opts: BuildOptions,
+    open_source: Callable[[dict[str, Any]], Corpus | None],
 ) -> TokenizerSpec:
     """A char or bpe tokenizer built once from all sources, cached by their content: the spec of a
     tokenizer=file that names it."""
     corpora = {}
     for name, (source, _) in sources.items():
-        if source["kind"] == "prepared":
+        corpus = open_source(source)
+        # token ids made elsewhere (a prepared folder, token files): they come with their tokenizer
+        if corpus is None:
             raise GptkitError(
-                f"data.sources.{name} is a prepared folder, which has its tokenizer already: with "
-                f"it use that tokenizer (tokenizer=file tokenizer.path=<folder>/tokenizer.json)"
+                f"data.sources.{name} ({source['kind']}) holds token ids, not text, so a {tok.kind} "
+                "tokenizer cannot be trained on it: use the tokenizer that made them (tokenizer=file "
+                "tokenizer.path=<its tokenizer.json>)"
             )
-        corpora[name] = open_corpus(source)
+        corpora[name] = corpus
+    # special_tokens_in_content changes no tokenizer: no part of its key (nor did it exist before)
     body = {
         "tokenizer": tok.settings,
-        "sources": {n: [sources[n][0], sources[n][1], c.sha256()] for n, c in corpora.items()},
+        "sources": {
+            n: [{k: v for k, v in sources[n][0].items() if k != SPECIAL_TEXT_KEY}, sources[n][1], c.sha256()]
+            for n, c in corpora.items()
+        },
     }
     key = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
     path = opts.cache / "tokenizers" / f"mix-{tok.kind}-{key[:16]}.json"

@@ -7,7 +7,9 @@
          file and row named in every error)
       -> each answer rendered after the conversation with the chat template (gptkit.data.chat), as the
          assistant's next turn: token ids + a mask on the answer's tokens only (end-of-turn token included)
-      -> cached (PreferenceData), split into train and val pairs
+      -> cached (PreferenceData), split into train and val pairs; an answer longer than the longest row a
+         run can train on (model.max_seq_len + 1) is measured, never encoded whole, and kept as its first
+         tokens (gptkit.data.chat.RowLimit)
       -> rows of seq_len + 1 tokens, one sequence per row, padded: a pair is two rows (PairRows)
       -> batches (x, y) of [2 * batch_size, seq_len]: rows 2i / 2i + 1 the chosen / rejected answer of
          pair i, targets -100 outside the answer (gptkit.training.dpo reads them so)
@@ -27,18 +29,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from gptkit.chat_templates import add_special_tokens, assistant_spans, encode
-from gptkit.data.cache import publish_folder, templated_folder
-from gptkit.data.chat import ChatSampler, ChatSplit, TemplatedData, template_for, tokenizer_record
-from gptkit.data.console import say
-from gptkit.data.face import MANIFEST, BuildOptions, Feed
-from gptkit.data.files import expand_paths
+from gptkit.chat_templates import assistant_spans, encode_conversation
+from gptkit.data.cache import REBUILD, check_folder
+from gptkit.data.chat import ChatSampler
+from gptkit.data.face import BuildOptions, Feed
 from gptkit.data.records import conversation, records
+from gptkit.data.settings import allows_special_text
+from gptkit.data.templated import (
+    ChatSplit,
+    RowLimit,
+    TemplatedBuild,
+    TemplatedData,
+    check_row_limit,
+    check_split,
+    check_tokenizer_file,
+    sequence_arrays,
+)
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec, build_tokenizer
+from gptkit.tokenizer import TokenizerSpec
 
 FORMAT = "gptkit-preference"
-FORMAT_VERSION = 1
+# 2: as data=chat's (gptkit.data.chat.FORMAT_VERSION): checksums, long answers kept as their first tokens
+FORMAT_VERSION = 2
 TRUNCATE = ("error", "drop", "cut")
 SIDES = ("chosen", "rejected")
 # how rows are made from the tokens: no part of the cache key
@@ -61,6 +73,7 @@ def check_settings(s: dict[str, Any]) -> dict[str, Any]:
         )
     if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
         raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
+    allows_special_text(s)
     return s
 
 
@@ -127,15 +140,35 @@ def read_pairs(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dic
 
 
 def answer_tokens(
-    tokenizer, template, msgs: list[dict], answer: str, where: str
-) -> tuple[list[int], list[int]]:
-    """(ids, mask) of the conversation followed by `answer` as the assistant's turn; the mask marks the
-    answer's tokens only (not earlier assistant turns of `msgs`)."""
-    text, spans = assistant_spans(template, [*msgs, {"role": "assistant", "content": answer}], where)
-    ids, mask = encode(tokenizer, text, spans[-1:])
-    if not any(mask):
+    tokenizer,
+    template,
+    msgs: list[dict],
+    answer: str,
+    where: str,
+    limit: RowLimit,
+    allow_special_text: bool = False,
+) -> tuple[np.ndarray, np.ndarray, bool]:
+    """(ids, mask, long) of the conversation followed by `answer` as the assistant's turn; the mask marks the
+    answer's tokens only (not earlier assistant turns of `msgs`). long: longer than limit.tokens, of which
+    only the first limit.tokens are returned (the text never encoded whole). Special tokens that the prompt
+    or the answer spell are text (allow_special_text: control tokens, as before)."""
+    conversation = [*msgs, {"role": "assistant", "content": answer}]
+    text, spans = assistant_spans(template, conversation, where)
+    text, spans, long = limit.fit(text, spans[-1:])
+    ids, mask = encode_conversation(
+        tokenizer,
+        template,
+        conversation,
+        where,
+        rendered=(text, spans),
+        prefix=long,
+        allow_special_text=allow_special_text,
+    )
+    if long:
+        ids, mask = ids[: limit.tokens], mask[: limit.tokens]
+    elif not any(mask):
         raise GptkitError(f"{where}: an answer renders to no tokens")
-    return ids, mask
+    return np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8), long
 
 
 # ---- the prepared (cached) form -------------------------------------------------------------------------
@@ -161,12 +194,7 @@ class PreferenceData(TemplatedData):
     train: PairSplit
     val: PairSplit
 
-    def counts(self) -> str:
-        tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
-        return (
-            f"template {self.manifest['template']}: {tr['pairs']:,} train / {va['pairs']:,} val pairs, "
-            f"{tr['tokens']:,} train tokens"
-        )
+    record_name = "pairs"
 
     def connect(
         self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
@@ -175,6 +203,7 @@ class PreferenceData(TemplatedData):
         the val pairs each with its index in the set (the objective counts each once under DDP), batched by
         pair_collate. data.pack does not apply: one answer per row."""
         s = self.settings
+        check_row_limit(self, seq_len, "answers")
         train, val = (
             make_pair_rows(split, seq_len, s["truncate"], self.pad_id) for split in (self.train, self.val)
         )
@@ -193,122 +222,77 @@ def prepare_preference(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions
     the template's special tokens) and the template, cached by (files, settings, tokenizer, template).
     Every bad record is a one-line GptkitError naming its file and row, raised before anything is
     written."""
-    s = check_settings(s)
-    train_files = expand_paths(s["paths"], "data.paths")
-    val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
-    template = template_for(s["template"], tok)
-    final, key, content = templated_folder(
-        "preference",
-        s,
-        ROW_KEYS,
-        FORMAT_VERSION,
-        tok,
-        template,
-        train_files + val_files,
-        opts.cache,
-        opts.force,
-    )
-    if (final / MANIFEST).is_file():
-        data = load_preference(final, s)
-        say(f"cache hit: {final} ({data.counts()})")
-        return data
-
-    pairs = read_pairs(train_files, s)
-    val_pairs = read_pairs(val_files, s) if val_files else []
+    build = TemplatedBuild.open("preference", check_settings(s), tok, opts, ROW_KEYS, FORMAT_VERSION)
+    cached = build.cached(load_preference)
+    if cached is not None:
+        return cached
+    s, template = build.s, build.template
+    pairs = read_pairs(build.train_files, s)
+    val_pairs = read_pairs(build.val_files, s) if build.val_files else []
     every = pairs + val_pairs
-    # trained on the rendered text of both answers
-    if tok.built_from_corpus:
 
-        def texts():
-            for where, msgs, *answers in every:
-                for a in answers:
-                    yield assistant_spans(template, [*msgs, {"role": "assistant", "content": a}], where)[0]
+    # char and bpe are built from the rendered text of both answers
+    def texts():
+        for where, msgs, *answers in every:
+            for a in answers:
+                yield assistant_spans(template, [*msgs, {"role": "assistant", "content": a}], where)[0]
 
-        tokenizer = build_tokenizer(tok, texts, progress=False)
-    else:
-        tokenizer = build_tokenizer(tok)
-    added = add_special_tokens(tokenizer, template)
+    tokenizer, added = build.tokenizer(texts)
+    allow, limit = build.allow_special_text, RowLimit(opts.row_limit, tokenizer, tok)
     encoded = [
-        (where, [answer_tokens(tokenizer, template, msgs, a, where) for a in answers])
+        (where, [answer_tokens(tokenizer, template, msgs, a, where, limit, allow) for a in answers])
         for where, msgs, *answers in every
     ]
-    n_train = len(pairs)
-    # the last val_fraction of the pairs (at least one each)
-    if not val_files:
-        n_train = min(n_train - 1, max(1, round(n_train * (1 - float(s["val_fraction"])))))
-        if n_train < 1:
-            raise GptkitError(
-                f"data.paths hold {len(pairs)} pair(s); data=preference needs at least 2 (one "
-                "for validation) or data.val_paths"
-            )
+    n_train = build.n_train(len(pairs), "pair")
     splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "cache_key": key,
-        "source": {
-            "kind": "preference",
-            "description": "preference pairs from "
-            f"{', '.join(map(str, train_files))}"
-            + (f" (val: {', '.join(map(str, val_files))})" if val_files else ""),
-            "sha256": content,
-        },
-        "template": template.name,
-        "added_tokens": added,
-        "tokenizer": tokenizer_record(tokenizer, tok, template),
-        "splits": {
-            k: {
-                "pairs": len(v),
-                "tokens": sum(len(ids) for _, sides in v for ids, _ in sides),
-                "answer_tokens": sum(sum(m) for _, sides in v for _, m in sides),
-            }
-            for k, v in splits.items()
-        },
+    counts = {
+        k: {
+            "pairs": len(v),
+            "tokens": sum(len(ids) for _, sides in v for ids, _, _ in sides),
+            "answer_tokens": sum(int(m.sum()) for _, sides in v for _, m, _ in sides),
+            # pairs with a long answer
+            "long": sum(any(long for _, _, long in sides) for _, sides in v),
+        }
+        for k, v in splits.items()
     }
-    arrays = {}
-    for k, v in splits.items():
-        for i, side in enumerate(SIDES):
-            seqs = [sides[i] for _, sides in v]
-            arrays[f"{k}_{side}_ids"] = np.array([t for ids, _ in seqs for t in ids], dtype=np.uint32)
-            arrays[f"{k}_{side}_mask"] = np.array([t for _, m in seqs for t in m], dtype=np.uint8)
-            arrays[f"{k}_{side}_offsets"] = np.cumsum([0] + [len(ids) for ids, _ in seqs], dtype=np.int64)
+    manifest = build.manifest(FORMAT, FORMAT_VERSION, "preference pairs", tokenizer, added, limit, counts)
+    arrays = {
+        k: v
+        for split, pairs_of in splits.items()
+        for i, side in enumerate(SIDES)
+        for k, v in sequence_arrays(f"{split}_{side}", [sides[i] for _, sides in pairs_of]).items()
+    }
     # each pair's file and line
-    where = {k: [w for w, _ in v] for k, v in splits.items()}
-    publish_folder(
-        opts.cache,
-        final,
-        {"pairs.npz": arrays},
-        tokenizer,
-        template,
-        manifest,
-        extra={"where.json": json.dumps(where)},
+    where = json.dumps({k: [w for w, _ in v] for k, v in splits.items()})
+    return build.publish(
+        manifest, {"pairs.npz": arrays}, tokenizer, load_preference, added, extra={"where.json": where}
     )
-    data = load_preference(final, s)
-    note = f"; added {', '.join(added)} to the tokenizer" if added else ""
-    say(f"prepared {final} ({data.counts()}{note})")
-    return data
 
 
 def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
-    """A prepared preference folder (manifest.json, pairs.npz, where.json), checked against these
-    settings."""
+    """A prepared preference folder (manifest.json, pairs.npz, where.json), checked against its manifest
+    (check_folder: the checksum, each file's CRC-32, so also the tokenizer's) and the arrays against its
+    counts."""
+    manifest = check_folder(folder, FORMAT, "preference")
     try:
-        manifest = json.loads((folder / MANIFEST).read_text())
-        z = np.load(folder / "pairs.npz")
-        where = json.loads((folder / "where.json").read_text())
-        splits = {
-            k: PairSplit(
-                *(ChatSplit(z[f"{k}_{s}_ids"], z[f"{k}_{s}_mask"], z[f"{k}_{s}_offsets"]) for s in SIDES),
-                where[k],
-            )
-            for k in ("train", "val")
-        }
-    except (OSError, ValueError, KeyError) as exc:
-        raise GptkitError(
-            f"{folder} is not a complete prepared preference folder ({exc}); delete it and train again"
-        ) from None
-    if manifest.get("format") != FORMAT:
-        raise GptkitError(f"{folder / MANIFEST} is not a gptkit preference manifest; delete {folder}")
+        where = json.loads((folder / "where.json").read_text(encoding="utf-8"))
+        with np.load(folder / "pairs.npz") as z:
+            splits = {
+                k: PairSplit(*(ChatSplit.from_arrays(z, f"{k}_{s}") for s in SIDES), where[k])
+                for k in ("train", "val")
+            }
+        for k, split in splits.items():
+            n = manifest["splits"][k]["pairs"]
+            for side in (split.chosen, split.rejected):
+                check_split(side, n, len(side.ids))
+            if len(split.where) != n or sum(len(p.ids) for p in (split.chosen, split.rejected)) != int(
+                manifest["splits"][k]["tokens"]
+            ):
+                raise ValueError(f"its arrays do not hold the {n:,} pairs of its manifest")
+    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
+    except Exception as exc:  # noqa: BLE001 - np.load fails in many ways on a damaged file
+        raise GptkitError(f"{folder} is damaged (pairs.npz: {str(exc)[:160]}); {REBUILD}") from None
+    check_tokenizer_file(folder, manifest)
     return PreferenceData(folder, manifest, settings, splits["train"], splits["val"])
 
 
@@ -355,16 +339,19 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
     cut = dropped = 0
     first_dropped = None
     for i in range(split.n):
-        sides = []
+        sides, long = [], None
         for side, part in zip(SIDES, (split.chosen, split.rejected)):
             a, b = int(part.offsets[i]), int(part.offsets[i + 1])
             sides.append((side, part.ids[a:b].astype(np.int64), part.mask[a:b].astype(bool)))
+            # a long answer: its first row_limit >= width tokens kept
+            long = long or (side if part.is_long(i) else None)
         longest = max(len(ids) for _, ids, _ in sides)
-        if longest > width:
+        if longest > width or long:
             if truncate == "error":
-                side = next(s for s, ids, _ in sides if len(ids) == longest)
+                side = long or next(s for s, ids, _ in sides if len(ids) == longest)
+                count = f"more than {longest:,}" if long else f"{longest}"
                 raise GptkitError(
-                    f"{split.where[i]}: the prompt with the {side} answer makes {longest} "
+                    f"{split.where[i]}: the prompt with the {side} answer makes {count} "
                     f"tokens, more than a row of {width} (trainer.seq_len + 1); use "
                     "data.truncate=drop or data.truncate=cut, or a longer trainer.seq_len / "
                     "model.max_seq_len"

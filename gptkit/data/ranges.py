@@ -33,7 +33,15 @@ from gptkit.data.files import (
     read_range,
     text_parts,
 )
-from gptkit.data.tokenize import Cutter, EncoderSpec, batches, encode_batch, encode_task, text_bytes
+from gptkit.data.tokenize import (
+    Cutter,
+    EncoderSpec,
+    batches,
+    encode_batch,
+    encode_task,
+    text_bytes,
+    text_encoder,
+)
 from gptkit.errors import GptkitError
 
 # (range, Cutter mode, Cutter sizes, what the MAX_UNCUT error calls the corpus)
@@ -44,10 +52,11 @@ _verify: dict[EncoderSpec, Callable[[str], list[int]]] = {}
 
 
 def _verify_encode(spec: EncoderSpec) -> Callable[[str], list[int]]:
-    """The tokenizer's own encode (HF tokenizers), which mode verify checks every cut with."""
+    """The tokenizer's own encode (HF tokenizers, special tokens' strings as the spec encodes them), which
+    mode verify checks every cut with."""
     enc = _verify.get(spec)
     if enc is None:
-        tok = Tokenizer.from_str(spec.json())
+        tok = text_encoder(Tokenizer.from_str(spec.json()), spec.allow_special_text)
         _verify.clear()
         enc = _verify[spec] = lambda t: tok.encode(t, add_special_tokens=False).ids
     return enc

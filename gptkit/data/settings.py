@@ -4,12 +4,13 @@ written) under the given keys.
     settings({"kind": "files", "paths": ["a.txt"]})   # the same dict, and cache key, as data=files in YAML
 
 WINDOW_KEYS and BUILD_KEYS change no token (how windows are drawn from shards, how shards are built): they
-are no part of a token-shard cache key (shard_settings leaves them out).
+are no part of a token-shard cache key (shard_settings leaves them out). special_tokens_in_content is part of
+a cache key only where it changes the ids (keyed_special_text).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from gptkit.conf_files import conf_dir, preset_defaults
 from gptkit.data.windows import PACKS
@@ -19,6 +20,11 @@ from gptkit.errors import GptkitError
 WINDOW_KEYS = ("pack",)
 # data options of how the shards are built: they change no token either
 BUILD_KEYS = ("workers",)
+# data.special_tokens_in_content: text (a special token that the data's text spells stays text: only the
+# template's markup and the EOS / BOS put between documents are special ids) | allow (it becomes the control
+# token, as gptkit did before this setting)
+SPECIAL_TEXT_KEY = "special_tokens_in_content"
+SPECIAL_TEXT = ("text", "allow")
 
 
 def plain(cfg: Any) -> dict[str, Any]:
@@ -85,3 +91,24 @@ def for_model(cfg: Any, position: str) -> dict[str, Any]:
             sources[n] = s
         return {**data, "sources": sources}
     return {**data, "bos": False} if data.get("bos") == "auto" else data
+
+
+def allows_special_text(s: dict[str, Any]) -> bool:
+    """data.special_tokens_in_content, checked: True for allow (spelled special tokens become control
+    tokens), False for text (the default)."""
+    v = s.get(SPECIAL_TEXT_KEY, "text")
+    if v not in SPECIAL_TEXT:
+        raise GptkitError(
+            f"data.{SPECIAL_TEXT_KEY}={v!r} must be text (special tokens that the data spells stay text) or "
+            "allow (they become control tokens, as before)"
+        )
+    return v == "allow"
+
+
+def keyed_special_text(s: dict[str, Any], spelled: Callable[[], bool]) -> dict[str, Any]:
+    """The settings as a cache key holds them: special_tokens_in_content only where it makes other ids than
+    every gptkit before it made (text, on data that may spell a special token: spelled(), called only
+    then). allow, and data that spells none, keep the key they had, and so their prepared folders."""
+    if SPECIAL_TEXT_KEY not in s or (not allows_special_text(s) and spelled()):
+        return s
+    return {k: v for k, v in s.items() if k != SPECIAL_TEXT_KEY}

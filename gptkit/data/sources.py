@@ -38,6 +38,7 @@ from gptkit.data.files import (
     is_jsonl,
     jsonl_texts,
     line_ranges,
+    spelled_in,
     text_parts,
 )
 from gptkit.errors import GptkitError
@@ -78,6 +79,9 @@ class Corpus:
     val_text: list[Path] | None = None
     text_errors: str = "strict"
     text_blank: str = "error"
+    # whether the text may spell one of the strings (special tokens), read without tokenizing; None: the
+    # corpus cannot tell (it may)
+    spells: Callable[[list[str]], bool] | None = None
 
     def all_parts(self) -> Iterator[Part]:
         yield from self.train_parts()
@@ -104,24 +108,6 @@ def whole(docs: Callable[[], Iterator[str]]) -> Parts:
     return lambda: ((d, True) for d in docs())
 
 
-def open_corpus(s: dict[str, Any]) -> Corpus:
-    """The corpus the (complete, plain dict) data settings describe. Checks paths now; reads text lazily."""
-    kind = s["kind"]
-    if kind == "pydoc":
-        return _pydoc()
-    if kind == "shakespeare":
-        return _shakespeare()
-    if kind == "stdlib":
-        return _stdlib(s)
-    if kind == "files":
-        return _files(s)
-    if kind == "hub":
-        return _hub(s)
-    raise GptkitError(
-        f"unknown data kind {kind!r}; use data=pydoc|shakespeare|stdlib|files|hub|prepared|mix|tokens"
-    )
-
-
 def _digest(parts: Iterator[bytes]) -> str:
     h = hashlib.sha256()
     for p in parts:
@@ -131,7 +117,8 @@ def _digest(parts: Iterator[bytes]) -> str:
 
 
 # ---- built-in corpora ------------------------------------------------------------------------------
-def _pydoc() -> Corpus:
+def pydoc(s: dict[str, Any]) -> Corpus:
+    """data=pydoc: the interpreter's bundled reference documentation, one document per topic."""
     from pydoc_data.topics import topics
 
     def docs() -> Iterator[str]:
@@ -144,6 +131,7 @@ def _pydoc() -> Corpus:
         val_parts=None,
         sha256=lambda: _digest(d.encode() for d in docs()),
         n_bytes=sum(len(t) for t in topics.values()),
+        spells=lambda strings: any(t in d for d in docs() for t in strings),
     )
 
 
@@ -158,7 +146,9 @@ def shakespeare_text() -> str:
     return gzip.decompress(SHAKESPEARE.read_bytes()).decode("utf-8")
 
 
-def _shakespeare() -> Corpus:
+def shakespeare(s: dict[str, Any]) -> Corpus:
+    """data=shakespeare: tiny Shakespeare, one document."""
+
     def docs() -> Iterator[str]:
         # one document, as char-rnn and nanoGPT treat it
         yield shakespeare_text()
@@ -169,6 +159,7 @@ def _shakespeare() -> Corpus:
         val_parts=None,
         sha256=lambda: _digest(d.encode() for d in docs()),
         n_bytes=1_115_394,
+        spells=lambda strings: any(t in d for d in docs() for t in strings),
     )
 
 
@@ -185,7 +176,8 @@ def stdlib_files(include_tests: bool = True) -> list[Path]:
     return out
 
 
-def _stdlib(s: dict[str, Any]) -> Corpus:
+def stdlib(s: dict[str, Any]) -> Corpus:
+    """data=stdlib: the standard library's .py files, one document each."""
     files = stdlib_files(bool(s["include_tests"]))
     root = Path(sysconfig.get_paths()["stdlib"])
     c = _text_files(files, s["encoding_errors"])
@@ -268,6 +260,7 @@ def _text_files(files: list[Path], errors: str) -> Corpus:
         train_text=files if TEXT_RANGES else None,
         text_errors=errors,
         text_blank="skip",
+        spells=lambda strings: spelled_in(files, strings, ["text"] * len(files)),
     )
 
 
@@ -281,7 +274,7 @@ def _local(files: list[Path], fmt: str, text_field: str, errors: str) -> tuple[P
     return parts, lambda: files_digest(files)
 
 
-def _files(s: dict[str, Any]) -> Corpus:
+def local_files(s: dict[str, Any]) -> Corpus:
     files = expand_paths(s["paths"], "data.paths")
     if not files:
         raise GptkitError("data=files needs data.paths=[file.txt,...] (files or globs)")
@@ -301,6 +294,7 @@ def _files(s: dict[str, Any]) -> Corpus:
         n_bytes=sum(f.stat().st_size for f in every),
         files=[str(f) for f in every],
         sample=_sample_local(every, [file_format(f, fmt) for f in every], field_, errors),
+        spells=lambda strings: spelled_in(every, strings, [file_format(f, fmt) for f in every]),
     )
     if JSONL_RANGES and all(file_format(f, fmt) == "json" and is_jsonl(f) for f in every):
         corpus.train_ranges = lambda step: line_ranges(files, field_, errors, step)
@@ -323,7 +317,7 @@ def _offline() -> bool:
 HUB_SAMPLE_SHARDS = 16
 
 
-def _hub(s: dict[str, Any]) -> Corpus:
+def hub(s: dict[str, Any]) -> Corpus:
     """A Hub dataset, streamed (datasets' `streaming=True`): nothing is downloaded before tokenization, and
     its shards are read in order. The cache key is the dataset's resolved commit when the hub answers."""
     name, config = s["name"], s["config"]

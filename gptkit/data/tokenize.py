@@ -3,15 +3,19 @@
 1. Cutting. A document is cut into pieces of about PIECE_CHARS characters, only where encoding the
    pieces gives exactly the ids of encoding the whole text (`Cutter`): at a newline between two
    non-space characters, else between two characters that GPT-2's pre-tokenizer never joins (a letter
-   and a digit, a letter and ASCII punctuation, a non-space character and a space...), never inside a
-   special token's text. For char and byte any such place will do. For byte-level BPE a run of
-   HARD_CHARS characters with no such place (a file of NUL bytes) is cut anyway, and counted. Any other
-   tokenizer.json is cut only where its own encoding of the text around the cut is unchanged by it;
-   a document with no such place in MAX_UNCUT characters is an error.
+   and a digit, a letter and ASCII punctuation, a non-space character and a space...), never inside the
+   text of an added token the encoder matches. For char and byte any such place will do. For byte-level
+   BPE a run of HARD_CHARS characters with no such place (a file of NUL bytes) is cut anyway, and counted.
+   Any other tokenizer.json is cut only where its own encoding of the text around the cut is unchanged
+   by it; a document with no such place in MAX_UNCUT characters is an error.
 2. Encoding. The fastest encoder that gives the tokenizer's ids (`EncoderSpec.engine`): the UTF-8
    bytes themselves (byte), a code point lookup table (char), tiktoken built from the same merges
    (byte-level BPE, when it agrees with HF `tokenizers` on tricky text and on a sample of the corpus),
-   else HF `tokenizers`. A text that holds a special token's string always goes to HF `tokenizers`.
+   else HF `tokenizers`. Text is data: a special token's string in the text is encoded as text (HF's
+   encode_special_tokens, tiktoken's ordinary encoding), so only the EOS / BOS put between documents are
+   special ids; the Cutter then treats it as any text. data.special_tokens_in_content=allow matches them as
+   before (`EncoderSpec.allow_special_text`). A text that holds an added token the encoder matches (a
+   non-special added token; with allow, any) always goes to HF `tokenizers`.
 3. Workers. `Tokenizing(spec, workers)` encodes batches of pieces in `workers` processes (spawned,
    one thread each), at most 2 x workers batches in flight, results in input order: the ids do not
    depend on the worker count. The processes can be started early (`start_workers`), so that their
@@ -131,6 +135,7 @@ class Cutter:
     ):
         # any (char, byte) | gpt2 (byte-level BPE) | verify (any tokenizer.json)
         self.mode = mode
+        # the added tokens the encoder matches in the text (matched_tokens): no cut inside one
         self.specials = [s for s in specials if s]
         # mode verify: text -> ids
         self.encode = encode
@@ -293,6 +298,9 @@ class EncoderSpec:
     extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     # where tokenizer_json is saved: a worker reads it there, once
     tokenizer_path: str | None = None
+    # special tokens spelled in the text: False, their text (the default); True, the control tokens
+    # (data.special_tokens_in_content=allow). `specials` are the added tokens matched in the text.
+    allow_special_text: bool = False
 
     def light(self) -> EncoderSpec:
         """The spec as sent with every task to a worker: without the tokenizer's JSON when it has a file."""
@@ -383,9 +391,24 @@ def tiktoken_tables(tokenizer_json: str) -> tuple[dict[bytes, int], dict[str, in
     return ranks, specials, rank_to_id
 
 
+def matched_tokens(tok, allow_special_text: bool) -> tuple[str, ...]:
+    """The added tokens of a `tokenizers.Tokenizer` that an encoder matches in the text (EncoderSpec.specials,
+    the Cutter's specials): the ones that are not special (vocabulary words), and with allow_special_text
+    the special ones too."""
+    added = tok.get_added_tokens_decoder().values()
+    return tuple(t.content for t in added if allow_special_text or not t.special)
+
+
+def text_encoder(tok, allow_special_text: bool):
+    """`tok` (a `tokenizers.Tokenizer`) set to encode special tokens spelled in a text as text (HF's
+    encode_special_tokens), unless allow_special_text; the setting is no part of its JSON."""
+    tok.encode_special_tokens = not allow_special_text
+    return tok
+
+
 # choose_engine's check builds the encoder that prepare then uses
-@lru_cache(maxsize=2)
-def _tiktoken(spec_json: str):
+@lru_cache(maxsize=4)
+def _tiktoken(spec_json: str, allow_special_text: bool = False):
     import tiktoken
 
     tables = tiktoken_tables(spec_json)
@@ -397,8 +420,11 @@ def _tiktoken(spec_json: str):
     )
     lut = np.asarray(rank_to_id, dtype=np.uint32)  # [n ranks]
 
+    # ordinary text, special tokens' strings included (allow: those become their ids)
+    allowed = "all" if allow_special_text else set()
+
     def run(texts: list[str]) -> list[Any]:
-        return [lut[enc.encode_to_numpy(t, allowed_special="all", disallowed_special=())] for t in texts]
+        return [lut[enc.encode_to_numpy(t, allowed_special=allowed, disallowed_special=())] for t in texts]
 
     return run
 
@@ -408,9 +434,9 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
     from tokenizers import Tokenizer
 
     if spec.engine == "tiktoken":
-        # tiktoken matches special tokens itself, as HF does
-        return _tiktoken(spec.json())
-    tok = Tokenizer.from_str(spec.json())
+        # tiktoken_tables: every added token is special (text, or matched as HF does with allow)
+        return _tiktoken(spec.json(), spec.allow_special_text)
+    tok = text_encoder(Tokenizer.from_str(spec.json()), spec.allow_special_text)
     hf = hf_encoder(tok)
     specials = [s for s in spec.specials if s]
 
@@ -640,9 +666,11 @@ def choose_engine(
     tokenizer_json: str,
     kind: str,
     check: Callable[[], Iterator[str]] | None = None,
+    allow_special_text: bool = False,
 ) -> tuple[str, str]:
     """(engine, why) for a tokenizer: byte -> utf8, char -> chars; byte-level BPE -> tiktoken when it gives
-    HF's ids on TRICKY and on the texts of `check()` (a sample of the corpus), else hf."""
+    HF's ids on TRICKY and on the texts of `check()` (a sample of the corpus), else hf; both encode special
+    tokens' strings as text (allow_special_text: as their ids)."""
     if kind == "byte":
         return "utf8", "ids are the UTF-8 bytes"
     if kind == "char" or (kind == "file" and char_like(tokenizer_json)):
@@ -655,9 +683,9 @@ def choose_engine(
         return "hf", "not a byte-level BPE that tiktoken can run"
     from tokenizers import Tokenizer
 
-    spec = EncoderSpec(tokenizer_json, "tiktoken", (), None, "uint32")
+    spec = EncoderSpec(tokenizer_json, "tiktoken", (), None, "uint32", allow_special_text=allow_special_text)
     fast = build_encoder(spec)
-    hf = hf_encoder(Tokenizer.from_str(tokenizer_json))
+    hf = hf_encoder(text_encoder(Tokenizer.from_str(tokenizer_json), allow_special_text))
     texts = [TRICKY, *(check() if check is not None else [])]
     for t in texts:
         a, b = [list(map(int, x)) for x in fast([t])], hf([t])

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from gptkit import adapters
-from gptkit.chat_templates import CHAT_FILE
+from gptkit.chat_templates import CHAT_FILE, NoChatTemplate
 from gptkit.checkpoints import CHECKPOINT_DIR, LAST_CHECKPOINT, remove_stale, run_dir_of, verify_checkpoint
 from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
@@ -52,6 +52,7 @@ from gptkit.training.start import (
     load_reference,
     resolve_init_from,
     resolve_resume,
+    tokenizer_source,
 )
 
 if TYPE_CHECKING:
@@ -226,7 +227,18 @@ def plan_run(
     lora_base = frozen_base(cfg, model_cfg, init_ckpt, resume_ckpt)
 
     # data first: the tokenizer decides the vocabulary size
-    prepared = _prepare_data(cfg, model_cfg)
+    try:
+        prepared = _prepare_data(cfg, model_cfg)
+    # data.template=auto looked next to the tokenizer init_from= copied here: name the run it came from
+    except NoChatTemplate as exc:
+        source = tokenizer_source(cfg, run_dir, init_ckpt)
+        if source is None or exc.folder is None or exc.folder.resolve() != run_dir.resolve():
+            raise
+        raise NoChatTemplate(
+            f"in init_from={source}, whose tokenizer this run uses",
+            source,
+            f"it has no {CHAT_FILE}: a base run, trained without a chat template",
+        ) from None
     multiple = int(cfg.get("vocab_multiple", 1))
     vocab_size = multiple * math.ceil(prepared.vocab_size / multiple)
     # init_from= with tokens the chat template added: the source's vocabulary, grown
@@ -299,11 +311,12 @@ def _with_vocab(model_cfg, vocab_size: int):
 def _prepare_data(cfg: DictConfig, model_cfg):
     """The run's data, prepared (or read from the cache): data.bos=auto resolved for the model first (off
     for a GPT-2-style model with learned positions; the run's config says so). Shards are checked meanwhile
-    (prepared.wait_checked before training)."""
+    (prepared.wait_checked before training). No row is longer than the model's context: a conversation (or a
+    pair's answer) longer than that is measured, never encoded whole."""
     from gptkit.data import for_model, prepare
 
     cfg.data = OmegaConf.create(for_model(cfg.data, str(model_cfg.position or "learned")))
-    return prepare(cfg.data, cfg.tokenizer)
+    return prepare(cfg.data, cfg.tokenizer, max_seq_len=model_cfg.max_seq_len)
 
 
 def complete_plan(plan: RunPlan) -> RunPlan:

@@ -227,6 +227,15 @@ def resolve_init_from(
     return cfg, ckpt
 
 
+def tokenizer_source(cfg: DictConfig, run_dir: Path, init_ckpt: Optional[Path]) -> Optional[Path]:
+    """The run whose tokenizer.json (and chat.json) resolve_init_from copied into run_dir; None when the
+    run's tokenizer is not such a copy (no init_from=, or the command line chose a tokenizer)."""
+    path = (cfg.get("tokenizer") or {}).get("path")
+    if init_ckpt is None or not path or Path(str(path)) != (run_dir / TOKENIZER_FILE).resolve():
+        return None
+    return run_dir_of(init_ckpt)
+
+
 # init_from=hf:<owner/name[@revision] or transformers folder>
 HF_PREFIX = "hf:"
 
