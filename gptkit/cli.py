@@ -438,8 +438,11 @@ def main(argv: list[str] | None = None) -> int:
             _run_hydra_app(verb, args)
             return 0
         return int(_guarded(mod.run, cfg) or 0)
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        from gptkit.errors import Interrupted
+
+        # one line: the one that says what was kept (errors.Interrupted), else this one
+        print(str(exc) if isinstance(exc, Interrupted) else "interrupted", file=sys.stderr)
         return 130
     except SystemExit:
         raise

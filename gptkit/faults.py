@@ -1,6 +1,10 @@
 """Fault injection for the crash tests: GPTKIT_FAULT=<point>[@<n>] makes this process kill itself with
-SIGKILL (as `kill -9` would) the n-th time (default: the first) it passes the named write point.
-Nothing happens unless the variable is set; tests/reliability/test_faults.py and .ci/faults use it.
+SIGKILL (as `kill -9` would) the n-th time (default: the first) it passes the named point.
+GPTKIT_FAULT=<point>[@<n>]:<SIGNAL> (SIGTERM, SIGINT, ...) sends that signal instead, as a scheduler or a
+terminal's Ctrl-C would: to the whole process group when this process leads its group (a terminal's Ctrl-C
+reaches a prepare's workers too), else to this process alone. SIGKILL goes to this process alone.
+Nothing happens unless the variable is set; tests/reliability/test_faults.py,
+tests/reliability/test_signals.py and .ci/fault-loop use it.
 
 Points (where the writers call fault_point):
   step             RunCheckpoints, after each optimizer step (before that step's checkpoint, if any)
@@ -15,6 +19,7 @@ Points (where the writers call fault_point):
   prepare-shards   prepare() (data=tokens too): token shards and manifest written in the build folder, not yet
                    renamed
   staged           staged_dir (export, import): the folder complete under its temporary name, not yet renamed
+  validation       RunCheckpoints: before each validation batch (the final validation's too)
 """
 
 from __future__ import annotations
@@ -30,9 +35,15 @@ def fault_point(name: str) -> None:
     spec = os.environ.get(ENV)
     if not spec:
         return
-    point, _, nth = spec.partition("@")
+    where, _, sig = spec.partition(":")
+    point, _, nth = where.partition("@")
     if point != name:
         return
     _passes[name] = _passes.get(name, 0) + 1
-    if _passes[name] == int(nth or 1):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if _passes[name] != int(nth or 1):
+        return
+    signum = signal.Signals[sig] if sig else signal.SIGKILL
+    if signum != signal.SIGKILL and os.getpgid(0) == os.getpid():
+        os.killpg(os.getpid(), signum)
+    else:
+        os.kill(os.getpid(), signum)

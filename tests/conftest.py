@@ -428,7 +428,8 @@ def run_group(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProces
 
 
 def one_line(err: str) -> bool:
-    """One error line (notes and the data preparation's lines aside, as .ci/faults counts), no traceback."""
+    """One error line (notes and the data preparation's lines aside, as .ci/fault-loop counts), no
+    traceback."""
     lines = [
         line
         for line in err.strip().splitlines()

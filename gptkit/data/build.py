@@ -71,7 +71,7 @@ from gptkit.data.tokenize import (
     text_encoder,
     tiktoken_tables,
 )
-from gptkit.errors import GptkitError
+from gptkit.errors import GptkitError, Interrupted
 from gptkit.faults import fault_point
 from gptkit.fsio import atomic_write_text, disk_full_error, file_crc32, is_disk_full
 from gptkit.threads import cores
@@ -287,10 +287,12 @@ def prepare_corpus(
         (tmp / PROGRESS).unlink()
         publish_build(tmp, final)
     except KeyboardInterrupt:
-        # a Ctrl-C keeps the complete shards: the same prepare continues from them
+        # a Ctrl-C keeps the complete shards: the same prepare continues from them (the CLI prints this line
+        # instead of its own "interrupted")
         keep = True
-        say(f"interrupted: the complete shards are kept in {tmp}; run the same command again to continue")
-        raise
+        raise Interrupted(
+            f"interrupted: the complete shards are kept in {tmp}; run the same command again to continue"
+        ) from None
     except BaseException as exc:
         # an estimate: at most 4 bytes per token, at most one token per byte of text
         if is_disk_full(exc):

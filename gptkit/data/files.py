@@ -113,12 +113,13 @@ def check_regular(p: Path, what: str) -> None:
         raise GptkitError(f"{what}: {p} is {kind}; give regular files (copy a stream to a file first)")
 
 
-def expand_paths(patterns: Any, what: str) -> list[Path]:
+def expand_paths(patterns: Any, what: str, *, quiet: bool = False) -> list[Path]:
     """Paths and globs -> existing regular files, in the given order (each glob sorted). Each file is taken
     once, by its resolved path, where it first appears: a file that a glob finds again (through a symbolic
     link, or a link loop such as sub/up -> .. that `**` follows again and again), that two globs both match,
     or that is listed twice, is skipped after its first place, and one note on stderr says how many paths
-    were. (Listing a file twice does not weight it twice: data=mix weights sources.)"""
+    were (not with `quiet`: a check before the build that says it). (Listing a file twice does not weight
+    it twice: data=mix weights sources.)"""
     if patterns is None or isinstance(patterns, str):
         patterns = [] if patterns is None else [patterns]
     out: list[Path] = []
@@ -142,7 +143,7 @@ def expand_paths(patterns: Any, what: str) -> list[Path]:
         check_regular(p, what)
         out.append(p.resolve())
     unique = list(dict.fromkeys(out))
-    if len(unique) < len(out):
+    if len(unique) < len(out) and not quiet:
         n = len(out) - len(unique)
         print(
             f"note: {what}: skipped {n:,} {'path' if n == 1 else 'paths'} to files already listed (the "

@@ -31,6 +31,7 @@ import numpy as np
 from gptkit.data.build import training_sample
 from gptkit.data.console import say
 from gptkit.data.face import BuildOptions, Feed, Prepared
+from gptkit.data.files import expand_paths
 from gptkit.data.prepared import PreparedData
 from gptkit.data.settings import BUILD_KEYS, SPECIAL_TEXT_KEY, WINDOW_KEYS, defaults, settings
 from gptkit.data.sources import Corpus
@@ -235,6 +236,17 @@ def prepare_mix(
     max_epochs = s["max_epochs"]
     if isinstance(max_epochs, bool) or not isinstance(max_epochs, numbers.Real) or max_epochs <= 0:
         raise GptkitError(f"data.max_epochs={max_epochs!r} must be a number > 0")
+    # every source's files exist before any source is built: a missing file is one line naming its source
+    # (data.sources.<name>.paths), not a line after the sources before it were prepared
+    for name, (source, _) in sources.items():
+        if "paths" in source and not source["paths"]:
+            raise GptkitError(
+                f"data.sources.{name} (kind {source['kind']}) needs its files: "
+                f"data.sources.{name}.paths=[file,...] (files or globs)"
+            )
+        for key in ("paths", "val_paths"):
+            if source.get(key):
+                expand_paths(source[key], f"data.sources.{name}.{key}", quiet=True)
     shared = _shared_tokenizer(sources, tok, opts, open_source) if tok.built_from_corpus else tok
     parts = []
     for name, (source, _) in sources.items():

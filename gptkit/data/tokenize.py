@@ -32,6 +32,7 @@ import json
 import multiprocessing
 import os
 import re
+import signal
 import threading
 import time
 import unicodedata
@@ -40,6 +41,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from multiprocessing import resource_tracker
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -495,9 +497,14 @@ _worker: dict[EncoderSpec, Callable[[list[str]], list[Any]]] = {}
 
 
 def _init_worker(parent: int) -> None:
-    """A worker's start: the watch on `parent` (the pid of the prepare that started it, given by that
-    process: a parent killed while this worker was starting is already gone here, and os.getppid() would
-    name the process that adopted the worker), then the encoders' imports."""
+    """A worker's start: SIGINT ignored, the watch on `parent` (the pid of the prepare that started it,
+    given by that process: a parent killed while this worker was starting is already gone here, and
+    os.getppid() would name the process that adopted the worker), then the encoders' imports."""
+    # a terminal's Ctrl-C reaches the whole process group: the prepare decides (it shuts the pool down)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):
+        # blocked by start_workers since this process was spawned (a pending one is discarded: ignored)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     if os.getppid() != parent:
         os._exit(1)
     threading.Thread(target=_exit_with_parent, args=(parent,), daemon=True).start()
@@ -551,16 +558,30 @@ def text_bytes(batch: list[tuple[str, bool, bool]]) -> int:
 
 def start_workers(workers: int) -> ProcessPoolExecutor:
     """`workers` spawned processes (one thread each), started now: their imports overlap what the caller
-    does before it gives them work (`Tokenizing(spec, workers, pool=...)`)."""
-    pool = ProcessPoolExecutor(
-        workers,
-        mp_context=multiprocessing.get_context("spawn"),
-        initializer=_init_worker,
-        initargs=(os.getpid(),),
-    )
-    # each submit to a pool without an idle process starts one
-    for _ in range(workers):
-        pool.submit(_ready)
+    does before it gives them work (`Tokenizing(spec, workers, pool=...)`). They never see a Ctrl-C: SIGINT
+    is blocked from their first instruction (a blocked signal stays blocked across exec) and ignored from
+    their initializer on, so that a Ctrl-C while they import prints no traceback of theirs; the prepare
+    stops them (Tokenizing shuts the pool down)."""
+    block = hasattr(signal, "pthread_sigmask")
+    if block:
+        # started first: starting it unblocks SIGINT in this thread (multiprocessing's own guard, bpo-33613)
+        resource_tracker.ensure_running()
+    # this thread's mask is what the spawned processes start with; a Ctrl-C meanwhile reaches this process
+    # at the restore below (or at once through another of its threads)
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT}) if block else None
+    try:
+        pool = ProcessPoolExecutor(
+            workers,
+            mp_context=multiprocessing.get_context("spawn"),
+            initializer=_init_worker,
+            initargs=(os.getpid(),),
+        )
+        # each submit to a pool without an idle process starts one
+        for _ in range(workers):
+            pool.submit(_ready)
+    finally:
+        if before is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
     return pool
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import datetime
 import difflib
 import functools
+import glob
 import json
 import logging
 import os
@@ -86,15 +87,26 @@ def quiet_lm_eval(progress: bool = False) -> None:
 
 
 # ---- finding the tasks --------------------------------------------------------------------------------
-def _absolute(base: Path, value: Any) -> Any:
-    """data_files entries relative to the YAML's folder, where such a file exists."""
+def _absolute(base: Path, value: Any, where: str | None) -> Any:
+    """data_files (or data_dir) entries relative to the YAML's folder `base`, where such a file exists. With
+    `where` (files of a local file builder: dataset_path json, csv, ...) always there, never in the current
+    folder, where a file of the same name would be read instead, and a named path that does not exist is one
+    line, `where` first (a glob or a URL is left to datasets). Without it (a Hub data set's files, relative
+    to its repository) an entry with no such file next to the YAML is left as it is."""
     if isinstance(value, str):
         p = Path(value).expanduser()
-        return str((base / p).resolve()) if not p.is_absolute() and (base / p).exists() else value
+        if "://" in value or p.is_absolute():
+            return value
+        if where is not None and not glob.has_magic(value) and not (base / p).exists():
+            raise GptkitError(
+                f"{where} names {value}, and {base / p} does not exist (relative data files are read from "
+                f"the YAML's folder)"
+            )
+        return str((base / p).resolve()) if (base / p).exists() or where is not None else value
     if isinstance(value, list):
-        return [_absolute(base, v) for v in value]
+        return [_absolute(base, v, where) for v in value]
     if isinstance(value, dict):
-        return {k: _absolute(base, v) for k, v in value.items()}
+        return {k: _absolute(base, v, where) for k, v in value.items()}
     return value
 
 
@@ -114,10 +126,11 @@ def local_task_config(path: Path) -> dict[str, Any] | None:
         return None
     base = path.resolve().parent
     kwargs = dict(cfg.get("dataset_kwargs") or {})
-    if "data_files" in kwargs:
-        kwargs["data_files"] = _absolute(base, kwargs["data_files"])
-    if "data_dir" in kwargs:
-        kwargs["data_dir"] = _absolute(base, kwargs["data_dir"])
+    local_files = cfg.get("dataset_path") in _file_builders()
+    for key in ("data_files", "data_dir"):
+        if key in kwargs:
+            where = f"{path}: dataset_kwargs.{key}" if local_files else None
+            kwargs[key] = _absolute(base, kwargs[key], where)
     if kwargs:
         cfg["dataset_kwargs"] = kwargs
     dp = cfg.get("dataset_path")

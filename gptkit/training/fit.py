@@ -465,10 +465,10 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         raise
 
     last = ckpt_dir / LAST_CHECKPOINT
+    # the last step's validation, unless the loop ran it (or a signal stopped the run: the resume runs it);
+    # Ctrl-C/SIGTERM during it: saved, stopped, 130/143
     if checkpoints.signal_name is None:
-        # Ctrl-C/SIGTERM here: saved, stopped, 130/143
-        if trainer.global_step % int(t.val_every):
-            final_validation(trainer, module, datamodule, checkpoints)
+        final_validation(trainer, module, datamodule, checkpoints)
     # the final checkpoint, once the rows it covers (final validation too) are on disk
     checkpoints.publish(trainer)
     val = trainer.callback_metrics.get("val/loss")
@@ -477,6 +477,9 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
             lg.finalize("success")
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
+    # a run a signal stopped ends with the line that says where it was saved (commands/train.py), not with
+    # the summary of a finished run
+    if trainer.is_global_zero and checkpoints.signal_name is None:
         summary(
             run_dir,
             trainer.global_step,

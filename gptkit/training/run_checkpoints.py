@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback
 from gptkit.checkpoints import LAST_CHECKPOINT, link_checkpoint, remove_checkpoint, replace_checkpoint
 from gptkit.faults import fault_point
 from gptkit.training.metrics import optimizer_stepped
+from gptkit.training.stopping import skipped_validation
 
 PERIODIC = re.compile(r"step-(\d+)\.ckpt")
 BEST_CHECKPOINT = "best.ckpt"
@@ -33,8 +34,13 @@ class RunCheckpoints(Callback):
     second write); at the step that ends this invocation: last.ckpt. That step is the last one
     (max_steps), trainer.stop_at_step, or the step during which SIGINT (Ctrl-C) or SIGTERM (preemption)
     arrived: the step is finished first, then saved, then the run stops (with several ranks, at the next
-    multiple of sync_every steps, so that all ranks stop together). A second Ctrl-C interrupts at once
-    (`interrupted` is then True). keep: periodic checkpoints kept (None: all).
+    multiple of sync_every steps, so that all ranks stop together). A validation that has not started is
+    skipped: the one due at that step (every val_every steps, and at the end) and the one Lightning runs
+    when a run stops early. The checkpoint records a skipped validation (`unvalidated`) and the resume runs
+    it before its first step, so that the resumed run ends equal to an uninterrupted one. A signal during a
+    validation lets it finish (its rows are the checkpoint's); the next step is then the one saved. A
+    second Ctrl-C interrupts at once (`interrupted` is then True). keep: periodic checkpoints kept (None:
+    all).
 
     The saves happen inside the training loop (as Lightning's own ModelCheckpoint does), so a resumed
     run continues Lightning's step counters exactly.
@@ -62,6 +68,7 @@ class RunCheckpoints(Callback):
         keep: int | None = 3,
         metrics: Any = None,
         keep_best: bool = False,
+        val_every: int | None = None,
     ) -> None:
         self.dir = Path(ckpt_dir)
         self.every = max(1, every)
@@ -72,6 +79,10 @@ class RunCheckpoints(Callback):
         # MetricsCSV (or None): synced before a checkpoint is published
         self.metrics = metrics
         self.keep_best = keep_best
+        # trainer.val_every (None: no validation is due between the run's ends)
+        self.val_every = val_every
+        # the step whose validation a signal skipped (it travels in the checkpoint; the resume runs it)
+        self.unvalidated: int | None = None
         # the lowest val/loss so far (trainer.keep_best)
         self.best_val: float | None = None
         self.signal_name: str | None = None
@@ -95,12 +106,16 @@ class RunCheckpoints(Callback):
         self.signal_name = signal.Signals(signum).name
 
     def on_train_start(self, trainer, pl_module) -> None:
-        """Install the SIGINT/SIGTERM handlers (main thread only)."""
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for s in (signal.SIGINT, signal.SIGTERM):
-            self._previous[s] = signal.getsignal(s)
-            signal.signal(s, self._handler)
+        """Install the SIGINT/SIGTERM handlers (main thread only); a resumed run whose checkpoint a signal
+        saved before its validation runs that validation first."""
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._previous[s] = signal.getsignal(s)
+                signal.signal(s, self._handler)
+        # (at trainer.max_steps fit has nothing to train: fit.final_validation runs it)
+        if self.unvalidated is not None and self.unvalidated == trainer.global_step:
+            self.unvalidated = None
+            skipped_validation(trainer)
 
     def _restore(self) -> None:
         for s, h in self._previous.items():
@@ -138,11 +153,22 @@ class RunCheckpoints(Callback):
             self.publish(trainer)
             target = self.dir / f"step-{step:06d}.ckpt" if step % self.every == 0 else self.last
             written = target.with_name(f".{target.name}.pending")
+            # a signal skips the validation due now: the checkpoint says so (state_dict)
+            due = bool(self.val_every) and step % int(self.val_every) == 0
+            self.unvalidated = step if stop and (due or step >= trainer.max_steps) else None
             trainer.save_checkpoint(written, weights_only=False)
             self._pending = (written, target)
             fault_point("ckpt-pending")
+        if stop:
+            # Lightning validates at a step where should_stop is set (for early stopping): not after a
+            # signal, which asks for a prompt stop
+            trainer.limit_val_batches = 0
         if stop or early:
             trainer.should_stop = True
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        """A fault-injection point (gptkit/faults.py): a kill or a signal during a validation."""
+        fault_point("validation")
 
     def on_validation_end(self, trainer, pl_module) -> None:
         """trainer.keep_best: a new lowest val/loss saves checkpoints/best.ckpt (every rank saves; rank 0
@@ -165,12 +191,14 @@ class RunCheckpoints(Callback):
             replace_checkpoint(written, best)
 
     def state_dict(self) -> dict[str, Any]:
-        """The lowest val/loss so far, so that a resumed run keeps best.ckpt only for a better one."""
-        return {"best_val": self.best_val}
+        """The lowest val/loss so far, so that a resumed run keeps best.ckpt only for a better one; the step
+        whose validation a signal skipped, which the resume runs."""
+        return {"best_val": self.best_val, "unvalidated": self.unvalidated}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the lowest val/loss of the run being resumed."""
+        """Restore the lowest val/loss and the skipped validation of the run being resumed."""
         self.best_val = state_dict.get("best_val")
+        self.unvalidated = state_dict.get("unvalidated")
 
     def publish(self, trainer: L.Trainer) -> Path | None:
         """Publish the checkpoint written last, once the metrics it covers are on disk (rank 0 renames;

@@ -1,6 +1,7 @@
 """Ctrl-C (SIGINT) and SIGTERM during the final validation, which runs after Lightning's fit: handled as
 during training. The checkpoint of the finished last step is kept (published as last.ckpt), the validation
-stops, and the run ends with the signal's exit status (130 / 143); a resume then runs the final validation."""
+stops, and the run ends with the signal's exit status (130 / 143); a resume then runs the final validation.
+And the validation a signal skipped during training (RunCheckpoints), which a resume runs first."""
 
 from __future__ import annotations
 
@@ -38,3 +39,17 @@ def final_validation(trainer: Any, module: Any, datamodule: Any, checkpoints: An
         for s, h in previous.items():
             signal.signal(s, h)
         checkpoints._pending = pending
+
+
+def skipped_validation(trainer: Any) -> None:
+    """Inside fit, before the first step of a resumed run: the validation at the checkpoint's step that a
+    signal skipped (RunCheckpoints.unvalidated), run as Lightning runs one between two steps, and logged at
+    that step. Lightning's own resume takes a checkpoint saved at the end of a step as validated."""
+    loop = trainer.fit_loop.epoch_loop.val_loop
+    # a fresh validation, not the continuation of the restored one
+    loop.restarting = False
+    trainer.validating = True
+    try:
+        loop.run()
+    finally:
+        trainer.training = True

@@ -247,6 +247,7 @@ def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoin
         keep=t.get("keep_checkpoints", 3),
         metrics=csv,
         keep_best=bool(t.get("keep_best", False)),
+        val_every=int(t.val_every),
     )
     reporter = ProgressReporter(t.progress)
     metrics = StepMetrics(

@@ -111,6 +111,33 @@ def test_bad_mixtures_are_one_line(tmp_path, texts, sources, needle):
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
 
+@pytest.mark.parametrize(
+    "b, needle",
+    [
+        ({"paths": ["missing.txt"]}, r"data.sources.b.paths: .*missing.txt does not exist"),
+        (
+            {"paths": ["a.txt"], "val_paths": ["missing.txt"]},
+            r"data.sources.b.val_paths: .*missing.txt does not",
+        ),
+        ({}, r"data.sources.b \(kind files\) needs its files: data.sources.b.paths=\[file,...\]"),
+    ],
+)
+def test_a_source_without_its_files_is_one_line_before_any_source_is_prepared(
+    tmp_path, texts, b, needle, capsys
+):
+    """.ci/fault-loop's bad input: the line names the source's own key, and the sources before it are not
+    prepared first (nothing is written; no "data source 'a':" line before the error)."""
+    data = mix(texts, {"a": 1})
+    data["sources"]["b"] = {
+        "kind": "files",
+        "weight": 1,
+        **{k: [str(tmp_path / f) for f in v] for k, v in b.items()},
+    }
+    with pytest.raises(GptkitError, match=needle):
+        prepare(data, {"kind": "byte"}, cache_dir=tmp_path / "c", progress=False)
+    assert not (tmp_path / "c").exists() and capsys.readouterr().err == ""
+
+
 def test_shares_of_huge_or_tiny_weights_neither_overflow_nor_vanish(tmp_path, texts):
     from gptkit.data.kinds import MIXABLE
     from gptkit.data.mixture import mix_sources

@@ -212,6 +212,28 @@ def test_bad_input_is_one_line(run_and_export, capsys, tmp_path, monkeypatch):
     assert code == 0 and json.loads(out)["windows"] == 2
 
 
+def test_a_task_folders_missing_data_file_is_one_line_not_a_file_of_the_current_folder(
+    run_and_export, capsys, tmp_path, monkeypatch
+):
+    """Relative data files are read from the YAML's folder only: when the file is not there, a file of the
+    same name in the current folder is not read instead, and the line names the path looked at."""
+    d, _, _, _ = run_and_export
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "t.yaml").write_text((EVALS / "tiny_mc.yaml").read_text())
+    (folder / "tiny_mc_train.jsonl").write_text((EVALS / "tiny_mc_train.jsonl").read_text())
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "tiny_mc.jsonl").write_text((EVALS / "tiny_mc.jsonl").read_text())
+    monkeypatch.chdir(here)
+    code, _, err = run_main(capsys, "eval", f"run={d}", "progress=false", f"tasks={folder}")
+    assert code == 2 and err.count("\n") == 1, (code, err)
+    assert err == (
+        f"error: {folder / 't.yaml'}: dataset_kwargs.data_files names tiny_mc.jsonl, and "
+        f"{folder / 'tiny_mc.jsonl'} does not exist (relative data files are read from the YAML's folder)\n"
+    )
+
+
 def _unknown(T, name: str) -> str:
     """The message for an unknown task name, over a registry of the tiny tasks (lm-eval's own takes ~20 s to
     index; the same code path)."""

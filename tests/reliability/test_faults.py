@@ -1,5 +1,5 @@
 """Fault injection: kill -9 at each write point, concurrent writers, corrupted files, a full disk, bad
-run folders, start-up failures. The fast deterministic cases; `.ci/faults` runs the longer random loop.
+run folders, start-up failures. The fast deterministic cases; `.ci/fault-loop` runs the longer random loop.
 
 A kill is injected with GPTKIT_FAULT=<point>@<n> (gptkit/faults.py): the process SIGKILLs itself the
 n-th time it passes that write point, exactly as `kill -9` at that moment would.

@@ -1,6 +1,7 @@
 """Issue 25's second reliability pass: what a checkpoint, index or run folder names stays inside it, a broken
 sharded checkpoint is one line, a run's saved config is validated data, and the CLI's refusals are one line.
-(The cases that need a kill or a full training run are in tests/reliability/test_faults.py and .ci/faults.)"""
+(The cases that need a kill or a full training run are in tests/reliability/test_faults.py and
+.ci/fault-loop.)"""
 
 import json
 import os
