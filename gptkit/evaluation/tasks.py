@@ -389,19 +389,39 @@ def _is_offline_error(exc: BaseException) -> bool:
     return False
 
 
+class _Held(logging.Handler):
+    """Keeps the records it is given (datasets' logs while a task loads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def load_tasks(specs: TaskSpecs, manager) -> dict:
-    """lm-eval's task dict for every spec; a hub data set that cannot be fetched is one line."""
+    """lm-eval's task dict for every spec; a hub data set that cannot be fetched is one line, and so is data
+    that datasets cannot read: its log line that names the file and the fault (it raises only "An error
+    occurred while generating the dataset") is held back while a task loads and said in that line (on
+    success what was held is logged as it would have been)."""
     from lm_eval.tasks import get_task_dict
 
     out: dict = {}
+    log = logging.getLogger("datasets")
     for spec in [*specs.names, *specs.local]:
         name = spec if isinstance(spec, str) else spec["task"]
+        held, handlers, propagate = _Held(), log.handlers, log.propagate
+        log.handlers, log.propagate = [held], False
         try:
             out.update(get_task_dict([spec], manager))
         except GptkitError:
             raise
         except Exception as exc:  # noqa: BLE001 - lm-eval and datasets raise many kinds: each is one line
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            said = [r.getMessage() for r in held.records if r.levelno >= logging.ERROR and r.getMessage()]
+            if said:
+                first += f" ({said[-1].splitlines()[0][:300]})"
             if _is_offline_error(exc):
                 where = specs.sources.get(name, REGISTRY)
                 offline = os.environ.get("HF_DATASETS_OFFLINE", "")
@@ -412,6 +432,10 @@ def load_tasks(specs: TaskSpecs, manager) -> dict:
                     f"{OFFLINE_HINT}"
                 ) from None
             raise GptkitError(f"task {name} could not be loaded: {type(exc).__name__}: {first}") from None
+        finally:
+            log.handlers, log.propagate = handlers, propagate
+        for record in held.records:
+            log.handle(record)
     return out
 
 
