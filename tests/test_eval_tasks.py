@@ -410,6 +410,12 @@ def test_trainer_eval_tasks_say_the_python_of_a_task_folder(tmp_path, capsys):
     assert lines[1:] == ["utils.py is running"]
     check_task_evals({"eval_tasks": [str(EVALS)]})
     assert "trust" not in capsys.readouterr().err
+    # a bad entry is named by the option it came from
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        GptkitError, match=f"^trainer.eval_tasks={tmp_path / 'empty'}: the folder holds no task"
+    ):
+        check_task_evals({"eval_tasks": [str(tmp_path / "empty")]})
 
 
 def test_a_task_the_tokenizer_cannot_serve_is_skipped_and_said(tmp_path, capsys):

@@ -154,8 +154,9 @@ def _task_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.rglob("*.y*ml") if f.suffix in (".yaml", ".yml"))
 
 
-def find_tasks(entries: list[str]) -> TaskSpecs:
-    """Split tasks= entries into registry names and local task configs (folders: every YAML in them).
+def find_tasks(entries: list[str], option: str = "tasks") -> TaskSpecs:
+    """Split tasks= entries into registry names and local task configs (folders: every YAML in them); an
+    error names the `option` the entries came from (tasks, or trainer.eval_tasks).
 
     Loading a local YAML imports the Python its `!function` tags name: say code_notices() first."""
     specs = TaskSpecs()
@@ -167,17 +168,17 @@ def find_tasks(entries: list[str]) -> TaskSpecs:
             found = [(f, c) for f, c in found if c is not None]
             if not found:
                 raise ConfigError(
-                    f"tasks={entry}: the folder holds no task YAML (a .yaml file with a `task:` name)"
+                    f"{option}={entry}: the folder holds no task YAML (a .yaml file with a `task:` name)"
                 )
         elif p.suffix in (".yaml", ".yml"):
             if not p.is_file():
-                raise ConfigError(f"tasks={entry}: no such file")
+                raise ConfigError(f"{option}={entry}: no such file")
             cfg = local_task_config(p)
             if cfg is None:
-                raise ConfigError(f"tasks={entry} defines no task (no `task:` name in it)")
+                raise ConfigError(f"{option}={entry} defines no task (no `task:` name in it)")
             found = [(p, cfg)]
         elif "/" in entry or entry.startswith("."):
-            raise ConfigError(f"tasks={entry}: no such folder or task YAML")
+            raise ConfigError(f"{option}={entry}: no such folder or task YAML")
         else:
             specs.names.append(entry)
             continue
