@@ -154,8 +154,9 @@ def _task_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.rglob("*.y*ml") if f.suffix in (".yaml", ".yml"))
 
 
-def find_tasks(entries: list[str]) -> TaskSpecs:
-    """Split tasks= entries into registry names and local task configs (folders: every YAML in them).
+def find_tasks(entries: list[str], option: str = "tasks") -> TaskSpecs:
+    """Split tasks= entries into registry names and local task configs (folders: every YAML in them); an
+    error names the `option` the entries came from (tasks, or trainer.eval_tasks).
 
     Loading a local YAML imports the Python its `!function` tags name: say code_notices() first."""
     specs = TaskSpecs()
@@ -167,17 +168,17 @@ def find_tasks(entries: list[str]) -> TaskSpecs:
             found = [(f, c) for f, c in found if c is not None]
             if not found:
                 raise ConfigError(
-                    f"tasks={entry}: the folder holds no task YAML (a .yaml file with a `task:` name)"
+                    f"{option}={entry}: the folder holds no task YAML (a .yaml file with a `task:` name)"
                 )
         elif p.suffix in (".yaml", ".yml"):
             if not p.is_file():
-                raise ConfigError(f"tasks={entry}: no such file")
+                raise ConfigError(f"{option}={entry}: no such file")
             cfg = local_task_config(p)
             if cfg is None:
-                raise ConfigError(f"tasks={entry} defines no task (no `task:` name in it)")
+                raise ConfigError(f"{option}={entry} defines no task (no `task:` name in it)")
             found = [(p, cfg)]
         elif "/" in entry or entry.startswith("."):
-            raise ConfigError(f"tasks={entry}: no such folder or task YAML")
+            raise ConfigError(f"{option}={entry}: no such folder or task YAML")
         else:
             specs.names.append(entry)
             continue
@@ -389,19 +390,39 @@ def _is_offline_error(exc: BaseException) -> bool:
     return False
 
 
+class _Held(logging.Handler):
+    """Keeps the records it is given (datasets' logs while a task loads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def load_tasks(specs: TaskSpecs, manager) -> dict:
-    """lm-eval's task dict for every spec; a hub data set that cannot be fetched is one line."""
+    """lm-eval's task dict for every spec; a hub data set that cannot be fetched is one line, and so is data
+    that datasets cannot read: its log line that names the file and the fault (it raises only "An error
+    occurred while generating the dataset") is held back while a task loads and said in that line (on
+    success what was held is logged as it would have been)."""
     from lm_eval.tasks import get_task_dict
 
     out: dict = {}
+    log = logging.getLogger("datasets")
     for spec in [*specs.names, *specs.local]:
         name = spec if isinstance(spec, str) else spec["task"]
+        held, handlers, propagate = _Held(), log.handlers, log.propagate
+        log.handlers, log.propagate = [held], False
         try:
             out.update(get_task_dict([spec], manager))
         except GptkitError:
             raise
         except Exception as exc:  # noqa: BLE001 - lm-eval and datasets raise many kinds: each is one line
             first = str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__
+            said = [r.getMessage() for r in held.records if r.levelno >= logging.ERROR and r.getMessage()]
+            if said:
+                first += f" ({said[-1].splitlines()[0][:300]})"
             if _is_offline_error(exc):
                 where = specs.sources.get(name, REGISTRY)
                 offline = os.environ.get("HF_DATASETS_OFFLINE", "")
@@ -412,6 +433,10 @@ def load_tasks(specs: TaskSpecs, manager) -> dict:
                     f"{OFFLINE_HINT}"
                 ) from None
             raise GptkitError(f"task {name} could not be loaded: {type(exc).__name__}: {first}") from None
+        finally:
+            log.handlers, log.propagate = handlers, propagate
+        for record in held.records:
+            log.handle(record)
     return out
 
 

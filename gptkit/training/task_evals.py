@@ -35,7 +35,7 @@ def check_task_evals(t: Any) -> None:
         for line in T.code_notices(entries, "trainer.eval_tasks"):
             print(line, file=sys.stderr)
     # local YAMLs exist; a Hub that cannot serve the data sets is one line before any data is prepared
-    T.check_hub(T.find_tasks(entries))
+    T.check_hub(T.find_tasks(entries, "trainer.eval_tasks"))
     for key in ("eval_every", "eval_limit"):
         value = t.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
@@ -92,7 +92,7 @@ class TaskEvals(Callback):
         if stage != "fit" or self.subsets:
             return
         T.quiet_lm_eval()
-        specs = T.find_tasks(T.parse_tasks(self.tasks))
+        specs = T.find_tasks(T.parse_tasks(self.tasks), "trainer.eval_tasks")
         T.check_hub(specs)
         manager = T.task_manager(specs)
         T.check_names(specs.names, manager)

@@ -234,6 +234,22 @@ def test_a_task_folders_missing_data_file_is_one_line_not_a_file_of_the_current_
     )
 
 
+def test_a_task_folders_data_that_is_not_json_is_one_line_naming_the_file(run_and_export, tmp_path):
+    """datasets logs the file and the fault on a line of its own and raises only "An error occurred while
+    generating the dataset": the one line says both (a new process: datasets' handler writes to the real
+    stderr)."""
+    d, _, _, _ = run_and_export
+    folder = tmp_path / "tasks"
+    folder.mkdir()
+    (folder / "t.yaml").write_text((EVALS / "tiny_mc.yaml").read_text())
+    (folder / "tiny_mc_train.jsonl").write_text((EVALS / "tiny_mc_train.jsonl").read_text())
+    (folder / "tiny_mc.jsonl").write_text("not json\n")
+    r = run_cli("eval", f"run={d}", "progress=false", f"tasks={folder}")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: task tiny_mc could not be loaded: DatasetGenerationError: ")
+    assert f"{folder / 'tiny_mc.jsonl'}' with error " in r.stderr and "JSON parse error" in r.stderr
+
+
 def _unknown(T, name: str) -> str:
     """The message for an unknown task name, over a registry of the tiny tasks (lm-eval's own takes ~20 s to
     index; the same code path)."""
@@ -393,6 +409,12 @@ def test_trainer_eval_tasks_say_the_python_of_a_task_folder(tmp_path, capsys):
     assert lines[1:] == ["utils.py is running"]
     check_task_evals({"eval_tasks": [str(EVALS)]})
     assert "trust" not in capsys.readouterr().err
+    # a bad entry is named by the option it came from
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        GptkitError, match=f"^trainer.eval_tasks={tmp_path / 'empty'}: the folder holds no task"
+    ):
+        check_task_evals({"eval_tasks": [str(tmp_path / "empty")]})
 
 
 def test_a_task_the_tokenizer_cannot_serve_is_skipped_and_said(tmp_path, capsys):
