@@ -27,7 +27,7 @@ optimizer state and checkpoints hold), and `active`, the parameters one token go
 routed experts, the shared experts, the router and everything outside the feed-forwards). FLOPs, MFU and
 6N count the active matmul weights: an MoE layer's are its router (d_model x n_experts), top_k routed and
 n_shared shared SwiGLU experts, 3 x d_model x d_expert each. Mixtral-8x7B: 46,702,792,704 total,
-12,879,925,248 active (tests/test_accounting.py checks both against transformers' own model).
+12,879,925,248 active (tests/test_moe.py checks both against transformers' own model).
 """
 
 from __future__ import annotations
