@@ -144,6 +144,26 @@ def test_balance_loss_is_one_when_balanced_and_e_over_k_when_collapsed():
     assert aux.stats.entropy.item() == pytest.approx(torch.log(torch.tensor(2.0)).item(), rel=1e-3)
 
 
+def test_z_loss_is_the_squared_logsumexp_of_the_router_logits():
+    moe = GPT(tiny(n_experts=4, top_k=2, z_loss_coef=0.5, aux_loss_coef=0.0)).blocks[0].mlp.train()
+    x = torch.randn(2, 3, 32)
+    with torch.no_grad():
+        # zero logits: logsumexp = ln 4 for every token
+        moe.router.weight.zero_()
+        _, aux = moe(x)
+        assert aux.stats.z.item() == pytest.approx(torch.log(torch.tensor(4.0)).item() ** 2, rel=1e-6)
+        assert aux.loss.item() == pytest.approx(0.5 * aux.stats.z.item(), rel=1e-6)
+        # one token's logits (a, 0, 0, 0): logsumexp = log(e^a + 3); the mean over the tokens
+        moe.router.weight[0] = 0.0
+        h = torch.zeros(1, 2, 32)
+        h[0, 0, 0] = 1.0
+        moe.router.weight[0, 0] = 2.0
+        _, aux = moe(h)
+    lse = torch.log(torch.exp(torch.tensor(2.0)) + 3)
+    want = (lse**2 + torch.log(torch.tensor(4.0)) ** 2) / 2
+    assert aux.stats.z.item() == pytest.approx(want.item(), rel=1e-6)
+
+
 def test_the_per_sequence_balance_loss_does_not_depend_on_how_the_batch_is_split():
     """What lets DDP and FSDP2 (each rank a part of the step's sequences) train as one process does."""
     model = perturbed(GPT(tiny(z_loss_coef=0.01))).train()
