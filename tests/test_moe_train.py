@@ -8,6 +8,7 @@ import csv
 import pytest
 import torch
 from conftest import shakespeare
+from test_distributed import run_group
 
 import gptkit
 from gptkit import accounting as acc
@@ -161,3 +162,37 @@ def test_flops_count_the_active_parameters_and_memory_every_one(corpus, tmp_path
     assert plan.flops_per_token == f.train_dense
     assert f.n_matmul == c.active - c.tok_emb - c.norms - c.final_norm
     assert acc.training_memory(plan.model, "32-true")["optimizer"] == c.total * 8
+
+
+def close_rows(got, want, keys, tol=1e-5):
+    """The same logged steps, each figure within tol (fp32: 2 ranks reduce in another order than 1)."""
+    train = sorted(s for s, r in want.items() if r.get("train/loss"))
+    assert train == sorted(s for s, r in got.items() if r.get("train/loss")) == list(range(1, STEPS + 1))
+    for s, r in want.items():
+        for k in keys:
+            if r.get(k):
+                assert abs(float(got[s][k]) - float(r[k])) < tol, (s, k, got[s][k], r[k])
+
+
+def test_ddp_and_fsdp2_on_2_processes_follow_one_process_bias_included(corpus, straight):
+    """Each rank half the step's sequences: the per-sequence balance loss, the token-weighted aux gradient and
+    the all-reduced loads make 2 ranks train as 1 process; an FSDP2 run's sharded checkpoints hold the bias
+    and continue in 1 process."""
+    runs = straight.parent
+    keys = ["train/loss", "train/grad_norm", "val/loss", *ROUTER_KEYS]
+    two = ["trainer.devices=2", "trainer.batch_size=2"]
+    r = run_group("-m", "gptkit", "train", *moe_args(corpus, runs, "ddp", "trainer=ddp", *two))
+    assert r.returncode == 0, r.stderr[-3000:]
+    close_rows(rows(runs / "ddp"), rows(straight), keys)
+    # the loads are counts: the same expert biases exactly
+    assert all(torch.equal(biases(runs / "ddp")[k], v) for k, v in biases(straight).items())
+    fsdp = ["trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=3", *two]
+    r = run_group("-m", "gptkit", "train", *moe_args(corpus, runs, "fsdp", *fsdp))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (runs / "fsdp/checkpoints/step-000003.ckpt/.metadata").is_file()
+    # (a process of its own: FSDP2 over a world of 1 starts a process group)
+    r = run_group(
+        "-m", "gptkit", "train", f"resume={runs / 'fsdp'}", "trainer.devices=1", "trainer.batch_size=4"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    close_rows(rows(runs / "fsdp"), rows(straight), keys)
