@@ -560,6 +560,11 @@ def peft_adapters(
     of all its targeted parts at once: A side by side [n*r, in], B block-diagonal [3*d_model, n*r] (zeros
     for a part not targeted), with rank n*r and alpha n*alpha in rank_pattern/alpha_pattern so that its
     scale stays alpha / r. The same update, so the same logits."""
+    if any(adapters.is_expert_target(cfg, i, t) for i in range(cfg.n_layers) for t in lora["targets"]):
+        raise GptkitError(
+            f"lora.targets={list(lora['targets'])} adapt a mixture's experts, which have no PEFT adapter "
+            "layout here: export the model with its adapters merged (adapters=false)"
+        )
     hf_of = {ours: theirs for ours, theirs, _ in name_map(cfg)}
     rank, alpha = int(lora["rank"]), lora["alpha"]
     tensors: dict[str, Any] = {}

@@ -7,7 +7,7 @@ import csv
 
 import pytest
 import torch
-from conftest import shakespeare
+from conftest import run_main, shakespeare
 from test_distributed import run_group
 
 import gptkit
@@ -196,3 +196,31 @@ def test_ddp_and_fsdp2_on_2_processes_follow_one_process_bias_included(corpus, s
     )
     assert r.returncode == 0, r.stderr[-3000:]
     close_rows(rows(runs / "fsdp"), rows(straight), keys)
+
+
+def test_lora_on_attention_and_experts_trains_the_adapters_only_and_samples_merged(corpus, straight, capsys):
+    runs = straight.parent
+    gptkit.train(
+        moe_args(
+            corpus,
+            runs,
+            "lora",
+            f"init_from={straight}",
+            "finetune=lora",
+            "lora.targets=[q,v,gate,up,down]",
+            "lora.rank=4",
+            "trainer.max_steps=3",
+        )
+    )
+    state = torch.load(runs / "lora/checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    # the adapters alone (the expert bias is no adapter: it stays the base's, not moved by a LoRA run)
+    assert sorted(k for k in state if "experts" in k) == [
+        f"model.blocks.{i}.mlp.experts.lora_{t}_{ab}"
+        for i in (0, 1)
+        for t in ("down", "gate", "up")
+        for ab in "AB"
+    ]
+    assert tuple(state["model.blocks.0.mlp.experts.lora_up_B"].shape) == (4, 24, 4)
+    assert state["model.blocks.1.mlp.experts.lora_down_B"].abs().sum() > 0
+    code, out, err = run_main(capsys, "sample", f"run={runs / 'lora'}", "prompt=the", "max_new_tokens=4")
+    assert code == 0, err

@@ -161,7 +161,7 @@ class LitGPT(L.LightningModule):
         # every loss token of an optimizer step weighs the same, across micro-batches and ranks
         self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
         # model.moe: the feed-forwards' auxiliary loss, the router figures, the expert bias (training/moe.py)
-        self.router_watch = RouterWatch(self.model, plan.world_size)
+        self.router_watch = RouterWatch(self.model, plan.world_size, move_bias=plan.lora is None)
 
     def _reference(self, plan: RunPlan) -> Reference:
         """The frozen starting weights the objective measures against. finetune=lora: the policy itself with

@@ -16,7 +16,8 @@ writes no state in a forward. RouterWatch is what a run does with them, whatever
                 the step's tokens per expert, summed over its micro-batches and all-reduced over the ranks
                 (one collective on the device), move every layer's expert_bias (MoE.update_bias;
                 moe.bias_update_rate > 0), the same on every rank; the bias is a buffer of the state dict,
-                so a checkpoint holds it and a resume continues it exactly
+                so a checkpoint holds it and a resume continues it exactly (finetune=lora freezes it with
+                the rest of the base: a LoRA checkpoint holds the adapters only)
     log         at log steps (StepMetrics; one reduction over the ranks, a host sync as the loss has):
                 train/aux_loss, the mean over the window's training forwards of what was added; moe/balance,
                 the mean balance figure of the layers (1 balanced, E / k collapsed: aux_loss_coef 0 included);
@@ -40,14 +41,15 @@ class RouterWatch:
     """The auxiliary terms and router figures of a run's training forwards (see the module docstring). A
     dense model gets one too: `active` is False and every method does nothing."""
 
-    def __init__(self, model: GPT, world_size: int) -> None:
+    def __init__(self, model: GPT, world_size: int, move_bias: bool = True) -> None:
+        """move_bias False (finetune=lora: the base is frozen, its bias with it): the bias stays."""
         cfg = model.cfg
         self.layers: list[int] = list(cfg.moe_layers) if cfg.moe is not None else []
         self.active = bool(self.layers)
         self.world_size = int(world_size)
         # the MoE feed-forwards, in layer order; whether any has an expert bias to move
         self.moes = [model.blocks[i].mlp for i in self.layers]
-        self.biased = any(m.expert_bias is not None for m in self.moes)
+        self.biased = move_bias and any(m.expert_bias is not None for m in self.moes)
         # ModelAux of the training forwards since the last take()
         self._pending: list[Any] = []
         # [L, E]: this rank's tokens per expert of the current optimizer step (the bias update)
