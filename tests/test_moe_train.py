@@ -224,3 +224,23 @@ def test_lora_on_attention_and_experts_trains_the_adapters_only_and_samples_merg
     assert state["model.blocks.1.mlp.experts.lora_down_B"].abs().sum() > 0
     code, out, err = run_main(capsys, "sample", f"run={runs / 'lora'}", "prompt=the", "max_new_tokens=4")
     assert code == 0, err
+
+
+def test_muon_trains_each_expert_as_a_matrix_and_fsdp2_follows_one_process(corpus, straight, capsys):
+    """optim=muon: the expert stacks are Muon's (tests/test_muon.py: each expert as torch's Muon moves a
+    matrix); under FSDP2 each rank orthogonalizes its own experts, and 2 ranks follow 1 process."""
+    runs = straight.parent
+    muon = ["optim=muon", "trainer.max_steps=4", "trainer.val_every=2", "trainer.checkpoint_every=2"]
+    code, _, err = run_main(capsys, "train", *moe_args(corpus, runs, "muon", *muon))
+    assert code == 0, err
+    # per layer qkv, o, the router and 3 x 4 experts
+    assert "in 30 block matrices" in err
+    two = ["trainer=fsdp", "trainer.devices=2", "trainer.batch_size=2", "trainer.precision=32-true"]
+    r = run_group("-m", "gptkit", "train", *moe_args(corpus, runs, "muon-fsdp", *muon, *two))
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = rows(runs / "muon"), rows(runs / "muon-fsdp")
+    assert sorted(s for s, r in got.items() if r.get("train/loss")) == [1, 2, 3, 4]
+    for s, r in want.items():
+        for k in ("train/loss", "val/loss", *ROUTER_KEYS):
+            if r.get(k):
+                assert abs(float(got[s][k]) - float(r[k])) < 1e-5, (s, k, got[s][k], r[k])
