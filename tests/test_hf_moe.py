@@ -263,3 +263,22 @@ def parity_table() -> list[str]:
 
 if __name__ == "__main__":
     print("\n".join(parity_table()))
+
+
+def test_train_init_from_hf_fine_tunes_a_mixture_with_its_router_figures(tmp_path, monkeypatch):
+    import csv
+    import sys
+
+    from conftest import shakespeare
+
+    # the Hydra app sets sys.argv
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+    hf_model("olmoe").save_pretrained(tmp_path / "hf")
+    (tmp_path / "c.txt").write_text(shakespeare(20_000).lower())
+    args = ["train", f"init_from=hf:{tmp_path / 'hf'}", "tokenizer=char", "data=files"]
+    args += [f"data.paths=[{tmp_path / 'c.txt'}]", "trainer.batch_size=2", "trainer.max_steps=2"]
+    args += ["trainer.val_windows=2", "trainer.log_every=1", "trainer.progress=false"]
+    assert cli(*args, f"runs_dir={tmp_path / 'runs'}", "name=ft") == 0
+    with open(tmp_path / "runs/ft/metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert len(rows) == 2 and all(r["train/aux_loss"] and r["moe/entropy/1"] for r in rows)
