@@ -54,7 +54,7 @@ class MoEStats(NamedTuple):
 def grouped_mm_available(x: torch.Tensor) -> bool:
     """Whether torch._grouped_mm runs here: this torch has it, and the tensor is on the CPU, or on a CUDA GPU
     of compute capability 9.0 or later in bf16 (torch's kernel; not measured on a GPU here)."""
-    if not hasattr(torch, "_grouped_mm"):
+    if not hasattr(torch, "_grouped_mm") or _traced_without_bf16(x):
         return False
     if x.device.type == "cpu":
         return True
@@ -65,18 +65,26 @@ def grouped_mm_available(x: torch.Tensor) -> bool:
     )
 
 
+def _traced_without_bf16(x: torch.Tensor) -> bool:
+    """torch.compile traces torch._grouped_mm through its meta kernel, which takes bf16 only (CUDA's rule),
+    though the CPU's eager kernel runs fp32: a compiled fp32 model takes the loop."""
+    return torch.compiler.is_compiling() and x.dtype != torch.bfloat16
+
+
 def grouped_linear(
     x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor, impl: str
 ) -> torch.Tensor:
     """x [M, in] (rows sorted by expert; expert e's rows end at offsets[e]) times each expert's weight
-    [E, out, in] transposed -> [M, out]. impl grouped_mm: one torch._grouped_mm; loop: one matmul per expert
-    (reads `counts` on the host); auto: grouped_mm where grouped_mm_available, else loop. Under autocast both
+    [E, out, in] transposed -> [M, out]. impl grouped_mm: one torch._grouped_mm (the loop when torch.compile
+    traces it in another dtype than bf16); loop: one matmul per expert (reads `counts` on the host); auto:
+    grouped_mm where grouped_mm_available, else loop. Under autocast both
     run in the autocast dtype, as nn.Linear does."""
     kind = x.device.type
     if torch.is_autocast_enabled(kind):
         dtype = torch.get_autocast_dtype(kind)
         x, weight = x.to(dtype), weight.to(dtype)
-    if impl == "grouped_mm" or (impl == "auto" and grouped_mm_available(x)):
+    grouped = impl == "grouped_mm" and not _traced_without_bf16(x)
+    if grouped or (impl == "auto" and grouped_mm_available(x)):
         return torch._grouped_mm(x, weight.transpose(-2, -1), offs=offsets)
     parts = [F.linear(rows, weight[e]) for e, rows in enumerate(x.split(counts.tolist()))]  # [n_e, out] each
     return torch.cat(parts)  # [M, out]
