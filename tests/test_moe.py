@@ -346,3 +346,20 @@ def test_a_compiled_mixture_equals_eager_forward_and_backward(impl="auto"):
     torch.testing.assert_close(compiled(idx, idx).loss, eager(idx, idx).loss)
     for (name, a), (_, b) in zip(eager.named_parameters(), compiled.named_parameters()):
         torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_activation_checkpointing_recomputes_a_mixture_exactly():
+    """trainer.activation_checkpointing: each block recomputed in the backward, its aux loss included."""
+    from gptkit.training.module import apply_activation_checkpointing
+
+    torch.manual_seed(0)
+    plain = perturbed(GPT(tiny(n_shared=1))).train()
+    recomputed = GPT(tiny(n_shared=1)).train()
+    recomputed.load_state_dict(plain.state_dict())
+    apply_activation_checkpointing(recomputed)
+    idx = torch.randint(0, V, (2, 16))
+    for m in (plain, recomputed):
+        out = m(idx, idx)
+        (out.loss + out.aux.loss).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
