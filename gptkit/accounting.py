@@ -21,6 +21,13 @@ few elementwise FLOPs each, not 6): 0.085% more FLOPs for GPT-2 124M, 0.003% for
 kernel that skips the masked half does, lower than `perf/mfu` by 12·L·T·d_attn / 2 per token.
 
 The literature's headline figure C = 6 * N * D (N = all parameters) is reported beside it.
+
+A mixture of experts (model.moe) has two counts: `total`, every parameter (what the weights, gradients,
+optimizer state and checkpoints hold), and `active`, the parameters one token goes through (its top_k of the
+routed experts, the shared experts, the router and everything outside the feed-forwards). FLOPs, MFU and
+6N count the active matmul weights: an MoE layer's are its router (d_model x n_experts), top_k routed and
+n_shared shared SwiGLU experts, 3 x d_model x d_expert each. Mixtral-8x7B: 46,702,792,704 total,
+12,879,925,248 active (tests/model/test_moe.py checks both against transformers' own model).
 """
 
 from __future__ import annotations
@@ -87,8 +94,20 @@ class ParamCounts:
     final_norm: int
     # 0 when tied to tok_emb
     lm_head: int
+    # one layer's (the first: with moe.first_dense or moe.every, layers differ; mlp holds them all)
     per_layer: int
     n_layers: int
+    # a mixture of experts (in mlp already): the routers, the routed experts, the shared experts, all layers
+    router: int = 0
+    experts: int = 0
+    shared: int = 0
+    # the routed experts' parameters a token does not use: (n_experts - top_k) of them per MoE layer
+    inactive: int = 0
+
+    @property
+    def active(self) -> int:
+        """The parameters one token goes through (= total for a dense model)."""
+        return self.total - self.inactive
 
     @property
     def attention(self) -> int:
@@ -119,14 +138,22 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     v = d * cfg.d_kv + qkv_b * cfg.d_kv
     o = cfg.d_attn * d + b * d
     if cfg.mlp == "gelu":
-        mlp = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
+        dense = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
     else:
-        mlp = 3 * d * cfg.d_ff + b * (2 * cfg.d_ff + d)
+        dense = 3 * d * cfg.d_ff + b * (2 * cfg.d_ff + d)
+    # a mixture: no biases; each expert a SwiGLU of width d_expert
+    m = cfg.moe
+    n_moe = len(cfg.moe_layers)
+    router = d * m.n_experts if m else 0
+    expert = 3 * d * m.d_expert if m else 0
+    experts, shared = (m.n_experts * expert, m.n_shared * expert) if m else (0, 0)
+    mlp = (L - n_moe) * dense + n_moe * (router + experts + shared)
     # weight (and bias) per normalized feature
     per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
     norm = d * per_dim
     qk_norm = {None: 0, "head": 2 * cfg.head_dim, "full": cfg.d_attn + cfg.d_kv}[cfg.qk_norm] * per_dim
-    per_layer = q + k + v + o + mlp + 2 * norm + qk_norm
+    first = router + experts + shared if cfg.feed_forward(0) == "moe" else dense
+    per_layer = q + k + v + o + first + 2 * norm + qk_norm
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
@@ -134,21 +161,30 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         attn_k=L * k,
         attn_v=L * v,
         attn_o=L * o,
-        mlp=L * mlp,
+        mlp=mlp,
         norms=L * (2 * norm + qk_norm),
         final_norm=norm,
         lm_head=0 if cfg.tie_embeddings else d * cfg.vocab_size,
         per_layer=per_layer,
         n_layers=L,
+        router=n_moe * router,
+        experts=n_moe * experts,
+        shared=n_moe * shared,
+        inactive=n_moe * (m.n_experts - m.top_k) * expert if m else 0,
     )
 
 
 def matmul_params(cfg: ModelConfig) -> int:
-    """Weights that take part in a matmul for every token (see the module docstring)."""
+    """Weights that take part in a matmul for every token (see the module docstring): a mixture's router, its
+    top_k routed experts and its shared experts, not the other routed experts."""
     d = cfg.d_model
     mlp_matrices = 2 if cfg.mlp == "gelu" else 3
-    per_layer = d * cfg.d_attn + 2 * d * cfg.d_kv + cfg.d_attn * d + mlp_matrices * d * cfg.d_ff
-    return cfg.n_layers * per_layer + d * cfg.vocab_size
+    attention = d * cfg.d_attn + 2 * d * cfg.d_kv + cfg.d_attn * d
+    n_moe = len(cfg.moe_layers)
+    dense = (cfg.n_layers - n_moe) * mlp_matrices * d * cfg.d_ff
+    m = cfg.moe
+    moe = n_moe * (d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert) if m else 0
+    return cfg.n_layers * attention + dense + moe + d * cfg.vocab_size
 
 
 @dataclass
@@ -184,9 +220,16 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
 def decode_bytes_per_step(cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16") -> int:
     """Bytes one decoding step must read: every weight but the embedding tables (a lookup reads only the
     batch's rows; a tied table is read whole, as the LM head), plus the K/V of `context` cached tokens per
-    sample. The HBM roofline of decoding is batch * bandwidth / this, in tokens/s."""
+    sample. The HBM roofline of decoding is batch * bandwidth / this, in tokens/s. A mixture's routed experts
+    count as many as a step's batch is expected to pick under uniform routing (top_k / n_experts of them at
+    batch 1, nearly all at a large batch)."""
     c = count_params(cfg)
     weights = c.total - c.pos_emb - (0 if cfg.tie_embeddings else c.tok_emb)
+    if cfg.moe is not None:
+        # the routed experts a step reads: each is picked by one of `batch` tokens with probability
+        # 1 - (1 - top_k / n_experts)^batch (uniform routing)
+        unread = (1 - cfg.moe.top_k / cfg.moe.n_experts) ** batch
+        weights -= round(c.experts * unread)
     return weights * DTYPE_BYTES[dtype] + batch * context * kv_cache_bytes_per_token(cfg, dtype)
 
 
@@ -218,20 +261,33 @@ def training_memory(
     [B, T, vocab_size] tensors at the start of the backward pass: the logits, the log-softmax that
     cross-entropy saves, and its gradient (measured on the CPU: the old count of one was short by two).
     It is an estimate: MLP widths and GQA move it by tens of percent.
+
+    A mixture of experts: the weights, gradients and optimizer state are those of every parameter (the total
+    count); an MoE layer's activations replace the dense MLP's 19 of the 34 (its 4 * d_model GELU MLP) with
+    what a token keeps in each of its top_k routed and n_shared shared experts: its dispatched input (2),
+    gate, up and their product (6 * d_expert / d_model), its weighted output (2), and the layer's input (2).
     """
     p = precision(precision_name, "precision")
     n = count_params(cfg).total
     T = seq_len or cfg.max_seq_len
     tokens = T * micro_batch
     act_unit = 4 if p.compute == "fp32" else 2
-    per_layer = (2 if checkpointing else 34) * tokens * cfg.d_model * act_unit / 2
+    # in units of tokens * d_model 16-bit values (Korthikanti's s*b*h)
+    units = [34.0] * cfg.n_layers
+    m = cfg.moe
+    for i in cfg.moe_layers:
+        experts = m.top_k + m.n_shared
+        units[i] = 34 - 19 + 2 + experts * (2 + 6 * m.d_expert / cfg.d_model + 2)
+    if checkpointing:
+        units = [2.0] * cfg.n_layers
+    layers = sum(units) * tokens * cfg.d_model * act_unit / 2
     # embeddings, final norm; the batch
     outside = 3 * tokens * cfg.d_model * act_unit + 2 * tokens * 8
     out = {
         "weights": n * p.weight_bytes / n_shards,
         "gradients": n * p.grad_bytes / n_shards,
         "optimizer": n * p.optimizer_bytes / n_shards,
-        "activations": cfg.n_layers * per_layer + outside,
+        "activations": layers + outside,
         # fp32 logits, log-softmax, its gradient
         "logits": 3 * tokens * cfg.vocab_size * 4,
     }

@@ -10,17 +10,29 @@ export (gptkit.hf) renames them.
     up       mlp.up_proj                  all
     down     mlp.down_proj                all
 
+In a mixture of experts' MoE layers (model.moe) gate, up and down adapt every routed expert's own matrix:
+the module is mlp.experts, whose gate_proj, up_proj [E, d_expert, d_model] and down_proj [E, d_model,
+d_expert] stack the experts, and each expert e gets its own A[e] and B[e] (the router and the shared experts
+stay frozen). Dense layers of such a model (moe.every, moe.first_dense) are adapted as above.
+
 A target t of block i adds two tensors beside that module's weight:
 
     blocks.<i>.<module>.lora_<t>_A   [rank, in_features]   (kaiming-uniform init)
     blocks.<i>.<module>.lora_<t>_B   [rows of t, rank]     (zeros: training starts at the base model)
 
 and the module computes  y = x W^T + b + (alpha / rank) * (dropout(x) A^T) B^T  on the rows of t; merged,
-W[rows of t] += (alpha / rank) * B @ A. A GPT-2-style model (mlp=gelu) has no gate.
+W[rows of t] += (alpha / rank) * B @ A. A GPT-2-style model (mlp=gelu) has no gate. An MoE layer's are
+
+    blocks.<i>.mlp.experts.lora_<t>_A   [n_experts, rank, in_features]
+    blocks.<i>.mlp.experts.lora_<t>_B   [n_experts, out_features, rank]
+
+each token's rows through its experts' adapters (the same grouped matmuls as the weights), merged as
+<t>_proj[e] += (alpha / rank) * B[e] @ A[e].
 """
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -37,9 +49,11 @@ MODULES = {
     "down": "mlp.down_proj",
 }
 KEY = re.compile(
-    r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj)"
+    r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj|mlp\.experts)"
     r"\.lora_(q|k|v|o|gate|up|down)_([AB])"
 )
+# the module of a MoE layer's expert targets
+EXPERTS = "mlp.experts"
 # a LoRA run's checkpoint: {"rank", "alpha", "targets", "base", ...}
 CHECKPOINT_KEY = "gptkit_lora"
 
@@ -65,8 +79,22 @@ def model_targets(cfg: Any) -> tuple[str, ...]:
     return tuple(t for t in TARGETS if t != "gate" or cfg.mlp == "swiglu")
 
 
-def target_shape(cfg: Any, target: str) -> tuple[int, int, int]:
-    """(first row, end row, in_features) of the part of its module's weight that `target` adapts."""
+def is_expert_target(cfg: Any, layer: int, target: str) -> bool:
+    """Whether `target` adapts the routed experts of layer `layer` (an MoE layer's gate, up or down)."""
+    return target in ("gate", "up", "down") and cfg.feed_forward(layer) == "moe"
+
+
+def module_of(cfg: Any, layer: int, target: str) -> str:
+    """The module inside blocks.<layer> that `target` adapts (mlp.experts for an MoE layer's experts)."""
+    return EXPERTS if is_expert_target(cfg, layer, target) else MODULES[target]
+
+
+def target_shape(cfg: Any, target: str, layer: int | None = None) -> tuple[int, int, int]:
+    """(first row, end row, in_features) of the part of its module's weight that `target` adapts (in layer
+    `layer`: for an MoE layer's experts, of each expert's matrix)."""
+    if layer is not None and is_expert_target(cfg, layer, target):
+        d = cfg.moe.d_expert
+        return (0, cfg.d_model, d) if target == "down" else (0, d, cfg.d_model)
     if target in ("q", "k", "v"):
         start = {"q": 0, "k": cfg.d_attn, "v": cfg.d_attn + cfg.d_kv}[target]
         return start, start + (cfg.d_attn if target == "q" else cfg.d_kv), cfg.d_model
@@ -105,13 +133,20 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
         raise ConfigError(f"lora.rank={rank} must be a positive integer")
     chosen = tuple(t for t in TARGETS if t in targets)
-    for t in chosen:
-        start, end, n_in = target_shape(cfg, t)
-        if rank > min(end - start, n_in):
+    # every adapted matrix: (target, rows, in_features), dense and experts alike
+    # (in TARGETS order: the first too small is named)
+    adapted = dict.fromkeys(
+        (t, e - s, n_in)
+        for t in chosen
+        for layer in range(cfg.n_layers)
+        for s, e, n_in in [target_shape(cfg, t, layer)]
+    )
+    for t, rows, n_in in adapted:
+        if rank > min(rows, n_in):
             raise ConfigError(
-                f"lora.rank={rank} is larger than the {t} projection ({end - start} x {n_in}): "
+                f"lora.rank={rank} is larger than the {t} projection ({rows} x {n_in}): "
                 f"a rank-{rank} update of it is not low-rank; use lora.rank <= "
-                f"{min(min(e - s, i) for s, e, i in (target_shape(cfg, x) for x in chosen))}"
+                f"{min(min(r, i) for _, r, i in adapted)}"
             )
     alpha = lora.get("alpha")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
@@ -122,21 +157,30 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     return chosen
 
 
-def adapter_shapes(cfg: Any, targets: tuple[str, ...], rank: int) -> dict[str, tuple[int, int]]:
-    """Every adapter tensor's name and shape for a model config, targets and rank."""
+def adapter_shapes(cfg: Any, targets: tuple[str, ...], rank: int) -> dict[str, tuple[int, ...]]:
+    """Every adapter tensor's name and shape for a model config, targets and rank (an MoE layer's expert
+    adapters with the experts first: [n_experts, rank, in], [n_experts, rows, rank])."""
     shapes = {}
     for i in range(cfg.n_layers):
         for t in targets:
-            start, end, n_in = target_shape(cfg, t)
-            prefix = f"blocks.{i}.{MODULES[t]}.lora_{t}"
-            shapes[prefix + "_A"] = (rank, n_in)
-            shapes[prefix + "_B"] = (end - start, rank)
+            start, end, n_in = target_shape(cfg, t, i)
+            prefix = f"blocks.{i}.{module_of(cfg, i, t)}.lora_{t}"
+            experts = (cfg.moe.n_experts,) if is_expert_target(cfg, i, t) else ()
+            shapes[prefix + "_A"] = (*experts, rank, n_in)
+            shapes[prefix + "_B"] = (*experts, end - start, rank)
     return shapes
 
 
-def adapter_params(cfg: Any, targets: Any, rank: int) -> int:
-    """How many parameters the adapters of `targets` at `rank` add to a model of config `cfg`."""
-    return sum(rows * cols for rows, cols in adapter_shapes(cfg, tuple(targets), int(rank)).values())
+def adapter_params(cfg: Any, targets: Any, rank: int, active: bool = False) -> int:
+    """How many parameters the adapters of `targets` at `rank` add to a model of config `cfg` (active: those
+    one token goes through, top_k of an MoE layer's n_experts expert adapters; for FLOPs)."""
+    n = 0
+    for shape in adapter_shapes(cfg, tuple(targets), int(rank)).values():
+        size = math.prod(shape)
+        if active and len(shape) == 3:
+            size = size * cfg.moe.top_k // cfg.moe.n_experts
+        n += size
+    return n
 
 
 def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:
@@ -150,13 +194,17 @@ def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:
         m = KEY.fullmatch(name)
         if m is None or m.group(4) != "A":
             continue
-        weight = f"blocks.{m.group(1)}.{m.group(2)}.weight"
-        start, end, _ = target_shape(cfg, m.group(3))
+        if m.group(2) == EXPERTS:
+            # [E, out, in]: each expert's B[e] @ A[e]
+            weight, start, end = f"blocks.{m.group(1)}.{EXPERTS}.{m.group(3)}_proj", 0, None
+        else:
+            weight = f"blocks.{m.group(1)}.{m.group(2)}.weight"
+            start, end, _ = target_shape(cfg, m.group(3))
         if weight not in merged:
-            merged[weight] = state[weight].float().clone()  # [out_features, in_features]
+            merged[weight] = state[weight].float().clone()  # [(E,) out_features, in_features]
         w = merged[weight]
-        b = state[name[:-1] + "B"]  # [rows, rank]
-        w[start:end] += scale * (b.float() @ a.float())  # [rows, in_features]
+        b = state[name[:-1] + "B"]  # [(E,) rows, rank]
+        w[..., start:end, :] += scale * (b.float() @ a.float())  # [(E,) rows, in_features]
     for weight, w in merged.items():
         out[weight] = w.to(state[weight].dtype)
     return out

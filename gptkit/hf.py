@@ -7,7 +7,17 @@
     qk_norm=full, norm_placement=post, no biases             -> Olmo2ForCausalLM (x + norm(f(x)))
     learned + gelu + layernorm + bias, MHA                   -> GPT2LMHeadModel (Conv1D weights are
                                                                 [in, out]: transposed)
+    model.moe (softmax router, no shared experts, no expert bias), no biases:
+      no qk_norm, every layer MoE, top-k renormalized        -> MixtralForCausalLM
+      qk_norm=head (moe.every, moe.first_dense: dense layers) -> Qwen3MoeForCausalLM
+      qk_norm=full, norm_placement=pre, every layer MoE       -> OlmoeForCausalLM
 RoPE may carry model.rope_scaling (type llama3: Llama 3.1/3.2) on every RoPE architecture.
+
+An MoE layer's experts are our three [E, out, in] tensors (gptkit/model/moe.py) and, in transformers' files
+(the Hub's layout, which transformers 5 still writes), E tensors each: experts.<j>.w1/w3/w2 (Mixtral) or
+experts.<j>.gate_proj/up_proj/down_proj: a STACK row of the name map. transformers 5 holds them in memory as
+two fused tensors per layer (experts.gate_up_proj [E, 2 * d_expert, d_model], experts.down_proj), which
+to_transformers and from_transformers convert to and from (memory_layout, files_layout).
 
 Any other combination is refused with a GptkitError that names the variant that does not map:
 never a silently different model. RoPE is in the rotate-half layout on both sides and GELU is the
@@ -37,12 +47,16 @@ from gptkit.model.config import ModelConfig
 
 # transformers' model_type
 LLAMA, QWEN2, QWEN3, OLMO2, GPT2 = "llama", "qwen2", "qwen3", "olmo2", "gpt2"
+MIXTRAL, QWEN3_MOE, OLMOE = "mixtral", "qwen3_moe", "olmoe"
 ARCHITECTURES = {
     LLAMA: "LlamaForCausalLM",
     QWEN2: "Qwen2ForCausalLM",
     QWEN3: "Qwen3ForCausalLM",
     OLMO2: "Olmo2ForCausalLM",
     GPT2: "GPT2LMHeadModel",
+    MIXTRAL: "MixtralForCausalLM",
+    QWEN3_MOE: "Qwen3MoeForCausalLM",
+    OLMOE: "OlmoeForCausalLM",
 }
 CONFIG_CLASSES = {
     LLAMA: "LlamaConfig",
@@ -50,9 +64,14 @@ CONFIG_CLASSES = {
     QWEN3: "Qwen3Config",
     OLMO2: "Olmo2Config",
     GPT2: "GPT2Config",
+    MIXTRAL: "MixtralConfig",
+    QWEN3_MOE: "Qwen3MoeConfig",
+    OLMOE: "OlmoeConfig",
 }
+# the mixtures of experts, by the qk_norm of their attention
+MOE_ARCHITECTURES = {None: MIXTRAL, "head": QWEN3_MOE, "full": OLMOE}
 # the decoder layout of Llama, with their own twists
-ROPE_ARCHITECTURES = (LLAMA, QWEN2, QWEN3, OLMO2)
+ROPE_ARCHITECTURES = (LLAMA, QWEN2, QWEN3, OLMO2, *MOE_ARCHITECTURES.values())
 # both are the tanh approximation gptkit uses
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # What each RoPE architecture fixes beyond rope + swiglu + rmsnorm (the keys of ModelConfig)
@@ -60,13 +79,25 @@ ROPE_VARIANTS: dict[str, dict[str, Any]] = {
     QWEN2: {"bias": False, "qkv_bias": True, "qk_norm": None, "norm_placement": "pre"},
     QWEN3: {"bias": False, "qkv_bias": False, "qk_norm": "head", "norm_placement": "pre"},
     OLMO2: {"bias": False, "qkv_bias": False, "qk_norm": "full", "norm_placement": "post"},
+    MIXTRAL: {"bias": False, "qkv_bias": False, "qk_norm": None, "norm_placement": "pre"},
+    QWEN3_MOE: {"bias": False, "qkv_bias": False, "qk_norm": "head", "norm_placement": "pre"},
+    OLMOE: {"bias": False, "qkv_bias": False, "qk_norm": "full", "norm_placement": "pre"},
 }
+# What the MoE architectures fix of model.moe (the keys of MoEConfig); the losses and impl are training's
+MOE_VARIANTS: dict[str, dict[str, Any]] = {
+    MIXTRAL: {"router": "softmax", "norm_topk_prob": True, "every": 1, "first_dense": 0},
+    QWEN3_MOE: {"router": "softmax"},
+    OLMOE: {"router": "softmax", "every": 1, "first_dense": 0},
+}
+MOE_COMMON = {"n_shared": 0, "route_scale": 1.0, "bias_update_rate": 0.0}
 
 
 # ---- which architecture ------------------------------------------------------------------------
 def architecture(cfg: ModelConfig) -> str:
     """The transformers model_type of a mappable config; GptkitError naming the first variant that does not
     map."""
+    if cfg.moe is not None:
+        return _moe_architecture(cfg)
     if cfg.position == "rope":
         need: dict[str, Any] = {"mlp": "swiglu", "norm": "rmsnorm"}
         target = "the transformers architectures for RoPE models (Llama, Qwen2, Qwen3, OLMo-2)"
@@ -97,6 +128,31 @@ def architecture(cfg: ModelConfig) -> str:
                 f"model.{name}={have} with position={cfg.position} has no faithful "
                 f"transformers architecture: {target} needs {name}={want}; refusing rather "
                 f"than produce a different model"
+            )
+    return arch
+
+
+def _moe_architecture(cfg: ModelConfig) -> str:
+    """Mixtral, Qwen3-MoE or OLMoE for a config with model.moe, by its attention's qk_norm."""
+    arch = MOE_ARCHITECTURES.get(cfg.qk_norm)
+    target = f"{ARCHITECTURES[arch]} (the transformers mixture of experts for qk_norm={cfg.qk_norm})"
+    need = {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm"} | ROPE_VARIANTS[arch]
+    for name, want in need.items():
+        have = getattr(cfg, name)
+        if have != want:
+            raise GptkitError(
+                f"model.{name}={have} with model.moe has no faithful transformers architecture: {target} "
+                f"needs {name}={want}; refusing rather than produce a different model"
+            )
+    for name, want in (MOE_COMMON | MOE_VARIANTS[arch]).items():
+        have = getattr(cfg.moe, name)
+        if have != want:
+            why = " (the expert bias moves the top-k choice; transformers' model has none)" * (
+                name == "bias_update_rate"
+            )
+            raise GptkitError(
+                f"model.moe.{name}={have} has no faithful transformers architecture: {target} needs "
+                f"moe.{name}={want}{why}; refusing rather than produce a different model"
             )
     return arch
 
@@ -160,10 +216,12 @@ def hf_config(
             d["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         if arch == LLAMA:
             d |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
-        elif arch in (QWEN3, OLMO2):
+        elif arch in (QWEN3, OLMO2, QWEN3_MOE, OLMOE):
             d |= {"attention_bias": False}
-        if arch in (QWEN2, QWEN3):
+        if arch in (QWEN2, QWEN3, QWEN3_MOE):
             d |= {"use_sliding_window": False, "sliding_window": None}
+        if cfg.moe is not None:
+            d |= moe_hf_config(cfg, arch)
         return d
     return common | {
         "n_embd": cfg.d_model,
@@ -182,6 +240,82 @@ def hf_config(
     }
 
 
+def moe_hf_config(cfg: ModelConfig, arch: str) -> dict[str, Any]:
+    """The config.json keys of a mixture of experts (Mixtral, Qwen3-MoE, OLMoE), as the Hub's configs name
+    them."""
+    m = cfg.moe
+    d: dict[str, Any] = {"num_experts_per_tok": m.top_k, "router_aux_loss_coef": m.aux_loss_coef}
+    if arch == MIXTRAL:
+        return d | {
+            "intermediate_size": m.d_expert,
+            "num_local_experts": m.n_experts,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+            "output_router_logits": False,
+        }
+    d |= {"num_experts": m.n_experts, "norm_topk_prob": m.norm_topk_prob, "output_router_logits": False}
+    if arch == OLMOE:
+        # read back by gptkit import (transformers' OlmoeConfig keeps it as an extra key)
+        z = {"router_z_loss_coef": m.z_loss_coef} if m.z_loss_coef else {}
+        return d | {"intermediate_size": m.d_expert, "clip_qkv": None} | z
+    return d | {
+        "intermediate_size": cfg.d_ff,
+        "moe_intermediate_size": m.d_expert,
+        "decoder_sparse_step": m.every,
+        "mlp_only_layers": list(range(m.first_dense)),
+    }
+
+
+def moe_from_hf(d: dict[str, Any], mtype: str) -> tuple[dict[str, Any], int]:
+    """(model.moe, model.d_ff) of a Mixtral, Qwen3-MoE or OLMoE config.json; GptkitError for what gptkit
+    cannot represent."""
+
+    def refuse(field: str, value: Any, want: str) -> GptkitError:
+        return GptkitError(f"{mtype} config has {field}={value!r}, which gptkit cannot represent ({want})")
+
+    experts = d.get("num_experts", d.get("num_local_experts"))
+    for key, value in (("num_experts", experts), ("num_experts_per_tok", d.get("num_experts_per_tok"))):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise GptkitError(
+                f"{mtype} config.json has no {key} (an integer), which gptkit does not guess; add it to "
+                f"config.json"
+            )
+    moe: dict[str, Any] = {
+        "n_experts": experts,
+        "top_k": d["num_experts_per_tok"],
+        "router": "softmax",
+        "aux_loss_coef": float(d.get("router_aux_loss_coef", 0.001)),
+    }
+    if mtype == MIXTRAL:
+        if d.get("sliding_window") is not None:
+            raise refuse("sliding_window", d["sliding_window"], "full attention in every layer: null")
+        if float(d.get("router_jitter_noise") or 0.0):
+            raise refuse("router_jitter_noise", d["router_jitter_noise"], "no router noise: 0.0")
+        return moe | {"d_expert": d["intermediate_size"], "norm_topk_prob": True}, d["intermediate_size"]
+    moe["norm_topk_prob"] = bool(d.get("norm_topk_prob", False))
+    if mtype == OLMOE:
+        if d.get("clip_qkv") is not None:
+            raise refuse("clip_qkv", d["clip_qkv"], "q, k and v unclipped: null")
+        if float(d.get("router_z_loss_coef") or 0.0):
+            moe["z_loss_coef"] = float(d["router_z_loss_coef"])
+        return moe | {"d_expert": d["intermediate_size"]}, d["intermediate_size"]
+    dense = sorted(d.get("mlp_only_layers") or [])
+    if dense != list(range(len(dense))):
+        raise refuse("mlp_only_layers", dense, "dense layers only at the start: [0, 1, ..., k - 1]")
+    expert_width = d.get("moe_intermediate_size")
+    if not isinstance(expert_width, int) or isinstance(expert_width, bool):
+        raise GptkitError(
+            f"{mtype} config.json has no moe_intermediate_size (an integer), which gptkit does not guess; "
+            f"add it to config.json"
+        )
+    moe |= {
+        "d_expert": expert_width,
+        "every": int(d.get("decoder_sparse_step") or 1),
+        "first_dense": len(dense),
+    }
+    return moe, d["intermediate_size"]
+
+
 def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
     """The gptkit ModelConfig equal to a transformers config.json (Llama, Qwen2, Qwen3, OLMo-2 or GPT-2),
     or a GptkitError."""
@@ -190,7 +324,8 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
         arch = ", ".join(d.get("architectures") or []) or "no architectures field"
         raise GptkitError(
             f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama, Qwen2, "
-            f"Qwen3, OLMo-2 and GPT-2 models (model_type {', '.join(ARCHITECTURES)})"
+            f"Qwen3, OLMo-2, GPT-2, Mixtral, Qwen3-MoE and OLMoE models (model_type "
+            f"{', '.join(ARCHITECTURES)})"
         )
 
     def refuse(field: str, value: Any, want: str) -> GptkitError:
@@ -250,6 +385,7 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
                 f"guess; add it to config.json"
             )
         n_heads = d["num_attention_heads"]
+        moe, d_ff = moe_from_hf(d, mtype) if mtype in MOE_ARCHITECTURES.values() else (None, None)
         return ModelConfig(
             vocab_size=d["vocab_size"],
             max_seq_len=d["max_position_embeddings"],
@@ -257,7 +393,7 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             n_heads=n_heads,
             n_kv_heads=d.get("num_key_value_heads") or n_heads,
             d_model=d["hidden_size"],
-            d_ff=d["intermediate_size"],
+            d_ff=d_ff or d["intermediate_size"],
             head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
             position="rope",
             rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
@@ -268,6 +404,7 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             tie_embeddings=bool(d.get("tie_word_embeddings", False)),
             dropout=float(d.get("attention_dropout", 0.0)),
             init_std=float(d.get("initializer_range", 0.02)),
+            moe=moe,
             name=name,
             **variant,
         )
@@ -326,14 +463,26 @@ def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
 
 # ---- weights -----------------------------------------------------------------------------------
 # how one of our tensors becomes theirs
-COPY, TRANSPOSE, SPLIT = "copy", "transpose", "split"
+COPY, TRANSPOSE, SPLIT, STACK = "copy", "transpose", "split", "stack"
+# an expert's three weights in the files: Mixtral's w1, w3, w2; the others' gate_proj, up_proj, down_proj
+EXPERT_NAMES = {
+    MIXTRAL: {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"},
+    QWEN3_MOE: {p: p for p in ("gate_proj", "up_proj", "down_proj")},
+    OLMOE: {p: p for p in ("gate_proj", "up_proj", "down_proj")},
+}
+
+
+def moe_prefix(arch: str, layer: int) -> str:
+    """Where layer `layer`'s mixture lives in the files: Mixtral's block_sparse_moe, the others' mlp."""
+    return f"model.layers.{layer}." + ("block_sparse_moe." if arch == MIXTRAL else "mlp.")
 
 
 def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
-    """Every tensor of a gptkit GPT state dict and its transformers counterpart, as
-    (ours, theirs, how): COPY (the same tensor), TRANSPOSE (GPT-2's Conv1D stores [in, out]) or SPLIT
-    (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order). lm_head appears only
-    when it is not tied to the embedding. Both directions of the mapping read this one table."""
+    """Every tensor of a gptkit GPT state dict and its transformers counterpart (in the files), as
+    (ours, theirs, how): COPY (the same tensor), TRANSPOSE (GPT-2's Conv1D stores [in, out]), SPLIT
+    (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order) or STACK (our [E, out, in]
+    experts tensor is their E tensors, expert 0 first). lm_head appears only when it is not tied to the
+    embedding. Both directions of the mapping read this one table."""
     rows: list[tuple[str, str | tuple[str, ...], str]] = []
     arch = architecture(cfg)
     if arch in ROPE_ARCHITECTURES:
@@ -356,9 +505,21 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
                 )
             for part in ("weight", "bias") if cfg.bias else ("weight",):
                 rows.append((g + f"attn.o_proj.{part}", h + f"self_attn.o_proj.{part}", COPY))
+                if cfg.feed_forward(i) != "moe":
+                    rows += [
+                        (g + f"mlp.{proj}.{part}", h + f"mlp.{proj}.{part}", COPY)
+                        for proj in ("gate_proj", "up_proj", "down_proj")
+                    ]
+            if cfg.feed_forward(i) == "moe":
+                moe = moe_prefix(arch, i)
+                rows.append((g + "mlp.router.weight", moe + "gate.weight", COPY))
                 rows += [
-                    (g + f"mlp.{proj}.{part}", h + f"mlp.{proj}.{part}", COPY)
-                    for proj in ("gate_proj", "up_proj", "down_proj")
+                    (
+                        g + f"mlp.experts.{proj}",
+                        tuple(f"{moe}experts.{j}.{theirs}.weight" for j in range(cfg.moe.n_experts)),
+                        STACK,
+                    )
+                    for proj, theirs in EXPERT_NAMES[arch].items()
                 ]
             if cfg.qk_norm is not None:
                 rows += [
@@ -399,6 +560,11 @@ def peft_adapters(
     of all its targeted parts at once: A side by side [n*r, in], B block-diagonal [3*d_model, n*r] (zeros
     for a part not targeted), with rank n*r and alpha n*alpha in rank_pattern/alpha_pattern so that its
     scale stays alpha / r. The same update, so the same logits."""
+    if any(adapters.is_expert_target(cfg, i, t) for i in range(cfg.n_layers) for t in lora["targets"]):
+        raise GptkitError(
+            f"lora.targets={list(lora['targets'])} adapt a mixture's experts, which have no PEFT adapter "
+            "layout here: export the model with its adapters merged (adapters=false)"
+        )
     hf_of = {ours: theirs for ours, theirs, _ in name_map(cfg)}
     rank, alpha = int(lora["rank"]), lora["alpha"]
     tensors: dict[str, Any] = {}
@@ -462,6 +628,8 @@ def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
     for ours, theirs, how in name_map(cfg):
         if how == SPLIT:
             out.update(zip(theirs, state[ours].split([cfg.d_attn, cfg.d_kv, cfg.d_kv], dim=0)))
+        elif how == STACK:
+            out.update(zip(theirs, state[ours].unbind(0)))
         else:
             out[theirs] = state[ours].t() if how == TRANSPOSE else state[ours]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
@@ -479,6 +647,9 @@ def from_hf_state_dict(
     import torch
 
     hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
+    if cfg.moe is not None:
+        hf = files_layout(hf, cfg)
+        check_experts(hf, cfg, source)
     # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
     if architecture(cfg) == GPT2:
         hf = {
@@ -504,6 +675,8 @@ def from_hf_state_dict(
     for ours, theirs, how in name_map(cfg):
         if how == SPLIT:
             state[ours] = torch.cat([hf[k] for k in theirs], dim=0)  # [d_attn + 2 * d_kv, ...]
+        elif how == STACK:
+            state[ours] = torch.stack([hf[k] for k in theirs])  # [E, out, in]
         else:
             state[ours] = hf[theirs].t() if how == TRANSPOSE else hf[theirs]
     if cfg.tie_embeddings:
@@ -511,9 +684,63 @@ def from_hf_state_dict(
     return {k: v.contiguous() for k, v in state.items()}
 
 
+def check_experts(hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
+    """The experts in the files, layer by layer, are those config.json names: else one GptkitError line that
+    says which layer holds how many (or has an MoE where the config says dense, or none where it says MoE)."""
+    arch = architecture(cfg)
+    for i in range(cfg.n_layers):
+        moe = moe_prefix(arch, i)
+        found = {int(k[len(moe) :].split(".")[1]) for k in hf if k.startswith(moe + "experts.")}
+        want = cfg.moe.n_experts if cfg.feed_forward(i) == "moe" else 0
+        if found != set(range(want)):
+            held = f"experts {min(found)}..{max(found)} ({len(found)})" if found else "no experts"
+            raise GptkitError(
+                f"{source} does not match its config.json: layer {i} holds {held}, the config needs "
+                + (f"{want} (num_experts/num_local_experts)" if want else "a dense MLP (mlp_only_layers)")
+            )
+
+
+def memory_layout(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """A transformers state dict in the files' layout as transformers 5 holds it in memory: each MoE layer's
+    experts as mlp.experts.gate_up_proj [E, 2 * d_expert, d_model] (gate rows first) and mlp.experts.down_proj
+    [E, d_model, d_expert], its router as mlp.gate.weight (Mixtral's block_sparse_moe renamed)."""
+    arch = architecture(cfg)
+    out = dict(state)
+    for i in cfg.moe_layers:
+        moe, mem = moe_prefix(arch, i), f"model.layers.{i}.mlp."
+        names = EXPERT_NAMES[arch]
+        experts = {
+            p: torch.stack([out.pop(f"{moe}experts.{j}.{names[p]}.weight") for j in range(cfg.moe.n_experts)])
+            for p in names
+        }
+        out[mem + "gate.weight"] = out.pop(moe + "gate.weight")
+        out[mem + "experts.gate_up_proj"] = torch.cat([experts["gate_proj"], experts["up_proj"]], dim=1)
+        out[mem + "experts.down_proj"] = experts["down_proj"]
+    return out
+
+
+def files_layout(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """The inverse of memory_layout: a state dict as transformers 5 holds it in memory, in the files' layout;
+    a state dict in the files' layout already is returned as it is."""
+    arch = architecture(cfg)
+    out = dict(state)
+    for i in cfg.moe_layers:
+        moe, mem = moe_prefix(arch, i), f"model.layers.{i}.mlp."
+        if mem + "experts.gate_up_proj" not in out:
+            continue
+        names = EXPERT_NAMES[arch]
+        gate_up, down = out.pop(mem + "experts.gate_up_proj"), out.pop(mem + "experts.down_proj")
+        gate, up = gate_up.chunk(2, dim=1)  # [E, d_expert, d_model] each
+        for p, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+            out.update({f"{moe}experts.{j}.{names[p]}.weight": t for j, t in enumerate(w.unbind(0))})
+        out[moe + "gate.weight"] = out.pop(mem + "gate.weight")
+    return out
+
+
 # ---- in memory: transformers objects -----------------------------------------------------------
 def to_transformers(model):
-    """The LlamaForCausalLM / GPT2LMHeadModel (fp32, eval mode, CPU) with exactly `model`'s weights."""
+    """The transformers model of `model`'s architecture (LlamaForCausalLM, ..., MixtralForCausalLM; fp32, eval
+    mode, CPU) with exactly its weights."""
     import torch
     import transformers
 
@@ -526,6 +753,8 @@ def to_transformers(model):
     with torch.device("cpu"):
         hf_model = model_cls(config)
     state = to_hf_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()}, cfg)
+    if cfg.moe is not None:
+        state = memory_layout(state, cfg)
     if cfg.tie_embeddings:
         tied = "transformer.wte.weight" if arch == GPT2 else "model.embed_tokens.weight"
         state["lm_head.weight"] = state[tied]

@@ -298,7 +298,7 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
         if not (folder / "config.json").is_file():
             raise GptkitError(
                 f"{repo_id} has no config.json: it is not a transformers model (gptkit imports "
-                f"Llama, Qwen2, Qwen3, OLMo-2 and GPT-2 models)"
+                f"Llama, Qwen2, Qwen3, OLMo-2, GPT-2, Mixtral, Qwen3-MoE and OLMoE models)"
             )
         # an unsupported model fails before its weights download
         model_config_from_hf(read_hf_config(folder))

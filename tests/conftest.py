@@ -360,6 +360,20 @@ def random_gpt(variant: str, vocab_size: int = 40, seed: int = 0):
     return model.eval()
 
 
+def gptkit_greedy(model, ids, n: int, eos: int) -> list[int]:
+    """Greedy continuation of ids [1, T] by `model`, n tokens at most, ending at `eos`."""
+    import torch
+
+    out = ids[0].tolist()
+    for _ in range(n):
+        with torch.no_grad():
+            nxt = int(model(torch.tensor([out])).logits[0, -1].argmax())
+        out.append(nxt)
+        if nxt == eos:
+            break
+    return out
+
+
 def hf_llama(tie: bool, bias: bool):
     """A tiny transformers Llama (GQA), untrained weights."""
     import transformers

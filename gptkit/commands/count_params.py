@@ -49,7 +49,8 @@ def report(cfg) -> dict:
     n_gpus = int(cfg.n_gpus)
     if n_gpus < 1:
         raise ConfigError(f"n_gpus={cfg.n_gpus} must be >= 1")
-    train_6nd = 6.0 * pc.total * tokens
+    # N: the active parameters (all of them for a dense model)
+    train_6nd = 6.0 * pc.active * tokens
     # the MFU convention (perf/mfu): full attention
     train_full = fl.train_dense * tokens
     # perf/mfu_causal
@@ -75,6 +76,12 @@ def report(cfg) -> dict:
             "per_layer": pc.per_layer,
             "total": pc.total,
             "non_embedding": pc.non_embedding,
+            # a mixture of experts (0 for a dense model; in mlp already)
+            "router": pc.router,
+            "experts": pc.experts,
+            "shared_experts": pc.shared,
+            # what one token goes through (= total for a dense model)
+            "active": pc.active,
         },
         "flops_per_token": {
             "seq_len": fl.seq_len,
@@ -84,7 +91,7 @@ def report(cfg) -> dict:
             "train_dense": fl.train_dense,
             "train_causal": fl.train_causal,
             "attention_forward_dense": fl.attention_forward_dense,
-            "six_n": 6.0 * pc.total,
+            "six_n": 6.0 * pc.active,
             "mfu_convention": "train_dense (perf/mfu, logged FLOP/s: 6N + 12·L·T·d_attn, full attention, as "
             "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
         },
@@ -148,8 +155,15 @@ def _print_tables(r: dict, cfg) -> None:
     m, p, f, plan = r["model"], r["params"], r["flops_per_token"], r["plan"]
     L = m["n_layers"]
     total = p["total"]
+    moe = m.get("moe")
+    mlp = (
+        f"{moe['n_experts']} experts top-{moe['top_k']}"
+        + (f" + {moe['n_shared']} shared" if moe["n_shared"] else "")
+        if moe
+        else m["mlp"]
+    )
     t = Table(
-        title=f"{m['name']}: parameters ({m['position']} positions, {m['mlp']}, {m['norm']}, "
+        title=f"{m['name']}: parameters ({m['position']} positions, {mlp}, {m['norm']}, "
         f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads, "
         f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings)"
     )
@@ -163,7 +177,7 @@ def _print_tables(r: dict, cfg) -> None:
         (f"attention k ({L} layers)", p["attn_k"]),
         (f"attention v ({L} layers)", p["attn_v"]),
         (f"attention out ({L} layers)", p["attn_o"]),
-        (f"mlp ({L} layers)", p["mlp"]),
+        (f"mlp ({L} layers)" + (": routers, experts and dense MLPs" if moe else ""), p["mlp"]),
         (f"norms ({L} layers)", p["norms"]),
         ("final norm", p["final_norm"]),
         (
@@ -171,12 +185,25 @@ def _print_tables(r: dict, cfg) -> None:
             p["lm_head"],
         ),
     ]
+    if moe:
+        n_moe = p["router"] // (moe["n_experts"] * m["d_model"])
+        rows[7:7] = [
+            (f"  routers ({n_moe} MoE layers)", p["router"]),
+            (f"  routed experts ({moe['n_experts']} per MoE layer, {moe['d_expert']} wide)", p["experts"]),
+            ("  shared experts", p["shared_experts"]),
+        ]
     for name, n in rows:
         t.add_row(name, f"{n:,}", f"{100 * n / total:.2f}%")
     t.add_section()
-    t.add_row("per layer", f"{p['per_layer']:,}", "")
+    t.add_row("per layer" + (" (the first)" if moe else ""), f"{p['per_layer']:,}", "")
     t.add_row("non-embedding", f"{p['non_embedding']:,}", f"{100 * p['non_embedding'] / total:.2f}%")
     t.add_row("[bold]total", f"[bold]{total:,}", "100.00%")
+    if moe:
+        t.add_row(
+            f"[bold]active per token[/bold] (top-{moe['top_k']} of the routed experts)",
+            f"[bold]{p['active']:,}",
+            f"{100 * p['active'] / total:.2f}%",
+        )
     con.print(t)
 
     ft = Table(title=f"FLOPs per token at context {f['seq_len']} (multiply-add = 2 FLOPs; matmuls only)")
@@ -192,10 +219,16 @@ def _print_tables(r: dict, cfg) -> None:
         _si(3 * f["attention_forward_dense"], "FLOP"),
         _si(1.5 * f["attention_forward_dense"], "FLOP"),
     )
-    ft.add_row("6N with N = all parameters (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
+    n_is = "the active parameters" if moe else "all parameters"
+    ft.add_row(f"6N with N = {n_is} (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
     con.print(ft)
+    routed = (
+        f" (an MoE layer's: its router, top-{moe['top_k']} routed and {moe['n_shared']} shared experts)"
+        if moe
+        else ""
+    )
     con.print(
-        f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices plus the LM "
+        f"N = {f['n_matmul']:,} matmul weights: every layer's q/k/v/o and MLP matrices{routed} plus the LM "
         f"head (a matmul even when tied). Embedding lookups, norms and biases do no matmul FLOPs.\n"
         f"MFU convention: perf/mfu, the logged FLOP/s and the GPU-hours below count full attention "
         f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "

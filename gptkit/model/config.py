@@ -23,6 +23,108 @@ ROPE_SCALINGS = ("llama3",)
 ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")}
 # fused kernels model.kernels may switch on (gptkit/model/fused.py)
 KERNELS = ("norm", "swiglu", "rope", "loss")
+# model.moe.router: softmax over the experts, then top-k (Mixtral, Qwen3-MoE, OLMoE) | an independent
+# sigmoid score per expert, then top-k (DeepSeek-V3)
+ROUTERS = ("softmax", "sigmoid")
+# model.moe.aux_loss_group: the tokens the balance loss is taken over
+AUX_LOSS_GROUPS = ("sequence", "batch")
+# model.moe.impl: how the experts' grouped matmuls run (gptkit/model/moe.py)
+MOE_IMPLS = ("auto", "grouped_mm", "loop")
+
+
+@dataclass
+class MoEConfig:
+    """model.moe: a mixture-of-experts feed-forward for the dense MLP (gptkit/model/moe.py, docs/moe.md).
+
+    Token-choice and dropless: every token goes to its top_k experts (each a SwiGLU of width d_expert), none
+    is dropped, and the experts' outputs are summed with the router's weights; n_shared always-on experts
+    (DeepSeek, Qwen2-MoE) see every token. Which layers: layer i (from 0) is MoE when i >= first_dense and
+    (i + 1) % every == 0 (Qwen's decoder_sparse_step; DeepSeek's first_k_dense_replace); the others keep
+    the dense model.mlp of width model.d_ff."""
+
+    n_experts: int = 8
+    top_k: int = 2
+    # null: = model.d_ff
+    d_expert: int | None = None
+    # always-on experts, each d_expert wide (one SwiGLU of n_shared * d_expert)
+    n_shared: int = 0
+    # every k-th layer is MoE (1: every layer)
+    every: int = 1
+    # the first k layers stay dense
+    first_dense: int = 0
+    # softmax | sigmoid (ROUTERS)
+    router: str = "softmax"
+    # the top_k weights renormalized to sum to 1 (Mixtral always; Qwen3-MoE's and OLMoE's norm_topk_prob)
+    norm_topk_prob: bool = True
+    # the routed experts' weights times this (DeepSeek-V3's routed_scaling_factor)
+    route_scale: float = 1.0
+    # the Switch/GShard load-balancing loss, n_experts * sum_i f_i * P_i (1 when balanced), times this
+    aux_loss_coef: float = 0.01
+    # sequence | batch: the tokens f_i and P_i are taken over (AUX_LOSS_GROUPS)
+    aux_loss_group: str = "sequence"
+    # the router z-loss, mean logsumexp(router logits)^2 (ST-MoE), times this
+    z_loss_coef: float = 0.0
+    # > 0: the auxiliary-loss-free expert bias (DeepSeek-V3): added to the scores for the top-k choice only,
+    # moved by this much per optimizer step against each expert's load
+    bias_update_rate: float = 0.0
+    # auto | grouped_mm | loop (MOE_IMPLS)
+    impl: str = "auto"
+
+    def validate(self, n_layers: int) -> None:
+        """Raise ConfigError (one line) for any invalid field."""
+        for name, low in (("n_experts", 2), ("top_k", 1), ("every", 1), ("n_shared", 0), ("first_dense", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                if name == "n_experts" and isinstance(v, int) and not isinstance(v, bool):
+                    raise ConfigError(
+                        f"model.moe.n_experts={v} must be at least 2 (one expert is the dense MLP: "
+                        f"set model.moe=null)"
+                    )
+                raise ConfigError(f"model.moe.{name}={v!r} must be an integer >= {low}")
+        if self.top_k > self.n_experts:
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} exceeds model.moe.n_experts={self.n_experts}: each token "
+                f"goes to top_k of the n_experts experts"
+            )
+        d = self.d_expert
+        if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d <= 0):
+            raise ConfigError(f"model.moe.d_expert={d!r} must be a positive integer (or null: model.d_ff)")
+        for name, allowed in (("router", ROUTERS), ("aux_loss_group", AUX_LOSS_GROUPS), ("impl", MOE_IMPLS)):
+            v = getattr(self, name)
+            if v not in allowed:
+                raise ConfigError(f"model.moe.{name}={v!r} is not one of {', '.join(allowed)}")
+        if not isinstance(self.norm_topk_prob, bool):
+            raise ConfigError(f"model.moe.norm_topk_prob={self.norm_topk_prob!r} must be true or false")
+        for name in ("route_scale", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+                raise ConfigError(f"model.moe.{name}={v!r} must be a number >= 0")
+        if not self.route_scale > 0:
+            raise ConfigError(f"model.moe.route_scale={self.route_scale} must be > 0")
+        if not any(self.first_dense <= i and (i + 1) % self.every == 0 for i in range(n_layers)):
+            raise ConfigError(
+                f"model.moe: no layer of the {n_layers} is MoE with first_dense={self.first_dense} and "
+                f"every={self.every}; lower them (or set model.moe=null for a dense model)"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "MoEConfig":
+        """model.moe as given (a mapping: unknown keys are an error)."""
+        if isinstance(d, MoEConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"model.moe={d!r} must be null (a dense model) or a mapping such as "
+                f"{{n_experts: 8, top_k: 2}}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown model.moe field(s) {', '.join(map(str, unknown))}; known: "
+                f"{', '.join(sorted(names))}"
+            )
+        return cls(**dict(d))
 
 
 @dataclass
@@ -66,6 +168,8 @@ class ModelConfig:
     # with packed documents (data.pack=documents): positions restart per document
     position_reset: bool = False
     init_std: float = 0.02
+    # null: every layer's feed-forward is the dense model.mlp; a mapping: a mixture of experts (MoEConfig)
+    moe: MoEConfig | None = None
     name: str = field(default="custom", compare=False)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -79,6 +183,21 @@ class ModelConfig:
             self.head_dim = self.d_model // self.n_heads
         if self.d_ff is None:
             self.d_ff = 4 * self.d_model if self.mlp == "gelu" else swiglu_hidden(self.d_model)
+        if self.moe is not None and self.moe.d_expert is None:
+            self.moe.d_expert = self.d_ff
+
+    def feed_forward(self, layer: int) -> str:
+        """The feed-forward of layer `layer` (from 0): "moe", or the dense model.mlp
+        (gptkit/model/feedforward.py builds it)."""
+        m = self.moe
+        if m is not None and layer >= m.first_dense and (layer + 1) % m.every == 0:
+            return "moe"
+        return self.mlp
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The layers whose feed-forward is a mixture of experts ([] for a dense model)."""
+        return [i for i in range(self.n_layers) if self.feed_forward(i) == "moe"]
 
     @property
     def d_attn(self) -> int:
@@ -149,6 +268,13 @@ class ModelConfig:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0")
         if not float(self.rope_theta) > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
+        if self.moe is not None:
+            self.moe = MoEConfig.from_dict(self.moe)
+            self.moe.validate(self.n_layers)
+            if self.mlp != "swiglu":
+                raise ConfigError(
+                    f"model.moe: the experts are SwiGLU MLPs, but model.mlp={self.mlp}; set model.mlp=swiglu"
+                )
 
     # ---- conversion ------------------------------------------------------------------------
     @classmethod

@@ -4,6 +4,10 @@
     Block (norm_placement=pre):   x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
     Block (norm_placement=post):  x = x + attn_norm(attn(x));  x = x + mlp_norm(mlp(x))   (OLMo-2)
 
+`mlp` is the block's feed-forward, whichever kind the config gives that layer (gptkit/model/feedforward.py:
+dense GELU or SwiGLU, or a mixture of experts); what it returns beside its output (an auxiliary loss and
+figures, in training) is summed over the layers into GPTOutput.aux.
+
 Labels are NOT shifted inside: pass `targets` already aligned with the logits
 (targets[:, t] is the token that follows idx[:, t]).
 """
@@ -21,8 +25,9 @@ from gptkit.model import fused
 from gptkit.model.attention import CausalSelfAttention
 from gptkit.model.config import ModelConfig
 from gptkit.model.documents import Documents
+from gptkit.model.feedforward import ModelAux, combine, make_feed_forward
 from gptkit.model.kv_cache import KVCache
-from gptkit.model.layers import GeluMLP, RotaryEmbedding, SwiGLUMLP, make_norm
+from gptkit.model.layers import RotaryEmbedding, make_norm
 
 
 class GPTOutput(NamedTuple):
@@ -31,6 +36,8 @@ class GPTOutput(NamedTuple):
     loss: Optional[torch.Tensor]
     # per layer [B, n_heads, T, T], when asked for
     attentions: Optional[list[torch.Tensor]]
+    # the feed-forwards' auxiliary loss and figures (training; None when no layer has any)
+    aux: Optional[ModelAux] = None
 
 
 class Block(nn.Module):
@@ -41,22 +48,22 @@ class Block(nn.Module):
         self.attn = CausalSelfAttention(cfg, layer)
         # the MLP's pre-norm
         self.mlp_norm = make_norm(cfg.norm, **norm)
-        if cfg.mlp == "gelu":
-            self.mlp = GeluMLP(cfg.d_model, cfg.d_ff, cfg.bias)
-        else:
-            self.mlp = SwiGLUMLP(cfg.d_model, cfg.d_ff, bias=cfg.bias, fused="swiglu" in cfg.kernels)
+        # y, aux = mlp(x): the feed-forward seam
+        self.mlp = make_feed_forward(cfg, layer)
         self.dropout = cfg.dropout
         self.post_norm = cfg.norm_placement == "post"
 
     def forward(self, x, *, rope=None, cache=None, positions=0, docs=None, return_probs=False):
-        """x [B, T, d_model] -> (x + attention + MLP, the attention probabilities or None)."""
+        """x [B, T, d_model] -> (x + attention + MLP, the attention probabilities or None, the MLP's LayerAux
+        or None)."""
         # the norms act on each branch's output, the residual stream is never normalized
         if self.post_norm:
             a, probs = self.attn(
                 x, rope=rope, cache=cache, positions=positions, docs=docs, return_probs=return_probs
             )
             x = x + self.attn_norm(a)
-            return x + F.dropout(self.mlp_norm(self.mlp(x)), self.dropout, self.training), probs
+            m, aux = self.mlp(x)
+            return x + F.dropout(self.mlp_norm(m), self.dropout, self.training), probs, aux
         a, probs = self.attn(
             self.attn_norm(x),
             rope=rope,
@@ -66,8 +73,9 @@ class Block(nn.Module):
             return_probs=return_probs,
         )
         x = x + a
-        x = x + F.dropout(self.mlp(self.mlp_norm(x)), self.dropout, self.training)
-        return x, probs
+        m, aux = self.mlp(self.mlp_norm(x))
+        x = x + F.dropout(m, self.dropout, self.training)
+        return x, probs, aux
 
 
 class GPT(nn.Module):
@@ -108,7 +116,8 @@ class GPT(nn.Module):
                 p.fill_(1.0)
             elif name.endswith(".bias"):
                 p.zero_()
-            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+            # a mixture's experts: down_proj [E, d_model, d_expert]
+            elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):
                 p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
             else:
                 p.normal_(0.0, std)
@@ -124,7 +133,9 @@ class GPT(nn.Module):
         logits_to_keep: int = 0,
         return_attention: bool = False,
     ) -> GPTOutput:
-        """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions); see the argument comments."""
+        """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions, aux); see the argument comments.
+        loss is the cross-entropy alone: a training loop adds aux.loss (the feed-forwards' auxiliary
+        terms)."""
         B, T = idx.shape
         # The positions of the T tokens, one notion through the whole model: an int p (positions p..p+T-1:
         # training, or a KV cache holding p tokens), a [T] tensor (a StaticKVCache: fixed shapes) or a
@@ -153,18 +164,25 @@ class GPT(nn.Module):
             x = x + self.pos_emb(positions_t)  # [B, T, d_model] ([T, d_model] broadcast)
         x = self.drop(x)
         attentions = [] if return_attention else None
+        # the feed-forwards' LayerAux, of the layers that return one
+        auxes = []
         for block in self.blocks:
-            x, probs = block(
+            x, probs, layer_aux = block(
                 x, rope=self.rope, cache=cache, positions=positions, docs=docs, return_probs=return_attention
             )
             if attentions is not None:
                 attentions.append(probs)
+            if layer_aux is not None:
+                auxes.append(layer_aux)
+        aux = combine(auxes)
         if cache is not None:
             cache.advance(T)
         x = self.final_norm(x)
         if targets is not None and not logits_to_keep and "loss" in self.cfg.kernels:
             # lm_head and cross-entropy chunk by chunk: the [B*T, vocab_size] logits never exist
-            return GPTOutput(None, fused.linear_cross_entropy(x, self.lm_head.weight, targets), attentions)
+            return GPTOutput(
+                None, fused.linear_cross_entropy(x, self.lm_head.weight, targets), attentions, aux
+            )
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # [B, k, d_model]: project only what is needed
         logits = self.lm_head(x)  # [B, T_kept, vocab_size]
@@ -178,7 +196,7 @@ class GPT(nn.Module):
                 ignore_index=-100,
                 # loss in fp32
             )
-        return GPTOutput(logits, loss, attentions)
+        return GPTOutput(logits, loss, attentions, aux)
 
     @classmethod
     def from_state(

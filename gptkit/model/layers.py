@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +52,16 @@ def make_norm(kind: str, dim: int, eps: float, bias: bool, fused: bool = False) 
     return LayerNorm(dim, eps, bias, fused) if kind == "layernorm" else RMSNorm(dim, eps, fused)
 
 
+class LayerAux(NamedTuple):
+    """What a feed-forward returns beside y in training, when it has more to say
+    (gptkit/model/feedforward.py): a term for the training loss and the figures behind it."""
+
+    # scalar: already weighted by its coefficients; the training loop adds it to the loss
+    loss: torch.Tensor
+    # the layer's own figures (an MoE layer's MoEStats), detached
+    stats: Any
+
+
 class GeluMLP(nn.Module):
     """GPT-2 MLP: d_model -> d_ff -> GELU (tanh approximation, as GPT-2) -> d_model."""
 
@@ -59,9 +70,9 @@ class GeluMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d_model] -> down(gelu(up(x))) [B, T, d_model]."""
-        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """x [B, T, d_model] -> (down(gelu(up(x))) [B, T, d_model], no LayerAux)."""
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh")), None
 
 
 class SwiGLUMLP(nn.Module):
@@ -74,12 +85,12 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
         self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, d_model] -> down(silu(gate(x)) * up(x)) [B, T, d_model]."""
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """x [B, T, d_model] -> (down(silu(gate(x)) * up(x)) [B, T, d_model], no LayerAux)."""
         gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, d_ff] each
         if self.fused and fused.usable(gate, "swiglu"):
-            return self.down_proj(fused.swiglu(gate, up))
-        return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(fused.swiglu(gate, up)), None
+        return self.down_proj(F.silu(gate) * up), None
 
 
 class RotaryEmbedding(nn.Module):

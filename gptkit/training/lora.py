@@ -30,6 +30,7 @@ from torch import nn
 
 from gptkit import adapters
 from gptkit.model import GPT
+from gptkit.model.moe import Experts, grouped_linear
 
 
 class LoRALinear(nn.Linear):
@@ -64,6 +65,51 @@ class LoRALinear(nn.Linear):
         return y + self.lora_scale * update
 
 
+class LoRAExperts(Experts):
+    """A mixture's experts (gptkit/model/moe.py) with a low-rank adapter on each expert's matrix of some of
+    gate_proj, up_proj, down_proj:
+
+        rows of expert e:  x W_e^T  +  scale * (dropout(x) A_e^T) B_e^T
+
+    through the same grouped matmuls as the weights (one per adapter factor). `lora_targets` lists the
+    adapted ones (gate, up, down); the adapters are lora_<target>_A [E, rank, in] and lora_<target>_B
+    [E, out, rank]. `lora_enabled` False: the plain experts."""
+
+    lora_targets: tuple[str, ...]
+    lora_scale: float
+    lora_dropout: float
+    lora_enabled: bool
+
+    def project(self, x, name, offsets, counts):
+        """x [M, in] sorted by expert through each expert's `name` weight and its adapter -> [M, out]."""
+        y = super().project(x, name, offsets, counts)  # [M, out]
+        target = name.removesuffix("_proj")
+        if not self.lora_enabled or target not in self.lora_targets:
+            return y
+        h = F.dropout(x, self.lora_dropout, self.training)  # [M, in]
+        a, b = getattr(self, f"lora_{target}_A"), getattr(self, f"lora_{target}_B")
+        low = grouped_linear(h, a, offsets, counts, self.impl)  # [M, rank]
+        return y + self.lora_scale * grouped_linear(low, b, offsets, counts, self.impl)
+
+
+def _adapt_experts(experts: Experts, targets: list[str], rank: int, scale: float, dropout: float) -> None:
+    """Turn an MoE layer's Experts into LoRAExperts with adapters of `targets` (A kaiming-uniform per expert,
+    as an nn.Linear of that expert's shape; B zeros)."""
+    experts.__class__ = LoRAExperts
+    experts.lora_targets = tuple(targets)
+    experts.lora_scale, experts.lora_enabled, experts.lora_dropout = scale, True, dropout
+    for t in targets:
+        weight = getattr(experts, f"{t}_proj")  # [E, out, in]
+        n_experts, out, n_in = weight.shape
+        like = dict(device=weight.device, dtype=weight.dtype)
+        a = nn.Parameter(torch.empty(n_experts, rank, n_in, **like))  # [E, rank, in]
+        for e in range(n_experts):
+            nn.init.kaiming_uniform_(a.data[e], a=math.sqrt(5))
+        b = nn.Parameter(torch.zeros(n_experts, out, rank, **like))  # [E, out, rank]
+        experts.register_parameter(f"lora_{t}_A", a)
+        experts.register_parameter(f"lora_{t}_B", b)
+
+
 def apply_lora(model: GPT, lora: Any) -> int:
     """Add adapters (the `lora` settings: rank, alpha, dropout, targets) to `model`, in place, and freeze
     every other parameter; returns the number of trainable parameters. The settings are checked first
@@ -74,11 +120,15 @@ def apply_lora(model: GPT, lora: Any) -> int:
     rank, scale = int(settings["rank"]), float(settings["alpha"]) / int(settings["rank"])
     for p in model.parameters():
         p.requires_grad_(False)
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
         by_module: dict[str, list[tuple[str, int, int]]] = {}
         for t in targets:
-            start, end, _ = adapters.target_shape(model.cfg, t)
-            by_module.setdefault(adapters.MODULES[t], []).append((t, start, end))
+            start, end, _ = adapters.target_shape(model.cfg, t, i)
+            by_module.setdefault(adapters.module_of(model.cfg, i, t), []).append((t, start, end))
+        experts = by_module.pop(adapters.EXPERTS, None)
+        if experts is not None:
+            targets_here = [t for t, _, _ in experts]
+            _adapt_experts(block.mlp.experts, targets_here, rank, scale, float(settings["dropout"]))
         for path, parts in by_module.items():
             linear = block.get_submodule(path)
             linear.__class__ = LoRALinear
@@ -106,8 +156,8 @@ def lora_config(model: nn.Module) -> dict[str, Any]:
     return dict(model._gptkit_lora)
 
 
-def _lora_linears(model: nn.Module) -> Iterator[LoRALinear]:
-    return (m for m in model.modules() if isinstance(m, LoRALinear))
+def _lora_linears(model: nn.Module) -> Iterator[LoRALinear | LoRAExperts]:
+    return (m for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts)))
 
 
 @contextlib.contextmanager

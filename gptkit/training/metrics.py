@@ -255,8 +255,8 @@ class StepMetrics(Callback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
         if self.reporter is not None and trainer.is_global_zero:
-            objective = getattr(pl_module, "objective", None)
-            self.reporter.log(step, metrics, objective.progress(metrics) if objective is not None else [])
+            parts = getattr(pl_module, "progress_parts", None)
+            self.reporter.log(step, metrics, parts(metrics) if parts is not None else [])
 
     def on_train_end(self, trainer, pl_module) -> None:
         """Stop the clock and close the progress reporter."""

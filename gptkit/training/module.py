@@ -10,7 +10,9 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                        GPT.forward(x, targets).loss (fp32 mean cross-entropy) weighted by its loss tokens
                        (TokenMean.micro_batch) when a step has several micro-batches or ranks; dpo: the
                        DPO loss of the batch's pairs against the frozen reference (every micro-batch holds
-                       as many pairs: no token weight)    here, training/objectives/, training/token_mean.py
+                       as many pairs: no token weight); model.moe: plus the feed-forwards' balance and
+                       z-losses of its forwards (RouterWatch)
+                                        here, training/objectives/, training/token_mean.py, training/moe.py
      3. NaN window     LossWindow.add: the loss summed on the device (weighted by its loss tokens), the
                        first non-finite step noted; no host sync            training/metrics.py
      4. backward       Lightning: (loss / accumulation).backward(); 16-mixed scales the loss first
@@ -25,8 +27,10 @@ the class that owns each). Every setting comes from the run plan (training/plan.
                        train/grad_norm: LossWindow.add_grad_norm), then norm clipping at
                        trainer.gradient_clip_val, on unscaled gradients, so it works with fused AdamW
                                                                             here, training/metrics.py
-     8. optimizer      AdamW.step (fused or foreach; scaler.step + update for 16-mixed), zero_grad
-                                                                            training/optim.py
+     8. optimizer      AdamW.step (fused or foreach; scaler.step + update for 16-mixed), zero_grad;
+                       model.moe with moe.bias_update_rate > 0: each layer's expert bias moved by the step's
+                       loads over every micro-batch and rank (LitGPT.optimizer_step)
+                                                                            training/optim.py, training/moe.py
      9. scheduler      the LambdaLR of configure_optimizers, stepped every optimizer step (warmup, then
                        cosine / linear / WSD down to optim.min_lr)          training/optim.py
     10. log            every trainer.log_every steps, StepMetrics.on_train_batch_end: LossWindow.read
@@ -69,6 +73,7 @@ from gptkit.runs import is_rank_zero
 from gptkit.training.distributed import broadcast_weights, parallelize
 from gptkit.training.lora import adapter_state_dict, adapters_disabled, apply_lora
 from gptkit.training.metrics import LossWindow
+from gptkit.training.moe import RouterWatch, progress_parts
 from gptkit.training.objectives import Reference, objective_class
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
@@ -155,6 +160,8 @@ class LitGPT(L.LightningModule):
         self.loss_window = LossWindow()
         # every loss token of an optimizer step weighs the same, across micro-batches and ranks
         self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
+        # model.moe: the feed-forwards' auxiliary loss, the router figures, the expert bias (training/moe.py)
+        self.router_watch = RouterWatch(self.model, plan.world_size, move_bias=plan.lora is None)
 
     def _reference(self, plan: RunPlan) -> Reference:
         """The frozen starting weights the objective measures against. finetune=lora: the policy itself with
@@ -200,10 +207,20 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the objective's loss of one micro-batch, added to the NaN window."""
         loss, n = self.objective.loss(self.model, batch)
-        # on the device: no host sync (StepMetrics reads it)
+        # on the device: no host sync (StepMetrics reads it); the objective's loss alone
         self.loss_window.add(loss, self.global_step, n)
+        # model.moe: the balance and z-losses of the forwards it ran, weighted as the loss (training/moe.py)
+        aux = self.router_watch.take()
+        if aux is not None:
+            loss = loss + aux
         # n None: every micro-batch weighs the same
         return loss if n is None else self.token_mean.micro_batch(loss, n)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
+        """Step 8 of the header, then (model.moe with an expert bias) the bias update from the step's loads:
+        before any callback of the step, so its checkpoint holds the moved bias."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self.router_watch.after_optimizer_step()
 
     def on_before_optimizer_step(self, optimizer) -> None:
         """Step 6b of the header: the accumulated gradients become the mean over the step's loss tokens."""
@@ -247,8 +264,13 @@ class LitGPT(L.LightningModule):
             self.log("step", float(self.global_step))
 
     def train_metrics(self, strategy) -> dict[str, float]:
-        """Read at log steps (StepMetrics): the objective's own figures (DPO: train/rewards/*)."""
-        return self.objective.train_metrics(strategy)
+        """Read at log steps (StepMetrics): the objective's own figures (DPO: train/rewards/*) and a
+        mixture's router figures (training/moe.py)."""
+        return {**self.objective.train_metrics(strategy), **self.router_watch.read(strategy)}
+
+    def progress_parts(self, metrics: dict[str, float]) -> list[str]:
+        """What a log step's progress line shows after the loss: the objective's parts, then a mixture's."""
+        return self.objective.progress(metrics) + progress_parts(metrics)
 
     def configure_optimizers(self):
         """AdamW and the per-step schedule of the `optim` group."""

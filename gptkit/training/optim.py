@@ -7,6 +7,9 @@ biases. Muon's step is lr * 0.2 * sqrt(max(A, B)) times the orthogonalized momen
 (adjust_lr_fn="match_rms_adamw", Moonlight, arXiv:2502.16982): an update of AdamW's RMS, so optim.lr, the
 schedule and optim.weight_decay (decoupled: w -= lr * weight_decay * w) mean what they mean with AdamW.
 Lightning steps one optimizer: MuonWithAdamW holds the two and shows their groups and state as its own.
+A mixture of experts' stacked expert weights [n_experts, out, in] (and a LoRA run's expert adapters) are
+Muon's too, each expert's matrix orthogonalized on its own with its own lr adjustment (muon_step); under
+FSDP2 each rank holds whole experts (rows of dim 0) and orthogonalizes its own.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ def muon_split(model: nn.Module) -> tuple[list, list]:
     muon, adamw = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
-            (muon if name.startswith("blocks.") and p.ndim == 2 else adamw).append((name, p))
+            # 3-D: a mixture's experts stacked, [n_experts, out, in], a matrix per expert
+            (muon if name.startswith("blocks.") and p.ndim in (2, 3) else adamw).append((name, p))
     return muon, adamw
 
 
@@ -189,8 +193,10 @@ def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
     check_muon_split(model)
     muon_named, adamw_named = muon_split(model)
     m = cfg.muon
+    matrices = [p for _, p in muon_named if p.ndim == 2]
     muon = torch.optim.Muon(
-        [p for _, p in muon_named],
+        # (a stand-in when every matrix is an expert stack: replaced below)
+        matrices or [torch.empty(1, 1)],
         lr=float(cfg.lr),
         weight_decay=decay[0],
         momentum=float(m.momentum),
@@ -198,6 +204,9 @@ def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
         ns_steps=int(m.ns_steps),
         adjust_lr_fn=str(m.adjust_lr),
     )
+    # torch.optim.Muon checks for 2-D parameters when it is built, not after: a mixture's expert stacks
+    # [n_experts, out, in] join the group here, in the model's order (muon_step takes them expert by expert)
+    muon.param_groups[0]["params"] = [p for _, p in muon_named]
     groups = [g for g in param_groups(model, *decay, named=adamw_named) if g["params"]]
     # finetune=lora: only Muon's matrices train
     adamw = _adamw(groups, cfg, device_type) if groups else None
@@ -254,7 +263,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # torch's step, without Nesterov, divides the momentum buffer of a bf16 parameter in place (its
         # Newton-Schulz normalizes grad.bfloat16(), which is the buffer itself): muon_step does not
         torch_bug = any(not g["nesterov"] and p.dtype == torch.bfloat16 for g, p in params)
-        if sharded or torch_bug or self.ns_dtype != torch.bfloat16:
+        # a mixture's expert stacks: one matrix per expert (torch's step takes 2-D parameters only)
+        stacked = any(p.ndim == 3 for _, p in params)
+        if sharded or torch_bug or stacked or self.ns_dtype != torch.bfloat16:
             muon_step(self.muon, self.ns_dtype, sharded_ns=self.sharded_ns)
         else:
             self.muon.step()
@@ -324,6 +335,17 @@ def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bo
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - group["momentum"])
             update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            if update.ndim == 3:
+                # a mixture's experts [E, out, in]: each expert's matrix on its own; under FSDP2 a rank's
+                # rows of dim 0 are whole experts, so each rank orthogonalizes its own
+                local = update.to_local() if is_dtensor(update) else update
+                ortho = torch.stack([ns(m) for m in local]) if local.shape[0] else local.to(ns_dtype)
+                if is_dtensor(update):
+                    ortho = DTensor.from_local(
+                        ortho, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
+                    )
+                _apply(p, ortho, group, _adjust_lr)
+                continue
             if sharded_ns and _row_sharded(update):
                 pending.append((p, update, ns, group))
                 continue
@@ -347,7 +369,8 @@ def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bo
 def _apply(p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any], adjust_lr) -> None:
     lr = float(group["lr"])
     p.mul_(1 - lr * group["weight_decay"])
-    p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+    # an expert stack [E, out, in]: each expert's matrix's adjustment
+    p.add_(ortho, alpha=-adjust_lr(lr, group["adjust_lr_fn"], p.shape[-2:]))
 
 
 def _row_sharded(t: torch.Tensor) -> bool:
@@ -416,9 +439,11 @@ def describe_optimizer(cfg: Any, model: nn.Module, device_type: str) -> str:
         return adamw
     muon, rest = muon_split(model)
     n = lambda named: sum(p.numel() for _, p in named)  # noqa: E731
+    # an expert stack [E, out, in] is E matrices
+    matrices = sum(p.shape[0] if p.ndim == 3 else 1 for _, p in muon)
     m = cfg.muon
     return (
-        f"Muon (torch.optim.Muon: {n(muon):,} parameters in {len(muon)} block matrices; momentum "
+        f"Muon (torch.optim.Muon: {n(muon):,} parameters in {matrices:,} block matrices; momentum "
         f"{m.momentum}{' nesterov' if m.nesterov else ''}, {m.ns_steps} Newton-Schulz steps in "
         f"{m.get('ns_dtype', 'bfloat16')}, lr x "
         f"{'0.2·sqrt(max(A, B))' if m.adjust_lr == 'match_rms_adamw' else 'sqrt(max(1, A/B))'})"

@@ -271,7 +271,9 @@ def make_plan(
     dense, causal = flops.train_dense, flops.train_causal
     # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)
     if lora is not None:
-        change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(model, lora["targets"], lora["rank"])
+        change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(
+            model, lora["targets"], lora["rank"], active=True
+        )
         dense, causal = dense + change, causal + change
     # the objective's own work (a reference's forward, no grad)
     dense, causal = objective.flops(flops, dense, causal)

@@ -116,8 +116,11 @@ def announce(
     from gptkit import accounting as acc
 
     t, m = plan.trainer, plan.model
-    n = acc.count_params(m).total
+    counts = acc.count_params(m)
+    n = counts.total
     trainable = n if trainable is None else trainable
+    # a mixture of experts: FLOPs count the parameters a token goes through
+    active = f" ({counts.active:,} active per token)" if counts.active != n else ""
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
     compiled = f", torch.compile={plan.compile}" if plan.compile else ""
     total = plan.total_tokens
@@ -130,7 +133,7 @@ def announce(
     lines = [f"[bold]{escape(plan.job)}[/]"] if plan.job else []
     lines += [
         f"[bold]gptkit train[/] -> {escape(str(plan.run_dir))}",
-        f"  model {m.name}: {n:,} parameters, vocab {m.vocab_size}, context {m.max_seq_len}, "
+        f"  model {m.name}: {n:,} parameters{active}, vocab {m.vocab_size}, context {m.max_seq_len}, "
         f"attention {m.attention}{compiled}",
         f"  data: {escape(prepared.describe())}",
         f"  global batch: {plan.tokens_per_step:,} tokens/step = {batch} x {plan.seq_len} tokens x "

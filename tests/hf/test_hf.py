@@ -11,7 +11,7 @@ import torch
 from conftest import HF_EOS as EOS
 from conftest import HF_TEXT as TEXT
 from conftest import HF_VARIANTS as VARIANTS
-from conftest import char_tokenizer, hf_gpt2, hf_llama, random_gpt
+from conftest import char_tokenizer, gptkit_greedy, hf_gpt2, hf_llama, random_gpt
 
 from gptkit import hf
 from gptkit.cli import main as gptkit_main
@@ -19,17 +19,6 @@ from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_model, load_run, write_run_folder
 
 transformers = pytest.importorskip("transformers")
-
-
-def gptkit_greedy(model: GPT, ids: torch.Tensor, n: int, eos: int) -> list[int]:
-    out = ids[0].tolist()
-    for _ in range(n):
-        with torch.no_grad():
-            nxt = int(model(torch.tensor([out])).logits[0, -1].argmax())
-        out.append(nxt)
-        if nxt == eos:
-            break
-    return out
 
 
 def cli(*args: str) -> int:

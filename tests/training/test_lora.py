@@ -14,6 +14,8 @@ from gptkit.model import GPT, ModelConfig
 from gptkit.training.lora import adapters_disabled, apply_lora, is_lora, merged_state_dict
 
 LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, position="rope")
+# a mixture of experts: layer 0 dense, layer 1 4 experts (top-2), whose gate/up/down adapters are per expert
+MOE = dict(LLAMA, moe=dict(n_experts=4, top_k=2, d_expert=24, every=2))
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 
 
@@ -29,7 +31,9 @@ def settings(**kw):
 
 
 @pytest.mark.parametrize(
-    "style, targets", [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"])], ids=["llama", "gpt2"]
+    "style, targets",
+    [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"]), (MOE, ALL), (MOE, ["q", "up"])],
+    ids=["llama", "gpt2", "moe", "moe-q-up"],
 )
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
     model = tiny(style)
@@ -60,6 +64,53 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
     plain = tiny(style).state_dict()
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in plain.items()}
     torch.testing.assert_close(GPT.from_state(model.cfg, merged)(x).logits, adapted, atol=2e-5, rtol=0)
+
+
+def test_a_mixtures_expert_adapters_are_per_expert_grouped_as_the_loop_and_train():
+    model = tiny(MOE)
+    apply_lora(model, settings())
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters() if p.requires_grad}
+    # layer 0 dense: a matrix each; layer 1: one per expert, [E, rank, in] and [E, out, rank]
+    assert shapes["blocks.0.mlp.gate_proj.lora_gate_A"] == (4, 32)
+    assert shapes["blocks.1.mlp.experts.lora_gate_A"] == (4, 4, 32)
+    assert shapes["blocks.1.mlp.experts.lora_down_B"] == (4, 32, 4)
+    assert not any(k.startswith(("blocks.1.mlp.router", "blocks.1.mlp.shared")) for k in shapes)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    d = model.cfg.to_dict()
+    loop = GPT(ModelConfig.from_dict(d | {"moe": d["moe"] | {"impl": "loop"}}))
+    apply_lora(loop, settings())
+    loop.load_state_dict(model.state_dict())
+    x = torch.randint(0, 40, (2, 12))
+    for m in (model, loop):
+        m.train()
+        out = m(x, x)
+        (out.loss + out.aux.loss).backward()
+    grads = {k: p.grad for k, p in model.named_parameters() if p.requires_grad}
+    assert grads["blocks.1.mlp.experts.lora_up_B"].abs().sum() > 0
+    for k, p in loop.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad, grads[k], atol=1e-6, rtol=1e-5, msg=k)
+    # a token goes through top_k = 2 of the 4 experts' adapters: FLOPs count those
+    from gptkit.adapters import adapter_params
+
+    total, active = adapter_params(model.cfg, ALL, 4), adapter_params(model.cfg, ALL, 4, active=True)
+    experts = sum(p.numel() for k, p in model.named_parameters() if "experts.lora" in k)
+    assert total == sum(p.numel() for p in grads.values()) and total - active == experts // 2
+
+
+def test_a_mixtures_expert_adapters_have_no_peft_export():
+    from gptkit import hf
+    from gptkit.errors import GptkitError
+
+    model = tiny(MOE)
+    apply_lora(model, settings(targets=["q", "up"]))
+    d = model.cfg.to_dict()
+    cfg = ModelConfig.from_dict(d | {"qk_norm": "head", "moe": d["moe"] | {"every": 2}})
+    with pytest.raises(GptkitError, match="adapt a mixture's experts, which have no PEFT adapter layout"):
+        hf.peft_adapters(model.state_dict(), cfg, settings(targets=["q", "up"]))
 
 
 @pytest.mark.parametrize(

@@ -175,6 +175,45 @@ def test_gptkits_muon_step_is_torchs_bit_for_bit(nesterov):
     assert opt.state_dict()["state"].keys() == opt_ref.state_dict()["state"].keys()
 
 
+def test_a_mixtures_experts_are_each_orthogonalized_as_a_matrix_of_its_own():
+    """model.moe: the stacked expert weights [E, out, in] are Muon's, and each expert's matrix moves as
+    torch.optim.Muon moves that matrix as a parameter of its own (its momentum, its Newton-Schulz, its lr
+    adjustment), bit for bit over 3 steps; the router [E, d_model] is a block matrix as any other."""
+    model = llama(moe={"n_experts": 4, "top_k": 2, "d_expert": 24})
+    cfg = muon_cfg()
+    opt = build_optimizer(model, cfg)
+    stacks = {n: p for n, p in model.named_parameters() if p.ndim == 3}
+    assert sorted(stacks) == [
+        f"blocks.{i}.mlp.experts.{w}_proj" for i in (0, 1) for w in ("down", "gate", "up")
+    ]
+    muon_params = {id(p) for g in opt.muon.param_groups for p in g["params"]}
+    assert all(id(p) in muon_params for p in stacks.values())
+    assert id(model.blocks[0].mlp.router.weight) in muon_params
+    # per layer qkv, o, the router and 3 x 4 experts
+    assert "in 30 block matrices" in describe_optimizer(cfg, model, "cpu")
+    # each expert of each stack a 2-D parameter of torch's own Muon
+    alone = {(n, e): p[e].detach().clone().requires_grad_() for n, p in stacks.items() for e in range(4)}
+    m = cfg.muon
+    ref = torch.optim.Muon(
+        list(alone.values()),
+        lr=float(cfg.lr),
+        weight_decay=float(cfg.weight_decay),
+        momentum=float(m.momentum),
+        nesterov=bool(m.nesterov),
+        ns_steps=int(m.ns_steps),
+        adjust_lr_fn=str(m.adjust_lr),
+    )
+    for step in range(3):
+        backward(model, step)
+        for (n, e), q in alone.items():
+            q.grad = stacks[n].grad[e].clone()
+        opt.step()
+        ref.step()
+        model.zero_grad()
+    for (n, e), q in alone.items():
+        assert torch.equal(stacks[n][e], q), (n, e)
+
+
 def test_bf16_weights_without_nesterov_keep_their_momentum():
     """trainer.precision=bf16-true with optim.muon.nesterov=false: the momentum buffer after one step is
     (1 - momentum) x grad (torch.optim.Muon's own step divides it in place by its norm there)."""

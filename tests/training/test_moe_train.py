@@ -1,0 +1,245 @@
+"""Training a mixture of experts (gptkit/training/moe.py): `model=moe-tiny` trains on the CPU with its aux
+loss, the per-layer max load and router entropy in metrics.csv and on the progress line; the expert bias moves
+every step, is in the checkpoint and resumes bit for bit; accumulation equals one big batch (the aux loss and
+the bias update see the whole step); FLOPs count the active parameters, the memory estimate every one."""
+
+import csv
+
+import pytest
+import torch
+from conftest import run_group, run_main, shakespeare
+
+import gptkit
+from gptkit import accounting as acc
+from gptkit.model import GPT, ModelConfig
+from gptkit.training.moe import RouterWatch, progress_parts
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    p = tmp_path_factory.mktemp("corpus") / "shakespeare-30k.txt"
+    p.write_text(shakespeare(30_000))
+    return p
+
+
+def moe_args(corpus, runs, name, *extra):
+    """moe-tiny shrunk: 2 layers of 4 experts (top-2) of width 24, d_model 32, the expert bias on."""
+    return [
+        "model=moe-tiny",
+        "model.n_layers=2",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "model.moe.n_experts=4",
+        "model.moe.d_expert=24",
+        "model.moe.bias_update_rate=0.01",
+        "model.moe.z_loss_coef=0.001",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.val_fraction=0.1",
+        "trainer.batch_size=4",
+        f"trainer.max_steps={STEPS}",
+        "trainer.val_every=3",
+        "trainer.val_windows=4",
+        "trainer.checkpoint_every=3",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "trainer.accelerator=cpu",
+        "optim.warmup_steps=2",
+        f"runs_dir={runs}",
+        f"name={name}",
+        *extra,
+    ]
+
+
+def rows(run):
+    with open(run / "metrics.csv", newline="") as f:
+        return {int(r["step"]): r for r in csv.DictReader(f)}
+
+
+def biases(run, name="last.ckpt"):
+    state = torch.load(run / "checkpoints" / name, weights_only=True)["state_dict"]
+    return {k: v for k, v in state.items() if k.endswith("expert_bias")}
+
+
+ROUTER_KEYS = ["train/aux_loss", "moe/balance"] + [
+    f"moe/{k}/{i}" for i in (0, 1) for k in ("max_load", "entropy")
+]
+
+
+@pytest.fixture(scope="module")
+def straight(corpus, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    gptkit.train(moe_args(corpus, runs, "straight", "trainer.progress=lines"))
+    return runs / "straight"
+
+
+def test_moe_tiny_trains_and_logs_the_router(straight):
+    got = rows(straight)
+    train = {s: r for s, r in got.items() if r.get("train/loss")}
+    assert sorted(train) == list(range(1, STEPS + 1))
+    for r in train.values():
+        # the balance figure is 1 when balanced and E / k = 2 when collapsed; the entropy at most log 4
+        assert 1.0 <= float(r["moe/balance"]) < 2.0
+        for i in (0, 1):
+            assert 1.0 <= float(r[f"moe/max_load/{i}"]) <= 2.0
+            assert 0.0 < float(r[f"moe/entropy/{i}"]) <= float(torch.log(torch.tensor(4.0))) + 1e-6
+        # 0.01 * balance + 0.001 * z per layer, over 2 layers: at least the balance terms
+        assert float(r["train/aux_loss"]) >= 2 * 0.01
+    assert float(train[STEPS]["train/loss"]) < float(train[1]["train/loss"])
+    # the bias moved (a step of 0.01 per expert per step, centred) and sums to 0 in every layer
+    b = biases(straight)
+    assert sorted(b) == ["model.blocks.0.mlp.expert_bias", "model.blocks.1.mlp.expert_bias"]
+    for v in b.values():
+        assert v.abs().max() > 0 and abs(float(v.sum())) < 1e-6
+
+
+def test_the_progress_line_shows_the_aux_loss_the_worst_load_and_the_lowest_entropy():
+    metrics = {
+        "train/aux_loss": 0.0213,
+        "moe/max_load/0": 1.2,
+        "moe/max_load/3": 1.9,
+        "moe/entropy/0": 1.1,
+        "moe/entropy/3": 1.3,
+    }
+    assert progress_parts(metrics) == ["aux 0.0213", "max load 1.90 (L3)", "router H 1.10 (L0)"]
+    # a dense run: nothing
+    assert progress_parts({"train/loss": 2.0}) == []
+
+
+def test_the_expert_bias_resumes_bit_for_bit(corpus, straight):
+    runs = straight.parent
+    gptkit.train(moe_args(corpus, runs, "split", "trainer.stop_at_step=3"))
+    at3 = biases(runs / "split")
+    gptkit.train([f"resume={runs / 'split'}", f"runs_dir={runs}", "name=split"])
+    # the checkpoint of step 3 holds the bias after step 3's update: what the straight run had then
+    assert all(torch.equal(at3[k], v) for k, v in biases(straight, "step-000003.ckpt").items())
+    a, b = rows(straight), rows(runs / "split")
+    keys = ["train/loss", "train/grad_norm", "val/loss", *ROUTER_KEYS]
+    assert [[r.get(k) for k in keys] for r in a.values()] == [[r.get(k) for k in keys] for r in b.values()]
+    assert all(torch.equal(biases(runs / "split")[k], v) for k, v in biases(straight).items())
+
+
+def test_the_bias_moves_by_the_loads_of_the_whole_step_over_its_micro_batches():
+    """Two micro-batches of a step move the bias as one batch of both does (RouterWatch sums their loads
+    before the update), and only training forwards count."""
+    cfg = ModelConfig.from_dict(
+        {
+            **ModelConfig(vocab_size=48, max_seq_len=16, n_layers=2, n_heads=2, d_model=32).to_dict(),
+            "mlp": "swiglu",
+            "moe": {"n_experts": 4, "top_k": 2, "d_expert": 24, "bias_update_rate": 0.01},
+        }
+    )
+    torch.manual_seed(0)
+    idx = torch.randint(0, 48, (4, 16))
+    ends = []
+    for parts in ([idx], [idx[:2], idx[2:]]):
+        torch.manual_seed(1)
+        model = GPT(cfg).train()
+        watch = RouterWatch(model, world_size=1)
+        for _ in range(3):
+            for part in parts:
+                model(part)
+                assert watch.take() is not None
+            with torch.no_grad():
+                model.eval()(idx)
+            model.train()
+            assert watch.take() is None
+            watch.after_optimizer_step()
+        ends.append(torch.stack([b.mlp.expert_bias for b in model.blocks]))
+    assert ends[0].abs().max() > 0 and torch.equal(ends[0], ends[1])
+
+
+def test_flops_count_the_active_parameters_and_memory_every_one(corpus, tmp_path):
+    plan = gptkit.plan(moe_args(corpus, tmp_path, "plan"))
+    c = acc.count_params(plan.model)
+    assert c.active < c.total
+    f = acc.flops_per_token(plan.model, plan.seq_len)
+    assert plan.flops_per_token == f.train_dense
+    assert f.n_matmul == c.active - c.tok_emb - c.norms - c.final_norm
+    assert acc.training_memory(plan.model, "32-true")["optimizer"] == c.total * 8
+
+
+def close_rows(got, want, keys, tol=1e-5):
+    """The same logged steps, each figure within tol (fp32: 2 ranks reduce in another order than 1)."""
+    train = sorted(s for s, r in want.items() if r.get("train/loss"))
+    assert train == sorted(s for s, r in got.items() if r.get("train/loss")) == list(range(1, STEPS + 1))
+    for s, r in want.items():
+        for k in keys:
+            if r.get(k):
+                assert abs(float(got[s][k]) - float(r[k])) < tol, (s, k, got[s][k], r[k])
+
+
+def test_ddp_and_fsdp2_on_2_processes_follow_one_process_bias_included(corpus, straight):
+    """Each rank half the step's sequences: the per-sequence balance loss, the token-weighted aux gradient and
+    the all-reduced loads make 2 ranks train as 1 process; an FSDP2 run's sharded checkpoints hold the bias
+    and continue in 1 process."""
+    runs = straight.parent
+    keys = ["train/loss", "train/grad_norm", "val/loss", *ROUTER_KEYS]
+    two = ["trainer.devices=2", "trainer.batch_size=2"]
+    r = run_group("-m", "gptkit", "train", *moe_args(corpus, runs, "ddp", "trainer=ddp", *two))
+    assert r.returncode == 0, r.stderr[-3000:]
+    close_rows(rows(runs / "ddp"), rows(straight), keys)
+    # the loads are counts: the same expert biases exactly
+    assert all(torch.equal(biases(runs / "ddp")[k], v) for k, v in biases(straight).items())
+    fsdp = ["trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=3", *two]
+    r = run_group("-m", "gptkit", "train", *moe_args(corpus, runs, "fsdp", *fsdp))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (runs / "fsdp/checkpoints/step-000003.ckpt/.metadata").is_file()
+    # (a process of its own: FSDP2 over a world of 1 starts a process group)
+    r = run_group(
+        "-m", "gptkit", "train", f"resume={runs / 'fsdp'}", "trainer.devices=1", "trainer.batch_size=4"
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    close_rows(rows(runs / "fsdp"), rows(straight), keys)
+
+
+def test_lora_on_attention_and_experts_trains_the_adapters_only_and_samples_merged(corpus, straight, capsys):
+    runs = straight.parent
+    gptkit.train(
+        moe_args(
+            corpus,
+            runs,
+            "lora",
+            f"init_from={straight}",
+            "finetune=lora",
+            "lora.targets=[q,v,gate,up,down]",
+            "lora.rank=4",
+            "trainer.max_steps=3",
+        )
+    )
+    state = torch.load(runs / "lora/checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    # the adapters alone (the expert bias is no adapter: it stays the base's, not moved by a LoRA run)
+    assert sorted(k for k in state if "experts" in k) == [
+        f"model.blocks.{i}.mlp.experts.lora_{t}_{ab}"
+        for i in (0, 1)
+        for t in ("down", "gate", "up")
+        for ab in "AB"
+    ]
+    assert tuple(state["model.blocks.0.mlp.experts.lora_up_B"].shape) == (4, 24, 4)
+    assert state["model.blocks.1.mlp.experts.lora_down_B"].abs().sum() > 0
+    code, out, err = run_main(capsys, "sample", f"run={runs / 'lora'}", "prompt=the", "max_new_tokens=4")
+    assert code == 0, err
+
+
+def test_muon_trains_each_expert_as_a_matrix_and_fsdp2_follows_one_process(corpus, straight, capsys):
+    """optim=muon: the expert stacks are Muon's (tests/training/test_muon.py: each expert as torch's Muon
+    moves a matrix); under FSDP2 each rank orthogonalizes its own experts, and 2 ranks follow 1 process."""
+    runs = straight.parent
+    muon = ["optim=muon", "trainer.max_steps=4", "trainer.val_every=2", "trainer.checkpoint_every=2"]
+    code, _, err = run_main(capsys, "train", *moe_args(corpus, runs, "muon", *muon))
+    assert code == 0, err
+    # per layer qkv, o, the router and 3 x 4 experts
+    assert "in 30 block matrices" in err
+    two = ["trainer=fsdp", "trainer.devices=2", "trainer.batch_size=2", "trainer.precision=32-true"]
+    r = run_group("-m", "gptkit", "train", *moe_args(corpus, runs, "muon-fsdp", *muon, *two))
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = rows(runs / "muon"), rows(runs / "muon-fsdp")
+    assert sorted(s for s, r in got.items() if r.get("train/loss")) == [1, 2, 3, 4]
+    for s, r in want.items():
+        for k in ("train/loss", "val/loss", *ROUTER_KEYS):
+            if r.get(k):
+                assert abs(float(got[s][k]) - float(r[k])) < 1e-5, (s, k, got[s][k], r[k])
