@@ -53,8 +53,9 @@ def estimate(plan: Any) -> dict[str, float]:
     from gptkit import accounting as acc
 
     objective = OBJECTIVES[getattr(plan, "objective", "lm")]
+    group = objective.settings_of(getattr(plan, "cfg", None))
     # sequences through the model per micro-step
-    rows = plan.batch_size * objective.rows_per_item
+    rows = plan.batch_size * objective.rows(group)
     mem = acc.training_memory(
         plan.model,
         plan.precision,
@@ -64,7 +65,7 @@ def estimate(plan: Any) -> dict[str, float]:
         bool(plan.trainer.activation_checkpointing),
     )
     # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
-    if objective.needs_reference and getattr(plan, "lora", None) is None:
+    if objective.uses_reference(group) and getattr(plan, "lora", None) is None:
         mem["reference"] = mem["weights"]
     if getattr(plan, "lora", None) is not None:
         n = acc.count_params(plan.model).total

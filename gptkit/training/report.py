@@ -124,7 +124,7 @@ def announce(
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
     compiled = f", torch.compile={plan.compile}" if plan.compile else ""
     total = plan.total_tokens
-    batch = plan.objective_class.batch_words(plan.batch_size)
+    batch = plan.objective_class.batch_words(plan.batch_size, plan.objective_settings)
     convention = (
         "4N + 6·adapters + 12·L·T·d_attn: no weight gradient for the frozen weights"
         if plan.lora
