@@ -7,6 +7,7 @@ Examples:
   gptkit bench sample               (decode tokens/s vs transformers generate(); bench.device=cuda on a GPU)
   gptkit bench sft                  (experiment=sft-tiny end to end: held-out exact match before and after)
   gptkit bench dpo                  (experiment=dpo-tiny, full and LoRA: held-out preference before and after)
+  gptkit bench grpo                 (experiment=grpo-tiny: held-out exact match before and after)
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)
 """
 
