@@ -17,6 +17,7 @@ with a one-token forward whose output it drops.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -80,6 +81,12 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+@functools.lru_cache(maxsize=8)
+def _vocab_hash(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[V] int64: each vocabulary id hashed (the same for every row and token: made once)."""
+    return _mix32(torch.arange(vocab_size, device=device) ^ 0x9E3779B9)
+
+
 def key_tensor(keys: list[int], device) -> torch.Tensor:
     """[n, 2] int64: the high and low 32 bits of each 64-bit key."""
     return torch.tensor([[(k >> 32) & _M32, k & _M32] for k in keys], dtype=torch.long, device=device)
@@ -91,7 +98,7 @@ def key_noise(keys: torch.Tensor, index: int, vocab_size: int) -> torch.Tensor:
     hi, lo = keys[:, 0], keys[:, 1]  # [n] each
     step = _mix32(torch.full_like(hi, index & _M32) ^ 0x85EBCA6B)  # [n]
     row = _mix32(_mix32(hi ^ step) ^ lo)  # [n]
-    vocab = _mix32(torch.arange(vocab_size, device=keys.device) ^ 0x9E3779B9)  # [V]
+    vocab = _vocab_hash(vocab_size, keys.device)  # [V]
     bits = _mix32(row[:, None] ^ vocab[None, :])  # [n, V] in [0, 2^32)
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # [n, V] in (0, 1)
     return -torch.log(uniform)

@@ -339,7 +339,17 @@ def test_grpo_on_2_processes_follows_one_process_fsdp_then_ddp(start, straight):
         return r
 
     # FSDP2 (every forward collective: the ranks decode in lockstep), stopped inside a round of rollouts
-    run(*grpo_args(start, "two", 2, "trainer=fsdp", "trainer.devices=2", "trainer.stop_at_step=3"))
+    run(
+        *grpo_args(
+            start,
+            "two",
+            2,
+            "trainer=fsdp",
+            "trainer.devices=2",
+            "trainer.precision=32-true",
+            "trainer.stop_at_step=3",
+        )
+    )
     # DDP continues it: the round's rollouts of both ranks come from the checkpoint
     run(
         f"resume={start / 'two'}",
@@ -418,3 +428,50 @@ def test_bad_grpo_commands_exit_2_with_one_line(start, capsys):
         assert code == 2 and line.startswith(f"error: {message}"), (args, err[-2000:])
     # the reward's failure names the prompt's file and line
     assert f"on the prompt of {f} line " in line
+
+
+def test_the_plan_counts_each_prompts_completions_their_sampling_and_the_reference():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from gptkit import accounting as acc
+    from gptkit.conf_tree import compose
+    from gptkit.model import ModelConfig
+    from gptkit.precision import precision
+    from gptkit.training.memory import estimate
+    from gptkit.training.plan import make_plan
+
+    cfg = compose("train", ["model=llama-tiny", "trainer.batch_size=3", "trainer.accelerator=cpu"])
+    model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    lm = make_plan(cfg, None, model)
+    cfg.objective = "grpo"
+    cfg.grpo.group_size = 4
+    grpo = make_plan(cfg, None, model)
+    # 3 prompts x 4 completions
+    assert grpo.rows == 12 and grpo.tokens_per_step == 4 * lm.tokens_per_step
+    forward = acc.flops_per_token(model, lm.seq_len)
+    # the sampling: a forward per token
+    assert grpo.flops_per_token == pytest.approx(lm.flops_per_token + forward.forward_dense)
+    # a KL term (a reference's forward) and 2 passes per batch of rollouts (the sampling policy's forward):
+    # the three forwards once per 2 steps
+    cfg.grpo.beta, cfg.grpo.iterations = 0.1, 2
+    kl = make_plan(cfg, None, model)
+    assert kl.flops_per_token == pytest.approx(lm.flops_per_token + 1.5 * forward.forward_dense)
+    plan = SimpleNamespace(
+        model=model,
+        precision=precision("32-true"),
+        shards=1,
+        batch_size=3,
+        seq_len=lm.seq_len,
+        trainer=SimpleNamespace(activation_checkpointing=False),
+        lora=None,
+        objective="grpo",
+        cfg=cfg,
+    )
+    mem = estimate(plan)
+    # 12 sequences, and the reference's copy of the weights
+    assert (
+        mem["reference"] == mem["weights"]
+        and mem["logits"] == 4 * estimate(SimpleNamespace(**{**vars(plan), "objective": "lm"}))["logits"]
+    )

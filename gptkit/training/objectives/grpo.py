@@ -13,10 +13,11 @@ One optimizer step, for each prompt of its batch:
   2. rewards   R_i = sum_k w_k reward_k(prompt, completion_i, record)     (gptkit/training/rewards.py)
   3. advantage A_i = R_i - mean(R of the group), divided by (std(R of the group) + 1e-4) with grpo.scale=std
                (the unbiased std, as TRL's GRPOTrainer) or not (none: Dr. GRPO)
-  4. loss      per completion token t of completion i, with rho = pi(o_t) / pi_old(o_t), the ratio to the
-               policy that sampled it (in the first pass pi_old = pi, detached: rho = 1, its gradient that
-               of log pi), and the k3 estimate of the KL to the frozen start (Schulman 2020) when
-               grpo.beta > 0:
+  4. loss      per completion token t of completion i (log-probs of the logits divided by grpo.temperature:
+               the policy that samples, as TRL's GRPOTrainer scores it), with rho = pi(o_t) / pi_old(o_t),
+               the ratio to the policy that sampled it (in the first pass pi_old = pi, detached: rho = 1,
+               its gradient that of log pi), and the k3 estimate of the KL to the frozen start (Schulman
+               2020) when grpo.beta > 0:
                    l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_it
                    KL_it = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
                normalized over the step's completions, every micro-batch and rank (grpo.loss):
@@ -104,11 +105,13 @@ def group_advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
     return adv
 
 
-def token_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Log-probs [N, T] (fp32) of targets [N, T] under logits [N, T, V]; 0 where a target is -100."""
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [N, T] (fp32) of targets [N, T] under logits [N, T, V] divided by the sampling temperature
+    (the policy that samples, as TRL's GRPOTrainer scores it); 0 where a target is -100."""
     n, t, v = logits.shape
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
     return -F.cross_entropy(
-        logits.float().reshape(n * t, v), targets.reshape(n * t), ignore_index=-100, reduction="none"
+        logits.reshape(n * t, v), targets.reshape(n * t), ignore_index=-100, reduction="none"
     ).view(n, t)
 
 
@@ -468,10 +471,10 @@ class GRPO(Objective):
         out = Rollouts(x, y, advantages)
         if self.mu > 1:
             with torch.no_grad():
-                out.old = token_logps(model(x).logits, y)
+                out.old = token_logps(model(x).logits, y, self.opts.temperature)
         if self.reference is not None:
             with torch.no_grad():
-                out.ref = token_logps(self.reference.logits(model, x), y)
+                out.ref = token_logps(self.reference.logits(model, x), y, self.opts.temperature)
         return out
 
     def _kept(self, model, batch: PromptBatch) -> Rollouts:
@@ -522,7 +525,7 @@ class GRPO(Objective):
             self._clock = time.perf_counter()
         ro = self._kept(model, batch) if self.mu > 1 else self.rollouts(model, batch)
         fault_point("rollout")
-        logps = token_logps(model(ro.x).logits, ro.y)  # [N, T]
+        logps = token_logps(model(ro.x).logits, ro.y, self.opts.temperature)  # [N, T]
         mask = ro.y != -100  # [N, T]
         old = ro.old if ro.old is not None else logps.detach()
         value, figures = grpo_loss(
@@ -616,6 +619,7 @@ class GRPO(Objective):
         if self._clock is not None:
             wall = max(1e-9, now - self._clock - self._val_seconds)
             out["time/generation_s"] = generation
+            out["time/training_s"] = max(0.0, wall - generation)
             out["time/generation_share"] = min(1.0, generation / wall)
         # the next window starts at its first loss (no validation or checkpoint before it counts)
         self._clock, self._val_seconds = None, 0.0
