@@ -170,6 +170,8 @@ class Batcher:
         # decode steps run, and the rows they ran (their mean is the mean batch)
         self.steps = 0
         self.rows = 0
+        # choices ended, by reason (FINISH_REASONS)
+        self.ended = {reason: 0 for reason in FINISH_REASONS}
 
     # ---- requests -----------------------------------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams) -> None:
@@ -235,6 +237,7 @@ class Batcher:
                 if (job, c) not in ended and job.finished < job.params.n
             ]
             job.finished = job.params.n
+            self.ended["error"] += len(events)
             if events:
                 try:
                     job.deliver(events)
@@ -249,6 +252,7 @@ class Batcher:
             for job in [j for j in self.waiting if j.cancelled]:
                 self.waiting.remove(job)
                 job.finished = job.params.n
+                self.ended["cancelled"] += job.params.n
                 out.setdefault(job, []).extend(Event(c, finish="cancelled") for c in range(job.params.n))
 
     def _prefill(self, job: Job, out: dict[Job, list[Event]]) -> None:
@@ -313,6 +317,7 @@ class Batcher:
         """End a sequence; ev: the event of its last token, which then carries the ending."""
         s.finished = True
         s.job.finished += 1
+        self.ended[reason] += 1
         text = s.stream.finish() if s.stream is not None and reason != "cancelled" else ""
         if ev is None:
             out.setdefault(s.job, []).append(Event(s.choice, text=text, finish=reason))

@@ -161,7 +161,8 @@ class Engine:
             self._cv.notify()
 
     def load(self) -> dict:
-        """What the engine holds now: active slots, waiting requests, steps run, the mean batch."""
+        """What the engine holds now: active slots, waiting requests, steps run, the mean batch, the choices
+        ended so far by reason."""
         b = self.batcher
         return {
             "active": b.active,
@@ -170,6 +171,7 @@ class Engine:
             "max_queue": self.max_queue,
             "steps": b.steps,
             "mean_batch": b.rows / b.steps if b.steps else 0.0,
+            "ended": dict(b.ended),
         }
 
     # ---- the loop ---------------------------------------------------------------------------------------

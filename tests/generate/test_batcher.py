@@ -1,5 +1,6 @@
-"""Continuous batching (gptkit/inference/): each request's greedy tokens are `gptkit sample`'s whatever shares
-the batch, seeded choices draw as `sample seed=` does, the endings, cancelling, a full queue, a failed step."""
+"""Continuous batching (gptkit/inference/): each request's greedy tokens are `gptkit sample`'s whatever
+shares the batch, seeded choices draw as `sample seed=` does, the endings, cancelling, a full queue, a failed
+step."""
 
 import threading
 
@@ -91,7 +92,9 @@ def test_n_choices_share_the_prefill_and_seeded_choices_draw_as_sample_does():
     assert len({tuple(ch.tokens) for ch in out[0].choices}) > 1
     greedy = reference(model, ps[1], 9).tokens[0]
     assert [ch.tokens for ch in out[1].choices] == [greedy, greedy]
-    assert out[2].choices[0].tokens == reference(model, ps[2], 15, temperature=0.7, top_p=0.9, seed=11).tokens[0]
+    assert (
+        out[2].choices[0].tokens == reference(model, ps[2], 15, temperature=0.7, top_p=0.9, seed=11).tokens[0]
+    )
     # usage: the prompt once, every sampled token of every choice
     assert out[0].prompt_tokens == len(ps[0]) and out[0].sampled == 36
 
@@ -159,8 +162,9 @@ def test_engine_cancel_frees_the_slot_a_full_queue_refuses_and_a_failed_step_fai
         finally:
             del model.forward
         assert engine.last_error and engine.running
-        assert engine.submit(p, SamplingParams(max_new_tokens=4, temperature=0.0)).result().choices[0].tokens == (
-            reference(model, p, 4).tokens[0]
+        assert (
+            engine.submit(p, SamplingParams(max_new_tokens=4, temperature=0.0)).result().choices[0].tokens
+            == (reference(model, p, 4).tokens[0])
         )
     assert not engine.running
 
