@@ -441,3 +441,30 @@ def test_the_chat_page_streams_an_answer_in_a_browser(server, ref, tmp_path):
     assert finished == finish(want.stop_reason)
     assert shot.stat().st_size > 1000
     print(f"chat page screenshot: {shot}")
+
+
+def test_a_full_queue_answers_429(tmp_path):
+    """In process (the app over httpx's ASGI transport): one slot, no queue, the slot busy."""
+    import asyncio
+
+    from gptkit.inference.batcher import SamplingParams
+    from gptkit.serve.app import build_app
+    from gptkit.serve.served import load_served
+
+    served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=1, max_queue=0)
+    served.engine.start()
+    try:
+        busy = served.engine.submit([1, 2, 3], SamplingParams(max_new_tokens=CONTEXT - 10, temperature=0.0))
+        assert next(iter(busy)).finish is None
+
+        async def call():
+            transport = httpx.ASGITransport(app=build_app(served))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+
+        r = asyncio.run(call())
+        busy.cancel()
+    finally:
+        served.engine.stop()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error" and "max_queue=0" in r.json()["error"]["message"]
