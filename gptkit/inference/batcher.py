@@ -26,6 +26,7 @@ runs it in the caller's thread for a list of prompts (rollouts, evaluation).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
@@ -34,6 +35,7 @@ from typing import Callable, Optional
 
 import torch
 
+from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.inference.slot_cache import SlotCache
 from gptkit.sampling import TextStream, argmax, sample_next
@@ -367,8 +369,9 @@ def generate_many(
     max_batch: int = 16,
 ) -> list[Completion]:
     """Generate for every prompt through one Batcher in this thread (no server, no thread): at most max_batch
-    sequences decode together, the next prompt joining as soon as a slot is free. params: one for all, or
-    one per prompt. Returns one Completion per prompt, in order."""
+    sequences decode together, the next prompt joining as soon as a slot is free (on the CPU with the
+    decoding layout for max_batch rows). params: one for all, or one per prompt. Returns one Completion per
+    prompt, in order."""
     if not isinstance(params, list):
         params = [params] * len(prompts)
     if len(params) != len(prompts):
@@ -393,7 +396,9 @@ def generate_many(
         return deliver
 
     jobs = []
-    with torch.inference_mode():
+    rows = batcher.max_batch if model.lm_head.weight.device.type == "cpu" else None
+    layout = decoding_layout(model, rows) if rows else contextlib.nullcontext()
+    with torch.inference_mode(), layout:
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             job = Job(prompt, p, collector(i, p.n), decode)
             batcher.add(job)

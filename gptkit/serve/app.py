@@ -7,8 +7,8 @@
     GET  /                       the chat page (gptkit/serve/page.html), which streams from the same API
 
 Each request's choices run as jobs of the engine (gptkit.inference.engine), whose thread hands each step's
-events to this event loop (call_soon_threadsafe into an asyncio.Queue). A client that disconnects cancels its
-jobs, freeing their slots at the next step. Errors are ApiError bodies in OpenAI's shape; anything
+events to this event loop (one call_soon_threadsafe per step, _Dispatcher). A client that disconnects
+cancels its jobs, freeing their slots at the next step. Errors are ApiError bodies in OpenAI's shape; anything
 unexpected is a 500 in that shape with one line on stderr, never a traceback to the client.
 """
 
@@ -18,6 +18,7 @@ import asyncio
 import hmac
 import json
 import sys
+import threading
 from functools import partial
 from importlib import resources
 from typing import Callable, Optional
@@ -50,22 +51,50 @@ def error_response(err: ApiError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
 
 
+class _Dispatcher:
+    """Events from the engine's thread to the event loop: what one step delivers to all its requests crosses
+    in one wake-up of the loop (one call_soon_threadsafe, one write to its self-pipe), not one per request."""
+
+    def __init__(self) -> None:
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.lock = threading.Lock()
+        self.pending: list = []
+        self.scheduled = False
+
+    def put(self, queue: asyncio.Queue, item) -> None:
+        """On the engine's thread."""
+        with self.lock:
+            self.pending.append((queue, item))
+            if self.scheduled:
+                return
+            self.scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        # the event loop is gone (shutdown): nobody waits for these events
+        except RuntimeError:
+            pass
+
+    def _drain(self) -> None:
+        with self.lock:
+            items, self.pending, self.scheduled = self.pending, [], False
+        for queue, item in items:
+            queue.put_nowait(item)
+
+
 class _Jobs:
     """The engine jobs of one request, their events arriving on this event loop."""
 
-    def __init__(self, served: Served) -> None:
+    def __init__(self, served: Served, dispatcher: _Dispatcher) -> None:
         self.served = served
-        self.loop = asyncio.get_running_loop()
+        if dispatcher.loop is None:
+            dispatcher.loop = asyncio.get_running_loop()
+        self.dispatcher = dispatcher
         self.queue: asyncio.Queue = asyncio.Queue()
         self.handles: list = []
 
     def _deliver(self, k: int, events: list[Event]) -> None:
         """On the engine's thread."""
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (k, events))
-        # the event loop is gone (shutdown): nobody waits for these events
-        except RuntimeError:
-            pass
+        self.dispatcher.put(self.queue, (k, events))
 
     def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
         try:
@@ -133,6 +162,7 @@ def build_app(
 ) -> Starlette:
     """The Starlette app serving `served` (its engine must be started)."""
     fingerprint = f"gptkit-{__version__}"
+    dispatcher = _Dispatcher()
     page = resources.files("gptkit.serve").joinpath("page.html").read_text(encoding="utf-8")
 
     def authorize(request: Request) -> None:
@@ -210,7 +240,7 @@ def build_app(
         request: Request, kind: str, prompts: list[list[int]], sp: SamplingParams, s: protocol.Sampling
     ) -> Response:
         reply = Reply(kind, served.name, fingerprint=fingerprint)
-        jobs = _Jobs(served)
+        jobs = _Jobs(served, dispatcher)
         jobs.submit(prompts, sp)
         n_prompt = sum(len(p) for p in prompts)
         total = len(prompts) * sp.n
