@@ -16,6 +16,7 @@ Then, in this process with the server stopped: gptkit.inference.generate_many (t
 every request at once), gptkit's generate() one request at a time (`gptkit sample`'s loop), and
 transformers' continuous batching (model.generate_batch, every request at once) on the model as
 gptkit.hf.to_transformers builds it (the export's weights), where the installed transformers has it.
+bench.device=cuda puts the server and every side on the GPU (.ci/gpu-check's bench-serve step).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.generate import generate
 from gptkit.hf import to_transformers
 from gptkit.inference.batcher import SamplingParams, generate_many
+from gptkit.precision import torch_dtype
 from gptkit.runs import write_run_folder
 from gptkit.sampling import SampleOptions
 from gptkit.threads import set_threads
@@ -80,7 +82,9 @@ def load_line() -> str:
 class Server:
     """`gptkit serve` in a subprocess on a free port."""
 
-    def __init__(self, run_dir: Path, threads: int | None, max_batch: int, max_queue: int) -> None:
+    def __init__(
+        self, run_dir: Path, threads: int | None, max_batch: int, max_queue: int, device: str, dtype: str
+    ) -> None:
         args = [
             sys.executable,
             "-m",
@@ -91,7 +95,8 @@ class Server:
             f"max_batch={max_batch}",
             f"max_queue={max_queue}",
             "access_log=false",
-            "device=cpu",
+            f"device={device}",
+            f"dtype={dtype}",
         ]
         if threads:
             args.append(f"threads={threads}")
@@ -202,6 +207,8 @@ def in_process(side: str, fn) -> dict:
     """A row of this process's own work: fn() -> tokens, timed on the wall and on this process's CPU."""
     t0, c0 = time.perf_counter(), time.process_time()
     tokens = fn()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "side": side,
@@ -216,7 +223,8 @@ def in_process(side: str, fn) -> dict:
 def transformers_side(model, prompts: list[list[int]], new_tokens: int, cb_config: dict):
     """A function timing transformers' generate_batch (continuous batching) on the same weights, and the
     greedy answers of its last call; None where the installed transformers has no generate_batch."""
-    hf_model = to_transformers(model)
+    w = model.tok_emb.weight
+    hf_model = to_transformers(model).to(device=w.device, dtype=w.dtype)
     if not hasattr(hf_model, "generate_batch"):
         return None, None
     from transformers import GenerationConfig
@@ -255,8 +263,9 @@ def median_row(rows: list[dict]) -> dict:
 
 
 def run(cfg) -> int:
-    if str(cfg.device) != "cpu":
-        raise ConfigError("bench serve runs on the CPU here (bench.device=cpu); a GPU run: .ci/gpu-check")
+    device, dtype = str(cfg.device), str(cfg.dtype)
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise ConfigError(f"bench.device={device}: use cpu, or cuda (cuda:<n>) where torch sees a GPU")
     clients = [int(c) for c in cfg.clients]
     if not clients or any(c < 1 for c in clients):
         raise ConfigError(f"bench.clients={list(cfg.clients)} must list positive numbers")
@@ -266,8 +275,9 @@ def run(cfg) -> int:
     low, high = (int(x) for x in cfg.prompt_tokens)
     new_tokens, n_requests = int(cfg.new_tokens), int(cfg.requests)
     set_threads(cfg.threads, "bench.threads")
-    spec = OmegaConf.to_container(cfg.model, resolve=True)
-    model = build_model(spec)
+    # null: the preset's value
+    spec = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if v is not None}
+    model = build_model(spec).to(device=device, dtype=torch_dtype(dtype))
     vocab = model.cfg.vocab_size
     if high + new_tokens > model.cfg.max_seq_len:
         raise ConfigError(
@@ -309,6 +319,8 @@ def run(cfg) -> int:
         "prompt_tokens": [low, high],
         "new_tokens": new_tokens,
         "threads": cfg.threads,
+        "device": device,
+        "dtype": dtype,
         "max_batch": int(cfg.max_batch),
         "repeats": repeats,
         "load_before": load_line(),
@@ -340,7 +352,7 @@ def run(cfg) -> int:
             Path(tmp) / "run", {"tokenizer": {"eos_token": EOS}}, model, word_tokenizer(vocab)
         )
         # the server sits idle (no CPU) while this process times its own rows
-        server = Server(run_dir, cfg.threads, int(cfg.max_batch), max(64, n_requests))
+        server = Server(run_dir, cfg.threads, int(cfg.max_batch), max(64, n_requests), device, dtype)
         try:
             # warm-up: the first requests pay for lazy set-up
             http_row(server.url, bodies[: min(4, n_requests)], min(4, n_requests), server.proc.pid)
@@ -376,8 +388,9 @@ def run(cfg) -> int:
     one = results["rows"][0]
     t = Table(
         title=f"gptkit bench serve: {n_requests} requests, prompts of {low}-{high} tokens + {new_tokens} "
-        f"greedy tokens each, {spec.get('preset')} ({model.num_parameters() / 1e6:.1f}M parameters), CPU, "
-        f"threads={cfg.threads}, max_batch={cfg.max_batch}; median of {repeats} rounds (min-max)"
+        f"greedy tokens each, {spec.get('preset')} ({model.num_parameters() / 1e6:.1f}M parameters), "
+        f"{device} {dtype}, threads={cfg.threads}, max_batch={cfg.max_batch}; median of {repeats} rounds "
+        "(min-max)"
     )
     cols = ("side", "tokens/s", "vs 1 client", "tokens per CPU s", "TTFT p50 / p95 ms", "TPOT p50 / p95 ms")
     for col in cols:
