@@ -24,7 +24,7 @@ def run(cfg) -> int:
     from gptkit.errors import ConfigError
     from gptkit.runs import resolve_device
     from gptkit.serve.served import load_served
-    from gptkit.serve.server import serve
+    from gptkit.serve.server import bind, serve
     from gptkit.threads import set_threads
 
     if cfg.special_tokens_in_content not in SPECIAL_TEXT:
@@ -42,6 +42,8 @@ def run(cfg) -> int:
     if api_key is not None and not str(api_key).strip():
         raise ConfigError("api_key is empty; give a key, or null for none")
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
+    # a port in use fails now, not after the model has loaded
+    sock = bind(str(cfg.host), int(cfg.port))
     served = load_served(
         cfg.run,
         name=cfg.model_name,
@@ -58,7 +60,7 @@ def run(cfg) -> int:
     return serve(
         served,
         host=str(cfg.host),
-        port=int(cfg.port),
+        sock=sock,
         api_key=None if api_key is None else str(api_key),
         max_request_bytes=int(cfg.max_request_bytes),
         access_log=bool(cfg.access_log),

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from gptkit.chat_templates import (
+    BUILTIN,
     ChatTemplate,
     check_special_tokens,
     encode_conversation,
@@ -141,6 +142,10 @@ def load_served(
     if template == "auto":
         tpl = template_in_folder(Path(r.dir))
     elif template not in (None, "none"):
+        if template not in BUILTIN and not Path(str(template)).expanduser().is_file():
+            raise GptkitError(
+                f"template={template}: no such file; use auto, none, {', '.join(BUILTIN)} or a .jinja file"
+            )
         tpl = resolve_template(str(template), None)
     if tpl is not None:
         check_special_tokens(r.tokenizer, tpl, f"the run {r.dir}")

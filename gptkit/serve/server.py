@@ -80,13 +80,17 @@ def serve(
     *,
     host: str = "127.0.0.1",
     port: int = 8000,
+    sock: Optional[socket.socket] = None,
     api_key: Optional[str] = None,
     max_request_bytes: int = 1 << 20,
     access_log: bool = True,
 ) -> int:
+    """Serve until Ctrl-C or SIGTERM. sock: a socket bind() already opened on host (before the model loaded,
+    so that a port in use fails at once); None: bind host:port now."""
     import uvicorn
 
-    sock = bind(host, port)
+    if sock is None:
+        sock = bind(host, port)
     bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{bound}"

@@ -17,6 +17,15 @@ from gptkit.sampling import SampleOptions
 VARIANTS = {
     "rope-gqa": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False),
     "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
+    # routing has no capacity: a token's experts do not depend on what shares its batch
+    "rope-moe": dict(
+        position="rope",
+        n_kv_heads=2,
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        moe=dict(n_experts=4, top_k=2),
+    ),
 }
 
 
