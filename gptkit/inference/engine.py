@@ -14,7 +14,9 @@ own queue: the server hands events to its event loop that way. If a step fails (
 every request then in the batch ends with an "error" event and the loop goes on with the next ones.
 
 The thread owns the model while it runs (in inference mode; on the CPU with the decoding layout of
-gptkit.decoding_layout for `layout_rows` rows, None: the model's own layers).
+gptkit.decoding_layout for `layout_rows` rows, None: the model's own layers). The layout copies the weights
+once, at start(): a caller that changes the weights (a training loop between rollouts) restarts the engine,
+or uses gptkit.inference.batcher.generate_many, which lays them out anew at every call.
 """
 
 from __future__ import annotations
