@@ -135,8 +135,9 @@ def sample_next(
 ) -> torch.Tensor:
     """One token per row of logits [B, V]: greedy when temperature is 0, else sampled; -> [B].
 
-    noise: [B, V] Exp(1) draws to sample with (gptkit.rollouts: each row's its own, a pure function of its
-    key); None draws them from `generator`. Never waits for the device, so it runs inside a CUDA graph."""
+    noise: [B, V] Exp(1) draws to sample with (gptkit.inference.rollouts: each row's its own, a pure function
+    of its key); None draws them from `generator`. Never waits for the device, so it runs inside a CUDA
+    graph."""
     if temperature == 0:
         return argmax(logits)
     logits = logits.float() / temperature  # [B, V]

@@ -5,8 +5,9 @@ objective=grpo, on data=prompts.
 One optimizer step, for each prompt of its batch:
 
   1. rollouts  G = grpo.group_size completions sampled from the policy through the KV cache
-               (gptkit.rollouts: grpo.temperature, top_p, top_k; at most grpo.max_new_tokens and the room
-               trainer.seq_len leaves; ended by the template's end of turn or the EOS, which they keep);
+               (gptkit.inference.rollouts: grpo.temperature, top_p, top_k; at most grpo.max_new_tokens and
+               the room trainer.seq_len leaves; ended by the template's end of turn or the EOS, which they
+               keep);
                completion r of the prompt
                at place s of the step's global batch is drawn with the key (seed, micro-step, s, r): a resumed
                step, and a run on another number of processes, draws the same completions
@@ -46,7 +47,7 @@ import torch.nn.functional as F
 from gptkit.data.prompts import PromptBatch
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.faults import fault_point
-from gptkit.rollouts import RolloutOptions, sample_groups, sample_key
+from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.training.objectives.base import Objective, Reference
 from gptkit.training.rewards import Rewards, load_rewards, parse_rewards
 
