@@ -462,6 +462,7 @@ def test_the_plan_counts_each_prompts_completions_their_sampling_and_the_referen
         model=model,
         precision=precision("32-true"),
         shards=1,
+        expert_shards=1,
         batch_size=3,
         seq_len=lm.seq_len,
         trainer=SimpleNamespace(activation_checkpointing=False),
