@@ -1,11 +1,18 @@
-"""FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking.
+"""FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking, sliding windows.
 
-    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, impl=None) -> out
+    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, window=None, impl=None) -> out
     q:   [B, H,    T, D]
     k/v: [B, H_kv, T, D]     H_kv divides H; query head h reads K/V head h // (H // H_kv)
     doc_bounds: None, or (start, end), int32 [B, T] each: token t of row b belongs to the document
                 [start[b, t], end[b, t]); attention never crosses a document boundary
+    window: None, or W (causal only): query i sees only the keys j > i - W, its last W positions
     out: [B, H, T, D]        differentiable with respect to q, k and v
+
+A window is a document bound per token (window_bounds): with causal attention, query i sees key j iff
+start[i] <= j <= i, and key j is seen by the queries j <= i < end[j]; a window W makes start[i] at least
+i - W + 1 and end[j] at most j + W. Both stay non-decreasing in t, which is all the tile ranges below need:
+the tiles wholly outside a window are skipped exactly as those outside a document, in the forward and in
+both backward kernels, so the cost of a windowed layer grows with T * W, not T^2 (forward_tiles counts it).
 
 Forward (one program per tile of BLOCK_M queries of one head): the query tile stays on-chip
 while K/V tiles stream past it; an online softmax keeps a fp32 running max `m` and sum `l`
@@ -1360,16 +1367,39 @@ def _launch(kind: str, impl: str, grid, block_d: int, *args, **meta) -> None:
         _KERNELS[kind][grid(blocks)](*args, **meta, **blocks, num_warps=warps, num_stages=stages)
 
 
+def window_bounds(
+    T: int,
+    window: int,
+    doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    batch: int = 1,
+    device=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end), int32 [B, T]: the document bounds (whole rows without doc_bounds) narrowed by a causal
+    window of `window` positions: start[t] = max(start, t - window + 1), end[t] = min(end, t + window)."""
+    t = torch.arange(T, device=device, dtype=torch.int32)  # [T]
+    ws = (t - window + 1).clamp_min(0)  # [T] the first key query t sees
+    # [T] one past the last query that sees key t
+    we = (t + window).clamp_max(T)
+    if doc_bounds is None:
+        return ws.expand(batch, T).contiguous(), we.expand(batch, T).contiguous()
+    start, end = doc_bounds
+    return torch.maximum(start.to(torch.int32), ws), torch.minimum(end.to(torch.int32), we)
+
+
 def forward_tiles(
     T: int,
     block_m: int,
     block_n: int,
     causal: bool = True,
     doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> int:
     """How many (query tile, key tile) products the forward kernel computes per head, summed over the
     batch rows of doc_bounds (one row without): the same ranges as _query_tile_ranges, in Python.
     Its cost model: time is about proportional to this count (tests hold it equal to the kernel's)."""
+    if window is not None:
+        B = 1 if doc_bounds is None else doc_bounds[0].shape[0]
+        doc_bounds = window_bounds(T, window, doc_bounds, B)
     rows = [(None, None)] if doc_bounds is None else list(zip(doc_bounds[0].tolist(), doc_bounds[1].tolist()))
     cdiv = triton.cdiv
     total = 0
@@ -1661,15 +1691,17 @@ def flash_attention(
     causal: bool = True,
     scale: float | None = None,
     doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
     impl: str | None = None,
 ) -> torch.Tensor:
-    """Exact softmax(q k^T * scale [+ causal mask] [+ document mask]) v, computed tile by tile.
+    """Exact softmax(q k^T * scale [+ causal mask] [+ document mask] [+ window]) v, computed tile by tile.
 
     q [B, H, T, D], k/v [B, H_kv, T, D] with H_kv divides H (GQA/MQA, no K/V copies); fp32, fp16
     or bf16 (all three alike); 16 <= D <= 256; scale defaults to D ** -0.5. Causal means query i
     sees keys 0..i. doc_bounds=(start, end), integer [B, T] each, packs documents into a row:
     position t belongs to the document [start[b, t], end[b, t]) (start <= t < end; documents are
-    contiguous runs), and query i sees only keys of its own document. Fully masked tiles are
+    contiguous runs), and query i sees only keys of its own document. window=W (causal only): query i
+    also sees only keys j > i - W (a sliding window; with documents both hold). Fully masked tiles are
     skipped. impl: "fa2" (default), "tma" or "tma-ws" (Hopper; falls back to fa2 where it cannot
     run); None reads GPTKIT_FLASH_IMPL. Tensors must be on a CUDA device, or on the CPU under
     TRITON_INTERPRET=1. Returns [B, H, T, D] in q's dtype; differentiable (once) in q, k and v.
@@ -1705,6 +1737,14 @@ def flash_attention(
             )
         ds = ds.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
         de = de.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window needs causal=True")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        # keys past the window are another document bound (the module docstring)
+        if window < T:
+            ds, de = window_bounds(T, window, None if ds is None else (ds, de), B, q.device)
     scale = D**-0.5 if scale is None else float(scale)
     if B * H * T == 0:
         return q.new_empty(B, H, T, D)

@@ -91,6 +91,7 @@ def report(cfg) -> dict:
             "train_dense": fl.train_dense,
             "train_causal": fl.train_causal,
             "attention_forward_dense": fl.attention_forward_dense,
+            "attention_forward_causal": fl.attention_forward_causal,
             "six_n": 6.0 * pc.active,
             "mfu_convention": "train_dense (perf/mfu, logged FLOP/s: 6N + 12·L·T·d_attn, full attention, as "
             "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
@@ -108,7 +109,8 @@ def report(cfg) -> dict:
             "gpu_hours_full_attention": hours(train_full),
             "gpu_hours_causal": hours(train_causal),
             "kv_cache_bytes_per_token": kv_tok,
-            "kv_cache_bytes_full_context": kv_tok * fl.seq_len,
+            # local layers hold their window
+            "kv_cache_bytes_full_context": acc.kv_cache_bytes(m, fl.seq_len, cfg.kv_dtype),
             "memory_per_gpu": mem,
             "precision": cfg.precision,
             "n_gpus": n_gpus,
@@ -217,7 +219,7 @@ def _print_tables(r: dict, cfg) -> None:
     ft.add_row(
         "  of which attention scores",
         _si(3 * f["attention_forward_dense"], "FLOP"),
-        _si(1.5 * f["attention_forward_dense"], "FLOP"),
+        _si(3 * f["attention_forward_causal"], "FLOP"),
     )
     n_is = "the active parameters" if moe else "all parameters"
     ft.add_row(f"6N with N = {n_is} (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
