@@ -208,16 +208,19 @@ def _softcap_in_eager(backend, q, k, v, causal, mask, dropout_p, scale, docs, wi
 MIN_WINDOW_CHUNK = 16
 
 
-def windowed_sdpa(q, k, v, window: int, scale=None, dropout_p=0.0, doc_start=None) -> torch.Tensor:
+def windowed_sdpa(
+    q, k, v, window: int, scale=None, dropout_p=0.0, doc_start=None, chunk: int | None = None
+) -> torch.Tensor:
     """Causal attention in a sliding window with torch's SDPA, chunk by chunk: the queries at positions
     [s, e) see only the keys [s - window + 1, e), so each chunk of C = max(window // 2, MIN_WINDOW_CHUNK)
     queries multiplies a [C, W - 1 + C] block, never [T, T] (forward and backward cost ~1.5 T W, not T^2 / 2).
     Queries are bottom-right aligned (query i at position T_k - T_q + i); doc_start: None, or int [B, T_q] the
-    first position of each query's packed document (T_q = T_k). Returns [B, n_heads, T_q, head_dim]."""
+    first position of each query's packed document (T_q = T_k); chunk: C (default above). Returns
+    [B, n_heads, T_q, head_dim]."""
     B, H, Tq, D = q.shape
     Tk = k.shape[2]
     off = Tk - Tq
-    C = max(window // 2, MIN_WINDOW_CHUNK)
+    C = chunk or max(window // 2, MIN_WINDOW_CHUNK)
     gqa = k.shape[1] != H
     # (rows, cols, first key's distance back from the first query) -> the additive band mask of a chunk
     bands: dict[tuple[int, int, int], torch.Tensor] = {}

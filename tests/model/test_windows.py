@@ -197,3 +197,28 @@ def test_rope_scaling_keys_are_checked():
         ModelConfig(position="rope", rope_scaling={"type": "yarn", "factor": 4.0})
     with pytest.raises(ConfigError, match="unknown: beta"):
         ModelConfig(position="rope", rope_scaling={"type": "linear", "factor": 4.0, "beta": 1})
+
+
+def test_bench_attention_cpu_rows_of_a_window(capsys):
+    """`gptkit bench attention bench.device=cpu`: sdpa timed with and without a window, triton checked in the
+    interpreter, and the summary line of each windowed row."""
+    code, out, err = run_main(
+        capsys,
+        "bench",
+        "attention",
+        "bench.device=cpu",
+        "bench.dtype=fp32",
+        "bench.backends=[sdpa,triton]",
+        "bench.windows=[null,8]",
+        "bench.causal=[true]",
+        "bench.seq_lens=[48]",
+        "bench.tokens=48",
+        "bench.d_model=32",
+        "bench.head_dims=[16]",
+        "bench.gqa=[2]",
+        "bench.warmup_ms=1",
+        "bench.rep_ms=1",
+    )
+    assert code == 0, err
+    assert out.count(" ok ") == 2 and "window 8 at T=48 (sdpa): fwd+bwd" in out
+    assert "window 8 at T=48 (triton); forward tiles" in out
