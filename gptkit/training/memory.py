@@ -62,6 +62,7 @@ def estimate(plan: Any) -> dict[str, float]:
         rows,
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
+        plan.expert_shards,
     )
     # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
     if objective.needs_reference and getattr(plan, "lora", None) is None:
