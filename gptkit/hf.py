@@ -7,11 +7,16 @@
     qk_norm=full, norm_placement=post, no biases             -> Olmo2ForCausalLM (x + norm(f(x)))
     learned + gelu + layernorm + bias, MHA                   -> GPT2LMHeadModel (Conv1D weights are
                                                                 [in, out]: transposed)
+    Llama's fields, a sliding window in every layer          -> MistralForCausalLM
+    Qwen2's / Qwen3's fields, the last layers local           -> Qwen2/Qwen3 (use_sliding_window)
+    geglu + rmsnorm_unit_offset + sandwich + scaled embeddings:
+      no qk_norm (soft-caps, any layer_types)                 -> Gemma2ForCausalLM
+      qk_norm=head (rope_local_theta: local layers' RoPE)     -> Gemma3ForCausalLM (gemma3_text)
     model.moe (softmax router, no shared experts, no expert bias), no biases:
       no qk_norm, every layer MoE, top-k renormalized        -> MixtralForCausalLM
       qk_norm=head (moe.every, moe.first_dense: dense layers) -> Qwen3MoeForCausalLM
       qk_norm=full, norm_placement=pre, every layer MoE       -> OlmoeForCausalLM
-RoPE may carry model.rope_scaling (type llama3: Llama 3.1/3.2) on every RoPE architecture.
+RoPE may carry model.rope_scaling (llama3, linear, dynamic, yarn) on every RoPE architecture.
 
 An MoE layer's experts are our three [E, out, in] tensors (gptkit/model/moe.py) and, in transformers' files
 (the Hub's layout, which transformers 5 still writes), E tensors each: experts.<j>.w1/w3/w2 (Mixtral) or
@@ -506,10 +511,14 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
     mtype = d.get("model_type")
     if mtype not in ARCHITECTURES:
         arch = ", ".join(d.get("architectures") or []) or "no architectures field"
+        # Gemma 3 4B and up: a vision tower beside the text model
+        hint = " (the multimodal Gemma 3: gptkit imports its text-only model_type gemma3_text)" * (
+            mtype == "gemma3"
+        )
         raise GptkitError(
-            f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama, Qwen2, "
-            f"Qwen3, OLMo-2, GPT-2, Mixtral, Qwen3-MoE and OLMoE models (model_type "
-            f"{', '.join(ARCHITECTURES)})"
+            f"model_type={mtype!r} ({arch}) is not supported{hint}; gptkit imports Llama, Qwen2, "
+            f"Qwen3, OLMo-2, Mistral, Gemma 2, Gemma 3 (text), GPT-2, Mixtral, Qwen3-MoE and OLMoE models "
+            f"(model_type {', '.join(ARCHITECTURES)})"
         )
 
     def refuse(field: str, value: Any, want: str) -> GptkitError:

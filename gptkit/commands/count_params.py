@@ -102,6 +102,8 @@ def report(cfg) -> dict:
             "train_causal": fl.train_causal,
             "attention_forward_dense": fl.attention_forward_dense,
             "attention_forward_causal": fl.attention_forward_causal,
+            # layers with a sliding window (their attention counts min(W, T) keys)
+            "local_layers": len(m.local_layers),
             "six_n": 6.0 * pc.active,
             "mfu_convention": "train_dense (perf/mfu, logged FLOP/s: 6N + 12·L·T·d_attn, full attention, as "
             "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
@@ -246,6 +248,13 @@ def _print_tables(r: dict, cfg) -> None:
         f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "
         f"perf/mfu_causal halves the attention term."
     )
+    if f["local_layers"]:
+        w = r["model"]["sliding_window"]
+        con.print(
+            f"Sliding window: {f['local_layers']} of the {r['model']['n_layers']} layers are local; each "
+            f"counts w = min(W, T) = {min(w, f['seq_len'])} keys per query for T (full attention), "
+            f"w - w^2/2T (causal), and caches at most W = {w} tokens."
+        )
 
     et = Table(title="planned run")
     et.add_column("")
