@@ -285,12 +285,6 @@ def varlen_attention(q, k, v, cu: torch.Tensor, scale=None, window: int | None =
     return out.view(B, T, H, D).transpose(1, 2)  # [B, n_heads, T, D]
 
 
-def varlen_documents(q, k, v, docs: Documents, scale=None) -> torch.Tensor:
-    """Causal attention inside each packed document with torch's varlen_attn (varlen_attention at the
-    documents' cu_seqlens): q [B, n_heads, T, D], k, v [B, n_kv_heads, T, D] -> [B, n_heads, T, D]."""
-    return varlen_attention(q, k, v, docs.cu_seqlens(), scale)
-
-
 def triton_attention(
     q,
     k,

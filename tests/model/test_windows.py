@@ -55,6 +55,58 @@ def test_every_backend_attends_inside_the_window(backend, documents):
         assert (a.double() - b).abs().max().item() <= 1e-5, name
 
 
+def varlen_window_reference(
+    q, k, v, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False
+):
+    """torch.nn.attention.varlen.varlen_attn's contract with a window (tokens [N, heads, D], sequences cut at
+    cu_q, query i sees the keys i - window_size[0]..i of its sequence): stands in for the CUDA kernel."""
+    left, right = window_size
+    assert right == 0 and torch.equal(cu_q, cu_k) and cu_q.dtype == torch.int32 and enable_gqa
+    out = []
+    for a, b in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+        assert 0 < b - a <= max_q == max_k
+        kk, vv = (x[a:b].repeat_interleave(q.shape[1] // k.shape[1], dim=1) for x in (k, v))  # [n, H, D]
+        for i in range(b - a):
+            lo = 0 if left < 0 else max(0, i - left)
+            s = torch.einsum("hd,nhd->hn", q[a + i], kk[lo : i + 1]) * scale  # [H, n]
+            out.append(torch.einsum("hn,nhd->hd", s.softmax(-1), vv[lo : i + 1]))  # [H, D]
+    return torch.stack(out)  # [N, H, D]
+
+
+def test_sdpa_window_takes_variable_length_flash_attention_where_it_runs(monkeypatch):
+    """Where varlen_attn runs (CUDA, fp16/bf16), a window is its window_size (W - 1, 0): each row one
+    sequence, or the packed documents; no mask is built, no chunk run. On the CPU a stand-in plays it."""
+    import gptkit.model.attention as attention
+
+    monkeypatch.setattr(attention, "varlen_attn", varlen_window_reference)
+    monkeypatch.setattr(attention, "varlen_usable", lambda q: True)
+    monkeypatch.setattr(attention, "windowed_sdpa", lambda *a, **kw: pytest.fail("chunks ran"))
+    torch.manual_seed(0)
+    q = torch.randn(B, H, T, D, requires_grad=True)
+    k, v = (torch.randn(B, HKV, T, D, requires_grad=True) for _ in range(2))
+    doc_ids = torch.tensor([[0] * 13 + [1] * 20 + [2] * 7, [0] * 3 + [1] * 37])
+    for ids in (None, doc_ids):
+        docs = None if ids is None else Documents(ids)
+        out, _ = attention.sdpa_attention(q, k, v, window=W, docs=docs, scale=D**-0.5)
+        assert (out.double() - reference(q, k, v, W, ids)).abs().max().item() <= 1e-5
+    out.sum().backward()
+    assert all(bool(x.grad.abs().sum() > 0) for x in (q, k, v))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_sdpa_and_triton_windows_on_a_gpu_in_bf16():
+    import gptkit.model.attention as attention
+
+    q = torch.randn(B, H, T, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, HKV, T, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    if not attention.varlen_usable(q):
+        pytest.skip("torch's varlen FlashAttention does not run on this GPU")
+    want = reference(q.cpu(), k.cpu(), v.cpu(), W)
+    for backend in ("sdpa", "triton"):
+        out, _ = ATTENTION_BACKENDS[backend](q, k, v, window=W)
+        assert (out.cpu().double() - want).abs().max().item() <= 3e-2, backend
+
+
 def tiny(**kw) -> GPT:
     """Three layers, local - global - local with a window of 5, every weight random."""
     torch.manual_seed(0)
