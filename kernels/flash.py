@@ -1,11 +1,14 @@
-"""FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking, sliding windows.
+"""FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking, sliding windows,
+soft-capping.
 
-    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, window=None, impl=None) -> out
+    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, window=None, softcap=None, impl=None)
     q:   [B, H,    T, D]
     k/v: [B, H_kv, T, D]     H_kv divides H; query head h reads K/V head h // (H // H_kv)
     doc_bounds: None, or (start, end), int32 [B, T] each: token t of row b belongs to the document
                 [start[b, t], end[b, t]); attention never crosses a document boundary
     window: None, or W (causal only): query i sees only the keys j > i - W, its last W positions
+    softcap: None, or c: the scores s become c * tanh(s / c) before the softmax (Gemma 2); the backward
+             multiplies dS by 1 - tanh^2, recomputed with the probabilities
     out: [B, H, T, D]        differentiable with respect to q, k and v
 
 A window is a document bound per token (window_bounds): with causal attention, query i sees key j iff
@@ -147,6 +150,12 @@ def _descriptor(X, B, H, T, sb, sh, st, HEAD_DIM: tl.constexpr, BLOCK_R: tl.cons
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (every backend and the interpreter have it): 1 - 2 / (e^2x + 1), exact at +-inf."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _keep(rows, cols, ds_rows, de_rows, T, CAUSAL: tl.constexpr, DOC: tl.constexpr):
     """[len(rows), len(cols)] True where query `rows` may see key `cols` (keys past T never)."""
     keep = cols[None, :] < T
@@ -211,6 +220,7 @@ def _fwd_step(
     offs_d,
     T,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -219,12 +229,15 @@ def _fwd_step(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold the key tile at start_n into the running (acc, l_i, m_i) of one query tile."""
     k = _load_rows(
         k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
     )  # [BLOCK_N, BLOCK_D]
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    # log2 units; soft-capped: softcap * tanh(scale * qk / softcap) (cap = scale / softcap)
+    qk = _tanh(qk * cap) * (qk_scale / cap) if SOFTCAP else qk * qk_scale
     if MASKED:
         qk = tl.where(_keep(rows, start_n + offs_n, ds_rows, de_rows, T, CAUSAL, DOC), qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
@@ -265,6 +278,7 @@ def _fwd_inner(
     lo,
     hi,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -274,6 +288,7 @@ def _fwd_inner(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold the key tiles [lo, hi) into the running (acc, l_i, m_i) of one query tile."""
     if WARP_SPECIALIZE:
@@ -298,6 +313,7 @@ def _fwd_inner(
                 offs_d,
                 T,
                 qk_scale,
+                cap,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_N,
@@ -306,6 +322,7 @@ def _fwd_inner(
                 MASKED,
                 USE_TMA,
                 PRECISION,
+                SOFTCAP,
             )
     else:
         for start_n in range(lo, hi, BLOCK_N):
@@ -329,6 +346,7 @@ def _fwd_inner(
                 offs_d,
                 T,
                 qk_scale,
+                cap,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_N,
@@ -337,6 +355,7 @@ def _fwd_inner(
                 MASKED,
                 USE_TMA,
                 PRECISION,
+                SOFTCAP,
             )
     return acc, l_i, m_i
 
@@ -366,6 +385,7 @@ def _fwd_kernel(
     H,
     T,
     qk_scale,
+    cap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -376,6 +396,7 @@ def _fwd_kernel(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     # the longest rows first: better balance across the GPU
@@ -457,6 +478,7 @@ def _fwd_kernel(
             lo,
             mid_lo,
             qk_scale,
+            cap,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_N,
@@ -466,6 +488,7 @@ def _fwd_kernel(
             USE_TMA,
             False,
             PRECISION,
+            SOFTCAP,
         )
     acc, l_i, m_i = _fwd_inner(
         acc,
@@ -487,6 +510,7 @@ def _fwd_kernel(
         mid_lo,
         mid_hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -496,6 +520,7 @@ def _fwd_kernel(
         USE_TMA,
         WARP_SPECIALIZE,
         PRECISION,
+        SOFTCAP,
     )
     acc, l_i, m_i = _fwd_inner(
         acc,
@@ -517,6 +542,7 @@ def _fwd_kernel(
         mid_hi,
         hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -526,6 +552,7 @@ def _fwd_kernel(
         USE_TMA,
         False,
         PRECISION,
+        SOFTCAP,
     )
 
     out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
@@ -608,6 +635,7 @@ def _dkdv_tile(
     offs_m,
     offs_d,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -616,6 +644,7 @@ def _dkdv_tile(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Add one query tile (of query head h, whose LSE/DELTA rows start at LSE/DELTA) to a tile of dK, dV."""
     rows = start_m + offs_m  # [BLOCK_M] query positions
@@ -632,7 +661,14 @@ def _dkdv_tile(
     else:
         lse = tl.load(LSE + rows)
         delta = tl.load(DELTA + rows)
-    qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M], log2 units
+    qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    if SOFTCAP:
+        # the cap's tanh, kept for its derivative 1 - tanh^2
+        cap_t = _tanh(qk_t * cap)
+        qk_t = cap_t * (qk_scale / cap)
+    # log2 units
+    else:
+        qk_t = qk_t * qk_scale
     p_t = tl.exp2(qk_t - lse[None, :] * 1.4426950408889634)  # [BLOCK_N, BLOCK_M] = P^T
     if MASKED:
         if DOC:
@@ -649,6 +685,8 @@ def _dkdv_tile(
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M] = (dO V^T)^T
     ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+    if SOFTCAP:
+        ds_t = ds_t * (1.0 - cap_t * cap_t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
@@ -678,6 +716,7 @@ def _dkdv_inner(
     lo,
     hi,
     qk_scale,
+    cap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -687,6 +726,7 @@ def _dkdv_inner(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Add the query tiles [lo, hi) of the GROUP query heads h0.. that share this K/V head to dK, dV.
     GQA walks (head, tile) pairs in one flat loop: nested loops spill registers on Hopper."""
@@ -714,6 +754,7 @@ def _dkdv_inner(
                 offs_m,
                 offs_d,
                 qk_scale,
+                cap,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -722,6 +763,7 @@ def _dkdv_inner(
                 MASKED,
                 USE_TMA,
                 PRECISION,
+                SOFTCAP,
             )
     else:
         n_tiles = tl.cdiv(hi - lo, BLOCK_M)
@@ -751,6 +793,7 @@ def _dkdv_inner(
                     offs_m,
                     offs_d,
                     qk_scale,
+                    cap,
                     HEAD_DIM,
                     BLOCK_M,
                     BLOCK_D,
@@ -759,6 +802,7 @@ def _dkdv_inner(
                     MASKED,
                     USE_TMA,
                     PRECISION,
+                    SOFTCAP,
                 )
             else:
                 dk, dv = _dkdv_tile(
@@ -782,6 +826,7 @@ def _dkdv_inner(
                     offs_m,
                     offs_d,
                     qk_scale,
+                    cap,
                     HEAD_DIM,
                     BLOCK_M,
                     BLOCK_D,
@@ -790,6 +835,7 @@ def _dkdv_inner(
                     MASKED,
                     USE_TMA,
                     PRECISION,
+                    SOFTCAP,
                 )
     return dk, dv
 
@@ -828,6 +874,7 @@ def _bwd_dkdv_kernel(
     H,
     T,
     qk_scale,
+    cap,
     scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -838,6 +885,7 @@ def _bwd_dkdv_kernel(
     DOC: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     # the K/V head
@@ -925,6 +973,7 @@ def _bwd_dkdv_kernel(
         lo,
         mid_lo,
         qk_scale,
+        cap,
         GROUP,
         HEAD_DIM,
         BLOCK_D,
@@ -934,6 +983,7 @@ def _bwd_dkdv_kernel(
         True,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     dk, dv = _dkdv_inner(
         dk,
@@ -959,6 +1009,7 @@ def _bwd_dkdv_kernel(
         mid_lo,
         mid_hi,
         qk_scale,
+        cap,
         GROUP,
         HEAD_DIM,
         BLOCK_D,
@@ -968,6 +1019,7 @@ def _bwd_dkdv_kernel(
         False,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     dk, dv = _dkdv_inner(
         dk,
@@ -993,6 +1045,7 @@ def _bwd_dkdv_kernel(
         mid_hi,
         hi,
         qk_scale,
+        cap,
         GROUP,
         HEAD_DIM,
         BLOCK_D,
@@ -1002,6 +1055,7 @@ def _bwd_dkdv_kernel(
         True,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
 
     _store_rows(
@@ -1060,6 +1114,7 @@ def _dq_inner(
     lo,
     hi,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1068,6 +1123,7 @@ def _dq_inner(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Add the contributions of key tiles [lo, hi) to a tile of dQ."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -1078,12 +1134,20 @@ def _dq_inner(
         v = _load_rows(
             v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            cap_qk = _tanh(qk * cap)
+            qk = cap_qk * (qk_scale / cap)
+        # log2 units
+        else:
+            qk = qk * qk_scale
         p = tl.exp2(qk - lse[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
             p = tl.where(_keep(rows, start_n + offs_n, ds_rows, de_rows, T, CAUSAL, DOC), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            ds = ds * (1.0 - cap_qk * cap_qk)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
@@ -1118,6 +1182,7 @@ def _bwd_dq_kernel(
     H,
     T,
     qk_scale,
+    cap,
     scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -1128,6 +1193,7 @@ def _bwd_dq_kernel(
     DOC: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     # the longest rows first
@@ -1201,6 +1267,7 @@ def _bwd_dq_kernel(
             lo,
             mid_lo,
             qk_scale,
+            cap,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_N,
@@ -1209,6 +1276,7 @@ def _bwd_dq_kernel(
             True,
             USE_TMA,
             PRECISION,
+            SOFTCAP,
         )
     dq = _dq_inner(
         dq,
@@ -1231,6 +1299,7 @@ def _bwd_dq_kernel(
         mid_lo,
         mid_hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -1239,6 +1308,7 @@ def _bwd_dq_kernel(
         False,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     dq = _dq_inner(
         dq,
@@ -1261,6 +1331,7 @@ def _bwd_dq_kernel(
         mid_hi,
         hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -1269,6 +1340,7 @@ def _bwd_dq_kernel(
         True,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     _store_rows(
         dq_dst,
@@ -1342,7 +1414,7 @@ _PINNED = {
 # diagonal in both directions and short sequences still span several tiles.
 _INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 _PREPROCESS_BLOCK_M = 64
-_AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC"]
+_AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC", "SOFTCAP"]
 _KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
 _TUNED = {
     (impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind], _AUTOTUNE_KEY)
@@ -1476,8 +1548,10 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 # ---- autograd -------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32)."""
+def _forward(
+    q, k, v, causal: bool, scale: float, ds, de, impl: str, softcap: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32); softcap > 0: scores soft-capped."""
     B, H, T, D = q.shape
     group = H // k.shape[1]
     block_d = max(16, triton.next_power_of_2(D))
@@ -1508,6 +1582,8 @@ def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[to
         H,
         T,
         scale * LOG2E,
+        # the tanh's argument per unit of q.k (unused without a cap)
+        scale / softcap if softcap else 1.0,
         GROUP=group,
         HEAD_DIM=D,
         BLOCK_D=block_d,
@@ -1516,11 +1592,12 @@ def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[to
         USE_TMA=use_tma,
         WARP_SPECIALIZE=impl == "tma-ws",
         PRECISION=precision,
+        SOFTCAP=bool(softcap),
     )
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str):
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str, softcap: float = 0.0):
     """(dQ, dK, dV) from dO, recomputing the probabilities from the log-sum-exp."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -1541,8 +1618,11 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
         DOC=ds is not None,
         USE_TMA=impl != "fa2",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=bool(softcap),
     )
     qk_scale = scale * LOG2E
+    # the tanh's argument per unit of q.k (unused without a cap)
+    cap = scale / softcap if softcap else 1.0
 
     _bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK_M), H, B)](
         o,
@@ -1581,6 +1661,7 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
         H,
         T,
         qk_scale,
+        cap,
         scale,
         **common,
     )
@@ -1607,6 +1688,7 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
         H,
         T,
         qk_scale,
+        cap,
         scale,
         **common,
     )
@@ -1629,12 +1711,13 @@ def _flash_fwd(
     ds: Optional[torch.Tensor],
     de: Optional[torch.Tensor],
     impl: str,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, ds, de, impl)
+    return _forward(q, k, v, causal, scale, ds, de, impl, softcap)
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, scale, ds, de, impl):
+def _(q, k, v, causal, scale, ds, de, impl, softcap):
     B, H, T, D = q.shape
     return q.new_empty(B, T, H, D).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
 
@@ -1652,12 +1735,13 @@ def _flash_bwd(
     ds: Optional[torch.Tensor],
     de: Optional[torch.Tensor],
     impl: str,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, causal, scale, ds, de, impl)
+    return _backward(do, q, k, v, o, lse, causal, scale, ds, de, impl, softcap)
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, scale, ds, de, impl):
+def _(do, q, k, v, o, lse, causal, scale, ds, de, impl, softcap):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     return (
@@ -1668,16 +1752,16 @@ def _(do, q, k, v, o, lse, causal, scale, ds, de, impl):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, ds, de, impl = inputs
+    q, k, v, causal, scale, ds, de, impl, softcap = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, ds, de)
-    ctx.causal, ctx.scale, ctx.impl = causal, scale, impl
+    ctx.causal, ctx.scale, ctx.impl, ctx.softcap = causal, scale, impl, softcap
 
 
 def _flash_backward(ctx, do, dlse):
     q, k, v, o, lse, ds, de = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ds, de, ctx.impl)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ds, de, ctx.impl, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _flash_fwd.register_autograd(_flash_backward, setup_context=_setup_context)
@@ -1692,18 +1776,21 @@ def flash_attention(
     scale: float | None = None,
     doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     impl: str | None = None,
 ) -> torch.Tensor:
-    """Exact softmax(q k^T * scale [+ causal mask] [+ document mask] [+ window]) v, computed tile by tile.
+    """Exact softmax(q k^T * scale [soft-capped] [+ causal mask] [+ document mask] [+ window]) v, computed
+    tile by tile.
 
     q [B, H, T, D], k/v [B, H_kv, T, D] with H_kv divides H (GQA/MQA, no K/V copies); fp32, fp16
     or bf16 (all three alike); 16 <= D <= 256; scale defaults to D ** -0.5. Causal means query i
     sees keys 0..i. doc_bounds=(start, end), integer [B, T] each, packs documents into a row:
     position t belongs to the document [start[b, t], end[b, t]) (start <= t < end; documents are
     contiguous runs), and query i sees only keys of its own document. window=W (causal only): query i
-    also sees only keys j > i - W (a sliding window; with documents both hold). Fully masked tiles are
-    skipped. impl: "fa2" (default), "tma" or "tma-ws" (Hopper; falls back to fa2 where it cannot
-    run); None reads GPTKIT_FLASH_IMPL. Tensors must be on a CUDA device, or on the CPU under
+    also sees only keys j > i - W (a sliding window; with documents both hold). softcap=c: the scores
+    become c * tanh(scores / c) (Gemma 2), in both passes. Fully masked tiles are skipped. impl: "fa2"
+    (default), "tma" or "tma-ws" (Hopper; falls back to fa2 where it cannot run); None reads
+    GPTKIT_FLASH_IMPL. Tensors must be on a CUDA device, or on the CPU under
     TRITON_INTERPRET=1. Returns [B, H, T, D] in q's dtype; differentiable (once) in q, k and v.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -1745,9 +1832,11 @@ def flash_attention(
         # keys past the window are another document bound (the module docstring)
         if window < T:
             ds, de = window_bounds(T, window, None if ds is None else (ds, de), B, q.device)
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be a positive number, got {softcap!r}")
     scale = D**-0.5 if scale is None else float(scale)
     if B * H * T == 0:
         return q.new_empty(B, H, T, D)
     q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
     impl = _choose_impl(impl, (q, k, v))
-    return _flash_fwd(q, k, v, bool(causal), scale, ds, de, impl)[0]
+    return _flash_fwd(q, k, v, bool(causal), scale, ds, de, impl, float(softcap or 0.0))[0]

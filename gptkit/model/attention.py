@@ -21,7 +21,8 @@ skip: `eager` is the readable reference (explicit fp32 softmax, a dense mask; ca
 `sdpa` is torch's fused kernel (packed documents or a window: torch's variable-length FlashAttention on CUDA
 in fp16/bf16, with its window; a window elsewhere runs query chunks against the keys their window reaches
 (windowed_sdpa), so the cost grows with W, not T), `triton` is our own FlashAttention kernel in kernels/
-(tiles wholly outside a window or a document skipped). Soft-capping has no fused kernel: it runs `eager`.
+(tiles wholly outside a window or a document skipped; soft-capping in both passes). `sdpa` has no
+soft-capping kernel: with model.attn_softcap it runs `eager`.
 """
 
 from __future__ import annotations
@@ -183,12 +184,11 @@ def sdpa_attention(
 
 
 def _softcap_in_eager(backend, q, k, v, causal, mask, dropout_p, scale, docs, window, softcap):
-    """Soft-capped scores (model.attn_softcap) have no fused kernel here: the eager reference computes
-    them."""
+    """Soft-capped scores (model.attn_softcap) have no SDPA kernel: the eager reference computes them."""
     warn_once(
         "softcap",
         f"model.attn_softcap: model.attention={backend} has no soft-capping kernel; attention runs eager "
-        f"(the [T, T] scores are materialized)",
+        f"(the [T, T] scores are materialized; model.attention=triton caps in its kernel)",
     )
     return eager_attention(
         q,
@@ -299,11 +299,11 @@ def triton_attention(
     window=None,
     softcap=None,
 ):
-    """Our FlashAttention kernels (documents and windows included); cases they do not cover go to sdpa.
+    """Our FlashAttention kernels (documents, windows and soft-capping included); cases they do not cover go
+    to sdpa.
 
     Falls back to sdpa (with one warning per process) when triton is missing or no CUDA device is
-    present and TRITON_INTERPRET=1 is not set, and per call for masks, dropout, soft-capping, or a KV cache
-    (T_q != T_k).
+    present and TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
     """
     args = dict(
         causal=causal,
@@ -322,13 +322,16 @@ def triton_attention(
             "falling back to sdpa",
         )
         return sdpa_attention(q, k, v, **args)
-    if mask is not None or dropout_p > 0.0 or return_probs or softcap is not None or q.shape[2] != k.shape[2]:
+    if mask is not None or dropout_p > 0.0 or return_probs or q.shape[2] != k.shape[2]:
         return sdpa_attention(q, k, v, **args)
     from gptkit_kernels import flash_attention
 
     bounds = None if docs is None else (docs.start, docs.end)
     window = effective_window(window, k.shape[2])
-    return flash_attention(q, k, v, causal=causal, scale=scale, doc_bounds=bounds, window=window), None
+    out = flash_attention(
+        q, k, v, causal=causal, scale=scale, doc_bounds=bounds, window=window, softcap=softcap
+    )
+    return out, None
 
 
 # model.attention=<name> runs <name>_attention: the names are model/config.py's ATTENTIONS (one list)

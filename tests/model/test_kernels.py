@@ -207,35 +207,40 @@ def test_documents_equal_attention_run_on_each_document_alone(impl, causal, leng
 
 
 @pytest.mark.parametrize(
-    "window, lengths, group, dtype",
+    "window, lengths, group, dtype, softcap",
     [
-        (5, None, 2, torch.float32),
-        (16, [[7, 20, 1, 17], [45]], 2, torch.float32),
-        (33, [[30, 15], [3, 3, 39]], 1, torch.float16),
+        (5, None, 2, torch.float32, None),
+        (16, [[7, 20, 1, 17], [45]], 2, torch.float32, 2.0),
+        (33, [[30, 15], [3, 3, 39]], 1, torch.float16, None),
+        (None, None, 2, torch.float32, 2.0),
     ],
 )
-def test_sliding_window_equals_the_masked_reference(window, lengths, group, dtype):
-    """window=W (and packed documents): outputs and gradients of the float64 reference under the mask
-    start <= j <= i, j > i - W; the tiles wholly outside the window are skipped (forward_tiles, below)."""
+def test_sliding_window_and_softcap_equal_the_masked_reference(window, lengths, group, dtype, softcap):
+    """window=W (and packed documents), softcap=c: outputs and gradients of the float64 reference under the
+    mask start <= j <= i, j > i - W, of c * tanh(scores / c); the tiles wholly outside the window are
+    skipped (forward_tiles, below)."""
     B, T, D, Hkv = 2, 45, 16, 2
     H = Hkv * group
     bounds = None if lengths is None else bounds_of(lengths)
-    q = torch.randn(B, H, T, D, device=DEVICE, dtype=dtype, requires_grad=True)
-    k = torch.randn(B, Hkv, T, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    # scores of a few units: the cap of 2 bends them
+    q = (2 * torch.randn(B, H, T, D, device=DEVICE)).to(dtype).requires_grad_()
+    k = (2 * torch.randn(B, Hkv, T, D, device=DEVICE)).to(dtype).requires_grad_()
     v = torch.randn(B, Hkv, T, D, device=DEVICE, dtype=dtype, requires_grad=True)
     dout = torch.randn(B, H, T, D, device=DEVICE, dtype=dtype)
     doc = None if bounds is None else tuple(x.to(DEVICE) for x in bounds)
     with poisoned_allocations():
-        out = flash_attention(q, k, v, causal=True, doc_bounds=doc, window=window)
+        out = flash_attention(q, k, v, causal=True, doc_bounds=doc, window=window, softcap=softcap)
         grads = torch.autograd.grad(out, (q, k, v), dout)
     i = torch.arange(T, device=DEVICE)
-    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)  # [T, T]
+    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (window or T))  # [T, T]
     if bounds is not None:
         keep = keep & (i[None, None, :] >= bounds[0].to(DEVICE)[:, :, None])  # [B, T, T]
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
     kk, vv = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)  # [B, H, T, D]
-    scores = (q64 @ kk.transpose(-2, -1) * D**-0.5).masked_fill(~keep.reshape(-1, 1, T, T), float("-inf"))
-    ref = scores.softmax(-1) @ vv  # [B, H, T, D]
+    scores = q64 @ kk.transpose(-2, -1) * D**-0.5  # [B, H, T, T]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    ref = scores.masked_fill(~keep.reshape(-1, 1, T, T), float("-inf")).softmax(-1) @ vv  # [B, H, T, D]
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
     tol = TOL[dtype]
     for name, got, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
@@ -310,3 +315,5 @@ def test_bad_windows_are_refused():
         flash_attention(q, q, q, causal=False, window=4)
     with pytest.raises(ValueError, match="positive integer"):
         flash_attention(q, q, q, window=0)
+    with pytest.raises(ValueError, match="softcap must be a positive number"):
+        flash_attention(q, q, q, softcap=0.0)

@@ -206,6 +206,7 @@ def test_gemma_components_init_as_the_identity_and_train():
         norm="rmsnorm_unit_offset",
         norm_placement="sandwich",
         qk_norm="head",
+        head_dim=16,
         scale_embeddings=True,
         rope_local_theta=100.0,
         query_pre_attn_scalar=24,
@@ -225,6 +226,15 @@ def test_gemma_components_init_as_the_identity_and_train():
     ):
         assert dict(model.named_parameters())[name].grad.abs().sum() > 0, name
     assert model.rope_local is not None and "rope_local.cos" not in model.state_dict()
+    # the soft-capped window in our kernel (the interpreter) equals the eager reference
+    triton = GPT.from_state(
+        ModelConfig.from_dict({**model.cfg.to_dict(), "attention": "triton"}), model.state_dict()
+    )
+    eager = GPT.from_state(
+        ModelConfig.from_dict({**model.cfg.to_dict(), "attention": "eager"}), model.state_dict()
+    )
+    with torch.no_grad():
+        assert (triton(idx).logits - eager(idx).logits).abs().max().item() <= 1e-5
 
 
 @pytest.mark.parametrize(
