@@ -1,5 +1,10 @@
 """Key/value caches for generation.
 
+A cache is what GPT.forward takes as `cache`: `positions` (the positions of the tokens it feeds),
+`update(layer, k, v)` (store them, return the keys and values the layer's queries attend over),
+`mask_for(layer)` (None: causal and the layer's sliding window, bottom-right aligned; or the bool mask that
+replaces both) and `advance(T)`. gptkit/inference/slot_cache.py's views are caches too.
+
 KVCache: one K and one V tensor per layer, each [B, n_kv_heads, slots, head_dim]: GQA shrinks the cache by
 n_heads / n_kv_heads. Keys are stored after RoPE, so a cached key never needs re-rotating; the model reads
 `cache.positions` (= `cache.length`, an int: the first of the positions the next forward pass feeds, as
