@@ -101,6 +101,9 @@ def report(cfg) -> dict:
             "train_dense": fl.train_dense,
             "train_causal": fl.train_causal,
             "attention_forward_dense": fl.attention_forward_dense,
+            "attention_forward_causal": fl.attention_forward_causal,
+            # layers with a sliding window (their attention counts min(W, T) keys)
+            "local_layers": len(m.local_layers),
             "six_n": 6.0 * pc.active,
             "mfu_convention": "train_dense (perf/mfu, logged FLOP/s: 6N + 12·L·T·d_attn, full attention, as "
             "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
@@ -118,7 +121,8 @@ def report(cfg) -> dict:
             "gpu_hours_full_attention": hours(train_full),
             "gpu_hours_causal": hours(train_causal),
             "kv_cache_bytes_per_token": kv_tok,
-            "kv_cache_bytes_full_context": kv_tok * fl.seq_len,
+            # local layers hold their window
+            "kv_cache_bytes_full_context": acc.kv_cache_bytes(m, fl.seq_len, cfg.kv_dtype),
             "memory_per_gpu": mem,
             "precision": cfg.precision,
             "n_gpus": n_gpus,
@@ -227,7 +231,7 @@ def _print_tables(r: dict, cfg) -> None:
     ft.add_row(
         "  of which attention scores",
         _si(3 * f["attention_forward_dense"], "FLOP"),
-        _si(1.5 * f["attention_forward_dense"], "FLOP"),
+        _si(3 * f["attention_forward_causal"], "FLOP"),
     )
     n_is = "the active parameters" if moe else "all parameters"
     ft.add_row(f"6N with N = {n_is} (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
@@ -244,6 +248,13 @@ def _print_tables(r: dict, cfg) -> None:
         f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "
         f"perf/mfu_causal halves the attention term."
     )
+    if f["local_layers"]:
+        w = r["model"]["sliding_window"]
+        con.print(
+            f"Sliding window: {f['local_layers']} of the {r['model']['n_layers']} layers are local; each "
+            f"counts w = min(W, T) = {min(w, f['seq_len'])} keys per query for T (full attention), "
+            f"w - w^2/2T (causal), and caches at most W = {w} tokens."
+        )
 
     et = Table(title="planned run")
     et.add_column("")
