@@ -24,7 +24,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gptkit import adapters
 from gptkit.checkpoints import (
     EXTRA_STATE,
     STATE_PREFIX,
@@ -40,7 +39,6 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
-from gptkit.training.lora import adapter_state_dict
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
@@ -291,15 +289,15 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
     )
 
     _verify_together(path)
-    model_state = {"state_dict": get_model_state_dict(module)}
-    # a LoRA run's checkpoint: the adapters only
-    lora = getattr(module, "lora_record", None) is not None
-    if lora:
-        model_state["state_dict"] = adapter_state_dict(model_state["state_dict"], STATE_PREFIX)
+    finetune = module.finetune
+    # what the run's checkpoints hold (lora, qlora: the adapters only)
+    model_state = {"state_dict": finetune.checkpoint_state(get_model_state_dict(module), STATE_PREFIX)}
     _dcp_load(model_state, path)
-    missing, unexpected = module.load_state_dict(model_state["state_dict"], strict=not lora)
-    if lora and (unexpected or any(adapters.is_adapter_key(k[len(STATE_PREFIX) :]) for k in missing)):
-        raise GptkitError(f"{path} does not hold this run's LoRA adapters")
+    strict = finetune.saves_every_weight
+    _, unexpected = module.load_state_dict(model_state["state_dict"], strict=strict)
+    # (an adapter the checkpoint lacks fails in dcp.load already)
+    if not strict and unexpected:
+        raise GptkitError(f"{path} does not hold this run's adapters")
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
@@ -324,9 +322,9 @@ def _load_full_into(module, optimizers, path: Path) -> dict[str, Any]:
     )
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-    # a LoRA run's checkpoint: the adapters only
-    lora = getattr(module, "lora_record", None) is not None
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not lora)
+    # lora, qlora: the adapters only
+    strict = module.finetune.saves_every_weight
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
     names = {id(p): n for n, p in module.named_parameters()}
     saved = checkpoint.get("optimizer_states", [])
