@@ -17,7 +17,8 @@ eval and serve). One place for which weights are quantized, how, and what torcha
 
 Entry points: `check_quantize(kind, cfg, device, dtype)` and `quantize_model(model, kind)` for inference (what
 gptkit.runs.load_for_inference calls, with quantize=), `to_nf4` / `nf4_round_trip` / `check_nf4` for QLoRA,
-`quantized_names(cfg)`, and `torchao()` (the import, quiet, or one line naming the extra).
+`quantized_names(cfg)`, and `require_torchao()` / `torchao()` (found / imported quietly; absent: one line
+naming the extra).
 """
 
 from __future__ import annotations
@@ -63,17 +64,29 @@ TORCHAO_PIN = "0.18.0"
 INSTALL = f"pip install 'gptkit[quant]' (torchao=={TORCHAO_PIN})"
 
 
+def require_torchao() -> None:
+    """torchao is installed (found, not imported: its import costs ~3 s), else one line naming the extra."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchao") is None:
+        raise GptkitError(_MISSING)
+
+
+_MISSING = f"quantized weights (finetune=qlora, quantize=) need torchao, which is not installed: {INSTALL}"
+
+
 def torchao():
     """The torchao package, imported without the warnings its import prints on a CPU-only torch (its CUDA
-    extensions fail to load; torch notes an Enum it registers); its absence is one line naming the extra."""
+    extensions fail to load; torch notes an Enum it registers, and torch.compile that NF4Tensor has no
+    cache hash); its absence is one line naming the extra."""
+    import warnings
+
     with _quiet("torchao", "torch.utils._pytree"):
         try:
             import torchao as ao
         except ImportError as exc:
-            raise GptkitError(
-                f"quantized weights (finetune=qlora, quantize=) need torchao, which is not installed: "
-                f"{INSTALL}"
-            ) from exc
+            raise GptkitError(_MISSING) from exc
+    warnings.filterwarnings("ignore", message=r"NF4Tensor does not implement _stable_hash_for_caching")
     return ao
 
 
@@ -241,7 +254,12 @@ def check_quantize(
         raise ConfigError(f"{option}={kind} is not one of {', '.join(QUANTIZE)} (or null: the run's weights)")
     names = quantized_names(cfg)
     if kind == "nf4":
-        check_nf4(cfg, NF4_BLOCK, "auto", prefix=f"{option}=nf4: block")
+        odd = next(((n, s) for n, s in names.items() if (s[0] * s[1]) % NF4_BLOCK), None)
+        if odd is not None:
+            raise ConfigError(
+                f"{option}=nf4 quantizes blocks of {NF4_BLOCK} values, which do not divide {odd[0]} "
+                f"[{odd[1][0]}, {odd[1][1]}]; use {option}=int8"
+            )
     if kind == "int4":
         if not str(device).startswith("cuda"):
             raise GptkitError(
@@ -256,7 +274,7 @@ def check_quantize(
                 f"{option}=int4 quantizes groups of {INT4_GROUP} values along each row, which do not divide "
                 f"{odd[0]} [{odd[1][0]}, {odd[1][1]}]; use {option}=int8 or {option}=nf4"
             )
-    torchao()
+    require_torchao()
 
 
 def quantize_model(model: Any, kind: str) -> Any:
@@ -271,15 +289,15 @@ def quantize_model(model: Any, kind: str) -> Any:
             module = model.get_submodule(name.removesuffix(".weight"))
             module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
         return model
-    ao = torchao()
-    with _quiet("torchao", "torch.utils._pytree"):
-        from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    # quietly, first
+    torchao()
+    from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+
     config = (
         Int8WeightOnlyConfig()
         if kind == "int8"
         else Int4WeightOnlyConfig(group_size=INT4_GROUP, int4_packing_format="tile_packed_to_4d")
     )
-    del ao
     quantize_(model, config, filter_fn=lambda m, fqn: f"{fqn}.weight" in names)
     return model
 
@@ -298,15 +316,17 @@ def bits_per_value(
 ) -> float:
     """The analytic size of one quantized [rows, numel / rows] weight in bits per value (count-params):
     nf4: 4 + 8 per block (its int8 scale) + a dtype factor per group of scales + the mean and the 16-value
-    code book; int8: 8 + a dtype scale per row; int4: 4 + a bf16 scale and zero per group of 128."""
+    code book; int8: 8 + a dtype scale and an int8 zero point per row; int4: tinygemm's layout, 4 per value
+    and a bf16 scale and zero per group of 128, over the weight padded to rows of a multiple of 8 and
+    columns of a multiple of 1024 (so more than 4.25 for a narrow model)."""
     if kind == "nf4":
         n_blocks = numel // block_size
         groups = n_blocks // scaler_block_size(n_blocks, scaler)
         extra = n_blocks * 8 + (groups + 1 + 16) * dtype_bytes * 8
         return 4 + extra / numel
     if kind == "int8":
-        return 8 + rows * dtype_bytes * 8 / numel
-    # (tinygemm pads each row to a multiple of 1024 values: more for narrow models)
+        return 8 + rows * (dtype_bytes + 1) * 8 / numel
     if kind == "int4":
-        return 4 + (numel // INT4_GROUP) * 2 * 2 * 8 / numel
+        padded = -(-rows // 8) * 8 * (-(-(numel // rows) // 1024) * 1024)
+        return (4 * padded + (padded // INT4_GROUP) * 2 * 2 * 8) / numel
     raise ConfigError(f"quantize={kind} is not one of {', '.join(QUANTIZE)}")

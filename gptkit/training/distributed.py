@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gptkit import quant
 from gptkit.checkpoints import (
     EXTRA_STATE,
     STATE_PREFIX,
@@ -406,8 +407,12 @@ def parallelize(model, strategy) -> bool:
     )
     mesh = strategy.device_mesh["data_parallel"]
     reshard = bool(options["reshard_after_forward"])
+    # torch 2.13's FSDP2 runs a world of one through a path that takes one all-gather input per parameter,
+    # which torchao's NF4 weights (finetune=qlora: three each) break; there they stay whole, outside FSDP
+    alone = mesh.size() == 1
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        ignored = {p for p in block.parameters() if quant.is_nf4(p)} if alone else None
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
     fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
     model._gptkit_sharded = True
     return True

@@ -54,7 +54,7 @@ class QLoRA(LoRA):
         super().check_config(cfg, has_weights)
         quant.check_nf4_settings(*_settings(cfg))
         # its absence: one line naming the extra
-        quant.torchao()
+        quant.require_torchao()
 
     @classmethod
     def check_model(cls, cfg: Any, model_cfg: Any) -> None:
