@@ -59,6 +59,10 @@ NF4_CODEBOOK = (
     0.7229568362236023,
     1.0,
 )
+# values torchao's NF4 quantization compares with the 16 codes at once: two [chunk, 16] transients (its own
+# 1M-value chunk makes 64 MiB of them in bf16, more than a 100M-parameter NF4 base's largest weights; 64K
+# values: 4 MiB, at 1.3x the time, measured on a [2048, 768] bf16 weight)
+NF4_CHUNK = 16384
 # the version the `quant` extra pins (pyproject.toml), named in the errors
 TORCHAO_PIN = "0.18.0"
 INSTALL = f"pip install 'gptkit[quant]' (torchao=={TORCHAO_PIN})"
@@ -196,9 +200,15 @@ def check_nf4(cfg: Any, block_size: int, scaler: Any, prefix: str = "qlora", sha
 
 
 def to_nf4(weight: Any, block_size: int = NF4_BLOCK, scaler: Any = "auto") -> Any:
-    """`weight` [out, in] as torchao's NF4Tensor (its dtype kept: the dtype it dequantizes to)."""
+    """`weight` [out, in] as torchao's NF4Tensor (its dtype kept: the dtype it dequantizes to), quantized
+    NF4_CHUNK values at a time (torchao's chunk size, a module setting of its, set for the call)."""
+    module = _nf4_module()
     n_blocks = weight.numel() // block_size
-    return _nf4_module().to_nf4(weight.contiguous(), block_size, scaler_block_size(n_blocks, scaler))
+    saved, module.CHUNK_SIZE = module.CHUNK_SIZE, NF4_CHUNK
+    try:
+        return module.to_nf4(weight.contiguous(), block_size, scaler_block_size(n_blocks, scaler))
+    finally:
+        module.CHUNK_SIZE = saved
 
 
 def is_nf4(tensor: Any) -> bool:
