@@ -250,8 +250,10 @@ def training_memory(
     micro_batch: int = 1,
     seq_len: int | None = None,
     checkpointing: bool = False,
+    expert_shards: int | None = None,
 ) -> dict[str, float]:
-    """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3),
+    """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3; a
+    mixture's routed experts over `expert_shards` instead when given: trainer.expert_parallel),
     plus an activation estimate and the logits and loss.
 
     Activations follow Korthikanti et al. (2022) for a layer with flash attention (no T x T
@@ -269,7 +271,11 @@ def training_memory(
     gate, up and their product (6 * d_expert / d_model), its weighted output (2), and the layer's input (2).
     """
     p = precision(precision_name, "precision")
-    n = count_params(cfg).total
+    counts = count_params(cfg)
+    # the parameters each device holds, as if unsharded over n_shards
+    n = counts.total
+    if expert_shards is not None:
+        n = counts.total - counts.experts + counts.experts * n_shards / expert_shards
     T = seq_len or cfg.max_seq_len
     tokens = T * micro_batch
     act_unit = 4 if p.compute == "fp32" else 2

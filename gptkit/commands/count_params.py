@@ -57,8 +57,18 @@ def report(cfg) -> dict:
     train_causal = fl.train_causal * tokens
     hours = lambda flops: flops / (peak * float(cfg.mfu)) / 3600.0  # noqa: E731
     kv_tok = acc.kv_cache_bytes_per_token(m, cfg.kv_dtype)
+    ep = cfg.get("expert_parallel")
+    if ep is not None and (
+        isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or n_gpus % ep or m.moe is None
+    ):
+        raise ConfigError(
+            f"expert_parallel={ep} must be a divisor of n_gpus={n_gpus} and the model a mixture of experts "
+            f"(null: the experts sharded with the rest)"
+        )
+    if ep is not None and m.moe.n_experts % ep:
+        raise ConfigError(f"expert_parallel={ep} must divide model.moe.n_experts={m.moe.n_experts}")
     mem = acc.training_memory(
-        m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing)
+        m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing), ep
     )
     quantized = None
     if cfg.get("quantize") is not None:

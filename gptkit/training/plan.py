@@ -40,6 +40,7 @@ from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 from gptkit.precision import Precision, precision
 from gptkit.training.distributed import accelerator_type, devices_per_node
+from gptkit.training.expert_parallel import check_expert_model
 from gptkit.training.finetune import Finetune, finetune_class
 from gptkit.training.metrics import detect_peak_flops
 from gptkit.training.objectives import Objective, objective_class
@@ -235,6 +236,12 @@ class RunPlan:
         return self.world_size if self.strategy == "fsdp" else 1
 
     @property
+    def expert_shards(self) -> int | None:
+        """trainer.expert_parallel > 1: how many ways a mixture's experts are split (else None)."""
+        k = int(self.cfg.trainer.get("expert_parallel") or 1)
+        return k if k > 1 else None
+
+    @property
     def total_tokens(self) -> int:
         """Tokens the whole plan trains on: tokens_per_step x max_steps."""
         return self.tokens_per_step * self.max_steps
@@ -279,6 +286,7 @@ def make_plan(
     p = checked.precision
     finetune = finetune_class(cfg)
     lora = finetune.adapters(cfg)
+    check_expert_model(int(t.get("expert_parallel") or 1), model, finetune.name)
     flops = acc.flops_per_token(model, seq_len)
     # what the fine-tune trains (lora, qlora: no weight gradient for the frozen weights)
     dense, causal = finetune.flops(model, lora, flops, flops.train_dense, flops.train_causal)

@@ -93,6 +93,7 @@ def out_of_memory(plan: RunPlan) -> GptkitError:
         plan.batch_size,
         plan.seq_len,
         bool(t.activation_checkpointing),
+        plan.expert_shards,
     )
     return GptkitError(
         f"out of GPU memory: count-params estimates {human_bytes(mem['total'])} per device (weights "
@@ -156,6 +157,13 @@ def announce(
         lines.append(
             f"  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
             f"meta device and receive their shards"
+        )
+    if plan.expert_shards:
+        k, m = plan.expert_shards, plan.model.moe
+        lines.append(
+            f"  experts: each MoE layer's {m.n_experts} over groups of {k} ranks ({m.n_experts // k} per "
+            f"rank, tokens sent to them and back by all-to-all, trainer.expert_parallel={k}); the rest FSDP2 "
+            f"over {plan.world_size}"
         )
     Console(stderr=True, highlight=False, soft_wrap=True).print("\n".join(lines))
 
