@@ -175,20 +175,21 @@ def test_qlora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     FSDP2 (each rank quantizes the full weight and keeps its rows: NF4 shards) log one process's losses; the
     sharded adapters-only checkpoint resumes in one process (where FSDP2 leaves the NF4 weights whole)."""
     runs = tmp_path / "runs"
-    # FSDP2 splits each projection's groups of scales between 2 ranks: 8 scales a group
-    common = ("qlora.scaler_block_size=8",)
+    # FSDP2 splits each projection's groups of scales between 2 ranks: 8 scales a group; 3 steps, the
+    # sharded checkpoint after the first
+    common = ("qlora.scaler_block_size=8", "trainer.max_steps=3", "trainer.checkpoint_every=1")
     code, _, err = run_main(capsys, *qlora_args(base, runs, "one", *common))
     assert code == 0, err
     want = losses(runs / "one")
-    assert len(set(want.values())) == 4
+    assert len(set(want.values())) == 3
     two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
     for name, extra in (
         ("ddp", ("trainer=ddp",)),
-        ("fsdp", ("trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=2")),
+        ("fsdp", ("trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=1")),
     ):
         r = run_group("-m", "gptkit", *qlora_args(base, runs, name, *common, *extra, *two))
         assert r.returncode == 0, r.stderr[-3000:]
-    assert (runs / "fsdp" / "checkpoints" / "step-000002.ckpt" / ".metadata").is_file()
+    assert (runs / "fsdp" / "checkpoints" / "step-000001.ckpt" / ".metadata").is_file()
     code, _, err = run_main(
         capsys,
         "train",
