@@ -271,6 +271,52 @@ def _fsdp2_strategy_class():
                 replace_checkpoint(tmp, path)
             self.barrier()
 
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            """One-file checkpoints (sharded_checkpoint=false) of a fine-tune whose checkpoints hold only what
+            trains (lora, qlora): only those tensors are gathered to rank 0; the frozen weights stay in their
+            shards (gathering them all to drop them wasted the collective, and an NF4 weight's left torch's
+            functional collectives unwaited)."""
+            finetune = getattr(self.lightning_module, "finetune", None)
+            if self._save_distributed_checkpoint or finetune is None or finetune.saves_every_weight:
+                return super().lightning_module_state_dict()
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.tensor import DTensor
+
+            local = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+            kept = finetune.checkpoint_state(local, STATE_PREFIX)
+            # collective: every rank gathers every kept tensor, in the same order
+            full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in kept.items()}
+            return {k: v.cpu() for k, v in full.items()} if self.global_rank == 0 else {}
+
+        def optimizer_state(self, optimizer) -> dict[str, Any]:
+            """One-file checkpoints: the optimizer state in torch.optim's own format, each parameter keyed by
+            its index across the optimizer's param groups (what _load_full_into reads), gathered to rank 0.
+            Lightning's re-keying counts module.named_parameters(), frozen ones included, which neither a
+            LoRA run's optimizer (the adapters only: a resume failed with an IndexError) nor gptkit's grouped
+            order matches."""
+            if self._save_distributed_checkpoint:
+                return super().optimizer_state(optimizer)
+            from lightning.pytorch.core.optimizer import LightningOptimizer
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            if isinstance(optimizer, LightningOptimizer):
+                optimizer = optimizer._optimizer
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            # collective
+            osd = get_optimizer_state_dict(self.model, optimizer, options=options)
+            if self.global_rank != 0:
+                return {}
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            index = {
+                names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+            }
+            return {
+                "state": {index[n]: s for n, s in osd["state"].items()},
+                "param_groups": [
+                    dict(g, params=[index[n] for n in g["params"]]) for g in osd["param_groups"]
+                ],
+            }
+
         def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
             """Like ModelParallelStrategy's, but the shard index and non-tensor values are read without
             unpickling code (see _SafeUnpickler); any world size reads any other's shards."""
