@@ -63,7 +63,8 @@ def estimate(plan: Any) -> dict[str, float]:
         rows,
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
-        plan.expert_shards,
+        # (a plan-like object without it: no expert parallelism)
+        getattr(plan, "expert_shards", None),
     )
     # (a plan-like object without `finetune`: lora when it names adapters)
     finetune = FINETUNES[
