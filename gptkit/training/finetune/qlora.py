@@ -16,7 +16,7 @@ they trained on (gptkit.checkpoints.checked_model_state).
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -173,9 +173,3 @@ def _shard(full: torch.Tensor, like: Any) -> Any:
     return DTensor.from_local(
         local, mesh, like.placements, run_check=False, shape=full.shape, stride=full.stride()
     )
-
-
-def nf4_base(model: GPT) -> Optional[dict[str, Any]]:
-    """The NF4 weights of a model (name -> NF4Tensor, or DTensor of one), None when it holds none."""
-    found = {n: p for n, p in model.named_parameters() if quant.is_nf4(p)}
-    return found or None
