@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from gptkit import hub
-from gptkit.chat_templates import CHAT_FILE, template_in_folder
+from gptkit.chat_templates import CHAT_FILE, ChatTemplate, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
 from gptkit.hf import from_hf_state_dict, heads_confirmed, model_config_from_hf
@@ -142,24 +142,41 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return d
 
 
-def tokenizer_files(tokenizer, max_seq_len: int, special: dict[str, tuple[str, int]]) -> dict[str, str]:
+def tokenizer_files(
+    tokenizer, max_seq_len: int, special: dict[str, tuple[str, int]], template: ChatTemplate | None = None
+) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for AutoTokenizer
-    (`special`: {role: (token, id)}, as gptkit.tokenizer.special_tokens() finds them)."""
+    (`special`: {role: (token, id)}, as gptkit.tokenizer.special_tokens() finds them). With a chat template:
+    its text as tokenizer_config.json's chat_template and as chat_template.jinja, and the special tokens it
+    renders with (bos_token, eos_token...: its variables, which the tokenizer must hold) in those roles, so
+    apply_chat_template renders a conversation as gptkit does."""
     special = {role: tok for role, (tok, _) in special.items()}
+    files = {}
+    if template is not None:
+        held = {k: v for k, v in template.variables.items() if tokenizer.token_to_id(v) is not None}
+        special.update(held)
+        files["chat_template.jinja"] = template.text
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_seq_len,
         "clean_up_tokenization_spaces": False,
         **special,
     }
+    if template is not None:
+        config["chat_template"] = template.text
     return {
         "tokenizer.json": tokenizer.to_str(),
-        "tokenizer_config.json": json.dumps(config, indent=2),
+        "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
         "special_tokens_map.json": json.dumps(special, indent=2),
+        **files,
     }
 
 
-def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
+def generation_config(
+    bos_id: int | None, eos_id: int | list[int] | None, pad_id: int | None
+) -> dict[str, Any]:
+    """generation_config.json; eos_id may be a list (a chat model: end-of-turn, then end-of-text), at any of
+    which generate() stops."""
     d: dict[str, Any] = {"_from_model_config": True}
     d.update(
         {

@@ -2,6 +2,11 @@
 above max_shard_size), tokenizer.json + tokenizer_config.json + special_tokens_map.json, and
 generation_config.json. It loads with AutoModelForCausalLM / AutoTokenizer and no custom code.
 
+A run with a chat template (trained with data=chat, or imported with one) exports it as
+tokenizer_config.json's chat_template and chat_template.jinja, and generation_config.json's eos_token_id
+lists the end-of-turn token before the end-of-text token, so transformers (and vLLM, llama.cpp) format a
+conversation as it was trained and stop at the end of a turn.
+
 RoPE + SwiGLU + RMSNorm models become Llama; learned positions + GELU + LayerNorm (with biases)
 become GPT-2. Any other combination is refused, naming the variant that does not map.
 
@@ -29,6 +34,7 @@ from pathlib import Path
 
 def run(cfg) -> int:
     from gptkit import hf, hf_io
+    from gptkit.chat_templates import reply_stop_ids, template_in_folder
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir, staged_dir
@@ -74,6 +80,12 @@ def run(cfg) -> int:
         for role in ("bos_token", "eos_token", "pad_token")
     }
 
+    # a chat model (data=chat, or imported with a template): its template, and generation stops at the end
+    # of a turn as well as at the end of the text
+    template = template_in_folder(Path(run_dir)) if tokenizer is not None else None
+    stop_ids = reply_stop_ids(tokenizer, template, eos) if template is not None else []
+    gen_eos = stop_ids if len(stop_ids) > 1 else (stop_ids[0] if stop_ids else ids["eos_token"])
+
     state = hf.to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
     config = hf.hf_config(
         model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
@@ -81,11 +93,12 @@ def run(cfg) -> int:
     with staged_dir(out, force=bool(cfg.force)) as tmp:
         weights = hf_io.save_weights(state, tmp, max_shard)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        gen = hf_io.generation_config(ids["bos_token"], ids["eos_token"], ids["pad_token"])
+        gen = hf_io.generation_config(ids["bos_token"], gen_eos, ids["pad_token"])
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if tokenizer is not None:
-            for name, text in hf_io.tokenizer_files(tokenizer, model_cfg.max_seq_len, special).items():
-                (tmp / name).write_text(text)
+            files = hf_io.tokenizer_files(tokenizer, model_cfg.max_seq_len, special, template)
+            for name, text in files.items():
+                (tmp / name).write_text(text, encoding="utf-8")
 
     n_params = sum(v.numel() for v in state.values())
     qlora = run_cfg.get("finetune") == "qlora"
@@ -98,7 +111,15 @@ def run(cfg) -> int:
             if tokenizer is not None
             else ""
         )
+        + (", chat_template.jinja" if template is not None else "")
     )
+    if template is not None:
+        ends = ", ".join(tokenizer.id_to_token(i) for i in stop_ids)
+        print(
+            f"  chat template {Path(template.name).name} (tokenizer_config.json's chat_template, "
+            f"chat_template.jinja); generate() stops at {ends or 'max_new_tokens only'} "
+            "(generation_config.json's eos_token_id)"
+        )
     if tokenizer is None:
         print(
             f"warning: {Path(run_dir) / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
