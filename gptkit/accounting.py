@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gptkit import quant
 from gptkit.model.config import ModelConfig
 from gptkit.precision import DTYPE_BYTES, precision
 
@@ -343,3 +344,32 @@ def checkpoint_bytes(cfg: ModelConfig, precision_name: str = "32-true") -> float
     counts them, unsharded); the step counters and RNG state beside them are negligible."""
     p = precision(precision_name, "trainer.precision")
     return count_params(cfg).total * (p.weight_bytes + p.optimizer_bytes)
+
+
+def quantized_weights(
+    cfg: ModelConfig,
+    kind: str,
+    dtype: str = "bf16",
+    block_size: int = quant.NF4_BLOCK,
+    scaler: object = "auto",
+) -> dict[str, float]:
+    """Bytes of a model's weights with every block's linear projections quantized (`kind`: nf4, int8, int4;
+    gptkit.quant) and the rest (embeddings, norms, LM head, biases) in `dtype`: {"quantized": the
+    projections, "rest", "total", "bits": the projections' bits per value, "full": the same model all in
+    `dtype`}. nf4 with QLoRA's block and scaler block sizes (finetune=qlora's memory). Analytic."""
+    width = DTYPE_BYTES[dtype]
+    names = quant.quantized_names(cfg)
+    n_total = count_params(cfg).total
+    n_q = sum(out * n_in for out, n_in in names.values())
+    q_bytes = sum(
+        quant.bits_per_value(kind, out * n_in, out, width, block_size, scaler) * out * n_in / 8
+        for out, n_in in names.values()
+    )
+    rest = (n_total - n_q) * width
+    return {
+        "quantized": q_bytes,
+        "rest": rest,
+        "total": q_bytes + rest,
+        "bits": 8 * q_bytes / max(n_q, 1),
+        "full": n_total * width,
+    }

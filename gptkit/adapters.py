@@ -1,7 +1,7 @@
 """The LoRA adapter format: which weight each `lora.targets` name adapts, the adapters' tensor names and
-shapes, and merging them into the base weights. One place for these facts: training (gptkit.training.lora)
-builds the adapters, loading a run (gptkit.runs: sample, eval, chat, export) merges them, and the PEFT
-export (gptkit.hf) renames them.
+shapes, and merging them into the base weights. One place for these facts: training
+(gptkit.training.finetune.lora) builds the adapters, loading a run (gptkit.runs: sample, eval, chat,
+export) merges them, and the PEFT export (gptkit.hf) renames them.
 
     target   module inside blocks.<i>     rows of its weight            layer
     q, k, v  attn.qkv_proj                [0, d_attn), [d_attn, d_attn + d_kv), [d_attn + d_kv, end)

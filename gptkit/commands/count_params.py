@@ -70,6 +70,15 @@ def report(cfg) -> dict:
     mem = acc.training_memory(
         m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing), ep
     )
+    quantized = None
+    if cfg.get("quantize") is not None:
+        from gptkit.quant import QUANTIZE
+
+        if cfg.quantize not in QUANTIZE:
+            raise ConfigError(f"quantize={cfg.quantize} is not one of {', '.join(QUANTIZE)} (or null)")
+        # the weights' dtype: the compute dtype's where it is one a model is cast to
+        width = cfg.dtype if cfg.dtype in ("fp32", "bf16", "fp16") else "bf16"
+        quantized = dict(acc.quantized_weights(m, str(cfg.quantize), width), kind=cfg.quantize, dtype=width)
     return {
         "model": m.to_dict(),
         "params": {
@@ -127,6 +136,8 @@ def report(cfg) -> dict:
             "precision": cfg.precision,
             "n_gpus": n_gpus,
         },
+        # quantize=: the weights with the block projections quantized (null without quantize=)
+        "quantized_weights": quantized,
     }
 
 
@@ -291,3 +302,19 @@ def _print_tables(r: dict, cfg) -> None:
     et.add_row("training memory per GPU: logits and loss", human_bytes(mem["logits"]))
     et.add_row("[bold]training memory per GPU: total", f"[bold]{human_bytes(mem['total'])}")
     con.print(et)
+    q = r.get("quantized_weights")
+    if q:
+        qt = Table(
+            title=f"weights with quantize={q['kind']} (every block's linear projections; the rest "
+            f"{q['dtype']})"
+        )
+        qt.add_column("")
+        qt.add_column("bytes", justify="right")
+        qt.add_row(f"projections, {q['bits']:.3g} bits per value", human_bytes(q["quantized"]))
+        qt.add_row(f"embeddings, norms, LM head, biases ({q['dtype']})", human_bytes(q["rest"]))
+        qt.add_row("[bold]total", f"[bold]{human_bytes(q['total'])}")
+        qt.add_row(
+            f"the same weights all in {q['dtype']}",
+            f"{human_bytes(q['full'])} ({q['total'] / q['full']:.3f}x)",
+        )
+        con.print(qt)
