@@ -29,7 +29,7 @@ from gptkit.fsio import human_bytes
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
 from gptkit.tokenizer import byte_tokenizer
-from gptkit.training.lora import apply_lora
+from gptkit.training.finetune.lora import apply_lora
 
 
 def _tokens_per_s(run: Path, warmup: int) -> float:

@@ -126,21 +126,18 @@ def sample_groups(
 
 
 class _Cache(KVCache):
-    """A KVCache whose tensors are allocated at the first keys written to them, in their dtype: the compute
-    dtype (autocast's, FSDP2's param_dtype, the weights'), which the caller need not know."""
+    """A KVCache whose tensors are allocated at the first keys written to them, in their dtype and on their
+    device: the compute dtype (autocast's, FSDP2's param_dtype, the weights'), which the caller need not
+    know. Built on the meta device (no memory) until then."""
 
     def __init__(self, cfg, batch_size: int, max_len: int) -> None:
-        if max_len > cfg.max_seq_len:
-            raise ValueError(f"cache length {max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
-        self.max_len, self.length = max_len, 0
-        self.shape = (batch_size, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k: list = [None] * cfg.n_layers
-        self.v: list = [None] * cfg.n_layers
+        super().__init__(cfg, batch_size, max_len, device="meta")
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k[layer] is None:
-            # [B, n_kv_heads, max_len, head_dim]
-            self.k[layer], self.v[layer] = k.new_zeros(self.shape), v.new_zeros(self.shape)
+        if self.k[layer].is_meta:
+            # [B, n_kv_heads, slots, head_dim]
+            self.k[layer] = k.new_zeros(self.k[layer].shape)
+            self.v[layer] = v.new_zeros(self.v[layer].shape)
         return super().update(layer, k, v)
 
 

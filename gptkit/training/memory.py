@@ -6,9 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gptkit import adapters
 from gptkit.errors import GptkitError
 from gptkit.fsio import human_bytes
+from gptkit.training.finetune import FINETUNES
 from gptkit.training.objectives import OBJECTIVES
 
 
@@ -46,10 +46,11 @@ ALLOCATOR_SLACK = 0.25
 
 def estimate(plan: Any) -> dict[str, float]:
     """The count-params training memory estimate of a run plan (training/plan.py), per process: the tensors
-    (host_estimate adds what a CPU process needs beyond them); with finetune=lora the gradients and AdamW
-    moments are the adapters' only, and their weights are added. The objective's rows per item count (a DPO
-    pair is two sequences, chosen and rejected), and with finetune=full a frozen reference is a second copy
-    of the weights (with lora it is the model itself with its adapters off: nothing more)."""
+    (host_estimate adds what a CPU process needs beyond them), as the fine-tune keeps them (lora: the
+    gradients and AdamW moments of the adapters only, their weights added; qlora: the base's projections
+    in NF4). The objective's rows per item count (a DPO pair is two sequences, chosen and rejected), and
+    with finetune=full a frozen reference is a second copy of the weights (with lora and qlora it is the
+    model itself with its adapters off: nothing more)."""
     from gptkit import accounting as acc
 
     objective = OBJECTIVES[getattr(plan, "objective", "lm")]
@@ -63,17 +64,17 @@ def estimate(plan: Any) -> dict[str, float]:
         rows,
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
-        plan.expert_shards,
+        # (a plan-like object without it: no expert parallelism)
+        getattr(plan, "expert_shards", None),
     )
+    # (a plan-like object without `finetune`: lora when it names adapters)
+    finetune = FINETUNES[
+        getattr(plan, "finetune", None) or ("lora" if getattr(plan, "lora", None) else "full")
+    ]
     # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
-    if objective.uses_reference(group) and getattr(plan, "lora", None) is None:
+    if objective.uses_reference(group) and not finetune.own_reference:
         mem["reference"] = mem["weights"]
-    if getattr(plan, "lora", None) is not None:
-        n = acc.count_params(plan.model).total
-        k = adapters.adapter_params(plan.model, plan.lora["targets"], plan.lora["rank"])
-        mem["weights"] *= (n + k) / n
-        mem["gradients"] *= k / n
-        mem["optimizer"] *= k / n
+    mem = finetune.memory(plan, mem)
     mem["total"] = sum(v for key, v in mem.items() if key != "total")
     return mem
 

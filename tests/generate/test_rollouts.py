@@ -11,9 +11,10 @@ from gptkit.model import GPT, ModelConfig
 from gptkit.sampling import SampleOptions
 
 
-def tiny_model():
+def tiny_model(**extra):
     torch.manual_seed(0)
     cfg = ModelConfig(
+        **extra,
         vocab_size=40,
         max_seq_len=32,
         n_layers=2,
@@ -58,6 +59,11 @@ def test_greedy_is_gptkits_greedy_and_sampling_draws_from_the_softmax():
     greedy = sample_groups(model, [[1, 2, 3]], [[0, 1]], RolloutOptions(12, temperature=0.0), [12])
     want = generate(model, [1, 2, 3], SampleOptions(max_new_tokens=12, temperature=0.0, decode="eager"))
     assert [c.tokens for c in greedy[0]] == [want.tokens[0]] * 2
+    # sliding-window layers (their rolling cache) too: 15 tokens through a window of 4
+    local = tiny_model(sliding_window=4)
+    greedy = sample_groups(local, [[1, 2, 3]], [[0]], RolloutOptions(12, temperature=0.0), [12])
+    want = generate(local, [1, 2, 3], SampleOptions(max_new_tokens=12, temperature=0.0, decode="eager"))
+    assert greedy[0][0].tokens == want.tokens[0]
     # the first token of 3000 keys against the model's distribution
     keys = [sample_key(5, r) for r in range(3000)]
     first = sample_groups(model, [[1, 2, 3]], [keys], RolloutOptions(1, temperature=1.0), [1])[0]
