@@ -20,6 +20,7 @@ Points (where the writers call fault_point):
                    renamed
   staged           staged_dir (export, import): the folder complete under its temporary name, not yet renamed
   validation       RunCheckpoints: before each validation batch (the final validation's too)
+  rollout          objective=grpo: a micro-batch's completions sampled and scored, its loss not yet computed
 """
 
 from __future__ import annotations

@@ -29,8 +29,9 @@ from gptkit.errors import ConfigError
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
 FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
-# data=tokens and data=preference share data.paths with files and chat; a path is far more often text
-NAMED_LAST = ("tokens", "preference")
+# data=tokens, data=preference and data=prompts share data.paths with files and chat; a path is far more
+# often text
+NAMED_LAST = ("tokens", "preference", "prompts")
 _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
 
 

@@ -131,10 +131,13 @@ def sample_next(
     top_k: Optional[int],
     top_p: float,
     generator: Optional[torch.Generator],
+    noise: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One token per row of logits [B, V]: greedy when temperature is 0, else sampled; -> [B].
 
-    Never waits for the device, so it runs inside a CUDA graph."""
+    noise: [B, V] Exp(1) draws to sample with (gptkit.inference.rollouts: each row's its own, a pure function
+    of its key); None draws them from `generator`. Never waits for the device, so it runs inside a CUDA
+    graph."""
     if temperature == 0:
         return argmax(logits)
     logits = logits.float() / temperature  # [B, V]
@@ -151,7 +154,8 @@ def sample_next(
     probs = logits.softmax(dim=-1)  # [B, V]
     # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i: torch.multinomial(probs, 1) computes
     # exactly this (the same draws from the same generator), but first checks the probabilities on the host
-    noise = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
     return argmax(probs / noise)
 
 

@@ -9,6 +9,7 @@ Examples:
   gptkit bench serve                (gptkit serve: 1/4/16 clients vs one at a time vs transformers' batching)
   gptkit bench sft                  (experiment=sft-tiny end to end: held-out exact match before and after)
   gptkit bench dpo                  (experiment=dpo-tiny, full and LoRA: held-out preference before and after)
+  gptkit bench grpo                 (experiment=grpo-tiny: held-out exact match before and after)
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)
   gptkit bench qlora                (finetune=qlora: base memory vs bf16, loss and speed vs lora, NF4's error)
 """

@@ -13,6 +13,7 @@ prepared     prepared.use_prepared                token shards a `gptkit prepare
 mix          mixture.prepare_mix                  a MixedData of token-shard sources (mixable kinds)
 chat         chat.prepare_chat                    conversations (ChatData)
 preference   preference.prepare_preference        preference pairs (PreferenceData)
+prompts      prompts.prepare_prompts              prompts and their records, for RL (PromptData)
 
 Each kind receives its complete settings (gptkit.data.settings: the defaults of conf/data/<kind>.yaml
 under the given keys), the tokenizer resolved once (a TokenizerSpec) and the BuildOptions (cache folder,
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gptkit.data import build, chat, mixture, preference, prepared, sources, tokenfiles
+from gptkit.data import build, chat, mixture, preference, prepared, prompts, sources, tokenfiles
 from gptkit.data.cache import cache_root
 from gptkit.data.face import BuildOptions, Prepared
 from gptkit.data.settings import kind_names, plain, settings
@@ -78,6 +79,7 @@ KINDS: dict[str, Kind] = {
     "prepared": Kind(prepared.use_prepared, mixable=True),
     "chat": Kind(chat.prepare_chat, scored=chat.NOT_SCORED),
     "preference": Kind(preference.prepare_preference, scored=preference.NOT_SCORED),
+    "prompts": Kind(prompts.prepare_prompts, scored=prompts.NOT_SCORED),
 }
 # the kinds a data=mix may hold
 MIXABLE = tuple(k for k, kind in KINDS.items() if kind.mixable)

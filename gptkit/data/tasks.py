@@ -4,6 +4,8 @@ string_tasks: "upper <word>" -> the word in capitals, "reverse <word>" -> the wo
               lowercase words of 3-6 letters; the held-out prompts never occur in the training set.
 preference_pairs: the same tasks as DPO pairs (experiment=dpo-tiny): chosen the right response, rejected
               an off-by-one corruption of it (one letter moved to the next).
+char_match:   a reward function for GRPO on them (experiment=grpo-tiny): the share of the answer's characters
+              that the completion has right, in place.
 """
 
 from __future__ import annotations
@@ -58,3 +60,13 @@ def preference_pairs(rows: list[dict], seed: int = 0) -> list[dict]:
         {"prompt": r["prompt"], "chosen": r["response"], "rejected": off_by_one(r["response"], rng)}
         for r in rows
     ]
+
+
+def char_match(prompt, completion: str, row: dict) -> float:
+    """A reward of objective=grpo (grpo.rewards entry gptkit.data.tasks:char_match): the characters of the
+    completion equal to the record's answer at the same place, over the longer of the two (1 only for the
+    answer itself). Partial credit: a completion with one letter wrong still scores, where exact gives 0."""
+    answer = str(row["answer"])
+    completion = completion.strip()
+    right = sum(a == b for a, b in zip(answer, completion))
+    return right / max(len(answer), len(completion), 1)

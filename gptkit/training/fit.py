@@ -148,7 +148,7 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     # a resumed run whose objective has a reference of its own (full fine-tuning): where it is loaded from
     elif (
         resume
-        and objective_class(cfg).needs_reference
+        and objective_class(cfg).uses_reference(objective_class(cfg).settings_of(cfg))
         and not finetune_class(cfg).own_reference
         and not str(cfg.init_from).startswith(HF_PREFIX)
     ):

@@ -54,8 +54,9 @@ def estimate(plan: Any) -> dict[str, float]:
     from gptkit import accounting as acc
 
     objective = OBJECTIVES[getattr(plan, "objective", "lm")]
+    group = objective.settings_of(getattr(plan, "cfg", None))
     # sequences through the model per micro-step
-    rows = plan.batch_size * objective.rows_per_item
+    rows = plan.batch_size * objective.rows(group)
     mem = acc.training_memory(
         plan.model,
         plan.precision,
@@ -71,7 +72,7 @@ def estimate(plan: Any) -> dict[str, float]:
         getattr(plan, "finetune", None) or ("lora" if getattr(plan, "lora", None) else "full")
     ]
     # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
-    if objective.needs_reference and not finetune.own_reference:
+    if objective.uses_reference(group) and not finetune.own_reference:
         mem["reference"] = mem["weights"]
     mem = finetune.memory(plan, mem)
     mem["total"] = sum(v for key, v in mem.items() if key != "total")

@@ -76,6 +76,9 @@ from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_s
 from gptkit.training.plan import RunPlan
 from gptkit.training.token_mean import TokenMean
 
+# the checkpoint entry of the objective's own state (Objective.state)
+OBJECTIVE_STATE = "gptkit_objective"
+
 
 def apply_compile(model: GPT, mode: str, backend: str = "inductor") -> None:
     """torch.compile in place (parameter names and checkpoints unchanged). "blocks" compiles each block:
@@ -131,7 +134,8 @@ class LitGPT(L.LightningModule):
         self.strict_loading = self.finetune.saves_every_weight
         # what the run trains for (training/objectives/); its reference is not a submodule: in no checkpoint
         objective = objective_class(plan.cfg)
-        self.reference = self._reference(plan) if objective.needs_reference else None
+        uses_reference = objective.uses_reference(objective.settings_of(plan.cfg))
+        self.reference = self._reference(plan) if uses_reference else None
         self.objective = objective(plan, self.reference)
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
@@ -145,7 +149,7 @@ class LitGPT(L.LightningModule):
         # read at log steps only (training/metrics.py)
         self.loss_window = LossWindow()
         # every loss token of an optimizer step weighs the same, across micro-batches and ranks
-        self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
+        self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.rows * plan.seq_len)
         # model.moe: the feed-forwards' auxiliary loss, the router figures, the expert bias (training/moe.py)
         self.router_watch = RouterWatch(self.model, plan.world_size, move_bias=self.finetune.trains_base)
 
@@ -272,6 +276,10 @@ class LitGPT(L.LightningModule):
         # the checkpoint the reference came from
         if self.reference is not None:
             self.reference.save(checkpoint)
+        # what the objective keeps across steps (GRPO: the rollouts of a batch it passes over again)
+        state = self.objective.state()
+        if state is not None:
+            checkpoint[OBJECTIVE_STATE] = state
         # lora, qlora: the adapters (their optimizer state is all there is) and the record of the base
         self.finetune.on_save_checkpoint(checkpoint)
 
@@ -282,6 +290,7 @@ class LitGPT(L.LightningModule):
             self._rng_to_restore = rng
         if self.reference is not None:
             self.reference.check(checkpoint)
+        self.objective.load_state(checkpoint.get(OBJECTIVE_STATE))
         if written_by(checkpoint) != self.finetune.name:
             raise GptkitError(
                 f"the checkpoint was written by a finetune={written_by(checkpoint)} run, this one is "

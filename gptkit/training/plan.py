@@ -16,7 +16,7 @@ again. From there on every part reads the plan and re-derives nothing (.ci/reder
     plan.compile          None | "blocks" | "model" (trainer.compile)
     plan.flops_per_token  training FLOPs per token (6N + 12·L·T·d_attn, as count-params; an objective
                           with a reference: + its forward, 2N + 4·L·T·d_attn), plan.peak_flops
-    plan.objective        "lm" | "dpo" (plan.objective_class: its class, training/objectives/)
+    plan.objective        "lm" | "dpo" | "grpo" (plan.objective_class: its class, training/objectives/)
     plan.data             the prepared corpus (None for a plan made without data: gptkit.train prepares it)
 
 Readers: trainer.build_trainer (Lightning Trainer, callbacks), module.LitGPT (model, compile, optimizer
@@ -195,7 +195,8 @@ class RunPlan:
 
     @property
     def objective(self) -> str:
-        """objective: lm (next-token loss) | dpo (preference pairs against a frozen reference)."""
+        """objective: lm (next-token loss) | dpo (preference pairs against a frozen reference) | grpo (RL
+        from rewards on sampled completions)."""
         return self.objective_class.name
 
     @property
@@ -214,10 +215,15 @@ class RunPlan:
         return objective_class(self.cfg)
 
     @property
+    def objective_settings(self) -> Any:
+        """The objective's config group (cfg.<group>; None when it has none)."""
+        return self.objective_class.settings_of(self.cfg)
+
+    @property
     def rows(self) -> int:
         """Sequences through the model per device and micro-batch: batch_size items x the objective's rows
         per item."""
-        return self.batch_size * self.objective_class.rows_per_item
+        return self.batch_size * self.objective_class.rows(self.objective_settings)
 
     @property
     def strategy(self) -> str:
@@ -276,7 +282,8 @@ def make_plan(
     world = checked.world_size
     objective = objective_class(cfg)
     # batch_size items of the objective's rows each (a DPO pair: chosen and rejected)
-    rows = int(t.batch_size) * objective.rows_per_item
+    group = objective.settings_of(cfg)
+    rows = int(t.batch_size) * objective.rows(group)
     tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
     max_steps = planned_steps(t, tokens_per_step)
     replan = None
@@ -291,7 +298,7 @@ def make_plan(
     # what the fine-tune trains (lora, qlora: no weight gradient for the frozen weights)
     dense, causal = finetune.flops(model, lora, flops, flops.train_dense, flops.train_causal)
     # the objective's own work (a reference's forward, no grad)
-    dense, causal = objective.flops(flops, dense, causal)
+    dense, causal = objective.flops(flops, dense, causal, group)
     return RunPlan(
         cfg=cfg,
         run_dir=run_dir,

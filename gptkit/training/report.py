@@ -126,7 +126,7 @@ def announce(
     clip = f"clipping at {t.gradient_clip_val}" if t.gradient_clip_val else "no clipping"
     compiled = f", torch.compile={plan.compile}" if plan.compile else ""
     total = plan.total_tokens
-    batch = plan.objective_class.batch_words(plan.batch_size)
+    batch = plan.objective_class.batch_words(plan.batch_size, plan.objective_settings)
     finetune = plan.finetune_class
     convention = finetune.flops_convention
     lines = [f"[bold]{escape(plan.job)}[/]"] if plan.job else []

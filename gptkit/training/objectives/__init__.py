@@ -2,6 +2,8 @@
 
     lm    next-token cross-entropy over the targets that carry loss: pretraining, and SFT on data=chat
     dpo   direct preference optimization on data=preference against a frozen reference
+    grpo  group relative policy optimization on data=prompts: completions sampled from the model, scored by
+          rewards (checkers or the user's functions)
 
 LitGPT calls the interface and never asks which objective it runs. A new objective is a file here with its
 Objective subclass, and one row of OBJECTIVES.
@@ -14,9 +16,10 @@ from typing import Any
 from gptkit.errors import ConfigError
 from gptkit.training.objectives.base import Objective, Reference, evaluating
 from gptkit.training.objectives.dpo import DPO
+from gptkit.training.objectives.grpo import GRPO
 from gptkit.training.objectives.lm import LM
 
-OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO}
+OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO}
 
 __all__ = ["OBJECTIVES", "Objective", "Reference", "check_objective", "evaluating", "objective_class"]
 
@@ -42,3 +45,4 @@ def check_objective(cfg: Any) -> None:
         raise ConfigError(owner.claimed())
     if objective.needs_start and cfg.get("init_from") in (None, "", "null"):
         raise ConfigError(objective.no_start())
+    objective.check_run(cfg)

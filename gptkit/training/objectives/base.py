@@ -2,19 +2,27 @@
 
 LitGPT (gptkit/training/module.py) runs any objective the same way and never asks which it has:
 
-    plan time (classmethods, from the config alone; gptkit/training/plan.py, fit.py, memory.py)
-        check_config(group)          its own config group (cfg.<group>), one-line ConfigErrors
+    plan time (classmethods, from the config alone; gptkit/training/plan.py, fit.py, memory.py; `group` is
+    its config group, cfg.<group>, or None)
+        check_config(group)          its own config group, one-line ConfigErrors
+        check_run(cfg)               what else of the run's config concerns it (GRPO: trainer.compile;
+                                     loading the user's reward functions, said at start-up)
         data_kinds, needs_start      what it trains on, and whether it starts from weights (init_from=)
-        rows_per_item                sequences through the model per batch item (a DPO pair: 2)
-        needs_reference              a frozen copy of the starting weights (Reference) is built for it
-        flops(counts, dense, causal) training FLOPs per token, its own extra work added
-        batch_words(n), describe(plan)   what start-up says of a batch and of the objective
+        rows(group)                  sequences through the model per batch item (rows_per_item: a DPO pair
+                                     2; GRPO: a prompt's group of completions)
+        uses_reference(group)        a frozen copy of the starting weights (Reference) is built for it
+                                     (needs_reference; GRPO: only with a KL term)
+        flops(counts, dense, causal, group)   training FLOPs per token, its own extra work added
+        batch_words(n, group), describe(plan)   what start-up says of a batch and of the objective
     run time (an instance per run, given the plan and the Reference)
         loss(model, batch) -> (loss, weight)   a micro-batch's loss and its loss-token count (None: every
-                                               micro-batch weighs the same)
+                                               micro-batch weighs the same); it may first produce what it
+                                               trains on (GRPO: completions sampled from the model) and
+                                               keep it for later steps (several passes over one batch)
         validate(model, batch, rank, world_size, val_sources)   one validation batch, kept on the device
         val_metrics(strategy, val_sources), train_metrics(strategy)   reduced over the ranks, then reset
         progress(metrics), val_progress(metrics), summary(metrics)   what the progress line and the end say
+        state(), load_state(state)   what it keeps across steps that a resume needs (in every checkpoint)
 
 A new objective is one file with a subclass and one row of gptkit/training/objectives/__init__.py.
 torchtitan's components/loss.py (a loss as a component the trainer calls) is the model.
@@ -107,6 +115,27 @@ class Objective:
         """Its config group (None when absent): one-line ConfigErrors for values that cannot train."""
 
     @classmethod
+    def check_run(cls, cfg: Any) -> None:
+        """The rest of the run's config as it concerns the objective (after its group, its data and its
+        start are checked): one-line ConfigErrors."""
+
+    @classmethod
+    def settings_of(cls, cfg: Any) -> Any:
+        """Its config group of a run's config (None: no group, or no config)."""
+        return cfg.get(cls.group) if cls.group and cfg is not None else None
+
+    @classmethod
+    def rows(cls, group: Any) -> int:
+        """Sequences through the model per batch item (its config group may decide)."""
+        return cls.rows_per_item
+
+    @classmethod
+    def uses_reference(cls, group: Any) -> bool:
+        """Whether a frozen Reference of the starting weights is built for it (its config group may
+        decide)."""
+        return cls.needs_reference
+
+    @classmethod
     def wrong_data(cls, kind: Any) -> str:
         """The error when the data kind is not one it trains on."""
         return f"objective={cls.name} does not train on data kind {kind!r}"
@@ -122,15 +151,15 @@ class Objective:
         return f"objective={cls.name} needs a starting checkpoint: init_from=<run folder or checkpoint>"
 
     @classmethod
-    def flops(cls, counts: Any, dense: float, causal: float) -> tuple[float, float]:
+    def flops(cls, counts: Any, dense: float, causal: float, group: Any = None) -> tuple[float, float]:
         """Training FLOPs per token (full-attention and causal conventions) with its own work added: a
-        reference's forward (no grad) when it needs one."""
-        if cls.needs_reference:
+        reference's forward (no grad) when it uses one."""
+        if cls.uses_reference(group):
             return dense + counts.forward_dense, causal + counts.forward_causal
         return dense, causal
 
     @classmethod
-    def batch_words(cls, batch_size: int) -> str:
+    def batch_words(cls, batch_size: int, group: Any = None) -> str:
         """What one micro-batch of batch_size items is, for the start-up line."""
         return f"{batch_size} sequences"
 
@@ -168,6 +197,14 @@ class Objective:
     def val_progress(self, metrics: dict[str, Any]) -> str:
         """What follows `val loss ...` on the progress line after a validation."""
         return ""
+
+    def state(self) -> dict[str, Any] | None:
+        """What a resume needs of it (tensors, numbers, lists, dicts: a checkpoint loads with
+        weights_only=True); None: nothing."""
+        return None
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        """Take back what state() saved (None: the checkpoint holds nothing of it)."""
 
     def summary(self, metrics: dict[str, Any]) -> str | None:
         """The final validation in the run's last line (None: no validation yet)."""

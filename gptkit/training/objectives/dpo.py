@@ -176,7 +176,7 @@ class DPO(Objective):
         )
 
     @classmethod
-    def batch_words(cls, batch_size: int) -> str:
+    def batch_words(cls, batch_size: int, group: Any = None) -> str:
         return f"{batch_size} pairs x 2 answers"
 
     @classmethod

@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""objective=grpo's loss against TRL's GRPOTrainer on the same fixed log-probs (docs/grpo.md, "Checked").
+
+TRL is not a dependency of gptkit: install it in an environment of its own and name its python.
+
+    python3 -m venv /tmp/trl-venv && /tmp/trl-venv/bin/pip install torch==2.13.0 trl
+    .venv/bin/python .ci/grpo_vs_trl.py --trl-python /tmp/trl-venv/bin/python
+
+The TRL side (this file run with --side trl by TRL's python) calls GRPOTrainer._compute_loss on a trainer
+made without __init__ (only the attributes the loss reads), with _get_per_token_logps_and_entropies replaced
+by a stand-in that returns the fixed per-token log-probs (a leaf tensor, so the gradient can be read); it
+writes the loss, the gradient with respect to the log-probs, TRL's logged clip ratio and KL, and the
+advantages of TRL's formula (its nanstd, + 1e-4) as JSON. This side computes the same with
+gptkit.training.objectives.grpo (grpo_loss, group_advantages) and prints the largest difference of each, for
+loss_type grpo, dr_grpo and dapo, with and without a KL term, in the first pass (old = the log-probs,
+detached) and a later one; it exits 1 when one differs by 1e-6 or more.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from collections import defaultdict
+from types import SimpleNamespace
+
+import torch
+
+N, T, MAX_NEW, G = 12, 9, 9, 4
+# (loss_type, epsilon_low, epsilon_high, beta, first pass)
+CASES = [
+    (loss, lo, hi, beta, first)
+    for loss in ("grpo", "dr_grpo", "dapo")
+    for lo, hi, beta in ((0.2, 0.2, 0.0), (0.2, 0.28, 0.04))
+    for first in (True, False)
+]
+
+
+def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Fixed per-token log-probs of N completions of at most T tokens (of the policy, the sampling policy and
+    the reference), their mask (each completion 1..T tokens, right-padded), their advantages and rewards of
+    N / G groups."""
+    g = torch.Generator().manual_seed(seed)
+    logps = -torch.rand(N, T, generator=g, dtype=torch.float64) * 3
+    old = logps + (torch.rand(N, T, generator=g, dtype=torch.float64) - 0.5) * 0.8
+    ref = logps + (torch.rand(N, T, generator=g, dtype=torch.float64) - 0.5) * 0.6
+    lengths = torch.randint(1, T + 1, (N,), generator=g)
+    mask = (torch.arange(T)[None, :] < lengths[:, None]).double()
+    advantages = torch.randn(N, generator=g, dtype=torch.float64)
+    rewards = torch.randint(0, 3, (N // G, G), generator=g).double()
+    rewards[0] = 1.0
+    return dict(logps=logps, old=old, ref=ref, mask=mask, advantages=advantages, rewards=rewards)
+
+
+def trl_side() -> dict:
+    import trl
+    from trl.trainer.grpo_trainer import GRPOTrainer
+    from trl.trainer.utils import nanstd
+
+    data = inputs()
+    out = {"trl": trl.__version__, "cases": []}
+    for loss_type, lo, hi, beta, first in CASES:
+        logps = data["logps"].clone().float().requires_grad_(True)
+        trainer = GRPOTrainer.__new__(GRPOTrainer)
+        trainer.__dict__.update(
+            top_entropy_quantile=1.0,
+            off_policy_mask_threshold=None,
+            importance_sampling_level="token",
+            beta=beta,
+            loss_type=loss_type,
+            epsilon_low=lo,
+            epsilon_high=hi,
+            use_vllm=False,
+            aux_loss_enabled=False,
+            _entropy_bonus_enabled=False,
+            max_completion_length=MAX_NEW,
+            current_gradient_accumulation_steps=1,
+            model=SimpleNamespace(training=True),
+            args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+            accelerator=SimpleNamespace(
+                num_processes=1,
+                gather=lambda x: x,
+                reduce=lambda x, reduction: x,
+                gather_for_metrics=lambda x: x,
+            ),
+            _metrics={"train": defaultdict(list), "eval": defaultdict(list)},
+        )
+        trainer._get_per_token_logps_and_entropies = lambda *a, lp=logps, **k: (
+            lp,
+            torch.zeros_like(lp),
+            None,
+        )
+        batch = {
+            "prompt_ids": torch.zeros(N, 1, dtype=torch.long),
+            "prompt_mask": torch.ones(N, 1, dtype=torch.long),
+            "completion_ids": torch.zeros(N, T, dtype=torch.long),
+            "completion_mask": data["mask"].long(),
+            "advantages": data["advantages"].float(),
+            "num_items_in_batch": data["mask"].sum(),
+        }
+        if not first:
+            batch["old_per_token_logps"] = data["old"].float()
+        if beta:
+            batch["ref_per_token_logps"] = data["ref"].float()
+        loss = trainer._compute_loss(None, batch)
+        loss.backward()
+        m = trainer._metrics["train"]
+        out["cases"].append(
+            {
+                "loss": float(loss),
+                "grad": logps.grad.tolist(),
+                "clip": m["clip_ratio/region_mean"][0],
+                "kl": m["kl"][0] if beta else None,
+            }
+        )
+    # TRL's advantages (GRPOTrainer._generate_and_score_completions with scale_rewards "group" and "none")
+    r = data["rewards"].flatten()
+    mean = torch.nanmean(r.view(-1, G), dim=1).repeat_interleave(G)
+    std = nanstd(r.view(-1, G), dim=1).repeat_interleave(G)
+    out["advantages"] = {"std": ((r - mean) / (std + 1e-4)).tolist(), "none": (r - mean).tolist()}
+    return out
+
+
+def compare(trl: dict) -> int:
+    from gptkit.training.objectives.grpo import group_advantages, grpo_loss
+
+    data = inputs()
+    worst = defaultdict(float)
+    for (loss_type, lo, hi, beta, first), want in zip(CASES, trl["cases"]):
+        logps = data["logps"].clone().float().requires_grad_(True)
+        old = logps.detach() if first else data["old"].float()
+        value, figures = grpo_loss(
+            logps,
+            old,
+            data["advantages"].float(),
+            data["mask"].bool(),
+            epsilon_low=lo,
+            epsilon_high=hi,
+            beta=beta,
+            ref_logps=data["ref"].float() if beta else None,
+            loss=loss_type,
+            max_new_tokens=MAX_NEW,
+        )
+        value.backward()
+        name = f"{loss_type:7s} eps {lo}/{hi} beta {beta:<4} {'first' if first else 'later'} pass"
+        d_loss = abs(float(value.detach()) - want["loss"])
+        d_grad = float((logps.grad.double() - torch.tensor(want["grad"], dtype=torch.float64)).abs().max())
+        d_clip = abs(float(figures["clipped"] / figures["tokens"]) - want["clip"])
+        d_kl = abs(float(figures["kl"] / figures["tokens"]) - want["kl"]) if beta else 0.0
+        print(
+            f"{name}: loss {float(value.detach()):+.8f} vs TRL {want['loss']:+.8f}  |d| loss {d_loss:.1e} "
+            f"grad {d_grad:.1e} clip {d_clip:.1e} kl {d_kl:.1e}"
+        )
+        for k, v in (("loss", d_loss), ("grad", d_grad), ("clip fraction", d_clip), ("kl", d_kl)):
+            worst[k] = max(worst[k], v)
+    rewards = data["rewards"].float()
+    for scale in ("std", "none"):
+        got = group_advantages(rewards, scale).flatten().double()
+        d = float((got - torch.tensor(trl["advantages"][scale], dtype=torch.float64)).abs().max())
+        print(f"advantages scale={scale}: |d| {d:.1e}")
+        worst[f"advantages ({scale})"] = d
+    print(
+        f"TRL {trl['trl']}, torch {torch.__version__}: largest |difference| "
+        + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
+    )
+    return 0 if max(worst.values()) < 1e-6 else 1
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--side", choices=("trl", "gptkit"), default="gptkit")
+    p.add_argument("--trl-python", help="the python of an environment with TRL installed")
+    a = p.parse_args()
+    if a.side == "trl":
+        json.dump(trl_side(), sys.stdout)
+        return 0
+    if not a.trl_python:
+        p.error("--trl-python is needed (TRL is not a dependency of gptkit)")
+    r = subprocess.run([a.trl_python, __file__, "--side", "trl"], capture_output=True, text=True)
+    if r.returncode:
+        print(r.stderr[-3000:], file=sys.stderr)
+        return r.returncode
+    return compare(json.loads(r.stdout))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,676 @@
+"""GRPO, group relative policy optimization (Shao et al. 2024, DeepSeekMath, arXiv:2402.03300), with the
+normalizations of Dr. GRPO (Liu et al. 2025, arXiv:2503.20783) and DAPO (Yu et al. 2025, arXiv:2503.14476):
+objective=grpo, on data=prompts.
+
+One optimizer step, for each prompt of its batch:
+
+  1. rollouts  G = grpo.group_size completions sampled from the policy through the KV cache
+               (gptkit.inference.rollouts: grpo.temperature, top_p, top_k; at most grpo.max_new_tokens and
+               the room trainer.seq_len leaves; ended by the template's end of turn or the EOS, which they
+               keep);
+               completion r of the prompt
+               at place s of the step's global batch is drawn with the key (seed, micro-step, s, r): a resumed
+               step, and a run on another number of processes, draws the same completions
+  2. rewards   R_i = sum_k w_k reward_k(prompt, completion_i, record)     (gptkit/training/rewards.py)
+  3. advantage A_i = R_i - mean(R of the group), divided by (std(R of the group) + 1e-4) with grpo.scale=std
+               (the unbiased std, as TRL's GRPOTrainer) or not (none: Dr. GRPO)
+  4. loss      per completion token t of completion i (log-probs of the logits divided by grpo.temperature:
+               the policy that samples, as TRL's GRPOTrainer scores it), with rho = pi(o_t) / pi_old(o_t),
+               the ratio to the policy that sampled it (in the first pass pi_old = pi, detached: rho = 1,
+               its gradient that of log pi), and the k3 estimate of the KL to the frozen start (Schulman
+               2020) when grpo.beta > 0:
+                   l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_it
+                   KL_it = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+               normalized over the step's completions, every micro-batch and rank (grpo.loss):
+                   grpo     (1/G) sum_i (1/|o_i|) sum_t l_it          each completion's token mean, averaged
+                   dr_grpo  sum_i sum_t l_it / (G max_new_tokens)     a constant: no length bias
+                   dapo     sum_i sum_t l_it / sum_i |o_i|             each token of the step weighs the same
+
+grpo.iterations = mu > 1: a batch's rollouts (their completions, advantages, pi_old's log-probs and the
+reference's) serve mu optimizer steps, each a pass with the clipped ratio to pi_old; the datamodule's prompts
+of the other mu - 1 steps are not read. The rollouts are kept, over every rank, with every checkpoint in
+between, so a resume passes over the same ones. The reference's log-probs are computed once per batch of
+rollouts as well. With finetune=lora the reference is the policy with its adapters switched off (as DPO's).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from gptkit.data.prompts import PromptBatch
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.faults import fault_point
+from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
+from gptkit.training.objectives.base import Objective, Reference
+from gptkit.training.rewards import Rewards, load_rewards, parse_rewards
+
+LOSSES = ("grpo", "dr_grpo", "dapo")
+SCALES = ("std", "none")
+# added to a group's std before dividing (TRL's GRPOTrainer adds the same)
+STD_EPS = 1e-4
+
+
+def check_grpo_config(g: Any) -> None:
+    """The grpo block: one-line ConfigErrors for values that cannot train (the rewards: parse_rewards)."""
+    if g is None:
+        raise ConfigError("objective=grpo needs its grpo block (conf/train.yaml)")
+    n = g.get("group_size")
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        raise ConfigError(
+            f"grpo.group_size={n!r} must be an integer >= 2: the completions of one prompt, whose mean "
+            "reward is the baseline of each"
+        )
+    for key, low in (("max_new_tokens", 1), ("iterations", 1)):
+        v = g.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ConfigError(f"grpo.{key}={v!r} must be an integer >= {low}")
+    if str(g.get("scale")) not in SCALES:
+        raise ConfigError(f"grpo.scale={g.get('scale')!r} is not one of {', '.join(SCALES)}")
+    if str(g.get("loss")) not in LOSSES:
+        raise ConfigError(f"grpo.loss={g.get('loss')!r} is not one of {', '.join(LOSSES)}")
+    eps, high = g.get("epsilon"), g.get("epsilon_high")
+    for key, v in (("epsilon", eps), ("epsilon_high", high)):
+        if v is not None and not (isinstance(v, (int, float)) and 0 < float(v) < 1e3):
+            raise ConfigError(f"grpo.{key}={v!r} must be > 0 (the clip of the ratio: 0.2 is usual)")
+    if eps is None or float(eps) >= 1:
+        raise ConfigError(f"grpo.epsilon={eps!r} must be in (0, 1): the ratio is clipped at 1 - epsilon")
+    beta = g.get("beta")
+    if not isinstance(beta, (int, float)) or not 0 <= float(beta) < math.inf:
+        raise ConfigError(f"grpo.beta={beta!r} must be >= 0 (the weight of the KL to the start; 0: none)")
+    RolloutOptions(
+        int(g.max_new_tokens), float(g.temperature), g.get("top_k") or None, float(g.get("top_p", 1.0))
+    ).validate()
+    if float(g.temperature) <= 0:
+        raise ConfigError(
+            "grpo.temperature must be > 0: a group of greedy completions is one completion G times, whose "
+            "advantages are all 0"
+        )
+    if float(g.get("val_temperature", 0.0)) < 0:
+        raise ConfigError(f"grpo.val_temperature={g.get('val_temperature')} must be >= 0 (0: greedy)")
+    parse_rewards(g.get("rewards"))
+
+
+def group_advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
+    """Advantages [P, G] of rewards [P, G] (P prompts, G completions each): the reward minus its group's mean,
+    divided by (the group's unbiased std + STD_EPS) with scale=std."""
+    adv = rewards - rewards.mean(dim=1, keepdim=True)  # [P, G]
+    if scale == "std":
+        adv = adv / (rewards.std(dim=1, keepdim=True) + STD_EPS)
+    return adv
+
+
+def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs [N, T] (fp32) of targets [N, T] under logits [N, T, V] divided by the sampling temperature
+    (the policy that samples, as TRL's GRPOTrainer scores it); 0 where a target is -100."""
+    n, t, v = logits.shape
+    logits = logits.float() if temperature == 1.0 else logits.float() / temperature
+    return -F.cross_entropy(
+        logits.reshape(n * t, v), targets.reshape(n * t), ignore_index=-100, reduction="none"
+    ).view(n, t)
+
+
+def grpo_loss(
+    logps: torch.Tensor,
+    old_logps: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    epsilon_low: float,
+    epsilon_high: float,
+    beta: float = 0.0,
+    ref_logps: torch.Tensor | None = None,
+    loss: str = "grpo",
+    max_new_tokens: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """(the loss of a batch of completions, its figures) from per-token log-probs [N, T] of the policy, of the
+    policy that sampled (old_logps) and of the reference (with beta > 0), advantages [N] and the completion
+    tokens' mask [N, T] (see the module docstring). The figures are detached sums over the completion tokens:
+    tokens, clipped (low: rho < 1 - epsilon_low with A < 0; high: rho > 1 + epsilon_high with A > 0), kl."""
+    mask = mask.to(logps.dtype)
+    ratio = torch.exp(logps - old_logps)  # [N, T]
+    adv = advantages[:, None].to(logps.dtype)  # [N, 1]
+    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [N, T]
+    per_token = -torch.min(ratio * adv, clipped * adv)  # [N, T]
+    figures = {"tokens": mask.sum().detach()}
+    if beta > 0:
+        if ref_logps is None:
+            raise ValueError("beta > 0 needs the reference's log-probs")
+        d = ref_logps - logps  # [N, T]
+        kl = torch.exp(d) - d - 1  # [N, T] k3, >= 0
+        per_token = per_token + beta * kl
+        figures["kl"] = (kl * mask).sum().detach()
+    elif ref_logps is not None:
+        d = (ref_logps - logps).detach()
+        figures["kl"] = ((torch.exp(d) - d - 1) * mask).sum()
+    low = (ratio < 1 - epsilon_low) & (adv < 0)
+    high = (ratio > 1 + epsilon_high) & (adv > 0)
+    figures["clipped"] = ((low | high).to(mask.dtype) * mask).sum().detach()
+    summed = (per_token * mask).sum(dim=1)  # [N]
+    if loss == "grpo":
+        value = (summed / mask.sum(dim=1).clamp(min=1.0)).mean()
+    elif loss == "dr_grpo":
+        if not max_new_tokens:
+            raise ValueError("dr_grpo needs max_new_tokens")
+        value = summed.sum() / (summed.numel() * max_new_tokens)
+    elif loss == "dapo":
+        value = summed.sum() / mask.sum().clamp(min=1.0)
+    else:
+        raise ConfigError(f"grpo.loss={loss!r} is not one of {', '.join(LOSSES)}")
+    return value, figures
+
+
+@dataclass
+class Rollouts:
+    """One micro-batch's completions as training rows, what its loss reads.
+
+    x           [N, T] int64: prompt and completion (N = prompts x group_size), right-padded
+    y           [N, T] int64: the next token where it is a completion's, else -100
+    advantages  [N] fp32
+    old         [N, T] fp32: log-probs of the policy that sampled them (None: the first pass's, detached)
+    ref         [N, T] fp32: the reference's log-probs (None: no reference)"""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    advantages: torch.Tensor
+    old: torch.Tensor | None = None
+    ref: torch.Tensor | None = None
+
+    FIELDS = ("x", "y", "advantages", "old", "ref")
+
+    def to_dict(self) -> dict[str, torch.Tensor]:
+        return {k: getattr(self, k).detach().cpu() for k in self.FIELDS if getattr(self, k) is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, torch.Tensor], device) -> "Rollouts":
+        return cls(**{k: d[k].to(device) if k in d else None for k in cls.FIELDS})
+
+    def rows(self, a: int, b: int) -> "Rollouts":
+        """Rows [a, b)."""
+        return Rollouts(*(None if t is None else t[a:b] for t in (getattr(self, k) for k in self.FIELDS)))
+
+
+def pad_rows(seqs: list[list[int]], pad: int) -> torch.Tensor:
+    """[N, max len] int64, each sequence then pad."""
+    out = torch.full((len(seqs), max(len(s) for s in seqs)), pad, dtype=torch.long)  # [N, T]
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def completion_rows(prompts: list[list[int]], completions: list[list[int]], pad: int):
+    """(x, y) [N, T] of each prompt (repeated for its completions, in order) followed by its completion:
+    x = the row without its last token, y = the next token where it is a completion's, else -100."""
+    g = len(completions) // len(prompts)
+    full = [prompts[i // g] + c for i, c in enumerate(completions)]
+    ids = pad_rows(full, pad)  # [N, T + 1]
+    x = ids[:, :-1]  # [N, T]
+    y = torch.full_like(x, -100)  # [N, T]
+    for i, c in enumerate(completions):
+        p = len(prompts[i // g])
+        y[i, p - 1 : p - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
+    return x.contiguous(), y
+
+
+class Figures:
+    """Sums of a window of rollouts and losses (train: between two log steps; val: one validation), read over
+    every rank: the generation side's in Python floats, the loss side's on the device (no host sync)."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.reset()
+
+    def reset(self) -> None:
+        k = len(self.names)
+        # completions; per reward sum and sum of squares; total sum, sum of squares; groups, groups with zero
+        # std; completion tokens, completions cut at the length limit; generation seconds
+        self.host = [0.0] * (1 + 2 * k + 2 + 2 + 2 + 1)
+        self.longest = 0.0
+        self.device: dict[str, torch.Tensor] = {}
+
+    def add_rollouts(self, scores: list[list[list[float]]], totals: list[list[float]], lengths, cut, seconds):
+        """One micro-batch's rewards (scores[p][i][k]: reward k of completion i of prompt p; totals[p][i]),
+        completion lengths (flat), completions cut and generation seconds."""
+        h, k = self.host, len(self.names)
+        for group_scores, group_totals in zip(scores, totals):
+            for s, t in zip(group_scores, group_totals):
+                h[0] += 1
+                for j, v in enumerate(s):
+                    h[1 + 2 * j] += v
+                    h[2 + 2 * j] += v * v
+                h[1 + 2 * k] += t
+                h[2 + 2 * k] += t * t
+            h[3 + 2 * k] += 1
+            h[4 + 2 * k] += float(max(group_totals) == min(group_totals))
+        h[5 + 2 * k] += float(sum(lengths))
+        h[6 + 2 * k] += float(cut)
+        h[7 + 2 * k] += float(seconds)
+        self.longest = max(self.longest, float(max(lengths, default=0)))
+
+    def add_loss(self, figures: dict[str, torch.Tensor]) -> None:
+        for key, v in figures.items():
+            v = v.detach().float()
+            self.device[key] = v if key not in self.device else self.device[key] + v
+
+    def read(self, strategy, device) -> dict[str, float] | None:
+        """The window's sums over every rank (None when nothing was added), then start afresh."""
+        keys = sorted(self.device)
+        if not self.host[0] and not keys:
+            return None
+        host = torch.tensor(self.host, dtype=torch.float64, device=device)
+        dev = [self.device[k].to(device, torch.float64).reshape(1) for k in keys]
+        sums = torch.cat([host, *dev])
+        longest = torch.tensor(self.longest, dtype=torch.float64, device=device)
+        if strategy is not None:
+            sums = strategy.reduce(sums, reduce_op="sum")
+            longest = strategy.reduce(longest, reduce_op="max")
+        values = sums.tolist()
+        self.reset()
+        out = {"host": values[: len(self.host)], "longest": float(longest)}
+        out.update(zip(keys, values[len(self.host) :]))
+        return out
+
+
+def mean_std(total: float, squares: float, n: float) -> tuple[float, float]:
+    """Mean and (population) std from a sum and a sum of squares of n values."""
+    mean = total / n
+    return mean, math.sqrt(max(0.0, squares / n - mean * mean))
+
+
+class GRPO(Objective):
+    """objective=grpo: group-sampled completions scored by rewards, the clipped policy-gradient loss with
+    group-relative advantages (module docstring)."""
+
+    name = "grpo"
+    group = "grpo"
+    data_kinds = ("prompts",)
+    needs_start = True
+
+    @classmethod
+    def check_config(cls, group: Any) -> None:
+        check_grpo_config(group)
+
+    @classmethod
+    def check_run(cls, cfg: Any) -> None:
+        if (cfg.get("trainer") or {}).get("compile") not in (None, False, "none", "false"):
+            raise ConfigError(
+                "objective=grpo decodes its completions through a growing KV cache, for which a compiled "
+                "block would compile again and again; use trainer.compile=none"
+            )
+        # the user's reward functions: loaded (and said) now, before anything is written
+        load_rewards(parse_rewards(cfg.grpo.get("rewards")))
+
+    @classmethod
+    def rows(cls, group: Any) -> int:
+        return int(group.get("group_size")) if group is not None else 1
+
+    @classmethod
+    def uses_reference(cls, group: Any) -> bool:
+        return group is not None and float(group.get("beta") or 0.0) > 0
+
+    @classmethod
+    def flops(cls, counts: Any, dense: float, causal: float, group: Any = None) -> tuple[float, float]:
+        """Training FLOPs per token of the rows trained on, plus, once per batch of rollouts (every
+        grpo.iterations steps): their sampling (a forward per token), the sampling policy's log-probs (a
+        forward, with iterations > 1) and the reference's (a forward, with beta > 0)."""
+        mu = int(group.get("iterations") or 1) if group is not None else 1
+        forwards = 1 + (mu > 1) + cls.uses_reference(group)
+        return dense + forwards * counts.forward_dense / mu, causal + forwards * counts.forward_causal / mu
+
+    @classmethod
+    def wrong_data(cls, kind: Any) -> str:
+        return (
+            f"objective=grpo trains on prompts, not data kind {kind!r}: add data=prompts "
+            "data.paths=[prompts.jsonl] (a prompt and the fields the rewards read)"
+        )
+
+    @classmethod
+    def claimed(cls) -> str:
+        return (
+            "data=prompts holds prompts for reinforcement learning: add objective=grpo "
+            "init_from=<run folder or checkpoint> 'grpo.rewards=[exact]'"
+        )
+
+    @classmethod
+    def no_start(cls) -> str:
+        return (
+            "objective=grpo needs a starting checkpoint: init_from=<run folder or checkpoint> (e.g. an SFT "
+            "run): its completions are what the rewards score"
+        )
+
+    @classmethod
+    def batch_words(cls, batch_size: int, group: Any = None) -> str:
+        n = cls.rows(group)
+        return f"{batch_size} prompts x {n} completions"
+
+    @classmethod
+    def describe(cls, plan: Any) -> str | None:
+        g = plan.cfg.grpo
+        rewards = parse_rewards(g.rewards)
+        high = g.get("epsilon_high") or g.epsilon
+        if float(g.beta) > 0:
+            reference = (
+                "the base with the adapters off" if plan.lora else "a frozen copy of the starting weights"
+            )
+            kl = f"KL (k3) to {reference}, beta {g.beta}"
+        else:
+            kl = "no KL term (beta 0)"
+        scale = "divided by the group's std" if g.scale == "std" else "not scaled (Dr. GRPO)"
+        return (
+            f"GRPO: {g.group_size} completions per prompt (temperature {g.temperature}, top_p {g.top_p}, "
+            f"at most {g.max_new_tokens} new tokens), rewards {rewards.describe()}; advantages {scale}; "
+            f"{g.loss} loss, clip [{1 - float(g.epsilon):g}, {1 + float(high):g}], {g.iterations} "
+            f"pass(es) per batch of rollouts; {kl}"
+        )
+
+    def __init__(self, plan: Any, reference: Reference | None = None) -> None:
+        super().__init__(plan, reference)
+        g = self.settings
+        self.rewards: Rewards = load_rewards(parse_rewards(g.rewards), announce=False)
+        self.group_size, self.mu = int(g.group_size), int(g.iterations)
+        self.scale, self.loss_type = str(g.scale), str(g.loss)
+        self.epsilon = float(g.epsilon)
+        self.epsilon_high = float(g.get("epsilon_high") or g.epsilon)
+        self.beta = float(g.beta)
+        self.val_temperature = float(g.get("val_temperature") or 0.0)
+        self.seed, self.seq_len = int(plan.cfg.seed), int(plan.seq_len)
+        self.accumulation, self.batch_size = int(plan.accumulation), int(plan.batch_size)
+        data = plan.cfg.data
+        self.prompt_field, self.messages_field = (
+            str(data.get("prompt_field")),
+            str(data.get("messages_field")),
+        )
+        tok = plan.data.manifest["tokenizer"]
+        # a completion ends at the template's end of turn or the EOS (and keeps it)
+        stops = tuple(i for i in (tok.get("end_of_turn_id"), tok.get("eos_id")) if i is not None)
+        self.opts = RolloutOptions(
+            int(g.max_new_tokens),
+            float(g.temperature),
+            g.get("top_k") or None,
+            float(g.get("top_p", 1.0)),
+            stops,
+        )
+        self.pad_id = int(tok.get("pad_id") or 0)
+        self.tokenizer = plan.data.tokenizer()
+        self.train = Figures(self.rewards.names)
+        self.val = Figures(self.rewards.names)
+        # grpo.iterations > 1: the round of rollouts kept, and each micro-batch's (over every rank)
+        self.kept_round: int | None = None
+        self.kept: dict[int, dict[str, torch.Tensor]] = {}
+        self._clock: float | None = None
+        self._val_seconds = 0.0
+
+    # ---- rollouts ---------------------------------------------------------------------------------------
+    def _lockstep(self, model):
+        """FSDP2 (sharded weights: every forward is collective): whether any rank still decodes."""
+        if not getattr(model, "_gptkit_sharded", False) or not (
+            dist.is_available() and dist.is_initialized()
+        ):
+            return None
+        device = model.tok_emb.weight.device
+
+        def any_active(active: bool) -> bool:
+            flag = torch.tensor([int(active)], device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            return bool(flag.item())
+
+        return any_active
+
+    def _text(self, tokens: list[int]) -> str:
+        """A completion's text, its stop token left out."""
+        if tokens and tokens[-1] in self.opts.stop_ids:
+            tokens = tokens[:-1]
+        return self.tokenizer.decode(tokens, skip_special_tokens=False)
+
+    def _prompt_of(self, row: dict) -> Any:
+        """What a reward function gets as the prompt: the record's prompt text, else its messages."""
+        p = row.get(self.prompt_field)
+        return p if isinstance(p, str) else row.get(self.messages_field)
+
+    def _score(self, batch: PromptBatch, groups) -> tuple[list, list]:
+        """(scores[p][i][k], totals[p][i]) of every completion."""
+        scores, totals = [], []
+        for row, where, group in zip(batch.rows, batch.where, groups):
+            prompt = self._prompt_of(row)
+            s = [self.rewards.score(prompt, self._text(c.tokens), row, where) for c in group]
+            scores.append(s)
+            totals.append([self.rewards.total(x) for x in s])
+        return scores, totals
+
+    def sample(self, model, batch: PromptBatch, n: int, temperature: float, step: int) -> tuple[list, float]:
+        """(per prompt its n completions, seconds): drawn with the keys (seed, step, slot, r)."""
+        prompts = batch.prompts()
+        opts = RolloutOptions(
+            self.opts.max_new_tokens, temperature, self.opts.top_k, self.opts.top_p, self.opts.stop_ids
+        )
+        keys = [[sample_key(self.seed, step, s, r) for r in range(n)] for s in batch.slots.tolist()]
+        budgets = [min(self.opts.max_new_tokens, self.seq_len - len(p)) for p in prompts]
+        t = time.perf_counter()
+        groups = sample_groups(model, prompts, keys, opts, budgets, self._lockstep(model))
+        return groups, time.perf_counter() - t
+
+    def rollouts(self, model, batch: PromptBatch) -> Rollouts:
+        """Sample, score and turn into rows one micro-batch's completions (steps 1-3 of the module docstring);
+        with iterations > 1 the sampling policy's log-probs, and with a reference its log-probs."""
+        step = int(batch.step)
+        groups, seconds = self.sample(model, batch, self.group_size, self.opts.temperature, step)
+        scores, totals = self._score(batch, groups)
+        completions = [c.tokens for group in groups for c in group]
+        device = batch.ids.device
+        rewards = torch.tensor(totals, dtype=torch.float32, device=device)  # [P, G]
+        advantages = group_advantages(rewards, self.scale).flatten()  # [N]
+        x, y = completion_rows(batch.prompts(), completions, self.pad_id)
+        x, y = x.to(device), y.to(device)
+        cut = sum(c.stop_reason != "stop" for group in groups for c in group)
+        self.train.add_rollouts(scores, totals, [len(c) for c in completions], cut, seconds)
+        out = Rollouts(x, y, advantages)
+        if self.mu > 1:
+            with torch.no_grad():
+                out.old = token_logps(model(x).logits, y, self.opts.temperature)
+        if self.reference is not None:
+            with torch.no_grad():
+                out.ref = token_logps(self.reference.logits(model, x), y, self.opts.temperature)
+        return out
+
+    def _kept(self, model, batch: PromptBatch) -> Rollouts:
+        """grpo.iterations > 1: this micro-batch's rollouts of the current round, over every rank (sampled now
+        in the round's first step, else the ones kept), this rank's rows."""
+        step = int(batch.step)
+        opt_step, micro = divmod(step, self.accumulation)
+        rnd, k = divmod(opt_step, self.mu)
+        if k == 0 or self.kept_round != rnd or micro not in self.kept:
+            if k:
+                raise GptkitError(
+                    f"grpo.iterations={self.mu}: step {opt_step} passes again over the rollouts of step "
+                    f"{rnd * self.mu}, which this run does not hold"
+                )
+            if self.kept_round != rnd:
+                self.kept_round, self.kept = rnd, {}
+            self.kept[micro] = self._gather(self.rollouts(model, batch).to_dict())
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        rank = dist.get_rank() if world > 1 else 0
+        every = Rollouts.from_dict(self.kept[micro], batch.ids.device)
+        n = self.batch_size * self.group_size
+        return every.rows(rank * n, (rank + 1) * n)
+
+    def _gather(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every rank's rollouts of a micro-batch, in rank order, padded to one length (as a checkpoint keeps
+        them; every rank reads its own rows from them, on resume as now)."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return mine
+        every: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        t = max(d["x"].shape[1] for d in every)
+        fill = {"x": self.pad_id, "y": -100, "old": 0.0, "ref": 0.0}
+        out = {}
+        for key in mine:
+            parts = [d[key] for d in every]
+            if key in fill:
+                parts = [F.pad(p, (0, t - p.shape[1]), value=fill[key]) for p in parts]
+            out[key] = torch.cat(parts)
+        return out
+
+    # ---- the loss ---------------------------------------------------------------------------------------
+    def loss(self, model, batch: PromptBatch):
+        """The GRPO loss of one micro-batch of prompts: their rollouts (sampled now, or kept from the first
+        step of this round with iterations > 1), then one pass (module docstring). Weight: dapo the completion
+        tokens (every token of the step weighs the same); grpo and dr_grpo None (every micro-batch holds as
+        many completions)."""
+        if self._clock is None:
+            self._clock = time.perf_counter()
+        ro = self._kept(model, batch) if self.mu > 1 else self.rollouts(model, batch)
+        fault_point("rollout")
+        logps = token_logps(model(ro.x).logits, ro.y, self.opts.temperature)  # [N, T]
+        mask = ro.y != -100  # [N, T]
+        old = ro.old if ro.old is not None else logps.detach()
+        value, figures = grpo_loss(
+            logps,
+            old,
+            ro.advantages,
+            mask,
+            epsilon_low=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            beta=self.beta,
+            ref_logps=ro.ref,
+            loss=self.loss_type,
+            max_new_tokens=self.opts.max_new_tokens,
+        )
+        self.train.add_loss(figures)
+        if self.loss_type == "dapo":
+            return value, mask.sum()
+        return value, None
+
+    # ---- validation -------------------------------------------------------------------------------------
+    def validate(self, model, batch: PromptBatch, rank: int, world_size: int, val_sources) -> None:
+        """One completion of each val prompt (greedy, or sampled at grpo.val_temperature with the key (seed,
+        -1, index, 0)), scored; each val prompt counted once over the ranks (index % world == rank, where
+        DistributedSampler puts it first)."""
+        t = time.perf_counter()
+        groups, seconds = self.sample(model, batch, 1, self.val_temperature, -1)
+        # a validation inside a train window is not its wall time
+        mine = [(i % world_size) == rank for i in batch.index.tolist()]
+        keep = [i for i, m in enumerate(mine) if m]
+        if keep:
+            sub = PromptBatch(
+                batch.ids[keep],
+                batch.lengths[keep],
+                batch.index[keep],
+                batch.slots[keep],
+                batch.step,
+                [batch.rows[i] for i in keep],
+                [batch.where[i] for i in keep],
+            )
+            groups = [groups[i] for i in keep]
+            scores, totals = self._score(sub, groups)
+            lengths = [len(c.tokens) for g in groups for c in g]
+            cut = sum(c.stop_reason != "stop" for g in groups for c in g)
+            self.val.add_rollouts(scores, totals, lengths, cut, seconds)
+        if self._clock is not None:
+            self._val_seconds += time.perf_counter() - t
+
+    def _metrics(self, sums: dict[str, Any], prefix: str) -> dict[str, float]:
+        h, k = sums["host"], len(self.rewards.names)
+        n = h[0]
+        out: dict[str, float] = {}
+        if n:
+            out[f"{prefix}/reward"], out[f"{prefix}/reward_std"] = mean_std(h[1 + 2 * k], h[2 + 2 * k], n)
+            for j, r in enumerate(self.rewards.rewards):
+                mean, std = mean_std(h[1 + 2 * j], h[2 + 2 * j], n)
+                out[f"{prefix}/rewards/{r.name}"], out[f"{prefix}/rewards/{r.name}_std"] = mean, std
+                if r.checker:
+                    out[f"{prefix}/accuracy/{r.name}"] = mean
+            out[f"{prefix}/completion_len"] = h[5 + 2 * k] / n
+            out[f"{prefix}/completion_len_max"] = sums["longest"]
+            out[f"{prefix}/completions_cut"] = h[6 + 2 * k] / n
+        return out
+
+    def val_metrics(self, strategy, val_sources) -> dict[str, Any]:
+        """val/reward (and each reward's, each checker's accuracy) of the val prompts' completions, and
+        val/loss = -val/reward (lower is better: best.ckpt keeps the highest reward)."""
+        sums = self.val.read(strategy, self._device(strategy))
+        if sums is None or not sums["host"][0]:
+            return {}
+        out = self._metrics(sums, "val")
+        return {"val/loss": -out["val/reward"], **out}
+
+    def train_metrics(self, strategy) -> dict[str, float]:
+        """The rollouts' rewards, their groups without reward variance, completion lengths, the clip
+        fraction and KL of the passes, and the wall time split between sampling and the rest."""
+        now = time.perf_counter()
+        sums = self.train.read(strategy, self._device(strategy))
+        if sums is None:
+            return {}
+        out = self._metrics(sums, "train")
+        h, k = sums["host"], len(self.rewards.names)
+        if h[3 + 2 * k]:
+            out["train/groups_zero_std"] = h[4 + 2 * k] / h[3 + 2 * k]
+        tokens = sums.get("tokens", 0.0)
+        if tokens:
+            out["train/clip_fraction"] = sums.get("clipped", 0.0) / tokens
+            if "kl" in sums:
+                out["train/kl"] = sums["kl"] / tokens
+        world = strategy.world_size if strategy is not None else 1
+        generation = h[7 + 2 * k] / max(1, world)
+        if self._clock is not None:
+            wall = max(1e-9, now - self._clock - self._val_seconds)
+            out["time/generation_s"] = generation
+            out["time/training_s"] = max(0.0, wall - generation)
+            out["time/generation_share"] = min(1.0, generation / wall)
+        # the next window starts at its first loss (no validation or checkpoint before it counts)
+        self._clock, self._val_seconds = None, 0.0
+        return out
+
+    @staticmethod
+    def _device(strategy):
+        return strategy.root_device if strategy is not None else torch.device("cpu")
+
+    # ---- what the line and the end say ------------------------------------------------------------------
+    def _accuracy_key(self, prefix: str) -> str | None:
+        checker = next((r for r in self.rewards.rewards if r.checker), None)
+        return f"{prefix}/accuracy/{checker.name}" if checker is not None else None
+
+    def progress(self, metrics: dict[str, float]) -> list[str]:
+        if "train/reward" not in metrics:
+            return []
+        parts = [f"reward {metrics['train/reward']:.3f}"]
+        key = self._accuracy_key("train")
+        if key in metrics:
+            parts.append(f"{key.rsplit('/', 1)[-1]} {metrics[key]:.0%}")
+        if "time/generation_share" in metrics:
+            parts.append(f"sampling {metrics['time/generation_share']:.0%}")
+        return ["  ".join(parts)]
+
+    def val_progress(self, metrics: dict[str, Any]) -> str:
+        reward = metrics.get("val/reward")
+        if reward is None:
+            return ""
+        key = self._accuracy_key("val")
+        acc = f"  val {key.rsplit('/', 1)[-1]} {float(metrics[key]):.1%}" if key in metrics else ""
+        return f"  val reward {float(reward):.3f}{acc}"
+
+    def summary(self, metrics: dict[str, Any]) -> str | None:
+        reward = metrics.get("val/reward")
+        if reward is None:
+            return None
+        key = self._accuracy_key("val")
+        acc = f" ({key.rsplit('/', 1)[-1]} {float(metrics[key]):.1%})" if key in metrics else ""
+        return f"val reward {float(reward):.4f}{acc}"
+
+    # ---- resume -----------------------------------------------------------------------------------------
+    def state(self) -> dict[str, Any] | None:
+        """grpo.iterations > 1: the round's rollouts of every micro-batch and rank (a resume inside the round
+        passes over them again)."""
+        if self.mu == 1 or self.kept_round is None or not self.kept:
+            return None
+        return {"round": int(self.kept_round), "micro": {int(m): d for m, d in self.kept.items()}}
+
+    def load_state(self, state: dict[str, Any] | None) -> None:
+        if state and self.mu > 1:
+            self.kept_round = int(state["round"])
+            self.kept = {int(m): d for m, d in state["micro"].items()}

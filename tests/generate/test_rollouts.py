@@ -1,0 +1,103 @@
+"""gptkit/inference/rollouts.py: a group's completions through the KV cache, each a pure function of its key
+(not of the other prompts, their order or the resume point), greedy as gptkit.generate, stopped and kept at a
+stop id, and the same when a rank joins the forward passes of others (FSDP2's lockstep).
+"""
+
+import torch
+
+from gptkit.generate import generate
+from gptkit.inference.rollouts import RolloutOptions, key_noise, key_tensor, sample_groups, sample_key
+from gptkit.model import GPT, ModelConfig
+from gptkit.sampling import SampleOptions
+
+
+def tiny_model(**extra):
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        **extra,
+        vocab_size=40,
+        max_seq_len=32,
+        n_layers=2,
+        n_heads=2,
+        n_kv_heads=1,
+        d_model=32,
+        position="rope",
+        norm="rmsnorm",
+        mlp="swiglu",
+    )
+    return GPT(cfg).eval()
+
+
+def tokens(groups):
+    return [[c.tokens for c in g] for g in groups]
+
+
+def test_a_completion_depends_on_its_key_only_not_on_the_other_prompts_or_their_order():
+    model = tiny_model()
+    opts = RolloutOptions(max_new_tokens=10, temperature=1.0, stop_ids=(5,))
+    keys = [sample_key(1337, 4, 0, r) for r in range(4)]
+    alone = tokens(sample_groups(model, [[1, 2, 3]], [keys], opts, [10]))
+    other = [sample_key(1337, 4, 1, r) for r in range(3)]
+    among = tokens(sample_groups(model, [[7, 8], [1, 2, 3]], [other, keys], opts, [10, 10]))
+    assert among[1] == alone[0]
+    # the same draws again (a resumed step), and other draws for other keys
+    assert tokens(sample_groups(model, [[1, 2, 3]], [keys], opts, [10])) == alone
+    assert tokens(sample_groups(model, [[1, 2, 3]], [[k + 1 for k in keys]], opts, [10])) != alone
+    # each completion ends at the stop id, which it keeps, or at the limit
+    for c in sample_groups(model, [[1, 2, 3]], [keys], opts, [10])[0]:
+        assert (c.stop_reason == "stop" and c.tokens[-1] == 5 and 5 not in c.tokens[:-1]) or (
+            c.stop_reason == "length" and len(c.tokens) == 10 and 5 not in c.tokens
+        )
+    # a row with less room than max_new_tokens: cut by the context
+    short = sample_groups(model, [[1, 2, 3]], [[sample_key(9)]], RolloutOptions(10, 1.0), [4])[0][0]
+    assert (len(short.tokens), short.stop_reason) == (4, "context")
+    assert model.training is False
+
+
+def test_greedy_is_gptkits_greedy_and_sampling_draws_from_the_softmax():
+    model = tiny_model()
+    greedy = sample_groups(model, [[1, 2, 3]], [[0, 1]], RolloutOptions(12, temperature=0.0), [12])
+    want = generate(model, [1, 2, 3], SampleOptions(max_new_tokens=12, temperature=0.0, decode="eager"))
+    assert [c.tokens for c in greedy[0]] == [want.tokens[0]] * 2
+    # sliding-window layers (their rolling cache) too: 15 tokens through a window of 4
+    local = tiny_model(sliding_window=4)
+    greedy = sample_groups(local, [[1, 2, 3]], [[0]], RolloutOptions(12, temperature=0.0), [12])
+    want = generate(local, [1, 2, 3], SampleOptions(max_new_tokens=12, temperature=0.0, decode="eager"))
+    assert greedy[0][0].tokens == want.tokens[0]
+    # the first token of 3000 keys against the model's distribution
+    keys = [sample_key(5, r) for r in range(3000)]
+    first = sample_groups(model, [[1, 2, 3]], [keys], RolloutOptions(1, temperature=1.0), [1])[0]
+    freq = torch.bincount(torch.tensor([c.tokens[0] for c in first]), minlength=40).double() / 3000
+    p = model(torch.tensor([[1, 2, 3]])).logits[0, -1].double().softmax(-1)
+    # each frequency within ~4 standard errors
+    assert ((freq - p).abs() <= 4 * (p * (1 - p) / 3000).sqrt() + 1e-3).all(), (freq, p)
+    # the noise is Exp(1), a pure function of (key, token index, vocabulary id)
+    k = key_tensor(keys, "cpu")
+    noise = key_noise(k, 3, 40)
+    assert torch.equal(noise, key_noise(k, 3, 40)) and not torch.equal(noise, key_noise(k, 4, 40))
+    assert abs(float(noise.mean()) - 1.0) < 0.02 and abs(float(noise.var()) - 1.0) < 0.05
+
+
+def test_a_rank_that_is_done_joins_the_others_forward_passes_and_draws_the_same():
+    model = tiny_model()
+    opts = RolloutOptions(max_new_tokens=8, temperature=1.0, stop_ids=(5,))
+    keys = [sample_key(3, r) for r in range(3)]
+    plain = tokens(sample_groups(model, [[1, 2]], [keys], opts, [8]))
+    calls, seen = [], []
+    forward = model.forward
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return forward(*args, **kwargs)
+
+    model.forward = counted
+
+    # another rank decodes 20 steps whatever this one does
+    def lockstep(active):
+        seen.append(active)
+        return len(seen) < 20
+
+    joined = tokens(sample_groups(model, [[1, 2]], [keys], opts, [8], lockstep=lockstep))
+    assert joined == plain
+    # one prefill, then a forward after each of the 19 "go on"s: decoding steps, then one-token joins
+    assert len(calls) == 20 and calls[-1] == (1, 1)

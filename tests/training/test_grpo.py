@@ -1,0 +1,478 @@
+"""GRPO (objective=grpo, data=prompts): the loss is the papers' formulas (GRPO, Dr. GRPO, DAPO; clipped ratio,
+k3 KL) on fixed log-probs, the advantages are group-relative, the rewards check what they say and the user's
+function is announced and refused in one line when it fails; a run samples, scores and trains, resumes after a
+kill -9 mid-step to the same rows and weights, follows one process on 2 (FSDP2, then DDP), and runs with LoRA
+(the reference its adapters off), Muon and task evals.
+"""
+
+import csv
+import json
+import math
+
+import pytest
+import torch
+from conftest import run_cli, run_group, run_main
+
+import gptkit
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.training.objectives.grpo import check_grpo_config, group_advantages, grpo_loss
+from gptkit.training.rewards import last_number, load_rewards, parse_rewards
+
+# ---- the loss -------------------------------------------------------------------------------------------
+# three completions of 3, 1 and 2 tokens: per-token log-probs of the policy, of the policy that sampled them
+# and of the reference, and their advantages
+LOGP = [[-1.2, -0.3, -2.0], [-0.7], [-1.5, -0.1]]
+OLD = [[-1.0, -0.5, -1.6], [-0.9], [-1.2, -0.4]]
+REF = [[-1.1, -0.2, -2.3], [-0.5], [-1.9, -0.2]]
+ADV = [1.3, -0.8, -0.5]
+
+
+def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4):
+    """The loss in float64 from math alone:
+        l_it = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta KL_it,  r = exp(logp - old),
+        KL = exp(ref - logp) - (ref - logp) - 1 (k3);
+    grpo: mean over completions of their token means (DeepSeekMath eq. 3), dr_grpo: token sum / (completions
+    x max_new_tokens) (Dr. GRPO), dapo: token sum / tokens (DAPO eq. 8)."""
+    per_completion, total, tokens = [], 0.0, 0
+    for lp, old, ref, a in zip(LOGP, OLD, REF, ADV):
+        s = 0.0
+        for p, o, r in zip(lp, old, ref):
+            ratio = math.exp(p - o)
+            s += -min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
+            s += beta * (math.exp(r - p) - (r - p) - 1)
+        per_completion.append(s / len(lp))
+        total, tokens = total + s, tokens + len(lp)
+    return {
+        "grpo": sum(per_completion) / len(LOGP),
+        "dr_grpo": total / (len(LOGP) * max_new_tokens),
+        "dapo": total / tokens,
+    }[kind]
+
+
+def padded(rows):
+    out = torch.zeros(len(rows), 3, dtype=torch.float64)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.tensor(r, dtype=torch.float64)
+    return out
+
+
+MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo"])
+@pytest.mark.parametrize("eps_low, eps_high, beta", [(0.2, 0.2, 0.0), (0.2, 0.28, 0.04), (0.1, 0.3, 0.5)])
+def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_high, beta):
+    # garbage on the padding: the mask keeps it out
+    logp = padded(LOGP) + (~MASK) * 7.0
+    value, figures = grpo_loss(
+        logp.float(),
+        padded(OLD).float(),
+        torch.tensor(ADV),
+        MASK,
+        epsilon_low=eps_low,
+        epsilon_high=eps_high,
+        beta=beta,
+        ref_logps=padded(REF).float(),
+        loss=kind,
+        max_new_tokens=4,
+    )
+    assert abs(float(value) - papers_loss(kind, eps_low, eps_high, beta)) < 1e-6
+    assert float(figures["tokens"]) == 6
+    ratios = [math.exp(p - o) for lp, old in zip(LOGP, OLD) for p, o in zip(lp, old)]
+    signs = [a for lp, a in zip(LOGP, ADV) for _ in lp]
+    clipped = sum((r < 1 - eps_low and a < 0) or (r > 1 + eps_high and a > 0) for r, a in zip(ratios, signs))
+    assert float(figures["clipped"]) == clipped
+    kl = sum(math.exp(r - p) - (r - p) - 1 for lp, ref in zip(LOGP, REF) for p, r in zip(lp, ref))
+    assert abs(float(figures["kl"]) - kl) < 1e-5
+
+
+def test_the_first_pass_gradient_is_the_advantage_over_the_completions_length():
+    # pi_old = pi, detached: ratio 1, d loss / d logp_it = -A_i / (|o_i| G) for grpo
+    logp = padded(LOGP).requires_grad_(True)
+    value, _ = grpo_loss(
+        logp, logp.detach(), torch.tensor(ADV, dtype=torch.float64), MASK, epsilon_low=0.2, epsilon_high=0.2
+    )
+    value.backward()
+    want = torch.tensor([[-a / (len(lp) * 3)] * 3 for lp, a in zip(LOGP, ADV)], dtype=torch.float64) * MASK
+    assert torch.allclose(logp.grad, want, atol=1e-12)
+
+
+def test_advantages_are_relative_to_the_group():
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [0.5, 0.5, 0.5, 0.5], [3.0, 1.0, 2.0, 2.0]])
+    none = group_advantages(rewards, "none")
+    assert torch.allclose(none, rewards - rewards.mean(1, keepdim=True))
+    scaled = group_advantages(rewards, "std")
+    # the unbiased std, + 1e-4 (TRL's GRPOTrainer)
+    std = torch.tensor([math.sqrt(1 / 3), 0.0, math.sqrt(2 / 3)])[:, None]
+    assert torch.allclose(scaled, none / (std + 1e-4), atol=1e-6)
+    # a group without reward variance teaches nothing
+    assert scaled[1].abs().max() == 0
+
+
+@pytest.fixture(scope="module")
+def defaults():
+    """conf/train.yaml's grpo block."""
+    from gptkit.conf_tree import compose
+
+    return compose("train", []).grpo
+
+
+@pytest.mark.parametrize(
+    "grpo, message",
+    [
+        ({"group_size": 1}, "grpo.group_size=1 must be an integer >= 2"),
+        ({"loss": "ppo"}, "grpo.loss='ppo' is not one of grpo, dr_grpo, dapo"),
+        ({"scale": "batch"}, "grpo.scale='batch' is not one of std, none"),
+        ({"beta": -0.1}, "grpo.beta=-0.1 must be >= 0"),
+        ({"epsilon": 1.5}, "grpo.epsilon=1.5 must be in"),
+        ({"temperature": 0.0}, "grpo.temperature must be > 0"),
+        ({"iterations": 0}, "grpo.iterations=0 must be an integer >= 1"),
+        ({"rewards": []}, "objective=grpo needs rewards"),
+        ({"rewards": ["exactly"]}, "grpo.rewards\\[0\\]='exactly' is neither a checker"),
+        ({"rewards": [{"kind": "regex"}]}, "the regex checker needs a pattern"),
+        ({"rewards": ["exact", "exact"]}, "grpo.rewards names exact more than once"),
+        ({"rewards": [{"kind": "exact", "weight": 0}]}, "weight=0 must be a finite number, not 0"),
+    ],
+)
+def test_bad_grpo_settings_are_one_line(defaults, grpo, message):
+    g = defaults.copy()
+    g.update(grpo)
+    with pytest.raises(ConfigError, match=message):
+        check_grpo_config(g)
+
+
+# ---- rewards ------------------------------------------------------------------------------------------
+def test_the_checkers_score_what_they_say():
+    rewards = parse_rewards(
+        [
+            "exact",
+            "contains",
+            {"kind": "number", "field": "solution"},
+            {"kind": "regex", "pattern": r"answer: (\w+)", "name": "tagged"},
+            {"kind": "format", "weight": 0.5},
+        ]
+    )
+    row = {"answer": "ABC", "solution": "so it is 1,234 #### 1234"}
+    score = lambda text: rewards.score("p", text, row, "f line 1")  # noqa: E731
+    assert score(" ABC\n") == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert score("so ABC is 1234.0") == [0.0, 1.0, 1.0, 0.0, 0.0]
+    assert score("answer: ABC, not 12") == [0.0, 1.0, 0.0, 1.0, 0.0]
+    assert score("<think>1,233 + 1</think> <answer>1,234</answer>") == [0.0, 0.0, 1.0, 0.0, 1.0]
+    assert rewards.total([1.0, 1.0, 0.0, 0.0, 1.0]) == 2.5 and rewards.names[3] == "tagged"
+    assert [last_number(t) for t in ("x -3.5e2 y", "12 and 7.", "none", "1,000,000")] == [-350, 7, None, 1e6]
+    with pytest.raises(
+        GptkitError, match="^f line 1: reward exact reads the field 'answer', which this record"
+    ):
+        rewards.score("p", "x", {"solution": "1"}, "f line 1")
+
+
+def test_a_users_reward_is_announced_and_refused_in_one_line_when_it_fails(tmp_path, capsys):
+    f = tmp_path / "my_rewards.py"
+    f.write_text(
+        "def good(prompt, completion, row):\n"
+        "    return len(completion) + len(row['answer']) + (prompt == 'p')\n"
+        "def bad(prompt, completion, row):\n    raise ValueError('no ' + completion)\n"
+        "def text(prompt, completion, row):\n    return 'high'\n"
+        "def nan(prompt, completion, row):\n    return float('nan')\n"
+    )
+    rewards = load_rewards(parse_rewards([f"{f}:good", f"{f}:bad", f"{f}:text", f"{f}:nan"]))
+    assert f"grpo.rewards runs {f} ({f}:good): use only reward code you trust" in capsys.readouterr().err
+    good, bad, text, nan = rewards.rewards
+    assert good("p", "abc", {"answer": "AB"}, "w") == 6.0
+    with pytest.raises(
+        GptkitError, match=f"^reward bad \\({f}:bad\\) raised ValueError: no x on the prompt of d"
+    ):
+        bad("p", "x", {}, "d line 3")
+    with pytest.raises(
+        GptkitError, match="returned 'high' \\(str\\) on the prompt of d line 3; a reward is a"
+    ):
+        text("p", "x", {}, "d line 3")
+    with pytest.raises(GptkitError, match="returned 'nan' \\(float\\)"):
+        nan("p", "x", {}, "d line 3")
+    with pytest.raises(GptkitError, match="has no function missing"):
+        load_rewards(parse_rewards([f"{f}:missing"]))
+    with pytest.raises(ConfigError, match="is not a file"):
+        load_rewards(parse_rewards([f"{tmp_path / 'none.py'}:fn"]))
+
+
+# ---- training -------------------------------------------------------------------------------------------
+def write_jsonl(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+REWARD = (
+    "def upper(prompt, completion, row):\n"
+    "    return sum(c.isupper() for c in completion) / max(1, len(completion))\n"
+)
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory):
+    """An SFT start (2 steps of data=chat, chatml, byte), 40 prompts and a reward function's file."""
+    import random
+
+    root = tmp_path_factory.mktemp("grpo")
+    rng, rows = random.Random(0), []
+    for _ in range(40):
+        w = "".join(rng.choice("abcdef") for _ in range(4))
+        rows.append({"prompt": f"upper {w}", "answer": w.upper()})
+    sft = write_jsonl(root / "sft.jsonl", [{"prompt": r["prompt"], "response": r["answer"]} for r in rows])
+    write_jsonl(root / "prompts.jsonl", rows)
+    (root / "rw.py").write_text(REWARD)
+    gptkit.train(
+        [
+            "model=llama-tiny",
+            "model.n_layers=1",
+            "model.d_model=32",
+            "model.n_heads=2",
+            "model.n_kv_heads=1",
+            "model.d_ff=64",
+            "model.max_seq_len=40",
+            "model.dropout=0.0",
+            "tokenizer=byte",
+            "data=chat",
+            f"data.paths=[{sft}]",
+            "data.template=chatml",
+            "trainer.batch_size=4",
+            "trainer.max_steps=2",
+            "trainer.val_every=2",
+            "trainer.val_windows=2",
+            "trainer.progress=false",
+            "trainer.accelerator=cpu",
+            f"runs_dir={root}",
+            "name=sft",
+        ]
+    )
+    return root
+
+
+def grpo_args(root, name, world=1, *extra):
+    """4 prompts x 4 completions per step whatever the world size; a KL to the start, 2 passes per batch of
+    rollouts; a step's checkpoint (3) falls inside a round (steps 2-3)."""
+    return [
+        "objective=grpo",
+        f"init_from={root / 'sft'}",
+        "data=prompts",
+        f"data.paths=[{root / 'prompts.jsonl'}]",
+        f"grpo.rewards=[{root / 'rw.py'}:upper,exact]",
+        "grpo.group_size=4",
+        "grpo.max_new_tokens=8",
+        "grpo.beta=0.1",
+        "grpo.iterations=2",
+        f"trainer.batch_size={4 // world}",
+        "trainer.max_steps=6",
+        "trainer.val_every=3",
+        # odd: on 2 ranks DistributedSampler repeats a prompt (counted once)
+        "trainer.val_windows=3",
+        "trainer.log_every=1",
+        "trainer.checkpoint_every=3",
+        "trainer.progress=false",
+        "trainer.accelerator=cpu",
+        "optim.lr=1e-2",
+        "optim.warmup_steps=1",
+        f"runs_dir={root}",
+        f"name={name}",
+        *extra,
+    ]
+
+
+def rows_of(run):
+    with open(run / "metrics.csv", newline="") as f:
+        return {int(r["step"]): r for r in csv.DictReader(f)}
+
+
+# what a resumed or distributed run must reproduce (the timings may differ)
+KEYS = (
+    "train/loss",
+    "train/reward",
+    "train/rewards/upper",
+    "train/accuracy/exact",
+    "train/kl",
+    "train/clip_fraction",
+    "train/completion_len",
+    "train/groups_zero_std",
+    "val/loss",
+    "val/reward",
+)
+
+
+@pytest.fixture(scope="module")
+def straight(start):
+    gptkit.train(grpo_args(start, "straight"))
+    return start / "straight"
+
+
+def test_grpo_samples_scores_and_trains_and_resumes_after_a_kill_mid_step(start, straight):
+    rows = rows_of(straight)
+    assert sorted(s for s, r in rows.items() if r.get("train/loss")) == list(range(1, 7))
+    first = rows[1]
+    # the first pass: ratio 1, advantages summing to 0 in each group, the policy is the reference
+    assert abs(float(first["train/loss"])) < 1e-6 and float(first["train/kl"]) == 0.0
+    assert float(first["train/clip_fraction"]) == 0.0 and 0 < float(first["train/rewards/upper"]) < 1
+    assert 1 <= float(first["train/completion_len"]) <= float(first["train/completion_len_max"]) <= 8
+    # rollouts are sampled every 2 steps: the second pass has no reward of its own, a ratio that moved
+    assert rows[2]["train/reward"] == "" and float(rows[2]["train/kl"]) > 0
+    assert float(rows[2]["time/generation_s"]) == 0 and float(rows[1]["time/generation_share"]) > 0
+    assert all(
+        rows[s]["val/reward"] and float(rows[s]["val/loss"]) == -float(rows[s]["val/reward"]) for s in (3, 6)
+    )
+    # killed in step 5 (sampling its rollouts), after step 3's checkpoint (inside the round of steps 2-3)
+    killed = start / "killed"
+    r = run_cli("train", *grpo_args(start, "killed"), env={"GPTKIT_FAULT": "rollout@5"})
+    assert r.returncode == -9, r.stderr[-3000:]
+    assert f"grpo.rewards runs {start / 'rw.py'}" in r.stderr
+    gptkit.train([f"resume={killed}", f"runs_dir={start}", "name=killed"])
+    again = rows_of(killed)
+    assert [[r.get(k) for k in KEYS] for r in again.values()] == [
+        [r.get(k) for k in KEYS] for r in rows.values()
+    ]
+    want = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    got = torch.load(killed / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+    assert all(torch.equal(v, want[k]) for k, v in got.items())
+
+
+def test_grpo_on_2_processes_follows_one_process_fsdp_then_ddp(start, straight):
+    def run(*args):
+        r = run_group("-m", "gptkit", "train", *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return r
+
+    # FSDP2 (every forward collective: the ranks decode in lockstep), stopped inside a round of rollouts
+    run(
+        *grpo_args(
+            start,
+            "two",
+            2,
+            "trainer=fsdp",
+            "trainer.devices=2",
+            "trainer.precision=32-true",
+            "trainer.stop_at_step=3",
+        )
+    )
+    # DDP continues it: the round's rollouts of both ranks come from the checkpoint
+    run(
+        f"resume={start / 'two'}",
+        f"runs_dir={start}",
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.batch_size=2",
+    )
+    want, got = rows_of(straight), rows_of(start / "two")
+    for step in range(1, 7):
+        for key in KEYS:
+            if want[step].get(key):
+                assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
+
+
+def test_grpo_with_lora_muon_dapo_accumulation_and_task_evals(start, capfd):
+    gptkit.train(
+        grpo_args(
+            start,
+            "lora",
+            2,
+            "trainer.accumulate_grad_batches=2",
+            "finetune=lora",
+            "lora.rank=4",
+            "lora.targets=[q,k,v,o]",
+            "optim=muon",
+            "grpo.loss=dapo",
+            "grpo.iterations=1",
+            "trainer.max_steps=2",
+            "trainer.val_every=2",
+            "trainer.eval_tasks=[tests/evals/tiny_gen.yaml]",
+            "trainer.eval_every=2",
+            "trainer.eval_limit=2",
+        )
+    )
+    err = capfd.readouterr().err
+    assert "KL (k3) to the base with the adapters off, beta 0.1" in err and "2 prompts x 4 completions" in err
+    rows = rows_of(start / "lora")
+    # B = 0: the policy is the base, the KL 0
+    assert float(rows[1]["train/kl"]) == 0.0 and float(rows[2]["train/kl"]) > 0
+    assert rows[2]["eval/tiny_gen/exact_match"] != "" and rows[2]["val/reward"] != ""
+
+
+def test_bad_grpo_commands_exit_2_with_one_line(start, capsys):
+    f = start / "prompts.jsonl"
+    base = [f"runs_dir={start / 'bad'}", "name=bad", "trainer.accelerator=cpu", "trainer.progress=false"]
+    grpo = ["objective=grpo", "data=prompts", f"data.paths=[{f}]", f"init_from={start / 'sft'}"]
+    (start / "raising.py").write_text("def fn(prompt, completion, row):\n    raise KeyError(row['answer'])\n")
+    long = write_jsonl(start / "long.jsonl", [{"prompt": "upper " + "a" * 40, "answer": "x"}] * 3)
+    for args, message in [
+        (
+            ["objective=grpo", "data=prompts", f"data.paths=[{f}]"],
+            "objective=grpo needs a starting checkpoint",
+        ),
+        ([*grpo, "grpo.group_size=1"], "grpo.group_size=1 must be an integer >= 2"),
+        (["data=prompts", f"data.paths=[{f}]"], "data=prompts holds prompts for reinforcement learning"),
+        (
+            ["objective=grpo", "data=chat", f"data.paths=[{f}]", "init_from=x"],
+            "objective=grpo trains on prompts",
+        ),
+        (
+            [*grpo, "trainer.compile=true"],
+            "objective=grpo decodes its completions through a growing KV cache",
+        ),
+        (
+            [*grpo, f"data.paths=[{long}]", "data.val_paths=null"],
+            f"{long} line 1: the prompt makes 65 tokens",
+        ),
+        (
+            [*grpo, f"grpo.rewards=[{start / 'raising.py'}:fn]", "trainer.max_steps=1"],
+            f"reward fn ({start / 'raising.py'}:fn) raised KeyError: '",
+        ),
+    ]:
+        code, _, err = run_main(capsys, "train", *base, *args)
+        line = err.strip().splitlines()[-1]
+        assert code == 2 and line.startswith(f"error: {message}"), (args, err[-2000:])
+    # the reward's failure names the prompt's file and line
+    assert f"on the prompt of {f} line " in line
+
+
+def test_the_plan_counts_each_prompts_completions_their_sampling_and_the_reference():
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from gptkit import accounting as acc
+    from gptkit.conf_tree import compose
+    from gptkit.model import ModelConfig
+    from gptkit.precision import precision
+    from gptkit.training.memory import estimate
+    from gptkit.training.plan import make_plan
+
+    cfg = compose("train", ["model=llama-tiny", "trainer.batch_size=3", "trainer.accelerator=cpu"])
+    model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    lm = make_plan(cfg, None, model)
+    cfg.objective = "grpo"
+    cfg.grpo.group_size = 4
+    grpo = make_plan(cfg, None, model)
+    # 3 prompts x 4 completions
+    assert grpo.rows == 12 and grpo.tokens_per_step == 4 * lm.tokens_per_step
+    forward = acc.flops_per_token(model, lm.seq_len)
+    # the sampling: a forward per token
+    assert grpo.flops_per_token == pytest.approx(lm.flops_per_token + forward.forward_dense)
+    # a KL term (a reference's forward) and 2 passes per batch of rollouts (the sampling policy's forward):
+    # the three forwards once per 2 steps
+    cfg.grpo.beta, cfg.grpo.iterations = 0.1, 2
+    kl = make_plan(cfg, None, model)
+    assert kl.flops_per_token == pytest.approx(lm.flops_per_token + 1.5 * forward.forward_dense)
+    plan = SimpleNamespace(
+        model=model,
+        precision=precision("32-true"),
+        shards=1,
+        expert_shards=1,
+        batch_size=3,
+        seq_len=lm.seq_len,
+        trainer=SimpleNamespace(activation_checkpointing=False),
+        lora=None,
+        objective="grpo",
+        cfg=cfg,
+    )
+    mem = estimate(plan)
+    # 12 sequences, and the reference's copy of the weights
+    assert (
+        mem["reference"] == mem["weights"]
+        and mem["logits"] == 4 * estimate(SimpleNamespace(**{**vars(plan), "objective": "lm"}))["logits"]
+    )
