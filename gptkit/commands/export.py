@@ -29,19 +29,10 @@ def run(cfg) -> int:
     from gptkit import hf, hf_io
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
-    from gptkit.fsio import check_out_dir, staged_dir
+    from gptkit.fsio import check_out_dir
     from gptkit.model import ModelConfig
     from gptkit.precision import torch_dtype
-    from gptkit.runs import (
-        TOKENIZER_FILE,
-        check_not_source,
-        check_tokenizer_fits,
-        find_run_checkpoint,
-        load_model,
-        load_tokenizer,
-        read_config,
-    )
-    from gptkit.tokenizer import special_tokens
+    from gptkit.runs import TOKENIZER_FILE, check_not_source, find_run_checkpoint, read_config
 
     if not cfg.run:
         raise ConfigError("export needs run=<run folder or checkpoint>")
@@ -59,57 +50,31 @@ def run(cfg) -> int:
     if cfg.adapters:
         return export_adapters(ckpt, out, cfg)
 
-    run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
-
-    tokenizer = load_tokenizer(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
-    if tokenizer is not None:
-        check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
-    # what training appended after each document
-    eos = (run_cfg.get("tokenizer") or {}).get("eos_token")
-    special = special_tokens(tokenizer, eos) if tokenizer is not None else {}
-    ids = {
-        role: special[role][1] if role in special else None
-        for role in ("bos_token", "eos_token", "pad_token")
-    }
-
-    state = hf.to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
-    config = hf.hf_config(
-        model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
-    )
-    with staged_dir(out, force=bool(cfg.force)) as tmp:
-        weights = hf_io.save_weights(state, tmp, max_shard)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        gen = hf_io.generation_config(ids["bos_token"], ids["eos_token"], ids["pad_token"])
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        if tokenizer is not None:
-            for name, text in hf_io.tokenizer_files(tokenizer, model_cfg.max_seq_len, special).items():
-                (tmp / name).write_text(text)
-
-    n_params = sum(v.numel() for v in state.values())
+    done = hf_io.export_folder(ckpt, out, dtype, max_shard, bool(cfg.force))
     print(
-        f"exported {ckpt} as {hf.ARCHITECTURES[arch]} ({n_params:,} parameters, {cfg.dtype}) to {out}: "
-        f"config.json, {', '.join(weights)}, generation_config.json"
+        f"exported {done.checkpoint} as {hf.ARCHITECTURES[arch]} ({done.n_params:,} parameters, {cfg.dtype}) "
+        f"to {out}: config.json, {', '.join(done.weights)}, generation_config.json"
         + (
             ", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
-            if tokenizer is not None
+            if done.tokenizer is not None
             else ""
         )
     )
-    if tokenizer is None:
+    if done.tokenizer is None:
         print(
-            f"warning: {Path(run_dir) / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
+            f"warning: {done.run_dir / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
             f"(AutoTokenizer will not load it); copy the run's tokenizer.json there and export again",
             file=sys.stderr,
         )
-    elif "eos_token" not in special:
+    elif not done.has_eos:
         print(
             "note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
             file=sys.stderr,
         )
-    if arch in hf.ROPE_ARCHITECTURES and model_cfg.dropout > 0:
+    if arch in hf.ROPE_ARCHITECTURES and done.model_cfg.dropout > 0:
         print(
             f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
-            f"model.dropout={model_cfg.dropout} applies there and not to the residual stream when "
+            f"model.dropout={done.model_cfg.dropout} applies there and not to the residual stream when "
             f"fine-tuning in transformers (inference is unaffected)",
             file=sys.stderr,
         )

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from gptkit import adapters
 from gptkit.errors import GptkitError
 from gptkit.fsio import human_bytes
 from gptkit.training.objectives import OBJECTIVES
@@ -46,34 +45,27 @@ ALLOCATOR_SLACK = 0.25
 
 def estimate(plan: Any) -> dict[str, float]:
     """The count-params training memory estimate of a run plan (training/plan.py), per process: the tensors
-    (host_estimate adds what a CPU process needs beyond them); with finetune=lora the gradients and AdamW
-    moments are the adapters' only, and their weights are added. The objective's rows per item count (a DPO
-    pair is two sequences, chosen and rejected), and with finetune=full a frozen reference is a second copy
-    of the weights (with lora it is the model itself with its adapters off: nothing more)."""
+    (host_estimate adds what a CPU process needs beyond them), for its optimizer (optim=muon: one momentum
+    buffer for the block matrices), its finetune=lora adapters (their gradients and optimizer state only, and
+    their weights) and its objective: the rows per item (a DPO pair is two sequences, chosen and rejected)
+    and, with finetune=full, a frozen reference as a second copy of the weights (with lora it is the model
+    itself with its adapters off: nothing more). gptkit.accounting.training_memory is the count."""
     from gptkit import accounting as acc
 
     objective = OBJECTIVES[getattr(plan, "objective", "lm")]
-    # sequences through the model per micro-step
-    rows = plan.batch_size * objective.rows_per_item
-    mem = acc.training_memory(
+    lora = getattr(plan, "lora", None)
+    return acc.training_memory(
         plan.model,
         plan.precision,
         plan.shards,
-        rows,
+        # sequences through the model per micro-step
+        plan.batch_size * objective.rows_per_item,
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
+        optimizer=str(plan.optim.name),
+        lora=lora,
+        reference=objective.needs_reference,
     )
-    # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
-    if objective.needs_reference and getattr(plan, "lora", None) is None:
-        mem["reference"] = mem["weights"]
-    if getattr(plan, "lora", None) is not None:
-        n = acc.count_params(plan.model).total
-        k = adapters.adapter_params(plan.model, plan.lora["targets"], plan.lora["rank"])
-        mem["weights"] *= (n + k) / n
-        mem["gradients"] *= k / n
-        mem["optimizer"] *= k / n
-    mem["total"] = sum(v for key, v in mem.items() if key != "total")
-    return mem
 
 
 def host_estimate(plan: Any) -> dict[str, float]:
