@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from gptkit.adapters import adapter_params
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
-from gptkit.precision import DTYPE_BYTES, precision
+from gptkit.precision import DTYPE_BYTES, Precision, precision
 
 # Dense peak TFLOP/s by accelerator and compute dtype (vendor datasheets, no sparsity).
 ACCELERATORS: dict[str, dict[str, float]] = {
@@ -261,7 +261,9 @@ def muon_params(cfg: ModelConfig) -> int:
 OPTIMIZERS = ("adamw", "muon")
 
 
-def optimizer_bytes(precision_name: str, params: int, muon: int = 0, n_shards: int = 1) -> float:
+def optimizer_bytes(
+    precision_name: "str | Precision", params: int, muon: int = 0, n_shards: int = 1
+) -> float:
     """Bytes of optimizer state for `params` trainable parameters, `muon` of them Muon's: AdamW keeps two
     moments per parameter, Muon one momentum buffer (precision.optimizer_bytes is the two moments)."""
     p = precision(precision_name, "precision")
@@ -334,7 +336,7 @@ def training_memory(
     out = {
         "weights": held * p.weight_bytes / n_shards,
         "gradients": trainable * p.grad_bytes / n_shards,
-        "optimizer": optimizer_bytes(p.name, trainable, muon, n_shards),
+        "optimizer": optimizer_bytes(p, trainable, muon, n_shards),
         "activations": layers + outside,
         # fp32 logits, log-softmax, its gradient
         "logits": 3 * tokens * cfg.vocab_size * 4,

@@ -12,7 +12,8 @@ Loss spikes: LossWindow keeps each optimizer step's loss too (on the device, rea
 all-reduce), and SpikeWatch compares each with the median of the steps before it (trainer.spike_window of
 them): a step whose loss exceeds trainer.spike_factor x that median is noted once, as one line with the
 `gptkit trace` command that lists the documents it trained on, and in metrics.csv (train/spike: the ratio,
-train/spike_loss: the step's loss, on the step's own row).
+train/spike_loss: the step's loss, on the step's own row). The window travels with the checkpoint: a resumed
+run notes the spikes an uninterrupted one would.
 
 FLOPs per token are the analytic training FLOPs of `gptkit count-params` by the published convention
 (6N + 12·L·T·d_attn, full attention, as PaLM, nanoGPT and torchtitan count: gptkit.accounting); MFU is
@@ -370,5 +371,10 @@ class StepMetrics(Callback):
         return self.steps_done * self.tokens_per_step / self.train_seconds
 
     def state_dict(self) -> dict[str, Any]:
-        """Nothing to save: the metrics start afresh on resume."""
-        return {}
+        """The losses the spike watch judges by (a resumed run notes the spikes an uninterrupted one notes);
+        the other figures start afresh on resume."""
+        return {"spike_history": list(self.spikes.history)} if self.spikes is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.spikes is not None:
+            self.spikes.history.extend(state.get("spike_history", []))

@@ -1,15 +1,20 @@
-"""Memory measured, next to the estimate: after the first steps of each invocation (its second optimizer step,
-or its last), the peak memory of every process against count-params' estimate by part (training/memory.py:
-weights, gradients, optimizer state, an objective's reference, activations, logits; on the CPU the
-runtime's share too), in one line on stderr and in metrics.csv at that step:
+"""Memory measured, next to the estimate: at the first log step after the first steps of each invocation
+(its second optimizer step, or the next trainer.log_every step; the last one at the latest), the peak memory
+of every process against count-params' estimate by part (training/memory.py: weights, gradients, optimizer
+state, an objective's reference, activations, logits; on the CPU the runtime's share too), in one line on
+stderr and in metrics.csv on that step's row (perf/, as the timings: a measurement of the machine, which a
+resumed run measures again):
 
-    memory/peak                 what the estimate counts, the largest over the ranks: on a GPU
+    perf/memory_peak            what the estimate counts, the largest over the ranks: on a GPU
                                 torch.cuda.max_memory_allocated (the tensors); on the CPU the process's peak
                                 RSS above its RSS before the model was built (what host_estimate counts: the
                                 tensors, the allocator's slack, the trainer's set-up)
-    memory/peak_rss             the CPU: the process's whole peak RSS (Python, torch, the data's pages too)
-    memory/estimate             what count-params estimates per process (on the CPU: host_estimate)
-    memory/estimate_<part>      each part of it
+    perf/memory_peak_rss        the CPU: the process's whole peak RSS (Python, torch, the data's pages too)
+    perf/memory_estimate        what count-params estimates per process (on the CPU: host_estimate)
+    perf/memory_estimate_<part> each part of it
+
+The measurement reads the device once (a max over the ranks) at a step that logs anyway: no host sync
+between log steps.
 
 On a GPU the allocator's history of those steps is also written as a memory snapshot,
 <run>/memory_snapshot.pickle, which https://pytorch.org/memory_viz draws.
@@ -65,8 +70,9 @@ class MeasuredMemory(Callback):
     def __init__(self, plan: Any, rss_before: int | None = None) -> None:
         """rss_before: the process's RSS before the model was built (what the CPU estimate leaves out)."""
         self.plan, self.rss_before = plan, rss_before
-        start = int(plan.resume_step or 0)
-        self.at = min(start + AFTER_STEPS, plan.max_steps)
+        start, every = int(plan.resume_step or 0), int(plan.trainer.log_every)
+        # the first log step (a multiple of log_every) at or after the AFTER_STEPS-th step, or the last
+        self.at = min(-(-(start + AFTER_STEPS) // every) * every, plan.max_steps)
         self.run_dir = Path(plan.run_dir) if plan.run_dir is not None else None
         self.recording = False
 
@@ -101,10 +107,10 @@ class MeasuredMemory(Callback):
         self.stop()
         device = trainer.strategy.root_device
         peak = float(trainer.strategy.reduce(torch.tensor(float(peak), device=device), reduce_op="max"))
-        metrics = {"memory/peak": peak, "memory/estimate": mem["total"]}
+        metrics = {"perf/memory_peak": peak, "perf/memory_estimate": mem["total"]}
         if not on_gpu:
-            metrics["memory/peak_rss"] = float(whole)
-        metrics.update({f"memory/estimate_{k}": v for k, v in mem.items() if k != "total"})
+            metrics["perf/memory_peak_rss"] = float(whole)
+        metrics.update({f"perf/memory_estimate_{k}": v for k, v in mem.items() if k != "total"})
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
         if trainer.is_global_zero:

@@ -183,11 +183,14 @@ def test_trace_names_the_rows_a_run_drew_and_the_run_notes_spikes_profiles_and_m
     assert json.loads((run / "profile" / "trace.json").read_text())["traceEvents"]
     assert list((run / "profile" / "tensorboard").glob("*.pt.trace.json"))
     assert "aten::" in (run / "profile" / "top.txt").read_text() and "profile of steps 2-3" in trained
-    # the memory after step 2 by part, in metrics.csv and the log
-    assert {"memory/peak", "memory/estimate", "memory/estimate_weights", "memory/estimate_optimizer"} <= set(
-        rows[2]
-    )
-    assert "memory after step 2: peak" in trained
+    # the memory after step 2 by part, on the next log step's row (3) and in the log
+    memory = {
+        "perf/memory_peak",
+        "perf/memory_estimate",
+        "perf/memory_estimate_weights",
+        "perf/memory_peak_rss",
+    }
+    assert memory <= set(rows[3]) and "memory after step 3: peak" in trained
 
 
 def jsonl(path, records):
