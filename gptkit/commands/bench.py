@@ -8,11 +8,14 @@ Examples:
   gptkit bench sft                  (experiment=sft-tiny end to end: held-out exact match before and after)
   gptkit bench dpo                  (experiment=dpo-tiny, full and LoRA: held-out preference before and after)
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)
+  gptkit bench optim                (AdamW vs Muon: one lr grid swept for each, the best of each on 3 seeds)
+Every benchmark prints the machine's load before and after it, and its wall and CPU seconds.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 # gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
@@ -35,6 +38,8 @@ def prepare_args(args: list[str]) -> list[str]:
 
 
 def run(cfg) -> int:
+    """The benchmark's own run(), between two lines on stderr: the load before it, and after it its wall and
+    CPU seconds and the load then (gptkit/bench/measure.py)."""
     from gptkit.errors import ConfigError
 
     what = cfg.bench.name
@@ -42,4 +47,10 @@ def run(cfg) -> int:
         mod = importlib.import_module(f"gptkit.bench.{what}")
     except ModuleNotFoundError as exc:
         raise ConfigError(f"no benchmark named {what!r}") from exc
-    return int(mod.run(cfg.bench) or 0)
+    from gptkit.bench.measure import Usage
+
+    usage = Usage().start()
+    print(f"gptkit bench {what}: load {usage.load_start} (1, 5, 15 minutes)", file=sys.stderr, flush=True)
+    code = int(mod.run(cfg.bench) or 0)
+    print(usage.stop().line(f"gptkit bench {what}"), file=sys.stderr, flush=True)
+    return code

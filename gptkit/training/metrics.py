@@ -4,8 +4,9 @@ Between two log steps nothing is read from the device: LossWindow keeps the runn
 losses and the first step whose loss was not finite as device tensors. Every trainer.log_every optimizer
 steps (and at the last one) StepMetrics synchronizes once and writes one row for that step to every
 logger: train/loss (the mean over the window, across ranks), train/grad_norm (the mean over the window's
-steps of the total gradient norm the clipping computes, before clipping), train/lr, tokens/s, achieved
-FLOP/s, MFU, cumulative tokens and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints
+steps of the total gradient norm the clipping computes, before clipping), train/lr, tokens/s (on the clock,
+and per second of the process's CPU time: perf/tokens_per_cpu_s), achieved FLOP/s, MFU, cumulative tokens
+and FLOPs. The first non-finite loss stops the run there, and RunCheckpoints
 asks LossWindow before every save, so a checkpoint never holds what a NaN step produced.
 
 Loss spikes: LossWindow keeps each optimizer step's loss too (on the device, read in the same one
@@ -222,10 +223,13 @@ class StepMetrics(Callback):
         self.log_every = max(1, log_every)
         self.reporter = reporter
         self._t0: float | None = None
+        # the process's CPU time when the window started (time.process_time: every thread of this process)
+        self._c0 = 0.0
         # optimizer steps in the current timing window
         self._steps = 0
-        # this invocation's training time, validation excluded
+        # this invocation's training time, validation excluded, on the clock and in this process's CPU time
         self.train_seconds = 0.0
+        self.train_cpu_seconds = 0.0
         # optimizer steps this invocation
         self.steps_done = 0
         self.last: dict[str, float] = {}
@@ -260,22 +264,24 @@ class StepMetrics(Callback):
         self._sync(trainer)
         if self._t0 is not None:
             self.train_seconds += time.perf_counter() - self._t0
+            self.train_cpu_seconds += time.process_time() - self._c0
             self._t0 = None
 
     def _restart(self, trainer) -> None:
         self._sync(trainer)
-        self._t0 = time.perf_counter()
+        self._t0, self._c0 = time.perf_counter(), time.process_time()
         self._steps = 0
 
     def pause(self, trainer) -> None:
         """Stop the training clock while something else runs (the task evals); resume() restarts it, and the
         time between is in neither this window's tokens/s nor the training time."""
         self._sync(trainer)
-        self._paused_at = time.perf_counter()
+        self._paused_at, self._paused_cpu = time.perf_counter(), time.process_time()
 
     def resume(self, trainer) -> None:
         if self._t0 is not None:
             self._t0 += time.perf_counter() - self._paused_at
+            self._c0 += time.process_time() - self._paused_cpu
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         """At a log step: read the loss window (the one host sync), log one row of metrics."""
@@ -295,15 +301,19 @@ class StepMetrics(Callback):
         # the objective's own figures (DPO: train/rewards/*)
         extra = getattr(pl_module, "train_metrics", lambda _: {})(trainer.strategy)
         self._sync(trainer)
-        now = time.perf_counter()
-        dt = now - self._t0
+        now, cpu = time.perf_counter(), time.process_time()
+        dt, dt_cpu = now - self._t0, cpu - self._c0
         self.train_seconds += dt
-        self._t0 = now
+        self.train_cpu_seconds += dt_cpu
+        self._t0, self._c0 = now, cpu
         tokens_per_s = self._steps * self.tokens_per_step / dt if dt > 0 else 0.0
+        tokens = self._steps * self.tokens_per_step
         self._steps = 0
         metrics = {
             "train/lr": float(trainer.optimizers[0].param_groups[0]["lr"]),
             "perf/tokens_per_s": tokens_per_s,
+            # per second of this process's CPU time (all its threads): what a busy machine changes least
+            "perf/tokens_per_cpu_s": tokens / dt_cpu if dt_cpu > 0 else 0.0,
             "perf/flops_per_s": tokens_per_s * self.flops_per_token,
             "perf/tokens": float(step * self.tokens_per_step),
             "perf/flops": float(step * self.tokens_per_step * self.flops_per_token),

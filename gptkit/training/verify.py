@@ -60,6 +60,8 @@ LOGITS_SAME, LOGITS_HF = 1e-5, 1e-3
 KILL_AFTER = 5
 # packed rows compared (rows holding two documents or more), looked for in this many micro-steps
 PACKED_ROWS, PACKED_STEPS = 8, 50
+# data kinds whose rows are whole records (the model's window kept)
+ROW_KINDS = ("chat", "preference")
 # the tiny width
 TINY = {"n_layers": 2, "d_model": 64, "n_heads": 4, "max_seq_len": 64}
 
@@ -82,8 +84,9 @@ TITLES = {
 }
 
 
-def tiny_model(model: dict[str, Any]) -> dict[str, Any]:
-    """A model config of the same family at tiny width (module docstring)."""
+def tiny_model(model: dict[str, Any], window: int | None = None) -> dict[str, Any]:
+    """A model config of the same family at tiny width (module docstring); window: its max_seq_len (None: the
+    model's, at most TINY's)."""
     m = dict(model)
     heads = TINY["n_heads"]
     kv = model.get("n_kv_heads") or model["n_heads"]
@@ -95,7 +98,7 @@ def tiny_model(model: dict[str, Any]) -> dict[str, Any]:
         n_kv_heads=max(1, heads // ratio),
         head_dim=None if model.get("head_dim") is None else TINY["d_model"] // heads,
         d_ff=None if model.get("d_ff") is None else 2 * TINY["d_model"],
-        max_seq_len=min(int(model["max_seq_len"]), TINY["max_seq_len"]),
+        max_seq_len=window or min(int(model["max_seq_len"]), TINY["max_seq_len"]),
         name=f"{model.get('name', 'model')}-verify",
     )
     rope = m.get("rope_scaling")
@@ -123,6 +126,8 @@ class Rehearsal:
         self.dir, self.steps = folder, int(steps)
         # the 2-rank run's: the config's own when it shards (fsdp), else DDP
         self.strategy = "fsdp" if str(cfg.trainer.strategy) == "fsdp" else "ddp"
+        # the family rehearsed (init_from=: its source's)
+        self.family = str(cfg.model.name)
         self.cfg = self._tiny(cfg)
         self.runs: dict[str, Path] = {}
         self.precision = str(self.cfg.trainer.precision)
@@ -131,7 +136,12 @@ class Rehearsal:
         c = OmegaConf.create(OmegaConf.to_container(cfg, resolve=True))
         for key in ("invariants", "steps", "dir"):
             c.pop(key, None)
-        c.model = tiny_model(OmegaConf.to_container(c.model, resolve=True))
+        # rows of conversations and pairs keep the model's window: a shorter one would drop or refuse records
+        # the run keeps
+        self.window = int(c.model.max_seq_len) if c.data.kind in ROW_KINDS else None
+        c.model = tiny_model(OmegaConf.to_container(c.model, resolve=True), self.window)
+        # the model rehearsed (init_from=: the tiny base's)
+        self.model = dict(c.model)
         if c.get("init_from"):
             c.init_from = str(self._tiny_base(c))
         t = c.trainer
@@ -160,7 +170,9 @@ class Rehearsal:
         source = source.parent if source.name == CHECKPOINT_DIR else source
         saved = read_config(source)
         tokenizer = load_tokenizer(source)
-        model = tiny_model(saved["model"])
+        model = tiny_model(saved["model"], self.window and int(saved["model"]["max_seq_len"]))
+        self.family = saved["model"].get("name", "the init_from model")
+        self.model = model
         model["vocab_size"] = max(int(model["vocab_size"]), tokenizer.get_vocab_size())
         torch.manual_seed(0)
         base = write_run_folder(
@@ -476,9 +488,10 @@ def fresh_folder(folder: Path) -> Path:
     return folder
 
 
-def verify(cfg: DictConfig, out=sys.stdout) -> int:
+def verify(cfg: DictConfig, out=None) -> int:
     """Rehearse `cfg` (a composed `verify` config: the train config plus invariants, steps, dir) and print
     one line per invariant; 0 when none failed, 1 otherwise."""
+    out = out or sys.stdout
     names = check_invariants(cfg.invariants)
     steps = int(cfg.steps)
     if steps < KILL_AFTER + 1:
@@ -487,16 +500,14 @@ def verify(cfg: DictConfig, out=sys.stdout) -> int:
         )
     keep = cfg.get("dir")
     with contextlib.ExitStack() as stack:
-        folder = (
-            Path(keep).expanduser()
-            if keep
-            else Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gptkit-verify-")))
-        )
-        folder.mkdir(parents=True, exist_ok=True)
+        if keep:
+            folder = fresh_folder(Path(keep).expanduser())
+        else:
+            folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="gptkit-verify-")))
         rehearsal = Rehearsal(cfg, folder, steps)
-        m = rehearsal.cfg.model
+        m = OmegaConf.create(rehearsal.model)
         print(
-            f"gptkit verify: {cfg.model.name} at tiny width ({m.n_layers} layers, d_model {m.d_model}, "
+            f"gptkit verify: {rehearsal.family} at tiny width ({m.n_layers} layers, d_model {m.d_model}, "
             f"{m.n_heads} heads / {m.n_kv_heads} kv, window {m.max_seq_len}), data {cfg.data.kind}, "
             f"{rehearsal.precision}, optim {cfg.optim.name}, objective {cfg.get('objective', 'lm')}, "
             f"finetune {cfg.get('finetune', 'full')}; {steps} steps of batch 4 on the CPU"
@@ -504,6 +515,11 @@ def verify(cfg: DictConfig, out=sys.stdout) -> int:
             file=out,
             flush=True,
         )
+        # the run every other is compared with: a config that does not train is one line
+        try:
+            rehearsal.reference()
+        except GptkitError as exc:
+            raise GptkitError(f"the config does not train at tiny width: {exc}") from None
         failed = 0
         for name in names:
             t0 = time.perf_counter()
