@@ -345,6 +345,8 @@ class StepMetrics(Callback):
             return
         for step, loss in step_losses:
             median = self.spikes.median() if self.spikes.history else None
+            # the steps that median is over
+            known = len(self.spikes.history)
             ratio = self.spikes.observe(loss)
             if ratio is None:
                 continue
@@ -353,7 +355,7 @@ class StepMetrics(Callback):
             if trainer.is_global_zero:
                 line = (
                     f"loss spike at step {step}: {loss:.4f} is {ratio:.2f}x the median {median:.4f} of the "
-                    f"{len(self.spikes.history) - 1} steps before it (trainer.spike_factor="
+                    f"{known} steps before it (trainer.spike_factor="
                     f"{self.spikes.factor:g}); the documents it trained on: gptkit trace run={self.run_dir} "
                     f"step={step}"
                 )

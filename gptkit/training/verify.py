@@ -324,7 +324,10 @@ def check_resume(r: Rehearsal) -> Result:
             "FAIL",
             f"the run to kill ended with exit {code}, not by kill -9; see {r.dir / 'resume.log'}",
         )
-    again = OmegaConf.create({**OmegaConf.to_container(cfg), "resume": str(r.dir / "resume")})
+    # as `gptkit train resume=<run>`: the run's saved config (its init_from= included) continues
+    again = OmegaConf.create(
+        {**OmegaConf.to_container(cfg), "resume": str(r.dir / "resume"), "init_from": None}
+    )
     code = r.train_process("resume-continued", again)
     if code:
         return Result(
