@@ -277,12 +277,14 @@ def training_memory(
     micro_batch: int = 1,
     seq_len: int | None = None,
     checkpointing: bool = False,
+    expert_shards: int | None = None,
     *,
     optimizer: str = "adamw",
     lora: dict | None = None,
     reference: bool = False,
 ) -> dict[str, float]:
-    """Bytes per GPU for weights, grads and optimizer state (sharded over `n_shards` as in FSDP/ZeRO-3),
+    """Bytes per GPU for weights, grads and optimizer state (sharded over `n_shards` as in FSDP/ZeRO-3; a
+    mixture's routed experts over `expert_shards` instead when given: trainer.expert_parallel),
     plus an activation estimate and the logits and loss.
 
     optimizer: adamw (two moments per trainable parameter) or muon (one momentum buffer for the 2-D weights
@@ -310,7 +312,14 @@ def training_memory(
     p = precision(precision_name, "precision")
     if optimizer not in OPTIMIZERS:
         raise ConfigError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
-    n = count_params(cfg).total
+    counts = count_params(cfg)
+    # the parameters each device holds, as if unsharded over n_shards
+    n = counts.total
+    # Muon's share of them (the routed experts are matrices of the blocks)
+    muon_held = muon_params(cfg)
+    if expert_shards is not None:
+        n = counts.total - counts.experts + counts.experts * n_shards / expert_shards
+        muon_held = muon_held - counts.experts + counts.experts * n_shards / expert_shards
     T = seq_len or cfg.max_seq_len
     tokens = T * micro_batch
     act_unit = 4 if p.compute == "fp32" else 2
@@ -330,7 +339,7 @@ def training_memory(
         trainable = adapter_params(cfg, lora["targets"], lora["rank"])
         muon = trainable if optimizer == "muon" else 0
     else:
-        trainable, muon = n, muon_params(cfg) if optimizer == "muon" else 0
+        trainable, muon = n, muon_held if optimizer == "muon" else 0
     # the model's weights, and the adapters' beside them
     held = n + (trainable if lora is not None else 0)
     out = {

@@ -320,6 +320,20 @@ def check_special_tokens(tokenizer, template: ChatTemplate, what: str) -> None:
         )
 
 
+# end-of-text spellings a reply also stops at (besides the run's own eos_token)
+END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+
+
+def reply_stop_ids(tokenizer, template: ChatTemplate, eos_token: str | None = None) -> list[int]:
+    """The ids that end an assistant's reply, the template's end-of-turn token first (e.g. <|im_end|>), then
+    the end-of-text tokens the tokenizer has (the run's eos_token, then the usual spellings): what `gptkit
+    chat` and `gptkit serve` stop at, and what export writes as generation_config.json's eos_token_id."""
+    end = template.end_of_turn().strip()
+    names = ([end] if end else []) + ([eos_token] if eos_token else []) + list(END_OF_TEXT)
+    ids = [tokenizer.token_to_id(t) for t in names]
+    return list(dict.fromkeys(i for i in ids if i is not None))
+
+
 def assistant_spans(
     template: ChatTemplate, msgs: list[dict[str, Any]], where: str
 ) -> tuple[str, list[tuple[int, int]]]:

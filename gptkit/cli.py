@@ -64,6 +64,12 @@ VERBS: dict[str, Verb] = {
         "kept across turns; /reset, /exit; stdin lines without a terminal)",
         verbatim=("system",),
     ),
+    "serve": Verb(
+        "serve",
+        "serve",
+        "an OpenAI-compatible HTTP server for a run: chat and text completions, streaming, continuous "
+        "batching, a chat page",
+    ),
     "eval": Verb(
         "eval",
         "eval",
@@ -124,7 +130,7 @@ VERBS: dict[str, Verb] = {
         "bench",
         "bench",
         "speed and memory benchmarks: gptkit bench "
-        "attention|data|dpo|evals|kernels|lora|optim|sample|sft|train [key=value ...]",
+        "attention|data|dpo|evals|kernels|lora|optim|sample|serve|sft|train [key=value ...]",
         positional="bench",
     ),
 }

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from gptkit import hub
-from gptkit.chat_templates import CHAT_FILE, template_in_folder
+from gptkit.chat_templates import CHAT_FILE, ChatTemplate, reply_stop_ids, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
 from gptkit.hf import from_hf_state_dict, heads_confirmed, hf_config, model_config_from_hf, to_hf_state_dict
@@ -151,24 +151,41 @@ def read_hf_config(hf_dir: Path) -> dict[str, Any]:
     return d
 
 
-def tokenizer_files(tokenizer, max_seq_len: int, special: dict[str, tuple[str, int]]) -> dict[str, str]:
+def tokenizer_files(
+    tokenizer, max_seq_len: int, special: dict[str, tuple[str, int]], template: ChatTemplate | None = None
+) -> dict[str, str]:
     """tokenizer.json, tokenizer_config.json and special_tokens_map.json for AutoTokenizer
-    (`special`: {role: (token, id)}, as gptkit.tokenizer.special_tokens() finds them)."""
+    (`special`: {role: (token, id)}, as gptkit.tokenizer.special_tokens() finds them). With a chat template:
+    its text as tokenizer_config.json's chat_template and as chat_template.jinja, and the special tokens it
+    renders with (bos_token, eos_token...: its variables, which the tokenizer must hold) in those roles, so
+    apply_chat_template renders a conversation as gptkit does."""
     special = {role: tok for role, (tok, _) in special.items()}
+    files = {}
+    if template is not None:
+        held = {k: v for k, v in template.variables.items() if tokenizer.token_to_id(v) is not None}
+        special.update(held)
+        files["chat_template.jinja"] = template.text
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "model_max_length": max_seq_len,
         "clean_up_tokenization_spaces": False,
         **special,
     }
+    if template is not None:
+        config["chat_template"] = template.text
     return {
         "tokenizer.json": tokenizer.to_str(),
-        "tokenizer_config.json": json.dumps(config, indent=2),
+        "tokenizer_config.json": json.dumps(config, indent=2, ensure_ascii=False),
         "special_tokens_map.json": json.dumps(special, indent=2),
+        **files,
     }
 
 
-def generation_config(bos_id: int | None, eos_id: int | None, pad_id: int | None) -> dict[str, Any]:
+def generation_config(
+    bos_id: int | None, eos_id: int | list[int] | None, pad_id: int | None
+) -> dict[str, Any]:
+    """generation_config.json; eos_id may be a list (a chat model: end-of-turn, then end-of-text), at any of
+    which generate() stops."""
     d: dict[str, Any] = {"_from_model_config": True}
     d.update(
         {
@@ -358,6 +375,9 @@ class Exported:
     tokenizer: Any
     # the tokenizer has an end-of-text token
     has_eos: bool
+    # a chat model's template (None: not a chat model), and the ids generation stops at
+    template: Any = None
+    stop_ids: list[int] | None = None
 
 
 def export_folder(ckpt: Path, out: Path, dtype: torch.dtype, max_shard: int, force: bool = False) -> Exported:
@@ -375,6 +395,11 @@ def export_folder(ckpt: Path, out: Path, dtype: torch.dtype, max_shard: int, for
         role: special[role][1] if role in special else None
         for role in ("bos_token", "eos_token", "pad_token")
     }
+    # a chat model (data=chat, or imported with a template): its template, and generation stops at the end
+    # of a turn as well as at the end of the text
+    template = template_in_folder(Path(run_dir)) if tokenizer is not None else None
+    stop_ids = reply_stop_ids(tokenizer, template, eos) if template is not None else []
+    gen_eos = stop_ids if len(stop_ids) > 1 else (stop_ids[0] if stop_ids else ids["eos_token"])
     state = to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
     config = hf_config(
         model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
@@ -382,13 +407,24 @@ def export_folder(ckpt: Path, out: Path, dtype: torch.dtype, max_shard: int, for
     with staged_dir(out, force=force) as tmp:
         weights = save_weights(state, tmp, max_shard)
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        gen = generation_config(ids["bos_token"], ids["eos_token"], ids["pad_token"])
+        gen = generation_config(ids["bos_token"], gen_eos, ids["pad_token"])
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
         if tokenizer is not None:
-            for name, text in tokenizer_files(tokenizer, model_cfg.max_seq_len, special).items():
-                (tmp / name).write_text(text)
+            files = tokenizer_files(tokenizer, model_cfg.max_seq_len, special, template)
+            for name, text in files.items():
+                (tmp / name).write_text(text, encoding="utf-8")
     n_params = sum(v.numel() for v in state.values())
-    return Exported(ckpt, Path(run_dir), model_cfg, weights, n_params, tokenizer, "eos_token" in special)
+    return Exported(
+        ckpt,
+        Path(run_dir),
+        model_cfg,
+        weights,
+        n_params,
+        tokenizer,
+        "eos_token" in special,
+        template,
+        stop_ids,
+    )
 
 
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:

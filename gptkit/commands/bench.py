@@ -5,6 +5,7 @@ Examples:
   gptkit bench data                 (tokenizer MB/s, batch cost vs a training step)
   gptkit bench train                (Lightning loop vs a bare PyTorch loop)
   gptkit bench sample               (decode tokens/s vs transformers generate(); bench.device=cuda on a GPU)
+  gptkit bench serve                (gptkit serve: 1/4/16 clients vs one at a time vs transformers' batching)
   gptkit bench sft                  (experiment=sft-tiny end to end: held-out exact match before and after)
   gptkit bench dpo                  (experiment=dpo-tiny, full and LoRA: held-out preference before and after)
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)

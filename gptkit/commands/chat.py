@@ -27,7 +27,12 @@ DEFAULT_NEW_TOKENS = 256
 
 
 def run(cfg) -> int:
-    from gptkit.chat_templates import check_special_tokens, resolve_template, template_in_folder
+    from gptkit.chat_templates import (
+        check_special_tokens,
+        reply_stop_ids,
+        resolve_template,
+        template_in_folder,
+    )
     from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.generate import ChatSession
@@ -56,11 +61,7 @@ def run(cfg) -> int:
         template = resolve_template(str(cfg.template), None)
     check_special_tokens(r.tokenizer, template, f"the run {r.dir}")
     template.compiled  # noqa: B018 - a template that is not Jinja fails now
-    end = template.end_of_turn().strip()
-    stop = {r.tokenizer.token_to_id(end)} if end else set()
-    eos = (r.config.get("tokenizer") or {}).get("eos_token")
-    stop |= {r.tokenizer.token_to_id(t) for t in (eos, "<|endoftext|>", "<|end_of_text|>", "</s>") if t}
-    stop.discard(None)
+    stop = reply_stop_ids(r.tokenizer, template, (r.config.get("tokenizer") or {}).get("eos_token"))
     if not stop:
         print(
             "note: the template has no end-of-turn token and the tokenizer no end-of-text token: every "

@@ -58,6 +58,16 @@ def report(cfg) -> dict:
     train_causal = fl.train_causal * tokens
     hours = lambda flops: flops / (peak * float(cfg.mfu)) / 3600.0  # noqa: E731
     kv_tok = acc.kv_cache_bytes_per_token(m, cfg.kv_dtype)
+    ep = cfg.get("expert_parallel")
+    if ep is not None and (
+        isinstance(ep, bool) or not isinstance(ep, int) or ep < 1 or n_gpus % ep or m.moe is None
+    ):
+        raise ConfigError(
+            f"expert_parallel={ep} must be a divisor of n_gpus={n_gpus} and the model a mixture of experts "
+            f"(null: the experts sharded with the rest)"
+        )
+    if ep is not None and m.moe.n_experts % ep:
+        raise ConfigError(f"expert_parallel={ep} must divide model.moe.n_experts={m.moe.n_experts}")
     lora, rows_per_item, needs_reference = _training(cfg, m)
     mem = acc.training_memory(
         m,
@@ -66,6 +76,7 @@ def report(cfg) -> dict:
         int(cfg.micro_batch) * rows_per_item,
         seq_len,
         bool(cfg.checkpointing),
+        ep,
         optimizer=str(cfg.optimizer),
         lora=lora,
         reference=needs_reference,

@@ -2,6 +2,11 @@
 above max_shard_size), tokenizer.json + tokenizer_config.json + special_tokens_map.json, and
 generation_config.json. It loads with AutoModelForCausalLM / AutoTokenizer and no custom code.
 
+A run with a chat template (trained with data=chat, or imported with one) exports it as
+tokenizer_config.json's chat_template and chat_template.jinja, and generation_config.json's eos_token_id
+lists the end-of-turn token before the end-of-text token, so transformers (and vLLM, llama.cpp) format a
+conversation as it was trained and stop at the end of a turn.
+
 RoPE + SwiGLU + RMSNorm models become Llama; learned positions + GELU + LayerNorm (with biases)
 become GPT-2. Any other combination is refused, naming the variant that does not map.
 
@@ -59,7 +64,15 @@ def run(cfg) -> int:
             if done.tokenizer is not None
             else ""
         )
+        + (", chat_template.jinja" if done.template is not None else "")
     )
+    if done.template is not None:
+        ends = ", ".join(done.tokenizer.id_to_token(i) for i in done.stop_ids)
+        print(
+            f"  chat template {Path(done.template.name).name} (tokenizer_config.json's chat_template, "
+            f"chat_template.jinja); generate() stops at {ends or 'max_new_tokens only'} "
+            "(generation_config.json's eos_token_id)"
+        )
     if done.tokenizer is None:
         print(
             f"warning: {done.run_dir / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "

@@ -101,12 +101,17 @@ class Experts(nn.Module):
         self.up_proj = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_expert))
 
+    def weight(self, name: str) -> torch.Tensor:
+        """The stack `name` as this process computes with it, [E, out, in]. Expert parallelism
+        (gptkit/training/expert_parallel.py) gives its instances this rank's experts instead."""
+        return getattr(self, name)
+
     def project(
         self, x: torch.Tensor, name: str, offsets: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
         """x [M, in] sorted by expert through each expert's `name` weight -> [M, out] (LoRA adds its update
         here: gptkit/training/lora.py)."""
-        return grouped_linear(x, getattr(self, name), offsets, counts, self.impl)
+        return grouped_linear(x, self.weight(name), offsets, counts, self.impl)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x [M, d_model] sorted by expert -> each row through its expert's SwiGLU [M, d_model]."""

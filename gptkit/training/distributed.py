@@ -40,6 +40,7 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
+from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
 from gptkit.training.lora import adapter_state_dict
 
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -127,6 +128,7 @@ def check_distributed(t: Any, checked: Any = None) -> None:
             )
     if strategy == "fsdp":
         _check_fsdp(t, acc, checked.precision if checked is not None else precision(t.precision))
+    check_expert_parallel(t, per_node * int(t.num_nodes))
     if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
         raise GptkitError("this torch build has no torch.distributed; use trainer=default (one device)")
     nodes = int(t.num_nodes)
@@ -223,7 +225,9 @@ def build_strategy(t: Any):
 
         return DDPStrategy(timeout=timeout, gradient_as_bucket_view=True)
     if strategy == "fsdp":
-        return _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout)
+        strategy = _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout)
+        strategy.expert_parallel = int(t.get("expert_parallel") or 1)
+        return strategy
     return strategy
 
 
@@ -408,11 +412,46 @@ def parallelize(model, strategy) -> bool:
     )
     mesh = strategy.device_mesh["data_parallel"]
     reshard = bool(options["reshard_after_forward"])
+    # trainer.expert_parallel: the experts split over groups of ranks, the rest FSDP2's
+    experts = None
+    k = int(getattr(strategy, "expert_parallel", 1))
+    if k > 1 and model.cfg.moe is not None:
+        world = mesh.size()
+        grid = expert_grid(strategy.root_device.type, world, k)
+        compute = policy.param_dtype if policy.param_dtype != torch.float32 else None
+        experts = shard_experts(model, ExpertGroup(grid, world, compute))
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=experts)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=experts)
     model._gptkit_sharded = True
     return True
+
+
+# ---- the gradient norm -----------------------------------------------------------------------------------
+def clip_gradients(params: list, max_norm: float | None) -> torch.Tensor:
+    """The total norm of the parameters' gradients (a plain tensor on the device: FSDP2's sharded ones
+    reduced over the ranks, with no host sync) and, with max_norm, the gradients scaled so that it is at most
+    max_norm, as torch.nn.utils.clip_grad_norm_. Gradients on several device meshes (FSDP2's and expert
+    parallelism's, which torch's own cannot stack) are normed per mesh, then together."""
+    grads = [p.grad for p in params]
+    meshes: dict[Any, list[torch.Tensor]] = {}
+    for g in grads:
+        meshes.setdefault(getattr(g, "device_mesh", None), []).append(g)
+    if len(meshes) == 1:
+        if max_norm is None:
+            norm = torch.nn.utils.get_total_norm(grads)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    parts = [torch.nn.utils.get_total_norm(group) for group in meshes.values()]
+    norm = torch.linalg.vector_norm(
+        torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n for n in parts])
+    )
+    if max_norm is not None:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        with torch.no_grad():
+            torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in grads], scale)
+    return norm
 
 
 # ---- failing fast -----------------------------------------------------------------------------------------

@@ -123,6 +123,7 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     training window), which make_plan reads instead of deriving it again. resumed: cfg is a resumed run's
     (resolve_resume), whose saved init_from= records where its weights first came from (objective=dpo: its
     reference, checked here)."""
+    from gptkit.training.expert_parallel import check_expert_model
     from gptkit.training.objectives import check_objective, objective_class
     from gptkit.training.optim import check_optim_config
     from gptkit.training.plan import with_model
@@ -159,6 +160,8 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     elif not resume:
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         checked = with_model(checked, cfg.trainer, model_cfg)
+        k = int(cfg.trainer.get("expert_parallel") or 1)
+        check_expert_model(k, model_cfg, str(cfg.get("finetune", "full")))
     return checked
 
 

@@ -62,6 +62,7 @@ def estimate(plan: Any) -> dict[str, float]:
         plan.batch_size * objective.rows_per_item,
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
+        getattr(plan, "expert_shards", None),
         optimizer=str(getattr(getattr(plan, "optim", None), "name", "adamw")),
         lora=lora,
         reference=objective.needs_reference,

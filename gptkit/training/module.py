@@ -70,7 +70,7 @@ from gptkit.checkpoints import STATE_PREFIX
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
-from gptkit.training.distributed import broadcast_weights, parallelize
+from gptkit.training.distributed import broadcast_weights, clip_gradients, parallelize
 from gptkit.training.lora import adapter_state_dict, adapters_disabled, apply_lora
 from gptkit.training.metrics import LossWindow
 from gptkit.training.moe import RouterWatch, progress_parts
@@ -238,15 +238,10 @@ class LitGPT(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not params:
             return
-        if gradient_clip_val is None:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        # the gradients are unscaled already (ClippingMixedPrecision), so this works with fused AdamW
-        else:
-            norm = torch.nn.utils.clip_grad_norm_(params, float(gradient_clip_val))
+        # the gradients are unscaled already (ClippingMixedPrecision), so this works with fused AdamW;
         # FSDP2: the norm of the whole model (a collective, no host sync)
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        self.loss_window.add_grad_norm(norm)
+        clip = None if gradient_clip_val is None else float(gradient_clip_val)
+        self.loss_window.add_grad_norm(clip_gradients(params, clip))
 
     def validation_step(self, batch, batch_idx):
         """One validation batch, added to the objective's sums on the device."""

@@ -41,6 +41,7 @@ from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 from gptkit.precision import Precision, precision
 from gptkit.training.distributed import accelerator_type, devices_per_node
+from gptkit.training.expert_parallel import check_expert_model
 from gptkit.training.metrics import detect_peak_flops
 from gptkit.training.objectives import Objective, objective_class
 from gptkit.training.optim import lr_factor, min_lr
@@ -227,6 +228,12 @@ class RunPlan:
         return self.world_size if self.strategy == "fsdp" else 1
 
     @property
+    def expert_shards(self) -> int | None:
+        """trainer.expert_parallel > 1: how many ways a mixture's experts are split (else None)."""
+        k = int(self.cfg.trainer.get("expert_parallel") or 1)
+        return k if k > 1 else None
+
+    @property
     def total_tokens(self) -> int:
         """Tokens the whole plan trains on: tokens_per_step x max_steps."""
         return self.tokens_per_step * self.max_steps
@@ -272,6 +279,7 @@ def make_plan(
         replan = schedule_note(saved_steps, max_steps, int(resume_step or 0), cfg.optim)
     p = checked.precision
     lora = adapters.settings(cfg.lora) if cfg.get("finetune", "full") == "lora" else None
+    check_expert_model(int(t.get("expert_parallel") or 1), model, str(cfg.get("finetune", "full")))
     flops = acc.flops_per_token(model, seq_len)
     dense, causal = flops.train_dense, flops.train_causal
     # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)

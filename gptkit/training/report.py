@@ -157,6 +157,13 @@ def announce(
             f"  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
             f"meta device and receive their shards"
         )
+    if plan.expert_shards:
+        k, m = plan.expert_shards, plan.model.moe
+        lines.append(
+            f"  experts: each MoE layer's {m.n_experts} over groups of {k} ranks ({m.n_experts // k} per "
+            f"rank, tokens sent to them and back by all-to-all, trainer.expert_parallel={k}); the rest FSDP2 "
+            f"over {plan.world_size}"
+        )
     Console(stderr=True, highlight=False, soft_wrap=True).print("\n".join(lines))
 
 

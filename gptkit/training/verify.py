@@ -151,6 +151,9 @@ class Rehearsal:
         t.val_every, t.val_windows, t.checkpoint_every, t.keep_checkpoints = self.steps, 2, 2, None
         t.log_every, t.progress, t.threads, t.compile = 1, "off", 1, "none"
         t.eval_tasks, t.sample_every, t.keep_best, t.profile, t.spike_factor = [], None, False, None, None
+        # experts over ranks needs ranks: the rehearsal's 2-rank run is plain DDP (or FSDP2)
+        if "expert_parallel" in t:
+            t.expert_parallel = 1
         c.optim.warmup_steps = 1
         c.logger = {"csv": {"enabled": True}}
         c.runs_dir, c.resume = str(self.dir), None

@@ -273,6 +273,9 @@ def test_flops_and_memory_use_active_and_total_parameters():
     assert f.train_dense == 6 * f.n_matmul + 12 * cfg.n_layers * 4096 * cfg.d_attn
     mem = acc.training_memory(cfg, "bf16-mixed")
     assert mem["optimizer"] == c.total * 8
+    # trainer.expert_parallel=8 on 16 GPUs: the routed experts over 8, the rest over 16
+    ep = acc.training_memory(cfg, "32-true", 16, expert_shards=8)
+    assert ep["weights"] == (c.total - c.experts) * 4 / 16 + c.experts * 4 / 8
     dense = preset("moe-tiny")
     assert acc.count_params(dense).active < acc.count_params(dense).total
 
@@ -311,6 +314,7 @@ def test_bad_moe_settings_are_one_line_config_errors(change, named):
         ("model.moe.top_k=9", "model.moe.top_k=9 exceeds model.moe.n_experts=8"),
         ("model.moe.n_experts=1", "model.moe.n_experts=1 must be at least 2"),
         ("model.moe.router=nope", "model.moe.router='nope' is not one of softmax, sigmoid"),
+        ("expert_parallel=3", "expert_parallel=3 must be a divisor of n_gpus=1"),
     ],
 )
 def test_bad_moe_settings_on_the_command_line_exit_2_with_one_line(capsys, arg, named):

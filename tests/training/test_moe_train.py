@@ -11,6 +11,7 @@ from conftest import run_group, run_main, shakespeare
 
 import gptkit
 from gptkit import accounting as acc
+from gptkit.errors import ConfigError
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.moe import RouterWatch, progress_parts
 
@@ -163,6 +164,31 @@ def test_flops_count_the_active_parameters_and_memory_every_one(corpus, tmp_path
     assert acc.training_memory(plan.model, "32-true")["optimizer"] == c.total * 8
 
 
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (
+            ["trainer.expert_parallel=2"],
+            "trainer.expert_parallel=2 shards the experts beside FSDP2: it needs ",
+        ),
+        (["trainer=fsdp", "trainer.expert_parallel=2"], "must divide the job's 1 process(es)"),
+        (
+            ["trainer=fsdp", "trainer.devices=2", "trainer.expert_parallel=2", "model.moe.n_experts=3"],
+            "trainer.expert_parallel=2 must divide model.moe.n_experts=3",
+        ),
+        (
+            ["trainer=fsdp", "trainer.devices=2", "trainer.expert_parallel=2", "model.moe=null"],
+            "this model has none (model.moe is null)",
+        ),
+        (["trainer.expert_parallel=0"], "trainer.expert_parallel=0 must be an integer >= 1"),
+    ],
+)
+def test_bad_expert_parallel_settings_are_one_line_config_errors(corpus, tmp_path, extra, named):
+    with pytest.raises(ConfigError) as e:
+        gptkit.plan(moe_args(corpus, tmp_path, "bad", *extra))
+    assert named in str(e.value) and "\n" not in str(e.value)
+
+
 def close_rows(got, want, keys, tol=1e-5):
     """The same logged steps, each figure within tol (fp32: 2 ranks reduce in another order than 1)."""
     train = sorted(s for s, r in want.items() if r.get("train/loss"))
@@ -173,10 +199,14 @@ def close_rows(got, want, keys, tol=1e-5):
                 assert abs(float(got[s][k]) - float(r[k])) < tol, (s, k, got[s][k], r[k])
 
 
-def test_ddp_and_fsdp2_on_2_processes_follow_one_process_bias_included(corpus, straight):
+def test_ddp_and_fsdp2_with_expert_parallelism_on_2_processes_follow_one_process_bias_included(
+    corpus, straight
+):
     """Each rank half the step's sequences: the per-sequence balance loss, the token-weighted aux gradient and
-    the all-reduced loads make 2 ranks train as 1 process; an FSDP2 run's sharded checkpoints hold the bias
-    and continue in 1 process."""
+    the all-reduced loads make 2 ranks train as 1 process; so does FSDP2 with each rank holding half the
+    experts and the tokens sent to them by all-to-all (trainer.expert_parallel=2,
+    training/expert_parallel.py), whose sharded checkpoints hold the bias and every expert and continue in 1
+    process."""
     runs = straight.parent
     keys = ["train/loss", "train/grad_norm", "val/loss", *ROUTER_KEYS]
     two = ["trainer.devices=2", "trainer.batch_size=2"]
@@ -186,13 +216,15 @@ def test_ddp_and_fsdp2_on_2_processes_follow_one_process_bias_included(corpus, s
     # the loads are counts: the same expert biases exactly
     assert all(torch.equal(biases(runs / "ddp")[k], v) for k, v in biases(straight).items())
     fsdp = ["trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=3", *two]
-    r = run_group("-m", "gptkit", "train", *moe_args(corpus, runs, "fsdp", *fsdp))
+    r = run_group(
+        "-m", "gptkit", "train", *moe_args(corpus, runs, "fsdp", *fsdp, "trainer.expert_parallel=2")
+    )
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "experts: each MoE layer's 4 over groups of 2 ranks (2 per rank" in r.stderr
     assert (runs / "fsdp/checkpoints/step-000003.ckpt/.metadata").is_file()
     # (a process of its own: FSDP2 over a world of 1 starts a process group)
-    r = run_group(
-        "-m", "gptkit", "train", f"resume={runs / 'fsdp'}", "trainer.devices=1", "trainer.batch_size=4"
-    )
+    one = ["trainer.devices=1", "trainer.batch_size=4", "trainer.expert_parallel=1"]
+    r = run_group("-m", "gptkit", "train", f"resume={runs / 'fsdp'}", *one)
     assert r.returncode == 0, r.stderr[-3000:]
     close_rows(rows(runs / "fsdp"), rows(straight), keys)
 

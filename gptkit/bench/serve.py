@@ -1,0 +1,427 @@
+"""`gptkit bench serve`: `gptkit serve` under 1, 4 and 16 concurrent clients against the same requests served
+one at a time, and against transformers' continuous batching on the same weights.
+
+A run folder is written to a temporary folder (a conf/model preset, random init, and a word-level tokenizer
+of exactly vocab_size tokens "w0 w1 ...", so every id decodes); `gptkit serve` runs it in a subprocess on a
+free port. Each request is a prompt of random token ids (lengths drawn from bench.prompt_tokens) and
+bench.new_tokens greedy tokens (ignore_eos: exactly that many), streamed. For each number of clients, that
+many client tasks (asyncio + httpx in this process) take the requests in turn; per row:
+
+    aggregate tokens/s   completion tokens of every request / the wall time from the first send to the last
+                         [DONE]
+    TTFT p50/p95         time to first token: send -> the first chunk holding text
+    TPOT p50/p95         time per output token after the first, per request: (last - first) / (tokens - 1)
+
+Then, in this process with the server stopped: gptkit.inference.generate_many (the same engine without HTTP,
+every request at once), gptkit's generate() one request at a time (`gptkit sample`'s loop), and
+transformers' continuous batching (model.generate_batch, every request at once) on the model as
+gptkit.hf.to_transformers builds it (the export's weights), where the installed transformers has it.
+bench.device=cuda puts the server and every side on the GPU (.ci/gpu-check's bench-serve step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+from omegaconf import OmegaConf
+from rich.table import Table
+
+from gptkit.bench.decode import _console, build_model
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.generate import generate
+from gptkit.hf import to_transformers
+from gptkit.inference.batcher import SamplingParams, generate_many
+from gptkit.precision import torch_dtype
+from gptkit.runs import write_run_folder
+from gptkit.sampling import SampleOptions
+from gptkit.threads import set_threads
+
+EOS = "<|endoftext|>"
+# a server that is not up in this long has hung
+START_S = 300
+
+
+def word_tokenizer(vocab_size: int):
+    """A WordLevel tokenizer of vocab_size tokens: w0 .. w{vocab_size-2}, then the end-of-text token."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(vocab_size - 1)}
+    vocab[EOS] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
+    # no decoder: the words joined by spaces
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.add_special_tokens([EOS])
+    return tok
+
+
+def percentile(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[k]
+
+
+def load_line() -> str:
+    try:
+        return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "load average unknown"
+
+
+class Server:
+    """`gptkit serve` in a subprocess on a free port."""
+
+    def __init__(
+        self, run_dir: Path, threads: int | None, max_batch: int, max_queue: int, device: str, dtype: str
+    ) -> None:
+        args = [
+            sys.executable,
+            "-m",
+            "gptkit",
+            "serve",
+            f"run={run_dir}",
+            "port=0",
+            f"max_batch={max_batch}",
+            f"max_queue={max_queue}",
+            "access_log=false",
+            f"device={device}",
+            f"dtype={dtype}",
+        ]
+        if threads:
+            args.append(f"threads={threads}")
+        env = dict(os.environ)
+        env.pop("GPTKIT_VERB", None)
+        env.pop("GPTKIT_API_KEY", None)
+        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.lines: list[str] = []
+        self.err: list[str] = []
+        threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
+        threading.Thread(target=self._read, args=(self.proc.stderr, self.err), daemon=True).start()
+        give_up = time.monotonic() + START_S
+        while not any("listening on" in x for x in self.lines):
+            if self.proc.poll() is not None or time.monotonic() > give_up:
+                self.stop()
+                raise GptkitError(f"gptkit serve did not start: {''.join(self.err)[-500:]}")
+            time.sleep(0.1)
+        self.url = next(x for x in self.lines if "listening on" in x).split()[2]
+
+    @staticmethod
+    def _read(stream, into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+async def _one(client, body: dict) -> dict:
+    """Send one streaming request; its timings and token count."""
+    t0 = time.perf_counter()
+    first = last = None
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            raise GptkitError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for c in chunk.get("choices", []):
+                if c.get("text"):
+                    last = time.perf_counter()
+                    first = first if first is not None else last
+    return {"sent": t0, "first": first, "last": last, "tokens": tokens}
+
+
+async def _clients(url: str, bodies: list[dict], clients: int) -> tuple[list[dict], float]:
+    import httpx
+
+    queue = list(range(len(bodies)))
+    results: list[dict] = [{} for _ in bodies]
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(base_url=url, timeout=START_S, limits=limits) as client:
+
+        async def worker():
+            while queue:
+                i = queue.pop(0)
+                results[i] = await _one(client, bodies[i])
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        wall = time.perf_counter() - t0
+    return results, wall
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (and its threads) so far."""
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system
+
+
+def http_row(url: str, bodies: list[dict], clients: int, pid: int) -> dict:
+    cpu0 = cpu_seconds(pid)
+    results, wall = asyncio.run(_clients(url, bodies, clients))
+    cpu = cpu_seconds(pid) - cpu0
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [(r["first"] - r["sent"]) * 1e3 for r in results if r["first"] is not None]
+    tpot = [
+        (r["last"] - r["first"]) / (r["tokens"] - 1) * 1e3
+        for r in results
+        if r["first"] is not None and r["tokens"] > 1
+    ]
+    return {
+        "clients": clients,
+        "requests": len(results),
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "server_cpu_s": cpu,
+        "tokens_per_cpu_s": tokens / cpu,
+        "ttft_ms_p50": percentile(ttft, 50),
+        "ttft_ms_p95": percentile(ttft, 95),
+        "tpot_ms_p50": percentile(tpot, 50),
+        "tpot_ms_p95": percentile(tpot, 95),
+    }
+
+
+def in_process(side: str, fn) -> dict:
+    """A row of this process's own work: fn() -> tokens, timed on the wall and on this process's CPU."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    tokens = fn()
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    return {
+        "side": side,
+        "tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "cpu_s": cpu,
+        "tokens_per_cpu_s": tokens / cpu,
+    }
+
+
+def transformers_side(model, prompts: list[list[int]], new_tokens: int, cb_config: dict):
+    """A function timing transformers' generate_batch (continuous batching) on the same weights, and the
+    greedy answers of its last call; None where the installed transformers has no generate_batch."""
+    w = model.tok_emb.weight
+    hf_model = to_transformers(model).to(device=w.device, dtype=w.dtype)
+    if not hasattr(hf_model, "generate_batch"):
+        return None, None
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0, bos_token_id=None
+    )
+    kwargs = {}
+    if cb_config:
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        kwargs["continuous_batching_config"] = ContinuousBatchingConfig(**cb_config)
+    answers: list[list[int]] = []
+
+    def batch() -> int:
+        with torch.inference_mode():
+            out = hf_model.generate_batch(prompts, generation_config=gen, **kwargs)
+        answers[:] = [list(o.generated_tokens) for o in out.values()]
+        return sum(len(a) for a in answers)
+
+    # warm-up: nothing compiles on the CPU, but the paged cache is sized and allocated
+    with torch.inference_mode():
+        hf_model.generate_batch(prompts[:2], generation_config=gen, **kwargs)
+    return batch, answers
+
+
+def median_row(rows: list[dict]) -> dict:
+    """One row from the repeats: the median of every figure (and the range of tokens/s)."""
+    out = dict(rows[0])
+    for key, value in rows[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in rows)
+    out["tokens_per_s_min"] = min(r["tokens_per_s"] for r in rows)
+    out["tokens_per_s_max"] = max(r["tokens_per_s"] for r in rows)
+    return out
+
+
+def run(cfg) -> int:
+    device, dtype = str(cfg.device), str(cfg.dtype)
+    if device != "cpu" and not (device.startswith("cuda") and torch.cuda.is_available()):
+        raise ConfigError(f"bench.device={device}: use cpu, or cuda (cuda:<n>) where torch sees a GPU")
+    clients = [int(c) for c in cfg.clients]
+    if not clients or any(c < 1 for c in clients):
+        raise ConfigError(f"bench.clients={list(cfg.clients)} must list positive numbers")
+    repeats = int(cfg.repeats)
+    if repeats < 1:
+        raise ConfigError(f"bench.repeats={cfg.repeats} must be >= 1")
+    low, high = (int(x) for x in cfg.prompt_tokens)
+    new_tokens, n_requests = int(cfg.new_tokens), int(cfg.requests)
+    set_threads(cfg.threads, "bench.threads")
+    # null: the preset's value
+    spec = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if v is not None}
+    model = build_model(spec).to(device=device, dtype=torch_dtype(dtype))
+    vocab = model.cfg.vocab_size
+    if high + new_tokens > model.cfg.max_seq_len:
+        raise ConfigError(
+            f"bench.prompt_tokens up to {high} + bench.new_tokens={new_tokens} exceed the model's context "
+            f"({model.cfg.max_seq_len})"
+        )
+    if cfg.hf:
+        try:
+            import transformers  # noqa: F401
+        except ImportError as exc:
+            raise ConfigError(
+                "bench.hf=true needs transformers (pip install gptkit[test]); or bench.hf=false"
+            ) from exc
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(
+            0, vocab - 1, (int(torch.randint(low, high + 1, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(n_requests)
+    ]
+    bodies = [
+        {
+            "prompt": p,
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        for p in prompts
+    ]
+    con = _console()
+    started = time.strftime("%Y-%m-%d %H:%M")
+    results: dict = {
+        "date": started,
+        "model": spec,
+        "params": model.num_parameters(),
+        "requests": n_requests,
+        "prompt_tokens": [low, high],
+        "new_tokens": new_tokens,
+        "threads": cfg.threads,
+        "device": device,
+        "dtype": dtype,
+        "max_batch": int(cfg.max_batch),
+        "repeats": repeats,
+        "load_before": load_line(),
+        "rows": [],
+    }
+    con.print(f"[dim]{started}, {results['load_before']}, {os.cpu_count()} cores[/dim]")
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0)
+    engine_out: list = []
+
+    def engine() -> int:
+        engine_out[:] = generate_many(model, prompts, params, max_batch=int(cfg.max_batch))
+        return sum(o.sampled for o in engine_out)
+
+    def one_at_a_time() -> int:
+        opts = SampleOptions(max_new_tokens=new_tokens, temperature=0)
+        return sum(len(generate(model, p, opts).tokens[0]) for p in prompts)
+
+    hf_batch, hf_answers = None, None
+    if cfg.hf:
+        hf_config = OmegaConf.to_container(cfg.hf_config, resolve=True) or {}
+        hf_batch, hf_answers = transformers_side(model, prompts, new_tokens, hf_config)
+        if hf_batch is None:
+            results["transformers"] = "the installed transformers has no generate_batch (continuous batching)"
+        else:
+            results["transformers_config"] = hf_config
+    rounds: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory(prefix="gptkit-bench-serve-") as tmp:
+        run_dir = write_run_folder(
+            Path(tmp) / "run", {"tokenizer": {"eos_token": EOS}}, model, word_tokenizer(vocab)
+        )
+        # the server sits idle (no CPU) while this process times its own rows
+        server = Server(run_dir, cfg.threads, int(cfg.max_batch), max(64, n_requests), device, dtype)
+        try:
+            # warm-up: the first requests pay for lazy set-up
+            http_row(server.url, bodies[: min(4, n_requests)], min(4, n_requests), server.proc.pid)
+            # round after round, every side once: a change in the machine's load reaches them all
+            for r in range(repeats):
+                for c in clients:
+                    row = http_row(server.url, bodies, c, server.proc.pid)
+                    row["side"] = f"gptkit serve, {c} client{'s' if c > 1 else ''}"
+                    rounds.setdefault(row["side"], []).append(row)
+                sides = [
+                    ("gptkit engine, no HTTP (generate_many)", engine),
+                    ("gptkit generate(), one at a time (gptkit sample's loop)", one_at_a_time),
+                ]
+                if hf_batch is not None:
+                    sides.append(("transformers generate_batch (continuous batching)", hf_batch))
+                for side, fn in sides:
+                    rounds.setdefault(side, []).append(in_process(side, fn))
+                con.print(
+                    f"[dim]round {r + 1}/{repeats}: "
+                    + ", ".join(f"{k}: {v[-1]['tokens_per_s']:,.0f}" for k, v in rounds.items())
+                    + f" tokens/s; {load_line()}[/dim]"
+                )
+        finally:
+            server.stop()
+    results["rows"] = [median_row(v) for v in rounds.values()]
+    hf = next((r for r in results["rows"] if r["side"].startswith("transformers")), None)
+    if hf is not None:
+        ours = [o.choices[0].tokens for o in engine_out]
+        same = sum(a == b for a, b in zip(ours, hf_answers))
+        hf["same_greedy_answers"] = f"{same}/{len(ours)}"
+    results["load_after"] = load_line()
+
+    one = results["rows"][0]
+    t = Table(
+        title=f"gptkit bench serve: {n_requests} requests, prompts of {low}-{high} tokens + {new_tokens} "
+        f"greedy tokens each, {spec.get('preset')} ({model.num_parameters() / 1e6:.1f}M parameters), "
+        f"{device} {dtype}, threads={cfg.threads}, max_batch={cfg.max_batch}; median of {repeats} rounds "
+        "(min-max)"
+    )
+    cols = ("side", "tokens/s", "vs 1 client", "tokens per CPU s", "TTFT p50 / p95 ms", "TPOT p50 / p95 ms")
+    for col in cols:
+        t.add_column(col, justify="left" if col == "side" else "right")
+    for r in results["rows"]:
+        ttft = f"{r['ttft_ms_p50']:,.0f} / {r['ttft_ms_p95']:,.0f}" if "ttft_ms_p50" in r else "-"
+        tpot = f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f}" if "tpot_ms_p50" in r else "-"
+        r["vs_one_client"] = r["tokens_per_s"] / one["tokens_per_s"]
+        rate = f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
+        cpu = f"{r['tokens_per_cpu_s']:,.0f}"
+        t.add_row(r["side"], rate, f"{r['vs_one_client']:.2f}x", cpu, ttft, tpot)
+    con.print(t)
+    best = max((r for r in results["rows"] if "clients" in r), key=lambda r: r["clients"])
+    line = f"{best['side']}: {best['vs_one_client']:.2f}x the aggregate of {one['side']} (one at a time)"
+    if hf is not None:
+        line += (
+            f"; {best['tokens_per_s'] / hf['tokens_per_s']:.2f}x transformers' continuous batching in "
+            f"tokens/s, {best['tokens_per_cpu_s'] / hf['tokens_per_cpu_s']:.2f}x in tokens per CPU s "
+            f"(same greedy answers as gptkit's engine: {hf['same_greedy_answers']})"
+        )
+    elif isinstance(results.get("transformers"), str):
+        line += f"; {results['transformers']}"
+    con.print(line)
+    con.print(
+        "[dim]tokens per CPU s: the server process's CPU time for the HTTP rows (their clients run in this "
+        "process), this process's for the others: steadier than tokens/s on a busy machine[/dim]"
+    )
+    con.print(f"[dim]{results['load_after']} at the end[/dim]")
+    if cfg.out:
+        from gptkit.fsio import atomic_write_text
+
+        atomic_write_text(Path(str(cfg.out)), json.dumps(results, indent=2))
+        print(f"results: {cfg.out}")
+    return 0

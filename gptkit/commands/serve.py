@@ -1,0 +1,67 @@
+"""Serve a run over HTTP with the OpenAI API: POST /v1/chat/completions (the run's chat template),
+POST /v1/completions, GET /v1/models, GET /health, and a chat page at /. Every active request decodes in one
+batch (continuous batching, up to max_batch); streaming answers are server-sent events. The official
+`openai` client, curl, LangChain or Open WebUI connect to http://<host>:<port>/v1 (docs/serve.md).
+
+Examples:
+  gptkit serve run=runs/sft
+  gptkit serve run=runs/sft port=0 max_batch=32
+  GPTKIT_API_KEY=secret gptkit serve run=runs/sft host=0.0.0.0 port=8080
+"""
+
+from __future__ import annotations
+
+import os
+
+# gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
+# --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
+
+API_KEY_ENV = "GPTKIT_API_KEY"
+
+
+def run(cfg) -> int:
+    from gptkit.data.settings import SPECIAL_TEXT
+    from gptkit.errors import ConfigError
+    from gptkit.runs import resolve_device
+    from gptkit.serve.served import load_served
+    from gptkit.serve.server import bind, serve
+    from gptkit.threads import set_threads
+
+    if cfg.special_tokens_in_content not in SPECIAL_TEXT:
+        raise ConfigError(
+            f"special_tokens_in_content={cfg.special_tokens_in_content!r} must be text (a special token a "
+            "message spells stays text) or allow (it becomes the control token)"
+        )
+    for key, low in (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_request_bytes", 1)):
+        value = cfg[key]
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{key}={value!r} must be an integer >= {low}")
+    if cfg.port > 65535:
+        raise ConfigError(f"port={cfg.port} must be at most 65535")
+    api_key = cfg.api_key if cfg.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    if api_key is not None and not str(api_key).strip():
+        raise ConfigError("api_key is empty; give a key, or null for none")
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
+    # a port in use fails now, not after the model has loaded
+    sock = bind(str(cfg.host), int(cfg.port))
+    served = load_served(
+        cfg.run,
+        name=cfg.model_name,
+        template=str(cfg.template),
+        device=cfg.device,
+        dtype=cfg.dtype,
+        attention=cfg.attention,
+        max_batch=cfg.max_batch,
+        max_queue=cfg.max_queue,
+        allow_special_text=cfg.special_tokens_in_content == "allow",
+        # a load-time model transform (quantization) goes here: transform=...
+        transform=None,
+    )
+    return serve(
+        served,
+        host=str(cfg.host),
+        sock=sock,
+        api_key=None if api_key is None else str(api_key),
+        max_request_bytes=int(cfg.max_request_bytes),
+        access_log=bool(cfg.access_log),
+    )

@@ -1,0 +1,411 @@
+"""Continuous batching: every active sequence decodes in one batch; a request joins at any step and leaves
+when it ends.
+
+    step():  drop what was cancelled -> admit waiting requests while slots are free (each one's prefill: its
+             prompt [1, T0] alone into a free slot, and its first token) -> one decode step for every active
+             sequence (tokens [n, 1], each at its own position: gptkit.inference.slot_cache) -> sample per row
+             -> finished sequences leave, the last slot moving into each hole
+
+A request (a Job) is prompt ids and SamplingParams; with n > 1 its n choices share the prefill (the slot is
+copied). Each choice is sampled from its own generator: greedy is the argmax, exactly as
+gptkit.sampling.sample_next chooses it; a seeded choice i draws as `gptkit sample seed=<seed + i>` does,
+whatever else shares the batch. What each step produced goes to the job's `deliver` in one call (Events):
+the new token ids, the new text (when the job has a decode function: gptkit.sampling.TextStream, which
+also finds stop strings), and why a choice ended: eos (one of params.stop_ids, not emitted), stop (a stop
+string, cut from the text), length (max_new_tokens), context (the next token would not fit in the
+context), cancelled, error.
+
+Greedy tokens are those of gptkit.generate.generate (`gptkit sample`) and ChatSession (`gptkit chat`) for the
+same prompt: the prefill is the same one-sequence pass; a decode step computes the same function of the
+same tokens, but batched matmuls round in other places than one row's (fp32 logits agree to ~1e-6), so only
+two top logits closer than that could be chosen apart (tests/generate/test_batcher.py checks tokens).
+
+This class is single-threaded (gptkit.inference.engine runs it on a thread for a server); `generate_many`
+runs it in the caller's thread for a list of prompts (rollouts, evaluation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from gptkit.decoding_layout import decoding_layout
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.inference.slot_cache import SlotCache
+from gptkit.sampling import TextStream, argmax, sample_next
+
+FINISH_REASONS = ("eos", "stop", "length", "context", "cancelled", "error")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What one request generates."""
+
+    max_new_tokens: int = 256
+    # 0: greedy
+    temperature: float = 1.0
+    # None or 0: off
+    top_k: Optional[int] = None
+    # 1.0: off
+    top_p: float = 1.0
+    # choice i draws from a generator seeded with seed + i (None: a random seed)
+    seed: Optional[int] = None
+    # choices of the one prompt
+    n: int = 1
+    # ids that end a choice (end-of-text, end-of-turn); not emitted
+    stop_ids: tuple[int, ...] = ()
+    # strings that end a choice (needs the job's decode function); cut from the text
+    stop: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+        if not float(self.temperature) >= 0:
+            raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
+        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+            raise ConfigError(f"top_k={self.top_k} must be a non-negative integer (0 or None: off)")
+        if not 0.0 < float(self.top_p) <= 1.0:
+            raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1: off)")
+        if isinstance(self.n, bool) or not isinstance(self.n, int) or self.n < 1:
+            raise ConfigError(f"n={self.n!r} must be an integer >= 1")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ConfigError("stop strings must be non-empty strings")
+
+
+@dataclass
+class Event:
+    """What one step produced for one choice of a job."""
+
+    choice: int
+    # new token ids (an ending id is not among them)
+    tokens: list[int] = field(default_factory=list)
+    # new text released (a decode function given; "" otherwise)
+    text: str = ""
+    # set on the choice's last event: one of FINISH_REASONS
+    finish: Optional[str] = None
+    # finish == "error": what went wrong
+    error: Optional[str] = None
+
+
+_ids = itertools.count(1)
+
+
+class Job:
+    """One request: prompt ids, SamplingParams, and where its events go.
+
+    deliver(events) is called from the thread that runs the batcher, once per step that produced events for
+    this job. decode (ids -> text) turns on text and stop strings. Set `cancelled` (any thread) to stop it:
+    its slots are freed at the next step."""
+
+    def __init__(
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        deliver: Callable[[list[Event]], None],
+        decode: Optional[Callable[[list[int]], str]] = None,
+    ) -> None:
+        self.id = next(_ids)
+        self.prompt = list(prompt)
+        self.params = params
+        self.deliver = deliver
+        self.decode = decode
+        self.cancelled = False
+        # tokens sampled per choice (an ending id included): the usage figure
+        self.sampled = [0] * params.n
+        self.submitted = time.perf_counter()
+        # perf_counter of the first token (the prefill's), None before
+        self.first_token: Optional[float] = None
+        self.finished = 0
+
+    @property
+    def done(self) -> bool:
+        return self.finished == self.params.n
+
+
+class _Seq:
+    """One choice of a job, in a slot."""
+
+    __slots__ = ("job", "choice", "last", "n_out", "generator", "stream", "finished")
+
+    def __init__(self, job: Job, choice: int, device: torch.device) -> None:
+        self.job, self.choice = job, choice
+        # the token fed at the next step
+        self.last = -1
+        # tokens sampled so far
+        self.n_out = 0
+        p = job.params
+        self.generator = None
+        if p.temperature > 0:
+            self.generator = torch.Generator(device=device)
+            if p.seed is None:
+                self.generator.seed()
+            else:
+                self.generator.manual_seed(int(p.seed) + choice)
+        self.stream = TextStream(job.decode, p.stop) if job.decode is not None else None
+        self.finished = False
+
+
+class Batcher:
+    """The continuous-batching loop over one model (module docstring). Not thread-safe: one thread calls
+    add() and step()."""
+
+    def __init__(self, model, max_batch: int = 8, max_len: Optional[int] = None) -> None:
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ConfigError(f"max_batch={max_batch!r} must be an integer >= 1")
+        self.model = model
+        w = model.tok_emb.weight
+        self.device = w.device
+        self.max_batch = max_batch
+        self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
+        self.cache = SlotCache(model.cfg, max_batch, self.max_len, device=w.device, dtype=w.dtype)
+        # seqs[i] lives in cache slot i
+        self.seqs: list[_Seq] = []
+        self.waiting: deque[Job] = deque()
+        # decode steps run, and the rows they ran (their mean is the mean batch)
+        self.steps = 0
+        self.rows = 0
+        # choices ended, by reason (FINISH_REASONS)
+        self.ended = {reason: 0 for reason in FINISH_REASONS}
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def check(self, prompt: list[int], params: SamplingParams) -> None:
+        """A one-line GptkitError when the job cannot run here."""
+        params.validate()
+        if params.n > self.max_batch:
+            raise ConfigError(f"n={params.n} is more than the batch holds (max_batch={self.max_batch})")
+        if not prompt:
+            raise GptkitError("the prompt has no tokens")
+        if len(prompt) > self.max_len:
+            raise GptkitError(
+                f"the prompt has {len(prompt)} tokens, more than the context of {self.max_len} tokens"
+            )
+        vocab = self.model.cfg.vocab_size
+        bad = next((t for t in prompt if not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise GptkitError(f"the prompt holds the token id {bad!r}, not one of the model's 0..{vocab - 1}")
+
+    def add(self, job: Job) -> None:
+        """Queue a job (checked first: a bad one raises and is not queued)."""
+        self.check(job.prompt, job.params)
+        if job.params.stop and job.decode is None:
+            raise ConfigError("stop strings need the job's decode function")
+        self.waiting.append(job)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.seqs or self.waiting)
+
+    @property
+    def active(self) -> int:
+        """Slots in use."""
+        return len(self.seqs)
+
+    # ---- one step -----------------------------------------------------------------------------------
+    def step(self) -> None:
+        """Admit what fits, decode one token for every active sequence, deliver the events."""
+        out: dict[Job, list[Event]] = {}
+        self._drop_cancelled(out)
+        while self.waiting and len(self.seqs) + self.waiting[0].params.n <= self.max_batch:
+            job = self.waiting.popleft()
+            if not job.cancelled:
+                self._prefill(job, out)
+        self._compact()
+        if self.seqs:
+            self._decode(out)
+            self._compact()
+        for job, events in out.items():
+            job.deliver(events)
+
+    def fail_all(self, message: str) -> None:
+        """Every job, active or waiting, ends with an error event; every slot is freed."""
+        jobs = list(dict.fromkeys([s.job for s in self.seqs] + list(self.waiting)))
+        ended = {(s.job, s.choice) for s in self.seqs if s.finished}
+        self.seqs.clear()
+        self.waiting.clear()
+        for i in range(self.max_batch):
+            self.cache.free(i)
+        for job in jobs:
+            events = [
+                Event(c, finish="error", error=message)
+                for c in range(job.params.n)
+                if (job, c) not in ended and job.finished < job.params.n
+            ]
+            job.finished = job.params.n
+            self.ended["error"] += len(events)
+            if events:
+                try:
+                    job.deliver(events)
+                except Exception:  # noqa: BLE001 - a receiver that is gone must not stop the others
+                    pass
+
+    def _drop_cancelled(self, out: dict[Job, list[Event]]) -> None:
+        for s in self.seqs:
+            if s.job.cancelled and not s.finished:
+                self._finish(s, "cancelled", out)
+        if any(j.cancelled for j in self.waiting):
+            for job in [j for j in self.waiting if j.cancelled]:
+                self.waiting.remove(job)
+                job.finished = job.params.n
+                self.ended["cancelled"] += job.params.n
+                out.setdefault(job, []).extend(Event(c, finish="cancelled") for c in range(job.params.n))
+
+    def _prefill(self, job: Job, out: dict[Job, list[Event]]) -> None:
+        slot = len(self.seqs)
+        seqs = [_Seq(job, c, self.device) for c in range(job.params.n)]
+        ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)  # [1, T0]
+        logits = self.model(ids, cache=self.cache.prefill(slot), logits_to_keep=1).logits[:, -1]  # [1, V]
+        for c in range(1, job.params.n):
+            self.cache.copy(slot, slot + c)
+        self.seqs.extend(seqs)
+        job.first_token = time.perf_counter()
+        rows = logits.expand(len(seqs), -1)  # [n, V]: every choice samples from the prompt's logits
+        self._take(seqs, self._choose(rows, seqs), out)
+
+    def _decode(self, out: dict[Job, list[Event]]) -> None:
+        n = len(self.seqs)
+        tok = torch.tensor([[s.last] for s in self.seqs], dtype=torch.long, device=self.device)  # [n, 1]
+        logits = self.model(tok, cache=self.cache.decode(n), logits_to_keep=1).logits[:, -1]  # [n, V]
+        self.steps += 1
+        self.rows += n
+        self._take(self.seqs, self._choose(logits, self.seqs), out)
+
+    def _choose(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
+        """One token per row of logits [n, V], each by its sequence's sampling rule."""
+        greedy = [i for i, s in enumerate(seqs) if s.generator is None]
+        if len(greedy) == len(seqs):
+            return argmax(logits).tolist()
+        chosen = torch.empty(len(seqs), dtype=torch.long, device=logits.device)  # [n]
+        if greedy:
+            rows = torch.tensor(greedy, device=logits.device)
+            chosen[rows] = argmax(logits[rows])
+        for i, s in enumerate(seqs):
+            if s.generator is not None:
+                p = s.job.params
+                chosen[i] = sample_next(logits[i : i + 1], p.temperature, p.top_k, p.top_p, s.generator)[0]
+        return chosen.tolist()
+
+    def _take(self, seqs: list[_Seq], tokens: list[int], out: dict[Job, list[Event]]) -> None:
+        """Record each sequence's new token; end the ones it ends."""
+        for s, tok in zip(seqs, tokens):
+            job, p = s.job, s.job.params
+            s.n_out += 1
+            job.sampled[s.choice] += 1
+            if tok in p.stop_ids:
+                self._finish(s, "eos", out)
+                continue
+            s.last = tok
+            ev = Event(s.choice, [tok])
+            out.setdefault(job, []).append(ev)
+            if s.stream is not None:
+                ev.text = s.stream.push(tok)
+                if s.stream.stopped:
+                    self._finish(s, "stop", out, ev)
+                    continue
+            if s.n_out >= p.max_new_tokens:
+                self._finish(s, "length", out, ev)
+            # the token cannot be fed: the context is full
+            elif len(job.prompt) + s.n_out > self.max_len:
+                self._finish(s, "context", out, ev)
+
+    def _finish(self, s: _Seq, reason: str, out: dict[Job, list[Event]], ev: Optional[Event] = None) -> None:
+        """End a sequence; ev: the event of its last token, which then carries the ending."""
+        s.finished = True
+        s.job.finished += 1
+        self.ended[reason] += 1
+        text = s.stream.finish() if s.stream is not None and reason != "cancelled" else ""
+        if ev is None:
+            out.setdefault(s.job, []).append(Event(s.choice, text=text, finish=reason))
+        else:
+            ev.text += text
+            ev.finish = reason
+
+    def _compact(self) -> None:
+        """Finished sequences leave; the last active slot moves into each hole."""
+        i = 0
+        while i < len(self.seqs):
+            if not self.seqs[i].finished:
+                i += 1
+                continue
+            last = len(self.seqs) - 1
+            if i != last:
+                self.cache.move(last, i)
+                self.seqs[i] = self.seqs[last]
+            else:
+                self.cache.free(i)
+            self.seqs.pop()
+
+
+@dataclass
+class Choice:
+    tokens: list[int]
+    text: Optional[str]
+    finish_reason: str
+
+
+@dataclass
+class Completion:
+    """What generate_many returns per prompt."""
+
+    prompt_tokens: int
+    choices: list[Choice]
+    # tokens sampled over the choices (an ending id included)
+    sampled: int
+
+
+def generate_many(
+    model,
+    prompts: list[list[int]],
+    params: SamplingParams | list[SamplingParams],
+    *,
+    decode: Optional[Callable[[list[int]], str]] = None,
+    max_batch: int = 16,
+) -> list[Completion]:
+    """Generate for every prompt through one Batcher in this thread (no server, no thread): at most max_batch
+    sequences decode together, the next prompt joining as soon as a slot is free (on the CPU with the
+    decoding layout for max_batch rows). params: one for all, or one per prompt. Returns one Completion per
+    prompt, in order."""
+    if not isinstance(params, list):
+        params = [params] * len(prompts)
+    if len(params) != len(prompts):
+        raise ConfigError(f"{len(params)} SamplingParams for {len(prompts)} prompts")
+    batcher = Batcher(model, max_batch=max([max_batch] + [p.n for p in params]))
+    results: list[dict[int, Choice]] = [dict() for _ in prompts]
+
+    def collector(i: int, n: int):
+        got: dict[int, Choice] = results[i]
+
+        def deliver(events: list[Event]) -> None:
+            for e in events:
+                ch = got.setdefault(e.choice, Choice([], "" if decode is not None else None, ""))
+                ch.tokens += e.tokens
+                if decode is not None:
+                    ch.text += e.text
+                if e.finish:
+                    if e.finish == "error":
+                        raise GptkitError(e.error or "generation failed")
+                    ch.finish_reason = e.finish
+
+        return deliver
+
+    jobs = []
+    rows = batcher.max_batch if model.lm_head.weight.device.type == "cpu" else None
+    layout = decoding_layout(model, rows) if rows else contextlib.nullcontext()
+    with torch.inference_mode(), layout:
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            job = Job(prompt, p, collector(i, p.n), decode)
+            batcher.add(job)
+            jobs.append(job)
+        while batcher.busy:
+            batcher.step()
+    return [
+        Completion(len(j.prompt), [results[i][c] for c in range(j.params.n)], sum(j.sampled))
+        for i, j in enumerate(jobs)
+    ]

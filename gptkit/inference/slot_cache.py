@@ -1,0 +1,135 @@
+"""The KV cache of continuous batching: one slot per sequence, each slot with its own length.
+
+    k, v per layer    [slots, n_kv_heads, max_len, head_dim]; slot s holds one sequence at positions
+                      0..lengths[s]-1 (keys stored after RoPE, as gptkit.model.kv_cache.KVCache stores them)
+
+The model reads it through two views, each a cache as GPT.forward takes one (positions, update, mask,
+advance):
+
+    prefill(slot)    one sequence's T prompt tokens [1, T] at positions lengths[slot]..+T-1: exactly the
+                     growing KVCache's pass (causal over the slot's prefix, no mask), written into the slot
+    decode(n)        one new token for each of the slots 0..n-1 [n, 1], each at its own position
+                     (positions [n, 1] = lengths); attention reads the slots up to the longest under a
+                     [n, 1, 1, L] mask that hides every slot past a row's own position
+
+Active sequences live in slots 0..n-1 (the scheduler moves the last one into a hole when one leaves:
+`move`), so a decode step reads a prefix of the cache and never gathers it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gptkit.model.config import ModelConfig
+
+
+class SlotCache:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        slots: int,
+        max_len: int | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.slots = slots
+        self.max_len = max_len or cfg.max_seq_len
+        if self.max_len > cfg.max_seq_len:
+            raise ValueError(f"cache length {self.max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
+        shape = (slots, cfg.n_kv_heads, self.max_len, cfg.head_dim)  # [S, n_kv_heads, max_len, head_dim]
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        # tokens cached per slot (= the position of the slot's next token)
+        self.lengths = [0] * slots
+        self.device = self.k[0].device
+        self.positions_all = torch.arange(self.max_len, device=self.device)  # [max_len]
+
+    def prefill(self, slot: int) -> "PrefillView":
+        """The cache of one slot, for a forward pass of that sequence's next tokens."""
+        return PrefillView(self, slot)
+
+    def decode(self, n: int) -> "DecodeView":
+        """The cache of slots 0..n-1, for a forward pass of one new token each."""
+        return DecodeView(self, n)
+
+    def move(self, src: int, dst: int) -> None:
+        """Slot src's sequence into slot dst (src is free afterwards)."""
+        n = self.lengths[src]
+        for t in self.k + self.v:
+            t[dst, :, :n] = t[src, :, :n]
+        self.lengths[dst], self.lengths[src] = n, 0
+
+    def copy(self, src: int, dst: int) -> None:
+        """A copy of slot src's sequence in slot dst (the n choices of one prompt share its prefill)."""
+        n = self.lengths[src]
+        for t in self.k + self.v:
+            t[dst, :, :n] = t[src, :, :n]
+        self.lengths[dst] = n
+
+    def free(self, slot: int) -> None:
+        self.lengths[slot] = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PrefillView:
+    """One slot as a growing KVCache: positions is an int, attention is causal over the slot's prefix."""
+
+    mask = None
+
+    def __init__(self, cache: SlotCache, slot: int) -> None:
+        self.cache, self.slot = cache, slot
+
+    @property
+    def positions(self) -> int:
+        return self.cache.lengths[self.slot]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [1, n_kv_heads, T, head_dim] after the slot's prefix; return the slot's keys and values
+        so far, [1, n_kv_heads, length + T, head_dim]."""
+        c, s = self.cache, self.slot
+        start, T = c.lengths[s], k.shape[2]
+        if start + T > c.max_len:
+            raise ValueError(f"KV cache slot full: {start} + {T} tokens > {c.max_len}")
+        c.k[layer][s : s + 1, :, start : start + T] = k
+        c.v[layer][s : s + 1, :, start : start + T] = v
+        return c.k[layer][s : s + 1, :, : start + T], c.v[layer][s : s + 1, :, : start + T]
+
+    def advance(self, n: int) -> None:
+        self.cache.lengths[self.slot] += n
+
+
+class DecodeView:
+    """Slots 0..n-1, one token each at its own position."""
+
+    def __init__(self, cache: SlotCache, n: int) -> None:
+        self.cache, self.n = cache, n
+        lengths = cache.lengths[:n]
+        if max(lengths) >= cache.max_len:
+            raise ValueError(f"KV cache slot full: a sequence already holds {cache.max_len} tokens")
+        # keys read: up to the longest sequence's new token
+        self.span = max(lengths) + 1
+        device = cache.device
+        self.rows = torch.arange(n, device=device)  # [n]
+        self._positions = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]  # [n, 1]
+        # [n, 1, 1, span] bool: row i reads the slots up to its own position (its new token included)
+        self.mask = (cache.positions_all[: self.span] <= self._positions)[:, None, None, :]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """[n, 1]: the position of each row's new token."""
+        return self._positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [n, n_kv_heads, 1, head_dim] at each row's position; return the keys and values of
+        slots 0..n-1 up to the longest, [n, n_kv_heads, span, head_dim] (read under `mask`)."""
+        c, pos = self.cache, self._positions[:, 0]
+        c.k[layer][self.rows, :, pos] = k[:, :, 0]
+        c.v[layer][self.rows, :, pos] = v[:, :, 0]
+        return c.k[layer][: self.n, :, : self.span], c.v[layer][: self.n, :, : self.span]
+
+    def advance(self, n: int) -> None:
+        for i in range(self.n):
+            self.cache.lengths[i] += n

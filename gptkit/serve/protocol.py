@@ -1,0 +1,414 @@
+"""The OpenAI API's shapes: request bodies checked field by field, errors, completions and stream chunks.
+
+Every bad request is an ApiError: an HTTP status and {"error": {"message", "type", "param", "code"}}, the
+body OpenAI's own API answers with (the `openai` client raises it as BadRequestError, NotFoundError, ...).
+A field of the wrong type, a value out of range, an unknown field and a feature this server does not
+implement (logprobs, tools, penalties...) each name their field in `param`; a feature's neutral value
+(presence_penalty=0, logprobs=false, tools=[]) is accepted, as clients send them by default.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+class ApiError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -> ApiError:
+    return ApiError(400, message, param, code)
+
+
+# ---- field checks ------------------------------------------------------------------------------------
+def _type_name(v: Any) -> str:
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array"}.get(
+        type(v), "an object" if isinstance(v, dict) else "null" if v is None else type(v).__name__
+    )
+
+
+def integer(body: dict, key: str, *, low: Optional[int] = None, high: Optional[int] = None) -> Optional[int]:
+    v = body.get(key)
+    if v is None:
+        return None
+    # JSON has one number type: 3.0 is 3
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise bad(
+            f"{key} must be an integer, not {_type_name(v)} ({json.dumps(v)[:40]})", key, "invalid_type"
+        )
+    if (low is not None and v < low) or (high is not None and v > high):
+        span = f">= {low}" if high is None else f"between {low} and {high}"
+        raise bad(f"{key}={v} is out of range: it must be {span}", key, "invalid_value")
+    return v
+
+
+def number(body: dict, key: str, *, low: float, high: float, low_open: bool = False) -> Optional[float]:
+    v = body.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise bad(f"{key} must be a number, not {_type_name(v)} ({json.dumps(v)[:40]})", key, "invalid_type")
+    if v > high or v < low or (low_open and v == low):
+        left = "(" if low_open else "["
+        raise bad(f"{key}={v} is out of range: it must be in {left}{low}, {high}]", key, "invalid_value")
+    return float(v)
+
+
+def boolean(body: dict, key: str) -> Optional[bool]:
+    v = body.get(key)
+    if v is None or isinstance(v, bool):
+        return v
+    raise bad(f"{key} must be a boolean, not {_type_name(v)}", key, "invalid_type")
+
+
+def string(body: dict, key: str) -> Optional[str]:
+    v = body.get(key)
+    if v is None or isinstance(v, str):
+        return v
+    raise bad(f"{key} must be a string, not {_type_name(v)}", key, "invalid_type")
+
+
+def stop_strings(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    items = [v] if isinstance(v, str) else v
+    if not isinstance(items, list) or any(not isinstance(s, str) for s in items):
+        raise bad("stop must be a string or an array of strings", "stop", "invalid_type")
+    if any(s == "" for s in items):
+        raise bad("stop strings must not be empty", "stop", "invalid_value")
+    if len(items) > 16:
+        raise bad(f"stop holds {len(items)} strings; at most 16", "stop", "invalid_value")
+    return tuple(items)
+
+
+# fields each endpoint knows; anything else is an unknown argument
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "n",
+    "stream",
+    "stream_options",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "logprobs",
+    "top_logprobs",
+    "ignore_eos",
+}
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "modalities",
+    "reasoning_effort",
+    "prediction",
+}
+COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+
+
+def unsupported(body: dict, key: str, neutral: tuple, what: str) -> None:
+    """A feature this server does not implement: its neutral values pass, any other is a 400."""
+    v = body.get(key)
+    if v is None or any(v == n and type(v) is type(n) for n in neutral):
+        return
+    raise bad(f"{key}={json.dumps(v)[:60]}: {what} is not supported by gptkit serve", key, "unsupported")
+
+
+def check_unknown(body: dict, known: set[str]) -> None:
+    for key in body:
+        if key not in known:
+            raise bad(f"Unrecognized request argument supplied: {key}", key, "unknown_parameter")
+
+
+@dataclass
+class Sampling:
+    """The sampling fields of a request, checked."""
+
+    max_tokens: Optional[int]
+    temperature: float
+    top_p: float
+    top_k: Optional[int]
+    seed: Optional[int]
+    stop: tuple[str, ...]
+    n: int
+    stream: bool
+    include_usage: bool
+    ignore_eos: bool
+    model: Optional[str]
+
+
+def sampling(body: dict, max_n: int, max_tokens_key: str = "max_tokens") -> Sampling:
+    """The fields both endpoints share (after check_unknown)."""
+    model = string(body, "model")
+    max_tokens = integer(body, max_tokens_key, low=1)
+    if max_tokens_key != "max_tokens" and max_tokens is None:
+        max_tokens = integer(body, "max_tokens", low=1)
+    temperature = number(body, "temperature", low=0.0, high=2.0)
+    top_p = number(body, "top_p", low=0.0, high=1.0, low_open=True)
+    top_k = integer(body, "top_k", low=-1)
+    seed = integer(body, "seed")
+    n = integer(body, "n", low=1, high=max_n)
+    stream = bool(boolean(body, "stream"))
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not isinstance(opts, dict):
+            raise bad("stream_options must be an object", "stream_options", "invalid_type")
+        if not stream:
+            raise bad("stream_options is only allowed when stream is true", "stream_options", "invalid_value")
+        include_usage = bool(boolean(opts, "include_usage"))
+    for key in ("presence_penalty", "frequency_penalty"):
+        number(body, key, low=-2.0, high=2.0)
+        unsupported(body, key, (0, 0.0), "a penalty")
+    if body.get("logit_bias") is not None and not isinstance(body["logit_bias"], dict):
+        raise bad("logit_bias must be an object", "logit_bias", "invalid_type")
+    unsupported(body, "logit_bias", ({},), "logit_bias")
+    unsupported(body, "top_logprobs", (0,), "top_logprobs")
+    for key in ("user", "service_tier"):
+        string(body, key)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=1.0 if temperature is None else temperature,
+        top_p=1.0 if top_p is None else top_p,
+        top_k=None if top_k in (None, 0, -1) else top_k,
+        seed=seed,
+        stop=stop_strings(body),
+        n=1 if n is None else n,
+        stream=stream,
+        include_usage=include_usage,
+        ignore_eos=bool(boolean(body, "ignore_eos")),
+        model=model,
+    )
+
+
+ROLES = ("system", "developer", "user", "assistant")
+
+
+def messages(body: dict) -> list[dict[str, str]]:
+    """The conversation as the template renders it: role and content (text), `developer` read as `system`."""
+    msgs = body.get("messages")
+    if msgs is None:
+        raise bad("messages is required", "messages", "missing_required_parameter")
+    if not isinstance(msgs, list):
+        raise bad(f"messages must be an array, not {_type_name(msgs)}", "messages", "invalid_type")
+    if not msgs:
+        raise bad("messages must not be empty", "messages", "invalid_value")
+    out = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(f"{where} must be an object", where, "invalid_type")
+        role = m.get("role")
+        if role not in ROLES:
+            raise bad(
+                f"{where}.role={json.dumps(role)[:40]} is not one of {', '.join(ROLES)} (tool messages are "
+                "not supported)",
+                f"{where}.role",
+                "invalid_value",
+            )
+        for key in m:
+            if key not in ("role", "content", "name"):
+                raise bad(f"{where}.{key} is not supported by gptkit serve", f"{where}.{key}", "unsupported")
+        content = m.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if (
+                    not isinstance(part, dict)
+                    or part.get("type") != "text"
+                    or not isinstance(part.get("text"), str)
+                ):
+                    raise bad(
+                        f'{where}.content[{j}] is not a text part ({{"type": "text", "text": ...}}); '
+                        "this model reads text only",
+                        f"{where}.content",
+                        "invalid_value",
+                    )
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
+        if m.get("name") is not None and not isinstance(m["name"], str):
+            raise bad(f"{where}.name must be a string", f"{where}.name", "invalid_type")
+        out.append({"role": "system" if role == "developer" else role, "content": content})
+    return out
+
+
+def chat_request(body: dict, max_n: int) -> tuple[list[dict[str, str]], Sampling]:
+    check_unknown(body, CHAT_FIELDS)
+    s = sampling(body, max_n, "max_completion_tokens")
+    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
+        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
+    unsupported(body, "logprobs", (False,), "logprobs")
+    unsupported(body, "tools", ([],), "tool calling")
+    unsupported(body, "functions", ([],), "function calling")
+    unsupported(body, "tool_choice", ("none", "auto"), "tool calling")
+    unsupported(body, "function_call", ("none", "auto"), "function calling")
+    unsupported(body, "response_format", ({"type": "text"},), "a response format other than text")
+    unsupported(body, "modalities", (["text"],), "output other than text")
+    unsupported(body, "prediction", (), "predicted outputs")
+    boolean(body, "parallel_tool_calls")
+    return messages(body), s
+
+
+def completion_request(body: dict, max_n: int) -> tuple[list[str | list[int]], Sampling]:
+    """The prompts (a string, an array of strings, an array of token ids, or an array of those) and the
+    sampling."""
+    check_unknown(body, COMPLETION_FIELDS)
+    s = sampling(body, max_n)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("prompt is required", "prompt", "missing_required_parameter")
+    p = body["prompt"]
+    if isinstance(p, str):
+        prompts: list = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif (
+        isinstance(p, list)
+        and p
+        and all(
+            isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            for x in p
+        )
+    ):
+        prompts = list(p)
+    else:
+        raise bad(
+            "prompt must be a non-empty string, an array of strings, an array of token ids, or an array of "
+            "arrays of token ids",
+            "prompt",
+            "invalid_type",
+        )
+    if any(x == "" for x in prompts):
+        raise bad("the prompt is empty; give at least one character", "prompt", "invalid_value")
+    integer(body, "logprobs", low=0)
+    unsupported(body, "logprobs", (), "logprobs")
+    unsupported(body, "echo", (False,), "echo")
+    unsupported(body, "suffix", ("",), "suffix")
+    best_of = integer(body, "best_of", low=1)
+    if best_of is not None and best_of != s.n:
+        raise bad(
+            f"best_of={best_of} (other than n) is not supported by gptkit serve", "best_of", "unsupported"
+        )
+    return prompts, s
+
+
+# ---- responses ------------------------------------------------------------------------------------------
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+
+@dataclass
+class Reply:
+    """Ids and time of one response, its usage as the choices finish."""
+
+    kind: str  # chat | completion
+    model: str
+    id: str = field(default="")
+    created: int = field(default_factory=lambda: int(time.time()))
+    fingerprint: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if not self.id:
+            prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+            self.id = f"{prefix}-{uuid.uuid4().hex}"
+
+    def head(self, obj: str) -> dict:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+        }
+
+    def final(self, texts: list[str], reasons: list[str], usage: dict) -> dict:
+        if self.kind == "chat":
+            choices = [
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": FINISH.get(r, r),
+                }
+                for i, (text, r) in enumerate(zip(texts, reasons))
+            ]
+            return {**self.head("chat.completion"), "choices": choices, "usage": usage}
+        choices = [
+            {"index": i, "text": text, "logprobs": None, "finish_reason": FINISH.get(r, r)}
+            for i, (text, r) in enumerate(zip(texts, reasons))
+        ]
+        return {**self.head("text_completion"), "choices": choices, "usage": usage}
+
+    def chunk(
+        self, index: int, text: Optional[str], finish: Optional[str] = None, role: bool = False
+    ) -> dict:
+        """One stream chunk for choice `index`: new text, or the role (chat's first chunk), or the ending."""
+        reason = FINISH.get(finish, finish) if finish else None
+        if self.kind == "chat":
+            delta: dict[str, Any] = {}
+            if role:
+                delta = {"role": "assistant", "content": ""}
+            elif text:
+                delta = {"content": text}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+            return {**self.head("chat.completion.chunk"), "choices": [choice]}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
+        return {**self.head("text_completion"), "choices": [choice]}
+
+    def usage_chunk(self, usage: dict) -> dict:
+        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
+        return {**self.head(obj), "choices": [], "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(obj: Any) -> bytes:
+    """One server-sent event: `data: <json>` and a blank line."""
+    return b"data: " + json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+DONE = b"data: [DONE]\n\n"

@@ -1,0 +1,196 @@
+"""Continuous batching (gptkit/inference/): each request's greedy tokens are `gptkit sample`'s whatever
+shares the batch, seeded choices draw as `sample seed=` does, the endings, cancelling, a full queue, a failed
+step."""
+
+import threading
+
+import pytest
+import torch
+
+from gptkit.errors import GptkitError
+from gptkit.generate import generate
+from gptkit.inference.batcher import Batcher, Job, SamplingParams, generate_many
+from gptkit.inference.engine import Engine, QueueFull
+from gptkit.model import GPT, ModelConfig
+from gptkit.sampling import SampleOptions
+
+VARIANTS = {
+    "rope-gqa": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False),
+    "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
+    # routing has no capacity: a token's experts do not depend on what shares its batch
+    "rope-moe": dict(
+        position="rope",
+        n_kv_heads=2,
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        moe=dict(n_experts=4, top_k=2),
+    ),
+}
+
+
+def tiny(variant: str = "rope-gqa", max_seq_len: int = 48) -> GPT:
+    torch.manual_seed(0)
+    # init_std 0.3: logits far apart (as in test_generate), so greedy never meets a near-tie
+    cfg = ModelConfig(
+        vocab_size=61,
+        max_seq_len=max_seq_len,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        init_std=0.3,
+        tie_embeddings=False,
+        **VARIANTS[variant],
+    )
+    return GPT(cfg).eval()
+
+
+def prompts(k: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 61, (3 + (7 * i) % 23,), generator=g).tolist() for i in range(k)]
+
+
+def reference(model, prompt, n, decode=None, **opts):
+    """`gptkit sample`'s tokens (gptkit.generate.generate, overflow=stop as the server runs)."""
+    opts = dict(max_new_tokens=n, temperature=0.0, overflow="stop") | opts
+    return generate(model, prompt, SampleOptions(**opts), decode=decode)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_greedy_tokens_are_samples_whatever_shares_the_batch(variant):
+    model = tiny(variant)
+    ps = prompts(7)
+    lengths = [20, 9, 14, 20, 5, 17, 11]
+    batcher = Batcher(model, max_batch=4)
+    got: dict[int, list[int]] = {i: [] for i in range(len(ps))}
+    joined_with = []
+
+    def collect(i):
+        return lambda events: [got[i].extend(e.tokens) for e in events]
+
+    with torch.inference_mode():
+        # two start together, the others join mid-way, one every few steps, while the batch decodes
+        for i in range(len(ps)):
+            batcher.add(Job(ps[i], SamplingParams(max_new_tokens=lengths[i], temperature=0.0), collect(i)))
+            for _ in range(0 if i == 0 else 3):
+                batcher.step()
+            joined_with.append(batcher.active)
+        while batcher.busy:
+            batcher.step()
+    for i, p in enumerate(ps):
+        assert got[i] == reference(model, p, lengths[i]).tokens[0], i
+    # they did share: several rows per step, and requests joined a running batch
+    assert batcher.rows / batcher.steps > 2 and max(joined_with) == 4
+    # every slot is free again
+    assert batcher.active == 0 and batcher.cache.lengths == [0] * 4
+
+
+def test_n_choices_share_the_prefill_and_seeded_choices_draw_as_sample_does():
+    model = tiny()
+    ps = prompts(3, seed=4)
+    params = [
+        SamplingParams(max_new_tokens=12, temperature=0.9, top_k=20, seed=5, n=3),
+        SamplingParams(max_new_tokens=9, temperature=0.0, n=2),
+        SamplingParams(max_new_tokens=15, temperature=0.7, top_p=0.9, seed=11),
+    ]
+    out = generate_many(model, ps, params, max_batch=4)
+    # choice i of a seeded request is `gptkit sample seed=<seed + i>`
+    for c in range(3):
+        ref = reference(model, ps[0], 12, temperature=0.9, top_k=20, seed=5 + c)
+        assert out[0].choices[c].tokens == ref.tokens[0]
+    assert len({tuple(ch.tokens) for ch in out[0].choices}) > 1
+    greedy = reference(model, ps[1], 9).tokens[0]
+    assert [ch.tokens for ch in out[1].choices] == [greedy, greedy]
+    assert (
+        out[2].choices[0].tokens == reference(model, ps[2], 15, temperature=0.7, top_p=0.9, seed=11).tokens[0]
+    )
+    # usage: the prompt once, every sampled token of every choice
+    assert out[0].prompt_tokens == len(ps[0]) and out[0].sampled == 36
+
+
+def test_endings_are_samples():
+    model = tiny(max_seq_len=24)
+    p = prompts(1)[0][:10]
+    greedy = reference(model, p, 12).tokens[0]
+    decode = lambda ids: "".join(chr(97 + i % 26) for i in ids)  # noqa: E731 - one char per token
+
+    def one(params):
+        return generate_many(model, [p], params, decode=decode)[0].choices[0]
+
+    # an ending id: not emitted
+    eos = greedy[4]
+    ch = one(SamplingParams(max_new_tokens=12, temperature=0.0, stop_ids=(eos,)))
+    assert ch.finish_reason == "eos" and ch.tokens == greedy[: greedy.index(eos)]
+    # a stop string: the text ends before it
+    stop = decode(greedy[3:5])
+    ch = one(SamplingParams(max_new_tokens=12, temperature=0.0, stop=(stop,)))
+    ref = reference(model, p, 12, decode, stop=(stop,))
+    assert ch.finish_reason == "stop" == ref.stop_reasons[0]
+    assert ch.text == decode(greedy)[: decode(greedy).index(stop)]
+    # the context: the last token is predicted from a full context, never fed back (sample's overflow=stop)
+    ch = one(SamplingParams(max_new_tokens=40, temperature=0.0))
+    ref = reference(model, p, 40)
+    assert ch.finish_reason == "context" == ref.stop_reasons[0]
+    assert ch.tokens == ref.tokens[0] and len(p) + len(ch.tokens) == 25
+    with pytest.raises(GptkitError, match="more than the context of 24"):
+        generate_many(model, [list(range(25))], SamplingParams(max_new_tokens=1))
+    with pytest.raises(GptkitError, match="max_new_tokens=0 must be >= 1"):
+        generate_many(model, [p], SamplingParams(max_new_tokens=0))
+
+
+def test_engine_cancel_frees_the_slot_a_full_queue_refuses_and_a_failed_step_fails_only_its_requests():
+    model = tiny()
+    p = prompts(1)[0]
+    with Engine(model, max_batch=1, max_queue=1) as engine:
+        long = engine.submit(p, SamplingParams(max_new_tokens=40, temperature=0.0))
+        first = next(iter(long))
+        assert first.tokens and first.finish is None
+        # the slot is busy: one may wait, the next is refused
+        waiting = engine.submit(p, SamplingParams(max_new_tokens=3, temperature=0.0))
+        with pytest.raises(QueueFull, match="max_queue=1"):
+            engine.submit(p, SamplingParams(max_new_tokens=3, temperature=0.0))
+        long.cancel()
+        assert [e.finish for e in long if e.finish] == ["cancelled"]
+        assert waiting.result().choices[0].tokens == reference(model, p, 3).tokens[0]
+        assert engine.load()["active"] == 0
+
+        # one failed step: its request ends with an error, the engine serves the next one
+        calls = {"n": 0}
+        forward = model.forward
+
+        def flaky(*args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 2:
+                raise RuntimeError("injected")
+            return forward(*args, **kwargs)
+
+        model.forward = flaky
+        try:
+            with pytest.raises(GptkitError, match="generation failed: RuntimeError: injected"):
+                engine.submit(p, SamplingParams(max_new_tokens=5, temperature=0.0)).result()
+        finally:
+            del model.forward
+        assert engine.last_error and engine.running
+        assert (
+            engine.submit(p, SamplingParams(max_new_tokens=4, temperature=0.0)).result().choices[0].tokens
+            == (reference(model, p, 4).tokens[0])
+        )
+    assert not engine.running
+
+
+def test_engine_serves_concurrent_callers():
+    model = tiny()
+    ps = prompts(8, seed=2)
+    results = {}
+    with Engine(model, max_batch=4, max_queue=8) as engine:
+
+        def client(i):
+            results[i] = engine.submit(ps[i], SamplingParams(max_new_tokens=10, temperature=0.0)).result()
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    for i, p in enumerate(ps):
+        assert results[i].choices[0].tokens == reference(model, p, 10).tokens[0]

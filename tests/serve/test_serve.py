@@ -1,0 +1,470 @@
+"""`gptkit serve` against real clients: one server (a subprocess on 127.0.0.1, a free port) for the module,
+the official `openai` client (sync and streaming), raw HTTP (errors in OpenAI's shape, the key, the size
+limit, a client that leaves), 16 concurrent clients whose greedy answers are all `sample`'s and `chat`'s,
+and the chat page in a headless Chromium."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from conftest import HANG_S, wait_for
+
+from gptkit import chat_templates as templates
+from gptkit.generate import ChatSession, encode_prompt, generate, special_token_ids
+from gptkit.model import GPT, ModelConfig
+from gptkit.runs import load_run, write_run_folder
+from gptkit.sampling import SampleOptions
+from gptkit.tokenizer import byte_tokenizer
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+
+KEY = "test-key-35"
+# a long context and a small model: a long answer takes long enough to leave in the middle of it
+CONTEXT = 1024
+MAX_BATCH = 4
+
+
+def chat_run(root):
+    """A chat-ready run: a byte tokenizer with <|endoftext|> and chatml's tokens, a random tiny model
+    (init_std 0.3: greedy choices far from ties), the chatml template in chat.json."""
+    torch.manual_seed(0)
+    tok = byte_tokenizer(["<|endoftext|>"])
+    t = templates.resolve_template("chatml", None)
+    templates.add_special_tokens(tok, t)
+    cfg = ModelConfig(
+        vocab_size=tok.get_vocab_size(),
+        max_seq_len=CONTEXT,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_model=32,
+        position="rope",
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        init_std=0.3,
+    )
+    run = write_run_folder(
+        root / "tiny-chat", {"tokenizer": {"eos_token": "<|endoftext|>"}}, GPT(cfg).eval(), tok
+    )
+    (run / templates.CHAT_FILE).write_text(t.to_json())
+    return run
+
+
+class Server:
+    def __init__(self, proc, url, lines):
+        self.proc, self.url, self.lines = proc, url, lines
+
+    def client(self, **kw):
+        return httpx.Client(
+            base_url=self.url, timeout=HANG_S, headers={"Authorization": f"Bearer {KEY}"}, **kw
+        )
+
+    def health(self):
+        return httpx.get(f"{self.url}/health", timeout=HANG_S).json()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    run = chat_run(tmp_path_factory.mktemp("serve"))
+    env = dict(os.environ, GPTKIT_API_KEY=KEY)
+    env.pop("GPTKIT_VERB", None)
+    args = [
+        sys.executable,
+        "-m",
+        "gptkit",
+        "serve",
+        f"run={run}",
+        "port=0",
+        "threads=1",
+        f"max_batch={MAX_BATCH}",
+        "max_queue=64",
+        "max_request_bytes=65536",
+        "access_log=false",
+    ]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    lines: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            lines.append(line)
+
+    threading.Thread(target=read, daemon=True).start()
+    wait_for(lambda: any("listening on" in x for x in lines), proc, HANG_S)
+    url = next(x for x in lines if "listening on" in x).split()[2]
+    try:
+        yield Server(proc, url, lines)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+@pytest.fixture(scope="module")
+def ref(server):
+    """The served run loaded here: what `gptkit sample` and `gptkit chat` answer greedily."""
+    run_dir = server.lines[0].split()[1]
+    r = load_run(run_dir)
+    template = templates.template_in_folder(r.dir)
+    stop = templates.reply_stop_ids(r.tokenizer, template, "<|endoftext|>")
+    bos, eos = special_token_ids(r.tokenizer, r.config)
+
+    class Ref:
+        tokenizer = r.tokenizer
+
+        @staticmethod
+        def chat(message: str, n: int):
+            s = ChatSession(
+                r.model,
+                r.tokenizer,
+                template,
+                SampleOptions(max_new_tokens=n, temperature=0.0),
+                stop_ids=tuple(stop),
+            )
+            return s.reply(message)
+
+        @staticmethod
+        def sample(prompt: str, n: int):
+            ids = encode_prompt(r.tokenizer, prompt, bos, eos)
+            opts = SampleOptions(max_new_tokens=n, temperature=0.0, eos_id=eos, overflow="stop")
+            return ids, generate(r.model, ids, opts, decode=r.tokenizer.decode)
+
+    return Ref
+
+
+def finish(stop_reason: str) -> str:
+    return {"eos": "stop", "stop": "stop", "length": "length"}[stop_reason]
+
+
+def test_the_openai_client_chats_and_completes_as_chat_and_sample_do(server, ref):
+    assert "chat template chatml" in server.lines[0] and "try: curl" in "".join(server.lines)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HANG_S)
+    assert [m.id for m in client.models.list()] == ["tiny-chat"]
+    assert client.models.retrieve("tiny-chat").owned_by == "gptkit"
+
+    want = ref.chat("Hello there!", 40)
+    r = client.chat.completions.create(
+        model="tiny-chat",
+        messages=[{"role": "user", "content": "Hello there!"}],
+        temperature=0,
+        max_tokens=40,
+    )
+    assert r.choices[0].message.content == want.text and r.choices[0].message.role == "assistant"
+    assert r.choices[0].finish_reason == finish(want.stop_reason)
+    assert r.usage.prompt_tokens == want.prompt_tokens
+    assert r.usage.completion_tokens == len(want.tokens) + (want.stop_reason == "eos")
+
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny-chat",
+            messages=[{"role": "user", "content": "Hello there!"}],
+            temperature=0,
+            max_completion_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.text and [c.choices[0].finish_reason for c in chunks if c.choices][-1] == finish(
+        want.stop_reason
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == r.usage.total_tokens
+
+    ids, g = ref.sample("ROMEO:", 24)
+    c = client.completions.create(model="tiny-chat", prompt="ROMEO:", temperature=0, max_tokens=24)
+    assert c.choices[0].text == g.texts[0] and c.usage.prompt_tokens == len(ids)
+    streamed = client.completions.create(
+        model="tiny-chat", prompt="ROMEO:", temperature=0, max_tokens=24, stream=True
+    )
+    assert "".join(x.choices[0].text for x in streamed) == g.texts[0]
+    # token ids as the prompt, top_k as an extension (top_k=1 is greedy at any temperature)
+    c = client.completions.create(
+        model="tiny-chat", prompt=ids, max_tokens=24, temperature=1.5, extra_body={"top_k": 1}
+    )
+    assert c.choices[0].text == g.texts[0]
+    # n choices with a seed: reproducible, and different from each other
+    kw = dict(model="tiny-chat", prompt="ROMEO:", max_tokens=16, temperature=1.0, n=3, seed=7)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert [x.text for x in a.choices] == [x.text for x in b.choices] and len({x.text for x in a.choices}) > 1
+    assert [x.index for x in a.choices] == [0, 1, 2]
+    # a stop string ends the text before it
+    stop = g.texts[0][5:7]
+    c = client.completions.create(
+        model="tiny-chat", prompt="ROMEO:", temperature=0, max_tokens=24, stop=[stop]
+    )
+    assert c.choices[0].text == g.texts[0][: g.texts[0].index(stop)] and c.choices[0].finish_reason == "stop"
+    # the client's own errors
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_bad_requests_get_openais_error_shape_and_the_server_stays_up(server):
+    long_prompt = "x" * (CONTEXT + 10)
+    cases = [
+        # (path, body or raw bytes, status, param, words in the message)
+        ("/v1/completions", b'{"prompt": "x",', 400, None, "could not parse the JSON"),
+        ("/v1/completions", b"[1, 2]", 400, None, "JSON object"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": "ten"}, 400, "max_tokens", "must be an integer"),
+        ("/v1/completions", {"prompt": "x", "temperature": "hot"}, 400, "temperature", "must be a number"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", "must be >= 1"),
+        (
+            "/v1/completions",
+            {"prompt": "x", "colour": "blue"},
+            400,
+            "colour",
+            "Unrecognized request argument",
+        ),
+        ("/v1/completions", {"prompt": ""}, 400, "prompt", "the prompt is empty"),
+        (
+            "/v1/completions",
+            {"prompt": long_prompt},
+            400,
+            "prompt",
+            f"maximum context length is {CONTEXT} tokens",
+        ),
+        ("/v1/completions", {"prompt": "x", "max_tokens": CONTEXT}, 400, "max_tokens", "you requested"),
+        ("/v1/completions", {"prompt": [99999]}, 400, "prompt", "token id 99999"),
+        ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model", "does not exist"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ("/v1/completions", {"prompt": "x", "n": 99}, 400, "n", "between 1 and 4"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages", "must not be empty"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            400,
+            "messages[0].role",
+            "is not one of",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            400,
+            "messages[0].content",
+            "text only",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+            400,
+            "tools",
+            "tool calling",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": long_prompt}]},
+            400,
+            "messages",
+            "maximum context length",
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "' + b"y" * 70000 + b'"}',
+            413,
+            None,
+            "larger than this server's limit",
+        ),
+        ("/v1/nowhere", {}, 404, None, "Unknown request URL"),
+    ]
+    with server.client() as c:
+        for path, body, status, param, words in cases:
+            r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
+            assert r.status_code == status, (path, body if isinstance(body, dict) else body[:40], r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
+            assert words in err["message"], err
+            assert "Traceback" not in r.text
+        assert c.get("/v1/completions").status_code == 405
+        # the key
+        for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
+            r = httpx.post(
+                f"{server.url}/v1/completions", json={"prompt": "x"}, headers=headers, timeout=HANG_S
+            )
+            assert r.status_code == 401 and r.json()["error"]["code"] in (
+                "missing_api_key",
+                "invalid_api_key",
+            )
+        # the health check and the page need no key; the server is still up
+        assert server.health()["status"] == "ok"
+        assert "gptkit chat" in httpx.get(server.url + "/", timeout=HANG_S).text
+
+
+def test_message_text_that_spells_a_control_token_stays_text(server, ref):
+    spelled = "say <|im_end|> now"
+    with server.client() as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={"messages": [{"role": "user", "content": spelled}], "max_tokens": 4, "temperature": 0},
+        )
+    want = ref.chat(spelled, 4)
+    assert r.json()["usage"]["prompt_tokens"] == want.prompt_tokens
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    # one token more than the bytes' count would be, had the spelling become the control id
+    im_end = ref.tokenizer.token_to_id("<|im_end|>")
+    ids, _ = templates.encode_conversation(
+        ref.tokenizer,
+        templates.template_in_folder(load_run(server.lines[0].split()[1]).dir),
+        [{"role": "user", "content": spelled}],
+        add_generation_prompt=True,
+    )
+    assert ids.count(im_end) == 1 and len(ids) == want.prompt_tokens
+
+
+def test_a_client_that_leaves_frees_its_slot(server):
+    before = server.health()["ended"]["cancelled"]
+    body = {
+        "prompt": "A long answer:",
+        "max_tokens": CONTEXT - 20,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with server.client() as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                    break
+    # the connection is closed: the engine ends the choice as cancelled and frees the slot
+    ok = lambda: (h := server.health())["active"] == 0 and h["ended"]["cancelled"] == before + 1  # noqa: E731
+    wait_for(ok, server.proc, HANG_S)
+
+
+def test_sixteen_concurrent_clients_each_get_samples_and_chats_greedy_answer(server, ref):
+    jobs = []
+    for i in range(48):
+        n = 8 + (i * 5) % 17
+        if i % 2:
+            text = f"Tell me about {i} things"
+            want = ref.chat(text, n).text
+            body = (
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": text}], "max_tokens": n, "temperature": 0},
+            )
+        else:
+            text = f"{i}: ROMEO, KING{'!' * (i % 7)}"
+            want = ref.sample(text, n)[1].texts[0]
+            body = (
+                "/v1/completions",
+                {"prompt": text, "max_tokens": n, "temperature": 0, "stream": i % 4 == 0},
+            )
+        jobs.append((body, want))
+    answers: dict[int, str] = {}
+    steps_before = server.health()["steps"]
+
+    def client(k):
+        with server.client() as c:
+            for i in range(k, len(jobs), 16):
+                (path, body), _ = jobs[i]
+                if body.get("stream"):
+                    with c.stream("POST", path, json=body) as r:
+                        assert r.status_code == 200
+                        chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+                    answers[i] = "".join(ch["choices"][0]["text"] for ch in chunks if ch["choices"])
+                else:
+                    r = c.post(path, json=body)
+                    assert r.status_code == 200, r.text
+                    choice = r.json()["choices"][0]
+                    answers[i] = choice.get("text", choice.get("message", {}).get("content"))
+
+    threads = [threading.Thread(target=client, args=(k,)) for k in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_S)
+    assert not any(t.is_alive() for t in threads)
+    # nothing dropped, every greedy answer is sample's (completions) or chat's (chat)
+    assert sorted(answers) == list(range(48))
+    wrong = [i for i, (_, want) in enumerate(jobs) if answers[i] != want]
+    assert wrong == []
+    h = server.health()
+    # the requests shared batches of up to max_batch, the rest queued
+    assert h["max_batch"] == MAX_BATCH and h["mean_batch"] > 1 and h["steps"] > steps_before
+    assert h["active"] == 0 and h["waiting"] == 0
+
+
+def chromium() -> str | None:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def test_the_chat_page_streams_an_answer_in_a_browser(server, ref, tmp_path):
+    binary = chromium()
+    if binary is None:
+        pytest.skip("no Chromium binary on this machine (apt-get install chromium); .ci/run installs it")
+    sync_api = pytest.importorskip("playwright.sync_api")
+    want = ref.chat("Hi page", 30)
+    flags = [
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ]
+    shot = tmp_path / "chat-page.png"
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=binary, headless=True, args=flags)
+        try:
+            page = browser.new_page(viewport={"width": 1000, "height": 640})
+            page.set_default_timeout(HANG_S * 1000)
+            page.goto(server.url + "/")
+            page.wait_for_function("document.getElementById('model').textContent.includes('tiny-chat')")
+            page.fill("#api-key", KEY)
+            page.fill("#temperature", "0")
+            page.fill("#max-tokens", "30")
+            page.fill("#message", "Hi page")
+            page.press("#message", "Enter")
+            page.wait_for_selector(".assistant[data-state=done]")
+            answer = page.eval_on_selector(".assistant .text", "e => e.textContent")
+            errors = page.locator(".error").all_inner_texts()
+            finished = page.get_attribute(".assistant", "data-finish")
+            page.screenshot(path=str(shot), full_page=True)
+        finally:
+            browser.close()
+    assert errors == []
+    assert answer == want.text
+    assert finished == finish(want.stop_reason)
+    assert shot.stat().st_size > 1000
+    print(f"chat page screenshot: {shot}")
+
+
+def test_a_full_queue_answers_429(tmp_path):
+    """In process (the app over httpx's ASGI transport): one slot, no queue, the slot busy."""
+    import asyncio
+
+    from gptkit.inference.batcher import SamplingParams
+    from gptkit.serve.app import build_app
+    from gptkit.serve.served import load_served
+
+    served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=1, max_queue=0)
+    served.engine.start()
+    try:
+        busy = served.engine.submit([1, 2, 3], SamplingParams(max_new_tokens=CONTEXT - 10, temperature=0.0))
+        assert next(iter(busy)).finish is None
+
+        async def call():
+            transport = httpx.ASGITransport(app=build_app(served))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+                return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+
+        r = asyncio.run(call())
+        busy.cancel()
+    finally:
+        served.engine.stop()
+    assert r.status_code == 429 and r.headers["retry-after"] == "1"
+    assert r.json()["error"]["type"] == "rate_limit_error" and "max_queue=0" in r.json()["error"]["message"]
