@@ -104,7 +104,9 @@ class LossWindow:
         # this micro-batch's share of its optimizer step (a new step opens a new entry)
         if not self.steps or self.steps[-1][0] != step:
             self.steps.append((step, torch.zeros(2, device=loss.device)))
-        self.steps[-1][1].add_(torch.stack([part, torch.as_tensor(weight, device=loss.device).float()]))
+        # a weight of 1 made on the device: a tensor from a Python number would be a copy to it (a sync)
+        w = weight if tokens is not None else torch.ones((), device=loss.device)
+        self.steps[-1][1].add_(torch.stack([part, w]))
         bad = ~torch.isfinite(loss) & counted & (self.first_bad < 0)
         self.first_bad = torch.where(bad, step, self.first_bad)
 
