@@ -59,7 +59,7 @@ LOGITS_SAME, LOGITS_HF = 1e-5, 1e-3
 # the optimizer step a resume check kills its run after (checkpoints every 2 steps: it resumes from step 4)
 KILL_AFTER = 5
 # packed rows compared (rows holding two documents or more), looked for in this many micro-steps
-PACKED_ROWS, PACKED_STEPS = 8, 50
+PACKED_ROWS, PACKED_STEPS = 8, 500
 # data kinds whose rows are whole records (the model's window kept)
 ROW_KINDS = ("chat", "preference")
 # the tiny width
