@@ -287,7 +287,7 @@ def test_a_spike_is_a_step_above_the_factor_times_the_median_before_it():
     assert seen[4] == pytest.approx(6.0 / 3.85) and seen[9] == pytest.approx(20.0 / 3.45)
 
 
-def test_the_profile_range_and_the_gpus_idle_share():
+def test_the_profile_range_and_the_gpus_idle_share(capsys, tmp_path):
     """trainer.profile is N or N-M; the idle share counts the device's busy intervals once (the GPU branch:
     CUDA events of a profile, made here as the profiler makes them)."""
     from torch.autograd import DeviceType
@@ -296,6 +296,14 @@ def test_the_profile_range_and_the_gpus_idle_share():
     for bad in ("0-3", "5-2", "a", "1-2-3", True):
         with pytest.raises(Exception, match="trainer.profile"):
             parse_profile(bad)
+    # a range outside the run: one line before any data is prepared
+    code, _, err = run_main(
+        capsys, "train", "trainer.max_steps=3", "trainer.profile=2-5", f"runs_dir={tmp_path}"
+    )
+    assert code == 2 and err.strip().splitlines() == [
+        "error: trainer.profile=2-5 is outside the run: this invocation trains steps 1..3 "
+        "(trainer.max_steps=3)"
+    ]
 
     def event(device, start, end):
         return SimpleNamespace(device_type=device, time_range=SimpleNamespace(start=start, end=end))
