@@ -10,7 +10,7 @@ Examples:
   gptkit bench dpo                  (experiment=dpo-tiny, full and LoRA: held-out preference before and after)
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)
   gptkit bench optim                (AdamW vs Muon: one lr grid swept for each, the best of each on 3 seeds)
-Every benchmark prints the machine's load before and after it, and its wall and CPU seconds.
+Every benchmark ends with a line of its wall and CPU seconds and the machine's load before and after it.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def prepare_args(args: list[str]) -> list[str]:
 
 
 def run(cfg) -> int:
-    """The benchmark's own run(), between two lines on stderr: the load before it, and after it its wall and
-    CPU seconds and the load then (gptkit/bench/measure.py)."""
+    """The benchmark's own run(), then one line on stderr: its wall and CPU seconds, and the machine's load
+    before and after it (gptkit/bench/measure.py)."""
     from gptkit.errors import ConfigError
 
     what = cfg.bench.name
@@ -51,7 +51,7 @@ def run(cfg) -> int:
     from gptkit.bench.measure import Usage
 
     usage = Usage().start()
-    print(f"gptkit bench {what}: load {usage.load_start} (1, 5, 15 minutes)", file=sys.stderr, flush=True)
     code = int(mod.run(cfg.bench) or 0)
+    # one line at the end (a benchmark refused for bad input prints only its error)
     print(usage.stop().line(f"gptkit bench {what}"), file=sys.stderr, flush=True)
     return code
