@@ -11,6 +11,9 @@ FLOPs convention (one multiply-add = 2 FLOPs; matmuls only, as in Kaplan et al. 
     forward    = 2 * N_matmul + attention,  attention = 4 * n_layers * T * d_attn   (dense)
     training   = 3 * forward = 6 * N_matmul + 12 * n_layers * T * d_attn          (dense)
     causal     = the attention term halved (each query sees on average ~T/2 keys)
+    local      = a layer with a sliding window of W keys (model.layer_types) counts w = min(W, T) keys for T:
+                 4 * w * d_attn dense, 4 * (w - w^2 / 2T) * d_attn causal (the mean keys a query sees; T/2
+                 when w = T), so a 5:1 local:global model at T = 8W counts ~1/4 of the attention FLOPs
 
 MFU follows the published convention: `perf/mfu`, the logged FLOP/s and `count-params`' GPU-hours use
 the dense training count (6N + 12·L·T·d_attn per token, N with the LM head), as the PaLM paper
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gptkit import quant
 from gptkit.adapters import adapter_params
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
@@ -91,7 +95,7 @@ class ParamCounts:
     attn_v: int
     attn_o: int
     mlp: int
-    # the two per-layer norms (and the QK-norms, model.qk_norm), all layers
+    # the per-layer norms (two; four when sandwich) and the QK-norms (model.qk_norm), all layers
     norms: int
     final_norm: int
     # 0 when tied to tok_emb
@@ -155,7 +159,9 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     norm = d * per_dim
     qk_norm = {None: 0, "head": 2 * cfg.head_dim, "full": cfg.d_attn + cfg.d_kv}[cfg.qk_norm] * per_dim
     first = router + experts + shared if cfg.feed_forward(0) == "moe" else dense
-    per_layer = q + k + v + o + first + 2 * norm + qk_norm
+    # a block's norms: before attention and MLP (and, sandwich, after each too)
+    n_norms = 4 if cfg.norm_placement == "sandwich" else 2
+    per_layer = q + k + v + o + first + n_norms * norm + qk_norm
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
@@ -164,7 +170,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         attn_v=L * v,
         attn_o=L * o,
         mlp=mlp,
-        norms=L * (2 * norm + qk_norm),
+        norms=L * (n_norms * norm + qk_norm),
         final_norm=norm,
         lm_head=0 if cfg.tie_embeddings else d * cfg.vocab_size,
         per_layer=per_layer,
@@ -202,29 +208,52 @@ class Flops:
     train_causal: float
     # the attention-score part of forward_dense
     attention_forward_dense: float
+    # the attention-score part of forward_causal
+    attention_forward_causal: float = 0.0
+
+
+def attention_keys(cfg: ModelConfig, T: int) -> tuple[float, float]:
+    """(dense, causal): the keys a query attends to at context T, summed over the layers: T and T/2 for a
+    global layer; w = min(W, T) and w - w^2 / 2T (the mean over the T queries of a causal window) for a local
+    layer of window W."""
+    dense = causal = 0.0
+    for i in range(cfg.n_layers):
+        w = min(cfg.window(i) or T, T)
+        dense += w
+        causal += w - w * w / (2 * T)
+    return dense, causal
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
     T = seq_len or cfg.max_seq_len
     n = matmul_params(cfg)
-    # QK^T and AV, 2*T*d_attn FLOPs each per token per layer
-    attn = 4.0 * cfg.n_layers * T * cfg.d_attn
+    dense, causal = attention_keys(cfg, T)
+    # QK^T and AV, 2 * keys * d_attn FLOPs each per token per layer
+    attn, attn_causal = 4.0 * dense * cfg.d_attn, 4.0 * causal * cfg.d_attn
     fwd_dense = 2.0 * n + attn
-    fwd_causal = 2.0 * n + attn / 2
-    return Flops(n, T, fwd_dense, fwd_causal, 3 * fwd_dense, 3 * fwd_causal, attn)
+    fwd_causal = 2.0 * n + attn_causal
+    return Flops(n, T, fwd_dense, fwd_causal, 3 * fwd_dense, 3 * fwd_causal, attn, attn_causal)
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
-    """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim elements per token."""
+    """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim elements per token (a local layer's
+    rolling cache stops growing at its window: kv_cache_bytes)."""
     return 2 * cfg.n_layers * cfg.d_kv * DTYPE_BYTES[dtype]
+
+
+def kv_cache_bytes(cfg: ModelConfig, context: int, dtype: str = "bf16") -> int:
+    """K and V of one sequence of `context` tokens: a global layer holds every token, a local layer (its
+    rolling cache, gptkit/model/kv_cache.py) at most its window."""
+    tokens = sum(min(cfg.window(i) or context, context) for i in range(cfg.n_layers))
+    return 2 * tokens * cfg.d_kv * DTYPE_BYTES[dtype]
 
 
 def decode_bytes_per_step(cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16") -> int:
     """Bytes one decoding step must read: every weight but the embedding tables (a lookup reads only the
     batch's rows; a tied table is read whole, as the LM head), plus the K/V of `context` cached tokens per
-    sample. The HBM roofline of decoding is batch * bandwidth / this, in tokens/s. A mixture's routed experts
-    count as many as a step's batch is expected to pick under uniform routing (top_k / n_experts of them at
-    batch 1, nearly all at a large batch)."""
+    sample (a local layer's at most its window). The HBM roofline of decoding is batch * bandwidth / this,
+    in tokens/s. A mixture's routed experts count as many as a step's batch is expected to pick under
+    uniform routing (top_k / n_experts of them at batch 1, nearly all at a large batch)."""
     c = count_params(cfg)
     weights = c.total - c.pos_emb - (0 if cfg.tie_embeddings else c.tok_emb)
     if cfg.moe is not None:
@@ -232,7 +261,7 @@ def decode_bytes_per_step(cfg: ModelConfig, batch: int, context: int, dtype: str
         # 1 - (1 - top_k / n_experts)^batch (uniform routing)
         unread = (1 - cfg.moe.top_k / cfg.moe.n_experts) ** batch
         weights -= round(c.experts * unread)
-    return weights * DTYPE_BYTES[dtype] + batch * context * kv_cache_bytes_per_token(cfg, dtype)
+    return weights * DTYPE_BYTES[dtype] + batch * kv_cache_bytes(cfg, context, dtype)
 
 
 def memory_bandwidth(gpu_name: str) -> float | None:
@@ -370,3 +399,32 @@ def checkpoint_bytes(cfg: ModelConfig, precision_name: str = "32-true") -> float
     counts them, unsharded); the step counters and RNG state beside them are negligible."""
     p = precision(precision_name, "trainer.precision")
     return count_params(cfg).total * (p.weight_bytes + p.optimizer_bytes)
+
+
+def quantized_weights(
+    cfg: ModelConfig,
+    kind: str,
+    dtype: str = "bf16",
+    block_size: int = quant.NF4_BLOCK,
+    scaler: object = "auto",
+) -> dict[str, float]:
+    """Bytes of a model's weights with every block's linear projections quantized (`kind`: nf4, int8, int4;
+    gptkit.quant) and the rest (embeddings, norms, LM head, biases) in `dtype`: {"quantized": the
+    projections, "rest", "total", "bits": the projections' bits per value, "full": the same model all in
+    `dtype`}. nf4 with QLoRA's block and scaler block sizes (finetune=qlora's memory). Analytic."""
+    width = DTYPE_BYTES[dtype]
+    names = quant.quantized_names(cfg)
+    n_total = count_params(cfg).total
+    n_q = sum(out * n_in for out, n_in in names.values())
+    q_bytes = sum(
+        quant.bits_per_value(kind, out * n_in, out, width, block_size, scaler) * out * n_in / 8
+        for out, n_in in names.values()
+    )
+    rest = (n_total - n_q) * width
+    return {
+        "quantized": q_bytes,
+        "rest": rest,
+        "total": q_bytes + rest,
+        "bits": 8 * q_bytes / max(n_q, 1),
+        "full": n_total * width,
+    }

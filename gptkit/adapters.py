@@ -1,7 +1,7 @@
 """The LoRA adapter format: which weight each `lora.targets` name adapts, the adapters' tensor names and
-shapes, and merging them into the base weights. One place for these facts: training (gptkit.training.lora)
-builds the adapters, loading a run (gptkit.runs: sample, eval, chat, export) merges them, and the PEFT
-export (gptkit.hf) renames them.
+shapes, and merging them into the base weights. One place for these facts: training
+(gptkit.training.finetune.lora) builds the adapters, loading a run (gptkit.runs: sample, eval, chat,
+export) merges them, and the PEFT export (gptkit.hf) renames them.
 
     target   module inside blocks.<i>     rows of its weight            layer
     q, k, v  attn.qkv_proj                [0, d_attn), [d_attn, d_attn + d_kv), [d_attn + d_kv, end)
@@ -39,6 +39,8 @@ from typing import Any
 from gptkit.errors import ConfigError
 
 TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+# the model.mlp kinds with a gate projection
+GATED = ("swiglu", "geglu")
 MODULES = {
     "q": "attn.qkv_proj",
     "k": "attn.qkv_proj",
@@ -75,8 +77,9 @@ def is_adapter_key(name: str) -> bool:
 
 
 def model_targets(cfg: Any) -> tuple[str, ...]:
-    """The targets a model of config `cfg` (a ModelConfig) has: every one, except gate without SwiGLU."""
-    return tuple(t for t in TARGETS if t != "gate" or cfg.mlp == "swiglu")
+    """The targets a model of config `cfg` (a ModelConfig) has: every one, except gate without a gated MLP
+    (SwiGLU, GeGLU)."""
+    return tuple(t for t in TARGETS if t != "gate" or cfg.mlp in GATED)
 
 
 def is_expert_target(cfg: Any, layer: int, target: str) -> bool:
@@ -121,7 +124,7 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     if wrong:
         why = (
             " (a GPT-2-style model, mlp=gelu, has no gate projection)"
-            if "gate" in wrong and cfg.mlp != "swiglu"
+            if "gate" in wrong and cfg.mlp not in GATED
             else ""
         )
         verb = "matches" if len(wrong) == 1 else "match"

@@ -30,7 +30,7 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
-from gptkit import adapters
+from gptkit import adapters, quant
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
 from gptkit.fsio import (
@@ -434,7 +434,8 @@ def lora_base(checkpoint: dict[str, Any], where: Path | str) -> Path:
 def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     """The GPT state dict of a checkpoint (tensors memory-mapped), checked against model_cfg: the same
     names and shapes, else a one-line GptkitError. A LoRA run's checkpoint (adapters only) gives its base's
-    weights with the adapters merged in (gptkit.adapters.merge)."""
+    weights with the adapters merged in (gptkit.adapters.merge); a QLoRA run's, its base's block projections
+    through the NF4 round trip it trained on (gptkit.quant.nf4_round_trip), then merged."""
     import torch
 
     from gptkit.model import GPT
@@ -443,6 +444,12 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     if adapters.CHECKPOINT_KEY in checkpoint:
         record = checkpoint[adapters.CHECKPOINT_KEY]
         base = checked_model_state(lora_base(checkpoint, ckpt_path), model_cfg)
+        # finetune=qlora: the adapters trained on dequantize(NF4(W)), which is what they merge into
+        q = record.get("quantized")
+        if q is not None:
+            base = quant.nf4_round_trip(
+                base, model_cfg, int(q["block_size"]), q["scaler_block_size"], str(q["dtype"])
+            )
         state = model_state_dict(checkpoint)
         adapters.check_adapters(state, model_cfg, record, str(ckpt_path))
         return adapters.merge({**base, **state}, model_cfg, float(record["alpha"]) / int(record["rank"]))

@@ -130,7 +130,7 @@ VERBS: dict[str, Verb] = {
         "bench",
         "bench",
         "speed and memory benchmarks: gptkit bench "
-        "attention|data|dpo|evals|kernels|lora|optim|sample|serve|sft|train [key=value ...]",
+        "attention|data|dpo|evals|kernels|lora|optim|qlora|sample|serve|sft|train [key=value ...]",
         positional="bench",
     ),
 }

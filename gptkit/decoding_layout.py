@@ -9,7 +9,8 @@ out for the few rows per step that decoding feeds it.
     batch 2+, smaller weights / other dtypes  MKL on W^T            (_TransposedLinear)
 
 Only on CPU, and only while the matmul weights take less than DECODING_LAYOUT_MAX_BYTES (the copies cost
-one more set of them). CUDA decoding uses gptkit.static_decode instead.
+one more set of them); a quantized weight (quantize=: a torchao tensor) keeps its layer, which a copy would
+dequantize. CUDA decoding uses gptkit.static_decode instead.
 """
 
 from __future__ import annotations
@@ -97,10 +98,15 @@ def _decoding_copy(linear: torch.nn.Linear, batch: int) -> torch.nn.Module:
     return _TransposedLinear(linear)
 
 
+def _plain(module: torch.nn.Module) -> bool:
+    """A Linear layer whose weight is a plain tensor (not a torchao quantized one)."""
+    return type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
+
+
 @contextmanager
 def decoding_layout(model, batch: int = 1):
     """Swap every Linear layer of `model` for its decoding copy (module docstring) while the block runs."""
-    linears = [m for m in model.modules() if type(m) is torch.nn.Linear]
+    linears = [m for m in model.modules() if _plain(m)]
     linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     if model.lm_head.weight.device.type != "cpu" or linear_bytes > DECODING_LAYOUT_MAX_BYTES:
         yield
@@ -108,7 +114,7 @@ def decoding_layout(model, batch: int = 1):
     swapped = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is torch.nn.Linear:
+            if _plain(child):
                 swapped.append((parent, name, child))
                 setattr(parent, name, _decoding_copy(child, batch))
     try:

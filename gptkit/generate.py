@@ -328,7 +328,9 @@ class ChatSession:
             limit = min(len(self.cached), len(ids) - 1)
             while keep < limit and self.cached[keep] == ids[keep]:
                 keep += 1
-        self.cache.length, self.cached = keep, ids[:keep]
+        # a local layer's rolling cache may no longer hold what position `keep` needs: then 0, all fed again
+        keep = self.cache.rewind(keep)
+        self.cached = ids[:keep]
         device = self.cache.k[0].device
         t0 = time.perf_counter()
         new = torch.tensor([ids[keep:]], dtype=torch.long, device=device)  # [1, T_new]

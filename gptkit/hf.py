@@ -7,11 +7,16 @@
     qk_norm=full, norm_placement=post, no biases             -> Olmo2ForCausalLM (x + norm(f(x)))
     learned + gelu + layernorm + bias, MHA                   -> GPT2LMHeadModel (Conv1D weights are
                                                                 [in, out]: transposed)
+    Llama's fields, a sliding window in every layer          -> MistralForCausalLM
+    Qwen2's / Qwen3's fields, the last layers local           -> Qwen2/Qwen3 (use_sliding_window)
+    geglu + rmsnorm_unit_offset + sandwich + scaled embeddings:
+      no qk_norm (soft-caps, any layer_types)                 -> Gemma2ForCausalLM
+      qk_norm=head (rope_local_theta: local layers' RoPE)     -> Gemma3ForCausalLM (gemma3_text)
     model.moe (softmax router, no shared experts, no expert bias), no biases:
       no qk_norm, every layer MoE, top-k renormalized        -> MixtralForCausalLM
       qk_norm=head (moe.every, moe.first_dense: dense layers) -> Qwen3MoeForCausalLM
       qk_norm=full, norm_placement=pre, every layer MoE       -> OlmoeForCausalLM
-RoPE may carry model.rope_scaling (type llama3: Llama 3.1/3.2) on every RoPE architecture.
+RoPE may carry model.rope_scaling (llama3, linear, dynamic, yarn) on every RoPE architecture.
 
 An MoE layer's experts are our three [E, out, in] tensors (gptkit/model/moe.py) and, in transformers' files
 (the Hub's layout, which transformers 5 still writes), E tensors each: experts.<j>.w1/w3/w2 (Mixtral) or
@@ -40,13 +45,14 @@ import torch
 from gptkit import adapters
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
-from gptkit.model.config import ModelConfig
+from gptkit.model.config import ROPE_SCALING_KEYS, ROPE_SCALINGS, ModelConfig, check_rope_scaling
 
 # transformers (optional, the test extra), huggingface_hub and torch are imported where used: `gptkit import`
 # of a local folder needs no hub, and the mapping tables load without transformers.
 
 # transformers' model_type
 LLAMA, QWEN2, QWEN3, OLMO2, GPT2 = "llama", "qwen2", "qwen3", "olmo2", "gpt2"
+MISTRAL, GEMMA2, GEMMA3 = "mistral", "gemma2", "gemma3_text"
 MIXTRAL, QWEN3_MOE, OLMOE = "mixtral", "qwen3_moe", "olmoe"
 ARCHITECTURES = {
     LLAMA: "LlamaForCausalLM",
@@ -54,6 +60,9 @@ ARCHITECTURES = {
     QWEN3: "Qwen3ForCausalLM",
     OLMO2: "Olmo2ForCausalLM",
     GPT2: "GPT2LMHeadModel",
+    MISTRAL: "MistralForCausalLM",
+    GEMMA2: "Gemma2ForCausalLM",
+    GEMMA3: "Gemma3ForCausalLM",
     MIXTRAL: "MixtralForCausalLM",
     QWEN3_MOE: "Qwen3MoeForCausalLM",
     OLMOE: "OlmoeForCausalLM",
@@ -64,14 +73,36 @@ CONFIG_CLASSES = {
     QWEN3: "Qwen3Config",
     OLMO2: "Olmo2Config",
     GPT2: "GPT2Config",
+    MISTRAL: "MistralConfig",
+    GEMMA2: "Gemma2Config",
+    GEMMA3: "Gemma3TextConfig",
     MIXTRAL: "MixtralConfig",
     QWEN3_MOE: "Qwen3MoeConfig",
     OLMOE: "OlmoeConfig",
 }
 # the mixtures of experts, by the qk_norm of their attention
 MOE_ARCHITECTURES = {None: MIXTRAL, "head": QWEN3_MOE, "full": OLMOE}
+# Gemma's decoder (GeGLU, (1 + w) RMSNorm, sandwich norms, scaled embeddings), by the qk_norm of its attention
+GEMMA_ARCHITECTURES = {None: GEMMA2, "head": GEMMA3}
 # the decoder layout of Llama, with their own twists
-ROPE_ARCHITECTURES = (LLAMA, QWEN2, QWEN3, OLMO2, *MOE_ARCHITECTURES.values())
+ROPE_ARCHITECTURES = (
+    LLAMA,
+    QWEN2,
+    QWEN3,
+    OLMO2,
+    MISTRAL,
+    *GEMMA_ARCHITECTURES.values(),
+    *MOE_ARCHITECTURES.values(),
+)
+# the architectures whose layers may attend to a sliding window, and their model.layer_types: Mistral's every
+# layer (sliding_window); Qwen2's and Qwen3's the layers from max_window_layers on; Gemma's any (layer_types)
+WINDOWED = (MISTRAL, QWEN2, QWEN3, GEMMA2, GEMMA3)
+# transformers' layer_types <-> model.layer_types
+LAYER_TYPES = {"sliding_attention": "local", "full_attention": "global"}
+# Gemma's activation, the tanh approximation of GELU (model.mlp=geglu)
+GEMMA_GELU = "gelu_pytorch_tanh"
+# the fields only Gemma's architectures carry, at the values every other architecture needs
+NOT_GEMMA = {"scale_embeddings": False, "attn_softcap": None, "logit_softcap": None, "rope_local_theta": None}
 # both are the tanh approximation gptkit uses
 GPT2_GELUS = ("gelu_new", "gelu_pytorch_tanh")
 # What each RoPE architecture fixes beyond rope + swiglu + rmsnorm (the keys of ModelConfig)
@@ -82,6 +113,26 @@ ROPE_VARIANTS: dict[str, dict[str, Any]] = {
     MIXTRAL: {"bias": False, "qkv_bias": False, "qk_norm": None, "norm_placement": "pre"},
     QWEN3_MOE: {"bias": False, "qkv_bias": False, "qk_norm": "head", "norm_placement": "pre"},
     OLMOE: {"bias": False, "qkv_bias": False, "qk_norm": "full", "norm_placement": "pre"},
+    MISTRAL: {"bias": False, "qkv_bias": False, "qk_norm": None, "norm_placement": "pre"},
+    GEMMA2: {
+        "mlp": "geglu",
+        "norm": "rmsnorm_unit_offset",
+        "norm_placement": "sandwich",
+        "scale_embeddings": True,
+        "bias": False,
+        "qkv_bias": False,
+        "qk_norm": None,
+        "rope_local_theta": None,
+    },
+    GEMMA3: {
+        "mlp": "geglu",
+        "norm": "rmsnorm_unit_offset",
+        "norm_placement": "sandwich",
+        "scale_embeddings": True,
+        "bias": False,
+        "qkv_bias": False,
+        "qk_norm": "head",
+    },
 }
 # What the MoE architectures fix of model.moe (the keys of MoEConfig); the losses and impl are training's
 MOE_VARIANTS: dict[str, dict[str, Any]] = {
@@ -98,11 +149,21 @@ def architecture(cfg: ModelConfig) -> str:
     map."""
     if cfg.moe is not None:
         return _moe_architecture(cfg)
-    if cfg.position == "rope":
-        need: dict[str, Any] = {"mlp": "swiglu", "norm": "rmsnorm"}
-        target = "the transformers architectures for RoPE models (Llama, Qwen2, Qwen3, OLMo-2)"
+    gemma = {"mlp": "geglu", "norm": "rmsnorm_unit_offset", "norm_placement": "sandwich"}
+    if cfg.position == "rope" and (
+        any(getattr(cfg, k) == v for k, v in gemma.items()) or cfg.scale_embeddings
+    ):
+        arch = GEMMA_ARCHITECTURES.get(cfg.qk_norm, GEMMA3)
+        need: dict[str, Any] = dict(ROPE_VARIANTS[arch])
+        target = f"{ARCHITECTURES[arch]} (the transformers architecture for Gemma with qk_norm={cfg.qk_norm})"
+    elif cfg.position == "rope":
+        need = {"mlp": "swiglu", "norm": "rmsnorm", **NOT_GEMMA}
+        target = "the transformers architectures for RoPE models (Llama, Mistral, Qwen2, Qwen3, OLMo-2)"
         arch = LLAMA
-        if cfg.qk_norm is not None or cfg.norm_placement != "pre" or cfg.qkv_bias != cfg.bias:
+        if cfg.local_layers:
+            arch, target = _windowed_architecture(cfg)
+            need |= ROPE_VARIANTS[arch]
+        elif cfg.qk_norm is not None or cfg.norm_placement != "pre" or cfg.qkv_bias != cfg.bias:
             arch = {None: QWEN2, "head": QWEN3, "full": OLMO2}[cfg.qk_norm]
             need |= ROPE_VARIANTS[arch]
             target = f"{ARCHITECTURES[arch]} (the transformers architecture for qk_norm={cfg.qk_norm})"
@@ -118,9 +179,14 @@ def architecture(cfg: ModelConfig) -> str:
             "norm_placement": "pre",
             "n_kv_heads": cfg.n_heads,
             "head_dim": cfg.d_model // cfg.n_heads,
+            **NOT_GEMMA,
         }
         target = "GPT-2 (the transformers architecture for learned-position models)"
         arch = GPT2
+    if arch not in GEMMA_ARCHITECTURES.values() and cfg.query_pre_attn_scalar not in (None, cfg.head_dim):
+        need["query_pre_attn_scalar"] = cfg.head_dim
+    if arch not in WINDOWED and cfg.local_layers:
+        need["sliding_window"] = None
     for name, want in need.items():
         have = getattr(cfg, name)
         if have != want:
@@ -132,11 +198,38 @@ def architecture(cfg: ModelConfig) -> str:
     return arch
 
 
+def _windowed_architecture(cfg: ModelConfig) -> tuple[str, str]:
+    """(model_type, what it is) of a Llama-style config with local layers: Mistral when every layer is local,
+    Qwen2 (q/k/v biases) or Qwen3 (qk_norm=head) when the local layers are the last ones (their
+    max_window_layers); GptkitError otherwise."""
+    local = cfg.local_layers
+    if cfg.qkv_bias and not cfg.bias or cfg.qk_norm == "head":
+        arch = QWEN3 if cfg.qk_norm == "head" else QWEN2
+        if local != list(range(local[0], cfg.n_layers)):
+            raise GptkitError(
+                f"model.layer_types={cfg.layer_types} has no faithful transformers architecture: "
+                f"{ARCHITECTURES[arch]} slides its window in the layers from max_window_layers on only "
+                f"(the last ones); refusing rather than produce a different model"
+            )
+        return arch, f"{ARCHITECTURES[arch]} (q/k/v biases or qk_norm=head, with local layers)"
+    if len(local) != cfg.n_layers:
+        raise GptkitError(
+            f"model.layer_types={cfg.layer_types} with qk_norm={cfg.qk_norm} has no faithful transformers "
+            f"architecture: MistralForCausalLM (the Llama layout with a window) slides it in every layer; "
+            f"refusing rather than produce a different model"
+        )
+    return MISTRAL, "MistralForCausalLM (the Llama layout with a sliding window in every layer)"
+
+
 def _moe_architecture(cfg: ModelConfig) -> str:
     """Mixtral, Qwen3-MoE or OLMoE for a config with model.moe, by its attention's qk_norm."""
     arch = MOE_ARCHITECTURES.get(cfg.qk_norm)
     target = f"{ARCHITECTURES[arch]} (the transformers mixture of experts for qk_norm={cfg.qk_norm})"
-    need = {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm"} | ROPE_VARIANTS[arch]
+    need = {"position": "rope", "mlp": "swiglu", "norm": "rmsnorm", **NOT_GEMMA} | ROPE_VARIANTS[arch]
+    if cfg.local_layers:
+        need["sliding_window"] = None
+    if cfg.query_pre_attn_scalar not in (None, cfg.head_dim):
+        need["query_pre_attn_scalar"] = cfg.head_dim
     for name, want in need.items():
         have = getattr(cfg, name)
         if have != want:
@@ -159,18 +252,66 @@ def _moe_architecture(cfg: ModelConfig) -> str:
 
 # ---- config ------------------------------------------------------------------------------------
 def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    """transformers' rope_parameters (5.x) for cfg's RoPE: default, or llama3 with its four numbers."""
+    """transformers' rope_parameters (5.x) for cfg's (global layers') RoPE: default, or its scaling's
+    rope_type with its numbers (a yarn scaling's optional ones only when set)."""
     s = cfg.rope_scaling
     if s is None:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    return {
-        "rope_type": s["type"],
-        "rope_theta": cfg.rope_theta,
-        "factor": s["factor"],
-        "low_freq_factor": s["low_freq_factor"],
-        "high_freq_factor": s["high_freq_factor"],
-        "original_max_position_embeddings": s["original_max_seq_len"],
-    }
+    d: dict[str, Any] = {"rope_type": s["type"], "rope_theta": cfg.rope_theta, "factor": s["factor"]}
+    if s["type"] == "llama3":
+        d |= {"low_freq_factor": s["low_freq_factor"], "high_freq_factor": s["high_freq_factor"]}
+    # dynamic: transformers' original context is max_position_embeddings (hf_config writes it there)
+    if s["type"] in ("llama3", "yarn"):
+        d["original_max_position_embeddings"] = s["original_max_seq_len"]
+    if s["type"] == "yarn":
+        d |= {"beta_fast": s["beta_fast"], "beta_slow": s["beta_slow"]}
+        d |= {k: s[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if s[k] is not None}
+        if not s["truncate"]:
+            d["truncate"] = False
+    return d
+
+
+def rope_scaling_from_hf(rope: dict[str, Any], d: dict[str, Any], refuse) -> dict[str, Any] | None:
+    """model.rope_scaling of transformers' rope parameters (rope_parameters, or the older rope_scaling) of
+    config.json `d`; `refuse(field, value, want)` makes the GptkitError for what gptkit cannot represent."""
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type not in ROPE_SCALINGS:
+        raise refuse("rope_type", rope_type, f"plain RoPE or rope_type {', '.join(ROPE_SCALINGS)}")
+    mpe = d.get("max_position_embeddings")
+    original = rope.get("original_max_position_embeddings") or (mpe if rope_type != "llama3" else None)
+    factor = rope.get("factor")
+    # YaRN without a factor: the ratio of the two contexts (transformers' rule)
+    if rope_type == "yarn" and factor is None and isinstance(original, int) and isinstance(mpe, int):
+        factor = mpe / original
+    scaling: dict[str, Any] = {"type": rope_type, "factor": factor}
+    if rope_type == "llama3":
+        scaling |= {k: rope.get(k) for k in ("low_freq_factor", "high_freq_factor")}
+    if rope_type != "linear":
+        # dynamic: transformers scales past max_position_embeddings
+        scaling["original_max_seq_len"] = mpe if rope_type == "dynamic" else original
+    if rope_type == "yarn":
+        scaling |= {
+            "beta_fast": rope.get("beta_fast") or 32.0,
+            "beta_slow": rope.get("beta_slow") or 1.0,
+            "attention_factor": rope.get("attention_factor"),
+            "mscale": rope.get("mscale"),
+            "mscale_all_dim": rope.get("mscale_all_dim"),
+            "truncate": bool(rope.get("truncate", True)),
+        }
+    absent = [k for k, v in scaling.items() if v is None and k in ROPE_SCALING_KEYS[rope_type][0]]
+    if absent:
+        raise refuse("rope_scaling", rope, f"rope_type {rope_type} needs {', '.join(absent)}")
+    try:
+        return check_rope_scaling(scaling, "rope")
+    except GptkitError as exc:
+        raise refuse("rope_scaling", rope, str(exc)) from None
+
+
+def hf_layer_types(cfg: ModelConfig) -> list[str]:
+    """transformers' layer_types of cfg: sliding_attention for a local layer, full_attention for a global."""
+    return ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)]
 
 
 def hf_config(
@@ -196,6 +337,7 @@ def hf_config(
     }
     if arch in ROPE_ARCHITECTURES:
         rope = rope_parameters(cfg)
+        s = cfg.rope_scaling
         d = common | {
             "hidden_size": cfg.d_model,
             "intermediate_size": cfg.d_ff,
@@ -203,7 +345,10 @@ def hf_config(
             "num_attention_heads": cfg.n_heads,
             "num_key_value_heads": cfg.n_kv_heads,
             "head_dim": cfg.head_dim,
-            "max_position_embeddings": cfg.max_seq_len,
+            # dynamic NTK scales past transformers' max_position_embeddings: its original context
+            "max_position_embeddings": s["original_max_seq_len"]
+            if s and s["type"] == "dynamic"
+            else cfg.max_seq_len,
             "rms_norm_eps": cfg.norm_eps,
             "hidden_act": "silu",
             "attention_dropout": cfg.dropout,
@@ -216,10 +361,21 @@ def hf_config(
             d["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
         if arch == LLAMA:
             d |= {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
-        elif arch in (QWEN3, OLMO2, QWEN3_MOE, OLMOE):
+        elif arch in (QWEN3, OLMO2, QWEN3_MOE, OLMOE, MISTRAL):
             d |= {"attention_bias": False}
         if arch in (QWEN2, QWEN3, QWEN3_MOE):
             d |= {"use_sliding_window": False, "sliding_window": None}
+        if arch in (QWEN2, QWEN3) and cfg.local_layers:
+            d |= {
+                "use_sliding_window": True,
+                "sliding_window": cfg.sliding_window,
+                "max_window_layers": cfg.local_layers[0],
+                "layer_types": hf_layer_types(cfg),
+            }
+        if arch == MISTRAL:
+            d["sliding_window"] = cfg.sliding_window if cfg.local_layers else None
+        if arch in GEMMA_ARCHITECTURES.values():
+            d |= gemma_hf_config(cfg, arch)
         if cfg.moe is not None:
             d |= moe_hf_config(cfg, arch)
         return d
@@ -238,6 +394,39 @@ def hf_config(
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
     }
+
+
+def _int_if_whole(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else x
+
+
+def gemma_hf_config(cfg: ModelConfig, arch: str) -> dict[str, Any]:
+    """The config.json keys of Gemma 2 (Gemma2ForCausalLM) or Gemma 3's text model (Gemma3ForCausalLM) that
+    differ from Llama's: the activation, the attention scale and soft-caps, the layer types and (Gemma 3) the
+    RoPE of each layer type."""
+    d: dict[str, Any] = {
+        "hidden_activation": GEMMA_GELU,
+        "attention_bias": False,
+        # an integer in transformers' configs
+        "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
+        "attn_logit_softcapping": cfg.attn_softcap,
+        "final_logit_softcapping": cfg.logit_softcap,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": hf_layer_types(cfg),
+    }
+    # its own key, hidden_activation, is the one read
+    d["hidden_act"] = GEMMA_GELU
+    if arch == GEMMA3:
+        full = rope_parameters(cfg)
+        local = (
+            full
+            if cfg.rope_local_theta is None
+            else {"rope_type": "default", "rope_theta": cfg.rope_local_theta}
+        )
+        d |= {"rope_parameters": {"full_attention": full, "sliding_attention": local}}
+        # transformers < 5 reads rope_theta, rope_scaling (the global layers') and this
+        d["rope_local_base_freq"] = local["rope_theta"]
+    return d
 
 
 def moe_hf_config(cfg: ModelConfig, arch: str) -> dict[str, Any]:
@@ -322,39 +511,44 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
     mtype = d.get("model_type")
     if mtype not in ARCHITECTURES:
         arch = ", ".join(d.get("architectures") or []) or "no architectures field"
+        # Gemma 3 4B and up: a vision tower beside the text model
+        hint = " (the multimodal Gemma 3: gptkit imports its text-only model_type gemma3_text)" * (
+            mtype == "gemma3"
+        )
         raise GptkitError(
-            f"model_type={mtype!r} ({arch}) is not supported; gptkit imports Llama, Qwen2, "
-            f"Qwen3, OLMo-2, GPT-2, Mixtral, Qwen3-MoE and OLMoE models (model_type "
-            f"{', '.join(ARCHITECTURES)})"
+            f"model_type={mtype!r} ({arch}) is not supported{hint}; gptkit imports Llama, Qwen2, "
+            f"Qwen3, OLMo-2, Mistral, Gemma 2, Gemma 3 (text), GPT-2, Mixtral, Qwen3-MoE and OLMoE models "
+            f"(model_type {', '.join(ARCHITECTURES)})"
         )
 
     def refuse(field: str, value: Any, want: str) -> GptkitError:
         return GptkitError(f"{mtype} config has {field}={value!r}, which gptkit cannot represent ({want})")
 
     if mtype in ROPE_ARCHITECTURES:
-        if d.get("hidden_act", "silu") != "silu":
+        gemma = mtype in GEMMA_ARCHITECTURES.values()
+        if gemma:
+            act = d.get("hidden_activation") or d.get("hidden_act") or GEMMA_GELU
+            if act != GEMMA_GELU:
+                raise refuse("hidden_activation", act, f"the MLPs are GeGLU with tanh GELU: {GEMMA_GELU}")
+            if d.get("use_bidirectional_attention"):
+                raise refuse("use_bidirectional_attention", True, "causal attention")
+        elif d.get("hidden_act", "silu") != "silu":
             raise refuse("hidden_act", d["hidden_act"], "the MLPs are SwiGLU in gptkit: hidden_act=silu")
-        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        scaling = None
-        if rope_type == "llama3":
-            keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-            absent = [k for k in keys if not isinstance(rope.get(k), (int, float))]
-            if absent:
-                raise refuse("rope_scaling", rope, f"rope_type llama3 needs {', '.join(absent)}")
-            scaling = {
-                "type": "llama3",
-                "factor": rope["factor"],
-                "low_freq_factor": rope["low_freq_factor"],
-                "high_freq_factor": rope["high_freq_factor"],
-                "original_max_seq_len": rope["original_max_position_embeddings"],
-            }
-        elif rope_type != "default":
-            raise refuse("rope_type", rope_type, "plain RoPE or rope_type llama3")
+        rope, local_rope = hf_rope(d, mtype)
+        scaling = rope_scaling_from_hf(rope, d, refuse)
+        theta = float(rope.get("rope_theta", d.get("rope_theta", GEMMA_THETA.get(mtype, 10000.0))))
+        local_theta = None
+        if local_rope is not None and (
+            rope_scaling_from_hf(local_rope, d, refuse) != scaling
+            or local_rope.get("rope_theta", theta) != theta
+        ):
+            if local_rope.get("rope_type", local_rope.get("type", "default")) != "default":
+                raise refuse(
+                    "rope_parameters.sliding_attention", local_rope, "plain RoPE in the local layers"
+                )
+            local_theta = float(local_rope.get("rope_theta", 10000.0))
         if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
             raise refuse("partial_rotary_factor", d["partial_rotary_factor"], "RoPE over the whole head")
-        if d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()):
-            raise refuse("use_sliding_window", True, "full attention in every layer")
         attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
         if mtype == LLAMA:
             if attn_bias != mlp_bias:
@@ -384,6 +578,16 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
                 f"{mtype} config.json has no {missing[0]} (an integer), which gptkit does not "
                 f"guess; add it to config.json"
             )
+        window, layer_types = windows_from_hf(d, mtype, refuse)
+        if gemma:
+            variant |= {
+                "rope_local_theta": local_theta,
+                "query_pre_attn_scalar": float(d.get("query_pre_attn_scalar", 256)),
+                "attn_softcap": d.get("attn_logit_softcapping", 50.0 if mtype == GEMMA2 else None),
+                "logit_softcap": d.get("final_logit_softcapping", 30.0 if mtype == GEMMA2 else None),
+            }
+        elif local_theta is not None:
+            raise refuse("rope_parameters.sliding_attention", local_rope, "one RoPE for every layer")
         n_heads = d["num_attention_heads"]
         moe, d_ff = moe_from_hf(d, mtype) if mtype in MOE_ARCHITECTURES.values() else (None, None)
         return ModelConfig(
@@ -396,13 +600,14 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             d_ff=d_ff or d["intermediate_size"],
             head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
             position="rope",
-            rope_theta=float(rope.get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_theta=theta,
             rope_scaling=scaling,
-            mlp="swiglu",
-            norm="rmsnorm",
+            sliding_window=window,
+            layer_types=layer_types,
+            **({} if gemma else {"mlp": "swiglu", "norm": "rmsnorm"}),
             norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-            dropout=float(d.get("attention_dropout", 0.0)),
+            tie_embeddings=bool(d.get("tie_word_embeddings", gemma)),
+            dropout=float(d.get("attention_dropout") or 0.0),
             init_std=float(d.get("initializer_range", 0.02)),
             moe=moe,
             name=name,
@@ -440,6 +645,55 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
     )
 
 
+# transformers' default rope_theta of the architectures whose default is not 10000 (Gemma 3's global layers)
+GEMMA_THETA = {GEMMA3: 1_000_000.0}
+
+
+def hf_rope(d: dict[str, Any], mtype: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """(the global layers' rope parameters, the local layers' or None when they share them) of config.json
+    `d`: transformers 5's rope_parameters (Gemma 3: one per layer type), or the older rope_theta, rope_scaling
+    (and Gemma 3's rope_local_base_freq)."""
+    rope = d.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        return rope.get("full_attention") or {}, rope.get("sliding_attention")
+    rope = rope or d.get("rope_scaling") or {}
+    if mtype == GEMMA3:
+        return rope, {"rope_type": "default", "rope_theta": d.get("rope_local_base_freq", 10000.0)}
+    return rope, None
+
+
+def windows_from_hf(d: dict[str, Any], mtype: str, refuse) -> tuple[int | None, list[str] | None]:
+    """(model.sliding_window, model.layer_types) of config.json `d`: Mistral's window in every layer, Qwen2's
+    and Qwen3's from max_window_layers on (use_sliding_window), Gemma's layer_types (or its older
+    sliding_window_pattern); (None, None) without a window, or when it spans the whole context."""
+    n = d["num_hidden_layers"]
+    window = d.get("sliding_window")
+    raw = d.get("layer_types")
+    if mtype == MISTRAL:
+        raw = None if window is None else ["sliding_attention"] * n
+    elif mtype in (QWEN2, QWEN3):
+        if not d.get("use_sliding_window"):
+            window = None
+        if raw is None:
+            first = d.get("max_window_layers", n)
+            raw = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+    elif mtype in GEMMA_ARCHITECTURES.values():
+        if raw is None:
+            every = d.get("sliding_window_pattern", 6 if mtype == GEMMA3 else 2)
+            raw = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+    elif d.get("use_sliding_window") or "sliding_attention" in (raw or ()):
+        raise refuse("use_sliding_window", True, "full attention in every layer")
+    if window is None or raw is None:
+        return None, None
+    unknown = sorted({t for t in raw if t not in LAYER_TYPES})
+    if unknown or len(raw) != n:
+        raise refuse("layer_types", raw, f"{n} of {' or '.join(LAYER_TYPES)}")
+    types = [LAYER_TYPES[t] for t in raw]
+    if "local" not in types or window >= d["max_position_embeddings"]:
+        return None, None
+    return window, None if all(t == "local" for t in types) else types
+
+
 def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
     """What the weights' shapes confirm about the attention heads of a config.json, and what rests on
     config.json alone: a wrong head count with the same tensor shapes loads, and computes another model."""
@@ -462,6 +716,13 @@ def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
 
 
 # ---- weights -----------------------------------------------------------------------------------
+# Gemma's four norms of a layer, in the order of ours: attn_norm, mlp_norm, attn_post_norm, mlp_post_norm
+GEMMA_NORMS = (
+    "input_layernorm",
+    "pre_feedforward_layernorm",
+    "post_attention_layernorm",
+    "post_feedforward_layernorm",
+)
 # how one of our tensors becomes theirs
 COPY, TRANSPOSE, SPLIT, STACK = "copy", "transpose", "split", "stack"
 # an expert's three weights in the files: Mixtral's w1, w3, w2; the others' gate_proj, up_proj, down_proj
@@ -486,12 +747,13 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
     rows: list[tuple[str, str | tuple[str, ...], str]] = []
     arch = architecture(cfg)
     if arch in ROPE_ARCHITECTURES:
-        # OLMo-2 normalizes each branch's output: its two norms are named after what they follow
-        norms = (
-            ("post_attention_layernorm", "post_feedforward_layernorm")
-            if arch == OLMO2
-            else ("input_layernorm", "post_attention_layernorm")
-        )
+        # OLMo-2 normalizes each branch's output: its two norms are named after what they follow; Gemma has
+        # both (attn_norm, mlp_norm, attn_post_norm, mlp_post_norm)
+        norms = {
+            OLMO2: ("post_attention_layernorm", "post_feedforward_layernorm"),
+            GEMMA2: GEMMA_NORMS,
+            GEMMA3: GEMMA_NORMS,
+        }.get(arch, ("input_layernorm", "post_attention_layernorm"))
         rows.append(("tok_emb.weight", "model.embed_tokens.weight", COPY))
         for i in range(cfg.n_layers):
             g, h = f"blocks.{i}.", f"model.layers.{i}."
@@ -525,8 +787,8 @@ def name_map(cfg: ModelConfig) -> list[tuple[str, str | tuple[str, ...], str]]:
                 rows += [
                     (g + f"attn.{n}.weight", h + f"self_attn.{n}.weight", COPY) for n in ("q_norm", "k_norm")
                 ]
-            rows.append((g + "attn_norm.weight", h + f"{norms[0]}.weight", COPY))
-            rows.append((g + "mlp_norm.weight", h + f"{norms[1]}.weight", COPY))
+            for ours, theirs in zip(("attn_norm", "mlp_norm", "attn_post_norm", "mlp_post_norm"), norms):
+                rows.append((g + f"{ours}.weight", h + f"{theirs}.weight", COPY))
         rows.append(("final_norm.weight", "model.norm.weight", COPY))
     else:
         t = "transformer."

@@ -418,10 +418,15 @@ def load_tokenizer(run_dir: Path):
 
 
 def load_run(
-    path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None
+    path: Path | str,
+    device: str = "cpu",
+    dtype: str | None = None,
+    attention: str | None = None,
+    quantize: str | None = None,
 ) -> Run:
-    """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to)."""
-    run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention)
+    """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to); quantize:
+    see load_model."""
+    run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention, quantize)
     tokenizer = load_tokenizer(run_dir)
     check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
     return Run(run_dir, ckpt_path, cfg, model_cfg, model, tokenizer)
@@ -437,9 +442,19 @@ def check_tokenizer_fits(run_dir: Path, tokenizer_size: int, vocab_size: int) ->
         )
 
 
-def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, attention: str | None = None):
+def load_model(
+    path: Path | str,
+    device: str = "cpu",
+    dtype: str | None = None,
+    attention: str | None = None,
+    quantize: str | None = None,
+):
     """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval
-    mode. The checkpoint's tensors are memory-mapped and copied once, into the model on `device`."""
+    mode. The checkpoint's tensors are memory-mapped and copied once, into the model on `device`.
+    quantize: int8 | int4 | nf4, the block projections' weights quantized through torchao after the cast to
+    `dtype` (gptkit.quant); what torchao cannot run on this model, device or dtype is one line before any
+    weight is read."""
+    from gptkit import quant
     from gptkit.model import GPT, ModelConfig
 
     path = resolve_latest(path)
@@ -456,9 +471,13 @@ def load_model(path: Path | str, device: str = "cpu", dtype: str | None = None, 
         model_cfg = ModelConfig.from_dict(mdict)
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{run_dir / CONFIG_FILE}: {exc}") from None
+    if quantize is not None:
+        quant.check_quantize(quantize, model_cfg, str(device), str(dtype or "fp32"))
     model = GPT.from_state(model_cfg, checked_model_state(ckpt_path, model_cfg), device)
     if dtype:
         model = model.to(dtype=torch_dtype(dtype))
+    if quantize is not None:
+        quant.quantize_model(model, quantize)
     return run_dir, ckpt_path, cfg, model_cfg, model
 
 
@@ -500,8 +519,14 @@ def resolve_device(device: str) -> str:
 
 
 def load_for_inference(
-    path: Path | str, device: str = "auto", dtype: str = "fp32", attention: str | None = None
+    path: Path | str,
+    device: str = "auto",
+    dtype: str = "fp32",
+    attention: str | None = None,
+    quantize: str | None = None,
 ) -> Run:
-    """load_run for sample/eval/attention, with device `auto` allowed (RotaryEmbedding keeps its
-    cos/sin tables in fp32 whatever dtype the model is cast to)."""
-    return load_run(path, resolve_device(device), str(dtype), attention)
+    """load_run for sample/eval/chat/attention (and serve), with device `auto` allowed (RotaryEmbedding keeps
+    its cos/sin tables in fp32 whatever dtype the model is cast to). quantize: None (the run's weights) or
+    int8 | int4 | nf4, weight-only through torchao on the block projections (gptkit.quant; docs/qlora.md):
+    a model, device or dtype torchao cannot run is one line before the weights load."""
+    return load_run(path, resolve_device(device), str(dtype), attention, quantize)

@@ -1,11 +1,21 @@
-"""FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking.
+"""FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking, sliding windows,
+soft-capping.
 
-    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, impl=None) -> out
+    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, window=None, softcap=None, impl=None)
     q:   [B, H,    T, D]
     k/v: [B, H_kv, T, D]     H_kv divides H; query head h reads K/V head h // (H // H_kv)
     doc_bounds: None, or (start, end), int32 [B, T] each: token t of row b belongs to the document
                 [start[b, t], end[b, t]); attention never crosses a document boundary
+    window: None, or W (causal only): query i sees only the keys j > i - W, its last W positions
+    softcap: None, or c: the scores s become c * tanh(s / c) before the softmax (Gemma 2); the backward
+             multiplies dS by 1 - tanh^2, recomputed with the probabilities
     out: [B, H, T, D]        differentiable with respect to q, k and v
+
+A window is a document bound per token (window_bounds): with causal attention, query i sees key j iff
+start[i] <= j <= i, and key j is seen by the queries j <= i < end[j]; a window W makes start[i] at least
+i - W + 1 and end[j] at most j + W. Both stay non-decreasing in t, which is all the tile ranges below need:
+the tiles wholly outside a window are skipped exactly as those outside a document, in the forward and in
+both backward kernels, so the cost of a windowed layer grows with T * W, not T^2 (forward_tiles counts it).
 
 Forward (one program per tile of BLOCK_M queries of one head): the query tile stays on-chip
 while K/V tiles stream past it; an online softmax keeps a fp32 running max `m` and sum `l`
@@ -140,6 +150,12 @@ def _descriptor(X, B, H, T, sb, sh, st, HEAD_DIM: tl.constexpr, BLOCK_R: tl.cons
 
 
 @triton.jit
+def _tanh(x):
+    """tanh from exp (every backend and the interpreter have it): 1 - 2 / (e^2x + 1), exact at +-inf."""
+    return 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+
+
+@triton.jit
 def _keep(rows, cols, ds_rows, de_rows, T, CAUSAL: tl.constexpr, DOC: tl.constexpr):
     """[len(rows), len(cols)] True where query `rows` may see key `cols` (keys past T never)."""
     keep = cols[None, :] < T
@@ -204,6 +220,7 @@ def _fwd_step(
     offs_d,
     T,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -212,12 +229,15 @@ def _fwd_step(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold the key tile at start_n into the running (acc, l_i, m_i) of one query tile."""
     k = _load_rows(
         k_src, k_src, skt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
     )  # [BLOCK_N, BLOCK_D]
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+    # log2 units; soft-capped: softcap * tanh(scale * qk / softcap) (cap = scale / softcap)
+    qk = _tanh(qk * cap) * (qk_scale / cap) if SOFTCAP else qk * qk_scale
     if MASKED:
         qk = tl.where(_keep(rows, start_n + offs_n, ds_rows, de_rows, T, CAUSAL, DOC), qk, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(qk, 1))  # [BLOCK_M]
@@ -258,6 +278,7 @@ def _fwd_inner(
     lo,
     hi,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -267,6 +288,7 @@ def _fwd_inner(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Fold the key tiles [lo, hi) into the running (acc, l_i, m_i) of one query tile."""
     if WARP_SPECIALIZE:
@@ -291,6 +313,7 @@ def _fwd_inner(
                 offs_d,
                 T,
                 qk_scale,
+                cap,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_N,
@@ -299,6 +322,7 @@ def _fwd_inner(
                 MASKED,
                 USE_TMA,
                 PRECISION,
+                SOFTCAP,
             )
     else:
         for start_n in range(lo, hi, BLOCK_N):
@@ -322,6 +346,7 @@ def _fwd_inner(
                 offs_d,
                 T,
                 qk_scale,
+                cap,
                 HEAD_DIM,
                 BLOCK_D,
                 BLOCK_N,
@@ -330,6 +355,7 @@ def _fwd_inner(
                 MASKED,
                 USE_TMA,
                 PRECISION,
+                SOFTCAP,
             )
     return acc, l_i, m_i
 
@@ -359,6 +385,7 @@ def _fwd_kernel(
     H,
     T,
     qk_scale,
+    cap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -369,6 +396,7 @@ def _fwd_kernel(
     USE_TMA: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     # the longest rows first: better balance across the GPU
@@ -450,6 +478,7 @@ def _fwd_kernel(
             lo,
             mid_lo,
             qk_scale,
+            cap,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_N,
@@ -459,6 +488,7 @@ def _fwd_kernel(
             USE_TMA,
             False,
             PRECISION,
+            SOFTCAP,
         )
     acc, l_i, m_i = _fwd_inner(
         acc,
@@ -480,6 +510,7 @@ def _fwd_kernel(
         mid_lo,
         mid_hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -489,6 +520,7 @@ def _fwd_kernel(
         USE_TMA,
         WARP_SPECIALIZE,
         PRECISION,
+        SOFTCAP,
     )
     acc, l_i, m_i = _fwd_inner(
         acc,
@@ -510,6 +542,7 @@ def _fwd_kernel(
         mid_hi,
         hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -519,6 +552,7 @@ def _fwd_kernel(
         USE_TMA,
         False,
         PRECISION,
+        SOFTCAP,
     )
 
     out = acc / l_i[:, None]  # [BLOCK_M, BLOCK_D]
@@ -601,6 +635,7 @@ def _dkdv_tile(
     offs_m,
     offs_d,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -609,6 +644,7 @@ def _dkdv_tile(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Add one query tile (of query head h, whose LSE/DELTA rows start at LSE/DELTA) to a tile of dK, dV."""
     rows = start_m + offs_m  # [BLOCK_M] query positions
@@ -625,7 +661,14 @@ def _dkdv_tile(
     else:
         lse = tl.load(LSE + rows)
         delta = tl.load(DELTA + rows)
-    qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION) * qk_scale  # [BLOCK_N, BLOCK_M], log2 units
+    qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M]
+    if SOFTCAP:
+        # the cap's tanh, kept for its derivative 1 - tanh^2
+        cap_t = _tanh(qk_t * cap)
+        qk_t = cap_t * (qk_scale / cap)
+    # log2 units
+    else:
+        qk_t = qk_t * qk_scale
     p_t = tl.exp2(qk_t - lse[None, :] * 1.4426950408889634)  # [BLOCK_N, BLOCK_M] = P^T
     if MASKED:
         if DOC:
@@ -642,6 +685,8 @@ def _dkdv_tile(
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
     dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # [BLOCK_N, BLOCK_M] = (dO V^T)^T
     ds_t = p_t * (dp_t - delta[None, :])  # [BLOCK_N, BLOCK_M]
+    if SOFTCAP:
+        ds_t = ds_t * (1.0 - cap_t * cap_t)
     dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
     return dk, dv
 
@@ -671,6 +716,7 @@ def _dkdv_inner(
     lo,
     hi,
     qk_scale,
+    cap,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -680,6 +726,7 @@ def _dkdv_inner(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Add the query tiles [lo, hi) of the GROUP query heads h0.. that share this K/V head to dK, dV.
     GQA walks (head, tile) pairs in one flat loop: nested loops spill registers on Hopper."""
@@ -707,6 +754,7 @@ def _dkdv_inner(
                 offs_m,
                 offs_d,
                 qk_scale,
+                cap,
                 HEAD_DIM,
                 BLOCK_M,
                 BLOCK_D,
@@ -715,6 +763,7 @@ def _dkdv_inner(
                 MASKED,
                 USE_TMA,
                 PRECISION,
+                SOFTCAP,
             )
     else:
         n_tiles = tl.cdiv(hi - lo, BLOCK_M)
@@ -744,6 +793,7 @@ def _dkdv_inner(
                     offs_m,
                     offs_d,
                     qk_scale,
+                    cap,
                     HEAD_DIM,
                     BLOCK_M,
                     BLOCK_D,
@@ -752,6 +802,7 @@ def _dkdv_inner(
                     MASKED,
                     USE_TMA,
                     PRECISION,
+                    SOFTCAP,
                 )
             else:
                 dk, dv = _dkdv_tile(
@@ -775,6 +826,7 @@ def _dkdv_inner(
                     offs_m,
                     offs_d,
                     qk_scale,
+                    cap,
                     HEAD_DIM,
                     BLOCK_M,
                     BLOCK_D,
@@ -783,6 +835,7 @@ def _dkdv_inner(
                     MASKED,
                     USE_TMA,
                     PRECISION,
+                    SOFTCAP,
                 )
     return dk, dv
 
@@ -821,6 +874,7 @@ def _bwd_dkdv_kernel(
     H,
     T,
     qk_scale,
+    cap,
     scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -831,6 +885,7 @@ def _bwd_dkdv_kernel(
     DOC: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     # the K/V head
@@ -918,6 +973,7 @@ def _bwd_dkdv_kernel(
         lo,
         mid_lo,
         qk_scale,
+        cap,
         GROUP,
         HEAD_DIM,
         BLOCK_D,
@@ -927,6 +983,7 @@ def _bwd_dkdv_kernel(
         True,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     dk, dv = _dkdv_inner(
         dk,
@@ -952,6 +1009,7 @@ def _bwd_dkdv_kernel(
         mid_lo,
         mid_hi,
         qk_scale,
+        cap,
         GROUP,
         HEAD_DIM,
         BLOCK_D,
@@ -961,6 +1019,7 @@ def _bwd_dkdv_kernel(
         False,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     dk, dv = _dkdv_inner(
         dk,
@@ -986,6 +1045,7 @@ def _bwd_dkdv_kernel(
         mid_hi,
         hi,
         qk_scale,
+        cap,
         GROUP,
         HEAD_DIM,
         BLOCK_D,
@@ -995,6 +1055,7 @@ def _bwd_dkdv_kernel(
         True,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
 
     _store_rows(
@@ -1053,6 +1114,7 @@ def _dq_inner(
     lo,
     hi,
     qk_scale,
+    cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -1061,6 +1123,7 @@ def _dq_inner(
     MASKED: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """Add the contributions of key tiles [lo, hi) to a tile of dQ."""
     for start_n in range(lo, hi, BLOCK_N):
@@ -1071,12 +1134,20 @@ def _dq_inner(
         v = _load_rows(
             v_src, v_src, svt, b, hk, start_n, T, offs_n, offs_d, HEAD_DIM, BLOCK_N, BLOCK_D, MASKED, USE_TMA
         )  # [BLOCK_N, BLOCK_D]
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N], log2 units
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            cap_qk = _tanh(qk * cap)
+            qk = cap_qk * (qk_scale / cap)
+        # log2 units
+        else:
+            qk = qk * qk_scale
         p = tl.exp2(qk - lse[:, None])  # [BLOCK_M, BLOCK_N]
         if MASKED:
             p = tl.where(_keep(rows, start_n + offs_n, ds_rows, de_rows, T, CAUSAL, DOC), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)  # [BLOCK_M, BLOCK_N]
         ds = p * (dp - delta[:, None])  # [BLOCK_M, BLOCK_N]
+        if SOFTCAP:
+            ds = ds * (1.0 - cap_qk * cap_qk)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
@@ -1111,6 +1182,7 @@ def _bwd_dq_kernel(
     H,
     T,
     qk_scale,
+    cap,
     scale,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -1121,6 +1193,7 @@ def _bwd_dq_kernel(
     DOC: tl.constexpr,
     USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     # the longest rows first
@@ -1194,6 +1267,7 @@ def _bwd_dq_kernel(
             lo,
             mid_lo,
             qk_scale,
+            cap,
             HEAD_DIM,
             BLOCK_D,
             BLOCK_N,
@@ -1202,6 +1276,7 @@ def _bwd_dq_kernel(
             True,
             USE_TMA,
             PRECISION,
+            SOFTCAP,
         )
     dq = _dq_inner(
         dq,
@@ -1224,6 +1299,7 @@ def _bwd_dq_kernel(
         mid_lo,
         mid_hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -1232,6 +1308,7 @@ def _bwd_dq_kernel(
         False,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     dq = _dq_inner(
         dq,
@@ -1254,6 +1331,7 @@ def _bwd_dq_kernel(
         mid_hi,
         hi,
         qk_scale,
+        cap,
         HEAD_DIM,
         BLOCK_D,
         BLOCK_N,
@@ -1262,6 +1340,7 @@ def _bwd_dq_kernel(
         True,
         USE_TMA,
         PRECISION,
+        SOFTCAP,
     )
     _store_rows(
         dq_dst,
@@ -1335,7 +1414,7 @@ _PINNED = {
 # diagonal in both directions and short sequences still span several tiles.
 _INTERPRET_BLOCKS = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 _PREPROCESS_BLOCK_M = 64
-_AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC"]
+_AUTOTUNE_KEY = ["T", "HEAD_DIM", "GROUP", "CAUSAL", "DOC", "SOFTCAP"]
 _KERNELS = {"fwd": _fwd_kernel, "dkdv": _bwd_dkdv_kernel, "dq": _bwd_dq_kernel}
 _TUNED = {
     (impl, kind): autotuned(_KERNELS[kind], _SPACES["fa2" if impl == "fa2" else "tma"][kind], _AUTOTUNE_KEY)
@@ -1360,16 +1439,39 @@ def _launch(kind: str, impl: str, grid, block_d: int, *args, **meta) -> None:
         _KERNELS[kind][grid(blocks)](*args, **meta, **blocks, num_warps=warps, num_stages=stages)
 
 
+def window_bounds(
+    T: int,
+    window: int,
+    doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    batch: int = 1,
+    device=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(start, end), int32 [B, T]: the document bounds (whole rows without doc_bounds) narrowed by a causal
+    window of `window` positions: start[t] = max(start, t - window + 1), end[t] = min(end, t + window)."""
+    t = torch.arange(T, device=device, dtype=torch.int32)  # [T]
+    ws = (t - window + 1).clamp_min(0)  # [T] the first key query t sees
+    # [T] one past the last query that sees key t
+    we = (t + window).clamp_max(T)
+    if doc_bounds is None:
+        return ws.expand(batch, T).contiguous(), we.expand(batch, T).contiguous()
+    start, end = doc_bounds
+    return torch.maximum(start.to(torch.int32), ws), torch.minimum(end.to(torch.int32), we)
+
+
 def forward_tiles(
     T: int,
     block_m: int,
     block_n: int,
     causal: bool = True,
     doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
 ) -> int:
     """How many (query tile, key tile) products the forward kernel computes per head, summed over the
     batch rows of doc_bounds (one row without): the same ranges as _query_tile_ranges, in Python.
     Its cost model: time is about proportional to this count (tests hold it equal to the kernel's)."""
+    if window is not None:
+        B = 1 if doc_bounds is None else doc_bounds[0].shape[0]
+        doc_bounds = window_bounds(T, window, doc_bounds, B)
     rows = [(None, None)] if doc_bounds is None else list(zip(doc_bounds[0].tolist(), doc_bounds[1].tolist()))
     cdiv = triton.cdiv
     total = 0
@@ -1446,8 +1548,10 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 # ---- autograd -------------------------------------------------------------------------------
 
 
-def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32)."""
+def _forward(
+    q, k, v, causal: bool, scale: float, ds, de, impl: str, softcap: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32); softcap > 0: scores soft-capped."""
     B, H, T, D = q.shape
     group = H // k.shape[1]
     block_d = max(16, triton.next_power_of_2(D))
@@ -1478,6 +1582,8 @@ def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[to
         H,
         T,
         scale * LOG2E,
+        # the tanh's argument per unit of q.k (unused without a cap)
+        scale / softcap if softcap else 1.0,
         GROUP=group,
         HEAD_DIM=D,
         BLOCK_D=block_d,
@@ -1486,11 +1592,12 @@ def _forward(q, k, v, causal: bool, scale: float, ds, de, impl: str) -> tuple[to
         USE_TMA=use_tma,
         WARP_SPECIALIZE=impl == "tma-ws",
         PRECISION=precision,
+        SOFTCAP=bool(softcap),
     )
     return o, lse
 
 
-def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str):
+def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str, softcap: float = 0.0):
     """(dQ, dK, dV) from dO, recomputing the probabilities from the log-sum-exp."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
@@ -1511,8 +1618,11 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
         DOC=ds is not None,
         USE_TMA=impl != "fa2",
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SOFTCAP=bool(softcap),
     )
     qk_scale = scale * LOG2E
+    # the tanh's argument per unit of q.k (unused without a cap)
+    cap = scale / softcap if softcap else 1.0
 
     _bwd_preprocess[(triton.cdiv(T, _PREPROCESS_BLOCK_M), H, B)](
         o,
@@ -1551,6 +1661,7 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
         H,
         T,
         qk_scale,
+        cap,
         scale,
         **common,
     )
@@ -1577,6 +1688,7 @@ def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str
         H,
         T,
         qk_scale,
+        cap,
         scale,
         **common,
     )
@@ -1599,12 +1711,13 @@ def _flash_fwd(
     ds: Optional[torch.Tensor],
     de: Optional[torch.Tensor],
     impl: str,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, ds, de, impl)
+    return _forward(q, k, v, causal, scale, ds, de, impl, softcap)
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, scale, ds, de, impl):
+def _(q, k, v, causal, scale, ds, de, impl, softcap):
     B, H, T, D = q.shape
     return q.new_empty(B, T, H, D).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
 
@@ -1622,12 +1735,13 @@ def _flash_bwd(
     ds: Optional[torch.Tensor],
     de: Optional[torch.Tensor],
     impl: str,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _backward(do, q, k, v, o, lse, causal, scale, ds, de, impl)
+    return _backward(do, q, k, v, o, lse, causal, scale, ds, de, impl, softcap)
 
 
 @_flash_bwd.register_fake
-def _(do, q, k, v, o, lse, causal, scale, ds, de, impl):
+def _(do, q, k, v, o, lse, causal, scale, ds, de, impl, softcap):
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     return (
@@ -1638,16 +1752,16 @@ def _(do, q, k, v, o, lse, causal, scale, ds, de, impl):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, ds, de, impl = inputs
+    q, k, v, causal, scale, ds, de, impl, softcap = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, ds, de)
-    ctx.causal, ctx.scale, ctx.impl = causal, scale, impl
+    ctx.causal, ctx.scale, ctx.impl, ctx.softcap = causal, scale, impl, softcap
 
 
 def _flash_backward(ctx, do, dlse):
     q, k, v, o, lse, ds, de = ctx.saved_tensors
-    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ds, de, ctx.impl)
-    return dq, dk, dv, None, None, None, None, None
+    dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ds, de, ctx.impl, ctx.softcap)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 _flash_fwd.register_autograd(_flash_backward, setup_context=_setup_context)
@@ -1661,17 +1775,22 @@ def flash_attention(
     causal: bool = True,
     scale: float | None = None,
     doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
     impl: str | None = None,
 ) -> torch.Tensor:
-    """Exact softmax(q k^T * scale [+ causal mask] [+ document mask]) v, computed tile by tile.
+    """Exact softmax(q k^T * scale [soft-capped] [+ causal mask] [+ document mask] [+ window]) v, computed
+    tile by tile.
 
     q [B, H, T, D], k/v [B, H_kv, T, D] with H_kv divides H (GQA/MQA, no K/V copies); fp32, fp16
     or bf16 (all three alike); 16 <= D <= 256; scale defaults to D ** -0.5. Causal means query i
     sees keys 0..i. doc_bounds=(start, end), integer [B, T] each, packs documents into a row:
     position t belongs to the document [start[b, t], end[b, t]) (start <= t < end; documents are
-    contiguous runs), and query i sees only keys of its own document. Fully masked tiles are
-    skipped. impl: "fa2" (default), "tma" or "tma-ws" (Hopper; falls back to fa2 where it cannot
-    run); None reads GPTKIT_FLASH_IMPL. Tensors must be on a CUDA device, or on the CPU under
+    contiguous runs), and query i sees only keys of its own document. window=W (causal only): query i
+    also sees only keys j > i - W (a sliding window; with documents both hold). softcap=c: the scores
+    become c * tanh(scores / c) (Gemma 2), in both passes. Fully masked tiles are skipped. impl: "fa2"
+    (default), "tma" or "tma-ws" (Hopper; falls back to fa2 where it cannot run); None reads
+    GPTKIT_FLASH_IMPL. Tensors must be on a CUDA device, or on the CPU under
     TRITON_INTERPRET=1. Returns [B, H, T, D] in q's dtype; differentiable (once) in q, k and v.
     """
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -1705,9 +1824,19 @@ def flash_attention(
             )
         ds = ds.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
         de = de.to(device=q.device, dtype=torch.int32).contiguous()  # [B, T]
+    if window is not None:
+        if not causal:
+            raise ValueError("a sliding window needs causal=True")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        # keys past the window are another document bound (the module docstring)
+        if window < T:
+            ds, de = window_bounds(T, window, None if ds is None else (ds, de), B, q.device)
+    if softcap is not None and not 0 < softcap < float("inf"):
+        raise ValueError(f"softcap must be a positive number, got {softcap!r}")
     scale = D**-0.5 if scale is None else float(scale)
     if B * H * T == 0:
         return q.new_empty(B, H, T, D)
     q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
     impl = _choose_impl(impl, (q, k, v))
-    return _flash_fwd(q, k, v, bool(causal), scale, ds, de, impl)[0]
+    return _flash_fwd(q, k, v, bool(causal), scale, ds, de, impl, float(softcap or 0.0))[0]

@@ -1,10 +1,11 @@
 """Linear layer + cross-entropy without the [tokens, vocab] logits (pure torch; no triton needed).
 
-    linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk_size=None) -> loss
+    linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk_size=None, softcap=None) -> loss
     x: [N, d] hidden states, weight: [V, d] (the lm_head, possibly tied to the embedding),
     targets: [N] int, ignore_index marks positions without a target.
     loss: fp32 scalar = mean over the non-ignored targets of logsumexp(logits) - logits[target],
-          logits = x @ weight^T (as F.cross_entropy(F.linear(x, weight).float(), targets) computes it)
+          logits = x @ weight^T (as F.cross_entropy(F.linear(x, weight).float(), targets) computes it),
+          soft-capped to softcap * tanh(logits / softcap) when softcap is given (Gemma 2's final logits)
 
 The tokens are processed in chunks of `chunk_size` rows (default: about 2^26 logits per chunk,
 e.g. 523 tokens at a 128k vocabulary): for each chunk the forward pass computes its logits in
@@ -33,7 +34,7 @@ def chunk_rows(n_tokens: int, vocab_size: int, chunk_size: int | None = None) ->
     return max(1, -(-n_tokens // max(n_chunks, 1)))
 
 
-def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, grad_w: bool):
+def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, grad_w: bool, softcap=None):
     """(mean loss, dx, dweight): the gradients of the mean loss (None where not wanted), chunk by chunk."""
     N = x.shape[0]
     # logits, loss and dweight: fp32 (fp64 stays fp64)
@@ -50,6 +51,9 @@ def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, gra
         valid = valid_all[s : s + rows]  # [C]
         tc = torch.where(valid, targets[s : s + rows], 0)  # [C], an index in range for ignored rows
         logits = (xc @ weight.t()).to(acc)  # [C, V] fp32: the one chunk of logits alive
+        if softcap is not None:
+            capped = torch.tanh(logits / softcap)  # [C, V]
+            logits = capped * softcap
         lse = torch.logsumexp(logits, dim=-1)  # [C]
         picked = logits.gather(1, tc[:, None])[:, 0]  # [C]
         total += torch.where(valid, lse - picked, 0.0).sum()
@@ -60,6 +64,10 @@ def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, gra
             logits.scatter_add_(1, tc[:, None], torch.full_like(picked[:, None], -1.0))
             # ignored rows: 0; the mean: 1 / n_valid
             logits.mul_((valid.to(acc) * scale)[:, None])
+            # through the cap: d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
+            if softcap is not None:
+                logits.mul_(capped.square_().neg_().add_(1.0))
+                del capped
             g = logits if x.dtype == acc else logits.to(x.dtype)  # [C, V]
             del logits
             if grad_x:
@@ -76,9 +84,9 @@ def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, gra
 
 class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, targets, ignore_index: int, rows: int):
+    def forward(ctx, x, weight, targets, ignore_index: int, rows: int, softcap):
         loss, dx, dw = _chunked(
-            x, weight, targets, ignore_index, rows, ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+            x, weight, targets, ignore_index, rows, ctx.needs_input_grad[0], ctx.needs_input_grad[1], softcap
         )
         ctx.save_for_backward(dx, dw)
         ctx.weight_dtype = weight.dtype
@@ -90,7 +98,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         dx, dw = ctx.saved_tensors
         dx = None if dx is None else dx * grad_loss.to(dx.dtype)
         dw = None if dw is None else (dw * grad_loss).to(ctx.weight_dtype)
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -100,8 +108,10 @@ def linear_cross_entropy(
     *,
     ignore_index: int = -100,
     chunk_size: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Mean cross-entropy of logits x @ weight^T against targets, chunked over the tokens.
+    """Mean cross-entropy of logits x @ weight^T (soft-capped to softcap * tanh(logits / softcap) when softcap
+    is given) against targets, chunked over the tokens.
 
     x [..., d] (flattened to [N, d]), weight [V, d], targets [...] matching x's leading dims.
     Returns the fp32 mean over targets != ignore_index (NaN when there are none, as F.cross_entropy).
@@ -123,5 +133,5 @@ def linear_cross_entropy(
     rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (x2.requires_grad or w2.requires_grad):
-            return LinearCrossEntropy.apply(x2, w2, t2, int(ignore_index), rows)
-        return _chunked(x2, w2, t2, int(ignore_index), rows, False, False)[0]
+            return LinearCrossEntropy.apply(x2, w2, t2, int(ignore_index), rows, softcap)
+        return _chunked(x2, w2, t2, int(ignore_index), rows, False, False, softcap)[0]

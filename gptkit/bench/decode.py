@@ -11,6 +11,8 @@ bench.device=cpu (the default): gptkit (decode=auto: the eager loop with the CPU
   transformers, for bench.models x bench.batch_sizes, and the read roofline (read_roofline: what reading a
   step's bytes once costs this process here); then ms per decode step against the context length, with the
   KV cache vs a no-cache loop that re-runs the whole prefix.
+bench.parts=[quantize]: quantize=int8|nf4 (and int4 on CUDA) against the full model on a trained run: bytes,
+  perplexity, greedy agreement, decode tokens/s (gptkit/bench/quantized.py).
 bench.device=cuda: bench.cuda.models in bench.cuda.dtype x bench.cuda.batch_sizes, each side in
   bench.cuda.sides (SIDES below), rows printed as they finish; the HBM roofline is batch * bandwidth /
   gptkit.accounting.decode_bytes_per_step (the weights, and the K/V at the mean context of the timed steps).
@@ -33,6 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
+from gptkit.bench import quantized
 from gptkit.conf_tree import conf_dir, presets
 from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import ConfigError
@@ -42,6 +45,9 @@ from gptkit.model import GPT, KVCache, ModelConfig
 from gptkit.sampling import SampleOptions
 from gptkit.threads import set_threads
 
+# bench.parts: decode (the speed tables), quantize (quantized weights against the full model:
+# bench/quantized.py)
+PARTS = ("decode", "quantize")
 # bench.cuda.sides: name -> what runs
 SIDES = {
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
@@ -246,16 +252,22 @@ def _prompt(model, n: int) -> list[int]:
 def run(cfg) -> int:
     if cfg.clock not in CLOCKS:
         raise ConfigError(f"bench.clock={cfg.clock!r} is not one of {', '.join(CLOCKS)}")
+    parts = [str(p) for p in cfg.get("parts") or ("decode",)]
+    wrong = [p for p in parts if p not in PARTS]
+    if wrong:
+        raise ConfigError(f"bench.parts: {', '.join(wrong)} is not one of {', '.join(PARTS)}")
     set_threads(cfg.threads, "bench.threads")
     device = str(cfg.device)
-    if device == "cpu":
-        results = run_cpu(cfg)
-    elif device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise ConfigError("bench.device=cuda needs a CUDA GPU (torch sees none); use bench.device=cpu")
-        results = run_cuda(cfg, torch.device(device))
-    else:
+    if not (device == "cpu" or device.startswith("cuda")):
         raise ConfigError(f"bench.device={device!r} must be cpu or cuda (cuda:<n>)")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError("bench.device=cuda needs a CUDA GPU (torch sees none); use bench.device=cpu")
+    results: dict = {}
+    if "decode" in parts:
+        results = run_cpu(cfg) if device == "cpu" else run_cuda(cfg, torch.device(device))
+    if "quantize" in parts:
+        dtype = "fp32" if device == "cpu" else str(cfg.cuda.dtype)
+        results["quantize"] = quantized.run(cfg.quantize, device, dtype)
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 

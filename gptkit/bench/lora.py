@@ -34,7 +34,7 @@ from gptkit.fsio import human_bytes
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
 from gptkit.tokenizer import byte_tokenizer
-from gptkit.training.lora import apply_lora
+from gptkit.training.finetune.lora import apply_lora
 
 
 def _rate(run: Path, warmup: int, key: str = "perf/tokens_per_s") -> float:

@@ -4,11 +4,13 @@ Examples:
   gptkit bench attention            (GPU: Triton vs SDPA flash vs eager, TFLOP/s)
   gptkit bench data                 (tokenizer MB/s, batch cost vs a training step)
   gptkit bench train                (Lightning loop vs a bare PyTorch loop)
-  gptkit bench sample               (decode tokens/s vs transformers generate(); bench.device=cuda on a GPU)
+  gptkit bench sample               (decode tokens/s vs transformers generate(); bench.device=cuda on a GPU;
+                                     quantize=int8|nf4|int4 against the full model: perplexity, agreement)
   gptkit bench serve                (gptkit serve: 1/4/16 clients vs one at a time vs transformers' batching)
   gptkit bench sft                  (experiment=sft-tiny end to end: held-out exact match before and after)
   gptkit bench dpo                  (experiment=dpo-tiny, full and LoRA: held-out preference before and after)
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)
+  gptkit bench qlora                (finetune=qlora: base memory vs bf16, loss and speed vs lora, NF4's error)
   gptkit bench optim                (AdamW vs Muon: one lr grid swept for each, the best of each on 3 seeds)
 Every benchmark ends with a line of its wall and CPU seconds and the machine's load before and after it.
 """

@@ -48,7 +48,7 @@ def run(cfg) -> int:
             "typed in a message stays text) or allow (it becomes the control token)"
         )
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
-    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
     if cfg.template == "auto":
         template = template_in_folder(Path(r.dir))
         if template is None:

@@ -81,6 +81,15 @@ def report(cfg) -> dict:
         lora=lora,
         reference=needs_reference,
     )
+    quantized = None
+    if cfg.get("quantize") is not None:
+        from gptkit.quant import QUANTIZE
+
+        if cfg.quantize not in QUANTIZE:
+            raise ConfigError(f"quantize={cfg.quantize} is not one of {', '.join(QUANTIZE)} (or null)")
+        # the weights' dtype: the compute dtype's where it is one a model is cast to
+        width = cfg.dtype if cfg.dtype in ("fp32", "bf16", "fp16") else "bf16"
+        quantized = dict(acc.quantized_weights(m, str(cfg.quantize), width), kind=cfg.quantize, dtype=width)
     trainable = pc.total if lora is None else adapter_params(m, lora["targets"], lora["rank"])
     return {
         "model": m.to_dict(),
@@ -113,6 +122,9 @@ def report(cfg) -> dict:
             "train_dense": fl.train_dense,
             "train_causal": fl.train_causal,
             "attention_forward_dense": fl.attention_forward_dense,
+            "attention_forward_causal": fl.attention_forward_causal,
+            # layers with a sliding window (their attention counts min(W, T) keys)
+            "local_layers": len(m.local_layers),
             "six_n": 6.0 * pc.active,
             "mfu_convention": "train_dense (perf/mfu, logged FLOP/s: 6N + 12·L·T·d_attn, full attention, as "
             "PaLM, nanoGPT and torchtitan); train_causal: perf/mfu_causal",
@@ -130,7 +142,8 @@ def report(cfg) -> dict:
             "gpu_hours_full_attention": hours(train_full),
             "gpu_hours_causal": hours(train_causal),
             "kv_cache_bytes_per_token": kv_tok,
-            "kv_cache_bytes_full_context": kv_tok * fl.seq_len,
+            # local layers hold their window
+            "kv_cache_bytes_full_context": acc.kv_cache_bytes(m, fl.seq_len, cfg.kv_dtype),
             "memory_per_gpu": mem,
             "precision": cfg.precision,
             "n_gpus": n_gpus,
@@ -140,6 +153,8 @@ def report(cfg) -> dict:
             "trainable_params": trainable,
             "objective": str(cfg.objective),
         },
+        # quantize=: the weights with the block projections quantized (null without quantize=)
+        "quantized_weights": quantized,
     }
 
 
@@ -265,7 +280,7 @@ def _print_tables(r: dict, cfg) -> None:
     ft.add_row(
         "  of which attention scores",
         _si(3 * f["attention_forward_dense"], "FLOP"),
-        _si(1.5 * f["attention_forward_dense"], "FLOP"),
+        _si(3 * f["attention_forward_causal"], "FLOP"),
     )
     n_is = "the active parameters" if moe else "all parameters"
     ft.add_row(f"6N with N = {n_is} (literature's C=6ND)", _si(f["six_n"], "FLOP"), "")
@@ -282,6 +297,13 @@ def _print_tables(r: dict, cfg) -> None:
         f"(6N + 12·L·T·d_attn per token), as PaLM, nanoGPT and torchtitan do (published MFU figures); "
         f"perf/mfu_causal halves the attention term."
     )
+    if f["local_layers"]:
+        w = r["model"]["sliding_window"]
+        con.print(
+            f"Sliding window: {f['local_layers']} of the {r['model']['n_layers']} layers are local; each "
+            f"counts w = min(W, T) = {min(w, f['seq_len'])} keys per query for T (full attention), "
+            f"w - w^2/2T (causal), and caches at most W = {w} tokens."
+        )
 
     et = Table(title="planned run")
     et.add_column("")
@@ -341,3 +363,19 @@ def _print_tables(r: dict, cfg) -> None:
     et.add_row("training memory per GPU: logits and loss", human_bytes(mem["logits"]))
     et.add_row("[bold]training memory per GPU: total", f"[bold]{human_bytes(mem['total'])}")
     con.print(et)
+    q = r.get("quantized_weights")
+    if q:
+        qt = Table(
+            title=f"weights with quantize={q['kind']} (every block's linear projections; the rest "
+            f"{q['dtype']})"
+        )
+        qt.add_column("")
+        qt.add_column("bytes", justify="right")
+        qt.add_row(f"projections, {q['bits']:.3g} bits per value", human_bytes(q["quantized"]))
+        qt.add_row(f"embeddings, norms, LM head, biases ({q['dtype']})", human_bytes(q["rest"]))
+        qt.add_row("[bold]total", f"[bold]{human_bytes(q['total'])}")
+        qt.add_row(
+            f"the same weights all in {q['dtype']}",
+            f"{human_bytes(q['full'])} ({q['total'] / q['full']:.3f}x)",
+        )
+        con.print(qt)

@@ -129,7 +129,7 @@ def run_corpus(cfg) -> int:
     from gptkit.threads import set_threads
 
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
-    r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, quantize=cfg.quantize)
     max_len = r.model_cfg.max_seq_len
     # the windows the run trained and validated on
     trained = (r.config.get("trainer") or {}).get("seq_len")
@@ -285,7 +285,7 @@ def run_tasks(cfg) -> int:
     task_dict = T.load_tasks(specs, manager)
     T.check_fewshot(T.leaf_tasks(task_dict), cfg.num_fewshot)
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
-    r = load_for_inference(cfg.run, cfg.device, cfg.dtype)
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, quantize=cfg.quantize)
     lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=int(cfg.batch_size))
     # what the run's tokenizer cannot serve is skipped, and said; the rest is scored
     skipped = T.unscorable(T.leaf_tasks(task_dict), lm)

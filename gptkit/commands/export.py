@@ -12,7 +12,9 @@ become GPT-2. Any other combination is refused, naming the variant that does not
 
 A LoRA run (finetune=lora) exports its base with the adapters merged (W + alpha/rank * B @ A); with
 adapters=true, only the adapters, as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)
-that PeftModel.from_pretrained loads on the base exported by itself (docs/lora.md).
+that PeftModel.from_pretrained loads on the base exported by itself (docs/lora.md). A QLoRA run
+(finetune=qlora) merges them into the base it trained on, its block projections dequantized from NF4
+(docs/qlora.md).
 
 Examples:
   gptkit export run=runs/llama-tiny-20250101-120000 out=hf/llama-tiny
@@ -56,9 +58,12 @@ def run(cfg) -> int:
         return export_adapters(ckpt, out, cfg)
 
     done = hf_io.export_folder(ckpt, out, dtype, max_shard, bool(cfg.force))
+    qlora = read_config(run_dir_of(ckpt)).get("finetune") == "qlora"
+    merged = " (QLoRA: its NF4 base dequantized, the adapters merged)" if qlora else ""
     print(
-        f"exported {done.checkpoint} as {hf.ARCHITECTURES[arch]} ({done.n_params:,} parameters, {cfg.dtype}) "
-        f"to {out}: config.json, {', '.join(done.weights)}, generation_config.json"
+        f"exported {done.checkpoint}{merged} as "
+        f"{hf.ARCHITECTURES[arch]} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
+        f"config.json, {', '.join(done.weights)}, generation_config.json"
         + (
             ", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
             if done.tokenizer is not None
@@ -138,10 +143,19 @@ def export_adapters(ckpt, out, cfg) -> int:
         if stored != n
         else ""
     )
+    # finetune=qlora: what they trained on
+    quantized = record.get("quantized")
+    on_nf4 = (
+        f"; they trained on the NF4-quantized base (blocks of {quantized['block_size']}): on the "
+        f"full-precision base their outputs differ by the quantization error, the merged export "
+        f"(adapters=false) holds the dequantized base they trained on"
+        if quantized
+        else ""
+    )
     print(
         f"exported the LoRA adapters of {ckpt} (rank {record['rank']}, alpha {record['alpha']}, "
         f"{', '.join(record['targets'])}; {n:,} trainable parameters{layout}, {cfg.dtype}) to {Path(out)}: "
         f"adapter_config.json, adapter_model.safetensors, for PEFT on the base {source or base_run} "
-        f"(export it with: gptkit export run={base_run} out=<folder>)"
+        f"(export it with: gptkit export run={base_run} out=<folder>){on_nf4}"
     )
     return 0

@@ -118,7 +118,7 @@ def run(cfg) -> int:
         )
     allow = cfg.special_tokens_in_content == "allow"
     prompt = read_prompt(cfg)
-    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention)
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
     ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id, allow_special_text=allow)

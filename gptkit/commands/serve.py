@@ -6,6 +6,7 @@ batch (continuous batching, up to max_batch); streaming answers are server-sent 
 Examples:
   gptkit serve run=runs/sft
   gptkit serve run=runs/sft port=0 max_batch=32
+  gptkit serve run=runs/sft quantize=int8      # weight-only int8 through torchao (gptkit[quant])
   GPTKIT_API_KEY=secret gptkit serve run=runs/sft host=0.0.0.0 port=8080
 """
 
@@ -54,8 +55,7 @@ def run(cfg) -> int:
         max_batch=cfg.max_batch,
         max_queue=cfg.max_queue,
         allow_special_text=cfg.special_tokens_in_content == "allow",
-        # a load-time model transform (quantization) goes here: transform=...
-        transform=None,
+        quantize=cfg.quantize,
     )
     return serve(
         served,

@@ -232,14 +232,7 @@ class GptkitLM(TemplateLM):
 
     def _expand(self, cache: KVCache, rows: list[int], max_len: int) -> KVCache:
         """A cache of len(rows) rows, row r holding cache row rows[r]'s prefix, room for max_len tokens."""
-        P = cache.length
-        big = KVCache(self.cfg, len(rows), max_len=max_len, device=self._device, dtype=self._dtype())
-        index = torch.tensor(rows, device=self._device)
-        for layer in range(self.cfg.n_layers):
-            big.k[layer][:, :, :P] = cache.k[layer].index_select(0, index)
-            big.v[layer][:, :, :P] = cache.v[layer].index_select(0, index)
-        big.length = P
-        return big
+        return cache.select(torch.tensor(rows, device=self._device), max_len)
 
     def _dtype(self) -> torch.dtype:
         return self.model.tok_emb.weight.dtype

@@ -3,14 +3,15 @@
     k, v per layer    [slots, n_kv_heads, max_len, head_dim]; slot s holds one sequence at positions
                       0..lengths[s]-1 (keys stored after RoPE, as gptkit.model.kv_cache.KVCache stores them)
 
-The model reads it through two views, each a cache as GPT.forward takes one (positions, update, mask,
-advance):
+The model reads it through two views, each a cache as GPT.forward takes one (positions, update,
+mask_for(layer), advance):
 
     prefill(slot)    one sequence's T prompt tokens [1, T] at positions lengths[slot]..+T-1: exactly the
                      growing KVCache's pass (causal over the slot's prefix, no mask), written into the slot
     decode(n)        one new token for each of the slots 0..n-1 [n, 1], each at its own position
                      (positions [n, 1] = lengths); attention reads the slots up to the longest under a
-                     [n, 1, 1, L] mask that hides every slot past a row's own position
+                     [n, 1, 1, L] mask that hides every slot past a row's own position (and, in a local layer
+                     of model.sliding_window W, every slot at or before its position - W)
 
 Active sequences live in slots 0..n-1 (the scheduler moves the last one into a hole when one leaves:
 `move`), so a decode step reads a prefix of the cache and never gathers it.
@@ -43,6 +44,8 @@ class SlotCache:
         self.lengths = [0] * slots
         self.device = self.k[0].device
         self.positions_all = torch.arange(self.max_len, device=self.device)  # [max_len]
+        # per layer: None (global) or its sliding window (the slots keep every position; the mask narrows)
+        self.windows = [cfg.window(i) for i in range(cfg.n_layers)]
 
     def prefill(self, slot: int) -> "PrefillView":
         """The cache of one slot, for a forward pass of that sequence's next tokens."""
@@ -82,6 +85,10 @@ class PrefillView:
     def __init__(self, cache: SlotCache, slot: int) -> None:
         self.cache, self.slot = cache, slot
 
+    def mask_for(self, layer: int) -> None:
+        """None: causal (and the layer's window) over the slot's prefix, as attention applies it."""
+        return None
+
     @property
     def positions(self) -> int:
         return self.cache.lengths[self.slot]
@@ -116,6 +123,19 @@ class DecodeView:
         self._positions = torch.tensor(lengths, dtype=torch.long, device=device)[:, None]  # [n, 1]
         # [n, 1, 1, span] bool: row i reads the slots up to its own position (its new token included)
         self.mask = (cache.positions_all[: self.span] <= self._positions)[:, None, None, :]
+        # window -> the mask of the local layers of that window
+        self._windowed: dict[int, torch.Tensor] = {}
+
+    def mask_for(self, layer: int) -> torch.Tensor:
+        """[n, 1, 1, span] bool for `layer`: `mask`, and for a local layer only the slots after its
+        position - W."""
+        w = self.cache.windows[layer]
+        if w is None:
+            return self.mask
+        if w not in self._windowed:
+            recent = self.cache.positions_all[: self.span] > self._positions - w  # [n, span]
+            self._windowed[w] = self.mask & recent[:, None, None, :]
+        return self._windowed[w]
 
     @property
     def positions(self) -> torch.Tensor:

@@ -2,19 +2,27 @@
 
 Every backend has the same signature:
 
-    fn(q, k, v, *, causal, mask, dropout_p, scale, return_probs, docs) -> (out, probs or None)
+    fn(q, k, v, *, causal, mask, dropout_p, scale, return_probs, docs, window, softcap) -> (out, probs|None)
 
     q:    [B, n_heads,    T_q, head_dim]
     k, v: [B, n_kv_heads, T_k, head_dim]   (n_kv_heads divides n_heads: GQA/MQA)
     mask: None, or a bool tensor broadcastable to [B, n_heads, T_q, T_k] (True = may attend);
-          when given it replaces `causal`
+          when given it replaces `causal` and `window` (a static KV cache builds it: gptkit/model/kv_cache.py)
     docs: None, or the packed documents of the batch (gptkit.model.documents.Documents): causal
           attention inside each document only
+    window: None, or W: query i also sees only the keys j with pos(i) - W < j (its last W positions, its own
+          included: a sliding window, transformers' sliding_window); with documents both rules hold
+    softcap: None, or c: the scores become c * tanh(scores / c) before the mask (Gemma 2)
     out:  [B, n_heads, T_q, head_dim]
 
-`eager` is the readable reference (explicit fp32 softmax; can return the probabilities),
-`sdpa` is torch's fused kernel (packed documents: torch's variable-length FlashAttention on CUDA in
-fp16/bf16, else a dense mask), `triton` is our own FlashAttention kernel in kernels/.
+Queries are bottom-right aligned with the keys: query i sits at position T_k - T_q + i (a KV cache holds the
+T_k - T_q positions before them). The mask is a description, never a dense [T, T] tensor where a kernel can
+skip: `eager` is the readable reference (explicit fp32 softmax, a dense mask; can return the probabilities),
+`sdpa` is torch's fused kernel (packed documents or a window: torch's variable-length FlashAttention on CUDA
+in fp16/bf16, with its window; a window elsewhere runs query chunks against the keys their window reaches
+(windowed_sdpa), so the cost grows with W, not T), `triton` is our own FlashAttention kernel in kernels/
+(tiles wholly outside a window or a document skipped; soft-capping in both passes). `sdpa` has no
+soft-capping kernel: with model.attn_softcap it runs `eager`.
 """
 
 from __future__ import annotations
@@ -45,23 +53,39 @@ AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
 def eager_attention(
-    q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    mask=None,
+    dropout_p=0.0,
+    scale=None,
+    return_probs=False,
+    docs=None,
+    window=None,
+    softcap=None,
 ):
     """The readable reference: q @ k^T, the mask, an fp32 softmax, @ v; can return the probabilities."""
     B, H, Tq, D = q.shape
+    Hkv, Tk = k.shape[1], k.shape[2]
+    window = effective_window(window, Tk)
     if docs is not None:
         mask = docs.mask()  # [B, 1, T, T]: causal, inside each document
-    Hkv, Tk = k.shape[1], k.shape[2]
+        if window is not None:
+            mask = mask & window_mask(Tq, Tk, window, q.device)  # [B, 1, T, T]
     # GQA: each group of H // Hkv query heads reads the same K/V head
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
         v = v.repeat_interleave(H // Hkv, dim=1)
     scale = D**-0.5 if scale is None else scale
     scores = (q @ k.transpose(-2, -1)) * scale  # [B, H, Tq, Tk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None and causal:
         # query i sits at absolute position (Tk - Tq + i): bottom-right aligned, so it also
         # holds when a KV cache makes Tk > Tq.
-        mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+        mask = window_mask(Tq, Tk, window, q.device)  # [Tq, Tk]
     if mask is not None:
         # a bool mask has no dtype to get wrong
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -75,17 +99,48 @@ def eager_attention(
     return out, (probs if return_probs else None)
 
 
+def effective_window(window: int | None, Tk: int) -> int | None:
+    """The window, or None when it cannot hide a key: every query of Tk keys sees at most Tk positions."""
+    return None if window is None or window >= Tk else window
+
+
+def window_mask(Tq: int, Tk: int, window: int | None, device) -> torch.Tensor:
+    """[Tq, Tk] bool: query i (at position Tk - Tq + i) sees key j when j <= its position and, with a window,
+    j > its position - window."""
+    pos = torch.arange(Tk - Tq, Tk, device=device)[:, None]  # [Tq, 1]
+    j = torch.arange(Tk, device=device)[None, :]  # [1, Tk]
+    keep = j <= pos
+    if window is not None:
+        keep = keep & (j > pos - window)
+    return keep  # [Tq, Tk]
+
+
 def sdpa_attention(
-    q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    mask=None,
+    dropout_p=0.0,
+    scale=None,
+    return_probs=False,
+    docs=None,
+    window=None,
+    softcap=None,
 ):
     """torch's scaled_dot_product_attention (GQA without K/V copies). Packed documents: on CUDA in fp16/bf16
-    torch's variable-length FlashAttention (no mask, no work across documents); elsewhere a dense mask."""
+    torch's variable-length FlashAttention (no mask, no work across documents); elsewhere a dense mask. A
+    window: variable-length FlashAttention's window where it runs, else windowed_sdpa (query chunks)."""
     if return_probs:
         raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
+    if softcap is not None:
+        return _softcap_in_eager("sdpa", q, k, v, causal, mask, dropout_p, scale, docs, window, softcap)
     Tq, Tk = q.shape[2], k.shape[2]
+    window = effective_window(window, Tk) if mask is None else None
     if docs is not None:
         if mask is None and dropout_p == 0.0 and Tq == Tk and varlen_usable(q):
-            return varlen_documents(q, k, v, docs, scale), None
+            return varlen_attention(q, k, v, docs.cu_seqlens(), scale, window), None
         if q.is_cuda:
             warn_once(
                 "sdpa-docs",
@@ -94,17 +149,26 @@ def sdpa_attention(
                 "variable-length FlashAttention needs fp16/bf16, no dropout, an sm80+ GPU); "
                 "precision bf16-mixed or model.attention=triton skips them",
             )
+        if window is not None:
+            return windowed_sdpa(q, k, v, window, scale, dropout_p, docs.start), None
         # On the CPU the dense mask is the right form: SDPA's CPU FlashAttention kernel takes it (measured
         # as fast as the plain causal kernel at T=128, docs/chat.md); built once per forward, additive in
         # the dtype of q, and shared by every layer
         mask = docs.mask(q.dtype)  # [B, 1, T, T]
+    elif window is not None and causal:
+        if dropout_p == 0.0 and Tq == Tk and varlen_usable(q):
+            B, T = q.shape[0], q.shape[2]
+            # each row one sequence
+            cu = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)  # [B + 1]
+            return varlen_attention(q, k, v, cu, scale, window), None
+        return windowed_sdpa(q, k, v, window, scale, dropout_p), None
     if mask is None and causal and Tq != Tk:
         # one new token attends to the whole cache
         if Tq == 1:
             causal = False
         # SDPA's is_causal is top-left aligned; a cached prefix needs bottom-right
         else:
-            mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+            mask = window_mask(Tq, Tk, None, q.device)  # [Tq, Tk]
     out = F.scaled_dot_product_attention(
         q,
         k,
@@ -119,6 +183,80 @@ def sdpa_attention(
     return out, None
 
 
+def _softcap_in_eager(backend, q, k, v, causal, mask, dropout_p, scale, docs, window, softcap):
+    """Soft-capped scores (model.attn_softcap) have no SDPA kernel: the eager reference computes them."""
+    warn_once(
+        "softcap",
+        f"model.attn_softcap: model.attention={backend} has no soft-capping kernel; attention runs eager "
+        f"(the [T, T] scores are materialized; model.attention=triton caps in its kernel)",
+    )
+    return eager_attention(
+        q,
+        k,
+        v,
+        causal=causal,
+        mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        docs=docs,
+        window=window,
+        softcap=softcap,
+    )
+
+
+# queries per chunk of windowed_sdpa: half the window (each chunk reads W - 1 + C keys), at least this many
+MIN_WINDOW_CHUNK = 16
+
+
+def windowed_sdpa(
+    q, k, v, window: int, scale=None, dropout_p=0.0, doc_start=None, chunk: int | None = None
+) -> torch.Tensor:
+    """Causal attention in a sliding window with torch's SDPA, chunk by chunk: the queries at positions
+    [s, e) see only the keys [s - window + 1, e), so each chunk of C = max(window // 2, MIN_WINDOW_CHUNK)
+    queries multiplies a [C, W - 1 + C] block, never [T, T] (forward and backward cost ~1.5 T W, not T^2 / 2).
+    Queries are bottom-right aligned (query i at position T_k - T_q + i); doc_start: None, or int [B, T_q] the
+    first position of each query's packed document (T_q = T_k); chunk: C (default above). Returns
+    [B, n_heads, T_q, head_dim]."""
+    B, H, Tq, D = q.shape
+    Tk = k.shape[2]
+    off = Tk - Tq
+    C = chunk or max(window // 2, MIN_WINDOW_CHUNK)
+    gqa = k.shape[1] != H
+    # (rows, cols, first key's distance back from the first query) -> the additive band mask of a chunk
+    bands: dict[tuple[int, int, int], torch.Tensor] = {}
+    outs = []
+    for s in range(0, Tq, C):
+        e = min(s + C, Tq)
+        a, b = max(0, off + s - window + 1), off + e
+        key = (e - s, b - a, off + s - a)
+        mask = None
+        if doc_start is not None or e - s > 1:
+            if key not in bands:
+                pos = torch.arange(off + s, off + e, device=q.device)[:, None]  # [rows, 1] query positions
+                j = torch.arange(a, b, device=q.device)[None, :]  # [1, cols] key positions
+                band = (j <= pos) & (j > pos - window)  # [rows, cols]
+                bands[key] = torch.zeros(band.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                    ~band, float("-inf")
+                )
+            mask = bands[key]  # [rows, cols] additive
+            if doc_start is not None:
+                j = torch.arange(a, b, device=q.device)  # [cols]
+                inside = j[None, None, :] >= doc_start[:, s:e, None]  # [B, rows, cols]
+                mask = mask.masked_fill(~inside, float("-inf"))[:, None]  # [B, 1, rows, cols]
+        outs.append(
+            F.scaled_dot_product_attention(
+                q[:, :, s:e],
+                k[:, :, a:b],
+                v[:, :, a:b],
+                attn_mask=mask,
+                dropout_p=dropout_p,
+                scale=scale,
+                enable_gqa=gqa,
+            )  # [B, H, rows, D]
+        )
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [B, H, Tq, D]
+
+
 def varlen_usable(q: torch.Tensor) -> bool:
     """Whether torch's variable-length FlashAttention (torch.nn.attention.varlen) runs q: fp16/bf16 on a CUDA
     GPU of compute capability >= 8.0 (FlashAttention 2's), head_dim a multiple of 8 up to 256."""
@@ -128,64 +266,72 @@ def varlen_usable(q: torch.Tensor) -> bool:
     return D % 8 == 0 and D <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
 
 
-def varlen_documents(q, k, v, docs: Documents, scale=None) -> torch.Tensor:
-    """Causal attention inside each packed document with torch's varlen_attn: the B rows of T tokens are one
-    sequence of B*T tokens cut at docs.cu_seqlens(); q [B, n_heads, T, D], k, v [B, n_kv_heads, T, D] ->
-    [B, n_heads, T, D]. No mask is built and no tile across two documents is computed."""
+def varlen_attention(q, k, v, cu: torch.Tensor, scale=None, window: int | None = None) -> torch.Tensor:
+    """Causal attention inside each sequence of the B rows of T tokens taken as one run of B*T tokens cut at
+    cu (int32 [n + 1]: packed documents' cu_seqlens, or each row whole), with torch's varlen_attn; a window
+    keeps the last `window` keys of each query (FlashAttention's window_size (window - 1, 0)). q [B, n_heads,
+    T, D], k, v [B, n_kv_heads, T, D] -> [B, n_heads, T, D]. No mask is built and no tile across two
+    sequences (or wholly outside a window) is computed."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
-    cu = docs.cu_seqlens()  # [n_docs + 1] int32
     q_flat = q.transpose(1, 2).reshape(B * T, H, D)  # [B*T, n_heads, D]
     k_flat = k.transpose(1, 2).reshape(B * T, Hkv, D)  # [B*T, n_kv_heads, D]
     v_flat = v.transpose(1, 2).reshape(B * T, Hkv, D)
-    # T bounds every document's length (no host sync for the longest); window (-1, 0) is causal
+    # T bounds every sequence's length (no host sync for the longest); window (-1, 0) is causal
+    left = -1 if window is None else window - 1
     out = varlen_attn(
-        q_flat, k_flat, v_flat, cu, cu, T, T, scale=scale, window_size=(-1, 0), enable_gqa=Hkv != H
+        q_flat, k_flat, v_flat, cu, cu, T, T, scale=scale, window_size=(left, 0), enable_gqa=Hkv != H
     )  # [B*T, n_heads, D]
     return out.view(B, T, H, D).transpose(1, 2)  # [B, n_heads, T, D]
 
 
 def triton_attention(
-    q, k, v, *, causal=True, mask=None, dropout_p=0.0, scale=None, return_probs=False, docs=None
+    q,
+    k,
+    v,
+    *,
+    causal=True,
+    mask=None,
+    dropout_p=0.0,
+    scale=None,
+    return_probs=False,
+    docs=None,
+    window=None,
+    softcap=None,
 ):
-    """Our FlashAttention kernels (documents included); cases they do not cover go to sdpa.
+    """Our FlashAttention kernels (documents, windows and soft-capping included); cases they do not cover go
+    to sdpa.
 
     Falls back to sdpa (with one warning per process) when triton is missing or no CUDA device is
     present and TRITON_INTERPRET=1 is not set, and per call for masks, dropout, or a KV cache (T_q != T_k).
     """
+    args = dict(
+        causal=causal,
+        mask=mask,
+        dropout_p=dropout_p,
+        scale=scale,
+        return_probs=return_probs,
+        docs=docs,
+        window=window,
+        softcap=softcap,
+    )
     if not triton_available(q.device):
         warn_once(
             "triton",
             "model.attention=triton needs triton and CUDA tensors (or TRITON_INTERPRET=1); "
             "falling back to sdpa",
         )
-        return sdpa_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            mask=mask,
-            dropout_p=dropout_p,
-            scale=scale,
-            return_probs=return_probs,
-            docs=docs,
-        )
+        return sdpa_attention(q, k, v, **args)
     if mask is not None or dropout_p > 0.0 or return_probs or q.shape[2] != k.shape[2]:
-        return sdpa_attention(
-            q,
-            k,
-            v,
-            causal=causal,
-            mask=mask,
-            dropout_p=dropout_p,
-            scale=scale,
-            return_probs=return_probs,
-            docs=docs,
-        )
+        return sdpa_attention(q, k, v, **args)
     from gptkit_kernels import flash_attention
 
     bounds = None if docs is None else (docs.start, docs.end)
-    return flash_attention(q, k, v, causal=causal, scale=scale, doc_bounds=bounds), None
+    window = effective_window(window, k.shape[2])
+    out = flash_attention(
+        q, k, v, causal=causal, scale=scale, doc_bounds=bounds, window=window, softcap=softcap
+    )
+    return out, None
 
 
 # model.attention=<name> runs <name>_attention: the names are model/config.py's ATTENTIONS (one list)
@@ -219,6 +365,11 @@ class CausalSelfAttention(nn.Module):
             self.k_norm = make_norm(cfg.norm, dim=k_dim, eps=cfg.norm_eps, bias=cfg.bias, fused=fused_norm)
         self.dropout = cfg.dropout
         self.attend = get_attention(cfg.attention)
+        # None: every earlier position; W: the last W (a local layer, model.layer_types)
+        self.window = cfg.window(layer)
+        # None: head_dim^-0.5 (the backends' default)
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.attn_scale
+        self.softcap = cfg.attn_softcap
 
     def forward(
         self,
@@ -249,10 +400,11 @@ class CausalSelfAttention(nn.Module):
             q, k = rope(q, k, positions)
         mask = None
         if cache is not None:
-            # [B, n_kv_heads, cached + T (static: max_len), head_dim]
+            # [B, n_kv_heads, keys, head_dim]: the cached prefix and these T (a local layer's rolling cache:
+            # its window's; static: every slot)
             k, v = cache.update(self.layer, k, v)
-            # None: causal over the prefix; static: [T, max_len] from the positions
-            mask = cache.mask
+            # None: causal (and the window) over the prefix; static: [T, slots] from the positions
+            mask = cache.mask_for(self.layer)
         attend = eager_attention if return_probs else self.attend
         y, probs = attend(
             q,
@@ -261,8 +413,11 @@ class CausalSelfAttention(nn.Module):
             causal=True,
             mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
             return_probs=return_probs,
             docs=docs,
+            window=self.window,
+            softcap=self.softcap,
             # y: [B, n_heads, T, head_dim]
         )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]

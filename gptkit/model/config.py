@@ -7,20 +7,46 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 from gptkit.errors import ConfigError
 
 POSITIONS = ("learned", "rope")
-MLPS = ("gelu", "swiglu")
-NORMS = ("layernorm", "rmsnorm")
+# gelu: GPT-2's | swiglu: down(silu(gate) * up) (Llama) | geglu: down(gelu_tanh(gate) * up) (Gemma)
+MLPS = ("gelu", "swiglu", "geglu")
+# rmsnorm_unit_offset: RMSNorm scaled by (1 + weight), the weight starting at 0 (Gemma)
+NORMS = ("layernorm", "rmsnorm", "rmsnorm_unit_offset")
 ATTENTIONS = ("eager", "sdpa", "triton")
 # RMSNorm of q and k: per head over head_dim (Qwen3) | all heads at once (OLMo-2)
 QK_NORMS = ("head", "full")
-# pre: x + f(norm(x)) (GPT-2, Llama) | post: x + norm(f(x)) (OLMo-2)
-NORM_PLACEMENTS = ("pre", "post")
-ROPE_SCALINGS = ("llama3",)
-ROPE_SCALING_KEYS = {"llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len")}
+# pre: x + f(norm(x)) (GPT-2, Llama) | post: x + norm(f(x)) (OLMo-2) | sandwich: x + norm(f(norm(x))) (Gemma)
+NORM_PLACEMENTS = ("pre", "post", "sandwich")
+# model.layer_types: a layer attends to its last model.sliding_window positions (local) or to all (global)
+LAYER_TYPES = ("local", "global")
+# model.rope_scaling: type -> (its required keys, its optional keys with their defaults); the frequencies of
+# each type are gptkit/model/rope_scaling.py's (transformers' rope_type of the same name)
+ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
+    # Llama 3.1: long wavelengths divided by factor, short ones kept, a smooth band between
+    "llama3": (("factor", "low_freq_factor", "high_freq_factor", "original_max_seq_len"), {}),
+    # every frequency divided by factor (position interpolation)
+    "linear": (("factor",), {}),
+    # NTK-aware: past original_max_seq_len the base grows with the sequence length of the forward
+    "dynamic": (("factor", "original_max_seq_len"), {}),
+    # YaRN (Qwen2.5, Qwen3, DeepSeek): interpolation blended by wavelength between beta_fast and beta_slow
+    # rotations, cos and sin times attention_factor (null: 0.1 ln(factor) + 1, or the mscale ratio)
+    "yarn": (
+        ("factor", "original_max_seq_len"),
+        {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "attention_factor": None,
+            "mscale": None,
+            "mscale_all_dim": None,
+            "truncate": True,
+        },
+    ),
+}
+ROPE_SCALINGS = tuple(ROPE_SCALING_KEYS)
 # fused kernels model.kernels may switch on (gptkit/model/fused.py)
 KERNELS = ("norm", "swiglu", "rope", "loss")
 # model.moe.router: softmax over the experts, then top-k (Mixtral, Qwen3-MoE, OLMoE) | an independent
@@ -143,9 +169,12 @@ class ModelConfig:
     # learned | rope
     position: str = "learned"
     rope_theta: float = 10000.0
-    # null: plain RoPE; {type: llama3, factor, low_freq_factor, high_freq_factor, original_max_seq_len}:
-    # Llama 3.1's frequency scaling (transformers' rope_type llama3)
+    # null: plain RoPE; {type: llama3 | linear | dynamic | yarn, ...}: the frequencies rescaled (the keys of
+    # each type: ROPE_SCALING_KEYS; transformers' rope_type of the same name)
     rope_scaling: dict[str, Any] | None = None
+    # null: local layers (model.layer_types) rotate as the global ones; a base: local layers use plain RoPE
+    # of this base, rope_theta and rope_scaling are the global layers' (Gemma 3: 10000 local, 1e6 global)
+    rope_local_theta: float | None = None
     # gelu | swiglu
     mlp: str = "gelu"
     # layernorm | rmsnorm
@@ -163,6 +192,20 @@ class ModelConfig:
     dropout: float = 0.0
     # eager | sdpa | triton
     attention: str = "sdpa"
+    # null: every layer attends to all earlier positions; W: a local layer (model.layer_types) attends to its
+    # last W positions, its own included (transformers' sliding_window), and caches only those
+    sliding_window: int | None = None
+    # null: every layer local when sliding_window is set (Mistral v0.1), else global; or one of LAYER_TYPES
+    # per layer, n_layers of them (Gemma 3: five local, then one global)
+    layer_types: list[str] | None = None
+    # null: attention scores scaled by head_dim^-0.5; s: by s^-0.5 (Gemma's query_pre_attn_scalar)
+    query_pre_attn_scalar: float | None = None
+    # null | c: attention scores soft-capped to c * tanh(scores / c) before the mask (Gemma 2)
+    attn_softcap: float | None = None
+    # null | c: the output logits soft-capped to c * tanh(logits / c) (Gemma 2)
+    logit_softcap: float | None = None
+    # token embeddings times sqrt(d_model), rounded to their dtype (Gemma)
+    scale_embeddings: bool = False
     # fused kernels to use, any of KERNELS; [] = eager torch
     kernels: list[str] = field(default_factory=list)
     # with packed documents (data.pack=documents): positions restart per document
@@ -198,6 +241,25 @@ class ModelConfig:
     def moe_layers(self) -> list[int]:
         """The layers whose feed-forward is a mixture of experts ([] for a dense model)."""
         return [i for i in range(self.n_layers) if self.feed_forward(i) == "moe"]
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (from 0): model.sliding_window for a local layer, None for a
+        global one (it attends to every earlier position)."""
+        if self.sliding_window is None:
+            return None
+        if self.layer_types is None or self.layer_types[layer] == "local":
+            return self.sliding_window
+        return None
+
+    @property
+    def local_layers(self) -> list[int]:
+        """The layers that attend to a sliding window ([] without model.sliding_window)."""
+        return [i for i in range(self.n_layers) if self.window(i) is not None]
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor of the attention scores q k^T: query_pre_attn_scalar^-0.5, else head_dim^-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def d_attn(self) -> int:
@@ -268,6 +330,21 @@ class ModelConfig:
             raise ConfigError(f"model.norm_eps={self.norm_eps} must be > 0")
         if not float(self.rope_theta) > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
+        self._validate_windows()
+        if self.rope_local_theta is not None:
+            if self.position != "rope":
+                raise ConfigError(
+                    f"model.rope_local_theta needs model.position=rope (it is {self.position}); set it to "
+                    f"null"
+                )
+            if not _positive(self.rope_local_theta):
+                raise ConfigError(f"model.rope_local_theta={self.rope_local_theta!r} must be a number > 0")
+        for name in ("query_pre_attn_scalar", "attn_softcap", "logit_softcap"):
+            v = getattr(self, name)
+            if v is not None and not _positive(v):
+                raise ConfigError(f"model.{name}={v!r} must be a number > 0 (or null: none)")
+        if not isinstance(self.scale_embeddings, bool):
+            raise ConfigError(f"model.scale_embeddings={self.scale_embeddings!r} must be true or false")
         if self.moe is not None:
             self.moe = MoEConfig.from_dict(self.moe)
             self.moe.validate(self.n_layers)
@@ -275,6 +352,46 @@ class ModelConfig:
                 raise ConfigError(
                     f"model.moe: the experts are SwiGLU MLPs, but model.mlp={self.mlp}; set model.mlp=swiglu"
                 )
+
+    def _validate_windows(self) -> None:
+        """model.sliding_window and model.layer_types: ConfigError (one line) when they do not fit."""
+        w = self.sliding_window
+        if w is not None:
+            if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+                raise ConfigError(
+                    f"model.sliding_window={w!r} must be a positive integer (the positions a local layer "
+                    f"attends to), or null for full attention in every layer"
+                )
+            if w > self.max_seq_len:
+                raise ConfigError(
+                    f"model.sliding_window={w} exceeds model.max_seq_len={self.max_seq_len}: a window is "
+                    f"part of the context; set it <= {self.max_seq_len} (or null for full attention)"
+                )
+        types = self.layer_types
+        if types is None:
+            return
+        if isinstance(types, str) or not isinstance(types, Sequence):
+            raise ConfigError(
+                f"model.layer_types={types!r} must be a list of {', '.join(LAYER_TYPES)}, one per layer "
+                f"(or null)"
+            )
+        types = [str(t) for t in types]
+        bad = sorted({t for t in types if t not in LAYER_TYPES})
+        if bad:
+            raise ConfigError(
+                f"model.layer_types holds {', '.join(bad)}: each must be one of {', '.join(LAYER_TYPES)}"
+            )
+        if len(types) != self.n_layers:
+            raise ConfigError(
+                f"model.layer_types has {len(types)} entries but model.n_layers={self.n_layers}: give one "
+                f"({' or '.join(LAYER_TYPES)}) per layer"
+            )
+        if w is None and "local" in types:
+            raise ConfigError(
+                "model.layer_types has local layers but model.sliding_window is null: set the window "
+                "(e.g. model.sliding_window=512), or make every layer global"
+            )
+        self.layer_types = types
 
     # ---- conversion ------------------------------------------------------------------------
     @classmethod
@@ -294,26 +411,39 @@ class ModelConfig:
 
 
 def check_rope_scaling(d: Any, position: str) -> dict[str, Any]:
-    """model.rope_scaling as a plain dict with every key of its type, numbers as floats (the original
-    context as an int); ConfigError naming what is wrong."""
+    """model.rope_scaling as a plain dict holding every key of its type (the optional ones at their defaults),
+    numbers as floats (the original context as an int); ConfigError naming what is wrong."""
     if position != "rope":
         raise ConfigError(f"model.rope_scaling needs model.position=rope (it is {position}); set it to null")
-    if not isinstance(d, Mapping) or d.get("type") not in ROPE_SCALINGS:
+    if not isinstance(d, Mapping) or "type" not in d:
         raise ConfigError(
             f"model.rope_scaling={d!r} must be null or a mapping with type: one of {', '.join(ROPE_SCALINGS)}"
         )
-    need = ROPE_SCALING_KEYS[d["type"]]
-    have = set(d) - {"type"}
-    if have != set(need):
+    if d["type"] not in ROPE_SCALINGS:
         raise ConfigError(
-            f"model.rope_scaling of type {d['type']} takes exactly {', '.join(need)} "
-            f"(missing: {', '.join(sorted(set(need) - have)) or '-'}; unknown: "
-            f"{', '.join(sorted(have - set(need))) or '-'})"
+            f"model.rope_scaling type {d['type']!r} is not known; known types: {', '.join(ROPE_SCALINGS)}"
+        )
+    need, optional = ROPE_SCALING_KEYS[d["type"]]
+    have = set(d) - {"type"}
+    if not set(need) <= have <= set(need) | set(optional):
+        raise ConfigError(
+            f"model.rope_scaling of type {d['type']} takes {', '.join(need)}"
+            + (f" (optional: {', '.join(optional)})" if optional else "")
+            + f" (missing: {', '.join(sorted(set(need) - have)) or '-'}; unknown: "
+            f"{', '.join(sorted(have - set(need) - set(optional))) or '-'})"
         )
     out: dict[str, Any] = {"type": d["type"]}
-    for k in need:
-        v = d[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+    for k in (*need, *optional):
+        v = d.get(k, optional.get(k))
+        if k == "truncate":
+            if not isinstance(v, bool):
+                raise ConfigError(f"model.rope_scaling.truncate={v!r} must be true or false")
+            out[k] = v
+            continue
+        if v is None and k in optional and optional[k] is None:
+            out[k] = None
+            continue
+        if not _positive(v):
             raise ConfigError(f"model.rope_scaling.{k}={v!r} must be a positive number")
         out[k] = int(v) if k == "original_max_seq_len" else float(v)
     if out["type"] == "llama3" and not out["high_freq_factor"] > out["low_freq_factor"]:
@@ -322,6 +452,11 @@ def check_rope_scaling(d: Any, position: str) -> dict[str, Any]:
             f"low_freq_factor={out['low_freq_factor']}"
         )
     return out
+
+
+def _positive(v: Any) -> bool:
+    """v is a finite number > 0 (not a bool)."""
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and 0 < v < float("inf")
 
 
 def swiglu_hidden(d_model: int, multiple_of: int = 256) -> int:

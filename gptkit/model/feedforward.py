@@ -3,6 +3,7 @@
     kind     module (file)                 ModelConfig.feed_forward(layer) chooses it
     gelu     GeluMLP (layers.py)           model.mlp=gelu (GPT-2)
     swiglu   SwiGLUMLP (layers.py)         model.mlp=swiglu (Llama and its kin)
+    geglu    GeGLUMLP (layers.py)          model.mlp=geglu (Gemma: the tanh GELU for SiLU)
     moe      MoE (moe.py)                  model.moe set, in the layers it names (every, first_dense)
 
 Every one is called the same way, `y, aux = mlp(x)`: x and y [B, T, d_model], aux a LayerAux (a loss term,
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from gptkit.model.config import ModelConfig
-from gptkit.model.layers import GeluMLP, LayerAux, SwiGLUMLP
+from gptkit.model.layers import GeGLUMLP, GeluMLP, LayerAux, SwiGLUMLP
 from gptkit.model.moe import MoE
 
 
@@ -40,6 +41,7 @@ FEED_FORWARDS: dict[str, Callable[[ModelConfig, int], nn.Module]] = {
     "swiglu": lambda cfg, layer: SwiGLUMLP(
         cfg.d_model, cfg.d_ff, bias=cfg.bias, fused="swiglu" in cfg.kernels
     ),
+    "geglu": lambda cfg, layer: GeGLUMLP(cfg.d_model, cfg.d_ff, bias=cfg.bias),
     "moe": MoE,
 }
 

@@ -92,8 +92,9 @@ def rope(q, k, cos, sin, positions):
     return rope(q, k, cos, sin, positions, 0)
 
 
-def linear_cross_entropy(x, weight, targets):
-    """Mean cross-entropy of x @ weight.T against targets, chunked: the logits never exist whole."""
+def linear_cross_entropy(x, weight, targets, softcap=None):
+    """Mean cross-entropy of x @ weight.T (soft-capped when softcap is given) against targets, chunked: the
+    logits never exist whole."""
     from gptkit_kernels.linear_ce import linear_cross_entropy
 
-    return linear_cross_entropy(x, weight, targets, ignore_index=-100)
+    return linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=softcap)

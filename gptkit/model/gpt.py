@@ -1,8 +1,14 @@
 """The pre-norm decoder-only transformer (GPT-2 and Llama style), as one torch.nn.Module.
 
-    idx [B, T] -> tok_emb (+ pos_emb) -> n_layers x Block -> final_norm -> lm_head -> logits [B, T, V]
-    Block (norm_placement=pre):   x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
-    Block (norm_placement=post):  x = x + attn_norm(attn(x));  x = x + mlp_norm(mlp(x))   (OLMo-2)
+    idx [B, T] -> tok_emb (x sqrt(d_model): scale_embeddings) (+ pos_emb) -> n_layers x Block -> final_norm
+               -> lm_head (-> logit_softcap * tanh(logits / logit_softcap)) -> logits [B, T, V]
+    Block (norm_placement=pre):       x = x + attn(attn_norm(x));  x = x + mlp(mlp_norm(x))
+    Block (norm_placement=post):      x = x + attn_norm(attn(x));  x = x + mlp_norm(mlp(x))   (OLMo-2)
+    Block (norm_placement=sandwich):  x = x + attn_post_norm(attn(attn_norm(x)));
+                                      x = x + mlp_post_norm(mlp(mlp_norm(x)))                (Gemma 2, 3)
+
+A layer's attention is global or local (model.layer_types: a sliding window of model.sliding_window
+positions); with model.rope_local_theta the local layers rotate with their own RoPE (rope_local).
 
 `mlp` is the block's feed-forward, whichever kind the config gives that layer (gptkit/model/feedforward.py:
 dense GELU or SwiGLU, or a mixture of experts); what it returns beside its output (an auxiliary loss and
@@ -27,7 +33,7 @@ from gptkit.model.config import ModelConfig
 from gptkit.model.documents import Documents
 from gptkit.model.feedforward import ModelAux, combine, make_feed_forward
 from gptkit.model.kv_cache import KVCache
-from gptkit.model.layers import RotaryEmbedding, make_norm
+from gptkit.model.layers import LayerNorm, RMSNorm, RotaryEmbedding, make_norm
 
 
 class GPTOutput(NamedTuple):
@@ -52,6 +58,11 @@ class Block(nn.Module):
         self.mlp = make_feed_forward(cfg, layer)
         self.dropout = cfg.dropout
         self.post_norm = cfg.norm_placement == "post"
+        # sandwich: a second norm on each branch's output (before the residual add)
+        self.sandwich = cfg.norm_placement == "sandwich"
+        if self.sandwich:
+            self.attn_post_norm = make_norm(cfg.norm, **norm)
+            self.mlp_post_norm = make_norm(cfg.norm, **norm)
 
     def forward(self, x, *, rope=None, cache=None, positions=0, docs=None, return_probs=False):
         """x [B, T, d_model] -> (x + attention + MLP, the attention probabilities or None, the MLP's LayerAux
@@ -72,8 +83,12 @@ class Block(nn.Module):
             docs=docs,
             return_probs=return_probs,
         )
+        if self.sandwich:
+            a = self.attn_post_norm(a)
         x = x + a
         m, aux = self.mlp(self.mlp_norm(x))
+        if self.sandwich:
+            m = self.mlp_post_norm(m)
         x = x + F.dropout(m, self.dropout, self.training)
         return x, probs, aux
 
@@ -95,6 +110,12 @@ class GPT(nn.Module):
             if cfg.position == "rope"
             else None
         )
+        # the local layers' own RoPE (model.rope_local_theta: plain, another base)
+        self.rope_local = (
+            RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, fused="rope" in cfg.kernels)
+            if cfg.rope_local_theta is not None and cfg.position == "rope"
+            else None
+        )
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.final_norm = make_norm(
@@ -111,9 +132,9 @@ class GPT(nn.Module):
         by 1/sqrt(2 * n_layers) (two residual adds per block)."""
         std = self.cfg.init_std
         for name, p in self.named_parameters():
-            # attn_norm, mlp_norm, final_norm, q_norm, k_norm
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
+            # attn_norm, mlp_norm, final_norm, q_norm, k_norm, *_post_norm: the identity (their own rule)
+            if "_norm." in name:
+                continue
             elif name.endswith(".bias"):
                 p.zero_()
             # a mixture's experts: down_proj [E, d_model, d_expert]
@@ -121,6 +142,9 @@ class GPT(nn.Module):
                 p.normal_(0.0, std / math.sqrt(2 * self.cfg.n_layers))
             else:
                 p.normal_(0.0, std)
+        for m in self.modules():
+            if isinstance(m, (LayerNorm, RMSNorm)):
+                m.reset_parameters()
 
     def forward(
         self,
@@ -156,6 +180,9 @@ class GPT(nn.Module):
             if self.cfg.position_reset:
                 positions = docs.positions  # [B, T]
         x = self.tok_emb(idx)  # [B, T, d_model]
+        if self.cfg.scale_embeddings:
+            # sqrt(d_model) rounded to the activations' dtype first (as Gemma's reference does)
+            x = x * torch.tensor(self.cfg.d_model**0.5).to(x.dtype)
         if self.pos_emb is not None:
             if isinstance(positions, int):
                 positions_t = torch.arange(positions, positions + T, device=idx.device)  # [T]
@@ -166,9 +193,10 @@ class GPT(nn.Module):
         attentions = [] if return_attention else None
         # the feed-forwards' LayerAux, of the layers that return one
         auxes = []
-        for block in self.blocks:
+        for i, block in enumerate(self.blocks):
+            rope = self.rope_local if self.rope_local is not None and self.cfg.window(i) else self.rope
             x, probs, layer_aux = block(
-                x, rope=self.rope, cache=cache, positions=positions, docs=docs, return_probs=return_attention
+                x, rope=rope, cache=cache, positions=positions, docs=docs, return_probs=return_attention
             )
             if attentions is not None:
                 attentions.append(probs)
@@ -178,14 +206,16 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         x = self.final_norm(x)
+        softcap = self.cfg.logit_softcap
         if targets is not None and not logits_to_keep and "loss" in self.cfg.kernels:
             # lm_head and cross-entropy chunk by chunk: the [B*T, vocab_size] logits never exist
-            return GPTOutput(
-                None, fused.linear_cross_entropy(x, self.lm_head.weight, targets), attentions, aux
-            )
+            loss = fused.linear_cross_entropy(x, self.lm_head.weight, targets, softcap)
+            return GPTOutput(None, loss, attentions, aux)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # [B, k, d_model]: project only what is needed
         logits = self.lm_head(x)  # [B, T_kept, vocab_size]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
         loss = None
         if targets is not None:
             if logits_to_keep:

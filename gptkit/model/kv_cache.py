@@ -1,14 +1,29 @@
 """Key/value caches for generation.
 
-KVCache: one K and one V tensor per layer, each [B, n_kv_heads, max_len, head_dim], filled front to back:
-GQA shrinks the cache by n_heads / n_kv_heads. Keys are stored after RoPE, so a cached key never needs
-re-rotating; the model reads `cache.positions` (= `cache.length`, an int: the first of the positions the
-next forward pass feeds, as GPT.forward names positions) and attends over the filled prefix.
+A cache is what GPT.forward takes as `cache`: `positions` (the positions of the tokens it feeds),
+`update(layer, k, v)` (store them, return the keys and values the layer's queries attend over),
+`mask_for(layer)` (None: causal and the layer's sliding window, bottom-right aligned; or the bool mask that
+replaces both) and `advance(T)`. gptkit/inference/slot_cache.py's views are caches too.
+
+KVCache: one K and one V tensor per layer, each [B, n_kv_heads, slots, head_dim]: GQA shrinks the cache by
+n_heads / n_kv_heads. Keys are stored after RoPE, so a cached key never needs re-rotating; the model reads
+`cache.positions` (= `cache.length`, an int: the first of the positions the next forward pass feeds, as
+GPT.forward names positions). A global layer's slots are max_len positions, filled front to back, and it
+attends over the filled prefix. A local layer (model.layer_types, model.sliding_window W < max_len) keeps
+only its last W positions (rolling=True, the default): position p lives in slot p % W, so its memory is
+W / max_len of a global layer's. Its `update` returns what its queries may see, in one of two forms:
+  - one new token: the ring itself after the write (every slot it holds lies in the token's window; the
+    order of the keys does not matter to attention), no copy;
+  - T > 1 new tokens: the last W - 1 cached positions in order, then the T new ones (a copy), for the
+    bottom-right causal window the attention call applies; then the last W of the new ones go into the ring.
+The window itself is part of the attention call (GPT attends with the layer's window either way), so a full
+cache (rolling=False) gives the same tokens: the rolling cache only saves memory.
 
 StaticKVCache: the same tensors, for decoding with fixed shapes (a compiled step, a CUDA graph). The caller
 sets `cache.positions`, a [T] tensor holding the positions of the T tokens it feeds; they are written in
-place there (index_put_), and attention reads the whole cache under `cache.mask`, which hides every slot
-after a token's own position. No shape and no Python number changes from one step to the next.
+place there (index_put_; a local layer at positions % W), and attention reads the whole cache of a layer
+under `cache.mask_for(layer)`, which hides every slot after a token's own position, before its window, and
+a ring's slots not yet written. No shape and no Python number changes from one step to the next.
 """
 
 from __future__ import annotations
@@ -21,7 +36,7 @@ from gptkit.model.config import ModelConfig
 
 
 class KVCache:
-    # attention over the filled prefix is causal as it stands
+    # attention over the filled prefix is causal (and windowed) as it stands
     mask = None
 
     def __init__(
@@ -31,30 +46,90 @@ class KVCache:
         max_len: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        rolling: bool = True,
     ) -> None:
+        self.cfg = cfg
         self.max_len = max_len or cfg.max_seq_len
         if self.max_len > cfg.max_seq_len:
             raise ValueError(f"cache length {self.max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
-        shape = (batch_size, cfg.n_kv_heads, self.max_len, cfg.head_dim)  # [B, n_kv_heads, max_len, head_dim]
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        self.device, self.dtype, self.rolling = device, dtype, rolling
+        # per layer: None (global) or its sliding window
+        self.windows = [cfg.window(i) for i in range(cfg.n_layers)]
+        # per layer: the positions it keeps: max_len, or its window when a rolling cache makes that shorter
+        self.slots = [
+            w if rolling and w is not None and w < self.max_len else self.max_len for w in self.windows
+        ]
+        # [B, n_kv_heads, slots, head_dim] per layer
+        self.k = [torch.zeros(self._shape(batch_size, n), device=device, dtype=dtype) for n in self.slots]
+        self.v = [torch.zeros(self._shape(batch_size, n), device=device, dtype=dtype) for n in self.slots]
         # tokens already cached (= absolute position of the next token)
         self.length = 0
+
+    def _shape(self, batch_size: int, slots: int) -> tuple[int, int, int, int]:
+        return (batch_size, self.cfg.n_kv_heads, slots, self.cfg.head_dim)
+
+    def rolls(self, layer: int) -> bool:
+        """Whether `layer` keeps only its window (a ring of slots) rather than every position."""
+        return self.slots[layer] < self.max_len
 
     @property
     def positions(self) -> int:
         """The absolute position of the first token of the next forward pass."""
         return self.length
 
+    def mask_for(self, layer: int) -> Optional[torch.Tensor]:
+        """The mask attention reads over what `update` returned for `layer`: None (causal, the layer's window,
+        bottom-right aligned)."""
+        return self.mask
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [B, n_kv_heads, T, head_dim] at positions length..length+T-1 of `layer`;
-        return the keys and values of all positions so far, [B, n_kv_heads, length+T, head_dim]."""
+        """Write k, v [B, n_kv_heads, T, head_dim] at positions length..length+T-1 of `layer`; return the keys
+        and values its queries attend over: a global layer's every position so far, [B, n_kv_heads, length+T,
+        head_dim]; a rolling layer's, see the module docstring."""
         start, T = self.length, k.shape[2]
         if start + T > self.max_len:
             raise ValueError(f"KV cache full: {start} + {T} tokens > {self.max_len}")
-        self.k[layer][:, :, start : start + T] = k
-        self.v[layer][:, :, start : start + T] = v
-        return self.k[layer][:, :, : start + T], self.v[layer][:, :, : start + T]
+        if not self.rolls(layer):
+            self.k[layer][:, :, start : start + T] = k
+            self.v[layer][:, :, start : start + T] = v
+            return self.k[layer][:, :, : start + T], self.v[layer][:, :, : start + T]
+        W = self.slots[layer]
+        if T == 1:
+            self.k[layer][:, :, start % W] = k[:, :, 0]
+            self.v[layer][:, :, start % W] = v[:, :, 0]
+            # positions max(0, start - W + 1)..start, in ring order
+            n = min(start + 1, W)
+            return self.k[layer][:, :, :n], self.v[layer][:, :, :n]
+        # the W - 1 positions before `start` that its queries can still see, in order
+        held_k, held_v, _ = self._held(layer, W - 1)
+        out_k = torch.cat([held_k, k], dim=2)  # [B, n_kv_heads, held + T, head_dim]
+        out_v = torch.cat([held_v, v], dim=2)
+        self._put(layer, k, v, start)
+        return out_k, out_v
+
+    def _held(self, layer: int, most: int | None = None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(k, v, first): the last `most` (default: all kept) cached positions of `layer` in order,
+        [B, n_kv_heads, n, head_dim] each, and the position of the first."""
+        n = min(self.length, self.slots[layer] if most is None else most)
+        first = self.length - n
+        if not self.rolls(layer):
+            return self.k[layer][:, :, first : self.length], self.v[layer][:, :, first : self.length], first
+        idx = torch.arange(first, self.length, device=self.k[layer].device) % self.slots[layer]  # [n]
+        return self.k[layer].index_select(2, idx), self.v[layer].index_select(2, idx), first
+
+    def _put(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int) -> None:
+        """Store k, v [B, n_kv_heads, T, head_dim] as positions start..start+T-1 of `layer` (a ring: its last
+        slots of them, each at position % slots)."""
+        T = k.shape[2]
+        if not self.rolls(layer):
+            self.k[layer][:, :, start : start + T] = k
+            self.v[layer][:, :, start : start + T] = v
+            return
+        W = self.slots[layer]
+        n = min(T, W)
+        idx = torch.arange(start + T - n, start + T, device=self.k[layer].device) % W  # [n]
+        self.k[layer].index_copy_(2, idx, k[:, :, T - n :])
+        self.v[layer].index_copy_(2, idx, v[:, :, T - n :])
 
     def advance(self, n: int) -> None:
         """Count n more cached tokens (after a forward pass that wrote them)."""
@@ -63,6 +138,28 @@ class KVCache:
     def reset(self) -> None:
         """Empty the cache (the tensors are kept and overwritten)."""
         self.length = 0
+
+    def rewind(self, n: int) -> int:
+        """Forget the positions from n on (0 <= n <= length), so that the next forward feeds position n, and
+        return n; or return 0 (the cache emptied) when a rolling layer no longer holds the W - 1 positions
+        before n (they were overwritten: at most the last token can be taken back once a ring has wrapped)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot rewind a cache of {self.length} positions to {n}")
+        wrapped = [
+            self.slots[i] for i in range(len(self.slots)) if self.rolls(i) and self.length > self.slots[i]
+        ]
+        self.length = 0 if wrapped and n < self.length - 1 else n
+        return self.length
+
+    def select(self, rows: torch.Tensor, max_len: int) -> "KVCache":
+        """A new cache (room for max_len positions) of len(rows) batch rows, row r holding this cache's row
+        rows[r] and every position it holds."""
+        out = type(self)(self.cfg, len(rows), max_len, self.device, self.dtype, self.rolling)
+        for layer in range(len(self.k)):
+            k, v, first = self._held(layer)
+            out._put(layer, k.index_select(0, rows), v.index_select(0, rows), first)
+        out.length = self.length
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -78,9 +175,11 @@ class StaticKVCache(KVCache):
         max_len: int | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype = torch.float32,
+        rolling: bool = True,
     ) -> None:
-        super().__init__(cfg, batch_size, max_len, device, dtype)
-        self.slots = torch.arange(self.max_len, device=device)  # [max_len]
+        super().__init__(cfg, batch_size, max_len, device, dtype, rolling)
+        # slots -> arange(slots) (the max_len slots of a global layer, the W of a ring)
+        self.slot_ids = {n: torch.arange(n, device=device) for n in set(self.slots)}
         # [T] long: the positions of the tokens being fed (the caller sets them)
         self._positions: Optional[torch.Tensor] = None
 
@@ -95,16 +194,56 @@ class StaticKVCache(KVCache):
 
     @property
     def mask(self) -> torch.Tensor:
-        """[T, max_len] bool: the token at positions[t] may attend to the slots up to its own position."""
-        return self.slots <= self._positions[:, None]
+        """[T, max_len] bool: the token at positions[t] may attend to the slots up to its own position (a
+        global layer's mask)."""
+        return self.slot_ids[self.max_len] <= self._positions[:, None]
+
+    def mask_for(self, layer: int) -> torch.Tensor:
+        """[T, keys] bool over what update returned for `layer`: slots up to each token's own position and,
+        for a local layer, after its position - W; a ring's unwritten slots hidden."""
+        pos = self._positions[:, None]  # [T, 1]
+        W = self.windows[layer]
+        if not self.rolls(layer):
+            slot = self.slot_ids[self.max_len]  # [max_len]: slot = position
+            return (slot <= pos) if W is None else (slot <= pos) & (slot > pos - W)
+        key_pos = self._ring_positions(layer)  # [keys]
+        return (key_pos >= 0) & (key_pos <= pos) & (key_pos > pos - W)  # [T, keys]
+
+    def _ring_positions(self, layer: int) -> torch.Tensor:
+        """The positions of the keys update returns for a rolling `layer`, -1 or less for a slot never
+        written: T = 1, the ring after the write; T > 1, the ring before it, then the T new positions."""
+        W = self.slots[layer]
+        slot = self.slot_ids[W]  # [W]
+        T = self._positions.shape[0]
+        # the last position the ring holds: slot s holds the latest position <= last that is s modulo W
+        last = self._positions[-1] if T == 1 else self._positions[0] - 1
+        ring = last - torch.remainder(last - slot, W)  # [W]
+        return ring if T == 1 else torch.cat([ring, self._positions])  # [W] or [W + T]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [B, n_kv_heads, T, head_dim] at `positions` of `layer`; return the whole cache of that
-        layer, [B, n_kv_heads, max_len, head_dim] (read under `mask`)."""
-        # index_put_: in place, also once compiled
-        self.k[layer][:, :, self._positions] = k
-        self.v[layer][:, :, self._positions] = v
-        return self.k[layer], self.v[layer]
+        layer, [B, n_kv_heads, slots, head_dim] (a rolling layer with T > 1: the ring before the write, then
+        k, v), read under `mask_for(layer)`."""
+        if not self.rolls(layer):
+            # index_put_: in place, also once compiled
+            self.k[layer][:, :, self._positions] = k
+            self.v[layer][:, :, self._positions] = v
+            return self.k[layer], self.v[layer]
+        W, T = self.slots[layer], k.shape[2]
+        if T == 1:
+            slot = torch.remainder(self._positions, W)  # [1]
+            self.k[layer][:, :, slot] = k
+            self.v[layer][:, :, slot] = v
+            return self.k[layer], self.v[layer]
+        # the ring as it was (a copy), then the new tokens
+        out_k = torch.cat([self.k[layer], k], dim=2)  # [B, n_kv_heads, W + T, head_dim]
+        out_v = torch.cat([self.v[layer], v], dim=2)
+        # the last W of the new positions, each at position % W (no slot twice)
+        n = min(T, W)
+        slot = torch.remainder(self._positions[T - n :], W)  # [n]
+        self.k[layer][:, :, slot] = k[:, :, T - n :]
+        self.v[layer][:, :, slot] = v[:, :, T - n :]
+        return out_k, out_v
 
     def advance(self, n: int) -> None:
         """Nothing to count: the caller moves `positions`."""
@@ -112,5 +251,6 @@ class StaticKVCache(KVCache):
         pass
 
     def reset(self) -> None:
-        """Nothing to reset: `mask` hides every slot after a token's own position."""
+        """Nothing to reset: `mask_for` hides every slot after a token's own position and every ring slot
+        not written since positions restarted at 0."""
         pass

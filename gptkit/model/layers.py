@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import torch
@@ -10,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptkit.model import fused
+from gptkit.model.rope_scaling import LENGTH_DEPENDENT, ROPE_SCALINGS
 
 
 class LayerNorm(nn.Module):
@@ -20,6 +20,13 @@ class LayerNorm(nn.Module):
         self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(dim))
         self.bias = nn.Parameter(torch.zeros(dim)) if bias else None
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The identity: weight 1, bias 0."""
+        self.weight.fill_(1.0)
+        if self.bias is not None:
+            self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """LayerNorm of x [..., d_model] with fp32 statistics (the fused kernel where enabled)."""
@@ -46,10 +53,42 @@ class RMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The identity: weight 1."""
+        self.weight.fill_(1.0)
+
+
+class UnitOffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (model.norm=rmsnorm_unit_offset): x / rms(x) * (1 + weight), all in fp32 and then cast
+    (Llama casts before the weight), the weight starting at 0; the files store that weight as it is."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of x [..., d_model] times (1 + weight) (the fused kernel, given 1 + weight, where
+        enabled)."""
+        if self.fused and fused.usable(x, "norm"):
+            return fused.rms_norm(x, 1.0 + self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).to(x.dtype)
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The identity: weight 0 (a scale of 1 + 0)."""
+        self.weight.zero_()
+
+
+# model.norm -> its module (the names are config.py's NORMS)
+NORMS = {
+    "layernorm": lambda dim, eps, bias, fused: LayerNorm(dim, eps, bias, fused),
+    "rmsnorm": lambda dim, eps, bias, fused: RMSNorm(dim, eps, fused),
+    "rmsnorm_unit_offset": lambda dim, eps, bias, fused: UnitOffsetRMSNorm(dim, eps, fused),
+}
+
 
 def make_norm(kind: str, dim: int, eps: float, bias: bool, fused: bool = False) -> nn.Module:
-    """The norm of model.norm (layernorm | rmsnorm) over `dim` features."""
-    return LayerNorm(dim, eps, bias, fused) if kind == "layernorm" else RMSNorm(dim, eps, fused)
+    """The norm of model.norm (NORMS) over `dim` features."""
+    return NORMS[kind](dim, eps, bias, fused)
 
 
 class LayerAux(NamedTuple):
@@ -93,12 +132,29 @@ class SwiGLUMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up), None
 
 
+class GeGLUMLP(nn.Module):
+    """Gemma MLP: down(gelu_tanh(gate(x)) * up(x)) (transformers' gelu_pytorch_tanh)."""
+
+    def __init__(self, d_model: int, d_ff: int, bias: bool) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.up_proj = nn.Linear(d_model, d_ff, bias=bias)
+        self.down_proj = nn.Linear(d_ff, d_model, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, None]:
+        """x [B, T, d_model] -> (down(gelu_tanh(gate(x)) * up(x)) [B, T, d_model], no LayerAux)."""
+        gate, up = self.gate_proj(x), self.up_proj(x)  # [B, T, d_ff] each
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up), None
+
+
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding in the "rotate half" layout (the Hugging Face Llama layout).
 
     cos/sin tables are computed in fp32 for every position up to max_seq_len and kept as
     non-persistent buffers (they are a function of the config, not learned state). `scaling`
-    (model.rope_scaling) rescales the frequencies first, e.g. Llama 3.1's `llama3` scheme.
+    (model.rope_scaling) rescales the frequencies first (gptkit/model/rope_scaling.py: llama3, linear,
+    yarn, dynamic); a `dynamic` scaling computes its tables per forward once the sequence outgrows its
+    original context (from the forward's last position, as transformers does per call).
     """
 
     def __init__(
@@ -107,23 +163,31 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta, self.fused = head_dim, max_seq_len, theta, fused
         self.scaling = scaling
+        self.dynamic = scaling is not None and scaling["type"] in LENGTH_DEPENDENT
         cos, sin = self._tables(None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def _tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _tables(self, device, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [length, head_dim] fp32 for positions 0..length-1: max_seq_len of them, or seq_len for a
+        sequence of that length (a `dynamic` scaling's frequencies depend on it)."""
         # In fp32, step by step as Meta's reference and transformers compute them: the angles the weights were
         # trained with (an fp64 angle differs from that fp32 one by up to an fp32 ulp of position * frequency)
         f32 = dict(dtype=torch.float32, device=device)
         steps = torch.arange(0, self.head_dim, 2, dtype=torch.int64, device=device)  # [head_dim/2]
         exponents = steps.float() / self.head_dim
         inv_freq = 1.0 / (self.theta**exponents)  # [head_dim/2]
+        factor = 1.0
         if self.scaling is not None:
-            inv_freq = llama3_frequencies(inv_freq, self.scaling)
-        t = torch.arange(self.max_seq_len, **f32)
-        freqs = torch.outer(t, inv_freq)  # [max_seq_len, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [max_seq_len, head_dim]
-        return emb.cos(), emb.sin()
+            fn = ROPE_SCALINGS[self.scaling["type"]]
+            inv_freq, factor = fn(inv_freq, self.scaling, self.head_dim, self.theta, seq_len)
+        t = torch.arange(seq_len or self.max_seq_len, **f32)
+        freqs = torch.outer(t, inv_freq)  # [length, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
+        if factor == 1.0:
+            return emb.cos(), emb.sin()
+        # YaRN's attention factor rides on cos and sin (as transformers applies it)
+        return emb.cos() * factor, emb.sin() * factor
 
     def _apply(self, fn, recurse=True):
         """`model.to(torch.bfloat16)` would round the tables to bf16 and shift every position, and
@@ -134,6 +198,17 @@ class RotaryEmbedding(nn.Module):
             self.cos, self.sin = self._tables(self.cos.device)
         return self
 
+    def tables(self, positions: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (cos, sin) tables for a forward of T tokens at `positions`: the stored ones, or, for a
+        `dynamic` scaling past its original context, ones computed for this forward's length (its last
+        position + 1; a tensor of positions is read on the host)."""
+        if not self.dynamic:
+            return self.cos, self.sin
+        length = positions + T if isinstance(positions, int) else int(positions.max()) + 1
+        if length <= self.scaling["original_max_seq_len"]:
+            return self.cos, self.sin
+        return self._tables(self.cos.device, length)
+
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: int | torch.Tensor = 0
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,32 +216,19 @@ class RotaryEmbedding(nn.Module):
         a [T] tensor (decoding with fixed shapes) or a [B, T] tensor (e.g. restarting at every packed
         document)."""
         one_row = isinstance(positions, torch.Tensor) and positions.dim() == 1
+        cos_table, sin_table = self.tables(positions, q.shape[-2])
         if self.fused and not one_row and fused.usable(q, "rope"):
-            return fused.rope(q, k, self.cos, self.sin, positions)
+            return fused.rope(q, k, cos_table, sin_table, positions)
         if isinstance(positions, int):
             T = q.shape[-2]
-            cos = self.cos[positions : positions + T]  # [T, D]
-            sin = self.sin[positions : positions + T]
+            cos = cos_table[positions : positions + T]  # [T, D]
+            sin = sin_table[positions : positions + T]
         elif one_row:
-            cos, sin = self.cos[positions], self.sin[positions]  # [T, D]
+            cos, sin = cos_table[positions], sin_table[positions]  # [T, D]
         else:
-            cos = self.cos[positions][:, None]  # [B, 1, T, D]
-            sin = self.sin[positions][:, None]
+            cos = cos_table[positions][:, None]  # [B, 1, T, D]
+            sin = sin_table[positions][:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def llama3_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
-    """Llama 3.1's RoPE scaling: wavelengths longer than original_max_seq_len / low_freq_factor are divided
-    by `factor`, those shorter than original_max_seq_len / high_freq_factor stay, and the band between
-    is interpolated smoothly (Meta's reference `apply_scaling`, transformers' rope_type llama3)."""
-    factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
-    old = s["original_max_seq_len"]
-    wavelen = 2 * math.pi / inv_freq  # [head_dim/2]
-    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
-    # 0 at the long end of the band, 1 at the short end
-    smooth = (old / wavelen - low) / (high - low)
-    medium = (wavelen >= old / high) & (wavelen <= old / low)
-    return torch.where(medium, (1 - smooth) * scaled / factor + smooth * scaled, scaled)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

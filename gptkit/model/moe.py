@@ -110,7 +110,7 @@ class Experts(nn.Module):
         self, x: torch.Tensor, name: str, offsets: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
         """x [M, in] sorted by expert through each expert's `name` weight -> [M, out] (LoRA adds its update
-        here: gptkit/training/lora.py)."""
+        here: gptkit/training/finetune/lora.py)."""
         return grouped_linear(x, self.weight(name), offsets, counts, self.impl)
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -132,11 +132,13 @@ def load_served(
     max_batch: int = 16,
     max_queue: int = 64,
     allow_special_text: bool = False,
+    quantize: Optional[str] = None,
     transform: Optional[Callable] = None,
 ) -> Served:
-    """Load a run and start its Engine. transform(model) -> model runs once at load time, before the engine
-    sees the model: where a load-time model transform (quantization) goes."""
-    r = load_for_inference(run, device, dtype, attention)
+    """Load a run and start its Engine. quantize: None or int8 | int4 | nf4, the block projections weight-only
+    quantized as `sample quantize=` does (gptkit.quant, torchao). transform(model) -> model runs once at load
+    time, before the engine sees the model (any other load-time change)."""
+    r = load_for_inference(run, device, dtype, attention, quantize)
     model = transform(r.model) if transform is not None else r.model
     tpl = None
     if template == "auto":

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gptkit import adapters
+from gptkit import quant
 from gptkit.checkpoints import (
     EXTRA_STATE,
     STATE_PREFIX,
@@ -41,7 +41,6 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
-from gptkit.training.lora import adapter_state_dict
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
@@ -272,6 +271,52 @@ def _fsdp2_strategy_class():
                 replace_checkpoint(tmp, path)
             self.barrier()
 
+        def lightning_module_state_dict(self) -> dict[str, Any]:
+            """One-file checkpoints (sharded_checkpoint=false) of a fine-tune whose checkpoints hold only what
+            trains (lora, qlora): only those tensors are gathered to rank 0; the frozen weights stay in their
+            shards (gathering them all to drop them wasted the collective, and an NF4 weight's left torch's
+            functional collectives unwaited)."""
+            finetune = getattr(self.lightning_module, "finetune", None)
+            if self._save_distributed_checkpoint or finetune is None or finetune.saves_every_weight:
+                return super().lightning_module_state_dict()
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+            from torch.distributed.tensor import DTensor
+
+            local = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=False))
+            kept = finetune.checkpoint_state(local, STATE_PREFIX)
+            # collective: every rank gathers every kept tensor, in the same order
+            full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach() for k, v in kept.items()}
+            return {k: v.cpu() for k, v in full.items()} if self.global_rank == 0 else {}
+
+        def optimizer_state(self, optimizer) -> dict[str, Any]:
+            """One-file checkpoints: the optimizer state in torch.optim's own format, each parameter keyed by
+            its index across the optimizer's param groups (what _load_full_into reads), gathered to rank 0.
+            Lightning's re-keying counts module.named_parameters(), frozen ones included, which neither a
+            LoRA run's optimizer (the adapters only: a resume failed with an IndexError) nor gptkit's grouped
+            order matches."""
+            if self._save_distributed_checkpoint:
+                return super().optimizer_state(optimizer)
+            from lightning.pytorch.core.optimizer import LightningOptimizer
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+            if isinstance(optimizer, LightningOptimizer):
+                optimizer = optimizer._optimizer
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            # collective
+            osd = get_optimizer_state_dict(self.model, optimizer, options=options)
+            if self.global_rank != 0:
+                return {}
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            index = {
+                names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
+            }
+            return {
+                "state": {index[n]: s for n, s in osd["state"].items()},
+                "param_groups": [
+                    dict(g, params=[index[n] for n in g["params"]]) for g in osd["param_groups"]
+                ],
+            }
+
         def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict[str, Any]:
             """Like ModelParallelStrategy's, but the shard index and non-tensor values are read without
             unpickling code (see _SafeUnpickler); any world size reads any other's shards."""
@@ -295,15 +340,15 @@ def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
     )
 
     _verify_together(path)
-    model_state = {"state_dict": get_model_state_dict(module)}
-    # a LoRA run's checkpoint: the adapters only
-    lora = getattr(module, "lora_record", None) is not None
-    if lora:
-        model_state["state_dict"] = adapter_state_dict(model_state["state_dict"], STATE_PREFIX)
+    finetune = module.finetune
+    # what the run's checkpoints hold (lora, qlora: the adapters only)
+    model_state = {"state_dict": finetune.checkpoint_state(get_model_state_dict(module), STATE_PREFIX)}
     _dcp_load(model_state, path)
-    missing, unexpected = module.load_state_dict(model_state["state_dict"], strict=not lora)
-    if lora and (unexpected or any(adapters.is_adapter_key(k[len(STATE_PREFIX) :]) for k in missing)):
-        raise GptkitError(f"{path} does not hold this run's LoRA adapters")
+    strict = finetune.saves_every_weight
+    _, unexpected = module.load_state_dict(model_state["state_dict"], strict=strict)
+    # (an adapter the checkpoint lacks fails in dcp.load already)
+    if not strict and unexpected:
+        raise GptkitError(f"{path} does not hold this run's adapters")
     for i, optimizer in enumerate(optimizers):
         key = f"optimizer_{i}"
         optim_state = {key: get_optimizer_state_dict(module, optimizer)}
@@ -328,9 +373,9 @@ def _load_full_into(module, optimizers, path: Path) -> dict[str, Any]:
     )
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-    # a LoRA run's checkpoint: the adapters only
-    lora = getattr(module, "lora_record", None) is not None
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=not lora)
+    # lora, qlora: the adapters only
+    strict = module.finetune.saves_every_weight
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
     set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
     names = {id(p): n for n, p in module.named_parameters()}
     saved = checkpoint.get("optimizer_states", [])
@@ -420,9 +465,13 @@ def parallelize(model, strategy) -> bool:
         grid = expert_grid(strategy.root_device.type, world, k)
         compute = policy.param_dtype if policy.param_dtype != torch.float32 else None
         experts = shard_experts(model, ExpertGroup(grid, world, compute))
+    # torch 2.13's FSDP2 runs a world of one through a path that takes one all-gather input per parameter,
+    # which torchao's NF4 weights (finetune=qlora: three each) break; there they stay whole, outside FSDP
+    nf4 = {p for p in model.parameters() if quant.is_nf4(p)} if mesh.size() == 1 else set()
+    ignored = (experts or set()) | nf4 or None
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=experts)
-    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=experts)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard, ignored_params=ignored)
     model._gptkit_sharded = True
     return True
 

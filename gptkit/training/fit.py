@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from gptkit import adapters
 from gptkit.chat_templates import CHAT_FILE, NoChatTemplate
 from gptkit.checkpoints import CHECKPOINT_DIR, LAST_CHECKPOINT, remove_stale, run_dir_of, verify_checkpoint
 from gptkit.errors import GptkitError
@@ -47,7 +46,6 @@ from gptkit.runs import (
 from gptkit.training.report import announce, check_disk, interrupted, out_of_memory, source_losses, summary
 from gptkit.training.start import (
     HF_PREFIX,
-    check_finetune,
     check_resume_or_init,
     frozen_base,
     load_init_weights,
@@ -124,6 +122,7 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     (resolve_resume), whose saved init_from= records where its weights first came from (objective=dpo: its
     reference, checked here)."""
     from gptkit.training.expert_parallel import check_expert_model
+    from gptkit.training.finetune import check_finetune, finetune_class
     from gptkit.training.objectives import check_objective, objective_class
     from gptkit.training.optim import check_optim_config
     from gptkit.training.plan import with_model
@@ -144,15 +143,15 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     if init_from and not str(cfg.init_from).startswith(HF_PREFIX):
         ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
         verify_checkpoint(ckpt)
-        # the targets and rank against the model init_from= brings
-        if cfg.get("finetune") == "lora":
-            model = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
-            adapters.check_lora(adapters.settings(cfg.lora), model)
+        # a frozen base's fine-tune settings (lora: targets and rank) against the model init_from= brings
+        finetune = finetune_class(cfg)
+        if not finetune.trains_base:
+            finetune.check_model(cfg, ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
     # a resumed run whose objective has a reference of its own (full fine-tuning): where it is loaded from
     elif (
         resume
         and objective_class(cfg).needs_reference
-        and cfg.get("finetune", "full") != "lora"
+        and not finetune_class(cfg).own_reference
         and not str(cfg.init_from).startswith(HF_PREFIX)
     ):
         verify_checkpoint(find_run_checkpoint(str(cfg.init_from), cfg.runs_dir))
@@ -228,7 +227,7 @@ def plan_run(
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         # make_plan checks its window
         checked = dataclasses.replace(checked, model=None, seq_len=None)
-    # finetune=lora: the frozen weights
+    # finetune=lora, qlora: the frozen weights
     lora_base = frozen_base(cfg, model_cfg, init_ckpt, resume_ckpt)
 
     # data first: the tokenizer decides the vocabulary size
@@ -256,7 +255,7 @@ def plan_run(
         model_cfg = _with_vocab(model_cfg, vocab_size)
         if lora_base is not None:
             raise GptkitError(
-                f"finetune=lora freezes the embeddings, and the chat template adds "
+                f"finetune={cfg.finetune} freezes the embeddings, and the chat template adds "
                 f"{prepared.vocab_size - init_vocab} token(s) to init_from={cfg.init_from}'s "
                 f"vocabulary, which would stay untrained; use a template of its own tokens "
                 f"or finetune=full"
@@ -403,7 +402,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     # under FSDP (several processes) rank 0's weights reach the other ranks in configure_model
     if plan.init_from is not None and not module.built_on_meta:
         load_init_weights(module.model, plan.init_from, plan.init_vocab)
-    # a LoRA run resumed: its frozen weights
+    # a LoRA run resumed: its frozen weights (qlora materializes its own: built_on_meta)
     elif plan.lora_base is not None and not module.built_on_meta:
         load_init_weights(module.model, plan.lora_base)
     # objective=dpo: the reference holds the starting weights, frozen
@@ -444,7 +443,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
             file=sys.stderr,
         )
     optimizer = describe_optimizer(plan.optim, module.model, plan.accelerator)
-    announce(trainer, plan, prepared, optimizer, getattr(module, "trainable", None))
+    announce(trainer, plan, prepared, optimizer, module.trainable)
     if trainer.is_global_zero:
         check_disk(
             ckpt_dir,
@@ -453,7 +452,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
             plan.max_steps,
             resume_step or 0,
             plan.precision,
-            lora_params=getattr(module, "trainable", None),
+            each_bytes=plan.finetune_class.checkpoint_bytes(plan, module.trainable),
         )
 
     try:

@@ -8,6 +8,7 @@ from typing import Any
 
 from gptkit.errors import GptkitError
 from gptkit.fsio import human_bytes
+from gptkit.training.finetune import FINETUNES
 from gptkit.training.objectives import OBJECTIVES
 
 
@@ -45,16 +46,16 @@ ALLOCATOR_SLACK = 0.25
 
 def estimate(plan: Any) -> dict[str, float]:
     """The count-params training memory estimate of a run plan (training/plan.py), per process: the tensors
-    (host_estimate adds what a CPU process needs beyond them), for its optimizer (optim=muon: one momentum
-    buffer for the block matrices), its finetune=lora adapters (their gradients and optimizer state only, and
-    their weights) and its objective: the rows per item (a DPO pair is two sequences, chosen and rejected)
-    and, with finetune=full, a frozen reference as a second copy of the weights (with lora it is the model
-    itself with its adapters off: nothing more). gptkit.accounting.training_memory is the count."""
+    (host_estimate adds what a CPU process needs beyond them), as the fine-tune keeps them (lora: the
+    gradients and AdamW moments of the adapters only, their weights added; qlora: the base's projections
+    in NF4). The objective's rows per item count (a DPO pair is two sequences, chosen and rejected), and
+    with finetune=full a frozen reference is a second copy of the weights (with lora and qlora it is the
+    model itself with its adapters off: nothing more). The optimizer state is the optimizer's (optim=muon:
+    one momentum buffer for the block matrices, gptkit.accounting.training_memory)."""
     from gptkit import accounting as acc
 
     objective = OBJECTIVES[getattr(plan, "objective", "lm")]
-    lora = getattr(plan, "lora", None)
-    return acc.training_memory(
+    mem = acc.training_memory(
         plan.model,
         plan.precision,
         plan.shards,
@@ -62,11 +63,25 @@ def estimate(plan: Any) -> dict[str, float]:
         plan.batch_size * objective.rows_per_item,
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
+        # (a plan-like object without it: no expert parallelism)
         getattr(plan, "expert_shards", None),
-        optimizer=str(getattr(getattr(plan, "optim", None), "name", "adamw")),
-        lora=lora,
-        reference=objective.needs_reference,
+        optimizer=optimizer_of(plan),
     )
+    # (a plan-like object without `finetune`: lora when it names adapters)
+    finetune = FINETUNES[
+        getattr(plan, "finetune", None) or ("lora" if getattr(plan, "lora", None) else "full")
+    ]
+    # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
+    if objective.needs_reference and not finetune.own_reference:
+        mem["reference"] = mem["weights"]
+    mem = finetune.memory(plan, mem)
+    mem["total"] = sum(v for key, v in mem.items() if key != "total")
+    return mem
+
+
+def optimizer_of(plan: Any) -> str:
+    """The plan's optimizer (optim.name; a plan-like object without one: adamw)."""
+    return str(getattr(getattr(plan, "optim", None), "name", "adamw"))
 
 
 def host_estimate(plan: Any) -> dict[str, float]:

@@ -58,20 +58,17 @@ before its checkpoint. nanoGPT's train.py and litgpt's pretrain.py:fit write the
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from torch.utils.checkpoint import checkpoint as recompute
 
-from gptkit import adapters
-from gptkit.checkpoints import STATE_PREFIX
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
 from gptkit.training.distributed import broadcast_weights, clip_gradients, parallelize
-from gptkit.training.lora import adapter_state_dict, adapters_disabled, apply_lora
+from gptkit.training.finetune import written_by
 from gptkit.training.metrics import LossWindow
 from gptkit.training.moe import RouterWatch, progress_parts
 from gptkit.training.objectives import Reference, objective_class
@@ -113,36 +110,25 @@ def apply_activation_checkpointing(model: GPT) -> None:
 
 class LitGPT(L.LightningModule):
     """The model, its loss, its optimizer and schedule, for Lightning; every setting from the run plan.
-    finetune=lora: adapters on the frozen model (training/lora.py), and checkpoints of the adapters only."""
+    The fine-tune (training/finetune/: full, lora, qlora) is applied to the built model from outside it and
+    says what a checkpoint holds."""
 
     def __init__(self, plan: RunPlan) -> None:
         """plan.weights_from_rank0 (FSDP over several processes): only global rank 0 builds and initializes
         the full model on the host; the other ranks build it on the meta device (no memory) and receive
         their shards of rank 0's weights once it is sharded (configure_model). A 7B model then takes ~28 GB
-        of host memory in one process of the job instead of in every one."""
+        of host memory in one process of the job instead of in every one. A fine-tune that materializes its
+        weights (qlora) builds on the meta device on every rank and fills them in configure_model."""
         super().__init__()
+        self.finetune = plan.finetune_class(plan)
         self.weights_from_rank0 = plan.weights_from_rank0
-        self.built_on_meta = self.weights_from_rank0 and not is_rank_zero()
+        self.built_on_meta = (self.weights_from_rank0 and not is_rank_zero()) or self.finetune.materializes
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
             self.model = GPT(plan.model)
-        # finetune=lora: the adapters' settings and base, saved with each checkpoint
-        self.lora_record = None
-        # only the adapters train, and only they are checkpointed
-        if plan.lora is not None:
-            if plan.lora_base is None:
-                raise GptkitError(
-                    "finetune=lora: the plan names no base checkpoint (plan.lora_base); make "
-                    "the plan with gptkit.plan(cfg): it resolves init_from= (or the resumed "
-                    "run's base)"
-                )
-            self.trainable = apply_lora(self.model, plan.lora)
-            # a checkpoint holds the adapters; on_load_checkpoint checks them
-            self.strict_loading = False
-            self.lora_record = dict(
-                plan.lora,
-                base=str(Path(plan.lora_base).resolve()),
-                base_fingerprint=adapters.fingerprint(plan.lora_base),
-            )
+        # the trainable parameters (None: every one)
+        self.trainable = self.finetune.apply(self.model)
+        # a checkpoint may hold only what trains (the adapters); on_load_checkpoint checks it
+        self.strict_loading = self.finetune.saves_every_weight
         # what the run trains for (training/objectives/); its reference is not a submodule: in no checkpoint
         objective = objective_class(plan.cfg)
         self.reference = self._reference(plan) if objective.needs_reference else None
@@ -161,14 +147,14 @@ class LitGPT(L.LightningModule):
         # every loss token of an optimizer step weighs the same, across micro-batches and ranks
         self.token_mean = TokenMean(plan.accumulation, plan.world_size, plan.batch_size * plan.seq_len)
         # model.moe: the feed-forwards' auxiliary loss, the router figures, the expert bias (training/moe.py)
-        self.router_watch = RouterWatch(self.model, plan.world_size, move_bias=plan.lora is None)
+        self.router_watch = RouterWatch(self.model, plan.world_size, move_bias=self.finetune.trains_base)
 
     def _reference(self, plan: RunPlan) -> Reference:
-        """The frozen starting weights the objective measures against. finetune=lora: the policy itself with
-        its adapters off (the frozen base: no second copy); else a frozen GPT of the same shape (fit loads
+        """The frozen starting weights the objective measures against: the fine-tune's own (lora, qlora: the
+        policy itself with its adapters off, no second copy), else a frozen GPT of the same shape (fit loads
         the starting weights into it), built on the meta device where the policy is."""
-        if plan.lora is not None:
-            return Reference(None, adapters_disabled)
+        if self.finetune.own_reference:
+            return self.finetune.reference()
         with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
             return Reference(GPT(plan.model))
 
@@ -178,7 +164,8 @@ class LitGPT(L.LightningModule):
         return self.reference.module if self.reference is not None else None
 
     def configure_model(self) -> None:
-        """FSDP2: shard each block (and send rank 0's weights); then compile, once (plan.compile)."""
+        """FSDP2: shard each block (and send rank 0's weights); a fine-tune that materializes its weights
+        (qlora) puts them in place, sharded or whole; then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
         models = [m for m in (self.model, self.reference_module) if m is not None]
         on_rank0 = self.weights_from_rank0 and not self.built_on_meta
@@ -191,6 +178,9 @@ class LitGPT(L.LightningModule):
         if self.weights_from_rank0 and getattr(self.model, "_gptkit_sharded", False):
             self.built_on_meta = False
         del full
+        if self.finetune.materializes and self.built_on_meta:
+            self.finetune.materialize(self, strategy.root_device)
+            self.built_on_meta = False
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True
@@ -282,10 +272,8 @@ class LitGPT(L.LightningModule):
         # the checkpoint the reference came from
         if self.reference is not None:
             self.reference.save(checkpoint)
-        # the adapters (their optimizer state is all there is) and the base
-        if self.lora_record is not None:
-            checkpoint["state_dict"] = adapter_state_dict(checkpoint["state_dict"], STATE_PREFIX)
-            checkpoint[adapters.CHECKPOINT_KEY] = dict(self.lora_record)
+        # lora, qlora: the adapters (their optimizer state is all there is) and the record of the base
+        self.finetune.on_save_checkpoint(checkpoint)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         """Keep the checkpoint's RNG states to restore when training starts."""
@@ -294,15 +282,13 @@ class LitGPT(L.LightningModule):
             self._rng_to_restore = rng
         if self.reference is not None:
             self.reference.check(checkpoint)
-        if (self.lora_record is None) != (adapters.CHECKPOINT_KEY not in checkpoint):
+        if written_by(checkpoint) != self.finetune.name:
             raise GptkitError(
-                "the checkpoint and finetune= disagree (a LoRA checkpoint holds adapters only, "
-                "a full one every weight): resume with the run's own finetune="
+                f"the checkpoint was written by a finetune={written_by(checkpoint)} run, this one is "
+                f"finetune={self.finetune.name} (a LoRA or QLoRA checkpoint holds adapters only, a full one "
+                "every weight): resume with the run's own finetune="
             )
-        # (a sharded one is checked on load)
-        if self.lora_record is not None and "state_dict" in checkpoint:
-            state = {k[len(STATE_PREFIX) :]: v for k, v in checkpoint["state_dict"].items()}
-            adapters.check_adapters(state, self.model.cfg, self.lora_record, "the checkpoint")
+        self.finetune.on_load_checkpoint(checkpoint, self.model.cfg)
 
     def on_train_start(self) -> None:
         """Restore the RNG states of the checkpoint a resume continues."""

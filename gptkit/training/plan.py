@@ -35,13 +35,13 @@ from typing import Any, Optional
 from omegaconf import DictConfig
 
 from gptkit import accounting as acc
-from gptkit import adapters
 from gptkit.conf_tree import count
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 from gptkit.precision import Precision, precision
 from gptkit.training.distributed import accelerator_type, devices_per_node
 from gptkit.training.expert_parallel import check_expert_model
+from gptkit.training.finetune import Finetune, finetune_class
 from gptkit.training.metrics import detect_peak_flops
 from gptkit.training.objectives import Objective, objective_class
 from gptkit.training.optim import lr_factor, min_lr
@@ -158,8 +158,8 @@ class RunPlan:
     # None | "blocks" | "model"
     compile: Optional[str]
     compile_backend: str
-    # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention; finetune=lora:
-    # 4N + 6 per adapter parameter + 12·L·T·d_attn, the frozen weights getting no weight gradient)
+    # training FLOPs per token, the MFU convention (6N + 12·L·T·d_attn, full attention; finetune=lora,
+    # qlora: 4N + 6 per adapter parameter + 12·L·T·d_attn, the frozen weights getting no weight gradient)
     flops_per_token: float
     # the attention term halved (perf/mfu_causal)
     causal_flops_per_token: float
@@ -172,9 +172,9 @@ class RunPlan:
     init_from: Optional[Path] = None
     # on resume with another max_steps: how the schedule moves
     replan: Optional[str] = None
-    # finetune=lora: rank, alpha, dropout, targets (None: every weight trains)
+    # finetune=lora, qlora: the adapters' rank, alpha, dropout, targets (None: every weight trains)
     lora: Optional[dict] = None
-    # finetune=lora: the checkpoint of the frozen weights the adapters adapt
+    # finetune=lora, qlora: the checkpoint of the frozen weights the adapters adapt
     lora_base: Optional[Path] = None
     # "job 1: optim.lr=3e-3" for one job of a multirun
     job: Optional[str] = None
@@ -202,6 +202,16 @@ class RunPlan:
         return self.objective_class.name
 
     @property
+    def finetune(self) -> str:
+        """finetune: full | lora | qlora (training/finetune/)."""
+        return self.finetune_class.name
+
+    @property
+    def finetune_class(self) -> type[Finetune]:
+        """The fine-tune's class (training/finetune/): which weights train, what a checkpoint holds."""
+        return finetune_class(self.cfg)
+
+    @property
     def objective_class(self) -> type[Objective]:
         """The objective's class (training/objectives/): its loss, what it logs and needs."""
         return objective_class(self.cfg)
@@ -219,8 +229,9 @@ class RunPlan:
 
     @property
     def weights_from_rank0(self) -> bool:
-        """FSDP over several processes: only global rank 0 builds the full model (module.LitGPT)."""
-        return self.strategy == "fsdp" and self.world_size > 1
+        """FSDP over several processes: only global rank 0 builds the full model (module.LitGPT), unless the
+        fine-tune materializes its weights on every rank itself (qlora)."""
+        return self.strategy == "fsdp" and self.world_size > 1 and not self.finetune_class.materializes
 
     @property
     def shards(self) -> int:
@@ -278,16 +289,12 @@ def make_plan(
         saved_steps = planned_steps(saved_trainer, tokens_per_step)
         replan = schedule_note(saved_steps, max_steps, int(resume_step or 0), cfg.optim)
     p = checked.precision
-    lora = adapters.settings(cfg.lora) if cfg.get("finetune", "full") == "lora" else None
-    check_expert_model(int(t.get("expert_parallel") or 1), model, str(cfg.get("finetune", "full")))
+    finetune = finetune_class(cfg)
+    lora = finetune.adapters(cfg)
+    check_expert_model(int(t.get("expert_parallel") or 1), model, finetune.name)
     flops = acc.flops_per_token(model, seq_len)
-    dense, causal = flops.train_dense, flops.train_causal
-    # frozen weights get no weight gradient (-2N); the adapters train (6 per parameter)
-    if lora is not None:
-        change = -2.0 * flops.n_matmul + 6.0 * adapters.adapter_params(
-            model, lora["targets"], lora["rank"], active=True
-        )
-        dense, causal = dense + change, causal + change
+    # what the fine-tune trains (lora, qlora: no weight gradient for the frozen weights)
+    dense, causal = finetune.flops(model, lora, flops, flops.train_dense, flops.train_causal)
     # the objective's own work (a reference's forward, no grad)
     dense, causal = objective.flops(flops, dense, causal)
     return RunPlan(

@@ -29,10 +29,11 @@ def check_disk(
     max_steps: int,
     start_step: int,
     precision=None,
-    lora_params: int | None = None,
+    each_bytes: int | None = None,
 ) -> None:
-    """Say how much disk the run's checkpoints need (the count-params estimate; finetune=lora: the
-    adapters and their AdamW moments, in fp32) and warn when the filesystem has less free."""
+    """Say how much disk the run's checkpoints need (each_bytes: one checkpoint's, as the fine-tune says,
+    e.g. lora's adapters and their AdamW moments in fp32; None: the count-params estimate) and warn when
+    the filesystem has less free."""
     from rich.console import Console
 
     from gptkit import accounting as acc
@@ -40,8 +41,8 @@ def check_disk(
 
     # precision: the plan's
     each = acc.checkpoint_bytes(model_cfg, precision or str(t.precision))
-    if lora_params is not None:
-        each = 12 * lora_params
+    if each_bytes is not None:
+        each = each_bytes
     periodic = max(0, max_steps // int(t.checkpoint_every) - start_step // int(t.checkpoint_every))
     keep = t.get("keep_checkpoints", 3)
     # + the one being written + last.ckpt
@@ -119,11 +120,8 @@ def announce(
     compiled = f", torch.compile={plan.compile}" if plan.compile else ""
     total = plan.total_tokens
     batch = plan.objective_class.batch_words(plan.batch_size)
-    convention = (
-        "4N + 6·adapters + 12·L·T·d_attn: no weight gradient for the frozen weights"
-        if plan.lora
-        else "6N + 12·L·T·d_attn, as count-params"
-    )
+    finetune = plan.finetune_class
+    convention = finetune.flops_convention
     lines = [f"[bold]{escape(plan.job)}[/]"] if plan.job else []
     lines += [
         f"[bold]gptkit train[/] -> {escape(str(plan.run_dir))}",
@@ -142,13 +140,9 @@ def announce(
         lines.append(f"  note: {plan.replan}")
     if plan.init_from:
         lines.append(f"  weights from {escape(str(plan.init_from))} (new optimizer and schedule)")
-    if plan.lora:
-        lines.append(
-            f"  LoRA: rank {plan.lora['rank']}, alpha {plan.lora['alpha']}, dropout {plan.lora['dropout']} "
-            f"on {', '.join(plan.lora['targets'])}: {trainable:,} trainable parameters "
-            f"({trainable / n:.2%}), the rest frozen from {escape(str(plan.lora_base))}; checkpoints hold "
-            "the adapters only"
-        )
+    tuned = finetune.describe(plan, trainable, n)
+    if tuned:
+        lines.append(f"  {escape(tuned)}")
     said = plan.objective_class.describe(plan)
     if said:
         lines.append(f"  {escape(said)}")

@@ -1,5 +1,5 @@
 """Where a run's weights come from: a fresh init, the run that resume= continues, the weights init_from= (or
-hf:) starts from, the frozen base of a LoRA run, the frozen reference of an objective that needs one.
+hf:) starts from, the frozen base of a LoRA or QLoRA run, the frozen reference of an objective that needs one.
 
 resolve_resume and resolve_init_from rewrite the config before anything else reads it (a resumed run's
 config is the saved one, merged with the command line; an init_from= run takes its source's model and
@@ -20,19 +20,18 @@ from gptkit.checkpoints import (
     checked_model_state,
     checkpoint_step,
     load_checkpoint,
-    lora_base,
     read_sharded_checkpoint,
     run_dir_of,
 )
 from gptkit.conf_files import conf_dir
-from gptkit.errors import ConfigError, GptkitError
+from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_bytes
 from gptkit.model import ModelConfig
 from gptkit.options import Option
 from gptkit.runs import TOKENIZER_FILE, find_run_checkpoint, read_config, saved_run_config
 
-# Lightning and torch are imported inside the functions that need them: commands/train.py imports this
-# module to check the command line (see fit.py).
+# Lightning and torch (and training/finetune/, which imports torch) are imported inside the functions that
+# need them: commands/train.py imports this module to check the command line (see fit.py).
 
 
 def _group_choices(overrides: list[Option]) -> list[Option]:
@@ -64,8 +63,13 @@ def resolve_resume(
         state = load_checkpoint(ckpt)
     # data, never resolved (the CLI checked it as a command line)
     saved = saved_run_config(ckpt, cfg)
+    from gptkit.training.finetune import check_resumed_finetune
+
     saved_optimizer = str(saved.optim.get("name", "adamw"))
-    saved_lora = OmegaConf.create(OmegaConf.to_container(saved.lora) if "lora" in saved else {})
+    # what the run's fine-tune fixes (lora: the adapters' shape), before the command line merges in
+    saved_finetune = OmegaConf.create(
+        {k: OmegaConf.to_container(saved[k]) for k in ("lora", "qlora") if k in saved}
+    )
     overrides = [o for o in overrides if o.kind != "hydra" and o.key not in ("resume", "name", "runs_dir")]
     saved.model = OmegaConf.create(
         model_from_source(f"resume={cfg.resume}", saved.model, cfg.model, overrides)
@@ -109,36 +113,9 @@ def resolve_resume(
     for o in overrides:
         if o.kind == "key" and o.key == "finetune" and o.op != "DEL":
             merged.finetune = o.value
-    check_resumed_finetune(cfg.resume, saved_lora, merged, adapters.CHECKPOINT_KEY in state)
+    check_resumed_finetune(cfg.resume, saved_finetune, merged, state)
     merged.resume = str(ckpt)
     return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
-
-
-def check_resumed_finetune(resume: Any, saved_lora: Any, merged: DictConfig, lora_ckpt: bool) -> None:
-    """resume= continues the run's own finetune= (its checkpoint holds every weight, or the adapters only)
-    and, for lora, its adapters' rank, alpha and targets (lora.dropout may change)."""
-    asked = str(merged.get("finetune", "full"))
-    have = "lora" if lora_ckpt else "full"
-    if asked != have:
-        other = (
-            f"init_from={resume} finetune=lora"
-            if asked == "lora"
-            else f"init_from={resume} (its base with the adapters merged) finetune=full"
-        )
-        held = "the adapters only" if have == "lora" else "every weight"
-        raise GptkitError(
-            f"resume={resume} continues a finetune={have} run (its checkpoint holds {held}); "
-            f"for finetune={asked} start a new run: {other}"
-        )
-    if have == "lora":
-        for key in ("rank", "alpha", "targets"):
-            was, now = saved_lora.get(key), merged.lora.get(key)
-            was, now = (f"[{', '.join(map(str, v))}]" if OmegaConf.is_list(v) else v for v in (was, now))
-            if was != now:
-                raise GptkitError(
-                    f"resume={resume} continues adapters with lora.{key}={was}; "
-                    f"lora.{key}={now} would not fit them (start a new run for other adapters)"
-                )
 
 
 def preset_settings(group: str, name: str) -> DictConfig:
@@ -292,7 +269,7 @@ def load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
         state = grow_vocab(state, cfg.vocab_size)
     # into the (tied) parameters
     missing, unexpected = model.load_state_dict(state, strict=False)
-    # only LoRA's adapters start anew
+    # only the adapters (lora, qlora) start anew
     if unexpected or any(not adapters.is_adapter_key(k) for k in missing):
         raise GptkitError(
             f"{ckpt} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
@@ -301,8 +278,8 @@ def load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
 
 def load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
     """The starting weights into the objective's frozen reference (module.reference; nothing to load with
-    LoRA, whose reference is the base with its adapters off). A new run copies the policy's (just loaded
-    from init_from=); a resumed run reads them again from the checkpoint its config's init_from= names,
+    LoRA and QLoRA, whose reference is the base with its adapters off). A new run copies the policy's (just
+    loaded from init_from=); a resumed run reads them again from the checkpoint its config's init_from= names,
     whose step the Reference checks against the one the run started from. FSDP: on the ranks that build
     weights only."""
     reference = module.reference
@@ -326,19 +303,12 @@ def load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
 def frozen_base(
     cfg: DictConfig, model_cfg: ModelConfig, init_ckpt: Optional[Path], resume_ckpt: Optional[Path]
 ) -> Optional[Path]:
-    """finetune=lora: the checkpoint of the frozen weights (init_from='s, or the one the resumed run's
-    checkpoint records, checked unchanged), after the lora settings are checked against the model."""
-    if cfg.get("finetune", "full") != "lora":
-        return None
-    adapters.check_lora(adapters.settings(cfg.lora), model_cfg)
-    if resume_ckpt is None:
-        return init_ckpt
-    state = (
-        read_sharded_checkpoint(resume_ckpt, weights=False)
-        if resume_ckpt.is_dir()
-        else load_checkpoint(resume_ckpt)
-    )
-    return lora_base(state, resume_ckpt)
+    """finetune=lora, qlora: the checkpoint of the frozen weights (init_from='s, or the one the resumed run's
+    checkpoint records, checked unchanged), after the fine-tune's settings are checked against the model;
+    None when every weight trains."""
+    from gptkit.training.finetune import finetune_class
+
+    return finetune_class(cfg).base_checkpoint(cfg, model_cfg, init_ckpt, resume_ckpt)
 
 
 def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
@@ -349,21 +319,3 @@ def check_resume_or_init(resume: Any, init_from: Any) -> tuple[bool, bool]:
             "give resume= (continue a run) or init_from= (start a new run from its weights), not both"
         )
     return given
-
-
-def check_finetune(cfg: DictConfig, has_weights: bool) -> None:
-    """finetune= is full or lora; lora starts from weights (init_from=, or the run resume= continues), with
-    either optimizer (optim=muon orthogonalizes each adapter factor: training/optim.py, muon_split)."""
-    finetune = cfg.get("finetune", "full")
-    if finetune not in ("full", "lora"):
-        raise ConfigError(
-            f"finetune={finetune} must be full (every weight trains) or lora (adapters on frozen weights)"
-        )
-    if finetune != "lora":
-        return
-    if not has_weights:
-        raise ConfigError(
-            "finetune=lora trains adapters on frozen weights, so it needs the weights to start "
-            "from: init_from=<run folder | checkpoint | hf:owner/name>; without one the frozen "
-            "model would be random (train it first with finetune=full)"
-        )

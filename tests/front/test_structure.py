@@ -250,3 +250,29 @@ def test_the_layout_names_every_room():
         if (p.suffix == ".py" and not p.name.startswith("__")) or (p / "__init__.py").is_file()
     ]
     assert [name for name in inner if name not in rooms] == [], "modules docs/layout.md does not name"
+
+
+def test_the_wheel_lists_every_package_and_the_files_they_read():
+    """pyproject.toml names the packages a wheel installs one by one: a new package missing there is missing
+    from every installed gptkit (gptkit.training.objectives was, until the QLoRA merge found it)."""
+    import tomllib
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    found = {
+        ".".join(p.parent.relative_to(REPO).parts)
+        for p in (REPO / "gptkit").rglob("__init__.py")
+        if "__pycache__" not in p.parts
+    }
+    assert found - listed == set(), "packages missing from pyproject.toml's [tool.setuptools] packages"
+    # every other file a package holds (the chat page, the built-in corpus) is its package data
+    data = tool["package-data"]
+    for f in (REPO / "gptkit").rglob("*"):
+        if f.is_dir() or f.suffix in (".py", ".pyc") or "__pycache__" in f.parts:
+            continue
+        pkg_dir = next(d for d in f.parents if (d / "__init__.py").is_file())
+        pkg = ".".join(pkg_dir.relative_to(REPO).parts)
+        rel = f.relative_to(pkg_dir)
+        assert any(rel.match(g) for g in data.get(pkg, [])), (
+            f"{f.relative_to(REPO)} is not package data of {pkg}"
+        )

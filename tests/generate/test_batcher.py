@@ -17,6 +17,16 @@ from gptkit.sampling import SampleOptions
 VARIANTS = {
     "rope-gqa": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False),
     "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
+    # a local layer (a window of 5) beside a global one: the decode mask narrows per layer (mask_for)
+    "rope-window": dict(
+        position="rope",
+        n_kv_heads=2,
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        sliding_window=5,
+        layer_types=["local", "global"],
+    ),
     # routing has no capacity: a token's experts do not depend on what shares its batch
     "rope-moe": dict(
         position="rope",

@@ -53,18 +53,18 @@ def test_export_refuses_a_non_empty_out_and_force_replaces_it(tmp_path, cli):
 def test_import_refuses_what_is_not_a_supported_model(tmp_path, cli):
     (tmp_path / "empty").mkdir()
     one_line_error(cli("import", f"hf={tmp_path / 'empty'}", f"out={tmp_path / 'a'}"), "no config.json")
-    (tmp_path / "mistral").mkdir()
-    (tmp_path / "mistral" / "config.json").write_text(
-        json.dumps({"model_type": "mistral", "architectures": ["MistralForCausalLM"]})
+    (tmp_path / "phi3").mkdir()
+    (tmp_path / "phi3" / "config.json").write_text(
+        json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
     )
     one_line_error(
-        cli("import", f"hf={tmp_path / 'mistral'}", f"out={tmp_path / 'a'}"),
-        "mistral",
-        "MistralForCausalLM",
+        cli("import", f"hf={tmp_path / 'phi3'}", f"out={tmp_path / 'a'}"),
+        "phi3",
+        "Phi3ForCausalLM",
         "Llama",
         "GPT-2",
     )
-    only(tmp_path, "empty", "mistral")
+    only(tmp_path, "empty", "phi3")
 
 
 def test_import_refuses_weights_that_contradict_the_config_or_run_code(tmp_path, cli):

@@ -171,14 +171,34 @@ def test_post_norm_and_qk_norm_train_a_step():
 
 
 # ---- presets and count-params ------------------------------------------------------------------------
-PUBLISHED = {"llama3.2-1b": 1_235_814_400, "qwen2.5-0.5b": 494_032_768, "llama3.1-8b": 8_030_261_248}
+PUBLISHED = {
+    "llama3.2-1b": 1_235_814_400,
+    "qwen2.5-0.5b": 494_032_768,
+    "llama3.1-8b": 8_030_261_248,
+    # transformers' own MistralForCausalLM and Gemma3ForCausalLM of the Hub configs
+    "mistral-7b": 7_248_023_552,
+    "gemma3-1b": 999_885_952,
+}
 
 
 def preset(name: str) -> ModelConfig:
     return ModelConfig.from_dict(yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text()))
 
 
-@pytest.mark.parametrize("name", ["llama3.2-1b", "llama3.1-8b", "qwen2.5-0.5b", "qwen3-0.6b", "olmo2-1b"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama3.2-1b",
+        "llama3.1-8b",
+        "qwen2.5-0.5b",
+        "qwen3-0.6b",
+        "olmo2-1b",
+        "mistral-7b",
+        "mistral-7b-v0.1",
+        "gemma3-1b",
+        "gemma3-tiny",
+    ],
+)
 def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
     cfg = preset(name)
     n = acc.count_params(cfg).total
@@ -195,17 +215,18 @@ def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
     assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
 
 
-def test_count_params_cli_prints_the_exact_total(capsys):
-    assert cli("count-params", "model=qwen2.5-0.5b") == 0
-    assert "494,032,768" in capsys.readouterr().out
+@pytest.mark.parametrize("name, total", [("qwen2.5-0.5b", "494,032,768"), ("mistral-7b", "7,248,023,552")])
+def test_count_params_cli_prints_the_exact_total(capsys, name, total):
+    assert cli("count-params", f"model={name}") == 0
+    assert total in capsys.readouterr().out
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "change, named",
     [
-        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
-        (dict(use_sliding_window=True), "use_sliding_window"),
+        (dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
+        (dict(use_sliding_window=True, sliding_window=8, layer_types=["chunked_attention"] * 2), "layer_"),
         (dict(attention_bias=True), "attention_bias"),
     ],
 )
@@ -218,10 +239,10 @@ def test_unsupported_hf_configs_are_refused_by_name(change, named):
 @pytest.mark.parametrize(
     "kw, named",
     [
-        (dict(rope_scaling={"type": "llama3", "factor": 8.0}), "takes exactly"),
+        (dict(rope_scaling={"type": "llama3", "factor": 8.0}), "missing: high_freq_factor"),
         (dict(rope_scaling={"type": "yarn"}), "rope_scaling"),
         (dict(qk_norm="layer"), "qk_norm"),
-        (dict(norm_placement="sandwich"), "norm_placement"),
+        (dict(norm_placement="middle"), "norm_placement"),
         (dict(qkv_bias="yes"), "qkv_bias"),
     ],
 )

@@ -206,13 +206,59 @@ def test_documents_equal_attention_run_on_each_document_alone(impl, causal, leng
         torch.testing.assert_close(got.double(), w, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize(
+    "window, lengths, group, dtype, softcap",
+    [
+        (5, None, 2, torch.float32, None),
+        (16, [[7, 20, 1, 17], [45]], 2, torch.float32, 2.0),
+        (33, [[30, 15], [3, 3, 39]], 1, torch.float16, None),
+        (None, None, 2, torch.float32, 2.0),
+    ],
+)
+def test_sliding_window_and_softcap_equal_the_masked_reference(window, lengths, group, dtype, softcap):
+    """window=W (and packed documents), softcap=c: outputs and gradients of the float64 reference under the
+    mask start <= j <= i, j > i - W, of c * tanh(scores / c); the tiles wholly outside the window are
+    skipped (forward_tiles, below)."""
+    B, T, D, Hkv = 2, 45, 16, 2
+    H = Hkv * group
+    bounds = None if lengths is None else bounds_of(lengths)
+    # scores of a few units: the cap of 2 bends them
+    q = (2 * torch.randn(B, H, T, D, device=DEVICE)).to(dtype).requires_grad_()
+    k = (2 * torch.randn(B, Hkv, T, D, device=DEVICE)).to(dtype).requires_grad_()
+    v = torch.randn(B, Hkv, T, D, device=DEVICE, dtype=dtype, requires_grad=True)
+    dout = torch.randn(B, H, T, D, device=DEVICE, dtype=dtype)
+    doc = None if bounds is None else tuple(x.to(DEVICE) for x in bounds)
+    with poisoned_allocations():
+        out = flash_attention(q, k, v, causal=True, doc_bounds=doc, window=window, softcap=softcap)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    i = torch.arange(T, device=DEVICE)
+    keep = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (window or T))  # [T, T]
+    if bounds is not None:
+        keep = keep & (i[None, None, :] >= bounds[0].to(DEVICE)[:, :, None])  # [B, T, T]
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    kk, vv = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)  # [B, H, T, D]
+    scores = q64 @ kk.transpose(-2, -1) * D**-0.5  # [B, H, T, T]
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    ref = scores.masked_fill(~keep.reshape(-1, 1, T, T), float("-inf")).softmax(-1) @ vv  # [B, H, T, D]
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), dout.double())
+    tol = TOL[dtype]
+    for name, got, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        torch.testing.assert_close(got.double(), w, rtol=tol, atol=tol, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="counts the interpreter's dot products")
 @pytest.mark.parametrize(
-    "causal, lengths", [(True, [[64, 30, 3, 31], [128]]), (False, [[50, 78], [20, 100, 8]])]
+    "causal, lengths, window",
+    [
+        (True, [[64, 30, 3, 31], [128]], None),
+        (False, [[50, 78], [20, 100, 8]], None),
+        (True, [[64, 30, 3, 31], [128]], 20),
+    ],
 )
-def test_forward_tiles_is_the_kernels_schedule(monkeypatch, causal, lengths):
+def test_forward_tiles_is_the_kernels_schedule(monkeypatch, causal, lengths, window):
     """forward_tiles (the cost model `gptkit bench kernels` reports) counts exactly the tiles the forward
-    kernel multiplies (two dots each); documents cut the count."""
+    kernel multiplies (two dots each); documents cut the count, and a window cuts it further."""
     from triton.runtime.interpreter import InterpreterBuilder
 
     from gptkit_kernels.flash import _INTERPRET_BLOCKS
@@ -224,10 +270,14 @@ def test_forward_tiles_is_the_kernels_schedule(monkeypatch, causal, lengths):
     bounds = bounds_of(lengths)
     q = torch.randn(B, 1, T, 16)
     with torch.no_grad():
-        flash_attention(q, q, q, causal=causal, doc_bounds=bounds)
+        flash_attention(q, q, q, causal=causal, doc_bounds=bounds, window=window)
     bm, bn = _INTERPRET_BLOCKS["fwd"]
-    assert len(dots) == 2 * forward_tiles(T, bm, bn, causal, bounds)
+    assert len(dots) == 2 * forward_tiles(T, bm, bn, causal, bounds, window)
     assert forward_tiles(T, bm, bn, causal, bounds) < B * forward_tiles(T, bm, bn, causal)
+    if window is not None:
+        assert forward_tiles(T, bm, bn, causal, bounds, window) < forward_tiles(T, bm, bn, causal, bounds)
+        # a window alone: ~T/BLOCK_M tiles of ~(W + BLOCK_M) / BLOCK_N keys each, not T^2 / 2
+        assert forward_tiles(T, bm, bn, causal, None, window) <= (T // bm) * ((window + bm) // bn + 2)
 
 
 def test_poisoning_reaches_the_allocations_the_wrapper_makes():
@@ -257,3 +307,13 @@ def test_mixed_dtypes_are_refused():
     q = torch.randn(1, 2, 8, 32, device=DEVICE)
     with pytest.raises(ValueError, match="one dtype"):
         flash_attention(q, q.half(), q.half())
+
+
+def test_bad_windows_are_refused():
+    q = torch.randn(1, 2, 8, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="causal=True"):
+        flash_attention(q, q, q, causal=False, window=4)
+    with pytest.raises(ValueError, match="positive integer"):
+        flash_attention(q, q, q, window=0)
+    with pytest.raises(ValueError, match="softcap must be a positive number"):
+        flash_attention(q, q, q, softcap=0.0)

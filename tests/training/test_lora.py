@@ -1,5 +1,6 @@
-"""finetune=lora: adapters on a frozen model (gptkit.training.lora, gptkit.adapters), trained, checkpointed
-(adapters only), resumed exactly, merged for sample/eval/export, exported for PEFT; bad input in one line."""
+"""finetune=lora: adapters on a frozen model (gptkit.training.finetune.lora, gptkit.adapters), trained,
+checkpointed (adapters only), resumed exactly, merged for sample/eval/export, exported for PEFT; bad input
+in one line."""
 
 import csv
 from pathlib import Path
@@ -11,7 +12,7 @@ from conftest import HANG_S, make_run, run_main
 from gptkit.adapters import CHECKPOINT_KEY, check_lora, is_adapter_key
 from gptkit.errors import ConfigError
 from gptkit.model import GPT, ModelConfig
-from gptkit.training.lora import adapters_disabled, apply_lora, is_lora, merged_state_dict
+from gptkit.training.finetune.lora import adapters_disabled, apply_lora, is_lora, merged_state_dict
 
 LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, position="rope")
 # a mixture of experts: layer 0 dense, layer 1 4 experts (top-2), whose gate/up/down adapters are per expert
@@ -326,7 +327,7 @@ def test_start_up_and_adapter_export_count_the_same_trainable_parameters(tmp_pat
         (["lora.rank=33"], "lora.rank=33 is larger than the q projection (32 x 32)"),
         (["lora.alpha=0"], "lora.alpha=0 must be a number > 0"),
         (["lora.dropout=1.0"], "lora.dropout=1.0 must be a number in [0, 1)"),
-        (["finetune=qlora"], "finetune=qlora must be full"),
+        (["finetune=dora"], "finetune=dora must be full"),
     ],
     ids=["no-init", "targets", "rank0", "rank-big", "alpha", "dropout", "finetune"],
 )

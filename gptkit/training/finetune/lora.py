@@ -1,6 +1,8 @@
-"""LoRA (Hu et al., arXiv:2106.09685): low-rank adapters on a frozen model, a training decision applied
-from outside the model (like activation checkpointing in training/module.py).
+"""finetune=lora (Hu et al., arXiv:2106.09685): low-rank adapters on a frozen model, a training decision
+applied from outside the model (like activation checkpointing in training/module.py). LoRA is the row of
+the fine-tune table (gptkit/training/finetune/__init__.py); the layers below are also QLoRA's (qlora.py).
 
+    LoRA                         the fine-tune: checks, plan facts, the adapters-only checkpoints
     apply_lora(model, lora)      adapters on the chosen projections, everything else frozen
     adapters_disabled(model)     the base model's exact outputs, without a second copy of the weights
                                  (DPO's reference model)
@@ -22,15 +24,21 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
 from gptkit import adapters
+from gptkit.checkpoints import STATE_PREFIX, load_checkpoint, lora_base, read_sharded_checkpoint
+from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.model.moe import Experts, grouped_linear
+from gptkit.training.finetune.base import Finetune, check_needs_weights
+from gptkit.training.objectives import Reference
 
 
 class LoRALinear(nn.Linear):
@@ -190,3 +198,146 @@ def adapter_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any
     """Only the adapter tensors of a state dict whose names carry `prefix` (e.g. "model.")."""
     n = len(prefix)
     return {k: v for k, v in state.items() if k.startswith(prefix) and adapters.is_adapter_key(k[n:])}
+
+
+class LoRA(Finetune):
+    """finetune=lora: the adapters of the `lora` group train on frozen weights (init_from=, or the base the
+    resumed run's checkpoint records); a checkpoint holds the adapters, their optimizer state and the base's
+    path and fingerprint (adapters.CHECKPOINT_KEY)."""
+
+    name = "lora"
+    holds = "the adapters only"
+    saves_every_weight = False
+    trains_base = False
+    own_reference = True
+    flops_convention = "4N + 6·adapters + 12·L·T·d_attn: no weight gradient for the frozen weights"
+    # its words in the start-up line
+    title = "LoRA"
+
+    @classmethod
+    def check_config(cls, cfg: Any, has_weights: bool) -> None:
+        check_needs_weights(cls.name, has_weights)
+
+    @classmethod
+    def check_model(cls, cfg: Any, model_cfg: Any) -> None:
+        adapters.check_lora(adapters.settings(cfg.lora), model_cfg)
+
+    @classmethod
+    def adapters(cls, cfg: Any) -> Optional[dict]:
+        return adapters.settings(cfg.lora)
+
+    @classmethod
+    def base_checkpoint(
+        cls, cfg: Any, model_cfg: Any, init_ckpt: Optional[Path], resume_ckpt: Optional[Path]
+    ) -> Optional[Path]:
+        """init_from='s checkpoint, or the one the resumed run's checkpoint records (checked unchanged), after
+        the settings are checked against the model."""
+        cls.check_model(cfg, model_cfg)
+        if resume_ckpt is None:
+            return init_ckpt
+        state = (
+            read_sharded_checkpoint(resume_ckpt, weights=False)
+            if resume_ckpt.is_dir()
+            else load_checkpoint(resume_ckpt)
+        )
+        return lora_base(state, resume_ckpt)
+
+    # the settings the adapters' tensors (and their scale) depend on: fixed by the run's checkpoint
+    FIXED = (("lora", ("rank", "alpha", "targets")),)
+
+    @classmethod
+    def check_resume(cls, resume: Any, saved: Any, now: Any) -> None:
+        """The adapters' rank, alpha and targets stay the run's (lora.dropout may change)."""
+        for group, keys in cls.FIXED:
+            for key in keys:
+                was, asked = ((c.get(group) or {}).get(key) for c in (saved, now))
+                was, asked = (
+                    f"[{', '.join(map(str, v))}]" if OmegaConf.is_list(v) or isinstance(v, list) else v
+                    for v in (was, asked)
+                )
+                if was != asked:
+                    raise GptkitError(
+                        f"resume={resume} continues adapters with {group}.{key}={was}; "
+                        f"{group}.{key}={asked} would not fit them (start a new run for other adapters)"
+                    )
+
+    @classmethod
+    def flops(cls, model_cfg, lora, counts, dense, causal):
+        """Frozen weights get no weight gradient (-2N); the adapters train (6 per parameter a token meets)."""
+        change = -2.0 * counts.n_matmul + 6.0 * adapters.adapter_params(
+            model_cfg, lora["targets"], lora["rank"], active=True
+        )
+        return dense + change, causal + change
+
+    @classmethod
+    def memory(cls, plan: Any, mem: dict[str, float]) -> dict[str, float]:
+        """The gradients and optimizer state of the adapters only (all Muon's under optim=muon: one momentum
+        buffer each); their weights added to the model's (gptkit.accounting.training_memory's lora=)."""
+        from gptkit import accounting as acc
+
+        adapted = acc.training_memory(
+            plan.model,
+            plan.precision,
+            plan.shards,
+            expert_shards=getattr(plan, "expert_shards", None),
+            optimizer=str(getattr(getattr(plan, "optim", None), "name", "adamw")),
+            lora=plan.lora,
+        )
+        for part in ("weights", "gradients", "optimizer"):
+            mem[part] = adapted[part]
+        return mem
+
+    @classmethod
+    def describe(cls, plan: Any, trainable: int, n: int) -> Optional[str]:
+        lora = plan.lora
+        return (
+            f"{cls.title}: rank {lora['rank']}, alpha {lora['alpha']}, dropout {lora['dropout']} on "
+            f"{', '.join(lora['targets'])}: {trainable:,} trainable parameters ({trainable / n:.2%}), the "
+            f"rest frozen from {plan.lora_base}{cls.base_words(plan)}; checkpoints hold the adapters only"
+        )
+
+    @classmethod
+    def base_words(cls, plan: Any) -> str:
+        """What the start-up line says of the frozen base after its path."""
+        return ""
+
+    @classmethod
+    def checkpoint_bytes(cls, plan: Any, trainable: Optional[int]) -> Optional[int]:
+        """The adapters and their AdamW moments, in fp32."""
+        return 12 * int(trainable or 0)
+
+    def __init__(self, plan: Any) -> None:
+        super().__init__(plan)
+        if plan.lora_base is None:
+            raise GptkitError(
+                f"finetune={self.name}: the plan names no base checkpoint (plan.lora_base); make "
+                "the plan with gptkit.plan(cfg): it resolves init_from= (or the resumed run's base)"
+            )
+        # saved with each checkpoint: the adapters' settings and their base
+        self.record = dict(
+            plan.lora,
+            base=str(Path(plan.lora_base).resolve()),
+            base_fingerprint=adapters.fingerprint(plan.lora_base),
+        )
+
+    def apply(self, model: GPT) -> int:
+        return apply_lora(model, self.plan.lora)
+
+    def reference(self) -> Reference:
+        """The policy itself with its adapters off: the frozen base, no second copy."""
+        return Reference(None, adapters_disabled)
+
+    def checkpoint_state(self, state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+        return adapter_state_dict(state, prefix)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """The adapters (their optimizer state is all there is) and the record of the base."""
+        checkpoint["state_dict"] = adapter_state_dict(checkpoint["state_dict"], STATE_PREFIX)
+        checkpoint[adapters.CHECKPOINT_KEY] = dict(self.record)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any], model_cfg: Any) -> None:
+        """The checkpoint holds exactly the adapters of this run's settings (a sharded one is checked on
+        load)."""
+        if "state_dict" in checkpoint:
+            state = {k[len(STATE_PREFIX) :]: v for k, v in checkpoint["state_dict"].items()}
+            adapters.check_adapters(state, model_cfg, self.record, "the checkpoint")

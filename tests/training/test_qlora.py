@@ -1,0 +1,317 @@
+"""finetune=qlora (gptkit/training/finetune/qlora.py, gptkit/quant.py): LoRA's adapters on an NF4 base built
+on the meta device and quantized from the base checkpoint; adapters-only checkpoints resumed bit for bit,
+merged export of dequantize(NF4(W)) + the adapters, PEFT export; DDP and FSDP2 (NF4 shards) against one
+process; torch.compile in one graph; DPO; bad input in one line."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_run, one_line, run_group, run_main
+
+from gptkit import quant
+from gptkit.adapters import CHECKPOINT_KEY, is_adapter_key
+from gptkit.model import GPT
+from gptkit.training.finetune.lora import apply_lora
+
+pytest.importorskip("torchao", reason="the quant extra (torchao) is not installed")
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A run folder holding a tiny Llama-style model (the frozen base) and its corpus."""
+    tmp = tmp_path_factory.mktemp("qbase")
+    run, _, _ = make_run(tmp, max_seq_len=32)
+    return run, tmp / "corpus.txt"
+
+
+def qlora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
+    run, corpus = base
+    return [
+        "train",
+        f"init_from={run}",
+        "finetune=qlora",
+        "lora.targets=[q,k,v,o,gate,up,down]",
+        "lora.rank=4",
+        "data=files",
+        f"data.paths=[{corpus}]",
+        "data.val_fraction=0.1",
+        "trainer.batch_size=4",
+        "trainer.max_steps=4",
+        "trainer.val_every=4",
+        "trainer.val_windows=2",
+        "trainer.checkpoint_every=2",
+        "trainer.log_every=1",
+        "trainer.progress=false",
+        "trainer.threads=1",
+        "optim.warmup_steps=1",
+        f"runs_dir={runs}",
+        f"name={name}",
+        *extra,
+    ]
+
+
+def losses(run: Path) -> dict[int, float]:
+    with open(run / "metrics.csv", newline="") as f:
+        return {int(r["step"]): float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")}
+
+
+def rows(run: Path) -> list[dict[str, str]]:
+    kept = ("step", "train/loss", "val/loss", "train/lr", "train/grad_norm")
+    with open(run / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if k in kept} for r in csv.DictReader(f)]
+
+
+def ckpt(run: Path) -> dict:
+    return torch.load(run / "checkpoints" / "last.ckpt", weights_only=True)
+
+
+def qlora_model(base_run: Path, adapters: dict, lora: dict, nf4: bool = True) -> GPT:
+    """The model a QLoRA run trains, built by hand: the base's projections NF4 (torchao, blocks of 64; nf4
+    False: the full-precision base), the run's adapters beside them."""
+    from gptkit.runs import load_model
+
+    *_, model = load_model(base_run)
+    apply_lora(model, lora)
+    model.load_state_dict({k.removeprefix("model."): v for k, v in adapters.items()}, strict=False)
+    for name in quant.quantized_names(model.cfg) if nf4 else ():
+        linear = model.get_submodule(name.removesuffix(".weight"))
+        linear.weight = torch.nn.Parameter(quant.to_nf4(linear.weight.detach()), requires_grad=False)
+    return model.eval()
+
+
+def test_the_model_is_built_on_meta_and_materialized_with_nf4_projections(base, tmp_path):
+    """LitGPT builds the model on the meta device; materialize() puts the base in: every block projection
+    is torchao's NF4 of the checkpoint's weight (bit for bit), everything else the checkpoint's, the
+    adapters A from the seeded generator and B zeros, nothing else trainable."""
+    import gptkit
+    from gptkit.training.module import LitGPT
+
+    plan = gptkit.plan(qlora_args(base, tmp_path / "runs", "plan")[1:])
+    module = LitGPT(plan)
+    assert module.built_on_meta and all(p.is_meta for p in module.model.parameters())
+    module.finetune.materialize(module, torch.device("cpu"))
+    state = torch.load(base[0] / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    names = quant.quantized_names(module.model.cfg)
+    assert len(names) == 2 * 5
+    for name, p in module.model.named_parameters():
+        assert not p.is_meta and p.requires_grad == is_adapter_key(name), name
+        if name in names:
+            assert quant.is_nf4(p), name
+            want = quant.to_nf4(state["model." + name]).get_original_weight()
+            assert torch.equal(p.get_original_weight(), want), name
+        elif name.endswith("_B"):
+            assert not p.any()
+        elif not name.endswith("_A"):
+            assert torch.equal(p, state["model." + name]), name
+    x = torch.randint(0, plan.model.vocab_size, (2, 16))
+    by_hand = qlora_model(base[0], {}, plan.lora)
+    with torch.no_grad():
+        torch.testing.assert_close(module.model.eval()(x).logits, by_hand(x).logits, atol=1e-6, rtol=0)
+
+
+def test_qlora_trains_resumes_exactly_and_exports_the_base_it_trained_on(base, tmp_path, capsys):
+    """4 steps straight and 2 + resume 2 (dropout on) log the same rows and save the same adapters; the
+    checkpoint holds the adapters and the record of the NF4 base; `export` writes dequantize(NF4(W)) + the
+    adapters, whose logits are the QLoRA model's; `export adapters=true` loads in PEFT."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    runs = tmp_path / "runs"
+    every = ("lora.dropout=0.1", "trainer.val_every=2")
+    code, _, err = run_main(capsys, *qlora_args(base, runs, "straight", *every))
+    assert code == 0, err
+    assert "QLoRA: rank 4, alpha 16" in err and "block projections NF4 (blocks of 64" in err
+    saved = ckpt(runs / "straight")
+    state = saved["state_dict"]
+    assert len(state) == 2 * 7 * 2 and all(is_adapter_key(k.removeprefix("model.")) for k in state)
+    record = saved[CHECKPOINT_KEY]
+    assert record["finetune"] == "qlora" and record["quantized"]["block_size"] == 64
+    assert len(saved["optimizer_states"][0]["state"]) == len(state)
+    code, _, err = run_main(capsys, *qlora_args(base, runs, "halves", *every, "trainer.stop_at_step=2"))
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false")
+    assert code == 0, err
+    want = rows(runs / "straight")
+    assert len({r["train/loss"] for r in want}) == 4 and rows(runs / "halves") == want
+    halves = ckpt(runs / "halves")["state_dict"]
+    assert all(torch.equal(halves[k], state[k]) for k in state)
+
+    # the QLoRA model (NF4 base + adapters) against the merged export, through transformers; PEFT's adapters
+    # on the full-precision base against the same adapters on it in gptkit
+    lora = {k: record[k] for k in ("rank", "alpha", "dropout", "targets")}
+    unmerged = qlora_model(base[0], state, lora)
+    on_full = qlora_model(base[0], state, lora, nf4=False)
+    for args in (
+        [f"run={runs / 'straight'}", f"out={tmp_path / 'merged'}"],
+        [f"run={base[0]}", f"out={tmp_path / 'hf-base'}"],
+        [f"run={runs / 'straight'}", f"out={tmp_path / 'adapter'}", "adapters=true"],
+    ):
+        code, out, err = run_main(capsys, "export", *args)
+        assert code == 0, err
+    assert "they trained on the NF4-quantized base" in out
+    x = torch.randint(0, unmerged.cfg.vocab_size, (2, 20))
+    with torch.no_grad():
+        ours = unmerged(x).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(x).logits
+        hf_base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").eval()
+        plain = hf_base(x).logits
+        peft = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(x).logits
+    torch.testing.assert_close(merged, ours, atol=1e-4, rtol=0)
+    # the adapters trained, and the NF4 base is not the full one: both differences are real
+    assert (merged - plain).abs().max() > 1e-3 and (on_full(x).logits - ours).abs().max() > 1e-3
+    torch.testing.assert_close(peft, on_full(x).logits, atol=1e-4, rtol=0)
+    assert json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())["r"] == 4
+
+    # a resume may not change the quantization its adapters trained on
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'straight'}", "qlora.block_size=32")
+    assert code == 2 and one_line(err) and "continues adapters with qlora.block_size=64" in err, err
+
+
+def test_qlora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
+    """2 CPU processes (gloo), the same global batch: DDP (the NF4 weights neither broadcast nor reduced) and
+    FSDP2 (each rank quantizes the full weight and keeps its rows: NF4 shards) log one process's losses; the
+    sharded adapters-only checkpoint resumes in one process (where FSDP2 leaves the NF4 weights whole)."""
+    runs = tmp_path / "runs"
+    # FSDP2 splits each projection's groups of scales between 2 ranks: 8 scales a group; 3 steps, the
+    # sharded checkpoint after the first
+    common = ("qlora.scaler_block_size=8", "trainer.max_steps=3", "trainer.checkpoint_every=1")
+    code, _, err = run_main(capsys, *qlora_args(base, runs, "one", *common))
+    assert code == 0, err
+    want = losses(runs / "one")
+    assert len(set(want.values())) == 3
+    two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+    for name, extra in (
+        ("ddp", ("trainer=ddp",)),
+        ("fsdp", ("trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=1")),
+    ):
+        r = run_group("-m", "gptkit", *qlora_args(base, runs, name, *common, *extra, *two))
+        assert r.returncode == 0, r.stderr[-3000:]
+    assert (runs / "fsdp" / "checkpoints" / "step-000001.ckpt" / ".metadata").is_file()
+    code, _, err = run_main(
+        capsys,
+        "train",
+        f"resume={runs / 'fsdp'}",
+        "trainer.devices=1",
+        "trainer.batch_size=4",
+        "trainer.progress=false",
+    )
+    assert code == 0, err
+    for name in ("ddp", "fsdp"):
+        got = losses(runs / name)
+        assert got.keys() == want.keys(), (name, got)
+        for s in want:
+            assert abs(got[s] - want[s]) < 1e-5, (name, s, got[s], want[s])
+
+
+def test_qlora_compiles_in_one_graph_and_its_reference_is_the_nf4_base():
+    """torch.compile of each block with NF4 weights and adapters inside (fullgraph: no break) gives eager's
+    loss and adapter gradients; adapters_disabled gives the NF4 base (DPO's reference, no copy)."""
+    from gptkit.model import ModelConfig
+    from gptkit.training.finetune.lora import adapters_disabled
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=40,
+        max_seq_len=16,
+        n_layers=1,
+        n_heads=4,
+        d_model=32,
+        init_std=0.3,
+        mlp="swiglu",
+        norm="rmsnorm",
+        bias=False,
+        n_kv_heads=2,
+    )
+    model = GPT(cfg)
+    apply_lora(model, {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "v", "o", "down"]})
+    base = {}
+    for name in quant.quantized_names(cfg):
+        linear = model.get_submodule(name.removesuffix(".weight"))
+        linear.weight = torch.nn.Parameter(quant.to_nf4(linear.weight.detach()), requires_grad=False)
+        base[name] = linear.weight.get_original_weight()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    x = torch.randint(0, 40, (2, 13))
+
+    def loss_and_grads():
+        model.zero_grad()
+        loss = model(x[:, :-1], x[:, 1:]).loss
+        loss.backward()
+        return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters() if p.requires_grad}
+
+    want_loss, want = loss_and_grads()
+    for block in model.blocks:
+        block.compile(backend="aot_eager", fullgraph=True)
+    got_loss, got = loss_and_grads()
+    torch.testing.assert_close(got_loss, want_loss, atol=1e-5, rtol=0)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=1e-5, rtol=1e-4)
+    plain = GPT(cfg)
+    plain.load_state_dict({**{k: v for k, v in model.state_dict().items() if not is_adapter_key(k)}, **base})
+    with torch.no_grad(), adapters_disabled(model):
+        torch.testing.assert_close(model(x).logits, plain(x).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (
+            ["~init_from"],
+            "finetune=qlora trains adapters on frozen weights, so it needs the weights to start",
+        ),
+        (
+            ["qlora.block_size=48"],
+            "qlora.block_size=48 does not divide blocks.0.attn.qkv_proj.weight [64, 32]",
+        ),
+        (["qlora.block_size=7"], "qlora.block_size=7 must be an even integer >= 2"),
+        (["qlora.scaler_block_size=3"], "qlora.scaler_block_size=3 does not divide the 32 blocks of"),
+        (
+            ["trainer=fsdp", "trainer.devices=2"],
+            "trainer=fsdp over 2 processes shards blocks.0.attn.qkv_proj",
+        ),
+        (["torchao"], "need torchao, which is not installed: pip install 'gptkit[quant]' (torchao==0.18.0)"),
+    ],
+    ids=["no-init", "block", "odd-block", "scaler", "fsdp-split", "no-torchao"],
+)
+def test_bad_qlora_input_is_one_line_before_anything_is_written(
+    base, tmp_path, capsys, monkeypatch, extra, needle
+):
+    args = qlora_args(base, tmp_path / "runs", "bad", "trainer.accelerator=cpu")
+    if extra == ["~init_from"]:
+        args = [a for a in args if not a.startswith("init_from=")]
+    elif extra == ["torchao"]:
+        import importlib.util
+
+        find = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda n, *a: None if n == "torchao" else find(n, *a)
+        )
+    else:
+        args += extra
+    code, _, err = run_main(capsys, *args)
+    assert code == 2 and one_line(err) and needle in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_mixture_of_experts_has_no_nf4_base():
+    from gptkit.errors import ConfigError
+    from gptkit.model import ModelConfig
+
+    cfg = ModelConfig(
+        vocab_size=40,
+        max_seq_len=16,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        mlp="swiglu",
+        moe=dict(n_experts=4, top_k=2, d_expert=24),
+    )
+    with pytest.raises(
+        ConfigError, match="a mixture of experts .* which torchao's NF4/int8/int4 weights do not"
+    ):
+        quant.check_nf4(cfg, 64, "auto")
