@@ -38,8 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gptkit import quant
+from gptkit.adapters import adapter_params
+from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
-from gptkit.precision import DTYPE_BYTES, precision
+from gptkit.precision import DTYPE_BYTES, Precision, precision
 
 # Dense peak TFLOP/s by accelerator and compute dtype (vendor datasheets, no sparsity).
 ACCELERATORS: dict[str, dict[str, float]] = {
@@ -271,6 +273,32 @@ def memory_bandwidth(gpu_name: str) -> float | None:
     return None
 
 
+def muon_params(cfg: ModelConfig) -> int:
+    """The parameters optim=muon gives torch.optim.Muon (training/optim.py muon_split): the 2-D weights inside
+    the blocks (attention projections, dense MLP matrices, a mixture's routers and stacked experts), not their
+    biases, the norms, the embeddings or the LM head (AdamW's)."""
+    c = count_params(cfg)
+    d, b, qkv_b = cfg.d_model, int(cfg.bias), int(cfg.qkv_bias)
+    attention_biases = cfg.n_layers * (qkv_b * (cfg.d_attn + 2 * cfg.d_kv) + b * d)
+    per_dense = b * ((cfg.d_ff if cfg.mlp == "gelu" else 2 * cfg.d_ff) + d)
+    mlp_biases = (cfg.n_layers - len(cfg.moe_layers)) * per_dense
+    return (
+        c.total - c.tok_emb - c.pos_emb - c.lm_head - c.norms - c.final_norm - attention_biases - mlp_biases
+    )
+
+
+OPTIMIZERS = ("adamw", "muon")
+
+
+def optimizer_bytes(
+    precision_name: "str | Precision", params: int, muon: int = 0, n_shards: int = 1
+) -> float:
+    """Bytes of optimizer state for `params` trainable parameters, `muon` of them Muon's: AdamW keeps two
+    moments per parameter, Muon one momentum buffer (precision.optimizer_bytes is the two moments)."""
+    p = precision(precision_name, "precision")
+    return ((params - muon) * p.optimizer_bytes + muon * p.optimizer_bytes / 2) / n_shards
+
+
 def training_memory(
     cfg: ModelConfig,
     precision_name: str = "bf16-mixed",
@@ -279,10 +307,21 @@ def training_memory(
     seq_len: int | None = None,
     checkpointing: bool = False,
     expert_shards: int | None = None,
+    *,
+    optimizer: str = "adamw",
+    lora: dict | None = None,
+    reference: bool = False,
 ) -> dict[str, float]:
-    """Bytes per GPU for weights, grads and AdamW state (sharded over `n_shards` as in FSDP/ZeRO-3; a
+    """Bytes per GPU for weights, grads and optimizer state (sharded over `n_shards` as in FSDP/ZeRO-3; a
     mixture's routed experts over `expert_shards` instead when given: trainer.expert_parallel),
     plus an activation estimate and the logits and loss.
+
+    optimizer: adamw (two moments per trainable parameter) or muon (one momentum buffer for the 2-D weights
+    inside the blocks, muon_params; AdamW's two moments for the rest). lora: {rank, targets} of finetune=lora,
+    whose adapters alone train (their gradients and optimizer state; their weights beside the frozen ones),
+    all of them Muon's under optim=muon. reference: an objective's frozen reference of its own (objective=dpo
+    with finetune=full): a second copy of the weights (with lora the reference is the model with its adapters
+    off: nothing more), as `reference`.
 
     Activations follow Korthikanti et al. (2022) for a layer with flash attention (no T x T
     scores kept): ~34 * T * B * d_model bytes per layer in 16-bit, twice that in fp32; with
@@ -291,7 +330,8 @@ def training_memory(
     token) and the batch (input ids and targets, int64). The logits and loss hold three fp32
     [B, T, vocab_size] tensors at the start of the backward pass: the logits, the log-softmax that
     cross-entropy saves, and its gradient (measured on the CPU: the old count of one was short by two).
-    It is an estimate: MLP widths and GQA move it by tens of percent.
+    It is an estimate: MLP widths and GQA move it by tens of percent. micro_batch counts sequences (a DPO
+    pair is two).
 
     A mixture of experts: the weights, gradients and optimizer state are those of every parameter (the total
     count); an MoE layer's activations replace the dense MLP's 19 of the 34 (its 4 * d_model GELU MLP) with
@@ -299,11 +339,16 @@ def training_memory(
     gate, up and their product (6 * d_expert / d_model), its weighted output (2), and the layer's input (2).
     """
     p = precision(precision_name, "precision")
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"optimizer={optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     counts = count_params(cfg)
     # the parameters each device holds, as if unsharded over n_shards
     n = counts.total
+    # Muon's share of them (the routed experts are matrices of the blocks)
+    muon_held = muon_params(cfg)
     if expert_shards is not None:
         n = counts.total - counts.experts + counts.experts * n_shards / expert_shards
+        muon_held = muon_held - counts.experts + counts.experts * n_shards / expert_shards
     T = seq_len or cfg.max_seq_len
     tokens = T * micro_batch
     act_unit = 4 if p.compute == "fp32" else 2
@@ -318,17 +363,27 @@ def training_memory(
     layers = sum(units) * tokens * cfg.d_model * act_unit / 2
     # embeddings, final norm; the batch
     outside = 3 * tokens * cfg.d_model * act_unit + 2 * tokens * 8
+    # the trainable parameters, and those of them Muon steps
+    if lora is not None:
+        trainable = adapter_params(cfg, lora["targets"], lora["rank"])
+        muon = trainable if optimizer == "muon" else 0
+    else:
+        trainable, muon = n, muon_held if optimizer == "muon" else 0
+    # the model's weights, and the adapters' beside them
+    held = n + (trainable if lora is not None else 0)
     out = {
-        "weights": n * p.weight_bytes / n_shards,
-        "gradients": n * p.grad_bytes / n_shards,
-        "optimizer": n * p.optimizer_bytes / n_shards,
+        "weights": held * p.weight_bytes / n_shards,
+        "gradients": trainable * p.grad_bytes / n_shards,
+        "optimizer": optimizer_bytes(p, trainable, muon, n_shards),
         "activations": layers + outside,
         # fp32 logits, log-softmax, its gradient
         "logits": 3 * tokens * cfg.vocab_size * 4,
     }
     # a half-precision working copy of the weights during compute
     if p.mixed:
-        out["weights"] += n * 2 / n_shards
+        out["weights"] += held * 2 / n_shards
+    if reference and lora is None:
+        out["reference"] = out["weights"]
     out["total"] = sum(out.values())
     return out
 

@@ -114,6 +114,18 @@ VERBS: dict[str, Verb] = {
         "merge a sharded (FSDP) checkpoint folder into one checkpoint file",
         positional="run",
     ),
+    "verify": Verb(
+        "verify",
+        "verify",
+        "rehearse a training config at tiny width on the CPU and check its invariants: 2 ranks = 1, "
+        "accumulation, resume after a kill, packed = unpacked, export -> import",
+    ),
+    "trace": Verb(
+        "trace",
+        "trace",
+        "which documents trained step N of a run: source, document, file and offset, text of every row, "
+        "read from its prepared data (rank=, micro_batch=, --json)",
+    ),
     "bench": Verb(
         "bench",
         "bench",

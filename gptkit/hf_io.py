@@ -18,12 +18,21 @@ from typing import Any
 import torch
 
 from gptkit import hub
-from gptkit.chat_templates import CHAT_FILE, ChatTemplate, template_in_folder
+from gptkit.chat_templates import CHAT_FILE, ChatTemplate, reply_stop_ids, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
-from gptkit.hf import from_hf_state_dict, heads_confirmed, model_config_from_hf
+from gptkit.hf import from_hf_state_dict, heads_confirmed, hf_config, model_config_from_hf, to_hf_state_dict
 from gptkit.model import GPT
-from gptkit.runs import IMPORTED_FILE, TOKENIZER_FILE, check_import_out, load_tokenizer, write_run_folder
+from gptkit.runs import (
+    IMPORTED_FILE,
+    TOKENIZER_FILE,
+    check_import_out,
+    check_tokenizer_fits,
+    load_model,
+    load_tokenizer,
+    write_run_folder,
+)
+from gptkit.tokenizer import special_tokens
 
 # huggingface_hub is imported where a Hub model is fetched: `gptkit import` of a local folder needs no hub.
 
@@ -351,6 +360,71 @@ class Imported:
     heads: str
     # tokenizer_config.json's chat_template, kept as chat.json
     has_chat_template: bool = False
+
+
+@dataclass
+class Exported:
+    """What export_folder wrote."""
+
+    checkpoint: Path
+    run_dir: Path
+    model_cfg: Any
+    weights: list[str]
+    n_params: int
+    # the run's tokenizer (None: the run has none, and the folder no tokenizer files)
+    tokenizer: Any
+    # the tokenizer has an end-of-text token
+    has_eos: bool
+    # a chat model's template (None: not a chat model), and the ids generation stops at
+    template: Any = None
+    stop_ids: list[int] | None = None
+
+
+def export_folder(ckpt: Path, out: Path, dtype: torch.dtype, max_shard: int, force: bool = False) -> Exported:
+    """Write the run's checkpoint `ckpt` as the transformers folder `out` (`gptkit export`): config.json, the
+    safetensors weights (in `dtype`, shards above max_shard bytes), generation_config.json and the tokenizer's
+    files; written whole or not at all (staged_dir)."""
+    run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
+    tokenizer = load_tokenizer(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
+    if tokenizer is not None:
+        check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
+    # what training appended after each document
+    eos = (run_cfg.get("tokenizer") or {}).get("eos_token")
+    special = special_tokens(tokenizer, eos) if tokenizer is not None else {}
+    ids = {
+        role: special[role][1] if role in special else None
+        for role in ("bos_token", "eos_token", "pad_token")
+    }
+    # a chat model (data=chat, or imported with a template): its template, and generation stops at the end
+    # of a turn as well as at the end of the text
+    template = template_in_folder(Path(run_dir)) if tokenizer is not None else None
+    stop_ids = reply_stop_ids(tokenizer, template, eos) if template is not None else []
+    gen_eos = stop_ids if len(stop_ids) > 1 else (stop_ids[0] if stop_ids else ids["eos_token"])
+    state = to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
+    config = hf_config(
+        model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
+    )
+    with staged_dir(out, force=force) as tmp:
+        weights = save_weights(state, tmp, max_shard)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        gen = generation_config(ids["bos_token"], gen_eos, ids["pad_token"])
+        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if tokenizer is not None:
+            files = tokenizer_files(tokenizer, model_cfg.max_seq_len, special, template)
+            for name, text in files.items():
+                (tmp / name).write_text(text, encoding="utf-8")
+    n_params = sum(v.numel() for v in state.values())
+    return Exported(
+        ckpt,
+        Path(run_dir),
+        model_cfg,
+        weights,
+        n_params,
+        tokenizer,
+        "eos_token" in special,
+        template,
+        stop_ids,
+    )
 
 
 def import_folder(src: Source, out: Path, force: bool = False, name: str | None = None) -> Imported:

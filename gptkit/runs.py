@@ -4,6 +4,8 @@
       config.yaml          the resolved config of the run (the `model` section builds the model)
       tokenizer.json       the exact tokenizer used for training (HF `tokenizers` format)
       manifest.json        the data manifest (when trained by gptkit)
+      plan.json            how each invocation drew its batches (world size, accumulation, batch, window,
+                           seed, steps): what `gptkit trace` reads
       checkpoints/         last.ckpt and periodic step-NNNNNN.ckpt (see gptkit.checkpoints)
       metrics.csv, loss.png, ...
       imported_from.json   (an imported run: where its weights came from; it has no training state)
@@ -46,6 +48,7 @@ CONFIG_FILE = "config.yaml"
 TOKENIZER_FILE = "tokenizer.json"
 MANIFEST_FILE = "manifest.json"
 METRICS_FILE = "metrics.csv"
+PLAN_FILE = "plan.json"
 IMPORTED_FILE = "imported_from.json"
 LOCK_FILE = ".lock"
 # Hydra's copy of the composed config, written when the run starts
@@ -264,6 +267,25 @@ def find_run_checkpoint(path: Path | str, runs_dir: Path | str = "runs", need: s
     """The checkpoint a `run=` / `resume=` / `init_from=` value names: a run folder, a checkpoint file or
     sharded folder, or `latest` (the newest run folder usable for `need`, see resolve_latest)."""
     return find_checkpoint(resolve_latest(path, runs_dir, need))
+
+
+def record_plan(run_dir: Path | str, facts: dict[str, Any], from_step: int) -> None:
+    """Add one invocation's facts (how its batches are drawn: world_size, accumulation, batch_size,
+    rows_per_item, seq_len, seed, max_steps) to the run's plan.json, for the optimizer steps from `from_step`
+    on; what an earlier invocation recorded for those steps (a resume from an earlier checkpoint) goes."""
+    f = Path(run_dir) / PLAN_FILE
+    segments = [s for s in read_plan(run_dir) if s["from_step"] < from_step]
+    segments.append({"from_step": int(from_step), **facts})
+    atomic_write_text(f, json.dumps({"invocations": segments}, indent=1))
+
+
+def read_plan(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The invocations plan.json records, oldest first ([]: none, or a run from before it was written)."""
+    f = Path(run_dir) / PLAN_FILE
+    try:
+        return list(json.loads(f.read_text())["invocations"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:

@@ -2,8 +2,9 @@
 same weights (random init, loaded into LlamaForCausalLM / GPT2LMHeadModel through gptkit.hf.to_transformers).
 
 Decode tokens/s = batch * (new_tokens - 1) / (time(new_tokens) - time(1 new token)): the prefill cancels
-out, the same measure for every side. Each repeat times both runs; tables show the median over the repeats
-and their min-max. First-token latency is time(1 new token): the prompt's prefill and the first sample.
+out, the same measure for every side. Each repeat times both runs, gptkit's and transformers' in turn (the
+same load on both); tables show the median over the repeats and their min-max. First-token latency is
+time(1 new token): the prompt's prefill and the first sample.
 Greedy tokens are compared between the sides (same weights, same math: they should agree in fp32).
 
 bench.device=cpu (the default): gptkit (decode=auto: the eager loop with the CPU decoding layout) vs
@@ -101,25 +102,43 @@ def measure(
     sync: Callable[[], None] = lambda: None,
 ) -> Rate:
     """Decode tokens/s of generate_n: one warm-up of each length, then `repeats` timed pairs."""
+    return measure_interleaved([generate_n], batch, new_tokens, repeats, clock, sync)[0]
 
-    def timed(n: int) -> float:
+
+def measure_interleaved(
+    fns: list[Callable[[int], object]],
+    batch: int,
+    new_tokens: int,
+    repeats: int,
+    clock=time.perf_counter,
+    sync: Callable[[], None] = lambda: None,
+) -> list[Rate]:
+    """Decode tokens/s of each generate_n of `fns`: one warm-up of each length, then `repeats` rounds that
+    time each in turn (A, B, A, B: the sides compared see the same load)."""
+
+    def timed(generate_n, n: int) -> float:
         t0 = clock()
         generate_n(n)
         sync()
         return clock() - t0
 
     # warm-up: compiles, captures, fills caches
-    timed(new_tokens), timed(1)
-    rates, firsts = [], []
+    for fn in fns:
+        timed(fn, new_tokens), timed(fn, 1)
+    rates: list[list[float]] = [[] for _ in fns]
+    firsts: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        full, one = timed(new_tokens), timed(1)
-        # else the clock could not tell them apart (too few tokens for its resolution)
-        if full > one:
-            rates.append(batch * (new_tokens - 1) / (full - one))
-        firsts.append(one)
-    if not rates:
-        rates = [float("nan")]
-    return Rate(statistics.median(rates), min(rates), max(rates), statistics.median(firsts))
+        for i, fn in enumerate(fns):
+            full, one = timed(fn, new_tokens), timed(fn, 1)
+            # else the clock could not tell them apart (too few tokens for its resolution)
+            if full > one:
+                rates[i].append(batch * (new_tokens - 1) / (full - one))
+            firsts[i].append(one)
+    out = []
+    for r, f in zip(rates, firsts):
+        r = r or [float("nan")]
+        out.append(Rate(statistics.median(r), min(r), max(r), statistics.median(f)))
+    return out
 
 
 def ours(model, prompt, batch: int, **options):
@@ -295,7 +314,11 @@ def run_cpu(cfg) -> dict:
         prompt = _prompt(model, int(cfg.prompt_tokens))
         for batch in cfg.batch_sizes:
             fn = ours(model, prompt, int(batch))
-            mine = measure(fn, batch, new_tokens, repeats, clock)
+            hf_fn = hf_generate(hf_model, prompt, batch) if hf_model is not None else None
+            # gptkit and transformers in turn, repeat by repeat
+            mine, *theirs = measure_interleaved(
+                [fn, *([hf_fn] if hf_fn else [])], batch, new_tokens, repeats, clock
+            )
             row = {
                 "model": name,
                 "params": model.num_parameters(),
@@ -305,9 +328,8 @@ def run_cpu(cfg) -> dict:
                 "gptkit_max": mine.high,
             }
             cells = ["-", "-", "-"]
-            if hf_model is not None:
-                hf_fn = hf_generate(hf_model, prompt, batch)
-                theirs = measure(hf_fn, batch, new_tokens, repeats, clock)
+            if hf_fn is not None:
+                theirs = theirs[0]
                 row.update(
                     transformers_tokens_per_s=theirs.median,
                     transformers_min=theirs.low,

@@ -5,7 +5,11 @@
 2. `gptkit train init_from=<base> data=shakespeare finetune=full|lora ...`, each its own process, alternated
    `repeats` times (full, lora, full, lora: both see the same machine load);
 3. per run: trainable parameters (the model's and apply_lora's count), the size of checkpoints/last.ckpt,
-   the process's peak RSS (os.wait4) and the median of its logged perf/tokens_per_s after `warmup` steps.
+   the process's peak RSS (os.wait4), the medians of its logged perf/tokens_per_s (on the clock) and
+   perf/tokens_per_cpu_s (per second of the process's CPU time: what the machine's load changes least)
+   after `warmup` steps, the load before and after it;
+4. the ratios lora / full of each pair (full i, lora i: trained one after the other, at nearly the same load),
+   median (min-max) over the pairs.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from gptkit.bench.measure import loadavg
 from gptkit.conf_tree import compose
 from gptkit.fsio import human_bytes
 from gptkit.model import GPT, ModelConfig
@@ -32,13 +37,10 @@ from gptkit.tokenizer import byte_tokenizer
 from gptkit.training.finetune.lora import apply_lora
 
 
-def _tokens_per_s(run: Path, warmup: int) -> float:
+def _rate(run: Path, warmup: int, key: str = "perf/tokens_per_s") -> float:
+    """The median of a run's logged `key` over the steps after `warmup`."""
     with open(run / "metrics.csv", newline="") as f:
-        rates = [
-            float(r["perf/tokens_per_s"])
-            for r in csv.DictReader(f)
-            if r.get("perf/tokens_per_s") and int(r["step"]) >= warmup
-        ]
+        rates = [float(r[key]) for r in csv.DictReader(f) if r.get(key) and int(r["step"]) >= warmup]
     return statistics.median(rates)
 
 
@@ -100,26 +102,35 @@ def run(cfg) -> int:
     for i in range(int(cfg.repeats)):
         for kind in ("full", "lora"):
             name = f"{kind}-{i}"
-            con.print(f"$ gptkit train finetune={kind} name={name} ...")
+            con.print(f"$ gptkit train finetune={kind} name={name} ... (load {loadavg()})")
+            before = loadavg()
             code, peak = _train([*common, f"finetune={kind}", *per_kind[kind], f"name={name}"])
             if code:
                 return code
             run = root / name
             results[kind].append(
                 {
-                    "tokens_per_s": _tokens_per_s(run, int(cfg.warmup)),
+                    "tokens_per_s": _rate(run, int(cfg.warmup)),
+                    "tokens_per_cpu_s": _rate(run, int(cfg.warmup), "perf/tokens_per_cpu_s"),
                     "peak_rss": peak,
                     "checkpoint_bytes": (run / "checkpoints" / "last.ckpt").stat().st_size,
+                    "load": [before, loadavg()],
                 }
             )
-    med = {k: {m: statistics.median(r[m] for r in rs) for m in rs[0]} for k, rs in results.items()}
-    load = Path("/proc/loadavg").read_text().split()[:3] if Path("/proc/loadavg").is_file() else []
+    measures = ("tokens_per_s", "tokens_per_cpu_s", "peak_rss", "checkpoint_bytes")
+    med = {k: {m: statistics.median(r[m] for r in rs) for m in measures} for k, rs in results.items()}
+    # each pair's lora / full: runs made one after the other
+    pairs = {
+        m: [lo[m] / f[m] for f, lo in zip(results["full"], results["lora"])]
+        for m in ("tokens_per_s", "tokens_per_cpu_s")
+    }
+    load = [results["full"][0]["load"][0], results["lora"][-1]["load"][1]]
     table = Table(
         title=f"finetune=lora vs full: {model_cfg.name} {total:,} parameters, batch "
         f"{cfg.batch_size} x {model_cfg.max_seq_len}, {cfg.steps} steps, median of "
-        f"{cfg.repeats}; load {' '.join(load)}"
+        f"{cfg.repeats}; load {load[0]} before, {load[1]} after"
     )
-    for col in ("", "trainable parameters", "checkpoint", "peak RSS", "tokens/s"):
+    for col in ("", "trainable parameters", "checkpoint", "peak RSS", "tokens/s (wall)", "tokens per CPU s"):
         table.add_column(col, justify="right")
     for kind in ("full", "lora"):
         m = med[kind]
@@ -129,14 +140,21 @@ def run(cfg) -> int:
             human_bytes(m["checkpoint_bytes"]),
             human_bytes(m["peak_rss"]),
             f"{m['tokens_per_s']:,.0f}",
+            f"{m['tokens_per_cpu_s']:,.0f}",
         )
     f, lo = med["full"], med["lora"]
+
+    def ratio(m: str) -> str:
+        v = pairs[m]
+        return f"{statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f})"
+
     table.add_row(
-        "lora / full",
+        "lora / full (each pair)",
         f"{trainable['lora'] / total:.2%}",
         f"{lo['checkpoint_bytes'] / f['checkpoint_bytes']:.3f}",
         f"{lo['peak_rss'] / f['peak_rss']:.2f}",
-        f"{lo['tokens_per_s'] / f['tokens_per_s']:.2f}",
+        ratio("tokens_per_s"),
+        ratio("tokens_per_cpu_s"),
     )
     Console().print(table)
     out = {
@@ -144,6 +162,7 @@ def run(cfg) -> int:
         "lora": lora,
         "trainable": trainable,
         "median": med,
+        "pair_ratios": pairs,
         "runs": results,
         "loadavg": load,
     }

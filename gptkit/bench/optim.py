@@ -1,19 +1,28 @@
-"""gptkit bench optim: AdamW against optim=muon on the same recipes, several seeds each
-(conf/bench/optim.yaml).
+"""gptkit bench optim: AdamW against Muon, each at its own best learning rate (conf/bench/optim.yaml).
 
-Every run is a `gptkit train` subprocess on one CPU thread, in its own folder <runs_dir>/<recipe>-<optimizer>-
-seed<n> (a finished run found there is read instead of rerun). From each run's metrics.csv:
+A fair comparison sweeps every optimizer over the same grid and compares the best of each:
 
-    steps to target   the first validation step at which the run's val loss is <= the target, the median over
-                      seeds of AdamW's final val loss; reported for Muon as a fraction of AdamW's steps
-    time ratio        a Muon run's training time (validation excluded, summed from the logged tokens/s) over
-                      the AdamW run of the same seed
-    equal time        the val loss of a Muon run at the last validation within the training time of the AdamW
-                      run of the same seed (that AdamW run's final val loss beside it)
+1. the sweep: each recipe (gpt2-tiny, llama-tiny) trains with each optimizer at each lr of `lrs`, seed
+   `seeds[0]`; the runs of one lr (one per optimizer) are queued together, so with parallel=2 they train side
+   by side under the same load;
+2. the best lr of each optimizer: its lowest final val loss in the sweep;
+3. the seeds: each optimizer at its best lr on every other seed, the optimizers of a seed side by side.
 
-The AdamW and Muon runs of one seed are queued one after the other, so with parallel=2 they train side by
-side, under the same load: the time ratio and the equal-time loss compare runs made at the same moment.
-Medians over seeds with their range (min-max). Steps do not depend on the machine's load; times do.
+From each run's metrics.csv (one `gptkit train` on one CPU thread, in <runs_dir>/<recipe>-<optimizer>-lr<lr>-
+seed<n>; a finished run found there is read, not rerun):
+
+    target            the baseline optimizer's (AdamW's) median final val loss over the seeds, at its best lr:
+                      what the baseline reaches in all of its steps
+    steps to target   the step at which a run's val loss reaches the target, interpolated linearly between
+                      validations (None: not within the run); the median over the seeds, and its ratio to the
+                      steps the baseline took to get there (all of them)
+    time at equal     every run trains the same steps: its training seconds on the clock and in CPU (the
+    steps             process's, validation excluded, from metrics.csv's perf/tokens_per_s and
+                      perf/tokens_per_cpu_s), and each optimizer's over the baseline's run of the same seed,
+                      trained side by side (the ratio of runs made under the same load)
+
+The load is recorded before and after every run. Steps do not depend on the machine's load; seconds do, CPU
+seconds much less than wall seconds.
 """
 
 from __future__ import annotations
@@ -32,16 +41,16 @@ from omegaconf import OmegaConf
 from rich.console import Console
 from rich.table import Table
 
+from gptkit.bench.measure import loadavg
 from gptkit.errors import ConfigError, GptkitError
-
-OPTIMIZERS = ("adamw", "muon")
 
 
 def read_run(run_dir: Path) -> dict[str, Any]:
-    """(step, val loss, training seconds after that step) of every validation, and the run's totals."""
+    """(step, val loss, training seconds after that step) of every validation, and the run's totals: its
+    training seconds on the clock and in CPU time (validation excluded), its final val loss."""
     with open(run_dir / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
-    seconds, tokens_before, at_step = 0.0, 0.0, {0: 0.0}
+    seconds, cpu, tokens_before, at_step = 0.0, 0.0, 0.0, {0: 0.0}
     tokens_per_step = None
     for r in rows:
         if not r.get("perf/tokens_per_s"):
@@ -50,43 +59,58 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         tokens = float(r["perf/tokens"])
         tokens_per_step = tokens_per_step or tokens / int(r["step"])
         seconds += (tokens - tokens_before) / float(r["perf/tokens_per_s"])
+        if r.get("perf/tokens_per_cpu_s"):
+            cpu += (tokens - tokens_before) / float(r["perf/tokens_per_cpu_s"])
         tokens_before = tokens
         at_step[round(tokens / tokens_per_step)] = seconds
     val = [(int(r["step"]), float(r["val/loss"])) for r in rows if r.get("val/loss")]
     if not val:
         raise GptkitError(f"{run_dir}/metrics.csv has no val/loss rows")
     timed = []
-    for (
-        step,
-        loss,
-        # validation after `step` optimizer steps; time: the last logged step at or before it
-    ) in val:
+    # validation after `step` optimizer steps; time: the last logged step at or before it
+    for step, loss in val:
         known = max(s for s in at_step if s <= step)
         timed.append((step, loss, at_step[known]))
-    return {"val": timed, "final_val_loss": val[-1][1], "steps": val[-1][0], "train_seconds": seconds}
+    return {
+        "val": timed,
+        "final_val_loss": val[-1][1],
+        "steps": val[-1][0],
+        "train_seconds": seconds,
+        "train_cpu_seconds": cpu or None,
+    }
 
 
-def steps_to(run: dict[str, Any], target: float) -> int | None:
-    """The first validation step whose val loss is <= target (None: never)."""
-    return next((step for step, loss, _ in run["val"] if loss <= target), None)
+def steps_to(run: dict[str, Any], target: float) -> float | None:
+    """The step at which the val loss reaches `target`, interpolated linearly between the two validations
+    around it (the first validation's step when it is there already; None: never within the run)."""
+    before = None
+    for step, loss, _ in run["val"]:
+        if loss <= target:
+            if before is None or before[1] == loss:
+                return float(step)
+            s0, l0 = before
+            return s0 + (l0 - target) / (l0 - loss) * (step - s0)
+        before = (step, loss)
+    return None
 
 
-def loss_at(run: dict[str, Any], seconds: float) -> float:
-    """The val loss of the last validation done within `seconds` of training."""
-    within = [loss for _, loss, t in run["val"] if t <= seconds]
-    return within[-1] if within else run["val"][0][1]
-
-
-def spread(values: list[float]) -> dict[str, float]:
+def spread(values: list[float]) -> dict[str, float] | None:
+    """Median (min-max) of the values; None when one is missing."""
+    if not values or any(v is None for v in values):
+        return None
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def train_args(cfg, recipe: str, optimizer: str, seed: int) -> tuple[str, list[str]]:
-    name = f"{recipe}-{optimizer}-seed{seed}"
-    extra = list(cfg.muon.get(recipe) or []) if optimizer == "muon" else []
+def run_name(recipe: str, optimizer: str, lr: float, seed: int) -> str:
+    return f"{recipe}-{optimizer}-lr{lr:g}-seed{seed}"
+
+
+def train_args(cfg, recipe: str, optimizer: str, lr: float, seed: int) -> tuple[str, list[str]]:
+    name = run_name(recipe, optimizer, lr, seed)
     return name, [
         *cfg.recipes[recipe],
-        *extra,
+        *cfg.optimizers[optimizer],
+        f"optim.lr={lr}",
         *cfg.common,
         f"seed={seed}",
         f"name={name}",
@@ -119,112 +143,179 @@ def resume_args(run_dir: Path, args: list[str]) -> list[str]:
 
 
 def run_one(args: list[str], log: Path) -> None:
+    """One `gptkit train` on one thread; the load before and after it go to <log>.load."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("GPTKIT_VERB", None)
+    before = loadavg()
     with open(log, "w") as out:
         code = subprocess.run(
             [sys.executable, "-m", "gptkit", "train", *args], stdout=out, stderr=subprocess.STDOUT, env=env
         ).returncode
+    log.with_suffix(".load").write_text(json.dumps({"before": before, "after": loadavg()}))
     if code != 0:
         raise GptkitError(f"gptkit train {' '.join(args)} failed (exit {code}); see {log}")
 
 
-def run(cfg) -> int:
-    if not cfg.recipes or not cfg.seeds:
-        raise ConfigError("bench.recipes and bench.seeds must not be empty")
-    unknown = set(cfg.muon) - set(cfg.recipes)
-    if unknown:
-        raise ConfigError(f"bench.muon names recipes that bench.recipes lacks: {', '.join(sorted(unknown))}")
+def train_all(cfg, jobs: list[tuple[str, list[str]]], con: Console) -> None:
+    """Train the jobs not finished yet, `parallel` at a time, in order (neighbours side by side)."""
+    runs_dir = Path(cfg.runs_dir)
+    todo = [(n, resume_args(runs_dir / n, a)) for n, a in jobs if not finished(runs_dir / n)]
+    con.print(
+        f"{len(todo)} run(s) to train, {int(cfg.parallel)} at a time, one thread each (load {loadavg()})"
+    )
+    with ThreadPoolExecutor(int(cfg.parallel)) as pool:
+        for name, future in [(n, pool.submit(run_one, a, runs_dir / f"{n}.log")) for n, a in todo]:
+            future.result()
+            con.print(f"  trained {runs_dir / name} (load {loadavg()})")
+
+
+def check(cfg) -> None:
+    if not cfg.recipes or not cfg.seeds or not cfg.lrs or not cfg.optimizers:
+        raise ConfigError("bench.recipes, bench.optimizers, bench.lrs and bench.seeds must not be empty")
+    if cfg.baseline not in cfg.optimizers:
+        raise ConfigError(f"bench.baseline={cfg.baseline!r} is not one of bench.optimizers")
     if int(cfg.parallel) < 1:
         raise ConfigError(f"bench.parallel={cfg.parallel} must be >= 1")
+    for lr in cfg.lrs:
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ConfigError(f"bench.lrs holds {lr!r}; give learning rates > 0")
+
+
+def run(cfg) -> int:
+    check(cfg)
     runs_dir = Path(cfg.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
     con = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
-    jobs = []
-    for recipe in cfg.recipes:
-        # AdamW and Muon of one seed side by side (parallel=2): the same load
-        for seed in cfg.seeds:
-            for optimizer in OPTIMIZERS:
-                name, args = train_args(cfg, recipe, optimizer, int(seed))
-                if not finished(runs_dir / name):
-                    jobs.append((name, resume_args(runs_dir / name, args)))
-    with open("/proc/loadavg") if Path("/proc/loadavg").exists() else open(os.devnull) as f:
-        load = f.read().strip()
-    con.print(
-        f"{len(jobs)} run(s) to train, {int(cfg.parallel)} at a time, one thread each (load: {load or '?'})"
+    optimizers, lrs, seeds = list(cfg.optimizers), [float(x) for x in cfg.lrs], [int(s) for s in cfg.seeds]
+    load_start = loadavg()
+    # 1. the sweep, on the first seed: the optimizers of one lr side by side
+    train_all(
+        cfg,
+        [train_args(cfg, r, o, lr, seeds[0]) for r in cfg.recipes for lr in lrs for o in optimizers],
+        con,
     )
-    with ThreadPoolExecutor(int(cfg.parallel)) as pool:
-        for name, future in [(n, pool.submit(run_one, a, runs_dir / f"{n}.log")) for n, a in jobs]:
-            future.result()
-            con.print(f"  trained {runs_dir / name}")
+    sweep = {
+        r: {o: {lr: read_run(runs_dir / run_name(r, o, lr, seeds[0])) for lr in lrs} for o in optimizers}
+        for r in cfg.recipes
+    }
+    # 2. each optimizer's best lr; 3. every other seed at it, the optimizers of a seed side by side
+    best = {
+        r: {o: min(lrs, key=lambda lr: sweep[r][o][lr]["final_val_loss"]) for o in optimizers} for r in sweep
+    }
+    train_all(
+        cfg,
+        [train_args(cfg, r, o, best[r][o], s) for r in cfg.recipes for s in seeds[1:] for o in optimizers],
+        con,
+    )
     results = {}
-    for recipe in cfg.recipes:
-        runs = {
-            o: [read_run(runs_dir / train_args(cfg, recipe, o, int(s))[0]) for s in cfg.seeds]
-            for o in OPTIMIZERS
-        }
-        adamw, muon = runs["adamw"], runs["muon"]
-        target = statistics.median(r["final_val_loss"] for r in adamw)
-        adamw_steps = statistics.median(r["steps"] for r in adamw)
-        reached = [steps_to(r, target) for r in muon]
-        results[recipe] = {
+    for r in cfg.recipes:
+        runs = {o: [read_run(runs_dir / run_name(r, o, best[r][o], s)) for s in seeds] for o in optimizers}
+        base = runs[cfg.baseline]
+        target = statistics.median(x["final_val_loss"] for x in base)
+        steps = {o: [steps_to(x, target) for x in runs[o]] for o in optimizers}
+        # the baseline reaches its median final val loss in its whole run
+        total = base[0]["steps"]
+        results[r] = {
+            "sweep_final_val_loss": {
+                o: {f"{lr:g}": sweep[r][o][lr]["final_val_loss"] for lr in lrs} for o in sweep[r]
+            },
+            "best_lr": best[r],
             "target_val_loss": target,
-            "adamw_steps": adamw_steps,
-            "adamw_final_val_loss": spread([r["final_val_loss"] for r in adamw]),
-            "muon_final_val_loss": spread([r["final_val_loss"] for r in muon]),
-            "muon_steps_to_target": reached,
-            "muon_steps_fraction": (
-                spread([s / adamw_steps for s in reached]) if None not in reached else None
-            ),
-            "adamw_train_seconds": spread([r["train_seconds"] for r in adamw]),
-            "muon_train_seconds": spread([r["train_seconds"] for r in muon]),
-            "muon_time_ratio": spread([m["train_seconds"] / a["train_seconds"] for a, m in zip(adamw, muon)]),
-            # each Muon run at the training time of the AdamW run of its seed
-            "val_loss_at_adamw_time": {
-                "adamw": spread([r["final_val_loss"] for r in adamw]),
-                "muon": spread([loss_at(m, a["train_seconds"]) for a, m in zip(adamw, muon)]),
+            "steps": total,
+            "optimizers": {
+                o: {
+                    "final_val_loss": spread([x["final_val_loss"] for x in runs[o]]),
+                    "steps_to_target": steps[o],
+                    "steps_to_target_median": spread(steps[o]),
+                    "steps_ratio": (
+                        1.0
+                        if o == cfg.baseline
+                        else statistics.median(steps[o]) / total
+                        if spread(steps[o])
+                        else None
+                    ),
+                    "train_seconds": spread([x["train_seconds"] for x in runs[o]]),
+                    "train_cpu_seconds": spread([x["train_cpu_seconds"] for x in runs[o]]),
+                    # the run of the same seed of the baseline trained beside it
+                    "wall_ratio": spread(
+                        [x["train_seconds"] / b["train_seconds"] for x, b in zip(runs[o], base)]
+                    ),
+                    "cpu_ratio": spread(
+                        [
+                            x["train_cpu_seconds"] / b["train_cpu_seconds"]
+                            if x["train_cpu_seconds"] and b["train_cpu_seconds"]
+                            else None
+                            for x, b in zip(runs[o], base)
+                        ]
+                    ),
+                }
+                for o in optimizers
             },
         }
-    with open("/proc/loadavg") if Path("/proc/loadavg").exists() else open(os.devnull) as f:
-        load_end = f.read().strip()
-    t = Table(
-        title=f"AdamW vs Muon, median (min-max) over seeds {list(cfg.seeds)}; load at the end: {load_end}"
-    )
-    for col in (
-        "recipe",
-        "AdamW final val loss",
-        "Muon final val loss",
-        "Muon steps to AdamW's final",
-        "AdamW / Muon train s",
-        "Muon / AdamW time, same seed",
-        "val loss at AdamW's time, same seed: AdamW / Muon",
-    ):
-        t.add_column(col, justify="right")
-
-    def fmt(s, f="{:.4f}"):
-        return f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"
-
-    for recipe, r in results.items():
-        frac = r["muon_steps_fraction"]
-        steps = (
-            f"{fmt(frac, '{:.2f}')}x of {r['adamw_steps']:.0f}"
-            if frac
-            else f"not reached by every seed: {r['muon_steps_to_target']}"
-        )
-        t.add_row(
-            recipe,
-            fmt(r["adamw_final_val_loss"]),
-            fmt(r["muon_final_val_loss"]),
-            steps,
-            f"{r['adamw_train_seconds']['median']:.0f} / {r['muon_train_seconds']['median']:.0f}",
-            f"{fmt(r['muon_time_ratio'], '{:.2f}')}x",
-            f"{fmt(r['val_loss_at_adamw_time']['adamw'])} / {fmt(r['val_loss_at_adamw_time']['muon'])}",
-        )
-    con.print(t)
+    load_end = loadavg()
+    report(con, cfg, results, lrs, seeds, load_start, load_end)
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 
         atomic_write_text(
-            cfg.out, json.dumps({"load_start": load, "load_end": load_end, "results": results}, indent=2)
+            cfg.out,
+            json.dumps({"load_start": load_start, "load_end": load_end, "results": results}, indent=2),
         )
     return 0
+
+
+def report(
+    con: Console, cfg, results: dict, lrs: list[float], seeds: list[int], load_start, load_end
+) -> None:
+    """The sweep and the comparison, one table each per recipe."""
+
+    def fmt(s, f="{:.4f}"):
+        return "-" if s is None else f"{f.format(s['median'])} ({f.format(s['min'])}-{f.format(s['max'])})"
+
+    for recipe, r in results.items():
+        sweep = Table(title=f"{recipe}: final val loss after {r['steps']} steps, seed {seeds[0]}, by lr")
+        sweep.add_column("optimizer")
+        for lr in lrs:
+            sweep.add_column(f"{lr:g}", justify="right")
+        for o, by_lr in r["sweep_final_val_loss"].items():
+            sweep.add_row(
+                o,
+                *[
+                    f"[bold]{v:.4f}[/]" if float(k) == r["best_lr"][o] else f"{v:.4f}"
+                    for k, v in by_lr.items()
+                ],
+            )
+        con.print(sweep)
+        t = Table(
+            title=f"{recipe}: each optimizer at its best lr, median (min-max) over seeds {seeds}; target "
+            f"{r['target_val_loss']:.4f} ({cfg.baseline}'s median final val loss); load {load_start} at the "
+            f"start, {load_end} at the end"
+        )
+        for col in (
+            "optimizer",
+            "lr",
+            "final val loss",
+            "steps to target",
+            f"steps / {cfg.baseline}'s {r['steps']}",
+            f"train s (wall) for {r['steps']} steps",
+            "train s (CPU)",
+            f"wall / {cfg.baseline} (same seed, side by side)",
+            f"CPU / {cfg.baseline}",
+        ):
+            t.add_column(col, justify="right")
+        for o, x in r["optimizers"].items():
+            t.add_row(
+                o,
+                f"{r['best_lr'][o]:g}",
+                fmt(x["final_val_loss"]),
+                fmt(x["steps_to_target_median"], "{:.0f}")
+                if x["steps_to_target_median"]
+                else "not by every seed: "
+                + ", ".join("-" if v is None else f"{v:.0f}" for v in x["steps_to_target"]),
+                "-" if x["steps_ratio"] is None else f"{x['steps_ratio']:.2f}x",
+                fmt(x["train_seconds"], "{:.0f}"),
+                fmt(x["train_cpu_seconds"], "{:.0f}"),
+                fmt(x["wall_ratio"], "{:.2f}"),
+                fmt(x["cpu_ratio"], "{:.2f}"),
+            )
+        con.print(t)

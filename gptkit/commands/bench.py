@@ -12,11 +12,14 @@ Examples:
   gptkit bench grpo                 (experiment=grpo-tiny: held-out exact match before and after)
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)
   gptkit bench qlora                (finetune=qlora: base memory vs bf16, loss and speed vs lora, NF4's error)
+  gptkit bench optim                (AdamW vs Muon: one lr grid swept for each, the best of each on 3 seeds)
+Every benchmark ends with a line of its wall and CPU seconds and the machine's load before and after it.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 # gptkit's rooms are imported inside the functions: cli.py imports every command module (for `gptkit
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
@@ -39,6 +42,8 @@ def prepare_args(args: list[str]) -> list[str]:
 
 
 def run(cfg) -> int:
+    """The benchmark's own run(), then one line on stderr: its wall and CPU seconds, and the machine's load
+    before and after it (gptkit/bench/measure.py)."""
     from gptkit.errors import ConfigError
 
     what = cfg.bench.name
@@ -46,4 +51,10 @@ def run(cfg) -> int:
         mod = importlib.import_module(f"gptkit.bench.{what}")
     except ModuleNotFoundError as exc:
         raise ConfigError(f"no benchmark named {what!r}") from exc
-    return int(mod.run(cfg.bench) or 0)
+    from gptkit.bench.measure import Usage
+
+    usage = Usage().start()
+    code = int(mod.run(cfg.bench) or 0)
+    # one line at the end (a benchmark refused for bad input prints only its error)
+    print(usage.stop().line(f"gptkit bench {what}"), file=sys.stderr, flush=True)
+    return code

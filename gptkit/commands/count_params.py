@@ -17,6 +17,7 @@ import json
 def report(cfg) -> dict:
     """Everything count-params knows, as plain data (the json output)."""
     from gptkit import accounting as acc
+    from gptkit.adapters import adapter_params
     from gptkit.conf_tree import count, model_config, number
     from gptkit.errors import ConfigError
     from gptkit.precision import DTYPE_BYTES, precision
@@ -67,8 +68,18 @@ def report(cfg) -> dict:
         )
     if ep is not None and m.moe.n_experts % ep:
         raise ConfigError(f"expert_parallel={ep} must divide model.moe.n_experts={m.moe.n_experts}")
+    lora, rows_per_item, needs_reference = _training(cfg, m)
     mem = acc.training_memory(
-        m, cfg.precision, n_gpus, int(cfg.micro_batch), seq_len, bool(cfg.checkpointing), ep
+        m,
+        cfg.precision,
+        n_gpus,
+        int(cfg.micro_batch) * rows_per_item,
+        seq_len,
+        bool(cfg.checkpointing),
+        ep,
+        optimizer=str(cfg.optimizer),
+        lora=lora,
+        reference=needs_reference,
     )
     quantized = None
     if cfg.get("quantize") is not None:
@@ -79,6 +90,7 @@ def report(cfg) -> dict:
         # the weights' dtype: the compute dtype's where it is one a model is cast to
         width = cfg.dtype if cfg.dtype in ("fp32", "bf16", "fp16") else "bf16"
         quantized = dict(acc.quantized_weights(m, str(cfg.quantize), width), kind=cfg.quantize, dtype=width)
+    trainable = pc.total if lora is None else adapter_params(m, lora["targets"], lora["rank"])
     return {
         "model": m.to_dict(),
         "params": {
@@ -135,10 +147,37 @@ def report(cfg) -> dict:
             "memory_per_gpu": mem,
             "precision": cfg.precision,
             "n_gpus": n_gpus,
+            "optimizer": str(cfg.optimizer),
+            "muon_params": acc.muon_params(m) if lora is None else trainable,
+            "finetune": str(cfg.finetune),
+            "trainable_params": trainable,
+            "objective": str(cfg.objective),
         },
         # quantize=: the weights with the block projections quantized (null without quantize=)
         "quantized_weights": quantized,
     }
+
+
+def _training(cfg, m) -> tuple[dict | None, int, bool]:
+    """(the LoRA settings or None, sequences per micro-batch item, whether a frozen reference of its own is
+    kept) of count-params' finetune=, lora and objective= (one-line errors as `train`'s)."""
+    from gptkit.adapters import check_lora, settings
+    from gptkit.errors import ConfigError
+
+    if cfg.finetune not in ("full", "lora"):
+        raise ConfigError(f"finetune={cfg.finetune!r} must be full or lora")
+    lora = None
+    if cfg.finetune == "lora":
+        lora = settings({"alpha": 1, "dropout": 0.0, **cfg.lora})
+        lora["targets"] = list(check_lora(lora, m))
+    if cfg.objective == "lm":
+        return lora, 1, False
+    # the objectives table imports torch: only for an objective other than lm
+    from gptkit.training.objectives import objective_class
+
+    objective = objective_class(cfg)
+    group = objective.settings_of(cfg)
+    return lora, objective.rows(group), objective.uses_reference(group)
 
 
 def run(cfg) -> int:
@@ -293,8 +332,31 @@ def _print_tables(r: dict, cfg) -> None:
     mem = plan["memory_per_gpu"]
     shard = f", sharded over {plan['n_gpus']} GPUs" if plan["n_gpus"] > 1 else ""
     et.add_section()
+    lora = plan["finetune"] == "lora"
+    share = 100 * plan["trainable_params"] / total
+    trained = (
+        f"LoRA adapters: {plan['trainable_params']:,} trainable, {share:.2f}%"
+        if lora
+        else "every parameter trains"
+    )
+    others = plan["trainable_params"] - plan["muon_params"]
+    state = (
+        f"Muon: one momentum buffer for {plan['muon_params']:,} block-matrix parameters"
+        + (f", AdamW's two moments for the other {others:,}" if others else "")
+        if plan["optimizer"] == "muon"
+        else "AdamW: two moments per trainable parameter"
+    )
+    what = {
+        "weights": f"weights ({plan['precision']}{shard}"
+        + (", the frozen base and the adapters)" if lora else ")"),
+        "gradients": f"gradients ({trained})",
+        "optimizer": f"optimizer state ({state})",
+    }
     for k in ("weights", "gradients", "optimizer"):
-        et.add_row(f"training memory per GPU: {k} ({plan['precision']}{shard})", human_bytes(mem[k]))
+        et.add_row(f"training memory per GPU: {what[k]}", human_bytes(mem[k]))
+    if "reference" in mem:
+        reference = f"the {plan['objective'].upper()} reference (a frozen copy of the weights)"
+        et.add_row(f"training memory per GPU: {reference}", human_bytes(mem["reference"]))
     et.add_row(
         f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})",
         human_bytes(mem["activations"]),

@@ -34,22 +34,12 @@ from pathlib import Path
 
 def run(cfg) -> int:
     from gptkit import hf, hf_io
-    from gptkit.chat_templates import reply_stop_ids, template_in_folder
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
-    from gptkit.fsio import check_out_dir, staged_dir
+    from gptkit.fsio import check_out_dir
     from gptkit.model import ModelConfig
     from gptkit.precision import torch_dtype
-    from gptkit.runs import (
-        TOKENIZER_FILE,
-        check_not_source,
-        check_tokenizer_fits,
-        find_run_checkpoint,
-        load_model,
-        load_tokenizer,
-        read_config,
-    )
-    from gptkit.tokenizer import special_tokens
+    from gptkit.runs import TOKENIZER_FILE, check_not_source, find_run_checkpoint, read_config
 
     if not cfg.run:
         raise ConfigError("export needs run=<run folder or checkpoint>")
@@ -67,74 +57,42 @@ def run(cfg) -> int:
     if cfg.adapters:
         return export_adapters(ckpt, out, cfg)
 
-    run_dir, ckpt, run_cfg, model_cfg, model = load_model(ckpt)
-
-    tokenizer = load_tokenizer(run_dir) if (Path(run_dir) / TOKENIZER_FILE).is_file() else None
-    if tokenizer is not None:
-        check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
-    # what training appended after each document
-    eos = (run_cfg.get("tokenizer") or {}).get("eos_token")
-    special = special_tokens(tokenizer, eos) if tokenizer is not None else {}
-    ids = {
-        role: special[role][1] if role in special else None
-        for role in ("bos_token", "eos_token", "pad_token")
-    }
-
-    # a chat model (data=chat, or imported with a template): its template, and generation stops at the end
-    # of a turn as well as at the end of the text
-    template = template_in_folder(Path(run_dir)) if tokenizer is not None else None
-    stop_ids = reply_stop_ids(tokenizer, template, eos) if template is not None else []
-    gen_eos = stop_ids if len(stop_ids) > 1 else (stop_ids[0] if stop_ids else ids["eos_token"])
-
-    state = hf.to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
-    config = hf.hf_config(
-        model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
-    )
-    with staged_dir(out, force=bool(cfg.force)) as tmp:
-        weights = hf_io.save_weights(state, tmp, max_shard)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        gen = hf_io.generation_config(ids["bos_token"], gen_eos, ids["pad_token"])
-        (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
-        if tokenizer is not None:
-            files = hf_io.tokenizer_files(tokenizer, model_cfg.max_seq_len, special, template)
-            for name, text in files.items():
-                (tmp / name).write_text(text, encoding="utf-8")
-
-    n_params = sum(v.numel() for v in state.values())
-    qlora = run_cfg.get("finetune") == "qlora"
+    done = hf_io.export_folder(ckpt, out, dtype, max_shard, bool(cfg.force))
+    qlora = read_config(run_dir_of(ckpt)).get("finetune") == "qlora"
+    merged = " (QLoRA: its NF4 base dequantized, the adapters merged)" if qlora else ""
     print(
-        f"exported {ckpt}{' (QLoRA: its NF4 base dequantized, the adapters merged)' if qlora else ''} as "
-        f"{hf.ARCHITECTURES[arch]} ({n_params:,} parameters, {cfg.dtype}) to {out}: "
-        f"config.json, {', '.join(weights)}, generation_config.json"
+        f"exported {done.checkpoint}{merged} as "
+        f"{hf.ARCHITECTURES[arch]} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
+        f"config.json, {', '.join(done.weights)}, generation_config.json"
         + (
             ", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
-            if tokenizer is not None
+            if done.tokenizer is not None
             else ""
         )
-        + (", chat_template.jinja" if template is not None else "")
+        + (", chat_template.jinja" if done.template is not None else "")
     )
-    if template is not None:
-        ends = ", ".join(tokenizer.id_to_token(i) for i in stop_ids)
+    if done.template is not None:
+        ends = ", ".join(done.tokenizer.id_to_token(i) for i in done.stop_ids)
         print(
-            f"  chat template {Path(template.name).name} (tokenizer_config.json's chat_template, "
+            f"  chat template {Path(done.template.name).name} (tokenizer_config.json's chat_template, "
             f"chat_template.jinja); generate() stops at {ends or 'max_new_tokens only'} "
             "(generation_config.json's eos_token_id)"
         )
-    if tokenizer is None:
+    if done.tokenizer is None:
         print(
-            f"warning: {Path(run_dir) / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
+            f"warning: {done.run_dir / TOKENIZER_FILE} is missing, so {out} has no tokenizer files "
             f"(AutoTokenizer will not load it); copy the run's tokenizer.json there and export again",
             file=sys.stderr,
         )
-    elif "eos_token" not in special:
+    elif not done.has_eos:
         print(
             "note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
             file=sys.stderr,
         )
-    if arch in hf.ROPE_ARCHITECTURES and model_cfg.dropout > 0:
+    if arch in hf.ROPE_ARCHITECTURES and done.model_cfg.dropout > 0:
         print(
             f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
-            f"model.dropout={model_cfg.dropout} applies there and not to the residual stream when "
+            f"model.dropout={done.model_cfg.dropout} applies there and not to the residual stream when "
             f"fine-tuning in transformers (inference is unaffected)",
             file=sys.stderr,
         )

@@ -174,8 +174,14 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     )
     summary.add_row(
         "training memory per device (estimate)",
-        f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}, grads "
-        f"{human_bytes(estimate['gradients'])}, optimizer {human_bytes(estimate['optimizer'])}, "
+        f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}"
+        + (
+            f", the {cfg.objective} reference {human_bytes(estimate['reference'])}"
+            if "reference" in estimate
+            else ""
+        )
+        + f", grads {human_bytes(estimate['gradients'])}, optimizer ({cfg.optim.name}) "
+        f"{human_bytes(estimate['optimizer'])}, "
         f"activations {human_bytes(estimate['activations'])}, logits "
         f"{human_bytes(estimate['logits'])} (batch {int(t.batch_size)} x "
         f"{estimate['seq_len']})",

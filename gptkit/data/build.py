@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
@@ -53,10 +54,20 @@ from gptkit.data.prepared import (
     load_prepared,
     manifest_checksum,
 )
+from gptkit.data.provenance import DOC_ROW, DOCS_SUFFIX
 from gptkit.data.ranges import RangeFeed, TextFeed
 from gptkit.data.settings import allows_special_text, build_workers, keyed_special_text, shard_settings
-from gptkit.data.shards import PROGRESS, BatchFeed, Journal, resume_shard, split_tail, write_tokens
-from gptkit.data.sources import Corpus, LineRange, Part, Parts
+from gptkit.data.shards import (
+    PROGRESS,
+    BatchFeed,
+    Journal,
+    logged,
+    resume_documents,
+    resume_shard,
+    split_tail,
+    write_tokens,
+)
+from gptkit.data.sources import Corpus, LineRange, Part, Parts, Section
 from gptkit.data.tokenize import (
     BATCH_CHARS,
     Cutter,
@@ -349,14 +360,16 @@ def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
                 # finishing the split is idempotent (val.bin is complete)
                 continue
             ok = ok and resume_shard(tmp / _shard_file(split), sp)
+            if ok:
+                resume_documents(tmp / _docs_file(split), sp)
         if not ok:
             say(f"note: the interrupted build in {tmp} does not match its record; building it again")
     # a shard is kept only when the record covers it: one the killed build began but never committed (its
     # split not yet in progress.json) holds only uncommitted batches, which the build would append after
-    recorded = {_shard_file(split) for split in state["splits"]} if ok else set()
+    recorded = {f(split) for split in state["splits"] for f in (_shard_file, _docs_file)} if ok else set()
     if ok and state.get("val_written"):
         # the split of all.bin into train and val is being finished
-        recorded |= {"all.bin", *SHARDS.values()}
+        recorded |= {"all.bin", *SHARDS.values(), _docs_file("all"), _docs_file("train")}
     keep = {BUILD_LOCK, PROGRESS, TOKENIZER, *recorded} if ok else {BUILD_LOCK}
     # leftovers of the killed build (half-written temporary files), or all of it
     for p in tmp.iterdir():
@@ -367,6 +380,32 @@ def _open_build(tmp: Path, key: str) -> tuple[Any, Journal] | None:
 
 def _shard_file(split: str) -> str:
     return "all.bin" if split == "all" else SHARDS[split]
+
+
+def _docs_file(split: str) -> str:
+    return str(Path(_shard_file(split)).with_suffix(DOCS_SUFFIX))
+
+
+def documents_record(folder: Path, journal: Journal) -> dict[str, Any] | None:
+    """The manifest's `documents`: the sources' names and, per split whose documents were all recorded, its
+    documents file (count, CRC-32; `covers` all: the train split's file holds the validation tokens' too);
+    None when no split has them (a build continued from one that recorded none)."""
+    out: dict[str, Any] = {"sources": list(journal.state.get("sources", []))}
+    for split, sp in journal.state["splits"].items():
+        if sp.get("doc_bytes") is None:
+            continue
+        name = "train" if split == "all" else split
+        f = folder / SHARDS[name]
+        f = f.with_suffix(DOCS_SUFFIX)
+        if not f.is_file() or f.stat().st_size != sp["doc_bytes"]:
+            continue
+        out[name] = {
+            "file": f.name,
+            "documents": sp["doc_bytes"] // DOC_ROW.itemsize,
+            "crc32": file_crc32(f),
+            "covers": "all" if split == "all" else split,
+        }
+    return out if len(out) > 1 else None
 
 
 def _build(
@@ -470,7 +509,10 @@ def _build_with(
     feeds: list[BatchFeed | RangeFeed | TextFeed] = []
 
     def work(
-        parts: Parts, ranges: Callable[[int], Iterator[LineRange]] | None, text: list[Path] | None
+        parts: Parts,
+        ranges: Callable[[int], Iterator[LineRange]] | None,
+        text: list[Path] | None,
+        sections: Callable[[], Iterator[Section]] | None,
     ) -> BatchFeed | RangeFeed | TextFeed:
         # JSON lines: whoever encodes a range reads, parses and cuts it
         if ranges is not None:
@@ -480,6 +522,11 @@ def _build_with(
             feeds.append(
                 TextFeed(text, corpus.text_errors, corpus.text_blank, cutter, eos, corpus.description)
             )
+        # the sections (files, topics) say where each document comes from
+        elif sections is not None:
+            log: deque[str] = deque()
+            pieces = cutter.pieces(logged(sections(), log), eos, corpus.description)
+            feeds.append(BatchFeed(batches(pieces), log))
         else:
             feeds.append(BatchFeed(batches(cutter.pieces(parts(), eos, corpus.description))))
         return feeds[-1]
@@ -491,7 +538,7 @@ def _build_with(
             if corpus.val_parts is None:
                 n, docs = write_tokens(
                     tokenizing,
-                    work(corpus.train_parts, corpus.train_ranges, corpus.train_text),
+                    work(corpus.train_parts, corpus.train_ranges, corpus.train_text, corpus.train_sections),
                     tmp / "all.bin",
                     journal,
                     "all",
@@ -512,12 +559,23 @@ def _build_with(
                 val = {"how": "fraction", "fraction": float(data["val_fraction"]), "documents": docs}
             else:
                 splits = {}
-                for split, parts, ranges, text in (
-                    ("train", corpus.train_parts, corpus.train_ranges, corpus.train_text),
-                    ("val", corpus.val_parts, corpus.val_ranges, corpus.val_text),
+                for split, parts, ranges, text, sections in (
+                    (
+                        "train",
+                        corpus.train_parts,
+                        corpus.train_ranges,
+                        corpus.train_text,
+                        corpus.train_sections,
+                    ),
+                    ("val", corpus.val_parts, corpus.val_ranges, corpus.val_text, corpus.val_sections),
                 ):
                     n, docs = write_tokens(
-                        tokenizing, work(parts, ranges, text), tmp / SHARDS[split], journal, split, bar
+                        tokenizing,
+                        work(parts, ranges, text, sections),
+                        tmp / SHARDS[split],
+                        journal,
+                        split,
+                        bar,
                     )
                     if n == 0:
                         raise GptkitError(f"the {split} files of {corpus.description} hold no text")
@@ -540,6 +598,7 @@ def _build_with(
         splits[split]["file"] = name
         # checked whenever the folder is loaded
         splits[split]["crc32"] = file_crc32(tmp / name)
+    documents = documents_record(tmp, journal)
     manifest = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -566,6 +625,7 @@ def _build_with(
         "dtype": dtype,
         "splits": splits,
         "validation": val,
+        "documents": documents,
         "encoder": engine,
         "workers": n_workers,
         "tasks": (f"byte ranges of the {what} files" if what else "batches of pieces")

@@ -19,7 +19,8 @@ are built in, and their special tokens are added to a tokenizer that lacks them;
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,8 @@ import numpy as np
 
 from gptkit.chat_templates import assistant_spans, encode_conversation
 from gptkit.data.cache import REBUILD, check_folder
-from gptkit.data.face import BuildOptions, Feed
+from gptkit.data.face import BuildOptions, Feed, Origin, Span
+from gptkit.data.provenance import TextBytes, show
 from gptkit.data.records import conversation, records
 from gptkit.data.settings import allows_special_text
 from gptkit.data.templated import (
@@ -50,6 +52,8 @@ TRAIN_ON = ("assistant", "all")
 ROW_PACKS = ("documents", "pad")
 TRUNCATE = ("drop", "cut")
 FORMAT = "gptkit-chat"
+# each conversation's file and line, by split (written since issue 39; an older folder has none)
+WHERE = "where.json"
 # 2: the manifest's checksum and its files' CRC-32; conversations longer than a row kept as their first
 # row_limit tokens, flagged long. Part of the cache key: a folder of version 1 is not read, the data is
 # prepared again from its files (a cache; version 1 could not tell a damaged folder from a good one)
@@ -80,6 +84,16 @@ class ChatData(TemplatedData):
 
     record_name = "conversations"
 
+    def where_of(self, i: int) -> tuple[str | None, str]:
+        """(file, "line 12") of train conversation i; (None, "file and line not recorded") for a folder
+        prepared before they were (WHERE)."""
+        if not hasattr(self, "_where"):
+            f = self.dir / WHERE
+            self._where = json.loads(f.read_text(encoding="utf-8"))["train"] if f.is_file() else None
+        if self._where is None:
+            return None, "its file and line are not recorded (prepared by an older gptkit)"
+        return split_where(self._where[i])
+
     def connect(
         self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
     ) -> Feed:
@@ -96,7 +110,18 @@ class ChatData(TemplatedData):
         n_val = len(val) if val_windows is None else min(len(val), int(val_windows))
         # rows of [seq_len] tensors, batched by the loader
         rows = [val.batch(i) for i in range(n_val)]
-        return Feed(ChatSampler(train, batch_size, seed), rows, lines=[describe_rows(train, val, seq_len, s)])
+        sampler = ChatSampler(train, batch_size, seed)
+
+        def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
+            decode = TextBytes(self.tokenizer()).text
+            out = []
+            for i, r in enumerate(sampler.mine(step, rank, world_size)):
+                spans = [Span(c, *self.where_of(c), n) for c, n in train.held[int(r)]]
+                text = show(decode(train.x[int(r), : 4 * chars + 8].numpy()), chars)
+                out.append(Origin(i, None, f"row {int(r):,} of {len(train):,}", spans, text))
+            return out
+
+        return Feed(sampler, rows, lines=[describe_rows(train, val, seq_len, s)], tracer=tracer)
 
 
 def check_settings(s: dict[str, Any]) -> dict[str, Any]:
@@ -161,7 +186,12 @@ def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> C
     }
     manifest = build.manifest(FORMAT, FORMAT_VERSION, "chat conversations", tokenizer, added, limit, counts)
     arrays = {k: v for split, seqs in splits.items() for k, v in sequence_arrays(split, seqs).items()}
-    return build.publish(manifest, {"conversations.npz": arrays}, tokenizer, load_chat, added)
+    # each conversation's file and line (`gptkit trace`)
+    wheres = [where for where, _ in convs + val_convs]
+    where = json.dumps({"train": wheres[:n_train], "val": wheres[n_train:]})
+    return build.publish(
+        manifest, {"conversations.npz": arrays}, tokenizer, load_chat, added, extra={WHERE: where}
+    )
 
 
 def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
@@ -180,6 +210,15 @@ def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
     return ChatData(folder, manifest, settings, splits["train"], splits["val"])
 
 
+def split_where(where: str) -> tuple[str | None, str]:
+    """A record's "<file> line 12" (or record, row) as (file, "line 12")."""
+    for word in (" line ", " record ", " row "):
+        head, sep, tail = where.rpartition(word)
+        if sep:
+            return head, f"{word.strip()} {tail}"
+    return None, where
+
+
 # ---- rows and batches ------------------------------------------------------------------------------------
 @dataclass
 class ChatRows:
@@ -195,6 +234,8 @@ class ChatRows:
     # conversations longer than a row, left out (drop; or cut before any assistant token)
     dropped: int
     conversations: int
+    # [N] the conversations (their index in the split) each row holds, in order, and their tokens there
+    held: list[list[tuple[int, int]]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -225,6 +266,9 @@ def make_rows(
     cur_ids: list[np.ndarray] = []
     cur_mask: list[np.ndarray] = []
     cur_doc: list[np.ndarray] = []
+    # (conversation, its tokens) of each row, and of the row being filled
+    held: list[list[tuple[int, int]]] = []
+    cur_held: list[tuple[int, int]] = []
     used = cut = dropped = 0
 
     def close_row() -> None:
@@ -238,9 +282,11 @@ def make_rows(
         rows_ids.append(ids)
         rows_mask.append(mask)
         rows_doc.append(doc)
+        held.append(list(cur_held))
         cur_ids.clear()
         cur_mask.clear()
         cur_doc.clear()
+        cur_held.clear()
         used = 0
 
     for i in range(split.n):
@@ -263,6 +309,7 @@ def make_rows(
         cur_ids.append(ids)
         cur_mask.append(mask)
         cur_doc.append(np.full(len(ids), len(cur_doc), dtype=np.int32))
+        cur_held.append((i, len(ids)))
         used += len(ids)
     close_row()
     if not rows_ids:
@@ -279,7 +326,7 @@ def make_rows(
     y = torch.where(mask[:, 1:] & same_doc, ids[:, 1:], torch.full_like(ids[:, 1:], -100))  # [N, seq_len]
     x = ids[:, :-1].contiguous()  # [N, seq_len]
     docs = doc[:, :-1].contiguous() if pack == "documents" else None
-    return ChatRows(x, y.contiguous(), docs, cut, dropped, split.n)
+    return ChatRows(x, y.contiguous(), docs, cut, dropped, split.n, held)
 
 
 class ChatSampler:
@@ -289,7 +336,8 @@ class ChatSampler:
     def __init__(self, rows: ChatRows, batch_size: int, seed: int) -> None:
         self.rows, self.batch_size, self.seed = rows, int(batch_size), int(seed)
 
-    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+    def mine(self, step: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
+        """The rows of rank `rank`'s micro-batch of micro-step `step`: [batch_size] indices."""
         n = self.batch_size * world_size
         if n > len(self.rows):
             raise GptkitError(
@@ -298,8 +346,10 @@ class ChatSampler:
             )
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
         picked = rng.choice(len(self.rows), size=n, replace=False)  # [batch_size * world_size], distinct
-        picked = picked[rank * self.batch_size : (rank + 1) * self.batch_size]
-        return self.rows.batch(picked)
+        return picked[rank * self.batch_size : (rank + 1) * self.batch_size]
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+        return self.rows.batch(self.mine(step, rank, world_size))
 
 
 def describe_rows(train: ChatRows, val: ChatRows, seq_len: int, s: dict[str, Any]) -> str:

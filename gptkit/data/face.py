@@ -7,6 +7,7 @@
     prepared.added_tokens                                       # tokens the kind added to the tokenizer
     feed = prepared.connect(batch_size, seq_len, seed, val_windows, pack)
     feed.sampler.batch(step, rank, world_size)                  # a pure function: resume and ranks exact
+    feed.trace(step, rank, world_size)                          # where each of its rows came from (Origin)
     feed.val_set, feed.collate, feed.val_sources                # the fixed validation items
     feed.announce(budget_tokens), feed.consumed(micro_steps, world_size)
 
@@ -44,6 +45,37 @@ class BuildOptions:
 
 
 @dataclass
+class Span:
+    """One document's share of a training row: which document of the split, where it came from and where in
+    it the row's tokens are, and how many of them the row holds."""
+
+    # its index among the split's documents (conversations, pairs); None: not known
+    document: int | None
+    # a file, a built-in corpus's topic, a hub dataset; None: not known
+    source: str | None
+    # where in the source the row's tokens start: "byte 1,234", "line 57 (byte 1,234), character 12 of its
+    # text", "record 3", "token 5,000 (byte 10,000)"; "" when the row starts with the document
+    where: str
+    # the row's tokens from this document
+    tokens: int
+
+
+@dataclass
+class Origin:
+    """Where one row (sequence) of a micro-batch came from (Feed.trace)."""
+
+    # the row's index in the micro-batch of its rank
+    row: int
+    # the mixture's source (data=mix), else None
+    part: str | None
+    # where the row lies in the prepared data: "token 12,345" of the train shard, "row 17" of a chat split
+    position: str
+    spans: list[Span]
+    # the row's first characters (its input tokens decoded)
+    text: str
+
+
+@dataclass
 class Feed:
     """A prepared kind connected to one run's batch shape (litgpt's `connect`): the stateless training
     sampler and the fixed validation items.
@@ -53,13 +85,23 @@ class Feed:
     val_sources  (source names, [n_val] source index of each item) when every val item ends with its index
                  in the set (LitGPT then counts each item once under DDP and reports each source); None: the
                  objective reads the items as they are
-    lines        what the data says at start-up (rank zero, after the run's own lines)"""
+    lines        what the data says at start-up (rank zero, after the run's own lines)
+    tracer       (micro-step, rank, world size, characters) -> the Origin of each row of that micro-batch, as
+                 `sampler.batch` draws it (None: the kind cannot say)"""
 
     sampler: Any
     val_set: Any
     collate: Callable | None = None
     val_sources: tuple[list[str], Any] | None = None
     lines: list[str] = field(default_factory=list)
+    tracer: Callable[[int, int, int, int], list[Origin]] | None = None
+
+    def trace(self, step: int, rank: int = 0, world_size: int = 1, chars: int = 80) -> list[Origin]:
+        """Where each row of micro-step `step`'s batch on `rank` came from, and its first `chars`
+        characters: read from the prepared data, nothing trained (`gptkit trace`)."""
+        if self.tracer is None:
+            raise GptkitError("this data kind cannot tell where its training rows came from")
+        return self.tracer(step, rank, world_size, chars)
 
     def announce(self, budget_tokens: int | None) -> list[str]:
         """The start-up lines, given the run's token budget (None: unknown)."""

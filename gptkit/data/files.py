@@ -17,7 +17,7 @@ import json
 import os
 import stat
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -400,6 +400,8 @@ class RangeStats:
     fields_at: int = 0
     texts: int = 0
     error: GptkitError | None = None
+    # the byte offset in the file of each record with a non-empty text (each a document), in order
+    offsets: list[int] = field(default_factory=list)
 
 
 def _line_end(fh: Any, pos: int, size: int) -> int:
@@ -450,7 +452,9 @@ def read_range(r: LineRange) -> tuple[list[str], RangeStats]:
         while pos < len(data):
             nl = data.find(b"\n", pos)
             stop = len(data) if nl == -1 else nl + 1
-            record = _json_record(r.path, data[pos:stop], r.start + pos, r.errors)
+            # the line's byte offset in the file
+            at = r.start + pos
+            record = _json_record(r.path, data[pos:stop], at, r.errors)
             pos = stop
             if record is None:
                 continue
@@ -463,6 +467,7 @@ def read_range(r: LineRange) -> tuple[list[str], RangeStats]:
             t = record.get(r.text_field)
             if t:
                 texts.append(str(t))
+                st.offsets.append(at)
     except GptkitError as exc:
         st.error = exc
     st.texts = len(texts)

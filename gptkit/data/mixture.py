@@ -30,7 +30,7 @@ import numpy as np
 
 from gptkit.data.build import training_sample
 from gptkit.data.console import say
-from gptkit.data.face import BuildOptions, Feed, Prepared
+from gptkit.data.face import BuildOptions, Feed, Origin, Prepared
 from gptkit.data.files import expand_paths
 from gptkit.data.prepared import PreparedData
 from gptkit.data.settings import BUILD_KEYS, SPECIAL_TEXT_KEY, WINDOW_KEYS, defaults, settings
@@ -194,8 +194,20 @@ class MixedData(Prepared):
         sizes = torch.tensor([len(v) for v in sets])
         # [n_val_windows] the source of each val window
         source_of = torch.repeat_interleave(torch.arange(len(sets)), sizes)
+
+        def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
+            src, starts = sampler.mine(step, rank, world_size)
+            return [
+                self.parts[s].origins().origin(i, self.names[s], int(start), seq_len, chars)
+                for i, (s, start) in enumerate(zip(src, starts))
+            ]
+
         return MixFeed(
-            sampler, TaggedWindows(ConcatDataset(sets)), val_sources=(list(self.names), source_of), mixed=self
+            sampler,
+            TaggedWindows(ConcatDataset(sets)),
+            val_sources=(list(self.names), source_of),
+            tracer=tracer,
+            mixed=self,
         )
 
 
@@ -387,12 +399,16 @@ class MixtureSampler:
             starts[idx] = rng.choice(self.n_starts[s], size=len(idx), replace=False)
         return src, starts
 
-    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+    def mine(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """(sources, starts) of rank `rank`'s micro-batch of micro-step `step`: [batch_size] each."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         src, starts = self.starts(step, world_size)
         mine = slice(rank * self.batch_size, (rank + 1) * self.batch_size)
-        src, starts = src[mine], starts[mine]  # [batch_size] each
+        return src[mine], starts[mine]
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+        src, starts = self.mine(step, rank, world_size)  # [batch_size] each
         out = None
         for s in np.unique(src):
             idx = np.flatnonzero(src == s)

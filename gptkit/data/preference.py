@@ -21,6 +21,7 @@ the ones left out or cut counted in the start-up line.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +32,9 @@ import torch
 
 from gptkit.chat_templates import assistant_spans, encode_conversation
 from gptkit.data.cache import REBUILD, check_folder
-from gptkit.data.chat import ChatSampler
-from gptkit.data.face import BuildOptions, Feed
+from gptkit.data.chat import ChatSampler, split_where
+from gptkit.data.face import BuildOptions, Feed, Origin, Span
+from gptkit.data.provenance import TextBytes, show
 from gptkit.data.records import conversation, records
 from gptkit.data.settings import allows_special_text
 from gptkit.data.templated import (
@@ -209,11 +211,28 @@ class PreferenceData(TemplatedData):
         )
         n_val = len(val) if val_windows is None else min(len(val), int(val_windows))
         items = [(*val[i], torch.tensor(i, dtype=torch.long)) for i in range(n_val)]
+        sampler = pair_sampler(train, batch_size, seed)
+
+        def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
+            decode = TextBytes(self.tokenizer()).text
+            out = []
+            for j, p in enumerate(sampler.mine(step, rank, world_size)):
+                pair = train.index[int(p)]
+                source, where = split_where(self.train.where[pair])
+                for k, side in enumerate(SIDES):
+                    x = train.x[int(p), k]  # [seq_len]
+                    n = int((train.y[int(p), k] != -100).sum())
+                    span = Span(pair, source, f"{where}, the {side} answer", n)
+                    text = show(decode(x[: 4 * chars + 8].numpy()), chars)
+                    out.append(Origin(2 * j + k, None, f"pair {int(p):,} of {len(train):,}", [span], text))
+            return out
+
         return Feed(
-            pair_sampler(train, batch_size, seed),
+            sampler,
             items,
             collate=pair_collate,
             lines=[describe_pairs(train, val, seq_len, s)],
+            tracer=tracer,
         )
 
 
@@ -310,6 +329,8 @@ class PairRows:
     first_dropped: str | None
     # pairs in the split, before any was dropped
     pairs: int
+    # [P] each kept pair's index in the split
+    index: list[int] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -335,7 +356,7 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
     targets: the last seq_len), padded with pad_id (no loss). A pair longer than a row: one-line error
     (truncate=error), left out (drop), or cut to the row (cut; left out when no answer token remains)."""
     width = seq_len + 1
-    ids_rows, mask_rows = [], []
+    ids_rows, mask_rows, index = [], [], []
     cut = dropped = 0
     first_dropped = None
     for i in range(split.n):
@@ -361,6 +382,7 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
                 first_dropped = first_dropped or split.where[i]
                 continue
             cut += 1
+        index.append(i)
         for _, ids, mask in sides:
             ids, mask = ids[:width], mask[:width]
             fill = width - len(ids)
@@ -382,6 +404,7 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
         dropped,
         first_dropped,
         split.n,
+        index,
     )
 
 

@@ -30,7 +30,8 @@ from typing import Any
 import numpy as np
 
 from gptkit.data.console import say
-from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Feed, Prepared
+from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Feed, Origin, Prepared
+from gptkit.data.provenance import ShardOrigins
 from gptkit.data.windows import TaggedWindows, ValWindows, WindowSampler, check_pack
 from gptkit.errors import GptkitError
 from gptkit.fsio import file_crc32
@@ -69,6 +70,7 @@ class PreparedData(Prepared):
     manifest: dict[str, Any]
     _check: threading.Thread | None = field(default=None, repr=False, compare=False)
     _problem: list[GptkitError] = field(default_factory=list, repr=False, compare=False)
+    _origins: ShardOrigins | None = field(default=None, repr=False, compare=False)
 
     def start_check(self) -> None:
         """Check the shards' bytes against the manifest's CRC-32 in a background thread (see wait_checked)."""
@@ -150,7 +152,26 @@ class PreparedData(Prepared):
             self.train_tokens(), batch_size, seq_len, seed, eos, vocab_size=self.vocab_size
         )
         val = self.val_windows(seq_len, val_windows, eos)
-        return Feed(sampler, TaggedWindows(val), val_sources=([], torch.zeros(len(val), dtype=torch.long)))
+
+        def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
+            origins = self.origins()
+            return [
+                origins.origin(i, None, int(s), seq_len, chars)
+                for i, s in enumerate(sampler.mine(step, rank, world_size))
+            ]
+
+        return Feed(
+            sampler,
+            TaggedWindows(val),
+            val_sources=([], torch.zeros(len(val), dtype=torch.long)),
+            tracer=tracer,
+        )
+
+    def origins(self) -> ShardOrigins:
+        """Where the train split's windows came from (gptkit.data.provenance; read on first use)."""
+        if self._origins is None:
+            self._origins = ShardOrigins(self.dir, self.manifest, self.train_tokens(), self.tokenizer())
+        return self._origins
 
 
 def load_prepared(folder: Path | str) -> PreparedData:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -34,6 +35,7 @@ from gptkit.data.files import (
     text_parts,
 )
 from gptkit.data.tokenize import (
+    NO_ENDS,
     Cutter,
     EncoderSpec,
     batches,
@@ -63,14 +65,15 @@ def _verify_encode(spec: EncoderSpec) -> Callable[[str], list[int]]:
 
 
 def encode_range(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, task: RangeTask):
-    """One range -> (ids, documents ended, bytes of the file, the range, RangeStats, forced cuts): its records
+    """One range -> (ids, the ends of the documents it ends (encode_batch), bytes of the file, the range,
+    RangeStats (its records' byte offsets: where each document starts in the file), forced cuts): its records
     cut as Cutter.pieces cuts them in the main process, encoded as encode_batch does (BOS and EOS included).
     A range with a bad line is not encoded: the main process raises its error in order."""
     r, mode, sizes, what = task
     texts, stats = read_range(r)
     n_bytes = r.end - r.start
     if stats.error is not None or not texts:
-        return np.zeros(0, dtype=spec.dtype), 0, n_bytes, r, stats, 0
+        return np.zeros(0, dtype=spec.dtype), NO_ENDS, n_bytes, r, stats, 0
     cutter = Cutter(mode, spec.specials, _verify_encode(spec) if mode == "verify" else None, sizes)
     # (piece, ends a document, starts a document), as batches()
     batch: list[tuple[str, bool, bool]] = []
@@ -78,8 +81,8 @@ def encode_range(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, ta
     for piece, ends in cutter.pieces(((t, True) for t in texts), spec.eos, what):
         batch.append((piece, ends, fresh))
         fresh = ends
-    ids, docs = encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos)
-    return ids, docs, n_bytes, r, stats, cutter.forced
+    ids, ends = encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos)
+    return ids, ends, n_bytes, r, stats, cutter.forced
 
 
 class RangeFeed:
@@ -105,11 +108,16 @@ class RangeFeed:
             self.checks.add(r, read_range(r)[1])
         return r.end - r.start
 
-    def done(self, result: tuple[Any, int, int, LineRange, RangeStats, int]) -> None:
+    def done(self, result: tuple[Any, Any, int, LineRange, RangeStats, int]) -> None:
         """Check one result (in order); raises the error the line-by-line reader would raise there."""
         _, _, _, r, stats, forced = result
         self.checks.add(r, stats)
         self.forced += forced
+
+    def documents(self, result: tuple) -> list[tuple[str, int]]:
+        """(file, byte offset of its record) of each document the result ends: one per record with a text."""
+        r, stats = result[3], result[4]
+        return [(r.path, at) for at in stats.offsets]
 
 
 # ---- text files in byte ranges ----------------------------------------------------------------------
@@ -215,13 +223,14 @@ def text_cuts(path: str, size: int, step: int, cutter: Cutter) -> list[int] | No
 
 
 def encode_text_ranges(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, task: TextTask):
-    """Text ranges -> (ids, documents ended, bytes of the files, error or None, forced cuts): each read,
-    decoded and cut with Cutter.pieces as one part, encoded as encode_batch does: a BOS before the first piece
-    of the range at offset 0, an EOS (or the newline separator) after the last of the range at the file's end.
-    The first bad byte (a GptkitError naming its file offset) ends the task; raised in order by TextFeed."""
+    """Text ranges -> (ids, the ends of the documents they end (encode_batch), bytes of the files, error or
+    None, forced cuts, the file of each document ended): each read, decoded and cut with Cutter.pieces as one
+    part, encoded as encode_batch does: a BOS before the first piece of the range at offset 0, an EOS (or the
+    newline separator) after the last of the range at the file's end. The first bad byte (a GptkitError naming
+    its file offset) ends the task; raised in order by TextFeed."""
     ranges, mode, sizes, what = task
     cutter = Cutter(mode, spec.specials, None, sizes)
-    out, docs, n_bytes = [], 0, 0
+    out, ends, files, n, n_bytes = [], [], [], 0, 0
     for r in ranges:
         n_bytes += r.end - r.start
         with open(r.path, "rb") as fh:
@@ -232,10 +241,11 @@ def encode_text_ranges(encode: Callable[[list[str]], list[Any]], spec: EncoderSp
         except UnicodeDecodeError as exc:
             return (
                 np.zeros(0, dtype=spec.dtype),
-                0,
+                NO_ENDS,
                 n_bytes,
                 _bad_byte(Path(r.path), r.start + exc.start, data[exc.start : exc.start + 1]),
                 0,
+                [],
             )
         first, last = r.start == 0, r.end == r.size
         # a file of only whitespace is no document
@@ -248,26 +258,29 @@ def encode_text_ranges(encode: Callable[[list[str]], list[Any]], spec: EncoderSp
                         f"{r.path} holds only whitespace; remove it from data.paths or give it some text"
                     )
                 )
-                return np.zeros(0, dtype=spec.dtype), 0, n_bytes, error, 0
+                return np.zeros(0, dtype=spec.dtype), NO_ENDS, n_bytes, error, 0, []
             continue
         # only the document's end gets the separator (pieces adds it when eos is None) and the EOS
         pieces = list(cutter.pieces(iter([(text, True)]), spec.eos if last else 0, what))
         batch = [(p, last and k == len(pieces) - 1, first and k == 0) for k, (p, _) in enumerate(pieces)]
-        ids, n = encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos)
+        ids, ended = encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos)
         out.append(ids)
-        docs += n
+        ends.append(ended + n)
+        files += [r.path] * len(ended)
+        n += len(ids)
     ids = np.concatenate(out) if out else np.zeros(0, dtype=spec.dtype)
-    return ids, docs, n_bytes, None, cutter.forced
+    return ids, (np.concatenate(ends) if ends else NO_ENDS), n_bytes, None, cutter.forced, files
 
 
 def run_text_task(encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, task: Any):
     """A TextFeed task: text ranges (encode_text_ranges), a batch of pieces the main process cut (a file
-    read as before: encode_task), or the error that reading such a file raised."""
+    read as before: encode_task; the file of its documents is the feed's to tell), or the error that reading
+    such a file raised."""
     if isinstance(task, list):
-        return (*encode_task(encode, spec, task), None, 0)
+        return (*encode_task(encode, spec, task), None, 0, None)
     # the error of a file read here (TextFeed.tasks), in its place
     if isinstance(task, GptkitError):
-        return np.zeros(0, dtype=spec.dtype), 0, 0, task, 0
+        return np.zeros(0, dtype=spec.dtype), NO_ENDS, 0, task, 0, []
     return encode_text_ranges(encode, spec, task)
 
 
@@ -293,6 +306,9 @@ class TextFeed:
         self.forced = 0
         # files read and cut in this process (no safe cut in some stretch)
         self.read_here = 0
+        # per task given out and not yet done, in order: the file of a batch of pieces cut here (its result
+        # does not say it), None for the others (whose results do)
+        self._files: deque[str | None] = deque()
 
     def tasks(self) -> Iterator[Any]:
         step, mode, sizes = tokenize.BATCH_CHARS, self.cutter.mode, self.cutter.sizes()
@@ -303,15 +319,19 @@ class TextFeed:
             cuts = text_cuts(str(f), size, step, self.cutter)
             if cuts is None:
                 if group:
+                    self._files.append(None)
                     yield tuple(group), mode, sizes, self.what
                     group, n = [], 0
                 self.read_here += 1
                 try:
-                    yield from batches(
+                    for batch in batches(
                         self.cutter.pieces(text_parts(f, self.errors, self.blank), self.eos, self.what)
-                    )
+                    ):
+                        self._files.append(str(f))
+                        yield batch
                 # raised in order: ranges before it may hold an earlier error
                 except GptkitError as exc:
+                    self._files.append(None)
                     yield exc
                     return
                 continue
@@ -319,16 +339,25 @@ class TextFeed:
                 group.append(TextRange(str(f), s, e, size, self.errors, self.blank))
                 n += e - s
                 if n >= step:
+                    self._files.append(None)
                     yield tuple(group), mode, sizes, self.what
                     group, n = [], 0
         if group:
+            self._files.append(None)
             yield tuple(group), mode, sizes, self.what
 
     def skipped(self, task: Any) -> int:
         """A task a killed build already wrote: its bytes, for the progress."""
+        self._files.popleft()
         if isinstance(task, GptkitError):
             return 0
         return text_bytes(task) if isinstance(task, list) else sum(r.end - r.start for r in task[0])
+
+    def documents(self, result: tuple) -> list[tuple[str, int]]:
+        """(file, byte offset 0) of each document a task's result ends: a text file is one document."""
+        cut_here = self._files.popleft()
+        files = result[5] if result[5] is not None else [cut_here] * len(result[1])
+        return [(f, 0) for f in files]
 
     def done(self, result: tuple) -> None:
         """Raise a task's error (in order: the first bad byte of the corpus, a file of only whitespace)."""

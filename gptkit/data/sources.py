@@ -82,6 +82,11 @@ class Corpus:
     # whether the text may spell one of the strings (special tokens), read without tokenizing; None: the
     # corpus cannot tell (it may)
     spells: Callable[[list[str]], bool] | None = None
+    # the splits' parts as sections, each named by where its documents come from (a file, a topic, a hub
+    # dataset): the same documents as train_parts/val_parts, which a build records the source of (None: not
+    # known)
+    train_sections: Callable[[], Iterator[Section]] | None = None
+    val_sections: Callable[[], Iterator[Section]] | None = None
 
     def all_parts(self) -> Iterator[Part]:
         yield from self.train_parts()
@@ -101,6 +106,15 @@ def documents(parts: Iterator[Part]) -> Iterator[str]:
         if last:
             yield "".join(buf)
             buf = []
+
+
+# (where its documents come from: a file, a topic, a dataset; its documents as parts)
+Section = tuple[str, Parts]
+
+
+def chained(sections: Callable[[], Iterator[Section]]) -> Parts:
+    """The parts of every section, one after another."""
+    return lambda: (p for _, parts in sections() for p in parts())
 
 
 def whole(docs: Callable[[], Iterator[str]]) -> Parts:
@@ -125,6 +139,10 @@ def pydoc(s: dict[str, Any]) -> Corpus:
         for name in sorted(topics):
             yield topics[name]
 
+    def sections() -> Iterator[Section]:
+        for name in sorted(topics):
+            yield f"pydoc topic {name!r}", whole(lambda name=name: iter([topics[name]]))
+
     return Corpus(
         description=f"pydoc_data topics of Python {sys.version.split()[0]} ({len(topics)} documents)",
         train_parts=whole(docs),
@@ -132,6 +150,7 @@ def pydoc(s: dict[str, Any]) -> Corpus:
         sha256=lambda: _digest(d.encode() for d in docs()),
         n_bytes=sum(len(t) for t in topics.values()),
         spells=lambda strings: any(t in d for d in docs() for t in strings),
+        train_sections=sections,
     )
 
 
@@ -160,6 +179,7 @@ def shakespeare(s: dict[str, Any]) -> Corpus:
         sha256=lambda: _digest(d.encode() for d in docs()),
         n_bytes=1_115_394,
         spells=lambda strings: any(t in d for d in docs() for t in strings),
+        train_sections=lambda: iter([("tiny Shakespeare (built in)", whole(docs))]),
     )
 
 
@@ -244,14 +264,15 @@ def _sample_local(
 
 
 def _text_files(files: list[Path], errors: str) -> Corpus:
-    def parts() -> Iterator[Part]:
+    def sections() -> Iterator[Section]:
         for f in files:
             # the many empty __init__.py files are not documents
-            yield from text_parts(f, errors, "skip")
+            yield str(f), lambda f=f: text_parts(f, errors, "skip")
 
     return Corpus(
         description="",
-        train_parts=parts,
+        train_parts=chained(sections),
+        train_sections=sections,
         val_parts=None,
         sha256=lambda: files_digest(files),
         n_bytes=sum(f.stat().st_size for f in files),
@@ -264,14 +285,16 @@ def _text_files(files: list[Path], errors: str) -> Corpus:
     )
 
 
-def _local(files: list[Path], fmt: str, text_field: str, errors: str) -> tuple[Parts, Callable[[], str]]:
+def _local(
+    files: list[Path], fmt: str, text_field: str, errors: str
+) -> tuple[Callable[[], Iterator[Section]], Callable[[], str]]:
     formats = [file_format(f, fmt) for f in files]
 
-    def parts() -> Iterator[Part]:
+    def sections() -> Iterator[Section]:
         for f, ff in zip(files, formats):
-            yield from file_parts(f, ff, text_field, errors)
+            yield str(f), lambda f=f, ff=ff: file_parts(f, ff, text_field, errors)
 
-    return parts, lambda: files_digest(files)
+    return sections, lambda: files_digest(files)
 
 
 def local_files(s: dict[str, Any]) -> Corpus:
@@ -288,8 +311,10 @@ def local_files(s: dict[str, Any]) -> Corpus:
     every = files + val_files
     corpus = Corpus(
         description=desc,
-        train_parts=train,
-        val_parts=val,
+        train_parts=chained(train),
+        val_parts=chained(val) if val is not None else None,
+        train_sections=train,
+        val_sections=val,
         sha256=lambda: train_hash() + (val_hash() if val_hash else ""),
         n_bytes=sum(f.stat().st_size for f in every),
         files=[str(f) for f in every],
@@ -378,6 +403,11 @@ def hub(s: dict[str, Any]) -> Corpus:
     def parts(ds, split: str) -> Parts:
         return lambda: ((t, True) for t in texts(ds, split))
 
+    def sections(ds, split: str) -> Callable[[], Iterator[Section]]:
+        # the streamed split is one source: its documents counted in order
+        where = f"hub dataset {name}" + (f" ({config})" if config else "") + f", split {split}"
+        return lambda: iter([(where, parts(ds, split))])
+
     def sample(chars: int) -> Iterator[str]:
         """`chars` characters from up to HUB_SAMPLE_SHARDS evenly spaced shards of the train split."""
         n = int(getattr(train, "n_shards", 1) or 1)
@@ -407,6 +437,8 @@ def hub(s: dict[str, Any]) -> Corpus:
         sha256=lambda: hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest(),
         n_bytes=size,
         sample=sample,
+        train_sections=sections(train, s["split"]),
+        val_sections=sections(val, s["val_split"]) if val is not None else None,
     )
 
 

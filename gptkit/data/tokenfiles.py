@@ -222,6 +222,11 @@ def _prepare_tokens(data: dict[str, Any], spec: TokenizerSpec, root: Path) -> Pr
                 "files": [str(f) for f in files + val_files],
                 "settings": data,
                 "formats": [lay[0] for lay in layouts + val_layouts],
+                # each file's tokens and where they start in it, in order: where a token came from
+                # (`gptkit trace`)
+                "tokens": [lay[3] for lay in layouts + val_layouts],
+                "header_bytes": [lay[1] for lay in layouts + val_layouts],
+                "dtypes": [lay[2] for lay in layouts + val_layouts],
             },
             "tokenizer": {
                 "kind": spec.kind,

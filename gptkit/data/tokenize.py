@@ -470,6 +470,10 @@ def build_encoder(spec: EncoderSpec) -> Callable[[list[str]], list[Any]]:
     raise ValueError(f"unknown engine {spec.engine!r}")
 
 
+# a batch that ends no document
+NO_ENDS = np.zeros(0, dtype=np.int64)
+
+
 def encode_batch(
     encode: Callable[[list[str]], list[Any]],
     batch: list[tuple[str, bool, bool]],
@@ -477,19 +481,26 @@ def encode_batch(
     dtype: str,
     bos: int | None = None,
 ):
-    """One batch of pieces -> (its ids as one array, documents it ends): a BOS before each document's first
-    piece and an EOS after its last, when given."""
+    """One batch of pieces -> (its ids as one array, the ends of the documents it ends: [documents] int64,
+    each the position in those ids just after a document's last token, its EOS included): a BOS before each
+    document's first piece and an EOS after its last, when given."""
     out = []
+    # documents' ends, and the ids so far
+    ends, n = [], 0
     eos_arr = np.asarray([eos], dtype=dtype) if eos is not None else None
     bos_arr = np.asarray([bos], dtype=dtype) if bos is not None else None
-    for ids, (_, ends, starts) in zip(encode([b[0] for b in batch]), batch):
+    for ids, (_, ends_doc, starts) in zip(encode([b[0] for b in batch]), batch):
         if starts and bos_arr is not None:
             out.append(bos_arr)
+            n += 1
         out.append(np.asarray(ids, dtype=dtype))
-        if ends and eos_arr is not None:
-            out.append(eos_arr)
-    docs = sum(b[1] for b in batch)
-    return (np.concatenate(out) if out else np.zeros(0, dtype=dtype)), docs
+        n += len(out[-1])
+        if ends_doc:
+            if eos_arr is not None:
+                out.append(eos_arr)
+                n += 1
+            ends.append(n)
+    return (np.concatenate(out) if out else np.zeros(0, dtype=dtype)), np.asarray(ends, dtype=np.int64)
 
 
 # in a worker: its encoder(s)
@@ -533,8 +544,9 @@ def _exit_with_parent(parent: int) -> None:
 
 def encode_task(
     encode: Callable[[list[str]], list[Any]], spec: EncoderSpec, batch: list[tuple[str, bool, bool]]
-) -> tuple[Any, int, int]:
-    """One task of pieces cut by the main process: (ids, documents ended, UTF-8 bytes of the text)."""
+) -> tuple[Any, Any, int]:
+    """One task of pieces cut by the main process: (ids, the ends of the documents it ends (encode_batch),
+    UTF-8 bytes of the text)."""
     return (*encode_batch(encode, batch, spec.eos, spec.dtype, spec.bos), text_bytes(batch))
 
 
@@ -543,7 +555,7 @@ Task = Callable[[Callable[[list[str]], list[Any]], EncoderSpec, Any], tuple]
 
 
 def _work(spec: EncoderSpec, task: Any, run: Task = encode_task):
-    """In a worker: run(its encoder, spec, task), e.g. encode_task: (ids, documents ended, UTF-8 bytes)."""
+    """In a worker: run(its encoder, spec, task), e.g. encode_task: (ids, documents' ends, UTF-8 bytes)."""
     encode = _worker.get(spec)
     if encode is None:
         _worker.clear()
@@ -626,8 +638,8 @@ class Tokenizing:
 
     def map(self, work: Iterator[Any], run: Task = encode_task) -> Iterator[tuple]:
         """run(encoder, spec, task) per task, in order, here or in the workers (a module-level function):
-        by default a task is a batch of pieces and its result (ids array, documents ended, UTF-8 bytes of
-        text). At most 2 x workers tasks in flight."""
+        by default a task is a batch of pieces and its result (ids array, the ends of the documents it ends,
+        UTF-8 bytes of text). At most 2 x workers tasks in flight."""
         if self.pool is None:
             assert self.encode is not None
             for b in work:

@@ -113,11 +113,14 @@ class WindowSampler:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
         return rng.choice(self.n_starts, size=n, replace=False)  # [batch_size * world_size]
 
-    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+    def mine(self, step: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
+        """The window starts of rank `rank`'s micro-batch of micro-step `step`: [batch_size]."""
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
-        # [batch_size]
-        mine = self.starts(step, world_size)[rank * self.batch_size : (rank + 1) * self.batch_size]
+        return self.starts(step, world_size)[rank * self.batch_size : (rank + 1) * self.batch_size]
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+        mine = self.mine(step, rank, world_size)  # [batch_size]
         return windows(self.tokens, mine, self.seq_len, self.eos_id, vocab_size=self.vocab_size)
 
 

@@ -32,6 +32,7 @@ from gptkit.options import Option, check_options, parse_options
 from gptkit.runs import (
     CONFIG_FILE,
     MANIFEST_FILE,
+    PLAN_FILE,
     TOKENIZER_FILE,
     check_run_dir,
     check_run_location,
@@ -39,6 +40,7 @@ from gptkit.runs import (
     find_run_checkpoint,
     is_rank_zero,
     read_config,
+    record_plan,
     unused,
 )
 from gptkit.training.report import announce, check_disk, interrupted, out_of_memory, source_losses, summary
@@ -373,6 +375,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     from gptkit.training.memory import check_host_memory, cpu_out_of_memory, is_cpu_out_of_memory
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import describe_optimizer
+    from gptkit.training.peak_memory import current_rss
     from gptkit.training.plots import plot_loss
     from gptkit.training.stopping import final_validation
     from gptkit.training.task_evals import TaskEvals, print_summary
@@ -386,7 +389,9 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     # touches nothing: exit 0
     if resume_ckpt is not None and _nothing_to_do(run_dir, plan):
         return TrainResult(run_dir, int(resume_step), ckpt_dir / LAST_CHECKPOINT, None, None, None, rank_zero)
-    # the count-params estimate against the host's memory, before the model
+    # the count-params estimate against the host's memory, before the model (the RSS it leaves out: the
+    # peak measured after the first steps is counted above it, training/peak_memory.py)
+    rss_before = current_rss()
     if plan.accelerator == "cpu":
         check_host_memory(plan)
 
@@ -412,7 +417,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         pack=cfg.data.get("pack"),
     )
     loggers = build_loggers(cfg.logger, run_dir, str(cfg.name), resume_step)
-    trainer, checkpoints, metrics = build_trainer(plan, loggers)
+    trainer, checkpoints, metrics = build_trainer(plan, loggers, rss_before)
     if trainer.world_size != plan.world_size:
         raise GptkitError(
             f"Lightning set up {trainer.world_size} processes, the config asks for "
@@ -429,6 +434,8 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         for name, source in prepared.run_files().items():
             atomic_write_bytes(run_dir / name, Path(source).read_bytes())
         atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(prepared.manifest, indent=2))
+        # how this invocation draws its batches (`gptkit trace`)
+        record_plan(run_dir, draw_facts(plan), int(resume_step or 0) + 1)
     if rank_zero and plan.accelerator == "cpu" and plan.precision.name == "16-true":
         print(
             "note: trainer.precision=16-true on the CPU: fp16 has no fast CPU kernels and runs many times "
@@ -522,6 +529,19 @@ def as_config(cfg: DictConfig | dict | list[str]) -> DictConfig:
     return composed
 
 
+def draw_facts(plan: RunPlan) -> dict:
+    """What the batches of a run's steps are drawn by, besides its data (plan.json: `gptkit trace`)."""
+    return {
+        "world_size": plan.world_size,
+        "accumulation": plan.accumulation,
+        "batch_size": plan.batch_size,
+        "rows_per_item": plan.rows // plan.batch_size,
+        "seq_len": plan.seq_len,
+        "seed": int(plan.cfg.seed),
+        "max_steps": plan.max_steps,
+    }
+
+
 def _nothing_to_do(run_dir: Path, plan: RunPlan) -> bool:
     """resume= with trainer.max_steps at or below the checkpoint's step (and that step's validation done, or
     nothing a resume would still run): one line saying so; nothing in the run folder changes."""
@@ -547,6 +567,6 @@ def _remove_leftovers(run_dir: Path) -> None:
     """Temporary files of writes that a kill interrupted (this process holds the run's lock: they are no
     one else's): checkpoints/.*.tmp|.pending|.old and the run folder's own .<file>.*.tmp."""
     remove_stale(run_dir / CHECKPOINT_DIR)
-    for name in (CONFIG_FILE, TOKENIZER_FILE, CHAT_FILE, MANIFEST_FILE, "metrics.csv", "loss.png"):
+    for name in (CONFIG_FILE, TOKENIZER_FILE, CHAT_FILE, MANIFEST_FILE, PLAN_FILE, "metrics.csv", "loss.png"):
         for tmp in run_dir.glob(f".{name}.*.tmp"):
             tmp.unlink(missing_ok=True)

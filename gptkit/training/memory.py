@@ -50,22 +50,23 @@ def estimate(plan: Any) -> dict[str, float]:
     gradients and AdamW moments of the adapters only, their weights added; qlora: the base's projections
     in NF4). The objective's rows per item count (a DPO pair is two sequences, chosen and rejected), and
     with finetune=full a frozen reference is a second copy of the weights (with lora and qlora it is the
-    model itself with its adapters off: nothing more)."""
+    model itself with its adapters off: nothing more). The optimizer state is the optimizer's (optim=muon:
+    one momentum buffer for the block matrices, gptkit.accounting.training_memory)."""
     from gptkit import accounting as acc
 
     objective = OBJECTIVES[getattr(plan, "objective", "lm")]
     group = objective.settings_of(getattr(plan, "cfg", None))
-    # sequences through the model per micro-step
-    rows = plan.batch_size * objective.rows(group)
     mem = acc.training_memory(
         plan.model,
         plan.precision,
         plan.shards,
-        rows,
+        # sequences through the model per micro-step
+        plan.batch_size * objective.rows(group),
         plan.seq_len,
         bool(plan.trainer.activation_checkpointing),
         # (a plan-like object without it: no expert parallelism)
         getattr(plan, "expert_shards", None),
+        optimizer=optimizer_of(plan),
     )
     # (a plan-like object without `finetune`: lora when it names adapters)
     finetune = FINETUNES[
@@ -77,6 +78,11 @@ def estimate(plan: Any) -> dict[str, float]:
     mem = finetune.memory(plan, mem)
     mem["total"] = sum(v for key, v in mem.items() if key != "total")
     return mem
+
+
+def optimizer_of(plan: Any) -> str:
+    """The plan's optimizer (optim.name; a plan-like object without one: adamw)."""
+    return str(getattr(getattr(plan, "optim", None), "name", "adamw"))
 
 
 def host_estimate(plan: Any) -> dict[str, float]:

@@ -45,6 +45,7 @@ from gptkit.training.finetune import Finetune, finetune_class
 from gptkit.training.metrics import detect_peak_flops
 from gptkit.training.objectives import Objective, objective_class
 from gptkit.training.optim import lr_factor, min_lr
+from gptkit.training.profile import check_profile
 
 COMPILE_MODES = ("blocks", "model")
 
@@ -182,6 +183,8 @@ class RunPlan:
     data: Any = None
     # init_from= with tokens a chat template added: the source's vocab_size
     init_vocab: Optional[int] = None
+    # trainer.profile: the optimizer steps (first, last) recorded with torch.profiler (training/profile.py)
+    profile: Optional[tuple[int, int]] = None
 
     @property
     def trainer(self) -> DictConfig:
@@ -286,6 +289,8 @@ def make_plan(
     rows = int(t.batch_size) * objective.rows(group)
     tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
     max_steps = planned_steps(t, tokens_per_step)
+    # a range outside the steps this invocation trains is a one-line error
+    profile = check_profile(t.get("profile"), max_steps, resume_step)
     replan = None
     if saved_trainer is not None:
         saved_steps = planned_steps(saved_trainer, tokens_per_step)
@@ -327,6 +332,7 @@ def make_plan(
         init_vocab=init_vocab,
         lora=lora,
         lora_base=lora_base,
+        profile=profile,
     )
 
 

@@ -127,6 +127,13 @@ class ProgressReporter:
         elif self.mode != "off":
             self._line(text)
 
+    def note(self, text: str) -> None:
+        """A line that must be seen whatever the mode (a loss spike): above the bar, or on its own line."""
+        if self._bar is not None:
+            self._bar.console.print(text, markup=False, highlight=False)
+        else:
+            self._line(text)
+
     def _line(self, text: str) -> None:
         print(text, file=self.stream, flush=True)
 

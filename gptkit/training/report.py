@@ -82,19 +82,12 @@ def interrupted(run_dir: Path, last: Path, rank_zero: bool) -> None:
 
 
 def out_of_memory(plan: RunPlan) -> GptkitError:
-    """A CUDA out-of-memory error as one line: the count-params estimate and what to change."""
-    from gptkit import accounting as acc
+    """A CUDA out-of-memory error as one line: the count-params estimate of the plan (its optimizer, LoRA
+    adapters and objective counted: training/memory.py) and what to change."""
+    from gptkit.training.memory import estimate
 
     t = plan.trainer
-    mem = acc.training_memory(
-        plan.model,
-        plan.precision,
-        plan.shards,
-        plan.batch_size,
-        plan.seq_len,
-        bool(t.activation_checkpointing),
-        plan.expert_shards,
-    )
+    mem = estimate(plan)
     return GptkitError(
         f"out of GPU memory: count-params estimates {human_bytes(mem['total'])} per device (weights "
         f"{human_bytes(mem['weights'])}, optimizer {human_bytes(mem['optimizer'])}, activations "

@@ -24,9 +24,11 @@ from gptkit.training.distributed import (
     check_distributed,
     fail_fast_callback,
 )
-from gptkit.training.metrics import StepMetrics
+from gptkit.training.metrics import StepMetrics, check_spikes
 from gptkit.training.metrics_csv import MetricsCSV
+from gptkit.training.peak_memory import MeasuredMemory
 from gptkit.training.plan import Checked, RunPlan, check_trainer
+from gptkit.training.profile import ProfileSteps, check_profile
 from gptkit.training.progress import ProgressReporter, progress_mode
 from gptkit.training.run_checkpoints import RunCheckpoints
 from gptkit.training.task_evals import check_task_evals, task_evals_callback
@@ -198,6 +200,10 @@ def check_trainer_config(t: Any) -> Checked:
             f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)"
         )
     progress_mode(t.progress)
+    check_spikes(t)
+    # a range beyond trainer.max_steps, before any data is prepared (make_plan checks it against the plan)
+    if t.max_tokens is None:
+        check_profile(t.get("profile"), int(t.max_steps))
     # trainer.eval_tasks: lm-eval importable, local task files there
     check_task_evals(t)
     checked = check_trainer(t)
@@ -232,9 +238,13 @@ def check_compile(device: str, backend: str) -> None:
         )
 
 
-def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
+def build_trainer(
+    plan: RunPlan, loggers: list, rss_before: int | None = None
+) -> tuple[L.Trainer, RunCheckpoints, StepMetrics]:
     """The Lightning Trainer of the plan, with its callbacks: StepMetrics (throughput, MFU, the NaN window,
-    one row per log step) and RunCheckpoints (the one checkpoint writer); returns all three."""
+    one row per log step), MeasuredMemory (the peak memory against the estimate; rss_before: the process's RSS
+    before the model was built) and RunCheckpoints (the one checkpoint writer); returns the trainer,
+    the checkpoints and the metrics."""
     # checked by check_trainer_config before any data was prepared
     t = plan.trainer
     # rows on disk before a checkpoint
@@ -257,15 +267,20 @@ def build_trainer(plan: RunPlan, loggers: list) -> tuple[L.Trainer, RunCheckpoin
         int(t.log_every),
         reporter if reporter.mode != "off" else None,
         plan.causal_flops_per_token,
+        spikes=check_spikes(t),
+        run_dir=plan.run_dir,
     )
     watch = ValidationWatch(plan.run_dir, str(plan.run_dir / TOKENIZER_FILE), t.get("sample_every"), csv)
-    # watch after checkpoints: best.ckpt before the plot
-    callbacks = [metrics, checkpoints, watch]
+    # watch after checkpoints: best.ckpt before the plot; the memory measured on the row of its step
+    callbacks = [metrics, MeasuredMemory(plan, rss_before), checkpoints, watch]
     # trainer.eval_tasks
     task_evals = task_evals_callback(plan.cfg, clock=metrics)
     if task_evals is not None:
         # scores step N before step N's checkpoint is written
         callbacks.insert(1, task_evals)
+    # trainer.profile: first, so that its steps end before the metrics and checkpoint callbacks run
+    if plan.profile is not None:
+        callbacks.insert(0, ProfileSteps(plan.profile, plan.run_dir, plan.accumulation))
     if plan.world_size > 1:
         callbacks.append(fail_fast_callback())
     plugin = precision_plugin(plan)

@@ -91,7 +91,10 @@ def test_a_killed_prepare_continues_from_its_last_complete_shard_bit_identically
     assert sorted(p.name for p in cache.iterdir()) == [folder(tmp_path / "ref").name]
     assert files(folder(cache)) == files(folder(tmp_path / "ref"))
     m = json.loads((folder(cache) / "manifest.json").read_text())
-    assert m["splits"] == json.loads((folder(tmp_path / "ref") / "manifest.json").read_text())["splits"]
+    ref_m = json.loads((folder(tmp_path / "ref") / "manifest.json").read_text())
+    assert m["splits"] == ref_m["splits"]
+    # where each document ends and which file it came from (train.docs: compared above) survive the kills
+    assert m["documents"] == ref_m["documents"] and m["documents"]["train"]["documents"] == 2
 
 
 def test_a_shard_changed_after_the_kill_is_not_trusted(tmp_path, corpus):

@@ -40,6 +40,34 @@ def test_count_params_json(cli):
     assert d["plan"]["peak_flops_per_gpu"] == 989e12
 
 
+def test_count_params_knows_muon_lora_and_the_dpo_reference(capsys):
+    """optim's state, the trainable adapters and a reference of its own, as `train`'s estimate counts them."""
+    from conftest import run_main
+
+    code, out, err = run_main(capsys, "count-params", "model=llama-tiny", "precision=32-true", "format=json")
+    base = json.loads(out)["plan"]["memory_per_gpu"]
+    code, out, err = run_main(
+        capsys,
+        "count-params",
+        "model=llama-tiny",
+        "precision=32-true",
+        "optimizer=muon",
+        "objective=dpo",
+        "format=json",
+    )
+    plan = json.loads(out)["plan"]
+    mem = plan["memory_per_gpu"]
+    assert code == 0 and mem["optimizer"] == base["optimizer"] - 4 * plan["muon_params"]
+    assert mem["reference"] == mem["weights"] and mem["logits"] == 2 * base["logits"]
+    code, out, err = run_main(
+        capsys, "count-params", "model=llama-tiny", "finetune=lora", "lora.rank=2", "format=json"
+    )
+    plan = json.loads(out)["plan"]
+    assert plan["memory_per_gpu"]["gradients"] == 4 * plan["trainable_params"] < base["gradients"] / 50
+    code, _, err = run_main(capsys, "count-params", "model=gpt2-tiny", "optimizer=sgd")
+    assert code == 2 and err.strip() == "error: optimizer='sgd' is not one of adamw, muon"
+
+
 def test_override_a_field(cli):
     r = cli("count-params", "model=gpt2", "model.n_layers=2", "format=json")
     d = json.loads(r.stdout)

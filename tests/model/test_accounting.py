@@ -98,6 +98,30 @@ def test_training_memory_mixed_precision_bytes_per_param():
     assert sharded["optimizer"] == mem["optimizer"] / 8
 
 
+@pytest.mark.parametrize("name", ["gpt2-tiny", "llama-tiny", "moe-tiny", "qwen2.5-0.5b"])
+def test_muon_params_are_the_weights_muon_steps_and_the_estimate_counts_its_one_buffer(name):
+    """optim=muon's share (the block matrices: muon_split on the real module, biases and QK-norms of each
+    family aside) keeps one momentum buffer, AdamW's two moments the rest; finetune=lora trains the adapters
+    alone (all Muon's under optim=muon); a DPO reference of its own is a copy of the weights."""
+    from gptkit.adapters import adapter_params
+    from gptkit.training.optim import muon_split
+
+    cfg = preset(name)
+    with torch.device("meta"):
+        muon, _ = muon_split(GPT(cfg))
+    m, n = acc.muon_params(cfg), acc.count_params(cfg).total
+    assert m == sum(p.numel() for _, p in muon)
+    assert acc.training_memory(cfg, "32-true", optimizer="muon")["optimizer"] == 4 * m + 8 * (n - m)
+    assert acc.training_memory(cfg, "32-true")["optimizer"] == 8 * n
+    lora = {"rank": 4, "targets": ["q", "v"]}
+    k = adapter_params(cfg, lora["targets"], 4)
+    mem = acc.training_memory(cfg, "32-true", optimizer="muon", lora=lora, reference=True)
+    assert (mem["weights"], mem["gradients"], mem["optimizer"]) == (4 * (n + k), 4 * k, 4 * k)
+    assert "reference" not in mem
+    full = acc.training_memory(cfg, "bf16-mixed", reference=True)
+    assert full["reference"] == full["weights"] == 6 * n
+
+
 # ---- MFU by the published convention ---------------------------------------------------------------------
 # The two formulas below are written as their projects publish them, with their own N:
 #   nanoGPT model.py, GPT.estimate_mfu: N = get_num_params() (non_embedding=True: all parameters but the

@@ -147,8 +147,9 @@ PROBE = """import os, resource, sys
 from gptkit.training import memory
 real, seen = memory.host_estimate, {}
 def host_estimate(plan):
-    seen["rss"] = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    seen["estimate"] = real(plan)["total"]
+    # the check before the model is built (the memory measured after the first steps asks again)
+    seen.setdefault("rss", int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE"))
+    seen.setdefault("estimate", real(plan)["total"])
     return real(plan)
 memory.host_estimate = host_estimate
 from gptkit.cli import main

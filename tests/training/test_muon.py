@@ -590,10 +590,12 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
                 torch.testing.assert_close(ddp[k], v, rtol=0, atol=1e-6, msg=k)
 
 
-# ---- gptkit bench optim: AdamW and Muon of one seed side by side, compared seed by seed -------------------
-def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
-    """The AdamW and Muon runs of a seed are queued together (with parallel=2 they train side by side); the
-    time ratio and the equal-time val loss compare each Muon run with the AdamW run of its seed."""
+# ---- gptkit bench optim: one lr grid for every optimizer, the best of each on every seed, side by side ----
+def test_bench_optim_sweeps_one_grid_and_compares_the_best_of_each_seed_by_seed(tmp_path, monkeypatch):
+    """Every optimizer is swept over the same lrs (seed 1; the optimizers of an lr queued together, side by
+    side with parallel=2), then each at its own best lr on the other seeds; steps to the baseline's median
+    final val loss are interpolated between validations; wall and CPU seconds at equal steps are compared
+    with the baseline run of the same seed."""
     import json
 
     from gptkit.bench import optim as bench
@@ -607,29 +609,32 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
             opts = saved[Path(opts["resume"]).name]
         else:
             saved[opts["name"]] = opts
+            order.append(opts["name"])
         run = tmp_path / "runs" / opts["name"]
         (run / "checkpoints").mkdir(parents=True, exist_ok=True)
         (run / "checkpoints/last.ckpt").write_bytes(b"")
         (run / "config.yaml").write_text("trainer: {max_steps: 4, max_tokens: null}\n")
-        muon, seed = opts["optim"] == "muon", int(opts["seed"])
-        # seconds per step: AdamW 2 x seed, Muon 3 x seed
-        tokens_per_s = 10 / (seed * (3 if muon else 2))
-        # val after 2 and 4 steps
-        losses = {2: 2.0 - muon * 0.5, 4: 1.8 - muon * 0.6}
-        rows = ["step,perf/tokens,perf/tokens_per_s,val/loss"]
+        muon, seed, lr = opts["optim"] == "muon", int(opts["seed"]), float(opts["optim.lr"])
+        # seconds per step: AdamW 2 x seed, Muon 3 x seed; CPU seconds: AdamW 1, Muon 1.25 per step
+        tokens_per_s, per_cpu_s = 10 / (seed * (3 if muon else 2)), 10 / (1.25 if muon else 1)
+        # AdamW is best at lr 1, Muon at lr 4; Muon's final loss 0.6 lower at its best
+        best = 4.0 if muon else 1.0
+        final = 1.8 - 0.6 * muon + abs(lr - best) + 0.01 * seed
+        losses = {2: final + 0.4, 4: final}
+        rows = ["step,perf/tokens,perf/tokens_per_s,perf/tokens_per_cpu_s,val/loss"]
         # row s: step s (s steps done)
-        rows += [f"{s},{10 * s},{tokens_per_s}," for s in range(1, 5)]
-        rows += [f"{s},,,{loss}" for s, loss in losses.items()]
+        rows += [f"{s},{10 * s},{tokens_per_s},{per_cpu_s}," for s in range(1, 5)]
+        rows += [f"{s},,,,{loss}" for s, loss in losses.items()]
         (run / "metrics.csv").write_text("\n".join(rows) + "\n")
-        if "resume" not in args[0]:
-            order.append(opts["name"])
 
     order, saved = [], {}
     monkeypatch.setattr(bench, "run_one", fake_run)
     cfg = OmegaConf.create(
         dict(
-            recipes={"r": ["optim=adamw"]},
-            muon={"r": ["optim=muon"]},
+            recipes={"r": []},
+            optimizers={"adamw": ["optim=adamw"], "muon": ["optim=muon"]},
+            lrs=[1.0, 4.0],
+            baseline="adamw",
             common=[],
             seeds=[1, 2],
             parallel=1,
@@ -638,17 +643,28 @@ def test_bench_optim_pairs_the_runs_of_a_seed(tmp_path, monkeypatch):
         )
     )
     assert bench.run(cfg) == 0
-    assert order == ["r-adamw-seed1", "r-muon-seed1", "r-adamw-seed2", "r-muon-seed2"]
+    assert order == [
+        "r-adamw-lr1-seed1",
+        "r-muon-lr1-seed1",
+        "r-adamw-lr4-seed1",
+        "r-muon-lr4-seed1",
+        "r-adamw-lr1-seed2",
+        "r-muon-lr4-seed2",
+    ]
     r = json.loads((tmp_path / "out.json").read_text())["results"]["r"]
-    # seed by seed, whatever the load
-    assert r["muon_time_ratio"] == {"median": 1.5, "min": 1.5, "max": 1.5}
-    # Muon after 2 of its steps (6 x seed s) is within AdamW's 8 x seed s; after 4 (12 x seed s) it is not
-    assert r["val_loss_at_adamw_time"]["muon"] == {"median": 1.5, "min": 1.5, "max": 1.5}
-    assert r["muon_steps_to_target"] == [2, 2] and r["target_val_loss"] == 1.8 and r["adamw_steps"] == 4
+    assert r["best_lr"] == {"adamw": 1.0, "muon": 4.0} and r["target_val_loss"] == pytest.approx(1.815)
+    adamw, muon = r["optimizers"]["adamw"], r["optimizers"]["muon"]
+    # AdamW (2.21 at step 2, 1.81 at 4) reaches 1.815 between its validations of seed 1 and not on seed 2
+    # (1.82); Muon (1.61, 1.62 at step 2) at its first: half the 4 steps AdamW took to its median final loss
+    assert adamw["steps_to_target"][0] == pytest.approx(3.975) and adamw["steps_to_target"][1] is None
+    assert muon["steps_to_target"] == [2.0, 2.0] and muon["steps_ratio"] == 0.5 and adamw["steps_ratio"] == 1
+    # seed by seed, whatever the load: 1.5x the wall seconds, 1.25x the CPU seconds
+    assert muon["wall_ratio"] == {"median": 1.5, "min": 1.5, "max": 1.5}
+    assert muon["cpu_ratio"]["median"] == pytest.approx(1.25) and muon["train_cpu_seconds"]["median"] == 5.0
     # finished runs are read, not rerun
-    assert bench.run(cfg) == 0 and len(order) == 4
+    assert bench.run(cfg) == 0 and len(order) == 6
     # a run killed after a checkpoint (its last validation before max_steps) is continued, not taken as done
-    metrics = tmp_path / "runs" / "r-muon-seed2" / "metrics.csv"
+    metrics = tmp_path / "runs" / "r-muon-lr4-seed2" / "metrics.csv"
     # no val after step 4
     metrics.write_text("\n".join(metrics.read_text().splitlines()[:-1]) + "\n")
-    assert bench.run(cfg) == 0 and order[4:] == ["resume r-muon-seed2"]
+    assert bench.run(cfg) == 0 and order[6:] == ["resume r-muon-lr4-seed2"]

@@ -271,14 +271,20 @@ class LoRA(Finetune):
 
     @classmethod
     def memory(cls, plan: Any, mem: dict[str, float]) -> dict[str, float]:
-        """The gradients and AdamW moments of the adapters only; their weights added to the model's."""
+        """The gradients and optimizer state of the adapters only (all Muon's under optim=muon: one momentum
+        buffer each); their weights added to the model's (gptkit.accounting.training_memory's lora=)."""
         from gptkit import accounting as acc
 
-        n = acc.count_params(plan.model).total
-        k = adapters.adapter_params(plan.model, plan.lora["targets"], plan.lora["rank"])
-        mem["weights"] *= (n + k) / n
-        mem["gradients"] *= k / n
-        mem["optimizer"] *= k / n
+        adapted = acc.training_memory(
+            plan.model,
+            plan.precision,
+            plan.shards,
+            expert_shards=getattr(plan, "expert_shards", None),
+            optimizer=str(getattr(getattr(plan, "optim", None), "name", "adamw")),
+            lora=plan.lora,
+        )
+        for part in ("weights", "gradients", "optimizer"):
+            mem[part] = adapted[part]
         return mem
 
     @classmethod
