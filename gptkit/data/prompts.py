@@ -28,7 +28,9 @@ import torch
 
 from gptkit.chat_templates import encode_conversation
 from gptkit.data.cache import REBUILD, check_folder
-from gptkit.data.face import BuildOptions, Feed
+from gptkit.data.chat import split_where
+from gptkit.data.face import BuildOptions, Feed, Origin, Span
+from gptkit.data.provenance import TextBytes, show
 from gptkit.data.records import conversation, records
 from gptkit.data.settings import allows_special_text
 from gptkit.data.templated import (
@@ -187,11 +189,26 @@ class PromptData(TemplatedData):
         n_val = len(val) if val_windows is None else min(len(val), int(val_windows))
         items = [val.item(i) for i in range(n_val)]
         pad = self.pad_id
+        sampler = PromptSampler(train, batch_size, seed, pad)
+
+        def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
+            """Each prompt of the micro-batch (the objective samples its completions from it): its file and
+            line, and its rendered text."""
+            decode = TextBytes(self.tokenizer()).text
+            out = []
+            for row, i in enumerate(sampler.mine(step, rank, world_size)):
+                ids, _, _, where = train.item(i)
+                span = Span(train.kept[i], *split_where(where), len(ids))
+                text = show(decode(np.asarray(ids[: 4 * chars + 8])), chars)
+                out.append(Origin(row, None, f"prompt {i:,} of {len(train):,}", [span], text))
+            return out
+
         return Feed(
-            PromptSampler(train, batch_size, seed, pad),
+            sampler,
             items,
             collate=lambda batch: collate_prompts(batch, pad),
             lines=[describe_prompts(train, val, seq_len, self.settings)],
+            tracer=tracer,
         )
 
 
@@ -372,12 +389,17 @@ class PromptSampler:
                 f"the prompt data has {len(self.rows)} training prompts, fewer than a global batch of {n}; "
                 "give more prompts or a smaller trainer.batch_size"
             )
+        first = rank * self.batch_size
+        items = [self.rows.item(i) for i in self.mine(step, rank, world_size)]
+        return collate_prompts(items, self.pad_id, range(first, first + self.batch_size), step)
+
+    def mine(self, step: int, rank: int = 0, world_size: int = 1) -> list[int]:
+        """The indices (of the kept prompts) of micro-step `step`'s prompts on `rank`."""
+        n = self.batch_size * world_size
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
         picked = rng.choice(len(self.rows), size=n, replace=False)  # [batch_size * world_size], distinct
         first = rank * self.batch_size
-        mine = picked[first : first + self.batch_size].tolist()
-        items = [self.rows.item(i) for i in mine]
-        return collate_prompts(items, self.pad_id, range(first, first + self.batch_size), step)
+        return picked[first : first + self.batch_size].tolist()
 
 
 def describe_prompts(train: PromptRows, val: PromptRows, seq_len: int, s: dict[str, Any]) -> str:

@@ -198,10 +198,11 @@ def jsonl(path, records):
     return path
 
 
-def test_chat_preference_and_token_rows_are_traced_to_their_file_and_line(tmp_path):
+def test_chat_preference_token_and_prompt_rows_are_traced_to_their_file_and_line(tmp_path):
     """data=chat (packed rows of conversations), data=preference (pairs, one pair left out by
-    truncate=drop) and data=tokens (offsets only): each traced row is the row the sampler draws, named by the
-    records (file and line) or token files (token and byte offset) it came from."""
+    truncate=drop), data=tokens (offsets only) and data=prompts (GRPO's prompts): each traced row is the row
+    the sampler draws, named by the records (file and line) or token files (token and byte offset) it came
+    from."""
     convs = [
         {"messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": t[:20]}]}
         for i, t in enumerate(texts(16, 0))
@@ -277,6 +278,26 @@ def test_chat_preference_and_token_rows_are_traced_to_their_file_and_line(tmp_pa
             assert got == row.tolist() and s.document is None
             start = int(o.position.split()[1].replace(",", ""))
             assert every[start : start + 32].tolist() == got
+    # data=prompts (objective=grpo samples each prompt's completions): each prompt, its file and line
+    prompts = jsonl(
+        tmp_path / "prompts.jsonl", [{"prompt": f"upper {t[:6]}", "answer": t[:6]} for t in texts(12, 9)]
+    )
+    data = prepare(
+        {"kind": "prompts", "paths": [str(prompts)], "template": "chatml", "val_fraction": 0.2},
+        {"kind": "byte"},
+        cache_dir=tmp_path / "c",
+        progress=False,
+    )
+    feed = data.connect(3, 64, 5, 1)
+    for step in range(3):
+        batch = feed.sampler.batch(step, 1, 2)
+        rows = feed.trace(step, 1, 2)
+        assert [o.row for o in rows] == [0, 1, 2]
+        for o, ids, n, where, rec in zip(rows, batch.ids, batch.lengths, batch.where, batch.rows):
+            (s,) = o.spans
+            assert f"{s.source} {s.where}" == where and s.tokens == int(n)
+            assert o.text == show(data.tokenizer().decode(ids[:n].tolist(), skip_special_tokens=False), 80)
+            assert rec["prompt"] in data.tokenizer().decode(ids[:n].tolist())
 
 
 def test_a_spike_is_a_step_above_the_factor_times_the_median_before_it():
