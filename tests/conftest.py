@@ -55,6 +55,17 @@ def _no_leaked_dist_env():
             os.environ[k] = v
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test starts with torch.compile's caches empty: a worker process runs many tests that compile the
+    same functions (Block.forward, the decode step) for other models, and a fullgraph compile fails once a
+    function's recompile limit is reached (it did, in test_lora's compile test after other compiled tests
+    on the same xdist worker). Resetting empty caches costs ~10 microseconds."""
+    yield
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+
+
 def shakespeare(n_chars: int | None = None, start: int = 0) -> str:
     """Text of the built-in corpus (data=shakespeare): what the product ships, nothing from outside the
     repo."""
