@@ -82,6 +82,8 @@ def draws(run_dir: Path, saved, step: int, world_size: int | None) -> dict:
 
 def planned(saved, world_size: int | None) -> dict:
     """The draw facts of a run without plan.json, from its saved config (what make_plan derives)."""
+    from omegaconf import OmegaConf
+
     from gptkit.model import ModelConfig
     from gptkit.training.distributed import devices_per_node
     from gptkit.training.objectives import objective_class
@@ -91,7 +93,7 @@ def planned(saved, world_size: int | None) -> dict:
     world = world_size if world_size is not None else devices_per_node(t) * int(t.num_nodes)
     objective = objective_class(saved)
     rows_per_item = objective.rows(objective.settings_of(saved))
-    seq_len = train_seq_len(t, ModelConfig.from_dict(dict(saved.model)))
+    seq_len = train_seq_len(t, ModelConfig.from_dict(OmegaConf.to_container(saved.model, resolve=True)))
     accumulation = int(t.accumulate_grad_batches)
     tokens_per_step = int(t.batch_size) * rows_per_item * seq_len * accumulation * world
     return {

@@ -172,6 +172,10 @@ def test_trace_names_the_rows_a_run_drew_and_the_run_notes_spikes_profiles_and_m
     assert code == 0 and json.loads(out)["micro_batches"][0]["micro_step"] == 5
     code, _, err = run_main(capsys, "trace", f"run={run}", "step=7")
     assert code == 2 and err.strip().splitlines()[-1].startswith("error: step=7 is beyond the run")
+    # a run of an older gptkit (no plan.json): its draws planned from its saved config, the same rows
+    want = trace(trace_cfg(run, 4))
+    (run / "plan.json").unlink()
+    assert trace(trace_cfg(run, 4))["micro_batches"] == want["micro_batches"]
 
     rows = metrics_rows(run)
     # the spike: step 5, noted once, with the command that explains it
