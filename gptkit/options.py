@@ -103,6 +103,14 @@ def _unreadable(arg: str) -> str:
         return f"{arg} has no value: write {arg}=<value> (options are key=value)"
     if not arg.isascii():
         return f"{arg}: Hydra reads only ASCII characters in an unquoted value; quote it: \"{key}='{value}'\""
+    if value.startswith("[") and value.endswith("]"):
+        # a list of items such as overrides (trainer.max_steps=100): quoting the whole value would make it one
+        # string, so each item is quoted
+        items = ",".join('"' + i.strip().strip("'\"") + '"' for i in value[1:-1].split(",") if i.strip())
+        return (
+            f"cannot read {arg} as key=value; quote each item of a list that holds = or other special "
+            f"characters: '{key}=[{items}]'"
+        )
     return (
         f"cannot read {arg} as key=value; quote a value that has spaces or special characters: "
         f"\"{key}='{value}'\""

@@ -267,7 +267,7 @@ def build_trainer(
         int(t.log_every),
         reporter if reporter.mode != "off" else None,
         plan.causal_flops_per_token,
-        spikes=check_spikes(t),
+        spikes=check_spikes(t) if plan.objective_class.loss_spikes else None,
         run_dir=plan.run_dir,
     )
     watch = ValidationWatch(plan.run_dir, str(plan.run_dir / TOKENIZER_FILE), t.get("sample_every"), csv)

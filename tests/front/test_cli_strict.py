@@ -134,6 +134,15 @@ def test_bad_values_are_one_line_naming_the_option(capsys, args, message):
     assert message in one_line(capsys, *args)
 
 
+def test_a_list_of_overrides_gets_a_suggestion_that_reads_as_that_list(capsys):
+    from gptkit.options import parse_options
+
+    err = one_line(capsys, "bench", "grpo", "overrides=[trainer.max_steps=10,trainer.val_every=5]")
+    suggestion = err.split("characters: ")[1].strip().strip("'")
+    assert suggestion == 'bench.overrides=["trainer.max_steps=10","trainer.val_every=5"]'
+    assert parse_options([suggestion])[0].value == ["trainer.max_steps=10", "trainer.val_every=5"]
+
+
 def test_a_quoted_non_ascii_value_is_read(capsys):
     from gptkit.options import parse_options
 

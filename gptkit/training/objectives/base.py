@@ -8,6 +8,7 @@ LitGPT (gptkit/training/module.py) runs any objective the same way and never ask
         check_run(cfg)               what else of the run's config concerns it (GRPO: trainer.compile;
                                      loading the user's reward functions, said at start-up)
         data_kinds, needs_start      what it trains on, and whether it starts from weights (init_from=)
+        loss_spikes                  whether trainer.spike_factor's spike notes judge its loss
         rows(group)                  sequences through the model per batch item (rows_per_item: a DPO pair
                                      2; GRPO: a prompt's group of completions)
         uses_reference(group)        a frozen copy of the starting weights (Reference) is built for it
@@ -109,6 +110,9 @@ class Objective:
     needs_start: ClassVar[bool] = False
     needs_reference: ClassVar[bool] = False
     rows_per_item: ClassVar[int] = 1
+    # its loss is a positive figure that falls as the model learns, so trainer.spike_factor can judge a step
+    # against the median of the steps before (a policy-gradient loss sits around 0 by construction: no)
+    loss_spikes: ClassVar[bool] = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:

@@ -291,6 +291,8 @@ class GRPO(Objective):
     group = "grpo"
     data_kinds = ("prompts",)
     needs_start = True
+    # the loss is the advantage-weighted log-prob, around 0 whatever the model learns: no spike notes
+    loss_spikes = False
 
     @classmethod
     def check_config(cls, group: Any) -> None:
