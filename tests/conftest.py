@@ -9,8 +9,9 @@ import subprocess
 import tempfile
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# On a GPU the kernels launch one pinned configuration each instead of autotuning (kernels/_tuning.py):
-# the compiled kernel tests stay within a minute; the autotuner runs in training and `gptkit bench`.
+# On a GPU the kernels launch one pinned configuration each instead of autotuning
+# (kernels/gptkit_kernels/_tuning.py): the compiled kernel tests stay within a minute; the autotuner runs in
+# training and `gptkit bench`.
 os.environ.setdefault("GPTKIT_KERNELS_AUTOTUNE", "0")
 # pytest -n 2 runs two workers on two cores: one thread each (and in their subprocesses) avoids
 # oversubscription, which makes small CPU kernels several times slower.

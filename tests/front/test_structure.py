@@ -276,3 +276,30 @@ def test_the_wheel_lists_every_package_and_the_files_they_read():
         assert any(rel.match(g) for g in data.get(pkg, [])), (
             f"{f.relative_to(REPO)} is not package data of {pkg}"
         )
+
+
+def test_the_kernels_folder_never_shadows_an_installed_kernels_package():
+    """From the repository root (`python -m gptkit`, as the tests and a user in a clone run it),
+    `import kernels` is Hugging Face's `kernels` package, which transformers imports: kernels/ has no
+    __init__.py, and an installed regular package wins over a folder without one. Ours is gptkit_kernels."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    assert not (REPO / "kernels" / "__init__.py").exists()
+    probe = (
+        "import kernels, gptkit_kernels, pathlib; "
+        "print(getattr(kernels, '__file__', None)); print(list(kernels.__path__)); "
+        "print(pathlib.Path(gptkit_kernels.__file__).parent)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, check=True)
+    kernels_file, kernels_path, ours = out.stdout.splitlines()
+    assert ours == str(REPO / "kernels" / "gptkit_kernels") or "site-packages" in ours, ours
+    try:
+        installed = importlib.metadata.distribution("kernels")
+    except importlib.metadata.PackageNotFoundError:
+        # nothing installed under that name: the folder is an empty namespace, never our kernels
+        assert kernels_file == "None", kernels_file
+    else:
+        assert kernels_file != "None" and str(REPO / "kernels") not in kernels_file, kernels_file
+        assert str(installed.locate_file("kernels")) in kernels_file, (kernels_file, kernels_path)
