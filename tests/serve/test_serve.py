@@ -275,16 +275,72 @@ def test_bad_requests_get_openais_error_shape_and_the_server_stays_up(server):
             "larger than this server's limit",
         ),
         ("/v1/nowhere", {}, 404, None, "Unknown request URL"),
+        # numbers beyond what the engine takes: a seed torch's generators refuse failed the whole batch
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", "between -9223372036854775808 and"),
+        ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, 400, "seed", "out of range"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64 - 1, "n": 2}, 400, "seed", "seed + n - 1"),
+        ("/v1/completions", b'{"prompt": "x", "seed": 1e300}', 400, "seed", "(301 digits) is out of range"),
+        ("/v1/completions", {"prompt": "x", "top_k": 2**63}, 400, "top_k", "out of range"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens", "out of range"),
+        ("/v1/completions", {"prompt": "x", "stop": ["s" * 1001]}, 400, "stop", "longer than the 1,000"),
+        # bodies the JSON parser or the tokenizer failed on (500s)
+        ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None, "NaN is not a JSON number"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": Infinity}', 400, None, "Infinity is not"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": 1e999}', 400, None, "beyond a float's range"),
+        ("/v1/completions", b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", 400, None, "digits"),
+        ("/v1/completions", b"[" * 60_000, 400, None, "nested too deeply"),
+        ("/v1/completions", b'{"a":' * 12_000, 400, None, "nested too deeply"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 70 + b"]" * 70 + b"}", 400, None, "more than 64 levels"),
+        ("/v1/completions", b'"text"', 400, None, "JSON object"),
+        ("/v1/completions", b"\xff\xfe", 400, None, "not UTF-8"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            400,
+            "messages[0].content",
+            "lone UTF-16 surrogate",
+        ),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["\\udc00"]}', 400, "stop[0]", "surrogate"),
+        ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', 400, None, "the body holds"),
+        # a body a web page can send without asking the server first
+        ("/v1/completions", ({"Content-Type": "text/plain"}, {"prompt": "x"}), 415, None, "application/json"),
+        ("/v1/completions", ({"Content-Type": ""}, {"prompt": "x"}), 415, None, "no Content-Type"),
+        (
+            "/v1/completions",
+            ({"Content-Type": "application/x-www-form-urlencoded"}, {"prompt": "x"}),
+            415,
+            None,
+            "application/json",
+        ),
+        # a DNS-rebinding page: the browser sends its own domain as the Host
+        ("/v1/completions", ({"Host": "attacker.example"}, {"prompt": "x"}), 421, None, "does not answer"),
     ]
     with server.client() as c:
         for path, body, status, param, words in cases:
-            r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
+            headers = {"Content-Type": "application/json"}
+            if isinstance(body, tuple):
+                extra, body = body
+                headers.update(extra)
+                body = json.dumps(body).encode()
+            if isinstance(body, bytes):
+                r = c.post(path, content=body, headers={k: v for k, v in headers.items() if v})
+            else:
+                r = c.post(path, json=body)
             assert r.status_code == status, (path, body if isinstance(body, dict) else body[:40], r.text)
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
             assert words in err["message"], err
             assert "Traceback" not in r.text
         assert c.get("/v1/completions").status_code == 405
+        # JSON with its charset, and the names this server is reached by, pass
+        for host in ("localhost", "127.0.0.1", "[::1]"):
+            port = server.url.rsplit(":", 1)[1]
+            r = c.post(
+                "/v1/completions",
+                content=json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
+                headers={"Content-Type": "Application/JSON; charset=UTF-8", "Host": f"{host}:{port}"},
+            )
+            assert r.status_code == 200, (host, r.text)
         # the key
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
             r = httpx.post(
@@ -459,7 +515,7 @@ def test_a_full_queue_answers_429(tmp_path):
 
         async def call():
             transport = httpx.ASGITransport(app=build_app(served))
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
                 return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
 
         r = asyncio.run(call())
