@@ -524,3 +524,76 @@ def test_a_full_queue_answers_429(tmp_path):
         served.engine.stop()
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error" and "max_queue=0" in r.json()["error"]["message"]
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone_and_at_once(tmp_path, monkeypatch, ref):
+    """In process: a poisoned request's sampler raises at its 3rd token while a seeded neighbour (held at its
+    5th token until the poisoned one has its answer) and a greedy streaming one share its batch. The
+    poisoned one gets its 500 while the neighbour is still mid-way; both neighbours then get their whole,
+    correct answers."""
+    import asyncio
+    import time
+
+    import gptkit.inference.batcher as batcher_module
+    from gptkit.serve.app import build_app
+    from gptkit.serve.served import load_served
+
+    served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=4)
+    real_sample = batcher_module.sample_next
+    calls = {13: 0, 17: 0}
+    answered = threading.Event()
+    held: list[bool] = []
+
+    def sample(logits, temperature, top_k, top_p, generator):
+        if top_k in calls:
+            calls[top_k] += 1
+            # the neighbour's first token waits until the other two requests are queued: one batch
+            if top_k == 17 and calls[17] == 1:
+                deadline = time.monotonic() + HANG_S
+                while len(served.engine._inbox) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            if top_k == 17 and calls[17] == 5:
+                held.append(answered.wait(HANG_S))
+            if top_k == 13 and calls[13] == 3:
+                raise ValueError("injected sampler failure")
+        return real_sample(logits, temperature, top_k, top_p, generator)
+
+    monkeypatch.setattr(batcher_module, "sample_next", sample)
+    seeded = {"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0.8, "top_k": 17, "seed": 5}
+    poisoned = {"prompt": "abc", "max_tokens": 12, "temperature": 0.8, "top_k": 13, "seed": 1}
+    greedy = {"prompt": "KING:", "max_tokens": 12, "temperature": 0, "stream": True}
+    served.engine.start()
+    try:
+
+        async def call():
+            transport = httpx.ASGITransport(app=build_app(served))
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+
+                async def post(body):
+                    return await c.post("/v1/completions", json=body, timeout=HANG_S)
+
+                async def poisoned_post():
+                    r = await post(poisoned)
+                    answered.set()
+                    return r
+
+                a = asyncio.ensure_future(post(seeded))
+                await asyncio.sleep(0.05)
+                got = await asyncio.gather(a, poisoned_post(), post(greedy))
+                # the seeded request again, alone, nothing failing beside it
+                return got + [await post(seeded)]
+
+        r_seeded, r_poisoned, r_greedy, r_alone = asyncio.run(call())
+    finally:
+        served.engine.stop()
+    assert r_poisoned.status_code == 500, r_poisoned.text
+    err = r_poisoned.json()["error"]
+    assert err["code"] == "generation_failed" and "ValueError: injected sampler failure" in err["message"]
+    # the poisoned request had its answer while the neighbour waited at its 5th token (of 12)
+    assert held == [True]
+    assert r_seeded.status_code == 200 and r_alone.status_code == 200
+    assert r_seeded.json()["choices"] == r_alone.json()["choices"]
+    assert r_seeded.json()["usage"]["completion_tokens"] == 12
+    chunks = [json.loads(x[6:]) for x in r_greedy.text.splitlines() if x.startswith("data: {")]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == ref.sample("KING:", 12)[1].texts[0]
+    assert served.engine.load()["ended"]["error"] == 1
