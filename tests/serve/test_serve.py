@@ -597,3 +597,69 @@ def test_a_request_that_fails_in_the_engine_fails_alone_and_at_once(tmp_path, mo
     chunks = [json.loads(x[6:]) for x in r_greedy.text.splitlines() if x.startswith("data: {")]
     assert "".join(ch["choices"][0]["text"] for ch in chunks) == ref.sample("KING:", 12)[1].texts[0]
     assert served.engine.load()["ended"]["error"] == 1
+
+
+LIMITED = """
+import sys
+from gptkit.serve.served import load_served
+from gptkit.serve.server import serve
+serve(load_served(sys.argv[1], device="cpu", max_batch=2), port=0, request_timeout=1.0,
+      allowed_hosts=("models.example",))
+"""
+
+
+def test_slow_clients_are_cut_off_other_hosts_refused_and_the_access_log_is_on_stderr(tmp_path):
+    """serve() itself, keyless, with request_timeout=1 and allowed_hosts=[models.example]: a connection
+    sending its headers slowly is closed, a body arriving slowly gets 408; the Host rules; uvicorn's access
+    log on stderr, stdout the banner only."""
+    import socket
+
+    run = chat_run(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LIMITED, str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: any("listening on" in x for x in lines), proc, HANG_S)
+        url = next(x for x in lines if "listening on" in x).split()[2]
+        port = int(url.rsplit(":", 1)[1])
+
+        def raw(data: bytes) -> bytes:
+            """Send data, then read until the server closes the connection (a guard of 60 s: 60 times the
+            deadline; socket.timeout fails the test)."""
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+                s.sendall(data)
+                got = b""
+                while chunk := s.recv(65536):
+                    got += chunk
+                return got
+
+        # headers that never end: closed without an answer (without the deadline: open until the guard)
+        assert raw(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: 1") == b""
+        # a body that never ends: 408 in OpenAI's shape
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\nConnection: close\r\n\r\n"
+        )
+        answer = raw(head + b'{"prompt": ')
+        assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in answer
+        # the names it answers to
+        for host, status in (("models.example", 200), ("127.0.0.1", 200), ("evil.example", 421)):
+            r = httpx.get(f"{url}/v1/models", headers={"Host": host}, timeout=HANG_S)
+            assert r.status_code == status, (host, r.text)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=HANG_S)
+        assert r.status_code == 200
+    finally:
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert '"POST /v1/completions HTTP/1.1" 200' in err and '"GET /v1/models HTTP/1.1" 421' in err
+    assert not any("HTTP/1.1" in x for x in lines), lines
