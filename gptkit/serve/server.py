@@ -3,10 +3,10 @@ SIGTERM, then stop the engine.
 
 Limits on connections (docs/serve.md): a request's line and headers must arrive within request_timeout
 seconds of the connection opening (or of its previous response; uvicorn itself has no such deadline, so a
-client sending headers slowly held its connection forever) and be at most 16 KiB (400 beyond), its body
-within request_timeout too (408); an idle keep-alive connection closes after timeout_keep_alive seconds;
-beyond limit_concurrency open connections a request gets 503. Logs (uvicorn's and its access log) go to
-stderr; stdout has the banner only.
+client sending headers slowly held its connection forever); a head still incomplete at 16 KiB is a 400;
+the body must arrive within request_timeout too (408); an idle keep-alive connection closes after
+timeout_keep_alive seconds; beyond limit_concurrency open connections a request gets 503. Logs (uvicorn's
+and its access log) go to stderr; stdout has the banner only.
 """
 
 from __future__ import annotations

@@ -292,3 +292,28 @@ def test_a_seed_out_of_range_is_refused_before_it_runs():
     for seed in ((1 << 64) - 1, -(1 << 63)):
         out = generate_many(model, [p], SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed))
         assert len(out[0].choices[0].tokens) == 3
+
+
+def test_the_python_example_of_docs_serve_runs():
+    """docs/serve.md's "From Python, without HTTP" block, run as written on a tiny model."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "gptkit.inference" in b]
+    assert blocks
+    model = tiny()
+    ps = prompts(3, seed=6)
+
+    class Tok:
+        @staticmethod
+        def decode(ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    for block in blocks:
+        scope = {"model": model, "ids_a": ps[0], "ids_b": ps[1], "ids": ps[2], "eos": 0, "tok": Tok}
+        exec(compile(block, "docs/serve.md", "exec"), scope)
+        outs = scope["outs"]
+        assert [len(o.choices) for o in outs] == [4, 4]
+        assert outs[0].choices[2].tokens == reference(model, ps[0], 64).tokens[0]
+        assert scope["handle"].job.done
