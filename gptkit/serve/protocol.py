@@ -192,7 +192,7 @@ def stop_strings(body: dict) -> tuple[str, ...]:
         raise bad("stop strings must not be empty", "stop", "invalid_value")
     if len(items) > 16:
         raise bad(f"stop holds {len(items)} strings; at most 16", "stop", "invalid_value")
-    longest = max(len(s) for s in items)
+    longest = max(map(len, items), default=0)
     if longest > MAX_STOP_CHARS:
         raise bad(
             f"a stop string of {longest:,} characters is longer than the {MAX_STOP_CHARS:,} allowed",

@@ -663,3 +663,54 @@ def test_slow_clients_are_cut_off_other_hosts_refused_and_the_access_log_is_on_s
             _, err = proc.communicate()
     assert '"POST /v1/completions HTTP/1.1" 200' in err and '"GET /v1/models HTTP/1.1" 421' in err
     assert not any("HTTP/1.1" in x for x in lines), lines
+
+
+def test_any_value_of_any_field_is_answered_never_a_500(tmp_path):
+    """In process: every field either endpoint knows (and a message's role, content, name) set to values of
+    every JSON type and the edges of the integers: each answer is a 200 or an OpenAI-shaped 4xx."""
+    import asyncio
+
+    from gptkit.serve.app import build_app
+    from gptkit.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+    from gptkit.serve.served import load_served
+
+    served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=4)
+    values = [None, True, 0, 1, -1, 1.5, 2**63, -(2**63) - 1, 1e308, "s", "", [], [1], ["a"], [[1]], {}]
+    values += [{"a": 1}, [None], [{}]]
+    chat_base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    bodies = []
+    for path, fields, base in (
+        ("/v1/completions", COMPLETION_FIELDS, {"prompt": "x", "max_tokens": 1}),
+        ("/v1/chat/completions", CHAT_FIELDS, chat_base),
+    ):
+        for field in sorted(fields):
+            for v in values:
+                if field in ("max_tokens", "max_completion_tokens") and v in (1, 1.5):
+                    continue
+                bodies.append((path, {**base, field: v}))
+    for key in ("role", "content", "name"):
+        for v in values:
+            bodies.append(("/v1/chat/completions", {**chat_base, "messages": [{"role": "user", key: v}]}))
+    served.engine.start()
+    try:
+
+        async def call():
+            transport = httpx.ASGITransport(app=build_app(served))
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+                return [await c.post(path, json=body, timeout=HANG_S) for path, body in bodies]
+
+        answers = asyncio.run(call())
+    finally:
+        served.engine.stop()
+    wrong = []
+    for (path, body), r in zip(bodies, answers):
+        if r.status_code == 200:
+            ok = "generation failed" not in r.text
+        else:
+            ok = 400 <= r.status_code < 500 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        if not ok:
+            wrong.append((path, body, r.status_code, r.text[:200]))
+    assert wrong == []
+    assert (
+        sum(r.status_code == 200 for r in answers) > 50 and sum(r.status_code == 400 for r in answers) > 500
+    )
