@@ -15,6 +15,11 @@ also finds stop strings), and why a choice ended: eos (one of params.stop_ids, n
 string, cut from the text), length (max_new_tokens), context (the next token would not fit in the
 context), cancelled, error.
 
+What one request holds cannot fail the others: a failure while admitting a job (its generators, its
+prefill) or while choosing or recording one sequence's token (its sampler, its text) ends that job or that
+choice alone with an "error" event, and the step goes on for the rest. Only a failure of the batch's own
+decode pass (out of memory...) raises out of step() (the engine then fails that batch: Engine.fail_all).
+
 Greedy tokens are those of gptkit.generate.generate (`gptkit sample`) and ChatSession (`gptkit chat`) for the
 same prompt: the prefill is the same one-sequence pass; a decode step computes the same function of the
 same tokens, but batched matmuls round in other places than one row's (fp32 logits agree to ~1e-6), so only
@@ -28,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -41,6 +47,14 @@ from gptkit.inference.slot_cache import SlotCache
 from gptkit.sampling import TextStream, argmax, sample_next
 
 FINISH_REASONS = ("eos", "stop", "length", "context", "cancelled", "error")
+
+# what torch.Generator.manual_seed takes: a seed is a signed or an unsigned 64-bit integer
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def error_line(exc: BaseException) -> str:
+    """An exception as the one line an "error" event carries."""
+    return f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}"[:300]
 
 
 @dataclass(frozen=True)
@@ -68,9 +82,15 @@ class SamplingParams:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens!r} must be an integer >= 1")
         if self.max_new_tokens < 1:
             raise ConfigError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
-        if not float(self.temperature) >= 0:
+        for key in ("temperature", "top_p"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                raise ConfigError(f"{key}={v!r} must be a finite number")
+        if not self.temperature >= 0:
             raise ConfigError(f"temperature={self.temperature} must be >= 0 (0 means greedy)")
-        if self.top_k is not None and (not isinstance(self.top_k, int) or self.top_k < 0):
+        if self.top_k is not None and (
+            isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0
+        ):
             raise ConfigError(f"top_k={self.top_k} must be a non-negative integer (0 or None: off)")
         if not 0.0 < float(self.top_p) <= 1.0:
             raise ConfigError(f"top_p={self.top_p} must be in (0, 1] (1: off)")
@@ -78,6 +98,15 @@ class SamplingParams:
             raise ConfigError(f"n={self.n!r} must be an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
+        if self.seed is not None:
+            if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+                raise ConfigError(f"seed={self.seed!r} must be an integer or None")
+            # choice i draws with seed + i: the last one must fit too
+            if self.seed < SEED_MIN or self.seed + self.n - 1 > SEED_MAX:
+                raise ConfigError(
+                    f"seed={self.seed} with n={self.n} is out of range: seed must be in "
+                    f"{SEED_MIN}..{SEED_MAX} and seed + n - 1 at most {SEED_MAX}"
+                )
 
 
 @dataclass
@@ -174,6 +203,8 @@ class Batcher:
         self.rows = 0
         # choices ended, by reason (FINISH_REASONS)
         self.ended = {reason: 0 for reason in FINISH_REASONS}
+        # told one line per request or choice that failed alone (the engine prints it on stderr)
+        self.log: Callable[[str], None] = lambda line: None
 
     # ---- requests -----------------------------------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams) -> None:
@@ -259,11 +290,17 @@ class Batcher:
 
     def _prefill(self, job: Job, out: dict[Job, list[Event]]) -> None:
         slot = len(self.seqs)
-        seqs = [_Seq(job, c, self.device) for c in range(job.params.n)]
-        ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)  # [1, T0]
-        logits = self.model(ids, cache=self.cache.prefill(slot), logits_to_keep=1).logits[:, -1]  # [1, V]
-        for c in range(1, job.params.n):
-            self.cache.copy(slot, slot + c)
+        try:
+            seqs = [_Seq(job, c, self.device) for c in range(job.params.n)]
+            ids = torch.tensor([job.prompt], dtype=torch.long, device=self.device)  # [1, T0]
+            logits = self.model(ids, cache=self.cache.prefill(slot), logits_to_keep=1).logits[:, -1]  # [1, V]
+            for c in range(1, job.params.n):
+                self.cache.copy(slot, slot + c)
+        except Exception as exc:  # noqa: BLE001 - this job fails alone; the batch goes on
+            for c in range(job.params.n):
+                self.cache.free(slot + c)
+            self._fail_job(job, error_line(exc), out)
+            return
         self.seqs.extend(seqs)
         job.first_token = time.perf_counter()
         rows = logits.expand(len(seqs), -1)  # [n, V]: every choice samples from the prompt's logits
@@ -277,8 +314,9 @@ class Batcher:
         self.rows += n
         self._take(self.seqs, self._choose(logits, self.seqs), out)
 
-    def _choose(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int]:
-        """One token per row of logits [n, V], each by its sequence's sampling rule."""
+    def _choose(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int | str]:
+        """One token per row of logits [n, V], each by its sequence's sampling rule; a row whose sampling
+        failed gets the error's line instead (that choice alone ends with an error)."""
         greedy = [i for i, s in enumerate(seqs) if s.generator is None]
         if len(greedy) == len(seqs):
             return argmax(logits).tolist()
@@ -286,46 +324,81 @@ class Batcher:
         if greedy:
             rows = torch.tensor(greedy, device=logits.device)
             chosen[rows] = argmax(logits[rows])
+        failed: dict[int, str] = {}
         for i, s in enumerate(seqs):
             if s.generator is not None:
                 p = s.job.params
-                chosen[i] = sample_next(logits[i : i + 1], p.temperature, p.top_k, p.top_p, s.generator)[0]
-        return chosen.tolist()
+                try:
+                    row = sample_next(logits[i : i + 1], p.temperature, p.top_k, p.top_p, s.generator)  # [1]
+                    chosen[i] = row[0]
+                except Exception as exc:  # noqa: BLE001 - this choice fails alone
+                    failed[i] = error_line(exc)
+        tokens: list[int | str] = chosen.tolist()
+        for i, line in failed.items():
+            tokens[i] = line
+        return tokens
 
-    def _take(self, seqs: list[_Seq], tokens: list[int], out: dict[Job, list[Event]]) -> None:
-        """Record each sequence's new token; end the ones it ends."""
+    def _take(self, seqs: list[_Seq], tokens: list[int | str], out: dict[Job, list[Event]]) -> None:
+        """Record each sequence's new token; end the ones it ends (a str: the error that ends that one)."""
         for s, tok in zip(seqs, tokens):
-            job, p = s.job, s.job.params
-            s.n_out += 1
-            job.sampled[s.choice] += 1
-            if tok in p.stop_ids:
-                self._finish(s, "eos", out)
+            if isinstance(tok, str):
+                self._finish(s, "error", out, error=tok)
                 continue
-            s.last = tok
-            ev = Event(s.choice, [tok])
-            out.setdefault(job, []).append(ev)
-            if s.stream is not None:
-                ev.text = s.stream.push(tok)
-                if s.stream.stopped:
-                    self._finish(s, "stop", out, ev)
-                    continue
-            if s.n_out >= p.max_new_tokens:
-                self._finish(s, "length", out, ev)
-            # the token cannot be fed: the context is full
-            elif len(job.prompt) + s.n_out > self.max_len:
-                self._finish(s, "context", out, ev)
+            try:
+                self._take_one(s, tok, out)
+            except Exception as exc:  # noqa: BLE001 - this choice fails alone (its text, its stop strings)
+                if not s.finished:
+                    self._finish(s, "error", out, error=error_line(exc))
 
-    def _finish(self, s: _Seq, reason: str, out: dict[Job, list[Event]], ev: Optional[Event] = None) -> None:
-        """End a sequence; ev: the event of its last token, which then carries the ending."""
+    def _take_one(self, s: _Seq, tok: int, out: dict[Job, list[Event]]) -> None:
+        job, p = s.job, s.job.params
+        s.n_out += 1
+        job.sampled[s.choice] += 1
+        if tok in p.stop_ids:
+            self._finish(s, "eos", out)
+            return
+        s.last = tok
+        ev = Event(s.choice, [tok])
+        out.setdefault(job, []).append(ev)
+        if s.stream is not None:
+            ev.text = s.stream.push(tok)
+            if s.stream.stopped:
+                self._finish(s, "stop", out, ev)
+                return
+        if s.n_out >= p.max_new_tokens:
+            self._finish(s, "length", out, ev)
+        # the token cannot be fed: the context is full
+        elif len(job.prompt) + s.n_out > self.max_len:
+            self._finish(s, "context", out, ev)
+
+    def _finish(
+        self,
+        s: _Seq,
+        reason: str,
+        out: dict[Job, list[Event]],
+        ev: Optional[Event] = None,
+        error: Optional[str] = None,
+    ) -> None:
+        """End a sequence; ev: the event of its last token, which then carries the ending; error: what
+        went wrong (reason "error")."""
         s.finished = True
         s.job.finished += 1
         self.ended[reason] += 1
-        text = s.stream.finish() if s.stream is not None and reason != "cancelled" else ""
+        if error is not None:
+            self.log(f"request {s.job.id} choice {s.choice} failed ({error})")
+        text = s.stream.finish() if s.stream is not None and reason not in ("cancelled", "error") else ""
         if ev is None:
-            out.setdefault(s.job, []).append(Event(s.choice, text=text, finish=reason))
+            out.setdefault(s.job, []).append(Event(s.choice, text=text, finish=reason, error=error))
         else:
             ev.text += text
-            ev.finish = reason
+            ev.finish, ev.error = reason, error
+
+    def _fail_job(self, job: Job, error: str, out: dict[Job, list[Event]]) -> None:
+        """End every choice of a job that holds no slot (its admission failed) with an error."""
+        job.finished = job.params.n
+        self.ended["error"] += job.params.n
+        self.log(f"request {job.id} failed ({error})")
+        out.setdefault(job, []).extend(Event(c, finish="error", error=error) for c in range(job.params.n))
 
     def _compact(self) -> None:
         """Finished sequences leave; the last active slot moves into each hole."""

@@ -10,8 +10,10 @@ with many concurrent requests) talks to.
 
 submit() raises QueueFull when max_queue requests already wait for a slot (a server answers 429). A
 custom `deliver` (called on the engine's thread once per step with that step's events) replaces the handle's
-own queue: the server hands events to its event loop that way. If a step fails (out of memory, a bug),
-every request then in the batch ends with an "error" event and the loop goes on with the next ones.
+own queue: the server hands events to its event loop that way. A failure that belongs to one request (its
+prefill, its sampler, its text) ends that request alone with an "error" event, the batch going on without
+it (gptkit.inference.batcher); if the batch's decode pass itself fails (out of memory, a bug), every request
+then in the batch ends with an "error" event and the loop goes on with the next ones.
 
 The thread owns the model while it runs (in inference mode; on the CPU with the decoding layout of
 gptkit.decoding_layout for `layout_rows` rows, None: the model's own layers). The layout copies the weights
@@ -87,6 +89,7 @@ class Engine:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise GptkitError(f"max_queue={max_queue!r} must be an integer >= 0")
         self.batcher = Batcher(model, max_batch=max_batch, max_len=max_len)
+        self.batcher.log = lambda line: print(f"error: {line}", file=sys.stderr, flush=True)
         self.model = model
         self.max_batch, self.max_queue = max_batch, max_queue
         self.layout_rows = layout_rows

@@ -10,13 +10,18 @@ Each request's choices run as jobs of the engine (gptkit.inference.engine), whos
 events to this event loop (one call_soon_threadsafe per step, _Dispatcher). A client that disconnects
 cancels its jobs, freeing their slots at the next step. Errors are ApiError bodies in OpenAI's shape; anything
 unexpected is a 500 in that shape with one line on stderr, never a traceback to the client.
+
+What a web page in a visitor's browser could make of a server on their machine is closed off: every request
+must name this server in its Host header (HostGuard: a DNS-rebinding page names its own domain), and a body
+must be declared application/json (check_content_type: the one kind a page elsewhere cannot send without
+the browser first asking this server, which answers no CORS headers).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
-import json
+import ipaddress
 import sys
 import threading
 from functools import partial
@@ -25,6 +30,7 @@ from typing import Callable, Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -153,14 +159,98 @@ class _Stream(StreamingResponse):
             print(f"error: a stream failed ({one_line(failed)})", file=sys.stderr, flush=True)
 
 
+def check_content_type(value: Optional[str]) -> None:
+    """A body must be declared application/json (a charset, if any, utf-8): 415 otherwise. A web page can
+    send text/plain or a form to any address without asking, but not application/json."""
+    media, _, params = (value or "").partition(";")
+    charset = next(
+        (
+            v.strip().strip('"').lower()
+            for k, _, v in (p.partition("=") for p in params.split(";"))
+            if k.strip().lower() == "charset"
+        ),
+        "utf-8",
+    )
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
+        shown = f"Content-Type {value[:80]!r}" if value else "no Content-Type"
+        raise ApiError(
+            415,
+            f"this server reads JSON bodies only: send them with 'Content-Type: application/json' "
+            f"(got {shown})",
+            None,
+            "unsupported_media_type",
+        )
+
+
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
+
+
+def host_name(value: str) -> str:
+    """The name of a Host header's value, without its port or an IPv6 literal's brackets, lower case."""
+    value = value.strip().lower()
+    if value.startswith("["):
+        return value[1:].partition("]")[0]
+    name, colon, port = value.rpartition(":")
+    if colon and port.isdigit() and ":" not in name:
+        value = name
+    return value.removesuffix(".")
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+class HostGuard:
+    """ASGI middleware: a request whose Host header names another server gets 421 (a DNS-rebinding page: the
+    browser believes it talks to attacker.example, which resolves to this machine). Accepted: the loopback
+    names, `allowed` (names or addresses; "*": any), and with any_ip every IP address (a server bound to
+    0.0.0.0 is reached by the addresses of its interfaces; a page is never same-origin with a bare address
+    it was not served from). A request without a Host header (HTTP/1.0) passes: no browser sends one."""
+
+    def __init__(self, app, allowed: tuple[str, ...] = (), any_ip: bool = False) -> None:
+        self.app = app
+        self.any = "*" in allowed
+        self.names = frozenset(LOOPBACK_NAMES) | {host_name(a) for a in allowed if a != "*"}
+        self.any_ip = any_ip
+
+    def accepts(self, value: str) -> bool:
+        name = host_name(value)
+        return self.any or name in self.names or (self.any_ip and _is_ip(name))
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            value = next((v for k, v in scope["headers"] if k == b"host"), None)
+            if value is not None and not self.accepts(value.decode("latin-1")):
+                shown = value.decode("latin-1")[:100]
+                err = ApiError(
+                    421,
+                    f"this server does not answer to the host {shown!r} (it answers to "
+                    f"{', '.join(sorted(self.names))}); give the name in serve's allowed_hosts",
+                    None,
+                    "invalid_host",
+                )
+                await error_response(err)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def build_app(
     served: Served,
     *,
     api_key: Optional[str] = None,
     max_request_bytes: int = 1 << 20,
+    allowed_hosts: tuple[str, ...] = (),
+    any_ip_host: bool = False,
+    request_timeout: Optional[float] = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
 ) -> Starlette:
-    """The Starlette app serving `served` (its engine must be started)."""
+    """The Starlette app serving `served` (its engine must be started). allowed_hosts, any_ip_host: the Host
+    names it answers besides the loopback ones (HostGuard); request_timeout: seconds a request body may take
+    to arrive (None: no limit; the server's own timeout covers the request head)."""
     fingerprint = f"gptkit-{__version__}"
     dispatcher = _Dispatcher()
     page = resources.files("gptkit.serve").joinpath("page.html").read_text(encoding="utf-8")
@@ -182,6 +272,23 @@ def build_app(
             raise ApiError(401, "Incorrect API key provided", None, "invalid_api_key")
 
     async def read_json(request: Request) -> dict:
+        """The body: JSON (Content-Type application/json: a page elsewhere cannot send that without the
+        browser asking this server first, which it never allows), within max_request_bytes, arrived within
+        request_timeout seconds; checked whole (protocol.parse_body)."""
+        check_content_type(request.headers.get("content-type"))
+        if request_timeout is None:
+            return await read_body(request)
+        try:
+            return await asyncio.wait_for(read_body(request), request_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(
+                408,
+                f"the request body did not arrive within {request_timeout:g} s (request_timeout)",
+                None,
+                "request_timeout",
+            ) from None
+
+    async def read_body(request: Request) -> dict:
         declared = request.headers.get("content-length")
         too_big = ApiError(
             413,
@@ -198,22 +305,7 @@ def build_app(
             if size > max_request_bytes:
                 raise too_big
             chunks.append(chunk)
-        raw = b"".join(chunks)
-        try:
-            body = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            where = (
-                f" at line {exc.lineno} column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else ""
-            )
-            raise protocol.bad(
-                f"We could not parse the JSON body of your request{where}: send a JSON object with the "
-                "Content-Type application/json",
-                None,
-                "invalid_json",
-            ) from None
-        if not isinstance(body, dict):
-            raise protocol.bad("the request body must be a JSON object", None, "invalid_json")
-        return body
+        return protocol.parse_body(b"".join(chunks))
 
     def check_model(name: Optional[str]) -> None:
         if name is not None and name != served.name:
@@ -260,7 +352,9 @@ def build_app(
                         left -= 1
                         reasons[i] = e.finish
                         if e.finish == "error":
+                            # the request fails now: its other choices are cancelled (finally, below)
                             error.append(e.error or "generation failed")
+                            return
 
         work = asyncio.ensure_future(collect())
         gone = asyncio.ensure_future(_wait_disconnect(request.receive))
@@ -363,7 +457,11 @@ def build_app(
         Route("/v1/chat/completions", guarded(chat), methods=["POST"]),
         Route("/v1/completions", guarded(completions), methods=["POST"]),
     ]
-    return Starlette(routes=routes, exception_handlers={HTTPException: http_error})
+    return Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: http_error},
+        middleware=[Middleware(HostGuard, allowed=tuple(allowed_hosts), any_ip=any_ip_host)],
+    )
 
 
 def one_line(exc: BaseException) -> str:

@@ -5,16 +5,30 @@ body OpenAI's own API answers with (the `openai` client raises it as BadRequestE
 A field of the wrong type, a value out of range, an unknown field and a feature this server does not
 implement (logprobs, tools, penalties...) each name their field in `param`; a feature's neutral value
 (presence_penalty=0, logprobs=false, tools=[]) is accepted, as clients send them by default.
+
+A body is checked whole before any field is read (parse_body): JSON (no NaN or Infinity, no number beyond a
+float's range, nested at most MAX_DEPTH levels), an object, and every string valid Unicode (a lone
+surrogate such as "\ud800" is refused where it stands); each field then has its type and range, integers
+within 64 bits (a seed within what torch's generators take, seed + n - 1 included).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from gptkit.inference.batcher import SEED_MAX, SEED_MIN
+
+# how deeply a request body may nest (OpenAI's own bodies nest 4 levels: messages[i].content[j].text)
+MAX_DEPTH = 64
+# the longest stop string
+MAX_STOP_CHARS = 1000
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class ApiError(Exception):
@@ -37,6 +51,82 @@ def bad(message: str, param: Optional[str] = None, code: Optional[str] = None) -
     return ApiError(400, message, param, code)
 
 
+# ---- the body -------------------------------------------------------------------------------------------
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):
+        raise ValueError(f"the number {text[:40]} is beyond a float's range")
+    return v
+
+
+def parse_body(raw: bytes) -> dict:
+    """A request body as a dict, or a 400 (invalid_json, or the field that holds text that is not Unicode)."""
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant, parse_float=_finite)
+    except RecursionError:
+        raise bad(
+            f"the JSON body is nested too deeply to read: at most {MAX_DEPTH} levels", None, "invalid_json"
+        ) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        if isinstance(exc, json.JSONDecodeError):
+            why = f" at line {exc.lineno} column {exc.colno} ({exc.msg})"
+        elif isinstance(exc, UnicodeDecodeError):
+            why = " (it is not UTF-8)"
+        elif "integer string conversion" in str(exc):
+            why = f" (a number of more than {sys.get_int_max_str_digits()} digits)"
+        else:
+            why = f" ({(str(exc).splitlines() or [''])[0][:120]})"
+        raise bad(
+            f"We could not parse the JSON body of your request{why}: send a JSON object with the "
+            "Content-Type application/json",
+            None,
+            "invalid_json",
+        ) from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object", None, "invalid_json")
+    check_text(body)
+    return body
+
+
+def check_text(body: dict) -> None:
+    """Every key and string of the body valid Unicode (no lone surrogate), nested at most MAX_DEPTH levels;
+    a 400 names where (without recursion: a body may nest as deeply as the JSON parser went)."""
+    todo: list[tuple[Any, str, int]] = [(body, "", 1)]
+    while todo:
+        v, where, depth = todo.pop()
+        if isinstance(v, str):
+            if not v.isascii():
+                try:
+                    v.encode("utf-8")
+                except UnicodeEncodeError as exc:
+                    raise bad(
+                        f"{where or 'the body'} holds {json.dumps(v[exc.start])}, a lone UTF-16 surrogate: "
+                        "not text (encode it as a character, or remove it)",
+                        where or None,
+                        "invalid_value",
+                    ) from None
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_DEPTH:
+            raise bad(
+                f"the JSON body is nested more than {MAX_DEPTH} levels deep (at {where})",
+                None,
+                "invalid_json",
+            )
+        if isinstance(v, dict):
+            for key, item in v.items():
+                path = f"{where}.{key}" if where else key
+                todo.append((key, where, depth))
+                todo.append((item, path, depth + 1))
+        else:
+            todo.extend((item, f"{where}[{i}]", depth + 1) for i, item in enumerate(v))
+
+
 # ---- field checks ------------------------------------------------------------------------------------
 def _type_name(v: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array"}.get(
@@ -45,6 +135,7 @@ def _type_name(v: Any) -> str:
 
 
 def integer(body: dict, key: str, *, low: Optional[int] = None, high: Optional[int] = None) -> Optional[int]:
+    """body[key]: None, or an integer in low..high (a bound not given: 64-bit)."""
     v = body.get(key)
     if v is None:
         return None
@@ -55,9 +146,12 @@ def integer(body: dict, key: str, *, low: Optional[int] = None, high: Optional[i
         raise bad(
             f"{key} must be an integer, not {_type_name(v)} ({json.dumps(v)[:40]})", key, "invalid_type"
         )
-    if (low is not None and v < low) or (high is not None and v > high):
-        span = f">= {low}" if high is None else f"between {low} and {high}"
-        raise bad(f"{key}={v} is out of range: it must be {span}", key, "invalid_value")
+    lo = INT64_MIN if low is None else low
+    hi = INT64_MAX if high is None else high
+    if not lo <= v <= hi:
+        span = f">= {low}" if high is None and low is not None and v < low else f"between {lo} and {hi}"
+        shown = str(v) if len(str(v)) <= 40 else f"{str(v)[:20]}...({len(str(v))} digits)"
+        raise bad(f"{key}={shown} is out of range: it must be {span}", key, "invalid_value")
     return v
 
 
@@ -98,6 +192,13 @@ def stop_strings(body: dict) -> tuple[str, ...]:
         raise bad("stop strings must not be empty", "stop", "invalid_value")
     if len(items) > 16:
         raise bad(f"stop holds {len(items)} strings; at most 16", "stop", "invalid_value")
+    longest = max(map(len, items), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise bad(
+            f"a stop string of {longest:,} characters is longer than the {MAX_STOP_CHARS:,} allowed",
+            "stop",
+            "invalid_value",
+        )
     return tuple(items)
 
 
@@ -180,8 +281,16 @@ def sampling(body: dict, max_n: int, max_tokens_key: str = "max_tokens") -> Samp
     temperature = number(body, "temperature", low=0.0, high=2.0)
     top_p = number(body, "top_p", low=0.0, high=1.0, low_open=True)
     top_k = integer(body, "top_k", low=-1)
-    seed = integer(body, "seed")
     n = integer(body, "n", low=1, high=max_n)
+    # choice i of n draws with seed + i: torch's generators take a signed or unsigned 64-bit seed
+    seed = integer(body, "seed", low=SEED_MIN, high=SEED_MAX)
+    if seed is not None and seed + (n or 1) - 1 > SEED_MAX:
+        raise bad(
+            f"seed={seed} with n={n}: choice i draws with seed + i, and seed + n - 1 must be at most "
+            f"{SEED_MAX}",
+            "seed",
+            "invalid_value",
+        )
     stream = bool(boolean(body, "stream"))
     opts = body.get("stream_options")
     include_usage = False

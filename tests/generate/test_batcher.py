@@ -204,3 +204,116 @@ def test_engine_serves_concurrent_callers():
             t.join()
     for i, p in enumerate(ps):
         assert results[i].choices[0].tokens == reference(model, p, 10).tokens[0]
+
+
+def test_a_request_that_fails_ends_alone_and_its_neighbours_finish():
+    """One job's sampler raises mid-way, another's prefill raises: each ends with an error event at once
+    (the step it failed), while the greedy and seeded jobs beside them in the same batch get every token
+    they get alone."""
+    import gptkit.inference.batcher as batcher_module
+
+    model = tiny()
+    ps = prompts(4, seed=3)
+    poison = 60  # a prefill whose prompt starts with this id raises
+    ps[3] = [poison] + ps[3]
+    params = [
+        SamplingParams(max_new_tokens=20, temperature=0.0),
+        SamplingParams(max_new_tokens=20, temperature=0.8, top_k=20, seed=7),
+        # top_k=13: the sampler below raises at this job's 4th token
+        SamplingParams(max_new_tokens=20, temperature=0.8, top_k=13, seed=1, n=2),
+        SamplingParams(max_new_tokens=20, temperature=0.0),
+    ]
+    alone = generate_many(model, ps[:2], params[:2])
+    real_sample, calls = batcher_module.sample_next, {"n": 0}
+
+    def sample(logits, temperature, top_k, top_p, generator):
+        if top_k == 13:
+            calls["n"] += 1
+            if calls["n"] > 6:
+                raise ValueError("injected sampler failure")
+        return real_sample(logits, temperature, top_k, top_p, generator)
+
+    forward = model.forward
+
+    def prefill_fails(ids, *args, **kwargs):
+        if ids.shape[1] > 1 and int(ids[0, 0]) == poison:
+            raise RuntimeError("injected prefill failure")
+        return forward(ids, *args, **kwargs)
+
+    batcher = Batcher(model, max_batch=6)
+    got = {i: {} for i in range(4)}
+    errors_at: dict[int, int] = {}
+    logged = []
+    batcher.log = logged.append
+
+    def collect(i):
+        def deliver(events):
+            for e in events:
+                got[i].setdefault(e.choice, []).extend(e.tokens)
+                if e.finish == "error":
+                    assert "injected" in e.error
+                    errors_at.setdefault(i, batcher.steps)
+                elif e.finish:
+                    assert e.finish == "length"
+
+        return deliver
+
+    batcher_module.sample_next = sample
+    model.forward = prefill_fails
+    try:
+        with torch.inference_mode():
+            for i in range(4):
+                batcher.add(Job(ps[i], params[i], collect(i)))
+            while batcher.busy:
+                batcher.step()
+    finally:
+        batcher_module.sample_next = real_sample
+        del model.forward
+    # the failing jobs ended in the step they failed: the prefill's in the first, the sampler's at its 4th
+    # token (the prefill sampled the 1st, the 3rd decode step fails)
+    assert errors_at == {3: 1, 2: 3}
+    assert got[3] == {0: []} and [len(got[2][c]) for c in (0, 1)] == [3, 3]
+    # the neighbours ran to their end with the tokens they get alone
+    assert got[0][0] == alone[0].choices[0].tokens and got[1][0] == alone[1].choices[0].tokens
+    assert len(got[0][0]) == len(got[1][0]) == 20
+    assert batcher.ended["error"] == 3 and batcher.active == 0 and batcher.cache.lengths == [0] * 6
+    assert len(logged) == 3 and all("injected" in line for line in logged)
+
+
+def test_a_seed_out_of_range_is_refused_before_it_runs():
+    model = tiny()
+    p = prompts(1)[0]
+    for seed, n in ((1 << 64, 1), ((1 << 64) - 1, 2), (-(1 << 63) - 1, 1), (1.5, 1), (True, 1)):
+        with pytest.raises(GptkitError, match="seed="):
+            SamplingParams(max_new_tokens=2, seed=seed, n=n).validate()
+    with pytest.raises(GptkitError, match="temperature=nan must be a finite number"):
+        SamplingParams(temperature=float("nan")).validate()
+    # the ends of the range run
+    for seed in ((1 << 64) - 1, -(1 << 63)):
+        out = generate_many(model, [p], SamplingParams(max_new_tokens=3, temperature=1.0, seed=seed))
+        assert len(out[0].choices[0].tokens) == 3
+
+
+def test_the_python_example_of_docs_serve_runs():
+    """docs/serve.md's "From Python, without HTTP" block, run as written on a tiny model."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "serve.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, re.S) if "gptkit.inference" in b]
+    assert blocks
+    model = tiny()
+    ps = prompts(3, seed=6)
+
+    class Tok:
+        @staticmethod
+        def decode(ids):
+            return "".join(chr(97 + i % 26) for i in ids)
+
+    for block in blocks:
+        scope = {"model": model, "ids_a": ps[0], "ids_b": ps[1], "ids": ps[2], "eos": 0, "tok": Tok}
+        exec(compile(block, "docs/serve.md", "exec"), scope)
+        outs = scope["outs"]
+        assert [len(o.choices) for o in outs] == [4, 4]
+        assert outs[0].choices[2].tokens == reference(model, ps[0], 64).tokens[0]
+        assert scope["handle"].job.done

@@ -275,16 +275,72 @@ def test_bad_requests_get_openais_error_shape_and_the_server_stays_up(server):
             "larger than this server's limit",
         ),
         ("/v1/nowhere", {}, 404, None, "Unknown request URL"),
+        # numbers beyond what the engine takes: a seed torch's generators refuse failed the whole batch
+        ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", "between -9223372036854775808 and"),
+        ("/v1/completions", {"prompt": "x", "seed": -(2**63) - 1}, 400, "seed", "out of range"),
+        ("/v1/completions", {"prompt": "x", "seed": 2**64 - 1, "n": 2}, 400, "seed", "seed + n - 1"),
+        ("/v1/completions", b'{"prompt": "x", "seed": 1e300}', 400, "seed", "(301 digits) is out of range"),
+        ("/v1/completions", {"prompt": "x", "top_k": 2**63}, 400, "top_k", "out of range"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 10**30}, 400, "max_tokens", "out of range"),
+        ("/v1/completions", {"prompt": "x", "stop": ["s" * 1001]}, 400, "stop", "longer than the 1,000"),
+        # bodies the JSON parser or the tokenizer failed on (500s)
+        ("/v1/completions", b'{"prompt": "x", "temperature": NaN}', 400, None, "NaN is not a JSON number"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": Infinity}', 400, None, "Infinity is not"),
+        ("/v1/completions", b'{"prompt": "x", "top_p": 1e999}', 400, None, "beyond a float's range"),
+        ("/v1/completions", b'{"prompt": "x", "seed": 1' + b"0" * 5000 + b"}", 400, None, "digits"),
+        ("/v1/completions", b"[" * 60_000, 400, None, "nested too deeply"),
+        ("/v1/completions", b'{"a":' * 12_000, 400, None, "nested too deeply"),
+        ("/v1/completions", b'{"prompt": ' + b"[" * 70 + b"]" * 70 + b"}", 400, None, "more than 64 levels"),
+        ("/v1/completions", b'"text"', 400, None, "JSON object"),
+        ("/v1/completions", b"\xff\xfe", 400, None, "not UTF-8"),
+        (
+            "/v1/chat/completions",
+            b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}',
+            400,
+            "messages[0].content",
+            "lone UTF-16 surrogate",
+        ),
+        ("/v1/completions", b'{"prompt": "x", "stop": ["\\udc00"]}', 400, "stop[0]", "surrogate"),
+        ("/v1/completions", b'{"prompt": "x", "\\ud800": 1}', 400, None, "the body holds"),
+        # a body a web page can send without asking the server first
+        ("/v1/completions", ({"Content-Type": "text/plain"}, {"prompt": "x"}), 415, None, "application/json"),
+        ("/v1/completions", ({"Content-Type": ""}, {"prompt": "x"}), 415, None, "no Content-Type"),
+        (
+            "/v1/completions",
+            ({"Content-Type": "application/x-www-form-urlencoded"}, {"prompt": "x"}),
+            415,
+            None,
+            "application/json",
+        ),
+        # a DNS-rebinding page: the browser sends its own domain as the Host
+        ("/v1/completions", ({"Host": "attacker.example"}, {"prompt": "x"}), 421, None, "does not answer"),
     ]
     with server.client() as c:
         for path, body, status, param, words in cases:
-            r = c.post(path, content=body) if isinstance(body, bytes) else c.post(path, json=body)
+            headers = {"Content-Type": "application/json"}
+            if isinstance(body, tuple):
+                extra, body = body
+                headers.update(extra)
+                body = json.dumps(body).encode()
+            if isinstance(body, bytes):
+                r = c.post(path, content=body, headers={k: v for k, v in headers.items() if v})
+            else:
+                r = c.post(path, json=body)
             assert r.status_code == status, (path, body if isinstance(body, dict) else body[:40], r.text)
             err = r.json()["error"]
             assert set(err) == {"message", "type", "param", "code"} and err["param"] == param, err
             assert words in err["message"], err
             assert "Traceback" not in r.text
         assert c.get("/v1/completions").status_code == 405
+        # JSON with its charset, and the names this server is reached by, pass
+        for host in ("localhost", "127.0.0.1", "[::1]"):
+            port = server.url.rsplit(":", 1)[1]
+            r = c.post(
+                "/v1/completions",
+                content=json.dumps({"prompt": "x", "max_tokens": 2}).encode(),
+                headers={"Content-Type": "Application/JSON; charset=UTF-8", "Host": f"{host}:{port}"},
+            )
+            assert r.status_code == 200, (host, r.text)
         # the key
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}):
             r = httpx.post(
@@ -459,7 +515,7 @@ def test_a_full_queue_answers_429(tmp_path):
 
         async def call():
             transport = httpx.ASGITransport(app=build_app(served))
-            async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
                 return await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
 
         r = asyncio.run(call())
@@ -468,3 +524,193 @@ def test_a_full_queue_answers_429(tmp_path):
         served.engine.stop()
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error" and "max_queue=0" in r.json()["error"]["message"]
+
+
+def test_a_request_that_fails_in_the_engine_fails_alone_and_at_once(tmp_path, monkeypatch, ref):
+    """In process: a poisoned request's sampler raises at its 3rd token while a seeded neighbour (held at its
+    5th token until the poisoned one has its answer) and a greedy streaming one share its batch. The
+    poisoned one gets its 500 while the neighbour is still mid-way; both neighbours then get their whole,
+    correct answers."""
+    import asyncio
+    import time
+
+    import gptkit.inference.batcher as batcher_module
+    from gptkit.serve.app import build_app
+    from gptkit.serve.served import load_served
+
+    served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=4)
+    real_sample = batcher_module.sample_next
+    calls = {13: 0, 17: 0}
+    answered = threading.Event()
+    held: list[bool] = []
+
+    def sample(logits, temperature, top_k, top_p, generator):
+        if top_k in calls:
+            calls[top_k] += 1
+            # the neighbour's first token waits until the other two requests are queued: one batch
+            if top_k == 17 and calls[17] == 1:
+                deadline = time.monotonic() + HANG_S
+                while len(served.engine._inbox) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            if top_k == 17 and calls[17] == 5:
+                held.append(answered.wait(HANG_S))
+            if top_k == 13 and calls[13] == 3:
+                raise ValueError("injected sampler failure")
+        return real_sample(logits, temperature, top_k, top_p, generator)
+
+    monkeypatch.setattr(batcher_module, "sample_next", sample)
+    seeded = {"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0.8, "top_k": 17, "seed": 5}
+    poisoned = {"prompt": "abc", "max_tokens": 12, "temperature": 0.8, "top_k": 13, "seed": 1}
+    greedy = {"prompt": "KING:", "max_tokens": 12, "temperature": 0, "stream": True}
+    served.engine.start()
+    try:
+
+        async def call():
+            transport = httpx.ASGITransport(app=build_app(served))
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+
+                async def post(body):
+                    return await c.post("/v1/completions", json=body, timeout=HANG_S)
+
+                async def poisoned_post():
+                    r = await post(poisoned)
+                    answered.set()
+                    return r
+
+                a = asyncio.ensure_future(post(seeded))
+                await asyncio.sleep(0.05)
+                got = await asyncio.gather(a, poisoned_post(), post(greedy))
+                # the seeded request again, alone, nothing failing beside it
+                return got + [await post(seeded)]
+
+        r_seeded, r_poisoned, r_greedy, r_alone = asyncio.run(call())
+    finally:
+        served.engine.stop()
+    assert r_poisoned.status_code == 500, r_poisoned.text
+    err = r_poisoned.json()["error"]
+    assert err["code"] == "generation_failed" and "ValueError: injected sampler failure" in err["message"]
+    # the poisoned request had its answer while the neighbour waited at its 5th token (of 12)
+    assert held == [True]
+    assert r_seeded.status_code == 200 and r_alone.status_code == 200
+    assert r_seeded.json()["choices"] == r_alone.json()["choices"]
+    assert r_seeded.json()["usage"]["completion_tokens"] == 12
+    chunks = [json.loads(x[6:]) for x in r_greedy.text.splitlines() if x.startswith("data: {")]
+    assert "".join(ch["choices"][0]["text"] for ch in chunks) == ref.sample("KING:", 12)[1].texts[0]
+    assert served.engine.load()["ended"]["error"] == 1
+
+
+LIMITED = """
+import sys
+from gptkit.serve.served import load_served
+from gptkit.serve.server import serve
+serve(load_served(sys.argv[1], device="cpu", max_batch=2), port=0, request_timeout=1.0,
+      allowed_hosts=("models.example",))
+"""
+
+
+def test_slow_clients_are_cut_off_other_hosts_refused_and_the_access_log_is_on_stderr(tmp_path):
+    """serve() itself, keyless, with request_timeout=1 and allowed_hosts=[models.example]: a connection
+    sending its headers slowly is closed, a body arriving slowly gets 408; the Host rules; uvicorn's access
+    log on stderr, stdout the banner only."""
+    import socket
+
+    run = chat_run(tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", LIMITED, str(run)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    try:
+        wait_for(lambda: any("listening on" in x for x in lines), proc, HANG_S)
+        url = next(x for x in lines if "listening on" in x).split()[2]
+        port = int(url.rsplit(":", 1)[1])
+
+        def raw(data: bytes) -> bytes:
+            """Send data, then read until the server closes the connection (a guard of 60 s: 60 times the
+            deadline; socket.timeout fails the test)."""
+            with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+                s.sendall(data)
+                got = b""
+                while chunk := s.recv(65536):
+                    got += chunk
+                return got
+
+        # headers that never end: closed without an answer (without the deadline: open until the guard)
+        assert raw(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Slow: 1") == b""
+        # a body that never ends: 408 in OpenAI's shape
+        head = (
+            b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 100\r\nConnection: close\r\n\r\n"
+        )
+        answer = raw(head + b'{"prompt": ')
+        assert answer.startswith(b"HTTP/1.1 408 ") and b'"code":"request_timeout"' in answer
+        # the names it answers to
+        for host, status in (("models.example", 200), ("127.0.0.1", 200), ("evil.example", 421)):
+            r = httpx.get(f"{url}/v1/models", headers={"Host": host}, timeout=HANG_S)
+            assert r.status_code == status, (host, r.text)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=HANG_S)
+        assert r.status_code == 200
+    finally:
+        proc.terminate()
+        try:
+            _, err = proc.communicate(timeout=HANG_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    assert '"POST /v1/completions HTTP/1.1" 200' in err and '"GET /v1/models HTTP/1.1" 421' in err
+    assert not any("HTTP/1.1" in x for x in lines), lines
+
+
+def test_any_value_of_any_field_is_answered_never_a_500(tmp_path):
+    """In process: every field either endpoint knows (and a message's role, content, name) set to values of
+    every JSON type and the edges of the integers: each answer is a 200 or an OpenAI-shaped 4xx."""
+    import asyncio
+
+    from gptkit.serve.app import build_app
+    from gptkit.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+    from gptkit.serve.served import load_served
+
+    served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=4)
+    values = [None, True, 0, 1, -1, 1.5, 2**63, -(2**63) - 1, 1e308, "s", "", [], [1], ["a"], [[1]], {}]
+    values += [{"a": 1}, [None], [{}]]
+    chat_base = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 1}
+    bodies = []
+    for path, fields, base in (
+        ("/v1/completions", COMPLETION_FIELDS, {"prompt": "x", "max_tokens": 1}),
+        ("/v1/chat/completions", CHAT_FIELDS, chat_base),
+    ):
+        for field in sorted(fields):
+            for v in values:
+                if field in ("max_tokens", "max_completion_tokens") and v in (1, 1.5):
+                    continue
+                bodies.append((path, {**base, field: v}))
+    for key in ("role", "content", "name"):
+        for v in values:
+            bodies.append(("/v1/chat/completions", {**chat_base, "messages": [{"role": "user", key: v}]}))
+    served.engine.start()
+    try:
+
+        async def call():
+            transport = httpx.ASGITransport(app=build_app(served))
+            async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as c:
+                return [await c.post(path, json=body, timeout=HANG_S) for path, body in bodies]
+
+        answers = asyncio.run(call())
+    finally:
+        served.engine.stop()
+    wrong = []
+    for (path, body), r in zip(bodies, answers):
+        if r.status_code == 200:
+            ok = "generation failed" not in r.text
+        else:
+            ok = 400 <= r.status_code < 500 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        if not ok:
+            wrong.append((path, body, r.status_code, r.text[:200]))
+    assert wrong == []
+    assert (
+        sum(r.status_code == 200 for r in answers) > 50 and sum(r.status_code == 400 for r in answers) > 500
+    )
