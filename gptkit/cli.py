@@ -46,6 +46,11 @@ class Verb:
     verbatim: tuple[str, ...] = ()
 
 
+# the transformers families export and import map, as the helps name them: one per model_type of
+# gptkit.hf.ARCHITECTURES (not imported here: gptkit.hf imports torch, 2.5 s of CPU for `gptkit --help`;
+# tests/front/test_cli.py keeps the two equal)
+HF_FAMILIES = "Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo-2, OLMoE, Gemma 2, Gemma 3 or GPT-2"
+
 VERBS: dict[str, Verb] = {
     "train": Verb(
         "train",
@@ -95,14 +100,12 @@ VERBS: dict[str, Verb] = {
     "export": Verb(
         "export",
         "export",
-        "write a run as a transformers folder (Llama, Qwen2/3, OLMo-2 "
-        "or GPT-2) that AutoModelForCausalLM loads",
+        f"write a run as a transformers folder ({HF_FAMILIES}) that AutoModelForCausalLM loads",
     ),
     "import": Verb(
         "import_hf",
         "import",
-        "read a transformers Llama, Qwen2/3, OLMo-2 or GPT-2 model (local "
-        "folder or Hub id) into a gptkit run folder",
+        f"read a transformers model ({HF_FAMILIES}; a local folder or a Hub id) into a gptkit run folder",
     ),
     "plot": Verb("plot", "plot", "draw <run>/loss.png (train and val loss) from the run's metrics.csv"),
     "preflight": Verb(
@@ -228,6 +231,9 @@ def _optional_groups(config_name: str) -> list[str]:
     defaults = yaml.safe_load((conf_dir() / f"{config_name}.yaml").read_text()).get("defaults") or []
     found = []
     for entry in defaults:
+        # a config the verb's is built on (verify's `- train`): its groups too
+        if isinstance(entry, str) and entry != "_self_" and (conf_dir() / f"{entry}.yaml").is_file():
+            found += [g for g in _optional_groups(entry) if g not in found]
         if isinstance(entry, dict):
             for key, value in entry.items():
                 name = str(key).removeprefix("optional ").strip()

@@ -111,6 +111,9 @@ def test_verb_help_lists_groups_that_are_unchosen_by_default(cli):
     groups = [line.strip() for line in cli("train", "--help").stdout.splitlines()]
     assert any(line.startswith("experiment: ") and "shakespeare-char" in line for line in groups)
     assert "data: chat, files, hub" in cli("eval", "--help").stdout
+    # verify's config is train's (`- train` in its defaults list): train's unchosen groups too
+    verify = [line.strip() for line in cli("verify", "--help").stdout.splitlines()]
+    assert any(line.startswith("experiment: ") and "sft-tiny" in line for line in verify)
 
 
 def test_the_verb_table_is_the_commands_folder():
@@ -263,3 +266,49 @@ def test_no_help_comment_stops_mid_sentence():
     for verb in ("train", "chat", "serve", "sample"):
         said = [ln for ln in verb_helps()[verb].splitlines() if ln.strip().startswith("special_tokens_in")]
         assert said and all("allow: it becomes" in ln for ln in said), (verb, said)
+
+
+def listed(comment: str) -> list[str]:
+    """The choices a comment lists as `a | b | c` (a word each, the first after a colon or `type:`)."""
+    import re
+
+    m = re.search(r"([\w.-]+(?: \| [\w.-]+)+)", comment)
+    return m.group(1).split(" | ") if m else []
+
+
+def test_each_help_lists_the_codes_families_precisions_and_rope_scalings():
+    """The lists the helps show are the code's tables: export's and import's transformers families
+    (gptkit.hf.ARCHITECTURES), every precision comment of conf/ (gptkit.precision.PRECISIONS; FSDP's preset:
+    the ones FSDP trains) and every rope_scaling comment (gptkit.model.config.ROPE_SCALINGS)."""
+    import re
+
+    from conftest import REPO
+
+    from gptkit.cli import HF_FAMILIES
+    from gptkit.hf import ARCHITECTURES
+    from gptkit.model.config import ROPE_SCALINGS
+    from gptkit.options import yaml_comments
+    from gptkit.precision import PRECISIONS
+
+    def family(name: str) -> str:
+        return re.sub(r"[-_ ]|_text$", "", name.removesuffix("_text").lower())
+
+    assert sorted(family(f) for f in re.split(r", | or ", HF_FAMILIES)) == sorted(map(family, ARCHITECTURES))
+    helps = {verb: " ".join(text.split()) for verb, text in verb_helps().items()}
+    for verb in ("", "export", "import"):
+        assert HF_FAMILIES in helps[verb], verb
+    assert "Qwen2/3" not in " ".join(helps.values())
+    # conf/'s comments, which the helps print
+    precisions, scalings = [], []
+    for path in sorted((REPO / "conf").rglob("*.yaml")):
+        for key, comment in yaml_comments(path.read_text()).items():
+            if key.split(".")[-1] == "precision" and listed(comment):
+                fsdp = path.name == "fsdp.yaml"
+                want = [p.name for p in PRECISIONS.values() if p.fsdp or not fsdp]
+                precisions.append((path.name, listed(comment), want))
+            if key.split(".")[-1] == "rope_scaling" and listed(comment):
+                scalings.append((path.name, listed(comment), list(ROPE_SCALINGS)))
+    assert len(precisions) >= 3 and len(scalings) >= 2
+    assert [p for p in precisions + scalings if p[1] != p[2]] == []
+    train = helps["train"]
+    assert " | ".join(PRECISIONS) in train and " | ".join(ROPE_SCALINGS) in train
