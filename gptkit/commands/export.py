@@ -89,8 +89,11 @@ def run(cfg) -> int:
             file=sys.stderr,
         )
     elif not done.has_eos:
+        # a chat run's end of a turn is still a stop (generation_config.json's eos_token_id, said above)
+        stops = "at the end of a turn or " if done.stop_ids else ""
         print(
-            "note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
+            f"note: the tokenizer has no end-of-text token, so generate() will stop only {stops}at "
+            "max_new_tokens",
             file=sys.stderr,
         )
     if arch in hf.ROPE_ARCHITECTURES and done.model_cfg.dropout > 0:

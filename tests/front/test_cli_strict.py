@@ -449,3 +449,39 @@ def test_the_entry_point_ends_at_once_after_a_one_line_error_its_atexit_handlers
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 2 and r.stderr.startswith("error: model=nope is not a preset"), r.stderr
     assert r.stdout.split() == ["atexit", "ran"], r.stdout
+
+
+def test_a_chat_export_without_an_end_of_text_token_says_one_thing_of_where_generate_stops(tmp_path, capsys):
+    """Issue 47 item 10: the export said "generate() stops at <|im_end|>", then "will stop only at
+    max_new_tokens"; generation_config.json stops at the end of a turn."""
+    import json
+
+    from gptkit import chat_templates as templates
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer([])
+    t = templates.resolve_template("chatml", None)
+    templates.add_special_tokens(tok, t)
+    model = GPT(
+        ModelConfig(
+            vocab_size=tok.get_vocab_size(),
+            max_seq_len=32,
+            n_layers=1,
+            n_heads=2,
+            d_model=16,
+            position="rope",
+            mlp="swiglu",
+            norm="rmsnorm",
+            bias=False,
+        )
+    )
+    run = write_run_folder(tmp_path / "run", {"tokenizer": {}}, model, tok)
+    (run / templates.CHAT_FILE).write_text(t.to_json())
+    code, out, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf'}")
+    end = tok.token_to_id("<|im_end|>")
+    assert code == 0, err
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == end
+    assert "generate() stops at <|im_end|>" in out
+    assert "will stop only at the end of a turn or at max_new_tokens" in err
