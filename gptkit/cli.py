@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+from gptkit.extras import pip
+
 VERB_ENV = "GPTKIT_VERB"
 
 
@@ -43,6 +45,11 @@ class Verb:
     # options whose values are taken literally (prompt text)
     verbatim: tuple[str, ...] = ()
 
+
+# the transformers families export and import map, as the helps name them: one per model_type of
+# gptkit.hf.ARCHITECTURES (not imported here: gptkit.hf imports torch, 2.5 s of CPU for `gptkit --help`;
+# tests/front/test_cli.py keeps the two equal)
+HF_FAMILIES = "Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo-2, OLMoE, Gemma 2, Gemma 3 or GPT-2"
 
 VERBS: dict[str, Verb] = {
     "train": Verb(
@@ -68,7 +75,7 @@ VERBS: dict[str, Verb] = {
         "serve",
         "serve",
         "an OpenAI-compatible HTTP server for a run: chat and text completions, streaming, continuous "
-        "batching, a chat page",
+        f"batching, a chat page (needs the serve extra: {pip('serve')})",
     ),
     "eval": Verb(
         "eval",
@@ -93,14 +100,12 @@ VERBS: dict[str, Verb] = {
     "export": Verb(
         "export",
         "export",
-        "write a run as a transformers folder (Llama, Qwen2/3, OLMo-2 "
-        "or GPT-2) that AutoModelForCausalLM loads",
+        f"write a run as a transformers folder ({HF_FAMILIES}) that AutoModelForCausalLM loads",
     ),
     "import": Verb(
         "import_hf",
         "import",
-        "read a transformers Llama, Qwen2/3, OLMo-2 or GPT-2 model (local "
-        "folder or Hub id) into a gptkit run folder",
+        f"read a transformers model ({HF_FAMILIES}; a local folder or a Hub id) into a gptkit run folder",
     ),
     "plot": Verb("plot", "plot", "draw <run>/loss.png (train and val loss) from the run's metrics.csv"),
     "preflight": Verb(
@@ -226,6 +231,9 @@ def _optional_groups(config_name: str) -> list[str]:
     defaults = yaml.safe_load((conf_dir() / f"{config_name}.yaml").read_text()).get("defaults") or []
     found = []
     for entry in defaults:
+        # a config the verb's is built on (verify's `- train`): its groups too
+        if isinstance(entry, str) and entry != "_self_" and (conf_dir() / f"{entry}.yaml").is_file():
+            found += [g for g in _optional_groups(entry) if g not in found]
         if isinstance(entry, dict):
             for key, value in entry.items():
                 name = str(key).removeprefix("optional ").strip()
@@ -243,21 +251,28 @@ def _report(exc: Exception) -> int:
     # `gptkit ... | head`: the reader left; nothing to report
     if isinstance(exc, BrokenPipeError):
         return 0
+    from gptkit.extras import missing_extra
     from gptkit.fsio import disk_full_error, human_bytes, is_disk_full
-    from gptkit.training.memory import available_memory, is_cpu_out_of_memory
 
+    # an optional package imported at the top of a module: the line that names its pip install
+    exc = missing_extra(exc, f"gptkit {os.environ.get(VERB_ENV) or 'this command'} needs") or exc
     # a write no one anticipated: still one line
     if is_disk_full(exc) and not isinstance(exc, GptkitError):
         exc = disk_full_error(getattr(exc, "filename", None), None, exc)
-    # outside training (sample, eval, export of a model too large for the host)
-    if is_cpu_out_of_memory(exc):
-        asked = re.search(r"allocate (\d+) bytes", str(exc))
-        exc = GptkitError(
-            "out of memory on the "
-            f"CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
-            f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or "
-            f"batch, or a machine with more memory (count-params shows a model's memory)"
-        )
+    # outside training (sample, eval, export of a model too large for the host). Only torch's allocator
+    # fails this way, so with torch not loaded there is nothing to look for: gptkit.training.memory imports
+    # the fine-tunes, and with them torch (2.6 s of CPU measured on a refused config, issue 47 item 12)
+    if "torch" in sys.modules:
+        from gptkit.training.memory import available_memory, is_cpu_out_of_memory
+
+        if is_cpu_out_of_memory(exc):
+            asked = re.search(r"allocate (\d+) bytes", str(exc))
+            exc = GptkitError(
+                "out of memory on the "
+                f"CPU{f' allocating {human_bytes(int(asked.group(1)))}' if asked else ''}"
+                f" ({human_bytes(available_memory() or 0)} is available); use a smaller model or "
+                f"batch, or a machine with more memory (count-params shows a model's memory)"
+            )
     if isinstance(exc, GptkitError) or _is_config_error(exc):
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
@@ -383,7 +398,34 @@ def _skip_transformers_in_torchmetrics() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = list(sys.argv[1:] if argv is None else argv)
+    """The CLI. As the process's entry point (argv None: the `gptkit` script, python -m gptkit), a failure
+    that printed its one line ends the process at once: the atexit handlers run (a run folder's lock and an
+    unused folder are removed), then os._exit skips the interpreter's teardown of torch and Lightning,
+    1.2 s of CPU after the line was printed (measured on a refused `train trainer.precision=`, issue 47)."""
+    if argv is not None:
+        return _main(list(argv))
+    try:
+        rc = _main(sys.argv[1:])
+    except SystemExit as exc:
+        rc = exc.code
+    if rc in (1, 2):
+        _exit_now(rc)
+    return rc
+
+
+def _exit_now(rc: int) -> None:
+    import atexit
+
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
+
+
+def _main(args: list[str]) -> int:
     try:
         if not args or args[0] in ("-h", "--help", "help"):
             print(_usage())

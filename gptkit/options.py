@@ -434,6 +434,14 @@ def _split_comment(rest: str) -> tuple[str, str | None, int]:
     return rest.rstrip(), None, -1
 
 
+def _continues(lines: list[str], i: int, key_indent: int) -> bool:
+    """Whether comment line i, under a key's inline comment but not in its column, continues it: it stands
+    deeper than both that key and the next key (a comment in the next key's column is that key's)."""
+    col = len(lines[i]) - len(lines[i].lstrip())
+    following = next((ln for ln in lines[i + 1 :] if ln.strip() and not ln.strip().startswith("#")), "")
+    return col > key_indent and col > len(following) - len(following.lstrip())
+
+
 def yaml_comments(text: str, root: str = "") -> dict[str, str]:
     """{dotted key: its comment} of a block-style YAML file: the comment on the key's line (with the comment
     lines under it that start in the same column: its continuation), else the comment lines just above it.
@@ -443,18 +451,19 @@ def yaml_comments(text: str, root: str = "") -> dict[str, str]:
     stack: list[tuple[int, str]] = []
     # comment lines waiting for the key below them
     above: list[str] = []
-    # (dotted key, column of its inline comment) that may continue
-    last: tuple[str, int] | None = None
+    # (dotted key, column of its inline comment, the key's indent) that may continue
+    last: tuple[str, int, int] | None = None
     # still in the comment block at the top of the file
     header = True
-    for line in text.splitlines():
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
         body = line.strip()
         if not body:
             above, last, header = [], None, False
             continue
         if body.startswith("#"):
             col = len(line) - len(line.lstrip())
-            if last is not None and col == last[1]:
+            if last is not None and (col == last[1] or _continues(lines, i, last[2])):
                 out[last[0]] += " " + body[1:].strip()
             elif not header and not body.startswith("# @package"):
                 above.append(body[1:].strip())
@@ -474,7 +483,7 @@ def yaml_comments(text: str, root: str = "") -> dict[str, str]:
         last = None
         if comment:
             out[dotted] = comment
-            last = (dotted, indent + len(key) + 1 + col)
+            last = (dotted, indent + len(key) + 1 + col, indent)
         elif above:
             out[dotted] = " ".join(above)
         above = []

@@ -28,6 +28,7 @@ import logging
 from typing import Any
 
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.extras import TORCHAO_PIN, pip, require
 
 # torch and torchao are imported inside the functions: gptkit.accounting (count-params, which the CLI runs
 # without importing torch) reads the tables and block sizes here.
@@ -63,20 +64,12 @@ NF4_CODEBOOK = (
 # 1M-value chunk makes 64 MiB of them in bf16, more than a 100M-parameter NF4 base's largest weights; 64K
 # values: 4 MiB, at 1.3x the time, measured on a [2048, 768] bf16 weight)
 NF4_CHUNK = 16384
-# the version the `quant` extra pins (pyproject.toml), named in the errors
-TORCHAO_PIN = "0.18.0"
-INSTALL = f"pip install 'gptkit[quant]' (torchao=={TORCHAO_PIN})"
 
 
 def require_torchao() -> None:
-    """torchao is installed (found, not imported: its import costs ~3 s), else one line naming the extra."""
-    import importlib.util
-
-    if importlib.util.find_spec("torchao") is None:
-        raise GptkitError(_MISSING)
-
-
-_MISSING = f"quantized weights (finetune=qlora, quantize=) need torchao, which is not installed: {INSTALL}"
+    """torchao is installed (found, not imported: its import costs ~3 s), else one line naming the extra
+    (gptkit.extras)."""
+    require("quant", load=False)
 
 
 def torchao():
@@ -86,10 +79,8 @@ def torchao():
     import warnings
 
     with _quiet("torchao", "torch.utils._pytree"):
-        try:
-            import torchao as ao
-        except ImportError as exc:
-            raise GptkitError(_MISSING) from exc
+        require("quant")
+        import torchao as ao
     warnings.filterwarnings("ignore", message=r"NF4Tensor does not implement _stable_hash_for_caching")
     return ao
 
@@ -103,7 +94,7 @@ def _nf4_module():
     except ImportError as exc:
         raise GptkitError(
             f"torchao {getattr(ao, '__version__', '?')} has no NF4Tensor where {TORCHAO_PIN} keeps it; "
-            f"install the pinned version: {INSTALL}"
+            f"install the pinned version: {pip('quant')}"
         ) from exc
     return nf4_tensor
 

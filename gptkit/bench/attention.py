@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.extras import pip
 from gptkit.fsio import atomic_write_text
 
 MODES = ("fwd", "bwd", "fwd+bwd")
@@ -281,7 +282,8 @@ def environment(cpu: bool = False) -> dict:
     }
 
 
-TRITON_MISSING = 'Triton is not installed (pip install -e ".[triton]")'
+# what the rows left out say (gptkit.extras has the install command)
+TRITON_MISSING = f"triton is not installed: {pip('triton')}"
 
 
 def triton_version() -> str | None:
@@ -306,7 +308,7 @@ def _check_device(cfg) -> None:
             )
         if "triton" in cfg.backends:
             if triton_version() is None:
-                raise GptkitError(f"the triton row needs Triton: {TRITON_MISSING}")
+                raise GptkitError(f"the triton row needs Triton, and {TRITON_MISSING}")
             from gptkit_kernels import interpreting
 
             if not interpreting():
@@ -322,7 +324,9 @@ def _check_device(cfg) -> None:
         )
     # every backend is timed with triton's do_bench
     if triton_version() is None:
-        raise GptkitError(f"gptkit bench attention times every backend with triton.testing: {TRITON_MISSING}")
+        raise GptkitError(
+            f"gptkit bench attention times every backend with triton.testing, and {TRITON_MISSING}"
+        )
     from gptkit_kernels import interpreting
 
     if interpreting():

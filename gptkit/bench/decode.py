@@ -39,6 +39,7 @@ from gptkit.bench import quantized
 from gptkit.conf_tree import conf_dir, presets
 from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import ConfigError
+from gptkit.extras import MissingExtra, require
 from gptkit.generate import generate
 from gptkit.hf import to_transformers
 from gptkit.model import GPT, KVCache, ModelConfig
@@ -234,14 +235,7 @@ def _console():
 
 
 def _need_transformers():
-    try:
-        import transformers  # noqa: F401
-    except ImportError as exc:
-        raise ConfigError(
-            "the transformers side needs transformers (pip install gptkit[test]); "
-            "or set bench.hf=false (CPU) / drop it from bench.cuda.sides"
-        ) from exc
-
+    require("transformers", "the transformers side (bench.hf=true; bench.hf=false measures without it) needs")
     return to_transformers
 
 
@@ -407,7 +401,7 @@ def run_cuda(cfg, device) -> dict:
         try:
             to_transformers = _need_transformers()
         # a GPU machine without transformers still measures gptkit's sides
-        except ConfigError:
+        except MissingExtra:
             sides = [s for s in sides if not s.startswith("transformers")]
             con.print("note: transformers is not installed here: its sides are skipped")
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)

@@ -38,6 +38,7 @@ from rich.table import Table
 
 from gptkit.bench.decode import _console, build_model
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.extras import require
 from gptkit.generate import generate
 from gptkit.hf import to_transformers
 from gptkit.inference.batcher import SamplingParams, generate_many
@@ -285,12 +286,7 @@ def run(cfg) -> int:
             f"({model.cfg.max_seq_len})"
         )
     if cfg.hf:
-        try:
-            import transformers  # noqa: F401
-        except ImportError as exc:
-            raise ConfigError(
-                "bench.hf=true needs transformers (pip install gptkit[test]); or bench.hf=false"
-            ) from exc
+        require("transformers", "bench.hf=true (bench.hf=false measures without it) needs")
     g = torch.Generator().manual_seed(0)
     prompts = [
         torch.randint(

@@ -45,11 +45,18 @@ def run(cfg) -> int:
     """The benchmark's own run(), then one line on stderr: its wall and CPU seconds, and the machine's load
     before and after it (gptkit/bench/measure.py)."""
     from gptkit.errors import ConfigError
+    from gptkit.extras import missing_extra
 
     what = cfg.bench.name
     try:
         mod = importlib.import_module(f"gptkit.bench.{what}")
     except ModuleNotFoundError as exc:
+        # a benchmark that is there, missing a package it imports: that package's line (gptkit.extras)
+        if exc.name != f"gptkit.bench.{what}":
+            extra = missing_extra(exc, f"gptkit bench {what} needs")
+            if extra is None:
+                raise
+            raise extra from None
         raise ConfigError(f"no benchmark named {what!r}") from exc
     from gptkit.bench.measure import Usage
 

@@ -7,8 +7,12 @@ tokenizer_config.json's chat_template and chat_template.jinja, and generation_co
 lists the end-of-turn token before the end-of-text token, so transformers (and vLLM, llama.cpp) format a
 conversation as it was trained and stop at the end of a turn.
 
-RoPE + SwiGLU + RMSNorm models become Llama; learned positions + GELU + LayerNorm (with biases)
-become GPT-2. Any other combination is refused, naming the variant that does not map.
+Each model becomes the transformers architecture of its family: RoPE + SwiGLU + RMSNorm become Llama (with
+a sliding window in every layer: Mistral; biases on q/k/v only: Qwen2; qk_norm=head: Qwen3; qk_norm=full
+with post norms: OLMo-2), GeGLU with Gemma's norms Gemma 2 (no qk_norm) or Gemma 3 (qk_norm=head), a
+mixture of experts Mixtral, Qwen3-MoE or OLMoE (by its qk_norm), and learned positions + GELU + LayerNorm
+(with biases) GPT-2 (the mapping: docs/hf.md). Any other combination is refused, naming the variant that
+does not map.
 
 A LoRA run (finetune=lora) exports its base with the adapters merged (W + alpha/rank * B @ A); with
 adapters=true, only the adapters, as a PEFT adapter folder (adapter_config.json, adapter_model.safetensors)
@@ -85,8 +89,11 @@ def run(cfg) -> int:
             file=sys.stderr,
         )
     elif not done.has_eos:
+        # a chat run's end of a turn is still a stop (generation_config.json's eos_token_id, said above)
+        stops = "at the end of a turn or " if done.stop_ids else ""
         print(
-            "note: the tokenizer has no end-of-text token, so generate() will stop only at max_new_tokens",
+            f"note: the tokenizer has no end-of-text token, so generate() will stop only {stops}at "
+            "max_new_tokens",
             file=sys.stderr,
         )
     if arch in hf.ROPE_ARCHITECTURES and done.model_cfg.dropout > 0:

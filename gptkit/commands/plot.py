@@ -1,4 +1,5 @@
-"""Training writes loss.png at the end; this redraws it on demand (for example while a run is going).
+"""Training redraws loss.png at every validation and at the end; this draws it on demand from the run's
+metrics.csv (a run trained without validation, or one whose drawing failed).
 
 Example:
   gptkit plot run=runs/my-run

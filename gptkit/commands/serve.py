@@ -8,6 +8,9 @@ Examples:
   gptkit serve run=runs/sft port=0 max_batch=32
   gptkit serve run=runs/sft quantize=int8      # weight-only int8 through torchao (gptkit[quant])
   GPTKIT_API_KEY=secret gptkit serve run=runs/sft host=0.0.0.0 port=8080
+
+Needs the `serve` extra (Starlette and uvicorn): pip install 'gptkit[serve]'; quantize= needs the `quant`
+extra: pip install 'gptkit[quant]'.
 """
 
 from __future__ import annotations
@@ -21,6 +24,10 @@ API_KEY_ENV = "GPTKIT_API_KEY"
 
 
 def run(cfg) -> int:
+    from gptkit.extras import require
+
+    # before the server's modules import them: a missing one is the line that names the extra
+    require("serve")
     from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError
     from gptkit.runs import resolve_device

@@ -26,11 +26,11 @@ from tqdm import tqdm
 
 from gptkit import hub
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.extras import require
 from gptkit.fsio import atomic_write_text
 
 # lm-eval (optional: gptkit[eval]) and datasets are imported where tasks run.
 
-INSTALL = 'pip install "gptkit[eval]"'
 # where a task named by its name comes from
 REGISTRY = "lm-eval's registry"
 OFFLINE_HINT = (
@@ -40,13 +40,8 @@ OFFLINE_HINT = (
 
 
 def require_lm_eval() -> None:
-    """One line naming the install command when lm-eval cannot be imported."""
-    try:
-        import lm_eval  # noqa: F401
-    except ImportError as exc:
-        raise GptkitError(
-            f"tasks= runs lm-eval tasks and lm-eval cannot be imported ({exc}): {INSTALL}"
-        ) from None
+    """One line naming the install command when lm-eval cannot be imported (gptkit.extras)."""
+    require("eval")
 
 
 def parse_tasks(value: Any) -> list[str]:
@@ -611,14 +606,21 @@ def check_limit(limit: Any) -> int | float | None:
 
 
 def check_out(out: Any) -> Path | None:
-    """out= names a results file (not a folder) whose folder exists; checked before anything runs."""
+    """out= names a results file (not a folder) whose folder exists or can be made (write_results makes it);
+    checked before anything runs."""
     if out is None:
         return None
     path = Path(str(out)).expanduser()
     if path.is_dir():
         raise ConfigError(f"out={out} is a folder; give a file name (e.g. out={path / 'results.json'})")
-    if not path.parent.is_dir():
-        raise ConfigError(f"out={out}: the folder {path.parent} does not exist")
+    # the nearest folder that exists: the results' folder is made in it
+    above = path.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise ConfigError(f"out={out}: {above} is a file, not a folder")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ConfigError(f"out={out}: {above} is not a writable folder")
     return path
 
 
@@ -667,6 +669,7 @@ def write_results(
     tasks = list(dict.fromkeys(r["task"] for r in rows)) or list(results.get("results") or {})
     if out is not None:
         path = check_out(out)
+        path.parent.mkdir(parents=True, exist_ok=True)
         doc = {**common, "tasks": [one(t) for t in tasks]}
         atomic_write_text(path, json.dumps(doc, indent=2, default=str) + "\n")
         return [path]

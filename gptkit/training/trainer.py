@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import shutil
 from pathlib import Path
@@ -16,6 +15,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision
 from gptkit.checkpoints import CHECKPOINT_DIR
 from gptkit.conf_tree import count
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.extras import require
 from gptkit.runs import TOKENIZER_FILE
 from gptkit.threads import check_threads
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
@@ -36,10 +36,8 @@ from gptkit.training.watch import ValidationWatch
 
 # wandb and the tensorboard logger are imported on use: optional packages (check_loggers says which).
 
-LOGGER_PACKAGES = {
-    "tensorboard": ("tensorboard", "pip install 'gptkit[tensorboard]' (or pip install tensorboard)"),
-    "wandb": ("wandb", "pip install wandb"),
-}
+# the loggers whose package is optional: each is a row of gptkit.extras.EXTRAS
+LOGGER_PACKAGES = ("tensorboard", "wandb")
 
 
 def check_loggers(logger_cfg: Any) -> None:
@@ -48,14 +46,8 @@ def check_loggers(logger_cfg: Any) -> None:
         if kind not in ("csv", *LOGGER_PACKAGES):
             raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
         if kind in LOGGER_PACKAGES and (opts or {}).get("enabled", True):
-            package, install = LOGGER_PACKAGES[kind]
-            # an import, not find_spec: a broken install fails here too, not after the data is prepared
-            try:
-                importlib.import_module(package)
-            except ImportError as e:
-                raise ConfigError(
-                    f"logger={kind} needs the {package} package, which cannot be imported ({e}): {install}"
-                ) from None
+            # an import, not a look-up: a broken install fails here too, not after the data is prepared
+            require(kind)
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:

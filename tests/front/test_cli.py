@@ -1,6 +1,7 @@
 """The CLI as a user meets it: verbs, help, count-params, one-line errors."""
 
 import json
+import sys
 
 import pytest
 
@@ -110,6 +111,9 @@ def test_verb_help_lists_groups_that_are_unchosen_by_default(cli):
     groups = [line.strip() for line in cli("train", "--help").stdout.splitlines()]
     assert any(line.startswith("experiment: ") and "shakespeare-char" in line for line in groups)
     assert "data: chat, files, hub" in cli("eval", "--help").stdout
+    # verify's config is train's (`- train` in its defaults list): train's unchosen groups too
+    verify = [line.strip() for line in cli("verify", "--help").stdout.splitlines()]
+    assert any(line.startswith("experiment: ") and "sft-tiny" in line for line in verify)
 
 
 def test_the_verb_table_is_the_commands_folder():
@@ -144,3 +148,167 @@ def test_flags_are_one_line_naming_the_key_value_spelling(capsys, args, message)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+# ---- issue 47 item 9: a missing optional package is one line naming its pip install ----------------------
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    from conftest import make_run
+
+    d, _, _ = make_run(tmp_path_factory.mktemp("extras"), max_seq_len=64)
+    return d
+
+
+@pytest.mark.parametrize(
+    "blocked, args, line",
+    [
+        (["starlette"], ["serve", "run=runs/none"], "gptkit serve needs starlette, which"),
+        (["uvicorn"], ["serve", "run=runs/none"], "gptkit serve needs uvicorn, which"),
+        (["lm_eval"], ["eval", "run={run}", "tasks=tests/evals", "progress=false"], "needs lm_eval, which"),
+        (["torchao"], ["sample", "run={run}", "quantize=int8", "prompt=a"], "need torchao, which"),
+        (
+            ["tensorboard"],
+            ["train", "logger=[csv,tensorboard]", "runs_dir={tmp}"],
+            "logger=tensorboard needs",
+        ),
+        (["wandb"], ["train", "logger=[wandb]", "runs_dir={tmp}"], "logger=wandb needs wandb, which"),
+        (
+            ["triton"],
+            ["bench", "attention", "bench.device=cpu", "bench.backends=[sdpa,triton]"],
+            "the triton row needs Triton, and triton is not installed",
+        ),
+        (["transformers"], ["bench", "sample", "bench.hf=true"], "the transformers side"),
+        # imported at the top of a module (no require before it): the CLI's report names the extra too
+        (
+            ["lm_eval", "gptkit.bench.evals", "gptkit.evaluation.lm_eval_adapter"],
+            ["bench", "evals"],
+            "gptkit bench evals needs lm_eval, which",
+        ),
+    ],
+)
+def test_a_missing_optional_package_is_one_line_naming_its_pip_install(
+    capsys, monkeypatch, tmp_path, tiny_run, blocked, args, line
+):
+    from conftest import run_main
+
+    from gptkit.extras import EXTRAS
+
+    for name in blocked:
+        # gptkit's own modules are imported again, the optional package is unimportable
+        if name.startswith("gptkit."):
+            monkeypatch.delitem(sys.modules, name, raising=False)
+        else:
+            monkeypatch.setitem(sys.modules, name, None)
+    args = [a.format(run=tiny_run, tmp=tmp_path) for a in args]
+    code, out, err = run_main(capsys, *args)
+    pip = next(row.pip for row in EXTRAS.values() if blocked[0] in row.modules)
+    assert code == 2 and err.startswith("error: ") and err.count("\n") == 1, (code, err)
+    assert line in err and err.rstrip().endswith(f": {pip}"), err
+
+
+def test_the_extras_table_is_pyprojects():
+    """Every extra of pyproject.toml but the test one is a row of gptkit.extras.EXTRAS whose pip command
+    installs it, and its pinned versions are the ones the table names."""
+    import tomllib
+
+    from conftest import REPO
+
+    from gptkit.extras import EXTRAS, TORCHAO_PIN
+
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    for name in set(extras) - {"test"}:
+        assert EXTRAS[name].pip.startswith(f"pip install 'gptkit[{name}]'"), name
+    assert f"torchao=={TORCHAO_PIN}" in extras["quant"]
+    assert {m for row in EXTRAS.values() for m in row.modules} >= {
+        "starlette",
+        "uvicorn",
+        "lm_eval",
+        "torchao",
+    }
+
+
+def test_serve_help_names_its_extra(cli):
+    for args in (["serve", "--help"], ["--help"]):
+        assert "pip install 'gptkit[serve]'" in " ".join(cli(*args).stdout.split()), args
+
+
+# ---- issue 47 item 10: the helps say what the code does -----------------------------------------------
+def verb_helps() -> dict[str, str]:
+    """`gptkit <verb> --help` of every verb (the bench ones: bench's own line), and `gptkit --help`."""
+    import contextlib
+    import io
+
+    from gptkit.cli import VERBS, _show_help, _usage
+
+    helps = {"": _usage()}
+    for verb, v in VERBS.items():
+        if v.positional == v.config:
+            continue
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            _show_help(verb, [])
+        helps[verb] = out.getvalue()
+    return helps
+
+
+def test_no_help_comment_stops_mid_sentence():
+    """A conf/ comment continued on lines under the key (not in its column) is read whole: the
+    special_tokens_in_content comments of train, chat and serve ended at "is its text," before."""
+    import re
+
+    cut = []
+    for verb, text in verb_helps().items():
+        for line in text.splitlines():
+            comment = line.split("  # ", 1)[1].rstrip() if "  # " in line else ""
+            if re.search(r"[,|(:;]$|\b(or|and|the|a|of|to|is)$", comment):
+                cut.append(f"{verb}: {line.strip()}")
+    assert cut == []
+    for verb in ("train", "chat", "serve", "sample"):
+        said = [ln for ln in verb_helps()[verb].splitlines() if ln.strip().startswith("special_tokens_in")]
+        assert said and all("allow: it becomes" in ln for ln in said), (verb, said)
+
+
+def listed(comment: str) -> list[str]:
+    """The choices a comment lists as `a | b | c` (a word each, the first after a colon or `type:`)."""
+    import re
+
+    m = re.search(r"([\w.-]+(?: \| [\w.-]+)+)", comment)
+    return m.group(1).split(" | ") if m else []
+
+
+def test_each_help_lists_the_codes_families_precisions_and_rope_scalings():
+    """The lists the helps show are the code's tables: export's and import's transformers families
+    (gptkit.hf.ARCHITECTURES), every precision comment of conf/ (gptkit.precision.PRECISIONS; FSDP's preset:
+    the ones FSDP trains) and every rope_scaling comment (gptkit.model.config.ROPE_SCALINGS)."""
+    import re
+
+    from conftest import REPO
+
+    from gptkit.cli import HF_FAMILIES
+    from gptkit.hf import ARCHITECTURES
+    from gptkit.model.config import ROPE_SCALINGS
+    from gptkit.options import yaml_comments
+    from gptkit.precision import PRECISIONS
+
+    def family(name: str) -> str:
+        return re.sub(r"[-_ ]|_text$", "", name.removesuffix("_text").lower())
+
+    assert sorted(family(f) for f in re.split(r", | or ", HF_FAMILIES)) == sorted(map(family, ARCHITECTURES))
+    helps = {verb: " ".join(text.split()) for verb, text in verb_helps().items()}
+    for verb in ("", "export", "import"):
+        assert HF_FAMILIES in helps[verb], verb
+    assert "Qwen2/3" not in " ".join(helps.values())
+    # conf/'s comments, which the helps print
+    precisions, scalings = [], []
+    for path in sorted((REPO / "conf").rglob("*.yaml")):
+        for key, comment in yaml_comments(path.read_text()).items():
+            if key.split(".")[-1] == "precision" and listed(comment):
+                fsdp = path.name == "fsdp.yaml"
+                want = [p.name for p in PRECISIONS.values() if p.fsdp or not fsdp]
+                precisions.append((path.name, listed(comment), want))
+            if key.split(".")[-1] == "rope_scaling" and listed(comment):
+                scalings.append((path.name, listed(comment), list(ROPE_SCALINGS)))
+    assert len(precisions) >= 3 and len(scalings) >= 2
+    assert [p for p in precisions + scalings if p[1] != p[2]] == []
+    train = helps["train"]
+    assert " | ".join(PRECISIONS) in train and " | ".join(ROPE_SCALINGS) in train

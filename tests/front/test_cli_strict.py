@@ -410,3 +410,78 @@ def test_lightning_through_the_cli_does_not_import_transformers():
         "transformers.GPT2Config().n_head == 12"
     )
     assert _imported_after(code) == {"torch", "lightning", "torchmetrics", "transformers"}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["train", "model=nope"],
+        ["train", "no_such_key=1"],
+        ["train", "model.n_layers=abc"],
+        ["count-params", "model=nope"],
+        ["sample", "no_such_key=1"],
+    ],
+)
+def test_a_refused_config_imports_no_torch(args):
+    """Issue 47 item 12: a config refused before the verb runs is one line without torch or Lightning (the
+    one-line report looked for torch's out-of-memory error through gptkit.training.memory, importing both)."""
+    code = (
+        "from gptkit.cli import main\n"
+        "with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        f"    try:\n        main({args!r})\n    except SystemExit as e:\n        assert e.code == 2, e\n"
+        "assert err.getvalue().startswith('error: ') and err.getvalue().count(chr(10)) == 1, err.getvalue()"
+    )
+    assert _imported_after(code) == set(), args
+
+
+def test_the_entry_point_ends_at_once_after_a_one_line_error_its_atexit_handlers_run():
+    """Issue 47 item 12: after the line is printed the interpreter's teardown (1.2 s of CPU with torch and
+    Lightning loaded) is skipped; the atexit handlers (a run folder's lock) still run."""
+    code = (
+        "import atexit, sys\n"
+        "class Teardown:\n    def __del__(self):\n        print('teardown ran', flush=True)\n"
+        "kept = Teardown()\n"
+        "atexit.register(lambda: print('atexit ran', flush=True))\n"
+        "from gptkit.cli import main\n"
+        "sys.argv = ['gptkit', 'train', 'model=nope']\n"
+        "sys.exit(main())\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 2 and r.stderr.startswith("error: model=nope is not a preset"), r.stderr
+    assert r.stdout.split() == ["atexit", "ran"], r.stdout
+
+
+def test_a_chat_export_without_an_end_of_text_token_says_one_thing_of_where_generate_stops(tmp_path, capsys):
+    """Issue 47 item 10: the export said "generate() stops at <|im_end|>", then "will stop only at
+    max_new_tokens"; generation_config.json stops at the end of a turn."""
+    import json
+
+    from gptkit import chat_templates as templates
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer([])
+    t = templates.resolve_template("chatml", None)
+    templates.add_special_tokens(tok, t)
+    model = GPT(
+        ModelConfig(
+            vocab_size=tok.get_vocab_size(),
+            max_seq_len=32,
+            n_layers=1,
+            n_heads=2,
+            d_model=16,
+            position="rope",
+            mlp="swiglu",
+            norm="rmsnorm",
+            bias=False,
+        )
+    )
+    run = write_run_folder(tmp_path / "run", {"tokenizer": {}}, model, tok)
+    (run / templates.CHAT_FILE).write_text(t.to_json())
+    code, out, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf'}")
+    end = tok.token_to_id("<|im_end|>")
+    assert code == 0, err
+    assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == end
+    assert "generate() stops at <|im_end|>" in out
+    assert "will stop only at the end of a turn or at max_new_tokens" in err

@@ -528,8 +528,8 @@ def test_bench_kernels_without_triton_runs_the_pure_torch_rows_and_names_the_ins
     out = capsys.readouterr().out
     assert "triton not installed" in out.splitlines()[0]
     assert (
-        "what=doc-tiles, kernel, model  note=not measured: Triton is not installed (pip install -e "
-        '".[triton]")'
+        "what=doc-tiles, kernel, model  note=not measured: triton is not installed: "
+        "pip install 'gptkit[triton]'"
     ) in out
 
 

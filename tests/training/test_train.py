@@ -430,15 +430,15 @@ def test_a_logger_can_be_switched_off(tmp_path):
 def test_a_missing_logger_package_is_one_line_before_any_work(tmp_path, monkeypatch):
     import sys
 
-    from gptkit.errors import ConfigError
+    from gptkit.extras import MissingExtra
     from gptkit.training.trainer import check_loggers
 
     # `import tensorboard` raises ImportError
     monkeypatch.setitem(sys.modules, "tensorboard", None)
     with pytest.raises(
-        ConfigError,
-        match=r"logger=tensorboard needs the tensorboard "
-        r"package.*gptkit\[tensorboard\]",
+        MissingExtra,
+        match=r"^logger=tensorboard needs tensorboard, which cannot be imported \(.*\): "
+        r"pip install 'gptkit\[tensorboard\]'$",
     ):
         check_loggers({"csv": {}, "tensorboard": {"enabled": True}})
     # switched off: not needed
