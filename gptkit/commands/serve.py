@@ -44,6 +44,22 @@ def run(cfg) -> int:
         value = cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{key}={value!r} must be an integer >= {low}")
+    if (
+        isinstance(cfg.limit_concurrency, bool)
+        or not isinstance(cfg.limit_concurrency, int)
+        or cfg.limit_concurrency < 1
+    ):
+        raise ConfigError(f"limit_concurrency={cfg.limit_concurrency!r} must be an integer >= 1")
+    timeout = cfg.request_timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ConfigError(f"request_timeout={timeout!r} must be a number of seconds > 0")
+    hosts = cfg.allowed_hosts
+    if isinstance(hosts, str):
+        hosts = [hosts]
+    if hosts is None or not all(isinstance(h, str) and h.strip() for h in hosts):
+        raise ConfigError(
+            f"allowed_hosts={hosts!r} must be a list of host names, e.g. [models.lan] ([*]: any)"
+        )
     if cfg.port > 65535:
         raise ConfigError(f"port={cfg.port} must be at most 65535")
     api_key = cfg.api_key if cfg.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -71,4 +87,7 @@ def run(cfg) -> int:
         api_key=None if api_key is None else str(api_key),
         max_request_bytes=int(cfg.max_request_bytes),
         access_log=bool(cfg.access_log),
+        allowed_hosts=tuple(str(h).strip() for h in hosts),
+        request_timeout=float(timeout),
+        limit_concurrency=int(cfg.limit_concurrency),
     )

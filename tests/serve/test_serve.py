@@ -87,6 +87,8 @@ def server(tmp_path_factory):
         "max_queue=64",
         "max_request_bytes=65536",
         "access_log=false",
+        "allowed_hosts=[models.example]",
+        "request_timeout=60",
     ]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []
@@ -333,7 +335,7 @@ def test_bad_requests_get_openais_error_shape_and_the_server_stays_up(server):
             assert "Traceback" not in r.text
         assert c.get("/v1/completions").status_code == 405
         # JSON with its charset, and the names this server is reached by, pass
-        for host in ("localhost", "127.0.0.1", "[::1]"):
+        for host in ("localhost", "127.0.0.1", "[::1]", "models.example"):
             port = server.url.rsplit(":", 1)[1]
             r = c.post(
                 "/v1/completions",
