@@ -27,6 +27,7 @@ soft-capping kernel: with model.attn_softcap it runs `eager`.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -43,11 +44,19 @@ from gptkit.model.layers import RotaryEmbedding, make_norm
 
 # gptkit_kernels is imported on use: it needs triton (optional); the model runs without it.
 
-# recent torch: FlashAttention over variable-length sequences (CUDA), for packed documents
-try:
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:  # pragma: no cover - older torch: packed documents take a dense mask
-    varlen_attn = None
+
+@functools.cache
+def _varlen_attn():
+    """torch's FlashAttention over variable-length sequences (CUDA, recent torch; None where missing), for
+    packed documents. Imported on first use on a CUDA tensor: torch.nn.attention.varlen imports torch._dynamo,
+    1.4 s of CPU (2.71 s vs 1.29 s for `import torch` alone, torch 2.13 CPU, 2026-12-04) that every process
+    importing the model paid before its first line (sample, export, import, serve)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # pragma: no cover - older torch: packed documents take a dense mask
+        return None
+    return varlen_attn
+
 
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
@@ -260,7 +269,7 @@ def windowed_sdpa(
 def varlen_usable(q: torch.Tensor) -> bool:
     """Whether torch's variable-length FlashAttention (torch.nn.attention.varlen) runs q: fp16/bf16 on a CUDA
     GPU of compute capability >= 8.0 (FlashAttention 2's), head_dim a multiple of 8 up to 256."""
-    if varlen_attn is None or not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16):
+    if not q.is_cuda or q.dtype not in (torch.float16, torch.bfloat16) or _varlen_attn() is None:
         return False
     D = q.shape[-1]
     return D % 8 == 0 and D <= 256 and torch.cuda.get_device_capability(q.device) >= (8, 0)
@@ -279,7 +288,7 @@ def varlen_attention(q, k, v, cu: torch.Tensor, scale=None, window: int | None =
     v_flat = v.transpose(1, 2).reshape(B * T, Hkv, D)
     # T bounds every sequence's length (no host sync for the longest); window (-1, 0) is causal
     left = -1 if window is None else window - 1
-    out = varlen_attn(
+    out = _varlen_attn()(
         q_flat, k_flat, v_flat, cu, cu, T, T, scale=scale, window_size=(left, 0), enable_gqa=Hkv != H
     )  # [B*T, n_heads, D]
     return out.view(B, T, H, D).transpose(1, 2)  # [B, n_heads, T, D]

@@ -90,7 +90,7 @@ def test_sdpa_with_documents_takes_variable_length_flash_attention_where_it_runs
     cut at Documents.cu_seqlens. On the CPU its contract is played by varlen_reference."""
     import gptkit.model.attention as attention
 
-    monkeypatch.setattr(attention, "varlen_attn", varlen_reference)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen_reference)
     monkeypatch.setattr(attention, "varlen_usable", lambda q: True)
     monkeypatch.setattr(Documents, "mask", lambda self, dtype=None: pytest.fail("a mask was built"))
     B, H, Hkv, T, D = 2, 4, 2, 24, 16

@@ -78,7 +78,7 @@ def test_sdpa_window_takes_variable_length_flash_attention_where_it_runs(monkeyp
     sequence, or the packed documents; no mask is built, no chunk run. On the CPU a stand-in plays it."""
     import gptkit.model.attention as attention
 
-    monkeypatch.setattr(attention, "varlen_attn", varlen_window_reference)
+    monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen_window_reference)
     monkeypatch.setattr(attention, "varlen_usable", lambda q: True)
     monkeypatch.setattr(attention, "windowed_sdpa", lambda *a, **kw: pytest.fail("chunks ran"))
     torch.manual_seed(0)
