@@ -39,6 +39,33 @@ REPO = Path(__file__).resolve().parent.parent
 HANG_S = 900
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--long",
+        action="store_true",
+        help="also run the tests marked long (the slowest variants of checks the suite makes once already; "
+        ".ci/long-tests runs them, and .ci/run calls it)",
+    )
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "long: a slow variant of a check the suite already makes; run by .ci/long-tests (--long)"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    """The README's `pytest -n 2 -q` skips the tests marked long, and says so in its summary: each is a
+    further kill point, signal or process layout of a check the suite makes once already, among its slowest
+    tests. `.ci/long-tests` (called by .ci/run) runs them with `--long -m long`."""
+    if config.getoption("--long"):
+        return
+    skip = pytest.mark.skip(reason="long: run by .ci/long-tests (pytest --long)")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
+
+
 DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK")
 
 

@@ -110,13 +110,13 @@ def signalled(tmp_path: Path, argv: list[str], **env: str) -> subprocess.Complet
     "sig, code, when, saved",
     [
         # during step 4, whose validation (val_every=2) would follow: skipped
-        ("SIGINT", 130, {"AT": "4"}, 4),
+        pytest.param("SIGINT", 130, {"AT": "4"}, 4, marks=pytest.mark.long),
         # during step 3: no validation is due, and Lightning's own one at a stop is skipped too
         ("SIGTERM", 143, {"AT": "3"}, 3),
         # during the validation at step 2: it finishes, step 3 is trained and saved, no validation after it
         ("SIGINT", 130, {"IN_VAL": "2"}, 3),
         # during the last step (6, validated at the end)
-        ("SIGTERM", 143, {"AT": "6"}, 6),
+        pytest.param("SIGTERM", 143, {"AT": "6"}, 6, marks=pytest.mark.long),
     ],
 )
 def test_a_signal_saves_the_step_skips_the_validation_and_the_resume_is_exact(
@@ -132,7 +132,7 @@ def test_a_signal_saves_the_step_skips_the_validation_and_the_resume_is_exact(
     "fault, sig, code, saved",
     [
         # GPTKIT_FAULT's signal form: at the end of step 3, before its checkpoint
-        ("step@3:SIGTERM", "SIGTERM", 143, 3),
+        pytest.param("step@3:SIGTERM", "SIGTERM", 143, 3, marks=pytest.mark.long),
         # during the validation at step 4: it finishes, step 5 is saved
         ("validation@2:SIGINT", "SIGINT", 130, 5),
     ],

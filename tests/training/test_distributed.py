@@ -277,6 +277,7 @@ def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory():
     assert r.returncode == 2 and last.startswith("error: preflight failed: training needs"), r.stderr
 
 
+@pytest.mark.long
 def test_compiled_fsdp_resumes_compiled_under_ddp_on_the_same_trajectory(corpus, reference, tmp_path):
     """trainer.compile=true under FSDP2 (2 ranks, stopped at step 3), resumed compiled under DDP (2 ranks):
     the same losses as the eager single process (aot_eager: torch.compile's tracing and autograd, no code

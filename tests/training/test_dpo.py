@@ -336,6 +336,7 @@ def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactl
     ]
 
 
+@pytest.mark.long
 def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight):
     def run(*args):
         r = run_group("-m", "gptkit", "train", *args)

@@ -434,6 +434,7 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
             assert abs(got[s] - want[s]) < 1e-5, (name, s, got[s], want[s])
 
 
+@pytest.mark.long
 def test_muon_trains_the_adapter_factors_resumes_exactly_and_shards_under_fsdp2(base, tmp_path, capsys):
     """optim=muon finetune=lora: Muon orthogonalizes each adapter factor (A [rank, in], B [rows, rank]) and
     nothing else trains. Its momentum is checkpointed with the adapters, so 2 + 2 steps resumed give the 4

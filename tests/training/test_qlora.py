@@ -170,6 +170,7 @@ def test_qlora_trains_resumes_exactly_and_exports_the_base_it_trained_on(base, t
     assert code == 2 and one_line(err) and "continues adapters with qlora.block_size=64" in err, err
 
 
+@pytest.mark.long
 def test_qlora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     """2 CPU processes (gloo), the same global batch: DDP (the NF4 weights neither broadcast nor reduced) and
     FSDP2 (each rank quantizes the full weight and keeps its rows: NF4 shards) log one process's losses; the
