@@ -535,10 +535,10 @@ SIZE_FIELDS = {
 }
 
 
-def check_hf_config(d: dict[str, Any], where: str = "config.json") -> str:
+def check_hf_config(d: dict[str, Any]) -> str:
     """The model_type of config.json `d` when gptkit imports it and its numbers are sane: positive integers
     where sizes go (not 0, 1e9 as a float, true or "32"), the heads dividing as attention needs; else one
-    GptkitError line naming the field (in `where`, the file). Checked before anything is sized by them."""
+    GptkitError line naming the field. Checked before anything is sized by them."""
     mtype = d.get("model_type")
     if mtype not in ARCHITECTURES:
         arch = ", ".join(d.get("architectures") or []) or "no architectures field"
@@ -559,7 +559,7 @@ def check_hf_config(d: dict[str, Any], where: str = "config.json") -> str:
         v = d[field]
         if not whole(v) or v < least:
             what = "a positive integer" if least == 1 else f"an integer >= {least}"
-            raise GptkitError(f"{mtype} {where} has {field}={v!r}; it must be {what}")
+            raise GptkitError(f"{mtype} config.json has {field}={v!r}; it must be {what}")
 
     if mtype == GPT2:
         for field in GPT2_INTS:
@@ -570,14 +570,14 @@ def check_hf_config(d: dict[str, Any], where: str = "config.json") -> str:
         n_embd, n_head = d.get("n_embd", GPT2_INTS["n_embd"]), d.get("n_head", GPT2_INTS["n_head"])
         if n_embd % n_head:
             raise GptkitError(
-                f"{mtype} {where} has n_embd={n_embd}, not divisible by n_head={n_head}: each head "
+                f"{mtype} config.json has n_embd={n_embd}, not divisible by n_head={n_head}: each head "
                 f"needs n_embd / n_head dimensions"
             )
         return mtype
     for field in ROPE_INTS:
         if field not in d or d[field] is None:
             raise GptkitError(
-                f"{mtype} {where} has no {field} (an integer), which gptkit does not guess; add it to "
+                f"{mtype} config.json has no {field} (an integer), which gptkit does not guess; add it to "
                 f"config.json"
             )
         check(field)
@@ -587,12 +587,12 @@ def check_hf_config(d: dict[str, Any], where: str = "config.json") -> str:
     heads, kv = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
     if heads % kv:
         raise GptkitError(
-            f"{mtype} {where} has num_attention_heads={heads}, not divisible by "
+            f"{mtype} config.json has num_attention_heads={heads}, not divisible by "
             f"num_key_value_heads={kv}: each key/value head serves a whole group of query heads"
         )
     if d.get("head_dim") is None and d["hidden_size"] % heads:
         raise GptkitError(
-            f"{mtype} {where} has hidden_size={d['hidden_size']}, not divisible by num_attention_heads="
+            f"{mtype} config.json has hidden_size={d['hidden_size']}, not divisible by num_attention_heads="
             f"{heads}, and no head_dim: each head needs hidden_size / num_attention_heads dimensions"
         )
     return mtype

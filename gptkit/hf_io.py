@@ -480,7 +480,7 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     check_import_out(out, src.dir, force)
 
     hf_cfg = read_hf_config(src.dir)
-    check_hf_config(hf_cfg, str(src.dir / "config.json"))
+    check_hf_config(hf_cfg)
     # the config's sizes against the weights' headers, before anything is sized by them
     shapes, loaded = weight_shapes(src.dir)
     check_weight_sizes(hf_cfg, shapes, str(src.dir))
