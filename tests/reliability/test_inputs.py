@@ -103,3 +103,112 @@ def test_gptkit_cache_as_a_url_is_one_line(tmp_path, monkeypatch, capsys):
         f"error: GPTKIT_CACHE={URL}: URLs (s3://) are not supported yet; give a local path"
     ], err
     assert sorted(os.listdir(tmp_path)) == ["corpus.txt"]
+
+
+# ---- item 8: resume= checks the run's own trainer; trace checks plan.json -------------------------------
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A 2-step moe-tiny run (one process), with plan.json."""
+    from conftest import shakespeare
+
+    from gptkit.cli import main
+
+    d = tmp_path_factory.mktemp("moe")
+    (d / "corpus.txt").write_text(shakespeare(8_000))
+    args = [
+        "train",
+        "model=moe-tiny",
+        "model.n_layers=1",
+        "model.d_model=32",
+        "model.n_heads=2",
+        "model.max_seq_len=32",
+        "model.moe.n_experts=4",
+        "model.moe.d_expert=16",
+        "tokenizer=char",
+        "data=files",
+        f"data.paths=[{d / 'corpus.txt'}]",
+        "trainer.batch_size=2",
+        "trainer.max_steps=2",
+        "trainer.val_every=2",
+        "trainer.val_windows=1",
+        "trainer.progress=false",
+        "trainer.accelerator=cpu",
+        "trainer.precision=32-true",
+        f"runs_dir={d / 'runs'}",
+        "name=moe",
+    ]
+    assert main(args) == 0
+    return d / "runs" / "moe"
+
+
+def test_resume_checks_the_saved_trainer_not_the_command_line_default(moe_run, tmp_path, capsys):
+    """trainer.expert_parallel=2 on resume= of an FSDP run: the check sees the run's trainer=fsdp (its saved
+    config, the command line merged in), so its refusal here is the world of 1 process, not 'needs
+    trainer=fsdp' (what the command line's default trainer said)."""
+    import shutil
+
+    from omegaconf import OmegaConf
+
+    run = tmp_path / "runs" / "moe"
+    shutil.copytree(moe_run, run)
+    saved = OmegaConf.load(run / "config.yaml")
+    assert saved.trainer.strategy != "fsdp"
+    # the run's config is FSDP's (trained as trainer=fsdp: the check stops before any weight is read)
+    saved.trainer.strategy = "fsdp"
+    OmegaConf.save(saved, run / "config.yaml")
+    code, _, err = run_main(capsys, "train", f"resume={run}", "trainer.expert_parallel=2")
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "trainer.expert_parallel=2 must divide the job's 1 process(es)" in lines[0], (
+        err
+    )
+    assert "needs trainer=fsdp" not in err
+
+
+PLAN_EDITS = {
+    "max_steps -5": (lambda inv: inv[0].update(max_steps=-5), "invocations[0].max_steps is -5"),
+    "a string": (lambda inv: inv[0].update(accumulation="2"), "invocations[0].accumulation is '2'"),
+    "zero world": (lambda inv: inv[0].update(world_size=0), "invocations[0].world_size is 0"),
+    "missing": (lambda inv: inv[0].pop("seq_len"), "invocations[0].seq_len is missing"),
+    "a bool": (lambda inv: inv[0].update(seed=True), "invocations[0].seed is True"),
+    "not rising": (lambda inv: inv.append(dict(inv[0])), "invocations[1].from_step=1 does not follow"),
+    "not objects": (lambda inv: inv.__setitem__(0, 7), "invocations[0] is 7, not an object"),
+}
+
+
+@pytest.mark.parametrize("edit", PLAN_EDITS)
+def test_trace_checks_a_hand_edited_plan_json(moe_run, tmp_path, capsys, edit):
+    import json
+    import shutil
+
+    run = tmp_path / "moe"
+    shutil.copytree(moe_run, run)
+    plan = json.loads((run / "plan.json").read_text())
+    change, needle = PLAN_EDITS[edit]
+    change(plan["invocations"])
+    (run / "plan.json").write_text(json.dumps(plan))
+    code, out, err = run_main(capsys, "trace", f"run={run}", "step=1")
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {run / 'plan.json'}: {needle}"), err
+    assert "fix it, or remove the file" in err and out == ""
+
+
+def test_trace_of_a_cut_plan_json_and_of_a_step_before_it_was_written(moe_run, tmp_path, capsys):
+    import json
+    import shutil
+
+    run = tmp_path / "moe"
+    shutil.copytree(moe_run, run)
+    good = json.loads((run / "plan.json").read_text())
+    want = run_main(capsys, "trace", f"run={run}", "step=1", "--json")
+    assert want[0] == 0, want[2]
+    (run / "plan.json").write_text('{"invocations": [{"from_')
+    code, _, err = run_main(capsys, "trace", f"run={run}", "step=1")
+    assert code == 2 and err.count("\n") == 1 and "plan.json: not readable JSON" in err, err
+    # a plan.json that starts at step 2 (a run resumed by a gptkit that writes it): step 1 planned from config
+    good["invocations"][0]["from_step"] = 2
+    (run / "plan.json").write_text(json.dumps(good))
+    code, out, err = run_main(capsys, "trace", f"run={run}", "step=1", "--json")
+    assert code == 0, err
+    assert json.loads(out)["micro_batches"] == json.loads(want[1])["micro_batches"]
