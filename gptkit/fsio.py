@@ -12,6 +12,7 @@ import errno
 import fcntl
 import glob
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -20,8 +21,27 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from gptkit.errors import GptkitError
+from gptkit.errors import ConfigError, GptkitError
 from gptkit.faults import fault_point
+
+# scheme://: what names a place in another store (s3://, gs://, hf://, https://), never a folder here
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def check_local_path(key: str, value: Any) -> None:
+    """A path option's value (a string, or a list of them) names this machine's files: a URL (`s3://bucket/x`)
+    is a one-line ConfigError, never a folder named `s3:` that a user would think is in the bucket."""
+    for v in value if isinstance(value, (list, tuple)) else [value]:
+        m = URL.match(v) if isinstance(v, str) else None
+        if m is None:
+            continue
+        scheme = m.group(1)
+        if key == "init_from" and scheme == "hf":
+            raise ConfigError(
+                f"init_from={v}: write init_from=hf:<owner/name or a transformers folder>, no //"
+            )
+        noun = "folder" if key.rsplit(".", 1)[-1].endswith("dir") else "path"
+        raise ConfigError(f"{key}={v}: URLs ({scheme}://) are not supported yet; give a local {noun}")
 
 
 def _read_umask() -> int:

@@ -505,9 +505,40 @@ def moe_from_hf(d: dict[str, Any], mtype: str) -> tuple[dict[str, Any], int]:
     return moe, d["intermediate_size"]
 
 
-def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
-    """The gptkit ModelConfig equal to a transformers config.json (Llama, Qwen2, Qwen3, OLMo-2 or GPT-2),
-    or a GptkitError."""
+# config.json's integer fields: the RoPE architectures' required ones (never guessed), their optional ones
+# (null or absent: a default), GPT-2's (absent: transformers' default); (field, smallest value)
+ROPE_INTS = (
+    "vocab_size",
+    "max_position_embeddings",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "hidden_size",
+    "intermediate_size",
+)
+OPTIONAL_INTS = (
+    ("num_key_value_heads", 1),
+    ("head_dim", 1),
+    ("sliding_window", 1),
+    ("max_window_layers", 0),
+    ("sliding_window_pattern", 1),
+    ("num_experts", 1),
+    ("num_local_experts", 1),
+    ("num_experts_per_tok", 1),
+    ("moe_intermediate_size", 1),
+    ("decoder_sparse_step", 1),
+)
+GPT2_INTS = {"vocab_size": 50257, "n_positions": 1024, "n_layer": 12, "n_head": 12, "n_embd": 768}
+# (layers, hidden size, vocabulary) as each family names them in config.json
+SIZE_FIELDS = {
+    "rope": ("num_hidden_layers", "hidden_size", "vocab_size"),
+    GPT2: ("n_layer", "n_embd", "vocab_size"),
+}
+
+
+def check_hf_config(d: dict[str, Any]) -> str:
+    """The model_type of config.json `d` when gptkit imports it and its numbers are sane: positive integers
+    where sizes go (not 0, 1e9 as a float, true or "32"), the heads dividing as attention needs; else one
+    GptkitError line naming the field. Checked before anything is sized by them."""
     mtype = d.get("model_type")
     if mtype not in ARCHITECTURES:
         arch = ", ".join(d.get("architectures") or []) or "no architectures field"
@@ -520,6 +551,114 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             f"Qwen3, OLMo-2, Mistral, Gemma 2, Gemma 3 (text), GPT-2, Mixtral, Qwen3-MoE and OLMoE models "
             f"(model_type {', '.join(ARCHITECTURES)})"
         )
+
+    def whole(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def check(field: str, least: int = 1) -> None:
+        v = d[field]
+        if not whole(v) or v < least:
+            what = "a positive integer" if least == 1 else f"an integer >= {least}"
+            raise GptkitError(f"{mtype} config.json has {field}={v!r}; it must be {what}")
+
+    if mtype == GPT2:
+        for field in GPT2_INTS:
+            if field in d:
+                check(field)
+        if d.get("n_inner") is not None:
+            check("n_inner")
+        n_embd, n_head = d.get("n_embd", GPT2_INTS["n_embd"]), d.get("n_head", GPT2_INTS["n_head"])
+        if n_embd % n_head:
+            raise GptkitError(
+                f"{mtype} config.json has n_embd={n_embd}, not divisible by n_head={n_head}: each head "
+                f"needs n_embd / n_head dimensions"
+            )
+        return mtype
+    for field in ROPE_INTS:
+        if field not in d or d[field] is None:
+            raise GptkitError(
+                f"{mtype} config.json has no {field} (an integer), which gptkit does not guess; add it to "
+                f"config.json"
+            )
+        check(field)
+    for field, least in OPTIONAL_INTS:
+        if d.get(field) is not None:
+            check(field, least)
+    heads, kv = d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
+    if heads % kv:
+        raise GptkitError(
+            f"{mtype} config.json has num_attention_heads={heads}, not divisible by "
+            f"num_key_value_heads={kv}: each key/value head serves a whole group of query heads"
+        )
+    if d.get("head_dim") is None and d["hidden_size"] % heads:
+        raise GptkitError(
+            f"{mtype} config.json has hidden_size={d['hidden_size']}, not divisible by num_attention_heads="
+            f"{heads}, and no head_dim: each head needs hidden_size / num_attention_heads dimensions"
+        )
+    return mtype
+
+
+# the layer index in a weight's name: model.layers.<i>. (the RoPE architectures), transformer.h.<i>. (GPT-2)
+LAYER_NAME = re.compile(r"^(?:model\.layers|(?:transformer\.)?h)\.(\d+)\.")
+
+
+def check_weight_sizes(d: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """config.json `d` (check_hf_config passed) against the weights' names and shapes, read from the files'
+    headers before anything is allocated: the layers, hidden size, vocabulary and heads it sets are those the
+    weights hold, else one GptkitError line naming the field and what the weights hold (a config of 10^9
+    layers is refused at once, never built). The full tensor-by-tensor check is from_hf_state_dict's."""
+    mtype = d["model_type"]
+    gpt2 = mtype == GPT2
+    layers_f, hidden_f, vocab_f = SIZE_FIELDS[GPT2 if gpt2 else "rope"]
+
+    def get(field: str) -> int:
+        return d.get(field, GPT2_INTS.get(field)) if gpt2 else d[field]
+
+    def refuse(field: str, held: str) -> GptkitError:
+        return GptkitError(
+            f"{source} does not match its config.json: {field}={get(field):,}, but the weights hold {held}"
+        )
+
+    if gpt2:
+        shapes = {
+            k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v
+            for k, v in shapes.items()
+        }
+    held = {int(m.group(1)) for k in shapes if (m := LAYER_NAME.match(k))}
+    if len(held) != get(layers_f):
+        prefix = "transformer.h." if gpt2 else "model.layers."
+        where = f"{prefix}0 .. {prefix}{max(held)}" if held else ""
+        raise refuse(layers_f, f"{len(held):,} layers ({where})" if held else "no layers")
+    emb = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
+    if emb not in shapes or len(shapes[emb]) != 2:
+        raise GptkitError(f"{source} does not match its config.json: it has no 2-D {emb} (the embedding)")
+    rows, width = shapes[emb]
+    if width != get(hidden_f):
+        raise refuse(hidden_f, f"{width:,} ({emb} has shape {tuple(shapes[emb])})")
+    if rows != get(vocab_f):
+        raise refuse(vocab_f, f"{rows:,} tokens ({emb} has shape {tuple(shapes[emb])})")
+    if gpt2:
+        # c_attn is [n_embd, 3 * n_embd] whatever n_head is: the weights cannot tell the heads
+        return
+    head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    kv = d.get("num_key_value_heads") or d["num_attention_heads"]
+    for proj, field, n in (
+        ("q_proj", "num_attention_heads", d["num_attention_heads"]),
+        ("k_proj", "num_key_value_heads", kv),
+    ):
+        name = f"model.layers.0.self_attn.{proj}.weight"
+        if name in shapes and shapes[name][0] != n * head_dim:
+            need = f"{field}={n} x head_dim={head_dim} = {n * head_dim} rows"
+            raise GptkitError(
+                f"{source} does not match its config.json: {need}, but {name} has shape "
+                f"{tuple(shapes[name])} ({shapes[name][0]} rows)"
+            )
+
+
+def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
+    """The gptkit ModelConfig equal to a transformers config.json (Llama, Qwen2, Qwen3, OLMo-2 or GPT-2),
+    or a GptkitError."""
+    mtype = check_hf_config(d)
 
     def refuse(field: str, value: Any, want: str) -> GptkitError:
         return GptkitError(f"{mtype} config has {field}={value!r}, which gptkit cannot represent ({want})")
@@ -561,23 +700,6 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
             if mtype != QWEN2 and attn_bias:
                 raise refuse("attention_bias", True, "biases on q/k/v/o without MLP biases")
             variant = dict(ROPE_VARIANTS[mtype])
-        missing = [
-            k
-            for k in (
-                "vocab_size",
-                "max_position_embeddings",
-                "num_hidden_layers",
-                "num_attention_heads",
-                "hidden_size",
-                "intermediate_size",
-            )
-            if not isinstance(d.get(k), int)
-        ]
-        if missing:
-            raise GptkitError(
-                f"{mtype} config.json has no {missing[0]} (an integer), which gptkit does not "
-                f"guess; add it to config.json"
-            )
         window, layer_types = windows_from_hf(d, mtype, refuse)
         if gemma:
             variant |= {

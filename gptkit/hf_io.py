@@ -21,7 +21,15 @@ from gptkit import hub
 from gptkit.chat_templates import CHAT_FILE, ChatTemplate, reply_stop_ids, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
-from gptkit.hf import from_hf_state_dict, heads_confirmed, hf_config, model_config_from_hf, to_hf_state_dict
+from gptkit.hf import (
+    check_hf_config,
+    check_weight_sizes,
+    from_hf_state_dict,
+    heads_confirmed,
+    hf_config,
+    model_config_from_hf,
+    to_hf_state_dict,
+)
 from gptkit.model import GPT
 from gptkit.runs import (
     IMPORTED_FILE,
@@ -112,25 +120,61 @@ def load_weights(hf_dir: Path) -> dict[str, Any]:
             raise GptkitError(f"{f} does not hold a state dict")
         return obj
 
-    for single, index, load in ((SAFE_SINGLE, SAFE_INDEX, safe), (BIN_SINGLE, BIN_INDEX, pickle)):
+    files, is_safe = weight_files(hf_dir)
+    state: dict[str, Any] = {}
+    for f in files:
+        state.update((safe if is_safe else pickle)(f))
+    return state
+
+
+def weight_files(hf_dir: Path) -> tuple[list[Path], bool]:
+    """(the weight files of a transformers folder, whether they are safetensors): model.safetensors, the
+    shards its index names (never outside the folder), else pytorch_model.bin or its shards."""
+    for single, index, safe in ((SAFE_SINGLE, SAFE_INDEX, True), (BIN_SINGLE, BIN_INDEX, False)):
         if (hf_dir / single).is_file():
-            return load(hf_dir / single)
+            return [hf_dir / single], safe
         if (hf_dir / index).is_file():
             try:
-                files = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
-            except (ValueError, KeyError, AttributeError) as exc:
+                names = sorted(set(json.loads((hf_dir / index).read_text())["weight_map"].values()))
+            except (ValueError, KeyError, AttributeError, TypeError) as exc:
                 raise GptkitError(f"{hf_dir / index} is not a valid weight index ({exc})") from exc
-            state: dict[str, Any] = {}
-            for name in files:
+            files = []
+            for name in names:
                 # never a file outside the model folder
                 f = confined(hf_dir, name, hf_dir / index)
                 if not f.is_file():
                     raise GptkitError(f"{hf_dir / index} names {name}, which is missing from {hf_dir}")
-                state.update(load(f))
-            return state
+                files.append(f)
+            return files, safe
     raise GptkitError(
         f"no weights in {hf_dir} (looked for {SAFE_SINGLE}, {SAFE_INDEX}, {BIN_SINGLE}, {BIN_INDEX})"
     )
+
+
+def safetensors_shapes(f: Path) -> dict[str, tuple[int, ...]]:
+    """{name: shape} of a safetensors file, from its header alone (8 bytes of length, then JSON): nothing
+    read beyond it, nothing allocated."""
+    bad = f"{f} is not a readable safetensors file"
+    try:
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= f.stat().st_size - 8:
+                raise GptkitError(f"{bad} (its header length is {n}, the file {f.stat().st_size:,} bytes)")
+            header = json.loads(fh.read(n))
+        return {k: tuple(int(x) for x in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise GptkitError(f"{bad} ({str(exc)[:160]})") from exc
+
+
+def weight_shapes(hf_dir: Path) -> tuple[dict[str, tuple[int, ...]], dict[str, Any] | None]:
+    """({name: shape} of every weight of a transformers folder, the weights when they had to be loaded to
+    know it): safetensors from their headers, nothing loaded (None); pickles loaded (weights_only=True)."""
+    files, safe = weight_files(hf_dir)
+    if not safe:
+        state = load_weights(hf_dir)
+        return {k: tuple(getattr(v, "shape", ())) for k, v in state.items()}, state
+    return {k: v for f in files for k, v in safetensors_shapes(f).items()}, None
 
 
 def read_hf_config(hf_dir: Path) -> dict[str, Any]:
@@ -436,6 +480,10 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     check_import_out(out, src.dir, force)
 
     hf_cfg = read_hf_config(src.dir)
+    check_hf_config(hf_cfg)
+    # the config's sizes against the weights' headers, before anything is sized by them
+    shapes, loaded = weight_shapes(src.dir)
+    check_weight_sizes(hf_cfg, shapes, str(src.dir))
     model_cfg = model_config_from_hf(hf_cfg, name=name or src.name)
     tokenizer = load_tokenizer(src.dir) if (src.dir / TOKENIZER_FILE).is_file() else None
     # the check sample, eval and chat make of a run (runs.check_tokenizer_fits), before the weights are read
@@ -445,7 +493,7 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
             f"{model_cfg.vocab_size:,} (vocab_size in {src.dir / 'config.json'}): it is not this model's "
             f"tokenizer (its ids would have no embedding row); import a folder with the model's own tokenizer"
         )
-    source = load_weights(src.dir)
+    source = loaded if loaded is not None else load_weights(src.dir)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
     model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
     # tokenizer_config.json's

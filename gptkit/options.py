@@ -24,6 +24,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from gptkit.conf_tree import compose, conf_dir, presets
 from gptkit.errors import ConfigError
+from gptkit.fsio import check_local_path
 
 # hydra's parser is imported on use: `gptkit --help` imports this module and needs no Hydra.
 
@@ -33,6 +34,42 @@ FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
 # often text
 NAMED_LAST = ("tokens", "preference", "prompts")
 _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
+# The keys (by their last part) whose values are paths on this machine, in every verb and preset: a URL there
+# is refused (fsio.check_local_path), never made a folder named `s3:`
+PATH_KEYS = (
+    "run",
+    "out",
+    "runs_dir",
+    "init_from",
+    "resume",
+    "dir",
+    "cache_dir",
+    "paths",
+    "val_paths",
+    "path",
+    "prompt_file",
+    "hf",
+    "data_path",
+    "file",
+    "tasks",
+    "eval_tasks",
+    "template",
+)
+
+
+def is_path_key(key: str) -> bool:
+    return key.rsplit(".", 1)[-1] in PATH_KEYS
+
+
+def check_paths(d: Any, prefix: str = "") -> None:
+    """Every path key of a config (plain data: a composed config, a preset) holds local paths."""
+    if isinstance(d, dict):
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if is_path_key(key) and not isinstance(v, dict):
+                check_local_path(key, v)
+            else:
+                check_paths(v, key + ".")
 
 
 @dataclass
@@ -93,6 +130,8 @@ def parse_options(args: list[str], sweeps: bool = False) -> list[Option]:
             value = list(value.list) if isinstance(value, ChoiceSweep) else None
             if value:
                 first = f"{_PREFIX[o.type.name]}{o.get_key_element()}={next(o.sweep_string_iterator())}"
+        if kind == "key" and is_path_key(key):
+            check_local_path(key, value)
         out.append(Option(a, key, kind, o.type.name, value, sweep, first))
     return out
 
@@ -160,6 +199,8 @@ def check_options(config_name: str, options: list[Option]) -> DictConfig | None:
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(_required(config_name, missing[0], options))
+    # what presets (experiment=...) set, as the command line is checked
+    check_paths(OmegaConf.to_container(cfg, resolve=False))
     return cfg
 
 

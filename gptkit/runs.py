@@ -279,13 +279,63 @@ def record_plan(run_dir: Path | str, facts: dict[str, Any], from_step: int) -> N
     atomic_write_text(f, json.dumps({"invocations": segments}, indent=1))
 
 
-def read_plan(run_dir: Path | str) -> list[dict[str, Any]]:
-    """The invocations plan.json records, oldest first ([]: none, or a run from before it was written)."""
+# plan.json's fields of an invocation and their least values (seed: any integer)
+PLAN_FIELDS = {
+    "from_step": 1,
+    "world_size": 1,
+    "accumulation": 1,
+    "batch_size": 1,
+    "rows_per_item": 1,
+    "seq_len": 1,
+    "seed": None,
+    "max_steps": 1,
+}
+
+
+def plan_problem(data: Any) -> str | None:
+    """What is wrong with plan.json's content (parsed JSON), in a few words naming the field, or None: an
+    object whose "invocations" is a list of objects, each with PLAN_FIELDS as integers (at least their least
+    values), from_step rising from one invocation to the next."""
+    invocations = data.get("invocations") if isinstance(data, dict) else None
+    if not isinstance(invocations, list):
+        return 'it needs {"invocations": [...]} (a list, one object per training invocation)'
+    last = 0
+    for i, inv in enumerate(invocations):
+        if not isinstance(inv, dict):
+            return f"invocations[{i}] is {inv!r}, not an object"
+        for field, least in PLAN_FIELDS.items():
+            v = inv.get(field)
+            if isinstance(v, bool) or not isinstance(v, int) or (least is not None and v < least):
+                want = "an integer" + (f" >= {least}" if least is not None else "")
+                have = "missing" if field not in inv else f"{v!r}"
+                return f"invocations[{i}].{field} is {have}; it must be {want}"
+        if inv["from_step"] <= last:
+            return (
+                f"invocations[{i}].from_step={inv['from_step']} does not follow "
+                f"invocations[{i - 1}].from_step={last} (each invocation starts after the one before)"
+            )
+        last = inv["from_step"]
+    return None
+
+
+def read_plan(run_dir: Path | str, check: bool = False) -> list[dict[str, Any]]:
+    """The invocations plan.json records, oldest first ([]: none, or a run from before it was written). A
+    file that is not what record_plan writes (hand-edited, cut short) is [] (training writes it anew), or with
+    `check` (gptkit trace reads it as the truth) a one-line GptkitError naming the file and the field."""
     f = Path(run_dir) / PLAN_FILE
-    try:
-        return list(json.loads(f.read_text())["invocations"])
-    except (OSError, ValueError, KeyError, TypeError):
+    if not f.is_file():
         return []
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, ValueError) as exc:
+        problem: str | None = f"not readable JSON ({str(exc).splitlines()[0][:120]})"
+    else:
+        problem = plan_problem(data)
+    if problem is None:
+        return list(data["invocations"])
+    if check:
+        raise GptkitError(f"{f}: {problem}; fix it, or remove the file (trace then plans from config.yaml)")
+    return []
 
 
 def read_config(run_dir: Path) -> dict[str, Any]:

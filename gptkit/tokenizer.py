@@ -282,19 +282,43 @@ def eos_id(tok, spec: TokenizerSpec) -> int | None:
     return None if eos is None else tok.token_to_id(eos)
 
 
-def unknown_characters(tok, text: str) -> list[str]:
-    """The distinct characters of `text` that `tok` cannot represent (it raises, drops them, or maps them
-    to an unknown token), in order of first appearance: what a char tokenizer never saw in its corpus."""
+def unknown_policy(tok) -> tuple[int | None, bool]:
+    """(the id of the model's own unknown token or None, whether it falls back to <0xNN> byte tokens): how
+    `tok` marks text it cannot represent. Read from the model, never from a round trip through the decoder
+    (a SentencePiece decoder strips a leading space: ' ' does not round-trip, yet it is encoded)."""
+    from tokenizers import models
 
-    def round_trips(t: str) -> bool:
+    model = tok.model
+    if isinstance(model, models.Unigram):
+        # Unigram's unk is an id and its byte_fallback a field of the JSON, neither exposed in Python
+        m = json.loads(tok.to_str())["model"]
+        return m.get("unk_id"), bool(m.get("byte_fallback"))
+    unk = getattr(model, "unk_token", None)
+    return (tok.token_to_id(unk) if unk else None), bool(getattr(model, "byte_fallback", False))
+
+
+def unknown_characters(tok, text: str) -> list[str]:
+    """The distinct characters of `text` that `tok` cannot represent, in order of first appearance: those it
+    encodes as its own unknown token, or raises on; for a tokenizer with neither an unknown token nor byte
+    fallback, also those it drops (encodes as nothing). With byte fallback every character is bytes: none
+    is unknown. A char tokenizer's are the characters its corpus never had."""
+    unk_id, byte_fallback = unknown_policy(tok)
+
+    def known(t: str) -> bool:
         try:
-            return tok.decode(tok.encode(t, add_special_tokens=False).ids) == t
+            ids = tok.encode(t, add_special_tokens=False).ids
+            if unk_id is not None or byte_fallback:
+                return unk_id not in ids
+            # dropped: it adds no token, even twice (alone it may still bring a prepended '▁')
+            return bool(ids) and tok.encode(t + t, add_special_tokens=False).ids != ids
         except Exception:  # noqa: BLE001 - e.g. a WordLevel vocabulary without an unknown token
             return False
 
-    if round_trips(text):
+    # with an unknown token (or bytes to fall back to) the whole text answers at once; a tokenizer that
+    # drops what it cannot represent is asked character by character
+    if (unk_id is not None or byte_fallback) and known(text):
         return []
-    return [c for c in dict.fromkeys(text) if not round_trips(c)]
+    return [c for c in dict.fromkeys(text) if not known(c)]
 
 
 def describe_characters(chars: list[str], limit: int = 10) -> str:

@@ -55,7 +55,11 @@ def draws(run_dir: Path, saved, step: int, world_size: int | None) -> dict:
     from gptkit.errors import GptkitError
     from gptkit.runs import read_plan
 
-    invocations = read_plan(run_dir)
+    # checked: a hand-edited file is one line naming its field
+    invocations = read_plan(run_dir, check=True)
+    if invocations and invocations[0]["from_step"] > step:
+        # trained before plan.json was written (resumed by a gptkit that writes it): planned as such a run
+        invocations = []
     if invocations:
         last = invocations[-1]
         if step > int(last["max_steps"]):

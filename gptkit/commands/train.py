@@ -124,9 +124,12 @@ def check(cfg, multirun: bool = False, options: list | None = None) -> None:
 
     from gptkit.runs import check_run_location, claim_run_dir, is_rank_zero, unused
     from gptkit.training.fit import check_config
+    from gptkit.training.start import resumed_config
 
     global _checked, _options
-    checked = check_config(cfg)
+    # a resume runs with its saved config (trainer=fsdp...), the command line merged in: that is checked
+    resumed = not multirun and options is not None and cfg.get("resume") not in (None, "", "null")
+    checked = check_config(resumed_config(cfg, options) if resumed else cfg, resumed=resumed)
     # a multirun's jobs each have their own values: train() checks each
     if not multirun:
         _checked, _options = checked, options

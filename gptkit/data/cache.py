@@ -32,7 +32,15 @@ from gptkit.data.console import human, say
 from gptkit.data.face import MANIFEST
 from gptkit.data.prepared import FORMAT_VERSION, manifest_checksum
 from gptkit.errors import GptkitError
-from gptkit.fsio import DIR_MODE, disk_full_error, file_crc32, is_disk_full, lock_file, wait_unlocked
+from gptkit.fsio import (
+    DIR_MODE,
+    check_local_path,
+    disk_full_error,
+    file_crc32,
+    is_disk_full,
+    lock_file,
+    wait_unlocked,
+)
 from gptkit.tokenizer import TokenizerSpec, file_sha256
 
 
@@ -41,6 +49,7 @@ def cache_root(cache_dir: str | Path | None) -> Path:
     if cache_dir is not None:
         return Path(cache_dir).expanduser()
     base = os.environ.get("GPTKIT_CACHE")
+    check_local_path("GPTKIT_CACHE", base)
     return Path(base).expanduser() / "data" if base else Path.home() / ".cache" / "gptkit" / "data"
 
 

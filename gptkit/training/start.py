@@ -51,20 +51,47 @@ def resolve_resume(
     the model's apply on top (e.g. a longer trainer.max_steps). A different model is an error."""
     if cfg.resume in (None, ""):
         return cfg, None, None, None
-    check_resume_or_init(cfg.resume, cfg.get("init_from"))
-    ckpt = find_run_checkpoint(cfg.resume, cfg.runs_dir)
-    if ckpt.suffix != ".ckpt":
-        raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
+    ckpt = _resume_checkpoint(cfg)
     # sharded (FSDP): read only the small non-tensor state here
     if ckpt.is_dir():
         state = read_sharded_checkpoint(ckpt, weights=False)
     else:
         # fail now, with one line, if it is truncated or not a checkpoint
         state = load_checkpoint(ckpt)
-    # data, never resolved (the CLI checked it as a command line)
-    saved = saved_run_config(ckpt, cfg)
     from gptkit.training.finetune import check_resumed_finetune
 
+    merged, saved_trainer, saved_finetune = _merge_resumed(cfg, ckpt, overrides)
+    check_resumed_finetune(cfg.resume, saved_finetune, merged, state)
+    merged.resume = str(ckpt)
+    return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
+
+
+def resumed_config(cfg: DictConfig, overrides: list[Option]) -> DictConfig:
+    """The config resume= runs with: the run's saved config with the command line merged in, as
+    resolve_resume makes it, without reading the checkpoint's state. What train's early check (before Hydra
+    makes anything) sees of a resume: the run's own trainer (trainer=fsdp), not the command line's default."""
+    ckpt = _resume_checkpoint(cfg)
+    merged = _merge_resumed(cfg, ckpt, overrides)[0]
+    merged.resume = str(ckpt)
+    return merged
+
+
+def _resume_checkpoint(cfg: DictConfig) -> Path:
+    """The Lightning checkpoint resume= continues from."""
+    check_resume_or_init(cfg.resume, cfg.get("init_from"))
+    ckpt = find_run_checkpoint(cfg.resume, cfg.runs_dir)
+    if ckpt.suffix != ".ckpt":
+        raise GptkitError(f"resume={cfg.resume} has no Lightning checkpoint (.ckpt) to continue from")
+    return ckpt
+
+
+def _merge_resumed(
+    cfg: DictConfig, ckpt: Path, overrides: list[Option]
+) -> tuple[DictConfig, DictConfig, DictConfig]:
+    """(the saved config of the run of `ckpt` with the command line's overrides merged in, its trainer as
+    saved, what its fine-tune fixes as saved)."""
+    # data, never resolved (the CLI checked it as a command line)
+    saved = saved_run_config(ckpt, cfg)
     saved_optimizer = str(saved.optim.get("name", "adamw"))
     # what the run's fine-tune fixes (lora: the adapters' shape), before the command line merges in
     saved_finetune = OmegaConf.create(
@@ -113,9 +140,7 @@ def resolve_resume(
     for o in overrides:
         if o.kind == "key" and o.key == "finetune" and o.op != "DEL":
             merged.finetune = o.value
-    check_resumed_finetune(cfg.resume, saved_finetune, merged, state)
-    merged.resume = str(ckpt)
-    return merged, ckpt, int(state.get("global_step", 0)), saved_trainer
+    return merged, saved_trainer, saved_finetune
 
 
 def preset_settings(group: str, name: str) -> DictConfig:

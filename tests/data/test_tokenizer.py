@@ -46,8 +46,67 @@ def test_char_round_trips_unicode_and_rejects_unknown_characters():
     assert describe_characters(["Z", "\u20ac"]) == "'Z' (U+005A), '\u20ac' (U+20AC)"
     unk = build_tokenizer({"kind": "char", "unk_token": "<|unk|>"}, texts=lambda: iter(["ab"]))
     assert unk.encode("aZ").ids == [0, unk.token_to_id("<|unk|>")]
-    # mapped to <|unk|>: it does not round-trip
+    # mapped to <|unk|>: its own unknown id
     assert unknown_characters(unk, "aZ") == ["Z"]
+
+
+def sentencepiece_tokenizer(unk: bool = True, byte_fallback: bool = True):
+    """A Llama 2 / Mistral style tokenizer.json: BPE over '▁'-joined pieces with <0xNN> byte tokens, a
+    Metaspace pre-tokenizer (prepend_scheme first), and the decoder that strips the leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"<0x{b:02X}>": 3 + b for b in range(256)} if byte_fallback else {})
+    for t in ["▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "▁he", "ll", "▁hell", "▁hello"]:
+        vocab[t] = len(vocab)
+    merges = [("▁", "h"), ("▁h", "e"), ("l", "l"), ("▁he", "ll"), ("▁hell", "o")]
+    model = models.BPE(
+        vocab, merges, unk_token="<unk>" if unk else None, byte_fallback=byte_fallback, fuse_unk=True
+    )
+    tok = Tokenizer(model)
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return tok
+
+
+PROMPTS = [" hello", "hello world", " ", "  two spaces", "\n\tcafé — 日本語 🙂", "<unk> spelled"]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_sentencepiece_with_byte_fallback_knows_every_character(prompt):
+    from gptkit.generate import encode_prompt
+
+    tok = sentencepiece_tokenizer()
+    # the decoder strips the leading space: a round trip would call ' ' unknown
+    assert tok.decode(tok.encode(" ").ids) == ""
+    assert unknown_characters(tok, prompt) == []
+    ids = encode_prompt(tok, prompt, bos_id=1)
+    assert ids and tok.token_to_id("<unk>") not in ids
+
+
+def test_sentencepiece_without_byte_fallback_names_what_becomes_unk():
+    from gptkit.generate import encode_prompt
+
+    tok = sentencepiece_tokenizer(byte_fallback=False)
+    assert unknown_characters(tok, " hello") == []
+    assert unknown_characters(tok, " hello €x") == ["€", "x"]
+    with pytest.raises(GptkitError, match=r"2 character\(s\) the tokenizer has never seen: '€'"):
+        encode_prompt(tok, " hello €x", bos_id=1)
+    # neither an unknown token nor bytes: what it drops is unknown
+    bare = sentencepiece_tokenizer(unk=False, byte_fallback=False)
+    assert bare.encode("hello x", add_special_tokens=False).tokens == ["▁hello", "▁"]
+    assert unknown_characters(bare, " hello x€") == ["x", "€"]
+
+
+def test_byte_level_bpe_knows_every_character():
+    bpe = build_tokenizer(
+        {"kind": "bpe", "vocab_size": 280, "min_frequency": 1}, texts=corpus(), progress=False
+    )
+    for prompt in [*PROMPTS, UNICODE, "\x01\u2028"]:
+        assert unknown_characters(bpe, prompt) == []
 
 
 def test_bpe_trains_to_the_vocab_size_with_special_tokens_and_round_trips():

@@ -3,9 +3,11 @@ and `out` never half-written (nor left with temporary folders next to it)."""
 
 import json
 
+import pytest
 import torch
 from conftest import char_tokenizer, one_line_error, random_gpt
 
+from gptkit.errors import GptkitError
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
 
@@ -109,3 +111,89 @@ def test_import_refuses_a_tokenizer_larger_than_the_model_s_vocabulary(tmp_path,
         "config.json",
     )
     only(tmp_path, "hf")
+
+
+def _hf_folder(path, changes, drop=()):
+    """A tiny transformers Llama folder whose config.json has `changes` applied (and `drop` removed)."""
+    from conftest import hf_llama
+
+    hf_llama(tie=False, bias=False).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    for k in drop:
+        config.pop(k)
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+# (config.json changes, fields dropped, what the one line says)
+BAD_CONFIGS = {
+    "no heads, no head_dim": (
+        {"num_attention_heads": 0},
+        ["head_dim"],
+        ["num_attention_heads=0", "positive"],
+    ),
+    "a float": ({"num_hidden_layers": 1e9}, [], ["num_hidden_layers=1000000000.0", "positive integer"]),
+    "a bool": ({"hidden_size": True}, [], ["hidden_size=True", "positive integer"]),
+    "a string": ({"vocab_size": "40"}, [], ["vocab_size='40'", "positive integer"]),
+    "negative": ({"intermediate_size": -5}, [], ["intermediate_size=-5", "positive integer"]),
+    "kv heads 0": ({"num_key_value_heads": 0}, [], ["num_key_value_heads=0", "positive integer"]),
+    "kv heads not dividing": (
+        {"num_key_value_heads": 3},
+        [],
+        ["num_attention_heads=4", "num_key_value_heads=3"],
+    ),
+    "hidden not dividing": ({"hidden_size": 30}, ["head_dim"], ["hidden_size=30", "num_attention_heads=4"]),
+    "1e9 layers": (
+        {"num_hidden_layers": 10**9},
+        [],
+        ["num_hidden_layers=1,000,000,000", "the weights hold 2 layers", "model.layers.0 .. model.layers.1"],
+    ),
+    "layers": ({"num_hidden_layers": 3}, [], ["num_hidden_layers=3", "the weights hold 2 layers"]),
+    "hidden size": ({"hidden_size": 64}, [], ["hidden_size=64", "the weights hold 32", "(40, 32)"]),
+    "vocab": ({"vocab_size": 10**9}, [], ["vocab_size=1,000,000,000", "the weights hold 40 tokens"]),
+    "heads": (
+        {"num_attention_heads": 8},
+        [],
+        ["num_attention_heads=8 x head_dim=8 = 64", "q_proj", "(32, 32)"],
+    ),
+    "kv heads": (
+        {"num_key_value_heads": 4},
+        [],
+        ["num_key_value_heads=4 x head_dim=8 = 32", "k_proj", "(16, 32)"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CONFIGS, ids=list(BAD_CONFIGS))
+def test_import_checks_config_numbers_and_sizes_against_the_weights_headers(tmp_path, monkeypatch, case):
+    from gptkit import hf_io
+
+    changes, drop, needles = BAD_CONFIGS[case]
+    src = hf_io.Source(_hf_folder(tmp_path / "hf", changes, drop), "hf", str(tmp_path / "hf"))
+
+    # refused before a tensor is read or a model built (the headers alone)
+    def never(*a, **k):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(hf_io, "load_weights", never)
+    with pytest.raises(GptkitError) as err:
+        hf_io.import_folder(src, tmp_path / "run")
+    line = str(err.value)
+    assert "\n" not in line
+    for n in needles:
+        assert n in line, (n, line)
+    only(tmp_path, "hf")
+
+
+def test_import_of_a_config_with_no_heads_or_a_billion_layers_is_one_line(tmp_path, capsys):
+    from conftest import run_main
+
+    _hf_folder(tmp_path / "heads", {"num_attention_heads": 0}, ["head_dim"])
+    _hf_folder(tmp_path / "layers", {"num_hidden_layers": 10**9})
+    for name, needle in (("heads", "num_attention_heads=0"), ("layers", "num_hidden_layers=1,000,000,000")):
+        code, _, err = run_main(capsys, "import", f"hf={tmp_path / name}", f"out={tmp_path / 'run'}")
+        assert code == 2, err
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], err
+    only(tmp_path, "heads", "layers")
