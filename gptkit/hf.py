@@ -656,8 +656,8 @@ def check_weight_sizes(d: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
 
 
 def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
-    """The gptkit ModelConfig equal to a transformers config.json (Llama, Qwen2, Qwen3, OLMo-2 or GPT-2),
-    or a GptkitError."""
+    """The gptkit ModelConfig equal to a transformers config.json of a family in ARCHITECTURES, or a
+    GptkitError."""
     mtype = check_hf_config(d)
 
     def refuse(field: str, value: Any, want: str) -> GptkitError:

@@ -22,6 +22,7 @@ from gptkit.chat_templates import CHAT_FILE, ChatTemplate, reply_stop_ids, templ
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
 from gptkit.hf import (
+    ARCHITECTURES,
     check_hf_config,
     check_weight_sizes,
     from_hf_state_dict,
@@ -368,7 +369,7 @@ def _fetch(repo_id: str, revision: str | None, local_alternative: str) -> Source
         if not (folder / "config.json").is_file():
             raise GptkitError(
                 f"{repo_id} has no config.json: it is not a transformers model (gptkit imports "
-                f"Llama, Qwen2, Qwen3, OLMo-2, GPT-2, Mixtral, Qwen3-MoE and OLMoE models)"
+                f"{', '.join(ARCHITECTURES.values())})"
             )
         # an unsupported model fails before its weights download
         model_config_from_hf(read_hf_config(folder))

@@ -1,5 +1,5 @@
-"""Read a Hugging Face `transformers` model (Llama, Qwen2, Qwen3, OLMo-2 or GPT-2) into a gptkit run folder
-(config.yaml, tokenizer.json, checkpoints/last.ckpt) that sample, eval, export and `train init_from=` accept.
+"""Read a Hugging Face `transformers` model of a family listed above into a gptkit run folder (config.yaml,
+tokenizer.json, checkpoints/last.ckpt) that sample, eval, export and `train init_from=` accept.
 
 hf= is a local folder (it wins whenever it exists) or a Hugging Face Hub model id, owner/name[@revision]:
 then config.json and tokenizer.json, and then the safetensors weights, are downloaded into the Hugging Face
