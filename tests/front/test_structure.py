@@ -231,6 +231,23 @@ def test_the_links_between_pages_resolve():
     assert broken == []
 
 
+def test_the_docs_index_lists_every_page_once():
+    """docs/README.md is the one index: the first cell of its tables links every page of docs/, each once,
+    and the README's "Read on" points to it."""
+    index = REPO / "docs" / "README.md"
+    listed = [
+        target.split("#", 1)[0]
+        for row in table_rows(index.read_text())
+        for target in re.findall(r"\]\(([^)\s]+)\)", row[0])
+    ]
+    pages = sorted(p.name for p in (REPO / "docs").glob("*.md") if p != index)
+    assert sorted(set(pages) - set(listed)) == [], "pages of docs/ that docs/README.md does not list"
+    assert sorted(set(listed) - set(pages)) == [], "entries of docs/README.md that are not pages of docs/"
+    assert sorted(p for p in set(listed) if listed.count(p) > 1) == [], "pages docs/README.md lists twice"
+    read_on = (REPO / "README.md").read_text().split("## Read on", 1)[1].split("\n## ", 1)[0]
+    assert "(docs/README.md)" in read_on, "the README's Read on does not point to docs/README.md"
+
+
 def test_the_layout_names_every_room():
     """docs/layout.md's rooms block names every module and package of gptkit/ (as gptkit/<name>) and every
     module of gptkit/training/ and gptkit/data/."""
