@@ -27,10 +27,11 @@ REF = [[-1.1, -0.2, -2.3], [-0.5], [-1.9, -0.2]]
 ADV = [1.3, -0.8, -0.5]
 
 
-def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4):
+def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4, kl="k3"):
     """The loss in float64 from math alone:
         l_it = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta KL_it,  r = exp(logp - old),
-        KL = exp(ref - logp) - (ref - logp) - 1 (k3);
+        KL = exp(ref - logp) - (ref - logp) - 1 (k3), times r (unclipped) with kl=k3_ratio (TRL's
+        use_bias_correction_kl);
     grpo: mean over completions of their token means (DeepSeekMath eq. 3), dr_grpo: token sum / (completions
     x max_new_tokens) (Dr. GRPO), dapo: token sum / tokens (DAPO eq. 8)."""
     per_completion, total, tokens = [], 0.0, 0
@@ -39,7 +40,7 @@ def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4):
         for p, o, r in zip(lp, old, ref):
             ratio = math.exp(p - o)
             s += -min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
-            s += beta * (math.exp(r - p) - (r - p) - 1)
+            s += beta * (math.exp(r - p) - (r - p) - 1) * (ratio if kl == "k3_ratio" else 1.0)
         per_completion.append(s / len(lp))
         total, tokens = total + s, tokens + len(lp)
     return {
@@ -59,9 +60,10 @@ def padded(rows):
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
 
 
+@pytest.mark.parametrize("kl", ["k3", "k3_ratio"])
 @pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("eps_low, eps_high, beta", [(0.2, 0.2, 0.0), (0.2, 0.28, 0.04), (0.1, 0.3, 0.5)])
-def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_high, beta):
+def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_high, beta, kl):
     # garbage on the padding: the mask keeps it out
     logp = padded(LOGP) + (~MASK) * 7.0
     value, figures = grpo_loss(
@@ -75,15 +77,18 @@ def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_h
         ref_logps=padded(REF).float(),
         loss=kind,
         max_new_tokens=4,
+        kl=kl,
     )
-    assert abs(float(value) - papers_loss(kind, eps_low, eps_high, beta)) < 1e-6
+    assert abs(float(value) - papers_loss(kind, eps_low, eps_high, beta, kl=kl)) < 1e-6
     assert float(figures["tokens"]) == 6
     ratios = [math.exp(p - o) for lp, old in zip(LOGP, OLD) for p, o in zip(lp, old)]
     signs = [a for lp, a in zip(LOGP, ADV) for _ in lp]
     clipped = sum((r < 1 - eps_low and a < 0) or (r > 1 + eps_high and a > 0) for r, a in zip(ratios, signs))
     assert float(figures["clipped"]) == clipped
-    kl = sum(math.exp(r - p) - (r - p) - 1 for lp, ref in zip(LOGP, REF) for p, r in zip(lp, ref))
-    assert abs(float(figures["kl"]) - kl) < 1e-5
+    # the KL term as the loss has it (TRL logs the same)
+    weight = ratios if kl == "k3_ratio" else [1.0] * len(ratios)
+    terms = [math.exp(r - p) - (r - p) - 1 for lp, ref in zip(LOGP, REF) for p, r in zip(lp, ref)]
+    assert abs(float(figures["kl"]) - sum(t * w for t, w in zip(terms, weight))) < 1e-5
 
 
 def test_the_first_pass_gradient_is_the_advantage_over_the_completions_length():
@@ -95,6 +100,33 @@ def test_the_first_pass_gradient_is_the_advantage_over_the_completions_length():
     value.backward()
     want = torch.tensor([[-a / (len(lp) * 3)] * 3 for lp, a in zip(LOGP, ADV)], dtype=torch.float64) * MASK
     assert torch.allclose(logp.grad, want, atol=1e-12)
+
+
+def test_k3_ratio_changes_the_kl_gradient_even_in_the_first_pass():
+    """grpo.kl=k3_ratio (TRL's use_bias_correction_kl): rho = 1 in a first pass, but its gradient is not 0:
+    d(beta k3 rho)/d logp = beta ((1 - exp(ref - logp)) + k3); k3 alone gives beta (1 - exp(ref - logp))."""
+    beta, grads = 0.5, {}
+    for kl in ("k3", "k3_ratio"):
+        logp = padded(LOGP).requires_grad_(True)
+        value, _ = grpo_loss(
+            logp,
+            logp.detach(),
+            torch.zeros(3, dtype=torch.float64),
+            MASK,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            beta=beta,
+            ref_logps=padded(REF),
+            loss="dapo",
+            kl=kl,
+        )
+        value.backward()
+        grads[kl] = logp.grad
+    for i, (lp, ref) in enumerate(zip(LOGP, REF)):
+        for t, (p, r) in enumerate(zip(lp, ref)):
+            k3 = math.exp(r - p) - (r - p) - 1
+            assert abs(float(grads["k3"][i, t]) - beta * (1 - math.exp(r - p)) / 6) < 1e-12
+            assert abs(float(grads["k3_ratio"][i, t]) - beta * (1 - math.exp(r - p) + k3) / 6) < 1e-12
 
 
 def test_advantages_are_relative_to_the_group():

@@ -159,22 +159,20 @@ def grpo_loss(
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [N, T]
     per_token = -torch.min(ratio * adv, clipped * adv)  # [N, T]
     figures = {"tokens": mask.sum().detach()}
-    if beta > 0:
-        if ref_logps is None:
-            raise ValueError("beta > 0 needs the reference's log-probs")
+    if kl not in KLS:
+        raise ConfigError(f"grpo.kl={kl!r} is not one of {', '.join(KLS)}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 needs the reference's log-probs")
+    if ref_logps is not None:
         d = ref_logps - logps  # [N, T]
         term = torch.exp(d) - d - 1  # [N, T] k3, >= 0
         if kl == "k3_ratio":
             # TRL's use_bias_correction_kl: times the unclipped ratio, not detached (its gradient acts even
             # where rho = 1)
             term = term * ratio
-        elif kl != "k3":
-            raise ConfigError(f"grpo.kl={kl!r} is not one of {', '.join(KLS)}")
-        per_token = per_token + beta * term
+        if beta > 0:
+            per_token = per_token + beta * term
         figures["kl"] = (term * mask).sum().detach()
-    elif ref_logps is not None:
-        d = (ref_logps - logps).detach()
-        figures["kl"] = ((torch.exp(d) - d - 1) * mask).sum()
     low = (ratio < 1 - epsilon_low) & (adv < 0)
     high = (ratio > 1 + epsilon_high) & (adv > 0)
     figures["clipped"] = ((low | high).to(mask.dtype) * mask).sum().detach()
