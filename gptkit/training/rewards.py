@@ -129,60 +129,102 @@ ALARM_REPEAT_S = 0.5
 ALARM_TRIES = 4
 
 
-def call_limited(fn: Callable, args: tuple, timeout: float | None, stuck: str = "") -> Any:
-    """fn(*args), stopped with RewardTimeout after `timeout` seconds (None or 0: no limit). A
-    KeyboardInterrupt that a real SIGINT raised during the call comes out with gptkit_sigint = True (one the
-    code raised itself does not). Module docstring: SIGALRM in the main thread, else a daemon thread. `stuck`:
-    the error line printed before the process ends when fn catches every RewardTimeout (ALARM_TRIES)."""
-    main = threading.current_thread() is threading.main_thread()
-    if not main or (timeout and not hasattr(signal, "setitimer")):
-        return _call_in_thread(fn, args, timeout) if timeout else fn(*args)
-    state = {"inside": True, "alarm": 0, "sigint": False}
-    previous_int = signal.getsignal(signal.SIGINT)
+class Guard:
+    """The signal handlers of reward calls in the main thread, installed once for many calls (`with
+    Guard():` around a batch's scoring; call_limited makes one per call outside such a block): SIGINT's
+    wraps the handler before it (which still decides what a Ctrl-C does) and notes that a real one came;
+    SIGALRM's raises RewardTimeout inside a call that ran past its limit. On exit the handlers and the
+    ITIMER_REAL timer before it are restored."""
 
-    def on_sigint(signum, frame):
-        state["sigint"] = True
-        if previous_int == signal.SIG_IGN:
+    active: "Guard | None" = None
+
+    def __init__(self) -> None:
+        self.inside, self.alarm, self.sigint, self.stuck = False, 0, False, ""
+        self.saved: tuple | None = None
+
+    @staticmethod
+    def usable() -> bool:
+        return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.sigint = True
+        previous = self.saved[0]
+        if previous == signal.SIG_IGN:
             return
-        if callable(previous_int):
-            previous_int(signum, frame)
+        if callable(previous):
+            previous(signum, frame)
         else:
             raise KeyboardInterrupt
 
-    def on_alarm(signum, frame):
-        if state["inside"]:
-            state["alarm"] += 1
-            if state["alarm"] > ALARM_TRIES:
-                print(
-                    f"error: {stuck or 'a reward ran past grpo.reward_timeout'}", file=sys.stderr, flush=True
-                )
-                os._exit(2)
-            raise RewardTimeout
-
-    signal.signal(signal.SIGINT, on_sigint)
-    previous_alarm, previous_timer, start = None, (0.0, 0.0), time.monotonic()
-    if timeout:
-        previous_alarm = signal.signal(signal.SIGALRM, on_alarm)
-        previous_timer = signal.setitimer(signal.ITIMER_REAL, float(timeout), ALARM_REPEAT_S)
-    try:
-        value = fn(*args)
-    except KeyboardInterrupt as exc:
-        if state["sigint"]:
-            exc.gptkit_sigint = True
-        raise
-    finally:
-        state["inside"] = False
-        if timeout:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            signal.signal(signal.SIGALRM, previous_alarm)
-            if previous_timer[0] > 0:
-                left = previous_timer[0] - (time.monotonic() - start)
-                signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), previous_timer[1])
-        signal.signal(signal.SIGINT, previous_int)
-    if state["alarm"]:
-        # the alarm fired and the reward's code caught it
+    def _on_alarm(self, signum, frame) -> None:
+        if not self.inside:
+            return
+        self.alarm += 1
+        if self.alarm > ALARM_TRIES:
+            print(
+                f"error: {self.stuck or 'a reward ran past grpo.reward_timeout'}", file=sys.stderr, flush=True
+            )
+            os._exit(2)
         raise RewardTimeout
-    return value
+
+    def __enter__(self) -> "Guard":
+        if Guard.active is None and self.usable():
+            timer = signal.setitimer(signal.ITIMER_REAL, 0)
+            self.saved = (
+                signal.getsignal(signal.SIGINT),
+                signal.getsignal(signal.SIGALRM),
+                timer,
+                time.monotonic(),
+            )
+            signal.signal(signal.SIGINT, self._on_sigint)
+            signal.signal(signal.SIGALRM, self._on_alarm)
+            Guard.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if Guard.active is not self:
+            return
+        Guard.active = None
+        previous_int, previous_alarm, timer, start = self.saved
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
+        signal.signal(signal.SIGINT, previous_int)
+        if timer[0] > 0:
+            left = timer[0] - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), timer[1])
+
+    def call(self, fn: Callable, args: tuple, timeout: float | None, stuck: str) -> Any:
+        self.inside, self.alarm, self.sigint, self.stuck = True, 0, False, stuck
+        if timeout:
+            signal.setitimer(signal.ITIMER_REAL, float(timeout), ALARM_REPEAT_S)
+        try:
+            value = fn(*args)
+        except KeyboardInterrupt as exc:
+            if self.sigint:
+                exc.gptkit_sigint = True
+            raise
+        finally:
+            self.inside = False
+            if timeout:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        if self.alarm:
+            # the alarm fired and the reward's code caught it
+            raise RewardTimeout
+        return value
+
+
+def call_limited(fn: Callable, args: tuple, timeout: float | None, stuck: str = "") -> Any:
+    """fn(*args), stopped with RewardTimeout after `timeout` seconds (None or 0: no limit). A
+    KeyboardInterrupt that a real SIGINT raised during the call comes out with gptkit_sigint = True (one the
+    code raised itself does not). Module docstring: SIGALRM in the main thread (the Guard of the batch, or
+    one for this call), else a daemon thread. `stuck`: the error line printed before the process ends when
+    fn catches every RewardTimeout (ALARM_TRIES)."""
+    if not Guard.usable():
+        return _call_in_thread(fn, args, timeout) if timeout else fn(*args)
+    if Guard.active is not None:
+        return Guard.active.call(fn, args, timeout, stuck)
+    with Guard() as guard:
+        return guard.call(fn, args, timeout, stuck)
 
 
 def _call_in_thread(fn: Callable, args: tuple, timeout: float) -> Any:
@@ -307,6 +349,10 @@ class Rewards:
     @property
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
+
+    def guard(self) -> Guard:
+        """`with rewards.guard():` around many calls: their signal handlers installed once (Guard)."""
+        return Guard()
 
     def score(self, prompt: Any, completion: str, row: dict, where: str) -> list[float]:
         """Each reward of one completion, in order."""

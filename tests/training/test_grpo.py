@@ -274,6 +274,14 @@ def test_a_reward_that_exits_interrupts_itself_or_never_returns_is_one_line(tmp_
             r("p", "x", {}, "d line 3", 0.2)
         assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
         assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)) == handlers
+    # the handlers installed once for a batch's calls (GRPO's scoring): the same errors, the same restoring
+    with rewards.guard():
+        with pytest.raises(GptkitError, match="^reward spins .* did not return within"):
+            spins("p", "x", {}, "d line 3", 0.2)
+        with pytest.raises(GptkitError, match="^reward stops .* raised KeyboardInterrupt"):
+            stops("p", "x", {}, "d line 3", 0.2)
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)) == handlers
     # no SIGALRM outside the main thread: the call is abandoned in a daemon thread (this one ends in 2 s)
     (naps,) = load_rewards(parse_rewards([f"{f}:naps"])).rewards
     caught = []

@@ -464,11 +464,13 @@ class GRPO(Objective):
     def _score(self, batch: PromptBatch, groups) -> tuple[list, list]:
         """(scores[p][i][k], totals[p][i]) of every completion."""
         scores, totals = [], []
-        for row, where, group in zip(batch.rows, batch.where, groups):
-            prompt = self._prompt_of(row)
-            s = [self.rewards.score(prompt, self._text(c.tokens), row, where) for c in group]
-            scores.append(s)
-            totals.append([self.rewards.total(x, where) for x in s])
+        # the reward calls' signal handlers (their time limit, a Ctrl-C told from the reward's own), once
+        with self.rewards.guard():
+            for row, where, group in zip(batch.rows, batch.where, groups):
+                prompt = self._prompt_of(row)
+                s = [self.rewards.score(prompt, self._text(c.tokens), row, where) for c in group]
+                scores.append(s)
+                totals.append([self.rewards.total(x, where) for x in s])
         return scores, totals
 
     def sample(self, model, batch: PromptBatch, n: int, temperature: float, step: int) -> tuple[list, float]:
