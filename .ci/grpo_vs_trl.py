@@ -12,8 +12,9 @@ by a stand-in that returns the fixed per-token log-probs (a leaf tensor, so the 
 writes the loss, the gradient with respect to the log-probs, TRL's logged clip ratio and KL, and the
 advantages of TRL's formula (its nanstd, + 1e-4) as JSON. This side computes the same with
 gptkit.training.objectives.grpo (grpo_loss, group_advantages) and prints the largest difference of each, for
-loss_type grpo, dr_grpo and dapo, with and without a KL term, in the first pass (old = the log-probs,
-detached) and a later one; it exits 1 when one differs by 1e-6 or more.
+loss_type grpo, dr_grpo and dapo, with and without a KL term (grpo.kl=k3 against use_bias_correction_kl=False,
+k3_ratio against True, TRL 1.16's default), in the first pass (old = the log-probs, detached) and a later one;
+it exits 1 when one differs by 1e-6 or more.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from types import SimpleNamespace
 import torch
 
 N, T, MAX_NEW, G = 12, 9, 9, 4
-# (loss_type, epsilon_low, epsilon_high, beta, first pass)
+# (loss_type, epsilon_low, epsilon_high, beta, first pass, grpo.kl: k3 = TRL's use_bias_correction_kl=False,
+# k3_ratio = True, TRL's default since 1.16)
 CASES = [
-    (loss, lo, hi, beta, first)
+    (loss, lo, hi, beta, first, kl)
     for loss in ("grpo", "dr_grpo", "dapo")
     for lo, hi, beta in ((0.2, 0.2, 0.0), (0.2, 0.28, 0.04))
     for first in (True, False)
+    for kl in (("k3", "k3_ratio") if beta else ("k3",))
 ]
 
 
@@ -60,7 +63,7 @@ def trl_side() -> dict:
 
     data = inputs()
     out = {"trl": trl.__version__, "cases": []}
-    for loss_type, lo, hi, beta, first in CASES:
+    for loss_type, lo, hi, beta, first, kl in CASES:
         logps = data["logps"].clone().float().requires_grad_(True)
         trainer = GRPOTrainer.__new__(GRPOTrainer)
         trainer.__dict__.update(
@@ -77,7 +80,7 @@ def trl_side() -> dict:
             max_completion_length=MAX_NEW,
             current_gradient_accumulation_steps=1,
             model=SimpleNamespace(training=True),
-            args=SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+            args=SimpleNamespace(use_bias_correction_kl=kl == "k3_ratio", delta=None, steps_per_generation=1),
             accelerator=SimpleNamespace(
                 num_processes=1,
                 gather=lambda x: x,
@@ -127,7 +130,7 @@ def compare(trl: dict) -> int:
 
     data = inputs()
     worst = defaultdict(float)
-    for (loss_type, lo, hi, beta, first), want in zip(CASES, trl["cases"]):
+    for (loss_type, lo, hi, beta, first, kl), want in zip(CASES, trl["cases"]):
         logps = data["logps"].clone().float().requires_grad_(True)
         old = logps.detach() if first else data["old"].float()
         value, figures = grpo_loss(
@@ -141,9 +144,10 @@ def compare(trl: dict) -> int:
             ref_logps=data["ref"].float() if beta else None,
             loss=loss_type,
             max_new_tokens=MAX_NEW,
+            kl=kl,
         )
         value.backward()
-        name = f"{loss_type:7s} eps {lo}/{hi} beta {beta:<4} {'first' if first else 'later'} pass"
+        name = f"{loss_type:7s} eps {lo}/{hi} beta {beta:<4} {kl:8s} {'first' if first else 'later'} pass"
         d_loss = abs(float(value.detach()) - want["loss"])
         d_grad = float((logps.grad.double() - torch.tensor(want["grad"], dtype=torch.float64)).abs().max())
         d_clip = abs(float(figures["clipped"] / figures["tokens"]) - want["clip"])

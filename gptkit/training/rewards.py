@@ -19,19 +19,34 @@ or `function`, and optionally `weight` (1.0), `field` (the record's field a chec
 
 A function is called as fn(prompt, completion, row): the prompt's text (its record's prompt field, else its
 messages list), the completion's text (without the end-of-turn token) and the record (a dict); it returns a
-number. Loading one runs its file's code: the start-up says which file, once per process. A function that
-raises, or returns something that is not a finite number, stops the run in one line naming the reward and the
-prompt's file and row.
+number. Loading one runs its file's code: the start-up says which file, once per process, before any of it
+runs (a module's packages are found without importing them). A function that raises (SystemExit and a
+KeyboardInterrupt of its own included), returns something that is not a finite number, or runs longer than
+grpo.reward_timeout seconds stops the run in one line naming the reward and the prompt's file and row; so does
+a completion whose total (sum of weight x reward) is not finite. A real Ctrl-C during a reward is a Ctrl-C
+(the training's handler decides: the first one finishes the step and saves, a second one stops at once).
+
+The time limit (call_limited): in the main thread of a process (one process, or each DDP / FSDP rank) a
+SIGALRM timer (signal.setitimer) interrupts the function wherever it is in Python code, even in a loop that
+never returns, and is disarmed (its previous handler and timer restored) after each call; elsewhere (a
+thread, a platform without SIGALRM) the function runs in a daemon thread that is abandoned when the limit
+passes. A function that catches every stop and carries on ends the process with the error line (ALARM_TRIES);
+one stuck inside C code that never returns to Python is not interrupted in the main thread.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import math
 import numbers
+import os
 import re
+import signal
 import sys
+import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -102,6 +117,137 @@ def format_check(completion: str, row: dict, r: "Reward", where: str) -> float:
     return float(r.compiled.fullmatch(completion) is not None)
 
 
+class RewardTimeout(BaseException):
+    """Raised in a reward that ran past grpo.reward_timeout (a BaseException: `except Exception` in the
+    reward's code does not swallow it)."""
+
+
+# after the first alarm, it fires again every this many seconds (a reward that swallowed it is stopped
+# again), at most this many times more; then the reward's code has caught every stop (a bare `except:` in a
+# loop) and the process ends with the error line (os._exit(2): no exception can leave such a loop)
+ALARM_REPEAT_S = 0.5
+ALARM_TRIES = 4
+
+
+class Guard:
+    """The signal handlers of reward calls in the main thread, installed once for many calls (`with
+    Guard():` around a batch's scoring; call_limited makes one per call outside such a block): SIGINT's
+    wraps the handler before it (which still decides what a Ctrl-C does) and notes that a real one came;
+    SIGALRM's raises RewardTimeout inside a call that ran past its limit. On exit the handlers and the
+    ITIMER_REAL timer before it are restored."""
+
+    active: "Guard | None" = None
+
+    def __init__(self) -> None:
+        self.inside, self.alarm, self.sigint, self.stuck = False, 0, False, ""
+        self.saved: tuple | None = None
+
+    @staticmethod
+    def usable() -> bool:
+        return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+
+    def _on_sigint(self, signum, frame) -> None:
+        self.sigint = True
+        previous = self.saved[0]
+        if previous == signal.SIG_IGN:
+            return
+        if callable(previous):
+            previous(signum, frame)
+        else:
+            raise KeyboardInterrupt
+
+    def _on_alarm(self, signum, frame) -> None:
+        if not self.inside:
+            return
+        self.alarm += 1
+        if self.alarm > ALARM_TRIES:
+            print(
+                f"error: {self.stuck or 'a reward ran past grpo.reward_timeout'}", file=sys.stderr, flush=True
+            )
+            os._exit(2)
+        raise RewardTimeout
+
+    def __enter__(self) -> "Guard":
+        if Guard.active is None and self.usable():
+            timer = signal.setitimer(signal.ITIMER_REAL, 0)
+            self.saved = (
+                signal.getsignal(signal.SIGINT),
+                signal.getsignal(signal.SIGALRM),
+                timer,
+                time.monotonic(),
+            )
+            signal.signal(signal.SIGINT, self._on_sigint)
+            signal.signal(signal.SIGALRM, self._on_alarm)
+            Guard.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if Guard.active is not self:
+            return
+        Guard.active = None
+        previous_int, previous_alarm, timer, start = self.saved
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous_alarm)
+        signal.signal(signal.SIGINT, previous_int)
+        if timer[0] > 0:
+            left = timer[0] - (time.monotonic() - start)
+            signal.setitimer(signal.ITIMER_REAL, max(left, 1e-3), timer[1])
+
+    def call(self, fn: Callable, args: tuple, timeout: float | None, stuck: str) -> Any:
+        self.inside, self.alarm, self.sigint, self.stuck = True, 0, False, stuck
+        if timeout:
+            signal.setitimer(signal.ITIMER_REAL, float(timeout), ALARM_REPEAT_S)
+        try:
+            value = fn(*args)
+        except KeyboardInterrupt as exc:
+            if self.sigint:
+                exc.gptkit_sigint = True
+            raise
+        finally:
+            self.inside = False
+            if timeout:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+        if self.alarm:
+            # the alarm fired and the reward's code caught it
+            raise RewardTimeout
+        return value
+
+
+def call_limited(fn: Callable, args: tuple, timeout: float | None, stuck: str = "") -> Any:
+    """fn(*args), stopped with RewardTimeout after `timeout` seconds (None or 0: no limit). A
+    KeyboardInterrupt that a real SIGINT raised during the call comes out with gptkit_sigint = True (one the
+    code raised itself does not). Module docstring: SIGALRM in the main thread (the Guard of the batch, or
+    one for this call), else a daemon thread. `stuck`: the error line printed before the process ends when
+    fn catches every RewardTimeout (ALARM_TRIES)."""
+    if not Guard.usable():
+        return _call_in_thread(fn, args, timeout) if timeout else fn(*args)
+    if Guard.active is not None:
+        return Guard.active.call(fn, args, timeout, stuck)
+    with Guard() as guard:
+        return guard.call(fn, args, timeout, stuck)
+
+
+def _call_in_thread(fn: Callable, args: tuple, timeout: float) -> Any:
+    """fn(*args) in a daemon thread, waited for `timeout` seconds: RewardTimeout when it is still running
+    (it is abandoned), else its value or its exception."""
+    out: dict[str, Any] = {}
+
+    def target():
+        try:
+            out["value"] = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            out["error"] = exc
+
+    t = threading.Thread(target=target, name="gptkit-reward", daemon=True)
+    t.start()
+    t.join(timeout)
+    if t.is_alive():
+        raise RewardTimeout
+    if "error" in out:
+        raise out["error"]
+    return out["value"]
+
+
 # kind -> (check, needs a pattern, default pattern, reads a field by default)
 CHECKERS: dict[str, tuple[Callable, bool, str | None, bool]] = {
     "exact": (exact, False, None, True),
@@ -134,24 +280,60 @@ class Reward:
         """A built-in check: its reward is 0 or 1, its mean an accuracy."""
         return self.kind is not None
 
-    def __call__(self, prompt: Any, completion: str, row: dict, where: str) -> float:
-        """The reward of one completion; a user's function that raises or returns no finite number is a
-        one-line GptkitError naming this reward and the prompt's file and row."""
+    @property
+    def spec(self) -> str:
+        """How errors name it: the name, and the function or kind."""
+        return f"{self.name} ({self.function or self.kind})"
+
+    def __call__(
+        self, prompt: Any, completion: str, row: dict, where: str, timeout: float | None = None
+    ) -> float:
+        """The reward of one completion, within timeout seconds (None: no limit); a reward that raises (any
+        exception, SystemExit and its own KeyboardInterrupt included), runs past the limit or returns no
+        finite number is a one-line GptkitError naming this reward and the prompt's file and row. A real
+        Ctrl-C during the call is left to the process's SIGINT handler (module docstring)."""
         if self.kind is not None:
-            return CHECKERS[self.kind][0](completion, row, self, where)
+            fn, args = CHECKERS[self.kind][0], (completion, row, self, where)
+        else:
+            fn, args = self.fn, (prompt, completion, row)
+        late = (
+            f"reward {self.spec} did not return within grpo.reward_timeout={timeout:g} s on the prompt of "
+            f"{where}; make it faster, or raise grpo.reward_timeout (0: no limit)"
+            if timeout
+            else ""
+        )
         try:
-            value = self.fn(prompt, completion, row)
-        except Exception as exc:  # noqa: BLE001 - the user's code may fail in any way
+            value = call_limited(fn, args, timeout, late)
+        except GptkitError:
+            if self.kind is not None:
+                # a checker's own one-line error (a record without its field)
+                raise
+            exc = sys.exc_info()[1]
             raise GptkitError(
-                f"reward {self.name} ({self.function}) raised {type(exc).__name__}: {str(exc)[:200]} on the "
-                f"prompt of {where}"
+                f"reward {self.spec} raised {type(exc).__name__}: {str(exc)[:200]} on the prompt of {where}"
+            ) from None
+        except RewardTimeout:
+            raise GptkitError(late) from None
+        except SystemExit as exc:
+            raise GptkitError(
+                f"reward {self.spec} called sys.exit({exc.code!r}) on the prompt of {where}; a reward "
+                "returns a number, it does not end the run"
+            ) from None
+        except BaseException as exc:  # noqa: BLE001 - the user's code may fail in any way
+            if isinstance(exc, KeyboardInterrupt) and getattr(exc, "gptkit_sigint", False):
+                # a real Ctrl-C (the handler of the run raised it): the run stops as on any Ctrl-C
+                raise
+            text = str(exc)[:200]
+            raise GptkitError(
+                f"reward {self.spec} raised {type(exc).__name__}{': ' + text if text else ''} on the prompt "
+                f"of {where}"
             ) from None
         if isinstance(value, bool):
             return float(value)
         if not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
             raise GptkitError(
-                f"reward {self.name} ({self.function}) returned {str(value)[:80]!r} "
-                f"({type(value).__name__}) on the prompt of {where}; a reward is a finite number"
+                f"reward {self.spec} returned {str(value)[:80]!r} ({type(value).__name__}) on the prompt of "
+                f"{where}; a reward is a finite number"
             )
         return float(value)
 
@@ -161,17 +343,32 @@ class Rewards:
     """Every reward of a run and how they add up: total = sum of weight x reward."""
 
     rewards: list[Reward] = field(default_factory=list)
+    # seconds one reward call may take (grpo.reward_timeout; None: no limit)
+    timeout: float | None = None
 
     @property
     def names(self) -> list[str]:
         return [r.name for r in self.rewards]
 
+    def guard(self) -> Guard:
+        """`with rewards.guard():` around many calls: their signal handlers installed once (Guard)."""
+        return Guard()
+
     def score(self, prompt: Any, completion: str, row: dict, where: str) -> list[float]:
         """Each reward of one completion, in order."""
-        return [r(prompt, completion, row, where) for r in self.rewards]
+        return [r(prompt, completion, row, where, self.timeout) for r in self.rewards]
 
-    def total(self, scores: list[float]) -> float:
-        return sum(r.weight * s for r, s in zip(self.rewards, scores))
+    def total(self, scores: list[float], where: str = "") -> float:
+        """sum of weight x reward; one that is not finite (finite rewards whose sum overflows) is a one-line
+        GptkitError naming each reward, its value and the prompt's file and row."""
+        total = sum(r.weight * s for r, s in zip(self.rewards, scores))
+        if not math.isfinite(total):
+            terms = ", ".join(f"{r.weight:g} x {r.name} {s:g}" for r, s in zip(self.rewards, scores))
+            raise GptkitError(
+                f"the total reward is {total} ({terms}) on the prompt of {where or 'a completion'}: not a "
+                "finite number; keep the rewards (and their weights) in a range whose sum is finite"
+            )
+        return total
 
     def describe(self) -> str:
         return ", ".join(f"{r.weight:g} x {r.name}" for r in self.rewards)
@@ -257,19 +454,43 @@ def parse_rewards(raw: Any) -> Rewards:
 _LOADED: dict[tuple[str, str], tuple[Callable, str]] = {}
 
 
-def _module_file(module: str) -> tuple[Path | None, Any]:
-    """(the file a module:function names, the import spec when it is an importable module name)."""
+def _module_file(module: str) -> tuple[Path | None, bool]:
+    """(the file a module:function names, whether it is an importable module name), found without running
+    any code: a dotted name's packages are looked up on their search paths, not imported (their __init__.py
+    runs only after the start-up has said which file's code runs)."""
     if module.endswith(".py") or "/" in module or "\\" in module:
-        return Path(module).expanduser().resolve(), None
-    try:
-        spec = importlib.util.find_spec(module)
-    except (ImportError, ValueError) as exc:
-        raise ConfigError(f"reward module {module!r} cannot be found: {exc}") from None
-    if spec is None:
+        return Path(module).expanduser().resolve(), False
+    parts = module.split(".")
+    if not all(p.isidentifier() for p in parts):
         raise ConfigError(
-            f"reward module {module!r} cannot be found (or name its file: path/to/rewards.py:function)"
+            f"reward module {module!r} is not a module name (or name its file: path/to/rewards.py:function)"
         )
-    return (Path(spec.origin) if spec.origin else None), spec
+    spec, search = None, None
+    for i in range(len(parts)):
+        name = ".".join(parts[: i + 1])
+        loaded = sys.modules.get(name)
+        if loaded is not None:
+            spec = getattr(loaded, "__spec__", None)
+        elif i == 0:
+            try:
+                # a top-level name: finding it imports nothing
+                spec = importlib.util.find_spec(name)
+            except (ImportError, ValueError) as exc:
+                raise ConfigError(f"reward module {module!r} cannot be found: {exc}") from None
+        else:
+            spec = importlib.machinery.PathFinder.find_spec(name, search)
+        if spec is None:
+            raise ConfigError(
+                f"reward module {module!r} cannot be found (or name its file: path/to/rewards.py:function)"
+            )
+        search = (
+            list(loaded.__path__)
+            if loaded is not None and hasattr(loaded, "__path__")
+            else spec.submodule_search_locations
+        )
+        if i < len(parts) - 1 and search is None:
+            raise ConfigError(f"reward module {module!r} cannot be found: {name} is not a package")
+    return (Path(spec.origin) if spec.origin and spec.has_location else None), True
 
 
 def load_rewards(rewards: Rewards, announce: bool = True) -> Rewards:
@@ -280,24 +501,26 @@ def load_rewards(rewards: Rewards, announce: bool = True) -> Rewards:
         key = (r.function, str(Path.cwd()))
         if key not in _LOADED:
             module, _, name = r.function.rpartition(":")
-            path, spec = _module_file(module)
-            if spec is None and (path is None or not path.is_file()):
+            path, importable = _module_file(module)
+            if not importable and (path is None or not path.is_file()):
                 raise ConfigError(f"grpo.rewards: {r.function}: {path} is not a file")
             if announce and is_rank_zero():
+                # said before any of its code (a package's __init__.py included) runs
                 print(
-                    f"grpo.rewards runs {path} ({r.function}): use only reward code you trust",
+                    f"grpo.rewards runs {path or module} ({r.function}): use only reward code you trust",
                     file=sys.stderr,
+                    flush=True,
                 )
             try:
-                if spec is None:
+                if not importable:
                     file_spec = importlib.util.spec_from_file_location(f"gptkit_reward_{path.stem}", path)
                     mod = importlib.util.module_from_spec(file_spec)
                     file_spec.loader.exec_module(mod)
                 else:
                     mod = importlib.import_module(module)
-            except Exception as exc:  # noqa: BLE001 - the user's module may fail in any way
+            except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module may fail (or exit)
                 raise GptkitError(
-                    f"grpo.rewards: importing {path} failed: {type(exc).__name__}: {str(exc)[:200]}"
+                    f"grpo.rewards: importing {path or module} failed: {type(exc).__name__}: {str(exc)[:200]}"
                 ) from None
             fn = getattr(mod, name, None)
             if not callable(fn):

@@ -27,10 +27,11 @@ REF = [[-1.1, -0.2, -2.3], [-0.5], [-1.9, -0.2]]
 ADV = [1.3, -0.8, -0.5]
 
 
-def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4):
+def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4, kl="k3"):
     """The loss in float64 from math alone:
         l_it = -min(r A, clip(r, 1 - eps_low, 1 + eps_high) A) + beta KL_it,  r = exp(logp - old),
-        KL = exp(ref - logp) - (ref - logp) - 1 (k3);
+        KL = exp(ref - logp) - (ref - logp) - 1 (k3), times r (unclipped) with kl=k3_ratio (TRL's
+        use_bias_correction_kl);
     grpo: mean over completions of their token means (DeepSeekMath eq. 3), dr_grpo: token sum / (completions
     x max_new_tokens) (Dr. GRPO), dapo: token sum / tokens (DAPO eq. 8)."""
     per_completion, total, tokens = [], 0.0, 0
@@ -39,7 +40,7 @@ def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4):
         for p, o, r in zip(lp, old, ref):
             ratio = math.exp(p - o)
             s += -min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
-            s += beta * (math.exp(r - p) - (r - p) - 1)
+            s += beta * (math.exp(r - p) - (r - p) - 1) * (ratio if kl == "k3_ratio" else 1.0)
         per_completion.append(s / len(lp))
         total, tokens = total + s, tokens + len(lp)
     return {
@@ -59,9 +60,10 @@ def padded(rows):
 MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
 
 
+@pytest.mark.parametrize("kl", ["k3", "k3_ratio"])
 @pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo"])
 @pytest.mark.parametrize("eps_low, eps_high, beta", [(0.2, 0.2, 0.0), (0.2, 0.28, 0.04), (0.1, 0.3, 0.5)])
-def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_high, beta):
+def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_high, beta, kl):
     # garbage on the padding: the mask keeps it out
     logp = padded(LOGP) + (~MASK) * 7.0
     value, figures = grpo_loss(
@@ -75,15 +77,18 @@ def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_h
         ref_logps=padded(REF).float(),
         loss=kind,
         max_new_tokens=4,
+        kl=kl,
     )
-    assert abs(float(value) - papers_loss(kind, eps_low, eps_high, beta)) < 1e-6
+    assert abs(float(value) - papers_loss(kind, eps_low, eps_high, beta, kl=kl)) < 1e-6
     assert float(figures["tokens"]) == 6
     ratios = [math.exp(p - o) for lp, old in zip(LOGP, OLD) for p, o in zip(lp, old)]
     signs = [a for lp, a in zip(LOGP, ADV) for _ in lp]
     clipped = sum((r < 1 - eps_low and a < 0) or (r > 1 + eps_high and a > 0) for r, a in zip(ratios, signs))
     assert float(figures["clipped"]) == clipped
-    kl = sum(math.exp(r - p) - (r - p) - 1 for lp, ref in zip(LOGP, REF) for p, r in zip(lp, ref))
-    assert abs(float(figures["kl"]) - kl) < 1e-5
+    # the KL term as the loss has it (TRL logs the same)
+    weight = ratios if kl == "k3_ratio" else [1.0] * len(ratios)
+    terms = [math.exp(r - p) - (r - p) - 1 for lp, ref in zip(LOGP, REF) for p, r in zip(lp, ref)]
+    assert abs(float(figures["kl"]) - sum(t * w for t, w in zip(terms, weight))) < 1e-5
 
 
 def test_the_first_pass_gradient_is_the_advantage_over_the_completions_length():
@@ -95,6 +100,33 @@ def test_the_first_pass_gradient_is_the_advantage_over_the_completions_length():
     value.backward()
     want = torch.tensor([[-a / (len(lp) * 3)] * 3 for lp, a in zip(LOGP, ADV)], dtype=torch.float64) * MASK
     assert torch.allclose(logp.grad, want, atol=1e-12)
+
+
+def test_k3_ratio_changes_the_kl_gradient_even_in_the_first_pass():
+    """grpo.kl=k3_ratio (TRL's use_bias_correction_kl): rho = 1 in a first pass, but its gradient is not 0:
+    d(beta k3 rho)/d logp = beta ((1 - exp(ref - logp)) + k3); k3 alone gives beta (1 - exp(ref - logp))."""
+    beta, grads = 0.5, {}
+    for kl in ("k3", "k3_ratio"):
+        logp = padded(LOGP).requires_grad_(True)
+        value, _ = grpo_loss(
+            logp,
+            logp.detach(),
+            torch.zeros(3, dtype=torch.float64),
+            MASK,
+            epsilon_low=0.2,
+            epsilon_high=0.2,
+            beta=beta,
+            ref_logps=padded(REF),
+            loss="dapo",
+            kl=kl,
+        )
+        value.backward()
+        grads[kl] = logp.grad
+    for i, (lp, ref) in enumerate(zip(LOGP, REF)):
+        for t, (p, r) in enumerate(zip(lp, ref)):
+            k3 = math.exp(r - p) - (r - p) - 1
+            assert abs(float(grads["k3"][i, t]) - beta * (1 - math.exp(r - p)) / 6) < 1e-12
+            assert abs(float(grads["k3_ratio"][i, t]) - beta * (1 - math.exp(r - p) + k3) / 6) < 1e-12
 
 
 def test_advantages_are_relative_to_the_group():
@@ -132,6 +164,8 @@ def defaults():
         ({"rewards": [{"kind": "regex"}]}, "the regex checker needs a pattern"),
         ({"rewards": ["exact", "exact"]}, "grpo.rewards names exact more than once"),
         ({"rewards": [{"kind": "exact", "weight": 0}]}, "weight=0 must be a finite number, not 0"),
+        ({"kl": "k2"}, "grpo.kl='k2' is not one of k3, k3_ratio"),
+        ({"reward_timeout": -1}, "grpo.reward_timeout=-1 must be a number of seconds >= 0"),
     ],
 )
 def test_bad_grpo_settings_are_one_line(defaults, grpo, message):
@@ -193,6 +227,125 @@ def test_a_users_reward_is_announced_and_refused_in_one_line_when_it_fails(tmp_p
         load_rewards(parse_rewards([f"{f}:missing"]))
     with pytest.raises(ConfigError, match="is not a file"):
         load_rewards(parse_rewards([f"{tmp_path / 'none.py'}:fn"]))
+
+
+MISBEHAVING = (
+    "import os, signal, sys, time\n"
+    "def leaves(prompt, completion, row):\n    sys.exit(0)\n"
+    "def stops(prompt, completion, row):\n    raise KeyboardInterrupt\n"
+    "def spins(prompt, completion, row):\n    while True:\n        pass\n"
+    "def stubborn(prompt, completion, row):\n"
+    "    try:\n        time.sleep(10)\n    except BaseException:\n        return 1.0\n"
+    "def forever(prompt, completion, row):\n"
+    "    while True:\n        try:\n            time.sleep(10)\n        except BaseException:\n"
+    "            pass\n"
+    "def naps(prompt, completion, row):\n    time.sleep(2)\n    return 1.0\n"
+    "def huge(prompt, completion, row):\n    return 1e308\n"
+    "def ctrl_c(prompt, completion, row):\n"
+    "    os.kill(os.getpid(), signal.SIGINT)\n    time.sleep(5)\n    return 1.0\n"
+)
+
+
+def test_a_reward_that_exits_interrupts_itself_or_never_returns_is_one_line(tmp_path):
+    """sys.exit, a KeyboardInterrupt of the reward's own and a reward past grpo.reward_timeout (a loop that
+    never returns, one that swallows the alarm) are one-line errors naming it and the prompt; no timer is left
+    armed and the signal handlers are the ones before; the limit holds in a thread too."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    f = tmp_path / "misbehaving.py"
+    f.write_text(MISBEHAVING)
+    rewards = load_rewards(parse_rewards([f"{f}:{n}" for n in ("leaves", "stops", "spins", "stubborn")]))
+    leaves, stops, spins, stubborn = rewards.rewards
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)
+    with pytest.raises(
+        GptkitError, match=f"^reward leaves \\({f}:leaves\\) called sys.exit\\(0\\) on the prompt of d"
+    ):
+        leaves("p", "x", {}, "d line 3", 0.2)
+    with pytest.raises(
+        GptkitError, match=f"^reward stops \\({f}:stops\\) raised KeyboardInterrupt on the prompt of d"
+    ):
+        stops("p", "x", {}, "d line 3", 0.2)
+    for r in (spins, stubborn):
+        said = f"^reward {r.name} \\({f}:{r.name}\\) did not return within grpo.reward_timeout=0.2 s on "
+        with pytest.raises(GptkitError, match=said + "the prompt of d line 3"):
+            r("p", "x", {}, "d line 3", 0.2)
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+        assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)) == handlers
+    # the handlers installed once for a batch's calls (GRPO's scoring): the same errors, the same restoring
+    with rewards.guard():
+        with pytest.raises(GptkitError, match="^reward spins .* did not return within"):
+            spins("p", "x", {}, "d line 3", 0.2)
+        with pytest.raises(GptkitError, match="^reward stops .* raised KeyboardInterrupt"):
+            stops("p", "x", {}, "d line 3", 0.2)
+        assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGALRM)) == handlers
+    # no SIGALRM outside the main thread: the call is abandoned in a daemon thread (this one ends in 2 s)
+    (naps,) = load_rewards(parse_rewards([f"{f}:naps"])).rewards
+    caught = []
+    t = threading.Thread(
+        target=lambda: caught.append(pytest.raises(GptkitError, naps, "p", "x", {}, "d line 3", 0.2))
+    )
+    t.start()
+    t.join(30)
+    assert "reward naps" in str(caught[0].value) and "did not return within" in str(caught[0].value)
+    # a reward that catches every stop (a bare except in a loop): the line, then the process ends (exit 2)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from gptkit.training.rewards import load_rewards, parse_rewards\n"
+            f"(r,) = load_rewards(parse_rewards([{f'{f}:forever'!r}]), announce=False).rewards\n"
+            "r('p', 'x', {}, 'd line 3', 0.2)\n",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and r.stderr.startswith(f"error: reward forever ({f}:forever) did not return")
+
+
+def test_a_real_ctrl_c_during_a_reward_is_a_ctrl_c(tmp_path):
+    """A SIGINT that arrives during a reward goes to the process's handler (training's: finish the step and
+    save; a second one: stop): its KeyboardInterrupt is not turned into a reward error."""
+    f = tmp_path / "ctrl_c.py"
+    f.write_text(MISBEHAVING)
+    (ctrl_c,) = load_rewards(parse_rewards([f"{f}:ctrl_c"])).rewards
+    with pytest.raises(KeyboardInterrupt):
+        ctrl_c("p", "x", {}, "d line 3", 30)
+
+
+def test_a_total_reward_that_overflows_is_one_line_naming_each_reward(tmp_path):
+    f = tmp_path / "big.py"
+    f.write_text(MISBEHAVING)
+    rewards = load_rewards(
+        parse_rewards([{"function": f"{f}:huge", "name": "a"}, {"function": f"{f}:huge", "name": "b"}])
+    )
+    scores = rewards.score("p", "x", {}, "d line 3")
+    assert scores == [1e308, 1e308]
+    with pytest.raises(
+        GptkitError,
+        match="^the total reward is inf \\(1 x a 1e\\+308, 1 x b 1e\\+308\\) on the prompt of d line 3",
+    ):
+        rewards.total(scores, "d line 3")
+
+
+def test_a_dotted_reward_module_is_announced_before_its_package_runs(tmp_path, monkeypatch, capfd):
+    pkg = tmp_path / "announced_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("import sys\nprint('package code ran', file=sys.stderr)\n")
+    (pkg / "scores.py").write_text("def one(prompt, completion, row):\n    return 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (r,) = load_rewards(parse_rewards(["announced_pkg.scores:one"])).rewards
+    err = capfd.readouterr().err
+    said = f"grpo.rewards runs {pkg / 'scores.py'} (announced_pkg.scores:one): use only reward code you trust"
+    assert said in err and "package code ran" in err
+    assert err.index(said) < err.index("package code ran")
+    assert r("p", "x", {}, "w") == 1.0
+    with pytest.raises(ConfigError, match="reward module 'announced_pkg.missing' cannot be found"):
+        load_rewards(parse_rewards(["announced_pkg.missing:one"]))
 
 
 # ---- training -------------------------------------------------------------------------------------------
@@ -412,6 +565,8 @@ def test_bad_grpo_commands_exit_2_with_one_line(start, capsys):
     grpo = ["objective=grpo", "data=prompts", f"data.paths=[{f}]", f"init_from={start / 'sft'}"]
     (start / "raising.py").write_text("def fn(prompt, completion, row):\n    raise KeyError(row['answer'])\n")
     long = write_jsonl(start / "long.jsonl", [{"prompt": "upper " + "a" * 40, "answer": "x"}] * 3)
+    bad = start / "misbehaving.py"
+    bad.write_text(MISBEHAVING)
     for args, message in [
         (
             ["objective=grpo", "data=prompts", f"data.paths=[{f}]"],
@@ -434,6 +589,24 @@ def test_bad_grpo_commands_exit_2_with_one_line(start, capsys):
         (
             [*grpo, f"grpo.rewards=[{start / 'raising.py'}:fn]", "trainer.max_steps=1"],
             f"reward fn ({start / 'raising.py'}:fn) raised KeyError: '",
+        ),
+        # a reward's sys.exit(0) once ended the run with exit 0 and no word
+        (
+            [*grpo, f"grpo.rewards=[{bad}:leaves]", "trainer.max_steps=1"],
+            f"reward leaves ({bad}:leaves) called sys.exit(0) on the prompt of {f} line ",
+        ),
+        (
+            [*grpo, f"grpo.rewards=[{bad}:spins]", "grpo.reward_timeout=0.5", "trainer.max_steps=1"],
+            f"reward spins ({bad}:spins) did not return within grpo.reward_timeout=0.5 s on the prompt of ",
+        ),
+        # two finite rewards whose sum is inf: once "loss became non-finite ... lower optim.lr"
+        (
+            [
+                *grpo,
+                f"grpo.rewards=[{{function: '{bad}:huge', name: a}},{{function: '{bad}:huge', name: b}}]",
+                "trainer.max_steps=1",
+            ],
+            f"the total reward is inf (1 x a 1e+308, 1 x b 1e+308) on the prompt of {f} line ",
         ),
     ]:
         code, _, err = run_main(capsys, "train", *base, *args)

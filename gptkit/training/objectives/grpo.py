@@ -20,7 +20,10 @@ One optimizer step, for each prompt of its batch:
                its gradient that of log pi), and the k3 estimate of the KL to the frozen start (Schulman
                2020) when grpo.beta > 0:
                    l_it = -min(rho A_i, clip(rho, 1 - epsilon, 1 + epsilon_high) A_i) + beta KL_it
-                   KL_it = exp(ref_t - logp_t) - (ref_t - logp_t) - 1
+                   KL_it = exp(ref_t - logp_t) - (ref_t - logp_t) - 1              grpo.kl=k3 (default)
+                   KL_it = rho (exp(ref_t - logp_t) - (ref_t - logp_t) - 1)        grpo.kl=k3_ratio
+               (k3_ratio: TRL's use_bias_correction_kl=True, its default since 1.16; rho unclipped and not
+               detached, so it changes the KL's gradient even in a first pass, where rho = 1)
                normalized over the step's completions, every micro-batch and rank (grpo.loss):
                    grpo     (1/G) sum_i (1/|o_i|) sum_t l_it          each completion's token mean, averaged
                    dr_grpo  sum_i sum_t l_it / (G max_new_tokens)     a constant: no length bias
@@ -53,6 +56,8 @@ from gptkit.training.rewards import Rewards, load_rewards, parse_rewards
 
 LOSSES = ("grpo", "dr_grpo", "dapo")
 SCALES = ("std", "none")
+# grpo.kl: the per-token KL term, k3 alone, or k3 times the ratio rho (TRL's use_bias_correction_kl)
+KLS = ("k3", "k3_ratio")
 # added to a group's std before dividing (TRL's GRPOTrainer adds the same)
 STD_EPS = 1e-4
 
@@ -75,6 +80,19 @@ def check_grpo_config(g: Any) -> None:
         raise ConfigError(f"grpo.scale={g.get('scale')!r} is not one of {', '.join(SCALES)}")
     if str(g.get("loss")) not in LOSSES:
         raise ConfigError(f"grpo.loss={g.get('loss')!r} is not one of {', '.join(LOSSES)}")
+    if str(g.get("kl", "k3")) not in KLS:
+        raise ConfigError(
+            f"grpo.kl={g.get('kl')!r} is not one of {', '.join(KLS)} (k3: the KL estimate alone; k3_ratio: "
+            "times the ratio to the sampling policy, TRL's use_bias_correction_kl)"
+        )
+    limit = g.get("reward_timeout")
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= float(limit) < math.inf
+    ):
+        raise ConfigError(
+            f"grpo.reward_timeout={limit!r} must be a number of seconds >= 0 (0 or null: no limit): how "
+            "long one reward call may take"
+        )
     eps, high = g.get("epsilon"), g.get("epsilon_high")
     for key, v in (("epsilon", eps), ("epsilon_high", high)):
         if v is not None and not (isinstance(v, (int, float)) and 0 < float(v) < 1e3):
@@ -128,27 +146,33 @@ def grpo_loss(
     ref_logps: torch.Tensor | None = None,
     loss: str = "grpo",
     max_new_tokens: int | None = None,
+    kl: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the loss of a batch of completions, its figures) from per-token log-probs [N, T] of the policy, of the
     policy that sampled (old_logps) and of the reference (with beta > 0), advantages [N] and the completion
     tokens' mask [N, T] (see the module docstring). The figures are detached sums over the completion tokens:
-    tokens, clipped (low: rho < 1 - epsilon_low with A < 0; high: rho > 1 + epsilon_high with A > 0), kl."""
+    tokens, clipped (low: rho < 1 - epsilon_low with A < 0; high: rho > 1 + epsilon_high with A > 0), kl (the
+    KL term as the loss has it: k3, or k3 x rho with kl="k3_ratio")."""
     mask = mask.to(logps.dtype)
     ratio = torch.exp(logps - old_logps)  # [N, T]
     adv = advantages[:, None].to(logps.dtype)  # [N, 1]
     clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [N, T]
     per_token = -torch.min(ratio * adv, clipped * adv)  # [N, T]
     figures = {"tokens": mask.sum().detach()}
-    if beta > 0:
-        if ref_logps is None:
-            raise ValueError("beta > 0 needs the reference's log-probs")
+    if kl not in KLS:
+        raise ConfigError(f"grpo.kl={kl!r} is not one of {', '.join(KLS)}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError("beta > 0 needs the reference's log-probs")
+    if ref_logps is not None:
         d = ref_logps - logps  # [N, T]
-        kl = torch.exp(d) - d - 1  # [N, T] k3, >= 0
-        per_token = per_token + beta * kl
-        figures["kl"] = (kl * mask).sum().detach()
-    elif ref_logps is not None:
-        d = (ref_logps - logps).detach()
-        figures["kl"] = ((torch.exp(d) - d - 1) * mask).sum()
+        term = torch.exp(d) - d - 1  # [N, T] k3, >= 0
+        if kl == "k3_ratio":
+            # TRL's use_bias_correction_kl: times the unclipped ratio, not detached (its gradient acts even
+            # where rho = 1)
+            term = term * ratio
+        if beta > 0:
+            per_token = per_token + beta * term
+        figures["kl"] = (term * mask).sum().detach()
     low = (ratio < 1 - epsilon_low) & (adv < 0)
     high = (ratio > 1 + epsilon_high) & (adv > 0)
     figures["clipped"] = ((low | high).to(mask.dtype) * mask).sum().detach()
@@ -360,7 +384,7 @@ class GRPO(Objective):
             reference = (
                 "the base with the adapters off" if plan.lora else "a frozen copy of the starting weights"
             )
-            kl = f"KL (k3) to {reference}, beta {g.beta}"
+            kl = f"KL ({g.get('kl', 'k3')}) to {reference}, beta {g.beta}"
         else:
             kl = "no KL term (beta 0)"
         scale = "divided by the group's std" if g.scale == "std" else "not scaled (Dr. GRPO)"
@@ -380,6 +404,8 @@ class GRPO(Objective):
         self.epsilon = float(g.epsilon)
         self.epsilon_high = float(g.get("epsilon_high") or g.epsilon)
         self.beta = float(g.beta)
+        self.kl = str(g.get("kl", "k3"))
+        self.rewards.timeout = float(g.get("reward_timeout") or 0.0) or None
         self.val_temperature = float(g.get("val_temperature") or 0.0)
         self.seed, self.seq_len = int(plan.cfg.seed), int(plan.seq_len)
         self.accumulation, self.batch_size = int(plan.accumulation), int(plan.batch_size)
@@ -438,11 +464,13 @@ class GRPO(Objective):
     def _score(self, batch: PromptBatch, groups) -> tuple[list, list]:
         """(scores[p][i][k], totals[p][i]) of every completion."""
         scores, totals = [], []
-        for row, where, group in zip(batch.rows, batch.where, groups):
-            prompt = self._prompt_of(row)
-            s = [self.rewards.score(prompt, self._text(c.tokens), row, where) for c in group]
-            scores.append(s)
-            totals.append([self.rewards.total(x) for x in s])
+        # the reward calls' signal handlers (their time limit, a Ctrl-C told from the reward's own), once
+        with self.rewards.guard():
+            for row, where, group in zip(batch.rows, batch.where, groups):
+                prompt = self._prompt_of(row)
+                s = [self.rewards.score(prompt, self._text(c.tokens), row, where) for c in group]
+                scores.append(s)
+                totals.append([self.rewards.total(x, where) for x in s])
         return scores, totals
 
     def sample(self, model, batch: PromptBatch, n: int, temperature: float, step: int) -> tuple[list, float]:
@@ -542,6 +570,7 @@ class GRPO(Objective):
             ref_logps=ro.ref,
             loss=self.loss_type,
             max_new_tokens=self.opts.max_new_tokens,
+            kl=self.kl,
         )
         self.train.add_loss(figures)
         if self.loss_type == "dapo":
