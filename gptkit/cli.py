@@ -131,6 +131,11 @@ VERBS: dict[str, Verb] = {
         "which documents trained step N of a run: source, document, file and offset, text of every row, "
         "read from its prepared data (rank=, micro_batch=, --json)",
     ),
+    "example-data": Verb(
+        "example_data",
+        "example_data",
+        "write the example data the docs use (train.jsonl, prompts.jsonl, pairs.jsonl) into a folder (out=.)",
+    ),
     "bench": Verb(
         "bench",
         "bench",
