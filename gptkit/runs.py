@@ -473,7 +473,7 @@ def load_model(
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{run_dir / CONFIG_FILE}: {exc}") from None
     # torch (the device, the model) once the run is found and its config read: a run= that is not one is one
-    # line without it (2.8 s -> 0.3 s of CPU for `sample run=runs/none`, issue 47 item 12)
+    # line without it (3.3 s -> 0.24 s of CPU for `sample run=runs/none`, issue 47 item 12)
     from gptkit.model import GPT
 
     device = resolve_device(device)

@@ -24,7 +24,7 @@ def run(cfg) -> int:
     if str(cfg.text) == "":
         raise ConfigError('attention needs a text to look at: text="..." (at least one character)')
     # the run first, torch after (gptkit.generate, the device, the model): a run= that is not one is one line
-    # in 0.3 s of CPU, not 2.8 s (issue 47 item 12, docs/benchmarks.md)
+    # in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     ckpt = find_run_checkpoint(cfg.run)
     from gptkit.attention_maps import mean_entropy_bits, write_for_run
     from gptkit.generate import encode_prompt, special_token_ids

@@ -112,7 +112,7 @@ def run(cfg) -> int:
     if int(cfg.batch_size) < 1:
         raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
     # the run first, torch after (gptkit.evaluation, the device, the model): a run= that is not one is
-    # one line in 0.3 s of CPU, not 2.8 s (issue 47 item 12, docs/benchmarks.md)
+    # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     find_run_checkpoint(cfg.run)
     from gptkit.evaluation import SCORINGS
 

@@ -118,7 +118,7 @@ def run(cfg) -> int:
     allow = cfg.special_tokens_in_content == "allow"
     prompt = read_prompt(cfg)
     # the run first, torch after (gptkit.generate, the device, the model): a run= that is not one is one line
-    # in 0.3 s of CPU, not 2.8 s (issue 47 item 12, docs/benchmarks.md)
+    # in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     ckpt = find_run_checkpoint(cfg.run)
     from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
 

@@ -64,7 +64,7 @@ def run(cfg) -> int:
     if api_key is not None and not str(api_key).strip():
         raise ConfigError("api_key is empty; give a key, or null for none")
     # the run first, torch after (the server's modules, the device, the model): a run= that is not one is
-    # one line in 0.3 s of CPU, not 2.8 s (issue 47 item 12, docs/benchmarks.md)
+    # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     find_run_checkpoint(cfg.run)
     from gptkit.serve.served import load_served
     from gptkit.serve.server import bind, serve

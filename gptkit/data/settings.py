@@ -19,7 +19,7 @@ from gptkit.errors import GptkitError
 WINDOW_KEYS = ("pack",)
 # data.pack: what a window's documents may see (gptkit/data/windows.py). Here, not in windows.py, which
 # imports torch: sample, chat and serve read this module before they look for their run (torch was most of
-# the 2.8 s of CPU that `sample run=runs/none` cost, issue 47 item 12)
+# the 3.3 s of CPU that `sample run=runs/none` cost, issue 47 item 12)
 PACKS = ("stream", "documents")
 # data options of how the shards are built: they change no token either
 BUILD_KEYS = ("workers",)

@@ -133,7 +133,7 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     from_run = bool(init_from) and not str(cfg.init_from).startswith(HF_PREFIX)
     values = check_values(cfg, new_model=not resume and not from_run)
     # what needs torch and Lightning after the values: imported here, since importing them costs ~4 s of
-    # CPU that a refused value does not pay (4.2 s -> 0.3 s for `train trainer.precision=fp9`, issue 47)
+    # CPU that a refused value does not pay (5.3 s -> 0.28 s for `train trainer.precision=fp9`, issue 47)
     from gptkit.training.expert_parallel import check_expert_model
     from gptkit.training.finetune import check_finetune, finetune_class
     from gptkit.training.objectives import check_objective, objective_class
