@@ -500,12 +500,13 @@ def load_model(
     quantize: str | None = None,
 ):
     """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval
-    mode. The checkpoint's tensors are memory-mapped and copied once, into the model on `device`.
+    mode on `device` (auto: cuda when a GPU is present; resolve_device). The checkpoint's tensors are
+    memory-mapped and copied once, into the model on `device`.
     quantize: int8 | int4 | nf4, the block projections' weights quantized through torchao after the cast to
     `dtype` (gptkit.quant); what torchao cannot run on this model, device or dtype is one line before any
     weight is read."""
     from gptkit import quant
-    from gptkit.model import GPT, ModelConfig
+    from gptkit.model.config import ModelConfig
 
     path = resolve_latest(path)
     ckpt_path = find_checkpoint(path)
@@ -521,6 +522,11 @@ def load_model(
         model_cfg = ModelConfig.from_dict(mdict)
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{run_dir / CONFIG_FILE}: {exc}") from None
+    # torch (the device, the model) once the run is found and its config read: a run= that is not one is one
+    # line without it (3.3 s -> 0.24 s of CPU for `sample run=runs/none`, issue 47 item 12)
+    from gptkit.model import GPT
+
+    device = resolve_device(device)
     if quantize is not None:
         quant.check_quantize(quantize, model_cfg, str(device), str(dtype or "fp32"))
     model = GPT.from_state(model_cfg, checked_model_state(ckpt_path, model_cfg), device)
@@ -579,4 +585,4 @@ def load_for_inference(
     its cos/sin tables in fp32 whatever dtype the model is cast to). quantize: None (the run's weights) or
     int8 | int4 | nf4, weight-only through torchao on the block projections (gptkit.quant; docs/qlora.md):
     a model, device or dtype torchao cannot run is one line before the weights load."""
-    return load_run(path, resolve_device(device), str(dtype), attention, quantize)
+    return load_run(path, device, str(dtype), attention, quantize)

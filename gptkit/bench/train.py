@@ -40,10 +40,11 @@ from gptkit.model import GPT, ModelConfig
 from gptkit.precision import precision, torch_dtype
 from gptkit.runs import resolve_device
 from gptkit.threads import set_threads
+from gptkit.training.config_checks import compile_mode
 from gptkit.training.metrics import detect_peak_flops
 from gptkit.training.module import LitGPT, apply_compile
 from gptkit.training.optim import build_optimizer, build_scheduler
-from gptkit.training.plan import compile_mode, make_plan
+from gptkit.training.plan import make_plan
 from gptkit.training.trainer import build_trainer, check_trainer_config
 
 

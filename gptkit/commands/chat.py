@@ -35,9 +35,7 @@ def run(cfg) -> int:
     )
     from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError, GptkitError
-    from gptkit.generate import ChatSession
-    from gptkit.runs import load_for_inference, resolve_device
-    from gptkit.sampling import SampleOptions
+    from gptkit.runs import find_run_checkpoint, load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
     if cfg.format not in ("text", "json"):
@@ -47,8 +45,14 @@ def run(cfg) -> int:
             f"special_tokens_in_content={cfg.special_tokens_in_content!r} must be text (a special token "
             "typed in a message stays text) or allow (it becomes the control token)"
         )
+    # the run first, torch after (gptkit.generate, the device, the model): a run= that is not one is one line
+    # in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
+    ckpt = find_run_checkpoint(cfg.run)
+    from gptkit.generate import ChatSession
+    from gptkit.sampling import SampleOptions
+
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
-    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
+    r = load_for_inference(ckpt, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
     if cfg.template == "auto":
         template = template_in_folder(Path(r.dir))
         if template is None:

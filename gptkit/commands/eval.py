@@ -105,12 +105,17 @@ def pack_eos_id(cfg, r, eos_id: int | None, source: str) -> int | None:
 
 def run(cfg) -> int:
     from gptkit.errors import ConfigError
-    from gptkit.evaluation import SCORINGS
+    from gptkit.runs import find_run_checkpoint
 
     if cfg.format not in ("table", "json"):
         raise ConfigError(f"format={cfg.format!r} must be table or json")
     if int(cfg.batch_size) < 1:
         raise ConfigError(f"batch_size={cfg.batch_size} must be >= 1")
+    # the run first, torch after (gptkit.evaluation, the device, the model): a run= that is not one is
+    # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
+    find_run_checkpoint(cfg.run)
+    from gptkit.evaluation import SCORINGS
+
     if cfg.tasks is not None:
         return run_tasks(cfg)
     given = [k for k in TASK_ONLY if cfg.get(k) is not None]

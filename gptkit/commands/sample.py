@@ -105,8 +105,7 @@ def read_prompt(cfg) -> str:
 def run(cfg) -> int:
     from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError
-    from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
-    from gptkit.runs import load_for_inference, resolve_device
+    from gptkit.runs import find_run_checkpoint, load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
     if cfg.format not in ("text", "json"):
@@ -118,7 +117,12 @@ def run(cfg) -> int:
         )
     allow = cfg.special_tokens_in_content == "allow"
     prompt = read_prompt(cfg)
-    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
+    # the run first, torch after (gptkit.generate, the device, the model): a run= that is not one is one line
+    # in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
+    ckpt = find_run_checkpoint(cfg.run)
+    from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
+
+    r = load_for_inference(ckpt, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
     ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id, allow_special_text=allow)

@@ -13,11 +13,14 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from gptkit.conf_files import conf_dir, preset_defaults
-from gptkit.data.windows import PACKS
 from gptkit.errors import GptkitError
 
 # data options of how windows are drawn from the shards: they change no token
 WINDOW_KEYS = ("pack",)
+# data.pack: what a window's documents may see (gptkit/data/windows.py). Here, not in windows.py, which
+# imports torch: sample, chat and serve read this module before they look for their run (torch was most of
+# the 3.3 s of CPU that `sample run=runs/none` cost, issue 47 item 12)
+PACKS = ("stream", "documents")
 # data options of how the shards are built: they change no token either
 BUILD_KEYS = ("workers",)
 # data.special_tokens_in_content: text (a special token that the data's text spells stays text: only the

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from gptkit.data.settings import PACKS
 from gptkit.errors import GptkitError
 
 
@@ -31,9 +32,6 @@ def check_window(n_tokens: int, seq_len: int, split: str) -> None:
             f"{seq_len + 1}; give a longer corpus or a shorter trainer.seq_len (the training "
             "window)"
         )
-
-
-PACKS = ("stream", "documents")
 
 
 def check_pack(pack: str, eos_id: int | None) -> None:

@@ -23,14 +23,11 @@ from torch import nn
 from torch.optim._muon import _adjust_lr
 
 from gptkit.errors import ConfigError
+from gptkit.training.config_checks import adamw_implementation, check_optim_values
 
 # torch.distributed (.tensor) is imported inside the Muon step's helpers: ~1.1 s of start-up on the CPU
 # (measured 2026-12-01, load ~8), which only optim=muon runs pay, at their first step.
 
-SCHEDULES = ("cosine", "linear", "wsd", "constant")
-
-
-OPTIMIZERS = ("adamw", "muon")
 # torch.optim.Muon's adjust_lr_fn
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
 # the first torch with torch.optim.Muon
@@ -93,52 +90,17 @@ def check_muon_split(model: nn.Module) -> None:
 
 
 def check_optim_config(cfg: Any) -> None:
-    """One-line errors for the `optim` group, before any data is prepared or anything is written."""
-    if cfg.name not in OPTIMIZERS:
-        raise ConfigError(f"optim.name={cfg.name!r} is not supported; use optim=adamw or optim=muon")
+    """One-line errors for the `optim` group, before any data is prepared or anything is written: its values
+    (config_checks, which fit.check_config runs before importing torch), then Muon's settings."""
+    check_optim_values(cfg)
     if cfg.name == "muon":
         check_muon_config(cfg)
-    if not float(cfg.lr) > 0:
-        raise ConfigError(f"optim.lr={cfg.lr} must be > 0")
-    if cfg.schedule not in SCHEDULES:
-        raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
-    if cfg.get("min_lr") is not None:
-        if isinstance(cfg.min_lr, bool) or not isinstance(cfg.min_lr, (int, float)):
-            raise ConfigError(f"optim.min_lr={cfg.min_lr} is not a number (null: optim.lr / 10)")
-        if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
-            raise ConfigError(
-                f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}] (or null: optim.lr / 10)"
-            )
-    if int(cfg.warmup_steps) < 0:
-        raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
-    adamw_implementation(cfg.fused, "cpu")
 
 
 def min_lr(cfg: Any) -> float:
     """The lr the schedule decays to: optim.min_lr, or optim.lr / 10 when it is null (the default, so that
     optim.lr=3e-5 alone gives a schedule to 3e-6)."""
     return float(cfg.lr) / 10 if cfg.get("min_lr") is None else float(cfg.min_lr)
-
-
-# where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
-FUSED_DEVICES = ("cuda", "cpu")
-
-
-def adamw_implementation(fused: Any, device_type: str) -> str:
-    """ "fused" (one kernel for every parameter update) or "foreach" (torch's default) for optim.fused
-    (auto | true | false) on `device_type`. Clipping works with both: gptkit's mixed-precision plugin
-    unscales before clipping (training/trainer.py)."""
-    if fused == "auto":
-        return "fused" if device_type in FUSED_DEVICES else "foreach"
-    if fused is True:
-        if device_type not in FUSED_DEVICES:
-            raise ConfigError(
-                f"optim.fused=true needs a CUDA GPU or the CPU, not {device_type}; use optim.fused=auto"
-            )
-        return "fused"
-    if fused is False:
-        return "foreach"
-    raise ConfigError(f"optim.fused={fused!r} must be auto, true or false")
 
 
 def check_muon_config(cfg: Any) -> None:

@@ -38,7 +38,8 @@ from gptkit import accounting as acc
 from gptkit.conf_tree import count
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
-from gptkit.precision import Precision, precision
+from gptkit.precision import Precision
+from gptkit.training.config_checks import Values, check_trainer_values
 from gptkit.training.distributed import accelerator_type, devices_per_node
 from gptkit.training.expert_parallel import check_expert_model
 from gptkit.training.finetune import Finetune, finetune_class
@@ -46,22 +47,6 @@ from gptkit.training.metrics import detect_peak_flops
 from gptkit.training.objectives import Objective, objective_class
 from gptkit.training.optim import lr_factor, min_lr
 from gptkit.training.profile import check_profile
-
-COMPILE_MODES = ("blocks", "model")
-
-
-def compile_mode(value: Any) -> str | None:
-    """trainer.compile as None (none/false), "blocks" (true: each transformer block, regional) or "model" (the
-    whole forward, loss included)."""
-    if value in (False, None, "false", "none"):
-        return None
-    if value is True or value == "true":
-        return "blocks"
-    if value not in COMPILE_MODES:
-        raise ConfigError(
-            f"trainer.compile={value!r} is not one of none, {', '.join(COMPILE_MODES)} (or false/true)"
-        )
-    return value
 
 
 def train_seq_len(t: Any, model_cfg: ModelConfig) -> int:
@@ -112,17 +97,18 @@ class Checked:
         return self.devices * self.nodes
 
 
-def check_trainer(t: Any) -> Checked:
+def check_trainer(t: Any, values: Values | None = None) -> Checked:
     """The `trainer` group's facts, each derived once: precision, accelerator, devices, nodes, compile mode
-    (one-line ConfigErrors for a value none of them takes)."""
-    p = precision(t.precision)
+    (one-line ConfigErrors for a value none of them takes). values: config_checks.check_trainer_values(t),
+    when already derived."""
+    values = values or check_trainer_values(t)
     accelerator = accelerator_type(t)
     return Checked(
-        precision=p,
+        precision=values.precision,
         accelerator=accelerator,
         devices=devices_per_node(t, accelerator),
         nodes=int(t.num_nodes),
-        compile=compile_mode(t.compile),
+        compile=values.compile,
     )
 
 

@@ -13,12 +13,10 @@ from lightning.pytorch.loggers import WandbLogger
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from gptkit.checkpoints import CHECKPOINT_DIR
-from gptkit.conf_tree import count
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.extras import require
 from gptkit.runs import TOKENIZER_FILE
-from gptkit.threads import check_threads
 from gptkit.training.checkpoint_io import SafeAtomicCheckpointIO
+from gptkit.training.config_checks import Values, check_trainer_values
 from gptkit.training.distributed import (
     build_strategy,
     check_distributed,
@@ -29,25 +27,13 @@ from gptkit.training.metrics_csv import MetricsCSV
 from gptkit.training.peak_memory import MeasuredMemory
 from gptkit.training.plan import Checked, RunPlan, check_trainer
 from gptkit.training.profile import ProfileSteps, check_profile
-from gptkit.training.progress import ProgressReporter, progress_mode
+from gptkit.training.progress import ProgressReporter
 from gptkit.training.run_checkpoints import RunCheckpoints
 from gptkit.training.task_evals import check_task_evals, task_evals_callback
 from gptkit.training.watch import ValidationWatch
 
-# wandb and the tensorboard logger are imported on use: optional packages (check_loggers says which).
-
-# the loggers whose package is optional: each is a row of gptkit.extras.EXTRAS
-LOGGER_PACKAGES = ("tensorboard", "wandb")
-
-
-def check_loggers(logger_cfg: Any) -> None:
-    """One line, before any data is prepared or any file written, for a logger whose package is missing."""
-    for kind, opts in (logger_cfg or {}).items():
-        if kind not in ("csv", *LOGGER_PACKAGES):
-            raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
-        if kind in LOGGER_PACKAGES and (opts or {}).get("enabled", True):
-            # an import, not a look-up: a broken install fails here too, not after the data is prepared
-            require(kind)
+# wandb and the tensorboard logger are imported on use: optional packages (config_checks.check_loggers
+# says which).
 
 
 def build_loggers(logger_cfg: Any, run_dir: Path, run_name: str, resume_step: int | None = None) -> list:
@@ -150,55 +136,19 @@ def precision_plugin(plan: RunPlan):
     return ClippingMixedPrecision(plan.precision.name, plan.accelerator)
 
 
-def check_trainer_config(t: Any) -> Checked:
+def check_trainer_config(t: Any, values: Values | None = None) -> Checked:
     """Fail in one line, before any data is prepared, on trainer values Lightning would reject late; returns
-    the facts derived on the way (precision, accelerator, devices, compile mode), for make_plan."""
-    for key in (
-        "batch_size",
-        "accumulate_grad_batches",
-        "val_every",
-        "checkpoint_every",
-        "log_every",
-        "num_nodes",
-    ):
-        if not isinstance(t[key], int) or int(t[key]) < 1:
-            raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
-    if t.max_tokens is None and (not isinstance(t.max_steps, int) or t.max_steps < 1):
-        raise ConfigError(
-            f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)"
-        )
-    if t.max_tokens is not None:
-        count(t.max_tokens, "trainer.max_tokens")
-    seq_len = t.get("seq_len")
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
-        raise ConfigError(
-            f"trainer.seq_len={seq_len} must be an integer >= 1 (or null for model.max_seq_len)"
-        )
-    check_threads(t.get("threads"), "trainer.threads")
-    if t.val_windows is not None and int(t.val_windows) < 1:
-        raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
-    keep = t.get("keep_checkpoints", 3)
-    if keep is not None and (not isinstance(keep, int) or keep < 0):
-        raise ConfigError(
-            f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every one)"
-        )
-    every = t.get("sample_every")
-    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-        raise ConfigError(f"trainer.sample_every={every} must be an integer >= 1 (or null for no samples)")
-    if not isinstance(t.get("keep_best", False), bool):
-        raise ConfigError(f"trainer.keep_best={t.keep_best} must be true or false")
-    if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
-        raise ConfigError(
-            f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)"
-        )
-    progress_mode(t.progress)
+    the facts derived on the way (precision, accelerator, devices, compile mode), for make_plan. values: what
+    config_checks.check_trainer_values derived from `t` (fit.check_config checks them before importing
+    torch); None checks them here."""
+    values = values or check_trainer_values(t)
     check_spikes(t)
     # a range beyond trainer.max_steps, before any data is prepared (make_plan checks it against the plan)
     if t.max_tokens is None:
         check_profile(t.get("profile"), int(t.max_steps))
     # trainer.eval_tasks: lm-eval importable, local task files there
     check_task_evals(t)
-    checked = check_trainer(t)
+    checked = check_trainer(t, values)
     # devices, strategy, launcher: one line now rather than a hang later
     check_distributed(t, checked)
     p, device = checked.precision, checked.accelerator

@@ -420,11 +420,26 @@ def test_lightning_through_the_cli_does_not_import_transformers():
         ["train", "model.n_layers=abc"],
         ["count-params", "model=nope"],
         ["sample", "no_such_key=1"],
+        # refused by fit.check_config's values (gptkit/training/config_checks.py)
+        ["train", "trainer.precision=fp9"],
+        ["train", "trainer.batch_size=0"],
+        ["train", "trainer.compile=always"],
+        ["train", "optim.lr=-1"],
+        ["train", "optim.schedule=nope"],
+        ["train", "model.n_layers=0"],
+        # a run= that does not exist: found before torch is imported
+        ["sample", "run=/nonexistent/gptkit-run"],
+        ["chat", "run=/nonexistent/gptkit-run"],
+        ["eval", "run=/nonexistent/gptkit-run"],
+        ["serve", "run=/nonexistent/gptkit-run"],
+        ["attention", "run=/nonexistent/gptkit-run", "text=a"],
     ],
 )
 def test_a_refused_config_imports_no_torch(args):
     """Issue 47 item 12: a config refused before the verb runs is one line without torch or Lightning (the
-    one-line report looked for torch's out-of-memory error through gptkit.training.memory, importing both)."""
+    one-line report looked for torch's out-of-memory error through gptkit.training.memory, importing both;
+    check_config imported them before checking the values; sample, chat, eval, serve and attention before
+    looking for their run)."""
     code = (
         "from gptkit.cli import main\n"
         "with contextlib.redirect_stderr(io.StringIO()) as err:\n"

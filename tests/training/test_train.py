@@ -431,7 +431,7 @@ def test_a_missing_logger_package_is_one_line_before_any_work(tmp_path, monkeypa
     import sys
 
     from gptkit.extras import MissingExtra
-    from gptkit.training.trainer import check_loggers
+    from gptkit.training.config_checks import check_loggers
 
     # `import tensorboard` raises ImportError
     monkeypatch.setitem(sys.modules, "tensorboard", None)

@@ -1,0 +1,162 @@
+"""The checks of a training config that need neither torch nor Lightning: values, choices, combinations.
+
+fit.check_config runs check_values first, so that a refused value is one line after 0.28 s of CPU instead
+of the 5.3 s it cost with torch and Lightning imported first (`gptkit train trainer.precision=fp9`, issue
+47 item 12; docs/benchmarks.md). What needs torch (the accelerator, the devices, bf16 on this GPU,
+torch.compile, Muon in this torch), an optional package (lm-eval) or the classes of the fine-tunes and
+objectives is checked after it (trainer.check_trainer_config, fit.check_config). This module imports nothing
+of torch, Lightning or the training modules that do (tests/front/test_cli_strict.py checks that a refused
+config imports neither).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+
+from gptkit.conf_tree import count
+from gptkit.errors import ConfigError
+from gptkit.extras import require
+from gptkit.model.config import ModelConfig
+from gptkit.precision import Precision, precision
+from gptkit.threads import check_threads
+from gptkit.training.progress import progress_mode
+
+COMPILE_MODES = ("blocks", "model")
+SCHEDULES = ("cosine", "linear", "wsd", "constant")
+OPTIMIZERS = ("adamw", "muon")
+# where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
+FUSED_DEVICES = ("cuda", "cpu")
+# the loggers whose package is optional: each is a row of gptkit.extras.EXTRAS
+LOGGER_PACKAGES = ("tensorboard", "wandb")
+
+
+@dataclass(frozen=True)
+class Values:
+    """What check_values derived, each once: the trainer's precision and compile mode and, for a new model
+    (neither resume= nor init_from=), its config."""
+
+    precision: Precision
+    # None | "blocks" | "model"
+    compile: Optional[str]
+    model: Optional[ModelConfig] = None
+
+
+def check_values(cfg: Any, new_model: bool) -> Values:
+    """The `trainer`, `optim`, `logger` and (new_model: the run builds its model from model=) `model`
+    groups' values, one-line ConfigErrors."""
+    values = check_trainer_values(cfg.trainer)
+    check_optim_values(cfg.optim)
+    check_loggers(cfg.logger)
+    if new_model:
+        model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+        values = Values(values.precision, values.compile, model)
+    return values
+
+
+def check_trainer_values(t: Any) -> Values:
+    """The `trainer` group's values: counts, intervals, precision, compile mode (one line each)."""
+    for key in (
+        "batch_size",
+        "accumulate_grad_batches",
+        "val_every",
+        "checkpoint_every",
+        "log_every",
+        "num_nodes",
+    ):
+        if not isinstance(t[key], int) or int(t[key]) < 1:
+            raise ConfigError(f"trainer.{key}={t[key]} must be an integer >= 1")
+    if t.max_tokens is None and (not isinstance(t.max_steps, int) or t.max_steps < 1):
+        raise ConfigError(
+            f"trainer.max_steps={t.max_steps} must be an integer >= 1 (or set trainer.max_tokens)"
+        )
+    if t.max_tokens is not None:
+        count(t.max_tokens, "trainer.max_tokens")
+    seq_len = t.get("seq_len")
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1):
+        raise ConfigError(
+            f"trainer.seq_len={seq_len} must be an integer >= 1 (or null for model.max_seq_len)"
+        )
+    check_threads(t.get("threads"), "trainer.threads")
+    if t.val_windows is not None and int(t.val_windows) < 1:
+        raise ConfigError(f"trainer.val_windows={t.val_windows} must be >= 1 (or null for every window)")
+    keep = t.get("keep_checkpoints", 3)
+    if keep is not None and (not isinstance(keep, int) or keep < 0):
+        raise ConfigError(
+            f"trainer.keep_checkpoints={keep} must be an integer >= 0 (or null to keep every one)"
+        )
+    every = t.get("sample_every")
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ConfigError(f"trainer.sample_every={every} must be an integer >= 1 (or null for no samples)")
+    if not isinstance(t.get("keep_best", False), bool):
+        raise ConfigError(f"trainer.keep_best={t.keep_best} must be true or false")
+    if t.gradient_clip_val is not None and float(t.gradient_clip_val) <= 0:
+        raise ConfigError(
+            f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)"
+        )
+    progress_mode(t.progress)
+    return Values(precision=precision(t.precision), compile=compile_mode(t.compile))
+
+
+def compile_mode(value: Any) -> str | None:
+    """trainer.compile as None (none/false), "blocks" (true: each transformer block, regional) or "model" (the
+    whole forward, loss included)."""
+    if value in (False, None, "false", "none"):
+        return None
+    if value is True or value == "true":
+        return "blocks"
+    if value not in COMPILE_MODES:
+        raise ConfigError(
+            f"trainer.compile={value!r} is not one of none, {', '.join(COMPILE_MODES)} (or false/true)"
+        )
+    return value
+
+
+def check_optim_values(cfg: Any) -> None:
+    """One-line errors for the `optim` group's values (Muon's own settings, which need torch to check:
+    optim.check_muon_config)."""
+    if cfg.name not in OPTIMIZERS:
+        raise ConfigError(f"optim.name={cfg.name!r} is not supported; use optim=adamw or optim=muon")
+    if not float(cfg.lr) > 0:
+        raise ConfigError(f"optim.lr={cfg.lr} must be > 0")
+    if cfg.schedule not in SCHEDULES:
+        raise ConfigError(f"optim.schedule={cfg.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    if cfg.get("min_lr") is not None:
+        if isinstance(cfg.min_lr, bool) or not isinstance(cfg.min_lr, (int, float)):
+            raise ConfigError(f"optim.min_lr={cfg.min_lr} is not a number (null: optim.lr / 10)")
+        if not 0 <= float(cfg.min_lr) <= float(cfg.lr):
+            raise ConfigError(
+                f"optim.min_lr={cfg.min_lr} must be in [0, optim.lr={cfg.lr}] (or null: optim.lr / 10)"
+            )
+    if int(cfg.warmup_steps) < 0:
+        raise ConfigError(f"optim.warmup_steps={cfg.warmup_steps} must be >= 0")
+    adamw_implementation(cfg.fused, "cpu")
+
+
+def adamw_implementation(fused: Any, device_type: str) -> str:
+    """ "fused" (one kernel for every parameter update) or "foreach" (torch's default) for optim.fused
+    (auto | true | false) on `device_type`. Clipping works with both: gptkit's mixed-precision plugin
+    unscales before clipping (training/trainer.py)."""
+    if fused == "auto":
+        return "fused" if device_type in FUSED_DEVICES else "foreach"
+    if fused is True:
+        if device_type not in FUSED_DEVICES:
+            raise ConfigError(
+                f"optim.fused=true needs a CUDA GPU or the CPU, not {device_type}; use optim.fused=auto"
+            )
+        return "fused"
+    if fused is False:
+        return "foreach"
+    raise ConfigError(f"optim.fused={fused!r} must be auto, true or false")
+
+
+def check_loggers(logger_cfg: Any) -> None:
+    """One line, before any data is prepared or any file written, for a logger whose package is missing."""
+    for kind, opts in (logger_cfg or {}).items():
+        if kind not in ("csv", *LOGGER_PACKAGES):
+            raise ConfigError(f"unknown logger {kind!r}; use logger=[csv,tensorboard,wandb]")
+        if kind in LOGGER_PACKAGES and (opts or {}).get("enabled", True):
+            # an import, not a look-up: a broken install fails here too, not after the data is prepared
+            require(kind)
