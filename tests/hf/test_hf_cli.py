@@ -167,18 +167,18 @@ BAD_CONFIGS = {
 
 @pytest.mark.parametrize("case", BAD_CONFIGS, ids=list(BAD_CONFIGS))
 def test_import_checks_config_numbers_and_sizes_against_the_weights_headers(tmp_path, monkeypatch, case):
-    from gptkit import hf_io
+    from gptkit.hf import folders
 
     changes, drop, needles = BAD_CONFIGS[case]
-    src = hf_io.Source(_hf_folder(tmp_path / "hf", changes, drop), "hf", str(tmp_path / "hf"))
+    src = folders.Source(_hf_folder(tmp_path / "hf", changes, drop), "hf", str(tmp_path / "hf"))
 
     # refused before a tensor is read or a model built (the headers alone)
     def never(*a, **k):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(hf_io, "load_weights", never)
+    monkeypatch.setattr(folders, "load_weights", never)
     with pytest.raises(GptkitError) as err:
-        hf_io.import_folder(src, tmp_path / "run")
+        folders.import_folder(src, tmp_path / "run")
     line = str(err.value)
     assert "\n" not in line
     for n in needles:
