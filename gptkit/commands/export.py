@@ -58,7 +58,7 @@ def run(cfg) -> int:
     # fail before the slow part
     out = check_out_dir(out, bool(cfg.force))
     # refuse before loading
-    arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
+    family = hf.family_of(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
     if cfg.adapters:
         return export_adapters(ckpt, out, cfg)
 
@@ -67,7 +67,7 @@ def run(cfg) -> int:
     merged = " (QLoRA: its NF4 base dequantized, the adapters merged)" if qlora else ""
     print(
         f"exported {done.checkpoint}{merged} as "
-        f"{hf.ARCHITECTURES[arch]} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
+        f"{family.architecture} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
         f"config.json, {', '.join(done.weights)}, generation_config.json"
         + (
             ", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
@@ -97,9 +97,9 @@ def run(cfg) -> int:
             "max_new_tokens",
             file=sys.stderr,
         )
-    if hf.family_of(done.model_cfg).attention_dropout_only and done.model_cfg.dropout > 0:
+    if family.attention_dropout_only and done.model_cfg.dropout > 0:
         print(
-            f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
+            f"note: {family.architecture} has attention dropout only, so "
             f"model.dropout={done.model_cfg.dropout} applies there and not to the residual stream when "
             f"fine-tuning in transformers (inference is unaffected)",
             file=sys.stderr,
