@@ -17,6 +17,15 @@ from gptkit.errors import GptkitError
 from gptkit.hf.decoder import Decoder, hf_layer_types, rope_decoder
 from gptkit.model.config import ModelConfig
 
+
+def windows_refused(cfg: ModelConfig, said: str, how: str) -> GptkitError:
+    """The GptkitError for local layers where the family's window does not slide."""
+    return GptkitError(
+        f"model.layer_types={cfg.layer_types}{said} has no faithful transformers architecture: {how}; "
+        f"refusing rather than produce a different model"
+    )
+
+
 NO_BIASES = {"bias": False, "qkv_bias": False}
 
 
@@ -64,10 +73,11 @@ class Qwen(Decoder):
     def check(self, cfg: ModelConfig) -> None:
         local = cfg.local_layers
         if local and local != list(range(local[0], cfg.n_layers)):
-            raise GptkitError(
-                f"model.layer_types={cfg.layer_types} has no faithful transformers architecture: "
+            raise windows_refused(
+                cfg,
+                "",
                 f"{self.architecture} slides its window in the layers from max_window_layers on only "
-                f"(the last ones); refusing rather than produce a different model"
+                "(the last ones)",
             )
         super().check(cfg)
 
@@ -153,10 +163,10 @@ class Mistral(Decoder):
 
     def check(self, cfg: ModelConfig) -> None:
         if len(cfg.local_layers) != cfg.n_layers:
-            raise GptkitError(
-                f"model.layer_types={cfg.layer_types} with qk_norm={cfg.qk_norm} has no faithful "
-                f"transformers architecture: MistralForCausalLM (the Llama layout with a window) slides it "
-                f"in every layer; refusing rather than produce a different model"
+            raise windows_refused(
+                cfg,
+                f" with qk_norm={cfg.qk_norm}",
+                "MistralForCausalLM (the Llama layout with a window) slides it in every layer",
             )
         super().check(cfg)
 
