@@ -12,32 +12,32 @@
     rope.py        RoPE and its scalings in config.json
     family.py      the interface every family implements, and the data all may read
 
-Arrows point down that list (pyproject.toml's import-linter contract). See docs/hf.md.
+Arrows point down that list (pyproject.toml's import-linter contract). See docs/hf.md. Names are resolved
+lazily, as gptkit.model's: the family table (families.py) imports no torch, so `gptkit --help` lists the
+families from it.
 """
 
-from gptkit.hf.convert import (
-    architecture,
-    from_hf_state_dict,
-    from_transformers,
-    hf_config,
-    model_config_from_hf,
-    to_hf_state_dict,
-    to_transformers,
-)
-from gptkit.hf.families import ARCHITECTURES, CONFIG_CLASSES, FAMILIES, family_of
-from gptkit.hf.peft import peft_adapters
+from importlib import import_module
 
-__all__ = [
-    "ARCHITECTURES",
-    "CONFIG_CLASSES",
-    "FAMILIES",
-    "architecture",
-    "family_of",
-    "from_hf_state_dict",
-    "from_transformers",
-    "hf_config",
-    "model_config_from_hf",
-    "peft_adapters",
-    "to_hf_state_dict",
-    "to_transformers",
-]
+_EXPORTS = {
+    "architecture": "gptkit.hf.convert",
+    "from_hf_state_dict": "gptkit.hf.convert",
+    "from_transformers": "gptkit.hf.convert",
+    "hf_config": "gptkit.hf.convert",
+    "model_config_from_hf": "gptkit.hf.convert",
+    "to_hf_state_dict": "gptkit.hf.convert",
+    "to_transformers": "gptkit.hf.convert",
+    "ARCHITECTURES": "gptkit.hf.families",
+    "CONFIG_CLASSES": "gptkit.hf.families",
+    "FAMILIES": "gptkit.hf.families",
+    "family_of": "gptkit.hf.families",
+    "peft_adapters": "gptkit.hf.peft",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'gptkit.hf' has no attribute {name!r}")

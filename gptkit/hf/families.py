@@ -52,7 +52,8 @@ def family_named(model_type: str) -> Family | None:
     return BY_TYPE.get(model_type)
 
 
-def imported() -> str:
-    """The families gptkit imports, as a reader names them: "Llama, ..., and OLMoE"."""
-    titles = [f.title for f in FAMILIES]
-    return f"{', '.join(titles[:-1])} and {titles[-1]}"
+def imported(last: str = "and") -> str:
+    """The families gptkit reads and writes as a reader names them, alphabetically: "GPT-2, ... and Qwen3-MoE"
+    (the helps' list: gptkit/cli.py)."""
+    titles = sorted((f.title for f in FAMILIES), key=str.lower)
+    return f"{', '.join(titles[:-1])} {last} {titles[-1]}"

@@ -122,7 +122,7 @@ class Gemma3(Gemma):
         "gemma3_text",
         "Gemma3ForCausalLM",
         "Gemma3TextConfig",
-        "Gemma 3 (text)",
+        "Gemma 3",
     )
     refused_types = {"gemma3": "the multimodal Gemma 3: gptkit imports its text-only model_type gemma3_text"}
     fixes = GEMMA_LAYOUT | {"scale_embeddings": True, "bias": False, "qkv_bias": False, "qk_norm": "head"}

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from gptkit.errors import GptkitError
 from gptkit.hf.decoder import LLAMA_LAYOUT, Decoder
 from gptkit.hf.family import COPY, PLAIN, STACK, Row, refusal, require, whole
@@ -26,6 +24,7 @@ NO_BIASES = {"bias": False, "qkv_bias": False}
 # what every mixture here fixes of model.moe (the keys of MoEConfig); the losses and impl are training's
 MOE_COMMON = {"n_shared": 0, "route_scale": 1.0, "bias_update_rate": 0.0}
 SAME_NAMES = {p: p for p in ("gate_proj", "up_proj", "down_proj")}
+# torch is imported in memory_layout: the family table loads without it (`gptkit --help` lists the families)
 
 
 class Mixture(Decoder):
@@ -129,6 +128,8 @@ class Mixture(Decoder):
         """Each MoE layer's experts as mlp.experts.gate_up_proj [E, 2 * d_expert, d_model] (gate rows first)
         and mlp.experts.down_proj [E, d_model, d_expert], its router as mlp.gate.weight (Mixtral's
         block_sparse_moe renamed)."""
+        import torch
+
         out = dict(state)
         names = self.expert_names
         for i in cfg.moe_layers:
