@@ -27,6 +27,7 @@ from pathlib import Path
 from types import ModuleType
 
 from gptkit.extras import pip
+from gptkit.hf.families import imported
 
 VERB_ENV = "GPTKIT_VERB"
 
@@ -46,10 +47,9 @@ class Verb:
     verbatim: tuple[str, ...] = ()
 
 
-# the transformers families export and import map, as the helps name them: one per model_type of
-# gptkit.hf.ARCHITECTURES (not imported here: gptkit.hf imports torch, 2.5 s of CPU for `gptkit --help`;
-# tests/front/test_cli.py keeps the two equal)
-HF_FAMILIES = "Llama, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE, OLMo-2, OLMoE, Gemma 2, Gemma 3 or GPT-2"
+# the transformers families export and import map, as the helps name them: one per row of the family table
+# (gptkit/hf/families.py imports no torch)
+HF_FAMILIES = imported("or")
 
 VERBS: dict[str, Verb] = {
     "train": Verb(

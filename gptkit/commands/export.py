@@ -37,10 +37,11 @@ from pathlib import Path
 
 
 def run(cfg) -> int:
-    from gptkit import hf, hf_io
+    from gptkit import hf
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir
+    from gptkit.hf import folders
     from gptkit.model import ModelConfig
     from gptkit.precision import torch_dtype
     from gptkit.runs import TOKENIZER_FILE, check_not_source, find_run_checkpoint, read_config
@@ -50,23 +51,23 @@ def run(cfg) -> int:
     if not cfg.out:
         raise ConfigError("export needs out=<folder to write the transformers model into>")
     dtype = torch_dtype(cfg.dtype)
-    max_shard = hf_io.parse_size(cfg.max_shard_size)
+    max_shard = folders.parse_size(cfg.max_shard_size)
     ckpt = find_run_checkpoint(cfg.run)
     out = Path(cfg.out).expanduser()
     check_not_source(out, run_dir_of(ckpt))
     # fail before the slow part
     out = check_out_dir(out, bool(cfg.force))
     # refuse before loading
-    arch = hf.architecture(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
+    family = hf.family_of(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
     if cfg.adapters:
         return export_adapters(ckpt, out, cfg)
 
-    done = hf_io.export_folder(ckpt, out, dtype, max_shard, bool(cfg.force))
+    done = folders.export_folder(ckpt, out, dtype, max_shard, bool(cfg.force))
     qlora = read_config(run_dir_of(ckpt)).get("finetune") == "qlora"
     merged = " (QLoRA: its NF4 base dequantized, the adapters merged)" if qlora else ""
     print(
         f"exported {done.checkpoint}{merged} as "
-        f"{hf.ARCHITECTURES[arch]} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
+        f"{family.architecture} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
         f"config.json, {', '.join(done.weights)}, generation_config.json"
         + (
             ", tokenizer.json, tokenizer_config.json, special_tokens_map.json"
@@ -96,9 +97,9 @@ def run(cfg) -> int:
             "max_new_tokens",
             file=sys.stderr,
         )
-    if arch in hf.ROPE_ARCHITECTURES and done.model_cfg.dropout > 0:
+    if family.attention_dropout_only and done.model_cfg.dropout > 0:
         print(
-            f"note: {hf.ARCHITECTURES[arch]} has attention dropout only, so "
+            f"note: {family.architecture} has attention dropout only, so "
             f"model.dropout={done.model_cfg.dropout} applies there and not to the residual stream when "
             f"fine-tuning in transformers (inference is unaffected)",
             file=sys.stderr,

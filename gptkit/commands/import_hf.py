@@ -26,9 +26,9 @@ from pathlib import Path
 
 
 def run(cfg) -> int:
-    from gptkit import hf_io
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir
+    from gptkit.hf import folders
     from gptkit.runs import check_import_out
 
     if not cfg.hf:
@@ -39,10 +39,10 @@ def run(cfg) -> int:
     out = check_out_dir(Path(cfg.out).expanduser(), bool(cfg.force))
     # never a run with training in it, nor one held by a process
     check_import_out(out, None, bool(cfg.force))
-    src = hf_io.locate(str(cfg.hf))
+    src = folders.locate(str(cfg.hf))
     if src.note:
         print(f"note: {src.note}", file=sys.stderr)
-    done = hf_io.import_folder(src, out, force=bool(cfg.force), name=cfg.name)
+    done = folders.import_folder(src, out, force=bool(cfg.force), name=cfg.name)
 
     # a Hub model: owner/name@commit
     shown = cfg.hf if src.spec == str(src.dir.resolve()) else src.spec

@@ -248,9 +248,9 @@ def init_source_name(init_from: str, runs_dir: Path | str) -> str | None:
     the source cannot be read (its one-line error comes later, where init_from= is resolved)."""
     if init_from.startswith(HF_PREFIX):
         # ~3 s of imports after this module's: only for an hf: source
-        from gptkit import hf_io
+        from gptkit.hf import folders
 
-        return hf_io.source_name(init_from[len(HF_PREFIX) :]) or None
+        return folders.source_name(init_from[len(HF_PREFIX) :]) or None
     try:
         name = read_config(run_dir_of(find_run_checkpoint(init_from, runs_dir)))["model"].get("name")
     except (GptkitError, OSError):
@@ -262,9 +262,9 @@ def import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
     """init_from=hf:<spec> -> (the imported run folder, hf:<the exact source>), saying which on one line."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
-    from gptkit import hf_io
+    from gptkit.hf import folders
 
-    folder, src, reused = hf_io.import_cached(
+    folder, src, reused = folders.import_cached(
         spec, runs_dir, f"gptkit train init_from={HF_PREFIX}/path/to/folder"
     )
     if rank_zero_only.rank == 0:

@@ -47,7 +47,7 @@ from gptkit.checkpoints import (
     model_state_dict,
 )
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.hf_io import export_folder, import_folder, locate
+from gptkit.hf.folders import export_folder, import_folder, locate
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import find_run_checkpoint, load_model, load_tokenizer, read_config, write_run_folder
 

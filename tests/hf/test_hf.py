@@ -15,6 +15,7 @@ from conftest import char_tokenizer, gptkit_greedy, hf_gpt2, hf_llama, random_gp
 
 from gptkit import hf
 from gptkit.cli import main as gptkit_main
+from gptkit.errors import GptkitError
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_model, load_run, write_run_folder
 
@@ -56,7 +57,7 @@ def test_to_transformers_same_logits_and_back_exactly(variant):
 )
 def test_unmappable_variant_is_refused_by_name(kw, named):
     cfg = ModelConfig(vocab_size=40, max_seq_len=16, n_layers=1, n_heads=4, d_model=32, **kw)
-    with pytest.raises(hf.GptkitError, match=named.replace(".", r"\.")):
+    with pytest.raises(GptkitError, match=named.replace(".", r"\.")):
         hf.hf_config(cfg)
 
 

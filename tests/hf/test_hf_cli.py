@@ -52,6 +52,20 @@ def test_export_refuses_a_non_empty_out_and_force_replaces_it(tmp_path, cli):
     only(tmp_path, "run", "hf")
 
 
+@pytest.mark.parametrize(
+    "kw, note", [(dict(position="rope", mlp="swiglu", norm="rmsnorm"), True), ({}, False)]
+)
+def test_export_notes_model_dropout_where_the_family_has_attention_dropout_only(tmp_path, cli, kw, note):
+    """The family says it (Family.attention_dropout_only): Llama's model has dropout in attention only, so
+    model.dropout > 0 is noted; GPT-2's has residual and embedding dropout too, so nothing is said."""
+    cfg = ModelConfig(vocab_size=40, max_seq_len=16, n_layers=1, n_heads=4, d_model=32, dropout=0.1, **kw)
+    write_run_folder(tmp_path / "run", {}, GPT(cfg), char_tokenizer())
+    r = cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'hf'}")
+    assert r.returncode == 0, r.stderr
+    said = "note: LlamaForCausalLM has attention dropout only, so model.dropout=0.1 applies there"
+    assert (said in r.stderr) is note and ("attention dropout only" in r.stderr) is note
+
+
 def test_import_refuses_what_is_not_a_supported_model(tmp_path, cli):
     (tmp_path / "empty").mkdir()
     one_line_error(cli("import", f"hf={tmp_path / 'empty'}", f"out={tmp_path / 'a'}"), "no config.json")
@@ -167,18 +181,18 @@ BAD_CONFIGS = {
 
 @pytest.mark.parametrize("case", BAD_CONFIGS, ids=list(BAD_CONFIGS))
 def test_import_checks_config_numbers_and_sizes_against_the_weights_headers(tmp_path, monkeypatch, case):
-    from gptkit import hf_io
+    from gptkit.hf import folders
 
     changes, drop, needles = BAD_CONFIGS[case]
-    src = hf_io.Source(_hf_folder(tmp_path / "hf", changes, drop), "hf", str(tmp_path / "hf"))
+    src = folders.Source(_hf_folder(tmp_path / "hf", changes, drop), "hf", str(tmp_path / "hf"))
 
     # refused before a tensor is read or a model built (the headers alone)
     def never(*a, **k):
         raise AssertionError("the weights were loaded")
 
-    monkeypatch.setattr(hf_io, "load_weights", never)
+    monkeypatch.setattr(folders, "load_weights", never)
     with pytest.raises(GptkitError) as err:
-        hf_io.import_folder(src, tmp_path / "run")
+        folders.import_folder(src, tmp_path / "run")
     line = str(err.value)
     assert "\n" not in line
     for n in needles:

@@ -18,9 +18,9 @@ import torch
 import yaml
 from conftest import char_tokenizer, one_line_error, random_gpt, run_main, shakespeare
 
-from gptkit import hf_io
 from gptkit.cli import main as gptkit_main
 from gptkit.errors import GptkitError
+from gptkit.hf import folders
 from gptkit.runs import load_model, write_run_folder
 
 REPO_ID = "tiny-org/tiny-gpt2"
@@ -112,7 +112,7 @@ def test_import_hub_id_downloads_config_and_tokenizer_then_safetensors_only(tmp_
     code, out, err = run_main(capsys, "import", f"hf={REPO_ID}", f"out={tmp_path / 'run'}")
     assert code == 0, err
     # config.json first: an unsupported model stops there
-    assert fake.fetched() == [hf_io.HUB_FIRST, hf_io.HUB_WEIGHTS]
+    assert fake.fetched() == [folders.HUB_FIRST, folders.HUB_WEIGHTS]
     # then exactly the commit the config came from
     assert [c["revision"] for c in fake.calls] == [None, COMMIT]
     assert not any(c["local_files_only"] for c in fake.calls)
@@ -140,7 +140,7 @@ def test_import_hub_model_without_safetensors_reads_pytorch_bin_safely(tmp_path,
     torch.save(state, fake.files / "pytorch_model.bin")
     code, _, err = run_main(capsys, "import", f"hf={REPO_ID}@v1.0", f"out={tmp_path / 'run'}")
     assert code == 0, err
-    assert fake.fetched() == [hf_io.HUB_FIRST, hf_io.HUB_WEIGHTS, hf_io.HUB_PICKLES]
+    assert fake.fetched() == [folders.HUB_FIRST, folders.HUB_WEIGHTS, folders.HUB_PICKLES]
     assert fake.calls[0]["revision"] == "v1.0"
     assert_same_weights(tmp_path / "run", model)
 
@@ -174,7 +174,7 @@ def test_import_hub_errors_are_one_line(tmp_path, hub, capsys, case, needles):
     for n in needles:
         assert n in err, (n, err)
     # no weights downloaded for a model that cannot be imported
-    assert fake.fetched() == [hf_io.HUB_FIRST]
+    assert fake.fetched() == [folders.HUB_FIRST]
     assert not (tmp_path / "run").exists()
 
 
@@ -265,7 +265,7 @@ def test_an_unreachable_hub_is_one_short_connect_then_the_cache_only(tmp_path, m
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     with pytest.raises(GptkitError, match="is unreachable"):
-        hf_io.locate("openai-community/gpt2")
+        folders.locate("openai-community/gpt2")
     assert connects == [(("127.0.0.1", 9), hub.TIMEOUT_S)]
     assert asked and all(asked)
 
@@ -274,18 +274,18 @@ def test_an_unreachable_hub_is_one_short_connect_then_the_cache_only(tmp_path, m
 def test_init_from_import_is_reused_until_its_source_changes(tmp_path):
     repo, model = exported(tmp_path)
     runs = tmp_path / "runs"
-    out, src, reused = hf_io.import_cached(str(repo), runs, "ALT")
+    out, src, reused = folders.import_cached(str(repo), runs, "ALT")
     assert (out, src.spec, reused) == (runs / "repo-imported", str(repo.resolve()), False)
     assert_same_weights(out, model)
     ckpt = out / "checkpoints" / "last.ckpt"
     stamp = ckpt.stat().st_mtime_ns
-    assert hf_io.import_cached(str(repo), runs, "ALT")[2] is True
+    assert folders.import_cached(str(repo), runs, "ALT")[2] is True
     assert ckpt.stat().st_mtime_ns == stamp
 
     # the folder is written again (e.g. exported anew): imported again
     later = time.time() + 5
     os.utime(repo / "model.safetensors", (later, later))
-    assert hf_io.import_cached(str(repo), runs, "ALT")[2] is False
+    assert folders.import_cached(str(repo), runs, "ALT")[2] is False
     assert sorted(p.name for p in runs.iterdir() if not p.name.endswith(".lock")) == ["repo-imported"]
 
     # not an import: never replaced
@@ -293,7 +293,7 @@ def test_init_from_import_is_reused_until_its_source_changes(tmp_path):
     (runs / "mine-imported" / "notes.txt").write_text("mine")
     repo.rename(tmp_path / "mine")
     with pytest.raises(GptkitError, match="is not an import by gptkit"):
-        hf_io.import_cached(str(tmp_path / "mine"), runs, "ALT")
+        folders.import_cached(str(tmp_path / "mine"), runs, "ALT")
     assert (runs / "mine-imported" / "notes.txt").read_text() == "mine"
 
 
@@ -331,7 +331,10 @@ def test_train_init_from_hf_imports_then_fine_tunes(tmp_path, hub, capsys, monke
     assert code == 0, err[-3000:]
     assert f"init_from=hf:{spec}: imported {pinned} into {imported} (kept for later runs)" in err
     if source == "hub id":
-        assert fake.calls[0]["revision"] == "v1" and fake.fetched() == [hf_io.HUB_FIRST, hf_io.HUB_WEIGHTS]
+        assert fake.calls[0]["revision"] == "v1" and fake.fetched() == [
+            folders.HUB_FIRST,
+            folders.HUB_WEIGHTS,
+        ]
     else:
         assert fake.calls == []
     assert_same_weights(imported, model)

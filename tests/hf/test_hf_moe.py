@@ -1,4 +1,4 @@
-"""Mixtures of experts and transformers (gptkit/hf.py, gptkit/hf_io.py): Mixtral, Qwen3-MoE and OLMoE import
+"""Mixtures of experts and transformers (gptkit/hf/): Mixtral, Qwen3-MoE and OLMoE import
 with transformers' fp32 logits (<= 1e-5, every weight perturbed), export back to the same files bit for bit,
 export from gptkit with the same greedy tokens, and an expert layout or a config that does not fit is one
 line, exit 2. Tiny random models built from their configs (no hub)."""
@@ -197,7 +197,7 @@ def test_an_expert_layer_where_the_config_says_dense_is_refused(tmp_path):
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"mlp_only_layers": [0, 1]}))
     with pytest.raises(GptkitError, match="no layer of the 2 is MoE"):
-        from gptkit.hf_io import Source, import_folder
+        from gptkit.hf.folders import Source, import_folder
 
         import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / "run")
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"mlp_only_layers": []}))

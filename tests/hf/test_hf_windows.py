@@ -257,4 +257,4 @@ def test_window_patterns_without_a_transformers_architecture_are_refused_on_expo
         hf.hf_config(ModelConfig(**base, layer_types=["local", "global", "local"]))
     with pytest.raises(GptkitError, match="max_window_layers"):
         hf.hf_config(ModelConfig(**base, qkv_bias=True, layer_types=["local", "global", "global"]))
-    assert hf.architecture(ModelConfig(**base)) == hf.MISTRAL
+    assert hf.architecture(ModelConfig(**base)) == "mistral"

@@ -1,7 +1,7 @@
 """Hugging Face folders: safetensors shards and tokenizer files written and read, a model found in a local
 folder or on the Hub (fetched into the Hugging Face cache by `huggingface_hub`), and a folder imported as a
 gptkit run folder (`gptkit import`, `train init_from=hf:...`). The mapping between a gptkit GPT and the
-transformers architectures is gptkit/hf.py.
+transformers architectures is gptkit/hf/convert.py.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from gptkit import hub
 from gptkit.chat_templates import CHAT_FILE, ChatTemplate, reply_stop_ids, template_in_folder
 from gptkit.errors import GptkitError
 from gptkit.fsio import FILE_MODE, confined, staged_dir
-from gptkit.hf import (
+from gptkit.hf.convert import (
     ARCHITECTURES,
     check_hf_config,
     check_weight_sizes,

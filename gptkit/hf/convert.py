@@ -1,0 +1,243 @@
+"""A gptkit GPT to and from transformers, asking its family (gptkit/hf/families.py) and never its name.
+
+    config         architecture(cfg), hf_config(cfg), check_hf_config(d), model_config_from_hf(d)
+    weights        name_map(cfg): (ours, theirs, how) rows; to_hf_state_dict, from_hf_state_dict,
+                   check_weight_sizes (config.json against the files' headers)
+    in memory      to_transformers(model), from_transformers(hf_model) (need `transformers`)
+
+Any combination no family maps is refused with a GptkitError that names the variant that does not map:
+never a silently different model. RoPE is in the rotate-half layout on both sides and GELU is the tanh
+approximation on both sides, so no permutation or activation change is needed. What each family maps is
+in its file (llama.py, gemma.py, moe.py, gpt2.py); RoPE scalings in rope.py; PEFT adapters in peft.py;
+folders (safetensors shards, tokenizer files, a Hub model, `gptkit import`) in folders.py.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from gptkit.errors import GptkitError
+from gptkit.hf.families import ARCHITECTURES, FAMILIES, family_named, family_of, imported
+from gptkit.hf.family import COPY, SPLIT, STACK, TRANSPOSE, Row
+from gptkit.model import GPT
+from gptkit.model.config import ModelConfig
+
+# transformers (optional, the test extra) is imported where used: the mapping tables load without it.
+
+
+# ---- config ------------------------------------------------------------------------------------
+def architecture(cfg: ModelConfig) -> str:
+    """The transformers model_type of a mappable config; GptkitError naming the first variant that does not
+    map."""
+    return family_of(cfg).model_type
+
+
+def hf_config(
+    cfg: ModelConfig,
+    bos_id: int | None = None,
+    eos_id: int | None = None,
+    pad_id: int | None = None,
+    dtype: str = "float32",
+) -> dict[str, Any]:
+    """The config.json of the transformers model equal to `cfg`."""
+    family = family_of(cfg)
+    common = {
+        "architectures": [family.architecture],
+        "model_type": family.model_type,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "initializer_range": cfg.init_std,
+        "bos_token_id": bos_id,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "dtype": dtype,
+        "use_cache": True,
+    }
+    return common | family.config_to_hf(cfg)
+
+
+def check_hf_config(d: dict[str, Any]) -> str:
+    """The model_type of config.json `d` when gptkit imports it and its numbers are sane: positive integers
+    where sizes go (not 0, 1e9 as a float, true or "32"), the heads dividing as attention needs; else one
+    GptkitError line naming the field. Checked before anything is sized by them."""
+    mtype = d.get("model_type")
+    family = family_named(mtype)
+    if family is None:
+        arch = ", ".join(d.get("architectures") or []) or "no architectures field"
+        hint = next((f.refused_types[mtype] for f in FAMILIES if mtype in f.refused_types), None)
+        raise GptkitError(
+            f"model_type={mtype!r} ({arch}) is not supported{f' ({hint})' if hint else ''}; gptkit imports "
+            f"{imported()} models (model_type {', '.join(ARCHITECTURES)})"
+        )
+    family.check_hf(d)
+    return mtype
+
+
+def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
+    """The gptkit ModelConfig equal to a transformers config.json of a family in ARCHITECTURES, or a
+    GptkitError."""
+    return family_named(check_hf_config(d)).config_from_hf(d, name)
+
+
+def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
+    """What the weights' shapes confirm about the attention heads of a config.json, and what rests on
+    config.json alone: a wrong head count with the same tensor shapes loads, and computes another model."""
+    kv = f", n_kv_heads={cfg.n_kv_heads}" if cfg.n_kv_heads != cfg.n_heads else ""
+    heads = f"n_heads={cfg.n_heads}{kv}"
+    if cfg.position == "rope" and d.get("head_dim"):
+        return (
+            f"{heads}, head_dim={cfg.head_dim}: confirmed by the q/k/v weight shapes "
+            f"(config.json sets head_dim)"
+        )
+    if cfg.position == "rope" and cfg.n_kv_heads != cfg.n_heads:
+        return (
+            f"{heads} from config.json; the weight shapes confirm only their ratio "
+            f"({cfg.n_heads // cfg.n_kv_heads}:1) and n_heads x head_dim = {cfg.d_attn}"
+        )
+    return (
+        f"{heads} from config.json; the weight shapes cannot confirm it (any head count that divides "
+        f"{cfg.d_attn} fits them)"
+    )
+
+
+# ---- weights -----------------------------------------------------------------------------------
+# the layer index in a weight's name: model.layers.<i>. (the RoPE families), transformer.h.<i>. (GPT-2)
+LAYER_NAME = re.compile(r"^(?:model\.layers|(?:transformer\.)?h)\.(\d+)\.")
+
+
+def check_weight_sizes(d: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> None:
+    """config.json `d` (check_hf_config passed) against the weights' names and shapes, read from the files'
+    headers before anything is allocated: the layers, hidden size, vocabulary and heads it sets are those the
+    weights hold, else one GptkitError line naming the field and what the weights hold (a config of 10^9
+    layers is refused at once, never built). The full tensor-by-tensor check is from_hf_state_dict's."""
+    family = family_named(d["model_type"])
+    layers_f, hidden_f, vocab_f = family.size_fields
+
+    def refuse(field: str, held: str) -> GptkitError:
+        return GptkitError(
+            f"{source} does not match its config.json: {field}={family.size(d, field):,}, but the weights "
+            f"hold {held}"
+        )
+
+    shapes = family.file_names(shapes)
+    held = {int(m.group(1)) for k in shapes if (m := LAYER_NAME.match(k))}
+    if len(held) != family.size(d, layers_f):
+        prefix = family.layer_prefix
+        where = f"{prefix}0 .. {prefix}{max(held)}" if held else ""
+        raise refuse(layers_f, f"{len(held):,} layers ({where})" if held else "no layers")
+    emb = family.embedding
+    if emb not in shapes or len(shapes[emb]) != 2:
+        raise GptkitError(f"{source} does not match its config.json: it has no 2-D {emb} (the embedding)")
+    rows, width = shapes[emb]
+    if width != family.size(d, hidden_f):
+        raise refuse(hidden_f, f"{width:,} ({emb} has shape {tuple(shapes[emb])})")
+    if rows != family.size(d, vocab_f):
+        raise refuse(vocab_f, f"{rows:,} tokens ({emb} has shape {tuple(shapes[emb])})")
+    family.check_head_shapes(d, shapes, source)
+
+
+def name_map(cfg: ModelConfig) -> list[Row]:
+    """Every tensor of a gptkit GPT state dict and its transformers counterpart (in the files), as
+    (ours, theirs, how): COPY (the same tensor), TRANSPOSE (GPT-2's Conv1D stores [in, out]), SPLIT
+    (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order) or STACK (our [E, out, in]
+    experts tensor is their E tensors, expert 0 first). lm_head appears only when it is not tied to the
+    embedding. Both directions of the mapping read this one table; its rows are the family's."""
+    family = family_of(cfg)
+    rows = family.embedding_rows(cfg)
+    for i in range(cfg.n_layers):
+        rows += family.layer_rows(cfg, i)
+    rows += family.final_rows(cfg)
+    if not cfg.tie_embeddings:
+        rows.append(("lm_head.weight", "lm_head.weight", COPY))
+    return rows
+
+
+def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """gptkit GPT state dict -> transformers state dict (new tensors; lm_head left out when tied)."""
+    out: dict[str, Any] = {}
+    for ours, theirs, how in name_map(cfg):
+        if how == SPLIT:
+            out.update(zip(theirs, state[ours].split([cfg.d_attn, cfg.d_kv, cfg.d_kv], dim=0)))
+        elif how == STACK:
+            out.update(zip(theirs, state[ours].unbind(0)))
+        else:
+            out[theirs] = state[ours].t() if how == TRANSPOSE else state[ours]
+    return {k: v.detach().contiguous().clone() for k, v in out.items()}
+
+
+# old non-learned buffers
+_IGNORED = re.compile(r"(?:^|\.)(?:rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
+
+
+# old non-learned buffers
+_IGNORED = re.compile(r"(?:^|\.)(?:rotary_emb\.inv_freq|attn\.bias|attn\.masked_bias)$")
+
+
+def from_hf_state_dict(
+    hf_state: dict[str, Any], cfg: ModelConfig, source: str = "the checkpoint"
+) -> dict[str, Any]:
+    """transformers state dict -> gptkit GPT state dict; GptkitError when a tensor is missing,
+    unexpected, or has a shape the config contradicts."""
+    family = family_of(cfg)
+    hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
+    hf = family.files_layout(hf, cfg)
+    family.check_files(hf, cfg, source)
+    hf = family.file_names(hf)
+    if cfg.tie_embeddings:
+        hf.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        expected = to_hf_state_dict(GPT(cfg).state_dict(), cfg)
+    missing, unexpected = sorted(set(expected) - set(hf)), sorted(set(hf) - set(expected))
+    if missing or unexpected:
+        raise GptkitError(
+            f"{source} does not match its config.json: missing {missing[:3]}, unexpected {unexpected[:3]}"
+        )
+    for k, v in expected.items():
+        if tuple(hf[k].shape) != tuple(v.shape):
+            raise GptkitError(
+                f"{source} contradicts its config.json: {k} has shape {tuple(hf[k].shape)}, "
+                f"the config needs {tuple(v.shape)}"
+            )
+    state: dict[str, Any] = {}
+    for ours, theirs, how in name_map(cfg):
+        if how == SPLIT:
+            state[ours] = torch.cat([hf[k] for k in theirs], dim=0)  # [d_attn + 2 * d_kv, ...]
+        elif how == STACK:
+            state[ours] = torch.stack([hf[k] for k in theirs])  # [E, out, in]
+        else:
+            state[ours] = hf[theirs].t() if how == TRANSPOSE else hf[theirs]
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state["tok_emb.weight"]
+    return {k: v.contiguous() for k, v in state.items()}
+
+
+# ---- in memory: transformers objects -----------------------------------------------------------
+def to_transformers(model):
+    """The transformers model of `model`'s architecture (LlamaForCausalLM, ..., MixtralForCausalLM; fp32, eval
+    mode, CPU) with exactly its weights."""
+    import transformers
+
+    cfg = model.cfg
+    family = family_of(cfg)
+    d = hf_config(cfg)
+    d.pop("model_type")
+    config_cls = getattr(transformers, family.config_class)
+    config = config_cls(**{k: v for k, v in d.items() if k not in ("architectures", "dtype")})
+    model_cls = getattr(transformers, family.architecture)
+    with torch.device("cpu"):
+        hf_model = model_cls(config)
+    state = to_hf_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()}, cfg)
+    state = family.memory_layout(state, cfg)
+    if cfg.tie_embeddings:
+        state["lm_head.weight"] = state[family.embedding]
+    hf_model.load_state_dict(state, strict=True)
+    return hf_model.float().eval()
+
+
+def from_transformers(hf_model, name: str = "imported"):
+    """The gptkit GPT (fp32, eval mode) with exactly `hf_model`'s weights."""
+    cfg = model_config_from_hf(hf_model.config.to_dict(), name=name)
+    return GPT.from_state(cfg, from_hf_state_dict(hf_model.state_dict(), cfg, source=type(hf_model).__name__))

@@ -1,0 +1,59 @@
+"""The table of model families: every transformers model_type gptkit reads and writes, one row each.
+
+The first family that claims a config is its family: a family stands before those whose configs it
+narrows (the mixtures and Gemma before the Llama layout, Llama last of the RoPE families). A new family is
+a file beside these (a Family subclass: gptkit/hf/family.py) and one row here.
+"""
+
+from __future__ import annotations
+
+from gptkit.errors import GptkitError
+from gptkit.hf.family import Family
+from gptkit.hf.gemma import Gemma2, Gemma3
+from gptkit.hf.gpt2 import GPT2
+from gptkit.hf.llama import Llama, Mistral, Olmo2, Qwen2, Qwen3
+from gptkit.hf.moe import Mixtral, Olmoe, Qwen3Moe
+from gptkit.model.config import ModelConfig
+
+FAMILIES: tuple[Family, ...] = (
+    Mixtral(),
+    Qwen3Moe(),
+    Olmoe(),
+    Gemma2(),
+    Gemma3(),
+    Qwen2(),
+    Qwen3(),
+    Olmo2(),
+    Mistral(),
+    Llama(),
+    GPT2(),
+)
+BY_TYPE = {f.model_type: f for f in FAMILIES}
+# transformers' model_type -> its model class and config class
+ARCHITECTURES = {f.model_type: f.architecture for f in FAMILIES}
+CONFIG_CLASSES = {f.model_type: f.config_class for f in FAMILIES}
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The family of a mappable config; GptkitError naming the first variant that does not map."""
+    family = next((f for f in FAMILIES if f.claims(cfg)), None)
+    if family is None:
+        raise GptkitError(
+            f"model.position={cfg.position} with qk_norm={cfg.qk_norm} has no faithful transformers "
+            f"architecture (gptkit writes {', '.join(ARCHITECTURES.values())}); refusing rather than "
+            f"produce a different model"
+        )
+    family.check(cfg)
+    return family
+
+
+def family_named(model_type: str) -> Family | None:
+    """The family of a config.json's model_type, None when gptkit does not read it."""
+    return BY_TYPE.get(model_type)
+
+
+def imported(last: str = "and") -> str:
+    """The families gptkit reads and writes as a reader names them, alphabetically: "GPT-2, ... and Qwen3-MoE"
+    (the helps' list: gptkit/cli.py)."""
+    titles = sorted((f.title for f in FAMILIES), key=str.lower)
+    return f"{', '.join(titles[:-1])} {last} {titles[-1]}"

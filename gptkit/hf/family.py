@@ -1,0 +1,133 @@
+"""The model-family seam of gptkit.hf: one interface (Family) and the data every family may read.
+
+A family is one transformers model_type (LlamaForCausalLM's llama, ..., GPT-2's gpt2) and says, for the
+conversion code (convert.py) that never asks which family it holds:
+
+    claims(cfg)            whether a gptkit ModelConfig has its layout (the first family of
+                           families.FAMILIES that claims a config is its family)
+    check(cfg)             GptkitError naming the first field that does not map; None when all do
+    config_to_hf(cfg)      its config.json keys (the keys every family writes are convert.py's)
+    check_hf(d)            config.json's numbers sane before anything is sized by them
+    config_from_hf(d)      the ModelConfig of its config.json, or a GptkitError
+    embedding_rows, layer_rows(cfg, i), final_rows
+                           the weight names: (ours, theirs, how) rows, how: COPY, TRANSPOSE, SPLIT, STACK
+    files_layout, memory_layout, check_files
+                           the files' layout against transformers' in-memory one (the mixtures' experts)
+
+A family is a file (llama.py, gemma.py, moe.py, gpt2.py: one file per family group) and one row of
+families.FAMILIES. Families read this leaf and decoder.py (the RoPE decoder layout the Llama-style families
+share), never each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gptkit.errors import GptkitError
+from gptkit.model.config import ModelConfig
+
+# how one of our tensors becomes theirs: the same tensor; GPT-2's Conv1D stores [in, out]; our fused qkv_proj
+# rows are q_proj, k_proj, v_proj in that order; our [E, out, in] experts tensor is their E tensors
+COPY, TRANSPOSE, SPLIT, STACK = "copy", "transpose", "split", "stack"
+Row = tuple[str, str | tuple[str, ...], str]
+# the fields only some families turn on (Gemma's), at the values every other family needs
+PLAIN = {"scale_embeddings": False, "attn_softcap": None, "logit_softcap": None, "rope_local_theta": None}
+
+
+def require(cfg: ModelConfig, need: dict[str, Any], where: str, target: str) -> None:
+    """GptkitError naming the first field of `need` that cfg does not have: `target` (a transformers
+    architecture, said for a reader) needs it."""
+    for name, want in need.items():
+        have = getattr(cfg, name)
+        if have != want:
+            raise GptkitError(
+                f"model.{name}={have} {where} has no faithful transformers architecture: {target} needs "
+                f"{name}={want}; refusing rather than produce a different model"
+            )
+
+
+def refusal(mtype: str):
+    """refuse(field, value, want) -> the GptkitError for a config.json value gptkit cannot represent."""
+
+    def refuse(field: str, value: Any, want: str) -> GptkitError:
+        return GptkitError(f"{mtype} config has {field}={value!r}, which gptkit cannot represent ({want})")
+
+    return refuse
+
+
+def whole(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_int(d: dict[str, Any], mtype: str, field: str, least: int = 1) -> None:
+    """config.json's `field` is an integer >= least: else one GptkitError line naming it."""
+    v = d[field]
+    if not whole(v) or v < least:
+        what = "a positive integer" if least == 1 else f"an integer >= {least}"
+        raise GptkitError(f"{mtype} config.json has {field}={v!r}; it must be {what}")
+
+
+class Family:
+    """One transformers model_type; the defaults are those of a family without experts."""
+
+    # transformers' model_type, its model and config classes, and the family as a reader names it
+    model_type = ""
+    architecture = ""
+    config_class = ""
+    title = ""
+    # model_types near this one that gptkit does not read, and what to import instead
+    refused_types: dict[str, str] = {}
+    # the embedding weight's name in the files, the layers' prefix, config.json's (layers, hidden, vocab)
+    embedding = "model.embed_tokens.weight"
+    layer_prefix = "model.layers."
+    size_fields = ("num_hidden_layers", "hidden_size", "vocab_size")
+    # PEFT: the adapted linears are Conv1D ([in, out])
+    fan_in_fan_out = False
+    # transformers' model has dropout in attention only (export says so when model.dropout > 0)
+    attention_dropout_only = True
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        raise NotImplementedError
+
+    def check(self, cfg: ModelConfig) -> None:
+        raise NotImplementedError
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def check_hf(self, d: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
+        raise NotImplementedError
+
+    def size(self, d: dict[str, Any], field: str) -> int:
+        """config.json's size field (check_hf passed)."""
+        return d[field]
+
+    def file_names(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state dict (or its shapes) under the names name_map uses."""
+        return state
+
+    def check_head_shapes(self, d: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> None:
+        """The heads config.json sets against the weights' shapes, where the shapes can tell."""
+
+    def embedding_rows(self, cfg: ModelConfig) -> list[Row]:
+        raise NotImplementedError
+
+    def layer_rows(self, cfg: ModelConfig, i: int) -> list[Row]:
+        raise NotImplementedError
+
+    def final_rows(self, cfg: ModelConfig) -> list[Row]:
+        raise NotImplementedError
+
+    def files_layout(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """A transformers state dict as transformers holds it in memory, in the files' layout."""
+        return state
+
+    def memory_layout(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """A transformers state dict in the files' layout, as transformers holds it in memory."""
+        return state
+
+    def check_files(self, hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
+        """What the files hold beyond the tensor names, checked against config.json."""
