@@ -65,6 +65,11 @@ def _device_name(device: str) -> str:
 
 
 def run(cfg) -> int:
+    from gptkit.training.config_checks import check_values
+
+    # train's value checks before torch and Lightning are imported (a refused trainer value: 0.3 s of CPU,
+    # not 5 s: docs/benchmarks.md, "Issue 47, start-up")
+    check_values(cfg, new_model=False)
     from lightning.fabric import Fabric
 
     from gptkit.conf_tree import model_config

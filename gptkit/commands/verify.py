@@ -21,6 +21,11 @@ from __future__ import annotations
 
 
 def run(cfg) -> int:
+    from gptkit.training.config_checks import check_values
+
+    # train's value checks before torch and Lightning are imported (a refused trainer value: 0.3 s of CPU,
+    # not 5 s: docs/benchmarks.md, "Issue 47, start-up")
+    check_values(cfg, new_model=False)
     from gptkit.training.verify import check_invariants, verify
 
     # an unknown invariant before anything is imported or trained

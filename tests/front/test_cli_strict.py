@@ -433,6 +433,10 @@ def test_lightning_through_the_cli_does_not_import_transformers():
         ["eval", "run=/nonexistent/gptkit-run"],
         ["serve", "run=/nonexistent/gptkit-run"],
         ["attention", "run=/nonexistent/gptkit-run", "text=a"],
+        ["export", "run=/nonexistent/gptkit-run", "out=/nonexistent/gptkit-out"],
+        ["verify", "trainer.precision=fp9"],
+        ["preflight", "trainer.precision=fp9"],
+        ["prepare", "data.kind=nope"],
     ],
 )
 def test_a_refused_config_imports_no_torch(args):
