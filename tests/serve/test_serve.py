@@ -673,7 +673,8 @@ def test_any_value_of_any_field_is_answered_never_a_500(tmp_path):
     import asyncio
 
     from gptkit.serve.app import build_app
-    from gptkit.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+    from gptkit.serve.endpoints.chat_completions import CHAT_FIELDS
+    from gptkit.serve.endpoints.completions import COMPLETION_FIELDS
     from gptkit.serve.served import load_served
 
     served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=4)
