@@ -23,7 +23,7 @@ import ipaddress
 import sys
 from functools import partial
 from importlib import resources
-from typing import Awaitable, Callable, Optional
+from typing import Awaitable, Callable, Optional, Sequence
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -256,15 +256,15 @@ class _Api:
         )
 
     # ---- the route table -------------------------------------------------------------------------------
-    def routes(self) -> list[Route]:
-        """The page, the health check, and a row per endpoint of gptkit/serve/endpoints/."""
+    def routes(self, endpoints: Sequence[type[Endpoint]]) -> list[Route]:
+        """The page, the health check, and a route per endpoint (gptkit/serve/endpoints/'s table)."""
         own = [
             Route("/", self.guarded(self.index), methods=["GET"]),
             Route("/health", self.guarded(self.health), methods=["GET"]),
         ]
         return own + [
             Route(e.path, self.guarded(partial(self.answer, e(self.served))), methods=[e.method])
-            for e in ENDPOINTS
+            for e in endpoints
         ]
 
 
@@ -288,13 +288,15 @@ def build_app(
     any_ip_host: bool = False,
     request_timeout: Optional[float] = None,
     log: Callable[[str], None] = lambda line: print(line, file=sys.stderr, flush=True),
+    endpoints: Sequence[type[Endpoint]] = ENDPOINTS,
 ) -> Starlette:
     """The Starlette app serving `served` (its engine must be started). allowed_hosts, any_ip_host: the Host
     names it answers besides the loopback ones (HostGuard); request_timeout: seconds a request body may take
-    to arrive (None: no limit; the server's own timeout covers the request head)."""
+    to arrive (None: no limit; the server's own timeout covers the request head); endpoints: the OpenAI
+    endpoints it answers (gptkit.serve.endpoints.ENDPOINTS)."""
     api = _Api(served, api_key, max_request_bytes, request_timeout, log)
     return Starlette(
-        routes=api.routes(),
+        routes=api.routes(endpoints),
         exception_handlers={HTTPException: http_error},
         middleware=[Middleware(HostGuard, allowed=tuple(allowed_hosts), any_ip=any_ip_host)],
     )
