@@ -1,4 +1,5 @@
-"""The OpenAI API's shapes: request bodies checked field by field, errors, completions and stream chunks.
+"""The OpenAI API's shared shapes: request bodies checked whole and field by field, errors, usage, stream
+events. What one endpoint alone reads or answers is in its file (gptkit/serve/endpoints/).
 
 Every bad request is an ApiError: an HTTP status and {"error": {"message", "type", "param", "code"}}, the
 body OpenAI's own API answers with (the `openai` client raises it as BadRequestError, NotFoundError, ...).
@@ -17,9 +18,7 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from gptkit.inference.batcher import SEED_MAX, SEED_MIN
@@ -128,7 +127,7 @@ def check_text(body: dict) -> None:
 
 
 # ---- field checks ------------------------------------------------------------------------------------
-def _type_name(v: Any) -> str:
+def type_name(v: Any) -> str:
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "an array"}.get(
         type(v), "an object" if isinstance(v, dict) else "null" if v is None else type(v).__name__
     )
@@ -143,9 +142,7 @@ def integer(body: dict, key: str, *, low: Optional[int] = None, high: Optional[i
     if isinstance(v, float) and v.is_integer():
         v = int(v)
     if isinstance(v, bool) or not isinstance(v, int):
-        raise bad(
-            f"{key} must be an integer, not {_type_name(v)} ({json.dumps(v)[:40]})", key, "invalid_type"
-        )
+        raise bad(f"{key} must be an integer, not {type_name(v)} ({json.dumps(v)[:40]})", key, "invalid_type")
     lo = INT64_MIN if low is None else low
     hi = INT64_MAX if high is None else high
     if not lo <= v <= hi:
@@ -160,7 +157,7 @@ def number(body: dict, key: str, *, low: float, high: float, low_open: bool = Fa
     if v is None:
         return None
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise bad(f"{key} must be a number, not {_type_name(v)} ({json.dumps(v)[:40]})", key, "invalid_type")
+        raise bad(f"{key} must be a number, not {type_name(v)} ({json.dumps(v)[:40]})", key, "invalid_type")
     if v > high or v < low or (low_open and v == low):
         left = "(" if low_open else "["
         raise bad(f"{key}={v} is out of range: it must be in {left}{low}, {high}]", key, "invalid_value")
@@ -171,14 +168,14 @@ def boolean(body: dict, key: str) -> Optional[bool]:
     v = body.get(key)
     if v is None or isinstance(v, bool):
         return v
-    raise bad(f"{key} must be a boolean, not {_type_name(v)}", key, "invalid_type")
+    raise bad(f"{key} must be a boolean, not {type_name(v)}", key, "invalid_type")
 
 
 def string(body: dict, key: str) -> Optional[str]:
     v = body.get(key)
     if v is None or isinstance(v, str):
         return v
-    raise bad(f"{key} must be a string, not {_type_name(v)}", key, "invalid_type")
+    raise bad(f"{key} must be a string, not {type_name(v)}", key, "invalid_type")
 
 
 def stop_strings(body: dict) -> tuple[str, ...]:
@@ -202,7 +199,7 @@ def stop_strings(body: dict) -> tuple[str, ...]:
     return tuple(items)
 
 
-# fields each endpoint knows; anything else is an unknown argument
+# the fields both completion endpoints know (each adds its own: gptkit/serve/endpoints/)
 COMMON = {
     "model",
     "max_tokens",
@@ -225,20 +222,6 @@ COMMON = {
     "top_logprobs",
     "ignore_eos",
 }
-CHAT_FIELDS = COMMON | {
-    "messages",
-    "max_completion_tokens",
-    "response_format",
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "parallel_tool_calls",
-    "modalities",
-    "reasoning_effort",
-    "prediction",
-}
-COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 
 
 def unsupported(body: dict, key: str, neutral: tuple, what: str) -> None:
@@ -324,189 +307,7 @@ def sampling(body: dict, max_n: int, max_tokens_key: str = "max_tokens") -> Samp
     )
 
 
-ROLES = ("system", "developer", "user", "assistant")
-
-
-def messages(body: dict) -> list[dict[str, str]]:
-    """The conversation as the template renders it: role and content (text), `developer` read as `system`."""
-    msgs = body.get("messages")
-    if msgs is None:
-        raise bad("messages is required", "messages", "missing_required_parameter")
-    if not isinstance(msgs, list):
-        raise bad(f"messages must be an array, not {_type_name(msgs)}", "messages", "invalid_type")
-    if not msgs:
-        raise bad("messages must not be empty", "messages", "invalid_value")
-    out = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(f"{where} must be an object", where, "invalid_type")
-        role = m.get("role")
-        if role not in ROLES:
-            raise bad(
-                f"{where}.role={json.dumps(role)[:40]} is not one of {', '.join(ROLES)} (tool messages are "
-                "not supported)",
-                f"{where}.role",
-                "invalid_value",
-            )
-        for key in m:
-            if key not in ("role", "content", "name"):
-                raise bad(f"{where}.{key} is not supported by gptkit serve", f"{where}.{key}", "unsupported")
-        content = m.get("content")
-        if content is None and role == "assistant":
-            content = ""
-        if isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if (
-                    not isinstance(part, dict)
-                    or part.get("type") != "text"
-                    or not isinstance(part.get("text"), str)
-                ):
-                    raise bad(
-                        f'{where}.content[{j}] is not a text part ({{"type": "text", "text": ...}}); '
-                        "this model reads text only",
-                        f"{where}.content",
-                        "invalid_value",
-                    )
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise bad(f"{where}.content must be a string or an array of text parts", f"{where}.content")
-        if m.get("name") is not None and not isinstance(m["name"], str):
-            raise bad(f"{where}.name must be a string", f"{where}.name", "invalid_type")
-        out.append({"role": "system" if role == "developer" else role, "content": content})
-    return out
-
-
-def chat_request(body: dict, max_n: int) -> tuple[list[dict[str, str]], Sampling]:
-    check_unknown(body, CHAT_FIELDS)
-    s = sampling(body, max_n, "max_completion_tokens")
-    if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
-        raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
-    unsupported(body, "logprobs", (False,), "logprobs")
-    unsupported(body, "tools", ([],), "tool calling")
-    unsupported(body, "functions", ([],), "function calling")
-    unsupported(body, "tool_choice", ("none", "auto"), "tool calling")
-    unsupported(body, "function_call", ("none", "auto"), "function calling")
-    unsupported(body, "response_format", ({"type": "text"},), "a response format other than text")
-    unsupported(body, "modalities", (["text"],), "output other than text")
-    unsupported(body, "prediction", (), "predicted outputs")
-    boolean(body, "parallel_tool_calls")
-    return messages(body), s
-
-
-def completion_request(body: dict, max_n: int) -> tuple[list[str | list[int]], Sampling]:
-    """The prompts (a string, an array of strings, an array of token ids, or an array of those) and the
-    sampling."""
-    check_unknown(body, COMPLETION_FIELDS)
-    s = sampling(body, max_n)
-    if "prompt" not in body or body["prompt"] is None:
-        raise bad("prompt is required", "prompt", "missing_required_parameter")
-    p = body["prompt"]
-    if isinstance(p, str):
-        prompts: list = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
-        prompts = [p]
-    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
-        prompts = list(p)
-    elif (
-        isinstance(p, list)
-        and p
-        and all(
-            isinstance(x, list) and x and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-            for x in p
-        )
-    ):
-        prompts = list(p)
-    else:
-        raise bad(
-            "prompt must be a non-empty string, an array of strings, an array of token ids, or an array of "
-            "arrays of token ids",
-            "prompt",
-            "invalid_type",
-        )
-    if any(x == "" for x in prompts):
-        raise bad("the prompt is empty; give at least one character", "prompt", "invalid_value")
-    integer(body, "logprobs", low=0)
-    unsupported(body, "logprobs", (), "logprobs")
-    unsupported(body, "echo", (False,), "echo")
-    unsupported(body, "suffix", ("",), "suffix")
-    best_of = integer(body, "best_of", low=1)
-    if best_of is not None and best_of != s.n:
-        raise bad(
-            f"best_of={best_of} (other than n) is not supported by gptkit serve", "best_of", "unsupported"
-        )
-    return prompts, s
-
-
 # ---- responses ------------------------------------------------------------------------------------------
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
-
-
-@dataclass
-class Reply:
-    """Ids and time of one response, its usage as the choices finish."""
-
-    kind: str  # chat | completion
-    model: str
-    id: str = field(default="")
-    created: int = field(default_factory=lambda: int(time.time()))
-    fingerprint: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        if not self.id:
-            prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-            self.id = f"{prefix}-{uuid.uuid4().hex}"
-
-    def head(self, obj: str) -> dict:
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": self.fingerprint,
-        }
-
-    def final(self, texts: list[str], reasons: list[str], usage: dict) -> dict:
-        if self.kind == "chat":
-            choices = [
-                {
-                    "index": i,
-                    "message": {"role": "assistant", "content": text, "refusal": None},
-                    "logprobs": None,
-                    "finish_reason": FINISH.get(r, r),
-                }
-                for i, (text, r) in enumerate(zip(texts, reasons))
-            ]
-            return {**self.head("chat.completion"), "choices": choices, "usage": usage}
-        choices = [
-            {"index": i, "text": text, "logprobs": None, "finish_reason": FINISH.get(r, r)}
-            for i, (text, r) in enumerate(zip(texts, reasons))
-        ]
-        return {**self.head("text_completion"), "choices": choices, "usage": usage}
-
-    def chunk(
-        self, index: int, text: Optional[str], finish: Optional[str] = None, role: bool = False
-    ) -> dict:
-        """One stream chunk for choice `index`: new text, or the role (chat's first chunk), or the ending."""
-        reason = FINISH.get(finish, finish) if finish else None
-        if self.kind == "chat":
-            delta: dict[str, Any] = {}
-            if role:
-                delta = {"role": "assistant", "content": ""}
-            elif text:
-                delta = {"content": text}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return {**self.head("chat.completion.chunk"), "choices": [choice]}
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": reason}
-        return {**self.head("text_completion"), "choices": [choice]}
-
-    def usage_chunk(self, usage: dict) -> dict:
-        obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {**self.head(obj), "choices": [], "usage": usage}
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens,

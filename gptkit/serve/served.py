@@ -104,7 +104,7 @@ class Served:
             raise bad(
                 f"This model's maximum context length is {self.context} tokens. However, your {what} "
                 f"resulted in {n_prompt} tokens, which leaves no room for a completion; shorten it",
-                "messages" if what == "messages" else "prompt",
+                what,
                 "context_length_exceeded",
             )
         room = self.context - n_prompt

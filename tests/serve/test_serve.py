@@ -528,6 +528,100 @@ def test_a_full_queue_answers_429(tmp_path):
     assert r.json()["error"]["type"] == "rate_limit_error" and "max_queue=0" in r.json()["error"]["message"]
 
 
+def test_an_endpoint_added_to_the_table_is_guarded_and_run_like_the_others(tmp_path):
+    """In process: two endpoints app.py has never seen, a GET answering JSON and a POST asking the engine for
+    a Generation in a reply shape of its own, get the API key, the body checks and errors in OpenAI's shape,
+    and the engine's answer whole and streamed, as /v1/completions gets them."""
+    import asyncio
+    import json
+
+    from gptkit.serve.app import build_app
+    from gptkit.serve.endpoints import ENDPOINTS, Endpoint, Reply
+    from gptkit.serve.protocol import bad, check_unknown, sampling
+    from gptkit.serve.served import load_served
+
+    class Echo(Reply):
+        prefix, object, chunk_object = "echo", "echo.completion", "echo.chunk"
+
+        def choice(self, index, text, reason):
+            return {"index": index, "said": text, "why": reason}
+
+        def delta(self, index, text, reason):
+            return self.choice(index, text or "", reason)
+
+    class Say(Endpoint):
+        path = "/v1/say"
+
+        def answer(self, body, path_params):
+            check_unknown(body, {"word", "max_tokens", "temperature", "stream"})
+            if not isinstance(body.get("word"), str) or not body["word"]:
+                raise bad("word must be a non-empty string", "word", "invalid_value")
+            s = sampling(body, 1)
+            return self.generation([self.served.completion_ids(body["word"])], s, s.max_tokens, (), Echo)
+
+    class Count(Endpoint):
+        path = "/v1/count/{word}"
+        method = "GET"
+
+        def answer(self, body, path_params):
+            return {"word": path_params["word"], "ids": len(self.served.completion_ids(path_params["word"]))}
+
+    served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=2)
+    key = {"Authorization": "Bearer k"}
+    say = {"word": "hello", "max_tokens": 4, "temperature": 0}
+    served.engine.start()
+    try:
+
+        async def call():
+            app = build_app(served, api_key="k", endpoints=(*ENDPOINTS, Say, Count))
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1"
+            ) as c:
+                ref = {"prompt": "hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+                return [
+                    await c.post("/v1/completions", json=ref, headers=key),
+                    await c.post("/v1/say", json=say, headers=key),
+                    await c.post("/v1/say", json={**say, "stream": True}, headers=key),
+                    await c.get("/v1/count/hello", headers=key),
+                    await c.post("/v1/say", json=say),
+                    await c.get("/v1/count/hello"),
+                    await c.post(
+                        "/v1/say", content=json.dumps(say), headers={**key, "content-type": "text/plain"}
+                    ),
+                    await c.post("/v1/say", json={**say, "word": 3}, headers=key),
+                    await c.post("/v1/say", json={**say, "n": 2}, headers=key),
+                    await c.get("/v1/say", headers=key),
+                ]
+
+        ref, whole, stream, count, *bad_ones = asyncio.run(call())
+    finally:
+        served.engine.stop()
+    text = ref.json()["choices"][0]["text"]
+    assert ref.status_code == 200 and len(text) > 0
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["object"] == "echo.completion" and whole.json()["id"].startswith("echo-")
+    assert whole.json()["choices"] == [{"index": 0, "said": text, "why": "length"}]
+    assert whole.json()["usage"] == ref.json()["usage"]
+    events = [line[6:] for line in stream.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"echo.chunk"}
+    assert (
+        "".join(c["choices"][0]["said"] for c in chunks) == text
+        and chunks[-1]["choices"][0]["why"] == "length"
+    )
+    assert count.json() == {"word": "hello", "ids": 5}
+    answers = [(r.status_code, r.json()["error"]["code"], r.json()["error"]["param"]) for r in bad_ones]
+    assert answers == [
+        (401, "missing_api_key", None),
+        (401, "missing_api_key", None),
+        (415, "unsupported_media_type", None),
+        (400, "invalid_value", "word"),
+        (400, "unknown_parameter", "n"),
+        (405, None, None),
+    ]
+
+
 def test_a_request_that_fails_in_the_engine_fails_alone_and_at_once(tmp_path, monkeypatch, ref):
     """In process: a poisoned request's sampler raises at its 3rd token while a seeded neighbour (held at its
     5th token until the poisoned one has its answer) and a greedy streaming one share its batch. The
@@ -673,7 +767,8 @@ def test_any_value_of_any_field_is_answered_never_a_500(tmp_path):
     import asyncio
 
     from gptkit.serve.app import build_app
-    from gptkit.serve.protocol import CHAT_FIELDS, COMPLETION_FIELDS
+    from gptkit.serve.endpoints.chat_completions import CHAT_FIELDS
+    from gptkit.serve.endpoints.completions import COMPLETION_FIELDS
     from gptkit.serve.served import load_served
 
     served = load_served(str(chat_run(tmp_path)), device="cpu", max_batch=4)
