@@ -16,9 +16,9 @@ import json
 
 
 def run(cfg) -> int:
-    from gptkit.attention_maps import mean_entropy_bits, write_for_run
     from gptkit.errors import ConfigError
-    from gptkit.generate import encode_prompt, special_token_ids
+    from gptkit.evaluation.attention_maps import mean_entropy_bits, write_for_run
+    from gptkit.inference.generate import encode_prompt, special_token_ids
     from gptkit.runs import load_for_inference
 
     if cfg.format not in ("text", "json"):

@@ -35,9 +35,9 @@ def run(cfg) -> int:
     )
     from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError, GptkitError
-    from gptkit.generate import ChatSession
+    from gptkit.inference.generate import ChatSession
+    from gptkit.inference.sampling import SampleOptions
     from gptkit.runs import load_for_inference, resolve_device
-    from gptkit.sampling import SampleOptions
     from gptkit.threads import set_threads
 
     if cfg.format not in ("text", "json"):

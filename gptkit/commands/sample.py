@@ -35,7 +35,7 @@ def plural(n: int, noun: str) -> str:
 
 def options(cfg, max_seq_len: int, eos_id):
     from gptkit.errors import ConfigError
-    from gptkit.sampling import SampleOptions
+    from gptkit.inference.sampling import SampleOptions
 
     if cfg.compile not in (None, "auto", True, False):
         raise ConfigError(f"compile={cfg.compile!r} must be auto, true or false")
@@ -105,7 +105,7 @@ def read_prompt(cfg) -> str:
 def run(cfg) -> int:
     from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError
-    from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
+    from gptkit.inference.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
 
@@ -187,7 +187,7 @@ def run(cfg) -> int:
             file=sys.stderr,
         )
     if cfg.attention_map:
-        from gptkit.attention_maps import write_for_run
+        from gptkit.evaluation.attention_maps import write_for_run
 
         path, _ = write_for_run(r, ids, out=None)
         print(f"attention map: {path}", file=sys.stderr)
