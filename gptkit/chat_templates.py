@@ -18,7 +18,7 @@ apply_chat_template does not do this (it encodes the rendered text whole, matchi
 for a conversation whose text spells no special token the ids are the same as its.
 
 Used by every room that talks in turns: data=chat and data=preference (gptkit.data), `gptkit chat`
-(gptkit.generate), export and import (gptkit.hf).
+(gptkit.inference.generate), export and import (gptkit.hf).
 """
 
 from __future__ import annotations

@@ -37,13 +37,13 @@ from rich.table import Table
 from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
 from gptkit.bench import quantized
 from gptkit.conf_tree import conf_dir, presets
-from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import ConfigError
 from gptkit.extras import MissingExtra, require
-from gptkit.generate import generate
 from gptkit.hf import to_transformers
+from gptkit.inference.decoding_layout import decoding_layout
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, KVCache, ModelConfig
-from gptkit.sampling import SampleOptions
 from gptkit.threads import set_threads
 
 # bench.parts: decode (the speed tables), quantize (quantized weights against the full model:

@@ -25,9 +25,9 @@ from rich.table import Table
 
 from gptkit import quant
 from gptkit.fsio import human_bytes
-from gptkit.generate import generate
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.runs import load_for_inference
-from gptkit.sampling import SampleOptions
 
 
 def _train(args: list[str]) -> None:

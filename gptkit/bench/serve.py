@@ -39,12 +39,12 @@ from rich.table import Table
 from gptkit.bench.decode import _console, build_model
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.extras import require
-from gptkit.generate import generate
 from gptkit.hf import to_transformers
 from gptkit.inference.batcher import SamplingParams, generate_many
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.precision import torch_dtype
 from gptkit.runs import write_run_folder
-from gptkit.sampling import SampleOptions
 from gptkit.threads import set_threads
 
 EOS = "<|endoftext|>"

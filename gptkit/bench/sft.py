@@ -3,7 +3,7 @@ after.
 
 1. gptkit.data.tasks writes train.jsonl and heldout.jsonl (string tasks with one right answer each);
 2. "before": a model of the recipe's shape at initialization (as training starts: seed 1337) answers every
-   held-out prompt greedily through the chat template (gptkit.generate.ChatSession);
+   held-out prompt greedily through the chat template (gptkit.inference.generate.ChatSession);
 3. `gptkit train experiment=sft-tiny data.paths=[train.jsonl]` runs as its own process;
 4. "after": the trained run answers the same prompts. An answer counts when it equals the response exactly.
 """
@@ -25,10 +25,10 @@ from rich.table import Table
 from gptkit.chat_templates import resolve_template, template_in_folder
 from gptkit.conf_tree import compose
 from gptkit.data.tasks import string_tasks, write_jsonl
-from gptkit.generate import ChatSession
+from gptkit.inference.generate import ChatSession
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_run
-from gptkit.sampling import SampleOptions
 from gptkit.threads import set_threads
 from gptkit.tokenizer import byte_tokenizer
 

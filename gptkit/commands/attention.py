@@ -23,11 +23,11 @@ def run(cfg) -> int:
         raise ConfigError(f"format={cfg.format!r} must be text or json")
     if str(cfg.text) == "":
         raise ConfigError('attention needs a text to look at: text="..." (at least one character)')
-    # the run first, torch after (gptkit.generate, the device, the model): a run= that is not one is one line
-    # in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
+    # the run first, torch after (gptkit.inference.generate, the device, the model): a run= that is not one is
+    # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     ckpt = find_run_checkpoint(cfg.run)
-    from gptkit.attention_maps import mean_entropy_bits, write_for_run
-    from gptkit.generate import encode_prompt, special_token_ids
+    from gptkit.evaluation.attention_maps import mean_entropy_bits, write_for_run
+    from gptkit.inference.generate import encode_prompt, special_token_ids
 
     r = load_for_inference(ckpt, cfg.device, "fp32", "eager")
     bos_id, _ = special_token_ids(r.tokenizer, r.config)

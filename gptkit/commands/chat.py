@@ -45,11 +45,11 @@ def run(cfg) -> int:
             f"special_tokens_in_content={cfg.special_tokens_in_content!r} must be text (a special token "
             "typed in a message stays text) or allow (it becomes the control token)"
         )
-    # the run first, torch after (gptkit.generate, the device, the model): a run= that is not one is one line
-    # in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
+    # the run first, torch after (gptkit.inference.generate, the device, the model): a run= that is not one is
+    # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     ckpt = find_run_checkpoint(cfg.run)
-    from gptkit.generate import ChatSession
-    from gptkit.sampling import SampleOptions
+    from gptkit.inference.generate import ChatSession
+    from gptkit.inference.sampling import SampleOptions
 
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(ckpt, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)

@@ -129,7 +129,7 @@ def run(cfg) -> int:
 def run_corpus(cfg) -> int:
     from gptkit.errors import ConfigError, GptkitError
     from gptkit.evaluation import evaluate_sequences, lm_eval_documents, scored_text_size, window_starts
-    from gptkit.generate import special_token_ids
+    from gptkit.inference.generate import special_token_ids
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
 

@@ -35,7 +35,7 @@ def plural(n: int, noun: str) -> str:
 
 def options(cfg, max_seq_len: int, eos_id):
     from gptkit.errors import ConfigError
-    from gptkit.sampling import SampleOptions
+    from gptkit.inference.sampling import SampleOptions
 
     if cfg.compile not in (None, "auto", True, False):
         raise ConfigError(f"compile={cfg.compile!r} must be auto, true or false")
@@ -117,10 +117,10 @@ def run(cfg) -> int:
         )
     allow = cfg.special_tokens_in_content == "allow"
     prompt = read_prompt(cfg)
-    # the run first, torch after (gptkit.generate, the device, the model): a run= that is not one is one line
-    # in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
+    # the run first, torch after (gptkit.inference.generate, the device, the model): a run= that is not one is
+    # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     ckpt = find_run_checkpoint(cfg.run)
-    from gptkit.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
+    from gptkit.inference.generate import empty_prompt_start, encode_prompt, generate, special_token_ids
 
     r = load_for_inference(ckpt, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
@@ -191,7 +191,7 @@ def run(cfg) -> int:
             file=sys.stderr,
         )
     if cfg.attention_map:
-        from gptkit.attention_maps import write_for_run
+        from gptkit.evaluation.attention_maps import write_for_run
 
         path, _ = write_for_run(r, ids, out=None)
         print(f"attention map: {path}", file=sys.stderr)

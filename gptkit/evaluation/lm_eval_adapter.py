@@ -16,9 +16,9 @@ how it computes:
                   positions go through the output layer and the log-softmax.
   rolling         lm-eval's disjoint rolling windows (get_rolling_token_windows, context_len=1), scored as
                   loglikelihood requests and summed per document.
-  generate_until  gptkit's KV-cache decoder (gptkit.generate), one request at a time, greedy unless the
-                  task samples, stopped at EOS and at the task's stop strings; the context is cut on the
-                  left to max_len - max_gen_toks tokens, as in `hf`.
+  generate_until  gptkit's KV-cache decoder (gptkit.inference.generate), one request at a time, greedy
+                  unless the task samples, stopped at EOS and at the task's stop strings; the context is cut
+                  on the left to max_len - max_gen_toks tokens, as in `hf`.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, po
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
 from gptkit.errors import GptkitError
-from gptkit.generate import generate, special_token_ids
+from gptkit.inference.generate import generate, special_token_ids
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model.kv_cache import KVCache
-from gptkit.sampling import SampleOptions
 from gptkit.tokenizer import describe_characters, unknown_characters
 
 # as lm-eval's hf backend

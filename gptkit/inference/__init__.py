@@ -1,5 +1,11 @@
-"""Decoding many sequences at once: the continuous-batching loop (batcher), its KV cache (slot_cache) and the
-thread that runs it for a server (engine). Usable from Python without HTTP:
+"""The decoding wing: one prompt's samples (generate, with the GPU's fixed-shape loop in static_decode), many
+sequences at once (the continuous-batching loop in batcher, its KV cache in slot_cache, the thread that runs
+it for a server in engine), objective=grpo's groups (rollouts), and what they share: choosing tokens and when
+to stop (sampling), the CPU weight layout (decoding_layout). Usable from Python without HTTP:
+
+    from gptkit.inference.generate import generate
+    from gptkit.inference.sampling import SampleOptions
+    g = generate(model, ids, SampleOptions(max_new_tokens=64, temperature=0))
 
     from gptkit.inference.batcher import SamplingParams, generate_many
     outs = generate_many(model, [ids_a, ids_b], SamplingParams(max_new_tokens=64, temperature=0))

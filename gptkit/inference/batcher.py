@@ -8,9 +8,9 @@ when it ends.
 
 A request (a Job) is prompt ids and SamplingParams; with n > 1 its n choices share the prefill (the slot is
 copied). Each choice is sampled from its own generator: greedy is the argmax, exactly as
-gptkit.sampling.sample_next chooses it; a seeded choice i draws as `gptkit sample seed=<seed + i>` does,
+sampling.sample_next chooses it; a seeded choice i draws as `gptkit sample seed=<seed + i>` does,
 whatever else shares the batch. What each step produced goes to the job's `deliver` in one call (Events):
-the new token ids, the new text (when the job has a decode function: gptkit.sampling.TextStream, which
+the new token ids, the new text (when the job has a decode function: sampling.TextStream, which
 also finds stop strings), and why a choice ended: eos (one of params.stop_ids, not emitted), stop (a stop
 string, cut from the text), length (max_new_tokens), context (the next token would not fit in the
 context), cancelled, error.
@@ -20,10 +20,10 @@ prefill) or while choosing or recording one sequence's token (its sampler, its t
 choice alone with an "error" event, and the step goes on for the rest. Only a failure of the batch's own
 decode pass (out of memory...) raises out of step() (the engine then fails that batch: Engine.fail_all).
 
-Greedy tokens are those of gptkit.generate.generate (`gptkit sample`) and ChatSession (`gptkit chat`) for the
+Greedy tokens are those of generate.generate (`gptkit sample`) and ChatSession (`gptkit chat`) for the
 same prompt: the prefill is the same one-sequence pass; a decode step computes the same function of the
 same tokens, but batched matmuls round in other places than one row's (fp32 logits agree to ~1e-6), so only
-two top logits closer than that could be chosen apart (tests/generate/test_batcher.py checks tokens).
+two top logits closer than that could be chosen apart (tests/inference/test_batcher.py checks tokens).
 
 This class is single-threaded (gptkit.inference.engine runs it on a thread for a server); `generate_many`
 runs it in the caller's thread for a list of prompts (rollouts, evaluation).
@@ -41,10 +41,10 @@ from typing import Callable, Optional
 
 import torch
 
-from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.inference.decoding_layout import decoding_layout
+from gptkit.inference.sampling import TextStream, argmax, sample_next
 from gptkit.inference.slot_cache import SlotCache
-from gptkit.sampling import TextStream, argmax, sample_next
 
 FINISH_REASONS = ("eos", "stop", "length", "context", "cancelled", "error")
 

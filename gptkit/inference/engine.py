@@ -16,9 +16,9 @@ it (gptkit.inference.batcher); if the batch's decode pass itself fails (out of m
 then in the batch ends with an "error" event and the loop goes on with the next ones.
 
 The thread owns the model while it runs (in inference mode; on the CPU with the decoding layout of
-gptkit.decoding_layout for `layout_rows` rows, None: the model's own layers). The layout copies the weights
+decoding_layout.py for `layout_rows` rows, None: the model's own layers). The layout copies the weights
 once, at start(): a caller that changes the weights (a training loop between rollouts) restarts the engine,
-or uses gptkit.inference.batcher.generate_many, which lays them out anew at every call.
+or uses batcher.generate_many, which lays them out anew at every call.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Callable, Iterator, Optional
 
 import torch
 
-from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import GptkitError
 from gptkit.inference.batcher import Batcher, Choice, Completion, Event, Job, SamplingParams
+from gptkit.inference.decoding_layout import decoding_layout
 
 
 class QueueFull(GptkitError):

@@ -3,7 +3,7 @@ the KV cache, each drawn with noise of its own.
 
     sample_groups(model, prompts, keys, opts, budgets)   -> per prompt, its n Completions
 
-One prompt's n completions are one batch [n, T0 + new] (the prompt repeated, as gptkit.generate does): no
+One prompt's n completions are one batch [n, T0 + new] (the prompt repeated, as generate.py does): no
 padding, no position offsets, every row computes what a lone generation of that prompt computes. The noise
 of row r at its i-th new token is a pure function of (keys[r], i) (counter-based, as JAX's PRNG: a 32-bit
 integer hash of the key, the token index and the vocabulary id, `key_noise`), so a completion does not depend
@@ -25,8 +25,8 @@ from typing import Callable, Optional
 import torch
 
 from gptkit.errors import ConfigError
+from gptkit.inference.sampling import sample_next
 from gptkit.model.kv_cache import KVCache
-from gptkit.sampling import sample_next
 
 _M32 = 0xFFFFFFFF
 

@@ -1,8 +1,8 @@
 """What a server serves: one run's model behind an Engine, its tokenizer and chat template, and how a
 request's text becomes ids.
 
-    completion prompt   text -> ids as `gptkit sample` encodes it (gptkit.generate.encode_prompt: a special
-                        token the text spells stays text); or token ids as given
+    completion prompt   text -> ids as `gptkit sample` encodes it (gptkit.inference.generate.encode_prompt: a
+                        special token the text spells stays text); or token ids as given
     chat messages       rendered with the run's chat template and the generation prompt, then encoded as
                         `gptkit chat` encodes them (gptkit.chat_templates.encode_conversation: message text
                         is data, only the template's markup yields control tokens)
@@ -26,8 +26,8 @@ from gptkit.chat_templates import (
     template_in_folder,
 )
 from gptkit.errors import GptkitError
-from gptkit.generate import encode_prompt, special_token_ids
 from gptkit.inference.engine import Engine
+from gptkit.inference.generate import encode_prompt, special_token_ids
 from gptkit.runs import load_for_inference
 from gptkit.serve.protocol import ApiError, bad
 

@@ -14,8 +14,8 @@ from typing import Any
 
 from lightning.pytorch.callbacks import Callback
 
-from gptkit.generate import generate
-from gptkit.sampling import SampleOptions
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.tokenizer import load_tokenizer_file
 from gptkit.training.plots import plot_loss
 

@@ -77,7 +77,7 @@ PROMPTS = [" hello", "hello world", " ", "  two spaces", "\n\tcafé — 日本�
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_sentencepiece_with_byte_fallback_knows_every_character(prompt):
-    from gptkit.generate import encode_prompt
+    from gptkit.inference.generate import encode_prompt
 
     tok = sentencepiece_tokenizer()
     # the decoder strips the leading space: a round trip would call ' ' unknown
@@ -88,7 +88,7 @@ def test_sentencepiece_with_byte_fallback_knows_every_character(prompt):
 
 
 def test_sentencepiece_without_byte_fallback_names_what_becomes_unk():
-    from gptkit.generate import encode_prompt
+    from gptkit.inference.generate import encode_prompt
 
     tok = sentencepiece_tokenizer(byte_fallback=False)
     assert unknown_characters(tok, " hello") == []

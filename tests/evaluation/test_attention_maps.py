@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import make_run, run_main
 
-from gptkit.attention_maps import attention_probs, render_grid, token_labels
+from gptkit.evaluation.attention_maps import attention_probs, render_grid, token_labels
 
 
 @pytest.fixture(scope="module")

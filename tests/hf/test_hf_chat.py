@@ -10,10 +10,10 @@ import torch
 from conftest import run_main
 
 from gptkit import chat_templates as templates
-from gptkit.generate import ChatSession
+from gptkit.inference.generate import ChatSession
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
-from gptkit.sampling import SampleOptions
 from gptkit.tokenizer import byte_tokenizer
 
 TINY = dict(

@@ -13,10 +13,10 @@ from gptkit import hf
 from gptkit.cli import main as gptkit_main
 from gptkit.conf_tree import conf_dir
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.generate import generate
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_model
-from gptkit.sampling import SampleOptions
 
 transformers = pytest.importorskip("transformers")
 

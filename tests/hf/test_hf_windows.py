@@ -12,10 +12,10 @@ import torch
 from gptkit import hf
 from gptkit.cli import main as gptkit_main
 from gptkit.errors import GptkitError
-from gptkit.generate import generate
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_model
-from gptkit.sampling import SampleOptions
 
 transformers = pytest.importorskip("transformers")
 

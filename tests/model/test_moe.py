@@ -14,10 +14,10 @@ from gptkit import accounting as acc
 from gptkit.cli import main as gptkit_main
 from gptkit.conf_tree import conf_dir
 from gptkit.errors import ConfigError
-from gptkit.generate import generate
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.model.moe import MoE
-from gptkit.sampling import SampleOptions
 
 V = 48
 

@@ -8,13 +8,13 @@ import torch
 from conftest import one_line, run_main
 
 from gptkit import accounting as acc
-from gptkit import static_decode as sd
 from gptkit.errors import ConfigError
-from gptkit.generate import generate
+from gptkit.inference import static_decode as sd
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, KVCache, ModelConfig, StaticKVCache
 from gptkit.model.attention import ATTENTION_BACKENDS
 from gptkit.model.documents import Documents
-from gptkit.sampling import SampleOptions
 
 B, H, HKV, T, D, W = 2, 4, 2, 40, 16, 9
 

@@ -88,7 +88,7 @@ def test_an_empty_prompt_starts_from_bos_else_end_of_text_else_a_newline():
     import pytest
 
     from gptkit.errors import GptkitError
-    from gptkit.generate import empty_prompt_start, encode_prompt
+    from gptkit.inference.generate import empty_prompt_start, encode_prompt
     from gptkit.tokenizer import build_tokenizer
 
     # the default run's

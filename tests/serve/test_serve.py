@@ -15,10 +15,10 @@ import torch
 from conftest import HANG_S, wait_for
 
 from gptkit import chat_templates as templates
-from gptkit.generate import ChatSession, encode_prompt, generate, special_token_ids
+from gptkit.inference.generate import ChatSession, encode_prompt, generate, special_token_ids
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_run, write_run_folder
-from gptkit.sampling import SampleOptions
 from gptkit.tokenizer import byte_tokenizer
 
 httpx = pytest.importorskip("httpx")

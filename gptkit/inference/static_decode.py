@@ -11,7 +11,7 @@ the tokens only every K = check_every tokens: it copies the ring to pinned memor
 the next K steps, and only then reads the copy (EOS, stop strings, streaming), so the device never waits
 for the host. Up to 2K - 1 steps may run after every sample has finished; their tokens are dropped.
 
-The window policy is the eager loop's (gptkit.generate): the host knows at which step the window is full,
+The window policy is the eager loop's (generate.py): the host knows at which step the window is full,
 so a slide (a prefill over the last slide_keep tokens) needs no look at the device either.
 
 Fallbacks, each with one note in Generation.notes: `graph` without CUDA, or when capture fails, runs the
@@ -26,8 +26,15 @@ from typing import Callable, Optional
 
 import torch
 
+from gptkit.inference.sampling import (
+    FinishChecks,
+    Generation,
+    SampleOptions,
+    context_note,
+    sample_next,
+    window_plan,
+)
 from gptkit.model.kv_cache import StaticKVCache
-from gptkit.sampling import FinishChecks, Generation, SampleOptions, context_note, sample_next, window_plan
 
 # cache lengths are rounded up to this (capped at max_seq_len): fewer shapes to compile
 CACHE_ROUNDING = 128
@@ -253,7 +260,7 @@ def generate_static(
     mode: str,
     compile_backend: Optional[str] = "default",
 ) -> Generation:
-    """gptkit.generate.generate for decode=static|graph (called from there, inside inference mode).
+    """generate.generate for decode=static|graph (called from there, inside inference mode).
 
     compile_backend "default": opts.compile decides (None: inductor on CUDA, nothing elsewhere); a name:
     that torch.compile backend (tests use "aot_eager"); None: no compile."""

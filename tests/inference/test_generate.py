@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from gptkit.generate import generate
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions, TextStream, sample_next
 from gptkit.model import GPT, KVCache, ModelConfig
-from gptkit.sampling import SampleOptions, TextStream, sample_next
 
 VARIANTS = {
     "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
@@ -214,7 +214,7 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
     has oneDNN and the weight is large enough; else W^T, or the layer itself when it narrows at batch 1); each
     must compute the layer's own map for any number of rows (the prefill feeds B * T0 rows to weights packed
     for B) and leading shape."""
-    import gptkit.decoding_layout as layout
+    import gptkit.inference.decoding_layout as layout
 
     # 5000: the 32x32 o_proj (4096 bytes) stays unpacked
     monkeypatch.setattr(layout, "PACK_MIN_BYTES", pack_min_bytes)
@@ -265,7 +265,7 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
 def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
     """A torch build whose oneDNN cannot run a packed layer: the layout falls back to W^T before
     generating, and the tokens are still the plain model's."""
-    import gptkit.decoding_layout as layout
+    import gptkit.inference.decoding_layout as layout
 
     def broken(self, x):
         raise RuntimeError("oneDNN: unsupported")
@@ -284,7 +284,7 @@ def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
     assert out == [ids[len(PROMPT) :]] * 2
 
 
-# ---- the static path (static KV cache, fixed-shape step, device-side sampling): gptkit.static_decode ----
+# ---- the static path (static KV cache, fixed-shape step, device-side sampling): static_decode.py ----
 STATIC_VARIANTS = {
     **VARIANTS,
     "learned-mqa": dict(position="learned", n_kv_heads=1, mlp="gelu", norm="layernorm"),
@@ -395,7 +395,7 @@ def test_static_sampling_draws_what_eager_draws():
 def test_sample_next_draws_what_multinomial_draws():
     """The sync-free draw is torch.multinomial's own one-sample draw: the same tokens from the same
     generator."""
-    from gptkit.sampling import sample_next
+    from gptkit.inference.sampling import sample_next
 
     logits = torch.randn(8, 500, generator=torch.Generator().manual_seed(0))  # [B, V]
     g1, g2 = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
@@ -405,7 +405,7 @@ def test_sample_next_draws_what_multinomial_draws():
 
 
 def test_fast_argmax_is_torch_argmax():
-    from gptkit.sampling import argmax
+    from gptkit.inference.sampling import argmax
 
     g = torch.Generator().manual_seed(0)
     for V in (61, 1024, 12000, 32000, 50257):
@@ -476,7 +476,7 @@ def test_graph_without_cuda_falls_back_with_one_note():
 def test_failed_capture_and_failed_compile_fall_back(monkeypatch):
     """Where capture is possible but fails (here: torch has no CUDA), or torch.compile fails, generation goes
     on without it, with one note each, and the tokens are the same."""
-    import gptkit.static_decode as sd
+    import gptkit.inference.static_decode as sd
 
     def broken_compiler(backend):
         def fail(*args, **kwargs):
@@ -504,7 +504,7 @@ def test_compiled_step_is_traced_once(monkeypatch):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    import gptkit.static_decode as sd
+    import gptkit.inference.static_decode as sd
 
     torch._dynamo.reset()
     monkeypatch.setattr(sd, "_compiled", {})
@@ -563,7 +563,7 @@ def test_a_dropped_model_frees_its_decoder():
     import gc
     import weakref
 
-    import gptkit.static_decode as sd
+    import gptkit.inference.static_decode as sd
 
     model = static_gpt("learned-mha")
     generate(model, PROMPT, SampleOptions(max_new_tokens=5, temperature=0, decode="static"))

@@ -1,5 +1,5 @@
-"""Choosing tokens and deciding when to stop: what every decoding loop shares (gptkit.generate's eager
-loop and gptkit.static_decode's fixed-shape one).
+"""Choosing tokens and deciding when to stop: what every decoding loop shares (generate.py's eager loop
+and static_decode.py's fixed-shape one).
 
     SampleOptions   what to generate: length, temperature / top-k / top-p, seed, samples, EOS, stop strings,
                     the overflow policy beyond the context, the decoding mode

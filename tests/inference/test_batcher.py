@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from gptkit.errors import GptkitError
-from gptkit.generate import generate
 from gptkit.inference.batcher import Batcher, Job, SamplingParams, generate_many
 from gptkit.inference.engine import Engine, QueueFull
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
-from gptkit.sampling import SampleOptions
 
 VARIANTS = {
     "rope-gqa": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False),
@@ -61,7 +61,7 @@ def prompts(k: int, seed: int = 1) -> list[list[int]]:
 
 
 def reference(model, prompt, n, decode=None, **opts):
-    """`gptkit sample`'s tokens (gptkit.generate.generate, overflow=stop as the server runs)."""
+    """`gptkit sample`'s tokens (gptkit.inference.generate.generate, overflow=stop as the server runs)."""
     opts = dict(max_new_tokens=n, temperature=0.0, overflow="stop") | opts
     return generate(model, prompt, SampleOptions(**opts), decode=decode)
 

@@ -12,9 +12,9 @@ from conftest import SAMPLE_EOS as EOS
 from conftest import make_run, run_main
 
 from gptkit.checkpoints import CHECKPOINT_DIR
-from gptkit.generate import encode_prompt, generate
+from gptkit.inference.generate import encode_prompt, generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
-from gptkit.sampling import SampleOptions
 
 
 @pytest.fixture(scope="module")
@@ -223,7 +223,7 @@ def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
     pytest.importorskip("transformers")
     from omegaconf import OmegaConf
 
-    import gptkit.static_decode as sd
+    import gptkit.inference.static_decode as sd
     from gptkit.accounting import decode_bytes_per_step
     from gptkit.bench import decode as bench
     from gptkit.conf_tree import conf_dir

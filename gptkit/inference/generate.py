@@ -4,14 +4,14 @@
       -> loop: sample next [B] -> append -> decode one step [B, 1] through the cache -> logits [B, V]
 
 Two ways to run that loop (`decode`):
-  eager   a growing KVCache; on CPU the Linear weights are laid out for the batch (gptkit.decoding_layout);
+  eager   a growing KVCache; on CPU the Linear weights are laid out for the batch (decoding_layout.py);
           EOS and stop strings are checked after every token.
   static  a preallocated StaticKVCache written at a position tensor, so the one-token step has fixed
   graph   shapes: it can be compiled (torch.compile) and, on CUDA, captured once as a CUDA graph and
           replayed (`graph`). Sampling stays on the device; EOS and stop strings are checked every
-          `check_every` tokens without stalling the device (gptkit.static_decode).
+          `check_every` tokens without stalling the device (static_decode.py).
   auto    graph on CUDA, eager elsewhere.
-Greedy tokens are the same either way (tests/generate/test_generate.py checks it, sliding windows included).
+Greedy tokens are the same either way (tests/inference/test_generate.py checks it, sliding windows included).
 
 Beyond the context (model.max_seq_len), `overflow` says what happens:
   slide  the window slides: the cache is rebuilt by one prefill over the last `slide_keep` tokens,
@@ -32,10 +32,9 @@ from typing import Callable, Optional
 import torch
 
 from gptkit.chat_templates import encode_conversation, encode_text
-from gptkit.decoding_layout import decoding_layout
 from gptkit.errors import GptkitError
-from gptkit.model.kv_cache import KVCache
-from gptkit.sampling import (
+from gptkit.inference.decoding_layout import decoding_layout
+from gptkit.inference.sampling import (
     FinishChecks,
     Generation,
     SampleOptions,
@@ -44,7 +43,8 @@ from gptkit.sampling import (
     sample_next,
     window_plan,
 )
-from gptkit.static_decode import generate_static
+from gptkit.inference.static_decode import generate_static
+from gptkit.model.kv_cache import KVCache
 from gptkit.tokenizer import describe_characters, special_tokens, unknown_characters
 
 

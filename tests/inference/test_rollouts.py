@@ -1,14 +1,14 @@
 """gptkit/inference/rollouts.py: a group's completions through the KV cache, each a pure function of its key
-(not of the other prompts, their order or the resume point), greedy as gptkit.generate, stopped and kept at a
-stop id, and the same when a rank joins the forward passes of others (FSDP2's lockstep).
+(not of the other prompts, their order or the resume point), greedy as gptkit.inference.generate, stopped and
+kept at a stop id, and the same when a rank joins the forward passes of others (FSDP2's lockstep).
 """
 
 import torch
 
-from gptkit.generate import generate
+from gptkit.inference.generate import generate
 from gptkit.inference.rollouts import RolloutOptions, key_noise, key_tensor, sample_groups, sample_key
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
-from gptkit.sampling import SampleOptions
 
 
 def tiny_model(**extra):

@@ -10,7 +10,7 @@ out for the few rows per step that decoding feeds it.
 
 Only on CPU, and only while the matmul weights take less than DECODING_LAYOUT_MAX_BYTES (the copies cost
 one more set of them); a quantized weight (quantize=: a torchao tensor) keeps its layer, which a copy would
-dequantize. CUDA decoding uses gptkit.static_decode instead.
+dequantize. CUDA decoding uses gptkit.inference.static_decode instead.
 """
 
 from __future__ import annotations

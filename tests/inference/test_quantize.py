@@ -9,10 +9,10 @@ import torch
 from conftest import make_run, one_line, run_main
 
 from gptkit import accounting, quant
-from gptkit.generate import encode_prompt, generate
+from gptkit.inference.generate import encode_prompt, generate
+from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_model, write_run_folder
-from gptkit.sampling import SampleOptions
 
 pytest.importorskip("torchao", reason="the quant extra (torchao) is not installed")
 
