@@ -510,7 +510,10 @@ def test_a_hub_task_offline_or_unreachable_fails_at_once(tmp_path, capsys, monke
     # caches that hold no Hub data set
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "datasets"))
-    d = tmp_path / "no-run-needed"
+    # a run folder (eval finds its run before anything else: a missing one is its own line, without torch)
+    from conftest import make_run
+
+    d, _, _ = make_run(tmp_path)
 
     def fails(*args):
         code, out, err = run_main(capsys, "eval", f"run={d}", "progress=false", *args)
