@@ -213,6 +213,18 @@ class Guard:
         return value
 
 
+def reward_timeout(limit: Any) -> float | None:
+    """grpo.reward_timeout as seconds (None: no limit, for 0 or null), or a one-line ConfigError."""
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= float(limit) < math.inf
+    ):
+        raise ConfigError(
+            f"grpo.reward_timeout={limit!r} must be a number of seconds >= 0 (0 or null: no limit): how "
+            "long one reward call may take"
+        )
+    return float(limit or 0.0) or None
+
+
 def call_limited(fn: Callable, args: tuple, timeout: float | None, stuck: str = "") -> Any:
     """fn(*args), stopped with RewardTimeout after `timeout` seconds (None or 0: no limit). A
     KeyboardInterrupt that a real SIGINT raised during the call comes out with gptkit_sigint = True (one the

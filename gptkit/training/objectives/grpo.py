@@ -52,7 +52,7 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.training.objectives.base import Objective, Reference
-from gptkit.training.rewards import Rewards, load_rewards, parse_rewards
+from gptkit.training.rewards import Rewards, load_rewards, parse_rewards, reward_timeout
 
 LOSSES = ("grpo", "dr_grpo", "dapo")
 SCALES = ("std", "none")
@@ -85,14 +85,7 @@ def check_grpo_config(g: Any) -> None:
             f"grpo.kl={g.get('kl')!r} is not one of {', '.join(KLS)} (k3: the KL estimate alone; k3_ratio: "
             "times the ratio to the sampling policy, TRL's use_bias_correction_kl)"
         )
-    limit = g.get("reward_timeout")
-    if limit is not None and (
-        isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 <= float(limit) < math.inf
-    ):
-        raise ConfigError(
-            f"grpo.reward_timeout={limit!r} must be a number of seconds >= 0 (0 or null: no limit): how "
-            "long one reward call may take"
-        )
+    reward_timeout(g.get("reward_timeout"))
     eps, high = g.get("epsilon"), g.get("epsilon_high")
     for key, v in (("epsilon", eps), ("epsilon_high", high)):
         if v is not None and not (isinstance(v, (int, float)) and 0 < float(v) < 1e3):
@@ -405,7 +398,7 @@ class GRPO(Objective):
         self.epsilon_high = float(g.get("epsilon_high") or g.epsilon)
         self.beta = float(g.beta)
         self.kl = str(g.get("kl", "k3"))
-        self.rewards.timeout = float(g.get("reward_timeout") or 0.0) or None
+        self.rewards.timeout = reward_timeout(g.get("reward_timeout"))
         self.val_temperature = float(g.get("val_temperature") or 0.0)
         self.seed, self.seq_len = int(plan.cfg.seed), int(plan.seq_len)
         self.accumulation, self.batch_size = int(plan.accumulation), int(plan.batch_size)
