@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from gptkit import quant
 from gptkit.adapters import adapter_params
 from gptkit.errors import ConfigError
+from gptkit.model.attention_kinds import cache_layouts
 from gptkit.model.config import ModelConfig
 from gptkit.precision import DTYPE_BYTES, Precision, precision
 
@@ -236,16 +237,17 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
-    """K and V for every layer: 2 * n_layers * n_kv_heads * head_dim elements per token (a local layer's
-    rolling cache stops growing at its window: kv_cache_bytes)."""
-    return 2 * cfg.n_layers * cfg.d_kv * DTYPE_BYTES[dtype]
+    """What every layer caches per position, K and V (its cache layout: multi-head attention's
+    2 * n_kv_heads * head_dim elements), in bytes; a local layer's rolling cache stops growing at its window
+    and a recurrent state does not grow at all (kv_cache_bytes counts both)."""
+    return sum(lay.per_position for lay in cache_layouts(cfg)) * DTYPE_BYTES[dtype]
 
 
 def kv_cache_bytes(cfg: ModelConfig, context: int, dtype: str = "bf16") -> int:
-    """K and V of one sequence of `context` tokens: a global layer holds every token, a local layer (its
-    rolling cache, gptkit/model/kv_cache.py) at most its window."""
-    tokens = sum(min(cfg.window(i) or context, context) for i in range(cfg.n_layers))
-    return 2 * tokens * cfg.d_kv * DTYPE_BYTES[dtype]
+    """What one sequence of `context` tokens keeps cached, by every layer's cache layout: a global layer
+    every token's K and V, a local layer (its rolling cache, gptkit/model/kv_cache.py) at most its window's,
+    a recurrent layer its state."""
+    return sum(lay.elements(context) for lay in cache_layouts(cfg)) * DTYPE_BYTES[dtype]
 
 
 def decode_bytes_per_step(cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16") -> int:

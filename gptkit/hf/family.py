@@ -31,7 +31,14 @@ from gptkit.model.config import ModelConfig
 COPY, TRANSPOSE, SPLIT, STACK = "copy", "transpose", "split", "stack"
 Row = tuple[str, str | tuple[str, ...], str]
 # the fields only some families turn on (Gemma's), at the values every other family needs
-PLAIN = {"scale_embeddings": False, "attn_softcap": None, "logit_softcap": None, "rope_local_theta": None}
+PLAIN = {
+    "scale_embeddings": False,
+    "attn_softcap": None,
+    "logit_softcap": None,
+    "rope_local_theta": None,
+    # every family of today is multi-head attention (gptkit/model/attention_kinds.py)
+    "attention_kind": "mha",
+}
 
 
 def require(cfg: ModelConfig, need: dict[str, Any], where: str, target: str) -> None:

@@ -135,10 +135,16 @@ class _Cache(KVCache):
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.k[layer].is_meta:
-            # [B, n_kv_heads, slots, head_dim]
+            # [B, k heads, slots, k width] and [B, v heads, slots, v width]: the layer's cache layout
             self.k[layer] = k.new_zeros(self.k[layer].shape)
             self.v[layer] = v.new_zeros(self.v[layer].shape)
         return super().update(layer, k, v)
+
+    def state(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        if self.states[layer].is_meta:
+            # [B, *state]
+            self.states[layer] = like.new_zeros(self.states[layer].shape)
+        return self.states[layer]
 
 
 def _sample_group(model, prompt, keys, opts: RolloutOptions, budget: int, lockstep) -> list[Completion]:
@@ -149,7 +155,7 @@ def _sample_group(model, prompt, keys, opts: RolloutOptions, budget: int, lockst
     n, t0 = len(keys), len(prompt)
     key_t = key_tensor(keys, device)  # [n, 2]
     stop = torch.tensor(list(opts.stop_ids) or [-1], dtype=torch.long, device=device)  # [n_stop]
-    # [n, n_kv_heads, T0 + budget, head_dim] per layer
+    # per layer its cache layout's K and V for T0 + budget positions (or its state), allocated on first use
     cache = _Cache(model.cfg, n, t0 + budget)
     ids = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # [n, T0]
     logits = model(ids, cache=cache, logits_to_keep=1).logits[:, -1]  # [n, V]

@@ -1,7 +1,10 @@
 """The KV cache of continuous batching: one slot per sequence, each slot with its own length.
 
-    k, v per layer    [slots, n_kv_heads, max_len, head_dim]; slot s holds one sequence at positions
-                      0..lengths[s]-1 (keys stored after RoPE, as gptkit.model.kv_cache.KVCache stores them)
+    k, v per layer    [slots, k heads, max_len, k width] and [slots, v heads, max_len, v width] (the layer's
+                      cache layout, gptkit/model/attention_kinds.py; multi-head attention: n_kv_heads x
+                      head_dim); slot s holds one sequence at positions 0..lengths[s]-1 (keys stored after
+                      RoPE, as gptkit.model.kv_cache.KVCache stores them)
+    states per layer  [slots, *state] instead, for a layer whose layout keeps a recurrent state
 
 The model reads it through two views, each a cache as GPT.forward takes one (positions, update,
 mask_for(layer), advance):
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from gptkit.model.attention_kinds import cache_layouts
 from gptkit.model.config import ModelConfig
 
 
@@ -37,15 +41,26 @@ class SlotCache:
         self.max_len = max_len or cfg.max_seq_len
         if self.max_len > cfg.max_seq_len:
             raise ValueError(f"cache length {self.max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
-        shape = (slots, cfg.n_kv_heads, self.max_len, cfg.head_dim)  # [S, n_kv_heads, max_len, head_dim]
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.n_layers)]
+        # per layer: what it keeps (gptkit/model/attention_kinds.py: K and V, or a recurrent state)
+        layouts = cache_layouts(cfg)
+
+        def zeros(*shape):
+            return torch.zeros(shape, device=device, dtype=dtype)
+
+        # [S, k heads, max_len, k width] and [S, v heads, max_len, v width] per layer (None: a state layer)
+        L = self.max_len
+        self.k = [None if lay.k is None else zeros(slots, lay.k[0], L, lay.k[1]) for lay in layouts]
+        self.v = [None if lay.v is None else zeros(slots, lay.v[0], L, lay.v[1]) for lay in layouts]
+        # [S, *state] per layer (None: a K/V layer)
+        self.states = [None if lay.state is None else zeros(slots, *lay.state) for lay in layouts]
+        # every tensor a slot owns a row of
+        self._tensors = [t for t in self.k + self.v + self.states if t is not None]
         # tokens cached per slot (= the position of the slot's next token)
         self.lengths = [0] * slots
-        self.device = self.k[0].device
+        self.device = self._tensors[0].device
         self.positions_all = torch.arange(self.max_len, device=self.device)  # [max_len]
         # per layer: None (global) or its sliding window (the slots keep every position; the mask narrows)
-        self.windows = [cfg.window(i) for i in range(cfg.n_layers)]
+        self.windows = [lay.window for lay in layouts]
 
     def prefill(self, slot: int) -> "PrefillView":
         """The cache of one slot, for a forward pass of that sequence's next tokens."""
@@ -57,24 +72,29 @@ class SlotCache:
 
     def move(self, src: int, dst: int) -> None:
         """Slot src's sequence into slot dst (src is free afterwards)."""
-        n = self.lengths[src]
-        for t in self.k + self.v:
-            t[dst, :, :n] = t[src, :, :n]
-        self.lengths[dst], self.lengths[src] = n, 0
+        self.copy(src, dst)
+        self.free(src)
 
     def copy(self, src: int, dst: int) -> None:
         """A copy of slot src's sequence in slot dst (the n choices of one prompt share its prefill)."""
         n = self.lengths[src]
         for t in self.k + self.v:
-            t[dst, :, :n] = t[src, :, :n]
+            if t is not None:
+                t[dst, :, :n] = t[src, :, :n]
+        for t in self.states:
+            if t is not None:
+                t[dst] = t[src]
         self.lengths[dst] = n
 
     def free(self, slot: int) -> None:
         self.lengths[slot] = 0
+        for t in self.states:
+            if t is not None:
+                t[slot].zero_()
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self._tensors)
 
 
 class PrefillView:
@@ -92,6 +112,10 @@ class PrefillView:
     @property
     def positions(self) -> int:
         return self.cache.lengths[self.slot]
+
+    def state(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """[1, *state]: the slot's recurrent state of `layer` (a view: written in place)."""
+        return self.cache.states[layer][self.slot : self.slot + 1]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [1, n_kv_heads, T, head_dim] after the slot's prefix; return the slot's keys and values
@@ -141,6 +165,10 @@ class DecodeView:
     def positions(self) -> torch.Tensor:
         """[n, 1]: the position of each row's new token."""
         return self._positions
+
+    def state(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """[n, *state]: the recurrent states of `layer` of slots 0..n-1 (a view: written in place)."""
+        return self.cache.states[layer][: self.n]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write k, v [n, n_kv_heads, 1, head_dim] at each row's position; return the keys and values of

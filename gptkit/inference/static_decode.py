@@ -149,6 +149,8 @@ class StaticDecoder:
     def prefill(self, window: torch.Tensor) -> None:
         """Fill the cache from window [B, W] at positions 0..W-1 and emit the token that follows."""
         W = window.shape[1]
+        # K/V need nothing (the mask hides what an earlier window left); a recurrent state starts from zero
+        self.cache.reset()
         self.cache.positions = torch.arange(W, device=self.device)  # [W]
         self._emit(self.model(window, cache=self.cache, logits_to_keep=1).logits[:, -1])
         self.pos.fill_(W)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 from gptkit.errors import ConfigError
+from gptkit.model import attention_kinds as _attention_kinds
 
 POSITIONS = ("learned", "rope")
 # gelu: GPT-2's | swiglu: down(silu(gate) * up) (Llama) | geglu: down(gelu_tanh(gate) * up) (Gemma)
@@ -190,8 +191,10 @@ class ModelConfig:
     norm_placement: str = "pre"
     tie_embeddings: bool = True
     dropout: float = 0.0
-    # eager | sdpa | triton
+    # eager | sdpa | triton: the attention function (the backend)
     attention: str = "sdpa"
+    # mha: the attention module and its cache (gptkit/model/attention_kinds.py)
+    attention_kind: str = "mha"
     # null: every layer attends to all earlier positions; W: a local layer (model.layer_types) attends to its
     # last W positions, its own included (transformers' sliding_window), and caches only those
     sliding_window: int | None = None
@@ -242,6 +245,11 @@ class ModelConfig:
         """The layers whose feed-forward is a mixture of experts ([] for a dense model)."""
         return [i for i in range(self.n_layers) if self.feed_forward(i) == "moe"]
 
+    def attention_kind_of(self, layer: int) -> str:
+        """The attention kind of layer `layer` (from 0): model.attention_kind
+        (gptkit/model/attention_kinds.py builds it and gives its cache layout)."""
+        return self.attention_kind
+
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (from 0): model.sliding_window for a local layer, None for a
         global one (it attends to every earlier position)."""
@@ -286,6 +294,9 @@ class ModelConfig:
             ("mlp", MLPS),
             ("norm", NORMS),
             ("attention", ATTENTIONS),
+            # the attention module of a layer and what its cache keeps: a row each in
+            # gptkit/model/attention_kinds.py (which imports no torch)
+            ("attention_kind", tuple(_attention_kinds.ATTENTION_KINDS)),
         ):
             v = getattr(self, name)
             if v not in allowed:

@@ -10,6 +10,8 @@
 A layer's attention is global or local (model.layer_types: a sliding window of model.sliding_window
 positions); with model.rope_local_theta the local layers rotate with their own RoPE (rope_local).
 
+`attn` is the block's attention, whichever kind the config gives that layer (gptkit/model/attention_kinds.py:
+today multi-head attention with grouped K/V heads, gptkit/model/mha.py).
 `mlp` is the block's feed-forward, whichever kind the config gives that layer (gptkit/model/feedforward.py:
 dense GELU or SwiGLU, or a mixture of experts); what it returns beside its output (an auxiliary loss and
 figures, in training) is summed over the layers into GPTOutput.aux.
@@ -28,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptkit.model import fused
-from gptkit.model.attention import CausalSelfAttention
+from gptkit.model.attention_kinds import make_attention
 from gptkit.model.config import ModelConfig
 from gptkit.model.documents import Documents
 from gptkit.model.feedforward import ModelAux, combine, make_feed_forward
@@ -51,7 +53,8 @@ class Block(nn.Module):
         super().__init__()
         norm = dict(dim=cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias, fused="norm" in cfg.kernels)
         self.attn_norm = make_norm(cfg.norm, **norm)
-        self.attn = CausalSelfAttention(cfg, layer)
+        # y, probs = attn(x, ...): the attention seam (model.attention_kind)
+        self.attn = make_attention(cfg, layer)
         # the MLP's pre-norm
         self.mlp_norm = make_norm(cfg.norm, **norm)
         # y, aux = mlp(x): the feed-forward seam

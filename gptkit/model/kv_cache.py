@@ -5,13 +5,16 @@ A cache is what GPT.forward takes as `cache`: `positions` (the positions of the 
 `mask_for(layer)` (None: causal and the layer's sliding window, bottom-right aligned; or the bool mask that
 replaces both) and `advance(T)`. gptkit/inference/slot_cache.py's views are caches too.
 
-KVCache: one K and one V tensor per layer, each [B, n_kv_heads, slots, head_dim]: GQA shrinks the cache by
-n_heads / n_kv_heads. Keys are stored after RoPE, so a cached key never needs re-rotating; the model reads
-`cache.positions` (= `cache.length`, an int: the first of the positions the next forward pass feeds, as
-GPT.forward names positions). A global layer's slots are max_len positions, filled front to back, and it
-attends over the filled prefix. A local layer (model.layer_types, model.sliding_window W < max_len) keeps
-only its last W positions (rolling=True, the default): position p lives in slot p % W, so its memory is
-W / max_len of a global layer's. Its `update` returns what its queries may see, in one of two forms:
+KVCache: what each layer's cache layout says (gptkit/model/attention_kinds.py, cache_layout): one K and one
+V tensor per layer, [B, k heads, slots, k width] and [B, v heads, slots, v width] (multi-head attention:
+n_kv_heads x head_dim each, so GQA shrinks the cache by n_heads / n_kv_heads), or a layer's recurrent state
+[B, *state] instead (read and written in place through `state(layer, like)`; such a cache cannot rewind).
+Keys are stored after RoPE, so a cached key never needs re-rotating; the model reads `cache.positions`
+(= `cache.length`, an int: the first of the positions the next forward pass feeds, as GPT.forward names
+positions). A global layer's slots are max_len positions, filled front to back, and it attends over the
+filled prefix. A local layer (model.layer_types, model.sliding_window W < max_len) keeps only its last W
+positions (rolling=True, the default): position p lives in slot p % W, so its memory is W / max_len of a
+global layer's. Its `update` returns what its queries may see, in one of two forms:
   - one new token: the ring itself after the write (every slot it holds lies in the token's window; the
     order of the keys does not matter to attention), no copy;
   - T > 1 new tokens: the last W - 1 cached positions in order, then the T new ones (a copy), for the
@@ -32,6 +35,7 @@ from typing import Optional
 
 import torch
 
+from gptkit.model.attention_kinds import cache_layouts
 from gptkit.model.config import ModelConfig
 
 
@@ -53,24 +57,41 @@ class KVCache:
         if self.max_len > cfg.max_seq_len:
             raise ValueError(f"cache length {self.max_len} exceeds model.max_seq_len={cfg.max_seq_len}")
         self.device, self.dtype, self.rolling = device, dtype, rolling
+        # per layer: what it keeps (gptkit/model/attention_kinds.py: K and V, or a recurrent state)
+        self.layouts = cache_layouts(cfg)
         # per layer: None (global) or its sliding window
-        self.windows = [cfg.window(i) for i in range(cfg.n_layers)]
+        self.windows = [lay.window for lay in self.layouts]
         # per layer: the positions it keeps: max_len, or its window when a rolling cache makes that shorter
+        # (0: a layer with a state keeps no position)
         self.slots = [
-            w if rolling and w is not None and w < self.max_len else self.max_len for w in self.windows
+            0 if lay.k is None else w if rolling and w is not None and w < self.max_len else self.max_len
+            for lay, w in zip(self.layouts, self.windows)
         ]
-        # [B, n_kv_heads, slots, head_dim] per layer
-        self.k = [torch.zeros(self._shape(batch_size, n), device=device, dtype=dtype) for n in self.slots]
-        self.v = [torch.zeros(self._shape(batch_size, n), device=device, dtype=dtype) for n in self.slots]
+        # [B, k heads, slots, k width] and [B, v heads, slots, v width] per layer (None: a state layer)
+        self.k = [self._zeros(batch_size, n, lay.k) for lay, n in zip(self.layouts, self.slots)]
+        self.v = [self._zeros(batch_size, n, lay.v) for lay, n in zip(self.layouts, self.slots)]
+        # [B, *state] per layer (None: a K/V layer)
+        self.states = [
+            None if lay.state is None else torch.zeros((batch_size, *lay.state), device=device, dtype=dtype)
+            for lay in self.layouts
+        ]
         # tokens already cached (= absolute position of the next token)
         self.length = 0
 
-    def _shape(self, batch_size: int, slots: int) -> tuple[int, int, int, int]:
-        return (batch_size, self.cfg.n_kv_heads, slots, self.cfg.head_dim)
+    def _zeros(self, batch_size: int, slots: int, shape: tuple[int, int] | None) -> torch.Tensor | None:
+        """[batch_size, heads, slots, width] zeros for shape (heads, width); None for None."""
+        if shape is None:
+            return None
+        return torch.zeros((batch_size, shape[0], slots, shape[1]), device=self.device, dtype=self.dtype)
+
+    def state(self, layer: int, like: torch.Tensor) -> torch.Tensor:
+        """[B, *state]: the recurrent state of `layer` (a kind whose layout has one), read and written in
+        place by its module; `like` is a tensor of the compute dtype and device (the layer's input)."""
+        return self.states[layer]
 
     def rolls(self, layer: int) -> bool:
         """Whether `layer` keeps only its window (a ring of slots) rather than every position."""
-        return self.slots[layer] < self.max_len
+        return 0 < self.slots[layer] < self.max_len
 
     @property
     def positions(self) -> int:
@@ -136,8 +157,14 @@ class KVCache:
         self.length += n
 
     def reset(self) -> None:
-        """Empty the cache (the tensors are kept and overwritten)."""
+        """Empty the cache (the tensors are kept and overwritten; the states start again from zero)."""
         self.length = 0
+        self._clear_states()
+
+    def _clear_states(self) -> None:
+        for t in self.states:
+            if t is not None:
+                t.zero_()
 
     def rewind(self, n: int) -> int:
         """Forget the positions from n on (0 <= n <= length), so that the next forward feeds position n, and
@@ -148,7 +175,11 @@ class KVCache:
         wrapped = [
             self.slots[i] for i in range(len(self.slots)) if self.rolls(i) and self.length > self.slots[i]
         ]
-        self.length = 0 if wrapped and n < self.length - 1 else n
+        # a recurrent state holds every position folded in: none can be taken back
+        stateful = n < self.length and any(t is not None for t in self.states)
+        self.length = 0 if stateful or (wrapped and n < self.length - 1) else n
+        if self.length == 0:
+            self._clear_states()
         return self.length
 
     def select(self, rows: torch.Tensor, max_len: int) -> "KVCache":
@@ -156,6 +187,9 @@ class KVCache:
         rows[r] and every position it holds."""
         out = type(self)(self.cfg, len(rows), max_len, self.device, self.dtype, self.rolling)
         for layer in range(len(self.k)):
+            if self.states[layer] is not None:
+                out.states[layer] = self.states[layer].index_select(0, rows)
+                continue
             k, v, first = self._held(layer)
             out._put(layer, k.index_select(0, rows), v.index_select(0, rows), first)
         out.length = self.length
@@ -163,8 +197,8 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the K and V tensors of every layer."""
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        """Bytes held by every layer's K and V tensors and states."""
+        return sum(t.numel() * t.element_size() for t in self.k + self.v + self.states if t is not None)
 
 
 class StaticKVCache(KVCache):
@@ -179,7 +213,7 @@ class StaticKVCache(KVCache):
     ) -> None:
         super().__init__(cfg, batch_size, max_len, device, dtype, rolling)
         # slots -> arange(slots) (the max_len slots of a global layer, the W of a ring)
-        self.slot_ids = {n: torch.arange(n, device=device) for n in set(self.slots)}
+        self.slot_ids = {n: torch.arange(n, device=device) for n in set(self.slots) | {self.max_len}}
         # [T] long: the positions of the tokens being fed (the caller sets them)
         self._positions: Optional[torch.Tensor] = None
 
@@ -251,6 +285,6 @@ class StaticKVCache(KVCache):
         pass
 
     def reset(self) -> None:
-        """Nothing to reset: `mask_for` hides every slot after a token's own position and every ring slot
-        not written since positions restarted at 0."""
-        pass
+        """Nothing to reset of K and V: `mask_for` hides every slot after a token's own position and every
+        ring slot not written since positions restarted at 0. The states start again from zero."""
+        self._clear_states()

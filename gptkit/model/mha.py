@@ -1,0 +1,107 @@
+"""The multi-head attention kind (model.attention_kind=mha): GPT-2's and Llama's, with grouped K/V heads.
+
+    x [B, T, d_model] -> qkv_proj -> q [B, n_heads, T, head_dim], k, v [B, n_kv_heads, T, head_dim]
+      -> (QK-norm) -> (RoPE at `positions`) -> (the cache: k, v of the earlier positions)
+      -> the attention function of model.attention (gptkit/model/attention.py: eager, sdpa, triton), causal,
+         within a layer's window (model.layer_types), inside packed documents
+      -> [B, T, d_attn] -> o_proj -> [B, T, d_model]
+
+n_kv_heads < n_heads is GQA (1: MQA). The cache keeps K and V of n_kv_heads x head_dim per position (its row
+in gptkit/model/attention_kinds.py).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gptkit.model.attention import eager_attention, get_attention
+from gptkit.model.config import ModelConfig
+from gptkit.model.documents import Documents
+from gptkit.model.kv_cache import KVCache
+
+# the QK-norms are layers.py norms
+from gptkit.model.layers import RotaryEmbedding, make_norm
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with grouped K/V heads (model.attention_kind=mha): the layout of
+    gptkit/model/attention_kinds.py's row, K and V [n_kv_heads, head_dim] per cached position."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        # one fused projection for q, k and v: [d_model] -> [d_attn + 2 * d_kv]
+        self.qkv_proj = nn.Linear(cfg.d_model, cfg.d_attn + 2 * cfg.d_kv, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.d_attn, cfg.d_model, bias=cfg.bias)
+        # QK-norm (model.qk_norm), before RoPE: "head" normalizes each head over head_dim with one weight
+        # shared by the heads (Qwen3); "full" normalizes all query (key) heads together (OLMo-2)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm is not None:
+            q_dim, k_dim = (cfg.head_dim, cfg.head_dim) if cfg.qk_norm == "head" else (cfg.d_attn, cfg.d_kv)
+            fused_norm = "norm" in cfg.kernels
+            self.q_norm = make_norm(cfg.norm, dim=q_dim, eps=cfg.norm_eps, bias=cfg.bias, fused=fused_norm)
+            self.k_norm = make_norm(cfg.norm, dim=k_dim, eps=cfg.norm_eps, bias=cfg.bias, fused=fused_norm)
+        self.dropout = cfg.dropout
+        self.attend = get_attention(cfg.attention)
+        # None: every earlier position; W: the last W (a local layer, model.layer_types)
+        self.window = cfg.window(layer)
+        # None: head_dim^-0.5 (the backends' default)
+        self.scale = None if cfg.query_pre_attn_scalar is None else cfg.attn_scale
+        self.softcap = cfg.attn_softcap
+
+    def forward(
+        self,
+        x,
+        *,
+        rope: Optional[RotaryEmbedding] = None,
+        cache: Optional[KVCache] = None,
+        positions: int | torch.Tensor = 0,
+        docs: Optional[Documents] = None,
+        return_probs: bool = False,
+    ):
+        """x [B, T, d_model] at `positions` (see GPT.forward) -> ([B, T, d_model], probs or None)."""
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).split(
+            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
+            dim=-1,
+        )
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, d_attn], [B, T, d_kv]
+        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, n_heads, head_dim]
+        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, n_kv_heads, head_dim]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, n_heads, T, head_dim], [B, n_kv_heads, T, head_dim]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
+        if rope is not None:
+            # rotate before caching: the cache holds rotated keys
+            q, k = rope(q, k, positions)
+        mask = None
+        if cache is not None:
+            # [B, n_kv_heads, keys, head_dim]: the cached prefix and these T (a local layer's rolling cache:
+            # its window's; static: every slot)
+            k, v = cache.update(self.layer, k, v)
+            # None: causal (and the window) over the prefix; static: [T, slots] from the positions
+            mask = cache.mask_for(self.layer)
+        attend = eager_attention if return_probs else self.attend
+        y, probs = attend(
+            q,
+            k,
+            v,
+            causal=True,
+            mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            scale=self.scale,
+            return_probs=return_probs,
+            docs=docs,
+            window=self.window,
+            softcap=self.softcap,
+            # y: [B, n_heads, T, head_dim]
+        )
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
+        return F.dropout(self.o_proj(y), self.dropout, self.training), probs
