@@ -4,9 +4,10 @@ tokens.
     records (jsonl / json / parquet)  messages: [{role, content}, ...]   or   prompt + response (+ system)
       -> checked (roles, an assistant turn, file and row named in every error: gptkit.data.records)
       -> rendered with a chat template (gptkit.chat_templates: Jinja, as transformers renders it)
-      -> token ids + an assistant mask per token, cached (ChatData); a conversation longer than the longest
-         row a run can train on (model.max_seq_len + 1: RowLimit) is measured on prefixes, never encoded
-         whole, and kept as its first tokens, flagged long
+      -> token ids + an assistant mask per token (encode), cached (ChatData; the build, the folder and its
+         load are every templated kind's: gptkit.data.templated, KIND); a conversation longer than the
+         longest row a run can train on (model.max_seq_len + 1: RowLimit) is measured on prefixes, never
+         encoded whole, and kept as its first tokens, flagged long
       -> rows of seq_len + 1 tokens: packed (data.pack=documents, with doc_ids) or one per row (pad)
       -> batches (x, y[, doc_ids]) whose targets are -100 outside the assistant's turns
          (data.train_on=assistant)
@@ -21,29 +22,27 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from gptkit.chat_templates import assistant_spans, encode_conversation
-from gptkit.data.cache import REBUILD, check_folder
-from gptkit.data.face import BuildOptions, Feed, Origin, Span
-from gptkit.data.provenance import TextBytes, show
-from gptkit.data.records import conversation, records
-from gptkit.data.settings import allows_special_text
+from gptkit.chat_templates import assistant_spans
+from gptkit.data.face import Feed, Origin, Span
+from gptkit.data.records import conversation
 from gptkit.data.templated import (
     ChatSplit,
-    RowLimit,
-    TemplatedBuild,
+    Encoder,
+    RowSampler,
+    Seq,
     TemplatedData,
+    TemplatedKind,
     check_row_limit,
-    check_split,
-    check_tokenizer_file,
-    sequence_arrays,
+    first_val,
+    lost,
+    shown,
+    split_where,
 )
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec
 
 # torch is imported where a batch is made.
 
@@ -51,15 +50,13 @@ TRAIN_ON = ("assistant", "all")
 # data.pack of conversations: several whole conversations in a row, or one (the rest padding)
 ROW_PACKS = ("documents", "pad")
 TRUNCATE = ("drop", "cut")
-FORMAT = "gptkit-chat"
 # each conversation's file and line, by split (written since issue 39; an older folder has none)
 WHERE = "where.json"
-# 2: the manifest's checksum and its files' CRC-32; conversations longer than a row kept as their first
-# row_limit tokens, flagged long. Part of the cache key: a folder of version 1 is not read, the data is
-# prepared again from its files (a cache; version 1 could not tell a damaged folder from a good one)
-FORMAT_VERSION = 2
-# how rows are made from the tokens: no part of the cache key
-ROW_KEYS = ("train_on", "pack", "truncate")
+# the one line of a global batch larger than the rows
+TOO_FEW = (
+    "the chat data makes {n} training rows, fewer than a global batch of {batch}; give more conversations "
+    "or a smaller trainer.batch_size"
+)
 # why gptkit eval cannot score it (gptkit.data.kinds)
 NOT_SCORED = (
     "eval scores windows of a text corpus; data=chat is conversations (a data=chat run's val/loss, on the "
@@ -67,22 +64,25 @@ NOT_SCORED = (
 )
 
 
-def read_conversations(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dict[str, Any]]]]:
-    """Every conversation of the files as (file:row, messages), checked; none at all is an error."""
-    out = [(where, conversation(rec, where, s)) for f in files for where, rec in records(f, s["format"])]
-    if not out:
-        raise GptkitError(f"{', '.join(map(str, files))}: no conversations")
-    return out
+# ---- the record reader and the row maker -----------------------------------------------------------------
+def rendered(template, msgs: list[dict[str, Any]], where: str):
+    """(messages, (text, the assistant's spans)): a conversation rendered once, read by the tokenizer's
+    build and by encode."""
+    return msgs, assistant_spans(template, msgs, where)
 
 
-@dataclass
+def encode(conv, where: str, enc: Encoder) -> list[Seq]:
+    """The conversation's ids and the assistant's mask (kept as its first row_limit tokens when longer)."""
+    msgs, (text, spans) = conv
+    ids, mask, long = enc.encode(msgs, where, text, spans)
+    if not long and spans and not mask.any():
+        raise GptkitError(f"{where}: the assistant's text renders to no tokens")
+    return [(ids, mask, long)]
+
+
 class ChatData(TemplatedData):
-    """Tokenized conversations (train and val), their tokenizer and template: what data=chat prepares."""
-
-    train: ChatSplit
-    val: ChatSplit
-
-    record_name = "conversations"
+    """Tokenized conversations (train and val: ChatSplit), their tokenizer and template: what data=chat
+    prepares."""
 
     def where_of(self, i: int) -> tuple[str | None, str]:
         """(file, "line 12") of train conversation i; (None, "file and line not recorded") for a folder
@@ -107,116 +107,46 @@ class ChatData(TemplatedData):
             make_rows(split, seq_len, s["pack"], s["train_on"], s["truncate"], self.pad_id)
             for split in (self.train, self.val)
         )
-        n_val = len(val) if val_windows is None else min(len(val), int(val_windows))
         # rows of [seq_len] tensors, batched by the loader
-        rows = [val.batch(i) for i in range(n_val)]
-        sampler = ChatSampler(train, batch_size, seed)
+        rows = [val.batch(i) for i in range(first_val(len(val), val_windows))]
+        sampler = RowSampler(train, batch_size, seed, TOO_FEW)
 
         def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
-            decode = TextBytes(self.tokenizer()).text
+            show = shown(self, chars)
             out = []
             for i, r in enumerate(sampler.mine(step, rank, world_size)):
                 spans = [Span(c, *self.where_of(c), n) for c, n in train.held[int(r)]]
-                text = show(decode(train.x[int(r), : 4 * chars + 8].numpy()), chars)
-                out.append(Origin(i, None, f"row {int(r):,} of {len(train):,}", spans, text))
+                out.append(Origin(i, None, f"row {int(r):,} of {len(train):,}", spans, show(train.x[int(r)])))
             return out
 
         return Feed(sampler, rows, lines=[describe_rows(train, val, seq_len, s)], tracer=tracer)
 
 
-def check_settings(s: dict[str, Any]) -> dict[str, Any]:
-    """data=chat's complete settings, checked (one-line errors)."""
-    for key, allowed in (("train_on", TRAIN_ON), ("pack", ROW_PACKS), ("truncate", TRUNCATE)):
-        if s[key] not in allowed:
-            raise GptkitError(f"data.{key}={s[key]!r} is not one of {', '.join(allowed)}")
-    if not s["paths"]:
-        raise GptkitError(
-            "data=chat needs data.paths=[conversations.jsonl,...] (jsonl, json or parquet files)"
-        )
-    if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
-        raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
-    allows_special_text(s)
-    return s
-
-
-def prepare_chat(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> ChatData:
-    """Conversations -> token ids + assistant masks (train and val), the tokenizer (with the template's
-    special tokens) and the template, cached by (files, settings, tokenizer, template). Every bad record is
-    a one-line GptkitError naming its file and row, raised before anything is written."""
-    build = TemplatedBuild.open("chat", check_settings(s), tok, opts, ROW_KEYS, FORMAT_VERSION)
-    cached = build.cached(load_chat)
-    if cached is not None:
-        return cached
-    s, template = build.s, build.template
-    convs = read_conversations(build.train_files, s)
-    val_convs = read_conversations(build.val_files, s) if build.val_files else []
-    rendered = [(where, m, assistant_spans(template, m, where)) for where, m in convs + val_convs]
-    tokenizer, added = build.tokenizer(lambda: (text for _, _, (text, _) in rendered))
-    limit = RowLimit(opts.row_limit, tokenizer, tok)
-    # (ids, mask, long) of each conversation, as arrays: what is kept
-    encoded = []
-    for where, m, (text, spans) in rendered:
-        cut, cut_spans, long = limit.fit(text, spans)
-        ids, mask = encode_conversation(
-            tokenizer,
-            template,
-            m,
-            where,
-            rendered=(cut, cut_spans),
-            prefix=long,
-            allow_special_text=build.allow_special_text,
-        )
-        if long:
-            ids, mask = ids[: limit.tokens], mask[: limit.tokens]
-        elif spans and not any(mask):
-            raise GptkitError(f"{where}: the assistant's text renders to no tokens")
-        encoded.append((np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8), long))
-    # the texts: only what was encoded of them is kept
-    rendered.clear()
-    n_train = build.n_train(len(convs), "conversation")
-    splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    counts = {
-        k: {
-            "conversations": len(v),
-            "tokens": sum(len(ids) for ids, _, _ in v),
-            "loss_tokens": sum(int(m.sum()) for _, m, _ in v),
-            "long": sum(long for _, _, long in v),
-        }
-        for k, v in splits.items()
-    }
-    manifest = build.manifest(FORMAT, FORMAT_VERSION, "chat conversations", tokenizer, added, limit, counts)
-    arrays = {k: v for split, seqs in splits.items() for k, v in sequence_arrays(split, seqs).items()}
-    # each conversation's file and line (`gptkit trace`)
-    wheres = [where for where, _ in convs + val_convs]
-    where = json.dumps({"train": wheres[:n_train], "val": wheres[n_train:]})
-    return build.publish(
-        manifest, {"conversations.npz": arrays}, tokenizer, load_chat, added, extra={WHERE: where}
-    )
-
-
-def load_chat(folder: Path, settings: dict[str, Any]) -> ChatData:
-    """A prepared chat folder (manifest.json + conversations.npz), checked against its manifest (check_folder:
-    the checksum, each file's CRC-32, so also the tokenizer's) and the arrays against its counts."""
-    manifest = check_folder(folder, FORMAT, "chat")
-    try:
-        with np.load(folder / "conversations.npz") as z:
-            splits = {k: ChatSplit.from_arrays(z, k) for k in ("train", "val")}
-        for k, split in splits.items():
-            check_split(split, manifest["splits"][k]["conversations"], manifest["splits"][k]["tokens"])
-    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
-    except Exception as exc:  # noqa: BLE001 - np.load fails in many ways on a damaged file
-        raise GptkitError(f"{folder} is damaged (conversations.npz: {str(exc)[:160]}); {REBUILD}") from None
-    check_tokenizer_file(folder, manifest)
-    return ChatData(folder, manifest, settings, splits["train"], splits["val"])
-
-
-def split_where(where: str) -> tuple[str | None, str]:
-    """A record's "<file> line 12" (or record, row) as (file, "line 12")."""
-    for word in (" line ", " record ", " row "):
-        head, sep, tail = where.rpartition(word)
-        if sep:
-            return head, f"{word.strip()} {tail}"
-    return None, where
+KIND = TemplatedKind(
+    name="chat",
+    read_record=lambda rec, where, s: conversation(rec, where, s),
+    render=rendered,
+    texts=lambda template, conv, where: [conv[1][0]],
+    encode=encode,
+    data=ChatData,
+    split=lambda seqs, where, rows: seqs[0],
+    npz="conversations.npz",
+    sides=("",),
+    mask_count="loss_tokens",
+    lazy_where=True,
+    format="gptkit-chat",
+    # 2: the manifest's checksum and its files' CRC-32; conversations longer than a row kept as their first
+    # row_limit tokens, flagged long. Part of the cache key: a folder of version 1 is not read, the data is
+    # prepared again from its files (a cache; version 1 could not tell a damaged folder from a good one)
+    format_version=2,
+    # how rows are made from the tokens: no part of the cache key
+    row_keys=("train_on", "pack", "truncate"),
+    choices=(("train_on", TRAIN_ON), ("pack", ROW_PACKS), ("truncate", TRUNCATE)),
+    paths="conversations.jsonl,...] (jsonl, json or parquet files",
+    record="conversation",
+    records="conversations",
+    description="chat conversations",
+)
 
 
 # ---- rows and batches ------------------------------------------------------------------------------------
@@ -329,38 +259,14 @@ def make_rows(
     return ChatRows(x, y.contiguous(), docs, cut, dropped, split.n, held)
 
 
-class ChatSampler:
-    """The rows of micro-step `step` are a pure function of (seed, step, rank, world_size), as WindowSampler's
-    windows: a resumed run sees exactly the batches an uninterrupted one would."""
-
-    def __init__(self, rows: ChatRows, batch_size: int, seed: int) -> None:
-        self.rows, self.batch_size, self.seed = rows, int(batch_size), int(seed)
-
-    def mine(self, step: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
-        """The rows of rank `rank`'s micro-batch of micro-step `step`: [batch_size] indices."""
-        n = self.batch_size * world_size
-        if n > len(self.rows):
-            raise GptkitError(
-                f"the chat data makes {len(self.rows)} training rows, fewer than a global "
-                f"batch of {n}; give more conversations or a smaller trainer.batch_size"
-            )
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
-        picked = rng.choice(len(self.rows), size=n, replace=False)  # [batch_size * world_size], distinct
-        return picked[rank * self.batch_size : (rank + 1) * self.batch_size]
-
-    def batch(self, step: int, rank: int = 0, world_size: int = 1):
-        return self.rows.batch(self.mine(step, rank, world_size))
-
-
 def describe_rows(train: ChatRows, val: ChatRows, seq_len: int, s: dict[str, Any]) -> str:
     """The start-up line: rows, the share of target positions that carry loss, conversations cut or
     dropped."""
     # train and val together
-    cut, dropped = train.cut + val.cut, train.dropped + val.dropped
-    lost = ([f"{cut} cut"] if cut else []) + ([f"{dropped} dropped"] if dropped else [])
+    gone = lost(train, val)
     over = (
-        f"; conversations longer than {seq_len + 1} tokens: {', '.join(lost)} (data.truncate={s['truncate']})"
-        if lost
+        f"; conversations longer than {seq_len + 1} tokens: {', '.join(gone)} (data.truncate={s['truncate']})"
+        if gone
         else f"; no conversation is longer than {seq_len + 1} tokens"
     )
     return (

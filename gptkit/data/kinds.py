@@ -11,14 +11,15 @@ hub          build.prepare_corpus (sources.hub)   token shards
 tokens       tokenfiles.prepare_tokens            token shards, copied from token files made elsewhere
 prepared     prepared.use_prepared                token shards a `gptkit prepare` wrote
 mix          mixture.prepare_mix                  a MixedData of token-shard sources (mixable kinds)
-chat         chat.prepare_chat                    conversations (ChatData)
-preference   preference.prepare_preference        preference pairs (PreferenceData)
-prompts      prompts.prepare_prompts              prompts and their records, for RL (PromptData)
+chat         templated(chat.KIND)                 conversations (ChatData)
+preference   templated(preference.KIND)           preference pairs (PreferenceData)
+prompts      templated(prompts.KIND)              prompts and their records, for RL (PromptData)
 
 Each kind receives its complete settings (gptkit.data.settings: the defaults of conf/data/<kind>.yaml
 under the given keys), the tokenizer resolved once (a TokenizerSpec) and the BuildOptions (cache folder,
 progress, force). A new kind is a module with its Prepared subclass and prepare function (or, for a text
-kind, only its Corpus opener: text(opener)), a preset in conf/data/, and one row here.
+kind, only its Corpus opener: text(opener); for a templated kind, its TemplatedKind: templated(KIND)), a
+preset in conf/data/, and one row here.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from gptkit.data.cache import cache_root
 from gptkit.data.face import BuildOptions, Prepared
 from gptkit.data.settings import kind_names, plain, settings
 from gptkit.data.sources import Corpus
+from gptkit.data.templated import TemplatedKind
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import TokenizerSpec, tokenizer_spec
 
@@ -58,6 +60,12 @@ def text(opener: Callable[[dict[str, Any]], Corpus]) -> Kind:
     return Kind(functools.partial(build.prepare_corpus, open_corpus=opener), corpus=opener, mixable=True)
 
 
+def templated(kind: TemplatedKind, scored: str | None = None) -> Kind:
+    """The row of a templated kind (records rendered with a chat template: gptkit/data/templated.py), which
+    `gptkit eval` cannot score (`scored`: why, its NOT_SCORED)."""
+    return Kind(kind.prepare, scored=scored)
+
+
 def open_corpus(s: dict[str, Any]) -> Corpus | None:
     """The text of a (complete) data config of a text kind; None for kinds that hold token ids."""
     kind = kind_of(s)
@@ -77,9 +85,9 @@ KINDS: dict[str, Kind] = {
     "hub": text(sources.hub),
     "tokens": Kind(tokenfiles.prepare_tokens, mixable=True),
     "prepared": Kind(prepared.use_prepared, mixable=True),
-    "chat": Kind(chat.prepare_chat, scored=chat.NOT_SCORED),
-    "preference": Kind(preference.prepare_preference, scored=preference.NOT_SCORED),
-    "prompts": Kind(prompts.prepare_prompts, scored=prompts.NOT_SCORED),
+    "chat": templated(chat.KIND, chat.NOT_SCORED),
+    "preference": templated(preference.KIND, preference.NOT_SCORED),
+    "prompts": templated(prompts.KIND, prompts.NOT_SCORED),
 }
 # the kinds a data=mix may hold
 MIXABLE = tuple(k for k, kind in KINDS.items() if kind.mixable)

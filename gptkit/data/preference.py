@@ -5,11 +5,13 @@
         messages + chosen + rejected                 the conversation so far, then the two assistant answers
       -> checked (both answers present, text, not empty, not equal; the conversation as data=chat checks it;
          file and row named in every error)
-      -> each answer rendered after the conversation with the chat template (gptkit.data.chat), as the
-         assistant's next turn: token ids + a mask on the answer's tokens only (end-of-turn token included)
-      -> cached (PreferenceData), split into train and val pairs; an answer longer than the longest row a
-         run can train on (model.max_seq_len + 1) is measured, never encoded whole, and kept as its first
-         tokens (gptkit.data.chat.RowLimit)
+      -> each answer rendered after the conversation with the chat template, as the assistant's next turn
+         (encode, through gptkit.data.templated's Encoder.answer): token ids + a mask on the answer's tokens
+         only (end-of-turn token included)
+      -> cached (PreferenceData; the build, the folder and its load are every templated kind's:
+         gptkit.data.templated, KIND), split into train and val pairs; an answer longer than the longest row
+         a run can train on (model.max_seq_len + 1) is measured, never encoded whole, and kept as its first
+         tokens (gptkit.data.templated.RowLimit)
       -> rows of seq_len + 1 tokens, one sequence per row, padded: a pair is two rows (PairRows)
       -> batches (x, y) of [2 * batch_size, seq_len]: rows 2i / 2i + 1 the chosen / rejected answer of
          pair i, targets -100 outside the answer (gptkit.training.dpo reads them so)
@@ -22,41 +24,37 @@ the ones left out or cut counted in the start-up line.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from gptkit.chat_templates import assistant_spans, encode_conversation
-from gptkit.data.cache import REBUILD, check_folder
-from gptkit.data.chat import ChatSampler, split_where
-from gptkit.data.face import BuildOptions, Feed, Origin, Span
-from gptkit.data.provenance import TextBytes, show
-from gptkit.data.records import conversation, records
-from gptkit.data.settings import allows_special_text
+from gptkit.data.face import Feed, Origin, Span
+from gptkit.data.records import prompt_conversation
 from gptkit.data.templated import (
     ChatSplit,
-    RowLimit,
-    TemplatedBuild,
+    Encoder,
+    RowSampler,
+    Seq,
     TemplatedData,
+    TemplatedKind,
+    answer_text,
     check_row_limit,
-    check_split,
-    check_tokenizer_file,
-    sequence_arrays,
+    first_val,
+    lost,
+    shown,
+    split_where,
 )
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec
 
-FORMAT = "gptkit-preference"
-# 2: as data=chat's (gptkit.data.chat.FORMAT_VERSION): checksums, long answers kept as their first tokens
-FORMAT_VERSION = 2
 TRUNCATE = ("error", "drop", "cut")
 SIDES = ("chosen", "rejected")
-# how rows are made from the tokens: no part of the cache key
-ROW_KEYS = ("truncate",)
+# the one line of a global batch larger than the pairs (as data=chat's)
+TOO_FEW = (
+    "the chat data makes {n} training rows, fewer than a global batch of {batch}; give more conversations "
+    "or a smaller trainer.batch_size"
+)
 # why gptkit eval cannot score it (gptkit.data.kinds)
 NOT_SCORED = (
     "eval scores windows of a text corpus; data=preference is DPO's answer pairs (a DPO run's val/loss and "
@@ -64,27 +62,12 @@ NOT_SCORED = (
 )
 
 
-def check_settings(s: dict[str, Any]) -> dict[str, Any]:
-    """data=preference's complete settings, checked (one-line errors)."""
-    if s["truncate"] not in TRUNCATE:
-        raise GptkitError(f"data.truncate={s['truncate']!r} is not one of {', '.join(TRUNCATE)}")
-    if not s["paths"]:
-        raise GptkitError(
-            "data=preference needs data.paths=[pairs.jsonl,...] (jsonl, json or parquet files "
-            "of prompt/messages, chosen and rejected)"
-        )
-    if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
-        raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
-    allows_special_text(s)
-    return s
-
-
+# ---- the record reader and the row maker -----------------------------------------------------------------
 def preference_pair(rec: Any, where: str, s: dict[str, Any]) -> tuple[list[dict[str, Any]], str, str]:
     """(the conversation before the answers, chosen, rejected) of a record, checked; GptkitError naming
     `where` otherwise."""
     if not isinstance(rec, dict):
         raise GptkitError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
-    mf, pf, sf = s["messages_field"], s["prompt_field"], s["system_field"]
     answers = []
     for field in (s["chosen_field"], s["rejected_field"]):
         if field not in rec or rec[field] is None:
@@ -105,72 +88,16 @@ def preference_pair(rec: Any, where: str, s: dict[str, Any]) -> tuple[list[dict[
             f"{where}: {s['chosen_field']} and {s['rejected_field']} are the same text, so the "
             "pair prefers nothing"
         )
-    if mf in rec:
-        msgs = rec[mf]
-        last = msgs[-1] if isinstance(msgs, list) and msgs else None
-        if isinstance(last, dict) and last.get("role") == "assistant":
-            raise GptkitError(
-                f"{where}: {mf} ends with an assistant turn; it holds the conversation before "
-                f"the answers, which are the assistant's next turn"
-            )
-    elif pf in rec:
-        if not isinstance(rec[pf], str) or not rec[pf].strip():
-            raise GptkitError(f"{where}: {pf} must be non-empty text")
-        msgs = ([{"role": "system", "content": rec[sf]}] if rec.get(sf) else []) + [
-            {"role": "user", "content": rec[pf]}
-        ]
-    else:
-        raise GptkitError(
-            f"{where}: a preference record needs a {mf} list or a {pf} (data.messages_field, "
-            f"data.prompt_field) before its answers"
-        )
-    # data=chat's reading of a messages list
-    as_chat = {**s, "response_field": None}
-    # conversation() names the problem
-    if not isinstance(msgs, list) or not msgs:
-        conversation({mf: msgs}, where, as_chat)
-    msgs_checked = conversation({mf: [*msgs, {"role": "assistant", "content": answers[0]}]}, where, as_chat)
-    return msgs_checked[:-1], answers[0], answers[1]
+    ends = "it holds the conversation before the answers, which are the assistant's next turn"
+    msgs = prompt_conversation(rec, where, s, ends, "a preference record", " before its answers")
+    return msgs, answers[0], answers[1]
 
 
-def read_pairs(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dict], str, str]]:
-    """Every pair of the files as (file:row, conversation, chosen, rejected), checked; none is an error."""
-    out = [(where, *preference_pair(rec, where, s)) for f in files for where, rec in records(f, s["format"])]
-    if not out:
-        raise GptkitError(f"{', '.join(map(str, files))}: no preference pairs")
-    return out
-
-
-def answer_tokens(
-    tokenizer,
-    template,
-    msgs: list[dict],
-    answer: str,
-    where: str,
-    limit: RowLimit,
-    allow_special_text: bool = False,
-) -> tuple[np.ndarray, np.ndarray, bool]:
-    """(ids, mask, long) of the conversation followed by `answer` as the assistant's turn; the mask marks the
-    answer's tokens only (not earlier assistant turns of `msgs`). long: longer than limit.tokens, of which
-    only the first limit.tokens are returned (the text never encoded whole). Special tokens that the prompt
-    or the answer spell are text (allow_special_text: control tokens, as before)."""
-    conversation = [*msgs, {"role": "assistant", "content": answer}]
-    text, spans = assistant_spans(template, conversation, where)
-    text, spans, long = limit.fit(text, spans[-1:])
-    ids, mask = encode_conversation(
-        tokenizer,
-        template,
-        conversation,
-        where,
-        rendered=(text, spans),
-        prefix=long,
-        allow_special_text=allow_special_text,
-    )
-    if long:
-        ids, mask = ids[: limit.tokens], mask[: limit.tokens]
-    elif not any(mask):
-        raise GptkitError(f"{where}: an answer renders to no tokens")
-    return np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8), long
+def encode(pair, where: str, enc: Encoder) -> list[Seq]:
+    """Each answer rendered after the conversation as the assistant's turn: (ids, mask on the answer's
+    tokens only, long) of chosen, then rejected."""
+    msgs, *answers = pair
+    return [enc.answer(msgs, a, where) for a in answers]
 
 
 # ---- the prepared (cached) form -------------------------------------------------------------------------
@@ -188,15 +115,9 @@ class PairSplit:
         return self.chosen.n
 
 
-@dataclass
 class PreferenceData(TemplatedData):
-    """Tokenized preference pairs (train and val), their tokenizer and template: what data=preference
-    prepares."""
-
-    train: PairSplit
-    val: PairSplit
-
-    record_name = "pairs"
+    """Tokenized preference pairs (train and val: PairSplit), their tokenizer and template: what
+    data=preference prepares."""
 
     def connect(
         self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
@@ -209,21 +130,21 @@ class PreferenceData(TemplatedData):
         train, val = (
             make_pair_rows(split, seq_len, s["truncate"], self.pad_id) for split in (self.train, self.val)
         )
-        n_val = len(val) if val_windows is None else min(len(val), int(val_windows))
-        items = [(*val[i], torch.tensor(i, dtype=torch.long)) for i in range(n_val)]
-        sampler = pair_sampler(train, batch_size, seed)
+        items = [
+            (*val[i], torch.tensor(i, dtype=torch.long)) for i in range(first_val(len(val), val_windows))
+        ]
+        sampler = RowSampler(train, batch_size, seed, TOO_FEW)
 
         def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
-            decode = TextBytes(self.tokenizer()).text
+            show = shown(self, chars)
             out = []
             for j, p in enumerate(sampler.mine(step, rank, world_size)):
                 pair = train.index[int(p)]
                 source, where = split_where(self.train.where[pair])
                 for k, side in enumerate(SIDES):
-                    x = train.x[int(p), k]  # [seq_len]
                     n = int((train.y[int(p), k] != -100).sum())
                     span = Span(pair, source, f"{where}, the {side} answer", n)
-                    text = show(decode(x[: 4 * chars + 8].numpy()), chars)
+                    text = show(train.x[int(p), k])
                     out.append(Origin(2 * j + k, None, f"pair {int(p):,} of {len(train):,}", [span], text))
             return out
 
@@ -236,83 +157,29 @@ class PreferenceData(TemplatedData):
         )
 
 
-def prepare_preference(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> PreferenceData:
-    """Preference records -> token ids + answer masks of both answers (train and val), the tokenizer (with
-    the template's special tokens) and the template, cached by (files, settings, tokenizer, template).
-    Every bad record is a one-line GptkitError naming its file and row, raised before anything is
-    written."""
-    build = TemplatedBuild.open("preference", check_settings(s), tok, opts, ROW_KEYS, FORMAT_VERSION)
-    cached = build.cached(load_preference)
-    if cached is not None:
-        return cached
-    s, template = build.s, build.template
-    pairs = read_pairs(build.train_files, s)
-    val_pairs = read_pairs(build.val_files, s) if build.val_files else []
-    every = pairs + val_pairs
-
+KIND = TemplatedKind(
+    name="preference",
+    read_record=preference_pair,
     # char and bpe are built from the rendered text of both answers
-    def texts():
-        for where, msgs, *answers in every:
-            for a in answers:
-                yield assistant_spans(template, [*msgs, {"role": "assistant", "content": a}], where)[0]
-
-    tokenizer, added = build.tokenizer(texts)
-    allow, limit = build.allow_special_text, RowLimit(opts.row_limit, tokenizer, tok)
-    encoded = [
-        (where, [answer_tokens(tokenizer, template, msgs, a, where, limit, allow) for a in answers])
-        for where, msgs, *answers in every
-    ]
-    n_train = build.n_train(len(pairs), "pair")
-    splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    counts = {
-        k: {
-            "pairs": len(v),
-            "tokens": sum(len(ids) for _, sides in v for ids, _, _ in sides),
-            "answer_tokens": sum(int(m.sum()) for _, sides in v for _, m, _ in sides),
-            # pairs with a long answer
-            "long": sum(any(long for _, _, long in sides) for _, sides in v),
-        }
-        for k, v in splits.items()
-    }
-    manifest = build.manifest(FORMAT, FORMAT_VERSION, "preference pairs", tokenizer, added, limit, counts)
-    arrays = {
-        k: v
-        for split, pairs_of in splits.items()
-        for i, side in enumerate(SIDES)
-        for k, v in sequence_arrays(f"{split}_{side}", [sides[i] for _, sides in pairs_of]).items()
-    }
-    # each pair's file and line
-    where = json.dumps({k: [w for w, _ in v] for k, v in splits.items()})
-    return build.publish(
-        manifest, {"pairs.npz": arrays}, tokenizer, load_preference, added, extra={"where.json": where}
-    )
-
-
-def load_preference(folder: Path, settings: dict[str, Any]) -> PreferenceData:
-    """A prepared preference folder (manifest.json, pairs.npz, where.json), checked against its manifest
-    (check_folder: the checksum, each file's CRC-32, so also the tokenizer's) and the arrays against its
-    counts."""
-    manifest = check_folder(folder, FORMAT, "preference")
-    try:
-        where = json.loads((folder / "where.json").read_text(encoding="utf-8"))
-        with np.load(folder / "pairs.npz") as z:
-            splits = {
-                k: PairSplit(*(ChatSplit.from_arrays(z, f"{k}_{s}") for s in SIDES), where[k])
-                for k in ("train", "val")
-            }
-        for k, split in splits.items():
-            n = manifest["splits"][k]["pairs"]
-            for side in (split.chosen, split.rejected):
-                check_split(side, n, len(side.ids))
-            if len(split.where) != n or sum(len(p.ids) for p in (split.chosen, split.rejected)) != int(
-                manifest["splits"][k]["tokens"]
-            ):
-                raise ValueError(f"its arrays do not hold the {n:,} pairs of its manifest")
-    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
-    except Exception as exc:  # noqa: BLE001 - np.load fails in many ways on a damaged file
-        raise GptkitError(f"{folder} is damaged (pairs.npz: {str(exc)[:160]}); {REBUILD}") from None
-    check_tokenizer_file(folder, manifest)
-    return PreferenceData(folder, manifest, settings, splits["train"], splits["val"])
+    texts=lambda template, pair, where: (answer_text(template, pair[0], a, where) for a in pair[1:]),
+    encode=encode,
+    data=PreferenceData,
+    split=lambda seqs, where, rows: PairSplit(*seqs, where),
+    npz="pairs.npz",
+    sides=SIDES,
+    mask_count="answer_tokens",
+    format="gptkit-preference",
+    # 2: as data=chat's: checksums, long answers kept as their first tokens
+    format_version=2,
+    # how rows are made from the tokens: no part of the cache key
+    row_keys=("truncate",),
+    choices=(("truncate", TRUNCATE),),
+    paths="pairs.jsonl,...] (jsonl, json or parquet files of prompt/messages, chosen and rejected",
+    record="pair",
+    records="pairs",
+    description="preference pairs",
+    none="preference pairs",
+)
 
 
 # ---- rows and batches -------------------------------------------------------------------------------------
@@ -408,21 +275,14 @@ def make_pair_rows(split: PairSplit, seq_len: int, truncate: str, pad_id: int) -
     )
 
 
-def pair_sampler(rows: PairRows, batch_size: int, seed: int) -> ChatSampler:
-    """The pairs of micro-step N are a pure function of (seed, N, rank, world size), as data=chat's rows."""
-    return ChatSampler(rows, batch_size, seed)
-
-
 def describe_pairs(train: PairRows, val: PairRows, seq_len: int, s: dict[str, Any]) -> str:
     """The start-up line: pairs, rows, the share of targets on the answers, pairs cut or dropped."""
-    cut, dropped = train.cut + val.cut, train.dropped + val.dropped
-    lost = ([f"{cut} cut"] if cut else []) + ([f"{dropped} dropped"] if dropped else [])
-    first = train.first_dropped or val.first_dropped
+    gone, first = lost(train, val), train.first_dropped or val.first_dropped
     over = (
-        f"; pairs longer than {seq_len + 1} tokens: {', '.join(lost)} (data.truncate={s['truncate']}"
+        f"; pairs longer than {seq_len + 1} tokens: {', '.join(gone)} (data.truncate={s['truncate']}"
         + (f", first dropped: {first}" if first else "")
         + ")"
-        if lost
+        if gone
         else f"; no pair is longer than {seq_len + 1} tokens"
     )
     share = float((train.y != -100).float().mean())

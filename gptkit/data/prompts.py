@@ -5,10 +5,11 @@ during training, and the fields its rewards read.
         prompt (+ system) + any other fields          e.g. {"prompt": "upper abc", "answer": "ABC"}
         messages + any other fields                   the conversation so far, ending with a user's turn
       -> checked (the prompt text, the conversation as data=chat checks it; file and row named in every error)
-      -> rendered with the chat template (gptkit.data.chat) up to the assistant's turn (the generation
-         prompt): token ids; a prompt longer than the longest row a run can train on (model.max_seq_len + 1)
-         is measured, never encoded whole (gptkit.data.templated.RowLimit)
-      -> cached (PromptData): the ids of every prompt, and each record as JSON with its file and row
+      -> rendered with the chat template up to the assistant's turn (the generation prompt): token ids
+         (encode); a prompt longer than the longest row a run can train on (model.max_seq_len + 1) is
+         measured, never encoded whole (gptkit.data.templated.RowLimit)
+      -> cached (PromptData; the build, the folder and its load are every templated kind's:
+         gptkit.data.templated, KIND): the ids of every prompt, and each record as JSON with its file and row
       -> batches (PromptBatch) of trainer.batch_size prompts per rank, drawn by (seed, step, rank): their ids
          (right-padded), lengths, records and where each sits in the step's global batch
 
@@ -20,37 +21,33 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from gptkit.chat_templates import encode_conversation
-from gptkit.data.cache import REBUILD, check_folder
-from gptkit.data.chat import split_where
-from gptkit.data.face import BuildOptions, Feed, Origin, Span
-from gptkit.data.provenance import TextBytes, show
-from gptkit.data.records import conversation, records
-from gptkit.data.settings import allows_special_text
+from gptkit.data.face import Feed, Origin, Span
+from gptkit.data.records import prompt_conversation
 from gptkit.data.templated import (
     ChatSplit,
-    RowLimit,
-    TemplatedBuild,
+    Encoder,
+    RowSampler,
+    Seq,
     TemplatedData,
+    TemplatedKind,
     check_row_limit,
-    check_split,
-    check_tokenizer_file,
-    sequence_arrays,
+    first_val,
+    shown,
+    split_where,
 )
 from gptkit.errors import GptkitError
-from gptkit.tokenizer import TokenizerSpec
 
-FORMAT = "gptkit-prompts"
-FORMAT_VERSION = 1
 TRUNCATE = ("error", "drop")
-# how rows are made from the tokens: no part of the cache key
-ROW_KEYS = ("truncate",)
+# the one line of a global batch larger than the prompts
+TOO_FEW = (
+    "the prompt data has {n} training prompts, fewer than a global batch of {batch}; give more prompts or a "
+    "smaller trainer.batch_size"
+)
 # why gptkit eval cannot score it (gptkit.data.kinds)
 NOT_SCORED = (
     "eval scores windows of a text corpus; data=prompts is prompts for objective=grpo (a GRPO run's val "
@@ -58,88 +55,30 @@ NOT_SCORED = (
 )
 
 
-def check_settings(s: dict[str, Any]) -> dict[str, Any]:
-    """data=prompts' complete settings, checked (one-line errors)."""
-    if s["truncate"] not in TRUNCATE:
-        raise GptkitError(f"data.truncate={s['truncate']!r} is not one of {', '.join(TRUNCATE)}")
-    if not s["paths"]:
-        raise GptkitError(
-            "data=prompts needs data.paths=[prompts.jsonl,...] (jsonl, json or parquet files of a prompt or "
-            "messages, and the fields the rewards read, e.g. answer)"
-        )
-    if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
-        raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
-    allows_special_text(s)
-    return s
+# ---- the record reader and the row maker -----------------------------------------------------------------
+def prompt_messages(rec: Any, where: str, s: dict[str, Any]) -> tuple[list[dict[str, Any]], dict]:
+    """(the conversation a record asks the assistant to continue, the record), checked; GptkitError naming
+    `where`."""
+    ends = "a prompt is the conversation before the assistant's answer, which the model writes"
+    return prompt_conversation(rec, where, s, ends, "a prompt record"), rec
 
 
-def prompt_messages(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]]:
-    """The conversation a record asks the assistant to continue, checked; GptkitError naming `where`."""
-    if not isinstance(rec, dict):
-        raise GptkitError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
-    mf, pf, sf = s["messages_field"], s["prompt_field"], s["system_field"]
-    if mf in rec:
-        msgs = rec[mf]
-        last = msgs[-1] if isinstance(msgs, list) and msgs else None
-        if isinstance(last, dict) and last.get("role") == "assistant":
-            raise GptkitError(
-                f"{where}: {mf} ends with an assistant turn; a prompt is the conversation before the "
-                "assistant's answer, which the model writes"
-            )
-    elif pf in rec:
-        if not isinstance(rec[pf], str) or not rec[pf].strip():
-            raise GptkitError(f"{where}: {pf} must be non-empty text")
-        msgs = ([{"role": "system", "content": rec[sf]}] if rec.get(sf) else []) + [
-            {"role": "user", "content": rec[pf]}
-        ]
-    else:
-        raise GptkitError(
-            f"{where}: a prompt record needs a {mf} list or a {pf} (data.messages_field, data.prompt_field); "
-            f"it has {', '.join(map(str, rec)) or 'none'}"
-        )
-    # data=chat's reading of a messages list (it asks for an assistant turn: one is added, then dropped)
-    as_chat = {**s, "response_field": None}
-    if not isinstance(msgs, list) or not msgs:
-        conversation({mf: msgs}, where, as_chat)
-    return conversation({mf: [*msgs, {"role": "assistant", "content": "-"}]}, where, as_chat)[:-1]
-
-
-def read_prompts(files: list[Path], s: dict[str, Any]) -> list[tuple[str, list[dict], dict]]:
-    """Every prompt of the files as (file:row, conversation, record), checked; none is an error."""
-    out = [
-        (where, prompt_messages(rec, where, s), rec) for f in files for where, rec in records(f, s["format"])
-    ]
-    if not out:
-        raise GptkitError(f"{', '.join(map(str, files))}: no prompts")
-    return out
-
-
-def prompt_tokens(
-    tokenizer, template, msgs: list[dict], where: str, limit: RowLimit, allow_special_text: bool = False
-) -> tuple[np.ndarray, bool]:
-    """(ids, long) of the conversation rendered up to the assistant's turn (the generation prompt). long:
-    longer than limit.tokens, of which only the first limit.tokens are returned (never encoded whole).
-    Special tokens the messages spell are text (allow_special_text: control tokens, as before)."""
+def rendered(template, msgs: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+    """The conversation rendered up to the assistant's turn (the generation prompt)."""
     try:
-        text, spans = template.render(msgs, add_generation_prompt=True)
+        return template.render(msgs, add_generation_prompt=True)
     except GptkitError as exc:
         raise GptkitError(f"{where}: the chat template {template.name} failed to render: {exc}") from None
-    text, spans, long = limit.fit(text, spans)
-    ids, _ = encode_conversation(
-        tokenizer,
-        template,
-        msgs,
-        where,
-        add_generation_prompt=True,
-        rendered=(text, spans),
-        prefix=long,
-        allow_special_text=allow_special_text,
-    )
-    if long:
-        ids = ids[: limit.tokens]
-    if not ids:
+
+
+def encode(prompt, where: str, enc: Encoder) -> list[Seq]:
+    """(ids, no mask, long) of the prompt rendered up to the assistant's turn. long: longer than the row
+    limit, of which only the first limit.tokens are kept (never encoded whole)."""
+    msgs, _ = prompt
+    ids, _, long = enc.encode(msgs, where, *rendered(enc.template, msgs, where), prompt=True)
+    if not len(ids):
         raise GptkitError(f"{where}: the prompt renders to no tokens")
-    return np.asarray(ids, dtype=np.uint32), long
+    return [(ids, np.zeros(len(ids), dtype=np.uint8), long)]
 
 
 def plain_record(rec: dict) -> dict:
@@ -165,15 +104,9 @@ class PromptSplit:
         return self.tokens.ids[a:b].astype(np.int64).tolist()
 
 
-@dataclass
 class PromptData(TemplatedData):
-    """Tokenized prompts (train and val) and their records, tokenizer and template: what data=prompts
-    prepares."""
-
-    train: PromptSplit
-    val: PromptSplit
-
-    record_name = "prompts"
+    """Tokenized prompts (train and val: PromptSplit) and their records, tokenizer and template: what
+    data=prompts prepares."""
 
     def connect(
         self, batch_size: int, seq_len: int, seed: int, val_windows: int | None, pack: str | None = None
@@ -186,21 +119,19 @@ class PromptData(TemplatedData):
         train, val = (
             PromptRows.of(split, seq_len, self.settings["truncate"]) for split in (self.train, self.val)
         )
-        n_val = len(val) if val_windows is None else min(len(val), int(val_windows))
-        items = [val.item(i) for i in range(n_val)]
+        items = [val.item(i) for i in range(first_val(len(val), val_windows))]
         pad = self.pad_id
         sampler = PromptSampler(train, batch_size, seed, pad)
 
         def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
             """Each prompt of the micro-batch (the objective samples its completions from it): its file and
             line, and its rendered text."""
-            decode = TextBytes(self.tokenizer()).text
+            show = shown(self, chars)
             out = []
             for row, i in enumerate(sampler.mine(step, rank, world_size)):
                 ids, _, _, where = train.item(i)
                 span = Span(train.kept[i], *split_where(where), len(ids))
-                text = show(decode(np.asarray(ids[: 4 * chars + 8])), chars)
-                out.append(Origin(row, None, f"prompt {i:,} of {len(train):,}", [span], text))
+                out.append(Origin(row, None, f"prompt {i:,} of {len(train):,}", [span], show(ids)))
             return out
 
         return Feed(
@@ -212,73 +143,28 @@ class PromptData(TemplatedData):
         )
 
 
-def prepare_prompts(s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> PromptData:
-    """Prompt records -> token ids of each prompt rendered up to the assistant's turn (train and val), the
-    records, the tokenizer (with the template's special tokens) and the template, cached by (files, settings,
-    tokenizer, template). Every bad record is a one-line GptkitError naming its file and row, raised before
-    anything is written."""
-    build = TemplatedBuild.open("prompts", check_settings(s), tok, opts, ROW_KEYS, FORMAT_VERSION)
-    cached = build.cached(load_prompts)
-    if cached is not None:
-        return cached
-    s, template = build.s, build.template
-    prompts = read_prompts(build.train_files, s)
-    val_prompts = read_prompts(build.val_files, s) if build.val_files else []
-    every = prompts + val_prompts
-
-    def texts():
-        for _, msgs, _ in every:
-            yield template.render(msgs, add_generation_prompt=True)[0]
-
-    tokenizer, added = build.tokenizer(texts)
-    allow, limit = build.allow_special_text, RowLimit(opts.row_limit, tokenizer, tok)
-    encoded = []
-    for where, msgs, rec in every:
-        ids, long = prompt_tokens(tokenizer, template, msgs, where, limit, allow)
-        encoded.append((where, plain_record(rec), (ids, np.zeros(len(ids), dtype=np.uint8), long)))
-    n_train = build.n_train(len(prompts), "prompt")
-    splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
-    counts = {
-        k: {
-            "prompts": len(v),
-            "tokens": sum(len(seq[0]) for _, _, seq in v),
-            "long": sum(bool(seq[2]) for _, _, seq in v),
-        }
-        for k, v in splits.items()
-    }
-    manifest = build.manifest(FORMAT, FORMAT_VERSION, "prompts", tokenizer, added, limit, counts)
-    arrays = {
-        k: v for split, v in splits.items() for k, v in sequence_arrays(split, [e[2] for e in v]).items()
-    }
-    rows = json.dumps(
-        {k: {"rows": [r for _, r, _ in v], "where": [w for w, _, _ in v]} for k, v in splits.items()}
-    )
-    return build.publish(
-        manifest, {"prompts.npz": arrays}, tokenizer, load_prompts, added, extra={"rows.json": rows}
-    )
-
-
-def load_prompts(folder: Path, settings: dict[str, Any]) -> PromptData:
-    """A prepared prompts folder (manifest.json, prompts.npz, rows.json), checked against its manifest
-    (check_folder: the checksum, each file's CRC-32) and the arrays and records against its counts."""
-    manifest = check_folder(folder, FORMAT, "prompts")
-    try:
-        rows = json.loads((folder / "rows.json").read_text(encoding="utf-8"))
-        with np.load(folder / "prompts.npz") as z:
-            splits = {
-                k: PromptSplit(ChatSplit.from_arrays(z, k), rows[k]["rows"], rows[k]["where"])
-                for k in ("train", "val")
-            }
-        for k, split in splits.items():
-            n = manifest["splits"][k]["prompts"]
-            check_split(split.tokens, n, manifest["splits"][k]["tokens"])
-            if len(split.rows) != n or len(split.where) != n:
-                raise ValueError(f"its records do not hold the {n:,} prompts of its manifest")
-    # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
-    except Exception as exc:  # noqa: BLE001 - np.load and json fail in many ways on a damaged file
-        raise GptkitError(f"{folder} is damaged (prompts: {str(exc)[:160]}); {REBUILD}") from None
-    check_tokenizer_file(folder, manifest)
-    return PromptData(folder, manifest, settings, splits["train"], splits["val"])
+KIND = TemplatedKind(
+    name="prompts",
+    read_record=prompt_messages,
+    texts=lambda template, prompt, where: [template.render(prompt[0], add_generation_prompt=True)[0]],
+    encode=encode,
+    data=PromptData,
+    split=lambda seqs, where, rows: PromptSplit(seqs[0], rows, where),
+    # the records, for the rewards (rows.json)
+    keep=lambda prompt: plain_record(prompt[1]),
+    npz="prompts.npz",
+    sides=("",),
+    format="gptkit-prompts",
+    format_version=1,
+    # how rows are made from the tokens: no part of the cache key
+    row_keys=("truncate",),
+    choices=(("truncate", TRUNCATE),),
+    paths="prompts.jsonl,...] (jsonl, json or parquet files of a prompt or messages, and the fields the "
+    "rewards read, e.g. answer",
+    record="prompt",
+    records="prompts",
+    description="prompts",
+)
 
 
 # ---- batches -------------------------------------------------------------------------------------------
@@ -375,31 +261,22 @@ def collate_prompts(items: list[tuple[list[int], int, dict, str]], pad_id: int, 
     )
 
 
-class PromptSampler:
+class PromptSampler(RowSampler):
     """The prompts of micro-step `step` are a pure function of (seed, step, rank, world_size), as data=chat's
     rows: a global batch of batch_size * world_size distinct prompts, rank r taking its r-th share."""
 
     def __init__(self, rows: PromptRows, batch_size: int, seed: int, pad_id: int) -> None:
-        self.rows, self.batch_size, self.seed, self.pad_id = rows, int(batch_size), int(seed), int(pad_id)
+        super().__init__(rows, batch_size, seed, TOO_FEW)
+        self.pad_id = int(pad_id)
 
     def batch(self, step: int, rank: int = 0, world_size: int = 1) -> PromptBatch:
-        n = self.batch_size * world_size
-        if n > len(self.rows):
-            raise GptkitError(
-                f"the prompt data has {len(self.rows)} training prompts, fewer than a global batch of {n}; "
-                "give more prompts or a smaller trainer.batch_size"
-            )
         first = rank * self.batch_size
         items = [self.rows.item(i) for i in self.mine(step, rank, world_size)]
         return collate_prompts(items, self.pad_id, range(first, first + self.batch_size), step)
 
     def mine(self, step: int, rank: int = 0, world_size: int = 1) -> list[int]:
         """The indices (of the kept prompts) of micro-step `step`'s prompts on `rank`."""
-        n = self.batch_size * world_size
-        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
-        picked = rng.choice(len(self.rows), size=n, replace=False)  # [batch_size * world_size], distinct
-        first = rank * self.batch_size
-        return picked[first : first + self.batch_size].tolist()
+        return super().mine(step, rank, world_size).tolist()
 
 
 def describe_prompts(train: PromptRows, val: PromptRows, seq_len: int, s: dict[str, Any]) -> str:

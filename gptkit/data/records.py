@@ -1,5 +1,7 @@
-"""Records of chat-shaped data files (jsonl, json, parquet) and the conversations they hold: what data=chat
-and data=preference read, every problem a one-line GptkitError naming the file and the line or row.
+"""Records of chat-shaped data files (jsonl, json, parquet) and the conversations they hold: what every
+templated kind (data=chat, data=preference, data=prompts) reads, every problem a one-line GptkitError naming
+the file and the line or row. `conversation`: a whole conversation (data=chat); `prompt_conversation`: the
+conversation before the assistant's answer (a preference pair's, a prompt's).
 """
 
 from __future__ import annotations
@@ -191,3 +193,37 @@ def conversation(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]
             f"{where}: the conversation has no assistant turn, so nothing in it would be learned"
         )
     return out
+
+
+def prompt_conversation(
+    rec: Any, where: str, s: dict[str, Any], ends: str, record: str, tail: str | None = None
+) -> list[dict[str, Any]]:
+    """The conversation before the assistant's answer that a record holds (a messages list that does not end
+    with the assistant, or a prompt (+ system)), checked as data=chat checks a conversation; GptkitError
+    naming `where` otherwise. ends: why a messages list may not end with the assistant; record: what the
+    record is called ("a prompt record"); tail: what the error of a record with neither field ends with
+    (None: the fields it has)."""
+    if not isinstance(rec, dict):
+        raise GptkitError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
+    mf, pf, sf = s["messages_field"], s["prompt_field"], s["system_field"]
+    if mf in rec:
+        msgs = rec[mf]
+        last = msgs[-1] if isinstance(msgs, list) and msgs else None
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            raise GptkitError(f"{where}: {mf} ends with an assistant turn; {ends}")
+    elif pf in rec:
+        if not isinstance(rec[pf], str) or not rec[pf].strip():
+            raise GptkitError(f"{where}: {pf} must be non-empty text")
+        msgs = ([{"role": "system", "content": rec[sf]}] if rec.get(sf) else []) + [
+            {"role": "user", "content": rec[pf]}
+        ]
+    else:
+        tail = f"; it has {', '.join(map(str, rec)) or 'none'}" if tail is None else tail
+        raise GptkitError(
+            f"{where}: {record} needs a {mf} list or a {pf} (data.messages_field, data.prompt_field){tail}"
+        )
+    # data=chat's reading of a messages list (it asks for an assistant turn: one is added, then dropped)
+    as_chat = {**s, "response_field": None}
+    if not isinstance(msgs, list) or not msgs:
+        conversation({mf: msgs}, where, as_chat)
+    return conversation({mf: [*msgs, {"role": "assistant", "content": "-"}]}, where, as_chat)[:-1]

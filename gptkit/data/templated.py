@@ -1,31 +1,56 @@
-"""What data=chat and data=preference share: the prepared folder (TemplatedData), the build that makes one
-(TemplatedBuild: files, template, cache folder, tokenizer, manifest, publish), rows measured before they are
-encoded (RowLimit), and the checks of a cached folder.
+"""The templated data kinds (data=chat, data=preference, data=prompts): records rendered with a chat template,
+then token ids (and a mask) per record. A kind is its record reader and its row maker (TemplatedKind); the
+build, the cached folder, its load and the sampler are one, here.
+
+    KIND = TemplatedKind(name, read_record, texts, encode, data, split, ...)   # in the kind's own file
+    KIND.prepare(settings, tok, opts)  settings checked (KIND.check), the folder of the cache or built:
+      records read (KIND.read_record, every problem one line naming the file and row)
+      -> (KIND.render) -> the tokenizer (char/bpe: built from KIND.texts) -> KIND.encode: (ids, mask, long)
+         of each side (one for chat and prompts, chosen and rejected for preference) through an Encoder
+         (RowLimit: a text longer than a row is measured, never encoded whole)
+      -> the folder: manifest.json, <npz> (each split's sides), where.json (or rows.json: the records, kept
+         for the rewards), tokenizer.json, chat.json; written atomically (TemplatedBuild.publish)
+    KIND.load(folder, settings)        the folder checked (checksums, counts) -> KIND.data (a TemplatedData)
+    RowSampler(rows, batch_size, seed, too_few)  the rows of a micro-step: a pure function of (seed, step,
+                                       rank, world size), for every kind's Feed
 
     TemplatedBuild.open(...)      the files, the template and the cache folders of the settings
       .cached(load)               a folder the cache holds (checked), or None
       .tokenizer(texts)           the configured tokenizer (char/bpe: built from the rendered texts) with the
                                   template's special tokens added
       .n_train(n, what)           how many of n records train (the last val_fraction validate)
-      .manifest(...)              the manifest fields both kinds write
+      .manifest(...)              the manifest fields every kind writes
       .publish(...)               the folder written atomically, then loaded
+
+A new kind (records with a prompt and an answer, say) is a file with its reader, its row maker (the Encoder
+renders a prompt and an answer: Encoder.answer) and its TemplatedData subclass's `connect`, a preset in
+conf/data/, and one row `templated(KIND)` in gptkit/data/kinds.py.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from gptkit.chat_templates import CHAT_FILE, add_special_tokens, resolve_template
+from gptkit.chat_templates import (
+    CHAT_FILE,
+    add_special_tokens,
+    assistant_spans,
+    encode_conversation,
+    resolve_template,
+)
 from gptkit.data.build import cutter_for
-from gptkit.data.cache import REBUILD, publish_folder, templated_folder
+from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Prepared
 from gptkit.data.files import expand_paths, spelled_in
-from gptkit.data.settings import keyed_special_text
+from gptkit.data.provenance import TextBytes, show
+from gptkit.data.records import records
+from gptkit.data.settings import allows_special_text, keyed_special_text
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import (
     TokenizerSpec,
@@ -118,13 +143,19 @@ class RowLimit:
 
 @dataclass
 class TemplatedData(Prepared):
-    """A prepared data=chat or data=preference folder: its manifest, the settings it was read with, the
-    tokenizer (with the template's special tokens) and the chat template, which the run folder keeps."""
+    """A prepared folder of a templated kind: its manifest, the settings it was read with, the tokenizer (with
+    the template's special tokens) and the chat template, which the run folder keeps, and its splits. A kind
+    subclasses it with its `connect` (the rows of a run) and what a record is called."""
 
     dir: Path
     manifest: dict[str, Any]
     # the data config (train_on, pack, truncate, ...)
     settings: dict[str, Any]
+    # the kind's splits (TemplatedKind.split: ChatSplit, PairSplit, PromptSplit)
+    train: Any
+    val: Any
+    # what a record is called in the counts ("conversations", "pairs"), the manifest's key of their count
+    record_name: str = "records"
 
     @property
     def template_path(self) -> Path:
@@ -137,9 +168,6 @@ class TemplatedData(Prepared):
     def run_files(self) -> dict[str, Path]:
         """The tokenizer and the template `gptkit chat` talks with."""
         return {**super().run_files(), CHAT_FILE: self.template_path}
-
-    # what a record is called in the counts ("conversations", "pairs"), the manifest's key of their count
-    record_name = "records"
 
     def counts(self) -> str:
         tr, va = self.manifest["splits"]["train"], self.manifest["splits"]["val"]
@@ -217,8 +245,9 @@ def tokenizer_record(tokenizer, tok: TokenizerSpec, template) -> dict[str, Any]:
     }
 
 
-def check_split(split: ChatSplit, n: int, tokens: int) -> None:
-    """The arrays of one split agree with each other and with the manifest's counts (ValueError if not)."""
+def check_split(split: ChatSplit, n: int, tokens: int, what: str = "conversations") -> None:
+    """The arrays of one split (n `what`) agree with each other and with the manifest's counts (ValueError
+    if not)."""
     off = split.offsets
     if (
         split.n != n
@@ -229,9 +258,7 @@ def check_split(split: ChatSplit, n: int, tokens: int) -> None:
         or (np.diff(off) < 0).any()
         or (split.long is not None and len(split.long) != n)
     ):
-        raise ValueError(
-            f"its arrays do not hold the {n:,} conversations of {tokens:,} tokens of its manifest"
-        )
+        raise ValueError(f"its arrays do not hold the {n:,} {what} of {tokens:,} tokens of its manifest")
 
 
 def check_tokenizer_file(folder: Path, manifest: dict[str, Any]) -> None:
@@ -246,8 +273,8 @@ def check_tokenizer_file(folder: Path, manifest: dict[str, Any]) -> None:
 
 @dataclass
 class TemplatedBuild:
-    """One data=chat or data=preference build: its settings, tokenizer spec and options, the files it reads,
-    the template, and the cache folders (of this row limit first, then of every one) and key."""
+    """One build of a templated kind: its settings, tokenizer spec and options, the files it reads, the
+    template, and the cache folders (of this row limit first, then of every one) and key."""
 
     kind: str
     s: dict[str, Any]
@@ -377,3 +404,265 @@ def sequence_arrays(prefix: str, seqs: list[tuple[np.ndarray, np.ndarray, bool]]
         f"{prefix}_offsets": np.cumsum([0] + [len(ids) for ids, _, _ in seqs], dtype=np.int64),
         f"{prefix}_long": np.array([long for _, _, long in seqs], dtype=np.uint8),
     }
+
+
+def split_where(where: str) -> tuple[str | None, str]:
+    """A record's "<file> line 12" (or record, row) as (file, "line 12")."""
+    for word in (" line ", " record ", " row "):
+        head, sep, tail = where.rpartition(word)
+        if sep:
+            return head, f"{word.strip()} {tail}"
+    return None, where
+
+
+def shown(data: Prepared, chars: int) -> Callable[[Any], str]:
+    """ids -> their first `chars` characters, as `gptkit trace` shows a row (the tokenizer read once)."""
+    decode = TextBytes(data.tokenizer()).text
+    return lambda ids: show(decode(np.asarray(ids[: 4 * chars + 8])), chars)
+
+
+def first_val(n: int, val_windows: int | None) -> int:
+    """How many of n validation items a run reads (val_windows: at most that many; None: all)."""
+    return n if val_windows is None else min(n, int(val_windows))
+
+
+def lost(train: Any, val: Any) -> list[str]:
+    """Records longer than a row, cut and dropped (train and val together), for a start-up line."""
+    cut, dropped = train.cut + val.cut, train.dropped + val.dropped
+    return ([f"{cut} cut"] if cut else []) + ([f"{dropped} dropped"] if dropped else [])
+
+
+class RowSampler:
+    """The rows of micro-step `step` are a pure function of (seed, step, rank, world_size), as WindowSampler's
+    windows: a resumed run sees exactly the batches an uninterrupted one would. `rows` has len() and
+    batch(indices); too_few: the one line when the rows are fewer than a global batch ({n} rows, {batch})."""
+
+    def __init__(self, rows: Any, batch_size: int, seed: int, too_few: str) -> None:
+        self.rows, self.batch_size, self.seed, self.too_few = rows, int(batch_size), int(seed), too_few
+
+    def mine(self, step: int, rank: int = 0, world_size: int = 1) -> np.ndarray:
+        """The rows of rank `rank`'s micro-batch of micro-step `step`: [batch_size] indices."""
+        n = self.batch_size * world_size
+        if n > len(self.rows):
+            raise GptkitError(self.too_few.format(n=len(self.rows), batch=n))
+        rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([self.seed, int(step)])))
+        picked = rng.choice(len(self.rows), size=n, replace=False)  # [batch_size * world_size], distinct
+        return picked[rank * self.batch_size : (rank + 1) * self.batch_size]
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+        return self.rows.batch(self.mine(step, rank, world_size))
+
+
+# ---- a kind: its record reader and its row maker, over one build and one load ----------------------------
+# (ids uint32, mask uint8: 1 on the tokens that carry loss, long: kept as its first row_limit tokens)
+Seq = tuple[np.ndarray, np.ndarray, bool]
+SPLITS = ("train", "val")
+
+
+@dataclass
+class Encoder:
+    """What a row maker encodes with: the tokenizer (with the template's special tokens), the template, the
+    row limit, and whether a special token the data spells becomes a control token (allow_special_text)."""
+
+    tokenizer: Any
+    template: Any
+    limit: RowLimit
+    allow_special_text: bool
+
+    def encode(
+        self, msgs: list[dict], where: str, text: str, spans: list[tuple[int, int]], prompt: bool = False
+    ) -> Seq:
+        """(ids, mask, long) of `msgs` rendered as `text` (mask: the tokens of `spans`; prompt: rendered up
+        to the assistant's turn). long: longer than the row limit, of which only the first limit.tokens
+        are returned (the text measured on prefixes, never encoded whole)."""
+        text, spans, long = self.limit.fit(text, spans)
+        ids, mask = encode_conversation(
+            self.tokenizer,
+            self.template,
+            msgs,
+            where,
+            add_generation_prompt=prompt,
+            rendered=(text, spans),
+            prefix=long,
+            allow_special_text=self.allow_special_text,
+        )
+        if long:
+            ids, mask = ids[: self.limit.tokens], mask[: self.limit.tokens]
+        return np.asarray(ids, dtype=np.uint32), np.asarray(mask, dtype=np.uint8), long
+
+    def answer(self, msgs: list[dict], answer: str, where: str) -> Seq:
+        """The conversation followed by `answer` as the assistant's turn; the mask marks the answer's tokens
+        only (not earlier assistant turns of `msgs`)."""
+        conversation = [*msgs, {"role": "assistant", "content": answer}]
+        text, spans = assistant_spans(self.template, conversation, where)
+        ids, mask, long = self.encode(conversation, where, text, spans[-1:])
+        if not long and not mask.any():
+            raise GptkitError(f"{where}: an answer renders to no tokens")
+        return ids, mask, long
+
+
+def answer_text(template, msgs: list[dict], answer: str, where: str) -> str:
+    """The text of the conversation followed by `answer` as the assistant's turn (a char/bpe tokenizer is
+    built from it)."""
+    return assistant_spans(template, [*msgs, {"role": "assistant", "content": answer}], where)[0]
+
+
+@dataclass(frozen=True)
+class TemplatedKind:
+    """One templated kind: its names, its record reader and its row maker. Everything else (the settings'
+    shared checks, reading the files, the tokenizer, the counts, the folder and its load) is the same for
+    every kind and written once, here (prepare, load)."""
+
+    # data=<name>; the cache folder's prefix; the word of a not-prepared-<name>-folder error
+    name: str
+    # the manifest's format and its version (part of the cache key)
+    format: str
+    format_version: int
+    # the settings that only choose rows (no part of the cache key)
+    row_keys: tuple[str, ...]
+    # (setting, its allowed values), checked in this order
+    choices: tuple[tuple[str, tuple[str, ...]], ...]
+    # what data.paths holds, for the error when it is empty: "conversations.jsonl,...] (jsonl, json or ..."
+    paths: str
+    # one record ("conversation": data.paths hold 1 conversation(s)); the manifest's count of them and the
+    # word of its counts ("conversations"); the source's description
+    record: str
+    records: str
+    description: str
+    # the arrays' file, and the sides of a record ("": one sequence; preference: chosen and rejected)
+    npz: str
+    sides: tuple[str, ...]
+    # (record, where, settings) -> the checked record; a one-line GptkitError naming `where` otherwise
+    read_record: Callable[[Any, str, dict[str, Any]], Any]
+    # (template, checked record, where) -> the texts a char/bpe tokenizer is built from
+    texts: Callable[[Any, Any, str], Iterable[str]]
+    # (checked record, where, Encoder) -> one Seq per side (the row maker)
+    encode: Callable[[Any, str, Encoder], list[Seq]]
+    # the folder's Prepared, made as data(folder, manifest, settings, train, val, records)
+    data: Callable[..., Any]
+    # (the sides' ChatSplits, where (None: not read), records (None: none kept)) -> the kind's split
+    split: Callable[[list[ChatSplit], list[str] | None, list[dict] | None], Any]
+    # the manifest's count of the tokens of the mask (None: not counted)
+    mask_count: str | None = None
+    # (checked record) -> what rows.json keeps of it (the fields a reward reads); None: where.json
+    keep: Callable[[Any], dict] | None = None
+    # (template, checked record, where) -> the record rendered once, read by texts and encode
+    render: Callable[[Any, Any, str], Any] | None = None
+    # where.json is read when a row is traced (the folders of an older gptkit have none), not at load
+    lazy_where: bool = False
+    # what `<files>: no ...` says of files without a record (None: records)
+    none: str | None = None
+
+    def check(self, s: dict[str, Any]) -> dict[str, Any]:
+        """The kind's complete settings, checked (one-line errors)."""
+        for key, allowed in self.choices:
+            if s[key] not in allowed:
+                raise GptkitError(f"data.{key}={s[key]!r} is not one of {', '.join(allowed)}")
+        if not s["paths"]:
+            raise GptkitError(f"data={self.name} needs data.paths=[{self.paths})")
+        if s["val_paths"] is None and not 0.0 < float(s["val_fraction"]) < 1.0:
+            raise GptkitError(f"data.val_fraction={s['val_fraction']} must be between 0 and 1 (exclusive)")
+        allows_special_text(s)
+        return s
+
+    def read(self, files: list[Path], s: dict[str, Any]) -> list[tuple[str, Any]]:
+        """Every record of the files as (file:row, checked record); none at all is an error."""
+        out = [
+            (where, self.read_record(rec, where, s)) for f in files for where, rec in records(f, s["format"])
+        ]
+        if not out:
+            raise GptkitError(f"{', '.join(map(str, files))}: no {self.none or self.records}")
+        return out
+
+    def counts(self, encoded: list[tuple[str, list[Seq], Any]]) -> dict[str, int]:
+        """The manifest's counts of one split: records, tokens (every side), the mask's tokens, long
+        records (one side long)."""
+        seqs = [seq for _, sides, _ in encoded for seq in sides]
+        out = {self.records: len(encoded), "tokens": sum(len(ids) for ids, _, _ in seqs)}
+        if self.mask_count:
+            out[self.mask_count] = sum(int(m.sum()) for _, m, _ in seqs)
+        out["long"] = sum(any(long for _, _, long in sides) for _, sides, _ in encoded)
+        return out
+
+    def prefix(self, split: str, side: str) -> str:
+        """The arrays' names of one side of a split in the .npz (sequence_arrays)."""
+        return f"{split}_{side}" if side else split
+
+    def prepare(self, s: dict[str, Any], tok: TokenizerSpec, opts: BuildOptions) -> Any:
+        """Records -> token ids and masks of each side (train and val), the tokenizer (with the template's
+        special tokens) and the template, cached by (files, settings, tokenizer, template). Every bad record
+        is a one-line GptkitError naming its file and row, raised before anything is written."""
+        build = TemplatedBuild.open(self.name, self.check(s), tok, opts, self.row_keys, self.format_version)
+        cached = build.cached(self.load)
+        if cached is not None:
+            return cached
+        s, template = build.s, build.template
+        train = self.read(build.train_files, s)
+        every = train + (self.read(build.val_files, s) if build.val_files else [])
+        if self.render is not None:
+            every = [(where, self.render(template, r, where)) for where, r in every]
+        tokenizer, added = build.tokenizer(lambda: (t for w, r in every for t in self.texts(template, r, w)))
+        limit = RowLimit(opts.row_limit, tokenizer, tok)
+        enc = Encoder(tokenizer, template, limit, build.allow_special_text)
+        # (where, a Seq per side, what rows.json keeps): only what was encoded of the texts is kept
+        encoded = [
+            (where, self.encode(r, where, enc), None if self.keep is None else self.keep(r))
+            for where, r in every
+        ]
+        every.clear()
+        n_train = build.n_train(len(train), self.record)
+        splits = {"train": encoded[:n_train], "val": encoded[n_train:]}
+        counts = {k: self.counts(v) for k, v in splits.items()}
+        manifest = build.manifest(
+            self.format, self.format_version, self.description, tokenizer, added, limit, counts
+        )
+        arrays = {
+            k: a
+            for split, v in splits.items()
+            for i, side in enumerate(self.sides)
+            for k, a in sequence_arrays(self.prefix(split, side), [sides[i] for _, sides, _ in v]).items()
+        }
+        # each record's file and line (`gptkit trace`), and what is kept of it
+        if self.keep is None:
+            extra = {"where.json": json.dumps({k: [w for w, _, _ in v] for k, v in splits.items()})}
+        else:
+            kept = {
+                k: {"rows": [r for _, _, r in v], "where": [w for w, _, _ in v]} for k, v in splits.items()
+            }
+            extra = {"rows.json": json.dumps(kept)}
+        return build.publish(manifest, {self.npz: arrays}, tokenizer, self.load, added, extra=extra)
+
+    def load(self, folder: Path, settings: dict[str, Any]) -> Any:
+        """A prepared folder (manifest.json, the .npz, where.json or rows.json), checked against its manifest
+        (check_folder: the checksum, each file's CRC-32, so also the tokenizer's) and the arrays and records
+        against its counts."""
+        manifest = check_folder(folder, self.format, self.name)
+        try:
+            side = None
+            if self.keep is not None:
+                side = json.loads((folder / "rows.json").read_text(encoding="utf-8"))
+            elif not self.lazy_where:
+                side = json.loads((folder / "where.json").read_text(encoding="utf-8"))
+            with np.load(folder / self.npz) as z:
+                seqs = {k: [ChatSplit.from_arrays(z, self.prefix(k, s)) for s in self.sides] for k in SPLITS}
+            splits = {
+                k: self._split(manifest["splits"][k], seqs[k], None if side is None else side[k])
+                for k in SPLITS
+            }
+        # a file the manifest's CRC-32 matches, and yet not what this gptkit wrote (or a bug)
+        except Exception as exc:  # noqa: BLE001 - np.load and json fail in many ways on a damaged file
+            raise GptkitError(f"{folder} is damaged ({self.npz}: {str(exc)[:160]}); {REBUILD}") from None
+        check_tokenizer_file(folder, manifest)
+        return self.data(folder, manifest, settings, splits["train"], splits["val"], self.records)
+
+    def _split(self, counts: dict[str, Any], seqs: list[ChatSplit], side: Any) -> Any:
+        """One split of a folder, its arrays checked against the manifest's counts (ValueError if not)."""
+        n, tokens = counts[self.records], int(counts["tokens"])
+        for part in seqs:
+            check_split(part, n, tokens if len(seqs) == 1 else len(part.ids), self.records)
+        if sum(len(part.ids) for part in seqs) != tokens:
+            raise ValueError(f"its arrays do not hold the {n:,} {self.records} of its manifest")
+        rows, where = (side["rows"], side["where"]) if self.keep is not None else (None, side)
+        if any(x is not None and len(x) != n for x in (rows, where)):
+            raise ValueError(f"its records do not hold the {n:,} {self.records} of its manifest")
+        return self.split(seqs, where, rows)

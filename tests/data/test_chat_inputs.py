@@ -1,6 +1,7 @@
-"""data=chat and data=preference on bad input (issue 34): files that are not UTF-8, JSON or Parquet, damaged
-cache folders, a full cache disk, a base run without a template: one line each, naming the file (and line)
-or the folder and what to do. And a conversation longer than any row: measured, never encoded whole."""
+"""data=chat and data=preference on bad input (issue 34), and data=prompts's damaged folders (the load
+of all three is templated.TemplatedKind.load): files that are not UTF-8, JSON or Parquet, damaged cache
+folders, a full cache disk, a base run without a template: one line each, naming the file (and line) or the
+folder and what to do. And a conversation longer than any row: measured, never encoded whole."""
 
 import errno
 import json
@@ -18,7 +19,7 @@ from gptkit.errors import GptkitError
 
 TURN = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
 PAIR = {"prompt": "p", "chosen": "yes", "rejected": "no"}
-RECORD = {"chat": TURN, "preference": PAIR}
+RECORD = {"chat": TURN, "preference": PAIR, "prompts": {"prompt": "p", "answer": "a"}}
 
 
 def write_jsonl(path, records):
@@ -183,8 +184,15 @@ DAMAGE = {
 }
 
 
-@pytest.mark.parametrize("kind, npz", [("chat", "conversations.npz"), ("preference", "pairs.npz")])
-def test_a_damaged_cache_folder_is_one_line_naming_it_and_what_to_do(tmp_path, kind, npz):
+@pytest.mark.parametrize(
+    "kind, npz, side",
+    [
+        ("chat", "conversations.npz", None),
+        ("preference", "pairs.npz", "where.json"),
+        ("prompts", "prompts.npz", "rows.json"),
+    ],
+)
+def test_a_damaged_cache_folder_is_one_line_naming_it_and_what_to_do(tmp_path, kind, npz, side):
     f = write_jsonl(tmp_path / "d.jsonl", [RECORD[kind]] * 4)
     settings = {"kind": kind, "paths": [str(f)], "template": "chatml"}
     cache = tmp_path / "cache"
@@ -194,9 +202,8 @@ def test_a_damaged_cache_folder_is_one_line_naming_it_and_what_to_do(tmp_path, k
     assert set(m["files"]) == {p.name for p in folder.iterdir()} - {"manifest.json"}
     keep = tmp_path / "keep"
     shutil.copytree(folder, keep)
-    damage = {**DAMAGE, "where.json edited": lambda d, npz: (d / "where.json").write_text("{}")}
-    if kind == "chat":
-        damage.pop("where.json edited")
+    # the file of each record's file and row (chat's is read when a row is traced)
+    damage = {**DAMAGE, **({f"{side} edited": lambda d, npz: (d / side).write_text("{}")} if side else {})}
     for what, hurt in damage.items():
         hurt(folder, npz)
         with pytest.raises(GptkitError) as err:
