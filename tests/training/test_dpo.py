@@ -450,21 +450,28 @@ def write_reference(dpo_data, name, tokenizer=None, **shape):
 
 def test_dpo_measures_against_a_reference_of_another_size_from_frozen_reference(dpo_data, capfd):
     big = write_reference(dpo_data, "big-reference", n_layers=2, d_model=48, n_heads=4, n_kv_heads=2, d_ff=96)
-    gptkit.train(
-        dpo_args(
-            dpo_data, "big-ref", 1, f"frozen.reference={big}", "trainer.max_steps=1", "trainer.val_every=1"
-        )
-    )
+    args = dpo_args(dpo_data, "big-ref", 1, f"frozen.reference={big}", "trainer.max_steps=2")
+    gptkit.train([*args, "trainer.val_every=1", "trainer.stop_at_step=1"])
     ckpt = big / "checkpoints" / "last.ckpt"
     assert f"reference: frozen {ckpt} (2 layers, d_model 48)" in capfd.readouterr().err
     # the policy is the SFT start, the reference another model: the first rewards are not 0 (they are with
     # the default reference, test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactly)
     step1 = rows_of(dpo_data / "big-ref")[1]
     assert float(step1["train/rewards/chosen"]) != 0.0 and float(step1["train/rewards/rejected"]) != 0.0
-    assert torch.load(dpo_data / "big-ref" / "checkpoints" / "last.ckpt")["gptkit_dpo_reference"] == {
-        "path": str(ckpt),
-        "step": 0,
-    }
+    last = dpo_data / "big-ref" / "checkpoints" / "last.ckpt"
+    assert torch.load(last)["gptkit_dpo_reference"] == {"path": str(ckpt), "step": 0}
+    # a resume reads the reference again from the source config.yaml records; one that trained on since is
+    # refused in one line
+    saved = torch.load(ckpt)
+    torch.save({**saved, "global_step": 5}, ckpt)
+    resume = [f"resume={dpo_data / 'big-ref'}", f"runs_dir={dpo_data}", "name=big-ref"]
+    with pytest.raises(
+        GptkitError, match=f"the reference {ckpt} holds step 5, but this run started from step 0"
+    ):
+        gptkit.train(resume)
+    torch.save(saved, ckpt)
+    gptkit.train(resume)
+    assert sorted(s for s, r in rows_of(dpo_data / "big-ref").items() if r.get("train/loss")) == [1, 2]
 
 
 def test_a_bad_frozen_reference_exits_2_with_one_line_before_anything_is_written(dpo_data, capsys):
