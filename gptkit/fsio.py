@@ -36,10 +36,9 @@ def check_local_path(key: str, value: Any) -> None:
         if m is None:
             continue
         scheme = m.group(1)
-        if key == "init_from" and scheme == "hf":
-            raise ConfigError(
-                f"init_from={v}: write init_from=hf:<owner/name or a transformers folder>, no //"
-            )
+        # the keys whose value may be hf:<...>
+        if (key == "init_from" or key.startswith("frozen.")) and scheme == "hf":
+            raise ConfigError(f"{key}={v}: write {key}=hf:<owner/name or a transformers folder>, no //")
         noun = "folder" if key.rsplit(".", 1)[-1].endswith("dir") else "path"
         raise ConfigError(f"{key}={v}: URLs ({scheme}://) are not supported yet; give a local {noun}")
 

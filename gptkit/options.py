@@ -58,7 +58,8 @@ PATH_KEYS = (
 
 
 def is_path_key(key: str) -> bool:
-    return key.rsplit(".", 1)[-1] in PATH_KEYS
+    # frozen.<name>: an objective's frozen model's source (training/start.py)
+    return key.rsplit(".", 1)[-1] in PATH_KEYS or key.startswith("frozen.")
 
 
 def check_paths(d: Any, prefix: str = "") -> None:

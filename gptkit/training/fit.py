@@ -46,11 +46,15 @@ from gptkit.runs import (
 from gptkit.training.config_checks import check_values
 from gptkit.training.report import announce, check_disk, interrupted, out_of_memory, source_losses, summary
 from gptkit.training.start import (
+    FROM_START,
     HF_PREFIX,
+    check_frozen,
     check_resume_or_init,
     frozen_base,
+    frozen_source,
+    load_frozen,
     load_init_weights,
-    load_reference,
+    resolve_frozen,
     resolve_init_from,
     resolve_resume,
     tokenizer_source,
@@ -147,6 +151,8 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
         check_muon_config(cfg.optim)
     check_finetune(cfg, resume or init_from)
     check_objective(cfg)
+    # the objective's frozen models of their own sources (frozen.<name>)
+    check_frozen(cfg)
     # hf: is imported (and checked) at the start
     if from_run:
         ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
@@ -155,10 +161,14 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
         finetune = finetune_class(cfg)
         if not finetune.trains_base:
             finetune.check_model(cfg, ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
-    # a resumed run whose objective has a reference of its own (full fine-tuning): where it is loaded from
+    # a resumed run whose objective has a frozen model of the starting weights (full fine-tuning): where it
+    # is loaded from
     elif (
         resume
-        and objective_class(cfg).uses_reference(objective_class(cfg).settings_of(cfg))
+        and any(
+            frozen_source(cfg, n) == FROM_START
+            for n in objective_class(cfg).frozen_models(objective_class(cfg).settings_of(cfg))
+        )
         and not finetune_class(cfg).own_reference
         and not str(cfg.init_from).startswith(HF_PREFIX)
     ):
@@ -270,7 +280,7 @@ def plan_run(
     cfg.model = OmegaConf.create(model_cfg.to_dict())
 
     # from here on, every fact of the run comes from the plan
-    return make_plan(
+    plan = make_plan(
         cfg,
         run_dir,
         model_cfg,
@@ -284,6 +294,16 @@ def plan_run(
         init_vocab=init_vocab,
         lora_base=lora_base,
     )
+    return _with_frozen(plan)
+
+
+def _with_frozen(plan: RunPlan) -> RunPlan:
+    """The plan with its frozen models' own sources resolved (frozen.<name>: imported, their configs read,
+    their vocabulary checked against the run's tokenizer), once its data and window are known."""
+    if plan.frozen is not None:
+        return plan
+    frozen = resolve_frozen(plan.cfg, plan.data.tokenizer_path, plan.model, plan.seq_len)
+    return dataclasses.replace(plan, frozen=frozen)
 
 
 def _quiet_lightning() -> None:
@@ -337,7 +357,7 @@ def complete_plan(plan: RunPlan) -> RunPlan:
     from gptkit.data import check_vocab
 
     if plan.data is not None and plan.run_dir is not None:
-        return plan
+        return _with_frozen(plan)
     _quiet_lightning()
     cfg = plan.cfg.copy()
     run_dir = Path(plan.run_dir) if plan.run_dir is not None else Path(str(cfg.runs_dir)) / str(cfg.name)
@@ -351,7 +371,7 @@ def complete_plan(plan: RunPlan) -> RunPlan:
     cfg.model = OmegaConf.create(plan.model.to_dict())
     prepared = plan.data if plan.data is not None else _prepare_data(cfg, plan.model)
     check_vocab(prepared, plan.model.vocab_size)
-    return dataclasses.replace(plan, cfg=cfg, run_dir=run_dir, data=prepared)
+    return _with_frozen(dataclasses.replace(plan, cfg=cfg, run_dir=run_dir, data=prepared))
 
 
 def _checked_of(plan: RunPlan) -> Checked:
@@ -411,9 +431,8 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     # a LoRA run resumed: its frozen weights (qlora materializes its own: built_on_meta)
     elif plan.lora_base is not None and not module.built_on_meta:
         load_init_weights(module.model, plan.lora_base)
-    # objective=dpo: the reference holds the starting weights, frozen
-    if module.reference is not None:
-        load_reference(module, cfg, plan.init_from)
+    # the objective's frozen models (objective=dpo: the reference, by default the starting weights)
+    load_frozen(module, cfg, plan.init_from, plan.frozen or {})
     datamodule = TokenDataModule(
         prepared,
         batch_size=plan.batch_size,

@@ -72,9 +72,14 @@ def estimate(plan: Any) -> dict[str, float]:
     finetune = FINETUNES[
         getattr(plan, "finetune", None) or ("lora" if getattr(plan, "lora", None) else "full")
     ]
-    # a reference of its own (with lora the reference is the model with its adapters off: nothing more)
-    if objective.uses_reference(group) and not finetune.own_reference:
-        mem["reference"] = mem["weights"]
+    # each frozen model of its own: the starting weights' copy (with lora the reference is the model with its
+    # adapters off: nothing more), or a source of its own of another size (frozen.<name>)
+    sources = getattr(plan, "frozen", None) or {}
+    for name in objective.frozen_models(group):
+        if name in sources:
+            mem[name] = acc.training_memory(sources[name].model, plan.precision, plan.shards)["weights"]
+        elif not finetune.own_reference:
+            mem[name] = mem["weights"]
     mem = finetune.memory(plan, mem)
     mem["total"] = sum(v for key, v in mem.items() if key != "total")
     return mem
@@ -96,10 +101,10 @@ def host_estimate(plan: Any) -> dict[str, float]:
 
 def _breakdown(mem: dict[str, float], plan: Any) -> str:
     runtime = f", runtime {human_bytes(mem['runtime'])}" if "runtime" in mem else ""
-    reference = (
-        f", the {plan.objective.upper()} reference {human_bytes(mem['reference'])}"
-        if "reference" in mem
-        else ""
+    objective = OBJECTIVES[getattr(plan, "objective", "lm")]
+    names = objective.frozen_models(objective.settings_of(getattr(plan, "cfg", None)))
+    reference = "".join(
+        f", the {plan.objective.upper()} {name} {human_bytes(mem[name])}" for name in names if name in mem
     )
     return (
         f"weights {human_bytes(mem['weights'])}{reference}, gradients {human_bytes(mem['gradients'])}, "

@@ -71,9 +71,10 @@ from gptkit.training.distributed import broadcast_weights, clip_gradients, paral
 from gptkit.training.finetune import written_by
 from gptkit.training.metrics import LossWindow
 from gptkit.training.moe import RouterWatch, progress_parts
-from gptkit.training.objectives import Reference, objective_class
+from gptkit.training.objectives import FrozenModel, objective_class
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
+from gptkit.training.start import FROM_START, frozen_source
 from gptkit.training.token_mean import TokenMean
 
 # the checkpoint entry of the objective's own state (Objective.state)
@@ -132,11 +133,14 @@ class LitGPT(L.LightningModule):
         self.trainable = self.finetune.apply(self.model)
         # a checkpoint may hold only what trains (the adapters); on_load_checkpoint checks it
         self.strict_loading = self.finetune.saves_every_weight
-        # what the run trains for (training/objectives/); its reference is not a submodule: in no checkpoint
+        # what the run trains for (training/objectives/), and the frozen models it reads (its reference, a
+        # teacher), by name: a plain dict, so none is a submodule (in no checkpoint, no optimizer)
         objective = objective_class(plan.cfg)
-        uses_reference = objective.uses_reference(objective.settings_of(plan.cfg))
-        self.reference = self._reference(plan) if uses_reference else None
-        self.objective = objective(plan, self.reference)
+        # FSDP over several processes: a frozen model with weights of its own is built on rank 0 only too
+        self.frozen_on_meta = self.weights_from_rank0 and not is_rank_zero()
+        names = objective.frozen_models(objective.settings_of(plan.cfg))
+        self.frozen = {name: self._frozen(plan, name) for name in names}
+        self.objective = objective(plan, self.frozen)
         if plan.trainer.activation_checkpointing:
             apply_activation_checkpointing(self.model)
         # before the run folder gets its files
@@ -153,25 +157,36 @@ class LitGPT(L.LightningModule):
         # model.moe: the feed-forwards' auxiliary loss, the router figures, the expert bias (training/moe.py)
         self.router_watch = RouterWatch(self.model, plan.world_size, move_bias=self.finetune.trains_base)
 
-    def _reference(self, plan: RunPlan) -> Reference:
-        """The frozen starting weights the objective measures against: the fine-tune's own (lora, qlora: the
-        policy itself with its adapters off, no second copy), else a frozen GPT of the same shape (fit loads
-        the starting weights into it), built on the meta device where the policy is."""
-        if self.finetune.own_reference:
-            return self.finetune.reference()
-        with torch.device("meta") if self.built_on_meta else contextlib.nullcontext():
-            return Reference(GPT(plan.model))
+    def _frozen(self, plan: RunPlan, name: str) -> FrozenModel:
+        """The frozen model `name` the objective reads: from its own source (plan.frozen: a run, an import,
+        hf:; a GPT of that source's config, any size), else the starting weights: the fine-tune's own (lora,
+        qlora: the policy itself with its adapters off, no second copy), else a frozen GPT of the policy's
+        shape. fit loads the weights (training/start.py load_frozen); built on the meta device where the
+        policy's weights come from rank 0."""
+        source = (plan.frozen or {}).get(name)
+        if source is None and frozen_source(plan.cfg, name) != FROM_START:
+            raise GptkitError(f"frozen.{name} is not resolved; build the plan with gptkit.plan or plan_run")
+        if source is None and self.finetune.own_reference:
+            frozen = self.finetune.reference()
+            frozen.name = name
+            return frozen
+        with torch.device("meta") if self.frozen_on_meta else contextlib.nullcontext():
+            return FrozenModel(GPT(source.model if source is not None else plan.model), name=name)
 
     @property
-    def reference_module(self) -> torch.nn.Module | None:
-        """The reference's own weights (None: no reference, or the policy with its adapters off)."""
-        return self.reference.module if self.reference is not None else None
+    def reference(self) -> FrozenModel | None:
+        """The objective's "reference" frozen model (None: it reads none)."""
+        return self.frozen.get("reference")
+
+    def frozen_modules(self) -> list[torch.nn.Module]:
+        """The frozen models' own weights (not the policy with its adapters off)."""
+        return [f.module for f in self.frozen.values() if f.module is not None]
 
     def configure_model(self) -> None:
         """FSDP2: shard each block (and send rank 0's weights); a fine-tune that materializes its weights
         (qlora) puts them in place, sharded or whole; then compile, once (plan.compile)."""
         strategy = self.trainer.strategy
-        models = [m for m in (self.model, self.reference_module) if m is not None]
+        models = [self.model, *self.frozen_modules()]
         on_rank0 = self.weights_from_rank0 and not self.built_on_meta
         # references to rank 0's tensors
         full = [m.state_dict() if on_rank0 else None for m in models]
@@ -190,13 +205,13 @@ class LitGPT(L.LightningModule):
             self._compiled = True
 
     def on_fit_start(self) -> None:
-        """A reference not sharded: on the policy's device and in its dtype (Lightning moves and converts the
-        LightningModule's own modules only; with trainer.precision=bf16-true a float32 reference would give
-        DPO rewards that are not 0 at the start)."""
-        reference = self.reference_module
-        if reference is not None and not getattr(reference, "_gptkit_sharded", False):
-            weight = self.model.tok_emb.weight
-            reference.to(device=weight.device, dtype=weight.dtype)
+        """The frozen models not sharded: on the policy's device and in its dtype (Lightning moves and
+        converts the LightningModule's own modules only; with trainer.precision=bf16-true a float32 reference
+        would give DPO rewards that are not 0 at the start)."""
+        weight = self.model.tok_emb.weight
+        for frozen in self.frozen_modules():
+            if not getattr(frozen, "_gptkit_sharded", False):
+                frozen.to(device=weight.device, dtype=weight.dtype)
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the objective's loss of one micro-batch, added to the NaN window."""
@@ -273,9 +288,9 @@ class LitGPT(L.LightningModule):
         checkpoint["gptkit_rng"] = {"torch": torch.get_rng_state()}
         if torch.cuda.is_available():
             checkpoint["gptkit_rng"]["cuda"] = torch.cuda.get_rng_state_all()
-        # the checkpoint the reference came from
-        if self.reference is not None:
-            self.reference.save(checkpoint)
+        # the checkpoints the frozen models came from (not their weights)
+        for frozen in self.frozen.values():
+            frozen.save(checkpoint)
         # what the objective keeps across steps (GRPO: the rollouts of a batch it passes over again)
         state = self.objective.state()
         if state is not None:
@@ -288,8 +303,8 @@ class LitGPT(L.LightningModule):
         rng = checkpoint.get("gptkit_rng")
         if rng:
             self._rng_to_restore = rng
-        if self.reference is not None:
-            self.reference.check(checkpoint)
+        for frozen in self.frozen.values():
+            frozen.check(checkpoint)
         self.objective.load_state(checkpoint.get(OBJECTIVE_STATE))
         if written_by(checkpoint) != self.finetune.name:
             raise GptkitError(

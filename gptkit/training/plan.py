@@ -171,6 +171,9 @@ class RunPlan:
     init_vocab: Optional[int] = None
     # trainer.profile: the optimizer steps (first, last) recorded with torch.profiler (training/profile.py)
     profile: Optional[tuple[int, int]] = None
+    # the objective's frozen models with a source of their own (frozen.<name> other than start: a run, an
+    # import, hf:), by name (training/start.py FrozenSource); None until resolved (they need the tokenizer)
+    frozen: Optional[dict[str, Any]] = None
 
     @property
     def trainer(self) -> DictConfig:

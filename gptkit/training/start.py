@@ -1,5 +1,6 @@
 """Where a run's weights come from: a fresh init, the run that resume= continues, the weights init_from= (or
-hf:) starts from, the frozen base of a LoRA or QLoRA run, the frozen reference of an objective that needs one.
+hf:) starts from, the frozen base of a LoRA or QLoRA run, the frozen models of an objective (frozen.<name>:
+its reference, a teacher), each from the starting weights or a source of its own.
 
 resolve_resume and resolve_init_from rewrite the config before anything else reads it (a resumed run's
 config is the saved one, merged with the command line; an init_from= run takes its source's model and
@@ -22,13 +23,21 @@ from gptkit.checkpoints import (
     load_checkpoint,
     read_sharded_checkpoint,
     run_dir_of,
+    verify_checkpoint,
 )
 from gptkit.conf_files import conf_dir
-from gptkit.errors import GptkitError
-from gptkit.fsio import atomic_write_bytes
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.fsio import atomic_write_bytes, check_local_path
 from gptkit.model import ModelConfig
 from gptkit.options import Option
-from gptkit.runs import TOKENIZER_FILE, find_run_checkpoint, read_config, saved_run_config
+from gptkit.runs import (
+    TOKENIZER_FILE,
+    check_links,
+    find_run_checkpoint,
+    load_tokenizer,
+    read_config,
+    saved_run_config,
+)
 
 # Lightning and torch (and training/finetune/, which imports torch) are imported inside the functions that
 # need them: commands/train.py imports this module to check the command line (see fit.py).
@@ -258,14 +267,15 @@ def init_source_name(init_from: str, runs_dir: Path | str) -> str | None:
     return str(name) if name not in (None, "") else None
 
 
-def import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
-    """init_from=hf:<spec> -> (the imported run folder, hf:<the exact source>), saying which on one line."""
+def import_init_source(spec: str, runs_dir: Path, key: str = "init_from") -> tuple[str, str]:
+    """init_from=hf:<spec> (or frozen.<name>=hf:<spec>: `key`) -> (the imported run folder, hf:<the exact
+    source>), saying which on one line."""
     from lightning.fabric.utilities.rank_zero import rank_zero_only
 
     from gptkit.hf import folders
 
     folder, src, reused = folders.import_cached(
-        spec, runs_dir, f"gptkit train init_from={HF_PREFIX}/path/to/folder"
+        spec, runs_dir, f"gptkit train {key}={HF_PREFIX}/path/to/folder"
     )
     if rank_zero_only.rank == 0:
         import sys
@@ -273,7 +283,7 @@ def import_init_source(spec: str, runs_dir: Path) -> tuple[str, str]:
         if src.note:
             print(f"note: {src.note}", file=sys.stderr)
         print(
-            f"init_from={HF_PREFIX}{spec}: {'reusing' if reused else 'imported'} {src.spec} "
+            f"{key}={HF_PREFIX}{spec}: {'reusing' if reused else 'imported'} {src.spec} "
             f"{'from' if reused else 'into'} {folder} (kept for later runs)",
             file=sys.stderr,
         )
@@ -301,28 +311,191 @@ def load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
         )
 
 
-def load_reference(module, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
-    """The starting weights into the objective's frozen reference (module.reference; nothing to load with
-    LoRA and QLoRA, whose reference is the base with its adapters off). A new run copies the policy's (just
+def load_frozen(module, cfg: DictConfig, init_ckpt: Optional[Path], sources: dict[str, FrozenSource]) -> None:
+    """The weights of the objective's frozen models (module.frozen, by name): each from its own source
+    (`sources`, resolve_frozen), else the starting weights (load_start_weights). FSDP: on the ranks that
+    build weights only (the others receive rank 0's in configure_model)."""
+    for name, frozen in module.frozen.items():
+        if frozen.module is None:
+            # LoRA, QLoRA: the base with its adapters off, nothing to load
+            continue
+        source = sources.get(name)
+        if source is None:
+            load_start_weights(module, frozen, cfg, init_ckpt)
+            continue
+        frozen.source = {"path": str(source.checkpoint), "step": checkpoint_step(source.checkpoint)}
+        if not module.frozen_on_meta:
+            load_init_weights(frozen.module, source.checkpoint)
+
+
+def load_start_weights(module, frozen, cfg: DictConfig, init_ckpt: Optional[Path]) -> None:
+    """The starting weights into a frozen model (the default reference). A new run copies the policy's (just
     loaded from init_from=); a resumed run reads them again from the checkpoint its config's init_from= names,
-    whose step the Reference checks against the one the run started from. FSDP: on the ranks that build
-    weights only."""
-    reference = module.reference
-    if reference is None or reference.module is None:
-        return
+    whose step the FrozenModel checks against the one the run started from."""
     if init_ckpt is not None:
-        reference.source = {"path": str(init_ckpt), "step": checkpoint_step(init_ckpt)}
-        if not module.built_on_meta:
-            reference.module.load_state_dict(module.model.state_dict())
+        frozen.source = {"path": str(init_ckpt), "step": checkpoint_step(init_ckpt)}
+        if not module.frozen_on_meta:
+            frozen.module.load_state_dict(module.model.state_dict())
         return
     source = str(cfg.init_from)
     if source.startswith(HF_PREFIX):
         source, _ = import_init_source(source[len(HF_PREFIX) :], Path(cfg.runs_dir))
     ckpt = find_run_checkpoint(source, cfg.runs_dir)
-    reference.source = {"path": str(ckpt), "step": checkpoint_step(ckpt)}
-    if not module.built_on_meta:
+    frozen.source = {"path": str(ckpt), "step": checkpoint_step(ckpt)}
+    if not module.frozen_on_meta:
         vocab = int(read_config(run_dir_of(ckpt))["model"]["vocab_size"])
-        load_init_weights(reference.module, ckpt, vocab)
+        load_init_weights(frozen.module, ckpt, vocab)
+
+
+# ---- frozen models: frozen.<name> -----------------------------------------------------------------
+# frozen.<name>=start: the policy's starting weights (init_from=, kept in a resumed run's config)
+FROM_START = "start"
+# a frozen model's source when the config names none: the reference is the start (and a run saved before
+# frozen: existed has no frozen block)
+DEFAULT_SOURCES = {"reference": FROM_START}
+FROZEN_SOURCES = "start, a run folder or checkpoint, latest, or hf:<owner/name | transformers folder>"
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenSource:
+    """A frozen model's own source (frozen.<name> other than start), resolved: its checkpoint and run
+    folder, its own ModelConfig (any size; the vocabulary is the policy's)."""
+
+    name: str
+    # as the run's config records it (hf: pinned to the import's exact source)
+    given: str
+    checkpoint: Path
+    run_dir: Path
+    model: ModelConfig
+
+    def describe(self) -> str:
+        m = self.model
+        return f"frozen {self.given} ({m.n_layers} layers, d_model {m.d_model})"
+
+
+def frozen_source(cfg: Any, name: str) -> Optional[str]:
+    """frozen.<name> of a run's config: FROM_START, a path or hf:<spec>; None when it names none."""
+    value = (cfg.get("frozen") or {}).get(name)
+    if value is None or str(value).strip() in ("", "null", "None"):
+        return DEFAULT_SOURCES.get(name)
+    return str(value)
+
+
+def _frozen_names(cfg: Any) -> tuple[str, ...]:
+    from gptkit.training.objectives import objective_class
+
+    objective = objective_class(cfg)
+    return objective.frozen_models(objective.settings_of(cfg))
+
+
+def check_frozen(cfg: Any) -> None:
+    """frozen.<name> checked without data (before Hydra makes the run folder): each frozen model the
+    objective reads names a source, a local one (no URL) that holds a checkpoint inside its run folder; a
+    source the objective does not read is refused; hf: is imported at the start (resolve_frozen)."""
+    from gptkit.training.objectives import objective_class
+
+    names = _frozen_names(cfg)
+    for name, value in (cfg.get("frozen") or {}).items():
+        if name not in names and frozen_source(cfg, name) not in (None, DEFAULT_SOURCES.get(name)):
+            reads = ", ".join(f"frozen.{n}" for n in names) or "no frozen model"
+            raise ConfigError(
+                f"frozen.{name}={value}: objective={objective_class(cfg).name} does not read it with these "
+                f"settings (it reads {reads}); drop it"
+            )
+    for name in names:
+        given = frozen_source(cfg, name)
+        if given is None:
+            raise ConfigError(f"objective={objective_class(cfg).name} needs frozen.{name}=<{FROZEN_SOURCES}>")
+        check_local_path(f"frozen.{name}", given)
+        if given == FROM_START or given.startswith(HF_PREFIX):
+            continue
+        ckpt = _frozen_checkpoint(cfg, name, given)
+        try:
+            verify_checkpoint(ckpt)
+        except GptkitError as exc:
+            raise ConfigError(f"frozen.{name}={given}: {exc}") from None
+
+
+def _frozen_checkpoint(cfg: Any, name: str, given: str) -> Path:
+    """The checkpoint a frozen.<name> path names, inside a run folder whose files stay inside it."""
+    try:
+        ckpt = find_run_checkpoint(given, cfg.runs_dir)
+        check_links(run_dir_of(ckpt))
+    except GptkitError as exc:
+        raise ConfigError(f"frozen.{name}={given}: {exc}") from None
+    return ckpt
+
+
+def resolve_frozen(
+    cfg: DictConfig, tokenizer_path: Path, model: ModelConfig, seq_len: int
+) -> dict[str, FrozenSource]:
+    """The frozen models with a source of their own (frozen.<name> other than start), by name: hf: imported
+    (as init_from=hf: is, into <runs_dir>/<name>-imported), each one's checkpoint and ModelConfig read. Any
+    size, but the policy's vocabulary (the run's tokenizer `tokenizer_path`, model.vocab_size) and a context
+    of at least seq_len: else one line naming both sources, before anything trains. cfg.frozen.<name> is
+    rewritten to the checkpoint (hf: the pinned source), which config.yaml keeps for a resume."""
+    out = {}
+    for name in _frozen_names(cfg):
+        given = frozen_source(cfg, name)
+        if given is None or given == FROM_START:
+            continue
+        pinned = None
+        if given.startswith(HF_PREFIX):
+            folder, pinned = import_init_source(given[len(HF_PREFIX) :], Path(cfg.runs_dir), f"frozen.{name}")
+            ckpt = _frozen_checkpoint(cfg, name, folder)
+        else:
+            ckpt = _frozen_checkpoint(cfg, name, given)
+        src_dir = run_dir_of(ckpt)
+        try:
+            frozen_cfg = ModelConfig.from_dict(read_config(src_dir)["model"])
+        except (GptkitError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"frozen.{name}={given}: {src_dir / 'config.yaml'}: {exc}") from None
+        _check_same_vocabulary(cfg, name, given, src_dir, frozen_cfg, tokenizer_path, model)
+        if frozen_cfg.max_seq_len < seq_len:
+            raise ConfigError(
+                f"frozen.{name}={given} reads at most {frozen_cfg.max_seq_len} tokens (model.max_seq_len), "
+                f"the run's rows are {seq_len}: lower trainer.seq_len or give a model of a longer context"
+            )
+        if cfg.get("frozen") is None:
+            cfg.frozen = OmegaConf.create({})
+        cfg.frozen[name] = pinned or str(ckpt)
+        out[name] = FrozenSource(name, pinned or str(ckpt), ckpt, src_dir, frozen_cfg)
+    return out
+
+
+def _check_same_vocabulary(
+    cfg: Any,
+    name: str,
+    given: str,
+    src_dir: Path,
+    frozen_cfg: ModelConfig,
+    tokenizer_path: Path,
+    model: ModelConfig,
+) -> None:
+    """A frozen model's logits index the policy's tokens: the same tokenizer (every token at the same id)
+    and the same model.vocab_size, else one ConfigError naming both sources."""
+    from gptkit.tokenizer import load_tokenizer_file
+
+    ours = load_tokenizer_file(tokenizer_path).get_vocab(with_added_tokens=True)
+    theirs = load_tokenizer(src_dir).get_vocab(with_added_tokens=True)
+    init_from = cfg.get("init_from")
+    policy = (
+        f"init_from={init_from}" if init_from not in (None, "") else f"tokenizer={cfg.tokenizer.get('kind')}"
+    )
+    if ours != theirs:
+        moved = sum(1 for t, i in ours.items() if theirs.get(t) != i)
+        raise ConfigError(
+            f"frozen.{name}={given} has another vocabulary than the policy ({policy}): "
+            f"{len(theirs):,} tokens in {src_dir / TOKENIZER_FILE}, {len(ours):,} in {tokenizer_path}, "
+            f"{moved:,} of the policy's at another id or absent; a frozen model must share the policy's "
+            "tokenizer"
+        )
+    if frozen_cfg.vocab_size != model.vocab_size:
+        raise ConfigError(
+            f"frozen.{name}={given} has model.vocab_size {frozen_cfg.vocab_size}, the policy ({policy}) "
+            f"{model.vocab_size}: the same tokenizer, padded otherwise (vocab_multiple=); their logits must "
+            "line up"
+        )
 
 
 def frozen_base(

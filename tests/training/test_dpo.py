@@ -432,6 +432,90 @@ def test_a_bad_pair_stops_train_in_one_line_naming_file_and_line_and_leaves_no_r
     assert not (run / "config.yaml").exists() and not (run / "checkpoints").exists()
 
 
+def write_reference(dpo_data, name, tokenizer=None, **shape):
+    """A run folder of a random llama-like model of `shape` with the SFT run's vocabulary (and its tokenizer,
+    or `tokenizer`)."""
+    from tokenizers import Tokenizer
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import read_config, write_run_folder
+
+    tok = tokenizer or Tokenizer.from_file(str(dpo_data / "sft" / "tokenizer.json"))
+    sft = read_config(dpo_data / "sft")["model"]
+    vocab = sft["vocab_size"] if tokenizer is None else tok.get_vocab_size()
+    torch.manual_seed(3)
+    cfg = ModelConfig.from_dict({**sft, "vocab_size": vocab, "init_std": 0.1, **shape})
+    return write_run_folder(dpo_data / name, {}, GPT(cfg).eval(), tok)
+
+
+def test_dpo_measures_against_a_reference_of_another_size_from_frozen_reference(dpo_data, capfd):
+    big = write_reference(dpo_data, "big-reference", n_layers=2, d_model=48, n_heads=4, n_kv_heads=2, d_ff=96)
+    args = dpo_args(dpo_data, "big-ref", 1, f"frozen.reference={big}", "trainer.max_steps=2")
+    gptkit.train([*args, "trainer.val_every=1", "trainer.stop_at_step=1"])
+    ckpt = big / "checkpoints" / "last.ckpt"
+    assert f"reference: frozen {ckpt} (2 layers, d_model 48)" in capfd.readouterr().err
+    # the policy is the SFT start, the reference another model: the first rewards are not 0 (they are with
+    # the default reference, test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactly)
+    step1 = rows_of(dpo_data / "big-ref")[1]
+    assert float(step1["train/rewards/chosen"]) != 0.0 and float(step1["train/rewards/rejected"]) != 0.0
+    last = dpo_data / "big-ref" / "checkpoints" / "last.ckpt"
+    assert torch.load(last)["gptkit_dpo_reference"] == {"path": str(ckpt), "step": 0}
+    # a resume reads the reference again from the source config.yaml records; one that trained on since is
+    # refused in one line
+    saved = torch.load(ckpt)
+    torch.save({**saved, "global_step": 5}, ckpt)
+    resume = [f"resume={dpo_data / 'big-ref'}", f"runs_dir={dpo_data}", "name=big-ref"]
+    with pytest.raises(
+        GptkitError, match=f"the reference {ckpt} holds step 5, but this run started from step 0"
+    ):
+        gptkit.train(resume)
+    torch.save(saved, ckpt)
+    gptkit.train(resume)
+    assert sorted(s for s, r in rows_of(dpo_data / "big-ref").items() if r.get("train/loss")) == [1, 2]
+
+
+def test_a_bad_frozen_reference_exits_2_with_one_line_before_anything_is_written(dpo_data, capsys):
+    from conftest import char_tokenizer
+
+    other = write_reference(dpo_data, "other-vocab", tokenizer=char_tokenizer())
+    gone = dpo_data / "gone"
+    (dpo_data / "no-ckpt").mkdir(exist_ok=True)
+    for extra, message in [
+        ([f"frozen.reference={gone}"], f"frozen.reference={gone}: {gone} does not exist; pass a run folder"),
+        (
+            [f"frozen.reference={dpo_data / 'no-ckpt'}"],
+            f"frozen.reference={dpo_data / 'no-ckpt'}: no checkpoint in {dpo_data / 'no-ckpt'}",
+        ),
+        (
+            ["frozen.reference=s3://bucket/ref"],
+            "frozen.reference=s3://bucket/ref: URLs (s3://) are not supported yet; give a local path",
+        ),
+        (
+            ["frozen.reference=hf://org/ref"],
+            "frozen.reference=hf://org/ref: write frozen.reference=hf:<owner/name or a transformers folder>",
+        ),
+        (
+            [
+                "objective=lm",
+                "data=files",
+                f"data.paths=[{dpo_data / 'pairs.jsonl'}]",
+                f"frozen.reference={other}",
+            ],
+            f"frozen.reference={other}: objective=lm does not read it with these settings (it reads no "
+            "frozen model); drop it",
+        ),
+        (
+            [f"frozen.reference={other}"],
+            f"frozen.reference={other} has another vocabulary than the policy (init_from="
+            f"{dpo_data / 'sft' / 'checkpoints' / 'last.ckpt'}): ",
+        ),
+    ]:
+        code, _, err = run_main(capsys, "train", *dpo_args(dpo_data, "bad-ref", 1, *extra))
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {message}"), (extra, err)
+        assert len(err.strip().splitlines()) <= 3, err
+        assert not (dpo_data / "bad-ref" / "config.yaml").exists()
+
+
 def test_the_plan_counts_both_answers_and_the_reference_forward():
     from omegaconf import OmegaConf
 

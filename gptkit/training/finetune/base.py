@@ -114,7 +114,7 @@ class Finetune:
         raise NotImplementedError
 
     def reference(self) -> Any:
-        """(own_reference only) The objective's Reference: the frozen starting model."""
+        """(own_reference only) The objective's reference (a FrozenModel): the frozen starting model."""
         raise NotImplementedError
 
     def checkpoint_state(self, state: dict[str, Any], prefix: str = "") -> dict[str, Any]:

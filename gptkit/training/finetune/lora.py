@@ -38,7 +38,7 @@ from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.model.moe import Experts, grouped_linear
 from gptkit.training.finetune.base import Finetune, check_needs_weights
-from gptkit.training.objectives import Reference
+from gptkit.training.objectives import FrozenModel
 
 
 class LoRALinear(nn.Linear):
@@ -323,9 +323,9 @@ class LoRA(Finetune):
     def apply(self, model: GPT) -> int:
         return apply_lora(model, self.plan.lora)
 
-    def reference(self) -> Reference:
+    def reference(self) -> FrozenModel:
         """The policy itself with its adapters off: the frozen base, no second copy."""
-        return Reference(None, adapters_disabled)
+        return FrozenModel(None, adapters_disabled)
 
     def checkpoint_state(self, state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         return adapter_state_dict(state, prefix)

@@ -14,14 +14,14 @@ from __future__ import annotations
 from typing import Any
 
 from gptkit.errors import ConfigError
-from gptkit.training.objectives.base import Objective, Reference, evaluating
+from gptkit.training.objectives.base import FrozenModel, Objective, evaluating
 from gptkit.training.objectives.dpo import DPO
 from gptkit.training.objectives.grpo import GRPO
 from gptkit.training.objectives.lm import LM
 
 OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO}
 
-__all__ = ["OBJECTIVES", "Objective", "Reference", "check_objective", "evaluating", "objective_class"]
+__all__ = ["OBJECTIVES", "FrozenModel", "Objective", "check_objective", "evaluating", "objective_class"]
 
 
 def objective_class(cfg: Any) -> type[Objective]:

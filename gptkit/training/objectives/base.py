@@ -11,11 +11,14 @@ LitGPT (gptkit/training/module.py) runs any objective the same way and never ask
         loss_spikes                  whether trainer.spike_factor's spike notes judge its loss
         rows(group)                  sequences through the model per batch item (rows_per_item: a DPO pair
                                      2; GRPO: a prompt's group of completions)
-        uses_reference(group)        a frozen copy of the starting weights (Reference) is built for it
-                                     (needs_reference; GRPO: only with a KL term)
+        uses_reference(group)        a frozen "reference" (FrozenModel; by default the starting weights) is
+                                     built for it (needs_reference; GRPO: only with a KL term)
+        frozen_models(group)         the names of the frozen models it reads ("reference", "teacher"):
+                                     each is built from its frozen.<name> source, frozen, never trained
         flops(counts, dense, causal, group)   training FLOPs per token, its own extra work added
         batch_words(n, group), describe(plan)   what start-up says of a batch and of the objective
-    run time (an instance per run, given the plan and the Reference)
+    run time (an instance per run, given the plan and its frozen models by name; self.reference is the
+    "reference" one, or None)
         loss(model, batch) -> (loss, weight)   a micro-batch's loss and its loss-token count (None: every
                                                micro-batch weighs the same); it may first produce what it
                                                trains on (GRPO: completions sampled from the model) and
@@ -52,30 +55,41 @@ def evaluating(model: torch.nn.Module):
         model.train(was)
 
 
-class Reference:
-    """The frozen starting weights an objective measures against (DPO's implicit rewards; an RL KL term).
+class FrozenModel:
+    """A frozen model an objective measures against, by name: "reference" (DPO's implicit rewards, an RL KL
+    term) or, later, "teacher" (distillation). Its own ModelConfig and source (frozen.<name>: the policy's
+    starting weights, a run folder or checkpoint, an import or hf:, gptkit/training/start.py); the only thing
+    it shares with the policy is the vocabulary.
 
-    module: a frozen copy of the model (full fine-tuning; the run loads the starting weights into it), or
-    None with `disabled`, a context-manager factory under which the policy itself computes exactly the
-    starting model (LoRA: its adapters off, no second copy). Not a submodule of the LightningModule: in no
-    checkpoint and no optimizer. `source` records the checkpoint the weights came from, saved with every
-    checkpoint, so that a resume measures against the same weights."""
+    module: a frozen GPT (the run loads its weights into it), or None with `disabled`, a context-manager
+    factory under which the policy itself computes exactly the starting model (LoRA: its adapters off, no
+    second copy). Not a submodule of the LightningModule: in no checkpoint and no optimizer; requires_grad
+    False and eval mode from the start. `source` records the checkpoint the weights came from, saved with
+    every checkpoint, so that a resume measures against the same weights."""
 
-    # the checkpoint entry of `source` (its name predates other objectives; kept so old runs resume)
+    # the checkpoint entry of the reference's `source` (its name predates other objectives and other frozen
+    # models; kept so old runs resume); another frozen model's is gptkit_frozen_<name>
     CHECKPOINT_KEY = "gptkit_dpo_reference"
 
     def __init__(
-        self, module: torch.nn.Module | None, disabled: Callable[[torch.nn.Module], Any] | None = None
+        self,
+        module: torch.nn.Module | None,
+        disabled: Callable[[torch.nn.Module], Any] | None = None,
+        name: str = "reference",
     ) -> None:
-        self.module, self.disabled = module, disabled
+        self.module, self.disabled, self.name = module, disabled, name
         # {path, step} of the checkpoint the weights came from (set when they are loaded)
         self.source: dict[str, Any] | None = None
         if module is not None:
             module.requires_grad_(False)
             module.eval()
 
+    @property
+    def checkpoint_key(self) -> str:
+        return self.CHECKPOINT_KEY if self.name == "reference" else f"gptkit_frozen_{self.name}"
+
     def logits(self, policy: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The reference's logits of x [N, T] -> [N, T, vocab_size]: eval mode, no grad."""
+        """The frozen model's logits of x [N, T] -> [N, T, vocab_size]: eval mode, no grad."""
         if self.module is not None:
             with evaluating(self.module):
                 return self.module(x).logits
@@ -84,17 +98,24 @@ class Reference:
 
     def save(self, checkpoint: dict[str, Any]) -> None:
         if self.source is not None:
-            checkpoint[self.CHECKPOINT_KEY] = dict(self.source)
+            checkpoint[self.checkpoint_key] = dict(self.source)
 
     def check(self, checkpoint: dict[str, Any]) -> None:
-        """A resumed run's reference must hold the weights the run started from."""
-        saved, now = checkpoint.get(self.CHECKPOINT_KEY), self.source
+        """A resumed run's frozen model must hold the weights the run started with."""
+        saved, now = checkpoint.get(self.checkpoint_key), self.source
         if saved and now and int(saved["step"]) != int(now["step"]):
             raise GptkitError(
-                f"the reference {now['path']} holds step {now['step']}, but this run "
+                f"the {self.name} {now['path']} holds step {now['step']}, but this run "
                 f"started from step {saved['step']} of {saved['path']}: the source run trained "
                 "on, so a resume would measure against other weights; start a new run"
             )
+
+
+def frozen_words(plan: Any, name: str, from_start: str) -> str:
+    """What the start-up line says of the frozen model `name`: `from_start` when it is the policy's
+    starting weights, else its source (plan.frozen: the sources other than the start)."""
+    source = (getattr(plan, "frozen", None) or {}).get(name)
+    return from_start if source is None else source.describe()
 
 
 class Objective:
@@ -135,9 +156,14 @@ class Objective:
 
     @classmethod
     def uses_reference(cls, group: Any) -> bool:
-        """Whether a frozen Reference of the starting weights is built for it (its config group may
-        decide)."""
+        """Whether a frozen "reference" is built for it (its config group may decide)."""
         return cls.needs_reference
+
+    @classmethod
+    def frozen_models(cls, group: Any) -> tuple[str, ...]:
+        """The names of the frozen models it reads (FrozenModel; each from its frozen.<name> source): by
+        default "reference" when it uses one. An objective with a teacher adds "teacher"."""
+        return ("reference",) if cls.uses_reference(group) else ()
 
     @classmethod
     def wrong_data(cls, kind: Any) -> str:
@@ -172,9 +198,11 @@ class Objective:
         """Its start-up line (None: nothing to say)."""
         return None
 
-    def __init__(self, plan: Any, reference: Reference | None = None) -> None:
+    def __init__(self, plan: Any, frozen: dict[str, FrozenModel] | None = None) -> None:
         self.settings = plan.cfg.get(self.group) if self.group else None
-        self.reference = reference
+        # the frozen models it asked for (frozen_models), by name
+        self.frozen = dict(frozen or {})
+        self.reference = self.frozen.get("reference")
 
     def loss(self, model: torch.nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(the loss of one micro-batch, its loss tokens as an int64 scalar on the device, or None when every

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkit.errors import ConfigError
-from gptkit.training.objectives.base import Objective, Reference
+from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
 
 LOSSES = ("sigmoid", "hinge")
 REWARD_KEYS = ("chosen", "rejected", "margin", "accuracy")
@@ -182,15 +182,17 @@ class DPO(Objective):
     @classmethod
     def describe(cls, plan: Any) -> str | None:
         d = plan.cfg.get("dpo") or {}
-        reference = (
+        reference = frozen_words(
+            plan,
+            "reference",
             "the base with the adapters off (no second copy)"
             if plan.lora
-            else "a frozen copy of the starting weights"
+            else "a frozen copy of the starting weights",
         )
         return f"DPO: beta {d.get('beta')}, {d.get('loss')} loss; reference: {reference}"
 
-    def __init__(self, plan: Any, reference: Reference | None = None) -> None:
-        super().__init__(plan, reference)
+    def __init__(self, plan: Any, frozen: dict[str, FrozenModel] | None = None) -> None:
+        super().__init__(plan, frozen)
         cfg = self.settings or {}
         self.beta = float(cfg.get("beta", 0.1))
         self.label_smoothing = float(cfg.get("label_smoothing", 0.0))

@@ -51,7 +51,7 @@ from gptkit.data.prompts import PromptBatch
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
-from gptkit.training.objectives.base import Objective, Reference
+from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
 from gptkit.training.rewards import Rewards, load_rewards, parse_rewards, reward_timeout
 
 LOSSES = ("grpo", "dr_grpo", "dapo")
@@ -374,8 +374,10 @@ class GRPO(Objective):
         rewards = parse_rewards(g.rewards)
         high = g.get("epsilon_high") or g.epsilon
         if float(g.beta) > 0:
-            reference = (
-                "the base with the adapters off" if plan.lora else "a frozen copy of the starting weights"
+            reference = frozen_words(
+                plan,
+                "reference",
+                "the base with the adapters off" if plan.lora else "a frozen copy of the starting weights",
             )
             kl = f"KL ({g.get('kl', 'k3')}) to {reference}, beta {g.beta}"
         else:
@@ -388,8 +390,8 @@ class GRPO(Objective):
             f"pass(es) per batch of rollouts; {kl}"
         )
 
-    def __init__(self, plan: Any, reference: Reference | None = None) -> None:
-        super().__init__(plan, reference)
+    def __init__(self, plan: Any, frozen: dict[str, FrozenModel] | None = None) -> None:
+        super().__init__(plan, frozen)
         g = self.settings
         self.rewards: Rewards = load_rewards(parse_rewards(g.rewards), announce=False)
         self.group_size, self.mu = int(g.group_size), int(g.iterations)

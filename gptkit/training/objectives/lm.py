@@ -25,8 +25,8 @@ class LM(Objective):
 
     name = "lm"
 
-    def __init__(self, plan: Any, reference=None) -> None:
-        super().__init__(plan, reference)
+    def __init__(self, plan: Any, frozen=None) -> None:
+        super().__init__(plan, frozen)
         self._losses: list[torch.Tensor] = []
         # [2, n_sources] token-loss sums, target counts
         self._sums: torch.Tensor | None = None
