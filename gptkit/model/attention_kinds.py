@@ -16,7 +16,9 @@ Every module is called the same way, `y, probs = attn(x, rope=, cache=, position
 (x and y [B, T, d_model]; gptkit/model/mha.py documents it); a kind that keeps K/V writes them through
 `cache.update(layer, k, v)`, a kind with a state reads and writes `cache.state(layer, like)` in place.
 
-A new kind is its module file and one row of ATTENTION_KINDS: its module's import path and its layout.
+A new kind is its module file and one row of ATTENTION_KINDS: its module's import path and its layout; a kind
+with projections of other shapes than multi-head attention's also teaches gptkit/accounting.py to count
+them (tests/model/test_attention_kinds.py holds every row to its parameter count and its cache).
 This file imports no torch: the accounting (count-params, config checks) reads layouts without it.
 """
 

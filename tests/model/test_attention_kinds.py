@@ -214,3 +214,25 @@ def test_no_transformers_family_claims_another_kind(stub_kinds):
     family_of(tiny("mha").cfg)
     with pytest.raises(GptkitError, match="attention_kind=wide_values .*refusing"):
         family_of(tiny("wide_values").cfg)
+
+
+# the kinds of the table, not the stubs: each must be counted exactly, and decode as it recomputes
+KINDS = list(ATTENTION_KINDS)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind):
+    """A new kind's row is not done until the accounting counts its module's parameters and its layout
+    gives the tensors its module writes to the cache."""
+    model = tiny(kind, sliding_window=8, layer_types=["local", "global"], qk_norm="head")
+    counts = accounting.count_params(model.cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    assert counts.attention == sum(p.numel() for b in model.blocks for p in b.attn.parameters()) - sum(
+        p.numel() for b in model.blocks for n, p in b.attn.named_parameters() if "norm" in n
+    )
+    cache = KVCache(model.cfg, batch_size=1, max_len=16)
+    with torch.no_grad():
+        model(torch.tensor([PROMPT]), cache=cache)
+    assert cache.nbytes == accounting.kv_cache_bytes(model.cfg, 16, "fp32")
+    greedy = SampleOptions(max_new_tokens=8, temperature=0)
+    assert generate(model, PROMPT, greedy).tokens == generate(model, PROMPT, greedy, use_cache=False).tokens
