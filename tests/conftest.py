@@ -231,6 +231,141 @@ def as_text(tok):
     return tok
 
 
+# ---- a tiny `gptkit train` run and its corpus (test files write only what differs from these)
+def write_corpus(folder, n_chars: int = 20_000, name: str = "corpus.txt", lower: bool = False) -> Path:
+    """n_chars of the built-in corpus (lower-cased if asked) written at folder/name."""
+    p = Path(folder) / name
+    text = shakespeare(n_chars)
+    p.write_text(text.lower() if lower else text)
+    return p
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """20,000 characters of the built-in corpus in the test's own folder (tmp_path/corpus.txt). A module whose
+    tests only read their corpus shares one instead: `corpus = module_corpus(30_000)`."""
+    return write_corpus(tmp_path)
+
+
+def module_corpus(n_chars: int):
+    """The `corpus` fixture at module scope, n_chars long (shakespeare-<n>k.txt in the module's own folder):
+    assigned in a test file (`corpus = module_corpus(30_000)`), it replaces the per-test one there."""
+
+    @pytest.fixture(scope="module", name="corpus")
+    def _corpus(tmp_path_factory) -> Path:
+        return write_corpus(tmp_path_factory.mktemp("corpus"), n_chars, f"shakespeare-{n_chars // 1000}k.txt")
+
+    return _corpus
+
+
+# tiny_run's keywords: keyword -> (the override's key, its default); a None value leaves the key out
+TINY_RUN = {
+    "model": ("model", "gpt2-tiny"),
+    "layers": ("model.n_layers", 1),
+    "d_model": ("model.d_model", 32),
+    "heads": ("model.n_heads", 2),
+    "kv_heads": ("model.n_kv_heads", None),
+    "d_ff": ("model.d_ff", None),
+    "seq_len": ("model.max_seq_len", 32),
+    "dropout": ("model.dropout", None),
+    "tokenizer": ("tokenizer", "char"),
+    "data": ("data", "files"),
+    "val_fraction": ("data.val_fraction", None),
+    "batch_size": ("trainer.batch_size", 4),
+    "steps": ("trainer.max_steps", 12),
+    "val_every": ("trainer.val_every", 3),
+    "val_windows": ("trainer.val_windows", 4),
+    # by default, val_every's
+    "checkpoint_every": ("trainer.checkpoint_every", "val_every"),
+    "keep": ("trainer.keep_checkpoints", None),
+    "log_every": ("trainer.log_every", 1),
+    "progress": ("trainer.progress", "false"),
+    "threads": ("trainer.threads", None),
+    "accelerator": ("trainer.accelerator", None),
+    "lr": ("optim.lr", None),
+    "warmup": ("optim.warmup_steps", 2),
+}
+
+
+def tiny_run(corpus=None, runs=None, name=None, *extra: str, **keys) -> list[str]:
+    """The overrides of a tiny `gptkit train` run: gpt2-tiny shrunk to 1 layer of width 32 (2 heads, 32
+    positions), a char tokenizer on `corpus` (data=files), 12 steps of 4 windows, a validation and a
+    checkpoint every 3 steps, a row per step, no progress line; then runs_dir=`runs`, name=`name` and `extra`
+    (later overrides win). A keyword of TINY_RUN changes its default (`steps=6`); None leaves its key out;
+    model=None leaves out every model key (a run started with init_from= or resume=)."""
+    unknown = set(keys) - set(TINY_RUN)
+    if unknown:
+        raise TypeError(f"tiny_run: no keyword {sorted(unknown)}")
+    values = {k: keys.get(k, default) for k, (_, default) in TINY_RUN.items()}
+    if values["checkpoint_every"] == "val_every":
+        values["checkpoint_every"] = values["val_every"]
+    out = []
+    for k, (key, _) in TINY_RUN.items():
+        if values[k] is None or (values["model"] is None and key.startswith("model.")):
+            continue
+        out.append(f"{key}={values[k]}")
+        if k == "data" and corpus is not None:
+            out.append(f"data.paths=[{corpus}]")
+    if runs is not None:
+        out.append(f"runs_dir={runs}")
+    if name is not None:
+        out.append(f"name={name}")
+    return [*out, *extra]
+
+
+# what finetune_args changes in tiny_run: no model or tokenizer (init_from= brings them), 4 steps
+FINETUNE_RUN = dict(
+    model=None, tokenizer=None, val_fraction=0.1, steps=4, val_every=2, val_windows=2, checkpoint_every=2
+)
+
+
+def finetune_base(tmp_path_factory, name: str) -> tuple[Path, Path]:
+    """(a run folder holding a tiny Llama-style model, the frozen base of a fine-tuning; its corpus), in a
+    folder of its own (for a module-scoped fixture: its tests only read it)."""
+    tmp = tmp_path_factory.mktemp(name)
+    run, _, _ = make_run(tmp, max_seq_len=32)
+    return run, tmp / "corpus.txt"
+
+
+def finetune_args(base, runs, name, *extra, finetune="lora", lora_dropout=None, **keys) -> list[str]:
+    """`train` fine-tuning finetune_base's (run, corpus) with adapters of rank 4 on every projection
+    (finetune=lora or qlora) for tiny_run's 4 steps of FINETUNE_RUN, one thread; keys change tiny_run's."""
+    run, corpus = base
+    lora = ["lora.targets=[q,k,v,o,gate,up,down]", "lora.rank=4"]
+    if lora_dropout is not None:
+        lora.append(f"lora.dropout={lora_dropout}")
+    keys = {**FINETUNE_RUN, "threads": 1, "warmup": 1, **keys}
+    return [
+        "train",
+        f"init_from={run}",
+        f"finetune={finetune}",
+        *lora,
+        *tiny_run(corpus, runs, name, *extra, **keys),
+    ]
+
+
+def tiny_model(**keys) -> list[str]:
+    """tiny_run's model overrides alone (`model=gpt2-tiny`, `model.n_layers=1`, ...), its model keywords
+    changing them."""
+    return [o for o in tiny_run(**keys) if o.split("=")[0].split(".")[0] == "model"]
+
+
+def timeless_rows(run) -> list[dict]:
+    """A run folder's metrics.csv rows without the timings (perf/*), which differ from run to run."""
+    import csv
+
+    with open(Path(run) / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def rows_by_step(run) -> dict[int, dict[str, str]]:
+    """A run folder's metrics.csv: {step: its row}."""
+    import csv
+
+    with open(Path(run) / "metrics.csv", newline="") as f:
+        return {int(r["step"]): r for r in csv.DictReader(f)}
+
+
 # the end-of-text token of make_run's tokenizer
 SAMPLE_EOS = "<|endoftext|>"
 
@@ -245,8 +380,7 @@ def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max
     from gptkit.runs import write_run_folder
     from gptkit.tokenizer import build_tokenizer
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare(n_chars))
+    corpus = write_corpus(tmp_path, n_chars)
     tok_cfg = {
         "kind": "char",
         "special_tokens": [],

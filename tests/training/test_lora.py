@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, make_run, run_main
+from conftest import HANG_S, finetune_args, finetune_base, make_run, run_main
+from conftest import run_group as process_group
 
 from gptkit.adapters import CHECKPOINT_KEY, check_lora, is_adapter_key
 from gptkit.errors import ConfigError
@@ -136,37 +137,11 @@ def test_bad_lora_settings_are_one_config_error(style, lora, needle):
 # ---- training through the CLI (in process) --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A run folder holding a tiny Llama-style model (the frozen base) and its corpus."""
-    tmp = tmp_path_factory.mktemp("base")
-    run, model, _ = make_run(tmp, max_seq_len=32)
-    return run, tmp / "corpus.txt"
+    return finetune_base(tmp_path_factory, "base")
 
 
 def lora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
-    run, corpus = base
-    return [
-        "train",
-        f"init_from={run}",
-        "finetune=lora",
-        "lora.targets=[q,k,v,o,gate,up,down]",
-        "lora.rank=4",
-        "lora.dropout=0.1",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        "trainer.max_steps=4",
-        "trainer.val_every=2",
-        "trainer.val_windows=2",
-        "trainer.checkpoint_every=2",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "trainer.threads=1",
-        "optim.warmup_steps=1",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    return finetune_args(base, runs, name, *extra, lora_dropout=0.1)
 
 
 def rows(run: Path) -> dict[int, dict[str, str]]:
@@ -362,32 +337,10 @@ def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
 
 
 def run_group(*argv: str, timeout: float = HANG_S):
-    """`python -m gptkit ...` in its own session; on timeout or error the group (every rank) is killed."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    env = dict(os.environ)
-    env.pop("GPTKIT_VERB", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gptkit", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    return err
+    """`python -m gptkit ...` in its own session (conftest's run_group); its stderr, once it succeeded."""
+    r = process_group("-m", "gptkit", *argv, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stderr
 
 
 def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, one_line, run_group, run_main
+from conftest import finetune_args, finetune_base, one_line, run_group, run_main
 
 from gptkit import quant
 from gptkit.adapters import CHECKPOINT_KEY, is_adapter_key
@@ -21,36 +21,11 @@ pytest.importorskip("torchao", reason="the quant extra (torchao) is not installe
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A run folder holding a tiny Llama-style model (the frozen base) and its corpus."""
-    tmp = tmp_path_factory.mktemp("qbase")
-    run, _, _ = make_run(tmp, max_seq_len=32)
-    return run, tmp / "corpus.txt"
+    return finetune_base(tmp_path_factory, "qbase")
 
 
 def qlora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
-    run, corpus = base
-    return [
-        "train",
-        f"init_from={run}",
-        "finetune=qlora",
-        "lora.targets=[q,k,v,o,gate,up,down]",
-        "lora.rank=4",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        "trainer.max_steps=4",
-        "trainer.val_every=4",
-        "trainer.val_windows=2",
-        "trainer.checkpoint_every=2",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "trainer.threads=1",
-        "optim.warmup_steps=1",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    return finetune_args(base, runs, name, *extra, finetune="qlora", val_every=4)
 
 
 def losses(run: Path) -> dict[int, float]:

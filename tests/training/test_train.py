@@ -10,39 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, run_cli, shakespeare, wait_for
+from conftest import HANG_S, module_corpus, run_cli, shakespeare, tiny_run, wait_for
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("corpus") / "shakespeare-60k.txt"
-    p.write_text(shakespeare(60_000))
-    return p
+corpus = module_corpus(60_000)
 
 
 def tiny_args(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "model=gpt2-tiny",
-        "model.n_layers=2",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        "trainer.max_steps=12",
-        "trainer.val_every=6",
-        "trainer.val_windows=8",
-        "trainer.checkpoint_every=6",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "optim.warmup_steps=2",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    return tiny_run(corpus, runs, name, *extra, layers=2, val_fraction=0.1, val_every=6, val_windows=8)
 
 
 def train(corpus, runs, name, *extra, timeout=HANG_S):
