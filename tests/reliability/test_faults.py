@@ -14,7 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import HANG_S, make_run, module_corpus, run_cli, run_main, shakespeare, tiny_run, wait_for
+from conftest import (
+    HANG_S,
+    make_run,
+    module_corpus,
+    run_cli,
+    run_main,
+    shakespeare,
+    tiny_run,
+    trained,
+    wait_for,
+)
 from conftest import timeless_rows as rows
 
 from gptkit.errors import GptkitError
@@ -36,9 +46,7 @@ def leftovers(run: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("ref")
-    r = run_cli("train", *tiny(corpus, runs, "ref"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return runs / "ref"
+    return trained(tiny(corpus, runs, "ref"), runs / "ref")
 
 
 def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference):

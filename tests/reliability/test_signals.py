@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, module_corpus, run_cli, tiny_run
+from conftest import HANG_S, module_corpus, run_cli, tiny_run, trained
 from conftest import timeless_rows as rows
 
 STEPS = 6
@@ -61,9 +61,7 @@ def weights(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("ref")
-    r = run_cli("train", *tiny(corpus, runs, "ref"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return runs / "ref"
+    return trained(tiny(corpus, runs, "ref"), runs / "ref")
 
 
 def signalled(tmp_path: Path, argv: list[str], **env: str) -> subprocess.CompletedProcess:

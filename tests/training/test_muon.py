@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, tiny_model, tiny_run
+from conftest import tiny_model, tiny_run
 from omegaconf import OmegaConf
 
 from gptkit.conf_tree import compose
@@ -500,40 +500,11 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
     """2 gloo processes against one: FSDP2 (Newton-Schulz shared out by matrix) = FSDP2 (every matrix
     gathered on every rank) = DDP, bit for bit, in both dtypes; with optim.muon.ns_dtype=float32 they are one
     process's weights to 1e-6 after 3 steps."""
-    import os
-    import subprocess
-    import sys
 
     import muon_distributed as w
-    from conftest import REPO
+    from conftest import run_two_ranks
 
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
-    ranks = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "tests/training/muon_distributed.py"),
-                str(r),
-                "2",
-                str(tmp_path / "init"),
-                str(tmp_path),
-            ],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        errors = [p.communicate(timeout=HANG_S)[1] for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-    assert [p.returncode for p in ranks] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    run_two_ranks("muon_distributed.py", tmp_path)
     for ns_dtype in w.NS_DTYPES:
         # one process, the whole batch
         model, opt = w.model_and_optimizer(fsdp=False, ns_dtype=ns_dtype)

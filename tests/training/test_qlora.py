@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import finetune_args, finetune_base, one_line, run_group, run_main
+from conftest import (
+    TWO_CPU_RANKS,
+    exports,
+    finetune_args,
+    finetune_base,
+    one_line,
+    resume_on_one_process,
+    run_group,
+    run_main,
+)
 
 from gptkit import quant
 from gptkit.adapters import CHECKPOINT_KEY, is_adapter_key
@@ -119,13 +128,12 @@ def test_qlora_trains_resumes_exactly_and_exports_the_base_it_trained_on(base, t
     lora = {k: record[k] for k in ("rank", "alpha", "dropout", "targets")}
     unmerged = qlora_model(base[0], state, lora)
     on_full = qlora_model(base[0], state, lora, nf4=False)
-    for args in (
+    out = exports(
+        capsys,
         [f"run={runs / 'straight'}", f"out={tmp_path / 'merged'}"],
         [f"run={base[0]}", f"out={tmp_path / 'hf-base'}"],
         [f"run={runs / 'straight'}", f"out={tmp_path / 'adapter'}", "adapters=true"],
-    ):
-        code, out, err = run_main(capsys, "export", *args)
-        assert code == 0, err
+    )
     assert "they trained on the NF4-quantized base" in out
     x = torch.randint(0, unmerged.cfg.vocab_size, (2, 20))
     with torch.no_grad():
@@ -158,7 +166,7 @@ def test_qlora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     assert code == 0, err
     want = losses(runs / "one")
     assert len(set(want.values())) == 3
-    two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+    two = TWO_CPU_RANKS
     for name, extra in (
         ("ddp", ("trainer=ddp",)),
         ("fsdp", ("trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=1")),
@@ -166,15 +174,7 @@ def test_qlora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
         r = run_group("-m", "gptkit", *qlora_args(base, runs, name, *common, *extra, *two))
         assert r.returncode == 0, r.stderr[-3000:]
     assert (runs / "fsdp" / "checkpoints" / "step-000001.ckpt" / ".metadata").is_file()
-    code, _, err = run_main(
-        capsys,
-        "train",
-        f"resume={runs / 'fsdp'}",
-        "trainer.devices=1",
-        "trainer.batch_size=4",
-        "trainer.progress=false",
-    )
-    assert code == 0, err
+    resume_on_one_process(capsys, runs / "fsdp")
     for name in ("ddp", "fsdp"):
         got = losses(runs / name)
         assert got.keys() == want.keys(), (name, got)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, module_corpus, run_cli, shakespeare, tiny_run, wait_for
+from conftest import HANG_S, TINY_LLAMA, module_corpus, run_cli, shakespeare, tiny_run, wait_for
 
 corpus = module_corpus(60_000)
 
@@ -281,21 +281,11 @@ def _source_run(corpus: Path, folder: Path) -> Path:
     tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
     tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
     torch.manual_seed(3)
-    model = GPT(
-        ModelConfig(
-            vocab_size=tok.get_vocab_size(),
-            max_seq_len=32,
-            n_layers=2,
-            n_heads=2,
-            n_kv_heads=1,
-            d_model=32,
-            position="rope",
-            mlp="swiglu",
-            norm="rmsnorm",
-            bias=False,
-            name="src",
-        )
+    # 2 heads (1 of keys and values)
+    cfg = TINY_LLAMA | dict(
+        n_heads=2, n_kv_heads=1, vocab_size=tok.get_vocab_size(), max_seq_len=32, name="src"
     )
+    model = GPT(ModelConfig(**cfg))
     return write_run_folder(folder, {"tokenizer": tok_cfg}, model, tok)
 
 
