@@ -231,6 +231,278 @@ def as_text(tok):
     return tok
 
 
+# the tiny Llama-style model of many tests: 2 layers of 4 heads (2 of keys and values), width 32, RoPE,
+# SwiGLU, RMSNorm, no biases (ModelConfig(**TINY_LLAMA, ...) or dict(TINY_LLAMA, ...) with what differs)
+TINY_LLAMA = dict(
+    n_layers=2, n_heads=4, n_kv_heads=2, d_model=32, position="rope", mlp="swiglu", norm="rmsnorm", bias=False
+)
+
+
+def greedy_gpt(max_seq_len: int, seed: int = 0, **fields):
+    """A random tiny GPT (vocabulary 61, 2 layers of 4 heads, width 32, untied; `fields` its variant) whose
+    init_std 0.3 sets logits far apart, so that greedy choices never meet a near-tie (test_generate,
+    test_batcher)."""
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(
+        vocab_size=61,
+        max_seq_len=max_seq_len,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        init_std=0.3,
+        tie_embeddings=False,
+        **fields,
+    )
+    return GPT(cfg).eval()
+
+
+# ---- a tiny `gptkit train` run and its corpus (test files write only what differs from these)
+def write_corpus(folder, n_chars: int = 20_000, name: str = "corpus.txt") -> Path:
+    """n_chars of the built-in corpus written at folder/name."""
+    p = Path(folder) / name
+    p.write_text(shakespeare(n_chars))
+    return p
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    """20,000 characters of the built-in corpus in the test's own folder (tmp_path/corpus.txt). A module whose
+    tests only read their corpus shares one instead: `corpus = module_corpus(30_000)`."""
+    return write_corpus(tmp_path)
+
+
+def module_corpus(n_chars: int):
+    """The `corpus` fixture at module scope, n_chars long (shakespeare-<n>k.txt in the module's own folder):
+    assigned in a test file (`corpus = module_corpus(30_000)`), it replaces the per-test one there."""
+
+    @pytest.fixture(scope="module", name="corpus")
+    def _corpus(tmp_path_factory) -> Path:
+        return write_corpus(tmp_path_factory.mktemp("corpus"), n_chars, f"shakespeare-{n_chars // 1000}k.txt")
+
+    return _corpus
+
+
+# tiny_run's keywords: keyword -> (the override's key, its default); a None value leaves the key out
+TINY_RUN = {
+    "model": ("model", "gpt2-tiny"),
+    "layers": ("model.n_layers", 1),
+    "d_model": ("model.d_model", 32),
+    "heads": ("model.n_heads", 2),
+    "kv_heads": ("model.n_kv_heads", None),
+    "d_ff": ("model.d_ff", None),
+    "seq_len": ("model.max_seq_len", 32),
+    "dropout": ("model.dropout", None),
+    "tokenizer": ("tokenizer", "char"),
+    "data": ("data", "files"),
+    "val_fraction": ("data.val_fraction", None),
+    "batch_size": ("trainer.batch_size", 4),
+    "steps": ("trainer.max_steps", 12),
+    "val_every": ("trainer.val_every", 3),
+    "val_windows": ("trainer.val_windows", 4),
+    # by default, val_every's
+    "checkpoint_every": ("trainer.checkpoint_every", "val_every"),
+    "keep": ("trainer.keep_checkpoints", None),
+    "log_every": ("trainer.log_every", 1),
+    "progress": ("trainer.progress", "false"),
+    "threads": ("trainer.threads", None),
+    "accelerator": ("trainer.accelerator", None),
+    "lr": ("optim.lr", None),
+    "warmup": ("optim.warmup_steps", 2),
+}
+
+
+def tiny_run(corpus=None, runs=None, name=None, *extra: str, **keys) -> list[str]:
+    """The overrides of a tiny `gptkit train` run: gpt2-tiny shrunk to 1 layer of width 32 (2 heads, 32
+    positions), a char tokenizer on `corpus` (data=files), 12 steps of 4 windows, a validation and a
+    checkpoint every 3 steps, a row per step, no progress line; then runs_dir=`runs`, name=`name` and `extra`
+    (later overrides win). A keyword of TINY_RUN changes its default (`steps=6`); None leaves its key out;
+    model=None leaves out every model key (a run started with init_from= or resume=)."""
+    unknown = set(keys) - set(TINY_RUN)
+    if unknown:
+        raise TypeError(f"tiny_run: no keyword {sorted(unknown)}")
+    values = {k: keys.get(k, default) for k, (_, default) in TINY_RUN.items()}
+    if values["checkpoint_every"] == "val_every":
+        values["checkpoint_every"] = values["val_every"]
+    out = []
+    for k, (key, _) in TINY_RUN.items():
+        if values[k] is None or (values["model"] is None and key.startswith("model.")):
+            continue
+        out.append(f"{key}={values[k]}")
+        if k == "data" and corpus is not None:
+            out.append(f"data.paths=[{corpus}]")
+    if runs is not None:
+        out.append(f"runs_dir={runs}")
+    if name is not None:
+        out.append(f"name={name}")
+    return [*out, *extra]
+
+
+# what finetune_args changes in tiny_run: no model or tokenizer (init_from= brings them), 4 steps
+FINETUNE_RUN = dict(
+    model=None, tokenizer=None, val_fraction=0.1, steps=4, val_every=2, val_windows=2, checkpoint_every=2
+)
+
+
+def finetune_base(tmp_path_factory, name: str) -> tuple[Path, Path]:
+    """(a run folder holding a tiny Llama-style model, the frozen base of a fine-tuning; its corpus), in a
+    folder of its own (for a module-scoped fixture: its tests only read it)."""
+    tmp = tmp_path_factory.mktemp(name)
+    run, _, _ = make_run(tmp, max_seq_len=32)
+    return run, tmp / "corpus.txt"
+
+
+def finetune_args(base, runs, name, *extra, finetune="lora", lora_dropout=None, **keys) -> list[str]:
+    """`train` fine-tuning finetune_base's (run, corpus) with adapters of rank 4 on every projection
+    (finetune=lora or qlora) for tiny_run's 4 steps of FINETUNE_RUN, one thread; keys change tiny_run's."""
+    run, corpus = base
+    lora = ["lora.targets=[q,k,v,o,gate,up,down]", "lora.rank=4"]
+    if lora_dropout is not None:
+        lora.append(f"lora.dropout={lora_dropout}")
+    keys = {**FINETUNE_RUN, "threads": 1, "warmup": 1, **keys}
+    return [
+        "train",
+        f"init_from={run}",
+        f"finetune={finetune}",
+        *lora,
+        *tiny_run(corpus, runs, name, *extra, **keys),
+    ]
+
+
+def sft_start(root, sft, seq_len: int) -> Path:
+    """root/sft: 2 steps of data=chat (chatml, a byte tokenizer) on the records of `sft` from a tiny Llama
+    (1 layer, no dropout), the start of a DPO or GRPO run (tests/training/test_dpo.py, test_grpo.py)."""
+    import gptkit
+
+    model = dict(model="llama-tiny", kv_heads=1, d_ff=64, seq_len=seq_len, dropout=0.0)
+    keys = dict(tokenizer="byte", data="chat", steps=2, val_every=2, val_windows=2, checkpoint_every=None)
+    run = dict(log_every=None, accelerator="cpu", warmup=None)
+    gptkit.train(tiny_run(sft, root, "sft", "data.template=chatml", **model, **keys, **run))
+    return Path(root) / "sft"
+
+
+def from_sft(root, name, world: int, *extra) -> list[str]:
+    """The trainer part of a DPO or GRPO run from root/sft: the same global batch (4) whatever the world size,
+    6 steps, a validation and a checkpoint every 3 (3 windows, odd: on 2 ranks DistributedSampler repeats
+    one, counted once), lr 1e-2, on the CPU; `extra` last."""
+    keys = dict(model=None, tokenizer=None, data=None, batch_size=4 // world, steps=6, val_windows=3)
+    return tiny_run(None, root, name, *extra, **keys, accelerator="cpu", lr="1e-2", warmup=1)
+
+
+def write_jsonl(path, records) -> Path:
+    """One JSON record a line at `path`."""
+    import json
+
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+# 2 processes on the CPU sharing the global batch of 4
+TWO_CPU_RANKS = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+
+
+def resume_on_one_process(capsys, run) -> None:
+    """`train resume=run` on one device with the global batch of 4 (a run of TWO_CPU_RANKS, its sharded
+    checkpoint), which must succeed."""
+    code, _, err = run_main(
+        capsys,
+        "train",
+        f"resume={run}",
+        "trainer.devices=1",
+        "trainer.batch_size=4",
+        "trainer.progress=false",
+    )
+    assert code == 0, err
+
+
+def chat_train(f, runs, name: str) -> list[str]:
+    """The overrides of `train` of llama-tiny (a byte tokenizer) on the chat records of f, chatml."""
+    data = ["data=chat", f"data.paths=[{f}]", "data.template=chatml"]
+    return ["model=llama-tiny", "tokenizer=byte", *data, f"runs_dir={runs}", f"name={name}"]
+
+
+def estimate_plan(model_cfg, **more):
+    """What gptkit.training.memory.estimate reads of a plan: `model_cfg` in fp32 on one device, 2 windows of
+    16 tokens a step, no activation checkpointing, no LoRA (`more` adds or changes fields)."""
+    from types import SimpleNamespace
+
+    from gptkit.precision import precision
+
+    trainer = SimpleNamespace(activation_checkpointing=False)
+    fields = dict(
+        precision=precision("32-true"), shards=1, batch_size=2, seq_len=16, trainer=trainer, lora=None
+    )
+    return SimpleNamespace(model=model_cfg, **fields, **more)
+
+
+def tokenizer_settings(kind: str, tmp_path) -> dict:
+    """A tokenizer of each kind (byte, char, bpe, a tokenizer.json no fast path knows) as settings."""
+    if kind == "file":
+        return {"kind": "file", "path": metaspace_tokenizer(tmp_path / "meta.json"), "eos_token": SAMPLE_EOS}
+    return {
+        "byte": {"kind": "byte", "eos_token": SAMPLE_EOS},
+        "char": {"kind": "char", "eos_token": None},
+        "bpe": {"kind": "bpe", "vocab_size": 400, "special_tokens": ["<|bos|>"]},
+    }[kind]
+
+
+# transformers' own way of marking what the assistant writes (a chat template with {% generation %})
+GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
+    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def trained(args, run) -> Path:
+    """`gptkit train *args` (a subprocess) that must succeed; its run folder `run`."""
+    r = run_cli("train", *args)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return run
+
+
+def exports(capsys, *calls) -> str:
+    """`gptkit export` (in process) with each list of arguments in `calls`, each to succeed: the last one's
+    stdout."""
+    for args in calls:
+        code, out, err = run_main(capsys, "export", *args)
+        assert code == 0, err
+    return out
+
+
+def main_code(*args: str) -> int:
+    """gptkit.cli.main(args) in process: its exit code."""
+    from gptkit.cli import main
+
+    return main(list(args))
+
+
+def tiny_model(**keys) -> list[str]:
+    """tiny_run's model overrides alone (`model=gpt2-tiny`, `model.n_layers=1`, ...), its model keywords
+    changing them."""
+    return [o for o in tiny_run(**keys) if o.split("=")[0].split(".")[0] == "model"]
+
+
+def timeless_rows(run) -> list[dict]:
+    """A run folder's metrics.csv rows without the timings (perf/*), which differ from run to run."""
+    import csv
+
+    with open(Path(run) / "metrics.csv", newline="") as f:
+        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+
+
+def rows_by_step(run) -> dict[int, dict[str, str]]:
+    """A run folder's metrics.csv: {step: its row}."""
+    import csv
+
+    with open(Path(run) / "metrics.csv", newline="") as f:
+        return {int(r["step"]): r for r in csv.DictReader(f)}
+
+
 # the end-of-text token of make_run's tokenizer
 SAMPLE_EOS = "<|endoftext|>"
 
@@ -245,8 +517,7 @@ def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max
     from gptkit.runs import write_run_folder
     from gptkit.tokenizer import build_tokenizer
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare(n_chars))
+    corpus = write_corpus(tmp_path, n_chars)
     tok_cfg = {
         "kind": "char",
         "special_tokens": [],
@@ -453,6 +724,78 @@ def hf_gpt2(tie: bool):
     return transformers.GPT2LMHeadModel(cfg)
 
 
+# what the tiny transformers models of tests/hf/ share (test_hf_variants, test_hf_windows, test_hf_moe)
+HF_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+)
+
+
+def hf_common(vocab_size: int, positions: int, **change) -> dict:
+    """The config fields of a tiny transformers model (HF_COMMON), `change` changing them."""
+    return dict(vocab_size=vocab_size, **HF_COMMON, max_position_embeddings=positions) | change
+
+
+def hf_perturbed(build):
+    """build() (a transformers model) under seed 0, every weight (norms and biases included) then moved by
+    0.2 N(0, 1): no mapping error hides behind a weight left at its initial value."""
+    import torch
+
+    torch.manual_seed(0)
+    model = build()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.2 * torch.randn_like(p))
+    return model.eval()
+
+
+def hf_import(tmp_path, theirs, want: dict):
+    """`theirs` saved at tmp_path/hf and imported by `gptkit import` into tmp_path/run, whose model has the
+    fields `want`: (its ModelConfig, its GPT)."""
+    from gptkit.cli import main
+    from gptkit.runs import load_model
+
+    theirs.save_pretrained(tmp_path / "hf")
+    assert main(["import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}"]) == 0
+    _, _, _, model_cfg, model = load_model(tmp_path / "run")
+    for k, v in want.items():
+        assert getattr(model_cfg, k) == v, k
+    return model_cfg, model
+
+
+def hf_export_same_files(tmp_path, architecture: str, idx, ref, attention: str | None = None) -> None:
+    """`gptkit export` of tmp_path/run into tmp_path/again: config.json names `architecture`, the safetensors
+    are tmp_path/hf's bit for bit, and transformers loads them (with `attention`) into logits `ref` on idx."""
+    import json
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    from gptkit.cli import main
+
+    assert main(["export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'again'}"]) == 0
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["architectures"] == [architecture]
+    original = load_file(tmp_path / "hf" / "model.safetensors")
+    again = load_file(tmp_path / "again" / "model.safetensors")
+    assert sorted(again) == sorted(original)
+    for k, v in original.items():
+        assert torch.equal(again[k], v), k
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
+    if attention is not None:
+        reloaded.set_attn_implementation(attention)
+    with torch.no_grad():
+        assert (reloaded(idx).logits - ref).abs().max().item() == 0.0
+
+
 def run_group(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:
     """Run a command in its own session; on timeout (or any error) kill the whole group, children included."""
     import signal
@@ -478,6 +821,28 @@ def run_group(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProces
             pass
         proc.wait()
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_two_ranks(script: str, tmp_path) -> None:
+    """tests/training/<script> as ranks 0 and 1 of a 2-process job (its arguments: rank, 2, tmp_path/init,
+    tmp_path), one thread each, tests/ on PYTHONPATH: both must exit 0."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    }
+    argv = [sys.executable, str(REPO / "tests" / "training" / script)]
+    folders = [str(tmp_path / "init"), str(tmp_path)]
+    ranks = [
+        subprocess.Popen([*argv, str(r), "2", *folders], env=env, stderr=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    try:
+        errors = [p.communicate(timeout=HANG_S)[1] for p in ranks]
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [p.returncode for p in ranks] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
 
 
 def one_line(err: str) -> bool:

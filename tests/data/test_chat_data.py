@@ -5,7 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import run_main
+from conftest import GENERATION_TEMPLATE as GENERATION
+from conftest import TINY_LLAMA, chat_train, run_main, write_jsonl
 
 from gptkit import chat_templates as templates
 from gptkit.data import chat, prepare
@@ -39,13 +40,6 @@ QWEN_LIKE = (
     "{%- for message in messages %}{%- if message.role != 'system' %}{%- set ns.n = ns.n + 1 %}"
     "{{- '<|im_start|>' + message.role + '\\n' + message.content | trim + '<|im_end|>' + '\\n' }}"
     "{%- endif %}{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
-)
-# transformers' own way of marking what the assistant writes
-GENERATION = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}"
-    "{% generation %}{{ m['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
-    "{% else %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
 
@@ -162,17 +156,8 @@ def test_conversations_longer_than_a_row_are_dropped_or_cut_and_counted():
 
 def test_fused_loss_kernel_ignores_the_masked_targets_as_the_plain_loss_does():
     torch.manual_seed(0)
-    cfg = dict(
-        vocab_size=50,
-        max_seq_len=16,
-        n_layers=1,
-        n_heads=2,
-        d_model=32,
-        position="rope",
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
-    )
+    # 1 layer of 2 heads
+    cfg = TINY_LLAMA | dict(n_layers=1, n_heads=2, n_kv_heads=None, vocab_size=50, max_seq_len=16)
     plain = GPT(ModelConfig(**cfg))
     fused = GPT.from_state(ModelConfig(**cfg, kernels=["loss"]), plain.state_dict()).train()
     x = torch.randint(0, 50, (2, 16))
@@ -195,11 +180,6 @@ def test_grown_vocabulary_rows_are_the_mean_of_the_old_ones():
 
 
 # ---- bad input: one line, naming the file and row, before anything is written ----------------------------
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 GOOD = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
 
 
@@ -247,17 +227,7 @@ def test_a_template_that_fails_to_render_names_the_file_and_row(tmp_path):
 
 def test_train_with_a_bad_record_exits_2_with_one_line_and_writes_nothing(tmp_path, capsys):
     f = write_jsonl(tmp_path / "d.jsonl", [GOOD, {"messages": [{"role": "robot", "content": "x"}]}])
-    code, _, err = run_main(
-        capsys,
-        "train",
-        "model=llama-tiny",
-        "tokenizer=byte",
-        "data=chat",
-        f"data.paths=[{f}]",
-        "data.template=chatml",
-        f"runs_dir={tmp_path / 'runs'}",
-        "name=bad",
-    )
+    code, _, err = run_main(capsys, "train", *chat_train(f, tmp_path / "runs", "bad"))
     assert code == 2
     assert err.strip().splitlines()[-1].startswith("error: ") and "d.jsonl line 2" in err
     # removed when the process exits (runs.claim_run_dir); empty meanwhile

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from conftest import make_run, run_main
+from conftest import chat_train, make_run, run_main, write_jsonl
 
 from gptkit.data import prepare, templated
 from gptkit.data.chat import make_rows
@@ -20,11 +20,6 @@ from gptkit.errors import GptkitError
 TURN = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
 PAIR = {"prompt": "p", "chosen": "yes", "rejected": "no"}
 RECORD = {"chat": TURN, "preference": PAIR, "prompts": {"prompt": "p", "answer": "a"}}
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
 
 
 def prepare_error(tmp_path, kind, f, fmt="auto") -> str:
@@ -139,17 +134,7 @@ def test_a_lone_surrogate_escape_is_refused_at_reading_with_file_line_and_field(
 def test_train_on_a_file_that_is_not_utf8_exits_2_with_one_line(tmp_path, capsys):
     f = tmp_path / "d.jsonl"
     f.write_bytes((json.dumps(TURN) + "\n").encode() * 2 + b"\xff\n")
-    code, _, err = run_main(
-        capsys,
-        "train",
-        "model=llama-tiny",
-        "tokenizer=byte",
-        "data=chat",
-        f"data.paths=[{f}]",
-        "data.template=chatml",
-        f"runs_dir={tmp_path / 'runs'}",
-        "name=bad",
-    )
+    code, _, err = run_main(capsys, "train", *chat_train(f, tmp_path / "runs", "bad"))
     lines = [ln for ln in err.strip().splitlines() if not ln.startswith("note:")]
     assert code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {f} line 3 is not UTF-8"), err
     assert not (tmp_path / "runs" / "bad" / "config.yaml").exists()

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from conftest import as_text, interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
 from conftest import metaspace_tokenizer as metaspace
+from conftest import tokenizer_settings as tokenizer_of
 
 import gptkit.data.files as data_files
 import gptkit.data.sources as sources
@@ -80,12 +81,7 @@ def test_ranges_give_the_shards_of_the_line_by_line_path(tmp_path, small, monkey
     a, b = write(tmp_path / "a.jsonl", recs[:25]), write(tmp_path / "b.jsonl", recs[25:], blank_every=4)
     data = {"kind": "files", "paths": [str(a), str(b)], "val_fraction": 0.1}
     bos = False
-    tok = {
-        "byte": {"kind": "byte", "eos_token": EOS},
-        "char": {"kind": "char", "eos_token": None},
-        "bpe": {"kind": "bpe", "vocab_size": 400, "special_tokens": ["<|bos|>"]},
-        "file": {"kind": "file", "path": metaspace(tmp_path / "meta.json"), "eos_token": EOS},
-    }[kind]
+    tok = tokenizer_of(kind, tmp_path)
     if kind == "bpe":
         data, bos = {**data, "bos": True}, True
     if kind == "file":

@@ -161,28 +161,15 @@ def test_a_source_with_no_documents_is_one_line(tmp_path, texts):
 def test_train_on_a_mixture_resumes_bit_exactly_with_per_source_tokens(tmp_path, texts, capsys, monkeypatch):
     import csv
 
-    from conftest import run_main
+    from conftest import run_main, tiny_run
 
-    common = [
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=mix",
+    sources = (
         f"data.sources={{a: {{kind: files, paths: [{texts['a']}], weight: 0.7}}, "
-        f"b: {{kind: files, paths: [{texts['b']}], weight: 0.3}}}}",
-        "trainer.batch_size=4",
-        "trainer.max_steps=8",
-        "trainer.val_every=4",
-        # 3 a windows + 3 b: a batch of a and b, then one of b alone
-        "trainer.val_windows=6",
-        "trainer.checkpoint_every=4",
-        "trainer.log_every=2",
-        "trainer.progress=false",
-        f"runs_dir={tmp_path / 'runs'}",
-    ]
+        f"b: {{kind: files, paths: [{texts['b']}], weight: 0.3}}}}"
+    )
+    # val_windows: 3 a windows + 3 b, a batch of a and b, then one of b alone
+    keys = dict(data="mix", steps=8, val_every=4, val_windows=6, log_every=2, warmup=None)
+    common = tiny_run(None, tmp_path / "runs", None, sources, **keys)
     monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
     code, _, err = run_main(capsys, "train", *common, "name=full")
     assert code == 0, err

@@ -9,12 +9,18 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import as_text, shakespeare
+from conftest import as_text, shakespeare, tiny_run
 
 from gptkit.data import prepare
 from gptkit.errors import GptkitError
 
 EOS = "<|endoftext|>"
+
+
+def one_step(f, runs, model, *extra):
+    """The overrides of a 1-step `train` of `model` (1 layer, width 32) on the text file f, named `model`."""
+    keys = dict(model=model, tokenizer=None, batch_size=2, steps=1, val_every=None, val_windows=1)
+    return tiny_run(f, runs, model, *extra, **keys, checkpoint_every=None, log_every=None, warmup=None)
 
 
 def prep(tmp_path, data, tok, **kw):
@@ -398,24 +404,7 @@ def test_bos_auto_is_off_for_a_model_with_learned_positions(tmp_path, capsys, mo
     monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
     tok = ["tokenizer=byte", "tokenizer.special_tokens=['<s>']", "tokenizer.eos_token='</s>'"]
     for model, want in (("gpt2-tiny", None), ("llama-tiny", 256)):
-        code, _, err = run_main(
-            capsys,
-            "train",
-            f"model={model}",
-            "model.n_layers=1",
-            "model.d_model=32",
-            "model.n_heads=2",
-            "model.max_seq_len=32",
-            "data=files",
-            f"data.paths=[{f}]",
-            *tok,
-            "trainer.batch_size=2",
-            "trainer.max_steps=1",
-            "trainer.val_windows=1",
-            "trainer.progress=false",
-            f"runs_dir={tmp_path / 'runs'}",
-            f"name={model}",
-        )
+        code, _, err = run_main(capsys, "train", *one_step(f, tmp_path / "runs", model, *tok))
         assert code == 0, err
         saved = OmegaConf.load(tmp_path / "runs" / model / "config.yaml")
         assert saved.data.bos == ("auto" if want else False)
@@ -439,23 +428,7 @@ def test_a_train_after_a_plain_prepare_uses_its_shards(tmp_path, capsys, monkeyp
         )
         assert code == 0 and "prepared " in err, err
         code, _, err = run_main(
-            capsys,
-            "train",
-            f"model={model}",
-            "model.n_layers=1",
-            "model.d_model=32",
-            "model.n_heads=2",
-            "model.max_seq_len=32",
-            "data=files",
-            f"data.paths=[{f}]",
-            "tokenizer=byte",
-            *tok,
-            "trainer.batch_size=2",
-            "trainer.max_steps=1",
-            "trainer.val_windows=1",
-            "trainer.progress=false",
-            f"runs_dir={tmp_path / 'runs'}",
-            f"name={model}",
+            capsys, "train", *one_step(f, tmp_path / "runs", model, "tokenizer=byte", *tok)
         )
         assert code == 0, err
         assert "cache hit: " in err and "prepared " not in err and "tokenizing" not in err, err

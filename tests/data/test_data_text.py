@@ -6,7 +6,7 @@ count, on awkward text; the errors are its errors; a killed build continues bit-
 import numpy as np
 import pytest
 from conftest import as_text, interrupt_prepare, prepare_error, shakespeare, shard_bytes, small_tasks
-from conftest import metaspace_tokenizer as metaspace
+from conftest import tokenizer_settings as tokenizer_of
 
 import gptkit.data.build as build
 import gptkit.data.files as data_files
@@ -80,12 +80,7 @@ def test_ranges_give_the_shards_of_the_old_path(tmp_path, small, monkeypatch, ki
     f = awkward(tmp_path)
     names = sorted(f)
     data = {"kind": "files", "paths": [str(f[n]) for n in names], "val_fraction": 0.1}
-    tok = {
-        "byte": {"kind": "byte", "eos_token": EOS},
-        "char": {"kind": "char", "eos_token": None},
-        "bpe": {"kind": "bpe", "vocab_size": 400, "special_tokens": ["<|bos|>"]},
-        "file": {"kind": "file", "path": metaspace(tmp_path / "meta.json"), "eos_token": EOS},
-    }[kind]
+    tok = tokenizer_of(kind, tmp_path)
     # Cutter mode verify: slow to check, and read as before
     if kind == "file":
         data = {**data, "paths": [str(f["plain"]), str(f["cjk"])]}

@@ -3,20 +3,13 @@ their records kept for the rewards, text kept as text, bad records and prompts w
 named in one line, and batches drawn by (seed, step, rank) as one global batch split over the ranks.
 """
 
-import json
-
 import pytest
 import torch
+from conftest import write_jsonl
 
 from gptkit import chat_templates as templates
 from gptkit.data import prepare
 from gptkit.errors import GptkitError
-
-
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
 
 RECORDS = [
     {"prompt": "upper ab", "answer": "AB", "level": 1},

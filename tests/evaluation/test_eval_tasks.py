@@ -7,7 +7,7 @@ import math
 import sys
 
 import pytest
-from conftest import REPO, make_run, run_cli, run_main, shakespeare
+from conftest import REPO, make_run, run_cli, run_main, tiny_run, write_corpus
 
 from gptkit.cli import main
 
@@ -268,31 +268,11 @@ def test_task_evals_during_training_log_what_gptkit_eval_gives(tmp_path, capsys)
     logged for the final weights is what `gptkit eval tasks=... limit=` reports on the final checkpoint."""
     import csv
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare(30_000))
     task = EVALS / "tiny_mc.yaml"
-    r = run_cli(
-        "train",
-        "model=gpt2-tiny",
-        "model.n_layers=2",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=64",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "trainer.batch_size=4",
-        "trainer.max_steps=12",
-        "trainer.val_every=6",
-        "trainer.val_windows=8",
-        "trainer.checkpoint_every=12",
-        "trainer.progress=false",
-        f"runs_dir={tmp_path / 'runs'}",
-        "name=tasks",
-        f"trainer.eval_tasks=[{task}]",
-        "trainer.eval_every=6",
-        "trainer.eval_limit=4",
-    )
+    evals = [f"trainer.eval_tasks=[{task}]", "trainer.eval_every=6", "trainer.eval_limit=4"]
+    keys = dict(layers=2, seq_len=64, val_every=6, val_windows=8, checkpoint_every=12, log_every=None)
+    corpus = write_corpus(tmp_path, 30_000)
+    r = run_cli("train", *tiny_run(corpus, tmp_path / "runs", "tasks", *evals, **keys, warmup=None))
     assert r.returncode == 0, r.stderr[-3000:]
     assert "task evals: 2 x 1 task(s)" in r.stderr and "% of" in r.stderr
     with open(tmp_path / "runs" / "tasks" / "metrics.csv", newline="") as f:

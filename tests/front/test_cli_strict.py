@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, make_run, one_line_error, run_main
+from conftest import HANG_S, TINY_LLAMA, make_run, one_line_error, run_main
 
 from gptkit.cli import VERBS
 
@@ -483,19 +483,9 @@ def test_a_chat_export_without_an_end_of_text_token_says_one_thing_of_where_gene
     tok = byte_tokenizer([])
     t = templates.resolve_template("chatml", None)
     templates.add_special_tokens(tok, t)
-    model = GPT(
-        ModelConfig(
-            vocab_size=tok.get_vocab_size(),
-            max_seq_len=32,
-            n_layers=1,
-            n_heads=2,
-            d_model=16,
-            position="rope",
-            mlp="swiglu",
-            norm="rmsnorm",
-            bias=False,
-        )
-    )
+    # 1 layer of 2 heads, width 16
+    cfg = TINY_LLAMA | dict(n_layers=1, n_heads=2, n_kv_heads=None, d_model=16, max_seq_len=32)
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **cfg))
     run = write_run_folder(tmp_path / "run", {"tokenizer": {}}, model, tok)
     (run / templates.CHAT_FILE).write_text(t.to_json())
     code, out, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf'}")

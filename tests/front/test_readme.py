@@ -51,37 +51,6 @@ def test_the_readme_tour_runs_as_written(tmp_path, monkeypatch, capsys):
     assert "perplexity" in outputs[2][0]
 
 
-def test_train_runs_from_python_without_hydra(tmp_path):
-    from hydra.core.hydra_config import HydraConfig
-
-    import gptkit
-
-    runs = tmp_path / "runs"
-    result = gptkit.train(
-        [
-            "model=gpt2-tiny",
-            "model.n_layers=1",
-            "model.d_model=32",
-            "model.n_heads=2",
-            "model.max_seq_len=16",
-            "data=shakespeare",
-            "tokenizer=char",
-            "trainer.batch_size=2",
-            "trainer.max_steps=2",
-            "trainer.val_every=2",
-            "trainer.val_windows=1",
-            "trainer.checkpoint_every=2",
-            "trainer.progress=off",
-            "trainer.threads=1",
-            f"runs_dir={runs}",
-            "name=from-python",
-        ]
-    )
-    assert not HydraConfig.initialized()
-    assert result.run_dir == Path(runs / "from-python") and result.step == 2 and result.val_loss is not None
-    assert (result.run_dir / "config.yaml").is_file() and result.last_checkpoint.exists()
-
-
 # a 2-step run from Python
 PY_TINY = [
     "model=gpt2-tiny",
@@ -99,6 +68,18 @@ PY_TINY = [
     "trainer.progress=off",
     "trainer.threads=1",
 ]
+
+
+def test_train_runs_from_python_without_hydra(tmp_path):
+    from hydra.core.hydra_config import HydraConfig
+
+    import gptkit
+
+    runs = tmp_path / "runs"
+    result = gptkit.train([*PY_TINY, f"runs_dir={runs}", "name=from-python"])
+    assert not HydraConfig.initialized()
+    assert result.run_dir == Path(runs / "from-python") and result.step == 2 and result.val_loss is not None
+    assert (result.run_dir / "config.yaml").is_file() and result.last_checkpoint.exists()
 
 
 def test_train_runs_a_plan_looked_at_first(tmp_path):

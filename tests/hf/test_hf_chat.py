@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_main
+from conftest import TINY_LLAMA, run_main
 
 from gptkit import chat_templates as templates
 from gptkit.inference.generate import ChatSession
@@ -16,19 +16,7 @@ from gptkit.model import GPT, ModelConfig
 from gptkit.runs import write_run_folder
 from gptkit.tokenizer import byte_tokenizer
 
-TINY = dict(
-    max_seq_len=128,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    d_model=32,
-    position="rope",
-    mlp="swiglu",
-    norm="rmsnorm",
-    bias=False,
-    tie_embeddings=False,
-    init_std=0.3,
-)
+TINY = dict(TINY_LLAMA, max_seq_len=128, tie_embeddings=False, init_std=0.3)
 MESSAGE = "What is 2+3?"
 
 

@@ -9,14 +9,24 @@ import pytest
 import torch
 from conftest import HF_EOS as EOS
 from conftest import HF_TEXT as TEXT
-from conftest import char_tokenizer, gptkit_greedy, one_line_error, run_cli
+from conftest import (
+    TINY_LLAMA,
+    char_tokenizer,
+    gptkit_greedy,
+    hf_common,
+    hf_export_same_files,
+    hf_import,
+    hf_perturbed,
+    one_line_error,
+    run_cli,
+)
+from conftest import main_code as cli
 from safetensors.torch import load_file, save_file
 
 from gptkit import hf
-from gptkit.cli import main as gptkit_main
 from gptkit.errors import GptkitError
 from gptkit.model import GPT, ModelConfig
-from gptkit.runs import load_model, write_run_folder
+from gptkit.runs import write_run_folder
 
 transformers = pytest.importorskip("transformers")
 
@@ -26,19 +36,9 @@ KINDS = ["mixtral", "qwen3_moe", "olmoe"]
 
 def hf_model(kind: str, **change):
     """A tiny transformers mixture of each family, d_model 32, 4 experts top-2, every weight random."""
-    common = dict(
-        vocab_size=V,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=T,
-        rms_norm_eps=1e-6,
-        num_experts_per_tok=2,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    common = hf_common(V, T, hidden_size=32, num_experts_per_tok=2)
+    # each family its own width
+    del common["intermediate_size"]
     if kind == "mixtral":
         cfg = transformers.MixtralConfig(**common, intermediate_size=40, num_local_experts=4, **change)
     elif kind == "qwen3_moe":
@@ -62,12 +62,7 @@ def hf_model(kind: str, **change):
         "qwen3_moe": transformers.Qwen3MoeForCausalLM,
         "olmoe": transformers.OlmoeForCausalLM,
     }[kind]
-    torch.manual_seed(0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
+    return hf_perturbed(lambda: cls(cfg))
 
 
 # what each family is in gptkit's fields
@@ -83,18 +78,10 @@ MOE = {
 }
 
 
-def cli(*args: str) -> int:
-    return gptkit_main(list(args))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_files(tmp_path, kind):
     theirs = hf_model(kind)
-    theirs.save_pretrained(tmp_path / "hf")
-    assert cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}") == 0
-    _, _, _, model_cfg, model = load_model(tmp_path / "run")
-    for k, v in WANT[kind].items():
-        assert getattr(model_cfg, k) == v, k
+    model_cfg, model = hf_import(tmp_path, theirs, WANT[kind])
     for k, v in MOE[kind].items():
         assert getattr(model_cfg.moe, k) == v, k
     # [B, T]: the whole context
@@ -107,17 +94,7 @@ def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_fi
                 d |= {"attention": attention, "moe": d["moe"] | {"impl": impl}}
                 ours = GPT.from_state(ModelConfig.from_dict(d), model.state_dict())
                 assert (ours(idx).logits - ref).abs().max().item() <= 1e-5, (attention, impl)
-    assert cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'again'}") == 0
-    config = json.loads((tmp_path / "again" / "config.json").read_text())
-    assert config["architectures"] == [type(theirs).__name__]
-    original = load_file(tmp_path / "hf" / "model.safetensors")
-    again = load_file(tmp_path / "again" / "model.safetensors")
-    assert sorted(again) == sorted(original)
-    for k, v in original.items():
-        assert torch.equal(again[k], v), k
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
-    with torch.no_grad():
-        assert (reloaded(idx).logits - ref).abs().max().item() == 0.0
+    hf_export_same_files(tmp_path, type(theirs).__name__, idx, ref)
 
 
 def random_moe(kind: str, vocab_size: int) -> GPT:
@@ -131,19 +108,13 @@ def random_moe(kind: str, vocab_size: int) -> GPT:
     if kind == "qwen3_moe":
         moe |= dict(every=2, norm_topk_prob=False)
     torch.manual_seed(1)
+    # Mixtral and OLMoE have no dense layer and no width of their own for one: import sets d_ff = d_expert
+    d_ff = 40 if kind == "qwen3_moe" else 24
     cfg = ModelConfig(
+        **TINY_LLAMA,
         vocab_size=vocab_size,
         max_seq_len=48,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_model=32,
-        # Mixtral and OLMoE have no dense layer and no width of their own for one: import sets d_ff = d_expert
-        d_ff=40 if kind == "qwen3_moe" else 24,
-        position="rope",
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
+        d_ff=d_ff,
         tie_embeddings=False,
         moe=moe,
         **attention,

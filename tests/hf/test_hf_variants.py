@@ -2,21 +2,19 @@
 per head) and OLMo-2 (QK-norm over all heads, norms after each branch) import and export with the logits of
 `transformers` (fp32, <= 1e-5), on random-weight models built from their configs (no hub)."""
 
-import json
-
 import pytest
 import torch
 import yaml
+from conftest import hf_common, hf_export_same_files, hf_import, hf_perturbed
+from conftest import main_code as cli
 
 from gptkit import accounting as acc
 from gptkit import hf
-from gptkit.cli import main as gptkit_main
 from gptkit.conf_tree import conf_dir
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.inference.generate import generate
 from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
-from gptkit.runs import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,19 +31,7 @@ LLAMA3_SCALING = {
 
 def hf_model(kind: str):
     """A tiny transformers model of each family, every weight random (norms and biases included)."""
-    common = dict(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=T,
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    common = hf_common(V, T)
     if kind == "llama3.2":
         cfg = transformers.LlamaConfig(
             **common, tie_word_embeddings=True, rope_parameters={"rope_theta": 500.0, **LLAMA3_SCALING}
@@ -62,12 +48,7 @@ def hf_model(kind: str):
         "qwen3": transformers.Qwen3ForCausalLM,
         "olmo2": transformers.Olmo2ForCausalLM,
     }[kind]
-    torch.manual_seed(0)
-    model = cls(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
+    return hf_perturbed(lambda: cls(cfg))
 
 
 KINDS = ["llama3.2", "qwen2", "qwen3", "olmo2"]
@@ -80,20 +61,10 @@ WANT = {
 }
 
 
-def cli(*args: str) -> int:
-    return gptkit_main(list(args))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_files(tmp_path, kind):
-    from safetensors.torch import load_file
-
     theirs = hf_model(kind)
-    theirs.save_pretrained(tmp_path / "hf")
-    assert cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}") == 0
-    _, _, _, model_cfg, model = load_model(tmp_path / "run")
-    for k, v in WANT[kind].items():
-        assert getattr(model_cfg, k) == v, k
+    model_cfg, model = hf_import(tmp_path, theirs, WANT[kind])
     idx = torch.randint(0, V, (2, T))  # [B, T]: the whole context, so every (scaled) position is checked
     with torch.no_grad():
         ref = theirs(idx).logits
@@ -102,17 +73,7 @@ def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_fi
                 ModelConfig.from_dict({**model_cfg.to_dict(), "attention": attention}), model.state_dict()
             )
             assert (ours(idx).logits - ref).abs().max().item() <= 1e-5, attention
-    assert cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'again'}") == 0
-    config = json.loads((tmp_path / "again" / "config.json").read_text())
-    assert config["architectures"] == [type(theirs).__name__]
-    original = load_file(tmp_path / "hf" / "model.safetensors")
-    again = load_file(tmp_path / "again" / "model.safetensors")
-    assert sorted(again) == sorted(original)
-    for k, v in original.items():
-        assert torch.equal(again[k], v), k
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
-    with torch.no_grad():
-        assert (reloaded(idx).logits - ref).abs().max().item() == 0.0
+    hf_export_same_files(tmp_path, type(theirs).__name__, idx, ref)
 
 
 def test_llama3_scaling_is_applied_not_ignored():
@@ -236,6 +197,12 @@ def test_unsupported_hf_configs_are_refused_by_name(change, named):
         hf.model_config_from_hf(d)
 
 
+# a one-layer model with RoPE, SwiGLU and RMSNorm
+ONE_ROPE_LAYER = dict(
+    vocab_size=V, n_layers=1, n_heads=4, d_model=32, position="rope", mlp="swiglu", norm="rmsnorm"
+)
+
+
 @pytest.mark.parametrize(
     "kw, named",
     [
@@ -248,30 +215,10 @@ def test_unsupported_hf_configs_are_refused_by_name(change, named):
 )
 def test_bad_variant_fields_are_one_line_config_errors(kw, named):
     with pytest.raises(ConfigError, match=named):
-        ModelConfig(
-            vocab_size=V,
-            n_layers=1,
-            n_heads=4,
-            d_model=32,
-            position="rope",
-            mlp="swiglu",
-            norm="rmsnorm",
-            **kw,
-        )
+        ModelConfig(**ONE_ROPE_LAYER, **kw)
 
 
 def test_variants_without_a_transformers_architecture_are_refused_on_export():
-    cfg = ModelConfig(
-        vocab_size=V,
-        n_layers=1,
-        n_heads=4,
-        d_model=32,
-        position="rope",
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
-        qk_norm="head",
-        norm_placement="post",
-    )
+    cfg = ModelConfig(**ONE_ROPE_LAYER, bias=False, qk_norm="head", norm_placement="post")
     with pytest.raises(GptkitError, match="norm_placement"):
         hf.hf_config(cfg)

@@ -4,18 +4,15 @@ global pattern, QK-norm, a RoPE per layer type, linear scaling on the global lay
 max_window_layers. Tiny random models built from their configs (no hub), every weight perturbed; fp32 logits
 at a length past the window and past the original context, greedy tokens, export bit for bit."""
 
-import json
-
 import pytest
 import torch
+from conftest import hf_common, hf_export_same_files, hf_import, hf_perturbed
 
 from gptkit import hf
-from gptkit.cli import main as gptkit_main
 from gptkit.errors import GptkitError
 from gptkit.inference.generate import generate
 from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
-from gptkit.runs import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,19 +22,7 @@ V, T, W = 64, 40, 7
 
 def hf_model(kind: str):
     """A tiny transformers model of each family, every weight random (norms included)."""
-    common = dict(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=T,
-        rms_norm_eps=1e-6,
-        bos_token_id=None,
-        eos_token_id=None,
-        pad_token_id=None,
-    )
+    common = hf_common(V, T, num_hidden_layers=3)
     if kind == "mistral-v0.1":
         cfg = transformers.MistralConfig(**common, sliding_window=W, tie_word_embeddings=False)
     elif kind == "mistral-v0.3":
@@ -76,12 +61,7 @@ def hf_model(kind: str):
                 "rope_theta": 1e4,
             },
         )
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn_like(p))
-    return model.eval()
+    return hf_perturbed(lambda: transformers.AutoModelForCausalLM.from_config(cfg))
 
 
 KINDS = ["mistral-v0.1", "mistral-v0.3", "gemma2", "gemma3", "qwen2-yarn"]
@@ -110,23 +90,13 @@ WANT = {
 }
 
 
-def cli(*args: str) -> int:
-    return gptkit_main(list(args))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_windowed_families_match_transformers_and_export_the_same_files(tmp_path, kind):
     """Import -> the logits of transformers on the same backend (<= 1e-5) at T = 40 (window 7, YaRN's original
     context 10), the greedy tokens of transformers' generate (our decoder: the rolling cache), and export ->
     the same safetensors bit for bit, loaded by AutoModelForCausalLM with the same logits."""
-    from safetensors.torch import load_file
-
     theirs = hf_model(kind)
-    theirs.save_pretrained(tmp_path / "hf")
-    assert cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}") == 0
-    _, _, _, model_cfg, model = load_model(tmp_path / "run")
-    for k, v in WANT[kind].items():
-        assert getattr(model_cfg, k) == v, k
+    model_cfg, model = hf_import(tmp_path, theirs, WANT[kind])
     idx = torch.randint(0, V, (2, T))  # [B, T]
     # transformers runs Gemma 2 (soft-capping) in eager only
     backends = ("eager",) if kind == "gemma2" else ("eager", "sdpa")
@@ -142,21 +112,9 @@ def test_windowed_families_match_transformers_and_export_the_same_files(tmp_path
         want = theirs.generate(prompt[None], max_new_tokens=20, do_sample=False)[0, 12:].tolist()
     opts = SampleOptions(max_new_tokens=20, temperature=0.0, decode="eager")
     assert generate(model, prompt.tolist(), opts).tokens[0] == want
-    assert cli("export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'again'}") == 0
-    config = json.loads((tmp_path / "again" / "config.json").read_text())
     # v0.3 has no window: transformers' Llama is the same model
-    assert config["architectures"] == [
-        "LlamaForCausalLM" if kind == "mistral-v0.3" else type(theirs).__name__
-    ]
-    original = load_file(tmp_path / "hf" / "model.safetensors")
-    again = load_file(tmp_path / "again" / "model.safetensors")
-    assert sorted(again) == sorted(original)
-    for k, v in original.items():
-        assert torch.equal(again[k], v), k
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again").eval()
-    reloaded.set_attn_implementation(backends[-1])
-    with torch.no_grad():
-        assert (reloaded(idx).logits - ref).abs().max().item() == 0.0
+    architecture = "LlamaForCausalLM" if kind == "mistral-v0.3" else type(theirs).__name__
+    hf_export_same_files(tmp_path, architecture, idx, ref, attention=backends[-1])
 
 
 @pytest.mark.parametrize("rope", ["linear", "dynamic", "yarn-mscale"])
@@ -177,18 +135,8 @@ def test_rope_scalings_match_transformers(rope):
         },
     }[rope]
     mpe = 16 if rope == "dynamic" else T
-    cfg = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=mpe,
-        rope_parameters={"rope_theta": 500.0, **params},
-        bos_token_id=None,
-        eos_token_id=None,
-    )
+    # (hf_common's rms_norm_eps and pad_token_id are LlamaConfig's defaults)
+    cfg = transformers.LlamaConfig(**hf_common(V, mpe, rope_parameters={"rope_theta": 500.0, **params}))
     torch.manual_seed(0)
     theirs = transformers.LlamaForCausalLM(cfg).eval()
     ours = hf.from_transformers(theirs)

@@ -6,53 +6,29 @@ import threading
 
 import pytest
 import torch
+from conftest import greedy_gpt
 
 from gptkit.errors import GptkitError
 from gptkit.inference.batcher import Batcher, Job, SamplingParams, generate_many
 from gptkit.inference.engine import Engine, QueueFull
 from gptkit.inference.generate import generate
 from gptkit.inference.sampling import SampleOptions
-from gptkit.model import GPT, ModelConfig
+from gptkit.model import GPT
 
+# RoPE, GQA, SwiGLU, RMSNorm, no biases
+GQA = dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False)
 VARIANTS = {
-    "rope-gqa": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False),
+    "rope-gqa": GQA,
     "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
     # a local layer (a window of 5) beside a global one: the decode mask narrows per layer (mask_for)
-    "rope-window": dict(
-        position="rope",
-        n_kv_heads=2,
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
-        sliding_window=5,
-        layer_types=["local", "global"],
-    ),
+    "rope-window": dict(GQA, sliding_window=5, layer_types=["local", "global"]),
     # routing has no capacity: a token's experts do not depend on what shares its batch
-    "rope-moe": dict(
-        position="rope",
-        n_kv_heads=2,
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
-        moe=dict(n_experts=4, top_k=2),
-    ),
+    "rope-moe": dict(GQA, moe=dict(n_experts=4, top_k=2)),
 }
 
 
 def tiny(variant: str = "rope-gqa", max_seq_len: int = 48) -> GPT:
-    torch.manual_seed(0)
-    # init_std 0.3: logits far apart (as in test_generate), so greedy never meets a near-tie
-    cfg = ModelConfig(
-        vocab_size=61,
-        max_seq_len=max_seq_len,
-        n_layers=2,
-        n_heads=4,
-        d_model=32,
-        init_std=0.3,
-        tie_embeddings=False,
-        **VARIANTS[variant],
-    )
-    return GPT(cfg).eval()
+    return greedy_gpt(max_seq_len, **VARIANTS[variant])
 
 
 def prompts(k: int, seed: int = 1) -> list[list[int]]:

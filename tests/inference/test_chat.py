@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import run_main
+from conftest import TINY_LLAMA, run_main
 
 from gptkit import chat_templates as templates
 from gptkit.errors import GptkitError
@@ -16,20 +16,9 @@ from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_run, write_run_folder
 from gptkit.tokenizer import byte_tokenizer
 
-TINY = dict(
-    max_seq_len=96,
-    n_layers=1,
-    n_heads=2,
-    n_kv_heads=1,
-    d_model=32,
-    d_ff=64,
-    position="rope",
-    mlp="swiglu",
-    norm="rmsnorm",
-    bias=False,
-    tie_embeddings=False,
-    qk_norm="head",
-)
+# 1 layer of 2 heads (1 of keys and values)
+TINY = TINY_LLAMA | dict(n_layers=1, n_heads=2, n_kv_heads=1)
+TINY |= dict(max_seq_len=96, d_ff=64, tie_embeddings=False, qk_norm="head")
 
 
 @pytest.fixture(scope="module")

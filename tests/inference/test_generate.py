@@ -2,10 +2,11 @@
 
 import pytest
 import torch
+from conftest import greedy_gpt
 
 from gptkit.inference.generate import generate
 from gptkit.inference.sampling import SampleOptions, TextStream, sample_next
-from gptkit.model import GPT, KVCache, ModelConfig
+from gptkit.model import GPT, KVCache
 
 VARIANTS = {
     "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
@@ -16,20 +17,8 @@ VARIANTS = {
 
 
 def tiny_gpt(variant: str, max_seq_len: int = 32, attention: str = "sdpa", seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    # init_std 0.3: logits far apart, so greedy choices are never near-ties between the two paths
-    cfg = ModelConfig(
-        vocab_size=61,
-        max_seq_len=max_seq_len,
-        n_layers=2,
-        n_heads=4,
-        d_model=32,
-        attention=attention,
-        init_std=0.3,
-        tie_embeddings=False,
-        **VARIANTS[variant],
-    )
-    return GPT(cfg).eval()
+    # STATIC_VARIANTS: VARIANTS and two more
+    return greedy_gpt(max_seq_len, seed, attention=attention, **STATIC_VARIANTS[variant])
 
 
 PROMPT = [3, 14, 15, 9, 2, 6]
@@ -293,19 +282,7 @@ STATIC_VARIANTS = {
 
 
 def static_gpt(variant: str, max_seq_len: int = 32, seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    cfg = ModelConfig(
-        vocab_size=61,
-        max_seq_len=max_seq_len,
-        n_layers=2,
-        n_heads=4,
-        d_model=32,
-        attention="sdpa",
-        init_std=0.3,
-        tie_embeddings=False,
-        **STATIC_VARIANTS[variant],
-    )
-    return GPT(cfg).eval()
+    return tiny_gpt(variant, max_seq_len, "sdpa", seed)
 
 
 def both(model, mode="static", **opts):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from conftest import one_line_error, run_cli
+from conftest import TINY_LLAMA, one_line_error, run_cli
 from torch.utils.flop_counter import FlopCounterMode
 
 from gptkit import accounting as acc
@@ -24,20 +24,8 @@ V = 48
 
 def tiny(**moe) -> ModelConfig:
     """A 2-layer model, d_model 32, every layer 4 experts of width 24 (top-2) unless `moe` says otherwise."""
-    return ModelConfig(
-        vocab_size=V,
-        max_seq_len=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_model=32,
-        position="rope",
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
-        tie_embeddings=False,
-        moe={"n_experts": 4, "top_k": 2, "d_expert": 24, **moe},
-    )
+    moe = {"n_experts": 4, "top_k": 2, "d_expert": 24, **moe}
+    return ModelConfig(**TINY_LLAMA, vocab_size=V, max_seq_len=32, tie_embeddings=False, moe=moe)
 
 
 def perturbed(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:

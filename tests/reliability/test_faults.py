@@ -5,7 +5,6 @@ A kill is injected with GPTKIT_FAULT=<point>@<n> (gptkit/faults.py): the process
 n-th time it passes that write point, exactly as `kill -9` at that moment would.
 """
 
-import csv
 import os
 import signal
 import subprocess
@@ -15,49 +14,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import HANG_S, make_run, run_cli, run_main, shakespeare, wait_for
+from conftest import (
+    HANG_S,
+    make_run,
+    module_corpus,
+    run_cli,
+    run_main,
+    shakespeare,
+    tiny_run,
+    trained,
+    wait_for,
+)
+from conftest import timeless_rows as rows
 
 from gptkit.errors import GptkitError
 
 STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("corpus") / "shakespeare-30k.txt"
-    p.write_text(shakespeare(30_000))
-    return p
+corpus = module_corpus(30_000)
 
 
 def tiny(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "trainer.batch_size=4",
-        f"trainer.max_steps={STEPS}",
-        "trainer.val_every=3",
-        "trainer.val_windows=4",
-        "trainer.checkpoint_every=3",
-        "trainer.keep_checkpoints=2",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "optim.warmup_steps=2",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
-
-
-def rows(run: Path) -> list[dict]:
-    """metrics.csv's rows without the timings (perf/*), which differ from run to run."""
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+    return tiny_run(corpus, runs, name, *extra, steps=STEPS, keep=2)
 
 
 def leftovers(run: Path) -> list[str]:
@@ -67,9 +46,7 @@ def leftovers(run: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("ref")
-    r = run_cli("train", *tiny(corpus, runs, "ref"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return runs / "ref"
+    return trained(tiny(corpus, runs, "ref"), runs / "ref")
 
 
 def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference):

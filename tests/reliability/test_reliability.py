@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, make_run, one_line, run_main
+from conftest import HANG_S, make_run, one_line, run_main, tiny_model, tiny_run
 
 from gptkit.errors import GptkitError
 
@@ -223,16 +223,14 @@ def test_a_missing_preset_is_one_line_exit_2_and_writes_nothing(tmp_path, capsys
 
 
 # ---- item 5: Ctrl-C during the final validation saves, stops, exits 130; resume finishes the validation ----
-def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tmp_path):
+def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(corpus, tmp_path):
     import subprocess
     import sys
 
-    from conftest import run_cli, shakespeare
+    from conftest import run_cli
 
     from gptkit.checkpoints import checkpoint_step
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare(20_000))
     script = tmp_path / "ctrl_c_in_final_validation.py"
     script.write_text(
         "import os, signal, sys\n"
@@ -246,25 +244,7 @@ def test_ctrl_c_during_the_final_validation_keeps_the_last_step_and_exits_130(tm
         "from gptkit.cli import main\n"
         "sys.exit(main())\n"
     )
-    args = [
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "trainer.batch_size=4",
-        "trainer.max_steps=5",
-        "trainer.val_every=2",
-        "trainer.val_windows=4",
-        "trainer.checkpoint_every=2",
-        "trainer.progress=false",
-        "trainer.log_every=1",
-        f"runs_dir={tmp_path}",
-        "name=r",
-    ]
+    args = tiny_run(corpus, tmp_path, "r", steps=5, val_every=2, warmup=None)
     env = dict(os.environ)
     env.pop("GPTKIT_VERB", None)
     r = subprocess.run(
@@ -335,11 +315,7 @@ def test_a_run_too_large_for_the_host_is_refused_before_the_model_is_built(tmp_p
     code, _, err = run_main(
         capsys,
         "train",
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
+        *tiny_model(),
         "tokenizer=char",
         "trainer.batch_size=100000",
         "trainer.accelerator=cpu",

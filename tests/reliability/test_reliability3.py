@@ -5,34 +5,12 @@ import csv
 import re
 from pathlib import Path
 
-from conftest import HANG_S, run_main, shakespeare
+from conftest import HANG_S, run_main, tiny_run, write_corpus
 
 
 def tiny(tmp_path: Path, *extra: str) -> list[str]:
-    corpus = tmp_path / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text(shakespeare(20_000))
-    return [
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "trainer.batch_size=4",
-        "trainer.max_steps=7",
-        "trainer.val_every=3",
-        "trainer.val_windows=2",
-        "trainer.checkpoint_every=3",
-        "trainer.keep_checkpoints=5",
-        "trainer.log_every=2",
-        "trainer.progress=lines",
-        "optim.warmup_steps=1",
-        f"runs_dir={tmp_path / 'runs'}",
-        *extra,
-    ]
+    keys = dict(steps=7, val_windows=2, keep=5, log_every=2, progress="lines", warmup=1)
+    return tiny_run(write_corpus(tmp_path), tmp_path / "runs", None, *extra, **keys)
 
 
 def metric_steps(run: Path, key: str) -> list[int]:

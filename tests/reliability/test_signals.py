@@ -5,7 +5,6 @@ uninterrupted run. A prepare says "interrupted" once, without a worker's traceba
 The signal is sent from inside the process (a patched hook), at a known point of the run: no sleeps.
 """
 
-import csv
 import json
 import os
 import subprocess
@@ -14,7 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, run_cli, shakespeare
+from conftest import HANG_S, module_corpus, run_cli, tiny_run, trained
+from conftest import timeless_rows as rows
 
 STEPS = 6
 
@@ -47,41 +47,11 @@ sys.exit(main())
 """
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("corpus") / "shakespeare-20k.txt"
-    p.write_text(shakespeare(20_000))
-    return p
+corpus = module_corpus(20_000)
 
 
 def tiny(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "trainer.batch_size=4",
-        f"trainer.max_steps={STEPS}",
-        "trainer.val_every=2",
-        "trainer.val_windows=4",
-        "trainer.checkpoint_every=2",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "optim.warmup_steps=2",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
-
-
-def rows(run: Path) -> list[dict]:
-    """metrics.csv's rows without the timings (perf/*), which differ from run to run."""
-    with open(run / "metrics.csv", newline="") as f:
-        return [{k: v for k, v in r.items() if not k.startswith("perf/")} for r in csv.DictReader(f)]
+    return tiny_run(corpus, runs, name, *extra, steps=STEPS, val_every=2)
 
 
 def weights(run: Path) -> dict:
@@ -91,9 +61,7 @@ def weights(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(corpus, tmp_path_factory) -> Path:
     runs = tmp_path_factory.mktemp("ref")
-    r = run_cli("train", *tiny(corpus, runs, "ref"))
-    assert r.returncode == 0, r.stderr[-3000:]
-    return runs / "ref"
+    return trained(tiny(corpus, runs, "ref"), runs / "ref")
 
 
 def signalled(tmp_path: Path, argv: list[str], **env: str) -> subprocess.CompletedProcess:

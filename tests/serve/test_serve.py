@@ -12,7 +12,7 @@ import threading
 
 import pytest
 import torch
-from conftest import HANG_S, wait_for
+from conftest import HANG_S, TINY_LLAMA, wait_for
 
 from gptkit import chat_templates as templates
 from gptkit.inference.generate import ChatSession, encode_prompt, generate, special_token_ids
@@ -37,19 +37,7 @@ def chat_run(root):
     tok = byte_tokenizer(["<|endoftext|>"])
     t = templates.resolve_template("chatml", None)
     templates.add_special_tokens(tok, t)
-    cfg = ModelConfig(
-        vocab_size=tok.get_vocab_size(),
-        max_seq_len=CONTEXT,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_model=32,
-        position="rope",
-        mlp="swiglu",
-        norm="rmsnorm",
-        bias=False,
-        init_std=0.3,
-    )
+    cfg = ModelConfig(**TINY_LLAMA, vocab_size=tok.get_vocab_size(), max_seq_len=CONTEXT, init_std=0.3)
     run = write_run_folder(
         root / "tiny-chat", {"tokenizer": {"eos_token": "<|endoftext|>"}}, GPT(cfg).eval(), tok
     )

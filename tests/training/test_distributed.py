@@ -13,46 +13,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, run_cli, run_group, shakespeare
+from conftest import HANG_S, module_corpus, run_cli, run_group, tiny_run
 
 STEPS = 6
 # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
 TOL = 1e-5
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("corpus") / "shakespeare-40k.txt"
-    p.write_text(shakespeare(40_000))
-    return p
+corpus = module_corpus(40_000)
 
 
 def args(corpus: Path, runs: Path, name: str, world: int, *extra: str) -> list[str]:
     """The same global batch (4 sequences) whatever the world size: per-device batch = 4 / world."""
-    return [
-        "model=gpt2-tiny",
-        "model.n_layers=2",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "model.dropout=0.0",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        f"trainer.batch_size={4 // world}",
-        f"trainer.max_steps={STEPS}",
-        "trainer.val_every=4",
-        "trainer.val_windows=5",
-        "trainer.checkpoint_every=2",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "trainer.accelerator=cpu",
-        "optim.warmup_steps=2",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    keys = dict(layers=2, dropout=0.0, val_fraction=0.1, batch_size=4 // world, steps=STEPS, val_every=4)
+    return tiny_run(corpus, runs, name, *extra, **keys, val_windows=5, checkpoint_every=2, accelerator="cpu")
 
 
 def train(*argv: str, timeout: float = HANG_S) -> subprocess.CompletedProcess:

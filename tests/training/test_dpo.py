@@ -3,13 +3,12 @@ template and masked to their answers, bad input is one line, and a run trains ag
 logs its rewards, resumes bit-exactly and follows the same trajectory on 2 processes (DDP, then FSDP2).
 """
 
-import csv
-import json
 import math
 
 import pytest
 import torch
-from conftest import run_group, run_main
+from conftest import estimate_plan, from_sft, run_group, run_main, sft_start, write_jsonl
+from conftest import rows_by_step as rows_of
 
 import gptkit
 from gptkit import chat_templates as templates
@@ -88,11 +87,6 @@ def test_bad_dpo_settings_are_one_line(dpo, message):
 
 
 # ---- data -----------------------------------------------------------------------------------
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 PAIR = {"prompt": "upper ab", "chosen": "AB", "rejected": "AC"}
 CHAT = {
     "messages": [
@@ -234,30 +228,7 @@ def dpo_data(tmp_path_factory):
     rows = pairs(40)
     sft = write_jsonl(root / "sft.jsonl", [{"prompt": r["prompt"], "response": r["chosen"]} for r in rows])
     write_jsonl(root / "pairs.jsonl", rows)
-    gptkit.train(
-        [
-            "model=llama-tiny",
-            "model.n_layers=1",
-            "model.d_model=32",
-            "model.n_heads=2",
-            "model.n_kv_heads=1",
-            "model.d_ff=64",
-            "model.max_seq_len=48",
-            "model.dropout=0.0",
-            "tokenizer=byte",
-            "data=chat",
-            f"data.paths=[{sft}]",
-            "data.template=chatml",
-            "trainer.batch_size=4",
-            "trainer.max_steps=2",
-            "trainer.val_every=2",
-            "trainer.val_windows=2",
-            "trainer.progress=false",
-            "trainer.accelerator=cpu",
-            f"runs_dir={root}",
-            "name=sft",
-        ]
-    )
+    sft_start(root, sft, seq_len=48)
     return root
 
 
@@ -269,26 +240,8 @@ def dpo_args(root, name, world=1, *extra):
         "data=preference",
         f"data.paths=[{root / 'pairs.jsonl'}]",
         "dpo.beta=0.5",
-        f"trainer.batch_size={4 // world}",
-        "trainer.max_steps=6",
-        "trainer.val_every=3",
-        # odd: on 2 ranks DistributedSampler repeats a pair (counted once)
-        "trainer.val_windows=3",
-        "trainer.log_every=1",
-        "trainer.checkpoint_every=3",
-        "trainer.progress=false",
-        "trainer.accelerator=cpu",
-        "optim.lr=1e-2",
-        "optim.warmup_steps=1",
-        f"runs_dir={root}",
-        f"name={name}",
-        *extra,
+        *from_sft(root, name, world, *extra),
     ]
-
-
-def rows_of(run):
-    with open(run / "metrics.csv", newline="") as f:
-        return {int(r["step"]): r for r in csv.DictReader(f)}
 
 
 @pytest.fixture(scope="module")
@@ -542,20 +495,10 @@ def test_the_memory_estimate_counts_both_sequences_of_a_pair_and_the_reference()
     from types import SimpleNamespace
 
     from gptkit.model import ModelConfig
-    from gptkit.precision import precision
     from gptkit.training.memory import cpu_out_of_memory, estimate
 
     cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, d_model=32)
-    plan = SimpleNamespace(
-        model=cfg,
-        precision=precision("32-true"),
-        shards=1,
-        batch_size=2,
-        seq_len=16,
-        trainer=SimpleNamespace(activation_checkpointing=False),
-        lora=None,
-        objective="lm",
-    )
+    plan = estimate_plan(cfg, objective="lm")
     lm = estimate(plan)
     dpo = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo"}))
     assert dpo["reference"] == lm["weights"] and dpo["activations"] > lm["activations"]

@@ -5,13 +5,12 @@ kill -9 mid-step to the same rows and weights, follows one process on 2 (FSDP2, 
 (the reference its adapters off), Muon and task evals.
 """
 
-import csv
-import json
 import math
 
 import pytest
 import torch
-from conftest import run_cli, run_group, run_main
+from conftest import from_sft, run_cli, run_group, run_main, sft_start, write_jsonl
+from conftest import rows_by_step as rows_of
 
 import gptkit
 from gptkit.errors import ConfigError, GptkitError
@@ -349,11 +348,6 @@ def test_a_dotted_reward_module_is_announced_before_its_package_runs(tmp_path, m
 
 
 # ---- training -------------------------------------------------------------------------------------------
-def write_jsonl(path, records):
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
 REWARD = (
     "def upper(prompt, completion, row):\n"
     "    return sum(c.isupper() for c in completion) / max(1, len(completion))\n"
@@ -373,30 +367,7 @@ def start(tmp_path_factory):
     sft = write_jsonl(root / "sft.jsonl", [{"prompt": r["prompt"], "response": r["answer"]} for r in rows])
     write_jsonl(root / "prompts.jsonl", rows)
     (root / "rw.py").write_text(REWARD)
-    gptkit.train(
-        [
-            "model=llama-tiny",
-            "model.n_layers=1",
-            "model.d_model=32",
-            "model.n_heads=2",
-            "model.n_kv_heads=1",
-            "model.d_ff=64",
-            "model.max_seq_len=40",
-            "model.dropout=0.0",
-            "tokenizer=byte",
-            "data=chat",
-            f"data.paths=[{sft}]",
-            "data.template=chatml",
-            "trainer.batch_size=4",
-            "trainer.max_steps=2",
-            "trainer.val_every=2",
-            "trainer.val_windows=2",
-            "trainer.progress=false",
-            "trainer.accelerator=cpu",
-            f"runs_dir={root}",
-            "name=sft",
-        ]
-    )
+    sft_start(root, sft, seq_len=40)
     return root
 
 
@@ -413,26 +384,8 @@ def grpo_args(root, name, world=1, *extra):
         "grpo.max_new_tokens=8",
         "grpo.beta=0.1",
         "grpo.iterations=2",
-        f"trainer.batch_size={4 // world}",
-        "trainer.max_steps=6",
-        "trainer.val_every=3",
-        # odd: on 2 ranks DistributedSampler repeats a prompt (counted once)
-        "trainer.val_windows=3",
-        "trainer.log_every=1",
-        "trainer.checkpoint_every=3",
-        "trainer.progress=false",
-        "trainer.accelerator=cpu",
-        "optim.lr=1e-2",
-        "optim.warmup_steps=1",
-        f"runs_dir={root}",
-        f"name={name}",
-        *extra,
+        *from_sft(root, name, world, *extra),
     ]
-
-
-def rows_of(run):
-    with open(run / "metrics.csv", newline="") as f:
-        return {int(r["step"]): r for r in csv.DictReader(f)}
 
 
 # what a resumed or distributed run must reproduce (the timings may differ)

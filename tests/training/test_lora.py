@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, make_run, run_main
+from conftest import (
+    HANG_S,
+    TWO_CPU_RANKS,
+    estimate_plan,
+    exports,
+    finetune_args,
+    finetune_base,
+    make_run,
+    resume_on_one_process,
+    run_main,
+)
+from conftest import run_group as process_group
 
 from gptkit.adapters import CHECKPOINT_KEY, check_lora, is_adapter_key
 from gptkit.errors import ConfigError
@@ -136,37 +147,11 @@ def test_bad_lora_settings_are_one_config_error(style, lora, needle):
 # ---- training through the CLI (in process) --------------------------------------------------------------
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A run folder holding a tiny Llama-style model (the frozen base) and its corpus."""
-    tmp = tmp_path_factory.mktemp("base")
-    run, model, _ = make_run(tmp, max_seq_len=32)
-    return run, tmp / "corpus.txt"
+    return finetune_base(tmp_path_factory, "base")
 
 
 def lora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
-    run, corpus = base
-    return [
-        "train",
-        f"init_from={run}",
-        "finetune=lora",
-        "lora.targets=[q,k,v,o,gate,up,down]",
-        "lora.rank=4",
-        "lora.dropout=0.1",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        "trainer.max_steps=4",
-        "trainer.val_every=2",
-        "trainer.val_windows=2",
-        "trainer.checkpoint_every=2",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "trainer.threads=1",
-        "optim.warmup_steps=1",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    return finetune_args(base, runs, name, *extra, lora_dropout=0.1)
 
 
 def rows(run: Path) -> dict[int, dict[str, str]]:
@@ -262,13 +247,12 @@ def test_export_merges_and_writes_a_peft_adapter_that_peft_loads(tmp_path, capsy
 
     base_run, _, _ = make_run(tmp_path, position=position, max_seq_len=32)
     run, unmerged = lora_run_by_hand(base_run, tmp_path / "lora-run", targets)
-    for args in (
+    out = exports(
+        capsys,
         [f"run={base_run}", f"out={tmp_path / 'hf-base'}"],
         [f"run={run}", f"out={tmp_path / 'hf-merged'}"],
         [f"run={run}", f"out={tmp_path / 'hf-adapter'}", "adapters=true"],
-    ):
-        code, out, err = run_main(capsys, "export", *args)
-        assert code == 0, err
+    )
     assert "exported the LoRA adapters" in out and "adapter_model.safetensors" in out
     # the adapters' own parameters (a Llama-style model's PEFT file holds exactly those)
     trained = sum(v.numel() for k, v in unmerged.state_dict().items() if is_adapter_key(k))
@@ -362,32 +346,10 @@ def test_resume_keeps_finetune_and_the_adapters_shape(base, tmp_path, capsys):
 
 
 def run_group(*argv: str, timeout: float = HANG_S):
-    """`python -m gptkit ...` in its own session; on timeout or error the group (every rank) is killed."""
-    import os
-    import signal
-    import subprocess
-    import sys
-
-    env = dict(os.environ)
-    env.pop("GPTKIT_VERB", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "gptkit", *argv],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-    assert proc.returncode == 0, err[-3000:]
-    return err
+    """`python -m gptkit ...` in its own session (conftest's run_group); its stderr, once it succeeded."""
+    r = process_group("-m", "gptkit", *argv, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stderr
 
 
 def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
@@ -401,7 +363,7 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     want = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
     # the loss moves: equal trajectories are no coincidence
     assert len(set(want.values())) == 4
-    two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+    two = TWO_CPU_RANKS
     run_group(*lora_args(base, runs, "ddp", *common, "trainer=ddp", *two))
     err = run_group(
         *lora_args(
@@ -418,15 +380,7 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     assert "start on the meta device" in err
     sharded = runs / "fsdp" / "checkpoints" / "step-000002.ckpt"
     assert (sharded / ".metadata").is_file()
-    code, _, err = run_main(
-        capsys,
-        "train",
-        f"resume={runs / 'fsdp'}",
-        "trainer.devices=1",
-        "trainer.batch_size=4",
-        "trainer.progress=false",
-    )
-    assert code == 0, err
+    resume_on_one_process(capsys, runs / "fsdp")
     for name in ("ddp", "fsdp"):
         got = {s: float(r["train/loss"]) for s, r in rows(runs / name).items() if r.get("train/loss")}
         assert got.keys() == want.keys(), (name, got)
@@ -468,7 +422,7 @@ def test_muon_trains_the_adapter_factors_resumes_exactly_and_shards_under_fsdp2(
     plain = ("lora.dropout=0.0", "trainer.max_steps=4", "trainer.checkpoint_every=2", *common)
     code, _, err = run_main(capsys, *lora_args(base, runs, "one", *plain))
     assert code == 0, err
-    two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+    two = TWO_CPU_RANKS
     run_group(
         *lora_args(
             base,
@@ -481,15 +435,7 @@ def test_muon_trains_the_adapter_factors_resumes_exactly_and_shards_under_fsdp2(
             *two,
         ),
     )
-    code, _, err = run_main(
-        capsys,
-        "train",
-        f"resume={runs / 'fsdp'}",
-        "trainer.devices=1",
-        "trainer.batch_size=4",
-        "trainer.progress=false",
-    )
-    assert code == 0, err
+    resume_on_one_process(capsys, runs / "fsdp")
     one = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
     got = {s: float(r["train/loss"]) for s, r in rows(runs / "fsdp").items() if r.get("train/loss")}
     assert got.keys() == one.keys() and len(set(one.values())) == 4
@@ -557,19 +503,10 @@ def test_the_memory_estimate_counts_gradients_and_adam_of_the_adapters_only():
     """check_host_memory must not refuse a LoRA run for the full fine-tune's gradients and AdamW moments."""
     from types import SimpleNamespace
 
-    from gptkit.precision import precision
     from gptkit.training.memory import estimate
 
     model = tiny(LLAMA)
-    plan = SimpleNamespace(
-        model=model.cfg,
-        precision=precision("32-true"),
-        shards=1,
-        batch_size=2,
-        seq_len=16,
-        trainer=SimpleNamespace(activation_checkpointing=False),
-        lora=None,
-    )
+    plan = estimate_plan(model.cfg)
     full = estimate(plan)
     lora = estimate(SimpleNamespace(**{**vars(plan), "lora": settings()}))
     k = apply_lora(model, settings())

@@ -1,23 +1,13 @@
 """The LightningModule's training decisions applied to the pure model: activation checkpointing."""
 
 import torch
+from conftest import TINY_LLAMA
 
 from gptkit.model import GPT, ModelConfig
 from gptkit.training.module import apply_activation_checkpointing
 
-CFG = ModelConfig(
-    vocab_size=64,
-    max_seq_len=16,
-    n_layers=3,
-    n_heads=4,
-    n_kv_heads=2,
-    d_model=32,
-    position="rope",
-    mlp="swiglu",
-    norm="rmsnorm",
-    bias=False,
-    attention="eager",
-)
+# 3 layers
+CFG = ModelConfig(**(TINY_LLAMA | dict(n_layers=3)), vocab_size=64, max_seq_len=16, attention="eager")
 
 
 def _saved_tensors(model, x, y) -> int:

@@ -3,11 +3,10 @@ loss, the per-layer max load and router entropy in metrics.csv and on the progre
 every step, is in the checkpoint and resumes bit for bit; accumulation equals one big batch (the aux loss and
 the bias update see the whole step); FLOPs count the active parameters, the memory estimate every one."""
 
-import csv
-
 import pytest
 import torch
-from conftest import run_group, run_main, shakespeare
+from conftest import module_corpus, run_group, run_main, tiny_run
+from conftest import rows_by_step as rows
 
 import gptkit
 from gptkit import accounting as acc
@@ -18,47 +17,19 @@ from gptkit.training.moe import RouterWatch, progress_parts
 STEPS = 6
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    p = tmp_path_factory.mktemp("corpus") / "shakespeare-30k.txt"
-    p.write_text(shakespeare(30_000))
-    return p
+corpus = module_corpus(30_000)
 
 
 def moe_args(corpus, runs, name, *extra):
     """moe-tiny shrunk: 2 layers of 4 experts (top-2) of width 24, d_model 32, the expert bias on."""
-    return [
-        "model=moe-tiny",
-        "model.n_layers=2",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
+    keys = dict(model="moe-tiny", layers=2, val_fraction=0.1, steps=STEPS, accelerator="cpu")
+    experts = [
         "model.moe.n_experts=4",
         "model.moe.d_expert=24",
         "model.moe.bias_update_rate=0.01",
         "model.moe.z_loss_coef=0.001",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        f"trainer.max_steps={STEPS}",
-        "trainer.val_every=3",
-        "trainer.val_windows=4",
-        "trainer.checkpoint_every=3",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "trainer.accelerator=cpu",
-        "optim.warmup_steps=2",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
     ]
-
-
-def rows(run):
-    with open(run / "metrics.csv", newline="") as f:
-        return {int(r["step"]): r for r in csv.DictReader(f)}
+    return tiny_run(corpus, runs, name, *experts, *extra, **keys)
 
 
 def biases(run, name="last.ckpt"):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S
+from conftest import tiny_model, tiny_run
 from omegaconf import OmegaConf
 
 from gptkit.conf_tree import compose
@@ -371,13 +371,7 @@ def fit(prepared, tmp_path, steps=3, batch=BATCH, peak=None, **trainer):
         "train",
         [
             "optim=muon",
-            "model=llama-tiny",
-            "model.n_layers=1",
-            "model.d_model=32",
-            "model.n_heads=2",
-            "model.n_kv_heads=1",
-            "model.d_ff=64",
-            f"model.max_seq_len={SEQ}",
+            *tiny_model(model="llama-tiny", kv_heads=1, d_ff=64, seq_len=SEQ),
             "model.vocab_size=256",
             f"trainer.batch_size={batch}",
             "trainer.progress=off",
@@ -447,41 +441,15 @@ def test_gradient_accumulation_steps_once_on_the_mean_gradient(prepared, tmp_pat
 
 # ---- through the CLI (in process): the start-up line, an exact resume, init_from= --------------------------
 def cli_args(corpus, runs, name, *extra):
-    return [
-        "train",
-        "optim=muon",
-        "model=llama-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.n_kv_heads=1",
-        "model.d_ff=64",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "trainer.batch_size=4",
-        "trainer.max_steps=6",
-        "trainer.val_every=3",
-        "trainer.val_windows=4",
-        "trainer.checkpoint_every=3",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "trainer.threads=1",
-        "optim.warmup_steps=1",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    keys = dict(model="llama-tiny", kv_heads=1, d_ff=64, steps=6, threads=1, warmup=1)
+    return ["train", "optim=muon", *tiny_run(corpus, runs, name, *extra, **keys)]
 
 
-def test_muon_run_announces_its_groups_resumes_bit_identically_and_fine_tunes(capsys, tmp_path):
+def test_muon_run_announces_its_groups_resumes_bit_identically_and_fine_tunes(capsys, corpus, tmp_path):
     import csv
 
-    from conftest import run_main, shakespeare
+    from conftest import run_main
 
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(shakespeare(20_000))
     code, _, err = run_main(capsys, *cli_args(corpus, tmp_path, "straight"))
     assert code == 0, err[-3000:]
     line = next(x for x in err.splitlines() if "Muon (torch.optim.Muon" in x)
@@ -532,40 +500,11 @@ def test_ddp_and_fsdp2_match_one_process(tmp_path):
     """2 gloo processes against one: FSDP2 (Newton-Schulz shared out by matrix) = FSDP2 (every matrix
     gathered on every rank) = DDP, bit for bit, in both dtypes; with optim.muon.ns_dtype=float32 they are one
     process's weights to 1e-6 after 3 steps."""
-    import os
-    import subprocess
-    import sys
 
     import muon_distributed as w
-    from conftest import REPO
+    from conftest import run_two_ranks
 
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
-    ranks = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                str(REPO / "tests/training/muon_distributed.py"),
-                str(r),
-                "2",
-                str(tmp_path / "init"),
-                str(tmp_path),
-            ],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        errors = [p.communicate(timeout=HANG_S)[1] for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-    assert [p.returncode for p in ranks] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    run_two_ranks("muon_distributed.py", tmp_path)
     for ns_dtype in w.NS_DTYPES:
         # one process, the whole batch
         model, opt = w.model_and_optimizer(fsdp=False, ns_dtype=ns_dtype)

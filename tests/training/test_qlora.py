@@ -9,7 +9,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_run, one_line, run_group, run_main
+from conftest import (
+    TWO_CPU_RANKS,
+    exports,
+    finetune_args,
+    finetune_base,
+    one_line,
+    resume_on_one_process,
+    run_group,
+    run_main,
+)
 
 from gptkit import quant
 from gptkit.adapters import CHECKPOINT_KEY, is_adapter_key
@@ -21,36 +30,11 @@ pytest.importorskip("torchao", reason="the quant extra (torchao) is not installe
 
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
-    """A run folder holding a tiny Llama-style model (the frozen base) and its corpus."""
-    tmp = tmp_path_factory.mktemp("qbase")
-    run, _, _ = make_run(tmp, max_seq_len=32)
-    return run, tmp / "corpus.txt"
+    return finetune_base(tmp_path_factory, "qbase")
 
 
 def qlora_args(base, runs: Path, name: str, *extra: str) -> list[str]:
-    run, corpus = base
-    return [
-        "train",
-        f"init_from={run}",
-        "finetune=qlora",
-        "lora.targets=[q,k,v,o,gate,up,down]",
-        "lora.rank=4",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        "trainer.max_steps=4",
-        "trainer.val_every=4",
-        "trainer.val_windows=2",
-        "trainer.checkpoint_every=2",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "trainer.threads=1",
-        "optim.warmup_steps=1",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    return finetune_args(base, runs, name, *extra, finetune="qlora", val_every=4)
 
 
 def losses(run: Path) -> dict[int, float]:
@@ -144,13 +128,12 @@ def test_qlora_trains_resumes_exactly_and_exports_the_base_it_trained_on(base, t
     lora = {k: record[k] for k in ("rank", "alpha", "dropout", "targets")}
     unmerged = qlora_model(base[0], state, lora)
     on_full = qlora_model(base[0], state, lora, nf4=False)
-    for args in (
+    out = exports(
+        capsys,
         [f"run={runs / 'straight'}", f"out={tmp_path / 'merged'}"],
         [f"run={base[0]}", f"out={tmp_path / 'hf-base'}"],
         [f"run={runs / 'straight'}", f"out={tmp_path / 'adapter'}", "adapters=true"],
-    ):
-        code, out, err = run_main(capsys, "export", *args)
-        assert code == 0, err
+    )
     assert "they trained on the NF4-quantized base" in out
     x = torch.randint(0, unmerged.cfg.vocab_size, (2, 20))
     with torch.no_grad():
@@ -183,7 +166,7 @@ def test_qlora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     assert code == 0, err
     want = losses(runs / "one")
     assert len(set(want.values())) == 3
-    two = ("trainer.devices=2", "trainer.batch_size=2", "trainer.accelerator=cpu")
+    two = TWO_CPU_RANKS
     for name, extra in (
         ("ddp", ("trainer=ddp",)),
         ("fsdp", ("trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=1")),
@@ -191,15 +174,7 @@ def test_qlora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
         r = run_group("-m", "gptkit", *qlora_args(base, runs, name, *common, *extra, *two))
         assert r.returncode == 0, r.stderr[-3000:]
     assert (runs / "fsdp" / "checkpoints" / "step-000001.ckpt" / ".metadata").is_file()
-    code, _, err = run_main(
-        capsys,
-        "train",
-        f"resume={runs / 'fsdp'}",
-        "trainer.devices=1",
-        "trainer.batch_size=4",
-        "trainer.progress=false",
-    )
-    assert code == 0, err
+    resume_on_one_process(capsys, runs / "fsdp")
     for name in ("ddp", "fsdp"):
         got = losses(runs / name)
         assert got.keys() == want.keys(), (name, got)

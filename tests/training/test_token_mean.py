@@ -4,15 +4,12 @@ gradient of one batch of all of them; train/loss is the per-token mean of the st
 (most of it the two rank processes starting)."""
 
 import logging
-import os
-import subprocess
-import sys
 import warnings
 
 import lightning as L
 import token_mean_distributed as w
 import torch
-from conftest import HANG_S, REPO
+from conftest import run_two_ranks
 from omegaconf import OmegaConf
 from torch.utils.data import DataLoader
 
@@ -109,27 +106,7 @@ def test_accumulating_unequal_micro_batches_is_one_batch_of_both(tmp_path):
 
 
 def test_two_ranks_ddp_and_fsdp2_give_the_one_process_gradient(tmp_path):
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
-    }
-    script = str(REPO / "tests/training/token_mean_distributed.py")
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, script, str(r), "2", str(tmp_path / "init"), str(tmp_path)],
-            env=env,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(2)
-    ]
-    try:
-        errors = [p.communicate(timeout=HANG_S)[1] for p in ranks]
-    finally:
-        for p in ranks:
-            p.kill()
-    assert [p.returncode for p in ranks] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+    run_two_ranks("token_mean_distributed.py", tmp_path)
     want = w.reference_grads()
     for run in ("ddp", "fsdp"):
         got = torch.load(tmp_path / f"{run}.pt", weights_only=True)

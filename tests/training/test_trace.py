@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from conftest import run_main, shakespeare
+from conftest import run_main, shakespeare, tiny_run
 from omegaconf import OmegaConf
 
 from gptkit.commands.trace import trace
@@ -89,30 +89,10 @@ def test_trace_names_the_rows_a_run_drew_and_the_run_notes_spikes_profiles_and_m
         f"data.sources={{prose: {{kind: files, paths: [{corpus / 'a.txt'}, {corpus / 'b.txt'}], weight: 1}}, "
         f"records: {{kind: files, paths: [{corpus / 'c.jsonl'}], weight: 1}}}}"
     )
-    code, _, err = run_main(
-        capsys,
-        "train",
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "data=mix",
-        sources,
-        "trainer.batch_size=2",
-        "trainer.accumulate_grad_batches=2",
-        "trainer.max_steps=6",
-        "trainer.log_every=3",
-        "trainer.val_every=6",
-        "trainer.val_windows=2",
-        "trainer.checkpoint_every=6",
-        "trainer.spike_window=3",
-        "trainer.profile=2-3",
-        "trainer.progress=lines",
-        "trainer.threads=1",
-        f"runs_dir={runs}",
-        "name=traced",
-    )
+    extra = [sources, "trainer.accumulate_grad_batches=2", "trainer.spike_window=3", "trainer.profile=2-3"]
+    keys = dict(tokenizer=None, data="mix", batch_size=2, steps=6, val_every=6, val_windows=2, log_every=3)
+    args = tiny_run(None, runs, "traced", *extra, **keys, progress="lines", threads=1, warmup=None)
+    code, _, err = run_main(capsys, "train", *args)
     assert code == 0, err[-3000:]
     trained = err
     run = runs / "traced"

@@ -10,39 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, run_cli, shakespeare, wait_for
+from conftest import HANG_S, TINY_LLAMA, module_corpus, run_cli, shakespeare, tiny_run, wait_for
 
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    p = tmp_path_factory.mktemp("corpus") / "shakespeare-60k.txt"
-    p.write_text(shakespeare(60_000))
-    return p
+corpus = module_corpus(60_000)
 
 
 def tiny_args(corpus: Path, runs: Path, name: str, *extra: str) -> list[str]:
-    return [
-        "model=gpt2-tiny",
-        "model.n_layers=2",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        "trainer.max_steps=12",
-        "trainer.val_every=6",
-        "trainer.val_windows=8",
-        "trainer.checkpoint_every=6",
-        "trainer.log_every=1",
-        "trainer.progress=false",
-        "optim.warmup_steps=2",
-        f"runs_dir={runs}",
-        f"name={name}",
-        *extra,
-    ]
+    return tiny_run(corpus, runs, name, *extra, layers=2, val_fraction=0.1, val_every=6, val_windows=8)
 
 
 def train(corpus, runs, name, *extra, timeout=HANG_S):
@@ -307,21 +281,11 @@ def _source_run(corpus: Path, folder: Path) -> Path:
     tok_cfg = {"kind": "char", "special_tokens": [], "eos_token": None, "unk_token": None}
     tok = build_tokenizer(tok_cfg, texts=lambda: [corpus.read_text()])
     torch.manual_seed(3)
-    model = GPT(
-        ModelConfig(
-            vocab_size=tok.get_vocab_size(),
-            max_seq_len=32,
-            n_layers=2,
-            n_heads=2,
-            n_kv_heads=1,
-            d_model=32,
-            position="rope",
-            mlp="swiglu",
-            norm="rmsnorm",
-            bias=False,
-            name="src",
-        )
+    # 2 heads (1 of keys and values)
+    cfg = TINY_LLAMA | dict(
+        n_heads=2, n_kv_heads=1, vocab_size=tok.get_vocab_size(), max_seq_len=32, name="src"
     )
+    model = GPT(ModelConfig(**cfg))
     return write_run_folder(folder, {"tokenizer": tok_cfg}, model, tok)
 
 

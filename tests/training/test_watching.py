@@ -5,35 +5,12 @@ import csv
 import json
 from pathlib import Path
 
-from conftest import make_run, run_main, shakespeare
+from conftest import make_run, run_main, tiny_run, write_corpus
 
 
 def tiny(tmp_path: Path, name: str, *extra: str) -> list[str]:
-    corpus = tmp_path / "corpus.txt"
-    if not corpus.exists():
-        corpus.write_text(shakespeare(20_000))
-    return [
-        "model=gpt2-tiny",
-        "model.n_layers=1",
-        "model.d_model=32",
-        "model.n_heads=2",
-        "model.max_seq_len=32",
-        "tokenizer=char",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "data.val_fraction=0.1",
-        "trainer.batch_size=4",
-        "trainer.max_steps=6",
-        "trainer.val_every=3",
-        "trainer.val_windows=4",
-        "trainer.checkpoint_every=3",
-        "trainer.log_every=1",
-        "trainer.progress=lines",
-        "optim.warmup_steps=1",
-        f"runs_dir={tmp_path / 'runs'}",
-        f"name={name}",
-        *extra,
-    ]
+    keys = dict(val_fraction=0.1, steps=6, progress="lines", warmup=1)
+    return tiny_run(write_corpus(tmp_path), tmp_path / "runs", name, *extra, **keys)
 
 
 def rows(run: Path) -> list[dict]:
