@@ -166,6 +166,8 @@ def test_bench_sample_agrees_with_transformers(tmp_path, cli):
         "sample",
         "~bench.models",
         "+bench.models={g:{preset:gpt2-tiny,max_seq_len:64},l:{preset:llama-tiny,vocab_size:500}}",
+        # the decode tables only: parts=[quantize] is tests/inference/test_quantize.py's
+        "parts=[decode]",
         "batch_sizes=[1,3]",
         "new_tokens=6",
         "repeats=2",
@@ -184,6 +186,34 @@ def test_bench_sample_agrees_with_transformers(tmp_path, cli):
         assert row["read_roofline_tokens_per_s"] > 0 and row["gptkit_of_roofline"] > 0
     assert [c["context"] for c in res["context"]] == [8] and res["context"][0]["cache_ms"] > 0
     assert "read roofline" in r.stdout
+
+
+def test_bench_sample_quantize_holds_quantized_weights_against_the_full_model(tmp_path, cli):
+    """parts=[quantize] on a given run: the full model agrees with itself, int8 weights are smaller with a
+    perplexity close to it, and the agreement figures are written."""
+    pytest.importorskip("torchao")
+    run, _, _ = make_run(tmp_path)
+    out = tmp_path / "bench.json"
+    r = cli(
+        "bench",
+        "sample",
+        "parts=[quantize]",
+        f"quantize.run={run}",
+        "quantize.kinds=[int8]",
+        "quantize.prompts=2",
+        "quantize.prompt_tokens=8",
+        "quantize.new_tokens=8",
+        "quantize.eval_windows=4",
+        f"out={out}",
+    )
+    assert r.returncode == 0, r.stderr
+    rows = json.loads(out.read_text())["quantize"]["rows"]
+    assert set(rows) == {"full", "int8"}
+    assert rows["full"]["agreement"] == 1.0 and rows["int8"]["weights"] < rows["full"]["weights"]
+    full, int8 = rows["full"]["eval"]["perplexity"], rows["int8"]["eval"]["perplexity"]
+    # an untrained model: its greedy choices are near ties, so int8 may part from it early
+    assert abs(int8 / full - 1) < 0.05 and 0 <= rows["int8"]["agreement"] <= 1
+    assert 0 <= rows["int8"]["first_difference"] <= 8 == rows["full"]["first_difference"]
 
 
 def test_read_roofline_is_the_batch_over_the_time_to_read_a_step(monkeypatch):
