@@ -254,3 +254,37 @@ def test_train_init_from_hf_fine_tunes_a_mixture_with_its_router_figures(tmp_pat
     with open(tmp_path / "runs/ft/metrics.csv", newline="") as f:
         rows = [r for r in csv.DictReader(f) if r["train/loss"]]
     assert len(rows) == 2 and all(r["train/aux_loss"] and r["moe/entropy/1"] for r in rows)
+
+
+def test_mxfp4_reads_back_the_values_the_format_defines():
+    """OCP MX: E2M1 nibbles (low nibble first) times 2^(E8M0 scale - 127), in blocks of 32."""
+    from gptkit.hf.mxfp4 import dequantize_mxfp4
+
+    blocks = torch.zeros(1, 2, 16, dtype=torch.uint8)  # [rows, G, 16]
+    blocks[0, 0, 0] = 0x21  # 0.5 then 1.0
+    blocks[0, 0, 1] = 0x8F  # -6.0 then -0.0
+    blocks[0, 1, 15] = 0x7B  # -1.5 then 6.0 (the block's last two values)
+    scales = torch.tensor([[128, 125]], dtype=torch.uint8)  # x 2, x 1/4
+    out = dequantize_mxfp4(blocks, scales)  # [1, 64]
+    assert out.shape == (1, 64)
+    assert out[0, :4].tolist() == [1.0, 2.0, -12.0, -0.0] and torch.signbit(out[0, 3])
+    assert out[0, 62:].tolist() == [-0.375, 1.5] and out[0, 4:62].abs().sum() == 0
+
+
+def test_mxfp4_equals_transformers_reader_and_refuses_what_is_not_mxfp4():
+    from gptkit.hf.mxfp4 import dequantize_mxfp4
+
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (2, 6, 3, 16), generator=g, dtype=torch.uint8)  # [E, rows, G, 16]
+    scales = torch.randint(100, 140, (2, 6, 3), generator=g, dtype=torch.uint8)  # [E, rows, G]
+    theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, G * 32, rows]
+    assert torch.equal(dequantize_mxfp4(blocks, scales), theirs.transpose(1, 2))
+    for b, s, named in (
+        (blocks[..., :8], scales, r"blocks \(2, 6, 3, 8\) and scales \(2, 6, 3\) do not fit"),
+        (blocks, scales[..., :2], "do not fit"),
+        (blocks.to(torch.int32), scales, "must be uint8"),
+        (blocks, torch.full_like(scales, 0xFF), "0xFF, which E8M0 defines as NaN"),
+    ):
+        with pytest.raises(GptkitError, match=named):
+            dequantize_mxfp4(b, s, name="model.layers.0.mlp.experts.gate_up_proj")
