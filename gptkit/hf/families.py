@@ -13,6 +13,7 @@ from gptkit.hf.gemma import Gemma2, Gemma3
 from gptkit.hf.gpt2 import GPT2
 from gptkit.hf.llama import Llama, Mistral, Olmo2, Qwen2, Qwen3
 from gptkit.hf.moe import Mixtral, Olmoe, Qwen3Moe
+from gptkit.hf.olmo3 import Olmo3
 from gptkit.model.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (
@@ -23,6 +24,7 @@ FAMILIES: tuple[Family, ...] = (
     Gemma3(),
     Qwen2(),
     Qwen3(),
+    Olmo3(),
     Olmo2(),
     Mistral(),
     Llama(),

@@ -154,6 +154,8 @@ def preset(name: str) -> ModelConfig:
         "qwen2.5-0.5b",
         "qwen3-0.6b",
         "olmo2-1b",
+        "olmo3-7b",
+        "olmo3-tiny",
         "mistral-7b",
         "mistral-7b-v0.1",
         "gemma3-1b",

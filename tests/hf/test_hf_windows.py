@@ -1,8 +1,9 @@
 """Sliding windows and today's dense families against transformers: Mistral v0.1 (a window in every layer) and
 v0.3, Gemma 2 (alternating local/global, soft-capping, sandwich norms), Gemma 3's text model (5 local : 1
-global pattern, QK-norm, a RoPE per layer type, linear scaling on the global layers) and Qwen2 with YaRN and
-max_window_layers. Tiny random models built from their configs (no hub), every weight perturbed; fp32 logits
-at a length past the window and past the original context, greedy tokens, export bit for bit."""
+global pattern, QK-norm, a RoPE per layer type, linear scaling on the global layers), OLMo 3 (3 local : 1
+global, OLMo-2's layer, YaRN on the global layers only) and Qwen2 with YaRN and max_window_layers. Tiny
+random models built from their configs (no hub), every weight perturbed; fp32 logits at a length past the
+window and past the original context, greedy tokens, export bit for bit."""
 
 import pytest
 import torch
@@ -48,6 +49,21 @@ def hf_model(kind: str):
                 "sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
             },
         )
+    elif kind == "olmo3":
+        # three local layers and a global one; YaRN on the global layers only, the local ones plain
+        cfg = transformers.Olmo3Config(
+            **(common | {"num_hidden_layers": 4}),
+            sliding_window=W,
+            rope_parameters={
+                "full_attention": {
+                    "rope_type": "yarn",
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 10,
+                    "rope_theta": 1e4,
+                },
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+            },
+        )
     else:
         cfg = transformers.Qwen2Config(
             **common,
@@ -64,7 +80,7 @@ def hf_model(kind: str):
     return hf_perturbed(lambda: transformers.AutoModelForCausalLM.from_config(cfg))
 
 
-KINDS = ["mistral-v0.1", "mistral-v0.3", "gemma2", "gemma3", "qwen2-yarn"]
+KINDS = ["mistral-v0.1", "mistral-v0.3", "gemma2", "gemma3", "olmo3", "qwen2-yarn"]
 # what each family is in gptkit's fields
 WANT = {
     "mistral-v0.1": dict(sliding_window=W, layer_types=None, local_layers=[0, 1, 2]),
@@ -85,6 +101,23 @@ WANT = {
         rope_scaling={"type": "linear", "factor": 2.0},
         rope_local_theta=100.0,
         attn_softcap=None,
+    ),
+    "olmo3": dict(
+        qk_norm="full",
+        norm_placement="post",
+        layer_types=["local", "local", "local", "global"],
+        rope_local_theta=1e4,
+        rope_scaling=dict(
+            type="yarn",
+            factor=4.0,
+            original_max_seq_len=10,
+            beta_fast=32.0,
+            beta_slow=1.0,
+            attention_factor=None,
+            mscale=None,
+            mscale_all_dim=None,
+            truncate=True,
+        ),
     ),
     "qwen2-yarn": dict(qkv_bias=True, layer_types=["global", "local", "local"]),
 }
