@@ -151,9 +151,10 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     # a mixture: no biases; each expert a SwiGLU of width d_expert
     m = cfg.moe
     n_moe = len(cfg.moe_layers)
-    router = d * m.n_experts if m else 0
-    expert = 3 * d * m.d_expert if m else 0
-    experts, shared = (m.n_experts * expert, m.n_shared * expert) if m else (0, 0)
+    router = (d + int(m.router_bias)) * m.n_experts if m else 0
+    # an expert's three matrices (and, model.moe.expert_biases, its biases: gate and up, down)
+    expert = 3 * d * m.d_expert + int(m.expert_biases) * (2 * m.d_expert + d) if m else 0
+    experts, shared = (m.n_experts * expert, m.n_shared * 3 * d * m.d_expert) if m else (0, 0)
     mlp = (L - n_moe) * dense + n_moe * (router + experts + shared)
     # weight (and bias) per normalized feature
     per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
@@ -284,6 +285,11 @@ def muon_params(cfg: ModelConfig) -> int:
     attention_biases = cfg.n_layers * (qkv_b * (cfg.d_attn + 2 * cfg.d_kv) + b * d)
     per_dense = b * ((cfg.d_ff if cfg.mlp == "gelu" else 2 * cfg.d_ff) + d)
     mlp_biases = (cfg.n_layers - len(cfg.moe_layers)) * per_dense
+    m = cfg.moe
+    if m is not None:
+        # the router's bias (a vector) and the experts' stacked biases are AdamW's
+        per_moe = int(m.router_bias) * m.n_experts + int(m.expert_biases) * m.n_experts * (2 * m.d_expert + d)
+        mlp_biases += len(cfg.moe_layers) * per_moe
     return (
         c.total - c.tok_emb - c.pos_emb - c.lm_head - c.norms - c.final_norm - attention_biases - mlp_biases
     )

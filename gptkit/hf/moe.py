@@ -22,7 +22,15 @@ from gptkit.model.config import ModelConfig
 
 NO_BIASES = {"bias": False, "qkv_bias": False}
 # what every mixture here fixes of model.moe (the keys of MoEConfig); the losses and impl are training's
-MOE_COMMON = {"n_shared": 0, "route_scale": 1.0, "bias_update_rate": 0.0}
+MOE_COMMON = {
+    "n_shared": 0,
+    "route_scale": 1.0,
+    "bias_update_rate": 0.0,
+    # gpt-oss's experts (a family of their own)
+    "router_bias": False,
+    "expert_biases": False,
+    "activation": "swiglu",
+}
 SAME_NAMES = {p: p for p in ("gate_proj", "up_proj", "down_proj")}
 # torch is imported in memory_layout: the family table loads without it (`gptkit --help` lists the families)
 

@@ -57,6 +57,9 @@ ROUTERS = ("softmax", "sigmoid")
 AUX_LOSS_GROUPS = ("sequence", "batch")
 # model.moe.impl: how the experts' grouped matmuls run (gptkit/model/moe.py)
 MOE_IMPLS = ("auto", "grouped_mm", "loop")
+# model.moe.activation: each expert's down(silu(gate) * up) | gpt-oss's (up + 1) * g * sigmoid(alpha * g)
+# with g = min(gate, limit) and up clamped to [-limit, limit] (gptkit/model/moe.py EXPERT_ACTIVATIONS)
+EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 @dataclass
@@ -96,6 +99,14 @@ class MoEConfig:
     bias_update_rate: float = 0.0
     # auto | grouped_mm | loop (MOE_IMPLS)
     impl: str = "auto"
+    # a bias in the router's logits (gpt-oss)
+    router_bias: bool = False
+    # biases in every expert's gate, up and down projections (gpt-oss)
+    expert_biases: bool = False
+    # swiglu | clamped_swiglu (EXPERT_ACTIVATIONS; gpt-oss: clamped_swiglu, with its limit and alpha)
+    activation: str = "swiglu"
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
 
     def validate(self, n_layers: int) -> None:
         """Raise ConfigError (one line) for any invalid field."""
@@ -116,12 +127,21 @@ class MoEConfig:
         d = self.d_expert
         if d is not None and (not isinstance(d, int) or isinstance(d, bool) or d <= 0):
             raise ConfigError(f"model.moe.d_expert={d!r} must be a positive integer (or null: model.d_ff)")
-        for name, allowed in (("router", ROUTERS), ("aux_loss_group", AUX_LOSS_GROUPS), ("impl", MOE_IMPLS)):
+        for name, allowed in (
+            ("router", ROUTERS),
+            ("aux_loss_group", AUX_LOSS_GROUPS),
+            ("impl", MOE_IMPLS),
+            ("activation", EXPERT_ACTIVATIONS),
+        ):
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"model.moe.{name}={v!r} is not one of {', '.join(allowed)}")
-        if not isinstance(self.norm_topk_prob, bool):
-            raise ConfigError(f"model.moe.norm_topk_prob={self.norm_topk_prob!r} must be true or false")
+        for name in ("norm_topk_prob", "router_bias", "expert_biases"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be true or false")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            if not _positive(getattr(self, name)):
+                raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be a number > 0")
         for name in ("route_scale", "aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):

@@ -138,7 +138,8 @@ class GPT(nn.Module):
             # attn_norm, mlp_norm, final_norm, q_norm, k_norm, *_post_norm: the identity (their own rule)
             if "_norm." in name:
                 continue
-            elif name.endswith(".bias"):
+            # a mixture's expert biases: experts.gate_bias, up_bias, down_bias
+            elif name.endswith((".bias", "_bias")):
                 p.zero_()
             # a mixture's experts: down_proj [E, d_model, d_expert]
             elif name.endswith(("o_proj.weight", "down_proj.weight", "experts.down_proj")):

@@ -1,14 +1,16 @@
 """A mixture-of-experts feed-forward (model.moe): top-k token-choice routing, dropless, grouped matmuls.
 
     x [B, T, d] -> h [N, d]                                 N = B * T tokens
-    router    logits = h W_r^T [N, E]; scores = softmax(logits) | sigmoid(logits)   (fp32)
+    router    logits = h W_r^T (+ b_r: model.moe.router_bias) [N, E]; scores = softmax | sigmoid   (fp32)
     choice    the top_k experts of each token by score (+ expert_bias, when model.moe.bias_update_rate > 0:
               the bias moves the choice only, never the weights)                  [N, k]
     weights   the chosen scores, renormalized to sum 1 (norm_topk_prob), times route_scale
     dispatch  the N * k (token, expert) pairs sorted by expert (a stable sort), and where each expert's run
               of rows ends (offsets): no token is dropped, no capacity, no padding
-    experts   SwiGLU per expert, one grouped matmul per weight: down_e(silu(gate_e(x)) * up_e(x))
-              (torch._grouped_mm where the device has it, else a loop over the experts; MOE_IMPLS)
+    experts   a gated MLP per expert, one grouped matmul per weight: down_e(act(gate_e(x), up_e(x))), act
+              SwiGLU's silu(g) * u or gpt-oss's clamped one (EXPERT_ACTIVATIONS), each projection with its
+              expert's bias under model.moe.expert_biases (torch._grouped_mm where the device has it, else a
+              loop over the experts; MOE_IMPLS)
     combine   each token's k outputs gathered back and summed with their weights (in fp32, in slot order:
               deterministic on every device), plus the n_shared always-on experts' SwiGLU of every token
 
@@ -27,7 +29,7 @@ layout: gate_proj and up_proj [E, d_expert, d_model], down_proj [E, d_model, d_e
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -90,37 +92,74 @@ def grouped_linear(
     return torch.cat(parts)  # [M, out]
 
 
-class Experts(nn.Module):
-    """E SwiGLU experts, their weights stacked: gate_proj, up_proj [E, d_expert, d_model], down_proj
-    [E, d_model, d_expert] (each expert's slice laid out as an nn.Linear weight, [out, in])."""
+def swiglu(gate: torch.Tensor, up: torch.Tensor, m: Any) -> torch.Tensor:
+    """silu(gate) * up (Mixtral, Qwen, OLMoE, DeepSeek)."""
+    return F.silu(gate) * up
 
-    def __init__(self, n_experts: int, d_model: int, d_expert: int, impl: str, fused_swiglu: bool) -> None:
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, m: Any) -> torch.Tensor:
+    """gpt-oss's: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+    g = gate.clamp(max=m.swiglu_limit)
+    u = up.clamp(min=-m.swiglu_limit, max=m.swiglu_limit)
+    return (u + 1) * g * torch.sigmoid(g * m.swiglu_alpha)
+
+
+# model.moe.activation -> (gate [M, d_expert], up [M, d_expert], model.moe) -> [M, d_expert]
+EXPERT_ACTIVATIONS: dict[str, Callable[[torch.Tensor, torch.Tensor, Any], torch.Tensor]] = {
+    "swiglu": swiglu,
+    "clamped_swiglu": clamped_swiglu,
+}
+# the experts' stacks, weights then biases (a name of a bias stack ends in _bias)
+BIASES = ("gate_bias", "up_bias", "down_bias")
+
+
+class Experts(nn.Module):
+    """E gated experts, their weights stacked: gate_proj, up_proj [E, d_expert, d_model], down_proj
+    [E, d_model, d_expert] (each expert's slice laid out as an nn.Linear weight, [out, in]); with
+    model.moe.expert_biases their biases gate_bias, up_bias [E, d_expert] and down_bias [E, d_model]."""
+
+    def __init__(
+        self, n_experts: int, d_model: int, d_expert: int, impl: str, fused_swiglu: bool, m=None
+    ) -> None:
         super().__init__()
-        self.impl, self.fused = impl, fused_swiglu
+        self.impl = impl
+        activation = "swiglu" if m is None else m.activation
+        self.moe_cfg, self.activate = m, EXPERT_ACTIVATIONS[activation]
+        self.fused = fused_swiglu and activation == "swiglu"
         self.gate_proj = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.up_proj = nn.Parameter(torch.empty(n_experts, d_expert, d_model))
         self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, d_expert))
+        self.biased = m is not None and m.expert_biases
+        if self.biased:
+            self.gate_bias = nn.Parameter(torch.zeros(n_experts, d_expert))
+            self.up_bias = nn.Parameter(torch.zeros(n_experts, d_expert))
+            self.down_bias = nn.Parameter(torch.zeros(n_experts, d_model))
 
     def weight(self, name: str) -> torch.Tensor:
-        """The stack `name` as this process computes with it, [E, out, in]. Expert parallelism
-        (gptkit/training/expert_parallel.py) gives its instances this rank's experts instead."""
+        """The stack `name` as this process computes with it, [E, out, in] (a bias [E, out]). Expert
+        parallelism (gptkit/training/expert_parallel.py) gives its instances this rank's experts instead."""
         return getattr(self, name)
 
     def project(
         self, x: torch.Tensor, name: str, offsets: torch.Tensor, counts: torch.Tensor
     ) -> torch.Tensor:
-        """x [M, in] sorted by expert through each expert's `name` weight -> [M, out] (LoRA adds its update
-        here: gptkit/training/finetune/lora.py)."""
-        return grouped_linear(x, self.weight(name), offsets, counts, self.impl)
+        """x [M, in] sorted by expert through each expert's `name` weight (and its bias) -> [M, out] (LoRA
+        adds its update here: gptkit/training/finetune/lora.py)."""
+        y = grouped_linear(x, self.weight(name), offsets, counts, self.impl)
+        if self.biased:
+            bias = self.weight(name.replace("_proj", "_bias"))  # [E, out]
+            # each row its expert's bias (output_size: no host sync)
+            y = y + bias.to(y.dtype).repeat_interleave(counts, dim=0, output_size=x.shape[0])  # [M, out]
+        return y
 
     def forward(self, x: torch.Tensor, offsets: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """x [M, d_model] sorted by expert -> each row through its expert's SwiGLU [M, d_model]."""
+        """x [M, d_model] sorted by expert -> each row through its expert's gated MLP [M, d_model]."""
         gate = self.project(x, "gate_proj", offsets, counts)  # [M, d_expert]
         up = self.project(x, "up_proj", offsets, counts)  # [M, d_expert]
         if self.fused and fused.usable(gate, "swiglu"):
             hidden = fused.swiglu(gate, up)
         else:
-            hidden = F.silu(gate) * up  # [M, d_expert]
+            hidden = self.activate(gate, up, self.moe_cfg)  # [M, d_expert]
         return self.project(hidden, "down_proj", offsets, counts)  # [M, d_model]
 
 
@@ -135,8 +174,8 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = float(m.aux_loss_coef), float(m.z_loss_coef)
         self.per_sequence = m.aux_loss_group == "sequence"
         self.bias_update_rate = float(m.bias_update_rate)
-        self.router = nn.Linear(cfg.d_model, m.n_experts, bias=False)
-        self.experts = Experts(m.n_experts, cfg.d_model, m.d_expert, m.impl, "swiglu" in cfg.kernels)
+        self.router = nn.Linear(cfg.d_model, m.n_experts, bias=m.router_bias)
+        self.experts = Experts(m.n_experts, cfg.d_model, m.d_expert, m.impl, "swiglu" in cfg.kernels, m)
         self.shared = (
             SwiGLUMLP(cfg.d_model, m.n_shared * m.d_expert, bias=False, fused="swiglu" in cfg.kernels)
             if m.n_shared

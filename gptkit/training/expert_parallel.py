@@ -34,6 +34,7 @@ from torch import nn
 
 from gptkit.errors import ConfigError
 from gptkit.model import GPT, ModelConfig
+from gptkit.model.moe import BIASES
 
 WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
@@ -109,7 +110,7 @@ def shard_experts(model: GPT, grid: ExpertGroup) -> set[nn.Parameter]:
     for i in model.cfg.moe_layers:
         experts = model.blocks[i].mlp.experts
         n = experts.gate_proj.shape[0] // grid.size
-        for name in WEIGHTS:
+        for name in WEIGHTS + (BIASES if experts.biased else ()):
             full = getattr(experts, name)
             mine = full.detach()[grid.rank * n : (grid.rank + 1) * n]  # [E / k, out, in]
             local = DTensor.from_local(

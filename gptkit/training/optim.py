@@ -75,7 +75,9 @@ def muon_split(model: nn.Module) -> tuple[list, list]:
     for name, p in model.named_parameters():
         if p.requires_grad:
             # 3-D: a mixture's experts stacked, [n_experts, out, in], a matrix per expert
-            (muon if name.startswith("blocks.") and p.ndim in (2, 3) else adamw).append((name, p))
+            # a mixture's expert biases are stacked too, [n_experts, out]: vectors, AdamW's
+            matrix = p.ndim in (2, 3) and not name.endswith("_bias")
+            (muon if name.startswith("blocks.") and matrix else adamw).append((name, p))
     return muon, adamw
 
 

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from gptkit import accounting as acc
 from gptkit.cli import main as gptkit_main
 from gptkit.conf_tree import conf_dir
-from gptkit.errors import ConfigError
+from gptkit.errors import ConfigError, GptkitError
 from gptkit.inference.generate import generate
 from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
@@ -111,6 +111,76 @@ def test_grouped_matmul_equals_the_loop_forward_and_backward():
         (out.loss + out.aux.loss).backward()
     for (name, a), (_, b) in zip(grouped.named_parameters(), loop.named_parameters()):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+GPT_OSS = dict(router_bias=True, expert_biases=True, activation="clamped_swiglu", swiglu_limit=0.6)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+def test_gpt_oss_experts_equal_transformers_gpt_oss_mlp(impl):
+    """The router's bias, every expert's biases and the clamped SwiGLU (limit 0.6: most gates and ups clamp)
+    against transformers' GptOssMLP (fused, interleaved gate/up; top-k of the logits, softmax over them) with
+    every weight perturbed: fp32 outputs within 1e-5; our grouped matmul and loop alike."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = tiny(impl=impl, **GPT_OSS)
+    theirs_cfg = transformers.GptOssConfig(
+        hidden_size=32, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=0.6
+    )
+    torch.manual_seed(0)
+    theirs = GptOssMLP(theirs_cfg).float()
+    with torch.no_grad():
+        # its experts are torch.empty until a checkpoint loads: every weight drawn here
+        for p in theirs.parameters():
+            p.normal_(0.0, 0.3)
+    ours = MoE(cfg, 0).eval()
+    ex = ours.experts
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.router.weight)
+        ours.router.bias.copy_(theirs.router.bias)
+        t = theirs.experts
+        # [E, d_model, 2 * d_expert], gate and up interleaved -> [E, d_expert, d_model] each
+        ex.gate_proj.copy_(t.gate_up_proj[..., ::2].transpose(1, 2))
+        ex.up_proj.copy_(t.gate_up_proj[..., 1::2].transpose(1, 2))
+        ex.gate_bias.copy_(t.gate_up_proj_bias[:, ::2])
+        ex.up_bias.copy_(t.gate_up_proj_bias[:, 1::2])
+        ex.down_proj.copy_(t.down_proj.transpose(1, 2))
+        ex.down_bias.copy_(t.down_proj_bias)
+        x = torch.randn(2, 9, 32)
+        want = theirs(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got, _ = ours(x)
+    assert (got - want).abs().max().item() <= 1e-5
+    # the clamp is reached on both sides, and the biases matter
+    assert bool((x.reshape(-1, 32) @ t.gate_up_proj[0] > 0.6).any())
+    with torch.no_grad():
+        ex.down_bias.zero_()
+        assert (ours(x)[0] - want).abs().max().item() > 1e-3
+
+
+def test_gpt_oss_experts_count_train_on_muon_and_are_refused_by_the_other_families():
+    """count-params equals the module (router bias, expert biases in total and inactive); Muon takes the
+    stacked matrices, AdamW the stacked biases; the biases start at zero; Mixtral's family refuses them."""
+    from gptkit.hf.families import family_of
+    from gptkit.training.optim import muon_split
+
+    cfg = tiny(**GPT_OSS)
+    model = GPT(cfg)
+    c = acc.count_params(cfg)
+    assert c.total == model.num_parameters()
+    per_expert = 3 * 32 * 24 + 2 * 24 + 32
+    assert c.inactive == 2 * (4 - 2) * per_expert and c.router == 2 * (32 + 1) * 4
+    muon, adamw = muon_split(model)
+    assert acc.muon_params(cfg) == sum(p.numel() for _, p in muon)
+    assert {n.rsplit(".", 1)[1] for n, _ in adamw if ".experts." in n} == {
+        "gate_bias",
+        "up_bias",
+        "down_bias",
+    }
+    assert all(not p.detach().any() for n, p in model.named_parameters() if n.endswith("_bias"))
+    with pytest.raises(GptkitError, match=r"model.moe.router_bias=True .*refusing"):
+        family_of(cfg)
 
 
 def test_balance_loss_is_one_when_balanced_and_e_over_k_when_collapsed():
@@ -288,6 +358,9 @@ def test_count_params_prints_total_and_active(capsys):
         ({"capacity": 1.0}, "unknown model.moe field(s) capacity"),
         ({"first_dense": 2}, "no layer of the 2 is MoE"),
         ({"aux_loss_coef": -1}, "model.moe.aux_loss_coef=-1 must be a number >= 0"),
+        ({"activation": "geglu"}, "model.moe.activation='geglu' is not one of swiglu, clamped_swiglu"),
+        ({"swiglu_limit": 0}, "model.moe.swiglu_limit=0 must be a number > 0"),
+        ({"router_bias": "yes"}, "model.moe.router_bias='yes' must be true or false"),
     ],
 )
 def test_bad_moe_settings_are_one_line_config_errors(change, named):
