@@ -201,6 +201,8 @@ PUBLISHED = {
     # transformers' own MistralForCausalLM and Gemma3ForCausalLM of the Hub configs
     "mistral-7b": 7_248_023_552,
     "gemma3-1b": 999_885_952,
+    # transformers' SmolLM3ForCausalLM of SmolLM3Config's defaults (its docstring's SmolLM3-3B)
+    "smollm3-3b": 3_075_098_624,
 }
 
 
