@@ -44,6 +44,15 @@ def hf_layer_types(cfg: ModelConfig) -> list[str]:
     return ["sliding_attention" if cfg.window(i) else "full_attention" for i in range(cfg.n_layers)]
 
 
+def one_bias_flag(d: dict[str, Any], refuse) -> dict[str, Any]:
+    """model.bias and model.qkv_bias of config.json's attention_bias and mlp_bias (Llama's, SmolLM3's): one
+    flag for every linear, else refused."""
+    attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
+    if attn_bias != mlp_bias:
+        raise refuse("attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}", "one bias flag for all linears")
+    return {"bias": attn_bias, "qkv_bias": attn_bias}
+
+
 def rope_decoder(cfg: ModelConfig) -> bool:
     """A RoPE model without experts: the configs the Llama-style families claim between them."""
     return cfg.position == "rope" and cfg.moe is None
@@ -62,6 +71,8 @@ class Decoder(Family):
     # it has model.query_pre_attn_scalar (Gemma), and its layers may attend to a sliding window
     scales_queries = False
     windowed = False
+    # its layers may leave out the rotary embedding (model.nope_layers)
+    nope = False
 
     def extra_needs(self, cfg: ModelConfig) -> dict[str, Any]:
         """The fields a family without a query scale or a window needs at their plain values."""
@@ -78,6 +89,8 @@ class Decoder(Family):
 
     def check(self, cfg: ModelConfig) -> None:
         need = {**LLAMA_LAYOUT, **PLAIN} | self.fixes | self.extra_needs(cfg)
+        if self.nope:
+            del need["nope_layers"]
         require(cfg, need, f"with position={cfg.position}", self.target(cfg))
 
     # ---- config.json ---------------------------------------------------------------------------

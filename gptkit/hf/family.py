@@ -14,7 +14,7 @@ conversion code (convert.py) that never asks which family it holds:
     files_layout, memory_layout, check_files
                            the files' layout against transformers' in-memory one (the mixtures' experts)
 
-A family is a file (llama.py, gemma.py, moe.py, gpt2.py: one file per family group) and one row of
+A family is a file (llama.py, gemma.py, moe.py, gpt2.py, smollm3.py: one file per family group) and one row of
 families.FAMILIES. Families read this leaf and decoder.py (the RoPE decoder layout the Llama-style families
 share), never each other.
 """
@@ -36,6 +36,8 @@ PLAIN = {
     "attn_softcap": None,
     "logit_softcap": None,
     "rope_local_theta": None,
+    # every layer rotates (SmolLM3's NoPE layers: gptkit/hf/smollm3.py)
+    "nope_layers": None,
     # every family of today is multi-head attention (gptkit/model/attention_kinds.py)
     "attention_kind": "mha",
 }

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptkit.errors import GptkitError
-from gptkit.hf.decoder import Decoder, hf_layer_types, rope_decoder
+from gptkit.hf.decoder import Decoder, hf_layer_types, one_bias_flag, rope_decoder
 from gptkit.model.config import ModelConfig
 
 
@@ -46,12 +46,7 @@ class Llama(Decoder):
         return {"attention_bias": cfg.bias, "mlp_bias": cfg.bias}
 
     def bias_from_hf(self, d: dict[str, Any], refuse) -> dict[str, Any]:
-        attn_bias, mlp_bias = bool(d.get("attention_bias", False)), bool(d.get("mlp_bias", False))
-        if attn_bias != mlp_bias:
-            raise refuse(
-                "attention_bias/mlp_bias", f"{attn_bias}/{mlp_bias}", "one bias flag for all linears"
-            )
-        return {"bias": attn_bias, "qkv_bias": attn_bias}
+        return one_bias_flag(d, refuse)
 
 
 class Qwen(Decoder):

@@ -221,6 +221,9 @@ class ModelConfig:
     # null: every layer local when sliding_window is set (Mistral v0.1), else global; or one of LAYER_TYPES
     # per layer, n_layers of them (Gemma 3: five local, then one global)
     layer_types: list[str] | None = None
+    # null: every layer rotates q and k (position=rope); a list of layer indices (from 0): those layers apply
+    # no rotary embedding at all, NoPE (SmolLM3: every 4th layer, 3, 7, ...; Llama 4 likewise)
+    nope_layers: list[int] | None = None
     # null: attention scores scaled by head_dim^-0.5; s: by s^-0.5 (Gemma's query_pre_attn_scalar)
     query_pre_attn_scalar: float | None = None
     # null | c: attention scores soft-capped to c * tanh(scores / c) before the mask (Gemma 2)
@@ -278,6 +281,11 @@ class ModelConfig:
         if self.layer_types is None or self.layer_types[layer] == "local":
             return self.sliding_window
         return None
+
+    def rotates(self, layer: int) -> bool:
+        """Whether layer `layer` (from 0) applies the rotary embedding: position=rope and not a NoPE layer
+        (model.nope_layers)."""
+        return self.position == "rope" and layer not in (self.nope_layers or ())
 
     @property
     def local_layers(self) -> list[int]:
@@ -362,6 +370,7 @@ class ModelConfig:
         if not float(self.rope_theta) > 0:
             raise ConfigError(f"model.rope_theta={self.rope_theta} must be > 0")
         self._validate_windows()
+        self._validate_nope()
         if self.rope_local_theta is not None:
             if self.position != "rope":
                 raise ConfigError(
@@ -423,6 +432,33 @@ class ModelConfig:
                 "(e.g. model.sliding_window=512), or make every layer global"
             )
         self.layer_types = types
+
+    def _validate_nope(self) -> None:
+        """model.nope_layers: ConfigError (one line) when it does not fit; sorted, [] as null."""
+        nope = self.nope_layers
+        if nope is None:
+            return
+        if isinstance(nope, str) or not isinstance(nope, Sequence):
+            raise ConfigError(
+                f"model.nope_layers={nope!r} must be a list of layer indices (from 0) that apply no rotary "
+                f"embedding, or null (every layer rotates)"
+            )
+        bad = [i for i in nope if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.n_layers]
+        if bad:
+            raise ConfigError(
+                f"model.nope_layers holds {', '.join(map(repr, bad))}: each must be a layer index from 0 to "
+                f"{self.n_layers - 1} (model.n_layers={self.n_layers})"
+            )
+        if len(set(nope)) != len(nope):
+            raise ConfigError(
+                f"model.nope_layers={list(nope)} names a layer twice; name each NoPE layer once"
+            )
+        if nope and self.position != "rope":
+            raise ConfigError(
+                f"model.nope_layers needs model.position=rope (it is {self.position}): only a rotary "
+                f"embedding can be left out of a layer; set it to null"
+            )
+        self.nope_layers = sorted(nope) or None
 
     # ---- conversion ------------------------------------------------------------------------
     @classmethod

@@ -8,7 +8,8 @@
                                       x = x + mlp_post_norm(mlp(mlp_norm(x)))                (Gemma 2, 3)
 
 A layer's attention is global or local (model.layer_types: a sliding window of model.sliding_window
-positions); with model.rope_local_theta the local layers rotate with their own RoPE (rope_local).
+positions); with model.rope_local_theta the local layers rotate with their own RoPE (rope_local); the
+layers of model.nope_layers rotate with none (NoPE).
 
 `attn` is the block's attention, whichever kind the config gives that layer (gptkit/model/attention_kinds.py:
 today multi-head attention with grouped K/V heads, gptkit/model/mha.py).
@@ -199,6 +200,9 @@ class GPT(nn.Module):
         auxes = []
         for i, block in enumerate(self.blocks):
             rope = self.rope_local if self.rope_local is not None and self.cfg.window(i) else self.rope
+            if not self.cfg.rotates(i):
+                # a NoPE layer (model.nope_layers): its q and k are not rotated, nor are the keys it caches
+                rope = None
             x, probs, layer_aux = block(
                 x, rope=rope, cache=cache, positions=positions, docs=docs, return_probs=return_attention
             )

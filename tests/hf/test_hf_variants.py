@@ -1,6 +1,7 @@
 """The models people fine-tune: Llama 3.1/3.2 (RoPE scaling llama3), Qwen2/2.5 (q/k/v biases), Qwen3 (QK-norm
-per head) and OLMo-2 (QK-norm over all heads, norms after each branch) import and export with the logits of
-`transformers` (fp32, <= 1e-5), on random-weight models built from their configs (no hub)."""
+per head), OLMo-2 (QK-norm over all heads, norms after each branch) and SmolLM3 (NoPE layers) import and
+export with the logits of `transformers` (fp32, <= 1e-5), on random-weight models built from their configs
+(no hub)."""
 
 import pytest
 import torch
@@ -38,6 +39,12 @@ def hf_model(kind: str):
         )
     elif kind == "qwen2":
         cfg = transformers.Qwen2Config(**common, tie_word_embeddings=True, rope_theta=10000.0)
+    elif kind == "smollm3":
+        # four layers, every 2nd NoPE: transformers' no_rope_layers [1, 0, 1, 0] (1: RoPE), T + 64 positions
+        # for the greedy decode
+        cfg = transformers.SmolLM3Config(
+            **hf_common(V, T + 80, num_hidden_layers=4), no_rope_layer_interval=2, rope_theta=500.0
+        )
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, attention_bias=False)
     else:
@@ -47,17 +54,19 @@ def hf_model(kind: str):
         "qwen2": transformers.Qwen2ForCausalLM,
         "qwen3": transformers.Qwen3ForCausalLM,
         "olmo2": transformers.Olmo2ForCausalLM,
+        "smollm3": transformers.SmolLM3ForCausalLM,
     }[kind]
     return hf_perturbed(lambda: cls(cfg))
 
 
-KINDS = ["llama3.2", "qwen2", "qwen3", "olmo2"]
+KINDS = ["llama3.2", "qwen2", "qwen3", "olmo2", "smollm3"]
 # what each family is in gptkit's fields
 WANT = {
     "llama3.2": dict(qkv_bias=False, qk_norm=None, norm_placement="pre", tie_embeddings=True),
     "qwen2": dict(bias=False, qkv_bias=True, qk_norm=None, norm_placement="pre", rope_scaling=None),
     "qwen3": dict(qk_norm="head", head_dim=32, norm_placement="pre"),
     "olmo2": dict(qk_norm="full", norm_placement="post", n_kv_heads=4),
+    "smollm3": dict(nope_layers=[1, 3], n_layers=4, tie_embeddings=True, rope_theta=500.0, qk_norm=None),
 }
 
 
@@ -67,8 +76,10 @@ def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_fi
     model_cfg, model = hf_import(tmp_path, theirs, WANT[kind])
     idx = torch.randint(0, V, (2, T))  # [B, T]: the whole context, so every (scaled) position is checked
     with torch.no_grad():
-        ref = theirs(idx).logits
-        for attention in ("sdpa", "eager"):
+        # each backend against transformers' own (eager and sdpa differ by ~2e-5 in SmolLM3's four layers)
+        for attention in ("eager", "sdpa"):
+            theirs.set_attn_implementation(attention)
+            ref = theirs(idx).logits
             ours = GPT.from_state(
                 ModelConfig.from_dict({**model_cfg.to_dict(), "attention": attention}), model.state_dict()
             )
@@ -111,6 +122,57 @@ def test_kv_cache_and_triton_attention_match_the_plain_forward(kind):
         assert (triton(idx).logits - model(idx).logits).abs().max().item() <= 1e-4
 
 
+def test_smollm3_greedy_decode_is_transformers_generate_and_its_nope_layers_are_read_not_inverted():
+    """64 greedy tokens (our KV cache, NoPE layers unrotated in it) = transformers' generate; the NoPE layers
+    read the right way round (no_rope_layers 1 = RoPE) and not ignored: either mistake moves the logits."""
+    theirs = hf_model("smollm3")
+    model = hf.from_transformers(theirs)
+    assert model.cfg.nope_layers == [1, 3]
+    prompt = torch.randint(0, V, (12,))
+    with torch.no_grad():
+        want = theirs.generate(prompt[None], max_new_tokens=64, do_sample=False)[0, 12:].tolist()
+    opts = SampleOptions(max_new_tokens=64, temperature=0.0, decode="eager")
+    assert generate(model, prompt.tolist(), opts).tokens[0] == want
+    idx = torch.randint(0, V, (1, T))
+    with torch.no_grad():
+        ref = theirs(idx).logits
+        for wrong in ([0, 2], None):
+            other = GPT.from_state(
+                ModelConfig.from_dict({**model.cfg.to_dict(), "nope_layers": wrong}), model.state_dict()
+            )
+            assert (other(idx).logits - ref).abs().max().item() > 1e-2, wrong
+
+
+def test_smollm3_nope_layers_from_the_interval_and_refusals():
+    d = hf_model("smollm3").config.to_dict()
+    del d["no_rope_layers"]
+    # without the list: every no_rope_layer_interval-th layer (transformers' SmolLM3Config)
+    assert hf.model_config_from_hf(d | {"no_rope_layer_interval": 3}).nope_layers == [2]
+    assert hf.model_config_from_hf(d | {"no_rope_layer_interval": 5}).nope_layers is None
+    for change, named in (
+        (dict(no_rope_layers=[1, 2, 1, 1]), "no_rope_layers"),
+        (dict(no_rope_layers=[1, 0]), "no_rope_layers"),
+        (dict(no_rope_layer_interval=0), "no_rope_layer_interval"),
+        (dict(use_sliding_window=True, sliding_window=8, layer_types=["sliding_attention"] * 4), "sliding"),
+        (dict(attention_bias=True), "attention_bias"),
+    ):
+        with pytest.raises(GptkitError, match=named) as e:
+            hf.model_config_from_hf(d | change)
+        assert "\n" not in str(e.value)
+
+
+def test_nope_layers_outside_smollm3_are_refused_on_export():
+    """Every other family rotates every layer: a NoPE config with Qwen3's QK-norm, or with experts, has no
+    architecture."""
+    cfg = ModelConfig(**(ONE_ROPE_LAYER | {"n_layers": 2}), bias=False, qk_norm="head", nope_layers=[1])
+    with pytest.raises(GptkitError, match=r"SmolLM3ForCausalLM \(.*\) needs qk_norm=None"):
+        hf.hf_config(cfg)
+    # a mixture (Mixtral's layout) with a NoPE layer
+    moe = ModelConfig(**(ONE_ROPE_LAYER | {"n_layers": 2}), bias=False, moe={"n_experts": 2}, nope_layers=[1])
+    with pytest.raises(GptkitError, match=r"model.nope_layers=\[1\] .* needs nope_layers=None"):
+        hf.hf_config(moe)
+
+
 def test_fused_norm_kernel_on_qk_norm_matches_eager():
     model = hf.from_transformers(hf_model("qwen3"))
     fused = GPT.from_state(
@@ -139,6 +201,8 @@ PUBLISHED = {
     # transformers' own MistralForCausalLM and Gemma3ForCausalLM of the Hub configs
     "mistral-7b": 7_248_023_552,
     "gemma3-1b": 999_885_952,
+    # transformers' SmolLM3ForCausalLM of SmolLM3Config's defaults (its docstring's SmolLM3-3B)
+    "smollm3-3b": 3_075_098_624,
 }
 
 
@@ -160,6 +224,8 @@ def preset(name: str) -> ModelConfig:
         "mistral-7b-v0.1",
         "gemma3-1b",
         "gemma3-tiny",
+        "smollm3-3b",
+        "smollm3-tiny",
     ],
 )
 def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
@@ -213,11 +279,20 @@ ONE_ROPE_LAYER = dict(
         (dict(qk_norm="layer"), "qk_norm"),
         (dict(norm_placement="middle"), "norm_placement"),
         (dict(qkv_bias="yes"), "qkv_bias"),
+        (dict(nope_layers=[1]), "nope_layers holds 1: each must be a layer index from 0 to 0"),
+        (dict(nope_layers=[0, 0]), "names a layer twice"),
+        (dict(nope_layers="0"), "nope_layers"),
     ],
 )
 def test_bad_variant_fields_are_one_line_config_errors(kw, named):
     with pytest.raises(ConfigError, match=named):
         ModelConfig(**ONE_ROPE_LAYER, **kw)
+
+
+def test_nope_layers_need_rope():
+    with pytest.raises(ConfigError, match="nope_layers needs model.position=rope"):
+        ModelConfig(**(ONE_ROPE_LAYER | {"position": "learned"}), nope_layers=[0])
+    assert ModelConfig(**ONE_ROPE_LAYER, nope_layers=[]).nope_layers is None
 
 
 def test_variants_without_a_transformers_architecture_are_refused_on_export():

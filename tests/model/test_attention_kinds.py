@@ -148,9 +148,18 @@ def test_layouts_size_the_caches_and_the_accounting(stub_kinds):
     assert accounting.kv_cache_bytes(cfg, 0, "fp32") == 4 * 8 * 8 * 4
 
 
-@pytest.mark.parametrize("kind", ["wide_values", "running_state", "hybrid"])
-def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kind):
-    model = tiny(kind)
+@pytest.mark.parametrize(
+    "kind, over",
+    [
+        ("wide_values", {}),
+        ("running_state", {}),
+        ("hybrid", {}),
+        # multi-head attention with a NoPE layer (model.nope_layers): its keys are cached unrotated
+        ("mha", {"nope_layers": [1]}),
+    ],
+)
+def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kind, over):
+    model = tiny(kind, **over)
     seq = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))  # [B, T]
     with torch.no_grad():
         full = model(seq).logits  # [B, T, V]
