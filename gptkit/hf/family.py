@@ -35,6 +35,7 @@ PLAIN = {
     "scale_embeddings": False,
     "attn_softcap": None,
     "logit_softcap": None,
+    "attn_sinks": False,
     "rope_local_theta": None,
     # every family of today is multi-head attention (gptkit/model/attention_kinds.py)
     "attention_kind": "mha",
