@@ -8,7 +8,8 @@ import pytest
 import torch
 from conftest import one_line, run_main
 
-from gptkit.errors import ConfigError
+from gptkit.errors import ConfigError, GptkitError
+from gptkit.hf.families import family_of
 from gptkit.model import GPT, ModelConfig
 from gptkit.model.attention import ATTENTION_BACKENDS
 from gptkit.model.documents import Documents
@@ -105,10 +106,14 @@ def test_a_packed_training_step_trains_every_layers_sinks_alike_in_every_backend
         torch.testing.assert_close(g, grads["eager"], atol=1e-6, rtol=1e-4, msg=backend)
 
 
-def test_count_params_counts_the_sinks_and_a_bad_value_is_one_line(capsys):
+def test_count_params_counts_the_sinks_a_bad_value_is_one_line_and_export_refuses(capsys):
     code, out, _ = run_main(capsys, "count-params", "model=llama-tiny", "model.attn_sinks=true")
     assert code == 0 and "attention sinks (4 layers)" in out
     code, _, err = run_main(capsys, "count-params", "model=llama-tiny", "model.attn_sinks=maybe")
     assert code == 2 and one_line(err) and "model.attn_sinks=maybe must be true or false" in err, err
     with pytest.raises(ConfigError, match="model.attn_sinks=1 must be true or false"):
         ModelConfig(attn_sinks=1)
+    # no transformers family of today has sinks (gpt-oss is to come): export refuses rather than drop them
+    llama = dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_heads=4, n_kv_heads=2)
+    with pytest.raises(GptkitError, match=r"model.attn_sinks=True .* refusing"):
+        family_of(ModelConfig(attn_sinks=True, **llama))
