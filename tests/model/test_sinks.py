@@ -1,5 +1,6 @@
 """Attention sinks (model.attn_sinks, gpt-oss): every backend's output and the gradients of q, k, v and the
-sinks against a float64 reference (GQA, a window, packed documents), the Triton kernel in fp16, a packed
+sinks against a float64 reference (GQA, a window, packed documents), with a soft-cap against eager, the Triton
+kernel in fp16, a packed
 training step that trains every layer's sinks alike in every backend, count-params' row and the one-line
 config error. The
 decode paths with sinks are in test_attention_kinds.py; the parameter count too."""
@@ -61,6 +62,27 @@ def test_every_backend_with_sinks_gives_the_reference_output_and_gradients(backe
         assert a.shape == b.shape and a.dtype == torch.float32, name
         assert (a.double() - b).abs().max().item() <= 1e-5, name
     assert wants[3].abs().min().item() > 1e-3
+
+
+def test_sinks_with_a_softcap_equal_eager_in_every_backend():
+    """Gemma 2's soft-cap and the sinks together (documents and a window): triton caps in its kernel from the
+    sink's start; sdpa runs eager (no soft-capping kernel), sinks passed along."""
+    torch.manual_seed(3)
+    q = 3 * torch.randn(B, H, T, D)
+    q.requires_grad_()
+    k, v = (torch.randn(B, HKV, T, D, requires_grad=True) for _ in range(2))
+    sinks = torch.randn(H, requires_grad=True)
+    args = dict(window=W, docs=Documents(DOC_IDS), softcap=2.0, sinks=sinks)
+    want, _ = ATTENTION_BACKENDS["eager"](q, k, v, **args)
+    dout = torch.randn_like(want)
+    wants = torch.autograd.grad(want, (q, k, v, sinks), dout)
+    uncapped, _ = ATTENTION_BACKENDS["eager"](q, k, v, **(args | dict(softcap=None)))
+    assert (uncapped - want).abs().max().item() > 1e-2
+    for backend in ("sdpa", "triton"):
+        out, _ = ATTENTION_BACKENDS[backend](q, k, v, **args)
+        got = torch.autograd.grad(out, (q, k, v, sinks), dout)
+        for name, a, b in zip(("out", "q", "k", "v", "sinks"), (out, *got), (want, *wants)):
+            assert (a - b).abs().max().item() <= 1e-5, (backend, name)
 
 
 def test_flash_attention_sinks_in_fp16_and_refused_shapes():
