@@ -1,9 +1,8 @@
 """Attention sinks (model.attn_sinks, gpt-oss): every backend's output and the gradients of q, k, v and the
 sinks against a float64 reference (GQA, a window, packed documents), with a soft-cap against eager, the Triton
-kernel in fp16, a packed
-training step that trains every layer's sinks alike in every backend, count-params' row and the one-line
-config error. The
-decode paths with sinks are in test_attention_kinds.py; the parameter count too."""
+kernel in fp16, a packed training step that trains every layer's sinks alike in every backend, count-params'
+row, the one-line config error and export's refusal. The decode paths with sinks and the exact parameter
+count are in test_attention_kinds.py."""
 
 import pytest
 import torch
