@@ -110,6 +110,8 @@ class ParamCounts:
     shared: int = 0
     # the routed experts' parameters a token does not use: (n_experts - top_k) of them per MoE layer
     inactive: int = 0
+    # attention sinks (model.attn_sinks): one logit per query head, all layers
+    attn_sinks: int = 0
 
     @property
     def active(self) -> int:
@@ -118,7 +120,7 @@ class ParamCounts:
 
     @property
     def attention(self) -> int:
-        return self.attn_q + self.attn_k + self.attn_v + self.attn_o
+        return self.attn_q + self.attn_k + self.attn_v + self.attn_o + self.attn_sinks
 
     @property
     def total(self) -> int:
@@ -144,6 +146,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     k = d * cfg.d_kv + qkv_b * cfg.d_kv
     v = d * cfg.d_kv + qkv_b * cfg.d_kv
     o = cfg.d_attn * d + b * d
+    sinks = cfg.n_heads if cfg.attn_sinks else 0
     if cfg.mlp == "gelu":
         dense = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
     else:
@@ -163,7 +166,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     first = router + experts + shared if cfg.feed_forward(0) == "moe" else dense
     # a block's norms: before attention and MLP (and, sandwich, after each too)
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2
-    per_layer = q + k + v + o + first + n_norms * norm + qk_norm
+    per_layer = q + k + v + o + sinks + first + n_norms * norm + qk_norm
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
@@ -181,6 +184,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         experts=n_moe * experts,
         shared=n_moe * shared,
         inactive=n_moe * (m.n_experts - m.top_k) * expert if m else 0,
+        attn_sinks=L * sinks,
     )
 
 
@@ -291,7 +295,15 @@ def muon_params(cfg: ModelConfig) -> int:
         per_moe = int(m.router_bias) * m.n_experts + int(m.expert_biases) * m.n_experts * (2 * m.d_expert + d)
         mlp_biases += len(cfg.moe_layers) * per_moe
     return (
-        c.total - c.tok_emb - c.pos_emb - c.lm_head - c.norms - c.final_norm - attention_biases - mlp_biases
+        c.total
+        - c.tok_emb
+        - c.pos_emb
+        - c.lm_head
+        - c.norms
+        - c.final_norm
+        - c.attn_sinks
+        - attention_biases
+        - mlp_biases
     )
 
 

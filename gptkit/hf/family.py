@@ -35,6 +35,7 @@ PLAIN = {
     "scale_embeddings": False,
     "attn_softcap": None,
     "logit_softcap": None,
+    "attn_sinks": False,
     "rope_local_theta": None,
     # every layer rotates (SmolLM3's NoPE layers: gptkit/hf/smollm3.py)
     "nope_layers": None,

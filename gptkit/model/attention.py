@@ -2,7 +2,8 @@
 
 Every backend has the same signature:
 
-    fn(q, k, v, *, causal, mask, dropout_p, scale, return_probs, docs, window, softcap) -> (out, probs|None)
+    fn(q, k, v, *, causal, mask, dropout_p, scale, return_probs, docs, window, softcap, sinks)
+        -> (out, probs|None)
 
     q:    [B, n_heads,    T_q, head_dim]
     k, v: [B, n_kv_heads, T_k, head_dim]   (n_kv_heads divides n_heads: GQA/MQA)
@@ -13,6 +14,9 @@ Every backend has the same signature:
     window: None, or W: query i also sees only the keys j with pos(i) - W < j (its last W positions, its own
           included: a sliding window, transformers' sliding_window); with documents both rules hold
     softcap: None, or c: the scores become c * tanh(scores / c) before the mask (Gemma 2)
+    sinks: None, or [n_heads]: attention sinks (gpt-oss), one learned logit per head in every row's softmax
+           denominator with no value: p_ij = exp(s_ij) / (exp(sinks_h) + sum_j exp(s_ij)),
+           out_i = sum_j p_ij v_j
     out:  [B, n_heads, T_q, head_dim]
 
 Queries are bottom-right aligned with the keys: query i sits at position T_k - T_q + i (a KV cache holds the
@@ -22,7 +26,9 @@ skip: `eager` is the readable reference (explicit fp32 softmax, a dense mask; ca
 in fp16/bf16, with its window; a window elsewhere runs query chunks against the keys their window reaches
 (windowed_sdpa), so the cost grows with W, not T), `triton` is our own FlashAttention kernel in kernels/
 (tiles wholly outside a window or a document skipped; soft-capping in both passes). `sdpa` has no
-soft-capping kernel: with model.attn_softcap it runs `eager`.
+soft-capping kernel: with model.attn_softcap it runs `eager`. Attention sinks (model.attn_sinks): `eager` adds
+the sink as one more logit column; `sdpa` as one more zero key/value with the sink in a dense float mask
+(sinks_sdpa); `triton` starts each row's online softmax from the sink and returns the sink's gradient.
 """
 
 from __future__ import annotations
@@ -68,6 +74,7 @@ def eager_attention(
     docs=None,
     window=None,
     softcap=None,
+    sinks=None,
 ):
     """The readable reference: q @ k^T, the mask, an fp32 softmax, @ v; can return the probabilities."""
     B, H, Tq, D = q.shape
@@ -92,8 +99,13 @@ def eager_attention(
     if mask is not None:
         # a bool mask has no dtype to get wrong
         scores = scores.masked_fill(~mask, float("-inf"))
-    # fp32 softmax
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        # fp32 softmax
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        # the sink is one more logit column of each row, dropped after the fp32 softmax (transformers' GptOss)
+        sink_col = sinks.float().view(1, H, 1, 1).expand(scores.shape[0], H, Tq, 1)  # [B, H, Tq, 1]
+        probs = torch.softmax(torch.cat([scores.float(), sink_col], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     if dropout_p > 0.0:
         probs_d = F.dropout(probs, p=dropout_p)
     else:
@@ -131,6 +143,7 @@ def sdpa_attention(
     docs=None,
     window=None,
     softcap=None,
+    sinks=None,
 ):
     """torch's scaled_dot_product_attention (GQA without K/V copies). Packed documents: on CUDA in fp16/bf16
     torch's variable-length FlashAttention (no mask, no work across documents); elsewhere a dense mask. A
@@ -138,7 +151,11 @@ def sdpa_attention(
     if return_probs:
         raise ValueError("the sdpa backend cannot return attention probabilities; use attention=eager")
     if softcap is not None:
-        return _softcap_in_eager("sdpa", q, k, v, causal, mask, dropout_p, scale, docs, window, softcap)
+        return _softcap_in_eager(
+            "sdpa", q, k, v, causal, mask, dropout_p, scale, docs, window, softcap, sinks
+        )
+    if sinks is not None:
+        return sinks_sdpa(q, k, v, sinks, causal, mask, dropout_p, scale, docs, window), None
     Tq, Tk = q.shape[2], k.shape[2]
     window = effective_window(window, Tk) if mask is None else None
     if docs is not None:
@@ -186,7 +203,7 @@ def sdpa_attention(
     return out, None
 
 
-def _softcap_in_eager(backend, q, k, v, causal, mask, dropout_p, scale, docs, window, softcap):
+def _softcap_in_eager(backend, q, k, v, causal, mask, dropout_p, scale, docs, window, softcap, sinks=None):
     """Soft-capped scores (model.attn_softcap) have no SDPA kernel: the eager reference computes them."""
     warn_once(
         "softcap",
@@ -204,6 +221,39 @@ def _softcap_in_eager(backend, q, k, v, causal, mask, dropout_p, scale, docs, wi
         docs=docs,
         window=window,
         softcap=softcap,
+        sinks=sinks,
+    )
+
+
+def sinks_sdpa(q, k, v, sinks, causal, mask, dropout_p, scale, docs, window) -> torch.Tensor:
+    """Attention sinks (sinks [n_heads]) with torch's SDPA, exactly: one more key/value position, all zeros,
+    that every query sees, and an additive float mask whose column there is the head's sink (score 0 + sink)
+    while the other columns carry the rule (causal, window, documents, a cache's mask: 0 or -inf). SDPA
+    differentiates its float mask, so the sinks learn (checked on the CPU kernels in tests/model). The mask is
+    dense, [B or 1, n_heads, T_q, T_k + 1] in q's dtype (the sink rounded to it): no FlashAttention kernel
+    takes a float mask, so on a GPU model.attention=triton is the fast path. Returns [B, n_heads, T_q, D]."""
+    H, Tq, Tk = q.shape[1], q.shape[2], k.shape[2]
+    if mask is not None:
+        keep = mask
+    elif docs is not None:
+        keep = docs.mask()  # [B, 1, T, T]
+        window = effective_window(window, Tk)
+        if window is not None:
+            keep = keep & window_mask(Tq, Tk, window, q.device)
+    elif causal:
+        keep = window_mask(Tq, Tk, effective_window(window, Tk), q.device)  # [Tq, Tk]
+    else:
+        keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
+    while keep.dim() < 4:
+        keep = keep[None]
+    rows = keep.shape[0]
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, float("-inf"))
+    sink_col = sinks.to(q.dtype).view(1, H, 1, 1).expand(rows, H, Tq, 1)  # [rows, H, Tq, 1]
+    bias = torch.cat([bias.expand(rows, H, Tq, Tk), sink_col], dim=-1)  # [rows, H, Tq, Tk + 1]
+    # the sink's key and value: zeros (its score is the bias alone; it adds nothing to the output)
+    k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))  # [B, n_kv_heads, Tk + 1, D]
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale, enable_gqa=k.shape[1] != H
     )
 
 
@@ -301,6 +351,7 @@ def triton_attention(
     docs=None,
     window=None,
     softcap=None,
+    sinks=None,
 ):
     """Our FlashAttention kernels (documents, windows and soft-capping included); cases they do not cover go
     to sdpa.
@@ -317,6 +368,7 @@ def triton_attention(
         docs=docs,
         window=window,
         softcap=softcap,
+        sinks=sinks,
     )
     if not triton_available(q.device):
         warn_once(
@@ -332,7 +384,7 @@ def triton_attention(
     bounds = None if docs is None else (docs.start, docs.end)
     window = effective_window(window, k.shape[2])
     out = flash_attention(
-        q, k, v, causal=causal, scale=scale, doc_bounds=bounds, window=window, softcap=softcap
+        q, k, v, causal=causal, scale=scale, doc_bounds=bounds, window=window, softcap=softcap, sinks=sinks
     )
     return out, None
 

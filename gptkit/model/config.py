@@ -228,6 +228,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     # null | c: attention scores soft-capped to c * tanh(scores / c) before the mask (Gemma 2)
     attn_softcap: float | None = None
+    # a learned logit per head in each softmax's denominator, with no value (gpt-oss's attention sinks): the
+    # attention module gets a parameter `sinks` [n_heads]
+    attn_sinks: bool = False
     # null | c: the output logits soft-capped to c * tanh(logits / c) (Gemma 2)
     logit_softcap: float | None = None
     # token embeddings times sqrt(d_model), rounded to their dtype (Gemma)
@@ -385,6 +388,8 @@ class ModelConfig:
                 raise ConfigError(f"model.{name}={v!r} must be a number > 0 (or null: none)")
         if not isinstance(self.scale_embeddings, bool):
             raise ConfigError(f"model.scale_embeddings={self.scale_embeddings!r} must be true or false")
+        if not isinstance(self.attn_sinks, bool):
+            raise ConfigError(f"model.attn_sinks={self.attn_sinks!r} must be true or false")
         if self.moe is not None:
             self.moe = MoEConfig.from_dict(self.moe)
             self.moe.validate(self.n_layers)

@@ -53,6 +53,9 @@ class MultiHeadAttention(nn.Module):
         # None: head_dim^-0.5 (the backends' default)
         self.scale = None if cfg.query_pre_attn_scalar is None else cfg.attn_scale
         self.softcap = cfg.attn_softcap
+        # model.attn_sinks: a logit per head in each softmax's denominator (gpt-oss: transformers'
+        # self_attn.sinks); the backends take it as sinks=
+        self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
 
     def forward(
         self,
@@ -101,6 +104,7 @@ class MultiHeadAttention(nn.Module):
             docs=docs,
             window=self.window,
             softcap=self.softcap,
+            sinks=self.sinks,
             # y: [B, n_heads, T, head_dim]
         )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]

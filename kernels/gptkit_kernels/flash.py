@@ -1,7 +1,8 @@
 """FlashAttention in Triton: forward, backward, GQA/MQA, causal or not, document masking, sliding windows,
 soft-capping.
 
-    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, window=None, softcap=None, impl=None)
+    flash_attention(q, k, v, causal=True, scale=None, doc_bounds=None, window=None, softcap=None, sinks=None,
+                    impl=None)
     q:   [B, H,    T, D]
     k/v: [B, H_kv, T, D]     H_kv divides H; query head h reads K/V head h // (H // H_kv)
     doc_bounds: None, or (start, end), int32 [B, T] each: token t of row b belongs to the document
@@ -9,7 +10,9 @@ soft-capping.
     window: None, or W (causal only): query i sees only the keys j > i - W, its last W positions
     softcap: None, or c: the scores s become c * tanh(s / c) before the softmax (Gemma 2); the backward
              multiplies dS by 1 - tanh^2, recomputed with the probabilities
-    out: [B, H, T, D]        differentiable with respect to q, k and v
+    sinks: None, or [H]: a learned logit per head in each row's softmax denominator, with no value (gpt-oss):
+           each row's online softmax starts from it (m = sink, l = 1), so the saved lse includes it
+    out: [B, H, T, D]        differentiable with respect to q, k, v (and the sinks)
 
 A window is a document bound per token (window_bounds): with causal attention, query i sees key j iff
 start[i] <= j <= i, and key j is seen by the queries j <= i < end[j]; a window W makes start[i] at least
@@ -369,6 +372,7 @@ def _fwd_kernel(
     LSE,
     DS,
     DE,
+    SINKS,
     sqb,
     sqh,
     sqt,
@@ -397,6 +401,7 @@ def _fwd_kernel(
     WARP_SPECIALIZE: tl.constexpr,
     PRECISION: tl.constexpr,
     SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     # the longest rows first: better balance across the GPU
@@ -449,10 +454,16 @@ def _fwd_kernel(
         True,
         USE_TMA,
     )  # [BLOCK_M, BLOCK_D], stays on-chip
-    # running max (log2 units)
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    # running sum of exp2(s - m_i)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_SINKS:
+        # the head's sink is the first logit of every row (log2 units): its exp2(sink - m_i) = 1 starts the
+        # sum, and it has no value, so acc starts at 0 (the stored lse includes it)
+        m_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32) + tl.load(SINKS + h) * 1.4426950408889634
+        l_i = tl.full([BLOCK_M], 1.0, dtype=tl.float32)
+    else:
+        # running max (log2 units)
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        # running sum of exp2(s - m_i)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     # unnormalised output
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
@@ -1549,9 +1560,10 @@ def _last_dim_dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def _forward(
-    q, k, v, causal: bool, scale: float, ds, de, impl: str, softcap: float = 0.0
+    q, k, v, causal: bool, scale: float, ds, de, impl: str, softcap: float = 0.0, sinks=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32); softcap > 0: scores soft-capped."""
+    """(O [B, H, T, D], its log-sum-exp [B, H, T] fp32, the sinks' included); softcap > 0: scores
+    soft-capped; sinks: None or fp32 [H]."""
     B, H, T, D = q.shape
     group = H // k.shape[1]
     block_d = max(16, triton.next_power_of_2(D))
@@ -1574,6 +1586,7 @@ def _forward(
         lse,
         ds,
         de,
+        sinks,
         *_strides(q),
         *_strides(k),
         *_strides(v),
@@ -1593,12 +1606,14 @@ def _forward(
         WARP_SPECIALIZE=impl == "tma-ws",
         PRECISION=precision,
         SOFTCAP=bool(softcap),
+        HAS_SINKS=sinks is not None,
     )
     return o, lse
 
 
 def _backward(do, q, k, v, o, lse, causal: bool, scale: float, ds, de, impl: str, softcap: float = 0.0):
-    """(dQ, dK, dV) from dO, recomputing the probabilities from the log-sum-exp."""
+    """(dQ, dK, dV) from dO, recomputing the probabilities from the log-sum-exp (with sinks the lse
+    includes them, and these three are unchanged: _sinks_grad is the sinks' own)."""
     B, H, T, D = q.shape
     Hkv = k.shape[1]
     block_d = max(16, triton.next_power_of_2(D))
@@ -1712,12 +1727,13 @@ def _flash_fwd(
     de: Optional[torch.Tensor],
     impl: str,
     softcap: float,
+    sinks: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return _forward(q, k, v, causal, scale, ds, de, impl, softcap)
+    return _forward(q, k, v, causal, scale, ds, de, impl, softcap, sinks)
 
 
 @_flash_fwd.register_fake
-def _(q, k, v, causal, scale, ds, de, impl, softcap):
+def _(q, k, v, causal, scale, ds, de, impl, softcap, sinks):
     B, H, T, D = q.shape
     return q.new_empty(B, T, H, D).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
 
@@ -1752,16 +1768,26 @@ def _(do, q, k, v, o, lse, causal, scale, ds, de, impl, softcap):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, ds, de, impl, softcap = inputs
+    q, k, v, causal, scale, ds, de, impl, softcap, sinks = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, ds, de)
+    ctx.save_for_backward(q, k, v, o, lse, ds, de, sinks)
     ctx.causal, ctx.scale, ctx.impl, ctx.softcap = causal, scale, impl, softcap
 
 
 def _flash_backward(ctx, do, dlse):
-    q, k, v, o, lse, ds, de = ctx.saved_tensors
+    q, k, v, o, lse, ds, de, sinks = ctx.saved_tensors
     dq, dk, dv = _flash_bwd(do, q, k, v, o, lse, ctx.causal, ctx.scale, ds, de, ctx.impl, ctx.softcap)
-    return dq, dk, dv, None, None, None, None, None, None
+    dsinks = None if sinks is None else _sinks_grad(do, o, lse, sinks)
+    return dq, dk, dv, None, None, None, None, None, None, dsinks
+
+
+def _sinks_grad(do, o, lse, sinks):
+    """d sink_h = -sum over the rows of head h of p_sink * delta: a sink is one more logit with no value, so
+    its dS is p_sink * (0 - delta), with p_sink = exp(sink_h - lse) (the saved lse includes the sink) and
+    delta = rowsum(dO * O) (the backward's preprocess, recomputed here in torch: [B, H, T], fp32)."""
+    delta = (do.float() * o.float()).sum(-1)  # [B, H, T]
+    p_sink = torch.exp(sinks.view(1, -1, 1) - lse)  # [B, H, T] the sink's probability in each row
+    return -(p_sink * delta).sum(dim=(0, 2))  # [H] fp32
 
 
 _flash_fwd.register_autograd(_flash_backward, setup_context=_setup_context)
@@ -1777,6 +1803,7 @@ def flash_attention(
     doc_bounds: tuple[torch.Tensor, torch.Tensor] | None = None,
     window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     impl: str | None = None,
 ) -> torch.Tensor:
     """Exact softmax(q k^T * scale [soft-capped] [+ causal mask] [+ document mask] [+ window]) v, computed
@@ -1788,7 +1815,9 @@ def flash_attention(
     position t belongs to the document [start[b, t], end[b, t]) (start <= t < end; documents are
     contiguous runs), and query i sees only keys of its own document. window=W (causal only): query i
     also sees only keys j > i - W (a sliding window; with documents both hold). softcap=c: the scores
-    become c * tanh(scores / c) (Gemma 2), in both passes. Fully masked tiles are skipped. impl: "fa2"
+    become c * tanh(scores / c) (Gemma 2), in both passes. sinks: None, or [H] (gpt-oss's attention
+    sinks): one more logit per head in every row's softmax denominator, with no value; differentiable.
+    Fully masked tiles are skipped. impl: "fa2"
     (default), "tma" or "tma-ws" (Hopper; falls back to fa2 where it cannot run); None reads
     GPTKIT_FLASH_IMPL. Tensors must be on a CUDA device, or on the CPU under
     TRITON_INTERPRET=1. Returns [B, H, T, D] in q's dtype; differentiable (once) in q, k and v.
@@ -1834,9 +1863,16 @@ def flash_attention(
             ds, de = window_bounds(T, window, None if ds is None else (ds, de), B, q.device)
     if softcap is not None and not 0 < softcap < float("inf"):
         raise ValueError(f"softcap must be a positive number, got {softcap!r}")
+    if sinks is not None:
+        if sinks.shape != (H,) or not sinks.is_floating_point():
+            raise ValueError(
+                f"sinks must be a float [H] = [{H}] tensor, got {tuple(sinks.shape)} {sinks.dtype}"
+            )
+        # fp32 in the kernel; autograd casts the gradient back to the sinks' dtype
+        sinks = sinks.to(device=q.device, dtype=torch.float32).contiguous()
     scale = D**-0.5 if scale is None else float(scale)
     if B * H * T == 0:
         return q.new_empty(B, H, T, D)
     q, k, v = _last_dim_dense(q), _last_dim_dense(k), _last_dim_dense(v)
     impl = _choose_impl(impl, (q, k, v))
-    return _flash_fwd(q, k, v, bool(causal), scale, ds, de, impl, float(softcap or 0.0))[0]
+    return _flash_fwd(q, k, v, bool(causal), scale, ds, de, impl, float(softcap or 0.0), sinks)[0]

@@ -159,7 +159,24 @@ def test_layouts_size_the_caches_and_the_accounting(stub_kinds):
     ],
 )
 def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kind, over):
-    model = tiny(kind, **over)
+    decodes_through_every_cache_as_it_recomputes(tiny(kind, **over))
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa", "triton"])
+def test_attention_sinks_decode_through_every_cache_as_they_recompute(attention):
+    """model.attn_sinks (gpt-oss) with a local and a global layer: the growing, rolling and static caches,
+    serve's slot cache and rollouts (each a mask, or a query shorter than the keys) equal the full forward."""
+    over = dict(attention=attention, attn_sinks=True, sliding_window=8, layer_types=["local", "global"])
+    # head_dim 16: the Triton kernel's least
+    model = tiny("mha", d_model=64, **over)
+    with torch.no_grad():
+        for blk in model.blocks:
+            blk.attn.sinks.copy_(torch.linspace(-1.0, 2.0, 4))
+    # logits of ~2: fp32 rounding of the float mask's kernel reaches 1.1e-5 (sdpa)
+    decodes_through_every_cache_as_it_recomputes(model, atol=5e-5)
+
+
+def decodes_through_every_cache_as_it_recomputes(model, atol=1e-5):
     seq = torch.randint(0, 61, (2, 20), generator=torch.Generator().manual_seed(1))  # [B, T]
     with torch.no_grad():
         full = model(seq).logits  # [B, T, V]
@@ -168,7 +185,7 @@ def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kin
         got = [model(seq[:, :7], cache=cache, logits_to_keep=1).logits[:, -1]]
         for t in range(7, 20):
             got.append(model(seq[:, t : t + 1], cache=cache, logits_to_keep=1).logits[:, -1])
-        torch.testing.assert_close(torch.stack(got, dim=1), full[:, 6:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.stack(got, dim=1), full[:, 6:], atol=atol, rtol=0)
         # the static cache: positions as a tensor, attention over the whole cache under its mask
         static = StaticKVCache(model.cfg, batch_size=2)
         static.positions = torch.arange(7)
@@ -176,7 +193,7 @@ def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kin
         for t in range(7, 20):
             static.positions = torch.tensor([t])
             got.append(model(seq[:, t : t + 1], cache=static, logits_to_keep=1).logits[:, -1])
-        torch.testing.assert_close(torch.stack(got, dim=1), full[:, 6:], atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.stack(got, dim=1), full[:, 6:], atol=atol, rtol=0)
 
     # greedy through every decode path: the same tokens as recomputing the whole sequence each step
     greedy = SampleOptions(max_new_tokens=12, temperature=0)
@@ -230,10 +247,12 @@ KINDS = list(ATTENTION_KINDS)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind):
-    """A new kind's row is not done until the accounting counts its module's parameters and its layout
-    gives the tensors its module writes to the cache."""
-    model = tiny(kind, sliding_window=8, layer_types=["local", "global"], qk_norm="head")
+@pytest.mark.parametrize("sinks", [False, True])
+def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind, sinks):
+    """A new kind's row is not done until the accounting counts its module's parameters (attention sinks
+    included) and its layout gives the tensors its module writes to the cache."""
+    over = dict(sliding_window=8, layer_types=["local", "global"], qk_norm="head", attn_sinks=sinks)
+    model = tiny(kind, **over)
     counts = accounting.count_params(model.cfg)
     assert counts.total == sum(p.numel() for p in model.parameters())
     assert counts.attention == sum(p.numel() for b in model.blocks for p in b.attn.parameters()) - sum(
