@@ -211,11 +211,18 @@ ONE_ROPE_LAYER = dict(
         (dict(qk_norm="layer"), "qk_norm"),
         (dict(norm_placement="middle"), "norm_placement"),
         (dict(qkv_bias="yes"), "qkv_bias"),
+        # partial RoPE: an even width within the head (8), with RoPE, not with the whole-head fused kernel
+        (dict(rotary_dim=3), "rotary_dim=3 must be a positive even"),
+        (dict(rotary_dim=0), "rotary_dim=0 must be a positive even"),
+        (dict(rotary_dim=10), "rotary_dim=10 exceeds head_dim=8"),
+        (dict(rotary_dim=4, position="learned"), "rotary_dim=4 needs model.position=rope"),
+        (dict(rotary_dim=4, kernels=["rope"]), r"kernels=\[rope\] turns whole heads"),
     ],
 )
 def test_bad_variant_fields_are_one_line_config_errors(kw, named):
-    with pytest.raises(ConfigError, match=named):
-        ModelConfig(**ONE_ROPE_LAYER, **kw)
+    with pytest.raises(ConfigError, match=named) as e:
+        ModelConfig(**(ONE_ROPE_LAYER | kw))
+    assert "\n" not in str(e.value)
 
 
 def test_variants_without_a_transformers_architecture_are_refused_on_export():
