@@ -198,6 +198,8 @@ PUBLISHED = {
     # transformers' own MistralForCausalLM and Gemma3ForCausalLM of the Hub configs
     "mistral-7b": 7_248_023_552,
     "gemma3-1b": 999_885_952,
+    # transformers' Phi3ForCausalLM of microsoft/phi-4's config.json, on the meta device
+    "phi-4": 14_659_507_200,
 }
 
 
@@ -217,6 +219,8 @@ def preset(name: str) -> ModelConfig:
         "mistral-7b-v0.1",
         "gemma3-1b",
         "gemma3-tiny",
+        "phi-4",
+        "phi-tiny",
     ],
 )
 def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
