@@ -10,8 +10,10 @@ order: COPY) and mlp.gate_up_proj is our gate_proj and up_proj one after the oth
 partial_rotary_factor is rotary_dim / head_dim (transformers turns int(head_dim * factor) features).
 
 A Phi-3 model with RoPE over the whole head is the Llama layout: it imports here and exports as
-LlamaForCausalLM (the same model, its weights named Llama's way). LongRoPE (rope_type longrope, the
-Phi-3.5/Phi-4-mini long contexts) is not a gptkit RoPE scaling: refused at import, by name.
+LlamaForCausalLM (the same model, its weights named Llama's way). LongRoPE (rope_type longrope, or su and
+yarn in older config.json, which Phi3Config reads as longrope: Phi-3-128k, Phi-3.5, Phi-4-mini) is refused at
+import, by name: besides its frequencies, transformers' Phi-3 generate recomputes its cache when a sequence
+first outgrows the original context, which no gptkit decoding path does.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 from gptkit.errors import GptkitError
 from gptkit.hf.decoder import LLAMA_LAYOUT, Decoder, rope_decoder
-from gptkit.hf.family import COPY, JOIN, PLAIN, Row, require
+from gptkit.hf.family import COPY, JOIN, PLAIN, Row, refusal, require
 from gptkit.model.config import ModelConfig
 
 
@@ -69,6 +71,15 @@ class Phi3(Decoder):
 
     def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         return {"sliding_window": cfg.sliding_window if cfg.local_layers else None}
+
+    def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
+        # as Phi3Config reads it: rope_scaling before rope_parameters, and its types su and yarn are longrope
+        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        if rope.get("rope_type", rope.get("type")) in ("su", "yarn", "longrope"):
+            raise refusal(self.model_type)(
+                "rope_type", "longrope", "LongRoPE is not a gptkit RoPE scaling (plain RoPE in Phi-3)"
+            )
+        return super().config_from_hf(d, name)
 
     def rotary_from_hf(
         self, d: dict[str, Any], rope: dict[str, Any], head_dim: int, refuse

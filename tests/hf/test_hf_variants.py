@@ -268,6 +268,9 @@ def test_unsupported_hf_configs_are_refused_by_name(change, named):
             {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
             "rope_type='longrope'",
         ),
+        # older config.json: Phi3Config reads su and yarn as longrope (not as gptkit's yarn)
+        ({"type": "yarn", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_type='longrope'"),
+        ({"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_type='longrope'"),
         # 0.3125 x 16 = 5 features: RoPE turns pairs
         ({"rope_type": "default", "partial_rotary_factor": 0.3125}, "partial_rotary_factor=0.3125"),
         ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
@@ -275,7 +278,9 @@ def test_unsupported_hf_configs_are_refused_by_name(change, named):
 )
 def test_phi3_configs_gptkit_cannot_represent_are_refused_in_one_line(rope, named):
     d = hf_model("phi3").config.to_dict()
-    d["rope_parameters"] = {"rope_theta": 10000.0, "original_max_position_embeddings": 48} | rope
+    rope = {"rope_theta": 10000.0, "original_max_position_embeddings": 48} | rope
+    # an older config.json: its rope_scaling first, as Phi3Config reads it
+    d["rope_parameters" if "rope_type" in rope else "rope_scaling"] = rope
     d.pop("partial_rotary_factor", None)
     with pytest.raises(GptkitError, match=named) as e:
         hf.model_config_from_hf(d)
