@@ -344,3 +344,32 @@ def test_variants_without_a_transformers_architecture_are_refused_on_export():
     cfg = ModelConfig(**ONE_ROPE_LAYER, bias=False, qk_norm="head", norm_placement="post")
     with pytest.raises(GptkitError, match="norm_placement"):
         hf.hf_config(cfg)
+
+
+def test_train_init_from_hf_fine_tunes_phi3_and_exports_it_as_phi3(tmp_path, monkeypatch):
+    """init_from=hf:<a Phi-3 folder> trains two steps with partial RoPE; the run exports as Phi3ForCausalLM
+    (fused qkv_proj, gate_up_proj) with the logits of the trained run."""
+    import json
+    import sys
+
+    from conftest import shakespeare
+
+    from gptkit.runs import load_model
+
+    # the Hydra app sets sys.argv
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+    hf_model("phi3").save_pretrained(tmp_path / "hf")
+    (tmp_path / "c.txt").write_text(shakespeare(20_000).lower())
+    args = ["train", f"init_from=hf:{tmp_path / 'hf'}", "tokenizer=char", "data=files"]
+    args += [f"data.paths=[{tmp_path / 'c.txt'}]", "trainer.batch_size=2", "trainer.max_steps=2"]
+    args += ["trainer.val_windows=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}", "name=ft"]
+    assert cli(*args) == 0
+    assert cli("export", f"run={tmp_path / 'runs/ft'}", f"out={tmp_path / 'out'}") == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["Phi3ForCausalLM"] and config["partial_rotary_factor"] == 0.5
+    *_, model = load_model(tmp_path / "runs/ft")
+    assert model.cfg.rotary_dim == 8
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    idx = torch.randint(0, V, (1, 32))
+    with torch.no_grad():
+        assert (theirs(idx).logits - model(idx).logits).abs().max().item() <= 1e-5
