@@ -21,7 +21,7 @@ import torch
 
 from gptkit.errors import GptkitError
 from gptkit.hf.families import ARCHITECTURES, FAMILIES, family_named, family_of, imported
-from gptkit.hf.family import COPY, SPLIT, STACK, TRANSPOSE, Row
+from gptkit.hf.family import COPY, JOIN, SPLIT, STACK, TRANSPOSE, Family, Row
 from gptkit.model import GPT
 from gptkit.model.config import ModelConfig
 
@@ -139,13 +139,15 @@ def check_weight_sizes(d: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
     family.check_head_shapes(d, shapes, source)
 
 
-def name_map(cfg: ModelConfig) -> list[Row]:
+def name_map(cfg: ModelConfig, family: Family | None = None) -> list[Row]:
     """Every tensor of a gptkit GPT state dict and its transformers counterpart (in the files), as
     (ours, theirs, how): COPY (the same tensor), TRANSPOSE (GPT-2's Conv1D stores [in, out]), SPLIT
-    (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order) or STACK (our [E, out, in]
-    experts tensor is their E tensors, expert 0 first). lm_head appears only when it is not tied to the
-    embedding. Both directions of the mapping read this one table; its rows are the family's."""
-    family = family_of(cfg)
+    (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order), STACK (our [E, out, in]
+    experts tensor is their E tensors, expert 0 first) or JOIN (our gate_proj and up_proj are the two row
+    halves of Phi-3's gate_up_proj, in that order). lm_head appears only when it is not tied to the
+    embedding. Both directions of the mapping read this one table; its rows are the family's: `family`, the
+    one whose files are read (a Phi-3 folder of the Llama layout), else the family of cfg."""
+    family = family or family_of(cfg)
     rows = family.embedding_rows(cfg)
     for i in range(cfg.n_layers):
         rows += family.layer_rows(cfg, i)
@@ -155,14 +157,17 @@ def name_map(cfg: ModelConfig) -> list[Row]:
     return rows
 
 
-def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-    """gptkit GPT state dict -> transformers state dict (new tensors; lm_head left out when tied)."""
+def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig, family: Family | None = None) -> dict[str, Any]:
+    """gptkit GPT state dict -> transformers state dict (new tensors; lm_head left out when tied), in the
+    names of `family` (default: cfg's)."""
     out: dict[str, Any] = {}
-    for ours, theirs, how in name_map(cfg):
+    for ours, theirs, how in name_map(cfg, family):
         if how == SPLIT:
             out.update(zip(theirs, state[ours].split([cfg.d_attn, cfg.d_kv, cfg.d_kv], dim=0)))
         elif how == STACK:
             out.update(zip(theirs, state[ours].unbind(0)))
+        elif how == JOIN:
+            out[theirs] = torch.cat([state[k] for k in ours], dim=0)
         else:
             out[theirs] = state[ours].t() if how == TRANSPOSE else state[ours]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
@@ -177,11 +182,15 @@ _IGNORED = re.compile(r"(?:^|\.)(?:rotary_emb\.inv_freq|attn\.bias|attn\.masked_
 
 
 def from_hf_state_dict(
-    hf_state: dict[str, Any], cfg: ModelConfig, source: str = "the checkpoint"
+    hf_state: dict[str, Any], cfg: ModelConfig, source: str = "the checkpoint", model_type: str | None = None
 ) -> dict[str, Any]:
     """transformers state dict -> gptkit GPT state dict; GptkitError when a tensor is missing,
-    unexpected, or has a shape the config contradicts."""
+    unexpected, or has a shape the config contradicts. `model_type`: config.json's, whose family names the
+    tensors (a Phi-3 model with RoPE over the whole head is cfg of the Llama layout, in Phi-3's files)."""
     family = family_of(cfg)
+    named = family_named(model_type) if model_type is not None else None
+    if named is not None and named.own_files:
+        family = named
     hf = {k: v for k, v in hf_state.items() if not _IGNORED.search(k)}
     hf = family.files_layout(hf, cfg)
     family.check_files(hf, cfg, source)
@@ -189,7 +198,7 @@ def from_hf_state_dict(
     if cfg.tie_embeddings:
         hf.pop("lm_head.weight", None)
     with torch.device("meta"):
-        expected = to_hf_state_dict(GPT(cfg).state_dict(), cfg)
+        expected = to_hf_state_dict(GPT(cfg).state_dict(), cfg, family)
     missing, unexpected = sorted(set(expected) - set(hf)), sorted(set(hf) - set(expected))
     if missing or unexpected:
         raise GptkitError(
@@ -202,11 +211,13 @@ def from_hf_state_dict(
                 f"the config needs {tuple(v.shape)}"
             )
     state: dict[str, Any] = {}
-    for ours, theirs, how in name_map(cfg):
+    for ours, theirs, how in name_map(cfg, family):
         if how == SPLIT:
             state[ours] = torch.cat([hf[k] for k in theirs], dim=0)  # [d_attn + 2 * d_kv, ...]
         elif how == STACK:
             state[ours] = torch.stack([hf[k] for k in theirs])  # [E, out, in]
+        elif how == JOIN:
+            state.update(zip(ours, hf[theirs].chunk(len(ours), dim=0)))  # equal row blocks, in order
         else:
             state[ours] = hf[theirs].t() if how == TRANSPOSE else hf[theirs]
     if cfg.tie_embeddings:
@@ -239,5 +250,9 @@ def to_transformers(model):
 
 def from_transformers(hf_model, name: str = "imported"):
     """The gptkit GPT (fp32, eval mode) with exactly `hf_model`'s weights."""
-    cfg = model_config_from_hf(hf_model.config.to_dict(), name=name)
-    return GPT.from_state(cfg, from_hf_state_dict(hf_model.state_dict(), cfg, source=type(hf_model).__name__))
+    d = hf_model.config.to_dict()
+    cfg = model_config_from_hf(d, name=name)
+    state = from_hf_state_dict(
+        hf_model.state_dict(), cfg, source=type(hf_model).__name__, model_type=d["model_type"]
+    )
+    return GPT.from_state(cfg, state)

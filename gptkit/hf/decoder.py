@@ -165,12 +165,12 @@ class Decoder(Family):
                     "rope_parameters.sliding_attention", local_rope, "plain RoPE in the local layers"
                 )
             local_theta = float(local_rope.get("rope_theta", 10000.0))
-        if float(d.get("partial_rotary_factor", 1.0)) != 1.0:
-            raise refuse("partial_rotary_factor", d["partial_rotary_factor"], "RoPE over the whole head")
-        variant = self.bias_from_hf(d, refuse)
+        n_heads = d["num_attention_heads"]
+        head_dim = d.get("head_dim") or d["hidden_size"] // n_heads
+        variant = self.rotary_from_hf(d, rope, head_dim, refuse)
+        variant |= self.bias_from_hf(d, refuse)
         window, layer_types = self.windows_from_hf(d, refuse)
         variant |= self.extra_from_hf(d, local_theta, local_rope, refuse)
-        n_heads = d["num_attention_heads"]
         moe, d_ff = self.moe_from_hf(d)
         return ModelConfig(
             vocab_size=d["vocab_size"],
@@ -180,7 +180,7 @@ class Decoder(Family):
             n_kv_heads=d.get("num_key_value_heads") or n_heads,
             d_model=d["hidden_size"],
             d_ff=d_ff or d["intermediate_size"],
-            head_dim=d.get("head_dim") or d["hidden_size"] // n_heads,
+            head_dim=head_dim,
             position="rope",
             rope_theta=theta,
             rope_scaling=scaling,
@@ -194,6 +194,16 @@ class Decoder(Family):
             name=name,
             **(LLAMA_LAYOUT | variant),
         )
+
+    def rotary_from_hf(
+        self, d: dict[str, Any], rope: dict[str, Any], head_dim: int, refuse
+    ) -> dict[str, Any]:
+        """model.rotary_dim of config.json's partial_rotary_factor (in rope_parameters or beside it): RoPE
+        over the whole head in every family but Phi-3 (phi3.py)."""
+        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+        if float(factor) != 1.0:
+            raise refuse("partial_rotary_factor", factor, "RoPE over the whole head")
+        return {}
 
     def check_activation(self, d: dict[str, Any], refuse) -> None:
         if d.get("hidden_act", "silu") != "silu":

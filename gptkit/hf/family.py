@@ -10,7 +10,8 @@ conversion code (convert.py) that never asks which family it holds:
     check_hf(d)            config.json's numbers sane before anything is sized by them
     config_from_hf(d)      the ModelConfig of its config.json, or a GptkitError
     embedding_rows, layer_rows(cfg, i), final_rows
-                           the weight names: (ours, theirs, how) rows, how: COPY, TRANSPOSE, SPLIT, STACK
+                           the weight names: (ours, theirs, how) rows, how: COPY, TRANSPOSE, SPLIT, STACK,
+                           JOIN
     files_layout, memory_layout, check_files
                            the files' layout against transformers' in-memory one (the mixtures' experts)
 
@@ -27,9 +28,11 @@ from gptkit.errors import GptkitError
 from gptkit.model.config import ModelConfig
 
 # how one of our tensors becomes theirs: the same tensor; GPT-2's Conv1D stores [in, out]; our fused qkv_proj
-# rows are q_proj, k_proj, v_proj in that order; our [E, out, in] experts tensor is their E tensors
-COPY, TRANSPOSE, SPLIT, STACK = "copy", "transpose", "split", "stack"
-Row = tuple[str, str | tuple[str, ...], str]
+# rows are q_proj, k_proj, v_proj in that order; our [E, out, in] experts tensor is their E tensors; our
+# tensors (a tuple: gate_proj, up_proj) are the equal row blocks of their one tensor, in that order (Phi-3's
+# gate_up_proj)
+COPY, TRANSPOSE, SPLIT, STACK, JOIN = "copy", "transpose", "split", "stack", "join"
+Row = tuple[str | tuple[str, ...], str | tuple[str, ...], str]
 # the fields only some families turn on (Gemma's), at the values every other family needs
 PLAIN = {
     "scale_embeddings": False,
@@ -41,6 +44,8 @@ PLAIN = {
     "nope_layers": None,
     # every family of today is multi-head attention (gptkit/model/attention_kinds.py)
     "attention_kind": "mha",
+    # RoPE over the whole head (Phi-3's partial RoPE: gptkit/hf/phi3.py)
+    "rotary_dim": None,
 }
 
 
@@ -95,6 +100,11 @@ class Family:
     fan_in_fan_out = False
     # transformers' model has dropout in attention only (export says so when model.dropout > 0)
     attention_dropout_only = True
+    # a LoRA run's adapters export in PEFT's layout (gptkit/hf/peft.py); False: only merged
+    peft_adapters = True
+    # its files name the tensors its own way even when another family claims the config it reads (Phi-3's
+    # fused weights, for a model of the Llama layout): import reads them by config.json's model_type
+    own_files = False
 
     def claims(self, cfg: ModelConfig) -> bool:
         raise NotImplementedError

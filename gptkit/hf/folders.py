@@ -496,7 +496,9 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
         )
     source = loaded if loaded is not None else load_weights(src.dir)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
-    model = GPT.from_state(model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir)))
+    model = GPT.from_state(
+        model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir), model_type=hf_cfg["model_type"])
+    )
     # tokenizer_config.json's
     template = template_in_folder(src.dir) if tokenizer is not None else None
     with staged_dir(out, force=force) as tmp:

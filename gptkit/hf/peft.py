@@ -30,6 +30,12 @@ def peft_adapters(
             f"lora.targets={list(lora['targets'])} adapt a mixture's experts, which have no PEFT adapter "
             "layout here: export the model with its adapters merged (adapters=false)"
         )
+    family = family_of(cfg)
+    if not family.peft_adapters:
+        raise GptkitError(
+            f"{family.architecture} fuses q/k/v and gate/up into one weight each, which have no PEFT adapter "
+            "layout here: export the model with its adapters merged (adapters=false)"
+        )
     hf_of = {ours: theirs for ours, theirs, _ in name_map(cfg)}
     rank, alpha = int(lora["rank"]), lora["alpha"]
     tensors: dict[str, Any] = {}

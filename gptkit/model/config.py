@@ -189,6 +189,9 @@ class ModelConfig:
     head_dim: int | None = None
     # learned | rope
     position: str = "learned"
+    # null: RoPE turns the whole head; r (even, <= head_dim): only the first r features of each head, with the
+    # frequencies of an r-wide head, the rest pass through (partial RoPE: transformers' partial_rotary_factor)
+    rotary_dim: int | None = None
     rope_theta: float = 10000.0
     # null: plain RoPE; {type: llama3 | linear | dynamic | yarn, ...}: the frequencies rescaled (the keys of
     # each type: ROPE_SCALING_KEYS; transformers' rope_type of the same name)
@@ -257,6 +260,9 @@ class ModelConfig:
             self.d_ff = 4 * self.d_model if self.mlp == "gelu" else swiglu_hidden(self.d_model)
         if self.moe is not None and self.moe.d_expert is None:
             self.moe.d_expert = self.d_ff
+        if self.rotary_dim == self.head_dim:
+            # the whole head: one spelling (null) for one model
+            self.rotary_dim = None
 
     def feed_forward(self, layer: int) -> str:
         """The feed-forward of layer `layer` (from 0): "moe", or the dense model.mlp
@@ -299,6 +305,11 @@ class ModelConfig:
     def attn_scale(self) -> float:
         """The factor of the attention scores q k^T: query_pre_attn_scalar^-0.5, else head_dim^-0.5."""
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def rope_dim(self) -> int:
+        """The features of each head RoPE turns: model.rotary_dim, else the whole head."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def d_attn(self) -> int:
@@ -366,6 +377,7 @@ class ModelConfig:
         hd = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
         if self.position == "rope" and hd % 2:
             raise ConfigError(f"RoPE needs an even head_dim, got {hd}; change model.d_model or model.n_heads")
+        self._validate_rotary_dim(hd)
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not float(self.norm_eps) > 0:
@@ -397,6 +409,31 @@ class ModelConfig:
                 raise ConfigError(
                     f"model.moe: the experts are SwiGLU MLPs, but model.mlp={self.mlp}; set model.mlp=swiglu"
                 )
+
+    def _validate_rotary_dim(self, head_dim: int) -> None:
+        """model.rotary_dim: ConfigError (one line) unless null or an even width within a RoPE head."""
+        r = self.rotary_dim
+        if r is None:
+            return
+        if self.position != "rope":
+            raise ConfigError(
+                f"model.rotary_dim={r!r} needs model.position=rope (it is {self.position}); set it to null"
+            )
+        if not isinstance(r, int) or isinstance(r, bool) or r <= 0 or r % 2:
+            raise ConfigError(
+                f"model.rotary_dim={r!r} must be a positive even integer (the features of each head RoPE "
+                f"turns), or null for the whole head"
+            )
+        if r > head_dim:
+            raise ConfigError(
+                f"model.rotary_dim={r} exceeds head_dim={head_dim}: RoPE turns part of a head at most; set "
+                f"it <= {head_dim} (or null for the whole head)"
+            )
+        if "rope" in self.kernels and r < head_dim:
+            raise ConfigError(
+                f"model.kernels=[rope] turns whole heads, but model.rotary_dim={r} < head_dim={head_dim}; "
+                f"drop rope from model.kernels (or set model.rotary_dim=null)"
+            )
 
     def _validate_windows(self) -> None:
         """model.sliding_window and model.layer_types: ConfigError (one line) when they do not fit."""

@@ -105,7 +105,7 @@ class GPT(nn.Module):
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.rope = (
             RotaryEmbedding(
-                cfg.head_dim,
+                cfg.rope_dim,
                 max_seq_len=cfg.max_seq_len,
                 theta=cfg.rope_theta,
                 fused="rope" in cfg.kernels,
@@ -116,7 +116,7 @@ class GPT(nn.Module):
         )
         # the local layers' own RoPE (model.rope_local_theta: plain, another base)
         self.rope_local = (
-            RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_local_theta, fused="rope" in cfg.kernels)
+            RotaryEmbedding(cfg.rope_dim, cfg.max_seq_len, cfg.rope_local_theta, fused="rope" in cfg.kernels)
             if cfg.rope_local_theta is not None and cfg.position == "rope"
             else None
         )

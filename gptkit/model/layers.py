@@ -155,6 +155,9 @@ class RotaryEmbedding(nn.Module):
     (model.rope_scaling) rescales the frequencies first (gptkit/model/rope_scaling.py: llama3, linear,
     yarn, dynamic); a `dynamic` scaling computes its tables per forward once the sequence outgrows its
     original context (from the forward's last position, as transformers does per call).
+
+    `head_dim` is the width it rotates: the first head_dim features of each head (model.rotary_dim, partial
+    RoPE as Phi's), its frequencies those of that width; the features past it pass through unchanged.
     """
 
     def __init__(
@@ -214,7 +217,18 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [B, H, T, D] and k [B, Hkv, T, D] for their positions: an int p (positions p..p+T-1),
         a [T] tensor (decoding with fixed shapes) or a [B, T] tensor (e.g. restarting at every packed
-        document)."""
+        document). With D > head_dim (partial RoPE) only the first head_dim features of each head turn
+        (transformers' apply_rotary_pos_emb: cat(rotated q[..., :r], q[..., r:]))."""
+        r = self.head_dim
+        if q.shape[-1] == r:
+            return self._rotate_all(q, k, positions)
+        q_rot, k_rot = self._rotate_all(q[..., :r], k[..., :r], positions)
+        return torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+
+    def _rotate_all(
+        self, q: torch.Tensor, k: torch.Tensor, positions: int | torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated over their whole last dimension (head_dim wide)."""
         one_row = isinstance(positions, torch.Tensor) and positions.dim() == 1
         cos_table, sin_table = self.tables(positions, q.shape[-2])
         if self.fused and not one_row and fused.usable(q, "rope"):

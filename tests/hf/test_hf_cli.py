@@ -69,18 +69,19 @@ def test_export_notes_model_dropout_where_the_family_has_attention_dropout_only(
 def test_import_refuses_what_is_not_a_supported_model(tmp_path, cli):
     (tmp_path / "empty").mkdir()
     one_line_error(cli("import", f"hf={tmp_path / 'empty'}", f"out={tmp_path / 'a'}"), "no config.json")
-    (tmp_path / "phi3").mkdir()
-    (tmp_path / "phi3" / "config.json").write_text(
-        json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
+    (tmp_path / "phi").mkdir()
+    (tmp_path / "phi" / "config.json").write_text(
+        json.dumps({"model_type": "phi", "architectures": ["PhiForCausalLM"]})
     )
     one_line_error(
-        cli("import", f"hf={tmp_path / 'phi3'}", f"out={tmp_path / 'a'}"),
-        "phi3",
-        "Phi3ForCausalLM",
+        cli("import", f"hf={tmp_path / 'phi'}", f"out={tmp_path / 'a'}"),
+        "phi",
+        "PhiForCausalLM",
         "Llama",
         "GPT-2",
+        "Phi-3",
     )
-    only(tmp_path, "empty", "phi3")
+    only(tmp_path, "empty", "phi")
 
 
 def test_import_refuses_weights_that_contradict_the_config_or_run_code(tmp_path, cli):

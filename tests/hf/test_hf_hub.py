@@ -152,7 +152,7 @@ def test_import_hub_model_without_safetensors_reads_pytorch_bin_safely(tmp_path,
         ("gated", ["is a gated model", "hf auth login"]),
         ("revision", ["has no revision 'v9'", f"{REPO_ID}@<revision>"]),
         ("no config.json", ["has no config.json", "not a transformers model"]),
-        ("phi3", ["model_type='phi3'", "Llama", "GPT-2"]),
+        ("phi", ["model_type='phi'", "Llama", "GPT-2", "Phi-3"]),
     ],
 )
 def test_import_hub_errors_are_one_line(tmp_path, hub, capsys, case, needles):
@@ -164,9 +164,9 @@ def test_import_hub_errors_are_one_line(tmp_path, hub, capsys, case, needles):
     }.get(case)
     if case == "no config.json":
         (fake.files / "config.json").unlink()
-    if case == "phi3":
+    if case == "phi":
         (fake.files / "config.json").write_text(
-            json.dumps({"model_type": "phi3", "architectures": ["Phi3ForCausalLM"]})
+            json.dumps({"model_type": "phi", "architectures": ["PhiForCausalLM"]})
         )
     code, out, err = run_main(capsys, "import", f"hf={REPO_ID}@v9", f"out={tmp_path / 'run'}")
     assert code == 2 and out == ""

@@ -1,7 +1,7 @@
 """The models people fine-tune: Llama 3.1/3.2 (RoPE scaling llama3), Qwen2/2.5 (q/k/v biases), Qwen3 (QK-norm
-per head), OLMo-2 (QK-norm over all heads, norms after each branch) and SmolLM3 (NoPE layers) import and
-export with the logits of `transformers` (fp32, <= 1e-5), on random-weight models built from their configs
-(no hub)."""
+per head), OLMo-2 (QK-norm over all heads, norms after each branch), SmolLM3 (NoPE layers) and Phi-3/Phi-4
+(partial RoPE, fused qkv_proj and gate_up_proj) import and export with the logits of `transformers` (fp32,
+<= 1e-5), on random-weight models built from their configs (no hub)."""
 
 import pytest
 import torch
@@ -20,6 +20,8 @@ from gptkit.model import GPT, ModelConfig
 transformers = pytest.importorskip("transformers")
 
 V, T = 64, 48
+# Phi-3's models have room to generate past T
+PHI_POSITIONS = 96
 # an "original" context of 16: positions up to 48 are scaled
 LLAMA3_SCALING = {
     "factor": 8.0,
@@ -47,6 +49,13 @@ def hf_model(kind: str):
         )
     elif kind == "qwen3":
         cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, attention_bias=False)
+    elif kind.startswith("phi3"):
+        # phi3: half of each 16-wide head turns (Phi-3.5/Phi-4-mini turn 3/4), a window of 16 in every layer;
+        # phi3-full: RoPE over the whole head (Phi-4)
+        partial = {"partial_rotary_factor": 0.5, "sliding_window": 16} if kind == "phi3" else {}
+        cfg = transformers.Phi3Config(
+            **hf_common(V, PHI_POSITIONS), **partial, rope_theta=10000.0, tie_word_embeddings=False
+        )
     else:
         cfg = transformers.Olmo2Config(**(common | {"num_key_value_heads": 4}), tie_word_embeddings=False)
     cls = {
@@ -55,11 +64,13 @@ def hf_model(kind: str):
         "qwen3": transformers.Qwen3ForCausalLM,
         "olmo2": transformers.Olmo2ForCausalLM,
         "smollm3": transformers.SmolLM3ForCausalLM,
+        "phi3": transformers.Phi3ForCausalLM,
+        "phi3-full": transformers.Phi3ForCausalLM,
     }[kind]
     return hf_perturbed(lambda: cls(cfg))
 
 
-KINDS = ["llama3.2", "qwen2", "qwen3", "olmo2", "smollm3"]
+KINDS = ["llama3.2", "qwen2", "qwen3", "olmo2", "smollm3", "phi3"]
 # what each family is in gptkit's fields
 WANT = {
     "llama3.2": dict(qkv_bias=False, qk_norm=None, norm_placement="pre", tie_embeddings=True),
@@ -67,6 +78,7 @@ WANT = {
     "qwen3": dict(qk_norm="head", head_dim=32, norm_placement="pre"),
     "olmo2": dict(qk_norm="full", norm_placement="post", n_kv_heads=4),
     "smollm3": dict(nope_layers=[1, 3], n_layers=4, tie_embeddings=True, rope_theta=500.0, qk_norm=None),
+    "phi3": dict(rotary_dim=8, head_dim=16, sliding_window=16, bias=False, tie_embeddings=False),
 }
 
 
@@ -85,6 +97,52 @@ def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_fi
             )
             assert (ours(idx).logits - ref).abs().max().item() <= 1e-5, attention
     hf_export_same_files(tmp_path, type(theirs).__name__, idx, ref)
+
+
+def test_phi3_with_rope_over_the_whole_head_is_the_llama_layout_in_phi3_files(tmp_path):
+    """Phi-4 turns the whole head: it imports (its fused files read) with transformers' logits, and exports
+    as LlamaForCausalLM, the same model under Llama's names."""
+    theirs = hf_model("phi3-full")
+    model_cfg, model = hf_import(tmp_path, theirs, dict(rotary_dim=None, head_dim=16, bias=False))
+    idx = torch.randint(0, V, (2, T))
+    with torch.no_grad():
+        ref = theirs(idx).logits
+        assert (model(idx).logits - ref).abs().max().item() <= 1e-5
+        assert hf.architecture(model_cfg) == "llama"
+        assert (hf.to_transformers(model)(idx).logits - ref).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("kind", ["phi3", "phi3-full"])
+def test_phi3_greedy_generation_equals_transformers(kind):
+    """64 greedy tokens past an 8-token prompt (through the window of 16 for phi3): the tokens of
+    transformers' own generate with its cache."""
+    theirs = hf_model(kind)
+    ours = hf.from_transformers(theirs)
+    prompt = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # [1, 8]
+        want = theirs.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, 8:].tolist()
+    got = generate(ours, prompt, SampleOptions(max_new_tokens=64, temperature=0.0, decode="eager")).tokens[0]
+    assert len(want) == 64 and len(set(want)) > 3 and got == want
+
+
+def test_partial_rope_is_applied_not_ignored():
+    """The same Phi-3 weights with RoPE over the whole head give other logits: the parity tests the split."""
+    theirs = hf_model("phi3")
+    ours = hf.from_transformers(theirs)
+    whole = GPT.from_state(
+        ModelConfig.from_dict({**ours.cfg.to_dict(), "rotary_dim": None}), ours.state_dict()
+    )
+    idx = torch.randint(0, V, (1, T))
+    with torch.no_grad():
+        assert (whole(idx).logits - theirs(idx).logits).abs().max().item() > 1e-2
 
 
 def test_llama3_scaling_is_applied_not_ignored():
@@ -203,6 +261,8 @@ PUBLISHED = {
     "gemma3-1b": 999_885_952,
     # transformers' SmolLM3ForCausalLM of SmolLM3Config's defaults (its docstring's SmolLM3-3B)
     "smollm3-3b": 3_075_098_624,
+    # transformers' Phi3ForCausalLM of microsoft/phi-4's config.json, on the meta device
+    "phi-4": 14_659_507_200,
 }
 
 
@@ -226,6 +286,8 @@ def preset(name: str) -> ModelConfig:
         "gemma3-tiny",
         "smollm3-3b",
         "smollm3-tiny",
+        "phi-4",
+        "phi-tiny",
     ],
 )
 def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
@@ -265,6 +327,58 @@ def test_unsupported_hf_configs_are_refused_by_name(change, named):
         hf.model_config_from_hf(d)
 
 
+@pytest.mark.parametrize(
+    "rope, named",
+    [
+        # Phi-3.5-mini / Phi-4-mini's long context: not a gptkit RoPE scaling
+        (
+            {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
+            "rope_type='longrope'",
+        ),
+        # older config.json: Phi3Config reads su and yarn as longrope (not as gptkit's yarn)
+        ({"type": "yarn", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_type='longrope'"),
+        ({"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_type='longrope'"),
+        # 0.3125 x 16 = 5 features: RoPE turns pairs
+        ({"rope_type": "default", "partial_rotary_factor": 0.3125}, "partial_rotary_factor=0.3125"),
+        ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
+    ],
+)
+def test_phi3_configs_gptkit_cannot_represent_are_refused_in_one_line(rope, named):
+    d = hf_model("phi3").config.to_dict()
+    rope = {"rope_theta": 10000.0, "original_max_position_embeddings": 48} | rope
+    # an older config.json: its rope_scaling first, as Phi3Config reads it
+    d["rope_parameters" if "rope_type" in rope else "rope_scaling"] = rope
+    d.pop("partial_rotary_factor", None)
+    with pytest.raises(GptkitError, match=named) as e:
+        hf.model_config_from_hf(d)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "kw, named",
+    [
+        (dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope_scaling"),
+        (dict(qkv_bias=True), "qkv_bias"),
+        (dict(sliding_window=8, layer_types=["local", "global"]), "every layer"),
+        # 30 / 44 is no float transformers turns back into 30 features
+        (dict(head_dim=44, rotary_dim=30), "rotary_dim=30 of head_dim=44"),
+    ],
+)
+def test_partial_rope_models_phi3_cannot_hold_are_refused_on_export(kw, named):
+    cfg = ModelConfig(**(ONE_ROPE_LAYER | dict(n_layers=2, bias=False, rotary_dim=4) | kw))
+    with pytest.raises(GptkitError, match=named) as e:
+        hf.hf_config(cfg)
+    assert "\n" not in str(e.value)
+
+
+def test_phi3_lora_adapters_export_merged_only():
+    from gptkit.hf.peft import peft_adapters
+
+    cfg = ModelConfig(**(ONE_ROPE_LAYER | dict(bias=False, rotary_dim=4)))
+    with pytest.raises(GptkitError, match="adapters=false"):
+        peft_adapters({}, cfg, {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q"]})
+
+
 # a one-layer model with RoPE, SwiGLU and RMSNorm
 ONE_ROPE_LAYER = dict(
     vocab_size=V, n_layers=1, n_heads=4, d_model=32, position="rope", mlp="swiglu", norm="rmsnorm"
@@ -282,11 +396,18 @@ ONE_ROPE_LAYER = dict(
         (dict(nope_layers=[1]), "nope_layers holds 1: each must be a layer index from 0 to 0"),
         (dict(nope_layers=[0, 0]), "names a layer twice"),
         (dict(nope_layers="0"), "nope_layers"),
+        # partial RoPE: an even width within the head (8), with RoPE, not with the whole-head fused kernel
+        (dict(rotary_dim=3), "rotary_dim=3 must be a positive even"),
+        (dict(rotary_dim=0), "rotary_dim=0 must be a positive even"),
+        (dict(rotary_dim=10), "rotary_dim=10 exceeds head_dim=8"),
+        (dict(rotary_dim=4, position="learned"), "rotary_dim=4 needs model.position=rope"),
+        (dict(rotary_dim=4, kernels=["rope"]), r"kernels=\[rope\] turns whole heads"),
     ],
 )
 def test_bad_variant_fields_are_one_line_config_errors(kw, named):
-    with pytest.raises(ConfigError, match=named):
-        ModelConfig(**ONE_ROPE_LAYER, **kw)
+    with pytest.raises(ConfigError, match=named) as e:
+        ModelConfig(**(ONE_ROPE_LAYER | kw))
+    assert "\n" not in str(e.value)
 
 
 def test_nope_layers_need_rope():
@@ -299,3 +420,32 @@ def test_variants_without_a_transformers_architecture_are_refused_on_export():
     cfg = ModelConfig(**ONE_ROPE_LAYER, bias=False, qk_norm="head", norm_placement="post")
     with pytest.raises(GptkitError, match="norm_placement"):
         hf.hf_config(cfg)
+
+
+def test_train_init_from_hf_fine_tunes_phi3_and_exports_it_as_phi3(tmp_path, monkeypatch):
+    """init_from=hf:<a Phi-3 folder> trains two steps with partial RoPE; the run exports as Phi3ForCausalLM
+    (fused qkv_proj, gate_up_proj) with the logits of the trained run."""
+    import json
+    import sys
+
+    from conftest import shakespeare
+
+    from gptkit.runs import load_model
+
+    # the Hydra app sets sys.argv
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+    hf_model("phi3").save_pretrained(tmp_path / "hf")
+    (tmp_path / "c.txt").write_text(shakespeare(20_000).lower())
+    args = ["train", f"init_from=hf:{tmp_path / 'hf'}", "tokenizer=char", "data=files"]
+    args += [f"data.paths=[{tmp_path / 'c.txt'}]", "trainer.batch_size=2", "trainer.max_steps=2"]
+    args += ["trainer.val_windows=2", "trainer.progress=false", f"runs_dir={tmp_path / 'runs'}", "name=ft"]
+    assert cli(*args) == 0
+    assert cli("export", f"run={tmp_path / 'runs/ft'}", f"out={tmp_path / 'out'}") == 0
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["Phi3ForCausalLM"] and config["partial_rotary_factor"] == 0.5
+    *_, model = load_model(tmp_path / "runs/ft")
+    assert model.cfg.rotary_dim == 8
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    idx = torch.randint(0, V, (1, 32))
+    with torch.no_grad():
+        assert (theirs(idx).logits - model(idx).logits).abs().max().item() <= 1e-5

@@ -24,7 +24,7 @@ def tiny_gpt(variant: str, max_seq_len: int = 32, attention: str = "sdpa", seed:
 PROMPT = [3, 14, 15, 9, 2, 6]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [*VARIANTS, "rope-partial"])
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_cached_logits_match_full_forward(variant, attention):
     model = tiny_gpt(variant, attention=attention)
@@ -278,6 +278,10 @@ STATIC_VARIANTS = {
     **VARIANTS,
     "learned-mqa": dict(position="learned", n_kv_heads=1, mlp="gelu", norm="layernorm"),
     "rope-gqa2": dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False),
+    # partial RoPE (Phi's): the first 4 of the 8 features of each head turn, before the cache
+    "rope-partial": dict(
+        position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=False, rotary_dim=4
+    ),
 }
 
 
@@ -308,7 +312,7 @@ def test_static_cache_writes_at_the_position_tensor_and_masks_the_rest():
     assert cache.mask.tolist() == [[j <= i for j in range(8)] for i in range(3)]
 
 
-@pytest.mark.parametrize("variant", ["learned-mha", "rope-gqa2"])
+@pytest.mark.parametrize("variant", ["learned-mha", "rope-gqa2", "rope-partial"])
 def test_static_cache_logits_match_full_forward(variant):
     """Prefill and one-token steps through the static cache (positions as a tensor, attention over the whole
     cache under the mask) give the full forward's logits; stale slots from an earlier window stay hidden."""
