@@ -112,6 +112,8 @@ class ParamCounts:
     inactive: int = 0
     # attention sinks (model.attn_sinks): one logit per query head, all layers
     attn_sinks: int = 0
+    # the attention output gates' projections (model.attn_output_gate), all layers
+    attn_gate: int = 0
 
     @property
     def active(self) -> int:
@@ -120,7 +122,7 @@ class ParamCounts:
 
     @property
     def attention(self) -> int:
-        return self.attn_q + self.attn_k + self.attn_v + self.attn_o + self.attn_sinks
+        return self.attn_q + self.attn_k + self.attn_v + self.attn_o + self.attn_sinks + self.attn_gate
 
     @property
     def total(self) -> int:
@@ -147,6 +149,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     v = d * cfg.d_kv + qkv_b * cfg.d_kv
     o = cfg.d_attn * d + b * d
     sinks = cfg.n_heads if cfg.attn_sinks else 0
+    # the output gate's projection (model.attn_output_gate): q's shape
+    gate = q if cfg.attn_output_gate else 0
     if cfg.mlp == "gelu":
         dense = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
     else:
@@ -166,7 +170,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     first = router + experts + shared if cfg.feed_forward(0) == "moe" else dense
     # a block's norms: before attention and MLP (and, sandwich, after each too)
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2
-    per_layer = q + k + v + o + sinks + first + n_norms * norm + qk_norm
+    per_layer = q + k + v + o + sinks + gate + first + n_norms * norm + qk_norm
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
@@ -185,6 +189,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         shared=n_moe * shared,
         inactive=n_moe * (m.n_experts - m.top_k) * expert if m else 0,
         attn_sinks=L * sinks,
+        attn_gate=L * gate,
     )
 
 
@@ -193,7 +198,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     top_k routed experts and its shared experts, not the other routed experts."""
     d = cfg.d_model
     mlp_matrices = 2 if cfg.mlp == "gelu" else 3
-    attention = d * cfg.d_attn + 2 * d * cfg.d_kv + cfg.d_attn * d
+    attention = d * cfg.d_attn * (2 + int(cfg.attn_output_gate)) + 2 * d * cfg.d_kv
     n_moe = len(cfg.moe_layers)
     dense = (cfg.n_layers - n_moe) * mlp_matrices * d * cfg.d_ff
     m = cfg.moe
@@ -286,7 +291,9 @@ def muon_params(cfg: ModelConfig) -> int:
     biases, the norms, the embeddings or the LM head (AdamW's)."""
     c = count_params(cfg)
     d, b, qkv_b = cfg.d_model, int(cfg.bias), int(cfg.qkv_bias)
-    attention_biases = cfg.n_layers * (qkv_b * (cfg.d_attn + 2 * cfg.d_kv) + b * d)
+    # q/k/v (and the output gate's) biases, o_proj's
+    gate = int(cfg.attn_output_gate) * cfg.d_attn
+    attention_biases = cfg.n_layers * (qkv_b * (cfg.d_attn + gate + 2 * cfg.d_kv) + b * d)
     per_dense = b * ((cfg.d_ff if cfg.mlp == "gelu" else 2 * cfg.d_ff) + d)
     mlp_biases = (cfg.n_layers - len(cfg.moe_layers)) * per_dense
     m = cfg.moe

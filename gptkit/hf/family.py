@@ -39,6 +39,7 @@ PLAIN = {
     "attn_softcap": None,
     "logit_softcap": None,
     "attn_sinks": False,
+    "attn_output_gate": False,
     "rope_local_theta": None,
     # every layer rotates (SmolLM3's NoPE layers: gptkit/hf/smollm3.py)
     "nope_layers": None,

@@ -234,6 +234,9 @@ class ModelConfig:
     # a learned logit per head in each softmax's denominator, with no value (gpt-oss's attention sinks): the
     # attention module gets a parameter `sinks` [n_heads]
     attn_sinks: bool = False
+    # a sigmoid gate on each query head's attention output, from the layer's input (Qwen3-Next's and
+    # OLMo-core's): y * sigmoid(x W_g) before o_proj; the attention module gets gate_proj [d_model -> d_attn]
+    attn_output_gate: bool = False
     # null | c: the output logits soft-capped to c * tanh(logits / c) (Gemma 2)
     logit_softcap: float | None = None
     # token embeddings times sqrt(d_model), rounded to their dtype (Gemma)
@@ -400,8 +403,9 @@ class ModelConfig:
                 raise ConfigError(f"model.{name}={v!r} must be a number > 0 (or null: none)")
         if not isinstance(self.scale_embeddings, bool):
             raise ConfigError(f"model.scale_embeddings={self.scale_embeddings!r} must be true or false")
-        if not isinstance(self.attn_sinks, bool):
-            raise ConfigError(f"model.attn_sinks={self.attn_sinks!r} must be true or false")
+        for name in ("attn_sinks", "attn_output_gate"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         if self.moe is not None:
             self.moe = MoEConfig.from_dict(self.moe)
             self.moe.validate(self.n_layers)

@@ -56,6 +56,10 @@ class MultiHeadAttention(nn.Module):
         # model.attn_sinks: a logit per head in each softmax's denominator (gpt-oss: transformers'
         # self_attn.sinks); the backends take it as sinks=
         self.sinks = nn.Parameter(torch.zeros(cfg.n_heads)) if cfg.attn_sinks else None
+        # model.attn_output_gate: y * sigmoid(x W_g), per query head and feature, before o_proj (Qwen3-Next)
+        self.gate_proj = (
+            nn.Linear(cfg.d_model, cfg.d_attn, bias=cfg.qkv_bias) if cfg.attn_output_gate else None
+        )
 
     def forward(
         self,
@@ -108,4 +112,6 @@ class MultiHeadAttention(nn.Module):
             # y: [B, n_heads, T, head_dim]
         )
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
+        if self.gate_proj is not None:
+            y = y * torch.sigmoid(self.gate_proj(x))  # [B, T, d_attn]
         return F.dropout(self.o_proj(y), self.dropout, self.training), probs

@@ -156,6 +156,8 @@ def test_layouts_size_the_caches_and_the_accounting(stub_kinds):
         ("hybrid", {}),
         # multi-head attention with a NoPE layer (model.nope_layers): its keys are cached unrotated
         ("mha", {"nope_layers": [1]}),
+        # multi-head attention with an output gate (model.attn_output_gate)
+        ("mha", {"attn_output_gate": True}),
     ],
 )
 def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kind, over):
@@ -246,15 +248,27 @@ def test_no_transformers_family_claims_another_kind(stub_kinds):
 KINDS = list(ATTENTION_KINDS)
 
 
+BLOCKS = {
+    "plain": {},
+    "sinks": {"attn_sinks": True},
+    # with q/k/v biases: the gate's projection has one too
+    "output-gate": {"attn_output_gate": True, "qkv_bias": True},
+}
+
+
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("sinks", [False, True])
-def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind, sinks):
-    """A new kind's row is not done until the accounting counts its module's parameters (attention sinks
-    included) and its layout gives the tensors its module writes to the cache."""
-    over = dict(sliding_window=8, layer_types=["local", "global"], qk_norm="head", attn_sinks=sinks)
+@pytest.mark.parametrize("blocks", BLOCKS)
+def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind, blocks):
+    """A new kind's row is not done until the accounting counts its module's parameters (attention sinks and
+    output gates included, and Muon's share) and its layout gives the tensors its module writes to the
+    cache."""
+    from gptkit.training.optim import muon_split
+
+    over = dict(sliding_window=8, layer_types=["local", "global"], qk_norm="head", **BLOCKS[blocks])
     model = tiny(kind, **over)
     counts = accounting.count_params(model.cfg)
     assert counts.total == sum(p.numel() for p in model.parameters())
+    assert accounting.muon_params(model.cfg) == sum(p.numel() for _, p in muon_split(model)[0])
     assert counts.attention == sum(p.numel() for b in model.blocks for p in b.attn.parameters()) - sum(
         p.numel() for b in model.blocks for n, p in b.attn.named_parameters() if "norm" in n
     )
@@ -264,3 +278,30 @@ def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind, sinks):
     assert cache.nbytes == accounting.kv_cache_bytes(model.cfg, 16, "fp32")
     greedy = SampleOptions(max_new_tokens=8, temperature=0)
     assert generate(model, PROMPT, greedy).tokens == generate(model, PROMPT, greedy, use_cache=False).tokens
+
+
+def test_the_output_gate_is_a_sigmoid_of_the_layer_input_on_each_head_before_o_proj():
+    """model.attn_output_gate (Qwen3-Next's): o_proj(attention(x) * sigmoid(gate_proj(x))), against the same
+    layer without a gate whose attention output is gated by hand."""
+    gated = tiny("mha", attn_output_gate=True, attention="eager")
+    plain = GPT(ModelConfig(**{**gated.cfg.to_dict(), "attn_output_gate": False})).eval()
+    missing, unexpected = plain.load_state_dict(gated.state_dict(), strict=False)
+    assert missing == [] and all(".attn.gate_proj." in k for k in unexpected) and unexpected
+    a, b = gated.blocks[0].attn, plain.blocks[0].attn
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    seen = {}
+    hook = b.o_proj.register_forward_hook(lambda m, args, out: seen.update(inp=args[0]))
+    with torch.no_grad():
+        ungated, _ = b(x, rope=plain.rope)
+        hook.remove()
+        want = a.o_proj(seen["inp"] * torch.sigmoid(a.gate_proj(x)))  # [B, T, d_model]
+        got, _ = a(x, rope=gated.rope)
+    torch.testing.assert_close(got, want)
+    assert (got - ungated).abs().max().item() > 1e-3
+    # its projection is counted in the FLOPs as torch counts it
+    from torch.utils.flop_counter import FlopCounterMode
+
+    idx = torch.randint(0, 61, (2, 32), generator=torch.Generator().manual_seed(1))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        gated(idx)
+    assert counter.get_total_flops() == accounting.flops_per_token(gated.cfg, 32).forward_dense * 2 * 32
