@@ -9,7 +9,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import as_text, shakespeare, tiny_run
+from conftest import as_text, shakespeare, tiny_run, wait_for
 
 from gptkit.data import prepare
 from gptkit.errors import GptkitError
@@ -572,7 +572,6 @@ def test_token_file_builds_started_together_all_succeed_on_one_complete_folder(t
 
 
 def test_a_token_file_build_waits_for_a_live_builder_and_takes_over_a_dead_ones_folder(tmp_path, capsys):
-    import time
 
     from conftest import run_main
 
@@ -592,12 +591,14 @@ def test_a_token_file_build_waits_for_a_live_builder_and_takes_over_a_dead_ones_
     lock = lock_file(partial / ".building")
     try:
         procs = [start_token_prepare(tmp_path, big, cache, f"w{i}") for i in range(2)]
-        errs, hung = ["", ""], time.monotonic() + 600
-        # both say they wait (a process that ends instead fails the test below)
-        while not all("waiting" in e for e in errs) and all(p.poll() is None for p in procs):
-            assert time.monotonic() < hung, errs
-            time.sleep(0.2)
-            errs = [(tmp_path / f"w{i}.err").read_text() for i in range(2)]
+        errs = ["", ""]
+
+        def both_wait() -> bool:
+            errs[:] = [(tmp_path / f"w{i}.err").read_text() for i in range(2)]
+            return all("waiting" in e for e in errs)
+
+        # both say they wait (a process that ends instead fails the test)
+        wait_for(both_wait, procs, 600)
         assert all(p.poll() is None for p in procs), errs
         assert all(f"another prepare is building {probe.name}; waiting for it" in e for e in errs), errs
         # the live builder's folder is untouched, and nothing is taken for a result

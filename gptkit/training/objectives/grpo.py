@@ -373,15 +373,9 @@ class GRPO(Objective):
         g = plan.cfg.grpo
         rewards = parse_rewards(g.rewards)
         high = g.get("epsilon_high") or g.epsilon
-        if float(g.beta) > 0:
-            reference = frozen_words(
-                plan,
-                "reference",
-                "the base with the adapters off" if plan.lora else "a frozen copy of the starting weights",
-            )
-            kl = f"KL ({g.get('kl', 'k3')}) to {reference}, beta {g.beta}"
-        else:
-            kl = "no KL term (beta 0)"
+        start = "the base with the adapters off" if plan.lora else "a frozen copy of the starting weights"
+        kl = f"KL ({g.get('kl', 'k3')}) to {frozen_words(plan, 'reference', start)}, beta {g.beta}"
+        kl = kl if float(g.beta) > 0 else "no KL term (beta 0)"
         scale = "divided by the group's std" if g.scale == "std" else "not scaled (Dr. GRPO)"
         return (
             f"GRPO: {g.group_size} completions per prompt (temperature {g.temperature}, top_p {g.top_p}, "
