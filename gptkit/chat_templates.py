@@ -2,7 +2,8 @@
 
 A template is Jinja, rendered as transformers' apply_chat_template renders it (a sandboxed environment,
 trim_blocks and lstrip_blocks, `{% generation %}` blocks, raise_exception, strftime_now, tojson). Built in:
-`chatml` and `llama3` (their special tokens are added to a tokenizer that lacks them); any other template
+`chatml`, `llama3` and `harmony` (gpt-oss's, gptkit/chat_formats/harmony.py; their special tokens are
+added to a tokenizer that lacks them); any other template
 comes from a file (.jinja, a transformers tokenizer_config.json, or a gptkit run's chat.json) or from the
 folder a tokenizer lies in (`auto`).
 
@@ -30,6 +31,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from gptkit.chat_formats import harmony
 from gptkit.errors import GptkitError
 
 # jinja2 is imported where a template is compiled or rendered.
@@ -57,6 +59,8 @@ BUILTIN = {
         ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         {"bos_token": "<|begin_of_text|>"},
     ),
+    # gpt-oss's (gptkit/chat_formats/harmony.py)
+    "harmony": (harmony.TEMPLATE, harmony.SPECIAL_TOKENS, harmony.VARIABLES),
 }
 TEMPLATE_VARIABLES = (
     "bos_token",
@@ -80,7 +84,7 @@ class ChatTemplate:
     """A chat template and what it renders with: the Jinja text, the variables (bos_token, ...) and the
     special tokens it needs as single tokens."""
 
-    # chatml | llama3 | the file it came from
+    # chatml | llama3 | harmony | the file it came from
     name: str
     text: str
     # bos_token, eos_token, ...: the tokenizer's special tokens, as transformers
