@@ -144,12 +144,28 @@ class ChatTemplate:
             pos = j + len(_GEN_END)
         return "".join(text), spans
 
+    def reply_reader(self, tokenizer):
+        """What reads a reply's ids as the model writes them: which are text to show, and the assistant's
+        message they make (harmony's: the final channel shown, its analysis the message's thinking; any
+        other template: every id is the reply's text)."""
+        return harmony.ReplyReader(tokenizer) if self.text == harmony.TEMPLATE else PlainReply()
+
     def end_of_turn(self) -> str:
         """What the template writes after an assistant's text (e.g. '<|im_end|>\\n'): where a reply ends."""
         probe = "\ue002"
         msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}]
         text, _ = self.render(msgs)
         return text[text.rindex(probe) + 1 :] if probe in text else ""
+
+
+class PlainReply:
+    """A reply whose every id is its text (every template but harmony)."""
+
+    def shows(self, tok: int) -> bool:
+        return True
+
+    def message(self, ids: list[int], shown: str) -> dict[str, Any]:
+        return {"role": "assistant", "content": shown}
 
 
 class TemplateRenderError(GptkitError):

@@ -93,3 +93,51 @@ TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|start|>assistant{%- endif -%}"
 )
+
+
+class ReplyReader:
+    """What a reply the model writes after `<|start|>assistant` says: the text of its final-channel message
+    is shown (streamed) and is the message's content; its analysis messages are its `thinking` (which the
+    template leaves out of later turns, as harmony does). A reply without a message header (a model that
+    has not learned the format) is shown whole."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        ids = {s: tokenizer.token_to_id(s) for s in ("<|start|>", "<|channel|>", "<|message|>", "<|end|>")}
+        self.start_id, self.channel_id, self.message_id, self.end_id = ids.values()
+        # where the reader is: "header" (role and channel name), "body" (a message's text), "after" (<|end|>)
+        self.state, self.name, self.body = "header", [], []
+        self.current = None
+        # (channel, ids of its text), each message read so far
+        self.parts: list[tuple[str, list[int]]] = []
+        self.headers = 0
+
+    def shows(self, tok: int) -> bool:
+        """Read one more id of the reply; True when it is text to show (the final channel's)."""
+        if tok == self.start_id:
+            self.state, self.name = "header", []
+        elif tok == self.channel_id:
+            self.state, self.name = "channel", []
+        elif tok == self.message_id:
+            self.headers += 1
+            self.current = self.tokenizer.decode(self.name).strip() or "final"
+            self.state, self.body = "body", []
+            self.parts.append((self.current, self.body))
+        elif tok == self.end_id:
+            self.state = "after"
+        elif self.state == "channel":
+            self.name.append(tok)
+        elif self.state == "body":
+            self.body.append(tok)
+            return self.current == "final"
+        return False
+
+    def message(self, ids: list[int], shown: str) -> dict:
+        """The assistant's message of a reply (`ids`, read through shows; `shown`: the text shown)."""
+        if not self.headers:
+            return {"role": "assistant", "content": self.tokenizer.decode(ids)}
+        out: dict = {"role": "assistant", "content": shown}
+        thinking = [self.tokenizer.decode(b) for ch, b in self.parts if ch == "analysis"]
+        if thinking:
+            out["thinking"] = "".join(thinking)
+        return out

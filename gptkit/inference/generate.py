@@ -340,6 +340,7 @@ class ChatSession:
             torch.cuda.synchronize()
         prefill_s = time.perf_counter() - t0
         stream = TextStream(self.tokenizer.decode)
+        reader = self.template.reply_reader(self.tokenizer)
         out: list[int] = []
         reason = "length"
         # fit_answer: at most what the context leaves (otherwise _prompt left max_new_tokens free)
@@ -352,9 +353,11 @@ class ChatSession:
                 reason = "eos"
                 break
             out.append(tok)
-            piece = stream.push(tok)
-            if on_text is not None and piece:
-                on_text(piece)
+            # the text a reply shows (harmony: its final channel's)
+            if reader.shows(tok):
+                piece = stream.push(tok)
+                if on_text is not None and piece:
+                    on_text(piece)
             if i == budget - 1:
                 reason = "length" if budget == self.opts.max_new_tokens else "context"
                 break
@@ -369,5 +372,9 @@ class ChatSession:
         if device.type == "cuda":
             torch.cuda.synchronize()
         decode_s = time.perf_counter() - t1
-        self.messages.append({"role": "assistant", "content": stream.text})
-        return Turn(stream.text, out, reason, len(ids), len(ids) - keep, prefill_s, decode_s, notes)
+        message = reader.message(out, stream.text)
+        # a reply the reader showed none of (harmony's, without a message header): shown whole at its end
+        if on_text is not None and message["content"] and not stream.text:
+            on_text(message["content"])
+        self.messages.append(message)
+        return Turn(message["content"], out, reason, len(ids), len(ids) - keep, prefill_s, decode_s, notes)

@@ -320,3 +320,41 @@ def test_the_ids_equal_openai_harmonys(o200k, name):
         assert learned == "".join(text[a:b] for a, b in spans) and learned.endswith(("<|return|>", "<|end|>"))
     else:
         assert not any(mask)
+
+
+def test_gptkit_chat_shows_the_final_channel_and_keeps_the_analysis_as_thinking(monkeypatch):
+    from gptkit.inference import generate
+    from gptkit.inference.generate import ChatSession
+    from gptkit.inference.sampling import SampleOptions
+
+    torch.manual_seed(0)
+    tok, t = byte_tokenizer([]), harmony_template()
+    templates.add_special_tokens(tok, t)
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **TINY)).eval()
+
+    def ids(text):
+        return templates.encode_text(tok, text)
+
+    sp = {s: tok.token_to_id(s) for s in templates.BUILTIN["harmony"][1]}
+    # what the model writes after <|start|>assistant, then <|return|> (a stop id)
+    script = [
+        sp["<|channel|>"], *ids("analysis"), sp["<|message|>"], *ids("2 and 3 make 5"), sp["<|end|>"],
+        sp["<|start|>"], *ids("assistant"), sp["<|channel|>"], *ids("final"), sp["<|message|>"],
+        *ids("5"), sp["<|return|>"],
+    ]  # fmt: skip
+    it = iter(script)
+    monkeypatch.setattr(generate, "sample_next", lambda *a, **k: torch.tensor([next(it)]))
+    opts = SampleOptions(max_new_tokens=80)
+    stop = templates.reply_stop_ids(tok, t)
+    session = ChatSession(model, tok, t, opts, system="Be brief.", stop_ids=tuple(stop))
+    pieces = []
+    turn = session.reply("2+3?", on_text=pieces.append)
+    # shown: the final channel's text alone; kept: the analysis as the message's thinking
+    assert (turn.text, "".join(pieces), turn.stop_reason) == ("5", "5", "eos")
+    assert session.messages[-1] == {"role": "assistant", "content": "5", "thinking": "2 and 3 make 5"}
+    # the next turn's prompt is the conversation as harmony renders it (the earlier analysis dropped)
+    it = iter([sp["<|return|>"]])
+    turn = session.reply("times 4?")
+    want, _ = templates.encode_conversation(tok, t, session.messages[:-1], add_generation_prompt=True)
+    assert session.cached[: turn.prompt_tokens] == want
+    assert "2 and 3 make 5" not in tok.decode(want, skip_special_tokens=False)
