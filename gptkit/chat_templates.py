@@ -150,6 +150,12 @@ class ChatTemplate:
         other template: every id is the reply's text)."""
         return harmony.ReplyReader(tokenizer) if self.text == harmony.TEMPLATE else PlainReply()
 
+    def reply_text(self, tokenizer, ids: list[int]) -> str:
+        """The text a reply's ids show (what the reply reader streams; serve's chat replies)."""
+        reader = self.reply_reader(tokenizer)
+        shown = [t for t in ids if reader.shows(t)]
+        return reader.message(ids, tokenizer.decode(shown))["content"]
+
     def end_of_turn(self) -> str:
         """What the template writes after an assistant's text (e.g. '<|im_end|>\\n'): where a reply ends."""
         probe = "\ue002"

@@ -73,13 +73,12 @@ class _Jobs:
         """On the engine's thread."""
         self.dispatcher.put(self.queue, (k, events))
 
-    def submit(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def submit(self, prompts: list[list[int]], params: SamplingParams, decode=None) -> None:
+        decode = decode or self.served.decode
         try:
             for k, ids in enumerate(prompts):
                 self.handles.append(
-                    self.served.engine.submit(
-                        ids, params, decode=self.served.decode, deliver=partial(self._deliver, k)
-                    )
+                    self.served.engine.submit(ids, params, decode=decode, deliver=partial(self._deliver, k))
                 )
         except QueueFull as exc:
             self.cancel()
@@ -140,7 +139,7 @@ async def run(
     """The Generation's jobs submitted (a 429 when the engine's queue is full), then answered."""
     reply = gen.reply(served.name, fingerprint)
     jobs = _Jobs(served, dispatcher)
-    jobs.submit(gen.prompts, gen.params)
+    jobs.submit(gen.prompts, gen.params, gen.decode)
     n_prompt = sum(len(p) for p in gen.prompts)
     if gen.stream:
         return _Stream(

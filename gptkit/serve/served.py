@@ -61,6 +61,10 @@ class Served:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
+    def chat_text(self, ids: list[int]) -> str:
+        """What a chat reply's ids show (the template's reply reader: harmony's final channel)."""
+        return self.template.reply_text(self.tokenizer, ids)
+
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             vocab = self.engine.model.cfg.vocab_size

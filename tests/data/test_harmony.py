@@ -322,6 +322,21 @@ def test_the_ids_equal_openai_harmonys(o200k, name):
         assert not any(mask)
 
 
+def scripted_reply(tok) -> list[int]:
+    """What a model writes after <|start|>assistant: an analysis message, then the final one, then
+    <|return|>."""
+    sp = {s: tok.token_to_id(s) for s in templates.BUILTIN["harmony"][1]}
+
+    def ids(text):
+        return templates.encode_text(tok, text)
+
+    return [
+        sp["<|channel|>"], *ids("analysis"), sp["<|message|>"], *ids("2 and 3 make 5"), sp["<|end|>"],
+        sp["<|start|>"], *ids("assistant"), sp["<|channel|>"], *ids("final"), sp["<|message|>"],
+        *ids("5"), sp["<|return|>"],
+    ]  # fmt: skip
+
+
 def test_gptkit_chat_shows_the_final_channel_and_keeps_the_analysis_as_thinking(monkeypatch):
     from gptkit.inference import generate
     from gptkit.inference.generate import ChatSession
@@ -332,17 +347,8 @@ def test_gptkit_chat_shows_the_final_channel_and_keeps_the_analysis_as_thinking(
     templates.add_special_tokens(tok, t)
     model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **TINY)).eval()
 
-    def ids(text):
-        return templates.encode_text(tok, text)
-
     sp = {s: tok.token_to_id(s) for s in templates.BUILTIN["harmony"][1]}
-    # what the model writes after <|start|>assistant, then <|return|> (a stop id)
-    script = [
-        sp["<|channel|>"], *ids("analysis"), sp["<|message|>"], *ids("2 and 3 make 5"), sp["<|end|>"],
-        sp["<|start|>"], *ids("assistant"), sp["<|channel|>"], *ids("final"), sp["<|message|>"],
-        *ids("5"), sp["<|return|>"],
-    ]  # fmt: skip
-    it = iter(script)
+    it = iter(scripted_reply(tok))
     monkeypatch.setattr(generate, "sample_next", lambda *a, **k: torch.tensor([next(it)]))
     opts = SampleOptions(max_new_tokens=80)
     stop = templates.reply_stop_ids(tok, t)
@@ -358,3 +364,45 @@ def test_gptkit_chat_shows_the_final_channel_and_keeps_the_analysis_as_thinking(
     want, _ = templates.encode_conversation(tok, t, session.messages[:-1], add_generation_prompt=True)
     assert session.cached[: turn.prompt_tokens] == want
     assert "2 and 3 make 5" not in tok.decode(want, skip_special_tokens=False)
+
+
+def test_serve_chat_renders_harmony_and_shows_the_final_channel(tmp_path):
+    import asyncio
+
+    import httpx
+
+    from gptkit.serve.app import build_app
+    from gptkit.serve.endpoints.chat_completions import ChatCompletions
+    from gptkit.serve.served import load_served
+
+    torch.manual_seed(0)
+    tok, t = byte_tokenizer([]), harmony_template()
+    templates.add_special_tokens(tok, t)
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **TINY)).eval()
+    write_run_folder(tmp_path / "run", {"model": model.cfg.to_dict()}, model, tok)
+    served = load_served(str(tmp_path / "run"), template="harmony", device="cpu", max_batch=1)
+    msgs = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": f"2+3? {INJECTION}"}]
+    gen = ChatCompletions(served).answer({"messages": msgs, "max_tokens": 4}, {})
+    want, _ = templates.encode_conversation(
+        tok, t, [{"role": "system", "content": "Be brief."}, msgs[1]], add_generation_prompt=True
+    )
+    # the prompt as harmony renders it (the developer's instructions; the user's markup stays text)
+    assert gen.prompts == [want]
+    # the reply shows its final channel (the engine decodes what it has so far with this, and streams it)
+    script = scripted_reply(tok)[:-1]
+    assert gen.decode(script) == "5" and gen.decode(script[:12]) == ""
+    served.engine.start()
+    try:
+
+        async def call():
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=build_app(served)), base_url="http://127.0.0.1"
+            ) as c:
+                body = {"messages": msgs, "max_tokens": 4, "temperature": 0}
+                return await c.post("/v1/chat/completions", json=body)
+
+        r = asyncio.run(call())
+    finally:
+        served.engine.stop()
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(want)

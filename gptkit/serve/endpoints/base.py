@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
 from gptkit.inference.batcher import SamplingParams
 from gptkit.serve.protocol import ApiError, Sampling
@@ -89,6 +89,8 @@ class Generation:
     stream: bool
     include_usage: bool
     reply: type[Reply]
+    # ids -> the text a reply shows (chat: the template's, e.g. harmony's final channel); None: all of it
+    decode: Optional[Callable[[list[int]], str]] = None
 
 
 class Endpoint:
@@ -121,6 +123,7 @@ class Endpoint:
         max_tokens: int,
         stop_ids: tuple[int, ...],
         reply: type[Reply],
+        decode: Optional[Callable[[list[int]], str]] = None,
     ) -> Generation:
         """The prompts sampled as the request's checked fields say, ending at stop_ids unless ignore_eos."""
         params = SamplingParams(
@@ -133,4 +136,4 @@ class Endpoint:
             stop_ids=() if s.ignore_eos else stop_ids,
             stop=s.stop,
         )
-        return Generation(prompts, params, s.stream, s.include_usage, reply)
+        return Generation(prompts, params, s.stream, s.include_usage, reply, decode)

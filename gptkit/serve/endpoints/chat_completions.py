@@ -136,4 +136,6 @@ class ChatCompletions(Endpoint):
         self.check_model(s.model)
         ids = self.served.chat_ids(msgs)
         max_tokens = self.served.check_length(len(ids), s.max_tokens, "messages")
-        return self.generation([ids], s, max_tokens, self.served.chat_stop, ChatReply)
+        return self.generation(
+            [ids], s, max_tokens, self.served.chat_stop, ChatReply, decode=self.served.chat_text
+        )
