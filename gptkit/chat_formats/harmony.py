@@ -35,7 +35,12 @@ VARIABLES = {
 
 CHANNELS = ("analysis", "commentary", "final")
 
-TEMPLATE = (
+# the variables' defaults, so that the template renders alone too (an exported chat_template.jinja)
+_DEFAULTS = "".join(
+    f"{{%- if {k} is not defined -%}}{{%- set {k} = {v!r} -%}}{{%- endif -%}}" for k, v in VARIABLES.items()
+)
+
+TEMPLATE = _DEFAULTS + (
     # where analysis is dropped: the last assistant message is final, and before the first final one
     "{%- set ns = namespace(first_final=-1, last_final=false, prev='') -%}"
     "{%- for m in messages -%}"
