@@ -264,7 +264,7 @@ def _print_tables(r: dict, cfg) -> None:
         ]
     if p["mtp"]:
         depth = m["mtp"]["depth"]
-        rows.append((f"multi-token prediction ({depth} depths; training only, not active)", p["mtp"]))
+        rows.append((f"multi-token prediction (depth {depth}; training only, not active)", p["mtp"]))
     for name, n in rows:
         t.add_row(name, f"{n:,}", f"{100 * n / total:.2f}%")
     t.add_section()
