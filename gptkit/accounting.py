@@ -31,6 +31,12 @@ routed experts, the shared experts, the router and everything outside the feed-f
 6N count the active matmul weights: an MoE layer's are its router (d_model x n_experts), top_k routed and
 n_shared shared SwiGLU experts, 3 x d_model x d_expert each. Mixtral-8x7B: 46,702,792,704 total,
 12,879,925,248 active (tests/model/test_moe.py checks both against transformers' own model).
+
+Multi-token prediction (model.mtp) has a row of its own, `mtp`: each depth's three norms, its projection
+(2 d_model x d_model) and its block (the last layer's shape). It counts in `total` (trained, checkpointed)
+but not in `active`, the parameters one token goes through at inference, where the modules never run
+(DeepSeek-V3 reports 671B main + 14B MTP the same way). The training FLOPs (train_dense, train_causal) count
+their forward and backward (projection, block, the shared lm_head again); the forward figures do not.
 """
 
 from __future__ import annotations
@@ -114,11 +120,13 @@ class ParamCounts:
     attn_sinks: int = 0
     # the attention output gates' projections (model.attn_output_gate), all layers
     attn_gate: int = 0
+    # the multi-token prediction modules (model.mtp): norms, projection and block of every depth
+    mtp: int = 0
 
     @property
     def active(self) -> int:
-        """The parameters one token goes through (= total for a dense model)."""
-        return self.total - self.inactive
+        """The parameters one token goes through at inference (= total for a dense model without MTP)."""
+        return self.total - self.inactive - self.mtp
 
     @property
     def attention(self) -> int:
@@ -134,6 +142,7 @@ class ParamCounts:
             + self.norms
             + self.final_norm
             + self.lm_head
+            + self.mtp
         )
 
     @property
@@ -171,6 +180,9 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     # a block's norms: before attention and MLP (and, sandwich, after each too)
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2
     per_layer = q + k + v + o + sinks + gate + first + n_norms * norm + qk_norm
+    # an MTP depth: e_norm, h_norm, out_norm, the projection, a block of the last layer's kind
+    last = router + experts + shared if cfg.feed_forward(L - 1) == "moe" else dense
+    mtp = 3 * norm + 2 * d * d + (q + k + v + o + sinks + gate + last + n_norms * norm + qk_norm)
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
@@ -190,6 +202,7 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         inactive=n_moe * (m.n_experts - m.top_k) * expert if m else 0,
         attn_sinks=L * sinks,
         attn_gate=L * gate,
+        mtp=cfg.mtp_depth * mtp,
     )
 
 
@@ -204,6 +217,20 @@ def matmul_params(cfg: ModelConfig) -> int:
     m = cfg.moe
     moe = n_moe * (d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert) if m else 0
     return cfg.n_layers * attention + dense + moe + d * cfg.vocab_size
+
+
+def mtp_matmul_params(cfg: ModelConfig) -> int:
+    """The matmul weights a token goes through in the multi-token prediction modules (model.mtp), every
+    depth: its projection, its block (the last layer's kind) and the shared lm_head."""
+    if not cfg.mtp_depth:
+        return 0
+    d, m = cfg.d_model, cfg.moe
+    attention = d * cfg.d_attn * (2 + int(cfg.attn_output_gate)) + 2 * d * cfg.d_kv
+    if cfg.feed_forward(cfg.n_layers - 1) == "moe":
+        ff = d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert
+    else:
+        ff = (2 if cfg.mlp == "gelu" else 3) * d * cfg.d_ff
+    return cfg.mtp_depth * (2 * d * d + attention + ff + d * cfg.vocab_size)
 
 
 @dataclass
@@ -243,7 +270,21 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
     attn, attn_causal = 4.0 * dense * cfg.d_attn, 4.0 * causal * cfg.d_attn
     fwd_dense = 2.0 * n + attn
     fwd_causal = 2.0 * n + attn_causal
-    return Flops(n, T, fwd_dense, fwd_causal, 3 * fwd_dense, 3 * fwd_causal, attn, attn_causal)
+    # model.mtp: each depth's matmuls and its block's attention (the last layer's keys), in training only
+    w = min(cfg.window(cfg.n_layers - 1) or T, T)
+    depth = cfg.mtp_depth
+    mtp_dense = 2.0 * mtp_matmul_params(cfg) + depth * 4.0 * w * cfg.d_attn
+    mtp_causal = 2.0 * mtp_matmul_params(cfg) + depth * 4.0 * (w - w * w / (2 * T)) * cfg.d_attn
+    return Flops(
+        n,
+        T,
+        fwd_dense,
+        fwd_causal,
+        3 * (fwd_dense + mtp_dense),
+        3 * (fwd_causal + mtp_causal),
+        attn,
+        attn_causal,
+    )
 
 
 def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:

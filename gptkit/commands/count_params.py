@@ -113,6 +113,8 @@ def report(cfg) -> dict:
             "router": pc.router,
             "experts": pc.experts,
             "shared_experts": pc.shared,
+            # the multi-token prediction modules (model.mtp; in total, not in active)
+            "mtp": pc.mtp,
             # what one token goes through (= total for a dense model)
             "active": pc.active,
         },
@@ -260,15 +262,22 @@ def _print_tables(r: dict, cfg) -> None:
             (f"  routed experts ({moe['n_experts']} per MoE layer, {moe['d_expert']} wide)", p["experts"]),
             ("  shared experts", p["shared_experts"]),
         ]
+    if p["mtp"]:
+        depth = m["mtp"]["depth"]
+        rows.append((f"multi-token prediction (depth {depth}; training only, not active)", p["mtp"]))
     for name, n in rows:
         t.add_row(name, f"{n:,}", f"{100 * n / total:.2f}%")
     t.add_section()
     t.add_row("per layer" + (" (the first)" if moe else ""), f"{p['per_layer']:,}", "")
     t.add_row("non-embedding", f"{p['non_embedding']:,}", f"{100 * p['non_embedding'] / total:.2f}%")
     t.add_row("[bold]total", f"[bold]{total:,}", "100.00%")
-    if moe:
+    if moe or p["mtp"]:
         t.add_row(
-            f"[bold]active per token[/bold] (top-{moe['top_k']} of the routed experts)",
+            "[bold]active per token[/bold] ("
+            + (f"top-{moe['top_k']} of the routed experts" if moe else "")
+            + (", " if moe and p["mtp"] else "")
+            + ("without the MTP modules" if p["mtp"] else "")
+            + ")",
             f"[bold]{p['active']:,}",
             f"{100 * p['active'] / total:.2f}%",
         )

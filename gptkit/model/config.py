@@ -107,6 +107,11 @@ class MoEConfig:
     activation: str = "swiglu"
     swiglu_limit: float = 7.0
     swiglu_alpha: float = 1.702
+    # group-limited routing (DeepSeek-V3): the experts in n_group groups of n_experts / n_group, each group
+    # scored by the sum of its two best choice scores (the expert bias included), only the topk_group best
+    # groups' experts may be chosen; n_group 1: every expert (no groups)
+    n_group: int = 1
+    topk_group: int = 1
 
     def validate(self, n_layers: int) -> None:
         """Raise ConfigError (one line) for any invalid field."""
@@ -148,10 +153,42 @@ class MoEConfig:
                 raise ConfigError(f"model.moe.{name}={v!r} must be a number >= 0")
         if not self.route_scale > 0:
             raise ConfigError(f"model.moe.route_scale={self.route_scale} must be > 0")
+        self._validate_groups()
         if not any(self.first_dense <= i and (i + 1) % self.every == 0 for i in range(n_layers)):
             raise ConfigError(
                 f"model.moe: no layer of the {n_layers} is MoE with first_dense={self.first_dense} and "
                 f"every={self.every}; lower them (or set model.moe=null for a dense model)"
+            )
+
+    def _validate_groups(self) -> None:
+        """model.moe.n_group and topk_group: ConfigError (one line) unless the groups split the experts
+        evenly, each holds 2 or more (a group's score is its two best), and the kept groups hold top_k
+        experts."""
+        g, kg, E = self.n_group, self.topk_group, self.n_experts
+        for name, v in (("n_group", g), ("topk_group", kg)):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"model.moe.{name}={v!r} must be an integer >= 1")
+        if kg > g:
+            raise ConfigError(
+                f"model.moe.topk_group={kg} exceeds model.moe.n_group={g}: each token keeps topk_group of "
+                f"the n_group groups"
+            )
+        if g == 1:
+            return
+        if E % g:
+            raise ConfigError(
+                f"model.moe.n_experts={E} is not divisible by model.moe.n_group={g}: the groups split the "
+                f"experts evenly"
+            )
+        if E // g < 2:
+            raise ConfigError(
+                f"model.moe.n_group={g} leaves {E // g} expert per group; a group is scored by its two best "
+                f"experts: use n_group <= {E // 2}"
+            )
+        if self.top_k > kg * (E // g):
+            raise ConfigError(
+                f"model.moe.top_k={self.top_k} exceeds the {kg * (E // g)} experts of the topk_group={kg} "
+                f"kept groups ({E // g} each): raise topk_group or lower top_k"
             )
 
     @classmethod
@@ -169,6 +206,48 @@ class MoEConfig:
         if unknown:
             raise ConfigError(
                 f"unknown model.moe field(s) {', '.join(map(str, unknown))}; known: "
+                f"{', '.join(sorted(names))}"
+            )
+        return cls(**dict(d))
+
+
+@dataclass
+class MTPConfig:
+    """model.mtp: multi-token prediction (DeepSeek-V3's sequential MTP; gptkit/model/mtp.py, docs/mtp.md).
+
+    depth D modules after the main model, module k predicting the token k + 1 places after the next one;
+    each combines the previous depth's hidden state with the embedding of the token k places ahead, runs
+    one block of the model's kind and the shared lm_head. Training adds loss_scale / D times the sum of
+    their losses to the next-token loss; sampling never runs them. depth 0 is no MTP (model.mtp=null)."""
+
+    depth: int = 1
+    # lambda: the depths' summed losses times loss_scale / depth join the main loss (DeepSeek-V3: 0.3,
+    # then 0.1)
+    loss_scale: float = 0.3
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line) for any invalid field."""
+        d = self.depth
+        if not isinstance(d, int) or isinstance(d, bool) or d < 0:
+            raise ConfigError(f"model.mtp.depth={d!r} must be an integer >= 0 (0: no multi-token prediction)")
+        v = self.loss_scale
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < float("inf"):
+            raise ConfigError(f"model.mtp.loss_scale={v!r} must be a number >= 0")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "MTPConfig":
+        """model.mtp as given (a mapping: unknown keys are an error)."""
+        if isinstance(d, MTPConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"model.mtp={d!r} must be null (no MTP) or a mapping such as {{depth: 1, loss_scale: 0.3}}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown model.mtp field(s) {', '.join(map(str, unknown))}; known: "
                 f"{', '.join(sorted(names))}"
             )
         return cls(**dict(d))
@@ -248,6 +327,9 @@ class ModelConfig:
     init_std: float = 0.02
     # null: every layer's feed-forward is the dense model.mlp; a mapping: a mixture of experts (MoEConfig)
     moe: MoEConfig | None = None
+    # null: next-token prediction only; {depth, loss_scale}: multi-token prediction modules (MTPConfig);
+    # depth 0 is null
+    mtp: MTPConfig | None = None
     name: str = field(default="custom", compare=False)
 
     # ---- derived sizes -------------------------------------------------------------------
@@ -274,6 +356,11 @@ class ModelConfig:
         if m is not None and layer >= m.first_dense and (layer + 1) % m.every == 0:
             return "moe"
         return self.mlp
+
+    @property
+    def mtp_depth(self) -> int:
+        """The multi-token prediction modules (model.mtp.depth; 0 without)."""
+        return self.mtp.depth if self.mtp is not None else 0
 
     @property
     def moe_layers(self) -> list[int]:
@@ -413,6 +500,12 @@ class ModelConfig:
                 raise ConfigError(
                     f"model.moe: the experts are SwiGLU MLPs, but model.mlp={self.mlp}; set model.mlp=swiglu"
                 )
+        if self.mtp is not None:
+            self.mtp = MTPConfig.from_dict(self.mtp)
+            self.mtp.validate()
+            if self.mtp.depth == 0:
+                # no module: one spelling (null) for one model
+                self.mtp = None
 
     def _validate_rotary_dim(self, head_dim: int) -> None:
         """model.rotary_dim: ConfigError (one line) unless null or an even width within a RoPE head."""

@@ -37,6 +37,7 @@ from gptkit.model.documents import Documents
 from gptkit.model.feedforward import ModelAux, combine, make_feed_forward
 from gptkit.model.kv_cache import KVCache
 from gptkit.model.layers import LayerNorm, RMSNorm, RotaryEmbedding, make_norm
+from gptkit.model.mtp import MultiTokenPrediction
 
 
 class GPTOutput(NamedTuple):
@@ -47,6 +48,8 @@ class GPTOutput(NamedTuple):
     attentions: Optional[list[torch.Tensor]]
     # the feed-forwards' auxiliary loss and figures (training; None when no layer has any)
     aux: Optional[ModelAux] = None
+    # each multi-token prediction depth's fp32 mean cross-entropy (model.mtp; asked for: forward(mtp=True))
+    mtp_losses: Optional[tuple[torch.Tensor, ...]] = None
 
 
 class Block(nn.Module):
@@ -128,6 +131,8 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
+        # model.mtp: the multi-token prediction modules (gptkit/model/mtp.py), run by forward(mtp=True) only
+        self.mtp = MultiTokenPrediction(cfg, Block) if cfg.mtp_depth else None
         self.reset_parameters()
 
     @torch.no_grad()
@@ -161,6 +166,8 @@ class GPT(nn.Module):
         # 0: every position; k: only the last k (decoding needs 1)
         logits_to_keep: int = 0,
         return_attention: bool = False,
+        # with targets and model.mtp: also each MTP depth's loss (GPTOutput.mtp_losses; training objectives)
+        mtp: bool = False,
     ) -> GPTOutput:
         """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions, aux); see the argument comments.
         loss is the cross-entropy alone: a training loop adds aux.loss (the feed-forwards' auxiliary
@@ -184,27 +191,18 @@ class GPT(nn.Module):
             docs = Documents(doc_ids)
             if self.cfg.position_reset:
                 positions = docs.positions  # [B, T]
-        x = self.tok_emb(idx)  # [B, T, d_model]
-        if self.cfg.scale_embeddings:
-            # sqrt(d_model) rounded to the activations' dtype first (as Gemma's reference does)
-            x = x * torch.tensor(self.cfg.d_model**0.5).to(x.dtype)
-        if self.pos_emb is not None:
-            if isinstance(positions, int):
-                positions_t = torch.arange(positions, positions + T, device=idx.device)  # [T]
-            else:
-                positions_t = positions  # [T] or [B, T]
-            x = x + self.pos_emb(positions_t)  # [B, T, d_model] ([T, d_model] broadcast)
-        x = self.drop(x)
+        x = self.drop(self.embed(idx, positions))
         attentions = [] if return_attention else None
         # the feed-forwards' LayerAux, of the layers that return one
         auxes = []
         for i, block in enumerate(self.blocks):
-            rope = self.rope_local if self.rope_local is not None and self.cfg.window(i) else self.rope
-            if not self.cfg.rotates(i):
-                # a NoPE layer (model.nope_layers): its q and k are not rotated, nor are the keys it caches
-                rope = None
             x, probs, layer_aux = block(
-                x, rope=rope, cache=cache, positions=positions, docs=docs, return_probs=return_attention
+                x,
+                rope=self.rope_of(i),
+                cache=cache,
+                positions=positions,
+                docs=docs,
+                return_probs=return_attention,
             )
             if attentions is not None:
                 attentions.append(probs)
@@ -214,11 +212,25 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         x = self.final_norm(x)
+        mtp_losses = None
+        if mtp and self.mtp is not None and targets is not None:
+            mtp_losses, mtp_auxes = self.mtp(
+                x,
+                idx,
+                targets,
+                embed=lambda ids: self.embed(ids, positions),
+                lm_head=self.lm_head,
+                rope=self.rope_of(self.cfg.n_layers - 1),
+                positions=positions,
+                docs=docs,
+                doc_ids=doc_ids,
+            )
+            aux = combine(auxes + mtp_auxes)
         softcap = self.cfg.logit_softcap
         if targets is not None and not logits_to_keep and "loss" in self.cfg.kernels:
             # lm_head and cross-entropy chunk by chunk: the [B*T, vocab_size] logits never exist
             loss = fused.linear_cross_entropy(x, self.lm_head.weight, targets, softcap)
-            return GPTOutput(None, loss, attentions, aux)
+            return GPTOutput(None, loss, attentions, aux, mtp_losses)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]  # [B, k, d_model]: project only what is needed
         logits = self.lm_head(x)  # [B, T_kept, vocab_size]
@@ -234,7 +246,31 @@ class GPT(nn.Module):
                 ignore_index=-100,
                 # loss in fp32
             )
-        return GPTOutput(logits, loss, attentions, aux)
+        return GPTOutput(logits, loss, attentions, aux, mtp_losses)
+
+    def embed(self, idx: torch.Tensor, positions) -> torch.Tensor:
+        """idx [B, T] -> the input embeddings [B, T, d_model] at `positions` (an int p: p..p+T-1, or a [T] or
+        [B, T] tensor): tok_emb (times sqrt(d_model): scale_embeddings) (+ pos_emb)."""
+        x = self.tok_emb(idx)  # [B, T, d_model]
+        if self.cfg.scale_embeddings:
+            # sqrt(d_model) rounded to the activations' dtype first (as Gemma's reference does)
+            x = x * torch.tensor(self.cfg.d_model**0.5).to(x.dtype)
+        if self.pos_emb is not None:
+            if isinstance(positions, int):
+                T = idx.shape[1]
+                positions_t = torch.arange(positions, positions + T, device=idx.device)  # [T]
+            else:
+                positions_t = positions  # [T] or [B, T]
+            x = x + self.pos_emb(positions_t)  # [B, T, d_model] ([T, d_model] broadcast)
+        return x
+
+    def rope_of(self, layer: int):
+        """The RotaryEmbedding layer `layer` rotates with: the local one (model.rope_local_theta) for a local
+        layer, else the global one; None for a NoPE layer (model.nope_layers: its q and k are not rotated, nor
+        are the keys it caches) or learned positions."""
+        if not self.cfg.rotates(layer):
+            return None
+        return self.rope_local if self.rope_local is not None and self.cfg.window(layer) else self.rope
 
     @classmethod
     def from_state(

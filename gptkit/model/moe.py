@@ -4,6 +4,8 @@
     router    logits = h W_r^T (+ b_r: model.moe.router_bias) [N, E]; scores = softmax | sigmoid   (fp32)
     choice    the top_k experts of each token by score (+ expert_bias, when model.moe.bias_update_rate > 0:
               the bias moves the choice only, never the weights)                  [N, k]
+              with model.moe.n_group > 1 (DeepSeek-V3's group-limited routing) among the experts of the
+              topk_group groups only, a group scored by the sum of its two best choice scores
     weights   the chosen scores, renormalized to sum 1 (norm_topk_prob), times route_scale
     dispatch  the N * k (token, expert) pairs sorted by expert (a stable sort), and where each expert's run
               of rows ends (offsets): no token is dropped, no capacity, no padding
@@ -163,6 +165,18 @@ class Experts(nn.Module):
         return self.project(hidden, "down_proj", offsets, counts)  # [M, d_model]
 
 
+def limit_to_groups(chooser: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """Group-limited routing (DeepSeek-V3, transformers' DeepseekV3TopkRouter): chooser [N, E] with every
+    expert outside each token's topk_group best groups at -inf. The E experts form n_group contiguous
+    groups; a group's score is the sum of its two highest choice scores."""
+    N, E = chooser.shape
+    grouped = chooser.view(N, n_group, E // n_group)  # [N, G, E / G]
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [N, G]
+    kept = torch.topk(group_scores, topk_group, dim=-1, sorted=False).indices  # [N, topk_group]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)  # [N, G]
+    return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view(N, E)
+
+
 class MoE(nn.Module):
     """The mixture-of-experts feed-forward of one layer (see the module docstring)."""
 
@@ -174,6 +188,7 @@ class MoE(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = float(m.aux_loss_coef), float(m.z_loss_coef)
         self.per_sequence = m.aux_loss_group == "sequence"
         self.bias_update_rate = float(m.bias_update_rate)
+        self.n_group, self.topk_group = m.n_group, m.topk_group
         self.router = nn.Linear(cfg.d_model, m.n_experts, bias=m.router_bias)
         self.experts = Experts(m.n_experts, cfg.d_model, m.d_expert, m.impl, "swiglu" in cfg.kernels, m)
         self.shared = (
@@ -196,6 +211,8 @@ class MoE(nn.Module):
         else:
             scores = logits.float().sigmoid()
         chooser = scores if self.expert_bias is None else scores + self.expert_bias.float()  # [N, E]
+        if self.n_group > 1:
+            chooser = limit_to_groups(chooser, self.n_group, self.topk_group)
         chosen = torch.topk(chooser, self.top_k, dim=-1).indices  # [N, k]
         weights = scores.gather(-1, chosen)  # [N, k]
         if self.norm_topk_prob:

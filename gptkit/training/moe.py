@@ -44,11 +44,15 @@ class RouterWatch:
     def __init__(self, model: GPT, world_size: int, move_bias: bool = True) -> None:
         """move_bias False (finetune=lora: the base is frozen, its bias with it): the bias stays."""
         cfg = model.cfg
-        self.layers: list[int] = list(cfg.moe_layers) if cfg.moe is not None else []
+        blocks = [(i, model.blocks[i]) for i in (cfg.moe_layers if cfg.moe is not None else [])]
+        # the multi-token prediction blocks after them (model.mtp, MoE like the last layer): "mtp<k>"
+        if cfg.moe is not None and cfg.mtp_depth and cfg.feed_forward(cfg.n_layers - 1) == "moe":
+            blocks += [(f"mtp{k}", m.block) for k, m in enumerate(model.mtp.layers, start=1)]
+        self.layers: list[int | str] = [name for name, _ in blocks]
         self.active = bool(self.layers)
         self.world_size = int(world_size)
-        # the MoE feed-forwards, in layer order; whether any has an expert bias to move
-        self.moes = [model.blocks[i].mlp for i in self.layers]
+        # the MoE feed-forwards, in the order of GPTOutput.aux; whether any has an expert bias to move
+        self.moes = [block.mlp for _, block in blocks]
         self.biased = move_bias and any(m.expert_bias is not None for m in self.moes)
         # ModelAux of the training forwards since the last take()
         self._pending: list[Any] = []

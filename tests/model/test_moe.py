@@ -86,6 +86,76 @@ def test_routing_equals_a_token_by_token_reference(knobs):
         torch.testing.assert_close(y, token_by_token(moe, x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("n_shared, norm, scale", [(2, True, 2.5), (0, False, 1.0)])
+def test_group_limited_routing_equals_transformers_deepseek_v3_moe(n_shared, norm, scale):
+    """model.moe.n_group / topk_group against transformers' DeepseekV3MoE (DeepseekV3TopkRouter: sigmoid
+    scores, e_score_correction_bias for the choice only, the groups by their two best, norm_topk_prob,
+    routed_scaling_factor, shared experts), every weight and the bias perturbed: fp32 within 1e-5. 8 experts
+    in 4 groups of 2, 2 groups kept, top-3; without the groups the choice differs."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+    theirs_cfg = transformers.DeepseekV3Config(
+        hidden_size=32,
+        moe_intermediate_size=24,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=max(n_shared, 1),
+        norm_topk_prob=norm,
+        routed_scaling_factor=scale,
+    )
+    moe = dict(n_experts=8, top_k=3, n_group=4, topk_group=2, router="sigmoid", bias_update_rate=0.001)
+    cfg = tiny(**moe, n_shared=n_shared, norm_topk_prob=norm, route_scale=scale)
+    torch.manual_seed(0)
+    theirs = DeepseekV3MoE(theirs_cfg).float()
+    with torch.no_grad():
+        for p in [*theirs.parameters(), theirs.gate.e_score_correction_bias]:
+            p.normal_(0.0, 0.3)
+        if not n_shared:
+            # transformers always builds its shared experts: zero ones add nothing
+            theirs.shared_experts.down_proj.weight.zero_()
+    ours = MoE(cfg, 0).eval()
+    ex, t = ours.experts, theirs.experts
+    with torch.no_grad():
+        ours.router.weight.copy_(theirs.gate.weight)
+        ours.expert_bias.copy_(theirs.gate.e_score_correction_bias)
+        # [E, 2 * d_expert, d_model]: gate then up
+        ex.gate_proj.copy_(t.gate_up_proj[:, :24])
+        ex.up_proj.copy_(t.gate_up_proj[:, 24:])
+        ex.down_proj.copy_(t.down_proj)
+        if n_shared:
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(ours.shared, name).weight.copy_(getattr(theirs.shared_experts, name).weight)
+        x = torch.randn(3, 11, 32)
+        want = theirs(x)
+        got, _ = ours(x)
+        assert (got - want).abs().max().item() <= 1e-5
+        # the groups matter: without them some token chooses other experts
+        chosen = ours.route(x.reshape(-1, 32))[2]
+        ours.n_group = 1
+        assert not torch.equal(ours.route(x.reshape(-1, 32))[2].sort(-1).values, chosen.sort(-1).values)
+        ours.n_group = 4
+    # each token's experts lie in at most topk_group groups
+    assert int((chosen // 2).sort(-1).values.diff(dim=-1).ne(0).sum(-1).max()) + 1 <= 2
+
+
+def test_group_routing_off_is_bit_identical_to_no_groups():
+    """n_group 1 (the default) routes as before the option: the same output bits as the same weights built
+    without the keys; n_group == topk_group (every group kept) chooses the same experts too."""
+    torch.manual_seed(0)
+    a = perturbed(GPT(tiny(n_experts=8, router="sigmoid"))).eval()
+    b = GPT(tiny(n_experts=8, router="sigmoid", n_group=1, topk_group=1)).eval()
+    c = GPT(tiny(n_experts=8, router="sigmoid", n_group=4, topk_group=4)).eval()
+    b.load_state_dict(a.state_dict())
+    c.load_state_dict(a.state_dict())
+    x = torch.randint(0, V, (2, 9))
+    with torch.no_grad():
+        assert torch.equal(a(x).logits, b(x).logits)
+        torch.testing.assert_close(a(x).logits, c(x).logits, atol=0, rtol=0)
+
+
 def test_the_expert_bias_moves_the_choice_not_the_weights():
     moe = perturbed(GPT(tiny(bias_update_rate=0.01))).blocks[0].mlp.eval()
     x = torch.randn(1, 5, 32)
@@ -361,6 +431,11 @@ def test_count_params_prints_total_and_active(capsys):
         ({"activation": "geglu"}, "model.moe.activation='geglu' is not one of swiglu, clamped_swiglu"),
         ({"swiglu_limit": 0}, "model.moe.swiglu_limit=0 must be a number > 0"),
         ({"router_bias": "yes"}, "model.moe.router_bias='yes' must be true or false"),
+        ({"n_group": 2, "topk_group": 3}, "model.moe.topk_group=3 exceeds model.moe.n_group=2"),
+        ({"n_experts": 6, "n_group": 4}, "model.moe.n_experts=6 is not divisible by model.moe.n_group=4"),
+        ({"n_group": 4}, "model.moe.n_group=4 leaves 1 expert per group"),
+        ({"n_experts": 8, "n_group": 4, "top_k": 3}, "model.moe.top_k=3 exceeds the 2 experts"),
+        ({"n_group": 0}, "model.moe.n_group=0 must be an integer >= 1"),
     ],
 )
 def test_bad_moe_settings_are_one_line_config_errors(change, named):
@@ -376,6 +451,8 @@ def test_bad_moe_settings_are_one_line_config_errors(change, named):
         ("model.moe.n_experts=1", "model.moe.n_experts=1 must be at least 2"),
         ("model.moe.router=nope", "model.moe.router='nope' is not one of softmax, sigmoid"),
         ("expert_parallel=3", "expert_parallel=3 must be a divisor of n_gpus=1"),
+        ("model.moe.topk_group=2", "model.moe.topk_group=2 exceeds model.moe.n_group=1"),
+        ("model.moe.n_group=3", "model.moe.n_experts=8 is not divisible by model.moe.n_group=3"),
     ],
 )
 def test_bad_moe_settings_on_the_command_line_exit_2_with_one_line(capsys, arg, named):

@@ -7,6 +7,9 @@
 
 LitGPT calls the interface and never asks which objective it runs. A new objective is a file here with its
 Objective subclass, and one row of OBJECTIVES.
+
+A model with multi-token prediction modules (model.mtp.depth > 0) trains with its objective's MTP variant,
+MTP_VARIANTS (lm: mtp.py's MTPLM); an objective without one refuses the model in one line.
 """
 
 from __future__ import annotations
@@ -18,18 +21,31 @@ from gptkit.training.objectives.base import FrozenModel, Objective, evaluating
 from gptkit.training.objectives.dpo import DPO
 from gptkit.training.objectives.grpo import GRPO
 from gptkit.training.objectives.lm import LM
+from gptkit.training.objectives.mtp import MTPLM
 
 OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO}
+# objective= -> the objective that trains a model with model.mtp.depth > 0 (its MTP losses added)
+MTP_VARIANTS: dict[str, type[Objective]] = {"lm": MTPLM}
 
 __all__ = ["OBJECTIVES", "FrozenModel", "Objective", "check_objective", "evaluating", "objective_class"]
 
 
 def objective_class(cfg: Any) -> type[Objective]:
-    """The objective a config names (objective=; lm when unset)."""
+    """The objective a config names (objective=; lm when unset), its MTP variant for a model with
+    multi-token prediction (model.mtp.depth > 0)."""
     name = str(cfg.get("objective") or "lm")
     if name not in OBJECTIVES:
         raise ConfigError(f"objective={name!r} is not one of {', '.join(OBJECTIVES)}")
-    return OBJECTIVES[name]
+    mtp = (cfg.get("model") or {}).get("mtp")
+    depth = mtp.get("depth", 0) if hasattr(mtp, "get") else 0
+    if not depth:
+        return OBJECTIVES[name]
+    if name not in MTP_VARIANTS:
+        raise ConfigError(
+            f"model.mtp.depth={depth}: objective={name} cannot train multi-token prediction modules (only "
+            f"{', '.join(MTP_VARIANTS)} can); set model.mtp=null"
+        )
+    return MTP_VARIANTS[name]
 
 
 def check_objective(cfg: Any) -> None:
