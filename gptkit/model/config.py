@@ -450,7 +450,8 @@ class ModelConfig:
                 f"n_kv_heads must divide n_heads (n_heads for MHA, 1 for MQA)"
             )
         hd = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
-        if self.position == "rope" and hd % 2:
+        # (multi-head latent attention's rotated width is model.mla.qk_rope_head_dim)
+        if self.position == "rope" and hd % 2 and self.attention_kind != "mla":
             raise ConfigError(f"RoPE needs an even head_dim, got {hd}; change model.d_model or model.n_heads")
         self._validate_rotary_dim(hd)
         if not 0.0 <= float(self.dropout) < 1.0:
@@ -514,6 +515,11 @@ class ModelConfig:
                 raise ConfigError(
                     f"model.{name} does not apply to model.attention_kind=mla ({why}); set it to null"
                 )
+        if self.n_kv_heads not in (None, self.n_heads):
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not apply to model.attention_kind=mla (each head's "
+                f"key and value come from one cached latent); set it to null"
+            )
 
     def _validate_rotary_dim(self, head_dim: int) -> None:
         """model.rotary_dim: ConfigError (one line) unless null or an even width within a RoPE head."""

@@ -104,7 +104,7 @@ def stub_kinds(monkeypatch):
 
 # a kind's own fields (its tiny shapes)
 MLA = {"q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
-KIND_FIELDS = {"mla": {"mla": MLA}}
+KIND_FIELDS = {"mla": {"mla": MLA, "n_kv_heads": None}}
 
 
 def tiny(kind: str, max_seq_len: int = 32, **over) -> GPT:

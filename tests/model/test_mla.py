@@ -207,6 +207,7 @@ def test_the_triton_backend_equals_eager_forward_and_backward():
         ({"mla": SHAPES, "qk_norm": "head"}, r"model.qk_norm does not apply to model.attention_kind=mla"),
         ({"mla": SHAPES, "rotary_dim": 2}, r"model.rotary_dim does not apply"),
         ({"attention_kind": "mha", "mla": SHAPES}, r"model.mla is set but model.attention_kind=mha"),
+        ({"mla": SHAPES, "n_kv_heads": 2}, r"model.n_kv_heads=2 does not apply to model.attention_kind=mla"),
     ],
 )
 def test_bad_values_are_one_line(over, message):
