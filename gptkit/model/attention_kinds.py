@@ -11,7 +11,7 @@
 ModelConfig.attention_kind_of(layer) names a layer's kind (model.attention_kind, today the same in every
 layer); `make_attention(cfg, layer)` builds its module and `cache_layout(cfg, layer)` says what a decoding
 cache holds for it: a key and a value per position, each of its own heads and width (multi-head latent
-attention caches k and v of different widths), or a recurrent state of fixed shape per sequence (linear
+attention: a key of its latent, a value of width 0), or a recurrent state of fixed shape per sequence (linear
 attention) instead. Everything that sizes a cache reads this one function: KVCache and StaticKVCache
 (gptkit/model/kv_cache.py, and through them generate, static decode and rollouts), serve's SlotCache
 (gptkit/inference/slot_cache.py), and the accounting's KV figures (count-params, decode roofline).
