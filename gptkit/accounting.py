@@ -42,6 +42,7 @@ their forward and backward (projection, block, the shared lm_head again); the fo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from gptkit import quant
 from gptkit.adapters import adapter_params
@@ -151,15 +152,80 @@ class ParamCounts:
         return self.total - self.tok_emb - self.pos_emb
 
 
+class AttentionParams(NamedTuple):
+    """One layer's attention parameters by part, as its kind's module holds them (biases included)."""
+
+    q: int
+    k: int
+    v: int
+    o: int
+    # the output gate's projection (model.attn_output_gate)
+    gate: int
+    # the norms inside the attention module (QK-norms; MLA's q_a_layernorm and kv_a_layernorm)
+    norms: int
+    # the biases among q, k, v, o and gate (AdamW's under optim=muon)
+    biases: int
+    # the weights a token's forward multiplies by (matmul_params): the matrices, no biases or norms
+    matmul: int
+    # the widths of the attention itself, all heads: query . key (scores) and the values (per key)
+    qk_width: int
+    v_width: int
+
+
+def attention_params(cfg: ModelConfig) -> AttentionParams:
+    """One layer's attention parameters, by the layer's kind (gptkit/model/attention_kinds.py): multi-head
+    attention's q/k/v/o of d_attn and d_kv; multi-head latent attention's low-rank projections (model.mla:
+    q = q_proj or q_a_proj + q_b_proj, k = kv_a_proj_with_mqa + kv_b_proj's key rows, v = kv_b_proj's value
+    rows)."""
+    d, b, qkv_b = cfg.d_model, int(cfg.bias), int(cfg.qkv_bias)
+    # weight (and bias) per normalized feature
+    per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
+    if cfg.attention_kind == "mla":
+        m, H = cfg.mla, cfg.n_heads
+        q_out = H * m.qk_head_dim
+        if m.q_lora_rank is None:
+            q_mat, q_bias, q_norm = d * q_out, 0, 0
+        else:
+            r = m.q_lora_rank
+            q_mat, q_bias, q_norm = d * r + r * q_out, qkv_b * r, r * per_dim
+        kv_a = m.kv_lora_rank + m.qk_rope_head_dim
+        k_mat = d * kv_a + m.kv_lora_rank * H * m.qk_nope_head_dim
+        v_mat = m.kv_lora_rank * H * m.v_head_dim
+        d_out = H * m.v_head_dim
+        gate_mat, gate_bias = (d * d_out, qkv_b * d_out) if cfg.attn_output_gate else (0, 0)
+        biases = q_bias + qkv_b * kv_a + gate_bias + b * d
+        return AttentionParams(
+            q=q_mat + q_bias,
+            k=k_mat + qkv_b * kv_a,
+            v=v_mat,
+            o=d_out * d + b * d,
+            gate=gate_mat + gate_bias,
+            norms=q_norm + m.kv_lora_rank * per_dim,
+            biases=biases,
+            matmul=q_mat + k_mat + v_mat + d_out * d + gate_mat,
+            qk_width=H * m.qk_head_dim,
+            v_width=d_out,
+        )
+    gate = (d + qkv_b) * cfg.d_attn if cfg.attn_output_gate else 0
+    return AttentionParams(
+        q=d * cfg.d_attn + qkv_b * cfg.d_attn,
+        k=d * cfg.d_kv + qkv_b * cfg.d_kv,
+        v=d * cfg.d_kv + qkv_b * cfg.d_kv,
+        o=cfg.d_attn * d + b * d,
+        gate=gate,
+        norms={None: 0, "head": 2 * cfg.head_dim, "full": cfg.d_attn + cfg.d_kv}[cfg.qk_norm] * per_dim,
+        biases=qkv_b * (cfg.d_attn * (1 + int(cfg.attn_output_gate)) + 2 * cfg.d_kv) + b * d,
+        matmul=d * cfg.d_attn * (2 + int(cfg.attn_output_gate)) + 2 * d * cfg.d_kv,
+        qk_width=cfg.d_attn,
+        v_width=cfg.d_attn,
+    )
+
+
 def count_params(cfg: ModelConfig) -> ParamCounts:
-    d, L, b, qkv_b = cfg.d_model, cfg.n_layers, int(cfg.bias), int(cfg.qkv_bias)
-    q = d * cfg.d_attn + qkv_b * cfg.d_attn
-    k = d * cfg.d_kv + qkv_b * cfg.d_kv
-    v = d * cfg.d_kv + qkv_b * cfg.d_kv
-    o = cfg.d_attn * d + b * d
+    d, L, b = cfg.d_model, cfg.n_layers, int(cfg.bias)
+    a = attention_params(cfg)
+    q, k, v, o, gate = a.q, a.k, a.v, a.o, a.gate
     sinks = cfg.n_heads if cfg.attn_sinks else 0
-    # the output gate's projection (model.attn_output_gate): q's shape
-    gate = q if cfg.attn_output_gate else 0
     if cfg.mlp == "gelu":
         dense = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
     else:
@@ -175,7 +241,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     # weight (and bias) per normalized feature
     per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
     norm = d * per_dim
-    qk_norm = {None: 0, "head": 2 * cfg.head_dim, "full": cfg.d_attn + cfg.d_kv}[cfg.qk_norm] * per_dim
+    # the norms inside the attention module (QK-norms, MLA's latent norms)
+    qk_norm = a.norms
     first = router + experts + shared if cfg.feed_forward(0) == "moe" else dense
     # a block's norms: before attention and MLP (and, sandwich, after each too)
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2
@@ -211,7 +278,7 @@ def matmul_params(cfg: ModelConfig) -> int:
     top_k routed experts and its shared experts, not the other routed experts."""
     d = cfg.d_model
     mlp_matrices = 2 if cfg.mlp == "gelu" else 3
-    attention = d * cfg.d_attn * (2 + int(cfg.attn_output_gate)) + 2 * d * cfg.d_kv
+    attention = attention_params(cfg).matmul
     n_moe = len(cfg.moe_layers)
     dense = (cfg.n_layers - n_moe) * mlp_matrices * d * cfg.d_ff
     m = cfg.moe
@@ -266,8 +333,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
     T = seq_len or cfg.max_seq_len
     n = matmul_params(cfg)
     dense, causal = attention_keys(cfg, T)
-    # QK^T and AV, 2 * keys * d_attn FLOPs each per token per layer
-    attn, attn_causal = 4.0 * dense * cfg.d_attn, 4.0 * causal * cfg.d_attn
+    # QK^T and AV, 2 * keys * d_attn FLOPs each per token per layer (multi-head latent attention: its
+    # heads' query-key width and value width, as the training path computes them)
+    a = attention_params(cfg)
+    width = a.qk_width + a.v_width
+    attn, attn_causal = 2.0 * dense * width, 2.0 * causal * width
     fwd_dense = 2.0 * n + attn
     fwd_causal = 2.0 * n + attn_causal
     # model.mtp: each depth's matmuls and its block's attention (the last layer's keys), in training only
@@ -331,10 +401,9 @@ def muon_params(cfg: ModelConfig) -> int:
     the blocks (attention projections, dense MLP matrices, a mixture's routers and stacked experts), not their
     biases, the norms, the embeddings or the LM head (AdamW's)."""
     c = count_params(cfg)
-    d, b, qkv_b = cfg.d_model, int(cfg.bias), int(cfg.qkv_bias)
+    d, b = cfg.d_model, int(cfg.bias)
     # q/k/v (and the output gate's) biases, o_proj's
-    gate = int(cfg.attn_output_gate) * cfg.d_attn
-    attention_biases = cfg.n_layers * (qkv_b * (cfg.d_attn + gate + 2 * cfg.d_kv) + b * d)
+    attention_biases = cfg.n_layers * attention_params(cfg).biases
     per_dense = b * ((cfg.d_ff if cfg.mlp == "gelu" else 2 * cfg.d_ff) + d)
     mlp_biases = (cfg.n_layers - len(cfg.moe_layers)) * per_dense
     m = cfg.moe

@@ -6,7 +6,8 @@ Every backend has the same signature:
         -> (out, probs|None)
 
     q:    [B, n_heads,    T_q, head_dim]
-    k, v: [B, n_kv_heads, T_k, head_dim]   (n_kv_heads divides n_heads: GQA/MQA)
+    k, v: [B, n_kv_heads, T_k, head_dim]   (n_kv_heads divides n_heads: GQA/MQA; v may be of its own width
+                                            Dv, out then [..., Dv]: multi-head latent attention's)
     mask: None, or a bool tensor broadcastable to [B, n_heads, T_q, T_k] (True = may attend);
           when given it replaces `causal` and `window` (a static KV cache builds it: gptkit/model/kv_cache.py)
     docs: None, or the packed documents of the batch (gptkit.model.documents.Documents): causal
@@ -25,7 +26,8 @@ skip: `eager` is the readable reference (explicit fp32 softmax, a dense mask; ca
 `sdpa` is torch's fused kernel (packed documents or a window: torch's variable-length FlashAttention on CUDA
 in fp16/bf16, with its window; a window elsewhere runs query chunks against the keys their window reaches
 (windowed_sdpa), so the cost grows with W, not T), `triton` is our own FlashAttention kernel in kernels/
-(tiles wholly outside a window or a document skipped; soft-capping in both passes). `sdpa` has no
+(tiles wholly outside a window or a document skipped; soft-capping in both passes; one head width, so values
+of another width than the keys, multi-head latent attention's, are padded to it: same_width). `sdpa` has no
 soft-capping kernel: with model.attn_softcap it runs `eager`. Attention sinks (model.attn_sinks): `eager` adds
 the sink as one more logit column; `sdpa` as one more zero key/value with the sink in a dense float mask
 (sinks_sdpa); `triton` starts each row's online softmax from the sink and returns the sink's gradient.
@@ -160,7 +162,8 @@ def sdpa_attention(
     window = effective_window(window, Tk) if mask is None else None
     if docs is not None:
         if mask is None and dropout_p == 0.0 and Tq == Tk and varlen_usable(q):
-            return varlen_attention(q, k, v, docs.cu_seqlens(), scale, window), None
+            q, k, v, scale, dv = same_width(q, k, v, scale)
+            return varlen_attention(q, k, v, docs.cu_seqlens(), scale, window)[..., :dv], None
         if q.is_cuda:
             warn_once(
                 "sdpa-docs",
@@ -180,7 +183,8 @@ def sdpa_attention(
             B, T = q.shape[0], q.shape[2]
             # each row one sequence
             cu = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)  # [B + 1]
-            return varlen_attention(q, k, v, cu, scale, window), None
+            q, k, v, scale, dv = same_width(q, k, v, scale)
+            return varlen_attention(q, k, v, cu, scale, window)[..., :dv], None
         return windowed_sdpa(q, k, v, window, scale, dropout_p), None
     if mask is None and causal and Tq != Tk:
         # one new token attends to the whole cache
@@ -310,6 +314,21 @@ def windowed_sdpa(
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)  # [B, H, Tq, D]
 
 
+def same_width(q, k, v, scale=None):
+    """(q, k, v, scale, v width): for kernels that take one head width, queries and keys of width D and
+    values of width Dv != D (multi-head latent attention: 192 and 128 at DeepSeek-V3's shape) padded with
+    zero features to max(D, Dv), exactly: zero features add nothing to a score, and a zero value feature gives
+    a zero output feature (cut off by the caller, [..., :Dv]). The scale is made explicit (D^-0.5 unless
+    given), so the padding does not change it. Equal widths come back as they are."""
+    D, Dv = q.shape[-1], v.shape[-1]
+    if D == Dv:
+        return q, k, v, scale, Dv
+    scale = D**-0.5 if scale is None else scale
+    if Dv < D:
+        return q, k, F.pad(v, (0, D - Dv)), scale, Dv
+    return F.pad(q, (0, Dv - D)), F.pad(k, (0, Dv - D)), v, scale, Dv
+
+
 def varlen_usable(q: torch.Tensor) -> bool:
     """Whether torch's variable-length FlashAttention (torch.nn.attention.varlen) runs q: fp16/bf16 on a CUDA
     GPU of compute capability >= 8.0 (FlashAttention 2's), head_dim a multiple of 8 up to 256."""
@@ -383,10 +402,12 @@ def triton_attention(
 
     bounds = None if docs is None else (docs.start, docs.end)
     window = effective_window(window, k.shape[2])
+    # one head width in the kernel: values narrower (or wider) than queries and keys are padded (same_width)
+    q, k, v, scale, dv = same_width(q, k, v, scale)
     out = flash_attention(
         q, k, v, causal=causal, scale=scale, doc_bounds=bounds, window=window, softcap=softcap, sinks=sinks
     )
-    return out, None
+    return out[..., :dv], None
 
 
 # model.attention=<name> runs <name>_attention: the names are model/config.py's ATTENTIONS (one list)

@@ -3,11 +3,15 @@
     kind   module (file)                  cache layout per layer
     mha    MultiHeadAttention (mha.py)    K [n_kv_heads, head_dim] and V [n_kv_heads, head_dim] per position
                                           (a local layer's last W); GQA/MQA, windows, QK-norm, soft-capping
+    mla    MultiHeadLatentAttention       one key of kv_lora_rank + qk_rope_head_dim per position (the
+           (mla.py, model.mla)            latent and the rotated key; DeepSeek-V3: 512 + 64 = 576) and a
+                                          value of width 0: the values are the key's first kv_lora_rank
+                                          features (docs/mla.md)
 
 ModelConfig.attention_kind_of(layer) names a layer's kind (model.attention_kind, today the same in every
 layer); `make_attention(cfg, layer)` builds its module and `cache_layout(cfg, layer)` says what a decoding
 cache holds for it: a key and a value per position, each of its own heads and width (multi-head latent
-attention caches k and v of different widths), or a recurrent state of fixed shape per sequence (linear
+attention: a key of its latent, a value of width 0), or a recurrent state of fixed shape per sequence (linear
 attention) instead. Everything that sizes a cache reads this one function: KVCache and StaticKVCache
 (gptkit/model/kv_cache.py, and through them generate, static decode and rollouts), serve's SlotCache
 (gptkit/inference/slot_cache.py), and the accounting's KV figures (count-params, decode roofline).
@@ -37,7 +41,8 @@ ModelConfig = Any
 class CacheLayout:
     """What a decoding cache keeps for one layer of one sequence.
 
-    k, v    (heads, width) of the key and of the value cached per position, or None (a layer with a state)
+    k, v    (heads, width) of the key and of the value cached per position, or None (a layer with a state);
+            a value of width 0 caches nothing (multi-head latent attention reads its values from its key)
     window  None: every position is kept; W: at most the last W (a local layer's rolling cache)
     state   None, or the shape of the fixed-size state kept per sequence (a recurrent layer: no k, v)
     """
@@ -82,6 +87,12 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
         "gptkit.model.mha:MultiHeadAttention",
         lambda cfg, layer: CacheLayout(
             (cfg.n_kv_heads, cfg.head_dim), (cfg.n_kv_heads, cfg.head_dim), cfg.window(layer)
+        ),
+    ),
+    "mla": AttentionKind(
+        "gptkit.model.mla:MultiHeadLatentAttention",
+        lambda cfg, layer: CacheLayout(
+            (1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (1, 0), cfg.window(layer)
         ),
     ),
 }

@@ -254,6 +254,73 @@ class MTPConfig:
 
 
 @dataclass
+class MLAConfig:
+    """model.mla: multi-head latent attention's shapes (model.attention_kind=mla: gptkit/model/mla.py,
+    docs/mla.md; transformers' DeepseekV3Config fields of the same names).
+
+    Each head's query and key are qk_nope_head_dim features without position and qk_rope_head_dim rotated
+    ones (the rotated key is one, shared by the heads); its value is v_head_dim wide. Keys and values come
+    from a latent of kv_lora_rank features per token (what the cache keeps, with the rotated key)."""
+
+    # null: q_proj [d_model -> n_heads * (nope + rope)] (DeepSeek-V2-Lite, Moonlight); r: q_a_proj
+    # [d_model -> r], an RMSNorm, q_b_proj [r -> n_heads * (nope + rope)] (DeepSeek-V3, Kimi K2)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    # DeepSeek's checkpoints keep each rotated pair side by side (x0, x1), (x2, x3), ...: read them as the
+    # two halves RoPE turns (transformers' rope_interleave); false: the halves as they come (gptkit's RoPE)
+    rope_interleave: bool = False
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of each head's query and key: qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line) for any invalid field."""
+        r = self.q_lora_rank
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r <= 0):
+            raise ConfigError(f"model.mla.q_lora_rank={r!r} must be a positive integer (or null: q_proj)")
+        for name, low in (
+            ("kv_lora_rank", 1),
+            ("qk_nope_head_dim", 0),
+            ("qk_rope_head_dim", 2),
+            ("v_head_dim", 1),
+        ):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ConfigError(f"model.mla.{name}={v!r} must be an integer >= {low}")
+        if self.qk_rope_head_dim % 2:
+            raise ConfigError(
+                f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE turns pairs of "
+                f"features)"
+            )
+        if not isinstance(self.rope_interleave, bool):
+            raise ConfigError(f"model.mla.rope_interleave={self.rope_interleave!r} must be true or false")
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "MLAConfig":
+        """model.mla as given (a mapping: unknown keys are an error)."""
+        if isinstance(d, MLAConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"model.mla={d!r} must be a mapping such as {{kv_lora_rank: 512, qk_nope_head_dim: 128, "
+                f"qk_rope_head_dim: 64, v_head_dim: 128, q_lora_rank: null}}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown model.mla field(s) {', '.join(map(str, unknown))}; known: "
+                f"{', '.join(sorted(names))}"
+            )
+        return cls(**dict(d))
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 50257
     max_seq_len: int = 1024
@@ -295,8 +362,10 @@ class ModelConfig:
     dropout: float = 0.0
     # eager | sdpa | triton: the attention function (the backend)
     attention: str = "sdpa"
-    # mha: the attention module and its cache (gptkit/model/attention_kinds.py)
+    # mha | mla: the attention module and its cache (gptkit/model/attention_kinds.py)
     attention_kind: str = "mha"
+    # null, or with attention_kind=mla its shapes (MLAConfig: ranks and head widths; docs/mla.md)
+    mla: MLAConfig | None = None
     # null: every layer attends to all earlier positions; W: a local layer (model.layer_types) attends to its
     # last W positions, its own included (transformers' sliding_window), and caches only those
     sliding_window: int | None = None
@@ -398,7 +467,10 @@ class ModelConfig:
 
     @property
     def rope_dim(self) -> int:
-        """The features of each head RoPE turns: model.rotary_dim, else the whole head."""
+        """The features of each head RoPE turns: model.rotary_dim, else the whole head (multi-head latent
+        attention: model.mla.qk_rope_head_dim)."""
+        if self.mla is not None:
+            return self.mla.qk_rope_head_dim
         return self.rotary_dim or self.head_dim
 
     @property
@@ -465,7 +537,8 @@ class ModelConfig:
                 f"n_kv_heads must divide n_heads (n_heads for MHA, 1 for MQA)"
             )
         hd = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
-        if self.position == "rope" and hd % 2:
+        # (multi-head latent attention's rotated width is model.mla.qk_rope_head_dim)
+        if self.position == "rope" and hd % 2 and self.attention_kind != "mla":
             raise ConfigError(f"RoPE needs an even head_dim, got {hd}; change model.d_model or model.n_heads")
         self._validate_rotary_dim(hd)
         if not 0.0 <= float(self.dropout) < 1.0:
@@ -493,6 +566,7 @@ class ModelConfig:
         for name in ("attn_sinks", "attn_output_gate"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
+        self._validate_mla()
         if self.moe is not None:
             self.moe = MoEConfig.from_dict(self.moe)
             self.moe.validate(self.n_layers)
@@ -506,6 +580,39 @@ class ModelConfig:
             if self.mtp.depth == 0:
                 # no module: one spelling (null) for one model
                 self.mtp = None
+
+    def _validate_mla(self) -> None:
+        """model.mla with attention_kind=mla: ConfigError (one line) when missing, invalid, or beside a knob
+        multi-head latent attention does not have."""
+        if self.attention_kind != "mla":
+            if self.mla is not None:
+                raise ConfigError(
+                    f"model.mla is set but model.attention_kind={self.attention_kind}; set "
+                    f"model.attention_kind=mla (or model.mla=null)"
+                )
+            return
+        if self.mla is None:
+            raise ConfigError(
+                "model.attention_kind=mla needs model.mla: {kv_lora_rank, qk_nope_head_dim, "
+                "qk_rope_head_dim, v_head_dim, q_lora_rank} (see conf/model/mla-tiny.yaml)"
+            )
+        self.mla = MLAConfig.from_dict(self.mla)
+        self.mla.validate()
+        # knobs of multi-head attention's projections that have no place in MLA's
+        for name, why in (
+            ("qk_norm", "its latent and low-rank query have their own RMSNorms"),
+            ("rotary_dim", "the rotated width is model.mla.qk_rope_head_dim"),
+            ("query_pre_attn_scalar", "scores are scaled by (qk_nope_head_dim + qk_rope_head_dim)^-0.5"),
+        ):
+            if getattr(self, name) is not None:
+                raise ConfigError(
+                    f"model.{name} does not apply to model.attention_kind=mla ({why}); set it to null"
+                )
+        if self.n_kv_heads not in (None, self.n_heads):
+            raise ConfigError(
+                f"model.n_kv_heads={self.n_kv_heads} does not apply to model.attention_kind=mla (each head's "
+                f"key and value come from one cached latent); set it to null"
+            )
 
     def _validate_rotary_dim(self, head_dim: int) -> None:
         """model.rotary_dim: ConfigError (one line) unless null or an even width within a RoPE head."""

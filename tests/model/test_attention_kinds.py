@@ -102,11 +102,16 @@ def stub_kinds(monkeypatch):
         monkeypatch.setitem(ATTENTION_KINDS, name, kind)
 
 
+# a kind's own fields (its tiny shapes)
+MLA = {"q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
+KIND_FIELDS = {"mla": {"mla": MLA, "n_kv_heads": None}}
+
+
 def tiny(kind: str, max_seq_len: int = 32, **over) -> GPT:
     torch.manual_seed(0)
     cfg = dict(vocab_size=61, max_seq_len=max_seq_len, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32)
     cfg.update(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, init_std=0.3, tie_embeddings=False)
-    cfg.update(attention_kind=kind, **over)
+    cfg.update(attention_kind=kind, **{**KIND_FIELDS.get(kind, {}), **over})
     return GPT(ModelConfig(**cfg)).eval()
 
 
@@ -129,8 +134,8 @@ def test_the_default_kind_is_multi_head_and_its_layout_sizes_every_cache():
 
 
 def test_an_unknown_kind_is_one_line_naming_the_known_ones():
-    with pytest.raises(ConfigError, match=r"model.attention_kind='mla' is not one of mha"):
-        ModelConfig(attention_kind="mla")
+    with pytest.raises(ConfigError, match=r"model.attention_kind='linear' is not one of mha, mla"):
+        ModelConfig(attention_kind="linear")
 
 
 def test_layouts_size_the_caches_and_the_accounting(stub_kinds):
@@ -158,6 +163,21 @@ def test_layouts_size_the_caches_and_the_accounting(stub_kinds):
         ("mha", {"nope_layers": [1]}),
         # multi-head attention with an output gate (model.attn_output_gate)
         ("mha", {"attn_output_gate": True}),
+        # multi-head latent attention: the latent cache, decoded through kv_b_proj absorbed
+        ("mla", {}),
+        # no low-rank query (DeepSeek-V2-Lite, Moonlight), DeepSeek's interleaved rotated pairs, biases,
+        # a local layer (its latents in a ring), a gate and sinks
+        (
+            "mla",
+            {
+                "mla": {**MLA, "q_lora_rank": None, "rope_interleave": True},
+                "qkv_bias": True,
+                "sliding_window": 8,
+                "layer_types": ["local", "global"],
+                "attn_output_gate": True,
+                "attn_sinks": True,
+            },
+        ),
     ],
 )
 def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kind, over):
@@ -264,7 +284,9 @@ def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind, blocks):
     cache."""
     from gptkit.training.optim import muon_split
 
-    over = dict(sliding_window=8, layer_types=["local", "global"], qk_norm="head", **BLOCKS[blocks])
+    # QK-norms are multi-head attention's (MLA normalizes its latent and its low-rank query)
+    qk_norm = {"qk_norm": "head"} if kind == "mha" else {}
+    over = dict(sliding_window=8, layer_types=["local", "global"], **qk_norm, **BLOCKS[blocks])
     model = tiny(kind, **over)
     counts = accounting.count_params(model.cfg)
     assert counts.total == sum(p.numel() for p in model.parameters())

@@ -36,14 +36,17 @@ def test_document_bounds_and_positions():
 
 
 @pytest.mark.parametrize("backend", ["eager", "sdpa", "triton"])
-def test_every_backend_attends_only_inside_documents(backend):
+# values as wide as the keys, narrower (multi-head latent attention's) or wider: the Triton kernel takes one
+# width, the narrower side is padded (attention.same_width)
+@pytest.mark.parametrize("Dv", [16, 8, 24])
+def test_every_backend_attends_only_inside_documents(backend, Dv):
     """Outputs and gradients equal attention run on each document alone (float64 reference)."""
     B, H, Hkv, T, D = 2, 4, 2, 24, 16
     docs = Documents(packed_ids(LENGTHS).to(DEVICE))
     q = torch.randn(B, H, T, D, device=DEVICE, requires_grad=True)
     k = torch.randn(B, Hkv, T, D, device=DEVICE, requires_grad=True)
-    v = torch.randn(B, Hkv, T, D, device=DEVICE, requires_grad=True)
-    dout = torch.randn(B, H, T, D, device=DEVICE)
+    v = torch.randn(B, Hkv, T, Dv, device=DEVICE, requires_grad=True)
+    dout = torch.randn(B, H, T, Dv, device=DEVICE)
     out, _ = ATTENTION_BACKENDS[backend](q, k, v, causal=True, docs=docs)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     for b, row in enumerate(LENGTHS):
@@ -85,9 +88,11 @@ def test_documents_mask_forms_and_cu_seqlens():
     assert docs.cu_seqlens().tolist() == [0, 2, 3, 6, 12] and docs.cu_seqlens().dtype == torch.int32
 
 
-def test_sdpa_with_documents_takes_variable_length_flash_attention_where_it_runs(monkeypatch):
+@pytest.mark.parametrize("Dv", [16, 8])
+def test_sdpa_with_documents_takes_variable_length_flash_attention_where_it_runs(monkeypatch, Dv):
     """Where varlen_attn runs (CUDA, fp16/bf16), packed documents take it without any mask: the B*T tokens
-    cut at Documents.cu_seqlens. On the CPU its contract is played by varlen_reference."""
+    cut at Documents.cu_seqlens. On the CPU its contract is played by varlen_reference. Values narrower than
+    the keys (multi-head latent attention's) are padded to their width (FlashAttention takes one)."""
     import gptkit.model.attention as attention
 
     monkeypatch.setattr(attention, "_varlen_attn", lambda: varlen_reference)
@@ -97,8 +102,9 @@ def test_sdpa_with_documents_takes_variable_length_flash_attention_where_it_runs
     docs = Documents(packed_ids(LENGTHS))
     q = torch.randn(B, H, T, D, requires_grad=True)
     k = torch.randn(B, Hkv, T, D, requires_grad=True)
-    v = torch.randn(B, Hkv, T, D, requires_grad=True)
+    v = torch.randn(B, Hkv, T, Dv, requires_grad=True)
     out, _ = attention.sdpa_attention(q, k, v, causal=True, docs=docs)
+    assert out.shape == (B, H, T, Dv)
     for b, row in enumerate(LENGTHS):
         s = 0
         for n in row:
