@@ -78,8 +78,12 @@ def is_adapter_key(name: str) -> bool:
 
 def model_targets(cfg: Any) -> tuple[str, ...]:
     """The targets a model of config `cfg` (a ModelConfig) has: every one, except gate without a gated MLP
-    (SwiGLU, GeGLU)."""
-    return tuple(t for t in TARGETS if t != "gate" or cfg.mlp in GATED)
+    (SwiGLU, GeGLU), and q, k, v, o where an attention kind other than multi-head attention has other
+    projections (multi-head latent attention: not adapted yet)."""
+    plain = all(cfg.attention_kind_of(i) == "mha" for i in range(cfg.n_layers))
+    return tuple(
+        t for t in TARGETS if (t != "gate" or cfg.mlp in GATED) and (plain or t not in ("q", "k", "v", "o"))
+    )
 
 
 def is_expert_target(cfg: Any, layer: int, target: str) -> bool:
@@ -122,11 +126,11 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     have = model_targets(cfg)
     wrong = [str(t) for t in targets if t not in have]
     if wrong:
-        why = (
-            " (a GPT-2-style model, mlp=gelu, has no gate projection)"
-            if "gate" in wrong and cfg.mlp not in GATED
-            else ""
-        )
+        why = ""
+        if "gate" in wrong and cfg.mlp not in GATED:
+            why = " (a GPT-2-style model, mlp=gelu, has no gate projection)"
+        elif {"q", "k", "v", "o"} & set(wrong) and "q" not in have:
+            why = f" (model.attention_kind={cfg.attention_kind}: its projections are not LoRA targets yet)"
         verb = "matches" if len(wrong) == 1 else "match"
         raise ConfigError(
             f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "

@@ -123,6 +123,12 @@ def quantized_names(cfg: Any) -> dict[str, tuple[int, int]]:
             "grouped matmuls, which torchao's NF4/int8/int4 weights do not run; use finetune=lora and "
             "sample without quantize="
         )
+    if any(cfg.attention_kind_of(i) != "mha" for i in range(cfg.n_layers)):
+        raise ConfigError(
+            f"quantized weights: model.attention_kind={cfg.attention_kind} has other projections than "
+            f"multi-head attention's qkv_proj and o_proj, which gptkit does not quantize yet; sample and "
+            f"fine-tune it without quantize= / finetune=qlora"
+        )
     shapes = {
         "attn.qkv_proj": (cfg.d_attn + 2 * cfg.d_kv, cfg.d_model),
         "attn.o_proj": (cfg.d_model, cfg.d_attn),

@@ -29,6 +29,13 @@ LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, position="r
 # a mixture of experts: layer 0 dense, layer 1 4 experts (top-2), whose gate/up/down adapters are per expert
 MOE = dict(LLAMA, moe=dict(n_experts=4, top_k=2, d_expert=24, every=2))
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
+# multi-head latent attention: no q/k/v/o targets (yet), its MLP adapted as any other
+MLA = dict(
+    LLAMA,
+    n_kv_heads=4,
+    attention_kind="mla",
+    mla=dict(q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
+)
 
 
 def tiny(style: dict, seed: int = 0) -> GPT:
@@ -44,8 +51,8 @@ def settings(**kw):
 
 @pytest.mark.parametrize(
     "style, targets",
-    [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"]), (MOE, ALL), (MOE, ["q", "up"])],
-    ids=["llama", "gpt2", "moe", "moe-q-up"],
+    [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"]), (MOE, ALL), (MOE, ["q", "up"]), (MLA, ALL[4:])],
+    ids=["llama", "gpt2", "moe", "moe-q-up", "mla-mlp"],
 )
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
     model = tiny(style)
@@ -136,6 +143,11 @@ def test_a_mixtures_expert_adapters_have_no_peft_export():
         (LLAMA, settings(alpha=0), "lora.alpha=0 must be a number > 0"),
         (LLAMA, settings(dropout=1.0), "lora.dropout=1.0 must be a number in [0, 1)"),
         (LLAMA, settings(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
+        (
+            MLA,
+            settings(targets=["q", "up"]),
+            "(model.attention_kind=mla: its projections are not LoRA targets",
+        ),
     ],
 )
 def test_bad_lora_settings_are_one_config_error(style, lora, needle):

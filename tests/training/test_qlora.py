@@ -291,3 +291,17 @@ def test_a_mixture_of_experts_has_no_nf4_base():
         ConfigError, match="a mixture of experts .* which torchao's NF4/int8/int4 weights do not"
     ):
         quant.check_nf4(cfg, 64, "auto")
+
+
+def test_multi_head_latent_attention_has_no_quantized_base_yet():
+    from gptkit.errors import ConfigError
+    from gptkit.model import ModelConfig
+
+    mla = dict(q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=40, max_seq_len=16, n_layers=2, n_heads=4, d_model=32, attention_kind="mla", mla=mla
+    )
+    with pytest.raises(
+        ConfigError, match="model.attention_kind=mla has other projections .* does not quantize"
+    ):
+        quant.check_nf4(cfg, 64, "auto")
