@@ -21,7 +21,7 @@ import torch
 
 from gptkit.errors import GptkitError
 from gptkit.hf.families import ARCHITECTURES, FAMILIES, family_named, family_of, imported
-from gptkit.hf.family import COPY, JOIN, SPLIT, STACK, TRANSPOSE, Family, Row
+from gptkit.hf.family import COPY, JOIN, SPLIT, STACK, TRANSPOSE, WEAVE, Family, Row
 from gptkit.model import GPT
 from gptkit.model.config import ModelConfig
 
@@ -80,6 +80,14 @@ def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConf
     """The gptkit ModelConfig equal to a transformers config.json of a family in ARCHITECTURES, or a
     GptkitError."""
     return family_named(check_hf_config(d)).config_from_hf(d, name)
+
+
+def unpack_weights(
+    hf_state: dict[str, Any], d: dict[str, Any], source: str
+) -> tuple[dict[str, Any], str | None]:
+    """The tensors of a folder whose config.json `d` (check_hf_config passed) packs some (gpt-oss's MXFP4
+    experts) read back by its family, and the one-line note that says so (None: nothing was packed)."""
+    return family_named(d["model_type"]).unpack(hf_state, d, source)
 
 
 def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
@@ -143,10 +151,12 @@ def name_map(cfg: ModelConfig, family: Family | None = None) -> list[Row]:
     """Every tensor of a gptkit GPT state dict and its transformers counterpart (in the files), as
     (ours, theirs, how): COPY (the same tensor), TRANSPOSE (GPT-2's Conv1D stores [in, out]), SPLIT
     (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order), STACK (our [E, out, in]
-    experts tensor is their E tensors, expert 0 first) or JOIN (our gate_proj and up_proj are the two row
-    halves of Phi-3's gate_up_proj, in that order). lm_head appears only when it is not tied to the
-    embedding. Both directions of the mapping read this one table; its rows are the family's: `family`, the
-    one whose files are read (a Phi-3 folder of the Llama layout), else the family of cfg."""
+    experts tensor is their E tensors, expert 0 first), JOIN (our gate_proj and up_proj are the two row
+    halves of Phi-3's gate_up_proj, in that order) or WEAVE (our two tensors are the even and odd entries of
+    their last axis, an [E, out, in] stack transposed first: gpt-oss's gate_up_proj and its bias). lm_head
+    appears only when it is not tied to the embedding. Both directions of the mapping read this one table;
+    its rows are the family's: `family`, the one whose files are read (a Phi-3 folder of the Llama layout),
+    else the family of cfg."""
     family = family or family_of(cfg)
     rows = family.embedding_rows(cfg)
     for i in range(cfg.n_layers):
@@ -168,8 +178,11 @@ def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig, family: Family | N
             out.update(zip(theirs, state[ours].unbind(0)))
         elif how == JOIN:
             out[theirs] = torch.cat([state[k] for k in ours], dim=0)
+        elif how == WEAVE:
+            pair = [state[k].transpose(-2, -1) if state[k].dim() == 3 else state[k] for k in ours]
+            out[theirs] = torch.stack(pair, dim=-1).flatten(-2)  # [..., 2 * n]: a0 b0 a1 b1 ...
         else:
-            out[theirs] = state[ours].t() if how == TRANSPOSE else state[ours]
+            out[theirs] = state[ours].transpose(-2, -1) if how == TRANSPOSE else state[ours]
     return {k: v.detach().contiguous().clone() for k, v in out.items()}
 
 
@@ -218,8 +231,12 @@ def from_hf_state_dict(
             state[ours] = torch.stack([hf[k] for k in theirs])  # [E, out, in]
         elif how == JOIN:
             state.update(zip(ours, hf[theirs].chunk(len(ours), dim=0)))  # equal row blocks, in order
+        elif how == WEAVE:
+            t = hf[theirs]
+            pair = (t[..., 0::2], t[..., 1::2])  # the even and odd entries of the last axis
+            state.update(zip(ours, (p.transpose(-2, -1) if p.dim() == 3 else p for p in pair)))
         else:
-            state[ours] = hf[theirs].t() if how == TRANSPOSE else hf[theirs]
+            state[ours] = hf[theirs].transpose(-2, -1) if how == TRANSPOSE else hf[theirs]
     if cfg.tie_embeddings:
         state["lm_head.weight"] = state["tok_emb.weight"]
     return {k: v.contiguous() for k, v in state.items()}

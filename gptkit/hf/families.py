@@ -1,8 +1,9 @@
 """The table of model families: every transformers model_type gptkit reads and writes, one row each.
 
 The first family that claims a config is its family: a family stands before those whose configs it
-narrows (the mixtures, Gemma, SmolLM3 and Phi-3 before the Llama layout, Llama last of the RoPE families). A
-new family is a file beside these (a Family subclass: gptkit/hf/family.py) and one row here.
+narrows (gpt-oss before the other mixtures; the mixtures, Gemma, SmolLM3 and Phi-3 before the Llama layout,
+Llama last of the RoPE families). A new family is a file beside these (a Family subclass:
+gptkit/hf/family.py) and one row here.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from gptkit.errors import GptkitError
 from gptkit.hf.family import Family
 from gptkit.hf.gemma import Gemma2, Gemma3
 from gptkit.hf.gpt2 import GPT2
+from gptkit.hf.gpt_oss import GptOss
 from gptkit.hf.llama import Llama, Mistral, Olmo2, Qwen2, Qwen3
 from gptkit.hf.moe import Mixtral, Olmoe, Qwen3Moe
 from gptkit.hf.olmo3 import Olmo3
@@ -19,6 +21,7 @@ from gptkit.hf.smollm3 import SmolLM3
 from gptkit.model.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (
+    GptOss(),
     Mixtral(),
     Qwen3Moe(),
     Olmoe(),

@@ -11,9 +11,13 @@ conversion code (convert.py) that never asks which family it holds:
     config_from_hf(d)      the ModelConfig of its config.json, or a GptkitError
     embedding_rows, layer_rows(cfg, i), final_rows
                            the weight names: (ours, theirs, how) rows, how: COPY, TRANSPOSE, SPLIT, STACK,
-                           JOIN
+                           JOIN, WEAVE
     files_layout, memory_layout, check_files
                            the files' layout against transformers' in-memory one (the mixtures' experts)
+
+    unpack(state, d, source)
+                           the files' tensors with what config.json's quantization_config packs read back,
+                           and a note saying so (gpt-oss's MXFP4 experts)
 
 A family is a file (llama.py, gemma.py, moe.py, gpt2.py, smollm3.py: one file per family group) and one row of
 families.FAMILIES. Families read this leaf and decoder.py (the RoPE decoder layout the Llama-style families
@@ -30,8 +34,10 @@ from gptkit.model.config import ModelConfig
 # how one of our tensors becomes theirs: the same tensor; GPT-2's Conv1D stores [in, out]; our fused qkv_proj
 # rows are q_proj, k_proj, v_proj in that order; our [E, out, in] experts tensor is their E tensors; our
 # tensors (a tuple: gate_proj, up_proj) are the equal row blocks of their one tensor, in that order (Phi-3's
-# gate_up_proj)
-COPY, TRANSPOSE, SPLIT, STACK, JOIN = "copy", "transpose", "split", "stack", "join"
+# gate_up_proj); our two tensors (a tuple) are the even and odd entries of their one tensor's last axis, each
+# of ours a [E, out, in] stack transposed to [E, in, out] first (gpt-oss's interleaved gate_up_proj and its
+# bias). TRANSPOSE swaps the last two axes (a [E, out, in] stack's too).
+COPY, TRANSPOSE, SPLIT, STACK, JOIN, WEAVE = "copy", "transpose", "split", "stack", "join", "weave"
 Row = tuple[str | tuple[str, ...], str | tuple[str, ...], str]
 # the fields only some families turn on (Gemma's), at the values every other family needs
 PLAIN = {
@@ -152,3 +158,10 @@ class Family:
 
     def check_files(self, hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
         """What the files hold beyond the tensor names, checked against config.json."""
+
+    def unpack(
+        self, state: dict[str, Any], d: dict[str, Any], source: str
+    ) -> tuple[dict[str, Any], str | None]:
+        """The files' tensors `state` with what config.json `d` packs read back, and one line saying so (None:
+        nothing packed; a family without a packed format reads its tensors as they are)."""
+        return state, None

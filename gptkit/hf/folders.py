@@ -30,6 +30,7 @@ from gptkit.hf.convert import (
     hf_config,
     model_config_from_hf,
     to_hf_state_dict,
+    unpack_weights,
 )
 from gptkit.model import GPT
 from gptkit.runs import (
@@ -405,6 +406,8 @@ class Imported:
     heads: str
     # tokenizer_config.json's chat_template, kept as chat.json
     has_chat_template: bool = False
+    # what import did beyond widening (gpt-oss's MXFP4 experts dequantized), one line each
+    notes: list[str] | None = None
 
 
 @dataclass
@@ -496,6 +499,8 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
         )
     source = loaded if loaded is not None else load_weights(src.dir)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
+    source, note = unpack_weights(source, hf_cfg, str(src.dir))
+    notes = [note] if note else []
     model = GPT.from_state(
         model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir), model_type=hf_cfg["model_type"])
     )
@@ -512,6 +517,8 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
             "dtypes": dtypes,
             "files": fingerprint(src.dir),
         }
+        if notes:
+            provenance["notes"] = notes
         (tmp / IMPORTED_FILE).write_text(json.dumps(provenance, indent=2))
     return Imported(
         out,
@@ -521,6 +528,7 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
         tokenizer is not None,
         heads_confirmed(hf_cfg, model_cfg),
         template is not None,
+        notes,
     )
 
 

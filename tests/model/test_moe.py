@@ -231,8 +231,10 @@ def test_gpt_oss_experts_equal_transformers_gpt_oss_mlp(impl):
 
 def test_gpt_oss_experts_count_train_on_muon_and_are_refused_by_the_other_families():
     """count-params equals the module (router bias, expert biases in total and inactive); Muon takes the
-    stacked matrices, AdamW the stacked biases; the biases start at zero; Mixtral's family refuses them."""
+    stacked matrices, AdamW the stacked biases; the biases start at zero; Mixtral's family refuses them, and
+    gpt-oss's (the family of these experts) needs its attention sinks too."""
     from gptkit.hf.families import family_of
+    from gptkit.hf.moe import Mixtral
     from gptkit.training.optim import muon_split
 
     cfg = tiny(**GPT_OSS)
@@ -250,6 +252,8 @@ def test_gpt_oss_experts_count_train_on_muon_and_are_refused_by_the_other_famili
     }
     assert all(not p.detach().any() for n, p in model.named_parameters() if n.endswith("_bias"))
     with pytest.raises(GptkitError, match=r"model.moe.router_bias=True .*refusing"):
+        Mixtral().check(cfg)
+    with pytest.raises(GptkitError, match=r"model.attn_sinks=False .*GptOssForCausalLM.*refusing"):
         family_of(cfg)
 
 
