@@ -22,6 +22,7 @@ from gptkit.hf.moe import Mixtral
 from gptkit.inference.generate import generate
 from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
+from gptkit.model.layers import RotaryEmbedding
 
 transformers = pytest.importorskip("transformers")
 
@@ -336,3 +337,80 @@ def test_presets_count_total_and_active_as_transformers_builds_them(name):
     m = cfg.moe
     assert (total, total - experts * (m.n_experts - m.top_k) // m.n_experts) == COUNTS[name]
     assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
+
+
+def released(layers: int, experts: int) -> dict:
+    """openai/gpt-oss-20b's (24, 32) and -120b's (36, 128) config.json, as released (transformers 4.55's keys:
+    rope_scaling and rope_theta, the MXFP4 quantization_config, OpenAI's own extra keys)."""
+    return {
+        "architectures": ["GptOssForCausalLM"],
+        "attention_bias": True,
+        "attention_dropout": 0.0,
+        "eos_token_id": 200002,
+        "experts_per_token": 4,
+        "head_dim": 64,
+        "hidden_act": "silu",
+        "hidden_size": 2880,
+        "initial_context_length": 4096,
+        "initializer_range": 0.02,
+        "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * (layers // 2),
+        "max_position_embeddings": 131072,
+        "model_type": "gpt_oss",
+        "num_attention_heads": 64,
+        "num_experts_per_tok": 4,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": 8,
+        "num_local_experts": experts,
+        "output_router_logits": False,
+        "pad_token_id": 199999,
+        "quantization_config": {
+            "modules_to_not_convert": [
+                "model.layers.*.self_attn",
+                "model.layers.*.mlp.router",
+                "model.embed_tokens",
+                "lm_head",
+            ],
+            "quant_method": "mxfp4",
+        },
+        "rms_norm_eps": 1e-05,
+        "rope_scaling": {
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "factor": 32.0,
+            "original_max_position_embeddings": 4096,
+            "rope_type": "yarn",
+            "truncate": False,
+        },
+        "rope_theta": 150000,
+        "router_aux_loss_coef": 0.9,
+        "sliding_window": 128,
+        "swiglu_limit": 7.0,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "vocab_size": 201088,
+    }
+
+
+@pytest.mark.parametrize("name, layers, experts", [("gpt-oss-20b", 24, 32), ("gpt-oss-120b", 36, 128)])
+def test_presets_are_the_released_configs_and_their_yarn_is_transformers(name, layers, experts):
+    """The released config.json imports as the preset; its RoPE tables (YaRN factor 32 over 4096, beta 32/1,
+    truncate false, attention factor 1 + 0.1 ln 32 on cos and sin) equal transformers' GptOssRotaryEmbedding
+    at positions inside, at and far past the original context."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    cfg = preset(name)
+    assert hf.model_config_from_hf(released(layers, experts), name=name) == cfg
+    d = hf.hf_config(cfg)
+    config = transformers.GptOssConfig(
+        **{k: v for k, v in d.items() if k not in ("architectures", "dtype", "model_type")}
+    )
+    theirs = GptOssRotaryEmbedding(config)
+    ours = RotaryEmbedding(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, scaling=cfg.rope_scaling)
+    positions = torch.tensor([[0, 1, 127, 4095, 4096, 65536, 131071]])
+    cos, sin = theirs(torch.zeros(1), positions)  # [1, 7, head_dim / 2]
+    half = cfg.head_dim // 2
+    assert torch.equal(ours.cos[positions[0], :half], cos[0]) and torch.equal(
+        ours.sin[positions[0], :half], sin[0]
+    )
+    assert theirs.attention_scaling > 1.3
