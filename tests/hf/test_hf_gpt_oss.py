@@ -156,7 +156,8 @@ def test_import_has_transformers_logits_whole_and_packed_and_export_gives_back_t
 
 def test_greedy_tokens_past_the_window_equal_transformers_generate(theirs):
     """64 greedy tokens after a prompt of 8 (the window of 7 passed 9 times over, YaRN-scaled positions): our
-    KV cache's tokens are transformers' generate's, and recomputing without a cache gives the same."""
+    KV cache's tokens are transformers' generate's, and recomputing without a cache and the static cache (the
+    fixed-shape decode) give the same."""
     model = hf.from_transformers(theirs)
     prompt = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(3)).tolist()
     with torch.no_grad():
@@ -173,6 +174,8 @@ def test_greedy_tokens_past_the_window_equal_transformers_generate(theirs):
     got = generate(model, prompt, opts).tokens[0]
     assert len(want) == 64 and len(set(want)) > 3 and got == want
     assert generate(model, prompt, opts, use_cache=False).tokens[0] == want
+    static = SampleOptions(max_new_tokens=64, temperature=0.0, decode="static")
+    assert generate(with_attention(model, "sdpa"), prompt, static).tokens[0] == want
 
 
 # ---- MXFP4 -----------------------------------------------------------------------------------------
