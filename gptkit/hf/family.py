@@ -53,6 +53,8 @@ PLAIN = {
     "attention_kind": "mha",
     # RoPE over the whole head (Phi-3's partial RoPE: gptkit/hf/phi3.py)
     "rotary_dim": None,
+    # no multi-token prediction modules (DeepSeek-V3's and GLM-4.5's keep theirs: their family files)
+    "mtp": None,
 }
 
 

@@ -231,6 +231,14 @@ def test_nope_layers_outside_smollm3_are_refused_on_export():
         hf.hf_config(moe)
 
 
+@pytest.mark.parametrize("moe", [None, {"n_experts": 2}], ids=["dense", "moe"])
+def test_multi_token_prediction_is_refused_on_export_by_the_families_without_it(moe):
+    """A family without MTP modules would drop them silently: refused, naming model.mtp."""
+    cfg = ModelConfig(**(ONE_ROPE_LAYER | {"n_layers": 2}), bias=False, moe=moe, mtp={"depth": 1})
+    with pytest.raises(GptkitError, match=r"model.mtp=.* needs mtp=None"):
+        hf.hf_config(cfg)
+
+
 def test_fused_norm_kernel_on_qk_norm_matches_eager():
     model = hf.from_transformers(hf_model("qwen3"))
     fused = GPT.from_state(
