@@ -11,9 +11,12 @@ partial_rotary_factor is rotary_dim / head_dim (transformers turns int(head_dim 
 
 A Phi-3 model with RoPE over the whole head is the Llama layout: it imports here and exports as
 LlamaForCausalLM (the same model, its weights named Llama's way). LongRoPE (rope_type longrope, or su and
-yarn in older config.json, which Phi3Config reads as longrope: Phi-3-128k, Phi-3.5, Phi-4-mini) is refused at
-import, by name: besides its frequencies, transformers' Phi-3 generate recomputes its cache when a sequence
-first outgrows the original context, which no gptkit decoding path does.
+yarn in older config.json, which Phi3Config reads as longrope: Phi-3-128k, Phi-3.5, Phi-4-mini) is
+model.rope_scaling's longrope, its original context config.json's top-level original_max_position_embeddings
+(Phi3Config's 4096 when absent), its factor max_position_embeddings / that when rope_scaling has none. Like
+transformers, a sequence longer than the original context rotates with the long factors, and a decode step
+that first reaches past it turns its new keys with those while the keys cached before keep theirs
+(gptkit/model/layers.py's RotaryEmbedding).
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ class Phi3(Decoder):
     """Phi-3: partial RoPE, fused q/k/v and gate/up weights, no biases."""
 
     model_type, architecture, config_class, title = "phi3", "Phi3ForCausalLM", "Phi3Config", "Phi-3"
-    fixes = {"bias": False, "qkv_bias": False, "qk_norm": None, "norm_placement": "pre", "rope_scaling": None}
+    fixes = {"bias": False, "qkv_bias": False, "qk_norm": None, "norm_placement": "pre"}
+    # Phi3Config's original_max_position_embeddings when config.json has none
+    default_original = 4096
     windowed = True
     peft_adapters = False
     own_files = True
@@ -40,11 +45,17 @@ class Phi3(Decoder):
         return rope_decoder(cfg) and cfg.rotary_dim is not None
 
     def target(self, cfg: ModelConfig) -> str:
-        return "Phi3ForCausalLM (partial RoPE: the Llama layout without biases, plain RoPE, one window)"
+        return "Phi3ForCausalLM (partial RoPE: the Llama layout without biases, plain RoPE or LongRoPE)"
 
     def check(self, cfg: ModelConfig) -> None:
         plain = {k: v for k, v in PLAIN.items() if k != "rotary_dim"}
         require(cfg, {**LLAMA_LAYOUT, **plain} | self.fixes, "with model.rotary_dim set", self.target(cfg))
+        if cfg.rope_scaling is not None and cfg.rope_scaling["type"] != "longrope":
+            raise GptkitError(
+                f"model.rope_scaling type {cfg.rope_scaling['type']} has no faithful transformers "
+                f"architecture with model.rotary_dim set: Phi3ForCausalLM takes plain RoPE or longrope; "
+                "refusing rather than produce a different model"
+            )
         if cfg.local_layers and len(cfg.local_layers) != cfg.n_layers:
             raise GptkitError(
                 f"model.layer_types={cfg.layer_types} has no faithful transformers architecture: "
@@ -62,9 +73,11 @@ class Phi3(Decoder):
         d = super().config_to_hf(cfg)
         factor = cfg.rope_dim / cfg.head_dim
         d["rope_parameters"] = d["rope_parameters"] | {"partial_rotary_factor": factor}
+        s = cfg.rope_scaling
         return d | {
             "partial_rotary_factor": factor,
-            "original_max_position_embeddings": cfg.max_seq_len,
+            # Phi3Config reads LongRoPE's original context here before rope_parameters'
+            "original_max_position_embeddings": s["original_max_seq_len"] if s else cfg.max_seq_len,
             "resid_pdrop": 0.0,
             "embd_pdrop": 0.0,
         }
@@ -73,12 +86,19 @@ class Phi3(Decoder):
         return {"sliding_window": cfg.sliding_window if cfg.local_layers else None}
 
     def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
-        # as Phi3Config reads it: rope_scaling before rope_parameters, and its types su and yarn are longrope
-        rope = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        # as Phi3Config reads it: rope_scaling before rope_parameters, its types su and yarn are longrope, and
+        # its original_max_position_embeddings is 4096 when config.json has none (rope_scaling_from_hf
+        # prefers the top-level one, as transformers does)
+        rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or {})
         if rope.get("rope_type", rope.get("type")) in ("su", "yarn", "longrope"):
+            rope.pop("type", None)
+            rope["rope_type"] = "longrope"
+        elif rope.get("rope_type", rope.get("type", "default")) != "default":
             raise refusal(self.model_type)(
-                "rope_type", "longrope", "LongRoPE is not a gptkit RoPE scaling (plain RoPE in Phi-3)"
+                "rope_type", rope.get("rope_type", rope.get("type")), "plain RoPE or longrope (Phi3Config's)"
             )
+        d = d | {"rope_parameters": rope or None, "rope_scaling": None}
+        d.setdefault("original_max_position_embeddings", self.default_original)
         return super().config_from_hf(d, name)
 
     def rotary_from_hf(
@@ -97,7 +117,7 @@ class Phi3(Decoder):
 
     def bias_from_hf(self, d: dict[str, Any], refuse) -> dict[str, Any]:
         # Phi3's linears have no biases (no config key turns them on)
-        return {k: v for k, v in self.fixes.items() if k != "rope_scaling"}
+        return dict(self.fixes)
 
     def window_layers(self, d: dict[str, Any], refuse) -> tuple[int | None, list[str] | None]:
         # transformers' Phi3Model masks every layer to the window when config.json sets one

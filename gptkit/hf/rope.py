@@ -1,6 +1,6 @@
 """RoPE in config.json: transformers' rope parameters (rope_parameters in 5.x, rope_theta and rope_scaling
-before) to and from model.rope_theta and model.rope_scaling (llama3, linear, dynamic, yarn). Every RoPE family
-reads and writes its RoPE here."""
+before) to and from model.rope_theta and model.rope_scaling (llama3, linear, dynamic, yarn, longrope). Every
+RoPE family reads and writes its RoPE here."""
 
 from __future__ import annotations
 
@@ -22,6 +22,11 @@ def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     # dynamic: transformers' original context is max_position_embeddings (hf_config writes it there)
     if s["type"] in ("llama3", "yarn"):
         d["original_max_position_embeddings"] = s["original_max_seq_len"]
+    if s["type"] == "longrope":
+        d |= {k: s[k] for k in ("short_factor", "long_factor")}
+        d["original_max_position_embeddings"] = s["original_max_seq_len"]
+        if s["attention_factor"] is not None:
+            d["attention_factor"] = s["attention_factor"]
     if s["type"] == "yarn":
         d |= {"beta_fast": s["beta_fast"], "beta_slow": s["beta_slow"]}
         d |= {k: s[k] for k in ("attention_factor", "mscale", "mscale_all_dim") if s[k] is not None}
@@ -40,9 +45,17 @@ def rope_scaling_from_hf(rope: dict[str, Any], d: dict[str, Any], refuse) -> dic
         raise refuse("rope_type", rope_type, f"plain RoPE or rope_type {', '.join(ROPE_SCALINGS)}")
     mpe = d.get("max_position_embeddings")
     original = rope.get("original_max_position_embeddings") or (mpe if rope_type != "llama3" else None)
+    if rope_type == "longrope":
+        # transformers prefers a top-level original_max_position_embeddings (Phi-3's config.json has it)
+        original = d.get("original_max_position_embeddings") or original
     factor = rope.get("factor")
-    # YaRN without a factor: the ratio of the two contexts (transformers' rule)
-    if rope_type == "yarn" and factor is None and isinstance(original, int) and isinstance(mpe, int):
+    # YaRN or LongRoPE without a factor: the ratio of the two contexts (transformers' rule)
+    if (
+        rope_type in ("yarn", "longrope")
+        and factor is None
+        and isinstance(original, int)
+        and isinstance(mpe, int)
+    ):
         factor = mpe / original
     scaling: dict[str, Any] = {"type": rope_type, "factor": factor}
     if rope_type == "llama3":
@@ -50,6 +63,8 @@ def rope_scaling_from_hf(rope: dict[str, Any], d: dict[str, Any], refuse) -> dic
     if rope_type != "linear":
         # dynamic: transformers scales past max_position_embeddings
         scaling["original_max_seq_len"] = mpe if rope_type == "dynamic" else original
+    if rope_type == "longrope":
+        scaling |= {k: rope.get(k) for k in ("short_factor", "long_factor", "attention_factor")}
     if rope_type == "yarn":
         scaling |= {
             "beta_fast": rope.get("beta_fast") or 32.0,

@@ -162,12 +162,14 @@ class Job:
 class _Seq:
     """One choice of a job, in a slot."""
 
-    __slots__ = ("job", "choice", "last", "n_out", "generator", "stream", "finished")
+    __slots__ = ("job", "choice", "last", "fed", "n_out", "generator", "stream", "finished")
 
     def __init__(self, job: Job, choice: int, device: torch.device) -> None:
         self.job, self.choice = job, choice
         # the token fed at the next step
         self.last = -1
+        # the tokens sampled and fed (a longrope model's restart runs the prompt and these again)
+        self.fed: list[int] = []
         # tokens sampled so far
         self.n_out = 0
         p = job.params
@@ -312,6 +314,14 @@ class Batcher:
         logits = self.model(tok, cache=self.cache.decode(n), logits_to_keep=1).logits[:, -1]  # [n, V]
         self.steps += 1
         self.rows += n
+        for i, s in enumerate(self.seqs):
+            if self.model.rope_restart(self.cache.lengths[i] - 1, self.cache.lengths[i]):
+                # this sequence outgrew a longrope scaling's original context: its slot again, every key with
+                # the long factors (the row just decoded is dropped), as this request alone would be
+                self.cache.free(i)
+                ids = torch.tensor([s.job.prompt + s.fed], dtype=torch.long, device=self.device)  # [1, T]
+                view = self.cache.prefill(i)
+                logits[i] = self.model(ids, cache=view, logits_to_keep=1).logits[0, -1]
         self._take(self.seqs, self._choose(logits, self.seqs), out)
 
     def _choose(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int | str]:
@@ -358,6 +368,7 @@ class Batcher:
             self._finish(s, "eos", out)
             return
         s.last = tok
+        s.fed.append(tok)
         ev = Event(s.choice, [tok])
         out.setdefault(job, []).append(ev)
         if s.stream is not None:

@@ -126,6 +126,9 @@ def _generate(model, prompt_ids, opts, decode, on_text, use_cache) -> Generation
             start = n - keep
             slides += 1
             logits = window_logits(n)
+        elif cache is not None and model.rope_restart(n - 1 - start, n - start):
+            # past a longrope scaling's original context: every key again, with the long factors
+            logits = window_logits(n)
         elif cache is not None:
             logits = model(tokens[:, n - 1 : n], cache=cache, logits_to_keep=1).logits[:, -1]  # [B, V]
         else:
@@ -328,6 +331,9 @@ class ChatSession:
             limit = min(len(self.cached), len(ids) - 1)
             while keep < limit and self.cached[keep] == ids[keep]:
                 keep += 1
+        # keys cached on the other side of a longrope scaling's switch are stale: all fed again
+        if self.model.rope_restart(self.cache.length, len(ids)):
+            keep = 0
         # a local layer's rolling cache may no longer hold what position `keep` needs: then 0, all fed again
         keep = self.cache.rewind(keep)
         self.cached = ids[:keep]
@@ -364,8 +370,14 @@ class ChatSession:
             if self.cache.length >= self.max_context:
                 reason = "context"
                 break
-            logits = self.model(nxt[:, None], cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
             self.cached.append(tok)
+            if self.model.rope_restart(self.cache.length, len(self.cached)):
+                # past a longrope scaling's original context: every key again, with the long factors
+                self.cache.reset()
+                every = torch.tensor([self.cached], dtype=torch.long, device=device)  # [1, T]
+                logits = self.model(every, cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+            else:
+                logits = self.model(nxt[:, None], cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
         piece = stream.finish()
         if on_text is not None and piece:
             on_text(piece)

@@ -184,7 +184,13 @@ def _sample_group(model, prompt, keys, opts: RolloutOptions, budget: int, lockst
                 continue
         elif not active:
             break
-        logits = model(out[:, i : i + 1], cache=cache, logits_to_keep=1).logits[:, -1]  # [n, V]
+        if model.rope_restart(t0 + i, t0 + i + 1):
+            # past a longrope scaling's original context: every key again, with the long factors
+            cache = _Cache(model.cfg, n, t0 + budget)
+            every = torch.cat((ids, out[:, : i + 1]), dim=1)  # [n, T0 + i + 1]
+            logits = model(every, cache=cache, logits_to_keep=1).logits[:, -1]  # [n, V]
+        else:
+            logits = model(out[:, i : i + 1], cache=cache, logits_to_keep=1).logits[:, -1]  # [n, V]
         i += 1
     rows = out.tolist()
     full = "length" if budget == opts.max_new_tokens else "context"

@@ -348,14 +348,19 @@ def generate_static(
     t1 = time.perf_counter()
     done = False
     while emitted < limit and not done:
-        # the newest token does not fit in the window: slide (overflow=stop never gets here)
-        if n - start > max_len:
+        # the newest token does not fit in the window: slide (overflow=stop never gets here); or the window
+        # outgrew a longrope scaling's original context: every key again, with the long factors
+        slide = n - start > max_len
+        if slide or model.rope_restart(n - 1 - start, n - start):
             done = flip(emitted) or drain()
             if done:
                 break
-            start = n - keep
-            slides += 1
-            window = torch.tensor([s[start:n] for s in seqs], dtype=torch.long, device=device)  # [B, keep]
+            if slide:
+                start = n - keep
+                slides += 1
+            window = torch.tensor(
+                [s[start:n] for s in seqs], dtype=torch.long, device=device
+            )  # [B, n - start]
             dec.prefill(window)
         else:
             dec.step()

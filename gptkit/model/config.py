@@ -46,7 +46,17 @@ ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
             "truncate": True,
         },
     ),
+    # LongRoPE (Phi-3.5, Phi-4-mini): frequency i divided by short_factor[i] while a sequence is within
+    # original_max_seq_len, by long_factor[i] once it is longer (rotary_dim / 2 numbers each); cos and sin
+    # times attention_factor (null: sqrt(1 + ln(factor) / ln(original_max_seq_len)), 1 when factor <= 1;
+    # transformers' factor is max_position_embeddings / original_max_position_embeddings)
+    "longrope": (
+        ("factor", "short_factor", "long_factor", "original_max_seq_len"),
+        {"attention_factor": None},
+    ),
 }
+# rope_scaling keys that hold one number per rotated frequency pair
+ROPE_FACTOR_LISTS = ("short_factor", "long_factor")
 ROPE_SCALINGS = tuple(ROPE_SCALING_KEYS)
 # fused kernels model.kernels may switch on (gptkit/model/fused.py)
 KERNELS = ("norm", "swiglu", "rope", "loss")
@@ -339,8 +349,8 @@ class ModelConfig:
     # frequencies of an r-wide head, the rest pass through (partial RoPE: transformers' partial_rotary_factor)
     rotary_dim: int | None = None
     rope_theta: float = 10000.0
-    # null: plain RoPE; {type: llama3 | linear | dynamic | yarn, ...}: the frequencies rescaled (the keys of
-    # each type: ROPE_SCALING_KEYS; transformers' rope_type of the same name)
+    # null: plain RoPE; {type: llama3 | linear | dynamic | yarn | longrope, ...}: the frequencies rescaled
+    # (the keys of each type: ROPE_SCALING_KEYS; transformers' rope_type of the same name)
     rope_scaling: dict[str, Any] | None = None
     # null: local layers (model.layer_types) rotate as the global ones; a base: local layers use plain RoPE
     # of this base, rope_theta and rope_scaling are the global layers' (Gemma 3: 10000 local, 1e6 global)
@@ -541,6 +551,15 @@ class ModelConfig:
         if self.position == "rope" and hd % 2 and self.attention_kind != "mla":
             raise ConfigError(f"RoPE needs an even head_dim, got {hd}; change model.d_model or model.n_heads")
         self._validate_rotary_dim(hd)
+        s = self.rope_scaling
+        if s is not None and s["type"] == "longrope":
+            pairs = (self.rotary_dim or hd) // 2
+            for k in ROPE_FACTOR_LISTS:
+                if len(s[k]) != pairs:
+                    raise ConfigError(
+                        f"model.rope_scaling.{k} has {len(s[k])} numbers; it needs {pairs}, one per pair of "
+                        f"features RoPE turns (model.rotary_dim, else head_dim, / 2)"
+                    )
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not float(self.norm_eps) > 0:
@@ -748,6 +767,14 @@ def check_rope_scaling(d: Any, position: str) -> dict[str, Any]:
     out: dict[str, Any] = {"type": d["type"]}
     for k in (*need, *optional):
         v = d.get(k, optional.get(k))
+        if k in ROPE_FACTOR_LISTS:
+            if not isinstance(v, Sequence) or isinstance(v, str) or not v or not all(_positive(x) for x in v):
+                raise ConfigError(
+                    f"model.rope_scaling.{k} must be a list of positive numbers, one per pair of features "
+                    f"RoPE turns (got {str(v)[:60]})"
+                )
+            out[k] = [float(x) for x in v]
+            continue
         if k == "truncate":
             if not isinstance(v, bool):
                 raise ConfigError(f"model.rope_scaling.truncate={v!r} must be true or false")

@@ -288,6 +288,12 @@ class GPT(nn.Module):
             model.lm_head.weight = model.tok_emb.weight
         return model.eval()
 
+    def rope_restart(self, cached: int, length: int) -> bool:
+        """Whether a KV cache filled while the sequence was `cached` tokens long must be filled again, by one
+        prefill over the whole sequence, before it serves the sequence at `length` tokens: a longrope
+        scaling's switch between short and long factors (RotaryEmbedding.restart). Every decode path asks."""
+        return self.rope is not None and self.rope.restart(cached, length)
+
     def num_parameters(self, non_embedding: bool = False) -> int:
         """Parameters of the model (tied embeddings counted once)."""
         # tied weights are counted once

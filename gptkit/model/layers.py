@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gptkit.model import fused
-from gptkit.model.rope_scaling import LENGTH_DEPENDENT, ROPE_SCALINGS
+from gptkit.model.rope_scaling import LENGTH_DEPENDENT, ROPE_SCALINGS, SWITCHED
 
 
 class LayerNorm(nn.Module):
@@ -153,8 +153,12 @@ class RotaryEmbedding(nn.Module):
     cos/sin tables are computed in fp32 for every position up to max_seq_len and kept as
     non-persistent buffers (they are a function of the config, not learned state). `scaling`
     (model.rope_scaling) rescales the frequencies first (gptkit/model/rope_scaling.py: llama3, linear,
-    yarn, dynamic); a `dynamic` scaling computes its tables per forward once the sequence outgrows its
-    original context (from the forward's last position, as transformers does per call).
+    yarn, dynamic, longrope); a `dynamic` scaling computes its tables per forward once the sequence outgrows
+    its original context (from the forward's last position, as transformers does per call). A `longrope`
+    scaling (SWITCHED) keeps a second pair of tables, cos_long and sin_long, for sequences longer than its
+    original context: a forward whose sequence reaches past it (its last position + 1 > original) rotates its
+    new queries and keys with those, the keys cached before keeping theirs (transformers' generate). With
+    [B, T] positions each row is its own sequence (a row of serve's slot cache: as that request alone).
 
     `head_dim` is the width it rotates: the first head_dim features of each head (model.rotary_dim, partial
     RoPE as Phi's), its frequencies those of that width; the features past it pass through unchanged.
@@ -167,13 +171,25 @@ class RotaryEmbedding(nn.Module):
         self.head_dim, self.max_seq_len, self.theta, self.fused = head_dim, max_seq_len, theta, fused
         self.scaling = scaling
         self.dynamic = scaling is not None and scaling["type"] in LENGTH_DEPENDENT
+        # a longrope scaling's original context (None: one set of tables)
+        self.switch_at = scaling["original_max_seq_len"] if scaling and scaling["type"] in SWITCHED else None
         cos, sin = self._tables(None)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        if self.switch_at is not None:
+            cos, sin = self._long_tables(None)
+            self.register_buffer("cos_long", cos, persistent=False)
+            self.register_buffer("sin_long", sin, persistent=False)
 
-    def _tables(self, device, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) [length, head_dim] fp32 for positions 0..length-1: max_seq_len of them, or seq_len for a
-        sequence of that length (a `dynamic` scaling's frequencies depend on it)."""
+    def _long_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """A switched scaling's (cos, sin) [max_seq_len, head_dim] for sequences past its original context."""
+        return self._tables(device, self.switch_at + 1, self.max_seq_len)
+
+    def _tables(
+        self, device, seq_len: int | None = None, length: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [length, head_dim] fp32 for positions 0..length-1 (default: max_seq_len of them, or
+        seq_len) of a sequence seq_len long (a `dynamic` or `longrope` scaling's frequencies depend on it)."""
         # In fp32, step by step as Meta's reference and transformers compute them: the angles the weights were
         # trained with (an fp64 angle differs from that fp32 one by up to an fp32 ulp of position * frequency)
         f32 = dict(dtype=torch.float32, device=device)
@@ -184,12 +200,12 @@ class RotaryEmbedding(nn.Module):
         if self.scaling is not None:
             fn = ROPE_SCALINGS[self.scaling["type"]]
             inv_freq, factor = fn(inv_freq, self.scaling, self.head_dim, self.theta, seq_len)
-        t = torch.arange(seq_len or self.max_seq_len, **f32)
+        t = torch.arange(length or seq_len or self.max_seq_len, **f32)
         freqs = torch.outer(t, inv_freq)  # [length, head_dim/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [length, head_dim]
         if factor == 1.0:
             return emb.cos(), emb.sin()
-        # YaRN's attention factor rides on cos and sin (as transformers applies it)
+        # YaRN's and LongRoPE's attention factor rides on cos and sin (as transformers applies it)
         return emb.cos() * factor, emb.sin() * factor
 
     def _apply(self, fn, recurse=True):
@@ -199,12 +215,17 @@ class RotaryEmbedding(nn.Module):
         super()._apply(fn, recurse)
         if not self.cos.is_meta:
             self.cos, self.sin = self._tables(self.cos.device)
+            if self.switch_at is not None:
+                self.cos_long, self.sin_long = self._long_tables(self.cos.device)
         return self
 
     def tables(self, positions: int | torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The (cos, sin) tables for a forward of T tokens at `positions`: the stored ones, or, for a
         `dynamic` scaling past its original context, ones computed for this forward's length (its last
-        position + 1; a tensor of positions is read on the host)."""
+        position + 1; a tensor of positions is read on the host); a `longrope` scaling's long ones for an int
+        position past its original context (tensor positions: _switched)."""
+        if self.switch_at is not None and isinstance(positions, int) and positions + T > self.switch_at:
+            return self.cos_long, self.sin_long
         if not self.dynamic:
             return self.cos, self.sin
         length = positions + T if isinstance(positions, int) else int(positions.max()) + 1
@@ -230,6 +251,9 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated over their whole last dimension (head_dim wide)."""
         one_row = isinstance(positions, torch.Tensor) and positions.dim() == 1
+        if self.switch_at is not None and isinstance(positions, torch.Tensor):
+            cos, sin = self._switched(positions)
+            return _rotate(q, cos, sin), _rotate(k, cos, sin)
         cos_table, sin_table = self.tables(positions, q.shape[-2])
         if self.fused and not one_row and fused.usable(q, "rope"):
             return fused.rope(q, k, cos_table, sin_table, positions)
@@ -243,6 +267,26 @@ class RotaryEmbedding(nn.Module):
             cos = cos_table[positions][:, None]  # [B, 1, T, D]
             sin = sin_table[positions][:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def restart(self, cached: int, length: int) -> bool:
+        """Whether keys a cache holds, computed while its sequence was `cached` long, are stale for the
+        sequence `length` long: a longrope scaling whose switch lies between the two (transformers' Phi-3
+        generate recomputes every key when a sequence first outgrows the original context). A decode path
+        then runs the whole sequence again (a prefill), as recomputing without a cache would."""
+        if self.switch_at is None or cached <= 0:
+            return False
+        return (cached > self.switch_at) != (length > self.switch_at)
+
+    def _switched(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A longrope scaling's (cos, sin) at tensor positions, [T] -> [T, D] or [B, T] -> [B, 1, T, D]: a row
+        whose last position + 1 is past the original context reads the long tables, the others the short ones
+        (chosen on the device: no host read, a compiled step or a CUDA graph replays it)."""
+        long = (positions.amax(dim=-1, keepdim=True) >= self.switch_at)[..., None]  # [1, 1] or [B, 1, 1]
+        cos = torch.where(long, self.cos_long[positions], self.cos[positions])  # [T, D] or [B, T, D]
+        sin = torch.where(long, self.sin_long[positions], self.sin[positions])
+        if positions.dim() == 2:
+            return cos[:, None], sin[:, None]
+        return cos, sin
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

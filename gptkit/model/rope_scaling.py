@@ -5,8 +5,8 @@
     inv_freq   [head_dim/2] fp32, the plain frequencies 1 / theta^(2i / head_dim)
     s          the checked model.rope_scaling (gptkit.model.config.check_rope_scaling: every key present)
     seq_len    the length of the sequence the tables are for (None: any up to the original context); only
-               `dynamic` reads it (LENGTH_DEPENDENT)
-    attention_factor   cos and sin are multiplied by it (YaRN's; 1.0 for the others)
+               `dynamic` (LENGTH_DEPENDENT) and `longrope` (SWITCHED) read it
+    attention_factor   cos and sin are multiplied by it (YaRN's and LongRoPE's; 1.0 for the others)
 
 The arithmetic is that of transformers' modeling_rope_utils (the same fp32 operations in the same order), so
 an imported model rotates its queries and keys with the angles it was trained with. The keys each type takes
@@ -99,7 +99,40 @@ def yarn(inv_freq: torch.Tensor, s: dict, head_dim: int, theta: float, seq_len=N
     return interpolation * (1 - keep) + extrapolation * keep, yarn_attention_factor(s)
 
 
+def longrope_attention_factor(s: dict) -> float:
+    """LongRoPE's factor on cos and sin: attention_factor when given, else sqrt(1 + ln(factor) /
+    ln(original_max_seq_len)), 1 when factor <= 1."""
+    if s["attention_factor"] is not None:
+        return s["attention_factor"]
+    if s["factor"] <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(s["factor"]) / math.log(s["original_max_seq_len"]))
+
+
+def longrope(inv_freq: torch.Tensor, s: dict, head_dim: int, theta: float, seq_len=None):
+    """LongRoPE (Phi-3.5, Phi-4-mini; transformers' rope_type longrope): frequency i divided by its own
+    factor, short_factor[i] for a sequence within original_max_seq_len (seq_len None or <= it), long_factor[i]
+    for a longer one (SWITCHED: RotaryEmbedding keeps both tables); cos and sin scaled by
+    longrope_attention_factor."""
+    long = seq_len is not None and seq_len > s["original_max_seq_len"]
+    ext = torch.tensor(
+        s["long_factor" if long else "short_factor"], dtype=torch.float32, device=inv_freq.device
+    )
+    shape = torch.arange(0, head_dim, 2, dtype=torch.int64, device=inv_freq.device).float() / head_dim
+    return 1.0 / (ext * theta**shape), longrope_attention_factor(s)
+
+
 # model.rope_scaling.type -> its frequencies (the names are config.py's ROPE_SCALINGS)
-ROPE_SCALINGS: dict[str, ScalingFn] = {"llama3": llama3, "linear": linear, "dynamic": dynamic, "yarn": yarn}
+ROPE_SCALINGS: dict[str, ScalingFn] = {
+    "llama3": llama3,
+    "linear": linear,
+    "dynamic": dynamic,
+    "yarn": yarn,
+    "longrope": longrope,
+}
 # types whose tables depend on the length of the sequence (computed per forward past the original context)
 LENGTH_DEPENDENT = ("dynamic",)
+# types with two fixed sets of frequencies, one for sequences within the original context (seq_len None) and
+# one for longer sequences (seq_len original + 1): both tables are kept, and each sequence reads the one its
+# length (its last position + 1) picks, as transformers' dynamic_rope_update does per forward
+SWITCHED = ("longrope",)
