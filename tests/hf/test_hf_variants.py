@@ -3,6 +3,8 @@ per head), OLMo-2 (QK-norm over all heads, norms after each branch), SmolLM3 (No
 (partial RoPE, fused qkv_proj and gate_up_proj) import and export with the logits of `transformers` (fp32,
 <= 1e-5), on random-weight models built from their configs (no hub)."""
 
+import json
+
 import pytest
 import torch
 import yaml
@@ -13,7 +15,9 @@ from gptkit import accounting as acc
 from gptkit import hf
 from gptkit.conf_tree import conf_dir
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.inference.batcher import SamplingParams, generate_many
 from gptkit.inference.generate import generate
+from gptkit.inference.rollouts import RolloutOptions, sample_groups
 from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 
@@ -30,6 +34,14 @@ LLAMA3_SCALING = {
     "original_max_position_embeddings": 16,
     "rope_type": "llama3",
 }
+# LongRoPE over an original context of 32 (Phi-4-mini's is 4096 of 131072): 64 greedy tokens after an
+# 8-token prompt cross it; 4 factors each, one per pair of the 8 features turning in each 16-wide head
+LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.2, 1.5, 2.0],
+    "long_factor": [1.0, 3.0, 7.0, 16.0],
+}
+LONGROPE_ORIGINAL = 32
 
 
 def hf_model(kind: str):
@@ -51,8 +63,16 @@ def hf_model(kind: str):
         cfg = transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False, attention_bias=False)
     elif kind.startswith("phi3"):
         # phi3: half of each 16-wide head turns (Phi-3.5/Phi-4-mini turn 3/4), a window of 16 in every layer;
-        # phi3-full: RoPE over the whole head (Phi-4)
-        partial = {"partial_rotary_factor": 0.5, "sliding_window": 16} if kind == "phi3" else {}
+        # phi3-full: RoPE over the whole head (Phi-4); phi3-longrope: half of each head, LongRoPE (Phi-4-mini)
+        partial = {
+            "phi3": {"partial_rotary_factor": 0.5, "sliding_window": 16},
+            "phi3-full": {},
+            "phi3-longrope": {
+                "partial_rotary_factor": 0.5,
+                "original_max_position_embeddings": LONGROPE_ORIGINAL,
+                "rope_scaling": LONGROPE,
+            },
+        }[kind]
         cfg = transformers.Phi3Config(
             **hf_common(V, PHI_POSITIONS), **partial, rope_theta=10000.0, tie_word_embeddings=False
         )
@@ -66,6 +86,7 @@ def hf_model(kind: str):
         "smollm3": transformers.SmolLM3ForCausalLM,
         "phi3": transformers.Phi3ForCausalLM,
         "phi3-full": transformers.Phi3ForCausalLM,
+        "phi3-longrope": transformers.Phi3ForCausalLM,
     }[kind]
     return hf_perturbed(lambda: cls(cfg))
 
@@ -260,6 +281,67 @@ def test_post_norm_and_qk_norm_train_a_step():
 
 
 # ---- presets and count-params ------------------------------------------------------------------------
+def test_phi3_longrope_has_the_logits_of_transformers_under_and_over_its_original_context(tmp_path):
+    """Phi-4-mini's LongRoPE imports as model.rope_scaling longrope (its original context config.json's
+    top-level key, its factor max_position_embeddings / original): fp32 logits equal transformers' within the
+    original context (short factors) and past it (long factors), and the export gives back the same files,
+    which transformers reads back to the same logits."""
+    theirs = hf_model("phi3-longrope")
+    want = {"type": "longrope", "factor": PHI_POSITIONS / LONGROPE_ORIGINAL}
+    want |= {"original_max_seq_len": LONGROPE_ORIGINAL, "attention_factor": None}
+    want |= {k: LONGROPE[k] for k in ("short_factor", "long_factor")}
+    model_cfg, model = hf_import(tmp_path, theirs, dict(rotary_dim=8, rope_scaling=want))
+    # the same weights with the long factors left out: equal within the original context, not past it
+    short = dict(model_cfg.rope_scaling, long_factor=LONGROPE["short_factor"])
+    only_short = GPT.from_state(
+        ModelConfig.from_dict({**model_cfg.to_dict(), "rope_scaling": short}), model.state_dict()
+    )
+    with torch.no_grad():
+        for T in (LONGROPE_ORIGINAL, PHI_POSITIONS):
+            idx = torch.randint(0, V, (2, T))  # [B, T]
+            ref = theirs(idx).logits
+            assert (model(idx).logits - ref).abs().max().item() <= 1e-5, T
+            differ = (only_short(idx).logits - ref).abs().max().item()
+            assert (differ > 1e-2) == (T > LONGROPE_ORIGINAL), T
+    hf_export_same_files(tmp_path, "Phi3ForCausalLM", idx, ref)
+    config = json.loads((tmp_path / "again" / "config.json").read_text())
+    assert config["original_max_position_embeddings"] == LONGROPE_ORIGINAL
+    for rope in (config["rope_parameters"], config["rope_scaling"]):
+        assert rope["rope_type"] == "longrope" and rope["long_factor"] == LONGROPE["long_factor"]
+
+
+def test_phi3_longrope_greedy_decode_past_the_original_context_is_transformers_generate_on_every_path():
+    """64 greedy tokens after 8 cross the original context of 32: transformers' Phi-3 generate then computes
+    every key again with the long factors. gptkit's KV-cache generate, the static decode, serve's slot cache
+    (beside a shorter prompt that crosses later) and the rollouts give its tokens."""
+    theirs = hf_model("phi3-longrope")
+    ours = hf.from_transformers(theirs)
+    prompt = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # [1, 8]
+        want = theirs.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, 8:].tolist()
+    assert len(want) == 64 and len(set(want)) > 3
+    for decode in ("eager", "static"):
+        opts = SampleOptions(max_new_tokens=64, temperature=0.0, decode=decode)
+        assert generate(ours, prompt, opts).tokens[0] == want, decode
+    greedy = SampleOptions(max_new_tokens=64, temperature=0.0)
+    assert generate(ours, prompt, greedy, use_cache=False).tokens[0] == want
+    served = generate_many(
+        ours, [prompt, prompt[:3]], SamplingParams(max_new_tokens=64, temperature=0), max_batch=2
+    )
+    assert served[0].choices[0].tokens == want
+    assert served[1].choices[0].tokens == generate(ours, prompt[:3], greedy, use_cache=False).tokens[0]
+    rolled = sample_groups(ours, [prompt], [[1, 2]], RolloutOptions(64, temperature=0), [64])
+    assert [c.tokens for c in rolled[0]] == [want, want]
+
+
 PUBLISHED = {
     "llama3.2-1b": 1_235_814_400,
     "qwen2.5-0.5b": 494_032_768,
@@ -271,6 +353,8 @@ PUBLISHED = {
     "smollm3-3b": 3_075_098_624,
     # transformers' Phi3ForCausalLM of microsoft/phi-4's config.json, on the meta device
     "phi-4": 14_659_507_200,
+    # and of microsoft/Phi-4-mini-instruct's
+    "phi-4-mini": 3_836_021_760,
 }
 
 
@@ -295,6 +379,7 @@ def preset(name: str) -> ModelConfig:
         "smollm3-3b",
         "smollm3-tiny",
         "phi-4",
+        "phi-4-mini",
         "phi-tiny",
     ],
 )
@@ -338,14 +423,12 @@ def test_unsupported_hf_configs_are_refused_by_name(change, named):
 @pytest.mark.parametrize(
     "rope, named",
     [
-        # Phi-3.5-mini / Phi-4-mini's long context: not a gptkit RoPE scaling
-        (
-            {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4},
-            "rope_type='longrope'",
-        ),
-        # older config.json: Phi3Config reads su and yarn as longrope (not as gptkit's yarn)
-        ({"type": "yarn", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_type='longrope'"),
-        ({"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}, "rope_type='longrope'"),
+        # LongRoPE's factor lists: one positive number per pair of the 4 pairs turning
+        ({"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [2.0] * 4}, "has 3 numbers"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0, 0.0, 1, 1]}, "positive"),
+        ({"type": "su", "short_factor": [1.0] * 4}, "needs long_factor"),
+        # Phi3Config takes plain RoPE or LongRoPE only
+        ({"rope_type": "linear", "factor": 2.0}, "rope_type='linear'"),
         # 0.3125 x 16 = 5 features: RoPE turns pairs
         ({"rope_type": "default", "partial_rotary_factor": 0.3125}, "partial_rotary_factor=0.3125"),
         ({"rope_type": "default", "partial_rotary_factor": 1.5}, "partial_rotary_factor=1.5"),
@@ -360,6 +443,15 @@ def test_phi3_configs_gptkit_cannot_represent_are_refused_in_one_line(rope, name
     with pytest.raises(GptkitError, match=named) as e:
         hf.model_config_from_hf(d)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("old", ["su", "yarn"])
+def test_phi3_reads_older_su_and_yarn_as_longrope_with_its_top_level_original_context(old):
+    d = hf_model("phi3").config.to_dict() | {"original_max_position_embeddings": 24}
+    d["rope_scaling"] = {"type": old, "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}
+    d.pop("rope_parameters", None)
+    s = hf.model_config_from_hf(d).rope_scaling
+    assert s["type"] == "longrope" and s["original_max_seq_len"] == 24 and s["factor"] == PHI_POSITIONS / 24
 
 
 @pytest.mark.parametrize(
@@ -391,6 +483,13 @@ def test_phi3_lora_adapters_export_merged_only():
 ONE_ROPE_LAYER = dict(
     vocab_size=V, n_layers=1, n_heads=4, d_model=32, position="rope", mlp="swiglu", norm="rmsnorm"
 )
+LONGROPE_CFG = {
+    "type": "longrope",
+    "factor": 4.0,
+    "original_max_seq_len": 16,
+    "short_factor": [1.0] * 4,
+    "long_factor": [2.0] * 4,
+}
 
 
 @pytest.mark.parametrize(
@@ -398,6 +497,21 @@ ONE_ROPE_LAYER = dict(
     [
         (dict(rope_scaling={"type": "llama3", "factor": 8.0}), "missing: high_freq_factor"),
         (dict(rope_scaling={"type": "yarn"}), "rope_scaling"),
+        # LongRoPE: one positive factor per pair of features turning (head_dim 8: 4 pairs)
+        (
+            dict(rope_scaling=LONGROPE_CFG | {"short_factor": [1.0] * 3}),
+            "short_factor has 3 numbers; it needs 4",
+        ),
+        (
+            dict(rope_scaling=LONGROPE_CFG | {"long_factor": [1.0, -2.0, 1.0, 1.0]}),
+            "long_factor must be a list",
+        ),
+        (dict(rope_scaling=LONGROPE_CFG | {"long_factor": 2.0}), "long_factor must be a list of positive"),
+        (dict(rope_scaling=LONGROPE_CFG | {"long_factor": []}), "long_factor must be a list of positive"),
+        (
+            dict(rope_scaling={k: v for k, v in LONGROPE_CFG.items() if k != "short_factor"}),
+            "missing: short_f",
+        ),
         (dict(qk_norm="layer"), "qk_norm"),
         (dict(norm_placement="middle"), "norm_placement"),
         (dict(qkv_bias="yes"), "qkv_bias"),
