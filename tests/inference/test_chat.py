@@ -10,7 +10,7 @@ from conftest import TINY_LLAMA, run_main
 
 from gptkit import chat_templates as templates
 from gptkit.errors import GptkitError
-from gptkit.inference.generate import ChatSession
+from gptkit.inference.generate import ChatSession, generate
 from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
 from gptkit.runs import load_run, write_run_folder
@@ -186,12 +186,13 @@ def test_a_fitted_answer_ends_at_the_context_and_older_turns_make_room():
     assert len(s.reply("hello").tokens) == 40 and s.fit_note() is None
 
 
-def session(reuse: bool) -> ChatSession:
+def session(reuse: bool, rope_scaling: dict | None = None) -> ChatSession:
     torch.manual_seed(0)
     tok = byte_tokenizer([])
     t = templates.resolve_template("chatml", None)
     templates.add_special_tokens(tok, t)
-    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **(TINY | {"max_seq_len": 256}))).eval()
+    fields = TINY | {"max_seq_len": 256, "rope_scaling": rope_scaling}
+    model = GPT(ModelConfig(vocab_size=tok.get_vocab_size(), **fields)).eval()
     stop = (tok.token_to_id("<|im_end|>"),)
     return ChatSession(
         model,
@@ -247,3 +248,26 @@ def test_import_keeps_the_models_chat_template_for_chat(tmp_path, capsys, monkey
         capsys, monkeypatch, "hi\n", f"run={tmp_path / 'run'}", "max_new_tokens=3", "threads=1"
     )
     assert code == 0 and len(out.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("where", ["reply", "prompt"])
+def test_a_longrope_conversation_runs_every_key_again_when_it_outgrows_the_original_context(where):
+    """LongRoPE (Phi-4-mini's): once the conversation outgrows the original context, the keys cached within
+    it are stale; the kept cache is filled again (in a reply, or at the next prompt) and each reply is the
+    greedy continuation computed without a cache."""
+    plain = session(True)
+    p1 = plain.reply("hello").prompt_tokens
+    # the switch within turn 1's reply, or between turn 1 (p1 + 12 tokens) and turn 2's longer prompt
+    original = p1 + 5 if where == "reply" else p1 + 12
+    pairs = TINY["d_model"] // TINY["n_heads"] // 2
+    scaling = {"type": "longrope", "factor": 4.0, "original_max_seq_len": original}
+    s = session(True, scaling | {"short_factor": [1.0] * pairs, "long_factor": [3.0] * pairs})
+    greedy = SampleOptions(max_new_tokens=12, temperature=0.0)
+    crossed = False
+    for msg in ("hello", "and again"):
+        turn = s.reply(msg)
+        prompt = s.cached[: turn.prompt_tokens]
+        crossed |= turn.prompt_tokens <= original < turn.prompt_tokens + len(turn.tokens)
+        want = generate(s.model, prompt, greedy, use_cache=False).tokens[0]
+        assert turn.tokens == want[: len(turn.tokens)] and len(turn.tokens) > 3
+    assert crossed == (where == "reply")
