@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import yaml
-from conftest import hf_common, hf_export_same_files, hf_import, hf_perturbed
+from conftest import hf_common, hf_export_same_files, hf_import, hf_perturbed, run_main
 from conftest import main_code as cli
 
 from gptkit import accounting as acc
@@ -403,6 +403,18 @@ def test_presets_count_exactly_and_equal_their_transformers_architecture(name):
 def test_count_params_cli_prints_the_exact_total(capsys, name, total):
     assert cli("count-params", f"model={name}") == 0
     assert total in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("model.rope_scaling.short_factor=[1.0,2.0]", "short_factor has 2 numbers; it needs 48"),
+        ("model.rope_scaling.long_factor=[1.0,-2.0]", "long_factor must be a list of positive numbers"),
+    ],
+)
+def test_phi_4_mini_factor_lists_of_the_wrong_shape_are_one_line_exit_2(capsys, override, named):
+    code, _, err = run_main(capsys, "count-params", "model=phi-4-mini", override)
+    assert code == 2 and named in err and len(err.strip().splitlines()) == 1
 
 
 # ---- refusals ------------------------------------------------------------------------------------------
