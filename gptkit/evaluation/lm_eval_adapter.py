@@ -161,13 +161,22 @@ class GptkitLM(TemplateLM):
             c = min(len(cont), len(inp))
             groups[tuple(inp[: len(inp) - c])].append((i, inp[len(inp) - c :], list(cont)[-c:]))
         out: list[tuple[float, bool] | None] = [None] * len(requests)
-        alone = sorted(
-            ((p, *groups.pop(p)[0]) for p in [p for p, g in groups.items() if len(g) == 1]),
-            key=lambda item: -len(item[0]) - len(item[2]),
-            # longest first
-        )
-        for a in range(0, len(alone), self.batch_size):
-            self._score_whole(alone[a : a + self.batch_size], out)
+        alone = [(p, *groups.pop(p)[0]) for p in [p for p, g in groups.items() if len(g) == 1]]
+        # a longrope model (Phi-4-mini) turns a sequence longer than its original context with other
+        # frequencies: a continuation that takes its prefix past it is scored whole, and a batch of whole
+        # inputs (right-padded to its longest) holds only inputs on one side of it
+        for p in list(groups):
+            crossing = [r for r in groups[p] if self.model.rope_restart(len(p), len(p) + len(r[1]))]
+            alone += [(p, *r) for r in crossing]
+            groups[p] = [r for r in groups[p] if r not in crossing]
+            if not groups[p]:
+                del groups[p]
+        # longest first
+        alone.sort(key=lambda item: -len(item[0]) - len(item[2]))
+        past = [item for item in alone if self.model.rope_restart(1, len(item[0]) + len(item[2]))]
+        for side in (past, alone[len(past) :]):
+            for a in range(0, len(side), self.batch_size):
+                self._score_whole(side[a : a + self.batch_size], out)
         # longest first; equal lengths side by side
         prefixes = sorted(groups, key=lambda p: (-len(p), p))
         b = 0

@@ -556,3 +556,34 @@ def test_offline_with_a_cache_lm_eval_reads_it(tmp_path, monkeypatch):
         cached.mkdir(parents=True)
         assert T.check_hub(specs) is None and calls == []
         cached.rmdir()
+
+
+def test_a_longrope_model_scores_each_request_as_alone_either_side_of_its_original_context():
+    """LongRoPE (Phi-4-mini's) turns a sequence past its original context (16 here) with other frequencies:
+    shared prefixes, batches and padding do not move a request across it. Each (log p, greedy) equals the
+    request's own forward pass."""
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.tokenizer import byte_tokenizer
+
+    tok = byte_tokenizer([])
+    scaling = {"type": "longrope", "factor": 4.0, "original_max_seq_len": 16}
+    scaling |= {"short_factor": [1.0] * 4, "long_factor": [3.0] * 4}
+    torch.manual_seed(0)
+    cfg = dict(n_layers=2, n_heads=4, d_model=32, position="rope", mlp="swiglu", norm="rmsnorm")
+    model = GPT(
+        ModelConfig(vocab_size=tok.get_vocab_size(), max_seq_len=64, rope_scaling=scaling, **cfg)
+    ).eval()
+    ids = torch.randint(0, 200, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    # a prefix of 12 with tails ending before 16 and past it; whole inputs short and long in one batch
+    requests = [(None, ids[:12], ids[12:14]), (None, ids[:12], ids[12:30]), (None, ids[:12], ids[12:15])]
+    requests += [(None, ids[20:26], ids[26:30]), (None, ids[:20], ids[20:36])]
+    got = GptkitLM(model, tok, batch_size=4)._loglikelihood_tokens(requests)
+    for (_, ctx, cont), (lp, greedy) in zip(requests, got):
+        x = torch.tensor([ctx + cont[:-1]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(x).logits[0, len(ctx) - 1 :].float(), dim=-1)  # [c, V]
+        target = torch.tensor(cont)
+        assert lp == pytest.approx(logp.gather(-1, target[:, None]).sum().item(), abs=1e-5)
+        assert greedy == bool((logp.argmax(-1) == target).all())
