@@ -154,6 +154,8 @@ class Decoder(Family):
         self.check_activation(d, refuse)
         rope, local_rope = hf_rope(d, self.legacy_local_rope(d))
         scaling = rope_scaling_from_hf(rope, d, refuse)
+        if scaling is not None and scaling["type"] == "longrope" and not self.longrope:
+            raise refuse("rope_type", "longrope", "another RoPE (LongRoPE is Phi-3's: model_type phi3)")
         theta = float(rope.get("rope_theta", d.get("rope_theta", self.default_theta)))
         local_theta = None
         if local_rope is not None and (

@@ -53,6 +53,13 @@ def family_of(cfg: ModelConfig) -> Family:
             f"produce a different model"
         )
     family.check(cfg)
+    if cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope" and not family.longrope:
+        raise GptkitError(
+            f"model.rope_scaling type longrope has no faithful transformers architecture for this model (it "
+            f"would be {family.architecture}, whose generate keeps the keys cached before the switch to the "
+            f"long factors): only Phi3ForCausalLM (no biases, no qk_norm) takes it; refusing rather than "
+            f"produce a different model"
+        )
     return family
 
 

@@ -114,6 +114,9 @@ class Family:
     # its files name the tensors its own way even when another family claims the config it reads (Phi-3's
     # fused weights, for a model of the Llama layout): import reads them by config.json's model_type
     own_files = False
+    # it takes a longrope scaling: its transformers model computes every key again when a sequence outgrows
+    # the original context (Phi-3's generate), as gptkit's decoding does; the others' would not (refused)
+    longrope = False
 
     def claims(self, cfg: ModelConfig) -> bool:
         raise NotImplementedError

@@ -9,14 +9,16 @@ Its files fuse what Llama's keep apart: self_attn.qkv_proj is our qkv_proj as it
 order: COPY) and mlp.gate_up_proj is our gate_proj and up_proj one after the other (JOIN). config.json's
 partial_rotary_factor is rotary_dim / head_dim (transformers turns int(head_dim * factor) features).
 
-A Phi-3 model with RoPE over the whole head is the Llama layout: it imports here and exports as
-LlamaForCausalLM (the same model, its weights named Llama's way). LongRoPE (rope_type longrope, or su and
-yarn in older config.json, which Phi3Config reads as longrope: Phi-3-128k, Phi-3.5, Phi-4-mini) is
-model.rope_scaling's longrope, its original context config.json's top-level original_max_position_embeddings
-(Phi3Config's 4096 when absent), its factor max_position_embeddings / that when rope_scaling has none. Like
-transformers, a sequence longer than the original context rotates with the long factors, and a decode step
-that first reaches past it turns its new keys with those while the keys cached before keep theirs
-(gptkit/model/layers.py's RotaryEmbedding).
+A Phi-3 model with plain RoPE over the whole head is the Llama layout: it imports here and exports as
+LlamaForCausalLM (the same model, its weights named Llama's way).
+
+LongRoPE (rope_type longrope, or su and yarn in older config.json, which Phi3Config reads as longrope:
+Phi-3-128k, Phi-3.5, Phi-4-mini) is model.rope_scaling's longrope, its original context config.json's
+top-level original_max_position_embeddings (Phi3Config's 4096 when absent), its factor
+max_position_embeddings / that when rope_scaling has none. A sequence longer than the original context turns
+with the long factors, and transformers' Phi-3 generate computes every key again when a sequence first
+outgrows it, as gptkit's decoding does (GPT.rope_restart): a LongRoPE model exports as Phi3ForCausalLM even
+with RoPE over the whole head (Phi-3.5-mini), no other family takes it.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ class Phi3(Decoder):
     windowed = True
     peft_adapters = False
     own_files = True
+    longrope = True
 
     def claims(self, cfg: ModelConfig) -> bool:
-        # partial RoPE: no other family turns part of a head
-        return rope_decoder(cfg) and cfg.rotary_dim is not None
+        # partial RoPE: no other family turns part of a head; LongRoPE: no other family takes it
+        longrope = cfg.rope_scaling is not None and cfg.rope_scaling["type"] == "longrope"
+        return rope_decoder(cfg) and (cfg.rotary_dim is not None or longrope)
 
     def target(self, cfg: ModelConfig) -> str:
         return "Phi3ForCausalLM (partial RoPE: the Llama layout without biases, plain RoPE or LongRoPE)"

@@ -70,7 +70,14 @@ def hf_model(kind: str):
             "phi3-longrope": {
                 "partial_rotary_factor": 0.5,
                 "original_max_position_embeddings": LONGROPE_ORIGINAL,
-                "rope_scaling": LONGROPE,
+                # a copy: Phi3Config writes its partial_rotary_factor into the dict it is given
+                "rope_scaling": dict(LONGROPE),
+            },
+            # Phi-3.5-mini: LongRoPE over the whole head (8 pairs)
+            "phi3-longrope-full": {
+                "original_max_position_embeddings": LONGROPE_ORIGINAL,
+                "rope_scaling": {k: v * 2 if isinstance(v, list) else v for k, v in LONGROPE.items()}
+                | {"partial_rotary_factor": 1.0},
             },
         }[kind]
         cfg = transformers.Phi3Config(
@@ -87,6 +94,7 @@ def hf_model(kind: str):
         "phi3": transformers.Phi3ForCausalLM,
         "phi3-full": transformers.Phi3ForCausalLM,
         "phi3-longrope": transformers.Phi3ForCausalLM,
+        "phi3-longrope-full": transformers.Phi3ForCausalLM,
     }[kind]
     return hf_perturbed(lambda: cls(cfg))
 
@@ -308,6 +316,31 @@ def test_phi3_longrope_has_the_logits_of_transformers_under_and_over_its_origina
     assert config["original_max_position_embeddings"] == LONGROPE_ORIGINAL
     for rope in (config["rope_parameters"], config["rope_scaling"]):
         assert rope["rope_type"] == "longrope" and rope["long_factor"] == LONGROPE["long_factor"]
+
+
+def test_phi3_longrope_over_the_whole_head_exports_as_phi3_not_llama(tmp_path):
+    """Phi-3.5-mini turns the whole head with LongRoPE: Llama's generate would keep the keys cached before
+    the switch, so it exports as Phi3ForCausalLM, the same files and logits past the original context."""
+    theirs = hf_model("phi3-longrope-full")
+    model_cfg, model = hf_import(tmp_path, theirs, dict(rotary_dim=None, head_dim=16))
+    assert hf.architecture(model_cfg) == "phi3"
+    idx = torch.randint(0, V, (2, PHI_POSITIONS))
+    with torch.no_grad():
+        ref = theirs(idx).logits
+        assert (model(idx).logits - ref).abs().max().item() <= 1e-5
+    hf_export_same_files(tmp_path, "Phi3ForCausalLM", idx, ref)
+
+
+def test_longrope_outside_phi3_is_refused_on_import_and_export():
+    d = hf_model("qwen3").config.to_dict()
+    d["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "short_factor": [1.0] * 16}
+    d["rope_parameters"] |= {"long_factor": [2.0] * 16, "original_max_position_embeddings": 16}
+    with pytest.raises(GptkitError, match="rope_type='longrope'.*Phi-3's") as e:
+        hf.model_config_from_hf(d)
+    assert "\n" not in str(e.value)
+    moe = ModelConfig(**ONE_ROPE_LAYER, bias=False, moe={"n_experts": 2}, rope_scaling=LONGROPE_CFG)
+    with pytest.raises(GptkitError, match="longrope has no faithful transformers architecture"):
+        hf.hf_config(moe)
 
 
 def test_phi3_longrope_greedy_decode_past_the_original_context_is_transformers_generate_on_every_path():
