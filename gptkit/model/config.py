@@ -551,15 +551,6 @@ class ModelConfig:
         if self.position == "rope" and hd % 2 and self.attention_kind != "mla":
             raise ConfigError(f"RoPE needs an even head_dim, got {hd}; change model.d_model or model.n_heads")
         self._validate_rotary_dim(hd)
-        s = self.rope_scaling
-        if s is not None and s["type"] == "longrope":
-            pairs = (self.rotary_dim or hd) // 2
-            for k in ROPE_FACTOR_LISTS:
-                if len(s[k]) != pairs:
-                    raise ConfigError(
-                        f"model.rope_scaling.{k} has {len(s[k])} numbers; it needs {pairs}, one per pair of "
-                        f"features RoPE turns (model.rotary_dim, else head_dim, / 2)"
-                    )
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"model.dropout={self.dropout} must be in [0, 1)")
         if not float(self.norm_eps) > 0:
@@ -586,6 +577,16 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         self._validate_mla()
+        s = self.rope_scaling
+        if s is not None and s["type"] == "longrope":
+            # the features RoPE turns: model.rotary_dim, else the head (MLA: model.mla.qk_rope_head_dim)
+            pairs = (self.mla.qk_rope_head_dim if self.mla is not None else self.rotary_dim or hd) // 2
+            for k in ROPE_FACTOR_LISTS:
+                if len(s[k]) != pairs:
+                    raise ConfigError(
+                        f"model.rope_scaling.{k} has {len(s[k])} numbers; it needs {pairs}, one per pair of "
+                        f"features RoPE turns (model.rotary_dim, else head_dim, / 2)"
+                    )
         if self.moe is not None:
             self.moe = MoEConfig.from_dict(self.moe)
             self.moe.validate(self.n_layers)
