@@ -157,8 +157,9 @@ class RotaryEmbedding(nn.Module):
     its original context (from the forward's last position, as transformers does per call). A `longrope`
     scaling (SWITCHED) keeps a second pair of tables, cos_long and sin_long, for sequences longer than its
     original context: a forward whose sequence reaches past it (its last position + 1 > original) rotates its
-    new queries and keys with those, the keys cached before keeping theirs (transformers' generate). With
-    [B, T] positions each row is its own sequence (a row of serve's slot cache: as that request alone).
+    queries and keys with those. Keys cached before are then stale (`restart`): as transformers' Phi-3
+    generate, every decode path runs the whole sequence again. With [B, T] positions each row is its own
+    sequence (a row of serve's slot cache: as that request alone).
 
     `head_dim` is the width it rotates: the first head_dim features of each head (model.rotary_dim, partial
     RoPE as Phi's), its frequencies those of that width; the features past it pass through unchanged.
