@@ -119,8 +119,11 @@ class ParamCounts:
     inactive: int = 0
     # attention sinks (model.attn_sinks): one logit per query head, all layers
     attn_sinks: int = 0
-    # the attention output gates' projections (model.attn_output_gate), all layers
+    # the attention output gates' projections (model.attn_output_gate; a linear layer's z projection), all
+    # layers
     attn_gate: int = 0
+    # the linear-attention layers' own parts (Gated DeltaNet: in_proj_ba, A_log, dt_bias, conv1d), all layers
+    attn_linear: int = 0
     # the multi-token prediction modules (model.mtp): norms, projection and block of every depth
     mtp: int = 0
 
@@ -131,7 +134,15 @@ class ParamCounts:
 
     @property
     def attention(self) -> int:
-        return self.attn_q + self.attn_k + self.attn_v + self.attn_o + self.attn_sinks + self.attn_gate
+        return (
+            self.attn_q
+            + self.attn_k
+            + self.attn_v
+            + self.attn_o
+            + self.attn_sinks
+            + self.attn_gate
+            + self.attn_linear
+        )
 
     @property
     def total(self) -> int:
@@ -170,17 +181,44 @@ class AttentionParams(NamedTuple):
     # the widths of the attention itself, all heads: query . key (scores) and the values (per key)
     qk_width: int
     v_width: int
+    # attention sinks (model.attn_sinks): a logit per query head
+    sinks: int = 0
+    # a linear-attention layer's own parts (Gated DeltaNet: in_proj_ba, A_log, dt_bias, conv1d)
+    linear: int = 0
+    # of `linear`, what optim=muon gives AdamW: A_log, dt_bias and the conv1d's taps (vectors, not matrices)
+    adamw: int = 0
 
 
-def attention_params(cfg: ModelConfig) -> AttentionParams:
-    """One layer's attention parameters, by the layer's kind (gptkit/model/attention_kinds.py): multi-head
+def attention_params(cfg: ModelConfig, layer: int = 0) -> AttentionParams:
+    """Layer `layer`'s attention parameters, by its kind (gptkit/model/attention_kinds.py): multi-head
     attention's q/k/v/o of d_attn and d_kv; multi-head latent attention's low-rank projections (model.mla:
     q = q_proj or q_a_proj + q_b_proj, k = kv_a_proj_with_mqa + kv_b_proj's key rows, v = kv_b_proj's value
-    rows)."""
+    rows); Gated DeltaNet's (model.gdn: q, k, v and the gate z are in_proj_qkvz's rows, o is out_proj,
+    `linear` in_proj_ba, A_log, dt_bias and conv1d, its norm the gated RMSNorm's weight)."""
     d, b, qkv_b = cfg.d_model, int(cfg.bias), int(cfg.qkv_bias)
     # weight (and bias) per normalized feature
     per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
-    if cfg.attention_kind == "mla":
+    sinks = cfg.n_heads if cfg.attn_sinks else 0
+    kind = cfg.attention_kind_of(layer)
+    if kind == "gdn":
+        g = cfg.gdn
+        key, value = g.n_key_heads * g.key_head_dim, g.n_value_heads * g.value_head_dim
+        adamw = 2 * g.n_value_heads + g.conv_dim * g.conv_kernel
+        return AttentionParams(
+            q=d * key,
+            k=d * key,
+            v=d * value,
+            o=value * d,
+            gate=d * value,
+            norms=g.value_head_dim,
+            biases=0,
+            matmul=d * (2 * key + 2 * value + 2 * g.n_value_heads) + value * d,
+            qk_width=0,
+            v_width=0,
+            linear=d * 2 * g.n_value_heads + adamw,
+            adamw=adamw,
+        )
+    if kind == "mla":
         m, H = cfg.mla, cfg.n_heads
         q_out = H * m.qk_head_dim
         if m.q_lora_rank is None:
@@ -205,6 +243,7 @@ def attention_params(cfg: ModelConfig) -> AttentionParams:
             matmul=q_mat + k_mat + v_mat + d_out * d + gate_mat,
             qk_width=H * m.qk_head_dim,
             v_width=d_out,
+            sinks=sinks,
         )
     gate = (d + qkv_b) * cfg.d_attn if cfg.attn_output_gate else 0
     return AttentionParams(
@@ -218,14 +257,15 @@ def attention_params(cfg: ModelConfig) -> AttentionParams:
         matmul=d * cfg.d_attn * (2 + int(cfg.attn_output_gate)) + 2 * d * cfg.d_kv,
         qk_width=cfg.d_attn,
         v_width=cfg.d_attn,
+        sinks=sinks,
     )
 
 
 def count_params(cfg: ModelConfig) -> ParamCounts:
     d, L, b = cfg.d_model, cfg.n_layers, int(cfg.bias)
-    a = attention_params(cfg)
-    q, k, v, o, gate = a.q, a.k, a.v, a.o, a.gate
-    sinks = cfg.n_heads if cfg.attn_sinks else 0
+    # every layer's (a hybrid's linear and full layers differ)
+    layers = [attention_params(cfg, i) for i in range(L)]
+    a, last_a = layers[0], layers[-1]
     if cfg.mlp == "gelu":
         dense = 2 * d * cfg.d_ff + b * (cfg.d_ff + d)
     else:
@@ -241,24 +281,27 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     # weight (and bias) per normalized feature
     per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
     norm = d * per_dim
-    # the norms inside the attention module (QK-norms, MLA's latent norms)
-    qk_norm = a.norms
     first = router + experts + shared if cfg.feed_forward(0) == "moe" else dense
     # a block's norms: before attention and MLP (and, sandwich, after each too)
     n_norms = 4 if cfg.norm_placement == "sandwich" else 2
-    per_layer = q + k + v + o + sinks + gate + first + n_norms * norm + qk_norm
+
+    def attn(x: AttentionParams) -> int:
+        """A layer's attention module, its inner norms (QK-norms, MLA's latent norms) included."""
+        return x.q + x.k + x.v + x.o + x.sinks + x.gate + x.linear + x.norms
+
+    per_layer = attn(a) + first + n_norms * norm
     # an MTP depth: e_norm, h_norm, out_norm, the projection, a block of the last layer's kind
     last = router + experts + shared if cfg.feed_forward(L - 1) == "moe" else dense
-    mtp = 3 * norm + 2 * d * d + (q + k + v + o + sinks + gate + last + n_norms * norm + qk_norm)
+    mtp = 3 * norm + 2 * d * d + (attn(last_a) + last + n_norms * norm)
     return ParamCounts(
         tok_emb=cfg.vocab_size * d,
         pos_emb=cfg.max_seq_len * d if cfg.position == "learned" else 0,
-        attn_q=L * q,
-        attn_k=L * k,
-        attn_v=L * v,
-        attn_o=L * o,
+        attn_q=sum(x.q for x in layers),
+        attn_k=sum(x.k for x in layers),
+        attn_v=sum(x.v for x in layers),
+        attn_o=sum(x.o for x in layers),
         mlp=mlp,
-        norms=L * (n_norms * norm + qk_norm),
+        norms=L * n_norms * norm + sum(x.norms for x in layers),
         final_norm=norm,
         lm_head=0 if cfg.tie_embeddings else d * cfg.vocab_size,
         per_layer=per_layer,
@@ -267,8 +310,9 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
         experts=n_moe * experts,
         shared=n_moe * shared,
         inactive=n_moe * (m.n_experts - m.top_k) * expert if m else 0,
-        attn_sinks=L * sinks,
-        attn_gate=L * gate,
+        attn_sinks=sum(x.sinks for x in layers),
+        attn_gate=sum(x.gate for x in layers),
+        attn_linear=sum(x.linear for x in layers),
         mtp=cfg.mtp_depth * mtp,
     )
 
@@ -278,12 +322,12 @@ def matmul_params(cfg: ModelConfig) -> int:
     top_k routed experts and its shared experts, not the other routed experts."""
     d = cfg.d_model
     mlp_matrices = 2 if cfg.mlp == "gelu" else 3
-    attention = attention_params(cfg).matmul
+    attention = sum(attention_params(cfg, i).matmul for i in range(cfg.n_layers))
     n_moe = len(cfg.moe_layers)
     dense = (cfg.n_layers - n_moe) * mlp_matrices * d * cfg.d_ff
     m = cfg.moe
     moe = n_moe * (d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert) if m else 0
-    return cfg.n_layers * attention + dense + moe + d * cfg.vocab_size
+    return attention + dense + moe + d * cfg.vocab_size
 
 
 def mtp_matmul_params(cfg: ModelConfig) -> int:
@@ -292,7 +336,7 @@ def mtp_matmul_params(cfg: ModelConfig) -> int:
     if not cfg.mtp_depth:
         return 0
     d, m = cfg.d_model, cfg.moe
-    attention = d * cfg.d_attn * (2 + int(cfg.attn_output_gate)) + 2 * d * cfg.d_kv
+    attention = attention_params(cfg, cfg.n_layers - 1).matmul
     if cfg.feed_forward(cfg.n_layers - 1) == "moe":
         ff = d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert
     else:
@@ -317,34 +361,46 @@ class Flops:
     attention_forward_causal: float = 0.0
 
 
-def attention_keys(cfg: ModelConfig, T: int) -> tuple[float, float]:
-    """(dense, causal): the keys a query attends to at context T, summed over the layers: T and T/2 for a
-    global layer; w = min(W, T) and w - w^2 / 2T (the mean over the T queries of a causal window) for a local
-    layer of window W."""
-    dense = causal = 0.0
-    for i in range(cfg.n_layers):
-        w = min(cfg.window(i) or T, T)
-        dense += w
-        causal += w - w * w / (2 * T)
-    return dense, causal
+def delta_rule_flops(cfg: ModelConfig) -> float:
+    """FLOPs per token of one Gated DeltaNet layer's delta rule (model.gdn), by the chunked algorithm of
+    gptkit/model/gated_deltanet.py as it runs (matmuls only, a multiply-add = 2 FLOPs, the projections
+    counted in N as every layer's): per value head and chunk of C positions, the C x C products (beta k) k^T,
+    q k^T and their D-masked product with V' computed whole (C^2 (2 d_k + d_v) multiply-adds), the two
+    triangular solves at half (C^2 (d_k + d_v) / 2), and W S, q S, k^T V' against the d_k x d_v state
+    (3 C d_k d_v); per token, divided by C. It does not grow with the context (dense = causal); the
+    convolution (conv_kernel multiply-adds per channel) and the gates are elementwise, not counted."""
+    g = cfg.gdn
+    C, dk, dv = g.chunk_size, g.key_head_dim, g.value_head_dim
+    return 2.0 * g.n_value_heads * (C * (2 * dk + dv) + C * (dk + dv) / 2 + 3 * dk * dv)
+
+
+def layer_attention_flops(cfg: ModelConfig, layer: int, T: int) -> tuple[float, float]:
+    """(dense, causal) attention FLOPs per token of layer `layer` at context T, beside its projections: a
+    softmax layer's QK^T and AV, 2 * keys * width each (keys: T and T/2 for a global layer; w = min(W, T)
+    and w - w^2 / 2T, the mean over the T queries of a causal window, for a local layer of window W; width:
+    multi-head latent attention's heads' query-key and value widths, as the training path computes them); a
+    linear layer's delta rule (delta_rule_flops), the same in both."""
+    if cfg.attention_kind_of(layer) == "gdn":
+        f = delta_rule_flops(cfg)
+        return f, f
+    a = attention_params(cfg, layer)
+    width = a.qk_width + a.v_width
+    w = min(cfg.window(layer) or T, T)
+    return 2.0 * w * width, 2.0 * (w - w * w / (2 * T)) * width
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> Flops:
     T = seq_len or cfg.max_seq_len
     n = matmul_params(cfg)
-    dense, causal = attention_keys(cfg, T)
-    # QK^T and AV, 2 * keys * d_attn FLOPs each per token per layer (multi-head latent attention: its
-    # heads' query-key width and value width, as the training path computes them)
-    a = attention_params(cfg)
-    width = a.qk_width + a.v_width
-    attn, attn_causal = 2.0 * dense * width, 2.0 * causal * width
+    per_layer = [layer_attention_flops(cfg, i, T) for i in range(cfg.n_layers)]
+    attn, attn_causal = sum(f[0] for f in per_layer), sum(f[1] for f in per_layer)
     fwd_dense = 2.0 * n + attn
     fwd_causal = 2.0 * n + attn_causal
-    # model.mtp: each depth's matmuls and its block's attention (the last layer's keys), in training only
-    w = min(cfg.window(cfg.n_layers - 1) or T, T)
+    # model.mtp: each depth's matmuls and its block's attention (the last layer's), in training only
     depth = cfg.mtp_depth
-    mtp_dense = 2.0 * mtp_matmul_params(cfg) + depth * 4.0 * w * cfg.d_attn
-    mtp_causal = 2.0 * mtp_matmul_params(cfg) + depth * 4.0 * (w - w * w / (2 * T)) * cfg.d_attn
+    last_dense, last_causal = per_layer[-1]
+    mtp_dense = 2.0 * mtp_matmul_params(cfg) + depth * last_dense
+    mtp_causal = 2.0 * mtp_matmul_params(cfg) + depth * last_causal
     return Flops(
         n,
         T,
@@ -399,11 +455,14 @@ def memory_bandwidth(gpu_name: str) -> float | None:
 def muon_params(cfg: ModelConfig) -> int:
     """The parameters optim=muon gives torch.optim.Muon (training/optim.py muon_split): the 2-D weights inside
     the blocks (attention projections, dense MLP matrices, a mixture's routers and stacked experts), not their
-    biases, the norms, the embeddings or the LM head (AdamW's)."""
+    biases, the norms, the embeddings or the LM head (AdamW's); of a Gated DeltaNet layer its four projections
+    (in_proj_qkvz, in_proj_ba, out_proj), not A_log, dt_bias, the conv1d's taps or its gated norm."""
     c = count_params(cfg)
     d, b = cfg.d_model, int(cfg.bias)
-    # q/k/v (and the output gate's) biases, o_proj's
-    attention_biases = cfg.n_layers * attention_params(cfg).biases
+    # q/k/v (and the output gate's) biases, o_proj's; a linear layer's A_log, dt_bias and conv1d
+    attention_biases = sum(
+        a.biases + a.adamw for a in (attention_params(cfg, i) for i in range(cfg.n_layers))
+    )
     per_dense = b * ((cfg.d_ff if cfg.mlp == "gelu" else 2 * cfg.d_ff) + d)
     mlp_biases = (cfg.n_layers - len(cfg.moe_layers)) * per_dense
     m = cfg.moe

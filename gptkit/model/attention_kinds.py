@@ -7,14 +7,19 @@
            (mla.py, model.mla)            latent and the rotated key; DeepSeek-V3: 512 + 64 = 576) and a
                                           value of width 0: the values are the key's first kv_lora_rank
                                           features (docs/mla.md)
+    gdn    GatedDeltaNet                  no K/V: a state per sequence, the delta rule's
+           (gated_deltanet.py, model.gdn) [n_value_heads, key_head_dim, value_head_dim] and the conv's last
+                                          conv_kernel - 1 inputs [conv_dim, conv_kernel - 1], one flat vector
+                                          (GDNConfig.state_shape; docs/linear-attention.md)
 
-ModelConfig.attention_kind_of(layer) names a layer's kind (model.attention_kind, today the same in every
-layer); `make_attention(cfg, layer)` builds its module and `cache_layout(cfg, layer)` says what a decoding
-cache holds for it: a key and a value per position, each of its own heads and width (multi-head latent
-attention: a key of its latent, a value of width 0), or a recurrent state of fixed shape per sequence (linear
-attention) instead. Everything that sizes a cache reads this one function: KVCache and StaticKVCache
-(gptkit/model/kv_cache.py, and through them generate, static decode and rollouts), serve's SlotCache
-(gptkit/inference/slot_cache.py), and the accounting's KV figures (count-params, decode roofline).
+ModelConfig.attention_kind_of(layer) names a layer's kind (model.attention_kind, except the `linear` layers of
+model.layer_types: gdn); `make_attention(cfg, layer)` builds its module and `cache_layout(cfg, layer)` says
+what a decoding cache holds for it: a key and a value per position, each of its own heads and width
+(multi-head latent attention: a key of its latent, a value of width 0), or a recurrent state of fixed shape
+per sequence (linear attention: Gated DeltaNet) instead. Everything that sizes a cache reads this one
+function: KVCache and StaticKVCache (gptkit/model/kv_cache.py, and through them generate, static decode and
+rollouts), serve's SlotCache (gptkit/inference/slot_cache.py), and the accounting's KV figures
+(count-params, decode roofline).
 
 Every module is called the same way, `y, probs = attn(x, rope=, cache=, positions=, docs=, return_probs=)`
 (x and y [B, T, d_model]; gptkit/model/mha.py documents it); a kind that keeps K/V writes them through
@@ -94,6 +99,10 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
         lambda cfg, layer: CacheLayout(
             (1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (1, 0), cfg.window(layer)
         ),
+    ),
+    "gdn": AttentionKind(
+        "gptkit.model.gated_deltanet:GatedDeltaNet",
+        lambda cfg, layer: CacheLayout(None, None, state=cfg.gdn.state_shape()),
     ),
 }
 

@@ -22,8 +22,11 @@ ATTENTIONS = ("eager", "sdpa", "triton")
 QK_NORMS = ("head", "full")
 # pre: x + f(norm(x)) (GPT-2, Llama) | post: x + norm(f(x)) (OLMo-2) | sandwich: x + norm(f(norm(x))) (Gemma)
 NORM_PLACEMENTS = ("pre", "post", "sandwich")
-# model.layer_types: a layer attends to its last model.sliding_window positions (local) or to all (global)
-LAYER_TYPES = ("local", "global")
+# model.layer_types: a layer attends to its last model.sliding_window positions (local) or to all (global),
+# both with model.attention_kind; or it is a linear-attention layer (linear: LINEAR_KIND, model.gdn)
+LAYER_TYPES = ("local", "global", "linear")
+# the attention kind of a `linear` layer (gptkit/model/attention_kinds.py): Gated DeltaNet
+LINEAR_KIND = "gdn"
 # model.rope_scaling: type -> (its required keys, its optional keys with their defaults); the frequencies of
 # each type are gptkit/model/rope_scaling.py's (transformers' rope_type of the same name)
 ROPE_SCALING_KEYS: dict[str, tuple[tuple[str, ...], dict[str, Any]]] = {
@@ -331,6 +334,69 @@ class MLAConfig:
 
 
 @dataclass
+class GDNConfig:
+    """model.gdn: Gated DeltaNet's shapes (the `linear` layers of model.layer_types, or every layer with
+    model.attention_kind=gdn: gptkit/model/gated_deltanet.py, docs/linear-attention.md). Each field is
+    transformers' Qwen3NextConfig field named beside it."""
+
+    # linear_num_key_heads: the query and key heads
+    n_key_heads: int = 16
+    # linear_num_value_heads: the value heads (a multiple of n_key_heads; each key head serves
+    # n_value_heads / n_key_heads of them), each with its own state and decay
+    n_value_heads: int = 32
+    # linear_key_head_dim, linear_value_head_dim
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    # linear_conv_kernel_dim: the taps of the causal depthwise convolution over q, k and v
+    conv_kernel: int = 4
+    # the positions of one chunk of the chunked delta rule (FLA's and transformers' 64): the work per token
+    # grows with it, the sequential steps per sequence shrink with it; the result does not change
+    chunk_size: int = 64
+
+    @property
+    def conv_dim(self) -> int:
+        """The convolved channels: q and k (n_key_heads x key_head_dim each) and v."""
+        return 2 * self.n_key_heads * self.key_head_dim + self.n_value_heads * self.value_head_dim
+
+    def state_shape(self) -> tuple[int]:
+        """One layer's decode state per sequence, flat: the delta-rule state n_value_heads x key_head_dim x
+        value_head_dim, then the convolution's last conv_kernel - 1 inputs, conv_dim x (conv_kernel - 1)."""
+        delta = self.n_value_heads * self.key_head_dim * self.value_head_dim
+        return (delta + self.conv_dim * (self.conv_kernel - 1),)
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line) for any invalid field."""
+        for name in dataclasses.fields(self):
+            v = getattr(self, name.name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"model.gdn.{name.name}={v!r} must be a positive integer")
+        if self.n_value_heads % self.n_key_heads:
+            raise ConfigError(
+                f"model.gdn.n_value_heads={self.n_value_heads} is not a multiple of model.gdn.n_key_heads="
+                f"{self.n_key_heads}: each key head serves a whole group of value heads"
+            )
+
+    @classmethod
+    def from_dict(cls, d: Any) -> "GDNConfig":
+        """model.gdn as given (a mapping: unknown keys are an error)."""
+        if isinstance(d, GDNConfig):
+            return d
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"model.gdn={d!r} must be a mapping such as {{n_key_heads: 16, n_value_heads: 32, "
+                f"key_head_dim: 128, value_head_dim: 128, conv_kernel: 4, chunk_size: 64}}"
+            )
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ConfigError(
+                f"unknown model.gdn field(s) {', '.join(map(str, unknown))}; known: "
+                f"{', '.join(sorted(names))}"
+            )
+        return cls(**dict(d))
+
+
+@dataclass
 class ModelConfig:
     vocab_size: int = 50257
     max_seq_len: int = 1024
@@ -372,15 +438,20 @@ class ModelConfig:
     dropout: float = 0.0
     # eager | sdpa | triton: the attention function (the backend)
     attention: str = "sdpa"
-    # mha | mla: the attention module and its cache (gptkit/model/attention_kinds.py)
+    # mha | mla: the attention module and its cache (gptkit/model/attention_kinds.py) of every layer but the
+    # `linear` ones of layer_types; gdn: every layer Gated DeltaNet (a linear-attention model)
     attention_kind: str = "mha"
     # null, or with attention_kind=mla its shapes (MLAConfig: ranks and head widths; docs/mla.md)
     mla: MLAConfig | None = None
+    # null, or with `linear` layers (or attention_kind=gdn) Gated DeltaNet's shapes (GDNConfig;
+    # docs/linear-attention.md)
+    gdn: GDNConfig | None = None
     # null: every layer attends to all earlier positions; W: a local layer (model.layer_types) attends to its
     # last W positions, its own included (transformers' sliding_window), and caches only those
     sliding_window: int | None = None
     # null: every layer local when sliding_window is set (Mistral v0.1), else global; or one of LAYER_TYPES
-    # per layer, n_layers of them (Gemma 3: five local, then one global)
+    # per layer, n_layers of them (Gemma 3: five local, then one global; Qwen3-Next: three linear, then one
+    # global, repeated)
     layer_types: list[str] | None = None
     # null: every layer rotates q and k (position=rope); a list of layer indices (from 0): those layers apply
     # no rotary embedding at all, NoPE (SmolLM3: every 4th layer, 3, 7, ...; Llama 4 likewise)
@@ -447,9 +518,17 @@ class ModelConfig:
         return [i for i in range(self.n_layers) if self.feed_forward(i) == "moe"]
 
     def attention_kind_of(self, layer: int) -> str:
-        """The attention kind of layer `layer` (from 0): model.attention_kind
-        (gptkit/model/attention_kinds.py builds it and gives its cache layout)."""
+        """The attention kind of layer `layer` (from 0): LINEAR_KIND for a `linear` layer of
+        model.layer_types, else model.attention_kind (gptkit/model/attention_kinds.py builds it and gives its
+        cache layout). The one place that says a layer's kind."""
+        if self.layer_types is not None and self.layer_types[layer] == "linear":
+            return LINEAR_KIND
         return self.attention_kind
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The layers of linear attention (Gated DeltaNet: model.gdn), [] for a softmax-only model."""
+        return [i for i in range(self.n_layers) if self.attention_kind_of(i) == LINEAR_KIND]
 
     def window(self, layer: int) -> int | None:
         """The sliding window of layer `layer` (from 0): model.sliding_window for a local layer, None for a
@@ -577,6 +656,7 @@ class ModelConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.{name}={getattr(self, name)!r} must be true or false")
         self._validate_mla()
+        self._validate_gdn()
         s = self.rope_scaling
         if s is not None and s["type"] == "longrope":
             # the features RoPE turns: model.rotary_dim, else the head (MLA: model.mla.qk_rope_head_dim)
@@ -634,6 +714,46 @@ class ModelConfig:
                 f"key and value come from one cached latent); set it to null"
             )
 
+    def _validate_gdn(self) -> None:
+        """model.gdn with linear layers: ConfigError (one line) when missing, invalid, set without a linear
+        layer, or mixed in a way the layers cannot take."""
+        types = self.layer_types or ()
+        if self.attention_kind == LINEAR_KIND and any(t != "linear" for t in types):
+            raise ConfigError(
+                f"model.attention_kind={LINEAR_KIND} makes every layer linear, but model.layer_types holds "
+                f"{', '.join(sorted(set(types) - {'linear'}))}: for a hybrid set model.attention_kind=mha "
+                f"(the full layers' kind) and mark the linear layers `linear` in model.layer_types"
+            )
+        linear = self.attention_kind == LINEAR_KIND or "linear" in types
+        if not linear:
+            if self.gdn is not None:
+                raise ConfigError(
+                    "model.gdn is set but no layer is linear; mark some `linear` in model.layer_types (or "
+                    "set model.gdn=null)"
+                )
+            return
+        if self.gdn is None:
+            raise ConfigError(
+                "linear layers (Gated DeltaNet) need model.gdn: {n_key_heads, n_value_heads, key_head_dim, "
+                "value_head_dim, conv_kernel, chunk_size} (see conf/model/gdn-tiny.yaml)"
+            )
+        self.gdn = GDNConfig.from_dict(self.gdn)
+        self.gdn.validate()
+        if self.attention_kind == LINEAR_KIND:
+            # knobs of softmax attention, with no softmax layer to apply to
+            for name in ("sliding_window", "qk_norm", "query_pre_attn_scalar", "attn_softcap"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(
+                        f"model.{name} applies to softmax attention layers, but model.attention_kind="
+                        f"{LINEAR_KIND} has none; set it to null"
+                    )
+            for name in ("attn_sinks", "attn_output_gate"):
+                if getattr(self, name):
+                    raise ConfigError(
+                        f"model.{name} applies to softmax attention layers, but model.attention_kind="
+                        f"{LINEAR_KIND} has none; set it to false"
+                    )
+
     def _validate_rotary_dim(self, head_dim: int) -> None:
         """model.rotary_dim: ConfigError (one line) unless null or an even width within a RoPE head."""
         r = self.rotary_dim
@@ -685,7 +805,8 @@ class ModelConfig:
         bad = sorted({t for t in types if t not in LAYER_TYPES})
         if bad:
             raise ConfigError(
-                f"model.layer_types holds {', '.join(bad)}: each must be one of {', '.join(LAYER_TYPES)}"
+                f"model.layer_types holds {', '.join(bad)}: each must be one of {', '.join(LAYER_TYPES)} (a "
+                f"full-attention layer is global)"
             )
         if len(types) != self.n_layers:
             raise ConfigError(

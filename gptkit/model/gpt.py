@@ -155,6 +155,9 @@ class GPT(nn.Module):
         for m in self.modules():
             if isinstance(m, (LayerNorm, RMSNorm)):
                 m.reset_parameters()
+            # a module whose parameters follow a rule of their own (Gated DeltaNet's A_log, dt_bias, conv1d)
+            elif hasattr(m, "init_own_parameters"):
+                m.init_own_parameters()
 
     def forward(
         self,

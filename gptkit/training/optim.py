@@ -75,8 +75,9 @@ def muon_split(model: nn.Module) -> tuple[list, list]:
     for name, p in model.named_parameters():
         if p.requires_grad:
             # 3-D: a mixture's experts stacked, [n_experts, out, in], a matrix per expert
-            # a mixture's expert biases are stacked too, [n_experts, out]: vectors, AdamW's
-            matrix = p.ndim in (2, 3) and not name.endswith("_bias")
+            # a mixture's expert biases are stacked too, [n_experts, out]: vectors, AdamW's; so is a Gated
+            # DeltaNet's depthwise conv1d, [channels, 1, taps]: a few taps per channel, no matrix
+            matrix = p.ndim in (2, 3) and not name.endswith(("_bias", "conv1d.weight"))
             (muon if name.startswith("blocks.") and matrix else adamw).append((name, p))
     return muon, adamw
 

@@ -104,14 +104,20 @@ def stub_kinds(monkeypatch):
 
 # a kind's own fields (its tiny shapes)
 MLA = {"q_lora_rank": 16, "kv_lora_rank": 12, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6}
-KIND_FIELDS = {"mla": {"mla": MLA, "n_kv_heads": None}}
+# Gated DeltaNet: grouped value heads, chunks of 4 (a prefill of 7 crosses one)
+GDN = {"n_key_heads": 2, "n_value_heads": 4, "key_head_dim": 8, "value_head_dim": 6, "chunk_size": 4}
+KIND_FIELDS = {
+    "mla": {"mla": MLA, "n_kv_heads": None},
+    # a hybrid: a linear layer, then a full (multi-head attention) one
+    "gdn": {"gdn": GDN, "attention_kind": "mha", "layer_types": ["linear", "global"]},
+}
 
 
 def tiny(kind: str, max_seq_len: int = 32, **over) -> GPT:
     torch.manual_seed(0)
     cfg = dict(vocab_size=61, max_seq_len=max_seq_len, n_layers=2, n_heads=4, n_kv_heads=2, d_model=32)
     cfg.update(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, init_std=0.3, tie_embeddings=False)
-    cfg.update(attention_kind=kind, **{**KIND_FIELDS.get(kind, {}), **over})
+    cfg.update({"attention_kind": kind, **KIND_FIELDS.get(kind, {}), **over})
     return GPT(ModelConfig(**cfg)).eval()
 
 
@@ -134,7 +140,7 @@ def test_the_default_kind_is_multi_head_and_its_layout_sizes_every_cache():
 
 
 def test_an_unknown_kind_is_one_line_naming_the_known_ones():
-    with pytest.raises(ConfigError, match=r"model.attention_kind='linear' is not one of mha, mla"):
+    with pytest.raises(ConfigError, match=r"model.attention_kind='linear' is not one of mha, mla, gdn"):
         ModelConfig(attention_kind="linear")
 
 
@@ -165,6 +171,9 @@ def test_layouts_size_the_caches_and_the_accounting(stub_kinds):
         ("mha", {"attn_output_gate": True}),
         # multi-head latent attention: the latent cache, decoded through kv_b_proj absorbed
         ("mla", {}),
+        # Gated DeltaNet beside multi-head attention (a hybrid), and alone (every layer linear)
+        ("gdn", {}),
+        ("gdn", {"attention_kind": "gdn", "layer_types": None}),
         # no low-rank query (DeepSeek-V2-Lite, Moonlight), DeepSeek's interleaved rotated pairs, biases,
         # a local layer (its latents in a ring), a gate and sinks
         (
@@ -181,7 +190,9 @@ def test_layouts_size_the_caches_and_the_accounting(stub_kinds):
     ],
 )
 def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kind, over):
-    decodes_through_every_cache_as_it_recomputes(tiny(kind, **over))
+    # Gated DeltaNet's chunked form (the full pass, a prefill) and its step-by-step form (decoding) round
+    # differently in fp32: up to 1.1e-5 on these logits with every layer linear
+    decodes_through_every_cache_as_it_recomputes(tiny(kind, **over), atol=2e-5 if kind == "gdn" else 1e-5)
 
 
 @pytest.mark.parametrize("attention", ["eager", "sdpa", "triton"])
@@ -286,7 +297,9 @@ def test_every_kind_of_the_table_is_counted_and_cached_exactly(kind, blocks):
 
     # QK-norms are multi-head attention's (MLA normalizes its latent and its low-rank query)
     qk_norm = {"qk_norm": "head"} if kind == "mha" else {}
-    over = dict(sliding_window=8, layer_types=["local", "global"], **qk_norm, **BLOCKS[blocks])
+    # Gated DeltaNet's layer beside a local one (the sinks and gates are the local layer's)
+    types = ["linear", "local"] if kind == "gdn" else ["local", "global"]
+    over = dict(sliding_window=8, layer_types=types, **qk_norm, **BLOCKS[blocks])
     model = tiny(kind, **over)
     counts = accounting.count_params(model.cfg)
     assert counts.total == sum(p.numel() for p in model.parameters())

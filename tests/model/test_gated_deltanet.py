@@ -1,0 +1,209 @@
+"""Gated DeltaNet (gptkit/model/gated_deltanet.py; `linear` layers of model.layer_types): the chunked and
+step-by-step delta rules equal each other and transformers' Qwen3-Next functions, the layer equals
+transformers' Qwen3NextGatedDeltaNet on perturbed weights, packed documents reset the state and the conv,
+a hybrid trains (gradients reach every parameter), the counts and FLOPs, and one-line config errors. Decoding
+through every cache is tests/model/test_attention_kinds.py's (the gdn rows)."""
+
+import pytest
+import torch
+from transformers import Qwen3NextConfig
+from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+from gptkit import accounting
+from gptkit.errors import ConfigError
+from gptkit.model import GPT, KVCache, ModelConfig
+from gptkit.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
+
+GDN = {"n_key_heads": 2, "n_value_heads": 4, "key_head_dim": 8, "value_head_dim": 6, "chunk_size": 16}
+
+
+def inputs(B=2, T=150, seed=0):
+    """q, k [B, T, 2, 8], v [B, T, 4, 6], g, beta [B, T, 4] and an initial state [B, 4, 8, 6]."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(B, T, 2, 8, generator=gen), torch.randn(B, T, 2, 8, generator=gen)
+    v = torch.randn(B, T, 4, 6, generator=gen)
+    g = -torch.rand(B, T, 4, generator=gen) * 0.5
+    beta = torch.rand(B, T, 4, generator=gen)
+    return q, k, v, g, beta, torch.randn(B, 4, 8, 6, generator=gen)
+
+
+@pytest.mark.parametrize("chunk", [64, 16])
+def test_the_chunked_and_the_recurrent_rule_equal_transformers_and_each_other(chunk):
+    """T = 150: two whole chunks of 64 and a padded one; grouped value heads; a carried-in state."""
+    q, k, v, g, beta, S0 = inputs()
+    o, S = chunk_gated_delta_rule(q, k, v, g, beta, chunk, S0)
+    o_ref, S_ref = hf.torch_chunk_gated_delta_rule(
+        q, k, v, g, beta, chunk, S0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    torch.testing.assert_close(o, o_ref, atol=1e-5, rtol=0)
+    torch.testing.assert_close(S, S_ref, atol=1e-5, rtol=0)
+    o_step, S_step = recurrent_gated_delta_rule(q, k, v, g, beta, S0)
+    o_hf, S_hf = hf.torch_recurrent_gated_delta_rule(
+        q, k, v, g, beta, S0, output_final_state=True, use_qk_l2norm_in_kernel=True
+    )
+    torch.testing.assert_close(o_step, o_hf, atol=1e-5, rtol=0)
+    torch.testing.assert_close(S_step, S_hf, atol=1e-5, rtol=0)
+    torch.testing.assert_close(o, o_step, atol=1e-5, rtol=0)
+    torch.testing.assert_close(S, S_step, atol=1e-5, rtol=0)
+
+
+def test_resets_restart_the_state_in_both_forms_as_documents_run_apart():
+    """Document starts mid-chunk, on a chunk's first position and on its last: each document's outputs are
+    those of the document alone (from a zero state), and the final state is the last document's."""
+    q, k, v, g, beta, _ = inputs(B=1, T=80)
+    starts = [0, 13, 16, 31, 50]
+    resets = torch.zeros(1, 80, dtype=torch.bool)
+    resets[0, starts] = True
+    o, S = chunk_gated_delta_rule(q, k, v, g, beta, 16, resets=resets)
+    o_step, S_step = recurrent_gated_delta_rule(q, k, v, g, beta, resets=resets)
+    torch.testing.assert_close(o, o_step, atol=1e-5, rtol=0)
+    torch.testing.assert_close(S, S_step, atol=1e-5, rtol=0)
+    for a, b in zip(starts, starts[1:] + [80]):
+        alone, S_alone = hf.torch_recurrent_gated_delta_rule(
+            *(x[:, a:b] for x in (q, k, v, g, beta)), output_final_state=True, use_qk_l2norm_in_kernel=True
+        )
+        torch.testing.assert_close(o[:, a:b], alone, atol=1e-5, rtol=0)
+    torch.testing.assert_close(S, S_alone, atol=1e-5, rtol=0)
+
+
+def qwen3_next_layer(T_chunk=64):
+    """transformers' Qwen3NextGatedDeltaNet and ours, every weight perturbed, loaded into ours."""
+    hf_cfg = Qwen3NextConfig(
+        hidden_size=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        linear_conv_kernel_dim=4,
+        rms_norm_eps=1e-6,
+        num_hidden_layers=1,
+        layer_types=["linear_attention"],
+    )
+    torch.manual_seed(0)
+    ref = hf.Qwen3NextGatedDeltaNet(hf_cfg, 0).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.3)
+    cfg = ModelConfig(
+        vocab_size=61,
+        n_layers=1,
+        n_heads=4,
+        d_model=32,
+        norm="rmsnorm",
+        norm_eps=1e-6,
+        attention_kind="gdn",
+        gdn={**GDN, "chunk_size": T_chunk},
+    )
+    ours = GatedDeltaNet(cfg, 0).eval()
+    ours.load_state_dict(ref.state_dict())
+    return ref, ours
+
+
+def test_the_layer_equals_transformers_qwen3_next_gated_deltanet():
+    """The same parameter names and shapes; fp32 outputs <= 1e-5 at T = 150 (past two chunks of 64), and
+    with the decode state: a prefill then single tokens equal the whole pass."""
+    ref, ours = qwen3_next_layer()
+    assert {n: p.shape for n, p in ours.named_parameters()} == {n: p.shape for n, p in ref.named_parameters()}
+    x = torch.randn(2, 150, 32, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(x)
+        got, probs = ours(x)
+    assert probs is None
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    cfg = ModelConfig(vocab_size=61, n_layers=1, n_heads=4, d_model=32, attention_kind="gdn", gdn=GDN)
+    cache = KVCache(cfg, batch_size=2, max_len=150)
+    with torch.no_grad():
+        steps = [ours(x[:, :70], cache=cache)[0]]
+        for t in range(70, 150):
+            steps.append(ours(x[:, t : t + 1], cache=cache)[0])
+    # outputs up to ~15 through a gated RMSNorm of 6 features: the fp32 rounding of another grouping of the
+    # same sums reaches 2.3e-5 there (this very pass in chunks of 16 instead of 64: 2.2e-5)
+    torch.testing.assert_close(torch.cat(steps, dim=1), want, atol=5e-5, rtol=0)
+
+
+def hybrid(**over) -> GPT:
+    """Three linear layers and a full one (Qwen3-Next's pattern), chunks of 8."""
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=61, max_seq_len=64, n_layers=4, n_heads=4, n_kv_heads=2, d_model=32)
+    cfg.update(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, init_std=0.1, tie_embeddings=False)
+    cfg.update(layer_types=["linear", "linear", "linear", "global"], gdn={**GDN, "chunk_size": 8})
+    return GPT(ModelConfig(**{**cfg, **over})).eval()
+
+
+def test_a_packed_row_equals_its_documents_run_apart():
+    """doc_ids with position_reset: the linear layers' state and conv restart at each document (one starting
+    mid-chunk, one on a chunk boundary), the full layer attends inside it: each document's logits are its own
+    run alone."""
+    model = hybrid(position_reset=True)
+    seq = torch.randint(0, 61, (1, 40), generator=torch.Generator().manual_seed(3))
+    bounds = [0, 11, 24, 40]
+    doc_ids = torch.zeros(1, 40, dtype=torch.long)
+    for n, a in enumerate(bounds[1:-1], start=1):
+        doc_ids[:, a:] = n
+    with torch.no_grad():
+        packed = model(seq, doc_ids=doc_ids).logits
+        for a, b in zip(bounds, bounds[1:]):
+            alone = model(seq[:, a:b]).logits
+            torch.testing.assert_close(packed[:, a:b], alone, atol=1e-5, rtol=0)
+        # without the reset the later documents read the earlier ones
+        assert (model(seq).logits[:, 11:24] - packed[:, 11:24]).abs().max() > 1e-3
+
+
+def test_a_hybrid_trains_every_parameter_through_packed_documents():
+    model = hybrid().train()
+    seq = torch.randint(0, 61, (2, 33), generator=torch.Generator().manual_seed(4))
+    doc_ids = (torch.arange(32) >= 13).long().expand(2, 32)
+    out = model(seq[:, :-1], seq[:, 1:], doc_ids=doc_ids)
+    out.loss.backward()
+    attn = model.blocks[0].attn
+    assert isinstance(attn, GatedDeltaNet) and not isinstance(model.blocks[3].attn, GatedDeltaNet)
+    missing = [n for n, p in model.named_parameters() if p.grad is None or not p.grad.abs().sum() > 0]
+    assert missing == []
+    # transformers' initialization of the layer's own parameters (not GPT-2's normal)
+    assert torch.all(attn.dt_bias == 1) and torch.all(attn.norm.weight == 1)
+    assert torch.all((attn.A_log.exp() >= 0.0099) & (attn.A_log.exp() <= 16.01))
+
+
+def test_the_counts_the_state_and_the_flops_of_a_hybrid():
+    """count_params equals the module's parameters, kv_cache_bytes counts the linear layers' state (not
+    growing with the context) beside the full layer's K/V, and the FLOPs of a linear layer do not grow with
+    the context."""
+    model = hybrid()
+    cfg = model.cfg
+    counts = accounting.count_params(cfg)
+    assert counts.total == sum(p.numel() for p in model.parameters())
+    # the delta rule's state 4 x 8 x 6 and the conv's last 3 inputs of 2*16 + 24 channels, per linear layer
+    state = 4 * 8 * 6 + (2 * 16 + 24) * 3
+    kv = 2 * 2 * 8  # the full layer: K and V of 2 heads x 8 per position
+    for context in (1, 64):
+        assert accounting.kv_cache_bytes(cfg, context, "fp32") == 4 * (3 * state + context * kv)
+    cache = KVCache(cfg, batch_size=1, max_len=64)
+    assert cache.nbytes == accounting.kv_cache_bytes(cfg, 64, "fp32")
+    per_layer = accounting.delta_rule_flops(cfg)
+    # per value head: C (2 d_k + d_v) + C (d_k + d_v) / 2 + 3 d_k d_v multiply-adds, C = 8
+    assert per_layer == 2 * 4 * (8 * 22 + 8 * 14 / 2 + 3 * 48)
+    short, long = accounting.flops_per_token(cfg, 16), accounting.flops_per_token(cfg, 64)
+    # only the full layer's attention grows: 4 * (64 - 16) * d_attn more FLOPs per token
+    assert long.forward_dense - short.forward_dense == 4 * 48 * 32
+
+
+@pytest.mark.parametrize(
+    "over, message",
+    [
+        ({"layer_types": ["full", "linear"]}, r"holds full: each must be one of local, global, linear"),
+        ({"layer_types": ["linear", "global"], "gdn": None}, r"linear layers \(Gated DeltaNet\) need"),
+        ({"gdn": GDN}, r"model.gdn is set but no layer is linear"),
+        ({"attention_kind": "gdn", "layer_types": ["linear", "global"]}, r"makes every layer linear.*global"),
+        ({"attention_kind": "gdn", "attn_sinks": True}, r"model.attn_sinks applies to softmax attention"),
+        ({"layer_types": ["linear", "global"], "gdn": {**GDN, "n_value_heads": 3}}, r"not a multiple of"),
+        ({"layer_types": ["linear", "global"], "gdn": {**GDN, "chunk_size": 0}}, r"chunk_size=0 must be"),
+        ({"layer_types": ["linear", "global"], "gdn": {**GDN, "heads": 2}}, r"unknown model.gdn field"),
+    ],
+)
+def test_bad_mixes_are_one_line_errors(over, message):
+    gdn = GDN if "attention_kind" in over else None
+    cfg = dict(vocab_size=61, n_layers=2, n_heads=4, d_model=32, gdn=gdn)
+    with pytest.raises(ConfigError, match=message) as err:
+        ModelConfig(**{**cfg, **over})
+    assert "\n" not in str(err.value)
