@@ -102,6 +102,8 @@ def report(cfg) -> dict:
             "attn_o": pc.attn_o,
             "attn_sinks": pc.attn_sinks,
             "attn_gate": pc.attn_gate,
+            # Gated DeltaNet's in_proj_ba, A_log, dt_bias and conv1d (its z projection is in attn_gate)
+            "attn_linear": pc.attn_linear,
             "mlp": pc.mlp,
             "norms": pc.norms,
             "final_norm": pc.final_norm,
@@ -146,8 +148,10 @@ def report(cfg) -> dict:
             "gpu_hours_full_attention": hours(train_full),
             "gpu_hours_causal": hours(train_causal),
             "kv_cache_bytes_per_token": kv_tok,
-            # local layers hold their window
+            # local layers hold their window; linear layers (Gated DeltaNet) their fixed-size state
             "kv_cache_bytes_full_context": acc.kv_cache_bytes(m, fl.seq_len, cfg.kv_dtype),
+            # of it, the linear layers' states (0 without one): they do not grow with the context
+            "state_bytes": acc.kv_cache_bytes(m, 0, cfg.kv_dtype),
             "memory_per_gpu": mem,
             "precision": cfg.precision,
             "n_gpus": n_gpus,
@@ -247,6 +251,11 @@ def _print_tables(r: dict, cfg) -> None:
         (f"attention out ({L} layers)", p["attn_o"]),
         *([(f"attention sinks ({L} layers)", p["attn_sinks"])] if p["attn_sinks"] else []),
         *([(f"attention output gates ({L} layers)", p["attn_gate"])] if p["attn_gate"] else []),
+        *(
+            [("linear attention: beta and decay projections, A_log, dt_bias, conv1d", p["attn_linear"])]
+            if p["attn_linear"]
+            else []
+        ),
         (f"mlp ({L} layers)" + (": routers, experts and dense MLPs" if moe else ""), p["mlp"]),
         (f"norms ({L} layers)", p["norms"]),
         ("final norm", p["final_norm"]),
@@ -257,7 +266,9 @@ def _print_tables(r: dict, cfg) -> None:
     ]
     if moe:
         n_moe = p["router"] // (moe["n_experts"] * m["d_model"])
-        rows[7:7] = [
+        # after the mlp row (the optional attention rows before it move it)
+        at = next(i for i, (name, _) in enumerate(rows) if name.startswith("mlp")) + 1
+        rows[at:at] = [
             (f"  routers ({n_moe} MoE layers)", p["router"]),
             (f"  routed experts ({moe['n_experts']} per MoE layer, {moe['d_expert']} wide)", p["experts"]),
             ("  shared experts", p["shared_experts"]),
@@ -339,9 +350,12 @@ def _print_tables(r: dict, cfg) -> None:
     )
     et.add_row(f"KV cache per token ({cfg.kv_dtype})", human_bytes(plan["kv_cache_bytes_per_token"]))
     et.add_row(
-        f"KV cache at full context ({f['seq_len']} tokens, batch 1)",
+        f"KV cache at full context ({f['seq_len']} tokens, batch 1)"
+        + (", the linear layers' states included" if plan["state_bytes"] else ""),
         human_bytes(plan["kv_cache_bytes_full_context"]),
     )
+    if plan["state_bytes"]:
+        et.add_row("  of which the linear layers' states (any context)", human_bytes(plan["state_bytes"]))
     mem = plan["memory_per_gpu"]
     shard = f", sharded over {plan['n_gpus']} GPUs" if plan["n_gpus"] > 1 else ""
     et.add_section()

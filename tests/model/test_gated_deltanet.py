@@ -165,6 +165,18 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
     assert torch.all((attn.A_log.exp() >= 0.0099) & (attn.A_log.exp() <= 16.01))
 
 
+@pytest.mark.parametrize("attention", ["eager", "triton"])
+def test_model_attention_chooses_the_full_layers_backend_only(attention):
+    """model.attention=eager|triton: the full layer's backend (head_dim 16: the Triton kernel's least); the
+    linear layers run the same PyTorch delta rule, so the logits equal sdpa's, packed documents included."""
+    seq = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(5))
+    doc_ids = (torch.arange(24) >= 9).long().expand(2, 24)
+    with torch.no_grad():
+        want = hybrid(d_model=64).eval()(seq, doc_ids=doc_ids).logits
+        got = hybrid(d_model=64, attention=attention).eval()(seq, doc_ids=doc_ids).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_the_counts_the_state_and_the_flops_of_a_hybrid():
     """count_params equals the module's parameters, kv_cache_bytes counts the linear layers' state (not
     growing with the context) beside the full layer's K/V, and the FLOPs of a linear layer do not grow with
