@@ -101,6 +101,10 @@ def tiny_model(model: dict[str, Any], window: int | None = None) -> dict[str, An
         max_seq_len=window or min(int(model["max_seq_len"]), TINY["max_seq_len"]),
         name=f"{model.get('name', 'model')}-verify",
     )
+    types = m.get("layer_types")
+    if isinstance(types, list) and len(types) != TINY["n_layers"]:
+        # the first layer's type and the last's (Gemma 3: local, global; Qwen3-Next: linear, global)
+        m["layer_types"] = [types[0], types[-1]]
     rope = m.get("rope_scaling")
     if isinstance(rope, dict) and "original_max_seq_len" in rope:
         m["rope_scaling"] = {**rope, "original_max_seq_len": min(int(rope["original_max_seq_len"]), 32)}

@@ -41,6 +41,27 @@ def test_count_params_json(cli):
     assert d["plan"]["peak_flops_per_gpu"] == 989e12
 
 
+def test_count_params_rows_of_a_hybrid_and_of_a_mixture_with_sinks(capsys):
+    """gdn-tiny: a row for the linear layers' own parameters (the shares sum to the total) and their states
+    beside the KV cache; gpt-oss-tiny (sinks before the mlp row): the mixture's rows after the mlp row."""
+    from conftest import run_main
+
+    code, out, err = run_main(capsys, "count-params", "model=gdn-tiny", "format=json")
+    d = json.loads(out)
+    p, plan = d["params"], d["plan"]
+    parts = ("tok_emb", "pos_emb", "attn_q", "attn_k", "attn_v", "attn_o", "attn_sinks", "attn_gate")
+    rest = ("attn_linear", "mlp", "norms", "final_norm", "lm_head", "mtp")
+    assert code == 0 and p["attn_linear"] > 0 and sum(p[k] for k in parts + rest) == p["total"]
+    # three linear layers: the delta rule's 4 x 32 x 32 and the conv's 3 last inputs of 256 channels (bf16)
+    assert plan["state_bytes"] == 3 * 2 * (4 * 32 * 32 + 256 * 3)
+    code, out, err = run_main(capsys, "count-params", "model=gdn-tiny")
+    assert "linear attention: beta and decay projections" in out and "linear layers' states" in out
+    code, out, err = run_main(capsys, "count-params", "model=gpt-oss-tiny")
+    rows = [line.split("│")[1].strip() for line in out.splitlines() if line.count("│") >= 3]
+    at = next(i for i, r in enumerate(rows) if r.startswith("mlp"))
+    assert rows[at + 1].startswith("routers") and rows[at - 1].startswith("attention sinks")
+
+
 def test_count_params_knows_muon_lora_and_the_dpo_reference(capsys):
     """optim's state, the trainable adapters and a reference of its own, as `train`'s estimate counts them."""
     from conftest import run_main

@@ -12,6 +12,7 @@ from gptkit.conf_tree import compose
 from gptkit.data.datamodule import TrainBatches
 from gptkit.data.windows import WindowSampler
 from gptkit.errors import GptkitError
+from gptkit.model.config import ModelConfig
 from gptkit.training import verify as v
 
 
@@ -60,6 +61,10 @@ def test_the_tiny_model_keeps_its_family():
     assert tiny["rope_scaling"]["type"] == "llama3" and tiny["mlp"] == "swiglu" and tiny["norm"] == "rmsnorm"
     moe = v.tiny_model(OmegaConf.to_container(compose("train", ["model=moe-tiny"]).model))
     assert moe["moe"]["n_experts"] == 4 and moe["moe"]["top_k"] == 2
+    # a layer per type kept: Gemma 3's local and global, a hybrid's linear and global
+    for preset, types in (("gemma3-tiny", ["local", "global"]), ("gdn-tiny", ["linear", "global"])):
+        tiny = v.tiny_model(OmegaConf.to_container(compose("train", [f"model={preset}"]).model))
+        assert tiny["layer_types"] == types and ModelConfig.from_dict(tiny).n_layers == 2
 
 
 def test_the_joined_run_sees_the_rows_the_accumulating_run_draws():
