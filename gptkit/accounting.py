@@ -423,8 +423,8 @@ def kv_cache_bytes_per_token(cfg: ModelConfig, dtype: str = "bf16") -> int:
 def kv_cache_bytes(cfg: ModelConfig, context: int, dtype: str = "bf16") -> int:
     """What one sequence of `context` tokens keeps cached, by every layer's cache layout: a global layer
     every token's K and V, a local layer (its rolling cache, gptkit/model/kv_cache.py) at most its window's,
-    a recurrent layer its state."""
-    return sum(lay.elements(context) for lay in cache_layouts(cfg)) * DTYPE_BYTES[dtype]
+    a recurrent layer its state (in fp32 where its layout keeps it so: Gated DeltaNet's)."""
+    return sum(lay.nbytes(context, DTYPE_BYTES[dtype]) for lay in cache_layouts(cfg))
 
 
 def decode_bytes_per_step(cfg: ModelConfig, batch: int, context: int, dtype: str = "bf16") -> int:

@@ -142,8 +142,11 @@ class _Cache(KVCache):
 
     def state(self, layer: int, like: torch.Tensor) -> torch.Tensor:
         if self.states[layer].is_meta:
-            # [B, *state]
-            self.states[layer] = like.new_zeros(self.states[layer].shape)
+            # [B, *state]: the compute dtype, or fp32 where the layout says so
+            fp32 = self.layouts[layer].state_fp32
+            self.states[layer] = like.new_zeros(
+                self.states[layer].shape, dtype=torch.float32 if fp32 else None
+            )
         return self.states[layer]
 
 

@@ -44,15 +44,20 @@ class SlotCache:
         # per layer: what it keeps (gptkit/model/attention_kinds.py: K and V, or a recurrent state)
         layouts = cache_layouts(cfg)
 
-        def zeros(*shape):
+        def zeros(*shape, dtype=dtype):
             return torch.zeros(shape, device=device, dtype=dtype)
 
         # [S, k heads, max_len, k width] and [S, v heads, max_len, v width] per layer (None: a state layer)
         L = self.max_len
         self.k = [None if lay.k is None else zeros(slots, lay.k[0], L, lay.k[1]) for lay in layouts]
         self.v = [None if lay.v is None else zeros(slots, lay.v[0], L, lay.v[1]) for lay in layouts]
-        # [S, *state] per layer (None: a K/V layer)
-        self.states = [None if lay.state is None else zeros(slots, *lay.state) for lay in layouts]
+        # [S, *state] per layer (None: a K/V layer), fp32 where the layout says so
+        self.states = [
+            None
+            if lay.state is None
+            else zeros(slots, *lay.state, dtype=torch.float32 if lay.state_fp32 else dtype)
+            for lay in layouts
+        ]
         # every tensor a slot owns a row of
         self._tensors = [t for t in self.k + self.v + self.states if t is not None]
         # tokens cached per slot (= the position of the slot's next token)

@@ -50,12 +50,15 @@ class CacheLayout:
             a value of width 0 caches nothing (multi-head latent attention reads its values from its key)
     window  None: every position is kept; W: at most the last W (a local layer's rolling cache)
     state   None, or the shape of the fixed-size state kept per sequence (a recurrent layer: no k, v)
+    state_fp32  the state is kept in fp32 whatever the cache's dtype (a sum over every position so far: a
+            bf16 state would round it again at each token; transformers keeps Qwen3-Next's in fp32 too)
     """
 
     k: tuple[int, int] | None
     v: tuple[int, int] | None
     window: int | None = None
     state: tuple[int, ...] | None = None
+    state_fp32: bool = False
 
     def __post_init__(self) -> None:
         if (self.k is None) != (self.v is None) or (self.k is None) == (self.state is None):
@@ -78,6 +81,12 @@ class CacheLayout:
     def elements(self, context: int) -> int:
         """Elements this layer keeps for one sequence of `context` tokens."""
         return self.positions(context) * self.per_position + self.state_elements
+
+    def nbytes(self, context: int, dtype_bytes: int) -> int:
+        """Bytes this layer keeps for one sequence of `context` tokens in a cache of `dtype_bytes` per element
+        (an fp32 state at 4 bytes whatever the cache's dtype)."""
+        state_bytes = 4 if self.state_fp32 else dtype_bytes
+        return self.positions(context) * self.per_position * dtype_bytes + self.state_elements * state_bytes
 
 
 class AttentionKind(NamedTuple):
@@ -102,7 +111,7 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
     ),
     "gdn": AttentionKind(
         "gptkit.model.gated_deltanet:GatedDeltaNet",
-        lambda cfg, layer: CacheLayout(None, None, state=cfg.gdn.state_shape()),
+        lambda cfg, layer: CacheLayout(None, None, state=cfg.gdn.state_shape(), state_fp32=True),
     ),
 }
 

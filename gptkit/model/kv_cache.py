@@ -8,7 +8,8 @@ replaces both) and `advance(T)`. gptkit/inference/slot_cache.py's views are cach
 KVCache: what each layer's cache layout says (gptkit/model/attention_kinds.py, cache_layout): one K and one
 V tensor per layer, [B, k heads, slots, k width] and [B, v heads, slots, v width] (multi-head attention:
 n_kv_heads x head_dim each, so GQA shrinks the cache by n_heads / n_kv_heads), or a layer's recurrent state
-[B, *state] instead (read and written in place through `state(layer, like)`; such a cache cannot rewind).
+[B, *state] instead (read and written in place through `state(layer, like)`; fp32 where its layout says
+state_fp32, else the cache's dtype; such a cache cannot rewind).
 Keys are stored after RoPE, so a cached key never needs re-rotating; the model reads `cache.positions`
 (= `cache.length`, an int: the first of the positions the next forward pass feeds, as GPT.forward names
 positions). A global layer's slots are max_len positions, filled front to back, and it attends over the
@@ -70,9 +71,13 @@ class KVCache:
         # [B, k heads, slots, k width] and [B, v heads, slots, v width] per layer (None: a state layer)
         self.k = [self._zeros(batch_size, n, lay.k) for lay, n in zip(self.layouts, self.slots)]
         self.v = [self._zeros(batch_size, n, lay.v) for lay, n in zip(self.layouts, self.slots)]
-        # [B, *state] per layer (None: a K/V layer)
+        # [B, *state] per layer (None: a K/V layer), fp32 where the layout says so
         self.states = [
-            None if lay.state is None else torch.zeros((batch_size, *lay.state), device=device, dtype=dtype)
+            None
+            if lay.state is None
+            else torch.zeros(
+                (batch_size, *lay.state), device=device, dtype=torch.float32 if lay.state_fp32 else dtype
+            )
             for lay in self.layouts
         ]
         # tokens already cached (= absolute position of the next token)

@@ -52,8 +52,9 @@ def test_count_params_rows_of_a_hybrid_and_of_a_mixture_with_sinks(capsys):
     parts = ("tok_emb", "pos_emb", "attn_q", "attn_k", "attn_v", "attn_o", "attn_sinks", "attn_gate")
     rest = ("attn_linear", "mlp", "norms", "final_norm", "lm_head", "mtp")
     assert code == 0 and p["attn_linear"] > 0 and sum(p[k] for k in parts + rest) == p["total"]
-    # three linear layers: the delta rule's 4 x 32 x 32 and the conv's 3 last inputs of 256 channels (bf16)
-    assert plan["state_bytes"] == 3 * 2 * (4 * 32 * 32 + 256 * 3)
+    # three linear layers: the delta rule's 4 x 32 x 32 and the conv's 3 last inputs of 256 channels, in fp32
+    # (the KV cache's dtype is bf16)
+    assert plan["state_bytes"] == 3 * 4 * (4 * 32 * 32 + 256 * 3)
     code, out, err = run_main(capsys, "count-params", "model=gdn-tiny")
     assert "linear attention: beta and decay projections" in out and "linear layers' states" in out
     code, out, err = run_main(capsys, "count-params", "model=gpt-oss-tiny")

@@ -11,6 +11,7 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
 from gptkit import accounting
 from gptkit.errors import ConfigError
+from gptkit.inference.slot_cache import SlotCache
 from gptkit.model import GPT, KVCache, ModelConfig
 from gptkit.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
 
@@ -192,6 +193,13 @@ def test_the_counts_the_state_and_the_flops_of_a_hybrid():
         assert accounting.kv_cache_bytes(cfg, context, "fp32") == 4 * (3 * state + context * kv)
     cache = KVCache(cfg, batch_size=1, max_len=64)
     assert cache.nbytes == accounting.kv_cache_bytes(cfg, 64, "fp32")
+    # a bf16 cache keeps the states in fp32 (each token adds to them), the K/V in bf16: serve's slots too
+    half = KVCache(cfg, batch_size=1, max_len=64, dtype=torch.bfloat16)
+    slots = SlotCache(cfg, slots=2, max_len=64, dtype=torch.bfloat16)
+    assert half.states[0].dtype == slots.states[0].dtype == torch.float32
+    assert half.k[3].dtype == torch.bfloat16
+    assert half.nbytes == slots.nbytes // 2 == accounting.kv_cache_bytes(cfg, 64, "bf16")
+    assert accounting.kv_cache_bytes(cfg, 64, "bf16") == 4 * 3 * state + 2 * 64 * kv
     per_layer = accounting.delta_rule_flops(cfg)
     # per value head: C (2 d_k + d_v) + C (d_k + d_v) / 2 + 3 d_k d_v multiply-adds, C = 8
     assert per_layer == 2 * 4 * (8 * 22 + 8 * 14 / 2 + 3 * 48)
