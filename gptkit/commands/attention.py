@@ -40,7 +40,7 @@ def run(cfg) -> int:
                     "path": str(path),
                     "tokens": len(ids),
                     "layers": len(probs),
-                    "heads": int(probs[0].shape[0]),
+                    "heads": int(next(p for p in probs if p is not None).shape[0]),
                     "mean_entropy_bits": mean_entropy_bits(probs),
                 },
                 indent=2,

@@ -52,3 +52,24 @@ def test_attention_verb_writes_into_the_run_folder(run, capsys):
 
     code, _, err = run_main(capsys, "attention", f"run={d}", "text=" + "a" * 40)
     assert code == 2 and "40 tokens, more than model.max_seq_len=32" in err and err.count("\n") == 1
+
+
+def test_linear_layers_have_no_row_and_a_model_of_them_alone_is_one_line():
+    """A hybrid (Gated DeltaNet layers, then a full one): the full layer's row alone, its layer number kept;
+    every layer linear: a GptkitError, not a traceback."""
+    from PIL import Image
+
+    from gptkit.errors import GptkitError
+    from gptkit.model import GPT, ModelConfig
+
+    gdn = {"n_key_heads": 2, "n_value_heads": 4, "key_head_dim": 8, "value_head_dim": 8}
+    cfg = dict(vocab_size=61, max_seq_len=16, n_layers=3, n_heads=4, d_model=32, gdn=gdn)
+    model = GPT(ModelConfig(**cfg, layer_types=["linear", "linear", "global"])).eval()
+    probs = attention_probs(model, [3, 1, 4, 1, 5])
+    assert probs[:2] == [None, None] and tuple(probs[2].shape) == (4, 5, 5)
+    img = Image.open(io.BytesIO(render_grid(probs, None, "hybrid")))
+    # one row of 4 heads
+    assert img.width > 2 * img.height
+    alone = GPT(ModelConfig(**cfg, attention_kind="gdn")).eval()
+    with pytest.raises(GptkitError, match="no softmax attention layer"):
+        attention_probs(alone, [3, 1, 4])
