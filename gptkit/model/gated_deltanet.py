@@ -36,6 +36,7 @@ apply here: this layer always runs the PyTorch functions below.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -52,6 +53,18 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def _fp32(fn):
+    """fn computed in fp32 under autocast too (it casts its inputs to fp32; autocast would run its matmuls
+    and solves in bf16 again)."""
+
+    @functools.wraps(fn)
+    def wrapper(q, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return fn(q, *args, **kwargs)
+
+    return wrapper
+
+
 def _prepare(q, k, v, g, beta):
     """The inputs of both forms in the layout they compute in: q, k repeated over the value heads of their
     group, L2-normalized, q scaled by key_head_dim^-0.5; all fp32 and [B, H_v, T, ...]."""
@@ -64,6 +77,7 @@ def _prepare(q, k, v, g, beta):
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
+@_fp32
 def recurrent_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -99,6 +113,7 @@ def recurrent_gated_delta_rule(
     return o.to(dtype), S
 
 
+@_fp32
 def chunk_gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -241,6 +256,8 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(self.d_v, cfg.norm_eps)
         self.out_proj = nn.Linear(self.value_dim, cfg.d_model, bias=False)
         self.init_std, self.n_layers = cfg.init_std, cfg.n_layers
+        # model.dropout on the output, as every attention kind's
+        self.dropout = cfg.dropout
         self.init_own_parameters()
 
     @torch.no_grad()
@@ -303,4 +320,4 @@ class GatedDeltaNet(nn.Module):
             S0.copy_(S)
             conv0.copy_(conv_state)
         y = self.norm(o, z).reshape(B, T, self.value_dim)
-        return self.out_proj(y), None
+        return F.dropout(self.out_proj(y), self.dropout, self.training), None

@@ -48,6 +48,19 @@ def test_the_chunked_and_the_recurrent_rule_equal_transformers_and_each_other(ch
     torch.testing.assert_close(S, S_step, atol=1e-5, rtol=0)
 
 
+def test_the_rule_runs_in_fp32_under_autocast():
+    """bf16 autocast (training's bf16-mixed) leaves the delta rule's matmuls and solves in fp32."""
+    q, k, v, g, beta, S0 = inputs(T=40)
+    for rule in (
+        lambda: chunk_gated_delta_rule(q, k, v, g, beta, 16, S0),
+        lambda: recurrent_gated_delta_rule(q, k, v, g, beta, S0),
+    ):
+        want = rule()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got = rule()
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_resets_restart_the_state_in_both_forms_as_documents_run_apart():
     """Document starts mid-chunk, on a chunk's first position and on its last: each document's outputs are
     those of the document alone (from a zero state), and the final state is the last document's."""
