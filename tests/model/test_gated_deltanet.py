@@ -6,6 +6,7 @@ through every cache is tests/model/test_attention_kinds.py's (the gdn rows)."""
 
 import pytest
 import torch
+from conftest import run_cli
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
@@ -240,3 +241,28 @@ def test_bad_mixes_are_one_line_errors(over, message):
     with pytest.raises(ConfigError, match=message) as err:
         ModelConfig(**{**cfg, **over})
     assert "\n" not in str(err.value)
+
+
+def test_gdn_tiny_trains_and_samples_past_its_context(tmp_path):
+    """model=gdn-tiny (3 linear : 1 full; shrunk) trains on the built-in corpus, and `sample` decodes through
+    the states and the full layer's cache past the context (the window slides: the states restart)."""
+    shrink = [
+        "model.d_model=32",
+        "model.max_seq_len=32",
+        "model.gdn.key_head_dim=8",
+        "model.gdn.value_head_dim=8",
+    ]
+    r = run_cli(
+        "train",
+        "model=gdn-tiny",
+        *shrink,
+        "model.gdn.chunk_size=8",
+        "trainer.max_steps=4",
+        "trainer.val_every=4",
+        "trainer.accelerator=cpu",
+        "name=gdn",
+        f"runs_dir={tmp_path}",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_cli("sample", f"run={tmp_path / 'gdn'}", "prompt=def ", "max_new_tokens=40", "greedy=true")
+    assert r.returncode == 0 and "40 new" in r.stderr, r.stderr[-3000:]
