@@ -31,11 +31,9 @@ MOE = dict(LLAMA, moe=dict(n_experts=4, top_k=2, d_expert=24, every=2))
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
 # issue 49's blocks: sinks, the output gate, a window layer, a NoPE layer, partial RoPE, and gpt-oss's experts
 # (the sinks and the output gate's attn.gate_proj are base weights: frozen, never a target; lora's gate is the
-# MLP's).
-# Eager attention: SDPA on the CPU takes another kernel for a sink mask that needs no gradient (frozen sinks),
-# equal to 4e-6, not bit for bit
+# MLP's)
 NEW = dict(LLAMA, attn_sinks=True, attn_output_gate=True, sliding_window=8, layer_types=["local", "global"])
-NEW.update(nope_layers=[1], rotary_dim=4, attention="eager")
+NEW.update(nope_layers=[1], rotary_dim=4)
 GPT_OSS = dict(NEW, moe=dict(MOE["moe"], router_bias=True, expert_biases=True, activation="clamped_swiglu"))
 
 
