@@ -53,8 +53,10 @@ def param_groups(
         if not p.requires_grad:
             continue
         is_embedding = name.startswith(("tok_emb.", "pos_emb."))
-        is_matrix = p.ndim >= 2 and not is_embedding
-        if is_matrix or (is_embedding and decay_embeddings) or (p.ndim < 2 and decay_norms_and_biases):
+        # a mixture's expert biases are stacked, [n_experts, out]: biases, not matrices (as in muon_split)
+        is_bias = p.ndim < 2 or name.endswith("_bias")
+        is_matrix = not is_bias and not is_embedding
+        if is_matrix or (is_embedding and decay_embeddings) or (is_bias and decay_norms_and_biases):
             decay.append(p)
         else:
             no_decay.append(p)

@@ -36,6 +36,12 @@ MLA = dict(
     attention_kind="mla",
     mla=dict(q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
 )
+# issue 49's blocks: sinks, the output gate, a window layer, a NoPE layer, partial RoPE, and gpt-oss's experts
+# (the sinks and the output gate's attn.gate_proj are base weights: frozen, never a target; lora's gate is the
+# MLP's)
+NEW = dict(LLAMA, attn_sinks=True, attn_output_gate=True, sliding_window=8, layer_types=["local", "global"])
+NEW.update(nope_layers=[1], rotary_dim=4)
+GPT_OSS = dict(NEW, moe=dict(MOE["moe"], router_bias=True, expert_biases=True, activation="clamped_swiglu"))
 
 
 def tiny(style: dict, seed: int = 0) -> GPT:
@@ -51,8 +57,16 @@ def settings(**kw):
 
 @pytest.mark.parametrize(
     "style, targets",
-    [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"]), (MOE, ALL), (MOE, ["q", "up"]), (MLA, ALL[4:])],
-    ids=["llama", "gpt2", "moe", "moe-q-up", "mla-mlp"],
+    [
+        (LLAMA, ALL),
+        ({}, ["q", "k", "v", "o", "up", "down"]),
+        (MOE, ALL),
+        (MOE, ["q", "up"]),
+        (NEW, ALL),
+        (GPT_OSS, ALL),
+        (MLA, ALL[4:]),
+    ],
+    ids=["llama", "gpt2", "moe", "moe-q-up", "new-blocks", "gpt-oss", "mla-mlp"],
 )
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
     model = tiny(style)
@@ -63,8 +77,12 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
     assert is_lora(model) and not is_lora(tiny(style))
     named = dict(model.named_parameters())
     assert trainable == sum(p.numel() for p in named.values() if p.requires_grad) > 0
-    # only the adapters train
+    # only the adapters train (not the sinks, the output gate, the router's or the experts' biases)
     assert all(is_adapter_key(k) == p.requires_grad for k, p in named.items())
+    if style.get("attn_sinks"):
+        assert "blocks.1.attn.sinks" in named and "blocks.1.attn.gate_proj.weight" in named
+        assert not any(k.startswith("blocks.1.attn.gate_proj.lora") for k in named)
+        assert "blocks.0.mlp.lora_gate_A" in {k.replace("gate_proj.", "") for k in named}
     assert sum(p.numel() for p in named.values()) == n_before + trainable
     # B = 0: the base model at the start
     assert torch.equal(model(x).logits, base)

@@ -200,9 +200,13 @@ def test_qlora_compiles_in_one_graph_and_its_reference_is_the_nf4_base():
         norm="rmsnorm",
         bias=False,
         n_kv_heads=2,
+        # issue 49's blocks: the sinks and the output gate stay unquantized and frozen, as the norms
+        attn_sinks=True,
+        attn_output_gate=True,
     )
     model = GPT(cfg)
     apply_lora(model, {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "v", "o", "down"]})
+    assert "blocks.0.attn.gate_proj.weight" not in quant.quantized_names(cfg)
     base = {}
     for name in quant.quantized_names(cfg):
         linear = model.get_submodule(name.removesuffix(".weight"))
