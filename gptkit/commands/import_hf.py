@@ -51,6 +51,8 @@ def run(cfg) -> int:
         f"fp32) into {out}"
     )
     print(f"  attention heads: {done.heads}")
+    if done.note:
+        print(f"note: {done.note}", file=sys.stderr)
     if done.has_chat_template:
         print(
             f"  chat template: kept in {out / 'chat.json'} (gptkit chat run={out}; data=chat "

@@ -152,3 +152,15 @@ class Family:
 
     def check_files(self, hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
         """What the files hold beyond the tensor names, checked against config.json."""
+
+    def trailing_layers(self, d: dict[str, Any]) -> int:
+        """How many layers config.json `d` says the files may hold after its last one (GLM-4.5's MTP layers),
+        which the layer count leaves out."""
+        return 0
+
+    def with_files(
+        self, cfg: ModelConfig, d: dict[str, Any], state: dict[str, Any], source: str
+    ) -> tuple[ModelConfig, str | None]:
+        """(cfg as the files' tensors complete it, one note line for the importer or None): what config.json
+        alone cannot say (GLM-4.5's MTP layers kept or dropped)."""
+        return cfg, None

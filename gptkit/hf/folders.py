@@ -6,6 +6,7 @@ transformers architectures is gptkit/hf/convert.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from gptkit.hf.convert import (
     ARCHITECTURES,
     check_hf_config,
     check_weight_sizes,
+    files_config,
     from_hf_state_dict,
     heads_confirmed,
     hf_config,
@@ -405,6 +407,8 @@ class Imported:
     heads: str
     # tokenizer_config.json's chat_template, kept as chat.json
     has_chat_template: bool = False
+    # one line on what the files held beyond config.json (convert.files_config: an MTP layer kept or dropped)
+    note: str | None = None
 
 
 @dataclass
@@ -496,6 +500,7 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
         )
     source = loaded if loaded is not None else load_weights(src.dir)
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
+    model_cfg, note = files_config(hf_cfg, model_cfg, source, str(src.dir))
     model = GPT.from_state(
         model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir), model_type=hf_cfg["model_type"])
     )
@@ -521,6 +526,7 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
         tokenizer is not None,
         heads_confirmed(hf_cfg, model_cfg),
         template is not None,
+        note,
     )
 
 
@@ -550,5 +556,7 @@ def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tu
                 f"folder of your choice (gptkit import hf={spec} out=<folder>) and pass "
                 "init_from=<folder>"
             )
-        import_folder(src, out, force=True)
+        done = import_folder(src, out, force=True)
+    if done.note:
+        src = dataclasses.replace(src, note="; ".join(filter(None, (src.note, done.note))))
     return out, src, False
