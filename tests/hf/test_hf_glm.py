@@ -232,6 +232,28 @@ def test_an_mtp_layer_that_does_not_map_is_dropped_with_a_note_and_a_wrong_shape
     assert not (tmp_path / "bad").exists()
 
 
+def test_train_init_from_hf_keeps_the_mtp_layer_and_trains_it(tmp_path, monkeypatch, capsys):
+    import csv
+    import sys
+
+    from conftest import main_code as cli
+    from conftest import shakespeare
+
+    # the Hydra app sets sys.argv
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+    hf_model(True).save_pretrained(tmp_path / "hf")
+    with_mtp_layer(tmp_path / "hf")
+    (tmp_path / "c.txt").write_text(shakespeare(20_000).lower())
+    args = ["train", f"init_from=hf:{tmp_path / 'hf'}", "tokenizer=char", "data=files"]
+    args += [f"data.paths=[{tmp_path / 'c.txt'}]", "trainer.batch_size=2", "trainer.max_steps=2"]
+    args += ["trainer.val_windows=2", "trainer.log_every=1", "trainer.progress=false"]
+    assert cli(*args, f"runs_dir={tmp_path / 'runs'}", "name=ft") == 0
+    assert "MTP layer(s) kept as model.mtp" in capsys.readouterr().err
+    with open(tmp_path / "runs/ft/metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert len(rows) == 2 and all(r["train/mtp_loss_1"] and r["moe/entropy/1"] for r in rows)
+
+
 # ---- refusals ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "change, named",
@@ -290,3 +312,31 @@ def test_presets_count_total_and_active_as_transformers_builds_them(name):
     assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == ModelConfig.from_dict(
         cfg.to_dict() | {"mtp": None}
     )
+
+
+def parity_table() -> list[str]:
+    """The measured differences behind the bounds above, one Markdown row per case (docs/families.md):
+    `python tests/hf/test_hf_glm.py`."""
+    rows = [
+        "| case | eager | sdpa | export (gptkit -> transformers) | greedy tokens equal |",
+        "|---|---|---|---|---|",
+    ]
+    idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
+    for qk_norm in (False, True):
+        theirs = hf_model(qk_norm)
+        model = hf.from_transformers(theirs)
+        diffs = []
+        with torch.no_grad():
+            for attention in ("eager", "sdpa"):
+                theirs.set_attn_implementation(attention)
+                d = model.cfg.to_dict() | {"attention": attention}
+                ours = GPT.from_state(ModelConfig.from_dict(d), model.state_dict())
+                diffs.append((ours(idx).logits - theirs(idx).logits).abs().max().item())
+            diffs.append((model(idx).logits - hf.to_transformers(model)(idx).logits).abs().max().item())
+        cells = " | ".join(f"{x:.1e}" if x else "0.0" for x in diffs)
+        rows.append(f"| QK-norm {'on' if qk_norm else 'off'} | {cells} |")
+    return rows
+
+
+if __name__ == "__main__":
+    print("\n".join(parity_table()))
