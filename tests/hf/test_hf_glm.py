@@ -208,24 +208,34 @@ def test_the_mtp_layer_is_kept_when_it_maps_and_exports_back(tmp_path):
 
 
 def test_an_mtp_layer_that_does_not_map_is_dropped_with_a_note_and_a_wrong_shape_is_one_line(tmp_path):
-    theirs = hf_model(False)
-    theirs.save_pretrained(tmp_path / "hf")
-    r = run_cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'plain'}")
-    assert r.returncode == 0 and "the files hold no MTP layer" in r.stderr, r.stderr
+    from gptkit.hf.folders import Source, import_folder
+    from gptkit.runs import load_model
+
+    def imported(out: str):
+        """(the import's note, its model.mtp depth), in process (the CLI prints the note: the kept case)."""
+        done = import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / out)
+        return done.note, load_model(tmp_path / out)[3].mtp_depth
+
+    hf_model(False).save_pretrained(tmp_path / "hf")
+    note, depth = imported("plain")
+    assert "the files hold no MTP layer" in note and depth == 0
     with_mtp_layer(tmp_path / "hf")
     f = tmp_path / "hf" / "model.safetensors"
     state = load_file(f)
     # a head of its own: gptkit's MTP shares the main one
     head = state["model.layers.3.shared_head.head.weight"]
     save_file(state | {"model.layers.3.shared_head.head.weight": head + 1.0}, f, metadata={"format": "pt"})
-    r = run_cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}")
-    assert r.returncode == 0, r.stderr
-    assert "shared_head.head.weight is not the main model's lm_head.weight" in r.stderr
-    assert "imported without model.mtp" in r.stderr
-    from gptkit.runs import load_model
-
-    assert load_model(tmp_path / "run")[3].mtp_depth == 0
-    # eh_proj of the wrong width
+    note, depth = imported("own-head")
+    assert "shared_head.head.weight is not the main model's lm_head.weight" in note and depth == 0
+    assert "imported without model.mtp" in note
+    # a tensor gptkit's MTP has no place for, and one it needs left out
+    save_file(state | {"model.layers.3.extra.weight": torch.ones(2)}, f, metadata={"format": "pt"})
+    note, depth = imported("extra")
+    assert "model.layers.3.extra.weight has no place in gptkit's MTP" in note and depth == 0
+    save_file({k: v for k, v in state.items() if "layers.3.enorm" not in k}, f, metadata={"format": "pt"})
+    note, depth = imported("no-enorm")
+    assert "it has no model.layers.3.enorm.weight" in note and depth == 0
+    # eh_proj of the wrong width: one line, exit 2, nothing written
     save_file(state | {"model.layers.3.eh_proj.weight": torch.zeros(32, 48)}, f, metadata={"format": "pt"})
     r = run_cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'bad'}")
     one_line_error(r, "model.layers.3.eh_proj.weight has shape (32, 48)", "(32, 64)")
