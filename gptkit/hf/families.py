@@ -11,6 +11,7 @@ from __future__ import annotations
 from gptkit.errors import GptkitError
 from gptkit.hf.family import Family
 from gptkit.hf.gemma import Gemma2, Gemma3
+from gptkit.hf.glm4_moe import Glm4Moe
 from gptkit.hf.gpt2 import GPT2
 from gptkit.hf.gpt_oss import GptOss
 from gptkit.hf.llama import Llama, Mistral, Olmo2, Qwen2, Qwen3
@@ -22,6 +23,8 @@ from gptkit.model.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (
     GptOss(),
+    # a sigmoid router: before the softmax mixtures, which claim by qk_norm alone
+    Glm4Moe(),
     Mixtral(),
     Qwen3Moe(),
     Olmoe(),

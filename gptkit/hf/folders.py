@@ -6,6 +6,7 @@ transformers architectures is gptkit/hf/convert.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from gptkit.hf.convert import (
     ARCHITECTURES,
     check_hf_config,
     check_weight_sizes,
+    files_config,
     from_hf_state_dict,
     heads_confirmed,
     hf_config,
@@ -501,6 +503,8 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
     source, note = unpack_weights(source, hf_cfg, str(src.dir))
     notes = [note] if note else []
+    model_cfg, files_note = files_config(hf_cfg, model_cfg, source, str(src.dir))
+    notes += [files_note] if files_note else []
     model = GPT.from_state(
         model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir), model_type=hf_cfg["model_type"])
     )
@@ -558,5 +562,7 @@ def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tu
                 f"folder of your choice (gptkit import hf={spec} out=<folder>) and pass "
                 "init_from=<folder>"
             )
-        import_folder(src, out, force=True)
+        done = import_folder(src, out, force=True)
+    if done.notes:
+        src = dataclasses.replace(src, note="; ".join(filter(None, (src.note, *done.notes))))
     return out, src, False

@@ -107,6 +107,9 @@ class MoEConfig:
     # > 0: the auxiliary-loss-free expert bias (DeepSeek-V3): added to the scores for the top-k choice only,
     # moved by this much per optimizer step against each expert's load
     bias_update_rate: float = 0.0
+    # the expert bias held even without updates (bias_update_rate 0: a fixed bias, DeepSeek-V3's
+    # e_score_correction_bias of an imported checkpoint); bias_update_rate > 0 implies it
+    correction_bias: bool = False
     # auto | grouped_mm | loop (MOE_IMPLS)
     impl: str = "auto"
     # a bias in the router's logits (gpt-oss)
@@ -151,7 +154,7 @@ class MoEConfig:
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"model.moe.{name}={v!r} is not one of {', '.join(allowed)}")
-        for name in ("norm_topk_prob", "router_bias", "expert_biases"):
+        for name in ("norm_topk_prob", "router_bias", "expert_biases", "correction_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be true or false")
         for name in ("swiglu_limit", "swiglu_alpha"):
