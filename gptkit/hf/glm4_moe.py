@@ -100,7 +100,7 @@ class Glm4Moe(Decoder):
 
     def check(self, cfg: ModelConfig) -> None:
         target = self.target(cfg)
-        plain = {k: v for k, v in PLAIN.items() if k != "rotary_dim"}
+        plain = {k: v for k, v in PLAIN.items() if k not in ("rotary_dim", "mtp")}
         need = {"position": "rope", **LLAMA_LAYOUT, **plain} | self.fixes
         if cfg.qk_norm not in (None, "head"):
             need["qk_norm"] = "head"

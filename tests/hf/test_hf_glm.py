@@ -214,7 +214,7 @@ def test_an_mtp_layer_that_does_not_map_is_dropped_with_a_note_and_a_wrong_shape
     def imported(out: str):
         """(the import's note, its model.mtp depth), in process (the CLI prints the note: the kept case)."""
         done = import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / out)
-        return done.note, load_model(tmp_path / out)[3].mtp_depth
+        return "; ".join(done.notes or []), load_model(tmp_path / out)[3].mtp_depth
 
     hf_model(False).save_pretrained(tmp_path / "hf")
     note, depth = imported("plain")
