@@ -202,6 +202,17 @@ class MultiHeadLatentAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, rank], [H, v, rank]
         q_c = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)  # [B, H, T, rank]
         q = torch.cat((q_c, q_pe.to(q_c.dtype)), dim=-1)  # [B, H, T, rank + rope]
-        attend = eager_attention if args["return_probs"] else self.attend_cached
-        y_c, probs = attend(q, keys, keys[..., : self.rank], mask=cache.mask_for(self.layer), **args)
+        mask = cache.mask_for(self.layer)
+        values = keys[..., : self.rank]  # [B, 1, keys, rank]
+        plain = self.window is None and self.sinks is None and self.softcap is None
+        if q.shape[2] == 1 and mask is None and plain and not args["return_probs"]:
+            # one new token attending to every cached position through one key head: the heads are the rows
+            # of one query (the same sums; torch's CPU kernel for GQA would repeat the cache per head)
+            y_c, probs = self.attend_cached(
+                q.transpose(1, 2), keys, values, mask=None, **{**args, "causal": False}
+            )
+            y_c = y_c.transpose(1, 2)  # [B, H, 1, rank]
+        else:
+            attend = eager_attention if args["return_probs"] else self.attend_cached
+            y_c, probs = attend(q, keys, values, mask=mask, **args)  # [B, H, T, rank]
         return torch.einsum("bhtr,hvr->bhtv", y_c, w_uv), probs  # [B, H, T, v_head_dim]
