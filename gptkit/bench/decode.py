@@ -268,7 +268,7 @@ def run(cfg) -> int:
     if "latent" in parts:
         if device != "cpu":
             raise ConfigError("bench.parts=[latent] measures on the CPU: drop bench.device or set it to cpu")
-        results["latent"] = latent.run(cfg.latent, CLOCKS[cfg.clock], _console())
+        results["latent"] = latent.run(cfg.latent, CLOCKS[cfg.clock], _console(), build_model, per_token_ms)
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 

@@ -37,10 +37,9 @@ def cache_bytes(model, context: int) -> int:
     return sum(t.numel() * t.element_size() for t in (*cache.k, *cache.v) if t is not None)
 
 
-def run(cfg, clock, console) -> dict:
-    """The table and the results' `latent` entry (see the module docstring)."""
-    from gptkit.bench.decode import build_model, per_token_ms
-
+def run(cfg, clock, console, build_model, per_token_ms) -> dict:
+    """The table and the results' `latent` entry (see the module docstring); build_model and per_token_ms
+    are gptkit/bench/decode.py's (which calls this)."""
     specs = OmegaConf.to_container(cfg.models, resolve=True)
     context, steps, repeats = int(cfg.context), int(cfg.steps), int(cfg.repeats)
     models = {name: build_model(spec) for name, spec in specs.items()}
