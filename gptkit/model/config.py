@@ -285,6 +285,10 @@ class MLAConfig:
     # DeepSeek's checkpoints keep each rotated pair side by side (x0, x1), (x2, x3), ...: read them as the
     # two halves RoPE turns (transformers' rope_interleave); false: the halves as they come (gptkit's RoPE)
     rope_interleave: bool = False
+    # decoding: true caches the latent and the rotated key and absorbs kv_b_proj into the query and the output
+    # (the latent cache); false caches each head's expanded key and value, as transformers' DeepseekV3 does
+    # (the uncompressed path: the same tokens, H * (nope + rope + v) numbers per position; docs/mla.md)
+    absorb: bool = True
 
     @property
     def qk_head_dim(self) -> int:
@@ -312,6 +316,8 @@ class MLAConfig:
             )
         if not isinstance(self.rope_interleave, bool):
             raise ConfigError(f"model.mla.rope_interleave={self.rope_interleave!r} must be true or false")
+        if not isinstance(self.absorb, bool):
+            raise ConfigError(f"model.mla.absorb={self.absorb!r} must be true or false")
 
     @classmethod
     def from_dict(cls, d: Any) -> "MLAConfig":

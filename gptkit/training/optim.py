@@ -68,8 +68,9 @@ def param_groups(
 
 def muon_split(model: nn.Module) -> tuple[list, list]:
     """(Muon's, AdamW's) trainable (name, parameter) pairs: Muon takes the 2-D weights inside the transformer
-    blocks (attention and MLP projections; the fused q/k/v projection is one matrix, as torch.optim.Muon
-    sees it), AdamW the rest: token and position embeddings, the LM head (tied or not), norms and biases.
+    blocks and the multi-token prediction modules (attention and MLP projections, MTP's input projection;
+    the fused q/k/v projection is one matrix, as torch.optim.Muon sees it), AdamW the rest: token and
+    position embeddings, the LM head (tied or not), norms and biases.
     With finetune=lora the trainable 2-D weights in the blocks are the adapters' factors, A [rank, in] and
     B [rows, rank], each orthogonalized on its own (so each step moves A and B by AdamW's RMS, as Muon moves
     a whole matrix), and AdamW has nothing to train."""
@@ -79,7 +80,8 @@ def muon_split(model: nn.Module) -> tuple[list, list]:
             # 3-D: a mixture's experts stacked, [n_experts, out, in], a matrix per expert
             # a mixture's expert biases are stacked too, [n_experts, out]: vectors, AdamW's
             matrix = p.ndim in (2, 3) and not name.endswith("_bias")
-            (muon if name.startswith("blocks.") and matrix else adamw).append((name, p))
+            # the multi-token prediction modules' (model.mtp) projections and blocks are hidden matrices too
+            (muon if name.startswith(("blocks.", "mtp.")) and matrix else adamw).append((name, p))
     return muon, adamw
 
 

@@ -29,7 +29,7 @@ LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, position="r
 # a mixture of experts: layer 0 dense, layer 1 4 experts (top-2), whose gate/up/down adapters are per expert
 MOE = dict(LLAMA, moe=dict(n_experts=4, top_k=2, d_expert=24, every=2))
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
-# multi-head latent attention: no q/k/v/o targets (yet), its MLP adapted as any other
+# multi-head latent attention: its own projections are the attention targets (q or q_a/q_b, kv_a, kv_b, o)
 MLA = dict(
     LLAMA,
     n_kv_heads=4,
@@ -42,6 +42,8 @@ MLA = dict(
 NEW = dict(LLAMA, attn_sinks=True, attn_output_gate=True, sliding_window=8, layer_types=["local", "global"])
 NEW.update(nope_layers=[1], rotary_dim=4)
 GPT_OSS = dict(NEW, moe=dict(MOE["moe"], router_bias=True, expert_biases=True, activation="clamped_swiglu"))
+MLA_Q = dict(MLA, mla=dict(MLA["mla"], q_lora_rank=12))
+MLA_ALL = ["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down"]
 
 
 def tiny(style: dict, seed: int = 0) -> GPT:
@@ -64,9 +66,10 @@ def settings(**kw):
         (MOE, ["q", "up"]),
         (NEW, ALL),
         (GPT_OSS, ALL),
-        (MLA, ALL[4:]),
+        (MLA, ["q", "kv_a", "kv_b", "o", "gate", "up", "down"]),
+        (MLA_Q, MLA_ALL),
     ],
-    ids=["llama", "gpt2", "moe", "moe-q-up", "new-blocks", "gpt-oss", "mla-mlp"],
+    ids=["llama", "gpt2", "moe", "moe-q-up", "new-blocks", "gpt-oss", "mla", "mla-q-lora"],
 )
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
     model = tiny(style)
@@ -101,6 +104,37 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
     plain = tiny(style).state_dict()
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in plain.items()}
     torch.testing.assert_close(GPT.from_state(model.cfg, merged)(x).logits, adapted, atol=2e-5, rtol=0)
+
+
+def test_mla_adapters_decode_through_the_latent_cache_as_recomputed():
+    """The absorbed decoding path reads kv_b_proj's weight as W_uk and W_uv: with adapters on every projection
+    (kv_b's included) the cached decode's logits are the full forward's, adapters on and off."""
+    from gptkit.model.kv_cache import KVCache
+
+    model = tiny(MLA_Q)
+    apply_lora(model, settings(targets=MLA_ALL))
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters() if p.requires_grad}
+    assert shapes["blocks.0.attn.kv_b_proj.lora_kv_b_B"] == (4 * 16, 4)
+    assert shapes["blocks.1.attn.q_a_proj.lora_q_a_A"] == (4, 32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    x = torch.randint(0, 40, (2, 12))
+
+    def decoded():
+        cache = KVCache(model.cfg, batch_size=2)
+        got = [model(x[:, :5], cache=cache).logits]
+        got += [model(x[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
+        return torch.cat(got, dim=1)
+
+    with torch.no_grad():
+        full = model(x).logits
+        torch.testing.assert_close(decoded(), full, atol=1e-5, rtol=0)
+        with adapters_disabled(model):
+            base = model(x).logits
+            torch.testing.assert_close(decoded(), base, atol=1e-5, rtol=0)
+    assert (full - base).abs().max() > 1e-2
 
 
 def test_a_mixtures_expert_adapters_are_per_expert_grouped_as_the_loop_and_train():
@@ -163,9 +197,12 @@ def test_a_mixtures_expert_adapters_have_no_peft_export():
         (LLAMA, settings(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
         (
             MLA,
-            settings(targets=["q", "up"]),
-            "(model.attention_kind=mla: its projections are not LoRA targets",
+            settings(targets=["q", "v"]),
+            "lora.targets: v matches no module of this model (multi-head latent attention, "
+            "model.attention_kind=mla: its attention targets are its own projections, whose keys and values "
+            "come from kv_a and kv_b); its targets are q, o, kv_a, kv_b, gate, up, down",
         ),
+        (MLA, settings(targets=["q_a"]), "q_a matches no module of this model"),
     ],
 )
 def test_bad_lora_settings_are_one_config_error(style, lora, needle):

@@ -223,6 +223,89 @@ def test_ddp_and_fsdp2_with_expert_parallelism_on_2_processes_follow_one_process
     close_rows(rows(runs / "fsdp"), rows(straight), keys)
 
 
+def mla_mtp_args(corpus, runs, name, *extra):
+    """mla-tiny shrunk (2 layers, d_model 32) with moe_args' mixture in every layer and one multi-token
+    prediction depth (its block an MoE block like the last layer's)."""
+    keys = dict(model="mla-tiny", layers=2, val_fraction=0.1, steps=STEPS, accelerator="cpu")
+    model = [
+        "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+        "v_head_dim: 8}",
+        "model.moe={n_experts: 4, top_k: 2, d_expert: 24, bias_update_rate: 0.01, z_loss_coef: 0.001}",
+        "model.mtp={depth: 1, loss_scale: 0.3}",
+    ]
+    return tiny_run(corpus, runs, name, *model, *extra, **keys)
+
+
+def test_expert_parallelism_splits_the_mtp_blocks_experts_too():
+    """shard_experts splits every Experts of the model over the group, the multi-token prediction block's
+    included (it walked model.cfg.moe_layers only): each is the dispatching forward over DTensor stacks. On a
+    world of one the model computes what it did."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from gptkit.training.expert_parallel import ExpertGroup, expert_grid, moe_experts, shard_experts
+
+    cfg = ModelConfig(
+        vocab_size=40,
+        max_seq_len=16,
+        n_layers=2,
+        n_heads=2,
+        d_model=32,
+        mlp="swiglu",
+        norm="rmsnorm",
+        moe=dict(n_experts=4, top_k=2, d_expert=24),
+        mtp=dict(depth=1),
+    )
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    x = torch.randint(0, 40, (2, 12))
+    want = model(x, x, mtp=True)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        params = shard_experts(model, ExpertGroup(expert_grid("cpu", 1, 1), 1, None))
+        experts = moe_experts(model)
+        assert experts[-1] is model.mtp.layers[0].block.mlp.experts and len(experts) == 3
+        assert len(params) == 3 * 3 and all(isinstance(e.gate_proj, DTensor) for e in experts)
+        assert all("forward" in vars(e) for e in experts)
+        got = model(x, x, mtp=True)
+        torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=0)
+        torch.testing.assert_close(got.mtp_losses[0], want.mtp_losses[0], atol=1e-6, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mla_and_mtp_resume_bit_for_bit_and_fsdp2_with_expert_parallelism_follows_one_process(
+    corpus, straight
+):
+    """MLA + MoE + MTP: 6 steps straight and 3 + resume 3 log the same rows and save the same weights; FSDP2
+    on 2 processes with the experts split (the MTP block's too) logs one process's losses, MTP's included."""
+    runs = straight.parent
+    gptkit.train(mla_mtp_args(corpus, runs, "mla-mtp"))
+    gptkit.train(mla_mtp_args(corpus, runs, "mla-mtp-halves", "trainer.stop_at_step=3"))
+    gptkit.train([f"resume={runs / 'mla-mtp-halves'}", f"runs_dir={runs}", "name=mla-mtp-halves"])
+    keys = ["train/loss", "train/mtp_loss_1", "train/grad_norm", "val/loss", *ROUTER_KEYS]
+    want, again = rows(runs / "mla-mtp"), rows(runs / "mla-mtp-halves")
+    assert [[r.get(k) for k in keys] for r in again.values()] == [
+        [r.get(k) for k in keys] for r in want.values()
+    ]
+    assert want[STEPS]["train/mtp_loss_1"] and sorted(again) == sorted(want)
+    weights = [
+        torch.load(runs / r / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
+        for r in ("mla-mtp", "mla-mtp-halves")
+    ]
+    assert "model.mtp.layers.0.block.mlp.experts.up_proj" in weights[0]
+    assert all(torch.equal(v, weights[1][k]) for k, v in weights[0].items())
+    two = ["trainer=fsdp", "trainer.precision=32-true", "trainer.devices=2", "trainer.batch_size=2"]
+    r = run_group(
+        "-m",
+        "gptkit",
+        "train",
+        *mla_mtp_args(corpus, runs, "mla-mtp-ep", *two, "trainer.expert_parallel=2"),
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    close_rows(rows(runs / "mla-mtp-ep"), want, keys)
+
+
 def test_lora_on_attention_and_experts_trains_the_adapters_only_and_samples_merged(corpus, straight, capsys):
     runs = straight.parent
     gptkit.train(

@@ -106,6 +106,42 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(make):
     assert f"AdamW (fused) for {n_rest:,} parameters in {len(adamw)} tensors" in line
 
 
+MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+
+@pytest.mark.parametrize(
+    "preset, over",
+    [
+        ("mla-tiny", {}),
+        ("mtp-tiny", {}),
+        ("mtp-tiny", {"bias": True, "attn_sinks": True, "norm": "layernorm", "moe": None, "mlp": "gelu"}),
+        ("mtp-tiny", {"attention_kind": "mla", "n_kv_heads": None, "mla": MLA}),
+    ],
+    ids=["mla", "mtp-moe", "mtp-biases", "mtp-mla"],
+)
+def test_muon_takes_mlas_and_mtps_matrices_as_the_accounting_counts(preset, over):
+    """Multi-head latent attention's projections and the multi-token prediction modules' matrices (its
+    projection, its block's) are Muon's, their norms, sinks and biases AdamW's; count-params' Muon share
+    (the memory estimate's) is the optimizer's."""
+    import yaml
+
+    from gptkit import accounting
+    from gptkit.conf_tree import conf_dir
+
+    d = yaml.safe_load((conf_dir() / "model" / f"{preset}.yaml").read_text())
+    cfg = ModelConfig.from_dict({**d, "vocab_size": 64, "n_layers": 2, "d_model": 64, **over})
+    model = GPT(cfg)
+    muon, adamw = muon_split(model)
+    names = {n for n, _ in muon}
+    assert sum(p.numel() for _, p in muon) == accounting.muon_params(cfg)
+    assert all(p.ndim == 1 or not n.startswith(("blocks.", "mtp.")) for n, p in adamw)
+    if cfg.attention_kind == "mla":
+        assert "blocks.1.attn.kv_b_proj.weight" in names and "blocks.1.attn.q_a_proj.weight" in names
+        assert "blocks.1.attn.kv_a_layernorm.weight" in {n for n, _ in adamw}
+    if cfg.mtp_depth:
+        assert "mtp.layers.0.proj.weight" in names and "mtp.layers.0.block.attn.o_proj.weight" in names
+
+
 def test_the_steps_are_torch_muon_and_adamw_side_by_side():
     """Two steps of MuonWithAdamW equal torch.optim.Muon + torch.optim.AdamW stepped separately, bit for
     bit."""

@@ -150,6 +150,41 @@ def test_compile_trains_the_new_blocks_as_eager_mode_does(prepared, base_cfg, tm
         assert torch.allclose(compiled[k], v, atol=1e-5), k
 
 
+def test_mla_with_mtp_compiles_and_trains_under_eager_and_sdpa(prepared, base_cfg, tmp_path):
+    """Multi-head latent attention (q of low rank, values narrower than the keys) and a multi-token
+    prediction depth through torch.compile (aot_eager: inductor's trace and autograd), with each attention
+    backend: the same losses."""
+    losses = {}
+    for attention in ("eager", "sdpa"):
+        cfg = compose(
+            "train",
+            [
+                "model=mla-tiny",
+                *[
+                    f"model.{k}={v}"
+                    for k, v in base_cfg.model.items()
+                    if k in ("n_layers", "d_model", "n_heads")
+                ],
+                f"model.max_seq_len={SEQ}",
+                "model.vocab_size=256",
+                "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+                "v_head_dim: 8}",
+                "model.mtp={depth: 1, loss_scale: 0.3}",
+                f"model.attention={attention}",
+                f"trainer.batch_size={BATCH}",
+                "trainer.progress=off",
+                "trainer.val_every=1000",
+                "trainer.checkpoint_every=1000",
+            ],
+        )
+        _, _, metrics = fit(
+            prepared, cfg, tmp_path / attention, 2, compile=True, compile_backend="aot_eager", log_every=2
+        )
+        losses[attention] = (metrics.last["train/loss"], metrics.last["train/mtp_loss_1"])
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
+    torch.testing.assert_close(torch.tensor(losses["eager"]), torch.tensor(losses["sdpa"]), atol=1e-4, rtol=0)
+
+
 def test_sixteen_true_trains(prepared, base_cfg, tmp_path):
     _, _, metrics = fit(prepared, base_cfg, tmp_path, precision="16-true", log_every=3)
     assert torch.isfinite(torch.tensor(metrics.last["train/loss"]))
