@@ -260,7 +260,11 @@ def test_expert_parallelism_splits_the_mtp_blocks_experts_too():
     model = GPT(cfg)
     x = torch.randint(0, 40, (2, 12))
     want = model(x, x, mtp=True)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    # a world of one (an earlier in-process run may have left its own world of one up)
+    fresh = not dist.is_initialized()
+    if fresh:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    assert dist.get_world_size() == 1
     try:
         params = shard_experts(model, ExpertGroup(expert_grid("cpu", 1, 1), 1, None))
         experts = moe_experts(model)
@@ -271,7 +275,8 @@ def test_expert_parallelism_splits_the_mtp_blocks_experts_too():
         torch.testing.assert_close(got.loss, want.loss, atol=1e-6, rtol=0)
         torch.testing.assert_close(got.mtp_losses[0], want.mtp_losses[0], atol=1e-6, rtol=0)
     finally:
-        dist.destroy_process_group()
+        if fresh:
+            dist.destroy_process_group()
 
 
 def test_mla_and_mtp_resume_bit_for_bit_and_fsdp2_with_expert_parallelism_follows_one_process(
