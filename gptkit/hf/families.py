@@ -9,6 +9,7 @@ gptkit/hf/family.py) and one row here.
 from __future__ import annotations
 
 from gptkit.errors import GptkitError
+from gptkit.hf.deepseek_v3 import DeepseekV2, DeepseekV3
 from gptkit.hf.family import Family
 from gptkit.hf.gemma import Gemma2, Gemma3
 from gptkit.hf.glm4_moe import Glm4Moe
@@ -22,6 +23,9 @@ from gptkit.hf.smollm3 import SmolLM3
 from gptkit.model.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (
+    # multi-head latent attention: they alone claim attention_kind=mla
+    DeepseekV2(),
+    DeepseekV3(),
     GptOss(),
     # a sigmoid router: before the softmax mixtures, which claim by qk_norm alone
     Glm4Moe(),

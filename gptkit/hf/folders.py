@@ -450,7 +450,9 @@ def export_folder(ckpt: Path, out: Path, dtype: torch.dtype, max_shard: int, for
     template = template_in_folder(Path(run_dir)) if tokenizer is not None else None
     stop_ids = reply_stop_ids(tokenizer, template, eos) if template is not None else []
     gen_eos = stop_ids if len(stop_ids) > 1 else (stop_ids[0] if stop_ids else ids["eos_token"])
-    state = to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
+    # the expert bias stays fp32 (DeepSeek-V3's e_score_correction_bias: fp32 in its files and transformers)
+    state = {k: v if k.endswith(".mlp.expert_bias") else v.to(dtype) for k, v in model.state_dict().items()}
+    state = to_hf_state_dict(state, model_cfg)
     config = hf_config(
         model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
     )

@@ -289,6 +289,9 @@ class MLAConfig:
     # (the latent cache); false caches each head's expanded key and value, as transformers' DeepseekV3 does
     # (the uncompressed path: the same tokens, H * (nope + rope + v) numbers per position; docs/mla.md)
     absorb: bool = True
+    # the eps of q_a_layernorm and kv_a_layernorm; null: model.norm_eps (transformers' DeepseekV3 fixes 1e-6
+    # whatever rms_norm_eps is: Moonlight's layers use 1e-5, its latent norms 1e-6)
+    latent_norm_eps: float | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -313,6 +316,11 @@ class MLAConfig:
             raise ConfigError(
                 f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE turns pairs of "
                 f"features)"
+            )
+        e = self.latent_norm_eps
+        if e is not None and not _positive(e):
+            raise ConfigError(
+                f"model.mla.latent_norm_eps={e!r} must be a number > 0 (or null: model.norm_eps)"
             )
         if not isinstance(self.rope_interleave, bool):
             raise ConfigError(f"model.mla.rope_interleave={self.rope_interleave!r} must be true or false")

@@ -100,8 +100,11 @@ class MultiHeadLatentAttention(nn.Module):
         d, H = cfg.d_model, cfg.n_heads
         fused_norm = "norm" in cfg.kernels
 
+        # the latent norms' eps: model.mla.latent_norm_eps (transformers' DeepseekV3: 1e-6), else norm_eps
+        eps = cfg.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
+
         def norm(dim: int) -> nn.Module:
-            return make_norm(cfg.norm, dim=dim, eps=cfg.norm_eps, bias=cfg.bias, fused=fused_norm)
+            return make_norm(cfg.norm, dim=dim, eps=eps, bias=cfg.bias, fused=fused_norm)
 
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(d, H * self.qk_dim, bias=False)
