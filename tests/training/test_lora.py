@@ -184,6 +184,19 @@ def test_a_mixtures_expert_adapters_have_no_peft_export():
         hf.peft_adapters(model.state_dict(), cfg, settings(targets=["q", "up"]))
 
 
+def test_latent_attention_adapters_have_no_peft_export_yet():
+    """A DeepSeek import trained with LoRA on its MLA projections: export adapters=true is one line (the PEFT
+    layout is written for multi-head attention's q/k/v), the merged export is the way out."""
+    from gptkit import hf
+    from gptkit.errors import GptkitError
+
+    # transformers' latent norms' eps: the model DeepseekV3ForCausalLM would export
+    model = tiny(dict(MLA, mla=dict(MLA["mla"], latent_norm_eps=1e-6)))
+    apply_lora(model, settings(targets=["q", "kv_b", "o"]))
+    with pytest.raises(GptkitError, match="attention_kind=mla: its LoRA targets have no PEFT adapter layout"):
+        hf.peft_adapters(model.state_dict(), model.cfg, settings(targets=["q", "kv_b", "o"]))
+
+
 @pytest.mark.parametrize(
     "style, lora, needle",
     [
