@@ -454,9 +454,10 @@ def memory_bandwidth(gpu_name: str) -> float | None:
 
 def muon_params(cfg: ModelConfig) -> int:
     """The parameters optim=muon gives torch.optim.Muon (training/optim.py muon_split): the 2-D weights inside
-    the blocks (attention projections, dense MLP matrices, a mixture's routers and stacked experts), not their
-    biases, the norms, the embeddings or the LM head (AdamW's); of a Gated DeltaNet layer its four projections
-    (in_proj_qkvz, in_proj_ba, out_proj), not A_log, dt_bias, the conv1d's taps or its gated norm."""
+    the blocks and the multi-token prediction modules (attention projections, dense MLP matrices, a mixture's
+    routers and stacked experts, MTP's projections), not their biases, the norms, the embeddings or the LM
+    head (AdamW's); of a Gated DeltaNet layer its four projections (in_proj_qkvz, in_proj_ba, out_proj), not
+    A_log, dt_bias, the conv1d's taps or its gated norm."""
     c = count_params(cfg)
     d, b = cfg.d_model, int(cfg.bias)
     # q/k/v (and the output gate's) biases, o_proj's; a linear layer's A_log, dt_bias and conv1d
@@ -466,10 +467,19 @@ def muon_params(cfg: ModelConfig) -> int:
     per_dense = b * ((cfg.d_ff if cfg.mlp == "gelu" else 2 * cfg.d_ff) + d)
     mlp_biases = (cfg.n_layers - len(cfg.moe_layers)) * per_dense
     m = cfg.moe
+    per_moe = 0
     if m is not None:
         # the router's bias (a vector) and the experts' stacked biases are AdamW's
         per_moe = int(m.router_bias) * m.n_experts + int(m.expert_biases) * m.n_experts * (2 * m.d_expert + d)
         mlp_biases += len(cfg.moe_layers) * per_moe
+    # model.mtp: each depth's projection and its block's matrices are Muon's; its three norms, its block's
+    # norms, sinks and biases AdamW's
+    # (a block of the last layer's kind: a linear layer's A_log, dt_bias and conv1d AdamW's too)
+    a = attention_params(cfg, cfg.n_layers - 1)
+    norm = d * (2 if (cfg.norm == "layernorm" and cfg.bias) else 1)
+    n_norms = 4 if cfg.norm_placement == "sandwich" else 2
+    last = per_moe if cfg.feed_forward(cfg.n_layers - 1) == "moe" else per_dense
+    mtp_rest = cfg.mtp_depth * ((3 + n_norms) * norm + a.norms + a.sinks + a.biases + a.adamw + last)
     return (
         c.total
         - c.tok_emb
@@ -480,6 +490,7 @@ def muon_params(cfg: ModelConfig) -> int:
         - c.attn_sinks
         - attention_biases
         - mlp_biases
+        - mtp_rest
     )
 
 

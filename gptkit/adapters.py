@@ -10,6 +10,19 @@ export) merges them, and the PEFT export (gptkit.hf) renames them.
     up       mlp.up_proj                  all
     down     mlp.down_proj                all
 
+A layer of multi-head latent attention (model.attention_kind=mla, gptkit/model/mla.py) has other attention
+projections, each a target of its own (whole: all its rows), named as DeepSeek's modules without _proj:
+
+    q        attn.q_proj                  (model.mla.q_lora_rank null)
+    q_a      attn.q_a_proj                (model.mla.q_lora_rank set: d_model -> q_lora_rank ...
+    q_b      attn.q_b_proj                 ... and q_lora_rank -> each head's nope + rope query)
+    kv_a     attn.kv_a_proj_with_mqa      d_model -> the latent and the shared rope key
+    kv_b     attn.kv_b_proj               the latent -> each head's nope key and value
+    o        attn.o_proj
+
+its k and v are no targets (kv_a and kv_b make them). Decoding reads kv_b_proj's weight as W_uk and W_uv (the
+absorbed path): an adapted kv_b_proj gives it W + (alpha / rank) * B @ A (gptkit.model.mla.dense_weight).
+
 In a mixture of experts' MoE layers (model.moe) gate, up and down adapt every routed expert's own matrix:
 the module is mlp.experts, whose gate_proj, up_proj [E, d_expert, d_model] and down_proj [E, d_model,
 d_expert] stack the experts, and each expert e gets its own A[e] and B[e] (the router and the shared experts
@@ -38,7 +51,7 @@ from typing import Any
 
 from gptkit.errors import ConfigError
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+TARGETS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down")
 # the model.mlp kinds with a gate projection
 GATED = ("swiglu", "geglu")
 MODULES = {
@@ -50,9 +63,19 @@ MODULES = {
     "up": "mlp.up_proj",
     "down": "mlp.down_proj",
 }
+# the attention targets of a multi-head latent attention layer (each a whole module)
+MLA_MODULES = {
+    "q": "attn.q_proj",
+    "q_a": "attn.q_a_proj",
+    "q_b": "attn.q_b_proj",
+    "kv_a": "attn.kv_a_proj_with_mqa",
+    "kv_b": "attn.kv_b_proj",
+    "o": "attn.o_proj",
+}
 KEY = re.compile(
-    r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj|mlp\.experts)"
-    r"\.lora_(q|k|v|o|gate|up|down)_([AB])"
+    r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|attn\.q_proj|attn\.q_a_proj|attn\.q_b_proj"
+    r"|attn\.kv_a_proj_with_mqa|attn\.kv_b_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj|mlp\.experts)"
+    r"\.lora_(q_a|q_b|kv_a|kv_b|q|k|v|o|gate|up|down)_([AB])"
 )
 # the module of a MoE layer's expert targets
 EXPERTS = "mlp.experts"
@@ -76,14 +99,21 @@ def is_adapter_key(name: str) -> bool:
     return KEY.fullmatch(name) is not None
 
 
+def attention_targets(cfg: Any, layer: int) -> tuple[str, ...]:
+    """The attention targets of layer `layer`: q, k, v, o under multi-head attention; under multi-head latent
+    attention q (or q_a and q_b with model.mla.q_lora_rank), kv_a, kv_b, o."""
+    if cfg.attention_kind_of(layer) != "mla":
+        return ("q", "k", "v", "o")
+    q = ("q",) if cfg.mla.q_lora_rank is None else ("q_a", "q_b")
+    return (*q, "kv_a", "kv_b", "o")
+
+
 def model_targets(cfg: Any) -> tuple[str, ...]:
-    """The targets a model of config `cfg` (a ModelConfig) has: every one, except gate without a gated MLP
-    (SwiGLU, GeGLU), and q, k, v, o where an attention kind other than multi-head attention has other
-    projections (multi-head latent attention: not adapted yet)."""
-    plain = all(cfg.attention_kind_of(i) == "mha" for i in range(cfg.n_layers))
-    return tuple(
-        t for t in TARGETS if (t != "gate" or cfg.mlp in GATED) and (plain or t not in ("q", "k", "v", "o"))
-    )
+    """The targets a model of config `cfg` (a ModelConfig) has in every layer: its attention's
+    (attention_targets), gate with a gated MLP (SwiGLU, GeGLU), up and down."""
+    mlp = ("up", "down") + (("gate",) if cfg.mlp in GATED else ())
+    layers = [set(attention_targets(cfg, i)) | set(mlp) for i in range(cfg.n_layers)]
+    return tuple(t for t in TARGETS if all(t in have for have in layers))
 
 
 def is_expert_target(cfg: Any, layer: int, target: str) -> bool:
@@ -92,8 +122,13 @@ def is_expert_target(cfg: Any, layer: int, target: str) -> bool:
 
 
 def module_of(cfg: Any, layer: int, target: str) -> str:
-    """The module inside blocks.<layer> that `target` adapts (mlp.experts for an MoE layer's experts)."""
-    return EXPERTS if is_expert_target(cfg, layer, target) else MODULES[target]
+    """The module inside blocks.<layer> that `target` adapts (mlp.experts for an MoE layer's experts; a
+    multi-head latent attention layer's own projections, MLA_MODULES)."""
+    if is_expert_target(cfg, layer, target):
+        return EXPERTS
+    if target in MLA_MODULES and cfg.attention_kind_of(layer) == "mla":
+        return MLA_MODULES[target]
+    return MODULES[target]
 
 
 def target_shape(cfg: Any, target: str, layer: int | None = None) -> tuple[int, int, int]:
@@ -102,6 +137,8 @@ def target_shape(cfg: Any, target: str, layer: int | None = None) -> tuple[int, 
     if layer is not None and is_expert_target(cfg, layer, target):
         d = cfg.moe.d_expert
         return (0, cfg.d_model, d) if target == "down" else (0, d, cfg.d_model)
+    if target in MLA_MODULES and cfg.attention_kind_of(layer or 0) == "mla":
+        return (0, *_mla_shape(cfg, target))
     if target in ("q", "k", "v"):
         start = {"q": 0, "k": cfg.d_attn, "v": cfg.d_attn + cfg.d_kv}[target]
         return start, start + (cfg.d_attn if target == "q" else cfg.d_kv), cfg.d_model
@@ -111,6 +148,19 @@ def target_shape(cfg: Any, target: str, layer: int | None = None) -> tuple[int, 
         return 0, cfg.d_model, cfg.d_ff
     # gate, up
     return 0, cfg.d_ff, cfg.d_model
+
+
+def _mla_shape(cfg: Any, target: str) -> tuple[int, int]:
+    """(out_features, in_features) of a multi-head latent attention target's module."""
+    m, H, d = cfg.mla, cfg.n_heads, cfg.d_model
+    return {
+        "q": (H * m.qk_head_dim, d),
+        "q_a": (m.q_lora_rank, d),
+        "q_b": (H * m.qk_head_dim, m.q_lora_rank),
+        "kv_a": (m.kv_lora_rank + m.qk_rope_head_dim, d),
+        "kv_b": (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+        "o": (d, H * m.v_head_dim),
+    }[target]
 
 
 def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
@@ -129,8 +179,11 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
         why = ""
         if "gate" in wrong and cfg.mlp not in GATED:
             why = " (a GPT-2-style model, mlp=gelu, has no gate projection)"
-        elif {"q", "k", "v", "o"} & set(wrong) and "q" not in have:
-            why = f" (model.attention_kind={cfg.attention_kind}: its projections are not LoRA targets yet)"
+        elif set(wrong) & set(TARGETS[:8]) and cfg.attention_kind == "mla":
+            why = (
+                " (multi-head latent attention, model.attention_kind=mla: its attention targets are its own "
+                "projections, whose keys and values come from kv_a and kv_b)"
+            )
         verb = "matches" if len(wrong) == 1 else "match"
         raise ConfigError(
             f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "
@@ -206,7 +259,7 @@ def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:
             weight, start, end = f"blocks.{m.group(1)}.{EXPERTS}.{m.group(3)}_proj", 0, None
         else:
             weight = f"blocks.{m.group(1)}.{m.group(2)}.weight"
-            start, end, _ = target_shape(cfg, m.group(3))
+            start, end, _ = target_shape(cfg, m.group(3), int(m.group(1)))
         if weight not in merged:
             merged[weight] = state[weight].float().clone()  # [(E,) out_features, in_features]
         w = merged[weight]

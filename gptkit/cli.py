@@ -140,7 +140,8 @@ VERBS: dict[str, Verb] = {
         "bench",
         "bench",
         "speed and memory benchmarks: gptkit bench "
-        "attention|data|dpo|evals|grpo|kernels|lora|optim|qlora|sample|serve|sft|train [key=value ...]",
+        "attention|compare|data|dpo|evals|grpo|kernels|lora|optim|qlora|sample|serve|sft|train "
+        "[key=value ...]",
         positional="bench",
     ),
 }

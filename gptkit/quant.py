@@ -2,7 +2,9 @@
 frozen base (finetune=qlora) and int8 / int4 / nf4 weight-only for inference (quantize= of sample, chat,
 eval and serve). One place for which weights are quantized, how, and what torchao can and cannot do here.
 
-    what       every block's linear projections (attn.qkv_proj, attn.o_proj, mlp.gate/up/down_proj); the
+    what       every block's linear projections (attn.qkv_proj, attn.o_proj, mlp.gate/up/down_proj; under
+               multi-head latent attention attn.q_proj or q_a_proj and q_b_proj, kv_a_proj_with_mqa,
+               kv_b_proj, o_proj: decoding's absorbed path reads kv_b_proj dequantized); the
                embeddings, norms, LM head and biases keep the model's dtype. A mixture's stacked experts
                have no torchao layout: one-line error.
     nf4        QLoRA's NormalFloat4 (Dettmers et al., arXiv:2305.14314), torchao's NF4Tensor: blocks of 64
@@ -35,7 +37,18 @@ from gptkit.extras import TORCHAO_PIN, pip, require
 
 QUANTIZE = ("int8", "int4", "nf4")
 # the linear projections of a block that are quantized (any of them the model has)
-LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+LINEARS = (
+    "attn.qkv_proj",
+    "attn.q_proj",
+    "attn.q_a_proj",
+    "attn.q_b_proj",
+    "attn.kv_a_proj_with_mqa",
+    "attn.kv_b_proj",
+    "attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
 # NF4: values per absmax block (the QLoRA paper's), and the largest block of scales quantized together
 NF4_BLOCK = 64
 NF4_SCALER_BLOCK = 256
@@ -123,12 +136,6 @@ def quantized_names(cfg: Any) -> dict[str, tuple[int, int]]:
             "grouped matmuls, which torchao's NF4/int8/int4 weights do not run; use finetune=lora and "
             "sample without quantize="
         )
-    if any(cfg.attention_kind_of(i) != "mha" for i in range(cfg.n_layers)):
-        raise ConfigError(
-            f"quantized weights: model.attention_kind={cfg.attention_kind} has other projections than "
-            f"multi-head attention's qkv_proj and o_proj, which gptkit does not quantize yet; sample and "
-            f"fine-tune it without quantize= / finetune=qlora"
-        )
     shapes = {
         "attn.qkv_proj": (cfg.d_attn + 2 * cfg.d_kv, cfg.d_model),
         "attn.o_proj": (cfg.d_model, cfg.d_attn),
@@ -137,7 +144,25 @@ def quantized_names(cfg: Any) -> dict[str, tuple[int, int]]:
     }
     if cfg.mlp == "swiglu":
         shapes["mlp.gate_proj"] = (cfg.d_ff, cfg.d_model)
-    return {f"blocks.{i}.{m}.weight": shapes[m] for i in range(cfg.n_layers) for m in LINEARS if m in shapes}
+    mla = dict(shapes)
+    if cfg.attention_kind == "mla":
+        # multi-head latent attention's projections instead of qkv_proj (kv_b_proj too: its absorbed decoding
+        # reads it dequantized, gptkit.model.mla.dense_weight)
+        m, H, d = cfg.mla, cfg.n_heads, cfg.d_model
+        del mla["attn.qkv_proj"]
+        if m.q_lora_rank is None:
+            mla["attn.q_proj"] = (H * m.qk_head_dim, d)
+        else:
+            mla["attn.q_a_proj"] = (m.q_lora_rank, d)
+            mla["attn.q_b_proj"] = (H * m.qk_head_dim, m.q_lora_rank)
+        mla["attn.kv_a_proj_with_mqa"] = (m.kv_lora_rank + m.qk_rope_head_dim, d)
+        mla["attn.kv_b_proj"] = (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
+        mla["attn.o_proj"] = (d, H * m.v_head_dim)
+    names = {}
+    for i in range(cfg.n_layers):
+        here = mla if cfg.attention_kind_of(i) == "mla" else shapes
+        names.update({f"blocks.{i}.{m}.weight": here[m] for m in LINEARS if m in here})
+    return names
 
 
 # ---- NF4 ---------------------------------------------------------------------------------------------------

@@ -380,13 +380,15 @@ def finetune_args(base, runs, name, *extra, finetune="lora", lora_dropout=None, 
 
 def sft_start(root, sft, seq_len: int) -> Path:
     """root/sft: 2 steps of data=chat (chatml, a byte tokenizer) on the records of `sft` from a tiny Llama
-    (1 layer, no dropout), the start of a DPO or GRPO run (tests/training/test_dpo.py, test_grpo.py)."""
+    (1 layer, no dropout; issue 49's attention sinks, output gate and partial RoPE, so that DPO and GRPO train
+    them), the start of a DPO or GRPO run (tests/training/test_dpo.py, test_grpo.py)."""
     import gptkit
 
     model = dict(model="llama-tiny", kv_heads=1, d_ff=64, seq_len=seq_len, dropout=0.0)
+    blocks = ("model.attn_sinks=true", "model.attn_output_gate=true", "model.rotary_dim=8")
     keys = dict(tokenizer="byte", data="chat", steps=2, val_every=2, val_windows=2, checkpoint_every=None)
     run = dict(log_every=None, accelerator="cpu", warmup=None)
-    gptkit.train(tiny_run(sft, root, "sft", "data.template=chatml", **model, **keys, **run))
+    gptkit.train(tiny_run(sft, root, "sft", "data.template=chatml", *blocks, **model, **keys, **run))
     return Path(root) / "sft"
 
 

@@ -11,6 +11,8 @@ bench.device=cpu (the default): gptkit (decode=auto: the eager loop with the CPU
   transformers, for bench.models x bench.batch_sizes, and the read roofline (read_roofline: what reading a
   step's bytes once costs this process here); then ms per decode step against the context length, with the
   KV cache vs a no-cache loop that re-runs the whole prefix.
+bench.parts=[latent]: multi-head latent attention's latent cache against its expanded cache and an MHA model
+  of the same parameters, KV bytes and decode tokens/s at a 4k context (gptkit/bench/latent.py).
 bench.parts=[quantize]: quantize=int8|nf4 (and int4 on CUDA) against the full model on a trained run: bytes,
   perplexity, greedy agreement, decode tokens/s (gptkit/bench/quantized.py).
 bench.device=cuda: bench.cuda.models in bench.cuda.dtype x bench.cuda.batch_sizes, each side in
@@ -35,7 +37,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
-from gptkit.bench import quantized
+from gptkit.bench import latent, quantized
 from gptkit.conf_tree import conf_dir, presets
 from gptkit.errors import ConfigError
 from gptkit.extras import MissingExtra, require
@@ -47,8 +49,9 @@ from gptkit.model import GPT, KVCache, ModelConfig
 from gptkit.threads import set_threads
 
 # bench.parts: decode (the speed tables), quantize (quantized weights against the full model:
-# bench/quantized.py)
-PARTS = ("decode", "quantize")
+# bench/quantized.py), latent (multi-head latent attention's cache against the expanded one and MHA at a long
+# context: bench/latent.py)
+PARTS = ("decode", "quantize", "latent")
 # bench.cuda.sides: name -> what runs
 SIDES = {
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
@@ -262,6 +265,10 @@ def run(cfg) -> int:
     if "quantize" in parts:
         dtype = "fp32" if device == "cpu" else str(cfg.cuda.dtype)
         results["quantize"] = quantized.run(cfg.quantize, device, dtype)
+    if "latent" in parts:
+        if device != "cpu":
+            raise ConfigError("bench.parts=[latent] measures on the CPU: drop bench.device or set it to cpu")
+        results["latent"] = latent.run(cfg.latent, CLOCKS[cfg.clock], _console(), build_model, per_token_ms)
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 

@@ -13,6 +13,7 @@ Examples:
   gptkit bench lora                 (finetune=lora vs full: trainable parameters, checkpoint, memory, speed)
   gptkit bench qlora                (finetune=qlora: base memory vs bf16, loss and speed vs lora, NF4's error)
   gptkit bench optim                (AdamW vs Muon: one lr grid swept for each, the best of each on 3 seeds)
+  gptkit bench compare              (variants of one model side by side at equal steps: val loss, step time)
 Every benchmark ends with a line of its wall and CPU seconds and the machine's load before and after it.
 """
 

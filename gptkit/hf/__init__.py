@@ -5,9 +5,11 @@
     peft.py        a LoRA run's adapters in PEFT's format
     convert.py     config.json and state dicts to and from a ModelConfig and a GPT, asking the family
     families.py    the table: FAMILIES, one row per transformers model_type
-    llama.py, gemma.py, moe.py, gpt2.py, olmo3.py, smollm3.py, phi3.py, gpt_oss.py
+    llama.py, gemma.py, moe.py, gpt2.py, olmo3.py, smollm3.py, phi3.py, gpt_oss.py,
+                   glm4_moe.py, deepseek_v3.py
                    the families, one file per family group (Llama, Qwen2, Qwen3, OLMo-2, Mistral; Gemma 2
-                   and 3; Mixtral, Qwen3-MoE, OLMoE; GPT-2; OLMo 3; SmolLM3; Phi-3; gpt-oss)
+                   and 3; Mixtral, Qwen3-MoE, OLMoE; GPT-2; OLMo 3; SmolLM3; Phi-3; gpt-oss;
+                   GLM-4.5; DeepSeek-V3 and V2)
     decoder.py     the RoPE decoder layout the Llama-style families share
     rope.py        RoPE and its scalings in config.json
     mxfp4.py       MXFP4 blocks and scales read back (gpt-oss's experts)

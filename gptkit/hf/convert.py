@@ -132,6 +132,9 @@ def check_weight_sizes(d: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
 
     shapes = family.file_names(shapes)
     held = {int(m.group(1)) for k in shapes if (m := LAYER_NAME.match(k))}
+    # the layers after the last one the files may hold (MTP layers): with_files' to judge
+    n = family.size(d, layers_f)
+    held -= set(range(n, n + family.trailing_layers(d)))
     if len(held) != family.size(d, layers_f):
         prefix = family.layer_prefix
         where = f"{prefix}0 .. {prefix}{max(held)}" if held else ""
@@ -145,6 +148,14 @@ def check_weight_sizes(d: dict[str, Any], shapes: dict[str, tuple[int, ...]], so
     if rows != family.size(d, vocab_f):
         raise refuse(vocab_f, f"{rows:,} tokens ({emb} has shape {tuple(shapes[emb])})")
     family.check_head_shapes(d, shapes, source)
+
+
+def files_config(
+    d: dict[str, Any], cfg: ModelConfig, state: dict[str, Any], source: str
+) -> tuple[ModelConfig, str | None]:
+    """(cfg of config.json `d` as the files' tensors `state` complete it, one note line or None): the family's
+    with_files (GLM-4.5's MTP layers kept or dropped)."""
+    return family_named(d["model_type"]).with_files(cfg, d, state, source)
 
 
 def name_map(cfg: ModelConfig, family: Family | None = None) -> list[Row]:

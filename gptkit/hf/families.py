@@ -9,8 +9,10 @@ gptkit/hf/family.py) and one row here.
 from __future__ import annotations
 
 from gptkit.errors import GptkitError
+from gptkit.hf.deepseek_v3 import DeepseekV2, DeepseekV3
 from gptkit.hf.family import Family
 from gptkit.hf.gemma import Gemma2, Gemma3
+from gptkit.hf.glm4_moe import Glm4Moe
 from gptkit.hf.gpt2 import GPT2
 from gptkit.hf.gpt_oss import GptOss
 from gptkit.hf.llama import Llama, Mistral, Olmo2, Qwen2, Qwen3
@@ -21,7 +23,12 @@ from gptkit.hf.smollm3 import SmolLM3
 from gptkit.model.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (
+    # multi-head latent attention: they alone claim attention_kind=mla
+    DeepseekV2(),
+    DeepseekV3(),
     GptOss(),
+    # a sigmoid router: before the softmax mixtures, which claim by qk_norm alone
+    Glm4Moe(),
     Mixtral(),
     Qwen3Moe(),
     Olmoe(),

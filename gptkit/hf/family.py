@@ -170,3 +170,15 @@ class Family:
         """The files' tensors `state` with what config.json `d` packs read back, and one line saying so (None:
         nothing packed; a family without a packed format reads its tensors as they are)."""
         return state, None
+
+    def trailing_layers(self, d: dict[str, Any]) -> int:
+        """How many layers config.json `d` says the files may hold after its last one (GLM-4.5's MTP layers),
+        which the layer count leaves out."""
+        return 0
+
+    def with_files(
+        self, cfg: ModelConfig, d: dict[str, Any], state: dict[str, Any], source: str
+    ) -> tuple[ModelConfig, str | None]:
+        """(cfg as the files' tensors complete it, one note line for the importer or None): what config.json
+        alone cannot say (GLM-4.5's MTP layers kept or dropped)."""
+        return cfg, None

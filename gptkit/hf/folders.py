@@ -6,6 +6,7 @@ transformers architectures is gptkit/hf/convert.py.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -25,6 +26,7 @@ from gptkit.hf.convert import (
     ARCHITECTURES,
     check_hf_config,
     check_weight_sizes,
+    files_config,
     from_hf_state_dict,
     heads_confirmed,
     hf_config,
@@ -448,7 +450,9 @@ def export_folder(ckpt: Path, out: Path, dtype: torch.dtype, max_shard: int, for
     template = template_in_folder(Path(run_dir)) if tokenizer is not None else None
     stop_ids = reply_stop_ids(tokenizer, template, eos) if template is not None else []
     gen_eos = stop_ids if len(stop_ids) > 1 else (stop_ids[0] if stop_ids else ids["eos_token"])
-    state = to_hf_state_dict({k: v.to(dtype) for k, v in model.state_dict().items()}, model_cfg)
+    # the expert bias stays fp32 (DeepSeek-V3's e_score_correction_bias: fp32 in its files and transformers)
+    state = {k: v if k.endswith(".mlp.expert_bias") else v.to(dtype) for k, v in model.state_dict().items()}
+    state = to_hf_state_dict(state, model_cfg)
     config = hf_config(
         model_cfg, ids["bos_token"], ids["eos_token"], ids["pad_token"], str(dtype).removeprefix("torch.")
     )
@@ -501,6 +505,8 @@ def import_folder(src: Source, out: Path, force: bool = False, name: str | None 
     dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in source.values()})
     source, note = unpack_weights(source, hf_cfg, str(src.dir))
     notes = [note] if note else []
+    model_cfg, files_note = files_config(hf_cfg, model_cfg, source, str(src.dir))
+    notes += [files_note] if files_note else []
     model = GPT.from_state(
         model_cfg, from_hf_state_dict(source, model_cfg, source=str(src.dir), model_type=hf_cfg["model_type"])
     )
@@ -558,5 +564,7 @@ def import_cached(spec: str, runs_dir: Path | str, local_alternative: str) -> tu
                 f"folder of your choice (gptkit import hf={spec} out=<folder>) and pass "
                 "init_from=<folder>"
             )
-        import_folder(src, out, force=True)
+        done = import_folder(src, out, force=True)
+    if done.notes:
+        src = dataclasses.replace(src, note="; ".join(filter(None, (src.note, *done.notes))))
     return out, src, False

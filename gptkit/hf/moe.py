@@ -26,6 +26,7 @@ MOE_COMMON = {
     "n_shared": 0,
     "route_scale": 1.0,
     "bias_update_rate": 0.0,
+    "correction_bias": False,
     # gpt-oss's experts (a family of their own)
     "router_bias": False,
     "expert_biases": False,
@@ -60,7 +61,7 @@ class Mixture(Decoder):
             have = getattr(cfg.moe, name)
             if have != want:
                 why = " (the expert bias moves the top-k choice; transformers' model has none)" * (
-                    name == "bias_update_rate"
+                    name in ("bias_update_rate", "correction_bias")
                 )
                 raise GptkitError(
                     f"model.moe.{name}={have} has no faithful transformers architecture: {target} needs "

@@ -30,6 +30,11 @@ def peft_adapters(
             f"lora.targets={list(lora['targets'])} adapt a mixture's experts, which have no PEFT adapter "
             "layout here: export the model with its adapters merged (adapters=false)"
         )
+    if cfg.attention_kind != "mha":
+        raise GptkitError(
+            f"model.attention_kind={cfg.attention_kind}: its LoRA targets have no PEFT adapter layout here "
+            "yet: export the model with its adapters merged (adapters=false)"
+        )
     family = family_of(cfg)
     if not family.peft_adapters:
         raise GptkitError(

@@ -256,9 +256,19 @@ def sinks_sdpa(q, k, v, sinks, causal, mask, dropout_p, scale, docs, window) -> 
     bias = torch.cat([bias.expand(rows, H, Tq, Tk), sink_col], dim=-1)  # [rows, H, Tq, Tk + 1]
     # the sink's key and value: zeros (its score is the bias alone; it adds nothing to the output)
     k, v = F.pad(k, (0, 0, 0, 1)), F.pad(v, (0, 0, 0, 1))  # [B, n_kv_heads, Tk + 1, D]
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale, enable_gqa=k.shape[1] != H
-    )
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale, enable_gqa=k.shape[1] != H
+        )
+    # on the CPU one kernel whether the sinks train or not: SDPA would take its flash kernel for a mask that
+    # needs no gradient (frozen sinks, DPO's reference under no_grad) and its math one for a mask that does,
+    # and a trained model and its frozen copy would differ (bf16: by 4e-3)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=bias, dropout_p=dropout_p, scale=scale, enable_gqa=k.shape[1] != H
+        )
 
 
 # queries per chunk of windowed_sdpa: half the window (each chunk reads W - 1 + C keys), at least this many

@@ -6,7 +6,8 @@
     mla    MultiHeadLatentAttention       one key of kv_lora_rank + qk_rope_head_dim per position (the
            (mla.py, model.mla)            latent and the rotated key; DeepSeek-V3: 512 + 64 = 576) and a
                                           value of width 0: the values are the key's first kv_lora_rank
-                                          features (docs/mla.md)
+                                          features (docs/mla.md); model.mla.absorb=false: K [n_heads,
+                                          nope + rope] and V [n_heads, v_head_dim], expanded
     gdn    GatedDeltaNet                  no K/V: a state per sequence, the delta rule's
            (gated_deltanet.py, model.gdn) [n_value_heads, key_head_dim, value_head_dim] and the conv's last
                                           conv_kernel - 1 inputs [conv_dim, conv_kernel - 1], one flat vector
@@ -105,8 +106,13 @@ ATTENTION_KINDS: dict[str, AttentionKind] = {
     ),
     "mla": AttentionKind(
         "gptkit.model.mla:MultiHeadLatentAttention",
-        lambda cfg, layer: CacheLayout(
-            (1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (1, 0), cfg.window(layer)
+        lambda cfg, layer: (
+            CacheLayout((1, cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim), (1, 0), cfg.window(layer))
+            if cfg.mla.absorb
+            # model.mla.absorb=false: each head's expanded key and value (the uncompressed path)
+            else CacheLayout(
+                (cfg.n_heads, cfg.mla.qk_head_dim), (cfg.n_heads, cfg.mla.v_head_dim), cfg.window(layer)
+            )
         ),
     ),
     "gdn": AttentionKind(

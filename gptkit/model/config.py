@@ -110,6 +110,9 @@ class MoEConfig:
     # > 0: the auxiliary-loss-free expert bias (DeepSeek-V3): added to the scores for the top-k choice only,
     # moved by this much per optimizer step against each expert's load
     bias_update_rate: float = 0.0
+    # the expert bias held even without updates (bias_update_rate 0: a fixed bias, DeepSeek-V3's
+    # e_score_correction_bias of an imported checkpoint); bias_update_rate > 0 implies it
+    correction_bias: bool = False
     # auto | grouped_mm | loop (MOE_IMPLS)
     impl: str = "auto"
     # a bias in the router's logits (gpt-oss)
@@ -154,7 +157,7 @@ class MoEConfig:
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"model.moe.{name}={v!r} is not one of {', '.join(allowed)}")
-        for name in ("norm_topk_prob", "router_bias", "expert_biases"):
+        for name in ("norm_topk_prob", "router_bias", "expert_biases", "correction_bias"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be true or false")
         for name in ("swiglu_limit", "swiglu_alpha"):
@@ -285,6 +288,13 @@ class MLAConfig:
     # DeepSeek's checkpoints keep each rotated pair side by side (x0, x1), (x2, x3), ...: read them as the
     # two halves RoPE turns (transformers' rope_interleave); false: the halves as they come (gptkit's RoPE)
     rope_interleave: bool = False
+    # decoding: true caches the latent and the rotated key and absorbs kv_b_proj into the query and the output
+    # (the latent cache); false caches each head's expanded key and value, as transformers' DeepseekV3 does
+    # (the uncompressed path: the same tokens, H * (nope + rope + v) numbers per position; docs/mla.md)
+    absorb: bool = True
+    # the eps of q_a_layernorm and kv_a_layernorm; null: model.norm_eps (transformers' DeepseekV3 fixes 1e-6
+    # whatever rms_norm_eps is: Moonlight's layers use 1e-5, its latent norms 1e-6)
+    latent_norm_eps: float | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -310,8 +320,15 @@ class MLAConfig:
                 f"model.mla.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE turns pairs of "
                 f"features)"
             )
+        e = self.latent_norm_eps
+        if e is not None and not _positive(e):
+            raise ConfigError(
+                f"model.mla.latent_norm_eps={e!r} must be a number > 0 (or null: model.norm_eps)"
+            )
         if not isinstance(self.rope_interleave, bool):
             raise ConfigError(f"model.mla.rope_interleave={self.rope_interleave!r} must be true or false")
+        if not isinstance(self.absorb, bool):
+            raise ConfigError(f"model.mla.absorb={self.absorb!r} must be true or false")
 
     @classmethod
     def from_dict(cls, d: Any) -> "MLAConfig":

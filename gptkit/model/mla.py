@@ -9,11 +9,13 @@
     training, no cache (the uncompressed path):
       -> kv_b_proj(c) -> per head k_nope [nope] and v [v_head_dim]; k = [k_nope, k_pe]
       -> the attention function of model.attention (eager, sdpa, triton): q, k [nope + rope], v [v_head_dim]
-    decoding, a cache (the weight-absorbed path): the cache keeps [c, k_pe] per position, one "head" of
-    kv_lora_rank + rope (its row in gptkit/model/attention_kinds.py), and nothing as the value:
+    decoding, model.mla.absorb true (the weight-absorbed path): the cache keeps [c, k_pe] per position, one
+    "head" of kv_lora_rank + rope (its row in gptkit/model/attention_kinds.py), and nothing as the value:
       -> q_nope absorbed through kv_b_proj's key rows: q_c = q_nope W_uk [kv_lora_rank] per head
       -> attention of [q_c, q_pe] over the cached [c, k_pe] (one key head: MQA), values = the cached c
       -> the per-head result [kv_lora_rank] through kv_b_proj's value rows W_uv -> [v_head_dim]
+    decoding, model.mla.absorb=false (the uncompressed path with a cache): training's path, its expanded
+    per-head keys [nope + rope] and values [v_head_dim] cached (transformers' DeepseekV3 layout)
     -> [B, T, n_heads * v_head_dim] (model.attn_output_gate: times sigmoid(gate_proj(x))) -> o_proj
 
 The two paths are the same sums in another order: q_nope . (W_uk c) = (q_nope W_uk) . c and
@@ -63,6 +65,20 @@ class LatentUpProjection(nn.Linear):
     swaps plain Linear layers for copies without `weight`) leaves it in place."""
 
 
+def dense_weight(linear: nn.Linear) -> torch.Tensor:
+    """The [out, in] matrix `linear` applies, for a caller that reads it instead of calling the layer (the
+    absorbed path): its weight, dequantized when it is a quantized tensor (torchao's NF4 or int8 weight,
+    gptkit/quant.py), plus a LoRA adapter's update when the layer has one (lora_update():
+    gptkit/training/finetune/lora.py's LoRALinear)."""
+    w = linear.weight
+    if type(w) not in (torch.Tensor, nn.Parameter):
+        # a tensor subclass: NF4Tensor (get_original_weight) or torchao's affine-quantized int8 (dequantize)
+        original = getattr(w, "get_original_weight", None)
+        w = original() if original is not None else w.dequantize()
+    update = linear.lora_update() if hasattr(linear, "lora_update") else None
+    return w if update is None else w + update.to(w.dtype)
+
+
 class MultiHeadLatentAttention(nn.Module):
     """Multi-head latent attention (model.attention_kind=mla, model.mla): the layout of
     gptkit/model/attention_kinds.py's row, [kv_lora_rank + qk_rope_head_dim] per cached position."""
@@ -79,11 +95,16 @@ class MultiHeadLatentAttention(nn.Module):
         )
         self.qk_dim = m.qk_head_dim
         self.rope_interleave = m.rope_interleave
+        # decoding through the latent cache (absorbed) or through each head's expanded key and value
+        self.absorb = m.absorb
         d, H = cfg.d_model, cfg.n_heads
         fused_norm = "norm" in cfg.kernels
 
+        # the latent norms' eps: model.mla.latent_norm_eps (transformers' DeepseekV3: 1e-6), else norm_eps
+        eps = cfg.norm_eps if m.latent_norm_eps is None else m.latent_norm_eps
+
         def norm(dim: int) -> nn.Module:
-            return make_norm(cfg.norm, dim=dim, eps=cfg.norm_eps, bias=cfg.bias, fused=fused_norm)
+            return make_norm(cfg.norm, dim=dim, eps=eps, bias=cfg.bias, fused=fused_norm)
 
         if m.q_lora_rank is None:
             self.q_proj = nn.Linear(d, H * self.qk_dim, bias=False)
@@ -148,22 +169,30 @@ class MultiHeadLatentAttention(nn.Module):
         )
         if cache is None:
             y, probs = self._uncompressed(q_nope, q_pe, c, k_pe, args)
-        else:
+        elif self.absorb:
             y, probs = self._absorbed(q_nope, q_pe, c, k_pe, cache, args)
+        else:
+            y, probs = self._uncompressed(q_nope, q_pe, c, k_pe, args, cache)
         y = y.transpose(1, 2).reshape(B, T, H * self.v_dim)  # [B, T, H * v_head_dim]
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))
         return F.dropout(self.o_proj(y), self.dropout, self.training), probs
 
-    def _uncompressed(self, q_nope, q_pe, c, k_pe, args):
-        """Training's path: each head's key and value expanded from the latent -> y [B, H, T, v_head_dim]."""
+    def _uncompressed(self, q_nope, q_pe, c, k_pe, args, cache: Optional[KVCache] = None):
+        """Training's path: each head's key and value expanded from the latent -> y [B, H, T, v_head_dim].
+        With a cache (model.mla.absorb=false: decoding without absorption) the expanded keys and values are
+        what it keeps."""
         B, H, T, _ = q_nope.shape
         kv = self.kv_b_proj(c).view(B, T, H, self.nope + self.v_dim).transpose(1, 2)  # [B, H, T, nope + v]
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, k_pe.expand(B, H, T, self.rope_dim)), dim=-1)  # [B, H, T, nope + rope]
         q = torch.cat((q_nope, q_pe), dim=-1)  # [B, H, T, nope + rope]
-        attend = eager_attention if args["return_probs"] else self.attend
-        return attend(q, k, v, mask=None, **args)
+        if cache is None:
+            attend = eager_attention if args["return_probs"] else self.attend
+            return attend(q, k, v, mask=None, **args)
+        k, v = cache.update(self.layer, k.to(c.dtype), v)  # [B, H, keys, nope + rope], [B, H, keys, v]
+        attend = eager_attention if args["return_probs"] else self.attend_cached
+        return attend(q.to(k.dtype), k, v, mask=cache.mask_for(self.layer), **args)
 
     def _absorbed(self, q_nope, q_pe, c, k_pe, cache, args):
         """Decoding's path: attention over the cached latents, kv_b_proj folded into the query and the
@@ -171,10 +200,22 @@ class MultiHeadLatentAttention(nn.Module):
         latent = torch.cat((c.unsqueeze(1), k_pe.to(c.dtype)), dim=-1)  # [B, 1, T, rank + rope]
         # the layout caches no value (width 0): the values are the latents themselves
         keys, _ = cache.update(self.layer, latent, latent[..., :0])  # [B, 1, keys, rank + rope]
-        w = self.kv_b_proj.weight.view(self.n_heads, self.nope + self.v_dim, self.rank)
+        # kv_b_proj's matrix as the uncompressed path applies it (LoRA's update in, quantized dequantized)
+        w = dense_weight(self.kv_b_proj).view(self.n_heads, self.nope + self.v_dim, self.rank)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [H, nope, rank], [H, v, rank]
         q_c = torch.einsum("bhtn,hnr->bhtr", q_nope, w_uk)  # [B, H, T, rank]
         q = torch.cat((q_c, q_pe.to(q_c.dtype)), dim=-1)  # [B, H, T, rank + rope]
-        attend = eager_attention if args["return_probs"] else self.attend_cached
-        y_c, probs = attend(q, keys, keys[..., : self.rank], mask=cache.mask_for(self.layer), **args)
+        mask = cache.mask_for(self.layer)
+        values = keys[..., : self.rank]  # [B, 1, keys, rank]
+        plain = self.window is None and self.sinks is None and self.softcap is None
+        if q.shape[2] == 1 and mask is None and plain and not args["return_probs"]:
+            # one new token attending to every cached position through one key head: the heads are the rows
+            # of one query (the same sums; torch's CPU kernel for GQA would repeat the cache per head)
+            y_c, probs = self.attend_cached(
+                q.transpose(1, 2), keys, values, mask=None, **{**args, "causal": False}
+            )
+            y_c = y_c.transpose(1, 2)  # [B, H, 1, rank]
+        else:
+            attend = eager_attention if args["return_probs"] else self.attend_cached
+            y_c, probs = attend(q, keys, values, mask=mask, **args)  # [B, H, T, rank]
         return torch.einsum("bhtr,hvr->bhtv", y_c, w_uv), probs  # [B, H, T, v_head_dim]

@@ -2,8 +2,8 @@
 
     x [B, T, d] -> h [N, d]                                 N = B * T tokens
     router    logits = h W_r^T (+ b_r: model.moe.router_bias) [N, E]; scores = softmax | sigmoid   (fp32)
-    choice    the top_k experts of each token by score (+ expert_bias, when model.moe.bias_update_rate > 0:
-              the bias moves the choice only, never the weights)                  [N, k]
+    choice    the top_k experts of each token by score (+ expert_bias, when model.moe.bias_update_rate > 0
+              or model.moe.correction_bias: the bias moves the choice only, never the weights)   [N, k]
               with model.moe.n_group > 1 (DeepSeek-V3's group-limited routing) among the experts of the
               topk_group groups only, a group scored by the sum of its two best choice scores
     weights   the chosen scores, renormalized to sum 1 (norm_topk_prob), times route_scale
@@ -196,8 +196,9 @@ class MoE(nn.Module):
             if m.n_shared
             else None
         )
-        # [E] fp32, moved by update_bias; part of the state dict (a resume continues it exactly)
-        if self.bias_update_rate > 0:
+        # [E] fp32, moved by update_bias (bias_update_rate > 0) or fixed (model.moe.correction_bias: an
+        # imported DeepSeek-V3's e_score_correction_bias); part of the state dict (a resume continues it)
+        if self.bias_update_rate > 0 or m.correction_bias:
             self.register_buffer("expert_bias", torch.zeros(m.n_experts))
         else:
             self.expert_bias = None
@@ -267,7 +268,7 @@ class MoE(nn.Module):
         expert above the mean load, up below it (DeepSeek-V3), centred to mean 0 (torchtitan; the choice is
         unchanged by a common shift). counts [E]: the step's token-expert assignments over every micro-batch
         and rank, so every rank moves its copy the same way."""
-        if self.expert_bias is None:
+        if self.expert_bias is None or not self.bias_update_rate:
             return
         counts = counts.to(self.expert_bias.device, torch.float32)
         step = self.bias_update_rate * torch.sign(counts.mean() - counts)  # [E]

@@ -3,6 +3,7 @@ groups of k ranks, and every token is sent to the rank that holds its experts an
 
     ranks        the W ranks of the job as a [W / k, k] grid (row-major): a row is an expert group of k
                  consecutive ranks; rank r of a group holds experts r*E/k .. (r+1)*E/k - 1 of every MoE layer
+                 (and of the multi-token prediction blocks' mixtures, model.mtp: moe_experts)
                  (each expert stack [E, out, in] a DTensor sharded by experts, Shard(0), over the group);
                  the W / k groups hold the same experts (replicas)
     forward      the MoE layer routes its own tokens as on one process (gptkit/model/moe.py) and sorts its
@@ -99,16 +100,26 @@ def expert_grid(device_type: str, world: int, k: int):
     )
 
 
+def moe_experts(model: GPT) -> list[nn.Module]:
+    """Every mixture's Experts of `model`: its MoE layers', then those of its multi-token prediction blocks
+    (model.mtp: each a block like the last layer's, MoE when that layer is)."""
+    found = [model.blocks[i].mlp.experts for i in model.cfg.moe_layers]
+    for layer in model.mtp.layers if model.mtp is not None else ():
+        experts = getattr(layer.block.mlp, "experts", None)
+        if experts is not None:
+            found.append(experts)
+    return found
+
+
 def shard_experts(model: GPT, grid: ExpertGroup) -> set[nn.Parameter]:
-    """Split every MoE layer's expert stacks over the group (each rank keeps its experts, a DTensor of the
-    full shape) and route its rows through the all-to-all; returns the expert parameters (FSDP2 leaves them
-    alone). Collective-free: a rank slices the tensors it has (rank 0's weights arrive later, with the rest:
-    distributed.broadcast_weights)."""
+    """Split every MoE layer's expert stacks (the MTP blocks' too: moe_experts) over the group (each rank
+    keeps its experts, a DTensor of the full shape) and route its rows through the all-to-all; returns the
+    expert parameters (FSDP2 leaves them alone). Collective-free: a rank slices the tensors it has (rank 0's
+    weights arrive later, with the rest: distributed.broadcast_weights)."""
     from torch.distributed.tensor import DTensor, Shard
 
     experts_params: set[nn.Parameter] = set()
-    for i in model.cfg.moe_layers:
-        experts = model.blocks[i].mlp.experts
+    for experts in moe_experts(model):
         n = experts.gate_proj.shape[0] // grid.size
         for name in WEIGHTS + (BIASES if experts.biased else ()):
             full = getattr(experts, name)

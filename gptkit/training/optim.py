@@ -53,8 +53,10 @@ def param_groups(
         if not p.requires_grad:
             continue
         is_embedding = name.startswith(("tok_emb.", "pos_emb."))
-        is_matrix = p.ndim >= 2 and not is_embedding
-        if is_matrix or (is_embedding and decay_embeddings) or (p.ndim < 2 and decay_norms_and_biases):
+        # a mixture's expert biases are stacked, [n_experts, out]: biases, not matrices (as in muon_split)
+        is_bias = p.ndim < 2 or name.endswith("_bias")
+        is_matrix = not is_bias and not is_embedding
+        if is_matrix or (is_embedding and decay_embeddings) or (is_bias and decay_norms_and_biases):
             decay.append(p)
         else:
             no_decay.append(p)
@@ -66,8 +68,9 @@ def param_groups(
 
 def muon_split(model: nn.Module) -> tuple[list, list]:
     """(Muon's, AdamW's) trainable (name, parameter) pairs: Muon takes the 2-D weights inside the transformer
-    blocks (attention and MLP projections; the fused q/k/v projection is one matrix, as torch.optim.Muon
-    sees it), AdamW the rest: token and position embeddings, the LM head (tied or not), norms and biases.
+    blocks and the multi-token prediction modules (attention and MLP projections, MTP's input projection;
+    the fused q/k/v projection is one matrix, as torch.optim.Muon sees it), AdamW the rest: token and
+    position embeddings, the LM head (tied or not), norms and biases.
     With finetune=lora the trainable 2-D weights in the blocks are the adapters' factors, A [rank, in] and
     B [rows, rank], each orthogonalized on its own (so each step moves A and B by AdamW's RMS, as Muon moves
     a whole matrix), and AdamW has nothing to train."""
@@ -78,7 +81,8 @@ def muon_split(model: nn.Module) -> tuple[list, list]:
             # a mixture's expert biases are stacked too, [n_experts, out]: vectors, AdamW's; so is a Gated
             # DeltaNet's depthwise conv1d, [channels, 1, taps]: a few taps per channel, no matrix
             matrix = p.ndim in (2, 3) and not name.endswith(("_bias", "conv1d.weight"))
-            (muon if name.startswith("blocks.") and matrix else adamw).append((name, p))
+            # the multi-token prediction modules' (model.mtp) projections and blocks are hidden matrices too
+            (muon if name.startswith(("blocks.", "mtp.")) and matrix else adamw).append((name, p))
     return muon, adamw
 
 

@@ -198,6 +198,7 @@ def test_unsupported_moe_configs_are_refused_by_name(kind, change, named):
         (dict(router="sigmoid"), "moe.router=sigmoid"),
         (dict(n_shared=1), "moe.n_shared=1"),
         (dict(bias_update_rate=0.001), "the expert bias moves the top-k choice"),
+        (dict(correction_bias=True), "moe.correction_bias=True has no faithful"),
         (dict(every=2), "moe.every=2"),
         (dict(norm_topk_prob=False), "moe.norm_topk_prob=False"),
     ],

@@ -188,6 +188,32 @@ def test_bench_sample_agrees_with_transformers(tmp_path, cli):
     assert "read roofline" in r.stdout
 
 
+def test_bench_sample_latent_measures_mlas_cache_against_the_expanded_one_and_mha(tmp_path, cli):
+    """parts=[latent] (shrunk to a 24-token context): the latent cache holds 80 numbers per token per layer
+    against the expanded one's 320 and MHA's 256, its bytes are count-params' figure, both MLA sides decode
+    the same greedy tokens, the rates are positive."""
+    out = tmp_path / "bench.json"
+    short = [f"latent.models.{m}.max_seq_len=64" for m in ("mla", "mla-expanded", "mha")]
+    r = cli(
+        "bench",
+        "sample",
+        "parts=[latent]",
+        *short,
+        "latent.context=24",
+        "latent.steps=2",
+        "latent.repeats=1",
+        f"out={out}",
+    )
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())["latent"]
+    rows = {row["model"]: row for row in res["rows"]}
+    assert [rows[m]["cached_per_token_per_layer"] for m in ("mla", "mla-expanded", "mha")] == [80, 320, 256]
+    assert rows["mla"]["kv_cache_bytes"] == 4 * 24 * 80 * 4 == rows["mla"]["kv_cache_bytes_count_params"]
+    assert rows["mla-expanded"]["kv_cache_bytes"] == 4 * rows["mla"]["kv_cache_bytes"]
+    assert abs(rows["mha"]["params"] / rows["mla"]["params"] - 1) < 1e-3
+    assert res["same_tokens"] is True and all(row["tokens_per_s"] > 0 for row in rows.values())
+
+
 def test_bench_sample_quantize_holds_quantized_weights_against_the_full_model(tmp_path, cli):
     """parts=[quantize] on a given run: the full model agrees with itself, int8 weights are smaller with a
     perplexity close to it, and the agreement figures are written."""

@@ -159,6 +159,31 @@ def test_the_latent_cache_keeps_576_numbers_per_token_at_deepseek_v3s_shape():
     assert accounting.count_params(one).total == sum(p.numel() for p in theirs.parameters())
 
 
+def test_decoding_without_absorption_caches_each_heads_key_and_value_and_gives_the_same_logits():
+    """model.mla.absorb=false (the uncompressed path, transformers' cache layout): H * (nope + rope + v)
+    numbers per position instead of the latent's kv_lora_rank + rope, the same logits as the absorbed
+    decode and the full forward, and the same greedy tokens."""
+    cfg = dict(vocab_size=V, max_seq_len=T, n_layers=2, n_heads=4, d_model=32, position="rope")
+    cfg.update(attention_kind="mla", mlp="swiglu", norm="rmsnorm", init_std=0.3)
+    torch.manual_seed(0)
+    absorbed = GPT(ModelConfig(**cfg, mla={**SHAPES, "q_lora_rank": 8})).eval()
+    plain = GPT(ModelConfig(**cfg, mla={**SHAPES, "q_lora_rank": 8, "absorb": False})).eval()
+    plain.load_state_dict(absorbed.state_dict())
+    assert cache_layout(absorbed.cfg, 0).per_position == 12 + 4
+    assert cache_layout(plain.cfg, 0).per_position == 4 * (12 + 4) + 4 * 8
+    idx = torch.randint(0, V, (2, T))
+    with torch.no_grad():
+        full = absorbed(idx).logits
+        for model in (absorbed, plain):
+            cache = KVCache(model.cfg, batch_size=2)
+            got = [model(idx[:, :5], cache=cache).logits]
+            got += [model(idx[:, t : t + 1], cache=cache).logits for t in range(5, T)]
+            torch.testing.assert_close(torch.cat(got, dim=1), full, atol=1e-5, rtol=0)
+    opts = SampleOptions(max_new_tokens=12, temperature=0.0)
+    prompt = idx[0, :4].tolist()
+    assert generate(plain, prompt, opts).tokens == generate(absorbed, prompt, opts).tokens
+
+
 def test_the_flops_are_torchs_count_of_the_training_path():
     """flops_per_token counts MLA's real matmuls: q_a/q_b (or q_proj), kv_a_proj_with_mqa, the whole kv_b_proj
     (every token's latent expanded to its keys and values), o_proj, and attention with queries and keys of
@@ -204,6 +229,7 @@ def test_the_triton_backend_equals_eager_forward_and_backward():
         ({"mla": {**SHAPES, "q_lora_rank": 0}}, r"q_lora_rank=0 must be a positive integer"),
         ({"mla": {**SHAPES, "rank": 4}}, r"unknown model.mla field\(s\) rank"),
         ({"mla": 512}, r"model.mla=512 must be a mapping"),
+        ({"mla": {**SHAPES, "absorb": "no"}}, r"model.mla.absorb='no' must be true or false"),
         ({"mla": SHAPES, "qk_norm": "head"}, r"model.qk_norm does not apply to model.attention_kind=mla"),
         ({"mla": SHAPES, "rotary_dim": 2}, r"model.rotary_dim does not apply"),
         ({"attention_kind": "mha", "mla": SHAPES}, r"model.mla is set but model.attention_kind=mha"),

@@ -170,6 +170,25 @@ def test_the_expert_bias_moves_the_choice_not_the_weights():
     torch.testing.assert_close(weights_b, raw / raw.sum(-1, keepdim=True))
 
 
+def test_a_correction_bias_without_updates_is_held_applied_and_never_moved():
+    """model.moe.correction_bias (an imported DeepSeek-V3's e_score_correction_bias) with bias_update_rate 0:
+    the buffer is in the state dict, moves the choice, and a step's update leaves it as it was."""
+    assert "blocks.0.mlp.expert_bias" not in GPT(tiny(router="sigmoid")).state_dict()
+    model = perturbed(GPT(tiny(router="sigmoid", correction_bias=True)))
+    moe = model.blocks[0].mlp.eval()
+    assert "blocks.0.mlp.expert_bias" in model.state_dict()
+    x = torch.randn(5, 32)
+    with torch.no_grad():
+        moe.expert_bias.zero_()
+        moe.expert_bias[2] = 100.0
+        assert bool((moe.route(x)[2] == 2).any(-1).all())
+    held = moe.expert_bias.clone()
+    moe.update_bias(torch.tensor([9.0, 0.0, 5.0, 1.0]))
+    assert torch.equal(moe.expert_bias, held)
+    with pytest.raises(ConfigError, match="correction_bias"):
+        tiny(correction_bias="yes")
+
+
 def test_grouped_matmul_equals_the_loop_forward_and_backward():
     torch.manual_seed(0)
     grouped = perturbed(GPT(tiny(impl="grouped_mm", n_shared=1)))

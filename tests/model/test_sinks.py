@@ -63,6 +63,23 @@ def test_every_backend_with_sinks_gives_the_reference_output_and_gradients(backe
     assert wants[3].abs().min().item() > 1e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sdpa_with_sinks_is_the_same_kernel_whether_the_sinks_train_or_not(dtype):
+    """A trained model and its frozen copy (DPO's reference) give the same output bit for bit: on the CPU,
+    SDPA would take its flash kernel for a sink mask that needs no gradient and the math one for a mask that
+    does (bf16: 4e-3 apart, a DPO reward 2e-4 at step 0)."""
+    torch.manual_seed(0)
+    q = torch.randn(B, H, T, D, dtype=dtype)
+    k, v = (torch.randn(B, HKV, T, D, dtype=dtype) for _ in range(2))
+    sinks = torch.randn(H)
+    sdpa = ATTENTION_BACKENDS["sdpa"]
+    frozen, _ = sdpa(q, k, v, sinks=sinks)
+    trained, _ = sdpa(q, k, v, sinks=sinks.clone().requires_grad_())
+    with torch.no_grad():
+        reference, _ = sdpa(q, k, v, sinks=sinks.clone().requires_grad_())
+    assert torch.equal(trained, frozen) and torch.equal(reference, frozen)
+
+
 def test_sinks_with_a_softcap_equal_eager_in_every_backend():
     """Gemma 2's soft-cap and the sinks together (documents and a window): triton caps in its kernel from the
     sink's start; sdpa runs eager (no soft-capping kernel), sinks passed along."""

@@ -29,13 +29,21 @@ LLAMA = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2, position="r
 # a mixture of experts: layer 0 dense, layer 1 4 experts (top-2), whose gate/up/down adapters are per expert
 MOE = dict(LLAMA, moe=dict(n_experts=4, top_k=2, d_expert=24, every=2))
 ALL = ["q", "k", "v", "o", "gate", "up", "down"]
-# multi-head latent attention: no q/k/v/o targets (yet), its MLP adapted as any other
+# multi-head latent attention: its own projections are the attention targets (q or q_a/q_b, kv_a, kv_b, o)
 MLA = dict(
     LLAMA,
     n_kv_heads=4,
     attention_kind="mla",
     mla=dict(q_lora_rank=None, kv_lora_rank=8, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8),
 )
+# issue 49's blocks: sinks, the output gate, a window layer, a NoPE layer, partial RoPE, and gpt-oss's experts
+# (the sinks and the output gate's attn.gate_proj are base weights: frozen, never a target; lora's gate is the
+# MLP's)
+NEW = dict(LLAMA, attn_sinks=True, attn_output_gate=True, sliding_window=8, layer_types=["local", "global"])
+NEW.update(nope_layers=[1], rotary_dim=4)
+GPT_OSS = dict(NEW, moe=dict(MOE["moe"], router_bias=True, expert_biases=True, activation="clamped_swiglu"))
+MLA_Q = dict(MLA, mla=dict(MLA["mla"], q_lora_rank=12))
+MLA_ALL = ["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down"]
 
 
 def tiny(style: dict, seed: int = 0) -> GPT:
@@ -51,8 +59,17 @@ def settings(**kw):
 
 @pytest.mark.parametrize(
     "style, targets",
-    [(LLAMA, ALL), ({}, ["q", "k", "v", "o", "up", "down"]), (MOE, ALL), (MOE, ["q", "up"]), (MLA, ALL[4:])],
-    ids=["llama", "gpt2", "moe", "moe-q-up", "mla-mlp"],
+    [
+        (LLAMA, ALL),
+        ({}, ["q", "k", "v", "o", "up", "down"]),
+        (MOE, ALL),
+        (MOE, ["q", "up"]),
+        (NEW, ALL),
+        (GPT_OSS, ALL),
+        (MLA, ["q", "kv_a", "kv_b", "o", "gate", "up", "down"]),
+        (MLA_Q, MLA_ALL),
+    ],
+    ids=["llama", "gpt2", "moe", "moe-q-up", "new-blocks", "gpt-oss", "mla", "mla-q-lora"],
 )
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
     model = tiny(style)
@@ -63,8 +80,12 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
     assert is_lora(model) and not is_lora(tiny(style))
     named = dict(model.named_parameters())
     assert trainable == sum(p.numel() for p in named.values() if p.requires_grad) > 0
-    # only the adapters train
+    # only the adapters train (not the sinks, the output gate, the router's or the experts' biases)
     assert all(is_adapter_key(k) == p.requires_grad for k, p in named.items())
+    if style.get("attn_sinks"):
+        assert "blocks.1.attn.sinks" in named and "blocks.1.attn.gate_proj.weight" in named
+        assert not any(k.startswith("blocks.1.attn.gate_proj.lora") for k in named)
+        assert "blocks.0.mlp.lora_gate_A" in {k.replace("gate_proj.", "") for k in named}
     assert sum(p.numel() for p in named.values()) == n_before + trainable
     # B = 0: the base model at the start
     assert torch.equal(model(x).logits, base)
@@ -83,6 +104,37 @@ def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targ
     plain = tiny(style).state_dict()
     assert {k: v.shape for k, v in merged.items()} == {k: v.shape for k, v in plain.items()}
     torch.testing.assert_close(GPT.from_state(model.cfg, merged)(x).logits, adapted, atol=2e-5, rtol=0)
+
+
+def test_mla_adapters_decode_through_the_latent_cache_as_recomputed():
+    """The absorbed decoding path reads kv_b_proj's weight as W_uk and W_uv: with adapters on every projection
+    (kv_b's included) the cached decode's logits are the full forward's, adapters on and off."""
+    from gptkit.model.kv_cache import KVCache
+
+    model = tiny(MLA_Q)
+    apply_lora(model, settings(targets=MLA_ALL))
+    shapes = {k: tuple(p.shape) for k, p in model.named_parameters() if p.requires_grad}
+    assert shapes["blocks.0.attn.kv_b_proj.lora_kv_b_B"] == (4 * 16, 4)
+    assert shapes["blocks.1.attn.q_a_proj.lora_q_a_A"] == (4, 32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+    x = torch.randint(0, 40, (2, 12))
+
+    def decoded():
+        cache = KVCache(model.cfg, batch_size=2)
+        got = [model(x[:, :5], cache=cache).logits]
+        got += [model(x[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
+        return torch.cat(got, dim=1)
+
+    with torch.no_grad():
+        full = model(x).logits
+        torch.testing.assert_close(decoded(), full, atol=1e-5, rtol=0)
+        with adapters_disabled(model):
+            base = model(x).logits
+            torch.testing.assert_close(decoded(), base, atol=1e-5, rtol=0)
+    assert (full - base).abs().max() > 1e-2
 
 
 def test_a_mixtures_expert_adapters_are_per_expert_grouped_as_the_loop_and_train():
@@ -132,6 +184,19 @@ def test_a_mixtures_expert_adapters_have_no_peft_export():
         hf.peft_adapters(model.state_dict(), cfg, settings(targets=["q", "up"]))
 
 
+def test_latent_attention_adapters_have_no_peft_export_yet():
+    """A DeepSeek import trained with LoRA on its MLA projections: export adapters=true is one line (the PEFT
+    layout is written for multi-head attention's q/k/v), the merged export is the way out."""
+    from gptkit import hf
+    from gptkit.errors import GptkitError
+
+    # transformers' latent norms' eps: the model DeepseekV3ForCausalLM would export
+    model = tiny(dict(MLA, mla=dict(MLA["mla"], latent_norm_eps=1e-6)))
+    apply_lora(model, settings(targets=["q", "kv_b", "o"]))
+    with pytest.raises(GptkitError, match="attention_kind=mla: its LoRA targets have no PEFT adapter layout"):
+        hf.peft_adapters(model.state_dict(), model.cfg, settings(targets=["q", "kv_b", "o"]))
+
+
 @pytest.mark.parametrize(
     "style, lora, needle",
     [
@@ -145,9 +210,12 @@ def test_a_mixtures_expert_adapters_have_no_peft_export():
         (LLAMA, settings(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
         (
             MLA,
-            settings(targets=["q", "up"]),
-            "(model.attention_kind=mla: its projections are not LoRA targets",
+            settings(targets=["q", "v"]),
+            "lora.targets: v matches no module of this model (multi-head latent attention, "
+            "model.attention_kind=mla: its attention targets are its own projections, whose keys and values "
+            "come from kv_a and kv_b); its targets are q, o, kv_a, kv_b, gate, up, down",
         ),
+        (MLA, settings(targets=["q_a"]), "q_a matches no module of this model"),
     ],
 )
 def test_bad_lora_settings_are_one_config_error(style, lora, needle):

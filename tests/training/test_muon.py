@@ -67,20 +67,27 @@ def backward(model: GPT, seed: int = 0) -> torch.Tensor:
     return loss
 
 
-@pytest.mark.parametrize("make", [gpt2, llama])
+def gated(**kw) -> GPT:
+    """llama with attention sinks and the output gate (issue 49's blocks)."""
+    return llama(attn_sinks=True, attn_output_gate=True, **kw)
+
+
+@pytest.mark.parametrize("make", [gpt2, llama, gated])
 def test_muon_takes_the_block_matrices_and_adamw_the_rest(make):
     model = make()
     muon, adamw = muon_split(model)
     assert muon and all(
         n.startswith("blocks.") and n.endswith("proj.weight") and p.ndim == 2 for n, p in muon
     )
-    # per layer: qkv, o + the MLP matrices
-    assert len(muon) == 2 * (2 + (3 if make is llama else 2))
+    # per layer: qkv, o (and the output gate) + the MLP matrices
+    assert len(muon) == 2 * (2 + (make is gated) + (2 if make is gpt2 else 3))
     rest = {n for n, _ in adamw}
+    # the sinks are AdamW's (a vector), undecayed
+    assert ({"blocks.0.attn.sinks", "blocks.1.attn.sinks"} <= rest) == (make is gated)
     assert "tok_emb.weight" in rest and all(p.ndim == 1 or not n.startswith("blocks.") for n, p in adamw)
     # tied: the token embedding is the head
-    assert ("lm_head.weight" in rest) == (make is llama)
-    assert any("norm" in n for n in rest) and (make is llama or any(n.endswith(".bias") for n in rest))
+    assert ("lm_head.weight" in rest) == (make is not gpt2)
+    assert any("norm" in n for n in rest) and (make is not gpt2 or any(n.endswith(".bias") for n in rest))
     # every parameter once
     assert sum(p.numel() for _, p in muon + adamw) == model.num_parameters()
 
@@ -92,11 +99,47 @@ def test_muon_takes_the_block_matrices_and_adamw_the_rest(make):
     by_id = {id(p): n for n, p in model.named_parameters()}
     decayed = {by_id[id(p)] for g in groups[1:] if g["weight_decay"] for p in g["params"]}
     # AdamW's own rules for the rest
-    assert decayed == ({"lm_head.weight"} if make is llama else set())
+    assert decayed == (set() if make is gpt2 else {"lm_head.weight"})
     line = describe_optimizer(muon_cfg(), model, "cpu")
     n_muon, n_rest = sum(p.numel() for _, p in muon), sum(p.numel() for _, p in adamw)
     assert f"Muon (torch.optim.Muon: {n_muon:,} parameters in {len(muon)} block matrices" in line
     assert f"AdamW (fused) for {n_rest:,} parameters in {len(adamw)} tensors" in line
+
+
+MLA = dict(q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+
+@pytest.mark.parametrize(
+    "preset, over",
+    [
+        ("mla-tiny", {}),
+        ("mtp-tiny", {}),
+        ("mtp-tiny", {"bias": True, "attn_sinks": True, "norm": "layernorm", "moe": None, "mlp": "gelu"}),
+        ("mtp-tiny", {"attention_kind": "mla", "n_kv_heads": None, "mla": MLA}),
+    ],
+    ids=["mla", "mtp-moe", "mtp-biases", "mtp-mla"],
+)
+def test_muon_takes_mlas_and_mtps_matrices_as_the_accounting_counts(preset, over):
+    """Multi-head latent attention's projections and the multi-token prediction modules' matrices (its
+    projection, its block's) are Muon's, their norms, sinks and biases AdamW's; count-params' Muon share
+    (the memory estimate's) is the optimizer's."""
+    import yaml
+
+    from gptkit import accounting
+    from gptkit.conf_tree import conf_dir
+
+    d = yaml.safe_load((conf_dir() / "model" / f"{preset}.yaml").read_text())
+    cfg = ModelConfig.from_dict({**d, "vocab_size": 64, "n_layers": 2, "d_model": 64, **over})
+    model = GPT(cfg)
+    muon, adamw = muon_split(model)
+    names = {n for n, _ in muon}
+    assert sum(p.numel() for _, p in muon) == accounting.muon_params(cfg)
+    assert all(p.ndim == 1 or not n.startswith(("blocks.", "mtp.")) for n, p in adamw)
+    if cfg.attention_kind == "mla":
+        assert "blocks.1.attn.kv_b_proj.weight" in names and "blocks.1.attn.q_a_proj.weight" in names
+        assert "blocks.1.attn.kv_a_layernorm.weight" in {n for n, _ in adamw}
+    if cfg.mtp_depth:
+        assert "mtp.layers.0.proj.weight" in names and "mtp.layers.0.block.attn.o_proj.weight" in names
 
 
 def test_the_steps_are_torch_muon_and_adamw_side_by_side():

@@ -28,6 +28,28 @@ def test_weight_decay_only_on_matrices_and_tied_weights_once():
     assert any(p is model.tok_emb.weight for p in with_emb["params"])
 
 
+def test_sinks_and_a_mixtures_biases_are_undecayed_as_biases_and_the_gates_decayed_as_matrices():
+    """gpt-oss's blocks: the sinks [n_heads], the router's bias [E] and the experts' stacked biases [E, out]
+    are biases (no decay unless optim.decay_norms_and_biases); the output gate and the expert stacks are
+    weight matrices."""
+    from gptkit.model.config import MoEConfig
+
+    moe = MoEConfig(n_experts=4, top_k=2, d_expert=8, router_bias=True, expert_biases=True)
+    cfg = dict(vocab_size=50, max_seq_len=16, n_layers=1, n_heads=2, d_model=16, position="rope")
+    cfg.update(mlp="swiglu", norm="rmsnorm", bias=False, attn_sinks=True, attn_output_gate=True, moe=moe)
+    model = GPT(ModelConfig(**cfg))
+    names = {id(p): n for n, p in model.named_parameters()}
+    decay, no_decay = param_groups(model, 0.1)
+    biases = {f"blocks.0.mlp.experts.{t}_bias" for t in ("gate", "up", "down")}
+    biases |= {"blocks.0.attn.sinks", "blocks.0.mlp.router.bias"}
+    assert biases <= {names[id(p)] for p in no_decay["params"]}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert "blocks.0.attn.gate_proj.weight" in decayed and "blocks.0.mlp.experts.up_proj" in decayed
+    assert not decayed & biases
+    every, _ = param_groups(model, 0.1, decay_norms_and_biases=True)
+    assert biases <= {names[id(p)] for p in every["params"]}
+
+
 KW = dict(max_steps=1000, warmup_steps=100, lr=1e-3, min_lr=1e-4)
 
 

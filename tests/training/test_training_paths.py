@@ -11,11 +11,13 @@ import warnings
 
 import pytest
 import torch
+from conftest import REPO, tiny_run
 from omegaconf import OmegaConf
 from torch.overrides import TorchFunctionMode
 
 from gptkit.conf_tree import compose
 from gptkit.data import TokenDataModule, prepare
+from gptkit.errors import ConfigError
 from gptkit.model import ModelConfig
 from gptkit.precision import PRECISIONS
 from gptkit.training.module import LitGPT
@@ -109,6 +111,78 @@ def test_every_combination_trains(prepared, base_cfg, tmp_path, precision, clip,
 def test_inductor_compile_trains(prepared, base_cfg, tmp_path, precision):
     _, _, metrics = fit(prepared, base_cfg, tmp_path, precision=precision, compile=True, log_every=3)
     assert torch.isfinite(torch.tensor(metrics.last["train/loss"]))
+
+
+# issue 49's attention blocks on llama-tiny: sinks, the output gate, a window, a NoPE layer, partial RoPE
+NEW_BLOCKS = [
+    "model=llama-tiny",
+    "model.n_kv_heads=1",
+    "model.d_ff=64",
+    "model.attn_sinks=true",
+    "model.attn_output_gate=true",
+    "model.sliding_window=8",
+    "model.layer_types=[local,global]",
+    "model.nope_layers=[1]",
+    "model.rotary_dim=8",
+]
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_compile_trains_the_new_blocks_as_eager_mode_does(prepared, base_cfg, tmp_path, attention):
+    """trainer.compile=true on a model with sinks, the output gate, windows, NoPE and partial RoPE: the same
+    losses as without compile (aot_eager traces and differentiates the graph as inductor does)."""
+    cfg = compose("train", [*NEW_BLOCKS, f"model.attention={attention}"])
+    cfg.trainer, cfg.model.vocab_size = base_cfg.trainer, 256
+    for k in ("n_layers", "d_model", "n_heads", "max_seq_len"):
+        cfg.model[k] = base_cfg.model[k]
+    runs = {}
+    for compiled in (False, True):
+        module, _, metrics = fit(
+            prepared, cfg, tmp_path, compile=compiled, compile_backend="aot_eager", log_every=1, fused=False
+        )
+        weights = {k: v.detach().clone() for k, v in module.model.state_dict().items()}
+        runs[compiled] = metrics.last["train/loss"], weights
+    (loss, trained), (compiled_loss, compiled) = runs[False], runs[True]
+    assert compiled_loss == pytest.approx(loss, abs=1e-5)
+    # the sinks and the gate trained (from 0 and their init), the same way compiled
+    assert trained["blocks.0.attn.sinks"].abs().max() > 0
+    for k, v in trained.items():
+        assert torch.allclose(compiled[k], v, atol=1e-5), k
+
+
+def test_mla_with_mtp_compiles_and_trains_under_eager_and_sdpa(prepared, base_cfg, tmp_path):
+    """Multi-head latent attention (q of low rank, values narrower than the keys) and a multi-token
+    prediction depth through torch.compile (aot_eager: inductor's trace and autograd), with each attention
+    backend: the same losses."""
+    losses = {}
+    for attention in ("eager", "sdpa"):
+        cfg = compose(
+            "train",
+            [
+                "model=mla-tiny",
+                *[
+                    f"model.{k}={v}"
+                    for k, v in base_cfg.model.items()
+                    if k in ("n_layers", "d_model", "n_heads")
+                ],
+                f"model.max_seq_len={SEQ}",
+                "model.vocab_size=256",
+                "model.mla={q_lora_rank: 16, kv_lora_rank: 16, qk_nope_head_dim: 8, qk_rope_head_dim: 8, "
+                "v_head_dim: 8}",
+                "model.mtp={depth: 1, loss_scale: 0.3}",
+                f"model.attention={attention}",
+                f"trainer.batch_size={BATCH}",
+                "trainer.progress=off",
+                "trainer.val_every=1000",
+                "trainer.checkpoint_every=1000",
+            ],
+        )
+        _, _, metrics = fit(
+            prepared, cfg, tmp_path / attention, 2, compile=True, compile_backend="aot_eager", log_every=2
+        )
+        losses[attention] = (metrics.last["train/loss"], metrics.last["train/mtp_loss_1"])
+    assert all(torch.isfinite(torch.tensor(v)).all() for v in losses.values())
+    torch.testing.assert_close(torch.tensor(losses["eager"]), torch.tensor(losses["sdpa"]), atol=1e-4, rtol=0)
 
 
 def test_sixteen_true_trains(prepared, base_cfg, tmp_path):
@@ -257,6 +331,43 @@ def test_bench_train_compares_the_two_loops(tmp_path, precision):
     d = json.loads(out.read_text())
     assert d["precision"] == precision and [r["compile"] for r in d["rows"]] == ["off"]
     assert d["rows"][0]["gptkit_ms"] > 0 and d["rows"][0]["bare_ms"] > 0
+
+
+def test_bench_compare_trains_the_variants_side_by_side_and_reads_finished_runs(
+    corpus, tmp_path, capsys, monkeypatch
+):
+    """`gptkit bench compare`: every variant on every seed, each a `gptkit train` of the shared arguments plus
+    its own (here in this process, not a process of its own); the table and JSON give each its final val loss
+    and its seconds over the baseline's run of the same seed (the baseline's ratios 1); a second call reads
+    the finished runs instead of training them."""
+    import json
+
+    import gptkit
+    from gptkit.bench import compare, optim
+
+    monkeypatch.setattr(optim, "run_one", lambda args, log: gptkit.train(args))
+
+    model = tiny_run(corpus, model="llama-tiny", d_ff=64, steps=2, val_every=2, val_windows=2, warmup=1)
+    cfg = OmegaConf.load(REPO / "conf/bench/compare.yaml")
+    # (parallel=1: in one process, one run at a time)
+    cfg.model, cfg.common, cfg.seeds, cfg.parallel = [*model, "trainer.accelerator=cpu"], [], [1], 1
+    cfg.runs_dir, cfg.out = str(tmp_path / "runs"), str(tmp_path / "out.json")
+    assert compare.run(cfg) == 0
+    out = capsys.readouterr().out
+    assert "2 run(s) to train, 1 at a time" in out and "no-sinks" in out
+    for variant, sinks in (("no-sinks", False), ("sinks", True)):
+        assert OmegaConf.load(tmp_path / f"runs/{variant}-seed1/config.yaml").model.attn_sinks is sinks
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert set(got["results"]) == {"no-sinks", "sinks"} and got["seeds"] == [1]
+    base, sinks = got["results"]["no-sinks"], got["results"]["sinks"]
+    assert base["wall_ratio"]["median"] == 1.0 and base["steps"] == sinks["steps"] == 2
+    assert sinks["wall_ratio"]["median"] > 0 and 0 < sinks["final_val_loss"]["median"] < 10
+    assert compare.run(cfg) == 0
+    assert "0 run(s) to train" in capsys.readouterr().out
+    assert json.loads((tmp_path / "out.json").read_text())["results"] == got["results"]
+    cfg.baseline = "none"
+    with pytest.raises(ConfigError, match="bench.baseline='none' is not one of bench.variants"):
+        compare.run(cfg)
 
 
 def test_out_of_memory_names_the_estimate_and_the_fixes(base_cfg):

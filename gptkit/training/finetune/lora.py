@@ -72,6 +72,23 @@ class LoRALinear(nn.Linear):
         update = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)  # [..., out_features]
         return y + self.lora_scale * update
 
+    def lora_update(self) -> Optional[torch.Tensor]:
+        """The adapters' update of the weight, scale * B @ A on each part's rows (zeros elsewhere) [out, in],
+        or None when they are off: what a caller that reads the weight instead of calling the layer adds
+        (multi-head latent attention's absorbed decoding, gptkit.model.mla.dense_weight). No dropout."""
+        if not self.lora_enabled:
+            return None
+        rows, row = [], 0
+        for target, start, end in self.lora_parts:
+            a, b = getattr(self, f"lora_{target}_A"), getattr(self, f"lora_{target}_B")
+            if start > row:
+                rows.append(b.new_zeros(start - row, a.shape[1]))
+            rows.append(b @ a)  # [end - start, in_features]
+            row = end
+        if row < self.out_features:
+            rows.append(rows[-1].new_zeros(self.out_features - row, self.in_features))
+        return self.lora_scale * torch.cat(rows, dim=0)  # [out_features, in_features]
+
 
 class LoRAExperts(Experts):
     """A mixture's experts (gptkit/model/moe.py) with a low-rank adapter on each expert's matrix of some of
