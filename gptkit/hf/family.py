@@ -55,6 +55,8 @@ PLAIN = {
     "rotary_dim": None,
     # no multi-token prediction modules (DeepSeek-V3's and GLM-4.5's keep theirs: their family files)
     "mtp": None,
+    # no linear-attention layers (Gated DeltaNet: model.gdn is set exactly when some layer is linear)
+    "gdn": None,
 }
 
 

@@ -268,6 +268,16 @@ def test_multi_token_prediction_is_refused_on_export_by_the_families_without_it(
         hf.hf_config(cfg)
 
 
+def test_a_linear_attention_hybrid_is_refused_on_export_by_every_family():
+    """Llama's layout claimed a hybrid of Gated DeltaNet and softmax layers, then failed on a KeyError."""
+    gdn = {"n_key_heads": 2, "n_value_heads": 2, "key_head_dim": 8, "value_head_dim": 8}
+    cfg = ModelConfig(
+        **(ONE_ROPE_LAYER | {"n_layers": 2}), bias=False, layer_types=["linear", "global"], gdn=gdn
+    )
+    with pytest.raises(GptkitError, match=r"model.gdn=.* needs gdn=None"):
+        hf.hf_config(cfg)
+
+
 def test_fused_norm_kernel_on_qk_norm_matches_eager():
     model = hf.from_transformers(hf_model("qwen3"))
     fused = GPT.from_state(
