@@ -50,6 +50,7 @@ import re
 from typing import Any
 
 from gptkit.errors import ConfigError
+from gptkit.model.config import LINEAR_KIND
 
 TARGETS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down")
 # the model.mlp kinds with a gate projection
@@ -101,8 +102,12 @@ def is_adapter_key(name: str) -> bool:
 
 def attention_targets(cfg: Any, layer: int) -> tuple[str, ...]:
     """The attention targets of layer `layer`: q, k, v, o under multi-head attention; under multi-head latent
-    attention q (or q_a and q_b with model.mla.q_lora_rank), kv_a, kv_b, o."""
-    if cfg.attention_kind_of(layer) != "mla":
+    attention q (or q_a and q_b with model.mla.q_lora_rank), kv_a, kv_b, o; none (yet) in a linear-attention
+    layer (Gated DeltaNet)."""
+    kind = cfg.attention_kind_of(layer)
+    if kind == LINEAR_KIND:
+        return ()
+    if kind != "mla":
         return ("q", "k", "v", "o")
     q = ("q",) if cfg.mla.q_lora_rank is None else ("q_a", "q_b")
     return (*q, "kv_a", "kv_b", "o")
@@ -183,6 +188,11 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
             why = (
                 " (multi-head latent attention, model.attention_kind=mla: its attention targets are its own "
                 "projections, whose keys and values come from kv_a and kv_b)"
+            )
+        elif set(wrong) & set(TARGETS[:8]) and cfg.linear_layers:
+            why = (
+                f" (the linear-attention layers {cfg.linear_layers}, model.gdn, have no LoRA targets yet: "
+                "adapt the MLPs)"
             )
         verb = "matches" if len(wrong) == 1 else "match"
         raise ConfigError(

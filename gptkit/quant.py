@@ -136,6 +136,11 @@ def quantized_names(cfg: Any) -> dict[str, tuple[int, int]]:
             "grouped matmuls, which torchao's NF4/int8/int4 weights do not run; use finetune=lora and "
             "sample without quantize="
         )
+    if cfg.linear_layers:
+        raise ConfigError(
+            f"quantized weights: the linear-attention layers {cfg.linear_layers} (model.gdn) have "
+            f"projections gptkit does not quantize yet; use this model without quantize= / finetune=qlora"
+        )
     shapes = {
         "attn.qkv_proj": (cfg.d_attn + 2 * cfg.d_kv, cfg.d_model),
         "attn.o_proj": (cfg.d_model, cfg.d_attn),

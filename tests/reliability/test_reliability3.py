@@ -212,10 +212,14 @@ def test_bench_optim_times_validations_by_the_rows_step(tmp_path):
 
 def test_bench_without_a_benchmark_names_them(capsys):
     code, out, err = run_main(capsys, "bench")
-    assert code == 2 and out == "" and err.startswith("error: name the bench: gptkit bench attention|data|")
+    assert (
+        code == 2
+        and out == ""
+        and err.startswith("error: name the bench: gptkit bench attention|compare|data|")
+    )
     assert err.count("\n") == 1
     code, out, err = run_main(capsys, "bench", "--help")
-    assert code == 0 and "gptkit bench <attention|data|" in out and err == ""
+    assert code == 0 and "gptkit bench <attention|compare|data|" in out and err == ""
 
 
 def test_a_tokenizer_worker_whose_prepare_died_while_it_started_exits_at_once():

@@ -43,6 +43,9 @@ NEW = dict(LLAMA, attn_sinks=True, attn_output_gate=True, sliding_window=8, laye
 NEW.update(nope_layers=[1], rotary_dim=4)
 GPT_OSS = dict(NEW, moe=dict(MOE["moe"], router_bias=True, expert_biases=True, activation="clamped_swiglu"))
 MLA_Q = dict(MLA, mla=dict(MLA["mla"], q_lora_rank=12))
+# a hybrid of a Gated DeltaNet layer and a softmax one: no attention targets (yet), its MLPs adapted
+GDN = dict(LLAMA, layer_types=["linear", "global"])
+GDN.update(gdn=dict(n_key_heads=2, n_value_heads=2, key_head_dim=8, value_head_dim=8))
 MLA_ALL = ["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down"]
 
 
@@ -68,8 +71,9 @@ def settings(**kw):
         (GPT_OSS, ALL),
         (MLA, ["q", "kv_a", "kv_b", "o", "gate", "up", "down"]),
         (MLA_Q, MLA_ALL),
+        (GDN, ["gate", "up", "down"]),
     ],
-    ids=["llama", "gpt2", "moe", "moe-q-up", "new-blocks", "gpt-oss", "mla", "mla-q-lora"],
+    ids=["llama", "gpt2", "moe", "moe-q-up", "new-blocks", "gpt-oss", "mla", "mla-q-lora", "gdn-hybrid"],
 )
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
     model = tiny(style)
@@ -208,6 +212,11 @@ def test_latent_attention_adapters_have_no_peft_export_yet():
         (LLAMA, settings(alpha=0), "lora.alpha=0 must be a number > 0"),
         (LLAMA, settings(dropout=1.0), "lora.dropout=1.0 must be a number in [0, 1)"),
         (LLAMA, settings(dropout=-0.1), "lora.dropout=-0.1 must be a number in [0, 1)"),
+        (
+            GDN,
+            settings(targets=["q", "up"]),
+            "(the linear-attention layers [0], model.gdn, have no LoRA targets",
+        ),
         (
             MLA,
             settings(targets=["q", "v"]),

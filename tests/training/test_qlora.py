@@ -367,3 +367,23 @@ def test_qlora_trains_on_mla_tiny_and_samples_merged(tmp_path, capsys):
     code, _, err = run_main(capsys, "export", f"run={runs / 'q'}", f"out={tmp_path / 'ad'}", "adapters=true")
     assert code == 2 and one_line(err) and "mla" in err, err
     assert not (tmp_path / "ad").exists()
+
+
+def test_linear_attention_has_no_quantized_base_yet():
+    from gptkit.errors import ConfigError
+    from gptkit.model import ModelConfig
+
+    gdn = dict(n_key_heads=2, n_value_heads=2, key_head_dim=8, value_head_dim=8)
+    cfg = ModelConfig(
+        vocab_size=40,
+        max_seq_len=16,
+        n_layers=2,
+        n_heads=4,
+        d_model=32,
+        layer_types=["linear", "global"],
+        gdn=gdn,
+    )
+    with pytest.raises(
+        ConfigError, match=r"the linear-attention layers \[0\] \(model.gdn\) have projections"
+    ):
+        quant.check_nf4(cfg, 64, "auto")
