@@ -279,6 +279,7 @@ def test_expert_parallelism_splits_the_mtp_blocks_experts_too():
             dist.destroy_process_group()
 
 
+@pytest.mark.long
 def test_mla_and_mtp_resume_bit_for_bit_and_fsdp2_with_expert_parallelism_follows_one_process(
     corpus, straight
 ):

@@ -150,6 +150,7 @@ def test_compile_trains_the_new_blocks_as_eager_mode_does(prepared, base_cfg, tm
         assert torch.allclose(compiled[k], v, atol=1e-5), k
 
 
+@pytest.mark.long
 def test_mla_with_mtp_compiles_and_trains_under_eager_and_sdpa(prepared, base_cfg, tmp_path):
     """Multi-head latent attention (q of low rank, values narrower than the keys) and a multi-token
     prediction depth through torch.compile (aot_eager: inductor's trace and autograd), with each attention
