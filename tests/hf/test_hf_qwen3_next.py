@@ -1,0 +1,279 @@
+"""Qwen3-Next (transformers' Qwen3NextForCausalLM, gptkit/hf/qwen3_next.py): import with transformers' fp32
+logits (<= 1e-5; every weight perturbed, three Gated DeltaNet layers and one gated full-attention layer,
+partial RoPE, QK-norm, the (1 + w) RMSNorm, a dense first layer, two shared experts behind their sigmoid gate;
+T past four of gptkit's chunks and past transformers' 64), greedy tokens of `generate` (the recurrent state
+and the KV cache), export back to the same files bit for bit, the MTP module dropped with its note, refusals
+by name, the preset's counts equal transformers' on the meta device. Tiny random models built from their
+configs (no hub); transformers runs its PyTorch path (no flash-linear-attention, no causal-conv1d)."""
+
+import functools
+
+import pytest
+import torch
+import yaml
+from conftest import hf_common, hf_export_same_files, hf_import, hf_perturbed
+from safetensors.torch import load_file, save_file
+
+from gptkit import accounting as acc
+from gptkit import hf
+from gptkit.conf_tree import conf_dir
+from gptkit.errors import GptkitError
+from gptkit.inference.generate import generate
+from gptkit.inference.sampling import SampleOptions
+from gptkit.model import GPT, ModelConfig
+
+transformers = pytest.importorskip("transformers")
+
+V, T = 64, 80
+# room to generate 64 tokens past an 8-token prompt
+POSITIONS = 96
+# gptkit's chunk in the parity check: T is five of them
+CHUNK = 16
+LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
+
+
+def hf_model(**change):
+    """A tiny Qwen3NextForCausalLM: 3 linear layers then a full one, the first layer dense, 4 experts top-2,
+    a shared expert twice an expert's width, RoPE over half of each 16-wide head; every weight random."""
+    common = hf_common(V, POSITIONS, num_hidden_layers=4, hidden_size=32, intermediate_size=48)
+    cfg = transformers.Qwen3NextConfig(
+        **common
+        | dict(
+            head_dim=16,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+            layer_types=LAYER_TYPES,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=32,
+            mlp_only_layers=[0],
+            tie_word_embeddings=False,
+        )
+        | change
+    )
+    return hf_perturbed(lambda: fla_decays(transformers.Qwen3NextForCausalLM(cfg)))
+
+
+def fla_decays(model):
+    """Each linear layer's dt_bias at flash-linear-attention's initialization (softplus(dt_bias) = dt, dt
+    log-uniform in [0.001, 0.1]; transformers' own init, dt_bias 1, forgets nearly everything each step):
+    decays of the range the chunked form is computed in, where its fp32 rounding stays that of the
+    arithmetic, not of exp(-hundreds) underflowing."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            if hasattr(layer, "linear_attn"):
+                b = layer.linear_attn.dt_bias
+                dt = torch.empty_like(b).uniform_(
+                    torch.tensor(1e-3).log().item(), torch.tensor(0.1).log().item()
+                )
+                dt = dt.exp()
+                b.copy_(dt + torch.log(-torch.expm1(-dt)))
+    return model
+
+
+WANT = dict(
+    norm="rmsnorm_unit_offset",
+    qk_norm="head",
+    attn_output_gate=True,
+    rotary_dim=8,
+    head_dim=16,
+    d_ff=48,
+    layer_types=["linear", "linear", "linear", "global"],
+)
+
+
+def test_no_fast_kernels_are_installed():
+    """The parity below is against transformers' PyTorch functions: the kernels it would prefer are absent."""
+    import importlib.util
+
+    assert importlib.util.find_spec("fla") is None and importlib.util.find_spec("causal_conv1d") is None
+
+
+def their_chunk(monkeypatch, chunk: int = CHUNK) -> None:
+    """transformers' chunked delta rule at `chunk` positions (its forward never passes one: 64 always), so
+    that both sides chunk alike and T is five chunks on both: fp32 rounding of one arithmetic."""
+    module = transformers.models.qwen3_next.modeling_qwen3_next
+    monkeypatch.setattr(
+        module,
+        "torch_chunk_gated_delta_rule",
+        functools.partial(module.torch_chunk_gated_delta_rule, chunk_size=chunk),
+    )
+
+
+def test_import_has_the_logits_of_transformers_and_export_gives_back_the_same_files(tmp_path, monkeypatch):
+    their_chunk(monkeypatch)
+    theirs = hf_model()
+    model_cfg, model = hf_import(tmp_path, theirs, WANT)
+    g, m = model_cfg.gdn, model_cfg.moe
+    assert (g.n_key_heads, g.n_value_heads, g.key_head_dim, g.value_head_dim, g.conv_kernel) == (
+        2,
+        4,
+        8,
+        8,
+        4,
+    )
+    assert (m.n_experts, m.top_k, m.d_expert, m.n_shared, m.first_dense) == (4, 2, 16, 2, 1)
+    assert (m.router, m.shared_expert_gate, m.norm_topk_prob) == ("softmax", True, True)
+    idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for attention in ("eager", "sdpa"):
+            theirs.set_attn_implementation(attention)
+            ref = theirs(idx).logits
+            for impl in ("grouped_mm", "loop"):
+                d = model_cfg.to_dict()
+                d |= {"attention": attention, "moe": d["moe"] | {"impl": impl}}
+                d["gdn"] = d["gdn"] | {"chunk_size": CHUNK}
+                ours = GPT.from_state(ModelConfig.from_dict(d), model.state_dict())
+                assert (ours(idx).logits - ref).abs().max().item() <= 1e-5, (attention, impl)
+    hf_export_same_files(tmp_path, "Qwen3NextForCausalLM", idx, ref)
+    # in memory (transformers fuses each layer's experts) and back, exactly
+    back = hf.from_transformers(hf.to_transformers(model))
+    assert back.cfg == model.cfg
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in model.state_dict().items())
+
+
+def test_greedy_generation_equals_transformers():
+    """64 greedy tokens past an 8-token prompt: the tokens of transformers' own generate with its cache (each
+    linear layer's recurrent and conv state, the full layer's keys and values)."""
+    theirs = hf_model()
+    ours = hf.from_transformers(theirs)
+    prompt = torch.randint(0, V, (8,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])  # [1, 8]
+        want_ids = theirs.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=64,
+            min_new_tokens=64,
+            do_sample=False,
+            pad_token_id=0,
+        )[0, 8:].tolist()
+    got = generate(ours, prompt, SampleOptions(max_new_tokens=64, temperature=0.0, decode="eager")).tokens[0]
+    assert len(want_ids) == 64 and len(set(want_ids)) > 3 and got == want_ids
+
+
+def test_the_mtp_module_is_dropped_with_a_note(tmp_path):
+    """The released checkpoints' mtp.* tensors (which transformers ignores) are left out, said in one note;
+    the import is the model without them."""
+    from gptkit.hf.folders import Source, import_folder
+    from gptkit.runs import load_model
+
+    theirs = hf_model()
+    theirs.save_pretrained(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    state = load_file(f)
+    mtp = {"mtp.fc.weight": torch.ones(32, 64), "mtp.norm.weight": torch.zeros(32)}
+    save_file(state | mtp, f, metadata={"format": "pt"})
+    done = import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / "run")
+    assert "its MTP module (2 mtp.* tensors) left out" in "; ".join(done.notes or [])
+    model = load_model(tmp_path / "run")[4]
+    assert model.cfg.mtp_depth == 0
+    idx = torch.randint(0, V, (1, 24))
+    with torch.no_grad():
+        assert (model(idx).logits - theirs(idx).logits).abs().max().item() <= 1e-5
+
+
+# ---- refusals ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        (dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "rope_type"),
+        (dict(partial_rotary_factor=0.19), "partial_rotary_factor=0.19"),
+        (dict(shared_expert_intermediate_size=24), "shared_expert_intermediate_size=24"),
+        (dict(hidden_act="gelu"), "hidden_act"),
+        (dict(attention_bias=True), "attention_bias=True"),
+        (dict(mlp_only_layers=[2]), "mlp_only_layers=[2]"),
+        (dict(layer_types=["linear_attention"] * 3 + ["sliding_attention"]), "layer_types"),
+    ],
+)
+def test_qwen3_next_configs_gptkit_cannot_represent_are_refused_by_name(change, named):
+    d = hf_model().config.to_dict() | change
+    if "partial_rotary_factor" in change:
+        # 3 of the 16 features: no even number turns
+        d["rope_parameters"] = d["rope_parameters"] | change
+    with pytest.raises(GptkitError, match=named.replace(".", r"\.").replace("[", r"\[").replace("]", r"\]")):
+        hf.model_config_from_hf(d)
+
+
+def test_models_qwen3_next_does_not_express_are_refused_on_export_by_name():
+    cfg = hf.from_transformers(hf_model()).cfg.to_dict()
+    # the shared expert added as it is (DeepSeek's): Qwen3-Next always gates it
+    ungated = ModelConfig.from_dict(cfg | {"moe": cfg["moe"] | {"shared_expert_gate": False}})
+    with pytest.raises(GptkitError, match=r"model.moe.shared_expert_gate=False .* Qwen3NextForCausalLM"):
+        hf.hf_config(ungated)
+    # the plain RMSNorm (gdn-tiny's): Qwen3-Next's norms are all (1 + w)
+    plain = ModelConfig.from_dict(cfg | {"norm": "rmsnorm"})
+    with pytest.raises(GptkitError, match=r"model.norm=rmsnorm .* needs norm=rmsnorm_unit_offset"):
+        hf.hf_config(plain)
+
+
+def test_a_dense_hybrid_exports_with_num_experts_0_and_reads_back():
+    """No mixture: every layer Qwen3NextMLP (num_experts 0), the same logits in transformers."""
+    cfg = hf.from_transformers(hf_model()).cfg.to_dict() | {"moe": None}
+    torch.manual_seed(0)
+    model = GPT(ModelConfig.from_dict(cfg)).eval()
+    theirs = hf.to_transformers(model)
+    assert hf.hf_config(model.cfg)["num_experts"] == 0
+    idx = torch.randint(0, V, (1, 40))
+    with torch.no_grad():
+        assert (model(idx).logits - theirs(idx).logits).abs().max().item() <= 1e-5
+    assert hf.from_transformers(theirs).cfg == model.cfg
+
+
+# ---- the preset and count-params ------------------------------------------------------------------------
+# total, active
+COUNTS = {"qwen3-next-80b-a3b": (79_674_391_296, 3_874_929_408)}
+
+
+@pytest.mark.parametrize("name", sorted(COUNTS))
+def test_presets_count_total_and_active_as_transformers_builds_them(name):
+    """count-params' total and active are transformers' Qwen3NextForCausalLM's on the meta device: its
+    parameters, and those a token meets (top_k of the n_experts routed experts)."""
+    cfg = ModelConfig.from_dict(yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text()))
+    c = acc.count_params(cfg)
+    assert (c.total, c.active) == COUNTS[name]
+    with torch.device("meta"):
+        assert GPT(cfg).num_parameters() == c.total
+        d = hf.hf_config(cfg)
+        config = transformers.Qwen3NextConfig(
+            **{k: v for k, v in d.items() if k not in ("architectures", "dtype", "model_type")}
+        )
+        theirs = transformers.Qwen3NextForCausalLM(config)
+    total = sum(p.numel() for p in theirs.parameters())
+    experts = sum(p.numel() for n, p in theirs.named_parameters() if ".experts." in n)
+    m = cfg.moe
+    assert (total, total - experts * (m.n_experts - m.top_k) // m.n_experts) == (c.total, c.active)
+    assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
+
+
+def parity_table() -> list[str]:
+    """The measured differences behind the bounds above, one Markdown row (docs/families.md):
+    `python tests/hf/test_hf_qwen3_next.py`."""
+    rows = [
+        "| case | eager | sdpa | export (gptkit -> transformers) | greedy tokens equal |",
+        "|---|---|---|---|---|",
+    ]
+    idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
+    theirs = hf_model()
+    model = hf.from_transformers(theirs)
+    diffs = []
+    with torch.no_grad():
+        for attention in ("eager", "sdpa"):
+            theirs.set_attn_implementation(attention)
+            d = model.cfg.to_dict() | {"attention": attention}
+            d["gdn"] = d["gdn"] | {"chunk_size": CHUNK}
+            ours = GPT.from_state(ModelConfig.from_dict(d), model.state_dict())
+            diffs.append((ours(idx).logits - theirs(idx).logits).abs().max().item())
+        diffs.append((model(idx).logits - hf.to_transformers(model)(idx).logits).abs().max().item())
+    cells = " | ".join(f"{x:.1e}" if x else "0.0" for x in diffs)
+    rows.append(f"| T={T}, gptkit's chunk {CHUNK}, transformers' 64 | {cells} | 64 of 64 |")
+    return rows
+
+
+if __name__ == "__main__":
+    print("\n".join(parity_table()))
