@@ -178,6 +178,27 @@ def test_the_mtp_module_is_dropped_with_a_note(tmp_path):
         assert (model(idx).logits - theirs(idx).logits).abs().max().item() <= 1e-5
 
 
+def test_train_init_from_hf_trains_the_hybrid(tmp_path, monkeypatch, capsys):
+    """`train init_from=hf:` of a Qwen3-Next folder: every layer kind and the gated shared expert train."""
+    import csv
+    import sys
+
+    from conftest import main_code as cli
+    from conftest import shakespeare
+
+    # the Hydra app sets sys.argv
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+    hf_model().save_pretrained(tmp_path / "hf")
+    (tmp_path / "c.txt").write_text(shakespeare(20_000).lower())
+    args = ["train", f"init_from=hf:{tmp_path / 'hf'}", "tokenizer=char", "data=files"]
+    args += [f"data.paths=[{tmp_path / 'c.txt'}]", "trainer.batch_size=2", "trainer.max_steps=2"]
+    args += ["trainer.val_windows=2", "trainer.log_every=1", "trainer.progress=false"]
+    assert cli(*args, f"runs_dir={tmp_path / 'runs'}", "name=ft") == 0
+    with open(tmp_path / "runs/ft/metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert len(rows) == 2 and all(float(r["train/loss"]) > 0 for r in rows)
+
+
 # ---- refusals ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "change, named",
@@ -252,26 +273,32 @@ def test_presets_count_total_and_active_as_transformers_builds_them(name):
 
 
 def parity_table() -> list[str]:
-    """The measured differences behind the bounds above, one Markdown row (docs/families.md):
-    `python tests/hf/test_hf_qwen3_next.py`."""
+    """The measured differences behind the bounds above, one Markdown row per chunking (docs/families.md):
+    `PYTHONPATH=tests python tests/hf/test_hf_qwen3_next.py`."""
+    module = transformers.models.qwen3_next.modeling_qwen3_next
+    original = module.torch_chunk_gated_delta_rule
     rows = [
-        "| case | eager | sdpa | export (gptkit -> transformers) | greedy tokens equal |",
-        "|---|---|---|---|---|",
+        "| chunk (gptkit / transformers) | eager | sdpa | export (gptkit -> transformers) |",
+        "|---|---|---|---|",
     ]
     idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
     theirs = hf_model()
     model = hf.from_transformers(theirs)
-    diffs = []
-    with torch.no_grad():
-        for attention in ("eager", "sdpa"):
-            theirs.set_attn_implementation(attention)
-            d = model.cfg.to_dict() | {"attention": attention}
-            d["gdn"] = d["gdn"] | {"chunk_size": CHUNK}
+    for ours_chunk, their in ((CHUNK, CHUNK), (64, 64), (CHUNK, 64)):
+        module.torch_chunk_gated_delta_rule = functools.partial(original, chunk_size=their)
+        d = model.cfg.to_dict()
+        d["gdn"] = d["gdn"] | {"chunk_size": ours_chunk}
+        diffs = []
+        with torch.no_grad():
+            for attention in ("eager", "sdpa"):
+                theirs.set_attn_implementation(attention)
+                ours = GPT.from_state(ModelConfig.from_dict(d | {"attention": attention}), model.state_dict())
+                diffs.append((ours(idx).logits - theirs(idx).logits).abs().max().item())
             ours = GPT.from_state(ModelConfig.from_dict(d), model.state_dict())
-            diffs.append((ours(idx).logits - theirs(idx).logits).abs().max().item())
-        diffs.append((model(idx).logits - hf.to_transformers(model)(idx).logits).abs().max().item())
-    cells = " | ".join(f"{x:.1e}" if x else "0.0" for x in diffs)
-    rows.append(f"| T={T}, gptkit's chunk {CHUNK}, transformers' 64 | {cells} | 64 of 64 |")
+            diffs.append((ours(idx).logits - hf.to_transformers(ours)(idx).logits).abs().max().item())
+        cells = " | ".join(f"{x:.1e}" if x else "0.0" for x in diffs)
+        rows.append(f"| {ours_chunk} / {their} | {cells} |")
+    module.torch_chunk_gated_delta_rule = original
     return rows
 
 
