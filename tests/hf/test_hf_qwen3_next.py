@@ -199,6 +199,21 @@ def test_train_init_from_hf_trains_the_hybrid(tmp_path, monkeypatch, capsys):
     assert len(rows) == 2 and all(float(r["train/loss"]) > 0 for r in rows)
 
 
+def test_a_tensor_of_another_shape_than_config_json_gives_is_one_line(tmp_path):
+    """A linear layer's projection of the wrong width: one GptkitError line naming it, nothing written."""
+    from gptkit.hf.folders import Source, import_folder
+
+    hf_model().save_pretrained(tmp_path / "hf")
+    f = tmp_path / "hf" / "model.safetensors"
+    name = "model.layers.1.linear_attn.in_proj_qkvz.weight"
+    save_file(load_file(f) | {name: torch.zeros(40, 32)}, f, metadata={"format": "pt"})
+    with pytest.raises(
+        GptkitError, match=rf"{name.replace('.', '[.]')} has shape \(40, 32\), the config needs \(96, 32\)"
+    ):
+        import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
 # ---- refusals ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "change, named",
@@ -270,6 +285,10 @@ def test_presets_count_total_and_active_as_transformers_builds_them(name):
     m = cfg.moe
     assert (total, total - experts * (m.n_experts - m.top_k) // m.n_experts) == (c.total, c.active)
     assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
+    # the released config.json's spelling: RoPE keys at the top, full_attention_interval, no layer_types
+    released = {k: v for k, v in config.to_dict().items() if k not in ("layer_types", "rope_parameters")}
+    released |= {"rope_theta": cfg.rope_theta, "partial_rotary_factor": 0.25, "full_attention_interval": 4}
+    assert hf.model_config_from_hf(released, name=cfg.name) == cfg
 
 
 def parity_table() -> list[str]:
