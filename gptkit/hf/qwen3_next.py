@@ -28,9 +28,13 @@ and attn.gate_proj (GATE_SPLIT rows). A linear layer's tensors (linear_attn.in_p
 conv1d, A_log, dt_bias, norm, out_proj) are gptkit's as they are (gptkit/model/gated_deltanet.py keeps
 transformers' names and layouts). A layer's experts are experts.<j>.gate_proj/up_proj/down_proj in the
 files (STACK rows), two fused tensors per layer in transformers' memory (memory_layout, files_layout). The
-released checkpoints also hold an MTP module (mtp.*: fc, pre_fc_norm_embedding, pre_fc_norm_hidden, one
-decoder layer, norm), which transformers ignores: import drops it with a note (no reference here to hold a
-kept one to), export writes none.
+released checkpoints also hold an MTP module (mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden,
+mtp.layers.0: a full-attention MoE decoder layer, mtp.norm), which transformers ignores. gptkit's model.mtp
+(gptkit/model/mtp.py) is the same computation (vLLM's qwen3_next_mtp: the embedding's norm first in fc's
+input, the main model's final-normed hidden state, the shared embedding and head, a block of the last
+layer's kind, which is full attention in Qwen3-Next): import keeps it as model.mtp (depth 1) when every
+tensor has its place (with_files), else drops it, and says which in one note line; export writes it back
+under the same names.
 """
 
 from __future__ import annotations
@@ -85,6 +89,13 @@ GDN_KEYS = {
 # a linear layer's tensors, the same names in gptkit's GatedDeltaNet and under linear_attn.
 LINEAR_TENSORS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj")
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+# the MTP module's own tensors (ours under mtp.layers.0., theirs under mtp.) besides its decoder layer's
+MTP_OWN = (
+    ("e_norm", "pre_fc_norm_embedding"),
+    ("h_norm", "pre_fc_norm_hidden"),
+    ("proj", "fc"),
+    ("out_norm", "norm"),
+)
 # what Qwen3-Next's mixture fixes of model.moe (transformers' Qwen3NextSparseMoeBlock)
 MOE_FIXES = {
     "router": "softmax",
@@ -129,7 +140,7 @@ class Qwen3Next(Decoder):
 
     def check(self, cfg: ModelConfig) -> None:
         target = self.target(cfg)
-        plain = {k: v for k, v in PLAIN.items() if k not in ("rotary_dim", "gdn")}
+        plain = {k: v for k, v in PLAIN.items() if k not in ("rotary_dim", "gdn", "mtp")}
         need = {"position": "rope", **LLAMA_LAYOUT, **plain} | self.fixes | self.extra_needs(cfg)
         require(cfg, need, "in a Qwen3-Next model", target)
         m = cfg.moe
@@ -142,6 +153,17 @@ class Qwen3Next(Decoder):
                         f"model.moe.{name}={have} has no faithful transformers architecture: {target} needs "
                         f"moe.{name}={want}; refusing rather than produce a different model"
                     )
+        if cfg.mtp_depth > 1:
+            raise GptkitError(
+                f"model.mtp.depth={cfg.mtp_depth} has no faithful transformers layout: {target}'s "
+                "checkpoints hold one MTP layer (mtp.*); set model.mtp.depth=1 or model.mtp=null"
+            )
+        if cfg.mtp_depth and cfg.layer_types is not None and cfg.layer_types[-1] == "linear":
+            raise GptkitError(
+                f"model.mtp with a linear last layer has no faithful transformers layout: {target}'s MTP "
+                "layer is a full-attention layer (gptkit's MTP block is the last layer's kind); end the "
+                "model with a global layer or set model.mtp=null"
+            )
         if int(cfg.head_dim * (cfg.rope_dim / cfg.head_dim)) != cfg.rope_dim:
             raise GptkitError(
                 f"model.rotary_dim={cfg.rope_dim} of head_dim={cfg.head_dim} is no partial_rotary_factor "
@@ -336,17 +358,72 @@ class Qwen3Next(Decoder):
         rows.append((g + "shared_gate.weight", moe + "shared_expert_gate.weight", COPY))
         return rows
 
+    def final_rows(self, cfg: ModelConfig) -> list[Row]:
+        rows = super().final_rows(cfg)
+        if not cfg.mtp_depth:
+            return rows
+        g, h, last = "mtp.layers.0.", "mtp.", cfg.n_layers - 1
+        rows += [(g + f"{ours}.weight", h + f"{theirs}.weight", COPY) for ours, theirs in MTP_OWN]
+        # its block: the last layer's rows (a full layer's) under mtp.layers.0.
+        for ours, theirs, how in self.layer_rows(cfg, last):
+            rows.append(
+                (
+                    _renamed(ours, f"blocks.{last}.", g + "block."),
+                    _renamed(theirs, f"model.layers.{last}.", h + "layers.0."),
+                    how,
+                )
+            )
+        return rows
+
     def with_files(
         self, cfg: ModelConfig, d: dict[str, Any], state: dict[str, Any], source: str
     ) -> tuple[ModelConfig, str | None]:
-        """The MTP module in the files (mtp.*) dropped, said in one note line."""
-        mtp = [k for k in state if k.startswith("mtp.")]
-        if not mtp:
+        """cfg with model.mtp (depth 1) when the files' MTP module (mtp.*) maps exactly onto gptkit's (else
+        without it, and a note saying why); an MTP tensor of another shape than the config gives is one
+        GptkitError line."""
+        have = {k: tuple(v.shape) for k, v in state.items() if k.startswith("mtp.")}
+        if not have:
             return cfg, None
-        return cfg, (
-            f"its MTP module ({len(mtp)} mtp.* tensors) left out: transformers' Qwen3NextForCausalLM ignores "
-            "it and gptkit has no reference to hold a kept one to; imported without model.mtp"
-        )
+        dropped = f"imported without model.mtp (its MTP module's {len(have)} mtp.* tensors left out)"
+        if cfg.layer_types is not None and cfg.layer_types[-1] == "linear":
+            return (
+                cfg,
+                f"the last layer is linear, the MTP layer full attention (gptkit's is the last's): {dropped}",
+            )
+        kept = ModelConfig.from_dict(cfg.to_dict() | {"mtp": {"depth": 1}})
+        want = self._mtp_shapes(kept)
+        for name, shape in have.items():
+            if name in want and want[name] != shape:
+                raise GptkitError(
+                    f"{source} contradicts its config.json: the MTP tensor {name} has shape {shape}, the "
+                    f"config needs {want[name]}"
+                )
+        unknown, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+        if unknown or missing:
+            what = f"{unknown[0]} has no place in gptkit's MTP" if unknown else f"it has no {missing[0]}"
+            return cfg, f"the MTP module does not map onto gptkit's ({what}): {dropped}"
+        return kept, "its MTP module (mtp.*) kept as model.mtp (depth 1)"
+
+    def _mtp_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+        """The files' MTP tensors of cfg (model.mtp depth 1) and their shapes, from gptkit's on the meta
+        device."""
+        import torch
+
+        from gptkit.model import GPT
+
+        with torch.device("meta"):
+            ours = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items() if k.startswith("mtp.")}
+        out: dict[str, tuple[int, ...]] = {}
+        for mine, theirs, how in self.final_rows(cfg):
+            if how == STACK:
+                out.update({t: ours[mine][1:] for t in theirs})
+            elif how == GATE_SPLIT:
+                d = ours[mine[0]][1:]
+                q, k, v = theirs
+                out |= {q: (2 * cfg.d_attn, *d), k: (cfg.d_kv, *d), v: (cfg.d_kv, *d)}
+            elif isinstance(mine, str) and mine.startswith("mtp."):
+                out[theirs] = ours[mine]
+        return out
 
     def check_files(self, hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
         """The experts in the files, layer by layer, are those config.json names: else one GptkitError
@@ -367,7 +444,8 @@ class Qwen3Next(Decoder):
         [E, 2 * d_expert, d_model] (gate rows first) and experts.down_proj [E, d_model, d_expert]."""
         import torch
 
-        out = dict(state)
+        # no MTP module: transformers ignores it
+        out = {k: v for k, v in state.items() if not k.startswith("mtp.")}
         for i in cfg.moe_layers:
             moe = f"model.layers.{i}.mlp."
             experts = {
@@ -380,8 +458,8 @@ class Qwen3Next(Decoder):
 
     def files_layout(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         """The inverse of memory_layout (a state dict in the files' layout already is returned as it is),
-        without the MTP module (with_files said so)."""
-        out = {k: v for k, v in state.items() if not k.startswith("mtp.")}
+        with the MTP module only when cfg has model.mtp (with_files kept it; else it said so)."""
+        out = {k: v for k, v in state.items() if cfg.mtp_depth or not k.startswith("mtp.")}
         for i in cfg.moe_layers:
             moe = f"model.layers.{i}.mlp."
             if moe + "experts.gate_up_proj" not in out:
@@ -391,3 +469,10 @@ class Qwen3Next(Decoder):
             for p, w in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
                 out.update({f"{moe}experts.{j}.{p}.weight": t for j, t in enumerate(w.unbind(0))})
         return out
+
+
+def _renamed(name: str | tuple[str, ...], old: str, new: str) -> str | tuple[str, ...]:
+    """A row's name (or names) with the prefix `old` replaced by `new`."""
+    if isinstance(name, tuple):
+        return tuple(new + x[len(old) :] for x in name)
+    return new + name[len(old) :]

@@ -1,10 +1,11 @@
 """Qwen3-Next (transformers' Qwen3NextForCausalLM, gptkit/hf/qwen3_next.py): import with transformers' fp32
 logits (<= 1e-5; every weight perturbed, three Gated DeltaNet layers and one gated full-attention layer,
 partial RoPE, QK-norm, the (1 + w) RMSNorm, a dense first layer, two shared experts behind their sigmoid gate;
-T past four of gptkit's chunks and past transformers' 64), greedy tokens of `generate` (the recurrent state
-and the KV cache), export back to the same files bit for bit, the MTP module dropped with its note, refusals
-by name, the preset's counts equal transformers' on the meta device. Tiny random models built from their
-configs (no hub); transformers runs its PyTorch path (no flash-linear-attention, no causal-conv1d)."""
+T = 80, five chunks of 16 on both sides), greedy tokens of `generate` (the recurrent state and the KV cache),
+export back to the same files bit for bit, the MTP module kept (its loss equals a reference in transformers'
+modules) or dropped with its note, refusals by name, the preset's counts equal transformers' on the meta
+device. Tiny random models built from their configs (no hub); transformers runs its PyTorch path (no
+flash-linear-attention, no causal-conv1d)."""
 
 import functools
 
@@ -157,25 +158,122 @@ def test_greedy_generation_equals_transformers():
     assert len(want_ids) == 64 and len(set(want_ids)) > 3 and got == want_ids
 
 
-def test_the_mtp_module_is_dropped_with_a_note(tmp_path):
-    """The released checkpoints' mtp.* tensors (which transformers ignores) are left out, said in one note;
-    the import is the model without them."""
+# ---- the MTP module ------------------------------------------------------------------------------------
+def with_mtp_module(folder) -> dict:
+    """Add a Qwen3-Next MTP module (mtp.fc, mtp.pre_fc_norm_embedding, mtp.pre_fc_norm_hidden, mtp.norm and
+    mtp.layers.0: a decoder layer like layer 3, full attention with experts; random) to a saved folder;
+    returns the tensors added."""
+    f = folder / "model.safetensors"
+    state = load_file(f)
+    g = torch.Generator().manual_seed(5)
+    added = {}
+    for k, v in state.items():
+        if k.startswith("model.layers.3."):
+            added[k.replace("model.layers.3.", "mtp.layers.0.")] = v + 0.2 * torch.randn(v.shape, generator=g)
+    for name, shape in (("pre_fc_norm_embedding", (32,)), ("pre_fc_norm_hidden", (32,)), ("norm", (32,))):
+        added[f"mtp.{name}.weight"] = 0.2 * torch.randn(shape, generator=g)
+    added["mtp.fc.weight"] = 0.2 * torch.randn((32, 64), generator=g)
+    save_file(state | added, f, metadata={"format": "pt"})
+    return added
+
+
+def reference_mtp_loss(theirs, mtp: dict, idx) -> float:
+    """Depth 1's loss on idx[:, :-1] by Qwen3-Next's MTP (vLLM's qwen3_next_mtp: fc of
+    [pre_fc_norm_embedding(embedding of token i + 1); pre_fc_norm_hidden(the main model's final-normed hidden
+    state)], a full-attention decoder layer, norm, the shared head), in transformers' modules with the MTP
+    module's weights; position i predicts token i + 2."""
+    qn = transformers.models.qwen3_next.modeling_qwen3_next
+    c = theirs.config
+    own = {k[len("mtp.") :]: v for k, v in mtp.items()}
+    layer = qn.Qwen3NextDecoderLayer(c, layer_idx=3).eval()
+    block = {
+        k[len("layers.0.") :]: v for k, v in own.items() if k.startswith("layers.0.") and ".experts." not in k
+    }
+    for fused, parts in (("gate_up_proj", ("gate_proj", "up_proj")), ("down_proj", ("down_proj",))):
+        stacks = [torch.stack([own[f"layers.0.mlp.experts.{j}.{p}.weight"] for j in range(4)]) for p in parts]
+        block[f"mlp.experts.{fused}"] = torch.cat(stacks, dim=1)
+    layer.load_state_dict(block, strict=True)
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = qn.Qwen3NextRMSNorm(32, eps=c.rms_norm_eps)
+        norms[name].weight.data.copy_(own[name + ".weight"])
+    inp = idx[:, :-1]
+    n = inp.shape[1]
+    causal = torch.full((n, n), float("-inf")).triu(1)[None, None]  # [1, 1, n, n]
+    with torch.no_grad():
+        h0 = theirs.model(inp).last_hidden_state  # final-normed
+        nxt = torch.cat([inp[:, 1:], inp[:, -1:]], dim=1)  # token i + 1 at position i
+        e = theirs.model.embed_tokens(nxt)
+        x = torch.cat([norms["pre_fc_norm_embedding"](e), norms["pre_fc_norm_hidden"](h0)], dim=-1)
+        x = x @ own["fc.weight"].t()
+        pe = theirs.model.rotary_emb(x, torch.arange(n)[None])
+        x = layer(x, position_embeddings=pe, attention_mask=causal)
+        logits = theirs.lm_head(norms["norm"](x))
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), idx[:, 2:].reshape(-1)).item()
+
+
+def imported(tmp_path, out: str):
+    """(the import's notes, its model) of tmp_path/hf into tmp_path/out, in process."""
     from gptkit.hf.folders import Source, import_folder
     from gptkit.runs import load_model
 
+    done = import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / out)
+    return "; ".join(done.notes or []), load_model(tmp_path / out)[4]
+
+
+def test_the_mtp_module_is_kept_when_it_maps_and_exports_back(tmp_path, monkeypatch):
+    from gptkit.cli import main
+
+    their_chunk(monkeypatch)
+    theirs = hf_model()
+    theirs.save_pretrained(tmp_path / "hf")
+    added = with_mtp_module(tmp_path / "hf")
+    note, model = imported(tmp_path, "run")
+    assert "its MTP module (mtp.*) kept as model.mtp (depth 1)" in note and model.cfg.mtp_depth == 1
+    d = model.cfg.to_dict()
+    model = GPT.from_state(
+        ModelConfig.from_dict(d | {"gdn": d["gdn"] | {"chunk_size": CHUNK}}), model.state_dict()
+    )
+    idx = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ours = model(idx[:, :-1], targets=idx[:, 1:], mtp=True).mtp_losses[0].item()
+    ref = reference_mtp_loss(theirs, added, idx)
+    assert abs(ours - ref) <= 1e-5, (ours, ref)
+    # export writes the MTP module back under its names, bit for bit; transformers ignores it
+    assert main(["export", f"run={tmp_path / 'run'}", f"out={tmp_path / 'again'}"]) == 0
+    again, original = (
+        load_file(tmp_path / "again" / "model.safetensors"),
+        load_file(tmp_path / "hf" / "model.safetensors"),
+    )
+    assert sorted(again) == sorted(original) and all(torch.equal(again[k], original[k]) for k in again)
+
+
+def test_an_mtp_module_that_does_not_map_is_dropped_with_a_note_and_a_wrong_shape_is_one_line(tmp_path):
     theirs = hf_model()
     theirs.save_pretrained(tmp_path / "hf")
     f = tmp_path / "hf" / "model.safetensors"
     state = load_file(f)
-    mtp = {"mtp.fc.weight": torch.ones(32, 64), "mtp.norm.weight": torch.zeros(32)}
-    save_file(state | mtp, f, metadata={"format": "pt"})
-    done = import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / "run")
-    assert "its MTP module (2 mtp.* tensors) left out" in "; ".join(done.notes or [])
-    model = load_model(tmp_path / "run")[4]
-    assert model.cfg.mtp_depth == 0
+    with_mtp_module(tmp_path / "hf")
+    full = load_file(f)
+    # a tensor gptkit's MTP has no place for, and one it needs left out: dropped, the main model imported
+    save_file(full | {"mtp.extra.weight": torch.ones(2)}, f, metadata={"format": "pt"})
+    note, model = imported(tmp_path, "extra")
+    assert "mtp.extra.weight has no place in gptkit's MTP" in note and model.cfg.mtp_depth == 0
+    assert "imported without model.mtp" in note
+    save_file({k: v for k, v in full.items() if k != "mtp.fc.weight"}, f, metadata={"format": "pt"})
+    note, model = imported(tmp_path, "no-fc")
+    assert "it has no mtp.fc.weight" in note and model.cfg.mtp_depth == 0
     idx = torch.randint(0, V, (1, 24))
     with torch.no_grad():
         assert (model(idx).logits - theirs(idx).logits).abs().max().item() <= 1e-5
+    # fc of the wrong width: one line, nothing written
+    save_file(full | {"mtp.fc.weight": torch.zeros(32, 48)}, f, metadata={"format": "pt"})
+    with pytest.raises(
+        GptkitError, match=r"the MTP tensor mtp\.fc\.weight has shape \(32, 48\), the config needs \(32, 64\)"
+    ):
+        imported(tmp_path, "bad")
+    assert not (tmp_path / "bad").exists()
+    save_file(state, f, metadata={"format": "pt"})
 
 
 def test_train_init_from_hf_trains_the_hybrid(tmp_path, monkeypatch, capsys):
@@ -262,17 +360,18 @@ def test_a_dense_hybrid_exports_with_num_experts_0_and_reads_back():
 
 
 # ---- the preset and count-params ------------------------------------------------------------------------
-# total, active
-COUNTS = {"qwen3-next-80b-a3b": (79_674_391_296, 3_874_929_408)}
+# total (the MTP layer included, as the released checkpoints hold it), active (no MTP), the MTP layer
+COUNTS = {"qwen3-next-80b-a3b": (81_324_862_720, 3_874_929_408, 1_650_471_424)}
 
 
 @pytest.mark.parametrize("name", sorted(COUNTS))
 def test_presets_count_total_and_active_as_transformers_builds_them(name):
-    """count-params' total and active are transformers' Qwen3NextForCausalLM's on the meta device: its
-    parameters, and those a token meets (top_k of the n_experts routed experts)."""
+    """count-params' total less its MTP row, and its active count, are transformers' Qwen3NextForCausalLM's
+    (which holds no MTP layer) on the meta device: its parameters, and those a token meets (top_k of the
+    n_experts routed experts)."""
     cfg = ModelConfig.from_dict(yaml.safe_load((conf_dir() / "model" / f"{name}.yaml").read_text()))
     c = acc.count_params(cfg)
-    assert (c.total, c.active) == COUNTS[name]
+    assert (c.total, c.active, c.mtp) == COUNTS[name]
     with torch.device("meta"):
         assert GPT(cfg).num_parameters() == c.total
         d = hf.hf_config(cfg)
@@ -283,7 +382,9 @@ def test_presets_count_total_and_active_as_transformers_builds_them(name):
     total = sum(p.numel() for p in theirs.parameters())
     experts = sum(p.numel() for n, p in theirs.named_parameters() if ".experts." in n)
     m = cfg.moe
-    assert (total, total - experts * (m.n_experts - m.top_k) // m.n_experts) == (c.total, c.active)
+    assert (total, total - experts * (m.n_experts - m.top_k) // m.n_experts) == (c.total - c.mtp, c.active)
+    # config.json alone makes no MTP (the files' mtp.* do: with_files)
+    cfg = ModelConfig.from_dict(cfg.to_dict() | {"mtp": None})
     assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
     # the released config.json's spelling: RoPE keys at the top, full_attention_interval, no layer_types
     released = {k: v for k, v in config.to_dict().items() if k not in ("layer_types", "rope_parameters")}
