@@ -359,6 +359,18 @@ def test_a_dense_hybrid_exports_with_num_experts_0_and_reads_back():
     assert hf.from_transformers(theirs).cfg == model.cfg
 
 
+def test_lora_adapters_on_the_gated_q_proj_are_refused_in_peft_layout_in_one_line():
+    """q_proj packs each head's query and gate rows: no PEFT layout (was a KeyError on qkv_proj)."""
+    from gptkit.hf.peft import peft_adapters
+
+    cfg = hf.from_transformers(hf_model(layer_types=["full_attention"] * 4)).cfg
+    lora = {"rank": 4, "alpha": 8, "dropout": 0.0, "targets": ["q", "v"]}
+    with pytest.raises(
+        GptkitError, match=r"lora.targets \[.q., .v.\] with model.attn_output_gate: .*\(adapters=false\)"
+    ):
+        peft_adapters({}, cfg, lora)
+
+
 # ---- the preset and count-params ------------------------------------------------------------------------
 # total (the MTP layer included, as the released checkpoints hold it), active (no MTP), the MTP layer
 COUNTS = {"qwen3-next-80b-a3b": (81_324_862_720, 3_874_929_408, 1_650_471_424)}
