@@ -277,6 +277,8 @@ def count_params(cfg: ModelConfig) -> ParamCounts:
     # an expert's three matrices (and, model.moe.expert_biases, its biases: gate and up, down)
     expert = 3 * d * m.d_expert + int(m.expert_biases) * (2 * m.d_expert + d) if m else 0
     experts, shared = (m.n_experts * expert, m.n_shared * 3 * d * m.d_expert) if m else (0, 0)
+    # model.moe.shared_expert_gate: its [1, d_model] weight
+    shared += d * int(m.shared_expert_gate) if m else 0
     mlp = (L - n_moe) * dense + n_moe * (router + experts + shared)
     # weight (and bias) per normalized feature
     per_dim = 2 if (cfg.norm == "layernorm" and cfg.bias) else 1
@@ -327,6 +329,8 @@ def matmul_params(cfg: ModelConfig) -> int:
     dense = (cfg.n_layers - n_moe) * mlp_matrices * d * cfg.d_ff
     m = cfg.moe
     moe = n_moe * (d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert) if m else 0
+    # the shared experts' gate (model.moe.shared_expert_gate): d weights
+    moe += n_moe * d * int(m.shared_expert_gate) if m else 0
     return attention + dense + moe + d * cfg.vocab_size
 
 
@@ -338,7 +342,7 @@ def mtp_matmul_params(cfg: ModelConfig) -> int:
     d, m = cfg.d_model, cfg.moe
     attention = attention_params(cfg, cfg.n_layers - 1).matmul
     if cfg.feed_forward(cfg.n_layers - 1) == "moe":
-        ff = d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert
+        ff = d * m.n_experts + (m.top_k + m.n_shared) * 3 * d * m.d_expert + d * int(m.shared_expert_gate)
     else:
         ff = (2 if cfg.mlp == "gelu" else 3) * d * cfg.d_ff
     return cfg.mtp_depth * (2 * d * d + attention + ff + d * cfg.vocab_size)

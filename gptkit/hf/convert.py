@@ -21,7 +21,7 @@ import torch
 
 from gptkit.errors import GptkitError
 from gptkit.hf.families import ARCHITECTURES, FAMILIES, family_named, family_of, imported
-from gptkit.hf.family import COPY, JOIN, SPLIT, STACK, TRANSPOSE, WEAVE, Family, Row
+from gptkit.hf.family import COPY, GATE_SPLIT, JOIN, SPLIT, STACK, TRANSPOSE, WEAVE, Family, Row
 from gptkit.model import GPT
 from gptkit.model.config import ModelConfig
 
@@ -163,8 +163,10 @@ def name_map(cfg: ModelConfig, family: Family | None = None) -> list[Row]:
     (ours, theirs, how): COPY (the same tensor), TRANSPOSE (GPT-2's Conv1D stores [in, out]), SPLIT
     (our fused qkv_proj rows are Llama's q_proj, k_proj, v_proj, in that order), STACK (our [E, out, in]
     experts tensor is their E tensors, expert 0 first), JOIN (our gate_proj and up_proj are the two row
-    halves of Phi-3's gate_up_proj, in that order) or WEAVE (our two tensors are the even and odd entries of
-    their last axis, an [E, out, in] stack transposed first: gpt-oss's gate_up_proj and its bias). lm_head
+    halves of Phi-3's gate_up_proj, in that order), WEAVE (our two tensors are the even and odd entries of
+    their last axis, an [E, out, in] stack transposed first: gpt-oss's gate_up_proj and its bias) or
+    GATE_SPLIT (our qkv_proj and gate_proj are q_proj, k_proj, v_proj, q_proj holding each query head's
+    rows then its gate's: Qwen3-Next). lm_head
     appears only when it is not tied to the embedding. Both directions of the mapping read this one table;
     its rows are the family's: `family`, the one whose files are read (a Phi-3 folder of the Llama layout),
     else the family of cfg."""
@@ -185,6 +187,11 @@ def to_hf_state_dict(state: dict[str, Any], cfg: ModelConfig, family: Family | N
     for ours, theirs, how in name_map(cfg, family):
         if how == SPLIT:
             out.update(zip(theirs, state[ours].split([cfg.d_attn, cfg.d_kv, cfg.d_kv], dim=0)))
+        elif how == GATE_SPLIT:
+            q, k, v = state[ours[0]].split([cfg.d_attn, cfg.d_kv, cfg.d_kv], dim=0)
+            heads = (x.unflatten(0, (cfg.n_heads, cfg.head_dim)) for x in (q, state[ours[1]]))
+            # [n_heads, 2, head_dim, ...]: each head's query rows, then its gate's
+            out.update(zip(theirs, (torch.stack(tuple(heads), dim=1).flatten(0, 2), k, v)))
         elif how == STACK:
             out.update(zip(theirs, state[ours].unbind(0)))
         elif how == JOIN:
@@ -238,6 +245,11 @@ def from_hf_state_dict(
     for ours, theirs, how in name_map(cfg, family):
         if how == SPLIT:
             state[ours] = torch.cat([hf[k] for k in theirs], dim=0)  # [d_attn + 2 * d_kv, ...]
+        elif how == GATE_SPLIT:
+            heads = hf[theirs[0]].unflatten(0, (cfg.n_heads, 2, cfg.head_dim))  # [n_heads, 2, head_dim, ...]
+            q, gate = heads[:, 0].flatten(0, 1), heads[:, 1].flatten(0, 1)
+            state[ours[0]] = torch.cat([q, hf[theirs[1]], hf[theirs[2]]], dim=0)
+            state[ours[1]] = gate
         elif how == STACK:
             state[ours] = torch.stack([hf[k] for k in theirs])  # [E, out, in]
         elif how == JOIN:

@@ -19,10 +19,13 @@ from gptkit.hf.llama import Llama, Mistral, Olmo2, Qwen2, Qwen3
 from gptkit.hf.moe import Mixtral, Olmoe, Qwen3Moe
 from gptkit.hf.olmo3 import Olmo3
 from gptkit.hf.phi3 import Phi3
+from gptkit.hf.qwen3_next import Qwen3Next
 from gptkit.hf.smollm3 import SmolLM3
 from gptkit.model.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (
+    # Gated DeltaNet layers, the attention output gate, the gated shared expert: Qwen3-Next's alone
+    Qwen3Next(),
     # multi-head latent attention: they alone claim attention_kind=mla
     DeepseekV2(),
     DeepseekV3(),

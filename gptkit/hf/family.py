@@ -11,7 +11,7 @@ conversion code (convert.py) that never asks which family it holds:
     config_from_hf(d)      the ModelConfig of its config.json, or a GptkitError
     embedding_rows, layer_rows(cfg, i), final_rows
                            the weight names: (ours, theirs, how) rows, how: COPY, TRANSPOSE, SPLIT, STACK,
-                           JOIN, WEAVE
+                           JOIN, WEAVE, GATE_SPLIT
     files_layout, memory_layout, check_files
                            the files' layout against transformers' in-memory one (the mixtures' experts)
 
@@ -36,8 +36,11 @@ from gptkit.model.config import ModelConfig
 # tensors (a tuple: gate_proj, up_proj) are the equal row blocks of their one tensor, in that order (Phi-3's
 # gate_up_proj); our two tensors (a tuple) are the even and odd entries of their one tensor's last axis, each
 # of ours a [E, out, in] stack transposed to [E, in, out] first (gpt-oss's interleaved gate_up_proj and its
-# bias). TRANSPOSE swaps the last two axes (a [E, out, in] stack's too).
+# bias); our fused qkv_proj and the output gate's gate_proj (a tuple) are their q_proj, k_proj, v_proj, each
+# query head's q_proj rows its query's head_dim rows then its gate's (Qwen3-Next's gated q_proj: GATE_SPLIT).
+# TRANSPOSE swaps the last two axes (a [E, out, in] stack's too).
 COPY, TRANSPOSE, SPLIT, STACK, JOIN, WEAVE = "copy", "transpose", "split", "stack", "join", "weave"
+GATE_SPLIT = "gate_split"
 Row = tuple[str | tuple[str, ...], str | tuple[str, ...], str]
 # the fields only some families turn on (Gemma's), at the values every other family needs
 PLAIN = {

@@ -36,6 +36,13 @@ def peft_adapters(
             "yet: export the model with its adapters merged (adapters=false)"
         )
     family = family_of(cfg)
+    attention = [t for t in lora["targets"] if t in ("q", "k", "v")]
+    if cfg.attn_output_gate and attention:
+        raise GptkitError(
+            f"lora.targets {attention} with model.attn_output_gate: {family.architecture}'s q_proj holds "
+            "each head's query rows and gate rows together, which have no PEFT adapter layout here: export "
+            "the model with its adapters merged (adapters=false)"
+        )
     if not family.peft_adapters:
         raise GptkitError(
             f"{family.architecture} fuses q/k/v and gate/up into one weight each, which have no PEFT adapter "

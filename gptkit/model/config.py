@@ -128,6 +128,9 @@ class MoEConfig:
     # groups' experts may be chosen; n_group 1: every expert (no groups)
     n_group: int = 1
     topk_group: int = 1
+    # the shared experts' output times sigmoid(x W_s), W_s [1, d_model] (Qwen3-Next's shared_expert_gate);
+    # false: added as it is (DeepSeek, GLM-4.5)
+    shared_expert_gate: bool = False
 
     def validate(self, n_layers: int) -> None:
         """Raise ConfigError (one line) for any invalid field."""
@@ -140,6 +143,10 @@ class MoEConfig:
                         f"set model.moe=null)"
                     )
                 raise ConfigError(f"model.moe.{name}={v!r} must be an integer >= {low}")
+        if self.shared_expert_gate is True and self.n_shared == 0:
+            raise ConfigError(
+                "model.moe.shared_expert_gate=true needs shared experts to gate: set model.moe.n_shared >= 1"
+            )
         if self.top_k > self.n_experts:
             raise ConfigError(
                 f"model.moe.top_k={self.top_k} exceeds model.moe.n_experts={self.n_experts}: each token "
@@ -157,7 +164,13 @@ class MoEConfig:
             v = getattr(self, name)
             if v not in allowed:
                 raise ConfigError(f"model.moe.{name}={v!r} is not one of {', '.join(allowed)}")
-        for name in ("norm_topk_prob", "router_bias", "expert_biases", "correction_bias"):
+        for name in (
+            "norm_topk_prob",
+            "router_bias",
+            "expert_biases",
+            "correction_bias",
+            "shared_expert_gate",
+        ):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"model.moe.{name}={getattr(self, name)!r} must be true or false")
         for name in ("swiglu_limit", "swiglu_alpha"):

@@ -15,6 +15,7 @@
               loop over the experts; MOE_IMPLS)
     combine   each token's k outputs gathered back and summed with their weights (in fp32, in slot order:
               deterministic on every device), plus the n_shared always-on experts' SwiGLU of every token
+              (times sigmoid(h W_s), W_s [1, d], under model.moe.shared_expert_gate: Qwen3-Next's)
 
 In training it also returns its auxiliary loss and figures (LayerAux, MoEStats): the Switch/GShard balance
 loss E * sum_i f_i * P_i (f_i: the share of the group's token-expert assignments that go to expert i, P_i:
@@ -196,6 +197,8 @@ class MoE(nn.Module):
             if m.n_shared
             else None
         )
+        # model.moe.shared_expert_gate: the shared experts' output times sigmoid(h W_s) (Qwen3-Next)
+        self.shared_gate = nn.Linear(cfg.d_model, 1, bias=False) if m.shared_expert_gate else None
         # [E] fp32, moved by update_bias (bias_update_rate > 0) or fixed (model.moe.correction_bias: an
         # imported DeepSeek-V3's e_score_correction_bias); part of the state dict (a resume continues it)
         if self.bias_update_rate > 0 or m.correction_bias:
@@ -239,7 +242,10 @@ class MoE(nn.Module):
         routed = rows[back].view(B * T, k, d)  # [N, k, d]
         y = (routed.float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)  # [N, d]
         if self.shared is not None:
-            y = y + self.shared(h)[0]
+            shared = self.shared(h)[0]  # [N, d]
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(h)) * shared
+            y = y + shared
         y = y.view(B, T, d)
         if not self.training:
             return y, None

@@ -268,14 +268,24 @@ def test_multi_token_prediction_is_refused_on_export_by_the_families_without_it(
         hf.hf_config(cfg)
 
 
-def test_a_linear_attention_hybrid_is_refused_on_export_by_every_family():
-    """Llama's layout claimed a hybrid of Gated DeltaNet and softmax layers, then failed on a KeyError."""
+def test_a_linear_attention_hybrid_is_claimed_by_qwen3_next_alone_and_refused_by_the_field_it_lacks():
+    """Llama's layout claimed a hybrid of Gated DeltaNet and softmax layers, then failed on a KeyError; the
+    Qwen3-Next family claims it and names what it does not have (its norms are (1 + w): rmsnorm refused)."""
     gdn = {"n_key_heads": 2, "n_value_heads": 2, "key_head_dim": 8, "value_head_dim": 8}
     cfg = ModelConfig(
         **(ONE_ROPE_LAYER | {"n_layers": 2}), bias=False, layer_types=["linear", "global"], gdn=gdn
     )
-    with pytest.raises(GptkitError, match=r"model.gdn=.* needs gdn=None"):
+    with pytest.raises(
+        GptkitError, match=r"model.norm=rmsnorm .*Qwen3NextForCausalLM.* needs norm=rmsnorm_unit"
+    ):
         hf.hf_config(cfg)
+    # every other family refuses model.gdn by name
+    from gptkit.hf.families import FAMILIES
+
+    for family in FAMILIES:
+        if family.model_type != "qwen3_next" and family.claims(cfg):
+            with pytest.raises(GptkitError, match=r"model.gdn=.* needs gdn=None"):
+                family.check(cfg)
 
 
 def test_fused_norm_kernel_on_qk_norm_matches_eager():
