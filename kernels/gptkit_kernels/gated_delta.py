@@ -121,7 +121,7 @@ def _ut(k, v, beta, D, e_in, S, BT: tl.constexpr):
 def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, s0_ptr, o_ptr, hs_ptr, sf_ptr, T, H, N,
                 K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                 HAS_S0: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: B * H * T * K can pass 2^31
     b = bh // H
     ck, cv = tl.arange(0, BK), tl.arange(0, BV)
     kv = ck[:, None] * V + cv[None, :]
@@ -147,7 +147,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, s0_ptr, o_ptr, hs_pt
 def _bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, hs_ptr, do_ptr, dsf_ptr, dq_ptr, dk_ptr, dv_ptr,
                 dg_ptr, db_ptr, ds0_ptr, T, H, N, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
                 BK: tl.constexpr, BV: tl.constexpr, HAS_DSF: tl.constexpr):  # fmt: skip
-    bh = tl.program_id(0)
+    bh = tl.program_id(0).to(tl.int64)  # int64 offsets: B * H * T * K can pass 2^31
     b = bh // H
     ck, cv = tl.arange(0, BK), tl.arange(0, BV)
     kv = ck[:, None] * V + cv[None, :]
