@@ -13,10 +13,11 @@ carried in and out.
        initial state
 
 It computes S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T, o_t = S_t^T q_t, chunk by
-chunk (gptkit/model/gated_deltanet.py's chunk_gated_delta_rule is the readable PyTorch form it equals). One
-program per (sequence, head) walks the chunks in order holding the state S [K, V] in registers; per chunk of
-C positions (G the cumulative log decay from the chunk's start, D[i, j] = exp(G_i - G_j) for j <= i in one
-document, else 0):
+chunk (gptkit/model/gated_deltanet.py's chunk_gated_delta_rule is the readable PyTorch form it equals).
+One program per (sequence, head, block of value columns) walks the chunks in order holding its columns of the
+state S [K, V] in registers (each line below is column by column in V; A and Tinv are recomputed per block);
+per chunk of C positions (G the cumulative log decay from the chunk's start, D[i, j] = exp(G_i - G_j) for
+j <= i in one document, else 0):
 
     A  = strictly_lower((beta k) k^T * D);  Tinv = (I + A)^-1   the UT transform (forward substitution)
     U  = Tinv (beta v),  W = Tinv (beta k exp(G))                the WY representation of the C updates
@@ -62,12 +63,13 @@ def unsupported(chunk: int, key_dim: int, value_dim: int) -> Optional[str]:
 
 
 @triton.jit
-def _chunk(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, bh, b, n, T, K, V, BT: tl.constexpr, BK: tl.constexpr,
-           BV: tl.constexpr):  # fmt: skip
-    """Chunk n of sequence b, head row bh: its inputs and the decay factors of the module docstring."""
+def _chunk(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, bh, b, n, cv, T, K, V, BT: tl.constexpr,
+           BK: tl.constexpr):  # fmt: skip
+    """Chunk n of sequence b, head row bh (value columns cv): its inputs and the decay factors of the module
+    docstring."""
     t = n * BT + tl.arange(0, BT)
     ok = t < T
-    ck, cv = tl.arange(0, BK), tl.arange(0, BV)
+    ck = tl.arange(0, BK)
     q = tl.load(
         q_ptr + (bh * T + t[:, None]) * K + ck[None, :], mask=ok[:, None] & (ck[None, :] < K), other=0.0
     )
@@ -123,7 +125,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, s0_ptr, o_ptr, hs_pt
                 HAS_S0: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)  # int64 offsets: B * H * T * K can pass 2^31
     b = bh // H
-    ck, cv = tl.arange(0, BK), tl.arange(0, BV)
+    ck, cv = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)  # this program's value columns
     kv = ck[:, None] * V + cv[None, :]
     kv_ok = (ck[:, None] < K) & (cv[None, :] < V)
     if HAS_S0:
@@ -132,7 +134,7 @@ def _fwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, s0_ptr, o_ptr, hs_pt
         S = tl.zeros([BK, BV], dtype=tl.float32)
     for n in range(0, N):
         t, ok, q, k, v, beta, D, e_in, e_out, e_c = _chunk(
-            q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, bh, b, n, T, K, V, BT, BK, BV
+            q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, bh, b, n, cv, T, K, V, BT, BK
         )
         tl.store(hs_ptr + (bh * N + n) * K * V + kv, S, mask=kv_ok)  # the state at the chunk's start
         kb, bv, X, Tinv, U, W, Vn = _ut(k, v, beta, D, e_in, S, BT)
@@ -149,7 +151,7 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, hs_ptr, do_ptr, dsf_
                 BK: tl.constexpr, BV: tl.constexpr, HAS_DSF: tl.constexpr):  # fmt: skip
     bh = tl.program_id(0).to(tl.int64)  # int64 offsets: B * H * T * K can pass 2^31
     b = bh // H
-    ck, cv = tl.arange(0, BK), tl.arange(0, BV)
+    ck, cv = tl.arange(0, BK), tl.program_id(1) * BV + tl.arange(0, BV)  # this program's value columns
     kv = ck[:, None] * V + cv[None, :]
     kv_ok = (ck[:, None] < K) & (cv[None, :] < V)
     i = tl.arange(0, BT)[:, None]
@@ -160,10 +162,12 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, hs_ptr, do_ptr, dsf_
         )  # the gradient reaching the final state
     else:
         dS = tl.zeros([BK, BV], dtype=tl.float32)
+    # dq, dk, dg, dbeta sum over the value blocks: this block writes its own part (summed by the caller)
+    part = tl.program_id(1).to(tl.int64) * tl.num_programs(0)
     for m in range(0, N):
         n = N - 1 - m
         t, ok, q, k, v, beta, D, e_in, e_out, e_c = _chunk(
-            q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, bh, b, n, T, K, V, BT, BK, BV
+            q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, bh, b, n, cv, T, K, V, BT, BK
         )
         S = tl.load(hs_ptr + (bh * N + n) * K * V + kv, mask=kv_ok, other=0.0)
         kb, bv, X, Tinv, U, W, Vn = _ut(k, v, beta, D, e_in, S, BT)
@@ -215,31 +219,35 @@ def _bwd_kernel(q_ptr, k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, hs_ptr, do_ptr, dsf_
         dG += tl.where(tl.arange(0, BT) == BT - 1, dG_C, 0.0)
         dg = tl.sum(tl.where(j >= i, dG[None, :], 0.0), axis=1)  # reverse cumulative sum
         rows_k = ok[:, None] & (ck[None, :] < K)
-        tl.store(dq_ptr + (bh * T + t[:, None]) * K + ck[None, :], dq, mask=rows_k)
-        tl.store(dk_ptr + (bh * T + t[:, None]) * K + ck[None, :], dk, mask=rows_k)
+        tl.store(dq_ptr + ((part + bh) * T + t[:, None]) * K + ck[None, :], dq, mask=rows_k)
+        tl.store(dk_ptr + ((part + bh) * T + t[:, None]) * K + ck[None, :], dk, mask=rows_k)
         tl.store(dv_ptr + (bh * T + t[:, None]) * V + cv[None, :], dv, mask=rows_v)
-        tl.store(dg_ptr + bh * T + t, dg, mask=ok)
-        tl.store(db_ptr + bh * T + t, dbeta, mask=ok)
+        tl.store(dg_ptr + (part + bh) * T + t, dg, mask=ok)
+        tl.store(db_ptr + (part + bh) * T + t, dbeta, mask=ok)
         dS = dS_prev
     tl.store(ds0_ptr + bh * K * V + kv, dS, mask=kv_ok)
 
 
-def _blocks(K: int, V: int) -> tuple[int, int]:
-    return max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+def _blocks(K: int, V: int, block_v: Optional[int]) -> tuple[int, int, int]:
+    """BK (the whole key dim), BV (value columns per program: the state S[:, block] and every value-side tile
+    split across programs, at most 32 wide, so a 128 x 128 state does not sit in one program's registers)
+    and the number of value blocks."""
+    BV = block_v or min(max(16, triton.next_power_of_2(V)), 32)
+    return max(16, triton.next_power_of_2(K)), BV, triton.cdiv(V, BV)
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, seg, chunk):
+    def forward(ctx, q, k, v, g, beta, initial_state, seg, chunk, block_v):
         B, H, T, K = q.shape
         V = v.shape[-1]
         N = triton.cdiv(T, chunk)
-        BK, BV = _blocks(K, V)
+        BK, BV, NV = _blocks(K, V, block_v)
         o = torch.empty(B, H, T, V, device=q.device, dtype=torch.float32)
         states = torch.empty(B, H, N, K, V, device=q.device, dtype=torch.float32)
         final = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
         s0 = final if initial_state is None else initial_state
-        _fwd_kernel[(B * H,)](
+        _fwd_kernel[(B * H, NV)](
             q,
             k,
             v,
@@ -261,7 +269,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
             initial_state is not None,
         )
         ctx.save_for_backward(q, k, v, g, beta, seg, states)
-        ctx.chunk, ctx.has_s0 = chunk, initial_state is not None
+        ctx.chunk, ctx.block_v, ctx.has_s0 = chunk, block_v, initial_state is not None
         return o, final
 
     @staticmethod
@@ -270,17 +278,19 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         B, H, T, K = q.shape
         V = v.shape[-1]
         N = states.shape[2]
-        BK, BV = _blocks(K, V)
-        dq, dk = torch.empty_like(q), torch.empty_like(k)
-        dv, dg, db = torch.empty_like(v), torch.empty_like(g), torch.empty_like(beta)
+        BK, BV, NV = _blocks(K, V, ctx.block_v)
+        dq, dk = q.new_empty(NV, *q.shape), k.new_empty(NV, *k.shape)
+        dg, db = g.new_empty(NV, *g.shape), beta.new_empty(NV, *beta.shape)
+        dv = torch.empty_like(v)
         ds0 = torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
         do = torch.zeros_like(v) if do is None else do.float().contiguous()
         dsf = ds0 if dfinal is None else dfinal.float().contiguous()
-        _bwd_kernel[(B * H,)](
+        _bwd_kernel[(B * H, NV)](
             q, k, v, g, beta, seg, states, do, dsf, dq, dk, dv, dg, db, ds0, T, H, N, K, V, ctx.chunk, BK, BV,
             dfinal is not None,
         )  # fmt: skip
-        return dq, dk, dv, dg, db, (ds0 if ctx.has_s0 else None), None, None
+        dq, dk, dg, db = (x.sum(0) for x in (dq, dk, dg, db))
+        return dq, dk, dv, dg, db, (ds0 if ctx.has_s0 else None), None, None, None
 
 
 def chunk_gated_delta_rule(
@@ -292,8 +302,10 @@ def chunk_gated_delta_rule(
     chunk: int = 64,
     initial_state: Optional[torch.Tensor] = None,
     seg: Optional[torch.Tensor] = None,
+    block_v: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule chunk by chunk (the shapes: the module docstring); returns (o, final state)."""
+    """The gated delta rule chunk by chunk (the shapes: the module docstring); returns (o, final state).
+    block_v: the value columns per program (a power of two >= 16; None: up to 32)."""
     reason = unsupported(chunk, q.shape[-1], v.shape[-1])
     if reason is not None:
         raise ValueError(f"chunk_gated_delta_rule cannot take {reason}")
@@ -304,5 +316,5 @@ def chunk_gated_delta_rule(
     if initial_state is not None:
         initial_state = initial_state.float().contiguous()
     return _ChunkGatedDeltaRule.apply(
-        q, k, v, g, beta, initial_state, seg.to(torch.int32).contiguous(), chunk
+        q, k, v, g, beta, initial_state, seg.to(torch.int32).contiguous(), chunk, block_v
     )

@@ -185,19 +185,25 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
     assert torch.all((attn.A_log.exp() >= 0.0099) & (attn.A_log.exp() <= 16.01))
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
-def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol):
+@pytest.mark.parametrize(
+    "dtype, tol, d_v", [(torch.float32, 1e-5, 6), (torch.float16, 2e-3, 6), (torch.float32, 1e-5, 40)]
+)
+def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_v):
     """The Triton chunked delta rule (interpreter) against the PyTorch chunked form and the step-by-step one:
     T = 40 in chunks of 16 (a padded last chunk), grouped value heads, a carried-in state, documents starting
     mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped there);
     the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through both
-    outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs."""
+    outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs. A
+    value head of 40 spans two programs of 32 value columns (the second one part-masked)."""
     q, k, v, g, beta, S0 = (x.to(dtype) for x in inputs(T=40, seed=7))
+    if d_v != 6:
+        gen = torch.Generator().manual_seed(10)
+        v, S0 = torch.randn(2, 40, 4, d_v, generator=gen), torch.randn(2, 4, 8, d_v, generator=gen)
     resets = torch.zeros(2, 40, dtype=torch.bool)
     resets[0, [5, 16, 29]] = True
     resets[1, [0, 21]] = True
-    w_o = torch.randn(2, 40, 4, 6, generator=torch.Generator().manual_seed(8))
-    w_s = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(9))
+    w_o = torch.randn(2, 40, 4, d_v, generator=torch.Generator().manual_seed(8))
+    w_s = torch.randn(2, 4, 8, d_v, generator=torch.Generator().manual_seed(9))
 
     def run(rule):
         xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
