@@ -185,9 +185,7 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
     assert torch.all((attn.A_log.exp() >= 0.0099) & (attn.A_log.exp() <= 16.01))
 
 
-@pytest.mark.parametrize(
-    "dtype, tol, d_v", [(torch.float32, 1e-5, 6), (torch.float16, 2e-3, 6), (torch.float32, 1e-5, 40)]
-)
+@pytest.mark.parametrize("dtype, tol, d_v", [(torch.float32, 1e-5, 40), (torch.float16, 2e-3, 6)])
 def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_v):
     """The Triton chunked delta rule (interpreter) against the PyTorch chunked form and the step-by-step one:
     T = 40 in chunks of 16 (a padded last chunk), grouped value heads, a carried-in state, documents starting
