@@ -30,13 +30,19 @@ Decoding keeps no K/V: the layer's cache layout (gptkit/model/attention_kinds.py
 sequence, the delta-rule state [n_value_heads, key_head_dim, value_head_dim] and the convolution's last
 conv_kernel - 1 inputs [conv_dim, conv_kernel - 1], flattened into one vector (GDNConfig.state_shape,
 GatedDeltaNet.split_state),
-read and written in place through `cache.state(layer, like)`. The softmax backend (model.attention) does not
-apply here: this layer always runs the PyTorch functions below.
+read and written in place through `cache.state(layer, like)`.
+
+The backend: with model.attention=triton the chunked form runs our Triton kernel
+(kernels/gptkit_kernels/gated_delta.py: forward and backward, equal to chunk_gated_delta_rule) where Triton
+can run (CUDA tensors, or TRITON_INTERPRET=1), the PyTorch function elsewhere (one warning per process); a
+chunk size or head dim it cannot take is a ConfigError when the layer is built. eager and sdpa run the PyTorch
+functions. Decoding one token always runs the step-by-step form.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 from typing import Optional
 
@@ -44,8 +50,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 from gptkit.model.documents import Documents
+from gptkit.model.fused import triton_available, warn_once
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -182,6 +190,28 @@ def chunk_gated_delta_rule(
     return o.contiguous().to(dtype), S
 
 
+@_fp32
+def triton_chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    chunk: int = 64,
+    initial_state: Optional[torch.Tensor] = None,
+    resets: Optional[torch.Tensor] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_gated_delta_rule (the same arguments and result) by the Triton kernel of
+    gptkit_kernels.gated_delta; the documents go in as each position's running count of resets."""
+    from gptkit_kernels.gated_delta import chunk_gated_delta_rule as kernel
+
+    dtype = q.dtype
+    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    seg = None if resets is None else resets.int().cumsum(-1, dtype=torch.int32)
+    o, S = kernel(q, k, v, g, beta, chunk, initial_state, seg)
+    return o.transpose(1, 2).contiguous().to(dtype), S
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -240,6 +270,16 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.h_k * self.d_k, self.h_v * self.d_v
         self.conv_dim = 2 * self.key_dim + self.value_dim
         self.kernel, self.chunk = g.conv_kernel, g.chunk_size
+        self.triton = cfg.attention == "triton"
+        if self.triton and importlib.util.find_spec("triton") is not None:
+            from gptkit_kernels.gated_delta import unsupported
+
+            reason = unsupported(self.chunk, self.d_k, self.d_v)
+            if reason is not None:
+                raise ConfigError(
+                    f"model.attention=triton runs the linear layers' Triton kernel, which cannot take "
+                    f"{reason}; change model.gdn or set model.attention=sdpa"
+                )
         self.in_proj_qkvz = nn.Linear(cfg.d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = nn.Linear(cfg.d_model, 2 * self.h_v, bias=False)
         # depthwise: a weight [conv_dim, 1, K] as transformers' nn.Conv1d holds it (applied by causal_conv1d)
@@ -270,6 +310,20 @@ class GatedDeltaNet(nn.Module):
         self.norm.weight.fill_(1.0)
         self.conv1d.reset_parameters()
         self.out_proj.weight.normal_(0.0, self.init_std / math.sqrt(2 * self.n_layers))
+
+    def chunked(self, x: torch.Tensor):
+        """The chunked form for model.attention: the Triton kernel under triton where it can run, else the
+        PyTorch function (one warning per process)."""
+        if not self.triton:
+            return chunk_gated_delta_rule
+        if triton_available(x.device):
+            return triton_chunk_gated_delta_rule
+        warn_once(
+            "triton-gdn",
+            "model.attention=triton needs triton and CUDA tensors (or TRITON_INTERPRET=1) for the linear "
+            "layers' kernel; running the PyTorch chunked delta rule",
+        )
+        return chunk_gated_delta_rule
 
     def split_state(self, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of a flat decode state [B, *state_shape]: the delta-rule state [B, H_v, d_k, d_v] and the
@@ -315,7 +369,7 @@ class GatedDeltaNet(nn.Module):
         if T == 1:
             o, S = recurrent_gated_delta_rule(q, k, v, g, beta, S0, resets)
         else:
-            o, S = chunk_gated_delta_rule(q, k, v, g, beta, self.chunk, S0, resets)
+            o, S = self.chunked(x)(q, k, v, g, beta, self.chunk, S0, resets)
         if cache is not None:
             S0.copy_(S)
             conv0.copy_(conv_state)

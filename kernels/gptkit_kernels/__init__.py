@@ -13,6 +13,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "flash_attention": "gptkit_kernels.flash",
+    "chunk_gated_delta_rule": "gptkit_kernels.gated_delta",
     "interpreting": "gptkit_kernels.flash",
 }
 

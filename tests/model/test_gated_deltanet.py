@@ -14,7 +14,12 @@ from gptkit import accounting
 from gptkit.errors import ConfigError
 from gptkit.inference.slot_cache import SlotCache
 from gptkit.model import GPT, KVCache, ModelConfig
-from gptkit.model.gated_deltanet import GatedDeltaNet, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from gptkit.model.gated_deltanet import (
+    GatedDeltaNet,
+    chunk_gated_delta_rule,
+    recurrent_gated_delta_rule,
+    triton_chunk_gated_delta_rule,
+)
 
 GDN = {"n_key_heads": 2, "n_value_heads": 4, "key_head_dim": 8, "value_head_dim": 6, "chunk_size": 16}
 
@@ -180,16 +185,81 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
     assert torch.all((attn.A_log.exp() >= 0.0099) & (attn.A_log.exp() <= 16.01))
 
 
+@pytest.mark.parametrize("dtype, tol, d_v", [(torch.float32, 1e-5, 40), (torch.float16, 2e-3, 6)])
+def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_v):
+    """The Triton chunked delta rule (interpreter) against the PyTorch chunked form and the step-by-step one:
+    T = 40 in chunks of 16 (a padded last chunk), grouped value heads, a carried-in state, documents starting
+    mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped there);
+    the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through both
+    outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs. A
+    value head of 40 spans two programs of 32 value columns (the second one part-masked)."""
+    q, k, v, g, beta, S0 = (x.to(dtype) for x in inputs(T=40, seed=7))
+    if d_v != 6:
+        gen = torch.Generator().manual_seed(10)
+        v, S0 = torch.randn(2, 40, 4, d_v, generator=gen), torch.randn(2, 4, 8, d_v, generator=gen)
+    resets = torch.zeros(2, 40, dtype=torch.bool)
+    resets[0, [5, 16, 29]] = True
+    resets[1, [0, 21]] = True
+    w_o = torch.randn(2, 40, 4, d_v, generator=torch.Generator().manual_seed(8))
+    w_s = torch.randn(2, 4, 8, d_v, generator=torch.Generator().manual_seed(9))
+
+    def run(rule):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+        o, S = (
+            rule(*xs[:5], 16, xs[5], resets) if rule is not recurrent_gated_delta_rule else rule(*xs, resets)
+        )
+        ((o.float() * w_o).sum() + (S * w_s).sum()).backward()
+        return o, S, [x.grad for x in xs]
+
+    o, S, grads = run(triton_chunk_gated_delta_rule)
+    assert o.dtype == dtype and S.dtype == torch.float32
+    for rule in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
+        o_ref, S_ref, grads_ref = run(rule)
+        torch.testing.assert_close(o, o_ref, atol=tol, rtol=0)
+        torch.testing.assert_close(S, S_ref, atol=tol, rtol=0)
+        for name, got, want in zip(("q", "k", "v", "g", "beta", "S0"), grads, grads_ref):
+            torch.testing.assert_close(got, want, atol=tol * 10, rtol=0, msg=lambda m, n=name: f"d{n}: {m}")
+    # row 1 restarts at position 0: its carried-in state reaches nothing
+    assert grads[5][1].abs().max() == 0 and grads[5][0].abs().max() > 0
+
+
 @pytest.mark.parametrize("attention", ["eager", "triton"])
-def test_model_attention_chooses_the_full_layers_backend_only(attention):
-    """model.attention=eager|triton: the full layer's backend (head_dim 16: the Triton kernel's least); the
-    linear layers run the same PyTorch delta rule, so the logits equal sdpa's, packed documents included."""
+def test_model_attention_chooses_the_backend_of_both_kinds_of_layer(attention, monkeypatch):
+    """model.attention=eager|triton: the full layer's backend (head_dim 16: the Triton kernel's least), and
+    with triton the linear layers' chunked delta rule runs the Triton kernel (counted): the logits and the
+    gradients equal sdpa's (the PyTorch delta rule), packed documents included."""
+    from gptkit.model import gated_deltanet
+
+    calls = []
+    kernel = gated_deltanet.triton_chunk_gated_delta_rule
+    monkeypatch.setattr(
+        gated_deltanet, "triton_chunk_gated_delta_rule", lambda *a: calls.append(1) or kernel(*a)
+    )
     seq = torch.randint(0, 61, (2, 24), generator=torch.Generator().manual_seed(5))
     doc_ids = (torch.arange(24) >= 9).long().expand(2, 24)
-    with torch.no_grad():
-        want = hybrid(d_model=64).eval()(seq, doc_ids=doc_ids).logits
-        got = hybrid(d_model=64, attention=attention).eval()(seq, doc_ids=doc_ids).logits
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    gdn = {**GDN, "chunk_size": 16}
+    results = []
+    for model in (hybrid(d_model=64, gdn=gdn), hybrid(d_model=64, gdn=gdn, attention=attention)):
+        logits = model(seq, doc_ids=doc_ids).logits
+        logits.square().mean().backward()
+        results.append(
+            (logits, model.blocks[0].attn.in_proj_qkvz.weight.grad, model.blocks[1].attn.A_log.grad)
+        )
+    assert len(calls) == (3 if attention == "triton" else 0)
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_chunk_or_head_dim_the_kernel_cannot_take_is_one_line():
+    """model.attention=triton builds the linear layers on the kernel: chunk 8 or a head of 160 is refused."""
+    for gdn, message in (
+        ({**GDN, "chunk_size": 8}, "chunk size 8"),
+        ({**GDN, "key_head_dim": 160}, "key head dim 160"),
+    ):
+        with pytest.raises(ConfigError, match=message) as err:
+            hybrid(gdn=gdn, attention="triton")
+        assert "\n" not in str(err.value)
+    hybrid(attention="sdpa")  # chunk 8 is the PyTorch form's to take
 
 
 def test_the_counts_the_state_and_the_flops_of_a_hybrid():
