@@ -197,15 +197,30 @@ class Decoder(Family):
             **(LLAMA_LAYOUT | variant),
         )
 
+    # None: RoPE over the whole head only; f: partial RoPE read, f its config class's default factor
+    # (Phi-3 1.0, GLM-4.5 0.5, Qwen3-Next 0.25)
+    partial_rotary_default: float | None = None
+
     def rotary_from_hf(
         self, d: dict[str, Any], rope: dict[str, Any], head_dim: int, refuse
     ) -> dict[str, Any]:
-        """model.rotary_dim of config.json's partial_rotary_factor (in rope_parameters or beside it): RoPE
-        over the whole head in every family but Phi-3 (phi3.py)."""
-        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-        if float(factor) != 1.0:
-            raise refuse("partial_rotary_factor", factor, "RoPE over the whole head")
-        return {}
+        """model.rotary_dim of config.json's partial_rotary_factor (in rope_parameters or beside it):
+        transformers' rule, int(head_dim * factor) features turn; a family without partial RoPE refuses any
+        factor but 1."""
+        default = self.partial_rotary_default
+        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", default or 1.0))
+        if default is None:
+            if float(factor) != 1.0:
+                raise refuse("partial_rotary_factor", factor, "RoPE over the whole head")
+            return {}
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise refuse("partial_rotary_factor", factor, "a number in (0, 1]")
+        rotary_dim = int(head_dim * factor)
+        if rotary_dim <= 0 or rotary_dim % 2:
+            raise refuse(
+                "partial_rotary_factor", factor, f"an even number of the {head_dim} features turning"
+            )
+        return {} if rotary_dim == head_dim else {"rotary_dim": rotary_dim}
 
     def check_activation(self, d: dict[str, Any], refuse) -> None:
         if d.get("hidden_act", "silu") != "silu":

@@ -82,6 +82,7 @@ class Glm4Moe(Decoder):
         # GLM-4.5, 4.6, 4.7 (the helps' list spells model_types)
         "GLM4-MoE",
     )
+    partial_rotary_default = 0.5
     fixes = {"bias": False, "norm_placement": "pre", "rope_scaling": None}
 
     def claims(self, cfg: ModelConfig) -> bool:
@@ -181,20 +182,6 @@ class Glm4Moe(Decoder):
             )
         # the MTP layers are the files' (with_files): config.json alone never makes them
         return super().config_from_hf(d, name)
-
-    def rotary_from_hf(
-        self, d: dict[str, Any], rope: dict[str, Any], head_dim: int, refuse
-    ) -> dict[str, Any]:
-        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.5))
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise refuse("partial_rotary_factor", factor, "a number in (0, 1]")
-        # transformers' rule (Glm4MoeRotaryEmbedding): int(head_dim * factor) features turn
-        rotary_dim = int(head_dim * factor)
-        if rotary_dim <= 0 or rotary_dim % 2:
-            raise refuse(
-                "partial_rotary_factor", factor, f"an even number of the {head_dim} features turning"
-            )
-        return {} if rotary_dim == head_dim else {"rotary_dim": rotary_dim}
 
     def bias_from_hf(self, d: dict[str, Any], refuse) -> dict[str, Any]:
         # q/k/v biases under attention_bias, never o_proj's nor the MLPs'

@@ -35,6 +35,7 @@ class Phi3(Decoder):
     """Phi-3: partial RoPE, fused q/k/v and gate/up weights, no biases."""
 
     model_type, architecture, config_class, title = "phi3", "Phi3ForCausalLM", "Phi3Config", "Phi-3"
+    partial_rotary_default = 1.0
     fixes = {"bias": False, "qkv_bias": False, "qk_norm": None, "norm_placement": "pre"}
     # Phi3Config's original_max_position_embeddings when config.json has none
     default_original = 4096
@@ -104,20 +105,6 @@ class Phi3(Decoder):
         d = d | {"rope_parameters": rope or None, "rope_scaling": None}
         d.setdefault("original_max_position_embeddings", self.default_original)
         return super().config_from_hf(d, name)
-
-    def rotary_from_hf(
-        self, d: dict[str, Any], rope: dict[str, Any], head_dim: int, refuse
-    ) -> dict[str, Any]:
-        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise refuse("partial_rotary_factor", factor, "a number in (0, 1]")
-        # transformers' rule (Phi3RotaryEmbedding): int(head_dim * factor) features turn
-        rotary_dim = int(head_dim * factor)
-        if rotary_dim <= 0 or rotary_dim % 2:
-            raise refuse(
-                "partial_rotary_factor", factor, f"an even number of the {head_dim} features turning"
-            )
-        return {} if rotary_dim == head_dim else {"rotary_dim": rotary_dim}
 
     def bias_from_hf(self, d: dict[str, Any], refuse) -> dict[str, Any]:
         # Phi3's linears have no biases (no config key turns them on)

@@ -120,6 +120,7 @@ class Qwen3Next(Decoder):
         "Qwen3NextConfig",
         "Qwen3-Next",
     )
+    partial_rotary_default = 0.25
     fixes = {
         "norm": "rmsnorm_unit_offset",
         "bias": False,
@@ -217,20 +218,6 @@ class Qwen3Next(Decoder):
                 "rope_type", rope.get("rope_type", rope.get("type")), "plain RoPE (Qwen3-Next has no scaling)"
             )
         return super().config_from_hf(d, name)
-
-    def rotary_from_hf(
-        self, d: dict[str, Any], rope: dict[str, Any], head_dim: int, refuse
-    ) -> dict[str, Any]:
-        factor = rope.get("partial_rotary_factor", d.get("partial_rotary_factor", 0.25))
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise refuse("partial_rotary_factor", factor, "a number in (0, 1]")
-        # transformers' rule (Qwen3NextRotaryEmbedding): int(head_dim * factor) features turn
-        rotary_dim = int(head_dim * factor)
-        if rotary_dim <= 0 or rotary_dim % 2:
-            raise refuse(
-                "partial_rotary_factor", factor, f"an even number of the {head_dim} features turning"
-            )
-        return {} if rotary_dim == head_dim else {"rotary_dim": rotary_dim}
 
     def bias_from_hf(self, d: dict[str, Any], refuse) -> dict[str, Any]:
         if bool(d.get("attention_bias", False)):
