@@ -43,7 +43,8 @@ from gptkit.conf_tree import conf_dir, model_config
 from gptkit.data import TokenDataModule, prepare
 from gptkit.data.console import human
 from gptkit.data.sources import stdlib_files, text_parts
-from gptkit.data.tokenize import Cutter, EncoderSpec, Tokenizing, batches, tiktoken_tables
+from gptkit.data.tokenize import Cutter, EncoderSpec, batches, tiktoken_tables
+from gptkit.data.workers import Tokenizing
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.tokenizer import build_tokenizer

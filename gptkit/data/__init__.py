@@ -5,9 +5,9 @@
     prepared = prepare(cfg.data, cfg.tokenizer)     # any kind (the table in gptkit/data/kinds.py)
     datamodule = TokenDataModule(prepared, batch_size, seq_len, seed)
 
-Every name is resolved on first use: a tokenization worker process imports gptkit.data.tokenize, which
-imports this package first, and must not pay for torch (imported by the sampler's module, windows.py:
-1.3 s of CPU per worker, which was a third of a 2-worker prepare of 60 MB on 2 cores).
+Every name is resolved on first use: a tokenization worker process imports gptkit.data.workers and
+gptkit.data.tokenize, which import this package first, and must not pay for torch (imported by the
+sampler's module, windows.py: 1.3 s of CPU per worker, a third of a 2-worker prepare of 60 MB on 2 cores).
 """
 
 from importlib import import_module

@@ -72,16 +72,15 @@ from gptkit.data.tokenize import (
     BATCH_CHARS,
     Cutter,
     EncoderSpec,
-    Tokenizing,
     batches,
     char_like,
     choose_engine,
     matched_tokens,
     split_long,
-    start_workers,
     text_encoder,
     tiktoken_tables,
 )
+from gptkit.data.workers import Tokenizing, start_workers
 from gptkit.errors import GptkitError, Interrupted
 from gptkit.faults import fault_point
 from gptkit.fsio import atomic_write_text, disk_full_error, file_crc32, is_disk_full

@@ -40,10 +40,9 @@ from gptkit.data.tokenize import (
     EncoderSpec,
     batches,
     encode_batch,
-    encode_task,
-    text_bytes,
     text_encoder,
 )
+from gptkit.data.workers import encode_task, text_bytes
 from gptkit.errors import GptkitError
 
 # (range, Cutter mode, Cutter sizes, what the MAX_UNCUT error calls the corpus)

@@ -23,7 +23,7 @@ from gptkit.data.console import Progress, say
 from gptkit.data.files import Part, Parts
 from gptkit.data.prepared import DTYPES, copy_tail
 from gptkit.data.provenance import DOC_ROW, DOCS_SUFFIX
-from gptkit.data.tokenize import Tokenizing, encode_task, text_bytes
+from gptkit.data.workers import Tokenizing, encode_task, text_bytes
 from gptkit.errors import GptkitError
 from gptkit.faults import fault_point
 from gptkit.fsio import atomic_write_text

@@ -144,14 +144,14 @@ def test_shards_do_not_depend_on_the_worker_count(tmp_path, small_pieces):
 
 
 def test_a_tokenization_worker_imports_neither_torch_nor_the_rest_of_gptkit_data():
-    # a spawned worker imports gptkit.data.tokenize (and so the package gptkit.data first): torch there
+    # a spawned worker imports gptkit.data.workers (and so the package gptkit.data first): torch there
     # cost each worker 1.3 s of CPU, a third of a 2-worker prepare of 60 MB on 2 cores
     code = (
-        "import sys, gptkit.data.tokenize, tokenizers; "
+        "import sys, gptkit.data.workers, tokenizers; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('gptkit.data.')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['gptkit.data.tokenize']"
+    assert out.strip() == "['gptkit.data.tokenize', 'gptkit.data.workers']"
 
 
 def test_tiktoken_from_the_same_merges_gives_the_ids_of_hf_tokenizers_on_tricky_text():

@@ -232,6 +232,6 @@ def test_a_tokenizer_worker_whose_prepare_died_while_it_started_exits_at_once():
     import sys
 
     # 1: not this one's parent
-    code = "from gptkit.data.tokenize import _init_worker; _init_worker(1)"
+    code = "from gptkit.data.workers import _init_worker; _init_worker(1)"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
     assert r.returncode == 1 and r.stderr == "", r.stderr
