@@ -258,6 +258,7 @@ def run_corpus(cfg) -> int:
 def run_tasks(cfg) -> int:
     """tasks=...: lm-eval tasks through gptkit's LM adapter; a table, and the results as JSON files."""
     from gptkit.errors import ConfigError
+    from gptkit.evaluation import task_results
     from gptkit.evaluation import tasks as T
     from gptkit.runs import load_for_inference, resolve_device
     from gptkit.threads import set_threads
@@ -273,7 +274,7 @@ def run_tasks(cfg) -> int:
             f"lm-eval tasks: drop one of them"
         )
     limit = T.check_limit(cfg.limit)
-    T.check_out(cfg.out)
+    task_results.check_out(cfg.out)
     entries = T.parse_tasks(cfg.tasks)
     # reading a task YAML runs the Python its !function tags name: said first
     for line in T.code_notices(entries):
@@ -300,8 +301,8 @@ def run_tasks(cfg) -> int:
     t0 = time.perf_counter()
     results = T.run_tasks(lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=limit)
     seconds = time.perf_counter() - t0
-    rows = T.result_rows(results)
-    written = T.write_results(
+    rows = task_results.result_rows(results)
+    written = task_results.write_results(
         results, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds, skipped=skipped
     )
     n_requests = sum(lm.stats.requests.values())
