@@ -4,7 +4,8 @@ Each answer is streamed as it is generated; the KV cache is kept across turns, s
 new tokens through the model (reuse_cache=false: the whole conversation again, every turn). Commands:
 /reset forgets the conversation (the system prompt stays), /exit (or Ctrl-D) ends. Without a terminal,
 every line of stdin is one user message and every answer is printed (format=json: one JSON object a line,
-with its timings), so a chat can be scripted.
+with its timings), so a chat can be scripted; a message the context cannot hold is an `error:` line and
+exit 2 there (at a terminal the line only: type a shorter one).
 
 Examples:
   gptkit chat run=runs/sft
@@ -137,10 +138,13 @@ def run(cfg) -> int:
             write("assistant> ")
         try:
             t = session.reply(line, on_text=write if streaming else None)
-        # a message too long for the context: say so, keep the conversation
+        # a message too long for the context: said in one line; at a terminal the conversation goes on (type a
+        # shorter one), from a script it ends there with exit 2 (the answers already printed stay)
         except GptkitError as exc:
             print(f"error: {exc}", file=sys.stderr)
-            continue
+            if tty:
+                continue
+            return 2
         if cfg.format == "json":
             print(
                 json.dumps(

@@ -125,6 +125,21 @@ def test_chat_reads_one_message_a_line_and_prints_one_answer_each(sft_run, capsy
     assert code == 0 and out == "".join(a["assistant"] + "\n" for a in answers[:2]) and "[turn 2:" in err
 
 
+def test_a_scripted_chat_stops_at_a_message_too_long_for_the_context_with_one_error_line(
+    sft_run, capsys, monkeypatch
+):
+    """Without a terminal a message the context cannot hold is one `error:` line and exit 2 (it was exit 0,
+    the rest of stdin read on); the answers already printed stay, and the lines after it are not run."""
+    run = trained_sft(capsys, sft_run)
+    args = (f"run={run}", "greedy=true", "max_new_tokens=6", "threads=1")
+    code, out, err = scripted_chat(capsys, monkeypatch, "1+2=\n" + "x" * 200 + "\n3+4=\n", *args, "--json")
+    assert code == 2, err
+    assert [json.loads(line)["user"] for line in out.splitlines()] == ["1+2="]
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "exceeds the context of 96: shorten it" in errors[0], err
+    assert "Traceback" not in err
+
+
 def test_chat_refuses_a_template_whose_special_tokens_the_run_lacks(sft_run, capsys, monkeypatch):
     root, _ = sft_run
     sft = trained_sft(capsys, sft_run)
