@@ -28,7 +28,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import yaml
@@ -208,6 +208,21 @@ def read_roofline(model, batch: int, context: int, repeats: int, clock=time.perf
     return batch / max(statistics.median(times), 1e-9)
 
 
+def cached_steps(
+    model, seq: torch.Tensor, context: int, steps: int, cache: KVCache
+) -> Iterator[torch.Tensor]:
+    """The decode steps of seq[:, context : context + steps] through `cache` (which holds seq[:, :context]),
+    as generate() runs them: a step that takes the sequence past a longrope scaling's original context fills
+    the cache again by one prefill over the whole sequence (GPT.rope_restart: the keys cached with the short
+    factors are stale). Each step's logits [B, V] for the token after it."""
+    for t in range(context, context + steps):
+        if model.rope_restart(t, t + 1):
+            cache.reset()
+            yield model(seq[:, : t + 1], cache=cache, logits_to_keep=1).logits[:, -1]
+        else:
+            yield model(seq[:, t : t + 1], cache=cache, logits_to_keep=1).logits[:, -1]
+
+
 def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.perf_counter) -> float:
     """Mean ms of one decode step at `context` tokens of context (batch 1)."""
     g = torch.Generator().manual_seed(0)
@@ -220,8 +235,8 @@ def per_token_ms(model, context: int, steps: int, use_cache: bool, clock=time.pe
                 cache = KVCache(model.cfg, 1, max_len=context + steps)
                 model(seq[:, :context], cache=cache, logits_to_keep=1)
                 t0 = clock()
-                for t in range(context, context + steps):
-                    model(seq[:, t : t + 1], cache=cache, logits_to_keep=1)
+                for _ in cached_steps(model, seq, context, steps, cache):
+                    pass
             else:
                 t0 = clock()
                 for t in range(context, context + steps):

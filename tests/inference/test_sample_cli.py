@@ -259,6 +259,32 @@ def test_read_roofline_is_the_batch_over_the_time_to_read_a_step(monkeypatch):
     assert sizes == [decode_bytes_per_step(model.cfg, 4, 20, "fp32") // 4]
 
 
+def test_bench_sample_decode_steps_restart_a_longrope_cache_as_sample_does():
+    """The bench's cached decode steps (per_token_ms, bench.parts=[latent]) cross a longrope scaling's
+    original context as generate() does, filling the cache again: the greedy token after each step is
+    sample's, past the switch too (without the restart the keys cached with the short factors were kept)."""
+    from conftest import greedy_gpt
+
+    from gptkit.bench.decode import cached_steps
+    from gptkit.model import KVCache
+
+    # greedy_gpt: width 32, 4 heads
+    scaling = {"type": "longrope", "factor": 4.0, "original_max_seq_len": 20}
+    scaling |= {"short_factor": [1.0] * 4, "long_factor": [3.0] * 4}
+    model = greedy_gpt(64, position="rope", rope_scaling=scaling)
+    prompt = torch.randint(0, 61, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    steps = 16
+    want = generate(model, prompt, SampleOptions(max_new_tokens=steps + 1, temperature=0.0)).tokens[0]
+    seq = torch.tensor([prompt + want])  # [1, 12 + steps + 1]
+    cache = KVCache(model.cfg, 1, max_len=seq.shape[1])
+    with torch.inference_mode():
+        model(seq[:, : len(prompt)], cache=cache, logits_to_keep=1)
+        got = [int(x.argmax()) for x in cached_steps(model, seq, len(prompt), steps, cache)]
+    # the switch (20 tokens) lies within the steps
+    assert len(prompt) < 20 < len(prompt) + steps
+    assert got == want[1:]
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
