@@ -510,6 +510,19 @@ def optimizer_bytes(
     return ((params - muon) * p.optimizer_bytes + muon * p.optimizer_bytes / 2) / n_shards
 
 
+def mla_attention_units(cfg: ModelConfig) -> float:
+    """What a multi-head latent attention layer's attention keeps for the backward pass, in training_memory's
+    units (16-bit values of d_model per token), in place of the 11 of a d_model-wide one (its input 2,
+    Q and K 4, V 2, the heads' output 2, a dropout mask 1): the input 2 and mask 1; the heads' queries and
+    keys (H * qk_head_dim each), values and output (H * v_head_dim each); the query latent before and after
+    its norm (q_lora_rank each; none with q_proj), the kv projection's output (kv_lora_rank + the rotated
+    key's width) and the normed latent (kv_lora_rank). A d_model-wide MHA gives the 11 again."""
+    m, H = cfg.mla, cfg.n_heads
+    heads = H * (2 * m.qk_head_dim + 2 * m.v_head_dim)
+    latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_rope_head_dim
+    return 3 + 2 * (heads + latents) / cfg.d_model
+
+
 def training_memory(
     cfg: ModelConfig,
     precision_name: str = "bf16-mixed",
@@ -548,6 +561,8 @@ def training_memory(
     count); an MoE layer's activations replace the dense MLP's 19 of the 34 (its 4 * d_model GELU MLP) with
     what a token keeps in each of its top_k routed and n_shared shared experts: its dispatched input (2),
     gate, up and their product (6 * d_expert / d_model), its weighted output (2), and the layer's input (2).
+    A multi-head latent attention layer's attention counts its own widths (mla_attention_units) instead of
+    the 11 of a d_model-wide one.
     """
     p = precision(precision_name, "precision")
     if optimizer not in OPTIMIZERS:
@@ -569,6 +584,9 @@ def training_memory(
     for i in cfg.moe_layers:
         experts = m.top_k + m.n_shared
         units[i] = 34 - 19 + 2 + experts * (2 + 6 * m.d_expert / cfg.d_model + 2)
+    for i in range(cfg.n_layers):
+        if cfg.attention_kind_of(i) == "mla":
+            units[i] += mla_attention_units(cfg) - 11
     if checkpointing:
         units = [2.0] * cfg.n_layers
     layers = sum(units) * tokens * cfg.d_model * act_unit / 2

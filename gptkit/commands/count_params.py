@@ -234,9 +234,16 @@ def _print_tables(r: dict, cfg) -> None:
         if moe
         else m["mlp"]
     )
+    # multi-head latent attention caches no heads: one latent and one rotated key per token
+    mla = m.get("mla") if m.get("attention_kind") == "mla" else None
+    heads = (
+        f"{m['n_heads']} heads; MLA caches a {mla['kv_lora_rank']}-wide latent and a "
+        f"{mla['qk_rope_head_dim']}-wide rotated key per token"
+        if mla
+        else f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads"
+    )
     t = Table(
-        title=f"{m['name']}: parameters ({m['position']} positions, {mlp}, {m['norm']}, "
-        f"{m['n_heads']} heads / {m['n_kv_heads']} kv heads, "
+        title=f"{m['name']}: parameters ({m['position']} positions, {mlp}, {m['norm']}, {heads}, "
         f"{'tied' if m['tie_embeddings'] else 'untied'} embeddings)"
     )
     t.add_column("component")

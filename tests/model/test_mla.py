@@ -159,6 +159,34 @@ def test_the_latent_cache_keeps_576_numbers_per_token_at_deepseek_v3s_shape():
     assert accounting.count_params(one).total == sum(p.numel() for p in theirs.parameters())
 
 
+def test_count_params_says_what_mla_caches_and_counts_its_widths_in_the_activations(capsys):
+    """The header names the latent and the rotated key a token caches (it said 4 kv heads, = the heads); the
+    activation estimate counts MLA's attention by its widths (mla_attention_units), not as d_model-wide MHA.
+    By hand, mla-tiny (d 128, 4 heads of qk 32 + 16 and v 32, q_lora_rank 96, kv_lora_rank 64, rope 16):
+    3 + 2 * (4 * (2 * 48 + 2 * 32) + 2 * 96 + 2 * 64 + 16) / 128 = 18.25 units for the attention's 11, so
+    34 - 11 + 18.25 = 41.25 a layer; bf16, 128 tokens: 4 layers * 41.25 * 128 * 128 bytes, plus the
+    embeddings and final norm (3 * 128 * 128 * 2) and the batch (2 * 128 * 8). Measured (saved tensors,
+    fp32, CPU): a layer of mla-tiny keeps 7.7 units more than its MHA twin, the softmax's T x T aside (7.25
+    here)."""
+    import yaml
+    from conftest import run_main
+
+    from gptkit.conf_tree import conf_dir
+
+    code, out, err = run_main(capsys, "count-params", "model=mla-tiny")
+    header = " ".join(out.split())
+    assert code in (0, None), err
+    assert "4 heads; MLA caches a 64-wide latent and a 16-wide rotated key per token" in header
+    assert "kv heads" not in header
+    cfg = ModelConfig.from_dict(yaml.safe_load((conf_dir() / "model" / "mla-tiny.yaml").read_text()))
+    assert accounting.mla_attention_units(cfg) == 18.25
+    want = 4 * 41.25 * 128 * 128 + 3 * 128 * 128 * 2 + 2 * 128 * 8
+    assert accounting.training_memory(cfg, "bf16-mixed")["activations"] == want == 2_803_712
+    # multi-head attention of d_model: Korthikanti's 34 a layer, as before
+    mha = ModelConfig(**{**cfg.to_dict(), "attention_kind": "mha", "mla": None, "n_kv_heads": 4})
+    assert accounting.training_memory(mha, "bf16-mixed")["activations"] == 4 * 34 * 128 * 128 + 100_352
+
+
 def test_decoding_without_absorption_caches_each_heads_key_and_value_and_gives_the_same_logits():
     """model.mla.absorb=false (the uncompressed path, transformers' cache layout): H * (nope + rope + v)
     numbers per position instead of the latent's kv_lora_rank + rope, the same logits as the absorbed
