@@ -86,8 +86,12 @@ GDN_KEYS = {
     "value_head_dim": "linear_value_head_dim",
     "conv_kernel": "linear_conv_kernel_dim",
 }
-# a linear layer's tensors, the same names in gptkit's GatedDeltaNet and under linear_attn.
-LINEAR_TENSORS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj")
+# a linear layer's tensors by model.gdn.layout (Qwen3-Next's grouped, Qwen3.5's split projections), the same
+# names in gptkit's GatedDeltaNet and under linear_attn.
+LINEAR_TENSORS = {
+    "grouped": ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj"),
+    "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj"),
+}
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 # the MTP module's own tensors (ours under mtp.layers.0., theirs under mtp.) besides its decoder layer's
 MTP_OWN = (
@@ -121,6 +125,9 @@ class Qwen3Next(Decoder):
         "Qwen3-Next",
     )
     partial_rotary_default = 0.25
+    # the config class's defaults for the keys a config.json may leave out, and model.gdn.layout
+    defaults = QWEN3_NEXT_DEFAULTS
+    gdn_layout = "grouped"
     fixes = {
         "norm": "rmsnorm_unit_offset",
         "bias": False,
@@ -134,7 +141,9 @@ class Qwen3Next(Decoder):
     def claims(self, cfg: ModelConfig) -> bool:
         # what only Qwen3-Next has among the families: linear layers, the output gate, the gated shared expert
         gated_shared = cfg.moe is not None and cfg.moe.shared_expert_gate
-        return cfg.position == "rope" and (cfg.gdn is not None or cfg.attn_output_gate or gated_shared)
+        hybrid = cfg.position == "rope" and (cfg.gdn is not None or cfg.attn_output_gate or gated_shared)
+        # its projections' layout (Qwen3.5's classes below claim the split one)
+        return hybrid and (cfg.gdn is None or cfg.gdn.layout == self.gdn_layout)
 
     def target(self, cfg: ModelConfig) -> str:
         return "Qwen3NextForCausalLM (Gated DeltaNet and gated attention layers)"
@@ -211,11 +220,13 @@ class Qwen3Next(Decoder):
                 check_int(d, self.model_type, field, least)
 
     def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
-        d = QWEN3_NEXT_DEFAULTS | {k: v for k, v in d.items() if v is not None}
+        d = self.defaults | {k: v for k, v in d.items() if v is not None}
         rope, _ = hf_rope(d, None)
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise refusal(self.model_type)(
-                "rope_type", rope.get("rope_type", rope.get("type")), "plain RoPE (Qwen3-Next has no scaling)"
+                "rope_type",
+                rope.get("rope_type", rope.get("type")),
+                f"plain RoPE ({self.title} has no scaling)",
             )
         return super().config_from_hf(d, name)
 
@@ -247,7 +258,8 @@ class Qwen3Next(Decoder):
         _, raw = self.window_layers(d, refuse)
         if "linear_attention" not in raw:
             return {}
-        return {"gdn": {ours: d[theirs] for ours, theirs in GDN_KEYS.items()}}
+        gdn = {ours: d[theirs] for ours, theirs in GDN_KEYS.items()}
+        return {"gdn": gdn | {"layout": self.gdn_layout}}
 
     def moe_from_hf(self, d: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
         refuse = refusal(self.model_type)
@@ -284,7 +296,7 @@ class Qwen3Next(Decoder):
 
     def check_head_shapes(self, d: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> None:
         """The first full layer's q_proj (query and gate per head) and k_proj rows against the heads."""
-        head_dim = d.get("head_dim") or QWEN3_NEXT_DEFAULTS["head_dim"]
+        head_dim = d.get("head_dim") or self.defaults["head_dim"]
         heads = d["num_attention_heads"]
         kv = d.get("num_key_value_heads") or heads
         full = sorted(int(k.split(".")[2]) for k in shapes if k.endswith(".self_attn.k_proj.weight"))
@@ -306,7 +318,8 @@ class Qwen3Next(Decoder):
         g, h = f"blocks.{i}.", f"model.layers.{i}."
         if cfg.layer_types is not None and cfg.layer_types[i] == "linear":
             rows: list[Row] = [
-                (g + f"attn.{t}.weight", h + f"linear_attn.{t}.weight", COPY) for t in LINEAR_TENSORS
+                (g + f"attn.{t}.weight", h + f"linear_attn.{t}.weight", COPY)
+                for t in LINEAR_TENSORS[cfg.gdn.layout]
             ]
             rows += [(g + f"attn.{p}", h + f"linear_attn.{p}", COPY) for p in ("A_log", "dt_bias")]
         else:
@@ -463,3 +476,229 @@ def _renamed(name: str | tuple[str, ...], old: str, new: str) -> str | tuple[str
     if isinstance(name, tuple):
         return tuple(new + x[len(old) :] for x in name)
     return new + name[len(old) :]
+
+
+# ---- Qwen3.5 ---------------------------------------------------------------------------------------
+# Qwen3_5TextConfig's defaults (Qwen3NextConfig's GDN and head keys; no mixture), Qwen3_5MoeTextConfig's
+QWEN3_5_DEFAULTS = {
+    k: v
+    for k, v in QWEN3_NEXT_DEFAULTS.items()
+    if k in GDN_KEYS.values()
+    or k
+    in (
+        "rms_norm_eps",
+        "head_dim",
+        "full_attention_interval",
+    )
+}
+QWEN3_5_MOE_DEFAULTS = QWEN3_5_DEFAULTS | {
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 8,
+    "num_experts": 256,
+    "router_aux_loss_coef": 0.001,
+}
+# what Qwen3.5's mixture fixes beyond Qwen3-Next's (Qwen3_5MoeSparseMoeBlock: every layer, the top-k weights
+# always renormalized)
+QWEN3_5_MOE_FIXES = {"norm_topk_prob": True, "every": 1, "first_dense": 0}
+
+
+class Qwen3_5(Qwen3Next):
+    """Qwen3.5's language model (dense): Qwen3-Next's layers, the Gated DeltaNet projections held apart
+    (model.gdn.layout=split), interleaved M-RoPE that text positions make plain partial RoPE."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5_text",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        "Qwen3.5",
+    )
+    defaults = QWEN3_5_DEFAULTS
+    gdn_layout = "split"
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        return (
+            cfg.position == "rope" and cfg.gdn is not None and cfg.gdn.layout == "split" and cfg.moe is None
+        )
+
+    def target(self, cfg: ModelConfig) -> str:
+        return f"{self.architecture} (Qwen3.5: Gated DeltaNet with split projections and gated attention)"
+
+    def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        # Qwen3_5TextConfig has no mixture's keys
+        d = super().own_keys(cfg)
+        return {
+            k: v for k, v in d.items() if k not in ("num_experts", "mlp_only_layers", "decoder_sparse_step")
+        }
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        d = super().config_to_hf(cfg)
+        # text positions: the three M-RoPE sections turn by the same position (transformers' default
+        # sections apply)
+        d["rope_parameters"] = d["rope_parameters"] | {"mrope_interleaved": True}
+        return d
+
+    def check_hf(self, d: dict[str, Any]) -> None:
+        super().check_hf(d)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if section is not None and (
+            not isinstance(section, list) or not all(whole(x) and x >= 0 for x in section)
+        ):
+            raise refusal(self.model_type)(
+                "rope_parameters.mrope_section", section, "a list of non-negative integers (M-RoPE sections)"
+            )
+
+    def moe_from_hf(self, d: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
+        return None, d["intermediate_size"]
+
+
+class Qwen3_5Moe(Qwen3_5):
+    """Qwen3.5's language model with a mixture in every layer (Qwen3-Next's gated shared expert, the top-k
+    weights always renormalized)."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5_moe_text",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        "Qwen3.5-MoE",
+    )
+    defaults = QWEN3_5_MOE_DEFAULTS
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        return (
+            cfg.position == "rope"
+            and cfg.gdn is not None
+            and cfg.gdn.layout == "split"
+            and cfg.moe is not None
+        )
+
+    def check(self, cfg: ModelConfig) -> None:
+        super().check(cfg)
+        for name, want in QWEN3_5_MOE_FIXES.items():
+            have = getattr(cfg.moe, name)
+            if have != want:
+                raise GptkitError(
+                    f"model.moe.{name}={have} has no faithful transformers architecture: {self.target(cfg)} "
+                    f"needs moe.{name}={want}; refusing rather than produce a different model"
+                )
+
+    def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        d = Qwen3Next.own_keys(self, cfg)
+        return {
+            k: v
+            for k, v in d.items()
+            if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+        }
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        # Qwen3_5MoeTextConfig has no intermediate_size (no dense layer)
+        return {k: v for k, v in super().config_to_hf(cfg).items() if k != "intermediate_size"}
+
+    def check_hf(self, d: dict[str, Any]) -> None:
+        super().check_hf(self.with_width(d))
+
+    def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
+        return super().config_from_hf(self.with_width(d), name)
+
+    def with_width(self, d: dict[str, Any]) -> dict[str, Any]:
+        """config.json with the mixture's keys Qwen3_5MoeTextConfig fixes (every layer a mixture, the top-k
+        weights renormalized) and gptkit's model.d_ff (unused: no dense layer) = moe_intermediate_size."""
+        width = d.get("moe_intermediate_size", self.defaults["moe_intermediate_size"])
+        return (
+            {"intermediate_size": width}
+            | d
+            | {
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        )
+
+    def moe_from_hf(self, d: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
+        if not whole(d.get("num_experts")) or d["num_experts"] < 1:
+            raise GptkitError(
+                f"{self.model_type} config.json has num_experts={d.get('num_experts')!r}; it must be a "
+                "positive integer"
+            )
+        return Qwen3Next.moe_from_hf(self, d)
+
+
+class Qwen3_5Vision(Qwen3_5):
+    """A Qwen3.5 checkpoint with its vision tower (model_type qwen3_5: Qwen3_5ForConditionalGeneration):
+    import reads its language model (text_config, model.language_model.*, the MTP module) and leaves the
+    vision tower (model.visual.*) out, with a note; gptkit exports the language model as
+    Qwen3_5ForCausalLM."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5Config",
+        "Qwen3.5 (with vision)",
+    )
+    # the text family of its language model
+    text = Qwen3_5()
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        return False
+
+    def text_config(self, d: dict[str, Any]) -> dict[str, Any]:
+        """config.json's text_config, tie_word_embeddings the top level's (transformers ties by it)."""
+        t = d.get("text_config")
+        if not isinstance(t, dict):
+            raise GptkitError(
+                f"{self.model_type} config.json has no text_config (a JSON object): gptkit imports the "
+                "language model of a Qwen3.5 checkpoint, and this one names none"
+            )
+        return t | {"tie_word_embeddings": bool(d.get("tie_word_embeddings", False))}
+
+    def check_hf(self, d: dict[str, Any]) -> None:
+        self.text.check_hf(self.text_config(d))
+
+    def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
+        return self.text.config_from_hf(self.text_config(d), name)
+
+    def size(self, d: dict[str, Any], field: str) -> int:
+        return self.text_config(d)[field]
+
+    def check_head_shapes(self, d: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> None:
+        self.text.check_head_shapes(self.text_config(d), shapes, source)
+
+    def file_names(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The language model's tensors under the text model's names (model.language_model.<x> ->
+        model.<x>; lm_head and mtp.* as they are), the vision tower's (model.visual.*) left out."""
+        lm = "model.language_model."
+        if not any(k.startswith(lm) for k in state) and any(k.startswith("model.visual.") for k in state):
+            raise GptkitError(
+                f"the {self.model_type} checkpoint holds a vision tower (model.visual.*) and no language "
+                "model (model.language_model.*): gptkit imports the language model of a Qwen3.5 checkpoint"
+            )
+        return {
+            ("model." + k[len(lm) :] if k.startswith(lm) else k): v
+            for k, v in state.items()
+            if not k.startswith("model.visual.")
+        }
+
+    def unpack(
+        self, state: dict[str, Any], d: dict[str, Any], source: str
+    ) -> tuple[dict[str, Any], str | None]:
+        vision = sum(k.startswith("model.visual.") for k in state)
+        note = (
+            f"the vision tower ({vision} model.visual.* tensors) was not imported: gptkit imports the "
+            "language model"
+            if vision
+            else None
+        )
+        return self.file_names(state), note
+
+
+class Qwen3_5MoeVision(Qwen3_5Vision):
+    """A Qwen3.5-MoE checkpoint with its vision tower (model_type qwen3_5_moe)."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5_moe",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeConfig",
+        "Qwen3.5-MoE (with vision)",
+    )
+    text = Qwen3_5Moe()
