@@ -391,39 +391,10 @@ class Qwen3Next(Decoder):
                 f"the last layer is linear, the MTP layer full attention (gptkit's is the last's): {dropped}",
             )
         kept = ModelConfig.from_dict(cfg.to_dict() | {"mtp": {"depth": 1}})
-        want = self._mtp_shapes(kept)
-        for name, shape in have.items():
-            if name in want and want[name] != shape:
-                raise GptkitError(
-                    f"{source} contradicts its config.json: the MTP tensor {name} has shape {shape}, the "
-                    f"config needs {want[name]}"
-                )
-        unknown, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
-        if unknown or missing:
-            what = f"{unknown[0]} has no place in gptkit's MTP" if unknown else f"it has no {missing[0]}"
+        what = self.read_mtp(have, self.mtp_shapes(kept, lambda k: k.startswith("mtp.")), source)
+        if what is not None:
             return cfg, f"the MTP module does not map onto gptkit's ({what}): {dropped}"
         return kept, "its MTP module (mtp.*) kept as model.mtp (depth 1)"
-
-    def _mtp_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """The files' MTP tensors of cfg (model.mtp depth 1) and their shapes, from gptkit's on the meta
-        device."""
-        import torch
-
-        from gptkit.model import GPT
-
-        with torch.device("meta"):
-            ours = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items() if k.startswith("mtp.")}
-        out: dict[str, tuple[int, ...]] = {}
-        for mine, theirs, how in self.final_rows(cfg):
-            if how == STACK:
-                out.update({t: ours[mine][1:] for t in theirs})
-            elif how == GATE_SPLIT:
-                d = ours[mine[0]][1:]
-                q, k, v = theirs
-                out |= {q: (2 * cfg.d_attn, *d), k: (cfg.d_kv, *d), v: (cfg.d_kv, *d)}
-            elif isinstance(mine, str) and mine.startswith("mtp."):
-                out[theirs] = ours[mine]
-        return out
 
     def check_files(self, hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
         """The experts in the files, layer by layer, are those config.json names: else one GptkitError
