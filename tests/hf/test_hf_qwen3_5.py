@@ -397,3 +397,27 @@ def test_presets_count_total_and_active_as_transformers_builds_them(name):
     assert hf.model_config_from_hf(config.to_dict(), name=cfg.name) == cfg
     # the class's defaults are the preset (rope_theta, context and all)
     assert hf.model_config_from_hf(config_cls().to_dict(), name=cfg.name) == cfg
+
+
+def test_train_init_from_hf_of_a_composite_checkpoint_trains_its_language_model(tmp_path, monkeypatch):
+    """`train init_from=hf:` of a Qwen3.5 folder with a vision tower and an MTP module: the language model
+    (and its MTP module) trains."""
+    import csv
+    import sys
+
+    from conftest import main_code as cli
+    from conftest import shakespeare
+
+    # the Hydra app sets sys.argv
+    monkeypatch.setattr(sys, "argv", [sys.argv[0]])
+    composite_folder(tmp_path, hf_model(True), moe=True)
+    (tmp_path / "c.txt").write_text(shakespeare(20_000).lower())
+    args = ["train", f"init_from=hf:{tmp_path / 'hf'}", "tokenizer=char", "data=files"]
+    args += [f"data.paths=[{tmp_path / 'c.txt'}]", "trainer.batch_size=2", "trainer.max_steps=2"]
+    args += ["trainer.val_windows=2", "trainer.log_every=1", "trainer.progress=false"]
+    assert cli(*args, f"runs_dir={tmp_path / 'runs'}", "name=ft") == 0
+    with open(tmp_path / "runs/ft/metrics.csv", newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["train/loss"]]
+    assert len(rows) == 2 and all(float(r["train/loss"]) > 0 for r in rows)
+    config = yaml.safe_load((tmp_path / "runs/ft/config.yaml").read_text())
+    assert config["model"]["gdn"]["layout"] == "split" and config["model"]["mtp"]["depth"] == 1
