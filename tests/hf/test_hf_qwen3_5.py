@@ -421,3 +421,42 @@ def test_train_init_from_hf_of_a_composite_checkpoint_trains_its_language_model(
     assert len(rows) == 2 and all(float(r["train/loss"]) > 0 for r in rows)
     config = yaml.safe_load((tmp_path / "runs/ft/config.yaml").read_text())
     assert config["model"]["gdn"]["layout"] == "split" and config["model"]["mtp"]["depth"] == 1
+
+
+def parity_table() -> list[str]:
+    """The measured differences behind the bounds above, one Markdown row per model and chunking (docs/hf.md):
+    `PYTHONPATH=tests python tests/hf/test_hf_qwen3_5.py`."""
+    rows = ["| model | chunk (gptkit / transformers) | eager | sdpa | export (gptkit -> transformers) |"]
+    rows.append("|---|---|---|---|---|")
+    idx = torch.randint(0, V, (2, T), generator=torch.Generator().manual_seed(0))
+    for moe in (False, True):
+        module = (
+            transformers.models.qwen3_5_moe.modeling_qwen3_5_moe
+            if moe
+            else transformers.models.qwen3_5.modeling_qwen3_5
+        )
+        original = module.torch_chunk_gated_delta_rule
+        theirs = hf_model(moe)
+        model = hf.from_transformers(theirs)
+        for ours_chunk, their in ((CHUNK, CHUNK), (64, 64)):
+            module.torch_chunk_gated_delta_rule = functools.partial(original, chunk_size=their)
+            d = model.cfg.to_dict()
+            d["gdn"] = d["gdn"] | {"chunk_size": ours_chunk}
+            diffs = []
+            with torch.no_grad():
+                for attention in ("eager", "sdpa"):
+                    theirs.set_attn_implementation(attention)
+                    ours = GPT.from_state(
+                        ModelConfig.from_dict(d | {"attention": attention}), model.state_dict()
+                    )
+                    diffs.append((ours(idx).logits - theirs(idx).logits).abs().max().item())
+                ours = GPT.from_state(ModelConfig.from_dict(d), model.state_dict())
+                diffs.append((ours(idx).logits - hf.to_transformers(ours)(idx).logits).abs().max().item())
+            cells = " | ".join(f"{x:.1e}" if x else "0.0" for x in diffs)
+            rows.append(f"| {'MoE' if moe else 'dense'} | {ours_chunk} / {their} | {cells} |")
+        module.torch_chunk_gated_delta_rule = original
+    return rows
+
+
+if __name__ == "__main__":
+    print("\n".join(parity_table()))
