@@ -1,4 +1,6 @@
-"""The Qwen3-Next family (transformers' model_type qwen3_next: Qwen3-Next-80B-A3B).
+"""The Qwen3-Next family group: Qwen3-Next (transformers' model_type qwen3_next: Qwen3-Next-80B-A3B) and
+Qwen3.5's language model (qwen3_5_text, qwen3_5_moe_text; the composite qwen3_5, qwen3_5_moe read for it),
+which is Qwen3-Next's layers with the differences its classes below say (the Qwen3_5 section).
 
 gptkit variant                                          transformers architecture
 a hybrid of Gated DeltaNet layers (model.layer_types    -> Qwen3NextForCausalLM
@@ -450,6 +452,15 @@ def _renamed(name: str | tuple[str, ...], old: str, new: str) -> str | tuple[str
 
 
 # ---- Qwen3.5 ---------------------------------------------------------------------------------------
+# What transformers' modeling_qwen3_5.py / modeling_qwen3_5_moe.py change of Qwen3-Next's:
+#   - Gated DeltaNet's input projections held apart, in_proj_qkv (all q rows, all k, all v), in_proj_z,
+#     in_proj_b, in_proj_a: model.gdn.layout=split (the same computation as in_proj_qkvz/in_proj_ba's rows)
+#   - the text rotary is interleaved M-RoPE (mrope_section); text positions are equal in its three sections,
+#     so it is Qwen3-Next's partial RoPE (tests/hf/test_hf_qwen3_5.py: cos, sin equal); no RoPE scaling
+#   - dense: no mixture keys, intermediate_size everywhere; MoE: a mixture in every layer whose top-k weights
+#     are always renormalized, no intermediate_size / decoder_sparse_step / norm_topk_prob / mlp_only_layers
+#   - the same (1 + w) norms, gated q_proj, QK-norm, gated shared expert; the MTP module under mtp.* as
+#     Qwen3-Next's; a composite checkpoint's language model under model.language_model.* (text_config)
 # Qwen3_5TextConfig's defaults (Qwen3NextConfig's GDN and head keys; no mixture), Qwen3_5MoeTextConfig's
 QWEN3_5_DEFAULTS = {
     k: v
