@@ -269,6 +269,8 @@ def imported(tmp_path, out: str):
     from gptkit.runs import load_model
 
     done = import_folder(Source(tmp_path / "hf", "x", "x"), tmp_path / out)
+    # the heads text_config sets, which the weights' shapes confirm
+    assert done.heads.endswith("confirmed by the q/k/v weight shapes (config.json sets head_dim)"), done.heads
     return "; ".join(done.notes or []), load_model(tmp_path / out)[4]
 
 
