@@ -383,16 +383,18 @@ class Qwen3Next(Decoder):
         """cfg with model.mtp (depth 1) when the files' MTP module (mtp.*) maps exactly onto gptkit's (else
         without it, and a note saying why); an MTP tensor of another shape than the config gives is one
         GptkitError line."""
-        have = {k: tuple(v.shape) for k, v in state.items() if k.startswith("mtp.")}
-        if not have:
+        mtp = {k: v for k, v in state.items() if k.startswith("mtp.")}
+        if not mtp:
             return cfg, None
-        dropped = f"imported without model.mtp (its MTP module's {len(have)} mtp.* tensors left out)"
+        dropped = f"imported without model.mtp (its MTP module's {len(mtp)} mtp.* tensors left out)"
         if cfg.layer_types is not None and cfg.layer_types[-1] == "linear":
             return (
                 cfg,
                 f"the last layer is linear, the MTP layer full attention (gptkit's is the last's): {dropped}",
             )
         kept = ModelConfig.from_dict(cfg.to_dict() | {"mtp": {"depth": 1}})
+        # its experts fused or one by one (files_layout reads both)
+        have = {k: tuple(v.shape) for k, v in self.files_layout(mtp, kept).items()}
         what = self.read_mtp(have, self.mtp_shapes(kept, lambda k: k.startswith("mtp.")), source)
         if what is not None:
             return cfg, f"the MTP module does not map onto gptkit's ({what}): {dropped}"
@@ -430,11 +432,15 @@ class Qwen3Next(Decoder):
         return out
 
     def files_layout(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-        """The inverse of memory_layout (a state dict in the files' layout already is returned as it is),
-        with the MTP module only when cfg has model.mtp (with_files kept it; else it said so)."""
+        """The inverse of memory_layout (a state dict in the files' layout already is returned as it is; the
+        released Qwen3.5-MoE files may fuse the experts as transformers holds them), with the MTP module only
+        when cfg has model.mtp (with_files kept it; else it said so)."""
         out = {k: v for k, v in state.items() if cfg.mtp_depth or not k.startswith("mtp.")}
-        for i in cfg.moe_layers:
-            moe = f"model.layers.{i}.mlp."
+        # the mixtures: the layers', and the MTP layer's (a block of the last layer's kind)
+        mixtures = [f"model.layers.{i}.mlp." for i in cfg.moe_layers]
+        if cfg.mtp_depth and cfg.feed_forward(cfg.n_layers - 1) == "moe":
+            mixtures.append("mtp.layers.0.mlp.")
+        for moe in mixtures:
             if moe + "experts.gate_up_proj" not in out:
                 continue
             gate_up, down = out.pop(moe + "experts.gate_up_proj"), out.pop(moe + "experts.down_proj")

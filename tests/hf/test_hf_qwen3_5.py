@@ -301,6 +301,35 @@ def test_a_composite_checkpoint_imports_its_language_model_with_notes_and_export
         assert (reloaded(idx).logits - theirs(idx).logits).abs().max().item() == 0.0
 
 
+def test_experts_fused_in_the_files_as_transformers_holds_them_import_the_mtp_layer_s_too(tmp_path):
+    """Files whose experts are fused per layer (experts.gate_up_proj [E, 2 x d_expert, d_model], gate rows
+    first, and experts.down_proj), the MTP layer's too, as vLLM's Qwen3.5 loader reads them: the same model,
+    its MTP module kept."""
+    theirs = hf_model(True)
+    folder, mtp = composite_folder(tmp_path, theirs, moe=True)
+    f = folder / "model.safetensors"
+    state = load_file(f)
+    mixtures = {k.split("experts.")[0] for k in state if ".mlp.experts." in k}
+    assert "mtp.layers.0.mlp." in mixtures and len(mixtures) == 5
+    for moe in mixtures:
+        stack = {
+            p: torch.stack([state.pop(f"{moe}experts.{j}.{p}.weight") for j in range(4)])
+            for p in ("gate_proj", "up_proj", "down_proj")
+        }
+        state[moe + "experts.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        state[moe + "experts.down_proj"] = stack["down_proj"]
+    save_file(state, f, metadata={"format": "pt"})
+    note, model = imported(tmp_path, "run")
+    assert "its MTP module (mtp.*) kept as model.mtp (depth 1)" in note, note
+    mine = model.state_dict()
+    assert torch.equal(
+        mine["mtp.layers.0.block.mlp.experts.up_proj"][3], mtp["mtp.layers.0.mlp.experts.3.up_proj.weight"]
+    )
+    idx = torch.randint(0, V, (1, 40))
+    with torch.no_grad():
+        assert (model(idx).logits - theirs(idx).logits).abs().max().item() <= 1e-5
+
+
 def test_a_composite_checkpoint_ties_by_its_top_level_flag(tmp_path):
     theirs = hf_model(tie_word_embeddings=True)
     composite_folder(tmp_path, theirs, tie=True)
