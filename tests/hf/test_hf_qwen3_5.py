@@ -301,6 +301,38 @@ def test_a_composite_checkpoint_imports_its_language_model_with_notes_and_export
         assert (reloaded(idx).logits - theirs(idx).logits).abs().max().item() == 0.0
 
 
+def test_the_kept_mtp_module_s_loss_equals_the_same_computation_in_transformers_modules(tmp_path):
+    """Depth 1's loss on idx[:, :-1] by Qwen3.5's MTP (vLLM's qwen3_5_mtp: fc of [pre_fc_norm_embedding(the
+    embedding of token i + 1); pre_fc_norm_hidden(the final-normed hidden state)], a full-attention decoder
+    layer, norm, the shared head), computed in transformers' Qwen3.5 modules with the files' MTP weights."""
+    qn = transformers.models.qwen3_5.modeling_qwen3_5
+    theirs = hf_model()
+    _, mtp = composite_folder(tmp_path, theirs)
+    _, model = imported(tmp_path, "run")
+    own = {k[len("mtp.") :]: v for k, v in mtp.items()}
+    layer = qn.Qwen3_5DecoderLayer(theirs.config, layer_idx=3).eval()
+    layer.load_state_dict({k[len("layers.0.") :]: v for k, v in own.items() if k.startswith("layers.0.")})
+    norms = {}
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        norms[name] = qn.Qwen3_5RMSNorm(32, eps=theirs.config.rms_norm_eps)
+        norms[name].weight.data.copy_(own[name + ".weight"])
+    idx = torch.randint(0, V, (2, 40), generator=torch.Generator().manual_seed(1))
+    inp = idx[:, :-1]
+    n = inp.shape[1]
+    causal = torch.full((n, n), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        h0 = theirs.model(inp).last_hidden_state
+        e = theirs.model.embed_tokens(torch.cat([inp[:, 1:], inp[:, -1:]], dim=1))  # token i + 1 at i
+        x = torch.cat([norms["pre_fc_norm_embedding"](e), norms["pre_fc_norm_hidden"](h0)], dim=-1)
+        x = x @ own["fc.weight"].t()
+        pe = theirs.model.rotary_emb(x, torch.arange(n)[None, None].expand(3, 1, -1))
+        x = layer(x, position_embeddings=pe, attention_mask=causal)
+        logits = theirs.lm_head(norms["norm"](x))
+        ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, V), idx[:, 2:].reshape(-1)).item()
+        ours = model(inp, targets=idx[:, 1:], mtp=True).mtp_losses[0].item()
+    assert abs(ours - ref) <= 1e-5, (ours, ref)
+
+
 def test_experts_fused_in_the_files_as_transformers_holds_them_import_the_mtp_layer_s_too(tmp_path):
     """Files whose experts are fused per layer (experts.gate_up_proj [E, 2 x d_expert, d_model], gate rows
     first, and experts.down_proj), the MTP layer's too, as vLLM's Qwen3.5 loader reads them: the same model,
