@@ -624,8 +624,9 @@ class Qwen3_5Vision(Qwen3_5):
         "Qwen3_5Config",
         "Qwen3.5 (with vision)",
     )
-    # the text family of its language model
+    # the text family of its language model; its tensors named its own way (file_names) in memory too
     text = Qwen3_5()
+    own_files = True
 
     def claims(self, cfg: ModelConfig) -> bool:
         return False
@@ -666,6 +667,10 @@ class Qwen3_5Vision(Qwen3_5):
             for k, v in state.items()
             if not k.startswith("model.visual.")
         }
+
+    def files_layout(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        # the language model's names first (transformers' model in memory holds model.language_model.*)
+        return super().files_layout(self.file_names(state), cfg)
 
     def unpack(
         self, state: dict[str, Any], d: dict[str, Any], source: str

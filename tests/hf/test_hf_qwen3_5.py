@@ -69,9 +69,11 @@ def hf_model(moe: bool = False, **change):
 
 def fla_decays(model):
     """Each linear layer's dt_bias at flash-linear-attention's initialization (test_hf_qwen3_next.py's
-    fla_decays: decays in the range the chunked form computes in)."""
+    fla_decays: decays in the range the chunked form computes in); the text model's or a composite's language
+    model's."""
+    layers = getattr(model.model, "language_model", model.model).layers
     with torch.no_grad():
-        for layer in model.model.layers:
+        for layer in layers:
             if hasattr(layer, "linear_attn"):
                 b = layer.linear_attn.dt_bias
                 dt = torch.empty_like(b).uniform_(
@@ -360,6 +362,33 @@ def test_experts_fused_in_the_files_as_transformers_holds_them_import_the_mtp_la
     idx = torch.randint(0, V, (1, 40))
     with torch.no_grad():
         assert (model(idx).logits - theirs(idx).logits).abs().max().item() <= 1e-5
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_transformers_own_composite_model_imports_in_memory_and_from_its_saved_folder(tmp_path, moe):
+    """Qwen3_5ForConditionalGeneration (and its MoE) built by transformers with a tiny vision tower: its
+    language model in memory (from_transformers) and from the folder save_pretrained writes (`gptkit
+    import`, the vision tower left out with a note) has its text logits."""
+    vision = dict(
+        depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=32, patch_size=2
+    )
+    config_cls = transformers.Qwen3_5MoeConfig if moe else transformers.Qwen3_5Config
+    model_cls = (
+        transformers.Qwen3_5MoeForConditionalGeneration
+        if moe
+        else transformers.Qwen3_5ForConditionalGeneration
+    )
+    cfg = config_cls(text_config=text_config(moe), vision_config=vision | {"num_position_embeddings": 16})
+    theirs = hf_perturbed(lambda: fla_decays(model_cls(cfg)))
+    idx = torch.randint(0, V, (1, 24))
+    with torch.no_grad():
+        ref = theirs(input_ids=idx).logits
+        assert (hf.from_transformers(theirs)(idx).logits - ref).abs().max().item() <= 1e-5
+    theirs.save_pretrained(tmp_path / "hf")
+    note, model = imported(tmp_path, "run")
+    assert "model.visual.* tensors) was not imported" in note and model.cfg.gdn.layout == "split"
+    with torch.no_grad():
+        assert (model(idx).logits - ref).abs().max().item() <= 1e-5
 
 
 def test_a_composite_checkpoint_ties_by_its_top_level_flag(tmp_path):
