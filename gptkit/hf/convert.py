@@ -93,6 +93,7 @@ def unpack_weights(
 def heads_confirmed(d: dict[str, Any], cfg: ModelConfig) -> str:
     """What the weights' shapes confirm about the attention heads of a config.json, and what rests on
     config.json alone: a wrong head count with the same tensor shapes loads, and computes another model."""
+    d = family_named(d["model_type"]).text_config(d)
     kv = f", n_kv_heads={cfg.n_kv_heads}" if cfg.n_kv_heads != cfg.n_heads else ""
     heads = f"n_heads={cfg.n_heads}{kv}"
     if cfg.position == "rope" and d.get("head_dim"):

@@ -4,10 +4,10 @@ to say where it differs. The families (llama.py, gemma.py, moe.py) subclass Deco
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from gptkit.errors import GptkitError
-from gptkit.hf.family import COPY, PLAIN, SPLIT, Family, Row, check_int, refusal, require
+from gptkit.hf.family import COPY, GATE_SPLIT, PLAIN, SPLIT, STACK, Family, Row, check_int, refusal, require
 from gptkit.hf.rope import hf_rope, rope_parameters, rope_scaling_from_hf
 from gptkit.model.config import ModelConfig
 
@@ -321,3 +321,42 @@ class Decoder(Family):
 
     def final_rows(self, cfg: ModelConfig) -> list[Row]:
         return [("final_norm.weight", "model.norm.weight", COPY)]
+
+    # ---- a multi-token prediction module in the files (GLM-4.5's, DeepSeek-V3's, Qwen3-Next's, Qwen3.5's) --
+    def mtp_shapes(self, kept: ModelConfig, is_mtp: Callable[[str], bool]) -> dict[str, tuple[int, ...]]:
+        """The files' tensors of `kept` (a config with model.mtp) that is_mtp(name) says are the MTP module's,
+        and their shapes: final_rows' names, each sized from gptkit's tensors on the meta device."""
+        import torch
+
+        from gptkit.model import GPT
+
+        with torch.device("meta"):
+            ours = {k: tuple(v.shape) for k, v in GPT(kept).state_dict().items()}
+        out: dict[str, tuple[int, ...]] = {}
+        for mine, theirs, how in self.final_rows(kept):
+            if how == STACK:
+                out |= {t: ours[mine][1:] for t in theirs}
+            elif how in (SPLIT, GATE_SPLIT):
+                rest = ours[mine[0] if how == GATE_SPLIT else mine][1:]
+                q = 2 * kept.d_attn if how == GATE_SPLIT else kept.d_attn
+                out |= dict(zip(theirs, ((q, *rest), (kept.d_kv, *rest), (kept.d_kv, *rest))))
+            elif isinstance(theirs, str):
+                out[theirs] = ours[mine]
+        return {k: v for k, v in out.items() if is_mtp(k)}
+
+    def read_mtp(
+        self, have: dict[str, tuple[int, ...]], want: dict[str, tuple[int, ...]], source: str
+    ) -> str | None:
+        """The files' MTP tensors `have` (name: shape) against those of gptkit's MTP `want` (mtp_shapes): a
+        tensor of another shape than the config gives is one GptkitError line; None when `have` is exactly
+        `want`'s names, else what does not map (for the family's note or error)."""
+        for name, shape in have.items():
+            if name in want and tuple(want[name]) != tuple(shape):
+                raise GptkitError(
+                    f"{source} contradicts its config.json: the MTP tensor {name} has shape {tuple(shape)}, "
+                    f"the config needs {tuple(want[name])}"
+                )
+        unknown, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
+        if unknown:
+            return f"{unknown[0]} has no place in gptkit's MTP"
+        return f"it has no {missing[0]}" if missing else None

@@ -307,8 +307,6 @@ class DeepseekV3(Decoder):
         files_layout."""
         import torch
 
-        from gptkit.model import GPT
-
         n, N = self.trailing_layers(d), cfg.n_layers
         extra = sorted(k for k in hf if layer_of(k) >= N)
         said = f"num_nextn_predict_layers={n}"
@@ -317,26 +315,14 @@ class DeepseekV3(Decoder):
                 return cfg, None
             return cfg, f"config.json has {said} but the files hold no MTP layer: imported without MTP"
         with_mtp = ModelConfig.from_dict(cfg.to_dict() | {"mtp": {"depth": n}})
-        with torch.device("meta"):
-            state = GPT(with_mtp).state_dict()
-        want = {theirs: state[ours].shape for ours, theirs, how in self.final_rows(with_mtp) if how == COPY}
-        for ours, theirs, how in self.final_rows(with_mtp):
-            if how == STACK:
-                want |= {t: state[ours].shape[1:] for t in theirs}
-        want = {k: v for k, v in want.items() if layer_of(k) >= N}
-        if set(extra) != set(want):
+        want = self.mtp_shapes(with_mtp, lambda k: layer_of(k) >= N)
+        if self.read_mtp({k: tuple(hf[k].shape) for k in extra}, want, source) is not None:
             odd = sorted(set(extra) ^ set(want))[0]
             where = "the files hold" if odd in hf else "the files lack"
             raise GptkitError(
                 f"{source} does not match its config.json: its multi-token prediction layers ({said}) are "
                 f"not DeepSeek-V3's layout ({where} {odd})"
             )
-        for k in extra:
-            if tuple(hf[k].shape) != tuple(want[k]):
-                raise GptkitError(
-                    f"{source} contradicts its config.json: the MTP weight {k} has shape "
-                    f"{tuple(hf[k].shape)}, the config needs {tuple(want[k])}"
-                )
         head = "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
         for k in range(n):
             h = f"model.layers.{N + k}."

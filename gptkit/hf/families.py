@@ -19,11 +19,14 @@ from gptkit.hf.llama import Llama, Mistral, Olmo2, Qwen2, Qwen3
 from gptkit.hf.moe import Mixtral, Olmoe, Qwen3Moe
 from gptkit.hf.olmo3 import Olmo3
 from gptkit.hf.phi3 import Phi3
-from gptkit.hf.qwen3_next import Qwen3Next
+from gptkit.hf.qwen3_next import Qwen3_5, Qwen3_5Moe, Qwen3_5MoeVision, Qwen3_5Vision, Qwen3Next
 from gptkit.hf.smollm3 import SmolLM3
 from gptkit.model.config import ModelConfig
 
 FAMILIES: tuple[Family, ...] = (
+    # Gated DeltaNet with its projections held apart (model.gdn.layout=split): Qwen3.5's alone
+    Qwen3_5Moe(),
+    Qwen3_5(),
     # Gated DeltaNet layers, the attention output gate, the gated shared expert: Qwen3-Next's alone
     Qwen3Next(),
     # multi-head latent attention: they alone claim attention_kind=mla
@@ -47,7 +50,10 @@ FAMILIES: tuple[Family, ...] = (
     Llama(),
     GPT2(),
 )
-BY_TYPE = {f.model_type: f for f in FAMILIES}
+# the checkpoints import reads a language model of, which export writes as its text family (Qwen3.5's with
+# its vision tower: Qwen3_5ForCausalLM)
+READ_ONLY: tuple[Family, ...] = (Qwen3_5Vision(), Qwen3_5MoeVision())
+BY_TYPE = {f.model_type: f for f in FAMILIES + READ_ONLY}
 # transformers' model_type -> its model class and config class
 ARCHITECTURES = {f.model_type: f.architecture for f in FAMILIES}
 CONFIG_CLASSES = {f.model_type: f.config_class for f in FAMILIES}

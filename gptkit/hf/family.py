@@ -138,6 +138,11 @@ class Family:
     def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
         raise NotImplementedError
 
+    def text_config(self, d: dict[str, Any]) -> dict[str, Any]:
+        """The language model's config.json keys of `d` (a checkpoint with a vision tower keeps them in
+        text_config: Qwen3.5's)."""
+        return d
+
     def size(self, d: dict[str, Any], field: str) -> int:
         """config.json's size field (check_hf passed)."""
         return d[field]

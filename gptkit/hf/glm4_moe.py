@@ -36,7 +36,7 @@ from typing import Any
 
 from gptkit.errors import GptkitError
 from gptkit.hf.decoder import LLAMA_LAYOUT, Decoder
-from gptkit.hf.family import COPY, PLAIN, SPLIT, STACK, Row, check_int, refusal, require, whole
+from gptkit.hf.family import COPY, PLAIN, STACK, Row, check_int, refusal, require, whole
 from gptkit.hf.rope import hf_rope
 from gptkit.model.config import ModelConfig
 
@@ -267,8 +267,6 @@ class Glm4Moe(Decoder):
         without MTP); an MTP tensor of another shape than the config gives is one GptkitError line."""
         import torch
 
-        from gptkit.model import GPT
-
         n = cfg.n_layers
         held = sorted({i for k in state if (i := _layer(k)) is not None and i >= n})
         nextn = self.trailing_layers(d)
@@ -285,10 +283,7 @@ class Glm4Moe(Decoder):
                 f"num_hidden_layers={n}, the config names num_nextn_predict_layers={nextn} MTP layer(s)"
             )
         kept = ModelConfig.from_dict(cfg.to_dict() | {"mtp": {"depth": nextn}})
-        with torch.device("meta"):
-            want = {
-                theirs: tuple(v.shape) for theirs, v in self._mtp_part(GPT(kept).state_dict(), kept).items()
-            }
+        want = self.mtp_shapes(kept, lambda k: _is_mtp(k, n) and not _is_copy(k, n))
         have = {k: tuple(v.shape) for k, v in state.items() if _is_mtp(k, n)}
         dropped = f"imported without model.mtp (its {nextn} MTP layer(s) in the files left out)"
         head = "lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"
@@ -297,33 +292,10 @@ class Glm4Moe(Decoder):
             main = "model.embed_tokens.weight" if name.endswith("embed_tokens.weight") else head
             if have[name] != tuple(state[main].shape) or not torch.equal(state[name], state[main]):
                 return cfg, f"{name} is not the main model's {main} (gptkit's MTP shares them): {dropped}"
-        for name, shape in have.items():
-            if name in want and want[name] != shape:
-                raise GptkitError(
-                    f"{source} contradicts its config.json: the MTP tensor {name} has shape {shape}, "
-                    f"the config needs {want[name]}"
-                )
-        unknown = sorted(set(have) - set(want) - set(copies))
-        missing = sorted(set(want) - set(have))
-        if unknown or missing:
-            what = f"{unknown[0]} has no place in gptkit's MTP" if unknown else f"it has no {missing[0]}"
+        what = self.read_mtp({k: v for k, v in have.items() if k not in copies}, want, source)
+        if what is not None:
             return cfg, f"the MTP layer does not map onto gptkit's ({what}): {dropped}"
         return kept, f"its {nextn} MTP layer(s) kept as model.mtp (depth {nextn})"
-
-    def _mtp_part(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-        """The MTP tensors of a gptkit state dict, under the files' names."""
-        out: dict[str, Any] = {}
-        for ours, theirs, how in self.final_rows(cfg):
-            if not ours.startswith("mtp."):
-                continue
-            v = state[ours]
-            if how == STACK:
-                out.update(zip(theirs, v.unbind(0)))
-            elif how == SPLIT:
-                out.update(zip(theirs, v.split([cfg.d_attn, cfg.d_kv, cfg.d_kv], dim=0)))
-            else:
-                out[theirs] = v
-        return out
 
     def moe_layer_indices(self, cfg: ModelConfig) -> list[int]:
         """The MoE layers in the files: the main model's and its MTP layers'."""

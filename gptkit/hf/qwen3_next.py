@@ -1,4 +1,6 @@
-"""The Qwen3-Next family (transformers' model_type qwen3_next: Qwen3-Next-80B-A3B).
+"""The Qwen3-Next family group: Qwen3-Next (transformers' model_type qwen3_next: Qwen3-Next-80B-A3B) and
+Qwen3.5's language model (qwen3_5_text, qwen3_5_moe_text; the composite qwen3_5, qwen3_5_moe read for it),
+which is Qwen3-Next's layers with the differences its classes below say (the Qwen3_5 section).
 
 gptkit variant                                          transformers architecture
 a hybrid of Gated DeltaNet layers (model.layer_types    -> Qwen3NextForCausalLM
@@ -86,8 +88,12 @@ GDN_KEYS = {
     "value_head_dim": "linear_value_head_dim",
     "conv_kernel": "linear_conv_kernel_dim",
 }
-# a linear layer's tensors, the same names in gptkit's GatedDeltaNet and under linear_attn.
-LINEAR_TENSORS = ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj")
+# a linear layer's tensors by model.gdn.layout (Qwen3-Next's grouped, Qwen3.5's split projections), the same
+# names in gptkit's GatedDeltaNet and under linear_attn.
+LINEAR_TENSORS = {
+    "grouped": ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj"),
+    "split": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "conv1d", "norm", "out_proj"),
+}
 EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 # the MTP module's own tensors (ours under mtp.layers.0., theirs under mtp.) besides its decoder layer's
 MTP_OWN = (
@@ -121,6 +127,9 @@ class Qwen3Next(Decoder):
         "Qwen3-Next",
     )
     partial_rotary_default = 0.25
+    # the config class's defaults for the keys a config.json may leave out, and model.gdn.layout
+    defaults = QWEN3_NEXT_DEFAULTS
+    gdn_layout = "grouped"
     fixes = {
         "norm": "rmsnorm_unit_offset",
         "bias": False,
@@ -134,7 +143,9 @@ class Qwen3Next(Decoder):
     def claims(self, cfg: ModelConfig) -> bool:
         # what only Qwen3-Next has among the families: linear layers, the output gate, the gated shared expert
         gated_shared = cfg.moe is not None and cfg.moe.shared_expert_gate
-        return cfg.position == "rope" and (cfg.gdn is not None or cfg.attn_output_gate or gated_shared)
+        hybrid = cfg.position == "rope" and (cfg.gdn is not None or cfg.attn_output_gate or gated_shared)
+        # its projections' layout (Qwen3.5's classes below claim the split one)
+        return hybrid and (cfg.gdn is None or cfg.gdn.layout == self.gdn_layout)
 
     def target(self, cfg: ModelConfig) -> str:
         return "Qwen3NextForCausalLM (Gated DeltaNet and gated attention layers)"
@@ -211,11 +222,13 @@ class Qwen3Next(Decoder):
                 check_int(d, self.model_type, field, least)
 
     def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
-        d = QWEN3_NEXT_DEFAULTS | {k: v for k, v in d.items() if v is not None}
+        d = self.defaults | {k: v for k, v in d.items() if v is not None}
         rope, _ = hf_rope(d, None)
         if rope.get("rope_type", rope.get("type", "default")) != "default":
             raise refusal(self.model_type)(
-                "rope_type", rope.get("rope_type", rope.get("type")), "plain RoPE (Qwen3-Next has no scaling)"
+                "rope_type",
+                rope.get("rope_type", rope.get("type")),
+                f"plain RoPE ({self.title} has no scaling)",
             )
         return super().config_from_hf(d, name)
 
@@ -247,7 +260,8 @@ class Qwen3Next(Decoder):
         _, raw = self.window_layers(d, refuse)
         if "linear_attention" not in raw:
             return {}
-        return {"gdn": {ours: d[theirs] for ours, theirs in GDN_KEYS.items()}}
+        gdn = {ours: d[theirs] for ours, theirs in GDN_KEYS.items()}
+        return {"gdn": gdn | {"layout": self.gdn_layout}}
 
     def moe_from_hf(self, d: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
         refuse = refusal(self.model_type)
@@ -284,7 +298,7 @@ class Qwen3Next(Decoder):
 
     def check_head_shapes(self, d: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> None:
         """The first full layer's q_proj (query and gate per head) and k_proj rows against the heads."""
-        head_dim = d.get("head_dim") or QWEN3_NEXT_DEFAULTS["head_dim"]
+        head_dim = d.get("head_dim") or self.defaults["head_dim"]
         heads = d["num_attention_heads"]
         kv = d.get("num_key_value_heads") or heads
         full = sorted(int(k.split(".")[2]) for k in shapes if k.endswith(".self_attn.k_proj.weight"))
@@ -306,7 +320,8 @@ class Qwen3Next(Decoder):
         g, h = f"blocks.{i}.", f"model.layers.{i}."
         if cfg.layer_types is not None and cfg.layer_types[i] == "linear":
             rows: list[Row] = [
-                (g + f"attn.{t}.weight", h + f"linear_attn.{t}.weight", COPY) for t in LINEAR_TENSORS
+                (g + f"attn.{t}.weight", h + f"linear_attn.{t}.weight", COPY)
+                for t in LINEAR_TENSORS[cfg.gdn.layout]
             ]
             rows += [(g + f"attn.{p}", h + f"linear_attn.{p}", COPY) for p in ("A_log", "dt_bias")]
         else:
@@ -368,49 +383,22 @@ class Qwen3Next(Decoder):
         """cfg with model.mtp (depth 1) when the files' MTP module (mtp.*) maps exactly onto gptkit's (else
         without it, and a note saying why); an MTP tensor of another shape than the config gives is one
         GptkitError line."""
-        have = {k: tuple(v.shape) for k, v in state.items() if k.startswith("mtp.")}
-        if not have:
+        mtp = {k: v for k, v in state.items() if k.startswith("mtp.")}
+        if not mtp:
             return cfg, None
-        dropped = f"imported without model.mtp (its MTP module's {len(have)} mtp.* tensors left out)"
+        dropped = f"imported without model.mtp (its MTP module's {len(mtp)} mtp.* tensors left out)"
         if cfg.layer_types is not None and cfg.layer_types[-1] == "linear":
             return (
                 cfg,
                 f"the last layer is linear, the MTP layer full attention (gptkit's is the last's): {dropped}",
             )
         kept = ModelConfig.from_dict(cfg.to_dict() | {"mtp": {"depth": 1}})
-        want = self._mtp_shapes(kept)
-        for name, shape in have.items():
-            if name in want and want[name] != shape:
-                raise GptkitError(
-                    f"{source} contradicts its config.json: the MTP tensor {name} has shape {shape}, the "
-                    f"config needs {want[name]}"
-                )
-        unknown, missing = sorted(set(have) - set(want)), sorted(set(want) - set(have))
-        if unknown or missing:
-            what = f"{unknown[0]} has no place in gptkit's MTP" if unknown else f"it has no {missing[0]}"
+        # its experts fused or one by one (files_layout reads both)
+        have = {k: tuple(v.shape) for k, v in self.files_layout(mtp, kept).items()}
+        what = self.read_mtp(have, self.mtp_shapes(kept, lambda k: k.startswith("mtp.")), source)
+        if what is not None:
             return cfg, f"the MTP module does not map onto gptkit's ({what}): {dropped}"
         return kept, "its MTP module (mtp.*) kept as model.mtp (depth 1)"
-
-    def _mtp_shapes(self, cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-        """The files' MTP tensors of cfg (model.mtp depth 1) and their shapes, from gptkit's on the meta
-        device."""
-        import torch
-
-        from gptkit.model import GPT
-
-        with torch.device("meta"):
-            ours = {k: tuple(v.shape) for k, v in GPT(cfg).state_dict().items() if k.startswith("mtp.")}
-        out: dict[str, tuple[int, ...]] = {}
-        for mine, theirs, how in self.final_rows(cfg):
-            if how == STACK:
-                out.update({t: ours[mine][1:] for t in theirs})
-            elif how == GATE_SPLIT:
-                d = ours[mine[0]][1:]
-                q, k, v = theirs
-                out |= {q: (2 * cfg.d_attn, *d), k: (cfg.d_kv, *d), v: (cfg.d_kv, *d)}
-            elif isinstance(mine, str) and mine.startswith("mtp."):
-                out[theirs] = ours[mine]
-        return out
 
     def check_files(self, hf: dict[str, Any], cfg: ModelConfig, source: str) -> None:
         """The experts in the files, layer by layer, are those config.json names: else one GptkitError
@@ -444,11 +432,15 @@ class Qwen3Next(Decoder):
         return out
 
     def files_layout(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-        """The inverse of memory_layout (a state dict in the files' layout already is returned as it is),
-        with the MTP module only when cfg has model.mtp (with_files kept it; else it said so)."""
+        """The inverse of memory_layout (a state dict in the files' layout already is returned as it is; the
+        released Qwen3.5-MoE files may fuse the experts as transformers holds them), with the MTP module only
+        when cfg has model.mtp (with_files kept it; else it said so)."""
         out = {k: v for k, v in state.items() if cfg.mtp_depth or not k.startswith("mtp.")}
-        for i in cfg.moe_layers:
-            moe = f"model.layers.{i}.mlp."
+        # the mixtures: the layers', and the MTP layer's (a block of the last layer's kind)
+        mixtures = [f"model.layers.{i}.mlp." for i in cfg.moe_layers]
+        if cfg.mtp_depth and cfg.feed_forward(cfg.n_layers - 1) == "moe":
+            mixtures.append("mtp.layers.0.mlp.")
+        for moe in mixtures:
             if moe + "experts.gate_up_proj" not in out:
                 continue
             gate_up, down = out.pop(moe + "experts.gate_up_proj"), out.pop(moe + "experts.down_proj")
@@ -463,3 +455,243 @@ def _renamed(name: str | tuple[str, ...], old: str, new: str) -> str | tuple[str
     if isinstance(name, tuple):
         return tuple(new + x[len(old) :] for x in name)
     return new + name[len(old) :]
+
+
+# ---- Qwen3.5 ---------------------------------------------------------------------------------------
+# What transformers' modeling_qwen3_5.py / modeling_qwen3_5_moe.py change of Qwen3-Next's:
+#   - Gated DeltaNet's input projections held apart, in_proj_qkv (all q rows, all k, all v), in_proj_z,
+#     in_proj_b, in_proj_a: model.gdn.layout=split (the same computation as in_proj_qkvz/in_proj_ba's rows)
+#   - the text rotary is interleaved M-RoPE (mrope_section); text positions are equal in its three sections,
+#     so it is Qwen3-Next's partial RoPE (tests/hf/test_hf_qwen3_5.py: cos, sin equal); no RoPE scaling
+#   - dense: no mixture keys, intermediate_size everywhere; MoE: a mixture in every layer whose top-k weights
+#     are always renormalized, no intermediate_size / decoder_sparse_step / norm_topk_prob / mlp_only_layers
+#   - the same (1 + w) norms, gated q_proj, QK-norm, gated shared expert; the MTP module under mtp.* as
+#     Qwen3-Next's; a composite checkpoint's language model under model.language_model.* (text_config)
+# Qwen3_5TextConfig's defaults (Qwen3NextConfig's GDN and head keys; no mixture), Qwen3_5MoeTextConfig's
+QWEN3_5_DEFAULTS = {
+    k: v
+    for k, v in QWEN3_NEXT_DEFAULTS.items()
+    if k in GDN_KEYS.values()
+    or k
+    in (
+        "rms_norm_eps",
+        "head_dim",
+        "full_attention_interval",
+    )
+}
+QWEN3_5_MOE_DEFAULTS = QWEN3_5_DEFAULTS | {
+    "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512,
+    "num_experts_per_tok": 8,
+    "num_experts": 256,
+    "router_aux_loss_coef": 0.001,
+}
+# what Qwen3.5's mixture fixes beyond Qwen3-Next's (Qwen3_5MoeSparseMoeBlock: every layer, the top-k weights
+# always renormalized)
+QWEN3_5_MOE_FIXES = {"norm_topk_prob": True, "every": 1, "first_dense": 0}
+
+
+class Qwen3_5(Qwen3Next):
+    """Qwen3.5's language model (dense): Qwen3-Next's layers, the Gated DeltaNet projections held apart
+    (model.gdn.layout=split), interleaved M-RoPE that text positions make plain partial RoPE."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5_text",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5TextConfig",
+        "Qwen3.5",
+    )
+    defaults = QWEN3_5_DEFAULTS
+    gdn_layout = "split"
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        return (
+            cfg.position == "rope" and cfg.gdn is not None and cfg.gdn.layout == "split" and cfg.moe is None
+        )
+
+    def target(self, cfg: ModelConfig) -> str:
+        return f"{self.architecture} (Qwen3.5: Gated DeltaNet with split projections and gated attention)"
+
+    def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        # Qwen3_5TextConfig has no mixture's keys
+        d = super().own_keys(cfg)
+        return {
+            k: v for k, v in d.items() if k not in ("num_experts", "mlp_only_layers", "decoder_sparse_step")
+        }
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        d = super().config_to_hf(cfg)
+        # text positions: the three M-RoPE sections turn by the same position (transformers' default
+        # sections apply)
+        d["rope_parameters"] = d["rope_parameters"] | {"mrope_interleaved": True}
+        return d
+
+    def check_hf(self, d: dict[str, Any]) -> None:
+        super().check_hf(d)
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        section = rope.get("mrope_section") if isinstance(rope, dict) else None
+        if section is not None and (
+            not isinstance(section, list) or not all(whole(x) and x >= 0 for x in section)
+        ):
+            raise refusal(self.model_type)(
+                "rope_parameters.mrope_section", section, "a list of non-negative integers (M-RoPE sections)"
+            )
+
+    def moe_from_hf(self, d: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
+        return None, d["intermediate_size"]
+
+
+class Qwen3_5Moe(Qwen3_5):
+    """Qwen3.5's language model with a mixture in every layer (Qwen3-Next's gated shared expert, the top-k
+    weights always renormalized)."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5_moe_text",
+        "Qwen3_5MoeForCausalLM",
+        "Qwen3_5MoeTextConfig",
+        "Qwen3.5-MoE",
+    )
+    defaults = QWEN3_5_MOE_DEFAULTS
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        return (
+            cfg.position == "rope"
+            and cfg.gdn is not None
+            and cfg.gdn.layout == "split"
+            and cfg.moe is not None
+        )
+
+    def check(self, cfg: ModelConfig) -> None:
+        super().check(cfg)
+        for name, want in QWEN3_5_MOE_FIXES.items():
+            have = getattr(cfg.moe, name)
+            if have != want:
+                raise GptkitError(
+                    f"model.moe.{name}={have} has no faithful transformers architecture: {self.target(cfg)} "
+                    f"needs moe.{name}={want}; refusing rather than produce a different model"
+                )
+
+    def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        d = Qwen3Next.own_keys(self, cfg)
+        return {
+            k: v
+            for k, v in d.items()
+            if k not in ("norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+        }
+
+    def config_to_hf(self, cfg: ModelConfig) -> dict[str, Any]:
+        # Qwen3_5MoeTextConfig has no intermediate_size (no dense layer)
+        return {k: v for k, v in super().config_to_hf(cfg).items() if k != "intermediate_size"}
+
+    def check_hf(self, d: dict[str, Any]) -> None:
+        super().check_hf(self.with_width(d))
+
+    def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
+        return super().config_from_hf(self.with_width(d), name)
+
+    def with_width(self, d: dict[str, Any]) -> dict[str, Any]:
+        """config.json with the mixture's keys Qwen3_5MoeTextConfig fixes (every layer a mixture, the top-k
+        weights renormalized) and gptkit's model.d_ff (unused: no dense layer) = moe_intermediate_size."""
+        width = d.get("moe_intermediate_size", self.defaults["moe_intermediate_size"])
+        return (
+            {"intermediate_size": width}
+            | d
+            | {
+                "norm_topk_prob": True,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+            }
+        )
+
+    def moe_from_hf(self, d: dict[str, Any]) -> tuple[dict[str, Any] | None, int | None]:
+        if not whole(d.get("num_experts")) or d["num_experts"] < 1:
+            raise GptkitError(
+                f"{self.model_type} config.json has num_experts={d.get('num_experts')!r}; it must be a "
+                "positive integer"
+            )
+        return Qwen3Next.moe_from_hf(self, d)
+
+
+class Qwen3_5Vision(Qwen3_5):
+    """A Qwen3.5 checkpoint with its vision tower (model_type qwen3_5: Qwen3_5ForConditionalGeneration):
+    import reads its language model (text_config, model.language_model.*, the MTP module) and leaves the
+    vision tower (model.visual.*) out, with a note; gptkit exports the language model as
+    Qwen3_5ForCausalLM."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5Config",
+        "Qwen3.5 (with vision)",
+    )
+    # the text family of its language model; its tensors named its own way (file_names) in memory too
+    text = Qwen3_5()
+    own_files = True
+
+    def claims(self, cfg: ModelConfig) -> bool:
+        return False
+
+    def text_config(self, d: dict[str, Any]) -> dict[str, Any]:
+        """config.json's text_config, tie_word_embeddings the top level's (transformers ties by it)."""
+        t = d.get("text_config")
+        if not isinstance(t, dict):
+            raise GptkitError(
+                f"{self.model_type} config.json has no text_config (a JSON object): gptkit imports the "
+                "language model of a Qwen3.5 checkpoint, and this one names none"
+            )
+        return t | {"tie_word_embeddings": bool(d.get("tie_word_embeddings", False))}
+
+    def check_hf(self, d: dict[str, Any]) -> None:
+        self.text.check_hf(self.text_config(d))
+
+    def config_from_hf(self, d: dict[str, Any], name: str) -> ModelConfig:
+        return self.text.config_from_hf(self.text_config(d), name)
+
+    def size(self, d: dict[str, Any], field: str) -> int:
+        return self.text_config(d)[field]
+
+    def check_head_shapes(self, d: dict[str, Any], shapes: dict[str, tuple[int, ...]], source: str) -> None:
+        self.text.check_head_shapes(self.text_config(d), shapes, source)
+
+    def file_names(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The language model's tensors under the text model's names (model.language_model.<x> ->
+        model.<x>; lm_head and mtp.* as they are), the vision tower's (model.visual.*) left out."""
+        lm = "model.language_model."
+        if not any(k.startswith(lm) for k in state) and any(k.startswith("model.visual.") for k in state):
+            raise GptkitError(
+                f"the {self.model_type} checkpoint holds a vision tower (model.visual.*) and no language "
+                "model (model.language_model.*): gptkit imports the language model of a Qwen3.5 checkpoint"
+            )
+        return {
+            ("model." + k[len(lm) :] if k.startswith(lm) else k): v
+            for k, v in state.items()
+            if not k.startswith("model.visual.")
+        }
+
+    def files_layout(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        # the language model's names first (transformers' model in memory holds model.language_model.*)
+        return super().files_layout(self.file_names(state), cfg)
+
+    def unpack(
+        self, state: dict[str, Any], d: dict[str, Any], source: str
+    ) -> tuple[dict[str, Any], str | None]:
+        vision = sum(k.startswith("model.visual.") for k in state)
+        note = (
+            f"the vision tower ({vision} model.visual.* tensors) was not imported: gptkit imports the "
+            "language model"
+            if vision
+            else None
+        )
+        return self.file_names(state), note
+
+
+class Qwen3_5MoeVision(Qwen3_5Vision):
+    """A Qwen3.5-MoE checkpoint with its vision tower (model_type qwen3_5_moe)."""
+
+    model_type, architecture, config_class, title = (
+        "qwen3_5_moe",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5MoeConfig",
+        "Qwen3.5-MoE (with vision)",
+    )
+    text = Qwen3_5Moe()

@@ -15,8 +15,10 @@
       -> out_proj -> [B, T, d_model]
 
 The parameter names and layouts are transformers' Qwen3NextGatedDeltaNet's (in_proj_qkvz, in_proj_ba,
-conv1d, A_log, dt_bias, norm, out_proj), and so is the arithmetic (tests/model/test_gated_deltanet.py holds
-both functions to transformers' torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule).
+conv1d, A_log, dt_bias, norm, out_proj), or with model.gdn.layout=split Qwen3_5GatedDeltaNet's (in_proj_qkv:
+all q, all k, all v rows; in_proj_z, in_proj_b, in_proj_a: the same computation, the rows held apart), and
+so is the arithmetic (tests/model/test_gated_deltanet.py holds both functions to transformers'
+torch_chunk_gated_delta_rule and torch_recurrent_gated_delta_rule).
 
 The chunked form (the WY / UT transform of DeltaNet, chunk C = model.gdn.chunk_size): within a chunk the C
 delta-rule updates are one triangular solve, (I + strictly_lower(beta_i k_i.k_j exp(G_i - G_j))) U = beta V
@@ -280,8 +282,17 @@ class GatedDeltaNet(nn.Module):
                     f"model.attention=triton runs the linear layers' Triton kernel, which cannot take "
                     f"{reason}; change model.gdn or set model.attention=sdpa"
                 )
-        self.in_proj_qkvz = nn.Linear(cfg.d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(cfg.d_model, 2 * self.h_v, bias=False)
+        # model.gdn.layout: the same projections, their rows held as Qwen3-Next's files hold them or as
+        # Qwen3.5's do
+        self.layout = g.layout
+        if g.layout == "split":
+            self.in_proj_qkv = nn.Linear(cfg.d_model, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(cfg.d_model, self.value_dim, bias=False)
+            self.in_proj_b = nn.Linear(cfg.d_model, self.h_v, bias=False)
+            self.in_proj_a = nn.Linear(cfg.d_model, self.h_v, bias=False)
+        else:
+            self.in_proj_qkvz = nn.Linear(cfg.d_model, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(cfg.d_model, 2 * self.h_v, bias=False)
         # depthwise: a weight [conv_dim, 1, K] as transformers' nn.Conv1d holds it (applied by causal_conv1d)
         self.conv1d = nn.Conv1d(
             self.conv_dim,
@@ -335,6 +346,23 @@ class GatedDeltaNet(nn.Module):
             state[:, n:].view(B, self.conv_dim, self.kernel - 1),
         )
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [B, T, d_model] -> (q, k, v concatenated [B, T, conv_dim], z [B, T, H_v, d_v], b, a [B, T, H_v]),
+        from the projections of model.gdn.layout."""
+        B, T, _ = x.shape
+        if self.layout == "split":
+            z = self.in_proj_z(x).view(B, T, self.h_v, self.d_v)
+            return self.in_proj_qkv(x), z, self.in_proj_b(x), self.in_proj_a(x)
+        r = self.h_v // self.h_k
+        # each key head's q, k, then its r value heads' v, z (and b, a): transformers' grouping
+        qkvz = self.in_proj_qkvz(x).view(B, T, self.h_k, 2 * self.d_k + 2 * r * self.d_v)
+        q, k, v, z = qkvz.split([self.d_k, self.d_k, r * self.d_v, r * self.d_v], dim=-1)
+        b, a = self.in_proj_ba(x).view(B, T, self.h_k, 2 * r).split([r, r], dim=-1)
+        z = z.reshape(B, T, self.h_v, self.d_v)
+        b, a = b.reshape(B, T, self.h_v), a.reshape(B, T, self.h_v)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        return mixed, z, b, a
+
     def forward(
         self,
         x: torch.Tensor,
@@ -347,14 +375,7 @@ class GatedDeltaNet(nn.Module):
     ):
         """x [B, T, d_model] -> ([B, T, d_model], None)."""
         B, T, _ = x.shape
-        r = self.h_v // self.h_k
-        # each key head's q, k, then its r value heads' v, z (and b, a): transformers' grouping
-        qkvz = self.in_proj_qkvz(x).view(B, T, self.h_k, 2 * self.d_k + 2 * r * self.d_v)
-        q, k, v, z = qkvz.split([self.d_k, self.d_k, r * self.d_v, r * self.d_v], dim=-1)
-        b, a = self.in_proj_ba(x).view(B, T, self.h_k, 2 * r).split([r, r], dim=-1)
-        z = z.reshape(B, T, self.h_v, self.d_v)
-        b, a = b.reshape(B, T, self.h_v), a.reshape(B, T, self.h_v)
-        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1)
+        mixed, z, b, a = self.project(x)
         S0 = conv0 = None
         if cache is not None:
             S0, conv0 = self.split_state(cache.state(self.layer, x))

@@ -51,6 +51,8 @@ MOE_IMPLS = ("auto", "grouped_mm", "loop")
 # model.moe.activation: each expert's down(silu(gate) * up) | gpt-oss's (up + 1) * g * sigmoid(alpha * g)
 # with g = min(gate, limit) and up clamped to [-limit, limit] (gptkit/model/moe.py EXPERT_ACTIVATIONS)
 EXPERT_ACTIVATIONS = ("swiglu", "clamped_swiglu")
+# model.gdn.layout: Gated DeltaNet's input projections as Qwen3-Next holds them | as Qwen3.5 does
+GDN_LAYOUTS = ("grouped", "split")
 
 
 @dataclass
@@ -316,6 +318,10 @@ class GDNConfig(SubConfig):
     # the positions of one chunk of the chunked delta rule (FLA's and transformers' 64): the work per token
     # grows with it, the sequential steps per sequence shrink with it; the result does not change
     chunk_size: int = 64
+    # how the input projections hold their rows (GDN_LAYOUTS; the computation is the same): grouped,
+    # Qwen3-Next's in_proj_qkvz and in_proj_ba (each key head's q, k, then its value heads' v, z; b, a) |
+    # split, Qwen3.5's in_proj_qkv (all q, all k, all v), in_proj_z, in_proj_b, in_proj_a
+    layout: str = "grouped"
 
     @property
     def conv_dim(self) -> int:
@@ -332,7 +338,10 @@ class GDNConfig(SubConfig):
         """Raise ConfigError (one line) for any invalid field."""
         for name in dataclasses.fields(self):
             v = getattr(self, name.name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if name.name == "layout":
+                if v not in GDN_LAYOUTS:
+                    raise ConfigError(f"model.gdn.layout={v!r} must be one of {', '.join(GDN_LAYOUTS)}")
+            elif not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"model.gdn.{name.name}={v!r} must be a positive integer")
         if self.n_value_heads % self.n_key_heads:
             raise ConfigError(
@@ -343,5 +352,5 @@ class GDNConfig(SubConfig):
     KEY = "gdn"
     SHAPE = (
         "a mapping such as {n_key_heads: 16, n_value_heads: 32, key_head_dim: 128, value_head_dim: 128, "
-        "conv_kernel: 4, chunk_size: 64}"
+        "conv_kernel: 4, chunk_size: 64, layout: grouped}"
     )

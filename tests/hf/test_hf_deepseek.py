@@ -265,7 +265,7 @@ def test_mtp_layers_that_gptkit_cannot_share_or_that_the_files_lack_are_dropped_
 def test_mtp_weights_of_the_wrong_shape_are_one_line(tmp_path):
     with_mtp_layer(tmp_path, hf_model(None, False), break_shape=True)
     r = run_cli("import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'run'}")
-    one_line_error(r, "the MTP weight model.layers.3.eh_proj.weight has shape (32, 40)", "needs (32, 64)")
+    one_line_error(r, "the MTP tensor model.layers.3.eh_proj.weight has shape (32, 40)", "needs (32, 64)")
     assert not (tmp_path / "run").exists()
 
 

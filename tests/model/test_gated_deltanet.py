@@ -151,6 +151,31 @@ def hybrid(**over) -> GPT:
     return GPT(ModelConfig(**{**cfg, **over})).eval()
 
 
+def test_the_split_layout_is_the_grouped_one_with_its_rows_held_apart():
+    """model.gdn.layout=split (Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) computes what grouped
+    (Qwen3-Next's in_proj_qkvz, in_proj_ba: per key head its q, k, then its value heads' v, z) does with the
+    same rows regrouped."""
+    grouped = hybrid()
+    split = hybrid(gdn={**GDN, "chunk_size": 8, "layout": "split"})
+    h_k, h_v, d_k, d_v = GDN["n_key_heads"], GDN["n_value_heads"], GDN["key_head_dim"], GDN["value_head_dim"]
+    r = h_v // h_k
+    state = {}
+    for k, v in grouped.state_dict().items():
+        if k.endswith("in_proj_qkvz.weight"):
+            q, k_, v_, z = v.view(h_k, 2 * d_k + 2 * r * d_v, -1).split([d_k, d_k, r * d_v, r * d_v], dim=1)
+            qkv = torch.cat([x.reshape(-1, v.shape[-1]) for x in (q, k_, v_)])
+            state[k.replace("qkvz", "qkv")], state[k.replace("qkvz", "z")] = qkv, z.reshape(-1, v.shape[-1])
+        elif k.endswith("in_proj_ba.weight"):
+            b, a = v.view(h_k, 2 * r, -1).split([r, r], dim=1)
+            state[k.replace("ba", "b")], state[k.replace("ba", "a")] = b.reshape(h_v, -1), a.reshape(h_v, -1)
+        else:
+            state[k] = v
+    split.load_state_dict(state)
+    seq = torch.randint(0, 61, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(split(seq).logits, grouped(seq).logits, atol=1e-6, rtol=0)
+
+
 def test_a_packed_row_equals_its_documents_run_apart():
     """doc_ids with position_reset: the linear layers' state and conv restart at each document (one starting
     mid-chunk, one on a chunk boundary), the full layer attends inside it: each document's logits are its own
@@ -303,6 +328,10 @@ def test_the_counts_the_state_and_the_flops_of_a_hybrid():
         ({"layer_types": ["linear", "global"], "gdn": {**GDN, "n_value_heads": 3}}, r"not a multiple of"),
         ({"layer_types": ["linear", "global"], "gdn": {**GDN, "chunk_size": 0}}, r"chunk_size=0 must be"),
         ({"layer_types": ["linear", "global"], "gdn": {**GDN, "heads": 2}}, r"unknown model.gdn field"),
+        (
+            {"layer_types": ["linear", "global"], "gdn": {**GDN, "layout": "qwen3_5"}},
+            r"model.gdn.layout='qwen3_5' must be one of grouped, split",
+        ),
     ],
 )
 def test_bad_mixes_are_one_line_errors(over, message):
