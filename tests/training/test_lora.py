@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import (
     HANG_S,
+    HYBRID_MODEL,
     TWO_CPU_RANKS,
     estimate_plan,
     exports,
@@ -553,6 +554,59 @@ def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
         assert got.keys() == want.keys(), (name, got)
         for s in want:
             assert abs(got[s] - want[s]) < 1e-5, (name, s, got[s], want[s])
+
+
+@pytest.fixture(scope="module")
+def hybrid_base(tmp_path_factory):
+    return finetune_base(tmp_path_factory, "hybrid", **HYBRID_MODEL)
+
+
+def hybrid_args(base, runs: Path, name: str, *extra: str) -> list[str]:
+    """lora_args with adapters on every projection of the hybrid (z and ba too), no dropout, a checkpoint
+    every 2 steps."""
+    targets = "lora.targets=[q,k,v,o,z,ba,gate,up,down]"
+    a = lora_args(base, runs, name, "lora.dropout=0.0", "trainer.checkpoint_every=2", *extra)
+    return [targets if x.startswith("lora.targets=") else x for x in a]
+
+
+def test_lora_on_a_hybrid_trains_and_resumes_bit_exactly(hybrid_base, tmp_path, capsys):
+    """LoRA on every projection of a Gated DeltaNet + softmax hybrid through the CLI: the adapters train
+    (z's too), and 2 + 2 steps resumed give the 4 steps' rows and adapters bit for bit."""
+    runs = tmp_path / "runs"
+    code, _, err = run_main(capsys, *hybrid_args(hybrid_base, runs, "straight"))
+    assert code == 0, err
+    assert "LoRA: rank 4, alpha 16, dropout 0.0 on q, k, v, o, z, ba, gate, up, down" in err
+    state = ckpt(runs / "straight")["state_dict"]
+    # 9 targets in the linear layer, 7 in the softmax one; each A and B
+    assert len(state) == 2 * (9 + 7)
+    assert state["model.blocks.0.attn.in_proj_qkvz.lora_z_B"].abs().sum() > 0
+    want = rows(runs / "straight")
+    assert len({r["train/loss"] for r in want.values() if r.get("train/loss")}) == 4
+    code, _, err = run_main(capsys, *hybrid_args(hybrid_base, runs, "halves", "trainer.stop_at_step=2"))
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'halves'}", "trainer.progress=false")
+    assert code == 0, err
+    assert rows(runs / "halves") == want
+    halves = ckpt(runs / "halves")["state_dict"]
+    assert halves.keys() == state.keys() and all(torch.equal(halves[k], state[k]) for k in state)
+
+
+@pytest.mark.long
+def test_lora_on_a_hybrid_under_fsdp2_follows_one_process(hybrid_base, tmp_path, capsys):
+    """FSDP2 on 2 processes (rank 1 builds the hybrid on the meta device) stopped at step 2 and resumed in one
+    process follows one process's LoRA run on the hybrid."""
+    runs = tmp_path / "runs"
+    code, _, err = run_main(capsys, *hybrid_args(hybrid_base, runs, "one"))
+    assert code == 0, err
+    fsdp = ("trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=2", *TWO_CPU_RANKS)
+    err = run_group(*hybrid_args(hybrid_base, runs, "fsdp", *fsdp))
+    assert "start on the meta device" in err
+    resume_on_one_process(capsys, runs / "fsdp")
+    one = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
+    got = {s: float(r["train/loss"]) for s, r in rows(runs / "fsdp").items() if r.get("train/loss")}
+    assert got.keys() == one.keys() and len(set(one.values())) == 4
+    for s in one:
+        assert abs(got[s] - one[s]) < 1e-5, (s, got[s], one[s])
 
 
 @pytest.mark.long
