@@ -592,15 +592,28 @@ def test_lora_on_a_hybrid_trains_and_resumes_bit_exactly(hybrid_base, tmp_path, 
 
 
 @pytest.mark.long
-def test_lora_on_a_hybrid_under_fsdp2_follows_one_process(hybrid_base, tmp_path, capsys):
-    """FSDP2 on 2 processes (rank 1 builds the hybrid on the meta device) stopped at step 2 and resumed in one
-    process follows one process's LoRA run on the hybrid."""
+@pytest.mark.parametrize("finetune", ["lora", "qlora"])
+def test_lora_on_a_hybrid_under_fsdp2_follows_one_process(hybrid_base, tmp_path, capsys, finetune):
+    """FSDP2 on 2 processes (rank 1 builds the hybrid on the meta device; under QLoRA each rank keeps its rows
+    of the NF4 projections, the linear layer's too) stopped at step 2 and resumed in one process follows one
+    process's LoRA or QLoRA run on the hybrid."""
+    if finetune == "qlora":
+        pytest.importorskip("torchao", reason="the quant extra (torchao) is not installed")
     runs = tmp_path / "runs"
-    code, _, err = run_main(capsys, *hybrid_args(hybrid_base, runs, "one"))
+
+    # (QLoRA: scales in groups of 2 blocks, so that in_proj_ba's 4 blocks split over the 2 ranks)
+    scaler = ("qlora.scaler_block_size=2",) if finetune == "qlora" else ()
+
+    def args(name, *extra):
+        a = hybrid_args(hybrid_base, runs, name, *scaler, *extra)
+        return [f"finetune={finetune}" if x.startswith("finetune=") else x for x in a]
+
+    code, _, err = run_main(capsys, *args("one"))
     assert code == 0, err
     fsdp = ("trainer=fsdp", "trainer.precision=32-true", "trainer.stop_at_step=2", *TWO_CPU_RANKS)
-    err = run_group(*hybrid_args(hybrid_base, runs, "fsdp", *fsdp))
-    assert "start on the meta device" in err
+    err = run_group(*args("fsdp", *fsdp))
+    # (that line is LoRA's: under QLoRA every rank reads and quantizes the base itself)
+    assert ("start on the meta device" in err) == (finetune == "lora")
     resume_on_one_process(capsys, runs / "fsdp")
     one = {s: float(r["train/loss"]) for s, r in rows(runs / "one").items() if r.get("train/loss")}
     got = {s: float(r["train/loss"]) for s, r in rows(runs / "fsdp").items() if r.get("train/loss")}
