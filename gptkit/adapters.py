@@ -23,6 +23,18 @@ projections, each a target of its own (whole: all its rows), named as DeepSeek's
 its k and v are no targets (kv_a and kv_b make them). Decoding reads kv_b_proj's weight as W_uk and W_uv (the
 absorbed path): an adapted kv_b_proj gives it W + (alpha / rank) * B @ A (gptkit.model.mla.dense_weight).
 
+A linear-attention layer (Gated DeltaNet, model.layer_types `linear`, gptkit/model/gated_deltanet.py) has its
+q, k, v and o in other modules, and two targets of its own (z and ba, which a softmax layer lacks):
+
+    q, k, v  attn.in_proj_qkvz            each key head's q, k and v rows (the layout is grouped by key head:
+    z        attn.in_proj_qkvz            its q, k, v, then its value heads' gate z), one adapter over them
+    ba       attn.in_proj_ba              all (beta's and the decay's inputs)
+    o        attn.out_proj                all
+
+so q, k, v, o on a hybrid adapt every layer's attention, and z, ba the linear layers only (a target is
+adapted in the layers that have it). A target's rows can be several segments of its module's weight
+(target_shape): its B's rows are those segments in order (q's: key head 0's q rows, then head 1's, ...).
+
 In a mixture of experts' MoE layers (model.moe) gate, up and down adapt every routed expert's own matrix:
 the module is mlp.experts, whose gate_proj, up_proj [E, d_expert, d_model] and down_proj [E, d_model,
 d_expert] stack the experts, and each expert e gets its own A[e] and B[e] (the router and the shared experts
@@ -52,7 +64,9 @@ from typing import Any
 from gptkit.errors import ConfigError
 from gptkit.model.config import LINEAR_KIND
 
-TARGETS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "gate", "up", "down")
+TARGETS = ("q", "k", "v", "o", "q_a", "q_b", "kv_a", "kv_b", "z", "ba", "gate", "up", "down")
+# the attention targets (of some attention kind), the rest are the MLP's
+ATTENTION = TARGETS[:10]
 # the model.mlp kinds with a gate projection
 GATED = ("swiglu", "geglu")
 MODULES = {
@@ -73,10 +87,20 @@ MLA_MODULES = {
     "kv_b": "attn.kv_b_proj",
     "o": "attn.o_proj",
 }
+# the targets of a linear-attention layer (Gated DeltaNet): q, k, v, z parts of in_proj_qkvz
+GDN_MODULES = {
+    "q": "attn.in_proj_qkvz",
+    "k": "attn.in_proj_qkvz",
+    "v": "attn.in_proj_qkvz",
+    "z": "attn.in_proj_qkvz",
+    "ba": "attn.in_proj_ba",
+    "o": "attn.out_proj",
+}
 KEY = re.compile(
     r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|attn\.q_proj|attn\.q_a_proj|attn\.q_b_proj"
-    r"|attn\.kv_a_proj_with_mqa|attn\.kv_b_proj|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj|mlp\.experts)"
-    r"\.lora_(q_a|q_b|kv_a|kv_b|q|k|v|o|gate|up|down)_([AB])"
+    r"|attn\.kv_a_proj_with_mqa|attn\.kv_b_proj|attn\.in_proj_qkvz|attn\.in_proj_ba|attn\.out_proj"
+    r"|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj|mlp\.experts)"
+    r"\.lora_(q_a|q_b|kv_a|kv_b|q|k|v|o|z|ba|gate|up|down)_([AB])"
 )
 # the module of a MoE layer's expert targets
 EXPERTS = "mlp.experts"
@@ -102,23 +126,29 @@ def is_adapter_key(name: str) -> bool:
 
 def attention_targets(cfg: Any, layer: int) -> tuple[str, ...]:
     """The attention targets of layer `layer`: q, k, v, o under multi-head attention; under multi-head latent
-    attention q (or q_a and q_b with model.mla.q_lora_rank), kv_a, kv_b, o; none (yet) in a linear-attention
-    layer (Gated DeltaNet)."""
+    attention q (or q_a and q_b with model.mla.q_lora_rank), kv_a, kv_b, o; in a linear-attention layer
+    (Gated DeltaNet) q, k, v, o, z, ba."""
     kind = cfg.attention_kind_of(layer)
     if kind == LINEAR_KIND:
-        return ()
+        return ("q", "k", "v", "o", "z", "ba")
     if kind != "mla":
         return ("q", "k", "v", "o")
     q = ("q",) if cfg.mla.q_lora_rank is None else ("q_a", "q_b")
     return (*q, "kv_a", "kv_b", "o")
 
 
-def model_targets(cfg: Any) -> tuple[str, ...]:
-    """The targets a model of config `cfg` (a ModelConfig) has in every layer: its attention's
-    (attention_targets), gate with a gated MLP (SwiGLU, GeGLU), up and down."""
+def layer_targets(cfg: Any, layer: int) -> tuple[str, ...]:
+    """The targets of layer `layer`: its attention's (attention_targets), gate with a gated MLP (SwiGLU,
+    GeGLU), up and down."""
     mlp = ("up", "down") + (("gate",) if cfg.mlp in GATED else ())
-    layers = [set(attention_targets(cfg, i)) | set(mlp) for i in range(cfg.n_layers)]
-    return tuple(t for t in TARGETS if all(t in have for have in layers))
+    return (*attention_targets(cfg, layer), *mlp)
+
+
+def model_targets(cfg: Any) -> tuple[str, ...]:
+    """The targets a model of config `cfg` (a ModelConfig) has in some layer (each adapted in the layers that
+    have it: a hybrid's z and ba in its linear layers), in TARGETS order."""
+    have = {t for i in range(cfg.n_layers) for t in layer_targets(cfg, i)}
+    return tuple(t for t in TARGETS if t in have)
 
 
 def is_expert_target(cfg: Any, layer: int, target: str) -> bool:
@@ -131,28 +161,57 @@ def module_of(cfg: Any, layer: int, target: str) -> str:
     multi-head latent attention layer's own projections, MLA_MODULES)."""
     if is_expert_target(cfg, layer, target):
         return EXPERTS
-    if target in MLA_MODULES and cfg.attention_kind_of(layer) == "mla":
+    kind = cfg.attention_kind_of(layer)
+    if target in MLA_MODULES and kind == "mla":
         return MLA_MODULES[target]
+    if target in GDN_MODULES and kind == LINEAR_KIND:
+        return GDN_MODULES[target]
     return MODULES[target]
 
 
-def target_shape(cfg: Any, target: str, layer: int | None = None) -> tuple[int, int, int]:
-    """(first row, end row, in_features) of the part of its module's weight that `target` adapts (in layer
-    `layer`: for an MoE layer's experts, of each expert's matrix)."""
+def target_shape(cfg: Any, target: str, layer: int | None = None) -> tuple[tuple[tuple[int, int], ...], int]:
+    """(the row segments [start, end) of its module's weight that `target` adapts, in its B's row order;
+    in_features) in layer `layer` (for an MoE layer's experts, of each expert's matrix). One segment but
+    for a linear-attention layer's q, k, v and z: one per key head."""
     if layer is not None and is_expert_target(cfg, layer, target):
         d = cfg.moe.d_expert
-        return (0, cfg.d_model, d) if target == "down" else (0, d, cfg.d_model)
-    if target in MLA_MODULES and cfg.attention_kind_of(layer or 0) == "mla":
-        return (0, *_mla_shape(cfg, target))
+        return (((0, cfg.d_model),), d) if target == "down" else (((0, d),), cfg.d_model)
+    kind = cfg.attention_kind_of(layer or 0)
+    if target in MLA_MODULES and kind == "mla":
+        out, n_in = _mla_shape(cfg, target)
+        return ((0, out),), n_in
+    if target in GDN_MODULES and kind == LINEAR_KIND:
+        return _gdn_shape(cfg, target)
     if target in ("q", "k", "v"):
         start = {"q": 0, "k": cfg.d_attn, "v": cfg.d_attn + cfg.d_kv}[target]
-        return start, start + (cfg.d_attn if target == "q" else cfg.d_kv), cfg.d_model
+        return ((start, start + (cfg.d_attn if target == "q" else cfg.d_kv)),), cfg.d_model
     if target == "o":
-        return 0, cfg.d_model, cfg.d_attn
+        return ((0, cfg.d_model),), cfg.d_attn
     if target == "down":
-        return 0, cfg.d_model, cfg.d_ff
+        return ((0, cfg.d_model),), cfg.d_ff
     # gate, up
-    return 0, cfg.d_ff, cfg.d_model
+    return ((0, cfg.d_ff),), cfg.d_model
+
+
+def _gdn_shape(cfg: Any, target: str) -> tuple[tuple[tuple[int, int], ...], int]:
+    """target_shape of a Gated DeltaNet layer's target: in_proj_qkvz holds per key head [q (d_k), k (d_k),
+    v (r d_v), z (r d_v)], r value heads per key head (gptkit.model.gated_deltanet)."""
+    g, d = cfg.gdn, cfg.d_model
+    r = g.n_value_heads // g.n_key_heads
+    if target == "ba":
+        return ((0, 2 * g.n_value_heads),), d
+    if target == "o":
+        return ((0, d),), g.n_value_heads * g.value_head_dim
+    sizes = {"q": g.key_head_dim, "k": g.key_head_dim, "v": r * g.value_head_dim, "z": r * g.value_head_dim}
+    offset = {"q": 0, "k": sizes["q"], "v": 2 * sizes["q"], "z": 2 * sizes["q"] + sizes["v"]}[target]
+    group = 2 * g.key_head_dim + 2 * r * g.value_head_dim
+    starts = (h * group + offset for h in range(g.n_key_heads))
+    return tuple((s, s + sizes[target]) for s in starts), d
+
+
+def rows_of(segments: tuple[tuple[int, int], ...]) -> int:
+    """How many rows a target's segments hold (its B's rows)."""
+    return sum(end - start for start, end in segments)
 
 
 def _mla_shape(cfg: Any, target: str) -> tuple[int, int]:
@@ -184,16 +243,13 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
         why = ""
         if "gate" in wrong and cfg.mlp not in GATED:
             why = " (a GPT-2-style model, mlp=gelu, has no gate projection)"
-        elif set(wrong) & set(TARGETS[:8]) and cfg.attention_kind == "mla":
+        elif set(wrong) & set(ATTENTION) and cfg.attention_kind == "mla":
             why = (
                 " (multi-head latent attention, model.attention_kind=mla: its attention targets are its own "
                 "projections, whose keys and values come from kv_a and kv_b)"
             )
-        elif set(wrong) & set(TARGETS[:8]) and cfg.linear_layers:
-            why = (
-                f" (the linear-attention layers {cfg.linear_layers}, model.gdn, have no LoRA targets yet: "
-                "adapt the MLPs)"
-            )
+        elif set(wrong) & {"z", "ba"}:
+            why = " (z and ba are a linear-attention layer's, model.layer_types `linear`)"
         verb = "matches" if len(wrong) == 1 else "match"
         raise ConfigError(
             f"lora.targets: {', '.join(wrong)} {verb} no module of this model{why}; "
@@ -206,10 +262,11 @@ def check_lora(lora: Any, cfg: Any) -> tuple[str, ...]:
     # every adapted matrix: (target, rows, in_features), dense and experts alike
     # (in TARGETS order: the first too small is named)
     adapted = dict.fromkeys(
-        (t, e - s, n_in)
+        (t, rows_of(segments), n_in)
         for t in chosen
         for layer in range(cfg.n_layers)
-        for s, e, n_in in [target_shape(cfg, t, layer)]
+        if t in layer_targets(cfg, layer)
+        for segments, n_in in [target_shape(cfg, t, layer)]
     )
     for t, rows, n_in in adapted:
         if rank > min(rows, n_in):
@@ -232,12 +289,15 @@ def adapter_shapes(cfg: Any, targets: tuple[str, ...], rank: int) -> dict[str, t
     adapters with the experts first: [n_experts, rank, in], [n_experts, rows, rank])."""
     shapes = {}
     for i in range(cfg.n_layers):
+        here = layer_targets(cfg, i)
         for t in targets:
-            start, end, n_in = target_shape(cfg, t, i)
+            if t not in here:
+                continue
+            segments, n_in = target_shape(cfg, t, i)
             prefix = f"blocks.{i}.{module_of(cfg, i, t)}.lora_{t}"
             experts = (cfg.moe.n_experts,) if is_expert_target(cfg, i, t) else ()
             shapes[prefix + "_A"] = (*experts, rank, n_in)
-            shapes[prefix + "_B"] = (*experts, end - start, rank)
+            shapes[prefix + "_B"] = (*experts, rows_of(segments), rank)
     return shapes
 
 
@@ -266,15 +326,20 @@ def merge(state: dict[str, Any], cfg: Any, scale: float) -> dict[str, Any]:
             continue
         if m.group(2) == EXPERTS:
             # [E, out, in]: each expert's B[e] @ A[e]
-            weight, start, end = f"blocks.{m.group(1)}.{EXPERTS}.{m.group(3)}_proj", 0, None
+            weight = f"blocks.{m.group(1)}.{EXPERTS}.{m.group(3)}_proj"
+            segments = ((0, state[weight].shape[-2]),)
         else:
             weight = f"blocks.{m.group(1)}.{m.group(2)}.weight"
-            start, end, _ = target_shape(cfg, m.group(3), int(m.group(1)))
+            segments, _ = target_shape(cfg, m.group(3), int(m.group(1)))
         if weight not in merged:
             merged[weight] = state[weight].float().clone()  # [(E,) out_features, in_features]
         w = merged[weight]
         b = state[name[:-1] + "B"]  # [(E,) rows, rank]
-        w[..., start:end, :] += scale * (b.float() @ a.float())  # [(E,) rows, in_features]
+        update = scale * (b.float() @ a.float())  # [(E,) rows, in_features]
+        row = 0
+        for start, end in segments:
+            w[..., start:end, :] += update[..., row : row + end - start, :]
+            row += end - start
     for weight, w in merged.items():
         out[weight] = w.to(state[weight].dtype)
     return out

@@ -4,7 +4,8 @@ eval and serve). One place for which weights are quantized, how, and what torcha
 
     what       every block's linear projections (attn.qkv_proj, attn.o_proj, mlp.gate/up/down_proj; under
                multi-head latent attention attn.q_proj or q_a_proj and q_b_proj, kv_a_proj_with_mqa,
-               kv_b_proj, o_proj: decoding's absorbed path reads kv_b_proj dequantized); the
+               kv_b_proj, o_proj: decoding's absorbed path reads kv_b_proj dequantized; in a Gated
+               DeltaNet layer in_proj_qkvz, in_proj_ba, out_proj, its A_log, dt_bias and conv1d kept); the
                embeddings, norms, LM head and biases keep the model's dtype. A mixture's stacked experts
                have no torchao layout: one-line error.
     nf4        QLoRA's NormalFloat4 (Dettmers et al., arXiv:2305.14314), torchao's NF4Tensor: blocks of 64
@@ -31,6 +32,7 @@ from typing import Any
 
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.extras import TORCHAO_PIN, pip, require
+from gptkit.model.config import LINEAR_KIND
 
 # torch and torchao are imported inside the functions: gptkit.accounting (count-params, which the CLI runs
 # without importing torch) reads the tables and block sizes here.
@@ -45,6 +47,9 @@ LINEARS = (
     "attn.kv_a_proj_with_mqa",
     "attn.kv_b_proj",
     "attn.o_proj",
+    "attn.in_proj_qkvz",
+    "attn.in_proj_ba",
+    "attn.out_proj",
     "mlp.gate_proj",
     "mlp.up_proj",
     "mlp.down_proj",
@@ -136,11 +141,6 @@ def quantized_names(cfg: Any) -> dict[str, tuple[int, int]]:
             "grouped matmuls, which torchao's NF4/int8/int4 weights do not run; use finetune=lora and "
             "sample without quantize="
         )
-    if cfg.linear_layers:
-        raise ConfigError(
-            f"quantized weights: the linear-attention layers {cfg.linear_layers} (model.gdn) have "
-            f"projections gptkit does not quantize yet; use this model without quantize= / finetune=qlora"
-        )
     shapes = {
         "attn.qkv_proj": (cfg.d_attn + 2 * cfg.d_kv, cfg.d_model),
         "attn.o_proj": (cfg.d_model, cfg.d_attn),
@@ -163,9 +163,20 @@ def quantized_names(cfg: Any) -> dict[str, tuple[int, int]]:
         mla["attn.kv_a_proj_with_mqa"] = (m.kv_lora_rank + m.qk_rope_head_dim, d)
         mla["attn.kv_b_proj"] = (H * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank)
         mla["attn.o_proj"] = (d, H * m.v_head_dim)
+    linear = dict(shapes)
+    if cfg.linear_layers:
+        # a Gated DeltaNet layer's 2-D projections (gptkit.model.gated_deltanet); A_log, dt_bias, the conv1d's
+        # taps and the gated norm keep the model's dtype
+        g, d = cfg.gdn, cfg.d_model
+        key, value = g.n_key_heads * g.key_head_dim, g.n_value_heads * g.value_head_dim
+        del linear["attn.qkv_proj"], linear["attn.o_proj"]
+        linear["attn.in_proj_qkvz"] = (2 * key + 2 * value, d)
+        linear["attn.in_proj_ba"] = (2 * g.n_value_heads, d)
+        linear["attn.out_proj"] = (d, value)
     names = {}
     for i in range(cfg.n_layers):
-        here = mla if cfg.attention_kind_of(i) == "mla" else shapes
+        kind = cfg.attention_kind_of(i)
+        here = mla if kind == "mla" else linear if kind == LINEAR_KIND else shapes
         names.update({f"blocks.{i}.{m}.weight": here[m] for m in LINEARS if m in here})
     return names
 

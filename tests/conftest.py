@@ -353,11 +353,11 @@ FINETUNE_RUN = dict(
 )
 
 
-def finetune_base(tmp_path_factory, name: str) -> tuple[Path, Path]:
+def finetune_base(tmp_path_factory, name: str, **model) -> tuple[Path, Path]:
     """(a run folder holding a tiny Llama-style model, the frozen base of a fine-tuning; its corpus), in a
-    folder of its own (for a module-scoped fixture: its tests only read it)."""
+    folder of its own (for a module-scoped fixture: its tests only read it); `model` changes its config."""
     tmp = tmp_path_factory.mktemp(name)
-    run, _, _ = make_run(tmp, max_seq_len=32)
+    run, _, _ = make_run(tmp, max_seq_len=32, **model)
     return run, tmp / "corpus.txt"
 
 
@@ -378,18 +378,32 @@ def finetune_args(base, runs, name, *extra, finetune="lora", lora_dropout=None, 
     ]
 
 
-def sft_start(root, sft, seq_len: int) -> Path:
-    """root/sft: 2 steps of data=chat (chatml, a byte tokenizer) on the records of `sft` from a tiny Llama
+# gdn-tiny shrunk (tiny_run's width 32, 2 layers): a Gated DeltaNet layer then a softmax one, 8-wide heads
+HYBRID = ("model.layer_types=[linear,global]", "model.gdn.key_head_dim=8", "model.gdn.value_head_dim=8")
+# the same layers for make_run (a ModelConfig's fields)
+HYBRID_MODEL = dict(
+    layer_types=["linear", "global"],
+    gdn=dict(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=8),
+)
+
+
+def sft_start(root, sft, seq_len: int, hybrid: bool = False, name: str = "sft") -> Path:
+    """root/<name>: 2 steps of data=chat (chatml, a byte tokenizer) on the records of `sft` from a tiny Llama
     (1 layer, no dropout; issue 49's attention sinks, output gate and partial RoPE, so that DPO and GRPO train
-    them), the start of a DPO or GRPO run (tests/training/test_dpo.py, test_grpo.py)."""
+    them), the start of a DPO or GRPO run (tests/training/test_dpo.py, test_grpo.py); hybrid: HYBRID's two
+    layers instead, a Gated DeltaNet layer first."""
     import gptkit
 
     model = dict(model="llama-tiny", kv_heads=1, d_ff=64, seq_len=seq_len, dropout=0.0)
     blocks = ("model.attn_sinks=true", "model.attn_output_gate=true", "model.rotary_dim=8")
+    if hybrid:
+        model.update(model="gdn-tiny", layers=2)
+        # (gdn-tiny has no rotary_dim key: full RoPE in its softmax layer)
+        blocks = (*HYBRID, *blocks[:2])
     keys = dict(tokenizer="byte", data="chat", steps=2, val_every=2, val_windows=2, checkpoint_every=None)
     run = dict(log_every=None, accelerator="cpu", warmup=None)
-    gptkit.train(tiny_run(sft, root, "sft", "data.template=chatml", *blocks, **model, **keys, **run))
-    return Path(root) / "sft"
+    gptkit.train(tiny_run(sft, root, name, "data.template=chatml", *blocks, **model, **keys, **run))
+    return Path(root) / name
 
 
 def from_sft(root, name, world: int, *extra) -> list[str]:
@@ -515,8 +529,9 @@ def rows_by_step(run) -> dict[int, dict[str, str]]:
 SAMPLE_EOS = "<|endoftext|>"
 
 
-def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max_seq_len=64):
-    """A run folder: a char tokenizer of the first n_chars of tinyshakespeare and a random tiny GPT.
+def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max_seq_len=64, **model):
+    """A run folder: a char tokenizer of the first n_chars of tinyshakespeare and a random tiny GPT (`model`:
+    other ModelConfig fields).
 
     Its config.yaml holds data/tokenizer sections pointing at that text, as `train` writes them."""
     import torch
@@ -544,6 +559,7 @@ def make_run(tmp_path, *, position="rope", eos=True, n_chars=20_000, seed=0, max
         position=position,
         init_std=0.3,
         **extra,
+        **model,
     )
     model = GPT(cfg).eval()
     config = {"data": {"kind": "files", "paths": [str(corpus)], "val_fraction": 0.1}, "tokenizer": tok_cfg}

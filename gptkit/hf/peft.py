@@ -35,6 +35,13 @@ def peft_adapters(
             f"model.attention_kind={cfg.attention_kind}: its LoRA targets have no PEFT adapter layout here "
             "yet: export the model with its adapters merged (adapters=false)"
         )
+    linear = [t for t in lora["targets"] if t in adapters.ATTENTION]
+    if cfg.linear_layers and linear:
+        raise GptkitError(
+            f"lora.targets {linear} adapt the linear-attention layers' in_proj_qkvz by parts (q, k, v, z "
+            "interleaved per key head), in_proj_ba or out_proj, which have no PEFT adapter layout here: "
+            "export the model with its adapters merged (adapters=false)"
+        )
     family = family_of(cfg)
     attention = [t for t in lora["targets"] if t in ("q", "k", "v")]
     if cfg.attn_output_gate and attention:
@@ -67,7 +74,7 @@ def peft_adapters(
                 theirs = theirs["qkv".index(t)]
             # GPT-2's c_attn: the rows of this part
             elif t in "qkv":
-                start = adapters.target_shape(cfg, t)[0]
+                start = adapters.target_shape(cfg, t)[0][0][0]
             parts.setdefault(theirs.removesuffix(".weight"), []).append((start, start + b.shape[0], a, b))
         for module, adapted in parts.items():
             # self_attn.q_proj, mlp.c_proj: one name per kind

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, module_corpus, run_cli, run_group, tiny_run
+from conftest import HANG_S, HYBRID, module_corpus, run_cli, run_group, tiny_run
 
 STEPS = 6
 # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
@@ -152,6 +152,27 @@ def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, 
         "trainer.precision=32-true",
     )
     assert_same_trajectory(losses(tmp_path / "one-then-fsdp"), losses(reference))
+
+
+@pytest.mark.long
+def test_fsdp_trains_a_hybrid_as_one_process(corpus, tmp_path):
+    """A Gated DeltaNet + softmax hybrid, every parameter training (A_log, dt_bias, the conv1d's taps too):
+    FSDP2 on 2 processes, stopped at step 3 and resumed in one, follows one process."""
+    keys = dict(layers=2, dropout=0.0, val_fraction=0.1, steps=STEPS, val_every=4, val_windows=5)
+    keys.update(checkpoint_every=3, accelerator="cpu", model="gdn-tiny")
+
+    def hybrid(name, world, *extra):
+        return tiny_run(corpus, tmp_path, name, *HYBRID, *extra, batch_size=4 // world, **keys)
+
+    train(*hybrid("one", 1))
+    assert "- linear\n" in (tmp_path / "one" / "config.yaml").read_text()
+    fsdp = ("trainer=fsdp", "trainer.devices=2", "trainer.precision=32-true", "trainer.stop_at_step=3")
+    r = train(*hybrid("fsdp", 2, *fsdp))
+    assert "the other 1 rank(s) start on the meta device" in r.stderr, r.stderr[-2000:]
+    train("resume=" + str(tmp_path / "fsdp"), "trainer.devices=1", "trainer.batch_size=4")
+    want = losses(tmp_path / "one")
+    assert len(set(want.values())) == STEPS
+    assert_same_trajectory(losses(tmp_path / "fsdp"), want)
 
 
 def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):

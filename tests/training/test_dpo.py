@@ -289,6 +289,32 @@ def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactl
     ]
 
 
+def test_dpo_on_a_hybrid_starts_at_log_2_and_logs_the_margin_its_weights_give(dpo_data):
+    """DPO from a Gated DeltaNet + softmax hybrid: the loss of step 1 is log 2 (the policy is the frozen
+    start), it falls, and the val margin logged at step 3 is the one recomputed from the start's and the end's
+    weights (the paper's formula on the answers' summed log-probs, as for the other models)."""
+    from gptkit.runs import load_model
+
+    sft = sft_start(dpo_data, dpo_data / "sft.jsonl", seq_len=48, hybrid=True, name="sft-hybrid")
+    args = dpo_args(dpo_data, "hybrid", 1, "trainer.max_steps=3", "trainer.val_every=3")
+    gptkit.train([f"init_from={sft}" if a.startswith("init_from=") else a for a in args])
+    rows = rows_of(dpo_data / "hybrid")
+    assert float(rows[1]["train/loss"]) == pytest.approx(math.log(2), abs=1e-6)
+    assert float(rows[3]["train/loss"]) < float(rows[1]["train/loss"])
+    *_, start = load_model(sft)
+    *_, end = load_model(dpo_data / "hybrid")
+    assert start.cfg.linear_layers == [0]
+    data = prepare(
+        {"kind": "preference", "paths": [str(dpo_data / "pairs.jsonl")]},
+        {"kind": "file", "path": str(sft / "tokenizer.json")},
+    )
+    x, y = make_pair_rows(data.val, 48, "error", data.pad_id).batch(torch.arange(3))
+    with torch.no_grad():
+        ratio = (answer_logps(end(x).logits, y) - answer_logps(start(x).logits, y)).view(3, 2)  # [pairs, 2]
+    margin = float(0.5 * (ratio[:, 0] - ratio[:, 1]).mean())
+    assert margin == pytest.approx(float(rows[3]["val/rewards/margin"]), abs=1e-5) and margin != 0
+
+
 @pytest.mark.long
 def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight):
     def run(*args):

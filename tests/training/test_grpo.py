@@ -512,6 +512,31 @@ def test_grpo_with_lora_muon_dapo_accumulation_and_task_evals(start, capfd):
     assert rows[2]["eval/tiny_gen/exact_match"] != "" and rows[2]["val/reward"] != ""
 
 
+def test_grpo_on_a_hybrid_decodes_its_rollouts_through_the_recurrent_state_and_trains(start, monkeypatch):
+    """GRPO from a Gated DeltaNet + softmax hybrid, LoRA on the projections of both layers (z and ba too):
+    its rollouts go through the same sampler, the linear layer decoding each new token from the state its
+    cache carries (the step-by-step delta rule), and the adapters train away from the base."""
+    from gptkit.model import gated_deltanet
+
+    sft = sft_start(start, start / "sft.jsonl", seq_len=40, hybrid=True, name="sft-hybrid")
+    real, steps = gated_deltanet.recurrent_gated_delta_rule, []
+
+    def counted(q, k, v, g, beta, initial_state=None, resets=None):
+        steps.append(initial_state is not None and q.shape[1] == 1)
+        return real(q, k, v, g, beta, initial_state, resets)
+
+    monkeypatch.setattr(gated_deltanet, "recurrent_gated_delta_rule", counted)
+    extra = ("finetune=lora", "lora.rank=4", "lora.targets=[q,k,v,o,z,ba]", "trainer.max_steps=2")
+    args = grpo_args(start, "hybrid", 1, *extra, "trainer.val_every=2")
+    gptkit.train([f"init_from={sft}" if a.startswith("init_from=") else a for a in args])
+    rows = rows_of(start / "hybrid")
+    # B = 0: the policy is the base, the KL 0; the second pass over the rollouts has moved it
+    assert abs(float(rows[1]["train/loss"])) < 1e-6 and float(rows[1]["train/kl"]) == 0.0
+    assert float(rows[2]["train/kl"]) > 0 and 0 < float(rows[1]["train/rewards/upper"]) < 1
+    # 4 prompts x (up to 8 new tokens, the first from the prompt's forward) in step 1; the validation's too
+    assert len(steps) >= 4 and all(steps)
+
+
 def test_bad_grpo_commands_exit_2_with_one_line(start, capsys):
     f = start / "prompts.jsonl"
     base = [f"runs_dir={start / 'bad'}", "name=bad", "trainer.accelerator=cpu", "trainer.progress=false"]

@@ -369,21 +369,66 @@ def test_qlora_trains_on_mla_tiny_and_samples_merged(tmp_path, capsys):
     assert not (tmp_path / "ad").exists()
 
 
-def test_linear_attention_has_no_quantized_base_yet():
-    from gptkit.errors import ConfigError
-    from gptkit.model import ModelConfig
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_a_hybrids_linear_layer_projections_quantize_and_decode_through_the_state_as_recomputed(kind):
+    """A Gated DeltaNet layer's 2-D projections (in_proj_qkvz, in_proj_ba, out_proj) are quantized as the
+    softmax layer's; A_log, dt_bias, the conv1d's taps and the norms are not. The quantized hybrid decodes
+    through its recurrent state as it computes whole."""
+    from conftest import HYBRID_MODEL
 
-    gdn = dict(n_key_heads=2, n_value_heads=2, key_head_dim=8, value_head_dim=8)
+    from gptkit.model import ModelConfig
+    from gptkit.model.kv_cache import KVCache
+
     cfg = ModelConfig(
-        vocab_size=40,
-        max_seq_len=16,
-        n_layers=2,
-        n_heads=4,
-        d_model=32,
-        layer_types=["linear", "global"],
-        gdn=gdn,
+        vocab_size=40, max_seq_len=16, n_layers=2, n_heads=4, d_model=32, mlp="swiglu", norm="rmsnorm",
+        init_std=0.3, **HYBRID_MODEL,
+    )  # fmt: skip
+    names = quant.quantized_names(cfg)
+    mlp = ["mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+    assert sorted(names) == sorted(
+        [f"blocks.0.{m}.weight" for m in ["attn.in_proj_qkvz", "attn.in_proj_ba", "attn.out_proj", *mlp]]
+        + [f"blocks.1.{m}.weight" for m in ["attn.qkv_proj", "attn.o_proj", *mlp]]
     )
-    with pytest.raises(
-        ConfigError, match=r"the linear-attention layers \[0\] \(model.gdn\) have projections"
-    ):
-        quant.check_nf4(cfg, 64, "auto")
+    # 2 key heads of q, k (8) and 4 value heads of v, z (8); b and a per value head
+    assert names["blocks.0.attn.in_proj_qkvz.weight"] == (2 * 16 + 2 * 32, 32)
+    assert names["blocks.0.attn.in_proj_ba.weight"] == (8, 32)
+    assert names["blocks.0.attn.out_proj.weight"] == (32, 32)
+    quant.check_nf4(cfg, 64, "auto")
+    torch.manual_seed(0)
+    model = quant.quantize_model(GPT(cfg).eval(), kind)
+    attn = model.blocks[0].attn
+    for linear in (attn.in_proj_qkvz, attn.in_proj_ba, attn.out_proj):
+        assert type(linear.weight) not in (torch.Tensor, torch.nn.Parameter)
+    for p in (attn.A_log, attn.dt_bias, attn.conv1d.weight, attn.norm.weight):
+        assert type(p) is torch.nn.Parameter and p.dtype == torch.float32
+    x = torch.randint(0, 40, (2, 12))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = KVCache(cfg, batch_size=2)
+        got = [model(x[:, :5], cache=cache).logits]
+        got += [model(x[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(got, dim=1), full, atol=1e-4, rtol=0)
+
+
+def test_qlora_trains_on_a_hybrid_and_samples_merged_and_quantized(tmp_path, capsys, tmp_path_factory):
+    """finetune=qlora on a Gated DeltaNet + softmax hybrid: every 2-D projection NF4 (the linear layer's too),
+    adapters on all of them (z and ba included) train; sample merges them into the NF4 base, quantize=nf4
+    samples the base."""
+    from conftest import HYBRID_MODEL
+
+    base = finetune_base(tmp_path_factory, "qhybrid", **HYBRID_MODEL)
+    runs = tmp_path / "runs"
+    targets = "lora.targets=[q,k,v,o,z,ba,gate,up,down]"
+    args = [targets if a.startswith("lora.targets=") else a for a in qlora_args(base, runs, "q")]
+    code, _, err = run_main(capsys, *args)
+    assert code == 0, err
+    assert "QLoRA: rank 4, alpha 16, dropout 0.0 on q, k, v, o, z, ba, gate, up, down" in err
+    assert len(set(losses(runs / "q").values())) == 4
+    state = ckpt(runs / "q")["state_dict"]
+    assert all(is_adapter_key(k.removeprefix("model.")) for k in state)
+    for t in ("q", "z"):
+        assert state[f"model.blocks.0.attn.in_proj_qkvz.lora_{t}_B"].abs().sum() > 0
+    assert state["model.blocks.0.attn.in_proj_ba.lora_ba_B"].abs().sum() > 0
+    for run, extra in ((runs / "q", []), (base[0], ["quantize=nf4"])):
+        code, out, err = run_main(capsys, "sample", f"run={run}", "prompt=the", "max_new_tokens=6", *extra)
+        assert code == 0 and out.strip(), err

@@ -46,13 +46,38 @@ class LoRALinear(nn.Linear):
 
         y = x W^T + b  +  scale * [0 | (dropout(x) A_p^T) B_p^T | 0 ...]   over each part p's rows
 
-    `lora_parts` lists (target, first row, end row); the adapters are the parameters lora_<target>_A
-    [rank, in_features] and lora_<target>_B [rows, rank]. `lora_enabled` False: the plain Linear."""
+    `lora_parts` lists (target, its row segments ((start, end), ...)): B_p's rows go to those segments in
+    order (one segment, or a linear-attention layer's per key head: gptkit.adapters.target_shape); the
+    adapters are the parameters lora_<target>_A [rank, in_features] and lora_<target>_B [rows, rank].
+    `lora_enabled` False: the plain Linear."""
 
-    lora_parts: tuple[tuple[str, int, int], ...]
+    lora_parts: tuple[tuple[str, tuple[tuple[int, int], ...]], ...]
     lora_scale: float
     lora_dropout: float
     lora_enabled: bool
+
+    def _segments(self) -> list[tuple[str, int, int, int]]:
+        """Every part's segments in row order: (target, first row of B, start, end)."""
+        out = []
+        for target, segments in self.lora_parts:
+            row = 0
+            for start, end in segments:
+                out.append((target, row, start, end))
+                row += end - start
+        return sorted(out, key=lambda s: s[2])
+
+    def _place(self, updates: dict[str, torch.Tensor], like: torch.Tensor, n: int) -> torch.Tensor:
+        """The parts' updates [..., rows of each] laid out over the n output rows (zeros between) [..., n]."""
+        pieces, row = [], 0
+        for target, first, start, end in self._segments():
+            if start > row:
+                pieces.append(like.new_zeros(*like.shape[:-1], start - row))
+            u = updates[target]
+            pieces.append(u if end - start == u.shape[-1] else u[..., first : first + end - start])
+            row = end
+        if row < n:
+            pieces.append(like.new_zeros(*like.shape[:-1], n - row))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in_features] -> [..., out_features], the adapters' update added where enabled."""
@@ -60,17 +85,13 @@ class LoRALinear(nn.Linear):
         if not self.lora_enabled:
             return y
         h = F.dropout(x, self.lora_dropout, self.training)  # [..., in_features]
-        pieces, row = [], 0
-        for target, start, end in self.lora_parts:
-            if start > row:
-                pieces.append(y.new_zeros(*y.shape[:-1], start - row))
-            a, b = getattr(self, f"lora_{target}_A"), getattr(self, f"lora_{target}_B")
-            pieces.append(F.linear(F.linear(h, a), b))  # [..., rank] -> [..., end - start]
-            row = end
-        if row < y.shape[-1]:
-            pieces.append(y.new_zeros(*y.shape[:-1], y.shape[-1] - row))
-        update = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)  # [..., out_features]
-        return y + self.lora_scale * update
+        updates = {
+            target: F.linear(
+                F.linear(h, getattr(self, f"lora_{target}_A")), getattr(self, f"lora_{target}_B")
+            )
+            for target, _ in self.lora_parts
+        }  # [..., rank] -> [..., rows]
+        return y + self.lora_scale * self._place(updates, y, y.shape[-1])
 
     def lora_update(self) -> Optional[torch.Tensor]:
         """The adapters' update of the weight, scale * B @ A on each part's rows (zeros elsewhere) [out, in],
@@ -78,16 +99,11 @@ class LoRALinear(nn.Linear):
         (multi-head latent attention's absorbed decoding, gptkit.model.mla.dense_weight). No dropout."""
         if not self.lora_enabled:
             return None
-        rows, row = [], 0
-        for target, start, end in self.lora_parts:
-            a, b = getattr(self, f"lora_{target}_A"), getattr(self, f"lora_{target}_B")
-            if start > row:
-                rows.append(b.new_zeros(start - row, a.shape[1]))
-            rows.append(b @ a)  # [end - start, in_features]
-            row = end
-        if row < self.out_features:
-            rows.append(rows[-1].new_zeros(self.out_features - row, self.in_features))
-        return self.lora_scale * torch.cat(rows, dim=0)  # [out_features, in_features]
+        updates = {
+            target: (getattr(self, f"lora_{target}_B") @ getattr(self, f"lora_{target}_A")).T
+            for target, _ in self.lora_parts
+        }  # [in_features, rows]
+        return self.lora_scale * self._place(updates, updates[self.lora_parts[0][0]], self.out_features).T
 
 
 class LoRAExperts(Experts):
@@ -146,13 +162,15 @@ def apply_lora(model: GPT, lora: Any) -> int:
     for p in model.parameters():
         p.requires_grad_(False)
     for i, block in enumerate(model.blocks):
-        by_module: dict[str, list[tuple[str, int, int]]] = {}
+        by_module: dict[str, list[tuple[str, tuple[tuple[int, int], ...]]]] = {}
+        here = adapters.layer_targets(model.cfg, i)
         for t in targets:
-            start, end, _ = adapters.target_shape(model.cfg, t, i)
-            by_module.setdefault(adapters.module_of(model.cfg, i, t), []).append((t, start, end))
+            if t in here:
+                segments, _ = adapters.target_shape(model.cfg, t, i)
+                by_module.setdefault(adapters.module_of(model.cfg, i, t), []).append((t, segments))
         experts = by_module.pop(adapters.EXPERTS, None)
         if experts is not None:
-            targets_here = [t for t, _, _ in experts]
+            targets_here = [t for t, _ in experts]
             _adapt_experts(block.mlp.experts, targets_here, rank, scale, float(settings["dropout"]))
         for path, parts in by_module.items():
             linear = block.get_submodule(path)
@@ -161,10 +179,10 @@ def apply_lora(model: GPT, lora: Any) -> int:
             linear.lora_scale, linear.lora_enabled = scale, True
             linear.lora_dropout = float(settings["dropout"])
             like = dict(device=linear.weight.device, dtype=linear.weight.dtype)
-            for t, start, end in parts:
+            for t, segments in parts:
                 a = nn.Parameter(torch.empty(rank, linear.in_features, **like))  # [rank, in_features]
                 nn.init.kaiming_uniform_(a, a=math.sqrt(5))
-                b = nn.Parameter(torch.zeros(end - start, rank, **like))  # [rows, rank]
+                b = nn.Parameter(torch.zeros(adapters.rows_of(segments), rank, **like))  # [rows, rank]
                 linear.register_parameter(f"lora_{t}_A", a)
                 linear.register_parameter(f"lora_{t}_B", b)
     model._gptkit_lora = dict(settings, targets=list(targets))
