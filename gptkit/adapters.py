@@ -31,9 +31,11 @@ q, k, v and o in other modules, and two targets of its own (z and ba, which a so
     ba       attn.in_proj_ba              all (beta's and the decay's inputs)
     o        attn.out_proj                all
 
-so q, k, v, o on a hybrid adapt every layer's attention, and z, ba the linear layers only (a target is
-adapted in the layers that have it). A target's rows can be several segments of its module's weight
-(target_shape): its B's rows are those segments in order (q's: key head 0's q rows, then head 1's, ...).
+(model.gdn.layout=split, Qwen3.5's: q, k, v are one segment each of attn.in_proj_qkv, z is attn.in_proj_z,
+and ba is no target, b and a being two modules there), so q, k, v, o on a hybrid adapt every layer's
+attention, and z, ba the linear layers only (a target is adapted in the layers that have it). A target's
+rows can be several segments of its module's weight (target_shape): its B's rows are those segments in
+order (q's: key head 0's q rows, then head 1's, ...).
 
 In a mixture of experts' MoE layers (model.moe) gate, up and down adapt every routed expert's own matrix:
 the module is mlp.experts, whose gate_proj, up_proj [E, d_expert, d_model] and down_proj [E, d_model,
@@ -96,9 +98,19 @@ GDN_MODULES = {
     "ba": "attn.in_proj_ba",
     "o": "attn.out_proj",
 }
+# the same under model.gdn.layout=split (Qwen3.5's): q, k, v parts of in_proj_qkv (all q rows, then all k,
+# then all v), z its own in_proj_z; b and a are two modules there, so ba is not a target of that layout
+GDN_SPLIT_MODULES = {
+    "q": "attn.in_proj_qkv",
+    "k": "attn.in_proj_qkv",
+    "v": "attn.in_proj_qkv",
+    "z": "attn.in_proj_z",
+    "o": "attn.out_proj",
+}
 KEY = re.compile(
     r"blocks\.(\d+)\.(attn\.qkv_proj|attn\.o_proj|attn\.q_proj|attn\.q_a_proj|attn\.q_b_proj"
-    r"|attn\.kv_a_proj_with_mqa|attn\.kv_b_proj|attn\.in_proj_qkvz|attn\.in_proj_ba|attn\.out_proj"
+    r"|attn\.kv_a_proj_with_mqa|attn\.kv_b_proj|attn\.in_proj_qkvz|attn\.in_proj_ba|attn\.in_proj_qkv"
+    r"|attn\.in_proj_z|attn\.out_proj"
     r"|mlp\.gate_proj|mlp\.up_proj|mlp\.down_proj|mlp\.experts)"
     r"\.lora_(q_a|q_b|kv_a|kv_b|q|k|v|o|z|ba|gate|up|down)_([AB])"
 )
@@ -127,10 +139,10 @@ def is_adapter_key(name: str) -> bool:
 def attention_targets(cfg: Any, layer: int) -> tuple[str, ...]:
     """The attention targets of layer `layer`: q, k, v, o under multi-head attention; under multi-head latent
     attention q (or q_a and q_b with model.mla.q_lora_rank), kv_a, kv_b, o; in a linear-attention layer
-    (Gated DeltaNet) q, k, v, o, z, ba."""
+    (Gated DeltaNet) q, k, v, o, z, ba (no ba under model.gdn.layout=split)."""
     kind = cfg.attention_kind_of(layer)
     if kind == LINEAR_KIND:
-        return ("q", "k", "v", "o", "z", "ba")
+        return tuple(gdn_modules(cfg))
     if kind != "mla":
         return ("q", "k", "v", "o")
     q = ("q",) if cfg.mla.q_lora_rank is None else ("q_a", "q_b")
@@ -165,8 +177,13 @@ def module_of(cfg: Any, layer: int, target: str) -> str:
     if target in MLA_MODULES and kind == "mla":
         return MLA_MODULES[target]
     if target in GDN_MODULES and kind == LINEAR_KIND:
-        return GDN_MODULES[target]
+        return gdn_modules(cfg)[target]
     return MODULES[target]
+
+
+def gdn_modules(cfg: Any) -> dict[str, str]:
+    """A linear-attention layer's targets and their modules, by its projections' layout (model.gdn.layout)."""
+    return GDN_SPLIT_MODULES if cfg.gdn.layout == "split" else GDN_MODULES
 
 
 def target_shape(cfg: Any, target: str, layer: int | None = None) -> tuple[tuple[tuple[int, int], ...], int]:
@@ -198,6 +215,12 @@ def _gdn_shape(cfg: Any, target: str) -> tuple[tuple[tuple[int, int], ...], int]
     v (r d_v), z (r d_v)], r value heads per key head (gptkit.model.gated_deltanet)."""
     g, d = cfg.gdn, cfg.d_model
     r = g.n_value_heads // g.n_key_heads
+    if g.layout == "split":
+        # in_proj_qkv: [all q (H_k d_k), all k (H_k d_k), all v (H_v d_v)]; in_proj_z: the gate alone
+        key, value = g.n_key_heads * g.key_head_dim, g.n_value_heads * g.value_head_dim
+        if target in ("q", "k", "v", "z"):
+            start = {"q": 0, "k": key, "v": 2 * key, "z": 0}[target]
+            return ((start, start + (key if target in ("q", "k") else value)),), d
     if target == "ba":
         return ((0, 2 * g.n_value_heads),), d
     if target == "o":

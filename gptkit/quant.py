@@ -49,6 +49,10 @@ LINEARS = (
     "attn.o_proj",
     "attn.in_proj_qkvz",
     "attn.in_proj_ba",
+    "attn.in_proj_qkv",
+    "attn.in_proj_z",
+    "attn.in_proj_b",
+    "attn.in_proj_a",
     "attn.out_proj",
     "mlp.gate_proj",
     "mlp.up_proj",
@@ -170,8 +174,13 @@ def quantized_names(cfg: Any) -> dict[str, tuple[int, int]]:
         g, d = cfg.gdn, cfg.d_model
         key, value = g.n_key_heads * g.key_head_dim, g.n_value_heads * g.value_head_dim
         del linear["attn.qkv_proj"], linear["attn.o_proj"]
-        linear["attn.in_proj_qkvz"] = (2 * key + 2 * value, d)
-        linear["attn.in_proj_ba"] = (2 * g.n_value_heads, d)
+        if g.layout == "split":  # Qwen3.5's: the same rows held apart
+            linear["attn.in_proj_qkv"] = (2 * key + value, d)
+            linear["attn.in_proj_z"] = (value, d)
+            linear["attn.in_proj_b"] = linear["attn.in_proj_a"] = (g.n_value_heads, d)
+        else:
+            linear["attn.in_proj_qkvz"] = (2 * key + 2 * value, d)
+            linear["attn.in_proj_ba"] = (2 * g.n_value_heads, d)
         linear["attn.out_proj"] = (d, value)
     names = {}
     for i in range(cfg.n_layers):

@@ -38,8 +38,8 @@ def peft_adapters(
     linear = [t for t in lora["targets"] if t in adapters.ATTENTION]
     if cfg.linear_layers and linear:
         raise GptkitError(
-            f"lora.targets {linear} adapt the linear-attention layers' in_proj_qkvz by parts (q, k, v, z "
-            "interleaved per key head), in_proj_ba or out_proj, which have no PEFT adapter layout here: "
+            f"lora.targets {linear} adapt the linear-attention layers' fused input projection by parts "
+            "(q, k, v, z), in_proj_ba or out_proj, which have no PEFT adapter layout here: "
             "export the model with its adapters merged (adapters=false)"
         )
     family = family_of(cfg)

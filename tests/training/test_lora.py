@@ -49,6 +49,8 @@ MLA_Q = dict(MLA, mla=dict(MLA["mla"], q_lora_rank=12))
 GDN = dict(LLAMA, layer_types=["linear", "global"])
 GDN.update(gdn=dict(n_key_heads=2, n_value_heads=4, key_head_dim=8, value_head_dim=8))
 GDN_ALL = ["q", "k", "v", "o", "z", "ba", "gate", "up", "down"]
+# Qwen3.5's layout of the same layer (model.gdn.layout=split): in_proj_qkv, in_proj_z, in_proj_b, in_proj_a
+GDN_SPLIT = dict(GDN, gdn=dict(GDN["gdn"], layout="split"))
 MLA_ALL = ["q_a", "q_b", "kv_a", "kv_b", "o", "gate", "up", "down"]
 
 
@@ -76,6 +78,7 @@ def settings(**kw):
         (MLA_Q, MLA_ALL),
         (GDN, GDN_ALL),
         (GDN, ["k", "z", "up"]),
+        (GDN_SPLIT, ["q", "k", "v", "o", "z", "gate", "up", "down"]),
     ],
     ids=[
         "llama",
@@ -88,6 +91,7 @@ def settings(**kw):
         "mla-q-lora",
         "gdn-hybrid",
         "gdn-k-z-up",
+        "gdn-split",
     ],
 )
 def test_adapters_start_at_the_base_and_switch_off_and_merge_exactly(style, targets):
@@ -207,6 +211,48 @@ def test_linear_attention_adapters_slice_in_proj_qkvz_per_key_head_decode_and_tr
     assert named["blocks.0.attn.in_proj_ba.lora_ba_A"].grad.abs().sum() > 0
 
 
+def test_split_layout_adapters_take_whole_segments_of_in_proj_qkv_and_in_proj_z_and_decode():
+    """Under model.gdn.layout=split (Qwen3.5's) q, k and v adapt one segment each of in_proj_qkv (all q rows,
+    then all k, then all v) and z the whole in_proj_z: merged, each adds scale * B @ A on its own rows and
+    nowhere else; the adapted model decodes through its recurrent state as it computes whole."""
+    from gptkit.model.kv_cache import KVCache
+
+    model = tiny(GDN_SPLIT)
+    targets = ["q", "k", "v", "o", "z"]
+    apply_lora(model, settings(targets=targets))
+    named = dict(model.named_parameters())
+    # 2 key heads of 8 (q, k: 16 rows each), 4 value heads of 8 (v: 32 rows; z: in_proj_z's 32)
+    assert named["blocks.0.attn.in_proj_qkv.lora_k_B"].shape == (16, 4)
+    assert named["blocks.0.attn.in_proj_z.lora_z_B"].shape == (32, 4)
+    assert all(is_adapter_key(k) for k, p in named.items() if p.requires_grad)
+    base = {k: v.clone() for k, v in model.state_dict().items()}
+    rows = {"q": (0, 16), "k": (16, 32), "v": (32, 64), "z": (0, 32)}
+    for t, (start, end) in rows.items():
+        module = "in_proj_z" if t == "z" else "in_proj_qkv"
+        with torch.no_grad():
+            for k, p in named.items():
+                if p.requires_grad:
+                    p.normal_(0, 0.2) if k.startswith(f"blocks.0.attn.{module}.lora_{t}_") else p.zero_()
+        a, b = named[f"blocks.0.attn.{module}.lora_{t}_A"], named[f"blocks.0.attn.{module}.lora_{t}_B"]
+        merged = merged_state_dict(model)
+        for m in ("in_proj_qkv", "in_proj_z"):
+            w = f"blocks.0.attn.{m}.weight"
+            want = torch.zeros_like(base[w])
+            if m == module:
+                want[start:end] = 2.0 * b @ a  # alpha / rank = 2
+            torch.testing.assert_close(merged[w] - base[w], want, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        for p in named.values():
+            if p.requires_grad:
+                p.normal_(0, 0.2)
+        x = torch.randint(0, 40, (2, 12))
+        full = model(x).logits
+        cache = KVCache(model.cfg, batch_size=2)
+        got = [model(x[:, :5], cache=cache).logits]
+        got += [model(x[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
+        torch.testing.assert_close(torch.cat(got, dim=1), full, atol=1e-4, rtol=0)
+
+
 def test_a_mixtures_expert_adapters_are_per_expert_grouped_as_the_loop_and_train():
     model = tiny(MOE)
     apply_lora(model, settings())
@@ -296,6 +342,7 @@ def test_linear_attention_adapters_have_no_peft_export():
             "ba matches no module of this model (z and ba are a linear-attention layer's",
         ),
         (GDN, settings(rank=9, targets=GDN_ALL), "lora.rank=9 is larger than the ba projection (8 x 32)"),
+        (GDN_SPLIT, settings(targets=GDN_ALL), "ba matches no module of this model"),
         (
             MLA,
             settings(targets=["q", "v"]),

@@ -410,6 +410,43 @@ def test_a_hybrids_linear_layer_projections_quantize_and_decode_through_the_stat
     torch.testing.assert_close(torch.cat(got, dim=1), full, atol=1e-4, rtol=0)
 
 
+def test_a_split_layout_linear_layer_quantizes_its_four_projections_and_decodes_as_recomputed():
+    """Under model.gdn.layout=split (Qwen3.5's) the linear layer's in_proj_qkv, in_proj_z, in_proj_b and
+    in_proj_a are quantized (not the grouped layout's names, which this layer lacks), and it decodes through
+    its state as it computes whole."""
+    from conftest import HYBRID_MODEL
+
+    from gptkit.model import ModelConfig
+    from gptkit.model.kv_cache import KVCache
+
+    split = dict(HYBRID_MODEL, gdn=dict(HYBRID_MODEL["gdn"], layout="split"))
+    cfg = ModelConfig(
+        vocab_size=40, max_seq_len=16, n_layers=2, n_heads=4, d_model=32, mlp="swiglu", norm="rmsnorm",
+        init_std=0.3, **split,
+    )  # fmt: skip
+    names = quant.quantized_names(cfg)
+    linear = {k: v for k, v in names.items() if k.startswith("blocks.0.attn.")}
+    assert linear == {
+        "blocks.0.attn.in_proj_qkv.weight": (2 * 16 + 32, 32),
+        "blocks.0.attn.in_proj_z.weight": (32, 32),
+        "blocks.0.attn.in_proj_b.weight": (4, 32),
+        "blocks.0.attn.in_proj_a.weight": (4, 32),
+        "blocks.0.attn.out_proj.weight": (32, 32),
+    }
+    torch.manual_seed(0)
+    model = quant.quantize_model(GPT(cfg).eval(), "int8")
+    attn = model.blocks[0].attn
+    for linear in (attn.in_proj_qkv, attn.in_proj_z, attn.in_proj_b, attn.in_proj_a, attn.out_proj):
+        assert type(linear.weight) not in (torch.Tensor, torch.nn.Parameter)
+    x = torch.randint(0, 40, (2, 12))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = KVCache(cfg, batch_size=2)
+        got = [model(x[:, :5], cache=cache).logits]
+        got += [model(x[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
+    torch.testing.assert_close(torch.cat(got, dim=1), full, atol=1e-4, rtol=0)
+
+
 def test_qlora_trains_on_a_hybrid_and_samples_merged_and_quantized(tmp_path, capsys, tmp_path_factory):
     """finetune=qlora on a Gated DeltaNet + softmax hybrid: every 2-D projection NF4 (the linear layer's too),
     adapters on all of them (z and ba included) train; sample merges them into the NF4 base, quantize=nf4
