@@ -22,6 +22,10 @@ tensors, so the gradient can be read), and writes the losses, gradients and rewa
                         averaged over the pairs: the same when the chosen answers have one length, the case
                         compared whole); with answers of several lengths the odds-ratio term alone (TRL's
                         log_odds_ratio) is compared
+  kto                   KTOTrainer._compute_loss (its precomputed-reference path, calculate_KL on), the
+                        stand-in returning fixed per-token log-probs of 2P labelled rows and, for the
+                        mismatched KL rows, others; the gradient is with respect to the rows' log-probs
+                        (gptkit.training.objectives.kto: kto_loss, reference_point)
 
 This side computes the same with gptkit.training.objectives.dpo (dpo_loss, simpo_loss, orpo_loss,
 answer_logps, answer_tokens) and prints the largest difference of each; it exits 1 when one differs by 1e-6
@@ -49,6 +53,8 @@ CASES = [
     ("orpo", 0.0, 0.0, 0.0, 1.0, True),
     ("orpo", 0.0, 0.0, 0.0, 0.5, False),
 ]
+# (beta, desirable_weight, undesirable_weight, the mismatched rows' mean log-ratio > 0 (else clamped to 0))
+KTO_CASES = [(0.1, 1.0, 1.0, True), (0.5, 1.0, 1.33, True), (0.5, 1.0, 1.0, False)]
 
 
 def inputs(same_chosen: bool, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -186,10 +192,76 @@ def trl_logits_side(loss_type: str, beta: float, smoothing: float, gamma: float,
     }
 
 
+def kto_inputs(positive: bool) -> dict[str, torch.Tensor]:
+    """inputs(False)'s 2P rows as unpaired rows (labels alternating), and the mismatched rows' per-token
+    log-probs and the reference's sums of them (their mean log-ratio above 0 when positive)."""
+    data = inputs(False)
+    g = torch.Generator().manual_seed(1)
+    mask = data["mask"]
+    kl = -torch.rand(2 * P, T - 1, generator=g, dtype=torch.float64) * 3 * mask
+    shift = 1.0 if positive else -1.0
+    ref_kl = (kl.sum(-1) - shift + (torch.rand(2 * P, generator=g, dtype=torch.float64) - 0.5)).float()
+    labels = torch.arange(2 * P) % 2 == 0
+    labels[1] = True  # not half and half
+    return {**data, "kl": kl, "ref_kl": ref_kl, "labels": labels}
+
+
+def trl_kto(beta: float, wd: float, wu: float, positive: bool) -> dict:
+    from trl.trainer.kto_trainer import KTOTrainer
+
+    data = kto_inputs(positive)
+    logps = data["logps"].clone().float().requires_grad_(True)
+    mask = data["mask"].float()
+    n = mask.shape[1]
+    kl_ids = data["ids"].clone()
+
+    def model(**kwargs):
+        lp = data["kl"].float() * mask if kwargs["input_ids"] is kl_ids else logps * mask
+        return SimpleNamespace(log_probs=lp, entropy=torch.zeros(2 * P, n), mean_logits=torch.zeros(2 * P, n))
+
+    trainer = KTOTrainer.__new__(KTOTrainer)
+    trainer.__dict__.update(
+        model=SimpleNamespace(training=True),
+        accelerator=accelerator(),
+        aux_loss_enabled=False,
+        precompute_ref_logps=True,
+        calculate_KL=True,
+        loss_type="kto",
+        beta=beta,
+        desirable_weight=wd,
+        undesirable_weight=wu,
+        _total_train_tokens=0,
+        _tp_size=1,
+        _metrics=metrics(),
+    )
+    completion = torch.cat([torch.zeros(2 * P, 1), mask], dim=1).long()
+    batch = {
+        "input_ids": data["ids"],
+        "attention_mask": torch.ones_like(data["ids"]),
+        "completion_mask": completion,
+        "KL_input_ids": kl_ids,
+        "KL_attention_mask": torch.ones_like(kl_ids),
+        "KL_completion_mask": completion,
+        "label": data["labels"],
+        "ref_logps": data["ref"],
+        "ref_KL_logps": data["ref_kl"],
+    }
+    loss = trainer._compute_loss(model, batch, return_outputs=False)
+    loss.backward()
+    m = trainer._metrics["train"]
+    return {
+        "loss": float(loss),
+        "grad": logps.grad.tolist(),
+        "chosen": m["rewards/chosen"][0],
+        "rejected": m["rewards/rejected"][0],
+        "kl": m["kl"][0],
+    }
+
+
 def trl_side() -> dict:
     import trl
 
-    out = {"trl": trl.__version__, "cases": []}
+    out = {"trl": trl.__version__, "cases": [], "kto": [trl_kto(*case) for case in KTO_CASES]}
     for loss, beta, smoothing, gamma, lam, same in CASES:
         data = inputs(same)
         if loss in ("sigmoid", "hinge", "ipo"):
@@ -262,6 +334,32 @@ def compare(trl: dict) -> int:
             f"grad {d_grad:.1e} rewards {d_reward:.1e} (relative)"
         )
         for k, v in (("loss", d_loss), ("grad", d_grad), ("rewards", d_reward)):
+            worst[k] = max(worst.get(k, 0.0), v)
+    from gptkit.training.objectives.kto import kto_loss, reference_point
+
+    for (beta, wd, wu, positive), want in zip(KTO_CASES, trl["kto"]):
+        data = kto_inputs(positive)
+        leaf = data["logps"].clone().float().requires_grad_(True)
+        mask = data["mask"].float()
+        z0 = reference_point((data["kl"].float() * mask).sum(-1), data["ref_kl"])
+        labels = data["labels"]
+        losses, rewards = kto_loss((leaf * mask).sum(-1), data["ref"], labels, z0, beta, wd, wu)
+        value = losses.mean()
+        value.backward()
+        d_loss = rel(float(value.detach()), want["loss"])
+        trl_grad = torch.tensor(want["grad"], dtype=torch.float64)
+        d_grad = float((leaf.grad.double() - trl_grad).abs().max()) / max(1.0, float(trl_grad.abs().max()))
+        d_reward = max(
+            rel(float(rewards[labels].mean()), want["chosen"]),
+            rel(float(rewards[~labels].mean()), want["rejected"]),
+        )
+        d_kl = rel(float(z0), want["kl"])
+        print(
+            f"kto     beta {beta} weights {wd}/{wu} z0 {float(z0):.4f}: loss {float(value.detach()):+.8f} "
+            f"vs TRL {want['loss']:+.8f}  |d| loss {d_loss:.1e} grad {d_grad:.1e} rewards {d_reward:.1e} "
+            f"kl {d_kl:.1e}"
+        )
+        for k, v in (("loss", d_loss), ("grad", d_grad), ("rewards", d_reward), ("kl", d_kl)):
             worst[k] = max(worst.get(k, 0.0), v)
     print(
         f"TRL {trl['trl']}, torch {torch.__version__}: largest |difference| / max(1, |TRL's|) "

@@ -583,3 +583,101 @@ def test_the_memory_estimate_counts_both_sequences_of_a_pair_and_the_reference()
     assert "reference" not in dpo_lora and dpo_lora["logits"] == dpo["logits"]
     full = SimpleNamespace(**{**vars(plan), "objective": "dpo"})
     assert "the DPO reference" in str(cpu_out_of_memory(full))
+
+
+# ---- KTO (objective=kto, data=unpaired) -------------------------------------------------------------------
+def test_kto_loss_is_the_papers_formula_with_the_mismatched_rows_reference_point():
+    """Ethayarajh et al. eq. 7-8 (TRL's loss_type="kto"), in float64 from math alone: z0 = max(0, mean of the
+    mismatched rows' log-ratios), desirable w_d (1 - sigmoid(beta (r - z0))), undesirable w_u (1 -
+    sigmoid(beta (z0 - r)))."""
+    from gptkit.training.objectives.kto import kto_loss, reference_point
+
+    pi, ref = [-12.5, -3.25, -40.0, -7.0], [-13.0, -3.0, -40.2, -7.0]
+    good = [True, False, True, False]
+    kl_pi, kl_ref = [-20.0, -9.0, -33.0, -14.0], [-20.5, -8.0, -34.0, -13.9]
+    z = max(0.0, sum(a - b for a, b in zip(kl_pi, kl_ref)) / 4)
+    z0 = reference_point(torch.tensor(kl_pi), torch.tensor(kl_ref))
+    assert float(z0) == pytest.approx(z, abs=1e-6) and z > 0
+    # a negative mean is clamped to 0
+    assert float(reference_point(torch.tensor(kl_ref), torch.tensor(kl_pi))) == 0.0
+    for beta, wd, wu in ((0.1, 1.0, 1.0), (0.5, 1.0, 1.33)):
+        losses, rewards = kto_loss(torch.tensor(pi), torch.tensor(ref), torch.tensor(good), z0, beta, wd, wu)
+        want = []
+        for a, b, g in zip(pi, ref, good):
+            r = a - b
+            want.append(
+                wd * (1 - 1 / (1 + math.exp(-beta * (r - z))))
+                if g
+                else wu * (1 - 1 / (1 + math.exp(-beta * (z - r))))
+            )
+        assert losses.double().tolist() == pytest.approx(want, abs=1e-6)
+        assert rewards.tolist() == pytest.approx([beta * (a - b) for a, b in zip(pi, ref)], abs=1e-5)
+
+
+def kto_rows(n):
+    """Each of n pairs as two labelled completions: chosen desirable, rejected undesirable."""
+    return [
+        {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+        for p in pairs(n)
+        for side in ("chosen", "rejected")
+    ]
+
+
+def test_kto_trains_against_the_frozen_start_from_unpaired_rows(dpo_data, capfd):
+    f = write_jsonl(dpo_data / "kto.jsonl", kto_rows(20))
+    args = [
+        "objective=kto",
+        f"init_from={dpo_data / 'sft'}",
+        "data=unpaired",
+        f"data.paths=[{f}]",
+        "kto.beta=0.5",
+        *from_sft(dpo_data, "kto", 1, "trainer.max_steps=3"),
+    ]
+    gptkit.train(args)
+    err = capfd.readouterr().err
+    assert "KTO: beta 0.5" in err and "reference: a frozen copy of the starting weights" in err, err
+    assert "unpaired data: 36 train completions (18 desirable, 18 undesirable" in err, err
+    rows = rows_of(dpo_data / "kto")
+    # step 0: the policy is the reference: every log-ratio and z0 0, each loss 1 - sigmoid(0)
+    assert float(rows[1]["train/loss"]) == pytest.approx(0.5, abs=1e-6)
+    assert float(rows[1]["train/kl"]) == 0.0 and float(rows[1]["train/rewards/desirable"]) == 0.0
+    # after 3 steps the held-out desirable completions gained on the undesirable ones, the loss below 0.5
+    val = rows[3]
+    assert float(val["val/rewards/desirable"]) > float(val["val/rewards/undesirable"]), val
+    assert 0 < float(val["val/loss"]) < 0.5 and val["val/kl"] != "" and float(rows[2]["train/kl"]) > 0
+
+
+def test_kto_rows_without_a_label_are_one_line_naming_file_and_line(dpo_data, capsys):
+    good = {"prompt": "upper ab", "completion": "AB", "label": True}
+    for bad, message in [
+        (
+            {"prompt": "upper ab", "completion": "AB"},
+            "a KTO record needs a label (data.label_field): true for a",
+        ),
+        (
+            {"prompt": "upper ab", "completion": "AB", "label": "yes"},
+            "label must be true or false, got 'yes'",
+        ),
+        ({"prompt": "upper ab", "label": False}, "a KTO record needs a completion (data.completion_field)"),
+    ]:
+        f = write_jsonl(dpo_data / "kto-bad.jsonl", [good, good, bad])
+        args = [
+            "objective=kto",
+            f"init_from={dpo_data / 'sft'}",
+            "data=unpaired",
+            f"data.paths=[{f}]",
+            *from_sft(dpo_data, "kto-bad", 1),
+        ]
+        code, _, err = run_main(capsys, "train", *args)
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {f} line 3: {message}"), err
+        assert not (dpo_data / "kto-bad" / "config.yaml").exists()
+    # the kind belongs to KTO, and KTO to the kind
+    f = write_jsonl(dpo_data / "kto-ok.jsonl", [good] * 4)
+    base = ["model=llama-tiny", "tokenizer=byte", f"runs_dir={dpo_data}", "name=kto-bad"]
+    for extra, message in [
+        (["data=unpaired", f"data.paths=[{f}]"], "data=unpaired holds labelled completions for KTO"),
+        (["objective=kto", "init_from=x", "data=preference", f"data.paths=[{f}]"], "objective=kto trains on"),
+        (["objective=kto", "data=unpaired", f"data.paths=[{f}]", "init_from=x", "kto.beta=0"], "kto.beta=0"),
+    ]:
+        code, _, err = run_main(capsys, "train", *base, *extra)
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {message}"), (extra, err)
