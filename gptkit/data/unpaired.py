@@ -117,9 +117,9 @@ class UnpairedData(TemplatedData):
             for j, r in enumerate(sampler.mine(step, rank, world_size)):
                 i = train.index[int(r)]
                 source, where = split_where(self.train.where[i])
-                label = "desirable" if train.labels[int(r)] else "undesirable"
+                label = "a desirable" if train.labels[int(r)] else "an undesirable"
                 n = len(train.answers[int(r)])
-                span = Span(i, source, f"{where}, a {label} completion", n)
+                span = Span(i, source, f"{where}, {label} completion", n)
                 out.append(
                     Origin(
                         j, None, f"row {int(r):,} of {len(train):,}", [span], show(train.row(int(r))[0][:-1])
