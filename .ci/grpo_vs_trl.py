@@ -14,7 +14,10 @@ advantages of TRL's formula (its nanstd, + 1e-4) as JSON. This side computes the
 gptkit.training.objectives.grpo (grpo_loss, group_advantages) and prints the largest difference of each, for
 loss_type grpo, dr_grpo and dapo, with and without a KL term (grpo.kl=k3 against use_bias_correction_kl=False,
 k3_ratio against True, TRL 1.16's default), in the first pass (old = the log-probs, detached) and a later one;
-it exits 1 when one differs by 1e-6 or more.
+and for grpo.loss=gspo against TRL's importance_sampling_level="sequence" with loss_type="grpo" (its clip
+ratio counted over the completions), grpo.loss=cispo against loss_type="cispo" with TRL's epsilon_high = 1 +
+gptkit's (TRL clips the IS weight at epsilon_high itself; its cispo_clip_ratio against the clip fraction). It
+exits 1 when one differs by 1e-6 or more.
 """
 
 from __future__ import annotations
@@ -31,13 +34,20 @@ import torch
 N, T, MAX_NEW, G = 12, 9, 9, 4
 # (loss_type, epsilon_low, epsilon_high, beta, first pass, grpo.kl: k3 = TRL's use_bias_correction_kl=False,
 # k3_ratio = True, TRL's default since 1.16)
+# gspo: the GSPO paper's clip (3e-4, 4e-4) and a wider one; cispo: a clip that acts, and ScaleRL's 5 (4 here)
+EPSILONS = {
+    "gspo": ((3e-4, 4e-4, 0.0), (0.02, 0.03, 0.04)),
+    "cispo": ((0.2, 0.28, 0.0), (0.2, 4.0, 0.04)),
+}
 CASES = [
     (loss, lo, hi, beta, first, kl)
-    for loss in ("grpo", "dr_grpo", "dapo")
-    for lo, hi, beta in ((0.2, 0.2, 0.0), (0.2, 0.28, 0.04))
+    for loss in ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+    for lo, hi, beta in EPSILONS.get(loss, ((0.2, 0.2, 0.0), (0.2, 0.28, 0.04)))
     for first in (True, False)
     for kl in (("k3", "k3_ratio") if beta else ("k3",))
 ]
+# gptkit's grpo.loss -> TRL's (loss_type, importance_sampling_level)
+TRL_LOSS = {"gspo": ("grpo", "sequence"), "cispo": ("cispo", "token")}
 
 
 def inputs(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -66,14 +76,16 @@ def trl_side() -> dict:
     for loss_type, lo, hi, beta, first, kl in CASES:
         logps = data["logps"].clone().float().requires_grad_(True)
         trainer = GRPOTrainer.__new__(GRPOTrainer)
+        trl_loss, level = TRL_LOSS.get(loss_type, (loss_type, "token"))
         trainer.__dict__.update(
             top_entropy_quantile=1.0,
             off_policy_mask_threshold=None,
-            importance_sampling_level="token",
+            importance_sampling_level=level,
             beta=beta,
-            loss_type=loss_type,
+            loss_type=trl_loss,
             epsilon_low=lo,
-            epsilon_high=hi,
+            # TRL's cispo clips the IS weight at epsilon_high itself, gptkit's at 1 + epsilon_high
+            epsilon_high=1 + hi if loss_type == "cispo" else hi,
             use_vllm=False,
             aux_loss_enabled=False,
             _entropy_bonus_enabled=False,
@@ -113,7 +125,7 @@ def trl_side() -> dict:
             {
                 "loss": float(loss),
                 "grad": logps.grad.tolist(),
-                "clip": m["clip_ratio/region_mean"][0],
+                "clip": m["cispo_clip_ratio" if loss_type == "cispo" else "clip_ratio/region_mean"][0],
                 "kl": m["kl"][0] if beta else None,
             }
         )
@@ -150,7 +162,8 @@ def compare(trl: dict) -> int:
         name = f"{loss_type:7s} eps {lo}/{hi} beta {beta:<4} {kl:8s} {'first' if first else 'later'} pass"
         d_loss = abs(float(value.detach()) - want["loss"])
         d_grad = float((logps.grad.double() - torch.tensor(want["grad"], dtype=torch.float64)).abs().max())
-        d_clip = abs(float(figures["clipped"] / figures["tokens"]) - want["clip"])
+        units = figures.get("clip_units", figures["tokens"])
+        d_clip = abs(float(figures["clipped"] / units) - want["clip"])
         d_kl = abs(float(figures["kl"] / figures["tokens"]) - want["kl"]) if beta else 0.0
         print(
             f"{name}: loss {float(value.detach()):+.8f} vs TRL {want['loss']:+.8f}  |d| loss {d_loss:.1e} "

@@ -30,9 +30,9 @@ from gptkit.fsio import check_local_path
 
 # Maps whose keys the user names (+bench.models.<name>.preset=...): the only places a new key may be added.
 FREE_FORM = ("bench.models", "bench.model_overrides", "data.sources")
-# data=tokens, data=preference and data=prompts share data.paths with files and chat; a path is far more
-# often text
-NAMED_LAST = ("tokens", "preference", "prompts")
+# data=tokens, data=preference, data=unpaired and data=prompts share data.paths with files and chat; a path
+# is far more often text
+NAMED_LAST = ("tokens", "preference", "unpaired", "prompts")
 _PREFIX = {"CHANGE": "", "ADD": "+", "FORCE_ADD": "++", "DEL": "~"}
 # The keys (by their last part) whose values are paths on this machine, in every verb and preset: a URL there
 # is refused (fsio.check_local_path), never made a folder named `s3:`

@@ -14,6 +14,7 @@ mix          mixture.prepare_mix                  a MixedData of token-shard sou
 chat         templated(chat.KIND)                 conversations (ChatData)
 preference   templated(preference.KIND)           preference pairs (PreferenceData)
 prompts      templated(prompts.KIND)              prompts and their records, for RL (PromptData)
+unpaired     templated(unpaired.KIND)             labelled completions, for KTO (UnpairedData)
 
 Each kind receives its complete settings (gptkit.data.settings: the defaults of conf/data/<kind>.yaml
 under the given keys), the tokenizer resolved once (a TokenizerSpec) and the BuildOptions (cache folder,
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-from gptkit.data import build, chat, mixture, preference, prepared, prompts, sources, tokenfiles
+from gptkit.data import build, chat, mixture, preference, prepared, prompts, sources, tokenfiles, unpaired
 from gptkit.data.cache import cache_root
 from gptkit.data.face import BuildOptions, Prepared
 from gptkit.data.settings import kind_names, plain, settings
@@ -88,6 +89,7 @@ KINDS: dict[str, Kind] = {
     "chat": templated(chat.KIND, chat.NOT_SCORED),
     "preference": templated(preference.KIND, preference.NOT_SCORED),
     "prompts": templated(prompts.KIND, prompts.NOT_SCORED),
+    "unpaired": templated(unpaired.KIND, unpaired.NOT_SCORED),
 }
 # the kinds a data=mix may hold
 MIXABLE = tuple(k for k, kind in KINDS.items() if kind.mixable)

@@ -15,7 +15,14 @@ from gptkit import chat_templates as templates
 from gptkit.data import prepare
 from gptkit.data.preference import make_pair_rows
 from gptkit.errors import GptkitError
-from gptkit.training.objectives.dpo import RewardWindow, answer_logps, check_dpo_config, dpo_loss
+from gptkit.training.objectives.dpo import (
+    RewardWindow,
+    answer_logps,
+    check_dpo_config,
+    dpo_loss,
+    orpo_loss,
+    simpo_loss,
+)
 
 # known summed log-probs: policy chosen, policy rejected, reference chosen, reference rejected
 LOGPS = [
@@ -44,6 +51,45 @@ def test_loss_is_the_papers_formula_on_known_log_probs(beta, eps):
     hinge, _, _ = dpo_loss(pc, pr, rc, rr, beta, loss="hinge")
     want = [max(0.0, 1 - beta * ((a - c) - (b - d))) for a, b, c, d in LOGPS]
     assert torch.allclose(hinge.double(), torch.tensor(want, dtype=torch.float64), atol=1e-6, rtol=0)
+
+
+# each pair's answer lengths in loss tokens: chosen, rejected
+LENGTHS = [(5, 7), (1, 2), (20, 19), (3, 3), (50, 40)]
+
+
+def test_ipo_simpo_and_orpo_are_their_papers_formulas_on_known_log_probs():
+    """IPO (Azar et al. eq. 17, the log-ratios per answer token as TRL and the authors have it), SimPO (Meng
+    et al. eq. 6) and ORPO (Hong et al. eq. 6-7), each written out in float64 from math alone."""
+    pc, pr, rc, rr = (torch.tensor(col, dtype=torch.float32) for col in zip(*LOGPS))
+    nc, nr = (torch.tensor(col, dtype=torch.float32) for col in zip(*LENGTHS))
+    for beta in (0.1, 0.5, 2.0):
+        got, _, _ = dpo_loss(pc, pr, rc, rr, beta, loss="ipo", chosen_tokens=nc, rejected_tokens=nr)
+        want = [
+            ((a - c) / m - (b - d) / k - 1 / (2 * beta)) ** 2 for (a, b, c, d), (m, k) in zip(LOGPS, LENGTHS)
+        ]
+        assert got.double().tolist() == pytest.approx(want, abs=1e-5, rel=1e-6)
+    for beta, gamma, eps in ((2.0, 0.5, 0.0), (2.5, 1.4, 0.0), (0.1, 0.0, 0.2)):
+        got, chosen, rejected = simpo_loss(pc, pr, nc, nr, beta, gamma, eps)
+        want = []
+        for (a, b, _, _), (m, k) in zip(LOGPS, LENGTHS):
+            z = beta / m * a - beta / k * b - gamma
+            want.append(-(1 - eps) * math.log(1 / (1 + math.exp(-z))) - eps * math.log(1 / (1 + math.exp(z))))
+        assert got.double().tolist() == pytest.approx(want, abs=1e-6)
+        assert chosen.tolist() == pytest.approx([beta * a / m for (a, *_), (m, _) in zip(LOGPS, LENGTHS)])
+    for lam in (0.1, 1.0):
+        got, chosen, _ = orpo_loss(pc, pr, nc, nr, lam)
+        want = []
+        for (a, b, _, _), (m, k) in zip(LOGPS, LENGTHS):
+            p_w, p_l = math.exp(a / m), math.exp(b / k)  # P(y|x) per token, the paper's eq. 2
+            odds_ratio = (p_w / (1 - p_w)) / (p_l / (1 - p_l))
+            want.append(-a / m - lam * math.log(1 / (1 + 1 / odds_ratio)))
+        assert got.double().tolist() == pytest.approx(want, abs=1e-6, rel=1e-6)
+        assert chosen.tolist() == pytest.approx([lam * a / m for (a, *_), (m, _) in zip(LOGPS, LENGTHS)])
+    # the odds-ratio term without cancellation where a mean log-prob is near 0 (p near 1)
+    near = orpo_loss(torch.tensor([-1e-8]), torch.tensor([-2e-8]), torch.ones(1), torch.ones(1), 1.0)[0]
+    # log odds = a - log(1 - e^a) = a - log(-expm1(a)), in float64
+    log_odds = (-1e-8 - math.log(-math.expm1(-1e-8))) - (-2e-8 - math.log(-math.expm1(-2e-8)))
+    assert float(near) == pytest.approx(1e-8 - math.log(1 / (1 + math.exp(-log_odds))), abs=1e-5)
 
 
 def test_answer_log_probs_sum_the_answer_tokens_only_and_rewards_average_over_pairs():
@@ -78,7 +124,13 @@ def test_answer_log_probs_sum_the_answer_tokens_only_and_rewards_average_over_pa
         ({"beta": 0}, "dpo.beta=0 must be > 0"),
         ({"beta": -1}, "dpo.beta=-1 must be > 0"),
         ({"label_smoothing": 0.5}, "label_smoothing=0.5 must be in"),
-        ({"loss": "ipo"}, "dpo.loss='ipo'"),
+        ({"loss": "kto"}, "dpo.loss='kto' is not one of sigmoid, hinge, ipo, simpo, orpo"),
+        (
+            {"loss": "hinge", "label_smoothing": 0.1},
+            "dpo.label_smoothing applies to dpo.loss=sigmoid or simpo",
+        ),
+        ({"loss": "simpo", "gamma": -1}, "dpo.gamma=-1 must be >= 0"),
+        ({"loss": "orpo", "lambda": 0}, "dpo.lambda=0 must be > 0"),
     ],
 )
 def test_bad_dpo_settings_are_one_line(dpo, message):
@@ -399,6 +451,22 @@ def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo
     assert float(step0["train/rewards/chosen"]) == 0.0 == float(step0["train/rewards/rejected"])
 
 
+@pytest.mark.parametrize("loss", ["ipo", "simpo", "orpo"])
+def test_ipo_simpo_and_orpo_train_end_to_end_and_simpo_and_orpo_hold_no_reference(dpo_data, loss, capfd):
+    extra = {"ipo": [], "simpo": ["dpo.beta=2.0", "dpo.gamma=0.5"], "orpo": ["dpo.lambda=0.5"]}[loss]
+    gptkit.train(dpo_args(dpo_data, f"loss-{loss}", 1, f"dpo.loss={loss}", *extra, "trainer.max_steps=3"))
+    err = capfd.readouterr().err
+    rows = rows_of(dpo_data / f"loss-{loss}")
+    train = [float(rows[s]["train/loss"]) for s in (1, 2, 3)]
+    assert train[2] < train[0] and float(rows[3]["val/loss"]) > 0, train
+    assert float(rows[3]["train/rewards/margin"]) > float(rows[1]["train/rewards/margin"])
+    if loss == "ipo":
+        # step 0: the policy is the reference, every log-ratio 0: the loss (1 / (2 beta))^2 = 1 at beta 0.5
+        assert train[0] == pytest.approx(1.0, abs=1e-6) and "reference: a frozen copy" in err
+    else:
+        assert "; no reference" in err and "reference:" not in err, err
+
+
 def test_a_bad_pair_stops_train_in_one_line_naming_file_and_line_and_leaves_no_run(dpo_data, capsys):
     f = write_jsonl(dpo_data / "bad.jsonl", [PAIR, PAIR, {"prompt": "upper ab", "chosen": "AB"}])
     code, _, err = run_main(capsys, "train", *dpo_args(dpo_data, "bad-pairs", 1, f"data.paths=[{f}]"))
@@ -484,6 +552,11 @@ def test_a_bad_frozen_reference_exits_2_with_one_line_before_anything_is_written
             "frozen model); drop it",
         ),
         (
+            ["dpo.loss=simpo", f"frozen.reference={other}"],
+            f"frozen.reference={other}: objective=dpo does not read it with these settings (it reads no "
+            "frozen model); drop it",
+        ),
+        (
             [f"frozen.reference={other}"],
             f"frozen.reference={other} has another vocabulary than the policy (init_from="
             f"{dpo_data / 'sft' / 'checkpoints' / 'last.ckpt'}): ",
@@ -536,3 +609,101 @@ def test_the_memory_estimate_counts_both_sequences_of_a_pair_and_the_reference()
     assert "reference" not in dpo_lora and dpo_lora["logits"] == dpo["logits"]
     full = SimpleNamespace(**{**vars(plan), "objective": "dpo"})
     assert "the DPO reference" in str(cpu_out_of_memory(full))
+
+
+# ---- KTO (objective=kto, data=unpaired) -------------------------------------------------------------------
+def test_kto_loss_is_the_papers_formula_with_the_mismatched_rows_reference_point():
+    """Ethayarajh et al. eq. 7-8 (TRL's loss_type="kto"), in float64 from math alone: z0 = max(0, mean of the
+    mismatched rows' log-ratios), desirable w_d (1 - sigmoid(beta (r - z0))), undesirable w_u (1 -
+    sigmoid(beta (z0 - r)))."""
+    from gptkit.training.objectives.kto import kto_loss, reference_point
+
+    pi, ref = [-12.5, -3.25, -40.0, -7.0], [-13.0, -3.0, -40.2, -7.0]
+    good = [True, False, True, False]
+    kl_pi, kl_ref = [-20.0, -9.0, -33.0, -14.0], [-20.5, -8.0, -34.0, -13.9]
+    z = max(0.0, sum(a - b for a, b in zip(kl_pi, kl_ref)) / 4)
+    z0 = reference_point(torch.tensor(kl_pi), torch.tensor(kl_ref))
+    assert float(z0) == pytest.approx(z, abs=1e-6) and z > 0
+    # a negative mean is clamped to 0
+    assert float(reference_point(torch.tensor(kl_ref), torch.tensor(kl_pi))) == 0.0
+    for beta, wd, wu in ((0.1, 1.0, 1.0), (0.5, 1.0, 1.33)):
+        losses, rewards = kto_loss(torch.tensor(pi), torch.tensor(ref), torch.tensor(good), z0, beta, wd, wu)
+        want = []
+        for a, b, g in zip(pi, ref, good):
+            r = a - b
+            want.append(
+                wd * (1 - 1 / (1 + math.exp(-beta * (r - z))))
+                if g
+                else wu * (1 - 1 / (1 + math.exp(-beta * (z - r))))
+            )
+        assert losses.double().tolist() == pytest.approx(want, abs=1e-6)
+        assert rewards.tolist() == pytest.approx([beta * (a - b) for a, b in zip(pi, ref)], abs=1e-5)
+
+
+def kto_rows(n):
+    """Each of n pairs as two labelled completions: chosen desirable, rejected undesirable."""
+    return [
+        {"prompt": p["prompt"], "completion": p[side], "label": side == "chosen"}
+        for p in pairs(n)
+        for side in ("chosen", "rejected")
+    ]
+
+
+def test_kto_trains_against_the_frozen_start_from_unpaired_rows(dpo_data, capfd):
+    f = write_jsonl(dpo_data / "kto.jsonl", kto_rows(20))
+    args = [
+        "objective=kto",
+        f"init_from={dpo_data / 'sft'}",
+        "data=unpaired",
+        f"data.paths=[{f}]",
+        "kto.beta=0.5",
+        *from_sft(dpo_data, "kto", 1, "trainer.max_steps=3"),
+    ]
+    gptkit.train(args)
+    err = capfd.readouterr().err
+    assert "KTO: beta 0.5" in err and "reference: a frozen copy of the starting weights" in err, err
+    assert "unpaired data: 36 train completions (18 desirable, 18 undesirable" in err, err
+    rows = rows_of(dpo_data / "kto")
+    # step 0: the policy is the reference: every log-ratio and z0 0, each loss 1 - sigmoid(0)
+    assert float(rows[1]["train/loss"]) == pytest.approx(0.5, abs=1e-6)
+    assert float(rows[1]["train/kl"]) == 0.0 and float(rows[1]["train/rewards/desirable"]) == 0.0
+    # after 3 steps the held-out desirable completions gained on the undesirable ones, the loss below 0.5
+    val = rows[3]
+    assert float(val["val/rewards/desirable"]) > float(val["val/rewards/undesirable"]), val
+    assert 0 < float(val["val/loss"]) < 0.5 and val["val/kl"] != "" and float(rows[2]["train/kl"]) > 0
+
+
+def test_kto_rows_without_a_label_are_one_line_naming_file_and_line(dpo_data, capsys):
+    good = {"prompt": "upper ab", "completion": "AB", "label": True}
+    for bad, message in [
+        (
+            {"prompt": "upper ab", "completion": "AB"},
+            "a KTO record needs a label (data.label_field): true for a",
+        ),
+        (
+            {"prompt": "upper ab", "completion": "AB", "label": "yes"},
+            "label must be true or false, got 'yes'",
+        ),
+        ({"prompt": "upper ab", "label": False}, "a KTO record needs a completion (data.completion_field)"),
+    ]:
+        f = write_jsonl(dpo_data / "kto-bad.jsonl", [good, good, bad])
+        args = [
+            "objective=kto",
+            f"init_from={dpo_data / 'sft'}",
+            "data=unpaired",
+            f"data.paths=[{f}]",
+            *from_sft(dpo_data, "kto-bad", 1),
+        ]
+        code, _, err = run_main(capsys, "train", *args)
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {f} line 3: {message}"), err
+        assert not (dpo_data / "kto-bad" / "config.yaml").exists()
+    # the kind belongs to KTO, and KTO to the kind
+    f = write_jsonl(dpo_data / "kto-ok.jsonl", [good] * 4)
+    base = ["model=llama-tiny", "tokenizer=byte", f"runs_dir={dpo_data}", "name=kto-bad"]
+    for extra, message in [
+        (["data=unpaired", f"data.paths=[{f}]"], "data=unpaired holds labelled completions for KTO"),
+        (["objective=kto", "init_from=x", "data=preference", f"data.paths=[{f}]"], "objective=kto trains on"),
+        (["objective=kto", "data=unpaired", f"data.paths=[{f}]", "init_from=x", "kto.beta=0"], "kto.beta=0"),
+    ]:
+        code, _, err = run_main(capsys, "train", *base, *extra)
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {message}"), (extra, err)

@@ -32,20 +32,28 @@ def papers_loss(kind, eps_low, eps_high, beta, max_new_tokens=4, kl="k3"):
         KL = exp(ref - logp) - (ref - logp) - 1 (k3), times r (unclipped) with kl=k3_ratio (TRL's
         use_bias_correction_kl);
     grpo: mean over completions of their token means (DeepSeekMath eq. 3), dr_grpo: token sum / (completions
-    x max_new_tokens) (Dr. GRPO), dapo: token sum / tokens (DAPO eq. 8)."""
+    x max_new_tokens) (Dr. GRPO), dapo: token sum / tokens (DAPO eq. 8); gspo: grpo's with r the sequence
+    ratio s_i = (prod_t exp(logp_t - old_t))^(1/|o_i|) for every token (GSPO eq. 5-7); cispo: l_it = -min(r,
+    1 + eps_high) A logp + beta KL_it, dapo's normalization (MiniMax-M1 eq. 4, no lower clip)."""
     per_completion, total, tokens = [], 0.0, 0
     for lp, old, ref, a in zip(LOGP, OLD, REF, ADV):
         s = 0.0
+        seq_ratio = math.prod(math.exp(p - o) for p, o in zip(lp, old)) ** (1 / len(lp))
         for p, o, r in zip(lp, old, ref):
-            ratio = math.exp(p - o)
-            s += -min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
+            ratio = seq_ratio if kind == "gspo" else math.exp(p - o)
+            if kind == "cispo":
+                s += -min(ratio, 1 + eps_high) * a * p
+            else:
+                s += -min(ratio * a, min(max(ratio, 1 - eps_low), 1 + eps_high) * a)
             s += beta * (math.exp(r - p) - (r - p) - 1) * (ratio if kl == "k3_ratio" else 1.0)
         per_completion.append(s / len(lp))
         total, tokens = total + s, tokens + len(lp)
     return {
         "grpo": sum(per_completion) / len(LOGP),
+        "gspo": sum(per_completion) / len(LOGP),
         "dr_grpo": total / (len(LOGP) * max_new_tokens),
         "dapo": total / tokens,
+        "cispo": total / tokens,
     }[kind]
 
 
@@ -60,8 +68,10 @@ MASK = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0]], dtype=torch.bool)
 
 
 @pytest.mark.parametrize("kl", ["k3", "k3_ratio"])
-@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("eps_low, eps_high, beta", [(0.2, 0.2, 0.0), (0.2, 0.28, 0.04), (0.1, 0.3, 0.5)])
+@pytest.mark.parametrize("kind", ["grpo", "dr_grpo", "dapo", "gspo", "cispo"])
+@pytest.mark.parametrize(
+    "eps_low, eps_high, beta", [(0.2, 0.2, 0.0), (0.2, 0.28, 0.04), (0.1, 0.3, 0.5), (0.05, 0.1, 0.0)]
+)
 def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_high, beta, kl):
     # garbage on the padding: the mask keeps it out
     logp = padded(LOGP) + (~MASK) * 7.0
@@ -82,7 +92,19 @@ def test_the_loss_is_the_papers_formulas_on_fixed_log_probs(kind, eps_low, eps_h
     assert float(figures["tokens"]) == 6
     ratios = [math.exp(p - o) for lp, old in zip(LOGP, OLD) for p, o in zip(lp, old)]
     signs = [a for lp, a in zip(LOGP, ADV) for _ in lp]
-    clipped = sum((r < 1 - eps_low and a < 0) or (r > 1 + eps_high and a > 0) for r, a in zip(ratios, signs))
+    if kind == "gspo":
+        # each completion's sequence ratio, clipped as a whole: counted over the completions
+        seq = [math.exp(sum(p - o for p, o in zip(lp, old)) / len(lp)) for lp, old in zip(LOGP, OLD)]
+        clipped = sum((r < 1 - eps_low and a < 0) or (r > 1 + eps_high and a > 0) for r, a in zip(seq, ADV))
+        assert float(figures["clip_units"]) == 3
+        ratios = [r for r, lp in zip(seq, LOGP) for _ in lp]
+    elif kind == "cispo":
+        # the weights clipped above where A > 0 (as TRL's cispo_clip_ratio counts them)
+        clipped = sum(r > 1 + eps_high and a > 0 for r, a in zip(ratios, signs))
+    else:
+        clipped = sum(
+            (r < 1 - eps_low and a < 0) or (r > 1 + eps_high and a > 0) for r, a in zip(ratios, signs)
+        )
     assert float(figures["clipped"]) == clipped
     # the KL term as the loss has it (TRL logs the same)
     weight = ratios if kl == "k3_ratio" else [1.0] * len(ratios)
@@ -99,6 +121,42 @@ def test_the_first_pass_gradient_is_the_advantage_over_the_completions_length():
     value.backward()
     want = torch.tensor([[-a / (len(lp) * 3)] * 3 for lp, a in zip(LOGP, ADV)], dtype=torch.float64) * MASK
     assert torch.allclose(logp.grad, want, atol=1e-12)
+
+
+def test_gspo_clips_whole_completions_and_cispo_keeps_every_tokens_gradient():
+    """GSPO: d l / d logp_it = -A_i s_i / (|o_i| G) where s_i is inside [1 - eps_low, 1 + eps_high] (or on the
+    side the min does not pick), else 0 for every token of completion i. CISPO: -min(r_it, 1 + eps_high) A_i /
+    tokens for every token, clipped or not (the weight is detached)."""
+    lp = [[-1.0, -0.5], [-0.3, -0.2, -0.9], [-0.5]]
+    old = [[-1.2, -0.6], [-0.2, -0.1, -0.9], [-0.55]]
+    adv = [1.0, -2.0, 0.7]
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=torch.bool)
+    grads, figures = {}, {}
+    for kind in ("gspo", "cispo"):
+        logp = padded(lp).requires_grad_(True)
+        value, figures[kind] = grpo_loss(
+            logp,
+            padded(old),
+            torch.tensor(adv, dtype=torch.float64),
+            mask,
+            epsilon_low=0.05,
+            epsilon_high=0.1,
+            loss=kind,
+        )
+        value.backward()
+        grads[kind] = logp.grad
+    for i, (p, o, a) in enumerate(zip(lp, old, adv)):
+        s = math.exp(sum(x - y for x, y in zip(p, o)) / len(p))  # 1.16, 0.94, 1.05
+        inside = not ((s > 1.1 and a > 0) or (s < 0.95 and a < 0))
+        for t, (x, y) in enumerate(zip(p, o)):
+            want = -a * s / (len(p) * 3) if inside else 0.0
+            assert abs(float(grads["gspo"][i, t]) - want) < 1e-12, (i, t)
+            want = -min(math.exp(x - y), 1.1) * a / 6
+            assert abs(float(grads["cispo"][i, t]) - want) < 1e-12, (i, t)
+    # the first two completions clipped, the third not: a share of the completions
+    assert float(figures["gspo"]["clipped"]) == 2 and float(figures["gspo"]["clip_units"]) == 3
+    # the first completion's tokens are above 1.1 with A > 0 (1.22, 1.11): both counted; the rest not
+    assert float(figures["cispo"]["clipped"]) == 2
 
 
 def test_k3_ratio_changes_the_kl_gradient_even_in_the_first_pass():
@@ -152,7 +210,7 @@ def defaults():
     "grpo, message",
     [
         ({"group_size": 1}, "grpo.group_size=1 must be an integer >= 2"),
-        ({"loss": "ppo"}, "grpo.loss='ppo' is not one of grpo, dr_grpo, dapo"),
+        ({"loss": "ppo"}, "grpo.loss='ppo' is not one of grpo, dr_grpo, dapo, gspo, cispo"),
         ({"scale": "batch"}, "grpo.scale='batch' is not one of std, none"),
         ({"beta": -0.1}, "grpo.beta=-0.1 must be >= 0"),
         ({"epsilon": 1.5}, "grpo.epsilon=1.5 must be in"),
@@ -436,6 +494,29 @@ def test_grpo_samples_scores_and_trains_and_resumes_after_a_kill_mid_step(start,
     want = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     got = torch.load(killed / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(v, want[k]) for k, v in got.items())
+
+
+@pytest.mark.parametrize("loss", ["gspo", "cispo"])
+def test_gspo_and_cispo_train_end_to_end_over_two_passes(start, straight, loss, capfd):
+    # step 1 samples and passes once (ratio 1), step 2 passes again over the same rollouts (the ratio moved)
+    gptkit.train(grpo_args(start, f"loss-{loss}", 1, f"grpo.loss={loss}", "trainer.max_steps=2"))
+    err = capfd.readouterr().err
+    assert {
+        "gspo": "gspo loss, the sequence ratio clipped to [0.8, 1.2]",
+        "cispo": "the IS weight clipped at 1.2",
+    }[loss] in err, err
+    rows, base = rows_of(start / f"loss-{loss}"), rows_of(straight)
+    # the same rollouts as grpo's in step 1: the same start, seed and sampling
+    assert rows[1]["train/reward"] == base[1]["train/reward"]
+    if loss == "gspo":
+        # ratio 1 and KL 0 in the first pass: -mean(A), grpo's value
+        assert float(rows[1]["train/loss"]) == pytest.approx(float(base[1]["train/loss"]), abs=1e-6)
+    # the second pass measured a moved policy: a KL above 0 and a clip fraction in [0, 1]
+    assert float(rows[1]["train/kl"]) == 0.0 and float(rows[2]["train/kl"]) > 0
+    assert 0.0 <= float(rows[2]["train/clip_fraction"]) <= 1.0
+    assert math.isfinite(float(rows[2]["train/loss"])) and float(rows[2]["train/loss"]) != float(
+        rows[1]["train/loss"]
+    )
 
 
 def test_grpo_loss_is_not_judged_for_spikes(start, monkeypatch):

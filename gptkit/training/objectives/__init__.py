@@ -2,6 +2,8 @@
 
     lm    next-token cross-entropy over the targets that carry loss: pretraining, and SFT on data=chat
     dpo   direct preference optimization on data=preference against a frozen reference
+    kto   Kahneman-Tversky optimization on data=unpaired (labelled single completions) against a frozen
+          reference
     grpo  group relative policy optimization on data=prompts: completions sampled from the model, scored by
           rewards (checkers or the user's functions)
 
@@ -20,10 +22,11 @@ from gptkit.errors import ConfigError
 from gptkit.training.objectives.base import FrozenModel, Objective, evaluating
 from gptkit.training.objectives.dpo import DPO
 from gptkit.training.objectives.grpo import GRPO
+from gptkit.training.objectives.kto import KTO
 from gptkit.training.objectives.lm import LM
 from gptkit.training.objectives.mtp import MTPLM
 
-OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO}
+OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO, "kto": KTO}
 # objective= -> the objective that trains a model with model.mtp.depth > 0 (its MTP losses added)
 MTP_VARIANTS: dict[str, type[Objective]] = {"lm": MTPLM}
 

@@ -13,10 +13,26 @@ in eval mode, no grad). With the implicit rewards r = beta * (logp_pi - logp_ref
               -(1 - e) log sigmoid(z) - e log sigmoid(-z),  z = r_chosen - r_rejected
               (TRL 1.16's sigmoid loss has no smoothing; its "robust" loss is another, unbiased variant)
     hinge:    max(0, 1 - z)                                             (SLiC-HF, TRL's loss_type="hinge")
+    ipo:      (h - 1 / (2 beta))^2,  h = (logp_pi - logp_ref)_chosen / |chosen|
+                                      - (logp_pi - logp_ref)_rejected / |rejected|
+              (Azar et al. 2023, arXiv:2310.12036, eq. 17; the log-ratios per answer token, as TRL 1.16's
+              loss_type="ipo", which its authors confirmed is the paper's form)
+
+and two losses without a reference (none is built or held), on the length-normalized log-probs
+avg = logp_pi / |answer| (|answer|: its loss tokens):
+
+    simpo:    -log sigmoid(beta avg_chosen - beta avg_rejected - gamma)      (Meng et al. 2024, SimPO,
+              arXiv:2405.14734, eq. 6; dpo.gamma the target margin; with label_smoothing as cDPO's; TRL's
+              CPOTrainer with loss_type="simpo", simpo_gamma=gamma, cpo_alpha=0)
+    orpo:     -avg_chosen - lambda log sigmoid(log odds_chosen - log odds_rejected),
+              odds = exp(avg) / (1 - exp(avg))                               (Hong et al. 2024, ORPO,
+              arXiv:2403.07691, eq. 6-7: the SFT loss of the chosen answer, a token mean, plus the odds-ratio
+              term with dpo.lambda; TRL's ORPOTrainer with beta=lambda)
 
 and the batch's loss is the mean over its pairs. Logged (train at log steps, val at validation):
-rewards/chosen, rewards/rejected (means of r), rewards/margin (mean of z) and rewards/accuracy (share of
-pairs with r_chosen > r_rejected).
+rewards/chosen, rewards/rejected (means of r), rewards/margin (mean of their difference) and rewards/accuracy
+(share of pairs with r_chosen > r_rejected); without a reference r = beta avg (simpo) or lambda avg (orpo),
+as TRL logs them.
 
 The reference log-probs are computed in the step, one no-grad forward of the reference per batch (about a
 third of a training step's FLOPs), rather than precomputed once over the data: nothing to store, keep
@@ -27,6 +43,7 @@ adapters switched off (no second copy of the weights in memory).
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -35,7 +52,11 @@ import torch.nn.functional as F
 from gptkit.errors import ConfigError
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
 
-LOSSES = ("sigmoid", "hinge")
+LOSSES = ("sigmoid", "hinge", "ipo", "simpo", "orpo")
+# the losses of the policy's log-probs alone: no reference is built for them
+REFERENCE_FREE = ("simpo", "orpo")
+# the losses dpo.label_smoothing applies to
+SMOOTHED = ("sigmoid", "simpo")
 REWARD_KEYS = ("chosen", "rejected", "margin", "accuracy")
 
 
@@ -55,10 +76,21 @@ def check_dpo_config(dpo: Any) -> None:
             f"dpo.label_smoothing={smoothing} must be in [0, 0.5) (the assumed share of "
             "flipped preference labels)"
         )
-    if str(dpo.get("loss", "sigmoid")) not in LOSSES:
+    loss = str(dpo.get("loss", "sigmoid"))
+    if loss not in LOSSES:
         raise ConfigError(f"dpo.loss={dpo.get('loss')!r} is not one of {', '.join(LOSSES)}")
-    if str(dpo.get("loss", "sigmoid")) == "hinge" and smoothing:
-        raise ConfigError("dpo.label_smoothing applies to dpo.loss=sigmoid only; set it to 0 for hinge")
+    if loss not in SMOOTHED and smoothing:
+        raise ConfigError(
+            f"dpo.label_smoothing applies to dpo.loss={' or '.join(SMOOTHED)} only; set it to 0 for {loss}"
+        )
+    gamma = dpo.get("gamma", 0.5)
+    if not isinstance(gamma, (int, float)) or isinstance(gamma, bool) or not 0 <= float(gamma) < 1e3:
+        raise ConfigError(f"dpo.gamma={gamma!r} must be >= 0 (simpo's target reward margin; 0.5 is TRL's)")
+    lam = dpo.get("lambda", 0.1)
+    if not isinstance(lam, (int, float)) or isinstance(lam, bool) or not 0 < float(lam) < 1e3:
+        raise ConfigError(
+            f"dpo.lambda={lam!r} must be > 0 (orpo's weight of the odds-ratio term; 0.1 is usual)"
+        )
 
 
 def dpo_loss(
@@ -69,9 +101,12 @@ def dpo_loss(
     beta: float,
     label_smoothing: float = 0.0,
     loss: str = "sigmoid",
+    chosen_tokens: torch.Tensor | None = None,
+    rejected_tokens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss of each pair [P], chosen rewards [P], rejected rewards [P]) from summed answer log-probs [P]
-    (see the module docstring). The rewards are detached: they are measured, not trained."""
+    (see the module docstring; ipo also reads the answers' loss-token counts [P]). The rewards are detached:
+    they are measured, not trained."""
     chosen = policy_chosen - ref_chosen  # [P] log-ratio of the chosen answer
     rejected = policy_rejected - ref_rejected  # [P]
     z = beta * (chosen - rejected)  # [P] the reward margin
@@ -79,9 +114,61 @@ def dpo_loss(
         losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
     elif loss == "hinge":
         losses = torch.relu(1.0 - z)
+    elif loss == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("ipo needs the answers' token counts")
+        h = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)  # [P]
+        losses = (h - 1.0 / (2.0 * beta)) ** 2
     else:
         raise ConfigError(f"dpo.loss={loss!r} is not one of {', '.join(LOSSES)}")
     return losses, beta * chosen.detach(), beta * rejected.detach()
+
+
+def simpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    beta: float,
+    gamma: float,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SimPO: (loss of each pair [P], chosen rewards beta avg [P], rejected rewards [P]) from summed answer
+    log-probs [P] and the answers' loss-token counts [P]; no reference (module docstring)."""
+    chosen = beta * policy_chosen / chosen_tokens.clamp(min=1)  # [P] the length-normalized reward
+    rejected = beta * policy_rejected / rejected_tokens.clamp(min=1)  # [P]
+    z = chosen - rejected - gamma  # [P]
+    losses = -(1.0 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return losses, chosen.detach(), rejected.detach()
+
+
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, without cancellation: log(-expm1(x)) near 0, log1p(-exp(x)) below -ln 2
+    (Maechler 2012)."""
+    return torch.where(x < -math.log(2.0), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    chosen_tokens: torch.Tensor,
+    rejected_tokens: torch.Tensor,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO: (loss of each pair [P]: the chosen answer's NLL per token plus lam times the odds-ratio term,
+    chosen rewards lam avg [P], rejected rewards [P]) from summed answer log-probs [P] and the answers'
+    loss-token counts [P]; no reference (module docstring)."""
+    chosen = policy_chosen / chosen_tokens.clamp(min=1)  # [P] mean log-prob per token, < 0
+    rejected = policy_rejected / rejected_tokens.clamp(min=1)  # [P]
+    # log odds(chosen) - log odds(rejected), odds = p / (1 - p)
+    log_odds = (chosen - rejected) - (log1mexp(chosen) - log1mexp(rejected))  # [P]
+    losses = -chosen - lam * F.logsigmoid(log_odds)
+    return losses, lam * chosen.detach(), lam * rejected.detach()
+
+
+def answer_tokens(targets: torch.Tensor) -> torch.Tensor:
+    """Each row's loss tokens: targets [N, T] (-100: not counted) -> [N] fp32."""
+    return (targets != -100).sum(-1).float()
 
 
 def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -155,6 +242,11 @@ class DPO(Objective):
         check_dpo_config(group)
 
     @classmethod
+    def uses_reference(cls, group: Any) -> bool:
+        """Every loss but the reference-free ones (simpo, orpo) measures against the frozen reference."""
+        return group is None or str(group.get("loss", "sigmoid")) not in REFERENCE_FREE
+
+    @classmethod
     def wrong_data(cls, kind: Any) -> str:
         return (
             f"objective=dpo trains on preference pairs, not data kind {kind!r}: add data=preference "
@@ -182,6 +274,11 @@ class DPO(Objective):
     @classmethod
     def describe(cls, plan: Any) -> str | None:
         d = plan.cfg.get("dpo") or {}
+        loss = str(d.get("loss", "sigmoid"))
+        if loss == "simpo":
+            return f"DPO: SimPO loss, beta {d.get('beta')}, gamma {d.get('gamma', 0.5)}; no reference"
+        if loss == "orpo":
+            return f"DPO: ORPO loss (SFT + odds ratio), lambda {d.get('lambda', 0.1)}; no reference"
         reference = frozen_words(
             plan,
             "reference",
@@ -197,6 +294,8 @@ class DPO(Objective):
         self.beta = float(cfg.get("beta", 0.1))
         self.label_smoothing = float(cfg.get("label_smoothing", 0.0))
         self.loss_type = str(cfg.get("loss", "sigmoid"))
+        self.gamma = float(cfg.get("gamma", 0.5))
+        self.lam = float(cfg.get("lambda", 0.1))
         self.train_rewards = RewardWindow()
         self.val_rewards = RewardWindow()
 
@@ -205,11 +304,28 @@ class DPO(Objective):
         even, rejected odd)."""
         # [2P, T] each
         x, y = batch[0], batch[1]
+        n = answer_tokens(y).view(-1, 2)  # [P, 2]: chosen, rejected
+        if self.loss_type == "simpo":
+            pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+            return simpo_loss(
+                pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], self.beta, self.gamma, self.label_smoothing
+            )
+        if self.loss_type == "orpo":
+            pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+            return orpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], self.lam)
         # [P, 2]: chosen, rejected
         ref = answer_logps(self.reference.logits(policy, x), y).view(-1, 2)
         pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
         return dpo_loss(
-            pi[:, 0], pi[:, 1], ref[:, 0], ref[:, 1], self.beta, self.label_smoothing, self.loss_type
+            pi[:, 0],
+            pi[:, 1],
+            ref[:, 0],
+            ref[:, 1],
+            self.beta,
+            self.label_smoothing,
+            self.loss_type,
+            n[:, 0],
+            n[:, 1],
         )
 
     def loss(self, model, batch):
@@ -249,4 +365,5 @@ class DPO(Objective):
         val, accuracy = metrics.get("val/loss"), metrics.get("val/rewards/accuracy")
         if val is None or accuracy is None:
             return super().summary(metrics)
-        return f"val DPO loss {float(val):.4f} (reward accuracy {float(accuracy):.1%})"
+        name = {"simpo": "SimPO", "orpo": "ORPO", "ipo": "IPO"}.get(self.loss_type, "DPO")
+        return f"val {name} loss {float(val):.4f} (reward accuracy {float(accuracy):.1%})"

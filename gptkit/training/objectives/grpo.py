@@ -28,6 +28,15 @@ One optimizer step, for each prompt of its batch:
                    grpo     (1/G) sum_i (1/|o_i|) sum_t l_it          each completion's token mean, averaged
                    dr_grpo  sum_i sum_t l_it / (G max_new_tokens)     a constant: no length bias
                    dapo     sum_i sum_t l_it / sum_i |o_i|             each token of the step weighs the same
+               and two losses of another ratio or weight:
+                   gspo     grpo's, with the sequence-level ratio s_i = exp((1/|o_i|) sum_t (logp_t - old_t))
+                            in place of rho for every token of completion i (GSPO, Zheng et al. 2025,
+                            arXiv:2507.18071, eq. 5-7: the geometric mean of the token ratios, clipped
+                            as a whole; TRL's importance_sampling_level="sequence", loss_type="grpo")
+                   cispo    l_it = -sg(min(rho, 1 + epsilon_high)) A_i logp_t (+ the KL term), dapo's
+                            normalization (CISPO, MiniMax-M1, arXiv:2506.13585, eq. 4: the IS weight clipped
+                            and detached, so every token keeps a gradient; no lower clip, as the paper's
+                            setting; TRL's loss_type="cispo" with its epsilon_high = 1 + gptkit's)
 
 grpo.iterations = mu > 1: a batch's rollouts (their completions, advantages, pi_old's log-probs and the
 reference's) serve mu optimizer steps, each a pass with the clipped ratio to pi_old; the datamodule's prompts
@@ -54,7 +63,9 @@ from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
 from gptkit.training.rewards import Rewards, load_rewards, parse_rewards, reward_timeout
 
-LOSSES = ("grpo", "dr_grpo", "dapo")
+LOSSES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
+# the losses normalized by the step's completion tokens (each micro-batch weighs its tokens)
+TOKEN_MEAN = ("dapo", "cispo")
 SCALES = ("std", "none")
 # grpo.kl: the per-token KL term, k3 alone, or k3 times the ratio rho (TRL's use_bias_correction_kl)
 KLS = ("k3", "k3_ratio")
@@ -144,13 +155,25 @@ def grpo_loss(
     """(the loss of a batch of completions, its figures) from per-token log-probs [N, T] of the policy, of the
     policy that sampled (old_logps) and of the reference (with beta > 0), advantages [N] and the completion
     tokens' mask [N, T] (see the module docstring). The figures are detached sums over the completion tokens:
-    tokens, clipped (low: rho < 1 - epsilon_low with A < 0; high: rho > 1 + epsilon_high with A > 0), kl (the
-    KL term as the loss has it: k3, or k3 x rho with kl="k3_ratio")."""
+    tokens, clipped (low: rho < 1 - epsilon_low with A < 0; high: rho > 1 + epsilon_high with A > 0; gspo:
+    completions, over clip_units = the completions; cispo: rho > 1 + epsilon_high with A > 0, as TRL counts
+    them), kl (the KL term as the loss has it: k3, or k3 x rho with kl="k3_ratio")."""
+    if loss not in LOSSES:
+        raise ConfigError(f"grpo.loss={loss!r} is not one of {', '.join(LOSSES)}")
     mask = mask.to(logps.dtype)
-    ratio = torch.exp(logps - old_logps)  # [N, T]
     adv = advantages[:, None].to(logps.dtype)  # [N, 1]
-    clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [N, T]
-    per_token = -torch.min(ratio * adv, clipped * adv)  # [N, T]
+    if loss == "gspo":
+        # [N, 1] the sequence-level ratio: exp of the mean token log-ratio over the completion
+        log_ratio = ((logps - old_logps) * mask).sum(dim=1) / mask.sum(dim=1).clamp(min=1.0)
+        ratio = torch.exp(log_ratio)[:, None]
+    else:
+        ratio = torch.exp(logps - old_logps)  # [N, T]
+    if loss == "cispo":
+        weight = torch.clamp(ratio, max=1 + epsilon_high).detach()  # [N, T]
+        per_token = -weight * adv * logps
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [N, T] or [N, 1]
+        per_token = -torch.min(ratio * adv, clipped * adv)  # [N, T] or [N, 1]
     figures = {"tokens": mask.sum().detach()}
     if kl not in KLS:
         raise ConfigError(f"grpo.kl={kl!r} is not one of {', '.join(KLS)}")
@@ -166,20 +189,23 @@ def grpo_loss(
         if beta > 0:
             per_token = per_token + beta * term
         figures["kl"] = (term * mask).sum().detach()
-    low = (ratio < 1 - epsilon_low) & (adv < 0)
     high = (ratio > 1 + epsilon_high) & (adv > 0)
-    figures["clipped"] = ((low | high).to(mask.dtype) * mask).sum().detach()
+    low = (ratio < 1 - epsilon_low) & (adv < 0) if loss != "cispo" else torch.zeros_like(high)
+    if loss == "gspo":
+        # a completion's ratio is clipped as a whole: the share of completions
+        figures["clipped"] = (low | high).to(mask.dtype).sum().detach()
+        figures["clip_units"] = mask.new_tensor(float(mask.shape[0]))
+    else:
+        figures["clipped"] = ((low | high).to(mask.dtype) * mask).sum().detach()
     summed = (per_token * mask).sum(dim=1)  # [N]
-    if loss == "grpo":
+    if loss in ("grpo", "gspo"):
         value = (summed / mask.sum(dim=1).clamp(min=1.0)).mean()
     elif loss == "dr_grpo":
         if not max_new_tokens:
             raise ValueError("dr_grpo needs max_new_tokens")
         value = summed.sum() / (summed.numel() * max_new_tokens)
-    elif loss == "dapo":
+    else:  # TOKEN_MEAN
         value = summed.sum() / mask.sum().clamp(min=1.0)
-    else:
-        raise ConfigError(f"grpo.loss={loss!r} is not one of {', '.join(LOSSES)}")
     return value, figures
 
 
@@ -377,10 +403,14 @@ class GRPO(Objective):
         kl = f"KL ({g.get('kl', 'k3')}) to {frozen_words(plan, 'reference', start)}, beta {g.beta}"
         kl = kl if float(g.beta) > 0 else "no KL term (beta 0)"
         scale = "divided by the group's std" if g.scale == "std" else "not scaled (Dr. GRPO)"
+        clip = {
+            "cispo": f"the IS weight clipped at {1 + float(high):g}, detached",
+            "gspo": f"the sequence ratio clipped to [{1 - float(g.epsilon):g}, {1 + float(high):g}]",
+        }.get(str(g.loss), f"clip [{1 - float(g.epsilon):g}, {1 + float(high):g}]")
         return (
             f"GRPO: {g.group_size} completions per prompt (temperature {g.temperature}, top_p {g.top_p}, "
             f"at most {g.max_new_tokens} new tokens), rewards {rewards.describe()}; advantages {scale}; "
-            f"{g.loss} loss, clip [{1 - float(g.epsilon):g}, {1 + float(high):g}], {g.iterations} "
+            f"{g.loss} loss, {clip}, {g.iterations} "
             f"pass(es) per batch of rollouts; {kl}"
         )
 
@@ -538,9 +568,9 @@ class GRPO(Objective):
     # ---- the loss ---------------------------------------------------------------------------------------
     def loss(self, model, batch: PromptBatch):
         """The GRPO loss of one micro-batch of prompts: their rollouts (sampled now, or kept from the first
-        step of this round with iterations > 1), then one pass (module docstring). Weight: dapo the completion
-        tokens (every token of the step weighs the same); grpo and dr_grpo None (every micro-batch holds as
-        many completions)."""
+        step of this round with iterations > 1), then one pass (module docstring). Weight: dapo and cispo the
+        completion tokens (every token of the step weighs the same); grpo, dr_grpo and gspo None (every
+        micro-batch holds as many completions)."""
         if self._clock is None:
             self._clock = time.perf_counter()
         ro = self._kept(model, batch) if self.mu > 1 else self.rollouts(model, batch)
@@ -562,7 +592,7 @@ class GRPO(Objective):
             kl=self.kl,
         )
         self.train.add_loss(figures)
-        if self.loss_type == "dapo":
+        if self.loss_type in TOKEN_MEAN:
             return value, mask.sum()
         return value, None
 
@@ -632,7 +662,8 @@ class GRPO(Objective):
             out["train/groups_zero_std"] = h[4 + 2 * k] / h[3 + 2 * k]
         tokens = sums.get("tokens", 0.0)
         if tokens:
-            out["train/clip_fraction"] = sums.get("clipped", 0.0) / tokens
+            units = sums.get("clip_units") or tokens
+            out["train/clip_fraction"] = sums.get("clipped", 0.0) / units
             if "kl" in sums:
                 out["train/kl"] = sums["kl"] / tokens
         world = strategy.world_size if strategy is not None else 1
