@@ -39,7 +39,8 @@ def kernels():
 
 def compile_one(kernel, chunk: int, K: int, V: int) -> dict:
     BK, BV, BC = gd._blocks(K, V, None)
-    values = {"K": K, "V": V, "BT": chunk, "BK": BK, "BV": BV, "BC": BC, "HAS_S0": True, "HAS_DSF": True}
+    values = {"K": K, "V": V, "BT": chunk, "BK": BK, "BV": BV, "BC": BC, "BR": gd.BR}
+    values.update(HAS_S0=True, HAS_DSF=True)  # a state carried in, a gradient of the final state
     signature, constexprs = {}, {}
     for arg in kernel.arg_names:
         if arg.endswith("_ptr"):

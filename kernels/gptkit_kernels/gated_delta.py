@@ -50,17 +50,18 @@ import triton.language as tl
 
 CHUNKS = (16, 32, 64)
 MAX_HEAD_DIM = 128
-# the kernels in the order a forward and a backward launch them, each with its (num_warps, num_stages): one
-# stage (no prefetch of the next chunk's tiles) for the two passes over the chunks, whose [C, K] tiles would
-# otherwise be buffered in shared memory past an sm_90 block's 232,448 B at chunk 64 and 128-wide heads
+# the kernels in the order a forward and a backward launch them, each with its (num_warps, num_stages), chosen
+# by the offline sm_90 compile (.ci/gdn_sm90_compile.py) for the fewest spills at chunk 64 and 128-wide heads:
+# 8 warps for the chunk-parallel kernels (their [C, C] tiles spread over more threads), one stage (no prefetch
+# of the next chunk's tiles) for the two passes over the chunks. Not timed on a GPU.
 LAUNCH = {
-    "_wy_kernel": (4, 3),
+    "_wy_kernel": (8, 3),
     "_state_kernel": (4, 1),
-    "_output_kernel": (4, 3),
-    "_dvn_local_kernel": (4, 3),
+    "_output_kernel": (8, 3),
+    "_dvn_local_kernel": (8, 3),
     "_dstate_kernel": (4, 1),
-    "_dqk_kernel": (4, 3),
-    "_dwy_kernel": (4, 3),
+    "_dqk_kernel": (8, 3),
+    "_dwy_kernel": (8, 3),
 }
 
 
@@ -396,11 +397,11 @@ def _dwy_kernel(k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, tinv_ptr, w_ptr, u_ptr, dvn
 
 def _blocks(K: int, V: int, block_v: Optional[int]) -> tuple[int, int, int]:
     """BK (the whole key dim, padded), BV (value columns per program of the two passes over the chunks: at
-    most 32 by default) and BC (the block of key or value columns a product is summed over: at most 32)."""
+    most 32 by default) and BC (the block of key or value columns a product is summed over, and of a
+    chunk-parallel program's value or key columns: 16, so no product's operand holds a whole head)."""
     BK = max(16, triton.next_power_of_2(K))
     BV = block_v or min(max(16, triton.next_power_of_2(V)), 32)
-    BC = min(max(16, triton.next_power_of_2(max(K, V))), 32)
-    return BK, BV, BC
+    return BK, BV, 16
 
 
 BR = 16  # the block of a chunk's positions the passes over the chunks sum their state updates over

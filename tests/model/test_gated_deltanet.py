@@ -210,28 +210,37 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
     assert torch.all((attn.A_log.exp() >= 0.0099) & (attn.A_log.exp() <= 16.01))
 
 
-@pytest.mark.parametrize("dtype, tol, d_v", [(torch.float32, 1e-5, 40), (torch.float16, 2e-3, 6)])
-def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_v):
+@pytest.mark.parametrize(
+    "dtype, tol, d_k, d_v, chunk",
+    [(torch.float32, 1e-5, 8, 40, 16), (torch.float16, 2e-3, 8, 6, 16), (torch.float32, 1e-5, 20, 6, 32)],
+)
+def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_k, d_v, chunk):
     """The Triton chunked delta rule (interpreter) against the PyTorch chunked form and the step-by-step one:
-    T = 40 in chunks of 16 (a padded last chunk), grouped value heads, a carried-in state, documents starting
-    mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped there);
-    the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through both
-    outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs. A
-    value head of 40 spans two programs of 32 value columns (the second one part-masked)."""
+    T = 40 in chunks of 16 or 32 (a padded last chunk), grouped value heads, a carried-in state, documents
+    starting mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped
+    there); the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through
+    both outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs.
+    A value head of 40 spans two programs of 32 value columns of the passes over the chunks (the second one
+    part-masked) and three blocks of 16 of the chunk-parallel kernels; a key head of 20 two blocks of 16."""
     q, k, v, g, beta, S0 = (x.to(dtype) for x in inputs(T=40, seed=7))
+    gen = torch.Generator().manual_seed(10)
     if d_v != 6:
-        gen = torch.Generator().manual_seed(10)
         v, S0 = torch.randn(2, 40, 4, d_v, generator=gen), torch.randn(2, 4, 8, d_v, generator=gen)
+    if d_k != 8:
+        q, k = torch.randn(2, 40, 2, d_k, generator=gen), torch.randn(2, 40, 2, d_k, generator=gen)
+        S0 = torch.randn(2, 4, d_k, d_v, generator=gen)
     resets = torch.zeros(2, 40, dtype=torch.bool)
-    resets[0, [5, 16, 29]] = True
+    resets[0, [5, chunk, 29]] = True
     resets[1, [0, 21]] = True
     w_o = torch.randn(2, 40, 4, d_v, generator=torch.Generator().manual_seed(8))
-    w_s = torch.randn(2, 4, 8, d_v, generator=torch.Generator().manual_seed(9))
+    w_s = torch.randn(2, 4, d_k, d_v, generator=torch.Generator().manual_seed(9))
 
     def run(rule):
         xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
         o, S = (
-            rule(*xs[:5], 16, xs[5], resets) if rule is not recurrent_gated_delta_rule else rule(*xs, resets)
+            rule(*xs[:5], chunk, xs[5], resets)
+            if rule is not recurrent_gated_delta_rule
+            else rule(*xs, resets)
         )
         ((o.float() * w_o).sum() + (S * w_s).sum()).backward()
         return o, S, [x.grad for x in xs]
