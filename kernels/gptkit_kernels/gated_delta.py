@@ -359,37 +359,35 @@ def _dwy_kernel(k_ptr, v_ptr, g_ptr, b_ptr, seg_ptr, tinv_ptr, w_ptr, u_ptr, dvn
         _put_rows(dv_ptr, dbv * beta[:, None], bh, t, ok, cv, V, T)
         dbeta += tl.sum(_rows(v_ptr, bh, t, ok, cv, V, T) * dbv, axis=1)
         dA += tl.dot(dbv, tl.trans(_rows(u_ptr, bh, t, ok, cv, V, T)), input_precision="ieee")
-    # W = Tinv X, X = kb e_in (kb = beta k):  dX = Tinv^T dW
-    KK = tl.zeros([BT, BT], dtype=tl.float32)  # kb k^T
+    # W = Tinv X, X = kb e_in (kb = beta k):  dX = Tinv^T dW; dkb = dX e_in + (A's part, below),
+    # dk += beta dkb, dbeta += sum(k dkb)
     d_e_in = tl.zeros([BT], dtype=tl.float32)
     for c in range(0, K, BC):
         ck = c + tl.arange(0, BC)
         k = _rows(k_ptr, bh, t, ok, ck, K, T)  # [BT, BC]
         dX = tl.dot(tl.trans(Tinv), _rows(dw_ptr, bh, t, ok, ck, K, T), input_precision="ieee")
         dA += tl.dot(dX, tl.trans(_rows(w_ptr, bh, t, ok, ck, K, T)), input_precision="ieee")
-        KK += tl.dot(k * beta[:, None], tl.trans(k), input_precision="ieee")
-        d_e_in += tl.sum(dX * k * beta[:, None], axis=1)
-    dA = tl.where(j < i, -dA, 0.0)
-    # A = strictly_lower(kb k^T * D):  dkb = (dA * D) k + dX e_in, dk += (dA * D)^T kb + beta dkb
-    dAD = dA * D
+        d_e_in += tl.sum(dX * k, axis=1) * beta
+        dbeta += tl.sum(k * dX, axis=1) * e_in
+        _put_rows(
+            dk_ptr, _rows(dk_ptr, bh, t, ok, ck, K, T) + dX * (beta * e_in)[:, None], bh, t, ok, ck, K, T
+        )
+    tl.debug_barrier()  # dk as written above, by every thread, before any reads it back below
+    # A = strictly_lower(kb k^T * D):  dkb += (dA * D) k, dk += (dA * D)^T kb;  dD = dA * (kb k^T)
+    dAD = tl.where(j < i, -dA, 0.0) * D
+    dDD = tl.zeros([BT, BT], dtype=tl.float32)  # dD * D
     for c in range(0, K, BC):
         ck = c + tl.arange(0, BC)
         k = _rows(k_ptr, bh, t, ok, ck, K, T)
-        dX = tl.dot(tl.trans(Tinv), _rows(dw_ptr, bh, t, ok, ck, K, T), input_precision="ieee")
-        dkb = tl.dot(dAD, k, input_precision="ieee") + dX * e_in[:, None]
-        dk = (
-            _rows(dk_ptr, bh, t, ok, ck, K, T)
-            + tl.dot(tl.trans(dAD), k * beta[:, None], input_precision="ieee")
-            + dkb * beta[:, None]
-        )
-        _put_rows(dk_ptr, dk, bh, t, ok, ck, K, T)
+        dkb = tl.dot(dAD, k, input_precision="ieee")
+        dk = tl.dot(tl.trans(dAD), k * beta[:, None], input_precision="ieee") + dkb * beta[:, None]
+        _put_rows(dk_ptr, _rows(dk_ptr, bh, t, ok, ck, K, T) + dk, bh, t, ok, ck, K, T)
         dbeta += tl.sum(k * dkb, axis=1)
+        dDD += dAD * tl.dot(k * beta[:, None], tl.trans(k), input_precision="ieee")
     # dG: the key blocks' parts (_dqk_kernel) and A's and e_in's here;  G = cumsum(g) within the chunk
-    dG = tl.zeros([BT], dtype=tl.float32)
+    dG = tl.sum(dDD, axis=1) - tl.sum(dDD, axis=0) + d_e_in * e_in
     for p in range(0, tl.cdiv(K, BC)):
         dG += tl.load(dgp_ptr + (p * tl.num_programs(0) + bh) * T + t, mask=ok, other=0.0)
-    dDD = dA * KK * D
-    dG += tl.sum(dDD, axis=1) - tl.sum(dDD, axis=0) + d_e_in * e_in
     dg = tl.sum(tl.where(j >= i, dG[None, :], 0.0), axis=1)  # reverse cumulative sum
     tl.store(dg_ptr + bh * T + t, dg, mask=ok)
     tl.store(db_ptr + bh * T + t, dbeta, mask=ok)
