@@ -4,11 +4,11 @@ offline, no GPU: triton.compile with Triton's own ptxas, then each kernel's regi
 
     python .ci/gdn_sm90_compile.py [--shape CHUNK,D_K,D_V ...] [--no-spill]
 
-Default shapes: chunk 16 with 16-wide heads, chunk 32 with 64, chunk 64 with 128 (Qwen3-Next's), chunk 64
-with 40 (padded heads). Each kernel gets the constexprs the autograd wrapper launches it with (_blocks) and
-its num_warps and num_stages (LAUNCH). Exits 1 when a kernel asks for more shared memory than an sm_90 block
-may use (232,448 B), or with --no-spill when one spills to the stack; prints one line and exits 0 when Triton
-has no ptxas here (nothing to check). Not a timing: nothing runs.
+Default shapes: chunks of 16 and 64 with 16- and 128-wide heads (64 and 128: Qwen3-Next's), chunk 32 with
+64-wide heads, chunk 64 with 40 (padded heads). Each kernel gets the constexprs the autograd wrapper launches
+it with (_blocks, BR) and its num_warps and num_stages (LAUNCH). Exits 1 when a kernel asks for more shared
+memory than an sm_90 block may use (232,448 B), or with --no-spill when one spills to the stack; prints one
+line and exits 0 when Triton has no ptxas here (nothing to check). Not a timing: nothing runs.
 """
 
 import argparse
@@ -28,7 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from gptkit_kernels import gated_delta as gd  # noqa: E402
 
 SHARED_LIMIT = 232_448  # the most dynamic shared memory a block may use on sm_90 (227 KiB)
-SHAPES = ((16, 16, 16), (32, 64, 64), (64, 128, 128), (64, 40, 40))
+SHAPES = ((16, 16, 16), (16, 128, 128), (64, 16, 16), (64, 128, 128), (32, 64, 64), (64, 40, 40))
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 

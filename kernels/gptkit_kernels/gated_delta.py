@@ -13,11 +13,9 @@ carried in and out.
        initial state
 
 It computes S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T, o_t = S_t^T q_t, chunk by
-chunk (gptkit/model/gated_deltanet.py's chunk_gated_delta_rule is the readable PyTorch form it equals).
-One program per (sequence, head, block of value columns) walks the chunks in order holding its columns of the
-state S [K, V] in registers (each line below is column by column in V; A and Tinv are recomputed per block);
-per chunk of C positions (G the cumulative log decay from the chunk's start, D[i, j] = exp(G_i - G_j) for
-j <= i in one document, else 0):
+chunk (gptkit/model/gated_deltanet.py's chunk_gated_delta_rule is the readable PyTorch form it equals). Per
+chunk of C positions (G the cumulative log decay from the chunk's start, D[i, j] = exp(G_i - G_j) for j <= i
+in one document, else 0):
 
     A  = strictly_lower((beta k) k^T * D);  Tinv = (I + A)^-1   the UT transform (forward substitution)
     U  = Tinv (beta v),  W = Tinv (beta k exp(G))                the WY representation of the C updates
@@ -25,19 +23,31 @@ j <= i in one document, else 0):
     O  = (q exp(G)) S + ((q k^T) * D) V'                         the inter-chunk read + intra-chunk attention
     S <- exp(G_C) S + (k exp(G_C - G))^T V'                      the state passed to the next chunk
 
-A document start at position i of a chunk cuts the carried state's reach (exp(G) zeroed from i on), the
-writes before i to the chunk's end (exp(G_C - G) zeroed before i) and the pairs across it (D).
+A document start at position i of a chunk cuts the carried state's reach (exp(G) zeroed from i on, e_in), the
+writes before i to the chunk's end (exp(G_C - G) zeroed before i, e_out), the state across the chunk (e_c)
+and the pairs across it (D).
 
-The forward saves the state at each chunk's start ([B, H, N, K, V] fp32, as flash-linear-attention keeps its
-`h`). The backward walks the chunks in reverse, one program per (sequence, head), carrying dS; per chunk it
-recomputes G, D, Tinv, U, W and V' from the saved state and applies the chain rule to the five lines above
-(all matmuls; dA = -(Tinv^T dU U^T + Tinv^T dW W^T) for the triangular inverse), then turns dG into dg by a
-reverse cumulative sum.
+The steps are split over kernels as flash-linear-attention splits them, and no product takes a whole head
+as an operand (key and value columns 16 at a time; the passes over the chunks also sum over a chunk's
+positions 16 at a time), so that each kernel fits an sm_90 block's shared memory at C = 64 and 128-wide heads
+and spills little (.ci/gdn_sm90_compile.py; launch settings in LAUNCH):
+
+    forward   _wy_kernel      (sequence and head, chunk)            A, Tinv, W, U; saves the decays
+              _state_kernel   (sequence and head, value block)      the chunks in order: V', the state at each
+                                                                    chunk's start ([B, H, N, K, V], fla's `h`)
+              _output_kernel  (sequence and head, chunk, value block)  O
+    backward  _dvn_local_kernel (sequence and head, chunk, value block)  the chunk's own part of dV'
+              _dstate_kernel  (sequence and head, value block)      the chunks in reverse carrying dS: dV',
+                                                                    dS at each chunk's end, dS0
+              _dqk_kernel     (sequence and head, chunk, key block) dq, dk through O and S, dW, a part of dG
+              _dwy_kernel     (sequence and head, chunk)            through W, U and Tinv: dv, dbeta, the rest
+                                                                    of dk; dg from dG by a reverse cumsum
+
+The forward saves Tinv, W, U, V', the decays and the states for the backward (nothing is recomputed).
 
 Limits: C a power of two in 16..64, K and V at most 128 (padded on-chip to a power of two >= 16). All
 arithmetic in fp32 (IEEE dots, not TF32). Written after flash-linear-attention's chunk_gated_delta_rule
-(fla/ops/gated_delta_rule), which splits the same steps over several kernels; this one keeps one program
-per (sequence, head) so it reads top to bottom.
+(fla/ops/gated_delta_rule).
 """
 
 from __future__ import annotations
