@@ -211,17 +211,17 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
 
 
 @pytest.mark.parametrize(
-    "dtype, tol, d_k, d_v, chunk",
-    [(torch.float32, 1e-5, 8, 40, 16), (torch.float16, 2e-3, 8, 6, 16), (torch.float32, 1e-5, 20, 6, 32)],
+    "dtype, tol, d_k, d_v, chunk", [(torch.float32, 1e-5, 20, 40, 32), (torch.float16, 2e-3, 8, 6, 16)]
 )
 def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_k, d_v, chunk):
     """The Triton chunked delta rule (interpreter) against the PyTorch chunked form and the step-by-step one:
-    T = 40 in chunks of 16 or 32 (a padded last chunk), grouped value heads, a carried-in state, documents
+    T = 40 in chunks of 32 or 16 (a padded last chunk), grouped value heads, a carried-in state, documents
     starting mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped
     there); the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through
     both outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs.
-    A value head of 40 spans two programs of 32 value columns of the passes over the chunks (the second one
-    part-masked) and three blocks of 16 of the chunk-parallel kernels; a key head of 20 two blocks of 16."""
+    In fp32 a value head of 40 spans two programs of 32 value columns of the passes over the chunks (the
+    second one part-masked) and three blocks of 16 of the chunk-parallel kernels; a key head of 20 two blocks
+    of 16 (the second part-masked)."""
     q, k, v, g, beta, S0 = (x.to(dtype) for x in inputs(T=40, seed=7))
     gen = torch.Generator().manual_seed(10)
     if d_v != 6:
