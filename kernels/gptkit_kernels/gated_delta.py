@@ -35,8 +35,8 @@ and spills little (.ci/gdn_sm90_compile.py; launch settings in LAUNCH):
     forward   _wy_kernel      (sequence and head, chunk)            A, Tinv, W, U; saves the decays
               _state_kernel   (sequence and head, value block)      the chunks in order: V', the state at each
                                                                     chunk's start ([B, H, N, K, V], fla's `h`)
-              _output_kernel  (sequence and head, chunk, value block)  O
-    backward  _dvn_local_kernel (sequence and head, chunk, value block)  the chunk's own part of dV'
+              _output_kernel  (sequence and head, chunk)            O
+    backward  _dvn_local_kernel (sequence and head, chunk)          the chunk's own part of dV'
               _dstate_kernel  (sequence and head, value block)      the chunks in reverse carrying dS: dV',
                                                                     dS at each chunk's end, dS0
               _dqk_kernel     (sequence and head, chunk, key block) dq, dk through O and S, dW, a part of dG
@@ -216,43 +216,47 @@ def _state_kernel(k_ptr, w_ptr, u_ptr, eout_ptr, ec_ptr, s0_ptr, hs_ptr, vn_ptr,
 @triton.jit
 def _output_kernel(q_ptr, k_ptr, g_ptr, seg_ptr, hs_ptr, vn_ptr, o_ptr, T, H, N, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    """Per (sequence and head, chunk, block of BC value columns): O = (q e_in) S + ((q k^T) * D) V'."""
+    """Per (sequence and head, chunk): O = (q e_in) S + ((q k^T) * D) V', a block of BC value columns at a
+    time."""
     bh = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1)
-    cv = tl.program_id(2) * BC + tl.arange(0, BC)
     t, ok, D, e_in, e_out, e_c = _decays(g_ptr, seg_ptr, bh, bh // H, n, T, BT)
-    qS = tl.zeros([BT, BC], dtype=tl.float32)
     P = tl.zeros([BT, BT], dtype=tl.float32)  # q k^T
     for c in range(0, K, BC):
         ck = c + tl.arange(0, BC)
         q = _rows(q_ptr, bh, t, ok, ck, K, T)  # [BT, BC]
-        k = _rows(k_ptr, bh, t, ok, ck, K, T)
-        qS += tl.dot(q, _state_tile(hs_ptr, bh, n, N, ck, cv, K, V), input_precision="ieee")
-        P += tl.dot(q, tl.trans(k), input_precision="ieee")
-    Vn = _rows(vn_ptr, bh, t, ok, cv, V, T)  # [BT, BC]
-    O = qS * e_in[:, None] + tl.dot(P * D, Vn, input_precision="ieee")
-    _put_rows(o_ptr, O, bh, t, ok, cv, V, T)
+        P += tl.dot(q, tl.trans(_rows(k_ptr, bh, t, ok, ck, K, T)), input_precision="ieee")
+    PD = P * D
+    for cv0 in range(0, V, BC):
+        cv = cv0 + tl.arange(0, BC)
+        qS = tl.zeros([BT, BC], dtype=tl.float32)
+        for c in range(0, K, BC):
+            ck = c + tl.arange(0, BC)
+            q = _rows(q_ptr, bh, t, ok, ck, K, T)
+            qS += tl.dot(q, _state_tile(hs_ptr, bh, n, N, ck, cv, K, V), input_precision="ieee")
+        Vn = _rows(vn_ptr, bh, t, ok, cv, V, T)  # [BT, BC]
+        O = qS * e_in[:, None] + tl.dot(PD, Vn, input_precision="ieee")
+        _put_rows(o_ptr, O, bh, t, ok, cv, V, T)
 
 
 @triton.jit
 def _dvn_local_kernel(q_ptr, k_ptr, g_ptr, seg_ptr, do_ptr, dvn_ptr, T, H, K: tl.constexpr, V: tl.constexpr,
                       BT: tl.constexpr, BC: tl.constexpr):  # fmt: skip
-    """Per (sequence and head, chunk, block of BC value columns): the chunk's own part of dV',
-    ((q k^T) * D)^T dO (the state's part is _dstate_kernel's)."""
+    """Per (sequence and head, chunk): the chunk's own part of dV', ((q k^T) * D)^T dO, a block of BC value
+    columns at a time (the state's part is _dstate_kernel's)."""
     bh = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1)
-    cv = tl.program_id(2) * BC + tl.arange(0, BC)
     t, ok, D, e_in, e_out, e_c = _decays(g_ptr, seg_ptr, bh, bh // H, n, T, BT)
     P = tl.zeros([BT, BT], dtype=tl.float32)  # q k^T
     for c in range(0, K, BC):
         ck = c + tl.arange(0, BC)
-        P += tl.dot(
-            _rows(q_ptr, bh, t, ok, ck, K, T),
-            tl.trans(_rows(k_ptr, bh, t, ok, ck, K, T)),
-            input_precision="ieee",
-        )
-    dO = _rows(do_ptr, bh, t, ok, cv, V, T)  # [BT, BC]
-    _put_rows(dvn_ptr, tl.dot(tl.trans(P * D), dO, input_precision="ieee"), bh, t, ok, cv, V, T)
+        q = _rows(q_ptr, bh, t, ok, ck, K, T)  # [BT, BC]
+        P += tl.dot(q, tl.trans(_rows(k_ptr, bh, t, ok, ck, K, T)), input_precision="ieee")
+    PDt = tl.trans(P * D)
+    for c in range(0, V, BC):
+        cv = c + tl.arange(0, BC)
+        dO = _rows(do_ptr, bh, t, ok, cv, V, T)  # [BT, BC]
+        _put_rows(dvn_ptr, tl.dot(PDt, dO, input_precision="ieee"), bh, t, ok, cv, V, T)
 
 
 @triton.jit
@@ -444,9 +448,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         )
         _launch(_state_kernel, (B * H, triton.cdiv(V, BV)), k, w, u, e_out, e_c, s0, states, vn, final,
                 T, N, K, V, C, BK, BV, BC, BR, has_s0)  # fmt: skip
-        _launch(
-            _output_kernel, (B * H, N, triton.cdiv(V, BC)), q, k, g, seg, states, vn, o, T, H, N, K, V, C, BC
-        )
+        _launch(_output_kernel, (B * H, N), q, k, g, seg, states, vn, o, T, H, N, K, V, C, BC)
         ctx.save_for_backward(q, k, v, g, beta, seg, tinv, w, u, e_in, e_out, e_c, states, vn)
         ctx.chunk, ctx.block_v, ctx.has_s0 = chunk, block_v, has_s0
         return o, final
@@ -463,7 +465,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dg, db, dgp = torch.empty_like(g), torch.empty_like(beta), g.new_empty(triton.cdiv(K, BC), *g.shape)
         dstates, ds0 = torch.empty_like(states), torch.empty(B, H, K, V, device=q.device, dtype=torch.float32)
         dsf = ds0 if dfinal is None else dfinal.float().contiguous()
-        _launch(_dvn_local_kernel, (B * H, N, triton.cdiv(V, BC)), q, k, g, seg, do, dvn, T, H, K, V, C, BC)
+        _launch(_dvn_local_kernel, (B * H, N), q, k, g, seg, do, dvn, T, H, K, V, C, BC)
         _launch(_dstate_kernel, (B * H, triton.cdiv(V, BV)), q, k, w, e_in, e_out, e_c, do, dsf, dvn, dstates,
                 ds0, T, N, K, V, C, BK, BV, BC, BR, dfinal is not None)  # fmt: skip
         _launch(_dqk_kernel, (B * H, N, triton.cdiv(K, BC)), q, k, g, seg, states, dstates, vn, dvn, do, dq,
