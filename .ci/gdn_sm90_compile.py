@@ -88,15 +88,14 @@ def main() -> int:
     except (ValueError, AssertionError):
         print("error: --shape takes CHUNK,D_K,D_V (three integers)", file=sys.stderr)
         return 2
+    for reason in filter(None, (gd.unsupported(*shape) for shape in shapes)):
+        print(f"error: the kernel cannot take {reason}", file=sys.stderr)
+        return 2
     print(f"triton {triton.__version__}, sm_90, ptxas {BIN / 'ptxas'}")
     print("| chunk | d_k | d_v | kernel | warps / stages | registers | stack B | shared B |")
     print("|---|---|---|---|---|---|---|---|")
     bad = []
     for chunk, K, V in shapes:
-        reason = gd.unsupported(chunk, K, V)
-        if reason is not None:
-            print(f"error: the kernel cannot take {reason}", file=sys.stderr)
-            return 2
         for kernel in kernels():
             r = compile_one(kernel, chunk, K, V)
             name = kernel.__name__
