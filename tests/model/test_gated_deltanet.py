@@ -6,7 +6,7 @@ through every cache is tests/model/test_attention_kinds.py's (the gdn rows)."""
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import kernel_device, run_cli
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
@@ -214,7 +214,8 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
     "dtype, tol, d_k, d_v, chunk", [(torch.float32, 1e-5, 20, 40, 32), (torch.float16, 2e-3, 8, 6, 16)]
 )
 def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_k, d_v, chunk):
-    """The Triton chunked delta rule (interpreter) against the PyTorch chunked form and the step-by-step one:
+    """The Triton chunked delta rule (the interpreter, or compiled on a GPU) against the PyTorch chunked form
+    and the step-by-step one (on the CPU):
     T = 40 in chunks of 32 or 16 (a padded last chunk), grouped value heads, a carried-in state, documents
     starting mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped
     there); the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through
@@ -235,17 +236,16 @@ def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol,
     w_o = torch.randn(2, 40, 4, d_v, generator=torch.Generator().manual_seed(8))
     w_s = torch.randn(2, 4, d_k, d_v, generator=torch.Generator().manual_seed(9))
 
-    def run(rule):
-        xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+    def run(rule, device="cpu"):
+        xs = [x.to(device).clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+        docs = resets.to(device)
         o, S = (
-            rule(*xs[:5], chunk, xs[5], resets)
-            if rule is not recurrent_gated_delta_rule
-            else rule(*xs, resets)
+            rule(*xs[:5], chunk, xs[5], docs) if rule is not recurrent_gated_delta_rule else rule(*xs, docs)
         )
-        ((o.float() * w_o).sum() + (S * w_s).sum()).backward()
-        return o, S, [x.grad for x in xs]
+        ((o.float() * w_o.to(device)).sum() + (S * w_s.to(device)).sum()).backward()
+        return o.cpu(), S.cpu(), [x.grad.cpu() for x in xs]
 
-    o, S, grads = run(triton_chunk_gated_delta_rule)
+    o, S, grads = run(triton_chunk_gated_delta_rule, kernel_device())  # compiled on a GPU (.ci/gpu-check)
     assert o.dtype == dtype and S.dtype == torch.float32
     for rule in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
         o_ref, S_ref, grads_ref = run(rule)
