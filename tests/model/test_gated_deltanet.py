@@ -6,7 +6,7 @@ through every cache is tests/model/test_attention_kinds.py's (the gdn rows)."""
 
 import pytest
 import torch
-from conftest import run_cli
+from conftest import kernel_device, run_cli
 from transformers import Qwen3NextConfig
 from transformers.models.qwen3_next import modeling_qwen3_next as hf
 
@@ -210,33 +210,42 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
     assert torch.all((attn.A_log.exp() >= 0.0099) & (attn.A_log.exp() <= 16.01))
 
 
-@pytest.mark.parametrize("dtype, tol, d_v", [(torch.float32, 1e-5, 40), (torch.float16, 2e-3, 6)])
-def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_v):
-    """The Triton chunked delta rule (interpreter) against the PyTorch chunked form and the step-by-step one:
-    T = 40 in chunks of 16 (a padded last chunk), grouped value heads, a carried-in state, documents starting
-    mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped there);
-    the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through both
-    outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs. A
-    value head of 40 spans two programs of 32 value columns (the second one part-masked)."""
+@pytest.mark.parametrize(
+    "dtype, tol, d_k, d_v, chunk", [(torch.float32, 1e-5, 20, 40, 32), (torch.float16, 2e-3, 8, 6, 16)]
+)
+def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_k, d_v, chunk):
+    """The Triton chunked delta rule (the interpreter, or compiled on a GPU) against the PyTorch chunked form
+    and the step-by-step one (on the CPU):
+    T = 40 in chunks of 32 or 16 (a padded last chunk), grouped value heads, a carried-in state, documents
+    starting mid-chunk, on a chunk's first position and at position 0 of row 1 (its carried-in state dropped
+    there); the outputs, the final state and the gradients of q, k, v, g, beta and the initial state (through
+    both outputs). fp16 inputs run the same fp32 arithmetic; only the rounding of inputs and outputs differs.
+    In fp32 a value head of 40 spans two programs of 32 value columns of the passes over the chunks (the
+    second one part-masked) and three blocks of 16 of the chunk-parallel kernels; a key head of 20 two blocks
+    of 16 (the second part-masked)."""
     q, k, v, g, beta, S0 = (x.to(dtype) for x in inputs(T=40, seed=7))
+    gen = torch.Generator().manual_seed(10)
     if d_v != 6:
-        gen = torch.Generator().manual_seed(10)
         v, S0 = torch.randn(2, 40, 4, d_v, generator=gen), torch.randn(2, 4, 8, d_v, generator=gen)
+    if d_k != 8:
+        q, k = torch.randn(2, 40, 2, d_k, generator=gen), torch.randn(2, 40, 2, d_k, generator=gen)
+        S0 = torch.randn(2, 4, d_k, d_v, generator=gen)
     resets = torch.zeros(2, 40, dtype=torch.bool)
-    resets[0, [5, 16, 29]] = True
+    resets[0, [5, chunk, 29]] = True
     resets[1, [0, 21]] = True
     w_o = torch.randn(2, 40, 4, d_v, generator=torch.Generator().manual_seed(8))
-    w_s = torch.randn(2, 4, 8, d_v, generator=torch.Generator().manual_seed(9))
+    w_s = torch.randn(2, 4, d_k, d_v, generator=torch.Generator().manual_seed(9))
 
-    def run(rule):
-        xs = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+    def run(rule, device="cpu"):
+        xs = [x.to(device).clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
+        docs = resets.to(device)
         o, S = (
-            rule(*xs[:5], 16, xs[5], resets) if rule is not recurrent_gated_delta_rule else rule(*xs, resets)
+            rule(*xs[:5], chunk, xs[5], docs) if rule is not recurrent_gated_delta_rule else rule(*xs, docs)
         )
-        ((o.float() * w_o).sum() + (S * w_s).sum()).backward()
-        return o, S, [x.grad for x in xs]
+        ((o.float() * w_o.to(device)).sum() + (S * w_s.to(device)).sum()).backward()
+        return o.cpu(), S.cpu(), [x.grad.cpu() for x in xs]
 
-    o, S, grads = run(triton_chunk_gated_delta_rule)
+    o, S, grads = run(triton_chunk_gated_delta_rule, kernel_device())  # compiled on a GPU (.ci/gpu-check)
     assert o.dtype == dtype and S.dtype == torch.float32
     for rule in (chunk_gated_delta_rule, recurrent_gated_delta_rule):
         o_ref, S_ref, grads_ref = run(rule)
