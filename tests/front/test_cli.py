@@ -314,7 +314,7 @@ def test_each_help_lists_the_codes_families_precisions_and_rope_scalings():
     from gptkit.precision import PRECISIONS
 
     def family(name: str) -> str:
-        return re.sub(r"[-_ ]|_text$", "", name.removesuffix("_text").lower())
+        return re.sub(r"[-_. ]|_text$", "", name.removesuffix("_text").lower())
 
     assert sorted(family(f) for f in re.split(r", | or ", HF_FAMILIES)) == sorted(map(family, ARCHITECTURES))
     helps = {verb: " ".join(text.split()) for verb, text in verb_helps().items()}
