@@ -36,8 +36,8 @@ def run_dir(tmp_path_factory):
 def test_a_key_of_another_preset_names_the_preset(capsys, tmp_path, plus):
     err = one_line(capsys, "train", f"{plus}data.paths={tmp_path / 's.txt'}", f"runs_dir={tmp_path / 'runs'}")
     assert (
-        "data.paths needs data=files or data=chat or data=tokens or data=prompts or data=preference (data is "
-        f"pydoc now): data=files data.paths={tmp_path / 's.txt'}"
+        "data.paths needs data=files or data=chat or data=tokens or data=prompts or data=preference or "
+        f"data=unpaired (data is pydoc now): data=files data.paths={tmp_path / 's.txt'}"
     ) in err
     assert not (tmp_path / "runs").exists()
 
@@ -62,7 +62,7 @@ def test_a_key_no_code_reads_is_refused_on_every_verb(capsys, verb):
         (["train", "tokenizer=char", "tokenizer.vocab_size=100"], "tokenizer.vocab_size needs tokenizer=bpe"),
         (
             ["eval", "run=x", "data.paths=a.txt"],
-            "data.paths needs data=files or data=chat or data=tokens or data=prompts or data=preference "
+            "data.paths needs data=files or data=chat or data=tokens or data=prompts or data=preference or data=unpaired "
             "(no data is chosen)",
         ),
         (["bench", "data", "seq_lens=[1]"], "bench.seq_lens needs bench=attention"),
