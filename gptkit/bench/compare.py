@@ -9,6 +9,8 @@ gptkit.bench.optim's reader):
     train s           the training seconds on the clock and in CPU (validation excluded)
     / baseline        each run's seconds over the baseline variant's run of the same seed, trained beside it:
                       the step-time ratio at equal steps (median, min-max)
+    peak memory       what each run measured after its first steps (perf/memory_peak, training/peak_memory.py:
+                      on the CPU its peak RSS above its RSS before the model was built)
 
 The load is recorded before and after every run. Losses do not depend on the machine's load; seconds do, CPU
 seconds much less than wall seconds.
@@ -63,13 +65,18 @@ def ratios(runs: list[dict], base: list[dict], key: str) -> dict | None:
     return spread([x / b if x and b else None for x, b in pairs])
 
 
-def run(cfg) -> int:
+def load_of(runs_dir: Path, name: str) -> dict | None:
+    """The load before and after a run trained here (optim.run_one's <name>.load; None: read, not trained)."""
+    f = runs_dir / f"{name}.load"
+    return json.loads(f.read_text()) if f.is_file() else None
+
+
+def measure(cfg, con: Console) -> dict:
+    """Train the runs not finished yet and read them all: {variant: its figures} (the module docstring)."""
     check(cfg)
     runs_dir = Path(cfg.runs_dir)
     runs_dir.mkdir(parents=True, exist_ok=True)
-    con = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
     variants, seeds = list(cfg.variants), [int(s) for s in cfg.seeds]
-    load_start = loadavg()
     train_all(cfg, [train_args(cfg, v, s) for s in seeds for v in variants], con)
     runs = {v: [read_run(runs_dir / run_name(v, s)) for s in seeds] for v in variants}
     base = runs[cfg.baseline]
@@ -82,9 +89,20 @@ def run(cfg) -> int:
             "train_cpu_seconds": spread([x["train_cpu_seconds"] for x in runs[v]]),
             "wall_ratio": ratios(runs[v], base, "train_seconds"),
             "cpu_ratio": ratios(runs[v], base, "train_cpu_seconds"),
+            "memory_peak": spread([x["memory_peak"] for x in runs[v]]),
+            "memory_peak_rss": spread([x["memory_peak_rss"] for x in runs[v]]),
+            "load_by_seed": {s: load_of(runs_dir, run_name(v, s)) for s in seeds},
         }
         for v in variants
     }
+    return results
+
+
+def run(cfg) -> int:
+    con = Console(width=None if sys.stdout.isatty() else 160, highlight=False)
+    seeds = [int(s) for s in cfg.seeds]
+    load_start = loadavg()
+    results = measure(cfg, con)
     load_end = loadavg()
     report(con, cfg, results, seeds, load_start, load_end)
     if cfg.out:
@@ -93,6 +111,11 @@ def run(cfg) -> int:
         out = {"load_start": load_start, "load_end": load_end, "seeds": seeds, "results": results}
         atomic_write_text(cfg.out, json.dumps(out, indent=2))
     return 0
+
+
+def mib(s: dict | None) -> dict | None:
+    """A spread of bytes in MiB."""
+    return None if s is None else {k: v / 2**20 for k, v in s.items()}
 
 
 def report(con: Console, cfg, results: dict, seeds: list[int], load_start, load_end) -> None:
@@ -112,6 +135,7 @@ def report(con: Console, cfg, results: dict, seeds: list[int], load_start, load_
         "train s (CPU)",
         f"wall / {cfg.baseline} (same seed, side by side)",
         f"CPU / {cfg.baseline}",
+        "peak memory MiB",
     ):
         t.add_column(col, justify="right")
     for v, x in results.items():
@@ -123,5 +147,6 @@ def report(con: Console, cfg, results: dict, seeds: list[int], load_start, load_
             fmt(x["train_cpu_seconds"], "{:.1f}"),
             fmt(x["wall_ratio"], "{:.3f}"),
             fmt(x["cpu_ratio"], "{:.3f}"),
+            fmt(mib(x["memory_peak"]), "{:.0f}"),
         )
     con.print(t)

@@ -47,7 +47,9 @@ from gptkit.errors import ConfigError, GptkitError
 
 def read_run(run_dir: Path) -> dict[str, Any]:
     """(step, val loss, training seconds after that step) of every validation, and the run's totals: its
-    training seconds on the clock and in CPU time (validation excluded), its final val loss."""
+    training seconds on the clock and in CPU time (validation excluded), its final val loss, and the peak
+    memory it measured (training/peak_memory.py: perf/memory_peak, and on the CPU perf/memory_peak_rss, the
+    process's whole peak RSS; None where the run logged none)."""
     with open(run_dir / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     seconds, cpu, tokens_before, at_step = 0.0, 0.0, 0.0, {0: 0.0}
@@ -64,6 +66,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         tokens_before = tokens
         at_step[round(tokens / tokens_per_step)] = seconds
     val = [(int(r["step"]), float(r["val/loss"])) for r in rows if r.get("val/loss")]
+    # the last measurement (a resumed run measures again)
+    memory = {k: float(r[k]) for r in rows for k in ("perf/memory_peak", "perf/memory_peak_rss") if r.get(k)}
     if not val:
         raise GptkitError(f"{run_dir}/metrics.csv has no val/loss rows")
     timed = []
@@ -77,6 +81,8 @@ def read_run(run_dir: Path) -> dict[str, Any]:
         "steps": val[-1][0],
         "train_seconds": seconds,
         "train_cpu_seconds": cpu or None,
+        "memory_peak": memory.get("perf/memory_peak"),
+        "memory_peak_rss": memory.get("perf/memory_peak_rss"),
     }
 
 

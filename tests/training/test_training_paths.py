@@ -5,6 +5,7 @@ Each case is a real Lightning fit of a tiny model built by gptkit's own trainer 
 steps), so a combination that Lightning or torch refuses fails here, not on the first GPU run.
 """
 
+import csv
 import itertools
 import logging
 import warnings
@@ -362,6 +363,10 @@ def test_bench_compare_trains_the_variants_side_by_side_and_reads_finished_runs(
     assert set(got["results"]) == {"no-sinks", "sinks"} and got["seeds"] == [1]
     base, sinks = got["results"]["no-sinks"], got["results"]["sinks"]
     assert base["wall_ratio"]["median"] == 1.0 and base["steps"] == sinks["steps"] == 2
+    # each run's peak memory as it logged it (perf/memory_peak, at step 2)
+    rows = list(csv.DictReader(open(tmp_path / "runs/sinks-seed1/metrics.csv")))
+    logged = [float(r["perf/memory_peak"]) for r in rows if r.get("perf/memory_peak")]
+    assert sinks["memory_peak"]["median"] == logged[-1] > 0
     assert sinks["wall_ratio"]["median"] > 0 and 0 < sinks["final_val_loss"]["median"] < 10
     assert compare.run(cfg) == 0
     assert "0 run(s) to train" in capsys.readouterr().out
@@ -369,6 +374,54 @@ def test_bench_compare_trains_the_variants_side_by_side_and_reads_finished_runs(
     cfg.baseline = "none"
     with pytest.raises(ConfigError, match="bench.baseline='none' is not one of bench.variants"):
         compare.run(cfg)
+
+
+def test_bench_long_context_compares_the_variants_per_context_and_counts_the_cache(
+    corpus, tmp_path, capsys, monkeypatch
+):
+    """`gptkit bench long-context`: per context, `bench compare` of the hybrid and the all-softmax model (each
+    run a window of T tokens, model.max_seq_len=T), then each variant's first-seed run decoded at T and its
+    cache bytes at T: by the cache layout, equal to the tensors a KVCache allocates, here checked against the
+    arithmetic (4 softmax layers' K and V; 1 layer's K and V + 3 Gated DeltaNet states). Bad contexts are one
+    ConfigError."""
+    import json
+
+    import gptkit
+    from gptkit.bench import long_context, optim
+
+    monkeypatch.setattr(optim, "run_one", lambda args, log: gptkit.train(args))
+    model = tiny_run(
+        corpus, model="gdn-tiny", layers=None, d_model=None, heads=None, seq_len=None, warmup=None
+    )
+    cfg = OmegaConf.load(REPO / "conf/bench/long-context.yaml")
+    cfg.model, cfg.common, cfg.seeds, cfg.parallel = [*model, "trainer.accelerator=cpu"], [], [1], 1
+    cfg.contexts = [{"context": 96, "steps": 2, "warmup_steps": 1, "val_windows": 1}]
+    cfg.decode_steps, cfg.decode_repeats = 4, 1
+    cfg.runs_dir, cfg.out = str(tmp_path / "runs"), str(tmp_path / "out.json")
+    assert long_context.run(cfg) == 0
+    assert "2 run(s) to train, 1 at a time" in capsys.readouterr().out
+    for variant, types in (("softmax", ["global"] * 4), ("hybrid", ["linear"] * 3 + ["global"])):
+        run_cfg = OmegaConf.load(tmp_path / f"runs/ctx96/{variant}-seed1/config.yaml")
+        assert list(run_cfg.model.layer_types) == types and run_cfg.model.max_seq_len == 96
+    (ctx,) = json.loads((tmp_path / "out.json").read_text())["contexts"]
+    assert ctx["context"] == 96 and set(ctx["train"]) == {"softmax", "hybrid"}
+    assert ctx["train"]["softmax"]["wall_ratio"]["median"] == 1.0 and ctx["train"]["hybrid"]["steps"] == 2
+    assert ctx["train"]["hybrid"]["memory_peak"]["median"] > 0
+    soft, hyb = ctx["decode"]["softmax"], ctx["decode"]["hybrid"]
+    kv_layer = 2 * 2 * 32 * 96 * 4  # K and V, 2 KV heads of 32, 96 positions, fp32
+    # [H_v, d_k, d_v] + the conv's last 3 inputs of q, k (2 heads of 32 each) and v (4 of 32), fp32
+    state = (4 * 32 * 32 + (2 * 2 * 32 + 4 * 32) * 3) * 4
+    assert soft["cache_bytes_layout"] == soft["cache_bytes_allocated"] == 4 * kv_layer
+    assert hyb["cache_bytes_layout"] == hyb["cache_bytes_allocated"] == kv_layer + 3 * state
+    assert soft["tokens_per_s"]["median"] > 0 and hyb["tokens_per_s"]["median"] > 0
+    assert long_context.run(cfg) == 0
+    assert "0 run(s) to train" in capsys.readouterr().out
+    cfg.contexts = [{"context": 96, "steps": 2, "warmup_steps": 2, "val_windows": 1}]
+    with pytest.raises(ConfigError, match="has warmup_steps >= steps"):
+        long_context.run(cfg)
+    cfg.contexts = [{"context": 96, "steps": 2}]
+    with pytest.raises(ConfigError, match="give each as"):
+        long_context.run(cfg)
 
 
 def test_out_of_memory_names_the_estimate_and_the_fixes(base_cfg):
