@@ -7,7 +7,18 @@ import math
 
 import pytest
 import torch
-from conftest import estimate_plan, from_sft, run_group, run_main, sft_start, write_jsonl
+from conftest import (
+    answer_rows,
+    assert_same,
+    estimate_plan,
+    from_sft,
+    loss_and_grads,
+    policy_and_reference,
+    run_group,
+    run_main,
+    sft_start,
+    write_jsonl,
+)
 from conftest import rows_by_step as rows_of
 
 import gptkit
@@ -116,6 +127,57 @@ def test_answer_log_probs_sum_the_answer_tokens_only_and_rewards_average_over_pa
     window.add(torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]))
     window.add(torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([3.0]))
     assert window.read(None, "train") == pytest.approx({"train/loss": 4.5 / 3, **want})
+
+
+# ---- the chunked log-probs (never [N, T, vocab] fp32) against the unchunked path ------------------------
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo", "orpo"])
+def test_dpo_losses_and_gradients_chunked_equal_the_unchunked_path(loss, monkeypatch):
+    """objective=dpo reads per-token log-probs the model computes chunk by chunk (7 rows: chunks that divide
+    neither T = 20 nor the answers); the loss and every parameter's gradient (the head's and, through the
+    hidden states, the rest) equal those of whole logits + F.cross_entropy to 1e-6 in fp32."""
+    from types import SimpleNamespace
+
+    from gptkit.training.objectives.dpo import DPO
+
+    policy, reference = policy_and_reference()
+    settings = {"beta": 0.5, "loss": loss, **({"label_smoothing": 0.1} if loss == "sigmoid" else {})}
+    dpo = DPO(SimpleNamespace(cfg={"dpo": settings}), {"reference": reference})
+    batch = answer_rows(4)  # 2 pairs
+    chunked = loss_and_grads(lambda m: dpo.loss(m, batch)[0], policy, monkeypatch, 7)
+    whole = loss_and_grads(lambda m: dpo.loss(m, batch)[0], policy, monkeypatch, None)
+    assert_same(chunked, whole)
+    # and the unchunked path is the objective as it was: summed log-probs from the model's whole logits
+    x, y = batch
+    with torch.no_grad():
+        pi = answer_logps(policy(x).logits, y).view(-1, 2)
+        ref = answer_logps(reference.module(x).logits, y).view(-1, 2)
+    n = (y != -100).sum(-1).float().view(-1, 2)
+    if loss == "simpo":
+        want = simpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], 0.5, 0.5)[0]
+    elif loss == "orpo":
+        want = orpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], 0.1)[0]
+    else:
+        want = dpo_loss(*pi.T, *ref.T, 0.5, settings.get("label_smoothing", 0.0), loss, *n.T)[0]
+    torch.testing.assert_close(whole[0], want.mean(), rtol=1e-6, atol=1e-6)
+
+
+def test_kto_loss_and_gradients_chunked_equal_the_unchunked_path(monkeypatch):
+    """objective=kto: its rows, mismatched rows (no grad) and reference read chunked log-probs; loss and
+    gradients equal the unchunked path's to 1e-6 in fp32."""
+    from types import SimpleNamespace
+
+    from gptkit.training.objectives.kto import KTO
+
+    policy, reference = policy_and_reference(seed=2)
+    kto = KTO(
+        SimpleNamespace(cfg={"kto": {"beta": 0.5, "undesirable_weight": 1.5}}), {"reference": reference}
+    )
+    x, y = answer_rows(4, seed=3)
+    kl_x, kl_y = answer_rows(4, seed=4)
+    batch = (x, y, kl_x, kl_y, torch.tensor([1, 0, 1, 0]))
+    chunked = loss_and_grads(lambda m: kto.loss(m, batch)[0], policy, monkeypatch, 7)
+    whole = loss_and_grads(lambda m: kto.loss(m, batch)[0], policy, monkeypatch, None)
+    assert_same(chunked, whole)
 
 
 @pytest.mark.parametrize(

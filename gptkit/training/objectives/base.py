@@ -55,6 +55,16 @@ def evaluating(model: torch.nn.Module):
         model.train(was)
 
 
+def target_logps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, temperature: float = 1.0):
+    """Log-probs [N, T] (fp32) of the targets y [N, T] (-100: none, 0 there) under the model's logits on
+    x [N, T] divided by temperature, computed by the model chunk by chunk over the tokens
+    (GPT.forward(token_logps=True), gptkit_kernels.linear_ce.linear_log_probs): neither pass holds the
+    [N, T, vocab] fp32 logits, which would cap the sequence length and vocabulary of DPO, KTO and GRPO.
+    Equal to -F.cross_entropy(logits.float() / temperature, y, reduction="none") (tests/training/test_dpo.py,
+    test_grpo.py)."""
+    return model(x, y, token_logps=True, temperature=temperature).logps
+
+
 class FrozenModel:
     """A frozen model an objective measures against, by name: "reference" (DPO's implicit rewards, an RL KL
     term) or, later, "teacher" (distillation). Its own ModelConfig and source (frozen.<name>: the policy's
@@ -95,6 +105,17 @@ class FrozenModel:
                 return self.module(x).logits
         with self.disabled(policy), evaluating(policy):
             return policy(x).logits
+
+    def logps(
+        self, policy: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """The frozen model's log-probs [N, T] of the targets y [N, T] (target_logps, chunked): eval mode, no
+        grad."""
+        if self.module is not None:
+            with evaluating(self.module):
+                return target_logps(self.module, x, y, temperature)
+        with self.disabled(policy), evaluating(policy):
+            return target_logps(policy, x, y, temperature)
 
     def save(self, checkpoint: dict[str, Any]) -> None:
         if self.source is not None:

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkit.errors import ConfigError
-from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
+from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
 
 LOSSES = ("sigmoid", "hinge", "ipo", "simpo", "orpo")
 # the losses of the policy's log-probs alone: no reference is built for them
@@ -173,7 +173,8 @@ def answer_tokens(targets: torch.Tensor) -> torch.Tensor:
 
 def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed log-probs of each row's targets: logits [N, T, vocab_size], targets [N, T] (-100: not
-    counted) -> [N] in fp32."""
+    counted) -> [N] in fp32. From whole logits (gptkit bench dpo, the tests' unchunked reference); the
+    objectives sum target_logps instead, chunked."""
     n, t, v = logits.shape
     token = -F.cross_entropy(
         logits.float().reshape(n * t, v), targets.reshape(n * t), ignore_index=-100, reduction="none"
@@ -306,16 +307,16 @@ class DPO(Objective):
         x, y = batch[0], batch[1]
         n = answer_tokens(y).view(-1, 2)  # [P, 2]: chosen, rejected
         if self.loss_type == "simpo":
-            pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+            pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
             return simpo_loss(
                 pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], self.beta, self.gamma, self.label_smoothing
             )
         if self.loss_type == "orpo":
-            pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+            pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
             return orpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], self.lam)
         # [P, 2]: chosen, rejected
-        ref = answer_logps(self.reference.logits(policy, x), y).view(-1, 2)
-        pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+        ref = self.reference.logps(policy, x, y).sum(-1).view(-1, 2)
+        pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
         return dpo_loss(
             pi[:, 0],
             pi[:, 1],
