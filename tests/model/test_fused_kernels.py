@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from conftest import kernel_device, poisoned_allocations
 
-from gptkit.bench.kernels import PeakMemory, loss_memory
+from gptkit.bench.kernels import PeakMemory, logp_memory, loss_memory
 from gptkit.model import GPT, ModelConfig
 from gptkit_kernels.linear_ce import chunk_rows, linear_cross_entropy, linear_log_probs
 from gptkit_kernels.norm import layer_norm, rms_norm
@@ -227,6 +227,18 @@ def test_linear_log_probs_never_hold_the_full_logits_forward_or_backward():
     assert peaks["eager"].largest >= full_logits
     assert peaks["chunked"].largest <= rows * V * 4 < full_logits
     assert peaks["chunked"].peak * 4 <= peaks["eager"].peak
+
+
+def test_the_bench_row_measures_the_dpo_log_probs_chunked_against_eager():
+    """gptkit bench kernels' logp-memory row (fake tensors: no memory used) with the default chunk of about
+    2^26 logits: 2 x 2048 tokens at a 32k vocabulary are 2 chunks; the chunked peak is a fraction of the
+    eager one, and its largest allocation one chunk."""
+    pairs, T, vocab = 1, 2048, 32768
+    eager = logp_memory(pairs, T, vocab, 16, torch.float32, chunked=False)
+    chunked = logp_memory(pairs, T, vocab, 16, torch.float32, chunked=True)
+    rows = chunk_rows(2 * pairs * T, vocab)
+    assert rows < 2 * pairs * T and chunked.largest == rows * vocab * 4
+    assert eager.largest >= 2 * pairs * T * vocab * 4 and chunked.peak * 2 <= eager.peak
 
 
 def test_the_model_gives_token_log_probs_without_logits():
