@@ -202,7 +202,7 @@ def test_advantages_are_relative_to_the_group():
 def test_grpo_loss_and_gradients_chunked_equal_the_unchunked_path(loss, kl, monkeypatch):
     """objective=grpo reads the per-token log-probs (at grpo.temperature) of the policy, of the policy that
     sampled (iterations 2) and of the reference from the model's chunked path (7 rows a chunk, straddling
-    the rows of T = 19); loss and gradients equal the unchunked path's to 1e-6 in fp32. The rollouts are
+    the rows of T = 17); loss and gradients equal the unchunked path's to 1e-6 in fp32. The rollouts are
     fixed (sample and _score stand in); the rest is the objective's own code."""
     from types import SimpleNamespace
 
