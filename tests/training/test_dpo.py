@@ -651,20 +651,30 @@ def test_the_plan_counts_both_answers_and_the_reference_forward():
 
 
 def test_the_memory_estimate_counts_both_sequences_of_a_pair_and_the_reference():
-    """objective=dpo: a batch of pairs is twice the sequences; with finetune=full the frozen reference is a
-    second copy of the weights, with lora it is the policy with its adapters off (no copy)."""
+    """objective=dpo: a batch of pairs is twice the sequences, their log-probs chunked; with finetune=full the
+    frozen reference is a second copy of the weights, with lora it is the policy with its adapters off (no
+    copy)."""
+    import dataclasses
     from types import SimpleNamespace
 
     from gptkit.model import ModelConfig
-    from gptkit.training.memory import cpu_out_of_memory, estimate
+    from gptkit.training.memory import chunked_logits_bytes, cpu_out_of_memory, estimate
 
     cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, d_model=32)
     plan = estimate_plan(cfg, objective="lm")
     lm = estimate(plan)
     dpo = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo"}))
     assert dpo["reference"] == lm["weights"] and dpo["activations"] > lm["activations"]
-    # 2 pairs = 4 sequences
-    assert dpo["logits"] == 2 * lm["logits"]
+    # 2 pairs = 4 sequences; their log-probs chunked (one chunk here), never 3 whole fp32 logits tensors
+    assert dpo["logits"] == chunked_logits_bytes(4 * 16, cfg) == 2 * (4 * 16) * 64 * 4 + 4 * (4 * 16) * 4
+    # at 2 pairs x 4,096 tokens and a 150k vocabulary: two chunks of ~2^26 logits, not 3 x 9.8 GB
+    big = dataclasses.replace(cfg, vocab_size=150_000, max_seq_len=4096)
+    plan_big = SimpleNamespace(**{**vars(estimate_plan(big, objective="dpo")), "seq_len": 4096})
+    assert 500e6 < estimate(plan_big)["logits"] < 2 * (1 << 28) + 2**20
+    assert (
+        estimate(SimpleNamespace(**{**vars(plan_big), "objective": "lm"}))["logits"]
+        == 3 * 2 * 4096 * 150_000 * 4
+    )
     assert dpo["total"] == pytest.approx(sum(v for k, v in dpo.items() if k != "total"))
     lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q", "v"]}
     dpo_lora = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo", "lora": lora}))

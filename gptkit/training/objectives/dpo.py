@@ -237,6 +237,7 @@ class DPO(Objective):
     needs_start = True
     needs_reference = True
     rows_per_item = 2
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:

@@ -337,6 +337,7 @@ class GRPO(Objective):
     needs_start = True
     # the loss is the advantage-weighted log-prob, around 0 whatever the model learns: no spike notes
     loss_spikes = False
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:

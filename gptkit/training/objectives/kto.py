@@ -120,6 +120,7 @@ class KTO(Objective):
     data_kinds = ("unpaired",)
     needs_start = True
     needs_reference = True
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:
