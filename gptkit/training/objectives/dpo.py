@@ -39,6 +39,10 @@ third of a training step's FLOPs), rather than precomputed once over the data: n
 in step with a resume, or recompute when the data, seq_len or world size changes, and the reference is the
 same code path under DDP and FSDP2. With finetune=lora the reference is the policy itself with its
 adapters switched off (no second copy of the weights in memory).
+
+Every log-prob (the policy's and the reference's) comes from target_logps: the model computes them chunk by
+chunk over the tokens, never holding the [2P, T, vocab] fp32 logits in the forward or the backward pass
+(base.py, docs/dpo.md's memory section).
 """
 
 from __future__ import annotations
