@@ -879,3 +879,87 @@ def one_line(err: str) -> bool:
         and not line.startswith(("note: ", "prepared ", "cache hit: ", "using prepared", "tokenizing"))
     ]
     return len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in err
+
+
+def log_prob_path(monkeypatch, chunk: int | None) -> list[int]:
+    """Route the model's per-token log-probs (GPT.forward(token_logps=True), the seam gptkit.model.fused)
+    through the chunked path with `chunk` rows per chunk, or, with chunk None, through the unchunked one the
+    objectives used before: whole logits (lm_head, soft cap), .float() / temperature, F.cross_entropy. Returns
+    the list each call appends its token count to."""
+    import torch
+    import torch.nn.functional as F
+
+    import gptkit.model.fused as seam
+    from gptkit_kernels.linear_ce import linear_log_probs
+
+    calls: list[int] = []
+
+    def chunked(x, weight, targets, softcap=None, temperature=1.0):
+        calls.append(targets.numel())
+        return linear_log_probs(
+            x, weight, targets, chunk_size=chunk, softcap=softcap, temperature=temperature
+        )
+
+    def whole(x, weight, targets, softcap=None, temperature=1.0):
+        calls.append(targets.numel())
+        logits = F.linear(x, weight)  # [N, T, V]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.float() / temperature
+        v = logits.shape[-1]
+        out = F.cross_entropy(logits.reshape(-1, v), targets.reshape(-1), ignore_index=-100, reduction="none")
+        return -out.view(targets.shape)
+
+    monkeypatch.setattr(seam, "linear_log_probs", whole if chunk is None else chunked)
+    return calls
+
+
+def policy_and_reference(seed: int = 0):
+    """A tiny policy and a reference of other weights (so the rewards are not 0), fp32: T = 20 positions,
+    chunked 7 rows at a time (chunks straddle the rows)."""
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.training.objectives import FrozenModel
+
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=96, max_seq_len=24, n_layers=1, n_heads=2, d_model=32, logit_softcap=5.0)
+    policy, reference = GPT(cfg), GPT(cfg)
+    with torch.no_grad():
+        for p in (*policy.parameters(), *reference.parameters()):
+            p.add_(0.3 * torch.randn_like(p))
+    return policy, FrozenModel(reference)
+
+
+def answer_rows(n: int, seed: int = 1):
+    """x, y [n, 20]: y -100 but on a stretch of answer tokens of another length in each row."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, 96, (n, 20), generator=g)
+    y = torch.randint(0, 96, (n, 20), generator=g)
+    for i in range(n):
+        y[i, : 3 + i] = -100
+        y[i, 20 - i % 3 :] = -100
+    return x, y
+
+
+def loss_and_grads(objective_loss, policy, monkeypatch, chunk):
+    """(loss, {name: gradient}) of objective_loss(policy) with the log-probs chunked `chunk` rows at a time,
+    or unchunked (chunk None)."""
+    calls = log_prob_path(monkeypatch, chunk)
+    policy.zero_grad(set_to_none=True)
+    loss = objective_loss(policy)
+    loss.backward()
+    assert calls, "the objective did not read the model's per-token log-probs"
+    return loss.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
+
+
+def assert_same(a, b):
+    """Two (loss, gradients) equal to 1e-6."""
+    import torch
+
+    (la, ga), (lb, gb) = a, b
+    torch.testing.assert_close(la, lb, rtol=1e-6, atol=1e-6)
+    for name in ga:
+        torch.testing.assert_close(ga[name], gb[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")

@@ -9,6 +9,11 @@ Rows print as each measurement finishes (bench.out, JSON, is rewritten after eve
                tracked op by op (PeakMemory); with fake=true the tensors are fake (no memory is used, so
                8 x 2048 tokens at a 128k vocabulary fit on any machine); fake=false runs real tensors
                and also times them.
+  logp-memory  (any machine) the same for the per-token log-probs DPO, KTO and GRPO read, under a DPO
+               sigmoid loss (the reference's log-probs given), forward and backward, for each of
+               bench.logp_shapes (pairs x 2 rows of T tokens): eager (F.linear -> .float() ->
+               F.cross_entropy(reduction="none"), the objectives' unchunked path) against the chunked
+               linear_log_probs (GPT.forward(token_logps=True)), whose backward recomputes each chunk.
   doc-tiles    (any machine) the (query tile, key tile) products the attention forward computes per head
                for documents of mean length bench.doc_lens packed into T = bench.doc_T windows, against
                plain causal attention (flash.forward_tiles: the kernel's own schedule; the tests hold it
@@ -117,6 +122,36 @@ def loss_memory(
     return pm
 
 
+def logp_step(chunked: bool, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> None:
+    """Forward and backward of a DPO sigmoid loss (beta 0.1) on the summed answer log-probs of x's rows
+    [2P, T, d] (chosen even, rejected odd), the reference's taken as 0: eager (whole logits) or chunked."""
+    if chunked:
+        from gptkit_kernels.linear_ce import linear_log_probs
+
+        logps = linear_log_probs(x, weight, targets)  # [2P, T]
+    else:
+        v = weight.shape[0]
+        logits = F.linear(x, weight).float()  # [2P, T, V]
+        logps = -F.cross_entropy(
+            logits.reshape(-1, v), targets.reshape(-1), ignore_index=-100, reduction="none"
+        ).view(targets.shape)
+    pairs = logps.sum(-1).view(-1, 2)  # [P, 2]
+    (-F.logsigmoid(0.1 * (pairs[:, 0] - pairs[:, 1]))).mean().backward()
+
+
+def logp_memory(
+    pairs: int, T: int, vocab: int, d_model: int, dtype: torch.dtype, chunked: bool, fake: bool = True
+) -> PeakMemory:
+    """PeakMemory of one logp_step (inputs made before it; their gradients count)."""
+    with FakeTensorMode() if fake else contextlib.nullcontext():
+        x = torch.randn(2 * pairs, T, d_model, dtype=dtype, requires_grad=True)  # [2P, T, d]
+        w = torch.randn(vocab, d_model, dtype=dtype, requires_grad=True)  # [V, d]
+        t = torch.randint(0, vocab, (2 * pairs, T))  # [2P, T]
+        with PeakMemory() as pm:
+            logp_step(chunked, x, w, t)
+    return pm
+
+
 def document_windows(T: int, mean_len: int, n_windows: int, seed: int = 0) -> torch.Tensor:
     """doc_ids [n_windows, T] for documents of geometric lengths with mean `mean_len`, packed back to back."""
     g = torch.Generator().manual_seed(seed)
@@ -145,6 +180,8 @@ def run(cfg) -> int:
     # the chunked loss is pure torch: runs anywhere
     for shape in cfg.loss_shapes:
         _loss_rows(emit, shape)
+    for shape in cfg.get("logp_shapes") or []:
+        _logp_rows(emit, shape)
     # the tile schedule and the fused kernels are Triton's
     if triton_version() is None:
         emit({"what": "doc-tiles, kernel, model", "note": f"not measured: {TRITON_MISSING}"})
@@ -203,6 +240,37 @@ def _loss_rows(emit, shape) -> None:
         row[f"{name}_peak_MB"] = pm.peak / 2**20
         row[f"{name}_largest_MB"] = pm.largest / 2**20
     row["peak_ratio"] = row["eager_peak_MB"] / row["fused_peak_MB"]
+    emit(row)
+
+
+def _logp_rows(emit, shape) -> None:
+    from gptkit_kernels.linear_ce import chunk_rows
+
+    pairs, T, vocab, d = int(shape.pairs), int(shape.T), int(shape.vocab), int(shape.d_model)
+    dtype, fake = DTYPES[shape.dtype], bool(shape.fake)
+    row = {
+        "what": "logp-memory",
+        "pairs": pairs,
+        "T": T,
+        "vocab": vocab,
+        "d_model": d,
+        "dtype": shape.dtype,
+        "tensors": "fake" if fake else "real",
+        "chunk_rows": chunk_rows(2 * pairs * T, vocab),
+    }
+    for name, chunked in (("eager", False), ("chunked", True)):
+        pm = logp_memory(pairs, T, vocab, d, dtype, chunked, fake)
+        if not fake:
+            # the median of 3 timed runs after this one
+            times = []
+            for _ in range(3):
+                start = time.perf_counter()
+                logp_memory(pairs, T, vocab, d, dtype, chunked, fake)
+                times.append(time.perf_counter() - start)
+            row[f"{name}_s"] = sorted(times)[1]
+        row[f"{name}_peak_MB"] = pm.peak / 2**20
+        row[f"{name}_largest_MB"] = pm.largest / 2**20
+    row["peak_ratio"] = row["eager_peak_MB"] / row["chunked_peak_MB"]
     emit(row)
 
 

@@ -68,7 +68,7 @@ def report(cfg) -> dict:
         )
     if ep is not None and m.moe.n_experts % ep:
         raise ConfigError(f"expert_parallel={ep} must divide model.moe.n_experts={m.moe.n_experts}")
-    lora, rows_per_item, needs_reference = _training(cfg, m)
+    lora, rows_per_item, needs_reference, chunked = _training(cfg, m)
     mem = acc.training_memory(
         m,
         cfg.precision,
@@ -81,6 +81,13 @@ def report(cfg) -> dict:
         lora=lora,
         reference=needs_reference,
     )
+    if chunked:
+        # DPO, KTO, GRPO: per-token log-probs chunk by chunk, as train's estimate counts them
+        from gptkit.training.memory import chunked_logits_bytes
+
+        mem["total"] -= mem["logits"]
+        mem["logits"] = chunked_logits_bytes(int(cfg.micro_batch) * rows_per_item * fl.seq_len, m)
+        mem["total"] += mem["logits"]
     quantized = None
     if cfg.get("quantize") is not None:
         from gptkit.quant import QUANTIZE
@@ -166,9 +173,10 @@ def report(cfg) -> dict:
     }
 
 
-def _training(cfg, m) -> tuple[dict | None, int, bool]:
+def _training(cfg, m) -> tuple[dict | None, int, bool, bool]:
     """(the LoRA settings or None, sequences per micro-batch item, whether a frozen reference of its own is
-    kept) of count-params' finetune=, lora and objective= (one-line errors as `train`'s)."""
+    kept, whether the loss reads chunked log-probs instead of whole logits) of count-params' finetune=, lora
+    and objective= (one-line errors as `train`'s)."""
     from gptkit.adapters import check_lora, settings
     from gptkit.errors import ConfigError
 
@@ -179,13 +187,13 @@ def _training(cfg, m) -> tuple[dict | None, int, bool]:
         lora = settings({"alpha": 1, "dropout": 0.0, **cfg.lora})
         lora["targets"] = list(check_lora(lora, m))
     if cfg.objective == "lm":
-        return lora, 1, False
+        return lora, 1, False, False
     # the objectives table imports torch: only for an objective other than lm
     from gptkit.training.objectives import objective_class
 
     objective = objective_class(cfg)
     group = objective.settings_of(cfg)
-    return lora, objective.rows(group), objective.uses_reference(group)
+    return lora, objective.rows(group), objective.uses_reference(group), objective.chunked_logps
 
 
 def run(cfg) -> int:

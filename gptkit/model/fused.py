@@ -6,6 +6,9 @@
     loss    lm_head + cross-entropy chunked over the tokens: the [B*T, vocab] logits never exist
             (pure torch: runs everywhere)
 
+and, always on (not a model.kernels name), `linear_log_probs`: lm_head + the per-token log-probs of given
+targets, chunked the same way in both passes (GPT.forward(..., token_logps=True): DPO, KTO, GRPO).
+
 The Triton ones need triton and CUDA tensors (or TRITON_INTERPRET=1); elsewhere the model uses its
 eager torch code, with one warning per process. The names live in gptkit.model.config.KERNELS.
 
@@ -98,3 +101,11 @@ def linear_cross_entropy(x, weight, targets, softcap=None):
     from gptkit_kernels.linear_ce import linear_cross_entropy
 
     return linear_cross_entropy(x, weight, targets, ignore_index=-100, softcap=softcap)
+
+
+def linear_log_probs(x, weight, targets, softcap=None, temperature=1.0):
+    """Log-probs [...] (fp32) of targets under x @ weight.T (soft-capped when softcap is given, then divided
+    by temperature), chunked: the logits never exist whole, in the forward or the backward pass."""
+    from gptkit_kernels.linear_ce import linear_log_probs
+
+    return linear_log_probs(x, weight, targets, ignore_index=-100, softcap=softcap, temperature=temperature)

@@ -50,6 +50,8 @@ class GPTOutput(NamedTuple):
     aux: Optional[ModelAux] = None
     # each multi-token prediction depth's fp32 mean cross-entropy (model.mtp; asked for: forward(mtp=True))
     mtp_losses: Optional[tuple[torch.Tensor, ...]] = None
+    # [B, T] fp32 log-probs of the targets (0 where -100), asked for: forward(token_logps=True); logits None
+    logps: Optional[torch.Tensor] = None
 
 
 class Block(nn.Module):
@@ -171,6 +173,10 @@ class GPT(nn.Module):
         return_attention: bool = False,
         # with targets and model.mtp: also each MTP depth's loss (GPTOutput.mtp_losses; training objectives)
         mtp: bool = False,
+        # with targets: GPTOutput.logps, each target's log-prob under the logits divided by `temperature`,
+        # chunked over the tokens (the [B, T, vocab] logits never exist; the preference and policy objectives)
+        token_logps: bool = False,
+        temperature: float = 1.0,
     ) -> GPTOutput:
         """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions, aux); see the argument comments.
         loss is the cross-entropy alone: a training loop adds aux.loss (the feed-forwards' auxiliary
@@ -230,6 +236,11 @@ class GPT(nn.Module):
             )
             aux = combine(auxes + mtp_auxes)
         softcap = self.cfg.logit_softcap
+        if token_logps:
+            if targets is None or logits_to_keep:
+                raise ValueError("token_logps needs targets and every position (logits_to_keep=0)")
+            logps = fused.linear_log_probs(x, self.lm_head.weight, targets, softcap, temperature)  # [B, T]
+            return GPTOutput(None, None, attentions, aux, mtp_losses, logps)
         if targets is not None and not logits_to_keep and "loss" in self.cfg.kernels:
             # lm_head and cross-entropy chunk by chunk: the [B*T, vocab_size] logits never exist
             loss = fused.linear_cross_entropy(x, self.lm_head.weight, targets, softcap)

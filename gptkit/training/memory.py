@@ -68,6 +68,9 @@ def estimate(plan: Any) -> dict[str, float]:
         getattr(plan, "expert_shards", None),
         optimizer=optimizer_of(plan),
     )
+    if objective.chunked_logps:
+        tokens = plan.batch_size * objective.rows(group) * (plan.seq_len or plan.model.max_seq_len)
+        mem["logits"] = chunked_logits_bytes(tokens, plan.model)
     # (a plan-like object without `finetune`: lora when it names adapters)
     finetune = FINETUNES[
         getattr(plan, "finetune", None) or ("lora" if getattr(plan, "lora", None) else "full")
@@ -83,6 +86,15 @@ def estimate(plan: Any) -> dict[str, float]:
     mem = finetune.memory(plan, mem)
     mem["total"] = sum(v for key, v in mem.items() if key != "total")
     return mem
+
+
+def chunked_logits_bytes(tokens: int, model: Any) -> float:
+    """What per-token log-probs computed chunk by chunk hold (target_logps: DPO, KTO, GRPO) in place of whole
+    logits: two chunks of fp32-sized logits (the chunk, and its half-precision matmul output or the
+    gradient's copy) and four fp32 values per token (log-probs, log-sum-exp, their gradient, the mask)."""
+    from gptkit_kernels.linear_ce import chunk_rows
+
+    return 2 * chunk_rows(tokens, model.vocab_size) * model.vocab_size * 4 + 4 * tokens * 4
 
 
 def optimizer_of(plan: Any) -> str:

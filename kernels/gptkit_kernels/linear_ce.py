@@ -1,4 +1,5 @@
-"""Linear layer + cross-entropy without the [tokens, vocab] logits (pure torch; no triton needed).
+"""Linear layer + cross-entropy, and linear layer + per-token log-probs, without the [tokens, vocab] logits
+(pure torch; no triton needed).
 
     linear_cross_entropy(x, weight, targets, ignore_index=-100, chunk_size=None, softcap=None) -> loss
     x: [N, d] hidden states, weight: [V, d] (the lm_head, possibly tied to the embedding),
@@ -15,6 +16,13 @@ logits, (softmax - onehot) / n_valid, which it turns into the chunk's dx rows an
 backward pass only scales the saved dx and dweight by the incoming gradient. Without gradients
 (evaluation) only the loss is computed. Under autocast the matmuls run in the autocast dtype, as
 an nn.Linear would.
+
+    linear_log_probs(x, weight, targets, ignore_index=-100, chunk_size=None, softcap=None, temperature=1.0)
+    -> log-probs [N] (fp32) of each target under the (soft-capped) logits divided by temperature, 0 where
+       ignored: what DPO, KTO and GRPO read (summed per answer, or per token). Same chunks; since the
+       gradient coming back is one number per token, known only in the backward pass, the backward
+       recomputes each chunk's logits from the saved x, weight and log-sum-exp [N] (one more head matmul)
+       rather than keeping any: one chunk of fp32 logits exists at a time in both passes.
 """
 
 from __future__ import annotations
@@ -135,3 +143,135 @@ def linear_cross_entropy(
         if torch.is_grad_enabled() and (x2.requires_grad or w2.requires_grad):
             return LinearCrossEntropy.apply(x2, w2, t2, int(ignore_index), rows, softcap)
         return _chunked(x2, w2, t2, int(ignore_index), rows, False, False, softcap)[0]
+
+
+# ---- per-token log-probs of the targets (the preference and policy losses) ----------------------------
+
+
+def _scaled_logits(xc, weight, acc, softcap, temperature):
+    """(fp32 logits of one chunk: x @ weight^T, soft-capped, divided by temperature; the cap's tanh or
+    None)."""
+    logits = (xc @ weight.t()).to(acc)  # [C, V]
+    capped = None
+    if softcap is not None:
+        capped = torch.tanh(logits / softcap)  # [C, V]
+        logits = capped * softcap
+    if temperature != 1.0:
+        logits = logits / temperature
+    return logits, capped
+
+
+def _logps_forward(x, weight, targets, ignore_index: int, rows: int, softcap, temperature):
+    """(log-probs [N] of the targets, 0 where ignored; log-sum-exp [N] of the scaled logits), chunk by
+    chunk."""
+    N = x.shape[0]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    valid_all = targets != ignore_index  # [N]
+    out = torch.empty(N, device=x.device, dtype=acc)  # [N]
+    lse_all = torch.empty(N, device=x.device, dtype=acc)  # [N]
+    for s in range(0, N, rows):
+        valid = valid_all[s : s + rows]  # [C]
+        tc = torch.where(valid, targets[s : s + rows], 0)  # [C]
+        logits, _ = _scaled_logits(x[s : s + rows], weight, acc, softcap, temperature)  # [C, V]
+        lse = torch.logsumexp(logits, dim=-1)  # [C]
+        picked = logits.gather(1, tc[:, None])[:, 0]  # [C]
+        del logits
+        out[s : s + rows] = torch.where(valid, picked - lse, 0.0)
+        lse_all[s : s + rows] = lse
+    return out, lse_all
+
+
+class LinearLogProbs(torch.autograd.Function):
+    """Per-token log-probs of x @ weight^T's targets. The incoming gradient is one number per token, known
+    only in the backward pass, so the backward recomputes each chunk's logits (one more head matmul) from the
+    saved x, weight and log-sum-exp instead of keeping them: d logp_i / d logits_i = onehot(target_i) -
+    softmax_i."""
+
+    @staticmethod
+    def forward(ctx, x, weight, targets, ignore_index: int, rows: int, softcap, temperature: float):
+        out, lse = _logps_forward(x, weight, targets, ignore_index, rows, softcap, temperature)
+        ctx.save_for_backward(x, weight, targets, lse)
+        ctx.args = (ignore_index, rows, softcap, temperature)
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        x, weight, targets, lse_all = ctx.saved_tensors
+        ignore_index, rows, softcap, temperature = ctx.args
+        grad_x, grad_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        acc = lse_all.dtype
+        N = x.shape[0]
+        # ignored targets get no gradient, whatever comes in
+        grad = torch.where(targets != ignore_index, grad_out.to(acc), 0.0)  # [N]
+        dx = torch.empty_like(x) if grad_x else None  # [N, d]
+        dw = torch.zeros(weight.shape, device=weight.device, dtype=acc) if grad_w else None  # [V, d]
+        with torch.autocast(x.device.type, enabled=False):
+            for s in range(0, N, rows):
+                xc = x[s : s + rows]  # [C, d]
+                gc = grad[s : s + rows]  # [C]
+                tc = torch.where(targets[s : s + rows] != ignore_index, targets[s : s + rows], 0)  # [C]
+                logits, capped = _scaled_logits(xc, weight, acc, softcap, temperature)  # [C, V]
+                # g (onehot - softmax), in place
+                logits.sub_(lse_all[s : s + rows, None]).exp_().mul_(-gc[:, None])
+                logits.scatter_add_(1, tc[:, None], gc[:, None])
+                if temperature != 1.0:
+                    logits.div_(temperature)
+                # through the cap: d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
+                if capped is not None:
+                    logits.mul_(capped.square_().neg_().add_(1.0))
+                    del capped
+                g = logits if x.dtype == acc else logits.to(x.dtype)  # [C, V]
+                del logits
+                if grad_x:
+                    torch.mm(g, weight, out=dx[s : s + rows])  # [C, d]
+                if grad_w:
+                    if g.dtype == dw.dtype:
+                        dw.addmm_(g.t(), xc)  # [V, d]
+                    else:
+                        dw.add_(g.t() @ xc)
+                del g
+        return dx, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
+
+
+def linear_log_probs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+    temperature: float = 1.0,
+) -> torch.Tensor:
+    """Log-probs of the targets under logits = x @ weight^T (soft-capped to softcap * tanh(logits / softcap)
+    when softcap is given, then divided by temperature), chunked over the tokens as linear_cross_entropy is:
+    only one chunk of fp32 logits exists at a time, in the forward and in the backward pass.
+
+    x [..., d], weight [V, d], targets [...] matching x's leading dims -> fp32 log-probs [...] (0 where a
+    target is ignore_index), equal to -F.cross_entropy(logits.float() / temperature, targets,
+    reduction="none"). Differentiable in x and weight for any function of the log-probs.
+    """
+    d = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight must be [vocab, {d}], got {tuple(weight.shape)}")
+    if targets.shape != x.shape[:-1]:
+        raise ValueError(f"targets {tuple(targets.shape)} must match x's leading dims {tuple(x.shape[:-1])}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    x2 = x.reshape(-1, d)  # [N, d]
+    t2 = targets.reshape(-1)  # [N]
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x2, w2 = x2.to(dtype), weight.to(dtype)
+    else:
+        w2 = weight.to(x2.dtype)
+    rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
+    args = (int(ignore_index), rows, softcap, float(temperature))
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (x2.requires_grad or w2.requires_grad):
+            out = LinearLogProbs.apply(x2, w2, t2, *args)
+        else:
+            out = _logps_forward(x2, w2, t2, *args)[0]
+    return out.view(targets.shape)

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from conftest import kernel_device, poisoned_allocations
 
-from gptkit.bench.kernels import PeakMemory, loss_memory
+from gptkit.bench.kernels import PeakMemory, logp_memory, loss_memory
 from gptkit.model import GPT, ModelConfig
-from gptkit_kernels.linear_ce import chunk_rows, linear_cross_entropy
+from gptkit_kernels.linear_ce import chunk_rows, linear_cross_entropy, linear_log_probs
 from gptkit_kernels.norm import layer_norm, rms_norm
 from gptkit_kernels.rope import rope
 from gptkit_kernels.swiglu import swiglu
@@ -161,6 +161,102 @@ def test_linear_cross_entropy_never_holds_the_full_logits():
     assert peaks["eager"].largest >= full_logits
     assert peaks["fused"].largest <= rows * V * 4 < full_logits
     assert peaks["fused"].peak * 4 <= peaks["eager"].peak
+
+
+# ---- fused linear + per-token log-probs (DPO, KTO, GRPO) --------------------------------------------------
+
+
+def eager_log_probs(x, w, t, softcap=None, temperature=1.0):
+    """The unchunked path: whole logits, soft cap, / temperature, -F.cross_entropy per token."""
+    logits = x @ w.T  # [N, T, V]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    v = logits.shape[-1]
+    out = F.cross_entropy(
+        logits.reshape(-1, v) / temperature, t.reshape(-1), ignore_index=-100, reduction="none"
+    )
+    return -out.view(t.shape)
+
+
+# chunks that straddle the rows (T = 10); one chunk
+@pytest.mark.parametrize("chunk", [7, 3, None])
+@pytest.mark.parametrize("softcap, temperature", [(None, 1.0), (4.0, 0.7)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_linear_log_probs_and_gradients_match_the_unchunked_path(chunk, softcap, temperature, dtype, tol):
+    """Per-token log-probs [N, T] and the gradients of any function of them (a random upstream gradient per
+    token) w.r.t. the hidden states and the head weight; ignored targets give 0 and pass no gradient."""
+    torch.manual_seed(0)
+    N, T, d, V = 3, 10, 16, 50
+    x = torch.randn(N, T, d, dtype=dtype, requires_grad=True)
+    w = (0.3 * torch.randn(V, d, dtype=dtype)).requires_grad_()
+    t = torch.randint(0, V, (N, T))
+    t[0, :4] = -100
+    t[2, 7:] = -100
+    up = torch.randn(N, T, dtype=dtype)
+    got = linear_log_probs(x, w, t, chunk_size=chunk, softcap=softcap, temperature=temperature)
+    gx, gw = torch.autograd.grad((got * up).sum(), (x, w))
+    want = eager_log_probs(x, w, t, softcap, temperature)
+    wx, ww = torch.autograd.grad((want * up).sum(), (x, w))
+    assert got.dtype == want.dtype and bool((got[t == -100] == 0).all())
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    torch.testing.assert_close(gx, wx, rtol=tol, atol=tol)
+    torch.testing.assert_close(gw, ww, rtol=tol, atol=tol)
+    with torch.no_grad():
+        again = linear_log_probs(x, w, t, chunk_size=chunk, softcap=softcap, temperature=temperature)
+    torch.testing.assert_close(again, want, rtol=tol, atol=tol)
+
+
+def test_linear_log_probs_never_hold_the_full_logits_forward_or_backward():
+    """The largest allocation of forward + backward is one chunk of logits, never [tokens, vocab]: the
+    backward recomputes them chunk by chunk. The eager path holds several whole copies."""
+    N, d, V, rows = 2048, 32, 4096, 256
+    x = torch.randn(N, d, requires_grad=True)
+    w = torch.randn(V, d, requires_grad=True)
+    t = torch.randint(0, V, (N,))
+    peaks = {}
+    for name in ("eager", "chunked"):
+        with PeakMemory() as pm:
+            if name == "chunked":
+                logps = linear_log_probs(x, w, t, chunk_size=rows, temperature=0.9)
+            else:
+                logps = eager_log_probs(x, w, t, temperature=0.9)
+            (logps * torch.linspace(-1, 1, N)).sum().backward()
+        peaks[name] = pm
+        x.grad = w.grad = None
+    full_logits = N * V * 4
+    assert peaks["eager"].largest >= full_logits
+    assert peaks["chunked"].largest <= rows * V * 4 < full_logits
+    assert peaks["chunked"].peak * 4 <= peaks["eager"].peak
+
+
+def test_the_bench_row_measures_the_dpo_log_probs_chunked_against_eager():
+    """gptkit bench kernels' logp-memory row (fake tensors: no memory used) with the default chunk of about
+    2^26 logits: 2 x 2048 tokens at a 32k vocabulary are 2 chunks; the chunked peak is a fraction of the
+    eager one, and its largest allocation one chunk."""
+    pairs, T, vocab = 1, 2048, 32768
+    eager = logp_memory(pairs, T, vocab, 16, torch.float32, chunked=False)
+    chunked = logp_memory(pairs, T, vocab, 16, torch.float32, chunked=True)
+    rows = chunk_rows(2 * pairs * T, vocab)
+    assert rows < 2 * pairs * T and chunked.largest == rows * vocab * 4
+    assert eager.largest >= 2 * pairs * T * vocab * 4 and chunked.peak * 2 <= eager.peak
+
+
+def test_the_model_gives_token_log_probs_without_logits():
+    """GPT.forward(token_logps=True): [B, T] log-probs of the targets (at a temperature, under the soft cap),
+    no logits; what the objectives read."""
+    torch.manual_seed(0)
+    model = GPT(
+        ModelConfig(vocab_size=96, max_seq_len=32, n_layers=1, d_model=32, n_heads=2, logit_softcap=3.0)
+    )
+    idx = torch.randint(0, 96, (2, 12))
+    y = torch.randint(0, 96, (2, 12))
+    y[1, :5] = -100
+    out = model(idx, y, token_logps=True, temperature=0.8)
+    assert out.logits is None and out.logps.shape == (2, 12)
+    want = torch.log_softmax(model(idx).logits / 0.8, -1).gather(-1, y.clamp(min=0)[..., None])[..., 0]
+    torch.testing.assert_close(out.logps, torch.where(y == -100, 0.0, want), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="token_logps needs targets"):
+        model(idx, token_logps=True)
 
 
 def test_fused_loss_cuts_peak_memory_4x_at_128k_vocab_8x2048_tokens():

@@ -7,7 +7,18 @@ import math
 
 import pytest
 import torch
-from conftest import estimate_plan, from_sft, run_group, run_main, sft_start, write_jsonl
+from conftest import (
+    answer_rows,
+    assert_same,
+    estimate_plan,
+    from_sft,
+    loss_and_grads,
+    policy_and_reference,
+    run_group,
+    run_main,
+    sft_start,
+    write_jsonl,
+)
 from conftest import rows_by_step as rows_of
 
 import gptkit
@@ -116,6 +127,57 @@ def test_answer_log_probs_sum_the_answer_tokens_only_and_rewards_average_over_pa
     window.add(torch.tensor([1.0, -1.0]), torch.tensor([0.0, 0.5]), torch.tensor([0.5, 1.0]))
     window.add(torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([3.0]))
     assert window.read(None, "train") == pytest.approx({"train/loss": 4.5 / 3, **want})
+
+
+# ---- the chunked log-probs (never [N, T, vocab] fp32) against the unchunked path ------------------------
+@pytest.mark.parametrize("loss", ["sigmoid", "ipo", "simpo", "orpo"])
+def test_dpo_losses_and_gradients_chunked_equal_the_unchunked_path(loss, monkeypatch):
+    """objective=dpo reads per-token log-probs the model computes chunk by chunk (7 rows: chunks that divide
+    neither T = 20 nor the answers); the loss and every parameter's gradient (the head's and, through the
+    hidden states, the rest) equal those of whole logits + F.cross_entropy to 1e-6 in fp32."""
+    from types import SimpleNamespace
+
+    from gptkit.training.objectives.dpo import DPO
+
+    policy, reference = policy_and_reference()
+    settings = {"beta": 0.5, "loss": loss, **({"label_smoothing": 0.1} if loss == "sigmoid" else {})}
+    dpo = DPO(SimpleNamespace(cfg={"dpo": settings}), {"reference": reference})
+    batch = answer_rows(4)  # 2 pairs
+    chunked = loss_and_grads(lambda m: dpo.loss(m, batch)[0], policy, monkeypatch, 7)
+    whole = loss_and_grads(lambda m: dpo.loss(m, batch)[0], policy, monkeypatch, None)
+    assert_same(chunked, whole)
+    # and the unchunked path is the objective as it was: summed log-probs from the model's whole logits
+    x, y = batch
+    with torch.no_grad():
+        pi = answer_logps(policy(x).logits, y).view(-1, 2)
+        ref = answer_logps(reference.module(x).logits, y).view(-1, 2)
+    n = (y != -100).sum(-1).float().view(-1, 2)
+    if loss == "simpo":
+        want = simpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], 0.5, 0.5)[0]
+    elif loss == "orpo":
+        want = orpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], 0.1)[0]
+    else:
+        want = dpo_loss(*pi.T, *ref.T, 0.5, settings.get("label_smoothing", 0.0), loss, *n.T)[0]
+    torch.testing.assert_close(whole[0], want.mean(), rtol=1e-6, atol=1e-6)
+
+
+def test_kto_loss_and_gradients_chunked_equal_the_unchunked_path(monkeypatch):
+    """objective=kto: its rows, mismatched rows (no grad) and reference read chunked log-probs; loss and
+    gradients equal the unchunked path's to 1e-6 in fp32."""
+    from types import SimpleNamespace
+
+    from gptkit.training.objectives.kto import KTO
+
+    policy, reference = policy_and_reference(seed=2)
+    kto = KTO(
+        SimpleNamespace(cfg={"kto": {"beta": 0.5, "undesirable_weight": 1.5}}), {"reference": reference}
+    )
+    x, y = answer_rows(4, seed=3)
+    kl_x, kl_y = answer_rows(4, seed=4)
+    batch = (x, y, kl_x, kl_y, torch.tensor([1, 0, 1, 0]))
+    chunked = loss_and_grads(lambda m: kto.loss(m, batch)[0], policy, monkeypatch, 7)
+    whole = loss_and_grads(lambda m: kto.loss(m, batch)[0], policy, monkeypatch, None)
+    assert_same(chunked, whole)
 
 
 @pytest.mark.parametrize(
@@ -589,20 +651,30 @@ def test_the_plan_counts_both_answers_and_the_reference_forward():
 
 
 def test_the_memory_estimate_counts_both_sequences_of_a_pair_and_the_reference():
-    """objective=dpo: a batch of pairs is twice the sequences; with finetune=full the frozen reference is a
-    second copy of the weights, with lora it is the policy with its adapters off (no copy)."""
+    """objective=dpo: a batch of pairs is twice the sequences, their log-probs chunked; with finetune=full the
+    frozen reference is a second copy of the weights, with lora it is the policy with its adapters off (no
+    copy)."""
+    import dataclasses
     from types import SimpleNamespace
 
     from gptkit.model import ModelConfig
-    from gptkit.training.memory import cpu_out_of_memory, estimate
+    from gptkit.training.memory import chunked_logits_bytes, cpu_out_of_memory, estimate
 
     cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, d_model=32)
     plan = estimate_plan(cfg, objective="lm")
     lm = estimate(plan)
     dpo = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo"}))
     assert dpo["reference"] == lm["weights"] and dpo["activations"] > lm["activations"]
-    # 2 pairs = 4 sequences
-    assert dpo["logits"] == 2 * lm["logits"]
+    # 2 pairs = 4 sequences; their log-probs chunked (one chunk here), never 3 whole fp32 logits tensors
+    assert dpo["logits"] == chunked_logits_bytes(4 * 16, cfg) == 2 * (4 * 16) * 64 * 4 + 4 * (4 * 16) * 4
+    # at 2 pairs x 4,096 tokens and a 150k vocabulary: two chunks of ~2^26 logits, not 3 x 9.8 GB
+    big = dataclasses.replace(cfg, vocab_size=150_000, max_seq_len=4096)
+    plan_big = SimpleNamespace(**{**vars(estimate_plan(big, objective="dpo")), "seq_len": 4096})
+    assert 500e6 < estimate(plan_big)["logits"] < 2 * (1 << 28) + 2**20
+    assert (
+        estimate(SimpleNamespace(**{**vars(plan_big), "objective": "lm"}))["logits"]
+        == 3 * 2 * 4096 * 150_000 * 4
+    )
     assert dpo["total"] == pytest.approx(sum(v for k, v in dpo.items() if k != "total"))
     lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q", "v"]}
     dpo_lora = estimate(SimpleNamespace(**{**vars(plan), "objective": "dpo", "lora": lora}))

@@ -198,6 +198,50 @@ def test_advantages_are_relative_to_the_group():
     assert scaled[1].abs().max() == 0
 
 
+@pytest.mark.parametrize("loss, kl", [("grpo", "k3_ratio"), ("gspo", "k3")])
+def test_grpo_loss_and_gradients_chunked_equal_the_unchunked_path(loss, kl, monkeypatch):
+    """objective=grpo reads the per-token log-probs (at grpo.temperature) of the policy, of the policy that
+    sampled (iterations 2) and of the reference from the model's chunked path (7 rows a chunk, straddling
+    the rows of T = 17); loss and gradients equal the unchunked path's to 1e-6 in fp32. The rollouts are
+    fixed (sample and _score stand in); the rest is the objective's own code."""
+    from types import SimpleNamespace
+
+    from conftest import assert_same, loss_and_grads, policy_and_reference
+
+    from gptkit.inference.rollouts import RolloutOptions
+    from gptkit.training.objectives.grpo import GRPO, Figures
+
+    policy, reference = policy_and_reference(seed=5)
+    g = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 96, (n,), generator=g).tolist() for n in (4, 7)]
+    # 2 prompts x 3 completions of different lengths
+    groups = [
+        [
+            SimpleNamespace(tokens=torch.randint(0, 96, (n,), generator=g).tolist(), stop_reason="stop")
+            for n in ns
+        ]
+        for ns in ((9, 12, 5), (3, 11, 8))
+    ]
+    totals = [[1.0, 0.0, 0.5], [0.0, 2.0, 1.0]]
+
+    def grpo():
+        o = object.__new__(GRPO)
+        o.reference, o.frozen = reference, {"reference": reference}
+        o.opts = RolloutOptions(12, 0.7, None, 1.0, ())
+        o.mu, o.accumulation, o.batch_size, o.group_size = 2, 1, 2, 3
+        o.kept_round, o.kept, o._clock, o.pad_id, o.scale = None, {}, None, 0, "std"
+        o.epsilon, o.epsilon_high, o.beta, o.loss_type, o.kl = 0.2, 0.28, 0.04, loss, kl
+        o.train = Figures(["r"])
+        o.sample = lambda *a: (groups, 0.0)
+        o._score = lambda batch, groups: ([[[t] for t in ts] for ts in totals], totals)
+        return o
+
+    batch = SimpleNamespace(step=0, ids=torch.zeros(2, 1), prompts=lambda: prompts)
+    chunked = loss_and_grads(lambda m: grpo().loss(m, batch)[0], policy, monkeypatch, 7)
+    whole = loss_and_grads(lambda m: grpo().loss(m, batch)[0], policy, monkeypatch, None)
+    assert_same(chunked, whole)
+
+
 @pytest.fixture(scope="module")
 def defaults():
     """conf/train.yaml's grpo block."""
@@ -684,7 +728,7 @@ def test_the_plan_counts_each_prompts_completions_their_sampling_and_the_referen
     from gptkit.conf_tree import compose
     from gptkit.model import ModelConfig
     from gptkit.precision import precision
-    from gptkit.training.memory import estimate
+    from gptkit.training.memory import chunked_logits_bytes, estimate
     from gptkit.training.plan import make_plan
 
     cfg = compose("train", ["model=llama-tiny", "trainer.batch_size=3", "trainer.accelerator=cpu"])
@@ -716,8 +760,7 @@ def test_the_plan_counts_each_prompts_completions_their_sampling_and_the_referen
         cfg=cfg,
     )
     mem = estimate(plan)
-    # 12 sequences, and the reference's copy of the weights
-    assert (
-        mem["reference"] == mem["weights"]
-        and mem["logits"] == 4 * estimate(SimpleNamespace(**{**vars(plan), "objective": "lm"}))["logits"]
-    )
+    # 12 sequences, their log-probs chunked, and the reference's copy of the weights
+    assert mem["reference"] == mem["weights"]
+    assert mem["logits"] == chunked_logits_bytes(12 * lm.seq_len, model)
+    assert mem["logits"] < 4 * estimate(SimpleNamespace(**{**vars(plan), "objective": "lm"}))["logits"]

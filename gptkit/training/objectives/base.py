@@ -9,6 +9,7 @@ LitGPT (gptkit/training/module.py) runs any objective the same way and never ask
                                      loading the user's reward functions, said at start-up)
         data_kinds, needs_start      what it trains on, and whether it starts from weights (init_from=)
         loss_spikes                  whether trainer.spike_factor's spike notes judge its loss
+        chunked_logps                its loss reads target_logps (chunked), not whole logits: memory.py
         rows(group)                  sequences through the model per batch item (rows_per_item: a DPO pair
                                      2; GRPO: a prompt's group of completions)
         uses_reference(group)        a frozen "reference" (FrozenModel; by default the starting weights) is
@@ -55,6 +56,16 @@ def evaluating(model: torch.nn.Module):
         model.train(was)
 
 
+def target_logps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, temperature: float = 1.0):
+    """Log-probs [N, T] (fp32) of the targets y [N, T] (-100: none, 0 there) under the model's logits on
+    x [N, T] divided by temperature, computed by the model chunk by chunk over the tokens
+    (GPT.forward(token_logps=True), gptkit_kernels.linear_ce.linear_log_probs): neither pass holds the
+    [N, T, vocab] fp32 logits, which would cap the sequence length and vocabulary of DPO, KTO and GRPO.
+    Equal to -F.cross_entropy(logits.float() / temperature, y, reduction="none") (tests/training/test_dpo.py,
+    test_grpo.py)."""
+    return model(x, y, token_logps=True, temperature=temperature).logps
+
+
 class FrozenModel:
     """A frozen model an objective measures against, by name: "reference" (DPO's implicit rewards, an RL KL
     term) or, later, "teacher" (distillation). Its own ModelConfig and source (frozen.<name>: the policy's
@@ -96,6 +107,17 @@ class FrozenModel:
         with self.disabled(policy), evaluating(policy):
             return policy(x).logits
 
+    def logps(
+        self, policy: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, temperature: float = 1.0
+    ) -> torch.Tensor:
+        """The frozen model's log-probs [N, T] of the targets y [N, T] (target_logps, chunked): eval mode, no
+        grad."""
+        if self.module is not None:
+            with evaluating(self.module):
+                return target_logps(self.module, x, y, temperature)
+        with self.disabled(policy), evaluating(policy):
+            return target_logps(policy, x, y, temperature)
+
     def save(self, checkpoint: dict[str, Any]) -> None:
         if self.source is not None:
             checkpoint[self.checkpoint_key] = dict(self.source)
@@ -134,6 +156,9 @@ class Objective:
     # its loss is a positive figure that falls as the model learns, so trainer.spike_factor can judge a step
     # against the median of the steps before (a policy-gradient loss sits around 0 by construction: no)
     loss_spikes: ClassVar[bool] = True
+    # its loss reads per-token log-probs the model computes chunk by chunk (target_logps), never whole
+    # logits: the memory estimate counts chunks of them (training/memory.py)
+    chunked_logps: ClassVar[bool] = False
 
     @classmethod
     def check_config(cls, group: Any) -> None:

@@ -39,6 +39,10 @@ third of a training step's FLOPs), rather than precomputed once over the data: n
 in step with a resume, or recompute when the data, seq_len or world size changes, and the reference is the
 same code path under DDP and FSDP2. With finetune=lora the reference is the policy itself with its
 adapters switched off (no second copy of the weights in memory).
+
+Every log-prob (the policy's and the reference's) comes from target_logps: the model computes them chunk by
+chunk over the tokens, never holding the [2P, T, vocab] fp32 logits in the forward or the backward pass
+(base.py, docs/dpo.md's memory section).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkit.errors import ConfigError
-from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
+from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
 
 LOSSES = ("sigmoid", "hinge", "ipo", "simpo", "orpo")
 # the losses of the policy's log-probs alone: no reference is built for them
@@ -173,7 +177,8 @@ def answer_tokens(targets: torch.Tensor) -> torch.Tensor:
 
 def answer_logps(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Summed log-probs of each row's targets: logits [N, T, vocab_size], targets [N, T] (-100: not
-    counted) -> [N] in fp32."""
+    counted) -> [N] in fp32. From whole logits (gptkit bench dpo, the tests' unchunked reference); the
+    objectives sum target_logps instead, chunked."""
     n, t, v = logits.shape
     token = -F.cross_entropy(
         logits.float().reshape(n * t, v), targets.reshape(n * t), ignore_index=-100, reduction="none"
@@ -236,6 +241,7 @@ class DPO(Objective):
     needs_start = True
     needs_reference = True
     rows_per_item = 2
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:
@@ -306,16 +312,16 @@ class DPO(Objective):
         x, y = batch[0], batch[1]
         n = answer_tokens(y).view(-1, 2)  # [P, 2]: chosen, rejected
         if self.loss_type == "simpo":
-            pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+            pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
             return simpo_loss(
                 pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], self.beta, self.gamma, self.label_smoothing
             )
         if self.loss_type == "orpo":
-            pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+            pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
             return orpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], self.lam)
         # [P, 2]: chosen, rejected
-        ref = answer_logps(self.reference.logits(policy, x), y).view(-1, 2)
-        pi = answer_logps(policy(x).logits, y).view(-1, 2)  # [P, 2]
+        ref = self.reference.logps(policy, x, y).sum(-1).view(-1, 2)
+        pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
         return dpo_loss(
             pi[:, 0],
             pi[:, 1],

@@ -60,7 +60,7 @@ from gptkit.data.prompts import PromptBatch
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
-from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
+from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
 from gptkit.training.rewards import Rewards, load_rewards, parse_rewards, reward_timeout
 
 LOSSES = ("grpo", "dr_grpo", "dapo", "gspo", "cispo")
@@ -130,7 +130,8 @@ def group_advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
 
 def token_logps(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Log-probs [N, T] (fp32) of targets [N, T] under logits [N, T, V] divided by the sampling temperature
-    (the policy that samples, as TRL's GRPOTrainer scores it); 0 where a target is -100."""
+    (the policy that samples, as TRL's GRPOTrainer scores it); 0 where a target is -100. From whole logits
+    (the tests' unchunked reference); the objective reads target_logps instead, chunked over the tokens."""
     n, t, v = logits.shape
     logits = logits.float() if temperature == 1.0 else logits.float() / temperature
     return -F.cross_entropy(
@@ -336,6 +337,7 @@ class GRPO(Objective):
     needs_start = True
     # the loss is the advantage-weighted log-prob, around 0 whatever the model learns: no spike notes
     loss_spikes = False
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:
@@ -521,10 +523,10 @@ class GRPO(Objective):
         out = Rollouts(x, y, advantages)
         if self.mu > 1:
             with torch.no_grad():
-                out.old = token_logps(model(x).logits, y, self.opts.temperature)
+                out.old = target_logps(model, x, y, self.opts.temperature)
         if self.reference is not None:
             with torch.no_grad():
-                out.ref = token_logps(self.reference.logits(model, x), y, self.opts.temperature)
+                out.ref = self.reference.logps(model, x, y, self.opts.temperature)
         return out
 
     def _kept(self, model, batch: PromptBatch) -> Rollouts:
@@ -575,7 +577,7 @@ class GRPO(Objective):
             self._clock = time.perf_counter()
         ro = self._kept(model, batch) if self.mu > 1 else self.rollouts(model, batch)
         fault_point("rollout")
-        logps = token_logps(model(ro.x).logits, ro.y, self.opts.temperature)  # [N, T]
+        logps = target_logps(model, ro.x, ro.y, self.opts.temperature)  # [N, T]
         mask = ro.y != -100  # [N, T]
         old = ro.old if ro.old is not None else logps.detach()
         value, figures = grpo_loss(

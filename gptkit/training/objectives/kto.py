@@ -27,8 +27,7 @@ import torch
 import torch.distributed as dist
 
 from gptkit.errors import ConfigError
-from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words
-from gptkit.training.objectives.dpo import answer_logps
+from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
 
 # train/ and val/ figures: rewards/desirable, rewards/undesirable, kl
 KEYS = ("rewards/desirable", "rewards/undesirable", "kl")
@@ -121,6 +120,7 @@ class KTO(Objective):
     data_kinds = ("unpaired",)
     needs_start = True
     needs_reference = True
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:
@@ -184,11 +184,11 @@ class KTO(Objective):
         x, y, kl_x, kl_y, labels = batch[:5]
         n = x.shape[0]
         # the reference on the rows and the mismatched rows in one forward
-        ref = answer_logps(self.reference.logits(policy, torch.cat([x, kl_x])), torch.cat([y, kl_y]))  # [2N]
+        ref = self.reference.logps(policy, torch.cat([x, kl_x]), torch.cat([y, kl_y])).sum(-1)  # [2N]
         with torch.no_grad():
-            kl_policy = answer_logps(policy(kl_x).logits, kl_y)  # [N]
+            kl_policy = target_logps(policy, kl_x, kl_y).sum(-1)  # [N]
         z0 = reference_point(kl_policy, ref[n:])
-        pi = answer_logps(policy(x).logits, y)  # [N]
+        pi = target_logps(policy, x, y).sum(-1)  # [N]
         labels = labels.to(pi.device).bool()
         losses, rewards = kto_loss(pi, ref[:n], labels, z0, self.beta, *self.weights)
         return losses, rewards, labels, z0
