@@ -72,8 +72,8 @@ def compare(trl: dict) -> int:
         d_loss = rel(float(loss.detach()), want["loss"])
         d_grad = float((leaf.grad - theirs).abs().max()) / max(1.0, float(theirs.abs().max()))
         print(
-            f"beta {beta:<4} temperature {temperature:<4} loss {float(loss.detach()):.6f} (TRL {want['loss']:.6f}) "
-            f"loss {d_loss:.1e} grad {d_grad:.1e}"
+            f"beta {beta:<4} temperature {temperature:<4} loss {float(loss.detach()):.6f} "
+            f"(TRL {want['loss']:.6f}) loss {d_loss:.1e} grad {d_grad:.1e}"
         )
         worst = {"loss": max(worst["loss"], d_loss), "grad": max(worst["grad"], d_grad)}
     print(

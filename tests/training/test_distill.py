@@ -189,7 +189,7 @@ def test_a_student_distills_from_a_teacher_run_which_stays_frozen(teacher, capsy
     "args, message",
     [
         ([], "objective=distill needs frozen.teacher=<"),
-        (["frozen.teacher=start"], "frozen.teacher=start is the student's starting weights"),
+        (["frozen.teacher=start"], "frozen.teacher=start is the starting weights, and without init_from="),
         (["distill.beta=1.5"], "distill.beta=1.5 must be in [0, 1]"),
         (["distill.temperature=0"], "distill.temperature=0 must be > 0"),
         (["distill.alpha=-0.1"], "distill.alpha=-0.1 must be in [0, 1]"),

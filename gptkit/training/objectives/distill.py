@@ -47,7 +47,7 @@ def check_distill_config(group: Any) -> None:
     """The distill block: one-line ConfigErrors for values that cannot train."""
     if group is None:
         return
-    beta = _number(group, "beta", 0.5)
+    beta = _number(group, "beta", 0.0)
     if not 0.0 <= beta <= 1.0:
         raise ConfigError(
             f"distill.beta={beta:g} must be in [0, 1] (0: forward KL, 1: reverse KL, between: "
@@ -119,16 +119,6 @@ class Distill(LM):
         return ("teacher",)
 
     @classmethod
-    def check_run(cls, cfg: Any) -> None:
-        from gptkit.training.start import FROM_START, frozen_source
-
-        if frozen_source(cfg, "teacher") == FROM_START and cfg.get("init_from") in (None, "", "null"):
-            raise ConfigError(
-                "frozen.teacher=start is the student's starting weights, and without init_from= those are "
-                "random: give the teacher's run, checkpoint or hf: source"
-            )
-
-    @classmethod
     def flops(cls, counts: Any, dense: float, causal: float, group: Any = None) -> tuple[float, float]:
         """The teacher's forward (no grad) added, counted at the student's size (as a reference's is)."""
         return dense + counts.forward_dense, causal + counts.forward_causal
@@ -136,7 +126,7 @@ class Distill(LM):
     @classmethod
     def describe(cls, plan: Any) -> str | None:
         d = plan.cfg.get("distill") or {}
-        beta = float(d.get("beta", 0.5))
+        beta = float(d.get("beta", 0.0))
         kind = {0.0: "forward KL", 1.0: "reverse KL"}.get(beta, f"generalized JSD beta {beta:g}")
         teacher = frozen_words(plan, "teacher", "the starting weights, frozen")
         return (
@@ -147,7 +137,7 @@ class Distill(LM):
     def __init__(self, plan: Any, frozen: dict[str, FrozenModel] | None = None) -> None:
         super().__init__(plan, frozen)
         cfg = self.settings or {}
-        self.beta = float(cfg.get("beta", 0.5))
+        self.beta = float(cfg.get("beta", 0.0))
         self.temperature = float(cfg.get("temperature", 1.0))
         self.alpha = float(cfg.get("alpha", 0.5))
         self.teacher = self.frozen["teacher"]
