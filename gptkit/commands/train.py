@@ -8,6 +8,7 @@ Examples:
   gptkit train resume=runs/my-run trainer.max_steps=1000
   gptkit train init_from=runs/imported-gpt2 data=files data.paths=[my.txt]   (fine-tune: a new run)
   gptkit train init_from=runs/imported-llama finetune=lora lora.targets=[q,k,v,o] ...   (LoRA: docs/lora.md)
+  gptkit train objective=distill teacher=runs/big model.n_layers=2   (distillation: docs/distillation.md)
   gptkit train -m optim.lr=1e-3,3e-3                  (one folder per job)
   gptkit train logger=[csv,tensorboard,wandb] trainer.precision=bf16-mixed
 Ctrl-C or SIGTERM saves checkpoints/last.ckpt and stops; `resume=` continues exactly.
@@ -48,6 +49,9 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     }
     check_resume_or_init(kv.get("resume"), kv.get("init_from"))
     args = _name_after_init_source(args, options, kv)
+    # teacher=<source>: the short spelling of frozen.teacher=<source> (objective=distill), the key the run
+    # records
+    args = [f"frozen.{a}" if a.startswith("teacher=") else a for a in args]
     name = kv.get("name")
     check_run_location(kv.get("runs_dir", "runs"), None if name and "${" in name else name)
     if kv.get("resume") not in (None, "", "null"):

@@ -407,6 +407,11 @@ def check_frozen(cfg: Any) -> None:
         if given is None:
             raise ConfigError(f"objective={objective_class(cfg).name} needs frozen.{name}=<{FROZEN_SOURCES}>")
         check_local_path(f"frozen.{name}", given)
+        if given == FROM_START and cfg.get("init_from") in (None, "", "null"):
+            raise ConfigError(
+                f"frozen.{name}=start is the starting weights, and without init_from= those are random: "
+                f"give init_from= or frozen.{name}=<{FROZEN_SOURCES.split(', ', 1)[1]}>"
+            )
         if given == FROM_START or given.startswith(HF_PREFIX):
             continue
         ckpt = _frozen_checkpoint(cfg, name, given)

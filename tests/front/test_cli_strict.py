@@ -62,7 +62,8 @@ def test_a_key_no_code_reads_is_refused_on_every_verb(capsys, verb):
         (["train", "tokenizer=char", "tokenizer.vocab_size=100"], "tokenizer.vocab_size needs tokenizer=bpe"),
         (
             ["eval", "run=x", "data.paths=a.txt"],
-            "data.paths needs data=files or data=chat or data=tokens or data=prompts or data=preference or data=unpaired "
+            "data.paths needs data=files or data=chat or data=tokens or data=prompts or data=preference or "
+            "data=unpaired "
             "(no data is chosen)",
         ),
         (["bench", "data", "seq_lens=[1]"], "bench.seq_lens needs bench=attention"),

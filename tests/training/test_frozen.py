@@ -4,8 +4,9 @@ gptkit/training/start.py): a teacher of another size from a run, a checkpoint fi
 the same weights loaded directly; it is frozen, on the policy's device and dtype, in no optimizer and no
 checkpoint; one of another vocabulary is one line naming both sources before anything trains.
 
-The objective here is a test's own (`teach`: the KL to frozen.teacher), added to OBJECTIVES for the test:
-gptkit has no distillation objective yet; the seam is what it will read its teacher through. DPO's own
+The objective here is a test's own (`teach`: the KL to frozen.teacher), added to OBJECTIVES for the test, so
+the seam is tested apart from objective=distill (tests/training/test_distill.py), which reads its teacher
+through it. DPO's own
 frozen.reference (the default, and a reference of another size) is in tests/training/test_dpo.py.
 """
 

@@ -4,6 +4,8 @@
     dpo   direct preference optimization on data=preference against a frozen reference
     kto   Kahneman-Tversky optimization on data=unpaired (labelled single completions) against a frozen
           reference
+    distill  next-token distillation from frozen.teacher (forward/reverse KL, generalized JSD) mixed with the
+          labels' cross-entropy
     grpo  group relative policy optimization on data=prompts: completions sampled from the model, scored by
           rewards (checkers or the user's functions)
 
@@ -20,13 +22,14 @@ from typing import Any
 
 from gptkit.errors import ConfigError
 from gptkit.training.objectives.base import FrozenModel, Objective, evaluating
+from gptkit.training.objectives.distill import Distill
 from gptkit.training.objectives.dpo import DPO
 from gptkit.training.objectives.grpo import GRPO
 from gptkit.training.objectives.kto import KTO
 from gptkit.training.objectives.lm import LM
 from gptkit.training.objectives.mtp import MTPLM
 
-OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO, "kto": KTO}
+OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO, "kto": KTO, "distill": Distill}
 # objective= -> the objective that trains a model with model.mtp.depth > 0 (its MTP losses added)
 MTP_VARIANTS: dict[str, type[Objective]] = {"lm": MTPLM}
 

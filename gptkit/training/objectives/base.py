@@ -68,7 +68,7 @@ def target_logps(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, tempe
 
 class FrozenModel:
     """A frozen model an objective measures against, by name: "reference" (DPO's implicit rewards, an RL KL
-    term) or, later, "teacher" (distillation). Its own ModelConfig and source (frozen.<name>: the policy's
+    term) or "teacher" (objective=distill). Its own ModelConfig and source (frozen.<name>: the policy's
     starting weights, a run folder or checkpoint, an import or hf:, gptkit/training/start.py); the only thing
     it shares with the policy is the vocabulary.
 
@@ -99,13 +99,16 @@ class FrozenModel:
     def checkpoint_key(self) -> str:
         return self.CHECKPOINT_KEY if self.name == "reference" else f"gptkit_frozen_{self.name}"
 
-    def logits(self, policy: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The frozen model's logits of x [N, T] -> [N, T, vocab_size]: eval mode, no grad."""
+    def logits(
+        self, policy: torch.nn.Module, x: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The frozen model's logits of x [N, T] -> [N, T, vocab_size]: eval mode, no grad; doc_ids [N, T]
+        (packed documents) as the policy's forward takes them."""
         if self.module is not None:
             with evaluating(self.module):
-                return self.module(x).logits
+                return self.module(x, doc_ids=doc_ids).logits
         with self.disabled(policy), evaluating(policy):
-            return policy(x).logits
+            return policy(x, doc_ids=doc_ids).logits
 
     def logps(
         self, policy: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, temperature: float = 1.0
