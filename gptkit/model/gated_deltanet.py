@@ -183,12 +183,18 @@ def chunk_gated_delta_rule(
     if keep is not None:
         chunk_decay = chunk_decay * keep
     S = q.new_zeros(B, H, d_k, d_v) if initial_state is None else initial_state.float()
-    out = torch.empty_like(U)
-    for n in range(N):
-        v_new = U[:, :, n] - W[:, :, n] @ S  # [B, H, C, d_v]
-        out[:, :, n] = q_in[:, :, n] @ S + intra[:, :, n] @ v_new
-        S = S * chunk_decay[:, :, n, None, None] + k_out[:, :, n].transpose(-1, -2) @ v_new
-    o = out.reshape(B, H, N * chunk, d_v)[:, :, :T].transpose(1, 2)  # [B, T, H, d_v]
+    # the chunks in order, each read through unbind and the outputs stacked once: indexing U[:, :, n] (or
+    # writing out[:, :, n]) in the loop would make every chunk's backward a whole [B, H, N, ...] tensor,
+    # a backward growing with T^2 (16k tokens, 4 heads of 32: 4.6 s against 0.4 s on one CPU thread)
+    chunks = zip(
+        U.unbind(2), W.unbind(2), q_in.unbind(2), intra.unbind(2), k_out.unbind(2), chunk_decay.unbind(2)
+    )
+    out = []
+    for u, w, q_n, intra_n, k_n, decay_n in chunks:
+        v_new = u - w @ S  # [B, H, C, d_v]
+        out.append(q_n @ S + intra_n @ v_new)
+        S = S * decay_n[..., None, None] + k_n.transpose(-1, -2) @ v_new
+    o = torch.stack(out, dim=2).reshape(B, H, N * chunk, d_v)[:, :, :T].transpose(1, 2)  # [B, T, H, d_v]
     return o.contiguous().to(dtype), S
 
 

@@ -54,6 +54,27 @@ def test_the_chunked_and_the_recurrent_rule_equal_transformers_and_each_other(ch
     torch.testing.assert_close(S, S_step, atol=1e-5, rtol=0)
 
 
+def test_the_chunked_rules_backward_does_not_grow_with_the_square_of_the_chunks():
+    """The chunk loop reads each chunk through unbind and stacks the outputs once: no per-chunk slice or
+    slice assignment, whose backward would materialize a whole [B, H, N, ...] tensor per chunk (a backward
+    quadratic in T). The graph's per-chunk slicing nodes are as many at 8 chunks as at 2."""
+
+    def slicing_nodes(T: int) -> int:
+        q, k, v, g, beta, S0 = (t.requires_grad_() for t in inputs(B=1, T=T))
+        o, S = chunk_gated_delta_rule(q, k, v, g, beta, 16, S0)
+        seen, todo, count = set(), [o.grad_fn, S.grad_fn], 0
+        while todo:
+            node = todo.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            count += type(node).__name__ in ("CopySlices", "SelectBackward0", "SliceBackward0")
+            todo += [n for n, _ in node.next_functions]
+        return count
+
+    assert slicing_nodes(8 * 16) == slicing_nodes(2 * 16)
+
+
 def test_the_rule_runs_in_fp32_under_autocast():
     """bf16 autocast (training's bf16-mixed) leaves the delta rule's matmuls and solves in fp32."""
     q, k, v, g, beta, S0 = inputs(T=40)
