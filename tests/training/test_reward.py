@@ -81,8 +81,9 @@ def test_a_reward_model_learns_to_score_held_out_pairs_above_chance(reward_run):
     # the start scores at chance: its head gives rewards near 0, the first loss is log 2, accuracy 50%
     assert train[0] == pytest.approx(math.log(2), abs=1e-3) and train[-1] < train[0]
     end = val[12]
-    # 20 held-out pairs: every one scored chosen above rejected, by a clear margin
-    assert float(end["val/rewards/accuracy"]) >= 0.9, end
+    # 20 held-out pairs (the start scores them at chance: 35%, 60%, 0% over 3 seeds, docs/reward-models.md):
+    # well above chance (this seed: 100%, margin 1.27), by a clear margin
+    assert float(end["val/rewards/accuracy"]) >= 0.75, end
     assert float(end["val/rewards/margin"]) > 0.5, end
     assert float(end["val/loss"]) < math.log(2)
 
