@@ -138,6 +138,10 @@ class GPT(nn.Module):
         # model.score_head: a reward model's scalar head (transformers' *ForSequenceClassification `score`)
         self.score = nn.Linear(cfg.d_model, 1, bias=False) if cfg.score_head else None
         self.reset_parameters()
+        if self.score is not None and not cfg.tie_embeddings:
+            # a reward model's scores never read its own LM head: frozen, kept as it was (DDP refuses a
+            # trained weight that gets no gradient)
+            self.lm_head.weight.requires_grad_(False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:

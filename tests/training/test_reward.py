@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import make_run, rows_by_step, run_main, tiny_run, write_jsonl
+from conftest import make_run, rows_by_step, run_cli, run_main, tiny_run, write_jsonl
 
 import gptkit
 from gptkit.training.objectives.reward import bradley_terry_loss, check_reward_config, last_positions
@@ -86,6 +86,37 @@ def test_a_reward_model_learns_to_score_held_out_pairs_above_chance(reward_run):
     assert float(end["val/rewards/accuracy"]) >= 0.75, end
     assert float(end["val/rewards/margin"]) > 0.5, end
     assert float(end["val/loss"]) < math.log(2)
+
+
+def test_the_lm_head_a_reward_model_never_reads_is_frozen_so_ddp_trains_it():
+    """An untied LM head gets no gradient from the scores: frozen (DDP refuses a trained weight without a
+    gradient); a tied one is the embedding, which trains."""
+    from gptkit.model import GPT, ModelConfig
+
+    small = dict(vocab_size=16, max_seq_len=8, n_layers=1, n_heads=2, d_model=8, score_head=True)
+    untied = GPT(ModelConfig(**small, tie_embeddings=False))
+    assert not untied.lm_head.weight.requires_grad and untied.score.weight.requires_grad
+    assert GPT(ModelConfig(**small)).lm_head.weight.requires_grad
+
+
+@pytest.mark.long
+def test_a_reward_run_on_2_processes_equals_one_process_ddp_and_fsdp2(reward_run):
+    """4 steps of 8 pairs: DDP and FSDP2 (fp32) on 2 CPU ranks of 4 pairs each log what one process logs."""
+
+    def rows(name, *extra):
+        args = reward_args(reward_run, name, "trainer.max_steps=4", *extra)
+        r = run_cli("train", *args)
+        assert r.returncode == 0, r.stderr[-3000:]
+        return rows_by_step(reward_run / name)
+
+    one = rows("one")
+    keys = ("train/loss", "train/rewards/margin", "val/loss", "val/rewards/accuracy", "val/rewards/margin")
+    for extra in (["trainer=ddp"], ["trainer=fsdp", "trainer.precision=32-true"]):
+        two = rows(extra[0].split("=")[1], *extra, "trainer.devices=2", "trainer.batch_size=4")
+        for step, row in one.items():
+            for k in keys:
+                if row.get(k):
+                    assert float(two[step][k]) == pytest.approx(float(row[k]), abs=1e-5), (extra, step, k)
 
 
 def test_a_reward_model_exports_as_llama_for_sequence_classification_with_equal_logits(reward_run, capsys):
