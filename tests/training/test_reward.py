@@ -100,8 +100,9 @@ def test_the_lm_head_a_reward_model_never_reads_is_frozen_so_ddp_trains_it():
 
 
 @pytest.mark.long
-def test_a_reward_run_on_2_processes_equals_one_process_ddp_and_fsdp2(reward_run):
-    """4 steps of 8 pairs: DDP and FSDP2 (fp32) on 2 CPU ranks of 4 pairs each log what one process logs."""
+def test_a_reward_run_resumes_bit_exactly_and_on_2_processes_equals_one_process(reward_run):
+    """4 steps of 8 pairs: stopped at step 2 and resumed, the same floats; DDP and FSDP2 (fp32) on 2 CPU ranks
+    of 4 pairs each log what one process logs."""
 
     def rows(name, *extra):
         args = reward_args(reward_run, name, "trainer.max_steps=4", *extra)
@@ -111,6 +112,15 @@ def test_a_reward_run_on_2_processes_equals_one_process_ddp_and_fsdp2(reward_run
 
     one = rows("one")
     keys = ("train/loss", "train/rewards/margin", "val/loss", "val/rewards/accuracy", "val/rewards/margin")
+    rows("split", "trainer.stop_at_step=2")
+    r = run_cli("train", f"resume={reward_run / 'split'}", f"runs_dir={reward_run}", "name=split")
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = rows_by_step(reward_run / "split")
+    # (the stop at step 2 validates there too)
+    assert [[r[k] for k in keys[:2]] for r in again.values()] == [
+        [r[k] for k in keys[:2]] for r in one.values()
+    ]
+    assert [again[4][k] for k in keys] == [one[4][k] for k in keys]
     for extra in (["trainer=ddp"], ["trainer=fsdp", "trainer.precision=32-true"]):
         two = rows(extra[0].split("=")[1], *extra, "trainer.devices=2", "trainer.batch_size=4")
         for step, row in one.items():
