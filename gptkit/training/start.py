@@ -456,6 +456,11 @@ def resolve_frozen(
             frozen_cfg = ModelConfig.from_dict(read_config(src_dir)["model"])
         except (GptkitError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"frozen.{name}={given}: {src_dir / 'config.yaml'}: {exc}") from None
+        if frozen_cfg.score_head:
+            raise ConfigError(
+                f"frozen.{name}={given} is a reward model (model.score_head): its token log-probs come from "
+                "an LM head it never trained; give a policy run (use a reward model as a GRPO reward)"
+            )
         _check_same_vocabulary(cfg, name, given, src_dir, frozen_cfg, tokenizer_path, model)
         if frozen_cfg.max_seq_len < seq_len:
             raise ConfigError(

@@ -195,6 +195,25 @@ def test_a_reward_model_is_refused_as_a_policy_in_one_line(reward_run, capsys):
     code, _, err = run_main(capsys, "train", *dpo)
     assert code == 2 and f"init_from={rm}" in err and "is a reward model" in err, err
     assert not (reward_run / "policy").exists()
+    # nor is it a frozen reference, and a GRPO reward must name a reward run
+    dpo[1] = f"init_from={reward_run / 'sft'}"
+    code, _, err = run_main(capsys, "train", *dpo, f"frozen.reference={rm}")
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        f"error: frozen.reference={rm} is a reward"
+    ), err
+    grpo = [
+        "objective=grpo",
+        "data=prompts",
+        f"data.paths=[{reward_run / 'pairs.jsonl'}]",
+        *dpo[1:2],
+        *dpo[4:],
+    ]
+    for rewards, message in (
+        ("[{kind: model}]", "grpo.rewards[0]: kind: model needs path: <a reward run>"),
+        (f"[{{kind: model, path: '{reward_run / 'sft'}'}}]", f"{reward_run / 'sft'} is not a reward model"),
+    ):
+        code, _, err = run_main(capsys, "train", *grpo, f"grpo.rewards={rewards}")
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
 def test_grpo_reads_a_reward_model_batched_and_trains(reward_run, monkeypatch):
