@@ -431,11 +431,12 @@ def lora_base(checkpoint: dict[str, Any], where: Path | str) -> Path:
     return base
 
 
-def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
+def checked_model_state(ckpt_path: Path, model_cfg, optional: tuple[str, ...] = ()) -> dict[str, Any]:
     """The GPT state dict of a checkpoint (tensors memory-mapped), checked against model_cfg: the same
     names and shapes, else a one-line GptkitError. A LoRA run's checkpoint (adapters only) gives its base's
     weights with the adapters merged in (gptkit.adapters.merge); a QLoRA run's, its base's block projections
-    through the NF4 round trip it trained on (gptkit.quant.nf4_round_trip), then merged."""
+    through the NF4 round trip it trained on (gptkit.quant.nf4_round_trip), then merged. `optional`: tensors
+    of model_cfg's model the checkpoint may lack (a score head that init_from= of objective=reward adds)."""
     import torch
 
     from gptkit.model import GPT
@@ -443,7 +444,7 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     checkpoint = load_checkpoint(ckpt_path)
     if adapters.CHECKPOINT_KEY in checkpoint:
         record = checkpoint[adapters.CHECKPOINT_KEY]
-        base = checked_model_state(lora_base(checkpoint, ckpt_path), model_cfg)
+        base = checked_model_state(lora_base(checkpoint, ckpt_path), model_cfg, optional)
         # finetune=qlora: the adapters trained on dequantize(NF4(W)), which is what they merge into
         q = record.get("quantized")
         if q is not None:
@@ -456,7 +457,7 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
     state = model_state_dict(checkpoint)
     with torch.device("meta"):
         expected = GPT(model_cfg).state_dict()
-    missing = sorted(set(expected) - set(state))
+    missing = sorted(set(expected) - set(state) - set(optional))
     unexpected = sorted(set(state) - set(expected))
     if missing or unexpected:
         raise GptkitError(
@@ -464,7 +465,7 @@ def checked_model_state(ckpt_path: Path, model_cfg) -> dict[str, Any]:
             f"missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
     for k, v in expected.items():
-        if tuple(v.shape) != tuple(state[k].shape):
+        if k in state and tuple(v.shape) != tuple(state[k].shape):
             raise GptkitError(
                 f"{ckpt_path} does not match its config "
                 f"({run_dir_of(ckpt_path) / 'config.yaml'}): "

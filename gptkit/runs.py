@@ -473,10 +473,11 @@ def load_run(
     dtype: str | None = None,
     attention: str | None = None,
     quantize: str | None = None,
+    policy: bool = False,
 ) -> Run:
-    """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to); quantize:
-    see load_model."""
-    run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention, quantize)
+    """Load config, tokenizer and weights of a run folder (or of the run a checkpoint belongs to); quantize,
+    policy: see load_model."""
+    run_dir, ckpt_path, cfg, model_cfg, model = load_model(path, device, dtype, attention, quantize, policy)
     tokenizer = load_tokenizer(run_dir)
     check_tokenizer_fits(run_dir, tokenizer.get_vocab_size(), model_cfg.vocab_size)
     return Run(run_dir, ckpt_path, cfg, model_cfg, model, tokenizer)
@@ -498,13 +499,15 @@ def load_model(
     dtype: str | None = None,
     attention: str | None = None,
     quantize: str | None = None,
+    policy: bool = False,
 ):
     """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval
     mode on `device` (auto: cuda when a GPU is present; resolve_device). The checkpoint's tensors are
     memory-mapped and copied once, into the model on `device`.
     quantize: int8 | int4 | nf4, the block projections' weights quantized through torchao after the cast to
     `dtype` (gptkit.quant); what torchao cannot run on this model, device or dtype is one line before any
-    weight is read."""
+    weight is read. policy: the model is to generate (sample, chat, serve, eval): a reward model
+    (model.score_head) is one line before any weight is read."""
     from gptkit import quant
     from gptkit.model.config import ModelConfig
 
@@ -522,6 +525,12 @@ def load_model(
         model_cfg = ModelConfig.from_dict(mdict)
     except (ConfigError, TypeError, ValueError) as exc:
         raise ConfigError(f"{run_dir / CONFIG_FILE}: {exc}") from None
+    if policy and model_cfg.score_head:
+        raise GptkitError(
+            f"{run_dir} is a reward model (objective=reward, model.score_head): it scores sequences and "
+            "generates nothing; export it (gptkit export) or use it as a GRPO reward "
+            "(grpo.rewards=[{kind: model, path: <run>}])"
+        )
     # torch (the device, the model) once the run is found and its config read: a run= that is not one is one
     # line without it (3.3 s -> 0.24 s of CPU for `sample run=runs/none`, issue 47 item 12)
     from gptkit.model import GPT
@@ -585,4 +594,4 @@ def load_for_inference(
     its cos/sin tables in fp32 whatever dtype the model is cast to). quantize: None (the run's weights) or
     int8 | int4 | nf4, weight-only through torchao on the block projections (gptkit.quant; docs/qlora.md):
     a model, device or dtype torchao cannot run is one line before the weights load."""
-    return load_run(path, device, str(dtype), attention, quantize)
+    return load_run(path, device, str(dtype), attention, quantize, policy=True)

@@ -60,7 +60,10 @@ def run(cfg) -> int:
     # fail before the slow part
     out = check_out_dir(out, bool(cfg.force))
     # refuse before loading
-    family = hf.family_of(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
+    model_cfg = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
+    family = hf.family_of(model_cfg)
+    # a reward model (model.score_head): its family's *ForSequenceClassification, or one line
+    architecture = hf.architecture_class(model_cfg)
     if cfg.adapters:
         return export_adapters(ckpt, out, cfg)
 
@@ -69,7 +72,7 @@ def run(cfg) -> int:
     merged = " (QLoRA: its NF4 base dequantized, the adapters merged)" if qlora else ""
     print(
         f"exported {done.checkpoint}{merged} as "
-        f"{family.architecture} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
+        f"{architecture} ({done.n_params:,} parameters, {cfg.dtype}) to {out}: "
         f"config.json, {', '.join(done.weights)}, generation_config.json"
         + (
             ", tokenizer.json, tokenizer_config.json, special_tokens_map.json"

@@ -24,6 +24,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "architecture": "gptkit.hf.convert",
+    "architecture_class": "gptkit.hf.convert",
     "from_hf_state_dict": "gptkit.hf.convert",
     "from_transformers": "gptkit.hf.convert",
     "hf_config": "gptkit.hf.convert",

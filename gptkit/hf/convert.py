@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from gptkit.errors import GptkitError
-from gptkit.hf.families import ARCHITECTURES, FAMILIES, family_named, family_of, imported
+from gptkit.hf.families import ARCHITECTURES, FAMILIES, SCORE_ARCHITECTURES, family_named, family_of, imported
 from gptkit.hf.family import COPY, GATE_SPLIT, JOIN, SPLIT, STACK, TRANSPOSE, WEAVE, Family, Row
 from gptkit.model import GPT
 from gptkit.model.config import ModelConfig
@@ -35,6 +35,21 @@ def architecture(cfg: ModelConfig) -> str:
     return family_of(cfg).model_type
 
 
+def architecture_class(cfg: ModelConfig) -> str:
+    """The transformers class `cfg` exports as: its family's causal LM, or with a score head (a reward model,
+    model.score_head) its *ForSequenceClassification; a family that has none is a one-line GptkitError."""
+    family = family_of(cfg)
+    if not cfg.score_head:
+        return family.architecture
+    if not family.score_architecture:
+        raise GptkitError(
+            f"a reward model (model.score_head) of the {family.title} family has no transformers "
+            f"*ForSequenceClassification export in gptkit (it writes {', '.join(SCORE_ARCHITECTURES)}); "
+            "refusing rather than drop its score head"
+        )
+    return family.score_architecture
+
+
 def hf_config(
     cfg: ModelConfig,
     bos_id: int | None = None,
@@ -45,7 +60,7 @@ def hf_config(
     """The config.json of the transformers model equal to `cfg`."""
     family = family_of(cfg)
     common = {
-        "architectures": [family.architecture],
+        "architectures": [architecture_class(cfg)],
         "model_type": family.model_type,
         "vocab_size": cfg.vocab_size,
         "tie_word_embeddings": cfg.tie_embeddings,
@@ -56,6 +71,11 @@ def hf_config(
         "dtype": dtype,
         "use_cache": True,
     }
+    if cfg.score_head:
+        # one label: the reward; transformers scores a row at its last token that is not pad_token_id, which
+        # it needs for a batch: the tokenizer's pad, else its end of text, else 0 (as training pads rows)
+        pad = next((i for i in (pad_id, eos_id) if i is not None), 0)
+        common |= {"id2label": {"0": "LABEL_0"}, "label2id": {"LABEL_0": 0}, "pad_token_id": pad}
     return common | family.config_to_hf(cfg)
 
 
@@ -176,7 +196,10 @@ def name_map(cfg: ModelConfig, family: Family | None = None) -> list[Row]:
     for i in range(cfg.n_layers):
         rows += family.layer_rows(cfg, i)
     rows += family.final_rows(cfg)
-    if not cfg.tie_embeddings:
+    if cfg.score_head:
+        # *ForSequenceClassification: the score head in place of the LM head
+        rows.append(("score.weight", "score.weight", COPY))
+    elif not cfg.tie_embeddings:
         rows.append(("lm_head.weight", "lm_head.weight", COPY))
     return rows
 
@@ -278,12 +301,12 @@ def to_transformers(model):
     d.pop("model_type")
     config_cls = getattr(transformers, family.config_class)
     config = config_cls(**{k: v for k, v in d.items() if k not in ("architectures", "dtype")})
-    model_cls = getattr(transformers, family.architecture)
+    model_cls = getattr(transformers, architecture_class(cfg))
     with torch.device("cpu"):
         hf_model = model_cls(config)
     state = to_hf_state_dict({k: v.float().cpu() for k, v in model.state_dict().items()}, cfg)
     state = family.memory_layout(state, cfg)
-    if cfg.tie_embeddings:
+    if cfg.tie_embeddings and not cfg.score_head:
         state["lm_head.weight"] = state[family.embedding]
     hf_model.load_state_dict(state, strict=True)
     return hf_model.float().eval()

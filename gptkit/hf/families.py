@@ -57,6 +57,8 @@ BY_TYPE = {f.model_type: f for f in FAMILIES + READ_ONLY}
 # transformers' model_type -> its model class and config class
 ARCHITECTURES = {f.model_type: f.architecture for f in FAMILIES}
 CONFIG_CLASSES = {f.model_type: f.config_class for f in FAMILIES}
+# the *ForSequenceClassification classes a reward model (model.score_head) exports as
+SCORE_ARCHITECTURES = tuple(f.score_architecture for f in FAMILIES if f.score_architecture)
 
 
 def family_of(cfg: ModelConfig) -> Family:

@@ -103,6 +103,9 @@ class Family:
     model_type = ""
     architecture = ""
     config_class = ""
+    # its transformers class with a score head (a reward model, model.score_head: *ForSequenceClassification
+    # with num_labels 1); "" where gptkit writes none (export refuses such a model in one line)
+    score_architecture = ""
     title = ""
     # model_types near this one that gptkit does not read, and what to import instead
     refused_types: dict[str, str] = {}

@@ -18,6 +18,7 @@ T = "transformer."
 
 class GPT2(Family):
     model_type, architecture, config_class, title = "gpt2", "GPT2LMHeadModel", "GPT2Config", "GPT-2"
+    score_architecture = "GPT2ForSequenceClassification"
     embedding = T + "wte.weight"
     layer_prefix = T + "h."
     size_fields = ("n_layer", "n_embd", "vocab_size")

@@ -34,6 +34,7 @@ class Llama(Decoder):
     claims what the others leave."""
 
     model_type, architecture, config_class, title = "llama", "LlamaForCausalLM", "LlamaConfig", "Llama"
+    score_architecture = "LlamaForSequenceClassification"
     fixes = {"qk_norm": None, "norm_placement": "pre"}
 
     def claims(self, cfg: ModelConfig) -> bool:

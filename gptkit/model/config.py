@@ -160,6 +160,10 @@ class ModelConfig:
     # null: next-token prediction only; {depth, loss_scale}: multi-token prediction modules (MTPConfig);
     # depth 0 is null
     mtp: MTPConfig | None = None
+    # a scalar head `score` [1, d_model] on the final-normed hidden state (a reward model: objective=reward,
+    # docs/reward-models.md); such a model scores sequences and is refused as a policy (sample, chat, serve,
+    # init_from= of another objective)
+    score_head: bool = False
     name: str = field(default="custom", compare=False)
 
     # ---- derived sizes -------------------------------------------------------------------

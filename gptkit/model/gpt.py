@@ -52,6 +52,8 @@ class GPTOutput(NamedTuple):
     mtp_losses: Optional[tuple[torch.Tensor, ...]] = None
     # [B, T] fp32 log-probs of the targets (0 where -100), asked for: forward(token_logps=True); logits None
     logps: Optional[torch.Tensor] = None
+    # [B] fp32: the score head on the hidden state at each row's score_at position (model.score_head)
+    scores: Optional[torch.Tensor] = None
 
 
 class Block(nn.Module):
@@ -135,7 +137,13 @@ class GPT(nn.Module):
             self.lm_head.weight = self.tok_emb.weight
         # model.mtp: the multi-token prediction modules (gptkit/model/mtp.py), run by forward(mtp=True) only
         self.mtp = MultiTokenPrediction(cfg, Block) if cfg.mtp_depth else None
+        # model.score_head: a reward model's scalar head (transformers' *ForSequenceClassification `score`)
+        self.score = nn.Linear(cfg.d_model, 1, bias=False) if cfg.score_head else None
         self.reset_parameters()
+        if self.score is not None and not cfg.tie_embeddings:
+            # a reward model's scores never read its own LM head: frozen, kept as it was (DDP refuses a
+            # trained weight that gets no gradient)
+            self.lm_head.weight.requires_grad_(False)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -177,6 +185,9 @@ class GPT(nn.Module):
         # chunked over the tokens (the [B, T, vocab] logits never exist; the preference and policy objectives)
         token_logps: bool = False,
         temperature: float = 1.0,
+        # [B] int64 (model.score_head): each row's position whose final hidden state the score head reads
+        # (a sequence's last token); GPTOutput.scores [B], no logits
+        score_at: Optional[torch.Tensor] = None,
     ) -> GPTOutput:
         """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions, aux); see the argument comments.
         loss is the cross-entropy alone: a training loop adds aux.loss (the feed-forwards' auxiliary
@@ -221,6 +232,11 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         x = self.final_norm(x)
+        if score_at is not None:
+            if self.score is None:
+                raise ValueError("score_at needs a score head (model.score_head)")
+            h = x[torch.arange(B, device=x.device), score_at.to(x.device)]  # [B, d_model]
+            return GPTOutput(None, None, attentions, aux, scores=self.score(h).squeeze(-1).float())
         mtp_losses = None
         if mtp and self.mtp is not None and targets is not None:
             mtp_losses, mtp_auxes = self.mtp(

@@ -157,10 +157,13 @@ def check_config(cfg: DictConfig, resumed: bool = False) -> Checked:
     if from_run:
         ckpt = find_run_checkpoint(str(cfg.init_from), cfg.runs_dir)
         verify_checkpoint(ckpt)
+        source_model = ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"])
+        # a reward model (model.score_head) is no policy: one line before the run folder is made
+        objective_class(cfg).model_config(source_model, f"init_from={cfg.init_from}")
         # a frozen base's fine-tune settings (lora: targets and rank) against the model init_from= brings
         finetune = finetune_class(cfg)
         if not finetune.trains_base:
-            finetune.check_model(cfg, ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
+            finetune.check_model(cfg, source_model)
     # a resumed run whose objective has a frozen model of the starting weights (full fine-tuning): where it
     # is loaded from
     elif (
@@ -213,6 +216,7 @@ def plan_run(
     gptkit.plan(cfg) from Python: look at the plan (steps, tokens, world size), then gptkit.train(plan)."""
     from gptkit.data import check_vocab
     from gptkit.training.distributed import check_run_name
+    from gptkit.training.objectives import objective_class
     from gptkit.training.plan import make_plan
 
     _quiet_lightning()
@@ -243,6 +247,9 @@ def plan_run(
         model_cfg = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         # make_plan checks its window
         checked = dataclasses.replace(checked, model=None, seq_len=None)
+    # the objective's model (objective=reward adds a score head; a reward model is no other's policy)
+    source = f"resume={cfg.resume}" if resume_ckpt is not None else f"init_from={cfg.get('init_from')}"
+    model_cfg = objective_class(cfg).model_config(model_cfg, source)
     # finetune=lora, qlora: the frozen weights
     lora_base = frozen_base(cfg, model_cfg, init_ckpt, resume_ckpt)
 

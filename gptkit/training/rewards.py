@@ -16,6 +16,9 @@ or `function`, and optionally `weight` (1.0), `field` (the record's field a chec
     regex     1 when the completion's first match of `pattern` (its first group, if it has one) is the field's
               text; with field: null, 1 when the pattern occurs at all
     format    1 when the whole completion matches `pattern` (default: <think>...</think> <answer>...</answer>)
+    model     a reward model's score ({kind: model, path: <run>}: a run of objective=reward, same tokenizer):
+              the prompt's tokens and the completion's (its stop token included) through the model, batched:
+              one forward for every completion of a micro-batch, the score head at each one's last token
 
 A function is called as fn(prompt, completion, row): the prompt's text (its record's prompt field, else its
 messages list), the completion's text (without the end-of-turn token) and the record (a dict); it returns a
@@ -268,7 +271,69 @@ CHECKERS: dict[str, tuple[Callable, bool, str | None, bool]] = {
     "regex": (regex, True, None, True),
     "format": (format_check, False, R1_FORMAT, False),
 }
-ENTRY_KEYS = ("kind", "function", "weight", "field", "pattern", "name")
+ENTRY_KEYS = ("kind", "function", "weight", "field", "pattern", "name", "path")
+# a reward model's kind: scored batched (RewardModel), not one completion at a time
+MODEL_KIND = "model"
+
+
+class RewardModel:
+    """A reward run (objective=reward: a model with model.score_head) that scores token sequences, batched;
+    its weights are loaded on first use, on the policy's device, frozen and in eval mode."""
+
+    def __init__(self, path: str, spec: str) -> None:
+        self.path, self.spec = path, spec
+        self.model: Any = None
+
+    def check(self) -> None:
+        """The run is there and is a reward model: one-line errors before anything is written."""
+        from gptkit.checkpoints import run_dir_of
+        from gptkit.runs import find_run_checkpoint, read_config
+
+        try:
+            model = read_config(run_dir_of(find_run_checkpoint(self.path)))["model"]
+        except GptkitError as exc:
+            raise ConfigError(f"grpo.rewards {self.spec}: {exc}") from None
+        if not model.get("score_head"):
+            raise ConfigError(
+                f"grpo.rewards {self.spec}: {self.path} is not a reward model (no model.score_head); train "
+                "one with objective=reward (docs/reward-models.md)"
+            )
+
+    def load(self, device: Any, tokenizer: Any) -> Any:
+        """The model on `device` (loaded once); a reward run of another vocabulary is a one-line error."""
+        if self.model is None:
+            from gptkit.runs import load_run
+
+            run = load_run(self.path, device=str(device))
+            if tokenizer is not None and run.tokenizer.get_vocab() != tokenizer.get_vocab():
+                raise GptkitError(
+                    f"grpo.rewards {self.spec}: {run.dir}'s tokenizer is not the policy's; a reward model "
+                    "reads the policy's token ids, so it must share its tokenizer"
+                )
+            run.model.requires_grad_(False)
+            self.model = run.model.eval()
+        return self.model
+
+    def scores(self, seqs: list[list[int]], device: Any, tokenizer: Any = None) -> list[float]:
+        """The reward of each token sequence: one forward of them all, padded on the right, the score head
+        at each one's last token."""
+        import torch
+
+        model = self.load(device, tokenizer)
+        longest = max(len(q) for q in seqs)
+        if longest > model.cfg.max_seq_len:
+            raise GptkitError(
+                f"grpo.rewards {self.spec}: a prompt with its completion is {longest} tokens, more than the "
+                f"reward model's model.max_seq_len={model.cfg.max_seq_len}; lower grpo.max_new_tokens or "
+                "trainer.seq_len"
+            )
+        ids = torch.zeros(len(seqs), longest, dtype=torch.long)
+        for i, q in enumerate(seqs):
+            ids[i, : len(q)] = torch.tensor(q, dtype=torch.long)
+        last = torch.tensor([len(q) - 1 for q in seqs], dtype=torch.long)
+        with torch.no_grad():
+            out = model(ids.to(device), score_at=last.to(device)).scores  # [N] fp32
+        return [float(v) for v in out.float().cpu()]
 
 
 @dataclass
@@ -286,16 +351,23 @@ class Reward:
     compiled: Any = None
     # the file whose code runs (a user's function)
     file: str | None = None
+    # kind: model, the reward run (RewardModel)
+    model: RewardModel | None = None
 
     @property
     def checker(self) -> bool:
         """A built-in check: its reward is 0 or 1, its mean an accuracy."""
-        return self.kind is not None
+        return self.kind is not None and self.kind in CHECKERS
+
+    @property
+    def batched(self) -> bool:
+        """A reward model: scored for a micro-batch's completions at once (Rewards.model_scores)."""
+        return self.model is not None
 
     @property
     def spec(self) -> str:
         """How errors name it: the name, and the function or kind."""
-        return f"{self.name} ({self.function or self.kind})"
+        return f"{self.name} ({self.function or self.kind}{' ' + self.model.path if self.model else ''})"
 
     def __call__(
         self, prompt: Any, completion: str, row: dict, where: str, timeout: float | None = None
@@ -366,9 +438,27 @@ class Rewards:
         """`with rewards.guard():` around many calls: their signal handlers installed once (Guard)."""
         return Guard()
 
-    def score(self, prompt: Any, completion: str, row: dict, where: str) -> list[float]:
-        """Each reward of one completion, in order."""
-        return [r(prompt, completion, row, where, self.timeout) for r in self.rewards]
+    def score(
+        self, prompt: Any, completion: str, row: dict, where: str, given: dict[int, float] | None = None
+    ) -> list[float]:
+        """Each reward of one completion, in order; `given`: the batched ones' (model_scores), by index."""
+        given = given or {}
+        return [
+            given[i] if i in given else r(prompt, completion, row, where, self.timeout)
+            for i, r in enumerate(self.rewards)
+        ]
+
+    def model_scores(
+        self, seqs: list[list[int]], device: Any, tokenizer: Any = None
+    ) -> list[dict[int, float]]:
+        """For each token sequence (a prompt with its completion), the reward models' scores by reward index:
+        one batched forward per reward model ([{}] * len(seqs) when there is none)."""
+        out: list[dict[int, float]] = [{} for _ in seqs]
+        for i, r in enumerate(self.rewards):
+            if r.batched and seqs:
+                for d, v in zip(out, r.model.scores(seqs, device, tokenizer)):
+                    d[i] = v
+        return out
 
     def total(self, scores: list[float], where: str = "") -> float:
         """sum of weight x reward; one that is not finite (finite rewards whose sum overflows) is a one-line
@@ -428,10 +518,22 @@ def parse_rewards(raw: Any) -> Rewards:
             raise ConfigError(f"grpo.rewards[{i}].weight={d.get('weight')!r} must be a number") from None
         if not math.isfinite(weight) or weight == 0:
             raise ConfigError(f"grpo.rewards[{i}].weight={d.get('weight')!r} must be a finite number, not 0")
-        if "kind" in d:
+        if d.get("kind") == MODEL_KIND:
+            if not d.get("path"):
+                raise ConfigError(
+                    f"grpo.rewards[{i}]: kind: model needs path: <a reward run> (objective=reward)"
+                )
+            name = str(d.get("name") or MODEL_KIND)
+            r = Reward(name, weight, kind=MODEL_KIND)
+            r.model = RewardModel(str(d["path"]), f"{name} (model {d['path']})")
+        elif "path" in d:
+            raise ConfigError(f"grpo.rewards[{i}].path is for kind: model (a reward run) only")
+        elif "kind" in d:
             kind = str(d["kind"])
             if kind not in CHECKERS:
-                raise ConfigError(f"grpo.rewards[{i}].kind={kind!r} is not one of {', '.join(CHECKERS)}")
+                raise ConfigError(
+                    f"grpo.rewards[{i}].kind={kind!r} is not one of {', '.join(CHECKERS)}, {MODEL_KIND}"
+                )
             _, needs_pattern, default_pattern, reads = CHECKERS[kind]
             pattern = d.get("pattern", default_pattern)
             if needs_pattern and not pattern:
@@ -506,8 +608,11 @@ def _module_file(module: str) -> tuple[Path | None, bool]:
 
 
 def load_rewards(rewards: Rewards, announce: bool = True) -> Rewards:
-    """Load each user function (once per process), saying first on stderr which file's code runs."""
+    """Load each user function (once per process), saying first on stderr which file's code runs; check each
+    reward model's run (its weights load on first use)."""
     for r in rewards.rewards:
+        if r.model is not None:
+            r.model.check()
         if r.function is None or r.fn is not None:
             continue
         key = (r.function, str(Path.cwd()))

@@ -290,6 +290,10 @@ def import_init_source(spec: str, runs_dir: Path, key: str = "init_from") -> tup
     return str(folder), HF_PREFIX + src.spec
 
 
+# the tensors of a score head (model.score_head), which a policy's checkpoint lacks
+SCORE_HEAD = ("score.weight",)
+
+
 def load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
     """Copy the weights of an init_from= checkpoint (memory-mapped, names and shapes checked) into the new
     run's model (a GPT), with no second model in memory. `vocab_size`: the checkpoint's, smaller than the new
@@ -297,15 +301,17 @@ def load_init_weights(model, ckpt: Path, vocab_size: int | None = None) -> None:
     from gptkit.model.gpt import grow_vocab
 
     cfg = model.cfg
+    # a score head (objective=reward from a policy's weights) starts anew
+    new = SCORE_HEAD if cfg.score_head else ()
     if vocab_size is None or vocab_size == cfg.vocab_size:
-        state = checked_model_state(ckpt, cfg)
+        state = checked_model_state(ckpt, cfg, new)
     else:
-        state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size))
+        state = checked_model_state(ckpt, dataclasses.replace(cfg, vocab_size=vocab_size), new)
         state = grow_vocab(state, cfg.vocab_size)
     # into the (tied) parameters
     missing, unexpected = model.load_state_dict(state, strict=False)
-    # only the adapters (lora, qlora) start anew
-    if unexpected or any(not adapters.is_adapter_key(k) for k in missing):
+    # only the adapters (lora, qlora) and a new score head start anew
+    if unexpected or any(not adapters.is_adapter_key(k) and k not in new for k in missing):
         raise GptkitError(
             f"{ckpt} does not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}"
         )
@@ -455,6 +461,11 @@ def resolve_frozen(
             frozen_cfg = ModelConfig.from_dict(read_config(src_dir)["model"])
         except (GptkitError, KeyError, TypeError, ValueError) as exc:
             raise ConfigError(f"frozen.{name}={given}: {src_dir / 'config.yaml'}: {exc}") from None
+        if frozen_cfg.score_head:
+            raise ConfigError(
+                f"frozen.{name}={given} is a reward model (model.score_head): its token log-probs come from "
+                "an LM head it never trained; give a policy run (use a reward model as a GRPO reward)"
+            )
         _check_same_vocabulary(cfg, name, given, src_dir, frozen_cfg, tokenizer_path, model)
         if frozen_cfg.max_seq_len < seq_len:
             raise ConfigError(

@@ -7,7 +7,9 @@
     distill  next-token distillation from frozen.teacher (forward/reverse KL, generalized JSD) mixed with the
           labels' cross-entropy
     grpo  group relative policy optimization on data=prompts: completions sampled from the model, scored by
-          rewards (checkers or the user's functions)
+          rewards (checkers, the user's functions or a reward model)
+    reward Bradley-Terry reward model on data=preference: a scalar score head (model.score_head) trained to
+          score the chosen answer above the rejected one
 
 LitGPT calls the interface and never asks which objective it runs. A new objective is a file here with its
 Objective subclass, and one row of OBJECTIVES.
@@ -28,8 +30,16 @@ from gptkit.training.objectives.grpo import GRPO
 from gptkit.training.objectives.kto import KTO
 from gptkit.training.objectives.lm import LM
 from gptkit.training.objectives.mtp import MTPLM
+from gptkit.training.objectives.reward import Reward
 
-OBJECTIVES: dict[str, type[Objective]] = {"lm": LM, "dpo": DPO, "grpo": GRPO, "kto": KTO, "distill": Distill}
+OBJECTIVES: dict[str, type[Objective]] = {
+    "lm": LM,
+    "dpo": DPO,
+    "grpo": GRPO,
+    "kto": KTO,
+    "distill": Distill,
+    "reward": Reward,
+}
 # objective= -> the objective that trains a model with model.mtp.depth > 0 (its MTP losses added)
 MTP_VARIANTS: dict[str, type[Objective]] = {"lm": MTPLM}
 
@@ -56,14 +66,15 @@ def objective_class(cfg: Any) -> type[Objective]:
 
 def check_objective(cfg: Any) -> None:
     """objective=, its config group, and the data and start it needs, checked without data: an objective
-    that names its data kinds trains on those only, and no other objective trains on them."""
+    that names its data kinds trains on those only, and an objective that does not name a kind does not train
+    on it (data=preference: dpo's and reward's)."""
     objective = objective_class(cfg)
     objective.check_config(cfg.get(objective.group) if objective.group else None)
     kind = (cfg.get("data") or {}).get("kind")
     if objective.data_kinds is not None and kind not in objective.data_kinds:
         raise ConfigError(objective.wrong_data(kind))
     owner = next((o for o in OBJECTIVES.values() if o.data_kinds and kind in o.data_kinds), None)
-    if owner is not None and owner is not objective:
+    if owner is not None and kind not in (objective.data_kinds or ()):
         raise ConfigError(owner.claimed())
     if objective.needs_start and cfg.get("init_from") in (None, "", "null"):
         raise ConfigError(objective.no_start())

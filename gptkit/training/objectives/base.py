@@ -18,6 +18,9 @@ LitGPT (gptkit/training/module.py) runs any objective the same way and never ask
                                      each is built from its frozen.<name> source, frozen, never trained
         flops(counts, dense, causal, group)   training FLOPs per token, its own extra work added
         batch_words(n, group), describe(plan)   what start-up says of a batch and of the objective
+        model_config(model, source)  the ModelConfig it trains, from the one the run starts with (reward:
+                                     a score head added); a reward model's (model.score_head) is refused
+                                     as a policy in one line by every other objective
     run time (an instance per run, given the plan and its frozen models by name; self.reference is the
     "reference" one, or None)
         loss(model, batch) -> (loss, weight)   a micro-batch's loss and its loss-token count (None: every
@@ -215,6 +218,19 @@ class Objective:
         if cls.uses_reference(group):
             return dense + counts.forward_dense, causal + counts.forward_causal
         return dense, causal
+
+    @classmethod
+    def model_config(cls, model: Any, source: str) -> Any:
+        """The ModelConfig the run trains, given the one it starts with (`source`: where that came from, for
+        the error): unchanged, but a reward model (model.score_head: it scores sequences, it generates
+        nothing) is no policy for this objective."""
+        if getattr(model, "score_head", False):
+            raise GptkitError(
+                f"{source} is a reward model (model.score_head: it scores sequences and generates nothing), "
+                f"not a policy for objective={cls.name}; start from the run it was trained from, or use it "
+                "as a reward (objective=grpo, grpo.rewards=[{kind: model, path: <run>}])"
+            )
+        return model
 
     @classmethod
     def batch_words(cls, batch_size: int, group: Any = None) -> str:

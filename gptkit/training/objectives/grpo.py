@@ -485,11 +485,14 @@ class GRPO(Objective):
     def _score(self, batch: PromptBatch, groups) -> tuple[list, list]:
         """(scores[p][i][k], totals[p][i]) of every completion."""
         scores, totals = [], []
+        # the reward models' scores: one batched forward of every completion with its prompt
+        seqs = [p + c.tokens for p, group in zip(batch.prompts(), groups) for c in group]
+        given = iter(self.rewards.model_scores(seqs, batch.ids.device, self.tokenizer))
         # the reward calls' signal handlers (their time limit, a Ctrl-C told from the reward's own), once
         with self.rewards.guard():
             for row, where, group in zip(batch.rows, batch.where, groups):
                 prompt = self._prompt_of(row)
-                s = [self.rewards.score(prompt, self._text(c.tokens), row, where) for c in group]
+                s = [self.rewards.score(prompt, self._text(c.tokens), row, where, next(given)) for c in group]
                 scores.append(s)
                 totals.append([self.rewards.total(x, where) for x in s])
         return scores, totals
