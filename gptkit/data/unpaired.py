@@ -12,9 +12,11 @@ it is desirable.
          labels kept in rows.json
       -> rows of seq_len + 1 tokens, one completion per row, padded (UnpairedRows)
       -> batches (x, y, kl_x, kl_y, labels): x, y [batch_size, seq_len] the rows (targets -100 outside the
-         completion), kl_x, kl_y the same prompts each followed by the completion of the batch's previous row
-         (the last row's for the first: TRL's KTO "cycled" mismatched pairs, which estimate the KL reference
-         point), labels [batch_size] bool
+         completion), kl_x, kl_y the same prompts each followed by the completion of the previous row of the
+         micro-step's rows over all the ranks (rank 0's first; the last row's for the first: TRL's KTO
+         "cycled" mismatched pairs, which estimate the KL reference point, taken over the global micro-batch
+         rather than TRL's per-device one, so that the pairs do not depend on how the rows are split over the
+         ranks: on one process they are TRL's), labels [batch_size] bool
 
 A row longer than seq_len + 1 tokens is a one-line error naming its file and row (data.truncate=error) or
 left out (drop; counted at start-up). A mismatched row longer than a row is cut to it, as TRL truncates.
@@ -109,7 +111,7 @@ class UnpairedData(TemplatedData):
         )
         # the val rows by index: a val batch is made of them (val.batch), each row's index last
         items = list(range(first_val(len(val), val_windows)))
-        sampler = RowSampler(train, batch_size, seed, TOO_FEW)
+        sampler = UnpairedSampler(train, batch_size, seed, TOO_FEW)
 
         def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
             show = shown(self, chars)
@@ -160,6 +162,17 @@ KIND = TemplatedKind(
 
 
 # ---- rows and batches -------------------------------------------------------------------------------------
+class UnpairedSampler(RowSampler):
+    """RowSampler's rows, each with its mismatched completion: that of the previous row of micro-step
+    `step`'s rows over all the ranks (cyclic), the same pairs whatever the world size."""
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1):
+        picked = self.picked(step, world_size)  # [batch_size * world_size]
+        mates = np.roll(picked, 1)
+        mine = slice(rank * self.batch_size, (rank + 1) * self.batch_size)
+        return self.rows.batch(picked[mine], mates=mates[mine])
+
+
 @dataclass
 class UnpairedRows:
     """The rows of a split: each one's prompt tokens and completion tokens (with the mask of what follows
@@ -193,12 +206,14 @@ class UnpairedRows:
         mask = np.concatenate([mask, np.zeros(fill, dtype=bool)])
         return torch.from_numpy(ids), torch.from_numpy(mask)
 
-    def batch(self, rows, index: bool = False):
+    def batch(self, rows, index: bool = False, mates=None):
         """(x, y, kl_x, kl_y [n, seq_len], labels [n] bool (, the rows' indices [n])) of rows: kl row k is
-        row k's prompt with row k-1's completion (row n-1's for k = 0; a batch of one: its own)."""
+        row k's prompt with the completion of row mates[k] (by default row k-1's, row n-1's for k = 0; a
+        batch of one: its own)."""
         rows = [int(r) for r in rows]
+        mates = [rows[k - 1] for k in range(len(rows))] if mates is None else [int(m) for m in mates]
         own = [self.row(r) for r in rows]
-        mismatched = [self.row(r, rows[k - 1]) for k, r in enumerate(rows)]
+        mismatched = [self.row(r, m) for r, m in zip(rows, mates)]
 
         def xy(parts):
             ids = torch.stack([p[0] for p in parts])  # [n, seq_len + 1]

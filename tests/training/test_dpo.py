@@ -745,6 +745,37 @@ def test_kto_trains_against_the_frozen_start_from_unpaired_rows(dpo_data, capfd)
     assert 0 < float(val["val/loss"]) < 0.5 and val["val/kl"] != "" and float(rows[2]["train/kl"]) > 0
 
 
+def kto_args(root, name, world=1, *extra):
+    """KTO from root/sft on 20 pairs' 40 labelled completions: the same global batch (4) on any world."""
+    f = root / "kto.jsonl"
+    if not f.exists():
+        write_jsonl(f, kto_rows(20))
+    return [
+        "objective=kto",
+        f"init_from={root / 'sft'}",
+        "data=unpaired",
+        f"data.paths=[{f}]",
+        "kto.beta=0.5",
+        *from_sft(root, name, world, "trainer.max_steps=3", *extra),
+    ]
+
+
+@pytest.mark.long
+def test_kto_on_2_ddp_processes_follows_one_process(dpo_data):
+    """Each row's mismatched completion is the previous row's over the global micro-batch, so the KL
+    reference point, and the losses, do not depend on how the rows are split over the ranks."""
+    gptkit.train(kto_args(dpo_data, "kto-one"))
+    r = run_group(
+        "-m", "gptkit", "train", *kto_args(dpo_data, "kto-two", 2, "trainer=ddp", "trainer.devices=2")
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = rows_of(dpo_data / "kto-one"), rows_of(dpo_data / "kto-two")
+    assert float(want[2]["train/kl"]) > 0
+    for step in range(1, 4):
+        for key in ("train/loss", "train/kl", "train/rewards/desirable", "train/rewards/undesirable"):
+            assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
+
+
 def test_kto_rows_without_a_label_are_one_line_naming_file_and_line(dpo_data, capsys):
     good = {"prompt": "upper ab", "completion": "AB", "label": True}
     for bad, message in [

@@ -4,11 +4,14 @@ frozen reference.
 
 For each row, logp = the sum of its completion's log-probs, and r = logp_pi - logp_ref. The reference point
 z0 is the KL of the policy to the reference, estimated as TRL 1.16's KTOTrainer estimates it: on mismatched
-rows (each row's prompt followed by the completion of the micro-batch's previous row, data.unpaired), with
+rows (each row's prompt followed by the completion of the previous row of the micro-step's rows over all
+the ranks, data.unpaired: TRL's pairs on one process; TRL pairs within each device's batch instead), with
 no gradient,
 
-    z0 = max(0, mean over the micro-batch (and the mean over the ranks) of (logp_pi - logp_ref) of the
-         mismatched rows)
+    z0 = max(0, mean over the micro-batch (and the mean over the ranks, whose shares are equal: the mean
+         over the global micro-batch) of (logp_pi - logp_ref) of the mismatched rows)
+
+so z0, and the loss, are the same on any number of ranks sharing the same global batch.
 
 and the loss of a row (the paper's eq. 7-8, TRL's loss_type="kto")
 
