@@ -25,7 +25,9 @@ tensors, so the gradient can be read), and writes the losses, gradients and rewa
   kto                   KTOTrainer._compute_loss (its precomputed-reference path, calculate_KL on), the
                         stand-in returning fixed per-token log-probs of 2P labelled rows and, for the
                         mismatched KL rows, others; the gradient is with respect to the rows' log-probs
-                        (gptkit.training.objectives.kto: kto_loss, reference_point)
+                        (gptkit.training.objectives.kto: kto_loss, reference_point). Which completion each
+                        mismatched row takes is data.unpaired's, not compared here: the previous row's, as
+                        TRL's collator, but over the global micro-batch (all ranks) where TRL's is per device
 
 This side computes the same with gptkit.training.objectives.dpo (dpo_loss, simpo_loss, orpo_loss,
 answer_logps, answer_tokens) and prints the largest difference of each; it exits 1 when one differs by 1e-6
