@@ -192,8 +192,11 @@ def _training(cfg, m) -> tuple[dict | None, int, bool, bool]:
     from gptkit.training.objectives import objective_class
 
     objective = objective_class(cfg)
+    # its config group where count-params has one (dpo.loss: simpo and orpo hold no reference), checked as
+    # `train` checks it; the frozen models it holds are the ones it names, as train's estimate asks them
     group = objective.settings_of(cfg)
-    return lora, objective.rows(group), objective.uses_reference(group), objective.chunked_logps
+    objective.check_config(group)
+    return lora, objective.rows(group), "reference" in objective.frozen_models(group), objective.chunked_logps
 
 
 def run(cfg) -> int:

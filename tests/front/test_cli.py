@@ -98,6 +98,32 @@ def test_count_params_knows_muon_lora_and_the_dpo_reference(capsys):
     assert code == 2 and err.strip() == "error: optimizer='sgd' is not one of adamw, muon"
 
 
+def test_count_params_holds_no_reference_for_simpo_and_orpo(capsys):
+    """dpo.loss=simpo and orpo are reference-free: the estimate asks the objective which frozen models it
+    holds, as `train`'s does, and is lower than sigmoid's by exactly the reference's bytes."""
+    from conftest import run_main
+
+    def memory(*extra):
+        code, out, err = run_main(
+            capsys, "count-params", "model=llama-tiny", "objective=dpo", "format=json", *extra
+        )
+        assert code == 0, err
+        return json.loads(out)["plan"]["memory_per_gpu"]
+
+    dpo = memory()
+    assert dpo == memory("dpo.loss=sigmoid") and dpo["reference"] == dpo["weights"] > 0
+    for loss in ("simpo", "orpo"):
+        free = memory(f"dpo.loss={loss}")
+        assert "reference" not in free and free["total"] == dpo["total"] - dpo["reference"], loss
+        assert free == {k: v for k, v in dpo.items() if k not in ("reference", "total")} | {
+            "total": free["total"]
+        }
+    code, _, err = run_main(capsys, "count-params", "objective=dpo", "dpo.loss=nope")
+    assert (
+        code == 2 and err.strip() == "error: dpo.loss='nope' is not one of sigmoid, hinge, ipo, simpo, orpo"
+    )
+
+
 def test_override_a_field(cli):
     r = cli("count-params", "model=gpt2", "model.n_layers=2", "format=json")
     d = json.loads(r.stdout)
