@@ -760,6 +760,31 @@ def kto_args(root, name, world=1, *extra):
     ]
 
 
+def test_kto_mismatched_rows_are_the_same_whatever_the_world_size():
+    """Row k's mismatched completion is the previous row's of the micro-step's rows over all the ranks (the
+    last one's for the first), so 2 ranks' batches joined are one process's batch of the same rows."""
+    import numpy as np
+
+    from gptkit.data.unpaired import TOO_FEW, UnpairedRows, UnpairedSampler
+
+    n = 10
+    prompts = [np.array([1, 2 + i]) for i in range(n)]
+    answers = [np.array([50 + i, 60 + i]) for i in range(n)]
+    rows = UnpairedRows(prompts, answers, [np.ones(2, bool)] * n, [i % 2 == 0 for i in range(n)], 5, 0)
+    one = UnpairedSampler(rows, 4, 0, TOO_FEW)
+    two = UnpairedSampler(rows, 2, 0, TOO_FEW)
+    for step in range(3):
+        want = one.batch(step)
+        joined = [torch.cat(t) for t in zip(*(two.batch(step, rank, 2) for rank in range(2)))]
+        assert all(torch.equal(a, b) for a, b in zip(want, joined)), step
+        # kl row k: row k's prompt, row k-1's completion (cyclic)
+        picked = one.picked(step)
+        for k in range(4):
+            mate = int(picked[k - 1])
+            assert want[2][k, 2:4].tolist() == [50 + mate, 60 + mate]
+            assert want[2][k, :2].tolist() == [1, 2 + int(picked[k])]
+
+
 @pytest.mark.long
 def test_kto_on_2_ddp_processes_follows_one_process(dpo_data):
     """Each row's mismatched completion is the previous row's over the global micro-batch, so the KL
