@@ -5,6 +5,8 @@ folder by `gptkit example-data [out=.]`:
     train.jsonl    1,000 chat records {"prompt", "response"}        data=chat (experiment=sft-tiny)
     prompts.jsonl    200 prompts with answers {"prompt", "answer"}   data=prompts (objective=grpo)
     pairs.jsonl      200 preference pairs {"prompt", "chosen", "rejected"}   data=preference (objective=dpo)
+    completions.jsonl  400 labelled completions {"prompt", "completion", "label"}: each pair's chosen (true)
+                     and rejected (false)                            data=unpaired (objective=kto)
 
 They are gptkit/data/tasks.py's string tasks ("upper abc" -> "ABC", "reverse abc" -> "cba"; examples/README.md
 says how they were made): the prompts and the pairs are other words than the chat records'.
@@ -23,6 +25,7 @@ EXAMPLES = {
     "train.jsonl": "1,000 conversations (data=chat: experiment=sft-tiny, docs/chat.md)",
     "prompts.jsonl": "200 prompts with answers (data=prompts: objective=grpo, docs/grpo.md)",
     "pairs.jsonl": "200 preference pairs (data=preference: objective=dpo, docs/dpo.md)",
+    "completions.jsonl": "400 labelled completions (data=unpaired: objective=kto, docs/dpo.md)",
 }
 
 

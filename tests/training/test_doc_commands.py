@@ -43,7 +43,7 @@ def page_commands(page: str) -> list[list[str]]:
     "page, uses",
     [
         ("chat.md", ["train.jsonl"]),
-        ("dpo.md", ["train.jsonl", "pairs.jsonl"]),
+        ("dpo.md", ["train.jsonl", "pairs.jsonl", "completions.jsonl"]),
         ("grpo.md", ["train.jsonl", "prompts.jsonl"]),
     ],
 )
@@ -76,7 +76,7 @@ def test_example_data_is_shipped_and_never_replaced_unasked(tmp_path, monkeypatc
     (tmp_path / "data" / "pairs.jsonl").write_text("mine\n")
     code, _, err = run_main(capsys, "example-data", "out=data")
     assert code == 2 and err.startswith(
-        "error: data/train.jsonl, data/prompts.jsonl, data/pairs.jsonl already"
+        "error: data/train.jsonl, data/prompts.jsonl, data/pairs.jsonl, data/completions.jsonl already"
     )
     assert (tmp_path / "data" / "pairs.jsonl").read_text() == "mine\n"
     code, _, _ = run_main(capsys, "example-data", "out=data", "force=true")
