@@ -462,10 +462,12 @@ def test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data, straight
         for key in ("train/loss", "train/rewards/margin", "train/rewards/accuracy"):
             assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
     # validation over 3 pairs: 2 ranks of 2 with one repeat, each pair counted once, as one process
-    # step 3 validated by FSDP2, step 6 by DDP
+    # step 3 validated by FSDP2, step 6 by DDP; to 1e-5 relative (fp32 rounding: a reward of 1.82 came 1.1e-5
+    # apart once the log-probs moved to fused.linear_log_probs)
     for step in (3, 6):
         for key in ("val/loss", "val/rewards/margin", "val/rewards/accuracy", "val/rewards/chosen"):
-            assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
+            w = float(want[step][key])
+            assert abs(float(got[step][key]) - w) < 1e-5 * max(1.0, abs(w)), (step, key, got[step][key], w)
 
 
 def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapters_off(dpo_data, capfd):
