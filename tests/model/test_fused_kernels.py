@@ -366,6 +366,11 @@ def test_bench_kernels_streams_rows_on_cpu(tmp_path, capsys):
         OmegaConf.load(conf_dir() / "bench" / "kernels.yaml"),
         dict(
             loss_shapes=[dict(tokens=512, vocab=1000, d_model=16, dtype="fp32", fake=False, chunk_size=64)],
+            # (the shipped real 150k-vocabulary row allocates gigabytes: a small real one; fake is free)
+            logp_shapes=[
+                dict(pairs=2, T=4096, vocab=150000, d_model=64, dtype="fp32", fake=True),
+                dict(pairs=1, T=64, vocab=1000, d_model=16, dtype="fp32", fake=False),
+            ],
             doc_T=1024,
             doc_windows=2,
             out=str(out),
