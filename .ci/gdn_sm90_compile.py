@@ -70,7 +70,7 @@ def compile_one(kernel, chunk: int, K: int, V: int) -> dict:
         "stages": stages,
         "regs": regs,
         "stack": stack,
-        "shared": compiled.metadata.shared,
+        "smem": compiled.metadata.shared,
     }
 
 
@@ -107,11 +107,11 @@ def main() -> int:
                 f"{r['warps']} / {r['stages']}",
                 r["regs"],
                 f"{r['stack']:,}",
-                f"{r['shared']:,}",
+                f"{r['smem']:,}",
             )
             print("| " + " | ".join(map(str, cells)) + " |")
-            if r["shared"] > SHARED_LIMIT:
-                bad.append(f"{name} at chunk {chunk}, {K}x{V}: {r['shared']:,} B shared > {SHARED_LIMIT:,}")
+            if r["smem"] > SHARED_LIMIT:
+                bad.append(f"{name} at chunk {chunk}, {K}x{V}: {r['smem']:,} B shared > {SHARED_LIMIT:,}")
             if args.no_spill and r["stack"] > 0:
                 bad.append(f"{name} at chunk {chunk}, {K}x{V}: {r['stack']:,} B stack")
     for line in bad:
