@@ -58,7 +58,7 @@ def files(d):
     "faults, workers",
     [
         (("prepare-shard@3", "prepare-batch@2"), 2),
-        (("prepare-batch@17", "prepare-shards"), 1),
+        pytest.param(("prepare-batch@17", "prepare-shards"), 1, marks=pytest.mark.long),
         (("prepare-batch@1",), 1),
         # killed before its first commit: all.bin holds only uncommitted batches
     ],

@@ -688,6 +688,7 @@ def test_an_empty_train_or_val_split_of_token_files_is_refused_at_prepare(tmp_pa
     assert all_ids(p) == tokens.tolist()
 
 
+@pytest.mark.long
 def test_bench_data_measures_every_tokenizer_and_worker_count_on_one_file(tmp_path, capsys):
     """`gptkit bench data` on a small generated file: each tokenizer's encoders alone (with their ids checked
     against HF's), prepare with 1 and 2 workers (the same tokens either way), and the 40 GB projection bound

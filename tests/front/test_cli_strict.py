@@ -349,6 +349,7 @@ def test_sample_threads_warns_once_on_a_busy_machine(capsys, run_dir, busy_machi
     assert code == 0 and torch.get_num_threads() == 1 and "warning" not in err
 
 
+@pytest.mark.long
 def test_train_threads_warns_once_on_a_busy_machine(tmp_path):
     from conftest import shakespeare
 

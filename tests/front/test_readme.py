@@ -126,6 +126,7 @@ def test_train_runs_a_plan_made_without_data_or_folder(tmp_path):
     assert OmegaConf.load(result.run_dir / "config.yaml").model.vocab_size == 96
 
 
+@pytest.mark.long
 def test_train_derives_each_fact_of_the_plan_once():
     """.ci/rederivations: one 2-step `gptkit train` derives the window, compile mode, precision, model
     config, devices, accelerator and options once each (issue 26: 2, 2, 3, 2, 3, 4, 3 before)."""

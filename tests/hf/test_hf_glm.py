@@ -179,6 +179,7 @@ def reference_mtp_loss(theirs, mtp: dict, idx) -> float:
 BLOCK_PARTS = ("self_attn.", "mlp.", "input_layernorm.", "post_attention_layernorm.")
 
 
+@pytest.mark.long
 def test_the_mtp_layer_is_kept_when_it_maps_and_exports_back(tmp_path):
     theirs = hf_model(False)
     theirs.save_pretrained(tmp_path / "hf")

@@ -192,6 +192,7 @@ def test_a_local_folder_wins_even_when_named_like_a_hub_id(tmp_path, hub, capsys
     assert out.startswith(f"imported {REPO_ID} (gpt2, ")
 
 
+@pytest.mark.long
 def test_offline_a_model_in_the_hf_cache_still_imports(tmp_path, cli):
     """The real CLI and huggingface_hub, offline, over a cache laid out as huggingface_hub writes it."""
     files, model = exported(tmp_path)

@@ -156,6 +156,7 @@ def test_bad_run_folders_are_one_line(tmp_path, capsys):
     assert code == 2 and "no checkpoint in" in err and err.count("\n") == 1
 
 
+@pytest.mark.long
 def test_bench_sample_agrees_with_transformers(tmp_path, cli):
     """`gptkit bench sample` on two small models, batch 1 and 3: both sides decode the same greedy tokens, the
     rates (median and min-max of the repeats) are positive, and the context sweep is written."""
@@ -214,6 +215,7 @@ def test_bench_sample_latent_measures_mlas_cache_against_the_expanded_one_and_mh
     assert res["same_tokens"] is True and all(row["tokens_per_s"] > 0 for row in rows.values())
 
 
+@pytest.mark.long
 def test_bench_sample_quantize_holds_quantized_weights_against_the_full_model(tmp_path, cli):
     """parts=[quantize] on a given run: the full model agrees with itself, int8 weights are smaller with a
     perplexity close to it, and the agreement figures are written."""
@@ -297,6 +299,7 @@ def test_bench_sample_bad_model_is_one_line(capsys, override, message):
     assert code == 2 and message in err and err.count("\n") == 1, err
 
 
+@pytest.mark.long
 def test_bench_sample_cuda_pipeline_dry_run_on_cpu(monkeypatch, capsys):
     """The GPU comparison (`bench.device=cuda`) run on the CPU with tiny models: every side runs (decode=graph
     falls back to the static path with its note; the compiled side traces with aot_eager instead of building

@@ -195,7 +195,7 @@ def test_a_new_kind_decodes_through_every_cache_as_it_recomputes(stub_kinds, kin
     decodes_through_every_cache_as_it_recomputes(tiny(kind, **over), atol=2e-5 if kind == "gdn" else 1e-5)
 
 
-@pytest.mark.parametrize("attention", ["eager", "sdpa", "triton"])
+@pytest.mark.parametrize("attention", ["eager", "sdpa", pytest.param("triton", marks=pytest.mark.long)])
 def test_attention_sinks_decode_through_every_cache_as_they_recompute(attention):
     """model.attn_sinks (gpt-oss) with a local and a global layer: the growing, rolling and static caches,
     serve's slot cache and rollouts (each a mask, or a query shorter than the keys) equal the full forward."""

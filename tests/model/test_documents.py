@@ -273,6 +273,7 @@ def test_pack_is_not_part_of_the_cache_key_and_is_checked(docs_prepared, tmp_pat
         TokenDataModule(b, batch_size=2, seq_len=16, seed=0, pack="documents")
 
 
+@pytest.mark.long
 def test_train_cli_with_packed_documents_and_fused_kernels(tmp_path):
     """The options reach the run (training and validation batches carry doc_ids): data.pack=documents,
     model.position_reset, model.kernels. (The Triton paths are checked in-process above: cheaper.)"""

@@ -232,7 +232,8 @@ def test_a_hybrid_trains_every_parameter_through_packed_documents():
 
 
 @pytest.mark.parametrize(
-    "dtype, tol, d_k, d_v, chunk", [(torch.float32, 1e-5, 20, 40, 32), (torch.float16, 2e-3, 8, 6, 16)]
+    "dtype, tol, d_k, d_v, chunk",
+    [(torch.float32, 1e-5, 20, 40, 32), pytest.param(torch.float16, 2e-3, 8, 6, 16, marks=pytest.mark.long)],
 )
 def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol, d_k, d_v, chunk):
     """The Triton chunked delta rule (the interpreter, or compiled on a GPU) against the PyTorch chunked form
@@ -278,7 +279,7 @@ def test_the_triton_kernel_equals_the_reference_forward_and_backward(dtype, tol,
     assert grads[5][1].abs().max() == 0 and grads[5][0].abs().max() > 0
 
 
-@pytest.mark.parametrize("attention", ["eager", "triton"])
+@pytest.mark.parametrize("attention", ["eager", pytest.param("triton", marks=pytest.mark.long)])
 def test_model_attention_chooses_the_backend_of_both_kinds_of_layer(attention, monkeypatch):
     """model.attention=eager|triton: the full layer's backend (head_dim 16: the Triton kernel's least), and
     with triton the linear layers' chunked delta rule runs the Triton kernel (counted): the logits and the
@@ -372,6 +373,7 @@ def test_bad_mixes_are_one_line_errors(over, message):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.long
 def test_gdn_tiny_trains_and_samples_past_its_context(tmp_path):
     """model=gdn-tiny (3 linear : 1 full; shrunk) trains on the built-in corpus, and `sample` decodes through
     the states and the full layer's cache past the context (the window slides: the states restart)."""

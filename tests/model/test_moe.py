@@ -496,6 +496,7 @@ def test_experts_need_swiglu():
         ModelConfig.from_dict({**tiny().to_dict(), "mlp": "gelu"})
 
 
+@pytest.mark.long
 def test_a_compiled_mixture_equals_eager_forward_and_backward(impl="auto"):
     """torch.compile traces torch._grouped_mm through a meta kernel that takes bf16 only: an fp32 model
     compiles through the loop (aot_eager: the same tracing as inductor, no code generation)."""

@@ -133,6 +133,7 @@ def greedy(model, prompt, n, cache):
     return out[len(prompt) :]
 
 
+@pytest.mark.long
 def test_rolling_cache_keeps_the_window_and_decodes_as_the_full_cache():
     """A local layer caches only its last W positions (memory), and greedy decoding through it equals the
     full cache, no cache, and the static decoder with and without torch.compile (the step traced whole)."""

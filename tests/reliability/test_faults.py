@@ -72,7 +72,7 @@ def test_reference_run_has_one_row_per_step_and_keeps_two_checkpoints(reference)
         # step-000006.ckpt in place, last.ckpt still step 3
         pytest.param("ckpt-published@2", marks=pytest.mark.long),
         # right after last.ckpt was replaced by step 6
-        "last-replaced@2",
+        pytest.param("last-replaced@2", marks=pytest.mark.long),
         # rows appended after step 3's checkpoint was published (row 5, during step 6)
         "metrics-append@3",
     ],

@@ -80,7 +80,7 @@ def signalled(tmp_path: Path, argv: list[str], **env: str) -> subprocess.Complet
         # during step 4, whose validation (val_every=2) would follow: skipped
         pytest.param("SIGINT", 130, {"AT": "4"}, 4, marks=pytest.mark.long),
         # during step 3: no validation is due, and Lightning's own one at a stop is skipped too
-        ("SIGTERM", 143, {"AT": "3"}, 3),
+        pytest.param("SIGTERM", 143, {"AT": "3"}, 3, marks=pytest.mark.long),
         # during the validation at step 2: it finishes, step 3 is trained and saved, no validation after it
         ("SIGINT", 130, {"IN_VAL": "2"}, 3),
         # during the last step (6, validated at the end)

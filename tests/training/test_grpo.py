@@ -576,6 +576,7 @@ def test_grpo_loss_is_not_judged_for_spikes(start, monkeypatch):
     assert seen == []
 
 
+@pytest.mark.long
 def test_grpo_on_2_processes_follows_one_process_fsdp_then_ddp(start, straight):
     def run(*args):
         r = run_group("-m", "gptkit", "train", *args)

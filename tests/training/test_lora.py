@@ -567,6 +567,7 @@ def run_group(*argv: str, timeout: float = HANG_S):
     return r.stderr
 
 
+@pytest.mark.long
 def test_lora_on_ddp_and_fsdp2_follows_one_process(base, tmp_path, capsys):
     """2 CPU processes (gloo), global batch 4 either way: DDP and FSDP2 (rank 1 starts on the meta device)
     train the adapters as one process does; FSDP2's sharded adapters-only checkpoint resumes in one

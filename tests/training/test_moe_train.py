@@ -193,6 +193,7 @@ def close_rows(got, want, keys, tol=1e-5):
                 assert abs(float(got[s][k]) - float(r[k])) < tol, (s, k, got[s][k], r[k])
 
 
+@pytest.mark.long
 def test_ddp_and_fsdp2_with_expert_parallelism_on_2_processes_follow_one_process_bias_included(
     corpus, straight
 ):
