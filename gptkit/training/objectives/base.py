@@ -124,6 +124,25 @@ class FrozenModel:
         with self.disabled(policy), evaluating(policy):
             return target_logps(policy, x, y, temperature)
 
+    def head_inputs(
+        self, policy: torch.nn.Module, x: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+        """What a chunked loss reads of the frozen model in place of its logits: its final hidden states of x
+        [N, T] -> [N, T, d_model], its head's weight [vocab_size, d_model] and model.logit_softcap; eval mode,
+        no grad. The weight is None when the frozen model is the policy with its adapters off: its head is
+        the policy's own (no adapter reaches lm_head), which the loss reads inside the policy's forward (under
+        FSDP2 the gathered weight lives only there)."""
+
+        def grab(h, weight, softcap):
+            return h, weight, softcap
+
+        if self.module is not None:
+            with evaluating(self.module):
+                return self.module(x, doc_ids=doc_ids, head=grab).head
+        with self.disabled(policy), evaluating(policy):
+            h, _, softcap = policy(x, doc_ids=doc_ids, head=grab).head
+        return h, None, softcap
+
     def save(self, checkpoint: dict[str, Any]) -> None:
         if self.source is not None:
             checkpoint[self.checkpoint_key] = dict(self.source)
