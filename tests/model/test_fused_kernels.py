@@ -302,7 +302,8 @@ def test_linear_distill_and_gradients_match_the_unchunked_path(beta, dtype, tol)
 def test_the_bench_row_measures_the_distill_loss_chunked_against_eager():
     """gptkit bench kernels' distill-memory row (fake tensors: no memory used) at the shipped 150k vocabulary
     (1,024 of its 4,096 tokens, to stay fast): the chunked forward + backward never allocates a [tokens,
-    vocab] tensor (its largest is one chunk), and its peak is a small fraction of the eager one."""
+    vocab] tensor (its largest is one chunk), its peak is a small fraction of the eager one and within the
+    memory estimate's count for objective=distill."""
     from omegaconf import OmegaConf
 
     from gptkit.bench.kernels import distill_memory
@@ -317,6 +318,12 @@ def test_the_bench_row_measures_the_distill_loss_chunked_against_eager():
     assert eager.largest >= tokens * V * 4
     assert chunked.largest == chunk_rows(tokens, V) // CHUNK_TENSORS * V * 4
     assert chunked.peak * 20 <= eager.peak
+    # the memory estimate of objective=distill (chunked_logps) bounds it
+    from types import SimpleNamespace
+
+    from gptkit.training.memory import chunked_logits_bytes
+
+    assert chunked.peak <= chunked_logits_bytes(tokens, SimpleNamespace(vocab_size=V))
 
 
 def test_the_model_gives_token_log_probs_without_logits():

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HF_EOS, HF_TEXT, char_tokenizer, run_main
+from conftest import HF_EOS, HF_TEXT, char_tokenizer, estimate_plan, run_main
 from omegaconf import OmegaConf
 
 from gptkit.training.objectives.distill import Distill, distill_loss
@@ -306,6 +306,20 @@ def test_a_teacher_of_another_tokenizer_or_vocabulary_size_is_refused_in_one_lin
     assert code == 2 and last.startswith(f"error: frozen.teacher={run} has model.vocab_size 256, the policy")
     assert "their logits must line up" in last
     assert not (teacher / "runs" / "bad-vocab" / "checkpoints").exists()
+
+
+def test_the_memory_estimate_counts_chunks_of_logits_not_whole_ones():
+    """objective=distill's loss reads both heads chunk by chunk: the estimate counts chunks (bench kernels'
+    distill-memory row measures the chunked loss below that count), not the LM loss's 3 whole fp32 copies."""
+    from gptkit.model import ModelConfig
+    from gptkit.training.memory import chunked_logits_bytes, estimate
+
+    cfg = ModelConfig(vocab_size=150_000, max_seq_len=4096, n_layers=1, n_heads=2, d_model=32)
+    plan = estimate_plan(cfg, objective="distill")
+    plan.batch_size, plan.seq_len = 1, 4096
+    assert estimate(plan)["logits"] == chunked_logits_bytes(4096, cfg) < 2 * (1 << 28) + 2**20
+    plan.objective = "lm"
+    assert estimate(plan)["logits"] == 3 * 4096 * 150_000 * 4
 
 
 def test_distill_flops_count_the_teachers_forward():

@@ -9,7 +9,8 @@ LitGPT (gptkit/training/module.py) runs any objective the same way and never ask
                                      loading the user's reward functions, said at start-up)
         data_kinds, needs_start      what it trains on, and whether it starts from weights (init_from=)
         loss_spikes                  whether trainer.spike_factor's spike notes judge its loss
-        chunked_logps                its loss reads target_logps (chunked), not whole logits: memory.py
+        chunked_logps                its loss reads the head chunk by chunk (target_logps; distill's
+                                     linear_distill), not whole logits: memory.py
         rows(group)                  sequences through the model per batch item (rows_per_item: a DPO pair
                                      2; GRPO: a prompt's group of completions)
         uses_reference(group)        a frozen "reference" (FrozenModel; by default the starting weights) is
@@ -181,8 +182,9 @@ class Objective:
     # its loss is a positive figure that falls as the model learns, so trainer.spike_factor can judge a step
     # against the median of the steps before (a policy-gradient loss sits around 0 by construction: no)
     loss_spikes: ClassVar[bool] = True
-    # its loss reads per-token log-probs the model computes chunk by chunk (target_logps), never whole
-    # logits: the memory estimate counts chunks of them (training/memory.py)
+    # its loss reads per-token log-probs the model computes chunk by chunk (target_logps; objective=distill:
+    # both heads, linear_distill), never whole logits: the memory estimate counts chunks of them
+    # (training/memory.py)
     chunked_logps: ClassVar[bool] = False
 
     @classmethod

@@ -145,6 +145,8 @@ class Distill(LM):
 
     name = "distill"
     group = "distill"
+    # its loss reads both heads chunk by chunk (chunked_distill_loss): the memory estimate counts chunks
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:
