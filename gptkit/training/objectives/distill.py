@@ -17,7 +17,10 @@ beta = 0 and 1 its special cases, no tau^2 factor). The loss is
     alpha * CE(student, labels) + (1 - alpha) * D
 
 both the mean over the micro-batch's label positions (CE at temperature 1), weighed by their count as
-objective=lm's loss is. Validation is objective=lm's: the student's cross-entropy on the labels (val/loss), so
+objective=lm's loss is. A step computes it with chunked_distill_loss, from both models' hidden states and
+heads chunk by chunk over the label positions (gptkit_kernels.linear_distill: no [B, T, vocab] logits in
+either pass); distill_loss, on whole logits, is the readable reference the tests hold it to.
+Validation is objective=lm's: the student's cross-entropy on the labels (val/loss), so
 a distilled run and a run on labels alone compare on the same figure; the train row adds train/distill/ce and
 train/distill/divergence at log steps.
 """
