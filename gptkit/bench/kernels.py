@@ -14,6 +14,13 @@ Rows print as each measurement finishes (bench.out, JSON, is rewritten after eve
                bench.logp_shapes (pairs x 2 rows of T tokens): eager (F.linear -> .float() ->
                F.cross_entropy(reduction="none"), the objectives' unchunked path) against the chunked
                linear_log_probs (GPT.forward(token_logps=True)), whose backward recomputes each chunk.
+  distill-memory  (any machine) the same for objective=distill's loss (a student's and a teacher's heads,
+               divergence at distill.beta and temperature plus alpha times the labels' CE, every position
+               labelled), forward and backward, for each of bench.distill_shapes (rows x T tokens, the
+               teacher d_teacher wide): eager (both models' whole logits -> distill_loss, the objective's
+               unchunked reference; the teacher's logits without grad) against the chunked linear_distill
+               (GPT.forward(head=...)), whose backward recomputes each chunk of both heads; fake=false
+               also times them (median of 3: wall and this process's CPU seconds).
   doc-tiles    (any machine) the (query tile, key tile) products the attention forward computes per head
                for documents of mean length bench.doc_lens packed into T = bench.doc_T windows, against
                plain causal attention (flash.forward_tiles: the kernel's own schedule; the tests hold it
@@ -34,7 +41,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -152,6 +159,63 @@ def logp_memory(
     return pm
 
 
+def distill_step(
+    chunked: bool, x, weight, tx, tweight, targets, beta: float, tau: float, alpha: float
+) -> None:
+    """Forward and backward of objective=distill's loss of the student's rows x [N, T, d] (head weight)
+    against the teacher's tx [N, T, d_t] (tweight, no grad), every position labelled: eager (whole logits,
+    distill_loss) or chunked (linear_distill). Fake tensors have no data to pick the label rows by (a
+    boolean mask's size is data): both sides are then given them, every position, as the same index_select
+    (the copy distill_loss's mask makes)."""
+    from gptkit.training.objectives.distill import distill_loss, divergence
+    from gptkit_kernels.linear_distill import linear_distill
+
+    fake = isinstance(x, FakeTensor)
+    rows = torch.arange(targets.numel()) if fake else None  # [N T]
+    if chunked:
+        settings = dict(beta=beta, temperature=tau, alpha=alpha, label_rows=rows)
+        loss = linear_distill(x, weight, tx, tweight, targets, **settings)[0]
+    else:
+        with torch.no_grad():
+            teacher = F.linear(tx, tweight)  # [N, T, V]
+        student = F.linear(x, weight)  # [N, T, V]
+        if fake:
+            # distill_loss with the mask as an index (every row)
+            v = weight.shape[0]
+            s, t = student.reshape(-1, v).index_select(0, rows), teacher.reshape(-1, v).index_select(0, rows)
+            n = rows.numel()
+            d = divergence(s, t, beta, tau).sum() / n
+            ce = F.cross_entropy(s.float(), targets.reshape(-1), reduction="sum") / n
+            loss = alpha * ce + (1.0 - alpha) * d
+        else:
+            loss = distill_loss(student, teacher, targets, beta, tau, alpha)[0]
+    loss.backward()
+
+
+def distill_memory(shape, chunked: bool) -> PeakMemory:
+    """PeakMemory of one distill_step (inputs made before it; their gradients count) of a
+    bench.distill_shapes entry."""
+    n, T, vocab, d, dt = (
+        int(shape.rows),
+        int(shape.T),
+        int(shape.vocab),
+        int(shape.d_model),
+        int(shape.d_teacher),
+    )
+    dtype = DTYPES[shape.dtype]
+    with FakeTensorMode() if shape.fake else contextlib.nullcontext():
+        x = torch.randn(n, T, d, dtype=dtype, requires_grad=True)  # [N, T, d]
+        w = torch.randn(vocab, d, dtype=dtype, requires_grad=True)  # [V, d]
+        tx = torch.randn(n, T, dt, dtype=dtype)  # [N, T, d_t]
+        tw = torch.randn(vocab, dt, dtype=dtype)  # [V, d_t]
+        t = torch.randint(0, vocab, (n, T))  # [N, T]
+        with PeakMemory() as pm:
+            distill_step(
+                chunked, x, w, tx, tw, t, float(shape.beta), float(shape.temperature), float(shape.alpha)
+            )
+    return pm
+
+
 def document_windows(T: int, mean_len: int, n_windows: int, seed: int = 0) -> torch.Tensor:
     """doc_ids [n_windows, T] for documents of geometric lengths with mean `mean_len`, packed back to back."""
     g = torch.Generator().manual_seed(seed)
@@ -182,6 +246,8 @@ def run(cfg) -> int:
         _loss_rows(emit, shape)
     for shape in cfg.get("logp_shapes") or []:
         _logp_rows(emit, shape)
+    for shape in cfg.get("distill_shapes") or []:
+        _distill_rows(emit, shape)
     # the tile schedule and the fused kernels are Triton's
     if triton_version() is None:
         emit({"what": "doc-tiles, kernel, model", "note": f"not measured: {TRITON_MISSING}"})
@@ -268,6 +334,43 @@ def _logp_rows(emit, shape) -> None:
                 logp_memory(pairs, T, vocab, d, dtype, chunked, fake)
                 times.append(time.perf_counter() - start)
             row[f"{name}_s"] = sorted(times)[1]
+        row[f"{name}_peak_MB"] = pm.peak / 2**20
+        row[f"{name}_largest_MB"] = pm.largest / 2**20
+    row["peak_ratio"] = row["eager_peak_MB"] / row["chunked_peak_MB"]
+    emit(row)
+
+
+def _distill_rows(emit, shape) -> None:
+    from gptkit_kernels.linear_ce import chunk_rows
+    from gptkit_kernels.linear_distill import CHUNK_TENSORS
+
+    tokens, vocab = int(shape.rows) * int(shape.T), int(shape.vocab)
+    row = {
+        "what": "distill-memory",
+        "rows": int(shape.rows),
+        "T": int(shape.T),
+        "vocab": vocab,
+        "d_model": int(shape.d_model),
+        "d_teacher": int(shape.d_teacher),
+        "dtype": shape.dtype,
+        "beta": float(shape.beta),
+        "temperature": float(shape.temperature),
+        "alpha": float(shape.alpha),
+        "tensors": "fake" if shape.fake else "real",
+        "chunk_rows": max(1, chunk_rows(tokens, vocab) // CHUNK_TENSORS),
+    }
+    for name, chunked in (("eager", False), ("chunked", True)):
+        pm = distill_memory(shape, chunked)
+        if not shape.fake:
+            # the median of 3 timed runs after this one: wall clock, and this process's CPU time (the figure
+            # that holds on a shared machine)
+            times, cpu = [], []
+            for _ in range(3):
+                start, start_cpu = time.perf_counter(), time.process_time()
+                distill_memory(shape, chunked)
+                times.append(time.perf_counter() - start)
+                cpu.append(time.process_time() - start_cpu)
+            row[f"{name}_s"], row[f"{name}_cpu_s"] = sorted(times)[1], sorted(cpu)[1]
         row[f"{name}_peak_MB"] = pm.peak / 2**20
         row[f"{name}_largest_MB"] = pm.largest / 2**20
     row["peak_ratio"] = row["eager_peak_MB"] / row["chunked_peak_MB"]

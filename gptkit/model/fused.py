@@ -7,7 +7,9 @@
             (pure torch: runs everywhere)
 
 and, always on (not a model.kernels name), `linear_log_probs`: lm_head + the per-token log-probs of given
-targets, chunked the same way in both passes (GPT.forward(..., token_logps=True): DPO, KTO, GRPO).
+targets, chunked the same way in both passes (GPT.forward(..., token_logps=True): DPO, KTO, GRPO), and
+`linear_distill`: two models' heads + the distillation loss, chunked over the label positions in both passes
+(objective=distill, through GPT.forward(..., head=...)).
 
 The Triton ones need triton and CUDA tensors (or TRITON_INTERPRET=1); elsewhere the model uses its
 eager torch code, with one warning per process. The names live in gptkit.model.config.KERNELS.
@@ -109,3 +111,12 @@ def linear_log_probs(x, weight, targets, softcap=None, temperature=1.0):
     from gptkit_kernels.linear_ce import linear_log_probs
 
     return linear_log_probs(x, weight, targets, ignore_index=-100, softcap=softcap, temperature=temperature)
+
+
+def linear_distill(x, weight, teacher_x, teacher_weight, targets, **settings):
+    """(alpha * CE + (1 - alpha) * D, CE, D) of the student's x @ weight.T against the teacher's teacher_x @
+    teacher_weight.T (settings: beta, temperature, alpha, softcap, teacher_softcap), chunked over the label
+    positions: neither model's logits exist whole, in the forward or the backward pass."""
+    from gptkit_kernels.linear_distill import linear_distill
+
+    return linear_distill(x, weight, teacher_x, teacher_weight, targets, ignore_index=-100, **settings)

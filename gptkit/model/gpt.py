@@ -24,7 +24,7 @@ Labels are NOT shifted inside: pass `targets` already aligned with the logits
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,8 @@ class GPTOutput(NamedTuple):
     logps: Optional[torch.Tensor] = None
     # [B] fp32: the score head on the hidden state at each row's score_at position (model.score_head)
     scores: Optional[torch.Tensor] = None
+    # what forward(head=f) returned: f(final hidden states, lm_head.weight, logit_softcap); logits None
+    head: Any = None
 
 
 class Block(nn.Module):
@@ -188,6 +190,10 @@ class GPT(nn.Module):
         # [B] int64 (model.score_head): each row's position whose final hidden state the score head reads
         # (a sequence's last token); GPTOutput.scores [B], no logits
         score_at: Optional[torch.Tensor] = None,
+        # f(hidden [B, T, d_model] final-normed, lm_head.weight [V, d_model], model.logit_softcap): a loss
+        # that reads the head chunk by chunk (objective=distill), run here, where FSDP2 holds the head's
+        # weight gathered, and eagerly under trainer.compile; its result is GPTOutput.head, no logits
+        head: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[float]], Any]] = None,
     ) -> GPTOutput:
         """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions, aux); see the argument comments.
         loss is the cross-entropy alone: a training loop adds aux.loss (the feed-forwards' auxiliary
@@ -252,6 +258,11 @@ class GPT(nn.Module):
             )
             aux = combine(auxes + mtp_auxes)
         softcap = self.cfg.logit_softcap
+        if head is not None:
+            # under trainer.compile the loss runs eagerly (a graph break: its chunks are data-dependent)
+            run = torch.compiler.disable(head) if torch.compiler.is_compiling() else head
+            out = run(x, self.lm_head.weight, softcap)
+            return GPTOutput(None, None, attentions, aux, mtp_losses, head=out)
         if token_logps:
             if targets is None or logits_to_keep:
                 raise ValueError("token_logps needs targets and every position (logits_to_keep=0)")

@@ -89,7 +89,8 @@ def estimate(plan: Any) -> dict[str, float]:
 
 
 def chunked_logits_bytes(tokens: int, model: Any) -> float:
-    """What per-token log-probs computed chunk by chunk hold (target_logps: DPO, KTO, GRPO) in place of whole
+    """What per-token log-probs computed chunk by chunk hold (target_logps: DPO, KTO, GRPO; distill's
+    linear_distill, whose chunks are a quarter the rows, below this at the bench's sizes) in place of whole
     logits: two chunks of fp32-sized logits (the chunk, and its half-precision matmul output or the
     gradient's copy) and four fp32 values per token (log-probs, log-sum-exp, their gradient, the mask)."""
     from gptkit_kernels.linear_ce import chunk_rows

@@ -59,6 +59,7 @@ def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, gra
         valid = valid_all[s : s + rows]  # [C]
         tc = torch.where(valid, targets[s : s + rows], 0)  # [C], an index in range for ignored rows
         logits = (xc @ weight.t()).to(acc)  # [C, V] fp32: the one chunk of logits alive
+        capped = None
         if softcap is not None:
             capped = torch.tanh(logits / softcap)  # [C, V]
             logits = capped * softcap
@@ -72,20 +73,9 @@ def _chunked(x, weight, targets, ignore_index: int, rows: int, grad_x: bool, gra
             logits.scatter_add_(1, tc[:, None], torch.full_like(picked[:, None], -1.0))
             # ignored rows: 0; the mean: 1 / n_valid
             logits.mul_((valid.to(acc) * scale)[:, None])
-            # through the cap: d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
-            if softcap is not None:
-                logits.mul_(capped.square_().neg_().add_(1.0))
-                del capped
-            g = logits if x.dtype == acc else logits.to(x.dtype)  # [C, V]
-            del logits
-            if grad_x:
-                torch.mm(g, weight, out=dx[s : s + rows])  # [C, d]
-            if grad_w:
-                if g.dtype == dw.dtype:
-                    dw.addmm_(g.t(), xc)  # [V, d]
-                else:
-                    # accumulated in fp32
-                    dw.add_(g.t() @ xc)
+            g = through_cap(logits, capped, x.dtype)  # [C, V]
+            del logits, capped
+            head_back(g, xc, weight, dx[s : s + rows] if grad_x else None, dw)
             del g
     return total / n_valid.to(acc), dx, dw
 
@@ -181,6 +171,29 @@ def _logps_forward(x, weight, targets, ignore_index: int, rows: int, softcap, te
     return out, lse_all
 
 
+def through_cap(grad_logits, capped, dtype):
+    """One chunk's gradient with respect to its logits, grad_logits [C, V] fp32 (scaled in place), taken back
+    through the cap (`capped`: _scaled_logits' tanh, squared in place; None: no cap), in the matmuls' dtype.
+    The caller then drops its fp32 chunk before head_back, so a half-precision run holds one copy."""
+    # d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
+    if capped is not None:
+        grad_logits.mul_(capped.square_().neg_().add_(1.0))
+    return grad_logits if grad_logits.dtype == dtype else grad_logits.to(dtype)  # [C, V]
+
+
+def head_back(g, xc, weight, dx_rows, dw) -> None:
+    """One chunk's logit gradient g [C, V] through the head: written into dx_rows [C, d] (None: not wanted),
+    added to dw [V, d] (fp32; None: not wanted)."""
+    if dx_rows is not None:
+        torch.mm(g, weight, out=dx_rows)  # [C, d]
+    if dw is not None:
+        if g.dtype == dw.dtype:
+            dw.addmm_(g.t(), xc)  # [V, d]
+        else:
+            # accumulated in fp32
+            dw.add_(g.t() @ xc)
+
+
 class LinearLogProbs(torch.autograd.Function):
     """Per-token log-probs of x @ weight^T's targets. The incoming gradient is one number per token, known
     only in the backward pass, so the backward recomputes each chunk's logits (one more head matmul) from the
@@ -217,19 +230,9 @@ class LinearLogProbs(torch.autograd.Function):
                 logits.scatter_add_(1, tc[:, None], gc[:, None])
                 if temperature != 1.0:
                     logits.div_(temperature)
-                # through the cap: d(c tanh(z / c)) / dz = 1 - tanh(z / c)^2
-                if capped is not None:
-                    logits.mul_(capped.square_().neg_().add_(1.0))
-                    del capped
-                g = logits if x.dtype == acc else logits.to(x.dtype)  # [C, V]
-                del logits
-                if grad_x:
-                    torch.mm(g, weight, out=dx[s : s + rows])  # [C, d]
-                if grad_w:
-                    if g.dtype == dw.dtype:
-                        dw.addmm_(g.t(), xc)  # [V, d]
-                    else:
-                        dw.add_(g.t() @ xc)
+                g = through_cap(logits, capped, x.dtype)  # [C, V]
+                del logits, capped
+                head_back(g, xc, weight, None if dx is None else dx[s : s + rows], dw)
                 del g
         return dx, None if dw is None else dw.to(weight.dtype), None, None, None, None, None
 

@@ -241,6 +241,91 @@ def test_the_bench_row_measures_the_dpo_log_probs_chunked_against_eager():
     assert eager.largest >= 2 * pairs * T * vocab * 4 and chunked.peak * 2 <= eager.peak
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
+def test_linear_distill_and_gradients_match_the_unchunked_path(beta, dtype, tol):
+    """linear_distill (chunks of 3 label rows) against distill_loss on the whole logits: loss, CE, D and the
+    gradients w.r.t. the student's hidden states and head, at temperatures 1 and 2, soft-capped (each model
+    its own cap) and not; masked rows get no gradient; without grad the same figures."""
+    from gptkit.training.objectives.distill import distill_loss
+    from gptkit_kernels.linear_distill import linear_distill
+
+    torch.manual_seed(0)
+    N, T, d, dt, V = 2, 9, 16, 24, 50
+    x = (0.5 * torch.randn(N, T, d, dtype=dtype)).requires_grad_()
+    w = (0.5 * torch.randn(V, d, dtype=dtype)).requires_grad_()
+    tx, tw = torch.randn(N, T, dt, dtype=dtype), 0.5 * torch.randn(V, dt, dtype=dtype)
+    t = torch.randint(0, V, (N, T))
+    t[0, :4] = -100
+    t[1, 7:] = -100
+    for tau, cap, tcap in [(1.0, None, None), (2.0, 3.0, 5.0)]:
+        got = linear_distill(
+            x,
+            w,
+            tx,
+            tw,
+            t,
+            beta=beta,
+            temperature=tau,
+            alpha=0.3,
+            chunk_size=3,
+            softcap=cap,
+            teacher_softcap=tcap,
+        )
+        gx, gw = torch.autograd.grad(got[0], (x, w))
+        zs, zt = F.linear(x, w), F.linear(tx, tw)
+        if cap:
+            zs, zt = torch.tanh(zs / cap) * cap, torch.tanh(zt / tcap) * tcap
+        want = distill_loss(zs, zt, t, beta, tau, alpha=0.3)
+        wx, ww = torch.autograd.grad(want[0], (x, w))
+        for a, b in zip((*got, gx, gw), (*want, wx, ww)):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+        assert bool((gx[t == -100] == 0).all())
+        with torch.no_grad():
+            again = linear_distill(
+                x,
+                w,
+                tx,
+                tw,
+                t,
+                beta=beta,
+                temperature=tau,
+                alpha=0.3,
+                chunk_size=3,
+                softcap=cap,
+                teacher_softcap=tcap,
+            )
+        for a, b in zip(again, want):
+            torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_the_bench_row_measures_the_distill_loss_chunked_against_eager():
+    """gptkit bench kernels' distill-memory row (fake tensors: no memory used) at the shipped 150k vocabulary
+    (1,024 of its 4,096 tokens, to stay fast): the chunked forward + backward never allocates a [tokens,
+    vocab] tensor (its largest is one chunk), its peak is a small fraction of the eager one and within the
+    memory estimate's count for objective=distill."""
+    from omegaconf import OmegaConf
+
+    from gptkit.bench.kernels import distill_memory
+    from gptkit.conf_tree import conf_dir
+    from gptkit_kernels.linear_distill import CHUNK_TENSORS
+
+    shape = OmegaConf.load(conf_dir() / "bench" / "kernels.yaml").distill_shapes[0]
+    assert (int(shape.rows) * int(shape.T), int(shape.vocab)) == (4096, 150000)
+    shape.T = 1024
+    tokens, V = 1024, 150000
+    eager, chunked = distill_memory(shape, chunked=False), distill_memory(shape, chunked=True)
+    assert eager.largest >= tokens * V * 4
+    assert chunked.largest == chunk_rows(tokens, V) // CHUNK_TENSORS * V * 4
+    assert chunked.peak * 20 <= eager.peak
+    # the memory estimate of objective=distill (chunked_logps) bounds it
+    from types import SimpleNamespace
+
+    from gptkit.training.memory import chunked_logits_bytes
+
+    assert chunked.peak <= chunked_logits_bytes(tokens, SimpleNamespace(vocab_size=V))
+
+
 def test_the_model_gives_token_log_probs_without_logits():
     """GPT.forward(token_logps=True): [B, T] log-probs of the targets (at a temperature, under the soft cap),
     no logits; what the objectives read."""
@@ -371,6 +456,10 @@ def test_bench_kernels_streams_rows_on_cpu(tmp_path, capsys):
                 dict(pairs=2, T=4096, vocab=150000, d_model=64, dtype="fp32", fake=True),
                 dict(pairs=1, T=64, vocab=1000, d_model=16, dtype="fp32", fake=False),
             ],
+            distill_shapes=[
+                dict(rows=1, T=64, vocab=1000, d_model=16, d_teacher=24, dtype="fp32", beta=0.5)
+                | dict(temperature=2.0, alpha=0.5, fake=False)
+            ],
             doc_T=1024,
             doc_windows=2,
             out=str(out),
@@ -379,6 +468,7 @@ def test_bench_kernels_streams_rows_on_cpu(tmp_path, capsys):
     assert bench.run(cfg) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert any("what=loss-memory" in x for x in lines) and sum("what=doc-tiles" in x for x in lines) == 2
+    assert any("what=distill-memory" in x and "chunked_s=" in x for x in lines)
     assert any("needs a CUDA GPU" in x for x in lines)
     rows = json.loads(out.read_text())["rows"]
     # 8 chunks of 64 tokens

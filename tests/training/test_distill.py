@@ -5,11 +5,14 @@ tiny teacher trained here a few steps, the teacher frozen (weights unchanged, no
 not in the checkpoint); bad settings and a teacher of another vocabulary refused in one line, exit 2.
 """
 
+import contextlib
 import hashlib
+from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HF_EOS, HF_TEXT, char_tokenizer, run_main
+from conftest import HF_EOS, HF_TEXT, char_tokenizer, estimate_plan, run_main
+from omegaconf import OmegaConf
 
 from gptkit.training.objectives.distill import Distill, distill_loss
 
@@ -91,6 +94,83 @@ def test_a_batch_without_labels_is_zero_not_nan():
     student, teacher, targets = fixed()
     loss = distill_loss(student, teacher, torch.full_like(targets, -100), 0.5, 1.0, 0.5)[0]
     assert float(loss.detach()) == 0.0 and loss.requires_grad
+
+
+# ---- the chunked path objective=distill trains with ------------------------------------------------
+
+
+def worst(got, want):
+    """The largest |got - want| / max(1, |want|) over tensors."""
+    return max(float(((g - w).abs() / w.abs().clamp(min=1)).max().detach()) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+def test_the_chunked_loss_and_gradients_equal_the_unchunked_reference(beta, tau, monkeypatch):
+    """chunked_distill_loss (both models' hidden states and heads, chunk by chunk over the label positions:
+    what objective=distill trains with) against distill_loss on the whole logits, fp32, to 1e-6: the loss, CE,
+    D and the gradient of every student parameter (its blocks through the hidden states, its head). Heads
+    tied and untied, soft-capped (model.logit_softcap, another cap for the teacher) and not, a teacher of
+    its own width, and the policy itself with its adapters off (the weight read inside its forward); labels
+    masked on a row end and a prompt; chunks of 3 label rows."""
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.training.objectives.base import FrozenModel, evaluating
+    from gptkit.training.objectives.distill import chunked_distill_loss
+    from gptkit_kernels import linear_ce
+
+    V = 61
+    monkeypatch.setattr(linear_ce, "CHUNK_LOGITS", 12 * V)
+
+    def gpt(d_model, tied, softcap, seed):
+        torch.manual_seed(seed)
+        cfg = dict(n_layers=1, n_heads=2, max_seq_len=16, init_std=0.3)
+        return GPT(
+            ModelConfig(vocab_size=V, d_model=d_model, tie_embeddings=tied, logit_softcap=softcap, **cfg)
+        )
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randint(0, V, (2, 11), generator=g)
+    y = torch.randint(0, V, (2, 11), generator=g)
+    y[0, 8:] = -100
+    y[1, :2] = -100
+    cases = {
+        "tied": (gpt(32, True, None, 0), FrozenModel(gpt(48, True, None, 1), name="teacher")),
+        "untied, capped": (gpt(32, False, 3.0, 0), FrozenModel(gpt(48, False, 5.0, 1), name="teacher")),
+        "self, adapters off": (gpt(32, False, 4.0, 2), None),
+    }
+    for name, (student, teacher) in cases.items():
+        if teacher is None:
+            teacher = FrozenModel(None, lambda policy: contextlib.nullcontext(), name="teacher")
+        params = list(student.parameters())
+        got = chunked_distill_loss(student, teacher, x, y, beta, tau, alpha=0.3)
+        got_grads = torch.autograd.grad(got[0], params)
+        with evaluating(teacher.module or student):
+            teacher_logits = (teacher.module or student)(x).logits
+        want = distill_loss(student(x).logits, teacher_logits, y, beta, tau, alpha=0.3)
+        want_grads = torch.autograd.grad(want[0], params)
+        assert got[0].dtype == torch.float32 and not got[1].requires_grad and not got[2].requires_grad
+        assert worst(got, want) <= 1e-6, (name, got, want)
+        assert worst(got_grads, want_grads) <= 1e-6, name
+        assert float(got[2]) > (0 if teacher.module is not None else -1e-6)
+        # objective=distill's step trains with it: the same loss, and no forward of the student (nor of a
+        # teacher of its own) gives whole logits
+        outputs = []
+        hooks = [
+            m.register_forward_hook(lambda m, i, out: outputs.append(out))
+            for m in (student, teacher.module)
+            if m
+        ]
+        plan = SimpleNamespace(
+            cfg=OmegaConf.create({"distill": {"beta": beta, "temperature": tau, "alpha": 0.3}})
+        )
+        step, n = Distill(plan, {"teacher": teacher}).loss(student, (x, y))
+        for h in hooks:
+            h.remove()
+        assert worst([step], [want[0]]) <= 1e-6 and int(n) == int((y != -100).sum())
+        assert outputs and all(out.logits is None for out in outputs)
+    # no label at all: 0 with a gradient path, as distill_loss
+    none = chunked_distill_loss(student, teacher, x, torch.full_like(y, -100), beta, tau, alpha=0.3)[0]
+    assert float(none.detach()) == 0.0 and none.requires_grad
 
 
 # ---- the CLI ---------------------------------------------------------------------------------------
@@ -226,6 +306,20 @@ def test_a_teacher_of_another_tokenizer_or_vocabulary_size_is_refused_in_one_lin
     assert code == 2 and last.startswith(f"error: frozen.teacher={run} has model.vocab_size 256, the policy")
     assert "their logits must line up" in last
     assert not (teacher / "runs" / "bad-vocab" / "checkpoints").exists()
+
+
+def test_the_memory_estimate_counts_chunks_of_logits_not_whole_ones():
+    """objective=distill's loss reads both heads chunk by chunk: the estimate counts chunks (bench kernels'
+    distill-memory row measures the chunked loss below that count), not the LM loss's 3 whole fp32 copies."""
+    from gptkit.model import ModelConfig
+    from gptkit.training.memory import chunked_logits_bytes, estimate
+
+    cfg = ModelConfig(vocab_size=150_000, max_seq_len=4096, n_layers=1, n_heads=2, d_model=32)
+    plan = estimate_plan(cfg, objective="distill")
+    plan.batch_size, plan.seq_len = 1, 4096
+    assert estimate(plan)["logits"] == chunked_logits_bytes(4096, cfg) < 2 * (1 << 28) + 2**20
+    plan.objective = "lm"
+    assert estimate(plan)["logits"] == 3 * 4096 * 150_000 * 4
 
 
 def test_distill_flops_count_the_teachers_forward():

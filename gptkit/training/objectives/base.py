@@ -9,7 +9,8 @@ LitGPT (gptkit/training/module.py) runs any objective the same way and never ask
                                      loading the user's reward functions, said at start-up)
         data_kinds, needs_start      what it trains on, and whether it starts from weights (init_from=)
         loss_spikes                  whether trainer.spike_factor's spike notes judge its loss
-        chunked_logps                its loss reads target_logps (chunked), not whole logits: memory.py
+        chunked_logps                its loss reads the head chunk by chunk (target_logps; distill's
+                                     linear_distill), not whole logits: memory.py
         rows(group)                  sequences through the model per batch item (rows_per_item: a DPO pair
                                      2; GRPO: a prompt's group of completions)
         uses_reference(group)        a frozen "reference" (FrozenModel; by default the starting weights) is
@@ -124,6 +125,25 @@ class FrozenModel:
         with self.disabled(policy), evaluating(policy):
             return target_logps(policy, x, y, temperature)
 
+    def head_inputs(
+        self, policy: torch.nn.Module, x: torch.Tensor, doc_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, float | None]:
+        """What a chunked loss reads of the frozen model in place of its logits: its final hidden states of x
+        [N, T] -> [N, T, d_model], its head's weight [vocab_size, d_model] and model.logit_softcap; eval mode,
+        no grad. The weight is None when the frozen model is the policy with its adapters off: its head is
+        the policy's own (no adapter reaches lm_head), which the loss reads inside the policy's forward (under
+        FSDP2 the gathered weight lives only there)."""
+
+        def grab(h, weight, softcap):
+            return h, weight, softcap
+
+        if self.module is not None:
+            with evaluating(self.module):
+                return self.module(x, doc_ids=doc_ids, head=grab).head
+        with self.disabled(policy), evaluating(policy):
+            h, _, softcap = policy(x, doc_ids=doc_ids, head=grab).head
+        return h, None, softcap
+
     def save(self, checkpoint: dict[str, Any]) -> None:
         if self.source is not None:
             checkpoint[self.checkpoint_key] = dict(self.source)
@@ -162,8 +182,9 @@ class Objective:
     # its loss is a positive figure that falls as the model learns, so trainer.spike_factor can judge a step
     # against the median of the steps before (a policy-gradient loss sits around 0 by construction: no)
     loss_spikes: ClassVar[bool] = True
-    # its loss reads per-token log-probs the model computes chunk by chunk (target_logps), never whole
-    # logits: the memory estimate counts chunks of them (training/memory.py)
+    # its loss reads per-token log-probs the model computes chunk by chunk (target_logps; objective=distill:
+    # both heads, linear_distill), never whole logits: the memory estimate counts chunks of them
+    # (training/memory.py)
     chunked_logps: ClassVar[bool] = False
 
     @classmethod

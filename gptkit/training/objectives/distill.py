@@ -17,7 +17,10 @@ beta = 0 and 1 its special cases, no tau^2 factor). The loss is
     alpha * CE(student, labels) + (1 - alpha) * D
 
 both the mean over the micro-batch's label positions (CE at temperature 1), weighed by their count as
-objective=lm's loss is. Validation is objective=lm's: the student's cross-entropy on the labels (val/loss), so
+objective=lm's loss is. A step computes it with chunked_distill_loss, from both models' hidden states and
+heads chunk by chunk over the label positions (gptkit_kernels.linear_distill: no [B, T, vocab] logits in
+either pass); distill_loss, on whole logits, is the readable reference the tests hold it to.
+Validation is objective=lm's: the student's cross-entropy on the labels (val/loss), so
 a distilled run and a run on labels alone compare on the same figure; the train row adds train/distill/ce and
 train/distill/divergence at log steps.
 """
@@ -31,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkit.errors import ConfigError
+from gptkit.model import fused
 from gptkit.training.objectives.base import FrozenModel, frozen_words
 from gptkit.training.objectives.lm import LM
 from gptkit.training.token_mean import loss_tokens
@@ -103,12 +107,49 @@ def distill_loss(
     return alpha * ce + (1.0 - alpha) * d, ce.detach(), d.detach()
 
 
+def chunked_distill_loss(
+    model: torch.nn.Module,
+    teacher: FrozenModel,
+    x: torch.Tensor,
+    targets: torch.Tensor,
+    beta: float,
+    temperature: float = 1.0,
+    alpha: float = 0.0,
+    doc_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """distill_loss's (loss, CE, D) of the student `model` against `teacher` on inputs x [N, T], computed from
+    both models' final hidden states and heads chunk by chunk over the label positions
+    (gptkit_kernels.linear_distill): neither pass holds either model's [N, T, vocab] fp32 logits. The teacher
+    runs first (no grad); the loss runs inside the student's forward (GPT.forward(head=...))."""
+    teacher_h, teacher_weight, teacher_softcap = teacher.head_inputs(model, x, doc_ids)  # [N, T, d_t]
+
+    def head(h, weight, softcap):
+        # the teacher's head is the policy's own (its adapters off): never trained, no gradient through it
+        tw = weight.detach() if teacher_weight is None else teacher_weight
+        return fused.linear_distill(
+            h,
+            weight,
+            teacher_h,
+            tw,
+            targets,
+            beta=beta,
+            temperature=temperature,
+            alpha=alpha,
+            softcap=softcap,
+            teacher_softcap=teacher_softcap,
+        )
+
+    return model(x, doc_ids=doc_ids, head=head).head
+
+
 class Distill(LM):
     """objective=distill: the student (the model being trained) against frozen.teacher's distributions, mixed
     with the labels' cross-entropy; validated as objective=lm is."""
 
     name = "distill"
     group = "distill"
+    # its loss reads both heads chunk by chunk (chunked_distill_loss): the memory estimate counts chunks
+    chunked_logps = True
 
     @classmethod
     def check_config(cls, group: Any) -> None:
@@ -148,9 +189,9 @@ class Distill(LM):
         # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
         x, y, *docs = batch
         doc_ids = docs[0] if docs else None
-        teacher = self.teacher.logits(model, x, doc_ids=doc_ids)  # [B, T, V], no grad
-        student = model(x, doc_ids=doc_ids).logits  # [B, T, V]
-        loss, ce, d = distill_loss(student, teacher, y, self.beta, self.temperature, self.alpha)
+        loss, ce, d = chunked_distill_loss(
+            model, self.teacher, x, y, self.beta, self.temperature, self.alpha, doc_ids
+        )
         n = loss_tokens(y)
         row = torch.stack([ce * n, d * n, n.to(ce.dtype)])
         self._train = row if self._train is None else self._train + row
