@@ -194,6 +194,8 @@ def test_kto_loss_and_gradients_chunked_equal_the_unchunked_path(monkeypatch):
         ),
         ({"loss": "simpo", "gamma": -1}, "dpo.gamma=-1 must be >= 0"),
         ({"loss": "orpo", "lambda": 0}, "dpo.lambda=0 must be > 0"),
+        ({"reference": "cached"}, "dpo.reference='cached' is not one of live, precomputed"),
+        ({"loss": "simpo", "reference": "precomputed"}, "dpo.reference=precomputed: dpo.loss=simpo reads no"),
     ],
 )
 def test_bad_dpo_settings_are_one_line(dpo, message):
@@ -402,6 +404,58 @@ def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactl
     assert [[r.get(k) for k in keys] for r in again.values()] == [
         [r.get(k) for k in keys] for r in rows.values()
     ]
+
+
+def test_precomputed_outputs_of_another_model_tokenizer_rows_or_damaged_are_one_line_and_kept(tmp_path):
+    """gptkit/data/frozen_outputs.py: outputs are read back only for the model, tokenizer and rows they were
+    computed for, and whole; every refusal is one ConfigError naming the prepare to run, the files kept."""
+    import numpy as np
+
+    from gptkit.data import frozen_outputs as fo
+    from gptkit.errors import ConfigError
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    x, y = np.arange(12).reshape(3, 4), np.arange(12).reshape(3, 4) + 1
+    model = {"path": "/runs/sft/last.ckpt", "step": 2, "crc32": "0000abcd"}
+    record = {
+        "what": "answer_logps",
+        "model": model,
+        "tokenizer_sha256": fo.tokenizer_sha256(tmp_path),
+        "seq_len": 4,
+        "row_keys": {"truncate": "error"},
+        "rows_crc32": {"train": fo.rows_crc32(x, y)},
+    }
+    logps = np.array([-1.5, -2.5, -3.5], dtype=np.float32)
+
+    def check(model=model, seq_len=4, rows=(x, y), what="answer_logps"):
+        return fo.check_outputs(
+            tmp_path, "reference", what, model, seq_len, {"train": rows}, {"truncate": "error"}, "REDO"
+        )
+
+    with pytest.raises(ConfigError, match="holds no precomputed reference outputs; REDO"):
+        check()
+    npz = fo.write_outputs(tmp_path, "reference", record, {"train_logps": logps}).with_suffix(".npz")
+    assert np.array_equal(check()["train_logps"], logps)
+    for kwargs, message in [
+        (
+            dict(model={**model, "crc32": "ffff0000"}),
+            r"was computed by /runs/sft/last.ckpt \(step 2, crc32 0000abcd\)",
+        ),
+        (dict(model={**model, "step": 3}), "not by this run's reference"),
+        (dict(seq_len=8), "holds rows of seq_len 4"),
+        (dict(rows=(x, y + 1)), "was computed over other rows than this run's"),
+        (dict(what="topk"), "holds 'answer_logps', not 'topk'"),
+    ]:
+        with pytest.raises(ConfigError, match=message + ".*REDO"):
+            check(**kwargs)
+    (tmp_path / "tokenizer.json").write_text('{"other": 1}')
+    with pytest.raises(ConfigError, match="computed with another tokenizer.json; REDO"):
+        check()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    npz.write_bytes(npz.read_bytes()[:-3] + b"xyz")
+    with pytest.raises(ConfigError, match="does not match its record .CRC-32.: it is damaged; REDO"):
+        check()
+    assert npz.is_file() and npz.with_suffix(".json").is_file()
 
 
 def test_a_precomputed_reference_gives_the_live_runs_losses_holds_no_reference_and_resumes(
