@@ -473,6 +473,13 @@ def test_a_precomputed_reference_gives_the_live_runs_losses_holds_no_reference_a
     assert code == 2 and "Traceback" not in err and last.startswith("error: ")
     assert "holds no precomputed reference outputs; compute them with `gptkit prepare" in last
     assert not (dpo_data / "pre" / "config.yaml").exists()
+    for bad, message in [
+        (["rows=48"], "rows= is the row length of precomputed outputs; give reference=<run> or teacher="),
+        (["rows=0", f"reference={sft}"], "reference= needs rows=<the training run's trainer.seq_len>"),
+        (["rows=48", f"reference={sft}", f"teacher={sft}"], "give reference= or teacher=, not both"),
+    ]:
+        code, _, err = run_main(capsys, "prepare", "data=preference", *data, *bad)
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {message}"), err
     code, out, err = run_main(
         capsys, "prepare", "data=preference", *data, "data.template=auto", "rows=48", f"reference={sft}"
     )

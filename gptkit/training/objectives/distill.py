@@ -155,7 +155,9 @@ class Distill(LM):
         kind = {0.0: "forward KL", 1.0: "reverse KL"}.get(beta, f"generalized JSD beta {beta:g}")
         teacher = frozen_words(plan, "teacher", "the starting weights, frozen")
         if precomputed_teacher(d):
-            teacher = f"its top-k precomputed in the data, renormalized (no teacher held; was {teacher})"
+            teacher = (
+                f"its top-k precomputed in the data, renormalized (no teacher held; its source: {teacher})"
+            )
         return (
             f"distill: {kind}, temperature {float(d.get('temperature', 1.0)):g}, alpha "
             f"{float(d.get('alpha', 0.5)):g} (label loss weight); teacher: {teacher}"
