@@ -102,11 +102,14 @@ class ChatData(TemplatedData):
         s = {**self.settings, "pack": pack or self.settings["pack"]}
         if s["pack"] not in ROW_PACKS:
             raise GptkitError(f"data.pack={s['pack']!r} is not one of {', '.join(ROW_PACKS)}")
-        check_row_limit(self, seq_len, "conversations")
-        train, val = (
-            make_rows(split, seq_len, s["pack"], s["train_on"], s["truncate"], self.pad_id)
-            for split in (self.train, self.val)
-        )
+        train, val = chat_rows(self, seq_len, s["pack"])
+        # a precomputed teacher (distill.teacher=precomputed): the training rows carry its top-k
+        teacher = self.outputs.get("teacher")
+        if teacher is not None:
+            import torch
+
+            keys = ("train_offsets", "train_ids", "train_logps")
+            train.topk = tuple(torch.from_numpy(teacher[k]) for k in keys)
         # rows of [seq_len] tensors, batched by the loader
         rows = [val.batch(i) for i in range(first_val(len(val), val_windows))]
         sampler = RowSampler(train, batch_size, seed, TOO_FEW)
@@ -166,6 +169,9 @@ class ChatRows:
     conversations: int
     # [N] the conversations (their index in the split) each row holds, in order, and their tokens there
     held: list[list[tuple[int, int]]] = field(default_factory=list)
+    # a precomputed teacher's top-k at the label positions (y != -100) of every row, in order: (offsets
+    # [N + 1] int64 into ids [M, k] int32 and log-probs [M, k] float32); None: none
+    topk: Any = None
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
@@ -174,8 +180,38 @@ class ChatRows:
         return float((self.y != -100).float().mean()) if len(self) else 0.0
 
     def batch(self, rows):
+        """(x, y[, doc_ids]) of the rows; with a precomputed teacher, then its top-k ids (int64) and
+        log-probs (float32) [len(rows), seq_len, k], 0 where there is no label."""
         out = (self.x[rows], self.y[rows])
-        return out if self.doc_ids is None else (*out, self.doc_ids[rows])
+        out = out if self.doc_ids is None else (*out, self.doc_ids[rows])
+        return out if self.topk is None else (*out, *self.dense_topk(rows))
+
+    def dense_topk(self, rows):
+        import torch
+
+        offsets, ids, logps = self.topk
+        rows = torch.as_tensor(rows).reshape(-1)
+        k = ids.shape[1]
+        out_ids = torch.zeros(len(rows), self.y.shape[1], k, dtype=torch.int64)
+        out_logps = torch.zeros(len(rows), self.y.shape[1], k, dtype=torch.float32)
+        for b, r in enumerate(rows.tolist()):
+            labels = self.y[r] != -100  # [seq_len]
+            a, e = int(offsets[r]), int(offsets[r + 1])
+            out_ids[b, labels] = ids[a:e].long()
+            out_logps[b, labels] = logps[a:e].float()
+        return out_ids, out_logps
+
+
+def chat_rows(data: ChatData, seq_len: int, pack: str | None = None) -> tuple[ChatRows, ChatRows]:
+    """The train and val rows of a run of seq_len (make_rows with the folder's settings; pack: data.pack)."""
+    s = data.settings
+    check_row_limit(data, seq_len, "conversations")
+    pack = pack or s["pack"]
+    rows = (
+        make_rows(split, seq_len, pack, s["train_on"], s["truncate"], data.pad_id)
+        for split in (data.train, data.val)
+    )
+    return tuple(rows)
 
 
 def make_rows(

@@ -126,13 +126,12 @@ class PreferenceData(TemplatedData):
         the val pairs each with its index in the set (the objective counts each once under DDP), batched by
         pair_collate. data.pack does not apply: one answer per row."""
         s = self.settings
-        check_row_limit(self, seq_len, "answers")
-        train, val = (
-            make_pair_rows(split, seq_len, s["truncate"], self.pad_id) for split in (self.train, self.val)
-        )
-        items = [
-            (*val[i], torch.tensor(i, dtype=torch.long)) for i in range(first_val(len(val), val_windows))
-        ]
+        train, val = pair_rows(self, seq_len)
+        # a precomputed reference (dpo.reference=precomputed): each pair's [2] summed answer log-probs
+        ref = self.outputs.get("reference")
+        if ref is not None:
+            train.ref, val.ref = (torch.from_numpy(ref[f"{split}_logps"]).view(-1, 2) for split in SPLITS)
+        items = [val.item(i) for i in range(first_val(len(val), val_windows))]
         sampler = RowSampler(train, batch_size, seed, TOO_FEW)
 
         def tracer(step: int, rank: int, world_size: int, chars: int) -> list[Origin]:
@@ -183,6 +182,19 @@ KIND = TemplatedKind(
 
 
 # ---- rows and batches -------------------------------------------------------------------------------------
+SPLITS = ("train", "val")
+
+
+def pair_rows(data: PreferenceData, seq_len: int) -> tuple[PairRows, PairRows]:
+    """The train and val rows of a run of seq_len (make_pair_rows, the folder's data.truncate)."""
+    check_row_limit(data, seq_len, "answers")
+    rows = (
+        make_pair_rows(split, seq_len, data.settings["truncate"], data.pad_id)
+        for split in (data.train, data.val)
+    )
+    return tuple(rows)
+
+
 @dataclass
 class PairRows:
     """The pairs as rows: x, y [P, 2, seq_len] int64 ([:, 0] chosen, [:, 1] rejected; y = -100 outside the
@@ -198,17 +210,30 @@ class PairRows:
     pairs: int
     # [P] each kept pair's index in the split
     index: list[int] = dataclasses.field(default_factory=list)
+    # [P, 2] float32: the reference's summed answer log-probs of each row, precomputed (None: the run
+    # computes them); batches then carry them last
+    ref: Any = None
 
     def __len__(self) -> int:
         return int(self.x.shape[0])
 
     def batch(self, pairs):
-        """(x, y) [2 * len(pairs), seq_len]: rows 2i, 2i + 1 the chosen, rejected answer of pairs[i]."""
-        return self.x[pairs].flatten(0, 1), self.y[pairs].flatten(0, 1)
+        """(x, y) [2 * len(pairs), seq_len]: rows 2i, 2i + 1 the chosen, rejected answer of pairs[i]; with a
+        precomputed reference, then its log-probs [2 * len(pairs)] in the same order."""
+        out = self.x[pairs].flatten(0, 1), self.y[pairs].flatten(0, 1)
+        return out if self.ref is None else (*out, self.ref[pairs].flatten())
 
     def __getitem__(self, i: int):
         """Pair i as (x, y) [2, seq_len] each (a validation item; pair_collate batches them)."""
         return self.x[i], self.y[i]
+
+    def item(self, i: int):
+        """Validation pair i with its index in the set (0-d), then, when precomputed, its reference
+        log-probs [2]: pair_collate makes them the indices [n] and [n, 2]."""
+        index = torch.tensor(i, dtype=torch.long)
+        return (
+            (self.x[i], self.y[i], index) if self.ref is None else (self.x[i], self.y[i], index, self.ref[i])
+        )
 
 
 def pair_collate(items):

@@ -156,6 +156,9 @@ class TemplatedData(Prepared):
     val: Any
     # what a record is called in the counts ("conversations", "pairs"), the manifest's key of their count
     record_name: str = "records"
+    # a frozen model's precomputed outputs the rows carry, by name (gptkit/data/frozen_outputs.py: set by
+    # the run that reads them, after checking they fit its rows)
+    outputs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def template_path(self) -> Path:

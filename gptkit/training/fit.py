@@ -306,11 +306,16 @@ def plan_run(
 
 def _with_frozen(plan: RunPlan) -> RunPlan:
     """The plan with its frozen models' own sources resolved (frozen.<name>: imported, their configs read,
-    their vocabulary checked against the run's tokenizer), once its data and window are known."""
+    their vocabulary checked against the run's tokenizer), once its data and window are known; a frozen
+    model's outputs precomputed in the data checked to be its own and given to the data's rows."""
+    from gptkit.training.precompute import attach_precomputed
+
     if plan.frozen is not None:
         return plan
     frozen = resolve_frozen(plan.cfg, plan.data.tokenizer_path, plan.model, plan.seq_len)
-    return dataclasses.replace(plan, frozen=frozen)
+    plan = dataclasses.replace(plan, frozen=frozen)
+    attach_precomputed(plan)
+    return plan
 
 
 def _quiet_lightning() -> None:

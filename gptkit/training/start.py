@@ -391,7 +391,9 @@ def _frozen_names(cfg: Any) -> tuple[str, ...]:
     from gptkit.training.objectives import objective_class
 
     objective = objective_class(cfg)
-    return objective.frozen_models(objective.settings_of(cfg))
+    group = objective.settings_of(cfg)
+    # a frozen model whose outputs are precomputed is not built, but its source says whose they must be
+    return (*objective.frozen_models(group), *objective.precomputed_models(group))
 
 
 def check_frozen(cfg: Any) -> None:

@@ -99,8 +99,9 @@ def test_count_params_knows_muon_lora_and_the_dpo_reference(capsys):
 
 
 def test_count_params_holds_no_reference_for_simpo_and_orpo(capsys):
-    """dpo.loss=simpo and orpo are reference-free: the estimate asks the objective which frozen models it
-    holds, as `train`'s does, and is lower than sigmoid's by exactly the reference's bytes."""
+    """dpo.loss=simpo and orpo are reference-free, and dpo.reference=precomputed holds none: the estimate asks
+    the objective which frozen models it holds, as `train`'s does, and is lower than sigmoid's by exactly the
+    reference's bytes."""
     from conftest import run_main
 
     def memory(*extra):
@@ -112,9 +113,10 @@ def test_count_params_holds_no_reference_for_simpo_and_orpo(capsys):
 
     dpo = memory()
     assert dpo == memory("dpo.loss=sigmoid") and dpo["reference"] == dpo["weights"] > 0
-    for loss in ("simpo", "orpo"):
-        free = memory(f"dpo.loss={loss}")
-        assert "reference" not in free and free["total"] == dpo["total"] - dpo["reference"], loss
+    # and so is dpo.reference=precomputed: its log-probs come from the data
+    for free_args in ("dpo.loss=simpo", "dpo.loss=orpo", "dpo.reference=precomputed"):
+        free = memory(free_args)
+        assert "reference" not in free and free["total"] == dpo["total"] - dpo["reference"], free_args
         assert free == {k: v for k, v in dpo.items() if k not in ("reference", "total")} | {
             "total": free["total"]
         }

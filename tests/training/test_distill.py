@@ -173,6 +173,65 @@ def test_the_chunked_loss_and_gradients_equal_the_unchunked_reference(beta, tau,
     assert float(none.detach()) == 0.0 and none.requires_grad
 
 
+def written_topk(student, teacher, targets, k, tau):
+    """D_k of distill_topk.py written out position by position (float64): the teacher's top-k (of its
+    log-probs at temperature 1) renormalized at temperature tau, against the student's whole softmax."""
+    total, n = student.new_zeros(()), 0
+    for i in range(targets.shape[0]):
+        for j in range(targets.shape[1]):
+            if int(targets[i, j]) == -100:
+                continue
+            logt = torch.log_softmax(teacher[i, j], -1)
+            top = logt.topk(k)
+            tk = softmax(top.values, tau)
+            s = softmax(student[i, j], tau)
+            total = total + (tk * (tk.log() - s[top.indices].log())).sum()
+            n += 1
+    return total / n
+
+
+def test_the_top_k_loss_is_the_forward_kl_to_the_renormalized_top_k_and_the_full_one_at_k_v():
+    """distill.teacher=precomputed's loss (distill_topk.py) on fixed logits: k = V is distill_loss's forward
+    KL (value and gradient); k = 3 is the written-out D_k, above 0, and not the full forward KL."""
+    from gptkit.training.objectives.distill_topk import topk_distill_loss
+
+    student, teacher, targets = fixed()
+    logt = torch.log_softmax(teacher, -1)
+    for k in (7, 3):
+        top = logt.topk(k, dim=-1)
+        loss, ce, d = topk_distill_loss(student, top.indices, top.values, targets, 2.0, alpha=0.3)
+        (grad,) = torch.autograd.grad(loss, student)
+        if k == 7:
+            want = distill_loss(student, teacher, targets, 0.0, 2.0, 0.3)[0]
+        else:
+            # alpha CE (the written-out loss at alpha 1) + (1 - alpha) D_k
+            ce_grad = written_out(student, teacher, targets, 0.0, 2.0, 1.0)
+            want = 0.3 * ce_grad + 0.7 * written_topk(student, teacher, targets, 3, 2.0)
+            assert (
+                float(d) > 0
+                and abs(float(d) - float(distill_loss(student, teacher, targets, 0.0, 2.0)[2])) > 1e-3
+            )
+        (want_grad,) = torch.autograd.grad(want, student)
+        torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(grad, want_grad, rtol=1e-10, atol=1e-12)
+        assert grad[targets == -100].abs().max() == 0
+
+
+def test_a_precomputed_teacher_holds_no_teacher_and_reads_the_forward_kl_only():
+    from gptkit.errors import ConfigError
+    from gptkit.training.objectives.distill import check_distill_config
+
+    group = {"teacher": "precomputed", "beta": 0.0}
+    assert Distill.frozen_models(group) == () and Distill.precomputed_models(group) == ("teacher",)
+    assert Distill.frozen_models({}) == ("teacher",) and Distill.precomputed_models({}) == ()
+    for bad, message in [
+        ({"teacher": "precomputed", "beta": 0.5}, "distill.teacher=precomputed keeps the teacher's top-k"),
+        ({"teacher": "cached"}, "distill.teacher='cached' is not one of live, precomputed"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            check_distill_config(bad)
+
+
 # ---- the CLI ---------------------------------------------------------------------------------------
 def tiny(root, name, layers, d_model, *extra):
     """A byte-tokenizer run of `layers` x `d_model` on the text, 4 steps (no validation before the end)."""

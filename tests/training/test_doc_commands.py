@@ -23,8 +23,9 @@ TINY = [
     "grpo.max_new_tokens=4",
 ]
 # what a test cannot have: a model from the Hub, the user's own runs, a placeholder (<run>, elided options:
-# `gptkit train ... grpo.rewards=`), a benchmark
-LEFT_OUT = re.compile(r"hf=|runs/qwen|runs/mine|<|gptkit train \.\.\.|gptkit bench")
+# `gptkit train ... grpo.rewards=`), a benchmark, a precomputed frozen model (its `gptkit prepare ...
+# reference=` first: tests/training/test_dpo.py runs those commands)
+LEFT_OUT = re.compile(r"hf=|runs/qwen|runs/mine|<|gptkit train \.\.\.|gptkit bench|=precomputed")
 
 
 def page_commands(page: str) -> list[list[str]]:

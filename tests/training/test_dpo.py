@@ -4,6 +4,7 @@ logs its rewards, resumes bit-exactly and follows the same trajectory on 2 proce
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -193,6 +194,8 @@ def test_kto_loss_and_gradients_chunked_equal_the_unchunked_path(monkeypatch):
         ),
         ({"loss": "simpo", "gamma": -1}, "dpo.gamma=-1 must be >= 0"),
         ({"loss": "orpo", "lambda": 0}, "dpo.lambda=0 must be > 0"),
+        ({"reference": "cached"}, "dpo.reference='cached' is not one of live, precomputed"),
+        ({"loss": "simpo", "reference": "precomputed"}, "dpo.reference=precomputed: dpo.loss=simpo reads no"),
     ],
 )
 def test_bad_dpo_settings_are_one_line(dpo, message):
@@ -401,6 +404,164 @@ def test_dpo_trains_against_the_frozen_start_logs_rewards_and_resumes_bit_exactl
     assert [[r.get(k) for k in keys] for r in again.values()] == [
         [r.get(k) for k in keys] for r in rows.values()
     ]
+
+
+def test_precomputed_outputs_of_another_model_tokenizer_rows_or_damaged_are_one_line_and_kept(tmp_path):
+    """gptkit/data/frozen_outputs.py: outputs are read back only for the model, tokenizer and rows they were
+    computed for, and whole; every refusal is one ConfigError naming the prepare to run, the files kept."""
+    import numpy as np
+
+    from gptkit.data import frozen_outputs as fo
+    from gptkit.errors import ConfigError
+
+    (tmp_path / "tokenizer.json").write_text("{}")
+    x, y = np.arange(12).reshape(3, 4), np.arange(12).reshape(3, 4) + 1
+    model = {"path": "/runs/sft/last.ckpt", "step": 2, "crc32": "0000abcd"}
+    record = {
+        "what": "answer_logps",
+        "model": model,
+        "tokenizer_sha256": fo.tokenizer_sha256(tmp_path),
+        "seq_len": 4,
+        "row_keys": {"truncate": "error"},
+        "rows_crc32": {"train": fo.rows_crc32(x, y)},
+    }
+    logps = np.array([-1.5, -2.5, -3.5], dtype=np.float32)
+
+    def check(model=model, seq_len=4, rows=(x, y), what="answer_logps"):
+        return fo.check_outputs(
+            tmp_path, "reference", what, model, seq_len, {"train": rows}, {"truncate": "error"}, "REDO"
+        )
+
+    with pytest.raises(ConfigError, match="holds no precomputed reference outputs; REDO"):
+        check()
+    npz = fo.write_outputs(tmp_path, "reference", record, {"train_logps": logps}).with_suffix(".npz")
+    assert np.array_equal(check()["train_logps"], logps)
+    for kwargs, message in [
+        (
+            dict(model={**model, "crc32": "ffff0000"}),
+            r"was computed by /runs/sft/last.ckpt \(step 2, crc32 0000abcd\)",
+        ),
+        (dict(model={**model, "step": 3}), "not by this run's reference"),
+        (dict(seq_len=8), "holds rows of seq_len 4"),
+        (dict(rows=(x, y + 1)), "was computed over other rows than this run's"),
+        (dict(what="topk"), "holds 'answer_logps', not 'topk'"),
+    ]:
+        with pytest.raises(ConfigError, match=message + ".*REDO"):
+            check(**kwargs)
+    (tmp_path / "tokenizer.json").write_text('{"other": 1}')
+    with pytest.raises(ConfigError, match="computed with another tokenizer.json; REDO"):
+        check()
+    (tmp_path / "tokenizer.json").write_text("{}")
+    npz.write_bytes(npz.read_bytes()[:-3] + b"xyz")
+    with pytest.raises(ConfigError, match="does not match its record .CRC-32.: it is damaged; REDO"):
+        check()
+    assert npz.is_file() and npz.with_suffix(".json").is_file()
+
+
+def test_a_precomputed_reference_gives_the_live_runs_losses_holds_no_reference_and_resumes(
+    dpo_data, straight, capsys
+):
+    """dpo.reference=precomputed: refused in one line before `gptkit prepare ... reference=` wrote the
+    log-probs; then the same losses and rewards as the live reference (straight) to 1e-6, no reference model
+    built, a bit-exact resume; outputs of another model or row layout refused in one line, nothing lost."""
+    sft, tok = dpo_data / "sft", dpo_data / "sft" / "tokenizer.json"
+    # the tokenizer named (not init_from='s per-run copy), so that prepare and train find the same folder
+    data = [f"data.paths=[{dpo_data / 'pairs.jsonl'}]", "tokenizer=file", f"tokenizer.path={tok}"]
+    args = [*dpo_args(dpo_data, "pre", 1, "dpo.reference=precomputed"), *data[1:]]
+    code, _, err = run_main(capsys, "train", *args)
+    last = err.strip().splitlines()[-1]
+    assert code == 2 and "Traceback" not in err and last.startswith("error: ")
+    assert "holds no precomputed reference outputs; compute them with `gptkit prepare" in last
+    assert not (dpo_data / "pre" / "config.yaml").exists()
+    for bad, message in [
+        (["rows=48"], "rows= is the row length of precomputed outputs; give reference=<run> or teacher="),
+        (["rows=0", f"reference={sft}"], "reference= needs rows=<the training run's trainer.seq_len>"),
+        (["rows=48", f"reference={sft}", f"teacher={sft}"], "give reference= or teacher=, not both"),
+    ]:
+        code, _, err = run_main(capsys, "prepare", "data=preference", *data, *bad)
+        assert code == 2 and err.strip().splitlines()[-1].startswith(f"error: {message}"), err
+    code, out, err = run_main(
+        capsys, "prepare", "data=preference", *data, "data.template=auto", "rows=48", f"reference={sft}"
+    )
+    assert code == 0, err
+    record = out.split("precomputed reference log-probs of every row of 48: ")[1].split()[0]
+    assert record.endswith("frozen/reference.json")
+    code, _, err = run_main(capsys, "train", *args, "trainer.stop_at_step=3")
+    assert code == 0, err
+    assert "reference: precomputed log-probs in the data (no reference model held)" in err
+    code, _, err = run_main(capsys, "train", f"resume={dpo_data / 'pre'}", f"runs_dir={dpo_data}", "name=pre")
+    assert code == 0, err
+    keys = ("train/loss", "train/rewards/chosen", "train/rewards/margin", "val/loss", "val/rewards/margin")
+    want, got = rows_of(straight), rows_of(dpo_data / "pre")
+    assert sorted(got) == sorted(want)
+    for step in want:
+        for key in keys:
+            if want[step].get(key):
+                assert abs(float(got[step][key]) - float(want[step][key])) < 1e-6, (step, key)
+    # no reference was built: nothing of it in the checkpoint
+    assert "gptkit_dpo_reference" not in torch.load(dpo_data / "pre" / "checkpoints" / "last.ckpt")
+    # another model (frozen.reference= the end of a DPO run), another row layout: one line, nothing lost
+    other = straight / "checkpoints" / "last.ckpt"
+    for extra, message in [
+        ([f"frozen.reference={straight}"], f"was computed by {sft / 'checkpoints' / 'last.ckpt'} (step "),
+        (
+            ["trainer.seq_len=40"],
+            "holds rows of seq_len 48 ({'truncate': 'error'}), this run's are seq_len 40",
+        ),
+    ]:
+        code, _, err = run_main(
+            capsys, "train", *dpo_args(dpo_data, "pre-bad", 1, "dpo.reference=precomputed"), *data[1:], *extra
+        )
+        last = err.strip().splitlines()[-1]
+        assert code == 2 and "Traceback" not in err and last.startswith("error: ") and message in last, err
+        assert not (dpo_data / "pre-bad" / "config.yaml").exists()
+    assert other.is_file() and Path(record).is_file()
+
+
+def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_losses(dpo_data, capsys):
+    """distill.teacher=precomputed (the machinery of the precomputed reference above, on data=chat rows):
+    with top_k = the vocabulary, D_k is the full forward KL, so 3 steps give the live teacher's losses
+    to 1e-5 with no teacher built (the loss with k < the vocabulary: test_distill.py); a text corpus (windows
+    that start anywhere) is refused in one line."""
+    from gptkit.runs import read_config
+
+    sft, tok = dpo_data / "sft", dpo_data / "sft" / "tokenizer.json"
+    data = ["data=chat", f"data.paths=[{dpo_data / 'sft.jsonl'}]", "tokenizer=file", f"tokenizer.path={tok}"]
+    run = [
+        "objective=distill",
+        f"init_from={sft}",
+        f"frozen.teacher={sft}",
+        "distill.alpha=0.5",
+        *from_sft(dpo_data, "live-teacher", 1, "trainer.max_steps=3", "trainer.log_every=1"),
+        *data,
+    ]
+    code, _, err = run_main(capsys, "train", *run)
+    assert code == 0, err
+    vocab = int(read_config(sft)["model"]["vocab_size"])
+    code, out, err = run_main(
+        capsys, "prepare", *data, "data.template=auto", "rows=48", f"teacher={sft}", f"top_k={vocab}"
+    )
+    assert code == 0, err
+    pre = [a.replace("name=live-teacher", "name=top-k") for a in run]
+    code, _, err = run_main(capsys, "train", *pre, "distill.teacher=precomputed")
+    assert code == 0, err
+    assert "its top-k precomputed in the data, renormalized (no teacher held" in err
+    want, got = rows_of(dpo_data / "live-teacher"), rows_of(dpo_data / "top-k")
+    for step in (1, 2, 3):
+        for key in ("train/loss", "train/distill/divergence", "train/distill/ce"):
+            assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
+    assert "gptkit_frozen_teacher" not in torch.load(dpo_data / "top-k" / "checkpoints" / "last.ckpt")
+    code, _, err = run_main(
+        capsys,
+        "train",
+        *run[:-4],
+        "data=files",
+        f"data.paths=[{dpo_data / 'sft.jsonl'}]",
+        "data.text_field=prompt",
+        "distill.teacher=precomputed",
+        "name=text-teacher",
+    )
+    assert code == 2 and "a precomputed teacher is kept for data=chat rows" in err, err
 
 
 def test_dpo_on_a_hybrid_starts_at_log_2_and_logs_the_margin_its_weights_give(dpo_data):

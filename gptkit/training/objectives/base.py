@@ -17,6 +17,8 @@ LitGPT (gptkit/training/module.py) runs any objective the same way and never ask
                                      built for it (needs_reference; GRPO: only with a KL term)
         frozen_models(group)         the names of the frozen models it reads ("reference", "teacher"):
                                      each is built from its frozen.<name> source, frozen, never trained
+        precomputed_models(group)    those whose outputs it reads from the prepared data instead (their
+                                     sources checked, none built: dpo.reference=precomputed)
         flops(counts, dense, causal, group)   training FLOPs per token, its own extra work added
         batch_words(n, group), describe(plan)   what start-up says of a batch and of the objective
         model_config(model, source)  the ModelConfig it trains, from the one the run starts with (reward:
@@ -216,6 +218,14 @@ class Objective:
         """The names of the frozen models it reads (FrozenModel; each from its frozen.<name> source): by
         default "reference" when it uses one. An objective with a teacher adds "teacher"."""
         return ("reference",) if cls.uses_reference(group) else ()
+
+    @classmethod
+    def precomputed_models(cls, group: Any) -> tuple[str, ...]:
+        """The names of the frozen models whose outputs it reads from the prepared data instead of running
+        them (dpo.reference=precomputed): their sources are checked and resolved as frozen_models' are, to
+        check that the data's outputs are theirs (gptkit/training/precompute.py), but none is built or
+        loaded. By default none."""
+        return ()
 
     @classmethod
     def wrong_data(cls, kind: Any) -> str:

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from gptkit.errors import ConfigError
 from gptkit.model import fused
 from gptkit.training.objectives.base import FrozenModel, frozen_words
+from gptkit.training.objectives.distill_topk import topk_distill_loss
 from gptkit.training.objectives.lm import LM
 from gptkit.training.token_mean import loss_tokens
 
@@ -47,6 +48,15 @@ def _number(group: Any, key: str, default: float) -> float:
     return float(value)
 
 
+# distill.teacher: live (the teacher runs in every step) | precomputed (its top-k read from the data:
+# gptkit prepare data=chat ... teacher=<run>; distill_topk.py)
+TEACHERS = ("live", "precomputed")
+
+
+def precomputed_teacher(group: Any) -> bool:
+    return group is not None and str(group.get("teacher", "live")) == "precomputed"
+
+
 def check_distill_config(group: Any) -> None:
     """The distill block: one-line ConfigErrors for values that cannot train."""
     if group is None:
@@ -56,6 +66,14 @@ def check_distill_config(group: Any) -> None:
         raise ConfigError(
             f"distill.beta={beta:g} must be in [0, 1] (0: forward KL, 1: reverse KL, between: "
             "generalized JSD)"
+        )
+    teacher = group.get("teacher", "live")
+    if teacher not in TEACHERS:
+        raise ConfigError(f"distill.teacher={teacher!r} is not one of {', '.join(TEACHERS)}")
+    if teacher == "precomputed" and beta != 0.0:
+        raise ConfigError(
+            f"distill.teacher=precomputed keeps the teacher's top-k, which defines the forward KL only "
+            f"(distill.beta=0); distill.beta={beta:g} reads the teacher's probability of every token"
         )
     temperature = _number(group, "temperature", 1.0)
     if not temperature > 0:
@@ -157,11 +175,18 @@ class Distill(LM):
 
     @classmethod
     def frozen_models(cls, group: Any) -> tuple[str, ...]:
-        return ("teacher",)
+        return () if precomputed_teacher(group) else ("teacher",)
+
+    @classmethod
+    def precomputed_models(cls, group: Any) -> tuple[str, ...]:
+        return ("teacher",) if precomputed_teacher(group) else ()
 
     @classmethod
     def flops(cls, counts: Any, dense: float, causal: float, group: Any = None) -> tuple[float, float]:
-        """The teacher's forward (no grad) added, counted at the student's size (as a reference's is)."""
+        """The teacher's forward (no grad) added, counted at the student's size (as a reference's is); none
+        with a precomputed teacher."""
+        if precomputed_teacher(group):
+            return dense, causal
         return dense + counts.forward_dense, causal + counts.forward_causal
 
     @classmethod
@@ -170,6 +195,10 @@ class Distill(LM):
         beta = float(d.get("beta", 0.0))
         kind = {0.0: "forward KL", 1.0: "reverse KL"}.get(beta, f"generalized JSD beta {beta:g}")
         teacher = frozen_words(plan, "teacher", "the starting weights, frozen")
+        if precomputed_teacher(d):
+            teacher = (
+                f"its top-k precomputed in the data, renormalized (no teacher held; its source: {teacher})"
+            )
         return (
             f"distill: {kind}, temperature {float(d.get('temperature', 1.0)):g}, alpha "
             f"{float(d.get('alpha', 0.5)):g} (label loss weight); teacher: {teacher}"
@@ -181,17 +210,26 @@ class Distill(LM):
         self.beta = float(cfg.get("beta", 0.0))
         self.temperature = float(cfg.get("temperature", 1.0))
         self.alpha = float(cfg.get("alpha", 0.5))
-        self.teacher = self.frozen["teacher"]
+        # the teacher's top-k ids and log-probs come last in every training batch (gptkit.data.chat)
+        self.precomputed = precomputed_teacher(cfg)
+        self.teacher = self.frozen.get("teacher")
         # [3] sums since the last log step: CE x tokens, D x tokens, tokens
         self._train: torch.Tensor | None = None
 
     def loss(self, model, batch):
         # [B, T] inputs, [B, T] next-token targets (, [B, T] doc_ids: data.pack=documents)
         x, y, *docs = batch
+        if self.precomputed:
+            # [B, T, k] each: the teacher's top-k ids and log-probs at the label positions
+            *docs, ids, logps = docs
         doc_ids = docs[0] if docs else None
-        loss, ce, d = chunked_distill_loss(
-            model, self.teacher, x, y, self.beta, self.temperature, self.alpha, doc_ids
-        )
+        if self.precomputed:
+            student = model(x, doc_ids=doc_ids).logits  # [B, T, V]
+            loss, ce, d = topk_distill_loss(student, ids, logps, y, self.temperature, self.alpha)
+        else:
+            loss, ce, d = chunked_distill_loss(
+                model, self.teacher, x, y, self.beta, self.temperature, self.alpha, doc_ids
+            )
         n = loss_tokens(y)
         row = torch.stack([ce * n, d * n, n.to(ce.dtype)])
         self._train = row if self._train is None else self._train + row

@@ -34,11 +34,13 @@ rewards/chosen, rewards/rejected (means of r), rewards/margin (mean of their dif
 (share of pairs with r_chosen > r_rejected); without a reference r = beta avg (simpo) or lambda avg (orpo),
 as TRL logs them.
 
-The reference log-probs are computed in the step, one no-grad forward of the reference per batch (about a
-third of a training step's FLOPs), rather than precomputed once over the data: nothing to store, keep
-in step with a resume, or recompute when the data, seq_len or world size changes, and the reference is the
-same code path under DDP and FSDP2. With finetune=lora the reference is the policy itself with its
-adapters switched off (no second copy of the weights in memory).
+By default (dpo.reference=live) the reference log-probs are computed in the step, one no-grad forward of the
+reference per batch (about a third of a training step's FLOPs): nothing to store or recompute when the data
+or seq_len changes. dpo.reference=precomputed reads them from the prepared data instead (`gptkit prepare
+... reference=<run>`, gptkit/training/precompute.py: the same target_logps, summed, stored in fp32 per row):
+no reference model is built or held, and a run refuses outputs of another model, tokenizer or row layout.
+With finetune=lora the live reference is the policy itself with its adapters switched off (no second copy
+of the weights in memory).
 
 Every log-prob (the policy's and the reference's) comes from target_logps: the model computes them chunk by
 chunk over the tokens, never holding the [2P, T, vocab] fp32 logits in the forward or the backward pass
@@ -62,6 +64,14 @@ REFERENCE_FREE = ("simpo", "orpo")
 # the losses dpo.label_smoothing applies to
 SMOOTHED = ("sigmoid", "simpo")
 REWARD_KEYS = ("chosen", "rejected", "margin", "accuracy")
+# dpo.reference: live (the frozen reference runs in every step) | precomputed (its log-probs read from the
+# prepared data: gptkit prepare ... reference=<run>; no reference model is built or held)
+REFERENCES = ("live", "precomputed")
+
+
+def precomputed_reference(dpo: Any) -> bool:
+    """dpo.reference=precomputed with a loss that reads a reference."""
+    return dpo is not None and str(dpo.get("reference", "live")) == "precomputed"
 
 
 def check_dpo_config(dpo: Any) -> None:
@@ -83,6 +93,13 @@ def check_dpo_config(dpo: Any) -> None:
     loss = str(dpo.get("loss", "sigmoid"))
     if loss not in LOSSES:
         raise ConfigError(f"dpo.loss={dpo.get('loss')!r} is not one of {', '.join(LOSSES)}")
+    reference = dpo.get("reference", "live")
+    if reference not in REFERENCES:
+        raise ConfigError(f"dpo.reference={reference!r} is not one of {', '.join(REFERENCES)}")
+    if reference == "precomputed" and loss in REFERENCE_FREE:
+        raise ConfigError(
+            f"dpo.reference=precomputed: dpo.loss={loss} reads no reference; drop dpo.reference"
+        )
     if loss not in SMOOTHED and smoothing:
         raise ConfigError(
             f"dpo.label_smoothing applies to dpo.loss={' or '.join(SMOOTHED)} only; set it to 0 for {loss}"
@@ -249,8 +266,16 @@ class DPO(Objective):
 
     @classmethod
     def uses_reference(cls, group: Any) -> bool:
-        """Every loss but the reference-free ones (simpo, orpo) measures against the frozen reference."""
+        """Every loss but the reference-free ones (simpo, orpo) measures against the frozen reference, which
+        runs in the step unless its log-probs are precomputed (dpo.reference=precomputed: no forward, no
+        weights held)."""
+        if precomputed_reference(group):
+            return False
         return group is None or str(group.get("loss", "sigmoid")) not in REFERENCE_FREE
+
+    @classmethod
+    def precomputed_models(cls, group: Any) -> tuple[str, ...]:
+        return ("reference",) if precomputed_reference(group) else ()
 
     @classmethod
     def wrong_data(cls, kind: Any) -> str:
@@ -292,6 +317,8 @@ class DPO(Objective):
             if plan.lora
             else "a frozen copy of the starting weights",
         )
+        if precomputed_reference(d):
+            reference = "precomputed log-probs in the data (no reference model held)"
         return f"DPO: beta {d.get('beta')}, {d.get('loss')} loss; reference: {reference}"
 
     def __init__(self, plan: Any, frozen: dict[str, FrozenModel] | None = None) -> None:
@@ -302,6 +329,8 @@ class DPO(Objective):
         self.loss_type = str(cfg.get("loss", "sigmoid"))
         self.gamma = float(cfg.get("gamma", 0.5))
         self.lam = float(cfg.get("lambda", 0.1))
+        # the reference's log-probs come last in every batch (gptkit.data.preference.PairRows.ref)
+        self.precomputed = precomputed_reference(self.settings)
         self.train_rewards = RewardWindow()
         self.val_rewards = RewardWindow()
 
@@ -320,7 +349,10 @@ class DPO(Objective):
             pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
             return orpo_loss(pi[:, 0], pi[:, 1], n[:, 0], n[:, 1], self.lam)
         # [P, 2]: chosen, rejected
-        ref = self.reference.logps(policy, x, y).sum(-1).view(-1, 2)
+        if self.precomputed:
+            ref = batch[-1].to(device=x.device, dtype=torch.float32).view(-1, 2)
+        else:
+            ref = self.reference.logps(policy, x, y).sum(-1).view(-1, 2)
         pi = target_logps(policy, x, y).sum(-1).view(-1, 2)  # [P, 2]
         return dpo_loss(
             pi[:, 0],
