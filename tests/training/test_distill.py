@@ -232,6 +232,10 @@ def test_a_teacher_of_another_tokenizer_or_vocabulary_size_is_refused_in_one_lin
         f"error: frozen.teacher={run} has another vocabulary than the policy"
     )
     assert "256 tokens in" in last and "31 in" in last
+    # objective=gkd reads its teacher through the same check
+    gkd = tiny(teacher, "bad-vocab", 1, 32, "objective=gkd", f"teacher={run}", "gkd.prompt_len=8")
+    code, _, err = run_main(capsys, "train", *gkd, *chars)
+    assert code == 2 and err.strip().splitlines()[-1] == last
     # the same tokenizer, padded to another model.vocab_size
     code, _, err = run_main(capsys, "train", *base, "vocab_multiple=100")
     last = err.strip().splitlines()[-1]
