@@ -3,6 +3,10 @@ written out here (float64) for forward KL, the generalized JSD and reverse KL at
 with its gradient; only the positions with a label count. Through the CLI: a tiny student distilled from a
 tiny teacher trained here a few steps, the teacher frozen (weights unchanged, no gradient, no optimizer state,
 not in the checkpoint); bad settings and a teacher of another vocabulary refused in one line, exit 2.
+objective=gkd (on-policy): the tokens it trains on are the student's own keyed draws (not the teacher's, not
+the data); its loss is the reverse KL over them written out plus alpha times the labels' CE; lmbda is the
+share of on-policy micro-steps; a CLI run, and one stopped at step 2 and resumed with the weights and figures
+of the straight run.
 """
 
 import hashlib
@@ -365,7 +369,6 @@ def test_gkd_through_the_cli_samples_and_logs_its_share_with_val_loss_on_the_lab
     assert "gptkit_frozen_teacher" in saved and all("teacher" not in k for k in saved["state_dict"])
 
 
-@pytest.mark.long
 def test_gkd_stopped_and_resumed_ends_with_the_weights_and_figures_of_an_uninterrupted_run(
     teacher, gkd_straight, capsys
 ):
