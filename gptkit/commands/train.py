@@ -49,8 +49,8 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     }
     check_resume_or_init(kv.get("resume"), kv.get("init_from"))
     args = _name_after_init_source(args, options, kv)
-    # teacher=<source>: the short spelling of frozen.teacher=<source> (objective=distill), the key the run
-    # records
+    # teacher=<source>: the short spelling of frozen.teacher=<source> (objective=distill, gkd), the key the
+    # run records
     args = [f"frozen.{a}" if a.startswith("teacher=") else a for a in args]
     name = kv.get("name")
     check_run_location(kv.get("runs_dir", "runs"), None if name and "${" in name else name)

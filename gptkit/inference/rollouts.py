@@ -2,6 +2,8 @@
 the KV cache, each drawn with noise of its own.
 
     sample_groups(model, prompts, keys, opts, budgets)   -> per prompt, its n Completions
+    sample_rows(model, prompts, keys, opts, budget)      -> one Completion per prompt, prompts of one length
+                                                            in one batch (objective=gkd: corpus prefixes)
 
 One prompt's n completions are one batch [n, T0 + new] (the prompt repeated, as generate.py does): no
 padding, no position offsets, every row computes what a lone generation of that prompt computes. The noise
@@ -125,6 +127,28 @@ def sample_groups(
         model.train(was)
 
 
+def sample_rows(
+    model,
+    prompts: list[list[int]],
+    keys: list[int],
+    opts: RolloutOptions,
+    budget: int,
+    lockstep: Optional[Callable[[bool], bool]] = None,
+) -> list[Completion]:
+    """One completion of each prompt (all of one length: no padding, so each row computes what a lone
+    generation of it computes), row r drawn with key keys[r], at most budget new tokens; one batch through one
+    KV cache. Eval mode and no autograd, as sample_groups."""
+    opts.validate()
+    if len({len(p) for p in prompts}) != 1:
+        raise ValueError("sample_rows takes prompts of one length")
+    was = model.training
+    model.eval()
+    try:
+        return _sample_batch(model, prompts, keys, opts, budget, lockstep)
+    finally:
+        model.train(was)
+
+
 class _Cache(KVCache):
     """A KVCache whose tensors are allocated at the first keys written to them, in their dtype and on their
     device: the compute dtype (autocast's, FSDP2's param_dtype, the weights'), which the caller need not
@@ -152,15 +176,22 @@ class _Cache(KVCache):
 
 def _sample_group(model, prompt, keys, opts: RolloutOptions, budget: int, lockstep) -> list[Completion]:
     """One prompt's completions, one batch of len(keys) rows through one KV cache (module docstring)."""
-    if budget < 1 or not prompt:
-        raise ValueError(f"a prompt of {len(prompt)} tokens with room for {budget} new tokens")
+    return _sample_batch(model, [prompt] * len(keys), keys, opts, budget, lockstep)
+
+
+@torch.no_grad()
+def _sample_batch(model, prompts, keys, opts: RolloutOptions, budget: int, lockstep) -> list[Completion]:
+    """Row r: prompts[r] (all of one length) and its completion drawn with keys[r], one batch through one KV
+    cache."""
+    if budget < 1 or not prompts[0]:
+        raise ValueError(f"a prompt of {len(prompts[0])} tokens with room for {budget} new tokens")
     device = model.tok_emb.weight.device
-    n, t0 = len(keys), len(prompt)
+    n, t0 = len(keys), len(prompts[0])
     key_t = key_tensor(keys, device)  # [n, 2]
     stop = torch.tensor(list(opts.stop_ids) or [-1], dtype=torch.long, device=device)  # [n_stop]
     # per layer its cache layout's K and V for T0 + budget positions (or its state), allocated on first use
     cache = _Cache(model.cfg, n, t0 + budget)
-    ids = torch.tensor([prompt] * n, dtype=torch.long, device=device)  # [n, T0]
+    ids = torch.tensor(prompts, dtype=torch.long, device=device)  # [n, T0]
     logits = model(ids, cache=cache, logits_to_keep=1).logits[:, -1]  # [n, V]
     out = torch.zeros(n, budget, dtype=torch.long, device=device)  # [n, budget]
     done = torch.zeros(n, dtype=torch.bool, device=device)  # [n]

@@ -3,6 +3,10 @@ written out here (float64) for forward KL, the generalized JSD and reverse KL at
 with its gradient; only the positions with a label count. Through the CLI: a tiny student distilled from a
 tiny teacher trained here a few steps, the teacher frozen (weights unchanged, no gradient, no optimizer state,
 not in the checkpoint); bad settings and a teacher of another vocabulary refused in one line, exit 2.
+objective=gkd (on-policy): the tokens it trains on are the student's own keyed draws (not the teacher's, not
+the data); its loss is the reverse KL over them written out plus alpha times the labels' CE; lmbda is the
+share of on-policy micro-steps; a CLI run, and one stopped at step 2 and resumed with the weights and figures
+of the straight run.
 """
 
 import contextlib
@@ -11,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HF_EOS, HF_TEXT, char_tokenizer, estimate_plan, run_main
+from conftest import HF_EOS, HF_TEXT, char_tokenizer, estimate_plan, rows_by_step, run_main
 from omegaconf import OmegaConf
 
 from gptkit.training.objectives.distill import Distill, distill_loss
@@ -333,6 +337,15 @@ def test_a_student_distills_from_a_teacher_run_which_stays_frozen(teacher, capsy
         (["distill.temperature=0"], "distill.temperature=0 must be > 0"),
         (["distill.alpha=-0.1"], "distill.alpha=-0.1 must be in [0, 1]"),
         (["frozen.teacher={root}/nowhere"], "frozen.teacher={root}/nowhere: {root}/nowhere does not exist"),
+        (["objective=gkd", "gkd.lmbda=2"], "gkd.lmbda=2 must be in [0, 1]"),
+        (["objective=gkd", "gkd.beta=-1"], "gkd.beta=-1 must be in [0, 1]"),
+        (["objective=gkd", "gkd.prompt_len=0"], "gkd.prompt_len=0 must be a positive integer"),
+        (["objective=gkd", "gkd.max_new_tokens=1.5"], "gkd.max_new_tokens=1.5 must be a positive integer"),
+        (["objective=gkd", "gkd.prompt_len=32"], "gkd.prompt_len=32 leaves no room to sample in rows of 32"),
+        (
+            ["objective=gkd", "data.pack=documents"],
+            "objective=gkd continues the start of each row as one text",
+        ),
     ],
 )
 def test_bad_distill_commands_exit_2_with_one_line_before_anything_is_written(
@@ -341,7 +354,10 @@ def test_bad_distill_commands_exit_2_with_one_line_before_anything_is_written(
     args = [a.format(root=tmp_path) for a in args]
     if not any(a.startswith("frozen.teacher=") for a in args) and "needs" not in message:
         args.append(f"frozen.teacher={teacher / 'runs' / 'teacher'}")
-    code, _, err = run_main(capsys, "train", *tiny(tmp_path, "bad", 1, 32, "objective=distill", *args))
+    # objective=distill unless the case names another (gkd)
+    objective = next((a for a in args if a.startswith("objective=")), "objective=distill")
+    args = [a for a in args if not a.startswith("objective=")]
+    code, _, err = run_main(capsys, "train", *tiny(tmp_path, "bad", 1, 32, objective, *args))
     assert code == 2, err
     assert err.strip().splitlines()[-1].startswith(f"error: {message.format(root=tmp_path)}"), err
     assert not (tmp_path / "runs" / "bad").exists()
@@ -359,6 +375,10 @@ def test_a_teacher_of_another_tokenizer_or_vocabulary_size_is_refused_in_one_lin
         f"error: frozen.teacher={run} has another vocabulary than the policy"
     )
     assert "256 tokens in" in last and "31 in" in last
+    # objective=gkd reads its teacher through the same check
+    gkd = tiny(teacher, "bad-vocab", 1, 32, "objective=gkd", f"teacher={run}", "gkd.prompt_len=8")
+    code, _, err = run_main(capsys, "train", *gkd, *chars)
+    assert code == 2 and err.strip().splitlines()[-1] == last
     # the same tokenizer, padded to another model.vocab_size
     code, _, err = run_main(capsys, "train", *base, "vocab_multiple=100")
     last = err.strip().splitlines()[-1]
@@ -386,3 +406,144 @@ def test_distill_flops_count_the_teachers_forward():
         forward_dense, forward_causal = 2.0, 1.5
 
     assert Distill.flops(Counts(), 6.0, 4.5) == (8.0, 6.0)
+
+
+# ---- objective=gkd: on-policy distillation ------------------------------------------------------------
+def gkd_objective(lmbda=1.0, alpha=0.3, beta=1.0, temperature=2.0, seed=3):
+    """objective=gkd on two tiny random GPTs of one vocabulary (the teacher wider), rows of 12 tokens."""
+    from types import SimpleNamespace
+
+    from omegaconf import OmegaConf
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.training.objectives.base import FrozenModel
+    from gptkit.training.objectives.gkd import GKD
+
+    def gpt(d_model, seed):
+        torch.manual_seed(seed)
+        cfg = ModelConfig(vocab_size=40, max_seq_len=16, n_layers=1, n_heads=2, d_model=d_model)
+        model = GPT(cfg)
+        with torch.no_grad():
+            # sharp, unlike distributions: the two models' draws with one key differ
+            for p in model.parameters():
+                p.add_(0.5 * torch.randn_like(p))
+        return model
+
+    settings = dict(lmbda=lmbda, alpha=alpha, beta=beta, temperature=temperature, prompt_len=5)
+    plan = SimpleNamespace(cfg=OmegaConf.create({"gkd": settings, "seed": seed}), seq_len=12)
+    student, teacher = gpt(16, 0), gpt(32, 1)
+    objective = GKD(plan, {"teacher": FrozenModel(teacher, name="teacher")})
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randint(0, 40, (2, 13), generator=g)
+    return objective, student, teacher, (rows[:, :-1], rows[:, 1:])
+
+
+def test_gkd_samples_the_students_own_continuations_of_each_rows_start():
+    from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
+
+    objective, student, teacher, (x, _) = gkd_objective()
+    xs, ys = objective.sample(student, x, step=7)
+    assert xs.shape == (2, 11) and torch.equal(xs[:, :5], x[:, :5])
+    completions = [row[row != -100].tolist() for row in ys]
+    assert [len(c) for c in completions] == [7, 7] and torch.equal(xs[:, 5:], ys[:, 4:-1])
+    # each row: the student's own draw with its key (seed, micro-step, row, 0), as GRPO's sampler draws it
+    opts = RolloutOptions(7, temperature=2.0)
+    for b in range(2):
+        key = [[sample_key(3, 7, b, 0)]]
+        (mine,) = sample_groups(student, [x[b, :5].tolist()], key, opts, [7])
+        (theirs,) = sample_groups(teacher, [x[b, :5].tolist()], key, opts, [7])
+        assert completions[b] == mine[0].tokens != theirs[0].tokens
+        assert completions[b] != x[b, 5:12].tolist()
+    # another micro-step draws other tokens; the same one the same (a resume)
+    assert torch.equal(objective.sample(student, x, step=7)[1], ys)
+    assert not torch.equal(objective.sample(student, x, step=8)[1], ys)
+
+
+def test_the_gkd_loss_is_the_reverse_kl_over_the_sampled_tokens_plus_the_label_term_written_out():
+    objective, student, teacher, (x, y) = gkd_objective(alpha=0.3, temperature=2.0)
+    xs, ys = objective.sample(student, x, step=0)
+    loss, n = objective.loss(student, (x, y))
+    assert int(n) == y.numel() and objective.micro == 1
+    with torch.no_grad():
+        s, t = student(xs).logits.double(), teacher(xs).logits.double()
+        labels = student(x).logits.double()
+    # sum_v s (log s - log t) at temperature 2, the mean over the 2 x 7 sampled positions only
+    d = written_out(s, t, ys, 1.0, 2.0, 0.0)
+    ce = written_out(labels, labels, y, 1.0, 1.0, 1.0)
+    torch.testing.assert_close(loss.double(), 0.3 * ce + 0.7 * d, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    assert all(p.grad is None for p in teacher.parameters())
+    assert all(p.grad is not None for p in student.parameters())
+    # lmbda 0: objective=distill's step on the row itself (beta, temperature and alpha gkd's)
+    offline, *_ = gkd_objective(lmbda=0.0)
+    with torch.no_grad():
+        want = distill_loss(student(x).logits, teacher(x).logits, y, 1.0, 2.0, 0.3)[0]
+        torch.testing.assert_close(offline.loss(student, (x, y))[0], want)
+
+
+def test_gkd_lmbda_is_the_share_of_on_policy_micro_steps_drawn_by_key():
+    from gptkit.training.objectives.gkd import on_policy
+
+    for lmbda in (0.0, 0.25, 1.0):
+        share = sum(on_policy(1, m, lmbda) for m in range(4000)) / 4000
+        assert abs(share - lmbda) < 0.03
+    assert [on_policy(1, m, 0.5) for m in range(50)] == [on_policy(1, m, 0.5) for m in range(50)]
+
+
+GKD_ARGS = ["objective=gkd", "gkd.prompt_len=8", "gkd.max_new_tokens=12", "gkd.lmbda=0.7"]
+
+
+@pytest.fixture(scope="module")
+def gkd_straight(teacher):
+    """A student trained 4 steps by objective=gkd from the teacher run, through the CLI: its folder."""
+    from gptkit.cli import main
+
+    source = teacher / "runs" / "teacher"
+    args = tiny(teacher, "gkd-straight", 1, 32, *GKD_ARGS, f"teacher={source}")
+    assert main(["train", *args]) == 0
+    return teacher / "runs" / "gkd-straight"
+
+
+def test_gkd_through_the_cli_samples_and_logs_its_share_with_val_loss_on_the_labels(gkd_straight):
+    rows = rows_by_step(gkd_straight)
+    logged = [r for r in rows.values() if r.get("train/distill/on_policy") not in (None, "")]
+    assert logged and all(float(r["train/distill/divergence"]) > 0 for r in logged)
+    # lmbda 0.7: each log step's share of on-policy micro-steps is the keyed draws' (seed, micro-step)
+    from omegaconf import OmegaConf
+
+    from gptkit.training.objectives.gkd import on_policy
+
+    seed = int(OmegaConf.load(gkd_straight / "config.yaml").seed)
+    drawn = [on_policy(seed, m, 0.7) for m in range(4)]
+    assert [float(r["train/distill/on_policy"]) for r in logged] == [sum(drawn[:2]) / 2, sum(drawn[2:]) / 2]
+    assert any(drawn)
+    assert rows[4]["val/loss"] and float(rows[4]["val/loss"]) > 0
+    saved = torch.load(gkd_straight / "checkpoints" / "last.ckpt", weights_only=True)
+    assert "gptkit_frozen_teacher" in saved and all("teacher" not in k for k in saved["state_dict"])
+
+
+def test_gkd_stopped_and_resumed_ends_with_the_weights_and_figures_of_an_uninterrupted_run(
+    teacher, gkd_straight, capsys
+):
+    from gptkit.runs import load_model
+
+    source = teacher / "runs" / "teacher"
+    args = tiny(teacher, "gkd-resumed", 1, 32, *GKD_ARGS, f"teacher={source}", "trainer.stop_at_step=2")
+    code, _, err = run_main(capsys, "train", *args)
+    assert code == 0, err
+    stopped = torch.load(teacher / "runs" / "gkd-resumed" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert stopped["global_step"] == 2
+    code, _, err = run_main(capsys, "train", f"resume={teacher / 'runs' / 'gkd-resumed'}")
+    assert code == 0, err
+    *_, straight = load_model(gkd_straight)
+    *_, resumed = load_model(teacher / "runs" / "gkd-resumed")
+    for (k, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(a, b), k
+    # every step's figures, the same (the resumed run's rows: step 1-2 before the stop, 3-4 after; the stopped
+    # run validated at its step 2 as well), the final val loss too
+    keys = ("train/loss", "train/distill/ce", "train/distill/divergence", "train/distill/on_policy")
+    want, got = rows_by_step(gkd_straight), rows_by_step(teacher / "runs" / "gkd-resumed")
+    assert {s: [r.get(k) for k in keys] for s, r in want.items()} == {
+        s: [r.get(k) for k in keys] for s, r in got.items()
+    }
+    assert want[4]["val/loss"] and want[4]["val/loss"] == got[4]["val/loss"]

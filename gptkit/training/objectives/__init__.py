@@ -6,6 +6,8 @@
           reference
     distill  next-token distillation from frozen.teacher (forward/reverse KL, generalized JSD) mixed with the
           labels' cross-entropy
+    gkd   on-policy distillation: the student's own continuations of its rows' starts scored per token by
+          frozen.teacher (reverse KL by default), a share lmbda of the steps
     grpo  group relative policy optimization on data=prompts: completions sampled from the model, scored by
           rewards (checkers, the user's functions or a reward model)
     reward Bradley-Terry reward model on data=preference: a scalar score head (model.score_head) trained to
@@ -26,6 +28,7 @@ from gptkit.errors import ConfigError
 from gptkit.training.objectives.base import FrozenModel, Objective, evaluating
 from gptkit.training.objectives.distill import Distill
 from gptkit.training.objectives.dpo import DPO
+from gptkit.training.objectives.gkd import GKD
 from gptkit.training.objectives.grpo import GRPO
 from gptkit.training.objectives.kto import KTO
 from gptkit.training.objectives.lm import LM
@@ -38,6 +41,7 @@ OBJECTIVES: dict[str, type[Objective]] = {
     "grpo": GRPO,
     "kto": KTO,
     "distill": Distill,
+    "gkd": GKD,
     "reward": Reward,
 }
 # objective= -> the objective that trains a model with model.mtp.depth > 0 (its MTP losses added)

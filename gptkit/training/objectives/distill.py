@@ -41,10 +41,10 @@ from gptkit.training.objectives.lm import LM
 from gptkit.training.token_mean import loss_tokens
 
 
-def _number(group: Any, key: str, default: float) -> float:
+def number(group: Any, key: str, default: float, prefix: str = "distill") -> float:
     value = group.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(float(value)):
-        raise ConfigError(f"distill.{key}={value!r} must be a number")
+        raise ConfigError(f"{prefix}.{key}={value!r} must be a number")
     return float(value)
 
 
@@ -57,33 +57,34 @@ def precomputed_teacher(group: Any) -> bool:
     return group is not None and str(group.get("teacher", "live")) == "precomputed"
 
 
-def check_distill_config(group: Any) -> None:
-    """The distill block: one-line ConfigErrors for values that cannot train."""
+def check_distill_config(group: Any, prefix: str = "distill", beta_default: float = 0.0) -> None:
+    """The distill block (or objective=gkd's, prefix gkd): one-line ConfigErrors for values that cannot
+    train."""
     if group is None:
         return
-    beta = _number(group, "beta", 0.0)
+    beta = number(group, "beta", beta_default, prefix)
     if not 0.0 <= beta <= 1.0:
         raise ConfigError(
-            f"distill.beta={beta:g} must be in [0, 1] (0: forward KL, 1: reverse KL, between: "
+            f"{prefix}.beta={beta:g} must be in [0, 1] (0: forward KL, 1: reverse KL, between: "
             "generalized JSD)"
         )
     teacher = group.get("teacher", "live")
     if teacher not in TEACHERS:
-        raise ConfigError(f"distill.teacher={teacher!r} is not one of {', '.join(TEACHERS)}")
+        raise ConfigError(f"{prefix}.teacher={teacher!r} is not one of {', '.join(TEACHERS)}")
     if teacher == "precomputed" and beta != 0.0:
         raise ConfigError(
-            f"distill.teacher=precomputed keeps the teacher's top-k, which defines the forward KL only "
-            f"(distill.beta=0); distill.beta={beta:g} reads the teacher's probability of every token"
+            f"{prefix}.teacher=precomputed keeps the teacher's top-k, which defines the forward KL only "
+            f"({prefix}.beta=0); {prefix}.beta={beta:g} reads the teacher's probability of every token"
         )
-    temperature = _number(group, "temperature", 1.0)
+    temperature = number(group, "temperature", 1.0, prefix)
     if not temperature > 0:
         raise ConfigError(
-            f"distill.temperature={temperature:g} must be > 0 (1: the models' own distributions)"
+            f"{prefix}.temperature={temperature:g} must be > 0 (1: the models' own distributions)"
         )
-    alpha = _number(group, "alpha", 0.5)
+    alpha = number(group, "alpha", 0.5, prefix)
     if not 0.0 <= alpha <= 1.0:
         raise ConfigError(
-            f"distill.alpha={alpha:g} must be in [0, 1] (the weight of the label loss; 1 - alpha: the "
+            f"{prefix}.alpha={alpha:g} must be in [0, 1] (the weight of the label loss; 1 - alpha: the "
             "teacher's)"
         )
 
