@@ -44,8 +44,8 @@ def pytest_addoption(parser):
         "--long",
         action="store_true",
         help="also run the tests marked long (the slowest end-to-end checks: further kill points, signals, "
-        "process layouts, benchmarks' CPU dry runs, Triton-interpreter variants; .ci/long-tests runs them, and "
-        ".ci/run calls it)",
+        "process layouts, benchmarks' CPU dry runs, Triton-interpreter variants; .ci/long-tests runs "
+        "them, and .ci/run calls it)",
     )
 
 
@@ -60,8 +60,8 @@ def pytest_collection_modifyitems(config, items):
     """The README's `pytest -n 2 -q` skips the tests marked long, and says so in its summary: each is
     among the slowest tests (a further kill point, signal or process layout of a check the suite makes once
     already, a benchmark's CPU dry run, a Triton-interpreter or whole-CLI variant of a check made on the model
-    directly), kept out so the suite stays under its 10 minutes. `.ci/long-tests` (called by .ci/run) runs them
-    with `--long -m long`, and .ci/gpu-check with its kernel steps."""
+    directly), kept out so the suite stays under its 10 minutes. `.ci/long-tests` (called by .ci/run) runs
+    them with `--long -m long`, and .ci/gpu-check with its kernel steps."""
     if config.getoption("--long"):
         return
     skip = pytest.mark.skip(reason="long: run by .ci/long-tests (pytest --long)")
