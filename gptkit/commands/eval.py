@@ -36,7 +36,7 @@ import time
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
 # options of tasks=
-TASK_ONLY = ("limit", "num_fewshot", "out")
+TASK_ONLY = ("limit", "num_fewshot", "out", "decontaminate", "samples", "k")
 # options of the corpus evaluation
 CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")
 
@@ -275,6 +275,12 @@ def run_tasks(cfg) -> int:
         )
     limit = T.check_limit(cfg.limit)
     task_results.check_out(cfg.out)
+    n_samples, ks = None, None
+    if cfg.samples is not None or cfg.k is not None:
+        from gptkit.evaluation.sampled import check_ks, check_sampling
+
+        n_samples, ks = check_ks(cfg.k, cfg.samples)
+        check_sampling(cfg.temperature, cfg.top_p)
     entries = T.parse_tasks(cfg.tasks)
     # reading a task YAML runs the Python its !function tags name: said first
     for line in T.code_notices(entries):
@@ -290,6 +296,12 @@ def run_tasks(cfg) -> int:
     T.check_names(specs.names, manager)
     task_dict = T.load_tasks(specs, manager)
     T.check_fewshot(T.leaf_tasks(task_dict), cfg.num_fewshot)
+    samples, dropped = None, {}
+    if cfg.decontaminate is not None:
+        from gptkit.evaluation.contamination import read_report
+
+        flagged = read_report(cfg.decontaminate)
+        samples, dropped = T.kept_documents(T.leaf_tasks(task_dict), flagged, limit, str(cfg.decontaminate))
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype, quantize=cfg.quantize)
     lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=int(cfg.batch_size))
@@ -298,8 +310,17 @@ def run_tasks(cfg) -> int:
     specs = T.skip_tasks(specs, skipped)
     for name, why in skipped.items():
         print(T.skip_notice(name, why), file=sys.stderr)
+    for name, (gone, of) in dropped.items():
+        if name not in skipped:
+            print(f"decontaminate: task {name}: {gone} of {of} item(s) left out (flagged)", file=sys.stderr)
+    if samples is not None:
+        samples = {k: v for k, v in samples.items() if k not in skipped}
+    if n_samples is not None:
+        return run_sampled(cfg, r, lm, T.leaf_tasks(task_dict), skipped, n_samples, ks, limit, samples)
     t0 = time.perf_counter()
-    results = T.run_tasks(lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=limit)
+    results = T.run_tasks(
+        lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=None if samples else limit, samples=samples
+    )
     seconds = time.perf_counter() - t0
     rows = task_results.result_rows(results)
     written = task_results.write_results(
@@ -324,6 +345,7 @@ def run_tasks(cfg) -> int:
                     "truncated": lm.stats.truncated,
                     "seconds": seconds,
                     "skipped": skipped,
+                    "decontaminated": {k: {"dropped": a, "of": b} for k, (a, b) in dropped.items()},
                 },
                 indent=2,
             )
@@ -354,6 +376,95 @@ def run_tasks(cfg) -> int:
     print(
         f"{n_requests:,} requests in {seconds:.1f} s ({lm.stats.seconds:.1f} s in the model, "
         f"{n_requests / max(lm.stats.seconds, 1e-9):,.0f} requests/s); results: "
+        f"{', '.join(str(f) for f in written)}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def run_sampled(cfg, r, lm, tasks: dict, skipped: dict, n: int, ks: list[int], limit, samples) -> int:
+    """samples=n: pass@k and maj@k of every generation task (gptkit.evaluation.sampled); the other tasks are
+    skipped and said."""
+    from gptkit.evaluation import sampled as S
+    from gptkit.evaluation import task_results
+    from gptkit.evaluation import tasks as T
+
+    for name, task in tasks.items():
+        why = None if name in skipped else S.not_sampled(task)
+        if why:
+            skipped[name] = why
+            print(T.skip_notice(name, why), file=sys.stderr)
+    todo = {k: v for k, v in tasks.items() if k not in skipped}
+    if not todo:
+        raise T.nothing_to_score(skipped)
+    t0 = time.perf_counter()
+    rows, per_task = [], {}
+    for name, task in todo.items():
+        if cfg.num_fewshot is not None:
+            task.set_config(key="num_fewshot", value=int(cfg.num_fewshot))
+        task.set_fewshot_seed(seed=lm.seed)
+        got, items = S.score_task(
+            lm,
+            name,
+            task,
+            n,
+            ks,
+            temperature=float(cfg.temperature),
+            top_p=float(cfg.top_p),
+            seed=lm.seed,
+            limit=limit,
+            indices=None if samples is None else samples[name],
+        )
+        rows += got
+        per_task[name] = {
+            "samples": n,
+            "k": ks,
+            "temperature": float(cfg.temperature),
+            "top_p": float(cfg.top_p),
+            "seed": lm.seed,
+            "items": items,
+        }
+    seconds = time.perf_counter() - t0
+    written = task_results.write_results(
+        {"results": per_task}, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds, skipped=skipped
+    )
+    if cfg.format == "json":
+        print(
+            json.dumps(
+                {
+                    "run": str(r.dir),
+                    "rows": rows,
+                    "files": [str(f) for f in written],
+                    "seconds": seconds,
+                    "skipped": skipped,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{r.dir.name}: {n} samples per item (temperature {cfg.temperature}, top_p {cfg.top_p})")
+    for name, justify in (
+        ("task", "left"),
+        ("metric", "left"),
+        ("value", "right"),
+        ("stderr", "right"),
+        ("n", "right"),
+    ):
+        t.add_column(name, justify=justify)
+    for row in rows:
+        t.add_row(
+            row["task"],
+            row["metric"],
+            f"{row['value']:.4f}",
+            "" if row["stderr"] is None else f"± {row['stderr']:.4f}",
+            str(row["n"]),
+        )
+    Console().print(t)
+    print(
+        f"{sum(lm.stats.requests.values()):,} samples in {seconds:.1f} s; results: "
         f"{', '.join(str(f) for f in written)}",
         file=sys.stderr,
     )

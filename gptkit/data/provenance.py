@@ -216,11 +216,14 @@ class ShardOrigins:
 
     def _span(self, k: int, doc_start: int, a: int, n: int) -> Span:
         """Document k's share of a window: n tokens from position a (the document starts at doc_start)."""
-        row = self.docs[k]
-        src = int(row["source"])
-        name = self.sources[src] if 0 <= src < len(self.sources) else None
         inner = 0 if a == doc_start else self.bytes.count(self.tokens[doc_start:a])
         inside = f"token {a - doc_start:,} of its text" if inner is None else f"byte {inner:,} of its text"
+        return Span(k, self.source_of(k), self.where(k, inner, inside, a > doc_start), n)
+
+    def where(self, k: int, inner: int | None, inside: str, within: bool) -> str:
+        """Where in its source document k is, and a place `inner` bytes into its text (`inside` in words;
+        within: that place is not the document's start)."""
+        row, name = self.docs[k], self.source_of(k)
         fmt = self.formats.get(name) if name is not None else None
         offset, record = int(row["offset"]), int(row["record"])
         # a JSON-lines file read in batches of pieces (mixed with other formats): its line looked up now
@@ -232,14 +235,19 @@ class ShardOrigins:
         elif fmt == "json" and offset >= 0:
             line = line_of(name, offset)
             place = f"line {line:,} (byte {offset:,})" if line is not None else f"byte {offset:,}"
-            where = place + (f", {inside}" if a > doc_start else "")
+            where = place + (f", {inside}" if within else "")
         elif fmt is not None:
-            where = f"text {record + 1:,} of the file" + (f", {inside}" if a > doc_start else "")
+            where = f"text {record + 1:,} of the file" + (f", {inside}" if within else "")
         elif name is not None and name.startswith("hub dataset"):
-            where = f"document {record + 1:,} of the stream" + (f", {inside}" if a > doc_start else "")
+            where = f"document {record + 1:,} of the stream" + (f", {inside}" if within else "")
         else:
-            where = inside if a > doc_start else ""
-        return Span(k, name, where, n)
+            where = inside if within else ""
+        return where
+
+    def source_of(self, k: int) -> str | None:
+        """The name of document k's source (a file, a topic, a data set; None: not known)."""
+        src = int(self.docs[k]["source"])
+        return self.sources[src] if 0 <= src < len(self.sources) else None
 
     def _file_spans(self, start: int, end: int) -> list[Span]:
         """data=tokens: the token files a window lies in, and its token (and byte) offset in each."""

@@ -310,6 +310,41 @@ class GptkitLM(TemplateLM):
         self.stats.seconds += time.perf_counter() - t0
         return results
 
+    def sample_until(self, args: tuple, keys: list[int], temperature: float, top_p: float = 1.0) -> list[str]:
+        """len(keys) completions of one generate_until request (its (context, gen_kwargs)), each drawn with
+        its key by the rollout sampler (gptkit.inference.rollouts: a completion is a pure function of its
+        key), at `temperature` and `top_p` whatever the task's own do_sample; stopped at the EOS and cut at
+        the task's stop strings, as generate_until cuts them."""
+        from gptkit.inference.rollouts import RolloutOptions, sample_groups
+
+        t0 = time.perf_counter()
+        context, gen_kwargs = args
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
+        max_gen = int(kwargs.pop("max_gen_toks"))
+        room = self.max_length - max_gen
+        if room <= 0:
+            raise GptkitError(
+                f"the task generates up to max_gen_toks={max_gen} tokens, which leaves no room for its "
+                f"prompt in model.max_seq_len={self.max_length}; lower the task's "
+                f"generation_kwargs.max_gen_toks"
+            )
+        ids = self._generation_prompt(context)
+        if len(ids) > room:
+            self.stats.truncated += 1
+            ids = ids[-room:]
+        stops = () if self.eos_id is None else (self.eos_id,)
+        opts = RolloutOptions(max_gen, float(temperature), None, float(top_p), stops)
+        (group,) = sample_groups(self.model, [ids], [list(keys)], opts, [max_gen])
+        self.stats.requests["generate_until"] += len(keys)
+        out = []
+        for c in group:
+            self.stats.forward_tokens += len(ids) + len(c.tokens)
+            tokens = c.tokens[:-1] if c.tokens and c.tokens[-1] in stops else c.tokens
+            out.append(postprocess_generated_text(self.tok_decode(tokens), until, None))
+        self.stats.seconds += time.perf_counter() - t0
+        return out
+
     def _generation_prompt(self, context: str) -> list[int]:
         """The prompt's ids as the hf backend's batch encoding makes them (the tokenizer's special tokens,
         unless the text already starts with the BOS)."""

@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from gptkit.data.prompts import PromptBatch
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.evaluation.sampled import check_ks, item_figures
 from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
@@ -176,6 +177,50 @@ class Figures:
         return out
 
 
+class SampledSums:
+    """grpo.val_samples > 1: per checker (a built-in check, its reward 1 when right) the sums over the val
+    prompts of pass@k (Chen et al.'s unbiased estimator) and, for a checker that extracts an answer, maj@k
+    (the majority of the first k samples' answers; ties: the first seen), summed over the ranks
+    (gptkit.evaluation.sampled)."""
+
+    def __init__(self, rewards, ks: list[int]) -> None:
+        self.ks = ks
+        self.checkers = [(j, r) for j, r in enumerate(rewards) if r.checker]
+        self.keys = ["prompts"]
+        for _, r in self.checkers:
+            self.keys += [f"pass@{k}/{r.name}" for k in ks]
+            self.keys += [f"maj@{k}/{r.name}" for k in ks] if r.answers else []
+        self.sums = dict.fromkeys(self.keys, 0.0)
+
+    def add(self, scores: list[list[list[float]]], texts: list[list[str]]) -> None:
+        """One micro-batch's val prompts: scores[p][i][j] (reward j of sample i of prompt p), texts[p][i]."""
+        for group, group_texts in zip(scores, texts):
+            self.sums["prompts"] += 1
+            for j, r in self.checkers:
+                right = [s[j] == 1.0 for s in group]
+                answers = [r.answer(t) for t in group_texts] if r.answers else None
+                f = item_figures(
+                    right,
+                    answers or [None] * len(right),
+                    lambda a, answers=answers, right=right: right[answers.index(a)],
+                    self.ks,
+                )
+                for key, v in f.items():
+                    name = f"{key}/{r.name}"
+                    if name in self.sums:
+                        self.sums[name] += v
+
+    def read(self, strategy, device) -> dict[str, float]:
+        """val/pass@k/<checker>, val/maj@k/<checker>: the means over every rank's val prompts; then afresh."""
+        sums = torch.tensor([self.sums[k] for k in self.keys], dtype=torch.float64, device=device)
+        if strategy is not None:
+            sums = strategy.reduce(sums, reduce_op="sum")
+        values = dict(zip(self.keys, sums.tolist()))
+        self.sums = dict.fromkeys(self.keys, 0.0)
+        n = values.pop("prompts")
+        return {f"val/{k}": v / n for k, v in values.items()} if n else {}
+
+
 def mean_std(total: float, squares: float, n: float) -> tuple[float, float]:
     """Mean and (population) std from a sum and a sum of squares of n values."""
     mean = total / n
@@ -283,6 +328,10 @@ class GRPO(Objective):
         self.kl = str(g.get("kl", "k3"))
         self.rewards.timeout = reward_timeout(g.get("reward_timeout"))
         self.val_temperature = float(g.get("val_temperature") or 0.0)
+        self.val_samples, self.val_ks = check_ks(g.get("val_k"), int(g.get("val_samples") or 1))
+        # val_samples > 1: per checker and k, the sums of pass@k (and maj@k) over the val prompts, and their
+        # count (every rank holds every key: one reduce)
+        self.sampled = SampledSums(self.rewards.rewards, self.val_ks) if self.val_samples > 1 else None
         self.seed, self.seq_len = int(plan.cfg.seed), int(plan.seq_len)
         self.accumulation, self.batch_size = int(plan.accumulation), int(plan.batch_size)
         data = plan.cfg.data
@@ -462,7 +511,7 @@ class GRPO(Objective):
         -1, index, 0)), scored; each val prompt counted once over the ranks (index % world == rank, where
         DistributedSampler puts it first)."""
         t = time.perf_counter()
-        groups, seconds = self.sample(model, batch, 1, self.val_temperature, -1)
+        groups, seconds = self.sample(model, batch, self.val_samples, self.val_temperature, -1)
         # a validation inside a train window is not its wall time
         mine = [(i % world_size) == rank for i in batch.index.tolist()]
         keep = [i for i, m in enumerate(mine) if m]
@@ -481,6 +530,8 @@ class GRPO(Objective):
             lengths = [len(c.tokens) for g in groups for c in g]
             cut = sum(c.stop_reason != "stop" for g in groups for c in g)
             self.val.add_rollouts(scores, totals, lengths, cut, seconds)
+            if self.sampled is not None:
+                self.sampled.add(scores, [[self._text(c.tokens) for c in g] for g in groups])
         if self._clock is not None:
             self._val_seconds += time.perf_counter() - t
 
@@ -507,6 +558,8 @@ class GRPO(Objective):
         if sums is None or not sums["host"][0]:
             return {}
         out = self._metrics(sums, "val")
+        if self.sampled is not None:
+            out.update(self.sampled.read(strategy, self._device(strategy)))
         return {"val/loss": -out["val/reward"], **out}
 
     def train_metrics(self, strategy) -> dict[str, float]:
