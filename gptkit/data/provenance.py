@@ -124,15 +124,18 @@ def jsonl_offset(path: str, text_field: str, k: int) -> int | None:
     return None
 
 
-def line_of(path: str, offset: int) -> int | None:
-    """The 1-based line of a file at byte `offset` (None: the file is gone or shorter now)."""
+def line_of(path: str, offset: int, known: tuple[int, int] = (0, 1)) -> int | None:
+    """The 1-based line of a file at byte `offset` (None: the file is gone or shorter now); known: a byte
+    offset <= offset and its line, where counting starts."""
     p = Path(path)
+    at, line = known
     try:
         if p.stat().st_size < offset:
             return None
-        n = 0
+        n = line - 1
         with open(p, "rb") as f:
-            left = offset
+            f.seek(at)
+            left = offset - at
             while left > 0:
                 block = f.read(min(left, 8 << 20))
                 if not block:
@@ -152,6 +155,8 @@ class ShardOrigins:
         self.bytes = TextBytes(tokenizer)
         self.docs, self.sources, self.note = self._documents()
         self.formats = self._formats()
+        # per JSON-lines file, the last (byte offset, line) found
+        self._lines: dict[str, tuple[int, int]] = {}
         source = manifest.get("source") or {}
         self.text_field = str((source.get("settings") or {}).get("text_field", "text"))
         # data=tokens: each file's tokens, the train split's first
@@ -233,7 +238,11 @@ class ShardOrigins:
         if fmt == "text":
             where = f"byte {inner:,}" if inner is not None else inside
         elif fmt == "json" and offset >= 0:
-            line = line_of(name, offset)
+            # counted on from the last line found in that file when it lies before (a scan asks in order)
+            known = self._lines.get(name, (0, 1))
+            line = line_of(name, offset, known if known[0] <= offset else (0, 1))
+            if line is not None:
+                self._lines[name] = (offset, line)
             place = f"line {line:,} (byte {offset:,})" if line is not None else f"byte {offset:,}"
             where = place + (f", {inside}" if within else "")
         elif fmt is not None:

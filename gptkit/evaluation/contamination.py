@@ -23,6 +23,7 @@ by its token offset.
 
 from __future__ import annotations
 
+import json
 import re
 import string
 import time
@@ -33,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.tokenizer import bytes_to_unicode
 
 DEFAULT_N = 13
 # normalize=: how a text becomes words (lm-eval's Janitor: ASCII lowercased, ASCII punctuation deleted)
@@ -76,7 +78,7 @@ def ngram_hashes(words: list[str], n: int) -> np.ndarray:
     m = len(words) - n + 1
     if m <= 0:
         return np.zeros(0, dtype=np.uint64)
-    w = np.fromiter((hash(x) for x in words), dtype=np.int64, count=len(words)).view(np.uint64)
+    w = np.fromiter(map(hash, words), dtype=np.int64, count=len(words)).view(np.uint64)
     h = np.zeros(m, dtype=np.uint64)
     with np.errstate(over="ignore"):
         for j in range(n):
@@ -152,6 +154,63 @@ def task_ngrams(tasks: dict[str, Any], n: int, norm: Callable[[str], str]) -> Ta
     return out
 
 
+class TokenBytes:
+    """The UTF-8 bytes of every token of a byte-level BPE (GPT-2 style: gptkit's byte and bpe) or a
+    per-character tokenizer, in one flat table: a block of ids becomes its text with a few numpy gathers
+    instead of the tokenizer's decode (several times faster); special tokens are no bytes (decode's
+    skip_special_tokens), an undecodable byte U+FFFD (as the tokenizer's lossy decode). `table` is None for
+    any other tokenizer (its decode_batch is used)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.table = self._table(tokenizer)
+
+    @staticmethod
+    def _table(tokenizer):
+        spec = json.loads(tokenizer.to_str())
+        model, decoder = spec.get("model") or {}, spec.get("decoder") or {}
+        vocab = model.get("vocab")
+        if not isinstance(vocab, dict):
+            return None
+        pieces: dict[int, bytes] = {}
+        if decoder.get("type") == "ByteLevel" and model.get("type") == "BPE":
+            chars = {c: b for b, c in bytes_to_unicode().items()}
+            if not all(ch in chars for token in vocab for ch in token):
+                return None
+            pieces = {i: bytes(chars[ch] for ch in token) for token, i in vocab.items()}
+        elif (
+            model.get("type") == "WordLevel"
+            and decoder.get("type") in (None, "Fuse")
+            and all(len(t) == 1 for t in vocab)
+        ):
+            pieces = {i: token.encode("utf-8") for token, i in vocab.items()}
+        else:
+            return None
+        for t in spec.get("added_tokens") or []:
+            pieces[int(t["id"])] = b"" if t.get("special") else str(t["content"]).encode("utf-8")
+        size = max(tokenizer.get_vocab_size(with_added_tokens=True), max(pieces) + 1)
+        lens = np.zeros(size, dtype=np.int64)
+        for i, b in pieces.items():
+            lens[i] = len(b)
+        starts = np.zeros(size, dtype=np.int64)
+        starts[1:] = np.cumsum(lens)[:-1]
+        flat = np.frombuffer(b"".join(pieces.get(i, b"") for i in range(size)), dtype=np.uint8)
+        return flat, starts, lens
+
+    def texts(self, tokens: np.ndarray, bounds: list[int]) -> list[str]:
+        """The text of each range bounds[i]:bounds[i + 1] of tokens."""
+        flat, starts, lens = self.table
+        ids = np.asarray(tokens[bounds[0] : bounds[-1]], dtype=np.int64)
+        n = lens[ids]  # [T] bytes of each token
+        ends = np.cumsum(n)
+        total = int(ends[-1]) if len(ends) else 0
+        # byte b of the block comes from flat[starts[id] + (b - the first byte of its token)]
+        first = ends - n
+        where = np.repeat(starts[ids] - first, n) + np.arange(total)
+        data = flat[where].tobytes()
+        cut = [0, *(int(ends[b - bounds[0] - 1]) if b > bounds[0] else 0 for b in bounds[1:])]
+        return [data[a:b].decode("utf-8", errors="replace") for a, b in zip(cut, cut[1:])]
+
+
 class Scan:
     """Stream a token shard's documents against the tasks' n-grams, recording each confirmed hit."""
 
@@ -159,10 +218,15 @@ class Scan:
         self.grams, self.tokenizer, self.origins, self.label = grams, tokenizer, origins, label
         self.keys = grams.sorted_hashes()
         self.n = grams.n
+        self.fast = TokenBytes(tokenizer)
         self.documents = self.tokens = self.bytes = 0
 
-    def _decode(self, pieces: list[np.ndarray]) -> list[str]:
-        return self.tokenizer.decode_batch([p.tolist() for p in pieces], skip_special_tokens=True)
+    def _decode(self, tokens: np.ndarray, bounds: list[int]) -> list[str]:
+        """The text of each range bounds[i]:bounds[i + 1] of tokens."""
+        if self.fast.table is not None:
+            return self.fast.texts(tokens, bounds)
+        pieces = [tokens[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+        return self.tokenizer.decode_batch(pieces, skip_special_tokens=True)
 
     def text(self, text: str, doc: int | None, token0: int, byte0: int, last: bool) -> tuple[str, int]:
         """Check one text (a document, or a piece of one that starts `byte0` bytes into it); returns the text
@@ -179,7 +243,9 @@ class Scan:
         words = norm(whole).split()
         if len(words) >= n and len(self.keys):
             h = ngram_hashes(words, n)
-            found = np.nonzero(np.isin(h, self.keys))[0]
+            # the task side's sorted hashes: a binary search each (np.isin would sort them again per text)
+            at = np.minimum(np.searchsorted(self.keys, h), len(self.keys) - 1)
+            found = np.nonzero(self.keys[at] == h)[0]
             if len(found):
                 self._record(whole, words, h, found, doc, token0, byte0)
         if last:
@@ -262,7 +328,7 @@ class Scan:
                 self.documents += 1
                 continue
             bounds = [start, *[int(e) for e in ends[k:j]]]
-            texts = self._decode([tokens[a:b] for a, b in zip(bounds, bounds[1:])])
+            texts = self._decode(tokens, bounds)
             for d, text in enumerate(texts):
                 self.text(text, k + d, bounds[d], 0, True)
                 self.bytes += len(text)
@@ -273,7 +339,7 @@ class Scan:
         carried, byte0 = "", 0
         for p in range(a, b, PIECE_TOKENS):
             q = min(b, p + PIECE_TOKENS)
-            (text,) = self._decode([tokens[p:q]])
+            (text,) = self._decode(tokens, [p, q])
             self.bytes += len(text)
             carried, byte0 = self.text(carried + text, doc, p, byte0, q == b)
 
@@ -349,7 +415,6 @@ def report(grams: TaskNgrams, figures: dict[str, Any], data: list[str], normaliz
 def read_report(path: Any) -> dict[str, list[int]]:
     """decontaminate=<report>: {task: the doc ids it flagged}; a file that is not such a report is one
     line."""
-    import json
 
     p = Path(str(path))
     try:

@@ -9,7 +9,7 @@ import random
 from fractions import Fraction
 
 import pytest
-from conftest import run_main, shakespeare
+from conftest import run_main, shakespeare, tokenizer_settings
 
 from gptkit.evaluation import contamination as C
 from gptkit.evaluation.sampled import item_figures, majority, pass_at_k
@@ -255,3 +255,26 @@ def test_the_ngrams_are_lm_evals_janitor_ngrams():
     theirs = list(word_ngrams(j.normalize_string(text), 5))
     words = C.words_of(text, C.NORMALIZATIONS["lm-eval"])
     assert [" ".join(words[i : i + 5]) for i in range(len(words) - 4)] == theirs
+
+
+@pytest.mark.parametrize("kind", ["byte", "char", "bpe", "file"])
+def test_the_fast_decode_is_the_tokenizers_decode(kind, tmp_path):
+    """TokenBytes (a flat table of each token's bytes) gives what decode_batch(skip_special_tokens=True)
+    gives, on random ids (special tokens, bytes cut mid-character included); a tokenizer it does not know
+    (a Metaspace tokenizer.json) has no table."""
+    import numpy as np
+
+    from gptkit.tokenizer import build_tokenizer
+
+    text = shakespeare(3_000) + " café — naïve 日本語 ✓"
+    tok = build_tokenizer(tokenizer_settings(kind, tmp_path), texts=lambda: [text])
+    fast = C.TokenBytes(tok)
+    if kind == "file":
+        assert fast.table is None
+        return
+    assert fast.table is not None
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([np.array(tok.encode(text).ids), rng.integers(0, tok.get_vocab_size(), 500)])
+    bounds = [0, 1, 700, 701, 2_000, len(ids) - 300, len(ids)]
+    want = tok.decode_batch([ids[a:b].tolist() for a, b in zip(bounds, bounds[1:])], skip_special_tokens=True)
+    assert fast.texts(ids, bounds) == want
