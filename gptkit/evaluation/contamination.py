@@ -225,7 +225,8 @@ class Scan:
         """The text of each range bounds[i]:bounds[i + 1] of tokens."""
         if self.fast.table is not None:
             return self.fast.texts(tokens, bounds)
-        pieces = [tokens[a:b].tolist() for a, b in zip(bounds, bounds[1:])]
+        block, a0 = tokens[bounds[0] : bounds[-1]], bounds[0]
+        pieces = [block[a - a0 : b - a0].tolist() for a, b in zip(bounds, bounds[1:])]
         return self.tokenizer.decode_batch(pieces, skip_special_tokens=True)
 
     def text(self, text: str, doc: int | None, token0: int, byte0: int, last: bool) -> tuple[str, int]:
@@ -344,6 +345,26 @@ class Scan:
             carried, byte0 = self.text(carried + text, doc, p, byte0, q == b)
 
 
+class ShardReader:
+    """A token shard read range by range with plain reads (`reader[a:b]`): a scan keeps only the block it
+    reads in memory, where a memmap's pages would stay resident as it goes (an RSS of the corpus's size)."""
+
+    def __init__(self, path: Path, dtype: str, n: int) -> None:
+        self.path, self.dtype, self.n = path, np.dtype(dtype), n
+        self.file = open(path, "rb")
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        a, b = s.start or 0, min(self.n, self.n if s.stop is None else s.stop)
+        self.file.seek(a * self.dtype.itemsize)
+        return np.fromfile(self.file, dtype=self.dtype, count=max(0, b - a))
+
+    def close(self) -> None:
+        self.file.close()
+
+
 def shard_parts(prepared) -> list:
     """The token-shard folders of a prepared corpus (a mixture's parts); another kind is one line."""
     from gptkit.data import MixedData, PreparedData
@@ -360,16 +381,22 @@ def shard_parts(prepared) -> list:
 
 def scan(prepared, grams: TaskNgrams) -> dict[str, Any]:
     """Scan the train split of every token-shard folder of `prepared`; figures of the scan."""
+    from gptkit.data.prepared import SHARDS
     from gptkit.data.provenance import ShardOrigins
 
     t0 = time.perf_counter()
     scans = []
     for p in shard_parts(prepared):
-        tokens = p.train_tokens()
-        origins = ShardOrigins(p.dir, p.manifest, tokens, p.tokenizer())
-        label = str(p.manifest.get("source", {}).get("description") or p.dir)
-        s = Scan(grams, p.tokenizer(), origins, label)
-        s.run(tokens, None if origins.docs is None else origins.docs["end"])
+        p.wait_checked()
+        n = int(p.manifest["splits"]["train"]["tokens"])
+        tokens = ShardReader(p.dir / SHARDS["train"], p.dtype, n)
+        try:
+            origins = ShardOrigins(p.dir, p.manifest, tokens, p.tokenizer())
+            label = str(p.manifest.get("source", {}).get("description") or p.dir)
+            s = Scan(grams, p.tokenizer(), origins, label)
+            s.run(tokens, None if origins.docs is None else origins.docs["end"])
+        finally:
+            tokens.close()
         scans.append(s)
     return {
         "documents_scanned": sum(s.documents for s in scans),

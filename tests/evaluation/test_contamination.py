@@ -52,6 +52,19 @@ metadata:
 """
 
 
+# the same items, judged leniently so a random model is right about 3 times in 4: exact_match with every
+# character but the lower-case vowels ignored, against "x": a sample is right when it holds none
+SAMPLED = (
+    TASK.replace("task: planted", "task: vowels")
+    .replace('doc_to_target: "{{answer}}"', 'doc_to_target: "x"')
+    .replace("max_gen_toks: 3", "max_gen_toks: 2")
+    .replace(
+        "    higher_is_better: true",
+        '    higher_is_better: true\n    regexes_to_ignore: ["[^aeiou]"]',
+    )
+)
+
+
 @pytest.fixture(scope="module")
 def planted(tmp_path_factory):
     """A task of 12 items (16 made-up words each), a corpus (40 JSON-lines records and a text file of
@@ -68,6 +81,7 @@ def planted(tmp_path_factory):
     rows = items()
     (d / "planted.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "planted.yaml").write_text(TASK)
+    (d / "vowels.yaml").write_text(SAMPLED)
     text = lambda r: r["prompt"] + r["answer"]  # noqa: E731
     records = [shakespeare(150, start=300 * i) for i in range(40)]
     records[11] = records[11][:70] + " " + text(rows[2]).upper().replace(" ", ", ") + ". " + records[11][70:]
@@ -165,21 +179,16 @@ def C_dir(run):
 
 
 def test_sampled_eval_is_pass_at_k_of_keyed_samples_the_same_on_a_rerun(planted, capsys):
+    """samples=4 k=[1,2,4] on 5 items: each sample judged by the task's own metric (its filters and
+    exact_match settings), pass@k the estimator over them, maj@k the majority answer's score; a rerun draws
+    the same samples (keyed)."""
+    import re
+
     d, run, _, _ = planted
-    args = [
-        "eval",
-        f"run={run}",
-        f"tasks={d / 'planted.yaml'}",
-        "samples=4",
-        "k=[1,2,4]",
-        "limit=5",
-        "progress=false",
-        "device=cpu",
-        "--json",
-    ]
+    args = ["eval", f"run={run}", f"tasks={d / 'vowels.yaml'}", "samples=4", "k=[1,2,4]", "limit=5"]
     files = []
     for _ in range(2):
-        code, out, err = run_main(capsys, *args)
+        code, out, err = run_main(capsys, *args, "progress=false", "device=cpu", "--json")
         assert code == 0, err
         res = json.loads(out)
         files.append(json.loads(open(res["files"][0]).read()))
@@ -187,12 +196,22 @@ def test_sampled_eval_is_pass_at_k_of_keyed_samples_the_same_on_a_rerun(planted,
     assert set(metrics) == {f"{m}@{k} (exact_match)" for m in ("pass", "maj") for k in (1, 2, 4)}
     a, b = (f["results"]["items"] for f in files)
     assert a == b and len(a) == 5
-    # the samples differ (temperature 1) and the figures are the estimator's over them
-    assert any(len(set(x["texts"])) > 1 for x in a.values())
+    right = [x["none"]["correct"] for x in a.values()]
+    # the task's metric judged each sample: right when no vowel is left
+    for x in a.values():
+        assert x["none"]["correct"] == [not re.search("[aeiou]", t) for t in x["none"]["answers"]]
+    assert 0 < sum(map(sum, right)) < 20, right
     for k in (1, 2, 4):
-        want = sum(pass_at_k(4, sum(x["none"]["correct"]), k) for x in a.values()) / 5
+        want = sum(pass_at_k(4, sum(r), k) for r in right) / 5
         assert metrics[f"pass@{k} (exact_match)"]["value"] == pytest.approx(want)
-        assert metrics[f"pass@{k} (exact_match)"]["n"] == 5
+        maj = [
+            float(
+                r[x["none"]["answers"].index(majority([t.strip() or None for t in x["none"]["answers"][:k]]))]
+            )
+            for r, x in zip(right, a.values())
+        ]
+        assert metrics[f"maj@{k} (exact_match)"]["value"] == pytest.approx(sum(maj) / 5)
+    assert metrics["pass@1 (exact_match)"]["value"] < metrics["pass@4 (exact_match)"]["value"]
 
 
 def test_bad_contamination_and_sampling_options_are_one_line(planted, capsys):
