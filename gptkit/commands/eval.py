@@ -389,14 +389,14 @@ def run_sampled(cfg, r, lm, tasks: dict, skipped: dict, n: int, ks: list[int], l
     from gptkit.evaluation import task_results
     from gptkit.evaluation import tasks as T
 
-    for name, task in tasks.items():
-        why = None if name in skipped else S.not_sampled(task)
-        if why:
-            skipped[name] = why
-            print(T.skip_notice(name, why), file=sys.stderr)
-    todo = {k: v for k, v in tasks.items() if k not in skipped}
+    others = {name: S.not_sampled(task) for name, task in tasks.items() if name not in skipped}
+    others = {name: why for name, why in others.items() if why}
+    todo = {k: v for k, v in tasks.items() if k not in skipped and k not in others}
     if not todo:
-        raise T.nothing_to_score(skipped)
+        raise T.nothing_to_score({**skipped, **others})
+    for name, why in others.items():
+        print(T.skip_notice(name, why), file=sys.stderr)
+    skipped.update(others)
     t0 = time.perf_counter()
     rows, per_task = [], {}
     for name, task in todo.items():

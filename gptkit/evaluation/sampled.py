@@ -121,7 +121,7 @@ def not_sampled(task) -> str | None:
     """Why a task is not scored by samples (None: it is a generation task)."""
     kind = getattr(task, "OUTPUT_TYPE", None)
     if kind != "generate_until":
-        return f"pass@k and maj@k score generation tasks (output_type generate_until); it is {kind}"
+        return f"is a {kind} task; pass@k and maj@k (samples=) score generation tasks (generate_until)"
     return None
 
 

@@ -9,7 +9,7 @@ import random
 from fractions import Fraction
 
 import pytest
-from conftest import run_main, shakespeare, tokenizer_settings
+from conftest import REPO, run_main, shakespeare, tokenizer_settings
 
 from gptkit.evaluation import contamination as C
 from gptkit.evaluation.sampled import item_figures, majority, pass_at_k
@@ -224,6 +224,9 @@ def test_bad_contamination_and_sampling_options_are_one_line(planted, capsys):
         ("contamination", "data=prepared", f"data.dir={d / 'nope'}", task): "no such folder",
         ("eval", f"run={run}", task, "samples=2", "k=[1,4]"): "k=4 is larger than the samples per item",
         ("eval", f"run={run}", task, "samples=0"): "samples=0 must be an integer >= 1",
+        ("eval", f"run={run}", f"tasks={REPO / 'tests/evals/tiny_mc.yaml'}", "samples=2"): (
+            "task tiny_mc is a multiple_choice task; pass@k and maj@k (samples=) score generation tasks"
+        ),
         (
             "eval",
             f"run={run}",
