@@ -23,6 +23,7 @@ by its token offset.
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 import string
@@ -196,17 +197,20 @@ class TokenBytes:
         flat = np.frombuffer(b"".join(pieces.get(i, b"") for i in range(size)), dtype=np.uint8)
         return flat, starts, lens
 
-    def texts(self, tokens: np.ndarray, bounds: list[int]) -> list[str]:
-        """The text of each range bounds[i]:bounds[i + 1] of tokens."""
+    def raw(self, tokens, a: int, b: int) -> tuple[bytes, np.ndarray]:
+        """(the bytes of tokens[a:b], where each token's bytes end in them)."""
         flat, starts, lens = self.table
-        ids = np.asarray(tokens[bounds[0] : bounds[-1]], dtype=np.int64)
+        ids = np.asarray(tokens[a:b], dtype=np.int64)
         n = lens[ids]  # [T] bytes of each token
         ends = np.cumsum(n)
         total = int(ends[-1]) if len(ends) else 0
-        # byte b of the block comes from flat[starts[id] + (b - the first byte of its token)]
-        first = ends - n
-        where = np.repeat(starts[ids] - first, n) + np.arange(total)
-        data = flat[where].tobytes()
+        # byte k of the block comes from flat[starts[id] + (k - the first byte of its token)]
+        where = np.repeat(starts[ids] - (ends - n), n) + np.arange(total)
+        return flat[where].tobytes(), ends
+
+    def texts(self, tokens, bounds: list[int]) -> list[str]:
+        """The text of each range bounds[i]:bounds[i + 1] of tokens."""
+        data, ends = self.raw(tokens, bounds[0], bounds[-1])
         cut = [0, *(int(ends[b - bounds[0] - 1]) if b > bounds[0] else 0 for b in bounds[1:])]
         return [data[a:b].decode("utf-8", errors="replace") for a, b in zip(cut, cut[1:])]
 
@@ -337,10 +341,16 @@ class Scan:
             start, k = bounds[-1], j
 
     def _long(self, tokens, a: int, b: int, doc: int | None) -> None:
+        """A document longer than a block, in pieces; with the byte table a character whose bytes a piece
+        boundary cuts is decoded whole in the next piece (an incremental UTF-8 decoder keeps them)."""
         carried, byte0 = "", 0
+        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for p in range(a, b, PIECE_TOKENS):
             q = min(b, p + PIECE_TOKENS)
-            (text,) = self._decode(tokens, [p, q])
+            if self.fast.table is not None:
+                text = utf8.decode(self.fast.raw(tokens, p, q)[0], final=q == b)
+            else:
+                (text,) = self._decode(tokens, [p, q])
             self.bytes += len(text)
             carried, byte0 = self.text(carried + text, doc, p, byte0, q == b)
 

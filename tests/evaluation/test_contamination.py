@@ -280,7 +280,7 @@ def test_the_ngrams_are_lm_evals_janitor_ngrams():
 
 
 @pytest.mark.parametrize("kind", ["byte", "char", "bpe", "file"])
-def test_the_fast_decode_is_the_tokenizers_decode(kind, tmp_path):
+def test_the_fast_decode_is_the_tokenizers_decode(kind, tmp_path, monkeypatch):
     """TokenBytes (a flat table of each token's bytes) gives what decode_batch(skip_special_tokens=True)
     gives, on random ids (special tokens, bytes cut mid-character included); a tokenizer it does not know
     (a Metaspace tokenizer.json) has no table."""
@@ -300,3 +300,13 @@ def test_the_fast_decode_is_the_tokenizers_decode(kind, tmp_path):
     bounds = [0, 1, 700, 701, 2_000, len(ids) - 300, len(ids)]
     want = tok.decode_batch([ids[a:b].tolist() for a, b in zip(bounds, bounds[1:])], skip_special_tokens=True)
     assert fast.texts(ids, bounds) == want
+    # a long document read in pieces: a character cut by a piece boundary is read whole
+    if kind == "byte":
+        grams = C.TaskNgrams(3, C.NORMALIZATIONS["lm-eval"])
+        grams.add("t", 0, "naïve 日本語 ✓ zorblax")
+        doc = np.array(tok.encode("x " * 5 + "naïve 日本語 ✓ zorblax y").ids)
+        scan = C.Scan(grams, tok, None, "d")
+        for piece in (7, 8, 9, 10, 12, 13):
+            monkeypatch.setattr(C, "PIECE_TOKENS", piece)
+            scan._long(doc, 0, len(doc), None)
+        assert grams.items[0].matches == 6 * 2
