@@ -118,6 +118,8 @@ def run(cfg) -> int:
 
     if cfg.tasks is not None:
         return run_tasks(cfg)
+    if cfg.get("data") is not None and cfg.data.get("kind") == "prompts":
+        return run_prompts(cfg)
     given = [k for k in TASK_ONLY if cfg.get(k) is not None]
     if given:
         raise ConfigError(f"{given[0]}= belongs to tasks=...; without tasks= eval scores a corpus (drop it)")
@@ -468,4 +470,127 @@ def run_sampled(cfg, r, lm, tasks: dict, skipped: dict, n: int, ks: list[int], l
         f"{', '.join(str(f) for f in written)}",
         file=sys.stderr,
     )
+    return 0
+
+
+def run_prompts(cfg) -> int:
+    """data=prompts samples=n: pass@k and maj@k of each checker of rewards= over n sampled answers of every
+    prompt (gptkit's own answer-checked prompts, as GRPO's validation scores them: the same SampledSums)."""
+    from gptkit.data import prepare
+    from gptkit.errors import ConfigError, GptkitError
+    from gptkit.evaluation import sampled as S
+    from gptkit.inference.rollouts import RolloutOptions, sample_groups
+    from gptkit.runs import TOKENIZER_FILE, load_for_inference, resolve_device
+    from gptkit.threads import set_threads
+    from gptkit.training.rewards import CHECKERS, load_rewards, parse_rewards
+
+    if cfg.samples is None:
+        raise ConfigError(
+            "data=prompts is scored by sampling its answers: give samples=n (and rewards=[exact] or other "
+            "checkers); eval scores windows of a text corpus otherwise"
+        )
+    n, ks = S.check_ks(cfg.k, cfg.samples)
+    S.check_sampling(cfg.temperature, cfg.top_p)
+    rewards = parse_rewards(cfg.rewards if cfg.rewards is not None else ["exact"])
+    if not any(r.checker for r in rewards.rewards):
+        raise ConfigError(
+            f"rewards={list(cfg.rewards)}: pass@k and maj@k need a checker ({', '.join(CHECKERS)})"
+        )
+    max_new = cfg.max_new_tokens
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise ConfigError(f"max_new_tokens={max_new!r} must be an integer >= 1")
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, quantize=cfg.quantize)
+    tok_cfg = {
+        "kind": "file",
+        "path": str(r.dir / TOKENIZER_FILE),
+        "eos_token": (r.config.get("tokenizer") or {}).get("eos_token"),
+    }
+    p = prepare(cfg.data, tok_cfg, progress=False)
+    if p.vocab_size > r.model_cfg.vocab_size:
+        raise GptkitError(
+            f"the prompts' template adds tokens the run's model has no row for (vocabulary {p.vocab_size} "
+            f"> model.vocab_size={r.model_cfg.vocab_size}); use the run's own template (data.template=auto)"
+        )
+    load_rewards(rewards)
+    tok = p.manifest["tokenizer"]
+    stops = tuple(i for i in (tok.get("end_of_turn_id"), tok.get("eos_id")) if i is not None)
+    opts = RolloutOptions(max_new, float(cfg.temperature), None, float(cfg.top_p), stops)
+    tokenizer = p.tokenizer()
+    sums = S.SampledSums(rewards.rewards, ks, keep=True)
+    max_len = r.model_cfg.max_seq_len
+    t0, done, items = time.perf_counter(), 0, []
+    split_rows = [(split, i) for split in (p.train, p.val) for i in range(split.n)]
+    for i, (split, j) in enumerate(split_rows):
+        ids, row, where = split.ids(j), split.rows[j], split.where[j]
+        if len(ids) >= max_len:
+            raise GptkitError(f"{where}: the prompt makes {len(ids)} tokens, model.max_seq_len={max_len}")
+        keys = [S.item_key(S.SEED, "prompts", i, s) for s in range(n)]
+        (group,) = sample_groups(r.model, [ids], [keys], opts, [min(max_new, max_len - len(ids))])
+        texts = [
+            tokenizer.decode(c.tokens[:-1] if c.tokens and c.tokens[-1] in stops else c.tokens) for c in group
+        ]
+        seqs = [ids + c.tokens for c in group]
+        given = iter(rewards.model_scores(seqs, next(r.model.parameters()).device, tokenizer))
+        prompt = row.get(cfg.data.get("prompt_field", "prompt"))
+        prompt = prompt if isinstance(prompt, str) else row.get(cfg.data.get("messages_field", "messages"))
+        with rewards.guard():
+            scores = [rewards.score(prompt, t, row, where, next(given)) for t in texts]
+        sums.add([scores], [texts])
+        items.append({"where": where, "texts": texts, "scores": scores})
+        done += n
+    seconds = time.perf_counter() - t0
+    source = p.manifest["source"]["description"] or p.dir.name
+    rows = []
+    for key, values in sums.items.items():
+        mean, stderr = S.mean_stderr(values)
+        metric, checker = key.split("/", 1)
+        rows.append(
+            {
+                "task": source,
+                "metric": f"{metric} ({checker})",
+                "value": mean,
+                "stderr": stderr,
+                "n": len(values),
+            }
+        )
+    out = {
+        "run": str(r.dir),
+        "data": source,
+        "samples": n,
+        "k": ks,
+        "temperature": float(cfg.temperature),
+        "top_p": float(cfg.top_p),
+        "rewards": rewards.names,
+        "rows": rows,
+        "seconds": seconds,
+        "items": items,
+    }
+    if cfg.format == "json":
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(
+        title=f"{r.dir.name}: {n} samples per prompt (temperature {cfg.temperature}, top_p {cfg.top_p})"
+    )
+    for name, justify in (
+        ("prompts", "left"),
+        ("metric", "left"),
+        ("value", "right"),
+        ("stderr", "right"),
+        ("n", "right"),
+    ):
+        t.add_column(name, justify=justify)
+    for row in rows:
+        t.add_row(
+            row["task"],
+            row["metric"],
+            f"{row['value']:.4f}",
+            "" if row["stderr"] is None else f"± {row['stderr']:.4f}",
+            str(row["n"]),
+        )
+    Console().print(t)
+    print(f"{done:,} samples in {seconds:.1f} s", file=sys.stderr)
     return 0

@@ -27,6 +27,9 @@ from typing import Any, Hashable, Sequence
 
 from gptkit.errors import ConfigError
 
+# the seed of the sample keys (GptkitLM's, lm-eval's default random seed)
+SEED = 1234
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased pass@k of one item with n samples of which c are correct (module docstring)."""
@@ -96,6 +99,55 @@ def item_figures(correct: Sequence[bool], answers: Sequence[Hashable | None], ma
         m = majority(answers[:k])
         out[f"maj@{k}"] = float(m is not None and bool(majority_correct(m)))
     return out
+
+
+class SampledSums:
+    """grpo.val_samples > 1 and `eval samples=` on prompts with answers: per checker (a built-in check, its
+    reward 1 when right) the sums over the prompts of pass@k (Chen et al.'s unbiased estimator) and, for a
+    checker that extracts an answer, maj@k (the majority of the first k samples' answers; ties: the first
+    seen), summed over the ranks. keep: each prompt's values kept too (`items`, for standard errors)."""
+
+    def __init__(self, rewards, ks: list[int], keep: bool = False) -> None:
+        self.ks, self.keep = ks, keep
+        self.items: dict[str, list[float]] = {}
+        self.checkers = [(j, r) for j, r in enumerate(rewards) if r.checker]
+        self.keys = ["prompts"]
+        for _, r in self.checkers:
+            self.keys += [f"pass@{k}/{r.name}" for k in ks]
+            self.keys += [f"maj@{k}/{r.name}" for k in ks] if r.answers else []
+        self.sums = dict.fromkeys(self.keys, 0.0)
+
+    def add(self, scores: list[list[list[float]]], texts: list[list[str]]) -> None:
+        """One micro-batch's val prompts: scores[p][i][j] (reward j of sample i of prompt p), texts[p][i]."""
+        for group, group_texts in zip(scores, texts):
+            self.sums["prompts"] += 1
+            for j, r in self.checkers:
+                right = [s[j] == 1.0 for s in group]
+                answers = [r.answer(t) for t in group_texts] if r.answers else None
+                f = item_figures(
+                    right,
+                    answers or [None] * len(right),
+                    lambda a, answers=answers, right=right: right[answers.index(a)],
+                    self.ks,
+                )
+                for key, v in f.items():
+                    name = f"{key}/{r.name}"
+                    if name in self.sums:
+                        self.sums[name] += v
+                        if self.keep:
+                            self.items.setdefault(name, []).append(v)
+
+    def read(self, strategy, device) -> dict[str, float]:
+        """val/pass@k/<checker>, val/maj@k/<checker>: the means over every rank's val prompts; then afresh."""
+        import torch
+
+        sums = torch.tensor([self.sums[k] for k in self.keys], dtype=torch.float64, device=device)
+        if strategy is not None:
+            sums = strategy.reduce(sums, reduce_op="sum")
+        values = dict(zip(self.keys, sums.tolist()))
+        self.sums = dict.fromkeys(self.keys, 0.0)
+        n = values.pop("prompts")
+        return {f"val/{k}": v / n for k, v in values.items()} if n else {}
 
 
 def mean_stderr(values: Sequence[float]) -> tuple[float, float | None]:

@@ -5,6 +5,7 @@ kill -9 mid-step to the same rows and weights, follows one process on 2 (FSDP2, 
 (the reference its adapters off), Muon and task evals.
 """
 
+import json
 import math
 
 import pytest
@@ -597,6 +598,62 @@ def test_gspo_and_cispo_train_end_to_end_over_two_passes(start, straight, loss, 
     assert math.isfinite(float(rows[2]["train/loss"])) and float(rows[2]["train/loss"]) != float(
         rows[1]["train/loss"]
     )
+
+
+def test_eval_samples_the_answers_of_checked_prompts_pass_at_k_and_maj_at_k(start, capsys):
+    """`gptkit eval data=prompts samples=4`: gptkit's own answer-checked prompts (the GRPO prompts, the
+    exact checker and a regex one a random sample passes about half the time) scored by pass@k and maj@k of
+    4 keyed samples each; the figures are the estimators over the samples it reports, and a rerun draws the
+    same samples."""
+    import re
+
+    from gptkit.evaluation.sampled import majority, pass_at_k
+
+    args = [
+        "eval",
+        f"run={start / 'sft'}",
+        "data=prompts",
+        f"data.paths=[{start / 'prompts.jsonl'}]",
+        "samples=4",
+        "k=[1,2,4]",
+        "rewards=[exact,{kind: regex, pattern: '[a-z]', field: null, name: lower}]",
+        "temperature=2.0",
+        "max_new_tokens=6",
+        "--json",
+    ]
+    code, out, err = run_main(capsys, *args)
+    assert code == 0, err
+    res = json.loads(out)
+    assert len(res["items"]) == 40 and res["rewards"] == ["exact", "lower"]
+    rows = {r["metric"]: r for r in res["rows"]}
+    answers = [json.loads(line)["answer"] for line in (start / "prompts.jsonl").read_text().splitlines()]
+    for k in (1, 2, 4):
+        right = [[t.strip() == a for t in item["texts"]] for item, a in zip(res["items"], answers)]
+        assert [[s[0] == 1.0 for s in item["scores"]] for item in res["items"]] == right
+        want = sum(pass_at_k(4, sum(r), k) for r in right) / 40
+        assert (
+            rows[f"pass@{k} (exact)"]["value"] == pytest.approx(want) and rows[f"pass@{k} (exact)"]["n"] == 40
+        )
+        maj = [
+            float(majority([t.strip() or None for t in item["texts"][:k]]) == a)
+            for item, a in zip(res["items"], answers)
+        ]
+        assert rows[f"maj@{k} (exact)"]["value"] == pytest.approx(sum(maj) / 40)
+    # the regex checker without a field (1 when a lower-case letter occurs): pass@k only, no answer to vote
+    lower = [[bool(re.search("[a-z]", t)) for t in item["texts"]] for item in res["items"]]
+    assert [[s[1] == 1.0 for s in item["scores"]] for item in res["items"]] == lower
+    for k in (1, 2, 4):
+        want = sum(pass_at_k(4, sum(r), k) for r in lower) / 40
+        assert rows[f"pass@{k} (lower)"]["value"] == pytest.approx(want)
+    assert "maj@1 (lower)" not in rows
+    assert 0 < rows["pass@1 (lower)"]["value"] < rows["pass@4 (lower)"]["value"] <= 1
+    code, again, err = run_main(capsys, *args)
+    assert code == 0 and json.loads(again)["items"] == res["items"]
+    code, _, err = run_main(capsys, *args[:4], "k=[2]")
+    assert code == 2 and err.strip().splitlines() == [
+        "error: data=prompts is scored by sampling its answers: give samples=n (and rewards=[exact] or other "
+        "checkers); eval scores windows of a text corpus otherwise"
+    ], err
 
 
 def test_grpo_loss_is_not_judged_for_spikes(start, monkeypatch):

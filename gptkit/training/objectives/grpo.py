@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from gptkit.data.prompts import PromptBatch
 from gptkit.errors import ConfigError, GptkitError
-from gptkit.evaluation.sampled import check_ks, item_figures
+from gptkit.evaluation.sampled import SampledSums, check_ks
 from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
@@ -175,50 +175,6 @@ class Figures:
         out = {"host": values[: len(self.host)], "longest": float(longest)}
         out.update(zip(keys, values[len(self.host) :]))
         return out
-
-
-class SampledSums:
-    """grpo.val_samples > 1: per checker (a built-in check, its reward 1 when right) the sums over the val
-    prompts of pass@k (Chen et al.'s unbiased estimator) and, for a checker that extracts an answer, maj@k
-    (the majority of the first k samples' answers; ties: the first seen), summed over the ranks
-    (gptkit.evaluation.sampled)."""
-
-    def __init__(self, rewards, ks: list[int]) -> None:
-        self.ks = ks
-        self.checkers = [(j, r) for j, r in enumerate(rewards) if r.checker]
-        self.keys = ["prompts"]
-        for _, r in self.checkers:
-            self.keys += [f"pass@{k}/{r.name}" for k in ks]
-            self.keys += [f"maj@{k}/{r.name}" for k in ks] if r.answers else []
-        self.sums = dict.fromkeys(self.keys, 0.0)
-
-    def add(self, scores: list[list[list[float]]], texts: list[list[str]]) -> None:
-        """One micro-batch's val prompts: scores[p][i][j] (reward j of sample i of prompt p), texts[p][i]."""
-        for group, group_texts in zip(scores, texts):
-            self.sums["prompts"] += 1
-            for j, r in self.checkers:
-                right = [s[j] == 1.0 for s in group]
-                answers = [r.answer(t) for t in group_texts] if r.answers else None
-                f = item_figures(
-                    right,
-                    answers or [None] * len(right),
-                    lambda a, answers=answers, right=right: right[answers.index(a)],
-                    self.ks,
-                )
-                for key, v in f.items():
-                    name = f"{key}/{r.name}"
-                    if name in self.sums:
-                        self.sums[name] += v
-
-    def read(self, strategy, device) -> dict[str, float]:
-        """val/pass@k/<checker>, val/maj@k/<checker>: the means over every rank's val prompts; then afresh."""
-        sums = torch.tensor([self.sums[k] for k in self.keys], dtype=torch.float64, device=device)
-        if strategy is not None:
-            sums = strategy.reduce(sums, reduce_op="sum")
-        values = dict(zip(self.keys, sums.tolist()))
-        self.sums = dict.fromkeys(self.keys, 0.0)
-        n = values.pop("prompts")
-        return {f"val/{k}": v / n for k, v in values.items()} if n else {}
 
 
 def mean_std(total: float, squares: float, n: float) -> tuple[float, float]:
