@@ -316,7 +316,8 @@ def run_tasks(cfg) -> int:
         if name not in skipped:
             print(f"decontaminate: task {name}: {gone} of {of} item(s) left out (flagged)", file=sys.stderr)
     if samples is not None:
-        samples = {k: v for k, v in samples.items() if k not in skipped}
+        # lm-eval takes samples= or limit=, not both (kept_documents applied the limit)
+        samples = {k: v for k, v in samples.items() if k not in skipped} or None
     if n_samples is not None:
         return run_sampled(cfg, r, lm, T.leaf_tasks(task_dict), skipped, n_samples, ks, limit, samples)
     t0 = time.perf_counter()

@@ -280,15 +280,15 @@ class Scan:
             key = int(h[j])
             if " ".join(words[j : j + n]) != g.text.get(key):
                 continue  # a hash collision
-            if positions is None:
-                positions = [m.start() for m in _WORD.finditer(text) if g.norm(m.group())]
-            byte = byte0 + len(text[: positions[j]].encode("utf-8"))
             for i in g.by_hash[key]:
                 item = g.items[i]
                 item.matches += 1
                 place = (self.label, doc if doc is not None else token0)
                 if place in item.seen or len(item.documents) >= MAX_DOCUMENTS:
                     continue
+                if positions is None:
+                    positions = [m.start() for m in _WORD.finditer(text) if g.norm(m.group())]
+                byte = byte0 + len(text[: positions[j]].encode("utf-8"))
                 item.seen.add(place)
                 item.documents.append(self._name(doc, token0, byte, " ".join(words[j : j + n])))
 
