@@ -149,6 +149,20 @@ def test_every_planted_item_is_found_where_it_was_planted_and_none_is_invented(p
     assert r12["tasks"]["planted"]["flagged"] == [5, 7, 9], r12["tasks"]
     assert "planted" in out and "25.0%" in out
 
+    # run= with data=: another corpus (the JSON-lines file alone, all of it trained) in the run's tokenizer
+    code, out, err = run_main(
+        capsys,
+        "contamination",
+        f"run={run}",
+        "data=files",
+        f"data.paths=[{d / 'c.jsonl'}]",
+        "data.val_fraction=0.01",
+        f"tasks={d / 'planted.yaml'}",
+        f"out={d / 'jsonl.json'}",
+    )
+    assert code == 0, err
+    assert json.loads((d / "jsonl.json").read_text())["tasks"]["planted"]["flagged"] == [2, 5]
+
     # eval without the flagged items: 9 of 12 scored, and said
     code, out, err = run_main(
         capsys,
