@@ -131,6 +131,12 @@ VERBS: dict[str, Verb] = {
         "which documents trained step N of a run: source, document, file and offset, text of every row, "
         "read from its prepared data (rank=, micro_batch=, --json)",
     ),
+    "contamination": Verb(
+        "contamination",
+        "contamination",
+        "which test items of lm-eval tasks occur in a run's training data (13-gram overlap): the share per "
+        "task, the documents (file, offset) of each; `eval decontaminate=` scores without them",
+    ),
     "example-data": Verb(
         "example_data",
         "example_data",

@@ -36,7 +36,7 @@ import time
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
 # options of tasks=
-TASK_ONLY = ("limit", "num_fewshot", "out")
+TASK_ONLY = ("limit", "num_fewshot", "out", "decontaminate", "samples", "k")
 # options of the corpus evaluation
 CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")
 
@@ -118,6 +118,8 @@ def run(cfg) -> int:
 
     if cfg.tasks is not None:
         return run_tasks(cfg)
+    if cfg.get("data") is not None and cfg.data.get("kind") == "prompts":
+        return run_prompts(cfg)
     given = [k for k in TASK_ONLY if cfg.get(k) is not None]
     if given:
         raise ConfigError(f"{given[0]}= belongs to tasks=...; without tasks= eval scores a corpus (drop it)")
@@ -275,6 +277,12 @@ def run_tasks(cfg) -> int:
         )
     limit = T.check_limit(cfg.limit)
     task_results.check_out(cfg.out)
+    n_samples, ks = None, None
+    if cfg.samples is not None or cfg.k is not None:
+        from gptkit.evaluation.sampled import check_ks, check_sampling
+
+        n_samples, ks = check_ks(cfg.k, cfg.samples)
+        check_sampling(cfg.temperature, cfg.top_p)
     entries = T.parse_tasks(cfg.tasks)
     # reading a task YAML runs the Python its !function tags name: said first
     for line in T.code_notices(entries):
@@ -290,6 +298,12 @@ def run_tasks(cfg) -> int:
     T.check_names(specs.names, manager)
     task_dict = T.load_tasks(specs, manager)
     T.check_fewshot(T.leaf_tasks(task_dict), cfg.num_fewshot)
+    samples, dropped = None, {}
+    if cfg.decontaminate is not None:
+        from gptkit.evaluation.contamination import read_report
+
+        flagged = read_report(cfg.decontaminate)
+        samples, dropped = T.kept_documents(T.leaf_tasks(task_dict), flagged, limit, str(cfg.decontaminate))
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
     r = load_for_inference(cfg.run, cfg.device, cfg.dtype, quantize=cfg.quantize)
     lm = GptkitLM(r.model, r.tokenizer, r.config, batch_size=int(cfg.batch_size))
@@ -298,8 +312,18 @@ def run_tasks(cfg) -> int:
     specs = T.skip_tasks(specs, skipped)
     for name, why in skipped.items():
         print(T.skip_notice(name, why), file=sys.stderr)
+    for name, (gone, of) in dropped.items():
+        if name not in skipped:
+            print(f"decontaminate: task {name}: {gone} of {of} item(s) left out (flagged)", file=sys.stderr)
+    if samples is not None:
+        # lm-eval takes samples= or limit=, not both (kept_documents applied the limit)
+        samples = {k: v for k, v in samples.items() if k not in skipped} or None
+    if n_samples is not None:
+        return run_sampled(cfg, r, lm, T.leaf_tasks(task_dict), skipped, n_samples, ks, limit, samples)
     t0 = time.perf_counter()
-    results = T.run_tasks(lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=limit)
+    results = T.run_tasks(
+        lm, specs, manager, num_fewshot=cfg.num_fewshot, limit=None if samples else limit, samples=samples
+    )
     seconds = time.perf_counter() - t0
     rows = task_results.result_rows(results)
     written = task_results.write_results(
@@ -324,6 +348,7 @@ def run_tasks(cfg) -> int:
                     "truncated": lm.stats.truncated,
                     "seconds": seconds,
                     "skipped": skipped,
+                    "decontaminated": {k: {"dropped": a, "of": b} for k, (a, b) in dropped.items()},
                 },
                 indent=2,
             )
@@ -357,4 +382,216 @@ def run_tasks(cfg) -> int:
         f"{', '.join(str(f) for f in written)}",
         file=sys.stderr,
     )
+    return 0
+
+
+def run_sampled(cfg, r, lm, tasks: dict, skipped: dict, n: int, ks: list[int], limit, samples) -> int:
+    """samples=n: pass@k and maj@k of every generation task (gptkit.evaluation.sampled); the other tasks are
+    skipped and said."""
+    from gptkit.evaluation import sampled as S
+    from gptkit.evaluation import task_results
+    from gptkit.evaluation import tasks as T
+
+    others = {name: S.not_sampled(task) for name, task in tasks.items() if name not in skipped}
+    others = {name: why for name, why in others.items() if why}
+    todo = {k: v for k, v in tasks.items() if k not in skipped and k not in others}
+    if not todo:
+        raise T.nothing_to_score({**skipped, **others})
+    for name, why in others.items():
+        print(T.skip_notice(name, why), file=sys.stderr)
+    skipped.update(others)
+    t0 = time.perf_counter()
+    rows, per_task = [], {}
+    for name, task in todo.items():
+        if cfg.num_fewshot is not None:
+            task.set_config(key="num_fewshot", value=int(cfg.num_fewshot))
+        task.set_fewshot_seed(seed=lm.seed)
+        got, items = S.score_task(
+            lm,
+            name,
+            task,
+            n,
+            ks,
+            temperature=float(cfg.temperature),
+            top_p=float(cfg.top_p),
+            seed=lm.seed,
+            limit=limit,
+            indices=None if samples is None else samples[name],
+        )
+        rows += got
+        per_task[name] = {
+            "samples": n,
+            "k": ks,
+            "temperature": float(cfg.temperature),
+            "top_p": float(cfg.top_p),
+            "seed": lm.seed,
+            "items": items,
+        }
+    seconds = time.perf_counter() - t0
+    written = task_results.write_results(
+        {"results": per_task}, rows, r, lm.stats, cfg.out, limit=limit, seconds=seconds, skipped=skipped
+    )
+    if cfg.format == "json":
+        print(
+            json.dumps(
+                {
+                    "run": str(r.dir),
+                    "rows": rows,
+                    "files": [str(f) for f in written],
+                    "seconds": seconds,
+                    "skipped": skipped,
+                },
+                indent=2,
+            )
+        )
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{r.dir.name}: {n} samples per item (temperature {cfg.temperature}, top_p {cfg.top_p})")
+    for name, justify in (
+        ("task", "left"),
+        ("metric", "left"),
+        ("value", "right"),
+        ("stderr", "right"),
+        ("n", "right"),
+    ):
+        t.add_column(name, justify=justify)
+    for row in rows:
+        t.add_row(
+            row["task"],
+            row["metric"],
+            f"{row['value']:.4f}",
+            "" if row["stderr"] is None else f"± {row['stderr']:.4f}",
+            str(row["n"]),
+        )
+    Console().print(t)
+    print(
+        f"{sum(lm.stats.requests.values()):,} samples in {seconds:.1f} s; results: "
+        f"{', '.join(str(f) for f in written)}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def run_prompts(cfg) -> int:
+    """data=prompts samples=n: pass@k and maj@k of each checker of rewards= over n sampled answers of every
+    prompt (gptkit's own answer-checked prompts, as GRPO's validation scores them: the same SampledSums)."""
+    from gptkit.data import prepare
+    from gptkit.errors import ConfigError, GptkitError
+    from gptkit.evaluation import sampled as S
+    from gptkit.inference.rollouts import RolloutOptions, sample_groups
+    from gptkit.runs import TOKENIZER_FILE, load_for_inference, resolve_device
+    from gptkit.threads import set_threads
+    from gptkit.training.rewards import CHECKERS, load_rewards, parse_rewards
+
+    if cfg.samples is None:
+        raise ConfigError(
+            "data=prompts is scored by sampling its answers: give samples=n (and rewards=[exact] or other "
+            "checkers); eval scores windows of a text corpus otherwise"
+        )
+    n, ks = S.check_ks(cfg.k, cfg.samples)
+    S.check_sampling(cfg.temperature, cfg.top_p)
+    rewards = parse_rewards(cfg.rewards if cfg.rewards is not None else ["exact"])
+    if not any(r.checker for r in rewards.rewards):
+        raise ConfigError(
+            f"rewards={list(cfg.rewards)}: pass@k and maj@k need a checker ({', '.join(CHECKERS)})"
+        )
+    max_new = cfg.max_new_tokens
+    if isinstance(max_new, bool) or not isinstance(max_new, int) or max_new < 1:
+        raise ConfigError(f"max_new_tokens={max_new!r} must be an integer >= 1")
+    set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
+    r = load_for_inference(cfg.run, cfg.device, cfg.dtype, quantize=cfg.quantize)
+    tok_cfg = {
+        "kind": "file",
+        "path": str(r.dir / TOKENIZER_FILE),
+        "eos_token": (r.config.get("tokenizer") or {}).get("eos_token"),
+    }
+    p = prepare(cfg.data, tok_cfg, progress=False)
+    if p.vocab_size > r.model_cfg.vocab_size:
+        raise GptkitError(
+            f"the prompts' template adds tokens the run's model has no row for (vocabulary {p.vocab_size} "
+            f"> model.vocab_size={r.model_cfg.vocab_size}); use the run's own template (data.template=auto)"
+        )
+    load_rewards(rewards)
+    tok = p.manifest["tokenizer"]
+    stops = tuple(i for i in (tok.get("end_of_turn_id"), tok.get("eos_id")) if i is not None)
+    opts = RolloutOptions(max_new, float(cfg.temperature), None, float(cfg.top_p), stops)
+    tokenizer = p.tokenizer()
+    sums = S.SampledSums(rewards.rewards, ks, keep=True)
+    max_len = r.model_cfg.max_seq_len
+    t0, done, items = time.perf_counter(), 0, []
+    split_rows = [(split, i) for split in (p.train, p.val) for i in range(split.n)]
+    for i, (split, j) in enumerate(split_rows):
+        ids, row, where = split.ids(j), split.rows[j], split.where[j]
+        if len(ids) >= max_len:
+            raise GptkitError(f"{where}: the prompt makes {len(ids)} tokens, model.max_seq_len={max_len}")
+        keys = [S.item_key(S.SEED, "prompts", i, s) for s in range(n)]
+        (group,) = sample_groups(r.model, [ids], [keys], opts, [min(max_new, max_len - len(ids))])
+        texts = [
+            tokenizer.decode(c.tokens[:-1] if c.tokens and c.tokens[-1] in stops else c.tokens) for c in group
+        ]
+        seqs = [ids + c.tokens for c in group]
+        given = iter(rewards.model_scores(seqs, next(r.model.parameters()).device, tokenizer))
+        prompt = row.get(cfg.data.get("prompt_field", "prompt"))
+        prompt = prompt if isinstance(prompt, str) else row.get(cfg.data.get("messages_field", "messages"))
+        with rewards.guard():
+            scores = [rewards.score(prompt, t, row, where, next(given)) for t in texts]
+        sums.add([scores], [texts])
+        items.append({"where": where, "texts": texts, "scores": scores})
+        done += n
+    seconds = time.perf_counter() - t0
+    source = p.manifest["source"]["description"] or p.dir.name
+    rows = []
+    for key, values in sums.items.items():
+        mean, stderr = S.mean_stderr(values)
+        metric, checker = key.split("/", 1)
+        rows.append(
+            {
+                "task": source,
+                "metric": f"{metric} ({checker})",
+                "value": mean,
+                "stderr": stderr,
+                "n": len(values),
+            }
+        )
+    out = {
+        "run": str(r.dir),
+        "data": source,
+        "samples": n,
+        "k": ks,
+        "temperature": float(cfg.temperature),
+        "top_p": float(cfg.top_p),
+        "rewards": rewards.names,
+        "rows": rows,
+        "seconds": seconds,
+        "items": items,
+    }
+    if cfg.format == "json":
+        print(json.dumps(out, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(
+        title=f"{r.dir.name}: {n} samples per prompt (temperature {cfg.temperature}, top_p {cfg.top_p})"
+    )
+    for name, justify in (
+        ("prompts", "left"),
+        ("metric", "left"),
+        ("value", "right"),
+        ("stderr", "right"),
+        ("n", "right"),
+    ):
+        t.add_column(name, justify=justify)
+    for row in rows:
+        t.add_row(
+            row["task"],
+            row["metric"],
+            f"{row['value']:.4f}",
+            "" if row["stderr"] is None else f"± {row['stderr']:.4f}",
+            str(row["n"]),
+        )
+    Console().print(t)
+    print(f"{done:,} samples in {seconds:.1f} s", file=sys.stderr)
     return 0

@@ -51,7 +51,8 @@ TOO_FEW = (
 # why gptkit eval cannot score it (gptkit.data.kinds)
 NOT_SCORED = (
     "eval scores windows of a text corpus; data=prompts is prompts for objective=grpo (a GRPO run's val "
-    "rewards are in its metrics.csv); pass a text corpus: data=files 'data.paths=[held_out.txt]'"
+    "rewards are in its metrics.csv; data=prompts 'data.paths=[...]' samples=n scores sampled answers); pass "
+    "a text corpus: data=files 'data.paths=[held_out.txt]'"
 )
 
 

@@ -124,15 +124,18 @@ def jsonl_offset(path: str, text_field: str, k: int) -> int | None:
     return None
 
 
-def line_of(path: str, offset: int) -> int | None:
-    """The 1-based line of a file at byte `offset` (None: the file is gone or shorter now)."""
+def line_of(path: str, offset: int, known: tuple[int, int] = (0, 1)) -> int | None:
+    """The 1-based line of a file at byte `offset` (None: the file is gone or shorter now); known: a byte
+    offset <= offset and its line, where counting starts."""
     p = Path(path)
+    at, line = known
     try:
         if p.stat().st_size < offset:
             return None
-        n = 0
+        n = line - 1
         with open(p, "rb") as f:
-            left = offset
+            f.seek(at)
+            left = offset - at
             while left > 0:
                 block = f.read(min(left, 8 << 20))
                 if not block:
@@ -152,6 +155,8 @@ class ShardOrigins:
         self.bytes = TextBytes(tokenizer)
         self.docs, self.sources, self.note = self._documents()
         self.formats = self._formats()
+        # per JSON-lines file, the last (byte offset, line) found
+        self._lines: dict[str, tuple[int, int]] = {}
         source = manifest.get("source") or {}
         self.text_field = str((source.get("settings") or {}).get("text_field", "text"))
         # data=tokens: each file's tokens, the train split's first
@@ -216,11 +221,14 @@ class ShardOrigins:
 
     def _span(self, k: int, doc_start: int, a: int, n: int) -> Span:
         """Document k's share of a window: n tokens from position a (the document starts at doc_start)."""
-        row = self.docs[k]
-        src = int(row["source"])
-        name = self.sources[src] if 0 <= src < len(self.sources) else None
         inner = 0 if a == doc_start else self.bytes.count(self.tokens[doc_start:a])
         inside = f"token {a - doc_start:,} of its text" if inner is None else f"byte {inner:,} of its text"
+        return Span(k, self.source_of(k), self.where(k, inner, inside, a > doc_start), n)
+
+    def where(self, k: int, inner: int | None, inside: str, within: bool) -> str:
+        """Where in its source document k is, and a place `inner` bytes into its text (`inside` in words;
+        within: that place is not the document's start)."""
+        row, name = self.docs[k], self.source_of(k)
         fmt = self.formats.get(name) if name is not None else None
         offset, record = int(row["offset"]), int(row["record"])
         # a JSON-lines file read in batches of pieces (mixed with other formats): its line looked up now
@@ -230,16 +238,25 @@ class ShardOrigins:
         if fmt == "text":
             where = f"byte {inner:,}" if inner is not None else inside
         elif fmt == "json" and offset >= 0:
-            line = line_of(name, offset)
+            # counted on from the last line found in that file when it lies before (a scan asks in order)
+            known = self._lines.get(name, (0, 1))
+            line = line_of(name, offset, known if known[0] <= offset else (0, 1))
+            if line is not None:
+                self._lines[name] = (offset, line)
             place = f"line {line:,} (byte {offset:,})" if line is not None else f"byte {offset:,}"
-            where = place + (f", {inside}" if a > doc_start else "")
+            where = place + (f", {inside}" if within else "")
         elif fmt is not None:
-            where = f"text {record + 1:,} of the file" + (f", {inside}" if a > doc_start else "")
+            where = f"text {record + 1:,} of the file" + (f", {inside}" if within else "")
         elif name is not None and name.startswith("hub dataset"):
-            where = f"document {record + 1:,} of the stream" + (f", {inside}" if a > doc_start else "")
+            where = f"document {record + 1:,} of the stream" + (f", {inside}" if within else "")
         else:
-            where = inside if a > doc_start else ""
-        return Span(k, name, where, n)
+            where = inside if within else ""
+        return where
+
+    def source_of(self, k: int) -> str | None:
+        """The name of document k's source (a file, a topic, a data set; None: not known)."""
+        src = int(self.docs[k]["source"])
+        return self.sources[src] if 0 <= src < len(self.sources) else None
 
     def _file_spans(self, start: int, end: int) -> list[Span]:
         """data=tokens: the token files a window lies in, and its token (and byte) offset in each."""

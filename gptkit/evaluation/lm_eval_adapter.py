@@ -278,21 +278,8 @@ class GptkitLM(TemplateLM):
         t0 = time.perf_counter()
         self.stats.requests["generate_until"] += len(requests)
         results = []
-        for context, gen_kwargs in (req.args for req in requests):
-            kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
-            until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
-            max_gen = int(kwargs.pop("max_gen_toks"))
-            room = self.max_length - max_gen
-            if room <= 0:
-                raise GptkitError(
-                    f"the task generates up to max_gen_toks={max_gen} tokens, which leaves "
-                    f"no room for its prompt in model.max_seq_len={self.max_length}; lower "
-                    f"the task's generation_kwargs.max_gen_toks"
-                )
-            ids = self._generation_prompt(context)
-            if len(ids) > room:
-                self.stats.truncated += 1
-                ids = ids[-room:]
+        for args in (req.args for req in requests):
+            ids, until, max_gen, kwargs = self._generation_request(args)
             temperature = float(kwargs.get("temperature", 0.0)) if kwargs.get("do_sample") else 0.0
             opts = SampleOptions(
                 max_new_tokens=max_gen,
@@ -309,6 +296,47 @@ class GptkitLM(TemplateLM):
             results.append(postprocess_generated_text(g.texts[0], until, None))
         self.stats.seconds += time.perf_counter() - t0
         return results
+
+    def sample_until(self, args: tuple, keys: list[int], temperature: float, top_p: float = 1.0) -> list[str]:
+        """len(keys) completions of one generate_until request (its (context, gen_kwargs)), each drawn with
+        its key by the rollout sampler (gptkit.inference.rollouts: a completion is a pure function of its
+        key), at `temperature` and `top_p` whatever the task's own do_sample; stopped at the EOS and cut at
+        the task's stop strings, as generate_until cuts them."""
+        from gptkit.inference.rollouts import RolloutOptions, sample_groups
+
+        t0 = time.perf_counter()
+        ids, until, max_gen, _ = self._generation_request(args)
+        stops = () if self.eos_id is None else (self.eos_id,)
+        opts = RolloutOptions(max_gen, float(temperature), None, float(top_p), stops)
+        (group,) = sample_groups(self.model, [ids], [list(keys)], opts, [max_gen])
+        self.stats.requests["generate_until"] += len(keys)
+        out = []
+        for c in group:
+            self.stats.forward_tokens += len(ids) + len(c.tokens)
+            tokens = c.tokens[:-1] if c.tokens and c.tokens[-1] in stops else c.tokens
+            out.append(postprocess_generated_text(self.tok_decode(tokens), until, None))
+        self.stats.seconds += time.perf_counter() - t0
+        return out
+
+    def _generation_request(self, args: tuple) -> tuple[list[int], list[str], int, dict]:
+        """(prompt ids, stop strings, max_gen_toks, the other generation kwargs) of a generate_until request's
+        (context, gen_kwargs): the prompt cut on the left to max_len - max_gen_toks tokens, as in `hf`."""
+        context, gen_kwargs = args
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs), DEFAULT_MAX_GEN_TOKS)
+        until = handle_stop_sequences(kwargs.pop("until", None), eos=None)
+        max_gen = int(kwargs.pop("max_gen_toks"))
+        room = self.max_length - max_gen
+        if room <= 0:
+            raise GptkitError(
+                f"the task generates up to max_gen_toks={max_gen} tokens, which leaves "
+                f"no room for its prompt in model.max_seq_len={self.max_length}; lower "
+                f"the task's generation_kwargs.max_gen_toks"
+            )
+        ids = self._generation_prompt(context)
+        if len(ids) > room:
+            self.stats.truncated += 1
+            ids = ids[-room:]
+        return ids, until, max_gen, kwargs
 
     def _generation_prompt(self, context: str) -> list[int]:
         """The prompt's ids as the hf backend's batch encoding makes them (the tokenizer's special tokens,

@@ -14,6 +14,7 @@ import difflib
 import functools
 import glob
 import logging
+import math
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -538,10 +539,12 @@ def run_tasks(
     bootstrap_iters: int = 100000,
     seed: int = 1234,
     log_samples: bool = False,
+    samples: dict[str, list[int]] | None = None,
 ) -> dict:
     """lm-eval's simple_evaluate on the tasks as given (registry names, local configs) with the given LM
     (manager: the TaskManager that found them; without one lm-eval would index its whole registry again);
-    lm-eval's results dict. load_tasks() before it has said any error in one line."""
+    lm-eval's results dict. load_tasks() before it has said any error in one line. samples: {task: the
+    indices of its documents to evaluate} (instead of limit)."""
     from lm_eval import simple_evaluate
 
     # as given: a group (mmlu) is then aggregated over its tasks
@@ -551,6 +554,7 @@ def run_tasks(
         tasks=tasks,
         num_fewshot=num_fewshot,
         limit=limit,
+        samples=samples,
         log_samples=log_samples,
         bootstrap_iters=bootstrap_iters,
         task_manager=manager,
@@ -638,3 +642,33 @@ def merge_shares(shares: list[dict[str, list]]) -> dict[str, list]:
         for key, values in share.items():
             out.setdefault(key, []).extend(values)
     return out
+
+
+def kept_documents(
+    tasks: dict[str, Any], flagged: dict[str, list[int]], limit: int | float | None, source: str
+):
+    """decontaminate=: {task: the indices of its evaluated documents that the report did not flag} (the first
+    `limit` of them, as limit= counts), and {task: (dropped, of)}; a task the report does not cover, or whose
+    documents are not the ones it scanned, is one line."""
+    samples, dropped = {}, {}
+    for name, task in tasks.items():
+        if name not in flagged:
+            raise ConfigError(
+                f"decontaminate={source} has no task {name} (it covers {', '.join(flagged) or 'none'}); run "
+                f"`gptkit contamination tasks={name}` for it"
+            )
+        total = len(task.eval_docs)
+        bad = set(flagged[name])
+        if bad and max(bad) >= total:
+            raise ConfigError(
+                f"decontaminate={source} flags document {max(bad)} of task {name}, which has {total}: the "
+                f"report was made for other data of that task"
+            )
+        n = total if limit is None else min(total, int(limit if limit >= 1 else math.ceil(total * limit)))
+        samples[name] = [i for i in range(n) if i not in bad]
+        dropped[name] = (n - len(samples[name]), n)
+        if not samples[name]:
+            raise ConfigError(
+                f"decontaminate={source} flags every evaluated item of task {name}: none is left to score"
+            )
+    return samples, dropped

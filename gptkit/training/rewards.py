@@ -271,6 +271,22 @@ CHECKERS: dict[str, tuple[Callable, bool, str | None, bool]] = {
     "regex": (regex, True, None, True),
     "format": (format_check, False, R1_FORMAT, False),
 }
+
+
+def _regex_answer(completion: str, r: "Reward") -> str | None:
+    m = r.compiled.search(completion)
+    if m is None:
+        return None
+    return (m.group(1) if r.compiled.groups else m.group()).strip() or None
+
+
+# kind -> the answer a checker compares with the record's field (the vote of maj@k in grpo.val_samples; a
+# checker without one, contains and format, gives no maj@k); the checker's reward is a function of it
+ANSWERS: dict[str, Callable[[str, "Reward"], Any]] = {
+    "exact": lambda completion, r: completion.strip() or None,
+    "number": lambda completion, r: last_number(completion),
+    "regex": _regex_answer,
+}
 ENTRY_KEYS = ("kind", "function", "weight", "field", "pattern", "name", "path")
 # a reward model's kind: scored batched (RewardModel), not one completion at a time
 MODEL_KIND = "model"
@@ -358,6 +374,15 @@ class Reward:
     def checker(self) -> bool:
         """A built-in check: its reward is 0 or 1, its mean an accuracy."""
         return self.kind is not None and self.kind in CHECKERS
+
+    @property
+    def answers(self) -> bool:
+        """A checker that compares an answer it extracts (exact, number, regex with a field): maj@k votes."""
+        return self.checker and self.kind in ANSWERS and not (self.kind == "regex" and self.field is None)
+
+    def answer(self, completion: str) -> Any:
+        """The answer this checker extracts from a completion (None: none)."""
+        return ANSWERS[self.kind](completion, self)
 
     @property
     def batched(self) -> bool:

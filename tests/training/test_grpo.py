@@ -5,6 +5,7 @@ kill -9 mid-step to the same rows and weights, follows one process on 2 (FSDP2, 
 (the reference its adapters off), Muon and task evals.
 """
 
+import json
 import math
 
 import pytest
@@ -267,6 +268,12 @@ def defaults():
         ({"rewards": [{"kind": "exact", "weight": 0}]}, "weight=0 must be a finite number, not 0"),
         ({"kl": "k2"}, "grpo.kl='k2' is not one of k3, k3_ratio"),
         ({"reward_timeout": -1}, "grpo.reward_timeout=-1 must be a number of seconds >= 0"),
+        (
+            {"val_samples": 4, "val_k": [1, 5], "val_temperature": 1.0},
+            "grpo.val_k=5 is larger than the samples per item \\(grpo.val_samples=4\\)",
+        ),
+        ({"val_samples": 4}, "grpo.val_samples=4 needs grpo.val_temperature > 0"),
+        ({"val_samples": 0}, "grpo.val_samples=0 must be an integer >= 1"),
     ],
 )
 def test_bad_grpo_settings_are_one_line(defaults, grpo, message):
@@ -299,6 +306,36 @@ def test_the_checkers_score_what_they_say():
         GptkitError, match="^f line 1: reward exact reads the field 'answer', which this record"
     ):
         rewards.score("p", "x", {"solution": "1"}, "f line 1")
+
+
+def test_val_samples_give_pass_at_k_of_each_checker_and_maj_at_k_of_its_answers():
+    """SampledSums on 2 val prompts x 4 samples: pass@k is Chen et al.'s estimator over each checker's right
+    samples, maj@k the majority of the extracted answers (a tie: the first seen); contains and format get no
+    maj@k."""
+    from gptkit.evaluation.sampled import pass_at_k
+    from gptkit.training.objectives.grpo import SampledSums
+
+    rewards = parse_rewards(["number", "contains", "format"])
+    sums = SampledSums(rewards.rewards, [1, 2, 4])
+    # a checker without an answer (contains, format): pass@k only
+    assert (
+        "pass@4/format" in sums.keys and "maj@1/format" not in sums.keys and "maj@2/contains" not in sums.keys
+    )
+    rows = [{"answer": "7"}, {"answer": "3"}]
+    texts = [["so 7", "it is 9", "9", "7 it is"], ["3", "x", "y", "z"]]
+    scores = [[rewards.score("p", t, row, "w") for t in group] for row, group in zip(rows, texts)]
+    sums.add(scores, texts)
+    got = sums.read(None, "cpu")
+    for k in (1, 2, 4):
+        want = (pass_at_k(4, 2, k) + pass_at_k(4, 1, k)) / 2
+        assert got[f"val/pass@{k}/number"] == pytest.approx(want)
+    # prompt 1: k=1 answer 7 (right); k=2 a tie of 7 and 9 (7 first); k=4 a tie (7 first). Prompt 2: 3 once,
+    # every other sample no number (no vote): 3 wins
+    assert [got[f"val/maj@{k}/number"] for k in (1, 2, 4)] == [1.0, 1.0, 1.0]
+    sums.add([[rewards.score("p", t, rows[0], "w") for t in ("9", "7", "9", "7")]], [["9", "7", "9", "7"]])
+    again = sums.read(None, "cpu")
+    assert [again[f"val/maj@{k}/number"] for k in (1, 2, 4)] == [0.0, 0.0, 0.0]
+    assert again["val/pass@1/contains"] == 0.5 and again["val/pass@2/contains"] == pytest.approx(5 / 6)
 
 
 def test_a_users_reward_is_announced_and_refused_in_one_line_when_it_fails(tmp_path, capsys):
@@ -563,6 +600,62 @@ def test_gspo_and_cispo_train_end_to_end_over_two_passes(start, straight, loss, 
     )
 
 
+def test_eval_samples_the_answers_of_checked_prompts_pass_at_k_and_maj_at_k(start, capsys):
+    """`gptkit eval data=prompts samples=4`: gptkit's own answer-checked prompts (the GRPO prompts, the
+    exact checker and a regex one a random sample passes about half the time) scored by pass@k and maj@k of
+    4 keyed samples each; the figures are the estimators over the samples it reports, and a rerun draws the
+    same samples."""
+    import re
+
+    from gptkit.evaluation.sampled import majority, pass_at_k
+
+    args = [
+        "eval",
+        f"run={start / 'sft'}",
+        "data=prompts",
+        f"data.paths=[{start / 'prompts.jsonl'}]",
+        "samples=4",
+        "k=[1,2,4]",
+        "rewards=[exact,{kind: regex, pattern: '[a-z]', field: null, name: lower}]",
+        "temperature=2.0",
+        "max_new_tokens=6",
+        "--json",
+    ]
+    code, out, err = run_main(capsys, *args)
+    assert code == 0, err
+    res = json.loads(out)
+    assert len(res["items"]) == 40 and res["rewards"] == ["exact", "lower"]
+    rows = {r["metric"]: r for r in res["rows"]}
+    answers = [json.loads(line)["answer"] for line in (start / "prompts.jsonl").read_text().splitlines()]
+    for k in (1, 2, 4):
+        right = [[t.strip() == a for t in item["texts"]] for item, a in zip(res["items"], answers)]
+        assert [[s[0] == 1.0 for s in item["scores"]] for item in res["items"]] == right
+        want = sum(pass_at_k(4, sum(r), k) for r in right) / 40
+        assert (
+            rows[f"pass@{k} (exact)"]["value"] == pytest.approx(want) and rows[f"pass@{k} (exact)"]["n"] == 40
+        )
+        maj = [
+            float(majority([t.strip() or None for t in item["texts"][:k]]) == a)
+            for item, a in zip(res["items"], answers)
+        ]
+        assert rows[f"maj@{k} (exact)"]["value"] == pytest.approx(sum(maj) / 40)
+    # the regex checker without a field (1 when a lower-case letter occurs): pass@k only, no answer to vote
+    lower = [[bool(re.search("[a-z]", t)) for t in item["texts"]] for item in res["items"]]
+    assert [[s[1] == 1.0 for s in item["scores"]] for item in res["items"]] == lower
+    for k in (1, 2, 4):
+        want = sum(pass_at_k(4, sum(r), k) for r in lower) / 40
+        assert rows[f"pass@{k} (lower)"]["value"] == pytest.approx(want)
+    assert "maj@1 (lower)" not in rows
+    assert 0 < rows["pass@1 (lower)"]["value"] < rows["pass@4 (lower)"]["value"] <= 1
+    code, again, err = run_main(capsys, *args)
+    assert code == 0 and json.loads(again)["items"] == res["items"]
+    code, _, err = run_main(capsys, *args[:4], "k=[2]")
+    assert code == 2 and err.strip().splitlines() == [
+        "error: data=prompts is scored by sampling its answers: give samples=n (and rewards=[exact] or other "
+        "checkers); eval scores windows of a text corpus otherwise"
+    ], err
+
+
 def test_grpo_loss_is_not_judged_for_spikes(start, monkeypatch):
     """A policy-gradient loss sits around 0 by construction (Objective.loss_spikes is False): the spike watch
     never sees it, whatever trainer.spike_factor says."""
@@ -628,6 +721,9 @@ def test_grpo_with_lora_muon_dapo_accumulation_and_task_evals(start, capfd):
             "trainer.eval_tasks=[tests/evals/tiny_gen.yaml]",
             "trainer.eval_every=2",
             "trainer.eval_limit=2",
+            "grpo.val_samples=4",
+            "grpo.val_temperature=1.0",
+            "grpo.val_k=[1,2]",
         )
     )
     err = capfd.readouterr().err
@@ -636,6 +732,11 @@ def test_grpo_with_lora_muon_dapo_accumulation_and_task_evals(start, capfd):
     # B = 0: the policy is the base, the KL 0
     assert float(rows[1]["train/kl"]) == 0.0 and float(rows[2]["train/kl"]) > 0
     assert rows[2]["eval/tiny_gen/exact_match"] != "" and rows[2]["val/reward"] != ""
+    # 4 samples of each val prompt over 2 ranks: pass@1 is the mean accuracy of every sample
+    val = rows[2]
+    assert float(val["val/pass@1/exact"]) == pytest.approx(float(val["val/accuracy/exact"]))
+    assert float(val["val/pass@1/exact"]) <= float(val["val/pass@2/exact"]) <= 1.0
+    assert 0.0 <= float(val["val/maj@2/exact"]) <= 1.0 and "val/pass@4/exact" not in val
 
 
 def test_grpo_on_a_hybrid_decodes_its_rollouts_through_the_recurrent_state_and_trains(start, monkeypatch):

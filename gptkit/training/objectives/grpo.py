@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from gptkit.data.prompts import PromptBatch
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.evaluation.sampled import SampledSums, check_ks
 from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
@@ -283,6 +284,10 @@ class GRPO(Objective):
         self.kl = str(g.get("kl", "k3"))
         self.rewards.timeout = reward_timeout(g.get("reward_timeout"))
         self.val_temperature = float(g.get("val_temperature") or 0.0)
+        self.val_samples, self.val_ks = check_ks(g.get("val_k"), int(g.get("val_samples") or 1))
+        # val_samples > 1: per checker and k, the sums of pass@k (and maj@k) over the val prompts, and their
+        # count (every rank holds every key: one reduce)
+        self.sampled = SampledSums(self.rewards.rewards, self.val_ks) if self.val_samples > 1 else None
         self.seed, self.seq_len = int(plan.cfg.seed), int(plan.seq_len)
         self.accumulation, self.batch_size = int(plan.accumulation), int(plan.batch_size)
         data = plan.cfg.data
@@ -462,7 +467,7 @@ class GRPO(Objective):
         -1, index, 0)), scored; each val prompt counted once over the ranks (index % world == rank, where
         DistributedSampler puts it first)."""
         t = time.perf_counter()
-        groups, seconds = self.sample(model, batch, 1, self.val_temperature, -1)
+        groups, seconds = self.sample(model, batch, self.val_samples, self.val_temperature, -1)
         # a validation inside a train window is not its wall time
         mine = [(i % world_size) == rank for i in batch.index.tolist()]
         keep = [i for i, m in enumerate(mine) if m]
@@ -481,6 +486,8 @@ class GRPO(Objective):
             lengths = [len(c.tokens) for g in groups for c in g]
             cut = sum(c.stop_reason != "stop" for g in groups for c in g)
             self.val.add_rollouts(scores, totals, lengths, cut, seconds)
+            if self.sampled is not None:
+                self.sampled.add(scores, [[self._text(c.tokens) for c in g] for g in groups])
         if self._clock is not None:
             self._val_seconds += time.perf_counter() - t
 
@@ -507,6 +514,8 @@ class GRPO(Objective):
         if sums is None or not sums["host"][0]:
             return {}
         out = self._metrics(sums, "val")
+        if self.sampled is not None:
+            out.update(self.sampled.read(strategy, self._device(strategy)))
         return {"val/loss": -out["val/reward"], **out}
 
     def train_metrics(self, strategy) -> dict[str, float]:

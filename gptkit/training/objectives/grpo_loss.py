@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from gptkit.errors import ConfigError
+from gptkit.evaluation.sampled import check_ks
 from gptkit.inference.rollouts import RolloutOptions
 from gptkit.training.rewards import parse_rewards, reward_timeout
 
@@ -68,6 +69,12 @@ def check_grpo_config(g: Any) -> None:
         )
     if float(g.get("val_temperature", 0.0)) < 0:
         raise ConfigError(f"grpo.val_temperature={g.get('val_temperature')} must be >= 0 (0: greedy)")
+    n, _ = check_ks(g.get("val_k"), g.get("val_samples", 1), "grpo.val_samples", "grpo.val_k")
+    if n > 1 and not float(g.get("val_temperature") or 0.0) > 0:
+        raise ConfigError(
+            f"grpo.val_samples={n} needs grpo.val_temperature > 0: {n} greedy completions of a prompt are "
+            f"one completion {n} times"
+        )
     parse_rewards(g.get("rewards"))
 
 
