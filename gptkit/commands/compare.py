@@ -32,5 +32,9 @@ def run(cfg) -> int:
         if not is_run_folder(path):
             raise ConfigError(f"runs=: {name} is not a run folder (none there, nor under {cfg.runs_dir}/)")
         runs.append((name, path))
+    # the legend names a run by its folder's name, or as given where two names would be the same
+    short = [Path(n).name for n, _ in runs]
+    if len(set(short)) == len(short):
+        runs = [(s, p) for s, (_, p) in zip(short, runs)]
     print(draw_compare(runs, str(cfg.out), x=str(cfg.x)))
     return 0

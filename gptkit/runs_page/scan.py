@@ -194,6 +194,9 @@ def _take(s, row, line, i_step, i_val, i_tokens, i_loss, evals, width) -> None:
         except ValueError:
             raise Damaged(f"metrics.csv line {line}: {row[i][:40]!r} is not a number") from None
 
+    for i, v in enumerate(row):
+        if v:
+            num(i)
     step = num(i_step)
     if step is None:
         return
