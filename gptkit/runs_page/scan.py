@@ -185,24 +185,19 @@ def read_metrics(path: Path) -> MetricsSummary:
 def _take(s, row, line, i_step, i_val, i_tokens, i_loss, evals, width) -> None:
     if len(row) != width:
         raise Damaged(f"metrics.csv line {line} has {len(row)} fields, its header {width}")
-
-    def num(i: int | None) -> float | None:
-        if i is None or row[i] == "":
-            return None
-        try:
-            return float(row[i])
-        except ValueError:
-            raise Damaged(f"metrics.csv line {line}: {row[i][:40]!r} is not a number") from None
-
-    for i, v in enumerate(row):
-        if v:
-            num(i)
-    step = num(i_step)
+    try:
+        values = [float(v) if v else None for v in row]
+    except ValueError:
+        bad = next(v for v in row if v and not _is_number(v))
+        raise Damaged(f"metrics.csv line {line}: {bad[:40]!r} is not a number") from None
+    step = values[i_step]
     if step is None:
         return
     s.rows += 1
     s.last_step = int(step)
-    tokens, loss, val = num(i_tokens), num(i_loss), num(i_val)
+    tokens = values[i_tokens] if i_tokens is not None else None
+    loss = values[i_loss] if i_loss is not None else None
+    val = values[i_val] if i_val is not None else None
     if tokens is not None:
         s.tokens = tokens
     if loss is not None:
@@ -210,9 +205,16 @@ def _take(s, row, line, i_step, i_val, i_tokens, i_loss, evals, width) -> None:
     if val is not None and (s.best_val is None or val < s.best_val or math.isnan(s.best_val)):
         s.best_val, s.best_val_step = val, int(step)
     for name, i in evals:
-        v = num(i)
-        if v is not None:
-            s.evals[name] = v
+        if values[i] is not None:
+            s.evals[name] = values[i]
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def read_run_config(run_dir: Path) -> dict[str, Any]:
@@ -220,7 +222,8 @@ def read_run_config(run_dir: Path) -> dict[str, Any]:
 
     f = run_dir / CONFIG_FILE
     try:
-        cfg = yaml.safe_load(f.read_text(encoding="utf-8"))
+        # libyaml's parser where PyYAML has it: config.yaml is most of a row's time with the pure-Python one
+        cfg = yaml.load(f.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise Damaged(f"{CONFIG_FILE} is not readable YAML ({str(exc).splitlines()[0][:80]})") from None
     if not isinstance(cfg, dict):
