@@ -36,7 +36,20 @@ def run(cfg) -> int:
         require("serve")
         from gptkit.runs_page.app import serve_runs
 
-        return serve_runs(str(cfg.dir), host=str(cfg.host), port=int(port), access_log=bool(cfg.access_log))
+        hosts = cfg.allowed_hosts
+        if isinstance(hosts, str):
+            hosts = [hosts]
+        if hosts is None or not all(isinstance(h, str) and h.strip() for h in hosts):
+            raise ConfigError(
+                f"allowed_hosts={hosts!r} must be a list of host names, e.g. [box.lan] ([*]: any)"
+            )
+        return serve_runs(
+            str(cfg.dir),
+            host=str(cfg.host),
+            port=int(port),
+            access_log=bool(cfg.access_log),
+            allowed_hosts=tuple(str(h).strip() for h in hosts),
+        )
     from gptkit.runs_page.scan import scan
 
     rows = scan(str(cfg.dir))

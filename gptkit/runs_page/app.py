@@ -182,7 +182,13 @@ def build_app(root: Path | str, allowed_hosts: tuple[str, ...] = (), any_ip_host
     )
 
 
-def serve_runs(root: Path | str, host: str = "127.0.0.1", port: int = 8001, access_log: bool = False) -> int:
+def serve_runs(
+    root: Path | str,
+    host: str = "127.0.0.1",
+    port: int = 8001,
+    access_log: bool = False,
+    allowed_hosts: tuple[str, ...] = (),
+) -> int:
     """Serve the page until Ctrl-C or SIGTERM (find_runs' one-line errors first: a folder with no runs)."""
     import uvicorn
 
@@ -195,7 +201,9 @@ def serve_runs(root: Path | str, host: str = "127.0.0.1", port: int = 8001, acce
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{bound}"
     wildcard = is_wildcard(host)
-    app = build_app(root, allowed_hosts=() if wildcard else (host,), any_ip_host=wildcard)
+    app = build_app(
+        root, allowed_hosts=tuple(allowed_hosts) + (() if wildcard else (host,)), any_ip_host=wildcard
+    )
     config = uvicorn.Config(
         app,
         http=head_timeout_protocol(30.0),

@@ -85,6 +85,13 @@ def test_runs_table_and_compare_png(runs, capsys, tmp_path):
     assert rows["done"]["params"] > 0 and rows["done"]["tokens"] == 12 * 256
     assert rows["done"]["evals"] == {"eval/tiny_mc/acc": pytest.approx(0.37)}
     assert rows["done"]["best_val_step"] == 12 and rows["sweep/0"]["status"] == "running"
+    # a row being appended (no newline yet) is not read: the run is not damaged, its last whole row counts
+    half = fake_run(tmp_path / "half", "live", 6, 12, 1e-3)
+    with open(half / "metrics.csv", "a") as f:
+        f.write("7,0.001,50")
+    code, out, _ = run_main(capsys, "runs", f"dir={tmp_path / 'half'}", "--json")
+    (row,) = json.loads(out)
+    assert code == 0 and row["status"] != "damaged" and row["step"] == 6 and row["problem"] is None
     # bad input: one line, exit 2
     (tmp_path / "empty").mkdir()
     for args, needle in (
