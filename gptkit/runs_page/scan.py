@@ -169,7 +169,7 @@ def read_metrics(path: Path) -> MetricsSummary:
                 if pending is not None:
                     _take(s, pending, reader.line_num - 1, i_step, i_val, i_tokens, i_loss, evals, width)
                 pending = row
-            if pending is not None and (complete or len(pending) == width):
+            if pending is not None:
                 try:
                     _take(s, pending, reader.line_num, i_step, i_val, i_tokens, i_loss, evals, width)
                 except Damaged:

@@ -74,12 +74,20 @@ def runs(tmp_path_factory):
 def test_runs_table_and_compare_png(runs, capsys, tmp_path):
     code, out, err = run_main(capsys, "runs", f"dir={runs}")
     assert code == 0, err
-    lines = {line.split()[1]: line for line in out.splitlines() if line.startswith("│")}
-    assert set(lines) == {"damaged", "done", "failed", "stopped", "sweep/0"}
-    assert " done " in lines["done"] and "12/12" in lines["done"] and "3.1500 @12" in lines["done"]
-    assert " stopped " in lines["stopped"] and "6/12" in lines["stopped"]
-    assert " failed " in lines["failed"] and " running " in lines["sweep/0"]
-    assert "damaged: metrics.csv line 8: 'oops' is not a number" in lines["damaged"]
+    # run, model, params, tokens, steps, best val loss, last evals, status, size, updated
+    cells = {
+        c[0]: c for c in ([x.strip() for x in ln.split("│")[1:-1]] for ln in out.splitlines() if "│" in ln)
+    }
+    assert {k: v[7] for k, v in cells.items()} == {
+        "damaged": "damaged: metrics.csv line 8: 'oops' is not a number",
+        "done": "done",
+        "failed": "failed",
+        "stopped": "stopped",
+        "sweep/0": "running",
+    }
+    assert (
+        cells["done"][4:7] == ["12/12", "3.1500 @12", "tiny_mc/acc 0.370"] and cells["stopped"][4] == "6/12"
+    )
     code, out, _ = run_main(capsys, "runs", f"dir={runs}", "--json")
     rows = {r["name"]: r for r in json.loads(out)}
     assert rows["done"]["params"] > 0 and rows["done"]["tokens"] == 12 * 256
