@@ -54,13 +54,17 @@ def fake_run(root: Path, name: str, steps: int, max_steps: int, lr: float, ckpt:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """done (12/12), stopped (6/12, saved where it stopped), failed (rows after its checkpoint), damaged (a
+    """done (12/12), stopped (6/12, saved where it stopped), failed (a row after its checkpoint), damaged (a
     row that is not numbers), running (its .lock held by this process)."""
     root = tmp_path_factory.mktemp("runs")
     fake_run(root, "done", 12, 12, 1e-3)
-    fake_run(root, "stopped", 6, 12, 3e-3)
+    # a signal's save: last.ckpt of its own, metrics.csv rewritten just after it (36 ms on a real SIGTERM)
+    stopped = fake_run(root, "stopped", 6, 12, 3e-3)
+    saved = (stopped / "checkpoints" / "last.ckpt").stat().st_mtime_ns
+    os.utime(stopped / "metrics.csv", ns=(saved + 50_000_000, saved + 50_000_000))
+    # kill -9 after the periodic checkpoint of step 6: last.ckpt is a hard link of step-000006.ckpt
     failed = fake_run(root, "failed", 7, 12, 1e-3)
-    os.utime(failed / "checkpoints" / "last.ckpt", ns=(1_000_000_000, 1_000_000_000))
+    os.link(failed / "checkpoints" / "last.ckpt", failed / "checkpoints" / "step-000006.ckpt")
     damaged = fake_run(root, "damaged", 6, 12, 1e-3)
     with open(damaged / "metrics.csv", "a") as f:
         f.write("7,0.001,oops,1792,4.4,0.1,,,\n8,0.001,5008,2048,4.3,0.1,,,\n")
