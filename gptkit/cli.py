@@ -108,6 +108,18 @@ VERBS: dict[str, Verb] = {
         f"read a transformers model ({HF_FAMILIES}; a local folder or a Hub id) into a gptkit run folder",
     ),
     "plot": Verb("plot", "plot", "draw <run>/loss.png (train and val loss) from the run's metrics.csv"),
+    "runs": Verb(
+        "runs",
+        "runs",
+        "the runs under a folder: a table (model, parameters, tokens, steps, best val loss, evals, status, "
+        "size); `gptkit runs serve`: a local page of them, curves overlaid, configs side by side, live",
+        positional="action",
+    ),
+    "compare": Verb(
+        "compare",
+        "compare",
+        "the curves of several runs overlaid in one PNG: gptkit compare runs=[a,b] out=compare.png",
+    ),
     "preflight": Verb(
         "preflight",
         "preflight",

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import ipaddress
 import sys
 from functools import partial
 from importlib import resources
@@ -34,6 +33,7 @@ from starlette.routing import Route
 
 from gptkit.serve import jobs, protocol
 from gptkit.serve.endpoints import ENDPOINTS, Endpoint, Generation
+from gptkit.serve.http import LOOPBACK_NAMES, HostGuard, host_name  # noqa: F401 - their home was here
 from gptkit.serve.jobs import one_line
 from gptkit.serve.protocol import ApiError
 from gptkit.serve.served import Served
@@ -74,62 +74,6 @@ def check_content_type(value: Optional[str]) -> None:
             None,
             "unsupported_media_type",
         )
-
-
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
-
-
-def host_name(value: str) -> str:
-    """The name of a Host header's value, without its port or an IPv6 literal's brackets, lower case."""
-    value = value.strip().lower()
-    if value.startswith("["):
-        return value[1:].partition("]")[0]
-    name, colon, port = value.rpartition(":")
-    if colon and port.isdigit() and ":" not in name:
-        value = name
-    return value.removesuffix(".")
-
-
-def _is_ip(name: str) -> bool:
-    try:
-        ipaddress.ip_address(name)
-    except ValueError:
-        return False
-    return True
-
-
-class HostGuard:
-    """ASGI middleware: a request whose Host header names another server gets 421 (a DNS-rebinding page: the
-    browser believes it talks to attacker.example, which resolves to this machine). Accepted: the loopback
-    names, `allowed` (names or addresses; "*": any), and with any_ip every IP address (a server bound to
-    0.0.0.0 is reached by the addresses of its interfaces; a page is never same-origin with a bare address
-    it was not served from). A request without a Host header (HTTP/1.0) passes: no browser sends one."""
-
-    def __init__(self, app, allowed: tuple[str, ...] = (), any_ip: bool = False) -> None:
-        self.app = app
-        self.any = "*" in allowed
-        self.names = frozenset(LOOPBACK_NAMES) | {host_name(a) for a in allowed if a != "*"}
-        self.any_ip = any_ip
-
-    def accepts(self, value: str) -> bool:
-        name = host_name(value)
-        return self.any or name in self.names or (self.any_ip and _is_ip(name))
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            value = next((v for k, v in scope["headers"] if k == b"host"), None)
-            if value is not None and not self.accepts(value.decode("latin-1")):
-                shown = value.decode("latin-1")[:100]
-                err = ApiError(
-                    421,
-                    f"this server does not answer to the host {shown!r} (it answers to "
-                    f"{', '.join(sorted(self.names))}); give the name in serve's allowed_hosts",
-                    None,
-                    "invalid_host",
-                )
-                await error_response(err)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 class _Api:

@@ -11,8 +11,6 @@ and its access log) go to stderr; stdout has the banner only.
 
 from __future__ import annotations
 
-import copy
-import ipaddress
 import json
 import socket
 import sys
@@ -20,108 +18,15 @@ from typing import Optional
 
 from gptkit.errors import GptkitError
 from gptkit.serve.app import build_app
+from gptkit.serve.http import (  # noqa: F401 - their home was here
+    MAX_HEAD_BYTES,
+    bind,
+    head_timeout_protocol,
+    is_loopback,
+    is_wildcard,
+    log_config,
+)
 from gptkit.serve.served import Served
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (port 0: any free one), or a one-line GptkitError."""
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-    except socket.gaierror as exc:
-        raise GptkitError(
-            f"host={host} is not an address this machine can listen on ({exc.strerror})"
-        ) from None
-    family, _, _, _, address = infos[0]
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise GptkitError(
-            f"cannot listen on {host}:{port} ({exc.strerror}); give another port= (port=0: any free one)"
-        ) from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
-
-
-# the h11 protocol's bound on a request's line and headers (h11's own default)
-MAX_HEAD_BYTES = 16 * 1024
-
-
-def head_timeout_protocol(timeout: float):
-    """uvicorn's h11 protocol with a deadline for each request head: a connection that has not sent a whole
-    request line and headers `timeout` seconds after it opened, or after its previous response, is closed."""
-    import h11
-    from uvicorn.protocols.http.h11_impl import H11Protocol
-
-    class HeadTimeoutH11(H11Protocol):
-        _head_timer = None
-
-        def _arm(self) -> None:
-            self._disarm()
-            self._head_timer = self.loop.call_later(timeout, self._head_late)
-
-        def _disarm(self) -> None:
-            if self._head_timer is not None:
-                self._head_timer.cancel()
-                self._head_timer = None
-
-        def _head_late(self) -> None:
-            self._head_timer = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                try:
-                    self.conn.send(h11.ConnectionClosed())
-                except h11.LocalProtocolError:
-                    pass
-                self.transport.close()
-
-        def connection_made(self, transport) -> None:
-            super().connection_made(transport)
-            self._arm()
-
-        def data_received(self, data: bytes) -> None:
-            super().data_received(data)
-            # a whole request head has arrived
-            if self.conn.their_state is not h11.IDLE:
-                self._disarm()
-
-        def on_response_complete(self) -> None:
-            super().on_response_complete()
-            if not self.transport.is_closing() and self.conn.their_state is h11.IDLE:
-                self._arm()
-
-        def connection_lost(self, exc) -> None:
-            self._disarm()
-            super().connection_lost(exc)
-
-    return HeadTimeoutH11
-
-
-def log_config() -> dict:
-    """uvicorn's logging, its access log on stderr too (uvicorn's default writes it to stdout)."""
-    from uvicorn.config import LOGGING_CONFIG
-
-    config = copy.deepcopy(LOGGING_CONFIG)
-    config["handlers"]["access"]["stream"] = "ext://sys.stderr"
-    return config
-
-
-def is_wildcard(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).is_unspecified
-    except ValueError:
-        return host == ""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def banner(served: Served, url: str, api_key: Optional[str]) -> str:
