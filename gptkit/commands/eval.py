@@ -445,33 +445,27 @@ def run_sampled(cfg, r, lm, tasks: dict, skipped: dict, n: int, ks: list[int], l
             )
         )
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"{r.dir.name}: {n} samples per item (temperature {cfg.temperature}, top_p {cfg.top_p})")
-    for name, justify in (
-        ("task", "left"),
-        ("metric", "left"),
-        ("value", "right"),
-        ("stderr", "right"),
-        ("n", "right"),
-    ):
-        t.add_column(name, justify=justify)
-    for row in rows:
-        t.add_row(
-            row["task"],
-            row["metric"],
-            f"{row['value']:.4f}",
-            "" if row["stderr"] is None else f"± {row['stderr']:.4f}",
-            str(row["n"]),
-        )
-    Console().print(t)
+    sampled_table(f"{r.dir.name}: {n} samples per item", "task", cfg, rows)
     print(
         f"{sum(lm.stats.requests.values()):,} samples in {seconds:.1f} s; results: "
         f"{', '.join(str(f) for f in written)}",
         file=sys.stderr,
     )
     return 0
+
+
+def sampled_table(title: str, first: str, cfg, rows: list[dict]) -> None:
+    """The terminal table of a sampled evaluation's rows (pass@k, maj@k per task or checker)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"{title} (temperature {cfg.temperature}, top_p {cfg.top_p})")
+    for name in (first, "metric", "value", "stderr", "n"):
+        t.add_column(name, justify="left" if name in (first, "metric") else "right")
+    for row in rows:
+        stderr = "" if row["stderr"] is None else f"± {row['stderr']:.4f}"
+        t.add_row(row["task"], row["metric"], f"{row['value']:.4f}", stderr, str(row["n"]))
+    Console().print(t)
 
 
 def run_prompts(cfg) -> int:
@@ -570,28 +564,6 @@ def run_prompts(cfg) -> int:
     if cfg.format == "json":
         print(json.dumps(out, indent=2))
         return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(
-        title=f"{r.dir.name}: {n} samples per prompt (temperature {cfg.temperature}, top_p {cfg.top_p})"
-    )
-    for name, justify in (
-        ("prompts", "left"),
-        ("metric", "left"),
-        ("value", "right"),
-        ("stderr", "right"),
-        ("n", "right"),
-    ):
-        t.add_column(name, justify=justify)
-    for row in rows:
-        t.add_row(
-            row["task"],
-            row["metric"],
-            f"{row['value']:.4f}",
-            "" if row["stderr"] is None else f"± {row['stderr']:.4f}",
-            str(row["n"]),
-        )
-    Console().print(t)
+    sampled_table(f"{r.dir.name}: {n} samples per prompt", "prompts", cfg, rows)
     print(f"{done:,} samples in {seconds:.1f} s", file=sys.stderr)
     return 0

@@ -37,7 +37,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from gptkit.checkpoints import CHECKPOINT_DIR, LAST_CHECKPOINT
 from gptkit.errors import GptkitError
@@ -148,10 +148,10 @@ def run_name(run_dir: Path, root: Path) -> str:
 
 
 # ---- one run ------------------------------------------------------------------------------------------
-def read_metrics(path: Path) -> MetricsSummary:
-    """One pass over metrics.csv. A row being appended (the file does not end in a newline yet) is not
-    counted; any other row of the wrong width or a value that is not a number raises Damaged (one line)."""
-    s = MetricsSummary()
+def each_row(path: Path, start: Callable[[list[str]], Callable[[list[str], int], None]]) -> None:
+    """metrics.csv row by row: start(header) returns the function each row then goes to, with its line. The
+    last row, when the file does not end in a newline yet (being appended), is skipped if it does not parse;
+    a file that is not what training writes raises Damaged (one line)."""
     try:
         with open(path, "rb") as fb:
             fb.seek(0, os.SEEK_END)
@@ -164,20 +164,15 @@ def read_metrics(path: Path) -> MetricsSummary:
             header = next(reader, None)
             if not header or "step" not in header:
                 raise Damaged(f"{path.name} has no step column in its first line")
-            s.columns = header
-            width = len(header)
-            at = {name: i for i, name in enumerate(header)}
-            i_step, i_val = at["step"], at.get("val/loss")
-            i_tokens, i_loss = at.get("perf/tokens"), at.get("train/loss")
-            evals = [(name, i) for name, i in at.items() if name.startswith("eval/")]
+            take = start(header)
             pending: list[str] | None = None
             for row in reader:
                 if pending is not None:
-                    _take(s, pending, reader.line_num - 1, i_step, i_val, i_tokens, i_loss, evals, width)
+                    take(pending, reader.line_num - 1)
                 pending = row
             if pending is not None:
                 try:
-                    _take(s, pending, reader.line_num, i_step, i_val, i_tokens, i_loss, evals, width)
+                    take(pending, reader.line_num)
                 except Damaged:
                     # the row being appended: the next read sees it whole
                     if complete:
@@ -186,6 +181,23 @@ def read_metrics(path: Path) -> MetricsSummary:
         raise Damaged(f"{path.name} is not a CSV file ({str(exc).splitlines()[0][:80]})") from None
     except OSError as exc:
         raise Damaged(f"{path.name} cannot be read ({exc.strerror})") from None
+
+
+def read_metrics(path: Path) -> MetricsSummary:
+    """One pass over metrics.csv. A row being appended (the file does not end in a newline yet) is not
+    counted; any other row of the wrong width or a value that is not a number raises Damaged (one line)."""
+    s = MetricsSummary()
+
+    def start(header: list[str]):
+        s.columns = header
+        at = {name: i for i, name in enumerate(header)}
+        i_step, i_val = at["step"], at.get("val/loss")
+        i_tokens, i_loss = at.get("perf/tokens"), at.get("train/loss")
+        evals = [(name, i) for name, i in at.items() if name.startswith("eval/")]
+        width = len(header)
+        return lambda row, line: _take(s, row, line, i_step, i_val, i_tokens, i_loss, evals, width)
+
+    each_row(path, start)
     return s
 
 

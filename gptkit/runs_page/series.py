@@ -9,13 +9,11 @@ however long the run and the first and the latest points are always kept.
 
 from __future__ import annotations
 
-import csv
 import math
-import os
 from pathlib import Path
 from typing import Any
 
-from gptkit.runs_page.scan import Damaged
+from gptkit.runs_page.scan import Damaged, each_row
 
 # the page's and the PNG's panels, in order: title -> does a metrics.csv column belong to it
 PANELS: tuple[tuple[str, Any], ...] = (
@@ -73,57 +71,35 @@ def read_series(path: Path | str, max_points: int = 1000) -> dict[str, dict[str,
     panels (PANELS) that has a value; Damaged (one line) for a file that is not what training writes."""
     path = Path(path)
     curves: dict[str, _Curve] = {}
-    try:
-        with open(path, "rb") as fb:
-            fb.seek(0, os.SEEK_END)
-            complete = False
-            if fb.tell() > 0:
-                fb.seek(-1, os.SEEK_END)
-                complete = fb.read(1) == b"\n"
-        with open(path, newline="", encoding="utf-8") as f:
-            reader = csv.reader(f)
-            header = next(reader, None)
-            if not header or "step" not in header:
-                raise Damaged(f"{path.name} has no step column in its first line")
-            at = {name: i for i, name in enumerate(header)}
-            wanted = [(name, i) for name, i in at.items() if panel_of(name)]
-            i_step, i_tok, i_tps = at["step"], at.get("perf/tokens"), at.get("perf/tokens_per_s")
-            clock = [0.0, None]  # seconds so far, the tokens of the previous row
 
-            def take(row: list[str], line: int) -> None:
-                if len(row) != len(header):
-                    raise Damaged(f"{path.name} line {line} has {len(row)} fields, its header {len(header)}")
-                try:
-                    if row[i_step] == "":
-                        return
-                    step = int(float(row[i_step]))
-                    tokens = float(row[i_tok]) if i_tok is not None and row[i_tok] else None
-                    tps = float(row[i_tps]) if i_tps is not None and row[i_tps] else None
-                    values = [(name, float(row[i])) for name, i in wanted if row[i] != ""]
-                except ValueError:
-                    raise Damaged(f"{path.name} line {line} holds a value that is not a number") from None
-                seconds = None
-                if tokens is not None and tps:
-                    before = clock[1] if clock[1] is not None else 0.0
-                    clock[0] += max(tokens - before, 0.0) / tps
-                    clock[1] = tokens
-                    seconds = clock[0]
-                for name, v in values:
-                    curves.setdefault(name, _Curve(max_points)).add((step, tokens, seconds, v))
+    def start(header: list[str]):
+        at = {name: i for i, name in enumerate(header)}
+        wanted = [(name, i) for name, i in at.items() if panel_of(name)]
+        i_step, i_tok, i_tps = at["step"], at.get("perf/tokens"), at.get("perf/tokens_per_s")
+        clock = [0.0, None]  # seconds so far, the tokens of the previous row
 
-            pending: list[str] | None = None
-            for row in reader:
-                if pending is not None:
-                    take(pending, reader.line_num - 1)
-                pending = row
-            if pending is not None:
-                try:
-                    take(pending, reader.line_num)
-                except Damaged:
-                    if complete:
-                        raise
-    except (UnicodeDecodeError, csv.Error) as exc:
-        raise Damaged(f"{path.name} is not a CSV file ({str(exc).splitlines()[0][:80]})") from None
-    except OSError as exc:
-        raise Damaged(f"{path.name} cannot be read ({exc.strerror})") from None
+        def take(row: list[str], line: int) -> None:
+            if len(row) != len(header):
+                raise Damaged(f"{path.name} line {line} has {len(row)} fields, its header {len(header)}")
+            try:
+                if row[i_step] == "":
+                    return
+                step = int(float(row[i_step]))
+                tokens = float(row[i_tok]) if i_tok is not None and row[i_tok] else None
+                tps = float(row[i_tps]) if i_tps is not None and row[i_tps] else None
+                values = [(name, float(row[i])) for name, i in wanted if row[i] != ""]
+            except ValueError:
+                raise Damaged(f"{path.name} line {line} holds a value that is not a number") from None
+            seconds = None
+            if tokens is not None and tps:
+                before = clock[1] if clock[1] is not None else 0.0
+                clock[0] += max(tokens - before, 0.0) / tps
+                clock[1] = tokens
+                seconds = clock[0]
+            for name, v in values:
+                curves.setdefault(name, _Curve(max_points)).add((step, tokens, seconds, v))
+
+        return take
+
+    each_row(path, start)
     return {name: c.as_json() for name, c in curves.items()}
