@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 import torch
-from conftest import HF_EOS, HF_TEXT, char_tokenizer, run_main
+from conftest import HF_EOS, HF_TEXT, char_tokenizer, rows_by_step, run_group, run_main
 
 from gptkit.training.objectives.distill import Distill, distill_loss
 
@@ -233,3 +233,47 @@ def test_distill_flops_count_the_teachers_forward():
         forward_dense, forward_causal = 2.0, 1.5
 
     assert Distill.flops(Counts(), 6.0, 4.5) == (8.0, 6.0)
+
+
+@pytest.mark.long
+def test_distill_resumes_bit_exactly_and_on_2_processes_equals_one_process(teacher, capsys):
+    """4 steps of 2 windows: stopped at step 2 and resumed (the teacher read again from its source), the same
+    floats; DDP and FSDP2 (fp32) on 2 CPU ranks of 1 window each log what one process logs, each rank's
+    teacher the same frozen run."""
+    run = teacher / "runs" / "teacher"
+    keys = ("train/loss", "train/distill/divergence", "train/distill/ce", "val/loss")
+
+    def args(name, *extra):
+        base = tiny(teacher, name, 1, 32, "objective=distill", f"teacher={run}", "model.dropout=0.0")
+        return [*base, "distill.beta=0.5", "distill.alpha=0.5", "trainer.log_every=1", *extra]
+
+    def rows(name):
+        got = rows_by_step(teacher / "runs" / name)
+        return {s: [r.get(k) for k in keys] for s, r in got.items()}
+
+    code, _, err = run_main(capsys, "train", *args("d-one"))
+    assert code == 0, err
+    one = rows("d-one")
+    assert all(one[s][0] for s in (1, 2, 3, 4)) and one[4][3], one
+    code, _, err = run_main(capsys, "train", *args("d-split", "trainer.stop_at_step=2"))
+    assert code == 0, err
+    code, _, err = run_main(
+        capsys, "train", f"resume={teacher / 'runs' / 'd-split'}", "trainer.progress=off", "trainer.threads=1"
+    )
+    assert code == 0, err
+    # (the stop at step 2 validates there too)
+    assert {s: r[:3] for s, r in rows("d-split").items()} == {s: r[:3] for s, r in one.items()}
+    assert rows("d-split")[4] == one[4]
+    for name, extra in (
+        ("d-ddp", ["trainer=ddp"]),
+        ("d-fsdp", ["trainer=fsdp", "trainer.precision=32-true"]),
+    ):
+        r = run_group(
+            "-m", "gptkit", "train", *args(name, *extra, "trainer.devices=2", "trainer.batch_size=1")
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        two = rows(name)
+        for step, row in one.items():
+            for k, want, got in zip(keys, row, two[step]):
+                if want:
+                    assert float(got) == pytest.approx(float(want), abs=1e-5), (name, step, k)
