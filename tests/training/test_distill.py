@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 import torch
-from conftest import HF_EOS, HF_TEXT, char_tokenizer, rows_by_step, run_group, run_main
+from conftest import HF_EOS, HF_TEXT, char_tokenizer, make_run, rows_by_step, run_group, run_main
 
 from gptkit.training.objectives.distill import Distill, distill_loss
 
@@ -206,6 +206,20 @@ def test_bad_distill_commands_exit_2_with_one_line_before_anything_is_written(
     assert code == 2, err
     assert err.strip().splitlines()[-1].startswith(f"error: {message.format(root=tmp_path)}"), err
     assert not (tmp_path / "runs" / "bad").exists()
+
+
+def test_a_reward_model_as_the_teacher_is_refused_in_one_line(teacher, tmp_path, capsys):
+    """A reward model (model.score_head) has an LM head it never trained: no teacher, one line, exit 2, before
+    anything is written."""
+    (tmp_path / "rm").mkdir()
+    rm, _, _ = make_run(tmp_path / "rm", score_head=True)
+    code, _, err = run_main(
+        capsys, "train", *tiny(teacher, "bad-rm", 1, 32, "objective=distill", f"teacher={rm}")
+    )
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        f"error: frozen.teacher={rm} is a reward model"
+    )
+    assert not (teacher / "runs" / "bad-rm" / "checkpoints").exists()
 
 
 def test_a_teacher_of_another_tokenizer_or_vocabulary_size_is_refused_in_one_line(teacher, capsys):

@@ -8,7 +8,17 @@ import random
 
 import pytest
 import torch
-from conftest import make_run, rows_by_step, run_cli, run_main, tiny_run, write_jsonl
+from conftest import (
+    char_tokenizer,
+    hf_common,
+    hf_perturbed,
+    make_run,
+    rows_by_step,
+    run_cli,
+    run_main,
+    tiny_run,
+    write_jsonl,
+)
 
 import gptkit
 from gptkit.training.objectives.reward import bradley_terry_loss, check_reward_config, last_positions
@@ -275,6 +285,63 @@ def test_gpt2_exports_its_score_head_and_a_family_without_one_is_refused_in_one_
     code, _, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf3'}")
     assert code == 2 and err.strip().startswith("error: a reward model (model.score_head) of the Qwen3")
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf3").exists()
+
+
+@pytest.mark.parametrize("kind", ["Llama", "Qwen2"])
+def test_a_transformers_reward_model_imports_with_its_score_head_and_the_same_logits(tmp_path, capsys, kind):
+    """`gptkit import` of a tiny *ForSequenceClassification (num_labels 1, every weight perturbed): a reward
+    model (model.score_head) whose scores are transformers' logits on right-padded rows, exported back to
+    the same tensors; more labels is one line, exit 2."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from gptkit.model import GPT
+    from gptkit.runs import load_model
+    from gptkit.training.objectives.reward import Reward
+    from gptkit.training.rewards import RewardModel
+    from gptkit.training.start import load_init_weights
+
+    config = getattr(transformers, f"{kind}Config")(
+        **hf_common(96, 32, pad_token_id=0), num_labels=1, tie_word_embeddings=False
+    )
+    cls = getattr(transformers, f"{kind}ForSequenceClassification")
+    theirs = hf_perturbed(lambda: cls(config))
+    theirs.save_pretrained(tmp_path / "hf")
+    # (a reward model's folder has its tokenizer: the GRPO reward reads it)
+    char_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    code, _, err = run_main(capsys, "import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'rm'}")
+    assert code == 0, err
+    *_, ours = load_model(tmp_path / "rm")
+    assert ours.cfg.score_head and ours.cfg.qkv_bias == (kind == "Qwen2")
+    assert_same_scores(ours, theirs)
+    # as a GRPO reward ({kind: model}): one batched forward, transformers' logits
+    model = RewardModel(str(tmp_path / "rm"), "rm")
+    model.check()
+    seqs = [[5, 9, 17, 3], [7, 1], [60, 61, 62, 63, 64, 95]]
+    ids = torch.tensor([q + [0] * (6 - len(q)) for q in seqs])
+    with torch.no_grad():
+        want = theirs(input_ids=ids).logits[:, 0].tolist()
+    assert model.scores(seqs, "cpu") == pytest.approx(want, abs=1e-5)
+    # and not a policy: one line, exit 2
+    code, _, err = run_main(capsys, "sample", f"run={tmp_path / 'rm'}", "prompt=hi", "max_new_tokens=2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is a reward model" in err, err
+    # as the start of objective=reward: its head kept (Reward.model_config), its weights loaded as init_from=
+    start = GPT(Reward.model_config(ours.cfg, "init_from")).eval()
+    load_init_weights(start, tmp_path / "rm" / "checkpoints" / "last.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), ours.state_dict().values()))
+    code, stdout, err = run_main(capsys, "export", f"run={tmp_path / 'rm'}", f"out={tmp_path / 'again'}")
+    assert code == 0 and f"{kind}ForSequenceClassification" in stdout, err
+    original, again = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "again"))
+    assert sorted(again) == sorted(original) and all(torch.equal(again[k], v) for k, v in original.items())
+    # a classifier of 3 labels is not a reward model
+    cls(getattr(transformers, f"{kind}Config")(**hf_common(96, 32), num_labels=3)).save_pretrained(
+        tmp_path / "c3"
+    )
+    code, _, err = run_main(capsys, "import", f"hf={tmp_path / 'c3'}", f"out={tmp_path / 'c3-run'}")
+    assert code == 2 and err.strip() == (
+        f"error: config.json: {kind}ForSequenceClassification with 3 labels; gptkit reads a reward model, "
+        "one score (num_labels 1)"
+    )
 
 
 def test_a_reward_model_is_refused_as_a_policy_in_one_line(reward_run, capsys):
