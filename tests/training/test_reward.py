@@ -287,7 +287,7 @@ def test_gpt2_exports_its_score_head_and_a_family_without_one_is_refused_in_one_
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf3").exists()
 
 
-@pytest.mark.parametrize("kind", ["Llama", "Qwen2"])
+@pytest.mark.parametrize("kind", ["Llama", "Qwen2", "GPT2"])
 def test_a_transformers_reward_model_imports_with_its_score_head_and_the_same_logits(tmp_path, capsys, kind):
     """`gptkit import` of a tiny *ForSequenceClassification (num_labels 1, every weight perturbed): a reward
     model (model.score_head) whose scores are transformers' logits on right-padded rows, exported back to
@@ -295,24 +295,32 @@ def test_a_transformers_reward_model_imports_with_its_score_head_and_the_same_lo
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
+    from gptkit.hf.families import family_of
     from gptkit.model import GPT
     from gptkit.runs import load_model
     from gptkit.training.objectives.reward import Reward
     from gptkit.training.rewards import RewardModel
     from gptkit.training.start import load_init_weights
 
-    config = getattr(transformers, f"{kind}Config")(
-        **hf_common(96, 32, pad_token_id=0), num_labels=1, tie_word_embeddings=False
-    )
+    def config(labels, **pad):
+        if kind == "GPT2":
+            shape = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+            return transformers.GPT2Config(**shape, num_labels=labels, **pad)
+        return getattr(transformers, f"{kind}Config")(
+            **hf_common(96, 32, **pad), num_labels=labels, tie_word_embeddings=False
+        )
+
     cls = getattr(transformers, f"{kind}ForSequenceClassification")
-    theirs = hf_perturbed(lambda: cls(config))
+    theirs = hf_perturbed(lambda: cls(config(1, pad_token_id=0)))
     theirs.save_pretrained(tmp_path / "hf")
     # (a reward model's folder has its tokenizer: the GRPO reward reads it)
     char_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
     code, _, err = run_main(capsys, "import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'rm'}")
     assert code == 0, err
     *_, ours = load_model(tmp_path / "rm")
-    assert ours.cfg.score_head and ours.cfg.qkv_bias == (kind == "Qwen2")
+    assert (
+        ours.cfg.score_head and family_of(ours.cfg).score_architecture == f"{kind}ForSequenceClassification"
+    )
     assert_same_scores(ours, theirs)
     # as a GRPO reward ({kind: model}): one batched forward, transformers' logits
     model = RewardModel(str(tmp_path / "rm"), "rm")
@@ -334,9 +342,7 @@ def test_a_transformers_reward_model_imports_with_its_score_head_and_the_same_lo
     original, again = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "again"))
     assert sorted(again) == sorted(original) and all(torch.equal(again[k], v) for k, v in original.items())
     # a classifier of 3 labels is not a reward model
-    cls(getattr(transformers, f"{kind}Config")(**hf_common(96, 32), num_labels=3)).save_pretrained(
-        tmp_path / "c3"
-    )
+    cls(config(3)).save_pretrained(tmp_path / "c3")
     code, _, err = run_main(capsys, "import", f"hf={tmp_path / 'c3'}", f"out={tmp_path / 'c3-run'}")
     assert code == 2 and err.strip() == (
         f"error: config.json: {kind}ForSequenceClassification with 3 labels; gptkit reads a reward model, "
