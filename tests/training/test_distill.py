@@ -208,6 +208,27 @@ def test_bad_distill_commands_exit_2_with_one_line_before_anything_is_written(
     assert not (tmp_path / "runs" / "bad").exists()
 
 
+def test_lora_distills_from_the_start_its_adapters_off_which_it_equals_at_step_1(teacher, capsys):
+    """finetune=lora with frozen.teacher=start: the teacher is the student with its adapters off (no second
+    copy); at step 1 the adapters' B is 0, so the divergence is exactly 0, then it grows."""
+    run = teacher / "runs" / "teacher"
+    args = tiny(teacher, "d-lora", 2, 64, "objective=distill", "teacher=start", f"init_from={run}")
+    # the start's model and tokenizer
+    args = [a for a in args if not a.startswith(("model", "tokenizer"))]
+    lora = (
+        "finetune=lora",
+        "lora.rank=4",
+        "lora.targets=[q,v]",
+        "trainer.log_every=1",
+        "trainer.max_steps=2",
+    )
+    code, out, err = run_main(capsys, "train", *args, *lora, "distill.beta=0.5", "optim.lr=1e-2")
+    assert code == 0, err
+    rows = rows_by_step(teacher / "runs" / "d-lora")
+    assert float(rows[1]["train/distill/divergence"]) == 0.0
+    assert float(rows[2]["train/distill/divergence"]) > 0, rows[2]
+
+
 def test_a_reward_model_as_the_teacher_is_refused_in_one_line(teacher, tmp_path, capsys):
     """A reward model (model.score_head) has an LM head it never trained: no teacher, one line, exit 2, before
     anything is written."""
