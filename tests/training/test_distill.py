@@ -208,15 +208,19 @@ def test_bad_distill_commands_exit_2_with_one_line_before_anything_is_written(
     assert not (tmp_path / "runs" / "bad").exists()
 
 
-def test_lora_distills_from_the_start_its_adapters_off_which_it_equals_at_step_1(teacher, capsys):
-    """finetune=lora with frozen.teacher=start: the teacher is the student with its adapters off (no second
-    copy); at step 1 the adapters' B is 0, so the divergence is exactly 0, then it grows."""
+@pytest.mark.parametrize("finetune", ["lora", "qlora"])
+def test_lora_distills_from_the_start_its_adapters_off_which_it_equals_at_step_1(teacher, capsys, finetune):
+    """finetune=lora (qlora: on the NF4 base) with frozen.teacher=start: the teacher is the student with its
+    adapters off (no second copy); at step 1 the adapters' B is 0, so the divergence is exactly 0, then it
+    grows."""
     run = teacher / "runs" / "teacher"
-    args = tiny(teacher, "d-lora", 2, 64, "objective=distill", "teacher=start", f"init_from={run}")
+    args = tiny(teacher, f"d-{finetune}", 2, 64, "objective=distill", "teacher=start", f"init_from={run}")
     # the start's model and tokenizer
     args = [a for a in args if not a.startswith(("model", "tokenizer"))]
+    nf4 = ("qlora.block_size=32", "qlora.scaler_block_size=8") if finetune == "qlora" else ()
     lora = (
-        "finetune=lora",
+        f"finetune={finetune}",
+        *nf4,
         "lora.rank=4",
         "lora.targets=[q,v]",
         "trainer.log_every=1",
@@ -224,7 +228,7 @@ def test_lora_distills_from_the_start_its_adapters_off_which_it_equals_at_step_1
     )
     code, out, err = run_main(capsys, "train", *args, *lora, "distill.beta=0.5", "optim.lr=1e-2")
     assert code == 0, err
-    rows = rows_by_step(teacher / "runs" / "d-lora")
+    rows = rows_by_step(teacher / "runs" / f"d-{finetune}")
     assert float(rows[1]["train/distill/divergence"]) == 0.0
     assert float(rows[2]["train/distill/divergence"]) > 0, rows[2]
 

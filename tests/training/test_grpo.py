@@ -629,6 +629,17 @@ def test_cispo_on_2_ddp_processes_follows_one_process(start):
                 assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
 
 
+def test_grpo_with_qlora_measures_its_kl_against_the_nf4_base(start):
+    """finetune=qlora: the policy samples with its adapters on the NF4 base, the KL's reference is that base
+    (the adapters off): 0 in the first pass, then above 0 (2 passes over one round of rollouts)."""
+    q = ("finetune=qlora", "qlora.block_size=32", "qlora.scaler_block_size=8", "lora.rank=4")
+    gptkit.train(grpo_args(start, "qlora", 1, *q, "trainer.max_steps=2", "trainer.val_every=2"))
+    rows = rows_of(start / "qlora")
+    assert float(rows[1]["train/kl"]) == 0.0 and float(rows[2]["train/kl"]) > 0, rows
+    ckpt = torch.load(start / "qlora" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["gptkit_lora"]["quantized"]["format"] == "nf4"
+
+
 def test_grpo_with_lora_muon_dapo_accumulation_and_task_evals(start, capfd):
     gptkit.train(
         grpo_args(
