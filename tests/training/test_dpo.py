@@ -539,21 +539,22 @@ def test_orpo_without_a_reference_on_2_processes_follows_one_process_fsdp_then_d
         assert abs(float(got[3][key]) - w) < 1e-5 * max(1.0, abs(w)), key
 
 
-@pytest.mark.parametrize("objective", ["dpo", "kto"])
-def test_qlora_measures_against_its_nf4_base_with_the_adapters_off(dpo_data, objective):
-    """finetune=qlora: the reference is the NF4 base (the adapters off), which the policy equals at step 1:
-    DPO's first loss is log 2 and KTO's 1 - sigmoid(0), every reward 0; then the loss moves."""
-    q = ("finetune=qlora", "qlora.block_size=32", "qlora.scaler_block_size=8", "lora.rank=4")
-    args = dpo_args if objective == "dpo" else kto_args
-    gptkit.train(args(dpo_data, f"qlora-{objective}", 1, *q, "trainer.max_steps=2", "trainer.val_every=2"))
-    rows = rows_of(dpo_data / f"qlora-{objective}")
+@pytest.mark.parametrize("objective, finetune", [("dpo", "qlora"), ("kto", "qlora"), ("kto", "lora")])
+def test_qlora_measures_against_its_nf4_base_with_the_adapters_off(dpo_data, objective, finetune):
+    """finetune=qlora (and lora for KTO; DPO's: test_dpo_with_lora_...): the reference is the base (NF4 for
+    qlora) with the adapters off, which the policy equals at step 1: DPO's first loss is log 2 and KTO's
+    1 - sigmoid(0), every reward 0; then the loss moves."""
+    nf4 = ("qlora.block_size=32", "qlora.scaler_block_size=8") if finetune == "qlora" else ()
+    q = (f"finetune={finetune}", *nf4, "lora.rank=4")
+    args, name = dpo_args if objective == "dpo" else kto_args, f"{finetune}-{objective}"
+    gptkit.train(args(dpo_data, name, 1, *q, "trainer.max_steps=2", "trainer.val_every=2"))
+    rows = rows_of(dpo_data / name)
     assert float(rows[1]["train/loss"]) == pytest.approx(math.log(2) if objective == "dpo" else 0.5, abs=1e-6)
     reward = "train/rewards/chosen" if objective == "dpo" else "train/rewards/desirable"
     assert float(rows[1][reward]) == 0.0 and float(rows[2]["train/loss"]) != float(rows[1]["train/loss"])
-    ckpt = torch.load(dpo_data / f"qlora-{objective}" / "checkpoints" / "last.ckpt", weights_only=True)
-    assert ckpt["gptkit_lora"]["quantized"]["format"] == "nf4" and all(
-        "lora_" in k for k in ckpt["state_dict"]
-    )
+    ckpt = torch.load(dpo_data / name / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ("quantized" in ckpt["gptkit_lora"]) == (finetune == "qlora")
+    assert all("lora_" in k for k in ckpt["state_dict"])
 
 
 def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo_data):

@@ -246,7 +246,8 @@ QLORA = ("finetune=qlora", "qlora.block_size=32", "qlora.scaler_block_size=8", *
 @pytest.mark.parametrize("adapters", [LORA, QLORA], ids=["lora", "qlora"])
 def test_a_reward_models_adapters_and_head_resume_bit_exactly(reward_run, capsys, adapters):
     """finetune=lora and qlora (whose NF4 base lacks the head: it starts from the run's seed): 4 steps
-    straight, and stopped at step 2 then resumed, log the same floats and save the same head."""
+    straight, and stopped at step 2 then resumed, log the same floats and save the same head; lora on 2 DDP
+    ranks logs one process's."""
     from gptkit.runs import load_model
 
     name = adapters[0].split("=")[1]
@@ -267,6 +268,15 @@ def test_a_reward_models_adapters_and_head_resume_bit_exactly(reward_run, capsys
     )
     heads = [load_model(reward_run / r)[-1].score.weight for r in (f"{name}-4", f"{name}-2")]
     assert torch.equal(*heads) and heads[0].abs().max() > 0
+    if name == "lora":
+        # DDP: 2 ranks of 4 pairs, the adapters and the head reduced, one process's floats
+        args = reward_args(reward_run, "lora-ddp", *adapters, "trainer.max_steps=4", "trainer=ddp")
+        r = run_cli("train", *args, "trainer.devices=2", "trainer.batch_size=4")
+        assert r.returncode == 0, r.stderr[-3000:]
+        ddp = rows_by_step(reward_run / "lora-ddp")
+        for s in (1, 2, 3, 4):
+            for k in (*keys, *(("val/loss", "val/rewards/accuracy") if s == 4 else ())):
+                assert float(ddp[s][k]) == pytest.approx(float(one[s][k]), abs=1e-5), (s, k)
 
 
 def test_gpt2_exports_its_score_head_and_a_family_without_one_is_refused_in_one_line(tmp_path, capsys):
