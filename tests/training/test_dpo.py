@@ -506,11 +506,19 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
 
 @pytest.mark.long
 def test_orpo_without_a_reference_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data):
-    """A reference-free loss builds no frozen model (FSDP2's meta ranks have none to receive): 2 steps under
-    FSDP2, resumed under DDP, log one process's floats. ipo and hinge share sigmoid's data flow (a reference,
+    """A reference-free loss builds no frozen model (FSDP2's meta ranks have none to receive): one process
+    stopped at step 2 and resumed logs the straight run's floats, and 2 steps under FSDP2, resumed under
+    DDP, log one process's floats. ipo and hinge share sigmoid's data flow (a reference,
     a per-pair loss: test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp); simpo's is orpo's."""
     loss = ("dpo.loss=orpo", "dpo.lambda=0.5", "trainer.max_steps=3", "trainer.val_every=3")
     gptkit.train(dpo_args(dpo_data, "orpo-one", 1, *loss))
+    # one process stopped at step 2 and resumed (no reference to read again): the same floats
+    gptkit.train(dpo_args(dpo_data, "orpo-split", 1, *loss, "trainer.stop_at_step=2"))
+    gptkit.train([f"resume={dpo_data / 'orpo-split'}", f"runs_dir={dpo_data}", "name=orpo-split"])
+    split, one = rows_of(dpo_data / "orpo-split"), rows_of(dpo_data / "orpo-one")
+    keys = ("train/loss", "train/rewards/margin", "train/rewards/accuracy")
+    assert [[split[s][k] for k in keys] for s in (1, 2, 3)] == [[one[s][k] for k in keys] for s in (1, 2, 3)]
+    assert split[3]["val/loss"] == one[3]["val/loss"]
     r = run_group(
         "-m",
         "gptkit",
