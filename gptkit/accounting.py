@@ -534,7 +534,7 @@ def training_memory(
     *,
     optimizer: str = "adamw",
     lora: dict | None = None,
-    reference: bool = False,
+    frozen: tuple[str, ...] = (),
 ) -> dict[str, float]:
     """Bytes per GPU for weights, grads and optimizer state (sharded over `n_shards` as in FSDP/ZeRO-3; a
     mixture's routed experts over `expert_shards` instead when given: trainer.expert_parallel),
@@ -543,9 +543,10 @@ def training_memory(
     optimizer: adamw (two moments per trainable parameter) or muon (one momentum buffer for the 2-D weights
     inside the blocks, muon_params; AdamW's two moments for the rest). lora: {rank, targets} of finetune=lora,
     whose adapters alone train (their gradients and optimizer state; their weights beside the frozen ones),
-    all of them Muon's under optim=muon. reference: an objective's frozen reference of its own (objective=dpo
-    with finetune=full): a second copy of the weights (with lora the reference is the model with its adapters
-    off: nothing more), as `reference`.
+    all of them Muon's under optim=muon. frozen: the names of an objective's frozen models of the starting
+    weights (objective=dpo's and kto's "reference", grpo's with grpo.beta > 0, distill's "teacher"), each a
+    second copy of the weights under its name with finetune=full (with lora the frozen model is the model with
+    its adapters off: nothing more).
 
     Activations follow Korthikanti et al. (2022) for a layer with flash attention (no T x T
     scores kept): ~34 * T * B * d_model bytes per layer in 16-bit, twice that in fp32; with
@@ -611,8 +612,9 @@ def training_memory(
     # a half-precision working copy of the weights during compute
     if p.mixed:
         out["weights"] += held * 2 / n_shards
-    if reference and lora is None:
-        out["reference"] = out["weights"]
+    if lora is None:
+        for name in frozen:
+            out[name] = out["weights"]
     out["total"] = sum(out.values())
     return out
 

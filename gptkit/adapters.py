@@ -136,6 +136,21 @@ def is_adapter_key(name: str) -> bool:
     return KEY.fullmatch(name) is not None
 
 
+# the weights that train in full beside the adapters, and that a LoRA checkpoint holds with them: a reward
+# model's new score head (model.score_head), as PEFT's modules_to_save=["score"] of a SEQ_CLS model
+WHOLE = ("score.weight",)
+
+
+def whole_keys(cfg: Any) -> tuple[str, ...]:
+    """The weights of `cfg`'s model that train in full under LoRA (WHOLE: its score head, if it has one)."""
+    return WHOLE if getattr(cfg, "score_head", False) else ()
+
+
+def is_saved_key(name: str) -> bool:
+    """Whether a LoRA checkpoint holds a GPT state-dict name: an adapter tensor or a weight of WHOLE."""
+    return name in WHOLE or is_adapter_key(name)
+
+
 def attention_targets(cfg: Any, layer: int) -> tuple[str, ...]:
     """The attention targets of layer `layer`: q, k, v, o under multi-head attention; under multi-head latent
     attention q (or q_a and q_b with model.mla.q_lora_rank), kv_a, kv_b, o; in a linear-attention layer
@@ -375,6 +390,12 @@ def check_adapters(state: dict[str, Any], cfg: Any, lora: dict[str, Any], where:
 
     want = adapter_shapes(cfg, tuple(lora["targets"]), int(lora["rank"]))
     have = {k: tuple(v.shape) for k, v in state.items() if is_adapter_key(k)}
+    lacking = [k for k in whole_keys(cfg) if k not in state]
+    if lacking:
+        raise GptkitError(
+            f"{where} does not hold {', '.join(lacking)}, which train in full beside the adapters of a "
+            "reward model (model.score_head)"
+        )
     if have != want:
         missing = sorted(set(want) - set(have))[:2]
         odd = sorted(k for k in have if want.get(k) != have[k])[:2]

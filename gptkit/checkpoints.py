@@ -444,7 +444,9 @@ def checked_model_state(ckpt_path: Path, model_cfg, optional: tuple[str, ...] = 
     checkpoint = load_checkpoint(ckpt_path)
     if adapters.CHECKPOINT_KEY in checkpoint:
         record = checkpoint[adapters.CHECKPOINT_KEY]
-        base = checked_model_state(lora_base(checkpoint, ckpt_path), model_cfg, optional)
+        # a reward model's score head trains in full beside the adapters: its base (a policy) may lack it
+        whole = adapters.whole_keys(model_cfg)
+        base = checked_model_state(lora_base(checkpoint, ckpt_path), model_cfg, (*optional, *whole))
         # finetune=qlora: the adapters trained on dequantize(NF4(W)), which is what they merge into
         q = record.get("quantized")
         if q is not None:

@@ -68,7 +68,7 @@ def report(cfg) -> dict:
         )
     if ep is not None and m.moe.n_experts % ep:
         raise ConfigError(f"expert_parallel={ep} must divide model.moe.n_experts={m.moe.n_experts}")
-    lora, rows_per_item, needs_reference, chunked = _training(cfg, m)
+    lora, rows_per_item, frozen, chunked = _training(cfg, m)
     mem = acc.training_memory(
         m,
         cfg.precision,
@@ -79,7 +79,7 @@ def report(cfg) -> dict:
         ep,
         optimizer=str(cfg.optimizer),
         lora=lora,
-        reference=needs_reference,
+        frozen=frozen,
     )
     if chunked:
         # DPO, KTO, GRPO: per-token log-probs chunk by chunk, as train's estimate counts them
@@ -173,10 +173,10 @@ def report(cfg) -> dict:
     }
 
 
-def _training(cfg, m) -> tuple[dict | None, int, bool, bool]:
-    """(the LoRA settings or None, sequences per micro-batch item, whether a frozen reference of its own is
-    kept, whether the loss reads chunked log-probs instead of whole logits) of count-params' finetune=, lora
-    and objective= (one-line errors as `train`'s)."""
+def _training(cfg, m) -> tuple[dict | None, int, tuple[str, ...], bool]:
+    """(the LoRA settings or None, sequences per micro-batch item, the frozen models of the starting weights
+    it keeps (reference, teacher), whether the loss reads chunked log-probs instead of whole logits) of
+    count-params' finetune=, lora and objective= (one-line errors as `train`'s)."""
     from gptkit.adapters import check_lora, settings
     from gptkit.errors import ConfigError
 
@@ -187,16 +187,33 @@ def _training(cfg, m) -> tuple[dict | None, int, bool, bool]:
         lora = settings({"alpha": 1, "dropout": 0.0, **cfg.lora})
         lora["targets"] = list(check_lora(lora, m))
     if cfg.objective == "lm":
-        return lora, 1, False, False
+        return lora, 1, (), False
     # the objectives table imports torch: only for an objective other than lm
     from gptkit.training.objectives import objective_class
 
     objective = objective_class(cfg)
-    # its config group where count-params has one (dpo.loss: simpo and orpo hold no reference), checked as
-    # `train` checks it; the frozen models it holds are the ones it names, as train's estimate asks them
-    group = objective.settings_of(cfg)
+    # its config group: train's defaults (conf/train.yaml) under count-params' keys (dpo.loss: simpo and orpo
+    # hold no reference; grpo.group_size, grpo.beta > 0: a reference), checked as `train` checks it; the
+    # frozen models it holds are the ones it names, as train's estimate asks them (a teacher counted at the
+    # model's size, as frozen.teacher=start)
+    group = _train_group(cfg, objective.group)
     objective.check_config(group)
-    return lora, objective.rows(group), "reference" in objective.frozen_models(group), objective.chunked_logps
+    return lora, objective.rows(group), tuple(objective.frozen_models(group)), objective.chunked_logps
+
+
+def _train_group(cfg, name):
+    """conf/train.yaml's group `name` with count-params' own keys of it merged over (None: no group)."""
+    if not name:
+        return None
+    from omegaconf import OmegaConf
+
+    from gptkit.conf_files import conf_dir
+
+    train = OmegaConf.load(conf_dir() / "train.yaml").get(name)
+    mine = cfg.get(name)
+    if train is None or mine is None:
+        return mine if train is None else train
+    return OmegaConf.merge(train, mine)
 
 
 def run(cfg) -> int:

@@ -148,7 +148,10 @@ def export_adapters(ckpt, out, cfg) -> int:
         )
         (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2))
     # the parameters training counted; PEFT's layout may store more values (zeros)
+    # (a reward model's score head trains in full beside them: PEFT's modules_to_save)
+    whole = adapters.whole_keys(model_cfg)
     n = adapters.adapter_params(model_cfg, record["targets"], record["rank"])
+    n += sum(state[k].numel() for k in whole)
     stored = sum(v.numel() for v in tensors.values())
     layout = (
         f", stored as {stored:,} values: PEFT's adapter on GPT-2's fused c_attn holds zeros beside the "
@@ -167,7 +170,8 @@ def export_adapters(ckpt, out, cfg) -> int:
     )
     print(
         f"exported the LoRA adapters of {ckpt} (rank {record['rank']}, alpha {record['alpha']}, "
-        f"{', '.join(record['targets'])}; {n:,} trainable parameters{layout}, {cfg.dtype}) to {Path(out)}: "
+        f"{', '.join(record['targets'])}{' and the score head, modules_to_save' if whole else ''}; "
+        f"{n:,} trainable parameters{layout}, {cfg.dtype}) to {Path(out)}: "
         f"adapter_config.json, adapter_model.safetensors, for PEFT on the base {source or base_run} "
         f"(export it with: gptkit export run={base_run} out=<folder>){on_nf4}"
     )

@@ -98,8 +98,34 @@ def check_hf_config(d: dict[str, Any]) -> str:
 
 def model_config_from_hf(d: dict[str, Any], name: str = "imported") -> ModelConfig:
     """The gptkit ModelConfig equal to a transformers config.json of a family in ARCHITECTURES, or a
-    GptkitError."""
-    return family_named(check_hf_config(d)).config_from_hf(d, name)
+    GptkitError; a *ForSequenceClassification of one label (a reward model) with its score head."""
+    cfg = family_named(check_hf_config(d)).config_from_hf(d, name)
+    return score_head_from_hf(d, cfg)
+
+
+def score_head_from_hf(d: dict[str, Any], cfg: ModelConfig) -> ModelConfig:
+    """`cfg` with model.score_head when config.json `d` names a *ForSequenceClassification (a reward model:
+    `score` in place of the LM head, which its files lack, so the embedding stands for it: tied); its one
+    label (num_labels 1) is the reward. More labels, or a family whose export has no such class, is one
+    GptkitError line."""
+    import dataclasses
+
+    arch = next((a for a in d.get("architectures") or [] if a.endswith("ForSequenceClassification")), None)
+    if arch is None:
+        return cfg
+    labels = len(d["id2label"]) if d.get("id2label") else int(d.get("num_labels") or 2)
+    if labels != 1:
+        raise GptkitError(
+            f"config.json: {arch} with {labels} labels; gptkit reads a reward model, one score (num_labels 1)"
+        )
+    cfg = dataclasses.replace(cfg, score_head=True, tie_embeddings=True)
+    family = family_of(cfg)
+    if family.score_architecture != arch:
+        raise GptkitError(
+            f"config.json: {arch} reads as the {family.title} family, whose reward models gptkit does not "
+            f"read or write (it does {', '.join(SCORE_ARCHITECTURES)})"
+        )
+    return cfg
 
 
 def unpack_weights(

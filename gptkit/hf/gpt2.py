@@ -117,8 +117,9 @@ class GPT2(Family):
         return d.get(field, GPT2_INTS.get(field))
 
     def file_names(self, state: dict[str, Any]) -> dict[str, Any]:
-        # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix
-        return {(k if k.startswith((T, "lm_head.")) else T + k): v for k, v in state.items()}
+        # GPT2Model checkpoints (the original gpt2 on the hub) have no "transformer." prefix; the heads
+        # (GPT2ForSequenceClassification's score) sit beside the transformer
+        return {(k if k.startswith((T, "lm_head.", "score.")) else T + k): v for k, v in state.items()}
 
     def embedding_rows(self, cfg: ModelConfig) -> list[Row]:
         return [("tok_emb.weight", T + "wte.weight", COPY), ("pos_emb.weight", T + "wpe.weight", COPY)]

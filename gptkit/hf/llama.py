@@ -102,6 +102,7 @@ class Qwen2(Qwen):
     """Biases on q, k and v only."""
 
     model_type, architecture, config_class, title = "qwen2", "Qwen2ForCausalLM", "Qwen2Config", "Qwen2"
+    score_architecture = "Qwen2ForSequenceClassification"
     fixes = {"bias": False, "qkv_bias": True, "qk_norm": None, "norm_placement": "pre"}
 
     def claims_window(self, cfg: ModelConfig) -> bool:

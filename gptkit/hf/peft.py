@@ -24,7 +24,10 @@ def peft_adapters(
     v are its own q_proj, k_proj, v_proj; GPT-2's fused c_attn (a Conv1D: fan_in_fan_out) takes the adapters
     of all its targeted parts at once: A side by side [n*r, in], B block-diagonal [3*d_model, n*r] (zeros
     for a part not targeted), with rank n*r and alpha n*alpha in rank_pattern/alpha_pattern so that its
-    scale stays alpha / r. The same update, so the same logits."""
+    scale stays alpha / r. The same update, so the same logits.
+
+    A reward model (model.score_head): task_type SEQ_CLS, its score head (trained in full beside the adapters)
+    in modules_to_save=["score"], stored as base_model.model.score.weight, as PEFT saves a module to save."""
     if any(adapters.is_expert_target(cfg, i, t) for i in range(cfg.n_layers) for t in lora["targets"]):
         raise GptkitError(
             f"lora.targets={list(lora['targets'])} adapt a mixture's experts, which have no PEFT adapter "
@@ -91,9 +94,12 @@ def peft_adapters(
                 rank_pattern[short], alpha_pattern[short] = n * rank, n * alpha
             tensors[f"base_model.model.{module}.lora_A.weight"] = a.contiguous()
             tensors[f"base_model.model.{module}.lora_B.weight"] = b.contiguous()
+    whole = {ours: theirs for ours, theirs, _ in name_map(cfg) if ours in adapters.whole_keys(cfg)}
+    for ours, theirs in whole.items():
+        tensors[f"base_model.model.{theirs}"] = state[ours].contiguous()
     config = {
         "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
+        "task_type": "SEQ_CLS" if cfg.score_head else "CAUSAL_LM",
         "base_model_name_or_path": base,
         "r": rank,
         "lora_alpha": alpha,
@@ -103,7 +109,7 @@ def peft_adapters(
         "fan_in_fan_out": family_of(cfg).fan_in_fan_out,
         "rank_pattern": rank_pattern,
         "alpha_pattern": alpha_pattern,
-        "modules_to_save": None,
+        "modules_to_save": sorted(t.removesuffix(".weight") for t in whole.values()) or None,
         "init_lora_weights": True,
         "use_rslora": False,
         "use_dora": False,

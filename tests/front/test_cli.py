@@ -126,6 +126,30 @@ def test_count_params_holds_no_reference_for_simpo_and_orpo(capsys):
     )
 
 
+def test_count_params_holds_grpos_reference_and_distills_teacher(capsys):
+    """objective=grpo: micro_batch counts prompts of grpo.group_size completions, and grpo.beta > 0 keeps a
+    frozen reference; objective=distill keeps its teacher (counted at the model's size): as `train`'s
+    estimate asks the objective's frozen models, each a copy of the weights (none with LoRA)."""
+    from conftest import run_main
+
+    def memory(*extra):
+        code, out, err = run_main(capsys, "count-params", "model=llama-tiny", "format=json", *extra)
+        assert code == 0, err
+        return json.loads(out)["plan"]["memory_per_gpu"]
+
+    lm = memory()
+    grpo = memory("objective=grpo")
+    assert "reference" not in grpo and grpo["activations"] == 8 * lm["activations"]
+    assert memory("objective=grpo", "grpo.group_size=2")["activations"] == 2 * lm["activations"]
+    kl = memory("objective=grpo", "grpo.beta=0.04")
+    assert kl["reference"] == kl["weights"] > 0 and kl["total"] == grpo["total"] + kl["reference"]
+    distill = memory("objective=distill")
+    assert distill["teacher"] == distill["weights"] and distill["total"] == lm["total"] + distill["teacher"]
+    assert "teacher" not in memory("objective=distill", "finetune=lora")
+    code, _, err = run_main(capsys, "count-params", "objective=grpo", "grpo.group_size=1")
+    assert code == 2 and err.strip().startswith("error: grpo.group_size=1 must be an integer >= 2"), err
+
+
 def test_override_a_field(cli):
     r = cli("count-params", "model=gpt2", "model.n_layers=2", "format=json")
     d = json.loads(r.stdout)

@@ -115,11 +115,11 @@ def test_muon_params_are_the_weights_muon_steps_and_the_estimate_counts_its_one_
     assert acc.training_memory(cfg, "32-true")["optimizer"] == 8 * n
     lora = {"rank": 4, "targets": ["q", "v"]}
     k = adapter_params(cfg, lora["targets"], 4)
-    mem = acc.training_memory(cfg, "32-true", optimizer="muon", lora=lora, reference=True)
+    mem = acc.training_memory(cfg, "32-true", optimizer="muon", lora=lora, frozen=("reference",))
     assert (mem["weights"], mem["gradients"], mem["optimizer"]) == (4 * (n + k), 4 * k, 4 * k)
     assert "reference" not in mem
-    full = acc.training_memory(cfg, "bf16-mixed", reference=True)
-    assert full["reference"] == full["weights"] == 6 * n
+    full = acc.training_memory(cfg, "bf16-mixed", frozen=("reference", "teacher"))
+    assert full["reference"] == full["teacher"] == full["weights"] == 6 * n
 
 
 # ---- MFU by the published convention ---------------------------------------------------------------------

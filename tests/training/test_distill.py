@@ -15,7 +15,16 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import HF_EOS, HF_TEXT, char_tokenizer, estimate_plan, rows_by_step, run_main
+from conftest import (
+    HF_EOS,
+    HF_TEXT,
+    char_tokenizer,
+    estimate_plan,
+    make_run,
+    rows_by_step,
+    run_group,
+    run_main,
+)
 from omegaconf import OmegaConf
 
 from gptkit.training.objectives.distill import Distill, distill_loss
@@ -363,6 +372,45 @@ def test_bad_distill_commands_exit_2_with_one_line_before_anything_is_written(
     assert not (tmp_path / "runs" / "bad").exists()
 
 
+@pytest.mark.parametrize("finetune", ["lora", "qlora"])
+def test_lora_distills_from_the_start_its_adapters_off_which_it_equals_at_step_1(teacher, capsys, finetune):
+    """finetune=lora (qlora: on the NF4 base) with frozen.teacher=start: the teacher is the student with its
+    adapters off (no second copy); at step 1 the adapters' B is 0, so the divergence is exactly 0, then it
+    grows."""
+    run = teacher / "runs" / "teacher"
+    args = tiny(teacher, f"d-{finetune}", 2, 64, "objective=distill", "teacher=start", f"init_from={run}")
+    # the start's model and tokenizer
+    args = [a for a in args if not a.startswith(("model", "tokenizer"))]
+    nf4 = ("qlora.block_size=32", "qlora.scaler_block_size=8") if finetune == "qlora" else ()
+    lora = (
+        f"finetune={finetune}",
+        *nf4,
+        "lora.rank=4",
+        "lora.targets=[q,v]",
+        "trainer.log_every=1",
+        "trainer.max_steps=2",
+    )
+    code, out, err = run_main(capsys, "train", *args, *lora, "distill.beta=0.5", "optim.lr=1e-2")
+    assert code == 0, err
+    rows = rows_by_step(teacher / "runs" / f"d-{finetune}")
+    assert float(rows[1]["train/distill/divergence"]) == 0.0
+    assert float(rows[2]["train/distill/divergence"]) > 0, rows[2]
+
+
+def test_a_reward_model_as_the_teacher_is_refused_in_one_line(teacher, tmp_path, capsys):
+    """A reward model (model.score_head) has an LM head it never trained: no teacher, one line, exit 2, before
+    anything is written."""
+    (tmp_path / "rm").mkdir()
+    rm, _, _ = make_run(tmp_path / "rm", score_head=True)
+    code, _, err = run_main(
+        capsys, "train", *tiny(teacher, "bad-rm", 1, 32, "objective=distill", f"teacher={rm}")
+    )
+    assert code == 2 and err.strip().splitlines()[-1].startswith(
+        f"error: frozen.teacher={rm} is a reward model"
+    )
+    assert not (teacher / "runs" / "bad-rm" / "checkpoints").exists()
+
+
 def test_a_teacher_of_another_tokenizer_or_vocabulary_size_is_refused_in_one_line(teacher, capsys):
     run = teacher / "runs" / "teacher"
     base = tiny(teacher, "bad-vocab", 1, 32, "objective=distill", f"teacher={run}")
@@ -547,3 +595,47 @@ def test_gkd_stopped_and_resumed_ends_with_the_weights_and_figures_of_an_uninter
         s: [r.get(k) for k in keys] for s, r in got.items()
     }
     assert want[4]["val/loss"] and want[4]["val/loss"] == got[4]["val/loss"]
+
+
+@pytest.mark.long
+def test_distill_resumes_bit_exactly_and_on_2_processes_equals_one_process(teacher, capsys):
+    """4 steps of 2 windows: stopped at step 2 and resumed (the teacher read again from its source), the same
+    floats; DDP and FSDP2 (fp32) on 2 CPU ranks of 1 window each log what one process logs, each rank's
+    teacher the same frozen run."""
+    run = teacher / "runs" / "teacher"
+    keys = ("train/loss", "train/distill/divergence", "train/distill/ce", "val/loss")
+
+    def args(name, *extra):
+        base = tiny(teacher, name, 1, 32, "objective=distill", f"teacher={run}", "model.dropout=0.0")
+        return [*base, "distill.beta=0.5", "distill.alpha=0.5", "trainer.log_every=1", *extra]
+
+    def rows(name):
+        got = rows_by_step(teacher / "runs" / name)
+        return {s: [r.get(k) for k in keys] for s, r in got.items()}
+
+    code, _, err = run_main(capsys, "train", *args("d-one"))
+    assert code == 0, err
+    one = rows("d-one")
+    assert all(one[s][0] for s in (1, 2, 3, 4)) and one[4][3], one
+    code, _, err = run_main(capsys, "train", *args("d-split", "trainer.stop_at_step=2"))
+    assert code == 0, err
+    code, _, err = run_main(
+        capsys, "train", f"resume={teacher / 'runs' / 'd-split'}", "trainer.progress=off", "trainer.threads=1"
+    )
+    assert code == 0, err
+    # (the stop at step 2 validates there too)
+    assert {s: r[:3] for s, r in rows("d-split").items()} == {s: r[:3] for s, r in one.items()}
+    assert rows("d-split")[4] == one[4]
+    for name, extra in (
+        ("d-ddp", ["trainer=ddp"]),
+        ("d-fsdp", ["trainer=fsdp", "trainer.precision=32-true"]),
+    ):
+        r = run_group(
+            "-m", "gptkit", "train", *args(name, *extra, "trainer.devices=2", "trainer.batch_size=1")
+        )
+        assert r.returncode == 0, r.stderr[-3000:]
+        two = rows(name)
+        for step, row in one.items():
+            for k, want, got in zip(keys, row, two[step]):
+                if want:
+                    assert float(got) == pytest.approx(float(want), abs=1e-5), (name, step, k)

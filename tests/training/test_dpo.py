@@ -665,6 +665,67 @@ def test_dpo_with_lora_and_accumulation_measures_against_the_base_with_its_adapt
     assert margin == pytest.approx(float(rows[6]["val/rewards/margin"]), abs=1e-5) and margin > 0
 
 
+@pytest.mark.long
+def test_orpo_without_a_reference_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data):
+    """A reference-free loss builds no frozen model (FSDP2's meta ranks have none to receive): one process
+    stopped at step 2 and resumed logs the straight run's floats, and 2 steps under FSDP2, resumed under
+    DDP, log one process's floats. ipo and hinge share sigmoid's data flow (a reference,
+    a per-pair loss: test_dpo_on_2_processes_follows_one_process_fsdp_then_ddp); simpo's is orpo's."""
+    loss = ("dpo.loss=orpo", "dpo.lambda=0.5", "trainer.max_steps=3", "trainer.val_every=3")
+    gptkit.train(dpo_args(dpo_data, "orpo-one", 1, *loss))
+    # one process stopped at step 2 and resumed (no reference to read again): the same floats
+    gptkit.train(dpo_args(dpo_data, "orpo-split", 1, *loss, "trainer.stop_at_step=2"))
+    gptkit.train([f"resume={dpo_data / 'orpo-split'}", f"runs_dir={dpo_data}", "name=orpo-split"])
+    split, one = rows_of(dpo_data / "orpo-split"), rows_of(dpo_data / "orpo-one")
+    keys = ("train/loss", "train/rewards/margin", "train/rewards/accuracy")
+    assert [[split[s][k] for k in keys] for s in (1, 2, 3)] == [[one[s][k] for k in keys] for s in (1, 2, 3)]
+    assert split[3]["val/loss"] == one[3]["val/loss"]
+    r = run_group(
+        "-m",
+        "gptkit",
+        "train",
+        *dpo_args(dpo_data, "orpo-two", 2, *loss, "trainer=fsdp", "trainer.devices=2")
+        + ["trainer.precision=32-true", "trainer.stop_at_step=2"],
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = run_group(
+        "-m",
+        "gptkit",
+        "train",
+        f"resume={dpo_data / 'orpo-two'}",
+        f"runs_dir={dpo_data}",
+        "trainer=ddp",
+        "trainer.devices=2",
+        "trainer.batch_size=2",
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = rows_of(dpo_data / "orpo-one"), rows_of(dpo_data / "orpo-two")
+    for step in (1, 2, 3):
+        for key in ("train/loss", "train/rewards/margin", "train/rewards/accuracy"):
+            assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
+    for key in ("val/loss", "val/rewards/margin"):
+        w = float(want[3][key])
+        assert abs(float(got[3][key]) - w) < 1e-5 * max(1.0, abs(w)), key
+
+
+@pytest.mark.parametrize("objective, finetune", [("dpo", "qlora"), ("kto", "qlora"), ("kto", "lora")])
+def test_qlora_measures_against_its_nf4_base_with_the_adapters_off(dpo_data, objective, finetune):
+    """finetune=qlora (and lora for KTO; DPO's: test_dpo_with_lora_...): the reference is the base (NF4 for
+    qlora) with the adapters off, which the policy equals at step 1: DPO's first loss is log 2 and KTO's
+    1 - sigmoid(0), every reward 0; then the loss moves."""
+    nf4 = ("qlora.block_size=32", "qlora.scaler_block_size=8") if finetune == "qlora" else ()
+    q = (f"finetune={finetune}", *nf4, "lora.rank=4")
+    args, name = dpo_args if objective == "dpo" else kto_args, f"{finetune}-{objective}"
+    gptkit.train(args(dpo_data, name, 1, *q, "trainer.max_steps=2", "trainer.val_every=2"))
+    rows = rows_of(dpo_data / name)
+    assert float(rows[1]["train/loss"]) == pytest.approx(math.log(2) if objective == "dpo" else 0.5, abs=1e-6)
+    reward = "train/rewards/chosen" if objective == "dpo" else "train/rewards/desirable"
+    assert float(rows[1][reward]) == 0.0 and float(rows[2]["train/loss"]) != float(rows[1]["train/loss"])
+    ckpt = torch.load(dpo_data / name / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ("quantized" in ckpt["gptkit_lora"]) == (finetune == "qlora")
+    assert all("lora_" in k for k in ckpt["state_dict"])
+
+
 def test_the_reference_takes_the_policys_dtype_so_rewards_start_at_0_in_bf16(dpo_data):
     gptkit.train(
         dpo_args(
@@ -949,13 +1010,23 @@ def test_kto_mismatched_rows_are_the_same_whatever_the_world_size():
 
 
 @pytest.mark.long
-def test_kto_on_2_ddp_processes_follows_one_process(dpo_data):
+def test_kto_on_2_processes_follows_one_process_fsdp_then_ddp(dpo_data):
     """Each row's mismatched completion is the previous row's over the global micro-batch, so the KL
     reference point, and the losses, do not depend on how the rows are split over the ranks."""
     gptkit.train(kto_args(dpo_data, "kto-one"))
-    r = run_group(
-        "-m", "gptkit", "train", *kto_args(dpo_data, "kto-two", 2, "trainer=ddp", "trainer.devices=2")
-    )
+    # one process stopped at step 2 and resumed: the same floats (the stop validates at step 2 too)
+    gptkit.train(kto_args(dpo_data, "kto-split", 1, "trainer.stop_at_step=2"))
+    gptkit.train([f"resume={dpo_data / 'kto-split'}", f"runs_dir={dpo_data}", "name=kto-split"])
+    keys = ("train/loss", "train/kl", "train/rewards/desirable", "train/rewards/undesirable")
+    split, one = rows_of(dpo_data / "kto-split"), rows_of(dpo_data / "kto-one")
+    assert [[split[s][k] for k in keys] for s in (1, 2, 3)] == [[one[s][k] for k in keys] for s in (1, 2, 3)]
+    assert split[3]["val/loss"] == one[3]["val/loss"]
+    # 2 steps under FSDP2 (fp32), stopped, resumed under DDP: resume, FSDP2 and DDP at once
+    two = ("trainer=fsdp", "trainer.precision=32-true", "trainer.devices=2", "trainer.stop_at_step=2")
+    r = run_group("-m", "gptkit", "train", *kto_args(dpo_data, "kto-two", 2, *two))
+    assert r.returncode == 0, r.stderr[-3000:]
+    resume = (f"resume={dpo_data / 'kto-two'}", f"runs_dir={dpo_data}", "trainer=ddp", "trainer.batch_size=2")
+    r = run_group("-m", "gptkit", "train", *resume, "trainer.devices=2")
     assert r.returncode == 0, r.stderr[-3000:]
     want, got = rows_of(dpo_data / "kto-one"), rows_of(dpo_data / "kto-two")
     assert float(want[2]["train/kl"]) > 0

@@ -703,6 +703,37 @@ def test_grpo_on_2_processes_follows_one_process_fsdp_then_ddp(start, straight):
                 assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
 
 
+@pytest.mark.long
+def test_cispo_on_2_ddp_processes_follows_one_process(start):
+    """cispo (as dapo) weighs every completion token of the step the same: each rank's loss carries its token
+    count, so 2 ranks of 2 prompts give what one process of 4 gives; 2 steps: one round of rollouts, its
+    second pass with a moved ratio (the clip acts). grpo, dr_grpo and gspo weigh every micro-batch the same,
+    as the grpo loss of test_grpo_on_2_processes_follows_one_process_fsdp_then_ddp."""
+    extra = ("grpo.loss=cispo", "grpo.epsilon_high=0.05", "trainer.max_steps=2", "trainer.val_every=2")
+    gptkit.train(grpo_args(start, "cispo-one", 1, *extra))
+    r = run_group(
+        "-m", "gptkit", "train", *grpo_args(start, "cispo-two", 2, *extra, "trainer=ddp", "trainer.devices=2")
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    want, got = rows_of(start / "cispo-one"), rows_of(start / "cispo-two")
+    assert float(want[2]["train/kl"]) > 0
+    for step in (1, 2):
+        for key in KEYS:
+            if want[step].get(key):
+                assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
+
+
+def test_grpo_with_qlora_measures_its_kl_against_the_nf4_base(start):
+    """finetune=qlora: the policy samples with its adapters on the NF4 base, the KL's reference is that base
+    (the adapters off): 0 in the first pass, then above 0 (2 passes over one round of rollouts)."""
+    q = ("finetune=qlora", "qlora.block_size=32", "qlora.scaler_block_size=8", "lora.rank=4")
+    gptkit.train(grpo_args(start, "qlora", 1, *q, "trainer.max_steps=2", "trainer.val_every=2"))
+    rows = rows_of(start / "qlora")
+    assert float(rows[1]["train/kl"]) == 0.0 and float(rows[2]["train/kl"]) > 0, rows
+    ckpt = torch.load(start / "qlora" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["gptkit_lora"]["quantized"]["format"] == "nf4"
+
+
 def test_grpo_with_lora_muon_dapo_accumulation_and_task_evals(start, capfd):
     gptkit.train(
         grpo_args(

@@ -8,7 +8,17 @@ import random
 
 import pytest
 import torch
-from conftest import make_run, rows_by_step, run_cli, run_main, tiny_run, write_jsonl
+from conftest import (
+    char_tokenizer,
+    hf_common,
+    hf_perturbed,
+    make_run,
+    rows_by_step,
+    run_cli,
+    run_main,
+    tiny_run,
+    write_jsonl,
+)
 
 import gptkit
 from gptkit.training.objectives.reward import bradley_terry_loss, check_reward_config, last_positions
@@ -160,6 +170,115 @@ def assert_same_scores(ours, hf):
     assert mine.std() > 0
 
 
+def test_lora_on_a_reward_model_trains_its_head_in_full_and_checkpoints_and_exports_it_with_the_adapters():
+    """apply_lora leaves the new score head trainable (PEFT's modules_to_save), the checkpoint keeps it with
+    the adapters, and the PEFT export is SEQ_CLS with modules_to_save=["score"] holding it."""
+    from gptkit.adapters import check_adapters
+    from gptkit.hf import peft_adapters
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.training.finetune.lora import adapter_state_dict, apply_lora
+
+    small = dict(vocab_size=16, max_seq_len=8, n_layers=1, n_heads=2, d_model=8, tie_embeddings=False)
+    lora = {"rank": 2, "alpha": 4, "dropout": 0.0, "targets": ["q", "v"]}
+    model = GPT(ModelConfig(**small, score_head=True, mlp="swiglu", norm="rmsnorm", position="rope"))
+    trainable = apply_lora(model, lora)
+    named = {k for k, p in model.named_parameters() if p.requires_grad}
+    assert named == {"score.weight", *(k for k in named if "lora_" in k)} and len(named) == 5
+    assert trainable == 8 + 2 * (2 * 8 + 8 * 2)
+    state = adapter_state_dict({f"model.{k}": v for k, v in model.state_dict().items()}, "model.")
+    assert set(state) == {f"model.{k}" for k in named}
+    plain = {k.removeprefix("model."): v for k, v in state.items()}
+    check_adapters(plain, model.cfg, lora, "ckpt")
+    with pytest.raises(Exception, match="ckpt does not hold score.weight, which train in full"):
+        check_adapters({k: v for k, v in plain.items() if k != "score.weight"}, model.cfg, lora, "ckpt")
+    config, tensors = peft_adapters(plain, model.cfg, lora)
+    assert config["task_type"] == "SEQ_CLS" and config["modules_to_save"] == ["score"]
+    assert torch.equal(tensors["base_model.model.score.weight"], model.score.weight)
+
+
+@pytest.mark.long
+def test_a_reward_model_trains_lora_adapters_with_its_head_in_full_and_exports_merged_and_for_peft(
+    reward_run, capsys
+):
+    """finetune=lora: the adapters and the new score head train (PEFT's modules_to_save) and the checkpoint
+    holds both; the merged export's logits and PEFT's (SEQ_CLS adapters on the exported base) equal gptkit's
+    scores."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from gptkit.runs import load_model
+
+    code, _, err = run_main(
+        capsys, "train", *reward_args(reward_run, "rm-lora", *LORA, "trainer.max_steps=2")
+    )
+    assert code == 0, err
+    saved = torch.load(reward_run / "rm-lora" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"]
+    assert "model.score.weight" in saved and all("lora_" in k for k in saved if k != "model.score.weight")
+    # the adapters' B (zeros at the start) moved: the head's gradient reaches them
+    assert all(v.abs().max() > 0 for k, v in saved.items() if k.endswith("_B"))
+    *_, ours = load_model(reward_run / "rm-lora")
+    code, stdout, err = run_main(
+        capsys, "export", f"run={reward_run / 'rm-lora'}", f"out={reward_run / 'hf-l'}"
+    )
+    assert code == 0 and "LlamaForSequenceClassification" in stdout, err
+    merged = (
+        transformers.AutoModelForSequenceClassification.from_pretrained(reward_run / "hf-l").float().eval()
+    )
+    assert_same_scores(ours, merged)
+    # PEFT: the adapters and the head on the base the run started from, exported as transformers'
+    code, _, err = run_main(capsys, "export", f"run={reward_run / 'sft'}", f"out={reward_run / 'hf-sft'}")
+    assert code == 0, err
+    out = reward_run / "peft-l"
+    code, stdout, err = run_main(
+        capsys, "export", f"run={reward_run / 'rm-lora'}", f"out={out}", "adapters=true"
+    )
+    assert code == 0 and "and the score head, modules_to_save" in stdout, err
+    base = transformers.AutoModelForSequenceClassification.from_pretrained(
+        reward_run / "hf-sft", num_labels=1, pad_token_id=merged.config.pad_token_id
+    )
+    assert_same_scores(ours, peft.PeftModel.from_pretrained(base, out).float().eval())
+
+
+LORA = ("finetune=lora", "lora.rank=4", "lora.alpha=8", "lora.targets=[q,v,down]")
+QLORA = ("finetune=qlora", "qlora.block_size=32", "qlora.scaler_block_size=8", *LORA[1:])
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("adapters", [LORA, QLORA], ids=["lora", "qlora"])
+def test_a_reward_models_adapters_and_head_resume_bit_exactly(reward_run, capsys, adapters):
+    """finetune=lora and qlora (whose NF4 base lacks the head: it starts from the run's seed): 4 steps
+    straight, and stopped at step 2 then resumed, log the same floats and save the same head; lora on 2 DDP
+    ranks logs one process's."""
+    from gptkit.runs import load_model
+
+    name = adapters[0].split("=")[1]
+    for run, extra in ((f"{name}-4", ()), (f"{name}-2", ("trainer.stop_at_step=2",))):
+        code, _, err = run_main(
+            capsys, "train", *reward_args(reward_run, run, *adapters, "trainer.max_steps=4", *extra)
+        )
+        assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={reward_run / f'{name}-2'}", "trainer.progress=false")
+    assert code == 0, err
+    one, two = rows_by_step(reward_run / f"{name}-4"), rows_by_step(reward_run / f"{name}-2")
+    keys = ("train/loss", "train/rewards/margin")
+    assert [[two[s][k] for k in keys] for s in (1, 2, 3, 4)] == [
+        [one[s][k] for k in keys] for s in (1, 2, 3, 4)
+    ]
+    assert two[4]["val/loss"] == one[4]["val/loss"] and float(one[4]["train/loss"]) < float(
+        one[1]["train/loss"]
+    )
+    heads = [load_model(reward_run / r)[-1].score.weight for r in (f"{name}-4", f"{name}-2")]
+    assert torch.equal(*heads) and heads[0].abs().max() > 0
+    if name == "lora":
+        # DDP: 2 ranks of 4 pairs, the adapters and the head reduced, one process's floats
+        args = reward_args(reward_run, "lora-ddp", *adapters, "trainer.max_steps=4", "trainer=ddp")
+        r = run_cli("train", *args, "trainer.devices=2", "trainer.batch_size=4")
+        assert r.returncode == 0, r.stderr[-3000:]
+        ddp = rows_by_step(reward_run / "lora-ddp")
+        for s in (1, 2, 3, 4):
+            for k in (*keys, *(("val/loss", "val/rewards/accuracy") if s == 4 else ())):
+                assert float(ddp[s][k]) == pytest.approx(float(one[s][k]), abs=1e-5), (s, k)
+
+
 def test_gpt2_exports_its_score_head_and_a_family_without_one_is_refused_in_one_line(tmp_path, capsys):
     transformers = pytest.importorskip("transformers")
     from gptkit.runs import load_model
@@ -176,6 +295,69 @@ def test_gpt2_exports_its_score_head_and_a_family_without_one_is_refused_in_one_
     code, _, err = run_main(capsys, "export", f"run={run}", f"out={tmp_path / 'hf3'}")
     assert code == 2 and err.strip().startswith("error: a reward model (model.score_head) of the Qwen3")
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "hf3").exists()
+
+
+@pytest.mark.parametrize("kind", ["Llama", "Qwen2", "GPT2"])
+def test_a_transformers_reward_model_imports_with_its_score_head_and_the_same_logits(tmp_path, capsys, kind):
+    """`gptkit import` of a tiny *ForSequenceClassification (num_labels 1, every weight perturbed): a reward
+    model (model.score_head) whose scores are transformers' logits on right-padded rows, exported back to
+    the same tensors; more labels is one line, exit 2."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    from gptkit.hf.families import family_of
+    from gptkit.model import GPT
+    from gptkit.runs import load_model
+    from gptkit.training.objectives.reward import Reward
+    from gptkit.training.rewards import RewardModel
+    from gptkit.training.start import load_init_weights
+
+    def config(labels, **pad):
+        if kind == "GPT2":
+            shape = dict(vocab_size=96, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+            return transformers.GPT2Config(**shape, num_labels=labels, **pad)
+        return getattr(transformers, f"{kind}Config")(
+            **hf_common(96, 32, **pad), num_labels=labels, tie_word_embeddings=False
+        )
+
+    cls = getattr(transformers, f"{kind}ForSequenceClassification")
+    theirs = hf_perturbed(lambda: cls(config(1, pad_token_id=0)))
+    theirs.save_pretrained(tmp_path / "hf")
+    # (a reward model's folder has its tokenizer: the GRPO reward reads it)
+    char_tokenizer().save(str(tmp_path / "hf" / "tokenizer.json"))
+    code, _, err = run_main(capsys, "import", f"hf={tmp_path / 'hf'}", f"out={tmp_path / 'rm'}")
+    assert code == 0, err
+    *_, ours = load_model(tmp_path / "rm")
+    assert (
+        ours.cfg.score_head and family_of(ours.cfg).score_architecture == f"{kind}ForSequenceClassification"
+    )
+    assert_same_scores(ours, theirs)
+    # as a GRPO reward ({kind: model}): one batched forward, transformers' logits
+    model = RewardModel(str(tmp_path / "rm"), "rm")
+    model.check()
+    seqs = [[5, 9, 17, 3], [7, 1], [60, 61, 62, 63, 64, 95]]
+    ids = torch.tensor([q + [0] * (6 - len(q)) for q in seqs])
+    with torch.no_grad():
+        want = theirs(input_ids=ids).logits[:, 0].tolist()
+    assert model.scores(seqs, "cpu") == pytest.approx(want, abs=1e-5)
+    # and not a policy: one line, exit 2
+    code, _, err = run_main(capsys, "sample", f"run={tmp_path / 'rm'}", "prompt=hi", "max_new_tokens=2")
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "is a reward model" in err, err
+    # as the start of objective=reward: its head kept (Reward.model_config), its weights loaded as init_from=
+    start = GPT(Reward.model_config(ours.cfg, "init_from")).eval()
+    load_init_weights(start, tmp_path / "rm" / "checkpoints" / "last.ckpt")
+    assert all(torch.equal(a, b) for a, b in zip(start.state_dict().values(), ours.state_dict().values()))
+    code, stdout, err = run_main(capsys, "export", f"run={tmp_path / 'rm'}", f"out={tmp_path / 'again'}")
+    assert code == 0 and f"{kind}ForSequenceClassification" in stdout, err
+    original, again = (load_file(tmp_path / d / "model.safetensors") for d in ("hf", "again"))
+    assert sorted(again) == sorted(original) and all(torch.equal(again[k], v) for k, v in original.items())
+    # a classifier of 3 labels is not a reward model
+    cls(config(3)).save_pretrained(tmp_path / "c3")
+    code, _, err = run_main(capsys, "import", f"hf={tmp_path / 'c3'}", f"out={tmp_path / 'c3-run'}")
+    assert code == 2 and err.strip() == (
+        f"error: config.json: {kind}ForSequenceClassification with 3 labels; gptkit reads a reward model, "
+        "one score (num_labels 1)"
+    )
 
 
 def test_a_reward_model_is_refused_as_a_policy_in_one_line(reward_run, capsys):

@@ -153,14 +153,17 @@ def _adapt_experts(experts: Experts, targets: list[str], rank: int, scale: float
 
 def apply_lora(model: GPT, lora: Any) -> int:
     """Add adapters (the `lora` settings: rank, alpha, dropout, targets) to `model`, in place, and freeze
-    every other parameter; returns the number of trainable parameters. The settings are checked first
-    (gptkit.adapters.check_lora: one-line ConfigErrors). Works on a model on the meta device too (FSDP's
+    every other parameter but a reward model's score head (adapters.whole_keys: it is new, so it trains in
+    full, as PEFT's modules_to_save); returns the number of trainable parameters. The settings are checked
+    first (gptkit.adapters.check_lora: one-line ConfigErrors). Works on a model on the meta device too (FSDP's
     ranks other than 0): its adapters are allocated and receive rank 0's values with the other weights."""
     settings = adapters.settings(lora)
     targets = adapters.check_lora(settings, model.cfg)
     rank, scale = int(settings["rank"]), float(settings["alpha"]) / int(settings["rank"])
     for p in model.parameters():
         p.requires_grad_(False)
+    for name in adapters.whole_keys(model.cfg):
+        model.get_parameter(name).requires_grad_(True)
     for i, block in enumerate(model.blocks):
         by_module: dict[str, list[tuple[str, tuple[tuple[int, int], ...]]]] = {}
         here = adapters.layer_targets(model.cfg, i)
@@ -230,9 +233,10 @@ def merged_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def adapter_state_dict(state: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Only the adapter tensors of a state dict whose names carry `prefix` (e.g. "model.")."""
+    """Only the adapter tensors (and the weights that train in full beside them, adapters.WHOLE: a reward
+    model's score head) of a state dict whose names carry `prefix` (e.g. "model.")."""
     n = len(prefix)
-    return {k: v for k, v in state.items() if k.startswith(prefix) and adapters.is_adapter_key(k[n:])}
+    return {k: v for k, v in state.items() if k.startswith(prefix) and adapters.is_saved_key(k[n:])}
 
 
 class LoRA(Finetune):

@@ -123,7 +123,9 @@ class QLoRA(LoRA):
         from torch.distributed.tensor import DTensor
 
         model = module.model
-        state = checked_model_state(self.plan.lora_base, model.cfg)
+        # a reward model's new score head (adapters.whole_keys): N(0, init_std) from the generator
+        whole = adapters.whole_keys(model.cfg)
+        state = checked_model_state(self.plan.lora_base, model.cfg, whole)
         quantized = quant.quantized_names(model.cfg)
         generator = torch.Generator().manual_seed(int(self.plan.cfg.seed))
         new: dict[str, nn.Parameter] = {}
@@ -132,6 +134,10 @@ class QLoRA(LoRA):
                 full = torch.zeros(p.shape, dtype=self.dtype)  # [rank, in] or [rows, rank]
                 if name.endswith("_A"):
                     nn.init.kaiming_uniform_(full, a=math.sqrt(5), generator=generator)
+                full = full.to(device)
+            elif name in whole and name not in state:
+                full = torch.empty(p.shape, dtype=self.dtype)  # [1, d_model]
+                full.normal_(0.0, model.cfg.init_std, generator=generator)
                 full = full.to(device)
             elif name in quantized:
                 source = state[name].to(device=device, dtype=self.dtype)  # [out, in]

@@ -18,10 +18,12 @@ validation): rewards/chosen, rewards/rejected, rewards/margin and rewards/accura
 r_chosen > r_rejected: on the val pairs, the held-out accuracy).
 
 The run starts from weights (init_from=, e.g. an SFT run: its chat template renders the pairs); the head
-starts at N(0, model.init_std), every other weight trains with it (finetune=full: adapters would leave the
-head frozen). A run whose model has a score head is a reward model: `gptkit sample`, `chat`, `serve` and
-init_from= of another objective refuse it in one line; `gptkit export` writes it as transformers'
-*ForSequenceClassification, and objective=grpo reads it as a reward ({kind: model, path: <run>}).
+starts at N(0, model.init_std), every other weight trains with it (finetune=full), or the adapters do
+(finetune=lora, qlora: the head trains in full beside them and their checkpoints hold it, as PEFT's
+modules_to_save; gptkit.adapters.WHOLE). A run whose model has a score head is a reward model: `gptkit
+sample`, `chat`, `serve` and init_from= of another objective refuse it in one line; `gptkit export` writes
+it as transformers' *ForSequenceClassification, and objective=grpo reads it as a reward ({kind: model,
+path: <run>}).
 """
 
 from __future__ import annotations
@@ -85,15 +87,6 @@ class Reward(DPO):
     @classmethod
     def check_config(cls, group: Any) -> None:
         check_reward_config(group)
-
-    @classmethod
-    def check_run(cls, cfg: Any) -> None:
-        finetune = str(cfg.get("finetune") or "full")
-        if finetune != "full":
-            raise ConfigError(
-                f"objective=reward trains a new score head with the model: finetune={finetune} would leave "
-                "the head frozen; use finetune=full"
-            )
 
     @classmethod
     def uses_reference(cls, group: Any) -> bool:
