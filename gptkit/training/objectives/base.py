@@ -134,12 +134,20 @@ class FrozenModel:
         [N, T] -> [N, T, d_model], its head's weight [vocab_size, d_model] and model.logit_softcap; eval mode,
         no grad. The weight is None when the frozen model is the policy with its adapters off: its head is
         the policy's own (no adapter reaches lm_head), which the loss reads inside the policy's forward (under
-        FSDP2 the gathered weight lives only there)."""
+        FSDP2 the gathered weight lives only there). A frozen model sharded by FSDP2 gives a copy of its
+        gathered head weight (its own is freed when its forward ends)."""
 
         def grab(h, weight, softcap):
             return h, weight, softcap
 
+        def grab_copy(h, weight, softcap):
+            # FSDP2 frees the gathered weight when the frozen model's forward ends (reshard), while the loss
+            # reads it in the policy's forward and backward: a copy of its head, [vocab, d_model], is held
+            return h, weight.detach().clone(), softcap
+
         if self.module is not None:
+            if getattr(self.module, "_gptkit_sharded", False):
+                grab = grab_copy
             with evaluating(self.module):
                 return self.module(x, doc_ids=doc_ids, head=grab).head
         with self.disabled(policy), evaluating(policy):
