@@ -28,6 +28,8 @@ MAX_DEPTH = 64
 # the longest stop string
 MAX_STOP_CHARS = 1000
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# the most alternatives a token's log-probs list (top_logprobs; completions' logprobs): OpenAI's and vLLM's 20
+MAX_LOGPROBS = 20
 
 
 class ApiError(Exception):
@@ -289,7 +291,6 @@ def sampling(body: dict, max_n: int, max_tokens_key: str = "max_tokens") -> Samp
     if body.get("logit_bias") is not None and not isinstance(body["logit_bias"], dict):
         raise bad("logit_bias must be an object", "logit_bias", "invalid_type")
     unsupported(body, "logit_bias", ({},), "logit_bias")
-    unsupported(body, "top_logprobs", (0,), "top_logprobs")
     for key in ("user", "service_tier"):
         string(body, key)
     return Sampling(
