@@ -15,10 +15,18 @@ also finds stop strings), and why a choice ended: eos (one of params.stop_ids, n
 string, cut from the text), length (max_new_tokens), context (the next token would not fit in the
 context), cancelled, error.
 
+Log-probs (params.logprobs = k): each sampled token's log-prob and the k most likely tokens', from the
+log-softmax of the model's own logits for that row (the temperature-1 distribution, before temperature,
+top-k/top-p and any constraint; vLLM's default), in Event.logprobs. A constraint (params.constraint: a
+factory of one Constraint per choice, e.g. a grammar's matcher, gptkit/serve/grammar.py) masks its own
+row's logits before the token is chosen (on a copy: batch-mates and log-probs see the model's), is advanced
+by the token, and ends the choice ("stop") when it is done.
+
 What one request holds cannot fail the others: a failure while admitting a job (its generators, its
-prefill) or while choosing or recording one sequence's token (its sampler, its text) ends that job or that
-choice alone with an "error" event, and the step goes on for the rest. Only a failure of the batch's own
-decode pass (out of memory...) raises out of step() (the engine then fails that batch: Engine.fail_all).
+prefill) or while choosing or recording one sequence's token (its sampler, its constraint, its text) ends
+that job or that choice alone with an "error" event, and the step goes on for the rest. Only a failure of
+the batch's own decode pass (out of memory...) raises out of step() (the engine then fails that batch:
+Engine.fail_all).
 
 Greedy tokens are those of generate.generate (`gptkit sample`) and ChatSession (`gptkit chat`) for the
 same prompt: the prefill is the same one-sequence pass; a decode step computes the same function of the

@@ -4,8 +4,8 @@ events. What one endpoint alone reads or answers is in its file (gptkit/serve/en
 Every bad request is an ApiError: an HTTP status and {"error": {"message", "type", "param", "code"}}, the
 body OpenAI's own API answers with (the `openai` client raises it as BadRequestError, NotFoundError, ...).
 A field of the wrong type, a value out of range, an unknown field and a feature this server does not
-implement (logprobs, tools, penalties...) each name their field in `param`; a feature's neutral value
-(presence_penalty=0, logprobs=false, tools=[]) is accepted, as clients send them by default.
+implement (tools, penalties, logit_bias...) each name their field in `param`; a feature's neutral value
+(presence_penalty=0, tools=[]) is accepted, as clients send them by default.
 
 A body is checked whole before any field is read (parse_body): JSON (no NaN or Infinity, no number beyond a
 float's range, nested at most MAX_DEPTH levels), an object, and every string valid Unicode (a lone
