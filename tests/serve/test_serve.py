@@ -516,7 +516,7 @@ def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, ref):
         "comp greedy stream": lambda: list(
             client.completions.create(temperature=0, logprobs=3, stream=True, **comp)
         ),
-        "comp sampled": lambda: client.completions.create(temperature=0.7, seed=11, logprobs=0, **comp),
+        "comp sampled": lambda: client.completions.create(temperature=0.7, seed=11, n=2, logprobs=0, **comp),
     }
     got: dict = {}
     threads = [threading.Thread(target=lambda k=k, f=f: got.update({k: f()})) for k, f in requests.items()]
@@ -564,14 +564,15 @@ def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, ref):
     # completions: the ids are what `gptkit sample` draws with the same seed
     parts = [c.choices[0] for c in got["comp greedy stream"]]
     streamed_lp = [c.logprobs for c in parts if c.logprobs]
-    cases = (
-        (ref.sample("ROMEO:", 12), "".join(c.text for c in parts), streamed_lp, 3),
+    cases = ((ref.sample("ROMEO:", 12), "".join(c.text for c in parts), streamed_lp, 3),) + tuple(
+        # n=2: choice i draws with seed 11 + i, both from the one prefill
         (
-            ref.sample("ROMEO:", 12, temperature=0.7, seed=11),
-            got["comp sampled"].choices[0].text,
-            [got["comp sampled"].choices[0].logprobs],
+            ref.sample("ROMEO:", 12, temperature=0.7, seed=11 + i),
+            got["comp sampled"].choices[i].text,
+            [got["comp sampled"].choices[i].logprobs],
             0,
-        ),
+        )
+        for i in range(2)
     )
     for (prompt, g), text, lps, k in cases:
         ids = g.tokens[0]
