@@ -15,10 +15,18 @@ also finds stop strings), and why a choice ended: eos (one of params.stop_ids, n
 string, cut from the text), length (max_new_tokens), context (the next token would not fit in the
 context), cancelled, error.
 
+Log-probs (params.logprobs = k): each sampled token's log-prob and the k most likely tokens', from the
+log-softmax of the model's own logits for that row (the temperature-1 distribution, before temperature,
+top-k/top-p and any constraint; vLLM's default), in Event.logprobs. A constraint (params.constraint: a
+factory of one Constraint per choice, e.g. a grammar's matcher, gptkit/serve/grammar.py) masks its own
+row's logits before the token is chosen (on a copy: batch-mates and log-probs see the model's), is advanced
+by the token, and ends the choice ("stop") when it is done.
+
 What one request holds cannot fail the others: a failure while admitting a job (its generators, its
-prefill) or while choosing or recording one sequence's token (its sampler, its text) ends that job or that
-choice alone with an "error" event, and the step goes on for the rest. Only a failure of the batch's own
-decode pass (out of memory...) raises out of step() (the engine then fails that batch: Engine.fail_all).
+prefill) or while choosing or recording one sequence's token (its sampler, its constraint, its text) ends
+that job or that choice alone with an "error" event, and the step goes on for the rest. Only a failure of
+the batch's own decode pass (out of memory...) raises out of step() (the engine then fails that batch:
+Engine.fail_all).
 
 Greedy tokens are those of generate.generate (`gptkit sample`) and ChatSession (`gptkit chat`) for the
 same prompt: the prefill is the same one-sequence pass; a decode step computes the same function of the
@@ -37,7 +45,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -76,6 +84,10 @@ class SamplingParams:
     stop_ids: tuple[int, ...] = ()
     # strings that end a choice (needs the job's decode function); cut from the text
     stop: tuple[str, ...] = ()
+    # None: no log-probs; k >= 0: each sampled token's log-prob and the k most likely tokens' (Event.logprobs)
+    logprobs: Optional[int] = None
+    # None, or a callable making one Constraint per choice: the tokens it may sample next (module docstring)
+    constraint: Optional[Callable[[], "Constraint"]] = None
 
     def validate(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
@@ -98,6 +110,10 @@ class SamplingParams:
             raise ConfigError(f"n={self.n!r} must be an integer >= 1")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ConfigError("stop strings must be non-empty strings")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int) or self.logprobs < 0
+        ):
+            raise ConfigError(f"logprobs={self.logprobs!r} must be None or an integer >= 0")
         if self.seed is not None:
             if isinstance(self.seed, bool) or not isinstance(self.seed, int):
                 raise ConfigError(f"seed={self.seed!r} must be an integer or None")
@@ -122,6 +138,22 @@ class Event:
     finish: Optional[str] = None
     # finish == "error": what went wrong
     error: Optional[str] = None
+    # params.logprobs set: one per token of `tokens`, (its log-prob, [(id, log-prob)] of the k most likely)
+    logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+
+
+class Constraint(Protocol):
+    """What a sequence may sample next (structured output: a grammar's matcher). One per choice."""
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Set the logits [V] of every token not allowed next to -inf, in place."""
+
+    def advance(self, token: int) -> None:
+        """The token sampled (raises when it was not allowed)."""
+
+    @property
+    def done(self) -> bool:
+        """Nothing may follow: the sequence ends (reason "stop")."""
 
 
 _ids = itertools.count(1)
@@ -162,7 +194,7 @@ class Job:
 class _Seq:
     """One choice of a job, in a slot."""
 
-    __slots__ = ("job", "choice", "last", "fed", "n_out", "generator", "stream", "finished")
+    __slots__ = ("job", "choice", "last", "fed", "n_out", "generator", "stream", "finished", "constraint")
 
     def __init__(self, job: Job, choice: int, device: torch.device) -> None:
         self.job, self.choice = job, choice
@@ -182,6 +214,7 @@ class _Seq:
                 self.generator.manual_seed(int(p.seed) + choice)
         self.stream = TextStream(job.decode, p.stop) if job.decode is not None else None
         self.finished = False
+        self.constraint = p.constraint() if p.constraint is not None else None
 
 
 class Batcher:
@@ -306,7 +339,8 @@ class Batcher:
         self.seqs.extend(seqs)
         job.first_token = time.perf_counter()
         rows = logits.expand(len(seqs), -1)  # [n, V]: every choice samples from the prompt's logits
-        self._take(seqs, self._choose(rows, seqs), out)
+        tokens = self._choose(rows, seqs)
+        self._take(seqs, tokens, out, self._logprobs(rows, seqs, tokens))
 
     def _decode(self, out: dict[Job, list[Event]]) -> None:
         n = len(self.seqs)
@@ -322,21 +356,32 @@ class Batcher:
                 ids = torch.tensor([s.job.prompt + s.fed], dtype=torch.long, device=self.device)  # [1, T]
                 view = self.cache.prefill(i)
                 logits[i] = self.model(ids, cache=view, logits_to_keep=1).logits[0, -1]
-        self._take(self.seqs, self._choose(logits, self.seqs), out)
+        tokens = self._choose(logits, self.seqs)
+        self._take(self.seqs, tokens, out, self._logprobs(logits, self.seqs, tokens))
 
     def _choose(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int | str]:
-        """One token per row of logits [n, V], each by its sequence's sampling rule; a row whose sampling
-        failed gets the error's line instead (that choice alone ends with an error)."""
+        """One token per row of logits [n, V], each by its sequence's sampling rule (within its constraint's
+        tokens, if it has one); a row whose sampling failed gets the error's line instead (that choice
+        alone ends with an error)."""
+        failed: dict[int, str] = {}
+        if any(s.constraint is not None for s in seqs):
+            # a copy: the log-probs are the model's, and a batch-mate's row is never touched
+            logits = logits.clone()
+            for i, s in enumerate(seqs):
+                if s.constraint is not None:
+                    try:
+                        s.constraint.mask(logits[i])
+                    except Exception as exc:  # noqa: BLE001 - this choice fails alone
+                        failed[i] = error_line(exc)
         greedy = [i for i, s in enumerate(seqs) if s.generator is None]
-        if len(greedy) == len(seqs):
+        if len(greedy) == len(seqs) and not failed:
             return argmax(logits).tolist()
         chosen = torch.empty(len(seqs), dtype=torch.long, device=logits.device)  # [n]
         if greedy:
             rows = torch.tensor(greedy, device=logits.device)
             chosen[rows] = argmax(logits[rows])
-        failed: dict[int, str] = {}
         for i, s in enumerate(seqs):
-            if s.generator is not None:
+            if s.generator is not None and i not in failed:
                 p = s.job.params
                 try:
                     row = sample_next(logits[i : i + 1], p.temperature, p.top_k, p.top_p, s.generator)  # [1]
@@ -348,35 +393,71 @@ class Batcher:
             tokens[i] = line
         return tokens
 
-    def _take(self, seqs: list[_Seq], tokens: list[int | str], out: dict[Job, list[Event]]) -> None:
-        """Record each sequence's new token; end the ones it ends (a str: the error that ends that one)."""
-        for s, tok in zip(seqs, tokens):
+    def _logprobs(
+        self, logits: torch.Tensor, seqs: list[_Seq], tokens: list[int | str]
+    ) -> list[Optional[tuple[float, list[tuple[int, float]]]]]:
+        """For each sequence that asks (params.logprobs), its token's log-prob and the k most likely tokens',
+        from the log-softmax of the model's own logits [n, V] (before temperature, top-k/top-p and any
+        constraint: the temperature-1 distribution); None for the others."""
+        rows = [
+            i
+            for i, s in enumerate(seqs)
+            if s.job.params.logprobs is not None and not isinstance(tokens[i], str)
+        ]
+        got: list[Optional[tuple[float, list[tuple[int, float]]]]] = [None] * len(seqs)
+        if not rows:
+            return got
+        index = torch.tensor(rows, device=logits.device)
+        lp = torch.log_softmax(logits[index].float(), dim=-1)  # [r, V]
+        chosen = lp.gather(1, torch.tensor([[tokens[i]] for i in rows], device=lp.device))[:, 0].tolist()
+        k = min(max(seqs[i].job.params.logprobs for i in rows), lp.shape[-1])
+        top_v, top_i = lp.topk(k, dim=-1) if k else (lp[:, :0], lp[:, :0].long())  # [r, k]
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+        for j, i in enumerate(rows):
+            kk = seqs[i].job.params.logprobs
+            got[i] = (chosen[j], list(zip(top_i[j][:kk], top_v[j][:kk])))
+        return got
+
+    def _take(
+        self,
+        seqs: list[_Seq],
+        tokens: list[int | str],
+        out: dict[Job, list[Event]],
+        logprobs: Optional[list] = None,
+    ) -> None:
+        """Record each sequence's new token (and its log-probs); end the ones it ends (a str: the error that
+        ends that one)."""
+        for j, (s, tok) in enumerate(zip(seqs, tokens)):
             if isinstance(tok, str):
                 self._finish(s, "error", out, error=tok)
                 continue
             try:
-                self._take_one(s, tok, out)
+                self._take_one(s, tok, out, logprobs[j] if logprobs else None)
             except Exception as exc:  # noqa: BLE001 - this choice fails alone (its text, its stop strings)
                 if not s.finished:
                     self._finish(s, "error", out, error=error_line(exc))
 
-    def _take_one(self, s: _Seq, tok: int, out: dict[Job, list[Event]]) -> None:
+    def _take_one(self, s: _Seq, tok: int, out: dict[Job, list[Event]], logprobs=None) -> None:
         job, p = s.job, s.job.params
         s.n_out += 1
         job.sampled[s.choice] += 1
         if tok in p.stop_ids:
             self._finish(s, "eos", out)
             return
+        if s.constraint is not None:
+            s.constraint.advance(tok)
         s.last = tok
         s.fed.append(tok)
-        ev = Event(s.choice, [tok])
+        ev = Event(s.choice, [tok], logprobs=[logprobs] if logprobs is not None else [])
         out.setdefault(job, []).append(ev)
         if s.stream is not None:
             ev.text = s.stream.push(tok)
             if s.stream.stopped:
                 self._finish(s, "stop", out, ev)
                 return
-        if s.n_out >= p.max_new_tokens:
+        if s.constraint is not None and s.constraint.done:
+            self._finish(s, "stop", out, ev)
+        elif s.n_out >= p.max_new_tokens:
             self._finish(s, "length", out, ev)
         # the token cannot be fed: the context is full
         elif len(job.prompt) + s.n_out > self.max_len:

@@ -23,7 +23,7 @@ from gptkit.errors import GptkitError
 from gptkit.inference.batcher import Event, SamplingParams
 from gptkit.inference.engine import QueueFull
 from gptkit.serve import protocol
-from gptkit.serve.endpoints.base import Generation, Reply
+from gptkit.serve.endpoints.base import Generation, Logprob, Reply
 from gptkit.serve.protocol import DONE, ApiError, sse, usage
 from gptkit.serve.served import Served
 
@@ -137,7 +137,7 @@ async def run(
     request: Request, served: Served, dispatcher: Dispatcher, gen: Generation, fingerprint: str
 ) -> Response:
     """The Generation's jobs submitted (a 429 when the engine's queue is full), then answered."""
-    reply = gen.reply(served.name, fingerprint)
+    reply = gen.reply(served.name, fingerprint, served.tokens if gen.params.logprobs is not None else None)
     jobs = _Jobs(served, dispatcher)
     jobs.submit(gen.prompts, gen.params, gen.decode)
     n_prompt = sum(len(p) for p in gen.prompts)
@@ -155,6 +155,7 @@ async def _whole(
     nobody reads when the client leaves first."""
     total = n_prompts * n
     texts, reasons = [""] * total, [""] * total
+    logprobs: list[list[Logprob]] = [[] for _ in range(total)]
     error: list[str] = []
 
     async def collect() -> None:
@@ -164,6 +165,7 @@ async def _whole(
             for e in events:
                 i = k * n + e.choice
                 texts[i] += e.text
+                logprobs[i] += _logprobs(e)
                 if e.finish:
                     left -= 1
                     reasons[i] = e.finish
@@ -186,14 +188,20 @@ async def _whole(
     if not all(reasons):
         # the client left: nobody reads this
         return Response(status_code=499)
-    return JSONResponse(reply.final(texts, reasons, usage(n_prompt, jobs.sampled())))
+    return JSONResponse(reply.final(texts, reasons, usage(n_prompt, jobs.sampled()), logprobs))
+
+
+def _logprobs(e: Event) -> list[Logprob]:
+    """An event's tokens with their log-probs (none when the request asked for none)."""
+    return [(tok, lp, top) for tok, (lp, top) in zip(e.tokens, e.logprobs)]
 
 
 async def _events(jobs: _Jobs, reply: Reply, n: int, n_prompts: int, n_prompt: int, include_usage: bool):
     """The stream of one request: the reply's opening chunks (chat: each choice's role), text chunks as the
     engine's steps release text (what queued up between two sends goes in one write, each choice's text
-    merged), each choice's finish_reason, the usage chunk when asked (stream_options.include_usage), then
-    [DONE]."""
+    merged; with log-probs, a chunk for each choice that sampled tokens, its text empty while a stop string
+    may still claim it), each choice's finish_reason, the usage chunk when asked
+    (stream_options.include_usage), then [DONE]."""
     total = n_prompts * n
     opening = reply.opening(total)
     if opening:
@@ -204,6 +212,7 @@ async def _events(jobs: _Jobs, reply: Reply, n: int, n_prompts: int, n_prompt: i
         while not jobs.queue.empty():
             batch.append(jobs.queue.get_nowait())
         texts: dict[int, str] = {}
+        logprobs: dict[int, list[Logprob]] = {}
         ends: list[tuple[int, str]] = []
         for k, events in batch:
             for e in events:
@@ -216,9 +225,14 @@ async def _events(jobs: _Jobs, reply: Reply, n: int, n_prompts: int, n_prompt: i
                     return
                 if e.text:
                     texts[i] = texts.get(i, "") + e.text
+                if e.logprobs:
+                    logprobs.setdefault(i, []).extend(_logprobs(e))
                 if e.finish:
                     ends.append((i, e.finish))
-        out = [sse(reply.chunk(i, text)) for i, text in texts.items()]
+        out = [
+            sse(reply.chunk(i, texts.get(i), logprobs=logprobs.get(i)))
+            for i in sorted(texts.keys() | logprobs.keys())
+        ]
         out += [sse(reply.chunk(i, None, finish=reason)) for i, reason in ends]
         left -= len(ends)
         if out:

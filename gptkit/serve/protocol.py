@@ -4,8 +4,8 @@ events. What one endpoint alone reads or answers is in its file (gptkit/serve/en
 Every bad request is an ApiError: an HTTP status and {"error": {"message", "type", "param", "code"}}, the
 body OpenAI's own API answers with (the `openai` client raises it as BadRequestError, NotFoundError, ...).
 A field of the wrong type, a value out of range, an unknown field and a feature this server does not
-implement (logprobs, tools, penalties...) each name their field in `param`; a feature's neutral value
-(presence_penalty=0, logprobs=false, tools=[]) is accepted, as clients send them by default.
+implement (tools, penalties, logit_bias...) each name their field in `param`; a feature's neutral value
+(presence_penalty=0, tools=[]) is accepted, as clients send them by default.
 
 A body is checked whole before any field is read (parse_body): JSON (no NaN or Infinity, no number beyond a
 float's range, nested at most MAX_DEPTH levels), an object, and every string valid Unicode (a lone
@@ -28,6 +28,8 @@ MAX_DEPTH = 64
 # the longest stop string
 MAX_STOP_CHARS = 1000
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# the most alternatives a token's log-probs list (top_logprobs; completions' logprobs): OpenAI's and vLLM's 20
+MAX_LOGPROBS = 20
 
 
 class ApiError(Exception):
@@ -289,7 +291,6 @@ def sampling(body: dict, max_n: int, max_tokens_key: str = "max_tokens") -> Samp
     if body.get("logit_bias") is not None and not isinstance(body["logit_bias"], dict):
         raise bad("logit_bias must be an object", "logit_bias", "invalid_type")
     unsupported(body, "logit_bias", ({},), "logit_bias")
-    unsupported(body, "top_logprobs", (0,), "top_logprobs")
     for key in ("user", "service_tier"):
         string(body, key)
     return Sampling(

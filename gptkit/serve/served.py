@@ -30,6 +30,7 @@ from gptkit.inference.engine import Engine
 from gptkit.inference.generate import encode_prompt, special_token_ids
 from gptkit.runs import load_for_inference
 from gptkit.serve.protocol import ApiError, bad
+from gptkit.serve.tokens import TokenTexts
 
 
 @dataclass
@@ -53,6 +54,10 @@ class Served:
     n_params: int
     device: str
     dtype: str
+    # each id's text and bytes (log-probs, a grammar's vocabulary)
+    tokens: TokenTexts
+    # response_format's grammar compiler, made at its first use (gptkit/serve/grammar.py)
+    grammar: Optional[object] = None
 
     @property
     def has_chat(self) -> bool:
@@ -181,4 +186,5 @@ def load_served(
         n_params=model.num_parameters(),
         device=str(model.tok_emb.weight.device),
         dtype=str(model.tok_emb.weight.dtype).removeprefix("torch."),
+        tokens=TokenTexts(r.tokenizer, model.cfg.vocab_size),
     )

@@ -109,6 +109,14 @@ def ref(server):
 
     class Ref:
         tokenizer = r.tokenizer
+        model = r.model
+
+        @staticmethod
+        def chat_ids(message: str):
+            msgs = [{"role": "user", "content": message}]
+            return templates.encode_conversation(
+                r.tokenizer, template, msgs, "x", add_generation_prompt=True
+            )[0]
 
         @staticmethod
         def chat(message: str, n: int):
@@ -122,9 +130,11 @@ def ref(server):
             return s.reply(message)
 
         @staticmethod
-        def sample(prompt: str, n: int):
+        def sample(prompt: str, n: int, temperature: float = 0.0, seed=None):
             ids = encode_prompt(r.tokenizer, prompt, bos, eos)
-            opts = SampleOptions(max_new_tokens=n, temperature=0.0, eos_id=eos, overflow="stop")
+            opts = SampleOptions(
+                max_new_tokens=n, temperature=temperature, seed=seed, eos_id=eos, overflow="stop"
+            )
             return ids, generate(r.model, ids, opts, decode=r.tokenizer.decode)
 
     return Ref
@@ -226,7 +236,49 @@ def test_bad_requests_get_openais_error_shape_and_the_server_stays_up(server):
         ("/v1/completions", {"prompt": "x", "max_tokens": CONTEXT}, 400, "max_tokens", "you requested"),
         ("/v1/completions", {"prompt": [99999]}, 400, "prompt", "token id 99999"),
         ("/v1/completions", {"prompt": "x", "model": "gpt-9"}, 404, "model", "does not exist"),
-        ("/v1/completions", {"prompt": "x", "logprobs": 2}, 400, "logprobs", "not supported"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs", "between 0 and 20"),
+        ("/v1/completions", {"prompt": "x", "top_logprobs": 2}, 400, "top_logprobs", "not supported"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21},
+            400,
+            "top_logprobs",
+            "between 0 and 20",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+            400,
+            "top_logprobs",
+            "needs logprobs: true",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}},
+            },
+            400,
+            "response_format.json_schema.schema",
+            'cannot compile response_format.json_schema.schema: Unsupported type "foo"',
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}},
+            },
+            400,
+            "response_format.json_schema.schema",
+            "Cannot find field 'x'",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+            400,
+            "response_format.type",
+            "is not one of text, json_object, json_schema",
+        ),
         ("/v1/completions", {"prompt": "x", "n": 99}, 400, "n", "between 1 and 4"),
         ("/v1/chat/completions", {"messages": []}, 400, "messages", "must not be empty"),
         (
@@ -439,6 +491,239 @@ def test_sixteen_concurrent_clients_each_get_samples_and_chats_greedy_answer(ser
     assert h["active"] == 0 and h["waiting"] == 0
 
 
+def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, ref):
+    """Chat and completions, greedy and sampled, streamed and not, four requests sharing the batch: each
+    token's logprob and top_logprobs are the log-softmax of the model's logits (temperature 1) over the
+    prompt and the tokens sampled, as a forward of the model computes them; the openai client reads them."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HANG_S)
+    chat = dict(model="tiny-chat", max_tokens=12)
+    comp = dict(model="tiny-chat", prompt="ROMEO:", max_tokens=12)
+    requests = {
+        "chat greedy": lambda: client.chat.completions.create(
+            messages=[{"role": "user", "content": "Hi"}], temperature=0, logprobs=True, top_logprobs=3, **chat
+        ),
+        "chat sampled stream": lambda: list(
+            client.chat.completions.create(
+                messages=[{"role": "user", "content": "Yo"}],
+                temperature=1.3,
+                seed=5,
+                logprobs=True,
+                top_logprobs=2,
+                stream=True,
+                **chat,
+            )
+        ),
+        "comp greedy stream": lambda: list(
+            client.completions.create(temperature=0, logprobs=3, stream=True, **comp)
+        ),
+        "comp sampled": lambda: client.completions.create(temperature=0.7, seed=11, n=2, logprobs=0, **comp),
+    }
+    got: dict = {}
+    threads = [threading.Thread(target=lambda k=k, f=f: got.update({k: f()})) for k, f in requests.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_S)
+    assert sorted(got) == sorted(requests)
+
+    def model_logprobs(prompt: list[int], new: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            logits = ref.model(torch.tensor([prompt + new])).logits[0]  # [T, V]
+        return torch.log_softmax(logits.float(), -1)[len(prompt) - 1 : len(prompt) - 1 + len(new)]  # [N, V]
+
+    tok = ref.tokenizer
+    # chat: each token named by its text and its bytes (this tokenizer: the id is the byte; a special token's
+    # bytes are its text's)
+
+    def tid(e) -> int:
+        return e.bytes[0] if len(e.bytes) == 1 else tok.token_to_id(e.token)
+
+    whole = got["chat greedy"].choices[0]
+    streamed = [c.choices[0] for c in got["chat sampled stream"] if c.choices]
+    for prompt, content, text, k in (
+        (ref.chat_ids("Hi"), whole.logprobs.content, whole.message.content, 3),
+        (
+            ref.chat_ids("Yo"),
+            [e for c in streamed if c.logprobs for e in c.logprobs.content],
+            "".join(c.delta.content or "" for c in streamed),
+            2,
+        ),
+    ):
+        ids = [e.bytes[0] for e in content]
+        assert all(len(e.bytes) == 1 and e.token == tok.decode([i]) for e, i in zip(content, ids))
+        assert tok.decode(ids) == text and len(ids) >= 3
+        want = model_logprobs(prompt, ids)
+        for pos, e in enumerate(content):
+            assert e.logprob == pytest.approx(want[pos, ids[pos]].item(), abs=1e-4)
+            top_v, top_i = want[pos].topk(k)
+            assert [tid(t) for t in e.top_logprobs] == top_i.tolist()
+            assert [t.logprob for t in e.top_logprobs] == pytest.approx(top_v.tolist(), abs=1e-4)
+    # greedy: the top choice is the token chosen
+    assert all(e.token == e.top_logprobs[0].token for e in whole.logprobs.content)
+
+    # completions: the ids are what `gptkit sample` draws with the same seed
+    parts = [c.choices[0] for c in got["comp greedy stream"]]
+    streamed_lp = [c.logprobs for c in parts if c.logprobs]
+    cases = ((ref.sample("ROMEO:", 12), "".join(c.text for c in parts), streamed_lp, 3),) + tuple(
+        # n=2: choice i draws with seed 11 + i, both from the one prefill
+        (
+            ref.sample("ROMEO:", 12, temperature=0.7, seed=11 + i),
+            got["comp sampled"].choices[i].text,
+            [got["comp sampled"].choices[i].logprobs],
+            0,
+        )
+        for i in range(2)
+    )
+    for (prompt, g), text, lps, k in cases:
+        ids = g.tokens[0]
+        assert text == g.texts[0] and len(ids) >= 3
+        tokens = [t for lp in lps for t in lp.tokens]
+        values = [v for lp in lps for v in lp.token_logprobs]
+        tops = [t for lp in lps for t in lp.top_logprobs]
+        offsets = [o for lp in lps for o in lp.text_offset]
+        assert tokens == [tok.decode([i]) for i in ids]
+        assert offsets == [sum(len(t) for t in tokens[:j]) for j in range(len(tokens))]
+        want = model_logprobs(prompt, ids)
+        assert values == pytest.approx([want[p, i].item() for p, i in enumerate(ids)], abs=1e-4)
+        for pos, top in enumerate(tops):
+            # the k most likely and the sampled token (tokens that decode alike share a key)
+            assert 1 <= len(top) <= k + 1 and top[tokens[pos]] == pytest.approx(values[pos], abs=1e-4)
+            if k:
+                assert max(top.values()) == pytest.approx(want[pos].max().item(), abs=1e-4)
+    # no logprobs asked: null, as before
+    r = client.completions.create(temperature=0, **comp)
+    assert r.choices[0].logprobs is None
+
+
+def json_errors(value, schema) -> list[str]:
+    """What in value the (small) schema forbids: type, enum, range, required and extra properties."""
+    kind = schema.get("type")
+    if "enum" in schema:
+        return [] if value in schema["enum"] else [f"{value!r} not in {schema['enum']}"]
+    if kind == "object":
+        if not isinstance(value, dict):
+            return [f"{value!r} is not an object"]
+        props = schema.get("properties", {})
+        errs = [f"missing {k}" for k in schema.get("required", []) if k not in value]
+        errs += [
+            f"extra {k}" for k in value if k not in props and schema.get("additionalProperties") is False
+        ]
+        return errs + [e for k, v in value.items() if k in props for e in json_errors(v, props[k])]
+    if kind == "array":
+        if not isinstance(value, list) or not schema.get("minItems", 0) <= len(value) <= schema["maxItems"]:
+            return [f"{value!r} is not an array of the right length"]
+        return [e for v in value for e in json_errors(v, schema["items"])]
+    if kind == "integer":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        return [] if ok and schema["minimum"] <= value <= schema["maximum"] else [f"{value!r} out of range"]
+    if kind == "boolean":
+        return [] if isinstance(value, bool) else [f"{value!r} is not a boolean"]
+    if kind == "string":
+        return (
+            [] if isinstance(value, str) and len(value) <= schema["maxLength"] else [f"{value!r} bad string"]
+        )
+    return [f"unknown schema {schema}"]
+
+
+def test_response_format_forces_json_that_parses_against_the_schema(server):
+    """A random model writes bytes, yet with a grammar every answer that ends by itself is JSON valid against
+    the schema (greedy and sampled, streamed, n choices next to a request without a format); the request
+    beside them is the same as without them."""
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 6},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "ok": {"type": "boolean"},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["name", "age", "ok", "tags"],
+        "additionalProperties": False,
+    }
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HANG_S)
+    msgs = [{"role": "user", "content": "Describe someone as JSON"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": schema, "strict": True}}
+    plain = dict(model="tiny-chat", messages=msgs, temperature=0, max_tokens=24)
+    alone = client.chat.completions.create(**plain).choices[0].message.content
+    got: dict = {}
+    calls = {
+        "greedy": lambda: client.chat.completions.create(
+            model="tiny-chat", messages=msgs, temperature=0, max_tokens=200, response_format=fmt
+        ),
+        "sampled": lambda: client.chat.completions.create(
+            model="tiny-chat",
+            messages=msgs,
+            temperature=1.0,
+            seed=3,
+            n=2,
+            max_tokens=200,
+            response_format=fmt,
+        ),
+        "object": lambda: list(
+            client.chat.completions.create(
+                model="tiny-chat",
+                messages=msgs,
+                temperature=1.0,
+                seed=1,
+                n=3,
+                max_tokens=200,
+                stream=True,
+                response_format={"type": "json_object"},
+            )
+        ),
+        "plain": lambda: client.chat.completions.create(**plain),
+    }
+    threads = [threading.Thread(target=lambda k=k, f=f: got.update({k: f()})) for k, f in calls.items()]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(HANG_S)
+    assert sorted(got) == sorted(calls)
+    answers = [c for k in ("greedy", "sampled") for c in got[k].choices]
+    for c in answers:
+        assert c.finish_reason == "stop", c
+        assert json_errors(json.loads(c.message.content), schema) == [], c.message.content
+    assert len({c.message.content for c in answers}) > 1
+    # json_object: any object (a random model's may run to max_tokens; one that ends is whole)
+    chunks = [c.choices[0] for c in got["object"] if c.choices]
+    texts = ["".join(c.delta.content or "" for c in chunks if c.index == i) for i in range(3)]
+    ends = [next(c.finish_reason for c in chunks if c.index == i and c.finish_reason) for i in range(3)]
+    assert all(t.startswith("{") for t in texts) and "stop" in ends
+    assert all(isinstance(json.loads(t), dict) for t, e in zip(texts, ends) if e == "stop")
+    # the batch-mate without a format: its answer alone, which is not JSON
+    assert got["plain"].choices[0].message.content == alone
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(alone)
+    # the client's own helper: the schema of a pydantic class, the answer parsed into one
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=6)
+        age: int = Field(ge=0, le=120)
+        ok: bool
+
+    parsed = client.chat.completions.parse(
+        model="tiny-chat", messages=msgs, temperature=0, max_tokens=200, response_format=Person
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Person)
+
+
+def test_response_format_without_the_grammar_engine_is_a_400_naming_the_install(monkeypatch):
+    from gptkit.serve import grammar
+    from gptkit.serve.protocol import ApiError
+
+    class Served:
+        grammar = None
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)
+    with pytest.raises(ApiError) as err:
+        grammar.response_format(Served(), {"type": "json_object"})
+    assert err.value.status == 400 and err.value.param == "response_format"
+    assert 'pip install -e ".[serve]"' in err.value.message
+    # text needs no engine
+    assert grammar.response_format(Served(), {"type": "text"}) is None
+
+
 def chromium() -> str | None:
     for name in ("chromium", "chromium-browser", "google-chrome"):
         found = shutil.which(name)
@@ -531,11 +816,11 @@ def test_an_endpoint_added_to_the_table_is_guarded_and_run_like_the_others(tmp_p
     class Echo(Reply):
         prefix, object, chunk_object = "echo", "echo.completion", "echo.chunk"
 
-        def choice(self, index, text, reason):
+        def choice(self, index, text, reason, logprobs):
             return {"index": index, "said": text, "why": reason}
 
-        def delta(self, index, text, reason):
-            return self.choice(index, text or "", reason)
+        def delta(self, index, text, reason, logprobs):
+            return self.choice(index, text or "", reason, logprobs)
 
     class Say(Endpoint):
         path = "/v1/say"

@@ -9,8 +9,9 @@ gptkit/serve/app.py answers every endpoint the same way and never asks which one
                        then either the JSON reply itself (models) or a Generation: the prompts' ids, how to
                        sample them, and the Reply class that shapes what the engine makes of them
     Reply              the shape of one response: its id prefix and object names, and a choice whole
-                       (choice) or as a stream chunk's part (delta); opening() gives the chunks a stream
-                       starts with before any text (chat: each choice's role)
+                       (choice) or as a stream chunk's part (delta), each with its tokens' log-probs when
+                       asked (logprobs); opening() gives the chunks a stream starts with before any text
+                       (chat: each choice's role)
 
 A new endpoint is one file here with its Endpoint subclass, and one row of gptkit/serve/endpoints/__init__.py.
 vLLM's entrypoints/openai/ (one folder per endpoint: its protocol and its serving class) is the model.
@@ -26,9 +27,20 @@ from typing import Any, Callable, ClassVar, Optional
 from gptkit.inference.batcher import SamplingParams
 from gptkit.serve.protocol import ApiError, Sampling
 from gptkit.serve.served import Served
+from gptkit.serve.tokens import TokenTexts
 
 # the engine's reasons a choice ended, as OpenAI names them
 FINISH = {"eos": "stop", "stop": "stop", "length": "length", "context": "length"}
+
+# one sampled token's log-probs: its id, its log-prob, and the k most likely (id, log-prob)
+Logprob = tuple[int, float, list[tuple[int, float]]]
+
+# what a log-prob of -inf is sent as (JSON has no infinity; vLLM's value)
+LOGPROB_FLOOR = -9999.0
+
+
+def finite(lp: float) -> float:
+    return max(lp, LOGPROB_FLOOR)
 
 
 class Reply:
@@ -39,18 +51,22 @@ class Reply:
     object: ClassVar[str]
     chunk_object: ClassVar[str]
 
-    def __init__(self, model: str, fingerprint: Optional[str] = None) -> None:
+    def __init__(
+        self, model: str, fingerprint: Optional[str] = None, tokens: Optional[TokenTexts] = None
+    ) -> None:
         self.model = model
         self.fingerprint = fingerprint
+        # the request asked for log-probs: how ids are named; None: every choice's logprobs is null
+        self.tokens = tokens
         self.id = f"{self.prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    def choice(self, index: int, text: str, reason: str) -> dict:
+    def choice(self, index: int, text: str, reason: str, logprobs: list[Logprob]) -> dict:
         """One choice of a whole response."""
         raise NotImplementedError
 
-    def delta(self, index: int, text: Optional[str], reason: Optional[str]) -> dict:
-        """One choice's part of a stream chunk: new text, or its ending."""
+    def delta(self, index: int, text: Optional[str], reason: Optional[str], logprobs: list[Logprob]) -> dict:
+        """One choice's part of a stream chunk: new text (and its tokens' log-probs), or its ending."""
         raise NotImplementedError
 
     def opening(self, n_choices: int) -> list[dict]:
@@ -66,14 +82,19 @@ class Reply:
             "system_fingerprint": self.fingerprint,
         }
 
-    def final(self, texts: list[str], reasons: list[str], usage: dict) -> dict:
-        choices = [self.choice(i, text, FINISH.get(r, r)) for i, (text, r) in enumerate(zip(texts, reasons))]
+    def final(self, texts: list[str], reasons: list[str], usage: dict, logprobs: list[list[Logprob]]) -> dict:
+        choices = [
+            self.choice(i, text, FINISH.get(r, r), lps)
+            for i, (text, r, lps) in enumerate(zip(texts, reasons, logprobs))
+        ]
         return {**self.head(self.object), "choices": choices, "usage": usage}
 
-    def chunk(self, index: int, text: Optional[str], finish: Optional[str] = None) -> dict:
-        """One stream chunk for choice `index`: new text, or the ending."""
+    def chunk(
+        self, index: int, text: Optional[str], finish: Optional[str] = None, logprobs: Optional[list] = None
+    ) -> dict:
+        """One stream chunk for choice `index`: new text (and its tokens' log-probs), or the ending."""
         reason = FINISH.get(finish, finish) if finish else None
-        return {**self.head(self.chunk_object), "choices": [self.delta(index, text, reason)]}
+        return {**self.head(self.chunk_object), "choices": [self.delta(index, text, reason, logprobs or [])]}
 
     def usage_chunk(self, usage: dict) -> dict:
         return {**self.head(self.chunk_object), "choices": [], "usage": usage}
@@ -124,8 +145,12 @@ class Endpoint:
         stop_ids: tuple[int, ...],
         reply: type[Reply],
         decode: Optional[Callable[[list[int]], str]] = None,
+        logprobs: Optional[int] = None,
+        constraint: Optional[Callable] = None,
     ) -> Generation:
-        """The prompts sampled as the request's checked fields say, ending at stop_ids unless ignore_eos."""
+        """The prompts sampled as the request's checked fields say, ending at stop_ids unless ignore_eos;
+        logprobs: None, or each token's log-prob and the k most likely; constraint: one per choice
+        (response_format's grammar, gptkit/serve/grammar.py)."""
         params = SamplingParams(
             max_new_tokens=max_tokens,
             temperature=s.temperature,
@@ -135,5 +160,7 @@ class Endpoint:
             n=s.n,
             stop_ids=() if s.ignore_eos else stop_ids,
             stop=s.stop,
+            logprobs=logprobs,
+            constraint=constraint,
         )
         return Generation(prompts, params, s.stream, s.include_usage, reply, decode)

@@ -11,8 +11,19 @@ from __future__ import annotations
 import json
 from typing import Any, Optional
 
-from gptkit.serve.endpoints.base import Endpoint, Generation, Reply
-from gptkit.serve.protocol import COMMON, bad, boolean, check_unknown, sampling, type_name, unsupported
+from gptkit.serve.endpoints.base import Endpoint, Generation, Logprob, Reply, finite
+from gptkit.serve.grammar import response_format
+from gptkit.serve.protocol import (
+    COMMON,
+    MAX_LOGPROBS,
+    bad,
+    boolean,
+    check_unknown,
+    integer,
+    sampling,
+    type_name,
+    unsupported,
+)
 
 # the fields this endpoint knows; anything else is an unknown argument
 CHAT_FIELDS = COMMON | {
@@ -89,13 +100,31 @@ class ChatReply(Reply):
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
-    def choice(self, index: int, text: str, reason: str) -> dict:
-        message = {"role": "assistant", "content": text, "refusal": None}
-        return {"index": index, "message": message, "logprobs": None, "finish_reason": reason}
+    def logprobs(self, entries: list[Logprob]) -> Optional[dict]:
+        """OpenAI's {"content": [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]}."""
+        if self.tokens is None:
+            return None
+        t = self.tokens
 
-    def delta(self, index: int, text: Optional[str], reason: Optional[str]) -> dict:
+        def one(i: int, lp: float) -> dict:
+            return {"token": t.text(i), "logprob": finite(lp), "bytes": list(t.bytes(i))}
+
+        content = [{**one(i, lp), "top_logprobs": [one(j, v) for j, v in top]} for i, lp, top in entries]
+        return {"content": content, "refusal": None}
+
+    def choice(self, index: int, text: str, reason: str, logprobs: list[Logprob]) -> dict:
+        message = {"role": "assistant", "content": text, "refusal": None}
+        return {
+            "index": index,
+            "message": message,
+            "logprobs": self.logprobs(logprobs),
+            "finish_reason": reason,
+        }
+
+    def delta(self, index: int, text: Optional[str], reason: Optional[str], logprobs: list[Logprob]) -> dict:
         delta: dict[str, Any] = {"content": text} if text else {}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        lps = self.logprobs(logprobs) if logprobs else None
+        return {"index": index, "delta": delta, "logprobs": lps, "finish_reason": reason}
 
     def opening(self, n_choices: int) -> list[dict]:
         """Each choice's first chunk: the role, with empty content."""
@@ -121,14 +150,15 @@ class ChatCompletions(Endpoint):
     def answer(self, body: Optional[dict], path_params: dict[str, Any]) -> Generation:
         check_unknown(body, CHAT_FIELDS)
         s = sampling(body, self.served.engine.max_batch, "max_completion_tokens")
-        if body.get("logprobs") is not None and not isinstance(body["logprobs"], bool):
-            raise bad("logprobs must be a boolean", "logprobs", "invalid_type")
-        unsupported(body, "logprobs", (False,), "logprobs")
+        logprobs = boolean(body, "logprobs")
+        top = integer(body, "top_logprobs", low=0, high=MAX_LOGPROBS)
+        if top and not logprobs:
+            raise bad("top_logprobs needs logprobs: true", "top_logprobs", "invalid_value")
         unsupported(body, "tools", ([],), "tool calling")
         unsupported(body, "functions", ([],), "function calling")
         unsupported(body, "tool_choice", ("none", "auto"), "tool calling")
         unsupported(body, "function_call", ("none", "auto"), "function calling")
-        unsupported(body, "response_format", ({"type": "text"},), "a response format other than text")
+        constraint = response_format(self.served, body.get("response_format"))
         unsupported(body, "modalities", (["text"],), "output other than text")
         unsupported(body, "prediction", (), "predicted outputs")
         boolean(body, "parallel_tool_calls")
@@ -137,5 +167,12 @@ class ChatCompletions(Endpoint):
         ids = self.served.chat_ids(msgs)
         max_tokens = self.served.check_length(len(ids), s.max_tokens, "messages")
         return self.generation(
-            [ids], s, max_tokens, self.served.chat_stop, ChatReply, decode=self.served.chat_text
+            [ids],
+            s,
+            max_tokens,
+            self.served.chat_stop,
+            ChatReply,
+            decode=self.served.chat_text,
+            logprobs=(top or 0) if logprobs else None,
+            constraint=constraint,
         )

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from gptkit.serve.endpoints.base import Endpoint, Generation, Reply
-from gptkit.serve.protocol import COMMON, bad, check_unknown, integer, sampling, unsupported
+from gptkit.serve.endpoints.base import Endpoint, Generation, Logprob, Reply, finite
+from gptkit.serve.protocol import COMMON, MAX_LOGPROBS, bad, check_unknown, integer, sampling, unsupported
 
 # the fields this endpoint knows; anything else is an unknown argument
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "suffix", "best_of"}
@@ -51,11 +51,41 @@ class CompletionReply(Reply):
     object = "text_completion"
     chunk_object = "text_completion"
 
-    def choice(self, index: int, text: str, reason: str) -> dict:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+    def __init__(self, *args, **kw) -> None:
+        super().__init__(*args, **kw)
+        # each choice's text so far, in tokens decoded alone (text_offset)
+        self.offsets: dict[int, int] = {}
 
-    def delta(self, index: int, text: Optional[str], reason: Optional[str]) -> dict:
-        return self.choice(index, text or "", reason)
+    def logprobs(self, index: int, entries: list[Logprob]) -> Optional[dict]:
+        """OpenAI's legacy {tokens, token_logprobs, top_logprobs: [{token: logprob}] (the k most likely and
+        the sampled one), text_offset (each token's start in the choice's text, tokens decoded alone)}."""
+        if self.tokens is None:
+            return None
+        t = self.tokens
+        offsets = []
+        for i, _, _ in entries:
+            offsets.append(self.offsets.get(index, 0))
+            self.offsets[index] = offsets[-1] + len(t.text(i))
+        return {
+            "tokens": [t.text(i) for i, _, _ in entries],
+            "token_logprobs": [finite(lp) for _, lp, _ in entries],
+            "top_logprobs": [
+                {**{t.text(j): finite(v) for j, v in top}, t.text(i): finite(lp)} for i, lp, top in entries
+            ],
+            "text_offset": offsets,
+        }
+
+    def choice(self, index: int, text: str, reason: str, logprobs: list[Logprob]) -> dict:
+        return {
+            "index": index,
+            "text": text,
+            "logprobs": self.logprobs(index, logprobs),
+            "finish_reason": reason,
+        }
+
+    def delta(self, index: int, text: Optional[str], reason: Optional[str], logprobs: list[Logprob]) -> dict:
+        lps = self.logprobs(index, logprobs) if logprobs else None
+        return {"index": index, "text": text or "", "logprobs": lps, "finish_reason": reason}
 
 
 class Completions(Endpoint):
@@ -66,8 +96,10 @@ class Completions(Endpoint):
         check_unknown(body, COMPLETION_FIELDS)
         s = sampling(body, engine.max_batch)
         texts = prompts(body)
-        integer(body, "logprobs", low=0)
-        unsupported(body, "logprobs", (), "logprobs")
+        logprobs = integer(body, "logprobs", low=0, high=MAX_LOGPROBS)
+        unsupported(
+            body, "top_logprobs", (0,), "top_logprobs (on /v1/completions logprobs=<k> asks for them)"
+        )
         unsupported(body, "echo", (False,), "echo")
         unsupported(body, "suffix", ("",), "suffix")
         best_of = integer(body, "best_of", low=1)
@@ -85,4 +117,4 @@ class Completions(Endpoint):
         ids = [self.served.completion_ids(p) for p in texts]
         max_tokens = min(self.served.check_length(len(i), s.max_tokens, "prompt") for i in ids)
         stop_ids = (self.served.eos_id,) if self.served.eos_id is not None else ()
-        return self.generation(ids, s, max_tokens, stop_ids, CompletionReply)
+        return self.generation(ids, s, max_tokens, stop_ids, CompletionReply, logprobs=logprobs)
