@@ -285,3 +285,199 @@ def test_bench_sft_scores_each_task_apart():
     ]
     # exact, whole reply
     assert by_task(rows, ["AB", "ba", "cd", "CD "]) == {"reverse": 0.5, "upper": 0.5}
+
+
+# ---- tools: the record's tools, the assistant's calls, the tools' results (gptkit.chat_formats.tools) -----
+# The tool syntax of Qwen2.5's and Llama 3.1's templates (tools in the system message / the first user
+# message, <tool_call> JSON / a {"name", "parameters"} reply, <tool_response> in a user turn / an ipython
+# turn), written here: the models' files cannot be downloaded offline.
+QWEN25_TOOLS = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- 'You are a helpful assistant.' }}
+    {%- endif %}
+    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions.\\n\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools>\\n\\nReturn each call within <tool_call></tool_call> XML tags.<|im_end|>\\n" }}
+{%- elif messages[0]['role'] == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+        or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\\n<tool_call>\\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' }}
+        {{- message.content }}
+        {{- '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+LLAMA31_TOOLS = """{{- bos_token }}
+{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- if not tools is none %}
+    {%- set first_user_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
+    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
+        + 'value}.' }}
+    {{- "\\n\\n" }}
+    {%- for t in tools %}
+        {{- t | tojson(indent=4) }}
+        {{- "\\n\\n" }}
+    {%- endfor %}
+    {{- first_user_message + "<|eot_id|>"}}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'
+            + message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+TOOL_TEMPLATES = {
+    "qwen2.5": (QWEN25_TOOLS, {}, ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]),
+    "llama3.1": (LLAMA31_TOOLS, {"bos_token": "<|begin_of_text|>"}, templates.BUILTIN["llama3"][1]),
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city, now.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
+            "required": ["city"],
+        },
+    },
+}
+# a call (its arguments a JSON string, as OpenAI writes them), the tool's result, the final answer
+TOOL_RECORD = {
+    "tools": [WEATHER],
+    "messages": [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris", "unit": "C"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "18 C, sunny"},
+        {"role": "assistant", "content": "18 C and sunny."},
+    ],
+}
+CHAT_SETTINGS = {"messages_field": "messages", "prompt_field": "prompt", "response_field": "response"}
+
+
+def tool_conversation(rec=TOOL_RECORD):
+    from gptkit.data.records import conversation
+
+    return conversation(json.loads(json.dumps(rec)), "test", {**CHAT_SETTINGS, "system_field": "system"})
+
+
+@pytest.mark.parametrize("make_tok", [lambda: byte_tokenizer([]), bpe], ids=["byte", "bpe"])
+@pytest.mark.parametrize("kind", list(TOOL_TEMPLATES))
+def test_tool_calls_equal_transformers_and_the_loss_is_on_the_calls_not_the_results(make_tok, kind):
+    text, variables, special = TOOL_TEMPLATES[kind]
+    tok, t = make_tok(), templates.ChatTemplate(kind, text, variables, list(special))
+    templates.add_special_tokens(tok, t)
+    hf = hf_tokenizer(tok, t)
+    conv = tool_conversation()
+    # the call's arguments are an object, as the templates write them (| tojson)
+    assert conv[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "C"}
+    ids, mask = templates.encode_conversation(tok, t, conv, "test")
+    msgs, tools = [dict(m) for m in conv], conv.tools
+    assert ids == hf.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False)
+    rendered, _ = templates.assistant_spans(t, conv, "test")
+    assert rendered == hf.apply_chat_template(msgs, tools=tools, tokenize=False)
+    assert '"description": "The weather in a city, now."' in rendered and "18 C, sunny" in rendered
+    # the mask is exactly the two assistant turns: the call with its end of turn, and the answer with its
+    learned = []
+    for i, m in zip(ids, mask):
+        if m and (not learned or learned[-1][1] != "open"):
+            learned.append([[i], "open"])
+        elif m:
+            learned[-1][0].append(i)
+        elif learned:
+            learned[-1][1] = "closed"
+    said = [tok.decode(r, skip_special_tokens=False) for r, _ in learned]
+    end = t.end_of_turn()
+    if kind == "qwen2.5":
+        # (the generation prompt <|im_start|>assistant\n holds the newline before it)
+        call = (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}\n</tool_call>'
+        )
+        assert said == [call + end, "18 C and sunny." + end]
+    else:
+        call = '{"name": "get_weather", "parameters": {"city": "Paris", "unit": "C"}}'
+        assert said == [call + end, "18 C and sunny." + end]
+    assert not any("sunny" in s and "18 C," in s for s in said)
