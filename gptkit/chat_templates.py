@@ -563,14 +563,21 @@ def text_spans(
     )
 
 
-def _map_strings(v: Any, f) -> Any:
-    """v with f applied to every string in it (in lists and dicts too, their keys aside)."""
+def _map_strings(v: Any, f, all_keys: bool = False, these_keys: bool = False) -> Any:
+    """v with f applied to every string in it (in lists and dicts too). Keys are the template's to read,
+    except what a user wrote as keys: a tool call's `arguments` (every key in it) and a schema's
+    `properties` (the property names) are data too."""
     if isinstance(v, str):
         return f(v)
     if isinstance(v, list):
-        return [_map_strings(x, f) for x in v]
+        return [_map_strings(x, f, all_keys) for x in v]
     if isinstance(v, dict):
-        return {k: _map_strings(x, f) for k, x in v.items()}
+        return {
+            f(k) if (all_keys or these_keys) and isinstance(k, str) else k: _map_strings(
+                x, f, all_keys or k == "arguments", not all_keys and k == "properties"
+            )
+            for k, x in v.items()
+        }
     return v
 
 
