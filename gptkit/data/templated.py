@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from gptkit.chat_formats.tools import Conversation, tools_of
 from gptkit.chat_templates import (
     CHAT_FILE,
     add_special_tokens,
@@ -500,7 +501,8 @@ class Encoder:
     def answer(self, msgs: list[dict], answer: str, where: str) -> Seq:
         """The conversation followed by `answer` as the assistant's turn; the mask marks the answer's tokens
         only (not earlier assistant turns of `msgs`)."""
-        conversation = [*msgs, {"role": "assistant", "content": answer}]
+        # the prompt's tools too (a Conversation's)
+        conversation = Conversation([*msgs, {"role": "assistant", "content": answer}], tools_of(msgs))
         text, spans = assistant_spans(self.template, conversation, where)
         ids, mask, long = self.encode(conversation, where, text, spans[-1:])
         if not long and not mask.any():
@@ -511,7 +513,8 @@ class Encoder:
 def answer_text(template, msgs: list[dict], answer: str, where: str) -> str:
     """The text of the conversation followed by `answer` as the assistant's turn (a char/bpe tokenizer is
     built from it)."""
-    return assistant_spans(template, [*msgs, {"role": "assistant", "content": answer}], where)[0]
+    conversation = Conversation([*msgs, {"role": "assistant", "content": answer}], tools_of(msgs))
+    return assistant_spans(template, conversation, where)[0]
 
 
 @dataclass(frozen=True)

@@ -579,3 +579,17 @@ def test_tool_results_arguments_and_schemas_that_spell_markup_are_text(kind):
     # what transformers (and data.special_tokens_in_content=allow) make of it: control ids from the text
     hf_ids, _ = templates.encode_conversation(tok, t, conv(spell), "test", allow_special_text=True)
     assert len(specials(hf_ids)) > len(specials(clean))
+
+
+def test_a_prompt_record_keeps_its_tools_in_the_answer_it_is_scored_with():
+    """data=preference / data=prompts / KTO: the prompt's tools are rendered with each answer too."""
+    from gptkit.data.records import prompt_conversation
+    from gptkit.data.templated import answer_text
+
+    text, variables, special = TOOL_TEMPLATES["qwen2.5"]
+    t = templates.ChatTemplate("qwen2.5", text, variables, list(special))
+    rec = {"tools": TOOL_RECORD["tools"], "messages": TOOL_RECORD["messages"][:4]}
+    s = {**CHAT_SETTINGS, "system_field": "system"}
+    msgs = prompt_conversation(rec, "test", s, "a prompt ends before the answer", "a prompt record")
+    assert msgs.tools == TOOL_RECORD["tools"]
+    assert "The weather in a city, now." in answer_text(t, msgs, "18 C.", "test")
