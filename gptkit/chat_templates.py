@@ -18,6 +18,11 @@ ids (encode_conversation, which every room that encodes a conversation calls). t
 apply_chat_template does not do this (it encodes the rendered text whole, matching special tokens anywhere);
 for a conversation whose text spells no special token the ids are the same as its.
 
+Tools: a conversation that carries tools (gptkit.chat_formats.tools.Conversation: the record's `tools`, the
+assistant's `tool_calls`, `tool` messages) renders them with the template's own tool syntax (`tools=` as
+transformers passes it); their strings are data as the messages' are; a template that never reads tools or
+tool_calls refuses a conversation that has them (they would be dropped without a word).
+
 Used by every room that talks in turns: data=chat and data=preference (gptkit.data), `gptkit chat`
 (gptkit.inference.generate), export and import (gptkit.hf).
 """
