@@ -212,16 +212,22 @@ def long_note(manifest: dict[str, Any], what: str) -> str:
 def key_settings(s: dict[str, Any], tok: TokenizerSpec, template, files: list[Path]) -> dict[str, Any]:
     """The settings a chat or preference cache key holds: special_tokens_in_content=text only when the
     files may spell a special token of the template or the tokenizer (gptkit.data.files.spelled_in), where
-    it makes other ids than before; otherwise the key of every gptkit before it."""
+    it makes other ids than before, and tools when they may hold tools or tool calls; otherwise the key of
+    every gptkit before it."""
     formats = [
         "parquet"
         if s["format"] == "parquet" or (s["format"] == "auto" and f.suffix.lower() == ".parquet")
         else "json"
         for f in files
     ]
-    return keyed_special_text(
+    key = keyed_special_text(
         s, lambda: spelled_in(files, [*template.special_tokens, *spec_special_tokens(tok)], formats)
     )
+    # records that may carry tools or tool calls (gptkit.chat_formats.tools) render them now, where every
+    # gptkit before dropped them: another key for those files alone (no folder prepared without them is read)
+    if spelled_in(files, ['"tools"', '"tool_calls"'], formats):
+        key = {**key, "tools": 1}
+    return key
 
 
 def template_for(spec: str, tok: TokenizerSpec):

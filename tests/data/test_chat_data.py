@@ -607,3 +607,17 @@ def test_a_prompt_record_keeps_its_tools_in_the_answer_it_is_scored_with():
     msgs = prompt_conversation(rec, "test", s, "a prompt ends before the answer", "a prompt record")
     assert msgs.tools == TOOL_RECORD["tools"]
     assert "The weather in a city, now." in answer_text(t, msgs, "18 C.", "test")
+
+
+def test_files_with_tools_get_a_cache_key_of_their_own_and_others_keep_theirs(tmp_path):
+    """A folder prepared before tools were rendered (they were dropped) is not read for files with them."""
+    from gptkit.data.templated import key_settings
+
+    # allow: the special-text part of the key reads no tokenizer
+    s = {"format": "auto", "special_tokens_in_content": "allow"}
+    t, tok = templates.resolve_template("chatml", None), None
+    plain = write_jsonl(tmp_path / "plain.jsonl", [GOOD])
+    tools = write_jsonl(tmp_path / "tools.jsonl", [GOOD, TOOL_RECORD])
+    base = key_settings(s, tok, t, [plain])
+    assert base == {"format": "auto"}
+    assert key_settings(s, tok, t, [plain, tools]) == {**base, "tools": 1}
