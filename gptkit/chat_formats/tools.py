@@ -108,6 +108,9 @@ def check_calls(msgs: list[dict[str, Any]], where: str) -> list[dict[str, Any]]:
     open_calls: set[str] | None = None
     for i, m in enumerate(msgs, 1):
         role = m.get("role")
+        if m.get("tool_calls") == []:
+            # no calls (what some clients write): as without the field, which templates test differently
+            m = {k: v for k, v in m.items() if k != "tool_calls"}
         if role == "assistant" and m.get("tool_calls") is not None:
             m = {**m, "tool_calls": _calls(m["tool_calls"], f"{where}: message {i} (assistant)")}
             if m.get("content") is None:

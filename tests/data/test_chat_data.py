@@ -259,6 +259,10 @@ def CALL_OF(function, **more):  # noqa: N802 - read as a constant of the table b
             "line 2: message 2 \\(tool\\) has tool_call_id 'c2', which names none of the calls before it "
             "\\(c1\\)",
         ),
+        (
+            {"messages": [{**CALL_OF({"name": "f"}), "role": "user", "content": "x"}, GOOD["messages"][1]]},
+            "line 2: message 1 \\(user\\) has tool_calls; only the assistant calls tools",
+        ),
         # chatml has no tool syntax: the calls would be dropped without a word
         (
             {"messages": [CALL_OF({"name": "f", "arguments": {}}), {"role": "assistant", "content": "b"}]},
@@ -533,8 +537,10 @@ def test_tool_calls_equal_transformers_and_the_loss_is_on_the_calls_not_the_resu
     templates.add_special_tokens(tok, t)
     hf = hf_tokenizer(tok, t)
     conv = tool_conversation()
-    # the call's arguments are an object, as the templates write them (| tojson)
+    # the call's arguments are an object, as the templates write them (| tojson); tool_calls [] is none
     assert conv[2]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris", "unit": "C"}
+    empty = tool_conversation({"messages": [GOOD["messages"][0], {**GOOD["messages"][1], "tool_calls": []}]})
+    assert empty == GOOD["messages"] and empty.tools is None
     ids, mask = templates.encode_conversation(tok, t, conv, "test")
     msgs, tools = [dict(m) for m in conv], conv.tools
     assert ids == hf.apply_chat_template(msgs, tools=tools, tokenize=True, return_dict=False)
