@@ -18,6 +18,11 @@ ids (encode_conversation, which every room that encodes a conversation calls). t
 apply_chat_template does not do this (it encodes the rendered text whole, matching special tokens anywhere);
 for a conversation whose text spells no special token the ids are the same as its.
 
+Tools: a conversation that carries tools (gptkit.chat_formats.tools.Conversation: the record's `tools`, the
+assistant's `tool_calls`, `tool` messages) renders them with the template's own tool syntax (`tools=` as
+transformers passes it); their strings are data as the messages' are; a template that never reads tools or
+tool_calls refuses a conversation that has them (they would be dropped without a word).
+
 Used by every room that talks in turns: data=chat and data=preference (gptkit.data), `gptkit chat`
 (gptkit.inference.generate), export and import (gptkit.hf).
 """
@@ -32,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from gptkit.chat_formats import harmony
+from gptkit.chat_formats.tools import tools_of
 from gptkit.errors import GptkitError
 
 # jinja2 is imported where a template is compiled or rendered.
@@ -111,16 +117,31 @@ class ChatTemplate:
         return self._compiled
 
     def render(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = False
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> tuple[str, list[tuple[int, int]]]:
         """(the text, the character spans of its {% generation %} blocks) for `messages`, rendered exactly
-        as transformers' apply_chat_template(tokenize=False) renders them."""
+        as transformers' apply_chat_template(tokenize=False, tools=tools) renders them. tools: None takes
+        the tools the conversation carries (gptkit.chat_formats.tools.Conversation)."""
         import jinja2
 
+        if tools is None:
+            tools = tools_of(messages)
+        # a template without tool syntax would drop the tools or the calls without a word
+        if tools and "tools" not in self.text:
+            raise TemplateRenderError(
+                "it has no tool syntax (it never reads tools), and the conversation has tools"
+            )
+        if "tool_calls" not in self.text and any(m.get("tool_calls") for m in messages):
+            raise TemplateRenderError(
+                "it has no tool syntax (it never reads tool_calls), and an assistant calls a tool"
+            )
         try:
             out = self.compiled.render(
-                messages=messages,
-                tools=None,
+                messages=list(messages),
+                tools=tools or None,
                 documents=None,
                 add_generation_prompt=add_generation_prompt,
                 **self.variables,
@@ -364,16 +385,18 @@ def assistant_spans(
     template: ChatTemplate, msgs: list[dict[str, Any]], where: str
 ) -> tuple[str, list[tuple[int, int]]]:
     """(the rendered conversation, the character spans of the assistant's turns) of one conversation."""
+    # the conversation's tools, in every render of a part of it
+    tools = tools_of(msgs)
     try:
-        text, spans = template.render(msgs)
+        text, spans = template.render(msgs, tools=tools)
         # the template marks them itself ({% generation %})
         if spans:
             return text, spans
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            before, _ = template.render(msgs[:i], add_generation_prompt=True)
-            upto, _ = template.render(msgs[: i + 1])
+            before, _ = template.render(msgs[:i], add_generation_prompt=True, tools=tools)
+            upto, _ = template.render(msgs[: i + 1], tools=tools)
             if not (text.startswith(before) and text.startswith(upto) and len(upto) >= len(before)):
                 raise GptkitError(
                     f"{where}: the chat template {template.name} renders the turns before "
@@ -500,29 +523,36 @@ def text_spans(
     def within(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
         return [(a, min(b, len(text))) for a, b in spans if a < len(text)] if prefix else spans
 
+    tools = tools_of(messages)
+
     def with_strings(f) -> list[dict[str, Any]]:
         return [{k: v if k == "role" else _map_strings(v, f) for k, v in m.items()} for m in messages]
 
-    def again(msgs) -> str | None:
+    def again(msgs, f) -> str | None:
+        # the tools' strings (names, descriptions, the schemas' texts) are marked too: data as the messages'
+        marked = [{**t, "function": _map_strings(t["function"], f)} for t in tools] if tools else None
         try:
-            return template.render(msgs, add_generation_prompt)[0]
+            return template.render(msgs, add_generation_prompt, tools=marked)[0]
         # the template refuses the marked strings: the next way
         except TemplateRenderError:
             return None
 
     if _OPEN not in text and _CLOSE not in text:
         for strip in (False, True):
-            out = again(with_strings(lambda v, strip=strip: _wrap(v, strip)))
+            wrap = lambda v, strip=strip: _wrap(v, strip)  # noqa: E731
+            out = again(with_strings(wrap), wrap)
             found = _unmark(out) if out is not None else None
             if found is not None and same(found[0]):
                 return within(found[1])
     spelled = []
     with_strings(lambda v: spelled.append(v) or v)
+    _map_strings(tools or [], lambda v: spelled.append(v) or v)
     if not any(t in v for v in spelled for t in specials if t):
         # no string spells a special token: nothing to protect
         return []
     if _DEFUSE not in text:
-        out = again(with_strings(lambda v: _defuse(v, specials)))
+        defuse = lambda v: _defuse(v, specials)  # noqa: E731
+        out = again(with_strings(defuse), defuse)
         if out is not None and same(out.replace(_DEFUSE, "")):
             spans = []
             for k, j in enumerate(m.start() for m in re.finditer(_DEFUSE, out)):
@@ -538,14 +568,21 @@ def text_spans(
     )
 
 
-def _map_strings(v: Any, f) -> Any:
-    """v with f applied to every string in it (in lists and dicts too, their keys aside)."""
+def _map_strings(v: Any, f, all_keys: bool = False, these_keys: bool = False) -> Any:
+    """v with f applied to every string in it (in lists and dicts too). Keys are the template's to read,
+    except what a user wrote as keys: a tool call's `arguments` (every key in it) and a schema's
+    `properties` (the property names) are data too."""
     if isinstance(v, str):
         return f(v)
     if isinstance(v, list):
-        return [_map_strings(x, f) for x in v]
+        return [_map_strings(x, f, all_keys) for x in v]
     if isinstance(v, dict):
-        return {k: _map_strings(x, f) for k, x in v.items()}
+        return {
+            f(k) if (all_keys or these_keys) and isinstance(k, str) else k: _map_strings(
+                x, f, all_keys or k == "arguments", not all_keys and k == "properties"
+            )
+            for k, x in v.items()
+        }
     return v
 
 

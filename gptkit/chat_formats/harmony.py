@@ -14,8 +14,9 @@ render_conversation_for_training writes and the model stops at); the generation 
 `<|start|>assistant` that opens its turn (a second message of the same turn, the final answer after its
 analysis, is the model's to write: its header too).
 
-Not taken: tool calls and tool messages (`to=functions.x`, `<|call|>`, `<|constrain|>`): gptkit's
-conversations carry no tool calls, so a `tool` message is an error here.
+Not taken: tool calls and tool messages (`to=functions.x`, `<|call|>`, `<|constrain|>`): a conversation
+with tools or tool_calls (gptkit.chat_formats.tools) is refused by ChatTemplate.render (this template never
+reads them), and a `tool` message is an error here.
 
 tests/data/test_harmony.py compares the token ids with openai-harmony's own renderer.
 """

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any, Iterator
 
+from gptkit.chat_formats.tools import Conversation, check_calls, check_tools
 from gptkit.errors import GptkitError
 
 # pyarrow is imported where a parquet file is read.
@@ -150,8 +151,9 @@ def parquet_rows(f: Path) -> list[dict[str, Any]]:
         raise GptkitError(f"{f} is not a readable Parquet file ({first}); {what}") from None
 
 
-def conversation(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]]:
-    """A record as a checked list of messages (role, content); GptkitError naming `where` otherwise."""
+def conversation(rec: Any, where: str, s: dict[str, Any]) -> Conversation:
+    """A record as a checked list of messages (role, content; an assistant's tool_calls, tool messages) with
+    the record's `tools` (gptkit.chat_formats.tools); GptkitError naming `where` otherwise."""
     if not isinstance(rec, dict):
         raise GptkitError(f"{where}: a record must be a JSON object, got {type(rec).__name__}")
     mf, pf, rf, sf = s["messages_field"], s["prompt_field"], s["response_field"], s["system_field"]
@@ -176,6 +178,9 @@ def conversation(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]
         raise GptkitError(f"{where}: the conversation is empty")
     out = []
     for i, m in enumerate(msgs, 1):
+        if isinstance(m, dict) and m.get("tool_calls") is not None and m.get("content") is None:
+            # an assistant message that only calls tools (check_calls checks the role)
+            m = {**m, "content": ""}
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise GptkitError(f"{where}: message {i} must be an object with role and content")
         if m["role"] not in ROLES:
@@ -192,7 +197,8 @@ def conversation(rec: Any, where: str, s: dict[str, Any]) -> list[dict[str, Any]
         raise GptkitError(
             f"{where}: the conversation has no assistant turn, so nothing in it would be learned"
         )
-    return out
+    # the tools the assistant may call, its calls and the tools' results (gptkit.chat_formats.tools)
+    return Conversation(check_calls(out, where), check_tools(rec.get("tools"), where))
 
 
 def prompt_conversation(
@@ -226,4 +232,6 @@ def prompt_conversation(
     as_chat = {**s, "response_field": None}
     if not isinstance(msgs, list) or not msgs:
         conversation({mf: msgs}, where, as_chat)
-    return conversation({mf: [*msgs, {"role": "assistant", "content": "-"}]}, where, as_chat)[:-1]
+    tools = rec.get("tools")
+    conv = conversation({mf: [*msgs, {"role": "assistant", "content": "-"}], "tools": tools}, where, as_chat)
+    return Conversation(conv[:-1], conv.tools)

@@ -36,6 +36,7 @@ from typing import Any, Callable, Iterable
 
 import numpy as np
 
+from gptkit.chat_formats.tools import Conversation, tools_of
 from gptkit.chat_templates import (
     CHAT_FILE,
     add_special_tokens,
@@ -211,16 +212,22 @@ def long_note(manifest: dict[str, Any], what: str) -> str:
 def key_settings(s: dict[str, Any], tok: TokenizerSpec, template, files: list[Path]) -> dict[str, Any]:
     """The settings a chat or preference cache key holds: special_tokens_in_content=text only when the
     files may spell a special token of the template or the tokenizer (gptkit.data.files.spelled_in), where
-    it makes other ids than before; otherwise the key of every gptkit before it."""
+    it makes other ids than before, and tools when they may hold tools or tool calls; otherwise the key of
+    every gptkit before it."""
     formats = [
         "parquet"
         if s["format"] == "parquet" or (s["format"] == "auto" and f.suffix.lower() == ".parquet")
         else "json"
         for f in files
     ]
-    return keyed_special_text(
+    key = keyed_special_text(
         s, lambda: spelled_in(files, [*template.special_tokens, *spec_special_tokens(tok)], formats)
     )
+    # records that may carry tools or tool calls (gptkit.chat_formats.tools) render them now, where every
+    # gptkit before dropped them: another key for those files alone (no folder prepared without them is read)
+    if spelled_in(files, ['"tools"', '"tool_calls"'], formats):
+        key = {**key, "tools": 1}
+    return key
 
 
 def template_for(spec: str, tok: TokenizerSpec):
@@ -500,7 +507,8 @@ class Encoder:
     def answer(self, msgs: list[dict], answer: str, where: str) -> Seq:
         """The conversation followed by `answer` as the assistant's turn; the mask marks the answer's tokens
         only (not earlier assistant turns of `msgs`)."""
-        conversation = [*msgs, {"role": "assistant", "content": answer}]
+        # the prompt's tools too (a Conversation's)
+        conversation = Conversation([*msgs, {"role": "assistant", "content": answer}], tools_of(msgs))
         text, spans = assistant_spans(self.template, conversation, where)
         ids, mask, long = self.encode(conversation, where, text, spans[-1:])
         if not long and not mask.any():
@@ -511,7 +519,8 @@ class Encoder:
 def answer_text(template, msgs: list[dict], answer: str, where: str) -> str:
     """The text of the conversation followed by `answer` as the assistant's turn (a char/bpe tokenizer is
     built from it)."""
-    return assistant_spans(template, [*msgs, {"role": "assistant", "content": answer}], where)[0]
+    conversation = Conversation([*msgs, {"role": "assistant", "content": answer}], tools_of(msgs))
+    return assistant_spans(template, conversation, where)[0]
 
 
 @dataclass(frozen=True)

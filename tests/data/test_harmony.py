@@ -100,7 +100,17 @@ def test_the_assistants_messages_carry_the_loss_and_the_last_final_ends_with_ret
                 {"role": "tool", "content": "x"},
                 {"role": "assistant", "content": "a"},
             ],
-            "takes no tool messages",
+            "message 2 \\(tool\\) answers no call",
+        ),
+        # gptkit's harmony takes no tools yet (to=functions.x, <|call|>): refused, never dropped
+        (
+            [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]},
+                {"role": "tool", "content": "x"},
+                {"role": "assistant", "content": "a"},
+            ],
+            "harmony failed to render: it has no tool syntax",
         ),
         (
             [{"role": "user", "content": "q"}, {"role": "assistant", "channel": "secret", "content": "a"}],
