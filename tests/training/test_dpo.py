@@ -551,6 +551,22 @@ def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_l
         for key in ("train/loss", "train/distill/divergence", "train/distill/ce"):
             assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
     assert "gptkit_frozen_teacher" not in torch.load(dpo_data / "top-k" / "checkpoints" / "last.ckpt")
+    # stopped at step 2 and resumed (the top-k read again from the data): the straight figures and weights
+    split = [a.replace("name=live-teacher", "name=top-k-split") for a in run]
+    code, _, err = run_main(capsys, "train", *split, "distill.teacher=precomputed", "trainer.stop_at_step=2")
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={dpo_data / 'top-k-split'}", "trainer.threads=1")
+    assert code == 0, err
+    again = rows_of(dpo_data / "top-k-split")
+    for step in (1, 2, 3):
+        for key in ("train/loss", "train/distill/divergence", "train/distill/ce"):
+            assert again[step][key] == got[step][key], (step, key)
+    weights = [
+        torch.load(dpo_data / name / "checkpoints" / "last.ckpt")["state_dict"]
+        for name in ("top-k", "top-k-split")
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     code, _, err = run_main(
         capsys,
         "train",
