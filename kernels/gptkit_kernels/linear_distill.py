@@ -28,6 +28,11 @@ saved hidden states, heads and log-sum-exps (one more matmul per head) and turns
 
 then through the cap and the head into dx and dweight (linear_ce's through_cap and head_back). One chunk of
 each model's fp32 logits exists at a time, in both passes.
+
+    linear_topk_distill(x, weight, teacher_ids, teacher_logps, targets, *, temperature=1.0, alpha=0.0, ...)
+    the same loss against a precomputed teacher's top-k (distill.teacher=precomputed): the same loop (beta
+    None in its settings), the teacher's side log t~ [M, k] renormalized once and gathered at its k ids in
+    place of a head: D_k = sum_k t~ (log t~ - log s), g = s - t~ (t~ 0 outside the top-k).
 """
 
 from __future__ import annotations

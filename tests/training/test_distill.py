@@ -6,7 +6,8 @@ not in the checkpoint); bad settings and a teacher of another vocabulary refused
 objective=gkd (on-policy): the tokens it trains on are the student's own keyed draws (not the teacher's, not
 the data); its loss is the reverse KL over them written out plus alpha times the labels' CE; lmbda is the
 share of on-policy micro-steps; a CLI run, and one stopped at step 2 and resumed with the weights and figures
-of the straight run.
+of the straight run; on DDP and FSDP2 (long), the rows of one process. Both objectives under LoRA and QLoRA
+with the student's adapters-off self as the teacher.
 """
 
 import contextlib
@@ -717,7 +718,9 @@ def test_gkd_on_ddp_and_fsdp2_equals_one_process(teacher):
 
     def args(name, *extra):
         base = tiny(teacher, name, 1, 32, *GKD_ARGS, f"teacher={source}", "model.dropout=0.0")
-        return ["-m", "gptkit", "train", *base, "gkd.alpha=0.5", "trainer.log_every=1", *extra]
+        # seed 0, lmbda 0.6: micro-steps 0 and 3 on-policy, 1 and 2 not (on_policy's keyed draws)
+        tail = ["seed=0", "gkd.lmbda=0.6", "gkd.alpha=0.5", "trainer.log_every=1", *extra]
+        return ["-m", "gptkit", "train", *base, *tail]
 
     def rows(name):
         got = rows_by_step(teacher / "runs" / name)
@@ -727,7 +730,7 @@ def test_gkd_on_ddp_and_fsdp2_equals_one_process(teacher):
     assert r.returncode == 0, r.stderr[-3000:]
     one = rows("gkd-one")
     assert all(one[s][0] for s in (1, 2, 3, 4)) and one[4][4], one
-    assert {one[s][3] for s in (1, 2, 3, 4)} == {"0.0", "1.0"}, one
+    assert [one[s][3] for s in (1, 2, 3, 4)] == ["1.0", "0.0", "0.0", "1.0"], one
     for name, extra in (
         ("gkd-ddp", ["trainer=ddp"]),
         ("gkd-fsdp", ["trainer=fsdp", "trainer.precision=32-true"]),
@@ -738,4 +741,6 @@ def test_gkd_on_ddp_and_fsdp2_equals_one_process(teacher):
         for step, row in one.items():
             for k, want, got in zip(keys, row, two[step]):
                 if want:
-                    assert float(got) == pytest.approx(float(want), abs=1e-5), (name, step, k)
+                    # the divergence (about 0.02 here) to 1e-6: other samples move it by more
+                    tol = 1e-6 if k == "train/distill/divergence" else 1e-5
+                    assert float(got) == pytest.approx(float(want), abs=tol), (name, step, k)
