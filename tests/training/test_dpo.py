@@ -580,6 +580,49 @@ def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_l
     assert code == 2 and "a precomputed teacher is kept for data=chat rows" in err, err
 
 
+@pytest.mark.long
+def test_a_precomputed_top_k_teacher_on_2_processes_equals_one_process(dpo_data, capsys):
+    """distill.teacher=precomputed with k = 8 (below the vocabulary: D_k is not the full forward KL) on 2 CPU
+    ranks of 2 rows, DDP and FSDP2 (fp32): each rank reads its own rows' top-k from the data, and the 3 steps
+    log what one process of 4 rows logs, to 1e-5."""
+    sft, tok = dpo_data / "sft", dpo_data / "sft" / "tokenizer.json"
+    data = ["data=chat", f"data.paths=[{dpo_data / 'sft.jsonl'}]", "tokenizer=file", f"tokenizer.path={tok}"]
+    code, _, err = run_main(
+        capsys, "prepare", *data, "data.template=auto", "rows=48", f"teacher={sft}", "top_k=8"
+    )
+    assert code == 0, err
+
+    def run(name, world, *extra):
+        return [
+            "-m",
+            "gptkit",
+            "train",
+            "objective=distill",
+            f"init_from={sft}",
+            f"frozen.teacher={sft}",
+            "distill.teacher=precomputed",
+            "distill.alpha=0.5",
+            *from_sft(dpo_data, name, world, "trainer.max_steps=3", "trainer.log_every=1", *extra),
+            *data,
+        ]
+
+    r = run_group(*run("top8-one", 1))
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = rows_of(dpo_data / "top8-one")
+    keys = ("train/loss", "train/distill/divergence", "train/distill/ce")
+    assert all(float(want[s]["train/distill/divergence"]) > 0 for s in (1, 2, 3))
+    for name, extra in (
+        ("top8-ddp", ["trainer=ddp"]),
+        ("top8-fsdp", ["trainer=fsdp", "trainer.precision=32-true"]),
+    ):
+        r = run_group(*run(name, 2, *extra, "trainer.devices=2"))
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = rows_of(dpo_data / name)
+        for step in (1, 2, 3):
+            for key in keys:
+                assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (name, step, key)
+
+
 def test_dpo_on_a_hybrid_starts_at_log_2_and_logs_the_margin_its_weights_give(dpo_data):
     """DPO from a Gated DeltaNet + softmax hybrid: the loss of step 1 is log 2 (the policy is the frozen
     start), it falls, and the val margin logged at step 3 is the one recomputed from the start's and the end's
