@@ -9,7 +9,8 @@
 and, always on (not a model.kernels name), `linear_log_probs`: lm_head + the per-token log-probs of given
 targets, chunked the same way in both passes (GPT.forward(..., token_logps=True): DPO, KTO, GRPO), and
 `linear_distill`: two models' heads + the distillation loss, chunked over the label positions in both passes
-(objective=distill, through GPT.forward(..., head=...)).
+(objective=distill, through GPT.forward(..., head=...)), and `linear_topk_distill`: the student's head + the
+loss against a precomputed teacher's top-k (distill.teacher=precomputed), chunked the same way.
 
 The Triton ones need triton and CUDA tensors (or TRITON_INTERPRET=1); elsewhere the model uses its
 eager torch code, with one warning per process. The names live in gptkit.model.config.KERNELS.
@@ -120,3 +121,12 @@ def linear_distill(x, weight, teacher_x, teacher_weight, targets, **settings):
     from gptkit_kernels.linear_distill import linear_distill
 
     return linear_distill(x, weight, teacher_x, teacher_weight, targets, ignore_index=-100, **settings)
+
+
+def linear_topk_distill(x, weight, teacher_ids, teacher_logps, targets, **settings):
+    """(alpha * CE + (1 - alpha) * D_k, CE, D_k) of the student's x @ weight.T against a teacher's top-k ids
+    and log-probs (settings: temperature, alpha, softcap), chunked over the label positions: the student's
+    logits never exist whole, in the forward or the backward pass."""
+    from gptkit_kernels.linear_distill import linear_topk_distill
+
+    return linear_topk_distill(x, weight, teacher_ids, teacher_logps, targets, ignore_index=-100, **settings)

@@ -28,6 +28,11 @@ saved hidden states, heads and log-sum-exps (one more matmul per head) and turns
 
 then through the cap and the head into dx and dweight (linear_ce's through_cap and head_back). One chunk of
 each model's fp32 logits exists at a time, in both passes.
+
+    linear_topk_distill(x, weight, teacher_ids, teacher_logps, targets, *, temperature=1.0, alpha=0.0, ...)
+    the same loss against a precomputed teacher's top-k (distill.teacher=precomputed): the same loop (beta
+    None in its settings), the teacher's side log t~ [M, k] renormalized once and gathered at its k ids in
+    place of a head: D_k = sum_k t~ (log t~ - log s), g = s - t~ (t~ 0 outside the top-k).
 """
 
 from __future__ import annotations
@@ -98,8 +103,15 @@ def _forward(x, weight, tx, tweight, targets, rows: int, args):
             lse_s = torch.logsumexp(z.div_(temperature), dim=-1)  # [C]
         ls = z.sub_(lse_s[:, None])  # [C, V]
         lse[1, s : s + rows] = lse_s
-        lt, lse[2, s : s + rows], _ = _log_probs(tx[s : s + rows], tweight, acc, teacher_softcap, temperature)
-        div[s : s + rows] = _divergence(ls, lt, beta)
+        if beta is None:
+            # the teacher's top-k: ids tx [M, k], log t~ tweight [M, k] (no teacher head)
+            lt = tweight[s : s + rows]  # [C, k]
+            div[s : s + rows] = (lt.exp() * (lt - ls.gather(1, tx[s : s + rows]))).sum(-1)
+        else:
+            lt, lse[2, s : s + rows], _ = _log_probs(
+                tx[s : s + rows], tweight, acc, teacher_softcap, temperature
+            )
+            div[s : s + rows] = _divergence(ls, lt, beta)
         del z, ls, lt
     return ce, div, lse
 
@@ -138,8 +150,14 @@ class LinearDistill(torch.autograd.Function):
                 # z: the capped student logits; log s at `temperature` from them
                 z, capped = _scaled_logits(xc, weight, acc, softcap, 1.0)  # [C, V]
                 ls = (z / temperature).sub_(lse_s[:, None])  # [C, V]
-                lt, _, _ = _log_probs(tx[s : s + rows], tweight, acc, teacher_softcap, temperature, lse_t)
-                gd = _divergence_grad(ls, lt, beta).mul_(g_d)  # [C, V]
+                if beta is None:
+                    # d D_k / d (student logits / temperature) = s - t~ (t~ 0 outside the top-k)
+                    gd = ls.exp_().scatter_add_(1, tx[s : s + rows], tweight[s : s + rows].exp().neg_())
+                    gd.mul_(g_d)  # [C, V]
+                    lt = None
+                else:
+                    lt, _, _ = _log_probs(tx[s : s + rows], tweight, acc, teacher_softcap, temperature, lse_t)
+                    gd = _divergence_grad(ls, lt, beta).mul_(g_d)  # [C, V]
                 del ls, lt
                 # z becomes alpha (softmax - onehot) g + gd, in place
                 z.sub_(lse1[:, None]).exp_()
@@ -213,6 +231,69 @@ def linear_distill(
         if torch.is_grad_enabled() and (x2.requires_grad or w2.requires_grad):
             return LinearDistill.apply(x2, w2, tx2, tw2, t2, float(alpha), rows, args)
         ce, div, _ = _forward(x2, w2, tx2, tw2, t2, rows, args)
+        n = max(x2.shape[0], 1)
+        ce, div = ce.sum() / n, div.sum() / n
+        return alpha * ce + (1.0 - alpha) * div, ce, div
+
+
+def linear_topk_distill(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logps: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    alpha: float = 0.0,
+    ignore_index: int = -100,
+    chunk_size: int | None = None,
+    softcap: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """linear_distill against a precomputed teacher's top-k (gptkit/training/objectives/distill_topk.py's
+    topk_distill_loss, chunked): (alpha * CE + (1 - alpha) * D_k, CE, D_k), the means over targets !=
+    ignore_index, D_k = sum over the top-k of t~ (log t~ - log s), t~ = softmax(teacher_logps / temperature)
+    over the k kept tokens. teacher_ids [..., k] (int) and teacher_logps [..., k] match targets' dims [...]
+    (read at the label positions only); the same chunks and recomputing backward as linear_distill (its
+    loop, the teacher's side a gather of the k ids in place of a head): only the student's logits exist, one
+    chunk at a time. Differentiable in x and weight."""
+    d = x.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"weight must be [vocab, {d}], got {tuple(weight.shape)}")
+    if (
+        targets.shape != x.shape[:-1]
+        or teacher_ids.shape[:-1] != x.shape[:-1]
+        or teacher_logps.shape != teacher_ids.shape
+    ):
+        raise ValueError(
+            f"targets {tuple(targets.shape)}, teacher_ids {tuple(teacher_ids.shape)} and teacher_logps "
+            f"{tuple(teacher_logps.shape)} must match x's leading dims {tuple(x.shape[:-1])}"
+        )
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    k = teacher_ids.shape[-1]
+    label_rows = (targets.reshape(-1) != ignore_index).nonzero()[:, 0]  # [M]
+    x2 = x.reshape(-1, d).index_select(0, label_rows)  # [M, d]
+    t2 = targets.reshape(-1).index_select(0, label_rows)  # [M]
+    ids = teacher_ids.reshape(-1, k).index_select(0, label_rows).long()  # [M, k]
+    acc = torch.promote_types(x.dtype, torch.float32)
+    # log t~ [M, k]: the kept log-probs renormalized at the temperature
+    lt = torch.log_softmax(teacher_logps.reshape(-1, k).index_select(0, label_rows).to(acc) / temperature, -1)
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x2, w2 = x2.to(dtype), weight.to(dtype)
+    else:
+        w2 = weight.to(x2.dtype)
+    lt = lt.detach()
+    rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
+    if chunk_size is None:
+        rows = max(1, rows // CHUNK_TENSORS)
+    # beta None: the top-k teacher (_forward's and the backward's other branch)
+    args = (None, float(temperature), softcap, None)
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (x2.requires_grad or w2.requires_grad):
+            return LinearDistill.apply(x2, w2, ids, lt, t2, float(alpha), rows, args)
+        ce, div, _ = _forward(x2, w2, ids, lt, t2, rows, args)
         n = max(x2.shape[0], 1)
         ce, div = ce.sum() / n, div.sum() / n
         return alpha * ce + (1.0 - alpha) * div, ce, div

@@ -551,6 +551,22 @@ def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_l
         for key in ("train/loss", "train/distill/divergence", "train/distill/ce"):
             assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (step, key)
     assert "gptkit_frozen_teacher" not in torch.load(dpo_data / "top-k" / "checkpoints" / "last.ckpt")
+    # stopped at step 2 and resumed (the top-k read again from the data): the straight figures and weights
+    split = [a.replace("name=live-teacher", "name=top-k-split") for a in run]
+    code, _, err = run_main(capsys, "train", *split, "distill.teacher=precomputed", "trainer.stop_at_step=2")
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={dpo_data / 'top-k-split'}", "trainer.threads=1")
+    assert code == 0, err
+    again = rows_of(dpo_data / "top-k-split")
+    for step in (1, 2, 3):
+        for key in ("train/loss", "train/distill/divergence", "train/distill/ce"):
+            assert again[step][key] == got[step][key], (step, key)
+    weights = [
+        torch.load(dpo_data / name / "checkpoints" / "last.ckpt")["state_dict"]
+        for name in ("top-k", "top-k-split")
+    ]
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     code, _, err = run_main(
         capsys,
         "train",
@@ -562,6 +578,49 @@ def test_a_precomputed_teacher_of_the_whole_vocabulary_gives_the_live_teachers_l
         "name=text-teacher",
     )
     assert code == 2 and "a precomputed teacher is kept for data=chat rows" in err, err
+
+
+@pytest.mark.long
+def test_a_precomputed_top_k_teacher_on_2_processes_equals_one_process(dpo_data, capsys):
+    """distill.teacher=precomputed with k = 8 (below the vocabulary: D_k is not the full forward KL) on 2 CPU
+    ranks of 2 rows, DDP and FSDP2 (fp32): each rank reads its own rows' top-k from the data, and the 3 steps
+    log what one process of 4 rows logs, to 1e-5."""
+    sft, tok = dpo_data / "sft", dpo_data / "sft" / "tokenizer.json"
+    data = ["data=chat", f"data.paths=[{dpo_data / 'sft.jsonl'}]", "tokenizer=file", f"tokenizer.path={tok}"]
+    code, _, err = run_main(
+        capsys, "prepare", *data, "data.template=auto", "rows=48", f"teacher={sft}", "top_k=8"
+    )
+    assert code == 0, err
+
+    def run(name, world, *extra):
+        return [
+            "-m",
+            "gptkit",
+            "train",
+            "objective=distill",
+            f"init_from={sft}",
+            f"frozen.teacher={sft}",
+            "distill.teacher=precomputed",
+            "distill.alpha=0.5",
+            *from_sft(dpo_data, name, world, "trainer.max_steps=3", "trainer.log_every=1", *extra),
+            *data,
+        ]
+
+    r = run_group(*run("top8-one", 1))
+    assert r.returncode == 0, r.stderr[-3000:]
+    want = rows_of(dpo_data / "top8-one")
+    keys = ("train/loss", "train/distill/divergence", "train/distill/ce")
+    assert all(float(want[s]["train/distill/divergence"]) > 0 for s in (1, 2, 3))
+    for name, extra in (
+        ("top8-ddp", ["trainer=ddp"]),
+        ("top8-fsdp", ["trainer=fsdp", "trainer.precision=32-true"]),
+    ):
+        r = run_group(*run(name, 2, *extra, "trainer.devices=2"))
+        assert r.returncode == 0, r.stderr[-3000:]
+        got = rows_of(dpo_data / name)
+        for step in (1, 2, 3):
+            for key in keys:
+                assert abs(float(got[step][key]) - float(want[step][key])) < 1e-5, (name, step, key)
 
 
 def test_dpo_on_a_hybrid_starts_at_log_2_and_logs_the_margin_its_weights_give(dpo_data):

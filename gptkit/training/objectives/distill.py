@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from gptkit.errors import ConfigError
 from gptkit.model import fused
 from gptkit.training.objectives.base import FrozenModel, frozen_words
-from gptkit.training.objectives.distill_topk import topk_distill_loss
+from gptkit.training.objectives.distill_topk import chunked_topk_distill_loss
 from gptkit.training.objectives.lm import LM
 from gptkit.training.token_mean import loss_tokens
 
@@ -225,8 +225,9 @@ class Distill(LM):
             *docs, ids, logps = docs
         doc_ids = docs[0] if docs else None
         if self.precomputed:
-            student = model(x, doc_ids=doc_ids).logits  # [B, T, V]
-            loss, ce, d = topk_distill_loss(student, ids, logps, y, self.temperature, self.alpha)
+            loss, ce, d = chunked_topk_distill_loss(
+                model, x, ids, logps, y, self.temperature, self.alpha, doc_ids
+            )
         else:
             loss, ce, d = chunked_distill_loss(
                 model, self.teacher, x, y, self.beta, self.temperature, self.alpha, doc_ids

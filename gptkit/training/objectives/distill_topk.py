@@ -21,12 +21,18 @@ Others: Arcee's DistillKit stores sparse top-k teacher logits for offline distil
 differ in whether the k log-probs are renormalized, left unnormalized, or completed with the tail as one
 extra bucket; "Sparse Logit Sampling" (Anshumann et al. 2025, arXiv:2503.16870) shows that caching the top-k
 biases the teacher's estimate and proposes sampled tokens instead. gptkit renormalizes (the choice above).
+
+A step computes it with chunked_topk_distill_loss, from the student's final hidden states and head chunk by
+chunk over the label positions (gptkit_kernels.linear_distill.linear_topk_distill: no [B, T, vocab] logits in
+either pass); topk_distill_loss, on whole logits, is the readable reference the tests hold it to.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from gptkit.model import fused
 
 
 def topk_divergence(
@@ -62,3 +68,32 @@ def topk_distill_loss(
         F.cross_entropy(s.to(torch.promote_types(s.dtype, torch.float32)), targets[mask], reduction="sum") / n
     )
     return alpha * ce + (1.0 - alpha) * d, ce.detach(), d.detach()
+
+
+def chunked_topk_distill_loss(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    teacher_ids: torch.Tensor,
+    teacher_logps: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float = 1.0,
+    alpha: float = 0.0,
+    doc_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """topk_distill_loss's (loss, CE, D_k) of `model` on x [N, T] against the teacher's top-k [N, T, k],
+    computed inside the model's forward (GPT.forward(head=...)) from its final hidden states and head, chunk
+    by chunk over the label positions: no [N, T, vocab] logits in either pass."""
+
+    def head(h, weight, softcap):
+        return fused.linear_topk_distill(
+            h,
+            weight,
+            teacher_ids,
+            teacher_logps,
+            targets,
+            temperature=temperature,
+            alpha=alpha,
+            softcap=softcap,
+        )
+
+    return model(x, doc_ids=doc_ids, head=head).head

@@ -9,7 +9,9 @@ draws the same). An on-policy micro-step, for row b (of B) of the batch on rank 
   1. prompt      p_b = the first gkd.prompt_len tokens of the row
   2. completion  c_b = K tokens sampled from the student at gkd.temperature through GRPO's sampler
                  (gptkit.inference.rollouts.sample_rows: the KV cache, eval mode, no grad), with the key
-                 sample_key(seed, m, r B + b, 0), K = min(gkd.max_new_tokens, trainer.seq_len - prompt_len);
+                 sample_key(seed, m, r B + b, 0) (r B + b: the row's place in the micro-step's global batch,
+                 of which every sampler gives rank r the slice [r B, (r + 1) B): 2 ranks draw what one
+                 process of 2 B rows draws), K = min(gkd.max_new_tokens, trainer.seq_len - prompt_len);
                  no stop token (the rows are a stream of text), so every completion has K tokens
   3. divergence  at each completion position t (the K positions that predict c_b's tokens, on the row
                  p_b c_b),
