@@ -144,7 +144,9 @@ def test_count_params_holds_grpos_reference_and_distills_teacher(capsys):
     kl = memory("objective=grpo", "grpo.beta=0.04")
     assert kl["reference"] == kl["weights"] > 0 and kl["total"] == grpo["total"] + kl["reference"]
     distill = memory("objective=distill")
-    assert distill["teacher"] == distill["weights"] and distill["logits"] < lm["logits"]  # chunked, both heads
+    assert (
+        distill["teacher"] == distill["weights"] and distill["logits"] < lm["logits"]
+    )  # chunked, both heads
     assert distill["total"] == lm["total"] - lm["logits"] + distill["logits"] + distill["teacher"]
     assert "teacher" not in memory("objective=distill", "finetune=lora")
     code, _, err = run_main(capsys, "count-params", "objective=grpo", "grpo.group_size=1")
