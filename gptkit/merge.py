@@ -37,6 +37,8 @@ from gptkit.checkpoints import (
     SHARDED_INDEX,
     STATE_PREFIX,
     atomic_torch_save,
+    checkpoint_step,
+    find_checkpoint,
     is_sharded_checkpoint,
     load_checkpoint,
     read_sharded_checkpoint,
@@ -49,19 +51,20 @@ from gptkit.fsio import atomic_write_text, file_crc32
 from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE
 
 MERGE_FILE = "merge.json"
+# the checkpoint entry of trainer.ema's averages (gptkit.training.ema.STATE_KEY; training is a room above)
+EMA_KEY = "EMA"
 STEP_FILE = re.compile(r"step-(\d+)\.ckpt")
 # what a merged folder copies from its source run (the run folder's facts a verb reads)
 COPIED = (CONFIG_FILE, TOKENIZER_FILE, MANIFEST_FILE)
 
 
 # ---- the options, checked without torch --------------------------------------------------------------
-def parse_merge_options(
-    steps: Any, last: Any, weights: Any
-) -> tuple[list[int] | None, int | None, list | None]:
+def parse_merge_options(steps: Any, last: Any, weights: Any, ema: bool = False) -> tuple[Any, Any, Any]:
     """(steps, last, weights) as given on the command line, checked: exactly one of steps=[...] and last=k,
     steps distinct non-negative integers, k >= 1, weights one finite number per checkpoint summing to more
-    than 0. One-line ConfigError otherwise."""
-    if (steps is None) == (last is None):
+    than 0 (ema=true: neither steps= nor last= is the run's last checkpoint). One-line ConfigError
+    otherwise."""
+    if steps is not None and last is not None or (steps is None and last is None and not ema):
         raise ConfigError(
             "merge needs exactly one of steps=[s1,s2,...] (the step checkpoints to average) and last=k "
             "(the newest k step checkpoints)"
@@ -89,7 +92,7 @@ def parse_merge_options(
             weights = [float(w) for w in weights]
         except (TypeError, ValueError):
             raise ConfigError(f"weights={weights!r} is not a list of numbers, e.g. weights=[1,2,3]") from None
-        n = len(steps) if steps is not None else last
+        n = len(steps) if steps is not None else last if last is not None else 1
         if len(weights) != n:
             raise ConfigError(
                 f"weights= has {len(weights)} numbers for {n} checkpoints; give one weight per checkpoint "
@@ -125,7 +128,11 @@ def step_checkpoints(run_dir: Path) -> dict[int, Path]:
 
 def choose_sources(run_dir: Path, steps: list[int] | None, last: int | None) -> list[tuple[int, Path]]:
     """The (step, checkpoint) pairs to merge, oldest first; a step the run has no checkpoint of, or more
-    checkpoints asked for than it has, is one line naming the steps it has."""
+    checkpoints asked for than it has, is one line naming the steps it has. Neither steps nor last: the run's
+    last checkpoint alone (ema=true)."""
+    if steps is None and last is None:
+        ckpt = find_checkpoint(run_dir)
+        return [(checkpoint_step(ckpt), ckpt)]
     have = step_checkpoints(run_dir)
     listed = ", ".join(str(s) for s in have) or "none"
     if last is not None:
@@ -147,9 +154,11 @@ def choose_sources(run_dir: Path, steps: list[int] | None, last: int | None) -> 
 class _Source:
     """One checkpoint's GPT tensors, read one name at a time: `spec` {name: (shape, dtype)}, tensor(name)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, ema: bool = False) -> None:
         self.path = path
         self.sharded = is_sharded_checkpoint(path)
+        if self.sharded and ema:
+            raise GptkitError(f"{path} is a sharded checkpoint, which holds no EMA (trainer=fsdp refuses it)")
         if self.sharded:
             extra = read_sharded_checkpoint(path, weights=False)
             verify_checkpoint(path)
@@ -173,6 +182,8 @@ class _Source:
                 k[len(STATE_PREFIX) :]: v for k, v in ckpt["state_dict"].items() if k.startswith(STATE_PREFIX)
             }
             self.spec = {k: (tuple(v.shape), v.dtype) for k, v in self._state.items()}
+            if ema:
+                self._state = self._with_ema(ckpt)
             self.step = int(ckpt.get("global_step", 0))
             self.lora = adapters.CHECKPOINT_KEY in ckpt
         if self.lora:
@@ -180,6 +191,22 @@ class _Source:
                 f"{path} holds LoRA adapters, not a whole model; merge the step checkpoints of a full "
                 f"training run (or export the LoRA run merged first)"
             )
+
+    def _with_ema(self, ckpt: dict[str, Any]) -> dict[str, Any]:
+        """The model's tensors with the EMA's (trainer.ema, in fp32) in place of each trained parameter."""
+        record = (ckpt.get("callbacks") or {}).get(EMA_KEY)
+        if not record or not record.get("ema"):
+            raise GptkitError(
+                f"{self.path} holds no EMA of the weights (the run trained without trainer.ema); "
+                "drop ema=true"
+            )
+        averages = dict(record["ema"])
+        for alias, first in (record.get("aliases") or {}).items():
+            averages[alias] = averages[first]
+        unknown = sorted(set(averages) - set(self._state))
+        if unknown:
+            raise GptkitError(f"{self.path}: its EMA names tensors the model does not have ({unknown[:3]})")
+        return {**self._state, **averages}
 
     def tensor(self, name: str):
         if not self.sharded:
@@ -260,17 +287,23 @@ def average_into(sources: list[_Source], weights: list[float], scratch: Path) ->
 
 
 def merge_run(
-    run_dir: Path, out: Path, steps: list[int] | None, last: int | None, weights: list[float] | None
+    run_dir: Path,
+    out: Path,
+    steps: list[int] | None,
+    last: int | None,
+    weights: list[float] | None,
+    ema: bool = False,
 ) -> dict[str, Any]:
     """Average the chosen step checkpoints of `run_dir` into the new run folder `out` (absent: the caller
-    checked); returns the merge record written as out/merge.json."""
+    checked); returns the merge record written as out/merge.json. ema: each checkpoint's EMA of the weights
+    (trainer.ema) instead of its weights."""
     import torch
 
     chosen = choose_sources(run_dir, steps, last)
     given = weights or [1.0] * len(chosen)
     total = sum(given)
     norm = [w / total for w in given]
-    sources = [_Source(p) for _, p in chosen]
+    sources = [_Source(p, ema) for _, p in chosen]
     check_same_shapes(sources)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.merge.tmp")
@@ -290,6 +323,7 @@ def merge_run(
                 shutil.copyfile(run_dir / name, tmp / name)
         record = {
             "run": str(run_dir.resolve()),
+            "weights_of": "ema (trainer.ema)" if ema else "the checkpoints",
             "rule": "acc = w_0*x_0; acc += w_i*x_i in fp32 (weights normalized to sum 1), cast to the dtype",
             "optimizer_state": "not carried: the merged run evaluates, samples, exports; it does not resume",
             "torch": torch.__version__,

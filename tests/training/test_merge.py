@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_run, run_main
+from conftest import make_run, rows_by_step, run_main, tiny_run
 
 from gptkit.checkpoints import EXTRA_STATE, STATE_PREFIX, atomic_torch_save, write_checksums
 
@@ -131,3 +131,58 @@ def test_merge_never_replaces_a_run(steps, capsys):
     run, _ = steps
     code, _, err = run_main(capsys, "merge", str(run), "last=2", f"out={run}", "force=true")
     assert code == 2 and "run folder" in err, err
+
+
+@pytest.mark.long
+def test_ema_resumes_bitwise_and_merges(corpus, tmp_path, capsys):
+    """trainer.ema: a run stopped at step 3 and resumed ends with the same weights as one without EMA (the
+    swap for val/loss_ema leaves training alone), its EMA at step 6 is bitwise the EMA of step 3 moved by the
+    weights of steps 4, 5, 6; both validations log val/loss and val/loss_ema; `merge ema=true` writes the
+    EMA as a run that loads (a run without an EMA is one line)."""
+    from gptkit.runs import load_run
+
+    runs = tmp_path / "runs"
+    args = tiny_run(
+        corpus, runs, None, "trainer.keep_checkpoints=null", steps=6, checkpoint_every=1, threads=1
+    )
+    code, _, err = run_main(capsys, "train", *args, "name=plain")
+    assert code == 0, err
+    ema = (*args, "name=ema", "trainer.ema=0.75")
+    code, _, err = run_main(capsys, "train", *ema, "trainer.stop_at_step=3")
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", f"resume={runs / 'ema'}", "trainer.progress=false")
+    assert code == 0, err
+
+    def ckpt(run, step):
+        return torch.load(runs / run / "checkpoints" / f"step-{step:06d}.ckpt", weights_only=True)
+
+    last = ckpt("ema", 6)
+    assert all(torch.equal(v, ckpt("plain", 6)["state_dict"][k]) for k, v in last["state_dict"].items())
+    average = ckpt("ema", 3)["callbacks"]["EMA"]["ema"]
+    for step in (4, 5, 6):
+        weights = ckpt("ema", step)["state_dict"]
+        average = {k: v.lerp(weights[STATE_PREFIX + k].float(), 0.25) for k, v in average.items()}
+    saved = last["callbacks"]["EMA"]
+    assert saved["updates"] == 6 and saved["ema"].keys() == average.keys()
+    assert all(torch.equal(saved["ema"][k], v) for k, v in average.items())
+    rows = rows_by_step(runs / "ema")
+    plain = rows_by_step(runs / "plain")
+    for step in (3, 6):
+        assert rows[step]["val/loss"] == plain[step]["val/loss"]
+        assert float(rows[step]["val/loss_ema"]) > 0
+
+    code, printed, err = run_main(capsys, "merge", str(runs / "ema"), "ema=true")
+    assert code == 0, err
+    model = load_run(printed.strip()).model.state_dict()
+    assert all(torch.equal(model[k], v) for k, v in average.items())
+
+    code, _, err = run_main(capsys, "merge", str(runs / "plain"), "ema=true")
+    assert code == 2 and "holds no EMA" in err, err
+
+
+@pytest.mark.parametrize("bad", ["trainer.ema=1", "trainer.ema=0", "trainer.ema=-0.5", "trainer.ema=true"])
+def test_bad_decays_are_one_line(corpus, tmp_path, capsys, bad):
+    code, _, err = run_main(capsys, "train", *tiny_run(corpus, tmp_path / "runs", "bad"), bad)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "strictly between 0 and 1" in lines[0], err
+    assert not (tmp_path / "runs" / "bad").exists()
