@@ -137,8 +137,8 @@ def test_merge_never_replaces_a_run(steps, capsys):
 def test_ema_resumes_bitwise_and_merges(corpus, tmp_path, capsys):
     """trainer.ema: a run stopped at step 3 and resumed ends with the same weights as one without EMA (the
     swap for val/loss_ema leaves training alone), its EMA at step 6 is bitwise the EMA of step 3 moved by the
-    weights of steps 4, 5, 6; both validations log val/loss and val/loss_ema; `merge ema=true` writes the
-    EMA as a run that loads (a run without an EMA is one line)."""
+    weights of steps 4, 5, 6, and bitwise an uninterrupted run's; both validations log val/loss and
+    val/loss_ema; `merge ema=true` writes the EMA as a run that loads (a run without an EMA is one line)."""
     from gptkit.runs import load_run
 
     runs = tmp_path / "runs"
@@ -151,6 +151,8 @@ def test_ema_resumes_bitwise_and_merges(corpus, tmp_path, capsys):
     code, _, err = run_main(capsys, "train", *ema, "trainer.stop_at_step=3")
     assert code == 0, err
     code, _, err = run_main(capsys, "train", f"resume={runs / 'ema'}", "trainer.progress=false")
+    assert code == 0, err
+    code, _, err = run_main(capsys, "train", *args, "name=straight", "trainer.ema=0.75")
     assert code == 0, err
 
     def ckpt(run, step):
@@ -165,6 +167,8 @@ def test_ema_resumes_bitwise_and_merges(corpus, tmp_path, capsys):
     saved = last["callbacks"]["EMA"]
     assert saved["updates"] == 6 and saved["ema"].keys() == average.keys()
     assert all(torch.equal(saved["ema"][k], v) for k, v in average.items())
+    straight = ckpt("straight", 6)["callbacks"]["EMA"]
+    assert all(torch.equal(straight["ema"][k], v) for k, v in saved["ema"].items())
     rows = rows_by_step(runs / "ema")
     plain = rows_by_step(runs / "plain")
     for step in (3, 6):
