@@ -48,9 +48,8 @@ from gptkit.checkpoints import (
 )
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import atomic_write_text, file_crc32
-from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, TOKENIZER_FILE
+from gptkit.runs import CONFIG_FILE, MANIFEST_FILE, MERGE_FILE, TOKENIZER_FILE
 
-MERGE_FILE = "merge.json"
 # the checkpoint entry of trainer.ema's averages (gptkit.training.ema.STATE_KEY; training is a room above)
 EMA_KEY = "EMA"
 STEP_FILE = re.compile(r"step-(\d+)\.ckpt")

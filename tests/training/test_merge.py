@@ -1,6 +1,6 @@
 """`gptkit merge`: step checkpoints (single-file and sharded) averaged into a new run folder, bitwise equal to
-the average computed by hand in fp32; merge.json; the merged folder loads like any run; bad input is one
-line, exit 2, nothing written."""
+the average computed by hand in fp32; merge.json; the merged folder loads like any run and does not resume;
+bad input is one line, exit 2, nothing written. trainer.ema: resumed bitwise, val/loss_ema, merge ema=true."""
 
 import json
 
@@ -84,6 +84,11 @@ def test_merge_equals_the_average_by_hand(steps, capsys, tmp_path):
     loaded = load_run(out)
     for k, v in loaded.model.state_dict().items():
         assert torch.equal(v, expected[STATE_PREFIX + k]), k
+    # no optimizer state: resume= is one line (init_from= starts from it), and the folder is left as it was
+    files = sorted(p.name for p in out.iterdir())
+    code, _, err = run_main(capsys, "train", f"resume={out}", "trainer.max_steps=20")
+    assert code == 2 and "is a merge of step checkpoints" in err and f"init_from={out}" in err, err
+    assert sorted(p.name for p in out.iterdir()) == files
 
     # the newest two (8 is a sharded folder, read tensor by tensor), the default folder beside the run
     code, printed, err = run_main(capsys, "merge", str(run), "steps=[6,8]")
