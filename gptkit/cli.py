@@ -131,6 +131,12 @@ VERBS: dict[str, Verb] = {
         "merge a sharded (FSDP) checkpoint folder into one checkpoint file",
         positional="run",
     ),
+    "merge": Verb(
+        "merge",
+        "merge",
+        "average step checkpoints of a run (steps=[...] or last=k, weights=) into a new run folder",
+        positional="run",
+    ),
     "verify": Verb(
         "verify",
         "verify",

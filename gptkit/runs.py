@@ -9,6 +9,7 @@
       checkpoints/         last.ckpt and periodic step-NNNNNN.ckpt (see gptkit.checkpoints)
       metrics.csv, loss.png, ...
       imported_from.json   (an imported run: where its weights came from; it has no training state)
+      merge.json           (a merge of step checkpoints, `gptkit merge`: its sources; no optimizer state)
       .lock                held (fcntl) by the one process that trains into the folder; holds its PID
 
 `run=latest` means the run folder under ./runs whose config.yaml was written last. A run folder is a
@@ -50,6 +51,8 @@ MANIFEST_FILE = "manifest.json"
 METRICS_FILE = "metrics.csv"
 PLAN_FILE = "plan.json"
 IMPORTED_FILE = "imported_from.json"
+# a folder `gptkit merge` wrote: its sources (gptkit/merge.py); weights only, nothing to resume
+MERGE_FILE = "merge.json"
 LOCK_FILE = ".lock"
 # Hydra's copy of the composed config, written when the run starts
 HYDRA_DIR = ".hydra"
@@ -258,7 +261,9 @@ def usable_for(run_dir: Path, need: str = "checkpoint") -> bool:
     except GptkitError:
         return False
     if need == "training":
-        trained = (run_dir / METRICS_FILE).exists() or not (run_dir / IMPORTED_FILE).exists()
+        trained = (run_dir / METRICS_FILE).exists() or not (
+            (run_dir / IMPORTED_FILE).exists() or (run_dir / MERGE_FILE).exists()
+        )
         return ckpt.suffix == ".ckpt" and trained
     return ckpt.is_dir() if need == "sharded" else True
 
@@ -395,6 +400,12 @@ def check_saved_run(ckpt: Path | str, source: str) -> None:
             f"{source}: {run_dir} is an imported model ({IMPORTED_FILE}), with no training "
             "state to "
             f"continue; start a new run from its weights: gptkit train init_from={run_dir}"
+        )
+    if (run_dir / MERGE_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
+        raise GptkitError(
+            f"{source}: {run_dir} is a merge of step checkpoints ({MERGE_FILE}), whose optimizer state is "
+            f"not carried, so there is no training to continue; start a new run from its weights: "
+            f"gptkit train init_from={run_dir}"
         )
     missing = [s for s in ("trainer", "optim") if not isinstance(raw.get(s), dict)]
     if missing:

@@ -96,8 +96,24 @@ def check_trainer_values(t: Any) -> Values:
         raise ConfigError(
             f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)"
         )
+    check_ema(t.get("ema"), str(t.get("strategy", "auto")))
     progress_mode(t.progress)
     return Values(precision=precision(t.precision), compile=compile_mode(t.compile))
+
+
+def check_ema(decay: Any, strategy: str) -> None:
+    """trainer.ema: null (off) or a decay in (0, 1); not with trainer=fsdp yet (training/ema.py)."""
+    if decay is None:
+        return
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0 < decay < 1:
+        raise ConfigError(
+            f"trainer.ema={decay} must be a decay strictly between 0 and 1 (e.g. 0.999), or null for no EMA"
+        )
+    if strategy == "fsdp":
+        raise ConfigError(
+            "trainer.ema is not supported with trainer=fsdp yet (a sharded checkpoint does not carry the "
+            "averages); use trainer=ddp or one device, or average step checkpoints with `gptkit merge`"
+        )
 
 
 def compile_mode(value: Any) -> str | None:

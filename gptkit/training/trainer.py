@@ -223,6 +223,11 @@ def build_trainer(
     # trainer.profile: first, so that its steps end before the metrics and checkpoint callbacks run
     if plan.profile is not None:
         callbacks.insert(0, ProfileSteps(plan.profile, plan.run_dir, plan.accumulation))
+    # trainer.ema: the averages move before the step's checkpoint is written (training/ema.py)
+    if t.get("ema") is not None:
+        from gptkit.training.ema import EMA
+
+        callbacks.insert(callbacks.index(checkpoints), EMA(float(t.ema)))
     if plan.world_size > 1:
         callbacks.append(fail_fast_callback())
     plugin = precision_plugin(plan)
