@@ -15,7 +15,8 @@ The status of a run, from its folder alone (nothing else is recorded when a run 
               the PID written in .lock is alive)
     done      not running, its last metrics.csv row is at max_steps (plan.json's last invocation, else
               config.yaml's trainer.max_steps) and checkpoints/last.ckpt exists; or an imported model
-              (imported_from.json, no metrics.csv)
+              (imported_from.json, no metrics.csv) or a merge of checkpoints (merge.json, no metrics.csv:
+              `gptkit merge`, which no resume continues)
     stopped   not running, short of max_steps, and its last checkpoint holds its last logged step: the run
               saved where it stopped (Ctrl-C, SIGTERM, a time limit); `train resume=` continues it
     failed    not running, short of max_steps, and rows were logged after its last checkpoint (or there is
@@ -41,7 +42,15 @@ from typing import Any, Callable
 
 from gptkit.checkpoints import CHECKPOINT_DIR, LAST_CHECKPOINT
 from gptkit.errors import GptkitError
-from gptkit.runs import CONFIG_FILE, IMPORTED_FILE, LOCK_FILE, METRICS_FILE, PLAN_FILE, is_run_folder
+from gptkit.runs import (
+    CONFIG_FILE,
+    IMPORTED_FILE,
+    LOCK_FILE,
+    MERGE_FILE,
+    METRICS_FILE,
+    PLAN_FILE,
+    is_run_folder,
+)
 
 # yaml is imported where config.yaml is read; the model's accounting where parameters are counted (no torch)
 
@@ -343,8 +352,9 @@ def run_status(run_dir: Path, last_step: int | None, max_steps: int | None, runn
     """The rule of the module docstring."""
     if running:
         return "running"
-    if (run_dir / IMPORTED_FILE).is_file() and not (run_dir / METRICS_FILE).exists():
-        # `gptkit import`: weights and no training, nothing left to run
+    made = (run_dir / IMPORTED_FILE).is_file() or (run_dir / MERGE_FILE).is_file()
+    if made and not (run_dir / METRICS_FILE).exists():
+        # `gptkit import` or `gptkit merge`: weights and no training, nothing left to run
         return "done"
     last = run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT
     has_last = last.exists()

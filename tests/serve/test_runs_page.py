@@ -193,3 +193,16 @@ def test_the_runs_page_overlays_two_runs_in_a_browser(runs, tmp_path):
     assert status == "damaged" and "sample of done" in samples and "sample of sweep/0" in samples
     assert shot.stat().st_size > 10_000
     print(f"runs page screenshot: {shot}")
+
+
+def test_an_imported_or_merged_folder_is_done_not_stopped(tmp_path):
+    """`gptkit import` and `gptkit merge` write weights and no metrics.csv: nothing is left to run."""
+    from gptkit.runs_page.scan import run_status
+
+    for name, marker in (("imported", "imported_from.json"), ("merged", "merge.json")):
+        run = tmp_path / name
+        (run / "checkpoints").mkdir(parents=True)
+        (run / "checkpoints" / "last.ckpt").write_bytes(b"\0")
+        assert run_status(run, None, None, running=False) == "stopped"  # before it: as a saved stop
+        (run / marker).write_text("{}")
+        assert run_status(run, None, None, running=False) == "done"
