@@ -190,14 +190,15 @@ def elastic_resume(keys: dict[str, str | None]) -> Path | None:
     """The run folder a worker torchrun restarted (--max-restarts: TORCHELASTIC_RESTART_COUNT > 0) continues:
     torchrun runs the same command again, name= and all, and that run's folder holds its first attempt's
     checkpoints, which a new run there would refuse. None when this is no restart, the command names
-    resume= or init_from= itself, or no checkpoint was published before the failure (the run starts over).
+    resume= itself, or no checkpoint was published before the failure (the run starts over).
     keys: the command line's resume, init_from, name and runs_dir."""
     from gptkit.checkpoints import CHECKPOINT_DIR, LAST_CHECKPOINT
 
     name = keys.get("name")
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == 0 or not name or "${" in name:
         return None
-    if any(keys.get(k) not in (None, "", "null") for k in ("resume", "init_from")):
+    # resume= continues its own run again; init_from= (a fine-tune) is continued as any new run is
+    if keys.get("resume") not in (None, "", "null"):
         return None
     run_dir = Path(keys.get("runs_dir") or "runs").expanduser() / name
     if not (run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT).exists():

@@ -322,6 +322,8 @@ def test_a_torchrun_restart_continues_its_run_and_runs_clean(tmp_path, monkeypat
     (tmp_path / "r/checkpoints/last.ckpt").write_bytes(b"")
     assert elastic_resume(keys) == tmp_path / "r"
     assert elastic_resume({**keys, "resume": str(tmp_path / "other")}) is None
+    # a fine-tune's restart continues it too (not a new run from init_from= again, refused in that folder)
+    assert elastic_resume({**keys, "init_from": str(tmp_path / "base")}) == tmp_path / "r"
     # the first attempt: a new run, which a folder with checkpoints refuses (as without torchrun)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert elastic_resume(keys) is None
