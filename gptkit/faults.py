@@ -4,7 +4,9 @@ GPTKIT_FAULT=<point>[@<n>]:<SIGNAL> (SIGTERM, SIGINT, ...) sends that signal ins
 terminal's Ctrl-C would: to the whole process group when this process leads its group (a terminal's Ctrl-C
 reaches a prepare's workers too), else to this process alone. SIGKILL goes to this process alone.
 Nothing happens unless the variable is set; tests/reliability/test_faults.py,
-tests/reliability/test_signals.py and .ci/fault-loop use it.
+tests/reliability/test_signals.py, .ci/fault-loop and .ci/multinode use it. Under torchrun only the first
+attempt faults: a worker torchrun restarts (--max-restarts, TORCHELASTIC_RESTART_COUNT > 0) inherits the
+variable but runs clean, as a job whose fault was transient would.
 
 Points (where the writers call fault_point):
   step             RunCheckpoints, after each optimizer step (before that step's checkpoint, if any)
@@ -29,12 +31,14 @@ import os
 import signal
 
 ENV = "GPTKIT_FAULT"
+# set by torchrun in each worker: how many times it has restarted the workers
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
 _passes: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
     spec = os.environ.get(ENV)
-    if not spec:
+    if not spec or int(os.environ.get(RESTART_ENV) or 0) > 0:
         return
     where, _, sig = spec.partition(":")
     point, _, nth = where.partition("@")

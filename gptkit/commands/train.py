@@ -40,6 +40,7 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
     from gptkit.runs import LATEST, check_run_location, check_saved_run, find_run_checkpoint
+    from gptkit.training.distributed import elastic_resume
     from gptkit.training.start import check_resume_or_init
 
     kv = {
@@ -49,6 +50,12 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     }
     check_resume_or_init(kv.get("resume"), kv.get("init_from"))
     args = _name_after_init_source(args, options, kv)
+    # torchrun --max-restarts runs the same command again: it continues the run its first attempt started,
+    # whose saved config is this command's; only what a resume may change (trainer., logger) is kept
+    restart = elastic_resume(kv)
+    if restart is not None:
+        kept = [a for a in args if a.lstrip("+~").startswith(("trainer", "logger", "-"))]
+        args, kv["resume"] = [f"resume={restart}", *kept], str(restart)
     # teacher=<source>: the short spelling of frozen.teacher=<source> (objective=distill, gkd), the key the
     # run records
     args = [f"frozen.{a}" if a.startswith("teacher=") else a for a in args]

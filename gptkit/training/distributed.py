@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import signal
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -43,6 +44,8 @@ from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
 
 STRATEGIES = ("auto", "ddp", "fsdp")
+# "True" in a torchrun worker when the workers' process group uses the rendezvous's own TCPStore
+SHARED_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"
 LAUNCHER_ENV = ("TORCHELASTIC_RUN_ID", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "LSB_JOBID", "NODE_RANK")
 
 
@@ -146,6 +149,16 @@ def check_distributed(t: Any, checked: Any = None) -> None:
             f"trainer.devices=<nproc-per-node> trainer.num_nodes=<nnodes>"
         )
     if (
+        int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0) > 0
+        and os.environ.get(SHARED_STORE_ENV) == "True"
+    ):
+        raise GptkitError(
+            f"torchrun --max-restarts={os.environ['TORCHELASTIC_MAX_RESTARTS']} with its rendezvous "
+            "store shared with the workers: restarted workers can read the previous attempt's addresses "
+            "and fail or hang (pytorch#135712); export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 before "
+            "torchrun, or launch with python -m gptkit.torchrun"
+        )
+    if (
         "SLURM_NTASKS" in env
         and os.environ.get("SLURM_JOB_NAME") not in ("bash", "interactive")
         and int(env["SLURM_NTASKS"]) != world
@@ -171,6 +184,32 @@ def check_run_name(given: set[str]) -> None:
             "under torchrun/srun every rank must name the same run folder: pass name=<run "
             "name> (the default name holds a timestamp)"
         )
+
+
+def elastic_resume(keys: dict[str, str | None]) -> Path | None:
+    """The run folder a worker torchrun restarted (--max-restarts: TORCHELASTIC_RESTART_COUNT > 0) continues:
+    torchrun runs the same command again, name= and all, and that run's folder holds its first attempt's
+    checkpoints, which a new run there would refuse. None when this is no restart, the command names
+    resume= itself, or no checkpoint was published before the failure (the run starts over).
+    keys: the command line's resume, init_from, name and runs_dir."""
+    from gptkit.checkpoints import CHECKPOINT_DIR, LAST_CHECKPOINT
+
+    name = keys.get("name")
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == 0 or not name or "${" in name:
+        return None
+    # resume= continues its own run again; init_from= (a fine-tune) is continued as any new run is
+    if keys.get("resume") not in (None, "", "null"):
+        return None
+    run_dir = Path(keys.get("runs_dir") or "runs").expanduser() / name
+    if not (run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT).exists():
+        return None
+    if int(os.environ.get("RANK") or 0) == 0:
+        print(
+            f"note: torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: continuing {run_dir} from "
+            "its last checkpoint (resume=)",
+            file=sys.stderr,
+        )
+    return run_dir
 
 
 def _check_fsdp(t: Any, acc: str, p: Precision) -> None:

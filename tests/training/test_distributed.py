@@ -287,3 +287,60 @@ def test_compiled_fsdp_resumes_compiled_under_ddp_on_the_same_trajectory(corpus,
         "resume=" + str(tmp_path / "c"), "trainer=ddp", "trainer.devices=2", "trainer.batch_size=2", *compiled
     )
     assert_same_trajectory(losses(tmp_path / "c"), losses(reference))
+
+
+def test_a_node_that_never_joins_fails_in_one_line_within_the_rendezvous_timeout(tmp_path):
+    """`python -m gptkit.torchrun` is torchrun; node 0 started alone gives up at join_timeout with one line
+    (plain torchrun: its agent's 40-line traceback). .ci/multinode runs this, and the rest, on real jobs."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    rdzv = ["--nnodes=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=alone"]
+    r = run_group("-m", "gptkit.torchrun", *rdzv, "--rdzv-conf=join_timeout=1", "-m", "gptkit", "--version")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and r.stdout == "", r.stdout + r.stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("error: torchrun's rendezvous"), r.stderr[-3000:]
+    assert f"127.0.0.1:{port}" in lines[0] and "join_timeout=1s" in lines[0] and "--nnodes=2" in lines[0]
+
+
+def test_a_torchrun_restart_continues_its_run_and_runs_clean(tmp_path, monkeypatch):
+    """What a worker torchrun restarts (--max-restarts) does with the same command line: it continues the
+    run folder its first attempt published a checkpoint in; GPTKIT_FAULT fires on the first attempt only;
+    the shared rendezvous store, which hands a restart the previous attempt's addresses, is refused."""
+    from gptkit import faults
+    from gptkit.conf_tree import compose
+    from gptkit.errors import GptkitError
+    from gptkit.training.distributed import check_distributed, elastic_resume
+
+    keys = {"name": "r", "runs_dir": str(tmp_path), "resume": None, "init_from": None}
+    (tmp_path / "r/checkpoints").mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    # no checkpoint published before the failure: the run starts over
+    assert elastic_resume(keys) is None
+    (tmp_path / "r/checkpoints/last.ckpt").write_bytes(b"")
+    assert elastic_resume(keys) == tmp_path / "r"
+    assert elastic_resume({**keys, "resume": str(tmp_path / "other")}) is None
+    # a fine-tune's restart continues it too (not a new run from init_from= again, refused in that folder)
+    assert elastic_resume({**keys, "init_from": str(tmp_path / "base")}) == tmp_path / "r"
+    # the first attempt: a new run, which a folder with checkpoints refuses (as without torchrun)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert elastic_resume(keys) is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    killed = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: killed.append(sig))
+    monkeypatch.setattr(faults, "_passes", {})
+    monkeypatch.setenv(faults.ENV, "step")
+    faults.fault_point("step")
+    assert killed == []
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    faults.fault_point("step")
+    assert len(killed) == 1
+    t = compose("train", ["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=1"]).trainer
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    with pytest.raises(GptkitError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        check_distributed(t)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    check_distributed(t)
