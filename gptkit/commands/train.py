@@ -40,7 +40,7 @@ def prepare_options(args: list[str], options: list) -> list[str]:
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import GptkitError
     from gptkit.runs import LATEST, check_run_location, check_saved_run, find_run_checkpoint
-    from gptkit.training.distributed import elastic_resume
+    from gptkit.training.elastic import elastic_resume
     from gptkit.training.start import check_resume_or_init
 
     kv = {

@@ -16,7 +16,6 @@ from __future__ import annotations
 import functools
 import os
 import signal
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -41,6 +40,7 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
+from gptkit.training.elastic import elastic_resume  # noqa: F401  (torch-free: commands/train.py imports it)
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
 
 STRATEGIES = ("auto", "ddp", "fsdp")
@@ -184,32 +184,6 @@ def check_run_name(given: set[str]) -> None:
             "under torchrun/srun every rank must name the same run folder: pass name=<run "
             "name> (the default name holds a timestamp)"
         )
-
-
-def elastic_resume(keys: dict[str, str | None]) -> Path | None:
-    """The run folder a worker torchrun restarted (--max-restarts: TORCHELASTIC_RESTART_COUNT > 0) continues:
-    torchrun runs the same command again, name= and all, and that run's folder holds its first attempt's
-    checkpoints, which a new run there would refuse. None when this is no restart, the command names
-    resume= itself, or no checkpoint was published before the failure (the run starts over).
-    keys: the command line's resume, init_from, name and runs_dir."""
-    from gptkit.checkpoints import CHECKPOINT_DIR, LAST_CHECKPOINT
-
-    name = keys.get("name")
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0) == 0 or not name or "${" in name:
-        return None
-    # resume= continues its own run again; init_from= (a fine-tune) is continued as any new run is
-    if keys.get("resume") not in (None, "", "null"):
-        return None
-    run_dir = Path(keys.get("runs_dir") or "runs").expanduser() / name
-    if not (run_dir / CHECKPOINT_DIR / LAST_CHECKPOINT).exists():
-        return None
-    if int(os.environ.get("RANK") or 0) == 0:
-        print(
-            f"note: torchrun restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: continuing {run_dir} from "
-            "its last checkpoint (resume=)",
-            file=sys.stderr,
-        )
-    return run_dir
 
 
 def _check_fsdp(t: Any, acc: str, p: Precision) -> None:
