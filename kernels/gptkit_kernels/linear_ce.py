@@ -33,6 +33,16 @@ import torch
 CHUNK_LOGITS = 1 << 26
 
 
+def matmul_operands(x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x, weight) in the dtype the head's matmul runs in: autocast's where it is on (as F.linear would run
+    them), else x's."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return x.to(dtype), weight.to(dtype)
+    return x, weight.to(x.dtype)
+
+
 def chunk_rows(n_tokens: int, vocab_size: int, chunk_size: int | None = None) -> int:
     """Rows per chunk: chunk_size, or as many as keep a chunk of fp32 logits near CHUNK_LOGITS."""
     if chunk_size is not None:
@@ -123,11 +133,7 @@ def linear_cross_entropy(
     t2 = targets.reshape(-1)  # [N]
     device = x.device.type
     # the matmuls in the autocast dtype, as F.linear would run them
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x2, w2 = x2.to(dtype), weight.to(dtype)
-    else:
-        w2 = weight.to(x2.dtype)
+    x2, w2 = matmul_operands(x2, weight)
     rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (x2.requires_grad or w2.requires_grad):
@@ -265,11 +271,7 @@ def linear_log_probs(
     x2 = x.reshape(-1, d)  # [N, d]
     t2 = targets.reshape(-1)  # [N]
     device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x2, w2 = x2.to(dtype), weight.to(dtype)
-    else:
-        w2 = weight.to(x2.dtype)
+    x2, w2 = matmul_operands(x2, weight)
     rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
     args = (int(ignore_index), rows, softcap, float(temperature))
     with torch.autocast(device, enabled=False):

@@ -41,7 +41,7 @@ import math
 
 import torch
 
-from gptkit_kernels.linear_ce import _scaled_logits, chunk_rows, head_back, through_cap
+from gptkit_kernels.linear_ce import _scaled_logits, chunk_rows, head_back, matmul_operands, through_cap
 
 # chunk-sized fp32 tensors one chunk holds at once (student and teacher log-probs, the cap, the mixture,
 # products): the rows per chunk are chunk_rows' divided by this, so a chunk stays near linear_ce's budget
@@ -217,11 +217,8 @@ def linear_distill(
     t2 = targets.reshape(-1).index_select(0, label_rows)
     device = x.device.type
     # the matmuls in the autocast dtype, as F.linear would run them
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x2, w2, tx2, tw2 = x2.to(dtype), weight.to(dtype), tx2.to(dtype), teacher_weight.to(dtype)
-    else:
-        w2, tw2 = weight.to(x2.dtype), teacher_weight.to(tx2.dtype)
+    x2, w2 = matmul_operands(x2, weight)
+    tx2, tw2 = matmul_operands(tx2, teacher_weight)
     tx2, tw2 = tx2.detach(), tw2.detach()
     rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
     if chunk_size is None:
@@ -279,11 +276,7 @@ def linear_topk_distill(
     # log t~ [M, k]: the kept log-probs renormalized at the temperature
     lt = torch.log_softmax(teacher_logps.reshape(-1, k).index_select(0, label_rows).to(acc) / temperature, -1)
     device = x.device.type
-    if torch.is_autocast_enabled(device):
-        dtype = torch.get_autocast_dtype(device)
-        x2, w2 = x2.to(dtype), weight.to(dtype)
-    else:
-        w2 = weight.to(x2.dtype)
+    x2, w2 = matmul_operands(x2, weight)
     lt = lt.detach()
     rows = chunk_rows(x2.shape[0], weight.shape[0], chunk_size)
     if chunk_size is None:
