@@ -22,9 +22,6 @@ exits 1 when one differs by 1e-6 or more.
 
 from __future__ import annotations
 
-import argparse
-import json
-import subprocess
 import sys
 from collections import defaultdict
 from types import SimpleNamespace
@@ -184,22 +181,7 @@ def compare(trl: dict) -> int:
     return 0 if max(worst.values()) < 1e-6 else 1
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--side", choices=("trl", "gptkit"), default="gptkit")
-    p.add_argument("--trl-python", help="the python of an environment with TRL installed")
-    a = p.parse_args()
-    if a.side == "trl":
-        json.dump(trl_side(), sys.stdout)
-        return 0
-    if not a.trl_python:
-        p.error("--trl-python is needed (TRL is not a dependency of gptkit)")
-    r = subprocess.run([a.trl_python, __file__, "--side", "trl"], capture_output=True, text=True)
-    if r.returncode:
-        print(r.stderr[-3000:], file=sys.stderr)
-        return r.returncode
-    return compare(json.loads(r.stdout))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from trl_pair import main
+
+    sys.exit(main(__file__, __doc__, trl_side, compare))
