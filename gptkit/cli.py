@@ -81,7 +81,7 @@ VERBS: dict[str, Verb] = {
         "eval",
         "eval",
         "loss, perplexity and bits per byte/char of a run on its val split or a "
-        "held-out corpus; lm-eval task accuracy with tasks=... (--json)",
+        "held-out corpus; lm-eval task accuracy with tasks=...; pass@k and maj@k with samples=n (--json)",
     ),
     "attention": Verb(
         "attention",
