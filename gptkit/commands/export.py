@@ -20,10 +20,17 @@ that PeftModel.from_pretrained loads on the base exported by itself (docs/lora.m
 (finetune=qlora) merges them into the base it trained on, its block projections dequantized from NF4
 (docs/qlora.md).
 
+With push_to_hub=owner/name the export is uploaded to that Hub model repository (private unless
+private=false) with a model card, README.md: the run's config, its parameter counts, its data manifest and the
+data's provenance, the eval table of its results files, the export's parity check and the files
+(gptkit/hf/card.py, docs/hub.md). The token is HF_TOKEN's (or HUGGING_FACE_HUB_TOKEN's), never printed; a push
+without one, offline, or with the hub unreachable fails in one line before anything is written.
+
 Examples:
   gptkit export run=runs/llama-tiny-20250101-120000 out=hf/llama-tiny
   gptkit export run=runs/my-run out=hf/my-run dtype=bf16 max_shard_size=2GB force=true
   gptkit export run=runs/my-lora-run out=hf/my-adapter adapters=true
+  HF_TOKEN=... gptkit export run=runs/my-run out=hf/my-run push_to_hub=me/my-model license=apache-2.0
 """
 
 from __future__ import annotations
@@ -37,6 +44,68 @@ from pathlib import Path
 
 
 def run(cfg) -> int:
+    """The export (write), then, with push_to_hub=, its upload with a model card (checked before writing)."""
+    push = None
+    if cfg.get("push_to_hub"):
+        from gptkit.hf.push import check
+
+        push = check(cfg.push_to_hub, cfg.get("private", True))
+    code = write(cfg)
+    if code == 0 and push is not None:
+        push_export(cfg, push)
+    return code
+
+
+def push_export(cfg, push) -> None:
+    """The export at out= and its model card uploaded to push.repo_id (gptkit/hf/push.py, card.py)."""
+    from gptkit.accounting import count_params
+    from gptkit.checkpoints import run_dir_of
+    from gptkit.evaluation.task_results import run_results
+    from gptkit.hf import card
+    from gptkit.hf.parity import export_parity
+    from gptkit.model import ModelConfig
+    from gptkit.precision import torch_dtype
+    from gptkit.runs import MANIFEST_FILE, find_run_checkpoint, read_config
+
+    out = Path(cfg.out).expanduser()
+    ckpt = find_run_checkpoint(cfg.run)
+    run_dir = Path(run_dir_of(ckpt))
+    run_cfg = read_config(run_dir)
+    counts = count_params(ModelConfig.from_dict(run_cfg["model"])) if run_cfg.get("model") else None
+    manifest_file = run_dir / MANIFEST_FILE
+    manifest = json.loads(manifest_file.read_text()) if manifest_file.is_file() else None
+    kind = card.export_kind(out)
+    if kind == "transformers" and not cfg.adapters:
+        ok, parity = export_parity(ckpt, out, torch_dtype(cfg.dtype))
+        parity = f"{'passed' if ok else 'FAILED'}: {parity}"
+        if not ok:
+            print(f"warning: the export's parity check failed ({parity}); pushed anyway", file=sys.stderr)
+    elif kind == "adapters":
+        parity = (
+            "not measured for an adapter folder: its weights are the run's LoRA factors as PEFT names them "
+            "(the merged export, adapters=false, is the one whose logits are checked)"
+        )
+    else:
+        parity = f"not measured: gptkit checks the logits of transformers folders only ({kind} export)"
+    text = card.model_card(
+        out,
+        push.repo_id,
+        run_dir,
+        run_cfg,
+        counts,
+        manifest,
+        run_results(run_dir),
+        parity,
+        cfg.get("license"),
+    )
+    uploaded = push.upload(out, text)
+    print(
+        f"pushed {out} to {push.url} ({'private' if push.private else 'public'}): {len(uploaded)} files, "
+        f"the model card README.md included"
+    )
+
+
+def write(cfg) -> int:
     from gptkit.checkpoints import run_dir_of
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir

@@ -44,14 +44,15 @@ from gptkit.chat_templates import (
     encode_conversation,
     resolve_template,
 )
+from gptkit.data import hub_files
 from gptkit.data.build import cutter_for
 from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Prepared
-from gptkit.data.files import expand_paths, spelled_in
+from gptkit.data.files import spelled_in
 from gptkit.data.provenance import TextBytes, show
 from gptkit.data.records import records
-from gptkit.data.settings import allows_special_text, keyed_special_text
+from gptkit.data.settings import allows_special_text, defaults, keyed_special_text
 from gptkit.errors import GptkitError
 from gptkit.tokenizer import (
     TokenizerSpec,
@@ -223,6 +224,10 @@ def key_settings(s: dict[str, Any], tok: TokenizerSpec, template, files: list[Pa
     key = keyed_special_text(
         s, lambda: spelled_in(files, [*template.special_tokens, *spec_special_tokens(tok)], formats)
     )
+    # data.hf (hub datasets in data.paths, gptkit/data/hub_files.py) at its defaults: the key of every gptkit
+    # before it
+    if "hf" in key and s.get("kind") and key["hf"] == defaults(s["kind"]).get("hf"):
+        key = {k: v for k, v in key.items() if k != "hf"}
     # records that may carry tools or tool calls (gptkit.chat_formats.tools) render them now, where every
     # gptkit before dropped them: another key for those files alone (no folder prepared without them is read)
     if spelled_in(files, ['"tools"', '"tool_calls"'], formats):
@@ -296,6 +301,8 @@ class TemplatedBuild:
     folders: list[Path]
     key: str
     content: str
+    # the hub datasets data.paths and data.val_paths name (their files are in train_files, val_files)
+    hub: list[hub_files.HubFiles] = field(default_factory=list)
 
     @classmethod
     def open(
@@ -309,8 +316,13 @@ class TemplatedBuild:
     ) -> "TemplatedBuild":
         """The files, the template and the cache folders of the (checked) settings; a template that is not
         Jinja fails before any file is read."""
-        train_files = expand_paths(s["paths"], "data.paths")
-        val_files = expand_paths(s["val_paths"], "data.val_paths") if s["val_paths"] else []
+        hf = s.get("hf") or {}
+        train_files, hub = hub_files.expand(s["paths"], "data.paths", hf, hf.get("split") or "train")
+        val_files: list[Path] = []
+        if s["val_paths"]:
+            val_split = hf.get("val_split") or "validation"
+            val_files, val_hub = hub_files.expand(s["val_paths"], "data.val_paths", hf, val_split)
+            hub += val_hub
         template = template_for(s["template"], tok)
         files = train_files + val_files
         folders, key, content = templated_folder(
@@ -325,7 +337,7 @@ class TemplatedBuild:
             opts.force,
             opts.row_limit,
         )
-        return cls(kind, s, tok, opts, train_files, val_files, template, folders, key, content)
+        return cls(kind, s, tok, opts, train_files, val_files, template, folders, key, content, hub)
 
     @property
     def allow_special_text(self) -> bool:
@@ -369,15 +381,20 @@ class TemplatedBuild:
         """The manifest of the folder: format, key, source, template, the tokenizer's record, the row limit
         and the splits' counts (`splits`: {split: {count: ...}})."""
         val = f" (val: {', '.join(map(str, self.val_files))})" if self.val_files else ""
+        source = {
+            "kind": self.kind,
+            "description": f"{what} from {', '.join(map(str, self.train_files))}{val}",
+            "sha256": self.content,
+        }
+        if self.hub:
+            # where the hub datasets' files came from: repository, revision, commit, split, files
+            source["description"] = f"{what} from {', '.join(h.describe() for h in self.hub)}"
+            source["hub"] = [h.record() for h in self.hub]
         return {
             "format": fmt,
             "format_version": format_version,
             "cache_key": self.key,
-            "source": {
-                "kind": self.kind,
-                "description": f"{what} from {', '.join(map(str, self.train_files))}{val}",
-                "sha256": self.content,
-            },
+            "source": source,
             "template": self.template.name,
             "added_tokens": added,
             "tokenizer": tokenizer_record(tokenizer, self.tok, self.template),
@@ -583,8 +600,12 @@ class TemplatedKind:
 
     def read(self, files: list[Path], s: dict[str, Any]) -> list[tuple[str, Any]]:
         """Every record of the files as (file:row, checked record); none at all is an error."""
+        # data.hf.columns: the dataset's columns under gptkit's field names
+        mapping = hub_files.columns(s.get("hf"))
         out = [
-            (where, self.read_record(rec, where, s)) for f in files for where, rec in records(f, s["format"])
+            (where, self.read_record(hub_files.renamed(rec, mapping), where, s))
+            for f in files
+            for where, rec in records(f, s["format"])
         ]
         if not out:
             raise GptkitError(f"{', '.join(map(str, files))}: no {self.none or self.records}")

@@ -113,3 +113,25 @@ def write_results(
         atomic_write_text(path, json.dumps({**common, **one(task)}, indent=2, default=str) + "\n")
         written.append(path)
     return written
+
+
+def run_results(run_dir: Path | str) -> list[dict[str, Any]]:
+    """The rows (task, metric, value, stderr, n) of a run's results files (<run>/evals/*.json, as
+    write_results writes them), the newest file of each task winning; a file that is not such JSON is
+    skipped (the run's own eval table, for a model card)."""
+    newest: dict[str, tuple[str, list[dict[str, Any]]]] = {}
+    for f in sorted(Path(run_dir, "evals").glob("*.json")):
+        try:
+            doc = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(doc, dict):
+            continue
+        for one in doc.get("tasks") or [doc]:
+            rows = one.get("rows") if isinstance(one, dict) else None
+            if not isinstance(rows, list) or not one.get("task"):
+                continue
+            date = str(doc.get("date") or "")
+            if one["task"] not in newest or date >= newest[one["task"]][0]:
+                newest[one["task"]] = (date, [r for r in rows if isinstance(r, dict) and "metric" in r])
+    return [r for task in sorted(newest) for r in newest[task][1]]
