@@ -523,6 +523,7 @@ def test_hub_dataset_subsets_files_and_bad_specs(tmp_path, dataset_hub):
     for spec, hf, needle in [
         ("hf:no-owner", {}, "is not a Hub dataset; write hf:owner/name"),
         (f"hf:{DATASET}", {"split": "dev"}, "has no jsonl, json or parquet files of split 'dev'"),
+        (f"hf:{DATASET}", {"subset": "en", "columns": ["messages"]}, "must map gptkit's fields"),
     ]:
         with pytest.raises(GptkitError, match=needle):
             chat(spec, **hf)
