@@ -314,8 +314,9 @@ class TemplatedBuild:
         row_keys,
         format_version: int,
     ) -> "TemplatedBuild":
-        """The files, the template and the cache folders of the (checked) settings; a template that is not
-        Jinja fails before any file is read."""
+        """The files (a hub dataset's downloaded: gptkit/data/hub_files.py), the template and the cache
+        folders of the (checked) settings; a template that is not Jinja fails before any file is read."""
+        template = template_for(s["template"], tok)
         hf = s.get("hf") or {}
         train_files, hub = hub_files.expand(s["paths"], "data.paths", hf, hf.get("split") or "train")
         val_files: list[Path] = []
@@ -323,7 +324,6 @@ class TemplatedBuild:
             val_split = hf.get("val_split") or "validation"
             val_files, val_hub = hub_files.expand(s["val_paths"], "data.val_paths", hf, val_split)
             hub += val_hub
-        template = template_for(s["template"], tok)
         files = train_files + val_files
         folders, key, content = templated_folder(
             kind,
