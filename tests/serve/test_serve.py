@@ -894,6 +894,10 @@ def test_the_openai_client_runs_a_tool_loop_and_forced_calls_always_parse(server
     # the loop: the call and its result sent back, a final answer
     result = {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}
     loop = [*msgs, c.message.model_dump(exclude_none=True), result]
+    # the client's message object sent back as it is (its null fields and refusal too): the same prompt
+    same = client.chat.completions.create(
+        model="tiny-chat", messages=[*msgs, c.message, result], tools=[CITY, ADD], temperature=0, max_tokens=8
+    )
     final = client.chat.completions.create(
         model="tiny-chat", messages=loop, tools=[CITY, ADD], temperature=0, max_tokens=8
     )
@@ -914,7 +918,7 @@ def test_the_openai_client_runs_a_tool_loop_and_forced_calls_always_parse(server
         "x",
         add_generation_prompt=True,
     )[0]
-    assert final.usage.prompt_tokens == len(ids)
+    assert final.usage.prompt_tokens == same.usage.prompt_tokens == len(ids)
     assert "<tool_response>\n18 C, sunny\n</tool_response>" in ref.tokenizer.decode(
         ids, skip_special_tokens=False
     )

@@ -79,6 +79,10 @@ def messages(body: dict) -> list[dict[str, Any]]:
                 "invalid_value",
             )
         for key in m:
+            # null fields, and a reply's own metadata that a client sends back with it (the openai
+            # client's message object: refusal, annotations), say nothing
+            if m[key] is None or (role == "assistant" and key in ("refusal", "annotations")):
+                continue
             if key not in ("role", "content", "name", *MESSAGE_FIELDS.get(role, ())):
                 raise bad(f"{where}.{key} is not supported by gptkit serve", f"{where}.{key}", "unsupported")
         content = m.get("content")
