@@ -1003,6 +1003,28 @@ def test_replies_read_back_into_calls_in_each_syntax_and_streamed_alike(kind):
         )
         for size in (1, 5):
             assert streamed(t, size) == (t, [], ["stop"]), t
+    # a tokenizer with the markers as special tokens (which decoding drops): the reply is read with them
+    from gptkit.serve.served import Served
+    from gptkit.serve.tokens import TokenTexts
+
+    tok = byte_tokenizer(["<|endoftext|>"])
+    t = templates.ChatTemplate(kind, text, dict(variables), list(special))
+    templates.add_special_tokens(tok, t)
+    lead = "Hi " if syntax.prefix.strip() else ""
+    body = json.dumps({syntax.name_key: "add", syntax.args_key: {"a": 1, "b": 2}})
+    ids = templates.encode_text(tok, lead)
+    for piece in (syntax.prefix.strip(), body, syntax.suffix.strip()):
+        ids += (
+            [tok.token_to_id(piece)]
+            if tok.token_to_id(piece) is not None
+            else templates.encode_text(tok, piece)
+        )
+    fake = SimpleNamespace(tokens=TokenTexts(tok, tok.get_vocab_size()), tokenizer=tok)
+    fake.chat_text = lambda i: t.reply_text(tok, i)
+    read = Served.call_text(fake, syntax)(ids)
+    if syntax.prefix.strip():
+        assert tok.decode(ids) == lead + body
+    assert whole(read)["message"]["tool_calls"][0]["function"]["name"] == "add" and read.startswith(lead)
     # cut by max_tokens: text, as it stands
     w = whole(call, "length")
     assert w["finish_reason"] == "length" and w["message"]["content"] == call
