@@ -36,7 +36,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from gptkit.chat_formats import harmony
+from gptkit.chat_formats import harmony, tool_syntax
 from gptkit.chat_formats.tools import tools_of
 from gptkit.errors import GptkitError
 
@@ -176,6 +176,18 @@ class ChatTemplate:
         reader = self.reply_reader(tokenizer)
         shown = [t for t in ids if reader.shows(t)]
         return reader.message(ids, tokenizer.decode(shown))["content"]
+
+    def call_syntax(self) -> tool_syntax.CallSyntax | None:
+        """How this template writes a tool call, learned by rendering one (gptkit/chat_formats/
+        tool_syntax.py); None when it writes none that reads back (no tool syntax; harmony's channels)."""
+        if "_call_syntax" not in self.__dict__:
+            found = None
+            if "tool_calls" in self.text and self.text != harmony.TEMPLATE:
+                found = tool_syntax.learn(
+                    lambda msgs, gen, tools: self.render(msgs, gen, tools)[0], self.end_of_turn()
+                )
+            self.__dict__["_call_syntax"] = found
+        return self.__dict__["_call_syntax"]
 
     def end_of_turn(self) -> str:
         """What the template writes after an assistant's text (e.g. '<|im_end|>\\n'): where a reply ends."""

@@ -33,6 +33,8 @@ TORCHAO_PIN = "0.18.0"
 
 EXTRAS: dict[str, Extra] = {
     "serve": Extra(("starlette", "uvicorn"), "pip install 'gptkit[serve]'", "gptkit serve needs"),
+    # a JSON Schema checked, a tool call's arguments validated (serve's tools, `gptkit chat tools=`)
+    "tools": Extra(("jsonschema",), "pip install 'gptkit[serve]'", "tools (their JSON Schemas) need"),
     "eval": Extra(("lm_eval",), "pip install 'gptkit[eval]'", "tasks= (lm-eval tasks) needs"),
     "quant": Extra(
         ("torchao",),

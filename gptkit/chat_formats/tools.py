@@ -13,7 +13,8 @@ Checked here, in one place, for every room that reads conversations (data=chat; 
 templates write it with `| tojson`; an assistant message with calls and no content gets content ""), and
 every problem is a GptkitError of one line naming `where`. A function's `parameters` must be a JSON Schema
 of an object (checked structurally, its top level: `type` "object", `properties` an object of schema
-objects, `required` a list of names among them; the jsonschema package is not a dependency). A `tool`
+objects, `required` a list of names among them; here the jsonschema package is not needed: serve checks
+them against the meta-schema too, gptkit/serve/tool_calls.py). A `tool`
 message must answer a call: it follows an assistant message with tool_calls (or another tool message of
 the same answer), and its tool_call_id, when given, names one of those calls.
 

@@ -11,6 +11,13 @@ Examples:
   gptkit chat run=runs/sft
   gptkit chat run=runs/qwen system="You are terse." temperature=0 max_new_tokens=128
   printf 'What is 2+3?\\nAnd times 4?\\n' | gptkit chat run=runs/sft greedy=true --json
+  gptkit chat run=runs/qwen tools=my_tools.py       # the model may call my_tools.py's functions
+
+Tools (tools=, a template with tool syntax): the tools are rendered into every prompt; a reply that is
+calls is shown as `tool call:` lines, each call answered by its function (tools=file.py or a module: the
+user's code, announced on stderr before it runs; an error it raises is its result) or by the user (tools=
+file.json: the next line typed, or read from stdin, is the result), and the model answers again, up to
+MAX_TOOL_ROUNDS rounds a message.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from pathlib import Path
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
 COMMANDS = ("/reset", "/exit")
+# tool-call rounds one user message may start (each: the calls, their results, the model's next reply)
+MAX_TOOL_ROUNDS = 8
 # max_new_tokens=null (conf/chat.yaml): up to this many, capped at what the run's context leaves
 DEFAULT_NEW_TOKENS = 256
 
@@ -49,6 +58,13 @@ def run(cfg) -> int:
     # the run first, torch after (gptkit.inference.generate, the device, the model): a run= that is not one is
     # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     ckpt = find_run_checkpoint(cfg.run)
+    tools = None
+    if cfg.tools:
+        from gptkit.extras import require
+        from gptkit.inference.chat_tools import load_tools
+
+        require("tools", "chat tools=")
+        tools = load_tools(str(cfg.tools))
     from gptkit.inference.generate import ChatSession
     from gptkit.inference.sampling import SampleOptions
 
@@ -97,6 +113,7 @@ def run(cfg) -> int:
         reuse_cache=bool(cfg.reuse_cache),
         fit_answer=fit_answer,
         allow_special_text=cfg.special_tokens_in_content == "allow",
+        tools=tools.specs if tools is not None else None,
     )
     if session.fit_note():
         print(f"note: {session.fit_note()}", file=sys.stderr)
@@ -111,6 +128,23 @@ def run(cfg) -> int:
         print(
             f"chatting with {r.dir} (template {template.name}); /reset forgets, /exit ends", file=sys.stderr
         )
+
+    def ask(prompt: str):
+        """The next line the user types (a prompt at a terminal), or of stdin; None at its end."""
+        if tty:
+            try:
+                return input(prompt)
+            except EOFError:
+                return None
+        got = sys.stdin.readline()
+        return got.rstrip("\n") if got else None
+
+    if tools is not None:
+        from gptkit.inference.chat_tools import run_call
+
+        answers = "you type each result" if tools.functions is None else "their functions answer"
+        names = ", ".join(t["function"]["name"] for t in tools.specs)
+        print(f"tools: {names} (from {tools.source}; {answers})", file=sys.stderr)
     turn_no = 0
     while True:
         if tty:
@@ -136,8 +170,37 @@ def run(cfg) -> int:
         turn_no += 1
         if tty and streaming:
             write("assistant> ")
+        answered: list[dict] = []
         try:
             t = session.reply(line, on_text=write if streaming else None)
+            rounds = 0
+            while t.calls and rounds < MAX_TOOL_ROUNDS:
+                rounds += 1
+                if streaming:
+                    write("\n")
+                results = []
+                for c in t.calls:
+                    args = json.dumps(c["arguments"], ensure_ascii=False)
+                    print(f"tool call: {c['name']}({args})", file=sys.stderr, flush=True)
+                    if tools.functions is not None:
+                        result = run_call(tools.functions[c["name"]], c["arguments"])
+                        print(f"tool result: {result}", file=sys.stderr, flush=True)
+                    else:
+                        result = ask(f"result of {c['name']}> ")
+                        if result is None:
+                            print("error: the input ended before the tool's result", file=sys.stderr)
+                            return 2
+                    results.append(result)
+                    answered.append({"name": c["name"], "arguments": c["arguments"], "result": result})
+                if tty and streaming:
+                    write("assistant> ")
+                t = session.answer_calls(results, on_text=write if streaming else None)
+            if t.calls:
+                print(
+                    f"note: the model called tools {MAX_TOOL_ROUNDS} rounds running; its last calls are "
+                    "left unanswered",
+                    file=sys.stderr,
+                )
         # a message too long for the context: said in one line; at a terminal the conversation goes on (type a
         # shorter one), from a script it ends there with exit 2 (the answers already printed stay)
         except GptkitError as exc:
@@ -159,6 +222,7 @@ def run(cfg) -> int:
                         "prefill_s": t.prefill_s,
                         "decode_s": t.decode_s,
                         "notes": t.notes,
+                        **({"tool_calls": answered} if answered else {}),
                     },
                     ensure_ascii=False,
                 ),

@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from gptkit.chat_formats.tools import Conversation
 from gptkit.chat_templates import encode_conversation, encode_text
 from gptkit.errors import GptkitError
 from gptkit.inference.decoding_layout import decoding_layout
@@ -212,6 +213,8 @@ class Turn:
     prefill_s: float
     decode_s: float
     notes: list[str] = field(default_factory=list)
+    # the tools the reply calls ({id, name, arguments}; empty: its text is all of it)
+    calls: list[dict] = field(default_factory=list)
 
 
 class ChatSession:
@@ -241,8 +244,18 @@ class ChatSession:
         reuse_cache: bool = True,
         fit_answer: bool = False,
         allow_special_text: bool = False,
+        tools: list[dict] | None = None,
     ) -> None:
         cfg = model.cfg
+        # the tools the template renders (gptkit.chat_formats.tools' specs), and how a reply calls them
+        self.tools = tools or None
+        self.call_syntax = template.call_syntax() if self.tools else None
+        if self.tools and self.call_syntax is None:
+            raise GptkitError(
+                f"the chat template {template.name} writes no tool call that gptkit can read back (no JSON "
+                'call object such as {"name": ..., "arguments": ...}); chat with tools= needs a template '
+                "with tool syntax"
+            )
         self.model, self.tokenizer, self.template, self.opts = model, tokenizer, template, opts
         self.system, self.stop_ids, self.reuse_cache = system, set(stop_ids), reuse_cache
         self.allow_special_text = allow_special_text
@@ -293,7 +306,7 @@ class ChatSession:
                 ids, _ = encode_conversation(
                     self.tokenizer,
                     self.template,
-                    self.messages,
+                    Conversation(self.messages, self.tools),
                     "the message",
                     add_generation_prompt=True,
                     allow_special_text=self.allow_special_text,
@@ -305,8 +318,10 @@ class ChatSession:
             if len(ids) + self.room <= self.max_context:
                 return ids, notes
             first = 1 if self.messages and self.messages[0]["role"] == "system" else 0
-            # only the new message is left
-            if len(self.messages) - first <= 1:
+            # the oldest exchange: a user message and what answers it (the reply, its calls, their results)
+            later = [i for i, m in enumerate(self.messages) if i > first and m["role"] == "user"]
+            # only the new exchange is left
+            if not later:
                 # a long message, a shorter answer
                 if self.fit_answer and len(ids) < self.max_context:
                     return ids, notes
@@ -316,14 +331,28 @@ class ChatSession:
                     f"the message takes {len(ids)} tokens with the template; {with_answer}that exceeds the "
                     f"context of {self.max_context}: shorten it"
                 )
-            # the oldest user message and its reply
-            del self.messages[first : first + 2]
+            del self.messages[first : later[0]]
             notes.append("the conversation outgrew the context: its oldest turn was left out")
 
-    @torch.inference_mode()
     def reply(self, user: str, on_text: Optional[Callable[[str], None]] = None) -> Turn:
         """Add the user's message, generate the assistant's reply (streamed to on_text), add it too."""
         self.messages.append({"role": "user", "content": user})
+        return self._answer(on_text)
+
+    def answer_calls(self, results: list[str], on_text: Optional[Callable[[str], None]] = None) -> Turn:
+        """Add the results of the last reply's calls (one each, in order) as tool messages, and generate
+        the assistant's next reply."""
+        calls = self.messages[-1].get("tool_calls") or []
+        if len(results) != len(calls):
+            raise GptkitError(f"{len(results)} tool results for {len(calls)} calls")
+        for c, r in zip(calls, results):
+            self.messages.append(
+                {"role": "tool", "tool_call_id": c["id"], "name": c["function"]["name"], "content": r}
+            )
+        return self._answer(on_text)
+
+    @torch.inference_mode()
+    def _answer(self, on_text: Optional[Callable[[str], None]]) -> Turn:
         ids, notes = self._prompt()
         keep = 0
         if self.reuse_cache:
@@ -388,5 +417,29 @@ class ChatSession:
         # a reply the reader showed none of (harmony's, without a message header): shown whole at its end
         if on_text is not None and message["content"] and not stream.text:
             on_text(message["content"])
+        calls = []
+        parsed = (
+            self.call_syntax.parse(message["content"], self.tools)
+            if self.call_syntax is not None and reason == "eos"
+            else None
+        )
+        if parsed is not None:
+            # the calls, as the template renders them (arguments objects), each an id
+            n = sum(len(m.get("tool_calls") or []) for m in self.messages)
+            calls = [{"id": f"call_{n + k}", **c} for k, c in enumerate(parsed[1])]
+            message = {
+                "role": "assistant",
+                "content": parsed[0] or "",
+                "tool_calls": [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in calls
+                ],
+            }
         self.messages.append(message)
-        return Turn(message["content"], out, reason, len(ids), len(ids) - keep, prefill_s, decode_s, notes)
+        return Turn(
+            message["content"], out, reason, len(ids), len(ids) - keep, prefill_s, decode_s, notes, calls
+        )

@@ -1,4 +1,5 @@
-"""response_format: structured output through a grammar engine (xgrammar, in the `serve` extra).
+"""response_format, and a forced tool call: structured output through a grammar engine (xgrammar, in the
+`serve` extra).
 
     {"type": "text"} or none           no constraint
     {"type": "json_object"}            any JSON object (the schema {"type": "object"}, not strict)
@@ -12,6 +13,10 @@ advances it (tokens holding a raw control character are forbidden too: xgrammar'
 through, JSON parsers do not). The grammar lets the reply's end-of-turn token through only where the JSON
 is complete, so a reply that ends by itself (finish_reason "stop") parses; one cut by max_tokens
 ("length") may not.
+
+tool_choice "required" or a named function (gptkit/serve/tool_calls.py): `tool_call` compiles one call in
+the template's syntax (its markers, then the call's JSON: the name, then arguments valid against the
+tool's parameters), so a reply that ends by itself always reads back as a call.
 
 The compiler reads the model's vocabulary as bytes (gptkit.serve.tokens.TokenTexts) once, at the first
 request that asks for a format; it caches what it compiles.
@@ -75,15 +80,14 @@ class Grammars:
         return lambda: _Matcher(self.xgr, compiled, self.stop_ids, self.control)
 
 
-def _grammars(served) -> Grammars:
+def _grammars(served, field: str = "response_format") -> Grammars:
     if served.grammar is None:
         try:
             import xgrammar as xgr
         except ImportError:
             raise bad(
-                "response_format needs the grammar engine xgrammar, which this server does not have: "
-                + INSTALL,
-                "response_format",
+                f"{field} needs the grammar engine xgrammar, which this server does not have: " + INSTALL,
+                field,
                 "unsupported",
             ) from None
         served.grammar = Grammars(xgr, served.tokens.vocabulary(), list(served.chat_stop))
@@ -128,17 +132,47 @@ def response_format(served, rf: Any) -> Optional[Callable]:
     return _compile(served, schema, strict is not False, f"{where}.schema")
 
 
+def tool_call(served, syntax, tools: list[dict[str, Any]], where: str) -> Callable:
+    """tool_choice required or a named function: a grammar forcing one call of one of `tools` in the
+    template's syntax (gptkit.chat_formats.tool_syntax.CallSyntax: its markers without their outer
+    whitespace, which the reader skips; the call's JSON as the template writes it, `, ` and `: ` between
+    its parts, its arguments valid against the tool's parameters); a 400 naming `where` when the engine
+    cannot compile a tool's parameters."""
+    g = _grammars(served, where)
+    xgr = g.xgr
+    try:
+        parts = [
+            xgr.Grammar.from_json_schema(
+                json.dumps(syntax.call_schema(tools)), any_whitespace=False, separators=(", ", ": ")
+            )
+        ]
+        pre, post = syntax.prefix.strip(), syntax.suffix.strip()
+        if pre:
+            parts.insert(0, xgr.Grammar.from_ebnf("root ::= " + json.dumps(pre)))
+        if post:
+            parts.append(xgr.Grammar.from_ebnf("root ::= " + json.dumps(post)))
+        compiled = g.compiler.compile_grammar(xgr.Grammar.concat(*parts) if len(parts) > 1 else parts[0])
+    except Exception as exc:  # noqa: BLE001 - whatever the engine refuses is the request's fault
+        raise ApiError(
+            400, f"the grammar engine cannot compile {where}: {_engine_line(exc)}", where, "invalid_schema"
+        ) from None
+    return g.constraint(compiled)
+
+
+def _engine_line(exc: BaseException) -> str:
+    # "[09:52:49] /project/cpp/json_schema_converter.cc:5082: Unsupported type "foo"": the last part
+    return _ENGINE_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0])[:300]
+
+
 def _compile(served, schema: dict, strict: bool, where: str) -> Callable:
     """The schema compiled (JSON without optional whitespace), or a 400 naming `where`."""
-    g = _grammars(served)
+    g = _grammars(served, where.split(".")[0])
     try:
         compiled = g.compiler.compile_json_schema(
             json.dumps(schema), any_whitespace=False, strict_mode=strict
         )
     except Exception as exc:  # noqa: BLE001 - whatever the engine refuses is the request's fault
-        # "[09:52:49] /project/cpp/json_schema_converter.cc:5082: Unsupported type "foo"": the last part
-        line = _ENGINE_PREFIX.sub("", (str(exc).strip().splitlines() or [""])[0])[:300]
         raise ApiError(
-            400, f"the grammar engine cannot compile {where}: {line}", where, "invalid_schema"
+            400, f"the grammar engine cannot compile {where}: {_engine_line(exc)}", where, "invalid_schema"
         ) from None
     return g.constraint(compiled)

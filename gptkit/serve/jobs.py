@@ -230,10 +230,11 @@ async def _events(jobs: _Jobs, reply: Reply, n: int, n_prompts: int, n_prompt: i
                 if e.finish:
                     ends.append((i, e.finish))
         out = [
-            sse(reply.chunk(i, texts.get(i), logprobs=logprobs.get(i)))
+            sse(chunk)
             for i in sorted(texts.keys() | logprobs.keys())
+            for chunk in reply.stream(i, texts.get(i), logprobs.get(i) or [])
         ]
-        out += [sse(reply.chunk(i, None, finish=reason)) for i, reason in ends]
+        out += [sse(chunk) for i, reason in ends for chunk in reply.ending(i, reason)]
         left -= len(ends)
         if out:
             yield b"".join(out)

@@ -70,6 +70,26 @@ class Served:
         """What a chat reply's ids show (the template's reply reader: harmony's final channel)."""
         return self.template.reply_text(self.tokenizer, ids)
 
+    def call_text(self, syntax) -> Callable[[list[int]], str]:
+        """chat_text that keeps the special tokens a tool call's markers spell (a tokenizer may have
+        `<tool_call>` as a special token, which decoding drops): what a reply with tools is read from."""
+        keep = {m for m in (syntax.prefix.strip(), syntax.suffix.strip()) if m}
+        keep_ids = {i for i in self.tokens.special if self.tokenizer.id_to_token(i) in keep}
+        if not keep_ids:
+            return self.chat_text
+
+        def decode(ids: list[int]) -> str:
+            out, run = [], []
+            for t in ids:
+                if t in keep_ids:
+                    out += [self.chat_text(run), self.tokenizer.id_to_token(t)]
+                    run = []
+                else:
+                    run.append(t)
+            return "".join(out) + self.chat_text(run)
+
+        return decode
+
     def completion_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, list):
             vocab = self.engine.model.cfg.vocab_size
@@ -84,7 +104,8 @@ class Served:
         except GptkitError as exc:
             raise bad(str(exc), "prompt", "invalid_value") from None
 
-    def chat_ids(self, messages: list[dict[str, str]]) -> list[int]:
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """The messages (a Conversation carries its tools) rendered with the generation prompt, as ids."""
         if self.template is None:
             raise ApiError(
                 400,

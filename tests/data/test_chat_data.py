@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from conftest import GENERATION_TEMPLATE as GENERATION
-from conftest import TINY_LLAMA, chat_train, run_main, write_jsonl
+from conftest import TINY_LLAMA, TOOL_TEMPLATES, WEATHER, chat_train, run_main, write_jsonl
 
 from gptkit import chat_templates as templates
 from gptkit.data import chat, prepare
@@ -359,147 +359,7 @@ def test_bench_sft_scores_each_task_apart():
 
 
 # ---- tools: the record's tools, the assistant's calls, the tools' results (gptkit.chat_formats.tools) -----
-# The tool syntax of Qwen2.5's and Llama 3.1's templates (tools in the system message / the first user
-# message, <tool_call> JSON / a {"name", "parameters"} reply, <tool_response> in a user turn / an ipython
-# turn), written here: the models' files cannot be downloaded offline.
-QWEN25_TOOLS = """{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions.\\n\\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\\n</tools>\\n\\nReturn each call within <tool_call></tool_call> XML tags.<|im_end|>\\n" }}
-{%- elif messages[0]['role'] == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
-        or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\\n<tool_call>\\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\\n<tool_response>\\n' }}
-        {{- message.content }}
-        {{- '\\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\\n' }}
-{%- endif %}
-"""
-LLAMA31_TOOLS = """{{- bos_token }}
-{%- if not tools is defined %}{%- set tools = none %}{%- endif %}
-{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = "" %}
-{%- endif %}
-{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
-{%- if tools is not none %}
-    {{- "Environment: ipython\\n" }}
-{%- endif %}
-{{- system_message }}
-{{- "<|eot_id|>" }}
-{%- if not tools is none %}
-    {%- set first_user_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its '
-        + 'value}.' }}
-    {{- "\\n\\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\\n\\n" }}
-    {%- endfor %}
-    {{- first_user_message + "<|eot_id|>"}}
-{%- endif %}
-{%- for message in messages %}
-    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
-        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'
-            + message['content'] | trim + '<|eot_id|>' }}
-    {%- elif 'tool_calls' in message %}
-        {%- if not message.tool_calls|length == 1 %}
-            {{- raise_exception("This model only supports single tool-calls at once!") }}
-        {%- endif %}
-        {%- set tool_call = message.tool_calls[0].function %}
-        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
-        {{- '{"name": "' + tool_call.name + '", ' }}
-        {{- '"parameters": ' }}
-        {{- tool_call.arguments | tojson }}
-        {{- "}" }}
-        {{- "<|eot_id|>" }}
-    {%- elif message.role == "tool" or message.role == "ipython" %}
-        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
-        {%- if message.content is mapping or message.content is iterable %}
-            {{- message.content | tojson }}
-        {%- else %}
-            {{- message.content }}
-        {%- endif %}
-        {{- "<|eot_id|>" }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}
-"""
-# Qwen3's differences: a call's arguments written as they are when a string (else | tojson), and an
-# assistant's content cut after its last </think> (which sends text-is-data to its fallback)
-QWEN3_TOOLS = QWEN25_TOOLS.replace(
-    "{{- tool_call.arguments | tojson }}",
-    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
-    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}",
-).replace(
-    "{%- if message.content %}\n            {{- '\\n' + message.content }}",
-    "{%- set content = message.content %}{%- if '</think>' in content %}"
-    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
-    "{%- if content %}\n            {{- '\\n' + content }}",
-)
-assert QWEN3_TOOLS.count("is string") == 1 and QWEN3_TOOLS.count("</think>") == 2
-TOOL_TEMPLATES = {
-    "qwen2.5": (QWEN25_TOOLS, {}, ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]),
-    "qwen3": (QWEN3_TOOLS, {}, ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]),
-    "llama3.1": (LLAMA31_TOOLS, {"bos_token": "<|begin_of_text|>"}, templates.BUILTIN["llama3"][1]),
-}
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city, now.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}, "unit": {"type": "string", "enum": ["C", "F"]}},
-            "required": ["city"],
-        },
-    },
-}
+# the templates (TOOL_TEMPLATES) and the tool (WEATHER): conftest.py, which tests/serve shares
 # a call (its arguments a JSON string, as OpenAI writes them), the tool's result, the final answer
 TOOL_RECORD = {
     "tools": [WEATHER],

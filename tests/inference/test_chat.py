@@ -286,3 +286,129 @@ def test_a_longrope_conversation_runs_every_key_again_when_it_outgrows_the_origi
         want = generate(s.model, prompt, greedy, use_cache=False).tokens[0]
         assert turn.tokens == want[: len(turn.tokens)] and len(turn.tokens) > 3
     assert crossed == (where == "reply")
+
+
+def tool_run(root):
+    """A random tiny run with a Qwen2.5-style template with tool syntax (chatml's two special tokens)."""
+    from conftest import TOOL_TEMPLATES
+
+    torch.manual_seed(0)
+    tok = byte_tokenizer(["<|endoftext|>"])
+    text, variables, _ = TOOL_TEMPLATES["qwen2.5"]
+    t = templates.ChatTemplate("qwen2.5", text, dict(variables), ["<|im_start|>", "<|im_end|>"])
+    templates.add_special_tokens(tok, t)
+    cfg = ModelConfig(**(TINY | dict(max_seq_len=1024)), vocab_size=tok.get_vocab_size())
+    run = write_run_folder(
+        root / "tools", {"tokenizer": {"eos_token": "<|endoftext|>"}}, GPT(cfg).eval(), tok
+    )
+    (run / templates.CHAT_FILE).write_text(t.to_json())
+    return run, tok
+
+
+def scripted_replies(monkeypatch, tok, replies: list[str]) -> list:
+    """The model's replies, token by token (each ended by <|im_end|>), whatever its logits; and the
+    conversations its prompts rendered."""
+    ids = [
+        i
+        for r in replies
+        for i in [*tok.encode(r, add_special_tokens=False).ids, tok.token_to_id("<|im_end|>")]
+    ]
+    it = iter(ids)
+    monkeypatch.setattr("gptkit.inference.generate.sample_next", lambda *a, **k: torch.tensor([next(it)]))
+    prompts = []
+    real = templates.encode_conversation
+
+    def spy(tokenizer, template, messages, *a, **k):
+        prompts.append((list(messages), getattr(messages, "tools", None)))
+        return real(tokenizer, template, messages, *a, **k)
+
+    monkeypatch.setattr("gptkit.inference.generate.encode_conversation", spy)
+    return prompts
+
+
+def test_chat_runs_a_tool_modules_functions_and_feeds_their_results_back(tmp_path, capsys, monkeypatch):
+    """tools=my_tools.py: announced before its code runs; the model's two calls (one tool raises) are
+    shown, run, and their results (the error's text for the one that raised) rendered back as tool
+    messages; the model's next reply is the answer. tools=file.json: the user types the result."""
+    run, tok = tool_run(tmp_path)
+    module = tmp_path / "my_tools.py"
+    module.write_text(
+        "import sys\n"
+        "print('my_tools imported', file=sys.stderr)\n\n"
+        "def get_weather(city: str, unit: str = 'C') -> str:\n"
+        '    """The weather in a city, now."""\n'
+        "    return f'18 {unit} in {city}'\n\n"
+        "def boom(x: int):\n"
+        '    """Fails."""\n'
+        "    raise ValueError('no such x')\n"
+    )
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    boom = '<tool_call>\n{"name": "boom", "arguments": {"x": 1}}\n</tool_call>'
+    prompts = scripted_replies(monkeypatch, tok, [call + "\n" + boom, "It is 18 C."])
+    code, out, err = scripted_chat(
+        capsys, monkeypatch, "Weather?\n", f"run={run}", f"tools={module}", "threads=1", "--json"
+    )
+    assert code == 0, err
+    assert err.index(f"chat tools= runs {module}") < err.index("my_tools imported")
+    assert "tools: get_weather, boom" in err and 'tool call: get_weather({"city": "Paris"})' in err
+    (answer,) = [json.loads(x) for x in out.splitlines()]
+    assert answer["assistant"] == "It is 18 C."
+    assert answer["tool_calls"] == [
+        {"name": "get_weather", "arguments": {"city": "Paris"}, "result": "18 C in Paris"},
+        {"name": "boom", "arguments": {"x": 1}, "result": "error: ValueError: no such x"},
+    ]
+    # the second prompt: the tools (schemas from the signatures), the calls, their results; it outgrows
+    # what the context leaves for a default answer, and the exchange stays whole (a user message and its
+    # calls and results leave together, never the call without its results)
+    msgs, tools = prompts[-1]
+    assert [t["function"]["name"] for t in tools] == ["get_weather", "boom"]
+    assert tools[0]["function"]["parameters"] == {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+        "required": ["city"],
+    }
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "tool"]
+    assert [m["content"] for m in msgs[2:]] == ["18 C in Paris", "error: ValueError: no such x"]
+    # tools.json: the user answers the call
+    specs = tmp_path / "tools.json"
+    specs.write_text(json.dumps([WEATHER_SPEC]))
+    prompts = scripted_replies(monkeypatch, tok, [call, "Sunny."])
+    code, out, err = scripted_chat(
+        capsys, monkeypatch, "Weather?\n21 C\n", f"run={run}", f"tools={specs}", "threads=1", "--json"
+    )
+    assert code == 0, err
+    (answer,) = [json.loads(x) for x in out.splitlines()]
+    assert answer["assistant"] == "Sunny." and answer["tool_calls"][0]["result"] == "21 C"
+    assert prompts[-1][0][-1] == {
+        "role": "tool",
+        "tool_call_id": "call_0",
+        "name": "get_weather",
+        "content": "21 C",
+    }
+
+
+WEATHER_SPEC = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def test_bad_tools_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    run, _ = tool_run(tmp_path)
+    bad_schema = tmp_path / "bad.json"
+    bad_schema.write_text(json.dumps([{"type": "function", "function": {"name": "f", "parameters": []}}]))
+    cases = [
+        ([f"tools={tmp_path / 'nowhere.py'}"], "is not a file"),
+        ([f"tools={bad_schema}"], "is not JSON Schema (a JSON object), got list"),
+        ([f"tools={tmp_path / 'nowhere.json'}"], "no such file"),
+        ([f"tools={bad_schema.with_suffix('.json')}", "template=chatml"], "writes no tool call"),
+    ]
+    specs = tmp_path / "ok.json"
+    specs.write_text(json.dumps([WEATHER_SPEC]))
+    cases[-1] = ([f"tools={specs}", "template=chatml"], "writes no tool call")
+    for args, words in cases:
+        code, out, err = scripted_chat(capsys, monkeypatch, "hi\n", f"run={run}", "threads=1", *args)
+        assert code == 2 and err.startswith("error: ") and err.count("\n") == 1 and words in err, (args, err)

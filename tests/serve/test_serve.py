@@ -12,9 +12,10 @@ import threading
 
 import pytest
 import torch
-from conftest import HANG_S, TINY_LLAMA, wait_for
+from conftest import HANG_S, TINY_LLAMA, TOOL_TEMPLATES, WEATHER, wait_for
 
 from gptkit import chat_templates as templates
+from gptkit.chat_formats.tools import Conversation, check_calls
 from gptkit.inference.generate import ChatSession, encode_prompt, generate, special_token_ids
 from gptkit.inference.sampling import SampleOptions
 from gptkit.model import GPT, ModelConfig
@@ -32,10 +33,13 @@ MAX_BATCH = 4
 
 def chat_run(root):
     """A chat-ready run: a byte tokenizer with <|endoftext|> and chatml's tokens, a random tiny model
-    (init_std 0.3: greedy choices far from ties), the chatml template in chat.json."""
+    (init_std 0.3: greedy choices far from ties), a Qwen2.5-style template in chat.json (chatml's markup,
+    and tool syntax: tools in the system turn, <tool_call> JSON replies, <tool_response> results)."""
     torch.manual_seed(0)
     tok = byte_tokenizer(["<|endoftext|>"])
-    t = templates.resolve_template("chatml", None)
+    text, variables, _ = TOOL_TEMPLATES["qwen2.5"]
+    # chatml's two special tokens (<tool_call> is text here, as Qwen2.5's tokenizer has it: not special)
+    t = templates.ChatTemplate("qwen2.5", text, dict(variables), ["<|im_start|>", "<|im_end|>"])
     templates.add_special_tokens(tok, t)
     cfg = ModelConfig(**TINY_LLAMA, vocab_size=tok.get_vocab_size(), max_seq_len=CONTEXT, init_std=0.3)
     run = write_run_folder(
@@ -145,7 +149,7 @@ def finish(stop_reason: str) -> str:
 
 
 def test_the_openai_client_chats_and_completes_as_chat_and_sample_do(server, ref):
-    assert "chat template chatml" in server.lines[0] and "try: curl" in "".join(server.lines)
+    assert "chat template qwen2.5" in server.lines[0] and "try: curl" in "".join(server.lines)
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HANG_S)
     assert [m.id for m in client.models.list()] == ["tiny-chat"]
     assert client.models.retrieve("tiny-chat").owned_by == "gptkit"
@@ -207,6 +211,11 @@ def test_the_openai_client_chats_and_completes_as_chat_and_sample_do(server, ref
         client.completions.create(model="other", prompt="x", max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def FN(parameters) -> dict:
+    """A function tool `f` with these parameters."""
+    return {"type": "function", "function": {"name": "f", "parameters": parameters}}
 
 
 def test_bad_requests_get_openais_error_shape_and_the_server_stays_up(server):
@@ -300,7 +309,82 @@ def test_bad_requests_get_openais_error_shape_and_the_server_stays_up(server):
             {"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
             400,
             "tools",
-            "tool calling",
+            "tool 1 must be an object {type: function, function",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [FN({"properties": {"a": {"type": "strin"}}})],
+            },
+            400,
+            "tools",
+            "is not JSON Schema: property 'a' has type 'strin'",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [FN({"type": "object", "properties": {"a": {"type": "string", "minLength": "3"}}})],
+            },
+            400,
+            "tools[0].function.parameters",
+            "(f) is not JSON Schema: '3' is not of type 'integer' (at properties/a/minLength)",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [FN({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}})],
+                "tool_choice": "required",
+            },
+            400,
+            "tools",
+            "the grammar engine cannot compile tools",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [FN({"type": "object"})],
+                "tool_choice": {"type": "function", "function": {"name": "g"}},
+            },
+            400,
+            "tool_choice.function.name",
+            "names the function 'g', which is not one of the tools (f)",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"},
+            400,
+            "tool_choice",
+            "needs tools: the request has none",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}], "tools": [FN(None)], "tool_choice": "often"},
+            400,
+            "tool_choice",
+            'tool_choice="often" is not one of',
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "x"}],
+                "tools": [FN(None)],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            400,
+            "tool_choice",
+            "cannot both constrain",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4"}]},
+            400,
+            "messages",
+            "message 2 (tool) answers no call",
         ),
         (
             "/v1/chat/completions",
@@ -706,6 +790,268 @@ def test_response_format_forces_json_that_parses_against_the_schema(server):
         model="tiny-chat", messages=msgs, temperature=0, max_tokens=200, response_format=Person
     )
     assert isinstance(parsed.choices[0].message.parsed, Person)
+
+
+# tools whose arguments a random model can finish (bounded strings, enums, integers)
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city, now.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 6},
+                "unit": {"type": "string", "enum": ["C", "F"]},
+            },
+            "required": ["city", "unit"],
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 99},
+                "b": {"type": "integer", "minimum": 0, "maximum": 99},
+            },
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+def streamed_calls(chunks) -> tuple[str, list[dict], list[str]]:
+    """(content, calls {id, name, arguments} by index, finish reasons) of choice 0's stream, as the
+    openai client's users reassemble tool_calls deltas."""
+    content, calls, ends = "", {}, []
+    for c in chunks:
+        for ch in c.choices:
+            content += ch.delta.content or ""
+            for d in ch.delta.tool_calls or []:
+                call = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
+                call["id"] = d.id or call["id"]
+                if d.function is not None:
+                    call["name"] += d.function.name or ""
+                    call["arguments"] += d.function.arguments or ""
+            if ch.finish_reason:
+                ends.append(ch.finish_reason)
+    return content, [calls[k] for k in sorted(calls)], ends
+
+
+def test_the_openai_client_runs_a_tool_loop_and_forced_calls_always_parse(server, ref):
+    """A random model never calls a tool by itself; tool_choice required or named forces a call through the
+    grammar, which always parses into tool_calls valid against the tool's schema (greedy, sampled n=2,
+    streamed); the client then sends the tool's result and gets a final answer, rendered as the template
+    renders that conversation. auto and none answer text."""
+    import jsonschema
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=HANG_S)
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = client.chat.completions.create(
+        model="tiny-chat", messages=msgs, tools=[CITY, ADD], tool_choice=named, temperature=0, max_tokens=200
+    )
+    c = first.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.content is None, c
+    (call,) = c.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), CITY["function"]["parameters"])
+    # streamed: the same call (greedy), as deltas
+    content, calls, ends = streamed_calls(
+        client.chat.completions.create(
+            model="tiny-chat",
+            messages=msgs,
+            tools=[CITY, ADD],
+            tool_choice=named,
+            temperature=0,
+            max_tokens=200,
+            stream=True,
+        )
+    )
+    assert content == "" and ends == ["tool_calls"]
+    assert [(x["name"], x["arguments"]) for x in calls] == [("get_weather", call.function.arguments)]
+    assert calls[0]["id"].startswith("call_")
+    # required: any of the tools, each sampled choice a valid call
+    sampled = client.chat.completions.create(
+        model="tiny-chat",
+        messages=msgs,
+        tools=[CITY, ADD],
+        tool_choice="required",
+        temperature=1.0,
+        seed=5,
+        n=2,
+        max_tokens=200,
+    )
+    for ch in sampled.choices:
+        assert ch.finish_reason == "tool_calls", ch
+        (x,) = ch.message.tool_calls
+        tool = {"get_weather": CITY, "add": ADD}[x.function.name]
+        jsonschema.validate(json.loads(x.function.arguments), tool["function"]["parameters"])
+    # the loop: the call and its result sent back, a final answer
+    result = {"role": "tool", "tool_call_id": call.id, "content": "18 C, sunny"}
+    loop = [*msgs, c.message.model_dump(exclude_none=True), result]
+    # the client's message object sent back as it is (its null fields and refusal too): the same prompt
+    same = client.chat.completions.create(
+        model="tiny-chat", messages=[*msgs, c.message, result], tools=[CITY, ADD], temperature=0, max_tokens=8
+    )
+    final = client.chat.completions.create(
+        model="tiny-chat", messages=loop, tools=[CITY, ADD], temperature=0, max_tokens=8
+    )
+    assert (
+        final.choices[0].finish_reason in ("stop", "length") and final.choices[0].message.tool_calls is None
+    )
+    assert isinstance(final.choices[0].message.content, str)
+    # the prompt the server ran: the template's render of that conversation with the tools (the call's
+    # arguments as an object, its result in a <tool_response>)
+    conv = Conversation(
+        check_calls([*msgs, {**loop[1], "content": ""}, result], "x"),
+        [CITY, ADD],
+    )
+    ids = templates.encode_conversation(
+        ref.tokenizer,
+        templates.template_in_folder(load_run(server.lines[0].split()[1]).dir),
+        conv,
+        "x",
+        add_generation_prompt=True,
+    )[0]
+    assert final.usage.prompt_tokens == same.usage.prompt_tokens == len(ids)
+    assert "<tool_response>\n18 C, sunny\n</tool_response>" in ref.tokenizer.decode(
+        ids, skip_special_tokens=False
+    )
+    # auto: the random model's text; none: text too
+    for choice in ("auto", "none"):
+        r = client.chat.completions.create(
+            model="tiny-chat", messages=msgs, tools=[CITY], tool_choice=choice, temperature=0, max_tokens=8
+        )
+        assert r.choices[0].message.tool_calls is None and r.choices[0].message.content
+
+
+@pytest.mark.parametrize("kind", list(TOOL_TEMPLATES))
+def test_replies_read_back_into_calls_in_each_syntax_and_streamed_alike(kind):
+    """The reader of each template family's call syntax (learned from the template): a call, text then
+    calls, several calls; botched ones (bad JSON, an unknown function, arguments against the schema, text
+    after the call, a reply cut by max_tokens) are text with finish_reason stop. Streamed in pieces of 1
+    and 5 characters, the deltas reassemble into the same content and calls."""
+    from types import SimpleNamespace
+
+    from gptkit.serve.endpoints.chat_completions import ChatReply
+    from gptkit.serve.tool_calls import ToolCalls
+
+    text, variables, special = TOOL_TEMPLATES[kind]
+    syntax = templates.ChatTemplate(kind, text, dict(variables), list(special)).call_syntax()
+    assert syntax is not None
+    call = syntax.call_text("get_weather", {"city": "Paris", "unit": "C"})
+    add = syntax.call_text("add", {"a": 1, "b": 2})
+    good = {
+        "call": (call, None, [("get_weather", {"city": "Paris", "unit": "C"})]),
+        "compact": (
+            call.replace('", "', '","').replace(": ", ":"),
+            None,
+            [("get_weather", {"city": "Paris", "unit": "C"})],
+        ),
+    }
+    botched = [
+        call.replace('"Paris"', "Paris"),
+        call.replace("get_weather", "get_wether"),
+        call.replace('"C"', '"K"'),
+        call + " and more",
+        "Just text, {no call}.",
+    ]
+    if syntax.prefix.strip():
+        good["text then calls"] = (
+            "Let me check.\n" + call + "\n" + add,
+            "Let me check.",
+            [("get_weather", {"city": "Paris", "unit": "C"}), ("add", {"a": 1, "b": 2})],
+        )
+    else:
+        # Llama 3.1: a reply is one call, from its start
+        botched += ["Let me check. " + call, call + add]
+    tools = [WEATHER, ADD]
+
+    def whole(t: str, reason: str = "stop") -> dict:
+        reply = ChatReply("m", calls=ToolCalls(syntax, tools, None, True))
+        return reply.choice(0, t, reason, [])
+
+    def streamed(t: str, size: int, reason: str = "eos"):
+        reply = ChatReply("m", calls=ToolCalls(syntax, tools, None, True))
+        chunks = [x for i in range(0, len(t), size) for x in reply.stream(0, t[i : i + size], [])]
+        chunks += reply.ending(0, reason)
+        return streamed_calls(
+            [SimpleNamespace(choices=[_ns(ch) for ch in chunk["choices"]]) for chunk in chunks]
+        )
+
+    for name, (t, content, calls) in good.items():
+        w = whole(t)
+        assert w["finish_reason"] == "tool_calls" and w["message"]["content"] == content, (name, w)
+        got = [
+            (x["function"]["name"], json.loads(x["function"]["arguments"]))
+            for x in w["message"]["tool_calls"]
+        ]
+        assert got == calls, name
+        for size in (1, 5):
+            s_content, s_calls, ends = streamed(t, size)
+            assert (s_content or None) == content and ends == ["tool_calls"], (name, size)
+            assert [(x["name"], json.loads(x["arguments"])) for x in s_calls] == calls
+    for t in botched:
+        w = whole(t)
+        assert (
+            w["finish_reason"] == "stop" and w["message"]["content"] == t and "tool_calls" not in w["message"]
+        )
+        for size in (1, 5):
+            assert streamed(t, size) == (t, [], ["stop"]), t
+    # a tokenizer with the markers as special tokens (which decoding drops): the reply is read with them
+    from gptkit.serve.served import Served
+    from gptkit.serve.tokens import TokenTexts
+
+    tok = byte_tokenizer(["<|endoftext|>"])
+    t = templates.ChatTemplate(kind, text, dict(variables), list(special))
+    templates.add_special_tokens(tok, t)
+    lead = "Hi " if syntax.prefix.strip() else ""
+    body = json.dumps({syntax.name_key: "add", syntax.args_key: {"a": 1, "b": 2}})
+    ids = templates.encode_text(tok, lead)
+    for piece in (syntax.prefix.strip(), body, syntax.suffix.strip()):
+        ids += (
+            [tok.token_to_id(piece)]
+            if tok.token_to_id(piece) is not None
+            else templates.encode_text(tok, piece)
+        )
+    fake = SimpleNamespace(tokens=TokenTexts(tok, tok.get_vocab_size()), tokenizer=tok)
+    fake.chat_text = lambda i: t.reply_text(tok, i)
+    read = Served.call_text(fake, syntax)(ids)
+    if syntax.prefix.strip():
+        assert tok.decode(ids) == lead + body
+    assert whole(read)["message"]["tool_calls"][0]["function"]["name"] == "add" and read.startswith(lead)
+    # cut by max_tokens: text, as it stands
+    w = whole(call, "length")
+    assert w["finish_reason"] == "length" and w["message"]["content"] == call
+    assert streamed(call, 3, "length") == (call, [], ["length"])
+
+
+def _ns(choice: dict):
+    """A stream chunk's choice as the openai client's objects read (attributes)."""
+    from types import SimpleNamespace
+
+    calls = choice["delta"].get("tool_calls")
+    delta = SimpleNamespace(
+        content=choice["delta"].get("content"),
+        tool_calls=[
+            SimpleNamespace(
+                index=c["index"],
+                id=c.get("id"),
+                function=SimpleNamespace(
+                    name=c["function"].get("name"), arguments=c["function"].get("arguments")
+                ),
+            )
+            for c in calls
+        ]
+        if calls
+        else None,
+    )
+    return SimpleNamespace(delta=delta, finish_reason=choice["finish_reason"])
 
 
 def test_response_format_without_the_grammar_engine_is_a_400_naming_the_install(monkeypatch):

@@ -11,7 +11,9 @@ gptkit/serve/app.py answers every endpoint the same way and never asks which one
     Reply              the shape of one response: its id prefix and object names, and a choice whole
                        (choice) or as a stream chunk's part (delta), each with its tokens' log-probs when
                        asked (logprobs); opening() gives the chunks a stream starts with before any text
-                       (chat: each choice's role)
+                       (chat: each choice's role); stream() and ending() give a choice's chunks for new
+                       text and for its end (chat with tools holds text where a call may start, and ends
+                       with the calls)
 
 A new endpoint is one file here with its Endpoint subclass, and one row of gptkit/serve/endpoints/__init__.py.
 vLLM's entrypoints/openai/ (one folder per endpoint: its protocol and its serving class) is the model.
@@ -73,6 +75,14 @@ class Reply:
         """The chunks a stream starts with, before any text."""
         return []
 
+    def stream(self, index: int, text: Optional[str], logprobs: list[Logprob]) -> list[dict]:
+        """The chunks for new text of choice `index` (chat with tools: held where a call may start)."""
+        return [self.chunk(index, text, logprobs=logprobs)]
+
+    def ending(self, index: int, finish: str) -> list[dict]:
+        """The chunks that end choice `index` (chat with tools: its calls, then finish_reason)."""
+        return [self.chunk(index, None, finish=finish)]
+
     def head(self, obj: str) -> dict:
         return {
             "id": self.id,
@@ -109,7 +119,8 @@ class Generation:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    reply: type[Reply]
+    # the Reply class (or a partial of one: chat's with the request's tools)
+    reply: Callable[..., Reply]
     # ids -> the text a reply shows (chat: the template's, e.g. harmony's final channel); None: all of it
     decode: Optional[Callable[[list[int]], str]] = None
 
@@ -143,7 +154,7 @@ class Endpoint:
         s: Sampling,
         max_tokens: int,
         stop_ids: tuple[int, ...],
-        reply: type[Reply],
+        reply: Callable[..., Reply],
         decode: Optional[Callable[[list[int]], str]] = None,
         logprobs: Optional[int] = None,
         constraint: Optional[Callable] = None,
