@@ -221,8 +221,22 @@ def complete_manifest(fs: Any, url: str) -> dict[str, Any] | None:
     return manifest if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict) else None
 
 
+# files this process found to match a manifest: (path, size, mtime, SHA-256), hashed once
+_verified: set[tuple[str, int, int, str]] = set()
+
+
 def _fits(path: Path, entry: dict[str, Any]) -> bool:
-    return path.is_file() and path.stat().st_size == entry["size"] and sha256_file(path) == entry["sha256"]
+    """The file is there with the manifest's size and SHA-256 (each file hashed once per process)."""
+    if not path.is_file():
+        return False
+    st = path.stat()
+    key = (str(path.absolute()), st.st_size, st.st_mtime_ns, str(entry["sha256"]))
+    if key in _verified:
+        return True
+    if st.st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+        return False
+    _verified.add(key)
+    return True
 
 
 def download(fs: Any, url: str, manifest: dict[str, Any], dest: Path) -> None:
@@ -288,6 +302,14 @@ def fetch_folder(url: str, key: str = "path") -> Path:
     with _locked(dest):
         download(fs, url, manifest, dest)
     return dest
+
+
+def fetch_staged(path: Any, key: str = "data.dir") -> None:
+    """A folder under the staging root (a resumed run's data.dir=, saved as its local copy): downloaded and
+    checked again on this machine, every rank, before training; any other path: nothing."""
+    url = remote_of(path) if isinstance(path, (str, Path)) and str(path) else None
+    if url is not None:
+        fetch_folder(url, key)
 
 
 # ---- runs -----------------------------------------------------------------------------------------------

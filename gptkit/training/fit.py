@@ -29,7 +29,7 @@ from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
 from gptkit.model import ModelConfig
 from gptkit.options import Option, check_options, parse_options
-from gptkit.remote import push_run_files
+from gptkit.remote import fetch_staged, push_run_files
 from gptkit.runs import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -254,6 +254,9 @@ def plan_run(
     # finetune=lora, qlora: the frozen weights
     lora_base = frozen_base(cfg, model_cfg, init_ckpt, resume_ckpt)
 
+    # data=prepared from a bucket (data.dir= its staging folder): downloaded and checked on this machine
+    if cfg.data.get("kind") == "prepared":
+        fetch_staged(cfg.data.get("dir"))
     # data first: the tokenizer decides the vocabulary size
     try:
         prepared = _prepare_data(cfg, model_cfg)
