@@ -108,15 +108,20 @@ _fs: Any = None
 
 
 def _has_credentials() -> bool:
-    env = os.environ
-    if env.get("AWS_ACCESS_KEY_ID") and env.get("AWS_SECRET_ACCESS_KEY"):
+    """Whether boto finds credentials: the environment's keys at once, else its own chain (a profile, a web
+    identity, a container or instance role, ~/.aws/credentials)."""
+    if os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY"):
         return True
-    if env.get("AWS_PROFILE") or env.get("AWS_WEB_IDENTITY_TOKEN_FILE"):
-        return True
-    if env.get("AWS_CONTAINER_CREDENTIALS_RELATIVE_URI") or env.get("AWS_CONTAINER_CREDENTIALS_FULL_URI"):
-        return True
-    shared = env.get("AWS_SHARED_CREDENTIALS_FILE") or str(Path.home() / ".aws" / "credentials")
-    return Path(shared).is_file()
+    import botocore.session
+
+    try:
+        return botocore.session.get_session().get_credentials() is not None
+    except Exception:  # noqa: BLE001 - a broken profile is as good as none: the one line says what to set
+        return False
+
+
+# buckets found to exist (each asked once per process)
+_buckets: set[str] = set()
 
 
 def filesystem(url: str, key: str) -> Any:
@@ -137,6 +142,8 @@ def filesystem(url: str, key: str) -> Any:
             endpoint_url=endpoint or None, use_listings_cache=False, skip_instance_cache=True
         )
     bucket, _ = split_url(url, key)
+    if bucket in _buckets:
+        return _fs
     try:
         found = _fs.exists(bucket)
     except Exception as exc:  # noqa: BLE001 - botocore's errors are many; each becomes one line
@@ -145,6 +152,7 @@ def filesystem(url: str, key: str) -> Any:
         raise GptkitError(
             f"{key}={url}: the bucket {bucket} does not exist (or these credentials cannot see it)"
         )
+    _buckets.add(bucket)
     return _fs
 
 
@@ -162,6 +170,7 @@ def reset() -> None:
     """Forget the filesystem (tests change the endpoint between servers)."""
     global _fs
     _fs = None
+    _buckets.clear()
 
 
 # ---- publishing and reading a folder -------------------------------------------------------------------
@@ -459,8 +468,13 @@ def localize_args(args: list[str], keys: dict[str, str]) -> list[str]:
         else:
             filesystem(value, key)
             local = staging_of(value, key)
-            # a staging folder of an earlier upload: the verb writes it anew
+            # a staging folder of an earlier upload: the verb writes it anew; never a run's
             if key.lstrip("+") == "out" and local.exists():
+                if (local / "config.yaml").exists() or (local / CHECKPOINTS).exists():
+                    raise ConfigError(
+                        f"{key}={value} is where a run is kept (its staging folder {local} holds one); "
+                        f"choose another {key.lstrip('+')}="
+                    )
                 shutil.rmtree(local)
         out.append(f"{key}={local}")
     return out

@@ -125,9 +125,10 @@ def test_prepare_train_sample_export_import_through_a_bucket(s3, corpus, tmp_pat
 
     # another node (its own GPTKIT_CACHE) trains from the bucket's data into the bucket
     node2 = tmp_path / "node2"
+    monkeypatch.setenv("GPTKIT_CACHE", str(node2))
     args = tiny_run(None, f"{s3.url}/runs", "r", f"data.dir={data_url}", data="prepared", steps=6)
-    r = run_cli("train", *args, env={**s3.env, "GPTKIT_CACHE": str(node2)})
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, out, err = run_main(capsys, "train", *args)
+    assert code == 0, err[-3000:]
     staged = node2 / "remote/s3" / s3.bucket / "runs/r"
     assert complete(s3, "runs/r") == ["step-000003", "step-000006"]
     for step in ("step-000003", "step-000006"):
@@ -142,7 +143,7 @@ def test_prepare_train_sample_export_import_through_a_bucket(s3, corpus, tmp_pat
         k.split("/")[-1] for k in keys(s3, "runs/r/")
     }
     # the credentials: in no file of either node, in no object, in no output
-    assert SECRET not in r.stdout + r.stderr
+    assert SECRET not in out + err
     assert holds_secret(tmp_path) == []
     assert all(SECRET.encode() not in body(s3, k) for k in keys(s3))
 
@@ -157,6 +158,10 @@ def test_prepare_train_sample_export_import_through_a_bucket(s3, corpus, tmp_pat
     want = (staged / "checkpoints/step-000006.ckpt").read_bytes()
     assert (got / "last.ckpt").read_bytes() == want and (got / "step-000006.ckpt").read_bytes() == want
 
+    # an export never empties a run's staging folder (out= the run's own location)
+    code, _, err = run_main(capsys, "export", f"run={s3.url}/runs/r", f"out={s3.url}/runs/r")
+    assert code == 2 and err.count("\n") == 1 and "is where a run is kept" in err, err
+    assert (got / "last.ckpt").read_bytes() == want
     # export to the bucket, import from it
     code, out, err = run_main(capsys, "export", f"run={s3.url}/runs/r", f"out={s3.url}/exports/r")
     assert code == 0 and f"published {s3.url}/exports/r" in err, err
@@ -182,6 +187,8 @@ def test_no_credentials_or_no_bucket_is_one_line_before_anything_is_written(
     for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(k)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
     code, _, err = run_main(capsys, *verb_args.split(), f"{key}={s3.url}/x")
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"error: {key}={s3.url}/x: no S3 credentials; set AWS_ACCESS_KEY_ID"), err
