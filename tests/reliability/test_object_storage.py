@@ -195,6 +195,24 @@ def test_no_credentials_or_no_bucket_is_one_line_before_anything_is_written(
     assert sorted(os.listdir(tmp_path)) == ["corpus.txt"]
 
 
+def test_nothing_complete_there_or_no_s3fs_is_one_line(s3, tmp_path, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_main(capsys, "train", f"resume={s3.url}/runs/none")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: resume={s3.url}/runs/none: no complete checkpoint there"), err
+    code, _, err = run_main(capsys, "sample", f"run={s3.url}")
+    assert code == 2 and err.count("\n") == 1 and "names a bucket; give the run's folder" in err, err
+    # the s3 extra missing
+    monkeypatch.setitem(sys.modules, "s3fs", None)
+    code, _, err = run_main(capsys, "train", f"runs_dir={s3.url}/runs")
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"error: runs_dir={s3.url}/runs needs s3fs, which cannot be imported"), err
+    assert err.rstrip().endswith("pip install 'gptkit[s3]'"), err
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_reader_takes_only_complete_folders_whose_files_match(s3, tmp_path, capsys):
     fs = remote.filesystem(s3.url, "runs_dir")
     run = f"{s3.url}/runs/hand"
