@@ -41,6 +41,7 @@ EXTRAS: dict[str, Extra] = {
         f"pip install 'gptkit[quant]' (torchao=={TORCHAO_PIN})",
         "quantized weights (finetune=qlora, quantize=) need",
     ),
+    "s3": Extra(("s3fs",), "pip install 'gptkit[s3]'", "an s3:// location needs"),
     "tensorboard": Extra(("tensorboard",), "pip install 'gptkit[tensorboard]'", "logger=tensorboard needs"),
     "triton": Extra(("triton",), "pip install 'gptkit[triton]'", "the Triton kernels need"),
     "wandb": Extra(("wandb",), "pip install wandb", "logger=wandb needs"),

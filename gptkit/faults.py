@@ -4,9 +4,10 @@ GPTKIT_FAULT=<point>[@<n>]:<SIGNAL> (SIGTERM, SIGINT, ...) sends that signal ins
 terminal's Ctrl-C would: to the whole process group when this process leads its group (a terminal's Ctrl-C
 reaches a prepare's workers too), else to this process alone. SIGKILL goes to this process alone.
 Nothing happens unless the variable is set; tests/reliability/test_faults.py,
-tests/reliability/test_signals.py, .ci/fault-loop and .ci/multinode use it. Under torchrun only the first
-attempt faults: a worker torchrun restarts (--max-restarts, TORCHELASTIC_RESTART_COUNT > 0) inherits the
-variable but runs clean, as a job whose fault was transient would.
+tests/reliability/test_signals.py, tests/reliability/test_object_storage.py, .ci/fault-loop and .ci/multinode
+use it. Under torchrun only the first attempt faults: a worker torchrun restarts (--max-restarts,
+TORCHELASTIC_RESTART_COUNT > 0) inherits the variable but runs clean, as a job whose fault was transient
+would.
 
 Points (where the writers call fault_point):
   step             RunCheckpoints, after each optimizer step (before that step's checkpoint, if any)
@@ -21,6 +22,7 @@ Points (where the writers call fault_point):
   prepare-shards   prepare() (data=tokens too): token shards and manifest written in the build folder, not yet
                    renamed
   staged           staged_dir (export, import): the folder complete under its temporary name, not yet renamed
+  remote-upload    gptkit/remote.py: a folder's first file uploaded to the bucket, no manifest or COMPLETE yet
   validation       RunCheckpoints: before each validation batch (the final validation's too)
   rollout          objective=grpo: a micro-batch's completions sampled and scored, its loss not yet computed
 """

@@ -42,10 +42,12 @@ CORPUS_ONLY = ("split", "seq_len", "stride", "max_windows", "pack")
 
 
 def prepare_args(args: list[str]) -> list[str]:
-    """tasks=a,b is one value (a list of tasks), not a Hydra sweep."""
+    """tasks=a,b is one value (a list of tasks), not a Hydra sweep; run=s3://... is downloaded (its newest
+    complete checkpoint, gptkit/remote.py)."""
     from gptkit.conf_tree import verbatim
+    from gptkit.remote import localize_args
 
-    return verbatim(args, ("tasks",))
+    return localize_args(verbatim(args, ("tasks",)), {"run": "run"})
 
 
 def corpus_tokens(cfg, r):

@@ -43,17 +43,39 @@ from pathlib import Path
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
 
+def prepare_args(args: list[str]) -> list[str]:
+    """run=s3://... is downloaded (its newest complete checkpoint); out=s3://... is written in its staging
+    folder, then uploaded (gptkit/remote.py)."""
+    from gptkit.remote import localize_args
+
+    return localize_args(args, {"run": "run", "out": "staging"})
+
+
 def run(cfg) -> int:
-    """The export (write), then, with push_to_hub=, its upload with a model card (checked before writing)."""
+    """The export (write), then, with push_to_hub=, its upload with a model card (checked before writing);
+    an s3:// out= (its staging folder) published to the bucket (gptkit/remote.py)."""
     push = None
     if cfg.get("push_to_hub"):
         from gptkit.hf.push import check
 
         push = check(cfg.push_to_hub, cfg.get("private", True))
     code = write(cfg)
+    if code == 0:
+        publish_s3(cfg)
     if code == 0 and push is not None:
         push_export(cfg, push)
     return code
+
+
+def publish_s3(cfg) -> None:
+    """out= the staging folder of an s3:// location: uploaded with a manifest, COMPLETE last."""
+    from gptkit.remote import publish_folder, remote_of
+
+    out = Path(str(cfg.out)).expanduser()
+    url = remote_of(out)
+    if url is not None:
+        publish_folder(out, url)
+        print(f"published {url} (gptkit-remote.json, COMPLETE last)", file=sys.stderr)
 
 
 def push_export(cfg, push) -> None:

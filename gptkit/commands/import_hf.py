@@ -25,6 +25,13 @@ from pathlib import Path
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
 
+def prepare_args(args: list[str]) -> list[str]:
+    """hf=s3://... (a folder `gptkit export out=s3://...` published): downloaded and checked first."""
+    from gptkit.remote import localize_args
+
+    return localize_args(args, {"hf": "folder"})
+
+
 def run(cfg) -> int:
     from gptkit.errors import ConfigError
     from gptkit.fsio import check_out_dir

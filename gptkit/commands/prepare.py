@@ -34,6 +34,14 @@ from __future__ import annotations
 # --help` too), which must not pay for torch, Lightning or datasets (figures in docs/layout.md).
 
 
+def prepare_args(args: list[str]) -> list[str]:
+    """cache_dir=s3://bucket/prefix: the data is prepared in its local staging folder, then published there
+    once (gptkit/remote.py); training reads it with data=prepared data.dir=s3://bucket/prefix/<folder>."""
+    from gptkit.remote import localize_args
+
+    return localize_args(args, {"cache_dir": "staging"})
+
+
 def run(cfg) -> int:
     from rich.console import Console
     from rich.markup import escape
@@ -93,7 +101,20 @@ def run(cfg) -> int:
         )
         what = "reference log-probs of every row" if name == "reference" else "teacher top-k of every row"
         print(f"precomputed {what} of {int(cfg.rows)}: {rec}")
+    _publish(p.dir)
     return 0
+
+
+def _publish(folder) -> None:
+    """A folder prepared in an s3:// cache_dir's staging folder: uploaded once (its files, the manifest of
+    their SHA-256, COMPLETE last); a complete copy with the same files there is left alone."""
+    from gptkit.remote import publish_folder, remote_of
+
+    url = remote_of(folder)
+    if url is None:
+        return
+    sent = publish_folder(folder, url, "cache_dir")
+    print(f"{'published' if sent else 'already published'}: data=prepared data.dir={url}")
 
 
 def _frozen_name(cfg) -> str | None:

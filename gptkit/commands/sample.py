@@ -102,6 +102,13 @@ def read_prompt(cfg) -> str:
         ) from None
 
 
+def prepare_args(args: list[str]) -> list[str]:
+    """run=s3://bucket/prefix/<run>: its newest complete checkpoint, downloaded (gptkit/remote.py)."""
+    from gptkit.remote import localize_args
+
+    return localize_args(args, {"run": "run"})
+
+
 def run(cfg) -> int:
     from gptkit.data.settings import SPECIAL_TEXT
     from gptkit.errors import ConfigError

@@ -33,6 +33,16 @@ _checked = None
 _options = None
 
 
+def prepare_args(args: list[str]) -> list[str]:
+    """s3:// locations (gptkit/remote.py), before anything reads the command line: runs_dir= becomes its
+    local staging folder (whose checkpoints are uploaded as they are published), resume= the run downloaded
+    there (its newest complete checkpoint), data.dir= (data=prepared) the prepared folder downloaded and
+    checked. Credentials and the bucket are checked here: one line, before any training."""
+    from gptkit.remote import localize_args
+
+    return localize_args(args, {"runs_dir": "runs_dir", "resume": "run", "data.dir": "folder"})
+
+
 def prepare_options(args: list[str], options: list) -> list[str]:
     """Before Hydra creates the run folder: refuse a run folder outside runs_dir, resume into the run's own
     folder, and check that the runs folder is writable (one-line errors instead of Hydra's tracebacks).

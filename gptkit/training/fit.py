@@ -29,6 +29,7 @@ from gptkit.errors import GptkitError
 from gptkit.fsio import atomic_write_bytes, atomic_write_text
 from gptkit.model import ModelConfig
 from gptkit.options import Option, check_options, parse_options
+from gptkit.remote import fetch_staged, push_run_files
 from gptkit.runs import (
     CONFIG_FILE,
     MANIFEST_FILE,
@@ -253,6 +254,9 @@ def plan_run(
     # finetune=lora, qlora: the frozen weights
     lora_base = frozen_base(cfg, model_cfg, init_ckpt, resume_ckpt)
 
+    # data=prepared from a bucket (data.dir= its staging folder): downloaded and checked on this machine
+    if cfg.data.get("kind") == "prepared":
+        fetch_staged(cfg.data.get("dir"))
     # data first: the tokenizer decides the vocabulary size
     try:
         prepared = _prepare_data(cfg, model_cfg)
@@ -523,6 +527,8 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
             lg.finalize("success")
         if (run_dir / "metrics.csv").is_file():
             plot_loss(run_dir)
+        # runs_dir=s3://...: the run's files as they end (the checkpoints went up as they were published)
+        push_run_files(run_dir)
     # a run a signal stopped ends with the line that says where it was saved (commands/train.py), not with
     # the summary of a finished run
     if trainer.is_global_zero and checkpoints.signal_name is None:

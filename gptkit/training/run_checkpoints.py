@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import Callback
 
 from gptkit.checkpoints import LAST_CHECKPOINT, link_checkpoint, remove_checkpoint, replace_checkpoint
 from gptkit.faults import fault_point
+from gptkit.remote import push_checkpoint
 from gptkit.training.metrics import optimizer_stepped
 from gptkit.training.stopping import skipped_validation
 
@@ -52,7 +53,8 @@ class RunCheckpoints(Callback):
     fit publishes the final one after the final validation. So a kill at any moment leaves last.ckpt and
     metrics.csv in agreement: a resume continues exactly, with exactly the rows before its step. After a
     publication, periodic checkpoints beyond the newest `keep` are removed (the newer one is complete
-    first); last.ckpt stays.
+    first); last.ckpt stays. A run under runs_dir=s3://... (its staging folder) then uploads the published
+    checkpoint, COMPLETE last (gptkit/remote.py).
 
     keep_best (trainer.keep_best): after a validation whose val/loss is the lowest so far (over resumes
     too: the value travels in the checkpoint), checkpoints/best.ckpt, written under a hidden name and
@@ -91,6 +93,8 @@ class RunCheckpoints(Callback):
         self.validated_at: int | None = None
         # (written, where it is published)
         self._pending: tuple[Path, Path] | None = None
+        # the optimizer step of the pending checkpoint (its name in a bucket: gptkit/remote.py)
+        self._pending_step = 0
         self._previous: dict[int, Any] = {}
 
     @property
@@ -157,7 +161,7 @@ class RunCheckpoints(Callback):
             due = bool(self.val_every) and step % int(self.val_every) == 0
             self.unvalidated = step if stop and (due or step >= trainer.max_steps) else None
             trainer.save_checkpoint(written, weights_only=False)
-            self._pending = (written, target)
+            self._pending, self._pending_step = (written, target), step
             fault_point("ckpt-pending")
         if stop:
             # Lightning validates at a step where should_stop is set (for early stopping): not after a
@@ -217,6 +221,8 @@ class RunCheckpoints(Callback):
             link_checkpoint(target, self.last)
         fault_point("last-replaced")
         self._retain()
+        # a run under an s3:// runs_dir's staging folder: uploaded (COMPLETE last), else nothing
+        push_checkpoint(self.dir.parent, target, self._pending_step, self.keep)
         return target
 
     def _retain(self) -> None:
