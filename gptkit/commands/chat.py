@@ -11,6 +11,7 @@ Examples:
   gptkit chat run=runs/sft
   gptkit chat run=runs/qwen system="You are terse." temperature=0 max_new_tokens=128
   printf 'What is 2+3?\\nAnd times 4?\\n' | gptkit chat run=runs/sft greedy=true --json
+  gptkit chat run=runs/sft draft=ngram draft_k=4     (speculative decoding: docs/speculative.md)
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def run(cfg) -> int:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"a sampling value is not a number ({exc})") from exc
     opts.validate(r.model_cfg.max_seq_len)
+    from gptkit.inference.speculative import load_speculator
+
+    speculate = load_speculator(cfg.draft, cfg.draft_k, r, cfg.device, cfg.dtype)
     session = ChatSession(
         r.model,
         r.tokenizer,
@@ -97,6 +101,7 @@ def run(cfg) -> int:
         reuse_cache=bool(cfg.reuse_cache),
         fit_answer=fit_answer,
         allow_special_text=cfg.special_tokens_in_content == "allow",
+        speculate=speculate,
     )
     if session.fit_note():
         print(f"note: {session.fit_note()}", file=sys.stderr)
@@ -159,6 +164,7 @@ def run(cfg) -> int:
                         "prefill_s": t.prefill_s,
                         "decode_s": t.decode_s,
                         "notes": t.notes,
+                        "speculative": t.speculative,
                     },
                     ensure_ascii=False,
                 ),
@@ -176,4 +182,6 @@ def run(cfg) -> int:
                 f"tokens/s, ended by {t.stop_reason}]",
                 file=sys.stderr,
             )
+            if speculate is not None:
+                print(f"[turn {turn_no}: {speculate.describe()}]", file=sys.stderr)
     return 0
