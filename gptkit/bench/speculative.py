@@ -35,40 +35,53 @@ def _drafter(name: str, model):
 
 
 def run(cfg, clock, con, build_model) -> dict:
-    spec = dict(cfg.model) if not isinstance(cfg.model, str) else {"preset": cfg.model}
+    from omegaconf import OmegaConf
+
+    specs = OmegaConf.to_container(cfg.models, resolve=True)
+    return {name: _one(name, spec, cfg, clock, con, build_model) for name, spec in specs.items()}
+
+
+def _one(name: str, spec: dict, cfg, clock, con, build_model) -> dict:
     model = build_model(spec)
     n_new, k, repeats = int(cfg.new_tokens), int(cfg.k), int(cfg.repeats)
-    pattern = torch.randint(
-        0, model.cfg.vocab_size, (int(cfg.pattern),), generator=torch.Generator().manual_seed(1)
-    )
-    prompt = (pattern.tolist() * (int(cfg.prompt_tokens) // len(pattern) + 1))[: int(cfg.prompt_tokens)]
+    gen = torch.Generator().manual_seed(1)
+    pattern = torch.randint(0, model.cfg.vocab_size, (int(cfg.pattern),), generator=gen).tolist()
+    prompt = (pattern * (int(cfg.prompt_tokens) // len(pattern) + 1))[: int(cfg.prompt_tokens)]
+    if len(prompt) + n_new > model.cfg.max_seq_len:
+        raise ConfigError(
+            f"bench.speculative: prompt_tokens + new_tokens = {len(prompt) + n_new} > the model's "
+            f"max_seq_len {model.cfg.max_seq_len} (the window would slide); lower them or raise the model's"
+        )
     opts = SampleOptions(max_new_tokens=n_new, temperature=0, decode="eager")
-    drafters = {name: _drafter(str(name), model) for name in cfg.drafts}
+    drafters = {str(d): _drafter(str(d), model) for d in cfg.drafts}
     # warm-up: the first forward of each shape pays for allocations
     generate(model, prompt, SampleOptions(max_new_tokens=4, temperature=0, decode="eager"))
-    times: dict[str, list[float]] = {"plain": [], **{name: [] for name in drafters}}
+    times: dict[str, list[float]] = {"plain": [], **{d: [] for d in drafters}}
     figures: dict[str, dict] = {}
-    plain = None
     for _ in range(repeats):
         t = clock()
         plain = generate(model, prompt, opts)
         times["plain"].append(clock() - t)
-        for name, drafter in drafters.items():
+        for d, drafter in drafters.items():
             t = clock()
             g = generate(model, prompt, opts, speculate=Speculator(drafter, k))
-            times[name].append(clock() - t)
-            figures[name] = {**g.speculative, "same_tokens": g.tokens == plain.tokens}
+            times[d].append(clock() - t)
+            figures[d] = {**g.speculative, "same_tokens": g.tokens == plain.tokens}
     plain_s = statistics.median(times["plain"])
-    table = Table(title=f"plain vs speculative greedy decode, {n_new} new tokens, draft_k={k}, batch 1, CPU")
+    params = sum(p.numel() for p in model.parameters())
+    table = Table(
+        title=f"{name} ({params / 1e6:.1f}M parameters): plain vs speculative greedy decode, {len(prompt)} "
+        f"prompt tokens, {n_new} new, draft_k={k}, batch 1, CPU"
+    )
     for col in ("draft", "plain s", "speculative s", "ratio", "acceptance", "tokens/forward", "same tokens"):
         table.add_column(col)
     rows = {}
-    for name in drafters:
-        s = statistics.median(times[name])
-        f = figures[name]
-        rows[name] = {"plain_s": plain_s, "speculative_s": s, "ratio": plain_s / s, **f}
+    for d in drafters:
+        s = statistics.median(times[d])
+        f = figures[d]
+        rows[d] = {"plain_s": plain_s, "speculative_s": s, "ratio": plain_s / s, **f}
         table.add_row(
-            name,
+            d,
             f"{plain_s:.3f}",
             f"{s:.3f}",
             f"{plain_s / s:.2f}x",
