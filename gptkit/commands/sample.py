@@ -148,7 +148,8 @@ def run(cfg) -> int:
     if streaming:
         write(prompt)
     g = generate(r.model, ids, opts, decode=decode, on_text=write if streaming else None, speculate=speculate)
-    steps_tokens = g.decode_steps * opts.num_samples
+    # speculative: a step emits 1..draft_k + 1 tokens
+    steps_tokens = g.speculative["decode_tokens"] if g.speculative else g.decode_steps * opts.num_samples
     tok_s = steps_tokens / g.decode_s if g.decode_s > 0 else 0.0
     # JSON Lines: one object per sample, each line complete on its own
     if cfg.format == "json":

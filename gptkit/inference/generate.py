@@ -413,6 +413,8 @@ class ChatSession:
                     done = True
                     break
         self.cached = seq[: self.cache.length]
+        # the tokens the reply kept, its end-of-turn token included
+        self.speculate.stats.tokens = len(out) + (reason == "eos")
         return reason, prefill_s, time.perf_counter() - t1
 
     def _decode(

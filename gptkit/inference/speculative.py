@@ -327,6 +327,7 @@ def generate_speculative(
     tokens = list(prompt_ids)
     produced = slides = 0
     prefill_s = 0.0
+    first = 0
     done = False
     t0 = t1 = time.perf_counter()
     while not done:
@@ -345,6 +346,8 @@ def generate_speculative(
                 torch.cuda.synchronize()
             t1 = time.perf_counter()
             prefill_s = t1 - t0
+            # the tokens of the first step, timed as the prefill
+            first = len(new)
         for tok in new:
             tokens.append(tok)
             produced += 1
@@ -357,9 +360,14 @@ def generate_speculative(
     if w.device.type == "cuda":
         torch.cuda.synchronize()
     decode_s = time.perf_counter() - t1
+    # the tokens the generation kept (a step's tokens after its end are not counted)
+    speculator.stats.tokens = produced
     out, texts, reasons = checks.result([tokens[T0:] + [0] * (N - produced)])
     g = Generation(out, texts, reasons, T0, prefill_s, decode_s, speculator.stats.forwards - 1, slides, notes)
-    g.speculative = speculator.stats.as_dict(speculator.drafter.name, speculator.k)
+    g.speculative = {
+        **speculator.stats.as_dict(speculator.drafter.name, speculator.k),
+        "decode_tokens": max(0, produced - first),
+    }
     return g
 
 
