@@ -181,6 +181,7 @@ class ModelDrafter(Drafter):
 
     def propose(self, context, k, rule):
         room = self.model.cfg.max_seq_len
+        k = min(k, room)
         # the last draft is not fed: len(context) + k - 1 positions
         if len(context) + k - 1 > room:
             context = context[len(context) - (room - k + 1) :]

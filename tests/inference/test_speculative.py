@@ -28,10 +28,13 @@ WINDOW = dict(position="rope", n_kv_heads=2, mlp="swiglu", norm="rmsnorm", bias=
 
 
 def drafters(model):
-    # the model itself (every draft accepted), another model (few), prompt lookup
+    # the model itself (every draft accepted), another model (few), one whose context is shorter than the
+    # model's and than k (it sees the last tokens it has room for), prompt lookup
+    other, short = greedy_gpt(24, seed=1, **WINDOW), greedy_gpt(3, seed=2)
     return [
         ModelDrafter(model, "self"),
-        ModelDrafter(greedy_gpt(24, seed=1, **WINDOW), "other"),
+        ModelDrafter(other, "other"),
+        ModelDrafter(short, "short"),
         NgramDrafter(),
     ]
 
@@ -54,12 +57,24 @@ def test_greedy_tokens_are_the_plain_decodes_for_every_drafter(fields):
             if drafter.name == "self":
                 # the upper bound: every proposal accepted, up to k + 1 tokens a forward
                 assert s["acceptance"] == 1.0 and s["tokens_per_forward"] > 3
-    # an end-of-text token cuts the same place
+    # an end-of-text token cuts the same place, and so does a stop string (streamed text included)
     eos = plain.tokens[0][7]
     opts = SampleOptions(max_new_tokens=40, temperature=0, eos_id=eos, decode="eager")
     want = generate(model, PROMPT, opts)
     got = generate(model, PROMPT, opts, speculate=Speculator(NgramDrafter(), 3))
     assert got.tokens == want.tokens and got.stop_reasons == want.stop_reasons == ["eos"]
+
+    def text(ids):
+        return "".join(chr(65 + i) for i in ids)
+
+    stop = text(plain.tokens[0][9:11])
+    opts = SampleOptions(max_new_tokens=40, temperature=0, stop=(stop,), decode="eager")
+    streams = [[], []]
+    want = generate(model, PROMPT, opts, decode=text, on_text=streams[0].append)
+    spec = Speculator(ModelDrafter(model, "self"), 4)
+    got = generate(model, PROMPT, opts, decode=text, on_text=streams[1].append, speculate=spec)
+    assert (got.tokens, got.texts, got.stop_reasons) == (want.tokens, want.texts, ["stop"])
+    assert "".join(streams[1]) == "".join(streams[0]) == want.texts[0]
 
 
 def chi_square(counts: torch.Tensor, p: torch.Tensor) -> float:
