@@ -266,36 +266,48 @@ class Speculator:
     def describe(self) -> str:
         return self.stats.line(self.drafter.name, self.k)
 
-    def step(self, model, cache: KVCache, window: list[int], limit: int, rule: Rule) -> list[int]:
-        """window: the tokens the model sees, the cache holding a shorter prefix of them (position 0 is
-        window[0], room for cache.max_len); -> 1..min(k + 1, limit) new tokens, the cache then holding
-        window and every new token but the last."""
-        V = model.cfg.vocab_size
-        k = min(self.k, limit - 1, cache.max_len - len(window))
-        drafts, q = self.drafter.propose(window, k, rule) if k > 0 else ([], None)
-        drafts = drafts[:k]
-        # a draft's id beyond the target's vocabulary (a padded draft vocabulary) ends the proposal
+    def propose(self, context: list[int], k: int, rule: Rule, vocab: int):
+        """The drafter's proposal for `context`, at most k tokens (k <= 0: none), cut before an id the model
+        does not have (a padded draft vocabulary); q [n, vocab] fp32 or None (point masses)."""
+        drafts, q = self.drafter.propose(context, k, rule) if k > 0 else ([], None)
+        drafts = drafts[: max(k, 0)]
         for i, d in enumerate(drafts):
-            if not 0 <= d < V:
+            if not 0 <= d < vocab:
                 drafts = drafts[:i]
                 break
         if q is not None:
             q = q[: len(drafts)].float()
-            q = q[:, :V] if q.shape[1] >= V else torch.nn.functional.pad(q, (0, V - q.shape[1]))
-        device = model.tok_emb.weight.device
-        feed = torch.tensor([window[cache.length :] + drafts], dtype=torch.long, device=device)  # [1, T]
-        logits = model(feed, cache=cache, logits_to_keep=len(drafts) + 1).logits[0]  # [n + 1, V]
+            q = q[:, :vocab] if q.shape[1] >= vocab else torch.nn.functional.pad(q, (0, vocab - q.shape[1]))
+        return drafts, q
+
+    def verify(
+        self, logits: torch.Tensor, drafts: list[int], q: Optional[torch.Tensor], rule: Rule
+    ) -> list[int]:
+        """The model's logits [n + 1, V] after the context and each draft -> the accepted drafts and one token
+        of the model's (counted in stats)."""
         if rule.greedy:
             new = verify_greedy(logits, drafts)
         else:
             new = verify_sampled(rule.probs(logits), q, drafts, rule)
+        self.stats.proposed += len(drafts)
+        self.stats.accepted += len(new) - 1
+        self.stats.forwards += 1
+        self.stats.tokens += len(new)
+        return new
+
+    def step(self, model, cache: KVCache, window: list[int], limit: int, rule: Rule) -> list[int]:
+        """window: the tokens the model sees, the cache holding a shorter prefix of them (position 0 is
+        window[0], room for cache.max_len); -> 1..min(k + 1, limit) new tokens, the cache then holding
+        window and every new token but the last."""
+        k = min(self.k, limit - 1, cache.max_len - len(window))
+        drafts, q = self.propose(window, k, rule, model.cfg.vocab_size)
+        device = model.tok_emb.weight.device
+        feed = torch.tensor([window[cache.length :] + drafts], dtype=torch.long, device=device)  # [1, T]
+        logits = model(feed, cache=cache, logits_to_keep=len(drafts) + 1).logits[0]  # [n + 1, V]
+        new = self.verify(logits, drafts, q, rule)
         a = len(new) - 1
         if cache.rewind(len(window) + a) != len(window) + a:
             raise RuntimeError("speculative decoding: the KV cache could not be rewound")
-        self.stats.proposed += len(drafts)
-        self.stats.accepted += a
-        self.stats.forwards += 1
-        self.stats.tokens += len(new)
         return new
 
 

@@ -8,6 +8,8 @@ from conftest import HYBRID_MODEL, greedy_gpt, make_run, run_main
 
 from gptkit import chat_templates as templates
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.inference.batcher import Batcher, Job, SamplingParams
+from gptkit.inference.engine import Engine
 from gptkit.inference.generate import ChatSession, generate
 from gptkit.inference.sampling import SampleOptions
 from gptkit.inference.speculative import (
@@ -199,3 +201,54 @@ def test_sample_draft_gives_the_plain_greedy_text_and_reports_acceptance(runs, c
         assert code == 2 and out == "", (bad, err)
         lines = err.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], (bad, err)
+
+
+def run_batcher(model, jobs, speculate=None, max_batch=3):
+    """Every (prompt, SamplingParams) through one Batcher -> per job (tokens, finish reason, log-probs)."""
+    batcher = Batcher(model, max_batch=max_batch, speculate=speculate)
+    got = [[[], None, []] for _ in jobs]
+
+    def collect(i):
+        def deliver(events):
+            for e in events:
+                got[i][0] += e.tokens
+                got[i][2] += [round(lp[0], 4) for lp in e.logprobs]
+                got[i][1] = e.finish or got[i][1]
+
+        return deliver
+
+    with torch.inference_mode():
+        for i, (prompt, params) in enumerate(jobs):
+            batcher.add(Job(prompt, params, collect(i)))
+        while batcher.busy:
+            batcher.step()
+    assert batcher.active == 0
+    return [tuple(map(tuple, (t, [f], lp))) for t, f, lp in got]
+
+
+def test_the_batcher_with_a_draft_gives_each_request_the_plain_batchers_tokens():
+    # serve's path: requests share the batch (4 for 3 slots: one waits), each sequence verified alone
+    model = greedy_gpt(48, **WINDOW)
+    g = torch.Generator().manual_seed(1)
+    ps = [PROMPT] + [torch.randint(0, 61, (5 + 6 * i,), generator=g).tolist() for i in range(3)]
+    eos = generate(model, ps[1], SampleOptions(max_new_tokens=12, temperature=0)).tokens[0][10]
+    jobs = [
+        (ps[0], SamplingParams(max_new_tokens=30, temperature=0.0)),
+        (ps[1], SamplingParams(max_new_tokens=30, temperature=0.0, stop_ids=(eos,))),
+        # no draft for a choice that asks for log-probs: its tokens and log-probs as before
+        (ps[2], SamplingParams(max_new_tokens=12, temperature=0.0, logprobs=2)),
+        # past the context (48): ends by "context"
+        (ps[3], SamplingParams(max_new_tokens=40, temperature=0.0)),
+    ]
+    plain = run_batcher(model, jobs)
+    assert [r[1][0] for r in plain] == ["length", "eos", "length", "context"]
+    for drafter in (ModelDrafter(model, "self"), NgramDrafter()):
+        spec = Speculator(drafter, 4)
+        assert run_batcher(model, jobs, spec) == plain, drafter.name
+        if drafter.name == "self":
+            assert spec.stats.acceptance == 1.0 and spec.stats.tokens_per_forward > 2
+    # seeded sampling draws the same again; /health's figures come from the engine's load
+    sampled = [(ps[0], SamplingParams(max_new_tokens=20, temperature=1.0, top_k=5, seed=7))]
+    spec = Speculator(ModelDrafter(model, "self"), 4)
+    assert run_batcher(model, sampled, spec) == run_batcher(model, sampled, spec)
+    assert Engine(model, speculate=spec).load()["speculative"]["acceptance"] == spec.stats.acceptance > 0
