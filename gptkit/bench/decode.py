@@ -15,6 +15,9 @@ bench.parts=[latent]: multi-head latent attention's latent cache against its exp
   of the same parameters, KV bytes and decode tokens/s at a 4k context (gptkit/bench/latent.py).
 bench.parts=[quantize]: quantize=int8|nf4 (and int4 on CUDA) against the full model on a trained run: bytes,
   perplexity, greedy agreement, decode tokens/s (gptkit/bench/quantized.py).
+bench.parts=[speculative]: the plain greedy decode against speculative decoding (draft=self, the
+  acceptance's upper bound, and draft=ngram on a repetitive prompt), wall seconds and their ratio
+  (gptkit/bench/speculative.py).
 bench.device=cuda: bench.cuda.models in bench.cuda.dtype x bench.cuda.batch_sizes, each side in
   bench.cuda.sides (SIDES below), rows printed as they finish; the HBM roofline is batch * bandwidth /
   gptkit.accounting.decode_bytes_per_step (the weights, and the K/V at the mean context of the timed steps).
@@ -37,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
-from gptkit.bench import latent, quantized
+from gptkit.bench import latent, quantized, speculative
 from gptkit.conf_tree import conf_dir, presets
 from gptkit.errors import ConfigError
 from gptkit.extras import MissingExtra, require
@@ -50,8 +53,8 @@ from gptkit.threads import set_threads
 
 # bench.parts: decode (the speed tables), quantize (quantized weights against the full model:
 # bench/quantized.py), latent (multi-head latent attention's cache against the expanded one and MHA at a long
-# context: bench/latent.py)
-PARTS = ("decode", "quantize", "latent")
+# context: bench/latent.py), speculative (plain vs speculative decoding: bench/speculative.py)
+PARTS = ("decode", "quantize", "latent", "speculative")
 # bench.cuda.sides: name -> what runs
 SIDES = {
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
@@ -284,6 +287,12 @@ def run(cfg) -> int:
         if device != "cpu":
             raise ConfigError("bench.parts=[latent] measures on the CPU: drop bench.device or set it to cpu")
         results["latent"] = latent.run(cfg.latent, CLOCKS[cfg.clock], _console(), build_model, per_token_ms)
+    if "speculative" in parts:
+        if device != "cpu":
+            raise ConfigError(
+                "bench.parts=[speculative] measures on the CPU: drop bench.device or set it to cpu"
+            )
+        results["speculative"] = speculative.run(cfg.speculative, CLOCKS[cfg.clock], _console(), build_model)
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 

@@ -12,6 +12,7 @@ Examples:
   gptkit chat run=runs/qwen system="You are terse." temperature=0 max_new_tokens=128
   printf 'What is 2+3?\\nAnd times 4?\\n' | gptkit chat run=runs/sft greedy=true --json
   gptkit chat run=runs/qwen tools=my_tools.py       # the model may call my_tools.py's functions
+  gptkit chat run=runs/sft draft=ngram draft_k=4     (speculative decoding: docs/speculative.md)
 
 Tools (tools=, a template with tool syntax): the tools are rendered into every prompt; a reply that is
 calls is shown as `tool call:` lines, each call answered by its function (tools=file.py or a module: the
@@ -102,6 +103,9 @@ def run(cfg) -> int:
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"a sampling value is not a number ({exc})") from exc
     opts.validate(r.model_cfg.max_seq_len)
+    from gptkit.inference.speculative import load_speculator
+
+    speculate = load_speculator(cfg.draft, cfg.draft_k, r, cfg.device, cfg.dtype)
     session = ChatSession(
         r.model,
         r.tokenizer,
@@ -114,6 +118,7 @@ def run(cfg) -> int:
         fit_answer=fit_answer,
         allow_special_text=cfg.special_tokens_in_content == "allow",
         tools=tools.specs if tools is not None else None,
+        speculate=speculate,
     )
     if session.fit_note():
         print(f"note: {session.fit_note()}", file=sys.stderr)
@@ -223,6 +228,7 @@ def run(cfg) -> int:
                         "decode_s": t.decode_s,
                         "notes": t.notes,
                         **({"tool_calls": answered} if answered else {}),
+                        "speculative": t.speculative,
                     },
                     ensure_ascii=False,
                 ),
@@ -240,4 +246,6 @@ def run(cfg) -> int:
                 f"tokens/s, ended by {t.stop_reason}]",
                 file=sys.stderr,
             )
+            if speculate is not None:
+                print(f"[turn {turn_no}: {speculate.describe()}]", file=sys.stderr)
     return 0

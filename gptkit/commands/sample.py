@@ -10,6 +10,7 @@ Examples:
   gptkit sample run=runs/shakespeare prompt="To be" num_samples=4 top_k=50 top_p=0.9 seed=1
   gptkit sample run=runs/shakespeare prompt="KING" 'stop=["\\n\\n"]' --json   (one JSON line per sample)
   gptkit sample run=runs/llama/checkpoints/step-001000.ckpt device=cuda dtype=bf16 prompt="Once"
+  gptkit sample run=runs/big prompt="ROMEO:" draft=runs/small draft_k=4   (speculative: docs/speculative.md)
 """
 
 from __future__ import annotations
@@ -132,6 +133,9 @@ def run(cfg) -> int:
     r = load_for_inference(ckpt, cfg.device, cfg.dtype, cfg.attention, cfg.quantize)
     bos_id, eos_id = special_token_ids(r.tokenizer, r.config)
     opts = options(cfg, r.model_cfg.max_seq_len, eos_id)
+    from gptkit.inference.speculative import load_speculator
+
+    speculate = load_speculator(cfg.draft, cfg.draft_k, r, cfg.device, cfg.dtype)
     ids = encode_prompt(r.tokenizer, prompt, bos_id, eos_id, allow_special_text=allow)
     # once the work will start
     set_threads(cfg.threads, "threads", warn=resolve_device(cfg.device) == "cpu")
@@ -150,8 +154,9 @@ def run(cfg) -> int:
 
     if streaming:
         write(prompt)
-    g = generate(r.model, ids, opts, decode=decode, on_text=write if streaming else None)
-    steps_tokens = g.decode_steps * opts.num_samples
+    g = generate(r.model, ids, opts, decode=decode, on_text=write if streaming else None, speculate=speculate)
+    # speculative: a step emits 1..draft_k + 1 tokens
+    steps_tokens = g.speculative["decode_tokens"] if g.speculative else g.decode_steps * opts.num_samples
     tok_s = steps_tokens / g.decode_s if g.decode_s > 0 else 0.0
     # JSON Lines: one object per sample, each line complete on its own
     if cfg.format == "json":
@@ -176,6 +181,7 @@ def run(cfg) -> int:
                 "setup_s": g.setup_s,
             },
             "notes": g.notes,
+            "speculative": g.speculative,
         }
         for i, (text, tokens, why) in enumerate(zip(g.texts, g.tokens, g.stop_reasons)):
             sample = {"sample": i + 1, "text": text, "tokens": tokens, "stop_reason": why}
@@ -197,6 +203,8 @@ def run(cfg) -> int:
             f"{g.prefill_s * 1e3:.1f} ms, decode {tok_s:,.0f} tokens/s ({g.decode}), ended by {ended}]",
             file=sys.stderr,
         )
+        if speculate is not None:
+            print(f"[{speculate.describe()}]", file=sys.stderr)
     if cfg.attention_map:
         from gptkit.evaluation.attention_maps import write_for_run
 

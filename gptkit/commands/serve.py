@@ -83,6 +83,8 @@ def run(cfg) -> int:
         max_queue=cfg.max_queue,
         allow_special_text=cfg.special_tokens_in_content == "allow",
         quantize=cfg.quantize,
+        draft=cfg.draft,
+        draft_k=cfg.draft_k,
     )
     return serve(
         served,

@@ -53,6 +53,7 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.inference.decoding_layout import decoding_layout
 from gptkit.inference.sampling import TextStream, argmax, sample_next
 from gptkit.inference.slot_cache import SlotCache
+from gptkit.inference.speculative import Rule, Speculator, check_rewindable
 
 FINISH_REASONS = ("eos", "stop", "length", "context", "cancelled", "error")
 
@@ -221,9 +222,15 @@ class Batcher:
     """The continuous-batching loop over one model (module docstring). Not thread-safe: one thread calls
     add() and step()."""
 
-    def __init__(self, model, max_batch: int = 8, max_len: Optional[int] = None) -> None:
+    def __init__(
+        self, model, max_batch: int = 8, max_len: Optional[int] = None, speculate: Optional[Speculator] = None
+    ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch={max_batch!r} must be an integer >= 1")
+        if speculate is not None:
+            check_rewindable(model, "the model")
+        # a draft (speculative.py): each sequence decodes alone, its draft's tokens checked in one forward
+        self.speculate = speculate
         self.model = model
         w = model.tok_emb.weight
         self.device = w.device
@@ -285,7 +292,7 @@ class Batcher:
                 self._prefill(job, out)
         self._compact()
         if self.seqs:
-            self._decode(out)
+            self._decode(out) if self.speculate is None else self._speculate(out)
             self._compact()
         for job, events in out.items():
             job.deliver(events)
@@ -358,6 +365,45 @@ class Batcher:
                 logits[i] = self.model(ids, cache=view, logits_to_keep=1).logits[0, -1]
         tokens = self._choose(logits, self.seqs)
         self._take(self.seqs, tokens, out, self._logprobs(logits, self.seqs, tokens))
+
+    def _speculate(self, out: dict[Job, list[Event]]) -> None:
+        """One forward per sequence, alone in its slot: [its last token, its draft's tokens] -> the accepted
+        drafts and one token of the model's (speculative.py's rule, with its own generator), each recorded as
+        a decode step's token is; the slot's length then rewound past the rejected drafts. A choice with a
+        constraint or log-probs gets no draft (its one token chosen as _decode chooses it)."""
+        sp, vocab = self.speculate, self.model.cfg.vocab_size
+        for i, s in enumerate(self.seqs):
+            p = s.job.params
+            start = self.cache.lengths[i]
+            plain = s.constraint is not None or p.logprobs is not None
+            rule = Rule(p.temperature, p.top_k, p.top_p, s.generator)
+            k = 0 if plain else min(sp.k, p.max_new_tokens - s.n_out - 1, self.max_len - start - 1)
+            try:
+                drafts, q = sp.propose(s.job.prompt + s.fed, k, rule, vocab)
+            except Exception as exc:  # noqa: BLE001 - this choice fails alone
+                self._finish(s, "error", out, error=error_line(exc))
+                continue
+            ids = torch.tensor([[s.last] + drafts], dtype=torch.long, device=self.device)  # [1, 1 + n]
+            view = self.cache.prefill(i)
+            logits = self.model(ids, cache=view, logits_to_keep=len(drafts) + 1).logits[0]  # [1 + n, V]
+            self.steps += 1
+            self.rows += 1
+            if plain:
+                row = logits[-1:]  # [1, V]
+                tokens = self._choose(row, [s])
+                self._take([s], tokens, out, self._logprobs(row, [s], tokens))
+                continue
+            try:
+                new = sp.verify(logits, drafts, q, rule)
+            except Exception as exc:  # noqa: BLE001 - this choice fails alone
+                self._finish(s, "error", out, error=error_line(exc))
+                continue
+            # the slot holds the last token and the accepted drafts; the model's own token is fed next
+            self.cache.lengths[i] = start + len(new)
+            for tok in new:
+                self._take([s], [tok], out)
+                if s.finished:
+                    break
 
     def _choose(self, logits: torch.Tensor, seqs: list[_Seq]) -> list[int | str]:
         """One token per row of logits [n, V], each by its sequence's sampling rule (within its constraint's

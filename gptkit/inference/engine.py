@@ -34,6 +34,7 @@ import torch
 from gptkit.errors import GptkitError
 from gptkit.inference.batcher import Batcher, Choice, Completion, Event, Job, SamplingParams
 from gptkit.inference.decoding_layout import decoding_layout
+from gptkit.inference.speculative import Speculator
 
 
 class QueueFull(GptkitError):
@@ -85,10 +86,11 @@ class Engine:
         max_queue: int = 64,
         max_len: Optional[int] = None,
         layout_rows: Optional[int] = None,
+        speculate: Optional[Speculator] = None,
     ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise GptkitError(f"max_queue={max_queue!r} must be an integer >= 0")
-        self.batcher = Batcher(model, max_batch=max_batch, max_len=max_len)
+        self.batcher = Batcher(model, max_batch=max_batch, max_len=max_len, speculate=speculate)
         self.batcher.log = lambda line: print(f"error: {line}", file=sys.stderr, flush=True)
         self.model = model
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -169,6 +171,9 @@ class Engine:
         """What the engine holds now: active slots, waiting requests, steps run, the mean batch, the choices
         ended so far by reason."""
         b = self.batcher
+        spec = b.speculate
+        # draft=: the acceptance so far (speculative.SpecStats.as_dict)
+        extra = {} if spec is None else {"speculative": spec.stats.as_dict(spec.drafter.name, spec.k)}
         return {
             "active": b.active,
             "waiting": len(self._inbox) + len(b.waiting),
@@ -177,6 +182,7 @@ class Engine:
             "steps": b.steps,
             "mean_batch": b.rows / b.steps if b.steps else 0.0,
             "ended": dict(b.ended),
+            **extra,
         }
 
     # ---- the loop ---------------------------------------------------------------------------------------
@@ -184,7 +190,9 @@ class Engine:
         layout = (
             decoding_layout(self.model, self.layout_rows) if self.layout_rows else contextlib.nullcontext()
         )
-        with torch.inference_mode(), layout:
+        spec = self.batcher.speculate
+        draft_layout = spec.drafter.layout(self.model) if spec is not None else contextlib.nullcontext()
+        with torch.inference_mode(), layout, draft_layout:
             while True:
                 with self._cv:
                     while not self._inbox and not self.batcher.busy and not self._stopping:

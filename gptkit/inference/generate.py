@@ -44,6 +44,7 @@ from gptkit.inference.sampling import (
     sample_next,
     window_plan,
 )
+from gptkit.inference.speculative import Rule, SpecStats, Speculator, check_rewindable, generate_speculative
 from gptkit.inference.static_decode import generate_static
 from gptkit.model.kv_cache import KVCache
 from gptkit.tokenizer import describe_characters, special_tokens, unknown_characters
@@ -58,17 +59,23 @@ def generate(
     decode: Optional[Callable[[list[int]], str]] = None,
     on_text: Optional[Callable[[str], None]] = None,
     use_cache: bool = True,
+    speculate: Optional[Speculator] = None,
 ) -> Generation:
     """Generate opts.num_samples continuations of prompt_ids in one batch.
 
     decode (ids -> text) enables stop strings and the texts of the result; on_text receives the
-    streamed text of sample 0 as it becomes final (meant for num_samples == 1).
+    streamed text of sample 0 as it becomes final (meant for num_samples == 1). speculate: a draft and k
+    (speculative.py: one sample, the eager loop with the draft's proposals checked k at a time;
+    Generation.speculative holds its figures).
     """
     opts.validate(model.cfg.max_seq_len)
     if opts.stop and decode is None:
         raise ValueError("stop strings need a decode function")
     if not prompt_ids:
         raise GptkitError("the prompt has no tokens; give a prompt (or use a tokenizer with a BOS token)")
+    if speculate is not None:
+        with decoding_layout(model, 1), speculate.drafter.layout(model):
+            return generate_speculative(model, prompt_ids, opts, speculate, decode, on_text)
     mode = opts.decode_mode(model.tok_emb.weight.device)
     if mode != "eager" and use_cache:
         return generate_static(model, prompt_ids, opts, decode, on_text, mode)
@@ -215,6 +222,8 @@ class Turn:
     notes: list[str] = field(default_factory=list)
     # the tools the reply calls ({id, name, arguments}; empty: its text is all of it)
     calls: list[dict] = field(default_factory=list)
+    # speculate=: the turn's speculative figures (speculative.SpecStats.as_dict), else None
+    speculative: Optional[dict] = None
 
 
 class ChatSession:
@@ -245,6 +254,7 @@ class ChatSession:
         fit_answer: bool = False,
         allow_special_text: bool = False,
         tools: list[dict] | None = None,
+        speculate: Optional[Speculator] = None,
     ) -> None:
         cfg = model.cfg
         # the tools the template renders (gptkit.chat_formats.tools' specs), and how a reply calls them
@@ -259,6 +269,10 @@ class ChatSession:
         self.model, self.tokenizer, self.template, self.opts = model, tokenizer, template, opts
         self.system, self.stop_ids, self.reuse_cache = system, set(stop_ids), reuse_cache
         self.allow_special_text = allow_special_text
+        # a draft (speculative.py): its proposals checked draft_k at a time; the cache keeps every position
+        self.speculate = speculate
+        if speculate is not None:
+            check_rewindable(model, "the model")
         self.max_context = min(max_context or cfg.max_seq_len, cfg.max_seq_len)
         self.fit_answer = fit_answer
         # what a turn keeps free for its answer when older turns are left out
@@ -273,7 +287,9 @@ class ChatSession:
         device = model.tok_emb.weight.device
         dtype = model.tok_emb.weight.dtype
         # across turns
-        self.cache = KVCache(cfg, 1, max_len=self.max_context, device=device, dtype=dtype)
+        self.cache = KVCache(
+            cfg, 1, max_len=self.max_context, device=device, dtype=dtype, rolling=speculate is None
+        )
         self.generator = None
         if opts.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(int(opts.seed))
@@ -366,53 +382,27 @@ class ChatSession:
         # a local layer's rolling cache may no longer hold what position `keep` needs: then 0, all fed again
         keep = self.cache.rewind(keep)
         self.cached = ids[:keep]
-        device = self.cache.k[0].device
-        t0 = time.perf_counter()
-        new = torch.tensor([ids[keep:]], dtype=torch.long, device=device)  # [1, T_new]
-        logits = self.model(new, cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
-        self.cached += ids[keep:]
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        prefill_s = time.perf_counter() - t0
         stream = TextStream(self.tokenizer.decode)
         reader = self.template.reply_reader(self.tokenizer)
         out: list[int] = []
-        reason = "length"
         # fit_answer: at most what the context leaves (otherwise _prompt left max_new_tokens free)
         budget = min(self.opts.max_new_tokens, self.max_context - len(ids))
-        t1 = time.perf_counter()
-        for i in range(budget):
-            nxt = sample_next(logits, self.opts.temperature, self.opts.top_k, self.opts.top_p, self.generator)
-            tok = int(nxt[0])
-            if tok in self.stop_ids:
-                reason = "eos"
-                break
-            out.append(tok)
+
+        def show(tok: int) -> None:
             # the text a reply shows (harmony: its final channel's)
             if reader.shows(tok):
                 piece = stream.push(tok)
                 if on_text is not None and piece:
                     on_text(piece)
-            if i == budget - 1:
-                reason = "length" if budget == self.opts.max_new_tokens else "context"
-                break
-            if self.cache.length >= self.max_context:
-                reason = "context"
-                break
-            self.cached.append(tok)
-            if self.model.rope_restart(self.cache.length, len(self.cached)):
-                # past a longrope scaling's original context: every key again, with the long factors
-                self.cache.reset()
-                every = torch.tensor([self.cached], dtype=torch.long, device=device)  # [1, T]
-                logits = self.model(every, cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
-            else:
-                logits = self.model(nxt[:, None], cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+
+        if self.speculate is not None:
+            with decoding_layout(self.model, 1), self.speculate.drafter.layout(self.model):
+                reason, prefill_s, decode_s = self._speculate(ids, out, budget, show)
+        else:
+            reason, prefill_s, decode_s = self._decode(ids, keep, out, budget, show)
         piece = stream.finish()
         if on_text is not None and piece:
             on_text(piece)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        decode_s = time.perf_counter() - t1
         message = reader.message(out, stream.text)
         # a reply the reader showed none of (harmony's, without a message header): shown whole at its end
         if on_text is not None and message["content"] and not stream.text:
@@ -440,6 +430,90 @@ class ChatSession:
                 ],
             }
         self.messages.append(message)
+        spec = None if self.speculate is None else self.speculate.stats.as_dict(self.speculate.drafter.name,
+                                                                                self.speculate.k)  # fmt: skip
         return Turn(
-            message["content"], out, reason, len(ids), len(ids) - keep, prefill_s, decode_s, notes, calls
+            message["content"],
+            out,
+            reason,
+            len(ids),
+            len(ids) - keep,
+            prefill_s,
+            decode_s,
+            notes,
+            calls,
+            spec,
         )
+
+    def _speculate(self, ids: list[int], out: list[int], budget: int, show) -> tuple[str, float, float]:
+        """The reply's tokens into `out` through the draft (the cache holds self.cached, a prefix of ids):
+        (stop reason, prefill s, decode s); the first verified step (it holds the prompt) is the prefill."""
+        o = self.opts
+        rule = Rule(o.temperature, o.top_k, o.top_p, self.generator)
+        self.speculate.stats = SpecStats()
+        # the tokens run so far: the cache holds a prefix of them
+        seq = list(ids)
+        reason = "length" if budget == o.max_new_tokens else "context"
+        t0 = t1 = time.perf_counter()
+        prefill_s = 0.0
+        done = False
+        while not done:
+            new = self.speculate.step(self.model, self.cache, seq, budget - len(out), rule)
+            seq += new
+            if self.speculate.stats.forwards == 1:
+                t1 = time.perf_counter()
+                prefill_s = t1 - t0
+            for tok in new:
+                if tok in self.stop_ids:
+                    reason, done = "eos", True
+                    break
+                out.append(tok)
+                show(tok)
+                if len(out) == budget:
+                    done = True
+                    break
+        self.cached = seq[: self.cache.length]
+        # the tokens the reply kept, its end-of-turn token included
+        self.speculate.stats.tokens = len(out) + (reason == "eos")
+        return reason, prefill_s, time.perf_counter() - t1
+
+    def _decode(
+        self, ids: list[int], keep: int, out: list[int], budget: int, show
+    ) -> tuple[str, float, float]:
+        """The reply's tokens into `out`, one forward a token (the cache holds self.cached = ids[:keep]):
+        (stop reason, prefill s, decode s)."""
+        device = self.model.tok_emb.weight.device
+        t0 = time.perf_counter()
+        new = torch.tensor([ids[keep:]], dtype=torch.long, device=device)  # [1, T_new]
+        logits = self.model(new, cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+        self.cached += ids[keep:]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        prefill_s = time.perf_counter() - t0
+        reason = "length"
+        t1 = time.perf_counter()
+        for i in range(budget):
+            nxt = sample_next(logits, self.opts.temperature, self.opts.top_k, self.opts.top_p, self.generator)
+            tok = int(nxt[0])
+            if tok in self.stop_ids:
+                reason = "eos"
+                break
+            out.append(tok)
+            show(tok)
+            if i == budget - 1:
+                reason = "length" if budget == self.opts.max_new_tokens else "context"
+                break
+            if self.cache.length >= self.max_context:
+                reason = "context"
+                break
+            self.cached.append(tok)
+            if self.model.rope_restart(self.cache.length, len(self.cached)):
+                # past a longrope scaling's original context: every key again, with the long factors
+                self.cache.reset()
+                every = torch.tensor([self.cached], dtype=torch.long, device=device)  # [1, T]
+                logits = self.model(every, cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+            else:
+                logits = self.model(nxt[:, None], cache=self.cache, logits_to_keep=1).logits[:, -1]  # [1, V]
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return reason, prefill_s, time.perf_counter() - t1

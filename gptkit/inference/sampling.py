@@ -99,6 +99,8 @@ class Generation:
     decode: str = "eager"
     # static/graph: building the step (compile, CUDA graph capture), before the prefill
     setup_s: float = 0.0
+    # draft=: speculative decoding's figures (speculative.SpecStats.as_dict), else None
+    speculative: Optional[dict] = None
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -140,6 +142,19 @@ def sample_next(
     graph."""
     if temperature == 0:
         return argmax(logits)
+    probs = sampling_probs(logits, temperature, top_k, top_p)  # [B, V]
+    # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i: torch.multinomial(probs, 1) computes
+    # exactly this (the same draws from the same generator), but first checks the probabilities on the host
+    if noise is None:
+        noise = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
+    return argmax(probs / noise)
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: float, top_k: Optional[int], top_p: float
+) -> torch.Tensor:
+    """The distribution sample_next draws from, logits [B, V] -> fp32 probabilities [B, V]: divided by
+    temperature (> 0), then top-k, then top-p (speculative.py filters the target's and the draft's alike)."""
     logits = logits.float() / temperature  # [B, V]
     if top_k and top_k < logits.size(-1):
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # [B, 1]
@@ -151,12 +166,7 @@ def sample_next(
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(dim=-1)  # [B, V]
-    # argmax(p / E) with E ~ Exp(1) draws index i with probability p_i: torch.multinomial(probs, 1) computes
-    # exactly this (the same draws from the same generator), but first checks the probabilities on the host
-    if noise is None:
-        noise = torch.empty_like(probs).exponential_(1, generator=generator)  # [B, V]
-    return argmax(probs / noise)
+    return logits.softmax(dim=-1)  # [B, V]
 
 
 class TextStream:

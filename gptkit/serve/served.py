@@ -28,6 +28,7 @@ from gptkit.chat_templates import (
 from gptkit.errors import GptkitError
 from gptkit.inference.engine import Engine
 from gptkit.inference.generate import encode_prompt, special_token_ids
+from gptkit.inference.speculative import load_speculator
 from gptkit.runs import load_for_inference
 from gptkit.serve.protocol import ApiError, bad
 from gptkit.serve.tokens import TokenTexts
@@ -164,6 +165,8 @@ def load_served(
     allow_special_text: bool = False,
     quantize: Optional[str] = None,
     transform: Optional[Callable] = None,
+    draft: Optional[str] = None,
+    draft_k: Optional[int] = None,
 ) -> Served:
     """Load a run and start its Engine. quantize: None or int8 | int4 | nf4, the block projections weight-only
     quantized as `sample quantize=` does (gptkit.quant, torchao). transform(model) -> model runs once at load
@@ -189,7 +192,11 @@ def load_served(
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         raise GptkitError(f"max_batch={max_batch!r} must be an integer >= 1")
     layout_rows = max_batch if model.lm_head.weight.device.type == "cpu" else None
-    engine = Engine(model, max_batch=max_batch, max_queue=max_queue, layout_rows=layout_rows)
+    # draft=: speculative decoding, each sequence alone in a forward (gptkit/inference/speculative.py)
+    speculate = load_speculator(draft, draft_k, r, device, dtype)
+    engine = Engine(
+        model, max_batch=max_batch, max_queue=max_queue, layout_rows=layout_rows, speculate=speculate
+    )
     ckpt = Path(r.checkpoint)
     return Served(
         name=name or Path(r.dir).resolve().name,
