@@ -45,7 +45,7 @@ from gptkit.chat_templates import (
     resolve_template,
 )
 from gptkit.data.build import cutter_for
-from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
+from gptkit.data.cache import REBUILD, check_folder, one_builder, publish_folder, templated_folder
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Prepared
 from gptkit.data.files import expand_paths, spelled_in
@@ -612,13 +612,20 @@ class TemplatedKind:
         cached = build.cached(self.load)
         if cached is not None:
             return cached
+        # one process builds (another node on a shared cache waits for it, then reads its folder)
+        with one_builder(opts.cache, build.folders[-1].name):
+            cached = build.cached(self.load)
+            return cached if cached is not None else self.build_folder(build, opts)
+
+    def build_folder(self, build: TemplatedBuild, opts: BuildOptions) -> Any:
+        """The folder of `build`, written now (prepare holds its one_builder lock)."""
         s, template = build.s, build.template
         train = self.read(build.train_files, s)
         every = train + (self.read(build.val_files, s) if build.val_files else [])
         if self.render is not None:
             every = [(where, self.render(template, r, where)) for where, r in every]
         tokenizer, added = build.tokenizer(lambda: (t for w, r in every for t in self.texts(template, r, w)))
-        limit = RowLimit(opts.row_limit, tokenizer, tok)
+        limit = RowLimit(opts.row_limit, tokenizer, build.tok)
         enc = Encoder(tokenizer, template, limit, build.allow_special_text)
         # (where, a Seq per side, what rows.json keeps): only what was encoded of the texts is kept
         encoded = [
