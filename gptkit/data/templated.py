@@ -3,7 +3,8 @@ then token ids (and a mask) per record. A kind is its record reader and its row 
 build, the cached folder, its load and the sampler are one, here.
 
     KIND = TemplatedKind(name, read_record, texts, encode, data, split, ...)   # in the kind's own file
-    KIND.prepare(settings, tok, opts)  settings checked (KIND.check), the folder of the cache or built:
+    KIND.prepare(settings, tok, opts)  settings checked (KIND.check), the folder of the cache or built (one
+                                       process builds, the others wait for it: cache.one_builder):
       records read (KIND.read_record, every problem one line naming the file and row)
       -> (KIND.render) -> the tokenizer (char/bpe: built from KIND.texts) -> KIND.encode: (ids, mask, long)
          of each side (one for chat and prompts, chosen and rejected for preference) through an Encoder

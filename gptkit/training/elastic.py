@@ -43,11 +43,17 @@ def elastic_resume(keys: dict[str, str | None]) -> Path | None:
     return run_dir
 
 
-def _agent_store():
-    """A client of the torchrun agent's TCPStore, which the workers share (TORCHELASTIC_USE_AGENT_STORE=True:
-    plain torchrun, static or c10d rendezvous), or None (no torchrun job of several ranks, another store)."""
+def _shares_agent_store() -> bool:
+    """A torchrun worker of several ranks whose agent's TCPStore the workers share
+    (TORCHELASTIC_USE_AGENT_STORE=True: plain torchrun, static or c10d rendezvous)."""
     env = os.environ
-    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or int(env.get("WORLD_SIZE") or 1) < 2:
+    return env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("WORLD_SIZE") or 1) > 1
+
+
+def _agent_store():
+    """A client of the torchrun agent's TCPStore (_shares_agent_store), or None."""
+    env = os.environ
+    if not _shares_agent_store():
         return None
     from datetime import timedelta
 
@@ -75,8 +81,7 @@ def watch_peers() -> Iterator[None]:
     job."""
     from gptkit.errors import GptkitError
 
-    store = _agent_store()
-    if store is None:
+    if not _shares_agent_store():
         yield
         return
     key = f"{STOPPED_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT') or 0}"
@@ -102,8 +107,11 @@ def watch_peers() -> Iterator[None]:
         yield
     except GptkitError as exc:
         done.set()
+        # a client made now: one per rank while all is well (the watcher's)
+        store = _agent_store()
         try:
-            store.set(key, f"rank {os.environ.get('RANK')} stopped: {exc}")
+            if store is not None:
+                store.set(key, f"rank {os.environ.get('RANK')} stopped: {exc}")
         except RuntimeError:
             pass
         raise
