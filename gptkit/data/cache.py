@@ -7,6 +7,8 @@ published.
     <cache>/.<name>.partial/                    a resumable build of token shards (gptkit.data.build),
                                                 locked by its builder (BUILD_LOCK)
     <cache>/.<name>.<random>.tmp/               a chat or preference folder being written (publish_folder)
+    <cache>/.<name>.lock                        held by the one process that builds a chat or preference
+                                                folder (one_builder); the others wait, then read its folder
     <cache>/tokenizers/                         tokenizers a data=mix trained on all its sources
 
 The OS drops a builder's lock when it dies (kill -9 included): a folder whose lock nobody holds is a dead
@@ -22,8 +24,9 @@ import secrets
 import shutil
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
@@ -148,6 +151,28 @@ def remove_stale_builds(root: Path) -> list[Path]:
             os.close(fd)
         gone.append(tmp)
     return gone
+
+
+@contextmanager
+def one_builder(root: Path, name: str) -> Iterator[None]:
+    """Held while this process builds the chat or preference folder `name` of the cache `root`: a process that
+    comes for the same folder meanwhile (another node on a shared cache) says so and waits, then finds the
+    folder built (the caller looks again). The OS drops the lock when its holder dies (kill -9 included). The
+    lock file goes once the folder is published: a process still waiting on it then finds the folder, and
+    one that comes later finds the folder before any lock."""
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f".{name}.lock"
+    said = False
+    while (fd := lock_file(path)) is None:
+        if not said:
+            say(f"another prepare is building {name}; waiting for it")
+            said = True
+        wait_unlocked(path)
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
+        os.close(fd)
 
 
 def files_hash(files: list[Path]) -> str:

@@ -3,7 +3,8 @@ then token ids (and a mask) per record. A kind is its record reader and its row 
 build, the cached folder, its load and the sampler are one, here.
 
     KIND = TemplatedKind(name, read_record, texts, encode, data, split, ...)   # in the kind's own file
-    KIND.prepare(settings, tok, opts)  settings checked (KIND.check), the folder of the cache or built:
+    KIND.prepare(settings, tok, opts)  settings checked (KIND.check), the folder of the cache or built (one
+                                       process builds, the others wait for it: cache.one_builder):
       records read (KIND.read_record, every problem one line naming the file and row)
       -> (KIND.render) -> the tokenizer (char/bpe: built from KIND.texts) -> KIND.encode: (ids, mask, long)
          of each side (one for chat and prompts, chosen and rejected for preference) through an Encoder
@@ -46,7 +47,7 @@ from gptkit.chat_templates import (
 )
 from gptkit.data import hub_files
 from gptkit.data.build import cutter_for
-from gptkit.data.cache import REBUILD, check_folder, publish_folder, templated_folder
+from gptkit.data.cache import REBUILD, check_folder, one_builder, publish_folder, templated_folder
 from gptkit.data.console import say
 from gptkit.data.face import MANIFEST, TOKENIZER, BuildOptions, Prepared
 from gptkit.data.files import spelled_in
@@ -633,13 +634,20 @@ class TemplatedKind:
         cached = build.cached(self.load)
         if cached is not None:
             return cached
+        # one process builds (another node on a shared cache waits for it, then reads its folder)
+        with one_builder(opts.cache, build.folders[-1].name):
+            cached = build.cached(self.load)
+            return cached if cached is not None else self.build_folder(build, opts)
+
+    def build_folder(self, build: TemplatedBuild, opts: BuildOptions) -> Any:
+        """The folder of `build`, written now (prepare holds its one_builder lock)."""
         s, template = build.s, build.template
         train = self.read(build.train_files, s)
         every = train + (self.read(build.val_files, s) if build.val_files else [])
         if self.render is not None:
             every = [(where, self.render(template, r, where)) for where, r in every]
         tokenizer, added = build.tokenizer(lambda: (t for w, r in every for t in self.texts(template, r, w)))
-        limit = RowLimit(opts.row_limit, tokenizer, tok)
+        limit = RowLimit(opts.row_limit, tokenizer, build.tok)
         enc = Encoder(tokenizer, template, limit, build.allow_special_text)
         # (where, a Seq per side, what rows.json keeps): only what was encoded of the texts is kept
         encoded = [

@@ -45,6 +45,7 @@ from gptkit.runs import (
     unused,
 )
 from gptkit.training.config_checks import check_values
+from gptkit.training.elastic import watch_peers
 from gptkit.training.report import announce, check_disk, interrupted, out_of_memory, source_losses, summary
 from gptkit.training.start import (
     FROM_START,
@@ -199,9 +200,10 @@ def train(
     resume= treats as the command line. checked: what check_config derived from this config (the CLI runs it
     before Hydra makes the run folder); options: the command line's key=value, parsed by the CLI."""
     started = time.perf_counter()
-    return run_plan(
-        plan_run(cfg, run_dir=run_dir, overrides=overrides, checked=checked, options=options), started=started
-    )
+    # under torchrun: a rank that stops with an error stops the others (not left waiting in a collective)
+    with watch_peers():
+        plan = plan_run(cfg, run_dir=run_dir, overrides=overrides, checked=checked, options=options)
+        return run_plan(plan, started=started)
 
 
 def plan_run(

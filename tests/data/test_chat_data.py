@@ -487,3 +487,54 @@ def test_files_with_tools_get_a_cache_key_of_their_own_and_others_keep_theirs(tm
     base = key_settings(s, tok, t, [plain])
     assert base == {"format": "auto"}
     assert key_settings(s, tok, t, [plain, tools]) == {**base, "tools": 1}
+
+
+def test_two_prepares_of_one_chat_folder_on_a_shared_cache_build_it_once(tmp_path, capsys):
+    """Two nodes that find the same chat data missing in a shared cache at once: one builds, the other waits
+    on its lock (cache.one_builder: an fcntl lock, which two threads' own opens contend for as two processes'
+    do) and then reads the folder it wrote; never two builds."""
+    import os
+    import threading
+    import time
+
+    from gptkit.fsio import lock_file
+
+    data = write_jsonl(
+        tmp_path / "chat.jsonl", [{"prompt": f"upper a{i}", "response": f"A{i}"} for i in range(8)]
+    )
+    s = {"kind": "chat", "paths": [str(data)], "template": "chatml"}
+    # the folder's name (the cache key does not depend on the cache folder)
+    probe = prepare(s, {"kind": "char"}, cache_dir=tmp_path / "probe", progress=False).dir
+    capsys.readouterr()
+    cache = tmp_path / "shared"
+    cache.mkdir()
+    # a builder at work: the two prepares find its lock held
+    lock = lock_file(cache / f".{probe.name}.lock")
+    got, err = [], []
+
+    def node() -> None:
+        got.append(prepare(s, {"kind": "char"}, cache_dir=cache, progress=False).dir)
+
+    nodes = [threading.Thread(target=node) for _ in range(2)]
+    try:
+        for t in nodes:
+            t.start()
+        # both say they wait (a hang guard, not a speed limit: polls, not the clock)
+        for _ in range(3000):
+            err.append(capsys.readouterr().err)
+            if "".join(err).count(f"another prepare is building {probe.name}; waiting for it") == 2:
+                break
+            assert any(t.is_alive() for t in nodes), "".join(err)
+            time.sleep(0.2)
+        assert not (cache / probe.name).exists()
+    finally:
+        os.close(lock)
+    for t in nodes:
+        t.join()
+    lines = "".join([*err, capsys.readouterr().err]).splitlines()
+    assert got == [cache / probe.name] * 2, lines
+    # built once: one "prepared", the other a cache hit of that folder
+    assert sum(x.startswith(f"prepared {cache / probe.name}") for x in lines) == 1, lines
+    assert sum(x.startswith(f"cache hit: {cache / probe.name}") for x in lines) == 1, lines
+    # nothing left beside the folder (no lock file, no temporary folder)
+    assert [p.name for p in cache.iterdir()] == [probe.name]

@@ -344,3 +344,53 @@ def test_a_torchrun_restart_continues_its_run_and_runs_clean(tmp_path, monkeypat
         check_distributed(t)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     check_distributed(t)
+
+
+def test_a_rank_that_stops_with_an_error_under_torchrun_stops_the_others_in_one_line(monkeypatch, capsys):
+    """training/elastic.py's watch_peers, against a real TCPStore as torchrun's agent shares it: a rank's
+    GptkitError is left in the store for the others, and a rank that finds one there says it in one line and
+    exits 2 (before: it waited in init_process_group for the rank that never came, .ci/recipes' checksums)."""
+    import os
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from gptkit.errors import GptkitError
+    from gptkit.training import elastic
+
+    server = dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=30), wait_for_workers=False
+    )
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
+    for k, v in {**env, "MASTER_PORT": str(server.port), "TORCHELASTIC_RESTART_COUNT": "0"}.items():
+        monkeypatch.setenv(k, v)
+    # rank 1 refuses its data: its line is left for the others, and it still raises
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(GptkitError, match="train.bin is corrupted"):
+        with elastic.watch_peers():
+            raise GptkitError("/n1/train.bin is corrupted")
+    assert server.get("gptkit/stopped/0") == b"rank 1 stopped: /n1/train.bin is corrupted"
+    # rank 0, waiting (in init_process_group, say), finds it: one line, exit 2
+    monkeypatch.setenv("RANK", "0")
+    exits, stopped = [], threading.Event()
+
+    def exit_(code):
+        exits.append(code)
+        stopped.set()
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    with elastic.watch_peers():
+        assert stopped.wait(HANG_S)
+    assert exits == [2]
+    assert capsys.readouterr().err.splitlines() == [
+        "error: rank 1 stopped: /n1/train.bin is corrupted; this rank stops too"
+    ]
+    # another torchrun attempt (a restart) reads only its own; outside a torchrun job nothing is watched
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    stopped.clear()
+    with elastic.watch_peers():
+        assert not stopped.wait(3 * elastic.WATCH_S)
+    assert exits == [2]
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    assert elastic._agent_store() is None
