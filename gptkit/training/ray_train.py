@@ -143,10 +143,9 @@ def train_on_ray(
         if error is not None:
             raise GptkitError(error)
         if failure is not None:
-            first = next((line for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
             raise GptkitError(
                 f"Ray Train's workers failed (trainer.ray.max_failures={r.get('max_failures') or 0} restarts "
-                f"allowed): {first.strip()}; the run folder keeps its checkpoints: continue with gptkit "
+                f"allowed): {_summary(failure)}; the run folder keeps its checkpoints: continue with gptkit "
                 f"train resume={run_dir}"
             )
         result = _read(Path(store), "result")
@@ -162,6 +161,21 @@ def train_on_ray(
         done["tokens_per_s"],
         True,
     )
+
+
+def _summary(exc: BaseException) -> str:
+    """Ray's failure in a few words: each failed rank's first line (a WorkerGroupError's), else the
+    exception's first line."""
+
+    def first(e: BaseException) -> str:
+        line = next((x.strip() for x in str(e).splitlines() if x.strip()), "")
+        line = line or type(e).__name__
+        return line if len(line) <= 200 else line[:197] + "..."
+
+    failures = getattr(exc, "worker_failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {first(err)}" for rank, err in sorted(failures.items()))
+    return first(exc)
 
 
 def _start_ray(ray, r: Any, workers: int) -> None:
