@@ -89,8 +89,9 @@ def train_on_ray(
     check_run_dir(run_dir, cfg.runs_dir, job=inv.multirun_job)
     if cfg.get("resume") in (None, ""):
         _refuse_checkpoints(run_dir)
-    r = t.ray
-    workers = int(r.num_workers)
+    # (a run saved before trainer.ray existed, resumed with trainer.launcher=ray: the defaults)
+    r = t.get("ray") or {}
+    workers = int(r.get("num_workers") or 1)
     cfg = cfg.copy()
     # the world is Ray's workers (the run's config.yaml says so; a resume's too); the folder, as the driver
     # resolved it
