@@ -44,6 +44,7 @@ EXTRAS: dict[str, Extra] = {
     "s3": Extra(("s3fs",), "pip install 'gptkit[s3]'", "an s3:// location needs"),
     "tensorboard": Extra(("tensorboard",), "pip install 'gptkit[tensorboard]'", "logger=tensorboard needs"),
     "triton": Extra(("triton",), "pip install 'gptkit[triton]'", "the Triton kernels need"),
+    "ray": Extra(("ray",), "pip install 'gptkit[ray]'", "trainer.launcher=ray needs"),
     "wandb": Extra(("wandb",), "pip install wandb", "logger=wandb needs"),
     "transformers": Extra(
         ("transformers",), "pip install transformers", "the comparison with transformers needs"

@@ -7,7 +7,9 @@ Nothing happens unless the variable is set; tests/reliability/test_faults.py,
 tests/reliability/test_signals.py, tests/reliability/test_object_storage.py, .ci/fault-loop and .ci/multinode
 use it. Under torchrun only the first attempt faults: a worker torchrun restarts (--max-restarts,
 TORCHELASTIC_RESTART_COUNT > 0) inherits the variable but runs clean, as a job whose fault was transient
-would.
+would; so does a worker Ray Train restarted (trainer.launcher=ray: GPTKIT_RESTART_COUNT > 0).
+GPTKIT_FAULT_RANK=<r> limits the fault to the process of global rank r (RANK), as .ci/ray kills one worker
+of two.
 
 Points (where the writers call fault_point):
   step             RunCheckpoints, after each optimizer step (before that step's checkpoint, if any)
@@ -35,12 +37,19 @@ import signal
 ENV = "GPTKIT_FAULT"
 # set by torchrun in each worker: how many times it has restarted the workers
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+# the same count in a Ray Train worker (gptkit/training/ray_train.py)
+RAY_RESTART_ENV = "GPTKIT_RESTART_COUNT"
+# only the process of this global rank faults
+RANK_ENV = "GPTKIT_FAULT_RANK"
 _passes: dict[str, int] = {}
 
 
 def fault_point(name: str) -> None:
     spec = os.environ.get(ENV)
-    if not spec or int(os.environ.get(RESTART_ENV) or 0) > 0:
+    if not spec or any(int(os.environ.get(k) or 0) > 0 for k in (RESTART_ENV, RAY_RESTART_ENV)):
+        return
+    rank = os.environ.get(RANK_ENV)
+    if rank not in (None, "") and rank != (os.environ.get("RANK") or "0"):
         return
     where, _, sig = spec.partition(":")
     point, _, nth = where.partition("@")

@@ -54,6 +54,9 @@ IMPORTED_FILE = "imported_from.json"
 # a folder `gptkit merge` wrote: its sources (gptkit/merge.py); weights only, nothing to resume
 MERGE_FILE = "merge.json"
 LOCK_FILE = ".lock"
+# a process whose run folder's lock is held by this PID, its job's own driver (trainer.launcher=ray: the
+# `gptkit train` that started Ray Train's workers holds it for the whole job), writes it as the holder would
+LOCK_HOLDER_ENV = "GPTKIT_RUN_LOCK_HOLDER"
 # Hydra's copy of the composed config, written when the run starts
 HYDRA_DIR = ".hydra"
 
@@ -171,6 +174,8 @@ def claim_run_dir(run_dir: Path | str, remove_if_unused: bool, instead: str = "n
             pid = (run_dir / LOCK_FILE).read_text().strip() or "unknown"
         except OSError:
             pid = "unknown"
+        if pid == os.environ.get(LOCK_HOLDER_ENV):
+            return
         raise GptkitError(
             f"{run_dir} is being written by another gptkit process (PID {pid}); wait for it to "
             f"end or stop it, or choose another {instead}"

@@ -98,6 +98,7 @@ def check_trainer_values(t: Any) -> Values:
         )
     check_ema(t.get("ema"), str(t.get("strategy", "auto")))
     progress_mode(t.progress)
+    check_launcher(t)
     return Values(precision=precision(t.precision), compile=compile_mode(t.compile))
 
 
@@ -114,6 +115,48 @@ def check_ema(decay: Any, strategy: str) -> None:
             "trainer.ema is not supported with trainer=fsdp yet (a sharded checkpoint does not carry the "
             "averages); use trainer=ddp or one device, or average step checkpoints with `gptkit merge`"
         )
+
+
+def check_launcher(t: Any) -> None:
+    """trainer.launcher: null, or ray with its trainer.ray settings (gptkit/training/ray_train.py); ray
+    looked up (not imported: ~2 s)."""
+    launcher = t.get("launcher")
+    if launcher in (None, "null", "none"):
+        return
+    if launcher != "ray":
+        raise ConfigError(f"trainer.launcher={launcher!r} is not one of null, ray")
+    r = t.get("ray") or {}
+    n = r.get("num_workers", 1)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(
+            f"trainer.ray.num_workers={n} must be an integer >= 1 (the processes Ray Train starts, one "
+            "device each)"
+        )
+    failures = r.get("max_failures", 0)
+    if isinstance(failures, bool) or not isinstance(failures, int) or failures < -1:
+        raise ConfigError(f"trainer.ray.max_failures={failures} must be an integer >= 0 (or -1: no limit)")
+    cpus = r.get("cpus_per_worker", 1)
+    if isinstance(cpus, bool) or not isinstance(cpus, (int, float)) or not cpus > 0:
+        raise ConfigError(f"trainer.ray.cpus_per_worker={cpus} must be a number > 0")
+    devices = t.get("devices")
+    if str(devices) not in ("1", "auto", str(n)):
+        raise ConfigError(
+            f"trainer.launcher=ray starts trainer.ray.num_workers={n} process(es) of one device each, "
+            f"not trainer.devices={devices}; pass trainer.ray.num_workers={devices} (trainer.devices is "
+            "set to it)"
+        )
+    if t.get("num_nodes") != 1:
+        raise ConfigError(
+            f"trainer.launcher=ray places its workers on the Ray cluster's nodes itself; "
+            f"trainer.num_nodes={t.get('num_nodes')} is torchrun's and srun's: pass trainer.num_nodes=1 and "
+            "trainer.ray.num_workers=<processes in all>"
+        )
+    if n > 1 and str(t.get("strategy", "auto")) == "auto":
+        raise ConfigError(
+            f"trainer.launcher=ray with trainer.ray.num_workers={n} needs a strategy of several "
+            "processes: add trainer=ddp or trainer=fsdp"
+        )
+    require("ray", "trainer.launcher=ray needs", load=False)
 
 
 def compile_mode(value: Any) -> str | None:

@@ -109,7 +109,10 @@ def check_distributed(t: Any, checked: Any = None) -> None:
         )
     acc = checked.accelerator if checked is not None else accelerator_type(t)
     per_node = checked.devices if checked is not None else devices_per_node(t, acc)
-    if acc == "cuda":
+    # trainer.launcher=ray with trainer.ray.address: the workers' devices are the Ray cluster's, not this
+    # machine's (Ray waits for them)
+    cluster = str(t.get("launcher") or "") == "ray" and bool((t.get("ray") or {}).get("address"))
+    if acc == "cuda" and not cluster:
         have = torch.cuda.device_count()
         if have == 0:
             raise GptkitError(
@@ -121,7 +124,7 @@ def check_distributed(t: Any, checked: Any = None) -> None:
                 f"trainer.devices={t.devices} but this machine has {have} CUDA GPU(s); "
                 f"pass trainer.devices={have} or fewer"
             )
-    else:
+    elif not cluster:
         cores = os.cpu_count() or 1
         if per_node > cores:
             raise GptkitError(
@@ -225,6 +228,16 @@ def fsdp_options(t: Any) -> dict[str, Any]:
     }
     given = t.get("fsdp") or {}
     return {k: given.get(k, v) for k, v in defaults.items()}
+
+
+def launcher_plugins(t: Any) -> list:
+    """The Lightning plugins trainer.launcher brings: ray's cluster environment (the ranks Ray Train gave this
+    worker: gptkit/training/ray_train.py), else none."""
+    if str(t.get("launcher") or "") != "ray":
+        return []
+    from gptkit.training.ray_train import cluster_environment
+
+    return [cluster_environment()]
 
 
 # ---- the Lightning strategy ----------------------------------------------------------------------------

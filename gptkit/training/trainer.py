@@ -21,6 +21,7 @@ from gptkit.training.distributed import (
     build_strategy,
     check_distributed,
     fail_fast_callback,
+    launcher_plugins,
 )
 from gptkit.training.metrics import StepMetrics, check_spikes
 from gptkit.training.metrics_csv import MetricsCSV
@@ -254,7 +255,7 @@ def build_trainer(
         default_root_dir=str(plan.run_dir),
         # RunCheckpoints writes them (Lightning would add a ModelCheckpoint)
         enable_checkpointing=False,
-        plugins=[SafeAtomicCheckpointIO()] + ([plugin] if plugin else []),
+        plugins=[SafeAtomicCheckpointIO(), *launcher_plugins(t)] + ([plugin] if plugin else []),
         use_distributed_sampler=True,
     )
     return trainer, checkpoints, metrics

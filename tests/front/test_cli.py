@@ -257,6 +257,11 @@ def tiny_run(tmp_path_factory):
         ),
         (["wandb"], ["train", "logger=[wandb]", "runs_dir={tmp}"], "logger=wandb needs wandb, which"),
         (
+            ["ray"],
+            ["train", "trainer=ddp", "trainer.launcher=ray", "trainer.ray.num_workers=2", "runs_dir={tmp}"],
+            "trainer.launcher=ray needs ray, which",
+        ),
+        (
             ["triton"],
             ["bench", "attention", "bench.device=cpu", "bench.backends=[sdpa,triton]"],
             "the triton row needs Triton, and triton is not installed",

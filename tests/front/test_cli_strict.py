@@ -496,3 +496,44 @@ def test_a_chat_export_without_an_end_of_text_token_says_one_thing_of_where_gene
     assert json.loads((tmp_path / "hf" / "generation_config.json").read_text())["eos_token_id"] == end
     assert "generate() stops at <|im_end|>" in out
     assert "will stop only at the end of a turn or at max_new_tokens" in err
+
+
+def test_trainer_launcher_ray_settings_are_refused_in_one_line_before_torch():
+    """Issue 51 item 3: trainer.launcher=ray's settings are checked with the config's values (config_checks):
+    each refusal is one line, exit 2, and none imports torch (one interpreter for all of them)."""
+    refused = {
+        ("trainer.launcher=rai",): "trainer.launcher='rai' is not one of null, ray",
+        (
+            "trainer=ddp",
+            "trainer.launcher=ray",
+            "trainer.ray.num_workers=0",
+        ): "trainer.ray.num_workers=0 must be",
+        ("trainer=ddp", "trainer.launcher=ray", "trainer.ray.num_workers=2", "trainer.devices=4"): (
+            "trainer.launcher=ray starts trainer.ray.num_workers=2 process(es) of one device each, not "
+            "trainer.devices=4; pass trainer.ray.num_workers=4"
+        ),
+        ("trainer=ddp", "trainer.launcher=ray", "trainer.num_nodes=2"): "pass trainer.num_nodes=1",
+        ("trainer.launcher=ray", "trainer.ray.num_workers=2"): "add trainer=ddp or trainer=fsdp",
+        ("trainer=ddp", "trainer.launcher=ray", "trainer.ray.max_failures=-2"): "trainer.ray.max_failures=-2",
+    }
+    code = (
+        "import json\nfrom gptkit.cli import main\nlines = []\n"
+        f"for args in {[['train', *a] for a in refused]!r}:\n"
+        "    with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "        try:\n            main(args)\n"
+        "        except SystemExit as e:\n            assert e.code == 2, e\n"
+        "    lines.append(err.getvalue())\n"
+        "print(json.dumps(lines))"
+    )
+    probe = code + "\nprint('imported:', *(m for m in ('torch', 'lightning') if m in sys.modules))"
+    r = subprocess.run(
+        [sys.executable, "-c", "import sys, io, contextlib\n" + probe],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+    )
+    assert r.returncode == 0, r.stderr
+    *_, lines, imported = r.stdout.strip().splitlines()
+    assert imported.split() == ["imported:"], imported
+    for err, want in zip(json.loads(lines), refused.values()):
+        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (err, want)

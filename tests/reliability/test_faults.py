@@ -505,3 +505,36 @@ def test_a_lock_file_that_is_a_symbolic_link_is_refused_and_its_target_untouched
     with pytest.raises(GptkitError, match="symbolic link"):
         lock_file(tmp_path / ".lock")
     assert victim.read_text() == "keep me"
+
+
+def test_a_ray_worker_writes_the_run_folder_its_driver_holds_and_a_fault_picks_its_rank(
+    tmp_path, monkeypatch
+):
+    """Issue 51 item 3 (trainer.launcher=ray, .ci/ray runs the whole job): the driver holds the run folder's
+    lock for the job; a worker told its PID (GPTKIT_RUN_LOCK_HOLDER) writes the folder, any other process is
+    refused in one line. GPTKIT_FAULT_RANK faults one rank only, and a worker Ray restarted
+    (GPTKIT_RESTART_COUNT > 0) runs clean."""
+    from gptkit.fsio import lock_file
+    from gptkit.runs import LOCK_HOLDER_ENV, claim_run_dir
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    held = lock_file(run_dir / ".lock")
+    os.pwrite(held, b"424242\n", 0)
+    try:
+        with pytest.raises(GptkitError, match="PID 424242"):
+            claim_run_dir(run_dir, remove_if_unused=False)
+        monkeypatch.setenv(LOCK_HOLDER_ENV, "424242")
+        claim_run_dir(run_dir, remove_if_unused=False)
+    finally:
+        os.close(held)
+
+    def fault(env: dict) -> int:
+        code = "from gptkit.faults import fault_point\nfault_point('step')\nprint('passed')"
+        env = {**os.environ, "GPTKIT_FAULT": "step", **env}
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=HANG_S)
+        return r.returncode
+
+    assert fault({"RANK": "1", "GPTKIT_FAULT_RANK": "1"}) == -signal.SIGKILL
+    assert fault({"RANK": "0", "GPTKIT_FAULT_RANK": "1"}) == 0
+    assert fault({"RANK": "1", "GPTKIT_FAULT_RANK": "1", "GPTKIT_RESTART_COUNT": "1"}) == 0
