@@ -28,6 +28,8 @@ from gptkit.errors import ConfigError
 # the seconds before the time limit when --signal gives no @N (sbatch's default)
 DEFAULT_SIGNAL_S = 60
 SCONTROL_S = 10
+# what SLURM shows for an infinite time limit after a requeue
+INFINITE_DAYS = 365
 
 
 def sbatch_options(script: str) -> dict[str, str]:
@@ -62,11 +64,15 @@ def signal_seconds(spec: str) -> int:
 
 
 def time_limit_seconds(limit: str) -> int | None:
-    """scontrol's TimeLimit ([days-]hh:mm:ss, mm:ss, UNLIMITED, Partition_Limit) -> seconds; None: none."""
+    """scontrol's TimeLimit ([days-]hh:mm:ss, mm:ss, UNLIMITED, Partition_Limit) -> seconds; None: none.
+    365 days or more is none too: SLURM 22.05 shows an UNLIMITED job as 365-00:00:00 once it has been
+    requeued twice (seen on .ci/slurm's cluster)."""
     m = re.fullmatch(r"(?:(\d+)-)?(?:(\d+):)?(\d+):(\d+)", limit.strip())
     if not m:
         return None
     days, hours, minutes, seconds = (int(g or 0) for g in m.groups())
+    if days >= INFINITE_DAYS:
+        return None
     return ((days * 24 + hours) * 60 + minutes) * 60 + seconds
 
 

@@ -391,12 +391,8 @@ def test_a_slurm_signal_needs_a_time_limit_to_count_back_from(tmp_path, monkeypa
         "time": "5",
         "signal": "B:USR1@90",
     }
-    assert [time_limit_seconds(x) for x in ("1-02:03:04", "00:30:00", "05:00", "UNLIMITED")] == [
-        93784,
-        1800,
-        300,
-        None,
-    ]
+    limits = ("1-02:03:04", "00:30:00", "05:00", "UNLIMITED", "365-00:00:00")
+    assert [time_limit_seconds(x) for x in limits] == [93784, 1800, 300, None, None]
     assert signal_problem("7", "TERM@60", "00:30:00") is None
     assert "before the run starts" in signal_problem("7", "TERM", "00:01:00")
     answers = {"write": script, "show": "JobId=7 TimeLimit=UNLIMITED"}
