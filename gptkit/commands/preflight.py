@@ -1,7 +1,9 @@
 """Takes the same overrides as `gptkit train`, starts the same processes (or joins the ones torchrun or
-SLURM started) and checks, in seconds rather than an hour into the job: the world size and ranks,
-the backend, one all-reduce across every rank, and each device's memory against the count-params
-estimate of training memory for this model, precision, strategy and batch. No data, no training.
+SLURM started) and checks, in seconds rather than an hour into the job: the world size and ranks (each
+rank's host and SLURM node), the backend, one all-reduce across every rank, the all-reduce bandwidth per
+link (bus bandwidth of a 16 MiB fp32 all-reduce; loopback when every rank is on one host), and each
+device's memory against the count-params estimate of training memory for this model, precision, strategy
+and batch. No data, no training.
 
 Examples:
   gptkit preflight trainer=ddp trainer.devices=8 model=gpt2
@@ -37,17 +39,19 @@ def _device_memory(device: str, per_node: int) -> tuple[float, float]:
 
 
 def _probe(fabric, per_node: int) -> dict:
-    from gptkit.training.distributed import probe_collective
+    from gptkit.training.distributed import probe_bandwidth, probe_collective
 
     device = str(fabric.device)
     if fabric.world_size > 1:
-        result = probe_collective(device)
+        result = {**probe_collective(device), **probe_bandwidth(device)}
     else:
         result = {"sum": 0.0, "expected": 0.0, "seconds": 0.0, "backend": "none (one process)"}
     total, free = _device_memory(device, per_node)
     return {
         "rank": fabric.global_rank,
         "host": socket.gethostname(),
+        # the scheduler's name for this node (SLURM's NodeName), beside the host's own
+        "node": os.environ.get("SLURMD_NODENAME", "-"),
         "device": device,
         "device_name": _device_name(device),
         "mem_total": total,
@@ -129,6 +133,25 @@ def memory_advice(t) -> str:
     return ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + " or " + ways[-1]
 
 
+def bandwidth_line(rows: list[dict]) -> str:
+    """The all-reduce bandwidth per link: the slowest rank's bus bandwidth (probe_bandwidth), and what the
+    links are: loopback when every rank is on one host, else the network between the hosts."""
+    from gptkit.fsio import human_bytes
+
+    slowest = min(rows, key=lambda r: r["busbw"])
+    hosts = sorted({r["host"] for r in rows})
+    links = (
+        f"loopback: every rank on host {hosts[0]}, no network link measured"
+        if len(hosts) == 1
+        else f"the network between {len(hosts)} hosts"
+    )
+    return (
+        f"{slowest['busbw'] / 1e9:.2f} GB/s per link (bus bandwidth, size/time x 2(n-1)/n, slowest rank "
+        f"{slowest['rank']}: {human_bytes(slowest['bw_bytes'])} all-reduced in "
+        f"{slowest['bw_seconds'] * 1e3:.1f} ms), over {links}"
+    )
+
+
 def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, model) -> list[str]:
     from rich.console import Console
     from rich.table import Table
@@ -177,6 +200,8 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
         f"sum {rows[0]['sum']:g} (expected {rows[0]['expected']:g}), slowest rank {slowest * 1e3:.1f} ms",
         ok(not bad_sum),
     )
+    if "busbw" in rows[0]:
+        summary.add_row("all-reduce bandwidth", bandwidth_line(rows), "")
     summary.add_row(
         "training memory per device (estimate)",
         f"{human_bytes(need)}: weights {human_bytes(estimate['weights'])}"
@@ -200,16 +225,18 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
     )
     con.print(summary)
     devices = Table(title="ranks")
-    for c in ("rank", "host", "device", "name", "memory", "free"):
+    for c in ("rank", "host", "node", "device", "name", "memory", "free", "bus GB/s"):
         devices.add_column(c)
     for r in sorted(rows, key=lambda r: r["rank"]):
         devices.add_row(
             str(r["rank"]),
             r["host"],
+            r["node"],
             r["device"],
             r["device_name"],
             human_bytes(r["mem_total"]),
             human_bytes(r["mem_free"]),
+            f"{r['busbw'] / 1e9:.2f}" if "busbw" in r else "-",
         )
     con.print(devices)
     return problems

@@ -42,6 +42,7 @@ from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
 from gptkit.training.elastic import elastic_resume  # noqa: F401  (torch-free: commands/train.py imports it)
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
+from gptkit.training.slurm import check_slurm_signal
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 # "True" in a torchrun worker when the workers' process group uses the rendezvous's own TCPStore
@@ -99,7 +100,8 @@ def launcher_env() -> dict[str, str]:
 def check_distributed(t: Any, checked: Any = None) -> None:
     """One-line errors, before data is prepared or a process is started, for set-ups that would
     otherwise fail late or hang: unknown strategy, more devices than exist, FSDP where it cannot
-    run, several nodes without a launcher, a launcher whose world size disagrees with the config.
+    run, several nodes without a launcher, a launcher whose world size disagrees with the config, a SLURM job
+    whose --signal has no time limit to count back from.
     checked: the trainer's facts (plan.check_trainer) when the caller has them; else derived here."""
     strategy = str(t.strategy)
     if strategy not in STRATEGIES:
@@ -171,6 +173,8 @@ def check_distributed(t: Any, checked: Any = None) -> None:
             f"{per_node} x {nodes} = {world}; set --ntasks-per-node=<devices> and "
             "--nodes=<num_nodes>"
         )
+    # a batch job's --signal=TERM@N needs a time limit to count back from (training/slurm.py)
+    check_slurm_signal()
 
 
 def check_run_name(given: set[str]) -> None:
@@ -565,3 +569,29 @@ def probe_collective(device: str) -> dict[str, Any]:
         "seconds": dt,
         "backend": dist.get_backend(),
     }
+
+
+# what the bandwidth probe all-reduces: 16 MiB of fp32, BANDWIDTH_ITERS times after one warm-up
+BANDWIDTH_BYTES = 16 * 2**20
+BANDWIDTH_ITERS = 5
+
+
+def probe_bandwidth(
+    device: str, nbytes: int = BANDWIDTH_BYTES, iters: int = BANDWIDTH_ITERS
+) -> dict[str, Any]:
+    """Inside an initialised process group: `iters` all-reduces of `nbytes` of fp32 (after one warm-up),
+    timed on this rank. busbw is nccl-tests' bus bandwidth, size / time x 2(n-1)/n: what each link between
+    neighbouring ranks carries in a ring all-reduce, comparable across world sizes."""
+    x = torch.ones(nbytes // 4, device=device)
+    dist.all_reduce(x)
+    dist.barrier()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        dist.all_reduce(x)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    per_op = (time.perf_counter() - t0) / iters
+    world = dist.get_world_size()
+    return {"bw_bytes": nbytes, "bw_seconds": per_op, "busbw": nbytes / per_op * 2 * (world - 1) / world}

@@ -7,13 +7,16 @@ no rank outlives its test.
 """
 
 import csv
+import os
+import re
 import shutil
+import socket
 import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, HYBRID, module_corpus, run_cli, run_group, tiny_run
+from conftest import HANG_S, HYBRID, REPO, module_corpus, run_cli, run_group, run_main, tiny_run
 
 STEPS = 6
 # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
@@ -257,7 +260,11 @@ def test_presets_resolve_their_world_size():
         assert world_size(t) == 2 and t.strategy == {"default": "auto"}.get(preset, preset)
 
 
-def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory():
+def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory(monkeypatch):
+    """Also the report's shape: each rank's host and SLURM node (SLURMD_NODENAME, as slurmd sets it), and the
+    all-reduce bandwidth per link as a figure (loopback: one host). .ci/slurm runs it under a real srun."""
+    monkeypatch.setenv("SLURMD_NODENAME", "node-a")
+    monkeypatch.setenv("COLUMNS", "240")
     r = run_group(
         "-m",
         "gptkit",
@@ -268,6 +275,17 @@ def test_preflight_runs_an_all_reduce_over_two_ranks_and_checks_memory():
         "model=llama3-70b",
     )
     assert "gloo" in r.stdout and "sum 1 (expected 1)" in r.stdout, r.stdout + r.stderr[-2000:]
+    flat = " ".join(r.stdout.split())
+    assert re.search(
+        r"all-reduce bandwidth │ \d+\.\d\d GB/s per link .* over loopback: every rank on host", flat
+    ), flat
+    host = socket.gethostname()
+    rows = [
+        [c.strip() for c in line.split("│")[1:-1]] for line in r.stdout.splitlines() if line.count("│") > 6
+    ]
+    ranks = {row[0]: row[1:3] for row in rows if row[0] in ("0", "1")}
+    assert ranks == {"0": [host, "node-a"], "1": [host, "node-a"]}, r.stdout
+    assert all(float(row[-1]) > 0 for row in rows if row[0] in ("0", "1")), r.stdout
     last = r.stderr.strip().splitlines()[-1]
     assert r.returncode == 2 and last.startswith("error: preflight failed: training needs"), r.stderr
 
@@ -394,3 +412,68 @@ def test_a_rank_that_stops_with_an_error_under_torchrun_stops_the_others_in_one_
     assert exits == [2]
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert elastic._agent_store() is None
+
+
+SCONTROL = """#!/bin/sh
+# scontrol as the controller answers for a batch job: its script (write batch_script), its fields (show job)
+case "$1" in
+  write) cat "$FAKE_SCRIPT" ;;
+  show) echo "JobId=$4 JobName=gptkit-cpu JobState=RUNNING Requeue=1 TimeLimit=$FAKE_LIMIT Partition=ci" ;;
+  *) exit 1 ;;
+esac
+"""
+
+
+def test_a_slurm_signal_needs_a_time_limit_to_count_back_from(tmp_path, monkeypatch, capsys):
+    """A batch job whose #SBATCH --signal (the requeue signal) has no time limit (TimeLimit=UNLIMITED) never
+    gets it, and one whose limit is shorter than the signal's lead gets it at once: `gptkit train` refuses
+    both in one line, exit 2, before a run folder exists. SLURM exposes neither in the environment: scontrol
+    says (faked here: no daemons; .ci/slurm submits the docs' script with --time=UNLIMITED to a real
+    cluster)."""
+    from gptkit.errors import ConfigError
+    from gptkit.training.slurm import check_slurm_signal, sbatch_options, signal_problem, time_limit_seconds
+
+    script = (REPO / "docs/examples/slurm-cpu.sbatch").read_text()
+    # the documented script asks for the signal and gives the limit
+    options = sbatch_options(script)
+    assert options["signal"] == "TERM@60" and options["time"] == "00:30:00" and "requeue" in options
+    assert sbatch_options("#!/bin/bash\n#SBATCH -t 5 --signal=B:USR1@90\necho\n#SBATCH --time=1\n") == {
+        "time": "5",
+        "signal": "B:USR1@90",
+    }
+    limits = ("1-02:03:04", "00:30:00", "05:00", "UNLIMITED", "365-00:00:00")
+    assert [time_limit_seconds(x) for x in limits] == [93784, 1800, 300, None, None]
+    assert signal_problem("7", "TERM@60", "00:30:00") is None
+    assert "before the run starts" in signal_problem("7", "TERM", "00:01:00")
+    answers = {"write": script, "show": "JobId=7 TimeLimit=UNLIMITED"}
+    fake = lambda *a: answers[a[0]]  # noqa: E731
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_JOB_NAME": "gptkit-cpu"}
+    with pytest.raises(ConfigError, match="no time limit"):
+        check_slurm_signal(slurm, fake)
+    # no --signal, an interactive shell, or no job: nothing to refuse
+    check_slurm_signal(
+        slurm, lambda *a: "#!/bin/bash\n#SBATCH --time=5\n" if a[0] == "write" else answers[a[0]]
+    )
+    check_slurm_signal({**slurm, "SLURM_JOB_NAME": "bash"}, fake)
+    check_slurm_signal({}, fake)
+    # SBATCH_SIGNAL (sbatch's variable for --signal) counts as the option
+    with pytest.raises(ConfigError, match="no time limit"):
+        check_slurm_signal({**slurm, "SBATCH_SIGNAL": "TERM@120"}, lambda *a: answers["show"])
+
+    # the CLI (in process), with a scontrol on PATH
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "scontrol").write_text(SCONTROL)
+    (bin_ / "scontrol").chmod(0o755)
+    (tmp_path / "job.sbatch").write_text(script)
+    monkeypatch.setenv("PATH", f"{bin_}:{os.environ['PATH']}")
+    for k, v in {**slurm, "FAKE_SCRIPT": str(tmp_path / "job.sbatch"), "FAKE_LIMIT": "UNLIMITED"}.items():
+        monkeypatch.setenv(k, v)
+    code, _, err = run_main(
+        capsys, "train", "tokenizer=char", "trainer.accelerator=cpu", "name=s", f"runs_dir={tmp_path}/runs"
+    )
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, err
+    for needle in ("error: SLURM job 7 asks for --signal=TERM@60", "TimeLimit=UNLIMITED", "#SBATCH --time="):
+        assert needle in lines[0], lines[0]
+    assert not (tmp_path / "runs").exists()
