@@ -537,7 +537,14 @@ def test_offline_or_unreachable_hub_data_fails_fast_in_one_line(tmp_path, capsys
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "gc"))
     monkeypatch.delenv("GPTKIT_VERB", raising=False)
-    args = ("prepare", "data=chat", f"data.paths=[hf:{DATASET}]", "data.hf.split=train_sft")
+    # a template of its own: a tokenizer built here has none, and a template is checked before any download
+    args = (
+        "prepare",
+        "data=chat",
+        f"data.paths=[hf:{DATASET}]",
+        "data.hf.split=train_sft",
+        "data.template=chatml",
+    )
     # conftest: HF_HUB_OFFLINE=1
     for needles in (
         [f"hf:{DATASET} is not in the Hugging Face cache", "HF_HUB_OFFLINE", "data.paths=[train.jsonl]"],
