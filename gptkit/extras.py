@@ -39,6 +39,7 @@ EXTRAS: dict[str, Extra] = {
         f"pip install 'gptkit[quant]' (torchao=={TORCHAO_PIN})",
         "quantized weights (finetune=qlora, quantize=) need",
     ),
+    "gguf": Extra(("gguf",), "pip install 'gptkit[gguf]'", "export format=gguf needs"),
     "tensorboard": Extra(("tensorboard",), "pip install 'gptkit[tensorboard]'", "logger=tensorboard needs"),
     "triton": Extra(("triton",), "pip install 'gptkit[triton]'", "the Triton kernels need"),
     "wandb": Extra(("wandb",), "pip install wandb", "logger=wandb needs"),

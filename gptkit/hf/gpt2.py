@@ -24,6 +24,12 @@ class GPT2(Family):
     size_fields = ("n_layer", "n_embd", "vocab_size")
     fan_in_fan_out = True
     attention_dropout_only = False
+    gguf_arch = "gpt2"
+
+    def gguf_tensors(self, name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
+        # llama.cpp's gpt2 reads its linears [out, in], not Conv1D's [in, out]
+        conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
+        return [(name, tensor.t() if conv1d else tensor)]
 
     def claims(self, cfg: ModelConfig) -> bool:
         return cfg.moe is None and cfg.position != "rope"
