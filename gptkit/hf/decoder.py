@@ -76,13 +76,15 @@ def whole_context(family: Family, cfg: ModelConfig) -> None:
         )
 
 
-def interleaved_qk(name: str, t: Any, cfg: ModelConfig) -> Any:
-    """`t` in llama.cpp's interleaved RoPE order when it is a layer's q_proj or k_proj (weight or bias)."""
-    if ".self_attn.q_proj." in name:
-        return interleaved(t, cfg.n_heads)
-    if ".self_attn.k_proj." in name:
-        return interleaved(t, cfg.n_kv_heads)
-    return t
+def interleaved_qk(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """A transformers state dict with its layers' q_proj and k_proj (weights, biases) in llama.cpp's
+    interleaved RoPE order (its `llama` architecture's: Llama, Mistral, Mixtral)."""
+    heads = {".self_attn.q_proj.": cfg.n_heads, ".self_attn.k_proj.": cfg.n_kv_heads}
+    out = {}
+    for k, v in state.items():
+        n = next((n for part, n in heads.items() if part in k), None)
+        out[k] = v if n is None else interleaved(v, n)
+    return out
 
 
 class Decoder(Family):

@@ -15,10 +15,10 @@ conversion code (convert.py) that never asks which family it holds:
     files_layout, memory_layout, check_files
                            the files' layout against transformers' in-memory one (the mixtures' experts)
 
-    gguf_arch, gguf_refused, gguf_check(cfg), gguf_keys(cfg), gguf_tensors(name, tensor, cfg)
+    gguf_arch, gguf_refused, gguf_check(cfg), gguf_keys(cfg), gguf_state(state, cfg)
                            llama.cpp's reading of it (`export format=gguf`: gguf_file.py): its architecture
                            ("" : none, gguf_refused says why), the variants it cannot run, its own
-                           metadata keys, and a transformers tensor as llama.cpp lays it out
+                           metadata keys, and the transformers tensors as llama.cpp lays them out
 
     unpack(state, d, source)
                            the files' tensors with what config.json's quantization_config packs read back,
@@ -148,10 +148,10 @@ class Family:
         prefix): {"attn_logit_softcapping": 50.0}."""
         return {}
 
-    def gguf_tensors(self, name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
-        """A transformers tensor as llama.cpp reads it: [(transformers name, tensor)] (a name gguf-py's
-        TensorNameMap knows)."""
-        return [(name, tensor)]
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """A transformers state dict as llama.cpp reads it, under names gguf-py's TensorNameMap knows (the
+        transformers ones, or its converter's: a mixture's experts stacked)."""
+        return state
 
     def check(self, cfg: ModelConfig) -> None:
         raise NotImplementedError

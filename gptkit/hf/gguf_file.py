@@ -3,7 +3,7 @@ package (gguf-py, llama.cpp's own writer; the `gguf` extra).
 
 The weights go through the transformers layout first (convert.to_hf_state_dict, the same tensors `gptkit
 export` writes), then each family says what llama.cpp reads (family.py: gguf_arch, gguf_check, gguf_keys,
-gguf_tensor: its architecture, its own metadata keys, a tensor's llama.cpp layout) and gguf-py's
+gguf_state: its architecture, its own metadata keys, a tensor's llama.cpp layout) and gguf-py's
 TensorNameMap names each tensor as llama.cpp's loader looks it up. The tokenizer becomes llama.cpp's
 vocabulary (gguf_vocab): a byte-level BPE (gptkit's tokenizer=bpe and =byte, GPT-2's, Llama 3's, Qwen2's
 pre-tokenizer) as its `gpt2` model with the merges, a char vocabulary (tokenizer=char) as its `llama`
@@ -260,13 +260,12 @@ def export_gguf(ckpt: Path, out: Path, dtype: str, force: bool = False) -> GgufE
     names = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, arch.upper()), model_cfg.n_layers)
     kept_f16: list[str] = []
     tensors: list[tuple[str, Any, Any]] = []
-    for hf_name, t in state.items():
-        for name, data in family.gguf_tensors(hf_name, t, model_cfg):
-            new = names.get_name(name, try_suffixes=(".weight", ".bias"))
-            if new is None:
-                raise GptkitError(f"export format=gguf: llama.cpp's {arch} has no tensor for {name}")
-            array = data.detach().float().contiguous().numpy()
-            tensors.append((new, *_typed(gguf, np, array, qtype, new, kept_f16)))
+    for name, data in family.gguf_state(state, model_cfg).items():
+        new = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        if new is None:
+            raise GptkitError(f"export format=gguf: llama.cpp's {arch} has no tensor for {name}")
+        array = data.detach().float().contiguous().numpy()
+        tensors.append((new, *_typed(gguf, np, array, qtype, new, kept_f16)))
 
     with staged_dir(out, force=force) as tmp:
         w = gguf.GGUFWriter(str(tmp / GGUF_FILE), arch)
@@ -274,8 +273,8 @@ def export_gguf(ckpt: Path, out: Path, dtype: str, force: bool = False) -> GgufE
         w.add_file_type(getattr(gguf.LlamaFileType, TYPES[dtype][1]))
         if qtype == gguf.GGMLQuantizationType.Q8_0:
             w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        _hparams(w, model_cfg)
-        for key, value in family.gguf_keys(model_cfg).items():
+        # the family's keys win over the shared ones (Mixtral's feed_forward_length: an expert's)
+        for key, value in (hparams(model_cfg) | family.gguf_keys(model_cfg)).items():
             _add(w, f"{arch}.{key}", value)
         _tokenizer_keys(w, vocab, special, template, stop_ids)
         for name, array, raw in tensors:
@@ -317,23 +316,26 @@ def _add(w, key: str, value) -> None:
         w.add_string(key, str(value))
 
 
-def _hparams(w, cfg) -> None:
-    """The hyperparameters every architecture reads, from the ModelConfig."""
-    w.add_context_length(cfg.max_seq_len)
-    w.add_embedding_length(cfg.d_model)
-    w.add_block_count(cfg.n_layers)
-    w.add_feed_forward_length(cfg.d_ff)
-    w.add_head_count(cfg.n_heads)
-    w.add_head_count_kv(cfg.n_kv_heads)
-    if cfg.norm == "layernorm":
-        w.add_layer_norm_eps(cfg.norm_eps)
-    else:
-        w.add_layer_norm_rms_eps(cfg.norm_eps)
+def hparams(cfg) -> dict[str, Any]:
+    """The hyperparameters every architecture reads (keys without the "<arch>." prefix)."""
+    keys: dict[str, Any] = {
+        "context_length": cfg.max_seq_len,
+        "embedding_length": cfg.d_model,
+        "block_count": cfg.n_layers,
+        "feed_forward_length": cfg.d_ff,
+        "attention.head_count": cfg.n_heads,
+        "attention.head_count_kv": cfg.n_kv_heads,
+    }
+    eps = "layer_norm_epsilon" if cfg.norm == "layernorm" else "layer_norm_rms_epsilon"
+    keys[f"attention.{eps}"] = float(cfg.norm_eps)
     if cfg.position == "rope":
-        w.add_rope_freq_base(float(cfg.rope_theta))
-        w.add_rope_dimension_count(cfg.head_dim)
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
+        keys |= {
+            "rope.freq_base": float(cfg.rope_theta),
+            "rope.dimension_count": cfg.head_dim,
+            "attention.key_length": cfg.head_dim,
+            "attention.value_length": cfg.head_dim,
+        }
+    return keys
 
 
 def _tokenizer_keys(w, vocab: Vocab, special, template, stop_ids: list[int]) -> None:

@@ -26,10 +26,10 @@ class GPT2(Family):
     attention_dropout_only = False
     gguf_arch = "gpt2"
 
-    def gguf_tensors(self, name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
         # llama.cpp's gpt2 reads its linears [out, in], not Conv1D's [in, out]
-        conv1d = name.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))
-        return [(name, tensor.t() if conv1d else tensor)]
+        conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+        return {k: v.t() if k.endswith(conv1d) else v for k, v in state.items()}
 
     def claims(self, cfg: ModelConfig) -> bool:
         return cfg.moe is None and cfg.position != "rope"

@@ -46,8 +46,8 @@ class Llama(Decoder):
             )
         super().gguf_check(cfg)
 
-    def gguf_tensors(self, name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
-        return [(name, interleaved_qk(name, tensor, cfg))]
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        return interleaved_qk(state, cfg)
 
     def claims(self, cfg: ModelConfig) -> bool:
         return rope_decoder(cfg)
@@ -177,8 +177,8 @@ class Mistral(Decoder):
                 f"model"
             )
 
-    def gguf_tensors(self, name: str, tensor: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
-        return [(name, interleaved_qk(name, tensor, cfg))]
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        return interleaved_qk(state, cfg)
 
     def claims(self, cfg: ModelConfig) -> bool:
         qkv_only = cfg.qkv_bias and not cfg.bias
