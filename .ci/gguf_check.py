@@ -34,7 +34,16 @@ Q8_TOL = 0.25
 F16_TOL = 0.05
 MIXED = "Hello, wörld! Привет, мир. 你好世界 🙂 x=42;\n\tend  of   line\n"
 PROMPT = "KING RICHARD:\nWhat say"
-LAYOUT = dict(mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2)
+LAYOUT = dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2)
+GEMMA = dict(
+    position="rope",
+    mlp="geglu",
+    norm="rmsnorm_unit_offset",
+    norm_placement="sandwich",
+    scale_embeddings=True,
+    bias=False,
+    n_kv_heads=2,
+)
 FAMILIES = {
     "Llama": LAYOUT,
     "Qwen2": LAYOUT | dict(qkv_bias=True),
@@ -42,10 +51,16 @@ FAMILIES = {
     "Mistral": LAYOUT | dict(sliding_window=128),
     "OLMo-2": LAYOUT | dict(qk_norm="full", norm_placement="post"),
     "GPT-2": dict(position="learned"),
-    "Gemma 2": dict(
-        mlp="geglu", norm="rmsnorm_unit_offset", norm_placement="sandwich", scale_embeddings=True
-    ),
-    "Mixtral": LAYOUT | dict(moe={"n_experts": 4, "top_k": 2}),
+    "Gemma 2": GEMMA
+    | dict(attn_softcap=50.0, logit_softcap=30.0, sliding_window=32, layer_types=["local", "global"]),
+    "Gemma 3": GEMMA | dict(qk_norm="head", rope_theta=10000.0),
+    "Mixtral": LAYOUT | dict(moe={"n_experts": 4, "top_k": 2, "d_expert": 64}),
+    "Qwen3-MoE": LAYOUT | dict(qk_norm="head", moe={"n_experts": 4, "top_k": 2, "d_expert": 64}),
+    # refused: llama.cpp's qwen3moe renormalizes the top-k weights
+    "Qwen3-MoE unnormalized": LAYOUT
+    | dict(qk_norm="head", moe={"n_experts": 4, "top_k": 2, "d_expert": 64, "norm_topk_prob": False}),
+    # refused: llama.cpp has no Phi-3 layout gptkit writes
+    "Phi-3": LAYOUT | dict(rotary_dim=8),
 }
 TOKENIZERS = ("char", "bpe", "byte")
 TYPES = ("fp32", "fp16", "q8_0")

@@ -134,7 +134,7 @@ class Family:
     # llama.cpp's architecture (gguf-py's MODEL_ARCH, lower case) for `export format=gguf`; "": none, and
     # gguf_refused says why in the refusal
     gguf_arch = ""
-    gguf_refused = "gptkit writes no llama.cpp architecture for it"
+    gguf_refused = "gptkit maps no llama.cpp architecture to it (none checked against llama.cpp's own)"
 
     def claims(self, cfg: ModelConfig) -> bool:
         raise NotImplementedError

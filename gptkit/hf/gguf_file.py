@@ -219,8 +219,8 @@ def gguf_family(model_cfg):
     family = family_of(model_cfg)
     if not family.gguf_arch:
         raise GptkitError(
-            f"export format=gguf: {family.title} ({family.architecture}) has no llama.cpp architecture "
-            f"gptkit writes: {family.gguf_refused}; export it as a transformers folder (format=hf)"
+            f"export format=gguf: {family.title} ({family.architecture}) is not written as GGUF: "
+            f"{family.gguf_refused}; export it as a transformers folder (format=hf)"
         )
     family.gguf_check(model_cfg)
     if model_cfg.rope_scaling is not None:
