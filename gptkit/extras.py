@@ -40,6 +40,11 @@ EXTRAS: dict[str, Extra] = {
         "quantized weights (finetune=qlora, quantize=) need",
     ),
     "gguf": Extra(("gguf",), "pip install 'gptkit[gguf]'", "export format=gguf needs"),
+    "gguf-check": Extra(
+        ("llama_cpp",),
+        "pip install 'gptkit[gguf-check]' (compiles llama.cpp)",
+        "the GGUF check (.ci/gguf) needs",
+    ),
     "tensorboard": Extra(("tensorboard",), "pip install 'gptkit[tensorboard]'", "logger=tensorboard needs"),
     "triton": Extra(("triton",), "pip install 'gptkit[triton]'", "the Triton kernels need"),
     "wandb": Extra(("wandb",), "pip install wandb", "logger=wandb needs"),

@@ -20,10 +20,14 @@ that PeftModel.from_pretrained loads on the base exported by itself (docs/lora.m
 (finetune=qlora) merges them into the base it trained on, its block projections dequantized from NF4
 (docs/qlora.md).
 
+format=gguf writes model.gguf (llama.cpp's format, through gguf-py: the `gguf` extra) and an ollama
+Modelfile instead, dtype= fp32 | fp16 | bf16 | q8_0, for the families llama.cpp reads (docs/gguf.md).
+
 Examples:
   gptkit export run=runs/llama-tiny-20250101-120000 out=hf/llama-tiny
   gptkit export run=runs/my-run out=hf/my-run dtype=bf16 max_shard_size=2GB force=true
   gptkit export run=runs/my-lora-run out=hf/my-adapter adapters=true
+  gptkit export run=runs/my-run out=gguf/my-run format=gguf dtype=q8_0
 """
 
 from __future__ import annotations
