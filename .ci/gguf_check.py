@@ -33,7 +33,7 @@ N_NEW = 32
 Q8_TOL = 0.25
 F16_TOL = 0.05
 MIXED = "Hello, wörld! Привет, мир. 你好世界 🙂 x=42;\n\tend  of   line\n"
-PROMPT = "KING RICHARD:\nWhat say"
+PROMPT = "First Citizen:\nWhat say"
 LAYOUT = dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2)
 GEMMA = dict(
     position="rope",
@@ -143,7 +143,14 @@ def main() -> int:
                 if r.returncode:
                     rows.append((family, kind, dtype, "refused: " + r.stderr.strip().splitlines()[-1][7:]))
                     continue
-                llm = Llama(str(out / "model.gguf"), n_ctx=128, logits_all=True, verbose=False, n_threads=2)
+                try:
+                    llm = Llama(
+                        str(out / "model.gguf"), n_ctx=128, logits_all=True, verbose=False, n_threads=2
+                    )
+                except ValueError as exc:
+                    rows.append((family, kind, dtype, f"llama.cpp does not load it ({exc}) FAILED"))
+                    failed += 1
+                    continue
                 tok_ok = (
                     llm.tokenize(check.encode(), add_bos=False, special=False)
                     == tok.encode(check, add_special_tokens=False).ids

@@ -5,7 +5,7 @@ The weights go through the transformers layout first (convert.to_hf_state_dict, 
 export` writes), then each family says what llama.cpp reads (family.py: gguf_arch, gguf_check, gguf_keys,
 gguf_state: its architecture, its own metadata keys, a tensor's llama.cpp layout) and gguf-py's
 TensorNameMap names each tensor as llama.cpp's loader looks it up. The tokenizer becomes llama.cpp's
-vocabulary (gguf_vocab): a byte-level BPE (gptkit's tokenizer=bpe and =byte, GPT-2's, Llama 3's, Qwen2's
+vocabulary (gguf_vocab): a byte-level BPE with merges (gptkit's tokenizer=bpe, GPT-2's, Llama 3's, Qwen2's
 pre-tokenizer) as its `gpt2` model with the merges, a char vocabulary (tokenizer=char) as its `llama`
 (SentencePiece) model of one-character pieces, anything else refused in one line. The chat template and the
 end-of-turn token go in the metadata (tokenizer.chat_template, tokenizer.ggml.eot_token_id).
@@ -153,6 +153,11 @@ def gguf_vocab(tokenizer, vocab_size: int) -> Vocab:
                 f"has ignore_merges={bool(model.get('ignore_merges'))} with the {pre} regex"
             )
         merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+        if not merges:
+            # its loader refuses a gpt2 vocabulary without tokenizer.ggml.merges (gguf-py writes no empty one)
+            raise _refuse_tokenizer(
+                "is a byte-level BPE without merges (tokenizer=byte), which llama.cpp's loader refuses"
+            )
         what = f"byte-level BPE ({pre} pre-tokenizer, {len(merges):,} merges)"
         return Vocab("gpt2", pre, names, types, merges=merges, what=what)
     if kind == "WordLevel" and _one_char_split(d.get("pre_tokenizer")):
