@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 N_NEW = 32
-# q8_0: llama.cpp's logits within this of gptkit's f32 logits (the models' logits span about +-10)
-Q8_TOL = 0.25
-F16_TOL = 0.05
+# llama.cpp's logits within this fraction of the spread (max - min) of gptkit's fp32 logits: q8_0, fp16
+Q8_TOL = 0.05
+F16_TOL = 0.005
 MIXED = "Hello, wörld! Привет, мир. 你好世界 🙂 x=42;\n\tend  of   line\n"
 PROMPT = "First Citizen:\nWhat say"
 LAYOUT = dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2)
@@ -110,7 +110,7 @@ def main() -> int:
     rows, failed = [], 0
     root = Path(tempfile.mkdtemp(prefix="gguf-check-"))
     for family in FAMILIES:
-        for kind in TOKENIZERS if family in ("Llama", "GPT-2") else ("bpe",):
+        for kind in {"Llama": TOKENIZERS, "GPT-2": ("char", "bpe")}.get(family, ("bpe",)):
             d = root / f"{family.replace(' ', '')}-{kind}"
             d.mkdir()
             run = make_run(d, family, kind, text)
@@ -165,8 +165,9 @@ def main() -> int:
                     llm.eval([t])
                 same = sum(a == b for a, b in zip(got, want))
                 first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
-                held = tok_ok and (same == N_NEW if dtype != "q8_0" else diff <= Q8_TOL)
-                held = held and (dtype != "fp16" or diff <= F16_TOL)
+                spread = float(ref.max() - ref.min())
+                held = tok_ok and (same == N_NEW if dtype != "q8_0" else diff <= Q8_TOL * spread)
+                held = held and (dtype != "fp16" or diff <= F16_TOL * spread)
                 failed += not held
                 where = "" if first is None else f" (first differs at {first})"
                 rows.append(
@@ -175,7 +176,7 @@ def main() -> int:
                         kind,
                         dtype,
                         f"tok {'=' if tok_ok else '!='}  greedy {same}/{N_NEW}{where}  "
-                        f"max|dlogit| {diff:.2e}  {'ok' if held else 'FAILED'}",
+                        f"max|dlogit| {diff:.2e} ({diff / spread:.1e} of the spread)  {'ok' if held else 'FAILED'}",
                     )
                 )
                 del llm

@@ -150,6 +150,12 @@ class Olmo2(Decoder):
     norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
     gguf_arch = "olmo2"
 
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        # llama.cpp's olmo2 reads output.weight always: a tied head is written out
+        if "lm_head.weight" not in state:
+            return state | {"lm_head.weight": state["model.embed_tokens.weight"]}
+        return state
+
     def claims(self, cfg: ModelConfig) -> bool:
         return rope_decoder(cfg) and not cfg.local_layers and cfg.qk_norm == "full"
 
