@@ -176,7 +176,8 @@ def main() -> int:
                         kind,
                         dtype,
                         f"tok {'=' if tok_ok else '!='}  greedy {same}/{N_NEW}{where}  "
-                        f"max|dlogit| {diff:.2e} ({diff / spread:.1e} of the spread)  {'ok' if held else 'FAILED'}",
+                        f"max|dlogit| {diff:.2e} ({diff / spread:.1e} of the spread)  "
+                        f"{'ok' if held else 'FAILED'}",
                     )
                 )
                 del llm
