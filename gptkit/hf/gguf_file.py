@@ -156,7 +156,7 @@ def gguf_vocab(tokenizer, vocab_size: int) -> Vocab:
         if not merges:
             # its loader refuses a gpt2 vocabulary without tokenizer.ggml.merges (gguf-py writes no empty one)
             raise _refuse_tokenizer(
-                "is a byte-level BPE without merges (tokenizer=byte), which llama.cpp's loader refuses"
+                "is a byte-level BPE without merges (tokenizer=byte; llama.cpp's loader needs merges)"
             )
         what = f"byte-level BPE ({pre} pre-tokenizer, {len(merges):,} merges)"
         return Vocab("gpt2", pre, names, types, merges=merges, what=what)
