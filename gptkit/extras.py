@@ -42,6 +42,12 @@ EXTRAS: dict[str, Extra] = {
         "quantized weights (finetune=qlora, quantize=) need",
     ),
     "s3": Extra(("s3fs",), "pip install 'gptkit[s3]'", "an s3:// location needs"),
+    "gguf": Extra(("gguf",), "pip install 'gptkit[gguf]'", "export format=gguf needs"),
+    "gguf-check": Extra(
+        ("llama_cpp",),
+        "pip install 'gptkit[gguf-check]' (compiles llama.cpp)",
+        "the GGUF check (.ci/gguf) needs",
+    ),
     "tensorboard": Extra(("tensorboard",), "pip install 'gptkit[tensorboard]'", "logger=tensorboard needs"),
     "triton": Extra(("triton",), "pip install 'gptkit[triton]'", "the Triton kernels need"),
     "ray": Extra(("ray",), "pip install 'gptkit[ray]'", "trainer.launcher=ray needs"),

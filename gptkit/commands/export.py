@@ -26,11 +26,15 @@ data's provenance, the eval table of its results files, the export's parity chec
 (gptkit/hf/card.py, docs/hub.md). The token is HF_TOKEN's (or HUGGING_FACE_HUB_TOKEN's), never printed; a push
 without one, offline, or with the hub unreachable fails in one line before anything is written.
 
+format=gguf writes model.gguf (llama.cpp's format, through gguf-py: the `gguf` extra) and an ollama
+Modelfile instead, dtype= fp32 | fp16 | bf16 | q8_0, for the families llama.cpp reads (docs/gguf.md).
+
 Examples:
   gptkit export run=runs/llama-tiny-20250101-120000 out=hf/llama-tiny
   gptkit export run=runs/my-run out=hf/my-run dtype=bf16 max_shard_size=2GB force=true
   gptkit export run=runs/my-lora-run out=hf/my-adapter adapters=true
   HF_TOKEN=... gptkit export run=runs/my-run out=hf/my-run push_to_hub=me/my-model license=apache-2.0
+  gptkit export run=runs/my-run out=gguf/my-run format=gguf dtype=q8_0
 """
 
 from __future__ import annotations
@@ -137,8 +141,19 @@ def write(cfg) -> int:
         raise ConfigError("export needs run=<run folder or checkpoint>")
     if not cfg.out:
         raise ConfigError("export needs out=<folder to write the transformers model into>")
+    fmt = cfg.get("format", "hf")
+    if fmt not in ("hf", "gguf"):
+        raise ConfigError(f"export format={fmt!r}: choose hf (a transformers folder) or gguf (llama.cpp)")
+    if fmt == "gguf":
+        from gptkit.hf.gguf_file import check_type
+
+        check_type(str(cfg.dtype))
+        if cfg.adapters:
+            raise ConfigError("export format=gguf writes the merged model; adapters=true is format=hf's")
     # the run is found before torch is imported (gptkit.hf.folders): a missing one costs 0.3 s, not 3 s
     ckpt = find_run_checkpoint(cfg.run)
+    if fmt == "gguf":
+        return export_gguf(ckpt, cfg)
     from gptkit import hf
     from gptkit.hf import folders
     from gptkit.model import ModelConfig
@@ -199,6 +214,40 @@ def write(cfg) -> int:
             f"model.dropout={done.model_cfg.dropout} applies there and not to the residual stream when "
             f"fine-tuning in transformers (inference is unaffected)",
             file=sys.stderr,
+        )
+    return 0
+
+
+def export_gguf(ckpt, cfg) -> int:
+    """format=gguf: the run as model.gguf (llama.cpp) and an ollama Modelfile (gptkit.hf.gguf_file)."""
+    from gptkit.checkpoints import run_dir_of
+    from gptkit.extras import require
+    from gptkit.fsio import check_out_dir
+    from gptkit.hf.gguf_file import export_gguf as write
+    from gptkit.hf.gguf_file import gguf_family
+    from gptkit.model import ModelConfig
+    from gptkit.runs import check_not_source, read_config
+
+    require("gguf")
+    out = Path(cfg.out).expanduser()
+    check_not_source(out, run_dir_of(ckpt))
+    out = check_out_dir(out, bool(cfg.force))
+    # refuse before loading
+    gguf_family(ModelConfig.from_dict(read_config(run_dir_of(ckpt))["model"]))
+    done = write(ckpt, out, str(cfg.dtype), bool(cfg.force))
+    print(
+        f"exported {done.checkpoint} as llama.cpp's {done.arch} ({done.n_tensors} tensors, {done.dtype}; "
+        f"tokenizer: {done.vocab.what}) to {done.path}, with an ollama Modelfile beside it"
+    )
+    if done.kept_f16:
+        print(
+            f"  {len(done.kept_f16)} tensors kept f16 (rows not whole blocks of 32 for q8_0): "
+            f"{', '.join(done.kept_f16[:4])}{' ...' if len(done.kept_f16) > 4 else ''}"
+        )
+    if done.template is not None:
+        print(
+            f"  chat template {Path(done.template.name).name} (tokenizer.chat_template); end of turn "
+            f"{', '.join(done.stop_tokens) or 'none'} (tokenizer.ggml.eot_token_id)"
         )
     return 0
 

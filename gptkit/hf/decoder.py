@@ -58,6 +58,35 @@ def rope_decoder(cfg: ModelConfig) -> bool:
     return cfg.position == "rope" and cfg.moe is None
 
 
+def interleaved(t: Any, heads: int) -> Any:
+    """A q_proj or k_proj weight (or bias) of `heads` heads, each head's rows from the rotate-half order
+    (transformers': the first half of a head, then the second) to llama.cpp's interleaved pairs (its `llama`
+    architecture rotates rows 2j and 2j+1 together): the permutation llama.cpp's converter applies."""
+    rows = t.shape[0]
+    return t.reshape(heads, 2, rows // heads // 2, *t.shape[1:]).transpose(1, 2).reshape(t.shape)
+
+
+def whole_context(family: Family, cfg: ModelConfig) -> None:
+    """GptkitError for local layers, which llama.cpp's architecture of `family` does not slide a window in."""
+    if cfg.local_layers:
+        raise GptkitError(
+            f"export format=gguf: model.layer_types has local layers (a window of {cfg.sliding_window}), and "
+            f"llama.cpp's {family.gguf_arch} attends to the whole context in every layer; refusing rather "
+            f"than produce a different model"
+        )
+
+
+def interleaved_qk(state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+    """A transformers state dict with its layers' q_proj and k_proj (weights, biases) in llama.cpp's
+    interleaved RoPE order (its `llama` architecture's: Llama, Mistral, Mixtral)."""
+    heads = {".self_attn.q_proj.": cfg.n_heads, ".self_attn.k_proj.": cfg.n_kv_heads}
+    out = {}
+    for k, v in state.items():
+        n = next((n for part, n in heads.items() if part in k), None)
+        out[k] = v if n is None else interleaved(v, n)
+    return out
+
+
 class Decoder(Family):
     """A RoPE family of the Llama layout; the class attributes are Llama's."""
 
@@ -73,6 +102,9 @@ class Decoder(Family):
     windowed = False
     # its layers may leave out the rotary embedding (model.nope_layers)
     nope = False
+
+    def gguf_check(self, cfg: ModelConfig) -> None:
+        whole_context(self, cfg)
 
     def extra_needs(self, cfg: ModelConfig) -> dict[str, Any]:
         """The fields a family without a query scale or a window needs at their plain values."""

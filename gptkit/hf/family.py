@@ -15,6 +15,11 @@ conversion code (convert.py) that never asks which family it holds:
     files_layout, memory_layout, check_files
                            the files' layout against transformers' in-memory one (the mixtures' experts)
 
+    gguf_arch, gguf_refused, gguf_check(cfg), gguf_keys(cfg), gguf_state(state, cfg)
+                           llama.cpp's reading of it (`export format=gguf`: gguf_file.py): its architecture
+                           ("" : none, gguf_refused says why), the variants it cannot run, its own
+                           metadata keys, and the transformers tensors as llama.cpp lays them out
+
     unpack(state, d, source)
                            the files' tensors with what config.json's quantization_config packs read back,
                            and a note saying so (gpt-oss's MXFP4 experts)
@@ -126,8 +131,27 @@ class Family:
     # the original context (Phi-3's generate), as gptkit's decoding does; the others' would not (refused)
     longrope = False
 
+    # llama.cpp's architecture (gguf-py's MODEL_ARCH, lower case) for `export format=gguf`; "": none, and
+    # gguf_refused says why in the refusal
+    gguf_arch = ""
+    gguf_refused = "gptkit maps no llama.cpp architecture to it (none checked against llama.cpp's own)"
+
     def claims(self, cfg: ModelConfig) -> bool:
         raise NotImplementedError
+
+    def gguf_check(self, cfg: ModelConfig) -> None:
+        """GptkitError naming a variant of the family llama.cpp's architecture does not run; None when it
+        runs every one."""
+
+    def gguf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        """GGUF metadata keys of the architecture beyond those every one reads (without the "<arch>."
+        prefix): {"attn_logit_softcapping": 50.0}."""
+        return {}
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """A transformers state dict as llama.cpp reads it, under names gguf-py's TensorNameMap knows (the
+        transformers ones, or its converter's: a mixture's experts stacked)."""
+        return state
 
     def check(self, cfg: ModelConfig) -> None:
         raise NotImplementedError

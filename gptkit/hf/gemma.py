@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gptkit.errors import GptkitError
 from gptkit.hf.decoder import Decoder, hf_layer_types, rope_decoder
 from gptkit.hf.family import require
 from gptkit.hf.rope import rope_parameters
@@ -48,6 +49,47 @@ class Gemma(Decoder):
 
     def claims_qk_norm(self, qk_norm: str | None) -> bool:
         raise NotImplementedError
+
+    # ---- llama.cpp (export format=gguf) -----------------------------------------------------------
+    # llama.cpp's Gemma: every how-many-th layer global (from the first), its soft-caps always on or never
+    gguf_every = 2
+    gguf_softcaps = True
+
+    def gguf_check(self, cfg: ModelConfig) -> None:
+        def refuse(what: str, want: str) -> GptkitError:
+            return GptkitError(
+                f"export format=gguf: {what}, and llama.cpp's {self.gguf_arch} has {want}; refusing rather "
+                f"than produce a different model"
+            )
+
+        if cfg.query_pre_attn_scalar not in (None, cfg.head_dim):
+            raise refuse(
+                f"model.query_pre_attn_scalar={cfg.query_pre_attn_scalar}",
+                f"scores scaled by head_dim^-0.5 (query_pre_attn_scalar={cfg.head_dim}) below 27B",
+            )
+        local = [i for i in range(cfg.n_layers) if (i + 1) % self.gguf_every]
+        if cfg.local_layers and cfg.local_layers != local:
+            raise refuse(
+                f"model.layer_types={cfg.layer_types}",
+                f"every {self.gguf_every}th layer global and the others local (layers {local})",
+            )
+        if [cfg.attn_softcap is not None, cfg.logit_softcap is not None] != [self.gguf_softcaps] * 2:
+            have = f"model.attn_softcap={cfg.attn_softcap}, logit_softcap={cfg.logit_softcap}"
+            raise refuse(have, "both soft-caps" if self.gguf_softcaps else "no soft-caps")
+
+    def gguf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        # no local layers: a window as long as the context (llama.cpp slides one in its local layers)
+        d: dict[str, Any] = {"attention.sliding_window": cfg.sliding_window or cfg.max_seq_len}
+        if self.gguf_softcaps:
+            d |= {
+                "attn_logit_softcapping": float(cfg.attn_softcap),
+                "final_logit_softcapping": float(cfg.logit_softcap),
+            }
+        return d
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        # transformers' Gemma norms hold w of x * (1 + w); llama.cpp's hold 1 + w
+        return {k: v + 1 if k.endswith("norm.weight") else v for k, v in state.items()}
 
     def target(self, cfg: ModelConfig) -> str:
         return f"{self.architecture} (the transformers architecture for Gemma with qk_norm={cfg.qk_norm})"
@@ -110,6 +152,7 @@ class Gemma2(Gemma):
         "rope_local_theta": None,
     }
     attn_softcap, logit_softcap = 50.0, 30.0
+    gguf_arch = "gemma2"
 
     def claims_qk_norm(self, qk_norm: str | None) -> bool:
         return qk_norm is None
@@ -129,6 +172,16 @@ class Gemma3(Gemma):
     # transformers' default rope_theta of its global layers
     default_theta = 1_000_000.0
     global_every = 6
+    gguf_arch, gguf_every, gguf_softcaps = "gemma3", 6, False
+
+    def gguf_check(self, cfg: ModelConfig) -> None:
+        super().gguf_check(cfg)
+        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        if cfg.local_layers and local_theta != 10000.0:
+            raise GptkitError(
+                f"export format=gguf: the local layers' RoPE base is {local_theta}, and llama.cpp's gemma3 "
+                f"rotates its local layers with base 10000; refusing rather than produce a different model"
+            )
 
     def claims_qk_norm(self, qk_norm: str | None) -> bool:
         return qk_norm is not None

@@ -24,6 +24,12 @@ class GPT2(Family):
     size_fields = ("n_layer", "n_embd", "vocab_size")
     fan_in_fan_out = True
     attention_dropout_only = False
+    gguf_arch = "gpt2"
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        # llama.cpp's gpt2 reads its linears [out, in], not Conv1D's [in, out]
+        conv1d = ("c_attn.weight", "c_proj.weight", "c_fc.weight")
+        return {k: v.t() if k.endswith(conv1d) else v for k, v in state.items()}
 
     def claims(self, cfg: ModelConfig) -> bool:
         return cfg.moe is None and cfg.position != "rope"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from gptkit.errors import GptkitError
-from gptkit.hf.decoder import Decoder, hf_layer_types, one_bias_flag, rope_decoder
+from gptkit.hf.decoder import Decoder, hf_layer_types, interleaved_qk, one_bias_flag, rope_decoder
 from gptkit.model.config import ModelConfig
 
 
@@ -36,6 +36,18 @@ class Llama(Decoder):
     model_type, architecture, config_class, title = "llama", "LlamaForCausalLM", "LlamaConfig", "Llama"
     score_architecture = "LlamaForSequenceClassification"
     fixes = {"qk_norm": None, "norm_placement": "pre"}
+    gguf_arch = "llama"
+
+    def gguf_check(self, cfg: ModelConfig) -> None:
+        if cfg.bias:
+            raise GptkitError(
+                "export format=gguf: model.bias=true, and llama.cpp's llama reads no biases on the MLP; "
+                "refusing rather than produce a different model"
+            )
+        super().gguf_check(cfg)
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        return interleaved_qk(state, cfg)
 
     def claims(self, cfg: ModelConfig) -> bool:
         return rope_decoder(cfg)
@@ -103,6 +115,7 @@ class Qwen2(Qwen):
 
     model_type, architecture, config_class, title = "qwen2", "Qwen2ForCausalLM", "Qwen2Config", "Qwen2"
     score_architecture = "Qwen2ForSequenceClassification"
+    gguf_arch = "qwen2"
     fixes = {"bias": False, "qkv_bias": True, "qk_norm": None, "norm_placement": "pre"}
 
     def claims_window(self, cfg: ModelConfig) -> bool:
@@ -120,6 +133,7 @@ class Qwen3(Qwen):
 
     model_type, architecture, config_class, title = "qwen3", "Qwen3ForCausalLM", "Qwen3Config", "Qwen3"
     fixes = NO_BIASES | {"qk_norm": "head", "norm_placement": "pre"}
+    gguf_arch = "qwen3"
 
     def claims_window(self, cfg: ModelConfig) -> bool:
         return cfg.qk_norm == "head"
@@ -134,6 +148,13 @@ class Olmo2(Decoder):
     model_type, architecture, config_class, title = "olmo2", "Olmo2ForCausalLM", "Olmo2Config", "OLMo-2"
     fixes = NO_BIASES | {"qk_norm": "full", "norm_placement": "post"}
     norm_names = ("post_attention_layernorm", "post_feedforward_layernorm")
+    gguf_arch = "olmo2"
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        # llama.cpp's olmo2 reads output.weight always: a tied head is written out
+        if "lm_head.weight" not in state:
+            return state | {"lm_head.weight": state["model.embed_tokens.weight"]}
+        return state
 
     def claims(self, cfg: ModelConfig) -> bool:
         return rope_decoder(cfg) and not cfg.local_layers and cfg.qk_norm == "full"
@@ -150,6 +171,20 @@ class Mistral(Decoder):
     )
     fixes = NO_BIASES | {"qk_norm": None, "norm_placement": "pre"}
     windowed = True
+    # llama.cpp reads Mistral as its llama architecture, which slides no window
+    gguf_arch = "llama"
+
+    def gguf_check(self, cfg: ModelConfig) -> None:
+        if cfg.sliding_window < cfg.max_seq_len:
+            raise GptkitError(
+                f"export format=gguf: model.sliding_window={cfg.sliding_window} is shorter than "
+                f"model.max_seq_len={cfg.max_seq_len}, and llama.cpp runs Mistral as its llama "
+                f"architecture, which attends to the whole context; refusing rather than produce a different "
+                f"model"
+            )
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        return interleaved_qk(state, cfg)
 
     def claims(self, cfg: ModelConfig) -> bool:
         qkv_only = cfg.qkv_bias and not cfg.bias

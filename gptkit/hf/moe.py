@@ -13,10 +13,11 @@ memory_layout and files_layout convert to and from.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from gptkit.errors import GptkitError
-from gptkit.hf.decoder import LLAMA_LAYOUT, Decoder
+from gptkit.hf.decoder import LLAMA_LAYOUT, Decoder, interleaved_qk
 from gptkit.hf.family import COPY, PLAIN, STACK, Row, refusal, require, whole
 from gptkit.model.config import ModelConfig
 
@@ -67,6 +68,30 @@ class Mixture(Decoder):
                     f"model.moe.{name}={have} has no faithful transformers architecture: {target} needs "
                     f"moe.{name}={want}{why}; refusing rather than produce a different model"
                 )
+
+    # ---- llama.cpp (export format=gguf) -----------------------------------------------------------
+    def gguf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        return {"expert_count": cfg.moe.n_experts, "expert_used_count": cfg.moe.top_k}
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        """Each layer's experts stacked into one [E, out, in] tensor per projection, under the name
+        llama.cpp's converter gives it (model.layers.<i>.<block>experts.<w1|gate_proj>.weight)."""
+        import torch
+
+        block = re.escape(self.block)
+        expert = re.compile(rf"^(model\.layers\.\d+\.{block}experts\.)(\d+)\.(\w+)\.weight$")
+
+        out: dict[str, Any] = {}
+        stacks: dict[str, dict[int, Any]] = {}
+        for k, v in state.items():
+            m = expert.match(k)
+            if m is None:
+                out[k] = v
+            else:
+                stacks.setdefault(f"{m[1]}{m[3]}.weight", {})[int(m[2])] = v
+        for k, by_expert in stacks.items():
+            out[k] = torch.stack([by_expert[j] for j in range(len(by_expert))])
+        return out
 
     # ---- config.json ---------------------------------------------------------------------------
     def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
@@ -185,6 +210,14 @@ class Mixtral(Mixture):
     moe_fixes = {"router": "softmax", "norm_topk_prob": True, "every": 1, "first_dense": 0}
     block = "block_sparse_moe."
     expert_names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+    # llama.cpp reads Mixtral as its llama architecture with experts
+    gguf_arch = "llama"
+
+    def gguf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        return super().gguf_keys(cfg) | {"feed_forward_length": cfg.moe.d_expert}
+
+    def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
+        return interleaved_qk(super().gguf_state(state, cfg), cfg)
 
     def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         m = cfg.moe
@@ -219,6 +252,21 @@ class Qwen3Moe(Mixture):
     qk_norm = "head"
     fixes = NO_BIASES | {"qk_norm": "head", "norm_placement": "pre"}
     moe_fixes = {"router": "softmax"}
+    gguf_arch = "qwen3moe"
+
+    def gguf_check(self, cfg: ModelConfig) -> None:
+        m = cfg.moe
+        if m.first_dense or m.every != 1 or not m.norm_topk_prob:
+            raise GptkitError(
+                f"export format=gguf: model.moe has first_dense={m.first_dense}, every={m.every}, "
+                f"norm_topk_prob={m.norm_topk_prob}, and llama.cpp's qwen3moe has experts in every layer "
+                f"with the top-k weights renormalized (first_dense=0, every=1, norm_topk_prob=true); "
+                f"refusing rather than produce a different model"
+            )
+        super().gguf_check(cfg)
+
+    def gguf_keys(self, cfg: ModelConfig) -> dict[str, Any]:
+        return super().gguf_keys(cfg) | {"expert_feed_forward_length": cfg.moe.d_expert}
 
     def own_keys(self, cfg: ModelConfig) -> dict[str, Any]:
         m = cfg.moe

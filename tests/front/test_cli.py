@@ -267,6 +267,11 @@ def tiny_run(tmp_path_factory):
             "the triton row needs Triton, and triton is not installed",
         ),
         (["transformers"], ["bench", "sample", "bench.hf=true"], "the transformers side"),
+        (
+            ["gguf"],
+            ["export", "run={run}", "out={tmp}/g", "format=gguf"],
+            "export format=gguf needs gguf, which",
+        ),
         # imported at the top of a module (no require before it): the CLI's report names the extra too
         (
             ["lm_eval", "gptkit.bench.evals", "gptkit.evaluation.lm_eval_adapter"],

@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""`gptkit export format=gguf` against llama.cpp itself (issue 56 item 1): llama-cpp-python (a CPU build)
+loads each file, tokenizes as gptkit does, and decodes greedily as `gptkit sample greedy=true` does.
+.ci/gguf calls it (after installing llama-cpp-python); by hand: `python .ci/gguf_check.py` in a venv with
+gptkit[gguf-check].
+
+For each family (a random tiny model of its layout: 2 layers, d_model 64, init_std 0.3, so that its greedy
+choices are not near ties), tokenizer (gptkit's char vocabulary, a byte-level BPE trained here, the
+256-byte vocabulary) and type (f32, f16, q8_0):
+
+  tok      llama.cpp's tokens of a text == gptkit's (the BPE and byte vocabularies: a mixed-script text,
+           Latin, Cyrillic, CJK, an emoji, digits, tabs and newlines; the char vocabulary: a text of its
+           corpus's characters, as gptkit refuses any other)
+  greedy   llama.cpp's 32 greedy tokens after a prompt == `gptkit sample greedy=true max_new_tokens=32
+           eos=false` (f32, f16: all 32 equal asked; q8_0: reported)
+  logits   the largest |difference| of the prompt's last-position logits (llama.cpp's vs gptkit's f32), and
+           for q8_0 against Q8_TOL
+
+A family llama.cpp cannot read prints its one-line refusal. Exit 1 when a row that should hold does not.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+N_NEW = 32
+# llama.cpp's logits within this fraction of the spread (max - min) of gptkit's fp32 logits: q8_0, fp16
+Q8_TOL = 0.05
+F16_TOL = 0.005
+MIXED = "Hello, wörld! Привет, мир. 你好世界 🙂 x=42;\n\tend  of   line\n"
+PROMPT = "First Citizen:\nWhat say"
+LAYOUT = dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2)
+GEMMA = dict(
+    position="rope",
+    mlp="geglu",
+    norm="rmsnorm_unit_offset",
+    norm_placement="sandwich",
+    scale_embeddings=True,
+    bias=False,
+    n_kv_heads=2,
+)
+FAMILIES = {
+    "Llama": LAYOUT,
+    "Qwen2": LAYOUT | dict(qkv_bias=True),
+    "Qwen3": LAYOUT | dict(qk_norm="head"),
+    "Mistral": LAYOUT | dict(sliding_window=128),
+    "OLMo-2": LAYOUT | dict(qk_norm="full", norm_placement="post"),
+    "GPT-2": dict(position="learned"),
+    "Gemma 2": GEMMA
+    | dict(attn_softcap=50.0, logit_softcap=30.0, sliding_window=32, layer_types=["local", "global"]),
+    "Gemma 3": GEMMA | dict(qk_norm="head", rope_theta=10000.0),
+    "Mixtral": LAYOUT | dict(moe={"n_experts": 4, "top_k": 2, "d_expert": 64}),
+    "Qwen3-MoE": LAYOUT | dict(qk_norm="head", moe={"n_experts": 4, "top_k": 2, "d_expert": 64}),
+    # refused: llama.cpp's qwen3moe renormalizes the top-k weights
+    "Qwen3-MoE unnormalized": LAYOUT
+    | dict(qk_norm="head", moe={"n_experts": 4, "top_k": 2, "d_expert": 64, "norm_topk_prob": False}),
+    # refused: llama.cpp has no Phi-3 layout gptkit writes
+    "Phi-3": LAYOUT | dict(rotary_dim=8),
+}
+TOKENIZERS = ("char", "bpe", "byte")
+TYPES = ("fp32", "fp16", "q8_0")
+
+
+def make_run(root: Path, family: str, kind: str, text: str) -> Path:
+    import torch
+
+    from gptkit.model import GPT, ModelConfig
+    from gptkit.runs import write_run_folder
+    from gptkit.tokenizer import build_tokenizer
+
+    corpus = root / "corpus.txt"
+    corpus.write_text(text)
+    tok_cfg = {"kind": kind, "special_tokens": ["<|endoftext|>"], "eos_token": "<|endoftext|>"}
+    tok_cfg |= {"unk_token": None} if kind == "char" else {}
+    tok_cfg |= {"vocab_size": 400, "min_frequency": 2} if kind == "bpe" else {}
+    tok = build_tokenizer(tok_cfg, texts=lambda: [text], progress=False)
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        vocab_size=tok.get_vocab_size(),
+        max_seq_len=128,
+        n_layers=2,
+        n_heads=4,
+        d_model=64,
+        init_std=0.3,
+        **FAMILIES[family],
+    )
+    config = {"data": {"kind": "files", "paths": [str(corpus)], "val_fraction": 0.1}, "tokenizer": tok_cfg}
+    return write_run_folder(root / "run", config, GPT(cfg).eval(), tok)
+
+
+def gptkit(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gptkit", *args], capture_output=True, text=True)
+
+
+def main() -> int:
+    import numpy as np
+    import torch
+    from llama_cpp import Llama
+
+    from gptkit.data.sources import shakespeare_text
+    from gptkit.runs import load_model, load_tokenizer
+
+    started = time.time()
+    text = shakespeare_text()[:20_000]
+    rows, failed = [], 0
+    root = Path(tempfile.mkdtemp(prefix="gguf-check-"))
+    for family in FAMILIES:
+        for kind in {"Llama": TOKENIZERS, "GPT-2": ("char", "bpe")}.get(family, ("bpe",)):
+            d = root / f"{family.replace(' ', '')}-{kind}"
+            d.mkdir()
+            run = make_run(d, family, kind, text)
+            tok = load_tokenizer(run)
+            sample = gptkit(
+                "sample",
+                f"run={run}",
+                f"prompt={PROMPT}",
+                "greedy=true",
+                f"max_new_tokens={N_NEW}",
+                "eos=false",
+                "format=json",
+                "threads=1",
+                "device=cpu",
+            )
+            if sample.returncode:
+                print(f"{family} {kind}: gptkit sample failed: {sample.stderr.strip()[-300:]}")
+                failed += 1
+                continue
+            want = json.loads(sample.stdout.splitlines()[-1])["tokens"]
+            _, _, _, _, model = load_model(run)
+            ids = tok.encode(PROMPT, add_special_tokens=False).ids
+            with torch.no_grad():
+                ref = model(torch.tensor([ids]))
+                ref = (ref[0] if isinstance(ref, tuple) else ref)[0, -1].float().numpy()
+            check = MIXED if kind != "char" else text[1000:1400]
+            for dtype in TYPES:
+                out = d / f"gguf-{dtype}"
+                r = gptkit("export", f"run={run}", f"out={out}", "format=gguf", f"dtype={dtype}")
+                if r.returncode:
+                    rows.append((family, kind, dtype, "refused: " + r.stderr.strip().splitlines()[-1][7:]))
+                    continue
+                try:
+                    llm = Llama(
+                        str(out / "model.gguf"), n_ctx=128, logits_all=True, verbose=False, n_threads=2
+                    )
+                except ValueError as exc:
+                    rows.append((family, kind, dtype, f"llama.cpp does not load it ({exc}) FAILED"))
+                    failed += 1
+                    continue
+                tok_ok = (
+                    llm.tokenize(check.encode(), add_bos=False, special=False)
+                    == tok.encode(check, add_special_tokens=False).ids
+                )
+                llm.reset()
+                llm.eval(llm.tokenize(PROMPT.encode(), add_bos=False, special=False))
+                diff = float(np.abs(np.array(llm.scores[llm.n_tokens - 1]) - ref).max())
+                got = []
+                for _ in range(N_NEW):
+                    t = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+                    got.append(t)
+                    llm.eval([t])
+                same = sum(a == b for a, b in zip(got, want))
+                first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+                spread = float(ref.max() - ref.min())
+                held = tok_ok and (same == N_NEW if dtype != "q8_0" else diff <= Q8_TOL * spread)
+                held = held and (dtype != "fp16" or diff <= F16_TOL * spread)
+                failed += not held
+                where = "" if first is None else f" (first differs at {first})"
+                rows.append(
+                    (
+                        family,
+                        kind,
+                        dtype,
+                        f"tok {'=' if tok_ok else '!='}  greedy {same}/{N_NEW}{where}  "
+                        f"max|dlogit| {diff:.2e} ({diff / spread:.1e} of the spread)  "
+                        f"{'ok' if held else 'FAILED'}",
+                    )
+                )
+                del llm
+    print(f"{'family':<8} {'tokenizer':<9} {'type':<5} llama.cpp (llama-cpp-python) vs gptkit")
+    for row in rows:
+        print(f"{row[0]:<8} {row[1]:<9} {row[2]:<5} {row[3]}")
+    print(f"gguf check: {len(rows)} rows, {failed} failed, {time.time() - started:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
