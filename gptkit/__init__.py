@@ -22,12 +22,12 @@ def plan(cfg, **kwargs):
 
 
 def train(plan_or_cfg, **kwargs):
-    """One training run (gptkit.training.fit.train). `plan_or_cfg`: a RunPlan (from gptkit.plan, or made
+    """One training run (gptkit.training.launch.train). `plan_or_cfg`: a RunPlan (from gptkit.plan, or made
     with gptkit.training.plan.make_plan, which needs neither data nor a run folder: this call prepares the
     data and claims <runs_dir>/<name>), or what gptkit.plan takes. Returns a TrainResult (run_dir, step,
     val_loss, ...)."""
     from gptkit.training.fit import as_config, run_plan
-    from gptkit.training.fit import train as fit_train
+    from gptkit.training.launch import train as launch_train
     from gptkit.training.plan import RunPlan
 
     if isinstance(plan_or_cfg, RunPlan):
@@ -37,4 +37,4 @@ def train(plan_or_cfg, **kwargs):
                 f"plan holds the run"
             )
         return run_plan(plan_or_cfg)
-    return fit_train(as_config(plan_or_cfg), **kwargs)
+    return launch_train(as_config(plan_or_cfg), **kwargs)

@@ -163,7 +163,7 @@ def check(cfg, multirun: bool = False, options: list | None = None) -> None:
 
 def run(cfg) -> int:
     """Train (Hydra runs this with its composed config); the exit status says how the run ended."""
-    from gptkit.training.fit import train
+    from gptkit.training.launch import train
 
     result = train(cfg, checked=_checked, options=_options)
     if result.stopped_by:

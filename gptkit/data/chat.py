@@ -29,10 +29,10 @@ import numpy as np
 from gptkit.chat_templates import assistant_spans
 from gptkit.data.face import Feed, Origin, Span
 from gptkit.data.records import conversation
+from gptkit.data.row_sampler import RowSampler
 from gptkit.data.templated import (
     ChatSplit,
     Encoder,
-    RowSampler,
     Seq,
     TemplatedData,
     TemplatedKind,

@@ -32,10 +32,10 @@ import torch
 
 from gptkit.data.face import Feed, Origin, Span
 from gptkit.data.records import prompt_conversation
+from gptkit.data.row_sampler import RowSampler
 from gptkit.data.templated import (
     ChatSplit,
     Encoder,
-    RowSampler,
     Seq,
     TemplatedData,
     TemplatedKind,

@@ -239,9 +239,10 @@ def launcher_plugins(t: Any) -> list:
     worker: gptkit/training/ray_train.py), else none."""
     if str(t.get("launcher") or "") != "ray":
         return []
-    from gptkit.training.ray_train import cluster_environment
+    from ray.train.lightning import RayLightningEnvironment
 
-    return [cluster_environment()]
+    # Ray's Lightning cluster environment: the ranks, world size and node rank from Ray Train's context
+    return [RayLightningEnvironment()]
 
 
 # ---- the Lightning strategy ----------------------------------------------------------------------------

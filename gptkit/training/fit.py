@@ -199,13 +199,6 @@ def train(
     Hydra state is needed: the run folder is `run_dir` or <runs_dir>/<name>, and `overrides` are what
     resume= treats as the command line. checked: what check_config derived from this config (the CLI runs it
     before Hydra makes the run folder); options: the command line's key=value, parsed by the CLI."""
-    # trainer.launcher=ray (the command's, or the saved config's of the run resume= continues): the same run
-    # in Ray Train's workers, this process their driver
-    from gptkit.training.ray_train import launcher_config, train_on_ray
-
-    launch = launcher_config(cfg, invocation(cfg, run_dir, overrides, options))
-    if launch is not None:
-        return train_on_ray(cfg, launch, run_dir=run_dir, overrides=overrides, options=options)
     started = time.perf_counter()
     # under torchrun: a rank that stops with an error stops the others (not left waiting in a collective)
     with watch_peers():

@@ -47,14 +47,6 @@ def is_ray(t: Any) -> bool:
     return str(t.get("launcher") or "") == "ray"
 
 
-def cluster_environment():
-    """Ray's Lightning cluster environment (its ranks, world size and node rank from Ray Train's context), for
-    a Trainer in a Ray Train worker."""
-    from ray.train.lightning import RayLightningEnvironment
-
-    return RayLightningEnvironment()
-
-
 def launcher_config(cfg: DictConfig, inv) -> Optional[DictConfig]:
     """The trainer settings of a run trainer.launcher=ray launches (a resume's: its saved config with the
     command line's), or None when the run is not Ray's. inv: the run's fit.Invocation."""
