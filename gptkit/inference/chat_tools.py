@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional
 
 from gptkit.chat_formats.tools import check_tools
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.user_code import import_user_code
 
 _TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
 
@@ -76,17 +77,7 @@ def load_tools(spec: str, announce: bool = True) -> ChatTools:
     if announce:
         # said before any of its code runs
         print(f"chat tools= runs {where} ({spec}): use only tool code you trust", file=sys.stderr, flush=True)
-    try:
-        if path is not None:
-            file_spec = importlib.util.spec_from_file_location(f"gptkit_tools_{path.stem}", path)
-            mod = importlib.util.module_from_spec(file_spec)
-            file_spec.loader.exec_module(mod)
-        else:
-            mod = importlib.import_module(module)
-    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module may fail (or exit)
-        raise GptkitError(
-            f"tools={spec}: importing {where} failed: {type(exc).__name__}: {str(exc)[:200]}"
-        ) from None
+    mod = import_user_code(path, module, "gptkit_tools_", f"tools={spec}: importing {where}")
     if obj:
         if not hasattr(mod, obj):
             raise ConfigError(f"tools={spec}: {where} has no {obj}")

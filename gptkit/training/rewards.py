@@ -56,6 +56,7 @@ from typing import Any, Callable
 
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.runs import is_rank_zero
+from gptkit.user_code import import_user_code
 
 # the last number of a text: optional sign, digits (with commas between groups), decimals, exponent
 NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?(?:[eE][-+]?\d+)?")
@@ -653,17 +654,12 @@ def load_rewards(rewards: Rewards, announce: bool = True) -> Rewards:
                     file=sys.stderr,
                     flush=True,
                 )
-            try:
-                if not importable:
-                    file_spec = importlib.util.spec_from_file_location(f"gptkit_reward_{path.stem}", path)
-                    mod = importlib.util.module_from_spec(file_spec)
-                    file_spec.loader.exec_module(mod)
-                else:
-                    mod = importlib.import_module(module)
-            except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module may fail (or exit)
-                raise GptkitError(
-                    f"grpo.rewards: importing {path or module} failed: {type(exc).__name__}: {str(exc)[:200]}"
-                ) from None
+            mod = import_user_code(
+                None if importable else path,
+                module,
+                "gptkit_reward_",
+                f"grpo.rewards: importing {path or module}",
+            )
             fn = getattr(mod, name, None)
             if not callable(fn):
                 raise GptkitError(f"grpo.rewards: {path} has no function {name}")

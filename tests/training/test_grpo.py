@@ -486,6 +486,24 @@ def test_a_dotted_reward_module_is_announced_before_its_package_runs(tmp_path, m
         load_rewards(parse_rewards(["announced_pkg.missing:one"]))
 
 
+def test_user_code_that_fails_on_import_is_one_line_for_rewards_and_chat_tools(tmp_path, monkeypatch, capfd):
+    """gptkit/user_code.py, shared by grpo.rewards and `gptkit chat tools=`: a module that raises or exits
+    while it is imported is one GptkitError line naming the option and the file, after its announcement."""
+    from gptkit.errors import GptkitError
+    from gptkit.inference.chat_tools import load_tools
+
+    raising = tmp_path / "raising.py"
+    raising.write_text("raise RuntimeError('boom')\n")
+    exiting = tmp_path / "exiting.py"
+    exiting.write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(GptkitError, match=f"grpo.rewards: importing {raising} failed: RuntimeError: boom$"):
+        load_rewards(parse_rewards([f"{raising}:f"]))
+    with pytest.raises(GptkitError, match=f"tools={exiting}: importing {exiting} failed: SystemExit: 3$"):
+        load_tools(str(exiting))
+    err = capfd.readouterr().err
+    assert f"grpo.rewards runs {raising}" in err and f"chat tools= runs {exiting}" in err
+
+
 # ---- training -------------------------------------------------------------------------------------------
 REWARD = (
     "def upper(prompt, completion, row):\n"
