@@ -16,12 +16,20 @@ choices are not near ties), tokenizer (gptkit's char vocabulary, a byte-level BP
   forced   the same 32 tokens fed to both (teacher forcing): at every position llama.cpp's argmax is
            gptkit's token, or the two tokens' gap in gptkit's logits is within twice the largest |difference|
            of the two sides' logits over those positions (a near tie, counted: a free-running decode parts
-           there, as Mixtral's router did once in f32). Asked of f32 and f16; reported for q8_0
+           there, as Mixtral's router did once in f32). Asked of f32 and f16, with those differences within
+           F16_TOL (the prompt's last logits) and FORCED_TOL (every position's) of the spread; reported for
+           q8_0
   logits   the largest |difference| of the prompt's last-position logits (llama.cpp's vs gptkit's f32), and
            for q8_0 against Q8_TOL
 
+  chat     a run with a chat template (chatml), two turns of `gptkit chat greedy=true`: each turn's prompt as
+           llama-cpp-python renders the file's own template, tokenized, == gptkit's ids; gptkit's answers
+           forced through llama.cpp as above (f32). (llama-cpp-python's create_chat_completion swaps a
+           template it recognises, chatml, for its own formatter, which adds an empty system turn: pass
+           chat_format="chat_template.default" to use the file's)
+
 A family llama.cpp cannot read prints its one-line refusal. Exit 1 when a row that should hold does not.
-Arguments, if any, pick families by name (`python .ci/gguf_check.py Mixtral Llama`).
+Arguments, if any, pick families by name, and `chat` the chat row (`python .ci/gguf_check.py Mixtral chat`).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ N_NEW = 32
 # llama.cpp's logits within this fraction of the spread (max - min) of gptkit's fp32 logits: q8_0, fp16
 Q8_TOL = 0.05
 F16_TOL = 0.005
+FORCED_TOL = 0.01
 MIXED = "Hello, wörld! Привет, мир. 你好世界 🙂 x=42;\n\tend  of   line\n"
 PROMPT = "First Citizen:\nWhat say"
 LAYOUT = dict(position="rope", mlp="swiglu", norm="rmsnorm", bias=False, n_kv_heads=2)
@@ -51,6 +60,17 @@ GEMMA = dict(
 )
 FAMILIES = {
     "Llama": LAYOUT,
+    # Llama 3.1's RoPE scaling (the rope_freqs tensor), an original context of 32 so that it acts
+    "Llama 3.1": LAYOUT
+    | dict(
+        rope_scaling={
+            "type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_seq_len": 32,
+        }
+    ),
     "Qwen2": LAYOUT | dict(qkv_bias=True),
     "Qwen3": LAYOUT | dict(qk_norm="head"),
     "Mistral": LAYOUT | dict(sliding_window=128),
@@ -71,7 +91,7 @@ TOKENIZERS = ("char", "bpe", "byte")
 TYPES = ("fp32", "fp16", "q8_0")
 
 
-def make_run(root: Path, family: str, kind: str, text: str) -> Path:
+def make_run(root: Path, family: str, kind: str, text: str, specials: tuple | list = ()) -> Path:
     import torch
 
     from gptkit.model import GPT, ModelConfig
@@ -80,7 +100,7 @@ def make_run(root: Path, family: str, kind: str, text: str) -> Path:
 
     corpus = root / "corpus.txt"
     corpus.write_text(text)
-    tok_cfg = {"kind": kind, "special_tokens": ["<|endoftext|>"], "eos_token": "<|endoftext|>"}
+    tok_cfg = {"kind": kind, "special_tokens": ["<|endoftext|>", *specials], "eos_token": "<|endoftext|>"}
     tok_cfg |= {"unk_token": None} if kind == "char" else {}
     tok_cfg |= {"vocab_size": 400, "min_frequency": 2} if kind == "bpe" else {}
     tok = build_tokenizer(tok_cfg, texts=lambda: [text], progress=False)
@@ -98,8 +118,81 @@ def make_run(root: Path, family: str, kind: str, text: str) -> Path:
     return write_run_folder(root / "run", config, GPT(cfg).eval(), tok)
 
 
-def gptkit(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gptkit", *args], capture_output=True, text=True)
+def gptkit(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "gptkit", *args], capture_output=True, text=True, input=stdin
+    )
+
+
+CHAT = ["Hello there, who are you?", "And what say you now?"]
+
+
+def chat_row(root: Path, text: str) -> tuple[str, bool]:
+    """gptkit chat against llama.cpp on one run with the chatml template: (row, held). Each turn's prompt as
+    llama-cpp-python renders the file's own template (its Jinja2ChatFormatter over the metadata's
+    tokenizer.chat_template, as create_chat_completion with chat_format="chat_template.default") and
+    tokenizes it, against gptkit's ids; then gptkit's greedy answer fed to llama.cpp, checked as the
+    families' forced rows are."""
+    import numpy as np
+    import torch
+    from llama_cpp import Llama
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from gptkit.chat_templates import CHAT_FILE, encode_conversation, resolve_template
+    from gptkit.runs import load_model, load_tokenizer
+
+    d = root / "chat"
+    d.mkdir()
+    # the char vocabulary: every answer is text that round-trips (a byte-level BPE answer may end inside a
+    # character, which the two sides show differently)
+    run = make_run(d, "Llama", "char", text, ["<|im_start|>", "<|im_end|>"])
+    template = resolve_template("chatml", None)
+    (run / CHAT_FILE).write_text(template.to_json())
+    common = ("greedy=true", "max_new_tokens=24", "format=json", "threads=1", "device=cpu")
+    r = gptkit("chat", f"run={run}", *common, stdin="\n".join(CHAT) + "\n")
+    if r.returncode:
+        return f"gptkit chat failed: {r.stderr.strip()[-300:]}", False
+    answers = [json.loads(line)["assistant"] for line in r.stdout.splitlines()]
+    r = gptkit("export", f"run={run}", f"out={d / 'gguf'}", "format=gguf", "dtype=fp32")
+    if r.returncode:
+        return f"export failed: {r.stderr.strip()[-300:]}", False
+    llm = Llama(str(d / "gguf" / "model.gguf"), n_ctx=256, verbose=False, n_threads=2, logits_all=True)
+    formatter = Jinja2ChatFormatter(llm.metadata["tokenizer.chat_template"], eos_token="", bos_token="")
+    tok = load_tokenizer(run)
+    *_, model = load_model(run)
+    messages, same_prompt, forced, ties, bad, worst = [], 0, 0, 0, 0, 0.0
+    for user, answer in zip(CHAT, answers):
+        messages.append({"role": "user", "content": user})
+        ids, _ = encode_conversation(tok, template, messages, add_generation_prompt=True)
+        prompt = formatter(messages=messages).prompt
+        same_prompt += llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids
+        want = tok.encode(answer, add_special_tokens=False).ids
+        llm.reset()
+        llm.eval(ids + want)
+        lo = len(ids) - 1
+        theirs = np.array([llm.scores[i] for i in range(lo, lo + len(want))])
+        with torch.no_grad():
+            mine = model(torch.tensor([ids + want]))
+            mine = (mine[0] if isinstance(mine, tuple) else mine)[0, lo : lo + len(want)].float().numpy()
+        diff = float(np.abs(theirs - mine).max())
+        worst = max(worst, diff / float((mine.max(-1) - mine.min(-1)).min()))
+        # each position: llama.cpp's choice against gptkit's own on the same tokens (a near tie: gptkit's
+        # logits of the two within twice the two sides' largest difference)
+        for i in range(len(want)):
+            a, m = int(np.argmax(theirs[i])), int(np.argmax(mine[i]))
+            near = a != m and mine[i][m] - mine[i][a] <= 2 * diff
+            forced += a == m
+            ties += near
+            bad += a != m and not near
+        messages.append({"role": "assistant", "content": answer})
+    n = sum(len(tok.encode(a, add_special_tokens=False).ids) for a in answers)
+    held = same_prompt == len(CHAT) and bad == 0 and worst <= FORCED_TOL
+    return (
+        f"prompt ids equal {same_prompt}/{len(CHAT)} turns; gptkit chat's answers forced {forced}/{n}"
+        f"{f' + {ties} near ties' if ties else ''}{f' + {bad} apart' if bad else ''} "
+        f"(max|dlogit| {worst:.1e} of the spread)  {'ok' if held else 'FAILED'}",
+        held,
+    )
 
 
 def main() -> int:
@@ -181,15 +274,18 @@ def main() -> int:
                     mine = (mine[0] if isinstance(mine, tuple) else mine)[0, lo : lo + N_NEW].float().numpy()
                 tf_diff = float(np.abs(theirs - mine).max())
                 ties = bad = 0
-                for i, w in enumerate(want):
-                    a = int(np.argmax(theirs[i]))
-                    if a != w:
-                        near = mine[i][w] - mine[i][a] <= 2 * tf_diff
+                for i in range(N_NEW):
+                    # want is gptkit's greedy decode, so its own argmax at each position
+                    a, m = int(np.argmax(theirs[i])), int(np.argmax(mine[i]))
+                    if a != m:
+                        near = mine[i][m] - mine[i][a] <= 2 * tf_diff
                         ties += near
                         bad += not near
                 forced = N_NEW - ties - bad
-                held = tok_ok and (bad == 0 if dtype != "q8_0" else diff <= Q8_TOL * spread)
-                held = held and (dtype != "fp16" or diff <= F16_TOL * spread)
+                # a near tie is one only while the two sides' logits agree closely: f32 and f16 also held to
+                # F16_TOL of the spread (the prompt's last logits) and FORCED_TOL (every forced position's)
+                close = diff <= F16_TOL * spread and tf_diff <= FORCED_TOL * spread
+                held = tok_ok and (bad == 0 and close if dtype != "q8_0" else diff <= Q8_TOL * spread)
                 failed += not held
                 where = "" if first is None else f" (first differs at {first})"
                 rows.append(
@@ -200,11 +296,16 @@ def main() -> int:
                         f"tok {'=' if tok_ok else '!='}  greedy {same}/{N_NEW}{where}  "
                         f"forced {forced}/{N_NEW}{f' + {ties} near ties' if ties else ''}"
                         f"{f' + {bad} apart' if bad else ''}  "
-                        f"max|dlogit| {diff:.2e} ({diff / spread:.1e} of the spread)  "
+                        f"max|dlogit| {diff:.2e} ({diff / spread:.1e} of the spread; forced "
+                        f"{tf_diff / spread:.1e})  "
                         f"{'ok' if held else 'FAILED'}",
                     )
                 )
                 del llm
+    if not sys.argv[1:] or "chat" in sys.argv[1:]:
+        said, held = chat_row(root, text)
+        rows.append(("Llama", "char", "chat", said))
+        failed += not held
     print(f"{'family':<8} {'tokenizer':<9} {'type':<5} llama.cpp (llama-cpp-python) vs gptkit")
     for row in rows:
         print(f"{row[0]:<8} {row[1]:<9} {row[2]:<5} {row[3]}")

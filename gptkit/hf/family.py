@@ -135,6 +135,8 @@ class Family:
     # gguf_refused says why in the refusal
     gguf_arch = ""
     gguf_refused = "gptkit maps no llama.cpp architecture to it (none checked against llama.cpp's own)"
+    # the model.rope_scaling types its GGUF file carries (llama: llama3's factors as the rope_freqs tensor)
+    gguf_rope_scalings: tuple[str, ...] = ()
 
     def claims(self, cfg: ModelConfig) -> bool:
         raise NotImplementedError

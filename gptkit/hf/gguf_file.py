@@ -228,10 +228,12 @@ def gguf_family(model_cfg):
             f"{family.gguf_refused}; export it as a transformers folder (format=hf)"
         )
     family.gguf_check(model_cfg)
-    if model_cfg.rope_scaling is not None:
+    scaling = (model_cfg.rope_scaling or {}).get("type")
+    if scaling is not None and scaling not in family.gguf_rope_scalings:
         raise GptkitError(
-            f"export format=gguf: model.rope_scaling {model_cfg.rope_scaling['type']} is not written to GGUF "
-            f"by gptkit yet; export it as a transformers folder (format=hf)"
+            f"export format=gguf: model.rope_scaling {scaling} is not written to GGUF for llama.cpp's "
+            f"{family.gguf_arch} by gptkit (llama3 is, for the llama architecture); export it as a "
+            f"transformers folder (format=hf)"
         )
     return family
 

@@ -15,6 +15,7 @@ from typing import Any
 
 from gptkit.errors import GptkitError
 from gptkit.hf.decoder import Decoder, hf_layer_types, interleaved_qk, one_bias_flag, rope_decoder
+from gptkit.hf.rope import llama3_freq_factors
 from gptkit.model.config import ModelConfig
 
 
@@ -37,6 +38,7 @@ class Llama(Decoder):
     score_architecture = "LlamaForSequenceClassification"
     fixes = {"qk_norm": None, "norm_placement": "pre"}
     gguf_arch = "llama"
+    gguf_rope_scalings = ("llama3",)
 
     def gguf_check(self, cfg: ModelConfig) -> None:
         if cfg.bias:
@@ -47,7 +49,11 @@ class Llama(Decoder):
         super().gguf_check(cfg)
 
     def gguf_state(self, state: dict[str, Any], cfg: ModelConfig) -> dict[str, Any]:
-        return interleaved_qk(state, cfg)
+        state = interleaved_qk(state, cfg)
+        if cfg.rope_scaling is not None:
+            # Llama 3.1's scaling: llama.cpp divides each frequency by its factor in rope_freqs
+            state["rope.freqs.weight"] = llama3_freq_factors(cfg)
+        return state
 
     def claims(self, cfg: ModelConfig) -> bool:
         return rope_decoder(cfg)

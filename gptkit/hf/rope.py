@@ -94,3 +94,17 @@ def hf_rope(
     if "full_attention" in rope or "sliding_attention" in rope:
         return rope.get("full_attention") or {}, rope.get("sliding_attention")
     return rope or d.get("rope_scaling") or {}, legacy_local
+
+
+def llama3_freq_factors(cfg: ModelConfig):
+    """llama3's scaling as llama.cpp reads it: a [rotary_dim / 2] tensor of divisors of the plain RoPE
+    frequencies (its rope_freqs; 1 for the short wavelengths, factor for the long ones, the smooth band
+    between), from gptkit's own scaled frequencies (gptkit/model/rope_scaling.py)."""
+    import torch
+
+    from gptkit.model.rope_scaling import llama3
+
+    dim = cfg.rotary_dim or cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaled, _ = llama3(inv_freq, cfg.rope_scaling, dim, cfg.rope_theta)
+    return (inv_freq / scaled).float()

@@ -144,6 +144,42 @@ def refused(capsys, *args, needles=()):
     assert all(n in err for n in needles), err
 
 
+LLAMA31 = {
+    "type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_seq_len": 32,
+}
+
+
+def test_llama3_rope_scaling_is_written_as_llama_cpps_rope_freqs(tmp_path, capsys):
+    """Llama 3.1's scaling: llama.cpp divides each RoPE frequency by rope_freqs[i]; the divisors are those of
+    gptkit's own scaled frequencies (1 for the short wavelengths, factor for the long ones, the band between
+    smooth); another family's architecture, or another type, is refused in one line."""
+    from gptkit.model.rope_scaling import llama3
+
+    run, model, _ = make_run(tmp_path, rope_scaling=LLAMA31)
+    cfg = model.cfg
+    exported(capsys, run, tmp_path / "out")
+    _, tensors = read(tmp_path / "out" / "model.gguf")
+    kind, shape, factors = tensors["rope_freqs.weight"]
+    assert kind == "F32" and shape == (cfg.head_dim // 2,)
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float64) / cfg.head_dim))
+    scaled, _ = llama3(inv, LLAMA31, cfg.head_dim, cfg.rope_theta)
+    assert np.allclose(factors, (inv / scaled).numpy(), rtol=1e-6)
+    assert factors[0] == 1.0 and factors[-1] == 8.0 and 1.0 < factors[1:-1].max() <= 8.0
+    (tmp_path / "qwen3").mkdir()
+    qwen3, _, _ = make_run(tmp_path / "qwen3", qk_norm="head", rope_scaling=LLAMA31)
+    refused(capsys, f"run={qwen3}", f"out={tmp_path / 'q'}", "format=gguf", needles=("llama3", "qwen3"))
+    (tmp_path / "yarn").mkdir()
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_seq_len": 32}
+    llama_yarn, _, _ = make_run(tmp_path / "yarn", rope_scaling=yarn)
+    refused(
+        capsys, f"run={llama_yarn}", f"out={tmp_path / 'y'}", "format=gguf", needles=("yarn", "llama3 is")
+    )
+
+
 def test_gguf_refusals_are_one_line(tmp_path, capsys):
     run, _, _ = make_run(tmp_path)
     out = tmp_path / "out"
