@@ -97,14 +97,14 @@ def metric_steps(csv: bytes) -> list[int]:
 
 def test_prepare_train_sample_export_import_through_a_bucket(s3, corpus, tmp_path, capsys, monkeypatch):
     # prepare publishes the shards once (COMPLETE last); a second prepare finds them there
-    code, out, err = run_main(
-        capsys,
+    prepare = (
         "prepare",
         "data=files",
         f"data.paths=[{corpus}]",
         "tokenizer=char",
         f"cache_dir={s3.url}/cache",
     )
+    code, out, err = run_main(capsys, *prepare)
     assert code == 0, err
     line = next(x for x in out.splitlines() if x.startswith("published: "))
     data_url = line.split("data.dir=")[1].strip()
@@ -113,14 +113,7 @@ def test_prepare_train_sample_export_import_through_a_bucket(s3, corpus, tmp_pat
     manifest = json.loads(body(s3, f"cache/{name}/gptkit-remote.json"))
     assert {"train.bin", "val.bin", "manifest.json", "tokenizer.json"} <= set(manifest["files"])
     assert there == set(manifest["files"]) | {"gptkit-remote.json", "COMPLETE"}
-    code, out, err = run_main(
-        capsys,
-        "prepare",
-        "data=files",
-        f"data.paths=[{corpus}]",
-        "tokenizer=char",
-        f"cache_dir={s3.url}/cache",
-    )
+    code, out, err = run_main(capsys, *prepare)
     assert code == 0 and f"already published: data=prepared data.dir={data_url}" in out, out + err
 
     # another node (its own GPTKIT_CACHE) trains from the bucket's data into the bucket
