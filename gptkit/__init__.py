@@ -1,6 +1,7 @@
 """gptkit: train decoder-only transformer language models (GPT-2 and Llama style).
 
-From Python: `gptkit.train(cfg)` runs one training (see gptkit.training.fit.train); `gptkit.plan(cfg)` makes
+From Python: `gptkit.train(cfg)` runs one training (gptkit.training.launch.train: here, or with
+trainer.launcher=ray in Ray Train's workers; the run itself: gptkit.training.fit); `gptkit.plan(cfg)` makes
 its run plan first (steps, tokens, world size, the prepared data), which `gptkit.train(plan)` then runs; the
 model alone is `from gptkit.model import GPT, ModelConfig`.
 """
