@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import glob
+import hashlib
 import os
 import re
 import shutil
@@ -220,6 +221,15 @@ def crc32_of(f, n: int, buf: memoryview) -> int | None:
         crc = zlib.crc32(buf[:k], crc)
         n -= k
     return crc
+
+
+def file_sha256(path: Path | str) -> str:
+    """A file's SHA-256, hex, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def file_crc32(path: Path | str) -> str:

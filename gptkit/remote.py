@@ -48,7 +48,7 @@ from typing import Any, Iterator
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.extras import require
 from gptkit.faults import fault_point
-from gptkit.fsio import check_local_path
+from gptkit.fsio import check_local_path, file_sha256
 
 SCHEME = "s3://"
 MANIFEST = "gptkit-remote.json"
@@ -58,7 +58,6 @@ CHECKPOINTS = "checkpoints"
 STEP_FOLDER = re.compile(r"step-(\d+)")
 # a run folder's files that are not synced: the lock, Hydra's copy, partial writes
 _NOT_SYNCED = re.compile(r"^\.|\.tmp$|\.pending$")
-_CHUNK = 1 << 20
 
 
 def is_remote(value: Any) -> bool:
@@ -174,14 +173,6 @@ def reset() -> None:
 
 
 # ---- publishing and reading a folder -------------------------------------------------------------------
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _files(folder: Path) -> list[tuple[str, Path]]:
     """(relative name, path) of every file under `folder` (a single file: its own name)."""
     if folder.is_file():
@@ -204,7 +195,7 @@ def upload(fs: Any, files: list[tuple[str, Path]], url: str) -> dict[str, Any]:
     manifest = {"format": FORMAT, "version": 1, "files": {}}
     for i, (name, path) in enumerate(files):
         fs.put_file(str(path), f"{url}/{name}")
-        manifest["files"][name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
+        manifest["files"][name] = {"size": path.stat().st_size, "sha256": file_sha256(path)}
         if i == 0:
             # a kill in the middle of an upload (tests: the previous checkpoint stays the newest complete one)
             fault_point("remote-upload")
@@ -242,7 +233,7 @@ def _fits(path: Path, entry: dict[str, Any]) -> bool:
     key = (str(path.absolute()), st.st_size, st.st_mtime_ns, str(entry["sha256"]))
     if key in _verified:
         return True
-    if st.st_size != entry["size"] or sha256_file(path) != entry["sha256"]:
+    if st.st_size != entry["size"] or file_sha256(path) != entry["sha256"]:
         return False
     _verified.add(key)
     return True

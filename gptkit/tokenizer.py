@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterable
 
 from gptkit.conf_files import preset_defaults
 from gptkit.errors import GptkitError
+from gptkit.fsio import file_sha256  # noqa: F401 - read as gptkit.tokenizer.file_sha256 too
 
 # tokenizers is imported inside the functions that build or load one (the CLI imports this module first).
 
@@ -111,14 +112,6 @@ def tokenizer_spec(cfg: Any) -> TokenizerSpec:
         if d["eos_token"] is not None and d["eos_token"] not in d["special_tokens"]:
             d["special_tokens"].append(d["eos_token"])
     return TokenizerSpec(kind, json.dumps(d, sort_keys=True))
-
-
-def file_sha256(path: Path | str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def tokenizer_sha256(tok) -> str:

@@ -368,7 +368,8 @@ def test_bench_compare_trains_the_variants_side_by_side_and_reads_finished_runs(
     logged = [float(r["perf/memory_peak"]) for r in rows if r.get("perf/memory_peak")]
     assert sinks["memory_peak"]["median"] == logged[-1] > 0
     # timings are reported, never judged here (the ratio's value is the machine's)
-    assert set(sinks["wall_ratio"]) >= {"median"} and 0 < sinks["final_val_loss"]["median"] < 10
+    assert "median" in sinks["wall_ratio"]
+    assert 0 < sinks["final_val_loss"]["median"] < 10
     assert compare.run(cfg) == 0
     assert "0 run(s) to train" in capsys.readouterr().out
     assert json.loads((tmp_path / "out.json").read_text())["results"] == got["results"]
