@@ -29,6 +29,9 @@ SCHEDULES = ("cosine", "linear", "wsd", "constant")
 OPTIMIZERS = ("adamw", "muon")
 # where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
 FUSED_DEVICES = ("cuda", "cpu")
+# trainer.activation_checkpointing and its selective policies (training/activations.py)
+CHECKPOINTING = ("false", "true", "full", "selective")
+CHECKPOINTING_POLICIES = ("ops", "attention", "layers")
 # the loggers whose package is optional: each is a row of gptkit.extras.EXTRAS
 LOGGER_PACKAGES = ("tensorboard", "wandb")
 
@@ -97,9 +100,33 @@ def check_trainer_values(t: Any) -> Values:
             f"trainer.gradient_clip_val={t.gradient_clip_val} must be > 0 (or null for no clipping)"
         )
     check_ema(t.get("ema"), str(t.get("strategy", "auto")))
+    checkpointing_mode(t)
     progress_mode(t.progress)
     check_launcher(t)
     return Values(precision=precision(t.precision), compile=compile_mode(t.compile))
+
+
+def checkpointing_mode(t: Any) -> str | None:
+    """trainer.activation_checkpointing as None (off), "full" (true, full) or "selective", its policy, every
+    and trainer.activation_offload checked (one line each)."""
+    value = t.get("activation_checkpointing", False)
+    mode = str(value).lower() if isinstance(value, (bool, str)) else None
+    if mode not in CHECKPOINTING:
+        raise ConfigError(
+            f"trainer.activation_checkpointing={value} is not one of false, true (= full), full, selective"
+        )
+    policy = t.get("activation_checkpointing_policy", "ops")
+    if policy not in CHECKPOINTING_POLICIES:
+        raise ConfigError(
+            f"trainer.activation_checkpointing_policy={policy} is not one of "
+            f"{', '.join(CHECKPOINTING_POLICIES)}"
+        )
+    every = t.get("activation_checkpointing_every", 2)
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ConfigError(f"trainer.activation_checkpointing_every={every} must be an integer >= 1")
+    if not isinstance(t.get("activation_offload", False), bool):
+        raise ConfigError(f"trainer.activation_offload={t.get('activation_offload')} must be true or false")
+    return {"false": None, "true": "full"}.get(mode, mode)
 
 
 def check_ema(decay: Any, strategy: str) -> None:

@@ -62,11 +62,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils.checkpoint import checkpoint as recompute
 
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
+from gptkit.training import activations
 from gptkit.training.distributed import broadcast_weights, clip_gradients, parallelize
 from gptkit.training.finetune import written_by
 from gptkit.training.metrics import LossWindow
@@ -93,23 +93,9 @@ def apply_compile(model: GPT, mode: str, backend: str = "inductor") -> None:
 
 
 def apply_activation_checkpointing(model: GPT) -> None:
-    """Recompute each transformer block in the backward pass instead of keeping its activations.
-
-    A training decision, so it is applied here and not inside the model: each block's forward is wrapped
-    (as an instance attribute, so parameter names and checkpoints stay as they are) in
-    torch.utils.checkpoint whenever the block trains with gradients; evaluation and decoding are untouched.
-    """
-
-    def recomputed(block, forward):
-        def run(*args, **kwargs):
-            if block.training and torch.is_grad_enabled():
-                return recompute(forward, *args, use_reentrant=False, **kwargs)
-            return forward(*args, **kwargs)
-
-        return run
-
-    for block in model.blocks:
-        block.forward = recomputed(block, block.forward)
+    """Recompute each transformer block in the backward pass instead of keeping its activations
+    (trainer.activation_checkpointing=true; selective policies, offloading: training/activations.py)."""
+    activations.apply(model, "full")
 
 
 class LitGPT(L.LightningModule):
@@ -141,8 +127,8 @@ class LitGPT(L.LightningModule):
         names = objective.frozen_models(objective.settings_of(plan.cfg))
         self.frozen = {name: self._frozen(plan, name) for name in names}
         self.objective = objective(plan, self.frozen)
-        if plan.trainer.activation_checkpointing:
-            apply_activation_checkpointing(self.model)
+        # trainer.activation_checkpointing (full, selective) and trainer.activation_offload
+        activations.apply_from_config(self.model, plan.trainer)
         # before the run folder gets its files
         if plan.optim.name == "muon":
             check_muon_split(self.model)
