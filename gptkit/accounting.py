@@ -523,16 +523,38 @@ def mla_attention_units(cfg: ModelConfig) -> float:
     return 3 + 2 * (heads + latents) / cfg.d_model
 
 
+def matmul_units(cfg: ModelConfig) -> float:
+    """The outputs of one dense layer's matmuls in training_memory's units (16-bit values of d_model per
+    token): q (the attention width), k and v (the kv heads' width each), o (d_model), and the MLP's (gate and
+    up: d_ff each with swiglu, one d_ff with gelu; down: d_model)."""
+    d = cfg.d_model
+    mlp = (2 if cfg.mlp != "gelu" else 1) * cfg.d_ff + d
+    return 2 * (cfg.d_attn + 2 * cfg.d_kv + d + mlp) / d
+
+
+def selective_units(cfg: ModelConfig, units: list[float], policy: str, every: int) -> list[float]:
+    """Each layer's kept units under trainer.activation_checkpointing=selective (training/activations.py):
+    layers: every `every`-th layer (0, k, 2k, ...) keeps its input (2), the others all of theirs; attention:
+    the input and the attention core's output (2 + 2); ops: those and the matmul outputs but every
+    `every`-th (matmul_units; a mixture's or MLA's layer counted as a dense one's: an estimate)."""
+    if policy == "layers":
+        return [2.0 if i % every == 0 else u for i, u in enumerate(units)]
+    kept = 4.0 + (matmul_units(cfg) * (1 - 1 / every) if policy == "ops" else 0.0)
+    return [min(kept, u) for u in units]
+
+
 def training_memory(
     cfg: ModelConfig,
     precision_name: str = "bf16-mixed",
     n_shards: int = 1,
     micro_batch: int = 1,
     seq_len: int | None = None,
-    checkpointing: bool = False,
+    checkpointing: "bool | str | None" = False,
     expert_shards: int | None = None,
     *,
     optimizer: str = "adamw",
+    checkpointing_policy: str = "ops",
+    checkpointing_every: int = 2,
     lora: dict | None = None,
     frozen: tuple[str, ...] = (),
 ) -> dict[str, float]:
@@ -550,7 +572,9 @@ def training_memory(
 
     Activations follow Korthikanti et al. (2022) for a layer with flash attention (no T x T
     scores kept): ~34 * T * B * d_model bytes per layer in 16-bit, twice that in fp32; with
-    activation checkpointing only the block inputs (2 * T * B * d_model bytes per layer) stay.
+    activation checkpointing (checkpointing True or "full") only the block inputs (2 * T * B * d_model bytes
+    per layer) stay; "selective" (trainer.activation_checkpointing=selective) keeps what
+    selective_units says of checkpointing_policy and checkpointing_every.
     Outside the layers: the embedding sum and the final norm's input and output (3 * d_model values per
     token) and the batch (input ids and targets, int64). The logits and loss hold three fp32
     [B, T, vocab_size] tensors at the start of the backward pass: the logits, the log-softmax that
@@ -588,8 +612,10 @@ def training_memory(
     for i in range(cfg.n_layers):
         if cfg.attention_kind_of(i) == "mla":
             units[i] += mla_attention_units(cfg) - 11
-    if checkpointing:
+    if checkpointing in (True, "true", "full"):
         units = [2.0] * cfg.n_layers
+    elif checkpointing == "selective":
+        units = selective_units(cfg, units, checkpointing_policy, checkpointing_every)
     layers = sum(units) * tokens * cfg.d_model * act_unit / 2
     # embeddings, final norm; the batch
     outside = 3 * tokens * cfg.d_model * act_unit + 2 * tokens * 8

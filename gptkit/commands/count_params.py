@@ -69,24 +69,41 @@ def report(cfg) -> dict:
     if ep is not None and m.moe.n_experts % ep:
         raise ConfigError(f"expert_parallel={ep} must divide model.moe.n_experts={m.moe.n_experts}")
     lora, rows_per_item, frozen, chunked = _training(cfg, m)
-    mem = acc.training_memory(
+    from gptkit.parallel_plan import check_mesh, communication, memory_per_gpu
+    from gptkit.training.config_checks import checkpointing_mode
+
+    # the mesh: n_gpus = dp x cp x tp (one line naming the dimension that does not divide)
+    mesh = check_mesh(m, n_gpus, cfg.get("tensor_parallel", 1), cfg.get("context_parallel", 1), ep, seq_len)
+    checks = {
+        "activation_checkpointing": cfg.checkpointing,
+        "activation_checkpointing_policy": cfg.get("checkpointing_policy", "ops"),
+        "activation_checkpointing_every": cfg.get("checkpointing_every", 2),
+    }
+    try:
+        checkpointing = checkpointing_mode(checks)
+    except ConfigError as e:
+        raise ConfigError(str(e).replace("trainer.activation_checkpointing", "checkpointing")) from None
+    rows = int(cfg.micro_batch) * rows_per_item
+    mem = memory_per_gpu(
         m,
+        mesh,
         cfg.precision,
-        n_gpus,
-        int(cfg.micro_batch) * rows_per_item,
+        rows,
         seq_len,
-        bool(cfg.checkpointing),
-        ep,
+        checkpointing=checkpointing,
+        checkpointing_policy=checks["activation_checkpointing_policy"],
+        checkpointing_every=checks["activation_checkpointing_every"],
         optimizer=str(cfg.optimizer),
         lora=lora,
         frozen=frozen,
     )
+    comm = communication(m, mesh, cfg.precision, rows, seq_len)
     if chunked:
         # DPO, KTO, GRPO: per-token log-probs chunk by chunk, as train's estimate counts them
         from gptkit.training.memory import chunked_logits_bytes
 
         mem["total"] -= mem["logits"]
-        mem["logits"] = chunked_logits_bytes(int(cfg.micro_batch) * rows_per_item * fl.seq_len, m)
+        mem["logits"] = chunked_logits_bytes(rows * fl.seq_len, m) / (mesh.tp * mesh.cp)
         mem["total"] += mem["logits"]
     quantized = None
     if cfg.get("quantize") is not None:
@@ -160,6 +177,10 @@ def report(cfg) -> dict:
             # of it, the linear layers' states (0 without one): they do not grow with the context
             "state_bytes": acc.kv_cache_bytes(m, 0, cfg.kv_dtype),
             "memory_per_gpu": mem,
+            # bytes one GPU sends per micro-step, by kind (gptkit/parallel_plan.py, docs/parallelism.md)
+            "communication_per_step": comm,
+            "mesh": {"n_gpus": n_gpus, "dp": mesh.dp, "tp": mesh.tp, "cp": mesh.cp, "ep": mesh.ep or 1},
+            "checkpointing": checkpointing or "none",
             "precision": cfg.precision,
             "n_gpus": n_gpus,
             "optimizer": str(cfg.optimizer),
@@ -419,13 +440,43 @@ def _print_tables(r: dict, cfg) -> None:
     if "reference" in mem:
         reference = f"the {plan['objective'].upper()} reference (a frozen copy of the weights)"
         et.add_row(f"training memory per GPU: {reference}", human_bytes(mem["reference"]))
+    mesh = plan["mesh"]
+    split = " / ".join(f"{k} {mesh[k]}" for k in ("tp", "cp") if mesh[k] > 1)
     et.add_row(
-        f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch})",
+        f"training memory per GPU: activations (estimate, micro-batch {cfg.micro_batch}, checkpointing "
+        f"{plan['checkpointing']}{', split over ' + split if split else ''})",
         human_bytes(mem["activations"]),
     )
     et.add_row("training memory per GPU: logits and loss", human_bytes(mem["logits"]))
+    if "ring_kv" in mem:
+        et.add_row(
+            "training memory per GPU: the ring's K,V chunks in flight (cp)", human_bytes(mem["ring_kv"])
+        )
     et.add_row("[bold]training memory per GPU: total", f"[bold]{human_bytes(mem['total'])}")
     con.print(et)
+    comm = plan["communication_per_step"]
+    if len(comm) > 1:
+        ct = Table(
+            title=f"mesh: {mesh['n_gpus']} GPUs = dp {mesh['dp']} x cp {mesh['cp']} x tp {mesh['tp']}"
+            + (f", ep {mesh['ep']}" if mesh["ep"] > 1 else "")
+            + ": bytes one GPU sends per micro-step (forward + backward; docs/parallelism.md)"
+        )
+        ct.add_column("kind")
+        ct.add_column("bytes", justify="right")
+        names = {
+            "tp": "tp: 2 all-gathers + 2 reduce-scatters of \\[b, T/cp, d] per layer forward, x2 backward",
+            "cp": "cp: each rank's K,V chunk passed on cp-1 times per layer forward; K,V and dK,dV backward",
+            "fsdp_all_gather": "fsdp: the weights all-gathered forward and backward",
+            "fsdp_reduce_scatter": "fsdp: the gradients reduce-scattered (fp32)",
+            "dp_all_reduce": "dp: the gradients all-reduced (fp32)",
+            "ep": "ep: dispatch and combine all-to-alls per MoE layer, forward and backward",
+            "ep_gradients": "ep: each expert group's gradients all-reduced over its replicas",
+        }
+        for k, v in comm.items():
+            if k != "total":
+                ct.add_row(names[k], human_bytes(v))
+        ct.add_row("[bold]total", f"[bold]{human_bytes(comm['total'])}")
+        con.print(ct)
     q = r.get("quantized_weights")
     if q:
         qt = Table(

@@ -96,6 +96,7 @@ def run(cfg) -> int:
     # as train's host check: LoRA's adapters, DPO's pairs and reference
     estimate = memory_estimate(plan)
     estimate["seq_len"] = plan.seq_len
+    estimate["mesh"] = mesh_line(plan)
 
     # the probe runs over the same backend as training (nccl on GPUs, gloo on CPU) in a plain DDP group
     fabric = Fabric(
@@ -126,11 +127,31 @@ def memory_advice(t) -> str:
     ways.append("more devices")
     if int(t.batch_size) > 1:
         ways.append("a smaller trainer.batch_size")
-    if not t.get("activation_checkpointing"):
+    from gptkit.training.config_checks import checkpointing_mode
+
+    if checkpointing_mode(t) != "full":
         ways.append("trainer.activation_checkpointing=true")
     if str(t.precision) != "bf16-true":
         ways.append("trainer.precision=bf16-true")
     return ways[0] if len(ways) == 1 else ", ".join(ways[:-1]) + " or " + ways[-1]
+
+
+def mesh_line(plan) -> str:
+    """The run's mesh (dp x cp x tp, ep) and the bytes one GPU sends per micro-step by kind
+    (gptkit/parallel_plan.py)."""
+    from gptkit.fsio import human_bytes
+    from gptkit.parallel_plan import Mesh, communication
+    from gptkit.training.memory import plan_mesh
+
+    mesh = plan_mesh(plan) or Mesh(plan.world_size, ep=plan.expert_shards)
+    fsdp = plan.strategy == "fsdp"
+    comm = communication(plan.model, mesh, plan.precision, plan.rows, plan.seq_len, fsdp=fsdp)
+    kinds = ", ".join(f"{k} {human_bytes(v)}" for k, v in comm.items() if k != "total")
+    return (
+        f"{mesh.n_gpus} = dp {mesh.dp} x cp {mesh.cp} x tp {mesh.tp}"
+        + (f", ep {mesh.ep}" if mesh.ep else "")
+        + (f"; sent per GPU and micro-step: {human_bytes(comm['total'])} ({kinds})" if kinds else "")
+    )
 
 
 def bandwidth_line(rows: list[dict]) -> str:
@@ -217,6 +238,7 @@ def _report(cfg, rows: list[dict], world: int, per_node: int, estimate: dict, mo
         f"{estimate['seq_len']})",
         "",
     )
+    summary.add_row("mesh (docs/parallelism.md)", estimate["mesh"], "")
     smallest = min(r["mem_total"] for r in rows)
     summary.add_row(
         "smallest device memory",

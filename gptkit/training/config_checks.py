@@ -30,7 +30,7 @@ OPTIMIZERS = ("adamw", "muon")
 # where torch's fused AdamW kernel runs (torch >= 2.4 on the CPU)
 FUSED_DEVICES = ("cuda", "cpu")
 # trainer.activation_checkpointing and its selective policies (training/activations.py)
-CHECKPOINTING = ("false", "true", "full", "selective")
+CHECKPOINTING = ("none", "false", "true", "full", "selective")
 CHECKPOINTING_POLICIES = ("ops", "attention", "layers")
 # the loggers whose package is optional: each is a row of gptkit.extras.EXTRAS
 LOGGER_PACKAGES = ("tensorboard", "wandb")
@@ -109,11 +109,14 @@ def check_trainer_values(t: Any) -> Values:
 def checkpointing_mode(t: Any) -> str | None:
     """trainer.activation_checkpointing as None (off), "full" (true, full) or "selective", its policy, every
     and trainer.activation_offload checked (one line each)."""
+    if not hasattr(t, "get"):
+        # a plan-like namespace (tests, bench)
+        t = vars(t)
     value = t.get("activation_checkpointing", False)
     mode = str(value).lower() if isinstance(value, (bool, str)) else None
     if mode not in CHECKPOINTING:
         raise ConfigError(
-            f"trainer.activation_checkpointing={value} is not one of false, true (= full), full, selective"
+            f"trainer.activation_checkpointing={value} is not one of none (= false), full (= true), selective"
         )
     policy = t.get("activation_checkpointing_policy", "ops")
     if policy not in CHECKPOINTING_POLICIES:
@@ -126,7 +129,7 @@ def checkpointing_mode(t: Any) -> str | None:
         raise ConfigError(f"trainer.activation_checkpointing_every={every} must be an integer >= 1")
     if not isinstance(t.get("activation_offload", False), bool):
         raise ConfigError(f"trainer.activation_offload={t.get('activation_offload')} must be true or false")
-    return {"false": None, "true": "full"}.get(mode, mode)
+    return {"none": None, "false": None, "true": "full"}.get(mode, mode)
 
 
 def check_ema(decay: Any, strategy: str) -> None:

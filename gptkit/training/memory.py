@@ -8,6 +8,8 @@ from typing import Any
 
 from gptkit.errors import GptkitError
 from gptkit.fsio import human_bytes
+from gptkit.parallel_plan import MESH_KEYS, check_mesh, memory_per_gpu
+from gptkit.training.config_checks import checkpointing_mode
 from gptkit.training.finetune import FINETUNES
 from gptkit.training.objectives import OBJECTIVES
 
@@ -56,21 +58,35 @@ def estimate(plan: Any) -> dict[str, float]:
 
     objective = OBJECTIVES[getattr(plan, "objective", "lm")]
     group = objective.settings_of(getattr(plan, "cfg", None))
-    mem = acc.training_memory(
-        plan.model,
-        plan.precision,
-        plan.shards,
-        # sequences through the model per micro-step
-        plan.batch_size * objective.rows(group),
-        plan.seq_len,
-        bool(plan.trainer.activation_checkpointing),
-        # (a plan-like object without it: no expert parallelism)
-        getattr(plan, "expert_shards", None),
+    t = plan.trainer
+    settings = dict(
         optimizer=optimizer_of(plan),
+        checkpointing=checkpointing_mode(t),
+        checkpointing_policy=getattr(t, "activation_checkpointing_policy", "ops"),
+        checkpointing_every=getattr(t, "activation_checkpointing_every", 2),
     )
+    # sequences through the model per micro-step
+    rows = plan.batch_size * objective.rows(group)
+    mesh = plan_mesh(plan)
+    if mesh is None:
+        mem = acc.training_memory(
+            plan.model,
+            plan.precision,
+            plan.shards,
+            rows,
+            plan.seq_len,
+            # (a plan-like object without it: no expert parallelism)
+            expert_shards=getattr(plan, "expert_shards", None),
+            **settings,
+        )
+    else:
+        # trainer.tensor_parallel, trainer.context_parallel: the plan per mesh (gptkit/parallel_plan.py)
+        mem = memory_per_gpu(
+            plan.model, mesh, plan.precision, rows, plan.seq_len, fsdp=plan.shards > 1, **settings
+        )
     if objective.chunked_logps:
         tokens = plan.batch_size * objective.rows(group) * (plan.seq_len or plan.model.max_seq_len)
-        mem["logits"] = chunked_logits_bytes(tokens, plan.model)
+        mem["logits"] = chunked_logits_bytes(tokens, plan.model) / (1 if mesh is None else mesh.tp * mesh.cp)
     # (a plan-like object without `finetune`: lora when it names adapters)
     finetune = FINETUNES[
         getattr(plan, "finetune", None) or ("lora" if getattr(plan, "lora", None) else "full")
@@ -86,6 +102,25 @@ def estimate(plan: Any) -> dict[str, float]:
     mem = finetune.memory(plan, mem)
     mem["total"] = sum(v for key, v in mem.items() if key != "total")
     return mem
+
+
+def plan_mesh(plan: Any) -> Any:
+    """The run's Mesh (gptkit/parallel_plan.py) when trainer.tensor_parallel or trainer.context_parallel is
+    above 1 (else None), checked: one line naming the dimension that does not divide."""
+    t = plan.trainer
+    tp = getattr(t, "tensor_parallel", None) or 1
+    cp = getattr(t, "context_parallel", None) or 1
+    if tp == 1 and cp == 1:
+        return None
+    return check_mesh(
+        plan.model,
+        plan.world_size,
+        tp,
+        cp,
+        getattr(plan, "expert_shards", None),
+        plan.seq_len,
+        keys=MESH_KEYS,
+    )
 
 
 def chunked_logits_bytes(tokens: int, model: Any) -> float:

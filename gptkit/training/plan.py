@@ -38,6 +38,7 @@ from gptkit import accounting as acc
 from gptkit.conf_tree import count
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
+from gptkit.parallel_plan import MESH_KEYS, check_mesh
 from gptkit.precision import Precision
 from gptkit.training.config_checks import Values, check_trainer_values
 from gptkit.training.distributed import accelerator_type, devices_per_node
@@ -288,6 +289,15 @@ def make_plan(
     finetune = finetune_class(cfg)
     lora = finetune.adapters(cfg)
     check_expert_model(int(t.get("expert_parallel") or 1), model, finetune.name)
+    # trainer.tensor_parallel x trainer.context_parallel: a mesh that divides the world and the model
+    check_mesh(
+        model,
+        world,
+        t.get("tensor_parallel") or 1,
+        t.get("context_parallel") or 1,
+        seq_len=seq_len,
+        keys=MESH_KEYS,
+    )
     flops = acc.flops_per_token(model, seq_len)
     # what the fine-tune trains (lora, qlora: no weight gradient for the frozen weights)
     dense, causal = finetune.flops(model, lora, flops, flops.train_dense, flops.train_causal)

@@ -95,7 +95,7 @@ def test_checkpointing_values_are_one_line_errors():
         "selective",
     ]
     for bad, says in (
-        (dict(activation_checkpointing="some"), "not one of false, true (= full), full, selective"),
+        (dict(activation_checkpointing="some"), "not one of none (= false), full (= true), selective"),
         (dict(activation_checkpointing_policy="mm"), "policy=mm is not one of ops, attention, layers"),
         (dict(activation_checkpointing_every=0), "every=0 must be an integer >= 1"),
         (dict(activation_offload="yes"), "activation_offload=yes must be true or false"),
