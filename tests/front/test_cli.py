@@ -407,3 +407,38 @@ def test_each_help_lists_the_codes_families_precisions_and_rope_scalings():
     assert [p for p in precisions + scalings if p[1] != p[2]] == []
     train = helps["train"]
     assert " | ".join(PRECISIONS) in train and " | ".join(ROPE_SCALINGS) in train
+
+
+def test_count_params_plans_per_mesh_and_refuses_a_mesh_that_does_not_divide(capsys):
+    """n_gpus = dp x cp x tp: tp and cp divide the activations and logits, the matrices go over all n_gpus
+    (the norms over dp x cp only), the bytes sent per micro-step follow the formulas of docs/parallelism.md;
+    a mesh that does not divide the world or the model is one line naming the dimension, exit 2."""
+    from conftest import run_main
+
+    def plan(*args):
+        code, out, err = run_main(capsys, "count-params", "model=llama-tiny", "format=json", *args)
+        assert code == 0, err
+        return json.loads(out)["plan"]
+
+    flat = plan("n_gpus=8", "checkpointing=selective")
+    mesh = plan("n_gpus=8", "tensor_parallel=2", "context_parallel=2", "checkpointing=selective")
+    assert mesh["mesh"] == {"n_gpus": 8, "dp": 2, "tp": 2, "cp": 2, "ep": 1}
+    a, b = flat["memory_per_gpu"], mesh["memory_per_gpu"]
+    assert b["activations"] * 4 == pytest.approx(a["activations"])
+    assert b["logits"] * 4 == pytest.approx(a["logits"])
+    # llama-tiny: 4 layers of width 128, 128 tokens, 4 heads of which 2 kv (32 wide: d_kv 64), fp32 weights
+    # and bf16 compute under bf16-mixed
+    L, d, T, d_kv = 4, 128, 128, 64
+    comm = mesh["communication_per_step"]
+    assert comm["tp"] == L * 3 * 4 * (1 / 2) * (T / 2) * d * 2
+    assert comm["cp"] == L * 3 * (2 - 1) * 2 * (T / 2) * (d_kv / 2) * 2
+    assert b["weights"] > a["weights"] and b["weights"] < 1.01 * a["weights"]
+    assert "tp" not in flat["communication_per_step"]
+    for args, says in (
+        (["n_gpus=4", "tensor_parallel=4", "context_parallel=2"], "= 8 GPUs is a mesh larger than the world"),
+        (["n_gpus=6", "tensor_parallel=4"], "tensor_parallel=4 x context_parallel=1 = 4 does not divide"),
+        (["n_gpus=8", "tensor_parallel=8"], "model.n_heads=4 is not divisible by tensor_parallel=8"),
+        (["n_gpus=8", "context_parallel=2", "seq_len=126"], "seq_len=126 is not divisible by 2 x "),
+    ):
+        code, out, err = run_main(capsys, "count-params", "model=llama-tiny", *args)
+        assert code == 2 and says in err and len(err.strip().splitlines()) == 1, (args, err)

@@ -106,3 +106,33 @@ def test_checkpointing_values_are_one_line_errors():
             assert says in str(e) and "\n" not in str(e)
         else:
             raise AssertionError(bad)
+
+
+def test_the_run_plans_estimate_takes_the_mesh_and_refuses_one_that_does_not_divide():
+    """trainer.tensor_parallel x trainer.context_parallel: the estimate train, preflight and the
+    out-of-memory line read divides the activations by tp x cp; a mesh larger than the world is one line."""
+    from types import SimpleNamespace
+
+    import pytest
+    from conftest import estimate_plan
+
+    from gptkit.errors import ConfigError
+    from gptkit.training.memory import estimate
+
+    cfg = ModelConfig(**TINY_LLAMA, vocab_size=64, max_seq_len=16)
+
+    def plan(**mesh):
+        p = estimate_plan(cfg, world_size=4)
+        p.shards = 4
+        p.trainer = SimpleNamespace(activation_checkpointing="selective", **mesh)
+        return p
+
+    flat, split = estimate(plan()), estimate(plan(tensor_parallel=2, context_parallel=2))
+    assert split["activations"] * 4 == pytest.approx(flat["activations"])
+    assert split["logits"] * 4 == pytest.approx(flat["logits"])
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.tensor_parallel=4 x trainer.context_parallel=2 = 8 GPUs "
+        r"is a mesh larger than the world, trainer.devices x trainer.num_nodes=4",
+    ):
+        estimate(plan(tensor_parallel=4, context_parallel=2))
