@@ -4,7 +4,11 @@ every time) is scored through gptkit's lm-eval adapter and `eval/<task>/<metric>
 every logger, at the step of the weights it scored (as val/loss).
 
 Under DDP each rank scores its share of the examples (rank, rank + world, ...); the per-example values are
-gathered and rank 0 logs the metrics over all of them. The time spent is kept out of tokens/s and
+gathered and rank 0 logs the metrics over all of them. Under FSDP2 (sharded weights: every forward is a
+collective that gathers each block's weights) the ranks run their shares in lockstep (Lockstep): before each
+forward of its own a rank says so, and a rank whose share is done joins the others' remaining forwards with
+a one-token forward whose output it drops, as the GRPO rollouts do (gptkit/inference/rollouts.py). No rank
+ever holds the whole model. The time spent is kept out of tokens/s and
 reported at the end (`gptkit train` prints it with the summary).
 """
 
@@ -40,11 +44,74 @@ def check_task_evals(t: Any) -> None:
         value = t.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise ConfigError(f"trainer.{key}={value} must be an integer >= 1 (or null)")
-    if t.get("strategy") == "fsdp":
-        raise ConfigError(
-            "trainer.eval_tasks runs each rank's share of the examples on its own, which "
-            "FSDP's sharded weights cannot do; evaluate checkpoints with gptkit eval tasks=..."
-        )
+
+
+class Lockstep:
+    """A sharded model (FSDP2) whose forwards every rank runs together: each call is one round (an
+    all-reduce of "I have a forward", then the forward); drain() joins the other ranks' remaining rounds
+    with a one-token forward until none has one. Every other attribute is the model's."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.device = model.tok_emb.weight.device
+        # forwards run only to keep the others company
+        self.joined = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def _round(self, mine: bool) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([int(mine)], device=self.device)
+        dist.all_reduce(flag)
+        return bool(flag.item())
+
+    def __call__(self, *args, **kwargs):
+        self._round(True)
+        return self.model(*args, **kwargs)
+
+    def drain(self) -> None:
+        import torch
+
+        with torch.no_grad():
+            while self._round(False):
+                self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device))
+                self.joined += 1
+
+
+def is_sharded(model) -> bool:
+    """FSDP2 over a process group of more than one rank: forwards are collective."""
+    import torch.distributed as dist
+
+    return (
+        bool(getattr(model, "_gptkit_sharded", False))
+        and dist.is_available()
+        and dist.is_initialized()
+        and dist.get_world_size() > 1
+    )
+
+
+def score_in_lockstep(subsets: list, lm) -> dict[str, dict[str, list]]:
+    """Each subset's share scored with lm (a GptkitLM); over a sharded model in lockstep with the other
+    ranks (Lockstep), drained once every share of this rank is done."""
+    if not is_sharded(lm.model):
+        return {s.name: s.score(lm) for s in subsets}
+    import torch
+
+    model = lm.model
+    # one forward of every rank together, outside inference mode: FSDP2's gathered weights are then
+    # ordinary tensors, which lm-eval's inference-mode forwards and generation's no-grad ones both update
+    with torch.inference_mode(False), torch.no_grad():
+        model(torch.zeros(1, 1, dtype=torch.long, device=model.tok_emb.weight.device))
+    lm.model = Lockstep(model)
+    try:
+        shares = {s.name: s.score(lm) for s in subsets}
+        lm.model.drain()
+    finally:
+        lm.model = model
+    return shares
 
 
 def task_evals_callback(cfg: Any, clock=None) -> "TaskEvals | None":
@@ -147,7 +214,7 @@ class TaskEvals(Callback):
         model.eval()
         try:
             lm = self._lm(trainer, pl_module)
-            shares = {s.name: s.score(lm) for s in self.subsets}
+            shares = score_in_lockstep(self.subsets, lm)
             self.model_seconds += lm.stats.seconds
         finally:
             model.train(was_training)

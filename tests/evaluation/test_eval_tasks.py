@@ -587,3 +587,70 @@ def test_a_longrope_model_scores_each_request_as_alone_either_side_of_its_origin
         target = torch.tensor(cont)
         assert lp == pytest.approx(logp.gather(-1, target[:, None]).sum().item(), abs=1e-5)
         assert greedy == bool((logp.argmax(-1) == target).all())
+
+
+def _lockstep_rank(rank: int, run_dir: str, port: int, out: str) -> None:
+    """One rank of test_task_evals_under_fsdp_run_in_lockstep: its share scored over FSDP2 shards."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from gptkit.runs import load_run
+    from gptkit.training.task_evals import score_in_lockstep
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a rank left waiting (forwards out of step) fails in a minute instead of hanging
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        r = load_run(run_dir)
+        mesh = init_device_mesh("cpu", (2,))
+        for block in r.model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(r.model, mesh=mesh)
+        r.model._gptkit_sharded = True
+        lm = GptkitLM(r.model, r.tokenizer, r.config)
+        specs = T.find_tasks([str(EVALS / "tiny_mc.yaml"), str(EVALS / "tiny_gen.yaml")])
+        loaded = T.leaf_tasks(T.load_tasks(specs, T.task_manager(specs)))
+        subsets = [T.TaskSubset(name, task, 5, rank, 2) for name, task in loaded.items()]
+        shares = score_in_lockstep(subsets, lm)
+        gathered: list = [None] * 2
+        dist.all_gather_object(gathered, shares)
+        if rank == 0:
+            merged = {s.name: s.aggregate(T.merge_shares([g[s.name] for g in gathered])) for s in subsets}
+            with open(out, "w") as f:
+                json.dump(merged, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.long
+def test_task_evals_under_fsdp_run_in_lockstep(run_and_export, tmp_path):
+    """trainer=fsdp with trainer.eval_tasks: two gloo ranks, each with its share (3 and 2 examples: not the
+    same forwards), score over FSDP2's sharded weights in lockstep and give the metrics of one process
+    scoring every example with the whole model."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from gptkit.runs import load_run
+
+    d, _, _, _ = run_and_export
+    r = load_run(d)
+    lm = GptkitLM(r.model, r.tokenizer, r.config)
+    specs = T.find_tasks([str(EVALS / "tiny_mc.yaml"), str(EVALS / "tiny_gen.yaml")])
+    want = {
+        name: (s := T.TaskSubset(name, task, limit=5)).aggregate(s.score(lm))
+        for name, task in T.leaf_tasks(T.load_tasks(specs, T.task_manager(specs))).items()
+    }
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "merged.json"
+    mp.spawn(_lockstep_rank, args=(str(d), port, str(out)), nprocs=2)
+    got = json.loads(out.read_text())
+    assert got.keys() == want.keys()
+    for name in want:
+        assert got[name] == pytest.approx(want[name], abs=1e-6), name
