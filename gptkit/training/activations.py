@@ -81,20 +81,32 @@ class Offload(torch.autograd.graph.saved_tensors_hooks):
     """The activations autograd keeps, on the host: a device tensor copied to pinned host memory when
     saved and back when the backward needs it; weights and host tensors stay where they are. `moved`
     counts the bytes copied; `on_host` the activations' bytes that were on the host already (the CPU: what
-    the same step on a GPU would move)."""
+    the same step on a GPU would move). counts: a dict the two are added to as well (apply's). A tensor
+    saved twice in one context (a block's input, read by q, k and v) is copied once: the copies are keyed by
+    the tensor's storage and view, its device tensor held until the context ends so that no other takes its
+    place."""
 
-    def __init__(self) -> None:
+    def __init__(self, counts: dict | None = None) -> None:
         self.moved = self.on_host = 0
+        counts = counts if counts is not None else {}
+        self.copies: dict = {}
 
         def pack(t: torch.Tensor):
             if _is_weight(t):
                 return t
+            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+            if key in self.copies:
+                return self.copies[key][1]
             if t.device.type == "cpu":
+                self.copies[key] = (t, t)
                 self.on_host += t.numel() * t.element_size()
+                counts["on_host"] = counts.get("on_host", 0) + t.numel() * t.element_size()
                 return t
             host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
             host.copy_(t, non_blocking=True)
             self.moved += t.numel() * t.element_size()
+            counts["moved"] = counts.get("moved", 0) + t.numel() * t.element_size()
+            self.copies[key] = (t, (t.device, host))
             return (t.device, host)
 
         def unpack(packed):
@@ -105,19 +117,26 @@ class Offload(torch.autograd.graph.saved_tensors_hooks):
 
         super().__init__(pack, unpack)
 
+    def __exit__(self, *exc):
+        self.copies.clear()
+        return super().__exit__(*exc)
 
-def apply(model: Any, mode: str | None, policy: str = "ops", every: int = 2, offload: bool = False) -> None:
+
+def apply(
+    model: Any, mode: str | None, policy: str = "ops", every: int = 2, offload: bool = False
+) -> dict[str, int]:
     """Wrap each block's forward (mode, policy, every, offload: the module docstring) while it trains with
-    gradients."""
+    gradients. Returns the offload's byte counts, added to as the blocks run (Offload: moved, on_host)."""
+    counts: dict[str, int] = {"moved": 0, "on_host": 0}
     if mode is None and not offload:
-        return
+        return counts
     selective = op_policy(policy, every) if mode == "selective" and policy != "layers" else None
 
     def wrapped(block, forward, checkpointed: bool):
         def run(*args, **kwargs):
             if not (block.training and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
-            with Offload() if offload else _nothing():
+            with Offload(counts) if offload else _nothing():
                 if not checkpointed:
                     return forward(*args, **kwargs)
                 if selective is not None:
@@ -129,6 +148,7 @@ def apply(model: Any, mode: str | None, policy: str = "ops", every: int = 2, off
     for i, block in enumerate(model.blocks):
         checkpointed = mode is not None and not (mode == "selective" and policy == "layers" and i % every)
         block.forward = wrapped(block, block.forward, checkpointed)
+    return counts
 
 
 class _nothing:
