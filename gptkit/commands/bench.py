@@ -14,6 +14,8 @@ Examples:
   gptkit bench qlora                (finetune=qlora: base memory vs bf16, loss and speed vs lora, NF4's error)
   gptkit bench optim                (AdamW vs Muon: one lr grid swept for each, the best of each on 3 seeds)
   gptkit bench compare              (variants of one model side by side at equal steps: val loss, step time)
+  gptkit bench memory               (activation checkpointing none/full/selective and offload: kept and peak
+                                     bytes at one shape, loss and gradients against the plain step)
   gptkit bench long-context         (gdn-tiny vs every layer softmax at 4k-16k: train, memory, decode, cache)
 Every benchmark ends with a line of its wall and CPU seconds and the machine's load before and after it.
 """

@@ -77,53 +77,77 @@ def _is_weight(t: torch.Tensor) -> bool:
     return isinstance(base, torch.nn.Parameter) or (base.is_leaf and base.requires_grad)
 
 
-class Offload(torch.autograd.graph.saved_tensors_hooks):
-    """The activations autograd keeps, on the host: a device tensor copied to pinned host memory when
-    saved and back when the backward needs it; weights and host tensors stay where they are. `moved`
-    counts the bytes copied; `on_host` the activations' bytes that were on the host already (the CPU: what
-    the same step on a GPU would move). counts: a dict the two are added to as well (apply's). A tensor
-    saved twice in one context (a block's input, read by q, k and v) is copied once: the copies are keyed by
-    the tensor's storage and view, its device tensor held until the context ends so that no other takes its
-    place."""
+class _Stored:
+    """One storage's host copy, and its device copy once the backward has brought it back (shared by every
+    view of it; freed with the last one autograd releases)."""
 
-    def __init__(self, counts: dict | None = None) -> None:
+    def __init__(self, host: torch.Tensor, device: torch.device) -> None:
+        self.host, self.device, self.back = host, device, None
+
+    def restore(self) -> torch.UntypedStorage:
+        if self.back is None:
+            self.back = self.host.to(self.device, non_blocking=True).untyped_storage()
+        return self.back
+
+
+class Offload(torch.autograd.graph.saved_tensors_hooks):
+    """The activations autograd keeps, on the host: each storage a saved tensor views copied once to
+    (pinned) host memory when saved, and back once when the backward first needs it, every view of it
+    rebuilt on the copy; weights stay where they are. On the CPU the activations are on the host already:
+    they stay as they are unless copy_host (tests: the same copies and views as on a GPU). `moved` counts
+    the bytes copied, `on_host` those already on the host (the CPU: what a GPU would move), each storage
+    once; counts: a dict both are added to as well (apply's). The device tensors are held until the context
+    ends, so that no other storage takes the address of one copied."""
+
+    def __init__(self, counts: dict | None = None, copy_host: bool = False) -> None:
         self.moved = self.on_host = 0
         counts = counts if counts is not None else {}
-        self.copies: dict = {}
+        self.stored: dict[int, tuple[torch.Tensor, _Stored | None]] = {}
 
         def pack(t: torch.Tensor):
             if _is_weight(t):
                 return t
-            key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-            if key in self.copies:
-                return self.copies[key][1]
-            if t.device.type == "cpu":
-                self.copies[key] = (t, t)
-                self.on_host += t.numel() * t.element_size()
-                counts["on_host"] = counts.get("on_host", 0) + t.numel() * t.element_size()
+            storage = t.untyped_storage()
+            key = storage.data_ptr()
+            if key not in self.stored:
+                size = storage.nbytes()
+                if t.device.type == "cpu" and not copy_host:
+                    self.on_host += size
+                    counts["on_host"] = counts.get("on_host", 0) + size
+                    self.stored[key] = (t, None)
+                else:
+                    pin = t.device.type != "cpu" and torch.cuda.is_available()
+                    host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+                    host.untyped_storage().copy_(storage, non_blocking=pin)
+                    self.moved += size
+                    counts["moved"] = counts.get("moved", 0) + size
+                    self.stored[key] = (t, _Stored(host, t.device))
+            stored = self.stored[key][1]
+            if stored is None:
                 return t
-            host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            self.moved += t.numel() * t.element_size()
-            counts["moved"] = counts.get("moved", 0) + t.numel() * t.element_size()
-            self.copies[key] = (t, (t.device, host))
-            return (t.device, host)
+            return (stored, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
         def unpack(packed):
             if isinstance(packed, torch.Tensor):
                 return packed
-            device, host = packed
-            return host.to(device, non_blocking=True)
+            stored, offset, shape, stride, dtype = packed
+            view = torch.empty(0, dtype=dtype, device=stored.device)
+            return view.set_(stored.restore(), offset, shape, stride)
 
         super().__init__(pack, unpack)
 
     def __exit__(self, *exc):
-        self.copies.clear()
+        self.stored.clear()
         return super().__exit__(*exc)
 
 
 def apply(
-    model: Any, mode: str | None, policy: str = "ops", every: int = 2, offload: bool = False
+    model: Any,
+    mode: str | None,
+    policy: str = "ops",
+    every: int = 2,
+    offload: bool = False,
+    copy_host: bool = False,
 ) -> dict[str, int]:
     """Wrap each block's forward (mode, policy, every, offload: the module docstring) while it trains with
     gradients. Returns the offload's byte counts, added to as the blocks run (Offload: moved, on_host)."""
@@ -136,7 +160,7 @@ def apply(
         def run(*args, **kwargs):
             if not (block.training and torch.is_grad_enabled()):
                 return forward(*args, **kwargs)
-            with Offload(counts) if offload else _nothing():
+            with Offload(counts, copy_host) if offload else _nothing():
                 if not checkpointed:
                     return forward(*args, **kwargs)
                 if selective is not None:

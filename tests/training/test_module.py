@@ -54,7 +54,7 @@ def test_selective_checkpointing_and_offload_keep_less_with_the_same_loss_and_gr
     torch.manual_seed(0)
     state = GPT(cfg).state_dict()
     x, y = torch.randint(0, 64, (2, 64)), torch.randint(0, 64, (2, 64))
-    runs = {}
+    runs, moved = {}, {}
     for name, kw in {
         "plain": dict(mode=None),
         "full": dict(mode="full"),
@@ -62,11 +62,15 @@ def test_selective_checkpointing_and_offload_keep_less_with_the_same_loss_and_gr
         "attention": dict(mode="selective", policy="attention"),
         "layers": dict(mode="selective", policy="layers", every=2),
         "offload": dict(mode=None, offload=True),
+        # the copies and views a GPU's offload makes, made on the CPU
+        "offload copied": dict(mode=None, offload=True, copy_host=True),
+        "full offload copied": dict(mode="full", offload=True, copy_host=True),
     }.items():
         model = GPT(cfg)
         model.load_state_dict(state)
-        activations.apply(model, **kw)
+        counts = activations.apply(model, **kw)
         runs[name] = (activations.step_memory(lambda: model(x, y).loss), model)
+        moved[name] = counts["moved"] + counts["on_host"]
     plain, plain_model = runs["plain"]
     for name, (mem, model) in runs.items():
         assert abs(mem["loss"] - plain["loss"]) <= 1e-6, name
@@ -77,6 +81,9 @@ def test_selective_checkpointing_and_offload_keep_less_with_the_same_loss_and_gr
     # on the CPU the activations are on the host already: offloading moves nothing and keeps the same
     assert kept["offload"] == kept["plain"]
     assert runs["full"][0]["peak"] < plain["peak"]
+    # each storage once: what offloading moves is at most what the plain forward keeps
+    assert 0 < moved["offload copied"] == moved["offload"] <= kept["plain"]
+    assert 0 < moved["full offload copied"] < moved["offload"]
 
 
 def test_checkpointing_values_are_one_line_errors():
