@@ -54,6 +54,11 @@ def check_values(cfg: Any, new_model: bool) -> Values:
         model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         values = Values(values.precision, values.compile, model)
     check_context_parallel(cfg.trainer, values.model)
+    if int(cfg.trainer.get("context_parallel") or 1) > 1 and str(cfg.get("objective", "lm")) != "lm":
+        raise ConfigError(
+            f"trainer.context_parallel splits the sequences of objective=lm only, not "
+            f"objective={cfg.objective}"
+        )
     return values
 
 
@@ -259,12 +264,10 @@ def check_context_parallel(t: Any, model: Optional[ModelConfig]) -> int:
             f"{key}={k}: the training window of {seq} tokens must be divisible by 2 x {k} = {2 * k} (each "
             f"rank holds two of {2 * k} equal chunks); set trainer.seq_len to a multiple of {2 * k}"
         )
+    if compile_mode(t.get("compile")) is not None:
+        raise ConfigError(f"{key}={k} runs its ring eagerly: pass trainer.compile=null")
     if model is not None:
         check_context_parallel_model(model, k)
-    raise ConfigError(
-        f"{key}={k}: the ring attention is checked at the model level (.ci/context_parallel.py) but `gptkit "
-        f"train` does not split its batches over it yet (docs/distributed.md); pass {key}=1"
-    )
 
 
 def check_context_parallel_model(model: ModelConfig, k: int) -> None:
@@ -280,6 +283,6 @@ def check_context_parallel_model(model: ModelConfig, k: int) -> None:
     kinds = sorted({model.attention_kind_of(i) for i in range(model.n_layers)})
     if kinds != ["mha"]:
         raise ConfigError(f"{key} runs multi-head attention layers only, not {', '.join(kinds)}")
-    for name in ("attn_softcap", "attn_sinks", "dropout"):
+    for name in ("attn_softcap", "attn_sinks", "dropout", "mtp"):
         if getattr(model, name):
             raise ConfigError(f"{key} does not support model.{name} yet")

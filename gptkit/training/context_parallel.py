@@ -391,8 +391,9 @@ def simulate(q, k, v, k_ranks: int, doc_start=None, window=None, scale=None, bac
 
 # ---- the model under context parallelism ------------------------------------------------------------------
 class ContextParallel:
-    """Installs the ring into a GPT's attention modules (their `attend`, an instance attribute) and splits
-    each batch: shard() before the forward, the per-token results gathered back with gather()."""
+    """Installs the ring into a GPT (its attention modules' `attend` and its `forward`, instance attributes):
+    between enter(batch) and exit() each forward runs this rank's share of the batch's sequences at their
+    global positions through the ring; otherwise the model runs as it is (validation: whole sequences)."""
 
     def __init__(self, model, group) -> None:
         cfg = model.cfg
@@ -403,28 +404,31 @@ class ContextParallel:
         self.position_reset = bool(cfg.position_reset)
         self.T = 0
         self.shard_now: Optional[Shard] = None
+        self.positions: Optional[torch.Tensor] = None
+        self.active = False
         for block in model.blocks:
-            block.attn.attend = self._attend()
+            block.attn.attend = self._attend(block.attn.attend)
+        plain_forward = model.forward
 
-    def _attend(self):
-        def attend(
-            q,
-            k,
-            v,
-            *,
-            causal=True,
-            mask=None,
-            dropout_p=0.0,
-            scale=None,
-            return_probs=False,
-            docs=None,
-            window=None,
-            softcap=None,
-            sinks=None,
-        ):
-            if mask is not None or return_probs or softcap is not None or sinks is not None or dropout_p:
-                raise ValueError("context parallelism: no mask, probabilities, soft-cap, sinks or dropout")
-            return ring_attention(q, k, v, self.shard_now, self.ring, self.T, window, scale, self.block), None
+        def forward(idx, targets=None, **kw):
+            if self.active:
+                kw["positions"] = self.positions
+            return plain_forward(idx, targets, **kw)
+
+        model.forward = forward
+
+    def _attend(self, plain):
+        def attend(q, k, v, **kw):
+            if not self.active:
+                return plain(q, k, v, **kw)
+            if kw.get("mask") is not None or kw.get("return_probs") or kw.get("softcap") is not None:
+                raise ValueError("context parallelism: no mask, probabilities or soft-capping")
+            if kw.get("sinks") is not None or kw.get("dropout_p"):
+                raise ValueError("context parallelism: no sinks or dropout")
+            out = ring_attention(
+                q, k, v, self.shard_now, self.ring, self.T, kw.get("window"), kw.get("scale"), self.block
+            )
+            return out, None
 
         return attend
 
@@ -442,8 +446,28 @@ class ContextParallel:
             "positions": rotary_positions(self.shard_now, self.position_reset),
         }
 
+    def enter(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training batch (x, y[, doc_ids]) of whole rows -> this rank's (x, y); the model's forwards run
+        the ring until exit()."""
+        x, y, *docs = batch
+        share = self.shard(x, y, docs[0] if docs else None)
+        self.positions, self.active = share["positions"], True
+        return share["idx"], share["targets"]
+
+    def exit(self) -> None:
+        self.active = False
+
     def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Every rank's share of a per-token tensor ([B, T/k, ...]) back in sequence order (no gradient)."""
         parts = [torch.empty_like(x) for _ in range(self.k)]
         dist.all_gather(parts, x.contiguous(), group=self.ring.group)
         return unsplit(parts, dim)
+
+
+def context_group(device_type: str, world: int, k: int):
+    """The process group of this rank's k consecutive ranks: a [W / k, k] DeviceMesh's "context_parallel"
+    dimension (FSDP2 shards over all W ranks, training/distributed.parallelize)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=("cp_replicas", "context_parallel"))
+    return mesh["context_parallel"].get_group()

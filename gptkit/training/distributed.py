@@ -257,6 +257,7 @@ def build_strategy(t: Any):
     if strategy == "fsdp":
         strategy = _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout)
         strategy.expert_parallel = int(t.get("expert_parallel") or 1)
+        strategy.context_parallel = int(t.get("context_parallel") or 1)
         return strategy
     return strategy
 
@@ -279,6 +280,14 @@ def _fsdp2_strategy_class():
             )
             self.fsdp_options = options
             self.fsdp_precision = precision_name
+
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            """trainer.context_parallel=k: the k ranks of a group read the same items (data_ranks)."""
+            k = getattr(self, "context_parallel", 1)
+            if k == 1:
+                return super().distributed_sampler_kwargs
+            return {"num_replicas": self.world_size // k, "rank": self.global_rank // k}
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
             """A sharded checkpoint is written to a temporary folder beside the target; every rank computes

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import rows_by_step, run_group, tiny_run
 
 from gptkit.model.attention import eager_attention
 from gptkit.model.documents import Documents
@@ -92,7 +93,8 @@ def test_context_parallel_settings_are_refused_in_one_line_before_torch():
             "model=gemma3-tiny",
             "model.attn_softcap=30.0",
         ): "does not support model.attn_softcap",
-        (*fsdp, "trainer.context_parallel=2"): "does not split its batches over it yet",
+        (*fsdp, "trainer.context_parallel=2", "trainer.compile=blocks"): "pass trainer.compile=null",
+        (*fsdp, "trainer.context_parallel=2", "objective=dpo"): "objective=lm only",
     }
     code = (
         "import sys, io, contextlib, json\nfrom gptkit.cli import main\nlines = []\n"
@@ -110,3 +112,42 @@ def test_context_parallel_settings_are_refused_in_one_line_before_torch():
     assert imported.split() == ["imported:"], imported
     for err, want in zip(json.loads(lines), refused.values()):
         assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (err, want)
+
+
+@pytest.mark.long
+def test_gptkit_train_with_context_parallel_2_follows_one_process(corpus, tmp_path):
+    """`gptkit train trainer=fsdp trainer.devices=2 trainer.context_parallel=2` (2 gloo processes, each
+    holding half of every sequence, attention as a ring) logs the losses and gradient norms of one process,
+    with packed documents, positions restarting in each, and a sliding window crossing the chunks (fp32)."""
+    args = tiny_run(
+        corpus,
+        tmp_path,
+        None,
+        "model.n_layers=2",
+        "model.position=rope",
+        "model.attention=eager",
+        "model.dropout=0.0",
+        "model.position_reset=true",
+        "model.sliding_window=12",
+        "model.layer_types=[local,global]",
+        "tokenizer.eos_token='<|eos|>'",
+        "data.pack=documents",
+        "trainer.max_steps=4",
+        "trainer.val_every=2",
+        "trainer.checkpoint_every=4",
+        "trainer.precision=32-true",
+        "trainer.accelerator=cpu",
+    )
+    runs = {}
+    for name, extra in (
+        ("one", []),
+        ("cp", ["trainer=fsdp", "trainer.devices=2", "trainer.context_parallel=2"]),
+    ):
+        r = run_group("-m", "gptkit", "train", *args, f"name={name}", *extra)
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[name] = rows_by_step(tmp_path / name)
+    assert sorted(runs["cp"]) == sorted(runs["one"]) == [1, 2, 3, 4]
+    for step, want in runs["one"].items():
+        for key in ("train/loss", "train/grad_norm", "val/loss", "perf/tokens"):
+            if want.get(key):
+                assert abs(float(runs["cp"][step][key]) - float(want[key])) < 1e-5, (step, key)
