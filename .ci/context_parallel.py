@@ -82,8 +82,10 @@ def worker(rank, k, port, cases, out):
         n = (targets != -100).sum()
         t0 = time.perf_counter()
         cp = ContextParallel(model, mesh["context_parallel"].get_group())
-        share = cp.shard(idx, targets, doc_ids if docs else None)
-        local = token_losses(model, share["targets"], idx=share["idx"], positions=share["positions"])
+        # this rank's share: the model's forwards run the ring until exit()
+        x, y = cp.enter((idx, targets, doc_ids) if docs else (idx, targets))
+        local = token_losses(model, y, idx=x)
+        cp.exit()
         (local.sum() / n).backward()
         grads = [p.grad.clone() for p in model.parameters()]
         for g in grads:

@@ -247,17 +247,7 @@ def check_context_parallel(t: Any, model: Optional[ModelConfig]) -> int:
         )
     devices = t.get("devices")
     if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
-        world = devices * int(t.num_nodes)
-        if k > world:
-            raise ConfigError(
-                f"{key}={k} asks for a mesh of {k} ranks per sequence, larger than the job's {world} "
-                f"process(es) (trainer.devices x trainer.num_nodes)"
-            )
-        if world % k:
-            raise ConfigError(
-                f"{key}={k} must divide the job's {world} process(es) (trainer.devices x trainer.num_nodes): "
-                f"a mesh of {k} ranks per sequence does not fit"
-            )
+        check_context_parallel_world(k, devices * int(t.num_nodes))
     seq = t.get("seq_len") or (model.max_seq_len if model is not None else None)
     if isinstance(seq, int) and seq % (2 * k):
         raise ConfigError(
@@ -268,6 +258,7 @@ def check_context_parallel(t: Any, model: Optional[ModelConfig]) -> int:
         raise ConfigError(f"{key}={k} runs its ring eagerly: pass trainer.compile=null")
     if model is not None:
         check_context_parallel_model(model, k)
+    return k
 
 
 def check_context_parallel_model(model: ModelConfig, k: int) -> None:
@@ -286,3 +277,18 @@ def check_context_parallel_model(model: ModelConfig, k: int) -> None:
     for name in ("attn_softcap", "attn_sinks", "dropout", "mtp"):
         if getattr(model, name):
             raise ConfigError(f"{key} does not support model.{name} yet")
+
+
+def check_context_parallel_world(k: int, world: int) -> None:
+    """trainer.context_parallel=k against the job's `world` processes (one-line errors)."""
+    key = "trainer.context_parallel"
+    if k > world:
+        raise ConfigError(
+            f"{key}={k} asks for a mesh of {k} ranks per sequence, larger than the job's {world} "
+            f"process(es) (trainer.devices x trainer.num_nodes)"
+        )
+    if world % k:
+        raise ConfigError(
+            f"{key}={k} must divide the job's {world} process(es) (trainer.devices x trainer.num_nodes): "
+            f"a mesh of {k} ranks per sequence does not fit"
+        )

@@ -40,6 +40,7 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
+from gptkit.training.config_checks import check_context_parallel_world
 from gptkit.training.elastic import elastic_resume  # noqa: F401  (torch-free: commands/train.py imports it)
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
 from gptkit.training.slurm import check_slurm_signal
@@ -136,6 +137,7 @@ def check_distributed(t: Any, checked: Any = None) -> None:
     if strategy == "fsdp":
         _check_fsdp(t, acc, checked.precision if checked is not None else precision(t.precision))
     check_expert_parallel(t, per_node * int(t.num_nodes))
+    check_context_parallel_world(int(t.get("context_parallel") or 1), per_node * int(t.num_nodes))
     if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
         raise GptkitError("this torch build has no torch.distributed; use trainer=default (one device)")
     nodes = int(t.num_nodes)

@@ -10,8 +10,9 @@ import sys
 
 import pytest
 import torch
-from conftest import rows_by_step, run_group, tiny_run
+from conftest import REPO, rows_by_step, run_group, tiny_run
 
+from gptkit.errors import ConfigError
 from gptkit.model.attention import eager_attention
 from gptkit.model.documents import Documents
 from gptkit.training import context_parallel as cp
@@ -112,6 +113,19 @@ def test_context_parallel_settings_are_refused_in_one_line_before_torch():
     assert imported.split() == ["imported:"], imported
     for err, want in zip(json.loads(lines), refused.values()):
         assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (err, want)
+
+
+def test_a_mesh_larger_than_the_devices_found_is_refused():
+    """trainer.devices=auto (1 on the CPU): the world is known once torch is: checked with the devices."""
+    from omegaconf import OmegaConf
+
+    from gptkit.training.distributed import check_distributed
+
+    t = OmegaConf.merge(*(OmegaConf.load(REPO / f"conf/trainer/{n}.yaml") for n in ("default", "fsdp")))
+    t.merge_with({"accelerator": "cpu", "devices": "auto", "context_parallel": 4})
+    with pytest.raises(ConfigError) as e:
+        check_distributed(t)
+    assert "larger than the job's 1 process" in str(e.value) and "\n" not in str(e.value)
 
 
 @pytest.mark.long
