@@ -53,7 +53,7 @@ def check_values(cfg: Any, new_model: bool) -> Values:
     if new_model:
         model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         values = Values(values.precision, values.compile, model)
-    check_context_parallel(cfg.trainer, values.model)
+    check_context_parallel(cfg.trainer, values.model, values.compile)
     if int(cfg.trainer.get("context_parallel") or 1) > 1 and str(cfg.get("objective", "lm")) != "lm":
         raise ConfigError(
             f"trainer.context_parallel splits the sequences of objective=lm only, not "
@@ -231,7 +231,7 @@ def check_loggers(logger_cfg: Any) -> None:
 CP_BACKENDS = ("eager", "sdpa")
 
 
-def check_context_parallel(t: Any, model: Optional[ModelConfig]) -> int:
+def check_context_parallel(t: Any, model: Optional[ModelConfig], compile: Optional[str] = None) -> int:
     """trainer.context_parallel=k (one-line errors): an integer >= 1; k > 1 with trainer=fsdp, k dividing the
     job's processes, the training window divisible by 2k (the zig-zag chunks), and (model known) a model the
     ring runs. Returns k."""
@@ -254,7 +254,8 @@ def check_context_parallel(t: Any, model: Optional[ModelConfig]) -> int:
             f"{key}={k}: the training window of {seq} tokens must be divisible by 2 x {k} = {2 * k} (each "
             f"rank holds two of {2 * k} equal chunks); set trainer.seq_len to a multiple of {2 * k}"
         )
-    if compile_mode(t.get("compile")) is not None:
+    # compile: the trainer's compile mode, derived once (check_trainer_values)
+    if compile is not None:
         raise ConfigError(f"{key}={k} runs its ring eagerly: pass trainer.compile=null")
     if model is not None:
         check_context_parallel_model(model, k)
