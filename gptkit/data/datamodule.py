@@ -36,6 +36,13 @@ class TrainBatches(IterableDataset):
             step += 1
 
 
+def data_ranks(trainer) -> tuple[int, int]:
+    """(this rank's place, how many) among the ranks that read distinct batches: every rank, or with
+    trainer.context_parallel=k (the strategy's context_parallel) one per group of k ranks that share them."""
+    k = int(getattr(trainer.strategy, "context_parallel", 1) or 1)
+    return trainer.global_rank // k, trainer.world_size // k
+
+
 class TokenDataModule(L.LightningDataModule):
     """Stateless training batches drawn by (seed, step, rank) and fixed validation items, of any kind."""
 
@@ -65,7 +72,7 @@ class TokenDataModule(L.LightningDataModule):
             budget = (
                 trainer.max_steps
                 * trainer.accumulate_grad_batches
-                * trainer.world_size
+                * data_ranks(trainer)[1]
                 * self.batch_size
                 * self.seq_len
             )
@@ -76,7 +83,9 @@ class TokenDataModule(L.LightningDataModule):
         """data/tokens_<source>: train tokens drawn from each source in the first `step` optimizer steps, all
         ranks (empty for one source)."""
         trainer = getattr(self, "trainer", None)
-        accum, world = (1, 1) if trainer is None else (trainer.accumulate_grad_batches, trainer.world_size)
+        accum, world = (
+            (1, 1) if trainer is None else (trainer.accumulate_grad_batches, data_ranks(trainer)[1])
+        )
         counts = self.feed.consumed(step * accum, world)
         return {f"data/tokens_{name}": float(n * self.seq_len) for name, n in counts.items()}
 
@@ -85,7 +94,7 @@ class TokenDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 0, 1
-        return trainer.global_step * trainer.accumulate_grad_batches, trainer.global_rank, trainer.world_size
+        return trainer.global_step * trainer.accumulate_grad_batches, *data_ranks(trainer)
 
     def _pin(self) -> bool:
         """Pinned host memory on a GPU: Lightning then copies each batch with non_blocking=True, so the copy

@@ -194,6 +194,9 @@ class GPT(nn.Module):
         # that reads the head chunk by chunk (objective=distill), run here, where FSDP2 holds the head's
         # weight gathered, and eagerly under trainer.compile; its result is GPTOutput.head, no logits
         head: Optional[Callable[[torch.Tensor, torch.Tensor, Optional[float]], Any]] = None,
+        # [T] or [B, T] int64: the tokens' positions when they are not 0..T-1 (a context-parallel rank's share
+        # of each sequence: gptkit/training/context_parallel.py); no cache, no doc_ids with it
+        positions: Optional[torch.Tensor] = None,
     ) -> GPTOutput:
         """idx [B, T] (and targets) -> GPTOutput(logits, loss, attentions, aux); see the argument comments.
         loss is the cross-entropy alone: a training loop adds aux.loss (the feed-forwards' auxiliary
@@ -202,7 +205,12 @@ class GPT(nn.Module):
         # The positions of the T tokens, one notion through the whole model: an int p (positions p..p+T-1:
         # training, or a KV cache holding p tokens), a [T] tensor (a StaticKVCache: fixed shapes) or a
         # [B, T] tensor (positions restarting at every packed document, model.position_reset).
+        given = positions
         positions = cache.positions if cache is not None else 0
+        if given is not None:
+            if cache is not None or doc_ids is not None:
+                raise ValueError("positions= cannot be used with a KV cache or doc_ids")
+            positions = given
         if isinstance(positions, int) and positions + T > self.cfg.max_seq_len:
             raise ValueError(
                 f"sequence of {positions + T} tokens exceeds model.max_seq_len={self.cfg.max_seq_len}"

@@ -56,6 +56,12 @@ def check_values(cfg: Any, new_model: bool) -> Values:
     if new_model:
         model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         values = Values(values.precision, values.compile, model)
+    check_context_parallel(cfg.trainer, values.model, values.compile)
+    if int(cfg.trainer.get("context_parallel") or 1) > 1 and str(cfg.get("objective", "lm")) != "lm":
+        raise ConfigError(
+            f"trainer.context_parallel splits the sequences of objective=lm only, not "
+            f"objective={cfg.objective}"
+        )
     return values
 
 
@@ -249,3 +255,71 @@ def check_loggers(logger_cfg: Any) -> None:
         if kind in LOGGER_PACKAGES and (opts or {}).get("enabled", True):
             # an import, not a look-up: a broken install fails here too, not after the data is prepared
             require(kind)
+
+
+# the attention backends whose blocks the ring merges by their log-sum-exp (training/context_parallel.py)
+CP_BACKENDS = ("eager", "sdpa")
+
+
+def check_context_parallel(t: Any, model: Optional[ModelConfig], compile: Optional[str] = None) -> int:
+    """trainer.context_parallel=k (one-line errors): an integer >= 1; k > 1 with trainer=fsdp, k dividing the
+    job's processes, the training window divisible by 2k (the zig-zag chunks), and (model known) a model the
+    ring runs. Returns k."""
+    k = t.get("context_parallel", 1)
+    key = "trainer.context_parallel"
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"{key}={k} must be an integer >= 1 (1: each rank holds whole sequences)")
+    if k == 1:
+        return k
+    if str(t.get("strategy", "auto")) != "fsdp":
+        raise ConfigError(
+            f"{key}={k} splits each sequence over ranks of the FSDP2 mesh: it needs trainer=fsdp"
+        )
+    devices = t.get("devices")
+    if isinstance(devices, int) and not isinstance(devices, bool) and devices >= 1:
+        check_context_parallel_world(k, devices * int(t.num_nodes))
+    seq = t.get("seq_len") or (model.max_seq_len if model is not None else None)
+    if isinstance(seq, int) and seq % (2 * k):
+        raise ConfigError(
+            f"{key}={k}: the training window of {seq} tokens must be divisible by 2 x {k} = {2 * k} (each "
+            f"rank holds two of {2 * k} equal chunks); set trainer.seq_len to a multiple of {2 * k}"
+        )
+    # compile: the trainer's compile mode, derived once (check_trainer_values)
+    if compile is not None:
+        raise ConfigError(f"{key}={k} runs its ring eagerly: pass trainer.compile=null")
+    if model is not None:
+        check_context_parallel_model(model, k)
+    return k
+
+
+def check_context_parallel_model(model: ModelConfig, k: int) -> None:
+    """What the ring attention runs: multi-head attention layers, a backend that returns its log-sum-exp to
+    the ring, no soft-capping or sinks (one-line errors)."""
+    key = f"trainer.context_parallel={k}"
+    if model.attention not in CP_BACKENDS:
+        raise ConfigError(
+            f"{key} merges attention blocks by their log-sum-exp, which model.attention={model.attention} "
+            f"does not return to the ring (the Triton kernel's masks are local to one sequence); pass "
+            f"model.attention=sdpa or eager"
+        )
+    kinds = sorted({model.attention_kind_of(i) for i in range(model.n_layers)})
+    if kinds != ["mha"]:
+        raise ConfigError(f"{key} runs multi-head attention layers only, not {', '.join(kinds)}")
+    for name in ("attn_softcap", "attn_sinks", "dropout", "mtp"):
+        if getattr(model, name):
+            raise ConfigError(f"{key} does not support model.{name} yet")
+
+
+def check_context_parallel_world(k: int, world: int) -> None:
+    """trainer.context_parallel=k against the job's `world` processes (one-line errors)."""
+    key = "trainer.context_parallel"
+    if k > world:
+        raise ConfigError(
+            f"{key}={k} asks for a mesh of {k} ranks per sequence, larger than the job's {world} "
+            f"process(es) (trainer.devices x trainer.num_nodes)"
+        )
+    if world % k:
+        raise ConfigError(
+            f"{key}={k} must divide the job's {world} process(es) (trainer.devices x trainer.num_nodes): "
+            f"a mesh of {k} ranks per sequence does not fit"
+        )

@@ -40,6 +40,7 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
+from gptkit.training.config_checks import check_context_parallel_world
 from gptkit.training.elastic import elastic_resume  # noqa: F401  (torch-free: commands/train.py imports it)
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
 from gptkit.training.slurm import check_slurm_signal
@@ -136,6 +137,7 @@ def check_distributed(t: Any, checked: Any = None) -> None:
     if strategy == "fsdp":
         _check_fsdp(t, acc, checked.precision if checked is not None else precision(t.precision))
     check_expert_parallel(t, per_node * int(t.num_nodes))
+    check_context_parallel_world(int(t.get("context_parallel") or 1), per_node * int(t.num_nodes))
     if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
         raise GptkitError("this torch build has no torch.distributed; use trainer=default (one device)")
     nodes = int(t.num_nodes)
@@ -257,6 +259,7 @@ def build_strategy(t: Any):
     if strategy == "fsdp":
         strategy = _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout)
         strategy.expert_parallel = int(t.get("expert_parallel") or 1)
+        strategy.context_parallel = int(t.get("context_parallel") or 1)
         return strategy
     return strategy
 
@@ -279,6 +282,14 @@ def _fsdp2_strategy_class():
             )
             self.fsdp_options = options
             self.fsdp_precision = precision_name
+
+        @property
+        def distributed_sampler_kwargs(self) -> dict[str, Any]:
+            """trainer.context_parallel=k: the k ranks of a group read the same items (data_ranks)."""
+            k = getattr(self, "context_parallel", 1)
+            if k == 1:
+                return super().distributed_sampler_kwargs
+            return {"num_replicas": self.world_size // k, "rank": self.global_rank // k}
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
             """A sharded checkpoint is written to a temporary folder beside the target; every rank computes

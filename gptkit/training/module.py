@@ -63,6 +63,7 @@ from typing import Any
 import lightning as L
 import torch
 
+from gptkit.data.datamodule import data_ranks
 from gptkit.errors import GptkitError
 from gptkit.model import GPT
 from gptkit.runs import is_rank_zero
@@ -186,6 +187,13 @@ class LitGPT(L.LightningModule):
         if self.finetune.materializes and self.built_on_meta:
             self.finetune.materialize(self, strategy.root_device)
             self.built_on_meta = False
+        # trainer.context_parallel=k: sequences over k ranks, attention a ring (training/context_parallel.py)
+        k = int(getattr(strategy, "context_parallel", 1) or 1)
+        if k > 1 and getattr(self, "context_parallel", None) is None:
+            from gptkit.training.context_parallel import ContextParallel, context_group
+
+            group = context_group(strategy.root_device.type, strategy.world_size, k)
+            self.context_parallel = ContextParallel(self.model, group)
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True
@@ -201,7 +209,15 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the objective's loss of one micro-batch, added to the NaN window."""
-        loss, n = self.objective.loss(self.model, batch)
+        cp = getattr(self, "context_parallel", None)
+        if cp is None:
+            loss, n = self.objective.loss(self.model, batch)
+        else:
+            # this rank's share of every sequence: its loss tokens weigh as theirs (token_mean)
+            try:
+                loss, n = self.objective.loss(self.model, cp.enter(batch))
+            finally:
+                cp.exit()
         # on the device: no host sync (StepMetrics reads it); the objective's loss alone
         self.loss_window.add(loss, self.global_step, n)
         # model.moe: the balance and z-losses of the forwards it ran, weighted as the loss (training/moe.py)
@@ -240,7 +256,8 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         """One validation batch, added to the objective's sums on the device."""
-        rank, world = self.trainer.global_rank, self.trainer.world_size
+        # the ranks that read distinct items (trainer.context_parallel: one per group)
+        rank, world = data_ranks(self.trainer)
         self.objective.validate(self.model, batch, rank, world, self._val_sources())
 
     def on_validation_epoch_end(self) -> None:

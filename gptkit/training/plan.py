@@ -277,7 +277,10 @@ def make_plan(
     # batch_size items of the objective's rows each (a DPO pair: chosen and rejected)
     group = objective.settings_of(cfg)
     rows = int(t.batch_size) * objective.rows(group)
-    tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
+    # trainer.context_parallel=k: the k ranks of a group share their sequences
+    tokens_per_step = (
+        rows * seq_len * int(t.accumulate_grad_batches) * world // int(t.get("context_parallel") or 1)
+    )
     max_steps = planned_steps(t, tokens_per_step)
     # a range outside the steps this invocation trains is a one-line error
     profile = check_profile(t.get("profile"), max_steps, resume_step)
