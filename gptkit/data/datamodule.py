@@ -85,7 +85,10 @@ class TokenDataModule(L.LightningDataModule):
         trainer = getattr(self, "trainer", None)
         if trainer is None:
             return 0, 0, 1
-        return trainer.global_step * trainer.accumulate_grad_batches, trainer.global_rank, trainer.world_size
+        # the data-parallel rank and size (trainer.tensor_parallel: a tensor-parallel group reads one batch)
+        ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        rank, world = ranks.get("rank", trainer.global_rank), ranks.get("num_replicas", trainer.world_size)
+        return trainer.global_step * trainer.accumulate_grad_batches, rank, world
 
     def _pin(self) -> bool:
         """Pinned host memory on a GPU: Lightning then copies each batch with non_blocking=True, so the copy

@@ -75,6 +75,7 @@ from gptkit.training.objectives import FrozenModel, objective_class
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
 from gptkit.training.start import FROM_START, frozen_source
+from gptkit.training.tensor_parallel import data_rank, loss_context, objective_model
 from gptkit.training.token_mean import TokenMean
 
 # the checkpoint entry of the objective's own state (Objective.state)
@@ -215,7 +216,9 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the objective's loss of one micro-batch, added to the NaN window."""
-        loss, n = self.objective.loss(self.model, batch)
+        # trainer.tensor_parallel: the cross-entropy over the vocabulary-sharded logits (loss_parallel)
+        with loss_context(self.model):
+            loss, n = self.objective.loss(objective_model(self.model), batch)
         # on the device: no host sync (StepMetrics reads it); the objective's loss alone
         self.loss_window.add(loss, self.global_step, n)
         # model.moe: the balance and z-losses of the forwards it ran, weighted as the loss (training/moe.py)
@@ -224,6 +227,11 @@ class LitGPT(L.LightningModule):
             loss = loss + aux
         # n None: every micro-batch weighs the same
         return loss if n is None else self.token_mean.micro_batch(loss, n)
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        """Step 4 of the header: Lightning's backward, under loss_parallel for a tensor-parallel model."""
+        with loss_context(self.model):
+            super().backward(loss, *args, **kwargs)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Step 8 of the header, then (model.moe with an expert bias) the bias update from the step's loads:
@@ -254,8 +262,9 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         """One validation batch, added to the objective's sums on the device."""
-        rank, world = self.trainer.global_rank, self.trainer.world_size
-        self.objective.validate(self.model, batch, rank, world, self._val_sources())
+        rank, world = data_rank(self.trainer)
+        with loss_context(self.model):
+            self.objective.validate(objective_model(self.model), batch, rank, world, self._val_sources())
 
     def on_validation_epoch_end(self) -> None:
         """Log the objective's validation figures (reduced over the ranks by the objective: the same on every

@@ -39,7 +39,7 @@ from gptkit.conf_tree import count
 from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 from gptkit.precision import Precision
-from gptkit.training.config_checks import Values, check_trainer_values
+from gptkit.training.config_checks import Values, check_tensor_parallel_model, check_trainer_values
 from gptkit.training.distributed import accelerator_type, devices_per_node
 from gptkit.training.expert_parallel import check_expert_model
 from gptkit.training.finetune import Finetune, finetune_class
@@ -276,7 +276,9 @@ def make_plan(
     # batch_size items of the objective's rows each (a DPO pair: chosen and rejected)
     group = objective.settings_of(cfg)
     rows = int(t.batch_size) * objective.rows(group)
-    tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * world
+    # trainer.tensor_parallel=k: each group of k ranks reads one batch
+    data_world = world // int(t.get("tensor_parallel") or 1)
+    tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * data_world
     max_steps = planned_steps(t, tokens_per_step)
     # a range outside the steps this invocation trains is a one-line error
     profile = check_profile(t.get("profile"), max_steps, resume_step)
@@ -288,6 +290,8 @@ def make_plan(
     finetune = finetune_class(cfg)
     lora = finetune.adapters(cfg)
     check_expert_model(int(t.get("expert_parallel") or 1), model, finetune.name)
+    # resume= and init_from= bring their model: checked here (a new one: config_checks.check_values)
+    check_tensor_parallel_model(cfg, model)
     flops = acc.flops_per_token(model, seq_len)
     # what the fine-tune trains (lora, qlora: no weight gradient for the frozen weights)
     dense, causal = finetune.flops(model, lora, flops, flops.train_dense, flops.train_causal)
