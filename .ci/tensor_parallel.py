@@ -5,8 +5,9 @@ the steps and of the final weights (a tensor-parallel run's q/k/v fused back), p
     python .ci/tensor_parallel.py [STEPS] [WORLD]    (default 4 steps, 2 processes: tp 2; WORLD=4 adds
                                                       dp 2 x tp 2 and tp 4 cases)
 
-The plan and FSDP2 are applied as training/distributed.py's parallelize applies them (tensor parallelism, then
-fully_shard per block over the data-parallel ranks); one thread per process, every case in one process group.
+Then (WORLD 2) through the CLI: `gptkit train trainer=fsdp trainer.devices=2 trainer.tensor_parallel=2`
+against one process (the logged train losses), and `gptkit sample` on each run's checkpoint (the
+tensor-parallel run's sharded checkpoint read back fused: the same greedy text).
 """
 
 import contextlib
@@ -177,7 +178,67 @@ def main() -> None:
         f"worst difference {worst:.1e} ({'ok' if worst <= 1e-5 else 'FAILED'}: bound 1e-5); one process "
         f"{one_s:.1f} s, {world} processes {time.perf_counter() - started - one_s:.1f} s"
     )
-    sys.exit(0 if worst <= 1e-5 else 1)
+    # the CLI check with the 2-process run only
+    cli_ok = cli_check(steps) if world == 2 else True
+    sys.exit(0 if worst <= 1e-5 and cli_ok else 1)
+
+
+def cli_check(steps: int) -> bool:
+    """gptkit train with trainer.tensor_parallel=2 on 2 gloo processes against one process, then gptkit sample
+    on both checkpoints."""
+    import csv
+    import subprocess
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    sys.path.insert(0, str(repo / "tests"))
+    from conftest import shakespeare
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("GPTKIT_VERB", None)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.txt"
+        corpus.write_text(shakespeare(20_000))
+
+        def gptkit(*args: str) -> str:
+            r = subprocess.run(
+                [sys.executable, "-m", "gptkit", *args], capture_output=True, text=True, env=env, cwd=repo
+            )
+            if r.returncode != 0:
+                sys.exit(f"gptkit {' '.join(args)} failed:\n{r.stderr[-3000:]}")
+            return r.stdout
+
+        def train(name: str, *extra: str) -> list[float]:
+            gptkit(
+                "train", "model=llama-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
+                "model.n_kv_heads=2", "model.d_ff=64", "model.max_seq_len=32", "tokenizer=char", "data=files",
+                f"data.paths=[{corpus}]", "data.val_fraction=0.1", "trainer.batch_size=4",
+                f"trainer.max_steps={steps}", f"trainer.val_every={steps}", "trainer.val_windows=4",
+                f"trainer.checkpoint_every={steps}", "trainer.log_every=1", "trainer.progress=false",
+                "trainer.accelerator=cpu", "trainer.precision=32-true", "optim.warmup_steps=2",
+                f"runs_dir={tmp}", f"name={name}", *extra,
+            )  # fmt: skip
+            with open(Path(tmp) / name / "metrics.csv", newline="") as f:
+                return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+
+        one = train("one")
+        tp = train("tp2", "trainer=fsdp", "trainer.devices=2", "trainer.tensor_parallel=2")
+        dloss = max(abs(a - b) for a, b in zip(one, tp))
+        texts = [
+            gptkit(
+                "sample", f"run={tmp}/{name}", "prompt=To be", "max_new_tokens=24", "temperature=0"
+            ).strip()
+            for name in ("one", "tp2")
+        ]
+    ok = dloss <= 1e-5 and len(one) == len(tp) == steps and texts[0] == texts[1]
+    print(
+        f"CLI: gptkit train trainer.tensor_parallel=2 (2 processes) vs one, {steps} steps: max |train "
+        f"loss diff| {dloss:.1e}; gptkit sample on the sharded TP checkpoint: {texts[1]!r} "
+        f"({'the same' if texts[0] == texts[1] else 'DIFFERENT: ' + repr(texts[0])}) "
+        f"({'ok' if ok else 'FAILED'}; {time.perf_counter() - started:.1f} s)"
+    )
+    return ok
 
 
 if __name__ == "__main__":
