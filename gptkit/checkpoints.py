@@ -361,7 +361,16 @@ def load_checkpoint(path: Path | str) -> dict[str, Any]:
         raise unreadable_checkpoint(path, exc) from exc
     if not isinstance(obj, dict) or "state_dict" not in obj:
         raise GptkitError(f"{path} is not a gptkit checkpoint (no 'state_dict' in it)")
-    return obj
+    return _fused(obj)
+
+
+def _fused(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """A tensor-parallel run's checkpoint (trainer.tensor_parallel) in the layout every reader expects: its
+    q, k, v projections fused back into each qkv_proj (gptkit.model.mha.fuse_qkv_state)."""
+    from gptkit.model.mha import fuse_qkv_state
+
+    checkpoint["state_dict"] = fuse_qkv_state(checkpoint["state_dict"])
+    return checkpoint
 
 
 def unreadable_checkpoint(path: Path, exc: Exception) -> GptkitError:
@@ -604,7 +613,7 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     out["state_dict"] = state.pop("state_dict")
     optimizers = sorted(k for k in state if k.startswith("optimizer_"))
     out["optimizer_states"] = [_by_param_index(state[k]) for k in optimizers]
-    return out
+    return _fused(out)
 
 
 def sharded_refusal(path: Path, exc: BaseException) -> GptkitError:

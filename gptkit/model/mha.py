@@ -26,6 +26,22 @@ from gptkit.model.kv_cache import KVCache
 # the QK-norms are layers.py norms
 from gptkit.model.layers import RotaryEmbedding, make_norm
 
+# a tensor-parallel run's q/k/v projection: three Linear modules under qkv_proj (training/tensor_parallel.py)
+QKV_PARTS = ("q", "k", "v")
+
+
+def fuse_qkv_state(state: dict) -> dict:
+    """`state` with a tensor-parallel run's ...qkv_proj.{q,k,v}.weight (and .bias) fused back into the one
+    ...qkv_proj.weight (bias) every other reader expects, rows q, k, v; the state itself when it has none."""
+    parts = [k for k in state if k.endswith(".qkv_proj.q.weight") or k.endswith(".qkv_proj.q.bias")]
+    if not parts:
+        return state
+    out = dict(state)
+    for key in parts:
+        head, kind = key.rsplit(".q.", 1)
+        out[f"{head}.{kind}"] = torch.cat([out.pop(f"{head}.{p}.{kind}") for p in QKV_PARTS])
+    return out
+
 
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with grouped K/V heads (model.attention_kind=mha): the layout of

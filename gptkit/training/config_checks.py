@@ -56,6 +56,7 @@ def check_values(cfg: Any, new_model: bool) -> Values:
     if new_model:
         model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
         values = Values(values.precision, values.compile, model)
+        check_tensor_parallel_model(cfg, model)
     check_context_parallel(cfg.trainer, values.model, values.compile)
     if int(cfg.trainer.get("context_parallel") or 1) > 1 and str(cfg.get("objective", "lm")) != "lm":
         raise ConfigError(
@@ -107,6 +108,7 @@ def check_trainer_values(t: Any) -> Values:
         )
     check_ema(t.get("ema"), str(t.get("strategy", "auto")))
     checkpointing_mode(t)
+    check_tensor_parallel(t)
     progress_mode(t.progress)
     check_launcher(t)
     return Values(precision=precision(t.precision), compile=compile_mode(t.compile))
@@ -151,6 +153,91 @@ def check_ema(decay: Any, strategy: str) -> None:
             "trainer.ema is not supported with trainer=fsdp yet (a sharded checkpoint does not carry the "
             "averages); use trainer=ddp or one device, or average step checkpoints with `gptkit merge`"
         )
+
+
+def check_tensor_parallel(t: Any) -> int:
+    """trainer.tensor_parallel=k (training/tensor_parallel.py) against the trainer group: an integer >= 1;
+    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number), without expert
+    parallelism, in-training samples or task evaluations (they decode a whole model). Returns k."""
+    k = t.get("tensor_parallel", 1)
+    k = 1 if k is None else k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"trainer.tensor_parallel={k} must be an integer >= 1 (1: no tensor parallelism)")
+    if k == 1:
+        return k
+    if str(t.get("strategy", "auto")) != "fsdp":
+        raise ConfigError(
+            f"trainer.tensor_parallel={k} runs under FSDP2's mesh: it needs trainer=fsdp (trainer.strategy="
+            f"{t.get('strategy')})"
+        )
+    devices, nodes = t.get("devices"), t.get("num_nodes", 1)
+    if isinstance(devices, str) and devices.isdigit():
+        devices = int(devices)
+    if isinstance(devices, int) and not isinstance(devices, bool) and isinstance(nodes, int):
+        world = devices * nodes
+        if world % k:
+            larger = "is larger than" if k > world else "does not divide"
+            raise ConfigError(
+                f"trainer.tensor_parallel={k} {larger} the job's {world} process(es) (trainer.devices x "
+                f"trainer.num_nodes); pass a divisor of {world}"
+            )
+    if int(t.get("context_parallel") or 1) > 1:
+        raise ConfigError(
+            f"trainer.tensor_parallel={k} with trainer.context_parallel={t.context_parallel} is not supported "
+            "yet (one mesh of both: not built); pass one of them = 1"
+        )
+    if int(t.get("expert_parallel") or 1) > 1:
+        raise ConfigError(
+            f"trainer.tensor_parallel={k} with trainer.expert_parallel={t.expert_parallel} is not supported; "
+            "pass one of them = 1"
+        )
+    for key in ("sample_every", "eval_tasks"):
+        if t.get(key):
+            raise ConfigError(
+                f"trainer.{key} with trainer.tensor_parallel={k} is not supported (they decode the whole "
+                f"model); unset trainer.{key}, or sample the run's checkpoints afterwards"
+            )
+    return k
+
+
+def check_tensor_parallel_model(cfg: Any, model: ModelConfig) -> None:
+    """trainer.tensor_parallel=k against the model, the fine-tune and the objective (one-line errors): the
+    multi-head attention of GPT-2 and Llama-style pre-norm blocks, heads (and d_ff) that split evenly."""
+    k = check_tensor_parallel(cfg.trainer)
+    if k == 1:
+        return
+    what = f"trainer.tensor_parallel={k}"
+    if model.n_heads % k:
+        raise ConfigError(f"{what} must divide model.n_heads={model.n_heads} (each rank whole heads)")
+    if model.n_kv_heads % k and k % model.n_kv_heads:
+        raise ConfigError(
+            f"{what} and model.n_kv_heads={model.n_kv_heads}: one must divide the other (K/V heads split, "
+            f"or replicated over the ranks of each group)"
+        )
+    if model.d_ff % k:
+        raise ConfigError(f"{what} must divide model.d_ff={model.d_ff}")
+    unsupported = [
+        (model.moe is not None, "a mixture of experts (model.moe; see trainer.expert_parallel)"),
+        (
+            any(model.attention_kind_of(i) != "mha" for i in range(model.n_layers)),
+            "attention kinds other than mha (MLA, Gated DeltaNet)",
+        ),
+        (model.attn_sinks, "model.attn_sinks"),
+        (model.attn_output_gate, "model.attn_output_gate"),
+        (model.qk_norm == "full", "model.qk_norm=full (it normalizes every head together)"),
+        (model.norm_placement != "pre", f"model.norm_placement={model.norm_placement}"),
+        (bool(model.mtp_depth), "multi-token prediction (model.mtp)"),
+        (model.score_head, "a score head (model.score_head)"),
+        ("loss" in model.kernels, "the fused loss kernel (model.kernels: loss)"),
+    ]
+    for bad, name in unsupported:
+        if bad:
+            raise ConfigError(f"{what} covers GPT-2 and Llama-style blocks, not {name}")
+    finetune, objective = str(cfg.get("finetune", "full")), str(cfg.get("objective", "lm"))
+    if finetune != "full":
+        raise ConfigError(f"{what} trains every weight: finetune={finetune} is not supported with it yet")
+    if objective != "lm":
+        raise ConfigError(f"{what} supports objective=lm only (not objective={objective}) yet")
 
 
 def check_launcher(t: Any) -> None:

@@ -44,6 +44,7 @@ from gptkit.training.config_checks import check_context_parallel_world
 from gptkit.training.elastic import elastic_resume  # noqa: F401  (torch-free: commands/train.py imports it)
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
 from gptkit.training.slurm import check_slurm_signal
+from gptkit.training.tensor_parallel import apply_tensor_parallel, is_tensor_parallel, split_qkv_state
 
 STRATEGIES = ("auto", "ddp", "fsdp")
 # "True" in a torchrun worker when the workers' process group uses the rendezvous's own TCPStore
@@ -138,6 +139,14 @@ def check_distributed(t: Any, checked: Any = None) -> None:
         _check_fsdp(t, acc, checked.precision if checked is not None else precision(t.precision))
     check_expert_parallel(t, per_node * int(t.num_nodes))
     check_context_parallel_world(int(t.get("context_parallel") or 1), per_node * int(t.num_nodes))
+    tp = int(t.get("tensor_parallel") or 1)
+    if (per_node * int(t.num_nodes)) % tp:
+        world = per_node * int(t.num_nodes)
+        larger = "is larger than" if tp > world else "does not divide"
+        raise ConfigError(
+            f"trainer.tensor_parallel={tp} {larger} the job's {world} process(es) (trainer.devices x "
+            f"trainer.num_nodes); pass a divisor of {world}"
+        )
     if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
         raise GptkitError("this torch build has no torch.distributed; use trainer=default (one device)")
     nodes = int(t.num_nodes)
@@ -257,7 +266,8 @@ def build_strategy(t: Any):
 
         return DDPStrategy(timeout=timeout, gradient_as_bucket_view=True)
     if strategy == "fsdp":
-        strategy = _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout)
+        tp = int(t.get("tensor_parallel") or 1)
+        strategy = _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout, tp)
         strategy.expert_parallel = int(t.get("expert_parallel") or 1)
         strategy.context_parallel = int(t.get("context_parallel") or 1)
         return strategy
@@ -270,13 +280,17 @@ def _fsdp2_strategy_class():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     class _FSDP2Strategy(ModelParallelStrategy):
-        """ModelParallelStrategy with all devices on the data-parallel axis; carries the FSDP2 options
-        that LitGPT.configure_model applies through `parallelize`."""
+        """ModelParallelStrategy: the mesh [data_parallel, tensor_parallel] (Lightning's: world / tp x tp,
+        a tensor-parallel group k consecutive ranks; trainer.tensor_parallel, default 1: every device on the
+        data-parallel axis); carries the FSDP2 options that LitGPT.configure_model applies through
+        `parallelize`. Another mesh dimension goes in mesh_shape and Lightning's setup_environment."""
 
-        def __init__(self, options: dict[str, Any], precision_name: str, world: int, timeout) -> None:
+        def __init__(
+            self, options: dict[str, Any], precision_name: str, world: int, timeout, tensor_parallel: int = 1
+        ) -> None:
             super().__init__(
-                data_parallel_size=world,
-                tensor_parallel_size=1,
+                data_parallel_size=world // tensor_parallel,
+                tensor_parallel_size=tensor_parallel,
                 save_distributed_checkpoint=bool(options["sharded_checkpoint"]),
                 timeout=timeout,
             )
@@ -473,6 +487,9 @@ def broadcast_weights(model, full_state: dict | None, device) -> None:
     recomputed then). Collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+    if full_state is not None and is_tensor_parallel(model):
+        # the fused q/k/v projection is three parameters there (training/tensor_parallel.py)
+        full_state = split_qkv_state(full_state, model)
     if any(p.is_meta for p in model.parameters()) or any(b.is_meta for b in model.buffers()):
         model.to_empty(device=device)
     set_model_state_dict(
@@ -499,6 +516,9 @@ def parallelize(model, strategy) -> bool:
     )
     mesh = strategy.device_mesh["data_parallel"]
     reshard = bool(options["reshard_after_forward"])
+    # trainer.tensor_parallel: heads, MLP columns and the vocabulary over the tensor-parallel ranks first
+    if strategy.device_mesh["tensor_parallel"].size() > 1:
+        apply_tensor_parallel(model, strategy.device_mesh["tensor_parallel"])
     # trainer.expert_parallel: the experts split over groups of ranks, the rest FSDP2's
     experts = None
     k = int(getattr(strategy, "expert_parallel", 1))

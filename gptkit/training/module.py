@@ -76,6 +76,7 @@ from gptkit.training.objectives import FrozenModel, objective_class
 from gptkit.training.optim import build_optimizer, build_scheduler, check_muon_split
 from gptkit.training.plan import RunPlan
 from gptkit.training.start import FROM_START, frozen_source
+from gptkit.training.tensor_parallel import loss_context, objective_model
 from gptkit.training.token_mean import TokenMean
 
 # the checkpoint entry of the objective's own state (Objective.state)
@@ -210,14 +211,16 @@ class LitGPT(L.LightningModule):
     def training_step(self, batch, batch_idx):
         """Step 2 and 3 of the header: the objective's loss of one micro-batch, added to the NaN window."""
         cp = getattr(self, "context_parallel", None)
-        if cp is None:
-            loss, n = self.objective.loss(self.model, batch)
-        else:
-            # this rank's share of every sequence: its loss tokens weigh as theirs (token_mean)
-            try:
-                loss, n = self.objective.loss(self.model, cp.enter(batch))
-            finally:
-                cp.exit()
+        # trainer.tensor_parallel: the cross-entropy over the vocabulary-sharded logits (loss_parallel)
+        with loss_context(self.model):
+            if cp is None:
+                loss, n = self.objective.loss(objective_model(self.model), batch)
+            else:
+                # this rank's share of every sequence: its loss tokens weigh as theirs (token_mean)
+                try:
+                    loss, n = self.objective.loss(self.model, cp.enter(batch))
+                finally:
+                    cp.exit()
         # on the device: no host sync (StepMetrics reads it); the objective's loss alone
         self.loss_window.add(loss, self.global_step, n)
         # model.moe: the balance and z-losses of the forwards it ran, weighted as the loss (training/moe.py)
@@ -226,6 +229,11 @@ class LitGPT(L.LightningModule):
             loss = loss + aux
         # n None: every micro-batch weighs the same
         return loss if n is None else self.token_mean.micro_batch(loss, n)
+
+    def backward(self, loss, *args, **kwargs) -> None:
+        """Step 4 of the header: Lightning's backward, under loss_parallel for a tensor-parallel model."""
+        with loss_context(self.model):
+            super().backward(loss, *args, **kwargs)
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Step 8 of the header, then (model.moe with an expert bias) the bias update from the step's loads:
@@ -256,9 +264,11 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         """One validation batch, added to the objective's sums on the device."""
-        # the ranks that read distinct items (trainer.context_parallel: one per group)
+        # the ranks that read distinct items (trainer.context_parallel: one per group; tensor_parallel: the
+        # data-parallel rank)
         rank, world = data_ranks(self.trainer)
-        self.objective.validate(self.model, batch, rank, world, self._val_sources())
+        with loss_context(self.model):
+            self.objective.validate(objective_model(self.model), batch, rank, world, self._val_sources())
 
     def on_validation_epoch_end(self) -> None:
         """Log the objective's validation figures (reduced over the ranks by the objective: the same on every

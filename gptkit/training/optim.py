@@ -179,7 +179,21 @@ def build_optimizer(model: nn.Module, cfg: Any) -> torch.optim.Optimizer:
     groups = [g for g in param_groups(model, *decay, named=adamw_named) if g["params"]]
     # finetune=lora: only Muon's matrices train
     adamw = _adamw(groups, cfg, device_type) if groups else None
-    return MuonWithAdamW(muon, adamw, ns_dtype=MUON_NS_DTYPES[m.get("ns_dtype", "bfloat16")])
+    return MuonWithAdamW(
+        muon, adamw, ns_dtype=MUON_NS_DTYPES[m.get("ns_dtype", "bfloat16")], fused=qkv_parts(muon_named)
+    )
+
+
+def qkv_parts(named: list) -> dict[int, tuple[str, int]]:
+    """trainer.tensor_parallel: the q, k, v weights that a tensor-parallel run's qkv_proj splits the fused
+    projection into (training/tensor_parallel.py), {id(parameter): (qkv_proj's name, 0 | 1 | 2)}: Muon
+    orthogonalizes each three as the one matrix [q; k; v] a one-process run has."""
+    parts = {}
+    for name, p in named:
+        head, part, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", "")
+        if leaf == "weight" and head.endswith(".qkv_proj") and part in ("q", "k", "v"):
+            parts[id(p)] = (head, "qkv".index(part))
+    return parts
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -203,8 +217,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
         adamw: torch.optim.Optimizer | None,
         ns_dtype: torch.dtype = torch.bfloat16,
         sharded_ns: bool = True,
+        fused: dict[int, tuple[str, int]] | None = None,
     ) -> None:
         self.muon, self.adamw = muon, adamw
+        # trainer.tensor_parallel: the q, k, v parts of each fused projection (qkv_parts)
+        self.fused = fused or {}
         self.ns_dtype, self.sharded_ns = ns_dtype, sharded_ns
         super().__init__(muon.param_groups + (adamw.param_groups if adamw is not None else []), {})
         self._link()
@@ -234,8 +251,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         torch_bug = any(not g["nesterov"] and p.dtype == torch.bfloat16 for g, p in params)
         # a mixture's expert stacks: one matrix per expert (torch's step takes 2-D parameters only)
         stacked = any(p.ndim == 3 for _, p in params)
-        if sharded or torch_bug or stacked or self.ns_dtype != torch.bfloat16:
-            muon_step(self.muon, self.ns_dtype, sharded_ns=self.sharded_ns)
+        if sharded or torch_bug or stacked or self.fused or self.ns_dtype != torch.bfloat16:
+            muon_step(self.muon, self.ns_dtype, sharded_ns=self.sharded_ns, fused=self.fused)
         else:
             self.muon.step()
         if self.adamw is not None:
@@ -274,7 +291,12 @@ def newton_schulz(
 
 
 @torch.no_grad()
-def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bool = True) -> None:
+def muon_step(
+    muon: torch.optim.Optimizer,
+    ns_dtype: torch.dtype,
+    sharded_ns: bool = True,
+    fused: dict[int, tuple[str, int]] | None = None,
+) -> None:
     """torch.optim.Muon's step with Newton-Schulz in `ns_dtype`, for plain tensors and FSDP2's DTensors.
 
     The arithmetic of torch's _single_tensor_muon, with its lr adjustment: momentum and Nesterov
@@ -282,11 +304,17 @@ def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bo
     weight decay and the step. A row-sharded DTensor's update is orthogonalized whole: by one rank per matrix
     (sharded_ns: gathered to it, its rows scattered back, orthogonalize_sharded) or by every rank (gathered
     with full_tensor). Collective under FSDP2: every rank calls it, for the same parameters in the same order.
+    fused: {id(parameter): (name, index)} of matrices that are parts of one (trainer.tensor_parallel's q, k,
+    v: qkv_parts): their updates are stacked in index order, orthogonalized whole (gathered on every rank),
+    and each part takes its rows, with the whole matrix's lr adjustment.
     """
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    fused = fused or {}
     # row-sharded, for orthogonalize_sharded: (parameter, update, its Newton-Schulz, its group)
     pending = []
+    # the parts of fused matrices: name -> {index: (parameter, update, its Newton-Schulz, its group)}
+    parts: dict[str, dict[int, tuple]] = {}
     for group in muon.param_groups:
         ns = functools.partial(
             newton_schulz,
@@ -304,6 +332,10 @@ def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bo
             buf = state["momentum_buffer"]
             buf.lerp_(p.grad, 1 - group["momentum"])
             update = p.grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
+            if id(p) in fused:
+                name, index = fused[id(p)]
+                parts.setdefault(name, {})[index] = (p, update, ns, group)
+                continue
             if update.ndim == 3:
                 # a mixture's experts [E, out, in]: each expert's matrix on its own; under FSDP2 a rank's
                 # rows of dim 0 are whole experts, so each rank orthogonalizes its own
@@ -333,6 +365,21 @@ def muon_step(muon: torch.optim.Optimizer, ns_dtype: torch.dtype, sharded_ns: bo
                 rows, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride()
             )
             _apply(p, ortho, group, _adjust_lr)
+    for by_index in parts.values():
+        members = [by_index[i] for i in sorted(by_index)]
+        # [rows of q + k + v, d_model], every rank the whole matrix
+        whole = torch.cat([u.full_tensor() if is_dtensor(u) else u for _, u, _, _ in members])
+        ortho = members[0][2](whole)
+        adjust = functools.partial(_whole_adjust, shape=whole.shape)
+        for (p, _, _, group), rows in zip(members, torch.split(ortho, [p.shape[0] for p, *_ in members])):
+            if is_dtensor(p):
+                rows = distribute_tensor(rows.contiguous(), p.device_mesh, p.placements, src_data_rank=None)
+            _apply(p, rows, group, adjust)
+
+
+def _whole_adjust(lr: float, fn: str, _part_shape, shape) -> float:
+    """_adjust_lr of the whole matrix `shape` a part belongs to."""
+    return _adjust_lr(lr, fn, shape)
 
 
 def _apply(p: torch.Tensor, ortho: torch.Tensor, group: dict[str, Any], adjust_lr) -> None:

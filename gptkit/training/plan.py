@@ -40,7 +40,7 @@ from gptkit.errors import ConfigError
 from gptkit.model.config import ModelConfig
 from gptkit.parallel_plan import MESH_KEYS, check_mesh
 from gptkit.precision import Precision
-from gptkit.training.config_checks import Values, check_trainer_values
+from gptkit.training.config_checks import Values, check_tensor_parallel_model, check_trainer_values
 from gptkit.training.distributed import accelerator_type, devices_per_node
 from gptkit.training.expert_parallel import check_expert_model
 from gptkit.training.finetune import Finetune, finetune_class
@@ -277,10 +277,10 @@ def make_plan(
     # batch_size items of the objective's rows each (a DPO pair: chosen and rejected)
     group = objective.settings_of(cfg)
     rows = int(t.batch_size) * objective.rows(group)
-    # trainer.context_parallel=k: the k ranks of a group share their sequences
-    tokens_per_step = (
-        rows * seq_len * int(t.accumulate_grad_batches) * world // int(t.get("context_parallel") or 1)
-    )
+    # trainer.context_parallel=k: the k ranks of a group share their sequences; trainer.tensor_parallel=k:
+    # each group of k ranks reads one batch
+    data_world = world // int(t.get("context_parallel") or 1) // int(t.get("tensor_parallel") or 1)
+    tokens_per_step = rows * seq_len * int(t.accumulate_grad_batches) * data_world
     max_steps = planned_steps(t, tokens_per_step)
     # a range outside the steps this invocation trains is a one-line error
     profile = check_profile(t.get("profile"), max_steps, resume_step)
@@ -292,6 +292,8 @@ def make_plan(
     finetune = finetune_class(cfg)
     lora = finetune.adapters(cfg)
     check_expert_model(int(t.get("expert_parallel") or 1), model, finetune.name)
+    # resume= and init_from= bring their model: checked here (a new one: config_checks.check_values)
+    check_tensor_parallel_model(cfg, model)
     # trainer.tensor_parallel x trainer.context_parallel: a mesh that divides the world and the model
     check_mesh(
         model,

@@ -123,13 +123,16 @@ def announce(
     finetune = plan.finetune_class
     convention = finetune.flops_convention
     lines = [f"[bold]{escape(plan.job)}[/]"] if plan.job else []
+    # trainer.tensor_parallel=k: a group of k ranks reads one batch
+    k = int(plan.cfg.trainer.get("tensor_parallel") or 1)
+    tp = f" / {k} tensor-parallel" if k > 1 else ""
     lines += [
         f"[bold]gptkit train[/] -> {escape(str(plan.run_dir))}",
         f"  model {m.name}: {n:,} parameters{active}, vocab {m.vocab_size}, context {m.max_seq_len}, "
         f"attention {m.attention}{compiled}",
         f"  data: {escape(prepared.describe())}",
         f"  global batch: {plan.tokens_per_step:,} tokens/step = {batch} x {plan.seq_len} tokens x "
-        f"{plan.accumulation} accumulation x {plan.devices} devices x {plan.nodes} nodes "
+        f"{plan.accumulation} accumulation x {plan.devices} devices x {plan.nodes} nodes{tp} "
         f"({type(trainer.strategy).__name__}); {plan.max_steps} steps = {total:,} tokens, "
         f"{plan.flops_per_token * total:.3g} FLOPs ({convention})",
         f"  precision {plan.precision.name}, {escape(optimizer)}, {clip}",

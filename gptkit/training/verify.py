@@ -157,6 +157,9 @@ class Rehearsal:
         # experts over ranks needs ranks: the rehearsal's 2-rank run is plain DDP (or FSDP2)
         if "expert_parallel" in t:
             t.expert_parallel = 1
+        # so does tensor parallelism (trainer.tensor_parallel; the rehearsal's model is not split)
+        if "tensor_parallel" in t:
+            t.tensor_parallel = 1
         c.optim.warmup_steps = 1
         c.logger = {"csv": {"enabled": True}}
         c.runs_dir, c.resume = str(self.dir), None

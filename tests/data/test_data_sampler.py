@@ -114,6 +114,13 @@ def test_resume_across_ranks_uses_the_global_batch(prepared):
         parts.append(take(dm.train_dataloader(), 2))
     for i in range(2):
         assert torch.equal(torch.cat([parts[0][i][0], parts[1][i][0]]), ref[1 + i][0])
+    # trainer.tensor_parallel=2 on 4 ranks: ranks 2 and 3 form data-parallel rank 1 of 2 (the strategy's
+    # distributed_sampler_kwargs), and read the batch rank 1 of a 2-rank job reads
+    for global_rank in (2, 3):
+        dm = TokenDataModule(prepared, batch_size=4, seq_len=SEQ, seed=2)
+        dm.trainer = trainer(global_step=1, rank=global_rank, world=4)
+        dm.trainer.strategy.distributed_sampler_kwargs = {"rank": 1, "num_replicas": 2}
+        assert torch.equal(take(dm.train_dataloader(), 1)[0][0], parts[1][0][0])
 
 
 def test_validation_windows_are_fixed(prepared):

@@ -429,6 +429,9 @@ def test_lightning_through_the_cli_does_not_import_transformers():
         ["train", "optim.lr=-1"],
         ["train", "optim.schedule=nope"],
         ["train", "model.n_layers=0"],
+        # trainer.tensor_parallel: a mesh larger than the world, heads that do not split (config_checks.py)
+        ["train", "trainer=fsdp", "trainer.devices=2", "trainer.tensor_parallel=4"],
+        ["train", "trainer=fsdp", "trainer.devices=3", "trainer.tensor_parallel=3", "model=gpt2-tiny"],
         # a run= that does not exist: found before torch is imported
         ["sample", "run=/nonexistent/gptkit-run"],
         ["chat", "run=/nonexistent/gptkit-run"],

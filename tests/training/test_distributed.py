@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import HANG_S, HYBRID, REPO, module_corpus, run_cli, run_group, run_main, tiny_run
+from omegaconf import OmegaConf
+
+from gptkit.model import ModelConfig
 
 STEPS = 6
 # fp32: the reduction order of 2 ranks vs 1 differs in the last bits
@@ -477,3 +480,98 @@ def test_a_slurm_signal_needs_a_time_limit_to_count_back_from(tmp_path, monkeypa
     for needle in ("error: SLURM job 7 asks for --signal=TERM@60", "TimeLimit=UNLIMITED", "#SBATCH --time="):
         assert needle in lines[0], lines[0]
     assert not (tmp_path / "runs").exists()
+
+
+TP2 = ["trainer=fsdp", "trainer.devices=2", "trainer.tensor_parallel=2"]
+TP3 = ["trainer=fsdp", "trainer.devices=3", "trainer.tensor_parallel=3"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["trainer.tensor_parallel=2"], "needs trainer=fsdp"),
+        (["trainer=fsdp", "trainer.devices=2", "trainer.tensor_parallel=4"], "is larger than the job's 2"),
+        (TP2 + ["trainer.sample_every=5"], "trainer.sample_every with trainer.tensor_parallel=2"),
+        (TP3 + ["model=gpt2-tiny"], "must divide model.n_heads=4"),
+        (TP3 + ["model=llama-tiny", "model.n_heads=6", "model.head_dim=16"], "n_kv_heads=2: one must divide"),
+        (["trainer=fsdp", "trainer.devices=4", "trainer.tensor_parallel=4", "model=llama-tiny"], None),
+        (TP2 + ["model=moe-tiny"], "experts"),
+        (TP2 + ["model=llama-tiny", "finetune=lora"], "finetune=lora is not supported"),
+    ],
+)
+def test_tensor_parallel_refusals_before_torch(overrides, message):
+    """trainer.tensor_parallel's one-line refusals (config_checks.py: torch-free): the trainer group, then the
+    model, fine-tune and objective it splits."""
+    from gptkit.conf_tree import compose
+    from gptkit.errors import ConfigError
+    from gptkit.training.config_checks import check_tensor_parallel_model
+
+    cfg = compose("train", overrides)
+    model = ModelConfig.from_dict(OmegaConf.to_container(cfg.model, resolve=True))
+    if message is None:
+        check_tensor_parallel_model(cfg, model)
+        return
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        check_tensor_parallel_model(cfg, model)
+
+
+def test_tensor_parallel_plan_on_one_rank_matches_the_model_and_its_state_reads_back(tmp_path):
+    """apply_tensor_parallel on a 1-rank gloo mesh (the plan's structure; the numbers over 2 and 4 ranks are
+    .ci/tensor_parallel.py's): the q/k/v split holding qkv_proj's rows, heads and MLP DTensors of the planned
+    placements, a tied head one parameter, the loss under loss_parallel that of the plain model; the state
+    dict fuses back (fuse_qkv_state) to the plain model's, and split_qkv_state inverts it. kv_layout: K/V
+    heads split, or replicated with each rank its group's head."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from gptkit.model import GPT
+    from gptkit.model.mha import fuse_qkv_state
+    from gptkit.training.tensor_parallel import (
+        QKVParallel,
+        apply_tensor_parallel,
+        kv_layout,
+        local_loss,
+        loss_context,
+        split_qkv_state,
+    )
+
+    assert kv_layout(8, 4, 2, 1) == (4, 2, None)
+    assert [kv_layout(8, 2, 4, r) for r in range(4)] == [(2, 1, 0), (2, 1, 0), (2, 1, 1), (2, 1, 1)]
+    cfg = ModelConfig.from_dict(
+        dict(
+            vocab_size=37, max_seq_len=8, n_layers=1, n_heads=4, n_kv_heads=2, d_model=16, d_ff=24,
+            position="rope", mlp="swiglu", norm="rmsnorm", bias=False, tie_embeddings=True, dropout=0.0,
+        )
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = GPT(cfg)
+    state = {k: v.clone() for k, v in plain.state_dict().items()}
+    x = torch.randint(0, 37, (2, 8))
+    want = plain(x, x).loss
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        model = GPT.from_state(cfg, state).train()
+        apply_tensor_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("tensor_parallel",)))
+        attn, mlp = model.blocks[0].attn, model.blocks[0].mlp
+        assert isinstance(attn.qkv_proj, QKVParallel)
+        assert attn.qkv_proj.k.weight.placements == (Shard(0),) and attn.o_proj.weight.placements == (
+            Shard(1),
+        )
+        assert mlp.up_proj.weight.placements == (Shard(0),) and mlp.down_proj.weight.placements == (Shard(1),)
+        assert model.blocks[0].attn_norm.weight.placements == (Replicate(),)
+        assert model.tok_emb.weight is model.lm_head.weight and isinstance(model.lm_head.weight, DTensor)
+        with loss_context(model):
+            got = model(x, x).loss
+            local_loss(got).backward()
+        assert torch.allclose(local_loss(got), want, atol=1e-6)
+        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        assert "blocks.0.attn.qkv_proj.k.weight" in full
+        fused = fuse_qkv_state(full)
+        assert fused.keys() == state.keys() and all(torch.equal(fused[k], state[k]) for k in state)
+        assert split_qkv_state(state, model).keys() == full.keys()
+    finally:
+        if started:
+            dist.destroy_process_group()

@@ -650,3 +650,32 @@ def test_bench_optim_sweeps_one_grid_and_compares_the_best_of_each_seed_by_seed(
     # no val after step 4
     metrics.write_text("\n".join(metrics.read_text().splitlines()[:-1]) + "\n")
     assert bench.run(cfg) == 0 and order[6:] == ["resume r-muon-lr4-seed2"]
+
+
+def test_muon_orthogonalizes_a_tensor_parallel_qkv_as_the_one_fused_matrix():
+    """trainer.tensor_parallel splits qkv_proj into q, k, v (training/tensor_parallel.py): Muon stacks their
+    updates and orthogonalizes the whole matrix, with its lr adjustment, as one process's fused qkv_proj;
+    orthogonalizing each part alone (what it did before qkv_parts) gives another step."""
+    from gptkit.training.optim import MuonWithAdamW, qkv_parts
+
+    torch.manual_seed(0)
+    sizes = [16, 8, 8]
+    whole = torch.nn.Parameter(torch.randn(32, 16))
+    parts = [torch.nn.Parameter(rows.clone()) for rows in torch.split(whole.detach(), sizes)]
+    named = [(f"blocks.0.attn.qkv_proj.{p}.weight", t) for p, t in zip("qkv", parts)]
+    assert sorted(qkv_parts(named).values()) == [("blocks.0.attn.qkv_proj", i) for i in range(3)]
+
+    def step(params, fused):
+        muon = torch.optim.Muon(params, lr=0.1, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        opt = MuonWithAdamW(muon, None, ns_dtype=torch.float32, fused=fused)
+        for i in range(2):
+            grad = torch.randn(32, 16, generator=torch.Generator().manual_seed(i))
+            for p, g in zip(params, torch.split(grad, [p.shape[0] for p in params])):
+                p.grad = g.clone()
+            opt.step()
+        return torch.cat([p.detach() for p in params])
+
+    alone = [torch.nn.Parameter(rows.clone()) for rows in torch.split(whole.detach(), sizes)]
+    one = step([whole], {})
+    assert torch.allclose(step(parts, qkv_parts(named)), one, atol=1e-6)
+    assert not torch.allclose(step(alone, {}), one, atol=1e-3)
