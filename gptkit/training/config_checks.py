@@ -183,8 +183,8 @@ def check_tensor_parallel(t: Any) -> int:
             )
     if int(t.get("context_parallel") or 1) > 1:
         raise ConfigError(
-            f"trainer.tensor_parallel={k} with trainer.context_parallel={t.context_parallel} is not supported "
-            "yet (one mesh of both: not built); pass one of them = 1"
+            f"trainer.tensor_parallel={k} with trainer.context_parallel={t.context_parallel} is not "
+            "supported yet (one mesh of both: not built); pass one of them = 1"
         )
     if int(t.get("expert_parallel") or 1) > 1:
         raise ConfigError(
