@@ -396,7 +396,10 @@ class DecodeView:
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         pk.index_copy_(1, self.write, k[:, :, 0].transpose(0, 1).to(pk.dtype))
         pv.index_copy_(1, self.write, v[:, :, 0].transpose(0, 1).to(pv.dtype))
-        return pk[:, self.read].transpose(0, 1), pv[:, self.read].transpose(0, 1)
+        n, span = self.read.shape
+        flat = self.read.flatten()  # index_select: a fraction of advanced indexing's time on the CPU
+        keys = pk.index_select(1, flat).unflatten(1, (n, span)).transpose(0, 1)  # [n, heads, span, width]
+        return keys, pv.index_select(1, flat).unflatten(1, (n, span)).transpose(0, 1)
 
     def advance(self, n: int) -> None:
         for pages in self.seqs:
