@@ -389,7 +389,14 @@ def run(cfg) -> int:
         f"{device} {dtype}, threads={cfg.threads}, max_batch={cfg.max_batch}; median of {repeats} rounds "
         "(min-max)"
     )
-    cols = ("side", "tokens/s", "vs 1 client", "tokens per CPU s", "TTFT p50 / p95 / p99 ms", "TPOT p50 / p95 ms")
+    cols = (
+        "side",
+        "tokens/s",
+        "vs 1 client",
+        "tokens per CPU s",
+        "TTFT p50 / p95 / p99 ms",
+        "TPOT p50 / p95 ms",
+    )
     for col in cols:
         t.add_column(col, justify="left" if col == "side" else "right")
     for r in results["rows"]:

@@ -38,8 +38,10 @@ def run(cfg) -> int:
             f"special_tokens_in_content={cfg.special_tokens_in_content!r} must be text (a special token a "
             "message spells stays text) or allow (it becomes the control token)"
         )
-    ints = (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_request_bytes", 1), ("max_step_tokens", 1))
-    nullable = tuple((key, 1) for key in ("block_size", "kv_blocks") if cfg[key] is not None)
+    ints = (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_request_bytes", 1))
+    nullable = tuple(
+        (key, 1) for key in ("block_size", "kv_blocks", "max_step_tokens") if cfg[key] is not None
+    )
     for key, low in ints + nullable:
         value = cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -62,7 +64,7 @@ def run(cfg) -> int:
         )
     if not isinstance(cfg.prefix_cache, bool):
         raise ConfigError(f"prefix_cache={cfg.prefix_cache!r} must be true or false")
-    if cfg.max_step_tokens < cfg.max_batch:
+    if cfg.max_step_tokens is not None and cfg.max_step_tokens < cfg.max_batch:
         raise ConfigError(
             f"max_step_tokens={cfg.max_step_tokens} must be at least max_batch={cfg.max_batch} (a step feeds "
             "every running sequence's token)"

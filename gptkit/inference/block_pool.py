@@ -53,8 +53,9 @@ class Paging:
     block_size: Optional[int] = None
     # blocks in the pool; None: max_batch full contexts (the slot cache's memory)
     kv_blocks: Optional[int] = None
-    # tokens one step feeds the model: every running decode's one, then prompt chunks up to this
-    max_step_tokens: int = 512
+    # tokens one step feeds the model: every running decode's one, then prompt chunks up to this (None: 128,
+    # or max_batch when larger: on the CPU, .ci/serve_sched.py measured 128 with the best tokens/s and gaps)
+    max_step_tokens: Optional[int] = None
     # share the blocks of identical prefixes across requests
     prefix_cache: bool = True
 
@@ -62,11 +63,15 @@ class Paging:
         """Tokens per block for this context."""
         return math.gcd(16, context) if self.block_size is None else self.block_size
 
+    def budget(self, max_batch: int) -> int:
+        """Tokens one step feeds the model."""
+        return max(128, max_batch) if self.max_step_tokens is None else self.max_step_tokens
+
     def check(self, context: int, max_batch: int) -> int:
         """The pool's size in blocks; a one-line ConfigError for a value that cannot run."""
         for key in ("block_size", "kv_blocks", "max_step_tokens"):
             v = getattr(self, key)
-            if v is None and key != "max_step_tokens":
+            if v is None:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ConfigError(f"{key}={v!r} must be an integer >= 1")
@@ -75,7 +80,7 @@ class Paging:
         bs = self.size(context)
         if context % bs:
             raise ConfigError(f"block_size={bs} must divide the context of {context} tokens")
-        if self.max_step_tokens < max_batch:
+        if self.budget(max_batch) < max_batch:
             raise ConfigError(
                 f"max_step_tokens={self.max_step_tokens} must be at least max_batch={max_batch} (a step "
                 "feeds every running sequence's token)"

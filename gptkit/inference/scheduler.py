@@ -45,7 +45,7 @@ class PagedSteps:
         blocks = paging.check(batcher.max_len, batcher.max_batch)
         size = paging.size(batcher.max_len)
         self.pool = BlockPool(model.cfg, blocks, size, w.device, w.dtype, paging.prefix_cache)
-        self.budget = paging.max_step_tokens
+        self.budget = paging.budget(batcher.max_batch)
         # sequences preempted (recomputed later); prompt tokens computed by prefill forwards
         self.preempted = 0
         self.prefill_tokens = 0

@@ -360,6 +360,24 @@ def test_packed_and_chunked_prefill_and_preemption_keep_samples_tokens():
         assert [got[5][c] for c in (0, 1)] == [roomy.choices[c].tokens for c in (0, 1)]
 
 
+def test_all_local_layers_release_the_blocks_behind_their_window():
+    """Every layer local (a window of 5): a sequence holds the blocks of its window only, with the tokens
+    `gptkit sample` gives."""
+    model = greedy_gpt(48, **dict(GQA, sliding_window=5, layer_types=["local", "local"]))
+    p = prompts(8, seed=5)[7]
+    batcher = Batcher(model, max_batch=2, paging=Paging(block_size=4, prefix_cache=False))
+    held = []
+    got = []
+    with torch.inference_mode():
+        batcher.add(Job(p, SamplingParams(max_new_tokens=20, temperature=0.0), lambda ev: got.extend(ev)))
+        while batcher.busy:
+            batcher.step()
+            held.append(sum(r > 0 for r in batcher.paged.pool.refs))
+    assert [t for e in got for t in e.tokens] == reference(model, p, 20).tokens[0]
+    # a window of 5 spans at most 3 blocks of 4 (and the block its next token goes to)
+    assert len(p) + 20 > 16 and max(held) <= 3 and released(batcher)
+
+
 def test_prefix_cache_skips_the_cached_prefill_with_the_same_tokens():
     """A chat's second turn (its first turn's prompt and answer, then more) computes only what is new; the
     blocks are counted, shared, released to the cache and evicted least recently used first."""
