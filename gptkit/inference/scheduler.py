@@ -185,11 +185,12 @@ class PagedSteps:
                 rows.append(at - 1)
         tokens = torch.tensor([ids], dtype=torch.long, device=b.device)  # [1, N]
         view = PackedView(self.pool, [(s.pages, T) for s, T in chunks])
-        pick = torch.tensor(rows, dtype=torch.long, device=b.device)
+        # no chunk ends its tokens: one row anyway (a layer laid out for decoding takes no empty input)
+        pick = torch.tensor(rows or [at - 1], dtype=torch.long, device=b.device)
         # only the rows that sample go through the LM head: the final norm's output narrowed to them
         hook = b.model.final_norm.register_forward_hook(lambda m, i, o: o[:, pick])
         try:
-            logits = b.model(tokens, cache=view).logits[0]  # [k, V]
+            logits = b.model(tokens, cache=view).logits[0, : len(rows)]  # [k, V]
         finally:
             hook.remove()
         self.prefill_tokens += len(ids)
