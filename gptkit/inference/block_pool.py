@@ -53,8 +53,8 @@ class Paging:
     block_size: Optional[int] = None
     # blocks in the pool; None: max_batch full contexts (the slot cache's memory)
     kv_blocks: Optional[int] = None
-    # tokens one step feeds the model: every running decode's one, then prompt chunks up to this (None: 128,
-    # or max_batch when larger: on the CPU, .ci/serve_sched.py measured 128 with the best tokens/s and gaps)
+    # tokens one step feeds the model: every running decode's one, then prompt chunks up to this (None: 256,
+    # or max_batch when larger; .ci/serve_sched.py: less shortens the gaps between tokens, more the TTFT)
     max_step_tokens: Optional[int] = None
     # share the blocks of identical prefixes across requests
     prefix_cache: bool = True
@@ -65,7 +65,7 @@ class Paging:
 
     def budget(self, max_batch: int) -> int:
         """Tokens one step feeds the model."""
-        return max(128, max_batch) if self.max_step_tokens is None else self.max_step_tokens
+        return max(256, max_batch) if self.max_step_tokens is None else self.max_step_tokens
 
     def check(self, context: int, max_batch: int) -> int:
         """The pool's size in blocks; a one-line ConfigError for a value that cannot run."""
