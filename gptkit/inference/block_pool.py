@@ -293,6 +293,7 @@ class BlockPool:
 
     def stats(self) -> dict:
         return {
+            "paged": True,
             "block_size": self.block_size,
             "blocks": self.blocks,
             "free": self.available,
