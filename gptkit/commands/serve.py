@@ -38,7 +38,11 @@ def run(cfg) -> int:
             f"special_tokens_in_content={cfg.special_tokens_in_content!r} must be text (a special token a "
             "message spells stays text) or allow (it becomes the control token)"
         )
-    for key, low in (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_request_bytes", 1)):
+    ints = (("port", 0), ("max_batch", 1), ("max_queue", 0), ("max_request_bytes", 1))
+    nullable = tuple(
+        (key, 1) for key in ("block_size", "kv_blocks", "max_step_tokens") if cfg[key] is not None
+    )
+    for key, low in ints + nullable:
         value = cfg[key]
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{key}={value!r} must be an integer >= {low}")
@@ -58,6 +62,13 @@ def run(cfg) -> int:
         raise ConfigError(
             f"allowed_hosts={hosts!r} must be a list of host names, e.g. [models.lan] ([*]: any)"
         )
+    if not isinstance(cfg.prefix_cache, bool):
+        raise ConfigError(f"prefix_cache={cfg.prefix_cache!r} must be true or false")
+    if cfg.max_step_tokens is not None and cfg.max_step_tokens < cfg.max_batch:
+        raise ConfigError(
+            f"max_step_tokens={cfg.max_step_tokens} must be at least max_batch={cfg.max_batch} (a step feeds "
+            "every running sequence's token)"
+        )
     if cfg.port > 65535:
         raise ConfigError(f"port={cfg.port} must be at most 65535")
     api_key = cfg.api_key if cfg.api_key is not None else os.environ.get(API_KEY_ENV) or None
@@ -66,6 +77,7 @@ def run(cfg) -> int:
     # the run first, torch after (the server's modules, the device, the model): a run= that is not one is
     # one line in 0.24 s of CPU, not 3.3 s (issue 47 item 12, docs/benchmarks.md)
     find_run_checkpoint(cfg.run)
+    from gptkit.inference.block_pool import Paging
     from gptkit.serve.served import load_served
     from gptkit.serve.server import bind, serve
 
@@ -85,6 +97,7 @@ def run(cfg) -> int:
         quantize=cfg.quantize,
         draft=cfg.draft,
         draft_k=cfg.draft_k,
+        paging=Paging(cfg.block_size, cfg.kv_blocks, cfg.max_step_tokens, cfg.prefix_cache),
     )
     return serve(
         served,

@@ -1,7 +1,8 @@
 """The decoding wing: one prompt's samples (generate, with the GPU's fixed-shape loop in static_decode), many
-sequences at once (the continuous-batching loop in batcher, its KV cache in slot_cache, the thread that runs
-it for a server in engine), objective=grpo's groups (rollouts), and what they share: choosing tokens and when
-to stop (sampling), the CPU weight layout (decoding_layout). Usable from Python without HTTP:
+sequences at once (the continuous-batching loop in batcher, its steps in scheduler, its paged KV cache in
+block_pool, or one slot a sequence in slot_cache, the thread that runs it for a server in engine),
+objective=grpo's groups (rollouts), and what they share: choosing tokens and when to stop (sampling), the CPU
+weight layout (decoding_layout). Usable from Python without HTTP:
 
     from gptkit.inference.generate import generate
     from gptkit.inference.sampling import SampleOptions

@@ -1,6 +1,11 @@
 """Continuous batching: every active sequence decodes in one batch; a request joins at any step and leaves
 when it ends.
 
+The KV memory is paged (gptkit/inference/block_pool.py: blocks of one pool, a prefix cache) and each step
+is planned under a token budget, running decodes and prompt chunks together (gptkit/inference/scheduler.py).
+A model whose cache cannot be paged (linear attention's recurrent state, a longrope scaling) and a draft
+(speculative decoding) run on one slot per sequence instead (Batcher.paging_off says why):
+
     step():  drop what was cancelled -> admit waiting requests while slots are free (each one's prefill: its
              prompt [1, T0] alone into a free slot, and its first token) -> one decode step for every active
              sequence (tokens [n, 1], each at its own position: gptkit.inference.slot_cache) -> sample per row
@@ -50,8 +55,10 @@ from typing import Callable, Optional, Protocol
 import torch
 
 from gptkit.errors import ConfigError, GptkitError
+from gptkit.inference.block_pool import Paging, pageable
 from gptkit.inference.decoding_layout import decoding_layout
 from gptkit.inference.sampling import TextStream, argmax, sample_next
+from gptkit.inference.scheduler import PagedSteps
 from gptkit.inference.slot_cache import SlotCache
 from gptkit.inference.speculative import Rule, Speculator, check_rewindable
 
@@ -195,7 +202,18 @@ class Job:
 class _Seq:
     """One choice of a job, in a slot."""
 
-    __slots__ = ("job", "choice", "last", "fed", "n_out", "generator", "stream", "finished", "constraint")
+    __slots__ = (
+        "job",
+        "choice",
+        "last",
+        "fed",
+        "n_out",
+        "generator",
+        "stream",
+        "finished",
+        "constraint",
+        "pages",
+    )
 
     def __init__(self, job: Job, choice: int, device: torch.device) -> None:
         self.job, self.choice = job, choice
@@ -216,6 +234,8 @@ class _Seq:
         self.stream = TextStream(job.decode, p.stop) if job.decode is not None else None
         self.finished = False
         self.constraint = p.constraint() if p.constraint is not None else None
+        # paged: its blocks (gptkit.inference.block_pool.Pages); None while it waits for choice 0's prefill
+        self.pages = None
 
 
 class Batcher:
@@ -223,7 +243,12 @@ class Batcher:
     add() and step()."""
 
     def __init__(
-        self, model, max_batch: int = 8, max_len: Optional[int] = None, speculate: Optional[Speculator] = None
+        self,
+        model,
+        max_batch: int = 8,
+        max_len: Optional[int] = None,
+        speculate: Optional[Speculator] = None,
+        paging: Optional[Paging] = Paging(),
     ) -> None:
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ConfigError(f"max_batch={max_batch!r} must be an integer >= 1")
@@ -236,10 +261,21 @@ class Batcher:
         self.device = w.device
         self.max_batch = max_batch
         self.max_len = min(max_len or model.cfg.max_seq_len, model.cfg.max_seq_len)
-        self.cache = SlotCache(model.cfg, max_batch, self.max_len, device=w.device, dtype=w.dtype)
-        # seqs[i] lives in cache slot i
+        # why this model runs on one slot per sequence (None: paged)
+        self.paging_off = (
+            "paging=None" if paging is None else "a draft" if speculate is not None else pageable(model)
+        )
+        # seqs[i] lives in cache slot i (paged: in the order they were admitted)
         self.seqs: list[_Seq] = []
         self.waiting: deque[Job] = deque()
+        self.cache, self.paged = None, None
+        if self.paging_off is None:
+            self.paged = PagedSteps(self, paging)
+        else:
+            if paging is not None:
+                # the one Paging value that needs the pool refused here too
+                paging.check(self.max_len, max_batch)
+            self.cache = SlotCache(model.cfg, max_batch, self.max_len, device=w.device, dtype=w.dtype)
         # decode steps run, and the rows they ran (their mean is the mean batch)
         self.steps = 0
         self.rows = 0
@@ -285,6 +321,11 @@ class Batcher:
     def step(self) -> None:
         """Admit what fits, decode one token for every active sequence, deliver the events."""
         out: dict[Job, list[Event]] = {}
+        if self.paged is not None:
+            self.paged.step(out)
+            for job, events in out.items():
+                job.deliver(events)
+            return
         self._drop_cancelled(out)
         while self.waiting and len(self.seqs) + self.waiting[0].params.n <= self.max_batch:
             job = self.waiting.popleft()
@@ -301,9 +342,11 @@ class Batcher:
         """Every job, active or waiting, ends with an error event; every slot is freed."""
         jobs = list(dict.fromkeys([s.job for s in self.seqs] + list(self.waiting)))
         ended = {(s.job, s.choice) for s in self.seqs if s.finished}
+        if self.paged is not None:
+            self.paged.free_all()
         self.seqs.clear()
         self.waiting.clear()
-        for i in range(self.max_batch):
+        for i in range(self.max_batch if self.cache is not None else 0):
             self.cache.free(i)
         for job in jobs:
             events = [
@@ -329,6 +372,13 @@ class Batcher:
                 job.finished = job.params.n
                 self.ended["cancelled"] += job.params.n
                 out.setdefault(job, []).extend(Event(c, finish="cancelled") for c in range(job.params.n))
+
+    def _new_seq(self, job: Job, choice: int) -> _Seq:
+        return _Seq(job, choice, self.device)
+
+    @staticmethod
+    def _error_line(exc: BaseException) -> str:
+        return error_line(exc)
 
     def _prefill(self, job: Job, out: dict[Job, list[Event]]) -> None:
         slot = len(self.seqs)

@@ -33,6 +33,7 @@ import torch
 
 from gptkit.errors import GptkitError
 from gptkit.inference.batcher import Batcher, Choice, Completion, Event, Job, SamplingParams
+from gptkit.inference.block_pool import Paging
 from gptkit.inference.decoding_layout import decoding_layout
 from gptkit.inference.speculative import Speculator
 
@@ -87,10 +88,13 @@ class Engine:
         max_len: Optional[int] = None,
         layout_rows: Optional[int] = None,
         speculate: Optional[Speculator] = None,
+        paging: Optional[Paging] = Paging(),
     ) -> None:
         if isinstance(max_queue, bool) or not isinstance(max_queue, int) or max_queue < 0:
             raise GptkitError(f"max_queue={max_queue!r} must be an integer >= 0")
-        self.batcher = Batcher(model, max_batch=max_batch, max_len=max_len, speculate=speculate)
+        self.batcher = Batcher(
+            model, max_batch=max_batch, max_len=max_len, speculate=speculate, paging=paging
+        )
         self.batcher.log = lambda line: print(f"error: {line}", file=sys.stderr, flush=True)
         self.model = model
         self.max_batch, self.max_queue = max_batch, max_queue
@@ -174,6 +178,8 @@ class Engine:
         spec = b.speculate
         # draft=: the acceptance so far (speculative.SpecStats.as_dict)
         extra = {} if spec is None else {"speculative": spec.stats.as_dict(spec.drafter.name, spec.k)}
+        # the paged KV memory: blocks, the prefix cache's hit rate, preemptions (or why one slot a sequence)
+        extra["kv_cache"] = b.paged.stats() if b.paged is not None else {"paged": False, "why": b.paging_off}
         return {
             "active": b.active,
             "waiting": len(self._inbox) + len(b.waiting),

@@ -167,9 +167,11 @@ def load_served(
     transform: Optional[Callable] = None,
     draft: Optional[str] = None,
     draft_k: Optional[int] = None,
+    paging=None,
 ) -> Served:
     """Load a run and start its Engine. quantize: None or int8 | int4 | nf4, the block projections weight-only
-    quantized as `sample quantize=` does (gptkit.quant, torchao). transform(model) -> model runs once at load
+    quantized as `sample quantize=` does (gptkit.quant, torchao). paging: the engine's
+    gptkit.inference.block_pool.Paging (None: its defaults). transform(model) -> model runs once at load
     time, before the engine sees the model (any other load-time change)."""
     r = load_for_inference(run, device, dtype, attention, quantize)
     model = transform(r.model) if transform is not None else r.model
@@ -195,7 +197,12 @@ def load_served(
     # draft=: speculative decoding, each sequence alone in a forward (gptkit/inference/speculative.py)
     speculate = load_speculator(draft, draft_k, r, device, dtype)
     engine = Engine(
-        model, max_batch=max_batch, max_queue=max_queue, layout_rows=layout_rows, speculate=speculate
+        model,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        layout_rows=layout_rows,
+        speculate=speculate,
+        **({} if paging is None else {"paging": paging}),
     )
     ckpt = Path(r.checkpoint)
     return Served(

@@ -51,9 +51,23 @@ def banner(served: Served, url: str, api_key: Optional[str]) -> str:
             "  endpoints: POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /health",
             f"  batching: max_batch={e.max_batch} sequences at once, max_queue={e.max_queue} waiting "
             "(then 429)" + ("; API key required" if api_key else ""),
+            f"  KV cache: {kv_line(e)}",
             f"  try: curl {url}/v1/{endpoint} -H 'Content-Type: application/json'{key} "
             f"-d '{json.dumps(example)}'",
         ]
+    )
+
+
+def kv_line(engine) -> str:
+    """The engine's KV memory in words: paged (blocks, the step's token budget, the prefix cache), or one slot
+    a sequence and why."""
+    b = engine.batcher
+    if b.paged is None:
+        return f"one slot per sequence ({b.paging_off})"
+    pool = b.paged.pool
+    return (
+        f"paged, {pool.blocks} blocks of {pool.block_size} tokens, max_step_tokens={b.paged.budget}, prefix "
+        f"cache {'on' if pool.prefix_cache else 'off'}"
     )
 
 

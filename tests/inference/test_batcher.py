@@ -2,6 +2,7 @@
 shares the batch, seeded choices draw as `sample seed=` does, the endings, cancelling, a full queue, a failed
 step."""
 
+import re
 import threading
 
 import pytest
@@ -10,6 +11,8 @@ from conftest import greedy_gpt
 
 from gptkit.errors import GptkitError
 from gptkit.inference.batcher import Batcher, Job, SamplingParams, generate_many
+from gptkit.inference.block_pool import Paging
+from gptkit.inference.decoding_layout import decoding_layout
 from gptkit.inference.engine import Engine, QueueFull
 from gptkit.inference.generate import generate
 from gptkit.inference.sampling import SampleOptions
@@ -34,6 +37,14 @@ def tiny(variant: str = "rope-gqa", max_seq_len: int = 48) -> GPT:
 def prompts(k: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, 61, (3 + (7 * i) % 23,), generator=g).tolist() for i in range(k)]
+
+
+def released(batcher) -> bool:
+    """No sequence holds memory: every slot empty, or every block of the pool back (free or cached)."""
+    if batcher.paged is None:
+        return batcher.cache.lengths == [0] * batcher.max_batch
+    pool = batcher.paged.pool
+    return batcher.active == 0 and not any(pool.refs) and pool.available == pool.blocks
 
 
 def reference(model, prompt, n, decode=None, **opts):
@@ -68,7 +79,7 @@ def test_greedy_tokens_are_samples_whatever_shares_the_batch(variant):
     # they did share: several rows per step, and requests joined a running batch
     assert batcher.rows / batcher.steps > 2 and max(joined_with) == 4
     # every slot is free again
-    assert batcher.active == 0 and batcher.cache.lengths == [0] * 4
+    assert batcher.active == 0 and released(batcher)
 
 
 def test_n_choices_share_the_prefill_and_seeded_choices_draw_as_sample_does():
@@ -212,7 +223,9 @@ def test_a_request_that_fails_ends_alone_and_its_neighbours_finish():
     forward = model.forward
 
     def prefill_fails(ids, *args, **kwargs):
-        if ids.shape[1] > 1 and int(ids[0, 0]) == poison:
+        # a forward holding the poisoned prompt (alone, or packed with others) fails
+        row, bad = ids[0].tolist(), ps[3]
+        if ids.shape[1] > 1 and any(row[i : i + len(bad)] == bad for i in range(len(row))):
             raise RuntimeError("injected prefill failure")
         return forward(ids, *args, **kwargs)
 
@@ -245,14 +258,15 @@ def test_a_request_that_fails_ends_alone_and_its_neighbours_finish():
     finally:
         batcher_module.sample_next = real_sample
         del model.forward
-    # the failing jobs ended in the step they failed: the prefill's in the first, the sampler's at its 4th
-    # token (the prefill sampled the 1st, the 3rd decode step fails)
-    assert errors_at == {3: 1, 2: 3}
+    # the failing jobs ended in the step they failed: the prefill's in the first (the packed prefill of the
+    # four prompts failed, then each alone: only the poisoned one ends), the sampler's at its 4th token (the
+    # prefill step sampled the 1st, the 3rd decode step after it fails)
+    assert errors_at == {3: 1, 2: 4}
     assert got[3] == {0: []} and [len(got[2][c]) for c in (0, 1)] == [3, 3]
     # the neighbours ran to their end with the tokens they get alone
     assert got[0][0] == alone[0].choices[0].tokens and got[1][0] == alone[1].choices[0].tokens
     assert len(got[0][0]) == len(got[1][0]) == 20
-    assert batcher.ended["error"] == 3 and batcher.active == 0 and batcher.cache.lengths == [0] * 6
+    assert batcher.ended["error"] == 3 and batcher.active == 0 and released(batcher)
     assert len(logged) == 3 and all("injected" in line for line in logged)
 
 
@@ -293,3 +307,127 @@ def test_the_python_example_of_docs_serve_runs():
         assert [len(o.choices) for o in outs] == [4, 4]
         assert outs[0].choices[2].tokens == reference(model, ps[0], 64).tokens[0]
         assert scope["handle"].job.done
+
+
+def run_all(batcher, jobs, record=None):
+    """Add every (prompt, params) at once and step until done: {job index: tokens of choice 0 per choice}."""
+    got = {i: {} for i in range(len(jobs))}
+
+    def collect(i):
+        return lambda events: [got[i].setdefault(e.choice, []).extend(e.tokens) for e in events]
+
+    with torch.inference_mode():
+        for i, (p, params) in enumerate(jobs):
+            batcher.add(Job(p, params, collect(i)))
+        while batcher.busy:
+            batcher.step()
+    return got
+
+
+def test_packed_and_chunked_prefill_and_preemption_keep_samples_tokens():
+    """Prompts prefilled together in one packed forward, long ones in chunks of max_step_tokens beside the
+    running decodes, and sequences preempted (recomputed) when the pool runs out: every greedy token is
+    `gptkit sample`'s, a seeded choice draws as it does in a roomy batch, every block comes back."""
+    model = tiny("rope-window")
+    ps = prompts(6, seed=8)
+    greedy = SamplingParams(max_new_tokens=14, temperature=0.0)
+    seeded = SamplingParams(max_new_tokens=14, temperature=0.8, top_k=20, seed=3, n=2)
+    jobs = [(p, greedy) for p in ps[:5]] + [(ps[5], seeded)]
+    refs = [reference(model, p, 14).tokens[0] for p in ps[:5]]
+    roomy = generate_many(model, [ps[5]], seeded)[0]
+    shapes = []
+    forward = model.forward
+
+    def spy(ids, *args, **kwargs):
+        shapes.append(tuple(ids.shape))
+        return forward(ids, *args, **kwargs)
+
+    model.forward = spy
+    try:
+        # everything fits: one packed forward holds every prompt
+        packed = run_all(Batcher(model, max_batch=8, paging=Paging(block_size=4)), jobs)
+        assert shapes[0] == (1, sum(len(p) for p in ps))
+        # a budget of 9 tokens a step: the long prompts in chunks, decodes beside them; a pool of one
+        # context (12 blocks of 4) for 7 sequences: preempted, recomputed, never failed
+        shapes.clear()
+        tight = Batcher(model, max_batch=7, paging=Paging(block_size=4, kv_blocks=12, max_step_tokens=9))
+        # with serve's CPU decoding layout (a chunk that samples nothing still feeds the LM head a row)
+        with decoding_layout(model, 7):
+            chunked = run_all(tight, jobs)
+    finally:
+        del model.forward
+    assert max(s[0] * s[1] for s in shapes) <= 9 and any(s[0] == 1 and s[1] > 1 for s in shapes[3:])
+    assert tight.paged.preempted > 0 and released(tight)
+    for got in (packed, chunked):
+        assert [got[i][0] for i in range(5)] == refs
+        assert [got[5][c] for c in (0, 1)] == [roomy.choices[c].tokens for c in (0, 1)]
+
+
+def test_all_local_layers_release_the_blocks_behind_their_window():
+    """Every layer local (a window of 5): a sequence holds the blocks of its window only, with the tokens
+    `gptkit sample` gives."""
+    model = greedy_gpt(48, **dict(GQA, sliding_window=5, layer_types=["local", "local"]))
+    p = prompts(8, seed=5)[7]
+    batcher = Batcher(model, max_batch=2, paging=Paging(block_size=4, prefix_cache=False))
+    held = []
+    got = []
+    with torch.inference_mode():
+        batcher.add(Job(p, SamplingParams(max_new_tokens=20, temperature=0.0), lambda ev: got.extend(ev)))
+        while batcher.busy:
+            batcher.step()
+            held.append(sum(r > 0 for r in batcher.paged.pool.refs))
+    assert [t for e in got for t in e.tokens] == reference(model, p, 20).tokens[0]
+    # a window of 5 spans at most 3 blocks of 4 (and the block its next token goes to)
+    assert len(p) + 20 > 16 and max(held) <= 3 and released(batcher)
+
+
+def test_prefix_cache_skips_the_cached_prefill_with_the_same_tokens():
+    """A chat's second turn (its first turn's prompt and answer, then more) computes only what is new; the
+    blocks are counted, shared, released to the cache and evicted least recently used first."""
+    from gptkit.inference.block_pool import BlockPool, Pages
+
+    model = tiny()
+    p = prompts(8, seed=9)[6]
+    assert len(p) == 22
+    batcher = Batcher(model, max_batch=2, paging=Paging(block_size=4))
+    first = run_all(batcher, [(p, SamplingParams(max_new_tokens=6, temperature=0.0))])[0][0]
+    stats = batcher.paged.stats()
+    assert stats["prefill_tokens"] == 22 and stats["prefix_hit_tokens"] == 0
+    second = p + first + [5, 6, 7]
+    got = run_all(batcher, [(second, SamplingParams(max_new_tokens=5, temperature=0.0))])[0][0]
+    assert got == reference(model, second, 5).tokens[0]
+    stats = batcher.paged.stats()
+    # the 22 + 5 tokens cached by the first turn hold 6 full blocks: 24 of 31 tokens skipped, 7 computed
+    assert stats["prefix_hit_tokens"] == 24 and stats["prefill_tokens"] == 22 + 7
+    assert stats["prefix_hit_rate"] == round(24 / (22 + 31), 4) and released(batcher)
+    # off: everything computed again
+    off = Batcher(model, max_batch=2, paging=Paging(block_size=4, prefix_cache=False))
+    assert run_all(off, [(second, SamplingParams(max_new_tokens=5, temperature=0.0))])[0][0] == got
+    assert off.paged.stats()["prefill_tokens"] == 31
+
+    # reference counts and eviction, on a pool of 3 blocks of 2
+    pool = BlockPool(model.cfg, 3, 2, "cpu", torch.float32)
+    a, b = Pages(), Pages()
+    assert pool.grow(a, 4) and pool.available == 1
+    a.computed = 4
+    pool.register(a, [1, 2, 3, 4])
+    assert pool.reuse(b, [1, 2, 3, 4, 9]) == 4 and pool.refs[a.table[0]] == 2
+    pool.release(a)
+    assert pool.available == 1 and pool.refs[b.table[0]] == 1
+    pool.release(b)
+    # nobody holds them: both cached, still available; taking two evicts the first released first
+    assert pool.available == 3 and len(pool.cached) == 2
+    c = Pages()
+    assert pool.grow(c, 4) and len(pool.cached) == 1 and pool.cached_blocks([1, 2, 3, 4, 9]) == 0
+
+
+def test_paging_options_are_checked():
+    model = tiny()
+    for paging, line in (
+        (Paging(block_size=5), "block_size=5 must divide the context of 48 tokens"),
+        (Paging(kv_blocks=2), "kv_blocks=2 cannot hold one sequence of the context (48 tokens = 3 blocks"),
+        (Paging(max_step_tokens=3), "max_step_tokens=3 must be at least max_batch=4"),
+        (Paging(block_size=0), "block_size=0 must be an integer >= 1"),
+    ):
+        with pytest.raises(GptkitError, match=re.escape(line)):
+            Batcher(model, max_batch=4, paging=paging)

@@ -573,6 +573,10 @@ def test_sixteen_concurrent_clients_each_get_samples_and_chats_greedy_answer(ser
     # the requests shared batches of up to max_batch, the rest queued
     assert h["max_batch"] == MAX_BATCH and h["mean_batch"] > 1 and h["steps"] > steps_before
     assert h["active"] == 0 and h["waiting"] == 0
+    # paged KV memory: every block back; the chats' shared template prefix was served from the prefix cache
+    kv = h["kv_cache"]
+    assert kv["free"] == kv["blocks"] and 0 < kv["prefix_hit_rate"] < 1 and kv["prefix_hit_tokens"] > 0
+    assert any("KV cache: paged" in line for line in server.lines)
 
 
 def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, ref):
@@ -1145,6 +1149,24 @@ def test_a_full_queue_answers_429(tmp_path):
         served.engine.stop()
     assert r.status_code == 429 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["type"] == "rate_limit_error" and "max_queue=0" in r.json()["error"]["message"]
+
+
+def test_paging_options_that_cannot_run_are_one_line(tmp_path):
+    """serve's paging keys: refused in one line, exit 2 (the context's divisor once the run is read)."""
+    from gptkit.errors import ConfigError
+    from gptkit.inference.block_pool import Paging
+    from gptkit.serve.served import load_served
+
+    run = chat_run(tmp_path)
+    with pytest.raises(ConfigError, match=f"^block_size=7 must divide the context of {CONTEXT} tokens$"):
+        load_served(str(run), device="cpu", paging=Paging(block_size=7))
+    env = dict(os.environ)
+    env.pop("GPTKIT_VERB", None)
+    # before torch is imported
+    cmd = [sys.executable, "-m", "gptkit", "serve", f"run={run}", "max_step_tokens=2", "kv_blocks=0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith("error: kv_blocks=0 must be an integer >= 1"), r.stderr
 
 
 def test_an_endpoint_added_to_the_table_is_guarded_and_run_like_the_others(tmp_path):

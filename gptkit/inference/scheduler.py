@@ -1,0 +1,253 @@
+"""The step of continuous batching over paged KV memory (gptkit/inference/block_pool.py): what each step
+feeds the model, under a token budget.
+
+    step():  drop what was cancelled -> admit waiting requests while a slot of max_batch is free and the pool
+             has the blocks of their prompt (less its cached prefix) -> plan, oldest sequence first: every
+             running sequence's next token (a decode), then prompt chunks in the tokens left of
+             max_step_tokens (several prompts, a long one in chunks over several steps) -> one decode forward
+             [n, 1] and one packed forward [1, N] of the chunks -> sample a token for every decode and every
+             prompt whose last chunk ran -> finished sequences leave, their blocks back to the pool
+
+A sequence is its tokens (the prompt, then what it sampled) and the blocks of those already cached
+(`Pages.computed`): a step computes its next uncached tokens, a decode being the one-token case. A prompt
+whose prefix is in the prefix cache starts past it. The n choices of a prompt wait for choice 0's prefill,
+then share its blocks (the partial last block copied) and sample from the same logits.
+
+When a sequence needs a block and none is left, the youngest sequence holding blocks is preempted: its
+blocks go back (the full ones stay in the prefix cache while nobody needs them) and it is computed again
+later, its prompt and its tokens so far, as a prefill (its sampler's state kept: a seeded choice draws on as
+it would have). A request is never failed for memory: the pool holds at least one context (Paging.check).
+
+The invariant of the batcher holds: a token's logits are the same function of the same tokens as
+`gptkit sample`'s one-sequence pass; packing and chunking only change where the matmuls round (fp32 logits
+agree to ~1e-6: tests/inference/test_batcher.py).
+
+A packed prefill that fails is run again one prompt at a time, so that only the prompt that fails ends (an
+"error" event); a failure of the decode forward raises out of step(), as the slot path's does.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from gptkit.inference.block_pool import BlockPool, DecodeView, PackedView, Pages, Paging
+
+
+class PagedSteps:
+    """The step of a Batcher (passed in: its sequences, waiting jobs, sampling and endings) over a pool."""
+
+    def __init__(self, batcher, paging: Paging) -> None:
+        self.b = batcher
+        model = batcher.model
+        w = model.tok_emb.weight
+        blocks = paging.check(batcher.max_len, batcher.max_batch)
+        size = paging.size(batcher.max_len)
+        self.pool = BlockPool(model.cfg, blocks, size, w.device, w.dtype, paging.prefix_cache)
+        self.budget = paging.budget(batcher.max_batch)
+        # sequences preempted (recomputed later); prompt tokens computed by prefill forwards
+        self.preempted = 0
+        self.prefill_tokens = 0
+        # sequences preempted in this step's plan
+        self._out: set[int] = set()
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self, out) -> None:
+        b = self.b
+        b._drop_cancelled(out)
+        self._admit(out)
+        decodes, chunks = self._plan()
+        ran = 0
+        if decodes:
+            self._decode(decodes, out)
+            ran += len(decodes)
+        if chunks:
+            ran += self._prefill(chunks, out)
+        if decodes or chunks:
+            b.steps += 1
+            b.rows += ran
+        for s in b.seqs:
+            if s.pages is not None and not s.finished:
+                self._after(s)
+        self._compact()
+
+    def _ids(self, s) -> list[int]:
+        return s.job.prompt + s.fed
+
+    def _admit(self, out) -> None:
+        b, pool = self.b, self.pool
+        while b.waiting and len(b.seqs) + b.waiting[0].params.n <= b.max_batch:
+            job = b.waiting[0]
+            if job.cancelled:
+                b.waiting.popleft()
+                continue
+            need = -(-(len(job.prompt) + 1) // pool.block_size) - pool.cached_blocks(job.prompt)
+            if need > pool.available:
+                break
+            b.waiting.popleft()
+            try:
+                seqs = [b._new_seq(job, c) for c in range(job.params.n)]
+            except Exception as exc:  # noqa: BLE001 - this job fails alone
+                b._fail_job(job, b._error_line(exc), out)
+                continue
+            seqs[0].pages = Pages()
+            b.seqs.extend(seqs)
+
+    def _plan(self):
+        """(decodes, chunks): the sequences that feed their one next token, and (sequence, tokens) of the
+        prompts computed this step; blocks taken for both, the youngest preempted when they run out."""
+        b, pool = self.b, self.pool
+        decodes, chunks, planned, self._out = [], [], set(), set()
+        live = [s for s in b.seqs if s.pages is not None and not s.finished]
+        for s in live:
+            if s.fed and s.pages.computed == len(s.job.prompt) + len(s.fed) - 1:
+                if self._room(s, s.pages.computed + 1, planned):
+                    decodes.append(s)
+                    planned.add(id(s))
+                else:
+                    self._preempt(s)
+        left = self.budget - len(decodes)
+        for s in live:
+            if left <= 0:
+                break
+            if id(s) in planned or id(s) in self._out:
+                continue
+            ids = self._ids(s)
+            if not s.pages.table:
+                pool.reuse(s.pages, ids)
+            T = min(len(ids) - s.pages.computed, left)
+            self._room(s, s.pages.computed + T, planned)
+            T = min(T, (len(s.pages.table) + pool.available) * pool.block_size - s.pages.computed)
+            if T <= 0 or not pool.grow(s.pages, s.pages.computed + T):
+                continue
+            chunks.append((s, T))
+            planned.add(id(s))
+            left -= T
+        return decodes, chunks
+
+    def _room(self, s, end: int, planned: set) -> bool:
+        """Blocks for s up to position end - 1, preempting the youngest unplanned sequences after it that
+        hold blocks; False when there are still too few."""
+        pool = self.pool
+        while not pool.grow(s.pages, end):
+            after = self.b.seqs[self.b.seqs.index(s) + 1 :]
+            victims = [v for v in after if v.pages is not None and v.pages.table and id(v) not in planned]
+            if not victims:
+                return False
+            self._preempt(victims[-1])
+        return True
+
+    def _preempt(self, s) -> None:
+        self.pool.release(s.pages)
+        self._out.add(id(s))
+        self.preempted += 1
+
+    def _decode(self, seqs, out) -> None:
+        b = self.b
+        tok = torch.tensor([[s.last] for s in seqs], dtype=torch.long, device=b.device)  # [n, 1]
+        view = DecodeView(self.pool, [s.pages for s in seqs])
+        logits = b.model(tok, cache=view, logits_to_keep=1).logits[:, -1]  # [n, V]
+        tokens = b._choose(logits, seqs)
+        b._take(seqs, tokens, out, b._logprobs(logits, seqs, tokens))
+
+    def _prefill(self, chunks, out) -> int:
+        """The chunks in one packed forward (again one by one if it fails: only a failing prompt ends);
+        returns the sequences that sampled a token."""
+        try:
+            logits = self._packed(chunks)
+        except Exception as exc:  # noqa: BLE001 - find the prompt that fails, the others go on
+            if len(chunks) == 1:
+                self._fail(chunks[0][0], exc, out)
+                return 0
+            done = 0
+            for chunk in chunks:
+                try:
+                    logits = self._packed([chunk])
+                except Exception as exc1:  # noqa: BLE001 - this job fails alone
+                    self._fail(chunk[0], exc1, out)
+                    continue
+                done += self._sample([chunk], logits, out)
+            return done
+        return self._sample(chunks, logits, out)
+
+    def _packed(self, chunks) -> torch.Tensor:
+        """One forward of the chunks packed in a row [1, N]; the logits [k, V] of the last token of each
+        chunk that ends its sequence's tokens."""
+        b = self.b
+        ids, rows, at = [], [], 0
+        for s, T in chunks:
+            start = s.pages.computed
+            seq_ids = self._ids(s)
+            ids.extend(seq_ids[start : start + T])
+            at += T
+            if start + T == len(seq_ids):
+                rows.append(at - 1)
+        tokens = torch.tensor([ids], dtype=torch.long, device=b.device)  # [1, N]
+        view = PackedView(self.pool, [(s.pages, T) for s, T in chunks])
+        # no chunk ends its tokens: one row anyway (a layer laid out for decoding takes no empty input)
+        pick = torch.tensor(rows or [at - 1], dtype=torch.long, device=b.device)
+        # only the rows that sample go through the LM head: the final norm's output narrowed to them
+        hook = b.model.final_norm.register_forward_hook(lambda m, i, o: o[:, pick])
+        try:
+            logits = b.model(tokens, cache=view).logits[0, : len(rows)]  # [k, V]
+        finally:
+            hook.remove()
+        self.prefill_tokens += len(ids)
+        return logits
+
+    def _sample(self, chunks, logits, out) -> int:
+        """Each sequence whose tokens are now all cached samples its next token (its waiting sibling choices
+        from the same row, on a fork of its blocks)."""
+        b, k = self.b, 0
+        for s, _ in chunks:
+            if s.pages.computed < len(s.job.prompt) + len(s.fed):
+                continue
+            row = logits[k : k + 1]
+            k += 1
+            seqs = [s]
+            if s.job.first_token is None:
+                s.job.first_token = time.perf_counter()
+                for sib in b.seqs:
+                    if sib.job is s.job and sib.pages is None:
+                        sib.pages = self.pool.fork(s.pages)
+                        if sib.pages is None:
+                            # no block for the copy: it computes its prompt itself when one is free
+                            sib.pages = Pages()
+                        else:
+                            seqs.append(sib)
+            rows = row.expand(len(seqs), -1)
+            tokens = b._choose(rows, seqs)
+            b._take(seqs, tokens, out, b._logprobs(rows, seqs, tokens))
+        return k
+
+    def _fail(self, s, exc, out) -> None:
+        line = self.b._error_line(exc)
+        for other in self.b.seqs:
+            if other.job is s.job and not other.finished:
+                self.b._finish(other, "error", out, error=line)
+
+    def _after(self, s) -> None:
+        """Key its newly full blocks for the prefix cache; release those behind an all-local window."""
+        pool = self.pool
+        if pool.prefix_cache and s.pages.computed // pool.block_size > len(s.pages.keys):
+            pool.register(s.pages, self._ids(s))
+        pool.behind_window(s.pages)
+
+    def _compact(self) -> None:
+        keep = []
+        for s in self.b.seqs:
+            if s.finished:
+                if s.pages is not None:
+                    self.pool.release(s.pages)
+            else:
+                keep.append(s)
+        self.b.seqs[:] = keep
+
+    def free_all(self) -> None:
+        for s in self.b.seqs:
+            if s.pages is not None:
+                self.pool.release(s.pages)
+
+    def stats(self) -> dict:
+        return {**self.pool.stats(), "preempted": self.preempted, "prefill_tokens": self.prefill_tokens}
