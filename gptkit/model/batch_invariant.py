@@ -26,11 +26,12 @@ The ops, one definition each (a TorchFunctionMode: the model code is unchanged):
                                                they are: each extra level adds +0); max is exact in any order
     silu, sigmoid, gelu                        from exp, tanh, +, x, / (each the same in torch's vectorized
                                                body and scalar tail; silu and gelu themselves are not)
-    attention (every layer's backend, swapped  scores: a tree over head_dim of q*k; softmax over the keys as
-    for the mode's duration)                   above, the attention sink added after the tree; the weighted
-                                               sum of the values a tree over the keys: a query sees its keys
-                                               0..p in one order whether a KV cache holds p + 1 of them or a
-                                               causal mask hides the T - p - 1 after it (those add exact 0)
+    attention (every layer's backend, swapped  the keys zero-padded to the model's max_seq_len: scores and
+    for the mode's duration)                   the values' weighted sum batched gemms of padded rows over
+                                               a fixed number of positions, the softmax's sum a tree over
+                                               them, the sink added after it: a query sees its keys 0..p
+                                               alike whether a KV cache holds p + 1 of them or a causal
+                                               mask hides the T - p - 1 after it (they weigh exact 0)
 
 What stays as it was: tensors on other devices (a GPU path needs kernels of its own: a matmul with one tile
 config and no split-K, fixed-order norms and log-softmax, an attention kernel with a fixed KV split, as
@@ -59,7 +60,7 @@ from gptkit.model.fused import warn_once
 
 # every gemm's row count is a multiple of this (the BLAS runs its small-row kernels below ~8 rows)
 ROWS = 16
-# elements of one query chunk's [B, H, C, keys, head_dim] products in the attention
+# elements of one query chunk's [B, H, C, keys] scores in the attention
 CHUNK_ELEMENTS = 1 << 23
 
 
@@ -75,8 +76,8 @@ def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if width != n:
         x = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, width - n])
     while x.shape[dim] > 1:
-        half = x.shape[dim] // 2
-        x = x.narrow(dim, 0, half) + x.narrow(dim, half, half)
+        # element i + element i + half: a sum of two, exact in either order
+        x = x.unflatten(dim, (2, x.shape[dim] // 2)).sum(dim)
     return x.squeeze(dim)
 
 
@@ -148,6 +149,13 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return 0.5 * x * (1.0 + torch.erf(x * (1.0 / math.sqrt(2.0))))
 
 
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x [..., M, K] with zero rows after its M to a multiple of ROWS (a batched gemm's rows, as matmul's)."""
+    m = x.shape[-2]
+    padded = -(-max(m, 1) // ROWS) * ROWS
+    return F.pad(x, (0, 0, 0, padded - m)) if padded != m else x
+
+
 def attention(
     q,
     k,
@@ -162,51 +170,65 @@ def attention(
     window=None,
     softcap=None,
     sinks=None,
+    keys: int | None = None,
     fallback: Callable[..., Any] | None = None,
 ):
     """The attention backend of the mode (gptkit/model/attention.py's signature): q [B, H, Tq, D], k and v
-    [B, Hkv, Tk, D or Dv], queries bottom-right aligned with the keys. Each query chunk sees keys 0..its last
-    position: scores by a tree over head_dim, then the masked softmax and the values' weighted sum by trees
-    over the keys (module docstring). On another device, with dropout, probabilities, packed documents or a
-    window: `fallback`, the layer's own backend."""
+    [B, Hkv, Tk, D or Dv], queries bottom-right aligned with the keys. The keys are zero-padded to a fixed
+    `keys` (the model's max_seq_len: Tk where None), so that every query reduces over the same number of key
+    positions whether a KV cache holds p + 1 of them or a causal mask hides the rest (they score -inf, weigh
+    exact 0): scores one batched gemm over head_dim, the masked softmax's sum a tree over the `keys`
+    positions, the values' weighted sum one batched gemm over them, each gemm's rows padded to a multiple of
+    ROWS. On another device, with dropout, probabilities, packed documents, a window or more keys than
+    `keys`: `fallback`, the layer's own backend."""
     args = dict(causal=causal, mask=mask, dropout_p=dropout_p, scale=scale, return_probs=return_probs)
     args.update(docs=docs, window=window, softcap=softcap, sinks=sinks)
-    if q.device.type != "cpu" or dropout_p > 0 or return_probs or docs is not None or window is not None:
-        return fallback(q, k, v, **args)
     B, H, Tq, D = q.shape
     Hkv, Tk = k.shape[1], k.shape[2]
+    L = keys or Tk
+    if (
+        q.device.type != "cpu"
+        or dropout_p > 0
+        or return_probs
+        or docs is not None
+        or window is not None
+        or Tk > L
+    ):
+        return fallback(q, k, v, **args)
     dtype = q.dtype
     q, k, v = q.float(), k.float(), v.float()
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
         v = v.repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, Dv]
+    k = F.pad(k, (0, 0, 0, L - Tk)).transpose(-1, -2)  # [B, H, D, L]
+    v = F.pad(v, (0, 0, 0, L - Tk))  # [B, H, L, Dv]
     scale = D**-0.5 if scale is None else scale
-    off = Tk - Tq
-    keep = mask if mask is not None else (window_mask(Tq, Tk, None, q.device) if causal else None)
-    while keep is not None and keep.dim() < 4:
+    if mask is not None:
+        keep = mask
+    elif causal:
+        keep = window_mask(Tq, Tk, None, q.device)  # [Tq, Tk]
+    else:
+        keep = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device)
+    keep = F.pad(keep, (0, L - Tk), value=False)  # [..., Tq, L]: the pad is never seen
+    while keep.dim() < 4:
         keep = keep[None]
-    chunk = max(1, CHUNK_ELEMENTS // max(1, B * H * Tk * max(D, v.shape[-1])))
+    chunk = max(ROWS, CHUNK_ELEMENTS // max(1, B * H * L) // ROWS * ROWS)
     outs = []
     for s in range(0, Tq, chunk):
         e = min(s + chunk, Tq)
-        # a causal query sees keys up to its position: the keys after the chunk's last are not read
-        n = off + e if (mask is None and causal) else Tk
-        qc, kc, vc = q[:, :, s:e], k[:, :, :n], v[:, :, :n]
-        scores = tree_sum(qc[:, :, :, None, :] * kc[:, :, None, :, :]) * scale  # [B, H, C, n]
+        scores = (_rows(q[:, :, s:e]) @ k)[:, :, : e - s] * scale  # [B, H, C, L]
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
-        if keep is not None:
-            scores = scores.masked_fill(~keep[..., s:e, :n], float("-inf"))
+        scores = scores.masked_fill(~keep[..., s:e, :], float("-inf"))
         m = scores.amax(dim=-1, keepdim=True)  # [B, H, C, 1]
         if sinks is not None:
             sink = sinks.float().view(1, H, 1, 1)
             m = torch.maximum(m, sink)
-        w = torch.exp(scores - m)  # [B, H, C, n], 0 where masked
+        w = torch.exp(scores - m)  # [B, H, C, L], 0 where masked
         total = tree_sum(w)[..., None]  # [B, H, C, 1]
         if sinks is not None:
             total = total + torch.exp(sink - m)
-        p = w / total
-        outs.append(tree_sum(p[..., None] * vc[:, :, None, :, :], dim=-2))  # [B, H, C, Dv]
+        outs.append((_rows(w / total) @ v)[:, :, : e - s])  # [B, H, C, Dv]
     return torch.cat(outs, dim=2).to(dtype), None
 
 
@@ -240,6 +262,9 @@ _LAST_DIM = {
 }
 
 
+_HANDLED = {F.linear, F.layer_norm, torch.mean, torch.Tensor.mean, *_MATMULS, *_ELEMENTWISE, *_LAST_DIM}
+
+
 def _dim(args, kwargs, at: int = 1):
     return kwargs.get("dim", args[at] if len(args) > at else None)
 
@@ -249,6 +274,9 @@ class InvariantOps(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # every other op (most calls) as it is, first
+        if func not in _HANDLED:
+            return func(*args, **kwargs)
         x = args[0] if args else None
         if not (_plain(x) and x.is_floating_point()):
             return func(*args, **kwargs)
@@ -260,8 +288,9 @@ class InvariantOps(TorchFunctionMode):
         if func in _ELEMENTWISE:
             return _ELEMENTWISE[func](*args, **kwargs)
         if func in _LAST_DIM and _last(_dim(args, kwargs), x) and kwargs.get("dtype") is None:
-            if func in (torch.logsumexp, torch.Tensor.logsumexp) and kwargs.get("keepdim", False):
-                return logsumexp(x).unsqueeze(-1)
+            if func in (torch.logsumexp, torch.Tensor.logsumexp):
+                keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
+                return logsumexp(x).unsqueeze(-1) if keepdim else logsumexp(x)
             return _LAST_DIM[func](x)
         if func in (torch.mean, torch.Tensor.mean) and _last(_dim(args, kwargs), x):
             keepdim = kwargs.get("keepdim", args[2] if len(args) > 2 else False)
@@ -290,11 +319,13 @@ def batch_invariant(model: torch.nn.Module | None = None, enabled: bool = True) 
             "corrects for it)",
         )
     saved = [(m, m.attend, getattr(m, "attend_cached", None)) for m in layers]
+    # every query reduces over this many key positions (the model's longest sequence)
+    keys = getattr(getattr(model, "cfg", None), "max_seq_len", None)
     try:
         for m, own, cached in saved:
-            m.attend = functools.partial(attention, fallback=own)
+            m.attend = functools.partial(attention, keys=keys, fallback=own)
             if cached is not None:
-                m.attend_cached = functools.partial(attention, fallback=cached)
+                m.attend_cached = functools.partial(attention, keys=keys, fallback=cached)
         with InvariantOps():
             yield
     finally:
