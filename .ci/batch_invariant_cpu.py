@@ -8,7 +8,7 @@ byte vocabulary with chatml's 3 special tokens, 259), 8 prompts of 20-33 tokens 
 tokens (the rows of one step: [64, <= 43]). Times, in interleaved rounds (the median of each), with the mode
 off and on: the sampler (sample_groups: prefill and 10 decode steps, tokens/s of new tokens), the trainer's
 forward (target_logps over the rows, no grad) and its forward + backward (tokens/s of the rows' tokens).
-Prints max |sampler - trainer| of the step's completion tokens for each.
+Prints max |sampler - trainer| of the step's completion tokens for each, in fp32 and under bf16 autocast.
 """
 
 import statistics
@@ -72,6 +72,14 @@ def main(threads: int = 1, rounds: int = 5) -> None:
         plain, inv = (counts[(what, on)] / statistics.median(times[(what, on)]) for on in (False, True))
         print(f"{what:22} {plain:18,.0f} {inv:18,.0f} {inv / plain:7.2f}")
     print(f"max |sampler - trainer| log-prob: torch {diffs[False]:.3g}, batch-invariant {diffs[True]:.3g}")
+    # the same step under bf16 autocast (precision=bf16-mixed), once each
+    for on in (False, True):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), batch_invariant(model, on):
+            groups = sample_groups(model, prompts, keys, opts, [10] * 8)
+            x, y = completion_rows(prompts, [c.tokens for gr in groups for c in gr], 0)
+            lp = target_logps(model, x, y)
+        diffs[on] = float(((lp - sampled_rows(prompts, groups, y.shape)).abs() * (y != -100)).max())
+    print(f"... under bf16 autocast: torch {diffs[False]:.3g}, batch-invariant {diffs[True]:.3g}")
     print(f"({time.perf_counter() - start:.1f} s)")
 
 
