@@ -147,6 +147,21 @@ def test_is_correction_weighs_each_tokens_policy_term_by_the_truncated_ratio_to_
     assert logp.grad is not None and not w.requires_grad
 
 
+def test_the_progress_line_says_the_sampler_trainer_mismatch():
+    from types import SimpleNamespace
+
+    from gptkit.training.objectives.grpo import GRPO
+
+    o = object.__new__(GRPO)
+    o.rewards = SimpleNamespace(rewards=[])
+    line = GRPO.progress(o, {"train/reward": 0.5, "train/rollout_logprob_diff": 0.0})
+    assert line == ["reward 0.500  logprob diff 0"]
+    assert (
+        "logprob diff 3.1e-05"
+        in GRPO.progress(o, {"train/reward": 0.5, "train/rollout_logprob_diff": 3.1e-5})[0]
+    )
+
+
 def test_gspo_clips_whole_completions_and_cispo_keeps_every_tokens_gradient():
     """GSPO: d l / d logp_it = -A_i s_i / (|o_i| G) where s_i is inside [1 - eps_low, 1 + eps_high] (or on the
     side the min does not pick), else 0 for every token of completion i. CISPO: -min(r_it, 1 + eps_high) A_i /
