@@ -125,8 +125,7 @@ def mean(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
 
 
 def layer_norm(x, shape, weight=None, bias=None, eps=1e-5) -> torch.Tensor:
-    if len(shape) != 1:
-        raise ValueError("batch_invariant layer_norm normalizes over the last dim only")
+    """F.layer_norm over the last dim (shape of one element)."""
     mu = mean(x, keepdim=True)
     d = x - mu
     y = d / torch.sqrt(mean(d * d, keepdim=True) + eps)
@@ -274,8 +273,8 @@ class InvariantOps(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        # every other op (most calls) as it is, first
-        if func not in _HANDLED:
+        # every other op (most calls) as it is, first; and an op writing into `out=`
+        if func not in _HANDLED or "out" in kwargs:
             return func(*args, **kwargs)
         x = args[0] if args else None
         if not (_plain(x) and x.is_floating_point()):
@@ -297,7 +296,9 @@ class InvariantOps(TorchFunctionMode):
             if kwargs.get("dtype") is None:
                 return mean(x, keepdim=bool(keepdim))
         if func is F.layer_norm:
-            return layer_norm(*args, **kwargs)
+            shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else ())
+            if len(shape) == 1:
+                return layer_norm(*args, **kwargs)
         return func(*args, **kwargs)
 
 
