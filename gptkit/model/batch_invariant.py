@@ -5,8 +5,8 @@ the batch.
         model(ids, cache=cache)         # a decode step of n rows through the KV cache (the sampler)
         model(x, y, token_logps=True)   # one teacher-forced forward over [B, T] (the trainer)
 
-Inside, on CPU tensors, each output element is computed in an order fixed by that element's own inputs: never
-by the number of rows (batch x sequence, or a chunk of them), nor by the number of keys a query sees. The
+Inside, on CPU tensors, each output element is computed one way whatever comes with it: never by the number
+of rows (batch x sequence, or a chunk of them), nor by the number of keys a query sees. The
 sampler's log-prob of a token and the trainer's are then the same bits in fp32
 (tests/model/test_batch_invariant.py; docs/grpo.md). What torch does otherwise, measured on torch 2.13 (CPU,
 AVX512, 2 threads): a [1, 128] x [128, 384] matmul differs in the last bits from the same row
@@ -21,15 +21,16 @@ The ops, one definition each (a TorchFunctionMode: the model code is unchanged):
                                                of ROWS: every row runs the same kernel, at any row count
                                                (measured for M = 1..40, 44..1,500 and row offsets 0, 1, 3)
     mean over the last dim (RMSNorm), layer_norm, softmax, log_softmax, logsumexp (last dim)
-                                               tree_sum: a pairwise tree over the dim zero-padded to a power
-                                               of two (a zero pad longer than needed leaves the bits as
-                                               they are: each extra level adds +0); max is exact in any order
+                                               row_sum: one gemm of the rows against a column of ones,
+                                               in fp32, rows padded as a linear's (the reduced length is
+                                               fixed: d_model, the vocabulary, the keys below); max is exact
+                                               in any order
     silu, sigmoid, gelu                        from exp, tanh, +, x, / (each the same in torch's vectorized
                                                body and scalar tail; silu and gelu themselves are not)
     attention (every layer's backend, swapped  the keys zero-padded to the model's max_seq_len: scores and
     for the mode's duration)                   the values' weighted sum batched gemms of padded rows over
-                                               a fixed number of positions, the softmax's sum a tree over
-                                               them, the sink added after it: a query sees its keys 0..p
+                                               a fixed number of positions, the softmax's sum a row_sum
+                                               over them, the sink added after it: a query sees its keys 0..p
                                                alike whether a KV cache holds p + 1 of them or a causal
                                                mask hides the T - p - 1 after it (they weigh exact 0)
 
@@ -40,8 +41,8 @@ Thinking Machines' batch_invariant_ops and vLLM's VLLM_BATCH_INVARIANT do; not b
 order), dropout and attention maps: those layers run their own backend. rollout_logprob_diff (GRPO) measures
 what remains, and grpo.is_correction corrects for it.
 
-Cost: the tree sums and the padded gemms cost more than torch's fused kernels; docs/grpo.md gives tokens/s of
-the invariant forward beside the plain one.
+Cost: the padded gemms and the ops spelled out cost more than torch's fused kernels; docs/grpo.md gives
+tokens/s of the invariant forward beside the plain one.
 """
 
 from __future__ import annotations
@@ -62,23 +63,6 @@ from gptkit.model.fused import warn_once
 ROWS = 16
 # elements of one query chunk's [B, H, C, keys] scores in the attention
 CHUNK_ELEMENTS = 1 << 23
-
-
-def tree_sum(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The sum of x over `dim` (removed) by a pairwise tree over the dim zero-padded to a power of two:
-    element i of each level is (i of the level before) + (i + half). Its bits depend on the values alone,
-    not on the padded length: past the values, a longer pad's extra levels add +0. -0 becomes +0 first
-    (x + 0.0), so that the sign of a zero cannot tell the pads apart."""
-    dim = dim % x.dim()
-    n = x.shape[dim]
-    width = 1 << max(0, (n - 1).bit_length())
-    x = x + 0.0
-    if width != n:
-        x = F.pad(x, [0, 0] * (x.dim() - 1 - dim) + [0, width - n])
-    while x.shape[dim] > 1:
-        # element i + element i + half: a sum of two, exact in either order
-        x = x.unflatten(dim, (2, x.shape[dim] // 2)).sum(dim)
-    return x.squeeze(dim)
 
 
 def _last(dim: Any, x: torch.Tensor) -> bool:
@@ -102,11 +86,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if bias is None else y + bias
 
 
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """The sum of x over its last dim (removed): one gemm of its rows against a column of ones (matmul: rows
+    padded to a multiple of ROWS), so a row's sum is computed alike at any row count, as a linear's row."""
+    with torch.autocast(x.device.type, enabled=False):
+        # in fp32 (or wider) under autocast too: a norm's statistics, a softmax's denominator
+        x = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        return matmul(x, x.new_ones(x.shape[-1], 1)).squeeze(-1)
+
+
 def logsumexp(x: torch.Tensor) -> torch.Tensor:
-    """log(sum(exp(x))) over the last dim: max + log(tree_sum(exp(x - max)))."""
+    """log(sum(exp(x))) over the last dim: max + log(row_sum(exp(x - max)))."""
     m = x.amax(dim=-1, keepdim=True)  # [..., 1]
     m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    return m.squeeze(-1) + torch.log(tree_sum(torch.exp(x - m)))
+    return m.squeeze(-1) + torch.log(row_sum(torch.exp(x - m)))
 
 
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
@@ -116,11 +109,11 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 def softmax(x: torch.Tensor) -> torch.Tensor:
     m = x.amax(dim=-1, keepdim=True)  # [..., 1]
     e = torch.exp(x - m)
-    return e / tree_sum(e).unsqueeze(-1)
+    return e / row_sum(e).unsqueeze(-1)
 
 
 def mean(x: torch.Tensor, keepdim: bool = False) -> torch.Tensor:
-    s = tree_sum(x) / x.shape[-1]
+    s = row_sum(x) / x.shape[-1]
     return s.unsqueeze(-1) if keepdim else s
 
 
@@ -176,7 +169,7 @@ def attention(
     [B, Hkv, Tk, D or Dv], queries bottom-right aligned with the keys. The keys are zero-padded to a fixed
     `keys` (the model's max_seq_len: Tk where None), so that every query reduces over the same number of key
     positions whether a KV cache holds p + 1 of them or a causal mask hides the rest (they score -inf, weigh
-    exact 0): scores one batched gemm over head_dim, the masked softmax's sum a tree over the `keys`
+    exact 0): scores one batched gemm over head_dim, the masked softmax's sum a row_sum over the `keys`
     positions, the values' weighted sum one batched gemm over them, each gemm's rows padded to a multiple of
     ROWS. On another device, with dropout, probabilities, packed documents, a window or more keys than
     `keys`: `fallback`, the layer's own backend."""
@@ -224,7 +217,7 @@ def attention(
             sink = sinks.float().view(1, H, 1, 1)
             m = torch.maximum(m, sink)
         w = torch.exp(scores - m)  # [B, H, C, L], 0 where masked
-        total = tree_sum(w)[..., None]  # [B, H, C, 1]
+        total = row_sum(w)[..., None]  # [B, H, C, 1]
         if sinks is not None:
             total = total + torch.exp(sink - m)
         outs.append((_rows(w / total) @ v)[:, :, : e - s])  # [B, H, C, Dv]
