@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -61,6 +61,9 @@ class Completion:
     tokens: list[int]
     # stop (a stop id) | length (max_new_tokens) | context (the prompt's row was full)
     stop_reason: str
+    # each new token's fp32 log-prob under the raw model's logits / temperature (no top-k, top-p: the policy
+    # GRPO's loss scores, token_logps), as the sampler saw them
+    logprobs: list[float] = field(default_factory=list)
 
 
 def sample_key(*parts: int) -> int:
@@ -104,6 +107,16 @@ def key_noise(keys: torch.Tensor, index: int, vocab_size: int) -> torch.Tensor:
     bits = _mix32(row[:, None] ^ vocab[None, :])  # [n, V] in [0, 2^32)
     uniform = ((bits >> 8).float() + 0.5) * (1.0 / (1 << 24))  # [n, V] in (0, 1)
     return -torch.log(uniform)
+
+
+def token_logps(logits: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """[n] fp32 log-probs of ids [n] under logits [n, V] divided by temperature (none at 0 or 1): the
+    operations of the trainer's (gptkit_kernels.linear_ce: the picked logit minus the log-sum-exp), so that
+    under gptkit.model.batch_invariant both are the same bits."""
+    z = logits.float()
+    if temperature not in (0.0, 1.0):
+        z = z / temperature
+    return z.gather(1, ids[:, None])[:, 0] - torch.logsumexp(z, dim=-1)
 
 
 @torch.no_grad()
@@ -194,6 +207,7 @@ def _sample_batch(model, prompts, keys, opts: RolloutOptions, budget: int, locks
     ids = torch.tensor(prompts, dtype=torch.long, device=device)  # [n, T0]
     logits = model(ids, cache=cache, logits_to_keep=1).logits[:, -1]  # [n, V]
     out = torch.zeros(n, budget, dtype=torch.long, device=device)  # [n, budget]
+    logps = torch.zeros(n, budget, dtype=torch.float32, device=device)  # [n, budget]
     done = torch.zeros(n, dtype=torch.bool, device=device)  # [n]
     lengths = [budget] * n
     stopped = [False] * n
@@ -203,6 +217,7 @@ def _sample_batch(model, prompts, keys, opts: RolloutOptions, budget: int, locks
             noise = key_noise(key_t, i, logits.shape[-1]) if opts.temperature > 0 else None  # [n, V]
             nxt = sample_next(logits, opts.temperature, opts.top_k, opts.top_p, None, noise)  # [n]
             out[:, i] = nxt
+            logps[:, i] = token_logps(logits, nxt, opts.temperature)
             hit = torch.isin(nxt, stop) & ~done  # [n]
             if bool(hit.any()):
                 for r in hit.nonzero().flatten().tolist():
@@ -226,6 +241,9 @@ def _sample_batch(model, prompts, keys, opts: RolloutOptions, budget: int, locks
         else:
             logits = model(out[:, i : i + 1], cache=cache, logits_to_keep=1).logits[:, -1]  # [n, V]
         i += 1
-    rows = out.tolist()
+    rows, lps = out.tolist(), logps.tolist()
     full = "length" if budget == opts.max_new_tokens else "context"
-    return [Completion(rows[r][: lengths[r]], "stop" if stopped[r] else full) for r in range(n)]
+    return [
+        Completion(rows[r][: lengths[r]], "stop" if stopped[r] else full, lps[r][: lengths[r]])
+        for r in range(n)
+    ]

@@ -16,6 +16,7 @@ from conftest import rows_by_step as rows_of
 import gptkit
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.training.objectives.grpo import check_grpo_config, group_advantages, grpo_loss
+from gptkit.training.objectives.grpo_loss import is_weights
 from gptkit.training.rewards import last_number, load_rewards, parse_rewards
 
 # ---- the loss -------------------------------------------------------------------------------------------
@@ -124,6 +125,43 @@ def test_the_first_pass_gradient_is_the_advantage_over_the_completions_length():
     assert torch.allclose(logp.grad, want, atol=1e-12)
 
 
+def test_is_correction_weighs_each_tokens_policy_term_by_the_truncated_ratio_to_the_sampler():
+    """grpo.is_correction=cap: w_t = min(exp(old_t - sampled_t), cap), detached (TRL's token_truncate), times
+    the policy term of each token before the KL term is added."""
+    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    sampled = torch.tensor([[-1.0, -2.5, 0.5]], dtype=torch.float64)
+    w = is_weights(old, sampled, 1.5)
+    assert torch.allclose(w, torch.tensor([[1.0, 1.5, math.exp(-1.0)]], dtype=torch.float64), atol=1e-12)
+    logp = torch.tensor([[-0.9, -2.2, -0.4]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-1.1, -2.0, -0.6]], dtype=torch.float64)
+    mask, adv = torch.ones(1, 3), torch.tensor([0.7], dtype=torch.float64)
+    kwargs = dict(epsilon_low=0.2, epsilon_high=0.2, beta=0.1, ref_logps=ref)
+    value, _ = grpo_loss(logp, old, adv, mask, **kwargs, is_weight=w)
+    rho = [math.exp(a - b) for a, b in zip(logp[0].tolist(), old[0].tolist())]
+    policy = [-min(r * 0.7, min(max(r, 0.8), 1.2) * 0.7) for r in rho]
+    kl = [math.exp(r - p) - (r - p) - 1 for p, r in zip(logp[0].tolist(), ref[0].tolist())]
+    want = sum(p * x + 0.1 * k for p, x, k in zip(policy, w[0].tolist(), kl)) / 3
+    assert float(value) == pytest.approx(want, abs=1e-12)
+    value.backward()
+    # the weight is detached: the gradient of w_t x (policy term), not of w_t
+    assert logp.grad is not None and not w.requires_grad
+
+
+def test_the_progress_line_says_the_sampler_trainer_mismatch():
+    from types import SimpleNamespace
+
+    from gptkit.training.objectives.grpo import GRPO
+
+    o = object.__new__(GRPO)
+    o.rewards = SimpleNamespace(rewards=[])
+    line = GRPO.progress(o, {"train/reward": 0.5, "train/rollout_logprob_diff": 0.0})
+    assert line == ["reward 0.500  logprob diff 0"]
+    assert (
+        "logprob diff 3.1e-05"
+        in GRPO.progress(o, {"train/reward": 0.5, "train/rollout_logprob_diff": 3.1e-5})[0]
+    )
+
+
 def test_gspo_clips_whole_completions_and_cispo_keeps_every_tokens_gradient():
     """GSPO: d l / d logp_it = -A_i s_i / (|o_i| G) where s_i is inside [1 - eps_low, 1 + eps_high] (or on the
     side the min does not pick), else 0 for every token of completion i. CISPO: -min(r_it, 1 + eps_high) A_i /
@@ -218,7 +256,11 @@ def test_grpo_loss_and_gradients_chunked_equal_the_unchunked_path(loss, kl, monk
     # 2 prompts x 3 completions of different lengths
     groups = [
         [
-            SimpleNamespace(tokens=torch.randint(0, 96, (n,), generator=g).tolist(), stop_reason="stop")
+            SimpleNamespace(
+                tokens=torch.randint(0, 96, (n,), generator=g).tolist(),
+                stop_reason="stop",
+                logprobs=[-4.0] * n,
+            )
             for n in ns
         ]
         for ns in ((9, 12, 5), (3, 11, 8))
@@ -232,6 +274,8 @@ def test_grpo_loss_and_gradients_chunked_equal_the_unchunked_path(loss, kl, monk
         o.mu, o.accumulation, o.batch_size, o.group_size = 2, 1, 2, 3
         o.kept_round, o.kept, o._clock, o.pad_id, o.scale = None, {}, None, 0, "std"
         o.epsilon, o.epsilon_high, o.beta, o.loss_type, o.kl = 0.2, 0.28, 0.04, loss, kl
+        # gspo: with the truncated IS weights of the sampler's log-probs (-4 each), which both paths read
+        o.invariant, o.is_cap = False, (2.0 if loss == "gspo" else None)
         o.train = Figures(["r"])
         o.sample = lambda *a: (groups, 0.0)
         o._score = lambda batch, groups: ([[[t] for t in ts] for ts in totals], totals)
@@ -274,6 +318,11 @@ def defaults():
         ),
         ({"val_samples": 4}, "grpo.val_samples=4 needs grpo.val_temperature > 0"),
         ({"val_samples": 0}, "grpo.val_samples=0 must be an integer >= 1"),
+        ({"is_correction": 0}, "grpo.is_correction=0 must be null \\(off\\) or the cap"),
+        ({"is_correction": -2.0}, "grpo.is_correction=-2.0 must be null \\(off\\) or the cap"),
+        ({"is_correction": True}, "grpo.is_correction=True must be null"),
+        ({"is_correction": "high"}, "grpo.is_correction='high' must be null"),
+        ({"batch_invariant": "yes"}, "grpo.batch_invariant='yes' must be true or false"),
     ],
 )
 def test_bad_grpo_settings_are_one_line(defaults, grpo, message):
@@ -574,6 +623,8 @@ def test_grpo_samples_scores_and_trains_and_resumes_after_a_kill_mid_step(start,
     assert abs(float(first["train/loss"])) < 1e-6 and float(first["train/kl"]) == 0.0
     assert float(first["train/clip_fraction"]) == 0.0 and 0 < float(first["train/rewards/upper"]) < 1
     assert 1 <= float(first["train/completion_len"]) <= float(first["train/completion_len_max"]) <= 8
+    # grpo.batch_invariant (the default): the sampler's log-probs are the trainer's, bit for bit, every step
+    assert all(float(r["train/rollout_logprob_diff"]) == 0.0 for r in rows.values() if r.get("train/loss"))
     # rollouts are sampled every 2 steps: the second pass has no reward of its own, a ratio that moved
     assert rows[2]["train/reward"] == "" and float(rows[2]["train/kl"]) > 0
     assert float(rows[2]["time/generation_s"]) == 0 and float(rows[1]["time/generation_share"]) > 0
@@ -773,11 +824,17 @@ def test_grpo_with_lora_muon_dapo_accumulation_and_task_evals(start, capfd):
             "grpo.val_samples=4",
             "grpo.val_temperature=1.0",
             "grpo.val_k=[1,2]",
+            "grpo.batch_invariant=false",
+            "grpo.is_correction=2",
         )
     )
     err = capfd.readouterr().err
     assert "KL (k3) to the base with the adapters off, beta 0.1" in err and "2 prompts x 4 completions" in err
+    assert "torch's forwards (not batch-invariant), IS correction capped at 2" in err, err
     rows = rows_of(start / "lora")
+    # torch's own forwards: the mismatch is measured (0 or not), and the share of weights at the cap
+    assert all(0 <= float(rows[s]["train/rollout_logprob_diff"]) < 1e-3 for s in (1, 2))
+    assert all(0 <= float(rows[s]["train/is_capped"]) <= 1 for s in (1, 2))
     # B = 0: the policy is the base, the KL 0
     assert float(rows[1]["train/kl"]) == 0.0 and float(rows[2]["train/kl"]) > 0
     assert rows[2]["eval/tiny_gen/exact_match"] != "" and rows[2]["val/reward"] != ""

@@ -61,8 +61,16 @@ from gptkit.errors import ConfigError, GptkitError
 from gptkit.evaluation.sampled import SampledSums, check_ks
 from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
+from gptkit.model.batch_invariant import batch_invariant
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
-from gptkit.training.objectives.grpo_loss import TOKEN_MEAN, check_grpo_config, group_advantages, grpo_loss
+from gptkit.training.objectives.grpo_loss import (
+    TOKEN_MEAN,
+    check_grpo_config,
+    check_is_correction,
+    group_advantages,
+    grpo_loss,
+    is_weights,
+)
 from gptkit.training.rewards import Rewards, load_rewards, parse_rewards, reward_timeout
 
 
@@ -74,15 +82,18 @@ class Rollouts:
     y           [N, T] int64: the next token where it is a completion's, else -100
     advantages  [N] fp32
     old         [N, T] fp32: log-probs of the policy that sampled them (None: the first pass's, detached)
-    ref         [N, T] fp32: the reference's log-probs (None: no reference)"""
+    ref         [N, T] fp32: the reference's log-probs (None: no reference)
+    sampled     [N, T] fp32: the sampler's own log-prob of each completion token (0 elsewhere; None: rollouts
+                kept by a run from before it was recorded)"""
 
     x: torch.Tensor
     y: torch.Tensor
     advantages: torch.Tensor
     old: torch.Tensor | None = None
     ref: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
 
-    FIELDS = ("x", "y", "advantages", "old", "ref")
+    FIELDS = ("x", "y", "advantages", "old", "ref", "sampled")
 
     def to_dict(self) -> dict[str, torch.Tensor]:
         return {k: getattr(self, k).detach().cpu() for k in self.FIELDS if getattr(self, k) is not None}
@@ -118,6 +129,16 @@ def completion_rows(prompts: list[list[int]], completions: list[list[int]], pad:
     return x.contiguous(), y
 
 
+def sampled_rows(prompts: list[list[int]], groups, shape) -> torch.Tensor:
+    """[N, T] fp32 (shape: completion_rows' y): each completion token's log-prob as its sampler computed it,
+    where y holds the token, else 0."""
+    out = torch.zeros(shape, dtype=torch.float32)
+    for i, c in enumerate(c for group in groups for c in group):
+        p = len(prompts[i // len(groups[0])])
+        out[i, p - 1 : p - 1 + len(c.logprobs)] = torch.tensor(c.logprobs, dtype=torch.float32)
+    return out
+
+
 class Figures:
     """Sums of a window of rollouts and losses (train: between two log steps; val: one validation), read over
     every rank: the generation side's in Python floats, the loss side's on the device (no host sync)."""
@@ -133,6 +154,8 @@ class Figures:
         self.host = [0.0] * (1 + 2 * k + 2 + 2 + 2 + 1)
         self.longest = 0.0
         self.device: dict[str, torch.Tensor] = {}
+        # figures read as their maximum over the window and the ranks (rollout_logprob_diff)
+        self.maxima: dict[str, torch.Tensor] = {}
 
     def add_rollouts(self, scores: list[list[list[float]]], totals: list[list[float]], lengths, cut, seconds):
         """One micro-batch's rewards (scores[p][i][k]: reward k of completion i of prompt p; totals[p][i]),
@@ -158,22 +181,30 @@ class Figures:
             v = v.detach().float()
             self.device[key] = v if key not in self.device else self.device[key] + v
 
+    def add_max(self, key: str, value: torch.Tensor) -> None:
+        v = value.detach().float()
+        self.maxima[key] = v if key not in self.maxima else torch.maximum(self.maxima[key], v)
+
     def read(self, strategy, device) -> dict[str, float] | None:
-        """The window's sums over every rank (None when nothing was added), then start afresh."""
-        keys = sorted(self.device)
+        """The window's sums (and maxima) over every rank (None when nothing was added), then start afresh."""
+        keys, top = sorted(self.device), sorted(self.maxima)
         if not self.host[0] and not keys:
             return None
         host = torch.tensor(self.host, dtype=torch.float64, device=device)
         dev = [self.device[k].to(device, torch.float64).reshape(1) for k in keys]
         sums = torch.cat([host, *dev])
-        longest = torch.tensor(self.longest, dtype=torch.float64, device=device)
+        # the longest completion first, then the maxima
+        most = [torch.tensor([self.longest], dtype=torch.float64, device=device)]
+        most += [self.maxima[k].to(device, torch.float64).reshape(1) for k in top]
+        most = torch.cat(most)
         if strategy is not None:
             sums = strategy.reduce(sums, reduce_op="sum")
-            longest = strategy.reduce(longest, reduce_op="max")
-        values = sums.tolist()
+            most = strategy.reduce(most, reduce_op="max")
+        values, highest = sums.tolist(), most.tolist()
         self.reset()
-        out = {"host": values[: len(self.host)], "longest": float(longest)}
+        out = {"host": values[: len(self.host)], "longest": highest[0]}
         out.update(zip(keys, values[len(self.host) :]))
+        out.update(zip(top, highest[1:]))
         return out
 
 
@@ -265,11 +296,18 @@ class GRPO(Objective):
             "cispo": f"the IS weight clipped at {1 + float(high):g}, detached",
             "gspo": f"the sequence ratio clipped to [{1 - float(g.epsilon):g}, {1 + float(high):g}]",
         }.get(str(g.loss), f"clip [{1 - float(g.epsilon):g}, {1 + float(high):g}]")
+        forwards = (
+            "batch-invariant forwards (sampler and trainer log-probs equal in fp32 on the CPU)"
+            if g.get("batch_invariant")
+            else "torch's forwards (not batch-invariant)"
+        )
+        cap = g.get("is_correction")
+        forwards += f", IS correction capped at {cap:g}" if cap is not None else ""
         return (
             f"GRPO: {g.group_size} completions per prompt (temperature {g.temperature}, top_p {g.top_p}, "
             f"at most {g.max_new_tokens} new tokens), rewards {rewards.describe()}; advantages {scale}; "
             f"{g.loss} loss, {clip}, {g.iterations} "
-            f"pass(es) per batch of rollouts; {kl}"
+            f"pass(es) per batch of rollouts; {kl}; {forwards}"
         )
 
     def __init__(self, plan: Any, frozen: dict[str, FrozenModel] | None = None) -> None:
@@ -282,6 +320,9 @@ class GRPO(Objective):
         self.epsilon_high = float(g.get("epsilon_high") or g.epsilon)
         self.beta = float(g.beta)
         self.kl = str(g.get("kl", "k3"))
+        # the sampler's and the trainer's forwards in the batch-invariant ops; the IS correction's cap
+        self.invariant = bool(g.get("batch_invariant"))
+        self.is_cap = check_is_correction(g.get("is_correction"))
         self.rewards.timeout = reward_timeout(g.get("reward_timeout"))
         self.val_temperature = float(g.get("val_temperature") or 0.0)
         self.val_samples, self.val_ks = check_ks(g.get("val_k"), int(g.get("val_samples") or 1))
@@ -366,7 +407,8 @@ class GRPO(Objective):
         keys = [[sample_key(self.seed, step, s, r) for r in range(n)] for s in batch.slots.tolist()]
         budgets = [min(self.opts.max_new_tokens, self.seq_len - len(p)) for p in prompts]
         t = time.perf_counter()
-        groups = sample_groups(model, prompts, keys, opts, budgets, self._lockstep(model))
+        with batch_invariant(model, self.invariant):
+            groups = sample_groups(model, prompts, keys, opts, budgets, self._lockstep(model))
         return groups, time.perf_counter() - t
 
     def rollouts(self, model, batch: PromptBatch) -> Rollouts:
@@ -383,9 +425,9 @@ class GRPO(Objective):
         x, y = x.to(device), y.to(device)
         cut = sum(c.stop_reason != "stop" for group in groups for c in group)
         self.train.add_rollouts(scores, totals, [len(c) for c in completions], cut, seconds)
-        out = Rollouts(x, y, advantages)
+        out = Rollouts(x, y, advantages, sampled=sampled_rows(batch.prompts(), groups, y.shape).to(device))
         if self.mu > 1:
-            with torch.no_grad():
+            with torch.no_grad(), batch_invariant(model, self.invariant):
                 out.old = target_logps(model, x, y, self.opts.temperature)
         if self.reference is not None:
             with torch.no_grad():
@@ -421,7 +463,7 @@ class GRPO(Objective):
         every: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
         t = max(d["x"].shape[1] for d in every)
-        fill = {"x": self.pad_id, "y": -100, "old": 0.0, "ref": 0.0}
+        fill = {"x": self.pad_id, "y": -100, "old": 0.0, "ref": 0.0, "sampled": 0.0}
         out = {}
         for key in mine:
             parts = [d[key] for d in every]
@@ -440,9 +482,18 @@ class GRPO(Objective):
             self._clock = time.perf_counter()
         ro = self._kept(model, batch) if self.mu > 1 else self.rollouts(model, batch)
         fault_point("rollout")
-        logps = target_logps(model, ro.x, ro.y, self.opts.temperature)  # [N, T]
+        with batch_invariant(model, self.invariant):
+            logps = target_logps(model, ro.x, ro.y, self.opts.temperature)  # [N, T]
         mask = ro.y != -100  # [N, T]
         old = ro.old if ro.old is not None else logps.detach()
+        weight = None
+        if ro.sampled is not None:
+            # the trainer's log-prob of the weights that sampled against the sampler's own
+            diff = (old - ro.sampled).abs().masked_fill(~mask, 0.0)  # [N, T]
+            self.train.add_max("rollout_logprob_diff", diff.max())
+            if self.is_cap is not None:
+                weight = is_weights(old, ro.sampled, self.is_cap)  # [N, T]
+                self.train.add_loss({"is_capped": ((weight >= self.is_cap) & mask).sum()})
         value, figures = grpo_loss(
             logps,
             old,
@@ -455,6 +506,7 @@ class GRPO(Objective):
             loss=self.loss_type,
             max_new_tokens=self.opts.max_new_tokens,
             kl=self.kl,
+            is_weight=weight,
         )
         self.train.add_loss(figures)
         if self.loss_type in TOKEN_MEAN:
@@ -535,6 +587,10 @@ class GRPO(Objective):
             out["train/clip_fraction"] = sums.get("clipped", 0.0) / units
             if "kl" in sums:
                 out["train/kl"] = sums["kl"] / tokens
+            if "is_capped" in sums:
+                out["train/is_capped"] = sums["is_capped"] / tokens
+        if "rollout_logprob_diff" in sums:
+            out["train/rollout_logprob_diff"] = sums["rollout_logprob_diff"]
         world = strategy.world_size if strategy is not None else 1
         generation = h[7 + 2 * k] / max(1, world)
         if self._clock is not None:
@@ -564,6 +620,8 @@ class GRPO(Objective):
             parts.append(f"{key.rsplit('/', 1)[-1]} {metrics[key]:.0%}")
         if "time/generation_share" in metrics:
             parts.append(f"sampling {metrics['time/generation_share']:.0%}")
+        if "train/rollout_logprob_diff" in metrics:
+            parts.append(f"logprob diff {metrics['train/rollout_logprob_diff']:.2g}")
         return ["  ".join(parts)]
 
     def val_progress(self, metrics: dict[str, Any]) -> str:

@@ -50,6 +50,13 @@ def check_grpo_config(g: Any) -> None:
             "times the ratio to the sampling policy, TRL's use_bias_correction_kl)"
         )
     reward_timeout(g.get("reward_timeout"))
+    check_is_correction(g.get("is_correction"))
+    invariant = g.get("batch_invariant")
+    if invariant is not None and not isinstance(invariant, bool):
+        raise ConfigError(
+            f"grpo.batch_invariant={invariant!r} must be true or false (true: the sampler's and the "
+            "trainer's forwards in gptkit.model.batch_invariant's ops: equal log-probs in fp32 on the CPU)"
+        )
     eps, high = g.get("epsilon"), g.get("epsilon_high")
     for key, v in (("epsilon", eps), ("epsilon_high", high)):
         if v is not None and not (isinstance(v, (int, float)) and 0 < float(v) < 1e3):
@@ -76,6 +83,26 @@ def check_grpo_config(g: Any) -> None:
             f"one completion {n} times"
         )
     parse_rewards(g.get("rewards"))
+
+
+def check_is_correction(cap: Any) -> float | None:
+    """grpo.is_correction: None (off) or the cap of the truncated importance-sampling weight, a number > 0."""
+    if cap is None:
+        return None
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < float(cap) < math.inf:
+        raise ConfigError(
+            f"grpo.is_correction={cap!r} must be null (off) or the cap of the truncated importance-sampling "
+            "weight min(exp(trainer - sampler log-prob), cap), a number > 0 (e.g. 2)"
+        )
+    return float(cap)
+
+
+def is_weights(old_logps: torch.Tensor, sampled_logps: torch.Tensor, cap: float) -> torch.Tensor:
+    """Truncated importance sampling [N, T] (TRL's vllm_importance_sampling_mode="token_truncate", verl's
+    TIS): min(exp(old - sampled), cap) per token, detached, where old is the trainer's log-prob of the weights
+    that sampled and sampled the sampler's own. It corrects the policy term for tokens drawn from a sampler
+    whose numbers are not the trainer's (bf16, another backend, a batch-variant decode)."""
+    return torch.clamp(torch.exp(old_logps.detach() - sampled_logps.detach()), max=cap)
 
 
 def group_advantages(rewards: torch.Tensor, scale: str) -> torch.Tensor:
@@ -111,13 +138,16 @@ def grpo_loss(
     loss: str = "grpo",
     max_new_tokens: int | None = None,
     kl: str = "k3",
+    is_weight: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """(the loss of a batch of completions, its figures) from per-token log-probs [N, T] of the policy, of the
     policy that sampled (old_logps) and of the reference (with beta > 0), advantages [N] and the completion
     tokens' mask [N, T] (see the module docstring). The figures are detached sums over the completion tokens:
     tokens, clipped (low: rho < 1 - epsilon_low with A < 0; high: rho > 1 + epsilon_high with A > 0; gspo:
     completions, over clip_units = the completions; cispo: rho > 1 + epsilon_high with A > 0, as TRL counts
-    them), kl (the KL term as the loss has it: k3, or k3 x rho with kl="k3_ratio")."""
+    them), kl (the KL term as the loss has it: k3, or k3 x rho with kl="k3_ratio"). is_weight [N, T]
+    (grpo.is_correction, is_weights): the policy term of each token times it, before the KL term is added
+    (as TRL's GRPOTrainer applies importance_sampling_ratio)."""
     if loss not in LOSSES:
         raise ConfigError(f"grpo.loss={loss!r} is not one of {', '.join(LOSSES)}")
     mask = mask.to(logps.dtype)
@@ -134,6 +164,8 @@ def grpo_loss(
     else:
         clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)  # [N, T] or [N, 1]
         per_token = -torch.min(ratio * adv, clipped * adv)  # [N, T] or [N, 1]
+    if is_weight is not None:
+        per_token = per_token * is_weight  # [N, T]
     figures = {"tokens": mask.sum().detach()}
     if kl not in KLS:
         raise ConfigError(f"grpo.kl={kl!r} is not one of {', '.join(KLS)}")
