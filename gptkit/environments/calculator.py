@@ -3,15 +3,16 @@
     grpo.environment=gptkit.environments.calculator:Calculator
 
 Calculator    tools add(a, b) and multiply(a, b); score 1 when the model's final answer (its last message
-              without calls) is the record's answer, else 0; turn_reward 0.1 for a turn whose call returned
-              the answer (the right tool on the right numbers)
+              without calls) is the record's answer, else half the share of its characters in place (0
+              without a final answer); turn_reward 0.1 for a turn whose call returned the answer (the right
+              tool on the right numbers). Success (docs/agentic.md) is a score of 1.
 records       prompts {"prompt": "37 * 48 = ?", "answer": "1776"} of two-digit operands, and the same as
               SFT transcripts (the call, its result, the answer) in the tool contract's record shape
 CHAT_JSON     a chatml template with tool syntax (<tool_call>{"name", "arguments"}</tool_call>, results in a
               `tool` turn), short enough for a byte tokenizer; written as a run's chat.json by `write_data`
 
 Held-out prompts never occur in the training prompts or transcripts (write_data).
-`python -m gptkit.environments.calculator <folder> [n_sft] [n_train] [n_heldout] [seed]` writes the files.
+`python -m gptkit.environments.calculator <folder> [n_sft n_train n_heldout seed low high]` writes the files.
 """
 
 from __future__ import annotations
@@ -43,11 +44,11 @@ TOOLS = [
         "type": "function",
         "function": {
             "name": name,
-            "description": f"{verb} two integers.",
+            "description": f"{verb} two integers (the question's when none are given).",
             "parameters": {
                 "type": "object",
                 "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                "required": ["a", "b"],
+                "required": [],
             },
         },
     }
@@ -56,38 +57,54 @@ TOOLS = [
 
 
 class Calculator:
-    """Two tools; the episode scores 1 when the final answer is the record's answer."""
+    """Two tools, on the question's operands unless given others; the episode scores 1 for the right final
+    answer, 0.5 for a final answer after the right tool returned the answer, else 0."""
 
     def __init__(self, record: dict) -> None:
         self.answer = str(record.get("answer", "")).strip()
+        self.operands = (record.get("a"), record.get("b"))
+        self.solved = False
 
-    def add(self, a: int, b: int) -> int:
-        """Add two integers."""
-        return int(a) + int(b)
+    def _pair(self, a, b) -> tuple[int, int]:
+        return (int(a), int(b)) if a is not None and b is not None else tuple(map(int, self.operands))
 
-    def multiply(self, a: int, b: int) -> int:
-        """Multiply two integers."""
-        return int(a) * int(b)
+    def add(self, a: int = None, b: int = None) -> int:
+        """Add two integers (the question's when none are given)."""
+        x, y = self._pair(a, b)
+        return self._said(x + y)
+
+    def multiply(self, a: int = None, b: int = None) -> int:
+        """Multiply two integers (the question's when none are given)."""
+        x, y = self._pair(a, b)
+        return self._said(x * y)
+
+    def _said(self, value: int) -> int:
+        self.solved |= str(value) == self.answer
+        return value
 
     def turn_reward(self, turn: int, message: dict, results: list[str]) -> float:
         return 0.1 if any(r.strip() == self.answer for r in results) else 0.0
 
     def score(self, messages: list[dict]) -> float:
         last = messages[-1] if messages else {}
-        final = last.get("role") == "assistant" and not last.get("tool_calls")
-        return float(final and str(last.get("content", "")).strip() == self.answer)
+        if last.get("role") != "assistant" or last.get("tool_calls"):
+            return 0.0
+        if str(last.get("content", "")).strip() == self.answer:
+            return 1.0
+        return 0.5 if self.solved else 0.0
 
 
-def prompt(rng: random.Random) -> dict:
+def prompt(rng: random.Random, low: int = 10, high: int = 99) -> dict:
     op = rng.choice(sorted(OPS))
-    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    a, b = rng.randint(low, high), rng.randint(low, high)
     value = a + b if op == "+" else a * b
     return {"prompt": f"{a} {op} {b} = ?", "answer": str(value), "op": op, "a": a, "b": b}
 
 
 def transcript(p: dict) -> dict:
     """The SFT record of a prompt solved with its tool."""
-    call = {"name": OPS[p["op"]], "arguments": {"a": p["a"], "b": p["b"]}}
+    # the question's operands: no arguments
+    call = {"name": OPS[p["op"]], "arguments": {}}
     return {
         "messages": [
             {"role": "user", "content": p["prompt"]},
@@ -99,24 +116,32 @@ def transcript(p: dict) -> dict:
     }
 
 
-def records(n_sft: int, n_train: int, n_heldout: int, seed: int = 0) -> tuple[list, list, list]:
-    """(SFT transcripts, GRPO training prompts, held-out prompts), all of distinct prompts."""
+def records(
+    n_sft: int, n_train: int, n_heldout: int, seed: int = 0, low: int = 10, high: int = 99
+) -> tuple[list, list, list]:
+    """(SFT transcripts, GRPO training prompts, held-out prompts), all of distinct prompts, operands in
+    [low, high]."""
+    if n_sft + n_train + n_heldout > 2 * (high - low + 1) ** 2:
+        raise ValueError(f"operands in [{low}, {high}] make fewer prompts than {n_sft + n_train + n_heldout}")
     rng, seen, rows = random.Random(seed), set(), []
     while len(rows) < n_sft + n_train + n_heldout:
-        p = prompt(rng)
+        p = prompt(rng, low, high)
         if p["prompt"] not in seen:
             seen.add(p["prompt"])
             rows.append(p)
-    plain = [{k: p[k] for k in ("prompt", "answer")} for p in rows]
+    plain = [{k: p[k] for k in ("prompt", "answer", "a", "b")} for p in rows]
     sft = [transcript(p) for p in rows[:n_sft]]
     return sft, plain[n_sft : n_sft + n_train], plain[n_sft + n_train :]
 
 
-def write_data(folder: Path, n_sft: int, n_train: int, n_heldout: int, seed: int = 0) -> dict[str, Path]:
+def write_data(
+    folder: Path, n_sft: int, n_train: int, n_heldout: int, seed: int = 0, low: int = 10, high: int = 99
+) -> dict[str, Path]:
     """sft.jsonl, prompts.jsonl, heldout.jsonl and chat.json (the template) in folder."""
     folder.mkdir(parents=True, exist_ok=True)
     out = {}
-    for name, rows in zip(("sft", "prompts", "heldout"), records(n_sft, n_train, n_heldout, seed)):
+    split = records(n_sft, n_train, n_heldout, seed, low, high)
+    for name, rows in zip(("sft", "prompts", "heldout"), split):
         out[name] = folder / f"{name}.jsonl"
         out[name].write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     out["chat"] = folder / "chat.json"
@@ -127,8 +152,10 @@ def write_data(folder: Path, n_sft: int, n_train: int, n_heldout: int, seed: int
 if __name__ == "__main__":
     args = sys.argv[1:]
     if not args:
-        print("usage: python -m gptkit.environments.calculator <folder> [n_sft n_train n_heldout seed]")
+        print(
+            "usage: python -m gptkit.environments.calculator <folder> [n_sft n_train n_heldout seed low high]"
+        )
         sys.exit(2)
-    nums = [int(a) for a in args[1:]] + [2000, 400, 200, 0][len(args) - 1 :]
+    nums = [int(a) for a in args[1:]] + [2000, 400, 200, 0, 10, 99][len(args) - 1 :]
     for name, path in write_data(Path(args[0]), *nums).items():
         print(f"{name}: {path}")
