@@ -147,10 +147,11 @@ def test_a_raising_tool_ends_its_episode_with_the_error_and_max_turns_stops_the_
     (e,) = play(tiny, context(tiny), max_turns=2)[0]
     assert e.stop == MAX_TURNS and len(e.turns) == 2 and e.turns[1].results == []
     assert e.messages[-1]["role"] == "assistant" and e.reward == pytest.approx(0.1)
-    # an unknown tool is text: the answer, scored 0
-    scripted(monkeypatch, tiny, ['<tool_call>{"name": "divide", "arguments": {}}</tool_call>'])
-    (e,) = play(tiny, context(tiny))[0]
-    assert e.stop == ANSWER and e.turns[0].calls == [] and e.score == 0.0
+    # an unknown tool, a name that is not text (once a TypeError that stopped the run): text, the answer
+    for name in ('"divide"', '{"a": 1}'):
+        scripted(monkeypatch, tiny, ['<tool_call>{"name": %s, "arguments": {}}</tool_call>' % name])
+        (e,) = play(tiny, context(tiny))[0]
+        assert e.stop == ANSWER and e.turns[0].calls == [] and e.score == 0.0
 
 
 def test_an_episode_is_a_pure_function_of_its_key(tiny):
