@@ -148,7 +148,10 @@ class CallSyntax:
                     args = json.loads(args)
                 except ValueError:
                     return None
-            if name not in by_name or (only is not None and name != only) or not isinstance(args, dict):
+            # a name that is not text (an object, a list) names no tool: the reply is text
+            if not isinstance(name, str) or name not in by_name or (only is not None and name != only):
+                return None
+            if not isinstance(args, dict):
                 return None
             if not arguments_valid(args, by_name[name].get("parameters")):
                 return None

@@ -144,14 +144,18 @@ def trace(cfg) -> dict:
         for m in range(accumulation) if micro is None else [micro]:
             micro_step = (step - 1) * accumulation + m
             rows = feed.trace(micro_step, r, world, chars)
-            batches.append(
-                {
-                    "rank": r,
-                    "micro_batch": m,
-                    "micro_step": micro_step,
-                    "rows": [dataclasses.asdict(o) for o in rows],
-                }
-            )
+            batch = {
+                "rank": r,
+                "micro_batch": m,
+                "micro_step": micro_step,
+                "rows": [dataclasses.asdict(o) for o in rows],
+            }
+            if (saved.get("grpo") or {}).get("environment"):
+                # grpo.environment: the episodes the rank played (written by the run)
+                from gptkit.training.objectives.grpo_episodes import read_episodes
+
+                batch["episodes"] = read_episodes(run_dir, micro_step, r)
+            batches.append(batch)
     return {
         "run": str(run_dir),
         "step": step,
@@ -184,4 +188,16 @@ def run(cfg) -> int:
                 doc = f"document {s['document']:,}" if s["document"] is not None else "document ?"
                 where = "  ".join(x for x in (s["source"], s["where"]) if x)
                 print(f"      {doc}  {where}  ({s['tokens']:,} tokens)")
+        for e in b.get("episodes", []):
+            error = f", {e['error']}" if e["error"] else ""
+            print(
+                f"  episode {e['slot']}.{e['sample']}  {e['where']}  reward {e['reward']:.3f} (score "
+                f"{e['score']:.3f}), ended by {e['stop']}{error}"
+            )
+            for k, t in enumerate(e["turns"], 1):
+                calls = "; ".join(f"{c['name']}({json.dumps(c['arguments'])})" for c in t["calls"])
+                said = (
+                    f"calls {calls} -> {t['results']}" if calls else repr(t["text"][: int(cfg.chars or 80)])
+                )
+                print(f"      turn {k}: {said}  (reward {t['reward']:.3f})")
     return 0

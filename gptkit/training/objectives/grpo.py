@@ -63,6 +63,7 @@ from gptkit.faults import fault_point
 from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.model.batch_invariant import batch_invariant
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
+from gptkit.training.objectives.grpo_episodes import EpisodeRollouts, check_environment, environment_rewards
 from gptkit.training.objectives.grpo_loss import (
     TOKEN_MEAN,
     check_grpo_config,
@@ -239,6 +240,8 @@ class GRPO(Objective):
             )
         # the user's reward functions: loaded (and said) now, before anything is written
         load_rewards(parse_rewards(cfg.grpo.get("rewards")))
+        # ---- grpo.environment (multi-turn episodes: grpo_episodes.py): loaded and said now too
+        check_environment(cfg)
 
     @classmethod
     def rows(cls, group: Any) -> int:
@@ -296,6 +299,14 @@ class GRPO(Objective):
             "cispo": f"the IS weight clipped at {1 + float(high):g}, detached",
             "gspo": f"the sequence ratio clipped to [{1 - float(g.epsilon):g}, {1 + float(high):g}]",
         }.get(str(g.loss), f"clip [{1 - float(g.epsilon):g}, {1 + float(high):g}]")
+        if g.get("environment"):
+            # ---- grpo.environment: episodes, the environment's reward (grpo_episodes.py)
+            return (
+                f"GRPO: {g.group_size} episodes per prompt in {g.environment} (at most {g.max_turns} model "
+                f"turns of {g.max_new_tokens} new tokens, temperature {g.temperature}, top_p {g.top_p}), "
+                f"reward its score and turn rewards; advantages {scale}; {g.loss} loss, {clip}, "
+                f"{g.iterations} pass(es) per batch of rollouts; {kl}"
+            )
         forwards = (
             "batch-invariant forwards (sampler and trainer log-probs equal in fp32 on the CPU)"
             if g.get("batch_invariant")
@@ -348,6 +359,12 @@ class GRPO(Objective):
         )
         self.pad_id = int(tok.get("pad_id") or 0)
         self.tokenizer = plan.data.tokenizer()
+        # ---- grpo.environment: episodes instead of single completions, the environment's reward parts
+        self.episodes: EpisodeRollouts | None = None
+        if g.get("environment"):
+            self.episodes = EpisodeRollouts(plan, g, self.tokenizer, self.opts)
+            self.rewards, self.sampled = environment_rewards(g.environment), None
+        # ----
         self.train = Figures(self.rewards.names)
         self.val = Figures(self.rewards.names)
         # grpo.iterations > 1: the round of rollouts kept, and each micro-batch's (over every rank)
@@ -415,17 +432,30 @@ class GRPO(Objective):
         """Sample, score and turn into rows one micro-batch's completions (steps 1-3 of the module docstring);
         with iterations > 1 the sampling policy's log-probs, and with a reference its log-probs."""
         step = int(batch.step)
-        groups, seconds = self.sample(model, batch, self.group_size, self.opts.temperature, step)
-        scores, totals = self._score(batch, groups)
-        completions = [c.tokens for group in groups for c in group]
         device = batch.ids.device
+        if self.episodes is not None:
+            # ---- grpo.environment: each completion an episode, its row the rendered record (grpo_episodes)
+            groups, seconds = self.episodes.play(
+                model, batch, self.group_size, self.opts.temperature, step, self._lockstep(model)
+            )
+            scores, totals = self.episodes.scores(groups)
+            self.episodes.log(groups, batch, step, self._rank())
+            x, y = self.episodes.rows(groups, self.pad_id)
+            lengths, cut = self.episodes.count(groups)
+        else:
+            groups, seconds = self.sample(model, batch, self.group_size, self.opts.temperature, step)
+            scores, totals = self._score(batch, groups)
+            completions = [c.tokens for group in groups for c in group]
+            x, y = completion_rows(batch.prompts(), completions, self.pad_id)
+            lengths = [len(c) for c in completions]
+            cut = sum(c.stop_reason != "stop" for group in groups for c in group)
         rewards = torch.tensor(totals, dtype=torch.float32, device=device)  # [P, G]
         advantages = group_advantages(rewards, self.scale).flatten()  # [N]
-        x, y = completion_rows(batch.prompts(), completions, self.pad_id)
         x, y = x.to(device), y.to(device)
-        cut = sum(c.stop_reason != "stop" for group in groups for c in group)
-        self.train.add_rollouts(scores, totals, [len(c) for c in completions], cut, seconds)
-        out = Rollouts(x, y, advantages, sampled=sampled_rows(batch.prompts(), groups, y.shape).to(device))
+        self.train.add_rollouts(scores, totals, lengths, cut, seconds)
+        # the sampler's own log-probs (single-turn; an episode's rows are its rendered record: None)
+        sampled = None if self.episodes is not None else sampled_rows(batch.prompts(), groups, y.shape)
+        out = Rollouts(x, y, advantages, sampled=None if sampled is None else sampled.to(device))
         if self.mu > 1:
             with torch.no_grad(), batch_invariant(model, self.invariant):
                 out.old = target_logps(model, x, y, self.opts.temperature)
@@ -519,10 +549,23 @@ class GRPO(Objective):
         -1, index, 0)), scored; each val prompt counted once over the ranks (index % world == rank, where
         DistributedSampler puts it first)."""
         t = time.perf_counter()
-        groups, seconds = self.sample(model, batch, self.val_samples, self.val_temperature, -1)
-        # a validation inside a train window is not its wall time
         mine = [(i % world_size) == rank for i in batch.index.tolist()]
         keep = [i for i, m in enumerate(mine) if m]
+        if self.episodes is not None:
+            # ---- grpo.environment: one episode per val prompt of this rank (keys (seed, -1, index, 0))
+            sub = self._rows_of(batch, keep)
+            if keep:
+                groups, seconds = self.episodes.play(
+                    model, sub, self.val_samples, self.val_temperature, -1, self._lockstep(model)
+                )
+                scores, totals = self.episodes.scores(groups)
+                lengths, _ = self.episodes.count(groups, "val")
+                self.val.add_rollouts(scores, totals, lengths, 0, seconds)
+            if self._clock is not None:
+                self._val_seconds += time.perf_counter() - t
+            return
+        groups, seconds = self.sample(model, batch, self.val_samples, self.val_temperature, -1)
+        # a validation inside a train window is not its wall time
         if keep:
             sub = PromptBatch(
                 batch.ids[keep],
@@ -542,6 +585,22 @@ class GRPO(Objective):
                 self.sampled.add(scores, [[self._text(c.tokens) for c in g] for g in groups])
         if self._clock is not None:
             self._val_seconds += time.perf_counter() - t
+
+    @staticmethod
+    def _rows_of(batch: PromptBatch, keep: list[int]) -> PromptBatch:
+        return PromptBatch(
+            batch.ids[keep],
+            batch.lengths[keep],
+            batch.index[keep],
+            batch.slots[keep],
+            batch.step,
+            [batch.rows[i] for i in keep],
+            [batch.where[i] for i in keep],
+        )
+
+    @staticmethod
+    def _rank() -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     def _metrics(self, sums: dict[str, Any], prefix: str) -> dict[str, float]:
         h, k = sums["host"], len(self.rewards.names)
@@ -566,6 +625,8 @@ class GRPO(Objective):
         if sums is None or not sums["host"][0]:
             return {}
         out = self._metrics(sums, "val")
+        if self.episodes is not None:
+            out.update(self.episodes.metrics(strategy, self._device(strategy), "val"))
         if self.sampled is not None:
             out.update(self.sampled.read(strategy, self._device(strategy)))
         return {"val/loss": -out["val/reward"], **out}
@@ -578,6 +639,8 @@ class GRPO(Objective):
         if sums is None:
             return {}
         out = self._metrics(sums, "train")
+        if self.episodes is not None:
+            out.update(self.episodes.metrics(strategy, self._device(strategy), "train"))
         h, k = sums["host"], len(self.rewards.names)
         if h[3 + 2 * k]:
             out["train/groups_zero_std"] = h[4 + 2 * k] / h[3 + 2 * k]
