@@ -283,6 +283,23 @@ def test_bad_grpo_settings_are_one_line(defaults, grpo, message):
         check_grpo_config(g)
 
 
+@pytest.mark.parametrize(
+    "grpo, message",
+    [
+        ({"rollouts": "vllm"}, "grpo.rollouts='vllm' is not one of engine, groups"),
+        ({"rollout_rows": 0}, "grpo.rollout_rows=0 must be null"),
+    ],
+)
+def test_bad_rollout_settings_are_one_line(defaults, grpo, message):
+    from gptkit.training.objectives.grpo import GRPO
+
+    g = defaults.copy()
+    g.update(grpo)
+    with pytest.raises(ConfigError, match=message):
+        GRPO.check_config(g)
+    GRPO.check_config(defaults)
+
+
 # ---- rewards ------------------------------------------------------------------------------------------
 def test_the_checkers_score_what_they_say():
     rewards = parse_rewards(
