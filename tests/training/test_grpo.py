@@ -612,6 +612,30 @@ def test_grpo_samples_scores_and_trains_and_resumes_after_a_kill_mid_step(start,
     assert all(torch.equal(v, want[k]) for k, v in got.items())
 
 
+def test_bench_grpo_reads_a_runs_step_and_sampling_times_and_compares_the_samplers(straight):
+    """gptkit bench grpo's figures: a run's steps, seconds sampling and the rest of its steps (metrics.csv,
+    validations left out); per thread count each sampler's mean step time and share, and the first sampler's
+    times over the others'."""
+    from gptkit.bench.grpo import _metrics, compare
+
+    steps, sampling, rest = _metrics(straight)
+    rows = rows_of(straight).values()
+    assert steps == 6 and sampling == pytest.approx(sum(float(r.get("time/generation_s") or 0) for r in rows))
+    assert sampling > 0 and rest > 0
+    run = dict(steps=10, sampling_s=3.0, training_s=1.0, after=0.5)
+    runs = [
+        {**run, "threads": 1, "sampler": "groups"},
+        {**run, "threads": 1, "sampler": "engine", "sampling_s": 1.0, "after": 0.4},
+        {**run, "threads": 1, "sampler": "engine", "sampling_s": 0.5, "after": 0.5, "seed": 1},
+    ]
+    (one,) = compare(runs, ["groups", "engine"])
+    groups, engine = one["samplers"]["groups"], one["samplers"]["engine"]
+    assert (groups["step_ms"], groups["sampling_share"]) == (400.0, 0.75)
+    assert engine["step_ms"] == pytest.approx(175.0) and engine["sampling_ms"] == pytest.approx(75.0)
+    assert engine["step_speedup"] == pytest.approx(400 / 175) and engine["sampling_speedup"] == pytest.approx(4.0)
+    assert engine["after"] == [0.4, 0.5] and engine["after_spread"] == pytest.approx(0.1)
+
+
 @pytest.mark.parametrize("loss", ["gspo", "cispo"])
 def test_gspo_and_cispo_train_end_to_end_over_two_passes(start, straight, loss, capfd):
     # step 1 samples and passes once (ratio 1), step 2 passes again over the same rollouts (the ratio moved)
