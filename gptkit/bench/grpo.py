@@ -9,7 +9,12 @@ after GRPO, the steps, the wall time and the share of it spent sampling.
    exact_match);
 4. `gptkit train experiment=grpo-tiny init_from=<start>` as its own process, timed;
 5. "after": the GRPO run answers the same prompts; the sampling time is the sum of its metrics.csv's
-   time/generation_s.
+   time/generation_s, a step's time that and time/training_s over its steps (validations left out).
+
+samplers=[groups,engine] runs step 4-5 once per grpo.rollouts (one prompt's group per batch, the engine's
+continuous batch), for each of seeds (the runs' seed=) and train_threads (trainer.threads), and prints per
+thread count each one's step time, sampling time and share, held-out exact match per seed, and the first
+one's times over the others' (the speed-up).
 """
 
 from __future__ import annotations
@@ -44,12 +49,44 @@ def _train(con, args: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def _metrics(run: Path) -> tuple[int, float]:
-    """(optimizer steps, seconds spent sampling) of a GRPO run's metrics.csv."""
+def _metrics(run: Path) -> tuple[int, float, float]:
+    """(optimizer steps, seconds spent sampling, the rest of the steps' wall time: scoring, forward, backward,
+    optimizer) of a GRPO run's metrics.csv (time/generation_s and time/training_s: validations left out)."""
     with open(run / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     steps = max((int(r["step"]) for r in rows if r.get("train/loss")), default=0)
-    return steps, sum(float(r.get("time/generation_s") or 0.0) for r in rows)
+    sampling = sum(float(r.get("time/generation_s") or 0.0) for r in rows)
+    return steps, sampling, sum(float(r.get("time/training_s") or 0.0) for r in rows)
+
+
+def compare(runs: list[dict], samplers: list[str]) -> list[dict]:
+    """Per trainer.threads: each sampler's mean step time, sampling time per step and share (over the seeds),
+    its held-out exact match per seed, and the first sampler's step and sampling times over each other's
+    (how many times faster the other is)."""
+    out = []
+    for threads in dict.fromkeys(r["threads"] for r in runs):
+        mine = [r for r in runs if r["threads"] == threads]
+        by = {}
+        for sampler in samplers:
+            rs = [r for r in mine if r["sampler"] == sampler]
+            steps = sum(r["steps"] for r in rs)
+            sampling, rest = sum(r["sampling_s"] for r in rs), sum(r["training_s"] for r in rs)
+            after = [r["after"] for r in rs]
+            by[sampler] = {
+                "step_ms": 1000 * (sampling + rest) / max(1, steps),
+                "sampling_ms": 1000 * sampling / max(1, steps),
+                "sampling_share": sampling / max(1e-9, sampling + rest),
+                "after": after,
+                "after_mean": sum(after) / max(1, len(after)),
+                "after_spread": max(after) - min(after) if after else 0.0,
+            }
+        base = by[samplers[0]]
+        for sampler in samplers[1:]:
+            b = by[sampler]
+            b["step_speedup"] = base["step_ms"] / max(1e-9, b["step_ms"])
+            b["sampling_speedup"] = base["sampling_ms"] / max(1e-9, b["sampling_ms"])
+        out.append({"threads": threads, "samplers": by})
+    return out
 
 
 def _exact(run: Path, held: list[dict]) -> tuple[float, list[str]]:
@@ -96,50 +133,114 @@ def run(cfg) -> int:
     before, before_answers = _exact(start, held)
     before_s = time.perf_counter() - t
 
-    times["grpo"] = _train(
-        con,
-        [
-            "experiment=grpo-tiny",
-            f"init_from={start}",
-            f"data.paths=[{prompts_file}]",
-            f"runs_dir={root}",
-            "name=grpo",
-            "trainer.progress=lines",
-            *[str(o) for o in cfg.overrides or []],
-        ],
-    )
-    steps, sampling = _metrics(root / "grpo")
-    t = time.perf_counter()
-    after, answers = _exact(root / "grpo", held)
-    after_s = time.perf_counter() - t
+    samplers = [str(x) for x in (cfg.samplers or ["engine"])]
+    seeds = list(cfg.seeds or [None])
+    threads_list = list(cfg.train_threads or [None])
+    single = len(samplers) * len(seeds) * len(threads_list) == 1
+    runs: list[dict] = []
+    # the samplers alternate inside each (threads, seed): a drift of the machine's load hits both alike
+    for threads in threads_list:
+        for seed in seeds:
+            for sampler in samplers:
+                name = (
+                    "grpo"
+                    if single
+                    else f"grpo-{sampler}-t{threads or 'r'}-s{seed if seed is not None else 'r'}"
+                )
+                load_before = os.getloadavg()[0]
+                wall = _train(
+                    con,
+                    [
+                        "experiment=grpo-tiny",
+                        f"init_from={start}",
+                        f"data.paths=[{prompts_file}]",
+                        f"runs_dir={root}",
+                        f"name={name}",
+                        "trainer.progress=lines",
+                        f"grpo.rollouts={sampler}",
+                        *([f"trainer.threads={int(threads)}"] if threads is not None else []),
+                        *([f"seed={int(seed)}"] if seed is not None else []),
+                        *[str(o) for o in cfg.overrides or []],
+                    ],
+                )
+                steps, sampling, training = _metrics(root / name)
+                t = time.perf_counter()
+                after, answers = _exact(root / name, held)
+                runs.append(
+                    {
+                        "name": name,
+                        "sampler": sampler,
+                        "threads": threads,
+                        "seed": seed,
+                        "steps": steps,
+                        "wall_s": wall,
+                        "sampling_s": sampling,
+                        "training_s": training,
+                        "after": after,
+                        "after_by_task": by_task(held, answers),
+                        "answers": answers,
+                        "exact_s": time.perf_counter() - t,
+                        "load": [load_before, os.getloadavg()[0]],
+                    }
+                )
+                con.print(
+                    f"{name}: {steps} steps, {1000 * (sampling + training) / max(1, steps):.1f} ms a step, "
+                    f"sampling {sampling / max(1e-9, sampling + training):.0%}, exact match {after:.1%} "
+                    f"(load {load_before:.2f} -> {os.getloadavg()[0]:.2f})"
+                )
 
     table = Table(title=f"experiment=grpo-tiny: exact match on {len(held)} held-out prompts")
-    for col in ("", "exact match", "by task", "wall time"):
+    for col in ("", "exact match", "by task", "step (sampling)", "wall time"):
         table.add_column(col)
-    tasks_before, tasks_after = by_task(held, before_answers), by_task(held, answers)
+    tasks_before = by_task(held, before_answers)
     fmt = lambda tasks: ", ".join(f"{k} {v:.1%}" for k, v in tasks.items())  # noqa: E731
-    table.add_row("before (the SFT start)", f"{before:.1%}", fmt(tasks_before), f"{before_s:.1f} s")
-    table.add_row(
-        f"GRPO: {steps} steps",
-        "",
-        f"sampling {sampling:.0f} s = {sampling / times['grpo']:.0%} of the run's wall time",
-        f"{times['grpo']:.0f} s",
-    )
-    table.add_row("after", f"{after:.1%}", fmt(tasks_after), f"{after_s:.1f} s")
+    table.add_row("before (the SFT start)", f"{before:.1%}", fmt(tasks_before), "", f"{before_s:.1f} s")
+    for r in runs:
+        step_ms = 1000 * (r["sampling_s"] + r["training_s"]) / max(1, r["steps"])
+        share = r["sampling_s"] / max(1e-9, r["sampling_s"] + r["training_s"])
+        table.add_row(
+            f"after {r['steps']} steps, grpo.rollouts={r['sampler']}"
+            + (f", {r['threads']} thread(s)" if r["threads"] else "")
+            + (f", seed {r['seed']}" if r["seed"] is not None else ""),
+            f"{r['after']:.1%}",
+            fmt(r["after_by_task"]),
+            f"{step_ms:.1f} ms (sampling {share:.0%})",
+            f"{r['wall_s']:.0f} s",
+        )
     Console().print(table)
-    print(f"  exact match {before:.1%} -> {after:.1%} ({100 * (after - before):+.1f} points)")
-    for row, a in list(zip(held, answers))[:3]:
+    comparison = compare(runs, samplers)
+    for c in comparison:
+        for sampler, b in c["samplers"].items():
+            line = (
+                f"  {c['threads'] or 'recipe'} thread(s), {sampler}: {b['step_ms']:.1f} ms a step, sampling "
+                f"{b['sampling_ms']:.1f} ms ({b['sampling_share']:.0%}); exact match "
+                + " ".join(f"{a:.1%}" for a in b["after"])
+                + f" (mean {b['after_mean']:.1%}, spread {100 * b['after_spread']:.1f} points)"
+            )
+            if "step_speedup" in b:
+                line += (
+                    f"; {samplers[0]}/{sampler}: step {b['step_speedup']:.2f}x, sampling "
+                    f"{b['sampling_speedup']:.2f}x"
+                )
+            print(line)
+    first = runs[0]
+    print(
+        f"  exact match {before:.1%} -> {first['after']:.1%} ({100 * (first['after'] - before):+.1f} points)"
+    )
+    for row, a in list(zip(held, first["answers"]))[:3]:
         print(f"  {row['prompt']!r} -> {a!r} (want {row['response']!r})")
     end = os.getloadavg()
     con.print(f"load average at the end: {end[0]:.2f} {end[1]:.2f} {end[2]:.2f}")
     out = {
         "before": before,
-        "after": after,
+        "after": first["after"],
         "before_by_task": tasks_before,
-        "after_by_task": tasks_after,
-        "steps": steps,
-        "wall_s": times,
-        "sampling_s": sampling,
+        "after_by_task": first["after_by_task"],
+        "steps": first["steps"],
+        "wall_s": {**times, "grpo": first["wall_s"]},
+        "sampling_s": first["sampling_s"],
+        "runs": [{k: v for k, v in r.items() if k != "answers"} for r in runs],
+        "comparison": comparison,
         "held_out": len(held),
         "train_prompts": len(train_rows),
         "start": str(start),

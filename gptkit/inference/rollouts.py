@@ -2,6 +2,7 @@
 the KV cache, each drawn with noise of its own.
 
     sample_groups(model, prompts, keys, opts, budgets)   -> per prompt, its n Completions
+    sample_groups_batched(... , max_rows)                -> the same, every group in one continuous batch
     sample_rows(model, prompts, keys, opts, budget)      -> one Completion per prompt, prompts of one length
                                                             in one batch (objective=gkd: corpus prefixes)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -28,6 +30,7 @@ import torch
 
 from gptkit.errors import ConfigError
 from gptkit.inference.sampling import sample_next
+from gptkit.inference.slot_cache import SlotCache
 from gptkit.model.kv_cache import KVCache
 
 _M32 = 0xFFFFFFFF
@@ -97,11 +100,16 @@ def key_tensor(keys: list[int], device) -> torch.Tensor:
     return torch.tensor([[(k >> 32) & _M32, k & _M32] for k in keys], dtype=torch.long, device=device)
 
 
-def key_noise(keys: torch.Tensor, index: int, vocab_size: int) -> torch.Tensor:
+def key_noise(keys: torch.Tensor, index: int | torch.Tensor, vocab_size: int) -> torch.Tensor:
     """Exp(1) draws [n, vocab_size] (fp32) for the index-th new token of the rows whose keys (key_tensor) are
-    `keys` [n, 2]: a pure function of (key, index, vocabulary id), 24 bits of a uniform per draw."""
+    `keys` [n, 2]: a pure function of (key, index, vocabulary id), 24 bits of a uniform per draw. index: one
+    for every row, or [n] int64, each row's own (the engine's rows are at different tokens)."""
     hi, lo = keys[:, 0], keys[:, 1]  # [n] each
-    step = _mix32(torch.full_like(hi, index & _M32) ^ 0x85EBCA6B)  # [n]
+    if isinstance(index, torch.Tensor):
+        index = index.to(hi.device, torch.long) & _M32  # [n]
+    else:
+        index = torch.full_like(hi, index & _M32)  # [n]
+    step = _mix32(index ^ 0x85EBCA6B)  # [n]
     row = _mix32(_mix32(hi ^ step) ^ lo)  # [n]
     vocab = _vocab_hash(vocab_size, keys.device)  # [V]
     bits = _mix32(row[:, None] ^ vocab[None, :])  # [n, V] in [0, 2^32)
@@ -247,3 +255,192 @@ def _sample_batch(model, prompts, keys, opts: RolloutOptions, budget: int, locks
         Completion(rows[r][: lengths[r]], "stop" if stopped[r] else full, lps[r][: lengths[r]])
         for r in range(n)
     ]
+
+
+# ---- several prompts' groups in one batch ---------------------------------------------------------------
+
+
+@torch.no_grad()
+def sample_groups_batched(
+    model,
+    prompts: list[list[int]],
+    keys: list[list[int]],
+    opts: RolloutOptions,
+    budgets: list[int],
+    lockstep: Optional[Callable[[bool], bool]] = None,
+    max_rows: Optional[int] = None,
+) -> list[list[Completion]]:
+    """sample_groups' completions (the same keys, budgets and stop reasons), decoded by continuous batching:
+    every group's rows in one batch through a SlotCache (gptkit.inference.slot_cache: one slot per row, each
+    at its own position), at most max_rows rows at once (None: every group's), a group joining when its rows
+    fit (its prompt's prefill [1, T0] copied into its rows' slots) and each row leaving when it ends. Row r
+    of group p draws its i-th token with key_noise(keys[p][r], i) whichever step and slot it is in, so a
+    completion is the function of its key that sample_groups computes, up to the rounding of a batched
+    decode (a decode step reads each row at its own length under a mask; a batch-invariant decode makes it
+    exact).
+
+    lockstep (FSDP2): every forward (a prefill, a decode step, a row's longrope restart) is one step of the
+    loop, and each step first asks lockstep(this rank has work); a rank without work joins with a one-token
+    forward whose output it drops, so every rank runs as many forwards."""
+    opts.validate()
+    for p, b in zip(prompts, budgets):
+        if b < 1 or not p:
+            raise ValueError(f"a prompt of {len(p)} tokens with room for {b} new tokens")
+    most = max((len(k) for k in keys), default=1)
+    rows = max(most, int(max_rows) if max_rows else sum(len(k) for k in keys))
+    was = model.training
+    model.eval()
+    try:
+        return _Engine(model, prompts, keys, opts, budgets, rows, lockstep).run()
+    finally:
+        model.train(was)
+
+
+class _Row:
+    """One completion in a slot of the engine."""
+
+    __slots__ = ("group", "r", "key", "budget", "tokens", "logprobs", "restart")
+
+    def __init__(self, group: int, r: int, key: int, budget: int) -> None:
+        self.group, self.r, self.key, self.budget = group, r, key, budget
+        # the tokens drawn so far (the last one not yet fed)
+        self.tokens: list[int] = []
+        # each drawn token's log-prob (token_logps: the trainer's operations)
+        self.logprobs: list[float] = []
+        # its next token must be fed by a prefill of the whole row (a longrope scaling's switch)
+        self.restart = False
+
+
+class _Engine:
+    """sample_groups_batched's loop: one forward per step (module docstring of sample_groups_batched)."""
+
+    def __init__(self, model, prompts, keys, opts: RolloutOptions, budgets, rows: int, lockstep) -> None:
+        self.model, self.prompts, self.keys, self.opts = model, prompts, keys, opts
+        self.budgets, self.capacity, self.lockstep = budgets, rows, lockstep
+        self.device = model.tok_emb.weight.device
+        self.stops = set(opts.stop_ids)
+        self.done: list[list[Optional[Completion]]] = [[None] * len(k) for k in keys]
+        # rows[i] lives in slot i
+        self.rows: list[_Row] = []
+        self.forwards = 0
+
+    def run(self) -> list[list[Completion]]:
+        dtype = self._compute_dtype()
+        longest = max((len(p) + b for p, b in zip(self.prompts, self.budgets)), default=1)
+        self.cache = SlotCache(self.model.cfg, self.capacity, longest, device=self.device, dtype=dtype)
+        waiting = deque(g for g in range(len(self.prompts)) if self.keys[g])
+        while True:
+            admit = bool(waiting) and len(self.rows) + len(self.keys[waiting[0]]) <= self.capacity
+            restart = next((i for i, row in enumerate(self.rows) if row.restart), None)
+            work = admit or bool(self.rows)
+            if self.lockstep is not None:
+                if not self.lockstep(work):
+                    break
+                if not work:
+                    # every rank runs each forward of FSDP2's gathers: join with one token, output dropped
+                    self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), logits_to_keep=1)
+                    continue
+            elif not work:
+                break
+            if admit:
+                self._admit(waiting.popleft())
+            elif restart is not None:
+                self._restart(restart)
+            else:
+                self._decode()
+            self._compact()
+        return self.done  # type: ignore[return-value]
+
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the model's keys come out in (autocast's, FSDP2's param_dtype, the weights'): one
+        one-token forward into a cache allocated at its first keys (every rank runs it)."""
+        probe = _Cache(self.model.cfg, 1, 1)
+        self.model(torch.zeros(1, 1, dtype=torch.long, device=self.device), cache=probe, logits_to_keep=1)
+        for layer, lay in enumerate(probe.layouts):
+            if probe.k[layer] is not None and not probe.k[layer].is_meta:
+                return probe.k[layer].dtype
+            state = probe.states[layer]
+            if state is not None and not state.is_meta and not lay.state_fp32:
+                return state.dtype
+        return self.model.tok_emb.weight.dtype
+
+    def _forward(self, ids: torch.Tensor, view) -> torch.Tensor:
+        self.forwards += 1
+        return self.model(ids, cache=view, logits_to_keep=1).logits[:, -1]  # [n, V]
+
+    def _admit(self, g: int) -> None:
+        """Group g's prompt [1, T0] into the next free slot, copied into one slot per row; each row's first
+        token drawn from the prompt's logits."""
+        slot, n = len(self.rows), len(self.keys[g])
+        ids = torch.tensor([self.prompts[g]], dtype=torch.long, device=self.device)  # [1, T0]
+        logits = self._forward(ids, self.cache.prefill(slot))  # [1, V]
+        for c in range(1, n):
+            self.cache.copy(slot, slot + c)
+        new = [_Row(g, r, k, self.budgets[g]) for r, k in enumerate(self.keys[g])]
+        self.rows.extend(new)
+        self._draw(new, logits.expand(n, -1))
+
+    def _restart(self, i: int) -> None:
+        """Row i past a longrope scaling's original context: its slot again, every key with the long factors
+        (its prompt and its tokens, the last one included), as sample_groups does."""
+        row = self.rows[i]
+        self.cache.free(i)
+        ids = torch.tensor([self.prompts[row.group] + row.tokens], dtype=torch.long, device=self.device)
+        logits = self._forward(ids, self.cache.prefill(i))  # [1, V]
+        self._draw([row], logits)
+
+    def _decode(self) -> None:
+        """One token for every row [n, 1], each at its own position."""
+        n = len(self.rows)
+        last = torch.tensor([[row.tokens[-1]] for row in self.rows], dtype=torch.long, device=self.device)
+        logits = self._forward(last, self.cache.decode(n))  # [n, V]
+        self._draw(self.rows, logits)
+
+    def _draw(self, rows: list[_Row], logits: torch.Tensor) -> None:
+        """Each row's next token from its logits [n, V] with its key's noise at its own token index."""
+        o = self.opts
+        noise = None
+        if o.temperature > 0:
+            keys = key_tensor([row.key for row in rows], logits.device)  # [n, 2]
+            index = torch.tensor([len(row.tokens) for row in rows], dtype=torch.long, device=logits.device)
+            noise = key_noise(keys, index, logits.shape[-1])  # [n, V]
+        picked = sample_next(logits, o.temperature, o.top_k, o.top_p, None, noise)  # [n]
+        lps = token_logps(logits, picked.view(-1), o.temperature).tolist()  # [n]
+        for row, tok, lp in zip(rows, picked.view(-1).tolist(), lps):
+            row.tokens.append(int(tok))
+            row.logprobs.append(lp)
+            row.restart = False
+            end = None
+            if tok in self.stops:
+                end = "stop"
+            elif len(row.tokens) >= row.budget:
+                end = "length" if row.budget == o.max_new_tokens else "context"
+            if end is not None:
+                self.done[row.group][row.r] = Completion(row.tokens, end, row.logprobs)
+                continue
+            # the cache holds the prompt and every token but this one, which is fed next at that position
+            cached = len(self.prompts[row.group]) + len(row.tokens) - 1
+            row.restart = self.model.rope_restart(cached, cached + 1)
+
+    def _compact(self) -> None:
+        """Ended rows leave; the last row moves into each hole (the active rows stay in slots 0..n-1)."""
+        i = 0
+        while i < len(self.rows):
+            row = self.rows[i]
+            if self.done[row.group][row.r] is None:
+                i += 1
+                continue
+            last = len(self.rows) - 1
+            if i != last:
+                self.cache.move(last, i)
+                self.rows[i] = self.rows[last]
+            else:
+                self.cache.free(i)
+            self.rows.pop()
+
+
+# grpo.rollouts: how a step's groups are decoded (both draw each completion from its key)
+SAMPLERS: dict[str, Callable[..., list[list[Completion]]]] = {
+    "engine": sample_groups_batched,
+    "groups": sample_groups,
+}

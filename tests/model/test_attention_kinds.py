@@ -13,7 +13,7 @@ from gptkit import accounting
 from gptkit.errors import ConfigError
 from gptkit.inference.batcher import SamplingParams, generate_many
 from gptkit.inference.generate import generate
-from gptkit.inference.rollouts import RolloutOptions, sample_groups
+from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_groups_batched
 from gptkit.inference.sampling import SampleOptions
 from gptkit.inference.slot_cache import SlotCache
 from gptkit.model import GPT, KVCache, ModelConfig, StaticKVCache
@@ -243,6 +243,11 @@ def decodes_through_every_cache_as_it_recomputes(model, atol=1e-5):
     assert served[1].choices[0].tokens == alone
     rolled = sample_groups(model, [PROMPT], [[1, 2]], RolloutOptions(12, temperature=0), [12])
     assert [c.tokens for c in rolled[0]] == [want, want]
+    # GRPO's engine: both prompts' groups in one continuous batch
+    rolled = sample_groups_batched(
+        model, [PROMPT[:3], PROMPT], [[1], [2, 3]], RolloutOptions(12, 0), [12, 12]
+    )
+    assert [[c.tokens for c in g] for g in rolled] == [[alone], [want, want]]
 
 
 def test_a_state_cannot_be_rewound_and_restarts_from_zero(stub_kinds):

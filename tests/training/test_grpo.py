@@ -275,7 +275,7 @@ def test_grpo_loss_and_gradients_chunked_equal_the_unchunked_path(loss, kl, monk
         o.kept_round, o.kept, o._clock, o.pad_id, o.scale = None, {}, None, 0, "std"
         o.epsilon, o.epsilon_high, o.beta, o.loss_type, o.kl = 0.2, 0.28, 0.04, loss, kl
         # gspo: with the truncated IS weights of the sampler's log-probs (-4 each), which both paths read
-        o.invariant, o.is_cap = False, (2.0 if loss == "gspo" else None)
+        o.invariant, o.is_cap, o.episodes = False, (2.0 if loss == "gspo" else None), None
         o.train = Figures(["r"])
         o.sample = lambda *a: (groups, 0.0)
         o._score = lambda batch, groups: ([[[t] for t in ts] for ts in totals], totals)
@@ -330,6 +330,23 @@ def test_bad_grpo_settings_are_one_line(defaults, grpo, message):
     g.update(grpo)
     with pytest.raises(ConfigError, match=message):
         check_grpo_config(g)
+
+
+@pytest.mark.parametrize(
+    "grpo, message",
+    [
+        ({"rollouts": "vllm"}, "grpo.rollouts='vllm' is not one of engine, groups"),
+        ({"rollout_rows": 0}, "grpo.rollout_rows=0 must be null"),
+    ],
+)
+def test_bad_rollout_settings_are_one_line(defaults, grpo, message):
+    from gptkit.training.objectives.grpo import GRPO
+
+    g = defaults.copy()
+    g.update(grpo)
+    with pytest.raises(ConfigError, match=message):
+        GRPO.check_config(g)
+    GRPO.check_config(defaults)
 
 
 # ---- rewards ------------------------------------------------------------------------------------------
@@ -644,6 +661,31 @@ def test_grpo_samples_scores_and_trains_and_resumes_after_a_kill_mid_step(start,
     want = torch.load(straight / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     got = torch.load(killed / "checkpoints/last.ckpt", weights_only=True)["state_dict"]
     assert all(torch.equal(v, want[k]) for k, v in got.items())
+
+
+def test_bench_grpo_reads_a_runs_step_and_sampling_times_and_compares_the_samplers(straight):
+    """gptkit bench grpo's figures: a run's steps, seconds sampling and the rest of its steps (metrics.csv,
+    validations left out); per thread count each sampler's mean step time and share, and the first sampler's
+    times over the others'."""
+    from gptkit.bench.grpo import _metrics, compare
+
+    steps, sampling, rest = _metrics(straight)
+    rows = rows_of(straight).values()
+    assert steps == 6 and sampling == pytest.approx(sum(float(r.get("time/generation_s") or 0) for r in rows))
+    assert sampling > 0 and rest > 0
+    run = dict(steps=10, sampling_s=3.0, training_s=1.0, after=0.5)
+    runs = [
+        {**run, "threads": 1, "sampler": "groups"},
+        {**run, "threads": 1, "sampler": "engine", "sampling_s": 1.0, "after": 0.4},
+        {**run, "threads": 1, "sampler": "engine", "sampling_s": 0.5, "after": 0.5, "seed": 1},
+    ]
+    (one,) = compare(runs, ["groups", "engine"])
+    groups, engine = one["samplers"]["groups"], one["samplers"]["engine"]
+    assert (groups["step_ms"], groups["sampling_share"]) == (400.0, 0.75)
+    assert engine["step_ms"] == pytest.approx(175.0) and engine["sampling_ms"] == pytest.approx(75.0)
+    assert engine["step_speedup"] == pytest.approx(400 / 175)
+    assert engine["sampling_speedup"] == pytest.approx(4.0)
+    assert engine["after"] == [0.4, 0.5] and engine["after_spread"] == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("loss", ["gspo", "cispo"])

@@ -7,7 +7,8 @@ One optimizer step, for each prompt of its batch:
   1. rollouts  G = grpo.group_size completions sampled from the policy through the KV cache
                (gptkit.inference.rollouts: grpo.temperature, top_p, top_k; at most grpo.max_new_tokens and
                the room trainer.seq_len leaves; ended by the template's end of turn or the EOS, which they
-               keep);
+               keep); grpo.rollouts=engine decodes every prompt's group of the micro-batch in one continuous
+               batch (at most grpo.rollout_rows rows at once), groups one prompt's group per batch;
                completion r of the prompt
                at place s of the step's global batch is drawn with the key (seed, micro-step, s, r): a resumed
                step, and a run on another number of processes, draws the same completions
@@ -60,7 +61,7 @@ from gptkit.data.prompts import PromptBatch
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.evaluation.sampled import SampledSums, check_ks
 from gptkit.faults import fault_point
-from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
+from gptkit.inference.rollouts import SAMPLERS, RolloutOptions, sample_key
 from gptkit.model.batch_invariant import batch_invariant
 from gptkit.training.objectives.base import FrozenModel, Objective, frozen_words, target_logps
 from gptkit.training.objectives.grpo_episodes import EpisodeRollouts, check_environment, environment_rewards
@@ -230,6 +231,17 @@ class GRPO(Objective):
     @classmethod
     def check_config(cls, group: Any) -> None:
         check_grpo_config(group)
+        if str(group.get("rollouts", "engine")) not in SAMPLERS:
+            raise ConfigError(
+                f"grpo.rollouts={group.get('rollouts')!r} is not one of {', '.join(SAMPLERS)} (engine: every "
+                "prompt's group in one continuous batch; groups: one prompt's group per batch)"
+            )
+        rows = group.get("rollout_rows")
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ConfigError(
+                f"grpo.rollout_rows={rows!r} must be null (every completion of a micro-batch at once) or an "
+                "integer >= 1"
+            )
 
     @classmethod
     def check_run(cls, cfg: Any) -> None:
@@ -358,6 +370,10 @@ class GRPO(Objective):
             stops,
         )
         self.pad_id = int(tok.get("pad_id") or 0)
+        # how a micro-batch's groups are decoded (gptkit.inference.rollouts.SAMPLERS), at most rollout_rows
+        # completions at once with the engine
+        self.sampler = str(g.get("rollouts", "engine"))
+        self.rollout_rows = g.get("rollout_rows")
         self.tokenizer = plan.data.tokenizer()
         # ---- grpo.environment: episodes instead of single completions, the environment's reward parts
         self.episodes: EpisodeRollouts | None = None
@@ -424,8 +440,11 @@ class GRPO(Objective):
         keys = [[sample_key(self.seed, step, s, r) for r in range(n)] for s in batch.slots.tolist()]
         budgets = [min(self.opts.max_new_tokens, self.seq_len - len(p)) for p in prompts]
         t = time.perf_counter()
+        extra = {"max_rows": self.rollout_rows} if self.sampler == "engine" else {}
         with batch_invariant(model, self.invariant):
-            groups = sample_groups(model, prompts, keys, opts, budgets, self._lockstep(model))
+            groups = SAMPLERS[self.sampler](
+                model, prompts, keys, opts, budgets, self._lockstep(model), **extra
+            )
         return groups, time.perf_counter() - t
 
     def rollouts(self, model, batch: PromptBatch) -> Rollouts:
