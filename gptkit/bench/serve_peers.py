@@ -13,7 +13,8 @@ vocabulary, which the GGUF export takes), so a prompt's text is its token ids on
 length in characters is its token count where a server reports no usage. A server that cannot skip its
 end-of-text token (llama-cpp-python, transformers serve: no ignore_eos) gets it biased away (logit_bias),
 and gptkit, which takes no logit_bias, gets ignore_eos: every side decodes exactly bench.new_tokens greedy
-tokens.
+tokens. llama-cpp-python's server penalizes repeats by default (repeat_penalty 1.1): it gets 1.0, plain
+greedy.
 """
 
 from __future__ import annotations
@@ -129,7 +130,11 @@ def discover(
                 ]  # fmt: skip
 
             peers.append(
-                Peer(name, command=llama_cmd, body={"model": "bench", "logit_bias": {str(eos_id): -100}})
+                Peer(
+                    name,
+                    command=llama_cmd,
+                    body={"model": "bench", "logit_bias": {str(eos_id): -100}, "repeat_penalty": 1.0},
+                )
             )
         elif name == "vllm":
             exe = which("vllm")

@@ -85,6 +85,8 @@ def test_peers_skip_in_one_line_when_not_installed_and_start_when_they_are():
     assert llama[llama.index("--interrupt_requests") + 1] == "False"
     assert llama[llama.index("--n_threads") + 1] == "2"
     assert peers[0].body["logit_bias"] == {"99": -100}
+    # plain greedy: llama-cpp-python's server penalizes repeats unless told not to
+    assert peers[0].body["repeat_penalty"] == 1.0
     assert vllm[:3] == ["/bin/vllm", "serve", "/x/hf"] and peers[1].body["ignore_eos"] is True
     assert hf[:2] == ["/bin/transformers", "serve"] and "--continuous-batching" in hf
     with pytest.raises(GptkitError, match="unknown"):
