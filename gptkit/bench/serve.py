@@ -37,6 +37,14 @@ from omegaconf import OmegaConf
 from rich.table import Table
 
 from gptkit.bench.decode import _console, build_model
+from gptkit.bench.serve_peers import (
+    PeerServer,
+    discover,
+    percentile,
+    same_answers,
+    shared_prefix_prompts,
+    vocab_chars,
+)
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.extras import require
 from gptkit.hf import to_transformers
@@ -52,25 +60,12 @@ EOS = "<|endoftext|>"
 START_S = 300
 
 
-def word_tokenizer(vocab_size: int):
-    """A WordLevel tokenizer of vocab_size tokens: w0 .. w{vocab_size-2}, then the end-of-text token."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
+def bench_tokenizer(vocab_size: int):
+    """gptkit's char tokenizer of vocab_size ids: vocab_size - 1 single characters (serve_peers.vocab_chars),
+    then the end-of-text token. A prompt's text is its ids on every server, and the GGUF export takes it."""
+    from gptkit.tokenizer import char_tokenizer
 
-    vocab = {f"w{i}": i for i in range(vocab_size - 1)}
-    vocab[EOS] = vocab_size - 1
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=None))
-    # no decoder: the words joined by spaces
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.add_special_tokens([EOS])
-    return tok
-
-
-def percentile(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
-    return xs[k]
+    return char_tokenizer(vocab_chars(vocab_size - 1), [EOS])
 
 
 def load_line() -> str:
@@ -135,6 +130,7 @@ async def _one(client, body: dict) -> dict:
     t0 = time.perf_counter()
     first = last = None
     tokens = 0
+    text: list[str] = []
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise GptkitError(f"the server answered {r.status_code}: {(await r.aread())[:300]!r}")
@@ -146,9 +142,12 @@ async def _one(client, body: dict) -> dict:
                 tokens = chunk["usage"]["completion_tokens"]
             for c in chunk.get("choices", []):
                 if c.get("text"):
+                    text.append(c["text"])
                     last = time.perf_counter()
                     first = first if first is not None else last
-    return {"sent": t0, "first": first, "last": last, "tokens": tokens}
+    answer = "".join(text)
+    # no usage chunk (llama-cpp-python's stream): one character is one token of the bench's vocabulary
+    return {"sent": t0, "first": first, "last": last, "tokens": tokens or len(answer), "text": answer}
 
 
 async def _clients(url: str, bodies: list[dict], clients: int) -> tuple[list[dict], float]:
@@ -171,11 +170,18 @@ async def _clients(url: str, bodies: list[dict], clients: int) -> tuple[list[dic
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (and its threads) so far."""
+    """User + system CPU seconds of a process (its threads, and its child processes alive now) so far."""
     import psutil
 
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system
+    proc = psutil.Process(pid)
+    total = 0.0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def http_row(url: str, bodies: list[dict], clients: int, pid: int) -> dict:
@@ -197,11 +203,13 @@ def http_row(url: str, bodies: list[dict], clients: int, pid: int) -> dict:
         "tokens_per_s": tokens / wall,
         "server_cpu_s": cpu,
         "tokens_per_cpu_s": tokens / cpu,
+        "cpu_ms_per_token": cpu / tokens * 1e3,
         "ttft_ms_p50": percentile(ttft, 50),
         "ttft_ms_p95": percentile(ttft, 95),
         "ttft_ms_p99": percentile(ttft, 99),
         "tpot_ms_p50": percentile(tpot, 50),
         "tpot_ms_p95": percentile(tpot, 95),
+        "answers": [r["text"] for r in results],
     }
 
 
@@ -255,8 +263,8 @@ def transformers_side(model, prompts: list[list[int]], new_tokens: int, cb_confi
 
 def median_row(rows: list[dict]) -> dict:
     """One row from the repeats: the median of every figure (and the range of tokens/s)."""
-    out = dict(rows[0])
-    for key, value in rows[0].items():
+    out = {k: v for k, v in rows[0].items() if k != "answers"}
+    for key, value in out.items():
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             out[key] = statistics.median(r[key] for r in rows)
     out["tokens_per_s_min"] = min(r["tokens_per_s"] for r in rows)
@@ -295,17 +303,32 @@ def run(cfg) -> int:
         ).tolist()
         for _ in range(n_requests)
     ]
-    bodies = [
-        {
-            "prompt": p,
-            "max_tokens": new_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        for p in prompts
-    ]
+    chars = vocab_chars(vocab - 1)
+    shared = int(cfg.shared_prefix_tokens or 0)
+    if shared and shared + high + new_tokens > model.cfg.max_seq_len:
+        raise ConfigError(
+            f"bench.shared_prefix_tokens={shared} + prompts up to {high} + {new_tokens} new tokens exceed "
+            f"the model's context ({model.cfg.max_seq_len})"
+        )
+
+    def bodies_of(ids: list[list[int]]) -> list[dict]:
+        return [
+            {
+                "prompt": "".join(chars[t] for t in p),
+                "max_tokens": new_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            for p in ids
+        ]
+
+    # (label, clients, bodies): each number of clients on the prompts, then the shared-prefix workload
+    workloads = [(f"{c} client{'s' if c > 1 else ''}", c, bodies_of(prompts)) for c in clients]
+    if shared:
+        prefixed = shared_prefix_prompts(shared, prompts, vocab - 1)
+        c = max(clients)
+        workloads.append((f"shared {shared}-token prefix, {c} clients", c, bodies_of(prefixed)))
     con = _console()
     started = time.strftime("%Y-%m-%d %H:%M")
     results: dict = {
@@ -344,21 +367,53 @@ def run(cfg) -> int:
         else:
             results["transformers_config"] = hf_config
     rounds: dict[str, list[dict]] = {}
+    # the last round's answers of each HTTP row, by (server, workload)
+    answers: dict[tuple[str, str], list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="gptkit-bench-serve-") as tmp:
         run_dir = write_run_folder(
-            Path(tmp) / "run", {"tokenizer": {"eos_token": EOS}}, model, word_tokenizer(vocab)
+            Path(tmp) / "run", {"tokenizer": {"eos_token": EOS}}, model, bench_tokenizer(vocab)
         )
-        # the server sits idle (no CPU) while this process times its own rows
-        server = Server(run_dir, cfg.threads, int(cfg.max_batch), max(64, n_requests), device, dtype)
+
+        def export(fmt: str, *extra: str) -> Path:
+            out = Path(tmp) / f"export-{fmt}"
+            args = [sys.executable, "-m", "gptkit", "export", f"run={run_dir}", f"out={out}", f"format={fmt}"]
+            done = subprocess.run([*args, *extra], capture_output=True, text=True)
+            if done.returncode:
+                raise GptkitError(f"gptkit export format={fmt} failed: {done.stderr.strip()[-300:]}")
+            return out
+
+        peers = discover(
+            [str(x) for x in cfg.peers or []],
+            gguf=lambda: export("gguf", f"dtype={cfg.gguf_dtype}") / "model.gguf",
+            hf=lambda: export("hf"),
+            threads=cfg.threads,
+            context=model.cfg.max_seq_len,
+            eos_id=vocab - 1,
+        )
+        for peer in peers:
+            if peer.skip:
+                con.print(f"{peer.name}: skipped, {peer.skip}")
+                results.setdefault("peers_skipped", {})[peer.name] = peer.skip
+        # every server sits idle (no CPU) while another one, or this process, is timed
+        servers: list[tuple[str, object, dict]] = []
         try:
-            # warm-up: the first requests pay for lazy set-up
-            http_row(server.url, bodies[: min(4, n_requests)], min(4, n_requests), server.proc.pid)
+            server = Server(run_dir, cfg.threads, int(cfg.max_batch), max(64, n_requests), device, dtype)
+            servers.append(("gptkit serve", server, {"ignore_eos": True}))
+            for peer in peers:
+                if not peer.skip:
+                    servers.append((peer.name, PeerServer(peer, START_S, cfg.threads), peer.body))
+            for _, srv, extra in servers:
+                # warm-up: the first requests pay for lazy set-up
+                warm = [{**b, **extra} for b in workloads[0][2][: min(4, n_requests)]]
+                http_row(srv.url, warm, len(warm), srv.proc.pid)
             # round after round, every side once: a change in the machine's load reaches them all
             for r in range(repeats):
-                for c in clients:
-                    row = http_row(server.url, bodies, c, server.proc.pid)
-                    row["side"] = f"gptkit serve, {c} client{'s' if c > 1 else ''}"
-                    rounds.setdefault(row["side"], []).append(row)
+                for label, c, bodies in workloads:
+                    for name, srv, extra in servers:
+                        row = http_row(srv.url, [{**b, **extra} for b in bodies], c, srv.proc.pid)
+                        row["side"] = f"{name}, {label}"
+                        answers[(name, label)] = row.pop("answers")
+                        rounds.setdefault(row["side"], []).append(row)
                 sides = [
                     ("gptkit engine, no HTTP (generate_many)", engine),
                     ("gptkit generate(), one at a time (gptkit sample's loop)", one_at_a_time),
@@ -373,9 +428,16 @@ def run(cfg) -> int:
                     + f" tokens/s; {load_line()}[/dim]"
                 )
         finally:
-            server.stop()
+            for _, srv, _ in servers:
+                srv.stop()
     results["rows"] = [median_row(v) for v in rounds.values()]
-    hf = next((r for r in results["rows"] if r["side"].startswith("transformers")), None)
+    for row in results["rows"]:
+        name, _, label = row["side"].partition(", ")
+        if (name, label) in answers and name != "gptkit serve":
+            row["same_greedy_answers"] = same_answers(
+                answers[("gptkit serve", label)], answers[(name, label)]
+            )
+    hf = next((r for r in results["rows"] if r["side"].startswith("transformers generate_batch")), None)
     if hf is not None:
         ours = [o.choices[0].tokens for o in engine_out]
         same = sum(a == b for a, b in zip(ours, hf_answers))
@@ -393,23 +455,24 @@ def run(cfg) -> int:
         "side",
         "tokens/s",
         "vs 1 client",
-        "tokens per CPU s",
-        "TTFT p50 / p95 / p99 ms",
+        "CPU ms per token",
+        "TTFT p50 / p99 ms",
         "TPOT p50 / p95 ms",
+        "same answers",
     )
     for col in cols:
         t.add_column(col, justify="left" if col == "side" else "right")
     for r in results["rows"]:
-        ttft = "-"
-        if "ttft_ms_p50" in r:
-            ttft = f"{r['ttft_ms_p50']:,.0f} / {r['ttft_ms_p95']:,.0f} / {r['ttft_ms_p99']:,.0f}"
+        ttft = f"{r['ttft_ms_p50']:,.0f} / {r['ttft_ms_p99']:,.0f}" if "ttft_ms_p50" in r else "-"
         tpot = f"{r['tpot_ms_p50']:.1f} / {r['tpot_ms_p95']:.1f}" if "tpot_ms_p50" in r else "-"
         r["vs_one_client"] = r["tokens_per_s"] / one["tokens_per_s"]
         rate = f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s_min']:,.0f}-{r['tokens_per_s_max']:,.0f})"
-        cpu = f"{r['tokens_per_cpu_s']:,.0f}"
-        t.add_row(r["side"], rate, f"{r['vs_one_client']:.2f}x", cpu, ttft, tpot)
+        cpu = f"{1e3 / r['tokens_per_cpu_s']:.2f}"
+        same = r.get("same_greedy_answers", "-")
+        t.add_row(r["side"], rate, f"{r['vs_one_client']:.2f}x", cpu, ttft, tpot, same)
     con.print(t)
-    best = max((r for r in results["rows"] if "clients" in r), key=lambda r: r["clients"])
+    ours = [r for r in results["rows"] if r["side"].startswith("gptkit serve") and "shared" not in r["side"]]
+    best = max(ours, key=lambda r: r["clients"])
     line = f"{best['side']}: {best['vs_one_client']:.2f}x the aggregate of {one['side']} (one at a time)"
     if hf is not None:
         line += (
@@ -420,9 +483,21 @@ def run(cfg) -> int:
     elif isinstance(results.get("transformers"), str):
         line += f"; {results['transformers']}"
     con.print(line)
+    by_side = {r["side"]: r for r in results["rows"]}
+    for r in results["rows"]:
+        name, _, label = r["side"].partition(", ")
+        mine = by_side.get(f"gptkit serve, {label}")
+        if "clients" in r and name != "gptkit serve" and mine is not None:
+            con.print(
+                f"gptkit serve vs {name}, {label}: {mine['tokens_per_s'] / r['tokens_per_s']:.2f}x its "
+                f"tokens/s, TTFT p50 {mine['ttft_ms_p50']:,.0f} vs {r['ttft_ms_p50']:,.0f} ms, CPU per token "
+                f"{mine['cpu_ms_per_token']:.2f} vs {r['cpu_ms_per_token']:.2f} ms, same greedy answers "
+                f"{r['same_greedy_answers']}"
+            )
     con.print(
-        "[dim]tokens per CPU s: the server process's CPU time for the HTTP rows (their clients run in this "
-        "process), this process's for the others: steadier than tokens/s on a busy machine[/dim]"
+        "[dim]CPU ms per token: the server process's CPU time (and its children's) for the HTTP rows (their "
+        "clients run in this process), this process's for the others: steadier than tokens/s on a busy "
+        "machine[/dim]"
     )
     con.print(f"[dim]{results['load_after']} at the end[/dim]")
     if cfg.out:

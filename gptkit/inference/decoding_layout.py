@@ -5,12 +5,16 @@ out for the few rows per step that decoding feeds it.
 
     batch 1, widening layer (out >= in)       MKL on W^T            (_TransposedLinear)
     batch 1, narrowing layer (out < in)       MKL on W itself       (the layer, unchanged)
-    batch 2+, fp32, weight >= PACK_MIN_BYTES  oneDNN, weight packed once for `batch` rows (_PackedLinear)
+    batch 2+, fp32, weight >= PACK_MIN_BYTES  oneDNN, weight packed once for `batch` rows (_PackedLinear);
+                                              a step of ONE row still takes the batch-1 copy above (a server
+                                              laid out for 16 rows serving one client: the packed weight at
+                                              one row cost it ~6 ms a token on a 56M Llama, ~35% of the step)
     batch 2+, smaller weights / other dtypes  MKL on W^T            (_TransposedLinear)
 
 Only on CPU, and only while the matmul weights take less than DECODING_LAYOUT_MAX_BYTES (the copies cost
-one more set of them); a quantized weight (quantize=: a torchao tensor) keeps its layer, which a copy would
-dequantize. CUDA decoding uses gptkit.inference.static_decode instead.
+one more set of them, and at batch 2+ the widening layers' W^T for one-row steps); a quantized weight
+(quantize=: a torchao tensor) keeps its layer, which a copy would dequantize. CUDA decoding uses
+gptkit.inference.static_decode instead.
 """
 
 from __future__ import annotations
@@ -57,12 +61,17 @@ class _PackedLinear(torch.nn.Module):
     ~1e-6, MKL's own rounding size).
     """
 
-    def __init__(self, linear: torch.nn.Linear, rows: int) -> None:
+    def __init__(self, linear: torch.nn.Linear, rows: int, one: torch.nn.Module | None = None) -> None:
         super().__init__()
         self.weight_packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), rows)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        # the batch-1 layout (_one_row_copy), for a step that feeds one row; not a registered submodule (it
+        # may be the model's own layer, which must not appear twice in modules())
+        self.__dict__["one"] = one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.one is not None and x.numel() == x.shape[-1]:
+            return self.one(x)
         return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
 
 
@@ -83,14 +92,19 @@ def _packs(linear: torch.nn.Linear, batch: int) -> bool:
 def _decoding_copy(linear: torch.nn.Linear, batch: int) -> torch.nn.Module:
     if _packs(linear, batch):
         try:
-            packed = _PackedLinear(linear, batch)
+            packed = _PackedLinear(linear, batch, one=_one_row_copy(linear))
             # fails here, not mid-generation
             packed(linear.weight.new_zeros(batch, linear.in_features))
             return packed
         # a torch build whose oneDNN cannot pack or run this layer
         except RuntimeError:
             pass
-    if batch == 1 and linear.out_features < linear.in_features:
+    return _one_row_copy(linear) if batch == 1 else _TransposedLinear(linear)
+
+
+def _one_row_copy(linear: torch.nn.Linear) -> torch.nn.Module:
+    """The batch-1 layout of a layer (module docstring's table)."""
+    if linear.out_features < linear.in_features:
         # a narrowing layer (MLP down-projection): MKL's matrix-vector product is faster on W itself
         # (cold weights, one row: 1536 -> 384 in 200-250 us on W vs 270-325 us on W^T; the other way round
         # for widening layers, 384 -> 1536 in 165-180 vs 310-340 us)

@@ -202,7 +202,7 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
     """Inside the decoding layout every Linear is swapped for a copy (oneDNN-packed for batch > 1 where torch
     has oneDNN and the weight is large enough; else W^T, or the layer itself when it narrows at batch 1); each
     must compute the layer's own map for any number of rows (the prefill feeds B * T0 rows to weights packed
-    for B) and leading shape."""
+    for B) and leading shape; a packed layer runs a one-row input on the batch-1 copy."""
     import gptkit.inference.decoding_layout as layout
 
     # 5000: the 32x32 o_proj (4096 bytes) stays unpacked
@@ -240,6 +240,11 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
                 )
                 assert type(swapped[n]).__name__ == expect
                 kinds.add(expect)
+                if packs:
+                    # a step of one row (a server laid out for max_batch rows, one client) takes the batch-1
+                    # layout, not the weight packed for `batch` rows
+                    one = "Linear" if m.out_features < m.in_features else "_TransposedLinear"
+                    assert type(swapped[n].one).__name__ == one
                 for x, w in zip(xs, want[n]):
                     torch.testing.assert_close(swapped[n](x), w, rtol=1e-5, atol=1e-5)
     if batch > 1:

@@ -1,0 +1,93 @@
+"""`gptkit bench serve`'s pure parts (gptkit/bench/serve_peers.py): percentiles, the shared-prefix workload,
+the greedy answers compared, the peers found or skipped in one line, the character vocabulary whose text is
+its ids. No test starts a peer or reads a time."""
+
+import math
+
+import pytest
+
+from gptkit.bench.serve import EOS, bench_tokenizer
+from gptkit.bench.serve_peers import (
+    PEERS,
+    discover,
+    percentile,
+    same_answers,
+    shared_prefix_prompts,
+    vocab_chars,
+)
+from gptkit.errors import GptkitError
+
+
+def test_percentiles_answers_and_the_shared_prefix_workload():
+    xs = [float(x) for x in range(100, 0, -1)]
+    assert percentile(xs, 50) in (50.0, 51.0)
+    assert percentile(xs, 99) == 99.0
+    assert percentile(xs, 100) == 100.0 and percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+    assert same_answers(["a", "b", "c"], ["a", "x", None]) == "1/3"
+    assert same_answers(["a", "b"], ["a", "b"]) == "2/2"
+    suffixes = [[1, 2], [3], [4, 5, 6]]
+    prompts = shared_prefix_prompts(16, suffixes, vocab=50)
+    assert [p[16:] for p in prompts] == suffixes
+    assert len({tuple(p[:16]) for p in prompts}) == 1
+    assert all(0 <= t < 50 for t in prompts[0][:16])
+
+
+def test_the_bench_vocabulary_text_is_its_ids():
+    chars = vocab_chars(31999)
+    assert len(set(chars)) == 31999 and all(len(c) == 1 and not c.isspace() for c in chars)
+    assert chars == sorted(chars) and "\u2581" not in chars
+    tok = bench_tokenizer(32000)
+    ids = [0, 31998, 17, 20991, 20992, 5]
+    assert tok.encode("".join(chars[i] for i in ids)).ids == ids
+    assert tok.token_to_id(EOS) == 31999
+    with pytest.raises(GptkitError):
+        vocab_chars(10**6)
+
+
+def test_peers_skip_in_one_line_when_not_installed_and_start_when_they_are():
+    def never():
+        raise AssertionError("an export for a peer that is skipped")
+
+    peers = discover(
+        list(PEERS),
+        gguf=never,
+        hf=never,
+        threads=1,
+        context=512,
+        eos_id=99,
+        has=lambda m: False,
+        which=lambda e: None,
+    )
+    assert [p.name for p in peers] == list(PEERS)
+    for p in peers:
+        assert p.command is None and "not installed" in p.skip and "\n" not in p.skip
+    assert "llama-cpp-python[server]" in peers[0].skip
+    exported = []
+
+    def export(what):
+        return lambda: exported.append(what) or f"/x/{what}"
+
+    peers = discover(
+        list(PEERS),
+        gguf=export("model.gguf"),
+        hf=export("hf"),
+        threads=2,
+        context=512,
+        eos_id=99,
+        has=lambda m: True,
+        which=lambda e: f"/bin/{e}",
+    )
+    assert all(p.skip is None for p in peers) and exported == ["model.gguf", "hf", "hf"]
+    llama, vllm, hf = (p.command(8123) for p in peers)
+    assert "/x/model.gguf" in llama and ["--port", "8123"] == llama[llama.index("--port") :][:2]
+    # concurrent clients queue instead of cutting each other's stream
+    assert llama[llama.index("--interrupt_requests") + 1] == "False"
+    assert llama[llama.index("--n_threads") + 1] == "2"
+    assert peers[0].body["logit_bias"] == {"99": -100}
+    # plain greedy: llama-cpp-python's server penalizes repeats unless told not to
+    assert peers[0].body["repeat_penalty"] == 1.0
+    assert vllm[:3] == ["/bin/vllm", "serve", "/x/hf"] and peers[1].body["ignore_eos"] is True
+    assert hf[:2] == ["/bin/transformers", "serve"] and "--continuous-batching" in hf
+    with pytest.raises(GptkitError, match="unknown"):
+        discover(["ollama"], gguf=never, hf=never, threads=1, context=512, eos_id=99)
