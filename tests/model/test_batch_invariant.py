@@ -8,7 +8,7 @@ from gptkit.inference.rollouts import RolloutOptions, sample_groups, sample_key
 from gptkit.model import GPT, ModelConfig
 from gptkit.model import batch_invariant as bi
 from gptkit.training.objectives.base import target_logps
-from gptkit.training.objectives.grpo import completion_rows, sampled_rows
+from gptkit.training.objectives.grpo_rows import completion_rows, sampled_rows
 
 
 def grpo_tiny():

@@ -248,7 +248,8 @@ def test_grpo_loss_and_gradients_chunked_equal_the_unchunked_path(loss, kl, monk
     from conftest import assert_same, loss_and_grads, policy_and_reference
 
     from gptkit.inference.rollouts import RolloutOptions
-    from gptkit.training.objectives.grpo import GRPO, Figures
+    from gptkit.training.objectives.grpo import GRPO
+    from gptkit.training.objectives.grpo_rows import Figures
 
     policy, reference = policy_and_reference(seed=5)
     g = torch.Generator().manual_seed(6)

@@ -40,7 +40,7 @@ from gptkit.errors import ConfigError
 from gptkit.inference.rollouts import RolloutOptions, sample_key, sample_rows
 from gptkit.training.objectives.base import FrozenModel, frozen_words
 from gptkit.training.objectives.distill import Distill, check_distill_config, chunked_distill_loss, number
-from gptkit.training.objectives.grpo import completion_rows
+from gptkit.training.objectives.grpo_rows import completion_rows
 from gptkit.training.token_mean import loss_tokens
 
 _TWO_64 = float(2**64)
