@@ -515,6 +515,20 @@ def test_tensor_parallel_refusals_before_torch(overrides, message):
         check_tensor_parallel_model(cfg, model)
 
 
+def test_tensor_and_context_parallel_together_are_refused_until_one_mesh_holds_both():
+    from gptkit.conf_tree import compose
+    from gptkit.errors import ConfigError
+    from gptkit.training.config_checks import check_tensor_parallel
+
+    cfg = compose("train", ["trainer=fsdp", "trainer.devices=4", "trainer.tensor_parallel=2"])
+    assert check_tensor_parallel(cfg.trainer) == 2
+    cfg = compose(
+        "train", TP2[:1] + ["trainer.devices=4", "trainer.tensor_parallel=2", "trainer.context_parallel=2"]
+    )
+    with pytest.raises(ConfigError, match="with trainer.context_parallel=2 is not supported yet"):
+        check_tensor_parallel(cfg.trainer)
+
+
 def test_tensor_parallel_plan_on_one_rank_matches_the_model_and_its_state_reads_back(tmp_path):
     """apply_tensor_parallel on a 1-rank gloo mesh (the plan's structure; the numbers over 2 and 4 ranks are
     .ci/tensor_parallel.py's): the q/k/v split holding qkv_proj's rows, heads and MLP DTensors of the planned
