@@ -1104,7 +1104,9 @@ def test_the_chat_page_streams_an_answer_in_a_browser(server, ref, tmp_path):
             page = browser.new_page(viewport={"width": 1000, "height": 640})
             page.set_default_timeout(HANG_S * 1000)
             page.goto(server.url + "/")
-            page.wait_for_function("document.getElementById('model').textContent.includes('tiny-chat')")
+            # a locator's wait, not wait_for_function: a string predicate that is false at first is polled
+            # through eval, which the page's CSP (no 'unsafe-eval') refuses (a slow first fetch under load)
+            page.locator("#model", has_text="tiny-chat").wait_for()
             page.fill("#api-key", KEY)
             page.fill("#temperature", "0")
             page.fill("#max-tokens", "30")
