@@ -323,12 +323,13 @@ def run(cfg) -> int:
             for p in ids
         ]
 
-    # (label, clients, bodies): each number of clients on the prompts, then the shared-prefix workload
-    workloads = [(f"{c} client{'s' if c > 1 else ''}", c, bodies_of(prompts)) for c in clients]
+    # (label, clients, bodies, shared prefix tokens): each number of clients on the prompts, then the
+    # shared-prefix workload
+    workloads = [(f"{c} client{'s' if c > 1 else ''}", c, bodies_of(prompts), 0) for c in clients]
     if shared:
         prefixed = shared_prefix_prompts(shared, prompts, vocab - 1)
         c = max(clients)
-        workloads.append((f"shared {shared}-token prefix, {c} clients", c, bodies_of(prefixed)))
+        workloads.append((f"shared {shared}-token prefix, {c} clients", c, bodies_of(prefixed), shared))
     con = _console()
     started = time.strftime("%Y-%m-%d %H:%M")
     results: dict = {
@@ -408,10 +409,10 @@ def run(cfg) -> int:
                 http_row(srv.url, warm, len(warm), srv.proc.pid)
             # round after round, every side once: a change in the machine's load reaches them all
             for r in range(repeats):
-                for label, c, bodies in workloads:
+                for label, c, bodies, prefix in workloads:
                     for name, srv, extra in servers:
                         row = http_row(srv.url, [{**b, **extra} for b in bodies], c, srv.proc.pid)
-                        row["side"] = f"{name}, {label}"
+                        row["side"], row["prefix_tokens"] = f"{name}, {label}", prefix
                         answers[(name, label)] = row.pop("answers")
                         rounds.setdefault(row["side"], []).append(row)
                 sides = [
@@ -471,7 +472,7 @@ def run(cfg) -> int:
         same = r.get("same_greedy_answers", "-")
         t.add_row(r["side"], rate, f"{r['vs_one_client']:.2f}x", cpu, ttft, tpot, same)
     con.print(t)
-    ours = [r for r in results["rows"] if r["side"].startswith("gptkit serve") and "shared" not in r["side"]]
+    ours = [r for r in results["rows"] if r["side"].startswith("gptkit serve") and not r["prefix_tokens"]]
     best = max(ours, key=lambda r: r["clients"])
     line = f"{best['side']}: {best['vs_one_client']:.2f}x the aggregate of {one['side']} (one at a time)"
     if hf is not None:
