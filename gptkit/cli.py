@@ -163,9 +163,7 @@ VERBS: dict[str, Verb] = {
     "bench": Verb(
         "bench",
         "bench",
-        "speed and memory benchmarks: gptkit bench "
-        "attention|compare|data|dpo|evals|grpo|kernels|lora|optim|qlora|sample|serve|sft|train "
-        "[key=value ...]",
+        "speed and memory benchmarks: gptkit bench <name> [key=value ...] (gptkit bench --help names them)",
         positional="bench",
     ),
 }
