@@ -69,7 +69,7 @@ def report(cfg) -> dict:
     if ep is not None and m.moe.n_experts % ep:
         raise ConfigError(f"expert_parallel={ep} must divide model.moe.n_experts={m.moe.n_experts}")
     lora, rows_per_item, frozen, chunked = _training(cfg, m)
-    from gptkit.parallel_plan import check_mesh, communication, memory_per_gpu
+    from gptkit.parallel_plan import check_mesh, communication, memory_per_gpu, recomputed_layers
     from gptkit.training.config_checks import checkpointing_mode
 
     # the mesh: n_gpus = dp x cp x tp (one line naming the dimension that does not divide)
@@ -97,7 +97,10 @@ def report(cfg) -> dict:
         lora=lora,
         frozen=frozen,
     )
-    comm = communication(m, mesh, cfg.precision, rows, seq_len)
+    recomputed = recomputed_layers(
+        m, checkpointing, checks["activation_checkpointing_policy"], checks["activation_checkpointing_every"]
+    )
+    comm = communication(m, mesh, cfg.precision, rows, seq_len, recomputed=recomputed)
     if chunked:
         # DPO, KTO, GRPO: per-token log-probs chunk by chunk, as train's estimate counts them
         from gptkit.training.memory import chunked_logits_bytes
@@ -464,8 +467,10 @@ def _print_tables(r: dict, cfg) -> None:
         ct.add_column("kind")
         ct.add_column("bytes", justify="right")
         names = {
-            "tp": "tp: 2 all-gathers + 2 reduce-scatters of \\[b, T/cp, d] per layer forward, x2 backward",
-            "cp": "cp: each rank's K,V chunk passed on cp-1 times per layer forward; K,V and dK,dV backward",
+            "tp": "tp: 4 all-gathers/reduce-scatters of \\[b, T/cp, d] per layer forward, 4 backward, 3 more "
+            "recomputed; embedding, head, loss and replicated weights' gradients",
+            "cp": "cp: each rank's K,V chunk passed on cp-1 times per layer forward (and recomputed); K,V "
+            "cp-1 times and dK,dV (fp32) cp times backward",
             "fsdp_all_gather": "fsdp: the weights all-gathered forward and backward",
             "fsdp_reduce_scatter": "fsdp: the gradients reduce-scattered (fp32)",
             "dp_all_reduce": "dp: the gradients all-reduced (fp32)",

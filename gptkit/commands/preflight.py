@@ -140,12 +140,22 @@ def mesh_line(plan) -> str:
     """The run's mesh (dp x cp x tp, ep) and the bytes one GPU sends per micro-step by kind
     (gptkit/parallel_plan.py)."""
     from gptkit.fsio import human_bytes
-    from gptkit.parallel_plan import Mesh, communication
+    from gptkit.parallel_plan import Mesh, communication, recomputed_layers
+    from gptkit.training.config_checks import checkpointing_mode
     from gptkit.training.memory import plan_mesh
 
     mesh = plan_mesh(plan) or Mesh(plan.world_size, ep=plan.expert_shards)
     fsdp = plan.strategy == "fsdp"
-    comm = communication(plan.model, mesh, plan.precision, plan.rows, plan.seq_len, fsdp=fsdp)
+    t = plan.trainer
+    recomputed = recomputed_layers(
+        plan.model,
+        checkpointing_mode(t),
+        str(t.get("activation_checkpointing_policy", "ops")),
+        int(t.get("activation_checkpointing_every", 2)),
+    )
+    comm = communication(
+        plan.model, mesh, plan.precision, plan.rows, plan.seq_len, fsdp=fsdp, recomputed=recomputed
+    )
     kinds = ", ".join(f"{k} {human_bytes(v)}" for k, v in comm.items() if k != "total")
     return (
         f"{mesh.n_gpus} = dp {mesh.dp} x cp {mesh.cp} x tp {mesh.tp}"
