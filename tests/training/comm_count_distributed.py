@@ -13,6 +13,7 @@ rank writes OUT_DIR/CASE.RANK.json: {"step": {kind: bytes}, "optimizer": {kind: 
 ("step": forward + backward; "optimizer": TokenMean, the norm and the optimizer step).
 """
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ LLAMA = dict(
 MOE = dict(LLAMA, moe=dict(n_experts=2, top_k=2, aux_loss_coef=0.0))
 # rows per data-parallel rank, tokens per row
 ROWS, T = 2, 32
-# name: (model, world, tp, cp, ep, strategy, trainer.activation_checkpointing)
+# name: (model, world, tp, cp, ep, strategy, trainer.activation_checkpointing[, trainer.precision])
 CASES = {
     "tp2": (LLAMA, 2, 2, 1, 1, "fsdp", None),
     "cp2": (LLAMA, 2, 1, 2, 1, "fsdp", None),
@@ -54,11 +55,14 @@ CASES = {
     "cp2_full": (LLAMA, 2, 1, 2, 1, "fsdp", "full"),
     "tp2_ops": (LLAMA, 2, 2, 1, 1, "fsdp", "selective"),
     "tp2_mqa": (dict(LLAMA, n_kv_heads=1), 2, 2, 1, 1, "fsdp", None),
+    "tp2_bf16": (LLAMA, 2, 2, 1, 1, "fsdp", None, "bf16-mixed"),
+    "cp2_bf16": (LLAMA, 2, 1, 2, 1, "fsdp", None, "bf16-mixed"),
+    "ep2_bf16": (MOE, 2, 1, 1, 2, "fsdp", None, "bf16-mixed"),
     "dp2_tp2": (LLAMA, 4, 2, 1, 1, "fsdp", None),
 }
 
 
-def strategy(world: int, tp: int, ep: int):
+def strategy(world: int, tp: int, ep: int, precision: str):
     """What distributed.parallelize reads of gptkit's fsdp strategy (its ModelParallelStrategy mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -67,7 +71,7 @@ def strategy(world: int, tp: int, ep: int):
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
     return SimpleNamespace(
         fsdp_options=fsdp_options({}),
-        fsdp_precision="32-true",
+        fsdp_precision=precision,
         device_mesh=mesh,
         expert_parallel=ep,
         root_device=torch.device("cpu"),
@@ -121,14 +125,15 @@ def run_case(rank: int, world: int, init_file: str, out: Path, case: str) -> Non
     from gptkit.training.tensor_parallel import local_loss, loss_context
     from gptkit.training.token_mean import TokenMean, loss_tokens
 
-    cfg_dict, w, tp, cp, ep, how, checkpointing = CASES[case]
+    cfg_dict, w, tp, cp, ep, how, checkpointing, *rest = CASES[case]
+    precision = rest[0] if rest else "32-true"
     assert w == world, (case, world)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     torch.manual_seed(0)
     model = GPT(ModelConfig.from_dict(cfg_dict)).train()
     # before the sharding, as LitGPT applies trainer.activation_checkpointing (selective: the ops policy)
     activations.apply(model, checkpointing)
-    s = strategy(world, tp, ep)
+    s = strategy(world, tp, ep, precision)
     if how == "ddp":
         kinds = [(dist.group.WORLD, "dp")]
         run = torch.nn.parallel.DistributedDataParallel(model)
@@ -154,15 +159,19 @@ def run_case(rank: int, world: int, init_file: str, out: Path, case: str) -> Non
     params = [p for p in model.parameters()]
     opt = torch.optim.AdamW(params, lr=1e-3, foreach=False)
     tm = TokenMean(1, world // (tp * cp), ROWS * T)
+    # the forward under bf16 autocast for a mixed precision (Lightning's MixedPrecision plugin), the weights
+    # cast by FSDP2's param_dtype
+    mixed = torch.autocast("cpu", torch.bfloat16) if "mixed" in precision else contextlib.nullcontext()
     with CommCounter(kinds) as step:
         with loss_context(model):
-            if ring is None:
-                loss = local_loss(run(x, y).loss)
-                n = loss_tokens(y)
-            else:
-                xs, ys = ring.enter((x, y))
-                loss, n = model(xs, ys).loss, loss_tokens(ys)
-            loss = tm.micro_batch(loss, n)
+            with mixed:
+                if ring is None:
+                    loss = local_loss(run(x, y).loss)
+                    n = loss_tokens(y)
+                else:
+                    xs, ys = ring.enter((x, y))
+                    loss, n = model(xs, ys).loss, loss_tokens(ys)
+                loss = tm.micro_batch(loss, n)
             # the ring stays on through the backward, whose recomputation (activation checkpointing) runs
             # the blocks' forwards again (LitGPT.training_step leaves it before: see test_comm_count.py)
             loss.backward()
@@ -209,11 +218,12 @@ def planned(case: str) -> dict[str, float]:
     its gathers and reduce-scatters together)."""
     from gptkit.parallel_plan import check_mesh, communication, recomputed_layers
 
-    cfg_dict, world, tp, cp, ep, how, checkpointing = CASES[case]
+    cfg_dict, world, tp, cp, ep, how, checkpointing, *rest = CASES[case]
     model = ModelConfig.from_dict(cfg_dict)
     mesh = check_mesh(model, world, tp, cp, ep if ep > 1 else None, T)
     recomputed = recomputed_layers(model, checkpointing)
-    comm = communication(model, mesh, "32-true", ROWS, T, fsdp=how == "fsdp", recomputed=recomputed)
+    precision = rest[0] if rest else "32-true"
+    comm = communication(model, mesh, precision, ROWS, T, fsdp=how == "fsdp", recomputed=recomputed)
     out: dict[str, float] = {}
     for key, value in comm.items():
         kind = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp", "dp_all_reduce": "dp"}.get(key, key)

@@ -32,8 +32,9 @@ CASES_DDP = {c: v[5] == "ddp" for c, v in w.CASES.items()}
 @pytest.mark.long
 def test_bytes_sent_per_kind_equal_the_plans_formulas_on_two_ranks(tmp_path: Path):
     """tp 2, cp 2 (ring), FSDP over 2, DDP over 2, ep 2 (a mixture whose every token visits every expert:
-    an even all-to-all), and tp 2 / cp 2 under full and selective checkpointing: one launch of 2 processes,
-    every case's bytes per kind exactly the formula's."""
+    an even all-to-all), tp 2 / cp 2 under full and selective checkpointing, tp 2 with replicated K/V, and
+    tp / cp / ep in bf16-mixed: one launch of 2 processes, every case's bytes per kind exactly the
+    formula's."""
     cases = [c for c, v in w.CASES.items() if v[1] == 2]
     got = w.launch(cases, 2, tmp_path)
     for case in cases:
