@@ -62,20 +62,39 @@ CASES = {
 }
 
 
-def strategy(world: int, tp: int, ep: int, precision: str):
-    """What distributed.parallelize reads of gptkit's fsdp strategy (its ModelParallelStrategy mesh)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
+def sharding(world: int, tp: int, cp: int, ep: int, precision: str):
+    """(what distributed.parallelize reads of gptkit's fsdp strategy, its (group, kind) pairs, the ring's
+    group or None, this rank's data-parallel rank): the one mesh of training/mesh.py where it exists, else
+    the [data_parallel, tensor_parallel] mesh and the ring's own group."""
     from gptkit.training.distributed import fsdp_options
 
-    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    return SimpleNamespace(
+    common = dict(
         fsdp_options=fsdp_options({}),
         fsdp_precision=precision,
-        device_mesh=mesh,
         expert_parallel=ep,
+        context_parallel=cp,
         root_device=torch.device("cpu"),
     )
+    try:
+        from gptkit.training.mesh import MeshDims, build_mesh
+    except ImportError:
+        build_mesh = None
+    if build_mesh is not None:
+        mesh = build_mesh("cpu", MeshDims(world=world, cp=cp, tp=tp, ep=ep))
+        kinds = [(mesh["tp"].get_group(), "tp"), (mesh.fsdp.get_group(), "fsdp")]
+        ring = mesh["cp"].get_group() if cp > 1 else None
+        return SimpleNamespace(mesh=mesh, **common), kinds, ring, mesh.data_ranks()[0]
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    kinds = [(mesh["tensor_parallel"].get_group(), "tp"), (mesh["data_parallel"].get_group(), "fsdp")]
+    ring = None
+    if cp > 1:
+        from gptkit.training import context_parallel
+
+        ring = context_parallel.context_group("cpu", world, cp)
+    data_rank = mesh.get_local_rank("data_parallel") // cp
+    return SimpleNamespace(device_mesh=mesh, **common), kinds, ring, data_rank
 
 
 def main(rank: int, world: int, init_file: str, out: Path, cases: str) -> None:
@@ -133,26 +152,23 @@ def run_case(rank: int, world: int, init_file: str, out: Path, case: str) -> Non
     model = GPT(ModelConfig.from_dict(cfg_dict)).train()
     # before the sharding, as LitGPT applies trainer.activation_checkpointing (selective: the ops policy)
     activations.apply(model, checkpointing)
-    s = strategy(world, tp, ep, precision)
+    s, kinds, ring_group, dp_rank = sharding(world, tp, cp, ep, precision)
     if how == "ddp":
         kinds = [(dist.group.WORLD, "dp")]
         run = torch.nn.parallel.DistributedDataParallel(model)
     else:
         parallelize(model, s)
         run = model
-        kinds = [(s.device_mesh["tensor_parallel"].get_group(), "tp")]
-        kinds.append((s.device_mesh["data_parallel"].get_group(), "fsdp"))
     ring = None
     if cp > 1:
-        from gptkit.training.context_parallel import ContextParallel, context_group
+        from gptkit.training.context_parallel import ContextParallel
 
-        ring = ContextParallel(model, context_group("cpu", world, cp))
-        kinds.append((ring.ring.group, "cp"))
+        ring = ContextParallel(model, ring_group)
+        kinds.append((ring_group, "cp"))
     if ep > 1:
         stack = model.blocks[model.cfg.moe_layers[0]].mlp.experts.gate_proj
         kinds.append((stack.device_mesh.get_group(), "ep"))
     # the rows of this data-parallel rank (a tensor- or context-parallel group reads the same rows)
-    dp_rank = s.device_mesh.get_local_rank("data_parallel") // cp
     g = torch.Generator().manual_seed(dp_rank)
     x = torch.randint(0, 64, (ROWS, T), generator=g)
     y = torch.randint(0, 64, (ROWS, T), generator=g)
