@@ -59,6 +59,8 @@ CASES = {
     "cp2_bf16": (LLAMA, 2, 1, 2, 1, "fsdp", None, "bf16-mixed"),
     "ep2_bf16": (MOE, 2, 1, 1, 2, "fsdp", None, "bf16-mixed"),
     "dp2_tp2": (LLAMA, 4, 2, 1, 1, "fsdp", None),
+    # the ring on tensor-parallel-local heads: needs the cptp lane's context x tensor parallelism
+    "cp2_tp2": (LLAMA, 4, 2, 2, 1, "fsdp", None),
 }
 
 
