@@ -22,11 +22,15 @@ The model reads the pool through two views, each a cache as GPT.forward takes on
 mask_for(layer), advance):
 
     PackedView    several sequences' next tokens packed in one row [1, N] (prefill chunks): each token at its
-                  own position, attending to its own sequence's cached keys and to its chunk's keys up to its
-                  own position, under a [1, 1, N, K] bool mask (documents.py's rule, start <= j <= i, with
-                  a sequence's cached prefix as the start of its document; and a local layer's window)
-    DecodeView    one token for each of n sequences [n, 1], each row reading its own blocks [n, span]
-                  (gathered, padded, the padding masked)
+                  own position; each chunk's queries attend to its own sequence's cached keys and its own
+                  keys only, one attention call per chunk (mask_for gives gptkit.model.attention.Segments:
+                  causal, bottom-right, the layer's window, as a lone prefill over its cache), so a step
+                  costs the sum over chunks of queries x keys, not N x K scores masked across prompts; the
+                  keys are read a whole block at a time
+    DecodeView    one token for each of n sequences [n, 1], each at its own position, reading DecodeRows: a
+                  contiguous copy of every decoding sequence's keys (copied from its blocks once, when it
+                  starts decoding; each new key written there and in its block), so a step reads a slice as
+                  the slot cache does instead of gathering n x span rows of the pool in every layer
 
 Linear attention's recurrent state (model.gdn) cannot be paged: a model with such a layer keeps one slot per
 sequence (gptkit/inference/slot_cache.py), and so do speculative decoding and a longrope scaling.

@@ -254,4 +254,10 @@ class PagedSteps:
                 self.pool.release(s.pages)
 
     def stats(self) -> dict:
-        return {**self.pool.stats(), "preempted": self.preempted, "prefill_tokens": self.prefill_tokens}
+        rows = sum(t.numel() * t.element_size() for t in self.rows.k + self.rows.v)
+        return {
+            **self.pool.stats(),
+            "preempted": self.preempted,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_rows_bytes": rows,
+        }
