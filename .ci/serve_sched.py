@@ -6,7 +6,14 @@ context of 1024, random init, greedy, one torch thread, on the CPU with serve's 
 on the same requests, in turn, `uptime` printed before and after. Per request: the time to its first token,
 and the longest gap between two of its tokens (what a long prompt admitted beside it costs it).
 
-    python .ci/serve_sched.py [--requests 48] [--new 32] [--rounds 3]
+    python .ci/serve_sched.py [--requests 48] [--new 32] [--rounds 3] [--only 0,4,5] [--cpu-clock]
+
+--cpu-clock: the Batcher in this thread (no Engine, no client threads), 16 clients in a closed loop, every
+time on the process's CPU clock (closed_loop): steady on a loaded machine.
+
+--step: instead, one decode step of n sequences of L tokens (16 x 550) over the paged pool (its blocks
+scattered) against the slot cache (contiguous), interleaved, CPU ms a step (min-max over the rounds). It runs
+on a tree from before the decode rows too (PYTHONPATH=<that tree>), for a before/after.
 """
 
 import argparse
@@ -67,14 +74,122 @@ def run(model, prompts, new, paging):
     )
 
 
+def decode_step(model, n: int, L: int, rounds: int) -> None:
+    """CPU ms of one decode step, paged (blocks in a shuffled order) vs the slot cache, interleaved."""
+    from gptkit.inference import block_pool as bp
+    from gptkit.inference.decoding_layout import decoding_layout
+    from gptkit.inference.slot_cache import SlotCache
+
+    bs = 16
+    per = -(-(L + n + 1) // bs)
+    pool = bp.BlockPool(model.cfg, n * per, bs, torch.device("cpu"), torch.float32)
+    slots = SlotCache(model.cfg, n, model.cfg.max_seq_len)
+    for t in pool.k + pool.v + slots.k + slots.v:
+        t.normal_()
+    order = torch.randperm(pool.blocks, generator=torch.Generator().manual_seed(0)).tolist()
+    pages = []
+    for i in range(n):
+        p = bp.Pages()
+        p.table = order[i * per : (i + 1) * per]
+        pages.append(p)
+    # a tree before the decode rows: DecodeView(pool, pages) gathers the blocks each step
+    rows = bp.DecodeRows(pool, n, model.cfg.max_seq_len) if hasattr(bp, "DecodeRows") else None
+    tok = torch.randint(0, 1000, (n, 1), generator=torch.Generator().manual_seed(1))
+
+    def paged():
+        for i, p in enumerate(pages):
+            p.computed = L + i
+        view = bp.DecodeView(pool, pages) if rows is None else bp.DecodeView(pool, pages, rows)
+        model(tok, cache=view, logits_to_keep=1)
+
+    def contiguous():
+        slots.lengths[:n] = [L + i for i in range(n)]
+        model(tok, cache=slots.decode(n), logits_to_keep=1)
+
+    got = {"paged": [], "slot cache": []}
+    with torch.inference_mode(), decoding_layout(model, n):
+        for f in (paged, contiguous, paged, contiguous):
+            f()
+        for _ in range(rounds):
+            for name, f in (("paged", paged), ("slot cache", contiguous)):
+                t = time.process_time()
+                for _ in range(10):
+                    f()
+                got[name].append((time.process_time() - t) / 10 * 1e3)
+    for name, xs in got.items():
+        xs.sort()
+        print(
+            f"decode step, {n} x {L} tokens, {name:10s}: {xs[len(xs) // 2]:.2f} ms CPU "
+            f"({xs[0]:.2f}-{xs[-1]:.2f})"
+        )
+    ratio = sorted(a / b for a, b in zip(got["paged"], got["slot cache"]))
+    print(f"paged / slot cache: {ratio[len(ratio) // 2]:.2f}x ({ratio[0]:.2f}-{ratio[-1]:.2f}, per round)")
+
+
+def closed_loop(model, prompts, new, paging):
+    """The same requests through a Batcher in this thread, 16 clients in a closed loop (a request ends, its
+    client's next one is queued before the next step), timed on this process's CPU clock: the figures do not
+    move with the machine's load (a wall clock under 7 other helpers' work moved by up to 2x run to run)."""
+    from gptkit.inference.batcher import Batcher, Job
+    from gptkit.inference.decoding_layout import decoding_layout
+
+    batcher = Batcher(model, max_batch=16, paging=paging)
+    ttft, stall, tokens = [], [], [0]
+    todo = iter(range(len(prompts)))
+
+    def submit():
+        i = next(todo, None)
+        if i is None:
+            return
+        sent, seen = time.process_time(), []
+
+        def deliver(events):
+            now = time.process_time()
+            for e in events:
+                if e.tokens:
+                    seen.append(now)
+                    tokens[0] += len(e.tokens)
+                if e.finish:
+                    ttft.append((seen[0] - sent) * 1e3)
+                    stall.append(max((b - a for a, b in zip(seen, seen[1:])), default=0.0) * 1e3)
+                    submit()
+
+        batcher.add(Job(prompts[i], SamplingParams(max_new_tokens=new, temperature=0.0), deliver))
+
+    with decoding_layout(model, 16):
+        for _ in range(16):
+            submit()
+        c0 = time.process_time()
+        while batcher.busy:
+            batcher.step()
+        cpu = time.process_time() - c0
+    kv = batcher.paged.stats() if batcher.paged is not None else {}
+    hit = f"{kv['prefix_hit_rate']:.2f}" if kv else "-"
+    return pct(ttft, 50), (
+        f"TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms CPU  longest gap between tokens p50 "
+        f"{pct(stall, 50):4.0f} p99 {pct(stall, 99):4.0f} ms CPU  {tokens[0] / cpu:4.0f} tokens per CPU s  "
+        f"hit {hit}"
+    )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", default=None, help="the rows to run, by index (0-6), comma-separated")
+    ap.add_argument("--step", action="store_true", help="a decode step paged vs the slot cache, 16 x 550")
+    ap.add_argument(
+        "--cpu-clock", action="store_true", help="the Batcher in one thread, a closed loop, CPU clock"
+    )
     a = ap.parse_args()
     torch.set_num_threads(1)
     model = build_model({"preset": "llama-tiny", "max_seq_len": 1024})
+    if a.step:
+        print(os.popen("uptime").read().strip())
+        decode_step(model, 16, 550, max(a.rounds, 5))
+        print(os.popen("uptime").read().strip())
+        return
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     mixed = [
@@ -101,12 +216,14 @@ def main():
         (sh, "paged, prefix cache off", shared, Paging(prefix_cache=False)),
         (sh, "paged, prefix cache on", shared, Paging()),
     ]
+    if a.only is not None:
+        rows = [rows[int(i)] for i in a.only.split(",")]
     got = {i: [] for i in range(len(rows))}
     with torch.inference_mode():
         # the rounds interleaved: each variant once per round; the round of the median TTFT p50 is shown
         for _ in range(a.rounds):
             for i, (_, _, ps, paging) in enumerate(rows):
-                got[i].append(run(model, ps, a.new, paging))
+                got[i].append((closed_loop if a.cpu_clock else run)(model, ps, a.new, paging))
     for i, (workload, side, _, _) in enumerate(rows):
         line = sorted(got[i], key=lambda r: r[0])[len(got[i]) // 2][1]
         print(f"{workload:29s} {side:37s} {line}", flush=True)

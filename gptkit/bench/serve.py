@@ -56,6 +56,8 @@ from gptkit.runs import write_run_folder
 from gptkit.threads import set_threads
 
 EOS = "<|endoftext|>"
+# the side of `gptkit serve prefix_cache=false` (the shared-prefix workload, beside the cache on)
+CACHE_OFF = "gptkit serve prefix_cache=false"
 # a server that is not up in this long has hung
 START_S = 300
 
@@ -79,7 +81,14 @@ class Server:
     """`gptkit serve` in a subprocess on a free port."""
 
     def __init__(
-        self, run_dir: Path, threads: int | None, max_batch: int, max_queue: int, device: str, dtype: str
+        self,
+        run_dir: Path,
+        threads: int | None,
+        max_batch: int,
+        max_queue: int,
+        device: str,
+        dtype: str,
+        *options: str,
     ) -> None:
         args = [
             sys.executable,
@@ -96,6 +105,7 @@ class Server:
         ]
         if threads:
             args.append(f"threads={threads}")
+        args += options
         env = dict(os.environ)
         env.pop("GPTKIT_VERB", None)
         env.pop("GPTKIT_API_KEY", None)
@@ -261,6 +271,31 @@ def transformers_side(model, prompts: list[list[int]], new_tokens: int, cb_confi
     return batch, answers
 
 
+def kv_cache(url: str) -> dict:
+    """The server's /health kv_cache (its prefix cache's counters)."""
+    import httpx
+
+    return httpx.get(f"{url}/health", timeout=START_S).json()["kv_cache"]
+
+
+def cache_ratio(rounds: dict[str, list[dict]], label: str, answers: dict) -> dict:
+    """The shared-prefix workload's rounds with the prefix cache on and off: each round's ratio on / off
+    (tokens/s, tokens per CPU s), their median and range."""
+    on, off = rounds[f"gptkit serve, {label}"], rounds[f"{CACHE_OFF}, {label}"]
+    rate = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(on, off)]
+    cpu = [a["tokens_per_cpu_s"] / b["tokens_per_cpu_s"] for a, b in zip(on, off)]
+    return {
+        "tokens_per_s_ratio": statistics.median(rate),
+        "tokens_per_s_ratio_min": min(rate),
+        "tokens_per_s_ratio_max": max(rate),
+        "tokens_per_cpu_s_ratio": statistics.median(cpu),
+        "ttft_ms_p50_on": statistics.median(r["ttft_ms_p50"] for r in on),
+        "ttft_ms_p50_off": statistics.median(r["ttft_ms_p50"] for r in off),
+        "prefix_hit_rate": statistics.median(r["prefix_hit_rate"] for r in on),
+        "same_greedy_answers": same_answers(answers[("gptkit serve", label)], answers[(CACHE_OFF, label)]),
+    }
+
+
 def median_row(rows: list[dict]) -> dict:
     """One row from the repeats: the median of every figure (and the range of tokens/s)."""
     out = {k: v for k, v in rows[0].items() if k != "answers"}
@@ -398,21 +433,38 @@ def run(cfg) -> int:
         # every server sits idle (no CPU) while another one, or this process, is timed
         servers: list[tuple[str, object, dict]] = []
         try:
-            server = Server(run_dir, cfg.threads, int(cfg.max_batch), max(64, n_requests), device, dtype)
+            queue = max(64, n_requests)
+            server = Server(run_dir, cfg.threads, int(cfg.max_batch), queue, device, dtype)
             servers.append(("gptkit serve", server, {"ignore_eos": True}))
+            if shared:
+                # the same server with its prefix cache off, on the shared-prefix workload only
+                off = Server(
+                    run_dir, cfg.threads, int(cfg.max_batch), queue, device, dtype, "prefix_cache=false"
+                )
+                servers.append((CACHE_OFF, off, {"ignore_eos": True}))
             for peer in peers:
                 if not peer.skip:
                     servers.append((peer.name, PeerServer(peer, START_S, cfg.threads), peer.body))
-            for _, srv, extra in servers:
+            for name, srv, extra in servers:
                 # warm-up: the first requests pay for lazy set-up
-                warm = [{**b, **extra} for b in workloads[0][2][: min(4, n_requests)]]
+                warm = [
+                    {**b, **extra} for b in workloads[-1 if name == CACHE_OFF else 0][2][: min(4, n_requests)]
+                ]
                 http_row(srv.url, warm, len(warm), srv.proc.pid)
             # round after round, every side once: a change in the machine's load reaches them all
             for r in range(repeats):
                 for label, c, bodies, prefix in workloads:
                     for name, srv, extra in servers:
+                        if name == CACHE_OFF and not prefix:
+                            continue
+                        kv0 = kv_cache(srv.url) if name == "gptkit serve" and prefix else None
                         row = http_row(srv.url, [{**b, **extra} for b in bodies], c, srv.proc.pid)
                         row["side"], row["prefix_tokens"] = f"{name}, {label}", prefix
+                        if kv0 is not None:
+                            kv1 = kv_cache(srv.url)
+                            looked = kv1["prefix_lookup_tokens"] - kv0["prefix_lookup_tokens"]
+                            hits = kv1["prefix_hit_tokens"] - kv0["prefix_hit_tokens"]
+                            row["prefix_hit_rate"] = hits / looked if looked else 0.0
                         answers[(name, label)] = row.pop("answers")
                         rounds.setdefault(row["side"], []).append(row)
                 sides = [
@@ -488,13 +540,23 @@ def run(cfg) -> int:
     for r in results["rows"]:
         name, _, label = r["side"].partition(", ")
         mine = by_side.get(f"gptkit serve, {label}")
-        if "clients" in r and name != "gptkit serve" and mine is not None:
+        if "clients" in r and name not in ("gptkit serve", CACHE_OFF) and mine is not None:
             con.print(
                 f"gptkit serve vs {name}, {label}: {mine['tokens_per_s'] / r['tokens_per_s']:.2f}x its "
                 f"tokens/s, TTFT p50 {mine['ttft_ms_p50']:,.0f} vs {r['ttft_ms_p50']:,.0f} ms, CPU per token "
                 f"{mine['cpu_ms_per_token']:.2f} vs {r['cpu_ms_per_token']:.2f} ms, same greedy answers "
                 f"{r['same_greedy_answers']}"
             )
+    if shared:
+        results["prefix_cache"] = cache_ratio(rounds, workloads[-1][0], answers)
+        pc = results["prefix_cache"]
+        con.print(
+            f"{workloads[-1][0]}: prefix cache on vs off (prefix_cache=false) "
+            f"{pc['tokens_per_s_ratio']:.2f}x tokens/s (per round {pc['tokens_per_s_ratio_min']:.2f}-"
+            f"{pc['tokens_per_s_ratio_max']:.2f}), {pc['tokens_per_cpu_s_ratio']:.2f}x tokens per CPU s, "
+            f"TTFT p50 {pc['ttft_ms_p50_on']:,.0f} vs {pc['ttft_ms_p50_off']:,.0f} ms, prefix hit rate "
+            f"{pc['prefix_hit_rate']:.2f}, same greedy answers {pc['same_greedy_answers']}"
+        )
     con.print(
         "[dim]CPU ms per token: the server process's CPU time (and its children's) for the HTTP rows (their "
         "clients run in this process), this process's for the others: steadier than tokens/s on a busy "

@@ -22,11 +22,15 @@ The model reads the pool through two views, each a cache as GPT.forward takes on
 mask_for(layer), advance):
 
     PackedView    several sequences' next tokens packed in one row [1, N] (prefill chunks): each token at its
-                  own position, attending to its own sequence's cached keys and to its chunk's keys up to its
-                  own position, under a [1, 1, N, K] bool mask (documents.py's rule, start <= j <= i, with
-                  a sequence's cached prefix as the start of its document; and a local layer's window)
-    DecodeView    one token for each of n sequences [n, 1], each row reading its own blocks [n, span]
-                  (gathered, padded, the padding masked)
+                  own position; each chunk's queries attend to its own sequence's cached keys and its own
+                  keys only, one attention call per chunk (mask_for gives gptkit.model.attention.Segments:
+                  causal, bottom-right, the layer's window, as a lone prefill over its cache), so a step
+                  costs the sum over chunks of queries x keys, not N x K scores masked across prompts; the
+                  keys are read a whole block at a time
+    DecodeView    one token for each of n sequences [n, 1], each at its own position, reading DecodeRows: a
+                  contiguous copy of every decoding sequence's keys (copied from its blocks once, when it
+                  starts decoding; each new key written there and in its block), so a step reads a slice as
+                  the slot cache does instead of gathering n x span rows of the pool in every layer
 
 Linear attention's recurrent state (model.gdn) cannot be paged: a model with such a layer keeps one slot per
 sequence (gptkit/inference/slot_cache.py), and so do speculative decoding and a longrope scaling.
@@ -42,6 +46,7 @@ from typing import Optional
 import torch
 
 from gptkit.errors import ConfigError
+from gptkit.model.attention import Segments
 from gptkit.model.attention_kinds import cache_layouts
 
 
@@ -109,7 +114,7 @@ class Pages:
     """One sequence's blocks: table[i] holds its positions i * block_size.. (None: released, behind a
     window)."""
 
-    __slots__ = ("table", "computed", "keys")
+    __slots__ = ("table", "computed", "keys", "epoch")
 
     def __init__(self) -> None:
         self.table: list[Optional[int]] = []
@@ -117,6 +122,8 @@ class Pages:
         self.computed = 0
         # the prefix-cache key of each full block registered so far
         self.keys: list[tuple] = []
+        # released (its cache dropped) this many times: a decode row of an older epoch is stale
+        self.epoch = 0
 
     @property
     def first(self) -> int:
@@ -195,6 +202,7 @@ class BlockPool:
             if b is not None:
                 self.drop(b)
         pages.table, pages.computed, pages.keys = [], 0, []
+        pages.epoch += 1
 
     def blocks_for(self, pages: Pages, end: int) -> int:
         """Blocks a sequence needs beyond its own to hold positions up to end - 1."""
@@ -304,6 +312,18 @@ class BlockPool:
         }
 
     # ---- rows of the pool ------------------------------------------------------------------------------
+    def write_read(self, layer: int, write, k, v, blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [heads, N, width] into the pool rows `write` [N] of `layer`; return the blocks `blocks`
+        [b] of it, whole and in that order, [1, heads, b * block_size, width]."""
+        out = []
+        for t, x in ((self.k[layer], k), (self.v[layer], v)):
+            t.index_copy_(1, write, x.to(t.dtype))
+            heads, width = t.shape[0], t.shape[2]
+            # a block's rows of one head are contiguous: one copy a block, not one a row
+            got = t.view(heads, self.blocks, self.block_size * width).index_select(1, blocks)
+            out.append(got.view(1, heads, len(blocks) * self.block_size, width))
+        return out[0], out[1]
+
     def rows(self, pages: Pages, start: int, end: int) -> torch.Tensor:
         """[end - start] long: the pool rows of positions start..end-1 of a sequence."""
         pos = torch.arange(start, end)
@@ -320,71 +340,162 @@ def _window_masks(base, q_pos, k_pos, windows) -> dict:
 
 
 class PackedView:
-    """Chunks of several sequences, packed in one row [1, N]: entries (pages, ids of the chunk)."""
+    """Chunks of several sequences, packed in one row [1, N]: entries (pages, tokens of the chunk)."""
 
     def __init__(self, pool: BlockPool, chunks: list[tuple[Pages, int]]) -> None:
         self.pool, self.chunks = pool, chunks
-        q_pos, q_seq, write, read, k_pos, k_seq = [], [], [], [], [], []
-        for i, (pages, T) in enumerate(chunks):
-            start, first = pages.computed, pages.first * pool.block_size
+        bs = pool.block_size
+        q_pos, write, blocks, bounds = [], [], [], []
+        q_at = k_at = 0
+        for pages, T in chunks:
+            start = pages.computed
+            lo, hi = pages.first, -(-(start + T) // bs)
             q_pos.append(torch.arange(start, start + T))
-            q_seq.append(torch.full((T,), i))
             write.append(pool.rows(pages, start, start + T))
-            read.append(pool.rows(pages, first, start + T))
-            k_pos.append(torch.arange(first, start + T))
-            k_seq.append(torch.full((start + T - first,), i))
+            blocks.extend(pages.table[lo:hi])
+            # its queries, and its keys: the whole blocks read, cut after its last query's own key
+            bounds.append((q_at, q_at + T, k_at, k_at + start + T - lo * bs))
+            q_at, k_at = q_at + T, k_at + (hi - lo) * bs
         dev = pool.device
-        qp, kp = torch.cat(q_pos).to(dev), torch.cat(k_pos).to(dev)
-        self._positions = qp[None]  # [1, N]
-        self.write, self.read = torch.cat(write).to(dev), torch.cat(read).to(dev)
-        # [N, K]: a token sees its own sequence's keys up to its own position
-        same = torch.cat(k_seq).to(dev)[None] == torch.cat(q_seq).to(dev)[:, None]
-        base = same & (kp[None] <= qp[:, None])
-        self.masks = {
-            w: m[None, None] for w, m in _window_masks(base, qp[:, None], kp[None], pool.windows).items()
-        }
+        self._positions = torch.cat(q_pos).to(dev)[None]  # [1, N]
+        self.write = torch.cat(write).to(dev)  # [N]
+        self.blocks = torch.tensor(blocks, dtype=torch.long, device=dev)  # [blocks read]
+        self.segments = Segments(tuple(bounds))
 
     @property
     def positions(self) -> torch.Tensor:
         return self._positions
 
-    def mask_for(self, layer: int) -> torch.Tensor:
-        """[1, 1, N, K] bool."""
-        return self.masks[self.pool.windows[layer]]
+    def mask_for(self, layer: int) -> Segments:
+        """Each chunk's queries against its own sequence's keys only (attention.per_segment: one call each,
+        causal and the layer's window as a lone prefill's)."""
+        return self.segments
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [1, heads, N, width] into the tokens' rows; return every key and value the chunk's
-        tokens may read, [1, heads, K, width] (read under mask_for)."""
-        pk, pv = self.pool.k[layer], self.pool.v[layer]
-        pk.index_copy_(1, self.write, k[0].to(pk.dtype))
-        pv.index_copy_(1, self.write, v[0].to(pv.dtype))
-        return pk.index_select(1, self.read)[None], pv.index_select(1, self.read)[None]
+        """Write k, v [1, heads, N, width] into the tokens' rows; return the blocks every chunk reads, each
+        chunk's in a run, [1, heads, K, width] (cut per chunk by the Segments)."""
+        return self.pool.write_read(layer, self.write, k[0], v[0], self.blocks)
 
     def advance(self, n: int) -> None:
         for pages, T in self.chunks:
             pages.computed += T
 
 
-class DecodeView:
-    """One new token for each of n sequences [n, 1], each at its own position."""
+class DecodeRows:
+    """The keys and values of the decoding sequences, each contiguous in a row of its own (what a decode
+    step's attention reads, without gathering blocks every step):
 
-    def __init__(self, pool: BlockPool, seqs: list[Pages]) -> None:
-        self.pool, self.seqs = pool, seqs
-        bs = pool.block_size
-        pos = [p.computed for p in seqs]
-        firsts = [p.first * bs for p in seqs]
-        span = max(e + 1 - f for e, f in zip(pos, firsts))
-        idx = torch.zeros(len(seqs), span, dtype=torch.long)
-        kp = torch.full((len(seqs), span), -1, dtype=torch.long)  # -1: padding
-        for i, (pages, e, f) in enumerate(zip(seqs, pos, firsts)):
-            idx[i, : e + 1 - f] = pool.rows(pages, f, e + 1)
-            kp[i, : e + 1 - f] = torch.arange(f, e + 1)
+        k, v per layer    [rows, k heads, cap, k width], [rows, v heads, cap, v width]; row i holds
+                          seqs[i]'s positions base[i].. (its first held block's at the time it came)
+
+    A sequence comes when it starts decoding (its blocks copied in once), gets its new token's key written
+    both here and in its block, and goes when it leaves the decode set (the last row moved into its hole):
+    rows 0..n-1 are the n sequences of a step, whose attention reads a slice. cap grows (doubling, up to the
+    context) with the longest row; the pool stays the memory of record (the prefix cache, preemption and the
+    n choices read it). Memory: rows x cap per layer, at most the slot cache's."""
+
+    def __init__(self, pool: BlockPool, rows: int, context: int) -> None:
+        self.pool, self.n_rows, self.context = pool, rows, context
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        self.cap = 0
+        # row i: (the sequence's Pages, its epoch when it came), its base position, positions copied
+        self.seqs: list[tuple[Pages, int]] = []
+        self.base: list[int] = []
+        self.filled: list[int] = []
+
+    def place(self, seqs: list[Pages]) -> list[int]:
+        """Rows 0..n-1 made to hold exactly these n sequences (every key they cached copied in); returns the
+        order of seqs by row."""
+        want = {id(p): p.epoch for p in seqs}
+        i = 0
+        while i < len(self.seqs):
+            p, epoch = self.seqs[i]
+            if want.get(id(p)) == epoch:
+                i += 1
+            else:
+                self._drop(i)
+        have = {id(p) for p, _ in self.seqs}
+        for p in seqs:
+            if id(p) not in have:
+                self.seqs.append((p, p.epoch))
+                self.base.append(p.first * self.pool.block_size)
+                self.filled.append(0)
+        self._grow(max(p.computed + 1 - b for (p, _), b in zip(self.seqs, self.base)))
+        for i, (p, _) in enumerate(self.seqs):
+            if self.filled[i] < p.computed - self.base[i]:
+                self._fill(i, p)
+        row = {id(p): i for i, (p, _) in enumerate(self.seqs)}
+        return sorted(range(len(seqs)), key=lambda j: row[id(seqs[j])])
+
+    def _drop(self, i: int) -> None:
+        last = len(self.seqs) - 1
+        if i != last:
+            n = self.filled[last]
+            for t in self.k + self.v:
+                t[i, :, :n] = t[last, :, :n]
+            self.seqs[i], self.base[i], self.filled[i] = self.seqs[last], self.base[last], n
+        self.seqs.pop()
+        self.base.pop()
+        self.filled.pop()
+
+    def _grow(self, need: int) -> None:
+        if need <= self.cap:
+            return
+        bs = self.pool.block_size
+        cap = min(max(need, 2 * self.cap, 4 * bs), self.context)
+        cap = -(-cap // bs) * bs
+        pool, old = self.pool, self.cap
+
+        def grown(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            out = torch.zeros(
+                (self.n_rows, like.shape[0], cap, like.shape[2]), device=like.device, dtype=like.dtype
+            )
+            if old:
+                out[:, :, :old] = t
+            return out
+
+        self.k = [grown(t, p) for t, p in zip(self.k or pool.k, pool.k)]
+        self.v = [grown(t, p) for t, p in zip(self.v or pool.v, pool.v)]
+        self.cap = cap
+
+    def _fill(self, i: int, p: Pages) -> None:
+        """Copy positions filled..computed-1 of row i's sequence from its blocks."""
+        a, b = self.base[i] + self.filled[i], p.computed
+        rows = self.pool.rows(p, a, b).to(self.pool.device)
+        for layer in range(len(self.k)):
+            self.k[layer][i, :, a - self.base[i] : b - self.base[i]] = self.pool.k[layer].index_select(
+                1, rows
+            )
+            self.v[layer][i, :, a - self.base[i] : b - self.base[i]] = self.pool.v[layer].index_select(
+                1, rows
+            )
+        self.filled[i] = b - self.base[i]
+
+
+class DecodeView:
+    """One new token for each of n sequences [n, 1], each at its own position: feed them in the order
+    `order` (DecodeRows.place), row i of the batch being row i of the decode rows."""
+
+    def __init__(self, pool: BlockPool, seqs: list[Pages], rows: DecodeRows) -> None:
+        self.pool, self.rows = pool, rows
+        self.order = rows.place(seqs)
+        self.seqs = [seqs[j] for j in self.order]
+        bs, n = pool.block_size, len(seqs)
+        pos = [p.computed for p in self.seqs]
+        cols = [e - b for e, b in zip(pos, rows.base)]
+        self.span = max(cols) + 1
         dev = pool.device
-        self.write = idx[torch.arange(len(seqs)), torch.tensor(pos) - torch.tensor(firsts)].to(dev)  # [n]
-        self.read = idx.to(dev)  # [n, span]
+        self.write = torch.tensor(
+            [p.table[e // bs] * bs + e % bs for p, e in zip(self.seqs, pos)], dtype=torch.long, device=dev
+        )  # [n]: the pool rows of the new tokens
+        self.n = n
+        self.cols = torch.tensor(cols, dtype=torch.long, device=dev)  # [n]: their columns in the decode rows
+        self.index = torch.arange(n, device=dev)
         self._positions = torch.tensor(pos, dtype=torch.long, device=dev)[:, None]  # [n, 1]
-        kp = kp.to(dev)
-        base = (kp >= 0) & (kp <= self._positions)  # [n, span]
+        j = torch.arange(self.span, device=dev)[None]  # [1, span]
+        base = j <= self.cols[:, None]  # [n, span]
+        kp = j + torch.tensor(rows.base, dtype=torch.long, device=dev)[:, None]  # [n, span] key positions
         self.masks = {
             w: m[:, None, None] for w, m in _window_masks(base, self._positions, kp, pool.windows).items()
         }
@@ -398,15 +509,17 @@ class DecodeView:
         return self.masks[self.pool.windows[layer]]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write k, v [n, heads, 1, width]; return each row's keys and values [n, heads, span, width]."""
+        """Write k, v [n, heads, 1, width] in the pool and in the decode rows; return rows 0..n-1's keys and
+        values [n, heads, span, width] (read under mask_for)."""
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         pk.index_copy_(1, self.write, k[:, :, 0].transpose(0, 1).to(pk.dtype))
         pv.index_copy_(1, self.write, v[:, :, 0].transpose(0, 1).to(pv.dtype))
-        n, span = self.read.shape
-        flat = self.read.flatten()  # index_select: a fraction of advanced indexing's time on the CPU
-        keys = pk.index_select(1, flat).unflatten(1, (n, span)).transpose(0, 1)  # [n, heads, span, width]
-        return keys, pv.index_select(1, flat).unflatten(1, (n, span)).transpose(0, 1)
+        rk, rv = self.rows.k[layer], self.rows.v[layer]
+        rk[self.index, :, self.cols] = k[:, :, 0].to(rk.dtype)
+        rv[self.index, :, self.cols] = v[:, :, 0].to(rv.dtype)
+        return rk[: self.n, :, : self.span], rv[: self.n, :, : self.span]
 
     def advance(self, n: int) -> None:
-        for pages in self.seqs:
+        for i, pages in enumerate(self.seqs):
             pages.computed += n
+            self.rows.filled[i] = pages.computed - self.rows.base[i]

@@ -32,7 +32,7 @@ import time
 
 import torch
 
-from gptkit.inference.block_pool import BlockPool, DecodeView, PackedView, Pages, Paging
+from gptkit.inference.block_pool import BlockPool, DecodeRows, DecodeView, PackedView, Pages, Paging
 
 
 class PagedSteps:
@@ -46,6 +46,8 @@ class PagedSteps:
         size = paging.size(batcher.max_len)
         self.pool = BlockPool(model.cfg, blocks, size, w.device, w.dtype, paging.prefix_cache)
         self.budget = paging.budget(batcher.max_batch)
+        # the decoding sequences' keys, a contiguous row each (read by every decode step without a gather)
+        self.rows = DecodeRows(self.pool, batcher.max_batch, batcher.max_len)
         # sequences preempted (recomputed later); prompt tokens computed by prefill forwards
         self.preempted = 0
         self.prefill_tokens = 0
@@ -145,8 +147,10 @@ class PagedSteps:
 
     def _decode(self, seqs, out) -> None:
         b = self.b
+        view = DecodeView(self.pool, [s.pages for s in seqs], self.rows)
+        # fed in the order of their decode rows
+        seqs = [seqs[j] for j in view.order]
         tok = torch.tensor([[s.last] for s in seqs], dtype=torch.long, device=b.device)  # [n, 1]
-        view = DecodeView(self.pool, [s.pages for s in seqs])
         logits = b.model(tok, cache=view, logits_to_keep=1).logits[:, -1]  # [n, V]
         tokens = b._choose(logits, seqs)
         b._take(seqs, tokens, out, b._logprobs(logits, seqs, tokens))
@@ -250,4 +254,10 @@ class PagedSteps:
                 self.pool.release(s.pages)
 
     def stats(self) -> dict:
-        return {**self.pool.stats(), "preempted": self.preempted, "prefill_tokens": self.prefill_tokens}
+        rows = sum(t.numel() * t.element_size() for t in self.rows.k + self.rows.v)
+        return {
+            **self.pool.stats(),
+            "preempted": self.preempted,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_rows_bytes": rows,
+        }

@@ -10,6 +10,8 @@ Every backend has the same signature:
                                             Dv, out then [..., Dv]: multi-head latent attention's)
     mask: None, or a bool tensor broadcastable to [B, n_heads, T_q, T_k] (True = may attend);
           when given it replaces `causal` and `window` (a static KV cache builds it: gptkit/model/kv_cache.py)
+          or Segments (sequences packed in one row, from a cache): every backend then runs once per
+          segment (by_segment)
     docs: None, or the packed documents of the batch (gptkit.model.documents.Documents): causal
           attention inside each document only
     window: None, or W: query i also sees only the keys j with pos(i) - W < j (its last W positions, its own
@@ -36,6 +38,7 @@ the sink as one more logit column; `sdpa` as one more zero key/value with the si
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -63,6 +66,38 @@ def _varlen_attn():
 AttentionFn = Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]
 
 
+@dataclass(frozen=True)
+class Segments:
+    """A mask description for several sequences packed in one row (batch 1) and read through a cache
+    (gptkit/inference/block_pool.py's PackedView): segment (qs, qe, ks, ke) is the queries q[:, :, qs:qe]
+    of one sequence against its keys k[:, :, ks:ke] (its cached prefix, then those queries' own keys), causal
+    and bottom-right aligned as a lone sequence's forward over its cache is, with the layer's window. One
+    attention call per segment: the cost is the sum over segments of queries x keys, not N x K with the
+    scores across sequences masked."""
+
+    bounds: tuple[tuple[int, int, int, int], ...]
+
+
+def by_segment(fn: AttentionFn) -> AttentionFn:
+    """fn (a backend of the signature above), taking a Segments mask too: then one call of fn per segment
+    (mask None: causal, bottom-right, the window), the outputs joined along the queries."""
+
+    @functools.wraps(fn)
+    def attend(q, k, v, *, mask=None, **args):
+        if not isinstance(mask, Segments):
+            return fn(q, k, v, mask=mask, **args)
+        if args.get("return_probs") or args.get("docs") is not None or q.shape[0] != 1:
+            raise ValueError("a Segments mask takes one packed row, no documents, no attention maps")
+        outs = [
+            fn(q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], mask=None, **args)[0]  # [1, H, b - a, Dv]
+            for a, b, c, d in mask.bounds
+        ]
+        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), None  # [1, H, N, Dv]
+
+    return attend
+
+
+@by_segment
 def eager_attention(
     q,
     k,
@@ -132,6 +167,7 @@ def window_mask(Tq: int, Tk: int, window: int | None, device) -> torch.Tensor:
     return keep  # [Tq, Tk]
 
 
+@by_segment
 def sdpa_attention(
     q,
     k,
@@ -367,6 +403,7 @@ def varlen_attention(q, k, v, cu: torch.Tensor, scale=None, window: int | None =
     return out.view(B, T, H, D).transpose(1, 2)  # [B, n_heads, T, D]
 
 
+@by_segment
 def triton_attention(
     q,
     k,

@@ -56,7 +56,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from gptkit.model.attention import window_mask
+from gptkit.model.attention import by_segment, window_mask
 from gptkit.model.fused import warn_once
 
 # every gemm's row count is a multiple of this (the BLAS runs its small-row kernels below ~8 rows)
@@ -148,6 +148,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return F.pad(x, (0, 0, 0, padded - m)) if padded != m else x
 
 
+@by_segment
 def attention(
     q,
     k,

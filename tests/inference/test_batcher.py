@@ -431,3 +431,88 @@ def test_paging_options_are_checked():
     ):
         with pytest.raises(GptkitError, match=re.escape(line)):
             Batcher(model, max_batch=4, paging=paging)
+
+
+PAGED_KINDS = {
+    **{k: VARIANTS[k] for k in ("rope-gqa", "rope-window")},
+    "mla": dict(
+        GQA,
+        n_kv_heads=None,
+        attention_kind="mla",
+        mla=dict(kv_lora_rank=12, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6),
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", PAGED_KINDS)
+def test_packed_prefill_attends_per_prompt_and_decode_rows_give_the_lone_logits(kind):
+    """Prompts packed in one row [1, N], each attending only to its own keys (one attention call per prompt:
+    Segments), some past a cached prefix; then decode steps over the decode rows while a sequence leaves
+    (its row refilled by the last one) and one comes: every position's logits are the lone forward's of
+    that sequence's tokens (fp32 rounding)."""
+    from gptkit.inference.block_pool import BlockPool, DecodeRows, DecodeView, PackedView, Pages
+    from gptkit.model.attention import Segments
+
+    model = greedy_gpt(48, **PAGED_KINDS[kind])
+    pool = BlockPool(model.cfg, 40, 4, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (13, 9, 21)]
+    pages = [Pages() for _ in seqs]
+
+    def lone(ids):
+        return model(torch.tensor([ids])).logits[0]  # [T, V]
+
+    def packed(chunks):
+        ids = [t for p, T, s in chunks for t in s[p.computed : p.computed + T]]
+        for p, T, _ in chunks:
+            assert pool.grow(p, p.computed + T)
+        view = PackedView(pool, [(p, T) for p, T, _ in chunks])
+        assert isinstance(view.mask_for(0), Segments) and len(view.mask_for(0).bounds) == len(chunks)
+        return model(torch.tensor([ids]), cache=view).logits[0]  # [N, V]
+
+    with torch.inference_mode():
+        # two prompts in part (5 and 4 tokens), then their rest beside a third whole prompt
+        first = packed([(pages[0], 5, seqs[0]), (pages[1], 4, seqs[1])])
+        torch.testing.assert_close(first[:5], lone(seqs[0])[:5], rtol=0, atol=1e-5)
+        torch.testing.assert_close(first[5:], lone(seqs[1])[:4], rtol=0, atol=1e-5)
+        rest = packed([(pages[0], 8, seqs[0]), (pages[1], 5, seqs[1]), (pages[2], 21, seqs[2])])
+        want = torch.cat([lone(seqs[0])[5:], lone(seqs[1])[4:], lone(seqs[2])])
+        torch.testing.assert_close(rest, want, rtol=0, atol=1e-5)
+        rows = DecodeRows(pool, 3, 48)
+        live = [0, 1, 2]
+        for step in range(9):
+            if step == 3:
+                # the first sequence leaves (its row taken by the last one's), at step 6 it comes back
+                live = [1, 2]
+            if step == 6:
+                live = [2, 0, 1]
+            nxt = [(step * 7 + i) % 61 for i in live]
+            for i in live:
+                assert pool.grow(pages[i], pages[i].computed + 1)
+            view = DecodeView(pool, [pages[i] for i in live], rows)
+            order = [live[j] for j in view.order]
+            tok = torch.tensor([[nxt[j]] for j in view.order])  # [n, 1]
+            logits = model(tok, cache=view).logits[:, -1]  # [n, V]
+            for r, i in enumerate(order):
+                seqs[i] = seqs[i] + [int(tok[r, 0])]
+                torch.testing.assert_close(logits[r], lone(seqs[i])[-1], rtol=0, atol=1e-5)
+        assert rows.cap >= len(seqs[2]) and len(rows.seqs) == 3
+
+
+def test_shared_prefix_prompts_give_the_same_greedy_tokens_with_the_prefix_cache_on_and_off():
+    """Requests that share a 13-token system prompt, more than the batch holds: with the cache on, the later
+    ones skip its prefill (hits counted); every request's greedy tokens are the same on and off, and
+    `gptkit sample`'s."""
+    model = tiny()
+    system = prompts(8, seed=11)[7][:13]
+    ps = [system + p for p in prompts(6, seed=12)]
+    params = SamplingParams(max_new_tokens=8, temperature=0.0)
+    got = {}
+    for cache in (True, False):
+        batcher = Batcher(model, max_batch=3, paging=Paging(block_size=4, prefix_cache=cache))
+        out = run_all(batcher, [(p, params) for p in ps])
+        got[cache] = [out[i][0] for i in range(len(ps))]
+        stats = batcher.paged.stats()
+        # 12 of the 13 shared tokens fill 3 blocks: the requests admitted after the first one's prefill hit
+        assert (stats["prefix_hit_tokens"] > 0) == cache and released(batcher)
+    assert got[True] == got[False] == [reference(model, p, 8).tokens[0] for p in ps]

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from gptkit.bench.serve import EOS, bench_tokenizer
+from gptkit.bench.serve import CACHE_OFF, EOS, bench_tokenizer, cache_ratio
 from gptkit.bench.serve_peers import (
     PEERS,
     discover,
@@ -91,3 +91,28 @@ def test_peers_skip_in_one_line_when_not_installed_and_start_when_they_are():
     assert hf[:2] == ["/bin/transformers", "serve"] and "--continuous-batching" in hf
     with pytest.raises(GptkitError, match="unknown"):
         discover(["ollama"], gguf=never, hf=never, threads=1, context=512, eos_id=99)
+
+
+def test_the_prefix_cache_ratio_is_each_rounds_on_over_off():
+    """bench serve's shared-prefix workload with the cache on and off: the ratio of each round's pair (one
+    side's slow round is not set against the other's fast one), their median and range."""
+    label = "shared 400-token prefix, 16 clients"
+
+    def row(rate, cpu, ttft, hit=None):
+        r = {"tokens_per_s": rate, "tokens_per_cpu_s": cpu, "ttft_ms_p50": ttft}
+        return r if hit is None else {**r, "prefix_hit_rate": hit}
+
+    rounds = {
+        f"gptkit serve, {label}": [
+            row(300, 600, 100, 0.9),
+            row(200, 500, 120, 0.92),
+            row(330, 640, 90, 0.91),
+        ],
+        f"{CACHE_OFF}, {label}": [row(100, 300, 400), row(160, 250, 300), row(150, 320, 350)],
+    }
+    answers = {("gptkit serve", label): ["a", "b"], (CACHE_OFF, label): ["a", "c"]}
+    got = cache_ratio(rounds, label, answers)
+    assert got["tokens_per_s_ratio"] == 2.2 and got["tokens_per_s_ratio_min"] == 1.25
+    assert got["tokens_per_s_ratio_max"] == 3.0 and got["tokens_per_cpu_s_ratio"] == 2.0
+    assert got["ttft_ms_p50_on"] == 100 and got["ttft_ms_p50_off"] == 350
+    assert got["prefix_hit_rate"] == 0.91 and got["same_greedy_answers"] == "1/2"

@@ -1169,6 +1169,10 @@ def test_paging_options_that_cannot_run_are_one_line(tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=HANG_S)
     assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
     assert r.stderr.startswith("error: kv_blocks=0 must be an integer >= 1"), r.stderr
+    r = subprocess.run(
+        cmd[:-2] + ["prefix_cache=maybe"], capture_output=True, text=True, env=env, timeout=HANG_S
+    )
+    assert r.returncode == 2 and r.stderr == "error: prefix_cache=maybe must be true or false\n", r.stderr
 
 
 def test_an_endpoint_added_to_the_table_is_guarded_and_run_like_the_others(tmp_path):
