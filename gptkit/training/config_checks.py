@@ -157,8 +157,9 @@ def check_ema(decay: Any, strategy: str) -> None:
 
 def check_tensor_parallel(t: Any) -> int:
     """trainer.tensor_parallel=k (training/tensor_parallel.py) against the trainer group: an integer >= 1;
-    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number), without expert
-    parallelism, in-training samples or task evaluations (they decode a whole model). Returns k."""
+    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number; k x
+    trainer.context_parallel with it), without expert parallelism, in-training samples or task evaluations
+    (they decode a whole model). Returns k."""
     k = t.get("tensor_parallel", 1)
     k = 1 if k is None else k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -181,11 +182,13 @@ def check_tensor_parallel(t: Any) -> int:
                 f"trainer.tensor_parallel={k} {larger} the job's {world} process(es) (trainer.devices x "
                 f"trainer.num_nodes); pass a divisor of {world}"
             )
-    if int(t.get("context_parallel") or 1) > 1:
-        raise ConfigError(
-            f"trainer.tensor_parallel={k} with trainer.context_parallel={t.context_parallel} is not "
-            "supported yet (one mesh of both: not built); pass one of them = 1"
-        )
+        # with trainer.context_parallel=c: a mesh [data, c, k] (tp innermost) of the job's processes
+        cp = t.get("context_parallel") or 1
+        if isinstance(cp, int) and cp > 1 and world % (cp * k):
+            raise ConfigError(
+                f"trainer.tensor_parallel={k} x trainer.context_parallel={cp} = {k * cp} must divide the "
+                f"job's {world} process(es) (trainer.devices x trainer.num_nodes)"
+            )
     if int(t.get("expert_parallel") or 1) > 1:
         raise ConfigError(
             f"trainer.tensor_parallel={k} with trainer.expert_parallel={t.expert_parallel} is not supported; "

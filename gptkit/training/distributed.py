@@ -299,10 +299,12 @@ def _fsdp2_strategy_class():
 
         @property
         def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            """trainer.context_parallel=k: the k ranks of a group read the same items (data_ranks)."""
+            """trainer.context_parallel=k: the k ranks of a group read the same items (data_ranks); with
+            trainer.tensor_parallel=t too, the k x t consecutive ranks of a (cp, tp) block."""
             k = getattr(self, "context_parallel", 1)
             if k == 1:
                 return super().distributed_sampler_kwargs
+            k *= self.device_mesh["tensor_parallel"].size()
             return {"num_replicas": self.world_size // k, "rank": self.global_rank // k}
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:

@@ -193,7 +193,8 @@ class LitGPT(L.LightningModule):
         if k > 1 and getattr(self, "context_parallel", None) is None:
             from gptkit.training.context_parallel import ContextParallel, context_group
 
-            group = context_group(strategy.root_device.type, strategy.world_size, k)
+            tp = strategy.device_mesh["tensor_parallel"].size()
+            group = context_group(strategy.root_device.type, strategy.world_size, k, tp)
             self.context_parallel = ContextParallel(self.model, group)
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
@@ -218,7 +219,7 @@ class LitGPT(L.LightningModule):
             else:
                 # this rank's share of every sequence: its loss tokens weigh as theirs (token_mean)
                 try:
-                    loss, n = self.objective.loss(self.model, cp.enter(batch))
+                    loss, n = self.objective.loss(objective_model(self.model), cp.enter(batch))
                 finally:
                     cp.exit()
         # on the device: no host sync (StepMetrics reads it); the objective's loss alone

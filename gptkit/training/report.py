@@ -123,9 +123,9 @@ def announce(
     finetune = plan.finetune_class
     convention = finetune.flops_convention
     lines = [f"[bold]{escape(plan.job)}[/]"] if plan.job else []
-    # trainer.tensor_parallel=k: a group of k ranks reads one batch
-    k = int(plan.cfg.trainer.get("tensor_parallel") or 1)
-    tp = f" / {k} tensor-parallel" if k > 1 else ""
+    # trainer.tensor_parallel, trainer.context_parallel: a group of tp x cp ranks reads one batch
+    groups = [(int(plan.cfg.trainer.get(f"{kind}_parallel") or 1), kind) for kind in ("tensor", "context")]
+    tp = "".join(f" / {k} {kind}-parallel" for k, kind in groups if k > 1)
     lines += [
         f"[bold]gptkit train[/] -> {escape(str(plan.run_dir))}",
         f"  model {m.name}: {n:,} parameters{active}, vocab {m.vocab_size}, context {m.max_seq_len}, "
