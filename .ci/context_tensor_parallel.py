@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
-"""Context parallelism x tensor parallelism against one process (issue 58 item 3): 4 gloo processes on one
-DeviceMesh (cp 2, tp 2), tp innermost. apply_tensor_parallel on mesh["tp"] (heads, MLP columns, vocabulary;
-sequence parallelism inside each CP rank's share), FSDP2 over mesh["cp"] (the data ranks dp x cp), then
-ContextParallel on mesh["cp"]'s group (the ring over TP-local heads), against the same model (float64) run
-whole in one process, for a few optimizer steps (AdamW).
+"""Context parallelism x tensor parallelism against one process (issue 58 item 3): 4 gloo processes on the
+trainer's one DeviceMesh (training/mesh.py: cp 2, tp 2, tp innermost). apply_tensor_parallel on mesh["tp"]
+(heads, MLP columns, vocabulary; sequence parallelism inside each CP rank's share), FSDP2 over mesh.fsdp
+(dp_shard x cp), then ContextParallel on mesh["cp"]'s group (the ring over TP-local heads), against the same
+model (float64) run whole in one process, for a few optimizer steps (AdamW).
 
 Per case it prints the largest differences of: the loss of every step (each rank's mean over its loss tokens
 under loss_parallel, weighted by its tokens and summed over the CP ranks), the loss per token of the first
@@ -124,21 +124,22 @@ def worker(rank, world, port, steps, tmp):
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     from gptkit.model import GPT, ModelConfig
     from gptkit.training.context_parallel import ContextParallel
+    from gptkit.training.mesh import MeshDims, build_mesh
     from gptkit.training.tensor_parallel import apply_tensor_parallel, local_loss, loss_context
 
-    mesh = init_device_mesh("cpu", (CP, TP), mesh_dim_names=("cp", "tp"))
+    # the trainer's one mesh (training/mesh.py): dp_shard 1 x cp 2 x tp 2
+    mesh = build_mesh("cpu", MeshDims(world=world, cp=CP, tp=TP))
     for i, (_, cfg_dict, docs) in enumerate(CASES):
         model = GPT.from_state(ModelConfig.from_dict(cfg_dict), torch.load(os.path.join(tmp, f"init{i}.pt")))
         model.train()
         apply_tensor_parallel(model, mesh["tp"])
         for block in model.blocks:
-            fully_shard(block, mesh=mesh["cp"])
-        fully_shard(model, mesh=mesh["cp"])
+            fully_shard(block, mesh=mesh.fsdp)
+        fully_shard(model, mesh=mesh.fsdp)
         cp = ContextParallel(model, mesh["cp"].get_group())
         opt = optimizer(model)
         losses, tok, grads = [], None, None

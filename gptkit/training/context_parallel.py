@@ -469,18 +469,3 @@ class ContextParallel:
         parts = [torch.empty_like(x) for _ in range(self.k)]
         dist.all_gather(parts, x.contiguous(), group=self.ring.group)
         return unsplit(parts, dim)
-
-
-def context_group(device_type: str, world: int, k: int, tp: int = 1):
-    """The process group of this rank's context-parallel ranks: the "context_parallel" dimension of a
-    [W / (k tp), k, tp] DeviceMesh (tp innermost, as the strategy's [data_parallel, tensor_parallel] mesh:
-    with trainer.tensor_parallel=tp a group is k ranks tp apart, of the same tensor-parallel rank). FSDP2
-    shards over the data_parallel dimension, W / tp ranks (training/distributed.parallelize)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(
-        device_type,
-        (world // (k * tp), k, tp),
-        mesh_dim_names=("cp_replicas", "context_parallel", "cp_tensor_parallel"),
-    )
-    return mesh["context_parallel"].get_group()

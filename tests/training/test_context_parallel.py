@@ -96,13 +96,11 @@ def test_a_context_and_tensor_parallel_block_of_ranks_reads_one_batch():
     from types import SimpleNamespace
 
     from gptkit.training.distributed import _fsdp2_strategy_class
+    from gptkit.training.mesh import MeshDims
 
     kwargs = _fsdp2_strategy_class().distributed_sampler_kwargs.fget
-    mesh = {"tensor_parallel": SimpleNamespace(size=lambda: 2)}
-    got = [
-        kwargs(SimpleNamespace(context_parallel=2, device_mesh=mesh, world_size=8, global_rank=r))
-        for r in range(8)
-    ]
+    dims = MeshDims(world=8, cp=2, tp=2)
+    got = [kwargs(SimpleNamespace(mesh=None, mesh_dims=dims, global_rank=r)) for r in range(8)]
     assert got == [{"num_replicas": 2, "rank": r // 4} for r in range(8)]
 
 
@@ -136,7 +134,7 @@ def test_context_parallel_settings_are_refused_in_one_line_before_torch():
             "trainer.devices=6",
             "trainer.context_parallel=2",
             "trainer.tensor_parallel=2",
-        ): "trainer.tensor_parallel=2 x trainer.context_parallel=2 = 4 must divide the job's 6 process",
+        ): "trainer.context_parallel=2 does not divide the 3 rank(s) left of the job's 6",
     }
     code = (
         "import sys, io, contextlib, json\nfrom gptkit.cli import main\nlines = []\n"

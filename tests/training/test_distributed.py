@@ -520,14 +520,17 @@ def test_tensor_and_context_parallel_together_need_a_mesh_that_divides_the_job()
     .ci/context_tensor_parallel.py's): accepted when tp x cp divides the processes, else one line."""
     from gptkit.conf_tree import compose
     from gptkit.errors import ConfigError
-    from gptkit.training.config_checks import check_tensor_parallel
+    from gptkit.training.config_checks import check_mesh_shape, check_tensor_parallel
 
     both = ["trainer.tensor_parallel=2", "trainer.context_parallel=2"]
     cfg = compose("train", TP2[:1] + ["trainer.devices=4", *both])
     assert check_tensor_parallel(cfg.trainer) == 2
+    # (dp_replicate, cp, tp, ep)
+    assert check_mesh_shape(cfg.trainer) == (1, 2, 2, 1)
     cfg = compose("train", TP2[:1] + ["trainer.devices=6", *both])
-    with pytest.raises(ConfigError, match="= 4 must divide the job's 6 process"):
-        check_tensor_parallel(cfg.trainer)
+    assert check_tensor_parallel(cfg.trainer) == 2
+    with pytest.raises(ConfigError, match="context_parallel=2 does not divide the 3 rank"):
+        check_mesh_shape(cfg.trainer)
 
 
 def test_tensor_parallel_plan_on_one_rank_matches_the_model_and_its_state_reads_back(tmp_path):
