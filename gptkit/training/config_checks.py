@@ -439,15 +439,17 @@ def check_mesh_shape(t: Any, world: Optional[int] = None) -> tuple[int, int, int
         if not (isinstance(devices, int) and not isinstance(devices, bool) and isinstance(nodes, int)):
             return r, cp, tp, ep
         world = devices * nodes
-    left, of = world, f"the job's {world} process(es) (trainer.devices x trainer.num_nodes)"
+    left, of, taken = world, f"the job's {world} process(es) (trainer.devices x trainer.num_nodes)", []
     for key, k in (("tensor_parallel", tp), ("context_parallel", cp), ("data_parallel_replicate", r)):
         if left % k:
             verb = "is larger than" if k > left else "does not divide"
             raise ConfigError(
                 f"trainer.{key}={k} {verb} {of}; the mesh does not factor: pass a divisor of {left}"
             )
-        left //= k
-        of = f"the {left} rank(s) left of the job's {world} by {_product(t, key)}"
+        if k > 1:
+            left //= k
+            taken.append(f"trainer.{key}={k}")
+            of = f"the {left} rank(s) left of the job's {world} by {' x '.join(taken)}"
     # left: dp_shard; the experts are split over ranks of dp_shard x cp
     if (left * cp) % ep and world % ep == 0:
         verb = "is larger than" if ep > left * cp else "does not divide"
@@ -456,10 +458,3 @@ def check_mesh_shape(t: Any, world: Optional[int] = None) -> tuple[int, int, int
             f"replica shards over; pass a divisor of {left * cp}"
         )
     return r, cp, tp, ep
-
-
-def _product(t: Any, upto: str) -> str:
-    """'trainer.tensor_parallel=2 x trainer.context_parallel=2': the degrees taken out so far."""
-    keys = ("tensor_parallel", "context_parallel", "data_parallel_replicate")
-    taken = keys[: keys.index(upto) + 1]
-    return " x ".join(f"trainer.{k}={t.get(k) or 1}" for k in taken)
