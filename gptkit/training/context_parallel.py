@@ -113,18 +113,23 @@ def _keep(q_pos, k_pos, q_start, window) -> torch.Tensor:
     return keep
 
 
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype of the ring's scores, log-sum-exps and accumulators: fp32 (fp64 for a fp64 model)."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
 def _expand(k: torch.Tensor, H: int) -> torch.Tensor:
     return k if k.shape[1] == H else k.repeat_interleave(H // k.shape[1], dim=1)
 
 
 def eager_block(q, k, v, keep, scale):
-    """(out fp32 [B, H, Tq, D], lse fp32 [B, H, Tq]; -inf on a row that sees no key)."""
-    H = q.shape[1]
-    s = (q.float() @ _expand(k, H).float().transpose(-2, -1)) * scale  # [B, H, Tq, Tk]
+    """(out [B, H, Tq, D], lse [B, H, Tq] in acc_dtype; -inf on a row that sees no key)."""
+    H, a = q.shape[1], acc_dtype(q)
+    s = (q.to(a) @ _expand(k, H).to(a).transpose(-2, -1)) * scale  # [B, H, Tq, Tk]
     s = s.masked_fill(~keep, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [B, H, Tq]
     p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
-    return p @ _expand(v, H).float(), lse
+    return p @ _expand(v, H).to(a), lse
 
 
 def sdpa_block(q, k, v, keep, scale):
@@ -143,8 +148,8 @@ def sdpa_block(q, k, v, keep, scale):
         )[:2]
         lse = lse[..., :Tq]
     # a row that sees no key: the kernels give lse 0 and out 0; the merge needs -inf
-    lse = lse.float().masked_fill(~keep.any(-1).expand(lse.shape), float("-inf"))
-    return out.float(), lse
+    lse = lse.to(acc_dtype(q)).masked_fill(~keep.any(-1).expand(lse.shape), float("-inf"))
+    return out.to(acc_dtype(q)), lse
 
 
 BLOCKS: dict[str, Callable] = {"eager": eager_block, "sdpa": sdpa_block}
@@ -194,15 +199,15 @@ def forward_block(q, k, v, q_shard, k_pos, k_chunks, window, scale, block, out, 
 
 def backward_block(do, q, k, v, out, lse, delta, q_shard, k_pos, k_chunks, window, scale, dq, dk, dv) -> None:
     """Add one block's gradients: dq (local queries), dk, dv (the block's keys; fp32, [B, H_kv, Tk, D])."""
-    H, Hkv = q.shape[1], k.shape[1]
+    H, Hkv, a = q.shape[1], k.shape[1], acc_dtype(q)
     g = H // Hkv
     for rows, cols in _pairs(q_shard, k_chunks, window):
         start = None if q_shard.start is None else q_shard.start[:, rows]
         keep = _keep(q_shard.pos[rows], k_pos[cols], start, window)
         qr, kc, vc = (
-            q[:, :, rows].float(),
-            _expand(k[:, :, cols], H).float(),
-            _expand(v[:, :, cols], H).float(),
+            q[:, :, rows].to(a),
+            _expand(k[:, :, cols], H).to(a),
+            _expand(v[:, :, cols], H).to(a),
         )
         s = (qr @ kc.transpose(-2, -1)) * scale  # [B, H, c, c]
         lr = lse[:, :, rows]
@@ -246,8 +251,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, shard: Shard, ring: Ring, T: int, window, scale, block):
         B, H, n, _ = q.shape
-        out = q.new_zeros(B, H, n, v.shape[-1], dtype=torch.float32)
-        lse = torch.full((B, H, n), float("-inf"), device=q.device)
+        out = q.new_zeros(B, H, n, v.shape[-1], dtype=acc_dtype(q))
+        lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q), device=q.device)
         kb, vb = k, v
         for step in range(ring.size):
             if step + 1 < ring.size:
@@ -277,9 +282,10 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, out, lse = ctx.saved_tensors
         shard, ring, T, window, scale = ctx.args
-        do = do.float()
+        a = acc_dtype(q)
+        do = do.to(a)
         delta = (do * out).sum(-1)  # [B, H, n]
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        dq = torch.zeros(q.shape, dtype=a, device=q.device)
         kb, vb = k, v
         dk = dv = None
         for step in range(ring.size):
@@ -287,8 +293,8 @@ class _RingAttention(torch.autograd.Function):
             if step > 0:
                 kb, vb, dk, dv = ring.shift([kb, vb, dk, dv])
             else:
-                dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
-                dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
+                dk = torch.zeros(k.shape, dtype=a, device=k.device)
+                dv = torch.zeros(v.shape, dtype=a, device=v.device)
             backward_block(
                 do,
                 q,
@@ -328,8 +334,8 @@ class _Simulated(torch.autograd.Function):
         shards = [shard_of(T, k_ranks, r, starts, q.device) for r in range(k_ranks)]
         for r in range(k_ranks):
             B, H, n, _ = qs[r].shape
-            out = q.new_zeros(B, H, n, v.shape[-1], dtype=torch.float32)
-            lse = torch.full((B, H, n), float("-inf"), device=q.device)
+            out = q.new_zeros(B, H, n, v.shape[-1], dtype=acc_dtype(q))
+            lse = torch.full((B, H, n), float("-inf"), dtype=acc_dtype(q), device=q.device)
             for step in range(k_ranks):
                 o = (r - step) % k_ranks
                 forward_block(
@@ -354,10 +360,11 @@ class _Simulated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, _dlse):
         qs, ks, vs, shards, outs, lses, k_ranks, window, scale = ctx.args
-        dos = [split(do.float(), k_ranks, r, 2) for r in range(k_ranks)]
-        dqs = [torch.zeros(x.shape, dtype=torch.float32) for x in qs]
-        dks = [torch.zeros(x.shape, dtype=torch.float32) for x in ks]
-        dvs = [torch.zeros(x.shape, dtype=torch.float32) for x in vs]
+        a = acc_dtype(qs[0])
+        dos = [split(do.to(a), k_ranks, r, 2) for r in range(k_ranks)]
+        dqs = [torch.zeros(x.shape, dtype=a) for x in qs]
+        dks = [torch.zeros(x.shape, dtype=a) for x in ks]
+        dvs = [torch.zeros(x.shape, dtype=a) for x in vs]
         for r in range(k_ranks):
             delta = (dos[r] * outs[r]).sum(-1)
             for step in range(k_ranks):
@@ -462,12 +469,3 @@ class ContextParallel:
         parts = [torch.empty_like(x) for _ in range(self.k)]
         dist.all_gather(parts, x.contiguous(), group=self.ring.group)
         return unsplit(parts, dim)
-
-
-def context_group(device_type: str, world: int, k: int):
-    """The process group of this rank's k consecutive ranks: a [W / k, k] DeviceMesh's "context_parallel"
-    dimension (FSDP2 shards over all W ranks, training/distributed.parallelize)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=("cp_replicas", "context_parallel"))
-    return mesh["context_parallel"].get_group()

@@ -123,9 +123,9 @@ def announce(
     finetune = plan.finetune_class
     convention = finetune.flops_convention
     lines = [f"[bold]{escape(plan.job)}[/]"] if plan.job else []
-    # trainer.tensor_parallel=k: a group of k ranks reads one batch
-    k = int(plan.cfg.trainer.get("tensor_parallel") or 1)
-    tp = f" / {k} tensor-parallel" if k > 1 else ""
+    # trainer.tensor_parallel, trainer.context_parallel: a group of tp x cp ranks reads one batch
+    groups = [(int(plan.cfg.trainer.get(f"{kind}_parallel") or 1), kind) for kind in ("tensor", "context")]
+    tp = "".join(f" / {k} {kind}-parallel" for k, kind in groups if k > 1)
     lines += [
         f"[bold]gptkit train[/] -> {escape(str(plan.run_dir))}",
         f"  model {m.name}: {n:,} parameters{active}, vocab {m.vocab_size}, context {m.max_seq_len}, "
@@ -154,12 +154,19 @@ def announce(
             f"  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
             f"meta device and receive their shards"
         )
+    if plan.strategy == "fsdp" and plan.world_size > 1:
+        from gptkit.training.mesh import mesh_dims
+
+        # the one device mesh (training/mesh.py): what each parallelism's group is carved from
+        dims = mesh_dims(plan.cfg.trainer, plan.world_size)
+        hsdp = f"; HSDP: {dims.dp_replicate} replicas" if dims.dp_replicate > 1 else ""
+        lines.append(f"  mesh: {dims.describe()}; FSDP2 shards over dp_shard x cp = {dims.dp_shard_cp}{hsdp}")
     if plan.expert_shards:
         k, m = plan.expert_shards, plan.model.moe
         lines.append(
             f"  experts: each MoE layer's {m.n_experts} over groups of {k} ranks ({m.n_experts // k} per "
             f"rank, tokens sent to them and back by all-to-all, trainer.expert_parallel={k}); the rest FSDP2 "
-            f"over {plan.world_size}"
+            f"over dp_shard x cp"
         )
     Console(stderr=True, highlight=False, soft_wrap=True).print("\n".join(lines))
 

@@ -71,6 +71,39 @@ def test_ring_merged_by_lse_equals_one_process_attention(k, docs, window, backen
     assert max((a - b).abs().max().item() for a, b in zip(want, got)) < 1e-5
 
 
+def test_a_float64_model_runs_the_ring_in_float64():
+    """The ring's scores, log-sum-exps and accumulators are fp32, fp64 for a fp64 model (the exact check of
+    .ci/context_tensor_parallel.py runs fp64): the same as fp64 attention to 1e-12."""
+    torch.manual_seed(0)
+    B, H, Hkv, T, D = 1, 4, 2, 24, 8
+    q, kk, v = (torch.randn(B, h, T, D, dtype=torch.float64, requires_grad=True) for h in (H, Hkv, Hkv))
+    out, lse = cp.simulate(q, kk, v, 3, window=7, backend="eager")
+    assert out.dtype == lse.dtype == torch.float64
+    keep = cp._keep(torch.arange(T), torch.arange(T), None, 7)
+    s = ((q @ kk.repeat_interleave(2, 1).transpose(-2, -1)) * D**-0.5).masked_fill(~keep, float("-inf"))
+    ref = torch.softmax(s, -1) @ v.repeat_interleave(2, 1)
+    assert (out - ref).abs().max() < 1e-12 and (lse - torch.logsumexp(s, -1)).abs().max() < 1e-12
+    g = torch.randn_like(ref)
+    want = torch.autograd.grad((ref * g).sum(), (q, kk, v))
+    got = torch.autograd.grad((out * g).sum(), (q, kk, v))
+    assert all(x.dtype == torch.float64 for x in got)
+    assert max((a - b).abs().max().item() for a, b in zip(want, got)) < 1e-12
+
+
+def test_a_context_and_tensor_parallel_block_of_ranks_reads_one_batch():
+    """trainer.context_parallel=2 x tensor_parallel=2 on 8 ranks (mesh [dp 2, cp 2, tp 2], tp innermost):
+    ranks 0-3 read data rank 0's batch, 4-7 data rank 1's (the fsdp strategy's sampler ranks)."""
+    from types import SimpleNamespace
+
+    from gptkit.training.distributed import _fsdp2_strategy_class
+    from gptkit.training.mesh import MeshDims
+
+    kwargs = _fsdp2_strategy_class().distributed_sampler_kwargs.fget
+    dims = MeshDims(world=8, cp=2, tp=2)
+    got = [kwargs(SimpleNamespace(mesh=None, mesh_dims=dims, global_rank=r)) for r in range(8)]
+    assert got == [{"num_replicas": 2, "rank": r // 4} for r in range(8)]
+
+
 def test_context_parallel_settings_are_refused_in_one_line_before_torch():
     fsdp = ("trainer=fsdp", "trainer.devices=2")
     refused = {
@@ -96,6 +129,12 @@ def test_context_parallel_settings_are_refused_in_one_line_before_torch():
         ): "does not support model.attn_softcap",
         (*fsdp, "trainer.context_parallel=2", "trainer.compile=blocks"): "pass trainer.compile=null",
         (*fsdp, "trainer.context_parallel=2", "objective=dpo"): "objective=lm only",
+        (
+            "trainer=fsdp",
+            "trainer.devices=6",
+            "trainer.context_parallel=2",
+            "trainer.tensor_parallel=2",
+        ): "trainer.context_parallel=2 does not divide the 3 rank(s) left of the job's 6",
     }
     code = (
         "import sys, io, contextlib, json\nfrom gptkit.cli import main\nlines = []\n"

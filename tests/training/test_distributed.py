@@ -515,18 +515,22 @@ def test_tensor_parallel_refusals_before_torch(overrides, message):
         check_tensor_parallel_model(cfg, model)
 
 
-def test_tensor_and_context_parallel_together_are_refused_until_one_mesh_holds_both():
+def test_tensor_and_context_parallel_together_need_a_mesh_that_divides_the_job():
+    """trainer.tensor_parallel x trainer.context_parallel (the ring over TP-local heads: the numbers are
+    .ci/context_tensor_parallel.py's): accepted when tp x cp divides the processes, else one line."""
     from gptkit.conf_tree import compose
     from gptkit.errors import ConfigError
-    from gptkit.training.config_checks import check_tensor_parallel
+    from gptkit.training.config_checks import check_mesh_shape, check_tensor_parallel
 
-    cfg = compose("train", ["trainer=fsdp", "trainer.devices=4", "trainer.tensor_parallel=2"])
+    both = ["trainer.tensor_parallel=2", "trainer.context_parallel=2"]
+    cfg = compose("train", TP2[:1] + ["trainer.devices=4", *both])
     assert check_tensor_parallel(cfg.trainer) == 2
-    cfg = compose(
-        "train", TP2[:1] + ["trainer.devices=4", "trainer.tensor_parallel=2", "trainer.context_parallel=2"]
-    )
-    with pytest.raises(ConfigError, match="with trainer.context_parallel=2 is not supported yet"):
-        check_tensor_parallel(cfg.trainer)
+    # (dp_replicate, cp, tp, ep)
+    assert check_mesh_shape(cfg.trainer) == (1, 2, 2, 1)
+    cfg = compose("train", TP2[:1] + ["trainer.devices=6", *both])
+    assert check_tensor_parallel(cfg.trainer) == 2
+    with pytest.raises(ConfigError, match="context_parallel=2 does not divide the 3 rank"):
+        check_mesh_shape(cfg.trainer)
 
 
 def test_tensor_parallel_plan_on_one_rank_matches_the_model_and_its_state_reads_back(tmp_path):
