@@ -216,11 +216,14 @@ class LitGPT(L.LightningModule):
             if cp is None:
                 loss, n = self.objective.loss(objective_model(self.model), batch)
             else:
-                # this rank's share of every sequence: its loss tokens weigh as theirs (token_mean)
+                # this rank's share of every sequence: its loss tokens weigh as theirs (token_mean); the
+                # ring stays on through the backward (blocks recomputed under activation checkpointing
+                # attend over the whole sequence again), off after it (validation runs whole rows)
                 try:
                     loss, n = self.objective.loss(objective_model(self.model), cp.enter(batch))
-                finally:
+                except BaseException:
                     cp.exit()
+                    raise
         # on the device: no host sync (StepMetrics reads it); the objective's loss alone
         self.loss_window.add(loss, self.global_step, n)
         # model.moe: the balance and z-losses of the forwards it ran, weighted as the loss (training/moe.py)
@@ -232,8 +235,13 @@ class LitGPT(L.LightningModule):
 
     def backward(self, loss, *args, **kwargs) -> None:
         """Step 4 of the header: Lightning's backward, under loss_parallel for a tensor-parallel model."""
-        with loss_context(self.model):
-            super().backward(loss, *args, **kwargs)
+        try:
+            with loss_context(self.model):
+                super().backward(loss, *args, **kwargs)
+        finally:
+            cp = getattr(self, "context_parallel", None)
+            if cp is not None:
+                cp.exit()
 
     def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None) -> None:
         """Step 8 of the header, then (model.moe with an expert bias) the bias update from the step's loads:
@@ -264,6 +272,10 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         """One validation batch, added to the objective's sums on the device."""
+        cp = getattr(self, "context_parallel", None)
+        if cp is not None:
+            # whole rows (a training step whose backward never ran leaves no ring on)
+            cp.exit()
         # the ranks that read distinct items (trainer.context_parallel: one per group; tensor_parallel: the
         # data-parallel rank)
         rank, world = data_ranks(self.trainer)

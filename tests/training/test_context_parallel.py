@@ -171,7 +171,8 @@ def test_a_mesh_larger_than_the_devices_found_is_refused():
 def test_gptkit_train_with_context_parallel_2_follows_one_process(corpus, tmp_path):
     """`gptkit train trainer=fsdp trainer.devices=2 trainer.context_parallel=2` (2 gloo processes, each
     holding half of every sequence, attention as a ring) logs the losses and gradient norms of one process,
-    with packed documents, positions restarting in each, and a sliding window crossing the chunks (fp32)."""
+    with packed documents, positions restarting in each, and a sliding window crossing the chunks (fp32);
+    also with activation checkpointing (the recomputed blocks must run the ring again in the backward)."""
     args = tiny_run(
         corpus,
         tmp_path,
@@ -195,12 +196,22 @@ def test_gptkit_train_with_context_parallel_2_follows_one_process(corpus, tmp_pa
     for name, extra in (
         ("one", []),
         ("cp", ["trainer=fsdp", "trainer.devices=2", "trainer.context_parallel=2"]),
+        (
+            "cp_ckpt",
+            [
+                "trainer=fsdp",
+                "trainer.devices=2",
+                "trainer.context_parallel=2",
+                "trainer.activation_checkpointing=full",
+            ],
+        ),
     ):
         r = run_group("-m", "gptkit", "train", *args, f"name={name}", *extra)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = rows_by_step(tmp_path / name)
-    assert sorted(runs["cp"]) == sorted(runs["one"]) == [1, 2, 3, 4]
-    for step, want in runs["one"].items():
-        for key in ("train/loss", "train/grad_norm", "val/loss", "perf/tokens"):
-            if want.get(key):
-                assert abs(float(runs["cp"][step][key]) - float(want[key])) < 1e-5, (step, key)
+    for cp in ("cp", "cp_ckpt"):
+        assert sorted(runs[cp]) == sorted(runs["one"]) == [1, 2, 3, 4]
+        for step, want in runs["one"].items():
+            for key in ("train/loss", "train/grad_norm", "val/loss", "perf/tokens"):
+                if want.get(key):
+                    assert abs(float(runs[cp][step][key]) - float(want[key])) < 1e-5, (cp, step, key)
