@@ -15,8 +15,9 @@ of its full shape, so k -> k' needs nothing). A one-file checkpoint is always in
 strategy's writer fuses a tensor-parallel run's weights and optimizer state); a reader of the other layout
 fuses or splits the weights (gptkit.model.mha.fuse_qkv_state, tensor_parallel.split_qkv_state) and the
 optimizer's per-parameter state by the same rows (fuse_qkv_optim_state, split_qkv_optim_state: AdamW's
-moments, Muon's momentum; the step count is q's). Every value is copied, never recomputed: the state read
-back is the saved one bit for bit.
+moments, Muon's momentum; the step count is q's). The readers without a process group (a one-process or
+DDP resume, consolidate: gptkit.checkpoints.read_sharded_checkpoint) fuse both too. Every value is copied,
+never recomputed: the state read back is the saved one bit for bit.
 """
 
 from __future__ import annotations

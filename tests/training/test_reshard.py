@@ -296,7 +296,7 @@ def _losses(run):
 @pytest.mark.long
 @pytest.mark.parametrize("dim", ["tensor_parallel", "context_parallel"])
 def test_a_stopped_run_resumes_to_the_bit_at_its_mesh_and_at_another_within_reduction_order(
-    corpus, tmp_path, dim
+    corpus, tmp_path, monkeypatch, dim
 ):
     """`gptkit train trainer=fsdp trainer.devices=4 trainer.<dim>=2` (dp 2 x tp 2, dp 2 x cp 2; 4 gloo
     processes, fp32) stopped after step 3 and resumed: the train losses and the last checkpoint (weights,
@@ -304,6 +304,12 @@ def test_a_stopped_run_resumes_to_the_bit_at_its_mesh_and_at_another_within_redu
     processes (dp 2): the losses within 1e-5 of the uninterrupted run (another reduction order)."""
     from gptkit.checkpoints import read_sharded_checkpoint
 
+    # 4 processes on a machine that may have 2 cores: every process of the runs sees 8 (gptkit refuses more
+    # processes than cores); what runs is unchanged, only slower
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import os\nos.cpu_count = lambda: 8\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
     base = tiny_run(corpus, tmp_path, None, *LLAMA_TINY, layers=2, steps=6, val_every=3, batch_size=2)
     base += ["trainer.precision=32-true", "trainer.accelerator=cpu"]
     mesh = ("trainer=fsdp", "trainer.devices=4", f"trainer.{dim}=2")
