@@ -1,8 +1,9 @@
 """Checkpoints read at another mesh shape (gptkit/training/reshard.py): the q/k/v layout of the weights and of
 the optimizer state (fused <-> split) by the same rows, a tensor-parallel run's checkpoint (sharded and one
 file) read back bit for bit by a run without tensor parallelism and the other way round, on one gloo rank;
-a resume at a mesh the model cannot take refused in one line. The multi-process cases (dp x tp -> tp, dp,
-one process; ep 2 <-> 1; exact resume at the same mesh) are .ci/reshard's."""
+a resume at a mesh the model cannot take refused in one line. Long: `gptkit train` at dp 2 x tp 2 and
+dp 2 x cp 2 (4 processes) stopped and resumed, bit for bit, and resumed at tp 1 / cp 1. The multi-process
+matrix (dp x tp -> tp, dp, one process; HSDP; ep 2 <-> 1; sharded and one file) is .ci/reshard's."""
 
 import os
 import re
