@@ -373,6 +373,14 @@ def _fused(checkpoint: dict[str, Any]) -> dict[str, Any]:
     return checkpoint
 
 
+def _fused_optim(osd: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by parameter name in the one-process layout (q, k, v fused, as _fused fuses
+    the weights: gptkit.model.mha.fuse_qkv_optim_state)."""
+    from gptkit.model.mha import fuse_qkv_optim_state
+
+    return fuse_qkv_optim_state(osd)
+
+
 def unreadable_checkpoint(path: Path, exc: Exception) -> GptkitError:
     """One complete line for a file torch.load(weights_only=True) refused."""
     return GptkitError(f"{path} {load_refusal(path, exc)}; use a checkpoint you trust")
@@ -612,7 +620,7 @@ def read_sharded_checkpoint(path: Path | str, weights: bool = True) -> dict[str,
     out = dict(extra)
     out["state_dict"] = state.pop("state_dict")
     optimizers = sorted(k for k in state if k.startswith("optimizer_"))
-    out["optimizer_states"] = [_by_param_index(state[k]) for k in optimizers]
+    out["optimizer_states"] = [_by_param_index(_fused_optim(state[k])) for k in optimizers]
     return _fused(out)
 
 

@@ -43,6 +43,96 @@ def fuse_qkv_state(state: dict) -> dict:
     return out
 
 
+def _qkv_part(name: str) -> tuple[str, str] | None:
+    """("...qkv_proj.weight", "q" | "k" | "v") for a tensor-parallel run's part name, else None."""
+    head, _, leaf = name.rpartition(".")
+    base, _, part = head.rpartition(".")
+    if part in QKV_PARTS and base.endswith(".qkv_proj") and leaf in ("weight", "bias"):
+        return f"{base}.{leaf}", part
+    return None
+
+
+def is_fused_qkv(name: str) -> bool:
+    """Whether `name` is a fused ...attn.qkv_proj.weight (bias): the one a tensor-parallel run splits."""
+    head, _, leaf = name.rpartition(".")
+    return head.endswith(".qkv_proj") and leaf in ("weight", "bias")
+
+
+def fuse_qkv_names(names: list[str]) -> list[str]:
+    """Parameter names of a tensor-parallel run in the one-process layout: each q part's name becomes its
+    fused qkv_proj's (in its place), k and v are dropped."""
+    out = []
+    for name in names:
+        part = _qkv_part(name)
+        if part is None or part[1] == "q":
+            out.append(name if part is None else part[0])
+    return out
+
+
+def split_qkv_names(names: list[str]) -> list[str]:
+    """The inverse of fuse_qkv_names: each fused qkv_proj name becomes its q, k, v parts' (in its place)."""
+    out = []
+    for name in names:
+        if is_fused_qkv(name):
+            head, _, leaf = name.rpartition(".")
+            out.extend(f"{head}.{p}.{leaf}" for p in QKV_PARTS)
+        else:
+            out.append(name)
+    return out
+
+
+def fuse_qkv_optim_state(osd: dict) -> dict:
+    """An optimizer state keyed by parameter name (torch.distributed.checkpoint's: {"state": {name: {..}},
+    "param_groups": [{"params": [names], ..}]}) of a tensor-parallel run in the one-process layout: the
+    per-parameter tensors of q, k, v (AdamW's exp_avg, exp_avg_sq; Muon's momentum_buffer) concatenated by
+    rows, as the weights are (fuse_qkv_state); a scalar (AdamW's step) is q's. The state itself when it
+    has no part."""
+    state = osd.get("state", {})
+    if not any(_qkv_part(n) for g in osd["param_groups"] for n in g["params"]):
+        return osd
+    fused_state = {}
+    for name, s in state.items():
+        part = _qkv_part(name)
+        if part is None:
+            fused_state[name] = s
+        elif part[1] == "q":
+            head, _, leaf = part[0].rpartition(".")
+            parts = [state[f"{head}.{p}.{leaf}"] for p in QKV_PARTS]
+            fused_state[part[0]] = {
+                key: torch.cat([p[key] for p in parts]) if _is_rows(value) else value
+                for key, value in s.items()
+            }
+    groups = [dict(g, params=fuse_qkv_names(list(g["params"]))) for g in osd["param_groups"]]
+    return dict(osd, state=fused_state, param_groups=groups)
+
+
+def split_qkv_optim_state(osd: dict, sizes: list[int]) -> dict:
+    """The inverse of fuse_qkv_optim_state, for a tensor-parallel run: each fused qkv_proj's per-parameter
+    tensors split into q, k, v by `sizes` (their rows: n_heads x head_dim, n_kv_heads x head_dim twice); a
+    scalar is copied to each part."""
+    state = {}
+    for name, s in osd.get("state", {}).items():
+        if not is_fused_qkv(name):
+            state[name] = s
+            continue
+        head, _, leaf = name.rpartition(".")
+        for i, p in enumerate(QKV_PARTS):
+            state[f"{head}.{p}.{leaf}"] = {
+                key: torch.split(value, sizes)[i].clone() if _is_rows(value) else _copy(value)
+                for key, value in s.items()
+            }
+    groups = [dict(g, params=split_qkv_names(list(g["params"]))) for g in osd["param_groups"]]
+    return dict(osd, state=state, param_groups=groups)
+
+
+def _is_rows(value) -> bool:
+    return isinstance(value, torch.Tensor) and value.ndim >= 1
+
+
+def _copy(value):
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with grouped K/V heads (model.attention_kind=mha): the layout of
     gptkit/model/attention_kinds.py's row, K and V [n_kv_heads, head_dim] per cached position."""

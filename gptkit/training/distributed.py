@@ -26,24 +26,21 @@ import torch.distributed as dist
 
 from gptkit import quant
 from gptkit.checkpoints import (
-    EXTRA_STATE,
     STATE_PREFIX,
     is_sharded_checkpoint,
     remove_checkpoint,
     replace_checkpoint,
-    safe_planner,
-    safe_reader,
-    sharded_refusal,
-    verify_checkpoint,
     write_checksums,
 )
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
+from gptkit.model.mha import fuse_qkv_names, fuse_qkv_optim_state, fuse_qkv_state
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
 from gptkit.training.config_checks import check_context_parallel_world, check_mesh_shape
 from gptkit.training.elastic import elastic_resume  # noqa: F401  (torch-free: commands/train.py imports it)
 from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, shard_experts
 from gptkit.training.mesh import build_mesh, mesh_dims
+from gptkit.training.reshard import load_full, load_sharded
 from gptkit.training.slurm import check_slurm_signal
 from gptkit.training.tensor_parallel import apply_tensor_parallel, is_tensor_parallel, split_qkv_state
 
@@ -347,8 +344,11 @@ def _fsdp2_strategy_class():
             shards (gathering them all to drop them wasted the collective, and an NF4 weight's left torch's
             functional collectives unwaited)."""
             finetune = getattr(self.lightning_module, "finetune", None)
-            if self._save_distributed_checkpoint or finetune is None or finetune.saves_every_weight:
+            if self._save_distributed_checkpoint:
                 return super().lightning_module_state_dict()
+            if finetune is None or finetune.saves_every_weight:
+                # one file is in the one-process layout: a tensor-parallel run's q, k, v fused (reshard.py)
+                return fuse_qkv_state(super().lightning_module_state_dict())
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
             from torch.distributed.tensor import DTensor
 
@@ -360,7 +360,7 @@ def _fsdp2_strategy_class():
 
         def optimizer_state(self, optimizer) -> dict[str, Any]:
             """One-file checkpoints: the optimizer state in torch.optim's own format, each parameter keyed by
-            its index across the optimizer's param groups (what _load_full_into reads), gathered to rank 0.
+            its index across the optimizer's param groups (what reshard.load_full reads), gathered to rank 0.
             Lightning's re-keying counts module.named_parameters(), frozen ones included, which neither a
             LoRA run's optimizer (the adapters only: a resume failed with an IndexError) nor gptkit's grouped
             order matches."""
@@ -377,9 +377,10 @@ def _fsdp2_strategy_class():
             if self.global_rank != 0:
                 return {}
             names = {id(p): n for n, p in self.model.named_parameters()}
-            index = {
-                names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])
-            }
+            # the one-process layout: a tensor-parallel run's q, k, v state fused, one index (reshard.py)
+            osd = fuse_qkv_optim_state(osd)
+            order = fuse_qkv_names([names[id(p)] for g in optimizer.param_groups for p in g["params"]])
+            index = {n: i for i, n in enumerate(order)}
             return {
                 "state": {index[n]: s for n, s in osd["state"].items()},
                 "param_groups": [
@@ -393,106 +394,11 @@ def _fsdp2_strategy_class():
             path = Path(self.broadcast(str(checkpoint_path)))
             # one file: a one-process or DDP run's, or consolidated
             if not is_sharded_checkpoint(path):
-                return _load_full_into(self.lightning_module, self.optimizers, path)
-            return _load_sharded_into(self.lightning_module, self.optimizers, path)
+                return load_full(self.lightning_module, self.optimizers, path)
+            # any mesh's shards (training/reshard.py)
+            return load_sharded(self.lightning_module, self.optimizers, path)
 
     return _FSDP2Strategy
-
-
-def _load_sharded_into(module, optimizers, path: Path) -> dict[str, Any]:
-    """Load a sharded checkpoint into a sharded module and its optimizers (collective: every rank
-    calls it); returns the non-tensor state (step, loops, callbacks, schedulers)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    _verify_together(path)
-    finetune = module.finetune
-    # what the run's checkpoints hold (lora, qlora: the adapters only)
-    model_state = {"state_dict": finetune.checkpoint_state(get_model_state_dict(module), STATE_PREFIX)}
-    _dcp_load(model_state, path)
-    strict = finetune.saves_every_weight
-    _, unexpected = module.load_state_dict(model_state["state_dict"], strict=strict)
-    # (an adapter the checkpoint lacks fails in dcp.load already)
-    if not strict and unexpected:
-        raise GptkitError(f"{path} does not hold this run's adapters")
-    for i, optimizer in enumerate(optimizers):
-        key = f"optimizer_{i}"
-        optim_state = {key: get_optimizer_state_dict(module, optimizer)}
-        _dcp_load(optim_state, path)
-        set_optimizer_state_dict(
-            module, optimizer, optim_state_dict=optim_state[key], options=StateDictOptions(cpu_offload=True)
-        )
-    return torch.load(path / EXTRA_STATE, map_location="cpu", weights_only=True)
-
-
-def _load_full_into(module, optimizers, path: Path) -> dict[str, Any]:
-    """Load a one-file checkpoint (a one-process or DDP run's, or a consolidated one) into a sharded module
-    and its optimizers: every rank takes its shards of rank 0's full tensors. Its optimizer state is keyed by
-    the parameter's index across the optimizer's param groups (torch.optim's format), which gptkit orders by
-    group (decayed weights first; Muon's matrices, then AdamW's), not as module.named_parameters() lists
-    them: Lightning's re-keying assumes the latter and put one parameter's moments on another's shard.
-    Collective: every rank calls it. Returns the rest of the checkpoint (step, loops, schedulers)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=True)
-    # lora, qlora: the adapters only
-    strict = module.finetune.saves_every_weight
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=strict)
-    set_model_state_dict(module, checkpoint.pop("state_dict"), options=options)
-    names = {id(p): n for n, p in module.named_parameters()}
-    saved = checkpoint.get("optimizer_states", [])
-    if len(saved) != len(optimizers):
-        raise GptkitError(f"{path} holds {len(saved)} optimizer state(s) for this run's {len(optimizers)}")
-    for optimizer, osd in zip(optimizers, saved):
-        order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-        if len(order) != sum(len(g["params"]) for g in osd["param_groups"]):
-            raise GptkitError(
-                f"{path}: its optimizer state does not fit this run's parameters (another "
-                f"model or optimizer); resume with the settings it was trained with"
-            )
-        by_name = {
-            "state": {order[i]: s for i, s in osd["state"].items()},
-            "param_groups": [dict(g, params=[order[i] for i in g["params"]]) for g in osd["param_groups"]],
-        }
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=by_name, options=options)
-    return checkpoint
-
-
-def _dcp_load(state: dict[str, Any], path: Path) -> None:
-    """dcp.load through the safe reader and planner; its CheckpointException (a BaseException) as one line."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException
-
-    # a bad index: one line on every rank, not torch's logged traceback
-    safe_reader(path).read_metadata()
-    try:
-        dcp.load(state, storage_reader=safe_reader(path), planner=safe_planner(distributed=True))
-    except CheckpointException as exc:
-        raise sharded_refusal(path, exc) from None
-
-
-def _verify_together(path: Path) -> None:
-    """Every rank checks its share of a sharded checkpoint's files; any mismatch fails every rank with the
-    same one-line error (no rank is left waiting in a collective)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    try:
-        verify_checkpoint(path, (rank, world))
-        problem = None
-    except GptkitError as exc:
-        problem = str(exc)
-    every: list[Any] = [None] * world
-    dist.all_gather_object(every, problem)
-    first = next((p for p in every if p), None)
-    if first:
-        raise GptkitError(first)
 
 
 def broadcast_weights(model, full_state: dict | None, device) -> None:
