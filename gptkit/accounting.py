@@ -666,13 +666,17 @@ def quantized_weights(
     scaler: object = "auto",
 ) -> dict[str, float]:
     """Bytes of a model's weights with every block's linear projections quantized (`kind`: nf4, int8, int4;
-    gptkit.quant) and the rest (embeddings, norms, LM head, biases) in `dtype`: {"quantized": the
-    projections, "rest", "total", "bits": the projections' bits per value, "full": the same model all in
-    `dtype`}. nf4 with QLoRA's block and scaler block sizes (finetune=qlora's memory). Analytic."""
+    gptkit.quant; int8 as on the CPU: the LM head too, a tied one as its own int8 copy) and the rest
+    (embeddings, norms, biases, the LM head but for int8) in `dtype`: {"quantized": the quantized weights,
+    "rest", "total", "bits": their bits per value, "full": the same model all in `dtype`}. nf4 with QLoRA's
+    block and scaler block sizes (finetune=qlora's memory). Analytic."""
     width = DTYPE_BYTES[dtype]
-    names = quant.quantized_names(cfg)
+    names = quant.inference_names(cfg, kind)
     n_total = count_params(cfg).total
     n_q = sum(out * n_in for out, n_in in names.values())
+    if quant.HEAD in names and cfg.tie_embeddings:
+        # the embedding stays, whole, for the lookups: only the head's copy is new
+        n_total += cfg.vocab_size * cfg.d_model
     q_bytes = sum(
         quant.bits_per_value(kind, out * n_in, out, width, block_size, scaler) * out * n_in / 8
         for out, n_in in names.values()
@@ -683,5 +687,5 @@ def quantized_weights(
         "rest": rest,
         "total": q_bytes + rest,
         "bits": 8 * q_bytes / max(n_q, 1),
-        "full": n_total * width,
+        "full": count_params(cfg).total * width,
     }

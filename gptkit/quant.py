@@ -12,8 +12,10 @@ eval and serve). One place for which weights are quantized, how, and what torcha
                values share an absmax scale; the scales are quantized again to int8 in blocks of up to 256
                (double quantization), with one fp32 factor per such block and their mean. 4.13-4.25 bits a
                value. Dequantized in each matmul; runs on the CPU and on CUDA.
-    int8       torchao's Int8WeightOnlyConfig: one int8 per value, a scale per output row (x @ dequant(W)).
-               CPU and CUDA.
+    int8       one int8 per value, a scale per output row (symmetric). On the CPU: gptkit/quant_int8.py,
+               torch's own int8 kernel (torch._weight_int8pack_mm: bf16 activations, fp32 sums, no
+               torchao), the LM head quantized too (a tied head: its own int8 copy). On CUDA: torchao's
+               Int8WeightOnlyConfig (x @ dequant(W)), the LM head kept. int8_layout() chooses, by device.
     int4       torchao's Int4WeightOnlyConfig, tinygemm's tile-packed layout (groups of 128 along the input,
                bf16 scales and zeros): CUDA GPUs of compute capability >= 8.0 and dtype=bf16 only (torchao
                0.18 has no CPU int4 kernel for torch 2.13: its other layouts need the mslk package or CUDA).
@@ -301,6 +303,25 @@ def nf4_scales(q: Any) -> Any:
 
 
 # ---- inference ---------------------------------------------------------------------------------------------
+# the LM head's weight: quantized too by quantize=int8 on the CPU
+HEAD = "lm_head.weight"
+
+
+def int8_layout(device: Any) -> str:
+    """Which int8 runs quantize=int8 on `device`: "torch" (the CPU: gptkit/quant_int8.py, torch's int8 kernel,
+    the LM head included) or "torchao" (CUDA and the rest: Int8WeightOnlyConfig, the block projections)."""
+    return "torch" if str(device).split(":")[0] == "cpu" else "torchao"
+
+
+def inference_names(cfg: Any, kind: str, device: Any = "cpu") -> dict[str, tuple[int, int]]:
+    """The state-dict names (and [out, in] shapes) that quantize=<kind> replaces on `device`: the block
+    projections, and the LM head for int8 on the CPU."""
+    names = quantized_names(cfg)
+    if kind == "int8" and int8_layout(device) == "torch":
+        names[HEAD] = (cfg.vocab_size, cfg.d_model)
+    return names
+
+
 def check_quantize(
     kind: Any, cfg: Any, device: str = "cpu", dtype: str = "fp32", option: str = "quantize"
 ) -> None:
@@ -331,15 +352,21 @@ def check_quantize(
                 f"{option}=int4 quantizes groups of {INT4_GROUP} values along each row, which do not divide "
                 f"{odd[0]} [{odd[1][0]}, {odd[1][1]}]; use {option}=int8 or {option}=nf4"
             )
-    require_torchao()
+    if not (kind == "int8" and int8_layout(device) == "torch"):
+        require_torchao()
 
 
 def quantize_model(model: Any, kind: str) -> Any:
-    """Quantize `model`'s block projections in place for inference (weight-only; the model's device and dtype
-    are the ones it runs in: cast first, then quantize) and return it. check_quantize says first what
-    cannot run."""
+    """Quantize `model`'s weights (inference_names: its block projections, and its LM head for int8 on the
+    CPU) in place for inference (weight-only; the model's device and dtype are the ones it runs in: cast
+    first, then quantize) and return it. check_quantize says first what cannot run."""
     import torch
 
+    device = model.lm_head.weight.device
+    if kind == "int8" and int8_layout(device) == "torch":
+        from gptkit import quant_int8
+
+        return quant_int8.quantize(model, list(inference_names(model.cfg, kind, device)))
     names = set(quantized_names(model.cfg))
     if kind == "nf4":
         for name in names:
@@ -373,7 +400,8 @@ def bits_per_value(
 ) -> float:
     """The analytic size of one quantized [rows, numel / rows] weight in bits per value (count-params):
     nf4: 4 + 8 per block (its int8 scale) + a dtype factor per group of scales + the mean and the 16-value
-    code book; int8: 8 + a dtype scale and an int8 zero point per row; int4: tinygemm's layout, 4 per value
+    code book; int8: the CPU's layout (int8_layout), 8 + a bf16 scale per row (torchao's, on CUDA, holds a
+    dtype scale and an int8 zero point a row: 1-3 bytes a row more); int4: tinygemm's layout, 4 per value
     and a bf16 scale and zero per group of 128, over the weight padded to rows of a multiple of 8 and
     columns of a multiple of 1024 (so more than 4.25 for a narrow model)."""
     if kind == "nf4":
@@ -382,7 +410,7 @@ def bits_per_value(
         extra = n_blocks * 8 + (groups + 1 + 16) * dtype_bytes * 8
         return 4 + extra / numel
     if kind == "int8":
-        return 8 + rows * (dtype_bytes + 1) * 8 / numel
+        return 8 + rows * 16 / numel
     if kind == "int4":
         padded = -(-rows // 8) * 8 * (-(-(numel // rows) // 1024) * 1024)
         return (4 * padded + (padded // INT4_GROUP) * 2 * 2 * 8) / numel

@@ -15,6 +15,9 @@ bench.parts=[latent]: multi-head latent attention's latent cache against its exp
   of the same parameters, KV bytes and decode tokens/s at a 4k context (gptkit/bench/latent.py).
 bench.parts=[quantize]: quantize=int8|nf4 (and int4 on CUDA) against the full model on a trained run: bytes,
   perplexity, greedy agreement, decode tokens/s (gptkit/bench/quantized.py).
+bench.parts=[llamacpp]: one-row decode ms per token against llama.cpp (llama-cpp-python) on the same weights,
+  gptkit fp32 vs llama.cpp f32 and gptkit quantize=int8 vs llama.cpp Q8_0, greedy agreement
+  (gptkit/bench/llamacpp.py).
 bench.parts=[speculative]: the plain greedy decode against speculative decoding (draft=self, the
   acceptance's upper bound, and draft=ngram on a repetitive prompt), wall seconds and their ratio
   (gptkit/bench/speculative.py).
@@ -40,7 +43,7 @@ from rich.console import Console
 from rich.table import Table
 
 from gptkit.accounting import decode_bytes_per_step, memory_bandwidth
-from gptkit.bench import latent, quantized, speculative
+from gptkit.bench import latent, llamacpp, quantized, speculative
 from gptkit.conf_tree import conf_dir, presets
 from gptkit.errors import ConfigError
 from gptkit.extras import MissingExtra, require
@@ -53,8 +56,9 @@ from gptkit.threads import set_threads
 
 # bench.parts: decode (the speed tables), quantize (quantized weights against the full model:
 # bench/quantized.py), latent (multi-head latent attention's cache against the expanded one and MHA at a long
-# context: bench/latent.py), speculative (plain vs speculative decoding: bench/speculative.py)
-PARTS = ("decode", "quantize", "latent", "speculative")
+# context: bench/latent.py), speculative (plain vs speculative decoding: bench/speculative.py), llamacpp
+# (decode per token against llama.cpp: bench/llamacpp.py)
+PARTS = ("decode", "quantize", "latent", "speculative", "llamacpp")
 # bench.cuda.sides: name -> what runs
 SIDES = {
     "gptkit-eager": "gptkit, decode=eager (growing KV cache, one Python-launched step per token)",
@@ -293,6 +297,14 @@ def run(cfg) -> int:
                 "bench.parts=[speculative] measures on the CPU: drop bench.device or set it to cpu"
             )
         results["speculative"] = speculative.run(cfg.speculative, CLOCKS[cfg.clock], _console(), build_model)
+    if "llamacpp" in parts:
+        if device != "cpu":
+            raise ConfigError(
+                "bench.parts=[llamacpp] measures on the CPU: drop bench.device or set it to cpu"
+            )
+        results["llamacpp"] = llamacpp.run(
+            cfg.llamacpp, CLOCKS[cfg.clock], str(cfg.clock), _console(), build_model, measure_interleaved
+        )
     if cfg.out:
         from gptkit.fsio import atomic_write_text
 

@@ -5,7 +5,8 @@ Examples:
   gptkit bench data                 (tokenizer MB/s, batch cost vs a training step)
   gptkit bench train                (Lightning loop vs a bare PyTorch loop)
   gptkit bench sample               (decode tokens/s vs transformers generate(); bench.device=cuda on a GPU;
-                                     quantize=int8|nf4|int4 against the full model: perplexity, agreement)
+                                     quantize=int8|nf4|int4 against the full model: perplexity, agreement;
+                                     parts=[llamacpp]: ms per token vs llama.cpp f32 and Q8_0)
   gptkit bench serve                (gptkit serve: 1/4/16 clients vs one at a time vs transformers' batching)
   gptkit bench sft                  (experiment=sft-tiny end to end: held-out exact match before and after)
   gptkit bench dpo                  (experiment=dpo-tiny, full and LoRA: held-out preference before and after)

@@ -485,13 +485,15 @@ def _print_tables(r: dict, cfg) -> None:
     q = r.get("quantized_weights")
     if q:
         qt = Table(
-            title=f"weights with quantize={q['kind']} (every block's linear projections; the rest "
-            f"{q['dtype']})"
+            title=f"weights with quantize={q['kind']} (every block's linear projections"
+            + (", the LM head (as on the CPU)" if q["kind"] == "int8" else "")
+            + f"; the rest {q['dtype']})"
         )
         qt.add_column("")
         qt.add_column("bytes", justify="right")
-        qt.add_row(f"projections, {q['bits']:.3g} bits per value", human_bytes(q["quantized"]))
-        qt.add_row(f"embeddings, norms, LM head, biases ({q['dtype']})", human_bytes(q["rest"]))
+        qt.add_row(f"quantized, {q['bits']:.3g} bits per value", human_bytes(q["quantized"]))
+        head = "" if q["kind"] == "int8" else ", LM head"
+        qt.add_row(f"embeddings, norms{head}, biases ({q['dtype']})", human_bytes(q["rest"]))
         qt.add_row("[bold]total", f"[bold]{human_bytes(q['total'])}")
         qt.add_row(
             f"the same weights all in {q['dtype']}",

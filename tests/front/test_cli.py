@@ -249,7 +249,7 @@ def tiny_run(tmp_path_factory):
         (["starlette"], ["serve", "run=runs/none"], "gptkit serve needs starlette, which"),
         (["uvicorn"], ["serve", "run=runs/none"], "gptkit serve needs uvicorn, which"),
         (["lm_eval"], ["eval", "run={run}", "tasks=tests/evals", "progress=false"], "needs lm_eval, which"),
-        (["torchao"], ["sample", "run={run}", "quantize=int8", "prompt=a"], "need torchao, which"),
+        (["torchao"], ["sample", "run={run}", "quantize=nf4", "prompt=a"], "need torchao, which"),
         (
             ["tensorboard"],
             ["train", "logger=[csv,tensorboard]", "runs_dir={tmp}"],

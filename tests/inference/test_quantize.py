@@ -1,6 +1,7 @@
 """quantize=int8|int4|nf4 (gptkit/quant.py through gptkit.runs.load_for_inference): torchao's NF4 against the
-QLoRA paper's code book, the bytes count-params counts against the tensors torchao allocates, sample and eval
-on quantized weights (the very model the weights dequantize to), and what torchao cannot run in one line."""
+QLoRA paper's code book, the bytes count-params counts against the tensors allocated, the CPU's int8 (torch's
+kernel, gptkit/quant_int8.py) against its formula, sample and eval on quantized weights (the very model the
+weights dequantize to), and what torchao cannot run in one line."""
 
 import json
 
@@ -37,17 +38,22 @@ def test_nf4_round_trip_is_the_paper_codebooks_and_count_params_counts_torchaos_
         assert abs(ours / rms(reference) - 1) < 1e-3
     assert torch.allclose(q.nf4.double(), torch.tensor(quant.NF4_CODEBOOK, dtype=torch.float64), atol=5e-5)
 
-    cfg = ModelConfig(vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, d_model=64, **LLAMA)
-    names = quant.quantized_names(cfg)
-    for kind in ("nf4", "int8"):
-        torch.manual_seed(0)
-        model = quant.quantize_model(GPT(cfg).eval(), kind)
-        params = dict(model.named_parameters())
-        held = sum(quant.weight_bytes(params[n]) for n in names)
-        rest = sum(p.numel() * p.element_size() for n, p in params.items() if n not in names)
-        want = accounting.quantized_weights(cfg, kind, "fp32")
-        assert held == want["quantized"] and rest == want["rest"], kind
-        assert want["total"] < want["full"]
+    for tied in (False, True):
+        cfg = ModelConfig(
+            vocab_size=64, max_seq_len=16, n_layers=2, n_heads=4, d_model=64, tie_embeddings=tied, **LLAMA
+        )
+        for kind in ("nf4", "int8"):
+            # int8 on the CPU: the LM head too (a tied one as its own copy, the embedding kept)
+            names = quant.inference_names(cfg, kind)
+            assert (quant.HEAD in names) == (kind == "int8")
+            torch.manual_seed(0)
+            model = quant.quantize_model(GPT(cfg).eval(), kind)
+            params = dict(model.named_parameters())
+            held = sum(quant.weight_bytes(params[n]) for n in names)
+            rest = sum(p.numel() * p.element_size() for n, p in params.items() if n not in names)
+            want = accounting.quantized_weights(cfg, kind, "fp32")
+            assert held == want["quantized"] and rest == want["rest"], (kind, tied)
+            assert want["total"] < want["full"]
 
 
 def test_sample_and_eval_run_the_model_the_quantized_weights_dequantize_to(run_dir, capsys):
@@ -57,7 +63,7 @@ def test_sample_and_eval_run_the_model_the_quantized_weights_dequantize_to(run_d
     prompt = "ROMEO: O, she"
     for kind in ("nf4", "int8"):
         *_, model = load_model(d, quantize=kind)
-        names = quant.quantized_names(model.cfg)
+        names = quant.inference_names(model.cfg, kind)
         params = dict(model.named_parameters())
         assert all(type(params[n]) is not torch.nn.Parameter for n in names), kind
         want = generate(
@@ -78,10 +84,14 @@ def test_sample_and_eval_run_the_model_the_quantized_weights_dequantize_to(run_d
         assert code == 0 and out == prompt + want.texts[0] + "\n", err
         # the same model with the dequantized weights in plain tensors
         *_, plain = load_model(d)
+        if quant.HEAD in names:
+            # a tied head quantized as its own copy: the embedding keeps the full weights
+            plain.lm_head.weight = torch.nn.Parameter(plain.lm_head.weight.detach().clone())
         dequantized = {
             n: params[n].get_original_weight() if kind == "nf4" else params[n].dequantize() for n in names
         }
         plain.load_state_dict(dequantized, strict=False)
+        # 64 rows a matmul: int8 runs the dequantized weight in fp32 (test_int8_... below: one row)
         x = torch.randint(0, model.cfg.vocab_size, (2, 32))
         with torch.no_grad():
             torch.testing.assert_close(model(x).logits, plain(x).logits, atol=1e-4, rtol=1e-4)
@@ -92,6 +102,44 @@ def test_sample_and_eval_run_the_model_the_quantized_weights_dequantize_to(run_d
     code, out, err = run_main(capsys, "count-params", "model=llama2-7b", "quantize=nf4", "format=json")
     q = json.loads(out)["quantized_weights"]
     assert code == 0 and 4.12 < q["bits"] < 4.13 and q["total"] / q["full"] < 0.3, err
+
+
+def test_int8_on_the_cpu_is_torchs_kernel_on_the_exact_dequantized_weight():
+    """quantize=int8 on the CPU (gptkit/quant_int8.py): per-row symmetric int8 with a bf16 scale rounded up,
+    q * scale exact in fp32 and within half a step of the weight; up to DIRECT_ROWS rows torch's int8 kernel,
+    which is bf16(bf16(x) @ dequantize().T) summed in fp32 (within bf16 rounding of x @ dequantize().T); more
+    rows, or an input width the kernel cannot step (not a multiple of 16), x @ dequantize().T in fp32."""
+    from gptkit import quant_int8
+
+    torch.manual_seed(0)
+    for out, n_in in ((48, 64), (40, 36)):
+        layer = torch.nn.Linear(n_in, out)
+        with torch.no_grad():
+            layer.weight[3] *= 50  # one row of much larger values: its own scale
+        w = layer.weight.detach().clone()
+        q = quant_int8.Int8Weight.of(w)
+        deq = q.dequantize()
+        assert q.qdata.dtype == torch.int8 and q.qdata.abs().max() <= 127 and q.scale.dtype == torch.bfloat16
+        # bf16 scales times int8 values: exact in fp32 and in fp64 alike
+        assert torch.equal(deq.double(), q.qdata.double() * q.scale.double()[:, None])
+        assert ((w - deq).abs() <= q.scale.float()[:, None] / 2 * (1 + 1e-6)).all()
+        assert (q.scale.float() >= w.abs().amax(1) / 127).all()
+        bias = layer.bias.detach().clone()
+        quant_int8.quantize(torch.nn.ModuleDict({"l": layer}), ["l.weight"])
+        assert type(layer.weight) is quant_int8.Int8Weight
+        for rows in (1, 5, quant_int8.DIRECT_ROWS, quant_int8.DIRECT_ROWS + 1):
+            x = torch.randn(rows, n_in)
+            with torch.no_grad():
+                y = layer(x)
+            exact = x.double() @ deq.double().T + bias.double()
+            if rows <= quant_int8.DIRECT_ROWS and n_in % quant_int8.KERNEL_STEP == 0:
+                # the kernel's: bf16 in, fp32 sums, bf16 out (then the bias in fp32)
+                kernel = (x.bfloat16().double() @ deq.double().T).bfloat16().double() + bias.double()
+                torch.testing.assert_close(y.double(), kernel, rtol=2**-7, atol=1e-5)
+                bound = 2**-8 * (x.double().abs() @ deq.double().abs().T) + 1e-6
+                assert ((y.double() - exact).abs() <= bound).all(), (out, n_in, rows)
+            else:
+                torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
