@@ -209,9 +209,9 @@ def test_gptkit_train_with_context_parallel_2_follows_one_process(corpus, tmp_pa
         r = run_group("-m", "gptkit", "train", *args, f"name={name}", *extra)
         assert r.returncode == 0, r.stderr[-3000:]
         runs[name] = rows_by_step(tmp_path / name)
-    for cp in ("cp", "cp_ckpt"):
-        assert sorted(runs[cp]) == sorted(runs["one"]) == [1, 2, 3, 4]
+    for name in ("cp", "cp_ckpt"):
+        assert sorted(runs[name]) == sorted(runs["one"]) == [1, 2, 3, 4]
         for step, want in runs["one"].items():
             for key in ("train/loss", "train/grad_norm", "val/loss", "perf/tokens"):
                 if want.get(key):
-                    assert abs(float(runs[cp][step][key]) - float(want[key])) < 1e-5, (cp, step, key)
+                    assert abs(float(runs[name][step][key]) - float(want[key])) < 1e-5, (name, step, key)
