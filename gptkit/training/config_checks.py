@@ -157,8 +157,9 @@ def check_ema(decay: Any, strategy: str) -> None:
 
 def check_tensor_parallel(t: Any) -> int:
     """trainer.tensor_parallel=k (training/tensor_parallel.py) against the trainer group: an integer >= 1;
-    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number), without expert
-    parallelism, in-training samples or task evaluations (they decode a whole model). Returns k."""
+    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number), the data ranks
+    divided by trainer.expert_parallel, without in-training samples or task evaluations (they decode a whole
+    model). Returns k."""
     k = t.get("tensor_parallel", 1)
     k = 1 if k is None else k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -186,11 +187,15 @@ def check_tensor_parallel(t: Any) -> int:
             f"trainer.tensor_parallel={k} with trainer.context_parallel={t.context_parallel} is not "
             "supported yet (one mesh of both: not built); pass one of them = 1"
         )
-    if int(t.get("expert_parallel") or 1) > 1:
-        raise ConfigError(
-            f"trainer.tensor_parallel={k} with trainer.expert_parallel={t.expert_parallel} is not supported; "
-            "pass one of them = 1"
-        )
+    ep = t.get("expert_parallel") or 1
+    if isinstance(ep, int) and ep > 1 and isinstance(devices, int) and isinstance(nodes, int):
+        # the experts split over groups of data ranks (training/moe_tensor_parallel.py)
+        data = devices * nodes // k
+        if data % ep:
+            raise ConfigError(
+                f"trainer.expert_parallel={ep} must divide the {data} data rank(s) (trainer.devices x "
+                f"trainer.num_nodes / trainer.tensor_parallel={k}): the experts split over data ranks"
+            )
     for key in ("sample_every", "eval_tasks"):
         if t.get(key):
             raise ConfigError(
@@ -217,7 +222,6 @@ def check_tensor_parallel_model(cfg: Any, model: ModelConfig) -> None:
     if model.d_ff % k:
         raise ConfigError(f"{what} must divide model.d_ff={model.d_ff}")
     unsupported = [
-        (model.moe is not None, "a mixture of experts (model.moe; see trainer.expert_parallel)"),
         (
             any(model.attention_kind_of(i) != "mha" for i in range(model.n_layers)),
             "attention kinds other than mha (MLA, Gated DeltaNet)",

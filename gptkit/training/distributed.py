@@ -516,17 +516,17 @@ def parallelize(model, strategy) -> bool:
     )
     mesh = strategy.device_mesh["data_parallel"]
     reshard = bool(options["reshard_after_forward"])
-    # trainer.tensor_parallel: heads, MLP columns and the vocabulary over the tensor-parallel ranks first
-    if strategy.device_mesh["tensor_parallel"].size() > 1:
-        apply_tensor_parallel(model, strategy.device_mesh["tensor_parallel"])
-    # trainer.expert_parallel: the experts split over groups of ranks, the rest FSDP2's
-    experts = None
     k = int(getattr(strategy, "expert_parallel", 1))
+    tp = strategy.device_mesh["tensor_parallel"].size()
+    # trainer.tensor_parallel: heads, MLP columns and the vocabulary over the tensor-parallel ranks first
+    if tp > 1:
+        apply_tensor_parallel(model, strategy.device_mesh["tensor_parallel"], k)
+    # trainer.expert_parallel: the experts split over groups of (data) ranks, the rest FSDP2's
+    experts = None
     if k > 1 and model.cfg.moe is not None:
-        world = mesh.size()
-        grid = expert_grid(strategy.root_device.type, world, k)
+        grid = expert_grid(strategy.root_device.type, mesh.size() * tp, k, tp)
         compute = policy.param_dtype if policy.param_dtype != torch.float32 else None
-        experts = shard_experts(model, ExpertGroup(grid, world, compute))
+        experts = shard_experts(model, ExpertGroup(grid, mesh.size(), compute))
     # torch 2.13's FSDP2 runs a world of one through a path that takes one all-gather input per parameter,
     # which torchao's NF4 weights (finetune=qlora: three each) break; there they stay whole, outside FSDP
     nf4 = {p for p in model.parameters() if quant.is_nf4(p)} if mesh.size() == 1 else set()

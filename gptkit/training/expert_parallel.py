@@ -1,8 +1,10 @@
 """Expert parallelism (trainer.expert_parallel=k, with trainer=fsdp): each MoE layer's experts are split over
 groups of k ranks, and every token is sent to the rank that holds its experts and back (all-to-all).
 
-    ranks        the W ranks of the job as a [W / k, k] grid (row-major): a row is an expert group of k
-                 consecutive ranks; rank r of a group holds experts r*E/k .. (r+1)*E/k - 1 of every MoE layer
+    ranks        the W ranks of the job as a [W / k, k] grid (expert_ranks): a row is an expert group of k
+                 consecutive ranks (under trainer.tensor_parallel=t, k consecutive data ranks of the same
+                 tensor-parallel rank: training/moe_tensor_parallel.py); rank r of a group holds experts
+                 r*E/k .. (r+1)*E/k - 1 of every MoE layer
                  (and of the multi-token prediction blocks' mixtures, model.mtp: moe_experts)
                  (each expert stack [E, out, in] a DTensor sharded by experts, Shard(0), over the group);
                  the W / k groups hold the same experts (replicas)
@@ -13,7 +15,8 @@ groups of k ranks, and every token is sent to the rank that holds its experts an
                  they came: the layer then combines them as before
     backward     the all-to-alls' gradients travel the other way; an expert's weight gradient sums the
                  contributions of every rank of its group; it is then summed over the replicas and divided
-                 by W, so that it is the mean over the job's ranks, as FSDP2 makes every other gradient
+                 by the data ranks (W, or W / t), so that it is the mean over them, as FSDP2 makes every
+                 other gradient
     the rest     attention, norms, embeddings, routers, the dense layers and the shared experts: FSDP2 over
                  all W ranks (training/distributed.parallelize), the experts left out of it (ignored_params)
 
@@ -60,7 +63,7 @@ class _AllToAll(torch.autograd.Function):
 
 class _MeanOverRanks(torch.autograd.Function):
     """The identity forward; backward: the gradient summed over the replica group (None: no replicas) and
-    divided by the job's world size."""
+    divided by the job's data ranks (its world size over trainer.tensor_parallel)."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, replicas, world: int) -> torch.Tensor:
@@ -77,7 +80,8 @@ class _MeanOverRanks(torch.autograd.Function):
 
 class ExpertGroup:
     """This rank's place in the expert grid: its group (k ranks sharing out the experts), the replicas of
-    its experts in the other groups, and the dtype the experts compute in (FSDP2's param_dtype)."""
+    its experts in the other groups, the data ranks an expert's gradient is the mean over (`world`: the job's
+    ranks over trainer.tensor_parallel) and the dtype the experts compute in (FSDP2's param_dtype)."""
 
     def __init__(self, mesh, world: int, param_dtype: torch.dtype | None) -> None:
         # mesh: [W / k, k], dims ("expert_replicas", "expert_parallel")
@@ -91,13 +95,21 @@ class ExpertGroup:
         self.param_dtype = param_dtype
 
 
-def expert_grid(device_type: str, world: int, k: int):
-    """The [W / k, k] device mesh of the expert groups (each row k consecutive ranks)."""
-    from torch.distributed.device_mesh import init_device_mesh
+def expert_ranks(world: int, k: int, tp: int = 1) -> torch.Tensor:
+    """[W / k, k]: the ranks of each expert group, a row k consecutive data ranks of the same tensor-parallel
+    rank (rank = data rank x tp + tensor-parallel rank: the tensor-parallel groups are tp consecutive ranks;
+    tp 1: k consecutive ranks). Column j holds the replicas of a group's j-th share of the experts."""
+    return torch.arange(world).view(world // (k * tp), k, tp).transpose(1, 2).reshape(world // k, k)
 
-    return init_device_mesh(
-        device_type, (world // k, k), mesh_dim_names=("expert_replicas", "expert_parallel")
-    )
+
+def expert_grid(device_type: str, world: int, k: int, tp: int = 1):
+    """The [W / k, k] device mesh of the expert groups (expert_ranks)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    names = ("expert_replicas", "expert_parallel")
+    if tp == 1:
+        return init_device_mesh(device_type, (world // k, k), mesh_dim_names=names)
+    return DeviceMesh(device_type, expert_ranks(world, k, tp), mesh_dim_names=names)
 
 
 def moe_experts(model: GPT) -> list[nn.Module]:
@@ -138,7 +150,7 @@ def shard_experts(model: GPT, grid: ExpertGroup) -> set[nn.Parameter]:
 
 def _local_weight(experts: nn.Module, grid: ExpertGroup):
     """Experts.weight under expert parallelism: this rank's experts of a stack, [E / k, out, in], in the
-    compute dtype, whose gradient becomes the mean over the job's ranks."""
+    compute dtype, whose gradient becomes the mean over the job's data ranks."""
 
     def weight(name: str) -> torch.Tensor:
         w = _MeanOverRanks.apply(getattr(experts, name).to_local(), grid.replicas, grid.world)
