@@ -65,16 +65,17 @@ MIXED = dict(
         shared_expert_gate=True,
     ),
 )
-# (name, model, ep, tp): data ranks = world / tp
+# (name, model, ep, tp, optimizer): data ranks = world / tp
 CASES = {
     4: [
-        ("moe + shared expert, ep 2 x tp 2", MOE, 2, 2),
-        ("moe + shared expert, tp 2 (experts replicated)", MOE, 1, 2),
-        ("dense + moe (biases, sigmoid, gate), ep 2 x tp 2", MIXED, 2, 2),
+        ("moe + shared expert, ep 2 x tp 2", MOE, 2, 2, "adamw"),
+        ("moe + shared expert, tp 2 (experts replicated)", MOE, 1, 2, "adamw"),
+        ("dense + moe (biases, sigmoid, gate), ep 2 x tp 2", MIXED, 2, 2, "adamw"),
+        ("moe + shared expert, ep 2 x tp 2, muon", MOE, 2, 2, "muon"),
     ],
     8: [
-        ("moe + shared expert, dp 2 x ep 2 x tp 2", MOE, 2, 2),
-        ("moe + shared expert, ep 4 x tp 2", MOE, 4, 2),
+        ("moe + shared expert, dp 2 x ep 2 x tp 2", MOE, 2, 2, "adamw"),
+        ("moe + shared expert, ep 4 x tp 2", MOE, 4, 2, "adamw"),
     ],
 }
 B, T = 4, 16
@@ -94,14 +95,26 @@ class Reduce:
         return t
 
 
-def train(model, data, rank=0, dp=1, world=1, tensor_parallel=False):
-    from gptkit.training.tensor_parallel import local_loss, loss_context
-
-    watch = RouterWatch(model, world)
+def optimizer(model, kind):
     # eps 1e-6: where a gradient is near 0, AdamW's step moves by lr / eps times its rounding (the norms,
     # router and cross-entropy compute in fp32: ~1e-7 relative, summed in another order over the ranks);
     # with eps 1e-8 one weight of the third case differed by 2.9e-5 after 3 steps
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-6, weight_decay=0.1, foreach=False)
+    adamw = dict(lr=1e-2, eps=1e-6, weight_decay=0.1, foreach=False)
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), **adamw)
+    from gptkit.training.optim import MuonWithAdamW, muon_split, qkv_parts
+
+    muon, rest = muon_split(model)
+    m = torch.optim.Muon([p for _, p in muon], lr=2e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    a = torch.optim.AdamW([p for _, p in rest], **adamw)
+    return MuonWithAdamW(m, a, ns_dtype=torch.float32, fused=qkv_parts(muon))
+
+
+def train(model, data, kind, rank=0, dp=1, world=1, tensor_parallel=False):
+    from gptkit.training.tensor_parallel import local_loss, loss_context
+
+    watch = RouterWatch(model, world)
+    opt = optimizer(model, kind)
     losses, figures = [], []
     rows = B // dp
     for seq in data:
@@ -135,7 +148,7 @@ def worker(rank, world, cases, steps, tmp):
     # float64 throughout: FSDP2 casts nothing (the trainer's precisions are fp32 and bf16 only)
     distributed.torch_dtype = lambda name, what: None
 
-    for i, (_, cfg_dict, ep, tp) in enumerate(cases):
+    for i, (_, cfg_dict, ep, tp, kind) in enumerate(cases):
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
         strategy = SimpleNamespace(
             fsdp_options=dict(param_dtype="fp32", reduce_dtype="fp32", reshard_after_forward=True),
@@ -148,7 +161,8 @@ def worker(rank, world, cases, steps, tmp):
         model = GPT.from_state(cfg, torch.load(os.path.join(tmp, f"init{i}.pt"))).train()
         distributed.parallelize(model, strategy)
         dp_rank = mesh.get_local_rank("data_parallel")
-        losses, figures = train(model, batches(steps, cfg.vocab_size), dp_rank, world // tp, world, True)
+        data = batches(steps, cfg.vocab_size)
+        losses, figures = train(model, data, kind, dp_rank, world // tp, world, True)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
             out = {"losses": losses, "figures": figures, "state": fuse_qkv_state(state)}
@@ -166,11 +180,11 @@ def main() -> None:
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
         ones, models = [], []
-        for i, (_, cfg_dict, _, _) in enumerate(cases):
+        for i, (_, cfg_dict, _, _, kind) in enumerate(cases):
             torch.manual_seed(i)
             model = GPT(ModelConfig.from_dict(cfg_dict)).train()
             torch.save(model.state_dict(), os.path.join(tmp, f"init{i}.pt"))
-            ones.append(train(model, batches(steps, model.cfg.vocab_size)))
+            ones.append(train(model, batches(steps, model.cfg.vocab_size), kind))
             models.append(model)
         one_s = time.perf_counter() - started
         os.environ["ETP_PORT"] = str(29500 + os.getpid() % 1000)
