@@ -141,26 +141,25 @@ def worker(rank, world, cases, steps, tmp):
     torch.set_default_dtype(torch.float64)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
 
     from gptkit.training import distributed
+    from gptkit.training.mesh import MeshDims, build_mesh
 
     # float64 throughout: FSDP2 casts nothing (the trainer's precisions are fp32 and bf16 only)
     distributed.torch_dtype = lambda name, what: None
-
     for i, (_, cfg_dict, ep, tp, kind) in enumerate(cases):
-        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
+        # the run's one mesh (training/mesh.py), as the fsdp strategy builds it
+        mesh = build_mesh("cpu", MeshDims(world, tp=tp, ep=ep))
         strategy = SimpleNamespace(
             fsdp_options=dict(param_dtype="fp32", reduce_dtype="fp32", reshard_after_forward=True),
             fsdp_precision="32-true",
-            device_mesh=mesh,
-            expert_parallel=ep,
+            mesh=mesh,
             root_device=torch.device("cpu"),
         )
         cfg = ModelConfig.from_dict(cfg_dict)
         model = GPT.from_state(cfg, torch.load(os.path.join(tmp, f"init{i}.pt"))).train()
         distributed.parallelize(model, strategy)
-        dp_rank = mesh.get_local_rank("data_parallel")
+        dp_rank = mesh.data_ranks()[0]
         data = batches(steps, cfg.vocab_size)
         losses, figures = train(model, data, kind, dp_rank, world // tp, world, True)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))

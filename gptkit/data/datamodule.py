@@ -37,13 +37,9 @@ class TrainBatches(IterableDataset):
 
 
 def data_ranks(trainer) -> tuple[int, int]:
-    """(this rank's place, how many) among the ranks that read distinct batches: every rank; with
-    trainer.context_parallel=k (the strategy's context_parallel) one per group of k ranks that share them;
-    with trainer.tensor_parallel the strategy's data-parallel rank and size (a tensor-parallel group reads one
-    batch)."""
-    k = int(getattr(trainer.strategy, "context_parallel", 1) or 1)
-    if k > 1:
-        return trainer.global_rank // k, trainer.world_size // k
+    """(this rank's place, how many) among the ranks that read distinct batches: every rank (DDP); with
+    trainer=fsdp the dp coordinate of the run's mesh (training/mesh.py: the cp x tp ranks around a data rank
+    read its batches), which the strategy's distributed_sampler_kwargs give."""
     ranks = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
     return ranks.get("rank", trainer.global_rank), ranks.get("num_replicas", trainer.world_size)
 

@@ -58,6 +58,7 @@ def check_values(cfg: Any, new_model: bool) -> Values:
         values = Values(values.precision, values.compile, model)
         check_tensor_parallel_model(cfg, model)
     check_context_parallel(cfg.trainer, values.model, values.compile)
+    check_mesh_shape(cfg.trainer)
     if int(cfg.trainer.get("context_parallel") or 1) > 1 and str(cfg.get("objective", "lm")) != "lm":
         raise ConfigError(
             f"trainer.context_parallel splits the sequences of objective=lm only, not "
@@ -157,9 +158,9 @@ def check_ema(decay: Any, strategy: str) -> None:
 
 def check_tensor_parallel(t: Any) -> int:
     """trainer.tensor_parallel=k (training/tensor_parallel.py) against the trainer group: an integer >= 1;
-    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number), the data ranks
-    divided by trainer.expert_parallel, without in-training samples or task evaluations (they decode a whole
-    model). Returns k."""
+    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number; the mesh as a
+    whole, expert parallelism included: check_mesh_shape), without in-training samples or task evaluations
+    (they decode a whole model). Returns k."""
     k = t.get("tensor_parallel", 1)
     k = 1 if k is None else k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -187,15 +188,6 @@ def check_tensor_parallel(t: Any) -> int:
             f"trainer.tensor_parallel={k} with trainer.context_parallel={t.context_parallel} is not "
             "supported yet (one mesh of both: not built); pass one of them = 1"
         )
-    ep = t.get("expert_parallel") or 1
-    if isinstance(ep, int) and ep > 1 and isinstance(devices, int) and isinstance(nodes, int):
-        # the experts split over groups of data ranks (training/moe_tensor_parallel.py)
-        data = devices * nodes // k
-        if data % ep:
-            raise ConfigError(
-                f"trainer.expert_parallel={ep} must divide the {data} data rank(s) (trainer.devices x "
-                f"trainer.num_nodes / trainer.tensor_parallel={k}): the experts split over data ranks"
-            )
     for key in ("sample_every", "eval_tasks"):
         if t.get(key):
             raise ConfigError(
@@ -414,3 +406,54 @@ def check_context_parallel_world(k: int, world: int) -> None:
             f"{key}={k} must divide the job's {world} process(es) (trainer.devices x trainer.num_nodes): "
             f"a mesh of {k} ranks per sequence does not fit"
         )
+
+
+def _degree(t: Any, key: str) -> int:
+    k = t.get(key, 1)
+    k = 1 if k is None else k
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ConfigError(f"trainer.{key}={k} must be an integer >= 1")
+    return k
+
+
+def check_mesh_shape(t: Any, world: Optional[int] = None) -> tuple[int, int, int, int]:
+    """The device mesh's degrees (training/mesh.py) against the job's `world` processes (None: trainer.devices
+    x trainer.num_nodes when they are numbers; else the degrees alone): dp_replicate x dp_shard x cp x tp =
+    world, expert_parallel dividing dp_shard x cp. One line naming the first dimension, inner to outer, that
+    is larger than what is left of the world or does not divide it. Returns (replicate, cp, tp, ep)."""
+    r = _degree(t, "data_parallel_replicate")
+    cp, tp, ep = (_degree(t, k) for k in ("context_parallel", "tensor_parallel", "expert_parallel"))
+    if r > 1 and str(t.get("strategy", "auto")) != "fsdp":
+        raise ConfigError(
+            f"trainer.data_parallel_replicate={r} replicates FSDP2's shards (HSDP): it needs trainer=fsdp "
+            f"(trainer.strategy={t.get('strategy')})"
+        )
+    # the degrees' own checks refuse them without trainer=fsdp, and each against the whole world
+    if str(t.get("strategy", "auto")) != "fsdp":
+        return r, cp, tp, ep
+    if world is None:
+        devices, nodes = t.get("devices"), t.get("num_nodes", 1)
+        if isinstance(devices, str) and devices.isdigit():
+            devices = int(devices)
+        if not (isinstance(devices, int) and not isinstance(devices, bool) and isinstance(nodes, int)):
+            return r, cp, tp, ep
+        world = devices * nodes
+    left, of, taken = world, f"the job's {world} process(es) (trainer.devices x trainer.num_nodes)", []
+    for key, k in (("tensor_parallel", tp), ("context_parallel", cp), ("data_parallel_replicate", r)):
+        if left % k:
+            verb = "is larger than" if k > left else "does not divide"
+            raise ConfigError(
+                f"trainer.{key}={k} {verb} {of}; the mesh does not factor: pass a divisor of {left}"
+            )
+        if k > 1:
+            left //= k
+            taken.append(f"trainer.{key}={k}")
+            of = f"the {left} rank(s) left of the job's {world} by {' x '.join(taken)}"
+    # left: dp_shard; the experts are split over ranks of dp_shard x cp
+    if (left * cp) % ep and world % ep == 0:
+        verb = "is larger than" if ep > left * cp else "does not divide"
+        raise ConfigError(
+            f"trainer.expert_parallel={ep} {verb} the dp_shard x cp = {left} x {cp} = {left * cp} rank(s) a "
+            f"replica shards over; pass a divisor of {left * cp}"
+        )
+    return r, cp, tp, ep

@@ -462,12 +462,3 @@ class ContextParallel:
         parts = [torch.empty_like(x) for _ in range(self.k)]
         dist.all_gather(parts, x.contiguous(), group=self.ring.group)
         return unsplit(parts, dim)
-
-
-def context_group(device_type: str, world: int, k: int):
-    """The process group of this rank's k consecutive ranks: a [W / k, k] DeviceMesh's "context_parallel"
-    dimension (FSDP2 shards over all W ranks, training/distributed.parallelize)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device_type, (world // k, k), mesh_dim_names=("cp_replicas", "context_parallel"))
-    return mesh["context_parallel"].get_group()

@@ -40,9 +40,10 @@ from gptkit.checkpoints import (
 from gptkit.errors import ConfigError, GptkitError
 from gptkit.fsio import file_crc32
 from gptkit.precision import PRECISIONS, Precision, precision, torch_dtype
-from gptkit.training.config_checks import check_context_parallel_world
+from gptkit.training.config_checks import check_context_parallel_world, check_mesh_shape
 from gptkit.training.elastic import elastic_resume  # noqa: F401  (torch-free: commands/train.py imports it)
-from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, expert_grid, shard_experts
+from gptkit.training.expert_parallel import ExpertGroup, check_expert_parallel, shard_experts
+from gptkit.training.mesh import build_mesh, mesh_dims
 from gptkit.training.slurm import check_slurm_signal
 from gptkit.training.tensor_parallel import apply_tensor_parallel, is_tensor_parallel, split_qkv_state
 
@@ -147,6 +148,8 @@ def check_distributed(t: Any, checked: Any = None) -> None:
             f"trainer.tensor_parallel={tp} {larger} the job's {world} process(es) (trainer.devices x "
             f"trainer.num_nodes); pass a divisor of {world}"
         )
+    # the degrees together: one mesh (training/mesh.py)
+    check_mesh_shape(t, per_node * int(t.num_nodes))
     if (strategy != "auto" or per_node > 1) and not torch.distributed.is_available():
         raise GptkitError("this torch build has no torch.distributed; use trainer=default (one device)")
     nodes = int(t.num_nodes)
@@ -266,11 +269,8 @@ def build_strategy(t: Any):
 
         return DDPStrategy(timeout=timeout, gradient_as_bucket_view=True)
     if strategy == "fsdp":
-        tp = int(t.get("tensor_parallel") or 1)
-        strategy = _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), world_size(t), timeout, tp)
-        strategy.expert_parallel = int(t.get("expert_parallel") or 1)
-        strategy.context_parallel = int(t.get("context_parallel") or 1)
-        return strategy
+        dims = mesh_dims(t, world_size(t))
+        return _fsdp2_strategy_class()(fsdp_options(t), str(t.precision), dims, timeout)
     return strategy
 
 
@@ -280,30 +280,44 @@ def _fsdp2_strategy_class():
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     class _FSDP2Strategy(ModelParallelStrategy):
-        """ModelParallelStrategy: the mesh [data_parallel, tensor_parallel] (Lightning's: world / tp x tp,
-        a tensor-parallel group k consecutive ranks; trainer.tensor_parallel, default 1: every device on the
-        data-parallel axis); carries the FSDP2 options that LitGPT.configure_model applies through
-        `parallelize`. Another mesh dimension goes in mesh_shape and Lightning's setup_environment."""
+        """ModelParallelStrategy with gptkit's one mesh (training/mesh.py: dp_replicate x dp_shard x cp x tp,
+        built once in setup_environment instead of Lightning's [data_parallel, tensor_parallel]); every
+        consumer reads its group from `self.mesh`: FSDP2 and TP (`parallelize`), CP (LitGPT.configure_model),
+        EP, the sampler and data_ranks (the dp view). Carries the FSDP2 options that LitGPT.configure_model
+        applies through `parallelize`. Lightning keeps the loop, the process group and the checkpoints."""
 
-        def __init__(
-            self, options: dict[str, Any], precision_name: str, world: int, timeout, tensor_parallel: int = 1
-        ) -> None:
+        def __init__(self, options: dict[str, Any], precision_name: str, dims, timeout) -> None:
             super().__init__(
-                data_parallel_size=world // tensor_parallel,
-                tensor_parallel_size=tensor_parallel,
+                data_parallel_size=dims.world // dims.tp,
+                tensor_parallel_size=dims.tp,
                 save_distributed_checkpoint=bool(options["sharded_checkpoint"]),
                 timeout=timeout,
             )
             self.fsdp_options = options
             self.fsdp_precision = precision_name
+            self.mesh_dims = dims
+            # training/mesh.ParallelMesh, once the processes are up
+            self.mesh = None
+            self.context_parallel, self.expert_parallel = dims.cp, dims.ep
+
+        def setup_environment(self) -> None:
+            """Lightning's set-up (the device, the process group), then the one mesh in place of Lightning's
+            (its root is what LightningModule.device_mesh gives)."""
+            super(ModelParallelStrategy, self).setup_environment()
+            self._setup_distributed()
+            self.mesh = build_mesh(self.root_device.type, self.mesh_dims)
+            self._device_mesh = self.mesh.root
+            self.lightning_module._device_mesh = self._device_mesh
 
         @property
         def distributed_sampler_kwargs(self) -> dict[str, Any]:
-            """trainer.context_parallel=k: the k ranks of a group read the same items (data_ranks)."""
-            k = getattr(self, "context_parallel", 1)
-            if k == 1:
-                return super().distributed_sampler_kwargs
-            return {"num_replicas": self.world_size // k, "rank": self.global_rank // k}
+            """The ranks that read distinct items: the mesh's dp view (the cp x tp ranks around a data rank
+            read its items)."""
+            if self.mesh is not None:
+                rank, size = self.mesh.data_ranks()
+            else:
+                rank, size = self.mesh_dims.coordinates(self.global_rank)["dp"], self.mesh_dims.dp
+            return {"num_replicas": size, "rank": rank}
 
         def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
             """A sharded checkpoint is written to a temporary folder beside the target; every rank computes
@@ -498,8 +512,9 @@ def broadcast_weights(model, full_state: dict | None, device) -> None:
 
 
 def parallelize(model, strategy) -> bool:
-    """Shard `model` (the GPT) with FSDP2 when `strategy` is the fsdp strategy: one fully_shard unit per
-    transformer block, then the root (embeddings, final norm, head: tied weights stay in one unit).
+    """Shard `model` (the GPT) with FSDP2 when `strategy` is the fsdp strategy (its mesh built): one
+    fully_shard unit per transformer block, then the root (embeddings, final norm, head: tied weights stay in
+    one unit).
     Returns True when it sharded. Idempotent."""
     options = getattr(strategy, "fsdp_options", None)
     if options is None or getattr(model, "_gptkit_sharded", False):
@@ -514,19 +529,19 @@ def parallelize(model, strategy) -> bool:
         param_dtype=torch_dtype(param, "trainer.fsdp.param_dtype"),
         reduce_dtype=torch_dtype(options["reduce_dtype"], "trainer.fsdp.reduce_dtype"),
     )
-    mesh = strategy.device_mesh["data_parallel"]
+    # the one mesh (training/mesh.py): FSDP2 over dp_shard x cp (HSDP: the 2-D (dp_replicate, dp_shard_cp))
+    mesh = strategy.mesh.fsdp
     reshard = bool(options["reshard_after_forward"])
-    k = int(getattr(strategy, "expert_parallel", 1))
-    tp = strategy.device_mesh["tensor_parallel"].size()
-    # trainer.tensor_parallel: heads, MLP columns and the vocabulary over the tensor-parallel ranks first
-    if tp > 1:
-        apply_tensor_parallel(model, strategy.device_mesh["tensor_parallel"], k)
-    # trainer.expert_parallel: the experts split over groups of (data) ranks, the rest FSDP2's
+    ep = strategy.mesh.dims.ep
+    # trainer.tensor_parallel: heads, MLP columns and the vocabulary over the tensor-parallel ranks first (an
+    # MoE layer on each rank's slice of the sequence, its experts left to expert parallelism when ep > 1)
+    if strategy.mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, strategy.mesh["tp"], ep)
+    # trainer.expert_parallel: the experts split over groups of data ranks, the rest FSDP2's
     experts = None
-    if k > 1 and model.cfg.moe is not None:
-        grid = expert_grid(strategy.root_device.type, mesh.size() * tp, k, tp)
+    if ep > 1 and model.cfg.moe is not None:
         compute = policy.param_dtype if policy.param_dtype != torch.float32 else None
-        experts = shard_experts(model, ExpertGroup(grid, mesh.size(), compute))
+        experts = shard_experts(model, ExpertGroup.of(strategy.mesh, compute))
     # torch 2.13's FSDP2 runs a world of one through a path that takes one all-gather input per parameter,
     # which torchao's NF4 weights (finetune=qlora: three each) break; there they stay whole, outside FSDP
     nf4 = {p for p in model.parameters() if quant.is_nf4(p)} if mesh.size() == 1 else set()

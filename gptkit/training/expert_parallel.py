@@ -1,13 +1,14 @@
 """Expert parallelism (trainer.expert_parallel=k, with trainer=fsdp): each MoE layer's experts are split over
 groups of k ranks, and every token is sent to the rank that holds its experts and back (all-to-all).
 
-    ranks        the W ranks of the job as a [W / k, k] grid (expert_ranks): a row is an expert group of k
-                 consecutive ranks (under trainer.tensor_parallel=t, k consecutive data ranks of the same
-                 tensor-parallel rank: training/moe_tensor_parallel.py); rank r of a group holds experts
+    ranks        the run's mesh (training/mesh.py): an expert group is the mesh's ep view, k ranks of
+                 dp_shard x cp of one tensor-parallel coordinate (k consecutive ranks without tensor or
+                 context parallelism; its other ranks, ep_replicas, hold the same experts: under
+                 trainer.tensor_parallel the ranks of every tensor-parallel coordinate, which route their
+                 own slices of the sequence: training/moe_tensor_parallel.py); rank r of a group holds experts
                  r*E/k .. (r+1)*E/k - 1 of every MoE layer
                  (and of the multi-token prediction blocks' mixtures, model.mtp: moe_experts)
-                 (each expert stack [E, out, in] a DTensor sharded by experts, Shard(0), over the group);
-                 the W / k groups hold the same experts (replicas)
+                 (each expert stack [E, out, in] a DTensor sharded by experts, Shard(0), over the group)
     forward      the MoE layer routes its own tokens as on one process (gptkit/model/moe.py) and sorts its
                  (token, expert) rows by expert; here the rows for each rank's experts are sent to it
                  (all_to_all_single, uneven splits: each rank's rows only), sorted there by local expert,
@@ -15,10 +16,10 @@ groups of k ranks, and every token is sent to the rank that holds its experts an
                  they came: the layer then combines them as before
     backward     the all-to-alls' gradients travel the other way; an expert's weight gradient sums the
                  contributions of every rank of its group; it is then summed over the replicas and divided
-                 by the data ranks (W, or W / t), so that it is the mean over them, as FSDP2 makes every
-                 other gradient
+                 by the data ranks (W without tensor parallelism), so that it is the mean over them, as FSDP2
+                 makes every other gradient
     the rest     attention, norms, embeddings, routers, the dense layers and the shared experts: FSDP2 over
-                 all W ranks (training/distributed.parallelize), the experts left out of it (ignored_params)
+                 dp_shard x cp (training/distributed.parallelize), the experts left out of it (ignored_params)
 
 The checkpoints need nothing of their own: the expert stacks are DTensors of their full shape, so a sharded
 checkpoint holds each rank's experts at their offsets and any world size (one process included) reads it,
@@ -63,7 +64,7 @@ class _AllToAll(torch.autograd.Function):
 
 class _MeanOverRanks(torch.autograd.Function):
     """The identity forward; backward: the gradient summed over the replica group (None: no replicas) and
-    divided by the job's data ranks (its world size over trainer.tensor_parallel)."""
+    divided by the data ranks of one tensor-parallel coordinate (`world`: dp_cp)."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, replicas, world: int) -> torch.Tensor:
@@ -79,37 +80,25 @@ class _MeanOverRanks(torch.autograd.Function):
 
 
 class ExpertGroup:
-    """This rank's place in the expert grid: its group (k ranks sharing out the experts), the replicas of
-    its experts in the other groups, the data ranks an expert's gradient is the mean over (`world`: the job's
-    ranks over trainer.tensor_parallel) and the dtype the experts compute in (FSDP2's param_dtype)."""
+    """This rank's place among the expert groups: its group (k ranks sharing out the experts: a 1-D
+    DeviceMesh), the replicas of its experts in the other groups (a 1-D DeviceMesh, or None: no other
+    group), the ranks a gradient is the mean over (`world`) and the dtype the experts compute in (FSDP2's
+    param_dtype)."""
 
-    def __init__(self, mesh, world: int, param_dtype: torch.dtype | None) -> None:
-        # mesh: [W / k, k], dims ("expert_replicas", "expert_parallel")
-        self.mesh = mesh["expert_parallel"]
+    def __init__(self, mesh, replicas, world: int, param_dtype: torch.dtype | None) -> None:
+        self.mesh = mesh
         self.group = self.mesh.get_group()
         self.size = self.mesh.size()
         self.rank = self.mesh.get_local_rank()
-        replicas = mesh["expert_replicas"]
-        self.replicas = replicas.get_group() if replicas.size() > 1 else None
+        self.replicas = replicas.get_group() if replicas is not None and replicas.size() > 1 else None
         self.world = world
         self.param_dtype = param_dtype
 
-
-def expert_ranks(world: int, k: int, tp: int = 1) -> torch.Tensor:
-    """[W / k, k]: the ranks of each expert group, a row k consecutive data ranks of the same tensor-parallel
-    rank (rank = data rank x tp + tensor-parallel rank: the tensor-parallel groups are tp consecutive ranks;
-    tp 1: k consecutive ranks). Column j holds the replicas of a group's j-th share of the experts."""
-    return torch.arange(world).view(world // (k * tp), k, tp).transpose(1, 2).reshape(world // k, k)
-
-
-def expert_grid(device_type: str, world: int, k: int, tp: int = 1):
-    """The [W / k, k] device mesh of the expert groups (expert_ranks)."""
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    names = ("expert_replicas", "expert_parallel")
-    if tp == 1:
-        return init_device_mesh(device_type, (world // k, k), mesh_dim_names=names)
-    return DeviceMesh(device_type, expert_ranks(world, k, tp), mesh_dim_names=names)
+    @classmethod
+    def of(cls, mesh, param_dtype: torch.dtype | None) -> "ExpertGroup":
+        """From the run's mesh (training/mesh.py): its ep and ep_replicas views; the mean over the data ranks
+        of one tensor-parallel coordinate (dp_cp), as FSDP2's."""
+        return cls(mesh["ep"], mesh["ep_replicas"], mesh.dims.dp_cp, param_dtype)
 
 
 def moe_experts(model: GPT) -> list[nn.Module]:

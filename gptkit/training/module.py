@@ -191,10 +191,10 @@ class LitGPT(L.LightningModule):
         # trainer.context_parallel=k: sequences over k ranks, attention a ring (training/context_parallel.py)
         k = int(getattr(strategy, "context_parallel", 1) or 1)
         if k > 1 and getattr(self, "context_parallel", None) is None:
-            from gptkit.training.context_parallel import ContextParallel, context_group
+            from gptkit.training.context_parallel import ContextParallel
 
-            group = context_group(strategy.root_device.type, strategy.world_size, k)
-            self.context_parallel = ContextParallel(self.model, group)
+            # the run's mesh (training/mesh.py): this rank's cp ranks
+            self.context_parallel = ContextParallel(self.model, strategy.mesh["cp"].get_group())
         if self.compile_mode and not getattr(self, "_compiled", False):
             apply_compile(self.model, self.compile_mode, self.compile_backend)
             self._compiled = True

@@ -231,8 +231,11 @@ class RunPlan:
 
     @property
     def shards(self) -> int:
-        """How many ways the weights and optimizer state are split (FSDP: world_size, else 1)."""
-        return self.world_size if self.strategy == "fsdp" else 1
+        """How many ways the weights and optimizer state are split (FSDP: world_size; HSDP,
+        trainer.data_parallel_replicate=r: the world_size / r ranks of a replica; else 1)."""
+        if self.strategy != "fsdp":
+            return 1
+        return self.world_size // int(self.cfg.trainer.get("data_parallel_replicate") or 1)
 
     @property
     def expert_shards(self) -> int | None:

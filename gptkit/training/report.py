@@ -154,12 +154,19 @@ def announce(
             f"  FSDP: rank 0 builds the weights; the other {plan.world_size - 1} rank(s) start on the "
             f"meta device and receive their shards"
         )
+    if plan.strategy == "fsdp" and plan.world_size > 1:
+        from gptkit.training.mesh import mesh_dims
+
+        # the one device mesh (training/mesh.py): what each parallelism's group is carved from
+        dims = mesh_dims(plan.cfg.trainer, plan.world_size)
+        hsdp = f"; HSDP: {dims.dp_replicate} replicas" if dims.dp_replicate > 1 else ""
+        lines.append(f"  mesh: {dims.describe()}; FSDP2 shards over dp_shard x cp = {dims.dp_shard_cp}{hsdp}")
     if plan.expert_shards:
         k, m = plan.expert_shards, plan.model.moe
         lines.append(
             f"  experts: each MoE layer's {m.n_experts} over groups of {k} ranks ({m.n_experts // k} per "
             f"rank, tokens sent to them and back by all-to-all, trainer.expert_parallel={k}); the rest FSDP2 "
-            f"over {plan.world_size}"
+            f"over dp_shard x cp"
         )
     Console(stderr=True, highlight=False, soft_wrap=True).print("\n".join(lines))
 

@@ -160,6 +160,9 @@ class Rehearsal:
         # so does tensor parallelism (trainer.tensor_parallel; the rehearsal's model is not split)
         if "tensor_parallel" in t:
             t.tensor_parallel = 1
+        # and HSDP's replicas (trainer.data_parallel_replicate)
+        if "data_parallel_replicate" in t:
+            t.data_parallel_replicate = 1
         c.optim.warmup_steps = 1
         c.logger = {"csv": {"enabled": True}}
         c.runs_dir, c.resume = str(self.dir), None

@@ -496,10 +496,6 @@ TP3 = ["trainer=fsdp", "trainer.devices=3", "trainer.tensor_parallel=3"]
         (TP3 + ["model=llama-tiny", "model.n_heads=6", "model.head_dim=16"], "n_kv_heads=2: one must divide"),
         (["trainer=fsdp", "trainer.devices=4", "trainer.tensor_parallel=4", "model=llama-tiny"], None),
         (TP2 + ["model=moe-tiny"], None),
-        (
-            ["trainer=fsdp", "trainer.devices=4", "trainer.tensor_parallel=2", "trainer.expert_parallel=4"],
-            "trainer.expert_parallel=4 must divide the 2 data rank(s)",
-        ),
         (TP2 + ["model=llama-tiny", "finetune=lora"], "finetune=lora is not supported"),
     ],
 )
@@ -595,25 +591,19 @@ def test_tensor_parallel_plan_on_one_rank_matches_the_model_and_its_state_reads_
             dist.destroy_process_group()
 
 
-def test_moe_under_tensor_parallel_on_one_rank_is_the_plain_model_and_expert_groups_hold_data_ranks(tmp_path):
+def test_moe_under_tensor_parallel_on_one_rank_is_the_plain_model(tmp_path):
     """apply_tensor_parallel of a mixture (a dense layer, then an MoE one with a gated shared expert, router
     and expert biases) on a 1-rank gloo mesh (4 and 8 ranks: .ci/expert_tensor_parallel.py): the router and
     shared experts replicated DTensors, the experts too (expert_parallel 1) or left to expert
     parallelism; the loss, the auxiliary loss over the group (moe_tensor_parallel), the router figures and
-    every gradient those of the plain model. expert_ranks: under tp 2 an expert group is k data ranks of one
-    tensor-parallel rank, its replicas every other rank holding the same experts."""
+    every gradient those of the plain model."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
 
     from gptkit.model import GPT
-    from gptkit.training.expert_parallel import expert_ranks
     from gptkit.training.tensor_parallel import apply_tensor_parallel, local_loss, loss_context
 
-    assert expert_ranks(8, 2).tolist() == [[0, 1], [2, 3], [4, 5], [6, 7]]
-    # rank = data rank x 2 + tensor-parallel rank: data ranks 0, 1 of tp rank 0 are ranks 0, 2
-    assert expert_ranks(8, 2, 2).tolist() == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert expert_ranks(8, 4, 2).tolist() == [[0, 2, 4, 6], [1, 3, 5, 7]]
     moe = dict(
         n_experts=4, top_k=2, d_expert=24, n_shared=1, shared_expert_gate=True, first_dense=1,
         router_bias=True, expert_biases=True, bias_update_rate=0.01, z_loss_coef=0.001, impl="loop",

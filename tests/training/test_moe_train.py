@@ -242,9 +242,10 @@ def test_expert_parallelism_splits_the_mtp_blocks_experts_too():
     included (it walked model.cfg.moe_layers only): each is the dispatching forward over DTensor stacks. On a
     world of one the model computes what it did."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from gptkit.training.expert_parallel import ExpertGroup, expert_grid, moe_experts, shard_experts
+    from gptkit.training.expert_parallel import ExpertGroup, moe_experts, shard_experts
 
     cfg = ModelConfig(
         vocab_size=40,
@@ -267,7 +268,8 @@ def test_expert_parallelism_splits_the_mtp_blocks_experts_too():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     assert dist.get_world_size() == 1
     try:
-        params = shard_experts(model, ExpertGroup(expert_grid("cpu", 1, 1), 1, None))
+        one = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+        params = shard_experts(model, ExpertGroup(one, None, 1, None))
         experts = moe_experts(model)
         assert experts[-1] is model.mtp.layers[0].block.mlp.experts and len(experts) == 3
         assert len(params) == 3 * 3 and all(isinstance(e.gate_proj, DTensor) for e in experts)
