@@ -73,11 +73,10 @@ CASES = {
         ("moe + shared expert, ep 2 x tp 2", MOE, 2, 2, "adamw"),
         ("moe + shared expert, tp 2 (experts replicated)", MOE, 1, 2, "adamw"),
         ("dense + moe (biases, sigmoid, gate), ep 2 x tp 2", MIXED, 2, 2, "adamw"),
-        ("moe + shared expert, ep 2 x tp 2, muon", MOE, 2, 2, "muon"),
     ],
     8: [
         ("moe + shared expert, dp 2 x ep 2 x tp 2", MOE, 2, 2, "adamw"),
-        ("moe + shared expert, ep 4 x tp 2", MOE, 4, 2, "adamw"),
+        ("moe + shared expert, ep 4 x tp 2, muon", MOE, 4, 2, "muon"),
     ],
 }
 B, T = 4, 16
