@@ -4,12 +4,12 @@
        (dp 2, cp 2, tp 2) and (dp 2 x cp 2 with ep 4); every view's ranks are those the arithmetic
        (MeshDims.coordinates) gives
     2. `gptkit train` (through this script: run_as_gptkit; fp32, a tiny Llama, 4 steps, the same global batch
-       of 4 rows) on 4 processes for (dp 2, cp 2), (dp 2, tp 2) and HSDP (dp_replicate 2 x dp_shard 2)
-       against one process: the largest difference of the train losses, gradient norms and val loss, and of
-       the final weights (each run's sharded step-4 checkpoint read in one process against the one-process
-       run's)
+       of 4 rows) on 4 processes for (dp 2, cp 2), (dp 2, tp 2), HSDP (dp_replicate 2 x dp_shard 2) and
+       (cp 2, tp 2) against one process: the largest difference of the train losses, gradient norms and val
+       loss, and of the final weights (each run's sharded step-4 checkpoint read in one process against the
+       one-process run's). (cp 2, tp 2) needs the cptp lane's lift of the cp x tp refusal (on main).
 
-    python .ci/mesh.py [--only dp2cp2,dp2tp2,hsdp]     (in an activated venv; exit 1 over TOL)
+    python .ci/mesh.py [--only dp2cp2,dp2tp2,hsdp,cp2tp2]     (in an activated venv; exit 1 over TOL)
 
 Prints a row per case and the seconds; .ci/mesh calls it.
 """
@@ -30,6 +30,7 @@ CASES = {
     "dp2cp2": (4, ["trainer.context_parallel=2"], 2),
     "dp2tp2": (4, ["trainer.tensor_parallel=2"], 2),
     "hsdp": (4, ["trainer.data_parallel_replicate=2"], 1),
+    "cp2tp2": (4, ["trainer.context_parallel=2", "trainer.tensor_parallel=2"], 4),
 }
 # (world, dp_replicate, cp, tp, ep) for the mesh-only check
 MESHES = [(8, 1, 1, 2, 2), (8, 2, 2, 1, 1), (8, 1, 2, 2, 1), (8, 1, 2, 1, 4)]
