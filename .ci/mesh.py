@@ -60,7 +60,8 @@ def mesh_worker(rank: int, world: int, port: int) -> None:
         }
         if ep > 1:
             agree["ep"] = ["dp_replicate", "tp", "ep_block"]
-            agree["ep_replicas"] = ["tp", "ep"]
+            # (every tp coordinate: each routes its own tokens, training/moe_tensor_parallel.py)
+            agree["ep_replicas"] = ["ep"]
             for c in every:
                 c["ep_block"] = (c["dp_shard"] * cp + c["cp"]) // ep
         for name, keys in agree.items():

@@ -158,9 +158,9 @@ def check_ema(decay: Any, strategy: str) -> None:
 
 def check_tensor_parallel(t: Any) -> int:
     """trainer.tensor_parallel=k (training/tensor_parallel.py) against the trainer group: an integer >= 1;
-    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number; with
-    trainer.context_parallel, the mesh's factorization: check_mesh_shape), without expert parallelism,
-    in-training samples or task evaluations (they decode a whole model). Returns k."""
+    k > 1 with trainer=fsdp, dividing the job's processes (when trainer.devices is a number; the mesh as a
+    whole, expert parallelism included: check_mesh_shape), without in-training samples or task evaluations
+    (they decode a whole model). Returns k."""
     k = t.get("tensor_parallel", 1)
     k = 1 if k is None else k
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -183,11 +183,6 @@ def check_tensor_parallel(t: Any) -> int:
                 f"trainer.tensor_parallel={k} {larger} the job's {world} process(es) (trainer.devices x "
                 f"trainer.num_nodes); pass a divisor of {world}"
             )
-    if int(t.get("expert_parallel") or 1) > 1:
-        raise ConfigError(
-            f"trainer.tensor_parallel={k} with trainer.expert_parallel={t.expert_parallel} is not supported; "
-            "pass one of them = 1"
-        )
     for key in ("sample_every", "eval_tasks"):
         if t.get(key):
             raise ConfigError(
@@ -214,7 +209,6 @@ def check_tensor_parallel_model(cfg: Any, model: ModelConfig) -> None:
     if model.d_ff % k:
         raise ConfigError(f"{what} must divide model.d_ff={model.d_ff}")
     unsupported = [
-        (model.moe is not None, "a mixture of experts (model.moe; see trainer.expert_parallel)"),
         (
             any(model.attention_kind_of(i) != "mha" for i in range(model.n_layers)),
             "attention kinds other than mha (MLA, Gated DeltaNet)",

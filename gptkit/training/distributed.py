@@ -438,12 +438,14 @@ def parallelize(model, strategy) -> bool:
     # the one mesh (training/mesh.py): FSDP2 over dp_shard x cp (HSDP: the 2-D (dp_replicate, dp_shard_cp))
     mesh = strategy.mesh.fsdp
     reshard = bool(options["reshard_after_forward"])
-    # trainer.tensor_parallel: heads, MLP columns and the vocabulary over the tensor-parallel ranks first
+    ep = strategy.mesh.dims.ep
+    # trainer.tensor_parallel: heads, MLP columns and the vocabulary over the tensor-parallel ranks first (an
+    # MoE layer on each rank's slice of the sequence, its experts left to expert parallelism when ep > 1)
     if strategy.mesh["tp"].size() > 1:
-        apply_tensor_parallel(model, strategy.mesh["tp"])
-    # trainer.expert_parallel: the experts split over groups of ranks, the rest FSDP2's
+        apply_tensor_parallel(model, strategy.mesh["tp"], ep)
+    # trainer.expert_parallel: the experts split over groups of data ranks, the rest FSDP2's
     experts = None
-    if strategy.mesh.dims.ep > 1 and model.cfg.moe is not None:
+    if ep > 1 and model.cfg.moe is not None:
         compute = policy.param_dtype if policy.param_dtype != torch.float32 else None
         experts = shard_experts(model, ExpertGroup.of(strategy.mesh, compute))
     # torch 2.13's FSDP2 runs a world of one through a path that takes one all-gather input per parameter,

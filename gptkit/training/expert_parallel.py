@@ -2,8 +2,10 @@
 groups of k ranks, and every token is sent to the rank that holds its experts and back (all-to-all).
 
     ranks        the run's mesh (training/mesh.py): an expert group is the mesh's ep view, k ranks of
-                 dp_shard x cp (k consecutive ranks without tensor or context parallelism; its other
-                 ranks, ep_replicas, hold the same experts); rank r of a group holds experts
+                 dp_shard x cp of one tensor-parallel coordinate (k consecutive ranks without tensor or
+                 context parallelism; its other ranks, ep_replicas, hold the same experts: under
+                 trainer.tensor_parallel the ranks of every tensor-parallel coordinate, which route their
+                 own slices of the sequence: training/moe_tensor_parallel.py); rank r of a group holds experts
                  r*E/k .. (r+1)*E/k - 1 of every MoE layer
                  (and of the multi-token prediction blocks' mixtures, model.mtp: moe_experts)
                  (each expert stack [E, out, in] a DTensor sharded by experts, Shard(0), over the group)
@@ -62,7 +64,7 @@ class _AllToAll(torch.autograd.Function):
 
 class _MeanOverRanks(torch.autograd.Function):
     """The identity forward; backward: the gradient summed over the replica group (None: no replicas) and
-    divided by the job's world size."""
+    divided by the data ranks of one tensor-parallel coordinate (`world`: dp_cp)."""
 
     @staticmethod
     def forward(ctx, weight: torch.Tensor, replicas, world: int) -> torch.Tensor:
@@ -137,7 +139,7 @@ def shard_experts(model: GPT, grid: ExpertGroup) -> set[nn.Parameter]:
 
 def _local_weight(experts: nn.Module, grid: ExpertGroup):
     """Experts.weight under expert parallelism: this rank's experts of a stack, [E / k, out, in], in the
-    compute dtype, whose gradient becomes the mean over the job's ranks."""
+    compute dtype, whose gradient becomes the mean over the job's data ranks."""
 
     def weight(name: str) -> torch.Tensor:
         w = _MeanOverRanks.apply(getattr(experts, name).to_local(), grid.replicas, grid.world)

@@ -17,12 +17,12 @@ their process group from it. (torchtitan's ParallelDims is the model; the code i
         dp_cp         dp_replicate x dp_shard x cp: every rank of one tp coordinate (a gradient's mean)
         ep            trainer.expert_parallel: the innermost ep ranks of dp_shard x cp (carved out of the
                       data ranks as torchtitan does): each holds E / ep experts of every mixture
-        ep_replicas   dp_replicate x (dp_shard x cp / ep): the ranks that hold the same experts
+        ep_replicas   dp_replicate x (dp_shard x cp / ep) x tp: the ranks that hold the same experts
 
 E.g. 8 processes, trainer.expert_parallel=2 trainer.tensor_parallel=2: dp_shard 4, tp groups {0,1} {2,3}
 ..., the dense weights sharded over dp_shard_cp {0,2,4,6} (and {1,3,5,7}), expert groups {0,2} {4,6} ...,
-expert replicas {0,4} .... A size-1 dimension is kept (every name exists; its group holds this rank alone);
-ep and ep_replicas exist with trainer.expert_parallel > 1 only.
+expert replicas {0,1,4,5} .... A size-1 dimension is kept (every name exists; its group holds this rank
+alone); ep and ep_replicas exist with trainer.expert_parallel > 1 only.
 
 MeshDims is torch-free (the plan and the checks read it); build_mesh makes the DeviceMesh.
 """
@@ -132,11 +132,14 @@ def build_mesh(device_type: str, dims: MeshDims) -> ParallelMesh:
     else:
         views["fsdp"] = views["dp_shard_cp"]
     if dims.ep > 1:
-        # expert groups: dp_shard x cp split into (dp_shard x cp / ep, ep), ep innermost, in every replica
-        shape = (dims.dp_replicate, dims.dp_shard_cp // dims.ep, dims.ep)
-        sparse = views["dp_cp"]._unflatten(0, shape, ("ep_outer", "ep_shard", "ep"))
+        # expert groups: dp_shard x cp split into (dp_shard x cp / ep, ep), ep innermost, in every replica and
+        # tp coordinate; the replicas span tp too (an MoE layer routes each tp rank's own tokens:
+        # training/moe_tensor_parallel.py)
+        shape = (dims.dp_replicate, dims.dp_shard_cp // dims.ep, dims.ep, dims.tp)
+        every = root["dp_replicate", "dp_shard", "cp", "tp"]._flatten("ep_world")
+        sparse = every._unflatten(0, shape, ("ep_outer", "ep_shard", "ep", "ep_tp"))
         views["ep"] = sparse["ep"]
-        views["ep_replicas"] = sparse["ep_outer", "ep_shard"]._flatten("ep_replicas")
+        views["ep_replicas"] = sparse["ep_outer", "ep_shard", "ep_tp"]._flatten("ep_replicas")
     mesh = ParallelMesh(dims, root, views)
     _check_sizes(mesh)
     return mesh
@@ -146,7 +149,7 @@ def _check_sizes(mesh: ParallelMesh) -> None:
     d = mesh.dims
     want = dict(zip(DIMS, d.shape), dp=d.dp, dp_shard_cp=d.dp_shard_cp, dp_cp=d.dp_cp)
     if d.ep > 1:
-        want.update(ep=d.ep, ep_replicas=d.dp_cp // d.ep)
+        want.update(ep=d.ep, ep_replicas=d.dp_cp // d.ep * d.tp)
     for name, size in want.items():
         if mesh[name].size() != size:
             raise AssertionError(f"mesh view {name}: {mesh[name].size()} ranks, expected {size}")

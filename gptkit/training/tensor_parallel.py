@@ -29,9 +29,10 @@ read: `gptkit sample`, export, consolidation), and optim=muon orthogonalizes the
 fused matrix a one-process run has (optim.qkv_parts, muon_step).
 
 Covered: the multi-head attention kind (GQA and MQA) of GPT-2 and Llama-style blocks (pre-norm, LayerNorm or
-RMSNorm, GELU, SwiGLU or GeGLU, learned positions or RoPE, tied or untied head). Refused in one line before
-torch is imported (training/config_checks.py): mixtures of experts, MLA, Gated DeltaNet, attention sinks and
-output gates, a "full" QK-norm, multi-token prediction, a score head, the fused loss kernel, LoRA and QLoRA.
+RMSNorm, GELU, SwiGLU or GeGLU, learned positions or RoPE, tied or untied head); a mixture of experts' layer
+on each rank's slice of the sequence (training/moe_tensor_parallel.py). Refused in one line before torch is
+imported (training/config_checks.py): MLA, Gated DeltaNet, attention sinks and output gates, a "full"
+QK-norm, multi-token prediction, a score head, the fused loss kernel, LoRA and QLoRA.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch
 from torch import nn
 
 from gptkit.model.mha import QKV_PARTS
+from gptkit.training.moe_tensor_parallel import apply_moe_tensor_parallel
 
 TP_DIM = "tensor_parallel"
 
@@ -90,9 +92,10 @@ def kv_layout(n_heads: int, n_kv_heads: int, k: int, rank: int) -> tuple[int, in
     return n_heads // k, 1, rank // per_group
 
 
-def apply_tensor_parallel(model, mesh) -> None:
+def apply_tensor_parallel(model, mesh, expert_parallel: int = 1) -> None:
     """Shard `model` (a GPT) over the 1-D tensor-parallel `mesh` in place (the table of the module
-    docstring); its parameters become DTensors on that mesh. Call it before fully_shard."""
+    docstring; an MoE layer: training/moe_tensor_parallel.py, its experts left to expert parallelism when
+    expert_parallel > 1); its parameters become DTensors on that mesh. Call it before fully_shard."""
     from torch.distributed.tensor import Replicate, Shard, distribute_module
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -134,8 +137,9 @@ def apply_tensor_parallel(model, mesh) -> None:
     if model.pos_emb is not None:
         partition, inputs, _ = replicated
         distribute_module(model.pos_emb, mesh, partition, inputs, _sequence_shard)
-    for block in model.blocks:
+    for i, block in enumerate(model.blocks):
         attn = block.attn
+        moe = cfg.feed_forward(i) == "moe"
         sizes = [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim]
         attn.qkv_proj = QKVParallel(attn.qkv_proj, sizes, group, cfg.head_dim)
         kv = ColwiseParallel(input_layouts=Replicate()) if group is None else _ReplicatedLinear()
@@ -149,12 +153,13 @@ def apply_tensor_parallel(model, mesh) -> None:
             "attn.qkv_proj.v": kv,
             "attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
             "mlp_norm": SequenceParallel(),
-            "mlp": PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
-            ),
-            "mlp.up_proj": ColwiseParallel(input_layouts=Replicate()),
-            "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
         }
+        if not moe:
+            plan["mlp"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
+            )
+            plan["mlp.up_proj"] = ColwiseParallel(input_layouts=Replicate())
+            plan["mlp.down_proj"] = RowwiseParallel(output_layouts=Shard(1))
         if hasattr(block.mlp, "gate_proj"):
             plan["mlp.gate_proj"] = ColwiseParallel(input_layouts=Replicate())
         if attn.qk_norm == "head":
@@ -162,6 +167,9 @@ def apply_tensor_parallel(model, mesh) -> None:
             plan["attn.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
             plan["attn.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
         parallelize_module(block, mesh, plan)
+        if moe:
+            # on this rank's slice of the sequence, as a data rank of its own
+            apply_moe_tensor_parallel(block.mlp, mesh, expert_parallel)
         attn.n_heads, attn.n_kv_heads = n_q, n_kv
     model._gptkit_tensor_parallel = k
 

@@ -35,7 +35,8 @@ def test_the_coordinates_are_torchs_row_major_layout(world, r, cp, tp, ep):
 
 def test_dp2_ep2_tp2_on_8_ranks_shards_the_dense_weights_over_4_and_the_experts_over_2():
     """The issue's (dp 2, ep 2, tp 2): ep is carved out of the data ranks, so dp_shard is 4 (the dense weights
-    over 4 ranks), an expert group is 2 ranks of one tp coordinate and its replicas the other 2."""
+    over 4 ranks), an expert group is 2 ranks of one tp coordinate, its replicas every other rank of its ep
+    coordinate, both tp coordinates' (each routes its own tokens: training/moe_tensor_parallel.py)."""
     dims = MeshDims(8, tp=2, ep=2)
     assert (dims.dp_shard, dims.dp_shard_cp, dims.dp, dims.dp_cp) == (4, 4, 4, 4)
     every = [dims.coordinates(q) for q in range(8)]
@@ -44,10 +45,10 @@ def test_dp2_ep2_tp2_on_8_ranks_shards_the_dense_weights_over_4_and_the_experts_
         return [p for p, c in enumerate(every) if all(c[k] == every[q][k] for k in keys)]
 
     assert same(0, "tp") == [0, 2, 4, 6] and same(1, "dp") == [0, 1]
-    # rank 0's expert group: same tp, same block of ep data ranks; its replicas: same tp, same ep coordinate
+    # rank 0's expert group: same tp, same block of ep data ranks; its replicas: same ep coordinate
     block = [(c["dp_shard"] * dims.cp + c["cp"]) // 2 for c in every]
     assert [p for p in same(0, "tp") if block[p] == block[0]] == [0, 2]
-    assert same(0, "tp", "ep") == [0, 4]
+    assert same(0, "ep") == [0, 1, 4, 5]
     assert dims.describe() == "dp_shard 4 x tp 2, ep 2 of dp_shard x cp (8 rank(s))"
 
 
