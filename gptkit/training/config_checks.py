@@ -386,6 +386,12 @@ def check_context_parallel_model(model: ModelConfig, k: int) -> None:
     for name in ("attn_softcap", "attn_sinks", "dropout", "mtp"):
         if getattr(model, name):
             raise ConfigError(f"{key} does not support model.{name} yet")
+    if model.moe is not None:
+        # a sequence's router figures (the balance loss) would be each rank's half of it: unchecked
+        raise ConfigError(
+            f"{key} does not support model.moe yet (the router's balance loss is not reduced over the "
+            "context ranks); use trainer.expert_parallel or trainer.tensor_parallel for a mixture of experts"
+        )
 
 
 def check_context_parallel_world(k: int, world: int) -> None:

@@ -128,6 +128,7 @@ def test_context_parallel_settings_are_refused_in_one_line_before_torch():
             "model.attn_softcap=30.0",
         ): "does not support model.attn_softcap",
         (*fsdp, "trainer.context_parallel=2", "trainer.compile=blocks"): "pass trainer.compile=null",
+        (*fsdp, "trainer.context_parallel=2", "model=moe-tiny"): "does not support model.moe yet",
         (*fsdp, "trainer.context_parallel=2", "objective=dpo"): "objective=lm only",
         (
             "trainer=fsdp",
