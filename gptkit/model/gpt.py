@@ -87,7 +87,7 @@ class Block(nn.Module):
             )
             x = x + self.attn_norm(a)
             m, aux = self.mlp(x)
-            return x + F.dropout(self.mlp_norm(m), self.dropout, self.training), probs, aux
+            return x + self._drop(self.mlp_norm(m)), probs, aux
         a, probs = self.attn(
             self.attn_norm(x),
             rope=rope,
@@ -102,8 +102,12 @@ class Block(nn.Module):
         m, aux = self.mlp(self.mlp_norm(x))
         if self.sandwich:
             m = self.mlp_post_norm(m)
-        x = x + F.dropout(m, self.dropout, self.training)
+        x = x + self._drop(m)
         return x, probs, aux
+
+    def _drop(self, m: torch.Tensor) -> torch.Tensor:
+        """The branch's dropout (training with model.dropout > 0; else m itself, without a call per layer)."""
+        return F.dropout(m, self.dropout, True) if self.training and self.dropout else m
 
 
 class GPT(nn.Module):

@@ -179,21 +179,29 @@ class MultiHeadAttention(nn.Module):
     ):
         """x [B, T, d_model] at `positions` (see GPT.forward) -> ([B, T, d_model], probs or None)."""
         B, T, _ = x.shape
-        q, k, v = self.qkv_proj(x).split(
-            [self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim, self.n_kv_heads * self.head_dim],
-            dim=-1,
-        )
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)  # [B, T, d_attn], [B, T, d_kv]
-        q = q.view(B, T, self.n_heads, self.head_dim)  # [B, T, n_heads, head_dim]
-        k = k.view(B, T, self.n_kv_heads, self.head_dim)  # [B, T, n_kv_heads, head_dim]
-        if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, n_heads, T, head_dim], [B, n_kv_heads, T, head_dim]
-        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
-        if rope is not None:
-            # rotate before caching: the cache holds rotated keys
-            q, k = rope(q, k, positions)
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # [B, T, (H + 2 Hkv) D]
+        if self.qk_norm is None and (rope is None or not rope.fused):
+            # q and k side by side as one tensor of H + Hkv heads: one RoPE pass for both (the same numbers as
+            # two; a decode step of one token runs ~20 small ops a layer, half of them RoPE's)
+            qk, v = qkv.split_with_sizes([(H + Hkv) * D, Hkv * D], dim=-1)
+            qk = qk.view(B, T, H + Hkv, D).transpose(1, 2)  # [B, H + Hkv, T, D]
+            if rope is not None:
+                qk = rope.rotate(qk, positions)
+            q, k = qk.split_with_sizes([H, Hkv], dim=1)  # [B, H, T, D], [B, Hkv, T, D]
+        else:
+            q, k, v = qkv.split_with_sizes([H * D, Hkv * D, Hkv * D], dim=-1)
+            if self.qk_norm == "full":
+                q, k = self.q_norm(q), self.k_norm(k)  # [B, T, d_attn], [B, T, d_kv]
+            q = q.view(B, T, H, D)  # [B, T, n_heads, head_dim]
+            k = k.view(B, T, Hkv, D)  # [B, T, n_kv_heads, head_dim]
+            if self.qk_norm == "head":
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)  # [B, H, T, D], [B, Hkv, T, D]
+            if rope is not None:
+                # rotate before caching: the cache holds rotated keys
+                q, k = rope(q, k, positions)
+        v = v.view(B, T, Hkv, D).transpose(1, 2)  # [B, n_kv_heads, T, head_dim]
         mask = None
         if cache is not None:
             # [B, n_kv_heads, keys, head_dim]: the cached prefix and these T (a local layer's rolling cache:
@@ -220,4 +228,5 @@ class MultiHeadAttention(nn.Module):
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, d_attn]
         if self.gate_proj is not None:
             y = y * torch.sigmoid(self.gate_proj(x))  # [B, T, d_attn]
-        return F.dropout(self.o_proj(y), self.dropout, self.training), probs
+        y = self.o_proj(y)
+        return (F.dropout(y, self.dropout, True) if self.training and self.dropout else y), probs

@@ -142,3 +142,50 @@ def test_rope_tables_stay_fp32_when_the_model_is_cast():
     # as load_run does: the tables are rebuilt, not left uninitialised
     lazy = lazy.to_empty(device="cpu")
     assert torch.equal(lazy.rope.cos, ref)
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [None, {"type": "longrope", "original_max_seq_len": 8, "factor": 2.0}],
+    ids=["plain", "longrope"],
+)
+@pytest.mark.parametrize("rotary", [8, 4], ids=["full", "partial"])
+def test_rope_rotates_queries_and_keys_side_by_side_as_apart(scaling, rotary):
+    """RotaryEmbedding.rotate on q and k concatenated over the heads (multi-head attention's one pass) gives
+    bit for bit what forward(q, k) gives, at an int position, [T] and [B, T] positions, partial RoPE and a
+    longrope scaling's switch included."""
+    from gptkit.model.layers import RotaryEmbedding
+
+    if scaling is not None:
+        half = [1.0] * (rotary // 2)
+        scaling = {
+            **scaling,
+            "short_factor": half,
+            "long_factor": [2.0] * (rotary // 2),
+            "attention_factor": None,
+        }
+    rope = RotaryEmbedding(rotary, max_seq_len=16, theta=10000.0, scaling=scaling)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 3, 8, generator=g), torch.randn(2, 2, 3, 8, generator=g)
+    for positions in (5, 9, torch.tensor([2, 3, 11]), torch.tensor([[0, 1, 2], [7, 8, 9]])):
+        want_q, want_k = rope(q, k, positions)
+        both = rope.rotate(torch.cat([q, k], dim=1), positions)
+        assert torch.equal(both[:, :4], want_q) and torch.equal(both[:, 4:], want_k)
+
+
+def test_rmsnorm_in_inference_computes_the_training_formula_bit_for_bit():
+    """RMSNorm under no_grad in fp32 on the CPU takes torch's rms_norm (one op): the same numbers as the
+    Llama formula it runs with gradients, for several widths, scales and weights."""
+    from gptkit.model.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(0)
+    for dim, scale in ((64, 1e-3), (512, 1.0), (1376, 30.0)):
+        norm = RMSNorm(dim, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(dim, generator=g))
+        x = torch.randn(3, 5, dim, generator=g) * scale
+        with torch.no_grad():
+            fast = norm(x)
+        slow = norm(x.requires_grad_())
+        h = x.detach() * torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-5)
+        assert torch.equal(fast, slow.detach()) and torch.equal(fast, norm.weight.detach() * h)
