@@ -337,7 +337,10 @@ def test_mla_projections_quantize_and_decode_through_the_latent_cache_as_recompu
         cache = KVCache(cfg, batch_size=2)
         got = [model(x[:, :5], cache=cache).logits]
         got += [model(x[:, t : t + 1], cache=cache).logits for t in range(5, 12)]
-    torch.testing.assert_close(torch.cat(got, dim=1), full, atol=1e-4, rtol=0)
+    # int8 on the CPU: a decode step of <= 32 rows runs torch's int8 kernel on bf16 activations
+    # (gptkit/quant_int8.py), so the two paths agree to bf16 rounding carried through two layers, not fp32's
+    atol = 1e-4 if kind == "nf4" else 2**-5 * float(full.abs().max())
+    torch.testing.assert_close(torch.cat(got, dim=1), full, atol=atol, rtol=0)
 
 
 def test_qlora_trains_on_mla_tiny_and_samples_merged(tmp_path, capsys):
