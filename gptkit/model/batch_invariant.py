@@ -20,7 +20,7 @@ The ops, one definition each (a TorchFunctionMode: the model code is unchanged):
     linear, mm, matmul (a 2-D right operand)   one gemm whose row count is padded with zero rows to a multiple
                                                of ROWS: every row runs the same kernel, at any row count
                                                (measured for M = 1..40, 44..1,500 and row offsets 0, 1, 3)
-    mean over the last dim (RMSNorm), layer_norm, softmax, log_softmax, logsumexp (last dim)
+    mean over the last dim (RMSNorm), rms_norm, layer_norm, softmax, log_softmax, logsumexp (last dim)
                                                row_sum: one gemm of the rows against a column of ones,
                                                in fp32, rows padded as a linear's (the reduced length is
                                                fixed: d_model, the vocabulary, the keys below); max is exact
@@ -125,6 +125,15 @@ def layer_norm(x, shape, weight=None, bias=None, eps=1e-5) -> torch.Tensor:
     if weight is not None:
         y = y * weight
     return y if bias is None else y + bias
+
+
+def rms_norm(x, shape, weight=None, eps=None) -> torch.Tensor:
+    """F.rms_norm over the last dim, as layers.RMSNorm's own formula (fp32 statistics, the weight after), so
+    its inference path (torch's rms_norm) gives the training path's bits under the mode."""
+    h = x.float()
+    eps = torch.finfo(h.dtype).eps if eps is None else eps
+    h = (h * torch.rsqrt(mean(h.pow(2), keepdim=True) + eps)).to(x.dtype)
+    return h if weight is None else weight * h
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
@@ -255,7 +264,16 @@ _LAST_DIM = {
 }
 
 
-_HANDLED = {F.linear, F.layer_norm, torch.mean, torch.Tensor.mean, *_MATMULS, *_ELEMENTWISE, *_LAST_DIM}
+_HANDLED = {
+    F.linear,
+    F.layer_norm,
+    F.rms_norm,
+    torch.mean,
+    torch.Tensor.mean,
+    *_MATMULS,
+    *_ELEMENTWISE,
+    *_LAST_DIM,
+}
 
 
 def _dim(args, kwargs, at: int = 1):
@@ -293,6 +311,10 @@ class InvariantOps(TorchFunctionMode):
             shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else ())
             if len(shape) == 1:
                 return layer_norm(*args, **kwargs)
+        if func is F.rms_norm:
+            shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else ())
+            if len(shape) == 1:
+                return rms_norm(*args, **kwargs)
         return func(*args, **kwargs)
 
 
