@@ -419,7 +419,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
     from gptkit.training.memory import check_host_memory, cpu_out_of_memory, is_cpu_out_of_memory
     from gptkit.training.module import LitGPT
     from gptkit.training.optim import describe_optimizer
-    from gptkit.training.peak_memory import current_rss
+    from gptkit.training.peak_memory import reset_peak_rss
     from gptkit.training.plots import plot_loss
     from gptkit.training.stopping import final_validation
     from gptkit.training.task_evals import TaskEvals, print_summary
@@ -435,7 +435,7 @@ def run_plan(plan: RunPlan, *, started: Optional[float] = None) -> TrainResult:
         return TrainResult(run_dir, int(resume_step), ckpt_dir / LAST_CHECKPOINT, None, None, None, rank_zero)
     # the count-params estimate against the host's memory, before the model (the RSS it leaves out: the
     # peak measured after the first steps is counted above it, training/peak_memory.py)
-    rss_before = current_rss()
+    rss_before = reset_peak_rss()
     if plan.accelerator == "cpu":
         check_host_memory(plan)
 

@@ -8,8 +8,11 @@ resumed run measures again):
     perf/memory_peak            what the estimate counts, the largest over the ranks: on a GPU
                                 torch.cuda.max_memory_allocated (the tensors); on the CPU the process's peak
                                 RSS above its RSS before the model was built (what host_estimate counts: the
-                                tensors, the allocator's slack, the trainer's set-up)
-    perf/memory_peak_rss        the CPU: the process's whole peak RSS (Python, torch, the data's pages too)
+                                tensors, the allocator's slack, the trainer's set-up); on Linux the peak
+                                is reset there (reset_peak_rss), so an earlier peak of the same process
+                                (a test worker, a bench in one process) is not counted
+    perf/memory_peak_rss        the CPU: the process's whole peak RSS since then (Python, torch, the data's
+                                pages too)
     perf/memory_estimate        what count-params estimates per process (on the CPU: host_estimate)
     perf/memory_estimate_<part> each part of it
 
@@ -48,8 +51,35 @@ def current_rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
+def _status_kib(field: str) -> int | None:
+    """A `VmXxx:  N kB` line of /proc/self/status in KiB, or None where there is none (not Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def reset_peak_rss() -> int:
+    """The process's resident memory now, in bytes, with its peak reset to it where the kernel allows (Linux:
+    `5` to /proc/self/clear_refs sets VmHWM to the RSS now), so that peak_rss() counts from here: a process
+    that trains after other work (a test worker, `gptkit bench` in one process) would otherwise measure the
+    earlier work's peak, or less than its RSS before."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+    return current_rss()
+
+
 def peak_rss() -> int:
-    """This process's peak resident memory in bytes (getrusage: kilobytes on Linux, bytes on macOS)."""
+    """This process's peak resident memory in bytes: since reset_peak_rss() on Linux (VmHWM); elsewhere the
+    process's lifetime peak (getrusage: kilobytes on Linux, bytes on macOS)."""
+    hwm = _status_kib("VmHWM")
+    if hwm is not None:
+        return hwm * 1024
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
 

@@ -4,6 +4,7 @@ profiler, the memory measured against the estimate."""
 
 import csv
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -323,3 +324,21 @@ def test_the_profile_range_and_the_gpus_idle_share(capsys, tmp_path):
     assert busy == [(10.0, 30.0), (20.0, 40.0), (60.0, 70.0)]
     # busy 10-40 and 60-70 of 0-100
     assert idle_share(busy, 0, 100) == pytest.approx(0.6)
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux: the peak RSS is reset there")
+def test_the_peak_rss_is_counted_from_the_run_not_from_the_process_earlier_peak():
+    """A run trained in a process that held more memory earlier (a test worker, a bench in one process)
+    measures its own peak above its RSS before the model: the process's earlier peak reset (it once logged
+    a negative perf/memory_peak, the lifetime peak read against a later RSS)."""
+    from gptkit.training.peak_memory import peak_rss, reset_peak_rss
+
+    earlier = bytearray(256 << 20)  # 256 MiB, touched: resident, then handed back
+    earlier[::4096] = b"x" * len(earlier[::4096])
+    del earlier
+    before = reset_peak_rss()
+    assert 0 <= peak_rss() - before < 32 << 20
+    held = bytearray(64 << 20)
+    held[::4096] = b"x" * len(held[::4096])
+    assert peak_rss() - before >= 60 << 20
+    del held
