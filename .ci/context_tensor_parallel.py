@@ -14,46 +14,22 @@ By hand: `python .ci/context_tensor_parallel.py [STEPS | --cli]` in an activated
 """
 
 import os
-import socket
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+import parallel_harness as h
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 TOL = 1e-5
 CP, TP = 2, 2
 B, T = 2, 64
 
-LLAMA = dict(
-    vocab_size=67,
-    max_seq_len=T,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    d_model=32,
-    d_ff=48,
-    position="rope",
-    mlp="swiglu",
-    norm="rmsnorm",
-    bias=False,
-    tie_embeddings=False,
-    dropout=0.0,
-    attention="sdpa",
-)
-GPT2 = dict(
-    LLAMA,
-    n_kv_heads=4,
-    d_ff=64,
-    position="learned",
-    mlp="gelu",
-    norm="layernorm",
-    bias=True,
-    tie_embeddings=True,
-)
+LLAMA = dict(h.LLAMA, max_seq_len=T)
+GPT2 = dict(h.GPT2, max_seq_len=T)
 # (name, model, packed documents)
 CASES = [
     (
@@ -120,13 +96,9 @@ def full_state(named) -> dict:
 
 
 def worker(rank, world, port, steps, tmp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    h.start_rank(rank, world, port)
     from torch.distributed.fsdp import fully_shard
 
-    from gptkit.model import GPT, ModelConfig
     from gptkit.training.context_parallel import ContextParallel
     from gptkit.training.mesh import MeshDims, build_mesh
     from gptkit.training.tensor_parallel import apply_tensor_parallel, local_loss, loss_context
@@ -134,8 +106,7 @@ def worker(rank, world, port, steps, tmp):
     # the trainer's one mesh (training/mesh.py): dp_shard 1 x cp 2 x tp 2
     mesh = build_mesh("cpu", MeshDims(world=world, cp=CP, tp=TP))
     for i, (_, cfg_dict, docs) in enumerate(CASES):
-        model = GPT.from_state(ModelConfig.from_dict(cfg_dict), torch.load(os.path.join(tmp, f"init{i}.pt")))
-        model.train()
+        model = h.initial_model(cfg_dict, tmp, i)
         apply_tensor_parallel(model, mesh["tp"])
         for block in model.blocks:
             fully_shard(block, mesh=mesh.fsdp)
@@ -170,42 +141,36 @@ def worker(rank, world, port, steps, tmp):
         if rank == 0:
             torch.save(
                 {"losses": losses, "tok": tok, "grads": grads, "state": weights, "seconds": seconds},
-                os.path.join(tmp, f"out{i}.pt"),
+                Path(tmp) / f"out{i}.pt",
             )
         dist.barrier()
     dist.destroy_process_group()
 
 
 def main() -> int:
+    # `gptkit ARGS` on more CPU processes than cores (cli_check); Lightning starts the other ranks with this
+    # script's own command line, so they come through here too (the verb in the environment)
     if sys.argv[1:2] == ["--gptkit"]:
-        return gptkit_oversubscribed(sys.argv[2:])
+        return h.gptkit_with_cores(sys.argv[2:], CP * TP)
     if os.environ.get("GPTKIT_VERB"):
-        # a rank that Lightning started: this script's command line, the verb in the environment
-        return gptkit_oversubscribed(None)
+        return h.gptkit_with_cores(None, CP * TP)
     if sys.argv[1:2] == ["--cli"]:
         return 0 if cli_check() else 1
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 3
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    from gptkit.model import GPT, ModelConfig
-
+    h.float64_one_thread()
     started = time.perf_counter()
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        refs = []
-        for i, (_, cfg_dict, docs) in enumerate(CASES):
-            torch.manual_seed(i)
-            model = GPT(ModelConfig.from_dict(cfg_dict))
-            torch.save(model.state_dict(), os.path.join(tmp, f"init{i}.pt"))
-            refs.append(one_process(cfg_dict, model.state_dict(), batches(steps, model.cfg.vocab_size, docs)))
+        models = h.initial_models([c[1] for c in CASES], tmp)
+        refs = [
+            one_process(cfg_dict, m.state_dict(), batches(steps, m.cfg.vocab_size, docs))
+            for m, (_, cfg_dict, docs) in zip(models, CASES)
+        ]
         one_s = time.perf_counter() - started
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        mp.spawn(worker, args=(CP * TP, port, steps, tmp), nprocs=CP * TP)
+        h.spawn(worker, CP * TP, steps, tmp)
         print(f"== context_parallel={CP} x tensor_parallel={TP} (4 gloo processes) vs one process, float64")
         for i, (name, _, _) in enumerate(CASES):
-            got = torch.load(os.path.join(tmp, f"out{i}.pt"))
+            got = torch.load(Path(tmp) / f"out{i}.pt")
             losses, tok, grads, state = refs[i]
             assert set(got["grads"]) == set(grads) and set(got["state"]) == set(state)
             d_loss = max(abs(a - b) for a, b in zip(losses, got["losses"]))
@@ -224,17 +189,6 @@ def main() -> int:
     return 0 if worst <= TOL and cli_check() else 1
 
 
-def gptkit_oversubscribed(args: list[str] | None) -> int:
-    """`gptkit ARGS` with os.cpu_count() at least 4: `train` refuses more CPU processes than cores, and this
-    check runs 4 on a 2-core box on purpose (equality, not speed). Lightning starts the other ranks with
-    this script's own command line, so they run through here too."""
-    cores = os.cpu_count() or 1
-    os.cpu_count = lambda: max(cores, CP * TP)
-    from gptkit.cli import main as gptkit
-
-    return gptkit(args) or 0
-
-
 CLI_STEPS = 4
 
 
@@ -242,20 +196,11 @@ def cli_check() -> bool:
     """`gptkit train trainer=fsdp trainer.devices=4 trainer.context_parallel=2 trainer.tensor_parallel=2`
     against one process: a Llama (GQA 4:2, RoPE) on packed documents with positions restarting in each and a
     sliding window on its local layers, fp32; every logged train loss and grad norm, the val losses."""
-    import csv
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests"))
-    from conftest import shakespeare
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("GPTKIT_VERB", None)
+    env = h.cli_env()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         # documents of 20 to 120 characters (a text file is one), packed with an EOS between them
-        text, at, docs = shakespeare(20_000), 0, Path(tmp) / "docs"
+        text, at, docs = h.shakespeare(20_000), 0, Path(tmp) / "docs"
         docs.mkdir()
         for i in range(10**6):
             n = 20 + (i * 37) % 101
@@ -265,24 +210,15 @@ def cli_check() -> bool:
             at += n
 
         def train(name: str, *extra: str) -> dict[int, dict[str, str]]:
-            r = subprocess.run(
-                [sys.executable, __file__, "--gptkit", "train", "model=llama-tiny", "model.n_layers=2",
-                 "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.d_ff=64",
-                 "model.max_seq_len=32", "model.attention=eager", "model.position_reset=true",
-                 "model.sliding_window=12", "model.layer_types=[local,global]", "tokenizer=char",
-                 "tokenizer.eos_token='<|eos|>'", "data=files", f"data.paths=['{docs}/*.txt']",
-                 "data.pack=documents",
-                 "data.val_fraction=0.1", "trainer.batch_size=4", f"trainer.max_steps={CLI_STEPS}",
-                 "trainer.val_every=2", "trainer.val_windows=4", f"trainer.checkpoint_every={CLI_STEPS}",
-                 "trainer.log_every=1", "trainer.progress=false", "trainer.accelerator=cpu",
-                 "trainer.precision=32-true", "optim.warmup_steps=2", f"runs_dir={tmp}", f"name={name}",
-                 *extra],
-                capture_output=True, text=True, env=env, cwd=repo,
+            h.run_gptkit(
+                [sys.executable, __file__, "--gptkit", *h.tiny_train("llama-tiny", CLI_STEPS, 2, tmp, name),
+                 "model.d_ff=64", "model.attention=eager", "model.position_reset=true",
+                 "model.sliding_window=12", "model.layer_types=[local,global]",
+                 "tokenizer.eos_token='<|eos|>'", f"data.paths=['{docs}/*.txt']", "data.pack=documents",
+                 "trainer.batch_size=4", *extra],
+                env,
             )  # fmt: skip
-            if r.returncode != 0:
-                sys.exit(f"gptkit train ({name}) failed:\n{r.stderr[-3000:]}")
-            with open(Path(tmp) / name / "metrics.csv", newline="") as f:
-                return {int(row["step"]): row for row in csv.DictReader(f)}
+            return {int(row["step"]): row for row in h.metrics(Path(tmp) / name)}
 
         one = train("one")
         t0 = time.perf_counter()

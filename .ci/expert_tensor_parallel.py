@@ -18,32 +18,18 @@ import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
+import parallel_harness as h
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from gptkit.model import GPT
-from gptkit.model.config import ModelConfig
 from gptkit.model.mha import fuse_qkv_state
 from gptkit.training.moe import RouterWatch
 
 MOE = dict(
-    vocab_size=67,
-    max_seq_len=16,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    d_model=32,
-    d_ff=48,
-    position="rope",
-    mlp="swiglu",
-    norm="rmsnorm",
-    bias=False,
-    tie_embeddings=False,
-    dropout=0.0,
-    attention="sdpa",
+    h.LLAMA,
     moe=dict(
         n_experts=4,
         top_k=2,
@@ -79,12 +65,6 @@ CASES = {
         ("moe + shared expert, ep 4 x tp 2, muon", MOE, 4, 2, "muon"),
     ],
 }
-B, T = 4, 16
-
-
-def batches(steps, vocab):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (B, T + 1), generator=g) for _ in range(steps)]
 
 
 class Reduce:
@@ -120,7 +100,7 @@ def train(model, data, kind, rank=0, dp=1, world=1, tensor_parallel=False):
     watch = RouterWatch(model, world)
     opt = optimizer(model, kind)
     losses, figures = [], []
-    rows = B // dp
+    rows = h.B // dp
     for seq in data:
         x, y = seq[rank * rows : (rank + 1) * rows, :-1], seq[rank * rows : (rank + 1) * rows, 1:]
         with loss_context(model) if tensor_parallel else torch.enable_grad():
@@ -139,11 +119,8 @@ def train(model, data, kind, rank=0, dp=1, world=1, tensor_parallel=False):
     return losses, figures
 
 
-def worker(rank, world, cases, steps, tmp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["ETP_PORT"])
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, port, cases, steps, tmp):
+    h.start_rank(rank, world, port)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     from gptkit.training import distributed
@@ -160,16 +137,15 @@ def worker(rank, world, cases, steps, tmp):
             mesh=mesh,
             root_device=torch.device("cpu"),
         )
-        cfg = ModelConfig.from_dict(cfg_dict)
-        model = GPT.from_state(cfg, torch.load(os.path.join(tmp, f"init{i}.pt"))).train()
+        model = h.initial_model(cfg_dict, tmp, i)
         distributed.parallelize(model, strategy)
         dp_rank = mesh.data_ranks()[0]
-        data = batches(steps, cfg.vocab_size)
+        data = h.batches(steps, model.cfg.vocab_size)
         losses, figures = train(model, data, kind, dp_rank, world // tp, world, True)
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
             out = {"losses": losses, "figures": figures, "state": fuse_qkv_state(state)}
-            torch.save(out, os.path.join(tmp, f"out{i}.pt"))
+            torch.save(out, Path(tmp) / f"out{i}.pt")
     dist.destroy_process_group()
 
 
@@ -177,23 +153,16 @@ def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     world = int(sys.argv[2]) if len(sys.argv) > 2 else 4
     cases = CASES[world]
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
+    h.float64_one_thread()
     started = time.perf_counter()
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        ones, models = [], []
-        for i, (_, cfg_dict, _, _, kind) in enumerate(cases):
-            torch.manual_seed(i)
-            model = GPT(ModelConfig.from_dict(cfg_dict)).train()
-            torch.save(model.state_dict(), os.path.join(tmp, f"init{i}.pt"))
-            ones.append(train(model, batches(steps, model.cfg.vocab_size), kind))
-            models.append(model)
+        models = h.initial_models([c[1] for c in cases], tmp)
+        ones = [train(m, h.batches(steps, m.cfg.vocab_size), c[4]) for m, c in zip(models, cases)]
         one_s = time.perf_counter() - started
-        os.environ["ETP_PORT"] = str(29500 + os.getpid() % 1000)
-        mp.spawn(worker, args=(world, cases, steps, tmp), nprocs=world)
+        h.spawn(worker, world, cases, steps, tmp)
         for i, (name, *_) in enumerate(cases):
-            got = torch.load(os.path.join(tmp, f"out{i}.pt"))
+            got = torch.load(Path(tmp) / f"out{i}.pt")
             (losses, figures), ref = ones[i], models[i].state_dict()
             assert set(got["state"]) == set(ref), set(got["state"]) ^ set(ref)
             assert len(figures) == len(got["figures"]) == steps
@@ -226,43 +195,25 @@ def cli_check(steps: int, world: int) -> bool:
     """gptkit train with trainer.expert_parallel=2 trainer.tensor_parallel=2 on `world` gloo processes
     against one process: the logged losses, gradient norms and router figures, and the final weights (a
     gathered one-file checkpoint: trainer.fsdp.sharded_checkpoint=false)."""
-    import csv
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests"))
-    from conftest import shakespeare
-
-    env = dict(os.environ, OMP_NUM_THREADS="1", ETP_CLI="1")
-    env.pop("GPTKIT_VERB", None)
+    env = h.cli_env(ETP_CLI="1")
     started = time.perf_counter()
     keys = ["train/loss", "train/grad_norm", "train/aux_loss", "moe/balance"] + [
         f"moe/{k}/{i}" for i in (0, 1) for k in ("max_load", "entropy")
     ]
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
-        corpus.write_text(shakespeare(20_000))
+        corpus.write_text(h.shakespeare(20_000))
 
         def train(name: str, *extra: str) -> tuple[list[dict], dict]:
             # this script as gptkit's entry point (CLI below): Lightning starts the other ranks with it too
-            r = subprocess.run(
-                [sys.executable, ".ci/expert_tensor_parallel.py", "gptkit", "train", "model=moe-tiny",
-                 "model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2",
-                 "model.max_seq_len=32", "model.moe.n_experts=4", "model.moe.d_expert=24",
-                 "model.moe.n_shared=1",
-                 "model.moe.bias_update_rate=0.01", "model.moe.z_loss_coef=0.001", "tokenizer=char",
-                 "data=files", f"data.paths=[{corpus}]", "data.val_fraction=0.1",
-                 f"trainer.max_steps={steps}", f"trainer.val_every={steps}", "trainer.val_windows=4",
-                 f"trainer.checkpoint_every={steps}", "trainer.log_every=1", "trainer.progress=false",
-                 "trainer.accelerator=cpu", "trainer.precision=32-true", "trainer.threads=1",
-                 "optim.warmup_steps=2", f"runs_dir={tmp}", f"name={name}", *extra],
-                capture_output=True, text=True, env=env, cwd=repo,
+            h.run_gptkit(
+                [sys.executable, ".ci/expert_tensor_parallel.py", "gptkit",
+                 *h.tiny_train("moe-tiny", steps, steps, tmp, name), "model.moe.n_experts=4",
+                 "model.moe.d_expert=24", "model.moe.n_shared=1", "model.moe.bias_update_rate=0.01",
+                 "model.moe.z_loss_coef=0.001", f"data.paths=[{corpus}]", "trainer.threads=1", *extra],
+                env,
             )  # fmt: skip
-            if r.returncode != 0:
-                sys.exit(f"gptkit train {name} failed:\n{r.stderr[-3000:]}")
-            with open(Path(tmp) / name / "metrics.csv", newline="") as f:
-                rows = [r for r in csv.DictReader(f) if r.get("train/loss")]
+            rows = [r for r in h.metrics(Path(tmp) / name) if r.get("train/loss")]
             ckpt = torch.load(Path(tmp) / name / "checkpoints" / "last.ckpt", weights_only=True)
             return rows, fuse_qkv_state(ckpt["state_dict"])
 
@@ -291,11 +242,8 @@ def cli_check(steps: int, world: int) -> bool:
 
 def cli() -> None:
     """gptkit's CLI with this machine's cores not counted: the check runs more CPU processes than it has."""
-    os.cpu_count = lambda: 64
-    from gptkit.cli import main as gptkit_main
-
     args = sys.argv[1:]
-    sys.exit(gptkit_main(args[1:] if args[:1] == ["gptkit"] else args))
+    sys.exit(h.gptkit_with_cores(args[1:] if args[:1] == ["gptkit"] else args, 64))
 
 
 if __name__ == "__main__":

@@ -12,77 +12,37 @@ tensor-parallel run's sharded checkpoint read back fused: the same greedy text).
 
 import contextlib
 import functools
-import os
 import sys
 import tempfile
 import time
+from pathlib import Path
 
+import parallel_harness as h
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from gptkit.model import GPT
-from gptkit.model.config import ModelConfig
 from gptkit.model.mha import fuse_qkv_state
 
-LLAMA = dict(
-    vocab_size=67,
-    max_seq_len=16,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=2,
-    d_model=32,
-    d_ff=48,
-    position="rope",
-    mlp="swiglu",
-    norm="rmsnorm",
-    bias=False,
-    tie_embeddings=False,
-    dropout=0.0,
-    attention="sdpa",
-)
-GPT2 = dict(
-    vocab_size=67,
-    max_seq_len=16,
-    n_layers=2,
-    n_heads=4,
-    n_kv_heads=4,
-    d_model=32,
-    d_ff=64,
-    position="learned",
-    mlp="gelu",
-    norm="layernorm",
-    bias=True,
-    tie_embeddings=True,
-    dropout=0.0,
-    attention="sdpa",
-)
 # (name, model, tp, optimizer): dp = world / tp
 CASES = {
     2: [
-        ("llama GQA 4:2 untied, adamw", LLAMA, 2, "adamw"),
-        ("llama GQA 4:2 tied, adamw", dict(LLAMA, tie_embeddings=True), 2, "adamw"),
+        ("llama GQA 4:2 untied, adamw", h.LLAMA, 2, "adamw"),
+        ("llama GQA 4:2 tied, adamw", dict(h.LLAMA, tie_embeddings=True), 2, "adamw"),
         (
             "llama MQA 4:1 (K/V replicated), qk_norm=head",
-            dict(LLAMA, n_kv_heads=1, qk_norm="head"),
+            dict(h.LLAMA, n_kv_heads=1, qk_norm="head"),
             2,
             "adamw",
         ),
-        ("gpt2 tied, learned positions, biases", GPT2, 2, "adamw"),
-        ("llama GQA 4:2 untied, muon (q/k/v one matrix)", LLAMA, 2, "muon"),
+        ("gpt2 tied, learned positions, biases", h.GPT2, 2, "adamw"),
+        ("llama GQA 4:2 untied, muon (q/k/v one matrix)", h.LLAMA, 2, "muon"),
     ],
     4: [
-        ("llama GQA 4:2 tied, adamw", dict(LLAMA, tie_embeddings=True), 2, "adamw"),
-        ("llama GQA 4:2 untied, muon", LLAMA, 2, "muon"),
-        ("llama GQA 4:2 (K/V replicated at tp 4), adamw", LLAMA, 4, "adamw"),
+        ("llama GQA 4:2 tied, adamw", dict(h.LLAMA, tie_embeddings=True), 2, "adamw"),
+        ("llama GQA 4:2 untied, muon", h.LLAMA, 2, "muon"),
+        ("llama GQA 4:2 (K/V replicated at tp 4), adamw", h.LLAMA, 4, "adamw"),
     ],
 }
-B, T = 4, 16
-
-
-def batches(steps, vocab):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, vocab, (B, T + 1), generator=g) for _ in range(steps)]
 
 
 def optimizer(model, kind):
@@ -99,7 +59,7 @@ def optimizer(model, kind):
 def train(model, data, kind, rank=0, dp=1, loss_ctx=contextlib.nullcontext):
     opt = optimizer(model, kind)
     losses = []
-    rows = B // dp
+    rows = h.B // dp
     for seq in data:
         x, y = seq[rank * rows : (rank + 1) * rows, :-1], seq[rank * rows : (rank + 1) * rows, 1:]
         with loss_ctx():
@@ -116,11 +76,8 @@ def train(model, data, kind, rank=0, dp=1, loss_ctx=contextlib.nullcontext):
     return losses
 
 
-def worker(rank, world, cases, steps, tmp):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ["TP_PORT"])
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def worker(rank, world, port, cases, steps, tmp):
+    h.start_rank(rank, world, port)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -129,18 +86,17 @@ def worker(rank, world, cases, steps, tmp):
 
     for i, (_, cfg_dict, tp, kind) in enumerate(cases):
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
-        cfg = ModelConfig.from_dict(cfg_dict)
-        model = GPT.from_state(cfg, torch.load(os.path.join(tmp, f"init{i}.pt"))).train()
+        model = h.initial_model(cfg_dict, tmp, i)
         apply_tensor_parallel(model, mesh["tensor_parallel"])
         for block in model.blocks:
             fully_shard(block, mesh=mesh["data_parallel"])
         fully_shard(model, mesh=mesh["data_parallel"])
         dp_rank = mesh.get_local_rank("data_parallel")
-        data = batches(steps, cfg.vocab_size)
+        data = h.batches(steps, model.cfg.vocab_size)
         losses = train(model, data, kind, dp_rank, world // tp, functools.partial(loss_context, model))
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
-            torch.save({"losses": losses, "state": fuse_qkv_state(state)}, os.path.join(tmp, f"out{i}.pt"))
+            torch.save({"losses": losses, "state": fuse_qkv_state(state)}, Path(tmp) / f"out{i}.pt")
     dist.destroy_process_group()
 
 
@@ -148,23 +104,16 @@ def main() -> None:
     steps = int(sys.argv[1]) if len(sys.argv) > 1 else 4
     world = int(sys.argv[2]) if len(sys.argv) > 2 else 2
     cases = CASES[2] + (CASES[4] if world == 4 else [])
-    torch.set_num_threads(1)
-    torch.set_default_dtype(torch.float64)
+    h.float64_one_thread()
     started = time.perf_counter()
     worst = 0.0
     with tempfile.TemporaryDirectory() as tmp:
-        ones, models = [], []
-        for i, (_, cfg_dict, _, kind) in enumerate(cases):
-            torch.manual_seed(i)
-            model = GPT(ModelConfig.from_dict(cfg_dict)).train()
-            torch.save(model.state_dict(), os.path.join(tmp, f"init{i}.pt"))
-            ones.append(train(model, batches(steps, model.cfg.vocab_size), kind))
-            models.append(model)
+        models = h.initial_models([c[1] for c in cases], tmp)
+        ones = [train(m, h.batches(steps, m.cfg.vocab_size), c[3]) for m, c in zip(models, cases)]
         one_s = time.perf_counter() - started
-        os.environ["TP_PORT"] = str(29500 + os.getpid() % 1000)
-        mp.spawn(worker, args=(world, cases, steps, tmp), nprocs=world)
+        h.spawn(worker, world, cases, steps, tmp)
         for i, (name, _, tp, _) in enumerate(cases):
-            got = torch.load(os.path.join(tmp, f"out{i}.pt"))
+            got = torch.load(Path(tmp) / f"out{i}.pt")
             ref = models[i].state_dict()
             assert set(got["state"]) == set(ref), set(got["state"]) ^ set(ref)
             dloss = max(abs(a - b) for a, b in zip(ones[i], got["losses"]))
@@ -186,41 +135,19 @@ def main() -> None:
 def cli_check(steps: int) -> bool:
     """gptkit train with trainer.tensor_parallel=2 on 2 gloo processes against one process, then gptkit sample
     on both checkpoints."""
-    import csv
-    import subprocess
-    from pathlib import Path
-
-    repo = Path(__file__).resolve().parents[1]
-    sys.path.insert(0, str(repo / "tests"))
-    from conftest import shakespeare
-
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("GPTKIT_VERB", None)
+    env = h.cli_env()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.txt"
-        corpus.write_text(shakespeare(20_000))
+        corpus.write_text(h.shakespeare(20_000))
 
         def gptkit(*args: str) -> str:
-            r = subprocess.run(
-                [sys.executable, "-m", "gptkit", *args], capture_output=True, text=True, env=env, cwd=repo
-            )
-            if r.returncode != 0:
-                sys.exit(f"gptkit {' '.join(args)} failed:\n{r.stderr[-3000:]}")
-            return r.stdout
+            return h.run_gptkit([sys.executable, "-m", "gptkit", *args], env)
 
         def train(name: str, *extra: str) -> list[float]:
-            gptkit(
-                "train", "model=llama-tiny", "model.n_layers=2", "model.d_model=32", "model.n_heads=4",
-                "model.n_kv_heads=2", "model.d_ff=64", "model.max_seq_len=32", "tokenizer=char", "data=files",
-                f"data.paths=[{corpus}]", "data.val_fraction=0.1", "trainer.batch_size=4",
-                f"trainer.max_steps={steps}", f"trainer.val_every={steps}", "trainer.val_windows=4",
-                f"trainer.checkpoint_every={steps}", "trainer.log_every=1", "trainer.progress=false",
-                "trainer.accelerator=cpu", "trainer.precision=32-true", "optim.warmup_steps=2",
-                f"runs_dir={tmp}", f"name={name}", *extra,
-            )  # fmt: skip
-            with open(Path(tmp) / name / "metrics.csv", newline="") as f:
-                return [float(r["train/loss"]) for r in csv.DictReader(f) if r.get("train/loss")]
+            args = h.tiny_train("llama-tiny", steps, steps, tmp, name)
+            gptkit(*args, "model.d_ff=64", f"data.paths=[{corpus}]", "trainer.batch_size=4", *extra)
+            return [float(r["train/loss"]) for r in h.metrics(Path(tmp) / name) if r.get("train/loss")]
 
         one = train("one")
         tp = train("tp2", "trainer=fsdp", "trainer.devices=2", "trainer.tensor_parallel=2")
