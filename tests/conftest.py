@@ -580,6 +580,29 @@ def one_line_error(r, *needles):
     return lines[0]
 
 
+def refused_before_torch(refused: dict[tuple[str, ...], str]) -> None:
+    """Each `gptkit train` override tuple of `refused` exits 2 with one `error: ` line holding its value, all
+    in one fresh interpreter that imports neither torch nor Lightning (config_checks.py)."""
+    import json
+
+    code = (
+        "import sys, io, contextlib, json\nfrom gptkit.cli import main\nlines = []\n"
+        f"for args in {[['train', *a] for a in refused]!r}:\n"
+        "    with contextlib.redirect_stderr(io.StringIO()) as err:\n"
+        "        try:\n            main(args)\n"
+        "        except SystemExit as e:\n            assert e.code == 2, e\n"
+        "    lines.append(err.getvalue())\n"
+        "print(json.dumps(lines))\n"
+        "print('imported:', *(m for m in ('torch', 'lightning') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S)
+    assert r.returncode == 0, r.stderr
+    *_, lines, imported = r.stdout.strip().splitlines()
+    assert imported.split() == ["imported:"], imported
+    for err, want in zip(json.loads(lines), refused.values(), strict=True):
+        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (err, want)
+
+
 def big_vocab_tokenizer(path, n=70_000):
     """A word-level tokenizer.json of n entries (w0, w1, ...): a vocabulary beyond uint16."""
     from tokenizers import Tokenizer, models, pre_tokenizers

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HANG_S, TINY_LLAMA, make_run, one_line_error, run_main
+from conftest import HANG_S, TINY_LLAMA, make_run, one_line_error, refused_before_torch, run_main
 
 from gptkit.cli import VERBS
 
@@ -519,24 +519,4 @@ def test_trainer_launcher_ray_settings_are_refused_in_one_line_before_torch():
         ("trainer.launcher=ray", "trainer.ray.num_workers=2"): "add trainer=ddp or trainer=fsdp",
         ("trainer=ddp", "trainer.launcher=ray", "trainer.ray.max_failures=-2"): "trainer.ray.max_failures=-2",
     }
-    code = (
-        "import json\nfrom gptkit.cli import main\nlines = []\n"
-        f"for args in {[['train', *a] for a in refused]!r}:\n"
-        "    with contextlib.redirect_stderr(io.StringIO()) as err:\n"
-        "        try:\n            main(args)\n"
-        "        except SystemExit as e:\n            assert e.code == 2, e\n"
-        "    lines.append(err.getvalue())\n"
-        "print(json.dumps(lines))"
-    )
-    probe = code + "\nprint('imported:', *(m for m in ('torch', 'lightning') if m in sys.modules))"
-    r = subprocess.run(
-        [sys.executable, "-c", "import sys, io, contextlib\n" + probe],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-    )
-    assert r.returncode == 0, r.stderr
-    *_, lines, imported = r.stdout.strip().splitlines()
-    assert imported.split() == ["imported:"], imported
-    for err, want in zip(json.loads(lines), refused.values()):
-        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (err, want)
+    refused_before_torch(refused)

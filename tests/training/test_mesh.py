@@ -3,13 +3,9 @@ ranks, the views of a one-process mesh, and the refusals of a mesh that does not
 torch not imported). The mesh on 8 gloo processes and `gptkit train` on 4 ((dp 2, cp 2), (dp 2, tp 2), HSDP)
 against one process: .ci/mesh."""
 
-import json
-import subprocess
-import sys
-
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, refused_before_torch
 from omegaconf import OmegaConf
 
 from gptkit.errors import ConfigError
@@ -94,22 +90,7 @@ def test_a_mesh_that_does_not_factor_is_refused_in_one_line_before_torch():
             "trainer.expert_parallel=4 is larger than the dp_shard x cp = 2 x 1 = 2 rank(s)"
         ),
     }
-    code = (
-        "import sys, io, contextlib, json\nfrom gptkit.cli import main\nlines = []\n"
-        f"for args in {[['train', *a] for a in refused]!r}:\n"
-        "    with contextlib.redirect_stderr(io.StringIO()) as err:\n"
-        "        try:\n            main(args)\n"
-        "        except SystemExit as e:\n            assert e.code == 2, e\n"
-        "    lines.append(err.getvalue())\n"
-        "print(json.dumps(lines))\n"
-        "print('imported:', *(m for m in ('torch', 'lightning') if m in sys.modules))"
-    )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    *_, lines, imported = r.stdout.strip().splitlines()
-    assert imported.split() == ["imported:"], imported
-    for err, want in zip(json.loads(lines), refused.values()):
-        assert err.startswith("error: ") and err.count("\n") == 1 and want in err, (err, want)
+    refused_before_torch(refused)
 
 
 def test_hsdp_larger_than_the_devices_found_is_refused():
