@@ -15,7 +15,7 @@ sequence); with cp > 1 the ring's K/V chunks in flight (the one sent and the one
 Communication: the bytes one GPU sends per micro-step (forward and backward), by kind, each collective counted
 as the bandwidth-optimal ring sends (an all-gather or reduce-scatter (k-1)/k of the tensor, an all-reduce
 2 (k-1)/k); tests/training/test_comm_count.py checks every kind against the bytes counted on gloo
-(training/comm_count.py):
+(tests/training/comm_count.py):
 
     tp     per block 2 all-gathers + 2 reduce-scatters of [b, T/cp, d] forward, as many backward, 3 more in a
            recomputed block; the embedding and head 4; loss_parallel's 3 all-reduces of [b, T/cp] fp32 and

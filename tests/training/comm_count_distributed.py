@@ -1,5 +1,5 @@
 """One rank of tests/training/test_comm_count.py's gloo runs: the bytes each rank sends by kind in one
-training micro-step (gptkit/training/comm_count.py), for parallel_plan.communication to be checked against.
+training micro-step (comm_count.py beside it), for parallel_plan.communication to be checked against.
 
     python tests/training/comm_count_distributed.py RANK WORLD INIT_FILE OUT_DIR CASE[,CASE...]
     python tests/training/comm_count_distributed.py table [CASE...]   (every case, or these: the ranks
@@ -59,16 +59,16 @@ CASES = {
     "cp2_bf16": (LLAMA, 2, 1, 2, 1, "fsdp", None, "bf16-mixed"),
     "ep2_bf16": (MOE, 2, 1, 1, 2, "fsdp", None, "bf16-mixed"),
     "dp2_tp2": (LLAMA, 4, 2, 1, 1, "fsdp", None),
-    # the ring on tensor-parallel-local heads: needs the cptp lane's context x tensor parallelism
+    # the ring on tensor-parallel-local heads
     "cp2_tp2": (LLAMA, 4, 2, 2, 1, "fsdp", None),
 }
 
 
 def sharding(world: int, tp: int, cp: int, ep: int, precision: str):
     """(what distributed.parallelize reads of gptkit's fsdp strategy, its (group, kind) pairs, the ring's
-    group or None, this rank's data-parallel rank): the one mesh of training/mesh.py where it exists, else
-    the [data_parallel, tensor_parallel] mesh and the ring's own group."""
+    group or None, this rank's data-parallel rank): the one mesh of training/mesh.py, as a run builds it."""
     from gptkit.training.distributed import fsdp_options
+    from gptkit.training.mesh import MeshDims, build_mesh
 
     common = dict(
         fsdp_options=fsdp_options({}),
@@ -77,40 +77,30 @@ def sharding(world: int, tp: int, cp: int, ep: int, precision: str):
         context_parallel=cp,
         root_device=torch.device("cpu"),
     )
-    try:
-        from gptkit.training.mesh import MeshDims, build_mesh
-    except ImportError:
-        build_mesh = None
-    if build_mesh is not None:
-        mesh = build_mesh("cpu", MeshDims(world=world, cp=cp, tp=tp, ep=ep))
-        kinds = [(mesh["tp"].get_group(), "tp"), (mesh.fsdp.get_group(), "fsdp")]
-        ring = mesh["cp"].get_group() if cp > 1 else None
-        return SimpleNamespace(mesh=mesh, **common), kinds, ring, mesh.data_ranks()[0]
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    kinds = [(mesh["tensor_parallel"].get_group(), "tp"), (mesh["data_parallel"].get_group(), "fsdp")]
-    ring = None
-    if cp > 1:
-        from gptkit.training import context_parallel
-
-        ring = context_parallel.context_group("cpu", world, cp)
-    data_rank = mesh.get_local_rank("data_parallel") // cp
-    return SimpleNamespace(device_mesh=mesh, **common), kinds, ring, data_rank
+    mesh = build_mesh("cpu", MeshDims(world=world, cp=cp, tp=tp, ep=ep))
+    kinds = [(mesh["tp"].get_group(), "tp"), (mesh.fsdp.get_group(), "fsdp")]
+    ring = mesh["cp"].get_group() if cp > 1 else None
+    return SimpleNamespace(mesh=mesh, **common), kinds, ring, mesh.data_ranks()[0]
 
 
 def main(rank: int, world: int, init_file: str, out: Path, cases: str) -> None:
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
     for case in cases.split(","):
         run = convention if case == "convention" else run_case
         run(rank, world, f"{init_file}.{case}", out, case)
+        # a DeviceMesh equals another of the same shape and names whatever its process groups, so DTensor's
+        # sharding-propagation cache would hand the next case this case's meshes, their groups destroyed
+        # (dp2_tp2's then cp2_tp2's 2 x 2 [dp_shard_cp, tp]: "Could not resolve the process group"); a run
+        # builds one mesh per process
+        _clear_sharding_prop_cache()
 
 
 def convention(rank: int, world: int, init_file: str, out: Path, case: str) -> None:
     """One call of each collective on the world group (counted as kind "world"): the bytes sent per call."""
+    from comm_count import CommCounter
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    from gptkit.training.comm_count import CommCounter
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     mesh = init_device_mesh("cpu", (world,))
@@ -140,8 +130,9 @@ def convention(rank: int, world: int, init_file: str, out: Path, case: str) -> N
 
 
 def run_case(rank: int, world: int, init_file: str, out: Path, case: str) -> None:
+    from comm_count import CommCounter
+
     from gptkit.training import activations
-    from gptkit.training.comm_count import CommCounter
     from gptkit.training.distributed import clip_gradients, parallelize
     from gptkit.training.tensor_parallel import local_loss, loss_context
     from gptkit.training.token_mean import TokenMean, loss_tokens

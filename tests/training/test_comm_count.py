@@ -1,5 +1,5 @@
 """The bytes each rank sends per training micro-step, counted on gloo processes
-(gptkit/training/comm_count.py), against gptkit/parallel_plan.communication's formulas (docs/parallelism.md),
+(comm_count.py), against gptkit/parallel_plan.communication's formulas (docs/parallelism.md),
 kind by kind: tensor parallel, context parallel (ring), FSDP, DDP and expert parallel, with and without
 activation checkpointing.
 """
@@ -42,11 +42,14 @@ def test_bytes_sent_per_kind_equal_the_plans_formulas_on_two_ranks(tmp_path: Pat
 
 
 @pytest.mark.long
-def test_bytes_sent_on_a_data_by_tensor_parallel_mesh_of_four(tmp_path: Path):
+def test_bytes_sent_on_meshes_of_four(tmp_path: Path):
     """dp 2 x tp 2 on 4 processes: TP's collectives on [b, T, d] and FSDP's over the 2 data ranks of what a
-    tensor-parallel rank holds (the norms whole)."""
-    got = w.launch(["dp2_tp2"], 4, tmp_path)
-    check("dp2_tp2", got["dp2_tp2"])
+    tensor-parallel rank holds (the norms whole); cp 2 x tp 2: TP's on [b, T/2, d], the ring on each tensor-
+    parallel rank's heads, FSDP over the ring's 2 ranks. One launch, the cases one after the other."""
+    cases = ["dp2_tp2", "cp2_tp2"]
+    got = w.launch(cases, 4, tmp_path)
+    for case in cases:
+        check(case, got[case])
 
 
 def test_counter_follows_its_convention_on_two_ranks(tmp_path: Path):

@@ -1,13 +1,13 @@
-"""The bytes each rank sends, by kind (tp, cp, fsdp, ep, ...), counted as the collectives and point-to-point
-calls run: a TorchDispatchMode that sees every c10d op (torch.distributed's all_reduce,
-all_gather_into_tensor, reduce_scatter_tensor, all_to_all_single, isend, batch_isend_irecv, broadcast, ...
-reach the dispatcher as c10d::* ops) and every functional collective DTensor and FSDP issue
-(_c10d_functional*), the outermost call only (a functional collective's inner c10d call is not counted twice).
-Each call is put under the kind of its process group (`CommCounter([(group, "tp"), ...])`); a group not named
-counts as "other:<its name>". Where one process group serves several kinds (a DeviceMesh dimension that spans
-the world is the default group: FSDP over 2 ranks and a ring of 2 share it), the call goes to the kind whose
-code issued it, read from the Python stack (ORIGINS: FSDP2's module, gptkit's context_parallel or
-expert_parallel, DTensor's).
+"""A measuring tool of the tests (comm_count_distributed.py's ranks import it; not part of gptkit): the bytes
+each rank sends, by kind (tp, cp, fsdp, ep, ...), counted as the collectives and point-to-point calls run: a
+TorchDispatchMode that sees every c10d op (torch.distributed's all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, all_to_all_single, isend, batch_isend_irecv, broadcast, ... reach the dispatcher as
+c10d::* ops) and every functional collective DTensor and FSDP issue (_c10d_functional*), the outermost call
+only (a functional collective's inner c10d call is not counted twice). Each call is put under the kind of its
+process group (`CommCounter([(group, "tp"), ...])`); a group not named counts as "other:<its name>". Where one
+process group serves several kinds (a DeviceMesh dimension that spans the world is the default group: FSDP
+over 2 ranks and a ring of 2 share it), the call goes to the kind whose code issued it, read from the Python
+stack (ORIGINS: FSDP2's module, gptkit's context_parallel or expert_parallel, DTensor's).
 
 The convention, the one parallel_plan.communication uses (docs/parallelism.md "The convention"): the bytes
 one rank SENDS under the bandwidth-optimal ring algorithm, for a group of k ranks (nccl-tests' "bus bytes",
