@@ -7,6 +7,11 @@ on the same requests, in turn, `uptime` printed before and after. Per request: t
 and the longest gap between two of its tokens (what a long prompt admitted beside it costs it).
 
     python .ci/serve_sched.py [--requests 48] [--new 32] [--rounds 3] [--only 0,4,5] [--cpu-clock]
+                              [--mixed 16,600]
+
+--mixed LO,HI: the mixed prompts' lengths (drawn uniformly in [LO, HI)); 8,48 with --new 64 is the shape of
+`gptkit bench serve`'s default workload. The scheduler's order (issue 53 item 1) is measured against main's
+by running this file under each tree in turn (PYTHONPATH=<tree>: the loop in docs/serve.md, "Scheduling").
 
 --cpu-clock: the Batcher in this thread (no Engine, no client threads), 16 clients in a closed loop, every
 time on the process's CPU clock (closed_loop): steady on a loaded machine.
@@ -134,19 +139,22 @@ def closed_loop(model, prompts, new, paging):
     from gptkit.inference.decoding_layout import decoding_layout
 
     batcher = Batcher(model, max_batch=16, paging=paging)
-    ttft, stall, tokens = [], [], [0]
+    # and in steps (the load does not move them): steps between a request's arrival and its first token
+    ttft, stall, tokens, waits = [], [], [0], []
     todo = iter(range(len(prompts)))
 
     def submit():
         i = next(todo, None)
         if i is None:
             return
-        sent, seen = time.process_time(), []
+        sent, seen, at = time.process_time(), [], batcher.steps
 
         def deliver(events):
             now = time.process_time()
             for e in events:
                 if e.tokens:
+                    if not seen:
+                        waits.append(batcher.steps - at)
                     seen.append(now)
                     tokens[0] += len(e.tokens)
                 if e.finish:
@@ -166,9 +174,9 @@ def closed_loop(model, prompts, new, paging):
     kv = batcher.paged.stats() if batcher.paged is not None else {}
     hit = f"{kv['prefix_hit_rate']:.2f}" if kv else "-"
     return pct(ttft, 50), (
-        f"TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms CPU  longest gap between tokens p50 "
-        f"{pct(stall, 50):4.0f} p99 {pct(stall, 99):4.0f} ms CPU  {tokens[0] / cpu:4.0f} tokens per CPU s  "
-        f"hit {hit}"
+        f"TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms CPU ({pct(waits, 50)}, {pct(waits, 99)} "
+        f"steps)  longest gap between tokens p50 {pct(stall, 50):4.0f} p99 {pct(stall, 99):4.0f} ms CPU  "
+        f"{tokens[0] / cpu:4.0f} tokens per CPU s  {batcher.steps} steps  hit {hit}"
     )
 
 
@@ -177,6 +185,7 @@ def main():
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--new", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--mixed", default="16,600", help="the mixed prompts' lengths: LO,HI (HI excluded)")
     ap.add_argument("--only", default=None, help="the rows to run, by index (0-6), comma-separated")
     ap.add_argument("--step", action="store_true", help="a decode step paged vs the slot cache, 16 x 550")
     ap.add_argument(
@@ -192,15 +201,16 @@ def main():
         return
     vocab = model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
+    lo, hi = (int(x) for x in a.mixed.split(","))
     mixed = [
-        torch.randint(0, vocab, (int(torch.randint(16, 600, (1,), generator=g)),), generator=g).tolist()
+        torch.randint(0, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
         for _ in range(a.requests)
     ]
     system = torch.randint(0, vocab, (400,), generator=g).tolist()
     shared = [system + torch.randint(0, vocab, (24,), generator=g).tolist() for _ in range(a.requests)]
     print(os.popen("uptime").read().strip())
     start = time.perf_counter()
-    mix, sh = "mixed prompts 16-600 tokens", "400-token shared prefix + 24"
+    mix, sh = f"mixed prompts {lo}-{hi} tokens", "400-token shared prefix + 24"
     rows = [
         (mix, "prefill alone (slot cache)", mixed, None),
         *(

@@ -1,12 +1,22 @@
 """The step of continuous batching over paged KV memory (gptkit/inference/block_pool.py): what each step
 feeds the model, under a token budget.
 
-    step():  drop what was cancelled -> admit waiting requests while a slot of max_batch is free and the pool
-             has the blocks of their prompt (less its cached prefix) -> plan, oldest sequence first: every
-             running sequence's next token (a decode), then prompt chunks in the tokens left of
-             max_step_tokens (several prompts, a long one in chunks over several steps) -> one decode forward
-             [n, 1] and one packed forward [1, N] of the chunks -> sample a token for every decode and every
-             prompt whose last chunk ran -> finished sequences leave, their blocks back to the pool
+    step():  drop what was cancelled -> admit waiting requests, first come first served, while a slot of
+             max_batch is free and the pool has the blocks of their prompt (less its cached prefix) -> plan:
+             every running sequence's next token (a decode), then prompt chunks in the tokens left of
+             max_step_tokens, the prompt with the least prefill left first (several prompts, a long one in
+             chunks over several steps) -> one decode forward [n, 1] and one packed forward [1, N] of the
+             chunks -> sample a token for every decode and every prompt whose last chunk ran -> finished
+             sequences leave, their blocks back to the pool
+
+The order of prefill work (issue 53 item 1): a burst's prompts share the steps with the running decodes, so
+a prompt's first token waits for every chunk planned before it. Least prefill left first finishes the short
+prompts of a burst in the first steps instead of behind the long ones that came before them (the time to
+first token of the median prompt), while the last prompt of a burst waits for the same work as in arrival
+order. A prompt is aged by its wait, its key being tokens left + max_step_tokens x the step it first waited
+at: a prompt admitted k steps later goes before it only if it has k budgets fewer tokens left, so a prompt
+with r tokens left is overtaken by no prompt admitted more than r / max_step_tokens steps after it, and never
+starves (tests/inference/test_scheduler.py). In one burst (the same step) the order is least-left-first.
 
 A sequence is its tokens (the prompt, then what it sampled) and the blocks of those already cached
 (`Pages.computed`): a step computes its next uncached tokens, a decode being the one-token case. A prompt
@@ -53,6 +63,9 @@ class PagedSteps:
         self.prefill_tokens = 0
         # sequences preempted in this step's plan
         self._out: set[int] = set()
+        # steps planned so far, and the step at which each sequence first waited for a prefill (its age)
+        self._clock = 0
+        self._since: dict = {}
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self, out) -> None:
@@ -60,6 +73,7 @@ class PagedSteps:
         b._drop_cancelled(out)
         self._admit(out)
         decodes, chunks = self._plan()
+        self._clock += 1
         ran = 0
         if decodes:
             self._decode(decodes, out)
@@ -110,11 +124,10 @@ class PagedSteps:
                 else:
                     self._preempt(s)
         left = self.budget - len(decodes)
-        for s in live:
+        waiting = [s for s in live if id(s) not in planned and id(s) not in self._out]
+        for s in self.prefill_order(waiting):
             if left <= 0:
                 break
-            if id(s) in planned or id(s) in self._out:
-                continue
             ids = self._ids(s)
             if not s.pages.table:
                 pool.reuse(s.pages, ids)
@@ -127,6 +140,21 @@ class PagedSteps:
             planned.add(id(s))
             left -= T
         return decodes, chunks
+
+    def prefill_order(self, seqs: list) -> list:
+        """The sequences with tokens to prefill, in the order they take the step's prefill budget: least
+        prefill left first (a prompt not started less its cached prefix), aged by their wait (module
+        docstring: key = tokens left + budget x the step it first waited at); ties in admission order."""
+        pool, clock = self.pool, self._clock
+        for s in seqs:
+            self._since.setdefault(s, clock)
+
+        def key(s) -> int:
+            ids = self._ids(s)
+            done = s.pages.computed if s.pages.table else pool.cached_blocks(ids) * pool.block_size
+            return len(ids) - done + self.budget * self._since[s]
+
+        return sorted(seqs, key=key)
 
     def _room(self, s, end: int, planned: set) -> bool:
         """Blocks for s up to position end - 1, preempting the youngest unplanned sequences after it that
@@ -247,6 +275,7 @@ class PagedSteps:
             else:
                 keep.append(s)
         self.b.seqs[:] = keep
+        self._since = {s: self._since[s] for s in keep if s in self._since}
 
     def free_all(self) -> None:
         for s in self.b.seqs:
