@@ -7,7 +7,7 @@ threads on every side (1: one core each).
     gptkit int8          generate() with quantize=int8 (gptkit/quant.py: on the CPU torch's int8 kernel,
                          gptkit/quant_int8.py; the block projections and the LM head)
     gptkit w8a8          generate() with quantize=w8a8 (gptkit/quant_w8a8.py: int8's weights and int8
-                         activations per row, fbgemm's int8 x int8 matmul; not in the default sides)
+                         activations per row, fbgemm's int8 x int8 matmul)
     llama.cpp Q8_0       the same weights exported to GGUF in Q8_0 (blocks of 32 values, an fp16 scale each;
                          token_embd and output too)
 
