@@ -51,6 +51,17 @@ def test_w8a8_is_each_row_quantized_to_int8_within_its_step():
         torch.testing.assert_close(layer(torch.zeros(1, 64)), bias.unsqueeze(0))
 
 
+def test_w8a8_sums_do_not_saturate():
+    """x at the top of its range (uint8 255) against weights at +-127: adjacent products sum past int16 (a
+    u8 x s8 pair instruction without VNNI, vpmaddubsw, would saturate at 32767); the sums are exact int32."""
+    w = torch.full((32, 64), 0.5)
+    w[1::2] *= -1
+    weight = quant_w8a8.W8A8Weight.of(w)
+    x = torch.full((1, 64), 3.0)
+    y = torch.nn.functional.linear(x, weight)
+    torch.testing.assert_close(y, x @ weight.dequantize().T, rtol=1e-3, atol=0)
+
+
 def test_sample_and_eval_on_w8a8(tmp_path, capsys):
     """sample quantize=w8a8 streams what generate() gives for the quantized model (the block projections
     and the LM head W8A8Weight); its logits stay near those of the model holding the dequantized weights
