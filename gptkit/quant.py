@@ -16,6 +16,8 @@ eval and serve). One place for which weights are quantized, how, and what torcha
                torch's own int8 kernel (torch._weight_int8pack_mm: bf16 activations, fp32 sums, no
                torchao), the LM head quantized too (a tied head: its own int8 copy). On CUDA: torchao's
                Int8WeightOnlyConfig (x @ dequant(W)), the LM head kept. int8_layout() chooses, by device.
+    w8a8       the CPU only: int8's weights (the LM head too) and int8 activations, quantized per row at
+               each matmul, summed int8 x int8 -> int32 by fbgemm (gptkit/quant_w8a8.py; no torchao).
     int4       torchao's Int4WeightOnlyConfig, tinygemm's tile-packed layout (groups of 128 along the input,
                bf16 scales and zeros): CUDA GPUs of compute capability >= 8.0 and dtype=bf16 only (torchao
                0.18 has no CPU int4 kernel for torch 2.13: its other layouts need the mslk package or CUDA).
@@ -39,7 +41,7 @@ from gptkit.model.config import LINEAR_KIND
 # torch and torchao are imported inside the functions: gptkit.accounting (count-params, which the CLI runs
 # without importing torch) reads the tables and block sizes here.
 
-QUANTIZE = ("int8", "int4", "nf4")
+QUANTIZE = ("int8", "w8a8", "int4", "nf4")
 # the linear projections of a block that are quantized (any of them the model has)
 LINEARS = (
     "attn.qkv_proj",
@@ -317,7 +319,7 @@ def inference_names(cfg: Any, kind: str, device: Any = "cpu") -> dict[str, tuple
     """The state-dict names (and [out, in] shapes) that quantize=<kind> replaces on `device`: the block
     projections, and the LM head for int8 on the CPU."""
     names = quantized_names(cfg)
-    if kind == "int8" and int8_layout(device) == "torch":
+    if (kind == "int8" and int8_layout(device) == "torch") or kind == "w8a8":
         names[HEAD] = (cfg.vocab_size, cfg.d_model)
     return names
 
@@ -352,6 +354,20 @@ def check_quantize(
                 f"{option}=int4 quantizes groups of {INT4_GROUP} values along each row, which do not divide "
                 f"{odd[0]} [{odd[1][0]}, {odd[1][1]}]; use {option}=int8 or {option}=nf4"
             )
+    if kind == "w8a8":
+        from gptkit import quant_w8a8
+
+        if str(device).split(":")[0] != "cpu":
+            raise GptkitError(
+                f"{option}=w8a8 runs on the CPU only (fbgemm's int8 x int8 kernel); on {device} use "
+                f"{option}=int8"
+            )
+        if not quant_w8a8.available():
+            raise GptkitError(
+                f"{option}=w8a8 needs torch's fbgemm kernels (x86 builds); this torch has none: use "
+                f"{option}=int8"
+            )
+        return
     if not (kind == "int8" and int8_layout(device) == "torch"):
         require_torchao()
 
@@ -363,6 +379,10 @@ def quantize_model(model: Any, kind: str) -> Any:
     import torch
 
     device = model.lm_head.weight.device
+    if kind == "w8a8":
+        from gptkit import quant_w8a8
+
+        return quant_w8a8.quantize(model, list(inference_names(model.cfg, kind, device)))
     if kind == "int8" and int8_layout(device) == "torch":
         from gptkit import quant_int8
 

@@ -6,6 +6,8 @@ threads on every side (1: one core each).
     llama.cpp f32        the same weights exported to GGUF in F32 (gptkit.hf.gguf_file, `export format=gguf`)
     gptkit int8          generate() with quantize=int8 (gptkit/quant.py: on the CPU torch's int8 kernel,
                          gptkit/quant_int8.py; the block projections and the LM head)
+    gptkit w8a8          generate() with quantize=w8a8 (gptkit/quant_w8a8.py: int8's weights and int8
+                         activations per row, fbgemm's int8 x int8 matmul)
     llama.cpp Q8_0       the same weights exported to GGUF in Q8_0 (blocks of 32 values, an fp16 scale each;
                          token_embd and output too)
 
@@ -41,10 +43,15 @@ SIDES = {
     "gptkit fp32": ("gptkit", None),
     "llama.cpp f32": ("llama.cpp", "fp32"),
     "gptkit int8": ("gptkit", "int8"),
+    "gptkit w8a8": ("gptkit", "w8a8"),
     "llama.cpp Q8_0": ("llama.cpp", "q8_0"),
 }
 # the pairs compared: (side, the side it is measured against)
-PAIRS = (("gptkit fp32", "llama.cpp f32"), ("gptkit int8", "llama.cpp Q8_0"))
+PAIRS = (
+    ("gptkit fp32", "llama.cpp f32"),
+    ("gptkit int8", "llama.cpp Q8_0"),
+    ("gptkit w8a8", "llama.cpp Q8_0"),
+)
 
 
 def gptkit_side(model, prompts: list[list[int]]):
@@ -198,6 +205,7 @@ def run(cfg, clock, clock_name: str, console, build_model, measure_interleaved) 
     reference = {
         "llama.cpp f32": "gptkit fp32",
         "gptkit int8": "gptkit fp32",
+        "gptkit w8a8": "gptkit fp32",
         "llama.cpp Q8_0": "llama.cpp f32",
     }
     for side, rate in zip(fns, rates):
@@ -218,9 +226,10 @@ def run(cfg, clock, clock_name: str, console, build_model, measure_interleaved) 
             results["rows"][side][f"x {against}"] = (
                 results["rows"][side]["ms_per_token"] / results["rows"][against]["ms_per_token"]
             )
-    if "gptkit int8" in results["rows"] and "gptkit fp32" in results["rows"]:
-        r = results["rows"]["gptkit int8"]
-        r["x gptkit fp32"] = r["ms_per_token"] / results["rows"]["gptkit fp32"]["ms_per_token"]
+    for side in ("gptkit int8", "gptkit w8a8"):
+        if side in results["rows"] and "gptkit fp32" in results["rows"]:
+            r = results["rows"][side]
+            r["x gptkit fp32"] = r["ms_per_token"] / results["rows"]["gptkit fp32"]["ms_per_token"]
     results["int8_layout"] = quant.int8_layout("cpu")
     table = Table(
         title=f"one-row decode, ms per token ({clock_name} clock; {len(prompts)} prompts of "

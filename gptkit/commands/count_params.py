@@ -114,6 +114,11 @@ def report(cfg) -> dict:
 
         if cfg.quantize not in QUANTIZE:
             raise ConfigError(f"quantize={cfg.quantize} is not one of {', '.join(QUANTIZE)} (or null)")
+        if cfg.quantize == "w8a8":
+            raise ConfigError(
+                "count-params counts quantize=int8, int4 or nf4; w8a8 holds int8's weights (count them with "
+                "quantize=int8) and fbgemm's packed copy of the same values"
+            )
         # the weights' dtype: the compute dtype's where it is one a model is cast to
         width = cfg.dtype if cfg.dtype in ("fp32", "bf16", "fp16") else "bf16"
         quantized = dict(acc.quantized_weights(m, str(cfg.quantize), width), kind=cfg.quantize, dtype=width)

@@ -149,7 +149,7 @@ def test_int8_on_the_cpu_is_torchs_kernel_on_the_exact_dequantized_weight():
             ["quantize=int4"],
             "quantize=int4 needs a CUDA GPU (torchao 0.18.0's int4 weight-only kernel is tinygemm's",
         ),
-        (["quantize=int3"], "quantize=int3 is not one of int8, int4, nf4"),
+        (["quantize=int3"], "quantize=int3 is not one of int8, w8a8, int4, nf4"),
         (["quantize=nf4", "moe"], "a mixture of experts (model.moe) keeps its experts stacked"),
         (
             ["quantize=nf4", "narrow"],

@@ -246,9 +246,9 @@ def test_bench_sample_quantize_holds_quantized_weights_against_the_full_model(tm
 
 @pytest.mark.long
 def test_bench_sample_llamacpp_times_each_side_on_the_same_weights(tmp_path, cli):
-    """parts=[llamacpp] on a tiny Llama: the four sides (gptkit fp32 and int8, llama.cpp f32 and Q8_0 from the
-    GGUF export) each get a positive ms per token within its min-max, the pairs their ratio, the agreement
-    'k/n' of the prompts; the Q8_0 file is smaller than the F32 one."""
+    """parts=[llamacpp] on a tiny Llama: the five sides (gptkit fp32, int8 and w8a8, llama.cpp f32 and Q8_0
+    from the GGUF export) each get a positive ms per token within its min-max, the pairs their ratio, the
+    agreement 'k/n' of the prompts; the Q8_0 file is smaller than the F32 one."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
     pytest.importorskip("gguf")
     out = tmp_path / "bench.json"
@@ -263,17 +263,19 @@ def test_bench_sample_llamacpp_times_each_side_on_the_same_weights(tmp_path, cli
         "llamacpp.prompt_tokens=8",
         "llamacpp.new_tokens=4",
         "llamacpp.repeats=1",
+        "llamacpp.sides=[gptkit fp32,llama.cpp f32,gptkit int8,gptkit w8a8,llama.cpp Q8_0]",
         f"out={out}",
     )
     assert r.returncode == 0, r.stderr
     res = json.loads(out.read_text())["llamacpp"]
     rows = res["rows"]
-    assert list(rows) == ["gptkit fp32", "llama.cpp f32", "gptkit int8", "llama.cpp Q8_0"]
+    assert list(rows) == ["gptkit fp32", "llama.cpp f32", "gptkit int8", "gptkit w8a8", "llama.cpp Q8_0"]
     for row in rows.values():
         assert 0 < row["ms_min"] <= row["ms_per_token"] <= row["ms_max"]
     assert rows["gptkit fp32"]["x llama.cpp f32"] > 0 and rows["gptkit int8"]["x llama.cpp Q8_0"] > 0
+    assert rows["gptkit w8a8"]["x llama.cpp Q8_0"] > 0 and rows["gptkit w8a8"]["x gptkit fp32"] > 0
     same = {side: row["same"] for side, row in rows.items() if "same" in row}
-    assert set(same) == {"llama.cpp f32", "gptkit int8", "llama.cpp Q8_0"}
+    assert set(same) == {"llama.cpp f32", "gptkit int8", "gptkit w8a8", "llama.cpp Q8_0"}
     assert all(v.endswith("/2") and 0 <= int(v[0]) <= 2 for v in same.values())
     assert res["gguf_bytes"]["llama.cpp Q8_0"] < res["gguf_bytes"]["llama.cpp f32"] / 2
     assert "one-row decode, ms per token" in r.stdout
