@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import sys
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -290,12 +291,37 @@ def unknown_policy(tok) -> tuple[int | None, bool]:
     return (tok.token_to_id(unk) if unk else None), bool(getattr(model, "byte_fallback", False))
 
 
+# per tokenizer: (its vocabulary's size, its unknown_policy, character -> known), so that a server asks the
+# tokenizer about each character once, not twice per distinct character of every prompt (a char tokenizer's
+# prompt of 400 distinct characters was 800 encode calls); a tokenizer whose vocabulary grew starts anew
+_KNOWN: "weakref.WeakKeyDictionary[Any, tuple[int, tuple[int | None, bool], dict[str, bool]]]" = (
+    weakref.WeakKeyDictionary()
+)
+# characters remembered per tokenizer at most
+_KNOWN_MAX = 1 << 16
+
+
+def _known_memo(tok) -> tuple[tuple[int | None, bool], dict[str, bool]]:
+    """(unknown_policy(tok), its character -> known memo); a fresh one for an object that takes no weak
+    reference."""
+    try:
+        size = tok.get_vocab_size(with_added_tokens=True)
+        got = _KNOWN.get(tok)
+    except (TypeError, AttributeError):
+        return unknown_policy(tok), {}
+    if got is None or got[0] != size:
+        got = (size, unknown_policy(tok), {})
+        _KNOWN[tok] = got
+    return got[1], got[2]
+
+
 def unknown_characters(tok, text: str) -> list[str]:
     """The distinct characters of `text` that `tok` cannot represent, in order of first appearance: those it
     encodes as its own unknown token, or raises on; for a tokenizer with neither an unknown token nor byte
     fallback, also those it drops (encodes as nothing). With byte fallback every character is bytes: none
-    is unknown. A char tokenizer's are the characters its corpus never had."""
-    unk_id, byte_fallback = unknown_policy(tok)
+    is unknown. A char tokenizer's are the characters its corpus never had. Each character's answer is
+    remembered per tokenizer (_KNOWN)."""
+    (unk_id, byte_fallback), memo = _known_memo(tok)
 
     def known(t: str) -> bool:
         try:
@@ -311,7 +337,16 @@ def unknown_characters(tok, text: str) -> list[str]:
     # drops what it cannot represent is asked character by character
     if (unk_id is not None or byte_fallback) and known(text):
         return []
-    return [c for c in dict.fromkeys(text) if not known(c)]
+    out = []
+    for c in dict.fromkeys(text):
+        ok = memo.get(c)
+        if ok is None:
+            ok = known(c)
+            if len(memo) < _KNOWN_MAX:
+                memo[c] = ok
+        if not ok:
+            out.append(c)
+    return out
 
 
 def describe_characters(chars: list[str], limit: int = 10) -> str:

@@ -50,6 +50,38 @@ def test_char_round_trips_unicode_and_rejects_unknown_characters():
     assert unknown_characters(unk, "aZ") == ["Z"]
 
 
+class CountingTokenizer:
+    """A real char tokenizer that counts the encode calls it answers."""
+
+    def __init__(self, tok) -> None:
+        self.tok, self.calls = tok, 0
+
+    def encode(self, *args, **kw):
+        self.calls += 1
+        return self.tok.encode(*args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+
+def test_unknown_characters_asks_the_tokenizer_about_each_character_once():
+    # a server checks every prompt: a prompt of k distinct characters was 2k encode calls every time
+    tok = CountingTokenizer(build_tokenizer({"kind": "char"}, texts=lambda: iter([TEXT])))
+    prompt = "Before we proceed \u20acZ"
+    first = unknown_characters(tok, prompt)
+    assert first == ["\u20ac", "Z"]
+    asked = tok.calls
+    assert asked >= len(set(prompt))
+    # the same answers again (and for a prompt of the same characters), without asking the tokenizer
+    assert unknown_characters(tok, prompt) == first
+    assert unknown_characters(tok, "Z proceed we \u20ac") == ["Z", "\u20ac"]
+    assert tok.calls == asked
+    # a vocabulary that grew is asked anew: Z is known now
+    tok.tok.add_tokens(["Z"])
+    assert unknown_characters(tok, prompt) == ["\u20ac"]
+    assert tok.calls > asked
+
+
 def sentencepiece_tokenizer(unk: bool = True, byte_fallback: bool = True):
     """A Llama 2 / Mistral style tokenizer.json: BPE over '▁'-joined pieces with <0xNN> byte tokens, a
     Metaspace pre-tokenizer (prepend_scheme first), and the decoder that strips the leading space."""
