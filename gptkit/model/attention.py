@@ -33,6 +33,8 @@ of another width than the keys, multi-head latent attention's, are padded to it:
 soft-capping kernel: with model.attn_softcap it runs `eager`. Attention sinks (model.attn_sinks): `eager` adds
 the sink as one more logit column; `sdpa` as one more zero key/value with the sink in a dense float mask
 (sinks_sdpa); `triton` starts each row's online softmax from the sink and returns the sink's gradient.
+A one-token query (a decode step) needs no causal mask, and under GQA `eager` and `sdpa` fold each group's
+query heads into the query axis of their K/V head (q [B, n_kv_heads, group, head_dim]: no K/V copy per head).
 """
 
 from __future__ import annotations
