@@ -30,7 +30,9 @@ mask_for(layer), advance):
     DecodeView    one token for each of n sequences [n, 1], each at its own position, reading DecodeRows: a
                   contiguous copy of every decoding sequence's keys (copied from its blocks once, when it
                   starts decoding; each new key written there and in its block), so a step reads a slice as
-                  the slot cache does instead of gathering n x span rows of the pool in every layer
+                  the slot cache does instead of gathering n x span rows of the pool in every layer; when
+                  every row sits at one column (one sequence decoding, or rows of one length) no mask and,
+                  at one position, an int position: generate()'s contiguous cache's forward
 
 Linear attention's recurrent state (model.gdn) cannot be paged: a model with such a layer keeps one slot per
 sequence (gptkit/inference/slot_cache.py), and so do speculative decoding and a longrope scaling.
@@ -490,6 +492,16 @@ class DecodeView:
             [p.table[e // bs] * bs + e % bs for p, e in zip(self.seqs, pos)], dtype=torch.long, device=dev
         )  # [n]: the pool rows of the new tokens
         self.n = n
+        # every row at the same column (one sequence, or rows of one length): each new token sees every key
+        # of the span (its window: the span's last W, as a lone sequence's), so no mask, and a write to one
+        # column of the decode rows; at one position too: an int position, as generate()'s cache gives
+        self.col = cols[0] if all(c == cols[0] for c in cols) else None
+        self._positions: int | torch.Tensor
+        if self.col is not None:
+            self.masks = {w: None for w in pool.windows}
+            one = all(e == pos[0] for e in pos)
+            self._positions = pos[0] if one else torch.tensor(pos, dtype=torch.long, device=dev)[:, None]
+            return
         self.cols = torch.tensor(cols, dtype=torch.long, device=dev)  # [n]: their columns in the decode rows
         self.index = torch.arange(n, device=dev)
         self._positions = torch.tensor(pos, dtype=torch.long, device=dev)[:, None]  # [n, 1]
@@ -501,11 +513,12 @@ class DecodeView:
         }
 
     @property
-    def positions(self) -> torch.Tensor:
+    def positions(self) -> int | torch.Tensor:
+        """[n, 1] long, or an int when every token is at that position."""
         return self._positions
 
-    def mask_for(self, layer: int) -> torch.Tensor:
-        """[n, 1, 1, span] bool."""
+    def mask_for(self, layer: int) -> Optional[torch.Tensor]:
+        """[n, 1, 1, span] bool; None when every row is at the same column (causal, the layer's window)."""
         return self.masks[self.pool.windows[layer]]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -515,8 +528,12 @@ class DecodeView:
         pk.index_copy_(1, self.write, k[:, :, 0].transpose(0, 1).to(pk.dtype))
         pv.index_copy_(1, self.write, v[:, :, 0].transpose(0, 1).to(pv.dtype))
         rk, rv = self.rows.k[layer], self.rows.v[layer]
-        rk[self.index, :, self.cols] = k[:, :, 0].to(rk.dtype)
-        rv[self.index, :, self.cols] = v[:, :, 0].to(rv.dtype)
+        if self.col is not None:
+            rk[: self.n, :, self.col] = k[:, :, 0]
+            rv[: self.n, :, self.col] = v[:, :, 0]
+        else:
+            rk[self.index, :, self.cols] = k[:, :, 0].to(rk.dtype)
+            rv[self.index, :, self.cols] = v[:, :, 0].to(rv.dtype)
         return rk[: self.n, :, : self.span], rv[: self.n, :, : self.span]
 
     def advance(self, n: int) -> None:

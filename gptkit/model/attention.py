@@ -33,6 +33,8 @@ of another width than the keys, multi-head latent attention's, are padded to it:
 soft-capping kernel: with model.attn_softcap it runs `eager`. Attention sinks (model.attn_sinks): `eager` adds
 the sink as one more logit column; `sdpa` as one more zero key/value with the sink in a dense float mask
 (sinks_sdpa); `triton` starts each row's online softmax from the sink and returns the sink's gradient.
+A one-token query (a decode step) needs no causal mask, and under GQA `eager` and `sdpa` fold each group's
+query heads into the query axis of their K/V head (q [B, n_kv_heads, group, head_dim]: no K/V copy per head).
 """
 
 from __future__ import annotations
@@ -121,8 +123,12 @@ def eager_attention(
         mask = docs.mask()  # [B, 1, T, T]: causal, inside each document
         if window is not None:
             mask = mask & window_mask(Tq, Tk, window, q.device)  # [B, 1, T, T]
-    # GQA: each group of H // Hkv query heads reads the same K/V head
-    if Hkv != H:
+    # GQA: each group of H // Hkv query heads reads the same K/V head; one query (a decode step): the group's
+    # heads are the rows of one query of its K/V head (no K/V copy per query head)
+    fold = Hkv != H and Tq == 1 and docs is None and dropout_p == 0.0 and heads_broadcast(mask)
+    if fold:
+        q = q.reshape(B, Hkv, H // Hkv, D)  # [B, Hkv, G, D]
+    elif Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # [B, H, Tk, D]
         v = v.repeat_interleave(H // Hkv, dim=1)
     scale = D**-0.5 if scale is None else scale
@@ -141,14 +147,38 @@ def eager_attention(
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
         # the sink is one more logit column of each row, dropped after the fp32 softmax (transformers' GptOss)
-        sink_col = sinks.float().view(1, H, 1, 1).expand(scores.shape[0], H, Tq, 1)  # [B, H, Tq, 1]
+        heads = (Hkv, H // Hkv) if fold else (H, 1)
+        sink_col = sinks.float().view(1, *heads, 1).expand(*scores.shape[:-1], 1)  # [B, H, Tq, 1] (folded)
         probs = torch.softmax(torch.cat([scores.float(), sink_col], dim=-1), dim=-1)[..., :-1].to(q.dtype)
     if dropout_p > 0.0:
         probs_d = F.dropout(probs, p=dropout_p)
     else:
         probs_d = probs
-    out = probs_d @ v  # [B, H, Tq, D]
+    out = probs_d @ v  # [B, H, Tq, D] ([B, Hkv, G, D] folded)
+    if fold:
+        out, probs = out.reshape(B, H, 1, -1), probs.reshape(B, H, 1, Tk)
     return out, (probs if return_probs else None)
+
+
+def heads_broadcast(mask) -> bool:
+    """Whether a mask (None, a bool or float tensor) is the same for every head, so that a GQA group's query
+    heads can be folded into the query axis under it (its head axis, the third from the right, is 1)."""
+    return mask is None or (isinstance(mask, torch.Tensor) and (mask.dim() < 3 or mask.shape[-3] == 1))
+
+
+def one_query_sdpa(q, k, v, mask=None, dropout_p=0.0, scale=None) -> torch.Tensor:
+    """SDPA for one query per head, q [B, H, 1, D], against every key of k, v [B, Hkv, Tk, D] that `mask`
+    (None: all; else broadcastable to [B, 1, 1, Tk]) lets through: no causal mask is needed. Under GQA the
+    G = H // Hkv query heads that read one K/V head are the G rows of one query of that head, q [B, Hkv, G, D]
+    (the same sums; torch's CPU kernel for enable_gqa copies K/V per query head). Returns [B, H, 1, Dv]."""
+    B, H, _, D = q.shape
+    Hkv = k.shape[1]
+    if Hkv == H or dropout_p > 0.0 or not heads_broadcast(mask):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, scale=scale, enable_gqa=Hkv != H
+        )
+    out = F.scaled_dot_product_attention(q.reshape(B, Hkv, H // Hkv, D), k, v, attn_mask=mask, scale=scale)
+    return out.reshape(B, H, 1, -1)  # [B, Hkv, G, Dv] -> [B, H, 1, Dv]
 
 
 def effective_window(window: int | None, Tk: int) -> int | None:
@@ -221,6 +251,9 @@ def sdpa_attention(
             cu = torch.arange(0, (B + 1) * T, T, device=q.device, dtype=torch.int32)  # [B + 1]
             q, k, v, scale, dv = same_width(q, k, v, scale)
             return varlen_attention(q, k, v, cu, scale, window)[..., :dv], None
+        if Tq == 1:
+            # one new token: its window is the last `window` keys
+            return one_query_sdpa(q, k[:, :, -window:], v[:, :, -window:], None, dropout_p, scale), None
         return windowed_sdpa(q, k, v, window, scale, dropout_p), None
     if mask is None and causal and Tq != Tk:
         # one new token attends to the whole cache
@@ -229,6 +262,9 @@ def sdpa_attention(
         # SDPA's is_causal is top-left aligned; a cached prefix needs bottom-right
         else:
             mask = window_mask(Tq, Tk, None, q.device)  # [Tq, Tk]
+    if Tq == 1 and (mask is not None or not causal):
+        # one query against every key the mask lets through (a decode step)
+        return one_query_sdpa(q, k, v, mask, dropout_p, scale), None
     out = F.scaled_dot_product_attention(
         q,
         k,

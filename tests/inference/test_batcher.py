@@ -499,6 +499,56 @@ def test_packed_prefill_attends_per_prompt_and_decode_rows_give_the_lone_logits(
         assert rows.cap >= len(seqs[2]) and len(rows.seqs) == 3
 
 
+ONE_ROW_KINDS = {
+    **PAGED_KINDS,
+    "mqa-eager": dict(GQA, n_kv_heads=1, attention="eager"),
+    "window-eager": dict(VARIANTS["rope-window"], attention="eager"),
+    "learned-mha": VARIANTS["learned-mha"],
+    # every layer local: blocks behind the window are released, a row's keys start past position 0
+    "all-local": dict(GQA, sliding_window=5, layer_types=["local", "local"]),
+}
+
+
+@pytest.mark.parametrize("kind", ONE_ROW_KINDS)
+def test_decode_rows_of_one_length_take_no_mask_and_give_the_lone_logits(kind):
+    """Decode steps whose rows all sit at one column (one sequence; two of one length): no mask (each token
+    sees its whole span, a window's last keys), an int position when they share it too, and every logit the
+    lone forward's (fp32 rounding), past a window's released blocks; rows of two lengths keep the mask."""
+    from gptkit.inference.block_pool import BlockPool, DecodeRows, DecodeView, PackedView, Pages
+
+    model = greedy_gpt(48, **ONE_ROW_KINDS[kind])
+    pool = BlockPool(model.cfg, 40, 4, "cpu", torch.float32)
+    g = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 61, (n,), generator=g).tolist() for n in (10, 10, 7)]
+    pages = [Pages() for _ in seqs]
+
+    def lone(ids):
+        return model(torch.tensor([ids])).logits[0, -1]  # [V]
+
+    with torch.inference_mode():
+        for p, s in zip(pages, seqs):
+            assert pool.grow(p, len(s))
+            model(torch.tensor([s]), cache=PackedView(pool, [(p, len(s))]))
+        rows = DecodeRows(pool, 3, 48)
+        # two of one length, one alone, all three (two lengths), the third alone
+        for step, live in enumerate([[0, 1]] * 3 + [[0]] * 6 + [[0, 1, 2]] * 2 + [[2]] * 3):
+            for i in live:
+                assert pool.grow(pages[i], pages[i].computed + 1)
+            view = DecodeView(pool, [pages[i] for i in live], rows)
+            order = [live[j] for j in view.order]
+            same = len({pages[i].computed for i in live}) == 1
+            assert (view.mask_for(0) is None) == same
+            assert isinstance(view.positions, int) == same
+            tok = torch.tensor([[(step * 5 + i) % 61] for i in order])  # [n, 1]
+            logits = model(tok, cache=view, logits_to_keep=1).logits[:, -1]  # [n, V]
+            for r, i in enumerate(order):
+                seqs[i] = seqs[i] + [int(tok[r, 0])]
+                torch.testing.assert_close(logits[r], lone(seqs[i]), rtol=0, atol=1e-5)
+            for i in live:
+                pool.behind_window(pages[i])
+        assert kind != "all-local" or pages[0].table[0] is None
+
+
 def test_shared_prefix_prompts_give_the_same_greedy_tokens_with_the_prefix_cache_on_and_off():
     """Requests that share a 13-token system prompt, more than the batch holds: with the cache on, the later
     ones skip its prefill (hits counted); every request's greedy tokens are the same on and off, and

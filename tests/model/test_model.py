@@ -189,3 +189,54 @@ def test_rmsnorm_in_inference_computes_the_training_formula_bit_for_bit():
         slow = norm(x.requires_grad_())
         h = x.detach() * torch.rsqrt(x.detach().pow(2).mean(-1, keepdim=True) + 1e-5)
         assert torch.equal(fast, slow.detach()) and torch.equal(fast, norm.weight.detach() * h)
+
+
+def _one_query_reference(q, k, v, window, mask, sinks, softcap):
+    """float64 attention of one query per head [B, H, 1, D] over k, v [B, Hkv, Tk, D], K/V repeated per query
+    head (the unfolded form): the keys of the window (the last W), the mask's, sinks in the denominator."""
+    H, Hkv, Tk = q.shape[1], k.shape[1], k.shape[2]
+    q, k, v = (x.double() for x in (q, k, v))
+    k, v = k.repeat_interleave(H // Hkv, dim=1), v.repeat_interleave(H // Hkv, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5  # [B, H, 1, Tk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    keep = torch.ones(Tk, dtype=torch.bool)
+    if window is not None:
+        keep = torch.arange(Tk) > Tk - 1 - window
+    scores = scores.masked_fill(~(keep if mask is None else mask), float("-inf"))
+    if sinks is not None:
+        sink = sinks.double().view(1, H, 1, 1).expand(*scores.shape[:-1], 1)
+        return torch.softmax(torch.cat([scores, sink], -1), -1)[..., :-1] @ v
+    return torch.softmax(scores, -1) @ v  # [B, H, 1, D]
+
+
+@pytest.mark.parametrize("backend", ["eager", "sdpa"])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_one_query_attention_folds_a_gqa_group_into_one_query_as_the_unfolded_form(backend, kv_heads):
+    """A decode step's one query per head: a GQA (MQA) group's query heads folded into the query axis of their
+    K/V head (no K/V copy per head) give the unfolded attention (float64 reference, K/V repeated per head),
+    with a window, a per-row mask [B, 1, 1, Tk] (the decode rows'), sinks, a soft-cap (eager)."""
+    from gptkit.model.attention import ATTENTION_BACKENDS
+
+    fn = ATTENTION_BACKENDS[backend]
+    g = torch.Generator().manual_seed(0)
+    B, H, Tk, D = 3, 4, 11, 8
+    q = torch.randn(B, H, 1, D, generator=g)
+    k, v = torch.randn(2, B, kv_heads, Tk, D, generator=g)
+    lengths = torch.tensor([11, 6, 1])
+    row_mask = (torch.arange(Tk)[None] < lengths[:, None])[:, None, None]  # [B, 1, 1, Tk]
+    sinks = torch.randn(H, generator=g)
+    cases = [(None, None, None, None), (5, None, None, None), (None, row_mask, None, None)]
+    cases += [(None, None, sinks, None), (4, None, sinks, None), (None, row_mask, sinks, None)]
+    if backend == "eager":
+        cases += [(None, None, None, 2.0), (5, row_mask, None, 2.0)]
+    for window, mask, s, cap in cases:
+        want = _one_query_reference(q, k, v, window if mask is None else None, mask, s, cap)
+        got, _ = fn(q, k, v, causal=True, mask=mask, window=window, sinks=s, softcap=cap)
+        assert got.shape == (B, H, 1, D)
+        torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5)
+    if backend == "eager":
+        # the probabilities come back per query head
+        _, probs = fn(q, k, v, causal=True, return_probs=True)
+        assert probs.shape == (B, H, 1, Tk)
+        torch.testing.assert_close(probs.sum(-1), torch.ones(B, H, 1))
