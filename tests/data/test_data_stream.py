@@ -559,6 +559,7 @@ def check_token_folder(cache, big):
     return folder
 
 
+@pytest.mark.long
 def test_token_file_builds_started_together_all_succeed_on_one_complete_folder(tmp_path):
     big = big_token_file(tmp_path / "big.bin")
     cache = tmp_path / "cache"
@@ -571,6 +572,7 @@ def test_token_file_builds_started_together_all_succeed_on_one_complete_folder(t
     assert all(str(folder) in e for e in errs), errs
 
 
+@pytest.mark.long
 def test_a_token_file_build_waits_for_a_live_builder_and_takes_over_a_dead_ones_folder(tmp_path, capsys):
 
     from conftest import run_main

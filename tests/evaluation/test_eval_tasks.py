@@ -263,6 +263,7 @@ def _unknown(T, name: str) -> str:
     return str(exc.value)
 
 
+@pytest.mark.long
 def test_task_evals_during_training_log_what_gptkit_eval_gives(tmp_path, capsys):
     """trainer.eval_tasks: the fixed subset is scored at every eval_every step and after the last; the metric
     logged for the final weights is what `gptkit eval tasks=... limit=` reports on the final checkpoint."""

@@ -110,6 +110,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_clean_when_run_again(co
     assert rows(tmp_path / "again") == rows(reference)
 
 
+@pytest.mark.long
 def test_one_writer_per_run_folder_and_kill_9_leaves_no_stale_lock(corpus, tmp_path):
     args = tiny(corpus, tmp_path, "same", "trainer.max_steps=100000", "trainer.val_every=100000")
     env = dict(os.environ)

@@ -60,6 +60,7 @@ def reference(corpus, tmp_path_factory) -> Path:
     return runs / "single"
 
 
+@pytest.mark.long
 def test_ddp_matches_one_process_and_resumes_across_world_sizes(corpus, reference, tmp_path):
     want = losses(reference)
     # the loss moves: equal trajectories are not a coincidence
@@ -96,6 +97,7 @@ def test_ddp_matches_one_process_and_resumes_across_world_sizes(corpus, referenc
     assert all(abs(got[s] - ref[s]) < 1e-4 for s in ref), (got, ref)
 
 
+@pytest.mark.long
 def test_fsdp_matches_and_its_sharded_checkpoint_consolidates_and_loads(corpus, reference, tmp_path):
     from gptkit.checkpoints import model_state_dict
     from gptkit.runs import load_model
@@ -181,6 +183,7 @@ def test_fsdp_trains_a_hybrid_as_one_process(corpus, tmp_path):
     assert_same_trajectory(losses(tmp_path / "fsdp"), want)
 
 
+@pytest.mark.long
 def test_a_failing_rank_ends_the_job_with_its_message(corpus, tmp_path):
     script = tmp_path / "fail_on_rank_1.py"
     script.write_text(

@@ -343,6 +343,7 @@ def test_lora_on_attention_and_experts_trains_the_adapters_only_and_samples_merg
     assert code == 0, err
 
 
+@pytest.mark.long
 def test_muon_trains_each_expert_as_a_matrix_and_fsdp2_follows_one_process(corpus, straight, capsys):
     """optim=muon: the expert stacks are Muon's (tests/training/test_muon.py: each expert as torch's Muon
     moves a matrix); under FSDP2 each rank orthogonalizes its own experts, and 2 ranks follow 1 process."""
