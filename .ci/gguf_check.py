@@ -195,6 +195,24 @@ def chat_row(root: Path, text: str) -> tuple[str, bool]:
     )
 
 
+def without_extra_buffers() -> None:
+    """llama.cpp's extra weight layouts (repacked and AMX: llama_model_params.use_extra_bufts) off for every
+    Llama this script loads, as `gptkit bench sample`'s llamacpp part has them (conf/bench/sample.yaml): a
+    llama-cpp-python built natively with AMX_INT8 (a wheel pip cached from such a build) dies of SIGILL on a
+    Q8_0 decode on this VM, while what is checked here is the exported file, not llama.cpp's layouts."""
+    import llama_cpp.llama as high
+
+    low = high.llama_cpp
+    default = low.llama_model_default_params
+
+    def params():
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    low.llama_model_default_params = params
+
+
 def main() -> int:
     import numpy as np
     import torch
@@ -202,6 +220,8 @@ def main() -> int:
 
     from gptkit.data.sources import shakespeare_text
     from gptkit.runs import load_model, load_tokenizer
+
+    without_extra_buffers()
 
     started = time.time()
     text = shakespeare_text()[:20_000]

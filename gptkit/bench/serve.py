@@ -41,7 +41,9 @@ from gptkit.bench.serve_peers import (
     PeerServer,
     discover,
     percentile,
+    pinned,
     same_answers,
+    server_cpus,
     shared_prefix_prompts,
     vocab_chars,
 )
@@ -89,6 +91,7 @@ class Server:
         device: str,
         dtype: str,
         *options: str,
+        cpus: frozenset[int] | None = None,
     ) -> None:
         args = [
             sys.executable,
@@ -109,7 +112,9 @@ class Server:
         env = dict(os.environ)
         env.pop("GPTKIT_VERB", None)
         env.pop("GPTKIT_API_KEY", None)
-        self.proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=pinned(cpus)
+        )
         self.lines: list[str] = []
         self.err: list[str] = []
         threading.Thread(target=self._read, args=(self.proc.stdout, self.lines), daemon=True).start()
@@ -320,6 +325,7 @@ def run(cfg) -> int:
     low, high = (int(x) for x in cfg.prompt_tokens)
     new_tokens, n_requests = int(cfg.new_tokens), int(cfg.requests)
     set_threads(cfg.threads, "bench.threads")
+    cpus = server_cpus(cfg.get("cpus"))
     # null: the preset's value
     spec = {k: v for k, v in OmegaConf.to_container(cfg.model, resolve=True).items() if v is not None}
     model = build_model(spec).to(device=device, dtype=torch_dtype(dtype))
@@ -375,6 +381,7 @@ def run(cfg) -> int:
         "prompt_tokens": [low, high],
         "new_tokens": new_tokens,
         "threads": cfg.threads,
+        "cpus": sorted(cpus) if cpus is not None else None,
         "device": device,
         "dtype": dtype,
         "max_batch": int(cfg.max_batch),
@@ -436,17 +443,24 @@ def run(cfg) -> int:
         servers: list[tuple[str, object, dict]] = []
         try:
             queue = max(64, n_requests)
-            server = Server(run_dir, cfg.threads, int(cfg.max_batch), queue, device, dtype)
+            server = Server(run_dir, cfg.threads, int(cfg.max_batch), queue, device, dtype, cpus=cpus)
             servers.append(("gptkit serve", server, {"ignore_eos": True}))
             if shared:
                 # the same server with its prefix cache off, on the shared-prefix workload only
                 off = Server(
-                    run_dir, cfg.threads, int(cfg.max_batch), queue, device, dtype, "prefix_cache=false"
+                    run_dir,
+                    cfg.threads,
+                    int(cfg.max_batch),
+                    queue,
+                    device,
+                    dtype,
+                    "prefix_cache=false",
+                    cpus=cpus,
                 )
                 servers.append((CACHE_OFF, off, {"ignore_eos": True}))
             for peer in peers:
                 if not peer.skip:
-                    servers.append((peer.name, PeerServer(peer, START_S, cfg.threads), peer.body))
+                    servers.append((peer.name, PeerServer(peer, START_S, cfg.threads, cpus), peer.body))
             for name, srv, extra in servers:
                 # warm-up: the first requests pay for lazy set-up
                 warm = [
@@ -500,11 +514,12 @@ def run(cfg) -> int:
     results["load_after"] = load_line()
 
     one = results["rows"][0]
+    pinned_to = f", every server on CPUs {sorted(cpus)}" if cpus is not None else ""
     t = Table(
         title=f"gptkit bench serve: {n_requests} requests, prompts of {low}-{high} tokens + {new_tokens} "
         f"greedy tokens each, {spec.get('preset')} ({model.num_parameters() / 1e6:.1f}M parameters), "
-        f"{device} {dtype}, threads={cfg.threads}, max_batch={cfg.max_batch}; median of {repeats} rounds "
-        "(min-max)"
+        f"{device} {dtype}, threads={cfg.threads}{pinned_to}, max_batch={cfg.max_batch}; median of {repeats} "
+        "rounds (min-max)"
     )
     cols = (
         "side",

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from gptkit.errors import GptkitError
+from gptkit.errors import ConfigError, GptkitError
 
 PEERS = ("llama.cpp", "vllm", "transformers")
 # code points of the bench's character vocabulary: CJK ideographs, Hangul syllables, CJK extension B (74,884;
@@ -236,6 +236,31 @@ def server_env(base: dict, peer: Peer, threads: Optional[int]) -> dict:
     return env
 
 
+def server_cpus(cpus) -> Optional[frozenset[int]]:
+    """bench.cpus: the CPUs every server (gptkit serve and each peer, their child processes too) is pinned to,
+    the same set for each, so a server that runs several processes (vLLM's front end, engine core and worker)
+    gets no more cores than one that runs one; null: unpinned. The clients stay on every CPU."""
+    if cpus is None:
+        return None
+    have = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    try:
+        got = frozenset(int(c) for c in cpus)
+    except (TypeError, ValueError):
+        raise ConfigError(f"bench.cpus={cpus}: a list of CPU numbers, e.g. [0], or null") from None
+    if have is None:
+        raise ConfigError("bench.cpus: this system cannot pin a process to CPUs (Linux can); use null")
+    if not got or not got <= have:
+        raise ConfigError(f"bench.cpus={sorted(got)}: not among this process's CPUs {sorted(have)}")
+    return got
+
+
+def pinned(cpus: Optional[frozenset[int]]):
+    """A Popen preexec_fn that pins the child (and what it starts) to `cpus`; None when unpinned."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -246,13 +271,20 @@ class PeerServer:
     """A peer's server in a subprocess on a free port, up once GET /v1/models answers 200. Its stderr is read
     as it comes (a chatty server, vLLM's, would fill the pipe and stall); the last lines are kept."""
 
-    def __init__(self, peer: Peer, start_s: float, threads: Optional[int]) -> None:
+    def __init__(
+        self, peer: Peer, start_s: float, threads: Optional[int], cpus: Optional[frozenset[int]] = None
+    ) -> None:
         import httpx
 
         port = free_port()
         env = server_env(dict(os.environ), peer, threads)
         self.proc = subprocess.Popen(
-            peer.command(port), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            peer.command(port),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            preexec_fn=pinned(cpus),
         )
         self.err: collections.deque[str] = collections.deque(maxlen=40)
         reader = threading.Thread(target=self.err.extend, args=(self.proc.stderr,), daemon=True)

@@ -3,6 +3,9 @@ the greedy answers compared, the peers found or skipped in one line, the charact
 its ids. No test starts a peer or reads a time."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -13,12 +16,14 @@ from gptkit.bench.serve_peers import (
     Peer,
     discover,
     percentile,
+    pinned,
     same_answers,
+    server_cpus,
     server_env,
     shared_prefix_prompts,
     vocab_chars,
 )
-from gptkit.errors import GptkitError
+from gptkit.errors import ConfigError, GptkitError
 
 
 def test_percentiles_answers_and_the_shared_prefix_workload():
@@ -171,3 +176,25 @@ def test_the_prefix_cache_ratio_is_each_rounds_on_over_off():
     assert got["tokens_per_s_ratio_max"] == 3.0 and got["tokens_per_cpu_s_ratio"] == 2.0
     assert got["ttft_ms_p50_on"] == 100 and got["ttft_ms_p50_off"] == 350
     assert got["prefix_hit_rate"] == 0.91 and got["same_greedy_answers"] == "1/2"
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="pinning to CPUs: Linux")
+def test_bench_cpus_pins_every_server_and_its_children_to_the_same_cpus():
+    """bench.cpus: a server started with the bench's preexec_fn, and a process it starts, see exactly those
+    CPUs (vLLM runs three processes: each gets what gptkit's one gets); a CPU not ours, or not a number, is
+    one line."""
+    one = min(os.sched_getaffinity(0))
+    cpus = server_cpus([one])
+    grandchild = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)))"
+    code = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); "
+    code += f"subprocess.run([sys.executable, '-c', {grandchild!r}])"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=pinned(cpus))
+    assert r.stdout.split("\n")[:2] == [f"[{one}]", f"[{one}]"], r.stdout + r.stderr
+    assert server_cpus(None) is None and pinned(None) is None
+    for bad, says in (
+        ([100_000], "not among this process's CPUs"),
+        (["x"], "a list of CPU numbers"),
+        ([], "not"),
+    ):
+        with pytest.raises(ConfigError, match=says):
+            server_cpus(bad)
