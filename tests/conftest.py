@@ -5,6 +5,7 @@ TRITON_INTERPRET must be set before the kernel module is imported, so it is set 
 
 import contextlib
 import os
+import signal
 import subprocess
 import tempfile
 
@@ -20,6 +21,11 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["WANDB_MODE"] = "offline"
 os.environ["WANDB_SILENT"] = "true"
+# the Ctrl-C tests send real SIGINTs: a shell without job control starts background commands with SIGINT
+# ignored, which every process the tests start inherits (Python then never raises KeyboardInterrupt); the
+# default handler here, reset to the default action in each child at exec
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 # a private cache, removed when the test session ends
 if "GPTKIT_CACHE" not in os.environ:
     import atexit
