@@ -380,9 +380,10 @@ def quantize_model(model: Any, kind: str) -> Any:
 
     device = model.lm_head.weight.device
     if kind == "w8a8":
-        from gptkit import quant_w8a8
+        from gptkit import quant_int8, quant_w8a8
 
-        return quant_w8a8.quantize(model, list(inference_names(model.cfg, kind, device)))
+        names = list(inference_names(model.cfg, kind, device))
+        return quant_int8.quantize(model, names, quant_w8a8.W8A8Weight)
     if kind == "int8" and int8_layout(device) == "torch":
         from gptkit import quant_int8
 

@@ -127,9 +127,11 @@ def linear(x: torch.Tensor, weight: Int8Weight, bias: torch.Tensor | None = None
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def quantize(model: Any, names: list[str]) -> Any:
-    """Replace the weights `names` (state-dict names of Linear weights) of `model` by Int8Weight, in place."""
+def quantize(model: Any, names: list[str], kind: type = None) -> Any:
+    """Replace the weights `names` (state-dict names of Linear weights) of `model` by `kind` (Int8Weight, or
+    a subclass such as quant_w8a8.W8A8Weight), in place."""
+    kind = kind or Int8Weight
     for name in names:
         module = model.get_submodule(name.removesuffix(".weight"))
-        module.weight = torch.nn.Parameter(Int8Weight.of(module.weight), requires_grad=False)
+        module.weight = torch.nn.Parameter(kind.of(module.weight), requires_grad=False)
     return model

@@ -112,11 +112,3 @@ def linear(x: torch.Tensor, weight: W8A8Weight, bias: torch.Tensor | None = None
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def quantize(model: Any, names: list[str]) -> Any:
-    """Replace the weights `names` (state-dict names of Linear weights) of `model` by W8A8Weight, in place."""
-    for name in names:
-        module = model.get_submodule(name.removesuffix(".weight"))
-        module.weight = torch.nn.Parameter(W8A8Weight.of(module.weight), requires_grad=False)
-    return model

@@ -520,10 +520,10 @@ def load_model(
     """load_run without the tokenizer: (run_dir, checkpoint, config, model_cfg, model), the model in eval
     mode on `device` (auto: cuda when a GPU is present; resolve_device). The checkpoint's tensors are
     memory-mapped and copied once, into the model on `device`.
-    quantize: int8 | int4 | nf4, the block projections' weights quantized through torchao after the cast to
-    `dtype` (gptkit.quant); what torchao cannot run on this model, device or dtype is one line before any
-    weight is read. policy: the model is to generate (sample, chat, serve, eval): a reward model
-    (model.score_head) is one line before any weight is read."""
+    quantize: int8 | w8a8 | int4 | nf4, the block projections' weights quantized (gptkit.quant: torchao, or
+    torch's own int8 kernels on the CPU) after the cast to `dtype`; what cannot run on this model, device or
+    dtype is one line before any weight is read. policy: the model is to generate (sample, chat, serve,
+    eval): a reward model (model.score_head) is one line before any weight is read."""
     from gptkit import quant
     from gptkit.model.config import ModelConfig
 
@@ -608,6 +608,6 @@ def load_for_inference(
 ) -> Run:
     """load_run for sample/eval/chat/attention (and serve), with device `auto` allowed (RotaryEmbedding keeps
     its cos/sin tables in fp32 whatever dtype the model is cast to). quantize: None (the run's weights) or
-    int8 | int4 | nf4, weight-only through torchao on the block projections (gptkit.quant; docs/qlora.md):
-    a model, device or dtype torchao cannot run is one line before the weights load."""
+    int8 | w8a8 | int4 | nf4 on the block projections (gptkit.quant; docs/qlora.md; w8a8: int8 activations
+    too): a model, device or dtype that cannot run it is one line before the weights load."""
     return load_run(path, device, str(dtype), attention, quantize, policy=True)

@@ -1,8 +1,8 @@
-"""`gptkit bench sample`, its `quantize` part: quantized weights (quantize=int8|int4|nf4, gptkit/quant.py)
-against the full model on the same run: the weights' bytes, the held-out perplexity (`gptkit eval`, the
-run's own val split), greedy agreement (each prompt, a window of held-out text, continued greedily by both;
-the share of the generated tokens equal to the full model's, position by position, and the mean number of
-tokens before the first difference) and decode tokens/s.
+"""`gptkit bench sample`, its `quantize` part: quantized weights (quantize=int8|w8a8|int4|nf4,
+gptkit/quant.py) against the full model on the same run: the weights' bytes, the held-out perplexity
+(`gptkit eval`, the run's own val split), greedy agreement (each prompt, a window of held-out text,
+continued greedily by both; the share of the generated tokens equal to the full model's, position by
+position, and the mean number of tokens before the first difference) and decode tokens/s.
 
 bench.quantize.run names the run; null trains one here first (bench.quantize.model on data=shakespeare with
 the byte tokenizer for bench.quantize.train_steps), so that the perplexities are those of a trained model.

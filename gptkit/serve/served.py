@@ -169,8 +169,8 @@ def load_served(
     draft_k: Optional[int] = None,
     paging=None,
 ) -> Served:
-    """Load a run and start its Engine. quantize: None or int8 | int4 | nf4, the block projections weight-only
-    quantized as `sample quantize=` does (gptkit.quant, torchao). paging: the engine's
+    """Load a run and start its Engine. quantize: None or int8 | w8a8 | int4 | nf4, the block projections
+    quantized as `sample quantize=` does (gptkit.quant). paging: the engine's
     gptkit.inference.block_pool.Paging (None: its defaults). transform(model) -> model runs once at load
     time, before the engine sees the model (any other load-time change)."""
     r = load_for_inference(run, device, dtype, attention, quantize)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from conftest import make_run, one_line, run_main
 
-from gptkit import quant
+from gptkit import quant, quant_int8
 from gptkit.errors import GptkitError
 from gptkit.inference.generate import encode_prompt, generate
 from gptkit.inference.sampling import SampleOptions
@@ -28,7 +28,7 @@ def test_w8a8_is_each_row_quantized_to_int8_within_its_step():
     with torch.no_grad():
         layer.weight[3] *= 50  # one row of much larger values: its own scale
     bias = layer.bias.detach().clone()
-    quant_w8a8.quantize(torch.nn.ModuleDict({"l": layer}), ["l.weight"])
+    quant_int8.quantize(torch.nn.ModuleDict({"l": layer}), ["l.weight"], quant_w8a8.W8A8Weight)
     w = layer.weight
     assert type(w) is quant_w8a8.W8A8Weight and w.qdata.dtype == torch.int8
     deq = w.dequantize().double()  # int8's layout: q * bf16 scale, exact
