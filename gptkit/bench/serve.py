@@ -113,7 +113,7 @@ class Server:
         env.pop("GPTKIT_VERB", None)
         env.pop("GPTKIT_API_KEY", None)
         self.proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=pinned(cpus)
+            pinned(args, cpus), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
         )
         self.lines: list[str] = []
         self.err: list[str] = []

@@ -254,11 +254,19 @@ def server_cpus(cpus) -> Optional[frozenset[int]]:
     return got
 
 
-def pinned(cpus: Optional[frozenset[int]]):
-    """A Popen preexec_fn that pins the child (and what it starts) to `cpus`; None when unpinned."""
+# runs argv[2:] pinned to the CPUs of argv[1] (the affinity survives exec and passes to every child); a
+# wrapper rather than Popen's preexec_fn, which is unsafe in a process with threads (the bench has some)
+_PIN = (
+    "import os, sys; os.sched_setaffinity(0, map(int, sys.argv[1].split(','))); "
+    "os.execvp(sys.argv[2], sys.argv[2:])"
+)
+
+
+def pinned(command: list[str], cpus: Optional[frozenset[int]]) -> list[str]:
+    """`command` pinned to `cpus`, it and what it starts; `command` itself when unpinned (None)."""
     if cpus is None:
-        return None
-    return lambda: os.sched_setaffinity(0, cpus)
+        return command
+    return [sys.executable, "-c", _PIN, ",".join(map(str, sorted(cpus))), *command]
 
 
 def free_port() -> int:
@@ -279,12 +287,11 @@ class PeerServer:
         port = free_port()
         env = server_env(dict(os.environ), peer, threads)
         self.proc = subprocess.Popen(
-            peer.command(port),
+            pinned(peer.command(port), cpus),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-            preexec_fn=pinned(cpus),
         )
         self.err: collections.deque[str] = collections.deque(maxlen=40)
         reader = threading.Thread(target=self.err.extend, args=(self.proc.stderr,), daemon=True)

@@ -188,9 +188,9 @@ def test_bench_cpus_pins_every_server_and_its_children_to_the_same_cpus():
     grandchild = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0)))"
     code = "import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); sys.stdout.flush(); "
     code += f"subprocess.run([sys.executable, '-c', {grandchild!r}])"
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, preexec_fn=pinned(cpus))
+    r = subprocess.run(pinned([sys.executable, "-c", code], cpus), capture_output=True, text=True)
     assert r.stdout.split("\n")[:2] == [f"[{one}]", f"[{one}]"], r.stdout + r.stderr
-    assert server_cpus(None) is None and pinned(None) is None
+    assert server_cpus(None) is None and pinned(["x"], None) == ["x"]
     for bad, says in (
         ([100_000], "not among this process's CPUs"),
         (["x"], "a list of CPU numbers"),
