@@ -230,6 +230,9 @@ class GPT(nn.Module):
             if self.cfg.position_reset:
                 positions = docs.positions  # [B, T]
         x = self.drop(self.embed(idx, positions))
+        for rope in (self.rope, self.rope_local):
+            if rope is not None:
+                rope.forget()
         attentions = [] if return_attention else None
         # the feed-forwards' LayerAux, of the layers that return one
         auxes = []

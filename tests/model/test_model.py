@@ -173,6 +173,30 @@ def test_rope_rotates_queries_and_keys_side_by_side_as_apart(scaling, rotary):
         assert torch.equal(both[:, :4], want_q) and torch.equal(both[:, 4:], want_k)
 
 
+def test_rope_angles_remembered_within_a_forward_follow_positions_changed_in_place():
+    """The angles rotate() remembers for the layers of one forward are dropped at the next forward: a
+    positions tensor a caller advances in place (a static decode loop's) rotates at its new positions, the
+    logits those of a fresh tensor; within a forward, another positions object is looked up anew."""
+    from gptkit.model.layers import RotaryEmbedding
+
+    torch.manual_seed(0)
+    model = GPT(tiny("llama-gqa")).eval()
+    idx = torch.randint(0, 97, (2, 3))
+    with torch.inference_mode():
+        pos = torch.tensor([[3, 4, 5], [7, 8, 9]])
+        model(idx, positions=pos)
+        # in place (an inference tensor: no version counter to tell), the gaps changed (RoPE is relative)
+        pos[1] = torch.tensor([0, 4, 9])
+        got = model(idx, positions=pos).logits
+        want = model(idx, positions=torch.tensor([[3, 4, 5], [0, 4, 9]])).logits
+    assert torch.equal(got, want)
+    rope = RotaryEmbedding(8, max_seq_len=16, theta=10000.0)
+    x = torch.randn(1, 2, 2, 8)
+    a, b = torch.tensor([[1, 2]]), torch.tensor([[4, 5]])
+    assert torch.equal(rope.rotate(x, a), rope(x, x, a)[0])
+    assert torch.equal(rope.rotate(x, b), rope(x, x, b)[0])
+
+
 def test_rmsnorm_in_inference_computes_the_training_formula_bit_for_bit():
     """RMSNorm under no_grad in fp32 on the CPU takes torch's rms_norm (one op): the same numbers as the
     Llama formula it runs with gradients, for several widths, scales and weights."""
