@@ -96,10 +96,11 @@ def run(model, prompts, new, paging, mixed=True):
     kv = load["kv_cache"]
     hit = f"{kv['prefix_hit_rate']:.2f}" if kv.get("paged", True) else "-"
     rate = tokens[0] / wall
-    return pct(ttft, 50), (
+    line = (
         f"TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms  longest gap between tokens p50 "
         f"{pct(stall, 50):4.0f} p99 {pct(stall, 99):4.0f} ms  {rate:4.0f} tokens/s  hit {hit}"
     )
+    return pct(ttft, 50), line, (pct(ttft, 99), rate)
 
 
 def decode_step(model, n: int, L: int, rounds: int) -> None:
@@ -197,11 +198,12 @@ def closed_loop(model, prompts, new, paging, mixed=True):
         cpu = time.process_time() - c0
     kv = batcher.paged.stats() if batcher.paged is not None else {}
     hit = f"{kv['prefix_hit_rate']:.2f}" if kv else "-"
-    return pct(ttft, 50), (
+    line = (
         f"TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms CPU ({pct(waits, 50)}, {pct(waits, 99)} "
         f"steps)  longest gap between tokens p50 {pct(stall, 50):4.0f} p99 {pct(stall, 99):4.0f} ms CPU  "
         f"{tokens[0] / cpu:4.0f} tokens per CPU s  {batcher.steps} steps  hit {hit}"
     )
+    return pct(ttft, 50), line, (pct(ttft, 99), tokens[0] / cpu)
 
 
 def generate_many_rate(rounds: int) -> None:
@@ -326,6 +328,12 @@ def main():
     for i, (workload, side, _, _, _) in enumerate(rows):
         line = sorted(got[i], key=lambda r: r[0])[len(got[i]) // 2][1]
         print(f"{workload:29s} {side:37s} {line}", flush=True)
+        if both and rows[i][4] and i + 1 < len(rows) and rows[i + 1][2:4] == rows[i][2:4]:
+            # mixed on (this row) / off (the next), each round's pair: TTFT p99, tokens per second
+            pairs = [(a[2][0] / b[2][0], a[2][1] / b[2][1]) for a, b in zip(got[i], got[i + 1])]
+            p99 = ", ".join(f"{x:.2f}" for x, _ in pairs)
+            rate = ", ".join(f"{y:.2f}" for _, y in pairs)
+            print(f"{'':67s} on / off per round: TTFT p99 {p99}x; tokens per second {rate}x", flush=True)
     print(os.popen("uptime").read().strip())
     print(f"{time.perf_counter() - start:.0f} s")
 

@@ -18,7 +18,7 @@ computes at least its last token (its logits choose the next one).
 Sliding windows: when every K/V layer is local (model.sliding_window W), a sequence releases the blocks that
 lie wholly behind its window; a model with a global layer keeps them (that layer reads them).
 
-The model reads the pool through two views, each a cache as GPT.forward takes one (positions, update,
+The model reads the pool through three views, each a cache as GPT.forward takes one (positions, update,
 mask_for(layer), advance):
 
     PackedView    several sequences' next tokens packed in one row [1, N] (prefill chunks): each token at its
@@ -33,6 +33,10 @@ mask_for(layer), advance):
                   the slot cache does instead of gathering n x span rows of the pool in every layer; when
                   every row sits at one column (one sequence decoding, or rows of one length) no mask and,
                   at one position, an int position: generate()'s contiguous cache's forward
+    MixedView     a DecodeView's n tokens then a PackedView's chunks in one row [1, n + N] (one forward a
+                  step: the linear layers once over both); mask_for gives gptkit.model.attention.Mixed, the
+                  decode rows' keys of the layer and the decode mask beside the chunks' Segments, so each
+                  part attends as in its own view
 
 Linear attention's recurrent state (model.gdn) cannot be paged: a model with such a layer keeps one slot per
 sequence (gptkit/inference/slot_cache.py), and so do speculative decoding and a longrope scaling.

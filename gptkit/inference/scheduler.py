@@ -5,9 +5,19 @@ feeds the model, under a token budget.
              max_batch is free and the pool has the blocks of their prompt (less its cached prefix) -> plan:
              every running sequence's next token (a decode), then prompt chunks in the tokens left of
              max_step_tokens, the prompt with the least prefill left first (several prompts, a long one in
-             chunks over several steps) -> one decode forward [n, 1] and one packed forward [1, N] of the
-             chunks -> sample a token for every decode and every prompt whose last chunk ran -> finished
-             sequences leave, their blocks back to the pool
+             chunks over several steps) -> ONE forward: the n decode tokens and the N chunk tokens in one row
+             [1, n + N] (the mixed step, below), or the decodes alone [n, 1], or the chunks alone [1, N] ->
+             sample a token for every decode and every prompt whose last chunk ran -> finished sequences
+             leave, their blocks back to the pool
+
+The mixed step (block_pool.MixedView): on the CPU a forward streams every weight from memory, so a step with
+decodes and prompt chunks paid for the weights twice in two forwards. In one row the linear layers run once
+over all n + N tokens, and attention splits (gptkit.model.attention.Mixed): each decode token's query reads
+its decode row exactly as a decode step does (one query, its mask), each chunk's queries its own sequence's
+blocks as a packed prefill does; the logits kept are the decodes' rows and each finished prompt's last one,
+sampled in the two forwards' order (the decodes, then the prompts), so the tokens are theirs (fp32 logits
+within 1e-5: tests/inference/test_mixed_step.py). A model with a layer other than multi-head attention
+(latent attention reads its values from its cached latents) keeps the two forwards (`mixed` False).
 
 The order of prefill work (issue 53 item 1): a burst's prompts share the steps with the running decodes, so
 a prompt's first token waits for every chunk planned before it. Least prefill left first finishes the short
@@ -32,8 +42,9 @@ The invariant of the batcher holds: a token's logits are the same function of th
 `gptkit sample`'s one-sequence pass; packing and chunking only change where the matmuls round (fp32 logits
 agree to ~1e-6: tests/inference/test_batcher.py).
 
-A packed prefill that fails is run again one prompt at a time, so that only the prompt that fails ends (an
-"error" event); a failure of the decode forward raises out of step(), as the slot path's does.
+A mixed forward that fails is undone (its sequences' positions) and the step runs as two forwards; a packed
+prefill that fails is run again one prompt at a time, so that only the prompt that fails ends (an "error"
+event); a failure of the decode forward raises out of step(), as the slot path's does.
 """
 
 from __future__ import annotations
