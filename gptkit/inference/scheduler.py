@@ -227,8 +227,9 @@ class PagedSteps:
             for p, c in zip(held, computed):
                 p.computed = c
             rows = self.rows
-            for i, (p, _) in enumerate(rows.seqs):
-                rows.filled[i] = min(rows.filled[i], p.computed - rows.base[i])
+            for i, (p, epoch) in enumerate(rows.seqs):
+                if p.epoch == epoch:
+                    rows.filled[i] = min(rows.filled[i], p.computed - rows.base[i])
             self._decode(decodes, out)
             return len(decodes) + self._prefill(chunks, out)
         self.mixed_steps += 1

@@ -21,6 +21,8 @@ VARIANTS = {
     "learned-mha": dict(position="learned", n_kv_heads=None, mlp="gelu", norm="layernorm"),
     # a local layer (a window of 5) beside a global one
     "rope-window": dict(GQA, sliding_window=5, layer_types=["local", "global"]),
+    # the reference backend (the others run model.attention's default, sdpa)
+    "rope-window-eager": dict(GQA, sliding_window=5, layer_types=["local", "global"], attention="eager"),
 }
 
 
