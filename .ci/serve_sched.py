@@ -7,7 +7,7 @@ on the same requests, in turn, `uptime` printed before and after. Per request: t
 and the longest gap between two of its tokens (what a long prompt admitted beside it costs it).
 
     python .ci/serve_sched.py [--requests 48] [--new 32] [--rounds 3] [--only 0,4,5] [--cpu-clock]
-                              [--mixed 16,600]
+                              [--mixed 16,600] [--mixed-step on|off|both] [--generate-many]
 
 --mixed LO,HI: the mixed prompts' lengths (drawn uniformly in [LO, HI)); 8,48 with --new 64 is the shape of
 `gptkit bench serve`'s default workload. The scheduler's order (issue 53 item 1) is measured against main's
@@ -15,6 +15,15 @@ by running this file under each tree in turn (PYTHONPATH=<tree>: the loop in doc
 
 --cpu-clock: the Batcher in this thread (no Engine, no client threads), 16 clients in a closed loop, every
 time on the process's CPU clock (closed_loop): steady on a loaded machine.
+
+--mixed-step on|off|both: the paged rows with the mixed step (a step's decodes and prompt chunks in one
+forward, gptkit/inference/scheduler.py) on (the default), off (a decode forward, then a packed one), or each
+row both ways, interleaved in the rounds (a before/after in one command).
+
+--generate-many: instead, generate_many's throughput on a 56M Llama (d 512, 8 layers, 8 heads, 4 K/V heads,
+d_ff 1376): 48 prompts of 8-48 random tokens, 64 greedy tokens each, max_batch 16, with the mixed step on and
+off, interleaved over --rounds, in tokens per CPU second of this process (run it under OMP_NUM_THREADS=1
+taskset -c <core>).
 
 --step: instead, one decode step of n sequences of L tokens (16 x 550) over the paged pool (its blocks
 scattered) against the slot cache (contiguous), interleaved, CPU ms a step (min-max over the rounds). It runs
@@ -39,8 +48,22 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, round(q / 100 * (len(xs) - 1)))]
 
 
-def run(model, prompts, new, paging):
-    engine = Engine(model, max_batch=16, max_queue=256, layout_rows=16, paging=paging).start()
+def mixed_step(batcher, on: bool) -> None:
+    """The mixed step on or off (a tree before it has no such switch: on is then refused)."""
+    paged = batcher.paged
+    if paged is None:
+        return
+    if not hasattr(paged, "mixed"):
+        if on:
+            raise SystemExit("this tree has no mixed step: run it with --mixed-step off")
+        return
+    paged.mixed = paged.mixed and on
+
+
+def run(model, prompts, new, paging, mixed=True):
+    engine = Engine(model, max_batch=16, max_queue=256, layout_rows=16, paging=paging)
+    mixed_step(engine.batcher, mixed)
+    engine.start()
     ttft, stall, tokens, lock = [], [], [0], threading.Lock()
     jobs = iter(range(len(prompts)))
 
@@ -73,10 +96,11 @@ def run(model, prompts, new, paging):
     kv = load["kv_cache"]
     hit = f"{kv['prefix_hit_rate']:.2f}" if kv.get("paged", True) else "-"
     rate = tokens[0] / wall
-    return pct(ttft, 50), (
+    line = (
         f"TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms  longest gap between tokens p50 "
         f"{pct(stall, 50):4.0f} p99 {pct(stall, 99):4.0f} ms  {rate:4.0f} tokens/s  hit {hit}"
     )
+    return pct(ttft, 50), line, (pct(ttft, 99), rate)
 
 
 def decode_step(model, n: int, L: int, rounds: int) -> None:
@@ -131,7 +155,7 @@ def decode_step(model, n: int, L: int, rounds: int) -> None:
     print(f"paged / slot cache: {ratio[len(ratio) // 2]:.2f}x ({ratio[0]:.2f}-{ratio[-1]:.2f}, per round)")
 
 
-def closed_loop(model, prompts, new, paging):
+def closed_loop(model, prompts, new, paging, mixed=True):
     """The same requests through a Batcher in this thread, 16 clients in a closed loop (a request ends, its
     client's next one is queued before the next step), timed on this process's CPU clock: the figures do not
     move with the machine's load (a wall clock under 7 other helpers' work moved by up to 2x run to run)."""
@@ -139,6 +163,7 @@ def closed_loop(model, prompts, new, paging):
     from gptkit.inference.decoding_layout import decoding_layout
 
     batcher = Batcher(model, max_batch=16, paging=paging)
+    mixed_step(batcher, mixed)
     # and in steps (the load does not move them): steps between a request's arrival and its first token
     ttft, stall, tokens, waits = [], [], [0], []
     todo = iter(range(len(prompts)))
@@ -173,11 +198,63 @@ def closed_loop(model, prompts, new, paging):
         cpu = time.process_time() - c0
     kv = batcher.paged.stats() if batcher.paged is not None else {}
     hit = f"{kv['prefix_hit_rate']:.2f}" if kv else "-"
-    return pct(ttft, 50), (
+    line = (
         f"TTFT p50 {pct(ttft, 50):5.0f} p99 {pct(ttft, 99):5.0f} ms CPU ({pct(waits, 50)}, {pct(waits, 99)} "
         f"steps)  longest gap between tokens p50 {pct(stall, 50):4.0f} p99 {pct(stall, 99):4.0f} ms CPU  "
         f"{tokens[0] / cpu:4.0f} tokens per CPU s  {batcher.steps} steps  hit {hit}"
     )
+    return pct(ttft, 50), line, (pct(ttft, 99), tokens[0] / cpu)
+
+
+def generate_many_rate(rounds: int) -> None:
+    """generate_many's tokens per CPU second on a 56M Llama, 16 rows, the mixed step on and off."""
+    from gptkit.bench.serve import build_model as serve_model
+    from gptkit.inference import scheduler
+    from gptkit.inference.batcher import generate_many
+
+    spec = dict(preset="llama-tiny", d_model=512, n_layers=8, n_heads=8, n_kv_heads=4, d_ff=1376)
+    model = serve_model(dict(spec, max_seq_len=512))
+    g = torch.Generator().manual_seed(0)
+    vocab = model.cfg.vocab_size
+    prompts = [
+        torch.randint(0, vocab, (int(torch.randint(8, 48, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(48)
+    ]
+    params = SamplingParams(max_new_tokens=64, temperature=0.0)
+    init, state = scheduler.PagedSteps.__init__, {"on": True, "steps": 0}
+
+    def switched(self, batcher, paging):
+        init(self, batcher, paging)
+        self.mixed = self.mixed and state["on"]
+        state["batcher"] = batcher
+
+    scheduler.PagedSteps.__init__ = switched
+    got = {True: [], False: []}
+    answers = {}
+    with torch.inference_mode():
+        generate_many(model, prompts[:16], SamplingParams(max_new_tokens=4, temperature=0.0))  # warm-up
+        for _ in range(rounds):
+            for on in (True, False):
+                state["on"] = on
+                t = time.process_time()
+                out = generate_many(model, prompts, params, max_batch=16)
+                cpu = time.process_time() - t
+                tokens = sum(len(c.tokens) for r in out for c in r.choices)
+                b = state["batcher"]
+                got[on].append((tokens / cpu, b.steps, b.paged.mixed_steps if on else 0))
+                answers[on] = [r.choices[0].tokens for r in out]
+    scheduler.PagedSteps.__init__ = init
+    for on in (True, False):
+        rates = sorted(r for r, _, _ in got[on])
+        _, steps, mixed = got[on][-1]
+        name = "mixed step on " if on else "mixed step off"
+        print(
+            f"generate_many 48 x 64 tokens, 16 rows, {name}: {rates[len(rates) // 2]:.1f} tokens per CPU s "
+            f"({rates[0]:.1f}-{rates[-1]:.1f})  {steps} steps, {mixed} mixed"
+        )
+    ratio = sorted(a[0] / b[0] for a, b in zip(got[True], got[False]))
+    print(f"on / off: {ratio[len(ratio) // 2]:.3f}x ({ratio[0]:.3f}-{ratio[-1]:.3f}, per round)")
+    print(f"same greedy tokens on and off: {answers[True] == answers[False]}")
 
 
 def main():
@@ -187,12 +264,19 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--mixed", default="16,600", help="the mixed prompts' lengths: LO,HI (HI excluded)")
     ap.add_argument("--only", default=None, help="the rows to run, by index (0-6), comma-separated")
+    ap.add_argument("--mixed-step", choices=("on", "off", "both"), default="on")
+    ap.add_argument("--generate-many", action="store_true", help="generate_many's tokens/CPU s, mixed on/off")
     ap.add_argument("--step", action="store_true", help="a decode step paged vs the slot cache, 16 x 550")
     ap.add_argument(
         "--cpu-clock", action="store_true", help="the Batcher in one thread, a closed loop, CPU clock"
     )
     a = ap.parse_args()
     torch.set_num_threads(1)
+    if a.generate_many:
+        print(os.popen("uptime").read().strip())
+        generate_many_rate(a.rounds)
+        print(os.popen("uptime").read().strip())
+        return
     model = build_model({"preset": "llama-tiny", "max_seq_len": 1024})
     if a.step:
         print(os.popen("uptime").read().strip())
@@ -228,15 +312,28 @@ def main():
     ]
     if a.only is not None:
         rows = [rows[int(i)] for i in a.only.split(",")]
+    ways = {"on": [True], "off": [False], "both": [True, False]}[a.mixed_step]
+    both = a.mixed_step == "both"
+    rows = [
+        (w, side + (f", mixed {'on' if on else 'off'}" if both and paging else ""), ps, paging, on)
+        for w, side, ps, paging in rows
+        for on in (ways if paging is not None else [True])
+    ]
     got = {i: [] for i in range(len(rows))}
     with torch.inference_mode():
         # the rounds interleaved: each variant once per round; the round of the median TTFT p50 is shown
         for _ in range(a.rounds):
-            for i, (_, _, ps, paging) in enumerate(rows):
-                got[i].append((closed_loop if a.cpu_clock else run)(model, ps, a.new, paging))
-    for i, (workload, side, _, _) in enumerate(rows):
+            for i, (_, _, ps, paging, on) in enumerate(rows):
+                got[i].append((closed_loop if a.cpu_clock else run)(model, ps, a.new, paging, on))
+    for i, (workload, side, _, _, _) in enumerate(rows):
         line = sorted(got[i], key=lambda r: r[0])[len(got[i]) // 2][1]
         print(f"{workload:29s} {side:37s} {line}", flush=True)
+        if both and rows[i][4] and i + 1 < len(rows) and rows[i + 1][2:4] == rows[i][2:4]:
+            # mixed on (this row) / off (the next), each round's pair: TTFT p99, tokens per second
+            pairs = [(a[2][0] / b[2][0], a[2][1] / b[2][1]) for a, b in zip(got[i], got[i + 1])]
+            p99 = ", ".join(f"{x:.2f}" for x, _ in pairs)
+            rate = ", ".join(f"{y:.2f}" for _, y in pairs)
+            print(f"{'':67s} on / off per round: TTFT p99 {p99}x; tokens per second {rate}x", flush=True)
     print(os.popen("uptime").read().strip())
     print(f"{time.perf_counter() - start:.0f} s")
 

@@ -18,7 +18,7 @@ computes at least its last token (its logits choose the next one).
 Sliding windows: when every K/V layer is local (model.sliding_window W), a sequence releases the blocks that
 lie wholly behind its window; a model with a global layer keeps them (that layer reads them).
 
-The model reads the pool through two views, each a cache as GPT.forward takes one (positions, update,
+The model reads the pool through three views, each a cache as GPT.forward takes one (positions, update,
 mask_for(layer), advance):
 
     PackedView    several sequences' next tokens packed in one row [1, N] (prefill chunks): each token at its
@@ -33,6 +33,10 @@ mask_for(layer), advance):
                   the slot cache does instead of gathering n x span rows of the pool in every layer; when
                   every row sits at one column (one sequence decoding, or rows of one length) no mask and,
                   at one position, an int position: generate()'s contiguous cache's forward
+    MixedView     a DecodeView's n tokens then a PackedView's chunks in one row [1, n + N] (one forward a
+                  step: the linear layers once over both); mask_for gives gptkit.model.attention.Mixed, the
+                  decode rows' keys of the layer and the decode mask beside the chunks' Segments, so each
+                  part attends as in its own view
 
 Linear attention's recurrent state (model.gdn) cannot be paged: a model with such a layer keeps one slot per
 sequence (gptkit/inference/slot_cache.py), and so do speculative decoding and a longrope scaling.
@@ -48,7 +52,7 @@ from typing import Optional
 import torch
 
 from gptkit.errors import ConfigError
-from gptkit.model.attention import Segments
+from gptkit.model.attention import Mixed, Segments
 from gptkit.model.attention_kinds import cache_layouts
 
 
@@ -527,6 +531,10 @@ class DecodeView:
         pk, pv = self.pool.k[layer], self.pool.v[layer]
         pk.index_copy_(1, self.write, k[:, :, 0].transpose(0, 1).to(pk.dtype))
         pv.index_copy_(1, self.write, v[:, :, 0].transpose(0, 1).to(pv.dtype))
+        return self.to_rows(layer, k, v)
+
+    def to_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [n, heads, 1, width] in the decode rows only; return rows 0..n-1's keys and values."""
         rk, rv = self.rows.k[layer], self.rows.v[layer]
         if self.col is not None:
             rk[: self.n, :, self.col] = k[:, :, 0]
@@ -540,3 +548,46 @@ class DecodeView:
         for i, pages in enumerate(self.seqs):
             pages.computed += n
             self.rows.filled[i] = pages.computed - self.rows.base[i]
+
+
+class MixedView:
+    """A step's decodes and prefill chunks in one row [1, n + N] (scheduler.py's mixed step): the n decode
+    tokens first, in the order of their decode rows (the DecodeView's), then the chunks (the PackedView's).
+    Every linear layer runs once over the n + N rows; attention splits (gptkit.model.attention.Mixed): the
+    decode tokens' queries read the decode rows as a DecodeView's step does (its mask, one query each), each
+    chunk's its sequence's blocks as a PackedView's."""
+
+    def __init__(self, decode: DecodeView, packed: PackedView) -> None:
+        self.decode, self.packed, self.pool = decode, packed, decode.pool
+        dev = self.pool.device
+        pos = torch.tensor([p.computed for p in decode.seqs], dtype=torch.long, device=dev)  # [n]
+        self._positions = torch.cat([pos, packed.positions[0]])[None]  # [1, n + N]
+        # the pool rows of all n + N new tokens: one write a layer
+        self.write = torch.cat([decode.write, packed.write])  # [n + N]
+        self._rows: tuple = ()
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k, v [1, heads, n + N, width] into the pool (and the decode tokens' into their decode rows);
+        return the chunks' blocks as PackedView.update does. The decode rows' keys and values [n, heads,
+        span, width] go to attention in mask_for's Mixed."""
+        n = self.decode.n
+        kd = k[0, :, :n].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, width]
+        vd = v[0, :, :n].transpose(0, 1).unsqueeze(2)
+        self._rows = (layer, *self.decode.to_rows(layer, kd, vd))
+        return self.pool.write_read(layer, self.write, k[0], v[0], self.packed.blocks)
+
+    def mask_for(self, layer: int) -> Mixed:
+        """The decode part (the decode rows of this layer, written by update, and the DecodeView's mask) and
+        the chunks' Segments."""
+        at, k, v = self._rows
+        if at != layer:
+            raise RuntimeError(f"MixedView.mask_for({layer}) before update({layer})")
+        return Mixed(self.decode.n, k, v, self.decode.mask_for(layer), self.packed.segments)
+
+    def advance(self, n: int) -> None:
+        self.decode.advance(1)
+        self.packed.advance(n)

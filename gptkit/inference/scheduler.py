@@ -5,9 +5,19 @@ feeds the model, under a token budget.
              max_batch is free and the pool has the blocks of their prompt (less its cached prefix) -> plan:
              every running sequence's next token (a decode), then prompt chunks in the tokens left of
              max_step_tokens, the prompt with the least prefill left first (several prompts, a long one in
-             chunks over several steps) -> one decode forward [n, 1] and one packed forward [1, N] of the
-             chunks -> sample a token for every decode and every prompt whose last chunk ran -> finished
-             sequences leave, their blocks back to the pool
+             chunks over several steps) -> ONE forward: the n decode tokens and the N chunk tokens in one row
+             [1, n + N] (the mixed step, below), or the decodes alone [n, 1], or the chunks alone [1, N] ->
+             sample a token for every decode and every prompt whose last chunk ran -> finished sequences
+             leave, their blocks back to the pool
+
+The mixed step (block_pool.MixedView): on the CPU a forward streams every weight from memory, so a step with
+decodes and prompt chunks paid for the weights twice in two forwards. In one row the linear layers run once
+over all n + N tokens, and attention splits (gptkit.model.attention.Mixed): each decode token's query reads
+its decode row exactly as a decode step does (one query, its mask), each chunk's queries its own sequence's
+blocks as a packed prefill does; the logits kept are the decodes' rows and each finished prompt's last one,
+sampled in the two forwards' order (the decodes, then the prompts), so the tokens are theirs (fp32 logits
+within 1e-5: tests/inference/test_mixed_step.py). A model with a layer other than multi-head attention
+(latent attention reads its values from its cached latents) keeps the two forwards (`mixed` False).
 
 The order of prefill work (issue 53 item 1): a burst's prompts share the steps with the running decodes, so
 a prompt's first token waits for every chunk planned before it. Least prefill left first finishes the short
@@ -32,8 +42,9 @@ The invariant of the batcher holds: a token's logits are the same function of th
 `gptkit sample`'s one-sequence pass; packing and chunking only change where the matmuls round (fp32 logits
 agree to ~1e-6: tests/inference/test_batcher.py).
 
-A packed prefill that fails is run again one prompt at a time, so that only the prompt that fails ends (an
-"error" event); a failure of the decode forward raises out of step(), as the slot path's does.
+A mixed forward that fails is undone (its sequences' positions) and the step runs as two forwards; a packed
+prefill that fails is run again one prompt at a time, so that only the prompt that fails ends (an "error"
+event); a failure of the decode forward raises out of step(), as the slot path's does.
 """
 
 from __future__ import annotations
@@ -42,7 +53,15 @@ import time
 
 import torch
 
-from gptkit.inference.block_pool import BlockPool, DecodeRows, DecodeView, PackedView, Pages, Paging
+from gptkit.inference.block_pool import (
+    BlockPool,
+    DecodeRows,
+    DecodeView,
+    MixedView,
+    PackedView,
+    Pages,
+    Paging,
+)
 
 
 class PagedSteps:
@@ -66,6 +85,13 @@ class PagedSteps:
         # steps planned so far, and the step at which each sequence first waited for a prefill (its age)
         self._clock = 0
         self._since: dict = {}
+        # a step with decodes and prompt chunks runs them in one forward (module docstring) where every layer
+        # is multi-head attention (MixedView); False: a decode forward, then a packed one
+        cfg = model.cfg
+        self.mixed = all(cfg.attention_kind_of(i) == "mha" for i in range(cfg.n_layers))
+        # steps run as one mixed forward, and mixed forwards that failed (their step ran as two)
+        self.mixed_steps = 0
+        self.mixed_failed = 0
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self, out) -> None:
@@ -75,11 +101,14 @@ class PagedSteps:
         decodes, chunks = self._plan()
         self._clock += 1
         ran = 0
-        if decodes:
-            self._decode(decodes, out)
-            ran += len(decodes)
-        if chunks:
-            ran += self._prefill(chunks, out)
+        if decodes and chunks and self.mixed:
+            ran += self._mixed_step(decodes, chunks, out)
+        else:
+            if decodes:
+                self._decode(decodes, out)
+                ran += len(decodes)
+            if chunks:
+                ran += self._prefill(chunks, out)
         if decodes or chunks:
             b.steps += 1
             b.rows += ran
@@ -182,6 +211,60 @@ class PagedSteps:
         logits = b.model(tok, cache=view, logits_to_keep=1).logits[:, -1]  # [n, V]
         tokens = b._choose(logits, seqs)
         b._take(seqs, tokens, out, b._logprobs(logits, seqs, tokens))
+
+    def _mixed_step(self, decodes, chunks, out) -> int:
+        """The decodes and the chunks in one forward [1, n + N] (MixedView); sampled as the two forwards
+        sample them: the decodes, then each prompt whose last chunk ran. If it fails, nothing it advanced is
+        kept and the step runs as two forwards (a failing prompt then ends alone); returns the rows sampled.
+        """
+        b = self.b
+        held = [s.pages for s in decodes] + [s.pages for s, _ in chunks]
+        computed = [p.computed for p in held]
+        try:
+            seqs, logits = self._mixed(decodes, chunks)
+        except Exception:  # noqa: BLE001 - the two forwards, then the per-prompt retry, find what fails
+            self.mixed_failed += 1
+            for p, c in zip(held, computed):
+                p.computed = c
+            rows = self.rows
+            for i, (p, epoch) in enumerate(rows.seqs):
+                if p.epoch == epoch:
+                    rows.filled[i] = min(rows.filled[i], p.computed - rows.base[i])
+            self._decode(decodes, out)
+            return len(decodes) + self._prefill(chunks, out)
+        self.mixed_steps += 1
+        n = len(seqs)
+        tokens = b._choose(logits[:n], seqs)
+        b._take(seqs, tokens, out, b._logprobs(logits[:n], seqs, tokens))
+        return n + self._sample(chunks, logits[n:], out)
+
+    def _mixed(self, decodes, chunks) -> tuple[list, torch.Tensor]:
+        """One forward of the decode tokens (in the order of their decode rows) then the chunks, [1, n + N];
+        (the decodes in that order, logits [n + k, V]: each decode's, then the last token's of each chunk
+        that ends its sequence's tokens)."""
+        b = self.b
+        decode = DecodeView(self.pool, [s.pages for s in decodes], self.rows)
+        seqs = [decodes[j] for j in decode.order]
+        n = len(seqs)
+        ids, rows, at = [s.last for s in seqs], list(range(n)), n
+        for s, T in chunks:
+            start = s.pages.computed
+            seq_ids = self._ids(s)
+            ids.extend(seq_ids[start : start + T])
+            at += T
+            if start + T == len(seq_ids):
+                rows.append(at - 1)
+        tokens = torch.tensor([ids], dtype=torch.long, device=b.device)  # [1, n + N]
+        view = MixedView(decode, PackedView(self.pool, [(s.pages, T) for s, T in chunks]))
+        pick = torch.tensor(rows, dtype=torch.long, device=b.device)
+        # only the rows that sample go through the LM head
+        hook = b.model.final_norm.register_forward_hook(lambda m, i, o: o[:, pick])
+        try:
+            logits = b.model(tokens, cache=view).logits[0]  # [n + k, V]
+        finally:
+            hook.remove()
+        self.prefill_tokens += len(ids) - n
+        return seqs, logits
 
     def _prefill(self, chunks, out) -> int:
         """The chunks in one packed forward (again one by one if it fails: only a failing prompt ends);

@@ -80,18 +80,41 @@ class Segments:
     bounds: tuple[tuple[int, int, int, int], ...]
 
 
+@dataclass(frozen=True, eq=False)
+class Mixed:
+    """A mask description for one row [1, n + N] of a serving step (gptkit/inference/block_pool.py's
+    MixedView): its first n queries are n sequences' one new token each, attending as a decode step's
+    [n, H, 1, D] queries do over k, v [n, n_kv_heads, span, D] (each sequence's keys, a row each) under
+    `mask` (None, or [n, 1, 1, span] bool: the same call of the backend as that decode step's); its other N
+    queries are packed chunks read through the cache's keys, `segments` (bounds counted from query n)."""
+
+    n: int
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: Optional[torch.Tensor]
+    segments: Segments
+
+
 def by_segment(fn: AttentionFn) -> AttentionFn:
     """fn (a backend of the signature above), taking a Segments mask too: then one call of fn per segment
-    (mask None: causal, bottom-right, the window), the outputs joined along the queries."""
+    (mask None: causal, bottom-right, the window), the outputs joined along the queries; and a Mixed mask:
+    one call for its decode queries, then its segments'."""
 
     @functools.wraps(fn)
     def attend(q, k, v, *, mask=None, **args):
-        if not isinstance(mask, Segments):
+        if not isinstance(mask, (Segments, Mixed)):
             return fn(q, k, v, mask=mask, **args)
         if args.get("return_probs") or args.get("docs") is not None or q.shape[0] != 1:
             raise ValueError("a Segments mask takes one packed row, no documents, no attention maps")
-        outs = [
-            fn(q[:, :, a:b], k[:, :, c:d], v[:, :, c:d], mask=None, **args)[0]  # [1, H, b - a, Dv]
+        outs, n = [], 0
+        if isinstance(mask, Mixed):
+            n = mask.n
+            qd = q[0, :, :n].transpose(0, 1).unsqueeze(2)  # [n, H, 1, D]
+            out = fn(qd, mask.k, mask.v, mask=mask.mask, **args)[0]  # [n, H, 1, Dv]
+            outs.append(out[:, :, 0].transpose(0, 1).unsqueeze(0))  # [1, H, n, Dv]
+            mask = mask.segments
+        outs += [
+            fn(q[:, :, n + a : n + b], k[:, :, c:d], v[:, :, c:d], mask=None, **args)[0]  # [1, H, b - a, Dv]
             for a, b, c, d in mask.bounds
         ]
         return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)), None  # [1, H, N, Dv]
