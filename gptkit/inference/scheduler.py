@@ -242,27 +242,13 @@ class PagedSteps:
         """One forward of the decode tokens (in the order of their decode rows) then the chunks, [1, n + N];
         (the decodes in that order, logits [n + k, V]: each decode's, then the last token's of each chunk
         that ends its sequence's tokens)."""
-        b = self.b
         decode = DecodeView(self.pool, [s.pages for s in decodes], self.rows)
         seqs = [decodes[j] for j in decode.order]
         n = len(seqs)
-        ids, rows, at = [s.last for s in seqs], list(range(n)), n
-        for s, T in chunks:
-            start = s.pages.computed
-            seq_ids = self._ids(s)
-            ids.extend(seq_ids[start : start + T])
-            at += T
-            if start + T == len(seq_ids):
-                rows.append(at - 1)
-        tokens = torch.tensor([ids], dtype=torch.long, device=b.device)  # [1, n + N]
+        ids, rows = [s.last for s in seqs], list(range(n))
+        self._lay(chunks, ids, rows)
         view = MixedView(decode, PackedView(self.pool, [(s.pages, T) for s, T in chunks]))
-        pick = torch.tensor(rows, dtype=torch.long, device=b.device)
-        # only the rows that sample go through the LM head
-        hook = b.model.final_norm.register_forward_hook(lambda m, i, o: o[:, pick])
-        try:
-            logits = b.model(tokens, cache=view).logits[0]  # [n + k, V]
-        finally:
-            hook.remove()
+        logits = self._forward_rows(ids, view, rows)  # [n + k, V]
         self.prefill_tokens += len(ids) - n
         return seqs, logits
 
@@ -289,27 +275,35 @@ class PagedSteps:
     def _packed(self, chunks) -> torch.Tensor:
         """One forward of the chunks packed in a row [1, N]; the logits [k, V] of the last token of each
         chunk that ends its sequence's tokens."""
-        b = self.b
-        ids, rows, at = [], [], 0
+        ids, rows = [], []
+        self._lay(chunks, ids, rows)
+        view = PackedView(self.pool, [(s.pages, T) for s, T in chunks])
+        # no chunk ends its tokens: one row anyway (a layer laid out for decoding takes no empty input)
+        logits = self._forward_rows(ids, view, rows or [len(ids) - 1])[: len(rows)]  # [k, V]
+        self.prefill_tokens += len(ids)
+        return logits
+
+    def _lay(self, chunks, ids: list, rows: list) -> None:
+        """Append the chunks' tokens to ids, and to rows the index in ids of each chunk's last token when
+        the chunk ends its sequence's tokens (a row that samples)."""
         for s, T in chunks:
             start = s.pages.computed
             seq_ids = self._ids(s)
             ids.extend(seq_ids[start : start + T])
-            at += T
             if start + T == len(seq_ids):
-                rows.append(at - 1)
-        tokens = torch.tensor([ids], dtype=torch.long, device=b.device)  # [1, N]
-        view = PackedView(self.pool, [(s.pages, T) for s, T in chunks])
-        # no chunk ends its tokens: one row anyway (a layer laid out for decoding takes no empty input)
-        pick = torch.tensor(rows or [at - 1], dtype=torch.long, device=b.device)
-        # only the rows that sample go through the LM head: the final norm's output narrowed to them
+                rows.append(len(ids) - 1)
+
+    def _forward_rows(self, ids: list, view, rows: list) -> torch.Tensor:
+        """One forward of ids [1, len(ids)] through the cache view; the logits [len(rows), V] of those rows:
+        only they go through the LM head (the final norm's output narrowed to them)."""
+        b = self.b
+        tokens = torch.tensor([ids], dtype=torch.long, device=b.device)  # [1, len(ids)]
+        pick = torch.tensor(rows, dtype=torch.long, device=b.device)
         hook = b.model.final_norm.register_forward_hook(lambda m, i, o: o[:, pick])
         try:
-            logits = b.model(tokens, cache=view).logits[0, : len(rows)]  # [k, V]
+            return b.model(tokens, cache=view).logits[0]
         finally:
             hook.remove()
-        self.prefill_tokens += len(ids)
-        return logits
 
     def _sample(self, chunks, logits, out) -> int:
         """Each sequence whose tokens are now all cached samples its next token (its waiting sibling choices
