@@ -55,11 +55,10 @@ class RMSNorm(nn.Module):
             and type(x) is torch.Tensor
             and x.device.type == "cpu"
         ):
-            # inference in fp32 on the CPU: the formula below in place, the same numbers bit for bit (tested);
-            # torch's rms_norm on the CPU composes ~9 small ops, each ~6 us in a decode step whose weight
-            # stream has flushed the caches (a 56M Llama's 17 norms: ~7% of a one-row step under it)
-            ms = torch.mean(x * x, -1, keepdim=True).add_(self.eps).rsqrt_()
-            return (x * ms).mul_(self.weight)
+            # inference in fp32 on the CPU: torch's rms_norm, one op for the seven below, the same numbers
+            # (bit for bit on 300 random inputs, torch 2.13); a decode step's norm of one row costs ~25% less
+            # (the seven in place from Python: no faster, 2026-12-06)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
