@@ -3,18 +3,25 @@ out for the few rows per step that decoding feeds it.
 
     decoding_layout(model, batch)   a context manager; the model's own modules come back afterwards
 
-    batch 1, widening layer (out >= in)       MKL on W^T            (_TransposedLinear)
-    batch 1, narrowing layer (out < in)       MKL on W itself       (the layer, unchanged)
-    batch 2+, fp32, weight >= PACK_MIN_BYTES  oneDNN, weight packed once for `batch` rows (_PackedLinear);
+    fp32, weight >= PACK_MIN_BYTES, gptkit's CPU kernel available
+                                              gptkit_kernels.cpu_linear for up to KERNEL_MAX_ROWS rows a call
+                                              (weight packed in blocks of 16 outputs, the memory stream
+                                              prefetched: _KernelLinear); more rows (a prefill) on the layer's
+                                              own weight (F.linear), so one copy of the weights
+    else, batch 1, widening layer (out >= in) MKL on W^T            (_TransposedLinear)
+    else, batch 1, narrowing layer (out < in) MKL on W itself       (the layer, unchanged)
+    else, batch 2+, fp32, weight >= PACK_MIN_BYTES
+                                              oneDNN, weight packed once for `batch` rows (_PackedLinear);
                                               a step of ONE row still takes the batch-1 copy above (a server
                                               laid out for 16 rows serving one client: the packed weight at
                                               one row cost it ~6 ms a token on a 56M Llama, ~35% of the step)
-    batch 2+, smaller weights / other dtypes  MKL on W^T            (_TransposedLinear)
+    else, batch 2+, smaller weights / other dtypes  MKL on W^T      (_TransposedLinear)
 
-Only on CPU, and only while the matmul weights take less than DECODING_LAYOUT_MAX_BYTES (the copies cost
-one more set of them, and at batch 2+ the widening layers' W^T for one-row steps); a quantized weight
-(quantize=: a torchao tensor) keeps its layer, which a copy would dequantize. CUDA decoding uses
-gptkit.inference.static_decode instead.
+The kernel needs x86-64 with AVX-512 and a C compiler (gptkit_kernels/cpu_linear.py says why it is not
+available, and GPTKIT_CPU_LINEAR=0 turns it off). Only on CPU, and only while the matmul weights take less
+than DECODING_LAYOUT_MAX_BYTES (the copies cost one more set of them, and at batch 2+ without the kernel the
+widening layers' W^T for one-row steps); a quantized weight (quantize=: a torchao tensor) keeps its layer,
+which a copy would dequantize. CUDA decoding uses gptkit.inference.static_decode instead.
 """
 
 from __future__ import annotations
@@ -24,12 +31,18 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from gptkit_kernels import cpu_linear
+
 # above this, a second copy of the weights is not worth the memory
 DECODING_LAYOUT_MAX_BYTES = 1 << 30
 # Below this weight size oneDNN's per-call overhead outweighs the packed layout at 2-16 rows (one thread,
 # whole decode steps: llama-tiny's 128x256..352x128 layers run faster on W^T; gpt2-15m's 384x384 and up
 # run faster packed).
 PACK_MIN_BYTES = 512 * 1024
+# Up to this many rows a call, gptkit's CPU kernel; more on F.linear. One thread, a 56M Llama's 57 matmuls
+# (158 MB of weights) a step: the kernel 10.4-13.9 ms at 16 rows vs oneDNN packed 19.7, 38.5 vs 39.1 at 64,
+# 138 vs 116 (F.linear 122) at 256 (docs/serve.md).
+KERNEL_MAX_ROWS = 64
 
 
 class _TransposedLinear(torch.nn.Module):
@@ -85,6 +98,38 @@ class _PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
 
 
+class _KernelLinear(torch.nn.Module):
+    """A Linear layer through gptkit_kernels.cpu_linear (its weight packed once in blocks of 16 outputs) for
+    up to KERNEL_MAX_ROWS rows a call; a larger call (a prefill) runs F.linear on the layer's own weight,
+    which this copy holds without copying."""
+
+    def __init__(self, linear: torch.nn.Linear) -> None:
+        super().__init__()
+        self.n = linear.out_features
+        self.packed = cpu_linear.pack(linear.weight)
+        self.packed_bias = cpu_linear.pack_bias(linear.bias, self.n)
+        self.weight = linear.weight.detach()
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [M, in_features]
+        if rows.shape[0] > KERNEL_MAX_ROWS:
+            return F.linear(x, self.weight, self.bias)
+        return cpu_linear.linear(rows, self.packed, self.packed_bias, self.n).view(*x.shape[:-1], self.n)
+
+
+def _kernel_usable(weight: torch.Tensor) -> bool:
+    """Whether the layout runs this layer on gptkit's kernel: fp32 weights of PACK_MIN_BYTES or more (smaller
+    ones stay in cache between steps, where MKL's call costs less: llama-tiny's 128x352 layer 2.1 vs 2.4 us a
+    row), when the kernel runs on this machine."""
+    return (
+        weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.numel() * weight.element_size() >= PACK_MIN_BYTES
+        and cpu_linear.available() is None
+    )
+
+
 def _onednn_usable(weight: torch.Tensor) -> bool:
     return (
         weight.dtype == torch.float32
@@ -100,6 +145,8 @@ def _packs(linear: torch.nn.Linear, batch: int) -> bool:
 
 
 def _decoding_copy(linear: torch.nn.Linear, batch: int) -> torch.nn.Module:
+    if _kernel_usable(linear.weight):
+        return _KernelLinear(linear)
     if _packs(linear, batch):
         try:
             packed = _PackedLinear(linear, batch, one=_one_row_copy(linear))

@@ -197,16 +197,27 @@ def test_generate_matches_the_plain_model_and_restores_its_layers(variant, batch
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("pack_min_bytes", [0, 5000])
+@pytest.mark.parametrize("pack_min_bytes", [0, 5000, "kernel"])
 def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_bytes, monkeypatch):
-    """Inside the decoding layout every Linear is swapped for a copy (oneDNN-packed for batch > 1 where torch
-    has oneDNN and the weight is large enough; else W^T, or the layer itself when it narrows at batch 1); each
-    must compute the layer's own map for any number of rows (the prefill feeds B * T0 rows to weights packed
-    for B) and leading shape; a packed layer runs a one-row input on the batch-1 copy."""
+    """Inside the decoding layout every Linear is swapped for a copy (gptkit's CPU kernel where it runs:
+    "kernel"; without it, oneDNN-packed for batch > 1 where torch has oneDNN and the weight is large enough;
+    else W^T, or the layer itself when it narrows at batch 1); each must compute the layer's own map for any
+    number of rows (the prefill feeds B * T0 rows to weights packed for B; the kernel hands more than
+    KERNEL_MAX_ROWS to F.linear) and leading shape; a packed layer runs a one-row input on the batch-1
+    copy."""
     import gptkit.inference.decoding_layout as layout
+    from gptkit_kernels import cpu_linear
 
-    # 5000: the 32x32 o_proj (4096 bytes) stays unpacked
-    monkeypatch.setattr(layout, "PACK_MIN_BYTES", pack_min_bytes)
+    kernel = pack_min_bytes == "kernel"
+    if kernel and cpu_linear.available() is not None:
+        pytest.skip(f"the CPU linear kernel: {cpu_linear.available()}")
+    if kernel:
+        # every layer, however small, on the kernel
+        monkeypatch.setattr(layout, "PACK_MIN_BYTES", 0)
+    else:
+        monkeypatch.setattr(layout, "_kernel_usable", lambda weight: False)
+        # 5000: the 32x32 o_proj (4096 bytes) stays unpacked
+        monkeypatch.setattr(layout, "PACK_MIN_BYTES", pack_min_bytes)
     model = tiny_gpt("learned-mha" if bias else "rope-gqa")
     layers = {n: m for n, m in model.named_modules() if type(m) is torch.nn.Linear}
     g = torch.Generator().manual_seed(0)
@@ -217,7 +228,8 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
                 m.bias.copy_(torch.randn(m.bias.shape, generator=g))
     inputs = {
         n: [
-            torch.randn(*shape, m.in_features, generator=g) for shape in ((1,), (batch, 1), (batch, 7), (37,))
+            torch.randn(*shape, m.in_features, generator=g)
+            for shape in ((1,), (batch, 1), (batch, 7), (37,), (layout.KERNEL_MAX_ROWS + 1,))
         ]
         for n, m in layers.items()
     }
@@ -228,6 +240,11 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
             swapped = dict(model.named_modules())
             for n, xs in inputs.items():
                 m = layers[n]
+                if kernel:
+                    assert type(swapped[n]).__name__ == "_KernelLinear"
+                    for x, w in zip(xs, want[n]):
+                        torch.testing.assert_close(swapped[n](x), w, rtol=1e-5, atol=1e-5)
+                    continue
                 packs = (
                     batch > 1 and m.weight.numel() * 4 >= pack_min_bytes and layout._onednn_usable(m.weight)
                 )
@@ -247,7 +264,7 @@ def test_decoding_layout_computes_the_same_linear_maps(batch, bias, pack_min_byt
                     assert type(swapped[n].one).__name__ == one
                 for x, w in zip(xs, want[n]):
                     torch.testing.assert_close(swapped[n](x), w, rtol=1e-5, atol=1e-5)
-    if batch > 1:
+    if batch > 1 and not kernel:
         assert layout._onednn_usable(model.lm_head.weight) == torch.backends.mkldnn.is_available()
         # the small layers stay on W^T unless the threshold is 0
         if torch.backends.mkldnn.is_available():
@@ -264,6 +281,7 @@ def test_decoding_layout_falls_back_when_onednn_fails(monkeypatch):
     def broken(self, x):
         raise RuntimeError("oneDNN: unsupported")
 
+    monkeypatch.setattr(layout, "_kernel_usable", lambda weight: False)
     monkeypatch.setattr(layout, "PACK_MIN_BYTES", 0)
     monkeypatch.setattr(layout._PackedLinear, "forward", broken)
     model = tiny_gpt("rope-gqa")

@@ -1,0 +1,168 @@
+"""A CPU fp32 linear map for the few rows a decode step feeds a layer: cpu_linear.c, compiled once per
+machine with the system's C compiler and loaded with ctypes (no torch headers, no build step at install).
+
+    available()                 None when the kernel runs here; else why not, in one line
+    pack(weight)                W [N, K] -> [ceil(N / 16), K, 16]: 16 outputs side by side for each input
+    pack_bias(bias, N)          the bias padded to a whole number of blocks (None: None)
+    linear(x, packed, bias, N)  x [M, K] -> x @ W^T + bias, [M, N]
+
+Why: a decode step streams every weight from memory for 1-16 rows. torch's CPU kernels (oneDNN packed, MKL
+on either layout) take the memory time plus the arithmetic time at 16 rows; this kernel prefetches the next
+lines of each block so the two overlap (docs/serve.md has the measurements). Each output is the bias plus
+the sum over k, in order, of x[m, k] * w[n, k] with fused multiply-adds: fp32 results within rounding of
+F.linear (max |diff| ~1e-6 at K = 512).
+
+Where it runs: x86-64 with AVX-512 (torch.backends.cpu.get_cpu_capability() == "AVX512") and a C compiler
+(`cc`, or $CC) that takes -mavx512f -fopenmp (its OpenMP is torch's own libgomp, already loaded); it is built
+under $GPTKIT_CACHE/kernels (default ~/.cache/gptkit/kernels; about a second), named by a hash of its source,
+flags and compiler, written atomically, and checked against F.linear once when loaded.
+GPTKIT_CPU_LINEAR=0 turns it off (the callers then use torch's kernels).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+BLOCK = 16
+_SOURCE = Path(__file__).with_name("cpu_linear.c")
+_FLAGS = ["-O3", "-mavx512f", "-mfma", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+
+
+def _cache_dir() -> Optional[Path]:
+    """$GPTKIT_CACHE/kernels, else ~/.cache/gptkit/kernels (gptkit's cache); None when GPTKIT_CACHE names
+    object storage (the kernel is then built in a private temporary folder)."""
+    root = os.environ.get("GPTKIT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "gptkit")
+    return None if "://" in root else Path(root).expanduser() / "kernels"
+
+
+def _compiler() -> Optional[str]:
+    return shutil.which(os.environ.get("CC") or "cc") or shutil.which("gcc")
+
+
+def _build(cc: str) -> Path:
+    """The shared library, compiled now unless the cache has it; OSError or CalledProcessError on failure.
+    Where the cache cannot be written, it is built in a new private temporary folder (never a shared one
+    another user could have filled)."""
+    source = _SOURCE.read_bytes()
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(_FLAGS).encode(), version.encode()])).hexdigest()[:16]
+    name = f"cpu_linear-{key}.so"
+    out_dir = _cache_dir()
+    if out_dir is not None and (out_dir / name).is_file():
+        return out_dir / name
+    try:
+        if out_dir is None:
+            raise OSError("no local cache")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".cpu_linear-", suffix=".so")
+    except OSError:
+        out_dir = Path(tempfile.mkdtemp(prefix="gptkit-kernels-"))
+        fd, tmp = tempfile.mkstemp(dir=out_dir, prefix=".cpu_linear-", suffix=".so")
+    os.close(fd)
+    try:
+        subprocess.run(
+            [cc, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, text=True, timeout=300
+        )
+        # another process may have built it meanwhile: either copy is the same
+        os.replace(tmp, out_dir / name)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out_dir / name
+
+
+@functools.lru_cache(maxsize=None)
+def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+    if os.environ.get("GPTKIT_CPU_LINEAR", "1") == "0":
+        return None, "turned off (GPTKIT_CPU_LINEAR=0)"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the kernel is written for x86-64 with AVX-512, not {platform.machine()}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX512":
+        return None, f"this CPU runs torch's {capability} kernels, and the kernel needs AVX-512"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler (cc, gcc or $CC) to build it"
+    try:
+        lib = ctypes.CDLL(str(_build(cc)))
+    except subprocess.CalledProcessError as exc:
+        return None, f"{cc} could not build it: {(exc.stderr or '').strip().splitlines()[-1:] or exc}"
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return None, f"it could not be built or loaded: {exc}"
+    fn = lib.gptkit_cpu_linear
+    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    fn.restype = None
+    # a wrong build (a compiler that mistranslates it) is found here, not in a model's answers
+    g = torch.Generator().manual_seed(0)
+    for rows, n, k in ((1, 37, 40), (13, 16, 9), (21, 50, 33)):
+        x = torch.randn(rows, k, generator=g)
+        w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+        got = _run(fn, x, pack(w), pack_bias(b, n), n, 1)
+        if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+            return None, f"the build {lib._name} computes wrong results (delete it to rebuild)"
+    return fn, None
+
+
+def available() -> Optional[str]:
+    """None when the kernel runs on this machine; else why not (one line)."""
+    return _load()[1]
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """W [N, K] (fp32) -> [ceil(N / 16), K, 16]: block b holds outputs 16b..16b+15, the last block zero
+    padded (one pass over the weight)."""
+    w = weight.detach()
+    n, k = w.shape
+    full = n // BLOCK
+    blocks = -(-n // BLOCK)
+    packed = w.new_empty(blocks, k, BLOCK)
+    packed[:full].copy_(w[: full * BLOCK].view(full, BLOCK, k).transpose(1, 2))
+    if blocks > full:
+        tail = packed[full]  # [K, 16]
+        tail.zero_()
+        tail[:, : n - full * BLOCK].copy_(w[full * BLOCK :].t())
+    return packed
+
+
+def pack_bias(bias: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    if bias is None:
+        return None
+    padded = bias.detach().new_zeros(-(-n // BLOCK) * BLOCK)
+    padded[:n] = bias.detach()
+    return padded
+
+
+def _run(fn, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int, threads: int):
+    y = x.new_empty(x.shape[0], n)
+    fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
+       x.shape[0], x.shape[1], n, threads)  # fmt: skip
+    return y
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
+    """x [M, K] fp32 on the CPU -> x @ W^T + bias [M, N], W packed by pack(), bias by pack_bias(); on torch's
+    number of threads. Raises RuntimeError when the kernel is not available()."""
+    fn = _load()[0]
+    if fn is None:
+        raise RuntimeError(f"gptkit's CPU linear kernel is not available: {available()}")
+    if x.dtype != torch.float32 or packed.dtype != torch.float32 or not (x.is_cpu and packed.is_cpu):
+        raise TypeError("cpu_linear takes fp32 tensors on the CPU")
+    if x.dim() != 2 or x.shape[1] != packed.shape[1] or packed.shape[0] * BLOCK < n:
+        raise ValueError(
+            f"cpu_linear: x {tuple(x.shape)} does not fit the packed weight {tuple(packed.shape)}"
+        )
+    if not x.is_contiguous():
+        x = x.contiguous()
+    return _run(fn, x, packed, bias, n, torch.get_num_threads())

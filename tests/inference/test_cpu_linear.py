@@ -1,0 +1,167 @@
+"""gptkit_kernels.cpu_linear (the CPU decode linear of gptkit/inference/decoding_layout.py): its results
+against float64 within F.linear's own rounding, for 1-70 rows, widths that are not multiples of its blocks,
+biases and threads; why it is not available, in one line; and the decoding layout's choice of it, whose
+greedy tokens are the plain model's."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import greedy_gpt
+
+from gptkit_kernels import cpu_linear
+
+# the reasons a machine may lack the kernel; a build that fails or computes wrong numbers is a failure
+# (test_the_kernel_runs_where_it_can), never a skip
+MACHINE_REASONS = ("turned off", "the kernel is written for", "this CPU runs", "no C compiler")
+needs_kernel = pytest.mark.skipif(
+    cpu_linear.available() is not None, reason=f"the CPU linear kernel: {cpu_linear.available()}"
+)
+
+
+def test_the_kernel_runs_where_it_can():
+    why = cpu_linear.available()
+    assert why is None or why.startswith(MACHINE_REASONS), why
+
+
+@pytest.fixture
+def fresh(monkeypatch, tmp_path):
+    """The kernel found (or not) again, built under tmp_path's cache, and forgotten after the test."""
+    monkeypatch.setenv("GPTKIT_CACHE", str(tmp_path / "cache"))
+    cpu_linear._load.cache_clear()
+    yield tmp_path
+    cpu_linear._load.cache_clear()
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernel_computes_the_linear_map(threads):
+    """x @ W^T + b for every row count the decode feeds it (and more), widths with a partial last block of
+    16 outputs, with and without a bias; each output within F.linear's own distance from the float64 map."""
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 3, 7, 8, 9, 15, 16, 17, 33, 70):
+            for n, k in ((37, 40), (16, 3), (1376, 512), (512, 1376), (95, 64)):
+                x = torch.randn(rows, k, generator=g)
+                w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+                for bias in (b, None):
+                    got = cpu_linear.linear(x, cpu_linear.pack(w), cpu_linear.pack_bias(bias, n), n)
+                    assert got.shape == (rows, n) and got.dtype == torch.float32
+                    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                    theirs = (F.linear(x, w, bias).double() - exact).abs().max().item()
+                    ours = (got.double() - exact).abs().max().item()
+                    assert ours <= 4 * theirs + 1e-6, (rows, n, k, bias is None, ours, theirs)
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernel
+def test_the_kernel_refuses_what_it_cannot_take():
+    w = torch.randn(20, 8)
+    packed = cpu_linear.pack(w)
+    assert packed.shape == (2, 8, 16)
+    # the padding of the last block is zeros
+    assert packed[1, :, 4:].abs().sum() == 0
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_linear.linear(torch.randn(3, 9), packed, None, 20)
+    with pytest.raises(TypeError, match="fp32"):
+        cpu_linear.linear(torch.randn(3, 8, dtype=torch.float64), packed, None, 20)
+
+
+def test_off_by_the_environment(fresh, monkeypatch):
+    monkeypatch.setenv("GPTKIT_CPU_LINEAR", "0")
+    assert cpu_linear.available() == "turned off (GPTKIT_CPU_LINEAR=0)"
+    with pytest.raises(RuntimeError, match="not available: turned off"):
+        cpu_linear.linear(torch.randn(1, 8), cpu_linear.pack(torch.randn(16, 8)), None, 16)
+
+
+@needs_kernel
+def test_no_compiler_and_a_failing_compiler_say_why(fresh, monkeypatch):
+    monkeypatch.setenv("PATH", str(fresh))
+    monkeypatch.setenv("CC", "no-such-cc")
+    assert cpu_linear.available() == "no C compiler (cc, gcc or $CC) to build it"
+    cpu_linear._load.cache_clear()
+    broken = fresh / "cc"
+    broken.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo broken 1.0; exit 0; fi\n'
+        "echo 'cc: error: unknown option' >&2\nexit 1\n"
+    )
+    broken.chmod(broken.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("CC", str(broken))
+    why = cpu_linear.available()
+    assert why.startswith(f"{broken} could not build it") and "unknown option" in why
+    assert "\n" not in why
+    # nothing half-written is left in the cache
+    assert not [p for p in (fresh / "cache" / "kernels").iterdir()]
+
+
+@needs_kernel
+def test_built_once_then_loaded_from_the_cache(fresh):
+    assert cpu_linear.available() is None
+    built = list((fresh / "cache" / "kernels").glob("cpu_linear-*.so"))
+    assert len(built) == 1
+    stamp = os.stat(built[0]).st_mtime_ns
+    cpu_linear._load.cache_clear()
+    assert cpu_linear.available() is None
+    assert list((fresh / "cache" / "kernels").glob("cpu_linear-*.so")) == built
+    assert os.stat(built[0]).st_mtime_ns == stamp
+
+
+@needs_kernel
+def test_a_wrong_build_is_refused(fresh, monkeypatch):
+    """A library that computes the wrong numbers (here: the kernel with its bias ignored) is found by the
+    check at load, not in a model's answers."""
+    assert cpu_linear.available() is None
+    real = cpu_linear._run
+
+    def wrong(fn, x, packed, bias, n, threads):
+        return real(fn, x, packed, None, n, threads)
+
+    cpu_linear._load.cache_clear()
+    monkeypatch.setattr(cpu_linear, "_run", wrong)
+    assert "computes wrong results" in cpu_linear.available()
+
+
+@needs_kernel
+def test_the_decoding_layout_takes_the_kernel_and_keeps_the_tokens(monkeypatch):
+    """With the kernel available every plain Linear of PACK_MIN_BYTES or more decodes through it (batch 1
+    and 4), the prefill's larger calls through F.linear on the layer's own weight; greedy tokens equal the
+    plain model's."""
+    import gptkit.inference.decoding_layout as layout
+    from gptkit.inference.generate import generate
+    from gptkit.inference.sampling import SampleOptions
+
+    model = greedy_gpt(128, position="rope", mlp="swiglu", norm="rmsnorm", n_kv_heads=2, bias=False)
+    prompt = [[(3 + 7 * i) % 61 for i in range(70)]]
+    # the tiny model's layers (32 x 32 .. 61 x 32) are below the threshold: none takes the kernel
+    with layout.decoding_layout(model, 4):
+        assert not any(type(m).__name__ == "_KernelLinear" for m in model.modules())
+    monkeypatch.setattr(layout, "PACK_MIN_BYTES", 0)
+    for batch in (1, 4):
+        with layout.decoding_layout(model, batch):
+            kinds = {type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}
+        assert kinds == {"_KernelLinear"}
+    out = generate(model, prompt[0], SampleOptions(max_new_tokens=8, temperature=0, num_samples=2)).tokens
+    ids = list(prompt[0])
+    with torch.no_grad():
+        for _ in range(8):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    assert out == [ids[len(prompt[0]) :]] * 2
+
+
+@needs_kernel
+def test_a_cache_that_cannot_be_written_builds_in_a_private_folder(fresh, monkeypatch):
+    """GPTKIT_CACHE under a file: the kernel is built in a new private temporary folder and runs."""
+    blocker = fresh / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("GPTKIT_CACHE", str(blocker / "cache"))
+    assert cpu_linear.available() is None
+    w = torch.randn(40, 24)
+    x = torch.randn(3, 24)
+    torch.testing.assert_close(cpu_linear.linear(x, cpu_linear.pack(w), None, 40), F.linear(x, w))
