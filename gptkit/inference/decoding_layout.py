@@ -174,6 +174,25 @@ def _plain(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
 
 
+def describe(model) -> str:
+    """The layout's matmuls in words (serve's banner), for a model whose layout is not in place: gptkit's
+    kernel, torch's, or none on this device."""
+    linears = [m for m in model.modules() if _plain(m)]
+    if model.lm_head.weight.device.type != "cpu":
+        return "the model's own (no CPU decoding layout on this device)"
+    if sum(m.weight.numel() * m.weight.element_size() for m in linears) > DECODING_LAYOUT_MAX_BYTES:
+        return "the model's own (its weights exceed the decoding layout's memory cap)"
+    kernel = sum(_kernel_usable(m.weight) for m in linears)
+    if kernel:
+        rest = ", torch's for the rest" if kernel < len(linears) else ""
+        return (
+            f"gptkit's CPU kernel for {kernel} of {len(linears)} Linear layers (fp32, >= 512 KB; up to "
+            f"{KERNEL_MAX_ROWS} rows a call){rest}"
+        )
+    why = cpu_linear.available()
+    return "torch's (oneDNN, MKL)" + (f"; gptkit's CPU kernel is not used: {why}" if why else "")
+
+
 @contextmanager
 def decoding_layout(model, batch: int = 1):
     """Swap every Linear layer of `model` for its decoding copy (module docstring) while the block runs."""

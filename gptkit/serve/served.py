@@ -26,6 +26,7 @@ from gptkit.chat_templates import (
     template_in_folder,
 )
 from gptkit.errors import GptkitError
+from gptkit.inference.decoding_layout import describe
 from gptkit.inference.engine import Engine
 from gptkit.inference.generate import encode_prompt, special_token_ids
 from gptkit.inference.speculative import load_speculator
@@ -57,6 +58,8 @@ class Served:
     dtype: str
     # each id's text and bytes (log-probs, a grammar's vocabulary)
     tokens: TokenTexts
+    # the decode's matmuls in words (decoding_layout.describe, before the engine lays the weights out)
+    matmuls: str = ""
     # response_format's grammar compiler, made at its first use (gptkit/serve/grammar.py)
     grammar: Optional[object] = None
 
@@ -194,6 +197,7 @@ def load_served(
     if not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1:
         raise GptkitError(f"max_batch={max_batch!r} must be an integer >= 1")
     layout_rows = max_batch if model.lm_head.weight.device.type == "cpu" else None
+    matmuls = describe(model)
     # draft=: speculative decoding, each sequence alone in a forward (gptkit/inference/speculative.py)
     speculate = load_speculator(draft, draft_k, r, device, dtype)
     engine = Engine(
@@ -222,4 +226,5 @@ def load_served(
         device=str(model.tok_emb.weight.device),
         dtype=str(model.tok_emb.weight.dtype).removeprefix("torch."),
         tokens=TokenTexts(r.tokenizer, model.cfg.vocab_size),
+        matmuls=matmuls,
     )

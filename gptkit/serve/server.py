@@ -52,6 +52,7 @@ def banner(served: Served, url: str, api_key: Optional[str]) -> str:
             f"  batching: max_batch={e.max_batch} sequences at once, max_queue={e.max_queue} waiting "
             "(then 429)" + ("; API key required" if api_key else ""),
             f"  KV cache: {kv_line(e)}",
+            f"  decode matmuls: {served.matmuls}",
             f"  try: curl {url}/v1/{endpoint} -H 'Content-Type: application/json'{key} "
             f"-d '{json.dumps(example)}'",
         ]

@@ -165,3 +165,23 @@ def test_a_cache_that_cannot_be_written_builds_in_a_private_folder(fresh, monkey
     w = torch.randn(40, 24)
     x = torch.randn(3, 24)
     torch.testing.assert_close(cpu_linear.linear(x, cpu_linear.pack(w), None, 40), F.linear(x, w))
+
+
+def test_the_layout_says_whose_matmuls_decode(fresh, monkeypatch):
+    """serve's banner line: how many layers take the kernel, or why none does."""
+    from gptkit.inference.decoding_layout import PACK_MIN_BYTES, describe
+
+    model = greedy_gpt(32)
+    n = sum(type(m) is torch.nn.Linear for m in model.modules())
+    if cpu_linear.available() is None:
+        monkeypatch.setattr("gptkit.inference.decoding_layout.PACK_MIN_BYTES", 0)
+        assert describe(model).startswith(f"gptkit's CPU kernel for {n} of {n} Linear layers")
+        monkeypatch.setattr("gptkit.inference.decoding_layout.PACK_MIN_BYTES", PACK_MIN_BYTES)
+        # the tiny model's layers are all below the threshold
+        assert describe(model) == "torch's (oneDNN, MKL)"
+    cpu_linear._load.cache_clear()
+    monkeypatch.setenv("GPTKIT_CPU_LINEAR", "0")
+    assert (
+        describe(model)
+        == "torch's (oneDNN, MKL); gptkit's CPU kernel is not used: turned off (GPTKIT_CPU_LINEAR=0)"
+    )

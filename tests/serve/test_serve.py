@@ -577,6 +577,8 @@ def test_sixteen_concurrent_clients_each_get_samples_and_chats_greedy_answer(ser
     kv = h["kv_cache"]
     assert kv["free"] == kv["blocks"] and 0 < kv["prefix_hit_rate"] < 1 and kv["prefix_hit_tokens"] > 0
     assert any("KV cache: paged" in line for line in server.lines)
+    # the banner says whose matmuls decode (the test model's small layers: torch's at least in part)
+    assert any("decode matmuls: " in line and "torch's" in line for line in server.lines)
 
 
 def test_logprobs_are_the_models_log_softmax_in_openais_shapes(server, ref):
