@@ -185,3 +185,47 @@ def test_the_layout_says_whose_matmuls_decode(fresh, monkeypatch):
         describe(model)
         == "torch's (oneDNN, MKL); gptkit's CPU kernel is not used: turned off (GPTKIT_CPU_LINEAR=0)"
     )
+
+
+@needs_kernel
+def test_packed_weights_are_kept_while_the_weights_stay_the_same(monkeypatch):
+    """A layout entered again reuses its packed weights; a weight written in place (an optimizer step,
+    load_state_dict), a new bias, or a weight created in inference mode (no version counter) is packed anew,
+    and every layout computes the layer's current map."""
+    import gptkit.inference.decoding_layout as layout
+
+    monkeypatch.setattr(layout, "PACK_MIN_BYTES", 0)
+    packs = []
+    real = cpu_linear.pack
+    # the layer's packs (the kernel's check at load packs weights of other shapes)
+    monkeypatch.setattr(cpu_linear, "pack", lambda w: (w.shape == (40, 24) and packs.append(1)) or real(w))
+    lin = torch.nn.Linear(24, 40)
+    model = torch.nn.Sequential(lin)
+    model.lm_head = lin  # decoding_layout reads the head's device
+    x = torch.randn(3, 24)
+
+    def run() -> torch.Tensor:
+        with torch.no_grad(), layout.decoding_layout(model, 4):
+            assert type(model[0]).__name__ == "_KernelLinear"
+            return model[0](x)
+
+    torch.testing.assert_close(run(), lin(x).detach())
+    torch.testing.assert_close(run(), lin(x).detach())
+    assert len(packs) == 1
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    torch.testing.assert_close(run(), lin(x).detach())
+    assert len(packs) == 2
+    with torch.no_grad():
+        lin.bias.add_(1.0)
+    torch.testing.assert_close(run(), lin(x).detach())
+    assert len(packs) == 3
+    with torch.inference_mode():
+        frozen = torch.nn.Linear(24, 40)
+    model[0] = frozen
+    model.lm_head = frozen
+    with torch.no_grad():
+        want = frozen(x)
+    torch.testing.assert_close(run(), want)
+    torch.testing.assert_close(run(), want)
+    assert len(packs) == 5
