@@ -41,9 +41,9 @@ DECODING_LAYOUT_MAX_BYTES = 1 << 30
 # whole decode steps: llama-tiny's 128x256..352x128 layers run faster on W^T; gpt2-15m's 384x384 and up
 # run faster packed).
 PACK_MIN_BYTES = 512 * 1024
-# Up to this many rows a call, gptkit's CPU kernel; more on F.linear. One thread, a 56M Llama's 57 matmuls
-# (158 MB of weights) a step: the kernel 10.4-13.9 ms at 16 rows vs oneDNN packed 19.7, 38.5 vs 39.1 at 64,
-# 138 vs 116 (F.linear 122) at 256 (docs/serve.md).
+# Up to this many rows a call, gptkit's CPU kernel; more on F.linear. One thread, a 56M Llama's weights
+# (158 MB) a step: the kernel 1.41-1.48x faster than oneDNN packed at 16 rows, even at 64 (38.5 vs 39.1 ms),
+# slower at 256 (138 vs 116; F.linear 122) (docs/kernels.md).
 KERNEL_MAX_ROWS = 64
 
 

@@ -8,7 +8,7 @@
  * for 1-16 rows did not: their time was the memory time plus the arithmetic time, docs/serve.md).
  *
  * Written with GCC's vector extensions (a 16-float vector, one AVX-512 register); compiled with -mavx512f.
- * Each output is the sum over k in order 0..K-1 of fma(x[m, k], w[n, k]), after the bias.
+ * Each output is the bias plus the sums of fused multiply-adds over chunks of CHUNK inputs, added up.
  */
 #include <stddef.h>
 #include <string.h>
