@@ -164,6 +164,9 @@ def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], 
         raise ValueError(
             f"cpu_linear: x {tuple(x.shape)} does not fit the packed weight {tuple(packed.shape)}"
         )
+    # the kernel reads whole 64-byte lines of the packed weight and bias (what pack() and pack_bias() give)
+    if not packed.is_contiguous() or packed.data_ptr() % 64 or (bias is not None and bias.data_ptr() % 64):
+        raise ValueError("cpu_linear: the packed weight and bias must be pack()'s and pack_bias()'s tensors")
     if not x.is_contiguous():
         x = x.contiguous()
     return _run(fn, x, packed, bias, n, torch.get_num_threads())

@@ -72,6 +72,12 @@ def test_the_kernel_refuses_what_it_cannot_take():
         cpu_linear.linear(torch.randn(3, 9), packed, None, 20)
     with pytest.raises(TypeError, match="fp32"):
         cpu_linear.linear(torch.randn(3, 8, dtype=torch.float64), packed, None, 20)
+    # a weight not laid out by pack() (its lines not 64-byte aligned, or not contiguous)
+    shifted = torch.empty(packed.numel() + 1)[1:].view(packed.shape).copy_(packed)
+    with pytest.raises(ValueError, match="pack"):
+        cpu_linear.linear(torch.randn(3, 8), shifted, None, 20)
+    with pytest.raises(ValueError, match="pack"):
+        cpu_linear.linear(torch.randn(3, 8), packed.transpose(0, 1).contiguous().transpose(0, 1), None, 20)
 
 
 def test_off_by_the_environment(fresh, monkeypatch):
