@@ -113,19 +113,18 @@ def _state(t: Optional[torch.Tensor]) -> Optional[tuple]:
     return None if t is None else (t.data_ptr(), t._version)
 
 
-def _packed(linear: torch.nn.Linear) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def _packed(linear: torch.nn.Linear) -> cpu_linear.Packed:
     try:
         key = (_state(linear.weight), _state(linear.bias))
     except RuntimeError:
         key = None
     hit = _PACKED.get(linear)
     if key is not None and hit is not None and hit[0] == key:
-        return hit[1], hit[2]
-    packed = cpu_linear.pack(linear.weight)
-    bias = cpu_linear.pack_bias(linear.bias, linear.out_features)
+        return hit[1]
+    packed = cpu_linear.Packed(linear.weight, linear.bias)
     if key is not None:
-        _PACKED[linear] = (key, packed, bias)
-    return packed, bias
+        _PACKED[linear] = (key, packed)
+    return packed
 
 
 class _KernelLinear(torch.nn.Module):
@@ -135,8 +134,7 @@ class _KernelLinear(torch.nn.Module):
 
     def __init__(self, linear: torch.nn.Linear) -> None:
         super().__init__()
-        self.n = linear.out_features
-        self.packed, self.packed_bias = _packed(linear)
+        self.packed = _packed(linear)
         self.weight = linear.weight.detach()
         self.bias = None if linear.bias is None else linear.bias.detach()
 
@@ -144,7 +142,7 @@ class _KernelLinear(torch.nn.Module):
         rows = x.reshape(-1, x.shape[-1])  # [M, in_features]
         if rows.shape[0] > KERNEL_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
-        return cpu_linear.linear(rows, self.packed, self.packed_bias, self.n).view(*x.shape[:-1], self.n)
+        return self.packed(rows).view(*x.shape[:-1], self.packed.n)
 
 
 def _kernel_usable(weight: torch.Tensor) -> bool:
@@ -203,20 +201,30 @@ def _plain(module: torch.nn.Module) -> bool:
     return type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
 
 
+def _left_alone(model) -> Optional[str]:
+    """Why the layout leaves the model's own layers in place (not on the CPU, or weights over the cap); None
+    when it lays them out."""
+    if model.lm_head.weight.device.type != "cpu":
+        return "no CPU decoding layout on this device"
+    linears = [m for m in model.modules() if _plain(m)]
+    if sum(m.weight.numel() * m.weight.element_size() for m in linears) > DECODING_LAYOUT_MAX_BYTES:
+        return "its weights exceed the decoding layout's memory cap"
+    return None
+
+
 def describe(model) -> str:
     """The layout's matmuls in words (serve's banner), for a model whose layout is not in place: gptkit's
-    kernel, torch's, or none on this device."""
+    kernel, torch's, or the model's own."""
+    why = _left_alone(model)
+    if why is not None:
+        return f"the model's own ({why})"
     linears = [m for m in model.modules() if _plain(m)]
-    if model.lm_head.weight.device.type != "cpu":
-        return "the model's own (no CPU decoding layout on this device)"
-    if sum(m.weight.numel() * m.weight.element_size() for m in linears) > DECODING_LAYOUT_MAX_BYTES:
-        return "the model's own (its weights exceed the decoding layout's memory cap)"
     kernel = sum(_kernel_usable(m.weight) for m in linears)
     if kernel:
         rest = ", torch's for the rest" if kernel < len(linears) else ""
         return (
-            f"gptkit's CPU kernel for {kernel} of {len(linears)} Linear layers (fp32, >= 512 KB; up to "
-            f"{KERNEL_MAX_ROWS} rows a call){rest}"
+            f"gptkit's CPU kernel for {kernel} of {len(linears)} Linear layers (fp32, >= "
+            f"{PACK_MIN_BYTES // 1024} KB; up to {KERNEL_MAX_ROWS} rows a call){rest}"
         )
     why = cpu_linear.available()
     return "torch's (oneDNN, MKL)" + (f"; gptkit's CPU kernel is not used: {why}" if why else "")
@@ -225,9 +233,7 @@ def describe(model) -> str:
 @contextmanager
 def decoding_layout(model, batch: int = 1):
     """Swap every Linear layer of `model` for its decoding copy (module docstring) while the block runs."""
-    linears = [m for m in model.modules() if _plain(m)]
-    linear_bytes = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    if model.lm_head.weight.device.type != "cpu" or linear_bytes > DECODING_LAYOUT_MAX_BYTES:
+    if _left_alone(model) is not None:
         yield
         return
     swapped = []

@@ -62,7 +62,7 @@ def _halves(x: torch.Tensor) -> torch.Tensor:
 class LatentUpProjection(nn.Linear):
     """kv_b_proj: the latent to each head's nope key and value. A Linear of its own type: the decoding path
     reads its weight as W_uk and W_uv, so the CPU decoding layout (gptkit/inference/decoding_layout.py, which
-    swaps plain Linear layers for copies without `weight`) leaves it in place."""
+    swaps plain Linear layers for copies laid out for decoding) leaves it in place."""
 
 
 def dense_weight(linear: nn.Linear) -> torch.Tensor:

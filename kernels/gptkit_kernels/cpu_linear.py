@@ -2,9 +2,9 @@
 machine with the system's C compiler and loaded with ctypes (no torch headers, no build step at install).
 
     available()                 None when the kernel runs here; else why not, in one line
-    pack(weight)                W [N, K] -> [ceil(N / 16), K, 16]: 16 outputs side by side for each input
-    pack_bias(bias, N)          the bias padded to a whole number of blocks (None: None)
-    linear(x, packed, bias, N)  x [M, K] -> x @ W^T + bias, [M, N]
+    Packed(weight, bias=None)   W [N, K] laid out once: [ceil(N / 16), K, 16], 16 outputs side by side for
+                                each input (pack()), the bias padded to whole blocks
+    Packed(...)(x)              x [M, K] -> x @ W^T + bias, [M, N]
 
 Why: a decode step streams every weight from memory for 1-16 rows. torch's CPU kernels (oneDNN packed, MKL
 on either layout) take the memory time plus the arithmetic time at 16 rows; this kernel prefetches the next
@@ -110,7 +110,7 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     for rows, n, k in ((1, 37, 40), (13, 16, 9), (21, 50, 33)):
         x = torch.randn(rows, k, generator=g)
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        got = _run(fn, x, pack(w), pack_bias(b, n), n, 1)
+        got = _run(fn, x, pack(w), _pack_bias(b, n), n, 1)
         if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
             return None, f"the build {lib._name} computes wrong results (delete it to rebuild)"
     return fn, None
@@ -137,7 +137,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def pack_bias(bias: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+def _pack_bias(bias: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
     if bias is None:
         return None
     padded = bias.detach().new_zeros(-(-n // BLOCK) * BLOCK)
@@ -152,21 +152,28 @@ def _run(fn, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]
     return y
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int) -> torch.Tensor:
-    """x [M, K] fp32 on the CPU -> x @ W^T + bias [M, N], W packed by pack(), bias by pack_bias(); on torch's
-    number of threads. Raises RuntimeError when the kernel is not available()."""
-    fn = _load()[0]
-    if fn is None:
-        raise RuntimeError(f"gptkit's CPU linear kernel is not available: {available()}")
-    if x.dtype != torch.float32 or packed.dtype != torch.float32 or not (x.is_cpu and packed.is_cpu):
-        raise TypeError("cpu_linear takes fp32 tensors on the CPU")
-    if x.dim() != 2 or x.shape[1] != packed.shape[1] or packed.shape[0] * BLOCK < n:
-        raise ValueError(
-            f"cpu_linear: x {tuple(x.shape)} does not fit the packed weight {tuple(packed.shape)}"
-        )
-    # the kernel reads whole 64-byte lines of the packed weight and bias (what pack() and pack_bias() give)
-    if not packed.is_contiguous() or packed.data_ptr() % 64 or (bias is not None and bias.data_ptr() % 64):
-        raise ValueError("cpu_linear: the packed weight and bias must be pack()'s and pack_bias()'s tensors")
-    if not x.is_contiguous():
-        x = x.contiguous()
-    return _run(fn, x, packed, bias, n, torch.get_num_threads())
+class Packed:
+    """A linear map laid out for the kernel: Packed(weight [N, K], bias [N] or None), fp32 on the CPU; then
+    packed(x [M, K]) -> x @ W^T + bias [M, N] on torch's number of threads. The weight and bias are packed
+    and checked once here, so a call checks only x (the decode step calls it for every layer)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
+        fn, why = _load()
+        if fn is None:
+            raise RuntimeError(f"gptkit's CPU linear kernel is not available: {why}")
+        if weight.dtype != torch.float32 or not weight.is_cpu or weight.dim() != 2:
+            raise TypeError(f"cpu_linear takes an fp32 [N, K] weight on the CPU, not {weight.dtype} "
+                            f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+        self.fn = fn
+        self.n, self.k = weight.shape
+        self.weight = pack(weight)
+        self.bias = _pack_bias(bias, self.n)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(
+                f"cpu_linear: x must be fp32 [M, {self.k}] on the CPU, not {x.dtype} {tuple(x.shape)}"
+            )
+        if not x.is_contiguous():
+            x = x.contiguous()
+        return _run(self.fn, x, self.weight, self.bias, self.n, torch.get_num_threads())

@@ -51,7 +51,7 @@ def test_the_kernel_computes_the_linear_map(threads):
                 x = torch.randn(rows, k, generator=g)
                 w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
                 for bias in (b, None):
-                    got = cpu_linear.linear(x, cpu_linear.pack(w), cpu_linear.pack_bias(bias, n), n)
+                    got = cpu_linear.Packed(w, bias)(x)
                     assert got.shape == (rows, n) and got.dtype == torch.float32
                     exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
                     theirs = (F.linear(x, w, bias).double() - exact).abs().max().item()
@@ -68,23 +68,22 @@ def test_the_kernel_refuses_what_it_cannot_take():
     assert packed.shape == (2, 8, 16)
     # the padding of the last block is zeros
     assert packed[1, :, 4:].abs().sum() == 0
-    with pytest.raises(ValueError, match="does not fit"):
-        cpu_linear.linear(torch.randn(3, 9), packed, None, 20)
-    with pytest.raises(TypeError, match="fp32"):
-        cpu_linear.linear(torch.randn(3, 8, dtype=torch.float64), packed, None, 20)
-    # a weight not laid out by pack() (its lines not 64-byte aligned, or not contiguous)
-    shifted = torch.empty(packed.numel() + 1)[1:].view(packed.shape).copy_(packed)
-    with pytest.raises(ValueError, match="pack"):
-        cpu_linear.linear(torch.randn(3, 8), shifted, None, 20)
-    with pytest.raises(ValueError, match="pack"):
-        cpu_linear.linear(torch.randn(3, 8), packed.transpose(0, 1).contiguous().transpose(0, 1), None, 20)
+    layer = cpu_linear.Packed(w)
+    for x in (torch.randn(3, 9), torch.randn(3, 8, dtype=torch.float64), torch.randn(8)):
+        with pytest.raises(ValueError, match=r"x must be fp32 \[M, 8\]"):
+            layer(x)
+    with pytest.raises(TypeError, match="fp32 \\[N, K\\] weight"):
+        cpu_linear.Packed(w.double())
+    # a non-contiguous x is taken (copied)
+    x = torch.randn(8, 3).t()
+    torch.testing.assert_close(layer(x), F.linear(x, w))
 
 
 def test_off_by_the_environment(fresh, monkeypatch):
     monkeypatch.setenv("GPTKIT_CPU_LINEAR", "0")
     assert cpu_linear.available() == "turned off (GPTKIT_CPU_LINEAR=0)"
     with pytest.raises(RuntimeError, match="not available: turned off"):
-        cpu_linear.linear(torch.randn(1, 8), cpu_linear.pack(torch.randn(16, 8)), None, 16)
+        cpu_linear.Packed(torch.randn(16, 8))
 
 
 @needs_kernel
@@ -170,7 +169,7 @@ def test_a_cache_that_cannot_be_written_builds_in_a_private_folder(fresh, monkey
     assert cpu_linear.available() is None
     w = torch.randn(40, 24)
     x = torch.randn(3, 24)
-    torch.testing.assert_close(cpu_linear.linear(x, cpu_linear.pack(w), None, 40), F.linear(x, w))
+    torch.testing.assert_close(cpu_linear.Packed(w)(x), F.linear(x, w))
 
 
 def test_the_layout_says_whose_matmuls_decode(fresh, monkeypatch):
