@@ -593,8 +593,29 @@ def test_a_longrope_model_scores_each_request_as_alone_either_side_of_its_origin
 def _lockstep_rank(rank: int, run_dir: str, port: int, out: str) -> None:
     """One rank of test_task_evals_under_fsdp_run_in_lockstep: its share scored over FSDP2 shards."""
     import os
+    import sys
     from datetime import timedelta
 
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # a rank left waiting (forwards out of step) fails in a minute instead of hanging
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    try:
+        _lockstep_score(rank, run_dir, out)
+        dist.barrier()  # both ranks done with every collective before either tears gloo down
+    finally:
+        dist.destroy_process_group()
+    # The group outlives destroy_process_group (DTensor's sharding caches keep the mesh and so the group, its
+    # gloo threads still running): left to the interpreter's teardown, 1 rank end in ~10 was "terminate called
+    # without an active exception", SIGABRT, after the metrics were written (CI, 2026-12-06; 1 of 9, 1 of 11
+    # here). A rank that got this far has nothing left to do: it ends without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _lockstep_score(rank: int, run_dir: str, out: str) -> None:
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -602,33 +623,23 @@ def _lockstep_rank(rank: int, run_dir: str, port: int, out: str) -> None:
     from gptkit.runs import load_run
     from gptkit.training.task_evals import score_in_lockstep
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # a rank left waiting (forwards out of step) fails in a minute instead of hanging
-    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=60))
-    try:
-        r = load_run(run_dir)
-        mesh = init_device_mesh("cpu", (2,))
-        for block in r.model.blocks:
-            fully_shard(block, mesh=mesh)
-        fully_shard(r.model, mesh=mesh)
-        r.model._gptkit_sharded = True
-        lm = GptkitLM(r.model, r.tokenizer, r.config)
-        specs = T.find_tasks([str(EVALS / "tiny_mc.yaml"), str(EVALS / "tiny_gen.yaml")])
-        loaded = T.leaf_tasks(T.load_tasks(specs, T.task_manager(specs)))
-        subsets = [T.TaskSubset(name, task, 5, rank, 2) for name, task in loaded.items()]
-        shares = score_in_lockstep(subsets, lm)
-        gathered: list = [None] * 2
-        dist.all_gather_object(gathered, shares)
-        if rank == 0:
-            merged = {s.name: s.aggregate(T.merge_shares([g[s.name] for g in gathered])) for s in subsets}
-            with open(out, "w") as f:
-                json.dump(merged, f)
-        # both ranks done with every collective before either tears gloo down (without it, 1 run in ~5 ended
-        # with "terminate called without an active exception", SIGABRT, on rank 1: seen on this code and the
-        # session before's)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    r = load_run(run_dir)
+    mesh = init_device_mesh("cpu", (2,))
+    for block in r.model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(r.model, mesh=mesh)
+    r.model._gptkit_sharded = True
+    lm = GptkitLM(r.model, r.tokenizer, r.config)
+    specs = T.find_tasks([str(EVALS / "tiny_mc.yaml"), str(EVALS / "tiny_gen.yaml")])
+    loaded = T.leaf_tasks(T.load_tasks(specs, T.task_manager(specs)))
+    subsets = [T.TaskSubset(name, task, 5, rank, 2) for name, task in loaded.items()]
+    shares = score_in_lockstep(subsets, lm)
+    gathered: list = [None] * 2
+    dist.all_gather_object(gathered, shares)
+    if rank == 0:
+        merged = {s.name: s.aggregate(T.merge_shares([g[s.name] for g in gathered])) for s in subsets}
+        with open(out, "w") as f:
+            json.dump(merged, f)
 
 
 @pytest.mark.long
