@@ -120,10 +120,12 @@ def spawn(k: int, cases: list, out: str) -> None:
     """The k ranks on a free port; once more on a new port when a rank dies by a signal without writing the
     rows (a gloo rendezvous that aborted: CI saw "terminate called without an active exception" and SIGABRT
     in a 4-rank start once, 2026-12-06, the rerun passing): a numeric difference is never retried (rank 0
-    writes its rows, main() compares them)."""
+    writes its rows, main() compares them). Each rank ends by parallel_harness.end_rank."""
+    from parallel_harness import end_rank
+
     for attempt in (1, 2):
         try:
-            mp.spawn(worker, args=(k, free_port(), cases, out), nprocs=k)
+            mp.spawn(end_rank, args=(worker, k, free_port(), cases, out), nprocs=k)
             return
         except mp.ProcessExitedException as exc:
             if attempt == 2 or exc.exit_code is not None and exc.exit_code >= 0 or os.path.exists(out):

@@ -146,6 +146,8 @@ def worker(rank, world, port, cases, steps, tmp):
         if rank == 0:
             out = {"losses": losses, "figures": figures, "state": fuse_qkv_state(state)}
             torch.save(out, Path(tmp) / f"out{i}.pt")
+    # every rank done with the store (rank 0 hosts it) before any rank ends (parallel_harness.end_rank)
+    dist.barrier()
     dist.destroy_process_group()
 
 

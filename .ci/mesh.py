@@ -70,6 +70,8 @@ def mesh_worker(rank: int, world: int, port: int) -> None:
             assert got == want, (dims, name, got, want)
         assert mesh.data_ranks() == (mine["dp"], dims.dp), (dims, mesh.data_ranks())
         assert mesh.fsdp.ndim == (2 if r > 1 else 1)
+    # every rank done with the store (rank 0 hosts it) before any rank ends (parallel_harness.end_rank)
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -77,7 +79,9 @@ def check_meshes() -> None:
     import torch.multiprocessing as mp
 
     started = time.perf_counter()
-    mp.spawn(mesh_worker, args=(8, 29400 + os.getpid() % 1000), nprocs=8)
+    from parallel_harness import end_rank
+
+    mp.spawn(end_rank, args=(mesh_worker, 8, 29400 + os.getpid() % 1000), nprocs=8)
     shapes = ", ".join(f"(r {r}, cp {c}, tp {t}, ep {e})" for _, r, c, t, e in MESHES)
     print(
         f"mesh views on 8 processes match the arithmetic for {shapes} ({time.perf_counter() - started:.1f} s)"

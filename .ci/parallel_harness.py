@@ -92,11 +92,23 @@ def start_rank(rank: int, world: int, port: int) -> None:
 
 
 def spawn(worker, world: int, *args) -> None:
-    """worker(rank, world, port, *args) on `world` processes, port a free one."""
+    """worker(rank, world, port, *args) on `world` processes, port a free one (each ended by end_rank)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(worker, args=(world, port, *args), nprocs=world)
+    mp.spawn(end_rank, args=(worker, world, port, *args), nprocs=world)
+
+
+def end_rank(rank: int, worker, *args) -> None:
+    """mp.spawn's target: worker(rank, *args), then the process ends without the interpreter's teardown (an
+    exception in worker still reaches mp.spawn as one). A rank's gloo group outlives destroy_process_group
+    (DTensor's sharding caches keep its mesh), and rank 0 hosts the TCPStore: left to the teardown, their
+    threads ended ~1 rank 0 in 10 with "terminate called without an active exception", SIGABRT, after the
+    rank's work was done (tests/evaluation/test_eval_tasks.py's lockstep check, CI 2026-12-06)."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # ---- the CLI checks --------------------------------------------------------------------------------------

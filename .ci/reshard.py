@@ -200,7 +200,9 @@ def one_process_plain(tmp, load, cfg, kind):
 
 def spawn(world, jobs, tmp):
     os.environ["RESHARD_PORT"] = str(29600 + (os.getpid() + world) % 900)
-    mp.spawn(worker, args=(world, jobs, tmp), nprocs=world)
+    from parallel_harness import end_rank
+
+    mp.spawn(end_rank, args=(worker, world, jobs, tmp), nprocs=world)
 
 
 def job(name, model, kind, tp=1, ep=1, replicate=1, load=None, save=False):

@@ -97,6 +97,8 @@ def worker(rank, world, port, cases, steps, tmp):
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if rank == 0:
             torch.save({"losses": losses, "state": fuse_qkv_state(state)}, Path(tmp) / f"out{i}.pt")
+    # every rank done with the store (rank 0 hosts it) before any rank ends (parallel_harness.end_rank)
+    dist.barrier()
     dist.destroy_process_group()
 
 
