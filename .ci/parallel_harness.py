@@ -102,9 +102,11 @@ def spawn(worker, world: int, *args) -> None:
 def end_rank(rank: int, worker, *args) -> None:
     """mp.spawn's target: worker(rank, *args), then the process ends without the interpreter's teardown (an
     exception in worker still reaches mp.spawn as one). A rank's gloo group outlives destroy_process_group
-    (DTensor's sharding caches keep its mesh), and rank 0 hosts the TCPStore: left to the teardown, their
-    threads ended ~1 rank 0 in 10 with "terminate called without an active exception", SIGABRT, after the
-    rank's work was done (tests/evaluation/test_eval_tasks.py's lockstep check, CI 2026-12-06)."""
+    (DTensor's sharding caches keep its mesh): left to the teardown, its threads ended a rank with "terminate
+    called without an active exception", SIGABRT, after the rank's work was done: ~1 run in 10 of
+    tests/evaluation/test_eval_tasks.py's lockstep check (rank 0), and expert_tensor_parallel.py's rank 3 in
+    CI (2026-12-06). Workers meet at a barrier before they end: rank 0 hosts the store the others may still
+    need."""
     worker(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()

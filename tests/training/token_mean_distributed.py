@@ -8,6 +8,7 @@ accumulation (as Lightning does), and TokenMean.finish scales the gradients; ran
 to OUT_DIR/{ddp,fsdp}.pt. One process over all the rows at once must give the same gradients.
 """
 
+import os
 import sys
 from pathlib import Path
 
@@ -103,3 +104,9 @@ def main(rank: int, world: int, init_file: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4]))
+    # the gloo group outlives destroy_process_group (DTensor's caches keep its mesh): the rank ends
+    # without the interpreter's teardown of its threads (which aborted spawned ranks in CI:
+    # .ci/parallel_harness.py, end_rank)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
