@@ -26,6 +26,9 @@ Rows print as each measurement finishes (bench.out, JSON, is rewritten after eve
                plain causal attention (flash.forward_tiles: the kernel's own schedule; the tests hold it
                equal to the interpreter's count). On a GPU also the ms of forward+backward: ours (fa2,
                tma) causal and document-masked, and SDPA with the model's dense document mask.
+  cpu-linear   (CPU) a decode step's Linear layers at bench.cpu_linear.rows rows a call: F.linear, torch's
+               best layout and gptkit's CPU kernel (gptkit_kernels.cpu_linear), interleaved: ms a step
+               and the speedup over torch's (gptkit/bench/cpu_linear.py).
   kernel       (GPU) ms of forward+backward and peak memory, fused against eager: rmsnorm, layernorm,
                swiglu, rope, loss at bench.rows tokens.
   model        (GPU) training tokens/s of bench.model (the Llama 3.2 1B shape) with model.kernels=[] and
@@ -226,6 +229,10 @@ def document_windows(T: int, mean_len: int, n_windows: int, seed: int = 0) -> to
 def run(cfg) -> int:
     from gptkit.bench.attention import TRITON_MISSING, environment, triton_version
 
+    if cfg.get("cpu_linear"):
+        from gptkit.bench import cpu_linear
+
+        cpu_linear.check(cfg.cpu_linear)  # a bad option: its one line before any row
     env = environment()
     gpu = torch.cuda.is_available()
     print(f"{env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date']}", flush=True)
@@ -248,6 +255,9 @@ def run(cfg) -> int:
         _logp_rows(emit, shape)
     for shape in cfg.get("distill_shapes") or []:
         _distill_rows(emit, shape)
+    # gptkit's CPU decode linear against torch's layouts (needs a C compiler and AVX-512, not Triton)
+    if cfg.get("cpu_linear"):
+        cpu_linear.rows(emit, cfg.cpu_linear)
     # the tile schedule and the fused kernels are Triton's
     if triton_version() is None:
         emit({"what": "doc-tiles, kernel, model", "note": f"not measured: {TRITON_MISSING}"})

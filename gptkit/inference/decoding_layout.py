@@ -2,6 +2,8 @@
 out for the few rows per step that decoding feeds it.
 
     decoding_layout(model, batch)   a context manager; the model's own modules come back afterwards
+    decoding_copy(linear, batch)    one layer's copy (kernel=False: torch's, which `gptkit bench kernels`
+                                    times against the kernel's)
 
     fp32, weight >= PACK_MIN_BYTES, gptkit's CPU kernel available
                                               gptkit_kernels.cpu_linear for up to KERNEL_MAX_ROWS rows a call
@@ -42,8 +44,8 @@ DECODING_LAYOUT_MAX_BYTES = 1 << 30
 # run faster packed).
 PACK_MIN_BYTES = 512 * 1024
 # Up to this many rows a call, gptkit's CPU kernel; more on F.linear. One thread, a 56M Llama's weights
-# (158 MB) a step: the kernel 1.41-1.48x faster than oneDNN packed at 16 rows, even at 64 (38.5 vs 39.1 ms),
-# slower at 256 (138 vs 116; F.linear 122) (docs/kernels.md).
+# (158 MB) a step, `gptkit bench kernels`' cpu-linear rows (docs/kernels.md): the kernel 1.35x faster than
+# torch's best layout at 16 rows, even at 64 (35.5 vs 35.5 ms), slower at 256 (135 vs 115).
 KERNEL_MAX_ROWS = 64
 
 
@@ -171,8 +173,10 @@ def _packs(linear: torch.nn.Linear, batch: int) -> bool:
     return batch > 1 and weight.numel() * weight.element_size() >= PACK_MIN_BYTES and _onednn_usable(weight)
 
 
-def _decoding_copy(linear: torch.nn.Linear, batch: int) -> torch.nn.Module:
-    if _kernel_usable(linear.weight):
+def decoding_copy(linear: torch.nn.Linear, batch: int, kernel: bool = True) -> torch.nn.Module:
+    """The layer's decoding copy for `batch` rows a step; kernel=False: torch's (`gptkit bench kernels`
+    times the two)."""
+    if kernel and _kernel_usable(linear.weight):
         return _KernelLinear(linear)
     if _packs(linear, batch):
         try:
@@ -196,7 +200,7 @@ def _one_row_copy(linear: torch.nn.Linear) -> torch.nn.Module:
     return _TransposedLinear(linear)
 
 
-def _plain(module: torch.nn.Module) -> bool:
+def plain_linear(module: torch.nn.Module) -> bool:
     """A Linear layer whose weight is a plain tensor (not a torchao quantized one)."""
     return type(module) is torch.nn.Linear and type(module.weight) is torch.nn.Parameter
 
@@ -206,7 +210,7 @@ def _left_alone(model) -> Optional[str]:
     when it lays them out."""
     if model.lm_head.weight.device.type != "cpu":
         return "no CPU decoding layout on this device"
-    linears = [m for m in model.modules() if _plain(m)]
+    linears = [m for m in model.modules() if plain_linear(m)]
     if sum(m.weight.numel() * m.weight.element_size() for m in linears) > DECODING_LAYOUT_MAX_BYTES:
         return "its weights exceed the decoding layout's memory cap"
     return None
@@ -218,7 +222,7 @@ def describe(model) -> str:
     why = _left_alone(model)
     if why is not None:
         return f"the model's own ({why})"
-    linears = [m for m in model.modules() if _plain(m)]
+    linears = [m for m in model.modules() if plain_linear(m)]
     kernel = sum(_kernel_usable(m.weight) for m in linears)
     if kernel:
         rest = ", torch's for the rest" if kernel < len(linears) else ""
@@ -239,9 +243,9 @@ def decoding_layout(model, batch: int = 1):
     swapped = []
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if _plain(child):
+            if plain_linear(child):
                 swapped.append((parent, name, child))
-                setattr(parent, name, _decoding_copy(child, batch))
+                setattr(parent, name, decoding_copy(child, batch))
     try:
         yield
     finally:

@@ -234,3 +234,48 @@ def test_packed_weights_are_kept_while_the_weights_stay_the_same(monkeypatch):
     torch.testing.assert_close(run(), want)
     torch.testing.assert_close(run(), want)
     assert len(packs) == 5
+
+
+def test_bench_kernels_times_a_decode_steps_linears_three_ways(fresh, monkeypatch, capsys):
+    """`gptkit bench kernels`' cpu-linear rows: per rows value, F.linear, torch's layout and the kernel on
+    every Linear layer of the model, each side's rounding on the LM head against float64; one note where the
+    kernel cannot run; a bad option is one line. (Times are printed, never checked.)"""
+    import json
+
+    from omegaconf import OmegaConf
+
+    from gptkit.bench import kernels as bench
+    from gptkit.conf_tree import conf_dir
+    from gptkit.errors import ConfigError
+
+    out = fresh / "k.json"
+    model = dict(preset="llama-tiny", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=64)
+    model["vocab_size"] = 300
+    cfg = OmegaConf.merge(
+        OmegaConf.load(conf_dir() / "bench" / "kernels.yaml"),
+        dict(loss_shapes=[], logp_shapes=[], distill_shapes=[], out=str(out)),
+    )
+    cfg.cpu_linear = dict(model=model, rows=[1, 3, 70], threads=1, repeats=2, steps=1)
+    monkeypatch.setattr("gptkit.bench.attention.triton_version", lambda: None)  # the CPU rows only
+    assert bench.run(cfg) == 0
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["what"] == "cpu-linear"]
+    if cpu_linear.available() is None:
+        # per layer: q/k/v in one, o, gate, up, down; and the head
+        want = [(n, 2 * 5 + 1, 1) for n in (1, 3, 70)]
+        assert [(r["rows"], r["layers"], r["threads"]) for r in rows] == want
+        for r in rows:
+            assert r["speedup"] == pytest.approx(r["torch_ms"] / r["kernel_ms"])
+            assert all(r[f"err_{side}"] < 1e-5 for side in ("f_linear", "torch", "kernel")), r
+            low, high = (float(v) for v in r["kernel_range"].split("-"))
+            assert low <= r["kernel_ms"] <= high
+    cpu_linear._load.cache_clear()
+    monkeypatch.setenv("GPTKIT_CPU_LINEAR", "0")
+    assert bench.run(cfg) == 0
+    assert "what=cpu-linear  note=not measured: gptkit's CPU kernel is not available: turned off" in (
+        capsys.readouterr().out
+    )
+    bad_options = (({"rows": [0]}, "bench.cpu_linear.rows must be"), ({"repeats": None}, "repeats must be"))
+    for bad, says in bad_options:
+        cfg.cpu_linear = {**dict(model=model, rows=[1], threads=1, repeats=1, steps=1), **bad}
+        with pytest.raises(ConfigError, match=says):
+            bench.run(cfg)
