@@ -13,9 +13,11 @@ eval and serve). One place for which weights are quantized, how, and what torcha
                (double quantization), with one fp32 factor per such block and their mean. 4.13-4.25 bits a
                value. Dequantized in each matmul; runs on the CPU and on CUDA.
     int8       one int8 per value, a scale per output row (symmetric). On the CPU: gptkit/quant_int8.py,
-               torch's own int8 kernel (torch._weight_int8pack_mm: bf16 activations, fp32 sums, no
-               torchao), the LM head quantized too (a tied head: its own int8 copy). On CUDA: torchao's
-               Int8WeightOnlyConfig (x @ dequant(W)), the LM head kept. int8_layout() chooses, by device.
+               gptkit's CPU kernel for fp32 decode steps (int8 weights widened in registers, fp32 sums),
+               else torch's own int8 kernel (torch._weight_int8pack_mm: bf16 activations, fp32 sums; no
+               torchao either way), the LM head quantized too (a tied head: its own int8 copy). On CUDA:
+               torchao's Int8WeightOnlyConfig (x @ dequant(W)), the LM head kept. int8_layout() chooses, by
+               device.
     w8a8       the CPU only: int8's weights (the LM head too) and int8 activations, quantized per row at
                each matmul, summed int8 x int8 -> int32 by fbgemm (gptkit/quant_w8a8.py; no torchao).
     int4       torchao's Int4WeightOnlyConfig, tinygemm's tile-packed layout (groups of 128 along the input,
@@ -310,8 +312,9 @@ HEAD = "lm_head.weight"
 
 
 def int8_layout(device: Any) -> str:
-    """Which int8 runs quantize=int8 on `device`: "torch" (the CPU: gptkit/quant_int8.py, torch's int8 kernel,
-    the LM head included) or "torchao" (CUDA and the rest: Int8WeightOnlyConfig, the block projections)."""
+    """Which int8 runs quantize=int8 on `device`: "torch" (the CPU: gptkit/quant_int8.py, gptkit's or torch's
+    int8 kernel, the LM head included) or "torchao" (CUDA and the rest: Int8WeightOnlyConfig, the block
+    projections)."""
     return "torch" if str(device).split(":")[0] == "cpu" else "torchao"
 
 

@@ -1,23 +1,28 @@
 """`gptkit bench kernels`' cpu-linear rows: a decode step's Linear layers on the CPU, side by side.
 
 For each of bench.cpu_linear.rows (rows a call: 1 is one client, 16 a full server batch, more a prefill
-chunk), every Linear layer of bench.cpu_linear.model (fp32, random weights) runs once on its own input, in
-the model's order; one pass is a step's matmuls, the weights streamed from memory. Three sides, timed in
-interleaved rounds (A, B, C, A, B, C: the sides see the same load), median (min-max) of the rounds:
+chunk), every Linear layer of bench.cpu_linear.model (fp32, random weights, no biases) runs once on its own
+input, in the model's order; one pass is a step's matmuls, the weights streamed from memory. Five sides,
+timed in interleaved rounds (A, B, C, ...: the sides see the same load), median (min-max) of the rounds:
 
-  f_linear   F.linear on the layer's own weight (the model without a decoding layout)
-  torch      torch's best layout for that many rows (decoding_layout without the kernel: oneDNN packed for
-             2+ rows, MKL on W or W^T for one)
-  kernel     gptkit_kernels.cpu_linear on the packed weight (the decoding layout uses it up to
-             decoding_layout.KERNEL_MAX_ROWS rows a call; measured past it too, to show why the limit)
+  f_linear     F.linear on the layer's own weight (the model without a decoding layout)
+  torch        torch's best layout for that many rows (decoding_layout without the kernel: oneDNN packed for
+               2+ rows, MKL on W or W^T for one)
+  kernel       gptkit_kernels.cpu_linear on the packed weight (the decoding layout uses it up to
+               decoding_layout.KERNEL_MAX_ROWS rows a call; measured past it too, to show why the limit)
+  int8_torch   quantize=int8's weights (gptkit/quant_int8.py) on torch's paths: its int8 kernel up to
+               quant_int8.DIRECT_ROWS rows, the dequantized matmul past them
+  int8_kernel  the same weights on the kernel's int8 path (cpu_linear.Packed.int8; quantize=int8 uses it up to
+               quant_int8.KERNEL_ROWS rows of fp32)
 
-speedup = torch / kernel. err_* = the largest |difference| from a float64 F.linear over the LM head's
-outputs (the widest layer), each side's own rounding. Where the kernel cannot run (cpu_linear.available()),
-one row says why.
+speedup = torch / kernel, int8_speedup = int8_torch / int8_kernel. err_* = the largest |difference| from a
+float64 F.linear on the side's own weight (the dequantized one for int8) over the LM head's outputs (the
+widest layer): each side's rounding. Where the kernel cannot run (cpu_linear.available()), one row says why.
 """
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from contextlib import contextmanager
@@ -31,6 +36,7 @@ from gptkit.errors import ConfigError
 
 def rows(emit, cfg) -> None:
     """Emit one cpu-linear row per bench.cpu_linear.rows."""
+    from gptkit import quant_int8
     from gptkit.bench.decode import build_model
     from gptkit.inference.decoding_layout import decoding_copy, plain_linear
     from gptkit_kernels import cpu_linear
@@ -45,7 +51,12 @@ def rows(emit, cfg) -> None:
     linears = [m for m in model.modules() if plain_linear(m)]
     weights_mb = sum(m.weight.numel() * m.weight.element_size() for m in linears) / 1e6
     head = max(linears, key=lambda m: m.weight.numel())  # the widest layer
-    packed = [cpu_linear.Packed(m.weight, m.bias) for m in linears]
+    for m in linears:  # (biases would differ in where they are added, not in the bytes streamed)
+        m.bias = None
+    packed = [cpu_linear.Packed(m.weight) for m in linears]
+    # quantize=int8's weights (gptkit/quant_int8.py): torch's int8 path against the kernel's
+    int8 = [quant_int8.Int8Weight.of(m.weight.detach()) for m in linears]
+    packed_int8 = [cpu_linear.Packed.int8(w.qdata, w.scale.float()) for w in int8]
     g = torch.Generator().manual_seed(0)
     with _threads(threads), torch.inference_mode():
         for n in counts:
@@ -54,18 +65,22 @@ def rows(emit, cfg) -> None:
                 "f_linear": list(linears),
                 "torch": [decoding_copy(m, n, kernel=False) for m in linears],
                 "kernel": packed,
+                "int8_torch": [functools.partial(quant_int8.torch_linear, weight=w) for w in int8],
+                "int8_kernel": packed_int8,
             }
             ms = _interleaved(sides, xs, repeats, steps)
             i = linears.index(head)
-            bias = None if head.bias is None else head.bias.double()
-            want = F.linear(xs[i].double(), head.weight.double(), bias)
             row = {"what": "cpu-linear", "rows": n, "layers": len(linears), "threads": threads}
             row["weights_mb"] = round(weights_mb, 1)
             for name, times in ms.items():
                 row[f"{name}_ms"] = statistics.median(times)
                 row[f"{name}_range"] = f"{min(times):.3g}-{max(times):.3g}"
             row["speedup"] = row["torch_ms"] / row["kernel_ms"]
+            row["int8_speedup"] = row["int8_torch_ms"] / row["int8_kernel_ms"]
+            # each side against float64 on its own weight (the int8 ones: the dequantized weight)
             for name, layers in sides.items():
+                w = int8[i].dequantize() if name.startswith("int8") else head.weight
+                want = F.linear(xs[i].double(), w.double())
                 row[f"err_{name}"] = (layers[i](xs[i]).double() - want).abs().max().item()
             emit(row)
 

@@ -4,7 +4,7 @@ threads on every side (1: one core each).
 
     gptkit fp32          generate() (the CPU decoding layout), greedy
     llama.cpp f32        the same weights exported to GGUF in F32 (gptkit.hf.gguf_file, `export format=gguf`)
-    gptkit int8          generate() with quantize=int8 (gptkit/quant.py: on the CPU torch's int8 kernel,
+    gptkit int8          generate() with quantize=int8 (gptkit/quant.py: on the CPU gptkit's int8 kernel,
                          gptkit/quant_int8.py; the block projections and the LM head)
     gptkit w8a8          generate() with quantize=w8a8 (gptkit/quant_w8a8.py: int8's weights and int8
                          activations per row, fbgemm's int8 x int8 matmul)

@@ -7,16 +7,22 @@
  * PREFETCH floats ahead, so the weight stream from memory overlaps the arithmetic (oneDNN's and MKL's kernels
  * for 1-16 rows did not: their time was the memory time plus the arithmetic time, docs/serve.md).
  *
+ * gptkit_cpu_linear_i8 takes int8 weights packed the same way (wq[ceil(N / 16)][K][16], a quarter of the
+ * bytes to stream) and one fp32 scale an output: each 16 int8 values are widened to fp32 in registers, the
+ * sums are the same, and the output is sum * scale + bias (quantize=int8's layer on fp32 inputs).
+ *
  * Written with GCC's vector extensions (a 16-float vector, one AVX-512 register); compiled with -mavx512f.
  * Each output is the bias plus the sums of fused multiply-adds over chunks of CHUNK inputs, added up.
  */
+#include <immintrin.h>
 #include <stddef.h>
 #include <string.h>
 
 typedef float v16 __attribute__((vector_size(64)));
 
+/* bytes ahead of the weight line being read */
 #ifndef PREFETCH
-#define PREFETCH 1024
+#define PREFETCH 4096
 #endif
 
 #ifndef CHUNK
@@ -28,16 +34,18 @@ typedef float v16 __attribute__((vector_size(64)));
 /* rows [0, MR) of x against blocks [nb0, nb1) of wp; NB blocks at a time. The sum over k runs in chunks of
  * CHUNK inputs, each chunk's partial sums added to the running total: rounding errors grow with
  * CHUNK + K / CHUNK terms instead of K (F.linear's size of error; one chain of K terms had 5x it at K = 512) */
-INLINE void tile(const float *restrict x, long K, const float *restrict wp, const float *restrict bias,
-                 float *restrict y, long N, long nb0, long nb1, const int MR, const int NB) {
+INLINE void tile(const float *restrict x, long K, const void *restrict wp, const float *restrict scale,
+                 const float *restrict bias, float *restrict y, long N, long nb0, long nb1, const int MR,
+                 const int NB, const int I8) {
     for (long nb = nb0; nb < nb1; nb += NB) {
         v16 total[16][2];
         for (int j = 0; j < NB; j++) {
             v16 b = {0};
-            if (bias) b = *(const v16 *)(bias + (nb + j) * 16);
+            if (bias && !I8) b = *(const v16 *)(bias + (nb + j) * 16);
             for (int m = 0; m < MR; m++) total[m][j] = b;
         }
-        const float *w0 = wp + nb * K * 16;
+        const float *w0 = (const float *)wp + nb * K * 16;
+        const signed char *q0 = (const signed char *)wp + nb * K * 16;
         for (long k0 = 0; k0 < K; k0 += CHUNK) {
             long k1 = k0 + CHUNK < K ? k0 + CHUNK : K;
             v16 acc[16][2];
@@ -46,9 +54,17 @@ INLINE void tile(const float *restrict x, long K, const float *restrict wp, cons
             for (long k = k0; k < k1; k++) {
                 v16 w[2];
                 for (int j = 0; j < NB; j++) {
-                    const float *p = w0 + j * K * 16 + k * 16;
-                    __builtin_prefetch(p + PREFETCH, 0, 3);
-                    w[j] = *(const v16 *)p;
+                    if (I8) {
+                        const signed char *p = q0 + j * K * 16 + k * 16;
+                        __builtin_prefetch(p + PREFETCH, 0, 3);
+                        /* 16 int8 -> 16 int32 -> 16 fp32 (vpmovsxbd, vcvtdq2ps) */
+                        __m128i q = _mm_load_si128((const __m128i *)p);
+                        w[j] = (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+                    } else {
+                        const float *p = w0 + j * K * 16 + k * 16;
+                        __builtin_prefetch((const char *)p + PREFETCH, 0, 3);
+                        w[j] = *(const v16 *)p;
+                    }
                 }
                 for (int m = 0; m < MR; m++) {
                     float xs = x[m * K + k];
@@ -57,6 +73,11 @@ INLINE void tile(const float *restrict x, long K, const float *restrict wp, cons
             }
             for (int j = 0; j < NB; j++)
                 for (int m = 0; m < MR; m++) total[m][j] += acc[m][j];
+        }
+        for (int j = 0; j < NB && I8; j++) {
+            v16 s = *(const v16 *)(scale + (nb + j) * 16), b = {0};
+            if (bias) b = *(const v16 *)(bias + (nb + j) * 16);
+            for (int m = 0; m < MR; m++) total[m][j] = total[m][j] * s + b;
         }
         for (int j = 0; j < NB; j++) {
             long n0 = (nb + j) * 16;
@@ -70,15 +91,15 @@ INLINE void tile(const float *restrict x, long K, const float *restrict wp, cons
 #define ROWS(R)                                                                    \
     case R:                                                                        \
         if (R <= 8 && b1 - b0 == 2)                                                \
-            tile(xr, K, wp, bias, yr, N, b0, b1, R, 2);                            \
+            tile(xr, K, wp, scale, bias, yr, N, b0, b1, R, 2, I8);                 \
         else                                                                       \
-            tile(xr, K, wp, bias, yr, N, b0, b1, R, 1);                            \
+            tile(xr, K, wp, scale, bias, yr, N, b0, b1, R, 1, I8);                 \
         break;
 
 /* blocks [nb0, nb1) for every row: two blocks at a time, each pair against every 16 rows of x in turn (the
  * pair's weights stay in cache after the first 16) */
-static void blocks(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N,
-                   long nb0, long nb1) {
+INLINE void blocks(const float *x, const void *wp, const float *scale, const float *bias, float *y, long M,
+                   long K, long N, long nb0, long nb1, const int I8) {
     for (long b0 = nb0; b0 < nb1; b0 += 2) {
         long b1 = b0 + 2 < nb1 ? b0 + 2 : nb1;
         for (long m0 = 0; m0 < M; m0 += 16) {
@@ -93,15 +114,26 @@ static void blocks(const float *x, const float *wp, const float *bias, float *y,
     }
 }
 
+static void blocks_f32(const float *x, const void *wp, const float *scale, const float *bias, float *y,
+                       long M, long K, long N, long nb0, long nb1) {
+    blocks(x, wp, scale, bias, y, M, K, N, nb0, nb1, 0);
+}
+
+static void blocks_i8(const float *x, const void *wp, const float *scale, const float *bias, float *y, long M,
+                      long K, long N, long nb0, long nb1) {
+    blocks(x, wp, scale, bias, y, M, K, N, nb0, nb1, 1);
+}
+
 extern int omp_get_thread_num(void);
 extern int omp_get_num_threads(void);
 
-/* x [M, K] and y [M, N] contiguous; wp as above; bias: NULL or ceil(N / 16) * 16 floats */
-void gptkit_cpu_linear(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N,
-                       int threads) {
+static void run(const float *x, const void *wp, const float *scale, const float *bias, float *y, long M, long K,
+                long N, int threads, const int I8) {
+    void (*go)(const float *, const void *, const float *, const float *, float *, long, long, long, long,
+               long) = I8 ? blocks_i8 : blocks_f32;
     long nblocks = (N + 15) / 16;
     if (threads <= 1 || nblocks < 2 * threads) {
-        blocks(x, wp, bias, y, M, K, N, 0, nblocks);
+        go(x, wp, scale, bias, y, M, K, N, 0, nblocks);
         return;
     }
 #pragma omp parallel num_threads(threads)
@@ -111,6 +143,18 @@ void gptkit_cpu_linear(const float *x, const float *wp, const float *bias, float
         long pairs = (nblocks + 1) / 2, per = (pairs + n - 1) / n;
         long a = 2 * t * per, b = 2 * (t + 1) * per;
         if (b > nblocks) b = nblocks;
-        if (a < b) blocks(x, wp, bias, y, M, K, N, a, b);
+        if (a < b) go(x, wp, scale, bias, y, M, K, N, a, b);
     }
+}
+
+/* x [M, K] and y [M, N] contiguous; wp as above; bias: NULL or ceil(N / 16) * 16 floats */
+void gptkit_cpu_linear(const float *x, const float *wp, const float *bias, float *y, long M, long K, long N,
+                       int threads) {
+    run(x, wp, NULL, bias, y, M, K, N, threads, 0);
+}
+
+/* the same with int8 weights wq (packed as wp) and scale: ceil(N / 16) * 16 floats */
+void gptkit_cpu_linear_i8(const float *x, const signed char *wq, const float *scale, const float *bias, float *y,
+                          long M, long K, long N, int threads) {
+    run(x, wq, scale, bias, y, M, K, N, threads, 1);
 }

@@ -5,6 +5,9 @@ machine with the system's C compiler and loaded with ctypes (no torch headers, n
     Packed(weight, bias=None)   W [N, K] laid out once: [ceil(N / 16), K, 16], 16 outputs side by side for
                                 each input (pack()), the bias padded to whole blocks
     Packed(...)(x)              x [M, K] -> x @ W^T + bias, [M, N]
+    Packed.int8(q, scale, bias) int8 values q [N, K] and a scale an output row, packed the same way (a quarter
+                                of the bytes to stream): x @ (q * scale)^T + bias, summed in fp32
+                                (quantize=int8's layer on the CPU, gptkit/quant_int8.py)
 
 Why: a decode step streams every weight from memory for 1-16 rows. torch's CPU kernels (oneDNN packed, MKL
 on either layout) take the memory time plus the arithmetic time at 16 rows; this kernel prefetches the next
@@ -84,7 +87,8 @@ def _build(cc: str) -> Path:
 
 
 @functools.lru_cache(maxsize=None)
-def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+def _load() -> tuple[Optional[tuple], Optional[str]]:
+    """((the fp32 function, the int8 one), None), or (None, why not)."""
     if os.environ.get("GPTKIT_CPU_LINEAR", "1") == "0":
         return None, "turned off (GPTKIT_CPU_LINEAR=0)"
     if platform.machine().lower() not in ("x86_64", "amd64"):
@@ -105,15 +109,22 @@ def _load() -> tuple[Optional[ctypes.CDLL], Optional[str]]:
     fn = lib.gptkit_cpu_linear
     fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_long] * 3 + [ctypes.c_int]
     fn.restype = None
+    fn8 = lib.gptkit_cpu_linear_i8
+    fn8.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_long] * 3 + [ctypes.c_int]
+    fn8.restype = None
     # a wrong build (a compiler that mistranslates it) is found here, not in a model's answers
     g = torch.Generator().manual_seed(0)
     for rows, n, k in ((1, 37, 40), (13, 16, 9), (21, 50, 33)):
         x = torch.randn(rows, k, generator=g)
         w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
-        got = _run(fn, x, pack(w), _pack_bias(b, n), n, 1)
-        if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4):
+        q, scale = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)
+        got = _run(fn, x, pack(w), _pad(b, n), n, 1)
+        got8 = _run(fn8, x, pack(q), _pad(b, n), n, 1, _pad(scale, n))
+        if not torch.allclose(got, F.linear(x, w, b), rtol=1e-4, atol=1e-4) or not torch.allclose(
+            got8, F.linear(x, q.float() * scale[:, None], b), rtol=1e-4, atol=1e-3
+        ):
             return None, f"the build {lib._name} computes wrong results (delete it to rebuild)"
-    return fn, None
+    return (fn, fn8), None
 
 
 def available() -> Optional[str]:
@@ -137,37 +148,58 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return packed
 
 
-def _pack_bias(bias: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
-    if bias is None:
+def _pad(v: Optional[torch.Tensor], n: int) -> Optional[torch.Tensor]:
+    """A bias or scale [n] as fp32 padded with zeros to whole blocks; None stays None."""
+    if v is None:
         return None
-    padded = bias.detach().new_zeros(-(-n // BLOCK) * BLOCK)
-    padded[:n] = bias.detach()
+    padded = torch.zeros(-(-n // BLOCK) * BLOCK)
+    padded[:n] = v.detach().float()
     return padded
 
 
-def _run(fn, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int, threads: int):
+def _run(fn, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor], n: int, threads: int,
+         scale: Optional[torch.Tensor] = None):  # fmt: skip
     y = x.new_empty(x.shape[0], n)
-    fn(x.data_ptr(), packed.data_ptr(), bias.data_ptr() if bias is not None else None, y.data_ptr(),
-       x.shape[0], x.shape[1], n, threads)  # fmt: skip
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    head = (ptr(x), packed.data_ptr()) + (() if scale is None else (scale.data_ptr(),))
+    fn(*head, ptr(bias), y.data_ptr(), x.shape[0], x.shape[1], n, threads)
     return y
 
 
 class Packed:
     """A linear map laid out for the kernel: Packed(weight [N, K], bias [N] or None), fp32 on the CPU; then
     packed(x [M, K]) -> x @ W^T + bias [M, N] on torch's number of threads. The weight and bias are packed
-    and checked once here, so a call checks only x (the decode step calls it for every layer)."""
+    and checked once here, so a call checks only x (the decode step calls it for every layer).
+
+    Packed.int8(q [N, K] int8, scale [N], bias): the same for the weight q * scale[:, None] (one scale an
+    output row), streamed as int8: x @ q^T * scale + bias, the sums in fp32."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> None:
-        fn, why = _load()
-        if fn is None:
+        fns, why = _load()
+        if fns is None:
             raise RuntimeError(f"gptkit's CPU linear kernel is not available: {why}")
         if weight.dtype != torch.float32 or not weight.is_cpu or weight.dim() != 2:
             raise TypeError(f"cpu_linear takes an fp32 [N, K] weight on the CPU, not {weight.dtype} "
                             f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
-        self.fn = fn
+        self.fn, self.scale = fns[0], None
         self.n, self.k = weight.shape
         self.weight = pack(weight)
-        self.bias = _pack_bias(bias, self.n)
+        self.bias = _pad(bias, self.n)
+
+    @classmethod
+    def int8(cls, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor] = None) -> "Packed":
+        fns, why = _load()
+        if fns is None:
+            raise RuntimeError(f"gptkit's CPU linear kernel is not available: {why}")
+        if q.dtype != torch.int8 or not q.is_cpu or q.dim() != 2 or scale.shape != (q.shape[0],):
+            raise TypeError(f"cpu_linear int8 takes int8 [N, K] values on the CPU and a scale [N], not "
+                            f"{q.dtype} {tuple(q.shape)} on {q.device} and {tuple(scale.shape)}")  # fmt: skip
+        self = cls.__new__(cls)
+        self.fn = fns[1]
+        self.n, self.k = q.shape
+        self.weight = pack(q)
+        self.bias, self.scale = _pad(bias, self.n), _pad(scale, self.n)
+        return self
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32 or not x.is_cpu or x.dim() != 2 or x.shape[1] != self.k:
@@ -176,4 +208,4 @@ class Packed:
             )
         if not x.is_contiguous():
             x = x.contiguous()
-        return _run(self.fn, x, self.weight, self.bias, self.n, torch.get_num_threads())
+        return _run(self.fn, x, self.weight, self.bias, self.n, torch.get_num_threads(), self.scale)

@@ -62,6 +62,36 @@ def test_the_kernel_computes_the_linear_map(threads):
 
 
 @needs_kernel
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_int8_kernel_computes_the_dequantized_map(threads):
+    """Packed.int8(q, scale, bias)(x) = x @ (q * scale)^T + b for the same rows and widths, the int8 values
+    widened in registers: within F.linear's own distance (on the dequantized weight) from the float64 map."""
+    g = torch.Generator().manual_seed(0)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for rows in (1, 2, 9, 16, 17, 70):
+            for n, k in ((37, 40), (16, 3), (1376, 512), (95, 64)):
+                x = torch.randn(rows, k, generator=g)
+                q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+                scale, b = torch.rand(n, generator=g) / 100, torch.randn(n, generator=g)
+                w = q.float() * scale[:, None]  # exact: 8 x 24 bits
+                for bias in (b, None):
+                    got = cpu_linear.Packed.int8(q, scale, bias)(x)
+                    assert got.shape == (rows, n) and got.dtype == torch.float32
+                    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+                    theirs = (F.linear(x, w, bias).double() - exact).abs().max().item()
+                    ours = (got.double() - exact).abs().max().item()
+                    assert ours <= 4 * theirs + 1e-6, (rows, n, k, bias is None, ours, theirs)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(TypeError, match=r"int8 \[N, K\] values on the CPU and a scale \[N\]"):
+        cpu_linear.Packed.int8(q.float(), scale)
+    with pytest.raises(TypeError, match="and a scale"):
+        cpu_linear.Packed.int8(q, scale[:-1])
+
+
+@needs_kernel
 def test_the_kernel_refuses_what_it_cannot_take():
     w = torch.randn(20, 8)
     packed = cpu_linear.pack(w)
@@ -120,13 +150,13 @@ def test_built_once_then_loaded_from_the_cache(fresh):
 
 @needs_kernel
 def test_a_wrong_build_is_refused(fresh, monkeypatch):
-    """A library that computes the wrong numbers (here: the kernel with its bias ignored) is found by the
+    """A library that computes the wrong numbers (here: the kernels with their bias ignored) is found by the
     check at load, not in a model's answers."""
     assert cpu_linear.available() is None
     real = cpu_linear._run
 
-    def wrong(fn, x, packed, bias, n, threads):
-        return real(fn, x, packed, None, n, threads)
+    def wrong(fn, x, packed, bias, n, threads, scale=None):
+        return real(fn, x, packed, None, n, threads, scale)
 
     cpu_linear._load.cache_clear()
     monkeypatch.setattr(cpu_linear, "_run", wrong)
@@ -238,8 +268,9 @@ def test_packed_weights_are_kept_while_the_weights_stay_the_same(monkeypatch):
 
 def test_bench_kernels_times_a_decode_steps_linears_three_ways(fresh, monkeypatch, capsys):
     """`gptkit bench kernels`' cpu-linear rows: per rows value, F.linear, torch's layout and the kernel on
-    every Linear layer of the model, each side's rounding on the LM head against float64; one note where the
-    kernel cannot run; a bad option is one line. (Times are printed, never checked.)"""
+    every Linear layer of the model, and quantize=int8's weights on torch's paths and on the kernel; each
+    side's rounding on the LM head against float64; one note where the kernel cannot run; a bad option is
+    one line. (Times are printed, never checked.)"""
     import json
 
     from omegaconf import OmegaConf
@@ -265,7 +296,10 @@ def test_bench_kernels_times_a_decode_steps_linears_three_ways(fresh, monkeypatc
         assert [(r["rows"], r["layers"], r["threads"]) for r in rows] == want
         for r in rows:
             assert r["speedup"] == pytest.approx(r["torch_ms"] / r["kernel_ms"])
-            assert all(r[f"err_{side}"] < 1e-5 for side in ("f_linear", "torch", "kernel")), r
+            assert r["int8_speedup"] == pytest.approx(r["int8_torch_ms"] / r["int8_kernel_ms"])
+            assert all(r[f"err_{side}"] < 1e-5 for side in ("f_linear", "torch", "kernel", "int8_kernel")), r
+            # torch's int8 kernel rounds x to bf16 (up to quant_int8.DIRECT_ROWS rows)
+            assert r["err_int8_torch"] < (1e-2 if r["rows"] <= 32 else 1e-5), r
             low, high = (float(v) for v in r["kernel_range"].split("-"))
             assert low <= r["kernel_ms"] <= high
     cpu_linear._load.cache_clear()
@@ -279,3 +313,35 @@ def test_bench_kernels_times_a_decode_steps_linears_three_ways(fresh, monkeypatc
         cfg.cpu_linear = {**dict(model=model, rows=[1], threads=1, repeats=1, steps=1), **bad}
         with pytest.raises(ConfigError, match=says):
             bench.run(cfg)
+
+
+@needs_kernel
+def test_an_int8_layer_packs_once_and_again_after_its_values_change(monkeypatch):
+    """quantize=int8's weight (gptkit/quant_int8.py) packs its int8 values for the kernel at the first fp32
+    call of up to KERNEL_ROWS rows, reuses them, packs anew after an in-place write, and computes the current
+    dequantized map; other inputs take torch's paths, and so does a weight past the cap on packed copies."""
+    from gptkit import quant_int8
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 40)
+    quant_int8.quantize(torch.nn.ModuleDict({"l": layer}), ["l.weight"])
+    weight, bias = layer.weight, layer.bias.detach()
+    x = torch.randn(2, 64)
+    first = weight.packed(x)
+    assert first is not None and weight.packed(x) is first
+    with torch.no_grad():
+        weight.qdata[0] = 7
+        y = layer(x)
+    assert weight.packed(x) is not first
+    torch.testing.assert_close(y, x @ weight.dequantize().T + bias, rtol=1e-5, atol=1e-5)
+    rows = quant_int8.KERNEL_ROWS + 1
+    assert weight.packed(x.double()) is None and weight.packed(torch.randn(rows, 64)) is None
+    # a second layer while the first holds its copy: over a cap of 1.5 copies, torch's int8 kernel (bf16 x)
+    monkeypatch.setattr(quant_int8, "PACKED_MAX_BYTES", 40 * 64 * 3 // 2)
+    other = torch.nn.Linear(64, 40)
+    quant_int8.quantize(torch.nn.ModuleDict({"l": other}), ["l.weight"])
+    assert other.weight.packed(x) is None and weight.packed(x) is not None
+    with torch.no_grad():
+        deq = other.weight.dequantize().double()
+        want = (x.bfloat16().double() @ deq.T).bfloat16().float() + other.bias
+        torch.testing.assert_close(other(x), want)

@@ -104,42 +104,60 @@ def test_sample_and_eval_run_the_model_the_quantized_weights_dequantize_to(run_d
     assert code == 0 and 4.12 < q["bits"] < 4.13 and q["total"] / q["full"] < 0.3, err
 
 
-def test_int8_on_the_cpu_is_torchs_kernel_on_the_exact_dequantized_weight():
+@pytest.mark.parametrize("kernel", ["gptkit", "torch"])
+def test_int8_on_the_cpu_is_a_kernel_on_the_exact_dequantized_weight(kernel, monkeypatch):
     """quantize=int8 on the CPU (gptkit/quant_int8.py): per-row symmetric int8 with a bf16 scale rounded up,
-    q * scale exact in fp32 and within half a step of the weight; up to DIRECT_ROWS rows torch's int8 kernel,
-    which is bf16(bf16(x) @ dequantize().T) summed in fp32 (within bf16 rounding of x @ dequantize().T); more
-    rows, or an input width the kernel cannot step (not a multiple of 16), x @ dequantize().T in fp32."""
+    q * scale exact in fp32 and within half a step of the weight. fp32 inputs of up to KERNEL_ROWS rows where
+    gptkit's CPU kernel runs: x @ dequantize().T in fp32. Without it (GPTKIT_CPU_LINEAR=0), up to DIRECT_ROWS
+    rows torch's int8 kernel, which is bf16(bf16(x) @ dequantize().T) summed in fp32 (within bf16 rounding of
+    x @ dequantize().T). More rows, or an input width torch's kernel cannot step (not a multiple of 16)
+    without gptkit's, x @ dequantize().T in fp32."""
     from gptkit import quant_int8
+    from gptkit_kernels import cpu_linear
 
+    cpu_linear._load.cache_clear()
+    monkeypatch.setenv("GPTKIT_CPU_LINEAR", "1" if kernel == "gptkit" else "0")
+    ours = cpu_linear.available() is None
+    if kernel == "gptkit" and not ours:
+        pytest.skip(f"gptkit's CPU kernel: {cpu_linear.available()}")
     torch.manual_seed(0)
-    for out, n_in in ((48, 64), (40, 36)):
-        layer = torch.nn.Linear(n_in, out)
-        with torch.no_grad():
-            layer.weight[3] *= 50  # one row of much larger values: its own scale
-        w = layer.weight.detach().clone()
-        q = quant_int8.Int8Weight.of(w)
-        deq = q.dequantize()
-        assert q.qdata.dtype == torch.int8 and q.qdata.abs().max() <= 127 and q.scale.dtype == torch.bfloat16
-        # bf16 scales times int8 values: exact in fp32 and in fp64 alike
-        assert torch.equal(deq.double(), q.qdata.double() * q.scale.double()[:, None])
-        assert ((w - deq).abs() <= q.scale.float()[:, None] / 2 * (1 + 1e-6)).all()
-        assert (q.scale.float() >= w.abs().amax(1) / 127).all()
-        bias = layer.bias.detach().clone()
-        quant_int8.quantize(torch.nn.ModuleDict({"l": layer}), ["l.weight"])
-        assert type(layer.weight) is quant_int8.Int8Weight
-        for rows in (1, 5, quant_int8.DIRECT_ROWS, quant_int8.DIRECT_ROWS + 1):
-            x = torch.randn(rows, n_in)
+    try:
+        for out, n_in in ((48, 64), (40, 36)):
+            layer = torch.nn.Linear(n_in, out)
             with torch.no_grad():
-                y = layer(x)
-            exact = x.double() @ deq.double().T + bias.double()
-            if rows <= quant_int8.DIRECT_ROWS and n_in % quant_int8.KERNEL_STEP == 0:
-                # the kernel's: bf16 in, fp32 sums, bf16 out (then the bias in fp32)
-                kernel = (x.bfloat16().double() @ deq.double().T).bfloat16().double() + bias.double()
-                torch.testing.assert_close(y.double(), kernel, rtol=2**-7, atol=1e-5)
-                bound = 2**-8 * (x.double().abs() @ deq.double().abs().T) + 1e-6
-                assert ((y.double() - exact).abs() <= bound).all(), (out, n_in, rows)
-            else:
-                torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+                layer.weight[3] *= 50  # one row of much larger values: its own scale
+            w = layer.weight.detach().clone()
+            q = quant_int8.Int8Weight.of(w)
+            deq = q.dequantize()
+            assert q.qdata.dtype == torch.int8 and q.qdata.abs().max() <= 127
+            assert q.scale.dtype == torch.bfloat16
+            # bf16 scales times int8 values: exact in fp32 and in fp64 alike
+            assert torch.equal(deq.double(), q.qdata.double() * q.scale.double()[:, None])
+            assert ((w - deq).abs() <= q.scale.float()[:, None] / 2 * (1 + 1e-6)).all()
+            assert (q.scale.float() >= w.abs().amax(1) / 127).all()
+            bias = layer.bias.detach().clone()
+            quant_int8.quantize(torch.nn.ModuleDict({"l": layer}), ["l.weight"])
+            assert type(layer.weight) is quant_int8.Int8Weight
+            rows_tried = (1, 5, quant_int8.DIRECT_ROWS, quant_int8.DIRECT_ROWS + 1, quant_int8.KERNEL_ROWS)
+            for rows in (*rows_tried, quant_int8.KERNEL_ROWS + 1):
+                x = torch.randn(rows, n_in)
+                with torch.no_grad():
+                    y = layer(x)
+                exact = x.double() @ deq.double().T + bias.double()
+                if ours and rows <= quant_int8.KERNEL_ROWS:
+                    assert layer.weight.packed(x) is not None
+                    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+                elif rows <= quant_int8.DIRECT_ROWS and n_in % quant_int8.KERNEL_STEP == 0:
+                    # torch's: bf16 in, fp32 sums, bf16 out (then the bias in fp32)
+                    kernel = (x.bfloat16().double() @ deq.double().T).bfloat16().double() + bias.double()
+                    torch.testing.assert_close(y.double(), kernel, rtol=2**-7, atol=1e-5)
+                    bound = 2**-8 * (x.double().abs() @ deq.double().abs().T) + 1e-6
+                    assert ((y.double() - exact).abs() <= bound).all(), (out, n_in, rows)
+                else:
+                    assert layer.weight.packed(x) is None
+                    torch.testing.assert_close(y.double(), exact, rtol=1e-5, atol=1e-5)
+    finally:
+        cpu_linear._load.cache_clear()
 
 
 @pytest.mark.parametrize(
