@@ -37,6 +37,15 @@ def fresh(monkeypatch, tmp_path):
     cpu_linear._load.cache_clear()
 
 
+def assert_as_close_as_f_linear(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias) -> None:
+    """got = x @ w^T + bias in fp32, within 4x F.linear's own distance from the float64 map."""
+    assert got.shape == (x.shape[0], w.shape[0]) and got.dtype == torch.float32
+    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+    theirs = (F.linear(x, w, bias).double() - exact).abs().max().item()
+    ours = (got.double() - exact).abs().max().item()
+    assert ours <= 4 * theirs + 1e-6, (tuple(x.shape), tuple(w.shape), bias is None, ours, theirs)
+
+
 @needs_kernel
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_kernel_computes_the_linear_map(threads):
@@ -52,11 +61,7 @@ def test_the_kernel_computes_the_linear_map(threads):
                 w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
                 for bias in (b, None):
                     got = cpu_linear.Packed(w, bias)(x)
-                    assert got.shape == (rows, n) and got.dtype == torch.float32
-                    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-                    theirs = (F.linear(x, w, bias).double() - exact).abs().max().item()
-                    ours = (got.double() - exact).abs().max().item()
-                    assert ours <= 4 * theirs + 1e-6, (rows, n, k, bias is None, ours, theirs)
+                    assert_as_close_as_f_linear(got, x, w, bias)
     finally:
         torch.set_num_threads(before)
 
@@ -78,11 +83,7 @@ def test_the_int8_kernel_computes_the_dequantized_map(threads):
                 w = q.float() * scale[:, None]  # exact: 8 x 24 bits
                 for bias in (b, None):
                     got = cpu_linear.Packed.int8(q, scale, bias)(x)
-                    assert got.shape == (rows, n) and got.dtype == torch.float32
-                    exact = F.linear(x.double(), w.double(), None if bias is None else bias.double())
-                    theirs = (F.linear(x, w, bias).double() - exact).abs().max().item()
-                    ours = (got.double() - exact).abs().max().item()
-                    assert ours <= 4 * theirs + 1e-6, (rows, n, k, bias is None, ours, theirs)
+                    assert_as_close_as_f_linear(got, x, w, bias)
     finally:
         torch.set_num_threads(before)
     with pytest.raises(TypeError, match=r"int8 \[N, K\] values on the CPU and a scale \[N\]"):
