@@ -114,6 +114,8 @@ class Int8Weight(torch.Tensor):
         the int8 values are the same tensor, unchanged), or None where it does not run (module docstring)."""
         if x.dtype != torch.float32 or self.device.type != "cpu" or x.shape[0] > KERNEL_ROWS:
             return None
+        if x.requires_grad and torch.is_grad_enabled():
+            return None  # the kernel has no backward: torch's paths keep the graph (and say so at backward)
         if cpu_linear.available() is not None:
             return None
         key = (self.qdata.data_ptr(), self.qdata._version)

@@ -337,6 +337,11 @@ def test_an_int8_layer_packs_once_and_again_after_its_values_change(monkeypatch)
     torch.testing.assert_close(y, x @ weight.dequantize().T + bias, rtol=1e-5, atol=1e-5)
     rows = quant_int8.KERNEL_ROWS + 1
     assert weight.packed(x.double()) is None and weight.packed(torch.randn(rows, 64)) is None
+    # an input that needs its gradient: torch's paths, as without the kernel (which has no backward: its
+    # output would cut the graph silently)
+    x.requires_grad_(True)
+    assert weight.packed(x) is None and layer(x).grad_fn is not None
+    x = x.detach()
     # a second layer while the first holds its copy: over a cap of 1.5 copies, torch's int8 kernel (bf16 x)
     monkeypatch.setattr(quant_int8, "PACKED_MAX_BYTES", 40 * 64 * 3 // 2)
     other = torch.nn.Linear(64, 40)
