@@ -46,7 +46,7 @@ from gptkit_kernels import cpu_linear
 # dtype's matmul (one thread, a [1376, 512] weight: the kernel 0.83 ms at 32 rows against 1.23, 1.69 at 64
 # against 1.44; a [32000, 512] head 27 ms against 92 at 32 rows)
 DIRECT_ROWS = 32
-# the kernel's step along a row (AVX-512: 16 values; it has no tail loop)
+# torch's int8 kernel's step along a row (AVX-512: 16 values; it has no tail loop)
 KERNEL_STEP = 16
 # rows of an fp32 x up to which gptkit's CPU kernel runs: past the fp32 kernel's 64 (decoding_layout's
 # KERNEL_MAX_ROWS), as it streams a quarter of the bytes. `gptkit bench kernels`, a 56M Llama's 41 layers, one

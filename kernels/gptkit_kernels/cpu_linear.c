@@ -4,8 +4,8 @@
  * W is packed as wp[ceil(N / 16)][K][16] (16 outputs side by side for each input; the last block padded with
  * zeros), so a block of 16 outputs is one contiguous stream of K * 64 bytes, read once for up to 16 rows of x
  * held in registers: 16 fused multiply-adds for every 64-byte line of weights. The next lines are prefetched
- * PREFETCH floats ahead, so the weight stream from memory overlaps the arithmetic (oneDNN's and MKL's kernels
- * for 1-16 rows did not: their time was the memory time plus the arithmetic time, docs/serve.md).
+ * PREFETCH bytes (4 KB) ahead, so the weight stream from memory overlaps the arithmetic (oneDNN's and MKL's
+ * kernels for 1-16 rows did not: their time was the memory time plus the arithmetic time, docs/serve.md).
  *
  * gptkit_cpu_linear_i8 takes int8 weights packed the same way (wq[ceil(N / 16)][K][16], a quarter of the
  * bytes to stream) and one fp32 scale an output: each 16 int8 values are widened to fp32 in registers, the
@@ -127,8 +127,8 @@ static void blocks_i8(const float *x, const void *wp, const float *scale, const 
 extern int omp_get_thread_num(void);
 extern int omp_get_num_threads(void);
 
-static void run(const float *x, const void *wp, const float *scale, const float *bias, float *y, long M, long K,
-                long N, int threads, const int I8) {
+static void run(const float *x, const void *wp, const float *scale, const float *bias, float *y, long M,
+                long K, long N, int threads, const int I8) {
     void (*go)(const float *, const void *, const float *, const float *, float *, long, long, long, long,
                long) = I8 ? blocks_i8 : blocks_f32;
     long nblocks = (N + 15) / 16;
@@ -154,7 +154,7 @@ void gptkit_cpu_linear(const float *x, const float *wp, const float *bias, float
 }
 
 /* the same with int8 weights wq (packed as wp) and scale: ceil(N / 16) * 16 floats */
-void gptkit_cpu_linear_i8(const float *x, const signed char *wq, const float *scale, const float *bias, float *y,
-                          long M, long K, long N, int threads) {
+void gptkit_cpu_linear_i8(const float *x, const signed char *wq, const float *scale, const float *bias,
+                          float *y, long M, long K, long N, int threads) {
     run(x, wq, scale, bias, y, M, K, N, threads, 1);
 }
