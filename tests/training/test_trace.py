@@ -331,14 +331,23 @@ def test_the_peak_rss_is_counted_from_the_run_not_from_the_process_earlier_peak(
     """A run trained in a process that held more memory earlier (a test worker, a bench in one process)
     measures its own peak above its RSS before the model: the process's earlier peak reset (it once logged
     a negative perf/memory_peak, the lifetime peak read against a later RSS)."""
+    import mmap
+
     from gptkit.training.peak_memory import peak_rss, reset_peak_rss
 
-    earlier = bytearray(256 << 20)  # 256 MiB, touched: resident, then handed back
-    earlier[::4096] = b"x" * len(earlier[::4096])
-    del earlier
+    def touched(n: int) -> mmap.mmap:
+        """n bytes of new anonymous pages, every page written: resident. (Not malloc's: a bytearray can be
+        carved out of free heap memory still resident from the worker's earlier tests, and then the RSS does
+        not grow: CI saw it once.)"""
+        pages = mmap.mmap(-1, n)
+        for at in range(0, n, mmap.PAGESIZE):
+            pages[at] = 1
+        return pages
+
+    earlier = touched(256 << 20)  # 256 MiB, resident, then handed back
+    earlier.close()
     before = reset_peak_rss()
     assert 0 <= peak_rss() - before < 32 << 20
-    held = bytearray(64 << 20)
-    held[::4096] = b"x" * len(held[::4096])
+    held = touched(64 << 20)
     assert peak_rss() - before >= 60 << 20
-    del held
+    held.close()
