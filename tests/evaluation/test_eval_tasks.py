@@ -616,6 +616,7 @@ def _lockstep_rank(rank: int, run_dir: str, port: int, out: str) -> None:
 
 
 def _lockstep_score(rank: int, run_dir: str, out: str) -> None:
+    """The rank's share over FSDP2 shards, gathered; rank 0 writes the merged metrics to `out`."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
