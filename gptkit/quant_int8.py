@@ -38,7 +38,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils._pytree import tree_map
-from torch.utils.weak import WeakIdKeyDictionary
 
 from gptkit_kernels import cpu_linear
 
@@ -52,12 +51,12 @@ KERNEL_STEP = 16
 # KERNEL_MAX_ROWS), as it streams a quarter of the bytes. `gptkit bench kernels`, a 56M Llama's 41 layers, one
 # thread: 31 against torch's 99 ms at 64 rows, 148-152 against 186-211 at 256 (the dequantized matmul)
 KERNEL_ROWS = 256
-# the kernel's packed copies, kept while their weight lives (outside it: nothing is added to what a weight
-# saves, copies or pickles)
-_PACKED: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # the most bytes of packed copies alive at once (the decoding layout's cap on a second copy of the weights,
 # decoding_layout.DECODING_LAYOUT_MAX_BYTES): past it, a weight takes torch's int8 kernel
 PACKED_MAX_BYTES = 1 << 30
+# the kernel's packed copies, kept while their weight lives and is unchanged (outside it: nothing is added to
+# what a weight saves, copies or pickles)
+_PACKED = cpu_linear.Kept(PACKED_MAX_BYTES)
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,14 +117,8 @@ class Int8Weight(torch.Tensor):
             return None  # the kernel has no backward: torch's paths keep the graph (and say so at backward)
         if cpu_linear.available() is not None:
             return None
-        key = (self.qdata.data_ptr(), self.qdata._version)
-        hit = _PACKED.get(self)
-        if hit is None or hit[0] != key:
-            held = sum(p.weight.numel() for w, (_, p) in _PACKED.items() if w is not self)
-            if held + self.qdata.numel() > PACKED_MAX_BYTES:
-                return None
-            hit = _PACKED[self] = (key, cpu_linear.Packed.int8(self.qdata, self.scale.float()))
-        return hit[1]
+        make = lambda: cpu_linear.Packed.int8(self.qdata, self.scale.float())  # noqa: E731
+        return _PACKED.get(self, (self.qdata, self.scale), make, nbytes=self.qdata.nbytes)
 
     def direct(self, rows: int) -> bool:
         """Whether a matmul of `rows` rows runs torch's int8 kernel (module docstring)."""

@@ -27,8 +27,9 @@ Rows print as each measurement finishes (bench.out, JSON, is rewritten after eve
                equal to the interpreter's count). On a GPU also the ms of forward+backward: ours (fa2,
                tma) causal and document-masked, and SDPA with the model's dense document mask.
   cpu-linear   (CPU) a decode step's Linear layers at bench.cpu_linear.rows rows a call: F.linear, torch's
-               best layout and gptkit's CPU kernel (gptkit_kernels.cpu_linear), interleaved: ms a step
-               and the speedup over torch's (gptkit/bench/cpu_linear.py).
+               best layout and gptkit's CPU kernel (gptkit_kernels.cpu_linear), and the same weights as
+               quantize=int8 on torch's paths and on the kernel, interleaved: ms a step and the speedups
+               over torch's (gptkit/bench/cpu_linear.py).
   kernel       (GPU) ms of forward+backward and peak memory, fused against eager: rmsnorm, layernorm,
                swiglu, rope, loss at bench.rows tokens.
   model        (GPU) training tokens/s of bench.model (the Llama 3.2 1B shape) with model.kernels=[] and

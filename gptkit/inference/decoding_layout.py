@@ -28,7 +28,6 @@ which a copy would dequantize. CUDA decoding uses gptkit.inference.static_decode
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from typing import Optional
 
@@ -102,31 +101,16 @@ class _PackedLinear(torch.nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight_packed, self.bias, "none", [], "")
 
 
-# The packed weights of the kernel's layers, kept between layouts while the layer lives: a layout entered
-# again (every generate() call, every chat turn) reuses them while the weight and bias are the same tensors,
-# unchanged (their data pointers and torch's version counters: an optimizer step, load_state_dict or any
-# in-place write repacks). Packing a 56M Llama took ~75 ms a layout, ~1.2 ms a token of a 64-token answer.
-_PACKED: "weakref.WeakKeyDictionary[torch.nn.Linear, tuple]" = weakref.WeakKeyDictionary()
-
-
-def _state(t: Optional[torch.Tensor]) -> Optional[tuple]:
-    """What identifies a tensor's values for the cache; None for no tensor. An inference tensor has no
-    version counter: RuntimeError, and its layer is packed anew each time."""
-    return None if t is None else (t.data_ptr(), t._version)
+# The packed weights of the kernel's layers, kept between layouts while the layer lives and its weight and
+# bias are unchanged: a layout entered again (every generate() call, every chat turn) reuses them. Packing a
+# 56M Llama took ~75 ms a layout, ~1.2 ms a token of a 64-token answer.
+_PACKED = cpu_linear.Kept()
 
 
 def _packed(linear: torch.nn.Linear) -> cpu_linear.Packed:
-    try:
-        key = (_state(linear.weight), _state(linear.bias))
-    except RuntimeError:
-        key = None
-    hit = _PACKED.get(linear)
-    if key is not None and hit is not None and hit[0] == key:
-        return hit[1]
-    packed = cpu_linear.Packed(linear.weight, linear.bias)
-    if key is not None:
-        _PACKED[linear] = (key, packed)
-    return packed
+    return _PACKED.get(
+        linear, (linear.weight, linear.bias), lambda: cpu_linear.Packed(linear.weight, linear.bias)
+    )
 
 
 class _KernelLinear(torch.nn.Module):

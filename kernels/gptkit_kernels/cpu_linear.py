@@ -8,6 +8,7 @@ machine with the system's C compiler and loaded with ctypes (no torch headers, n
     Packed.int8(q, scale, bias) int8 values q [N, K] and a scale an output row, packed the same way (a quarter
                                 of the bytes to stream): x @ (q * scale)^T + bias, summed in fp32
                                 (quantize=int8's layer on the CPU, gptkit/quant_int8.py)
+    Kept(max_bytes=None)        packed copies kept per layer or weight while their tensors are unchanged
 
 Why: a decode step streams every weight from memory for 1-16 rows. torch's CPU kernels (oneDNN packed, MKL
 on either layout) take the memory time plus the arithmetic time at 16 rows; this kernel prefetches the next
@@ -33,10 +34,11 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 BLOCK = 16
 _SOURCE = Path(__file__).with_name("cpu_linear.c")
@@ -164,6 +166,36 @@ def _run(fn, x: torch.Tensor, packed: torch.Tensor, bias: Optional[torch.Tensor]
     head = (ptr(x), packed.data_ptr()) + (() if scale is None else (scale.data_ptr(),))
     fn(*head, ptr(bias), y.data_ptr(), x.shape[0], x.shape[1], n, threads)
     return y
+
+
+class Kept:
+    """Packed copies kept per owner (weakly: while the owner lives) and reused while the tensors they were
+    packed from are the same, unchanged (data pointer and torch's version counter: an optimizer step,
+    load_state_dict or any in-place write repacks; an inference tensor has no counter and is packed anew each
+    time). max_bytes: the most packed weight bytes kept at once; past it get() returns None."""
+
+    def __init__(self, max_bytes: Optional[int] = None) -> None:
+        self.max_bytes = max_bytes
+        self._hits: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+    def get(self, owner, sources: tuple, make: Callable[[], "Packed"], nbytes: int = 0) -> Optional["Packed"]:
+        """The owner's packed copy of `sources` (tensors or None), made by make() when there is none yet or
+        they changed; None where it would pass max_bytes (nbytes: what the new copy's weight takes)."""
+        try:
+            key = tuple(None if t is None else (t.data_ptr(), t._version) for t in sources)
+        except RuntimeError:
+            key = None
+        hit = self._hits.get(owner)
+        if key is not None and hit is not None and hit[0] == key:
+            return hit[1]
+        if self.max_bytes is not None:
+            held = sum(p.weight.nbytes for o, (_, p) in self._hits.items() if o is not owner)
+            if held + nbytes > self.max_bytes:
+                return None
+        packed = make()
+        if key is not None:
+            self._hits[owner] = (key, packed)
+        return packed
 
 
 class Packed:

@@ -343,7 +343,7 @@ def test_an_int8_layer_packs_once_and_again_after_its_values_change(monkeypatch)
     assert weight.packed(x) is None and layer(x).grad_fn is not None
     x = x.detach()
     # a second layer while the first holds its copy: over a cap of 1.5 copies, torch's int8 kernel (bf16 x)
-    monkeypatch.setattr(quant_int8, "PACKED_MAX_BYTES", 40 * 64 * 3 // 2)
+    monkeypatch.setattr(quant_int8._PACKED, "max_bytes", 40 * 64 * 3 // 2)
     other = torch.nn.Linear(64, 40)
     quant_int8.quantize(torch.nn.ModuleDict({"l": other}), ["l.weight"])
     assert other.weight.packed(x) is None and weight.packed(x) is not None
